@@ -1,0 +1,46 @@
+"""The contract every attention backend implements (reference, Triton, CuTeDSL).
+
+A backend is a module (imported lazily by :mod:`flash_attn.dispatch`) that defines:
+
+``NAME``: str, ``"torch"``, ``"triton"`` or ``"cute"``.
+
+``unavailable_reason() -> str | None``
+    None when the backend can run at all in this process (its package imports, a device it needs exists),
+    else a one-line reason ("triton is not installed", "no CUDA device", ...). Cheap; may be cached.
+
+``unsupported_reason(call: flash_attn.dispatch.Call) -> str | None``
+    None when the backend serves this call, else a one-line reason naming what it lacks
+    ("head dim 72 not in (64, 128)", "dropout", "device cpu"). Called once per distinct ``Call`` (cached).
+
+``fwd(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, softmax_scale,
+      causal, window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state, return_probs)
+      -> (out, lse, s_dmask)``
+    Dense: q (B, Sq, H, D), k (B, Sk, Hk, D), v (B, Sk, Hk, Dv), cu_seqlens_* None.
+    Varlen: q (total_q, H, D), k/v (total_k, Hk, D), cu_seqlens_q/k int32 (B+1,), max_seqlen_* ints.
+    Paged (varlen only): block_table int32 (B, max_blocks), k/v (num_blocks, block_size, Hk, D);
+    then cu_seqlens_k still gives each sequence's key count (its offsets into k are not used).
+    All arguments arrive validated (flash_attn._checks): dtypes match, H % Hk == 0, last dims
+    contiguous, softmax_scale a float, window_left/right ints with -1 unbounded, and when causal the
+    caller already set window_right = 0 (causal == bottom-right aligned window (left, 0)).
+    Masking is bottom-right aligned: query i of a sequence sees key j iff
+    j - (i + Sk - Sq) in [-window_left, window_right] (unbounded side for -1).
+    softcap > 0: score = softcap * tanh(score / softcap), applied to scale * q.k before ALiBi and mask.
+    alibi_slopes: fp32 (H,) or (B, H); adds -slope * |i + Sk - Sq - j| to the (capped) score.
+    dropout_p > 0: element (b, h, i, j) is kept iff flash_attn.dropout.keep_mask(...) says so (the
+    counter-based hash shared by every backend, keyed by rng_state, an int64 CPU tensor (2,));
+    kept elements are scaled by 1 / (1 - p).
+    Returns out like q with last dim Dv (input dtype); lse fp32 (B, H, Sq) dense or (H, total_q) varlen,
+    natural log, +inf for a row with no visible key (whose out is 0); s_dmask, when return_probs, the
+    softmax probabilities fp32 (B, H, max_seqlen_q, max_seqlen_k) (dense: Sq, Sk), zero outside a
+    sequence, negated where dropout dropped the element; else an empty tensor.
+
+``bwd(dout, q, k, v, out, lse, *, <same keyword arguments as fwd without return_probs>, deterministic)
+      -> (dq, dk, dv)``
+    Gradients in the input dtype, shaped like q, k, v. dk/dv are summed over the query heads of a group
+    (GQA/MQA). deterministic=True must give bitwise-identical results run to run.
+
+``fwd_kvcache(q, k_cache, v_cache, *, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+      cache_leftpad, block_table, softmax_scale, causal, window_left, window_right, softcap,
+      rotary_interleaved, alibi_slopes, num_splits) -> (out, lse)``   (optional; no backward)
+    Semantics of FA2's flash_attn_with_kvcache; cache_seqlens arrives as an int32 tensor (B,).
+"""

@@ -1,0 +1,1 @@
+"""Shared attention/MLP/embedding/block modules (flash_attn.modules)."""

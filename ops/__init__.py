@@ -1,0 +1,1 @@
+"""Fused ops (flash_attn.ops): Triton kernels with plain-PyTorch fallbacks."""

@@ -1,0 +1,1 @@
+"""Training scripts and configs (flash_attn.training)."""
