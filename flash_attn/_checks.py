@@ -1,0 +1,166 @@
+"""Input validation for the public API: every check raises an exception that names the argument.
+
+Shape, dtype and device checks run in Python before the op (they also run on fake tensors under
+torch.compile). Checks that read tensor values (cu_seqlens monotone, block_table and cache_seqlens in
+range) run inside the op's real implementation; on CUDA they cost a host sync, so a result is cached
+per tensor object and version counter: the same cu_seqlens reused by every layer is read once.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+
+
+def tensor(name, t, ndim=None, dtypes=_FLOAT_DTYPES, device=None):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None and t.dtype not in dtypes:
+        want = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} must have dtype {want}; got {str(t.dtype).replace('torch.', '')}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device} but q is on {device}; all tensors must share a device")
+    return t
+
+
+def last_dim_contiguous(name, t):
+    if t.dim() and t.stride(-1) != 1 and t.shape[-1] != 1:
+        raise ValueError(f"{name} must be contiguous in its last dimension (stride(-1) == 1); "
+                         f"got strides {tuple(t.stride())}; call .contiguous()")
+
+
+def qkv(q, k, v, varlen):
+    """Shapes and dtypes of q (.., H, D), k (.., Hk, D), v (.., Hk, Dv); returns (H, Hk, D, Dv)."""
+    nd = 3 if varlen else 4
+    tensor("q", q, nd)
+    tensor("k", k, None, device=q.device)
+    tensor("v", v, None, device=q.device)
+    if k.dim() != q.dim() and not (varlen and k.dim() == 4):  # varlen paged caches are 4-D
+        raise ValueError(f"k must have {nd} dims, got shape {tuple(k.shape)}")
+    if v.dim() != k.dim():
+        raise ValueError(f"v must have as many dims as k ({k.dim()}), got shape {tuple(v.shape)}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        last_dim_contiguous(name, t)
+    H, D = q.shape[-2], q.shape[-1]
+    Hk, Dk, Dv = k.shape[-2], k.shape[-1], v.shape[-1]
+    if Dk != D:
+        raise ValueError(f"k head dim {Dk} must equal q head dim {D}")
+    if v.shape[:-1] != k.shape[:-1]:
+        raise ValueError(f"v shape {tuple(v.shape)} must match k shape {tuple(k.shape)} except the last dim")
+    if not varlen and k.shape[0] != q.shape[0]:
+        raise ValueError(f"batch size of k ({k.shape[0]}) must equal batch size of q ({q.shape[0]})")
+    if Hk == 0 or H % Hk != 0:
+        raise ValueError(f"number of query heads ({H}) must be a multiple of key/value heads ({Hk})")
+    for name, d in (("head dim", D), ("v head dim", Dv)):
+        if d > MAX_HEAD_DIM or d < 1:
+            raise ValueError(f"{name} must be in 1..{MAX_HEAD_DIM}, got {d}")
+    return H, Hk, D, Dv
+
+
+def window(window_size):
+    try:
+        left, right = window_size
+        left, right = int(left), int(right)
+    except (TypeError, ValueError):
+        raise ValueError(f"window_size must be a pair of ints (left, right), got {window_size!r}") from None
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size entries must be >= -1 (-1: unbounded), got {window_size!r}")
+    return left, right
+
+
+def scalars(dropout_p, softcap, softmax_scale, head_dim):
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if softcap < 0.0:
+        raise ValueError(f"softcap must be >= 0 (0: off), got {softcap}")
+    if softcap > 0.0 and dropout_p > 0.0:
+        raise ValueError("softcap and dropout_p > 0 cannot be combined")
+    if softmax_scale is None:
+        return head_dim ** -0.5
+    return float(softmax_scale)
+
+
+def alibi(alibi_slopes, batch, nheads, device):
+    if alibi_slopes is None:
+        return None
+    tensor("alibi_slopes", alibi_slopes, None, dtypes=(torch.float32,), device=device)
+    if tuple(alibi_slopes.shape) not in ((nheads,), (batch, nheads)):
+        raise ValueError(f"alibi_slopes must have shape ({nheads},) or ({batch}, {nheads}), "
+                         f"got {tuple(alibi_slopes.shape)}")
+    return alibi_slopes
+
+
+def int32_vector(name, t, length, device):
+    tensor(name, t, 1, dtypes=(torch.int32,), device=device)
+    if length is not None and t.shape[0] != length:
+        raise ValueError(f"{name} must have length {length}, got {t.shape[0]}")
+    return t
+
+
+def cu_seqlens(name, t, device):
+    tensor(name, t, 1, dtypes=(torch.int32,), device=device)
+    if t.shape[0] < 1:
+        raise ValueError(f"{name} must have length batch + 1 >= 1, got 0")
+    return t
+
+
+# ---- value checks (inside the op, on real tensors) ----
+
+_seen: dict[int, tuple] = {}
+
+
+def _cached(t, key, check):
+    """Run check() once per (tensor object, version, key)."""
+    ident = id(t)
+    hit = _seen.get(ident)
+    stamp = (t._version, key)
+    if hit is not None and hit[0] == stamp:
+        return
+    check()
+    ref = weakref.ref(t, lambda _, ident=ident: _seen.pop(ident, None))
+    _seen[ident] = (stamp, ref)
+
+
+def _capturing():
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def cu_seqlens_values(name, cu, total, max_seqlen):
+    def check():
+        c = cu.to(torch.int64)
+        lens = c[1:] - c[:-1]
+        stats = torch.stack([c[0], c[-1], lens.min() if lens.numel() else c[0] * 0,
+                             lens.max() if lens.numel() else c[0] * 0]).tolist()
+        first, last, min_len, max_len = stats
+        if first != 0:
+            raise ValueError(f"{name} must start at 0, got {first}")
+        if min_len < 0:
+            raise ValueError(f"{name} must be non-decreasing (int32 offsets of each sequence)")
+        if last > total:
+            raise ValueError(f"{name}[-1] = {last} exceeds the number of tokens ({total})")
+        if max_len > max_seqlen:
+            raise ValueError(f"max_seqlen ({max_seqlen}) is smaller than the longest sequence in {name} "
+                             f"({max_len})")
+
+    if not _capturing():
+        _cached(cu, (total, max_seqlen), check)
+
+
+def range_values(name, t, lo, hi):
+    """All values of t in [lo, hi)."""
+    def check():
+        if t.numel() == 0:
+            return
+        mn, mx = torch.stack([t.min(), t.max()]).tolist()
+        if mn < lo or mx >= hi:
+            raise ValueError(f"{name} values must be in [{lo}, {hi}), got min {mn}, max {mx}")
+
+    if not _capturing():
+        _cached(t, (lo, hi), check)

@@ -1,0 +1,158 @@
+"""The attention ops registered with torch.library, so torch.compile(fullgraph=True) traces models that
+call them without graph breaks: flash_attn::fwd, flash_attn::bwd (wired up as fwd's autograd formula)
+and flash_attn::fwd_kvcache (mutates the caches). Each real implementation validates tensor values,
+picks a backend through :mod:`flash_attn.dispatch` and runs it; the fake implementations give shapes.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import _checks, dispatch
+
+
+def _call(q, v, *, varlen, paged, causal, window_left, window_right, softcap, alibi, dropout_p,
+          return_probs=False, kvcache=False, backward=False, deterministic=False):
+    return dispatch.Call(
+        device_type=q.device.type, dtype=q.dtype, head_dim=q.shape[-1], head_dim_v=v.shape[-1],
+        arch=dispatch.device_arch(q.device), varlen=varlen, paged=paged, causal=causal,
+        local=window_left >= 0 or (window_right >= 0 and not causal), softcap=softcap > 0.0,
+        alibi=alibi is not None, dropout=dropout_p > 0.0, return_probs=return_probs, kvcache=kvcache,
+        backward=backward, deterministic=deterministic)
+
+
+def _check_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table):
+    if cu_seqlens_q is None:
+        return
+    _checks.cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
+    if block_table is None:
+        _checks.cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)
+    else:
+        _checks.cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, block_table.shape[1] * k.shape[1],
+                                  max_seqlen_k)
+        _checks.range_values("block_table", block_table, 0, k.shape[0])
+
+
+@torch.library.custom_op("flash_attn::fwd", mutates_args=())
+def fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
+        max_seqlen_q: int, max_seqlen_k: int, block_table: Optional[Tensor], softmax_scale: float,
+        causal: bool, window_left: int, window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
+        dropout_p: float, rng_state: Optional[Tensor], return_probs: bool,
+        deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+    varlen = cu_seqlens_q is not None
+    _check_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
+    backend = dispatch.select(_call(
+        q, v, varlen=varlen, paged=block_table is not None, causal=causal, window_left=window_left,
+        window_right=window_right, softcap=softcap, alibi=alibi_slopes, dropout_p=dropout_p,
+        return_probs=return_probs, deterministic=deterministic))
+    return backend.fwd(
+        q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k, block_table=block_table, softmax_scale=softmax_scale, causal=causal,
+        window_left=window_left, window_right=window_right, softcap=softcap, alibi_slopes=alibi_slopes,
+        dropout_p=dropout_p, rng_state=rng_state, return_probs=return_probs)
+
+
+@fwd.register_fake
+def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, softmax_scale,
+              causal, window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state, return_probs,
+              deterministic):
+    out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+    if cu_seqlens_q is None:
+        B, Sq, H = q.shape[:3]
+        lse = q.new_empty((B, H, Sq), dtype=torch.float32)
+        probs_shape = (B, H, Sq, k.shape[1])
+    else:
+        total, H = q.shape[:2]
+        lse = q.new_empty((H, total), dtype=torch.float32)
+        probs_shape = (cu_seqlens_q.shape[0] - 1, H, max_seqlen_q, max_seqlen_k)
+    probs = q.new_empty(probs_shape if return_probs else (0,), dtype=torch.float32)
+    return out, lse, probs
+
+
+@torch.library.custom_op("flash_attn::bwd", mutates_args=())
+def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+        cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
+        block_table: Optional[Tensor], softmax_scale: float, causal: bool, window_left: int,
+        window_right: int, softcap: float, alibi_slopes: Optional[Tensor], dropout_p: float,
+        rng_state: Optional[Tensor], deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+    backend = dispatch.select(_call(
+        q, v, varlen=cu_seqlens_q is not None, paged=block_table is not None, causal=causal,
+        window_left=window_left, window_right=window_right, softcap=softcap, alibi=alibi_slopes,
+        dropout_p=dropout_p, backward=True, deterministic=deterministic))
+    return backend.bwd(
+        dout, q, k, v, out, lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, block_table=block_table,
+        softmax_scale=softmax_scale, causal=causal, window_left=window_left, window_right=window_right,
+        softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, rng_state=rng_state,
+        deterministic=deterministic)
+
+
+@bwd.register_fake
+def _bwd_fake(dout, q, k, v, *args):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _fwd_setup_context(ctx, inputs, output):
+    (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, softmax_scale, causal,
+     window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state, _, deterministic) = inputs
+    out, lse, _ = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, rng_state)
+    ctx.args = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
+                dropout_p, deterministic)
+
+
+def _fwd_backward(ctx, dout, dlse, dprobs):
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, rng_state = ctx.saved_tensors
+    (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, dropout_p,
+     deterministic) = ctx.args
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    dq, dk, dv = bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                     block_table, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
+                     dropout_p, rng_state, deterministic)
+    return (dq, dk, dv) + (None,) * 15
+
+
+torch.library.register_autograd("flash_attn::fwd", _fwd_backward, setup_context=_fwd_setup_context)
+
+
+@torch.library.custom_op("flash_attn::fwd_kvcache", mutates_args=("k_cache", "v_cache"))
+def fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor], v: Optional[Tensor],
+                rotary_cos: Optional[Tensor], rotary_sin: Optional[Tensor], cache_seqlens: Tensor,
+                cache_batch_idx: Optional[Tensor], cache_leftpad: Optional[Tensor],
+                block_table: Optional[Tensor], softmax_scale: float, causal: bool, window_left: int,
+                window_right: int, softcap: float, rotary_interleaved: bool, alibi_slopes: Optional[Tensor],
+                num_splits: int) -> tuple[Tensor, Tensor]:
+    s_new = 0 if k is None else k.shape[1]
+    if block_table is not None:
+        capacity = block_table.shape[1] * k_cache.shape[1]
+        _checks.range_values("block_table", block_table, 0, k_cache.shape[0])
+    else:
+        capacity = k_cache.shape[1]
+    _checks.range_values("cache_seqlens", cache_seqlens, 0, capacity - s_new + 1)
+    if cache_batch_idx is not None:
+        _checks.range_values("cache_batch_idx", cache_batch_idx, 0, k_cache.shape[0])
+    if cache_leftpad is not None:
+        _checks.range_values("cache_leftpad", cache_leftpad, 0, capacity + 1)
+    if rotary_cos is not None and k is not None:
+        # positions cache_seqlens + i must exist in the cos/sin tables (q uses them too when local)
+        local = causal or window_left >= 0 or window_right >= 0
+        need = max(s_new, q.shape[1] if local else 1)
+        _checks.range_values("cache_seqlens", cache_seqlens, 0, rotary_cos.shape[0] - need + 1)
+    backend = dispatch.select(_call(
+        q, v_cache, varlen=False, paged=block_table is not None, causal=causal, window_left=window_left,
+        window_right=window_right, softcap=softcap, alibi=alibi_slopes, dropout_p=0.0, kvcache=True))
+    return backend.fwd_kvcache(
+        q, k_cache, v_cache, k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+        cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+        block_table=block_table, softmax_scale=softmax_scale, causal=causal, window_left=window_left,
+        window_right=window_right, softcap=softcap, rotary_interleaved=rotary_interleaved,
+        alibi_slopes=alibi_slopes, num_splits=num_splits)
+
+
+@fwd_kvcache.register_fake
+def _fwd_kvcache_fake(q, k_cache, v_cache, *args):
+    B, Sq, H = q.shape[:3]
+    return q.new_empty((B, Sq, H, v_cache.shape[-1])), q.new_empty((B, H, Sq), dtype=torch.float32)

@@ -1,0 +1,63 @@
+"""Padding helpers for variable-length batches (drop-in for FlashAttention-2's ``flash_attn.bert_padding``):
+turn a padded (B, S, ...) batch and its attention mask into the packed (total_tokens, ...) layout with
+cu_seqlens that the varlen attention functions take, and back.
+"""
+import torch
+import torch.nn.functional as F
+
+
+def index_first_axis(input, indices):
+    """input (N, ...) -> input[indices] (len(indices), ...); differentiable (scatter in backward)."""
+    return input.reshape(input.shape[0], -1)[indices].reshape(indices.shape[0], *input.shape[1:])
+
+
+def index_put_first_axis(values, indices, first_axis_dim):
+    """Inverse of index_first_axis: a zero (first_axis_dim, ...) tensor with values at rows indices."""
+    out = values.new_zeros((first_axis_dim, *values.shape[1:]))
+    return out.index_put((indices,), values)
+
+
+def _cu_seqlens(seqlens):
+    return F.pad(torch.cumsum(seqlens, dim=0, dtype=torch.int32), (1, 0))
+
+
+def unpad_input(hidden_states, attention_mask, unused_mask=None):
+    """hidden_states (B, S, ...), attention_mask (B, S) bool/int with 1 for real tokens.
+
+    unused_mask (B, S), optional: tokens that are allocated but unused; they are kept in the packed
+    output (so a kernel may read them) but not counted in ``seqused``.
+    Returns (hidden (total, ...), indices (total,) into the flattened B*S, cu_seqlens int32 (B + 1,),
+    max_seqlen_in_batch int, seqused int32 (B,)).
+    """
+    all_masks = attention_mask if unused_mask is None else (attention_mask.bool() | unused_mask.bool())
+    seqlens = all_masks.sum(dim=-1, dtype=torch.int32)
+    used_seqlens = attention_mask.sum(dim=-1, dtype=torch.int32)
+    indices = torch.nonzero(all_masks.flatten(), as_tuple=False).flatten()
+    max_seqlen = int(seqlens.max().item()) if seqlens.numel() else 0
+    flat = hidden_states.reshape(-1, *hidden_states.shape[2:])
+    return index_first_axis(flat, indices), indices, _cu_seqlens(seqlens), max_seqlen, used_seqlens
+
+
+def pad_input(hidden_states, indices, batch, seqlen):
+    """hidden_states (total, ...) packed by unpad_input -> (batch, seqlen, ...) with zeros at padding."""
+    out = index_put_first_axis(hidden_states, indices, batch * seqlen)
+    return out.reshape(batch, seqlen, *hidden_states.shape[1:])
+
+
+def unpad_input_for_concatenated_sequences(hidden_states, attention_mask_in_length):
+    """Packed-sequence batches: row b of attention_mask_in_length (B, S) lists the lengths of the
+    sequences concatenated in row b, then zeros (e.g. [2, 3, 0, 0] for two sequences of 2 and 3 tokens).
+
+    Returns (hidden (total, ...), indices, cu_seqlens int32 (num_sequences + 1,), max_seqlen).
+    """
+    B, S = attention_mask_in_length.shape
+    lengths = attention_mask_in_length.to(torch.int64)
+    row_tokens = lengths.sum(dim=-1)
+    # position p of row b is a real token iff p < total tokens of row b (sequences are left-packed)
+    real = torch.arange(S, device=lengths.device)[None, :] < row_tokens[:, None]
+    indices = torch.nonzero(real.flatten(), as_tuple=False).flatten()
+    seqlens = lengths.flatten()
+    seqlens = seqlens[seqlens > 0].to(torch.int32)
+    max_seqlen = int(seqlens.max().item()) if seqlens.numel() else 0
+    flat = hidden_states.reshape(-1, *hidden_states.shape[2:])
+    return index_first_axis(flat, indices), indices, _cu_seqlens(seqlens), max_seqlen

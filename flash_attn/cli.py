@@ -1,0 +1,53 @@
+"""The ``flash-attn`` command: ``flash-attn info`` prints the device, versions and each backend's state."""
+import argparse
+import importlib.metadata
+import platform
+import sys
+
+
+def _version(dist):
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def info(out=sys.stdout):
+    import torch
+
+    import flash_attn
+    from flash_attn import dispatch
+
+    p = lambda *a: print(*a, file=out)  # noqa: E731
+    p(f"flash_attn {flash_attn.__version__} ({flash_attn.__path__[0]})")
+    p(f"python {platform.python_version()}, torch {torch.__version__} (CUDA {torch.version.cuda})")
+    for dist in ("triton", "nvidia-cutlass-dsl", "flash-attn-4", "flash-attn-triton", "transformers"):
+        p(f"  {dist}: {_version(dist)}")
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            cap = torch.cuda.get_device_capability(i)
+            p(f"device cuda:{i}: {torch.cuda.get_device_name(i)} (sm_{cap[0]}{cap[1]})")
+    else:
+        p("device: cpu (no CUDA device)")
+    forced = dispatch.forced_backend()
+    if forced:
+        p(f"forced backend: {forced} (FLASH_ATTN_BACKEND or use_backend)")
+    p("backends (priority order):")
+    for name in dispatch.BACKENDS:
+        reason = dispatch.unavailable_reason(name)
+        p(f"  {name:7s} {'available' if reason is None else 'unavailable: ' + reason}")
+    return 0
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="flash-attn", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("info", help="device, versions and the state of each attention backend")
+    args = parser.parse_args(argv)
+    if args.command == "info":
+        return info()
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""Backend registry and selection.
+
+Each call is described by a small hashable :class:`Call`; the first backend in priority order
+(CuTeDSL, Triton, PyTorch reference) that is installed and supports the call serves it. The choice is
+cached per (Call, forced backend), so the per-call cost is one dict lookup. ``FLASH_ATTN_BACKEND`` or
+:func:`use_backend` force a backend; a forced backend that cannot serve a forward call raises an error
+that says why. A backward pass uses the forced backend when it can, else the best one that can (a
+CuTeDSL forward with no CuTeDSL backward falls back this way).
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import importlib
+import os
+
+import torch
+
+# name -> module implementing the contract in flash_attn/backends/__init__.py, in priority order.
+BACKENDS = {
+    "cute": "flash_attn.cute.backend",
+    "triton": "flash_attn.triton.backend",
+    "torch": "flash_attn.reference",
+}
+_INSTALL_HINT = {
+    "cute": "pip install flash-attn-4 (or ./packages/flash-attn-4)",
+    "triton": "pip install flash-attn-triton (or ./packages/flash-attn-triton)",
+}
+ENV_VAR = "FLASH_ATTN_BACKEND"
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """What a call needs from a backend; everything that changes which kernel can serve it."""
+
+    device_type: str
+    dtype: torch.dtype
+    head_dim: int
+    head_dim_v: int
+    arch: tuple | None = None  # CUDA compute capability, None off CUDA
+    varlen: bool = False
+    paged: bool = False
+    causal: bool = False
+    local: bool = False
+    softcap: bool = False
+    alibi: bool = False
+    dropout: bool = False
+    return_probs: bool = False
+    kvcache: bool = False
+    backward: bool = False
+    deterministic: bool = False
+
+
+class BackendUnavailableError(NotImplementedError):
+    """A forced backend cannot serve the call."""
+
+
+_forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("flash_attn_backend", default=None)
+_modules: dict[str, object] = {}
+_unavailable: dict[str, str | None] = {}
+_choice: dict[tuple, object] = {}
+_arch_cache: dict[int, tuple] = {}
+
+
+def _check_name(name):
+    if name not in BACKENDS:
+        raise ValueError(f"unknown flash_attn backend {name!r}; expected one of {sorted(BACKENDS)}")
+
+
+def load(name):
+    """The backend module, or None; the reason it is unavailable is in :func:`unavailable_reason`."""
+    if name in _unavailable:
+        return _modules.get(name)
+    try:
+        mod = importlib.import_module(BACKENDS[name])
+    except ModuleNotFoundError as e:
+        missing = e.name or ""
+        if BACKENDS[name].startswith(missing) and missing.count(".") >= 1:
+            reason = f"not installed ({_INSTALL_HINT.get(name, name)})"
+        else:
+            reason = f"import failed: {e}"
+        _unavailable[name] = reason
+        return None
+    except Exception as e:  # a backend that breaks on import must not break the others
+        _unavailable[name] = f"import failed: {type(e).__name__}: {e}"
+        return None
+    reason = mod.unavailable_reason()
+    _unavailable[name] = reason
+    if reason is None:
+        _modules[name] = mod
+    return _modules.get(name)
+
+
+def unavailable_reason(name):
+    _check_name(name)
+    load(name)
+    return _unavailable[name]
+
+
+def forced_backend():
+    name = _forced.get() or os.environ.get(ENV_VAR) or None
+    if name is not None:
+        _check_name(name)
+    return name
+
+
+@contextlib.contextmanager
+def use_backend(name):
+    """Force every attention call in this context (and thread) onto one backend: "cute", "triton" or
+    "torch". A call it cannot serve raises an error that names the reason."""
+    if name is not None:
+        _check_name(name)
+    token = _forced.set(name)
+    try:
+        yield
+    finally:
+        _forced.reset(token)
+
+
+def device_arch(device):
+    if device.type != "cuda":
+        return None
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    arch = _arch_cache.get(idx)
+    if arch is None:
+        arch = _arch_cache[idx] = tuple(torch.cuda.get_device_capability(idx))
+    return arch
+
+
+def _reason(name, call):
+    mod = load(name)
+    if mod is None:
+        return _unavailable[name]
+    return mod.unsupported_reason(call)
+
+
+def select(call: Call):
+    """The backend module that serves ``call``."""
+    forced = forced_backend()
+    key = (call, forced)
+    mod = _choice.get(key)
+    if mod is not None:
+        return mod
+    if forced is not None:
+        why = _reason(forced, call)
+        if why is None:
+            mod = _modules[forced]
+        elif not call.backward:
+            raise BackendUnavailableError(f"flash_attn backend {forced!r} cannot serve this call: {why}")
+    if mod is None:
+        reasons = []
+        for name in BACKENDS:
+            why = _reason(name, call)
+            if why is None:
+                mod = _modules[name]
+                break
+            reasons.append(f"{name}: {why}")
+        else:
+            raise NotImplementedError("no flash_attn backend serves this call: " + "; ".join(reasons))
+    _choice[key] = mod
+    return mod
+
+
+def explain(call: Call):
+    """{backend name: None if it would serve ``call`` else the reason}, in priority order."""
+    return {name: _reason(name, call) for name in BACKENDS}

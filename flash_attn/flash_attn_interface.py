@@ -1,0 +1,228 @@
+"""The public attention API, a drop-in for FlashAttention-2's ``flash_attn`` functions.
+
+Shapes: q (B, Sq, H, D), k/v (B, Sk, Hk, D) with H % Hk == 0 (MQA/GQA without repeating K/V); packed
+qkv (B, S, 3, H, D), kv (B, S, 2, Hk, D); varlen tensors (total_tokens, H, D) with int32 cu_seqlens
+(B + 1,). Causal masks align to the bottom-right corner of the (Sq, Sk) score matrix. Each call runs on
+the fastest installed backend that supports it (see :mod:`flash_attn.dispatch`).
+"""
+from __future__ import annotations
+
+import torch
+
+from . import _checks
+from . import _ops
+from .dropout import new_rng_state
+
+
+def _prepare(q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+             batch=None):
+    H, Hk, D, Dv = _checks.qkv(q, k, v, varlen)
+    scale = _checks.scalars(dropout_p, softcap, softmax_scale, D)
+    left, right = _checks.window(window_size)
+    if causal:
+        right = 0  # causal is the bottom-right aligned window (left, 0)
+    alibi_slopes = _checks.alibi(alibi_slopes, q.shape[0] if batch is None else batch, H, q.device)
+    rng_state = new_rng_state() if dropout_p > 0.0 else None
+    return scale, left, right, alibi_slopes, rng_state
+
+
+def _attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, dropout_p,
+          softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs):
+    varlen = cu_seqlens_q is not None
+    batch = None
+    if varlen:
+        _checks.cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
+        _checks.cu_seqlens("cu_seqlens_k", cu_seqlens_k, q.device)
+        batch = cu_seqlens_q.shape[0] - 1
+        if cu_seqlens_k.shape[0] != batch + 1:
+            raise ValueError(f"cu_seqlens_k must have length {batch + 1} like cu_seqlens_q, "
+                             f"got {cu_seqlens_k.shape[0]}")
+        max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
+        if max_seqlen_q < 0 or max_seqlen_k < 0:
+            raise ValueError("max_seqlen_q and max_seqlen_k must be >= 0")
+        if block_table is not None:
+            _checks.tensor("block_table", block_table, 2, dtypes=(torch.int32,), device=q.device)
+            if block_table.shape[0] != batch:
+                raise ValueError(f"block_table must have {batch} rows (one per sequence), "
+                                 f"got {block_table.shape[0]}")
+            if k.dim() != 4:
+                raise ValueError("with block_table, k and v must be paged caches "
+                                 f"(num_blocks, block_size, Hk, D); got k shape {tuple(k.shape)}")
+        elif k.dim() != 3:
+            raise ValueError(f"k must have 3 dims (total_k, Hk, D), got shape {tuple(k.shape)}")
+    else:
+        max_seqlen_q, max_seqlen_k = q.shape[1], k.shape[1]
+    scale, left, right, alibi_slopes, rng_state = _prepare(
+        q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, batch)
+    out, lse, probs = _ops.fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
+                               scale, bool(causal), left, right, float(softcap), alibi_slopes,
+                               float(dropout_p), rng_state, bool(return_attn_probs), bool(deterministic))
+    return (out, lse, probs) if return_attn_probs else out
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """Attention of q (B, Sq, H, D) over k (B, Sk, Hk, D), v (B, Sk, Hk, Dv) -> out (B, Sq, H, Dv).
+
+    softmax_scale defaults to D**-0.5; window_size (left, right) with -1 unbounded; softcap > 0 applies
+    cap * tanh(score / cap); alibi_slopes fp32 (H,) or (B, H) adds -slope * |i + Sk - Sq - j|.
+    With return_attn_probs, returns (out, softmax_lse fp32 (B, H, Sq), probs (B, H, Sq, Sk)), probs
+    negated where dropout dropped them (for testing only: it materialises Sq x Sk).
+    """
+    return _attn(q, k, v, None, None, None, None, None, dropout_p, softmax_scale, causal, window_size,
+                 softcap, alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash_attn_func on packed qkv (B, S, 3, H, D)."""
+    _checks.tensor("qkv", qkv, 5)
+    if qkv.shape[2] != 3:
+        raise ValueError(f"qkv must have shape (B, S, 3, H, D), got {tuple(qkv.shape)}")
+    q, k, v = qkv.unbind(2)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           deterministic, return_attn_probs)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash_attn_func with packed kv (B, Sk, 2, Hk, D)."""
+    _checks.tensor("kv", kv, 5)
+    if kv.shape[2] != 2:
+        raise ValueError(f"kv must have shape (B, Sk, 2, Hk, D), got {tuple(kv.shape)}")
+    k, v = kv.unbind(2)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                           alibi_slopes=None, deterministic=False, return_attn_probs=False,
+                           block_table=None):
+    """Attention over a batch of variable-length sequences packed along the first dim.
+
+    q (total_q, H, D), k/v (total_k, Hk, D); cu_seqlens_q/k int32 (B + 1,) cumulative offsets starting at
+    0 (empty sequences allowed); max_seqlen_* bound every sequence's length. With block_table int32
+    (B, max_blocks), k/v are paged caches (num_blocks, block_size, Hk, D) and cu_seqlens_k gives each
+    sequence's key count. softmax_lse is fp32 (H, total_q).
+    """
+    return _attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, dropout_p,
+                 softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                 return_attn_probs)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,
+                                     causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                                     deterministic=False, return_attn_probs=False):
+    """flash_attn_varlen_func on packed qkv (total, 3, H, D)."""
+    _checks.tensor("qkv", qkv, 4)
+    if qkv.shape[1] != 3:
+        raise ValueError(f"qkv must have shape (total, 3, H, D), got {tuple(qkv.shape)}")
+    q, k, v = qkv.unbind(1)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
+                                  softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                    dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                                    softcap=0.0, alibi_slopes=None, deterministic=False,
+                                    return_attn_probs=False):
+    """flash_attn_varlen_func with packed kv (total_k, 2, Hk, D)."""
+    _checks.tensor("kv", kv, 4)
+    if kv.shape[1] != 2:
+        raise ValueError(f"kv must have shape (total_k, 2, Hk, D), got {tuple(kv.shape)}")
+    k, v = kv.unbind(1)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                  dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                  deterministic, return_attn_probs)
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0,
+                            return_softmax_lse=False):
+    """Attention of q (B, Sq, H, D) over a KV cache, for inference (no backward).
+
+    k_cache/v_cache (B_cache, Sk_cache, Hk, D), or paged (num_blocks, block_size, Hk, D) with block_table
+    int32 (B, max_blocks). If k/v (B, S_new, Hk, D) are given they are written into the caches IN PLACE at
+    positions cache_seqlens[b] .., after rotating k by rotary_cos/sin (seqlen_ro, rotary_dim / 2) when
+    given (q is rotated too: at cache_seqlens + i if causal or local, else at cache_seqlens).
+    cache_seqlens: int or int32 (B,), the cache lengths before the append; cache_batch_idx int32 (B,)
+    picks cache rows; cache_leftpad int32 (B,) where each cache row starts. Returns out (B, Sq, H, D), and
+    softmax_lse fp32 (B, H, Sq) with return_softmax_lse.
+    """
+    _checks.tensor("q", q, 4)
+    _checks.tensor("k_cache", k_cache, 4, device=q.device)
+    _checks.tensor("v_cache", v_cache, 4, device=q.device)
+    B, Sq, H, D = q.shape
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise TypeError(f"q, k_cache, v_cache must share a dtype; got {q.dtype}, {k_cache.dtype}, "
+                        f"{v_cache.dtype}")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        _checks.last_dim_contiguous(name, t)
+    if k_cache.shape[-1] != D:
+        raise ValueError(f"k_cache head dim {k_cache.shape[-1]} must equal q head dim {D}")
+    if v_cache.shape[:-1] != k_cache.shape[:-1]:
+        raise ValueError(f"v_cache shape {tuple(v_cache.shape)} must match k_cache shape "
+                         f"{tuple(k_cache.shape)} except the last dim")
+    Hk = k_cache.shape[2]
+    if H % Hk != 0:
+        raise ValueError(f"number of query heads ({H}) must be a multiple of key/value heads ({Hk})")
+    if D > _checks.MAX_HEAD_DIM or v_cache.shape[-1] > _checks.MAX_HEAD_DIM:
+        raise ValueError(f"head dim must be at most {_checks.MAX_HEAD_DIM}")
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together (or both None)")
+    if k is not None:
+        _checks.tensor("k", k, 4, device=q.device)
+        _checks.tensor("v", v, 4, device=q.device)
+        if k.dtype != q.dtype or v.dtype != q.dtype:
+            raise TypeError(f"k and v must have q's dtype {q.dtype}")
+        if k.shape[0] != B or k.shape[2:] != k_cache.shape[2:] or v.shape[:-1] != k.shape[:-1] \
+                or v.shape[-1] != v_cache.shape[-1]:
+            raise ValueError(f"k/v must have shape (B={B}, S_new, Hk={Hk}, D) matching the caches; got "
+                             f"{tuple(k.shape)} and {tuple(v.shape)}")
+        _checks.last_dim_contiguous("k", k)
+        _checks.last_dim_contiguous("v", v)
+    if block_table is not None:
+        _checks.tensor("block_table", block_table, 2, dtypes=(torch.int32,), device=q.device)
+        if block_table.shape[0] != B:
+            raise ValueError(f"block_table must have {B} rows, got {block_table.shape[0]}")
+        if cache_batch_idx is not None:
+            raise ValueError("cache_batch_idx cannot be combined with block_table (paged KV cache)")
+    elif cache_batch_idx is None and k_cache.shape[0] != B:
+        raise ValueError(f"k_cache batch ({k_cache.shape[0]}) must equal q batch ({B}) "
+                         "unless cache_batch_idx or block_table maps them")
+    if cache_seqlens is None:  # the whole cache is valid
+        if k is not None:
+            raise ValueError("cache_seqlens is required when appending k/v to the cache")
+        capacity = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
+        cache_seqlens = torch.full((B,), capacity, dtype=torch.int32, device=q.device)
+    elif isinstance(cache_seqlens, int):
+        cache_seqlens = torch.full((B,), cache_seqlens, dtype=torch.int32, device=q.device)
+    else:
+        _checks.int32_vector("cache_seqlens", cache_seqlens, B, q.device)
+    if cache_batch_idx is not None:
+        _checks.int32_vector("cache_batch_idx", cache_batch_idx, B, q.device)
+    if cache_leftpad is not None:
+        _checks.int32_vector("cache_leftpad", cache_leftpad, B, q.device)
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError("rotary_cos and rotary_sin must be given together")
+    if rotary_cos is not None:
+        for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+            _checks.tensor(name, t, 2, device=q.device)
+            if t.shape != rotary_cos.shape:
+                raise ValueError("rotary_cos and rotary_sin must have the same shape")
+        if 2 * rotary_cos.shape[1] > D:
+            raise ValueError(f"rotary_cos has rotary_dim / 2 = {rotary_cos.shape[1]} columns; rotary_dim "
+                             f"must be at most the head dim {D}")
+    scale = _checks.scalars(0.0, softcap, softmax_scale, D)
+    left, right = _checks.window(window_size)
+    if causal:
+        right = 0
+    alibi_slopes = _checks.alibi(alibi_slopes, B, H, q.device)
+    out, lse = _ops.fwd_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                                cache_batch_idx, cache_leftpad, block_table, scale, bool(causal), left, right,
+                                float(softcap), bool(rotary_interleaved), alibi_slopes, int(num_splits))
+    return (out, lse) if return_softmax_lse else out
