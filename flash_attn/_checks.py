@@ -143,7 +143,7 @@ def cu_seqlens_values(name, cu, total, max_seqlen):
             raise ValueError(f"{name} must start at 0, got {first}")
         if min_len < 0:
             raise ValueError(f"{name} must be non-decreasing (int32 offsets of each sequence)")
-        if last > total:
+        if total is not None and last > total:
             raise ValueError(f"{name}[-1] = {last} exceeds the number of tokens ({total})")
         if max_len > max_seqlen:
             raise ValueError(f"max_seqlen ({max_seqlen}) is smaller than the longest sequence in {name} "

@@ -29,9 +29,8 @@ def _check_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     _checks.cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
     if block_table is None:
         _checks.cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)
-    else:
-        _checks.cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, block_table.shape[1] * k.shape[1],
-                                  max_seqlen_k)
+    else:  # paged: cu_seqlens_k counts each sequence's keys, bounded by max_seqlen_k <= its pages
+        _checks.cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, None, max_seqlen_k)
         _checks.range_values("block_table", block_table, 0, k.shape[0])
 
 
@@ -47,11 +46,13 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu_seql
         q, v, varlen=varlen, paged=block_table is not None, causal=causal, window_left=window_left,
         window_right=window_right, softcap=softcap, alibi=alibi_slopes, dropout_p=dropout_p,
         return_probs=return_probs, deterministic=deterministic))
-    return backend.fwd(
+    out, lse, probs = backend.fwd(
         q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, block_table=block_table, softmax_scale=softmax_scale, causal=causal,
         window_left=window_left, window_right=window_right, softcap=softcap, alibi_slopes=alibi_slopes,
         dropout_p=dropout_p, rng_state=rng_state, return_probs=return_probs)
+    # the fake kernels promise contiguous outputs; torch.compile checks real strides against them
+    return out.contiguous(), lse.contiguous(), probs
 
 
 @fwd.register_fake
@@ -81,17 +82,18 @@ def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
         q, v, varlen=cu_seqlens_q is not None, paged=block_table is not None, causal=causal,
         window_left=window_left, window_right=window_right, softcap=softcap, alibi=alibi_slopes,
         dropout_p=dropout_p, backward=True, deterministic=deterministic))
-    return backend.bwd(
+    dq, dk, dv = backend.bwd(
         dout, q, k, v, out, lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, block_table=block_table,
         softmax_scale=softmax_scale, causal=causal, window_left=window_left, window_right=window_right,
         softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, rng_state=rng_state,
         deterministic=deterministic)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
 @bwd.register_fake
 def _bwd_fake(dout, q, k, v, *args):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _fwd_setup_context(ctx, inputs, output):
@@ -144,12 +146,13 @@ def fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor]
     backend = dispatch.select(_call(
         q, v_cache, varlen=False, paged=block_table is not None, causal=causal, window_left=window_left,
         window_right=window_right, softcap=softcap, alibi=alibi_slopes, dropout_p=0.0, kvcache=True))
-    return backend.fwd_kvcache(
+    out, lse = backend.fwd_kvcache(
         q, k_cache, v_cache, k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
         cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
         block_table=block_table, softmax_scale=softmax_scale, causal=causal, window_left=window_left,
         window_right=window_right, softcap=softcap, rotary_interleaved=rotary_interleaved,
         alibi_slopes=alibi_slopes, num_splits=num_splits)
+    return out.contiguous(), lse.contiguous()
 
 
 @fwd_kvcache.register_fake

@@ -5,7 +5,9 @@ Each call is described by a small hashable :class:`Call`; the first backend in p
 cached per (Call, forced backend), so the per-call cost is one dict lookup. ``FLASH_ATTN_BACKEND`` or
 :func:`use_backend` force a backend; a forced backend that cannot serve a forward call raises an error
 that says why. A backward pass uses the forced backend when it can, else the best one that can (a
-CuTeDSL forward with no CuTeDSL backward falls back this way).
+CuTeDSL forward with no CuTeDSL backward falls back this way). On CPU tensors the automatic choice is
+never a GPU backend: those run on a CPU only in an interpreter (TRITON_INTERPRET=1), a
+testing tool, so they serve CPU calls only when forced.
 """
 from __future__ import annotations
 
@@ -28,6 +30,8 @@ _INSTALL_HINT = {
     "triton": "pip install flash-attn-triton (or ./packages/flash-attn-triton)",
 }
 ENV_VAR = "FLASH_ATTN_BACKEND"
+# GPU backends that can run CPU tensors in an interpreter (tests); never picked for CPU automatically.
+_INTERPRETED_ON_CPU = {"triton", "cute"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +156,8 @@ def select(call: Call):
         reasons = []
         for name in BACKENDS:
             why = _reason(name, call)
+            if why is None and call.device_type == "cpu" and name in _INTERPRETED_ON_CPU:
+                why = "cpu tensors run on GPU backends (interpreted) only when forced"
             if why is None:
                 mod = _modules[name]
                 break

@@ -45,15 +45,18 @@ def _attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block
             if block_table.shape[0] != batch:
                 raise ValueError(f"block_table must have {batch} rows (one per sequence), "
                                  f"got {block_table.shape[0]}")
-            if k.dim() != 4:
+            if not isinstance(k, torch.Tensor) or k.dim() != 4:
                 raise ValueError("with block_table, k and v must be paged caches "
                                  f"(num_blocks, block_size, Hk, D); got k shape {tuple(k.shape)}")
+            if max_seqlen_k > block_table.shape[1] * k.shape[1]:
+                raise ValueError(f"max_seqlen_k ({max_seqlen_k}) exceeds the pages of block_table "
+                                 f"({block_table.shape[1]} blocks of {k.shape[1]})")
         elif k.dim() != 3:
             raise ValueError(f"k must have 3 dims (total_k, Hk, D), got shape {tuple(k.shape)}")
-    else:
-        max_seqlen_q, max_seqlen_k = q.shape[1], k.shape[1]
     scale, left, right, alibi_slopes, rng_state = _prepare(
         q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, batch)
+    if not varlen:
+        max_seqlen_q, max_seqlen_k = q.shape[1], k.shape[1]
     out, lse, probs = _ops.fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
                                scale, bool(causal), left, right, float(softcap), alibi_slopes,
                                float(dropout_p), rng_state, bool(return_attn_probs), bool(deterministic))

@@ -1,0 +1,44 @@
+import torch
+
+from flash_attn.bert_padding import (index_first_axis, index_put_first_axis, pad_input, unpad_input,
+                                     unpad_input_for_concatenated_sequences)
+
+
+def test_unpad_pad_roundtrip_and_metadata():
+    x = torch.randn(3, 5, 4, requires_grad=True)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [0, 0, 0, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    xu, idx, cu, maxlen, used = unpad_input(x, mask)
+    assert xu.shape == (8, 4)
+    assert cu.dtype == torch.int32 and cu.tolist() == [0, 3, 3, 8]
+    assert maxlen == 5 and used.tolist() == [3, 0, 5]
+    back = pad_input(xu, idx, 3, 5)
+    torch.testing.assert_close(back, x * mask[..., None])
+    back.sum().backward()
+    torch.testing.assert_close(x.grad, mask[..., None].float().expand_as(x))
+
+
+def test_unpad_with_unused_mask_counts_only_used_tokens():
+    x = torch.randn(2, 4, 3)
+    mask = torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0]])
+    unused = torch.tensor([[0, 0, 1, 0], [0, 1, 1, 0]])
+    xu, idx, cu, maxlen, used = unpad_input(x, mask, unused)
+    assert cu.tolist() == [0, 3, 6] and used.tolist() == [2, 1] and maxlen == 3
+    torch.testing.assert_close(xu[3:], x[1, :3])
+
+
+def test_index_first_axis_and_put_are_inverse():
+    x = torch.randn(6, 2, 3)
+    idx = torch.tensor([4, 0, 5])
+    y = index_first_axis(x, idx)
+    torch.testing.assert_close(y, x[idx])
+    z = index_put_first_axis(y, idx, 6)
+    torch.testing.assert_close(z[idx], x[idx])
+    assert (z[[1, 2, 3]] == 0).all()
+
+
+def test_unpad_concatenated_sequences():
+    x = torch.arange(2 * 6, dtype=torch.float32).view(2, 6, 1)
+    lengths = torch.tensor([[2, 3, 0, 0, 0, 0], [4, 0, 0, 0, 0, 0]])
+    xu, idx, cu, maxlen = unpad_input_for_concatenated_sequences(x, lengths)
+    assert cu.tolist() == [0, 2, 5, 9] and maxlen == 4
+    assert xu.flatten().tolist() == [0, 1, 2, 3, 4, 6, 7, 8, 9]

@@ -1,0 +1,122 @@
+"""Backend selection: priority order, forcing through the environment or a context manager, clear
+errors when a forced backend cannot serve a call, and the backward fallback."""
+import sys
+import types
+
+import pytest
+import torch
+
+import flash_attn
+from flash_attn import dispatch, flash_attn_func, reference
+
+
+def _fake_backend(name, supports, calls):
+    """A backend that serves what ``supports`` allows by delegating to the reference (and records it)."""
+    mod = types.ModuleType(f"_fake_backend_{name}")
+    mod.NAME = name
+    mod.unavailable_reason = lambda: None
+    mod.unsupported_reason = lambda call: None if supports(call) else f"{name} says no"
+
+    def fwd(*a, **kw):
+        calls.append((name, "fwd"))
+        return reference.fwd(*a, **kw)
+
+    def bwd(*a, **kw):
+        calls.append((name, "bwd"))
+        return reference.bwd(*a, **kw)
+
+    mod.fwd, mod.bwd = fwd, bwd
+    return mod
+
+
+@pytest.fixture
+def registry(monkeypatch):
+    calls = []
+    fast = _fake_backend("fast", lambda c: not c.causal and not c.backward, calls)
+    mid = _fake_backend("mid", lambda c: True, calls)
+    monkeypatch.setitem(sys.modules, fast.__name__, fast)
+    monkeypatch.setitem(sys.modules, mid.__name__, mid)
+    monkeypatch.setattr(dispatch, "BACKENDS", {"fast": fast.__name__, "mid": mid.__name__,
+                                               "torch": "flash_attn.reference"})
+    for cache in ("_modules", "_unavailable", "_choice"):
+        monkeypatch.setattr(dispatch, cache, {})
+    monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
+    return calls
+
+
+def _qkv():
+    q = torch.randn(1, 8, 2, 16, requires_grad=True)
+    return q, q.detach().clone().requires_grad_(), q.detach().clone().requires_grad_()
+
+
+def test_first_supporting_backend_serves(registry):
+    q, k, v = _qkv()
+    flash_attn_func(q, k, v)
+    flash_attn_func(q, k, v, causal=True)
+    assert registry == [("fast", "fwd"), ("mid", "fwd")]
+
+
+def test_backward_goes_to_a_backend_that_supports_it(registry):
+    q, k, v = _qkv()
+    flash_attn_func(q, k, v).sum().backward()
+    assert registry == [("fast", "fwd"), ("mid", "bwd")]
+
+
+def test_use_backend_forces_and_restores(registry):
+    q, k, v = _qkv()
+    with flash_attn.use_backend("torch"):
+        flash_attn_func(q, k, v)
+    flash_attn_func(q, k, v)
+    assert registry == [("fast", "fwd")]
+
+
+def test_env_var_forces(registry, monkeypatch):
+    monkeypatch.setenv(dispatch.ENV_VAR, "mid")
+    q, k, v = _qkv()
+    flash_attn_func(q, k, v)
+    assert registry == [("mid", "fwd")]
+
+
+def test_forced_backend_that_cannot_serve_raises_with_reason(registry):
+    q, k, v = _qkv()
+    with flash_attn.use_backend("fast"), pytest.raises(NotImplementedError, match="'fast' cannot serve"
+                                                                                  ".*fast says no"):
+        flash_attn_func(q, k, v, causal=True)
+
+
+def test_forced_backend_falls_back_for_backward(registry):
+    q, k, v = _qkv()
+    with flash_attn.use_backend("fast"):
+        flash_attn_func(q, k, v).sum().backward()
+    assert registry == [("fast", "fwd"), ("mid", "bwd")]
+
+
+def test_unknown_backend_name():
+    with pytest.raises(ValueError, match="unknown flash_attn backend 'cuda'"):
+        with flash_attn.use_backend("cuda"):
+            pass
+
+
+def test_missing_backend_reports_not_installed(monkeypatch):
+    monkeypatch.setattr(dispatch, "BACKENDS", {"ghost": "flash_attn.ghost.backend", **dispatch.BACKENDS})
+    monkeypatch.setattr(dispatch, "_unavailable", {})
+    assert "not installed" in dispatch.unavailable_reason("ghost")
+    with flash_attn.use_backend("ghost"), pytest.raises(NotImplementedError, match="not installed"):
+        q = torch.randn(1, 4, 1, 8)
+        flash_attn_func(q, q, q)
+
+
+def test_reference_serves_every_feature_on_cpu():
+    call = dispatch.Call("cpu", torch.float32, 72, 40, None, varlen=True, paged=True, causal=True,
+                         local=True, softcap=True, alibi=True, dropout=True, return_probs=True,
+                         kvcache=True, backward=True, deterministic=True)
+    assert dispatch.explain(call)["torch"] is None
+
+
+def test_info_lists_every_backend(capsys):
+    from flash_attn import cli
+    assert cli.main(["info"]) == 0
+    text = capsys.readouterr().out
+    for name in dispatch.BACKENDS:
+        assert f"  {name} " in text
+    assert "torch   available" in text
