@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import dataclasses
 import importlib
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -34,9 +34,9 @@ ENV_VAR = "FLASH_ATTN_BACKEND"
 _INTERPRETED_ON_CPU = {"triton", "cute"}
 
 
-@dataclasses.dataclass(frozen=True)
-class Call:
-    """What a call needs from a backend; everything that changes which kernel can serve it."""
+class Call(NamedTuple):
+    """What a call needs from a backend; everything that changes which kernel can serve it.
+    (A NamedTuple: built and hashed on every call, it must be cheap.)"""
 
     device_type: str
     dtype: torch.dtype
