@@ -1,0 +1,115 @@
+"""Triton kernels for flash_attn.ops, each with a plain-PyTorch path.
+
+Which path runs is decided per call by :func:`use_triton`:
+
+* CUDA tensors run the Triton kernel (when triton is installed);
+* CPU tensors run the Triton kernel only when ``TRITON_INTERPRET=1`` was set before the kernels were
+  defined (the interpreter executes them with numpy), else the PyTorch path;
+* without triton everything runs the PyTorch path, and importing these modules still works.
+
+``backend("torch" | "triton" | "auto")`` (a context manager) or :func:`set_backend` overrides the choice
+process-wide; tests use it to cover both paths on the same inputs.
+"""
+import contextlib
+import os
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the kernels below still parse, the PyTorch paths run.
+    triton = None
+    tl = None
+
+HAS_TRITON = triton is not None
+# Triton picks interpreter or compiler when a kernel is defined (module import), so the flag is read
+# once here, before any kernel module of this package imports it.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+BACKENDS = ("auto", "triton", "torch")
+_backend = "auto"
+
+
+class _MissingTriton:
+    """Stands in for ``triton`` / ``triton.language`` when triton is absent: ``@triton.jit`` and
+    ``tl.constexpr`` annotations still evaluate, so kernel modules import; nothing launches them."""
+
+    constexpr = None
+
+    def jit(self, fn=None, **kwargs):
+        return fn if fn is not None else (lambda f: f)
+
+    def __getattr__(self, name):
+        raise AttributeError(f"triton is not installed (needed for triton.{name})")
+
+
+if triton is None:
+    triton = tl = _MissingTriton()
+
+
+def set_backend(name: str) -> None:
+    """Force every op of flash_attn.ops onto one path: "triton", "torch", or "auto" (by device)."""
+    global _backend
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
+    _backend = name
+
+
+def get_backend() -> str:
+    return _backend
+
+
+@contextlib.contextmanager
+def backend(name: str):
+    """Context manager form of :func:`set_backend`; restores the previous choice on exit."""
+    previous = _backend
+    set_backend(name)
+    try:
+        yield
+    finally:
+        set_backend(previous)
+
+
+def triton_runs_on(device) -> bool:
+    """Whether a Triton kernel can run on tensors of this device in this process."""
+    if not HAS_TRITON:
+        return False
+    device = getattr(device, "type", device)
+    return device == "cuda" or (device == "cpu" and INTERPRET)
+
+
+def use_triton(x) -> bool:
+    """Whether an op on tensor ``x`` takes the Triton path (see the module docstring)."""
+    ok = triton_runs_on(x.device)
+    if _backend == "torch":
+        return False
+    if _backend == "triton" and not ok:
+        why = ("triton is not installed" if not HAS_TRITON
+               else f"device {x.device.type} needs CUDA, or TRITON_INTERPRET=1 set before import")
+        raise RuntimeError(f"backend 'triton' was forced but cannot run here: {why}")
+    return ok
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def num_sms(device) -> int:
+    """Streaming multiprocessors of a CUDA device (a fixed small number elsewhere, for grid sizing)."""
+    import torch
+
+    if getattr(device, "type", device) == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def device_ctx(x):
+    """Triton launches on the current CUDA device; make it the tensor's own."""
+    import torch
+
+    if x.device.type == "cuda":
+        return torch.cuda.device(x.device)
+    return contextlib.nullcontext()

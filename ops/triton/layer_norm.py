@@ -1,0 +1,799 @@
+"""Fused dropout + residual add + LayerNorm / RMSNorm (Ba et al. 2016; Zhang & Sennrich 2019), forward
+and backward, with an optional second input ``x1`` added before the norm and a second output branch
+``weight1/bias1`` normalising the same sum (parallel attention/MLP blocks). API of FA2's
+``flash_attn.ops.triton.layer_norm``.
+
+Per row r of the (M, N) input, with s = 1 / (1 - dropout_p):
+
+    pre  = dropout(x * rowscale[r]) + dropout(x1) + residual         (accumulated in fp32)
+    xhat = (pre - mean) * rstd        (RMSNorm: mean = 0)
+    y    = xhat * w + b,   y1 = xhat * w1 + b1   (w = 1 + weight if zero_centered_weight)
+
+The dropout mask is a counter-based hash of (seed, row, column) (flash_attn.dropout, with rows M..2M-1
+for x1), so the backward pass and the PyTorch path regenerate exactly the forward mask without storing it.
+The backward pass reduces dweight/dbias in two steps: each program accumulates over its own block of rows
+into a private row of a fp32 partial buffer, then one ``sum(0)`` adds the partials, so no two programs
+ever write the same address (no atomics, bitwise reproducible).
+"""
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from flash_attn.dropout import hash32, new_rng_state, threshold
+
+from . import cdiv, device_ctx, next_power_of_2, num_sms, tl, triton, use_triton
+
+# Widest row kept in registers in one piece; wider rows are processed in chunks of this many columns
+# (two passes over the row, the second from L2). Backward holds x, dy and the dweight/dbias accumulators
+# at once, so its limit is lower. Tests lower these to exercise the chunked paths on small rows.
+FWD_MAX_BLOCK_N = 16384
+BWD_MAX_BLOCK_N = 8192
+MAX_HIDDEN = 65536
+
+
+# ----------------------------------------------------------------------------------------------- kernels
+@triton.jit
+def _hash32(h):
+    h = ((h >> 16) ^ h) * 0x45D9F3B
+    h = ((h >> 16) ^ h) * 0x45D9F3B
+    return (h >> 16) ^ h
+
+
+@triton.jit
+def _row_hash(seed0, seed1, row):
+    # flash_attn.dropout's row hash; the row index stays below 2**32, so its high word is zero.
+    h = _hash32(tl.cast(row, tl.uint32) ^ tl.cast(seed0, tl.uint32))
+    return _hash32(h ^ tl.cast(seed1, tl.uint32))
+
+
+@triton.jit
+def _keep(row_hash, cols, drop_threshold):
+    return _hash32(row_hash ^ cols.to(tl.uint32)).to(tl.int64) >= drop_threshold
+
+
+@triton.jit
+def _ln_fwd_input(X, X1, RES, ROWSCALE, RES_OUT, DMASK, row, M, N, cols, mask,
+                  stride_x, stride_x1, stride_res, stride_res_out, hash0, hash1, drop_threshold, drop_scale,
+                  HAS_RES: tl.constexpr, HAS_X1: tl.constexpr, HAS_ROWSCALE: tl.constexpr,
+                  HAS_DROPOUT: tl.constexpr, STORE_DMASK: tl.constexpr, STORE_RES_OUT: tl.constexpr):
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_ROWSCALE:
+        x *= tl.load(ROWSCALE + row).to(tl.float32)
+    if HAS_DROPOUT:
+        keep = _keep(hash0, cols, drop_threshold)
+        x = tl.where(keep, x * drop_scale, 0.0)
+        if STORE_DMASK:
+            tl.store(DMASK + row * N + cols, keep, mask=mask)
+    if HAS_X1:
+        x1 = tl.load(X1 + row * stride_x1 + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_DROPOUT:
+            keep1 = _keep(hash1, cols, drop_threshold)
+            x1 = tl.where(keep1, x1 * drop_scale, 0.0)
+            if STORE_DMASK:
+                tl.store(DMASK + (M + row) * N + cols, keep1, mask=mask)
+        x += x1
+    if HAS_RES:
+        x += tl.load(RES + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
+    if STORE_RES_OUT:
+        tl.store(RES_OUT + row * stride_res_out + cols, x, mask=mask)
+    return x
+
+
+@triton.jit
+def _ln_fwd_output(W, B, W1, B1, Y, Y1, row, cols, mask, xhat, stride_y, stride_y1,
+                   HAS_BIAS: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr,
+                   ZERO_CENTERED: tl.constexpr):
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    if ZERO_CENTERED:
+        w += 1.0
+    y = xhat * w
+    if HAS_BIAS:
+        y += tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + row * stride_y + cols, y, mask=mask)
+    if HAS_W1:
+        w1 = tl.load(W1 + cols, mask=mask, other=0.0).to(tl.float32)
+        if ZERO_CENTERED:
+            w1 += 1.0
+        y1 = xhat * w1
+        if HAS_B1:
+            y1 += tl.load(B1 + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(Y1 + row * stride_y1 + cols, y1, mask=mask)
+
+
+@triton.jit
+def _ln_fwd_kernel(
+    X, X1, RES, ROWSCALE, W, B, W1, B1, Y, Y1, RES_OUT, DMASK, MEAN, RSTD,
+    stride_x, stride_x1, stride_res, stride_y, stride_y1, stride_res_out,
+    M, N, eps, seed0, seed1, drop_threshold, drop_scale,
+    IS_RMS_NORM: tl.constexpr, HAS_RES: tl.constexpr, HAS_X1: tl.constexpr, HAS_ROWSCALE: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, STORE_DMASK: tl.constexpr, STORE_RES_OUT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr, ZERO_CENTERED: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_CHUNKS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    hash0 = seed0
+    hash1 = seed1
+    if HAS_DROPOUT:
+        hash0 = _row_hash(seed0, seed1, row)
+        if HAS_X1:
+            hash1 = _row_hash(seed0, seed1, row + M)
+    mean = 0.0
+    if NUM_CHUNKS == 1:
+        cols = tl.arange(0, BLOCK_N)
+        mask = cols < N
+        x = _ln_fwd_input(X, X1, RES, ROWSCALE, RES_OUT, DMASK, row, M, N, cols, mask,
+                          stride_x, stride_x1, stride_res, stride_res_out, hash0, hash1, drop_threshold,
+                          drop_scale, HAS_RES, HAS_X1, HAS_ROWSCALE, HAS_DROPOUT, STORE_DMASK, STORE_RES_OUT)
+        if not IS_RMS_NORM:
+            mean = tl.sum(x, axis=0) / N
+            x = tl.where(mask, x - mean, 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
+        _ln_fwd_output(W, B, W1, B1, Y, Y1, row, cols, mask, x * rstd, stride_y, stride_y1,
+                       HAS_BIAS, HAS_W1, HAS_B1, ZERO_CENTERED)
+    else:
+        # Chunk statistics merged with Chan et al.'s parallel update: a plain sum of squares would
+        # cancel catastrophically for rows with a large mean.
+        m2 = 0.0
+        count = 0.0
+        for c in range(NUM_CHUNKS):
+            cols = c * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask = cols < N
+            x = _ln_fwd_input(X, X1, RES, ROWSCALE, RES_OUT, DMASK, row, M, N, cols, mask,
+                              stride_x, stride_x1, stride_res, stride_res_out, hash0, hash1, drop_threshold,
+                              drop_scale, HAS_RES, HAS_X1, HAS_ROWSCALE, HAS_DROPOUT, STORE_DMASK,
+                              STORE_RES_OUT)
+            if IS_RMS_NORM:
+                m2 += tl.sum(x * x, axis=0)
+            else:
+                n_c = tl.minimum(N - c * BLOCK_N, BLOCK_N).to(tl.float32)
+                c_mean = tl.sum(x, axis=0) / n_c
+                d = tl.where(mask, x - c_mean, 0.0)
+                total = count + n_c
+                delta = c_mean - mean
+                mean += delta * (n_c / total)
+                m2 += tl.sum(d * d, axis=0) + delta * delta * (count * n_c / total)
+                count = total
+        rstd = 1.0 / tl.sqrt(m2 / N + eps)
+        # Second pass recomputes the fp32 sum from the inputs (L2-resident) rather than re-reading a
+        # possibly low-precision residual_out, so chunked and one-piece rows give the same y.
+        for c in range(NUM_CHUNKS):
+            cols = c * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask = cols < N
+            x = _ln_fwd_input(X, X1, RES, ROWSCALE, RES_OUT, DMASK, row, M, N, cols, mask,
+                              stride_x, stride_x1, stride_res, stride_res_out, hash0, hash1, drop_threshold,
+                              drop_scale, HAS_RES, HAS_X1, HAS_ROWSCALE, HAS_DROPOUT, False, False)
+            _ln_fwd_output(W, B, W1, B1, Y, Y1, row, cols, mask, (x - mean) * rstd, stride_y, stride_y1,
+                           HAS_BIAS, HAS_W1, HAS_B1, ZERO_CENTERED)
+    if not IS_RMS_NORM:
+        tl.store(MEAN + row, mean)
+    tl.store(RSTD + row, rstd)
+
+
+@triton.jit
+def _ln_bwd_row_grads(X, W, W1, DY, DY1, row, cols, mask, mean, rstd, stride_x, stride_dy, stride_dy1,
+                      HAS_W1: tl.constexpr, ZERO_CENTERED: tl.constexpr):
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    xhat = tl.where(mask, (x - mean) * rstd, 0.0)
+    dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    if ZERO_CENTERED:
+        w = tl.where(mask, w + 1.0, 0.0)
+    g = dy * w
+    dy1 = dy
+    if HAS_W1:
+        dy1 = tl.load(DY1 + row * stride_dy1 + cols, mask=mask, other=0.0).to(tl.float32)
+        w1 = tl.load(W1 + cols, mask=mask, other=0.0).to(tl.float32)
+        if ZERO_CENTERED:
+            w1 = tl.where(mask, w1 + 1.0, 0.0)
+        g += dy1 * w1
+    return xhat, dy, dy1, g
+
+
+@triton.jit
+def _ln_bwd_store(dx, DRES_OUT, DRES_IN, DX, DX1, ROWSCALE, row, M, cols, mask,
+                  stride_dres_out, stride_dres_in, stride_dx, stride_dx1, seed0, seed1, drop_threshold,
+                  drop_scale, HAS_DRES_OUT: tl.constexpr, STORE_DRES_IN: tl.constexpr, HAS_X1: tl.constexpr,
+                  HAS_ROWSCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr):
+    if HAS_DRES_OUT:
+        dx += tl.load(DRES_OUT + row * stride_dres_out + cols, mask=mask, other=0.0).to(tl.float32)
+    if STORE_DRES_IN:
+        tl.store(DRES_IN + row * stride_dres_in + cols, dx, mask=mask)
+    if HAS_X1:
+        dx1 = dx
+        if HAS_DROPOUT:
+            dx1 = tl.where(_keep(_row_hash(seed0, seed1, row + M), cols, drop_threshold), dx1 * drop_scale, 0.0)
+        tl.store(DX1 + row * stride_dx1 + cols, dx1, mask=mask)
+    if HAS_ROWSCALE:
+        dx *= tl.load(ROWSCALE + row).to(tl.float32)
+    if HAS_DROPOUT:
+        dx = tl.where(_keep(_row_hash(seed0, seed1, row), cols, drop_threshold), dx * drop_scale, 0.0)
+    tl.store(DX + row * stride_dx + cols, dx, mask=mask)
+
+
+@triton.jit
+def _ln_bwd_kernel(
+    X, W, W1, DY, DY1, DRES_OUT, ROWSCALE, MEAN, RSTD, DX, DX1, DRES_IN, DW_PART, DB_PART, DW1_PART, DB1_PART,
+    stride_x, stride_dy, stride_dy1, stride_dres_out, stride_dx, stride_dx1, stride_dres_in,
+    M, N, rows_per_program, seed0, seed1, drop_threshold, drop_scale,
+    IS_RMS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr,
+    HAS_DRES_OUT: tl.constexpr, STORE_DRES_IN: tl.constexpr, HAS_X1: tl.constexpr,
+    HAS_ROWSCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr, ZERO_CENTERED: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_CHUNKS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    # int64 row bounds make the loop variable int64 on the GPU: row * stride can pass 2**31.
+    row_start = pid.to(tl.int64) * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, M)
+    part = pid.to(tl.int64) * N
+    if NUM_CHUNKS == 1:
+        cols = tl.arange(0, BLOCK_N)
+        mask = cols < N
+        acc_dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc_db = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc_dw1 = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc_db1 = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for row in range(row_start, row_end):
+            mean = 0.0
+            if not IS_RMS_NORM:
+                mean = tl.load(MEAN + row)
+            rstd = tl.load(RSTD + row)
+            xhat, dy, dy1, g = _ln_bwd_row_grads(X, W, W1, DY, DY1, row, cols, mask, mean, rstd,
+                                                 stride_x, stride_dy, stride_dy1, HAS_W1, ZERO_CENTERED)
+            acc_dw += dy * xhat
+            acc_db += dy
+            if HAS_W1:
+                acc_dw1 += dy1 * xhat
+                acc_db1 += dy1
+            c1 = tl.sum(xhat * g, axis=0) / N
+            if IS_RMS_NORM:
+                dx = (g - xhat * c1) * rstd
+            else:
+                dx = (g - xhat * c1 - tl.sum(g, axis=0) / N) * rstd
+            _ln_bwd_store(dx, DRES_OUT, DRES_IN, DX, DX1, ROWSCALE, row, M, cols, mask,
+                          stride_dres_out, stride_dres_in, stride_dx, stride_dx1, seed0, seed1, drop_threshold,
+                          drop_scale, HAS_DRES_OUT, STORE_DRES_IN, HAS_X1, HAS_ROWSCALE, HAS_DROPOUT)
+        tl.store(DW_PART + part + cols, acc_dw, mask=mask)
+        if HAS_BIAS:
+            tl.store(DB_PART + part + cols, acc_db, mask=mask)
+        if HAS_W1:
+            tl.store(DW1_PART + part + cols, acc_dw1, mask=mask)
+            if HAS_B1:
+                tl.store(DB1_PART + part + cols, acc_db1, mask=mask)
+    else:
+        # Wide rows: the accumulators live in this program's own rows of the (zeroed) partial buffers,
+        # updated read-modify-write; no other program touches them, so there is no race.
+        for row in range(row_start, row_end):
+            mean = 0.0
+            if not IS_RMS_NORM:
+                mean = tl.load(MEAN + row)
+            rstd = tl.load(RSTD + row)
+            c1 = 0.0
+            c2 = 0.0
+            for c in range(NUM_CHUNKS):
+                cols = c * BLOCK_N + tl.arange(0, BLOCK_N)
+                mask = cols < N
+                xhat, dy, dy1, g = _ln_bwd_row_grads(X, W, W1, DY, DY1, row, cols, mask, mean, rstd,
+                                                     stride_x, stride_dy, stride_dy1, HAS_W1, ZERO_CENTERED)
+                c1 += tl.sum(xhat * g, axis=0)
+                c2 += tl.sum(g, axis=0)
+                tl.store(DW_PART + part + cols, tl.load(DW_PART + part + cols, mask=mask) + dy * xhat, mask=mask)
+                if HAS_BIAS:
+                    tl.store(DB_PART + part + cols, tl.load(DB_PART + part + cols, mask=mask) + dy, mask=mask)
+                if HAS_W1:
+                    tl.store(DW1_PART + part + cols, tl.load(DW1_PART + part + cols, mask=mask) + dy1 * xhat,
+                             mask=mask)
+                    if HAS_B1:
+                        tl.store(DB1_PART + part + cols, tl.load(DB1_PART + part + cols, mask=mask) + dy1,
+                                 mask=mask)
+            c1 = c1 / N
+            c2 = c2 / N
+            for c in range(NUM_CHUNKS):
+                cols = c * BLOCK_N + tl.arange(0, BLOCK_N)
+                mask = cols < N
+                xhat, dy, dy1, g = _ln_bwd_row_grads(X, W, W1, DY, DY1, row, cols, mask, mean, rstd,
+                                                     stride_x, stride_dy, stride_dy1, HAS_W1, ZERO_CENTERED)
+                if IS_RMS_NORM:
+                    dx = (g - xhat * c1) * rstd
+                else:
+                    dx = (g - xhat * c1 - c2) * rstd
+                _ln_bwd_store(dx, DRES_OUT, DRES_IN, DX, DX1, ROWSCALE, row, M, cols, mask,
+                              stride_dres_out, stride_dres_in, stride_dx, stride_dx1, seed0, seed1,
+                              drop_threshold, drop_scale, HAS_DRES_OUT, STORE_DRES_IN, HAS_X1, HAS_ROWSCALE,
+                              HAS_DROPOUT)
+
+
+# --------------------------------------------------------------------------------------------- launchers
+def _block_config(N: int, max_block: int):
+    block = min(next_power_of_2(N), max_block)
+    # ~16 fp32 values per thread per live row tensor keeps the kernels clear of register spills.
+    num_warps = max(1, min(16, block // 512))
+    return block, cdiv(N, block), num_warps
+
+
+def _bwd_grid(M: int, N: int, device):
+    block, chunks, num_warps = _block_config(N, BWD_MAX_BLOCK_N)
+    # Narrow rows leave room for several programs per SM, which hides the latency of the row loop.
+    per_sm = max(1, 8192 // block) if chunks == 1 else 2
+    programs = max(1, min(M, num_sms(device) * per_sm))
+    return programs, cdiv(M, programs), block, chunks, num_warps
+
+
+def _drop_args(rng_state: Optional[Tensor], dropout_p: float):
+    if rng_state is None or dropout_p == 0.0:
+        return 0, 0, 0, 1.0
+    seed0, seed1 = (int(s) for s in rng_state.tolist())
+    return seed0, seed1, threshold(dropout_p), 1.0 / (1.0 - dropout_p)
+
+
+def _stride0(t: Optional[Tensor]) -> int:
+    return t.stride(0) if t is not None else 0
+
+
+@torch.library.custom_op(
+    "flash_attn_ops::layer_norm_fwd",
+    mutates_args=("y", "y1", "residual_out", "dropout_mask", "mean", "rstd"),
+)
+def _ln_fwd_triton(
+    x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: Optional[Tensor], x1: Optional[Tensor],
+    weight1: Optional[Tensor], bias1: Optional[Tensor], rowscale: Optional[Tensor], rng_state: Optional[Tensor],
+    y: Tensor, y1: Optional[Tensor], residual_out: Optional[Tensor], dropout_mask: Optional[Tensor],
+    mean: Tensor, rstd: Tensor, eps: float, dropout_p: float, is_rms_norm: bool, zero_centered_weight: bool,
+) -> None:
+    M, N = x.shape
+    if M == 0:
+        return
+    seed0, seed1, drop_threshold, drop_scale = _drop_args(rng_state, dropout_p)
+    block, chunks, num_warps = _block_config(N, FWD_MAX_BLOCK_N)
+    with device_ctx(x):
+        _ln_fwd_kernel[(M,)](
+            x, x1, residual, rowscale, weight, bias, weight1, bias1, y, y1, residual_out, dropout_mask,
+            mean, rstd,
+            x.stride(0), _stride0(x1), _stride0(residual), y.stride(0), _stride0(y1), _stride0(residual_out),
+            M, N, eps, seed0, seed1, drop_threshold, drop_scale,
+            IS_RMS_NORM=is_rms_norm, HAS_RES=residual is not None, HAS_X1=x1 is not None,
+            HAS_ROWSCALE=rowscale is not None, HAS_DROPOUT=dropout_p > 0.0,
+            STORE_DMASK=dropout_mask is not None, STORE_RES_OUT=residual_out is not None,
+            HAS_BIAS=bias is not None, HAS_W1=weight1 is not None, HAS_B1=bias1 is not None,
+            ZERO_CENTERED=zero_centered_weight, BLOCK_N=block, NUM_CHUNKS=chunks, num_warps=num_warps,
+        )
+
+
+@_ln_fwd_triton.register_fake
+def _(*args):
+    return None
+
+
+@torch.library.custom_op(
+    "flash_attn_ops::layer_norm_bwd",
+    mutates_args=("dx", "dx1", "dresidual_in", "dw_part", "db_part", "dw1_part", "db1_part"),
+)
+def _ln_bwd_triton(
+    x: Tensor, weight: Tensor, weight1: Optional[Tensor], dy: Tensor, dy1: Optional[Tensor],
+    dresidual_out: Optional[Tensor], rowscale: Optional[Tensor], rng_state: Optional[Tensor], mean: Tensor,
+    rstd: Tensor, dx: Tensor, dx1: Optional[Tensor], dresidual_in: Optional[Tensor], dw_part: Tensor,
+    db_part: Optional[Tensor], dw1_part: Optional[Tensor], db1_part: Optional[Tensor], dropout_p: float,
+    is_rms_norm: bool, zero_centered_weight: bool,
+) -> None:
+    M, N = x.shape
+    if M == 0:
+        return
+    seed0, seed1, drop_threshold, drop_scale = _drop_args(rng_state, dropout_p)
+    programs, rows_per_program, block, chunks, num_warps = _bwd_grid(M, N, x.device)
+    with device_ctx(x):
+        _ln_bwd_kernel[(programs,)](
+            x, weight, weight1, dy, dy1, dresidual_out, rowscale, mean, rstd, dx, dx1, dresidual_in,
+            dw_part, db_part, dw1_part, db1_part,
+            x.stride(0), dy.stride(0), _stride0(dy1), _stride0(dresidual_out), dx.stride(0), _stride0(dx1),
+            _stride0(dresidual_in),
+            M, N, rows_per_program, seed0, seed1, drop_threshold, drop_scale,
+            IS_RMS_NORM=is_rms_norm, HAS_BIAS=db_part is not None, HAS_W1=weight1 is not None,
+            HAS_B1=db1_part is not None, HAS_DRES_OUT=dresidual_out is not None,
+            STORE_DRES_IN=dresidual_in is not None, HAS_X1=dx1 is not None,
+            HAS_ROWSCALE=rowscale is not None, HAS_DROPOUT=dropout_p > 0.0,
+            ZERO_CENTERED=zero_centered_weight, BLOCK_N=block, NUM_CHUNKS=chunks, num_warps=num_warps,
+        )
+
+
+@_ln_bwd_triton.register_fake
+def _(*args):
+    return None
+
+
+# ---------------------------------------------------------------------------------------- PyTorch path
+def _keep_mask_torch(rng_state: Tensor, row0: int, M: int, N: int, p: float, device) -> Tensor:
+    # Same hash as the kernel, on int64 tensors; seeds stay tensors so torch.compile needs no .tolist().
+    seeds = rng_state.to(device)
+    rows = torch.arange(row0, row0 + M, device=device, dtype=torch.int64)
+    cols = torch.arange(N, device=device, dtype=torch.int64)
+    h = hash32(hash32(rows ^ seeds[0]) ^ seeds[1])
+    return hash32(h[:, None] ^ cols[None, :]) >= threshold(p)
+
+
+def _weight_f32(w: Optional[Tensor], zero_centered: bool) -> Optional[Tensor]:
+    if w is None:
+        return None
+    w = w.float()
+    return w + 1.0 if zero_centered else w
+
+
+def _ln_fwd_torch(x, weight, bias, residual, x1, weight1, bias1, rowscale, rng_state, y, y1, residual_out,
+                  dropout_mask, mean, rstd, eps, dropout_p, is_rms_norm, zero_centered_weight):
+    M, N = x.shape
+    pre = x.float()
+    if rowscale is not None:
+        pre = pre * rowscale.float()[:, None]
+    scale = 1.0 / (1.0 - dropout_p)
+    if dropout_p > 0.0:
+        keep = _keep_mask_torch(rng_state, 0, M, N, dropout_p, x.device)
+        pre = torch.where(keep, pre * scale, 0.0)
+        if dropout_mask is not None:
+            dropout_mask[:M].copy_(keep)
+    if x1 is not None:
+        pre1 = x1.float()
+        if dropout_p > 0.0:
+            keep1 = _keep_mask_torch(rng_state, M, M, N, dropout_p, x.device)
+            pre1 = torch.where(keep1, pre1 * scale, 0.0)
+            if dropout_mask is not None:
+                dropout_mask[M:].copy_(keep1)
+        pre = pre + pre1
+    if residual is not None:
+        pre = pre + residual.float()
+    if residual_out is not None:
+        residual_out.copy_(pre)
+    if is_rms_norm:
+        centered = pre
+    else:
+        mu = pre.mean(dim=1)
+        mean.copy_(mu)
+        centered = pre - mu[:, None]
+    r = torch.rsqrt(centered.square().mean(dim=1) + eps)
+    rstd.copy_(r)
+    xhat = centered * r[:, None]
+    out = xhat * _weight_f32(weight, zero_centered_weight)
+    y.copy_(out + bias.float() if bias is not None else out)
+    if y1 is not None:
+        out1 = xhat * _weight_f32(weight1, zero_centered_weight)
+        y1.copy_(out1 + bias1.float() if bias1 is not None else out1)
+
+
+def _ln_bwd_torch(x, weight, weight1, dy, dy1, dresidual_out, rowscale, rng_state, mean, rstd, dx, dx1,
+                  dresidual_in, dw_part, db_part, dw1_part, db1_part, dropout_p, is_rms_norm,
+                  zero_centered_weight):
+    M, N = x.shape
+    r = rstd[:, None]
+    xhat = (x.float() - mean[:, None]) * r if not is_rms_norm else x.float() * r
+    dyf = dy.float()
+    g = dyf * _weight_f32(weight, zero_centered_weight)
+    dw_part[0].copy_((dyf * xhat).sum(0))
+    if db_part is not None:
+        db_part[0].copy_(dyf.sum(0))
+    if weight1 is not None:
+        dy1f = dy1.float()
+        g = g + dy1f * _weight_f32(weight1, zero_centered_weight)
+        dw1_part[0].copy_((dy1f * xhat).sum(0))
+        if db1_part is not None:
+            db1_part[0].copy_(dy1f.sum(0))
+    g_xhat = (xhat * g).mean(dim=1, keepdim=True)
+    if is_rms_norm:
+        d = (g - xhat * g_xhat) * r
+    else:
+        d = (g - xhat * g_xhat - g.mean(dim=1, keepdim=True)) * r
+    if dresidual_out is not None:
+        d = d + dresidual_out.float()
+    if dresidual_in is not None:
+        dresidual_in.copy_(d)
+    scale = 1.0 / (1.0 - dropout_p)
+    if dx1 is not None:
+        d1 = d
+        if dropout_p > 0.0:
+            d1 = torch.where(_keep_mask_torch(rng_state, M, M, N, dropout_p, x.device), d1 * scale, 0.0)
+        dx1.copy_(d1)
+    if rowscale is not None:
+        d = d * rowscale.float()[:, None]
+    if dropout_p > 0.0:
+        d = torch.where(_keep_mask_torch(rng_state, 0, M, N, dropout_p, x.device), d * scale, 0.0)
+    dx.copy_(d)
+
+
+# ------------------------------------------------------------------------------------ forward/backward
+def _layer_norm_fwd(x, weight, bias, eps, residual=None, x1=None, weight1=None, bias1=None, dropout_p=0.0,
+                    rowscale=None, out_dtype=None, residual_dtype=None, is_rms_norm=False,
+                    zero_centered_weight=False, return_dropout_mask=False, out=None, residual_out=None):
+    """x, residual, x1: (M, N); weight, bias, weight1, bias1: (N,); rowscale: (M,). Returns
+    (y, y1, mean, rstd, residual_out, rng_state, dropout_mask, dropout_mask1); residual_out is x itself
+    when nothing had to be added or cast."""
+    M, N = x.shape
+    if residual is not None:
+        residual_dtype = residual.dtype
+    if out is None:
+        out = torch.empty((M, N), device=x.device, dtype=out_dtype if out_dtype is not None else x.dtype)
+    y1 = torch.empty_like(out) if weight1 is not None else None
+    need_residual_out = (residual is not None or dropout_p > 0.0 or rowscale is not None or x1 is not None
+                         or (residual_dtype is not None and residual_dtype != x.dtype))
+    if residual_out is None and need_residual_out:
+        residual_out = torch.empty((M, N), device=x.device,
+                                   dtype=residual_dtype if residual_dtype is not None else x.dtype)
+    mean = torch.empty((M,), device=x.device, dtype=torch.float32)
+    rstd = torch.empty((M,), device=x.device, dtype=torch.float32)
+    rng_state = new_rng_state() if dropout_p > 0.0 else None
+    dropout_mask = None
+    if return_dropout_mask and dropout_p > 0.0:
+        dropout_mask = torch.empty((2 * M if x1 is not None else M, N), device=x.device, dtype=torch.bool)
+    if is_rms_norm:
+        mean.zero_()
+    args = (x, weight, bias, residual, x1, weight1, bias1, rowscale, rng_state, out, y1, residual_out,
+            dropout_mask, mean, rstd, float(eps), float(dropout_p), bool(is_rms_norm),
+            bool(zero_centered_weight))
+    if use_triton(x):
+        _ln_fwd_triton(*args)
+    else:
+        _ln_fwd_torch(*args)
+    dropout_mask1 = None
+    if dropout_mask is not None and x1 is not None:
+        dropout_mask, dropout_mask1 = dropout_mask[:M], dropout_mask[M:]
+    return (out, y1, mean, rstd, residual_out if residual_out is not None else x, rng_state, dropout_mask,
+            dropout_mask1)
+
+
+def _layer_norm_bwd(dy, x, weight, bias, mean, rstd, dresidual_out=None, dy1=None, weight1=None, bias1=None,
+                    rng_state=None, dropout_p=0.0, rowscale=None, has_residual=False, has_x1=False,
+                    is_rms_norm=False, zero_centered_weight=False, x_dtype=None, residual_dtype=None,
+                    x1_dtype=None):
+    """Gradients (dx, dweight, dbias, dresidual, dx1, dweight1, dbias1) of :func:`_layer_norm_fwd`; x is
+    the pre-norm sum it returned as residual_out."""
+    M, N = x.shape
+    dev = x.device
+    dx = torch.empty((M, N), device=dev, dtype=x_dtype if x_dtype is not None else x.dtype)
+    dx1 = torch.empty((M, N), device=dev, dtype=x1_dtype if x1_dtype is not None else dx.dtype) if has_x1 else None
+    dres_in = None
+    if has_residual:
+        dres_in = torch.empty((M, N), device=dev, dtype=residual_dtype if residual_dtype is not None else x.dtype)
+    triton_path = use_triton(x)
+    programs = _bwd_grid(M, N, dev)[0] if triton_path else 1
+    part = lambda: torch.zeros((programs, N), device=dev, dtype=torch.float32)  # noqa: E731
+    dw_part = part()
+    db_part = part() if bias is not None else None
+    dw1_part = part() if weight1 is not None else None
+    db1_part = part() if bias1 is not None else None
+    args = (x, weight, weight1, dy, dy1, dresidual_out, rowscale, rng_state, mean, rstd, dx, dx1, dres_in,
+            dw_part, db_part, dw1_part, db1_part, float(dropout_p), bool(is_rms_norm), bool(zero_centered_weight))
+    if triton_path:
+        _ln_bwd_triton(*args)
+    else:
+        _ln_bwd_torch(*args)
+    dw = dw_part.sum(0).to(weight.dtype)
+    db = db_part.sum(0).to(bias.dtype) if bias is not None else None
+    dw1 = dw1_part.sum(0).to(weight1.dtype) if weight1 is not None else None
+    db1 = db1_part.sum(0).to(bias1.dtype) if bias1 is not None else None
+    return dx, dw, db, dres_in, dx1, dw1, db1
+
+
+def _rows(t: Optional[Tensor], N: int) -> Optional[Tensor]:
+    if t is None:
+        return None
+    t = t.reshape(-1, N)
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _check_args(x, weight, bias, residual, x1, weight1, bias1, dropout_p, rowscale, out, residual_out):
+    if not isinstance(x, Tensor) or not x.is_floating_point():
+        raise TypeError(f"x must be a floating-point tensor, got {type(x).__name__}"
+                        f"{'' if not isinstance(x, Tensor) else ' of dtype ' + str(x.dtype)}")
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dimension (..., hidden)")
+    N = x.shape[-1]
+    if N > MAX_HIDDEN:
+        raise ValueError(f"hidden size (x.shape[-1]) must be at most {MAX_HIDDEN}, got {N}")
+    if not isinstance(weight, Tensor):
+        raise TypeError(f"weight must be a tensor of shape ({N},), got {type(weight).__name__}")
+    for name, t in (("weight", weight), ("bias", bias), ("weight1", weight1), ("bias1", bias1)):
+        if t is not None and tuple(t.shape) != (N,):
+            raise ValueError(f"{name} must have shape ({N},) (the hidden size of x), got {tuple(t.shape)}")
+    for name, t in (("residual", residual), ("x1", x1), ("out", out), ("residual_out", residual_out)):
+        if t is not None and t.shape != x.shape:
+            raise ValueError(f"{name} must have the shape of x {tuple(x.shape)}, got {tuple(t.shape)}")
+    for name, t in (("residual", residual), ("x1", x1)):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{name} must be on x's device {x.device}, got {t.device}")
+    if bias1 is not None and weight1 is None:
+        raise ValueError("bias1 needs weight1 (the second output branch)")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if rowscale is not None:
+        if x1 is not None:
+            raise NotImplementedError("rowscale is not supported together with x1 (parallel branch input)")
+        if rowscale.numel() != x.numel() // max(N, 1):
+            raise ValueError(f"rowscale must have one entry per row ({x.numel() // max(N, 1)}), "
+                             f"got shape {tuple(rowscale.shape)}")
+
+
+class LayerNormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, residual=None, x1=None, weight1=None, bias1=None, eps=1e-6,
+                dropout_p=0.0, rowscale=None, prenorm=False, residual_in_fp32=False, zero_centered_weight=False,
+                is_rms_norm=False, return_dropout_mask=False, out_dtype=None, out=None, residual_out=None):
+        _check_args(x, weight, bias, residual, x1, weight1, bias1, dropout_p, rowscale, out, residual_out)
+        shape = x.shape
+        N = shape[-1]
+        x2, residual2, x12 = _rows(x, N), _rows(residual, N), _rows(x1, N)
+        out2, residual_out2 = _rows(out, N), _rows(residual_out, N)
+        for name, t, t2 in (("out", out, out2), ("residual_out", residual_out, residual_out2)):
+            if t is not None and t2.data_ptr() != t.data_ptr():
+                raise ValueError(f"{name} must be viewable as (rows, hidden) with unit stride on the last dim")
+        if out is not None and out_dtype is None:
+            out_dtype = out.dtype
+        elif out is not None and out.dtype != out_dtype:
+            raise ValueError(f"out has dtype {out.dtype} but out_dtype is {out_dtype}")
+        weight_c = weight.contiguous()
+        bias_c = bias.contiguous() if bias is not None else None
+        weight1_c = weight1.contiguous() if weight1 is not None else None
+        bias1_c = bias1.contiguous() if bias1 is not None else None
+        rowscale_c = rowscale.reshape(-1).contiguous() if rowscale is not None else None
+        residual_dtype = residual.dtype if residual is not None else (torch.float32 if residual_in_fp32 else None)
+        y, y1, mean, rstd, res_out, rng_state, mask, mask1 = _layer_norm_fwd(
+            x2, weight_c, bias_c, eps, residual2, x12, weight1_c, bias1_c, dropout_p, rowscale_c, out_dtype,
+            residual_dtype, is_rms_norm, zero_centered_weight, return_dropout_mask, out2, residual_out2)
+        ctx.save_for_backward(res_out, weight_c, bias_c, weight1_c, bias1_c, rowscale_c, rng_state, mean, rstd)
+        ctx.shape = shape
+        ctx.eps = eps
+        ctx.dropout_p = dropout_p
+        ctx.is_rms_norm = is_rms_norm
+        ctx.zero_centered_weight = zero_centered_weight
+        ctx.has_residual = residual is not None
+        ctx.has_x1 = x1 is not None
+        ctx.prenorm = prenorm
+        ctx.x_dtype = x.dtype
+        ctx.x1_dtype = x1.dtype if x1 is not None else None
+        ctx.residual_dtype = residual.dtype if residual is not None else None
+        outs = [y.reshape(shape)]
+        if weight1 is not None:
+            outs.append(y1.reshape(shape))
+        if prenorm:
+            outs.append(res_out.reshape(shape))
+        if return_dropout_mask:
+            masks = [m.reshape(shape) if m is not None else None for m in (mask, mask1)]
+            ctx.mark_non_differentiable(*[m for m in masks if m is not None])
+            outs.extend(masks)
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    @staticmethod
+    def backward(ctx, dy, *args):
+        x, weight, bias, weight1, bias1, rowscale, rng_state, mean, rstd = ctx.saved_tensors
+        N = x.shape[-1]
+        dy = _rows(dy, N)
+        dy1 = None
+        if weight1 is not None:
+            dy1, args = _rows(args[0], N), args[1:]
+        dres_out = _rows(args[0], N) if ctx.prenorm else None
+        dx, dw, db, dres_in, dx1, dw1, db1 = _layer_norm_bwd(
+            dy, x, weight, bias, mean, rstd, dres_out, dy1, weight1, bias1, rng_state, ctx.dropout_p, rowscale,
+            ctx.has_residual, ctx.has_x1, ctx.is_rms_norm, ctx.zero_centered_weight, ctx.x_dtype,
+            ctx.residual_dtype, ctx.x1_dtype)
+        shape = ctx.shape
+        return (dx.reshape(shape), dw, db, dres_in.reshape(shape) if dres_in is not None else None,
+                dx1.reshape(shape) if dx1 is not None else None, dw1, db1,
+                *([None] * 11))
+
+
+def layer_norm_fn(x, weight, bias, residual=None, x1=None, weight1=None, bias1=None, eps=1e-6, dropout_p=0.0,
+                  rowscale=None, prenorm=False, residual_in_fp32=False, zero_centered_weight=False,
+                  is_rms_norm=False, return_dropout_mask=False, out_dtype=None, out=None, residual_out=None):
+    """Fused ``norm(dropout(x * rowscale) + dropout(x1) + residual)``.
+
+    x, residual, x1: (..., N), N <= 65536; weight, bias, weight1, bias1: (N,); rowscale: (...,) one scale
+    per row. residual_in_fp32 keeps the returned pre-norm sum in fp32 when no residual is given (else it
+    has residual's dtype). zero_centered_weight scales by (1 + weight). out / residual_out: preallocated
+    outputs. Returns y, then y1 if weight1 is given, then the pre-norm sum if prenorm, then the two bool
+    dropout masks (x's and x1's, None where absent) if return_dropout_mask.
+    """
+    return LayerNormFn.apply(x, weight, bias, residual, x1, weight1, bias1, eps, dropout_p, rowscale, prenorm,
+                             residual_in_fp32, zero_centered_weight, is_rms_norm, return_dropout_mask, out_dtype,
+                             out, residual_out)
+
+
+def rms_norm_fn(x, weight, bias, residual=None, x1=None, weight1=None, bias1=None, eps=1e-6, dropout_p=0.0,
+                rowscale=None, prenorm=False, residual_in_fp32=False, zero_centered_weight=False,
+                return_dropout_mask=False, out_dtype=None, out=None, residual_out=None):
+    """:func:`layer_norm_fn` with RMSNorm (no mean subtraction)."""
+    return LayerNormFn.apply(x, weight, bias, residual, x1, weight1, bias1, eps, dropout_p, rowscale, prenorm,
+                             residual_in_fp32, zero_centered_weight, True, return_dropout_mask, out_dtype, out,
+                             residual_out)
+
+
+# ------------------------------------------------------------------------------------------ references
+def layer_norm_ref(x, weight, bias, residual=None, x1=None, weight1=None, bias1=None, eps=1e-6, dropout_p=0.0,
+                   rowscale=None, prenorm=False, zero_centered_weight=False, dropout_mask=None,
+                   dropout_mask1=None, upcast=False, is_rms_norm=False):
+    """Unfused composition of standard PyTorch ops with the semantics of :func:`layer_norm_fn`; dropout
+    takes the given boolean masks (or ``F.dropout``). upcast computes in fp32."""
+    dtype = x.dtype
+    if upcast:
+        x, residual, x1 = (t.float() if t is not None else None for t in (x, residual, x1))
+        weight, bias, weight1, bias1 = (t.float() if t is not None else None for t in (weight, bias, weight1, bias1))
+    if zero_centered_weight:
+        weight = weight + 1.0
+        weight1 = weight1 + 1.0 if weight1 is not None else None
+    if rowscale is not None:
+        x = x * rowscale[..., None]
+    if dropout_p > 0.0:
+        x = (x.masked_fill(~dropout_mask, 0.0) / (1.0 - dropout_p) if dropout_mask is not None
+             else F.dropout(x, p=dropout_p))
+        if x1 is not None:
+            x1 = (x1.masked_fill(~dropout_mask1, 0.0) / (1.0 - dropout_p) if dropout_mask1 is not None
+                  else F.dropout(x1, p=dropout_p))
+    if x1 is not None:
+        x = x + x1
+    if residual is not None:
+        x = (x + residual).to(x.dtype)
+
+    def norm(w, b):
+        if is_rms_norm:
+            xf = x.to(w.dtype)
+            o = xf * torch.rsqrt(xf.square().mean(dim=-1, keepdim=True) + eps) * w
+            return (o + b if b is not None else o).to(dtype)
+        return F.layer_norm(x.to(w.dtype), x.shape[-1:], weight=w, bias=b, eps=eps).to(dtype)
+
+    outs = [norm(weight, bias)]
+    if weight1 is not None:
+        outs.append(norm(weight1, bias1))
+    if prenorm:
+        outs.append(x)
+    return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def rms_norm_ref(x, weight, bias, residual=None, x1=None, weight1=None, bias1=None, eps=1e-6, dropout_p=0.0,
+                 rowscale=None, prenorm=False, zero_centered_weight=False, dropout_mask=None, dropout_mask1=None,
+                 upcast=False):
+    """:func:`layer_norm_ref` for RMSNorm."""
+    return layer_norm_ref(x, weight, bias, residual, x1, weight1, bias1, eps, dropout_p, rowscale, prenorm,
+                          zero_centered_weight, dropout_mask, dropout_mask1, upcast, is_rms_norm=True)
+
+
+# --------------------------------------------------------------------------------------------- modules
+class LayerNorm(torch.nn.Module):
+    """LayerNorm over the last dim (hidden_size) with optional fused residual add and dropout of x."""
+
+    def __init__(self, hidden_size, eps=1e-5, dropout_p=0.0, zero_centered_weight=False, device=None,
+                 dtype=None):
+        super().__init__()
+        self.eps = eps
+        self.dropout_p = dropout_p
+        self.zero_centered_weight = zero_centered_weight
+        self.weight = torch.nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype))
+        self.bias = torch.nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype))
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        (torch.nn.init.zeros_ if self.zero_centered_weight else torch.nn.init.ones_)(self.weight)
+        torch.nn.init.zeros_(self.bias)
+
+    def forward(self, x, residual=None, prenorm=False, residual_in_fp32=False):
+        """x, residual: (..., hidden_size). Returns y, or (y, pre-norm sum) if prenorm."""
+        return layer_norm_fn(x, self.weight, self.bias, residual=residual, eps=self.eps,
+                             dropout_p=self.dropout_p if self.training else 0.0, prenorm=prenorm,
+                             residual_in_fp32=residual_in_fp32, zero_centered_weight=self.zero_centered_weight)
+
+
+class RMSNorm(torch.nn.Module):
+    """RMSNorm over the last dim (hidden_size) with optional fused residual add and dropout of x."""
+
+    def __init__(self, hidden_size, eps=1e-5, dropout_p=0.0, zero_centered_weight=False, device=None,
+                 dtype=None):
+        super().__init__()
+        self.eps = eps
+        self.dropout_p = dropout_p
+        self.zero_centered_weight = zero_centered_weight
+        self.weight = torch.nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype))
+        self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        (torch.nn.init.zeros_ if self.zero_centered_weight else torch.nn.init.ones_)(self.weight)
+
+    def forward(self, x, residual=None, prenorm=False, residual_in_fp32=False):
+        """x, residual: (..., hidden_size). Returns y, or (y, pre-norm sum) if prenorm."""
+        return rms_norm_fn(x, self.weight, self.bias, residual=residual, eps=self.eps,
+                           dropout_p=self.dropout_p if self.training else 0.0, prenorm=prenorm,
+                           residual_in_fp32=residual_in_fp32, zero_centered_weight=self.zero_centered_weight)
