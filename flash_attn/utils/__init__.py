@@ -1,0 +1,1 @@
+"""Utilities (flash_attn.utils): ``generation`` (KV-cache decoding, sampling, CUDA-graph decode steps)."""
