@@ -64,7 +64,8 @@ def attention_torch(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
         k = k.repeat_interleave(nheads // nheads_k, dim=2)
         v = v.repeat_interleave(nheads // nheads_k, dim=2)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-    scores = torch.einsum("bthd,bshd->bhts", q.float(), k.float()) * scale
+    compute_dtype = torch.promote_types(q.dtype, torch.float32)  # fp32 softmax for half inputs, fp64 stays
+    scores = torch.einsum("bthd,bshd->bhts", q.to(compute_dtype), k.to(compute_dtype)) * scale
     q_rank, q_count = _ranks(query_padding_mask, seqlen_q, q.device)
     k_rank, k_count = _ranks(key_padding_mask, seqlen_k, q.device)
     q_pos = q_rank + (k_count - q_count)[:, None]  # bottom-right alignment per sequence
@@ -80,8 +81,8 @@ def attention_torch(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
     if key_padding_mask is not None:
         visible &= key_padding_mask.bool()[:, None, :]
     if alibi_slopes is not None:
-        slopes = alibi_slopes.float().reshape(-1 if alibi_slopes.dim() == 2 else 1, nheads)
-        scores = scores - slopes[:, :, None, None] * rel.abs()[:, None].float()
+        slopes = alibi_slopes.to(compute_dtype).reshape(-1 if alibi_slopes.dim() == 2 else 1, nheads)
+        scores = scores - slopes[:, :, None, None] * rel.abs()[:, None].to(compute_dtype)
     visible = visible[:, None]  # (B or 1, 1, Sq, Sk)
     scores = scores.masked_fill(~visible, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
@@ -89,7 +90,7 @@ def attention_torch(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
     probs = probs.masked_fill(~visible.any(-1, keepdim=True), 0.0)
     if dropout_p > 0.0:
         probs = F.dropout(probs, dropout_p)
-    out = torch.einsum("bhts,bshd->bthd", probs, v.float())
+    out = torch.einsum("bhts,bshd->bthd", probs, v.to(compute_dtype))
     if query_padding_mask is not None:
         out = out.masked_fill(~query_padding_mask.bool()[:, :, None, None], 0.0)
     return out.to(q.dtype)
@@ -202,7 +203,7 @@ class LinearResidual(nn.Linear):
 def _causal_dwconv(conv, x):
     # (B, S, C): depthwise conv over the sequence, padded on both sides and cropped at the end so position
     # s only sees s-2..s (no leak from the future).
-    return conv(x.transpose(1, 2))[..., :-2].transpose(1, 2)
+    return conv(x.transpose(1, 2))[..., :-2].transpose(1, 2).contiguous()
 
 
 class MHA(nn.Module):
