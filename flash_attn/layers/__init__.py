@@ -1,0 +1,1 @@
+"""Layers shared by the models (flash_attn.layers): rotary position embeddings."""
