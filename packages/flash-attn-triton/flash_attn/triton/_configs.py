@@ -1,0 +1,94 @@
+"""Launch configurations: a fixed table per (arch, head dim, causal) instead of autotuning, so the first
+call does no timing runs and no host syncs, and every shape of a kind reuses one compiled kernel.
+
+The sm_90 entries come from sweeping candidates on an H200 in bf16 (``benchmarks/bench_attention.py
+--tune``); other GPUs get the conservative sm_80 entries. Under TRITON_INTERPRET small blocks keep the
+interpreter fast and make small test shapes span several blocks.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class FwdConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclasses.dataclass(frozen=True)
+class BwdConfig:
+    block_m: int  # query rows per step of the dK/dV kernel
+    block_n: int  # keys owned by one dK/dV program
+    num_warps: int
+    num_stages: int
+    dq_block_m: int  # deterministic dQ kernel: rows owned by one program
+    dq_block_n: int  # keys per step
+    dq_num_warps: int
+    dq_num_stages: int
+    dq_atomic: bool  # non-deterministic calls: dQ by fp32 atomics inside the dK/dV kernel
+
+
+_INTERPRET_FWD = FwdConfig(16, 16, 1, 1)
+_INTERPRET_BWD = BwdConfig(16, 16, 1, 1, 16, 16, 1, 1, True)
+# fp32 tiles take twice the registers and shared memory of 16-bit ones, and the exact fp32 products run
+# on the FMA units anyway: small tiles lose nothing.
+_FP32_FWD = FwdConfig(64, 32, 4, 2)
+_FP32_BWD = BwdConfig(32, 32, 4, 1, 32, 32, 4, 1, True)
+
+# (arch major, padded head dim, causal) -> config. Padded head dim: 32, 64, 128, 256.
+_FWD = {
+    (9, 32, False): FwdConfig(128, 128, 4, 3),
+    (9, 64, False): FwdConfig(128, 128, 4, 3),
+    (9, 128, False): FwdConfig(128, 128, 8, 3),
+    (9, 256, False): FwdConfig(128, 64, 8, 2),
+    (8, 32, False): FwdConfig(128, 64, 4, 3),
+    (8, 64, False): FwdConfig(128, 64, 4, 3),
+    (8, 128, False): FwdConfig(128, 64, 8, 2),
+    (8, 256, False): FwdConfig(64, 64, 4, 2),
+}
+_BWD = {
+    (9, 32, False): BwdConfig(64, 128, 8, 2, 128, 64, 8, 2, True),
+    (9, 64, False): BwdConfig(64, 128, 8, 2, 128, 64, 8, 2, True),
+    (9, 128, False): BwdConfig(64, 128, 8, 2, 128, 64, 8, 2, True),
+    (9, 256, False): BwdConfig(32, 64, 8, 1, 64, 32, 8, 1, True),
+    (8, 32, False): BwdConfig(64, 64, 4, 2, 64, 64, 4, 2, True),
+    (8, 64, False): BwdConfig(64, 64, 4, 2, 64, 64, 4, 2, True),
+    (8, 128, False): BwdConfig(32, 64, 4, 2, 64, 32, 4, 2, True),
+    (8, 256, False): BwdConfig(16, 64, 4, 1, 32, 32, 4, 1, True),
+}
+
+def padded_dim(d: int) -> int:
+    return max(32, 1 << (d - 1).bit_length())
+
+
+def _lookup(table, arch, d, causal):
+    major = 9 if arch is not None and arch[0] >= 9 else 8
+    for c in (causal, False):
+        cfg = table.get((major, d, c))
+        if cfg is not None:
+            return cfg
+    raise KeyError((major, d, causal))
+
+
+@functools.lru_cache(maxsize=None)
+def fwd_config(arch, head_dim: int, causal: bool, interpret: bool, dtype) -> FwdConfig:
+    if interpret:
+        return _INTERPRET_FWD
+    if dtype == torch.float32:
+        return _FP32_FWD
+    return _lookup(_FWD, arch, padded_dim(head_dim), causal)
+
+
+@functools.lru_cache(maxsize=None)
+def bwd_config(arch, head_dim: int, causal: bool, interpret: bool, dtype) -> BwdConfig:
+    if interpret:
+        return _INTERPRET_BWD
+    if dtype == torch.float32:
+        return _FP32_BWD
+    return _lookup(_BWD, arch, padded_dim(head_dim), causal)

@@ -1,0 +1,243 @@
+"""The Triton attention backend (contract: flash_attn/backends/__init__.py).
+
+Forward and backward for dense and varlen q/k/v: causal and sliding-window masks (bottom-right aligned),
+softcap, ALiBi, GQA/MQA, dropout with the shared counter-based hash, head dims 1..256 (padded to a
+power of two inside the kernel), fp16/bf16 (and fp32, with exact fp32 products). Runs on CUDA (and, by
+Triton's design, ROCm) devices, and on CPU tensors under TRITON_INTERPRET=1.
+
+The launchers are kept lean for small problems: configs come from an lru-cached table, sequence lengths
+and seeds are runtime (unspecialised) kernel arguments so no shape triggers a recompile, and nothing
+reads a device tensor on the host.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+NAME = "triton"
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_LOG2E = 1.4426950408889634
+
+
+def unavailable_reason():
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "triton is not installed"
+    if _INTERPRET:
+        return None
+    if not torch.cuda.is_available():
+        return "no CUDA/ROCm device (set TRITON_INTERPRET=1 to run kernels on CPU tensors)"
+    return None
+
+
+def unsupported_reason(call):
+    if call.device_type == "cpu":
+        if not _INTERPRET:
+            return "device cpu (needs TRITON_INTERPRET=1)"
+        if call.dtype == torch.bfloat16:
+            return "bf16 on cpu (the Triton interpreter computes bf16 wrongly)"
+    elif call.device_type != "cuda":
+        return f"device {call.device_type}"
+    if call.dtype not in _DTYPES:
+        return f"dtype {call.dtype}"
+    if not (1 <= call.head_dim <= 256 and 1 <= call.head_dim_v <= 256):
+        return f"head dims {call.head_dim}/{call.head_dim_v} not in 1..256"
+    if call.kvcache:
+        return "kvcache"
+    if call.paged:
+        return "paged KV"
+    return None
+
+
+def _kernels():
+    # Imported on first use so that importing the backend (dispatch, unavailable_reason) stays cheap.
+    global _fwd_mod, _bwd_mod, _configs, _NO_WINDOW, triton
+    import triton
+
+    from . import _bwd as _bwd_mod
+    from . import _configs
+    from . import _fwd as _fwd_mod
+    from ._common import NO_WINDOW as _NO_WINDOW
+    return _fwd_mod, _bwd_mod, _configs
+
+
+_fwd_mod = _bwd_mod = _configs = None
+_NO_WINDOW = 1 << 30
+
+
+def _arch(device):
+    if device.type != "cuda":
+        return None
+    return _ARCH.get(device.index) or _ARCH.setdefault(device.index, torch.cuda.get_device_capability(device))
+
+
+_ARCH: dict = {}
+
+
+def _geometry(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k):
+    """(B, H, Hk, D, Dv, Sq, Sk, q-like strides (batch, seq, head) of q, k, v)."""
+    if cu_seqlens_q is not None:
+        _, H, D = q.shape
+        Hk = k.shape[1]
+        B = cu_seqlens_q.shape[0] - 1
+        return (B, H, Hk, D, v.shape[-1], max_seqlen_q, max_seqlen_k,
+                (0, q.stride(0), q.stride(1)), (0, k.stride(0), k.stride(1)), (0, v.stride(0), v.stride(1)))
+    B, Sq, H, D = q.shape
+    Sk, Hk = k.shape[1], k.shape[2]
+    return (B, H, Hk, D, v.shape[-1], Sq, Sk, q.stride()[:3], k.stride()[:3], v.stride()[:3])
+
+
+def _row_strides(t, varlen):
+    # (batch, seq, head) strides of an out/dout/dq-like tensor
+    return (0, t.stride(0), t.stride(1)) if varlen else t.stride()[:3]
+
+
+def _lse_strides(lse, varlen):
+    # (batch, head) strides; rows are contiguous in both layouts ((B, H, Sq) and (H, total_q))
+    return (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
+
+
+def _alibi_strides(alibi_slopes):
+    if alibi_slopes is None:
+        return 0, 0
+    return (0, alibi_slopes.stride(0)) if alibi_slopes.dim() == 1 else tuple(alibi_slopes.stride())
+
+
+def _scalars(softmax_scale, softcap, window_left, window_right, causal, dropout_p, rng_state):
+    if softcap > 0.0:
+        softcap_scale, softcap_log2 = softmax_scale / softcap, softcap * _LOG2E
+    else:
+        softcap_scale, softcap_log2 = 0.0, 0.0
+    if causal:
+        window_right = 0
+    # (left bounded, right bounded) are constexpr flags: each bound adds a masked loop to a kernel.
+    window = (window_left >= 0, window_right >= 0)
+    wl = window_left if window_left >= 0 else _NO_WINDOW
+    wr = window_right if window_right >= 0 else _NO_WINDOW
+    if dropout_p > 0.0:
+        seed0, seed1 = (int(s) for s in rng_state.tolist())
+        threshold = min(int(dropout_p * 2**32), 2**32)
+        dropout = (seed0, seed1, threshold - 2**31, 1.0 / (1.0 - dropout_p))
+    else:
+        dropout = (0, 0, 0, 1.0)
+    return softcap_scale, softcap_log2, window, wl, wr, dropout
+
+
+def fwd(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, softmax_scale,
+        causal, window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state, return_probs,
+        config=None):
+    """Attention forward; see the contract. Dense q (B, Sq, H, D), k (B, Sk, Hk, D), v (B, Sk, Hk, Dv);
+    varlen q (total_q, H, D) with cu_seqlens int32 (B+1,). Returns (out, lse fp32, probs).
+
+    ``config`` (a _configs.FwdConfig) overrides the table, for tuning.
+    """
+    if _fwd_mod is None:
+        _kernels()
+    varlen = cu_seqlens_q is not None
+    B, H, Hk, D, Dv, Sq, Sk, sq_, sk_, sv_ = _geometry(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
+    out = q.new_empty((*q.shape[:-1], Dv))
+    lse = torch.empty((H, q.shape[0]) if varlen else (B, H, Sq), device=q.device, dtype=torch.float32)
+    if return_probs:
+        probs = torch.zeros((B, H, Sq, Sk), device=q.device, dtype=torch.float32)
+        sp_ = probs.stride()[:3]
+    else:
+        probs = out.new_empty((0,), dtype=torch.float32)
+        sp_ = (0, 0, 0)
+    if Sq == 0 or B * H == 0 or out.numel() == 0:
+        return out, lse, probs
+    softcap_scale, softcap_log2, window, wl, wr, (seed0, seed1, thr, dscale) = _scalars(
+        softmax_scale, softcap, window_left, window_right, causal, dropout_p, rng_state)
+    if config is None:
+        config = _configs.fwd_config(_arch(q.device), max(D, Dv), window[1], _INTERPRET, q.dtype)
+    so_ = _row_strides(out, varlen)
+    sl_ = _lse_strides(lse, varlen)
+    sa_ = _alibi_strides(alibi_slopes)
+    dummy = lse
+    grid = (triton.cdiv(Sq, config.block_m), B * H)
+    _fwd_mod._attn_fwd_kernel[grid](
+        q, k, v, out, lse, probs, alibi_slopes if alibi_slopes is not None else dummy,
+        cu_seqlens_q if varlen else dummy, cu_seqlens_k if varlen else dummy,
+        *sq_, *sk_, *sv_, *so_, *sl_, *sa_, *sp_,
+        Sq, Sk, H, H // Hk,
+        softmax_scale * _LOG2E, softcap_scale, softcap_log2, wl, wr,
+        seed0, seed1, thr, dscale,
+        IS_FP32=q.dtype == torch.float32, HEAD_DIM=D, HEAD_DIM_V=Dv,
+        BLOCK_D=_configs.padded_dim(D), BLOCK_DV=_configs.padded_dim(Dv),
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, IS_VARLEN=varlen, WINDOW_LEFT=window[0],
+        WINDOW_RIGHT=window[1], HAS_SOFTCAP=softcap > 0.0, HAS_ALIBI=alibi_slopes is not None,
+        HAS_DROPOUT=dropout_p > 0.0,
+        RETURN_PROBS=bool(return_probs), num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out, lse, probs
+
+
+def bwd(dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
+        softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state,
+        deterministic, config=None):
+    """Attention backward; see the contract. Returns (dq, dk, dv) shaped like q, k, v in their dtype.
+
+    deterministic=True computes dQ in its own kernel (no atomics), so results are bitwise reproducible.
+    ``config`` (a _configs.BwdConfig) overrides the table, for tuning.
+    """
+    if _fwd_mod is None:
+        _kernels()
+    varlen = cu_seqlens_q is not None
+    B, H, Hk, D, Dv, Sq, Sk, sq_, sk_, sv_ = _geometry(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if B * Hk == 0 or dk.numel() == 0 and dv.numel() == 0:
+        return torch.zeros(q.shape, dtype=q.dtype, device=q.device), dk, dv
+    softcap_scale, softcap_log2, window, wl, wr, (seed0, seed1, thr, dscale) = _scalars(
+        softmax_scale, softcap, window_left, window_right, causal, dropout_p, rng_state)
+    if config is None:
+        config = _configs.bwd_config(_arch(q.device), max(D, Dv), window[1], _INTERPRET, q.dtype)
+    dq_atomic = config.dq_atomic and not deterministic
+    if dq_atomic:
+        dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    else:
+        dq_acc = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    sdo_ = _row_strides(dout, varlen)
+    sdq_ = _row_strides(dq_acc, varlen)
+    sdk_ = _row_strides(dk, varlen)
+    sdv_ = _row_strides(dv, varlen)
+    sl_ = _lse_strides(lse, varlen)
+    sa_ = _alibi_strides(alibi_slopes)
+    dummy = lse
+    alibi = alibi_slopes if alibi_slopes is not None else dummy
+    cu_q = cu_seqlens_q if varlen else dummy
+    cu_k = cu_seqlens_k if varlen else dummy
+    block_d, block_dv = _configs.padded_dim(D), _configs.padded_dim(Dv)
+    flags = dict(IS_FP32=q.dtype == torch.float32, HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=block_d,
+                 BLOCK_DV=block_dv, IS_VARLEN=varlen, WINDOW_LEFT=window[0], WINDOW_RIGHT=window[1],
+                 HAS_SOFTCAP=softcap > 0.0,
+                 HAS_ALIBI=alibi_slopes is not None, HAS_DROPOUT=dropout_p > 0.0)
+    scalars = (Sq, Sk, H, H // Hk, softmax_scale, softmax_scale * _LOG2E, softcap_scale, softcap_log2, wl, wr,
+               seed0, seed1, thr, dscale)
+
+    delta = torch.empty_like(lse)
+    if Sq > 0:
+        pre_m = 64 if block_dv <= 128 else 32
+        _bwd_mod._bwd_preprocess_kernel[(triton.cdiv(Sq, pre_m), B * H)](
+            out, dout, delta, cu_q, *_row_strides(out, varlen), *sdo_, *sl_, Sq, H,
+            HEAD_DIM_V=Dv, BLOCK_DV=block_dv, BLOCK_M=pre_m, IS_VARLEN=varlen, num_warps=4)
+    if Sk > 0:
+        _bwd_mod._bwd_dkdv_kernel[(triton.cdiv(Sk, config.block_n), B * Hk)](
+            q, k, v, dout, lse, delta, dq_acc, dk, dv, alibi, cu_q, cu_k,
+            *sq_, *sk_, *sv_, *sdo_, *sdq_, *sdk_, *sdv_, *sl_, *sa_, *scalars,
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, DQ_ATOMIC=dq_atomic, **flags,
+            num_warps=config.num_warps, num_stages=config.num_stages)
+    if dq_atomic:
+        dq = dq_acc if q.dtype == torch.float32 else dq_acc.to(q.dtype)
+    else:
+        dq = dq_acc
+        if Sq > 0:
+            _bwd_mod._bwd_dq_kernel[(triton.cdiv(Sq, config.dq_block_m), B * H)](
+                q, k, v, dout, lse, delta, dq, alibi, cu_q, cu_k,
+                *sq_, *sk_, *sv_, *sdo_, *sdq_, *sl_, *sa_, *scalars,
+                BLOCK_M=config.dq_block_m, BLOCK_N=config.dq_block_n, **flags,
+                num_warps=config.dq_num_warps, num_stages=config.dq_num_stages)
+    return dq, dk, dv
