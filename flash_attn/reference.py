@@ -5,7 +5,9 @@ runs on any device and dtype (fp16, bf16, fp32).
 
 Memory stays linear in the sequence length: a score tile never holds more than MAX_TILE_ELEMENTS
 elements, tiles that the causal/local mask hides entirely are never computed, and the backward pass
-recomputes P per tile from the saved logsumexp instead of storing it. All arithmetic is fp32; loops run
+recomputes P per tile from the saved logsumexp instead of storing it. fp16/bf16 inputs are computed in
+fp32; fp32 inputs in fp64, because the accuracy yardstick for fp32 is PyTorch's own fp32 error and an
+online softmax in that same precision lands at 1-2.5x of it (the lse is still returned in fp32). Loops run
 in a fixed order, so results are bitwise reproducible run to run.
 """
 import math
@@ -18,7 +20,7 @@ from flash_attn import dropout as _dropout
 
 NAME = "torch"
 
-# Upper bound on the elements of one score tile (N * H * block_q * block_k), ~64 MB in fp32.
+# Upper bound on the elements of one score tile (N * H * block_q * block_k): 64 MB in fp32, 128 MB in fp64.
 MAX_TILE_ELEMENTS = 1 << 24
 # Preferred key block; the query block is then chosen to fill MAX_TILE_ELEMENTS.
 BLOCK_K = 512
@@ -30,6 +32,10 @@ BLOCK_Q: Optional[int] = 1024
 debug_tile_hook: Optional[Callable[[tuple], None]] = None
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _acc_dtype(dtype):
+    return torch.float64 if dtype == torch.float32 else torch.float32
 
 
 def unavailable_reason():
@@ -68,7 +74,8 @@ class _Plan:
     window_left: int
     window_right: int
     softcap: float
-    slopes: Optional[torch.Tensor]  # (N, Hk, G, 1, 1) fp32
+    slopes: Optional[torch.Tensor]  # (N, Hk, G, 1, 1) in acc
+    acc: torch.dtype  # accumulation dtype
     dropout_p: float
     rng_state: Optional[torch.Tensor]
     b_idx: Optional[torch.Tensor]  # (N,) int64: sequence numbers in the dropout hash
@@ -94,7 +101,7 @@ class _Plan:
         return right_ok and left_ok
 
     def scores(self, qs, kt, q0, q1, k0, k1):
-        """Scores (N, Hk, G, bq, bk) fp32 of the pre-scaled queries qs (N, Hk, G*bq, D) against keys
+        """Scores (N, Hk, G, bq, bk) in acc of the pre-scaled queries qs (N, Hk, G*bq, D) against keys
         kt (N, Hk, D, bk), -inf where masked; and tanh(raw / softcap) (or None) for the backward."""
         bq, bk = q1 - q0, k1 - k0
         s = torch.matmul(qs, kt).view(self.N, self.Hk, self.G, bq, bk)
@@ -110,7 +117,7 @@ class _Plan:
             j = torch.arange(k0, k1, device=s.device).view(1, bk)
             rel = j - (i + self.offset)
             if self.slopes is not None:
-                s = s - self.slopes * rel.abs().to(torch.float32)
+                s = s - self.slopes * rel.abs().to(self.acc)
             if not full:
                 vis = torch.ones(bq, bk, dtype=torch.bool, device=s.device)
                 if self.window_left >= 0:
@@ -140,16 +147,16 @@ def _make_plan(q, k, scale, window_left, window_right, softcap, slopes, dropout_
     Sk, Hk = k.shape[1], k.shape[2]
     G = H // Hk
     if slopes is not None:
-        slopes = slopes.to(device=q.device, dtype=torch.float32).reshape(N, Hk, G, 1, 1)
+        slopes = slopes.to(device=q.device, dtype=_acc_dtype(q.dtype)).reshape(N, Hk, G, 1, 1)
     return _Plan(N, Hk, G, Sq, Sk, float(scale), int(window_left), int(window_right), float(softcap), slopes,
-                 float(dropout_p), rng_state, b_idx, int(max_seqlen_q))
+                 _acc_dtype(q.dtype), float(dropout_p), rng_state, b_idx, int(max_seqlen_q))
 
 
 def _q_chunk(q, q0, q1, plan):
-    # (N, bq, H, D) -> (N, Hk, G * bq, D) fp32: the G query heads of a KV head share one matmul, so K/V
+    # (N, bq, H, D) -> (N, Hk, G * bq, D) in acc: the G query heads of a KV head share one matmul, so K/V
     # are never repeated per query head (GQA/MQA).
     N, bq, D = q.shape[0], q1 - q0, q.shape[-1]
-    x = q[:, q0:q1].to(torch.float32).view(N, bq, plan.Hk, plan.G, D).permute(0, 2, 3, 1, 4)
+    x = q[:, q0:q1].to(plan.acc).view(N, bq, plan.Hk, plan.G, D).permute(0, 2, 3, 1, 4)
     return x.reshape(N, plan.Hk, plan.G * bq, D)
 
 
@@ -178,8 +185,8 @@ def _fwd_plan(q, k, v, plan, return_probs):
     probs = (torch.zeros(N, H, Sq, plan.Sk, dtype=torch.float32, device=q.device) if return_probs else None)
     if Sq == 0 or plan.Sk == 0:
         return out, lse, probs
-    kt = k.to(torch.float32).permute(0, 2, 3, 1)  # (N, Hk, D, Sk)
-    vt = v.to(torch.float32).permute(0, 2, 1, 3)  # (N, Hk, Sk, Dv)
+    kt = k.to(plan.acc).permute(0, 2, 3, 1)  # (N, Hk, D, Sk)
+    vt = v.to(plan.acc).permute(0, 2, 1, 3)  # (N, Hk, Sk, Dv)
     bq, bk = plan.blocks()
     shape_rows = (N, plan.Hk, plan.G)
     for q0 in range(0, Sq, bq):
@@ -189,9 +196,9 @@ def _fwd_plan(q, k, v, plan, return_probs):
             continue
         nq = q1 - q0
         qs = _q_chunk(q, q0, q1, plan) * plan.scale
-        m = torch.full((*shape_rows, nq), float("-inf"), dtype=torch.float32, device=q.device)
-        l = torch.zeros((*shape_rows, nq), dtype=torch.float32, device=q.device)
-        acc = torch.zeros((*shape_rows, nq, Dv), dtype=torch.float32, device=q.device)
+        m = torch.full((*shape_rows, nq), float("-inf"), dtype=plan.acc, device=q.device)
+        l = torch.zeros((*shape_rows, nq), dtype=plan.acc, device=q.device)
+        acc = torch.zeros((*shape_rows, nq, Dv), dtype=plan.acc, device=q.device)
         for k0 in range(lo, hi, bk):
             k1 = min(k0 + bk, hi)
             s, _ = plan.scores(qs, kt[..., k0:k1], q0, q1, k0, k1)
@@ -229,16 +236,16 @@ def _probs_rows(probs, qs, kt, row_lse, plan, q0, q1, lo, hi, bk):
 
 
 def _bwd_plan(dout, q, k, v, out, lse, plan):
-    """Gradients fp32: dq (N, Sq, H, D), dk (N, Sk, Hk, D), dv (N, Sk, Hk, Dv)."""
+    """Gradients in plan.acc: dq (N, Sq, H, D), dk (N, Sk, Hk, D), dv (N, Sk, Hk, Dv)."""
     N, Sq, H, D = q.shape
     Dv = v.shape[-1]
-    dq = torch.zeros(N, Sq, H, D, dtype=torch.float32, device=q.device)
-    dk = torch.zeros(N, plan.Hk, plan.Sk, D, dtype=torch.float32, device=q.device)
-    dv = torch.zeros(N, plan.Hk, plan.Sk, Dv, dtype=torch.float32, device=q.device)
+    dq = torch.zeros(N, Sq, H, D, dtype=plan.acc, device=q.device)
+    dk = torch.zeros(N, plan.Hk, plan.Sk, D, dtype=plan.acc, device=q.device)
+    dv = torch.zeros(N, plan.Hk, plan.Sk, Dv, dtype=plan.acc, device=q.device)
     if Sq > 0 and plan.Sk > 0:
-        kt = k.to(torch.float32).permute(0, 2, 3, 1)  # (N, Hk, D, Sk)
-        kf = k.to(torch.float32).permute(0, 2, 1, 3)  # (N, Hk, Sk, D)
-        vt = v.to(torch.float32).permute(0, 2, 3, 1)  # (N, Hk, Dv, Sk)
+        kt = k.to(plan.acc).permute(0, 2, 3, 1)  # (N, Hk, D, Sk)
+        kf = k.to(plan.acc).permute(0, 2, 1, 3)  # (N, Hk, Sk, D)
+        vt = v.to(plan.acc).permute(0, 2, 3, 1)  # (N, Hk, Dv, Sk)
         bq, bk = plan.blocks()
         for q0 in range(0, Sq, bq):
             q1 = min(q0 + bq, Sq)
@@ -251,13 +258,16 @@ def _bwd_plan(dout, q, k, v, out, lse, plan):
             o = _q_chunk(out, q0, q1, plan)
             # delta_i = sum_j P_ij dP_ij = dO_i . O_i, also under dropout (O already holds the mask).
             delta = (do * o).sum(-1).view(N, plan.Hk, plan.G, nq, 1)
-            row_lse = _rows(lse, plan, q0, q1).unsqueeze(-1)
-            dqs = torch.zeros(N, plan.Hk, plan.G * nq, D, dtype=torch.float32, device=q.device)
+            row_lse = _rows(lse, plan, q0, q1).to(plan.acc).unsqueeze(-1)
+            dqs = torch.zeros(N, plan.Hk, plan.G * nq, D, dtype=plan.acc, device=q.device)
             for k0 in range(lo, hi, bk):
                 k1 = min(k0 + bk, hi)
                 nk = k1 - k0
                 s, t = plan.scores(qs, kt[..., k0:k1], q0, q1, k0, k1)
-                p = torch.exp(s - row_lse)  # rows with lse = +inf give 0: no gradient flows there
+                # The lse arrives rounded to fp32; rounding s the same way (a no-op unless acc is fp64) keeps
+                # P exactly 1 where a row's mass sits on one key, as it is in the forward. Rows with
+                # lse = +inf give P = 0: no gradient flows there.
+                p = torch.exp(s.float().to(plan.acc) - row_lse)
                 dp = torch.matmul(do, vt[..., k0:k1]).view(N, plan.Hk, plan.G, nq, nk)
                 if plan.dropout_p > 0:
                     keep = plan.keep(q0, q1, k0, k1, q.device) * plan.dropout_scale
@@ -367,10 +377,11 @@ def bwd(dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     cu_q, cu_k = _host(cu_seqlens_q), _host(cu_seqlens_k)
     B = cu_q.numel() - 1
     H = q.shape[1]
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    # Flat fp32 accumulators: a paged block may in principle serve several sequences.
-    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device).view(-1, *k.shape[-2:])
-    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device).view(-1, *v.shape[-2:])
+    acc = _acc_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    # Flat accumulators: a paged block may in principle serve several sequences.
+    dk = torch.zeros(k.shape, dtype=acc, device=k.device).view(-1, *k.shape[-2:])
+    dv = torch.zeros(v.shape, dtype=acc, device=v.device).view(-1, *v.shape[-2:])
     for b in range(B):
         q0, q1 = _seq_bounds(cu_q, b)
         k0, k1 = _seq_bounds(cu_k, b)

@@ -104,8 +104,9 @@ def _check_single_key_zero_grads(dq, dk, dout, q, k, v, attn):
     # When every row sees at most one key, P is 0/1 and dS = P (dO.v - dO.o) = 0: dq and dk are exactly 0.
     # PyTorch's softmax backward cancels exactly there, which makes the relative criterion degenerate; the
     # backend (like FlashAttention, which forms rowsum(dO * O) apart from dP = dO V^T) leaves the rounding
-    # residue of two fp32 dot products of length Dv: |dS_ij| <= 2 Dv u |dO_i|.|v_j| P_ij (Higham, Accuracy
-    # and Stability, eq. 3.5), propagated through dq = scale dS K and dk = scale dS^T Q.
+    # residue of two dot products of length Dv in its accumulation precision (fp32, or fp64 for fp32
+    # inputs; u = 2**-24 bounds both): |dS_ij| <= 2 Dv u |dO_i|.|v_j| P_ij (Higham, Accuracy and
+    # Stability, eq. 3.5), propagated through dq = scale dS K and dk = scale dS^T Q.
     B, Sq, H, D = q.shape
     Sk, Hk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     u = 2.0**-24
