@@ -7,7 +7,7 @@ fields FlashAttention 2 reads, all optional (default in parentheses):
     n_head_kv (n_head)            grouped-query attention
     rotary_emb_fraction (0.0)     fraction of each head dim that is rotated (0 = learned positions only)
     rotary_emb_base (10000.0), rotary_emb_scale_base (None), rotary_emb_interleaved (False)
-    rope_scaling (None)           HF-style dict: {"rope_type": "linear"|"llama3", "factor": ..., ...}
+    rotary_emb_scaling (None)     HF-style rope scaling dict: {"rope_type": "linear"|"llama3", "factor": ...}
     use_alibi (False), window_size ((-1, -1))
     rms_norm (False)              RMSNorm instead of LayerNorm
     parallel_block (False), parallel_block_tied_norm (False)   GPT-J / GPT-NeoX layers
@@ -94,10 +94,20 @@ def rope_inv_freq(dim, base, rope_scaling=None, device=None):
     raise NotImplementedError(f"rope_scaling type {rope_type!r}: supported are 'default', 'linear', 'llama3'")
 
 
-def _set_rotary_scaling(mha, rope_scaling, base):
-    rotary = mha.rotary_emb
-    inv_freq = rope_inv_freq(mha.rotary_emb_dim, base, rope_scaling, device=rotary.inv_freq.device)
-    rotary.set_inv_freq(inv_freq)
+def _scaled_rotary(mha, rope_scaling):
+    """Swap mha.rotary_emb for one whose frequencies follow rope_scaling (same dim, base and layout)."""
+    from flash_attn.layers.rotary import RotaryEmbedding
+
+    class ScaledRotaryEmbedding(RotaryEmbedding):
+        # _compute_inv_freq is also what the table refresh falls back to after a dtype cast, so overriding
+        # it (rather than overwriting the buffer) keeps the scaling in every path.
+        def _compute_inv_freq(self, device=None):
+            return rope_inv_freq(self.dim, self.base, rope_scaling, device=device)
+
+    old = mha.rotary_emb
+    mha.rotary_emb = ScaledRotaryEmbedding(old.dim, base=old.base, interleaved=old.interleaved,
+                                           scale_base=old.scale_base, pos_idx_in_fp32=old.pos_idx_in_fp32,
+                                           device=old.inv_freq.device)
     return mha
 
 
@@ -122,11 +132,10 @@ def create_mixer_cls(config, layer_idx=None, device=None, dtype=None):
         use_alibi=_get(config, "use_alibi", False), window_size=tuple(_get(config, "window_size", (-1, -1))),
         fused_bias_fc=_get(config, "fused_bias_fc", False), use_flash_attn=_get(config, "use_flash_attn", False),
         **factory_kwargs)
-    rope_scaling = getattr(config, "rope_scaling", None)
+    rope_scaling = getattr(config, "rotary_emb_scaling", None)
     if rotary_emb_dim > 0 and rope_scaling is not None:
-        def scaled_mixer(dim):
-            return _set_rotary_scaling(mixer_cls(dim), rope_scaling, rotary_emb_base)
-        return scaled_mixer
+        rope_inv_freq(2, 1.0, rope_scaling)  # fail at build time on an unsupported scaling type
+        return lambda dim: _scaled_rotary(mixer_cls(dim), rope_scaling)
     return mixer_cls
 
 

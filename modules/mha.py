@@ -376,8 +376,8 @@ class MHA(nn.Module):
             raise ValueError("cu_seqlens_k / max_seqlen_k are only accepted with cu_seqlens and cross_attn=True")
         if x.shape[-1] != self.embed_dim:
             raise ValueError(f"x has width {x.shape[-1]}, expected embed_dim={self.embed_dim}")
-        if mixer_subset is not None and self.causal:
-            raise ValueError("mixer_subset is only supported for non-causal attention")
+        if mixer_subset is not None and (self.causal or cu_seqlens is not None):
+            raise ValueError("mixer_subset needs non-causal attention on padded (B, S, D) input")
         if inference_params is not None:
             if self.cross_attn or self.dwconv:
                 raise NotImplementedError("KV-cache inference with cross_attn or dwconv")
@@ -409,25 +409,28 @@ class MHA(nn.Module):
             kv = _causal_dwconv(self.dwconv_kv, kv)
         return None, q.unflatten(-1, (self.num_heads, head)), kv.unflatten(-1, (2, self.num_heads_kv, head)), x_q
 
-    def _attend(self, qkv, q, kv, key_padding_mask, cu_seqlens, max_seqlen, cu_seqlens_k, max_seqlen_k):
+    def _attend(self, qkv, q, kv, key_padding_mask, cu_seqlens, max_seqlen, cu_seqlens_k, max_seqlen_k,
+                same_tokens):
+        """same_tokens: queries and keys are the same tokens (self-attention, possibly through Wq/Wkv), so the
+        key padding mask and cu_seqlens also describe the queries."""
         if not self.use_flash_attn:
             if qkv is not None:
                 return self.inner_attn(qkv, key_padding_mask=key_padding_mask)
-            if self.cross_attn:
+            if not same_tokens:
                 return self.inner_cross_attn(q, kv, key_padding_mask=key_padding_mask)
-            inner = self.inner_attn  # GQA self-attention: queries are padded like the keys
+            inner = self.inner_cross_attn
             return attention_torch(q, *kv.unbind(dim=2), inner.softmax_scale, inner.causal, inner.window_size,
                                    inner.alibi_slopes, key_padding_mask, key_padding_mask, inner._dropout_p())
         if key_padding_mask is not None:
-            return self._attend_padded(qkv, q, kv, key_padding_mask)
+            return self._attend_padded(qkv, q, kv, key_padding_mask, same_tokens)
         if qkv is not None:
             return self.inner_attn(qkv, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
-        if not self.cross_attn:
+        if same_tokens and cu_seqlens_k is None:
             cu_seqlens_k, max_seqlen_k = cu_seqlens, max_seqlen
         return self.inner_cross_attn(q, kv, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, cu_seqlens_k=cu_seqlens_k,
                                      max_seqlen_k=max_seqlen_k)
 
-    def _attend_padded(self, qkv, q, kv, key_padding_mask):
+    def _attend_padded(self, qkv, q, kv, key_padding_mask, same_tokens):
         """Flash path for a padded batch: unpad -> varlen kernel -> pad (padded query rows come back 0)."""
         from flash_attn.bert_padding import pad_input, unpad_input
 
@@ -438,11 +441,11 @@ class MHA(nn.Module):
             return pad_input(out, indices, batch, seqlen)
         batch, seqlen_q = q.shape[:2]
         kv_unpad, _, cu_seqlens_k, max_seqlen_k, _ = unpad_input(kv, key_padding_mask)
-        if self.cross_attn:  # queries are all real; only the keys are padded
+        if same_tokens:
+            q_unpad, indices, cu_seqlens, max_seqlen, _ = unpad_input(q, key_padding_mask)
+        else:  # every query is real; only the keys are padded
             q_unpad, indices, max_seqlen = q.flatten(0, 1), None, seqlen_q
             cu_seqlens = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32, device=q.device)
-        else:
-            q_unpad, indices, cu_seqlens, max_seqlen, _ = unpad_input(q, key_padding_mask)
         out = self.inner_cross_attn(q_unpad, kv_unpad, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
                                     cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k)
         if indices is None:
@@ -474,8 +477,6 @@ class MHA(nn.Module):
             else:
                 q, kv = self.rotary_emb(q, kv, seqlen_offset=offset, max_seqlen=max_len)
         if mixer_subset is not None and not self.cross_attn:
-            if key_padding_mask is not None:
-                raise NotImplementedError("mixer_subset with key_padding_mask needs cross_attn=True")
             if qkv is not None:
                 q, kv, qkv = qkv[:, :, 0], qkv[:, :, 1:], None
             q = q[:, mixer_subset]
@@ -486,8 +487,9 @@ class MHA(nn.Module):
                 q, kv = qkv[:, :, 0], qkv[:, :, 1:]
             out = self._attend_with_cache(q, kv, inference_params)
         else:
+            same_tokens = x_kv is None and mixer_subset is None
             args = (qkv, q, kv, key_padding_mask, cu_seqlens, max_seqlen, kwargs.get("cu_seqlens_k"),
-                    kwargs.get("max_seqlen_k"))
+                    kwargs.get("max_seqlen_k"), same_tokens)
             if self.checkpointing and torch.is_grad_enabled():
                 out = checkpoint(self._attend, *args, use_reentrant=False)
             else:

@@ -5,6 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import flash_attn.ops.triton as triton_ops
+
 from flash_attn.bert_padding import unpad_input
 from flash_attn.modules.mha import MHA, get_alibi_slopes
 from flash_attn.testing import assert_close_to_ref, attention_ref
@@ -34,8 +36,23 @@ def finish(m, out):
     return F.linear(out.flatten(-2), m.out_proj.weight, m.out_proj.bias)
 
 
+def rotate(x, rotary_dim, interleaved, base=10000.0):
+    """RoPE written out: pairs (2i, 2i+1) if interleaved else (i, i + rotary_dim/2) turn by pos * base^(-2i/rd)."""
+    inv_freq = base ** (-torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+    angles = torch.arange(x.shape[1], dtype=torch.float64)[:, None] * inv_freq  # (S, rd/2)
+    cos, sin = angles.cos()[:, None], angles.sin()[:, None]  # broadcast over heads
+    xr = x[..., :rotary_dim].double()
+    a, b = (xr[..., 0::2], xr[..., 1::2]) if interleaved else xr.chunk(2, dim=-1)
+    ra, rb = a * cos - b * sin, a * sin + b * cos
+    rot = torch.stack([ra, rb], dim=-1).flatten(-2) if interleaved else torch.cat([ra, rb], dim=-1)
+    return torch.cat([rot.to(x.dtype), x[..., rotary_dim:]], dim=-1)
+
+
 def mha_ref(m, x, key_padding_mask=None, **kwargs):
     q, k, v = split_self(m, x)
+    if m.rotary_emb_dim > 0:
+        q = rotate(q, m.rotary_emb_dim, m.rotary_emb.interleaved)
+        k = rotate(k, m.rotary_emb_dim, m.rotary_emb.interleaved)
     out, _ = attention_ref(q, k, v, query_padding_mask=key_padding_mask, key_padding_mask=key_padding_mask,
                            causal=m.causal, **kwargs)
     return finish(m, out)
@@ -50,6 +67,14 @@ def cross_ref(m, x, x_kv, key_padding_mask=None):
 
 def padding_mask(lengths, seqlen):
     return torch.arange(seqlen)[None] < torch.tensor(lengths)[:, None]
+
+
+@pytest.fixture(autouse=True)
+def torch_ops():
+    # Fused ops (rotary) on their PyTorch path: the Triton interpreter is far too slow for module tests
+    # and the kernels have their own tests.
+    with triton_ops.backend("torch"):
+        yield
 
 
 flash_param = pytest.mark.parametrize("use_flash_attn", [False, True], ids=["torch", "flash"])
@@ -117,6 +142,17 @@ def test_alibi_and_sliding_window(use_flash_attn, window_size):
     slopes = torch.tensor(get_alibi_slopes(H))
     torch.testing.assert_close(m(x), mha_ref(m, x, alibi_slopes=slopes, window_size=window_size), atol=ATOL,
                                rtol=0)
+
+
+@flash_param
+@pytest.mark.parametrize("num_heads_kv", [4, 2], ids=["mha", "gqa"])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["halves", "interleaved"])
+@pytest.mark.parametrize("rotary_emb_dim", [8, 16], ids=["partial", "full"])
+def test_rotary_matches_reference(use_flash_attn, num_heads_kv, interleaved, rotary_emb_dim):
+    m = make(num_heads_kv=num_heads_kv, causal=True, rotary_emb_dim=rotary_emb_dim,
+             rotary_emb_interleaved=interleaved, use_flash_attn=use_flash_attn)
+    x = torch.randn(2, 11, D)
+    torch.testing.assert_close(m(x), mha_ref(m, x), atol=ATOL, rtol=0)
 
 
 @flash_param
@@ -202,6 +238,54 @@ def test_mixer_subset(use_flash_attn, cross_attn):
     torch.testing.assert_close(m(x, mixer_subset=subset), ref, atol=ATOL, rtol=0)
 
 
+def as_cross(m, **kwargs):
+    """The same weights in a cross_attn=True module (Wqkv split into Wq and Wkv)."""
+    c = MHA(D, H, num_heads_kv=m.num_heads_kv, cross_attn=True, causal=m.causal, **kwargs).eval()
+    q_dim = H * m.head_dim
+    c.Wq.weight.data, c.Wq.bias.data = m.Wqkv.weight[:q_dim].clone(), m.Wqkv.bias[:q_dim].clone()
+    c.Wkv.weight.data, c.Wkv.bias.data = m.Wqkv.weight[q_dim:].clone(), m.Wqkv.bias[q_dim:].clone()
+    c.out_proj.load_state_dict(m.out_proj.state_dict())
+    return c
+
+
+@flash_param
+def test_cross_attn_module_on_one_input_is_self_attention(use_flash_attn):
+    # BERT's last layer is a cross_attn module; without x_kv it must behave exactly like self-attention,
+    # padded queries included.
+    m = make(num_heads_kv=2)
+    c = as_cross(m, use_flash_attn=use_flash_attn)
+    x = torch.randn(3, 8, D)
+    mask = padding_mask([8, 2, 5], 8)
+    torch.testing.assert_close(c(x, key_padding_mask=mask), mha_ref(m, x, key_padding_mask=mask), atol=ATOL,
+                               rtol=0)
+
+
+@flash_param
+def test_mixer_subset_with_key_padding(use_flash_attn):
+    m = make(cross_attn=True, use_flash_attn=use_flash_attn)
+    x = torch.randn(2, 9, D)
+    mask = padding_mask([9, 4], 9)
+    subset = torch.tensor([0, 2, 3])
+    torch.testing.assert_close(m(x, key_padding_mask=mask, mixer_subset=subset),
+                               cross_ref(m, x[:, subset], x, mask), atol=ATOL, rtol=0)
+
+
+def test_varlen_cross_attention_on_token_subset():
+    # BERT's packed last layer: queries are a subset of each sequence's tokens, keys all of them.
+    m = make(cross_attn=True, use_flash_attn=True)
+    x = torch.randn(2, 7, D)
+    mask = padding_mask([7, 4], 7)
+    subset = torch.zeros(2, 7, dtype=torch.bool)
+    subset[0, [0, 5]] = True
+    subset[1, [0, 1, 3]] = True
+    x_unpad, _, cu_seqlens_k, max_seqlen_k, _ = unpad_input(x, mask)
+    cu_seqlens = torch.tensor([0, 2, 5], dtype=torch.int32)
+    out = m(x[subset], x_kv=x_unpad, cu_seqlens=cu_seqlens, max_seqlen=3, cu_seqlens_k=cu_seqlens_k,
+            max_seqlen_k=max_seqlen_k)
+    ref = torch.cat([cross_ref(m, x[b:b + 1, subset[b]], x[b:b + 1, mask[b]])[0] for b in range(2)])
+    torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
+
+
 # --------------------------------------------------------------------------------------------- KV cache
 def decode_in_steps(m, x, steps, inference_params=None):
     """Prefill x[:, :steps[0]], then feed the remaining tokens in chunks of the given sizes."""
@@ -228,6 +312,17 @@ def test_kv_cache_matches_full_forward(use_flash_attn, num_heads_kv):
 
 
 @flash_param
+@pytest.mark.parametrize("num_heads_kv", [4, 2], ids=["mha", "gqa"])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["halves", "interleaved"])
+def test_kv_cache_with_rotary_matches_full_forward(use_flash_attn, num_heads_kv, interleaved):
+    m = make(num_heads_kv=num_heads_kv, causal=True, layer_idx=0, rotary_emb_dim=8,
+             rotary_emb_interleaved=interleaved, use_flash_attn=use_flash_attn)
+    x = torch.randn(2, 9, D)
+    out, _ = decode_in_steps(m, x, [4, 1, 3, 1])
+    torch.testing.assert_close(out, m(x), atol=ATOL, rtol=0)
+
+
+@flash_param
 def test_kv_cache_with_alibi_and_window(use_flash_attn):
     m = make(causal=True, layer_idx=0, use_alibi=True, window_size=(4, 0), use_flash_attn=use_flash_attn)
     x = torch.randn(2, 10, D)
@@ -239,7 +334,7 @@ def test_kv_cache_with_alibi_and_window(use_flash_attn):
 def test_kv_cache_per_sample_lengths_and_batch_offset(use_flash_attn):
     # Sequence 0 has a 6-token prompt, sequence 1 a 3-token one; each is prefilled alone (batch_size_offset),
     # then one step decodes both with lengths_per_sample = [6, 3].
-    m = make(causal=True, layer_idx=3, use_flash_attn=use_flash_attn)
+    m = make(causal=True, layer_idx=3, rotary_emb_dim=8, use_flash_attn=use_flash_attn)
     a, b = torch.randn(1, 7, D), torch.randn(1, 4, D)
     params = InferenceParams(max_seqlen=8, max_batch_size=2)
     params.batch_size_offset = 0
