@@ -517,3 +517,35 @@ def test_long_sequence_never_materialises_s_by_s(monkeypatch):
     o_ref, _ = attention_ref(*sl, causal=True, window_size=(W, 0))
     o_pt, _ = attention_ref(*sl, causal=True, window_size=(W, 0), upcast=False, reorder_ops=True)
     assert_close_to_ref(out[:, -64:], o_ref, o_pt)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Empty inputs, other devices
+
+
+@pytest.mark.parametrize("B,Sq,Sk", [(0, 4, 5), (2, 0, 5), (2, 4, 0)])
+def test_empty_dense(B, Sq, Sk):
+    q, k, v = _qkv(B, Sq, Sk, 2, 2, 16, 16, torch.float16)
+    kw = _kwargs(16, causal=True)
+    out, lse, probs = R.fwd(q, k, v, return_probs=True, **kw)
+    assert out.shape == (B, Sq, 2, 16) and lse.shape == (B, 2, Sq) and probs.shape == (B, 2, Sq, Sk)
+    assert torch.all(out == 0) and torch.all(lse == float("inf"))
+    dq, dk, dv = R.bwd(torch.ones_like(out), q, k, v, out, lse, deterministic=True, **kw)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    assert not dq.any() and not dk.any() and not dv.any()
+
+
+@pytest.mark.gpu
+def test_cuda_matches_cpu():
+    B, Sq, Sk, H, Hk, D = 2, 45, 70, 4, 2, 64
+    q, k, v = _qkv(B, Sq, Sk, H, Hk, D, D, torch.bfloat16)
+    kw = _kwargs(D, causal=True, dropout_p=0.1, softcap=4.0, rng_state=torch.tensor([3, 4]),
+                 alibi_slopes=torch.rand(H))
+    out, lse, _ = R.fwd(q, k, v, return_probs=False, **kw)
+    kw_cuda = dict(kw, alibi_slopes=kw["alibi_slopes"].cuda())
+    out_c, lse_c, _ = R.fwd(q.cuda(), k.cuda(), v.cuda(), return_probs=False, **kw_cuda)
+    (o_ref, *_), (o_pt, *_) = _ref_and_pt(q, k, v, None, causal=True, softcap=4.0,
+                                          alibi_slopes=kw["alibi_slopes"], dropout_p=0.1,
+                                          dropout_mask=dropout_keep_mask(torch.tensor([3, 4]), 0.1, B, H, Sq, Sk))
+    assert_close_to_ref(out_c.cpu(), o_ref, o_pt)
+    torch.testing.assert_close(lse_c.cpu(), lse, atol=1e-4, rtol=1e-5)
