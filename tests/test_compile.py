@@ -74,3 +74,36 @@ def test_kvcache_compiles_fullgraph_and_mutates_cache():
     out = torch.compile(step, fullgraph=True, backend="aot_eager")(q, k, v)
     assert torch.equal(k_cache[0, 3], k[0, 0]) and torch.equal(v_cache[0, 3], v[0, 0])
     torch.testing.assert_close(out, flash_attn_func(q, k_cache[:, :4], v_cache[:, :4], causal=True))
+
+
+def _fwd_args(q, k, v, causal=False, dropout_p=0.0, cu=None, max_s=0):
+    from flash_attn.dropout import new_rng_state
+    rng = new_rng_state() if dropout_p > 0 else None
+    return (q, k, v, cu, cu, max_s, max_s, None, q.shape[-1] ** -0.5, causal, -1, 0 if causal else -1, 0.0,
+            None, dropout_p, rng, False, False)
+
+
+@pytest.mark.parametrize("case", ["dense", "causal_dropout", "varlen"])
+def test_opcheck_fwd(case):
+    # fake kernel vs real shapes/strides, schema, autograd registration
+    g = torch.Generator().manual_seed(0)
+    if case == "varlen":
+        q = torch.randn(10, 2, 16, generator=g, requires_grad=True)
+        args = _fwd_args(q, q.detach().clone(), q.detach().clone(),
+                         cu=torch.tensor([0, 3, 10], dtype=torch.int32), max_s=7)
+    else:
+        q = torch.randn(1, 6, 2, 16, generator=g, requires_grad=True)
+        k = torch.randn(1, 6, 1, 16, generator=g, requires_grad=True)
+        args = _fwd_args(q, k, k.detach().clone().requires_grad_(), causal=case != "dense",
+                         dropout_p=0.2 if case != "dense" else 0.0, max_s=6)
+    torch.library.opcheck(torch.ops.flash_attn.fwd.default, args)
+
+
+def test_opcheck_kvcache():
+    q = torch.randn(2, 1, 2, 16)
+    k_cache, v_cache = torch.zeros(2, 8, 1, 16), torch.zeros(2, 8, 1, 16)
+    k, v = torch.randn(2, 1, 1, 16), torch.randn(2, 1, 1, 16)
+    seqlens = torch.tensor([2, 5], dtype=torch.int32)
+    args = (q, k_cache, v_cache, k, v, None, None, seqlens, None, None, None, 0.25, True, -1, 0, 0.0, True,
+            None, 0)
+    torch.library.opcheck(torch.ops.flash_attn.fwd_kvcache.default, args)
