@@ -350,10 +350,10 @@ def remap_state_dict_hf_gpt2(state_dict, config):
         if key.startswith("ln_f."):
             out["transformer." + key] = value
             continue
+        if re.match(r"^h\.\d+\.attn\.(bias|masked_bias)$", key):
+            continue  # HF's causal-mask buffers
         match = re.match(r"^h\.(\d+)\.(.+)\.(weight|bias)$", key)
         if match is None:
-            if re.match(r"^h\.\d+\.attn\.(bias|masked_bias)$", key):
-                continue  # HF's causal-mask buffers
             raise KeyError(f"unexpected key in GPT-2 state dict: {key!r}")
         layer, module, kind = match.groups()
         if module not in names:
