@@ -1,0 +1,1 @@
+"""Losses (flash_attn.losses): fused cross-entropy over large vocabularies."""

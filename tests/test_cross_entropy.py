@@ -1,0 +1,316 @@
+"""flash_attn.losses.cross_entropy / flash_attn.ops.triton.cross_entropy against F.cross_entropy (plus the
+z-loss), on the Triton path (interpreter on CPU) and the plain-PyTorch path; vocab split over 2 gloo
+processes."""
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from flash_attn.losses.cross_entropy import CrossEntropyLoss
+from flash_attn.ops.triton import backend, triton_runs_on
+from flash_attn.ops.triton import cross_entropy as ce
+from flash_attn.ops.triton.cross_entropy import cross_entropy_loss
+from flash_attn.testing import assert_close_to_ref
+
+CUDA = torch.cuda.is_available()
+
+
+def _assert_close(out, ref, pt, name):
+    """flash_attn.testing.assert_close_to_ref; for fp32 results the rounding allowance is 4 ulps of the
+    largest reference value (the oracle's 0.3-offset proxy can be 0 for fp32), covering the few roundings
+    of the fused chain (exp, scale, subtraction of the label and smoothing terms)."""
+    if out.dtype != torch.float32:
+        return assert_close_to_ref(out, ref, pt, name=name)
+    err = (out.double() - ref.double()).abs().max().item() if out.numel() else 0.0
+    err_pt = (pt.double() - ref.double()).abs().max().item() if out.numel() else 0.0
+    bound = 2 * err_pt + 4 * torch.finfo(torch.float32).eps * (ref.abs().max().item() if out.numel() else 0.0)
+    assert err <= bound, f"{name}: max error {err:.3e} > bound {bound:.3e} (PyTorch fp32 error {err_pt:.3e})"
+
+
+@pytest.fixture(params=["triton", "torch"])
+def path(request):
+    if request.param == "triton" and not triton_runs_on("cuda" if CUDA else "cpu"):
+        pytest.skip("triton is not installed")
+    with backend(request.param):
+        yield request.param
+
+
+def _device(path):
+    return "cuda" if CUDA and path == "triton" else "cpu"
+
+
+def ce_ref(logits, labels, smoothing=0.0, logit_scale=1.0, lse_square_scale=0.0, ignore_index=-100):
+    """Per-row (loss + z-loss, z-loss) by F.cross_entropy at the logits' dtype."""
+    z = logits * logit_scale
+    loss = F.cross_entropy(z, labels, label_smoothing=smoothing, ignore_index=ignore_index, reduction="none")
+    valid = labels != ignore_index
+    z_loss = torch.where(valid, lse_square_scale * torch.logsumexp(z, dim=-1).square(), 0.0)
+    return loss + z_loss, z_loss
+
+
+def _data(device, dtype, n_rows, vocab, seed=0, ignore=True):
+    g = torch.Generator().manual_seed(seed)
+    logits = (3 * torch.randn(n_rows, vocab, generator=g)).to(device, dtype)
+    labels = torch.randint(0, vocab, (n_rows,), generator=g)
+    if ignore and n_rows > 1:
+        labels[1] = -100
+    return logits, labels.to(device)
+
+
+def _check(logits, labels, **kw):
+    """losses, z_losses and d(losses)/d(logits) against ce_ref in fp64 and in the logits' dtype."""
+    x = logits.detach().clone().requires_grad_()
+    loss, z_loss = cross_entropy_loss(x, labels, **{k.replace("smoothing", "label_smoothing"): v for k, v in kw.items()})
+    assert loss.dtype == torch.float32 and loss.shape == labels.shape
+    x64 = logits.detach().double().requires_grad_()
+    xpt = logits.detach().clone().requires_grad_()
+    l64, z64 = ce_ref(x64, labels, **kw)
+    lpt, zpt = ce_ref(xpt, labels, **kw)
+    _assert_close(loss, l64, lpt, name="loss")
+    _assert_close(z_loss, z64, zpt, name="z_loss")
+    g = torch.rand(labels.shape, generator=torch.Generator().manual_seed(5)).to(logits.device)
+    (dx,) = torch.autograd.grad(loss, x, g)
+    (d64,) = torch.autograd.grad(l64, x64, g.double())
+    (dpt,) = torch.autograd.grad(lpt, xpt, g.to(logits.dtype))
+    assert dx.dtype == logits.dtype
+    _assert_close(dx, d64, dpt, name="dlogits")
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n_rows,vocab", [(1, 2), (3, 17), (4, 4099)])
+def test_loss_and_grad(path, n_rows, vocab, dtype, smoothing):
+    logits, labels = _data(_device(path), dtype, n_rows, vocab)
+    _check(logits, labels, smoothing=smoothing)
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.2])
+def test_single_class(path, smoothing):
+    """One class: loss and gradient are 0 up to fp32 rounding of their terms (lse = z, probability 1)."""
+    x = torch.randn(3, 1, device=_device(path), requires_grad=True)
+    loss, _ = cross_entropy_loss(x, torch.zeros(3, dtype=torch.long, device=x.device), label_smoothing=smoothing)
+    eps = torch.finfo(torch.float32).eps
+    assert (loss.abs() <= 4 * eps * x.detach()[:, 0].abs()).all(), loss
+    (g,) = torch.autograd.grad(loss.sum(), x)
+    assert g.abs().max().item() <= 2 * torch.finfo(torch.float32).eps
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_logit_scale_and_z_loss(path, smoothing):
+    logits, labels = _data(_device(path), torch.float32, 5, 300, seed=1)
+    _check(logits, labels, smoothing=smoothing, logit_scale=0.7, lse_square_scale=1e-2, ignore_index=-100)
+
+
+def test_custom_ignore_index(path):
+    logits, labels = _data(_device(path), torch.float32, 4, 50, seed=2, ignore=False)
+    labels[2] = 7
+    _check(logits, labels, ignore_index=7, lse_square_scale=1e-3)
+
+
+def test_vocab_split_into_programs(monkeypatch):
+    """Few rows with a long vocab: each row is streamed by several programs (6 splits of 3 blocks here,
+    with the limits lowered) whose partial (max, sum) pairs are merged."""
+    if not triton_runs_on("cuda" if CUDA else "cpu"):
+        pytest.skip("triton is not installed")
+    monkeypatch.setattr(ce, "FWD_BLOCK", 64)
+    monkeypatch.setattr(ce, "MIN_SPLIT_COLS", 128)
+    if not CUDA:
+        assert ce._num_splits(3, 1000, "cpu") == 6
+    with backend("triton"):
+        logits, labels = _data(_device("triton"), torch.float32, 3, 1000, seed=3)
+        _check(logits, labels, smoothing=0.1, lse_square_scale=1e-2)
+
+
+def test_torch_path_row_chunks(monkeypatch):
+    monkeypatch.setattr(ce, "TORCH_CHUNK_ELEMS", 100)  # 2 rows of 50 per chunk, 3 chunks
+    with backend("torch"):
+        logits, labels = _data("cpu", torch.float32, 5, 50, seed=4)
+        _check(logits, labels, smoothing=0.1, lse_square_scale=1e-2)
+
+
+def test_vocab_256k(path):
+    logits, labels = _data(_device(path), torch.float16, 2, 256 * 1024, seed=6, ignore=False)
+    _check(logits, labels, smoothing=0.1)
+
+
+def test_masked_vocab_minus_inf(path, monkeypatch):
+    """Rows with -inf logits (masked-out vocab entries, here a whole block of one split) stay finite."""
+    monkeypatch.setattr(ce, "FWD_BLOCK", 64)
+    monkeypatch.setattr(ce, "MIN_SPLIT_COLS", 128)
+    logits, labels = _data(_device(path), torch.float32, 3, 600, seed=7, ignore=False)
+    logits[:, :200] = float("-inf")
+    labels[:] = torch.tensor([300, 599, 450])
+    x = logits.clone().requires_grad_()
+    loss, _ = cross_entropy_loss(x, labels)
+    (dx,) = torch.autograd.grad(loss.sum(), x)
+    xr = logits.clone().requires_grad_()
+    ref = F.cross_entropy(xr, labels, reduction="none")
+    (dr,) = torch.autograd.grad(ref.sum(), xr)
+    torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dx, dr, atol=1e-6, rtol=1e-5)
+
+
+def test_inplace_backward(path):
+    logits, labels = _data(_device(path), torch.float32, 4, 100, seed=8)
+    expect_x = logits.clone().requires_grad_()
+    F.cross_entropy(expect_x, labels, reduction="sum").backward()
+    x = logits.clone().requires_grad_()
+    y = x * 1.0  # the tensor whose storage receives the gradient
+    loss, _ = cross_entropy_loss(y, labels, inplace_backward=True)
+    ptr = y.data_ptr()
+    (dy,) = torch.autograd.grad(loss.sum(), y)
+    assert dy.data_ptr() == ptr
+    torch.testing.assert_close(dy, expect_x.grad, atol=1e-6, rtol=1e-5)
+
+
+def test_precomputed_lse(path):
+    logits, labels = _data(_device(path), torch.float32, 4, 77, seed=9)
+    lse = torch.logsumexp(logits, dim=-1)
+    x = logits.clone().requires_grad_()
+    loss, _ = cross_entropy_loss(x, labels, precomputed_lse=lse, lse_square_scale=1e-2)
+    ref, _ = ce_ref(logits, labels, lse_square_scale=1e-2)
+    torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
+    # a wrong lse is really used (not recomputed)
+    loss_off, _ = cross_entropy_loss(logits, labels, precomputed_lse=lse + 1.0)
+    valid = labels != -100
+    torch.testing.assert_close(loss_off[valid], ce_ref(logits, labels)[0][valid] + 1.0, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_module_reductions(path, reduction):
+    logits, labels = _data(_device(path), torch.float32, 6, 40, seed=10)
+    m = CrossEntropyLoss(reduction=reduction, lse_square_scale=1e-2, return_z_loss=True)
+    x = logits.clone().requires_grad_()
+    loss, z = m(x, labels)
+    per, per_z = ce_ref(logits, labels, lse_square_scale=1e-2)
+    n = (labels != -100).sum()
+    red = {"mean": lambda t: t.sum() / n, "sum": lambda t: t.sum(), "none": lambda t: t}[reduction]
+    torch.testing.assert_close(loss, red(per), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(z, red(per_z), atol=1e-6, rtol=1e-5)
+    assert not z.requires_grad
+    if reduction == "mean":
+        xr = logits.clone().requires_grad_()
+        (red(ce_ref(xr, labels, lse_square_scale=1e-2)[0])).backward()
+        loss.backward()
+        torch.testing.assert_close(x.grad, xr.grad, atol=1e-6, rtol=1e-5)
+
+
+def test_bad_inputs():
+    logits = torch.randn(3, 10)
+    with pytest.raises(ValueError, match="labels must be an integer tensor"):
+        cross_entropy_loss(logits, torch.zeros(4, dtype=torch.long))
+    with pytest.raises(ValueError, match="labels must be an integer tensor"):
+        cross_entropy_loss(logits, torch.zeros(3))
+    with pytest.raises(ValueError, match="logits must be"):
+        cross_entropy_loss(torch.randn(3), torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match="label_smoothing"):
+        cross_entropy_loss(logits, torch.zeros(3, dtype=torch.long), label_smoothing=1.0)
+    with pytest.raises(NotImplementedError, match="precomputed_lse"):
+        cross_entropy_loss(logits, torch.zeros(3, dtype=torch.long), precomputed_lse=torch.zeros(3),
+                           label_smoothing=0.1)
+    with pytest.raises(NotImplementedError, match="reduction"):
+        CrossEntropyLoss(reduction="avg")
+
+
+def test_compile_fullgraph(path):
+    logits, labels = _data(_device(path), torch.float32, 4, 33, seed=11)
+    m = CrossEntropyLoss(label_smoothing=0.1)
+    x = logits.clone().requires_grad_()
+    loss = torch.compile(m, fullgraph=True, backend="aot_eager")(x, labels)
+    (g,) = torch.autograd.grad(loss, x)
+    x2 = logits.clone().requires_grad_()
+    loss2 = m(x2, labels)
+    (g2,) = torch.autograd.grad(loss2, x2)
+    torch.testing.assert_close(loss, loss2)
+    torch.testing.assert_close(g, g2)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tp_worker(rank, world, port, out_dir):
+    import torch.distributed as dist
+
+    from flash_attn.ops.triton import backend as _backend
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        g = torch.Generator().manual_seed(0)
+        logits = 3 * torch.randn(5, 2 * 37, generator=g)
+        labels = torch.randint(0, 2 * 37, (5,), generator=g)
+        labels[1] = -100
+        labels[2], labels[3] = 3, 40  # one label on each rank's shard
+        shard = logits[:, rank * 37:(rank + 1) * 37]
+        out = {}
+        for name in ("torch", "triton"):
+            if name == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+                continue
+            with _backend(name):
+                x = shard.clone().requires_grad_()
+                loss, z = cross_entropy_loss(x, labels, label_smoothing=0.1, lse_square_scale=1e-2,
+                                             process_group=dist.group.WORLD)
+                (dx,) = torch.autograd.grad(loss.sum(), x)
+            out[name] = (loss.detach(), z, dx)
+        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_vocab_parallel_two_processes(tmp_path):
+    """Vocab split over 2 gloo ranks (each holds half the logits): every rank gets the full-vocab losses,
+    and its gradient shard equals the matching columns of the full gradient."""
+    mp.start_processes(_tp_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True, start_method="spawn")
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    g = torch.Generator().manual_seed(0)
+    logits = 3 * torch.randn(5, 74, generator=g)
+    labels = torch.randint(0, 74, (5,), generator=g)
+    labels[1] = -100
+    labels[2], labels[3] = 3, 40
+    x = logits.clone().requires_grad_()
+    ref, ref_z = ce_ref(x, labels, smoothing=0.1, lse_square_scale=1e-2)
+    (dref,) = torch.autograd.grad(ref.sum(), x)
+    paths = set(results[0])
+    assert "torch" in paths and (CUDA or "triton" in paths)
+    for rank in range(2):
+        for name, (loss, z, dx) in results[rank].items():
+            torch.testing.assert_close(loss, ref.detach(), atol=1e-5, rtol=1e-5, msg=f"{name} rank {rank}")
+            torch.testing.assert_close(z, ref_z.detach(), atol=1e-6, rtol=1e-5)
+            torch.testing.assert_close(dx, dref[:, rank * 37:(rank + 1) * 37], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("vocab", [32000, 128 * 1024, 256 * 1024])
+def test_gpu_bf16(vocab):
+    with backend("triton"):
+        logits, labels = _data("cuda", torch.bfloat16, 257, vocab, seed=12)
+        _check(logits, labels, smoothing=0.1, lse_square_scale=1e-4)
+        logits, labels = _data("cuda", torch.bfloat16, 3, vocab, seed=13)  # vocab split over programs
+        _check(logits, labels)
+
+
+@pytest.mark.gpu
+def test_gpu_no_fp32_copy_of_logits():
+    """Forward keeps no more than a sliver beyond its inputs: an fp32 copy of the (4096, 128k) bf16
+    logits would add 2 GiB, the kernel's partials and per-row outputs add a few hundred KiB."""
+    with backend("triton"):
+        logits, labels = _data("cuda", torch.bfloat16, 4096, 128 * 1024, seed=14)
+        logits.requires_grad_()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        loss, _ = cross_entropy_loss(logits, labels, inplace_backward=True)
+        torch.cuda.synchronize()
+        fwd_extra = torch.cuda.max_memory_allocated() - base
+        (dlogits,) = torch.autograd.grad(loss.sum(), logits)
+        torch.cuda.synchronize()
+        bwd_extra = torch.cuda.max_memory_allocated() - base
+    assert fwd_extra < 2 * 1024 * 1024, fwd_extra
+    # in-place backward: the gradient takes over the logits' storage
+    assert dlogits.data_ptr() == logits.data_ptr()
+    assert bwd_extra < 8 * 1024 * 1024, bwd_extra

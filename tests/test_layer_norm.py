@@ -1,0 +1,358 @@
+"""flash_attn.ops.triton.layer_norm against an unfused PyTorch reference, on both paths (Triton kernel --
+the interpreter on CPU -- and the plain-PyTorch path). Errors are judged relative to PyTorch's own error
+at the input dtype (flash_attn.testing.assert_close_to_ref), against an fp64 reference."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from flash_attn.ops.triton import backend, triton_runs_on
+from flash_attn.ops.triton import layer_norm as ln
+from flash_attn.ops.triton.layer_norm import LayerNorm, RMSNorm, layer_norm_fn, layer_norm_ref, rms_norm_fn
+from flash_attn.testing import assert_close_to_ref
+
+CUDA = torch.cuda.is_available()
+
+
+def _assert_close(out, ref, pt, name):
+    """flash_attn.testing.assert_close_to_ref; for fp32 results the rounding allowance is 4 ulps of the
+    largest reference value instead of its half-ulp proxy: a fused fp32 chain (mean, rstd, scale) rounds
+    several times, and the GPU's fp32 sqrt and division are 2-ulp approximations."""
+    if out.dtype != torch.float32:
+        return assert_close_to_ref(out, ref, pt, name=name)
+    err = (out.double() - ref.double()).abs().max().item() if out.numel() else 0.0
+    err_pt = (pt.double() - ref.double()).abs().max().item() if out.numel() else 0.0
+    bound = 2 * err_pt + 4 * torch.finfo(torch.float32).eps * (ref.abs().max().item() if out.numel() else 0.0)
+    assert err <= bound, f"{name}: max error {err:.3e} > bound {bound:.3e} (PyTorch fp32 error {err_pt:.3e})"
+
+
+@pytest.fixture(params=["triton", "torch"])
+def path(request):
+    if request.param == "triton" and not triton_runs_on("cuda" if CUDA else "cpu"):
+        pytest.skip("triton is not installed")
+    with backend(request.param):
+        yield request.param
+
+
+def _device(path):
+    return "cuda" if CUDA and path == "triton" else "cpu"
+
+
+def _inputs(device, dtype, M, N, residual=False, x1=False, weight1=False, bias=True, rowscale=False,
+            weight_dtype=None):
+    g = torch.Generator().manual_seed(M * 1000 + N)
+    mk = lambda *s, dt=dtype: torch.randn(*s, generator=g).to(device=device, dtype=dt)  # noqa: E731
+    wdt = weight_dtype or dtype
+    t = dict(x=mk(M, N), weight=1 + 0.5 * mk(N, dt=wdt), bias=mk(N, dt=wdt) if bias else None,
+             residual=mk(M, N) if residual else None, x1=mk(M, N) if x1 else None,
+             weight1=1 + 0.5 * mk(N, dt=wdt) if weight1 else None, bias1=mk(N, dt=wdt) if weight1 else None,
+             rowscale=(torch.rand(M, generator=g) + 0.5).to(device=device, dtype=dtype) if rowscale else None)
+    return {k: v.requires_grad_() if v is not None and k != "rowscale" else v for k, v in t.items()}
+
+
+def _check(device, dtype, M, N, is_rms_norm=False, prenorm=False, dropout_p=0.0, residual_in_fp32=False,
+           zero_centered_weight=False, out_dtype=None, eps=1e-6, **which):
+    """Forward outputs and all gradients of layer_norm_fn against layer_norm_ref (fp64 and input dtype)."""
+    inp = _inputs(device, dtype, M, N, **which)
+    want_mask = dropout_p > 0.0
+    outs = layer_norm_fn(**inp, eps=eps, dropout_p=dropout_p, prenorm=prenorm, residual_in_fp32=residual_in_fp32,
+                         zero_centered_weight=zero_centered_weight, is_rms_norm=is_rms_norm,
+                         return_dropout_mask=want_mask, out_dtype=out_dtype)
+    outs = list(outs) if isinstance(outs, tuple) else [outs]
+    masks = outs[-2:] if want_mask else [None, None]
+    outs = outs[:-2] if want_mask else outs
+    if want_mask:
+        assert masks[0].dtype == torch.bool and masks[0].shape == inp["x"].shape
+        assert (masks[1] is not None) == (inp["x1"] is not None)
+        kept = masks[0].float().mean().item()
+        assert abs(kept - (1 - dropout_p)) < 0.1, kept
+    if prenorm:
+        res_dtype = inp["residual"].dtype if inp["residual"] is not None else (
+            torch.float32 if residual_in_fp32 else dtype)
+        assert outs[-1].dtype == res_dtype
+    assert outs[0].dtype == (out_dtype or dtype)
+
+    def ref(cast):
+        r = {k: (v.detach().to(cast) if cast is not None else v.detach()).requires_grad_(k != "rowscale")
+             if v is not None else None for k, v in inp.items()}
+        o = layer_norm_ref(**r, eps=eps, dropout_p=dropout_p, prenorm=prenorm, zero_centered_weight=zero_centered_weight,
+                           dropout_mask=masks[0], dropout_mask1=masks[1], is_rms_norm=is_rms_norm)
+        return r, list(o) if isinstance(o, tuple) else [o]
+
+    r64, o64 = ref(torch.float64)
+    rpt, opt = ref(None)
+    assert len(outs) == len(o64)
+    for i, (o, a, b) in enumerate(zip(outs, o64, opt)):
+        _assert_close(o, a, b, name=f"output {i}")
+    g = torch.Generator().manual_seed(1)
+    gouts = [torch.randn(o.shape, generator=g).to(o.device) for o in outs]
+    names = [k for k, v in inp.items() if v is not None and v.requires_grad]
+    grads = torch.autograd.grad(outs, [inp[k] for k in names], [go.to(o.dtype) for go, o in zip(gouts, outs)])
+    g64 = torch.autograd.grad(o64, [r64[k] for k in names], [go.double() for go in gouts])
+    gpt = torch.autograd.grad(opt, [rpt[k] for k in names], [go.to(o.dtype) for go, o in zip(gouts, opt)])
+    for k, a, b, c in zip(names, grads, g64, gpt):
+        assert a.dtype == inp[k].dtype, k
+        _assert_close(a, b, c, name=f"grad {k}")
+    return outs, masks
+
+
+@pytest.mark.parametrize("is_rms_norm", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("M,N", [(3, 1), (1, 17), (3, 4099)])
+def test_plain(path, dtype, M, N, is_rms_norm):
+    # At hidden 1 RMSNorm's input gradient is w*dy*eps/(x^2+eps)^1.5: with eps=1e-6 it is pure cancellation
+    # noise of the size of one ulp of w*dy, so the 1-column case uses an eps that makes it a real value.
+    _check(_device(path), dtype, M, N, is_rms_norm=is_rms_norm, bias=not is_rms_norm, eps=0.1 if N == 1 else 1e-6)
+
+
+@pytest.mark.parametrize("is_rms_norm", [False, True])
+@pytest.mark.parametrize("residual,residual_in_fp32", [(True, False), (False, True), (False, False)])
+def test_residual_prenorm(path, residual, residual_in_fp32, is_rms_norm):
+    _check(_device(path), torch.float16, 3, 40, is_rms_norm=is_rms_norm, prenorm=True, residual=residual,
+           residual_in_fp32=residual_in_fp32)
+
+
+def test_residual_without_prenorm(path):
+    _check(_device(path), torch.float32, 3, 33, residual=True)
+
+
+@pytest.mark.parametrize("is_rms_norm", [False, True])
+def test_dropout_rowscale_residual(path, is_rms_norm):
+    _check(_device(path), torch.float32, 5, 130, is_rms_norm=is_rms_norm, dropout_p=0.3, rowscale=True, residual=True,
+           prenorm=True)
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2])
+def test_parallel_branch(path, dropout_p):
+    _check(_device(path), torch.float16, 3, 70, x1=True, weight1=True, residual=True, prenorm=True, dropout_p=dropout_p)
+
+
+def test_x1_without_weight1(path):
+    _check(_device(path), torch.float32, 2, 17, x1=True, dropout_p=0.1)
+
+
+def test_weight1_without_x1_rms(path):
+    _check(_device(path), torch.float32, 3, 24, weight1=True, is_rms_norm=True)
+
+
+def test_zero_centered_weight(path):
+    _check(_device(path), torch.float32, 3, 19, zero_centered_weight=True, residual=True)
+
+
+def test_out_dtype_and_fp32_weights(path):
+    _check(_device(path), torch.float16, 3, 21, out_dtype=torch.float32, weight_dtype=torch.float32, residual=True)
+
+
+def test_hidden_65536(path):
+    _check(_device(path), torch.float32, 2, 65536, residual=True, prenorm=True)
+
+
+def test_chunked_rows(monkeypatch):
+    """Rows wider than one block take the two-pass kernels (statistics merged chunk by chunk, dweight
+    accumulated in the program's own partial row); lowered block limits make 100 columns 7 chunks."""
+    if not triton_runs_on("cuda" if CUDA else "cpu"):
+        pytest.skip("triton is not installed")
+    monkeypatch.setattr(ln, "FWD_MAX_BLOCK_N", 16)
+    monkeypatch.setattr(ln, "BWD_MAX_BLOCK_N", 16)
+    with backend("triton"):
+        _check(_device("triton"), torch.float32, 5, 100, residual=True, x1=True, weight1=True, dropout_p=0.25,
+               prenorm=True)
+        _check(_device("triton"), torch.float32, 3, 100, is_rms_norm=True, rowscale=True, zero_centered_weight=True)
+
+
+def test_chunked_large_mean(monkeypatch):
+    """Chan's merge keeps the variance accurate for rows with mean >> std, where a single-pass
+    sum of squares in fp32 loses every digit."""
+    if not triton_runs_on("cuda" if CUDA else "cpu"):
+        pytest.skip("triton is not installed")
+    monkeypatch.setattr(ln, "FWD_MAX_BLOCK_N", 32)
+    dev = "cuda" if CUDA else "cpu"
+    x = (3000.0 + torch.randn(2, 200, generator=torch.Generator().manual_seed(0))).to(dev)
+    w, b = torch.ones(200, device=dev), torch.zeros(200, device=dev)
+    with backend("triton"):
+        y = layer_norm_fn(x, w, b, eps=1e-6)
+    ref = torch.nn.functional.layer_norm(x.double(), (200,), eps=1e-6)
+    assert (y.double() - ref).abs().max().item() < 2e-3
+
+
+def test_dweight_reduced_over_many_rows(path):
+    # 37 rows over 4 programs (CPU grid) -> programs own several rows each, with a partial last block.
+    _check(_device(path), torch.float32, 37, 4099, residual=True)
+
+
+def test_paths_agree_on_dropout_mask():
+    """Both paths draw the same mask from the same torch seed (one counter-based hash), and the output
+    is exactly zero-dropout-compatible: equal masks give equal results."""
+    if not triton_runs_on("cuda" if CUDA else "cpu"):
+        pytest.skip("triton is not installed")
+    res = {}
+    for p in ("triton", "torch"):
+        inp = _inputs(_device(p), torch.float32, 4, 50, residual=True, x1=True)
+        torch.manual_seed(7)
+        with backend(p):
+            y, m, m1 = layer_norm_fn(**inp, dropout_p=0.4, return_dropout_mask=True)
+        res[p] = (y.cpu(), m.cpu(), m1.cpu())
+    assert torch.equal(res["triton"][1], res["torch"][1])
+    assert torch.equal(res["triton"][2], res["torch"][2])
+    assert not torch.equal(res["triton"][1], res["triton"][2])
+    torch.testing.assert_close(res["triton"][0], res["torch"][0], atol=1e-5, rtol=1e-5)
+
+
+def test_dropout_changes_with_seed(path):
+    inp = _inputs(_device(path), torch.float32, 4, 64)
+    y1, ma, _ = layer_norm_fn(**inp, dropout_p=0.5, return_dropout_mask=True)
+    y2, mb, _ = layer_norm_fn(**inp, dropout_p=0.5, return_dropout_mask=True)
+    assert not torch.equal(ma, mb)
+    assert not torch.equal(y1, y2)
+
+
+def test_preallocated_outputs(path):
+    dev = _device(path)
+    inp = _inputs(dev, torch.float32, 3, 20, residual=True)
+    out = torch.empty(3, 20, device=dev)
+    res_out = torch.empty(3, 20, device=dev)
+    with torch.no_grad():
+        y, r = layer_norm_fn(**inp, prenorm=True, out=out, residual_out=res_out)
+        y_ref, r_ref = layer_norm_ref(**inp, prenorm=True)
+    assert y.data_ptr() == out.data_ptr() and r.data_ptr() == res_out.data_ptr()
+    torch.testing.assert_close(out, y_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(res_out, r_ref)
+
+
+def test_batched_shape_and_empty(path):
+    dev = _device(path)
+    x = torch.randn(2, 3, 16, device=dev, requires_grad=True)
+    w = torch.randn(16, device=dev, requires_grad=True)
+    y = rms_norm_fn(x, w, None)
+    assert y.shape == (2, 3, 16)
+    y.sum().backward()
+    empty = torch.randn(0, 16, device=dev, requires_grad=True)
+    ye = layer_norm_fn(empty, w, None)
+    ye.sum().backward()
+    assert ye.shape == (0, 16) and empty.grad.shape == (0, 16)
+
+
+@pytest.mark.parametrize("cls", [LayerNorm, RMSNorm])
+def test_modules_match_torch(path, cls):
+    dev = _device(path)
+    torch.manual_seed(0)
+    m = cls(48, eps=1e-5, device=dev)
+    with torch.no_grad():
+        m.weight.normal_()
+    ref = (torch.nn.LayerNorm if cls is LayerNorm else torch.nn.RMSNorm)(48, eps=1e-5, device=dev)
+    ref.load_state_dict(m.state_dict())
+    x = torch.randn(2, 5, 48, device=dev)
+    res = torch.randn(2, 5, 48, device=dev)
+    y, r = m(x, residual=res, prenorm=True, residual_in_fp32=True)
+    torch.testing.assert_close(y, ref(x + res), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(r, x + res)
+    y.square().sum().backward()
+    ref(x + res).square().sum().backward()
+    torch.testing.assert_close(m.weight.grad, ref.weight.grad, atol=1e-4, rtol=1e-5)
+
+
+def test_module_dropout_only_in_training(path):
+    dev = _device(path)
+    m = LayerNorm(32, dropout_p=0.5, device=dev)
+    x = torch.randn(4, 32, device=dev)
+    y_train = m(x)
+    m.eval()
+    y_eval = m(x)
+    torch.testing.assert_close(y_eval, torch.nn.functional.layer_norm(x, (32,), m.weight, m.bias, 1e-5))
+    assert not torch.allclose(y_train, y_eval)
+
+
+def test_bad_inputs():
+    x = torch.randn(3, 8)
+    w = torch.ones(8)
+    with pytest.raises(ValueError, match="weight must have shape"):
+        layer_norm_fn(x, torch.ones(7), None)
+    with pytest.raises(ValueError, match="residual must have the shape"):
+        layer_norm_fn(x, w, None, residual=torch.randn(3, 7))
+    with pytest.raises(ValueError, match="dropout_p"):
+        layer_norm_fn(x, w, None, dropout_p=1.0)
+    with pytest.raises(NotImplementedError, match="rowscale"):
+        layer_norm_fn(x, w, None, x1=torch.randn(3, 8), rowscale=torch.ones(3))
+    with pytest.raises(ValueError, match="bias1 needs weight1"):
+        layer_norm_fn(x, w, None, bias1=w)
+    with pytest.raises(TypeError, match="floating-point"):
+        layer_norm_fn(torch.ones(3, 8, dtype=torch.int64), w, None)
+    with pytest.raises(ValueError, match="at most 65536"):
+        layer_norm_fn(torch.randn(1, 65537), torch.ones(65537), None)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        with backend("cuda"):
+            pass
+
+
+def test_compile_fullgraph(path):
+    dev = _device(path)
+    inp = _inputs(dev, torch.float32, 3, 24, residual=True)
+    fn = lambda x, w, b, r: layer_norm_fn(x, w, b, residual=r, prenorm=True)  # noqa: E731
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    args = (inp["x"], inp["weight"], inp["bias"], inp["residual"])
+    y, r = compiled(*args)
+    y_e, r_e = fn(*args)
+    torch.testing.assert_close(y, y_e)
+    torch.testing.assert_close(r, r_e)
+    gc = torch.autograd.grad((y * r).sum(), args)
+    ge = torch.autograd.grad((y_e * r_e).sum(), args)
+    for a, b in zip(gc, ge):
+        torch.testing.assert_close(a, b)
+
+
+def test_ops_import_and_run_without_triton():
+    """A CPU-only install without triton imports every fused-op module and runs its PyTorch path."""
+    code = r"""
+import sys
+sys.modules["triton"] = None  # any 'import triton' now raises ImportError
+import torch
+import torch.nn.functional as F
+from flash_attn.ops.triton import HAS_TRITON, use_triton
+from flash_attn.ops.triton.layer_norm import layer_norm_fn
+from flash_attn.layers.rotary import apply_rotary_emb
+from flash_attn.losses.cross_entropy import CrossEntropyLoss
+from flash_attn.ops.activations import bias_act
+assert not HAS_TRITON and not use_triton(torch.zeros(1))
+x = torch.randn(4, 16, requires_grad=True)
+w, b = torch.ones(16), torch.zeros(16)
+y = layer_norm_fn(x, w, b)
+torch.testing.assert_close(y, F.layer_norm(x, (16,), w, b, 1e-6))
+y.sum().backward()
+q = torch.randn(1, 3, 2, 8)
+cos, sin = torch.ones(3, 4), torch.zeros(3, 4)
+torch.testing.assert_close(apply_rotary_emb(q, cos, sin), q)
+logits, labels = torch.randn(4, 10), torch.randint(0, 10, (4,))
+torch.testing.assert_close(CrossEntropyLoss()(logits, labels), F.cross_entropy(logits, labels))
+torch.testing.assert_close(bias_act(x, None, "relu"), F.relu(x))
+print("ok")
+"""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("TRITON_INTERPRET", None)
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("is_rms_norm", [False, True])
+@pytest.mark.parametrize("N", [1024, 4099, 8192, 16384, 65536])
+def test_gpu_bf16(is_rms_norm, N):
+    with backend("triton"):
+        _check(_device("triton"), torch.bfloat16, 64, N, is_rms_norm=is_rms_norm, residual=True, prenorm=True,
+               weight_dtype=torch.float32)
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_dropout_parallel():
+    with backend("triton"):
+        _check(_device("triton"), torch.bfloat16, 257, 2048, x1=True, weight1=True, residual=True, prenorm=True,
+               dropout_p=0.1, residual_in_fp32=True)
+
+
+@pytest.mark.gpu
+def test_gpu_torch_path_on_cuda():
+    with backend("torch"):
+        _check("cuda", torch.bfloat16, 16, 1000, residual=True, prenorm=True, dropout_p=0.1)
