@@ -26,7 +26,7 @@ def _train(args):
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
         return 0
     result = train(cfg)
-    if result.losses:
+    if result.losses and result.is_main:
         first, last = result.losses[0][1], result.losses[-1][1]
         print(f"trained steps {result.start_step}->{result.final_step}: loss {first:.4f} -> {last:.4f}"
               + (f", checkpoint {result.checkpoint}" if result.checkpoint else ""), file=sys.stderr)

@@ -177,6 +177,11 @@ def _coerce(value, typ, name, where):
             return float(value)
         if t is str and isinstance(value, str):
             return value
+    if float in hints and isinstance(value, str):
+        try:
+            return float(value)  # PyYAML (YAML 1.1) reads 3e-4, without a dot, as a string
+        except ValueError:
+            pass
     names = " or ".join("null" if t is type(None) else t.__name__ for t in hints)
     raise ConfigError(f"config field {name!r}{where} must be {names}, got {value!r}")
 
@@ -194,8 +199,12 @@ def _set(cfg, dotted, value, where=""):
                 raise ConfigError(f"config field {dotted!r}{where} is a section; set its fields "
                                   f"({dotted}.<field>=...)")
             hints = typing.get_type_hints(type(obj))
-            value = _coerce(value, hints[part], dotted, where)
             choices = _CHOICES.get(dotted)
+            if isinstance(value, bool) and choices is not None and ("on" if value else "off") in choices:
+                value = "on" if value else "off"  # YAML 1.1 reads a bare on/off as a bool
+            elif isinstance(value, (int, float)) and not isinstance(value, bool) and hints[part] is str:
+                value = str(value)  # a name or path may look like a number
+            value = _coerce(value, hints[part], dotted, where)
             if choices is not None and value not in choices:
                 raise ConfigError(f"config field {dotted!r}{where} must be one of {choices}, got {value!r}")
             setattr(obj, part, value)

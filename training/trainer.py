@@ -50,6 +50,7 @@ class TrainResult:
     start_step: int = 0
     final_step: int = 0
     checkpoint: str = None
+    is_main: bool = True  # rank 0 (the one that writes files)
     tokens_per_s: float = 0.0
     mfu: float = None
     out_dir: str = ""
@@ -75,11 +76,11 @@ def setup_runtime(cfg):
         strategy = "ddp" if world > 1 else "none"
     if world > 1 and strategy == "none":
         raise ConfigError(f"WORLD_SIZE={world} needs dist.strategy ddp or fsdp, got 'none'")
+    if world == 1 and strategy != "none" and "MASTER_ADDR" not in os.environ and not dist.is_initialized():
+        # A config written for torchrun (dist.strategy=fsdp) still runs as one plain process.
+        strategy = "none"
     rt = Runtime(rank=rank, world=world, local_rank=local_rank, device=device, strategy=strategy)
     if strategy != "none" and not dist.is_initialized():
-        if "MASTER_ADDR" not in os.environ:
-            raise ConfigError(f"dist.strategy={strategy} needs torchrun (or MASTER_ADDR/MASTER_PORT/RANK/"
-                              "WORLD_SIZE in the environment)")
         backend = cfg.dist.backend
         if backend == "auto":
             backend = "nccl" if use_cuda else "gloo"
@@ -115,6 +116,19 @@ def make_loss_fn(kind, device):
     return plain
 
 
+def transformer_layers(model):
+    """The repeated layers: GPTLMHeadModel's transformer.layers (or HF GPT-2's transformer.h, LLaMA's
+    model.layers, for models passed to Trainer directly)."""
+    for path in ("transformer.layers", "transformer.h", "model.layers"):
+        obj = model
+        for name in path.split("."):
+            obj = getattr(obj, name, None)
+        if isinstance(obj, torch.nn.ModuleList):
+            return list(obj)
+    raise TypeError(f"cannot find the transformer layers of {type(model).__name__} (looked for "
+                    "transformer.layers, transformer.h, model.layers)")
+
+
 def enable_activation_checkpointing(model):
     """Recompute each transformer layer's activations in the backward pass instead of storing them.
 
@@ -123,7 +137,7 @@ def enable_activation_checkpointing(model):
     """
     from torch.utils.checkpoint import checkpoint
 
-    for layer in model.transformer.layers:
+    for layer in transformer_layers(model):
         layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
 
 
@@ -137,10 +151,13 @@ def wrap_model(model, rt, dtype):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        # FSDP2 warns that a layer returns a view; that is only unsafe if the caller modifies the output in
+        # place, and the GPT blocks' residual adds are all out of place.
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
         mesh = init_device_mesh(rt.device.type, (rt.world,))
         # Gather parameters in the compute dtype (half the traffic) but reduce gradients in fp32.
         mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-        for layer in model.transformer.layers:
+        for layer in transformer_layers(model):
             fully_shard(layer, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)
     return model
@@ -201,7 +218,10 @@ def _to_float(t):
 class Trainer:
     """Builds everything from a Config, then ``run()`` trains (resuming when a checkpoint is found)."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, model=None):
+        """model: train this module instead of building one from cfg.model (fp32, on the CPU or the run's
+        device; forward(input_ids (B, S)) must return an object with .logits (B, S, V)). Checkpoints of such
+        a run hold its state dict but cannot be resumed into a model built from the config."""
         self.cfg = cfg
         self.rt = setup_runtime(cfg)
         rt = self.rt
@@ -217,7 +237,7 @@ class Trainer:
         self.val_sampler = WindowSampler(val_tokens, tc.seq_len, shuffle=False, name="validation")
 
         torch.manual_seed(tc.seed)  # same initial weights on every rank
-        model = build_model(cfg.model, rt.device)
+        model = build_model(cfg.model, rt.device) if model is None else model.to(rt.device)
         self.n_params = count_params(model)
         self.flops_per_token = flops_per_token(model, cfg.model, tc.seq_len)
         if tc.activation_checkpointing:
@@ -353,7 +373,7 @@ class Trainer:
         """Train to train.stop_at (or max_steps); returns a TrainResult."""
         cfg, tc, rt = self.cfg, self.cfg.train, self.rt
         end = tc.stop_at or tc.max_steps
-        result = TrainResult(start_step=self.step, out_dir=cfg.out_dir)
+        result = TrainResult(start_step=self.step, out_dir=cfg.out_dir, is_main=rt.is_main)
         writer = MetricsWriter(cfg.out_dir, self.step, cfg.log.csv, cfg.log.tensorboard) if rt.is_main else None
         progress = Progress(tc.max_steps, self.step, cfg.log.progress if rt.is_main else "off")
         peak = peak_tflops(rt.device, self.dtype, tc.peak_tflops)
