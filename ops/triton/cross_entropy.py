@@ -30,6 +30,10 @@ MIN_SPLIT_COLS = 16384
 TORCH_CHUNK_ELEMS = 1 << 22
 
 
+def _warps(block: int) -> int:
+    return 8 if block >= 4096 else 4
+
+
 @triton.jit
 def _ce_partial_kernel(
     LOGITS, PART_M, PART_S, PART_Z, n_cols, stride_row, cols_per_split, n_splits, logit_scale,
@@ -166,7 +170,7 @@ def _ce_fwd_triton(
             part_z = torch.empty_like(part_m) if has_smoothing else part_m
             _ce_partial_kernel[(n_rows, n_splits)](
                 logits, part_m, part_s, part_z, n_cols, logits.stride(0), cols_per_split, n_splits, logit_scale,
-                HAS_SMOOTHING=has_smoothing, BLOCK=block, num_warps=8 if block >= 4096 else 4,
+                HAS_SMOOTHING=has_smoothing, BLOCK=block, num_warps=_warps(block),
             )
         _ce_finish_kernel[(cdiv(n_rows, FIN_BLOCK_ROWS),)](
             logits, labels, part_m, part_s, part_z, lse, losses, z_losses,
@@ -197,7 +201,7 @@ def _ce_bwd_triton(
         _ce_bwd_kernel[(n_rows, cdiv(n_cols, block))](
             dlogits, src, dloss, lse, _aligned(labels), n_cols, src.stride(0), dlogits.stride(0), dloss.stride(0),
             logit_scale, smoothing, lse_square_scale, ignore_index, total_classes, class_start,
-            HAS_SMOOTHING=smoothing > 0.0, BLOCK=block, num_warps=8 if block >= 4096 else 4,
+            HAS_SMOOTHING=smoothing > 0.0, BLOCK=block, num_warps=_warps(block),
         )
 
 
