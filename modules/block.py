@@ -95,8 +95,8 @@ class Block(nn.Module):
                  fused_dropout_add_ln=False, return_residual=False, residual_in_fp32=False,
                  sequence_parallel=False, mark_shared_params=False):
         super().__init__()
-        if sequence_parallel:
-            raise NotImplementedError("sequence_parallel: tensor/sequence parallelism is not implemented")
+        if sequence_parallel or mark_shared_params:
+            raise NotImplementedError("sequence_parallel / mark_shared_params: tensor parallelism is not implemented")
         if residual_in_fp32 and not prenorm:
             raise ValueError("residual_in_fp32 is only meaningful with prenorm=True")
         if return_residual and prenorm:
@@ -188,8 +188,8 @@ class ParallelBlock(nn.Module):
                  resid_dropout1=0.0, resid_dropout2=0.0, tied_norm=False, fused_dropout_add_ln=False,
                  residual_in_fp32=False, sequence_parallel=False, mark_shared_params=False):
         super().__init__()
-        if sequence_parallel:
-            raise NotImplementedError("sequence_parallel: tensor/sequence parallelism is not implemented")
+        if sequence_parallel or mark_shared_params:
+            raise NotImplementedError("sequence_parallel / mark_shared_params: tensor parallelism is not implemented")
         self.tied_norm = tied_norm
         self.fused_dropout_add_ln = fused_dropout_add_ln
         self.residual_in_fp32 = residual_in_fp32

@@ -340,6 +340,9 @@ class MHA(nn.Module):
             k, v = cache[:, :seqlens + seqlen].unbind(dim=2)
             return attention_torch(q, k, v, inner.softmax_scale, inner.causal, inner.window_size,
                                    inner.alibi_slopes)
+        if q.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise NotImplementedError("CUDA-graph capture of KV-cache attention needs use_flash_attn=True (the "
+                                      "PyTorch path reads the cache lengths on the host)")
         ends = seqlens.long() + seqlen
         total = int(ends.max())
         if total > cache.shape[1]:

@@ -108,7 +108,7 @@ def test_vocab_size_drops_padded_logits():
     hf, model = gpt2_pair(True)
     model = PaddedVocab(model)
     ids = prompt()
-    out = decode(ids, model, 20, vocab_size=VOCAB)
+    out = decode(ids, model, 20, vocab_size=VOCAB, output_scores=True)
     assert torch.equal(out.sequences, hf_greedy(hf, ids, 20).sequences)
     assert out.scores[0].shape[-1] == VOCAB
     assert (decode(ids, model, ids.shape[1] + 1).sequences[:, -1] >= VOCAB).all()  # without it: padded ids
@@ -138,6 +138,40 @@ def test_generate_output_forms_and_timing(capsys):
     assert out.scores is None and torch.equal(out.sequences, seqs)
     assert out.timing["prefill_ms"] > 0 and out.timing["decode_ms_per_token"] > 0
     assert "ms/token" in capsys.readouterr().out
+
+
+def test_teacher_forcing_feeds_given_tokens():
+    # The scores at each step must be the model's logits given the teacher's prefix (a full forward pass).
+    _, model = gpt2_pair(True)
+    ids = prompt()
+    teacher = torch.randint(2, VOCAB, (3, 16), generator=torch.Generator().manual_seed(9))
+    teacher[:, :7] = ids
+    out = decode(ids, model, 16, teacher_outputs=teacher, output_scores=True)
+    assert torch.equal(out.sequences, teacher)
+    with torch.no_grad():
+        full = model(teacher).logits
+    torch.testing.assert_close(torch.stack(out.scores, dim=1), full[:, 6:-1], atol=2e-5, rtol=0)
+
+
+class RecordingStreamer:
+    def __init__(self):
+        self.chunks, self.ended = [], False
+
+    def put(self, value):
+        self.chunks.append(value.clone())
+
+    def end(self):
+        self.ended = True
+
+
+def test_streamer_receives_prompt_then_each_token():
+    _, model = gpt2_pair(False)
+    ids = prompt(batch=1)
+    streamer = RecordingStreamer()
+    out = model.generate(ids, max_length=12, streamer=streamer)
+    assert streamer.ended and len(streamer.chunks) == 1 + 5
+    assert torch.equal(streamer.chunks[0], ids)
+    assert torch.equal(torch.cat(streamer.chunks[1:]), out[0, 7:])
 
 
 def test_decode_argument_errors():

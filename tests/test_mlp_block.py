@@ -215,6 +215,8 @@ def test_drop_path_identity_in_eval():
 def test_block_argument_errors():
     with pytest.raises(ValueError, match="return_residual"):
         Block(D, prenorm=True, return_residual=True)
+    with pytest.raises(NotImplementedError, match="tensor parallelism"):
+        Block(D, mark_shared_params=True)
     b = make_block(prenorm=False)
     with pytest.raises(ValueError, match="residual"):
         b(torch.randn(1, 2, D), torch.randn(1, 2, D))

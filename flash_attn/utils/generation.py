@@ -131,14 +131,19 @@ def _sync(device):
 
 @torch.no_grad()
 def decode(input_ids, model, max_length, top_k=1, top_p=0.0, min_p=0.0, temperature=1.0,
-           repetition_penalty=1.0, eos_token_id=None, vocab_size=None, cg=False, enable_timing=False):
+           repetition_penalty=1.0, eos_token_id=None, teacher_outputs=None, vocab_size=None, cg=False,
+           enable_timing=False, output_scores=False, streamer=None):
     """Generate from model until each sequence is max_length tokens long (prompt included) or, with
     eos_token_id, every sequence has produced it (later tokens of a finished sequence are eos_token_id).
 
     input_ids (B, S) long. The model's forward must take (input_ids, position_ids, inference_params,
     num_last_tokens) and return an object with ``logits`` (B, num_last_tokens, V); it must implement
-    ``allocate_inference_cache`` for cg=True. vocab_size: drop logits past it (padded vocabularies).
-    cg: replay a CUDA graph of the one-token step (CUDA tensors only). Returns a DecodeOutput.
+    ``allocate_inference_cache`` for cg=True. teacher_outputs (B, >= S + n) long: feed these tokens instead
+    of the sampled ones for the first n steps (teacher forcing; scores are still the model's).
+    vocab_size: drop logits past it (padded vocabularies). cg: replay a CUDA graph of the one-token step
+    (CUDA tensors, and attention layers that can be captured: use_flash_attn=True). output_scores: keep the
+    processed logits of every step. streamer: an object with put(tokens) and end() (HF's streamers), given
+    the prompt, then each new token (B,), on the CPU. Returns a DecodeOutput.
     """
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be (batch, seqlen), got shape {tuple(input_ids.shape)}")
@@ -177,6 +182,8 @@ def decode(input_ids, model, max_length, top_k=1, top_p=0.0, min_p=0.0, temperat
     if enable_timing:
         _sync(device)
         start = time.perf_counter()
+    if streamer is not None:
+        streamer.put(input_ids.cpu())
     sequences, scores = input_ids, []
     finished = torch.zeros(batch_size, dtype=torch.bool, device=device)
     tokens = input_ids
@@ -189,15 +196,24 @@ def decode(input_ids, model, max_length, top_k=1, top_p=0.0, min_p=0.0, temperat
             prefill_end = time.perf_counter()
         if repetition_penalty != 1.0:
             logits = modify_logit_for_repetition_penalty(logits.clone(), sequences, repetition_penalty)
-        scores.append(logits)
-        token = sample(logits, top_k=top_k, top_p=top_p, min_p=min_p, temperature=temperature)
+        if output_scores:
+            scores.append(logits)
+        step = sequences.shape[1]
+        if teacher_outputs is not None and step < teacher_outputs.shape[1]:
+            token = teacher_outputs[:, step]
+        else:
+            token = sample(logits, top_k=top_k, top_p=top_p, min_p=min_p, temperature=temperature)
         if eos_token_id is not None:
             token = token.masked_fill(finished, eos_token_id)
             finished |= token == eos_token_id
         sequences = torch.cat([sequences, token[:, None]], dim=1)
+        if streamer is not None:
+            streamer.put(token.cpu())
         if sequences.shape[1] >= max_length or (eos_token_id is not None and bool(finished.all())):
             break
         tokens = token[:, None]
+    if streamer is not None:
+        streamer.end()
     timing = None
     if enable_timing:
         _sync(device)
@@ -207,7 +223,7 @@ def decode(input_ids, model, max_length, top_k=1, top_p=0.0, min_p=0.0, temperat
                   "decode_ms_per_token": (end - prefill_end) * 1e3 / max(steps, 1)}
         print(f"Prompt processing: {timing['prefill_ms']:.1f} ms, decoding: {timing['decode_ms']:.1f} ms "
               f"({timing['decode_ms_per_token']:.2f} ms/token)")
-    return DecodeOutput(sequences=sequences, scores=tuple(scores), timing=timing)
+    return DecodeOutput(sequences=sequences, scores=tuple(scores) if output_scores else None, timing=timing)
 
 
 class GenerationMixin:
@@ -219,11 +235,10 @@ class GenerationMixin:
     def generate(self, input_ids, max_length, top_k=1, top_p=0.0, min_p=0.0, temperature=1.0,
                  return_dict_in_generate=False, output_scores=False, **kwargs):
         """input_ids (B, S) -> sequences (B, <= max_length), or a DecodeOutput with return_dict_in_generate.
-        kwargs go to :func:`decode` (eos_token_id, repetition_penalty, vocab_size, cg, enable_timing)."""
+        kwargs go to :func:`decode` (eos_token_id, repetition_penalty, teacher_outputs, vocab_size, cg,
+        enable_timing, streamer)."""
         output = decode(input_ids, self, max_length, top_k=top_k, top_p=top_p, min_p=min_p,
-                        temperature=temperature, **kwargs)
-        if not output_scores:
-            output.scores = None
+                        temperature=temperature, output_scores=output_scores, **kwargs)
         return output if return_dict_in_generate else output.sequences
 
 
