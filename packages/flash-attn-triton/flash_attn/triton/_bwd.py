@@ -47,50 +47,46 @@ def _bwd_preprocess_kernel(Out, DOut, Delta, CuSeqlensQ,
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, Q_ptr, DO_ptr, Lse_ptr, Delta_ptr, DQ_ptr, stride_qm, stride_dom, stride_dqm,
-                offs_n, offs_mb, offs_d, offs_dv, start, end, seqlen_q, seqlen_k, diag_off, window_left,
-                window_right, sm_scale, qk_scale, softcap_scale, softcap_log2, slope_log2, bh, max_seqlen_q,
-                seed0, seed1, dropout_threshold, dropout_scale, IS_FP32: tl.constexpr,
-                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+def _dkdv_inner(dk, dv, k, v, Q_ptr, DO_ptr, Lse_ptr, Delta_ptr, DQ_ptr, Alibi_ptr, stride_qm, stride_qh, stride_dom,
+                stride_doh, stride_dqm, stride_dqh, stride_lh, stride_ah, offs_n, offs_mb, offs_d, offs_dv, start, end,
+                group_size, bh0, seqlen_q, seqlen_k, diag_off, window_left, window_right, sm_scale, qk_scale,
+                softcap_scale, softcap_log2, max_seqlen_q, seed0, seed1, dropout_threshold, dropout_scale,
+                IS_FP32: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, MASK: tl.constexpr, WINDOW_LEFT: tl.constexpr,
-                WINDOW_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-                DQ_ATOMIC: tl.constexpr):
-    for start_m in range(start, end, BLOCK_M):
-        rows = start_m + offs_mb
-        q_ptrs = Q_ptr + rows[:, None] * stride_qm + offs_d[None, :]
-        do_ptrs = DO_ptr + rows[:, None] * stride_dom + offs_dv[None, :]
-        if MASK:
-            q = tl.load(q_ptrs, mask=(rows[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM), other=0.0)
-            do = tl.load(do_ptrs, mask=(rows[:, None] < seqlen_q) & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
-            # lse = +inf past the end makes P = 0 there.
-            lse = tl.load(Lse_ptr + rows, mask=rows < seqlen_q, other=float("inf"))
-            delta = tl.load(Delta_ptr + rows, mask=rows < seqlen_q, other=0.0)
+                WINDOW_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                HAS_DROPOUT: tl.constexpr, DQ_ATOMIC: tl.constexpr):
+    # One flat loop over (query head of the group, query block): a nested head loop around three block
+    # loops keeps more values live across loop boundaries and spills on sm_90.
+    n_steps = tl.cdiv(end - start, BLOCK_M)
+    for it in range(0, n_steps * group_size):
+        g = it // n_steps
+        rows = start + (it - g * n_steps) * BLOCK_M + offs_mb
+        row_ok = rows < seqlen_q
+        q = tl.load(Q_ptr + g * stride_qh + rows[:, None] * stride_qm + offs_d[None, :],
+                    mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+        do = tl.load(DO_ptr + g * stride_doh + rows[:, None] * stride_dom + offs_dv[None, :],
+                     mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
+        # lse = +inf past the end of the sequence makes P = 0 there (and for rows that see no key).
+        lse2 = tl.load(Lse_ptr + g * stride_lh + rows, mask=row_ok, other=float("inf")) * LOG2E
+        delta = tl.load(Delta_ptr + g * stride_lh + rows, mask=row_ok, other=0.0)
+        if HAS_ALIBI:
+            slope_log2 = tl.load(Alibi_ptr + g * stride_ah) * LOG2E
         else:
-            if BLOCK_D != HEAD_DIM:
-                q = tl.load(q_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-            else:
-                q = tl.load(q_ptrs)
-            if BLOCK_DV != HEAD_DIM_V:
-                do = tl.load(do_ptrs, mask=offs_dv[None, :] < HEAD_DIM_V, other=0.0)
-            else:
-                do = tl.load(do_ptrs)
-            lse = tl.load(Lse_ptr + rows)
-            delta = tl.load(Delta_ptr + rows)
+            slope_log2 = 0.0
         if IS_FP32:
             qkT = tl.dot(k, tl.trans(q), input_precision="ieee")
         else:
             qkT = tl.dot(k, tl.trans(q))
-        sT, tT, vis = _scores(qkT, rows[None, :], offs_n[:, None], diag_off, seqlen_k, window_left,
-                              window_right, qk_scale, softcap_scale, softcap_log2, slope_log2, MASK, WINDOW_LEFT,
-                              WINDOW_RIGHT, HAS_SOFTCAP, HAS_ALIBI)
-        # lse of a row with no visible key is +inf: P = exp2(-inf) = 0 there, never NaN.
-        pT = tl.exp2(sT - (lse * LOG2E)[None, :])
+        sT, tT, _ = _scores(qkT, rows[None, :], offs_n[:, None], diag_off, seqlen_k, window_left, window_right,
+                            qk_scale, softcap_scale, softcap_log2, slope_log2, MASK, WINDOW_LEFT, WINDOW_RIGHT,
+                            HAS_SOFTCAP, HAS_ALIBI)
+        pT = tl.exp2(sT - lse2[None, :])
         if IS_FP32:
             dpT = tl.dot(v, tl.trans(do), input_precision="ieee")
         else:
             dpT = tl.dot(v, tl.trans(do))
         if HAS_DROPOUT:
-            row_key = _dropout_row_key(bh, rows, max_seqlen_q, seed0, seed1)
+            row_key = _dropout_row_key(bh0 + g, rows, max_seqlen_q, seed0, seed1)
             keepT = _dropout_keep(row_key[None, :], offs_n[:, None], dropout_threshold)
             pT_drop = tl.where(keepT, pT * dropout_scale, 0.0)
             dpT = tl.where(keepT, dpT * dropout_scale, 0.0)
@@ -112,9 +108,8 @@ def _dkdv_inner(dk, dv, k, v, Q_ptr, DO_ptr, Lse_ptr, Delta_ptr, DQ_ptr, stride_
                 dq = tl.dot(tl.trans(dsT), k, input_precision="ieee")
             else:
                 dq = tl.dot(tl.trans(dsT.to(k.dtype)), k)
-            dq_ptrs = DQ_ptr + rows[:, None] * stride_dqm + offs_d[None, :]
-            tl.atomic_add(dq_ptrs, dq * sm_scale, mask=(rows[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM),
-                          sem="relaxed")
+            tl.atomic_add(DQ_ptr + g * stride_dqh + rows[:, None] * stride_dqm + offs_d[None, :], dq * sm_scale,
+                          mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), sem="relaxed")
     return dk, dv
 
 
@@ -171,41 +166,48 @@ def _bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
 
+    # Pointers at the first query head of this kv head's group; the loops step over the group.
+    h0 = hk * group_size
+    Q += b.to(tl.int64) * stride_qb + q_start.to(tl.int64) * stride_qm + h0.to(tl.int64) * stride_qh
+    DO += b.to(tl.int64) * stride_dob + q_start.to(tl.int64) * stride_dom + h0.to(tl.int64) * stride_doh
+    DQ += b.to(tl.int64) * stride_dqb + q_start.to(tl.int64) * stride_dqm + h0.to(tl.int64) * stride_dqh
+    l_off = b.to(tl.int64) * stride_lb + h0.to(tl.int64) * stride_lh + q_start
+    Lse += l_off
+    Delta += l_off
+    Alibi += b * stride_ab + h0 * stride_ah
+    bh0 = b * num_heads + h0
+
     n_last = tl.minimum(n0 + BLOCK_N, seqlen_k) - 1
     lo, full_lo, full_hi, hi = _q_block_range(n0, n_last, seqlen_q, diag_off, window_left, window_right,
                                               BLOCK_M, WINDOW_LEFT, WINDOW_RIGHT)
-    for g in range(0, group_size):
-        h = hk * group_size + g
-        q_base = b.to(tl.int64) * stride_qb + q_start.to(tl.int64) * stride_qm + h.to(tl.int64) * stride_qh
-        do_base = b.to(tl.int64) * stride_dob + q_start.to(tl.int64) * stride_dom + h.to(tl.int64) * stride_doh
-        dq_base = b.to(tl.int64) * stride_dqb + q_start.to(tl.int64) * stride_dqm + h.to(tl.int64) * stride_dqh
-        l_base = b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + q_start
-        if HAS_ALIBI:
-            slope_log2 = tl.load(Alibi + b * stride_ab + h * stride_ah) * LOG2E
-        else:
-            slope_log2 = 0.0
-        bh = b * num_heads + h
-        if WINDOW_RIGHT:
-            dk, dv = _dkdv_inner(
-                dk, dv, k, v, Q + q_base, DO + do_base, Lse + l_base, Delta + l_base, DQ + dq_base, stride_qm,
-                stride_dom, stride_dqm, offs_n, offs_mb, offs_d, offs_dv, lo, full_lo, seqlen_q, seqlen_k,
-                diag_off, window_left, window_right, sm_scale, qk_scale, softcap_scale, softcap_log2,
-                slope_log2, bh, max_seqlen_q, seed0, seed1, dropout_threshold, dropout_scale, IS_FP32,
-                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, True, WINDOW_LEFT, WINDOW_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-                HAS_DROPOUT, DQ_ATOMIC)
+    # Loads are bounded by seqlen_q in every loop, so without a left window the middle loop also takes the
+    # partial last query block, and no trailing masked loop is compiled.
+    if WINDOW_LEFT:
+        mid_end = full_hi
+    else:
+        mid_end = hi
+    if WINDOW_RIGHT:
         dk, dv = _dkdv_inner(
-            dk, dv, k, v, Q + q_base, DO + do_base, Lse + l_base, Delta + l_base, DQ + dq_base, stride_qm,
-            stride_dom, stride_dqm, offs_n, offs_mb, offs_d, offs_dv, full_lo, full_hi, seqlen_q, seqlen_k,
-            diag_off, window_left, window_right, sm_scale, qk_scale, softcap_scale, softcap_log2,
-            slope_log2, bh, max_seqlen_q, seed0, seed1, dropout_threshold, dropout_scale, IS_FP32,
-            HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, False, WINDOW_LEFT, WINDOW_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+            dk, dv, k, v, Q, DO, Lse, Delta, DQ, Alibi, stride_qm, stride_qh, stride_dom, stride_doh, stride_dqm,
+            stride_dqh, stride_lh, stride_ah, offs_n, offs_mb, offs_d, offs_dv, lo, full_lo, group_size, bh0,
+            seqlen_q, seqlen_k, diag_off, window_left, window_right, sm_scale, qk_scale, softcap_scale,
+            softcap_log2, max_seqlen_q, seed0, seed1, dropout_threshold, dropout_scale, IS_FP32, HEAD_DIM,
+            HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, True, WINDOW_LEFT, WINDOW_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
             HAS_DROPOUT, DQ_ATOMIC)
+    dk, dv = _dkdv_inner(
+        dk, dv, k, v, Q, DO, Lse, Delta, DQ, Alibi, stride_qm, stride_qh, stride_dom, stride_doh, stride_dqm,
+        stride_dqh, stride_lh, stride_ah, offs_n, offs_mb, offs_d, offs_dv, full_lo, mid_end, group_size, bh0,
+        seqlen_q, seqlen_k, diag_off, window_left, window_right, sm_scale, qk_scale, softcap_scale,
+        softcap_log2, max_seqlen_q, seed0, seed1, dropout_threshold, dropout_scale, IS_FP32, HEAD_DIM,
+        HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, False, WINDOW_LEFT, WINDOW_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+        HAS_DROPOUT, DQ_ATOMIC)
+    if WINDOW_LEFT:
         dk, dv = _dkdv_inner(
-            dk, dv, k, v, Q + q_base, DO + do_base, Lse + l_base, Delta + l_base, DQ + dq_base, stride_qm,
-            stride_dom, stride_dqm, offs_n, offs_mb, offs_d, offs_dv, full_hi, hi, seqlen_q, seqlen_k,
-            diag_off, window_left, window_right, sm_scale, qk_scale, softcap_scale, softcap_log2,
-            slope_log2, bh, max_seqlen_q, seed0, seed1, dropout_threshold, dropout_scale, IS_FP32,
-            HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, True, WINDOW_LEFT, WINDOW_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+            dk, dv, k, v, Q, DO, Lse, Delta, DQ, Alibi, stride_qm, stride_qh, stride_dom, stride_doh, stride_dqm,
+            stride_dqh, stride_lh, stride_ah, offs_n, offs_mb, offs_d, offs_dv, full_hi, hi, group_size, bh0,
+            seqlen_q, seqlen_k, diag_off, window_left, window_right, sm_scale, qk_scale, softcap_scale,
+            softcap_log2, max_seqlen_q, seed0, seed1, dropout_threshold, dropout_scale, IS_FP32, HEAD_DIM,
+            HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, True, WINDOW_LEFT, WINDOW_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
             HAS_DROPOUT, DQ_ATOMIC)
 
     n_ok = offs_n[:, None] < seqlen_k
