@@ -29,12 +29,16 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "h200"))
     p.add_argument("--hidden", type=_ints, default=[1024, 2048, 4096, 8192, 16384])
-    p.add_argument("--norm-rows", type=int, default=16384, help="tokens (rows) for the norms")
+    p.add_argument("--norm-elems", type=int, default=1 << 28,
+                   help="rows x hidden of the norm inputs (rows = this / hidden): 512 MiB bf16 tensors keep "
+                        "the GPU, not Python, the bottleneck")
     p.add_argument("--vocab", type=_ints, default=[32768, 65536, 131072, 262144])
-    p.add_argument("--ce-rows", type=int, default=4096, help="tokens (rows) for cross-entropy")
+    p.add_argument("--ce-elems", type=int, default=1 << 29, help="rows x vocab of the logits (1 GiB bf16)")
+    p.add_argument("--ce-mem-rows", type=int, default=4096, help="rows of the peak-memory measurement")
     p.add_argument("--warmup", type=int, default=25, help="do_bench warmup (ms)")
     p.add_argument("--rep", type=int, default=100, help="do_bench repetitions (ms)")
     p.add_argument("--sweep", action="store_true", help="also time alternative launch configurations")
+    p.add_argument("--sweep-only", action="store_true", help="only the sweep (no table)")
     p.add_argument("--cpu-smoke", action="store_true", help=argparse.SUPPRESS)  # script check without a GPU
     return p.parse_args(argv)
 
@@ -67,11 +71,14 @@ def main(argv=None):
         lines.append(s)
 
     # ---------------------------------------------------------------------------------------- copy
-    src = torch.empty(1 << 29, device=dev, dtype=bf16).normal_()
+    src = torch.empty(1 << 29 if not args.cpu_smoke else 1 << 20, device=dev, dtype=bf16).normal_()
     dst = torch.empty_like(src)
     copy_ms = bench(lambda: dst.copy_(src))
     copy_gbs = 2 * src.numel() * 2 / copy_ms / 1e6
     del src, dst
+    if args.sweep_only:
+        print(f"copy: {copy_gbs:.0f} GB/s", flush=True)
+        return sweep(args, bench, copy_gbs, dev, bf16)
 
     # ---------------------------------------------------------------------------------------- norms
     def ln_ref(x, w, b):
@@ -82,13 +89,13 @@ def main(argv=None):
         return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + 1e-6) * w.float()).to(x.dtype)
 
     norm_rows = []
-    M = args.norm_rows
     for is_rms in (False, True):
         name = "RMSNorm" if is_rms else "LayerNorm"
         # dynamic=False: a kernel specialised to each hidden size, the reference's best case.
         compiled = compile_(rms_ref if is_rms else ln_ref, dynamic=False)
         for N in args.hidden:
             torch.manual_seed(0)
+            M = max(1, args.norm_elems // N)
             x = torch.randn(M, N, device=dev, dtype=bf16, requires_grad=True)
             w = torch.randn(N, device=dev, dtype=bf16, requires_grad=True)
             b = None if is_rms else torch.randn(N, device=dev, dtype=bf16, requires_grad=True)
@@ -104,7 +111,7 @@ def main(argv=None):
             r_b = bench(lambda: torch.autograd.grad(y_ref, params, dy, retain_graph=True))
             err = (y.float() - y_ref.float()).abs().max().item()
             fwd_bytes, bwd_bytes = 4 * M * N + 8 * M, 6 * M * N + 8 * M
-            norm_rows.append((name, N, t_f, r_f, fwd_bytes, t_b, r_b, bwd_bytes, err))
+            norm_rows.append((name, M, N, t_f, r_f, fwd_bytes, t_b, r_b, bwd_bytes, err))
             print(f"{name} N={N}: fwd {t_f * 1e3:.0f}us (compile {r_f * 1e3:.0f}us) bwd {t_b * 1e3:.0f}us "
                   f"(compile {r_b * 1e3:.0f}us) max|y - y_compile| {err:.2e}", flush=True)
             del x, w, b, dy, y, y_ref, params
@@ -115,9 +122,9 @@ def main(argv=None):
 
     ce_compiled = compile_(ce_ref, dynamic=False)
     ce_rows = []
-    R = args.ce_rows
     for V in args.vocab:
         torch.manual_seed(0)
+        R = max(1, args.ce_elems // V)
         logits = torch.randn(R, V, device=dev, dtype=bf16, requires_grad=True)
         labels = torch.randint(0, V, (R,), device=dev)
         g = torch.ones(R, device=dev)
@@ -130,13 +137,14 @@ def main(argv=None):
         r_f = bench(lambda: ce_compiled(logits, labels))
         r_b = bench(lambda: torch.autograd.grad(loss_ref, logits, g, retain_graph=True))
         err = (loss - loss_ref).abs().max().item()
-        ce_rows.append((V, t_f, r_f, 2 * R * V, t_b, r_b, 4 * R * V, err))
+        ce_rows.append((R, V, t_f, r_f, 2 * R * V, t_b, r_b, 4 * R * V, err))
         print(f"CE V={V}: fwd {t_f * 1e3:.0f}us (compile {r_f * 1e3:.0f}us) bwd {t_b * 1e3:.0f}us "
               f"(compile {r_b * 1e3:.0f}us) max|loss - loss_compile| {err:.2e}", flush=True)
         del logits, labels, loss, loss_ref
 
     # ------------------------------------------------------------------------- cross-entropy memory
     V = 131072 if not args.cpu_smoke else args.vocab[0]
+    R = args.ce_mem_rows
     mem_rows = []
     logits0 = torch.randn(R, V, device=dev, dtype=bf16)
     labels = torch.randint(0, V, (R,), device=dev)
@@ -179,24 +187,26 @@ def main(argv=None):
     log(f"- Times: medians of triton.testing.do_bench in microseconds; bf16 inputs; speedup = "
         f"torch.compile time / our time")
     log()
-    log(f"## LayerNorm / RMSNorm ({M} rows; bf16 x, weight and (LayerNorm) bias)")
+    log("## LayerNorm / RMSNorm (bf16 x, weight and (LayerNorm) bias; rows x hidden = "
+        f"{args.norm_elems}, i.e. {args.norm_elems * 2 // 2**20} MiB per activation tensor)")
     log()
-    log("| norm | hidden | fwd us | compile fwd us | fwd speedup | fwd GB/s | fwd / copy | bwd us | compile bwd us "
-        "| bwd speedup | bwd GB/s | bwd / copy |")
-    log("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for name, N, t_f, r_f, fb, t_b, r_b, bb, _ in norm_rows:
+    log("| norm | rows | hidden | fwd us | compile fwd us | fwd speedup | fwd GB/s | fwd / copy | bwd us | "
+        "compile bwd us | bwd speedup | bwd GB/s | bwd / copy |")
+    log("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, M, N, t_f, r_f, fb, t_b, r_b, bb, _ in norm_rows:
         gf, gb = fb / t_f / 1e6, bb / t_b / 1e6
-        log(f"| {name} | {N} | {t_f * 1e3:.1f} | {r_f * 1e3:.1f} | {r_f / t_f:.2f}x | {gf:.0f} | {gf / copy_gbs:.2f} "
+        log(f"| {name} | {M} | {N} | {t_f * 1e3:.1f} | {r_f * 1e3:.1f} | {r_f / t_f:.2f}x | {gf:.0f} | {gf / copy_gbs:.2f} "
             f"| {t_b * 1e3:.1f} | {r_b * 1e3:.1f} | {r_b / t_b:.2f}x | {gb:.0f} | {gb / copy_gbs:.2f} |")
     log()
-    log(f"## Cross-entropy ({R} rows, bf16 logits, reference F.cross_entropy(logits.float()))")
+    log(f"## Cross-entropy (bf16 logits, rows x vocab = {args.ce_elems}; reference: "
+        "F.cross_entropy(logits.float(), reduction='none'))")
     log()
-    log("| vocab | fwd us | compile fwd us | fwd speedup | fwd GB/s | fwd / copy | bwd us | compile bwd us | "
+    log("| rows | vocab | fwd us | compile fwd us | fwd speedup | fwd GB/s | fwd / copy | bwd us | compile bwd us | "
         "bwd speedup | bwd GB/s | bwd / copy |")
-    log("|---|---|---|---|---|---|---|---|---|---|---|")
-    for V, t_f, r_f, fb, t_b, r_b, bb, _ in ce_rows:
+    log("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for R, V, t_f, r_f, fb, t_b, r_b, bb, _ in ce_rows:
         gf, gb = fb / t_f / 1e6, bb / t_b / 1e6
-        log(f"| {V} | {t_f * 1e3:.1f} | {r_f * 1e3:.1f} | {r_f / t_f:.2f}x | {gf:.0f} | {gf / copy_gbs:.2f} | "
+        log(f"| {R} | {V} | {t_f * 1e3:.1f} | {r_f * 1e3:.1f} | {r_f / t_f:.2f}x | {gf:.0f} | {gf / copy_gbs:.2f} | "
             f"{t_b * 1e3:.1f} | {r_b * 1e3:.1f} | {r_b / t_b:.2f}x | {gb:.0f} | {gb / copy_gbs:.2f} |")
     log()
     log(f"## Cross-entropy peak memory, vocab {V}, {R} rows (logits: {logits_mib:.0f} MiB bf16)")
@@ -229,52 +239,75 @@ def sweep(args, bench, copy_gbs, dev, bf16):
     """Times alternative launch configurations (printed only) to choose the module defaults."""
     import torch
 
-    from flash_attn.ops.triton import backend, cdiv, next_power_of_2
+    from flash_attn.ops.triton import backend
     from flash_attn.ops.triton import cross_entropy as ce
     from flash_attn.ops.triton import layer_norm as ln
 
-    orig_block_config, orig_fwd_max, orig_bwd_max = ln._block_config, ln.FWD_MAX_BLOCK_N, ln.BWD_MAX_BLOCK_N
-    M = args.norm_rows
-    print("\n== sweep: norms (max block, elements per warp) -> us and fraction of copy", flush=True)
+    knobs = ("FWD_MAX_BLOCK_N", "FWD_TILE", "FWD_ELEMS_PER_WARP", "BWD_MAX_BLOCK_N", "BWD_TILE",
+             "BWD_ELEMS_PER_WARP", "BWD_PROGRAMS_PER_SM")
+    saved = {k: getattr(ln, k) for k in knobs}
+    fwd_grid = [dict(FWD_MAX_BLOCK_N=mb, FWD_TILE=t, FWD_ELEMS_PER_WARP=e)
+                for mb in (16384, 4096) for t in (2048, 8192) for e in (256, 512, 1024)]
+    bwd_grid = [dict(BWD_MAX_BLOCK_N=mb, BWD_TILE=t, BWD_ELEMS_PER_WARP=e, BWD_PROGRAMS_PER_SM=p)
+                for mb in (4096, 2048) for t in (1024, 4096, 8192) for e in (512,) for p in (1, 2)]
+    print("\n== sweep: norms (LayerNorm) -> us and fraction of copy", flush=True)
     for N in args.hidden:
+        M = max(1, args.norm_elems // N)
         x = torch.randn(M, N, device=dev, dtype=bf16, requires_grad=True)
         w = torch.randn(N, device=dev, dtype=bf16, requires_grad=True)
         b = torch.randn(N, device=dev, dtype=bf16, requires_grad=True)
         dy = torch.randn(M, N, device=dev, dtype=bf16)
-        for max_block in sorted({min(next_power_of_2(N), m) for m in (16384, 8192, 4096, 2048)}, reverse=True):
-            for per_warp in (256, 512, 1024):
-                def cfg(n, mb, pw=per_warp):
-                    block = min(next_power_of_2(n), mb)
-                    return block, cdiv(n, block), max(1, min(32, block // pw))
-                ln._block_config, ln.FWD_MAX_BLOCK_N, ln.BWD_MAX_BLOCK_N = cfg, max_block, max_block
-                try:
-                    with backend("triton"):
-                        y = ln.layer_norm_fn(x, w, b)
-                        t_f = bench(lambda: ln.layer_norm_fn(x, w, b))
-                        t_b = bench(lambda: torch.autograd.grad(y, (x, w, b), dy, retain_graph=True))
-                    print(f"N={N} block={max_block} per_warp={per_warp}: fwd {t_f * 1e3:.0f}us "
-                          f"({4 * M * N / t_f / 1e6 / copy_gbs:.2f}) bwd {t_b * 1e3:.0f}us "
-                          f"({6 * M * N / t_b / 1e6 / copy_gbs:.2f})", flush=True)
-                except Exception as e:  # a config the hardware cannot launch
-                    print(f"N={N} block={max_block} per_warp={per_warp}: failed {type(e).__name__}: {e}"[:200])
+        seen = set()
+        for cfg in fwd_grid:
+            ln.__dict__.update(saved)
+            ln.__dict__.update(cfg)
+            key = ln._fwd_config(N)
+            if key in seen:
+                continue
+            seen.add(key)
+            try:
+                with backend("triton"):
+                    t = bench(lambda: ln.layer_norm_fn(x, w, b))
+                print(f"fwd N={N} (BLOCK_M, BLOCK_N, chunks, warps)={key}: {t * 1e3:.0f}us "
+                      f"({4 * M * N / t / 1e6 / copy_gbs:.2f})", flush=True)
+            except Exception as e:  # a configuration the hardware cannot launch
+                print(f"fwd N={N} {key}: failed {type(e).__name__}: {e}"[:200], flush=True)
+        seen = set()
+        for cfg in bwd_grid:
+            ln.__dict__.update(saved)
+            ln.__dict__.update(cfg)
+            key = ln._bwd_config(M, N, x.device)[2:] + (cfg["BWD_PROGRAMS_PER_SM"],)
+            if key in seen:
+                continue
+            seen.add(key)
+            try:
+                with backend("triton"):
+                    y = ln.layer_norm_fn(x, w, b)
+                    t = bench(lambda: torch.autograd.grad(y, (x, w, b), dy, retain_graph=True))
+                print(f"bwd N={N} (BLOCK_M, BLOCK_N, chunks, warps, per_sm)={key}: {t * 1e3:.0f}us "
+                      f"({6 * M * N / t / 1e6 / copy_gbs:.2f})", flush=True)
+            except Exception as e:
+                print(f"bwd N={N} {key}: failed {type(e).__name__}: {e}"[:200], flush=True)
         del x, w, b, dy
-    ln._block_config, ln.FWD_MAX_BLOCK_N, ln.BWD_MAX_BLOCK_N = orig_block_config, orig_fwd_max, orig_bwd_max
+    ln.__dict__.update(saved)
 
-    print("\n== sweep: cross-entropy (fwd block, bwd block, warps)", flush=True)
+    print("\n== sweep: cross-entropy (block, warps)", flush=True)
     orig = ce.FWD_BLOCK, ce.BWD_BLOCK, ce._warps
-    R, V = args.ce_rows, args.vocab[-1]
+    V = args.vocab[-1]
+    R = max(1, args.ce_elems // V)
     logits = torch.randn(R, V, device=dev, dtype=bf16, requires_grad=True)
     labels = torch.randint(0, V, (R,), device=dev)
     g = torch.ones(R, device=dev)
-    for block in (2048, 4096, 8192, 16384):
-        for warps in (4, 8, 16):
+    for block in (4096, 8192, 16384):
+        for warps in (4, 8):
             ce.FWD_BLOCK, ce.BWD_BLOCK, ce._warps = block, block, (lambda _b, w=warps: w)
             with backend("triton"):
                 loss = ce.cross_entropy_loss(logits, labels)[0]
                 t_f = bench(lambda: ce.cross_entropy_loss(logits, labels)[0])
                 t_b = bench(lambda: torch.autograd.grad(loss, logits, g, retain_graph=True))
-            print(f"CE block={block} warps={warps}: fwd {t_f * 1e3:.0f}us ({2 * R * V / t_f / 1e6 / copy_gbs:.2f}) "
-                  f"bwd {t_b * 1e3:.0f}us ({4 * R * V / t_b / 1e6 / copy_gbs:.2f})", flush=True)
+            print(f"CE V={V} block={block} warps={warps}: fwd {t_f * 1e3:.0f}us "
+                  f"({2 * R * V / t_f / 1e6 / copy_gbs:.2f}) bwd {t_b * 1e3:.0f}us "
+                  f"({4 * R * V / t_b / 1e6 / copy_gbs:.2f})", flush=True)
     ce.FWD_BLOCK, ce.BWD_BLOCK, ce._warps = orig
 
 

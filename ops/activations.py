@@ -81,6 +81,11 @@ def _(*args):
     return None
 
 
+def _launch(op, launch):
+    # The custom op is what torch.compile traces; eager calls skip its dispatcher overhead.
+    return op if torch.compiler.is_compiling() else launch
+
+
 # ---------------------------------------------------------------------------------------- PyTorch path
 def _act_torch(x: Tensor, act: str) -> Tensor:
     if act == "gelu_tanh":
@@ -125,7 +130,7 @@ def _rows(t: Tensor) -> Tensor:
 def _bias_act_fwd(x2: Tensor, bias: Optional[Tensor], act: str) -> Tensor:
     out = torch.empty(x2.shape, device=x2.device, dtype=x2.dtype)
     if use_triton(x2):
-        _bias_act_fwd_op(x2, bias, out, act)
+        _launch(_bias_act_fwd_op, _k.bias_act_fwd)(x2, bias, out, act)
     else:
         out.copy_(_act_torch(_pre(x2, bias), act))
     return out
@@ -139,7 +144,7 @@ def _bias_act_bwd(dout2: Tensor, x2: Tensor, bias: Optional[Tensor], act: str) -
         if bias is not None:
             programs = _k.bwd_row_programs(M, N, x2.device, True)[0]
             db_part = torch.empty((programs, N), device=x2.device, dtype=torch.float32)
-        _bias_act_bwd_op(dout2, x2, bias, dx, db_part, act)
+        _launch(_bias_act_bwd_op, _k.bias_act_bwd)(dout2, x2, bias, dx, db_part, act)
         db = db_part.sum(0) if bias is not None else None
     else:
         d = dout2.float() * _act_grad_torch(_pre(x2, bias), act)
@@ -151,7 +156,7 @@ def _bias_act_bwd(dout2: Tensor, x2: Tensor, bias: Optional[Tensor], act: str) -
 def _gated_fwd(g2, v2, bias_g, bias_v, act):
     out = torch.empty(g2.shape, device=g2.device, dtype=g2.dtype)
     if use_triton(g2):
-        _gated_fwd_op(g2, v2, bias_g, bias_v, out, act)
+        _launch(_gated_fwd_op, _k.gated_fwd)(g2, v2, bias_g, bias_v, out, act)
     else:
         out.copy_(_pre(v2, bias_v) * _act_torch(_pre(g2, bias_g), act))
     return out
@@ -167,7 +172,7 @@ def _gated_bwd(dout2, g2, v2, bias_g, bias_v, act):
             programs = _k.bwd_row_programs(M, N, g2.device, True)[0]
             dbg_part = torch.empty((programs, N), device=g2.device, dtype=torch.float32)
             dbv_part = torch.empty_like(dbg_part)
-        _gated_bwd_op(dout2, g2, v2, bias_g, bias_v, dg, dv, dbg_part, dbv_part, act)
+        _launch(_gated_bwd_op, _k.gated_bwd)(dout2, g2, v2, bias_g, bias_v, dg, dv, dbg_part, dbv_part, act)
         dbg = dbg_part.sum(0) if bias_g is not None else None
         dbv = dbv_part.sum(0) if bias_g is not None else None
     else:

@@ -144,8 +144,7 @@ def _aligned(labels: Tensor) -> Tensor:
     return labels if labels.data_ptr() % 16 == 0 else labels.clone()
 
 
-@torch.library.custom_op("flash_attn_ops::cross_entropy_fwd", mutates_args=("lse", "losses", "z_losses"))
-def _ce_fwd_triton(
+def _ce_fwd_launch(
     logits: Tensor, labels: Tensor, lse: Tensor, losses: Tensor, z_losses: Tensor, precomputed: bool,
     smoothing: float, logit_scale: float, lse_square_scale: float, ignore_index: int, total_classes: int,
     class_start: int, split: bool,
@@ -181,13 +180,16 @@ def _ce_fwd_triton(
         )
 
 
-@_ce_fwd_triton.register_fake
+_ce_fwd_op = torch.library.custom_op(
+    "flash_attn_ops::cross_entropy_fwd", mutates_args=("lse", "losses", "z_losses"))(_ce_fwd_launch)
+
+
+@_ce_fwd_op.register_fake
 def _(*args):
     return None
 
 
-@torch.library.custom_op("flash_attn_ops::cross_entropy_bwd", mutates_args=("dlogits",))
-def _ce_bwd_triton(
+def _ce_bwd_launch(
     dlogits: Tensor, logits: Optional[Tensor], dloss: Tensor, lse: Tensor, labels: Tensor, smoothing: float,
     logit_scale: float, lse_square_scale: float, ignore_index: int, total_classes: int, class_start: int,
 ) -> None:
@@ -205,9 +207,19 @@ def _ce_bwd_triton(
         )
 
 
-@_ce_bwd_triton.register_fake
+_ce_bwd_op = torch.library.custom_op("flash_attn_ops::cross_entropy_bwd", mutates_args=("dlogits",))(_ce_bwd_launch)
+
+
+@_ce_bwd_op.register_fake
 def _(*args):
     return None
+
+
+def _pick(op, launch, torch_fn, x):
+    if not use_triton(x):
+        return torch_fn
+    # The custom op is what torch.compile traces; eager calls skip its dispatcher overhead.
+    return op if torch.compiler.is_compiling() else launch
 
 
 def _row_chunks(n_rows: int, n_cols: int):
@@ -293,7 +305,7 @@ class CrossEntropyLossFn(torch.autograd.Function):
         z_losses = torch.empty(n_rows, device=dev, dtype=torch.float32)
         args = (logits, labels, lse, losses, z_losses, precomputed_lse is not None, float(smoothing),
                 float(logit_scale), float(lse_square_scale), int(ignore_index), world * n_cols, rank * n_cols, split)
-        (_ce_fwd_triton if use_triton(logits) else _ce_fwd_torch)(*args)
+        _pick(_ce_fwd_op, _ce_fwd_launch, _ce_fwd_torch, logits)(*args)
         if split:
             # lse over the whole vocab from every rank's partial lse; the label/smoothing terms add up.
             gathered = [torch.empty_like(lse) for _ in range(world)]
@@ -318,7 +330,7 @@ class CrossEntropyLossFn(torch.autograd.Function):
         else:
             dlogits, src = torch.empty_like(logits), logits
         args = (dlogits, src, grad_losses, lse, labels, *ctx.args)
-        (_ce_bwd_triton if use_triton(logits) else _ce_bwd_torch)(*args)
+        _pick(_ce_bwd_op, _ce_bwd_launch, _ce_bwd_torch, logits)(*args)
         return dlogits, None, None, None, None, None, None, None, None
 
 

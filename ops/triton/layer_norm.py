@@ -25,11 +25,18 @@ from flash_attn.dropout import hash32, new_rng_state, threshold
 
 from . import cdiv, device_ctx, next_power_of_2, num_sms, tl, triton, use_triton
 
-# Widest row kept in registers in one piece; wider rows are processed in chunks of this many columns
-# (two passes over the row, the second from L2). Backward holds x, dy and the dweight/dbias accumulators
-# at once, so its limit is lower. Tests lower these to exercise the chunked paths on small rows.
+# Launch shape. A program works on tiles of BLOCK_M rows x BLOCK_N columns, BLOCK_M = TILE // BLOCK_N, so
+# narrow rows are batched into one tile. Rows wider than MAX_BLOCK_N go in chunks (two passes over each
+# row, the second from L2). The backward keeps dweight/dbias accumulators for a whole tile in registers,
+# which caps its block lower. Warps: one per ELEMS_PER_WARP tile elements. Tests lower the blocks to
+# exercise the chunked paths on small rows; benchmarks/bench_ops.py --sweep times alternatives.
 FWD_MAX_BLOCK_N = 16384
-BWD_MAX_BLOCK_N = 8192
+FWD_TILE = 4096
+FWD_ELEMS_PER_WARP = 512
+BWD_MAX_BLOCK_N = 4096
+BWD_TILE = 4096
+BWD_ELEMS_PER_WARP = 512
+BWD_PROGRAMS_PER_SM = 2
 MAX_HIDDEN = 65536
 
 
@@ -50,56 +57,58 @@ def _row_hash(seed0, seed1, row):
 
 @triton.jit
 def _keep(row_hash, cols, drop_threshold):
-    return _hash32(row_hash ^ cols.to(tl.uint32)).to(tl.int64) >= drop_threshold
+    return _hash32(row_hash ^ tl.cast(cols, tl.uint32)).to(tl.int64) >= drop_threshold
 
 
+# Helpers take r: (BLOCK_M, 1) int64 row indices, r_ok = r < M, cols: (1, BLOCK_N), mask = r_ok & cols < N.
 @triton.jit
-def _ln_fwd_input(X, X1, RES, ROWSCALE, RES_OUT, DMASK, row, M, N, cols, mask,
+def _ln_fwd_input(X, X1, RES, ROWSCALE, RES_OUT, DMASK, r, r_ok, M, N, cols, mask,
                   stride_x, stride_x1, stride_res, stride_res_out, hash0, hash1, drop_threshold, drop_scale,
                   HAS_RES: tl.constexpr, HAS_X1: tl.constexpr, HAS_ROWSCALE: tl.constexpr,
                   HAS_DROPOUT: tl.constexpr, STORE_DMASK: tl.constexpr, STORE_RES_OUT: tl.constexpr):
-    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(X + r * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_ROWSCALE:
-        x *= tl.load(ROWSCALE + row).to(tl.float32)
+        x *= tl.load(ROWSCALE + r, mask=r_ok, other=0.0).to(tl.float32)
     if HAS_DROPOUT:
         keep = _keep(hash0, cols, drop_threshold)
         x = tl.where(keep, x * drop_scale, 0.0)
         if STORE_DMASK:
-            tl.store(DMASK + row * N + cols, keep, mask=mask)
+            tl.store(DMASK + r * N + cols, keep, mask=mask)
     if HAS_X1:
-        x1 = tl.load(X1 + row * stride_x1 + cols, mask=mask, other=0.0).to(tl.float32)
+        x1 = tl.load(X1 + r * stride_x1 + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_DROPOUT:
             keep1 = _keep(hash1, cols, drop_threshold)
             x1 = tl.where(keep1, x1 * drop_scale, 0.0)
             if STORE_DMASK:
-                tl.store(DMASK + (M + row) * N + cols, keep1, mask=mask)
+                tl.store(DMASK + (M + r) * N + cols, keep1, mask=mask)
         x += x1
     if HAS_RES:
-        x += tl.load(RES + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
+        x += tl.load(RES + r * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
     if STORE_RES_OUT:
-        tl.store(RES_OUT + row * stride_res_out + cols, x, mask=mask)
+        tl.store(RES_OUT + r * stride_res_out + cols, x, mask=mask)
     return x
 
 
 @triton.jit
-def _ln_fwd_output(W, B, W1, B1, Y, Y1, row, cols, mask, xhat, stride_y, stride_y1,
+def _ln_fwd_output(W, B, W1, B1, Y, Y1, r, cols, mask, N, xhat, stride_y, stride_y1,
                    HAS_BIAS: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr,
                    ZERO_CENTERED: tl.constexpr):
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    col_ok = cols < N
+    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
     if ZERO_CENTERED:
         w += 1.0
     y = xhat * w
     if HAS_BIAS:
-        y += tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Y + row * stride_y + cols, y, mask=mask)
+        y += tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)
+    tl.store(Y + r * stride_y + cols, y, mask=mask)
     if HAS_W1:
-        w1 = tl.load(W1 + cols, mask=mask, other=0.0).to(tl.float32)
+        w1 = tl.load(W1 + cols, mask=col_ok, other=0.0).to(tl.float32)
         if ZERO_CENTERED:
             w1 += 1.0
         y1 = xhat * w1
         if HAS_B1:
-            y1 += tl.load(B1 + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(Y1 + row * stride_y1 + cols, y1, mask=mask)
+            y1 += tl.load(B1 + cols, mask=col_ok, other=0.0).to(tl.float32)
+        tl.store(Y1 + r * stride_y1 + cols, y1, mask=mask)
 
 
 @triton.jit
@@ -110,106 +119,107 @@ def _ln_fwd_kernel(
     IS_RMS_NORM: tl.constexpr, HAS_RES: tl.constexpr, HAS_X1: tl.constexpr, HAS_ROWSCALE: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, STORE_DMASK: tl.constexpr, STORE_RES_OUT: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr, ZERO_CENTERED: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_CHUNKS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_CHUNKS: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    r = rows[:, None]
+    r_ok = row_ok[:, None]
     hash0 = seed0
     hash1 = seed1
     if HAS_DROPOUT:
-        hash0 = _row_hash(seed0, seed1, row)
+        hash0 = _row_hash(seed0, seed1, r)
         if HAS_X1:
-            hash1 = _row_hash(seed0, seed1, row + M)
-    mean = 0.0
+            hash1 = _row_hash(seed0, seed1, r + M)
+    mean = tl.zeros([BLOCK_M], dtype=tl.float32)
     if NUM_CHUNKS == 1:
-        cols = tl.arange(0, BLOCK_N)
-        mask = cols < N
-        x = _ln_fwd_input(X, X1, RES, ROWSCALE, RES_OUT, DMASK, row, M, N, cols, mask,
+        cols = tl.arange(0, BLOCK_N)[None, :]
+        mask = r_ok & (cols < N)
+        x = _ln_fwd_input(X, X1, RES, ROWSCALE, RES_OUT, DMASK, r, r_ok, M, N, cols, mask,
                           stride_x, stride_x1, stride_res, stride_res_out, hash0, hash1, drop_threshold,
                           drop_scale, HAS_RES, HAS_X1, HAS_ROWSCALE, HAS_DROPOUT, STORE_DMASK, STORE_RES_OUT)
         if not IS_RMS_NORM:
-            mean = tl.sum(x, axis=0) / N
-            x = tl.where(mask, x - mean, 0.0)
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
-        _ln_fwd_output(W, B, W1, B1, Y, Y1, row, cols, mask, x * rstd, stride_y, stride_y1,
+            mean = tl.sum(x, axis=1) / N
+            x = tl.where(mask, x - mean[:, None], 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / N + eps)
+        _ln_fwd_output(W, B, W1, B1, Y, Y1, r, cols, mask, N, x * rstd[:, None], stride_y, stride_y1,
                        HAS_BIAS, HAS_W1, HAS_B1, ZERO_CENTERED)
     else:
         # Chunk statistics merged with Chan et al.'s parallel update: a plain sum of squares would
         # cancel catastrophically for rows with a large mean.
-        m2 = 0.0
+        m2 = tl.zeros([BLOCK_M], dtype=tl.float32)
         count = 0.0
         for c in range(NUM_CHUNKS):
-            cols = c * BLOCK_N + tl.arange(0, BLOCK_N)
-            mask = cols < N
-            x = _ln_fwd_input(X, X1, RES, ROWSCALE, RES_OUT, DMASK, row, M, N, cols, mask,
+            cols = c * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+            mask = r_ok & (cols < N)
+            x = _ln_fwd_input(X, X1, RES, ROWSCALE, RES_OUT, DMASK, r, r_ok, M, N, cols, mask,
                               stride_x, stride_x1, stride_res, stride_res_out, hash0, hash1, drop_threshold,
                               drop_scale, HAS_RES, HAS_X1, HAS_ROWSCALE, HAS_DROPOUT, STORE_DMASK,
                               STORE_RES_OUT)
             if IS_RMS_NORM:
-                m2 += tl.sum(x * x, axis=0)
+                m2 += tl.sum(x * x, axis=1)
             else:
                 n_c = tl.minimum(N - c * BLOCK_N, BLOCK_N).to(tl.float32)
-                c_mean = tl.sum(x, axis=0) / n_c
-                d = tl.where(mask, x - c_mean, 0.0)
+                c_mean = tl.sum(x, axis=1) / n_c
+                d = tl.where(mask, x - c_mean[:, None], 0.0)
                 total = count + n_c
                 delta = c_mean - mean
                 mean += delta * (n_c / total)
-                m2 += tl.sum(d * d, axis=0) + delta * delta * (count * n_c / total)
+                m2 += tl.sum(d * d, axis=1) + delta * delta * (count * n_c / total)
                 count = total
         rstd = 1.0 / tl.sqrt(m2 / N + eps)
         # Second pass recomputes the fp32 sum from the inputs (L2-resident) rather than re-reading a
         # possibly low-precision residual_out, so chunked and one-piece rows give the same y.
         for c in range(NUM_CHUNKS):
-            cols = c * BLOCK_N + tl.arange(0, BLOCK_N)
-            mask = cols < N
-            x = _ln_fwd_input(X, X1, RES, ROWSCALE, RES_OUT, DMASK, row, M, N, cols, mask,
+            cols = c * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+            mask = r_ok & (cols < N)
+            x = _ln_fwd_input(X, X1, RES, ROWSCALE, RES_OUT, DMASK, r, r_ok, M, N, cols, mask,
                               stride_x, stride_x1, stride_res, stride_res_out, hash0, hash1, drop_threshold,
                               drop_scale, HAS_RES, HAS_X1, HAS_ROWSCALE, HAS_DROPOUT, False, False)
-            _ln_fwd_output(W, B, W1, B1, Y, Y1, row, cols, mask, (x - mean) * rstd, stride_y, stride_y1,
-                           HAS_BIAS, HAS_W1, HAS_B1, ZERO_CENTERED)
+            _ln_fwd_output(W, B, W1, B1, Y, Y1, r, cols, mask, N, (x - mean[:, None]) * rstd[:, None],
+                           stride_y, stride_y1, HAS_BIAS, HAS_W1, HAS_B1, ZERO_CENTERED)
     if not IS_RMS_NORM:
-        tl.store(MEAN + row, mean)
-    tl.store(RSTD + row, rstd)
+        tl.store(MEAN + rows, mean, mask=row_ok)
+    tl.store(RSTD + rows, rstd, mask=row_ok)
 
 
 @triton.jit
-def _ln_bwd_row_grads(X, W, W1, DY, DY1, row, cols, mask, mean, rstd, stride_x, stride_dy, stride_dy1,
-                      HAS_W1: tl.constexpr, ZERO_CENTERED: tl.constexpr):
-    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    xhat = tl.where(mask, (x - mean) * rstd, 0.0)
-    dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+def _ln_bwd_grads(x, dy, dy1, W, W1, cols, mask, N, mean, rstd, HAS_W1: tl.constexpr,
+                  ZERO_CENTERED: tl.constexpr):
+    """xhat and g = dy * w (+ dy1 * w1) for a tile; x, dy, dy1 as loaded, mean/rstd (BLOCK_M,)."""
+    col_ok = cols < N
+    xhat = tl.where(mask, (x.to(tl.float32) - mean[:, None]) * rstd[:, None], 0.0)
+    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
     if ZERO_CENTERED:
-        w = tl.where(mask, w + 1.0, 0.0)
-    g = dy * w
-    dy1 = dy
+        w = tl.where(col_ok, w + 1.0, 0.0)
+    g = dy.to(tl.float32) * w
     if HAS_W1:
-        dy1 = tl.load(DY1 + row * stride_dy1 + cols, mask=mask, other=0.0).to(tl.float32)
-        w1 = tl.load(W1 + cols, mask=mask, other=0.0).to(tl.float32)
+        w1 = tl.load(W1 + cols, mask=col_ok, other=0.0).to(tl.float32)
         if ZERO_CENTERED:
-            w1 = tl.where(mask, w1 + 1.0, 0.0)
-        g += dy1 * w1
-    return xhat, dy, dy1, g
+            w1 = tl.where(col_ok, w1 + 1.0, 0.0)
+        g += dy1.to(tl.float32) * w1
+    return xhat, g
 
 
 @triton.jit
-def _ln_bwd_store(dx, DRES_OUT, DRES_IN, DX, DX1, ROWSCALE, row, M, cols, mask,
+def _ln_bwd_store(dx, DRES_OUT, DRES_IN, DX, DX1, ROWSCALE, r, r_ok, M, cols, mask,
                   stride_dres_out, stride_dres_in, stride_dx, stride_dx1, seed0, seed1, drop_threshold,
                   drop_scale, HAS_DRES_OUT: tl.constexpr, STORE_DRES_IN: tl.constexpr, HAS_X1: tl.constexpr,
                   HAS_ROWSCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr):
     if HAS_DRES_OUT:
-        dx += tl.load(DRES_OUT + row * stride_dres_out + cols, mask=mask, other=0.0).to(tl.float32)
+        dx += tl.load(DRES_OUT + r * stride_dres_out + cols, mask=mask, other=0.0).to(tl.float32)
     if STORE_DRES_IN:
-        tl.store(DRES_IN + row * stride_dres_in + cols, dx, mask=mask)
+        tl.store(DRES_IN + r * stride_dres_in + cols, dx, mask=mask)
     if HAS_X1:
         dx1 = dx
         if HAS_DROPOUT:
-            dx1 = tl.where(_keep(_row_hash(seed0, seed1, row + M), cols, drop_threshold), dx1 * drop_scale, 0.0)
-        tl.store(DX1 + row * stride_dx1 + cols, dx1, mask=mask)
+            dx1 = tl.where(_keep(_row_hash(seed0, seed1, r + M), cols, drop_threshold), dx1 * drop_scale, 0.0)
+        tl.store(DX1 + r * stride_dx1 + cols, dx1, mask=mask)
     if HAS_ROWSCALE:
-        dx *= tl.load(ROWSCALE + row).to(tl.float32)
+        dx *= tl.load(ROWSCALE + r, mask=r_ok, other=0.0).to(tl.float32)
     if HAS_DROPOUT:
-        dx = tl.where(_keep(_row_hash(seed0, seed1, row), cols, drop_threshold), dx * drop_scale, 0.0)
-    tl.store(DX + row * stride_dx + cols, dx, mask=mask)
+        dx = tl.where(_keep(_row_hash(seed0, seed1, r), cols, drop_threshold), dx * drop_scale, 0.0)
+    tl.store(DX + r * stride_dx + cols, dx, mask=mask)
 
 
 @triton.jit
@@ -220,104 +230,158 @@ def _ln_bwd_kernel(
     IS_RMS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr,
     HAS_DRES_OUT: tl.constexpr, STORE_DRES_IN: tl.constexpr, HAS_X1: tl.constexpr,
     HAS_ROWSCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr, ZERO_CENTERED: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_CHUNKS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_CHUNKS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     # int64 row bounds make the loop variable int64 on the GPU: row * stride can pass 2**31.
     row_start = pid.to(tl.int64) * rows_per_program
     row_end = tl.minimum(row_start + rows_per_program, M)
     part = pid.to(tl.int64) * N
+    arange_m = tl.arange(0, BLOCK_M)
     if NUM_CHUNKS == 1:
-        cols = tl.arange(0, BLOCK_N)
-        mask = cols < N
-        acc_dw = tl.zeros([BLOCK_N], dtype=tl.float32)
-        acc_db = tl.zeros([BLOCK_N], dtype=tl.float32)
-        acc_dw1 = tl.zeros([BLOCK_N], dtype=tl.float32)
-        acc_db1 = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for row in range(row_start, row_end):
-            mean = 0.0
-            if not IS_RMS_NORM:
-                mean = tl.load(MEAN + row)
-            rstd = tl.load(RSTD + row)
-            xhat, dy, dy1, g = _ln_bwd_row_grads(X, W, W1, DY, DY1, row, cols, mask, mean, rstd,
-                                                 stride_x, stride_dy, stride_dy1, HAS_W1, ZERO_CENTERED)
-            acc_dw += dy * xhat
-            acc_db += dy
+        cols = tl.arange(0, BLOCK_N)[None, :]
+        col_ok = cols < N
+        acc_dw = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_db = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_dw1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_db1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        # Hand-pipelined: the next tile's loads are issued before this tile's reductions and stores, so
+        # DRAM stays busy though the accumulators leave room for only one or two programs per SM.
+        rows = row_start + arange_m
+        ok = rows < row_end
+        m_next = ok[:, None] & col_ok
+        x_next = tl.load(X + rows[:, None] * stride_x + cols, mask=m_next, other=0.0)
+        dy_next = tl.load(DY + rows[:, None] * stride_dy + cols, mask=m_next, other=0.0)
+        dy1_next = dy_next
+        if HAS_W1:
+            dy1_next = tl.load(DY1 + rows[:, None] * stride_dy1 + cols, mask=m_next, other=0.0)
+        mean_next = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if not IS_RMS_NORM:
+            mean_next = tl.load(MEAN + rows, mask=ok, other=0.0)
+        rstd_next = tl.load(RSTD + rows, mask=ok, other=0.0)
+        for r0 in range(row_start, row_end, BLOCK_M):
+            rows = r0 + arange_m
+            r = rows[:, None]
+            r_ok = r < row_end
+            mask = r_ok & col_ok
+            x, dy, dy1, mean, rstd = x_next, dy_next, dy1_next, mean_next, rstd_next
+            nrows = rows + BLOCK_M
+            nok = nrows < row_end
+            m_next = nok[:, None] & col_ok
+            x_next = tl.load(X + nrows[:, None] * stride_x + cols, mask=m_next, other=0.0)
+            dy_next = tl.load(DY + nrows[:, None] * stride_dy + cols, mask=m_next, other=0.0)
             if HAS_W1:
-                acc_dw1 += dy1 * xhat
-                acc_db1 += dy1
-            c1 = tl.sum(xhat * g, axis=0) / N
+                dy1_next = tl.load(DY1 + nrows[:, None] * stride_dy1 + cols, mask=m_next, other=0.0)
+            if not IS_RMS_NORM:
+                mean_next = tl.load(MEAN + nrows, mask=nok, other=0.0)
+            rstd_next = tl.load(RSTD + nrows, mask=nok, other=0.0)
+            xhat, g = _ln_bwd_grads(x, dy, dy1, W, W1, cols, mask, N, mean, rstd, HAS_W1, ZERO_CENTERED)
+            dyf = dy.to(tl.float32)
+            acc_dw += dyf * xhat
+            acc_db += dyf
+            if HAS_W1:
+                dy1f = dy1.to(tl.float32)
+                acc_dw1 += dy1f * xhat
+                acc_db1 += dy1f
+            c1 = tl.sum(xhat * g, axis=1) / N
             if IS_RMS_NORM:
-                dx = (g - xhat * c1) * rstd
+                dx = (g - xhat * c1[:, None]) * rstd[:, None]
             else:
-                dx = (g - xhat * c1 - tl.sum(g, axis=0) / N) * rstd
-            _ln_bwd_store(dx, DRES_OUT, DRES_IN, DX, DX1, ROWSCALE, row, M, cols, mask,
+                dx = (g - xhat * c1[:, None] - (tl.sum(g, axis=1) / N)[:, None]) * rstd[:, None]
+            _ln_bwd_store(dx, DRES_OUT, DRES_IN, DX, DX1, ROWSCALE, r, r_ok, M, cols, mask,
                           stride_dres_out, stride_dres_in, stride_dx, stride_dx1, seed0, seed1, drop_threshold,
                           drop_scale, HAS_DRES_OUT, STORE_DRES_IN, HAS_X1, HAS_ROWSCALE, HAS_DROPOUT)
-        tl.store(DW_PART + part + cols, acc_dw, mask=mask)
+        cols1 = tl.arange(0, BLOCK_N)
+        tl.store(DW_PART + part + cols1, tl.sum(acc_dw, axis=0), mask=cols1 < N)
         if HAS_BIAS:
-            tl.store(DB_PART + part + cols, acc_db, mask=mask)
+            tl.store(DB_PART + part + cols1, tl.sum(acc_db, axis=0), mask=cols1 < N)
         if HAS_W1:
-            tl.store(DW1_PART + part + cols, acc_dw1, mask=mask)
+            tl.store(DW1_PART + part + cols1, tl.sum(acc_dw1, axis=0), mask=cols1 < N)
             if HAS_B1:
-                tl.store(DB1_PART + part + cols, acc_db1, mask=mask)
+                tl.store(DB1_PART + part + cols1, tl.sum(acc_db1, axis=0), mask=cols1 < N)
     else:
-        # Wide rows: the accumulators live in this program's own rows of the (zeroed) partial buffers,
-        # updated read-modify-write; no other program touches them, so there is no race.
-        for row in range(row_start, row_end):
-            mean = 0.0
+        # Wide rows, BLOCK_M at a time: pass 1 gets their two row sums, pass 2 (re-reading the rows from
+        # L2) writes dx and adds the tile's column sums into this program's own rows of the zeroed
+        # partial buffers -- one read-modify-write per BLOCK_M rows, and no other program touches them.
+        for r0 in range(row_start, row_end, BLOCK_M):
+            rows = r0 + arange_m
+            ok = rows < row_end
+            r = rows[:, None]
+            r_ok = ok[:, None]
+            mean = tl.zeros([BLOCK_M], dtype=tl.float32)
             if not IS_RMS_NORM:
-                mean = tl.load(MEAN + row)
-            rstd = tl.load(RSTD + row)
-            c1 = 0.0
-            c2 = 0.0
+                mean = tl.load(MEAN + rows, mask=ok, other=0.0)
+            rstd = tl.load(RSTD + rows, mask=ok, other=0.0)
+            c1 = tl.zeros([BLOCK_M], dtype=tl.float32)
+            c2 = tl.zeros([BLOCK_M], dtype=tl.float32)
             for c in range(NUM_CHUNKS):
-                cols = c * BLOCK_N + tl.arange(0, BLOCK_N)
-                mask = cols < N
-                xhat, dy, dy1, g = _ln_bwd_row_grads(X, W, W1, DY, DY1, row, cols, mask, mean, rstd,
-                                                     stride_x, stride_dy, stride_dy1, HAS_W1, ZERO_CENTERED)
-                c1 += tl.sum(xhat * g, axis=0)
-                c2 += tl.sum(g, axis=0)
-                tl.store(DW_PART + part + cols, tl.load(DW_PART + part + cols, mask=mask) + dy * xhat, mask=mask)
-                if HAS_BIAS:
-                    tl.store(DB_PART + part + cols, tl.load(DB_PART + part + cols, mask=mask) + dy, mask=mask)
+                cols = c * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+                mask = r_ok & (cols < N)
+                x = tl.load(X + r * stride_x + cols, mask=mask, other=0.0)
+                dy = tl.load(DY + r * stride_dy + cols, mask=mask, other=0.0)
+                dy1 = dy
                 if HAS_W1:
-                    tl.store(DW1_PART + part + cols, tl.load(DW1_PART + part + cols, mask=mask) + dy1 * xhat,
-                             mask=mask)
-                    if HAS_B1:
-                        tl.store(DB1_PART + part + cols, tl.load(DB1_PART + part + cols, mask=mask) + dy1,
-                                 mask=mask)
+                    dy1 = tl.load(DY1 + r * stride_dy1 + cols, mask=mask, other=0.0)
+                xhat, g = _ln_bwd_grads(x, dy, dy1, W, W1, cols, mask, N, mean, rstd, HAS_W1, ZERO_CENTERED)
+                c1 += tl.sum(xhat * g, axis=1)
+                c2 += tl.sum(g, axis=1)
             c1 = c1 / N
             c2 = c2 / N
             for c in range(NUM_CHUNKS):
-                cols = c * BLOCK_N + tl.arange(0, BLOCK_N)
-                mask = cols < N
-                xhat, dy, dy1, g = _ln_bwd_row_grads(X, W, W1, DY, DY1, row, cols, mask, mean, rstd,
-                                                     stride_x, stride_dy, stride_dy1, HAS_W1, ZERO_CENTERED)
+                cols1 = c * BLOCK_N + tl.arange(0, BLOCK_N)
+                cols = cols1[None, :]
+                mask = r_ok & (cols < N)
+                x = tl.load(X + r * stride_x + cols, mask=mask, other=0.0)
+                dy = tl.load(DY + r * stride_dy + cols, mask=mask, other=0.0)
+                dy1 = dy
+                if HAS_W1:
+                    dy1 = tl.load(DY1 + r * stride_dy1 + cols, mask=mask, other=0.0)
+                xhat, g = _ln_bwd_grads(x, dy, dy1, W, W1, cols, mask, N, mean, rstd, HAS_W1, ZERO_CENTERED)
                 if IS_RMS_NORM:
-                    dx = (g - xhat * c1) * rstd
+                    dx = (g - xhat * c1[:, None]) * rstd[:, None]
                 else:
-                    dx = (g - xhat * c1 - c2) * rstd
-                _ln_bwd_store(dx, DRES_OUT, DRES_IN, DX, DX1, ROWSCALE, row, M, cols, mask,
+                    dx = (g - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
+                _ln_bwd_store(dx, DRES_OUT, DRES_IN, DX, DX1, ROWSCALE, r, r_ok, M, cols, mask,
                               stride_dres_out, stride_dres_in, stride_dx, stride_dx1, seed0, seed1,
                               drop_threshold, drop_scale, HAS_DRES_OUT, STORE_DRES_IN, HAS_X1, HAS_ROWSCALE,
                               HAS_DROPOUT)
+                cm = cols1 < N
+                dyf = dy.to(tl.float32)
+                tl.store(DW_PART + part + cols1,
+                         tl.load(DW_PART + part + cols1, mask=cm, other=0.0) + tl.sum(dyf * xhat, axis=0), mask=cm)
+                if HAS_BIAS:
+                    tl.store(DB_PART + part + cols1,
+                             tl.load(DB_PART + part + cols1, mask=cm, other=0.0) + tl.sum(dyf, axis=0), mask=cm)
+                if HAS_W1:
+                    dy1f = dy1.to(tl.float32)
+                    tl.store(DW1_PART + part + cols1,
+                             tl.load(DW1_PART + part + cols1, mask=cm, other=0.0) + tl.sum(dy1f * xhat, axis=0),
+                             mask=cm)
+                    if HAS_B1:
+                        tl.store(DB1_PART + part + cols1,
+                                 tl.load(DB1_PART + part + cols1, mask=cm, other=0.0) + tl.sum(dy1f, axis=0),
+                                 mask=cm)
 
 
 # --------------------------------------------------------------------------------------------- launchers
-def _block_config(N: int, max_block: int):
-    block = min(next_power_of_2(N), max_block)
-    # ~16 fp32 values per thread per live row tensor keeps the kernels clear of register spills.
-    num_warps = max(1, min(16, block // 512))
-    return block, cdiv(N, block), num_warps
+def _tile_config(N: int, max_block: int, tile: int, elems_per_warp: int):
+    block_n = min(next_power_of_2(N), max_block)
+    block_m = max(1, tile // block_n)
+    num_warps = max(1, min(16, block_m * block_n // elems_per_warp))
+    return block_m, block_n, cdiv(N, block_n), num_warps
 
 
-def _bwd_grid(M: int, N: int, device):
-    block, chunks, num_warps = _block_config(N, BWD_MAX_BLOCK_N)
-    # Narrow rows leave room for several programs per SM, which hides the latency of the row loop.
-    per_sm = max(1, 8192 // block) if chunks == 1 else 2
-    programs = max(1, min(M, num_sms(device) * per_sm))
-    return programs, cdiv(M, programs), block, chunks, num_warps
+def _fwd_config(N: int):
+    return _tile_config(N, FWD_MAX_BLOCK_N, FWD_TILE, FWD_ELEMS_PER_WARP)
+
+
+def _bwd_config(M: int, N: int, device):
+    """(programs, rows per program, BLOCK_M, BLOCK_N, chunks, warps) of the backward grid."""
+    block_m, block_n, chunks, num_warps = _tile_config(N, BWD_MAX_BLOCK_N, BWD_TILE, BWD_ELEMS_PER_WARP)
+    tiles = cdiv(M, block_m)
+    programs = max(1, min(tiles, num_sms(device) * BWD_PROGRAMS_PER_SM))
+    rows = cdiv(tiles, programs) * block_m
+    return cdiv(M, rows) if M else 1, rows, block_m, block_n, chunks, num_warps
 
 
 def _drop_args(rng_state: Optional[Tensor], dropout_p: float):
@@ -331,11 +395,7 @@ def _stride0(t: Optional[Tensor]) -> int:
     return t.stride(0) if t is not None else 0
 
 
-@torch.library.custom_op(
-    "flash_attn_ops::layer_norm_fwd",
-    mutates_args=("y", "y1", "residual_out", "dropout_mask", "mean", "rstd"),
-)
-def _ln_fwd_triton(
+def _ln_fwd_launch(
     x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: Optional[Tensor], x1: Optional[Tensor],
     weight1: Optional[Tensor], bias1: Optional[Tensor], rowscale: Optional[Tensor], rng_state: Optional[Tensor],
     y: Tensor, y1: Optional[Tensor], residual_out: Optional[Tensor], dropout_mask: Optional[Tensor],
@@ -345,9 +405,9 @@ def _ln_fwd_triton(
     if M == 0:
         return
     seed0, seed1, drop_threshold, drop_scale = _drop_args(rng_state, dropout_p)
-    block, chunks, num_warps = _block_config(N, FWD_MAX_BLOCK_N)
+    block_m, block_n, chunks, num_warps = _fwd_config(N)
     with device_ctx(x):
-        _ln_fwd_kernel[(M,)](
+        _ln_fwd_kernel[(cdiv(M, block_m),)](
             x, x1, residual, rowscale, weight, bias, weight1, bias1, y, y1, residual_out, dropout_mask,
             mean, rstd,
             x.stride(0), _stride0(x1), _stride0(residual), y.stride(0), _stride0(y1), _stride0(residual_out),
@@ -356,20 +416,22 @@ def _ln_fwd_triton(
             HAS_ROWSCALE=rowscale is not None, HAS_DROPOUT=dropout_p > 0.0,
             STORE_DMASK=dropout_mask is not None, STORE_RES_OUT=residual_out is not None,
             HAS_BIAS=bias is not None, HAS_W1=weight1 is not None, HAS_B1=bias1 is not None,
-            ZERO_CENTERED=zero_centered_weight, BLOCK_N=block, NUM_CHUNKS=chunks, num_warps=num_warps,
+            ZERO_CENTERED=zero_centered_weight, BLOCK_M=block_m, BLOCK_N=block_n, NUM_CHUNKS=chunks,
+            num_warps=num_warps,
         )
 
 
-@_ln_fwd_triton.register_fake
+_ln_fwd_op = torch.library.custom_op(
+    "flash_attn_ops::layer_norm_fwd", mutates_args=("y", "y1", "residual_out", "dropout_mask", "mean", "rstd"),
+)(_ln_fwd_launch)
+
+
+@_ln_fwd_op.register_fake
 def _(*args):
     return None
 
 
-@torch.library.custom_op(
-    "flash_attn_ops::layer_norm_bwd",
-    mutates_args=("dx", "dx1", "dresidual_in", "dw_part", "db_part", "dw1_part", "db1_part"),
-)
-def _ln_bwd_triton(
+def _ln_bwd_launch(
     x: Tensor, weight: Tensor, weight1: Optional[Tensor], dy: Tensor, dy1: Optional[Tensor],
     dresidual_out: Optional[Tensor], rowscale: Optional[Tensor], rng_state: Optional[Tensor], mean: Tensor,
     rstd: Tensor, dx: Tensor, dx1: Optional[Tensor], dresidual_in: Optional[Tensor], dw_part: Tensor,
@@ -380,7 +442,7 @@ def _ln_bwd_triton(
     if M == 0:
         return
     seed0, seed1, drop_threshold, drop_scale = _drop_args(rng_state, dropout_p)
-    programs, rows_per_program, block, chunks, num_warps = _bwd_grid(M, N, x.device)
+    programs, rows_per_program, block_m, block_n, chunks, num_warps = _bwd_config(M, N, x.device)
     with device_ctx(x):
         _ln_bwd_kernel[(programs,)](
             x, weight, weight1, dy, dy1, dresidual_out, rowscale, mean, rstd, dx, dx1, dresidual_in,
@@ -392,11 +454,18 @@ def _ln_bwd_triton(
             HAS_B1=db1_part is not None, HAS_DRES_OUT=dresidual_out is not None,
             STORE_DRES_IN=dresidual_in is not None, HAS_X1=dx1 is not None,
             HAS_ROWSCALE=rowscale is not None, HAS_DROPOUT=dropout_p > 0.0,
-            ZERO_CENTERED=zero_centered_weight, BLOCK_N=block, NUM_CHUNKS=chunks, num_warps=num_warps,
+            ZERO_CENTERED=zero_centered_weight, BLOCK_M=block_m, BLOCK_N=block_n, NUM_CHUNKS=chunks,
+            num_warps=num_warps,
         )
 
 
-@_ln_bwd_triton.register_fake
+_ln_bwd_op = torch.library.custom_op(
+    "flash_attn_ops::layer_norm_bwd",
+    mutates_args=("dx", "dx1", "dresidual_in", "dw_part", "db_part", "dw1_part", "db1_part"),
+)(_ln_bwd_launch)
+
+
+@_ln_bwd_op.register_fake
 def _(*args):
     return None
 
@@ -527,7 +596,8 @@ def _layer_norm_fwd(x, weight, bias, eps, residual=None, x1=None, weight1=None, 
             dropout_mask, mean, rstd, float(eps), float(dropout_p), bool(is_rms_norm),
             bool(zero_centered_weight))
     if use_triton(x):
-        _ln_fwd_triton(*args)
+        # The custom op is what torch.compile traces; eager calls skip its dispatcher overhead.
+        (_ln_fwd_op if torch.compiler.is_compiling() else _ln_fwd_launch)(*args)
     else:
         _ln_fwd_torch(*args)
     dropout_mask1 = None
@@ -551,8 +621,12 @@ def _layer_norm_bwd(dy, x, weight, bias, mean, rstd, dresidual_out=None, dy1=Non
     if has_residual:
         dres_in = torch.empty((M, N), device=dev, dtype=residual_dtype if residual_dtype is not None else x.dtype)
     triton_path = use_triton(x)
-    programs = _bwd_grid(M, N, dev)[0] if triton_path else 1
-    part = lambda: torch.zeros((programs, N), device=dev, dtype=torch.float32)  # noqa: E731
+    programs, chunks = 1, 1
+    if triton_path:
+        programs, _, _, _, chunks, _ = _bwd_config(M, N, dev)
+    # Chunked rows accumulate into the partials in place; one-piece rows store them whole.
+    alloc = torch.zeros if chunks > 1 else torch.empty
+    part = lambda: alloc((programs, N), device=dev, dtype=torch.float32)  # noqa: E731
     dw_part = part()
     db_part = part() if bias is not None else None
     dw1_part = part() if weight1 is not None else None
@@ -560,7 +634,7 @@ def _layer_norm_bwd(dy, x, weight, bias, mean, rstd, dresidual_out=None, dy1=Non
     args = (x, weight, weight1, dy, dy1, dresidual_out, rowscale, rng_state, mean, rstd, dx, dx1, dres_in,
             dw_part, db_part, dw1_part, db1_part, float(dropout_p), bool(is_rms_norm), bool(zero_centered_weight))
     if triton_path:
-        _ln_bwd_triton(*args)
+        (_ln_bwd_op if torch.compiler.is_compiling() else _ln_bwd_launch)(*args)
     else:
         _ln_bwd_torch(*args)
     dw = dw_part.sum(0).to(weight.dtype)

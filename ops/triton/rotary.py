@@ -71,8 +71,7 @@ def _strides4(t: Tensor, varlen: bool):
     return (0, *t.stride()) if varlen else t.stride()
 
 
-@torch.library.custom_op("flash_attn_ops::rotary", mutates_args=("out",))
-def _rotary_triton(
+def _rotary_launch(
     out: Tensor, x: Optional[Tensor], cos: Tensor, sin: Tensor, seqlen_offsets: Optional[Tensor], offset: int,
     cu_seqlens: Optional[Tensor], max_seqlen: int, interleaved: bool, conjugate: bool,
 ) -> None:
@@ -99,7 +98,10 @@ def _rotary_triton(
         )
 
 
-@_rotary_triton.register_fake
+_rotary_op = torch.library.custom_op("flash_attn_ops::rotary", mutates_args=("out",))(_rotary_launch)
+
+
+@_rotary_op.register_fake
 def _(*args):
     return None
 
@@ -195,7 +197,9 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, seqlen_offsets: Union[int,
     if use_triton(x):
         off_t = seqlen_offsets if isinstance(seqlen_offsets, Tensor) else None
         off_i = seqlen_offsets if isinstance(seqlen_offsets, int) else 0
-        _rotary_triton(out, src, cos, sin, off_t, off_i, cu_seqlens, seqlen, bool(interleaved), bool(conjugate))
+        # The custom op is what torch.compile traces; eager calls skip its dispatcher overhead.
+        launch = _rotary_op if torch.compiler.is_compiling() else _rotary_launch
+        launch(out, src, cos, sin, off_t, off_i, cu_seqlens, seqlen, bool(interleaved), bool(conjugate))
     else:
         _rotary_torch(out, src, cos, sin, seqlen_offsets, cu_seqlens, interleaved, conjugate)
     return out
