@@ -388,8 +388,8 @@ class MHA(nn.Module):
                 raise NotImplementedError("KV-cache inference with key_padding_mask or mixer_subset")
 
     def _project(self, x, x_kv, mixer_subset):
-        """-> (qkv, q, kv, residual): packed qkv (..., S, 3, H, D) for MHA self-attention (q, kv None), else
-        q (..., Sq, H, D) and kv (..., Sk, 2, Hk, D)."""
+        """-> (qkv, q, kv, residual): for self-attention packed qkv (q, kv None), (..., S, 3, H, D) when Hk == H
+        else (..., S, H + 2 Hk, D); for cross-attention q (..., Sq, H, D) and kv (..., Sk, 2, Hk, D)."""
         head = self.head_dim
         if not self.cross_attn:
             qkv = self.Wqkv(x)
@@ -399,9 +399,9 @@ class MHA(nn.Module):
                 qkv = _causal_dwconv(self.dwconv_qkv, qkv)
             if self.num_heads_kv == self.num_heads:
                 return qkv.unflatten(-1, (3, self.num_heads, head)), None, None, x
-            q_dim = self.num_heads * head
-            return (None, qkv[..., :q_dim].unflatten(-1, (self.num_heads, head)),
-                    qkv[..., q_dim:].unflatten(-1, (2, self.num_heads_kv, head)), x)
+            # GQA: one (..., H + 2 Hk, D) tensor, so rotary rotates q and k in one in-place op on one tensor
+            # (in-place ops on two views of one base break torch.compile's autograd tracing).
+            return qkv.unflatten(-1, (self.num_heads + 2 * self.num_heads_kv, head)), None, None, x
         x_q = x if mixer_subset is None else x[:, mixer_subset]
         q = self.Wq(x_q)
         if self.return_residual:
@@ -475,10 +475,13 @@ class MHA(nn.Module):
             if inference_params is not None:
                 offset = self._cache_seqlens(inference_params, x.shape[0])
                 max_len = inference_params.max_seqlen
-            if qkv is not None:
-                qkv = self.rotary_emb(qkv, seqlen_offset=offset, max_seqlen=max_len)
-            else:
-                q, kv = self.rotary_emb(q, kv, seqlen_offset=offset, max_seqlen=max_len)
+            # Rotary is self-attention only (checked in __init__), so q and k live in the packed qkv.
+            qkv = self.rotary_emb(qkv, seqlen_offset=offset, max_seqlen=max_len,
+                                  num_heads_q=self.num_heads if self.num_heads_kv != self.num_heads else None)
+        if qkv is not None and self.num_heads_kv != self.num_heads:
+            q = qkv[..., :self.num_heads, :]
+            kv = qkv[..., self.num_heads:, :].unflatten(-2, (2, self.num_heads_kv))
+            qkv = None
         if mixer_subset is not None and not self.cross_attn:
             if qkv is not None:
                 q, kv, qkv = qkv[:, :, 0], qkv[:, :, 1:], None

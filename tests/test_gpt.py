@@ -140,6 +140,27 @@ def test_rotary_gqa_model_kv_cache_matches_full_forward():
     assert model.transformer.layers[0].mixer.rotary_emb_dim == 8
 
 
+def test_torch_compile_fullgraph_matches_eager():
+    # Every kernel is a torch.library op, so the whole model (rotary GQA attention, fused MLP and add-norm)
+    # traces as one graph, forward and backward.
+    torch.manual_seed(0)
+    config = gpt2_config(n_positions=0, rotary_emb_fraction=0.5, n_head_kv=2, use_flash_attn=True,
+                         fused_mlp=True, fused_dropout_add_ln=True, residual_in_fp32=True)
+    # eval(): no dropout either way, and RotaryEmbedding's train-mode cache check (tensor.is_inference())
+    # is a graph break; gradients still flow.
+    model = GPTLMHeadModel(config).eval()
+    ids = torch.randint(0, VOCAB, (2, 16))
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    results = []
+    for fn in (model, compiled):
+        model.zero_grad()
+        logits = fn(ids).logits
+        logits.square().mean().backward()
+        results.append([logits] + [p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
 def test_word_embed_proj_dim():
     torch.manual_seed(0)
     config = gpt2_config(word_embed_proj_dim=32)
