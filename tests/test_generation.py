@@ -269,6 +269,13 @@ def test_sample_invalid_arguments(kwargs):
 
 
 # ------------------------------------------------------------------------------------------------ CUDA graphs
+def assert_scores_close(scores, ref_scores):
+    # bf16: the graphed and eager steps may round differently; a wrong cache position or a stale input
+    # buffer moves the logits by their own magnitude.
+    scores, ref_scores = torch.stack(scores).float(), torch.stack(ref_scores).float()
+    assert (scores - ref_scores).abs().max() <= 0.02 * ref_scores.abs().max()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("model_kind", ["gpt2", "llama"])
 def test_cuda_graph_decoding_matches_eager(model_kind):
@@ -276,9 +283,14 @@ def test_cuda_graph_decoding_matches_eager(model_kind):
     model = model.cuda().to(torch.bfloat16)
     ids = prompt().cuda()
     eager = model.generate(ids, max_length=40, return_dict_in_generate=True, output_scores=True)
-    graphed = model.generate(ids, max_length=40, cg=True, return_dict_in_generate=True, output_scores=True)
-    assert torch.equal(eager.sequences, graphed.sequences)
-    torch.testing.assert_close(torch.stack(graphed.scores), torch.stack(eager.scores), atol=0, rtol=0)
+    # Teacher forcing with the eager tokens keeps both runs on the same sequence even after a bf16 near-tie.
+    graphed = model.generate(ids, max_length=40, cg=True, teacher_outputs=eager.sequences,
+                             return_dict_in_generate=True, output_scores=True)
+    assert (3, 1) in model._decoding_cache.callables
+    assert_scores_close(graphed.scores, eager.scores)
     # A second, shorter request reuses the captured graph and cache.
-    again = model.generate(ids[:, :5], max_length=30, cg=True)
-    assert torch.equal(again, model.generate(ids[:, :5], max_length=30))
+    eager2 = model.generate(ids[:, :5], max_length=30, return_dict_in_generate=True, output_scores=True)
+    graphed2 = model.generate(ids[:, :5], max_length=30, cg=True, teacher_outputs=eager2.sequences,
+                              return_dict_in_generate=True, output_scores=True)
+    assert len(model._decoding_cache.callables) == 1
+    assert_scores_close(graphed2.scores, eager2.scores)
