@@ -180,3 +180,27 @@ def test_kvcache_k_without_v():
     q, cache = t(2, 1, 2, 8), t(2, 4, 2, 8)
     with pytest.raises(ValueError, match="k and v must be given together"):
         flash_attn_with_kvcache(q, cache, cache, k=t(2, 1, 2, 8), cache_seqlens=1)
+
+
+def test_kvcache_int_seqlens_out_of_range():
+    q, cache, new = t(2, 1, 2, 8), t(2, 6, 2, 8), t(2, 2, 2, 8)
+    with pytest.raises(ValueError, match=r"cache_seqlens \(5\) must be in \[0, 4\]"):
+        flash_attn_with_kvcache(q, cache, cache.clone(), new, new, cache_seqlens=5)
+
+
+def test_value_checks_run_under_inference_mode():
+    q, cache = t(2, 1, 2, 8), t(2, 6, 2, 8)
+    with torch.inference_mode():
+        out = flash_attn_with_kvcache(q, cache, cache, cache_seqlens=torch.tensor([2, 6], dtype=torch.int32))
+        assert out.shape == q.shape
+        with pytest.raises(ValueError, match="cache_seqlens values"):
+            flash_attn_with_kvcache(q, cache, cache, cache_seqlens=torch.tensor([2, 7], dtype=torch.int32))
+
+
+def test_value_check_reruns_after_in_place_change():
+    q = t(8, 2, 8)
+    cu = torch.tensor([0, 4, 8], dtype=torch.int32)
+    flash_attn_varlen_func(q, q, q, cu, cu, 4, 4)
+    cu[1] = 9  # same tensor object, new contents: must be checked again
+    with pytest.raises(ValueError, match="non-decreasing|exceeds"):
+        flash_attn_varlen_func(q, q, q, cu, cu, 9, 9)
