@@ -55,6 +55,9 @@ def gpt2_config(mcfg, device="cpu"):
     config.use_flash_attn = mcfg.use_flash_attn
     config.fused_dropout_add_ln = fused
     config.fused_bias_fc = fused
+    # FusedMLP fuses the GELU of GPT-2's MLP (LLaMA's SwiGLU GatedMlp fuses its gating by itself); it keeps
+    # Mlp's parameter names, so checkpoints move freely between fused and unfused runs.
+    config.fused_mlp = fused and mcfg.arch == "gpt2"
     return config
 
 

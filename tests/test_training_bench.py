@@ -1,0 +1,20 @@
+"""benchmarks/bench_train.py runs end to end (tiny, on the CPU) and writes its Markdown table."""
+import importlib.util
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_bench_train_writes_a_table_with_both_models(tmp_path):
+    spec = importlib.util.spec_from_file_location("bench_train", os.path.join(ROOT, "benchmarks", "bench_train.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--device", "cpu", "--layers", "2", "--hidden", "64", "--heads", "4", "--seq", "64",
+                       "--batch", "2", "--vocab", "256", "--steps", "2", "--warmup", "1",
+                       "--peak-tflops", "1.0", "--out", str(tmp_path)]) == 0
+    text = (tmp_path / "train_gpt2_medium.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| ") and "tokens/s" not in line]
+    assert [r.split(" | ")[0] for r in rows] == ["| HF transformers GPT2LMHeadModel (sdpa)",
+                                                 "| flash_attn GPTLMHeadModel (fused)"]
+    assert "1.00x" in rows[0] and "%" in rows[1]  # speedup against HF, MFU against the given peak
+    assert "- command: `python" in text and "torch 2." in text
