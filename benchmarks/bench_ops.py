@@ -243,13 +243,13 @@ def sweep(args, bench, copy_gbs, dev, bf16):
     from flash_attn.ops.triton import cross_entropy as ce
     from flash_attn.ops.triton import layer_norm as ln
 
-    knobs = ("FWD_MAX_BLOCK_N", "FWD_TILE", "FWD_ELEMS_PER_WARP", "BWD_MAX_BLOCK_N", "BWD_TILE",
-             "BWD_ELEMS_PER_WARP", "BWD_PROGRAMS_PER_SM")
+    knobs = ("FWD_MAX_BLOCK_N", "FWD_TILE", "FWD_ELEMS_PER_WARP", "BWD_MAX_BLOCK_N", "BWD_TILE", "BWD_MIN_TILE",
+             "BWD_ELEMS_PER_WARP", "BWD_WARPS_PER_SM")
     saved = {k: getattr(ln, k) for k in knobs}
     fwd_grid = [dict(FWD_MAX_BLOCK_N=mb, FWD_TILE=t, FWD_ELEMS_PER_WARP=e)
                 for mb in (16384, 4096) for t in (2048, 8192) for e in (256, 512, 1024)]
-    bwd_grid = [dict(BWD_MAX_BLOCK_N=mb, BWD_TILE=t, BWD_ELEMS_PER_WARP=e, BWD_PROGRAMS_PER_SM=p)
-                for mb in (4096, 2048) for t in (1024, 4096, 8192) for e in (512,) for p in (1, 2)]
+    bwd_grid = [dict(BWD_MAX_BLOCK_N=mb, BWD_TILE=t, BWD_MIN_TILE=mt, BWD_ELEMS_PER_WARP=512, BWD_WARPS_PER_SM=p)
+                for mb in (4096, 2048) for t in (4096, 8192) for mt in (1024, 4096) for p in (8, 16)]
     print("\n== sweep: norms (LayerNorm) -> us and fraction of copy", flush=True)
     for N in args.hidden:
         M = max(1, args.norm_elems // N)
@@ -276,7 +276,7 @@ def sweep(args, bench, copy_gbs, dev, bf16):
         for cfg in bwd_grid:
             ln.__dict__.update(saved)
             ln.__dict__.update(cfg)
-            key = ln._bwd_config(M, N, x.device)[2:] + (cfg["BWD_PROGRAMS_PER_SM"],)
+            key = ln._bwd_config(M, N, x.device)
             if key in seen:
                 continue
             seen.add(key)
@@ -284,7 +284,7 @@ def sweep(args, bench, copy_gbs, dev, bf16):
                 with backend("triton"):
                     y = ln.layer_norm_fn(x, w, b)
                     t = bench(lambda: torch.autograd.grad(y, (x, w, b), dy, retain_graph=True))
-                print(f"bwd N={N} (BLOCK_M, BLOCK_N, chunks, warps, per_sm)={key}: {t * 1e3:.0f}us "
+                print(f"bwd N={N} (programs, rows/program, BLOCK_M, BLOCK_N, chunks, warps)={key}: {t * 1e3:.0f}us "
                       f"({6 * M * N / t / 1e6 / copy_gbs:.2f})", flush=True)
             except Exception as e:
                 print(f"bwd N={N} {key}: failed {type(e).__name__}: {e}"[:200], flush=True)
@@ -292,7 +292,7 @@ def sweep(args, bench, copy_gbs, dev, bf16):
     ln.__dict__.update(saved)
 
     print("\n== sweep: cross-entropy (block, warps)", flush=True)
-    orig = ce.FWD_BLOCK, ce.BWD_BLOCK, ce._warps
+    orig = ce.FWD_BLOCK, ce.BWD_BLOCK, ce.FWD_WARPS, ce.BWD_WARPS
     V = args.vocab[-1]
     R = max(1, args.ce_elems // V)
     logits = torch.randn(R, V, device=dev, dtype=bf16, requires_grad=True)
@@ -300,7 +300,7 @@ def sweep(args, bench, copy_gbs, dev, bf16):
     g = torch.ones(R, device=dev)
     for block in (4096, 8192, 16384):
         for warps in (4, 8):
-            ce.FWD_BLOCK, ce.BWD_BLOCK, ce._warps = block, block, (lambda _b, w=warps: w)
+            ce.FWD_BLOCK, ce.BWD_BLOCK, ce.FWD_WARPS, ce.BWD_WARPS = block, block, warps, warps
             with backend("triton"):
                 loss = ce.cross_entropy_loss(logits, labels)[0]
                 t_f = bench(lambda: ce.cross_entropy_loss(logits, labels)[0])
@@ -308,7 +308,7 @@ def sweep(args, bench, copy_gbs, dev, bf16):
             print(f"CE V={V} block={block} warps={warps}: fwd {t_f * 1e3:.0f}us "
                   f"({2 * R * V / t_f / 1e6 / copy_gbs:.2f}) bwd {t_b * 1e3:.0f}us "
                   f"({4 * R * V / t_b / 1e6 / copy_gbs:.2f})", flush=True)
-    ce.FWD_BLOCK, ce.BWD_BLOCK, ce._warps = orig
+    ce.FWD_BLOCK, ce.BWD_BLOCK, ce.FWD_WARPS, ce.BWD_WARPS = orig
 
 
 if __name__ == "__main__":

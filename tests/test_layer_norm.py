@@ -151,14 +151,15 @@ def test_hidden_65536(path):
 
 def test_row_tiles_and_prefetch(monkeypatch):
     """Narrow rows are batched BLOCK_M to a tile, and the backward prefetches the next tile: lowered
-    tile sizes make 2-row tiles, 37 rows a partial last tile, and the backward programs walk 3 tiles."""
+    tile sizes make 2-row tiles, 37 rows a partial last tile, and the backward programs walk 5 tiles."""
     if not triton_runs_on("cuda" if CUDA else "cpu"):
         pytest.skip("triton is not installed")
     monkeypatch.setattr(ln, "FWD_TILE", 64)
-    monkeypatch.setattr(ln, "BWD_TILE", 64)
+    monkeypatch.setattr(ln, "BWD_MIN_TILE", 64)
+    monkeypatch.setattr(ln, "BWD_WARPS_PER_SM", 1)
     if not CUDA:
         assert ln._fwd_config(17)[:3] == (2, 32, 1)
-        assert ln._bwd_config(37, 17, "cpu")[:3] == (7, 6, 2)
+        assert ln._bwd_config(37, 17, "cpu")[:3] == (4, 10, 2)
     with backend("triton"):
         _check(_device("triton"), torch.float32, 37, 17, residual=True, x1=True, weight1=True, dropout_p=0.25,
                prenorm=True)
@@ -168,16 +169,17 @@ def test_row_tiles_and_prefetch(monkeypatch):
 def test_chunked_rows(monkeypatch):
     """Rows wider than one block take the two-pass kernels (statistics merged chunk by chunk, dweight
     accumulated in the program's own partial row); lowered limits make 100 columns 7 chunks, in tiles
-    of 4 rows (the last one partial), 2 tiles per backward program."""
+    of 4 rows (the last one partial), 3 tiles per backward program."""
     if not triton_runs_on("cuda" if CUDA else "cpu"):
         pytest.skip("triton is not installed")
     monkeypatch.setattr(ln, "FWD_MAX_BLOCK_N", 16)
     monkeypatch.setattr(ln, "BWD_MAX_BLOCK_N", 16)
     monkeypatch.setattr(ln, "FWD_TILE", 64)
     monkeypatch.setattr(ln, "BWD_TILE", 64)
+    monkeypatch.setattr(ln, "BWD_WARPS_PER_SM", 1)
     with backend("triton"):
         if not CUDA:
-            assert ln._bwd_config(37, 100, "cpu")[:3] == (5, 8, 4)
+            assert ln._bwd_config(37, 100, "cpu")[:3] == (4, 12, 4)
         _check(_device("triton"), torch.float32, 37, 100, residual=True, x1=True, weight1=True, dropout_p=0.25,
                prenorm=True)
         _check(_device("triton"), torch.float32, 3, 100, is_rms_norm=True, rowscale=True, zero_centered_weight=True)
@@ -199,8 +201,8 @@ def test_chunked_large_mean(monkeypatch):
 
 
 def test_dweight_reduced_over_many_rows(path):
-    # 4099 columns are 2 chunks of the backward; 37 rows over 8 programs (CPU grid) -> 5 rows each,
-    # the last program 2.
+    # 4099 columns are 2 chunks of the backward, in 2-row tiles; 37 rows over 4 programs (CPU grid) of
+    # 10 rows each, the last 7.
     _check(_device(path), torch.float32, 37, 4099, residual=True)
 
 

@@ -20,8 +20,11 @@ from torch import Tensor
 
 from . import cdiv, device_ctx, next_power_of_2, num_sms, tl, triton, use_triton
 
+# Block sizes and warps from a sweep on an H200 (benchmarks/bench_ops.py --sweep).
 FWD_BLOCK = 8192
+FWD_WARPS = 4
 BWD_BLOCK = 4096
+BWD_WARPS = 8
 FIN_BLOCK_ROWS = 128
 # Each vocab split streams at least this many columns; rows are split only while the grid is short of
 # a few programs per SM.
@@ -29,9 +32,6 @@ MIN_SPLIT_COLS = 16384
 # The PyTorch path upcasts this many logits to fp32 at a time (rows at once), bounding its extra memory.
 TORCH_CHUNK_ELEMS = 1 << 22
 
-
-def _warps(block: int) -> int:
-    return 8 if block >= 4096 else 4
 
 
 @triton.jit
@@ -169,7 +169,7 @@ def _ce_fwd_launch(
             part_z = torch.empty_like(part_m) if has_smoothing else part_m
             _ce_partial_kernel[(n_rows, n_splits)](
                 logits, part_m, part_s, part_z, n_cols, logits.stride(0), cols_per_split, n_splits, logit_scale,
-                HAS_SMOOTHING=has_smoothing, BLOCK=block, num_warps=_warps(block),
+                HAS_SMOOTHING=has_smoothing, BLOCK=block, num_warps=FWD_WARPS,
             )
         _ce_finish_kernel[(cdiv(n_rows, FIN_BLOCK_ROWS),)](
             logits, labels, part_m, part_s, part_z, lse, losses, z_losses,
@@ -203,7 +203,7 @@ def _ce_bwd_launch(
         _ce_bwd_kernel[(n_rows, cdiv(n_cols, block))](
             dlogits, src, dloss, lse, _aligned(labels), n_cols, src.stride(0), dlogits.stride(0), dloss.stride(0),
             logit_scale, smoothing, lse_square_scale, ignore_index, total_classes, class_start,
-            HAS_SMOOTHING=smoothing > 0.0, BLOCK=block, num_warps=_warps(block),
+            HAS_SMOOTHING=smoothing > 0.0, BLOCK=block, num_warps=BWD_WARPS,
         )
 
 

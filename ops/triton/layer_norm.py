@@ -25,18 +25,22 @@ from flash_attn.dropout import hash32, new_rng_state, threshold
 
 from . import cdiv, device_ctx, next_power_of_2, num_sms, tl, triton, use_triton
 
-# Launch shape. A program works on tiles of BLOCK_M rows x BLOCK_N columns, BLOCK_M = TILE // BLOCK_N, so
-# narrow rows are batched into one tile. Rows wider than MAX_BLOCK_N go in chunks (two passes over each
-# row, the second from L2). The backward keeps dweight/dbias accumulators for a whole tile in registers,
-# which caps its block lower. Warps: one per ELEMS_PER_WARP tile elements. Tests lower the blocks to
-# exercise the chunked paths on small rows; benchmarks/bench_ops.py --sweep times alternatives.
+# Launch shape, from a sweep on an H200 (benchmarks/bench_ops.py --sweep). A program works on tiles of
+# BLOCK_M rows x BLOCK_N columns; rows wider than MAX_BLOCK_N go in chunks (two passes over each row, the
+# second from L2). Forward: BLOCK_M = FWD_TILE // BLOCK_N batches narrow rows, one warp per
+# FWD_ELEMS_PER_WARP tile elements. Backward: the dweight/dbias accumulators of a whole tile live in
+# registers (~240 per thread at 16 elements per thread), which is what limits it: tiles of BWD_MIN_TILE
+# elements (one row from 1024 columns on) below the widest block, BWD_TILE at it, one warp per
+# BWD_ELEMS_PER_WARP, and as many persistent programs per SM as BWD_WARPS_PER_SM warps hold. Tests lower
+# the limits to exercise chunking and multi-row tiles on small inputs.
 FWD_MAX_BLOCK_N = 16384
-FWD_TILE = 4096
-FWD_ELEMS_PER_WARP = 512
+FWD_TILE = 2048
+FWD_ELEMS_PER_WARP = 1024
 BWD_MAX_BLOCK_N = 4096
-BWD_TILE = 4096
+BWD_TILE = 8192
+BWD_MIN_TILE = 1024
 BWD_ELEMS_PER_WARP = 512
-BWD_PROGRAMS_PER_SM = 2
+BWD_WARPS_PER_SM = 8
 MAX_HIDDEN = 65536
 
 
@@ -364,24 +368,23 @@ def _ln_bwd_kernel(
 
 
 # --------------------------------------------------------------------------------------------- launchers
-def _tile_config(N: int, max_block: int, tile: int, elems_per_warp: int):
-    block_n = min(next_power_of_2(N), max_block)
-    block_m = max(1, tile // block_n)
-    num_warps = max(1, min(16, block_m * block_n // elems_per_warp))
-    return block_m, block_n, cdiv(N, block_n), num_warps
-
-
 def _fwd_config(N: int):
-    return _tile_config(N, FWD_MAX_BLOCK_N, FWD_TILE, FWD_ELEMS_PER_WARP)
+    """(BLOCK_M, BLOCK_N, chunks, warps) of the forward."""
+    block_n = min(next_power_of_2(N), FWD_MAX_BLOCK_N)
+    block_m = max(1, FWD_TILE // block_n)
+    num_warps = max(1, min(16, block_m * block_n // FWD_ELEMS_PER_WARP))
+    return block_m, block_n, cdiv(N, block_n), num_warps
 
 
 def _bwd_config(M: int, N: int, device):
     """(programs, rows per program, BLOCK_M, BLOCK_N, chunks, warps) of the backward grid."""
-    block_m, block_n, chunks, num_warps = _tile_config(N, BWD_MAX_BLOCK_N, BWD_TILE, BWD_ELEMS_PER_WARP)
+    block_n = min(next_power_of_2(N), BWD_MAX_BLOCK_N)
+    block_m = max(1, (BWD_TILE if block_n == BWD_MAX_BLOCK_N else BWD_MIN_TILE) // block_n)
+    num_warps = max(1, min(16, block_m * block_n // BWD_ELEMS_PER_WARP))
     tiles = cdiv(M, block_m)
-    programs = max(1, min(tiles, num_sms(device) * BWD_PROGRAMS_PER_SM))
+    programs = max(1, min(tiles, num_sms(device) * max(1, BWD_WARPS_PER_SM // num_warps)))
     rows = cdiv(tiles, programs) * block_m
-    return cdiv(M, rows) if M else 1, rows, block_m, block_n, chunks, num_warps
+    return cdiv(M, rows) if M else 1, rows, block_m, block_n, cdiv(N, block_n), num_warps
 
 
 def _drop_args(rng_state: Optional[Tensor], dropout_p: float):
