@@ -54,6 +54,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=25, help="do_bench warmup (ms)")
     p.add_argument("--rep", type=int, default=100, help="do_bench repetitions (ms)")
     p.add_argument("--tune", action="store_true", help="sweep Triton launch configs instead of the grid")
+    p.add_argument("--compile-only", action="store_true",
+                   help="with --tune: only compile the candidates (fills Triton's cache; no timing)")
     p.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1),
                    help="processes compiling Triton kernels ahead of timing")
     p.add_argument("--_peer-worker", dest="peer_worker", action="store_true", help=argparse.SUPPRESS)
@@ -187,11 +189,13 @@ def time_fwd_bwd(fn, ctx, q, k, v, warmup, rep):
     return res
 
 
-def per_call_us(fn, ctx, n=200, rounds=5):
-    """Median over rounds of the wall time per forward call of the tiny problem, from Python."""
+def per_call_us(fn, ctx, requires_grad=False, n=200, rounds=5):
+    """Median over rounds of the wall time per forward call of the tiny problem, from Python (the GPU
+    work is a few microseconds, so this is the launch path's cost)."""
     import torch
 
-    q, k, v = _inputs(TINY["batch"], TINY["seqlen"], TINY["heads"], TINY["head_dim"])
+    q, k, v = (t.detach().requires_grad_(requires_grad)
+               for t in _inputs(TINY["batch"], TINY["seqlen"], TINY["heads"], TINY["head_dim"]))
     samples = []
     with ctx():
         for _ in range(20):
@@ -204,6 +208,17 @@ def per_call_us(fn, ctx, n=200, rounds=5):
             torch.cuda.synchronize()
             samples.append((time.perf_counter() - t0) / n * 1e6)
     return statistics.median(samples)
+
+
+def _backend_direct(name):
+    """The backend module's fwd called directly: the launcher's own share of the per-call time."""
+    import importlib
+
+    mod = importlib.import_module(f"flash_attn.{name}.backend")
+
+    def fn(q, k, v):
+        return mod.fwd(q, k, v, return_probs=False, **_triton_kwargs(q, k, False))[0]
+    return fn
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -365,8 +380,8 @@ def write_report(args, argv, labels, results, latency, notes):
         lines.append("")
     if latency:
         lines += ["## Per-call time of a tiny problem (b1 s128 h16 d128 forward, from Python)", "",
-                  "| provider | us per call |", "|---|---|"]
-        lines += [f"| {lab} | {us:.1f} |" for lab, us in latency.items()]
+                  "| provider | us per call | us per call, inputs requiring grad |", "|---|---|---|"]
+        lines += [f"| {lab} | {a:.1f} | {'-' if b is None else f'{b:.1f}'} |" for lab, (a, b) in latency.items()]
         lines.append("")
     errors = [(k, r["error"]) for k, r in results.items() if "error" in r]
     if errors:
@@ -423,28 +438,28 @@ def plot(args, labels, results):
 # triton.compile(..., target=GPUTarget("cuda", 90, 32)) and cuobjdump --dump-resource-usage).
 def _fwd_candidates(d):
     if d <= 64:
-        return [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3)]
+        return [(64, 64, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3), (128, 64, 8, 4), (64, 128, 4, 3)]
     if d <= 128:
-        return [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 32, 8, 3)]
-    return [(128, 64, 8, 2), (128, 32, 8, 2), (128, 32, 8, 3), (64, 64, 4, 2)]
+        return [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (64, 64, 4, 3)]
+    return [(128, 64, 8, 2), (128, 32, 8, 3), (64, 32, 4, 3)]
 
 
 def _dkdv_candidates(d):
     # (block_m, block_n, warps, stages) of the dK/dV kernel
     if d <= 64:
-        return [(64, 128, 8, 2), (32, 128, 8, 2), (64, 64, 8, 2), (32, 64, 4, 2), (64, 128, 8, 3)]
+        return [(64, 128, 8, 3), (64, 128, 8, 2), (64, 64, 4, 3), (32, 128, 8, 3)]
     if d <= 128:
-        return [(32, 128, 8, 2), (64, 64, 8, 2), (32, 64, 4, 2), (32, 128, 8, 3), (64, 128, 8, 2)]
-    return [(16, 32, 4, 2), (32, 32, 4, 2), (32, 64, 8, 2), (16, 64, 8, 2)]
+        return [(64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 4, 2)]
+    return [(32, 32, 4, 2), (32, 64, 8, 2), (64, 64, 8, 2), (32, 64, 8, 1)]
 
 
 def _dq_candidates(d):
     # (block_m, block_n, warps, stages) of the deterministic dQ kernel
     if d <= 64:
-        return [(128, 64, 8, 2), (64, 64, 4, 2), (128, 128, 8, 2)]
+        return [(64, 64, 4, 2), (128, 64, 8, 2)]
     if d <= 128:
-        return [(128, 64, 8, 2), (128, 32, 8, 2), (64, 128, 8, 2)]
-    return [(128, 32, 8, 2), (64, 32, 4, 2), (32, 64, 4, 2)]
+        return [(128, 64, 8, 2), (128, 64, 8, 3)]
+    return [(128, 32, 8, 2), (64, 64, 8, 2)]
 
 
 def _bwd_candidates(d):
@@ -475,6 +490,8 @@ def tune(args):
     t0 = time.time()
     precompile(args, jobs)
     print(f"precompiled {len(jobs)} variants in {time.time() - t0:.0f}s", flush=True)
+    if args.compile_only:
+        return
     lines = []
     for d, s, causal, b, h in shapes(args):
         q, k, v = _inputs(b, s, h, d)
@@ -561,9 +578,15 @@ def main(argv=None):
     latency = {}
     for lab, make, ctx in provs:
         try:
-            latency[lab] = per_call_us(make(False), ctx)
+            latency[lab] = (per_call_us(make(False), ctx), per_call_us(make(False), ctx, requires_grad=True))
         except Exception as e:
             notes.append(f"{lab} latency: {type(e).__name__}: {e}")
+        if lab.startswith("ours:"):
+            try:
+                direct = _backend_direct(lab.split(":", 1)[1])
+                latency[lab + " (backend.fwd only)"] = (per_call_us(direct, contextlib.nullcontext), None)
+            except Exception as e:
+                notes.append(f"{lab} direct latency: {type(e).__name__}: {e}")
     labels = [lab for lab, *_ in provs]
     if args.peer_pythonpath:
         peer, peer_lat, note = run_peer(args, argv)
@@ -574,7 +597,7 @@ def main(argv=None):
         if peer:
             labels.append("fa4")
         if peer_lat is not None:
-            latency["fa4"] = peer_lat
+            latency["fa4"] = (peer_lat, None)
     write_report(args, argv, labels, results, latency, notes)
 
 

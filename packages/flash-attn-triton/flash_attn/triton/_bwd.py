@@ -19,7 +19,8 @@ import triton.language as tl
 from ._common import LOG2E, _dropout_keep, _dropout_row_key, _kv_block_range, _q_block_range, _scores
 
 
-@triton.jit(do_not_specialize=["seqlen_q"])
+# Lengths and length-dependent strides are not specialised: see _fwd.py.
+@triton.jit(do_not_specialize=["seqlen_q", "stride_ob", "stride_db", "stride_lb", "stride_lh"])
 def _bwd_preprocess_kernel(Out, DOut, Delta, CuSeqlensQ,
                            stride_ob, stride_om, stride_oh, stride_db, stride_dm, stride_dh,
                            stride_lb, stride_lh, seqlen_q, num_heads,
@@ -73,18 +74,17 @@ def _dkdv_inner(dk, dv, k, v, Q_ptr, DO_ptr, Lse_ptr, Delta_ptr, DQ_ptr, Alibi_p
             slope_log2 = tl.load(Alibi_ptr + g * stride_ah) * LOG2E
         else:
             slope_log2 = 0.0
+        # Both products are issued before the exponentials so the second overlaps the first's epilogue.
         if IS_FP32:
             qkT = tl.dot(k, tl.trans(q), input_precision="ieee")
+            dpT = tl.dot(v, tl.trans(do), input_precision="ieee")
         else:
             qkT = tl.dot(k, tl.trans(q))
+            dpT = tl.dot(v, tl.trans(do))
         sT, tT, _ = _scores(qkT, rows[None, :], offs_n[:, None], diag_off, seqlen_k, window_left, window_right,
                             qk_scale, softcap_scale, softcap_log2, slope_log2, MASK, WINDOW_LEFT, WINDOW_RIGHT,
                             HAS_SOFTCAP, HAS_ALIBI)
         pT = tl.exp2(sT - lse2[None, :])
-        if IS_FP32:
-            dpT = tl.dot(v, tl.trans(do), input_precision="ieee")
-        else:
-            dpT = tl.dot(v, tl.trans(do))
         if HAS_DROPOUT:
             row_key = _dropout_row_key(bh0 + g, rows, max_seqlen_q, seed0, seed1)
             keepT = _dropout_keep(row_key[None, :], offs_n[:, None], dropout_threshold)
@@ -114,7 +114,8 @@ def _dkdv_inner(dk, dv, k, v, Q_ptr, DO_ptr, Lse_ptr, Delta_ptr, DQ_ptr, Alibi_p
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "window_left", "window_right", "seed0", "seed1",
-                               "dropout_threshold"])
+                               "dropout_threshold", "stride_qb", "stride_kb", "stride_vb", "stride_dob",
+                               "stride_dqb", "stride_dkb", "stride_dvb", "stride_lb", "stride_lh"])
 def _bwd_dkdv_kernel(
     Q, K, V, DO, Lse, Delta, DQ, DK, DV, Alibi, CuSeqlensQ, CuSeqlensK,
     stride_qb, stride_qm, stride_qh,
@@ -266,7 +267,8 @@ def _dq_inner(dq, q, do, lse2, delta, K_ptr, V_ptr, stride_kn, stride_vn, offs_m
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "window_left", "window_right", "seed0", "seed1",
-                               "dropout_threshold"])
+                               "dropout_threshold", "stride_qb", "stride_kb", "stride_vb", "stride_dob",
+                               "stride_dqb", "stride_lb", "stride_lh"])
 def _bwd_dq_kernel(
     Q, K, V, DO, Lse, Delta, DQ, Alibi, CuSeqlensQ, CuSeqlensK,
     stride_qb, stride_qm, stride_qh,

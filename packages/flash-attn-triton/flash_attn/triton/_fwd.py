@@ -64,10 +64,12 @@ def _fwd_inner(acc, l_i, m_i, q, K_ptr, V_ptr, stride_kn, stride_vn, offs_m, off
     return acc, l_i, m_i
 
 
-# Sequence lengths, windows and seeds change between calls: specialising on them (== 1, % 16) would
-# compile extra variants for no gain.
+# Sequence lengths, windows, seeds and the strides that depend on a sequence length (batch strides, lse
+# and probability rows) change between calls: specialising on them (== 1, % 16) would compile new
+# variants for new lengths, for no gain (each is used once per program).
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "window_left", "window_right", "seed0", "seed1",
-                               "dropout_threshold"])
+                               "dropout_threshold", "stride_qb", "stride_kb", "stride_vb", "stride_ob",
+                               "stride_lb", "stride_lh", "stride_pb", "stride_ph", "stride_pm"])
 def _attn_fwd_kernel(
     Q, K, V, Out, Lse, Probs, Alibi, CuSeqlensQ, CuSeqlensK,
     stride_qb, stride_qm, stride_qh,

@@ -55,8 +55,7 @@ def unsupported_reason(call):
 
 def _kernels():
     # Imported on first use so that importing the backend (dispatch, unavailable_reason) stays cheap.
-    global _fwd_mod, _bwd_mod, _configs, _NO_WINDOW, triton
-    import triton
+    global _fwd_mod, _bwd_mod, _configs, _NO_WINDOW
 
     from . import _bwd as _bwd_mod
     from . import _configs
@@ -127,6 +126,27 @@ def _scalars(softmax_scale, softcap, window_left, window_right, causal, dropout_
     return softcap_scale, softcap_log2, window, wl, wr, dropout
 
 
+_FWD_PLANS: dict = {}
+
+
+def _fwd_plan(q, D, Dv, varlen, window, softcap, alibi, dropout, return_probs, config):
+    """(block_m, constexpr/launch kwargs) for one kind of call, cached: the per-call path only does a dict
+    lookup on a small tuple."""
+    key = (q.device, q.dtype, D, Dv, varlen, window, softcap, alibi, dropout, return_probs, config)
+    plan = _FWD_PLANS.get(key)
+    if plan is None:
+        if config is None:
+            config = _configs.fwd_config(_arch(q.device), max(D, Dv), window[1], _INTERPRET, q.dtype)
+        plan = (config.block_m, dict(
+            IS_FP32=q.dtype == torch.float32, HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=_configs.padded_dim(D),
+            BLOCK_DV=_configs.padded_dim(Dv), BLOCK_M=config.block_m, BLOCK_N=config.block_n, IS_VARLEN=varlen,
+            WINDOW_LEFT=window[0], WINDOW_RIGHT=window[1], HAS_SOFTCAP=softcap, HAS_ALIBI=alibi,
+            HAS_DROPOUT=dropout, RETURN_PROBS=return_probs, num_warps=config.num_warps,
+            num_stages=config.num_stages))
+        _FWD_PLANS[key] = plan
+    return plan
+
+
 def fwd(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, softmax_scale,
         causal, window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state, return_probs,
         config=None):
@@ -145,33 +165,21 @@ def fwd(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bloc
         probs = torch.zeros((B, H, Sq, Sk), device=q.device, dtype=torch.float32)
         sp_ = probs.stride()[:3]
     else:
-        probs = out.new_empty((0,), dtype=torch.float32)
+        probs = lse.new_empty((0,))
         sp_ = (0, 0, 0)
     if Sq == 0 or B * H == 0 or out.numel() == 0:
         return out, lse, probs
     softcap_scale, softcap_log2, window, wl, wr, (seed0, seed1, thr, dscale) = _scalars(
         softmax_scale, softcap, window_left, window_right, causal, dropout_p, rng_state)
-    if config is None:
-        config = _configs.fwd_config(_arch(q.device), max(D, Dv), window[1], _INTERPRET, q.dtype)
-    so_ = _row_strides(out, varlen)
-    sl_ = _lse_strides(lse, varlen)
-    sa_ = _alibi_strides(alibi_slopes)
+    block_m, meta = _fwd_plan(q, D, Dv, varlen, window, softcap > 0.0, alibi_slopes is not None, dropout_p > 0.0,
+                              bool(return_probs), config)
     dummy = lse
-    grid = (triton.cdiv(Sq, config.block_m), B * H)
-    _fwd_mod._attn_fwd_kernel[grid](
-        q, k, v, out, lse, probs, alibi_slopes if alibi_slopes is not None else dummy,
+    _fwd_mod._attn_fwd_kernel[(-(-Sq // block_m), B * H)](
+        q, k, v, out, lse, probs, dummy if alibi_slopes is None else alibi_slopes,
         cu_seqlens_q if varlen else dummy, cu_seqlens_k if varlen else dummy,
-        *sq_, *sk_, *sv_, *so_, *sl_, *sa_, *sp_,
-        Sq, Sk, H, H // Hk,
-        softmax_scale * _LOG2E, softcap_scale, softcap_log2, wl, wr,
-        seed0, seed1, thr, dscale,
-        IS_FP32=q.dtype == torch.float32, HEAD_DIM=D, HEAD_DIM_V=Dv,
-        BLOCK_D=_configs.padded_dim(D), BLOCK_DV=_configs.padded_dim(Dv),
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, IS_VARLEN=varlen, WINDOW_LEFT=window[0],
-        WINDOW_RIGHT=window[1], HAS_SOFTCAP=softcap > 0.0, HAS_ALIBI=alibi_slopes is not None,
-        HAS_DROPOUT=dropout_p > 0.0,
-        RETURN_PROBS=bool(return_probs), num_warps=config.num_warps, num_stages=config.num_stages,
-    )
+        *sq_, *sk_, *sv_, *_row_strides(out, varlen), *_lse_strides(lse, varlen), *_alibi_strides(alibi_slopes),
+        *sp_, Sq, Sk, H, H // Hk, softmax_scale * _LOG2E, softcap_scale, softcap_log2, wl, wr,
+        seed0, seed1, thr, dscale, **meta)
     return out, lse, probs
 
 
@@ -221,11 +229,11 @@ def bwd(dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     delta = torch.empty_like(lse)
     if Sq > 0:
         pre_m = 64 if block_dv <= 128 else 32
-        _bwd_mod._bwd_preprocess_kernel[(triton.cdiv(Sq, pre_m), B * H)](
+        _bwd_mod._bwd_preprocess_kernel[(-(-Sq // pre_m), B * H)](
             out, dout, delta, cu_q, *_row_strides(out, varlen), *sdo_, *sl_, Sq, H,
             HEAD_DIM_V=Dv, BLOCK_DV=block_dv, BLOCK_M=pre_m, IS_VARLEN=varlen, num_warps=4)
     if Sk > 0:
-        _bwd_mod._bwd_dkdv_kernel[(triton.cdiv(Sk, config.block_n), B * Hk)](
+        _bwd_mod._bwd_dkdv_kernel[(-(-Sk // config.block_n), B * Hk)](
             q, k, v, dout, lse, delta, dq_acc, dk, dv, alibi, cu_q, cu_k,
             *sq_, *sk_, *sv_, *sdo_, *sdq_, *sdk_, *sdv_, *sl_, *sa_, *scalars,
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, DQ_ATOMIC=dq_atomic, **flags,
@@ -235,7 +243,7 @@ def bwd(dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     else:
         dq = dq_acc
         if Sq > 0:
-            _bwd_mod._bwd_dq_kernel[(triton.cdiv(Sq, config.dq_block_m), B * H)](
+            _bwd_mod._bwd_dq_kernel[(-(-Sq // config.dq_block_m), B * H)](
                 q, k, v, dout, lse, delta, dq, alibi, cu_q, cu_k,
                 *sq_, *sk_, *sv_, *sdo_, *sdq_, *sl_, *sa_, *scalars,
                 BLOCK_M=config.dq_block_m, BLOCK_N=config.dq_block_n, **flags,
