@@ -403,3 +403,49 @@ def test_print_config_shows_the_resolved_values(capsys):
     assert main(["train", "--config", "tiny", "--print-config", "optim.lr=0.5"]) == 0
     printed = capsys.readouterr().out
     assert "lr: 0.5" in printed and "n_layer: 4" in printed
+
+
+# ------------------------------------------------------------------------------------------ variants
+def test_llama_style_model_trains_resumes_and_generates(tmp_path):
+    # RMSNorm, SwiGLU, rotary, grouped-query attention, untied head: the llama-1b recipe in miniature.
+    from flash_attn.ops.triton import backend
+    from flash_attn.training.generate import generate
+
+    arch = ["model.arch=llama", "model.n_head_kv=2", "model.tie_word_embeddings=false", "optim.lr=3e-3",
+            "optim.warmup_steps=2", "train.max_steps=20"]
+    # RMSNorm's PyTorch path: under the tests' TRITON_INTERPRET=1 the Triton kernel would be interpreted.
+    with backend("torch"):
+        full = losses(train(tiny(tmp_path, *arch, sub="full")))
+        assert full[-1] < full[0] - 1.0
+        train(tiny(tmp_path, *arch, "train.stop_at=10", sub="split"))
+        rest = train(tiny(tmp_path, *arch, sub="split"))
+        assert losses(rest) == full[10:]
+        text = generate(str(tmp_path / "split"), "the ", max_new_tokens=8, top_k=1)
+    assert isinstance(text, str) and text
+
+
+def test_non_finite_loss_stops_the_run(tmp_path):
+    trainer = Trainer(tiny(tmp_path, "train.max_steps=3"))
+    trainer.loss_fn = lambda logits, targets: logits.float().sum() * float("nan")
+    with pytest.raises(FloatingPointError, match="loss is nan at step 1"):
+        trainer.run()
+
+
+@pytest.mark.slow
+def test_torch_compile_trains_the_same(tmp_path):
+    eager = losses(train(tiny(tmp_path, "train.max_steps=4", sub="eager")))
+    trainer = Trainer(tiny(tmp_path, "train.max_steps=4", "train.compile=true", sub="compiled"))
+    assert type(trainer.forward_model).__name__ == "OptimizedModule"
+    compiled = losses(trainer.run())
+    # Inductor may fuse and reorder fp32 reductions; nothing else may differ.
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=0)
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_fused_run_trains(tmp_path):
+    cfg = tiny(tmp_path, "train.device=cuda", "train.max_steps=30", "optim.lr=3e-3")
+    trainer = Trainer(cfg)
+    assert trainer.dtype == torch.bfloat16 and trainer.model.transformer.layers[0].fused_dropout_add_ln
+    assert trainer.optimizer.defaults["fused"]
+    curve = losses(trainer.run())
+    assert np.mean(curve[-5:]) < curve[0] - 1.5
