@@ -143,11 +143,11 @@ def main(argv=None):
         del logits, labels, loss, loss_ref
 
     # ------------------------------------------------------------------------- cross-entropy memory
-    V = 131072 if not args.cpu_smoke else args.vocab[0]
-    R = args.ce_mem_rows
+    mem_v = 131072 if not args.cpu_smoke else args.vocab[0]
+    mem_r = args.ce_mem_rows
     mem_rows = []
-    logits0 = torch.randn(R, V, device=dev, dtype=bf16)
-    labels = torch.randint(0, V, (R,), device=dev)
+    logits0 = torch.randn(mem_r, mem_v, device=dev, dtype=bf16)
+    labels = torch.randint(0, mem_v, (mem_r,), device=dev)
 
     def peak(run):
         logits = logits0.clone().requires_grad_()
@@ -209,7 +209,7 @@ def main(argv=None):
         log(f"| {R} | {V} | {t_f * 1e3:.1f} | {r_f * 1e3:.1f} | {r_f / t_f:.2f}x | {gf:.0f} | {gf / copy_gbs:.2f} | "
             f"{t_b * 1e3:.1f} | {r_b * 1e3:.1f} | {r_b / t_b:.2f}x | {gb:.0f} | {gb / copy_gbs:.2f} |")
     log()
-    log(f"## Cross-entropy peak memory, vocab {V}, {R} rows (logits: {logits_mib:.0f} MiB bf16)")
+    log(f"## Cross-entropy peak memory, vocab {mem_v}, {mem_r} rows (logits: {logits_mib:.0f} MiB bf16)")
     log()
     log("Peak allocated during forward + backward beyond the logits themselves.")
     log()
