@@ -1,6 +1,5 @@
 """flash_attn.layers.rotary (kernel ops/triton/rotary.py) against a direct PyTorch reference, on the
 Triton path (interpreter on CPU) and the plain-PyTorch path."""
-import math
 
 import pytest
 import torch

@@ -1,7 +1,6 @@
 """Cross-entropy loss module over the fused kernel of :mod:`flash_attn.ops.triton.cross_entropy`
 (vocab up to 256k without fp32 copies of the logits, label smoothing, z-loss, in-place gradient, and a
 vocab split across a tensor-parallel process group). API of FA2's ``flash_attn.losses.cross_entropy``."""
-import torch
 from torch import nn
 
 from flash_attn.ops.triton.cross_entropy import cross_entropy_loss

@@ -10,7 +10,6 @@ its own rows into a private row of a fp32 partial buffer, added up afterwards (n
 """
 from typing import Optional
 
-import torch
 from torch import Tensor
 
 from . import cdiv, device_ctx, next_power_of_2, num_sms, tl, triton
