@@ -2,7 +2,6 @@
 z-loss), on the Triton path (interpreter on CPU) and the plain-PyTorch path; vocab split over 2 gloo
 processes."""
 import os
-import socket
 
 import pytest
 import torch
@@ -228,18 +227,14 @@ def test_compile_fullgraph(path):
     torch.testing.assert_close(g, g2)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _tp_worker(rank, world, port, out_dir):
+def _tp_worker(rank, world, out_dir):
     import torch.distributed as dist
 
     from flash_attn.ops.triton import backend as _backend
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    # A file store, not a TCP port: no race with other processes for a free port.
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(out_dir, 'store')}", rank=rank,
+                            world_size=world)
     try:
         g = torch.Generator().manual_seed(0)
         logits = 3 * torch.randn(5, 2 * 37, generator=g)
@@ -265,7 +260,7 @@ def _tp_worker(rank, world, port, out_dir):
 def test_vocab_parallel_two_processes(tmp_path):
     """Vocab split over 2 gloo ranks (each holds half the logits): every rank gets the full-vocab losses,
     and its gradient shard equals the matching columns of the full gradient."""
-    mp.start_processes(_tp_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True, start_method="spawn")
+    mp.start_processes(_tp_worker, args=(2, str(tmp_path)), nprocs=2, join=True, start_method="spawn")
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     g = torch.Generator().manual_seed(0)
     logits = 3 * torch.randn(5, 74, generator=g)
