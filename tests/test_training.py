@@ -21,6 +21,15 @@ TINY = ["model.n_layer=2", "model.n_embd=64", "model.n_head=4", "model.n_positio
         "train.eval_batches=2", "train.eval_interval=0", "checkpoint.every=0", "log.interval=1"]
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a shared CI core they spin and stall."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def tiny(tmp_path, *overrides, sub="run"):
     return load_config("tiny", TINY + [f"out_dir={tmp_path / sub}", *overrides])
 

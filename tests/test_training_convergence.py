@@ -16,6 +16,15 @@ TINY = ["model.n_layer=2", "model.n_embd=64", "model.n_head=4", "model.n_positio
         "train.max_steps=20", "optim.lr=1e-3", "optim.warmup_steps=5", "checkpoint.resume=none"]
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a shared CI core they spin and stall."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def hf_gpt2(seed=0):
     from transformers import GPT2Config, GPT2LMHeadModel
 

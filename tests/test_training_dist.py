@@ -19,6 +19,15 @@ TINY = ["model.n_layer=2", "model.n_embd=64", "model.n_head=4", "model.n_positio
 RTOL = 1e-5
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a shared CI core they spin and stall."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def torchrun(out_dir, *overrides):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     env.pop("TRITON_INTERPRET", None)  # nothing here runs Triton; the interpreter only slows the import
@@ -37,16 +46,19 @@ def single(tmp_path_factory):
     return [loss for _, loss in train(load_config("tiny", TINY + [f"out_dir={out}", "train.micro_batch_size=8"])).losses]
 
 
-def test_ddp_two_processes_match_one(tmp_path, single):
+def test_ddp_two_processes_match_one_across_a_resume(tmp_path, single):
+    # Stopped at step 4 and resumed: rank 0 reads the checkpoint and broadcasts it to rank 1.
+    torchrun(tmp_path / "ddp", "dist.strategy=ddp", "train.stop_at=4")
     ddp = torchrun(tmp_path / "ddp", "dist.strategy=ddp")
     torch.testing.assert_close(ddp, single, rtol=RTOL, atol=0)
 
 
 def test_fsdp_two_processes_match_one_and_its_checkpoint_resumes_in_one(tmp_path, single):
     out = tmp_path / "fsdp"
-    # FSDP with gradient accumulation (2 x 2 sequences per process and step) stops at step 6 ...
+    # FSDP with gradient accumulation (2 x 2 sequences per process and step) and activation checkpointing
+    # (recomputed layers must see their gathered parameters) stops at step 6 ...
     fsdp = torchrun(out, "dist.strategy=fsdp", "train.micro_batch_size=2", "train.grad_accum=2",
-                    "train.stop_at=6")
+                    "train.activation_checkpointing=true", "train.stop_at=6")
     torch.testing.assert_close(fsdp, single[:6], rtol=RTOL, atol=0)
     # ... and one plain process picks up its full (unsharded) checkpoint for the last two steps.
     with pytest.warns(UserWarning, match="RNG states of 2 processes, this run has 1"):

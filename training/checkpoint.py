@@ -38,16 +38,18 @@ def gather_optimizer_state(model, optimizer):
     return get_optimizer_state_dict(model, optimizer, options=_full_options(cpu_offload=True))
 
 
-def load_model_state(model, state):
+def load_model_state(model, state, broadcast=False):
+    """Load a full model state dict; broadcast=True: only rank 0 passes it (the others pass {})."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
-    set_model_state_dict(model, state, options=_full_options())
+    set_model_state_dict(model, state, options=_full_options(broadcast_from_rank0=broadcast))
 
 
-def load_optimizer_state(model, optimizer, state):
+def load_optimizer_state(model, optimizer, state, broadcast=False):
+    """Load a full optimizer state dict (as gather_optimizer_state wrote it); broadcast as for the model."""
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-    set_optimizer_state_dict(model, optimizer, state, options=_full_options())
+    set_optimizer_state_dict(model, optimizer, state, options=_full_options(broadcast_from_rank0=broadcast))
 
 
 def _atomic_write(path, write):

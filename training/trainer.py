@@ -266,26 +266,46 @@ class Trainer:
         return ckpt.resolve_checkpoint(how)
 
     def _maybe_resume(self):
-        path = self._resume_path()
-        if path is None:
+        """Load the checkpoint to resume from, if any. Under DDP/FSDP only rank 0 reads the file: the
+        tensors are broadcast (and sharded) by PyTorch's state-dict helpers, the rest by one object
+        broadcast, so N processes do not hold N copies of the full state in host memory."""
+        rt = self.rt
+        distributed = rt.strategy != "none" and rt.world > 1
+        state, error = None, None
+        if rt.is_main:
+            try:
+                path = self._resume_path()
+                if path is not None:
+                    state = ckpt.load_checkpoint(path)
+                    check_shape(state["model_shape"], self.cfg.model, state["path"])
+            except (ConfigError, FileNotFoundError) as e:
+                error = e  # raised on every rank below, so none is left waiting in a collective
+        meta = None if state is None else {k: v for k, v in state.items() if k not in ("model", "optimizer")}
+        if distributed:
+            shared = [meta, error]
+            dist.broadcast_object_list(shared, src=0)
+            meta, error = shared
+        if error is not None:
+            raise error
+        if meta is None:
             return None
-        state = ckpt.load_checkpoint(path)
-        check_shape(state["model_shape"], self.cfg.model, state["path"])
-        ckpt.load_model_state(self.model, state["model"])
-        ckpt.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.step = state["step"]
-        self.samples_seen = state["data"]["samples_seen"]
-        if state["data"]["num_train_tokens"] != self.num_train_tokens:
-            warnings.warn(f"resuming from {path} on different training data ({state['data']['num_train_tokens']} "
-                          f"tokens then, {self.num_train_tokens} now); the data position is kept")
-        rngs = state["rng"]
-        if len(rngs) == self.rt.world:
-            _set_rng_state(rngs[self.rt.rank], self.rt.device)
+        ckpt.load_model_state(self.model, state["model"] if state else {}, broadcast=distributed)
+        ckpt.load_optimizer_state(self.model, self.optimizer, state["optimizer"] if state else {},
+                                  broadcast=distributed)
+        self.scheduler.load_state_dict(meta["scheduler"])
+        self.step = meta["step"]
+        self.samples_seen = meta["data"]["samples_seen"]
+        if meta["data"]["num_train_tokens"] != self.num_train_tokens:
+            warnings.warn(f"resuming from {meta['path']} on different training data "
+                          f"({meta['data']['num_train_tokens']} tokens then, {self.num_train_tokens} now); the "
+                          "data position is kept")
+        rngs = meta["rng"]
+        if len(rngs) == rt.world:
+            _set_rng_state(rngs[rt.rank], rt.device)
         else:
-            warnings.warn(f"checkpoint has RNG states of {len(rngs)} processes, this run has {self.rt.world}; "
+            warnings.warn(f"checkpoint has RNG states of {len(rngs)} processes, this run has {rt.world}; "
                           "dropout masks will differ from an uninterrupted run")
-        return state["path"]
+        return meta["path"]
 
     def save(self):
         """Checkpoint the current step (collective under DDP/FSDP: every rank must call it)."""
