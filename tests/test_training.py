@@ -1,5 +1,4 @@
 """flash_attn.training on the CPU: config, data, the loop, checkpoints and resume, outputs, generate, CLI."""
-import json
 import os
 
 import numpy as np
@@ -406,6 +405,10 @@ def test_cli_trains_and_reports_config_errors(tmp_path, capsys):
     assert capsys.readouterr().out.startswith("the")
     assert main(["generate", str(tmp_path / "none"), "--prompt", "x"]) == 2
     assert "checkpoint not found" in capsys.readouterr().err
+    (tmp_path / "in.txt").write_text("abc\n" * 10)
+    assert main(["prepare", str(tmp_path / "in.txt"), str(tmp_path / "out.npy")]) == 0
+    assert "wrote 40 tokens" in capsys.readouterr().err
+    assert main(["prepare", str(tmp_path / "missing.txt"), str(tmp_path / "out.npy")]) == 2
 
 
 def test_print_config_shows_the_resolved_values(capsys):

@@ -43,7 +43,8 @@ def torchrun(out_dir, *overrides):
 def single(tmp_path_factory):
     """One process, 8 sequences per step: the global batch of 2 processes x 4."""
     out = tmp_path_factory.mktemp("single")
-    return [loss for _, loss in train(load_config("tiny", TINY + [f"out_dir={out}", "train.micro_batch_size=8"])).losses]
+    result = train(load_config("tiny", TINY + [f"out_dir={out}", "train.micro_batch_size=8"]))
+    return [loss for _, loss in result.losses]
 
 
 def test_ddp_two_processes_match_one_across_a_resume(tmp_path, single):
