@@ -107,3 +107,21 @@ def test_opcheck_kvcache():
     args = (q, k_cache, v_cache, k, v, None, None, seqlens, None, None, None, 0.25, True, -1, 0, 0.0, True,
             None, 0)
     torch.library.opcheck(torch.ops.flash_attn.fwd_kvcache.default, args)
+
+
+def test_rotary_gpt_compiles_fullgraph_in_training_mode():
+    from transformers import GPT2Config
+
+    from flash_attn.models.gpt import GPTLMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=1, n_embd=64, n_head=4, vocab_size=128, n_positions=64, rotary_emb_fraction=0.5,
+                     bos_token_id=0, eos_token_id=0)
+    model = GPTLMHeadModel(cfg).train()
+    x = torch.randint(0, 128, (2, 16))
+    loss_eager = model(x).logits.float().logsumexp(-1).mean()
+    loss = torch.compile(lambda x: model(x).logits.float().logsumexp(-1).mean(), fullgraph=True,
+                         backend="aot_eager")(x)
+    torch.testing.assert_close(loss, loss_eager)
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)

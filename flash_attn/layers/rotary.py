@@ -215,7 +215,10 @@ class RotaryEmbedding(torch.nn.Module):
     def _update_cos_sin_cache(self, seqlen: int, device=None, dtype=None):
         if (seqlen <= self._seq_len_cached and self._cos_cached is not None
                 and self._cos_cached.device == device and self._cos_cached.dtype == dtype
-                and not (self.training and self._cos_cached.is_inference())):
+                # a table built under inference_mode cannot enter autograd; rebuild it for training
+                # (never while compiling: Dynamo cannot trace is_inference, and traced tables are normal)
+                and not (self.training and not torch.compiler.is_compiling()
+                         and self._cos_cached.is_inference())):
             return
         self._seq_len_cached = seqlen
         # Angles in fp32 whatever the module's dtype: position * inv_freq reaches ~seqlen radians, where
