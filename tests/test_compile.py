@@ -115,7 +115,8 @@ def test_rotary_gpt_compiles_fullgraph_in_training_mode():
     from flash_attn.models.gpt import GPTLMHeadModel
 
     torch.manual_seed(0)
-    cfg = GPT2Config(n_layer=1, n_embd=64, n_head=4, vocab_size=128, n_positions=64, rotary_emb_fraction=0.5,
+    cfg = GPT2Config(n_layer=1, n_embd=64, n_head=4, vocab_size=128, n_positions=64, rotary_emb_fraction=0.5, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0,
                      bos_token_id=0, eos_token_id=0)
     model = GPTLMHeadModel(cfg).train()
     x = torch.randint(0, 128, (2, 16))
