@@ -1,8 +1,16 @@
-"""The ``flash-attn`` command: ``flash-attn info`` prints the device, versions and each backend's state."""
+"""The ``flash-attn`` command.
+
+    flash-attn info                                   device, versions, and each backend's state
+    flash-attn train --config tiny [section.field=v]  train a model (see flash_attn.training)
+    flash-attn generate RUN --prompt "..."            sample from a checkpoint
+    flash-attn prepare corpus.txt tokens.npy          tokenize a text file for training
+"""
 import argparse
 import importlib.metadata
 import platform
 import sys
+
+TRAINING_COMMANDS = ("train", "generate", "prepare")  # flash_attn.training.cli.COMMANDS, imported lazily
 
 
 def _version(dist):
@@ -40,13 +48,19 @@ def info(out=sys.stdout):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="flash-attn", description=__doc__)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in TRAINING_COMMANDS:  # the training commands keep their own parser
+        from flash_attn.training.cli import main as training_main
+
+        return training_main(argv, prog="flash-attn")
+    parser = argparse.ArgumentParser(prog="flash-attn", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="device, versions and the state of each attention backend")
+    for name in TRAINING_COMMANDS:
+        sub.add_parser(name, help=f"training: flash-attn {name} --help")
     args = parser.parse_args(argv)
-    if args.command == "info":
-        return info()
-    return 2
+    return info() if args.command == "info" else 2
 
 
 if __name__ == "__main__":
