@@ -54,6 +54,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=25, help="do_bench warmup (ms)")
     p.add_argument("--rep", type=int, default=100, help="do_bench repetitions (ms)")
     p.add_argument("--tune", action="store_true", help="sweep Triton launch configs instead of the grid")
+    p.add_argument("--configs", default=None,
+                   help="JSON of Triton launch configs (as written by --tune) to use instead of the built-in table")
     p.add_argument("--compile-only", action="store_true",
                    help="with --tune: only compile the candidates (fills Triton's cache; no timing)")
     p.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1),
@@ -438,16 +440,16 @@ def plot(args, labels, results):
 # triton.compile(..., target=GPUTarget("cuda", 90, 32)) and cuobjdump --dump-resource-usage).
 def _fwd_candidates(d):
     if d <= 64:
-        return [(64, 64, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3), (128, 64, 8, 4), (64, 128, 4, 3)]
+        return [(64, 64, 4, 3), (128, 64, 8, 3), (64, 128, 4, 3)]
     if d <= 128:
-        return [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (64, 64, 4, 3)]
-    return [(128, 64, 8, 2), (128, 32, 8, 3), (64, 32, 4, 3)]
+        return [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 4)]
+    return [(128, 64, 8, 2), (128, 32, 8, 3)]
 
 
 def _dkdv_candidates(d):
     # (block_m, block_n, warps, stages) of the dK/dV kernel
     if d <= 64:
-        return [(64, 128, 8, 3), (64, 128, 8, 2), (64, 64, 4, 3), (32, 128, 8, 3)]
+        return [(64, 128, 8, 2), (64, 128, 8, 3), (64, 64, 4, 3), (32, 128, 8, 3)]
     if d <= 128:
         return [(64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 4, 2)]
     return [(32, 32, 4, 2), (32, 64, 8, 2), (64, 64, 8, 2), (32, 64, 8, 1)]
@@ -466,10 +468,43 @@ def _bwd_candidates(d):
     """(kind, BwdConfig fields): atomic-dQ variants over dK/dV configs, then separate-dQ variants."""
     dq0 = _dq_candidates(d)[0]
     out = [("bwd-atomic", (*kv, *dq0, True)) for kv in _dkdv_candidates(d)]
-    for kv in _dkdv_candidates(d)[:3]:
+    for kv in _dkdv_candidates(d)[:2]:
         for dq in _dq_candidates(d):
             out.append(("bwd-split", (*kv, *dq, False)))
     return out
+
+
+def best_configs(rows_by_shape):
+    """{"d,causal": {"fwd": FwdConfig fields, "bwd": BwdConfig fields}} from the fastest candidates; the
+    deterministic dQ kernel takes the dQ config of the fastest separate-dQ candidate."""
+    best = {}
+    for (d, causal), rows in rows_by_shape.items():
+        timed = [r for r in rows if isinstance(r[2], float)]
+        fwd = max((r for r in timed if r[0] == "fwd"), key=lambda r: r[2], default=None)
+        bwd = max((r for r in timed if r[0] != "fwd"), key=lambda r: r[2], default=None)
+        split = max((r for r in timed if r[0] == "bwd-split"), key=lambda r: r[2], default=None)
+        if fwd is None or bwd is None or split is None:
+            continue
+        best[f"{d},{int(causal)}"] = dict(fwd=list(fwd[1]), bwd=[*bwd[1][:4], *split[1][4:8], bwd[1][8]])
+    return best
+
+
+def apply_configs(path):
+    """Install configs from a --tune JSON into the Triton backend's tables (this process)."""
+    import torch
+
+    from flash_attn.triton import _configs, backend as tb
+
+    with open(path) as f:
+        table = json.load(f)
+    major = torch.cuda.get_device_capability()[0]
+    for key, cfg in table.items():
+        d, causal = (int(x) for x in key.split(","))
+        _configs._FWD[(major, d, bool(causal))] = _configs.FwdConfig(*cfg["fwd"])
+        _configs._BWD[(major, d, bool(causal))] = _configs.BwdConfig(*cfg["bwd"])
+    _configs.fwd_config.cache_clear()
+    _configs.bwd_config.cache_clear()
+    tb._FWD_PLANS.clear()
 
 
 def tune(args):
@@ -493,6 +528,7 @@ def tune(args):
     if args.compile_only:
         return
     lines = []
+    rows_by_shape = {}
     for d, s, causal, b, h in shapes(args):
         q, k, v = _inputs(b, s, h, d)
         kw = _triton_kwargs(q, k, causal)
@@ -525,6 +561,7 @@ def tune(args):
                 rows.append((kind, bc, _tflops(ms, "bwd", b, s, h, d, causal), err))
             except Exception as e:
                 rows.append((kind, bc, f"error {type(e).__name__}: {str(e)[:80]}", None))
+        rows_by_shape.setdefault((d, causal), []).extend(rows)
         for kind, cfg, t, err in rows:
             line = (f"d={d} s={s} causal={causal} {kind} {cfg}: "
                     + (f"{t:.0f} TFLOP/s  maxdiff {err:.3g}" if isinstance(t, float) else t))
@@ -535,6 +572,8 @@ def tune(args):
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "tune.txt"), "a") as f:
         f.write("\n".join(lines) + "\n")
+    with open(os.path.join(args.out, "best_configs.json"), "w") as f:
+        json.dump(best_configs(rows_by_shape), f, indent=1)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -555,6 +594,8 @@ def main(argv=None):
         sys.exit("bench_attention.py needs a CUDA GPU")
     if args.tune:
         return tune(args)
+    if args.configs:
+        apply_configs(args.configs)
 
     provs, notes = providers(args)
     if any(lab == "ours:triton" for lab, *_ in provs):

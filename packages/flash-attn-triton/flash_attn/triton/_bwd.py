@@ -20,7 +20,7 @@ from ._common import LOG2E, _dropout_keep, _dropout_row_key, _kv_block_range, _q
 
 
 # Lengths and length-dependent strides are not specialised: see _fwd.py.
-@triton.jit(do_not_specialize=["seqlen_q", "stride_ob", "stride_db", "stride_lb", "stride_lh"])
+@triton.jit(do_not_specialize=["seqlen_q", "stride_lb", "stride_lh"])
 def _bwd_preprocess_kernel(Out, DOut, Delta, CuSeqlensQ,
                            stride_ob, stride_om, stride_oh, stride_db, stride_dm, stride_dh,
                            stride_lb, stride_lh, seqlen_q, num_heads,
@@ -114,8 +114,7 @@ def _dkdv_inner(dk, dv, k, v, Q_ptr, DO_ptr, Lse_ptr, Delta_ptr, DQ_ptr, Alibi_p
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "window_left", "window_right", "seed0", "seed1",
-                               "dropout_threshold", "stride_qb", "stride_kb", "stride_vb", "stride_dob",
-                               "stride_dqb", "stride_dkb", "stride_dvb", "stride_lb", "stride_lh"])
+                               "dropout_threshold", "stride_lb", "stride_lh"])
 def _bwd_dkdv_kernel(
     Q, K, V, DO, Lse, Delta, DQ, DK, DV, Alibi, CuSeqlensQ, CuSeqlensK,
     stride_qb, stride_qm, stride_qh,
@@ -267,8 +266,7 @@ def _dq_inner(dq, q, do, lse2, delta, K_ptr, V_ptr, stride_kn, stride_vn, offs_m
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "window_left", "window_right", "seed0", "seed1",
-                               "dropout_threshold", "stride_qb", "stride_kb", "stride_vb", "stride_dob",
-                               "stride_dqb", "stride_lb", "stride_lh"])
+                               "dropout_threshold", "stride_lb", "stride_lh"])
 def _bwd_dq_kernel(
     Q, K, V, DO, Lse, Delta, DQ, Alibi, CuSeqlensQ, CuSeqlensK,
     stride_qb, stride_qm, stride_qh,
