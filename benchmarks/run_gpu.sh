@@ -24,16 +24,18 @@ fi
 
 peer=()
 [ -n "${PEER_PYTHONPATH:-}" ] && peer=(--peer-pythonpath "$PEER_PYTHONPATH")
+bench() {  # bench NAME ARGS...: one benchmark, its log under $OUT, its tables under $OUT/results
+    local name=$1; shift
+    echo "== $name $*"
+    python "benchmarks/$name.py" --out "$OUT/results" "$@" 2>&1 | tee "$OUT/$name.log" | tail -n 40
+}
 if [ "$MODE" = quick ]; then
-    grid=(--headdims 128 --seqlens 2048,8192)
+    bench bench_attention --headdims 128 --seqlens 2048,8192 "${peer[@]}"
+    bench bench_train --quick
 else
-    grid=()
+    bench bench_attention "${peer[@]}"
+    bench bench_ops
+    bench bench_models --skip-train   # the training-step target is measured by bench_train
+    bench bench_train
 fi
-for bench in bench_attention bench_ops bench_models; do
-    [ -f "benchmarks/$bench.py" ] || continue
-    extra=()
-    [ "$bench" = bench_attention ] && extra=("${grid[@]}" "${peer[@]}")
-    echo "== $bench"
-    python "benchmarks/$bench.py" --out "$OUT/results" "${extra[@]}" 2>&1 | tee "$OUT/$bench.log" | tail -n 40
-done
 exit $status
