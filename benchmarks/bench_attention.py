@@ -56,6 +56,8 @@ def parse_args(argv=None):
     p.add_argument("--tune", action="store_true", help="sweep Triton launch configs instead of the grid")
     p.add_argument("--configs", default=None,
                    help="JSON of Triton launch configs (as written by --tune) to use instead of the built-in table")
+    p.add_argument("--launch-breakdown", action="store_true",
+                   help="only time the pieces of the Triton launch path on the tiny problem")
     p.add_argument("--compile-only", action="store_true",
                    help="with --tune: only compile the candidates (fills Triton's cache; no timing)")
     p.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1),
@@ -210,6 +212,66 @@ def per_call_us(fn, ctx, requires_grad=False, n=200, rounds=5):
             torch.cuda.synchronize()
             samples.append((time.perf_counter() - t0) / n * 1e6)
     return statistics.median(samples)
+
+
+def launch_breakdown(args):
+    """Where the per-call time of the tiny problem goes on the Triton path: public API (with and without
+    autograd), the backend's fwd, the bare kernel launch, and Triton's argument binder alone."""
+    import torch
+
+    import flash_attn
+    from flash_attn.triton import _fwd, backend as tb
+
+    q, k, v = _inputs(TINY["batch"], TINY["seqlen"], TINY["heads"], TINY["head_dim"])
+    q, k, v = (t.detach() for t in (q, k, v))
+    kw = _triton_kwargs(q, k, False)
+    out, lse, probs = tb.fwd(q, k, v, return_probs=False, **kw)
+    block_m, meta = next(iter(tb._FWD_PLANS.values()))
+    B, S, H, D = q.shape
+    launch_args = [q, k, v, out, lse, probs, lse, lse, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+                   *out.stride()[:3], lse.stride(0), lse.stride(1), 0, 0, 0, 0, 0, S, S, H, 1,
+                   kw["softmax_scale"] * 1.4426950408889634, 0.0, 0.0, 1 << 30, 1 << 30, 0, 0, 0, 1.0]
+    grid = (-(-S // block_m), B * H)
+    kern = _fwd._attn_fwd_kernel
+    cases = {
+        "flash_attn_func, inputs requiring grad": lambda: flash_attn.flash_attn_func(*(t.requires_grad_() for t in (q, k, v))),
+        "flash_attn_func, no grad": lambda: flash_attn.flash_attn_func(*(t.detach() for t in (q, k, v))),
+        "backend.fwd": lambda: tb.fwd(q, k, v, return_probs=False, **kw),
+        "kernel[grid](...) only": lambda: kern[grid](*launch_args, **meta),
+        "torch.empty x2": lambda: (torch.empty_like(q), torch.empty(1, device=q.device)),
+    }
+    if hasattr(kern, "device_caches"):
+        binder = kern.device_caches[torch.cuda.current_device()][-1]
+        cases["Triton binder alone"] = lambda: binder(*launch_args, **meta)
+    res = {}
+    with flash_attn.use_backend("triton"):
+        for name, fn in cases.items():
+            for _ in range(50):
+                fn()
+            torch.cuda.synchronize()
+            samples = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                for _ in range(200):
+                    fn()
+                torch.cuda.synchronize()
+                samples.append((time.perf_counter() - t0) / 200 * 1e6)
+            res[name] = statistics.median(samples)
+            print(f"{name}: {res[name]:.1f} us", flush=True)
+        # A mid-size problem where per-call host time and GPU time are of the same order.
+        from triton.testing import do_bench
+        q, k, v = _inputs(8, 2048, 32, 64)
+        kw = _triton_kwargs(q, k, True)
+        qd, kd, vd = (t.detach() for t in (q, k, v))
+        for name, fn in {"b8 s2048 h32 d64 causal: backend.fwd": lambda: tb.fwd(qd, kd, vd, return_probs=False, **kw),
+                         "... flash_attn_func, no grad": lambda: flash_attn.flash_attn_func(qd, kd, vd, causal=True),
+                         "... flash_attn_func, requiring grad": lambda: flash_attn.flash_attn_func(q, k, v, causal=True)
+                         }.items():
+            fn()
+            ms = do_bench(fn, warmup=args.warmup, rep=args.rep, return_mode="median")
+            res[name] = ms * 1e3
+            print(f"{name}: {ms * 1e3:.1f} us", flush=True)
+    return res
 
 
 def _backend_direct(name):
@@ -594,6 +656,8 @@ def main(argv=None):
         sys.exit("bench_attention.py needs a CUDA GPU")
     if args.tune:
         return tune(args)
+    if args.launch_breakdown:
+        return launch_breakdown(args)
     if args.configs:
         apply_configs(args.configs)
 

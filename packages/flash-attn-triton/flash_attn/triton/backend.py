@@ -69,7 +69,8 @@ _NO_WINDOW = 1 << 30
 
 
 def _arch(device):
-    if device.type != "cuda":
+    # ROCm reports gfx versions through the same call (MI300: (9, 4)); they must not pick the sm_90 table.
+    if device.type != "cuda" or torch.version.hip is not None:
         return None
     return _ARCH.get(device.index) or _ARCH.setdefault(device.index, torch.cuda.get_device_capability(device))
 
