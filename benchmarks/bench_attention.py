@@ -226,7 +226,7 @@ def launch_breakdown(args):
     q, k, v = (t.detach() for t in (q, k, v))
     kw = _triton_kwargs(q, k, False)
     out, lse, probs = tb.fwd(q, k, v, return_probs=False, **kw)
-    block_m, meta = next(iter(tb._FWD_PLANS.values()))
+    block_m, _, meta = next(iter(tb._FWD_PLANS.values()))
     B, S, H, D = q.shape
     launch_args = [q, k, v, out, lse, probs, lse, lse, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
                    *out.stride()[:3], lse.stride(0), lse.stride(1), 0, 0, 0, 0, 0, S, S, H, 1,

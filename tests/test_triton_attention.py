@@ -514,3 +514,24 @@ def test_gpu_no_recompile_for_new_seqlens():
         tb.fwd(q, k, v, return_probs=False, **_kwargs(causal=True, head_dim=64, max_seqlen_q=S,
                                                         max_seqlen_k=S + 3))
     assert n_compiled() == before
+
+
+@pytest.mark.gpu
+def test_gpu_fast_relaunch_matches_first_launch():
+    # Repeated calls skip Triton's argument binding (flash_attn/triton/_launch.py); a misaligned pointer
+    # must not reuse a kernel compiled for 16-byte-aligned ones.
+    q, k, v = _qkv(2, 300, 300, 4, 2, 64, 64, torch.bfloat16, seed=81)
+    kw = _kwargs(causal=True, head_dim=64, max_seqlen_q=300, max_seqlen_k=300)
+    first = tb.fwd(q, k, v, return_probs=False, **kw)[0]
+    n = len(tb._L_FWD.cache)
+    again = tb.fwd(q, k, v, return_probs=False, **kw)[0]
+    assert len(tb._L_FWD.cache) == n and n > 0
+    assert torch.equal(first, again)
+    flat = torch.empty(q.numel() + 1, device=DEVICE, dtype=q.dtype)
+    q_odd = flat[1:].view_as(q)  # data_ptr % 16 == 2
+    q_odd.copy_(q)
+    odd = tb.fwd(q_odd, k, v, return_probs=False, **kw)[0]
+    assert len(tb._L_FWD.cache) == n + 1
+    dout = torch.zeros_like(q)
+    (ref, *_), (pt, *_) = _reference(q, k, v, dout, causal=True)
+    testing.assert_close_to_ref(odd, ref, pt)

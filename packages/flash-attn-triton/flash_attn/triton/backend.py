@@ -55,16 +55,23 @@ def unsupported_reason(call):
 
 def _kernels():
     # Imported on first use so that importing the backend (dispatch, unavailable_reason) stays cheap.
-    global _fwd_mod, _bwd_mod, _configs, _NO_WINDOW
+    global _fwd_mod, _bwd_mod, _configs, _NO_WINDOW, _L_FWD, _L_PRE, _L_DKDV, _L_DQ
 
     from . import _bwd as _bwd_mod
     from . import _configs
     from . import _fwd as _fwd_mod
     from ._common import NO_WINDOW as _NO_WINDOW
+    from ._launch import Launcher
+
+    _L_FWD = Launcher(_fwd_mod._attn_fwd_kernel)
+    _L_PRE = Launcher(_bwd_mod._bwd_preprocess_kernel)
+    _L_DKDV = Launcher(_bwd_mod._bwd_dkdv_kernel)
+    _L_DQ = Launcher(_bwd_mod._bwd_dq_kernel)
     return _fwd_mod, _bwd_mod, _configs
 
 
 _fwd_mod = _bwd_mod = _configs = None
+_L_FWD = _L_PRE = _L_DKDV = _L_DQ = None
 _NO_WINDOW = 1 << 30
 
 
@@ -138,7 +145,7 @@ def _fwd_plan(q, D, Dv, varlen, window, softcap, alibi, dropout, return_probs, c
     if plan is None:
         if config is None:
             config = _configs.fwd_config(_arch(q.device), max(D, Dv), window[1], _INTERPRET, q.dtype)
-        plan = (config.block_m, dict(
+        plan = (config.block_m, key, dict(
             IS_FP32=q.dtype == torch.float32, HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=_configs.padded_dim(D),
             BLOCK_DV=_configs.padded_dim(Dv), BLOCK_M=config.block_m, BLOCK_N=config.block_n, IS_VARLEN=varlen,
             WINDOW_LEFT=window[0], WINDOW_RIGHT=window[1], HAS_SOFTCAP=softcap, HAS_ALIBI=alibi,
@@ -172,15 +179,15 @@ def fwd(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bloc
         return out, lse, probs
     softcap_scale, softcap_log2, window, wl, wr, (seed0, seed1, thr, dscale) = _scalars(
         softmax_scale, softcap, window_left, window_right, causal, dropout_p, rng_state)
-    block_m, meta = _fwd_plan(q, D, Dv, varlen, window, softcap > 0.0, alibi_slopes is not None, dropout_p > 0.0,
-                              bool(return_probs), config)
+    block_m, plan_key, meta = _fwd_plan(q, D, Dv, varlen, window, softcap > 0.0, alibi_slopes is not None,
+                                        dropout_p > 0.0, bool(return_probs), config)
     dummy = lse
-    _fwd_mod._attn_fwd_kernel[(-(-Sq // block_m), B * H)](
+    _L_FWD((-(-Sq // block_m), B * H), (
         q, k, v, out, lse, probs, dummy if alibi_slopes is None else alibi_slopes,
         cu_seqlens_q if varlen else dummy, cu_seqlens_k if varlen else dummy,
         *sq_, *sk_, *sv_, *_row_strides(out, varlen), *_lse_strides(lse, varlen), *_alibi_strides(alibi_slopes),
         *sp_, Sq, Sk, H, H // Hk, softmax_scale * _LOG2E, softcap_scale, softcap_log2, wl, wr,
-        seed0, seed1, thr, dscale, **meta)
+        seed0, seed1, thr, dscale), meta, plan_key)
     return out, lse, probs
 
 
@@ -228,25 +235,27 @@ def bwd(dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                seed0, seed1, thr, dscale)
 
     delta = torch.empty_like(lse)
+    plan_key = (q.device, q.dtype, D, Dv, varlen, window, softcap > 0.0, alibi_slopes is not None,
+                dropout_p > 0.0, config, dq_atomic)
     if Sq > 0:
         pre_m = 64 if block_dv <= 128 else 32
-        _bwd_mod._bwd_preprocess_kernel[(-(-Sq // pre_m), B * H)](
-            out, dout, delta, cu_q, *_row_strides(out, varlen), *sdo_, *sl_, Sq, H,
-            HEAD_DIM_V=Dv, BLOCK_DV=block_dv, BLOCK_M=pre_m, IS_VARLEN=varlen, num_warps=4)
+        _L_PRE((-(-Sq // pre_m), B * H),
+               (out, dout, delta, cu_q, *_row_strides(out, varlen), *sdo_, *sl_, Sq, H),
+               dict(HEAD_DIM_V=Dv, BLOCK_DV=block_dv, BLOCK_M=pre_m, IS_VARLEN=varlen, num_warps=4), plan_key)
     if Sk > 0:
-        _bwd_mod._bwd_dkdv_kernel[(-(-Sk // config.block_n), B * Hk)](
-            q, k, v, dout, lse, delta, dq_acc, dk, dv, alibi, cu_q, cu_k,
-            *sq_, *sk_, *sv_, *sdo_, *sdq_, *sdk_, *sdv_, *sl_, *sa_, *scalars,
-            BLOCK_M=config.block_m, BLOCK_N=config.block_n, DQ_ATOMIC=dq_atomic, **flags,
-            num_warps=config.num_warps, num_stages=config.num_stages)
+        _L_DKDV((-(-Sk // config.block_n), B * Hk),
+                (q, k, v, dout, lse, delta, dq_acc, dk, dv, alibi, cu_q, cu_k,
+                 *sq_, *sk_, *sv_, *sdo_, *sdq_, *sdk_, *sdv_, *sl_, *sa_, *scalars),
+                dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, DQ_ATOMIC=dq_atomic, **flags,
+                     num_warps=config.num_warps, num_stages=config.num_stages), plan_key)
     if dq_atomic:
         dq = dq_acc if q.dtype == torch.float32 else dq_acc.to(q.dtype)
     else:
         dq = dq_acc
         if Sq > 0:
-            _bwd_mod._bwd_dq_kernel[(-(-Sq // config.dq_block_m), B * H)](
-                q, k, v, dout, lse, delta, dq, alibi, cu_q, cu_k,
-                *sq_, *sk_, *sv_, *sdo_, *sdq_, *sl_, *sa_, *scalars,
-                BLOCK_M=config.dq_block_m, BLOCK_N=config.dq_block_n, **flags,
-                num_warps=config.dq_num_warps, num_stages=config.dq_num_stages)
+            _L_DQ((-(-Sq // config.dq_block_m), B * H),
+                  (q, k, v, dout, lse, delta, dq, alibi, cu_q, cu_k,
+                   *sq_, *sk_, *sv_, *sdo_, *sdq_, *sl_, *sa_, *scalars),
+                  dict(BLOCK_M=config.dq_block_m, BLOCK_N=config.dq_block_n, **flags,
+                       num_warps=config.dq_num_warps, num_stages=config.dq_num_stages), plan_key)
     return dq, dk, dv
