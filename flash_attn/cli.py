@@ -20,7 +20,8 @@ def _version(dist):
         return "not installed"
 
 
-def info(out=sys.stdout):
+def info(out=None):
+    out = sys.stdout if out is None else out
     import torch
 
     import flash_attn
