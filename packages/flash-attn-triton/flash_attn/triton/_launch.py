@@ -21,6 +21,15 @@ except ImportError:  # older Triton: no fast path
 _MAX_ENTRIES = 4096
 
 
+def _no_launch_hooks():
+    # Triton >= 3.4 keeps launch hooks in (normally empty) HookChain objects, older ones in None-or-callable
+    # attributes. With a hook installed (a profiler), every launch takes Triton's own path.
+    for hook in (_knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return False
+    return True
+
+
 class Launcher:
     """Wraps one @triton.jit kernel whose runtime arguments are passed positionally and whose constexprs
     (all after the runtime arguments in its signature) are passed as keywords with num_warps/num_stages."""
@@ -44,7 +53,7 @@ class Launcher:
                      if n not in dns and (n.startswith("stride") or n in ("num_heads", "group_size"))]
 
     def __call__(self, grid, args, meta, plan_key):
-        if self.enabled and _knobs.runtime.launch_enter_hook is None and _knobs.runtime.launch_exit_hook is None:
+        if self.enabled and _no_launch_hooks():
             device = _driver.active.get_current_device()
             key = (plan_key, device, tuple(args[i] for i in self.ints),
                    tuple(a.data_ptr() % 16 == 0 for a in args if isinstance(a, torch.Tensor)))
