@@ -234,7 +234,8 @@ def launch_breakdown(args):
     grid = (-(-S // block_m), B * H)
     kern = _fwd._attn_fwd_kernel
     cases = {
-        "flash_attn_func, inputs requiring grad": lambda: flash_attn.flash_attn_func(*(t.requires_grad_() for t in (q, k, v))),
+        "flash_attn_func, inputs requiring grad":
+            lambda: flash_attn.flash_attn_func(*(t.requires_grad_() for t in (q, k, v))),
         "flash_attn_func, no grad": lambda: flash_attn.flash_attn_func(*(t.detach() for t in (q, k, v))),
         "backend.fwd": lambda: tb.fwd(q, k, v, return_probs=False, **kw),
         "kernel[grid](...) only": lambda: kern[grid](*launch_args, **meta),
@@ -379,7 +380,8 @@ def run_peer(args, argv):
             results[(rec.pop("d"), rec.pop("s"), rec.pop("causal"))] = rec
     note = None
     if r.returncode != 0:
-        note = f"fa4 peer process failed (rc {r.returncode}): {r.stderr.strip().splitlines()[-1][:200] if r.stderr.strip() else ''}"
+        last = r.stderr.strip().splitlines()[-1][:200] if r.stderr.strip() else ""
+        note = f"fa4 peer process failed (rc {r.returncode}): {last}"
     return results, latency, note
 
 

@@ -16,8 +16,8 @@ def _fwd_inner(acc, l_i, m_i, q, K_ptr, V_ptr, stride_kn, stride_vn, offs_m, off
                softcap_log2, slope_log2, row_key, dropout_threshold, IS_FP32: tl.constexpr,
                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
-               WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-               HAS_DROPOUT: tl.constexpr):
+               WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+               HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr):
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + offs_n
         k_ptrs = K_ptr + cols[:, None] * stride_kn + offs_d[None, :]
@@ -34,8 +34,8 @@ def _fwd_inner(acc, l_i, m_i, q, K_ptr, V_ptr, stride_kn, stride_vn, offs_m, off
         else:
             qk = tl.dot(q, tl.trans(k))
         s, _, _ = _scores(qk, offs_m[:, None], cols[None, :], diag_off, seqlen_k, window_left, window_right,
-                          qk_scale, softcap_scale, softcap_log2, slope_log2, MASK, WINDOW_LEFT, WINDOW_RIGHT, HAS_SOFTCAP,
-                          HAS_ALIBI)
+                          qk_scale, softcap_scale, softcap_log2, slope_log2, MASK, WINDOW_LEFT, WINDOW_RIGHT,
+                          HAS_SOFTCAP, HAS_ALIBI)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         if MASK:
             # A row that has seen no visible key yet keeps m = -inf; subtract 0 instead so that
