@@ -34,8 +34,7 @@ def _check_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
         _checks.range_values("block_table", block_table, 0, k.shape[0])
 
 
-@torch.library.custom_op("flash_attn::fwd", mutates_args=())
-def fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
+def _fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
         max_seqlen_q: int, max_seqlen_k: int, block_table: Optional[Tensor], softmax_scale: float,
         causal: bool, window_left: int, window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
         dropout_p: float, rng_state: Optional[Tensor], return_probs: bool,
@@ -55,6 +54,9 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu_seql
     return out.contiguous(), lse.contiguous(), probs
 
 
+fwd = torch.library.custom_op("flash_attn::fwd", _fwd_impl, mutates_args=())
+
+
 @fwd.register_fake
 def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, softmax_scale,
               causal, window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state, return_probs,
@@ -72,8 +74,7 @@ def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, b
     return out, lse, probs
 
 
-@torch.library.custom_op("flash_attn::bwd", mutates_args=())
-def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+def _bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
         cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
         block_table: Optional[Tensor], softmax_scale: float, causal: bool, window_left: int,
         window_right: int, softcap: float, alibi_slopes: Optional[Tensor], dropout_p: float,
@@ -91,6 +92,9 @@ def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
+bwd = torch.library.custom_op("flash_attn::bwd", _bwd_impl, mutates_args=())
+
+
 @bwd.register_fake
 def _bwd_fake(dout, q, k, v, *args):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
@@ -105,19 +109,50 @@ def _fwd_setup_context(ctx, inputs, output):
                 dropout_p, deterministic)
 
 
-def _fwd_backward(ctx, dout, dlse, dprobs):
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, rng_state = ctx.saved_tensors
-    (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, dropout_p,
-     deterministic) = ctx.args
-    if dout.stride(-1) != 1:
-        dout = dout.contiguous()
-    dq, dk, dv = bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                     block_table, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
-                     dropout_p, rng_state, deterministic)
-    return (dq, dk, dv) + (None,) * 15
+def _backward_with(bwd_fn):
+    def backward(ctx, dout, dlse, dprobs):
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, rng_state = ctx.saved_tensors
+        (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, dropout_p,
+         deterministic) = ctx.args
+        if dout.stride(-1) != 1:
+            dout = dout.contiguous()
+        dq, dk, dv = bwd_fn(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                            block_table, softmax_scale, causal, window_left, window_right, softcap,
+                            alibi_slopes, dropout_p, rng_state, deterministic)
+        return (dq, dk, dv) + (None,) * 15
+    return backward
 
 
-torch.library.register_autograd("flash_attn::fwd", _fwd_backward, setup_context=_fwd_setup_context)
+# Traced (torch.compile): the backward is the bwd custom op, so AOTAutograd sees an op, not Python.
+torch.library.register_autograd("flash_attn::fwd", _backward_with(bwd), setup_context=_fwd_setup_context)
+
+
+_eager_backward = _backward_with(_bwd_impl)
+
+
+class _EagerAttention(torch.autograd.Function):
+    """The same forward/backward as the custom op, without the dispatcher's per-call cost (which is
+    tens of microseconds with autograd on): used whenever torch.compile is not tracing."""
+
+    # Old-style forward (ctx first): a separate setup_context costs ~40 us per call. The 15 trailing
+    # arguments travel as one tuple: apply() walks every argument, so fewer is cheaper.
+    @staticmethod
+    def forward(ctx, q, k, v, rest):
+        args = (q, k, v, *rest)
+        output = _fwd_impl(*args)
+        _fwd_setup_context(ctx, args, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, dout, dlse, dprobs):
+        return _eager_backward(ctx, dout, dlse, dprobs)[:3] + (None,)
+
+
+def attention(*args):
+    """flash_attn::fwd's arguments -> (out, lse, probs), differentiable in q, k, v."""
+    if torch.compiler.is_compiling():
+        return fwd(*args)
+    return _EagerAttention.apply(args[0], args[1], args[2], args[3:])
 
 
 @torch.library.custom_op("flash_attn::fwd_kvcache", mutates_args=("k_cache", "v_cache"))

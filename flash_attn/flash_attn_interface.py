@@ -57,7 +57,7 @@ def _attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block
         q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, batch)
     if not varlen:
         max_seqlen_q, max_seqlen_k = q.shape[1], k.shape[1]
-    out, lse, probs = _ops.fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
+    out, lse, probs = _ops.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
                                scale, bool(causal), left, right, float(softcap), alibi_slopes,
                                float(dropout_p), rng_state, bool(return_attn_probs), bool(deterministic))
     return (out, lse, probs) if return_attn_probs else out
