@@ -1,0 +1,308 @@
+"""Attention forward for Hopper (sm_90a) in CuTeDSL, after FlashAttention-3 (Shah et al. 2024, sections
+3.1-3.2): TMA loads into swizzled shared memory through an mbarrier pipeline, WGMMA with fp32 register
+accumulators, a producer warpgroup that only issues TMA (registers given back with setmaxnreg) and two
+consumer warpgroups that compute, online softmax in fp32 with exp2 (Milakov & Gimelshein 2018).
+
+Layouts seen by the kernel (views built on the host, no copies):
+  mQ (Sq, D, H, B), mK (Sk, D, Hk, B), mV (Sk, D, Hk, B), mO (Sq, D, H, B), mLSE (Sq, H, B) fp32.
+One CTA per (BLOCK_M query tile, head, batch). Not yet run on a GPU (see the package README).
+"""
+import math
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.memory import SmemAllocator
+
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
+
+
+def _smem_layout(kind, dtype, shape):
+    """A WGMMA-compatible swizzled smem layout of ``shape`` (first two modes: the MMA operand's)."""
+    atom = warpgroup.make_smem_layout_atom(kind, dtype)
+    return cute.tile_to_shape(atom, shape, order=tuple(range(len(shape))))
+
+
+class FlashFwdSm90:
+    """Compile-time configuration of the kernel: dtype, head dim, causal. Everything else (batch,
+    sequence lengths, head counts, strides) is a runtime value of the compiled kernel."""
+
+    NUM_PRODUCER_THREADS = 128  # one warpgroup; a single thread issues the TMA copies
+    NUM_MMA_WARPGROUPS = 2
+    # setmaxnreg budgets (FA3's choice for 2 consumer warpgroups): 24*128 + 240*256 <= 64K registers.
+    PRODUCER_REGS = 24
+    CONSUMER_REGS = 240
+
+    def __init__(self, dtype, head_dim, causal, block_m=128, block_n=128, num_stages=2):
+        if head_dim not in (64, 128):
+            raise ValueError(f"head dim {head_dim} not in (64, 128)")
+        if dtype not in (cutlass.Float16, cutlass.BFloat16):
+            raise ValueError(f"dtype {dtype} not fp16/bf16")
+        assert block_m == 64 * self.NUM_MMA_WARPGROUPS
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.causal = causal
+        self.block_m = block_m
+        self.block_n = block_n
+        self.num_stages = num_stages
+        self.num_threads = self.NUM_PRODUCER_THREADS + 128 * self.NUM_MMA_WARPGROUPS
+
+    # ------------------------------------------------------------------------------------------------
+    # Host side: views, TMA descriptors, launch
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+                 mLSE: cute.Tensor, softmax_scale: Float32, stream):
+        """mQ/mO (B, Sq, H, D), mK/mV (B, Sk, Hk, D), mLSE (B, H, Sq) fp32, as PyTorch lays them out."""
+        dt, D, BM, BN = self.dtype, self.head_dim, self.block_m, self.block_n
+        # (B, S, H, D) -> (S, D, H, B): the first two modes are the tile, the others index the CTA.
+        mQ = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 3, 2, 0]))
+        mK = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2, 0]))
+        mO = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[1, 3, 2, 0]))
+        # V is the B operand of O = P V with N = D contiguous (MN-major): view it as (D, Sk, Hk, B).
+        mVt = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[3, 1, 2, 0]))
+        mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
+
+        K_SW128 = warpgroup.SmemLayoutAtomKind.K_SW128
+        MN_SW128 = warpgroup.SmemLayoutAtomKind.MN_SW128
+        sQ_layout = _smem_layout(K_SW128, dt, (BM, D))
+        sK_layout = _smem_layout(K_SW128, dt, (BN, D, self.num_stages))
+        sVt_layout = _smem_layout(MN_SW128, dt, (D, BN, self.num_stages))
+
+        tiled_mma_qk = cute.make_tiled_mma(
+            cute.make_mma_atom(warpgroup.MmaF16BF16Op(
+                dt, Float32, (64, BN, 16), warpgroup.OperandSource.SMEM,
+                warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K)),
+            (self.NUM_MMA_WARPGROUPS, 1, 1))
+        # P stays in registers (converted from the S accumulator) and feeds the second WGMMA directly.
+        tiled_mma_pv = cute.make_tiled_mma(
+            cute.make_mma_atom(warpgroup.MmaF16BF16Op(
+                dt, Float32, (64, D, 16), warpgroup.OperandSource.RMEM,
+                warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN)),
+            (self.NUM_MMA_WARPGROUPS, 1, 1))
+
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_q, mQ_tma = cpasync.make_tiled_tma_atom(g2s, mQ, sQ_layout, (BM, D))
+        tma_k, mK_tma = cpasync.make_tiled_tma_atom(
+            g2s, mK, cute.slice_(sK_layout, (None, None, 0)), (BN, D))
+        tma_v, mVt_tma = cpasync.make_tiled_tma_atom(
+            g2s, mVt, cute.slice_(sVt_layout, (None, None, 0)), (D, BN))
+
+        # exp2 with log2(e) folded into the scale: one FFMA per score instead of FMUL + ex2 scaling.
+        scale_log2 = softmax_scale * LOG2_E
+        grid = (cute.ceil_div(cute.size(mQ, mode=[0]), BM), cute.size(mQ, mode=[2]),
+                cute.size(mQ, mode=[3]))
+        self.kernel(tma_q, mQ_tma, tma_k, mK_tma, tma_v, mVt_tma, mO, mLSE, scale_log2,
+                    sQ_layout, sK_layout, sVt_layout, tiled_mma_qk, tiled_mma_pv).launch(
+            grid=grid, block=(self.num_threads, 1, 1), stream=stream)
+
+    # ------------------------------------------------------------------------------------------------
+    # Device side
+
+    @cute.kernel
+    def kernel(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor,
+               tma_v: cute.CopyAtom, mVt: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+               scale_log2: Float32, sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+               sVt_layout: cute.ComposedLayout, tiled_mma_qk: cute.TiledMma,
+               tiled_mma_pv: cute.TiledMma):
+        dt, D, BM, BN, stages = self.dtype, self.head_dim, self.block_m, self.block_n, self.num_stages
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, head, batch = cute.arch.block_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        seqlen_q = cute.size(mQ, mode=[0])
+        seqlen_k = cute.size(mK, mode=[0])
+        head_kv = head // (cute.size(mQ, mode=[2]) // cute.size(mK, mode=[2]))  # GQA / MQA
+
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_q)
+            cpasync.prefetch_descriptor(tma_k)
+            cpasync.prefetch_descriptor(tma_v)
+
+        smem = SmemAllocator()
+        q_bars = smem.allocate_array(cutlass.Int64, num_elems=2, byte_alignment=8)
+        kv_bars = smem.allocate_array(cutlass.Int64, num_elems=2 * stages, byte_alignment=8)
+        sQ = smem.allocate_tensor(dt, sQ_layout.outer, byte_alignment=1024, swizzle=sQ_layout.inner)
+        sK = smem.allocate_tensor(dt, sK_layout.outer, byte_alignment=1024, swizzle=sK_layout.inner)
+        sVt = smem.allocate_tensor(dt, sVt_layout.outer, byte_alignment=1024, swizzle=sVt_layout.inner)
+
+        num_mma_warps = self.NUM_MMA_WARPGROUPS * 4
+        q_bytes = cute.size_in_bytes(dt, sQ_layout)
+        kv_bytes = (cute.size_in_bytes(dt, cute.slice_(sK_layout, (None, None, 0)))
+                    + cute.size_in_bytes(dt, cute.slice_(sVt_layout, (None, None, 0))))
+        # Full barriers count the TMA bytes; empty barriers one arrival per consumer warp.
+        q_pipe = pipeline.PipelineTmaAsync.create(
+            num_stages=1, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, num_mma_warps),
+            tx_count=q_bytes, barrier_storage=q_bars, defer_sync=True)
+        kv_pipe = pipeline.PipelineTmaAsync.create(
+            num_stages=stages, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, num_mma_warps),
+            tx_count=kv_bytes, barrier_storage=kv_bars, defer_sync=True)
+        # mbarrier inits must be visible to the async proxy (TMA) and to every thread before use.
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        # Key blocks this query tile sees: all, or (causal, bottom-right aligned) up to the diagonal.
+        n_block_max = cute.ceil_div(seqlen_k, BN)
+        if cutlass.const_expr(self.causal):
+            last_col = (m_block + 1) * BM + seqlen_k - seqlen_q  # exclusive bound of visible keys
+            n_block_max = cutlass.min(n_block_max, cute.ceil_div(cutlass.max(last_col, 0), BN))
+
+        if warp_idx < 4:
+            # Producer warpgroup: only TMA issue, so it hands its registers to the consumers.
+            cute.arch.setmaxregister_decrease(self.PRODUCER_REGS)
+            if tidx == 0:
+                self._produce(tma_q, mQ, tma_k, mK, tma_v, mVt, sQ, sK, sVt, q_pipe, kv_pipe,
+                              m_block, head, head_kv, batch, n_block_max)
+        else:
+            cute.arch.setmaxregister_increase(self.CONSUMER_REGS)
+            self._consume(mO, mLSE, sQ, sK, sVt, q_pipe, kv_pipe, tiled_mma_qk, tiled_mma_pv,
+                          scale_log2, tidx - self.NUM_PRODUCER_THREADS, m_block, head, batch,
+                          seqlen_q, seqlen_k, n_block_max)
+
+    @cute.jit
+    def _produce(self, tma_q, mQ, tma_k, mK, tma_v, mVt, sQ, sK, sVt, q_pipe, kv_pipe, m_block, head,
+                 head_kv, batch, n_block_max):
+        BM, BN, D = self.block_m, self.block_n, self.head_dim
+        gQ = cute.local_tile(mQ[None, None, head, batch], (BM, D), (None, 0))      # (BM, D, m)
+        gK = cute.local_tile(mK[None, None, head_kv, batch], (BN, D), (None, 0))   # (BN, D, n)
+        gVt = cute.local_tile(mVt[None, None, head_kv, batch], (D, BN), (0, None))  # (D, BN, n)
+        one_cta = cute.make_layout(1)
+        tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, one_cta, cute.group_modes(sQ, 0, 2),
+                                           cute.group_modes(gQ, 0, 2))
+        tKsK, tKgK = cpasync.tma_partition(tma_k, 0, one_cta, cute.group_modes(sK, 0, 2),
+                                           cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(tma_v, 0, one_cta, cute.group_modes(sVt, 0, 2),
+                                           cute.group_modes(gVt, 0, 2))
+
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        q_pipe.producer_acquire(q_state)
+        cute.copy(tma_q, tQgQ[None, m_block], tQsQ, tma_bar_ptr=q_pipe.producer_get_barrier(q_state))
+
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        for n_block in cutlass.range(n_block_max, unroll=1):
+            kv_pipe.producer_acquire(state)
+            bar = kv_pipe.producer_get_barrier(state)
+            cute.copy(tma_k, tKgK[None, n_block], tKsK[None, state.index], tma_bar_ptr=bar)
+            cute.copy(tma_v, tVgV[None, n_block], tVsV[None, state.index], tma_bar_ptr=bar)
+            kv_pipe.producer_commit(state)
+            state.advance()
+
+    @cute.jit
+    def _consume(self, mO, mLSE, sQ, sK, sVt, q_pipe, kv_pipe, tiled_mma_qk, tiled_mma_pv, scale_log2,
+                 ctid, m_block, head, batch, seqlen_q, seqlen_k, n_block_max):
+        dt, D, BM, BN = self.dtype, self.head_dim, self.block_m, self.block_n
+        thr_qk = tiled_mma_qk.get_slice(ctid)
+        thr_pv = tiled_mma_pv.get_slice(ctid)
+        tSrQ = tiled_mma_qk.make_fragment_A(thr_qk.partition_A(sQ))
+        tSrK = tiled_mma_qk.make_fragment_B(thr_qk.partition_B(sK))
+        tOrV = tiled_mma_pv.make_fragment_B(thr_pv.partition_B(sVt))
+        acc_S = cute.make_rmem_tensor(thr_qk.partition_shape_C((BM, BN)), Float32)
+        acc_O = cute.make_rmem_tensor(thr_pv.partition_shape_C((BM, D)), Float32)
+        acc_O.fill(0.0)
+        tScS = thr_qk.partition_C(cute.make_identity_tensor((BM, BN)))
+        tOcO = thr_pv.partition_C(cute.make_identity_tensor((BM, D)))
+
+        # Accumulator of an m64nNk16 WGMMA: per thread ((2 cols, 2 rows, N/8 col groups), 1, 1); its
+        # value order matches the register A operand of m64nDk16 when N/8 is split into (2, N/16).
+        num_col_groups = BN // 8
+        p_layout = cute.make_layout(((2, 2, 2), 1, num_col_groups // 2))
+
+        row_max = cute.make_rmem_tensor((2,), Float32)
+        row_sum = cute.make_rmem_tensor((2,), Float32)
+        row_max.fill(-Float32.inf)
+        row_sum.fill(0.0)
+
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        q_pipe.consumer_wait(q_state)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        # Blocks from here on may hold masked keys: the sequence tail (zero-filled by TMA) or, when
+        # causal, keys past a row's diagonal.
+        n_block_mask_from = seqlen_k // BN
+        if cutlass.const_expr(self.causal):
+            n_block_mask_from = cutlass.min(
+                n_block_mask_from, cutlass.max(m_block * BM + seqlen_k - seqlen_q, 0) // BN)
+
+        for n_block in cutlass.range(n_block_max, unroll=1):
+            kv_pipe.consumer_wait(state)
+            stage = state.index
+            # S = Q K^T
+            tiled_mma_qk.set(warpgroup.Field.ACCUMULATE, False)
+            warpgroup.fence()
+            for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+                cute.gemm(tiled_mma_qk, acc_S, tSrQ[None, None, k], tSrK[None, None, k, stage], acc_S)
+                tiled_mma_qk.set(warpgroup.Field.ACCUMULATE, True)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+
+            if n_block >= n_block_mask_from:
+                for i in cutlass.range_constexpr(cute.size(acc_S)):
+                    row = m_block * BM + tScS[i][0]
+                    col = n_block * BN + tScS[i][1]
+                    masked = col >= seqlen_k
+                    if cutlass.const_expr(self.causal):
+                        masked = masked | (col > row + seqlen_k - seqlen_q)
+                    if masked:
+                        acc_S[i] = -Float32.inf
+
+            # Online softmax: the row's 2*N/8*2 values live in this thread; the other columns of the
+            # row live in the 3 other threads of its quad (lanes 4r..4r+3).
+            for r in cutlass.range_constexpr(2):
+                m_new = row_max[r]
+                for j in cutlass.range_constexpr(num_col_groups):
+                    for c in cutlass.range_constexpr(2):
+                        m_new = cute.arch.fmax(m_new, acc_S[c + 2 * r + 4 * j])
+                m_new = cute.arch.fmax(m_new, cute.arch.shuffle_sync_bfly(m_new, offset=1))
+                m_new = cute.arch.fmax(m_new, cute.arch.shuffle_sync_bfly(m_new, offset=2))
+                # A row with no visible key so far keeps max -inf; subtract 0 then so exp2 gives 0.
+                m_scaled = m_new * scale_log2
+                if m_new == -Float32.inf:
+                    m_scaled = Float32(0.0)
+                corr = cute.arch.exp2(row_max[r] * scale_log2 - m_scaled)
+                row_max[r] = m_new
+                s = row_sum[r] * corr
+                for j in cutlass.range_constexpr(num_col_groups):
+                    for c in cutlass.range_constexpr(2):
+                        p = cute.arch.exp2(acc_S[c + 2 * r + 4 * j] * scale_log2 - m_scaled)
+                        acc_S[c + 2 * r + 4 * j] = p
+                        s += p
+                row_sum[r] = s  # partial over this thread's columns; the quad is summed at the end
+                for j in cutlass.range_constexpr(D // 8):
+                    for c in cutlass.range_constexpr(2):
+                        acc_O[c + 2 * r + 4 * j] = acc_O[c + 2 * r + 4 * j] * corr
+
+            # O += P V, P converted to the input dtype in registers.
+            rP = cute.make_rmem_tensor_like(acc_S, dt)
+            rP.store(acc_S.load().to(dt))
+            tOrP = cute.make_tensor(rP.iterator, p_layout)
+            warpgroup.fence()
+            for k in cutlass.range_constexpr(BN // 16):
+                cute.gemm(tiled_mma_pv, acc_O, tOrP[None, None, k], tOrV[None, None, k, stage], acc_O)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            kv_pipe.consumer_release(state)
+            state.advance()
+
+        # Epilogue: O / l, lse = ln(sum exp(scale * s)) = (max * scale_log2 + log2 l) * ln 2.
+        lane = ctid % 32
+        gO = mO[None, None, head, batch]  # (Sq, D)
+        for r in cutlass.range_constexpr(2):
+            l = row_sum[r]
+            l += cute.arch.shuffle_sync_bfly(l, offset=1)
+            l += cute.arch.shuffle_sync_bfly(l, offset=2)
+            inv = Float32(0.0)
+            lse = Float32.inf  # a row with no visible key: out 0, lse +inf
+            if l > 0.0:
+                inv = 1.0 / l
+                lse = (row_max[r] * scale_log2 + cute.math.log2(l)) * LN_2
+            row = m_block * BM + tOcO[2 * r][0]
+            if row < seqlen_q:
+                for j in cutlass.range_constexpr(D // 8):
+                    for c in cutlass.range_constexpr(2):
+                        i = c + 2 * r + 4 * j
+                        gO[row, tOcO[i][1]] = (acc_O[i] * inv).to(dt)
+                if lane % 4 == 0:
+                    mLSE[row, head, batch] = lse
