@@ -13,7 +13,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
 LOG2_E = math.log2(math.e)
@@ -75,13 +75,13 @@ class FlashFwdSm90:
         tiled_mma_qk = cute.make_tiled_mma(
             cute.make_mma_atom(warpgroup.MmaF16BF16Op(
                 dt, Float32, (64, BN, 16), warpgroup.OperandSource.SMEM,
-                warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K)),
+                OperandMajorMode.K, OperandMajorMode.K)),
             (self.NUM_MMA_WARPGROUPS, 1, 1))
         # P stays in registers (converted from the S accumulator) and feeds the second WGMMA directly.
         tiled_mma_pv = cute.make_tiled_mma(
             cute.make_mma_atom(warpgroup.MmaF16BF16Op(
                 dt, Float32, (64, D, 16), warpgroup.OperandSource.RMEM,
-                warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN)),
+                OperandMajorMode.K, OperandMajorMode.MN)),
             (self.NUM_MMA_WARPGROUPS, 1, 1))
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
@@ -261,12 +261,12 @@ class FlashFwdSm90:
                 m_scaled = m_new * scale_log2
                 if m_new == -Float32.inf:
                     m_scaled = Float32(0.0)
-                corr = cute.arch.exp2(row_max[r] * scale_log2 - m_scaled)
+                corr = cute.math.exp2(row_max[r] * scale_log2 - m_scaled, fastmath=True)
                 row_max[r] = m_new
                 s = row_sum[r] * corr
                 for j in cutlass.range_constexpr(num_col_groups):
                     for c in cutlass.range_constexpr(2):
-                        p = cute.arch.exp2(acc_S[c + 2 * r + 4 * j] * scale_log2 - m_scaled)
+                        p = cute.math.exp2(acc_S[c + 2 * r + 4 * j] * scale_log2 - m_scaled, fastmath=True)
                         acc_S[c + 2 * r + 4 * j] = p
                         s += p
                 row_sum[r] = s  # partial over this thread's columns; the quad is summed at the end

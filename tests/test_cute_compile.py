@@ -1,0 +1,124 @@
+"""flash_attn.cute (distribution flash-attn-4): the Hopper forward kernel compiles for sm_90a without a
+GPU and its PTX holds the instructions the design rests on; on a Hopper GPU (tests marked gpu) it matches
+the reference within the project's accuracy criterion."""
+import glob
+import math
+import os
+import sys
+import time
+
+import pytest
+import torch
+
+cute = pytest.importorskip("cutlass.cute")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PKG = os.path.join(ROOT, "packages", "flash-attn-4")
+if _PKG not in sys.path:  # the checkout's flash_attn/__init__ also finds it; this keeps the test standalone
+    sys.path.insert(0, _PKG)
+
+from flash_attn.cute.interface import compile_fwd  # noqa: E402
+from flash_attn.testing import assert_close_to_ref, attention_ref  # noqa: E402
+
+CONFIGS = [(dtype, d, causal) for dtype in (torch.bfloat16, torch.float16) for d in (64, 128)
+           for causal in (False, True)]
+
+
+def _ids(cfg):
+    dtype, d, causal = cfg
+    return f"{str(dtype).split('.')[-1]}-d{d}-{'causal' if causal else 'full'}"
+
+
+@pytest.fixture(scope="module", params=CONFIGS, ids=_ids)
+def ptx(request, tmp_path_factory):
+    dtype, d, causal = request.param
+    dump = tmp_path_factory.mktemp("ptx")
+    t0 = time.perf_counter()
+    compile_fwd(dtype, d, causal, arch="sm_90a", dump_dir=str(dump))
+    print(f"\ncompile {_ids(request.param)}: {time.perf_counter() - t0:.2f} s")
+    (path,) = glob.glob(str(dump / "*.ptx"))
+    with open(path) as f:
+        return request.param, f.read()
+
+
+def _count(text, needle):
+    return sum(line.lstrip().startswith(needle) for line in text.splitlines())
+
+
+def test_ptx_targets_sm90a(ptx):
+    _, text = ptx
+    assert ".target sm_90a" in text
+
+
+def test_ptx_uses_wgmma_for_both_products(ptx):
+    (dtype, d, _), text = ptx
+    ab = "bf16.bf16" if dtype == torch.bfloat16 else "f16.f16"
+    block_n = 128
+    # S = Q K^T: m64n{block_n}k16, d/16 of them; O += P V: m64n{d}k16 with P from registers, block_n/16.
+    assert _count(text, f"wgmma.mma_async.sync.aligned.m64n{block_n}k16.f32.{ab}") >= d // 16
+    assert _count(text, f"wgmma.mma_async.sync.aligned.m64n{d}k16.f32.{ab}") >= block_n // 16
+    assert _count(text, "wgmma.fence") >= 1 and _count(text, "wgmma.wait_group") >= 1
+
+
+def test_ptx_loads_with_tma_and_mbarriers(ptx):
+    _, text = ptx
+    assert _count(text, "cp.async.bulk.tensor") >= 3  # Q, K, V tiles
+    assert "mbarrier.try_wait" in text
+    assert "expect_tx" in text
+
+
+def test_ptx_is_warp_specialised(ptx):
+    _, text = ptx
+    assert _count(text, "setmaxnreg.dec.sync.aligned.u32") == 1
+    assert _count(text, "setmaxnreg.inc.sync.aligned.u32") == 1
+    assert "ex2.approx" in text  # softmax through exp2
+
+
+def test_unsupported_head_dim_is_refused():
+    with pytest.raises(ValueError, match="head dim"):
+        compile_fwd(torch.bfloat16, 96, False)
+
+
+# ----------------------------------------------------------------------------------------------------
+# On a Hopper GPU
+
+
+def _hopper():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("batch,seqlen_q,seqlen_k,heads,heads_kv", [
+    (2, 128, 128, 4, 4), (1, 1, 1, 2, 2), (2, 113, 203, 6, 2), (1, 1023, 1023, 4, 1),
+    (2, 256, 77, 2, 2), (1, 300, 1200, 8, 4)])
+def test_matches_reference_on_gpu(dtype, d, causal, batch, seqlen_q, seqlen_k, heads, heads_kv):
+    from flash_attn.cute import flash_attn_func
+
+    torch.manual_seed(0)
+    q = torch.randn(batch, seqlen_q, heads, d, device="cuda", dtype=dtype)
+    k = torch.randn(batch, seqlen_k, heads_kv, d, device="cuda", dtype=dtype)
+    v = torch.randn(batch, seqlen_k, heads_kv, d, device="cuda", dtype=dtype)
+    out, lse = flash_attn_func(q, k, v, causal=causal)
+    torch.cuda.synchronize()
+    out_ref, _ = attention_ref(q, k, v, causal=causal)
+    out_pt, _ = attention_ref(q, k, v, causal=causal, upcast=False, reorder_ops=True)
+    assert_close_to_ref(out, out_ref, out_pt)
+
+    # lse against fp32 logsumexp of the masked scores (bottom-right aligned causal mask).
+    kk = k.float().repeat_interleave(heads // heads_kv, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q.float(), kk) / math.sqrt(d)
+    if causal:
+        i = torch.arange(seqlen_q, device="cuda").view(-1, 1)
+        j = torch.arange(seqlen_k, device="cuda").view(1, -1)
+        s = s.masked_fill(j > i + seqlen_k - seqlen_q, -math.inf)
+    lse_ref = torch.logsumexp(s, dim=-1)
+    lse_ref = torch.where(torch.isneginf(lse_ref), torch.full_like(lse_ref, math.inf), lse_ref)
+    assert lse.shape == (batch, heads, seqlen_q)
+    finite = torch.isfinite(lse_ref)
+    assert torch.equal(torch.isfinite(lse), finite)
+    if finite.any():
+        assert (lse[finite] - lse_ref[finite]).abs().max().item() < 1e-2
