@@ -80,7 +80,9 @@ def load(name):
         mod = importlib.import_module(BACKENDS[name])
     except ModuleNotFoundError as e:
         missing = e.name or ""
-        if BACKENDS[name].startswith(missing) and missing.count(".") >= 1:
+        if missing == BACKENDS[name]:  # the package is there, its dispatcher glue is not
+            reason = f"{missing.rsplit('.', 1)[0]} has no dispatcher module ({missing}) yet"
+        elif BACKENDS[name].startswith(missing) and missing.count(".") >= 1:
             reason = f"not installed ({_INSTALL_HINT.get(name, name)})"
         else:
             reason = f"import failed: {e}"

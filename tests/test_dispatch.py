@@ -106,6 +106,13 @@ def test_missing_backend_reports_not_installed(monkeypatch):
         flash_attn_func(q, q, q)
 
 
+def test_package_without_backend_module_says_so(monkeypatch):
+    monkeypatch.setattr(dispatch, "BACKENDS", {"testing": "flash_attn.testing.backend", **dispatch.BACKENDS})
+    monkeypatch.setattr(dispatch, "_unavailable", {})
+    assert dispatch.unavailable_reason("testing") == ("flash_attn.testing has no dispatcher module "
+                                                      "(flash_attn.testing.backend) yet")
+
+
 def test_reference_serves_every_feature_on_cpu():
     call = dispatch.Call("cpu", torch.float32, 72, 40, None, varlen=True, paged=True, causal=True,
                          local=True, softcap=True, alibi=True, dropout=True, return_probs=True,
