@@ -74,6 +74,52 @@ def test_ptx_is_warp_specialised(ptx):
     assert "ex2.approx" in text  # softmax through exp2
 
 
+def _compare_fragments(qk, pv, block_m, block_n, mismatches):
+    # Plain Python (not @cute.jit, whose loops and ifs become device code): every value here is static.
+    p_layout = cute.make_layout(((2, 2, 2), 1, block_n // 16))
+    for t in (0, 1, 5, 37, 127, 128, 130, 255):
+        cS = qk.get_slice(t).partition_C(cute.make_identity_tensor((block_m, block_n)))
+        cA = pv.get_slice(t).partition_A(cute.make_identity_tensor((block_m, block_n)))
+        if cute.size(cS) != cute.size(p_layout) or cute.size(cA) != cute.size(p_layout):
+            mismatches.append((t, "size", cute.size(cS), cute.size(cA)))
+            continue
+        for i in range(cute.size(p_layout)):
+            if p_layout(i) != i:  # the reinterpretation keeps register i as A-operand value i
+                mismatches.append((t, i, "p_layout"))
+            if tuple(cS[i]) != tuple(cA[i]):
+                mismatches.append((t, i, cS[i], cA[i]))
+            if cS[i][0] != cS[2 * ((i // 2) % 2)][0]:
+                mismatches.append((t, i, "row"))
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_p_fragment_reuses_the_s_accumulator_layout(d):
+    """The kernel feeds P to the second WGMMA by reinterpreting the S accumulator registers as the A
+    operand with layout ((2, 2, 2), 1, BLOCK_N / 16); check, thread by thread, that each register then
+    holds the (row, col) the A operand expects, and that a row's values are indices c + 2 r + 4 j."""
+    import cutlass
+    from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+
+    from flash_attn.cute.flash_fwd_sm90 import FlashFwdSm90
+
+    block_m, block_n = 128, 128
+    mismatches = []
+
+    @cute.jit
+    def check():
+        def mma(n, src, b_major):
+            op = warpgroup.MmaF16BF16Op(cutlass.BFloat16, cutlass.Float32, (64, n, 16), src,
+                                        OperandMajorMode.K, b_major)
+            return cute.make_tiled_mma(cute.make_mma_atom(op), (FlashFwdSm90.NUM_MMA_WARPGROUPS, 1, 1))
+
+        qk = mma(block_n, warpgroup.OperandSource.SMEM, OperandMajorMode.K)
+        pv = mma(d, warpgroup.OperandSource.RMEM, OperandMajorMode.MN)
+        _compare_fragments(qk, pv, block_m, block_n, mismatches)
+
+    cute.compile(check, options="--gpu-arch sm_90a")
+    assert mismatches == [], mismatches[:30]
+
+
 def test_unsupported_head_dim_is_refused():
     with pytest.raises(ValueError, match="head dim"):
         compile_fwd(torch.bfloat16, 96, False)
