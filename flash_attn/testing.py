@@ -160,12 +160,14 @@ def _max_abs_diff(a, b):
     return (a.double() - b.double()).abs().max().item()
 
 
-def assert_close_to_ref(out, out_ref, out_pt, name="out"):
+def assert_close_to_ref(out, out_ref, out_pt, name="out", fp32_ulps=None):
     """Assert max|out - out_ref| <= 2 * max|out_pt - out_ref| + rounding(out.dtype).
 
     out: the backend's result; out_ref: the upcast reference (attention_ref(upcast=True)); out_pt: the
     same computation by PyTorch at the input dtype (attention_ref(upcast=False, reorder_ops=True)).
-    Works for outputs and gradients alike. NaN anywhere in out fails.
+    Works for outputs and gradients alike. NaN anywhere in out fails. fp32_ulps: for fp32 results, allow
+    that many ulps of max|out_ref| as the rounding term instead (the 0.3-offset proxy can be 0 in fp32,
+    while a fused fp32 chain, or a GPU's approximate sqrt/division, rounds a few times).
     """
     if out.shape != out_ref.shape or out_pt.shape != out_ref.shape:
         raise AssertionError(f"{name}: shape mismatch: out {tuple(out.shape)}, ref {tuple(out_ref.shape)},"
@@ -174,7 +176,10 @@ def assert_close_to_ref(out, out_ref, out_pt, name="out"):
         raise AssertionError(f"{name}: non-finite values where the reference is finite")
     err = _max_abs_diff(out, out_ref)
     err_pt = _max_abs_diff(out_pt, out_ref)
-    rnd = rounding_error(out_ref.to(out.dtype))
+    if fp32_ulps is not None and out.dtype == torch.float32:
+        rnd = fp32_ulps * torch.finfo(torch.float32).eps * (out_ref.abs().max().item() if out.numel() else 0.0)
+    else:
+        rnd = rounding_error(out_ref.to(out.dtype))
     bound = 2 * err_pt + rnd
     if not err <= bound:
         raise AssertionError(f"{name}: max error {err:.3e} > bound {bound:.3e} "

@@ -33,14 +33,7 @@ def _device(path):
 
 
 def _assert_close(out, ref, pt, name):
-    """flash_attn.testing.assert_close_to_ref; for fp32 results the rounding allowance is 4 ulps of the
-    largest reference value (the oracle's 0.3-offset proxy can be 0 for fp32)."""
-    if out.dtype != torch.float32:
-        return assert_close_to_ref(out, ref, pt, name=name)
-    err = (out.double() - ref.double()).abs().max().item() if out.numel() else 0.0
-    err_pt = (pt.double() - ref.double()).abs().max().item() if out.numel() else 0.0
-    bound = 2 * err_pt + 4 * torch.finfo(torch.float32).eps * (ref.abs().max().item() if out.numel() else 0.0)
-    assert err <= bound, f"{name}: max error {err:.3e} > bound {bound:.3e} (PyTorch fp32 error {err_pt:.3e})"
+    return assert_close_to_ref(out, ref, pt, name=name, fp32_ulps=4)
 
 
 def _check(fn, ref, inputs, seed=0):
