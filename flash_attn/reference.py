@@ -10,7 +10,6 @@ fp32; fp32 inputs in fp64, because the accuracy yardstick for fp32 is PyTorch's 
 online softmax in that same precision lands at 1-2.5x of it (the lse is still returned in fp32). Loops run
 in a fixed order, so results are bitwise reproducible run to run.
 """
-import math
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -324,17 +323,29 @@ def _host(cu):
     return None if cu is None else cu.to("cpu", torch.int64)
 
 
+def _common(softmax_scale, causal, window_left, window_right, softcap, dropout_p, rng_state):
+    return dict(scale=softmax_scale, window_left=window_left, window_right=0 if causal else window_right,
+                softcap=softcap, dropout_p=dropout_p, rng_state=rng_state)
+
+
+def _dense_plan(q, k, alibi_slopes, common):
+    B, Sq, H, _ = q.shape
+    return _make_plan(q, k, slopes=_slopes_for(alibi_slopes, slice(None), B, H),
+                      b_idx=torch.arange(B, dtype=torch.int64), max_seqlen_q=Sq, **common)
+
+
+def _seq_plan(qb, kb, alibi_slopes, b, max_seqlen_q, common):
+    """The plan of sequence b of a varlen batch, qb (1, Sq_b, H, D), kb (1, Sk_b, Hk, D)."""
+    return _make_plan(qb, kb, slopes=_slopes_for(alibi_slopes, [b], 1, qb.shape[2]),
+                      b_idx=torch.tensor([b], dtype=torch.int64), max_seqlen_q=max_seqlen_q, **common)
+
+
 def fwd(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, softmax_scale,
         causal, window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state, return_probs):
     """Forward per the contract in :mod:`flash_attn.backends` -> (out, lse fp32, s_dmask)."""
-    if causal:
-        window_right = 0
-    common = dict(scale=softmax_scale, window_left=window_left, window_right=window_right, softcap=softcap,
-                  dropout_p=dropout_p, rng_state=rng_state)
+    common = _common(softmax_scale, causal, window_left, window_right, softcap, dropout_p, rng_state)
     if cu_seqlens_q is None:
-        B, Sq, H, _ = q.shape
-        plan = _make_plan(q, k, slopes=_slopes_for(alibi_slopes, slice(None), B, H),
-                          b_idx=torch.arange(B, dtype=torch.int64), max_seqlen_q=Sq, **common)
+        plan = _dense_plan(q, k, alibi_slopes, common)
         out, lse, probs = _fwd_plan(q, k, v, plan, return_probs)
         return out, lse, (probs if return_probs else q.new_empty(0, dtype=torch.float32))
     cu_q, cu_k = _host(cu_seqlens_q), _host(cu_seqlens_k)
@@ -349,8 +360,7 @@ def fwd(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bloc
         if q1 == q0:
             continue
         kb, vb = _seq_kv(k, b, cu_k, block_table), _seq_kv(v, b, cu_k, block_table)
-        plan = _make_plan(q[q0:q1].unsqueeze(0), kb, slopes=_slopes_for(alibi_slopes, [b], 1, H),
-                          b_idx=torch.tensor([b], dtype=torch.int64), max_seqlen_q=max_seqlen_q, **common)
+        plan = _seq_plan(q[q0:q1].unsqueeze(0), kb, alibi_slopes, b, max_seqlen_q, common)
         ob, lb, pb = _fwd_plan(q[q0:q1].unsqueeze(0), kb, vb, plan, return_probs)
         out[q0:q1] = ob[0]
         lse[:, q0:q1] = lb[0]
@@ -364,19 +374,13 @@ def bwd(dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         deterministic):
     """Backward per the contract -> (dq, dk, dv) in the input dtype. Always deterministic: every sum runs
     in a fixed sequential order (the ``deterministic`` flag changes nothing here)."""
-    if causal:
-        window_right = 0
-    common = dict(scale=softmax_scale, window_left=window_left, window_right=window_right, softcap=softcap,
-                  dropout_p=dropout_p, rng_state=rng_state)
+    common = _common(softmax_scale, causal, window_left, window_right, softcap, dropout_p, rng_state)
     if cu_seqlens_q is None:
-        B, Sq, H, _ = q.shape
-        plan = _make_plan(q, k, slopes=_slopes_for(alibi_slopes, slice(None), B, H),
-                          b_idx=torch.arange(B, dtype=torch.int64), max_seqlen_q=Sq, **common)
+        plan = _dense_plan(q, k, alibi_slopes, common)
         dq, dk, dv = _bwd_plan(dout, q, k, v, out, lse, plan)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
     cu_q, cu_k = _host(cu_seqlens_q), _host(cu_seqlens_k)
     B = cu_q.numel() - 1
-    H = q.shape[1]
     acc = _acc_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     # Flat accumulators: a paged block may in principle serve several sequences.
@@ -389,8 +393,7 @@ def bwd(dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             continue
         kb, vb = _seq_kv(k, b, cu_k, block_table), _seq_kv(v, b, cu_k, block_table)
         qb = q[q0:q1].unsqueeze(0)
-        plan = _make_plan(qb, kb, slopes=_slopes_for(alibi_slopes, [b], 1, H),
-                          b_idx=torch.tensor([b], dtype=torch.int64), max_seqlen_q=max_seqlen_q, **common)
+        plan = _seq_plan(qb, kb, alibi_slopes, b, max_seqlen_q, common)
         dqb, dkb, dvb = _bwd_plan(dout[q0:q1].unsqueeze(0), qb, kb, vb, out[q0:q1].unsqueeze(0),
                                   lse[:, q0:q1].unsqueeze(0), plan)
         dq[q0:q1] = dqb[0]
