@@ -11,12 +11,9 @@ Weight layout, as in FlashAttention 2 (so its LLaMA checkpoints load unchanged):
     attention scores, since q and k are permuted alike.
   * ``mlp.fc1`` is [up_proj; gate_proj] (value first, gate second; GatedMlp's order).
 """
-import math
-import re
 from collections import OrderedDict
 
 import torch
-import torch.nn.functional as F
 from transformers import GPT2Config
 
 from flash_attn.models.gpt import _pad_rows, rope_inv_freq

@@ -11,7 +11,6 @@ Multi-query and grouped-query attention (``num_heads_kv < num_heads``) share eac
 ``num_heads // num_heads_kv`` query heads. Parameter names (``Wqkv``, ``Wq``, ``Wkv``, ``out_proj``,
 ``dwconv_qkv``, ``rotary_emb``) match FA2 so its checkpoints and state-dict remaps load unchanged.
 """
-import math
 
 import torch
 import torch.nn.functional as F

@@ -16,7 +16,6 @@ from flash_attn.testing import (
     padding_mask_from_seqlens,
     paged_from_dense,
     random_cu_seqlens,
-    random_padding_mask,
     rounding_error,
     unpad,
     varlen_to_padded,

@@ -8,7 +8,6 @@ Criterion (flash_attn.testing.assert_close_to_ref): max error vs the fp32 refere
 inputs) at most 2x PyTorch's own error at the input dtype plus the dtype's rounding error, for the
 output and every gradient; lse is compared to the fp32 reference lse.
 """
-import math
 
 import pytest
 import torch
