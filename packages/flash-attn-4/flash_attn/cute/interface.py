@@ -1,16 +1,32 @@
-"""FlashAttention-4's Python API over the CuTeDSL kernels: argument checks, an in-memory cache of compiled
-kernels keyed by (dtype, head dim, causal, arch), and the launch on CUDA tensors.
+"""FlashAttention-4's Python API over the CuTeDSL kernels: argument checks, compiled kernels cached in
+memory and on disk, and the launch on CUDA tensors.
 
 Kernels are compiled from fake tensors whose batch, sequence lengths, head counts and strides are
-symbolic, so a new shape never recompiles. Not yet run on a GPU (see the package README).
+symbolic, so a new shape never recompiles. They use CuTeDSL's TVM-FFI calling convention
+(``--enable-tvm-ffi``): the compiled function takes torch tensors directly (DLPack through TVM-FFI's C
+exchange API, well under a microsecond for all arguments), checks dtypes, shapes, strides, alignment and
+device in C, sets the device when it differs from the current one, and launches on torch's current
+stream of the tensors' device (``make_fake_stream(use_tvm_ffi_env_stream=True)``). A kernel is looked up
+in a dict by (dtype, head dim, causal, arch); a miss loads it from the disk cache (``cache.py``: a shared
+library that loads without importing the CuTeDSL compiler), else compiles it and writes it there.
+``python -m flash_attn.cute.precompile`` fills the disk cache ahead of time, without a GPU. Not yet run
+on a GPU (see the package README).
 """
+import contextlib
 import math
+import time
 
 import torch
 
+from flash_attn.cute import cache
+
 _SUPPORTED_HEAD_DIMS = (64, 128)
 _ARCHS = {(9, 0): "sm_90a"}
-_cache: dict[tuple, object] = {}
+_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+_kernels: dict[tuple, object] = {}  # (torch dtype, head dim, causal, arch) -> callable
+_origins: dict[tuple, str] = {}  # same key -> "so" / "o" (loaded from disk), "compiled" or "compiled-dlpack"
+_device_archs: dict[int, object] = {}  # CUDA device index -> arch name, or None (no kernels for it)
+_have_tvm_ffi: list = []
 
 
 def _cutlass_dtype(dtype):
@@ -19,19 +35,45 @@ def _cutlass_dtype(dtype):
     return {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16}[dtype]
 
 
+def _tvm_ffi():
+    if not _have_tvm_ffi:
+        import importlib.util
+
+        _have_tvm_ffi.append(importlib.util.find_spec("tvm_ffi") is not None)
+    return _have_tvm_ffi[0]
+
+
+def _fwd_config(dtype, head_dim, causal, arch):
+    """Everything that selects the forward kernel's code: the kernel class, its constructor arguments,
+    the architecture and the calling convention. It is the disk cache's key (with the package sources
+    and the versions, see cache.py) and what compile_fwd builds the kernel from, so a constructor
+    argument added here changes both. Plain values: computing the key must not import CuTeDSL."""
+    return {"kernel": "FlashFwdSm90", "dtype": _DTYPE_NAMES.get(dtype, str(dtype)), "head_dim": int(head_dim),
+            "causal": bool(causal), "arch": arch, "abi": "tvm-ffi-env-stream" if _tvm_ffi() else "cute"}
+
+
+def _make_kernel(config):
+    from flash_attn.cute.flash_fwd_sm90 import FlashFwdSm90
+
+    dtype = {name: dt for dt, name in _DTYPE_NAMES.items()}.get(config["dtype"], config["dtype"])
+    cutlass_dtype = _cutlass_dtype(dtype) if dtype in _DTYPE_NAMES else dtype
+    return FlashFwdSm90(cutlass_dtype, config["head_dim"], config["causal"])
+
+
 def compile_fwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None):
     """Compile the forward kernel for ``dtype`` (torch.float16 / torch.bfloat16), ``head_dim`` (64 / 128)
     and ``causal`` for ``arch``. No GPU is needed. ``dump_dir``: an existing folder that receives the
-    PTX (``*.ptx``) and cubin. Returns the compiled callable
-    ``(q, k, v, out, lse, softmax_scale, stream)``, q/out (B, Sq, H, D), k/v (B, Sk, Hk, D), lse (B, H, Sq)."""
+    PTX (``*.ptx``) and cubin. Always compiles (``fwd_kernel`` is the cached way). Returns CuTeDSL's
+    compiled function; with apache-tvm-ffi installed its call is ``(q, k, v, out, lse, softmax_scale)``
+    on torch tensors, q/out (B, Sq, H, D), k/v (B, Sk, Hk, D), lse (B, H, Sq) fp32, launched on torch's
+    current stream; without it ``(q, k, v, out, lse, softmax_scale, stream)`` on CuTe tensors."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_tensor
 
-    from flash_attn.cute.flash_fwd_sm90 import FlashFwdSm90
-
-    dt = _cutlass_dtype(dtype)
-    D = head_dim
+    config = _fwd_config(dtype, head_dim, causal, arch)
+    kernel = _make_kernel(config)
+    dt, D = kernel.dtype, kernel.head_dim
     batch, seqlen_q, seqlen_k, heads, heads_kv = (cute.sym_int64() for _ in range(5))
 
     def qkv(seqlen, h):
@@ -45,56 +87,171 @@ def compile_fwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None):
     k, v = qkv(seqlen_k, heads_kv), qkv(seqlen_k, heads_kv)
     lse = make_fake_tensor(cutlass.Float32, (batch, heads, seqlen_q), (cute.sym_int64(), cute.sym_int64(), 1),
                            assumed_align=4)
-    options = f"--gpu-arch {arch}"
+    tvm_ffi = config["abi"] != "cute"
+    options = f"--gpu-arch {arch}" + (" --enable-tvm-ffi" if tvm_ffi else "")
     if dump_dir is not None:
         options += f" --keep-ptx --keep-cubin --dump-dir {dump_dir}"
-    kernel = FlashFwdSm90(dt, D, bool(causal))
-    return cute.compile(kernel, q, k, v, o, lse, cutlass.Float32(1.0), cutlass.runtime.make_fake_stream(),
-                        options=options)
+    stream = cutlass.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi)
+    return cute.compile(kernel, q, k, v, o, lse, cutlass.Float32(1.0), stream, options=options)
 
 
-def _compiled(dtype, head_dim, causal, arch):
-    key = (dtype, head_dim, causal, arch)
-    fn = _cache.get(key)
+def _ffi_function(compiled):
+    # CuTeDSL wraps the TVM-FFI function in a keyword-argument adapter when the signature has names;
+    # the bare tvm_ffi.Function underneath is the cheapest to call.
+    bare = getattr(compiled, "__tvm_ffi_object__", None)
+    return (bare() if bare is not None else None) or compiled
+
+
+def _dlpack_launcher(compiled):
+    # The fallback when apache-tvm-ffi (a dependency of flash-attn-4) is missing: CuTe-ABI kernels take
+    # CuTe tensors and an explicit stream, so each call wraps every tensor with from_dlpack (~30 us on a
+    # CPU core) under the tensors' device. Kernels are not written to disk on this path: the entries
+    # hold TVM-FFI functions only.
+    import cutlass
+    from cuda.bindings import driver
+    from cutlass.cute.runtime import from_dlpack
+
+    def as_cute(t, align):
+        return from_dlpack(t.detach(), assumed_align=align).mark_layout_dynamic(leading_dim=t.dim() - 1)
+
+    def launch(q, k, v, out, lse, softmax_scale):
+        with torch.cuda.device(q.device):
+            stream = driver.CUstream(torch.cuda.current_stream().cuda_stream)
+            compiled(as_cute(q, 16), as_cute(k, 16), as_cute(v, 16), as_cute(out, 16), as_cute(lse, 4),
+                     cutlass.Float32(softmax_scale), stream)
+
+    return launch
+
+
+def _entry(dtype, head_dim, causal, arch):
+    """(config, key, file name, exported C symbol) of a forward kernel's disk cache entry."""
+    config = _fwd_config(dtype, head_dim, causal, arch)
+    key = cache.entry_key(config)
+    name = (f"fwd-{arch}-{config['dtype']}-d{config['head_dim']}-{'causal' if config['causal'] else 'full'}"
+            f"-{key[:16]}")
+    return config, key, name, f"flash_attn_cute_{key[:16]}"  # the symbol is unique per key
+
+
+def disk_entry(dtype, head_dim, causal, arch="sm_90a", root=None):
+    """The intact files of a forward kernel's entry in the disk cache ``root`` (default: the runtime's
+    folder), {"o": path, "so": path} (the shared library is absent where no C compiler was found), or
+    {} when there is none. Loads nothing."""
+    root = root if root is not None else cache.cache_dir()
+    if root is None or not _tvm_ffi():
+        return {}
+    _, key, name, _ = _entry(dtype, head_dim, causal, arch)
+    return cache.DiskCache(root).files(name, key)
+
+
+def load_or_build(dtype, head_dim, causal, arch="sm_90a", root=None, force=False):
+    """The forward kernel as a callable ``(q, k, v, out, lse, softmax_scale)`` and where it came from
+    ("so" / "o": the disk cache in ``root``; "compiled": compiled now, and written to ``root``).
+    ``root=None``: no disk cache. ``force``: compile even when the disk holds the entry. Compiling
+    needs no GPU; loading from disk needs neither a GPU nor the CuTeDSL compiler."""
+    if not _tvm_ffi():
+        return _dlpack_launcher(compile_fwd(dtype, head_dim, causal, arch)), "compiled-dlpack"
+    if root is None:
+        return _ffi_function(compile_fwd(dtype, head_dim, causal, arch)), "compiled"
+    config, key, name, symbol = _entry(dtype, head_dim, causal, arch)
+    disk = cache.DiskCache(root)
+    if not force:
+        fn, how = disk.load(name, key)
+        if fn is not None:
+            return fn, how
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(disk.writer(name))  # one compile per entry across processes
+            writable = True
+        except OSError as e:
+            cache._note(f"disk cache {root} is not writable ({e}): compiling in memory only")
+            writable = False
+        if writable and not force:
+            fn, how = disk.load(name, key, locked=True)  # a process we waited for may have written it
+            if fn is not None:
+                return fn, how
+        t0 = time.perf_counter()
+        compiled = compile_fwd(dtype, head_dim, causal, arch)
+        if writable:
+            info = {"config": config, "env": cache.environment(), "source": cache.source_hash(),
+                    "compile_s": round(time.perf_counter() - t0, 3), "created": time.time()}
+            if disk.store(name, key, symbol, lambda path: compiled.export_to_c(path, function_name=symbol), info):
+                # Run what a later process will run. (Without a GPU CuTeDSL builds no execution engine,
+                # so the compiled object itself cannot even be called to check its arguments.)
+                fn, _ = disk.load(name, key, locked=True)
+                if fn is not None:
+                    return fn, "compiled"
+        return _ffi_function(compiled), "compiled"
+
+
+def fwd_kernel(dtype, head_dim, causal, arch="sm_90a"):
+    """The forward kernel for (dtype, head dim, causal, arch): from memory, else from the disk cache
+    (``cache.cache_dir()``: $FLASH_ATTN_CUTE_CACHE, default ~/.cache/flash_attn_cute), else compiled and
+    written there. A callable ``(q, k, v, out, lse, softmax_scale)`` on torch tensors."""
+    mem_key = (dtype, head_dim, bool(causal), arch)
+    fn = _kernels.get(mem_key)
     if fn is None:
-        fn = _cache[key] = compile_fwd(dtype, head_dim, causal, arch)
+        with cache._lock:  # one builder per process; other threads wait, then find it in memory
+            fn = _kernels.get(mem_key)
+            if fn is None:
+                fn, _origins[mem_key] = load_or_build(dtype, head_dim, causal, arch, cache.cache_dir())
+                _kernels[mem_key] = fn
     return fn
 
 
-def _as_cute(t, align):
-    from cutlass.cute.runtime import from_dlpack
-
-    return from_dlpack(t.detach(), assumed_align=align).mark_layout_dynamic(leading_dim=t.dim() - 1)
-
-
-def _kernel_layout(t):
-    # The kernel is compiled for a contiguous head dim, heads D apart and 16-byte aligned rows.
-    if (t.stride(-1) != 1 or t.stride(-2) != t.shape[-1] or t.stride(0) % 8 or t.stride(1) % 8
-            or t.data_ptr() % 16):
-        t = t.contiguous()
+def _kernel_layout(t, D):
+    # The kernel is compiled for a contiguous head dim, heads D apart, 16-byte aligned rows and batch /
+    # sequence strides that are multiples of 8 elements (the TVM-FFI wrapper rejects anything else).
+    # clone, not contiguous(): contiguous() keeps the odd stride of a size-1 dim.
+    s = t.stride()
+    if s[3] != 1 or s[2] != D or s[1] % 8 or s[0] % 8 or t.data_ptr() % 16:
+        t = t.clone(memory_format=torch.contiguous_format)
     return t
+
+
+def _device_arch(q, k, v):
+    """The kernel architecture for the device of q, k and v (CUDA tensors on one device), cached per
+    device index so that a call asks CUDA nothing."""
+    index = q.get_device()
+    if not q.is_cuda or k.get_device() != index or v.get_device() != index or not k.is_cuda or not v.is_cuda:
+        raise ValueError("q, k, v must be CUDA tensors on one device")
+    arch = _device_archs.get(index, False)
+    if arch is False:
+        cap = tuple(torch.cuda.get_device_capability(index))
+        arch = _device_archs[index] = _ARCHS.get(cap)
+    if arch is None:
+        cap = tuple(torch.cuda.get_device_capability(index))
+        raise NotImplementedError(f"compute capability {cap}: only Hopper (sm_90) kernels exist")
+    return arch
 
 
 def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(None, None), learnable_sink=None,
                     softcap=0.0, num_splits=1, pack_gqa=None, deterministic=False, return_lse=False):
     """Attention forward on Hopper: q (B, Sq, H, D), k/v (B, Sk, Hk, D) fp16/bf16 CUDA tensors, D in
     (64, 128), H % Hk == 0 (GQA/MQA). Causal masking is bottom-right aligned. Returns (out, lse): out
-    like q, lse fp32 (B, H, Sq) natural log (+inf for a row that sees no key). Forward only."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"{name} must be a 4-D tensor (B, S, H, D)")
-    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float16, torch.bfloat16):
+    like q, lse fp32 (B, H, Sq) natural log (+inf for a row that sees no key). There is no backward
+    kernel yet: when q, k or v needs a gradient the backward runs on another backend (see
+    _with_fallback_backward)."""
+    # Every check reads attributes only (no tensor ops, no CUDA queries): this is the per-call path.
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+            and q.dim() == 4 and k.dim() == 4 and v.dim() == 4):
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4:
+                raise ValueError(f"{name} must be a 4-D tensor (B, S, H, D)")
+    dtype = q.dtype
+    if dtype not in _DTYPE_NAMES or k.dtype != dtype or v.dtype != dtype:
         raise ValueError(f"q, k, v must share one dtype, fp16 or bf16; got {q.dtype}, {k.dtype}, {v.dtype}")
     B, Sq, H, D = q.shape
-    if k.shape[0] != B or v.shape[:3] != k.shape[:3] or k.shape[3] != D:
+    Bk, Sk, Hk, Dk = k.shape
+    Bv, Sv, Hv, Dv = v.shape
+    if Bk != B or Bv != Bk or Sv != Sk or Hv != Hk or Dk != D:
         raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if v.shape[3] != D:
+    if Dv != D:
         raise NotImplementedError("head dim of v must equal that of q and k")
     if D not in _SUPPORTED_HEAD_DIMS:
         raise NotImplementedError(f"head dim {D} not in {_SUPPORTED_HEAD_DIMS}")
-    if H % k.shape[2] != 0:
-        raise ValueError(f"q heads ({H}) must be a multiple of k heads ({k.shape[2]})")
-    if tuple(window_size) not in ((None, None), (-1, -1)):
+    if H % Hk != 0:
+        raise ValueError(f"q heads ({H}) must be a multiple of k heads ({Hk})")
+    if window_size != (None, None) and tuple(window_size) not in ((None, None), (-1, -1)):
         raise NotImplementedError("sliding window")
     if learnable_sink is not None:
         raise NotImplementedError("learnable_sink")
@@ -104,30 +261,43 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(None
         raise NotImplementedError("num_splits != 1")
     if pack_gqa:
         raise NotImplementedError("pack_gqa")
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        raise NotImplementedError("backward (flash_attn.cute is forward only for now)")
-    if not (q.is_cuda and k.device == q.device and v.device == q.device):
-        raise ValueError("q, k, v must be CUDA tensors on one device")
-    cap = torch.cuda.get_device_capability(q.device)
-    arch = _ARCHS.get(tuple(cap))
-    if arch is None:
-        raise NotImplementedError(f"compute capability {cap}: only Hopper (sm_90) kernels exist")
+    arch = _device_arch(q, k, v)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(D)
+    if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
+        return _with_fallback_backward(q, k, v, softmax_scale, causal)
 
-    q, k, v = (_kernel_layout(t) for t in (q, k, v))
+    return forward(q, k, v, softmax_scale, bool(causal), arch)
+
+
+def _with_fallback_backward(q, k, v, softmax_scale, causal):
+    """A call that needs gradients: this kernel runs the forward through the root package's autograd op
+    (flash_attn.flash_attn_func under use_backend("cute")), whose dispatcher sends the backward to the
+    next backend that has one. Needs the flash-attn distribution beside flash-attn-4."""
+    try:
+        from flash_attn import flash_attn_interface
+        from flash_attn.dispatch import use_backend
+    except ImportError as e:
+        raise NotImplementedError(
+            "flash_attn.cute has no backward kernel yet; gradients need the flash-attn package "
+            f"(pip install flash-attn) for the fallback backward ({e})") from None
+    with use_backend("cute"):
+        out, lse, _ = flash_attn_interface.flash_attn_func(
+            q, k, v, softmax_scale=softmax_scale, causal=causal, return_attn_probs=True)
+    return out, lse
+
+
+def forward(q, k, v, softmax_scale, causal, arch="sm_90a"):
+    """The kernel launch on validated CUDA inputs (shared with the dispatcher's backend module):
+    q (B, Sq, H, D), k/v (B, Sk, Hk, D) fp16/bf16, D in (64, 128), H % Hk == 0. Returns (out, lse)."""
+    B, Sq, H, D = q.shape
+    q, k, v = _kernel_layout(q, D), _kernel_layout(k, D), _kernel_layout(v, D)
     out = torch.empty_like(q)
-    lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
+    lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
     if k.shape[1] == 0:  # no key at all: every row is empty (TMA descriptors cannot map a 0-length dim)
         out.zero_()
         lse.fill_(math.inf)
     elif B * Sq * H > 0:
-        import cutlass
-        from cuda.bindings import driver
-
-        fn = _compiled(q.dtype, D, bool(causal), arch)
-        with torch.cuda.device(q.device):
-            stream = driver.CUstream(torch.cuda.current_stream().cuda_stream)
-            fn(_as_cute(q, 16), _as_cute(k, 16), _as_cute(v, 16), _as_cute(out, 16), _as_cute(lse, 4),
-               cutlass.Float32(softmax_scale), stream)
+        fn = _kernels.get((q.dtype, D, causal, arch)) or fwd_kernel(q.dtype, D, causal, arch)
+        fn(q, k, v, out, lse, float(softmax_scale))
     return out, lse

@@ -1,0 +1,112 @@
+"""Compile the standard flash_attn.cute kernels ahead of time into a disk cache. No GPU is needed
+(CuTeDSL compiles for the named architecture on any Linux machine), so a build or CI machine can fill
+the cache a deployment then only loads:
+
+    python -m flash_attn.cute.precompile --arch sm_90a --out DIR     # bf16/fp16 x d64/d128 x causal/not
+    FLASH_ATTN_CUTE_CACHE=DIR python serve.py                        # first calls load, never compile
+
+The deployment must have the same flash-attn-4 sources and the same nvidia-cutlass-dsl and
+apache-tvm-ffi versions (and CUDA flavour, cu12 / cu13, of CuTeDSL's runtime): they are part of each
+entry's key, and an entry whose key differs is never loaded (that configuration is compiled at first
+use instead). Entries already in DIR are kept unless --force. Exit status 1 when any configuration
+could not be compiled and written.
+"""
+import argparse
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+DTYPES = ("bf16", "fp16")
+HEAD_DIMS = (64, 128)
+CAUSAL = (False, True)
+
+
+def _torch_dtype(name):
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}[name]
+
+
+def _build(out, arch, dtype, head_dim, causal, force):
+    """One configuration (run in a worker process when --jobs > 1). Returns (how, seconds, error)."""
+    from flash_attn.cute import cache, interface
+
+    t0 = time.perf_counter()
+    try:
+        _, how = interface.load_or_build(_torch_dtype(dtype), head_dim, causal, arch, root=out, force=force)
+    except Exception as e:  # a compile error of one configuration must not hide the others
+        return None, time.perf_counter() - t0, f"{type(e).__name__}: {e}"
+    seconds = time.perf_counter() - t0
+    files = interface.disk_entry(_torch_dtype(dtype), head_dim, causal, arch, out)
+    if not files:
+        problems = "; ".join(cache.notes()[-3:]) or "entry missing after the build"
+        return how, seconds, f"not written to {out}: {problems}"
+    return how, seconds, None
+
+
+def precompile(out, arch="sm_90a", dtypes=DTYPES, head_dims=HEAD_DIMS, causals=CAUSAL, force=False, jobs=1,
+               log=print):
+    """Compile every (dtype, head dim, causal) for ``arch`` into the disk cache folder ``out``. Returns
+    one dict per configuration: dtype, head_dim, causal, how ("compiled", or "so" / "o" when it was
+    already there), seconds, error (None when the entry is on disk)."""
+    from flash_attn.cute import interface
+
+    if not interface._tvm_ffi():
+        raise RuntimeError("precompiling needs apache-tvm-ffi (pip install apache-tvm-ffi): the disk cache "
+                           "holds TVM-FFI functions")
+    os.makedirs(out, exist_ok=True)
+    todo = [(dt, d, c) for dt in dtypes for d in head_dims for c in causals]
+    args = [(str(out), arch, dt, d, c, force) for dt, d, c in todo]
+    if jobs > 1 and len(todo) > 1:
+        import multiprocessing
+
+        with ProcessPoolExecutor(min(jobs, len(todo)), mp_context=multiprocessing.get_context("spawn")) as pool:
+            results = list(pool.map(_build, *zip(*args)))
+    else:
+        results = [_build(*a) for a in args]
+    report = []
+    for (dt, d, c), (how, seconds, error) in zip(todo, results):
+        row = {"dtype": dt, "head_dim": d, "causal": c, "how": how, "seconds": round(seconds, 2), "error": error}
+        report.append(row)
+        what = "already cached" if how in ("so", "o") else how
+        log(f"{dt} d{d} {'causal' if c else 'full  '}: {error or what} ({seconds:.1f} s)")
+    return report
+
+
+def main(argv=None):
+    from flash_attn.cute import cache, interface
+
+    archs = sorted(set(interface._ARCHS.values()))
+    p = argparse.ArgumentParser(prog="python -m flash_attn.cute.precompile", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arch", default=archs[0], choices=archs, help="GPU architecture (default %(default)s)")
+    p.add_argument("--out", default=None,
+                   help=f"cache folder (default: ${cache.ENV_VAR}, else {cache.default_dir()})")
+    p.add_argument("--dtypes", default=",".join(DTYPES), help="comma-separated, of bf16,fp16")
+    p.add_argument("--head-dims", default=",".join(map(str, HEAD_DIMS)), help="comma-separated, of 64,128")
+    p.add_argument("--causal", default="both", choices=("both", "true", "false"))
+    p.add_argument("--jobs", type=int, default=1, help="compile in this many processes")
+    p.add_argument("--force", action="store_true", help="recompile entries already in the folder")
+    a = p.parse_args(argv)
+    out = a.out if a.out is not None else cache.cache_dir()
+    if out is None:
+        p.error(f"no folder: ${cache.ENV_VAR} disables the cache and --out is not given")
+    dtypes = [x for x in a.dtypes.split(",") if x]
+    head_dims = [int(x) for x in a.head_dims.split(",") if x]
+    if set(dtypes) - set(DTYPES) or set(head_dims) - set(HEAD_DIMS):
+        p.error(f"dtypes must be among {DTYPES}, head dims among {HEAD_DIMS}")
+    causals = {"both": CAUSAL, "true": (True,), "false": (False,)}[a.causal]
+    t0 = time.perf_counter()
+    report = precompile(out, a.arch, dtypes, head_dims, causals, a.force, a.jobs)
+    failed = [r for r in report if r["error"]]
+    print(f"{len(report) - len(failed)}/{len(report)} kernels in {os.path.abspath(out)} "
+          f"({time.perf_counter() - t0:.1f} s). Use them with {cache.ENV_VAR}={os.path.abspath(out)}")
+    if not cache._c_compiler():
+        print("note: no C compiler here, so the entries hold objects only; a process loading one imports "
+              "CuTeDSL (~0.5 s) unless a C compiler there can link it (done once, in place)")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,348 @@
+"""flash_attn.cute's compiled-kernel cache: the precompile entry point fills a disk cache without a GPU,
+a new process loads from it without compiling (without even importing the CuTeDSL compiler), a bad
+entry is ignored and rebuilt, concurrent processes compile an entry once, and the key follows the
+sources. Two kernels are compiled in this file (the precompiled one, and one rebuild); the rest
+reuses them. On a Hopper GPU (marked gpu) a kernel loaded from disk runs and matches the reference."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("cutlass.cute")
+pytest.importorskip("tvm_ffi")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PKG = os.path.join(ROOT, "packages", "flash-attn-4")
+if _PKG not in sys.path:  # the checkout's flash_attn/__init__ also finds it; this keeps the test standalone
+    sys.path.insert(0, _PKG)
+
+from flash_attn.cute import cache, interface, precompile  # noqa: E402
+
+CONFIG = (torch.bfloat16, 128, False, "sm_90a")  # the one precompiled configuration
+
+
+def _env(**extra):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, _PKG] + [p for p in [env.get("PYTHONPATH")] if p])
+    env.update(extra)
+    return env
+
+
+@pytest.fixture(scope="module")
+def precompiled(tmp_path_factory):
+    """A cache folder filled by the command line entry point, in its own process."""
+    out = tmp_path_factory.mktemp("precompiled")
+    cmd = [sys.executable, "-m", "flash_attn.cute.precompile", "--arch", "sm_90a", "--out", str(out),
+           "--dtypes", "bf16", "--head-dims", "128", "--causal", "false"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "bf16 d128 full  : compiled" in proc.stdout, proc.stdout
+    return out
+
+
+@pytest.fixture
+def no_compile(monkeypatch):
+    """Make compiling fail the test: whatever runs under it must come from memory or disk."""
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"compile_fwd{args} called")
+
+    monkeypatch.setattr(interface, "compile_fwd", refuse)
+
+
+def _copy_entry(src, dst):
+    dst.mkdir(parents=True, exist_ok=True)
+    for path in src.iterdir():
+        if not path.name.endswith(".lock"):
+            shutil.copy2(path, dst / path.name)
+    return dst
+
+
+def _names():
+    _, key, name, symbol = interface._entry(*CONFIG)
+    return key, name, symbol
+
+
+def test_precompile_writes_a_complete_entry(precompiled):
+    key, name, symbol = _names()
+    files = interface.disk_entry(*CONFIG, root=precompiled)
+    assert set(files) == ({"o", "so"} if cache._c_compiler() else {"o"})
+    manifest = json.loads((precompiled / f"{name}.json").read_text())
+    assert manifest["key"] == key and manifest["symbol"] == symbol
+    assert manifest["config"] == {"kernel": "FlashFwdSm90", "dtype": "bf16", "head_dim": 128, "causal": False,
+                                  "arch": "sm_90a", "abi": "tvm-ffi-env-stream"}
+    assert manifest["source"] == cache.source_hash()
+    # no temporary file is left behind, and only the one configuration was built
+    assert sorted(p.suffix for p in precompiled.iterdir()) == sorted([".json", ".lock"] + [f".{e}" for e in files])
+
+
+def test_precompile_again_keeps_the_entry(precompiled, no_compile, capsys):
+    assert precompile.main(["--out", str(precompiled), "--dtypes", "bf16", "--head-dims", "128",
+                            "--causal", "false"]) == 0
+    assert "already cached" in capsys.readouterr().out
+
+
+_CHILD = textwrap.dedent("""
+    import json, sys, time
+    import torch
+    from flash_attn.cute import interface
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("compile_fwd called")
+
+    interface.compile_fwd = refuse
+    t0 = time.perf_counter()
+    fn = interface.fwd_kernel(torch.bfloat16, 128, False, "sm_90a")
+    load_s = time.perf_counter() - t0
+    q = torch.zeros(1, 128, 16, 128, dtype=torch.bfloat16)
+    try:  # the real kernel's TVM-FFI wrapper checks its arguments (on the CPU: the device type)
+        fn(q, q, q, q, torch.zeros(1, 16, 128), 0.1)
+        error = None
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    print(json.dumps({"origin": interface._origins[(torch.bfloat16, 128, False, "sm_90a")], "load_s": load_s,
+                      "cutlass_imported": "cutlass" in sys.modules, "error": error}))
+""")
+
+
+def _run_child(cache_dir, code=_CHILD, **env):
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=_env(FLASH_ATTN_CUTE_CACHE=str(cache_dir), **env))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_new_process_loads_from_disk_without_compiling(precompiled):
+    if not cache._c_compiler():
+        pytest.skip("no C compiler: entries hold objects only, which load through CuTeDSL")
+    result = _run_child(precompiled)
+    assert result["origin"] == "so"
+    assert not result["cutlass_imported"], "loading from disk must not import the CuTeDSL compiler"
+    assert "expected device_type=cuda" in result["error"], result["error"]
+    print(f"\nnew process, warm disk cache: kernel loaded in {result['load_s'] * 1e3:.1f} ms")
+
+
+def test_object_only_entry_loads_through_cutedsl(precompiled, tmp_path, monkeypatch, no_compile):
+    """An entry written where no C compiler was found: without one here either it loads through
+    CuTeDSL's load_module; with one it is linked once, in place, for the next processes."""
+    _, name, _ = _names()
+    root = _copy_entry(precompiled, tmp_path / "c")
+    (root / f"{name}.so").unlink(missing_ok=True)
+    manifest = json.loads((root / f"{name}.json").read_text())
+    manifest["sha256"].pop("so", None)
+    (root / f"{name}.json").write_text(json.dumps(manifest))
+    real_cc = cache._c_compiler
+    monkeypatch.setattr(cache, "_c_compiler", lambda: None)
+    fn, how = interface.load_or_build(*CONFIG, root=root)
+    assert how == "o" and callable(fn)
+    assert set(interface.disk_entry(*CONFIG, root=root)) == {"o"}
+    monkeypatch.setattr(cache, "_c_compiler", real_cc)
+    if real_cc():
+        fn, how = interface.load_or_build(*CONFIG, root=root)
+        assert how == "so" and set(interface.disk_entry(*CONFIG, root=root)) == {"o", "so"}
+
+
+def test_warm_process_never_reloads(precompiled, monkeypatch, no_compile):
+    monkeypatch.setenv(cache.ENV_VAR, str(precompiled))
+    monkeypatch.setattr(interface, "_kernels", {})
+    monkeypatch.setattr(interface, "_origins", dict(interface._origins))
+    loads = []
+    real_load = cache.DiskCache.load
+    monkeypatch.setattr(cache.DiskCache, "load", lambda self, *a, **k: loads.append(a) or real_load(self, *a, **k))
+    fn = interface.fwd_kernel(*CONFIG)
+    assert interface._origins[CONFIG] in ("so", "o") and len(loads) == 1
+    for _ in range(3):
+        assert interface.fwd_kernel(*CONFIG) is fn
+    assert len(loads) == 1
+
+
+def _corrupt(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", ["manifest-garbage", "manifest-other-key", "manifest-other-format",
+                                    "both-binaries-corrupt", "both-binaries-truncated", "binaries-missing"])
+def test_bad_entry_is_a_miss(precompiled, tmp_path, damage):
+    key, name, _ = _names()
+    root = _copy_entry(precompiled, tmp_path / "c")
+    man, o, so = (root / f"{name}.{e}" for e in ("json", "o", "so"))
+    if damage == "manifest-garbage":
+        man.write_bytes(b"\x00{not json")
+    elif damage.startswith("manifest-other"):
+        manifest = json.loads(man.read_text())
+        manifest["key" if damage.endswith("key") else "format"] = "something else"
+        man.write_text(json.dumps(manifest))
+    for path in (o, so):
+        if damage == "both-binaries-corrupt" and path.exists():
+            _corrupt(path)
+        elif damage == "both-binaries-truncated" and path.exists():
+            path.write_bytes(path.read_bytes()[:100])
+        elif damage == "binaries-missing":
+            path.unlink(missing_ok=True)
+    assert cache.DiskCache(root).load(name, key) == (None, None)
+    assert interface.disk_entry(*CONFIG, root=root) == {}
+
+
+def test_corrupt_shared_library_is_relinked_from_the_object(precompiled, tmp_path, no_compile):
+    if not cache._c_compiler():
+        pytest.skip("no C compiler")
+    _, name, _ = _names()
+    root = _copy_entry(precompiled, tmp_path / "c")
+    _corrupt(root / f"{name}.so")
+    fn, how = interface.load_or_build(*CONFIG, root=root)
+    assert how == "so" and set(interface.disk_entry(*CONFIG, root=root)) == {"o", "so"}
+
+
+def test_corrupt_entry_is_rebuilt(precompiled, tmp_path):
+    """The second (and last) compile of this file: an entry whose binaries are both damaged is compiled
+    again and rewritten; the next process loads the new one."""
+    _, name, _ = _names()
+    root = _copy_entry(precompiled, tmp_path / "c")
+    for ext in ("o", "so"):
+        if (root / f"{name}.{ext}").exists():
+            _corrupt(root / f"{name}.{ext}")
+    calls = []
+    real = interface.compile_fwd
+    interface.compile_fwd = lambda *a, **k: calls.append(a) or real(*a, **k)
+    try:
+        fn, how = interface.load_or_build(*CONFIG, root=root)
+    finally:
+        interface.compile_fwd = real
+    assert how == "compiled" and len(calls) == 1 and callable(fn)
+    assert interface.disk_entry(*CONFIG, root=root)
+    assert not [p for p in root.iterdir() if ".tmp" in p.name]
+    if cache._c_compiler():
+        assert _run_child(root)["origin"] == "so"
+
+
+def test_unwritable_cache_compiles_in_memory(tmp_path, monkeypatch):
+    """A cache folder that cannot be created (here: below a file) never fails the call."""
+    class Compiled:
+        def __tvm_ffi_object__(self):
+            return kernel
+
+    def kernel(*args):
+        return None
+
+    (tmp_path / "file").write_text("")
+    monkeypatch.setattr(interface, "compile_fwd", lambda *a, **k: Compiled())
+    fn, how = interface.load_or_build(*CONFIG, root=tmp_path / "file" / "cache")
+    assert fn is kernel and how == "compiled"
+
+
+def test_concurrent_builder_waits_for_the_lock_holder(precompiled, tmp_path, no_compile):
+    """While one process holds an entry's lock (it is compiling), another that misses waits for it and
+    then loads what it wrote, instead of compiling the same kernel again."""
+    _, name, _ = _names()
+    root = tmp_path / "c"
+    disk = cache.DiskCache(root)
+    child = textwrap.dedent("""
+        import json, sys, time
+        import torch
+        from flash_attn.cute import interface
+
+        def refuse(*args, **kwargs):
+            raise AssertionError("compile_fwd called")
+
+        interface.compile_fwd = refuse
+        print("ready", flush=True)
+        fn = interface.fwd_kernel(torch.bfloat16, 128, False, "sm_90a")
+        print(json.dumps({"origin": interface._origins[(torch.bfloat16, 128, False, "sm_90a")],
+                          "done": time.time()}), flush=True)
+    """)
+    with disk.writer(name):
+        proc = subprocess.Popen([sys.executable, "-c", child], cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=_env(FLASH_ATTN_CUTE_CACHE=str(root)))
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(1.0)  # the child misses and blocks on the lock
+        assert proc.poll() is None, proc.stderr.read()
+        staging = _copy_entry(precompiled, tmp_path / "staging")
+        for path in sorted(staging.iterdir(), key=lambda p: p.suffix == ".json"):  # manifest last
+            os.replace(path, root / path.name)
+        released = time.time()
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out + err
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["origin"] in ("so", "o") and result["done"] >= released
+
+
+def test_key_follows_sources_config_and_versions(tmp_path, monkeypatch):
+    config = interface._fwd_config(*CONFIG)
+    key = cache.entry_key(config)
+    assert cache.entry_key(dict(config)) == key  # deterministic
+    for change in ({"dtype": "fp16"}, {"head_dim": 64}, {"causal": True}, {"arch": "sm_100a"}, {"abi": "cute"}):
+        assert cache.entry_key({**config, **change}) != key, change
+    # the package sources: a copy hashes the same until a kernel file changes
+    copy = tmp_path / "cute"
+    shutil.copytree(cache._PKG_DIR, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    assert cache.source_hash(copy) == cache.source_hash()
+    with open(copy / "flash_fwd_sm90.py", "a") as f:
+        f.write("\n# a change\n")
+    cache._memo.pop(("source", str(copy)))
+    changed = cache.source_hash(copy)
+    assert changed != cache.source_hash()
+    monkeypatch.setitem(cache._memo, ("source", str(cache._PKG_DIR)), changed)
+    assert cache.entry_key(config) != key
+    monkeypatch.undo()
+    assert cache.entry_key(config) == key
+    for dist in ("nvidia-cutlass-dsl", "apache-tvm-ffi", "flash-attn-4"):
+        monkeypatch.setitem(cache._memo, "env", {**cache.environment(), dist: "0.0.0-other"})
+        assert cache.entry_key(config) != key, dist
+        monkeypatch.undo()
+
+
+def test_cache_dir_from_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv(cache.ENV_VAR, str(tmp_path))
+    assert cache.cache_dir() == tmp_path
+    for off in ("0", "off", "none"):
+        monkeypatch.setenv(cache.ENV_VAR, off)
+        assert cache.cache_dir() is None
+    monkeypatch.delenv(cache.ENV_VAR)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert cache.cache_dir() == tmp_path / "flash_attn_cute"
+
+
+# ----------------------------------------------------------------------------------------------------
+# On a Hopper GPU
+
+
+def _hopper():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("batch,seqlen_q,seqlen_k,heads,heads_kv", [(1, 128, 128, 16, 16), (2, 113, 203, 4, 2)])
+def test_kernel_loaded_from_disk_matches_reference(precompiled, monkeypatch, no_compile, batch, seqlen_q,
+                                                   seqlen_k, heads, heads_kv):
+    from flash_attn.cute import flash_attn_func
+    from flash_attn.testing import assert_close_to_ref, attention_lse_ref, attention_ref
+
+    monkeypatch.setenv(cache.ENV_VAR, str(precompiled))
+    monkeypatch.setattr(interface, "_kernels", {})
+    monkeypatch.setattr(interface, "_origins", dict(interface._origins))
+    torch.manual_seed(0)
+    q = torch.randn(batch, seqlen_q, heads, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(batch, seqlen_k, heads_kv, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(batch, seqlen_k, heads_kv, 128, device="cuda", dtype=torch.bfloat16)
+    out, lse = flash_attn_func(q, k, v)
+    torch.cuda.synchronize()
+    assert interface._origins[CONFIG] in ("so", "o")
+    out_ref, _ = attention_ref(q, k, v)
+    out_pt, _ = attention_ref(q, k, v, upcast=False, reorder_ops=True)
+    assert_close_to_ref(out, out_ref, out_pt)
+    assert (lse - attention_lse_ref(q, k)).abs().max().item() < 1e-2
+    # a second call on another stream runs on that stream (the kernel takes torch's current stream)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        out2, _ = flash_attn_func(q, k, v)
+    s.synchronize()
+    assert torch.equal(out2, out)
