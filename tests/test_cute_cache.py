@@ -298,6 +298,16 @@ def test_key_follows_sources_config_and_versions(tmp_path, monkeypatch):
         monkeypatch.undo()
 
 
+def test_stale_temporary_files_are_swept(tmp_path):
+    _, name, _ = _names()
+    old, fresh = tmp_path / f".{name}.o.1.aa.tmp.o", tmp_path / f".{name}.so.2.bb.tmp.so"
+    for path in (old, fresh):
+        path.write_bytes(b"partial")
+    os.utime(old, (time.time() - 7200, time.time() - 7200))
+    cache.DiskCache(tmp_path)._sweep(name)
+    assert not old.exists() and fresh.exists()
+
+
 def test_cache_dir_from_environment(monkeypatch, tmp_path):
     monkeypatch.setenv(cache.ENV_VAR, str(tmp_path))
     assert cache.cache_dir() == tmp_path

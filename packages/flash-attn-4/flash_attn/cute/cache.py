@@ -32,6 +32,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -217,6 +218,7 @@ def _note(message):
     """Cache problems never fail a call: they are remembered (``notes()``) and, with
     FLASH_ATTN_CUTE_CACHE_VERBOSE=1, printed to stderr."""
     _notes.append(message)
+    del _notes[:-100]
     if os.environ.get("FLASH_ATTN_CUTE_CACHE_VERBOSE", "") not in ("", "0"):
         print(f"flash_attn.cute cache: {message}", file=sys.stderr)
 
@@ -325,10 +327,19 @@ class DiskCache:
             finally:
                 fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
+    def _sweep(self, name, max_age_s=3600.0):
+        # Temporary files of writers that died mid-write (their names carry the entry's name).
+        now = time.time()
+        for tmp in self.root.glob(f".{name}.*.tmp*"):
+            with contextlib.suppress(OSError):
+                if now - tmp.stat().st_mtime > max_age_s:
+                    tmp.unlink()
+
     def store(self, name, key, symbol, export, info):
         """Write an entry: ``export(path)`` writes CuTeDSL's object file (its name ends in .o). Call
         under ``writer(name)``. Returns True when the entry is complete on disk."""
         paths = self.paths(name)
+        self._sweep(name)
         try:
             with _temporary(paths["o"], ".o") as tmp:
                 export(str(tmp))
