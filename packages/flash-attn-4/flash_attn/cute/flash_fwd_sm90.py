@@ -274,7 +274,9 @@ class FlashFwdSm90:
                     for c in cutlass.range_constexpr(2):
                         acc_O[c + 2 * r + 4 * j] = acc_O[c + 2 * r + 4 * j] * corr
 
-            # O += P V, P converted to the input dtype in registers.
+            # O += P V, P converted to the input dtype in registers. (The accumulate flag is set here: its
+            # host-side default is not "accumulate", and O must sum over every key block.)
+            tiled_mma_pv.set(warpgroup.Field.ACCUMULATE, True)
             rP = cute.make_rmem_tensor_like(acc_S, dt)
             rP.store(acc_S.load().to(dt))
             tOrP = cute.make_tensor(rP.iterator, p_layout)

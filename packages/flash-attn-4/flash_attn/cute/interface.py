@@ -27,6 +27,7 @@ _kernels: dict[tuple, object] = {}  # (torch dtype, head dim, causal, arch) -> c
 _origins: dict[tuple, str] = {}  # same key -> "so" / "o" (loaded from disk), "compiled" or "compiled-dlpack"
 _device_archs: dict[int, object] = {}  # CUDA device index -> arch name, or None (no kernels for it)
 _have_tvm_ffi: list = []
+_MAX_ELEMS = 2 ** 31  # the kernels' 32-bit offsets address tensors below this many elements
 
 
 def _cutlass_dtype(dtype):
@@ -74,18 +75,21 @@ def compile_fwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None):
     config = _fwd_config(dtype, head_dim, causal, arch)
     kernel = _make_kernel(config)
     dt, D = kernel.dtype, kernel.head_dim
-    batch, seqlen_q, seqlen_k, heads, heads_kv = (cute.sym_int64() for _ in range(5))
+    # 32-bit shapes and strides: with 64-bit symbolic strides CuTeDSL 4.8 builds TMA descriptors that
+    # the driver rejects (the launch fails with cudaErrorInvalidValue on an H200); forward() keeps every
+    # tensor under 2^31 elements by splitting the batch.
+    batch, seqlen_q, seqlen_k, heads, heads_kv = (cute.sym_int() for _ in range(5))
 
     def qkv(seqlen, h):
         # Row strides are multiples of 8 elements (16 bytes), as TMA requires; the head dim is contiguous
         # and heads are D apart (the wrapper makes them so).
-        div8 = cute.sym_int64(divisibility=8)
-        return make_fake_tensor(dt, (batch, seqlen, h, D), (cute.sym_int64(divisibility=8), div8, D, 1),
+        div8 = cute.sym_int(divisibility=8)
+        return make_fake_tensor(dt, (batch, seqlen, h, D), (cute.sym_int(divisibility=8), div8, D, 1),
                                 assumed_align=16)
 
     q, o = qkv(seqlen_q, heads), qkv(seqlen_q, heads)
     k, v = qkv(seqlen_k, heads_kv), qkv(seqlen_k, heads_kv)
-    lse = make_fake_tensor(cutlass.Float32, (batch, heads, seqlen_q), (cute.sym_int64(), cute.sym_int64(), 1),
+    lse = make_fake_tensor(cutlass.Float32, (batch, heads, seqlen_q), (cute.sym_int(), cute.sym_int(), 1),
                            assumed_align=4)
     tvm_ffi = config["abi"] != "cute"
     options = f"--gpu-arch {arch}" + (" --enable-tvm-ffi" if tvm_ffi else "")
@@ -299,5 +303,15 @@ def forward(q, k, v, softmax_scale, causal, arch="sm_90a"):
         lse.fill_(math.inf)
     elif B * Sq * H > 0:
         fn = _kernels.get((q.dtype, D, causal, arch)) or fwd_kernel(q.dtype, D, causal, arch)
-        fn(q, k, v, out, lse, float(softmax_scale))
+        per_batch = max(Sq * H, k.shape[1] * k.shape[2]) * D  # elements of one batch entry's q/out or k/v
+        if B * per_batch < _MAX_ELEMS:
+            fn(q, k, v, out, lse, float(softmax_scale))
+        else:  # the kernel indexes with 32-bit offsets: launch on batch slices that each stay below 2^31
+            if per_batch >= _MAX_ELEMS:
+                raise NotImplementedError(
+                    f"one batch entry of q/k/v holds {per_batch} elements; flash_attn.cute handles < 2^31")
+            step = (_MAX_ELEMS - 1) // per_batch
+            for b in range(0, B, step):
+                fn(q[b:b + step], k[b:b + step], v[b:b + step], out[b:b + step], lse[b:b + step],
+                   float(softmax_scale))
     return out, lse
