@@ -78,7 +78,7 @@ def main(argv=None):
     from flash_attn.cute import cache, interface
 
     archs = sorted(set(interface._ARCHS.values()))
-    p = argparse.ArgumentParser(prog="python -m flash_attn.cute.precompile", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m flash_attn.cute.precompile", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", default=archs[0], choices=archs, help="GPU architecture (default %(default)s)")
     p.add_argument("--out", default=None,
