@@ -147,6 +147,15 @@ def test_object_only_entry_loads_through_cutedsl(precompiled, tmp_path, monkeypa
         assert how == "so" and set(interface.disk_entry(*CONFIG, root=root)) == {"o", "so"}
 
 
+def test_failing_linker_falls_back_to_the_object(precompiled, tmp_path, monkeypatch, no_compile):
+    _, name, _ = _names()
+    root = _copy_entry(precompiled, tmp_path / "c")
+    (root / f"{name}.so").unlink(missing_ok=True)
+    monkeypatch.setattr(cache, "_c_compiler", lambda: shutil.which("false"))
+    fn, how = interface.load_or_build(*CONFIG, root=root)
+    assert how == "o" and any("linking" in n for n in cache.notes())
+
+
 def test_warm_process_never_reloads(precompiled, monkeypatch, no_compile):
     monkeypatch.setenv(cache.ENV_VAR, str(precompiled))
     monkeypatch.setattr(interface, "_kernels", {})

@@ -166,8 +166,12 @@ def _link_shared(obj, out):
     if cc is None:
         return False
     with _temporary(out, ".so") as tmp:
-        proc = subprocess.run([cc, "-shared", "-Wl,-z,now", "-o", str(tmp), str(obj)],
-                              capture_output=True, text=True, timeout=120)
+        try:
+            proc = subprocess.run([cc, "-shared", "-Wl,-z,now", "-o", str(tmp), str(obj)],
+                                  capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.SubprocessError) as e:
+            _note(f"linking {obj.name} failed ({cc}): {e}")
+            return False
         if proc.returncode != 0 or not tmp.exists():
             _note(f"linking {obj.name} failed ({cc}): {proc.stderr.strip()[:500]}")
             return False
