@@ -92,7 +92,7 @@ def _check(device, dtype, M, N, is_rms_norm=False, prenorm=False, dropout_p=0.0,
 
 @pytest.mark.parametrize("is_rms_norm", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("M,N", [(3, 1), (1, 17), (3, 4099)])
+@pytest.mark.parametrize("M,N", [(3, 1), (1, 1), (1, 17), (3, 4099), (1, 4099)])
 def test_plain(path, dtype, M, N, is_rms_norm):
     # At hidden 1 RMSNorm's input gradient is w*dy*eps/(x^2+eps)^1.5: with eps=1e-6 it is pure cancellation
     # noise of the size of one ulp of w*dy, so the 1-column case uses an eps that makes it a real value.
@@ -143,38 +143,84 @@ def test_hidden_65536(path):
 
 def test_row_tiles_and_prefetch(monkeypatch):
     """Narrow rows are batched BLOCK_M to a tile, and the backward prefetches the next tile: lowered
-    tile sizes make 2-row tiles, 37 rows a partial last tile, and the backward programs walk 5 tiles."""
+    tile sizes make 2-row tiles; one SM and a high register cap make the 37 rows 7 backward programs of
+    6 rows (3 tiles) each but the last, which has a single row in a partial tile."""
     if not triton_runs_on("cuda" if CUDA else "cpu"):
         pytest.skip("triton is not installed")
     monkeypatch.setattr(ln, "FWD_TILE", 64)
     monkeypatch.setattr(ln, "BWD_MIN_TILE", 64)
-    monkeypatch.setattr(ln, "BWD_WARPS_PER_SM", 1)
-    if not CUDA:
-        assert ln._fwd_config(17)[:3] == (2, 32, 1)
-        assert ln._bwd_config(37, 17, "cpu")[:3] == (4, 10, 2)
+    monkeypatch.setattr(ln, "BWD_MAXNREG", (255,))
+    monkeypatch.setattr(ln, "num_sms", lambda device: 1)
+    assert ln._fwd_config(17)[:3] == (2, 32, 1)
+    cfg = ln._bwd_config(37, 17, "cpu")
+    assert (cfg.programs, cfg.rows_per_program, cfg.block_m, cfg.split, cfg.sub, cfg.prefetch) == (7, 6, 2, 1, 1, True)
     with backend("triton"):
         _check(_device("triton"), torch.float32, 37, 17, residual=True, x1=True, weight1=True, dropout_p=0.25,
                prenorm=True)
         _check(_device("triton"), torch.float32, 37, 17, is_rms_norm=True, rowscale=True, residual=True)
 
 
-def test_chunked_rows(monkeypatch):
-    """Rows wider than one block take the two-pass kernels (statistics merged chunk by chunk, dweight
-    accumulated in the program's own partial row); lowered limits make 100 columns 7 chunks, in tiles
-    of 4 rows (the last one partial), 3 tiles per backward program."""
+def test_chunked_split_rows(monkeypatch):
+    """Wide rows: pass 1 reads them in chunks (7 of 16 columns for 100 columns), and a tight accumulator
+    budget splits each row over programs: with dweight and dbias, two programs owning 64 columns each
+    (the second only 36 of them) in two pass-2 sub-chunks of 32 with their own accumulators; with the
+    parallel branch's two more gradients, four programs of 32 columns."""
     if not triton_runs_on("cuda" if CUDA else "cpu"):
         pytest.skip("triton is not installed")
     monkeypatch.setattr(ln, "FWD_MAX_BLOCK_N", 16)
-    monkeypatch.setattr(ln, "BWD_MAX_BLOCK_N", 16)
     monkeypatch.setattr(ln, "FWD_TILE", 64)
-    monkeypatch.setattr(ln, "BWD_TILE", 64)
-    monkeypatch.setattr(ln, "BWD_WARPS_PER_SM", 1)
+    monkeypatch.setattr(ln, "BWD_MIN_TILE", 16)
+    monkeypatch.setattr(ln, "BWD_MAX_BLOCK_R", 16)
+    monkeypatch.setattr(ln, "BWD_ELEMS_PER_THREAD", 1)
+    monkeypatch.setattr(ln, "BWD_ACC_REGS", 4)
+    monkeypatch.setattr(ln, "num_sms", lambda device: 1)
+    cfg = ln._bwd_config(37, 100, "cpu", n_acc=2)
+    assert (cfg.block_r, cfg.r_chunks, cfg.block_n, cfg.sub, cfg.split, cfg.prefetch) == (16, 7, 32, 2, 2, False)
+    cfg = ln._bwd_config(37, 100, "cpu", n_acc=4)
+    assert (cfg.block_n, cfg.sub, cfg.split) == (32, 1, 4)
     with backend("triton"):
-        if not CUDA:
-            assert ln._bwd_config(37, 100, "cpu")[:3] == (4, 12, 4)
         _check(_device("triton"), torch.float32, 37, 100, residual=True, x1=True, weight1=True, dropout_p=0.25,
                prenorm=True)
         _check(_device("triton"), torch.float32, 3, 100, is_rms_norm=True, rowscale=True, zero_centered_weight=True)
+        # A single program per row group whose second sub-chunk lies partly past N.
+        monkeypatch.setattr(ln, "BWD_ACC_REGS", 8)
+        cfg = ln._bwd_config(5, 40, "cpu", n_acc=1)
+        assert (cfg.split, cfg.sub, cfg.block_n) == (1, 2, 32)
+        _check(_device("triton"), torch.float32, 5, 40, is_rms_norm=True, bias=False)
+
+
+def test_partial_reduction():
+    """The second backward kernel sums the (P, N) partials over P in BLOCK_P steps (here 5, the last
+    partial) and column blocks (3, the last partial), casting to the parameters' dtypes."""
+    if not triton_runs_on("cuda" if CUDA else "cpu"):
+        pytest.skip("triton is not installed")
+    dev = _device("triton")
+    g = torch.Generator().manual_seed(0)
+    parts = [torch.randn(37, 20, generator=g).to(dev) for _ in range(4)]
+    dtypes = (torch.float32, torch.float16, torch.float32, torch.float32)
+    outs = [torch.empty(20, device=dev, dtype=dt) for dt in dtypes]
+    ln._ln_bwd_reduce_kernel[(3,)](*parts, *outs, 37, 20, HAS_BIAS=True, HAS_W1=True, HAS_B1=False, BLOCK_P=8,
+                                   BLOCK_C=8)
+    for i in range(3):
+        torch.testing.assert_close(outs[i], parts[i].sum(0).to(outs[i].dtype), rtol=1e-5, atol=1e-5)
+    outs[3].fill_(7.0)
+    ln._ln_bwd_reduce_kernel[(3,)](*parts, *outs, 37, 20, HAS_BIAS=False, HAS_W1=True, HAS_B1=True, BLOCK_P=8,
+                                   BLOCK_C=8)
+    torch.testing.assert_close(outs[3], parts[3].sum(0), rtol=1e-5, atol=1e-5)
+
+
+def test_backward_is_deterministic():
+    """Same inputs, bitwise-same gradients: the partials are summed in a fixed order, no atomics."""
+    if not triton_runs_on("cuda" if CUDA else "cpu"):
+        pytest.skip("triton is not installed")
+    inp = _inputs(_device("triton"), torch.float32, 37, 300, residual=True)
+    with backend("triton"):
+        y = layer_norm_fn(**inp)
+        dy = torch.randn_like(y)
+        g1 = torch.autograd.grad(y, [inp["x"], inp["weight"], inp["bias"], inp["residual"]], dy, retain_graph=True)
+        g2 = torch.autograd.grad(y, [inp["x"], inp["weight"], inp["bias"], inp["residual"]], dy)
+    for a, b in zip(g1, g2):
+        assert torch.equal(a, b)
 
 
 def test_chunked_large_mean(monkeypatch):
@@ -193,8 +239,11 @@ def test_chunked_large_mean(monkeypatch):
 
 
 def test_dweight_reduced_over_many_rows(path):
-    # 4099 columns are 2 chunks of the backward, in 2-row tiles; 37 rows over 4 programs (CPU grid) of
-    # 10 rows each, the last 7.
+    # fp32, 4099 columns on CPU (4 SMs): 16 warps of 16 elements per thread, dx and dweight in two
+    # sub-chunks of 4096 columns (the second 3 wide); 37 rows over 4 programs of 10 rows, the last 7.
+    if path == "triton" and not CUDA:
+        cfg = ln._bwd_config(37, 4099, "cpu", n_acc=2, extra=3)
+        assert (cfg.programs, cfg.rows_per_program, cfg.num_warps, cfg.sub, cfg.block_n) == (4, 10, 16, 2, 4096)
     _check(_device(path), torch.float32, 37, 4099, residual=True)
 
 

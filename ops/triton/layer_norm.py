@@ -12,10 +12,10 @@ Per row r of the (M, N) input, with s = 1 / (1 - dropout_p):
 The dropout mask is a counter-based hash of (seed, row, column) (flash_attn.dropout, with rows M..2M-1
 for x1), so the backward pass and the PyTorch path regenerate exactly the forward mask without storing it.
 The backward pass reduces dweight/dbias in two steps: each program accumulates over its own block of rows
-into a private row of a fp32 partial buffer, then one ``sum(0)`` adds the partials, so no two programs
-ever write the same address (no atomics, bitwise reproducible).
+into a private row of a fp32 partial buffer, then a second kernel adds the partials in a fixed order, so no
+two programs ever write the same address (no atomics, bitwise reproducible).
 """
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -25,22 +25,23 @@ from flash_attn.dropout import hash32, new_rng_state, threshold
 
 from . import cdiv, device_ctx, next_power_of_2, num_sms, tl, triton, use_triton
 
-# Launch shape, from a sweep on an H200 (benchmarks/bench_ops.py --sweep). A program works on tiles of
-# BLOCK_M rows x BLOCK_N columns; rows wider than MAX_BLOCK_N go in chunks (two passes over each row, the
-# second from L2). Forward: BLOCK_M = FWD_TILE // BLOCK_N batches narrow rows, one warp per
-# FWD_ELEMS_PER_WARP tile elements. Backward: the dweight/dbias accumulators of a whole tile live in
-# registers (~240 per thread at 16 elements per thread), which is what limits it: tiles of BWD_MIN_TILE
-# elements (one row from 1024 columns on) below the widest block, BWD_TILE at it, one warp per
-# BWD_ELEMS_PER_WARP, and as many persistent programs per SM as BWD_WARPS_PER_SM warps hold. Tests lower
-# the limits to exercise chunking and multi-row tiles on small inputs.
+# Launch shape. Forward (from a sweep on an H200, benchmarks/bench_ops.py --sweep): a program works on a
+# tile of BLOCK_M rows x BLOCK_N columns; rows wider than FWD_MAX_BLOCK_N go in chunks (two passes over
+# each row, the second from L2); BLOCK_M = FWD_TILE // BLOCK_N batches narrow rows, one warp per
+# FWD_ELEMS_PER_WARP tile elements.
+# Backward (_bwd_config; register counts checked ahead of time for sm_90, see bench_ops.py --aot): a
+# persistent grid sized by a register cap (BWD_MAXNREG, by how many costly features a call has), tiles
+# of at least BWD_MIN_TILE elements at BWD_ELEMS_PER_THREAD elements per thread, pass-1 chunks of at most
+# BWD_MAX_BLOCK_R columns, and at most BWD_ACC_REGS accumulator registers per thread. Tests lower the
+# limits to exercise chunked, split and multi-row paths on small inputs.
 FWD_MAX_BLOCK_N = 16384
 FWD_TILE = 2048
 FWD_ELEMS_PER_WARP = 1024
-BWD_MAX_BLOCK_N = 4096
-BWD_TILE = 8192
 BWD_MIN_TILE = 1024
-BWD_ELEMS_PER_WARP = 512
-BWD_WARPS_PER_SM = 8
+BWD_ELEMS_PER_THREAD = 8
+BWD_MAX_BLOCK_R = 16384
+BWD_ACC_REGS = 32
+BWD_MAXNREG = (64, 96, 128)
 MAX_HIDDEN = 65536
 
 
@@ -188,9 +189,30 @@ def _ln_fwd_kernel(
 
 
 @triton.jit
+def _ln_bwd_load(X, DY, DY1, r, cols, mask, stride_x, stride_dy, stride_dy1, HAS_W1: tl.constexpr,
+                 CACHE: tl.constexpr):
+    """x, dy and dy1 (the parallel branch's; dy again without one) of a tile, in their stored dtypes."""
+    x = tl.load(X + r * stride_x + cols, mask=mask, other=0.0, cache_modifier=CACHE)
+    dy = tl.load(DY + r * stride_dy + cols, mask=mask, other=0.0, cache_modifier=CACHE)
+    dy1 = dy
+    if HAS_W1:
+        dy1 = tl.load(DY1 + r * stride_dy1 + cols, mask=mask, other=0.0, cache_modifier=CACHE)
+    return x, dy, dy1
+
+
+@triton.jit
+def _ln_bwd_stats(MEAN, RSTD, rows, ok, IS_RMS_NORM: tl.constexpr):
+    mean = tl.zeros(rows.shape, dtype=tl.float32)
+    if not IS_RMS_NORM:
+        mean = tl.load(MEAN + rows, mask=ok, other=0.0)
+    return mean, tl.load(RSTD + rows, mask=ok, other=0.0)
+
+
+@triton.jit
 def _ln_bwd_grads(x, dy, dy1, W, W1, cols, mask, N, mean, rstd, HAS_W1: tl.constexpr,
                   ZERO_CENTERED: tl.constexpr):
-    """xhat and g = dy * w (+ dy1 * w1) for a tile; x, dy, dy1 as loaded, mean/rstd (BLOCK_M,)."""
+    """xhat and g = dy * w (+ dy1 * w1) of a tile, zero outside it; mean/rstd: (BLOCK_M,). The weights are
+    re-read for every tile (L1 hits) instead of being held in registers across the row loop."""
     col_ok = cols < N
     xhat = tl.where(mask, (x.to(tl.float32) - mean[:, None]) * rstd[:, None], 0.0)
     w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
@@ -227,6 +249,52 @@ def _ln_bwd_store(dx, DRES_OUT, DRES_IN, DX, DX1, ROWSCALE, r, r_ok, M, cols, ma
 
 
 @triton.jit
+def _ln_bwd_pass2(X, W, W1, DY, DY1, DRES_OUT, ROWSCALE, DX, DX1, DRES_IN, r, r_ok, cols, M, N, mean, rstd, c1, c2,
+                  acc_dw, acc_db, acc_dw1, acc_db1, stride_x, stride_dy, stride_dy1, stride_dres_out, stride_dx,
+                  stride_dx1, stride_dres_in, seed0, seed1, drop_threshold, drop_scale, IS_RMS_NORM: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr, HAS_DRES_OUT: tl.constexpr,
+                  STORE_DRES_IN: tl.constexpr, HAS_X1: tl.constexpr, HAS_ROWSCALE: tl.constexpr,
+                  HAS_DROPOUT: tl.constexpr, ZERO_CENTERED: tl.constexpr):
+    """dx of the columns cols of rows r, given the row sums c1, c2; returns the accumulators with the
+    tile's dweight/dbias terms added. The explicit (default) cache-all modifier keeps the compiler from
+    merging these loads with pass 1's, which would hold the tile in registers across the reductions."""
+    mask = r_ok & (cols < N)
+    x, dy, dy1 = _ln_bwd_load(X, DY, DY1, r, cols, mask, stride_x, stride_dy, stride_dy1, HAS_W1, ".ca")
+    xhat, g = _ln_bwd_grads(x, dy, dy1, W, W1, cols, mask, N, mean, rstd, HAS_W1, ZERO_CENTERED)
+    if IS_RMS_NORM:
+        dx = (g - xhat * c1[:, None]) * rstd[:, None]
+    else:
+        dx = (g - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
+    _ln_bwd_store(dx, DRES_OUT, DRES_IN, DX, DX1, ROWSCALE, r, r_ok, M, cols, mask,
+                  stride_dres_out, stride_dres_in, stride_dx, stride_dx1, seed0, seed1, drop_threshold,
+                  drop_scale, HAS_DRES_OUT, STORE_DRES_IN, HAS_X1, HAS_ROWSCALE, HAS_DROPOUT)
+    dyf = dy.to(tl.float32)
+    acc_dw += dyf * xhat
+    if HAS_BIAS:
+        acc_db += dyf
+    if HAS_W1:
+        dy1f = dy1.to(tl.float32)
+        acc_dw1 += dy1f * xhat
+        if HAS_B1:
+            acc_db1 += dy1f
+    return acc_dw, acc_db, acc_dw1, acc_db1
+
+
+@triton.jit
+def _ln_bwd_store_parts(DW_PART, DB_PART, DW1_PART, DB1_PART, part, ok, acc_dw, acc_db, acc_dw1, acc_db1,
+                        HAS_BIAS: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr):
+    """Column sums of the (BLOCK_M, BLOCK_N) accumulators into the partial buffers at offsets part, a
+    (1, BLOCK_N) tile in the accumulators' own layout (no shared-memory layout conversion)."""
+    tl.store(DW_PART + part, tl.sum(acc_dw, axis=0, keep_dims=True), mask=ok)
+    if HAS_BIAS:
+        tl.store(DB_PART + part, tl.sum(acc_db, axis=0, keep_dims=True), mask=ok)
+    if HAS_W1:
+        tl.store(DW1_PART + part, tl.sum(acc_dw1, axis=0, keep_dims=True), mask=ok)
+        if HAS_B1:
+            tl.store(DB1_PART + part, tl.sum(acc_db1, axis=0, keep_dims=True), mask=ok)
+
+
+@triton.jit
 def _ln_bwd_kernel(
     X, W, W1, DY, DY1, DRES_OUT, ROWSCALE, MEAN, RSTD, DX, DX1, DRES_IN, DW_PART, DB_PART, DW1_PART, DB1_PART,
     stride_x, stride_dy, stride_dy1, stride_dres_out, stride_dx, stride_dx1, stride_dres_in,
@@ -234,137 +302,122 @@ def _ln_bwd_kernel(
     IS_RMS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr,
     HAS_DRES_OUT: tl.constexpr, STORE_DRES_IN: tl.constexpr, HAS_X1: tl.constexpr,
     HAS_ROWSCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr, ZERO_CENTERED: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_CHUNKS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, R_CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr,
+    SUB: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr,
 ):
+    """Rows [row_start, row_end), BLOCK_M at a time, in two passes over each tile of rows. Pass 1 reads
+    the whole rows (R_CHUNKS chunks of BLOCK_R columns) for the two row sums; pass 2 reads again (from
+    L1, where pass 1 left them) the BLOCK_N columns this program owns, writes their dx and adds their
+    dweight/dbias terms to register accumulators, stored once at the end into this program's row of
+    the fp32 partial buffers. Nothing but the accumulators and the row sums lives across the row
+    reductions, which keeps registers low and programs per SM high.
+
+    SPLIT > 1 programs (consecutive ids) share each row group: each owns SUB * BLOCK_N of its columns,
+    so no program holds accumulators for a whole wide row; all of them read the whole rows in pass 1
+    (the later ones from L2) and add the chunks in the same order, so they get the same row sums. SUB
+    sub-chunks are worked one after the other with their own accumulators, which bounds the temporaries
+    of pass 2. PREFETCH (one pass-1 chunk per row) loads the next tile's pass-1 data before working on
+    this one.
+
+    Per row the kernel reads x and dy (and dy1, dresidual_out) once from DRAM and writes dx (and dx1,
+    dresidual_in) once: xhat is recomputed from x, mean and rstd, nothing else is saved by the forward."""
     pid = tl.program_id(0)
+    chunk = pid % SPLIT
+    group = (pid // SPLIT).to(tl.int64)
     # int64 row bounds make the loop variable int64 on the GPU: row * stride can pass 2**31.
-    row_start = pid.to(tl.int64) * rows_per_program
+    row_start = group * rows_per_program
     row_end = tl.minimum(row_start + rows_per_program, M)
-    part = pid.to(tl.int64) * N
     arange_m = tl.arange(0, BLOCK_M)
-    if NUM_CHUNKS == 1:
-        cols = tl.arange(0, BLOCK_N)[None, :]
-        col_ok = cols < N
-        acc_dw = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_db = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_dw1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_db1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        # Hand-pipelined: the next tile's loads are issued before this tile's reductions and stores, so
-        # DRAM stays busy though the accumulators leave room for only one or two programs per SM.
+    rcols = tl.arange(0, BLOCK_R)[None, :]
+    cols = chunk * SUB * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    acc_dw = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_db = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_dw1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_db1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    bcc_dw = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    bcc_db = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    bcc_dw1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    bcc_db1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if PREFETCH:
         rows = row_start + arange_m
         ok = rows < row_end
-        m_next = ok[:, None] & col_ok
-        x_next = tl.load(X + rows[:, None] * stride_x + cols, mask=m_next, other=0.0)
-        dy_next = tl.load(DY + rows[:, None] * stride_dy + cols, mask=m_next, other=0.0)
-        dy1_next = dy_next
-        if HAS_W1:
-            dy1_next = tl.load(DY1 + rows[:, None] * stride_dy1 + cols, mask=m_next, other=0.0)
-        mean_next = tl.zeros([BLOCK_M], dtype=tl.float32)
-        if not IS_RMS_NORM:
-            mean_next = tl.load(MEAN + rows, mask=ok, other=0.0)
-        rstd_next = tl.load(RSTD + rows, mask=ok, other=0.0)
-        for r0 in range(row_start, row_end, BLOCK_M):
-            rows = r0 + arange_m
-            r = rows[:, None]
-            r_ok = r < row_end
-            mask = r_ok & col_ok
+        x_next, dy_next, dy1_next = _ln_bwd_load(X, DY, DY1, rows[:, None], rcols, ok[:, None] & (rcols < N),
+                                                 stride_x, stride_dy, stride_dy1, HAS_W1, "")
+        mean_next, rstd_next = _ln_bwd_stats(MEAN, RSTD, rows, ok, IS_RMS_NORM)
+    for r0 in range(row_start, row_end, BLOCK_M):
+        rows = r0 + arange_m
+        ok = rows < row_end
+        r = rows[:, None]
+        r_ok = ok[:, None]
+        # Pass 1: the row sums of xhat * g and g.
+        if PREFETCH:
             x, dy, dy1, mean, rstd = x_next, dy_next, dy1_next, mean_next, rstd_next
             nrows = rows + BLOCK_M
             nok = nrows < row_end
-            m_next = nok[:, None] & col_ok
-            x_next = tl.load(X + nrows[:, None] * stride_x + cols, mask=m_next, other=0.0)
-            dy_next = tl.load(DY + nrows[:, None] * stride_dy + cols, mask=m_next, other=0.0)
-            if HAS_W1:
-                dy1_next = tl.load(DY1 + nrows[:, None] * stride_dy1 + cols, mask=m_next, other=0.0)
-            if not IS_RMS_NORM:
-                mean_next = tl.load(MEAN + nrows, mask=nok, other=0.0)
-            rstd_next = tl.load(RSTD + nrows, mask=nok, other=0.0)
-            xhat, g = _ln_bwd_grads(x, dy, dy1, W, W1, cols, mask, N, mean, rstd, HAS_W1, ZERO_CENTERED)
-            dyf = dy.to(tl.float32)
-            acc_dw += dyf * xhat
-            acc_db += dyf
-            if HAS_W1:
-                dy1f = dy1.to(tl.float32)
-                acc_dw1 += dy1f * xhat
-                acc_db1 += dy1f
-            c1 = tl.sum(xhat * g, axis=1) / N
-            if IS_RMS_NORM:
-                dx = (g - xhat * c1[:, None]) * rstd[:, None]
-            else:
-                dx = (g - xhat * c1[:, None] - (tl.sum(g, axis=1) / N)[:, None]) * rstd[:, None]
-            _ln_bwd_store(dx, DRES_OUT, DRES_IN, DX, DX1, ROWSCALE, r, r_ok, M, cols, mask,
-                          stride_dres_out, stride_dres_in, stride_dx, stride_dx1, seed0, seed1, drop_threshold,
-                          drop_scale, HAS_DRES_OUT, STORE_DRES_IN, HAS_X1, HAS_ROWSCALE, HAS_DROPOUT)
-        cols1 = tl.arange(0, BLOCK_N)
-        tl.store(DW_PART + part + cols1, tl.sum(acc_dw, axis=0), mask=cols1 < N)
-        if HAS_BIAS:
-            tl.store(DB_PART + part + cols1, tl.sum(acc_db, axis=0), mask=cols1 < N)
-        if HAS_W1:
-            tl.store(DW1_PART + part + cols1, tl.sum(acc_dw1, axis=0), mask=cols1 < N)
-            if HAS_B1:
-                tl.store(DB1_PART + part + cols1, tl.sum(acc_db1, axis=0), mask=cols1 < N)
-    else:
-        # Wide rows, BLOCK_M at a time: pass 1 gets their two row sums, pass 2 (re-reading the rows from
-        # L2) writes dx and adds the tile's column sums into this program's own rows of the zeroed
-        # partial buffers -- one read-modify-write per BLOCK_M rows, and no other program touches them.
-        for r0 in range(row_start, row_end, BLOCK_M):
-            rows = r0 + arange_m
-            ok = rows < row_end
-            r = rows[:, None]
-            r_ok = ok[:, None]
-            mean = tl.zeros([BLOCK_M], dtype=tl.float32)
-            if not IS_RMS_NORM:
-                mean = tl.load(MEAN + rows, mask=ok, other=0.0)
-            rstd = tl.load(RSTD + rows, mask=ok, other=0.0)
+            x_next, dy_next, dy1_next = _ln_bwd_load(X, DY, DY1, nrows[:, None], rcols, nok[:, None] & (rcols < N),
+                                                     stride_x, stride_dy, stride_dy1, HAS_W1, "")
+            mean_next, rstd_next = _ln_bwd_stats(MEAN, RSTD, nrows, nok, IS_RMS_NORM)
+            xhat, g = _ln_bwd_grads(x, dy, dy1, W, W1, rcols, r_ok & (rcols < N), N, mean, rstd, HAS_W1,
+                                    ZERO_CENTERED)
+            c1 = tl.sum(xhat * g, axis=1)
+            c2 = tl.sum(g, axis=1)
+        else:
+            mean, rstd = _ln_bwd_stats(MEAN, RSTD, rows, ok, IS_RMS_NORM)
             c1 = tl.zeros([BLOCK_M], dtype=tl.float32)
             c2 = tl.zeros([BLOCK_M], dtype=tl.float32)
-            for c in range(NUM_CHUNKS):
-                cols = c * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-                mask = r_ok & (cols < N)
-                x = tl.load(X + r * stride_x + cols, mask=mask, other=0.0)
-                dy = tl.load(DY + r * stride_dy + cols, mask=mask, other=0.0)
-                dy1 = dy
-                if HAS_W1:
-                    dy1 = tl.load(DY1 + r * stride_dy1 + cols, mask=mask, other=0.0)
-                xhat, g = _ln_bwd_grads(x, dy, dy1, W, W1, cols, mask, N, mean, rstd, HAS_W1, ZERO_CENTERED)
+            for c in range(R_CHUNKS):
+                ccols = c * BLOCK_R + rcols
+                cmask = r_ok & (ccols < N)
+                x, dy, dy1 = _ln_bwd_load(X, DY, DY1, r, ccols, cmask, stride_x, stride_dy, stride_dy1, HAS_W1, "")
+                xhat, g = _ln_bwd_grads(x, dy, dy1, W, W1, ccols, cmask, N, mean, rstd, HAS_W1, ZERO_CENTERED)
                 c1 += tl.sum(xhat * g, axis=1)
                 c2 += tl.sum(g, axis=1)
-            c1 = c1 / N
-            c2 = c2 / N
-            for c in range(NUM_CHUNKS):
-                cols1 = c * BLOCK_N + tl.arange(0, BLOCK_N)
-                cols = cols1[None, :]
-                mask = r_ok & (cols < N)
-                x = tl.load(X + r * stride_x + cols, mask=mask, other=0.0)
-                dy = tl.load(DY + r * stride_dy + cols, mask=mask, other=0.0)
-                dy1 = dy
-                if HAS_W1:
-                    dy1 = tl.load(DY1 + r * stride_dy1 + cols, mask=mask, other=0.0)
-                xhat, g = _ln_bwd_grads(x, dy, dy1, W, W1, cols, mask, N, mean, rstd, HAS_W1, ZERO_CENTERED)
-                if IS_RMS_NORM:
-                    dx = (g - xhat * c1[:, None]) * rstd[:, None]
-                else:
-                    dx = (g - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
-                _ln_bwd_store(dx, DRES_OUT, DRES_IN, DX, DX1, ROWSCALE, r, r_ok, M, cols, mask,
-                              stride_dres_out, stride_dres_in, stride_dx, stride_dx1, seed0, seed1,
-                              drop_threshold, drop_scale, HAS_DRES_OUT, STORE_DRES_IN, HAS_X1, HAS_ROWSCALE,
-                              HAS_DROPOUT)
-                cm = cols1 < N
-                dyf = dy.to(tl.float32)
-                tl.store(DW_PART + part + cols1,
-                         tl.load(DW_PART + part + cols1, mask=cm, other=0.0) + tl.sum(dyf * xhat, axis=0), mask=cm)
-                if HAS_BIAS:
-                    tl.store(DB_PART + part + cols1,
-                             tl.load(DB_PART + part + cols1, mask=cm, other=0.0) + tl.sum(dyf, axis=0), mask=cm)
-                if HAS_W1:
-                    dy1f = dy1.to(tl.float32)
-                    tl.store(DW1_PART + part + cols1,
-                             tl.load(DW1_PART + part + cols1, mask=cm, other=0.0) + tl.sum(dy1f * xhat, axis=0),
-                             mask=cm)
-                    if HAS_B1:
-                        tl.store(DB1_PART + part + cols1,
-                                 tl.load(DB1_PART + part + cols1, mask=cm, other=0.0) + tl.sum(dy1f, axis=0),
-                                 mask=cm)
+        c1 = c1 / N
+        c2 = c2 / N
+        # Pass 2: dx and the dweight/dbias terms of the own columns, SUB chunks of BLOCK_N one after
+        # the other (each with its own accumulators) to bound the temporaries live at once.
+        acc_dw, acc_db, acc_dw1, acc_db1 = _ln_bwd_pass2(
+            X, W, W1, DY, DY1, DRES_OUT, ROWSCALE, DX, DX1, DRES_IN, r, r_ok, cols, M, N, mean, rstd, c1, c2,
+            acc_dw, acc_db, acc_dw1, acc_db1, stride_x, stride_dy, stride_dy1, stride_dres_out, stride_dx,
+            stride_dx1, stride_dres_in, seed0, seed1, drop_threshold, drop_scale, IS_RMS_NORM, HAS_BIAS, HAS_W1,
+            HAS_B1, HAS_DRES_OUT, STORE_DRES_IN, HAS_X1, HAS_ROWSCALE, HAS_DROPOUT, ZERO_CENTERED)
+        if SUB == 2:
+            bcc_dw, bcc_db, bcc_dw1, bcc_db1 = _ln_bwd_pass2(
+                X, W, W1, DY, DY1, DRES_OUT, ROWSCALE, DX, DX1, DRES_IN, r, r_ok, cols + BLOCK_N, M, N, mean, rstd,
+                c1, c2, bcc_dw, bcc_db, bcc_dw1, bcc_db1, stride_x, stride_dy, stride_dy1, stride_dres_out,
+                stride_dx, stride_dx1, stride_dres_in, seed0, seed1, drop_threshold, drop_scale, IS_RMS_NORM,
+                HAS_BIAS, HAS_W1, HAS_B1, HAS_DRES_OUT, STORE_DRES_IN, HAS_X1, HAS_ROWSCALE, HAS_DROPOUT,
+                ZERO_CENTERED)
+    _ln_bwd_store_parts(DW_PART, DB_PART, DW1_PART, DB1_PART, group * N + cols, cols < N, acc_dw, acc_db, acc_dw1,
+                        acc_db1, HAS_BIAS, HAS_W1, HAS_B1)
+    if SUB == 2:
+        _ln_bwd_store_parts(DW_PART, DB_PART, DW1_PART, DB1_PART, group * N + cols + BLOCK_N, cols + BLOCK_N < N,
+                            bcc_dw, bcc_db, bcc_dw1, bcc_db1, HAS_BIAS, HAS_W1, HAS_B1)
+
+
+@triton.jit
+def _col_sum(PART, OUT, P, N, cols, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    acc = tl.zeros([BLOCK_P, BLOCK_C], dtype=tl.float32)
+    for p0 in range(0, P, BLOCK_P):
+        p = p0 + tl.arange(0, BLOCK_P)[:, None]
+        acc += tl.load(PART + p * N + cols[None, :], mask=(p < P) & (cols[None, :] < N), other=0.0)
+    tl.store(OUT + cols, tl.sum(acc, axis=0), mask=cols < N)
+
+
+@triton.jit
+def _ln_bwd_reduce_kernel(DW_PART, DB_PART, DW1_PART, DB1_PART, DW, DB, DW1, DB1, P, N,
+                          HAS_BIAS: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr,
+                          BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    """dweight (and dbias, dweight1, dbias1) = the (P, N) fp32 partials summed over P, in a fixed order,
+    stored in the parameters' dtypes."""
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    _col_sum(DW_PART, DW, P, N, cols, BLOCK_P, BLOCK_C)
+    if HAS_BIAS:
+        _col_sum(DB_PART, DB, P, N, cols, BLOCK_P, BLOCK_C)
+    if HAS_W1:
+        _col_sum(DW1_PART, DW1, P, N, cols, BLOCK_P, BLOCK_C)
+        if HAS_B1:
+            _col_sum(DB1_PART, DB1, P, N, cols, BLOCK_P, BLOCK_C)
 
 
 # --------------------------------------------------------------------------------------------- launchers
@@ -376,15 +429,65 @@ def _fwd_config(N: int):
     return block_m, block_n, cdiv(N, block_n), num_warps
 
 
-def _bwd_config(M: int, N: int, device):
-    """(programs, rows per program, BLOCK_M, BLOCK_N, chunks, warps) of the backward grid."""
-    block_n = min(next_power_of_2(N), BWD_MAX_BLOCK_N)
-    block_m = max(1, (BWD_TILE if block_n == BWD_MAX_BLOCK_N else BWD_MIN_TILE) // block_n)
-    num_warps = max(1, min(16, block_m * block_n // BWD_ELEMS_PER_WARP))
+class BwdConfig(NamedTuple):
+    programs: int  # grid size: row groups x split
+    rows_per_program: int
+    block_m: int  # rows per tile
+    block_r: int  # pass-1 columns per chunk (the row sums)
+    r_chunks: int  # pass-1 chunks per row
+    block_n: int  # pass-2 columns per sub-chunk (dx, dweight)
+    sub: int  # pass-2 sub-chunks per program
+    split: int  # programs sharing each row group
+    prefetch: bool
+    num_warps: int
+    maxnreg: int
+
+
+def _bwd_config(M: int, N: int, device, n_acc: int = 2, extra: int = 0) -> BwdConfig:
+    """Launch shape of the backward for M rows of N columns, n_acc parameter gradients accumulated (dweight,
+    dbias, dweight1, dbias1) and ``extra`` costly features (see _bwd_extra).
+
+    A register cap (maxnreg) fixes how many programs fit on an SM; the grid is exactly that many per SM
+    (persistent), so every program is resident from the start and no partial wave trails. Tiles hold
+    BWD_ELEMS_PER_THREAD elements per thread and tensor (more only where 32 warps do not cover a row);
+    the own columns of a program are cut (split over programs, then into two sub-chunks) until its
+    accumulators take at most BWD_ACC_REGS registers per thread."""
+    maxnreg = BWD_MAXNREG[min(len(BWD_MAXNREG) - 1, (extra + 1) // 2)]
+    max_warps = min(32, 1 << ((65536 // (maxnreg * 32)).bit_length() - 1))
+    width = next_power_of_2(N)
+    block_r = min(width, BWD_MAX_BLOCK_R)
+    block_m = max(1, BWD_MIN_TILE // block_r)
+    num_warps = max(1, min(max_warps, block_m * block_r // (32 * BWD_ELEMS_PER_THREAD)))
+    threads = 32 * num_warps
+    own = width
+    while own > 1 and n_acc * block_m * own > BWD_ACC_REGS * threads:
+        own //= 2
+    sub = 2 if own > 1 and block_m * own >= 2 * BWD_ELEMS_PER_THREAD * threads else 1
+    split = cdiv(N, own)
+    prefetch = block_r >= N and block_m * block_r <= BWD_ELEMS_PER_THREAD * threads
+    per_sm = max(1, min(65536 // (maxnreg * threads), 64 // num_warps, 32))
     tiles = cdiv(M, block_m)
-    programs = max(1, min(tiles, num_sms(device) * max(1, BWD_WARPS_PER_SM // num_warps)))
-    rows = cdiv(tiles, programs) * block_m
-    return cdiv(M, rows) if M else 1, rows, block_m, block_n, cdiv(N, block_n), num_warps
+    groups = max(1, min(tiles, num_sms(device) * per_sm // split))
+    rows = cdiv(tiles, groups) * block_m
+    groups = cdiv(M, rows) if M else 1
+    return BwdConfig(groups * split, rows, block_m, block_r, cdiv(N, block_r), own // sub, sub, split, prefetch,
+                     num_warps, maxnreg)
+
+
+def _bwd_extra(x: Tensor, dy: Tensor, dy1, dresidual_out, dresidual_in, dx1, rowscale, dropout_p: float) -> int:
+    """How much a backward call carries beyond the plain norm (each adds registers): 32-bit x or dy, the
+    residual gradients, the parallel branch (counted twice), x1's gradient, rowscale, dropout."""
+    return (int(x.element_size() > 2) + int(dy.element_size() > 2) + int(dresidual_out is not None
+            or dresidual_in is not None) + 2 * int(dy1 is not None) + int(dx1 is not None)
+            + int(rowscale is not None) + int(dropout_p > 0.0))
+
+
+def _reduce_config(P: int, N: int, device):
+    """(BLOCK_P, BLOCK_C, warps) of the partial-sum reduction: column blocks narrow enough for about one
+    program per SM, tiles of 8192 elements."""
+    block_c = max(8, min(128, next_power_of_2(cdiv(N, num_sms(device)))))
+    block_p = max(1, min(next_power_of_2(P), 8192 // block_c))
+    return block_p, block_c, max(1, min(8, block_p * block_c // 1024))
 
 
 def _drop_args(rng_state: Optional[Tensor], dropout_p: float):
@@ -437,34 +540,50 @@ def _(*args):
 def _ln_bwd_launch(
     x: Tensor, weight: Tensor, weight1: Optional[Tensor], dy: Tensor, dy1: Optional[Tensor],
     dresidual_out: Optional[Tensor], rowscale: Optional[Tensor], rng_state: Optional[Tensor], mean: Tensor,
-    rstd: Tensor, dx: Tensor, dx1: Optional[Tensor], dresidual_in: Optional[Tensor], dw_part: Tensor,
-    db_part: Optional[Tensor], dw1_part: Optional[Tensor], db1_part: Optional[Tensor], dropout_p: float,
+    rstd: Tensor, dx: Tensor, dx1: Optional[Tensor], dresidual_in: Optional[Tensor], dw: Tensor,
+    db: Optional[Tensor], dw1: Optional[Tensor], db1: Optional[Tensor], dropout_p: float,
     is_rms_norm: bool, zero_centered_weight: bool,
 ) -> None:
     M, N = x.shape
     if M == 0:
+        for t in (dw, db, dw1, db1):
+            if t is not None:
+                t.zero_()
         return
     seed0, seed1, drop_threshold, drop_scale = _drop_args(rng_state, dropout_p)
-    programs, rows_per_program, block_m, block_n, chunks, num_warps = _bwd_config(M, N, x.device)
+    n_acc = sum(t is not None for t in (dw, db, dw1, db1))
+    cfg = _bwd_config(M, N, x.device, n_acc,
+                      _bwd_extra(x, dy, dy1, dresidual_out, dresidual_in, dx1, rowscale, dropout_p))
+    # Every program writes its whole row of columns (the split programs of a group their own parts), so
+    # the partial buffers need no zeroing.
+    P = cfg.programs // cfg.split
+    part = lambda t: torch.empty((P, N), device=x.device, dtype=torch.float32) if t is not None else None  # noqa: E731
+    dw_part, db_part, dw1_part, db1_part = part(dw), part(db), part(dw1), part(db1)
     with device_ctx(x):
-        _ln_bwd_kernel[(programs,)](
+        _ln_bwd_kernel[(cfg.programs,)](
             x, weight, weight1, dy, dy1, dresidual_out, rowscale, mean, rstd, dx, dx1, dresidual_in,
             dw_part, db_part, dw1_part, db1_part,
             x.stride(0), dy.stride(0), _stride0(dy1), _stride0(dresidual_out), dx.stride(0), _stride0(dx1),
             _stride0(dresidual_in),
-            M, N, rows_per_program, seed0, seed1, drop_threshold, drop_scale,
-            IS_RMS_NORM=is_rms_norm, HAS_BIAS=db_part is not None, HAS_W1=weight1 is not None,
-            HAS_B1=db1_part is not None, HAS_DRES_OUT=dresidual_out is not None,
-            STORE_DRES_IN=dresidual_in is not None, HAS_X1=dx1 is not None,
-            HAS_ROWSCALE=rowscale is not None, HAS_DROPOUT=dropout_p > 0.0,
-            ZERO_CENTERED=zero_centered_weight, BLOCK_M=block_m, BLOCK_N=block_n, NUM_CHUNKS=chunks,
-            num_warps=num_warps,
+            M, N, cfg.rows_per_program, seed0, seed1, drop_threshold, drop_scale,
+            IS_RMS_NORM=is_rms_norm, HAS_BIAS=db is not None, HAS_W1=dw1 is not None, HAS_B1=db1 is not None,
+            HAS_DRES_OUT=dresidual_out is not None, STORE_DRES_IN=dresidual_in is not None,
+            HAS_X1=dx1 is not None, HAS_ROWSCALE=rowscale is not None, HAS_DROPOUT=dropout_p > 0.0,
+            ZERO_CENTERED=zero_centered_weight, BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r,
+            R_CHUNKS=cfg.r_chunks, BLOCK_N=cfg.block_n, SUB=cfg.sub, SPLIT=cfg.split, PREFETCH=cfg.prefetch,
+            num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
+        )
+        block_p, block_c, warps = _reduce_config(P, N, x.device)
+        _ln_bwd_reduce_kernel[(cdiv(N, block_c),)](
+            dw_part, db_part, dw1_part, db1_part, dw, db, dw1, db1, P, N,
+            HAS_BIAS=db is not None, HAS_W1=dw1 is not None, HAS_B1=db1 is not None,
+            BLOCK_P=block_p, BLOCK_C=block_c, num_warps=warps,
         )
 
 
 _ln_bwd_op = torch.library.custom_op(
     "flash_attn_ops::layer_norm_bwd",
-    mutates_args=("dx", "dx1", "dresidual_in", "dw_part", "db_part", "dw1_part", "db1_part"),
+    mutates_args=("dx", "dx1", "dresidual_in", "dw", "db", "dw1", "db1"),
 )(_ln_bwd_launch)
 
 
@@ -531,22 +650,21 @@ def _ln_fwd_torch(x, weight, bias, residual, x1, weight1, bias1, rowscale, rng_s
 
 
 def _ln_bwd_torch(x, weight, weight1, dy, dy1, dresidual_out, rowscale, rng_state, mean, rstd, dx, dx1,
-                  dresidual_in, dw_part, db_part, dw1_part, db1_part, dropout_p, is_rms_norm,
-                  zero_centered_weight):
+                  dresidual_in, dw, db, dw1, db1, dropout_p, is_rms_norm, zero_centered_weight):
     M, N = x.shape
     r = rstd[:, None]
     xhat = (x.float() - mean[:, None]) * r if not is_rms_norm else x.float() * r
     dyf = dy.float()
     g = dyf * _weight_f32(weight, zero_centered_weight)
-    dw_part[0].copy_((dyf * xhat).sum(0))
-    if db_part is not None:
-        db_part[0].copy_(dyf.sum(0))
+    dw.copy_((dyf * xhat).sum(0))
+    if db is not None:
+        db.copy_(dyf.sum(0))
     if weight1 is not None:
         dy1f = dy1.float()
         g = g + dy1f * _weight_f32(weight1, zero_centered_weight)
-        dw1_part[0].copy_((dy1f * xhat).sum(0))
-        if db1_part is not None:
-            db1_part[0].copy_(dy1f.sum(0))
+        dw1.copy_((dy1f * xhat).sum(0))
+        if db1 is not None:
+            db1.copy_(dy1f.sum(0))
     g_xhat = (xhat * g).mean(dim=1, keepdim=True)
     if is_rms_norm:
         d = (g - xhat * g_xhat) * r
@@ -623,27 +741,16 @@ def _layer_norm_bwd(dy, x, weight, bias, mean, rstd, dresidual_out=None, dy1=Non
     dres_in = None
     if has_residual:
         dres_in = torch.empty((M, N), device=dev, dtype=residual_dtype if residual_dtype is not None else x.dtype)
-    triton_path = use_triton(x)
-    programs, chunks = 1, 1
-    if triton_path:
-        programs, _, _, _, chunks, _ = _bwd_config(M, N, dev)
-    # Chunked rows accumulate into the partials in place; one-piece rows store them whole.
-    alloc = torch.zeros if chunks > 1 else torch.empty
-    part = lambda: alloc((programs, N), device=dev, dtype=torch.float32)  # noqa: E731
-    dw_part = part()
-    db_part = part() if bias is not None else None
-    dw1_part = part() if weight1 is not None else None
-    db1_part = part() if bias1 is not None else None
+    dw = torch.empty_like(weight)
+    db = torch.empty_like(bias) if bias is not None else None
+    dw1 = torch.empty_like(weight1) if weight1 is not None else None
+    db1 = torch.empty_like(bias1) if bias1 is not None else None
     args = (x, weight, weight1, dy, dy1, dresidual_out, rowscale, rng_state, mean, rstd, dx, dx1, dres_in,
-            dw_part, db_part, dw1_part, db1_part, float(dropout_p), bool(is_rms_norm), bool(zero_centered_weight))
-    if triton_path:
+            dw, db, dw1, db1, float(dropout_p), bool(is_rms_norm), bool(zero_centered_weight))
+    if use_triton(x):
         (_ln_bwd_op if torch.compiler.is_compiling() else _ln_bwd_launch)(*args)
     else:
         _ln_bwd_torch(*args)
-    dw = dw_part.sum(0).to(weight.dtype)
-    db = db_part.sum(0).to(bias.dtype) if bias is not None else None
-    dw1 = dw1_part.sum(0).to(weight1.dtype) if weight1 is not None else None
-    db1 = db1_part.sum(0).to(bias1.dtype) if bias1 is not None else None
     return dx, dw, db, dres_in, dx1, dw1, db1
 
 
