@@ -168,3 +168,76 @@ def test_matches_reference_on_gpu(dtype, d, causal, batch, seqlen_q, seqlen_k, h
     assert torch.equal(torch.isfinite(lse), finite)
     if finite.any():
         assert (lse[finite] - lse_ref[finite]).abs().max().item() < 1e-2
+
+
+# ----------------------------------------------------------------------------------------------------
+# The dispatcher's backend module (flash_attn.cute.backend)
+
+
+def _call(**kw):
+    from flash_attn.dispatch import Call
+
+    base = dict(device_type="cuda", dtype=torch.bfloat16, head_dim=128, head_dim_v=128, arch=(9, 0))
+    base.update(kw)
+    return Call(**base)
+
+
+def test_backend_admits_only_what_the_kernel_does():
+    from flash_attn.cute import backend
+
+    assert backend.unsupported_reason(_call()) is None
+    assert backend.unsupported_reason(_call(causal=True, head_dim=64, head_dim_v=64,
+                                            dtype=torch.float16)) is None
+    refused = {
+        "device cpu": _call(device_type="cpu", arch=None),
+        "compute capability": _call(arch=(8, 0)),
+        "dtype": _call(dtype=torch.float32),
+        "head dims 96": _call(head_dim=96, head_dim_v=96),
+        "head dims 128/64": _call(head_dim_v=64),
+        "backward": _call(backward=True),
+        "varlen": _call(varlen=True),
+        "sliding window": _call(local=True),
+        "softcap": _call(softcap=True),
+        "alibi": _call(alibi=True),
+        "dropout": _call(dropout=True),
+        "return_probs": _call(return_probs=True),
+        "kvcache": _call(kvcache=True),
+    }
+    for why, call in refused.items():
+        reason = backend.unsupported_reason(call)
+        assert reason is not None and why in reason, (why, reason)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("causal", [False, True])
+def test_dispatcher_serves_forward_with_cute_and_falls_back_for_backward(causal):
+    """flash_attn.flash_attn_func on Hopper runs this package's forward (automatically, and when forced);
+    gradients come from the fallback backward and meet the criterion; flash_attn.cute.flash_attn_func
+    accepts inputs that need gradients the same way."""
+    import flash_attn
+    from flash_attn import dispatch
+    from flash_attn.cute import flash_attn_func as cute_func
+
+    assert dispatch.select(_call(causal=causal)).NAME == "cute"
+    assert dispatch.select(_call(causal=causal, backward=True)).NAME != "cute"
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 333, 4, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    g = torch.randn(2, 333, 4, 128, device="cuda", dtype=torch.bfloat16)
+    out_ref, _ = attention_ref(q, k, v, causal=causal)
+    out_pt, _ = attention_ref(q, k, v, causal=causal, upcast=False, reorder_ops=True)
+    grads_ref = torch.autograd.grad(out_ref, (q, k, v), g)
+    grads_pt = torch.autograd.grad(out_pt, (q, k, v), g)
+    for run in ("auto", "forced", "cute_api"):
+        if run == "auto":
+            out = flash_attn.flash_attn_func(q, k, v, causal=causal)
+        elif run == "forced":
+            with flash_attn.use_backend("cute"):
+                out = flash_attn.flash_attn_func(q, k, v, causal=causal)
+        else:
+            out, lse = cute_func(q, k, v, causal=causal)
+            assert lse.shape == (2, 4, 333)
+        assert_close_to_ref(out, out_ref, out_pt, name=f"out ({run})")
+        for name, gr, gr_ref, gr_pt in zip("qkv", torch.autograd.grad(out, (q, k, v), g), grads_ref, grads_pt):
+            assert_close_to_ref(gr, gr_ref, gr_pt, name=f"d{name} ({run})")

@@ -275,19 +275,21 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(None
 
 
 def _with_fallback_backward(q, k, v, softmax_scale, causal):
-    """A call that needs gradients: this kernel runs the forward through the root package's autograd op
-    (flash_attn.flash_attn_func under use_backend("cute")), whose dispatcher sends the backward to the
-    next backend that has one. Needs the flash-attn distribution beside flash-attn-4."""
+    """A call that needs gradients: this kernel runs the forward inside the root package's differentiable
+    attention op (under use_backend("cute")), whose dispatcher sends the backward to the next backend
+    that has one. Needs the flash-attn distribution beside flash-attn-4."""
     try:
-        from flash_attn import flash_attn_interface
+        from flash_attn import _ops
         from flash_attn.dispatch import use_backend
     except ImportError as e:
         raise NotImplementedError(
             "flash_attn.cute has no backward kernel yet; gradients need the flash-attn package "
             f"(pip install flash-attn) for the fallback backward ({e})") from None
     with use_backend("cute"):
-        out, lse, _ = flash_attn_interface.flash_attn_func(
-            q, k, v, softmax_scale=softmax_scale, causal=causal, return_attn_probs=True)
+        # (q, k, v, cu_seqlens_q/k, max_seqlen_q/k, block_table, scale, causal, window left/right,
+        #  softcap, alibi, dropout_p, rng_state, return_probs, deterministic), as flash_attn::fwd takes them
+        out, lse, _ = _ops.attention(q, k, v, None, None, q.shape[1], k.shape[1], None, float(softmax_scale),
+                                     bool(causal), -1, 0 if causal else -1, 0.0, None, 0.0, None, False, False)
     return out, lse
 
 
