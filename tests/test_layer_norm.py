@@ -172,7 +172,7 @@ def test_chunked_split_rows(monkeypatch):
     monkeypatch.setattr(ln, "BWD_MIN_TILE", 16)
     monkeypatch.setattr(ln, "BWD_MAX_BLOCK_R", 16)
     monkeypatch.setattr(ln, "BWD_ELEMS_PER_THREAD", 1)
-    monkeypatch.setattr(ln, "BWD_ACC_REGS", 4)
+    monkeypatch.setattr(ln, "BWD_ACC_REGS", 8)  # halved with pass-1 chunks: 4 per thread
     monkeypatch.setattr(ln, "num_sms", lambda device: 1)
     cfg = ln._bwd_config(37, 100, "cpu", n_acc=2)
     assert (cfg.block_r, cfg.r_chunks, cfg.block_n, cfg.sub, cfg.split, cfg.prefetch) == (16, 7, 32, 2, 2, False)
@@ -183,7 +183,7 @@ def test_chunked_split_rows(monkeypatch):
                prenorm=True)
         _check(_device("triton"), torch.float32, 3, 100, is_rms_norm=True, rowscale=True, zero_centered_weight=True)
         # A single program per row group whose second sub-chunk lies partly past N.
-        monkeypatch.setattr(ln, "BWD_ACC_REGS", 8)
+        monkeypatch.setattr(ln, "BWD_ACC_REGS", 16)
         cfg = ln._bwd_config(5, 40, "cpu", n_acc=1)
         assert (cfg.split, cfg.sub, cfg.block_n) == (1, 2, 32)
         _check(_device("triton"), torch.float32, 5, 40, is_rms_norm=True, bias=False)
@@ -239,11 +239,11 @@ def test_chunked_large_mean(monkeypatch):
 
 
 def test_dweight_reduced_over_many_rows(path):
-    # fp32, 4099 columns on CPU (4 SMs): 16 warps of 16 elements per thread, dx and dweight in two
-    # sub-chunks of 4096 columns (the second 3 wide); 37 rows over 4 programs of 10 rows, the last 7.
+    # fp32 with a residual, 4099 columns, on CPU (4 SMs): 2 row groups of 19 rows (the second 18), each
+    # split over 2 programs that own 4096 columns and 3 columns.
     if path == "triton" and not CUDA:
         cfg = ln._bwd_config(37, 4099, "cpu", n_acc=2, extra=3)
-        assert (cfg.programs, cfg.rows_per_program, cfg.num_warps, cfg.sub, cfg.block_n) == (4, 10, 16, 2, 4096)
+        assert (cfg.programs, cfg.rows_per_program, cfg.split, cfg.block_n) == (4, 19, 2, 4096)
     _check(_device(path), torch.float32, 37, 4099, residual=True)
 
 
@@ -408,6 +408,16 @@ def test_gpu_bf16(is_rms_norm, N):
     with backend("triton"):
         _check(_device("triton"), torch.bfloat16, 64, N, is_rms_norm=is_rms_norm, residual=True, prenorm=True,
                weight_dtype=torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("is_rms_norm", [False, True])
+@pytest.mark.parametrize("M,N", [(3000, 1024), (1000, 4096), (300, 8192), (300, 16384), (1, 16384), (20, 65536)])
+def test_gpu_bf16_plain(is_rms_norm, M, N):
+    # The benchmarked configurations (no residual, bf16 everywhere): several rows per persistent program,
+    # prefetch up to 8192 columns, sub-chunks at 16384, split rows at 65536.
+    with backend("triton"):
+        _check(_device("triton"), torch.bfloat16, M, N, is_rms_norm=is_rms_norm, bias=not is_rms_norm)
 
 
 @pytest.mark.gpu

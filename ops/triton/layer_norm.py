@@ -41,7 +41,7 @@ BWD_MIN_TILE = 1024
 BWD_ELEMS_PER_THREAD = 8
 BWD_MAX_BLOCK_R = 16384
 BWD_ACC_REGS = 32
-BWD_MAXNREG = (64, 96, 128)
+BWD_MAXNREG = (64, 80, 96, 128)
 MAX_HIDDEN = 65536
 
 
@@ -447,20 +447,23 @@ def _bwd_config(M: int, N: int, device, n_acc: int = 2, extra: int = 0) -> BwdCo
     """Launch shape of the backward for M rows of N columns, n_acc parameter gradients accumulated (dweight,
     dbias, dweight1, dbias1) and ``extra`` costly features (see _bwd_extra).
 
-    A register cap (maxnreg) fixes how many programs fit on an SM; the grid is exactly that many per SM
-    (persistent), so every program is resident from the start and no partial wave trails. Tiles hold
-    BWD_ELEMS_PER_THREAD elements per thread and tensor (more only where 32 warps do not cover a row);
-    the own columns of a program are cut (split over programs, then into two sub-chunks) until its
-    accumulators take at most BWD_ACC_REGS registers per thread."""
-    maxnreg = BWD_MAXNREG[min(len(BWD_MAXNREG) - 1, (extra + 1) // 2)]
-    max_warps = min(32, 1 << ((65536 // (maxnreg * 32)).bit_length() - 1))
+    A register cap (maxnreg, from BWD_MAXNREG by extra; multi-row tiles count as one more) fixes how many
+    programs fit on an SM; the grid is exactly that many per SM (persistent), so every program is resident
+    from the start and no partial wave trails. Tiles hold BWD_ELEMS_PER_THREAD elements per thread and
+    tensor, up to twice that where the warps the cap allows do not cover a row, wider rows go in pass-1
+    chunks; the own columns of a program are cut (split over programs, then into two sub-chunks) until
+    its accumulators take at most BWD_ACC_REGS registers per thread."""
     width = next_power_of_2(N)
-    block_r = min(width, BWD_MAX_BLOCK_R)
-    block_m = max(1, BWD_MIN_TILE // block_r)
+    block_m = max(1, BWD_MIN_TILE // width)
+    maxnreg = BWD_MAXNREG[min(len(BWD_MAXNREG) - 1, extra + int(block_m > 1))]
+    max_warps = min(32, 1 << ((65536 // (maxnreg * 32)).bit_length() - 1))
+    block_r = min(width, BWD_MAX_BLOCK_R, 2 * BWD_ELEMS_PER_THREAD * 32 * max_warps)
     num_warps = max(1, min(max_warps, block_m * block_r // (32 * BWD_ELEMS_PER_THREAD)))
     threads = 32 * num_warps
     own = width
-    while own > 1 and n_acc * block_m * own > BWD_ACC_REGS * threads:
+    # Costly features and pass-1 chunk loops leave fewer registers to the accumulators.
+    acc_regs = BWD_ACC_REGS if maxnreg == BWD_MAXNREG[0] and block_r >= N else BWD_ACC_REGS // 2
+    while own > 1 and n_acc * block_m * own > acc_regs * threads:
         own //= 2
     sub = 2 if own > 1 and block_m * own >= 2 * BWD_ELEMS_PER_THREAD * threads else 1
     split = cdiv(N, own)
