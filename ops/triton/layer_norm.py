@@ -462,7 +462,7 @@ def _bwd_config(M: int, N: int, device, n_acc: int = 2, extra: int = 0) -> BwdCo
     threads = 32 * num_warps
     own = width
     # Costly features and pass-1 chunk loops leave fewer registers to the accumulators.
-    acc_regs = BWD_ACC_REGS if maxnreg == BWD_MAXNREG[0] and block_r >= N else BWD_ACC_REGS // 2
+    acc_regs = BWD_ACC_REGS if extra == 0 and block_r >= N else BWD_ACC_REGS // 2
     while own > 1 and n_acc * block_m * own > acc_regs * threads:
         own //= 2
     sub = 2 if own > 1 and block_m * own >= 2 * BWD_ELEMS_PER_THREAD * threads else 1
