@@ -47,7 +47,7 @@ def unsupported_reason(call):
     if not (1 <= call.head_dim <= 256 and 1 <= call.head_dim_v <= 256):
         return f"head dims {call.head_dim}/{call.head_dim_v} not in 1..256"
     if call.kvcache:
-        return "kvcache"
+        return None  # flash_attn_with_kvcache, dense or paged caches: kvcache.py
     if call.paged:
         return "paged KV"
     return None
@@ -189,6 +189,20 @@ def fwd(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bloc
         *sp_, Sq, Sk, H, H // Hk, softmax_scale * _LOG2E, softcap_scale, softcap_log2, wl, wr,
         seed0, seed1, thr, dscale), meta, plan_key)
     return out, lse, probs
+
+
+def fwd_kvcache(q, k_cache, v_cache, *, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                cache_leftpad, block_table, softmax_scale, causal, window_left, window_right, softcap,
+                rotary_interleaved, alibi_slopes, num_splits):
+    """FA2's flash_attn_with_kvcache (see the contract); no host sync, so CUDA graphs can capture it."""
+    from . import kvcache
+
+    return kvcache.fwd_kvcache(
+        q, k_cache, v_cache, k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+        cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+        block_table=block_table, softmax_scale=softmax_scale, causal=causal, window_left=window_left,
+        window_right=window_right, softcap=softcap, rotary_interleaved=rotary_interleaved,
+        alibi_slopes=alibi_slopes, num_splits=num_splits, interpret=_INTERPRET, arch=_arch(q.device))
 
 
 def bwd(dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,

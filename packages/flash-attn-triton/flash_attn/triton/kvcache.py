@@ -1,0 +1,527 @@
+"""Attention over a KV cache (FA2's ``flash_attn_with_kvcache``) for decoding, CUDA-graph capturable.
+
+Up to three launches, none of which reads a device value on the host:
+
+1. ``_kvcache_prep_kernel`` (when there are new k/v, or rotary): rotates the new k (rotary_cos/sin at
+   absolute positions cache_seqlens[b] + i) and writes k/v into the cache rows (dense, through
+   cache_batch_idx, or paged through block_table); rotates q into a fresh buffer (at cache_seqlens[b] + i
+   under a causal/local mask, else every row at cache_seqlens[b]).
+2. ``_kvcache_attn_kernel``: one program per (batch, kv head, split, row block). The query heads of a KV
+   group are packed into the rows of one tile (row r = query i * group + head g), so every K/V block is
+   read once per group. The keys a row block can see (after leftpad, cache length and window) are cut
+   into ``num_splits`` contiguous runs of whole blocks; the cut is computed in the kernel from the
+   runtime lengths, so the grid depends only on shapes.
+3. ``_kvcache_combine_kernel`` (num_splits > 1): merges the splits' normalised partial outputs by their
+   log-sum-exps.
+
+Cache lengths, leftpad, batch indices and block tables are only ever read inside kernels, and the kernels
+take lengths as unspecialised runtime arguments, so one compiled kernel serves every cache length and a
+captured graph can be replayed after cache_seqlens changes in place.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _configs
+from ._common import LN2, NO_WINDOW, _kv_block_range, _scores
+from ._launch import Launcher
+
+_LOG2E = 1.4426950408889634
+MAX_SPLITS = 128
+
+
+@triton.jit
+def _rotary(X, rows, pos, row_ok, Cos, Sin, stride_xm, stride_cm, stride_sm, seqlen_ro,
+            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROTARY_DIM: tl.constexpr,
+            INTERLEAVED: tl.constexpr):
+    """Rows `rows` of X (row stride stride_xm, contiguous head dim) rotated at positions pos, in fp32.
+
+    Interleaved (GPT-J) pairs dims (2t, 2t + 1), else (GPT-NeoX) (t, t + ROTARY_DIM / 2); both use angle t.
+    Dims past ROTARY_DIM are passed through.
+    """
+    d = tl.arange(0, BLOCK_D)
+    ok = row_ok[:, None] & (d[None, :] < HEAD_DIM)
+    x = tl.load(X + rows[:, None] * stride_xm + d[None, :], mask=ok, other=0.0).to(tl.float32)
+    if ROTARY_DIM > 0:
+        if INTERLEAVED:
+            t = d // 2
+            partner = d ^ 1
+            first = (d % 2) == 0
+        else:
+            first = d < ROTARY_DIM // 2
+            t = tl.where(first, d, d - ROTARY_DIM // 2)
+            partner = tl.where(first, d + ROTARY_DIM // 2, d - ROTARY_DIM // 2)
+        in_rot = d < ROTARY_DIM
+        t = tl.where(in_rot, t, 0)
+        partner = tl.where(in_rot, partner, d)
+        rok = ok & in_rot[None, :] & (pos[:, None] < seqlen_ro)
+        xp = tl.load(X + rows[:, None] * stride_xm + partner[None, :], mask=rok, other=0.0).to(tl.float32)
+        c = tl.load(Cos + pos[:, None] * stride_cm + t[None, :], mask=rok, other=1.0).to(tl.float32)
+        s = tl.load(Sin + pos[:, None] * stride_sm + t[None, :], mask=rok, other=0.0).to(tl.float32)
+        # first of a pair: x1 c - x2 s; second: x2 c + x1 s (x1, x2 the pair's first and second dims)
+        xs = tl.where(first[None, :], -xp, xp) * s
+        x = tl.where(in_rot[None, :], x * c + xs, x)
+    return x
+
+
+@triton.jit
+def _cache_row_offsets(pos, ok, BtRow, stride_cb, stride_cn, cache_row,
+                       PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """int64 element offsets of cache positions pos (a vector) of one sequence."""
+    if PAGED:
+        blk = tl.load(BtRow + pos // PAGE_SIZE, mask=ok, other=0)
+        return blk.to(tl.int64) * stride_cb + ((pos % PAGE_SIZE) * stride_cn).to(tl.int64)
+    else:
+        return cache_row.to(tl.int64) * stride_cb + pos.to(tl.int64) * stride_cn
+
+
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_new", "num_kv_heads", "capacity", "seqlen_ro", "stride_btb"])
+def _kvcache_prep_kernel(
+    Q, QRot, KNew, VNew, KCache, VCache, Cos, Sin, CacheSeqlens, CacheBatchIdx, BlockTable,
+    stride_qb, stride_qm, stride_qh,
+    stride_rb, stride_rm, stride_rh,
+    stride_knb, stride_knm, stride_knh,
+    stride_vnb, stride_vnm, stride_vnh,
+    stride_kcb, stride_kcn, stride_kch,
+    stride_vcb, stride_vcn, stride_vch,
+    stride_cm, stride_sm, stride_btb,
+    seqlen_q, seqlen_new, num_heads, num_kv_heads, capacity, seqlen_ro,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_R: tl.constexpr, ROTARY_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, APPEND: tl.constexpr,
+    ROTATE_Q: tl.constexpr, Q_LOCAL: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    HAS_BATCH_IDX: tl.constexpr,
+):
+    pid_r = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // num_heads
+    h = bh % num_heads
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    cache_len = tl.load(CacheSeqlens + b).to(tl.int32)
+    if ROTATE_Q:
+        q_ok = rows < seqlen_q
+        if Q_LOCAL:
+            q_pos = cache_len + rows
+        else:
+            q_pos = cache_len + rows * 0
+        Qb = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+        x = _rotary(Qb, rows, q_pos, q_ok, Cos, Sin, stride_qm, stride_cm, stride_sm, seqlen_ro,
+                    HEAD_DIM, BLOCK_D, ROTARY_DIM, INTERLEAVED)
+        d = tl.arange(0, BLOCK_D)
+        QRb = QRot + b.to(tl.int64) * stride_rb + h.to(tl.int64) * stride_rh
+        tl.store(QRb + rows[:, None] * stride_rm + d[None, :], x.to(QRot.dtype.element_ty),
+                 mask=q_ok[:, None] & (d[None, :] < HEAD_DIM))
+    if APPEND:
+        if h < num_kv_heads:
+            pos = cache_len + rows
+            # Rows past the cache's capacity are dropped (the op's checks reject them outside a graph
+            # capture; inside one, nothing may write out of bounds).
+            ok = (rows < seqlen_new) & (pos < capacity)
+            if HAS_BATCH_IDX:
+                cache_row = tl.load(CacheBatchIdx + b)
+            else:
+                cache_row = b
+            BtRow = BlockTable + b.to(tl.int64) * stride_btb
+            off_k = _cache_row_offsets(pos, ok, BtRow, stride_kcb, stride_kcn, cache_row, PAGED, PAGE_SIZE)
+            off_v = _cache_row_offsets(pos, ok, BtRow, stride_vcb, stride_vcn, cache_row, PAGED, PAGE_SIZE)
+            KNb = KNew + b.to(tl.int64) * stride_knb + h.to(tl.int64) * stride_knh
+            k = _rotary(KNb, rows, pos, ok, Cos, Sin, stride_knm, stride_cm, stride_sm, seqlen_ro,
+                        HEAD_DIM, BLOCK_D, ROTARY_DIM, INTERLEAVED)
+            d = tl.arange(0, BLOCK_D)
+            tl.store(KCache + h.to(tl.int64) * stride_kch + off_k[:, None] + d[None, :],
+                     k.to(KCache.dtype.element_ty), mask=ok[:, None] & (d[None, :] < HEAD_DIM))
+            dv = tl.arange(0, BLOCK_DV)
+            VNb = VNew + b.to(tl.int64) * stride_vnb + h.to(tl.int64) * stride_vnh
+            vmask = ok[:, None] & (dv[None, :] < HEAD_DIM_V)
+            v = tl.load(VNb + rows[:, None] * stride_vnm + dv[None, :], mask=vmask, other=0.0)
+            tl.store(VCache + h.to(tl.int64) * stride_vch + off_v[:, None] + dv[None, :],
+                     v.to(VCache.dtype.element_ty), mask=vmask)
+
+
+@triton.jit
+def _attn_blocks(acc, l_i, m_i, q, K, V, BtRow, stride_kb, stride_kn, stride_vb, stride_vn, cache_row,
+                 key_start, qi, slope_log2, offs_n, offs_d, offs_dv, start, end, seqlen_k, diag_off,
+                 window_left, window_right, qk_scale, softcap_scale, softcap_log2,
+                 IS_FP32: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
+                 PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, WINDOW_LEFT: tl.constexpr,
+                 WINDOW_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+    """Online softmax over key blocks [start, end) (relative to key_start, the first visible cache row).
+    K and V already point at the kv head; dense caches also at the sequence's cache row and key_start."""
+    for start_n in range(start, end, BLOCK_N):
+        cols = start_n + offs_n
+        if MASK:
+            col_ok = cols < seqlen_k
+        else:
+            col_ok = cols >= 0
+        if PAGED:
+            pos = key_start + cols
+            k_rows = _cache_row_offsets(pos, col_ok, BtRow, stride_kb, stride_kn, cache_row, True, PAGE_SIZE)
+            v_rows = _cache_row_offsets(pos, col_ok, BtRow, stride_vb, stride_vn, cache_row, True, PAGE_SIZE)
+            k_ptrs = K + k_rows[:, None] + offs_d[None, :]
+            v_ptrs = V + v_rows[:, None] + offs_dv[None, :]
+        else:
+            k_ptrs = K + cols[:, None] * stride_kn + offs_d[None, :]
+            v_ptrs = V + cols[:, None] * stride_vn + offs_dv[None, :]
+        if MASK:
+            k = tl.load(k_ptrs, mask=col_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+        elif BLOCK_D != HEAD_DIM:
+            k = tl.load(k_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+        if IS_FP32:
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k))
+        s, _, _ = _scores(qk, qi[:, None], cols[None, :], diag_off, seqlen_k, window_left, window_right,
+                          qk_scale, softcap_scale, softcap_log2, slope_log2, MASK, WINDOW_LEFT, WINDOW_RIGHT,
+                          HAS_SOFTCAP, HAS_ALIBI)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if MASK:
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+        else:
+            m_use = m_new
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if MASK:
+            v = tl.load(v_ptrs, mask=col_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
+        elif BLOCK_DV != HEAD_DIM_V:
+            v = tl.load(v_ptrs, mask=offs_dv[None, :] < HEAD_DIM_V, other=0.0)
+        else:
+            v = tl.load(v_ptrs)
+        if IS_FP32:
+            acc = tl.dot(p, v, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+# Lengths, windows, the split count and the lse strides (multiples of Sq) are runtime values: no new cache
+# length, split count or query length compiles a new kernel.
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_new", "capacity", "num_splits", "window_left",
+                               "window_right", "stride_lb", "stride_lh", "stride_ls", "stride_btb",
+                               "stride_ab", "stride_ah"])
+def _kvcache_attn_kernel(
+    Q, KCache, VCache, Out, Lse, CacheSeqlens, CacheBatchIdx, CacheLeftpad, BlockTable, Alibi,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_os, stride_ob, stride_om, stride_oh,
+    stride_ls, stride_lb, stride_lh,
+    stride_btb, stride_ab, stride_ah,
+    seqlen_q, seqlen_new, capacity, num_splits, num_heads, group_size,
+    qk_scale, softcap_scale, softcap_log2, window_left, window_right,
+    IS_FP32: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
+    WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, SPLIT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    split = pid % num_splits
+    bhk = pid // num_splits
+    num_kv_heads = num_heads // group_size
+    b = bhk // num_kv_heads
+    hk = bhk % num_kv_heads
+    m0 = tl.program_id(1) * BLOCK_M
+    n_rows = seqlen_q * group_size
+
+    # This sequence's keys: cache rows [key_start, key_end), relative index j = row - key_start.
+    key_end = tl.minimum(tl.load(CacheSeqlens + b).to(tl.int32) + seqlen_new, capacity)
+    if HAS_LEFTPAD:
+        key_start = tl.minimum(tl.load(CacheLeftpad + b).to(tl.int32), key_end)
+    else:
+        key_start = key_end * 0
+    seqlen_k = key_end - key_start
+    diag_off = seqlen_k - seqlen_q
+
+    rows = m0 + tl.arange(0, BLOCK_M)
+    row_ok = rows < n_rows
+    qi = rows // group_size
+    h = hk * group_size + rows % group_size
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    Qb = Q + b.to(tl.int64) * stride_qb
+    q = tl.load(Qb + qi[:, None] * stride_qm + h[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    if HAS_ALIBI:
+        slope_log2 = tl.load(Alibi + b * stride_ab + h * stride_ah, mask=row_ok, other=0.0)[:, None] * 1.4426950408889634
+    else:
+        slope_log2 = 0.0
+
+    if HAS_BATCH_IDX:
+        cache_row = tl.load(CacheBatchIdx + b)
+    else:
+        cache_row = b
+    BtRow = BlockTable + b.to(tl.int64) * stride_btb
+    K = KCache + hk.to(tl.int64) * stride_kh
+    V = VCache + hk.to(tl.int64) * stride_vh
+    if not PAGED:
+        K += cache_row.to(tl.int64) * stride_kb + key_start.to(tl.int64) * stride_kn
+        V += cache_row.to(tl.int64) * stride_vb + key_start.to(tl.int64) * stride_vn
+
+    # Key blocks the rows see; this split takes its share of whole blocks of [lo, hi).
+    q_lo = m0 // group_size
+    q_hi = (tl.minimum(m0 + BLOCK_M, n_rows) - 1) // group_size
+    lo, full_lo, full_hi, hi = _kv_block_range(q_lo, q_hi, seqlen_k, diag_off, window_left, window_right,
+                                               BLOCK_N, WINDOW_LEFT, WINDOW_RIGHT)
+    hi = tl.maximum(hi, lo)
+    per_split = tl.cdiv(tl.cdiv(hi - lo, BLOCK_N), num_splits) * BLOCK_N
+    s_lo = lo + split * per_split
+    s_hi = tl.minimum(s_lo + per_split, hi)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    if WINDOW_LEFT:
+        acc, l_i, m_i = _attn_blocks(
+            acc, l_i, m_i, q, K, V, BtRow, stride_kb, stride_kn, stride_vb, stride_vn, cache_row, key_start,
+            qi, slope_log2, offs_n, offs_d, offs_dv, tl.maximum(lo, s_lo), tl.minimum(full_lo, s_hi),
+            seqlen_k, diag_off, window_left, window_right, qk_scale, softcap_scale, softcap_log2, IS_FP32,
+            HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True, PAGED, PAGE_SIZE, WINDOW_LEFT,
+            WINDOW_RIGHT, HAS_SOFTCAP, HAS_ALIBI)
+    acc, l_i, m_i = _attn_blocks(
+        acc, l_i, m_i, q, K, V, BtRow, stride_kb, stride_kn, stride_vb, stride_vn, cache_row, key_start,
+        qi, slope_log2, offs_n, offs_d, offs_dv, tl.maximum(full_lo, s_lo), tl.minimum(full_hi, s_hi),
+        seqlen_k, diag_off, window_left, window_right, qk_scale, softcap_scale, softcap_log2, IS_FP32,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, False, PAGED, PAGE_SIZE, WINDOW_LEFT,
+        WINDOW_RIGHT, HAS_SOFTCAP, HAS_ALIBI)
+    acc, l_i, m_i = _attn_blocks(
+        acc, l_i, m_i, q, K, V, BtRow, stride_kb, stride_kn, stride_vb, stride_vn, cache_row, key_start,
+        qi, slope_log2, offs_n, offs_d, offs_dv, tl.maximum(full_hi, s_lo), tl.minimum(hi, s_hi),
+        seqlen_k, diag_off, window_left, window_right, qk_scale, softcap_scale, softcap_log2, IS_FP32,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True, PAGED, PAGE_SIZE, WINDOW_LEFT,
+        WINDOW_RIGHT, HAS_SOFTCAP, HAS_ALIBI)
+
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse2 = m_i + tl.log2(l_safe)
+    Ob = Out + split.to(tl.int64) * stride_os + b.to(tl.int64) * stride_ob
+    o_ptrs = Ob + qi[:, None] * stride_om + h[:, None] * stride_oh + offs_dv[None, :]
+    o_mask = row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
+    Lb = Lse + split.to(tl.int64) * stride_ls + b.to(tl.int64) * stride_lb
+    if SPLIT:
+        # Partials: fp32 output normalised within the split, log2-domain lse; -inf marks an empty split.
+        tl.store(o_ptrs, out, mask=o_mask)
+        tl.store(Lb + h * stride_lh + qi, tl.where(empty, float("-inf"), lse2), mask=row_ok)
+    else:
+        # Rows with no visible key: output 0, lse +inf (contract).
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=o_mask)
+        tl.store(Lb + h * stride_lh + qi, tl.where(empty, float("inf"), lse2 * LN2), mask=row_ok)
+
+
+@triton.jit(do_not_specialize=["seqlen_q", "num_splits", "stride_ls", "stride_lb", "stride_lh", "stride_xb",
+                               "stride_xh"])
+def _kvcache_combine_kernel(
+    OPart, LPart, Out, Lse,
+    stride_os, stride_ob, stride_om, stride_oh,
+    stride_ls, stride_lb, stride_lh,
+    stride_outb, stride_outm, stride_outh,
+    stride_xb, stride_xh,
+    seqlen_q, num_splits, num_heads,
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_SPLITS: tl.constexpr, CHUNK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    b = tl.program_id(1)
+    qi = pid // num_heads
+    h = pid % num_heads
+    Lb = LPart + b.to(tl.int64) * stride_lb + h * stride_lh + qi
+    s_all = tl.arange(0, BLOCK_SPLITS)
+    lse_all = tl.load(Lb + s_all * stride_ls, mask=s_all < num_splits, other=float("-inf"))
+    m = tl.max(lse_all, 0)
+    empty = m == float("-inf")
+    m_safe = tl.where(empty, 0.0, m)
+    total = tl.sum(tl.exp2(lse_all - m_safe), 0)
+    inv = 1.0 / tl.where(empty, 1.0, total)
+
+    offs_dv = tl.arange(0, BLOCK_DV)
+    Ob = OPart + b.to(tl.int64) * stride_ob + qi.to(tl.int64) * stride_om + h.to(tl.int64) * stride_oh
+    acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
+    s_chunk = tl.arange(0, CHUNK)
+    for s0 in range(0, num_splits, CHUNK):
+        s = s0 + s_chunk
+        s_ok = s < num_splits
+        w = tl.exp2(tl.load(Lb + s * stride_ls, mask=s_ok, other=float("-inf")) - m_safe) * inv
+        o = tl.load(Ob + s.to(tl.int64)[:, None] * stride_os + offs_dv[None, :],
+                    mask=s_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
+        acc += tl.sum(o * w[:, None], 0)
+    Outp = Out + b.to(tl.int64) * stride_outb + qi.to(tl.int64) * stride_outm + h.to(tl.int64) * stride_outh
+    tl.store(Outp + offs_dv, acc.to(Out.dtype.element_ty), mask=offs_dv < HEAD_DIM_V)
+    lse = tl.where(empty, float("inf"), (m_safe + tl.log2(tl.where(empty, 1.0, total))) * LN2)
+    tl.store(Lse + b.to(tl.int64) * stride_xb + h * stride_xh + qi, lse)
+
+
+# ------------------------------------------------------------------------------------------------ host side
+
+_L_PREP = Launcher(_kvcache_prep_kernel)
+_L_ATTN = Launcher(_kvcache_attn_kernel)
+_L_COMBINE = Launcher(_kvcache_combine_kernel)
+
+
+def _pow2(n):
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+@functools.lru_cache(maxsize=None)
+def attn_config(arch, head_dim, rows, causal, interpret, dtype):
+    """(block_m, block_n, num_warps, num_stages) for a tile of `rows` packed query rows (Sq * group).
+
+    Decode-sized tiles (<= 64 rows) stream K/V with a memory-bound config; larger ones (a prompt appended
+    through the cache) take the forward kernel's table entry for the head dim."""
+    if interpret:
+        return 16, 16, 1, 1
+    if dtype == torch.float32:
+        return min(max(16, _pow2(rows)), 64), 32, 4, 2
+    if rows <= 64:
+        d = _configs.padded_dim(head_dim)
+        block_n = 128 if d <= 64 else 64
+        return max(16, _pow2(rows)), block_n, 4, (3 if d <= 128 else 2)
+    if _configs.padded_dim(head_dim) == 256:
+        # the forward table's d256 entries spill here (the packed-row indices take registers); these do not
+        return (128, 32, 8, 3) if arch is not None and arch[0] >= 9 else (64, 32, 8, 2)
+    cfg = _configs.fwd_config(arch, head_dim, causal, False, dtype)
+    return cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages
+
+
+_SMS: dict = {}
+
+
+def _num_sms(device):
+    if device.type != "cuda":
+        return 8  # the interpreter: small, so that the default path splits small test caches too
+    n = _SMS.get(device.index)
+    if n is None:
+        n = _SMS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    return n
+
+
+def choose_num_splits(programs, capacity, block_n, num_sms):
+    """Splits of the keys so that programs * splits fills the GPU: programs = batch * kv heads * row blocks.
+
+    Only shapes enter (the cache's capacity, not the current lengths), so a captured graph stays valid.
+    One split when the programs alone fill 80% of the SMs; otherwise enough splits for one wave, each
+    given at least two key blocks of a full cache, at most MAX_SPLITS."""
+    if programs >= 0.8 * num_sms:
+        return 1
+    n_blocks = -(-capacity // block_n)
+    return max(1, min(-(-num_sms // programs), -(-n_blocks // 2), MAX_SPLITS))
+
+
+def _strides3(t):
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+_PLANS: dict = {}
+
+
+def fwd_kvcache(q, k_cache, v_cache, *, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                cache_leftpad, block_table, softmax_scale, causal, window_left, window_right, softcap,
+                rotary_interleaved, alibi_slopes, num_splits, interpret=False, arch=None):
+    """See flash_attn/backends/__init__.py (fwd_kvcache) and flash_attn.reference.fwd_kvcache."""
+    B, Sq, H, D = q.shape
+    Hk, Dv = k_cache.shape[2], v_cache.shape[-1]
+    G = H // Hk
+    device = q.device
+    paged = block_table is not None
+    page_size = k_cache.shape[1] if paged else 1
+    capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
+    s_new = 0 if k is None else k.shape[1]
+    if causal:
+        window_right = 0
+    local = window_left >= 0 or window_right >= 0
+    rotary_dim = 0 if rotary_cos is None else 2 * rotary_cos.shape[1]
+    append = s_new > 0 and B > 0
+    rotate_q = rotary_dim > 0 and Sq > 0
+    block_d, block_dv = _configs.padded_dim(D), _configs.padded_dim(Dv)
+    dummy = cache_seqlens
+    table = block_table if paged else dummy
+    batch_idx = cache_batch_idx if cache_batch_idx is not None else dummy
+
+    if append or rotate_q:
+        q_rot = torch.empty((B, Sq, H, D), dtype=q.dtype, device=device) if rotate_q else q
+        n = max(s_new if append else 0, Sq if rotate_q else 0)
+        # about 8 elements of a (rows, head dim) tile per thread: x, its rotary partner, cos, sin and their
+        # pointers stay in registers
+        block_r = max(1, min(_pow2(n), 1024 // block_d))
+        cos = rotary_cos if rotary_dim else q
+        sin = rotary_sin if rotary_dim else q
+        kn = k if append else q
+        vn = v if append else q
+        meta = dict(HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_R=block_r,
+                    ROTARY_DIM=rotary_dim, INTERLEAVED=bool(rotary_interleaved), APPEND=append,
+                    ROTATE_Q=rotate_q, Q_LOCAL=local, PAGED=paged, PAGE_SIZE=page_size,
+                    HAS_BATCH_IDX=cache_batch_idx is not None,
+                    num_warps=1 if interpret else max(1, min(4, block_r * block_d // 256)), num_stages=1)
+        key = ("prep", device, q.dtype, cos.dtype, *meta.values())
+        _L_PREP((-(-n // block_r), B * H), (
+            q, q_rot, kn, vn, k_cache, v_cache, cos, sin, cache_seqlens, batch_idx, table,
+            *_strides3(q), *_strides3(q_rot), *_strides3(kn), *_strides3(vn),
+            *_strides3(k_cache), *_strides3(v_cache),
+            cos.stride(0), sin.stride(0), table.stride(0) if paged else 0,
+            Sq, s_new, H, Hk, capacity, cos.shape[0] if rotary_dim else 0), meta, key)
+        q = q_rot
+
+    out = torch.empty((B, Sq, H, Dv), dtype=q.dtype, device=device)
+    lse = torch.empty((B, H, Sq), dtype=torch.float32, device=device)
+    if B * Sq * H == 0:
+        return out, lse
+
+    block_m, block_n, warps, stages = attn_config(arch, max(D, Dv), Sq * G, causal or window_right >= 0,
+                                                  interpret, q.dtype)
+    m_blocks = -(-(Sq * G) // block_m)
+    if num_splits <= 0:
+        splits = choose_num_splits(B * Hk * m_blocks, capacity, block_n, _num_sms(device))
+    else:
+        splits = min(num_splits, MAX_SPLITS)
+    split = splits > 1
+    if split:
+        o_acc = torch.empty((splits, B, Sq, H, Dv), dtype=torch.float32, device=device)
+        l_acc = torch.empty((splits, B, H, Sq), dtype=torch.float32, device=device)
+        so_ = o_acc.stride()[:4]
+        sl_ = l_acc.stride()[:3]
+    else:
+        o_acc, l_acc = out, lse
+        so_ = (0, *out.stride()[:3])
+        sl_ = (0, *lse.stride()[:2])
+    if softcap > 0.0:
+        softcap_scale, softcap_log2 = softmax_scale / softcap, softcap * _LOG2E
+    else:
+        softcap_scale, softcap_log2 = 0.0, 0.0
+    wl = window_left if window_left >= 0 else NO_WINDOW
+    wr = window_right if window_right >= 0 else NO_WINDOW
+    if alibi_slopes is None:
+        alibi, sa_ = dummy, (0, 0)
+    else:
+        alibi = alibi_slopes
+        sa_ = (0, alibi.stride(0)) if alibi.dim() == 1 else (alibi.stride(0), alibi.stride(1))
+    meta = dict(IS_FP32=q.dtype == torch.float32, HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=block_d, BLOCK_DV=block_dv,
+                BLOCK_M=block_m, BLOCK_N=block_n, PAGED=paged, PAGE_SIZE=page_size,
+                HAS_BATCH_IDX=cache_batch_idx is not None, HAS_LEFTPAD=cache_leftpad is not None,
+                WINDOW_LEFT=window_left >= 0, WINDOW_RIGHT=window_right >= 0, HAS_SOFTCAP=softcap > 0.0,
+                HAS_ALIBI=alibi_slopes is not None, SPLIT=split, num_warps=warps, num_stages=stages)
+    key = ("attn", device, q.dtype, *meta.values())
+    _L_ATTN((splits * B * Hk, m_blocks), (
+        q, k_cache, v_cache, o_acc, l_acc, cache_seqlens, batch_idx,
+        cache_leftpad if cache_leftpad is not None else dummy, table, alibi,
+        *_strides3(q), *_strides3(k_cache), *_strides3(v_cache), *so_, *sl_,
+        table.stride(0) if paged else 0, *sa_,
+        Sq, s_new, capacity, splits, H, G,
+        softmax_scale * _LOG2E, softcap_scale, softcap_log2, wl, wr), meta, key)
+    if split:
+        block_s = _pow2(splits)
+        chunk = min(block_s, 16 if block_dv > 128 else 32)
+        meta = dict(HEAD_DIM_V=Dv, BLOCK_DV=block_dv, BLOCK_SPLITS=block_s, CHUNK=chunk,
+                    num_warps=1 if interpret else 4, num_stages=1)
+        key = ("combine", device, *meta.values())
+        _L_COMBINE((Sq * H, B), (
+            o_acc, l_acc, out, lse, *so_, *sl_, *out.stride()[:3], lse.stride(0), lse.stride(1),
+            Sq, splits, H), meta, key)
+    return out, lse
