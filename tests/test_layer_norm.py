@@ -401,6 +401,27 @@ print("ok")
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 
 
+def test_backward_compiles_for_sm90_without_spills():
+    """The backward as configured for an H200 compiles for sm_90 ahead of time (no GPU), and the plain bf16
+    configurations up to 8192 columns fit their register cap without spilling (bench_ops.py --aot)."""
+    pytest.importorskip("triton.backends.nvidia")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("TRITON_INTERPRET", None)
+    r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "bench_ops.py"), "--aot", "--hidden",
+                        "1024,8192"], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    if r.returncode != 0 and "needs cuobjdump" in r.stderr + r.stdout:
+        pytest.skip("cuobjdump not available")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [line.split("|")[1:-1] for line in r.stdout.splitlines() if line.startswith("| LayerNorm")
+            or line.startswith("| RMSNorm")]
+    assert len(rows) == 2 * 5 * 3  # norms x feature sets x (1024, 8192, 65536)
+    for norm, feat, hidden, *_, maxnreg, regs, spill, _shared in rows:
+        assert int(regs) <= int(maxnreg)
+        if feat.strip() == "plain" and int(hidden) <= 8192:
+            assert int(spill) == 0, (norm, hidden)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("is_rms_norm", [False, True])
 @pytest.mark.parametrize("N", [1024, 4099, 8192, 16384, 65536])
