@@ -284,6 +284,7 @@ BWD_SWEEP = (
     {"BWD_MAXNREG": (80, 96, 112, 128)},
     {"BWD_MIN_TILE": 2048},
     {"BWD_MAX_BLOCK_R": 8192},
+    {"BWD_PREFETCH": False},
 )
 
 
@@ -296,7 +297,7 @@ def sweep(args, bench, copy_gbs, dev, bf16, do_norm=True, do_ce=True):
     from flash_attn.ops.triton import layer_norm as ln
 
     knobs = ("FWD_MAX_BLOCK_N", "FWD_TILE", "FWD_ELEMS_PER_WARP", "BWD_MIN_TILE", "BWD_ELEMS_PER_THREAD",
-             "BWD_MAX_BLOCK_R", "BWD_ACC_REGS", "BWD_MAXNREG")
+             "BWD_MAX_BLOCK_R", "BWD_ACC_REGS", "BWD_MAXNREG", "BWD_PREFETCH")
     saved = {k: getattr(ln, k) for k in knobs}
     fwd_grid = [dict(FWD_MAX_BLOCK_N=mb, FWD_TILE=t, FWD_ELEMS_PER_WARP=e)
                 for mb in (16384, 4096) for t in (2048, 8192) for e in (256, 512, 1024)]

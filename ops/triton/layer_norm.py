@@ -32,8 +32,9 @@ from . import cdiv, device_ctx, next_power_of_2, num_sms, tl, triton, use_triton
 # Backward (_bwd_config; register counts checked ahead of time for sm_90, see bench_ops.py --aot): a
 # persistent grid sized by a register cap (BWD_MAXNREG, by how many costly features a call has), tiles
 # of at least BWD_MIN_TILE elements at BWD_ELEMS_PER_THREAD elements per thread, pass-1 chunks of at most
-# BWD_MAX_BLOCK_R columns, and at most BWD_ACC_REGS accumulator registers per thread. Tests lower the
-# limits to exercise chunked, split and multi-row paths on small inputs.
+# BWD_MAX_BLOCK_R columns, at most BWD_ACC_REGS accumulator registers per thread, and the next tile
+# prefetched where a row fits one pass-1 chunk (BWD_PREFETCH). Tests lower the limits to exercise
+# chunked, split and multi-row paths on small inputs.
 FWD_MAX_BLOCK_N = 16384
 FWD_TILE = 2048
 FWD_ELEMS_PER_WARP = 1024
@@ -42,6 +43,7 @@ BWD_ELEMS_PER_THREAD = 8
 BWD_MAX_BLOCK_R = 16384
 BWD_ACC_REGS = 32
 BWD_MAXNREG = (64, 80, 96, 128)
+BWD_PREFETCH = True
 MAX_HIDDEN = 65536
 
 
@@ -448,8 +450,8 @@ def _bwd_config(M: int, N: int, device, n_acc: int = 2, extra: int = 0) -> BwdCo
     dbias, dweight1, dbias1) and ``extra`` costly features (see _bwd_extra).
 
     A register cap (maxnreg, from BWD_MAXNREG by extra; multi-row tiles count as one more) fixes how many
-    programs fit on an SM; the grid is exactly that many per SM (persistent), so every program is resident
-    from the start and no partial wave trails. Tiles hold BWD_ELEMS_PER_THREAD elements per thread and
+    programs fit on an SM; the grid has at most that many per SM (persistent), so every program is
+    resident from the start and no partial wave trails. Tiles hold BWD_ELEMS_PER_THREAD elements per thread and
     tensor, up to twice that where the warps the cap allows do not cover a row, wider rows go in pass-1
     chunks; the own columns of a program are cut (split over programs, then into two sub-chunks) until
     its accumulators take at most BWD_ACC_REGS registers per thread."""
@@ -467,7 +469,7 @@ def _bwd_config(M: int, N: int, device, n_acc: int = 2, extra: int = 0) -> BwdCo
         own //= 2
     sub = 2 if own > 1 and block_m * own >= 2 * BWD_ELEMS_PER_THREAD * threads else 1
     split = cdiv(N, own)
-    prefetch = block_r >= N and block_m * block_r <= BWD_ELEMS_PER_THREAD * threads
+    prefetch = BWD_PREFETCH and block_r >= N and block_m * block_r <= BWD_ELEMS_PER_THREAD * threads
     per_sm = max(1, min(65536 // (maxnreg * threads), 64 // num_warps, 32))
     tiles = cdiv(M, block_m)
     groups = max(1, min(tiles, num_sms(device) * per_sm // split))
