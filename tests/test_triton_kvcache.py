@@ -29,6 +29,10 @@ def _to(c, device):
     return {n: (t.to(device) if isinstance(t, torch.Tensor) else t) for n, t in c.items()}
 
 
+def _clone_strided(t):
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
+
+
 def _run(c, causal=False, window=(-1, -1), interleaved=False, cache_batch_idx=None, cache_leftpad=None,
          softcap=0.0, alibi_slopes=None, block_size=None, num_splits=0, fn=None):
     """(Triton result (out, lse, k_cache, v_cache as dense (B_cache, S, Hk, D)), torch oracle result)."""
@@ -40,7 +44,7 @@ def _run(c, causal=False, window=(-1, -1), interleaved=False, cache_batch_idx=No
     q = c["q"]
     ref = _torch_kvcache(q, c["k_cache"], c["v_cache"], c["k"], c["v"], c["cos"], c["sin"], c["cache_seqlens"],
                          cache_batch_idx, cache_leftpad, causal, window, interleaved, softcap, alibi_slopes)
-    kc, vc = c["k_cache"].clone(), c["v_cache"].clone()
+    kc, vc = _clone_strided(c["k_cache"]), _clone_strided(c["v_cache"])
     block_table = None
     if block_size is not None:
         S = kc.shape[1]
@@ -127,6 +131,28 @@ def test_rotary_without_new_kv_rotates_q():
     _check(*_run(c, causal=True))
 
 
+def test_strided_views_like_the_model():
+    # MHA's cache is one (B, S, 2, Hk, D) buffer and q/k/v are views into a packed (B, S, H + 2 Hk, D) qkv;
+    # the rotary tables are column slices and a transposed (non-contiguous) table.
+    c = _make(B=2, Sq=2, s_new=2, H=4, Hk=2, D=32, rotary_dim=16, seed=16)
+    B, S, Hk, D = c["k_cache"].shape
+    kv_buf = torch.randn(B, S, 2, Hk, D).to(c["k_cache"].dtype)
+    kv_buf[:, :, 0], kv_buf[:, :, 1] = c["k_cache"], c["v_cache"]
+    qkv = torch.cat([c["q"], c["k"], c["v"]], dim=2)
+    wide = torch.randn(S, 24).to(c["cos"].dtype)
+    wide[:, 3:11] = c["cos"]
+    sin_t = c["sin"].t().contiguous().t()
+    strided = dict(c, q=qkv[:, :, :4], k=qkv[:, :, 4:6], v=qkv[:, :, 6:], k_cache=kv_buf[:, :, 0],
+                   v_cache=kv_buf[:, :, 1], cos=wide[:, 3:11], sin=sin_t)
+    assert strided["sin"].stride(-1) != 1
+
+    def fn(q, k_cache, v_cache, **kw):
+        assert q.stride(1) == 8 * D and k_cache.stride(1) == v_cache.stride(1) == 2 * Hk * D
+        return tb.fwd_kvcache(q, k_cache, v_cache, **kw)
+
+    _check(*_run(strided, causal=True, fn=fn), exact_cache=False)
+
+
 @pytest.mark.parametrize("block_size", [1, 8, 16])
 def test_paged_cache(block_size):
     c = _make(s_new=4, Sq=4, rotary_dim=16)
@@ -190,10 +216,9 @@ def test_splits_with_local_window_and_leftpad():
 def test_choose_num_splits():
     from flash_attn.triton.kvcache import MAX_SPLITS, choose_num_splits
     # Issue 6's decode: batch 1, 8 kv heads, 2k prompt + 256 new tokens, blocks of 128 (d64): one wave.
-    s = choose_num_splits(1 * 8, 2304, 128, 132)
-    assert 8 <= s and 8 * s <= 132 + 8
+    assert choose_num_splits(1 * 8, 2304, 128, 132) == 17  # 136 programs
     assert choose_num_splits(64 * 8, 4096, 64, 132) == 1  # the programs alone fill the GPU
-    assert choose_num_splits(1, 64, 64, 132) == 1  # a short cache is not cut below two blocks per split
+    assert choose_num_splits(1, 100, 64, 132) == 2  # no more splits than key blocks
     assert choose_num_splits(1, 1 << 20, 64, 1000) == MAX_SPLITS
 
 

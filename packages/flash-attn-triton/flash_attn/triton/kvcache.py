@@ -95,8 +95,8 @@ def _kvcache_prep_kernel(
     ROTATE_Q: tl.constexpr, Q_LOCAL: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HAS_BATCH_IDX: tl.constexpr,
 ):
-    pid_r = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh = tl.program_id(0)
+    pid_r = tl.program_id(1)
     b = bh // num_heads
     h = bh % num_heads
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -407,19 +407,23 @@ def choose_num_splits(programs, capacity, block_n, num_sms):
     """Splits of the keys so that programs * splits fills the GPU: programs = batch * kv heads * row blocks.
 
     Only shapes enter (the cache's capacity, not the current lengths), so a captured graph stays valid.
-    One split when the programs alone fill 80% of the SMs; otherwise enough splits for one wave, each
-    given at least two key blocks of a full cache, at most MAX_SPLITS."""
+    One split when the programs alone fill 80% of the SMs; otherwise enough splits for one program per SM,
+    no more than the key blocks of a full cache, at most MAX_SPLITS."""
     if programs >= 0.8 * num_sms:
         return 1
     n_blocks = -(-capacity // block_n)
-    return max(1, min(-(-num_sms // programs), -(-n_blocks // 2), MAX_SPLITS))
+    return max(1, min(-(-num_sms // programs), n_blocks, MAX_SPLITS))
+
+
+def _grid_dim(n):
+    if n > 65535:  # CUDA's limit on the second grid dimension
+        raise ValueError(f"flash_attn_with_kvcache (Triton): {n} row blocks of queries or new keys exceed the "
+                         "grid; pass long prompts through flash_attn_func / flash_attn_varlen_func instead")
+    return n
 
 
 def _strides3(t):
     return t.stride(0), t.stride(1), t.stride(2)
-
-
-_PLANS: dict = {}
 
 
 def fwd_kvcache(q, k_cache, v_cache, *, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
@@ -453,6 +457,8 @@ def fwd_kvcache(q, k_cache, v_cache, *, k, v, rotary_cos, rotary_sin, cache_seql
         block_r = max(1, min(_pow2(n), 1024 // block_d))
         cos = rotary_cos if rotary_dim else q
         sin = rotary_sin if rotary_dim else q
+        if cos.stride(-1) != 1 or sin.stride(-1) != 1:  # the kernel indexes the angle dim with stride 1
+            cos, sin = cos.contiguous(), sin.contiguous()
         kn = k if append else q
         vn = v if append else q
         meta = dict(HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_R=block_r,
@@ -461,7 +467,7 @@ def fwd_kvcache(q, k_cache, v_cache, *, k, v, rotary_cos, rotary_sin, cache_seql
                     HAS_BATCH_IDX=cache_batch_idx is not None,
                     num_warps=1 if interpret else max(1, min(4, block_r * block_d // 256)), num_stages=1)
         key = ("prep", device, q.dtype, cos.dtype, *meta.values())
-        _L_PREP((-(-n // block_r), B * H), (
+        _L_PREP((B * H, _grid_dim(-(-n // block_r))), (
             q, q_rot, kn, vn, k_cache, v_cache, cos, sin, cache_seqlens, batch_idx, table,
             *_strides3(q), *_strides3(q_rot), *_strides3(kn), *_strides3(vn),
             *_strides3(k_cache), *_strides3(v_cache),
@@ -476,7 +482,7 @@ def fwd_kvcache(q, k_cache, v_cache, *, k, v, rotary_cos, rotary_sin, cache_seql
 
     block_m, block_n, warps, stages = attn_config(arch, max(D, Dv), Sq * G, causal or window_right >= 0,
                                                   interpret, q.dtype)
-    m_blocks = -(-(Sq * G) // block_m)
+    m_blocks = _grid_dim(-(-(Sq * G) // block_m))
     if num_splits <= 0:
         splits = choose_num_splits(B * Hk * m_blocks, capacity, block_n, _num_sms(device))
     else:
