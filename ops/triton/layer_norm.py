@@ -286,7 +286,7 @@ def _ln_bwd_pass2(X, W, W1, DY, DY1, DRES_OUT, ROWSCALE, DX, DX1, DRES_IN, r, r_
 def _ln_bwd_store_parts(DW_PART, DB_PART, DW1_PART, DB1_PART, part, ok, acc_dw, acc_db, acc_dw1, acc_db1,
                         HAS_BIAS: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr):
     """Column sums of the (BLOCK_M, BLOCK_N) accumulators into the partial buffers at offsets part, a
-    (1, BLOCK_N) tile in the accumulators' own layout (no shared-memory layout conversion)."""
+    (1, BLOCK_N) tile."""
     tl.store(DW_PART + part, tl.sum(acc_dw, axis=0, keep_dims=True), mask=ok)
     if HAS_BIAS:
         tl.store(DB_PART + part, tl.sum(acc_db, axis=0, keep_dims=True), mask=ok)
@@ -451,10 +451,11 @@ def _bwd_config(M: int, N: int, device, n_acc: int = 2, extra: int = 0) -> BwdCo
 
     A register cap (maxnreg, from BWD_MAXNREG by extra; multi-row tiles count as one more) fixes how many
     programs fit on an SM; the grid has at most that many per SM (persistent), so every program is
-    resident from the start and no partial wave trails. Tiles hold BWD_ELEMS_PER_THREAD elements per thread and
-    tensor, up to twice that where the warps the cap allows do not cover a row, wider rows go in pass-1
-    chunks; the own columns of a program are cut (split over programs, then into two sub-chunks) until
-    its accumulators take at most BWD_ACC_REGS registers per thread."""
+    resident from the start and no partial wave trails. Tiles hold BWD_ELEMS_PER_THREAD elements per
+    thread and tensor, up to twice that where the warps the cap allows do not cover a row; wider rows go
+    in pass-1 chunks. The own columns of a program are cut (split over programs, then into two
+    sub-chunks) until its accumulators take at most BWD_ACC_REGS registers per thread (half that with
+    costly features or pass-1 chunks)."""
     width = next_power_of_2(N)
     block_m = max(1, BWD_MIN_TILE // width)
     maxnreg = BWD_MAXNREG[min(len(BWD_MAXNREG) - 1, extra + int(block_m > 1))]
