@@ -127,13 +127,20 @@ def main(argv=None):
             r_b = bench(lambda: torch.autograd.grad(y_ref, params, dy, retain_graph=True))
             r_fb = bench(lambda: torch.autograd.grad(compiled(x, w, b), params, dy))
             err = (y.float() - y_ref.float()).abs().max().item()
+            # Gradients against the compiled reference's: the largest error relative to the largest entry.
+            with backend("triton"):
+                grads = torch.autograd.grad(y, params, dy, retain_graph=True)
+            grads_ref = torch.autograd.grad(y_ref, params, dy, retain_graph=True)
+            gerr = max(((g.float() - r.float()).abs().max() / r.float().abs().max().clamp_min(1e-30)).item()
+                       for g, r in zip(grads, grads_ref))
+            grads = grads_ref = None
             cfg = _cfg_str(ln._bwd_config(M, N, x.device, 1 if is_rms else 2), ln.num_sms(x.device))
             fwd_bytes, bwd_bytes = 4 * M * N + 8 * M, 6 * M * N + 8 * M
-            norm_rows.append((name, M, N, t_f, r_f, fwd_bytes, t_b, r_b, bwd_bytes, t_fb, r_fb, cfg, err))
+            norm_rows.append((name, M, N, t_f, r_f, fwd_bytes, t_b, r_b, bwd_bytes, t_fb, r_fb, cfg, gerr))
             print(f"{name} N={N}: fwd {t_f * 1e3:.0f}us (compile {r_f * 1e3:.0f}us) bwd {t_b * 1e3:.0f}us "
                   f"(compile {r_b * 1e3:.0f}us, {bwd_bytes / t_b / 1e6 / copy_gbs:.2f} of copy) fwd+bwd "
                   f"{t_fb * 1e3:.0f}us (compile {r_fb * 1e3:.0f}us, {r_fb / t_fb:.2f}x) bwd config {cfg} "
-                  f"max|y - y_compile| {err:.2e}", flush=True)
+                  f"max|y - y_compile| {err:.2e} grads vs compile {gerr:.1e}", flush=True)
             x = w = b = dy = y = y_ref = params = None
 
     # -------------------------------------------------------------------------------- cross-entropy
@@ -214,18 +221,20 @@ def main(argv=None):
         log()
         log("Target: fwd+bwd speedup >= 1.00x and bwd x copy >= 0.80. The backward reads x and dy and writes dx "
             "(6 bytes per element); forward + backward moves 10 bytes per element. bwd config: warps, "
-            "programs per SM, pass-2 columns (x sub-chunks, / programs per row), prefetch.")
+            "programs per SM, pass-2 columns (x sub-chunks, / programs per row), prefetch. grad err: largest "
+            "difference to the compiled reference's gradients over their largest entry (dx, dweight, dbias).")
         log()
         log("| norm | rows | hidden | fwd us | compile fwd us | fwd speedup | fwd x copy | bwd us | compile bwd us | "
             "bwd speedup | bwd x copy | fwd+bwd us | compile fwd+bwd us | fwd+bwd speedup | fwd+bwd x copy | "
-            "target | bwd config |")
-        log("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-        for name, M, N, t_f, r_f, fb, t_b, r_b, bb, t_fb, r_fb, cfg, _ in norm_rows:
+            "target | bwd config | grad err |")
+        log("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for name, M, N, t_f, r_f, fb, t_b, r_b, bb, t_fb, r_fb, cfg, gerr in norm_rows:
             cf, cb, cfb = (nb / t / 1e6 / copy_gbs for nb, t in ((fb, t_f), (bb, t_b), (fb + bb, t_fb)))
             met = "met" if r_fb / t_fb >= 1.0 and cb >= 0.8 else "missed"
             log(f"| {name} | {M} | {N} | {t_f * 1e3:.1f} | {r_f * 1e3:.1f} | {r_f / t_f:.2f}x | {cf:.2f} "
                 f"| {t_b * 1e3:.1f} | {r_b * 1e3:.1f} | {r_b / t_b:.2f}x | {cb:.2f} "
-                f"| {t_fb * 1e3:.1f} | {r_fb * 1e3:.1f} | {r_fb / t_fb:.2f}x | {cfb:.2f} | {met} | {cfg} |")
+                f"| {t_fb * 1e3:.1f} | {r_fb * 1e3:.1f} | {r_fb / t_fb:.2f}x | {cfb:.2f} | {met} | {cfg} "
+                f"| {gerr:.1e} |")
         log()
     if do_ce:
         log(f"## Cross-entropy (bf16 logits, rows x vocab = {args.ce_elems}; reference: "
@@ -262,7 +271,7 @@ def _cfg_str(cfg, sms):
     """Short form of a layer_norm BwdConfig: warps, programs per SM, pass-2 columns per program (x sub-chunks,
     / programs per row), prefetch."""
     own = f"{cfg.block_n}" + (f"x{cfg.sub}" if cfg.sub > 1 else "") + (f"/{cfg.split}" if cfg.split > 1 else "")
-    return f"{cfg.num_warps}w {cfg.programs / sms:.0f}/SM {own}{' pf' if cfg.prefetch else ''}"
+    return f"{cfg.num_warps}w {cfg.programs / sms:.2g}/SM {own}{' pf' if cfg.prefetch else ''}"
 
 
 def _cpu_time(fn):
