@@ -215,8 +215,8 @@ def test_splits_with_local_window_and_leftpad():
 
 def test_choose_num_splits():
     from flash_attn.triton.kvcache import MAX_SPLITS, choose_num_splits
-    # Issue 6's decode: batch 1, 8 kv heads, 2k prompt + 256 new tokens, blocks of 128 (d64): one wave.
-    assert choose_num_splits(1 * 8, 2304, 128, 132) == 17  # 136 programs
+    # Issue 6's decode on an H200: batch 1, 8 kv heads, 2k prompt + 256 new tokens, key blocks of 64.
+    assert choose_num_splits(1 * 8, 2304, 64, 132) == 17  # 136 programs
     assert choose_num_splits(64 * 8, 4096, 64, 132) == 1  # the programs alone fill the GPU
     assert choose_num_splits(1, 100, 64, 132) == 2  # no more splits than key blocks
     assert choose_num_splits(1, 1 << 20, 64, 1000) == MAX_SPLITS
@@ -262,6 +262,96 @@ def test_no_host_reads(monkeypatch):
                 block_table=table if paged else None, softmax_scale=0.2, causal=True, window_left=3,
                 window_right=0, softcap=2.0, rotary_interleaved=False, alibi_slopes=slopes, num_splits=2)
         assert torch.isfinite(out).all()
+
+
+_AOT_SCRIPT = r"""
+import contextlib, io, json, re, sys
+import torch, triton
+from triton.backends.compiler import GPUTarget
+import flash_attn
+from flash_attn.triton import kvcache as kv
+
+target = GPUTarget("cuda", 90, 32)
+backend = triton.compiler.make_backend(target)
+try:
+    triton.knobs.nvidia.dump_ptxas_log = True
+except AttributeError:
+    pass
+
+
+def compile_kernel(label, fn, types, constexprs, num_warps, num_stages):
+    names = fn.arg_names
+    sig = {n: "constexpr" if n in constexprs else types(n) for n in names}
+    # pointers and the strides Triton would see divisible by 16 (contiguous bf16 tensors, head dims 64/128)
+    div = [n for n in names if n not in constexprs and (sig[n].startswith("*") or n in (
+        "stride_qb", "stride_qm", "stride_qh", "stride_kb", "stride_kn", "stride_kh", "stride_vb", "stride_vn",
+        "stride_vh", "stride_os", "stride_ob", "stride_om", "stride_oh", "num_heads"))]
+    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=constexprs,
+                                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in div})
+    opts = backend.parse_options({"num_warps": num_warps, "num_stages": num_stages})
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        triton.compile(src, target=target, options=opts.__dict__)
+    m = re.search(r"(\d+) bytes spill stores", log.getvalue())
+    r = re.search(r"Used (\d+) registers", log.getvalue())
+    print(json.dumps(dict(label=label, spills=int(m.group(1)) if m else None, regs=int(r.group(1)) if r else None)))
+
+
+def attn_types(n, split):
+    if n in ("Q", "KCache", "VCache"):
+        return "*bf16"
+    if n == "Out":
+        return "*fp32" if split else "*bf16"
+    if n in ("Lse", "Alibi"):
+        return "*fp32"
+    if n[0].isupper():
+        return "*i32"
+    return "fp32" if n in ("qk_scale", "softcap_scale", "softcap_log2") else "i32"
+
+
+def attn(label, D, rows, split, **flags):
+    bm, bn, w, st = kv.attn_config((9, 0), D, rows, True, False, torch.bfloat16)
+    ce = dict(IS_FP32=False, HEAD_DIM=D, HEAD_DIM_V=D, BLOCK_D=D, BLOCK_DV=D, BLOCK_M=bm, BLOCK_N=bn, PAGED=False,
+              PAGE_SIZE=1, HAS_BATCH_IDX=False, HAS_LEFTPAD=False, WINDOW_LEFT=False, WINDOW_RIGHT=True,
+              HAS_SOFTCAP=False, HAS_ALIBI=False, SPLIT=split)
+    ce.update(flags)
+    compile_kernel(label, kv._kvcache_attn_kernel, lambda n: attn_types(n, split), ce, w, st)
+
+
+attn("decode d64 split", 64, 4, True)
+attn("decode d128 paged, every feature", 128, 4, False, PAGED=True, PAGE_SIZE=256, HAS_LEFTPAD=True,
+     WINDOW_LEFT=True, HAS_SOFTCAP=True, HAS_ALIBI=True)
+attn("prompt d128", 128, 8192, False)
+compile_kernel("combine d128", kv._kvcache_combine_kernel,
+               lambda n: "*fp32" if n in ("OPart", "LPart", "Lse") else "*bf16" if n == "Out" else "i32",
+               dict(HEAD_DIM_V=128, BLOCK_DV=128, BLOCK_SPLITS=32, CHUNK=32), 4, 1)
+compile_kernel("prep d128 rotary paged", kv._kvcache_prep_kernel,
+               lambda n: "*i32" if n in ("CacheSeqlens", "CacheBatchIdx", "BlockTable") else "*bf16"
+               if n[0].isupper() else "i32",
+               dict(HEAD_DIM=128, HEAD_DIM_V=128, BLOCK_D=128, BLOCK_DV=128, BLOCK_R=1, ROTARY_DIM=128,
+                    INTERLEAVED=False, APPEND=True, ROTATE_Q=True, Q_LOCAL=True, PAGED=True, PAGE_SIZE=256,
+                    HAS_BATCH_IDX=False), 1, 1)
+"""
+
+
+def test_kernels_compile_for_sm90_without_spills(tmp_path):
+    """The decode, prompt, combine and prep kernels as configured for an H200 compile for sm_90 ahead of time
+    (no GPU: the interpreter never runs Triton's code generator) and ptxas spills no registers."""
+    import subprocess
+
+    pytest.importorskip("triton.backends.nvidia")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               TRITON_CACHE_DIR=str(tmp_path))  # a fresh cache, so ptxas runs and logs
+    env.pop("TRITON_INTERPRET", None)
+    r = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], cwd=root, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    import json
+    rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == 5, r.stdout
+    for row in rows:
+        assert row["spills"] in (0, None), row  # None: a Triton without the ptxas log knob
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -381,9 +381,7 @@ def attn_config(arch, head_dim, rows, causal, interpret, dtype):
     if dtype == torch.float32:
         return min(max(16, _pow2(rows)), 64), 32, 4, 2
     if rows <= 64:
-        d = _configs.padded_dim(head_dim)
-        block_n = 128 if d <= 64 else 64
-        return max(16, _pow2(rows)), block_n, 4, (3 if d <= 128 else 2)
+        return max(16, _pow2(rows)), 64, 4, (3 if _configs.padded_dim(head_dim) <= 128 else 2)
     if _configs.padded_dim(head_dim) == 256:
         # the forward table's d256 entries spill here (the packed-row indices take registers); these do not
         return (128, 32, 8, 3) if arch is not None and arch[0] >= 9 else (64, 32, 8, 2)
