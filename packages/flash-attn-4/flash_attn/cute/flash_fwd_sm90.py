@@ -108,13 +108,17 @@ class FlashFwdSm90:
                scale_log2: Float32, sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
                sVt_layout: cute.ComposedLayout, tiled_mma_qk: cute.TiledMma,
                tiled_mma_pv: cute.TiledMma):
-        dt, D, BM, BN, stages = self.dtype, self.head_dim, self.block_m, self.block_n, self.num_stages
+        dt, BM, BN, stages = self.dtype, self.block_m, self.block_n, self.num_stages
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         seqlen_q = cute.size(mQ, mode=[0])
         seqlen_k = cute.size(mK, mode=[0])
         head_kv = head // (cute.size(mQ, mode=[2]) // cute.size(mK, mode=[2]))  # GQA / MQA
+        if cutlass.const_expr(self.causal):
+            # Longest first: the query tiles near the end see the most keys; the block scheduler issues
+            # CTAs in x order, so the cheap tiles fill the tail of the grid.
+            m_block = cute.arch.grid_dim()[0] - 1 - m_block
 
         if warp_idx == 0:
             cpasync.prefetch_descriptor(tma_q)
@@ -123,24 +127,25 @@ class FlashFwdSm90:
 
         smem = SmemAllocator()
         q_bars = smem.allocate_array(cutlass.Int64, num_elems=2, byte_alignment=8)
-        kv_bars = smem.allocate_array(cutlass.Int64, num_elems=2 * stages, byte_alignment=8)
+        k_bars = smem.allocate_array(cutlass.Int64, num_elems=2 * stages, byte_alignment=8)
+        v_bars = smem.allocate_array(cutlass.Int64, num_elems=2 * stages, byte_alignment=8)
         sQ = smem.allocate_tensor(dt, sQ_layout.outer, byte_alignment=1024, swizzle=sQ_layout.inner)
         sK = smem.allocate_tensor(dt, sK_layout.outer, byte_alignment=1024, swizzle=sK_layout.inner)
         sVt = smem.allocate_tensor(dt, sVt_layout.outer, byte_alignment=1024, swizzle=sVt_layout.inner)
 
         num_mma_warps = self.NUM_MMA_WARPGROUPS * 4
-        q_bytes = cute.size_in_bytes(dt, sQ_layout)
-        kv_bytes = (cute.size_in_bytes(dt, cute.slice_(sK_layout, (None, None, 0)))
-                    + cute.size_in_bytes(dt, cute.slice_(sVt_layout, (None, None, 0))))
-        # Full barriers count the TMA bytes; empty barriers one arrival per consumer warp.
-        q_pipe = pipeline.PipelineTmaAsync.create(
-            num_stages=1, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, num_mma_warps),
-            tx_count=q_bytes, barrier_storage=q_bars, defer_sync=True)
-        kv_pipe = pipeline.PipelineTmaAsync.create(
-            num_stages=stages, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, num_mma_warps),
-            tx_count=kv_bytes, barrier_storage=kv_bars, defer_sync=True)
+        # Full barriers count the TMA bytes; empty barriers one arrival per consumer warp. K and V have
+        # their own pipelines: S = Q K^T starts when K has landed, and a K stage is free again as soon
+        # as S is computed, while V stays until P V is done.
+        def tma_pipe(bars, n, nbytes):
+            return pipeline.PipelineTmaAsync.create(
+                num_stages=n, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, num_mma_warps),
+                tx_count=nbytes, barrier_storage=bars, defer_sync=True)
+
+        q_pipe = tma_pipe(q_bars, 1, cute.size_in_bytes(dt, sQ_layout))
+        k_pipe = tma_pipe(k_bars, stages, cute.size_in_bytes(dt, cute.slice_(sK_layout, (None, None, 0))))
+        v_pipe = tma_pipe(v_bars, stages, cute.size_in_bytes(dt, cute.slice_(sVt_layout, (None, None, 0))))
         # mbarrier inits must be visible to the async proxy (TMA) and to every thread before use.
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
@@ -155,17 +160,17 @@ class FlashFwdSm90:
             # Producer warpgroup: only TMA issue, so it hands its registers to the consumers.
             cute.arch.setmaxregister_decrease(self.PRODUCER_REGS)
             if tidx == 0:
-                self._produce(tma_q, mQ, tma_k, mK, tma_v, mVt, sQ, sK, sVt, q_pipe, kv_pipe,
+                self._produce(tma_q, mQ, tma_k, mK, tma_v, mVt, sQ, sK, sVt, q_pipe, k_pipe, v_pipe,
                               m_block, head, head_kv, batch, n_block_max)
         else:
             cute.arch.setmaxregister_increase(self.CONSUMER_REGS)
-            self._consume(mO, mLSE, sQ, sK, sVt, q_pipe, kv_pipe, tiled_mma_qk, tiled_mma_pv,
+            self._consume(mO, mLSE, sQ, sK, sVt, q_pipe, k_pipe, v_pipe, tiled_mma_qk, tiled_mma_pv,
                           scale_log2, tidx - self.NUM_PRODUCER_THREADS, m_block, head, batch,
                           seqlen_q, seqlen_k, n_block_max)
 
     @cute.jit
-    def _produce(self, tma_q, mQ, tma_k, mK, tma_v, mVt, sQ, sK, sVt, q_pipe, kv_pipe, m_block, head,
-                 head_kv, batch, n_block_max):
+    def _produce(self, tma_q, mQ, tma_k, mK, tma_v, mVt, sQ, sK, sVt, q_pipe, k_pipe, v_pipe, m_block,
+                 head, head_kv, batch, n_block_max):
         BM, BN, D = self.block_m, self.block_n, self.head_dim
         gQ = cute.local_tile(mQ[None, None, head, batch], (BM, D), (None, 0))      # (BM, D, m)
         gK = cute.local_tile(mK[None, None, head_kv, batch], (BN, D), (None, 0))   # (BN, D, n)
@@ -182,18 +187,76 @@ class FlashFwdSm90:
         q_pipe.producer_acquire(q_state)
         cute.copy(tma_q, tQgQ[None, m_block], tQsQ, tma_bar_ptr=q_pipe.producer_get_barrier(q_state))
 
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         for n_block in cutlass.range(n_block_max, unroll=1):
-            kv_pipe.producer_acquire(state)
-            bar = kv_pipe.producer_get_barrier(state)
-            cute.copy(tma_k, tKgK[None, n_block], tKsK[None, state.index], tma_bar_ptr=bar)
-            cute.copy(tma_v, tVgV[None, n_block], tVsV[None, state.index], tma_bar_ptr=bar)
-            kv_pipe.producer_commit(state)
-            state.advance()
+            k_pipe.producer_acquire(k_state)
+            cute.copy(tma_k, tKgK[None, n_block], tKsK[None, k_state.index],
+                      tma_bar_ptr=k_pipe.producer_get_barrier(k_state))
+            k_state.advance()
+            v_pipe.producer_acquire(v_state)
+            cute.copy(tma_v, tVgV[None, n_block], tVsV[None, v_state.index],
+                      tma_bar_ptr=v_pipe.producer_get_barrier(v_state))
+            v_state.advance()
 
     @cute.jit
-    def _consume(self, mO, mLSE, sQ, sK, sVt, q_pipe, kv_pipe, tiled_mma_qk, tiled_mma_pv, scale_log2,
-                 ctid, m_block, head, batch, seqlen_q, seqlen_k, n_block_max):
+    def _mask(self, acc_S, tScS, m_block, n_block, seqlen_q, seqlen_k):
+        """-inf for the keys past the sequence end (zero-filled by TMA) and, when causal, past each row's
+        diagonal (bottom-right aligned)."""
+        BM, BN = self.block_m, self.block_n
+        for i in cutlass.range(cute.size(acc_S), unroll_full=True):
+            row = m_block * BM + tScS[i][0]
+            col = n_block * BN + tScS[i][1]
+            masked = col >= seqlen_k
+            if cutlass.const_expr(self.causal):
+                masked = masked | (col > row + seqlen_k - seqlen_q)
+            if masked:
+                acc_S[i] = -Float32.inf
+
+    @cute.jit
+    def _softmax(self, acc_S, row_max, row_sum, corr, scale_log2):
+        """Online softmax of one score block, in place: acc_S becomes exp2(scale * (s - new max)) (fp32),
+        row_max / row_sum are updated and corr gets the factor exp2(scale * (old max - new max)) that
+        rescales the rows of O. Accumulator of an m64nNk16 WGMMA: per thread ((2 cols, 2 rows, N/8
+        col groups), 1, 1), value (c, r, j) at index c + 2 r + 4 j; the row's other columns live in
+        the 3 other threads of its quad (lanes 4q..4q+3)."""
+        num_col_groups = self.block_n // 8
+        for r in cutlass.range_constexpr(2):
+            m_new = row_max[r]
+            for j in cutlass.range_constexpr(num_col_groups):
+                for c in cutlass.range_constexpr(2):
+                    m_new = cute.arch.fmax(m_new, acc_S[c + 2 * r + 4 * j])
+            m_new = cute.arch.fmax(m_new, cute.arch.shuffle_sync_bfly(m_new, offset=1))
+            m_new = cute.arch.fmax(m_new, cute.arch.shuffle_sync_bfly(m_new, offset=2))
+            # A row with no visible key so far keeps max -inf; subtract 0 then so exp2 gives 0.
+            m_scaled = m_new * scale_log2
+            if m_new == -Float32.inf:
+                m_scaled = Float32(0.0)
+            corr[r] = cute.math.exp2(row_max[r] * scale_log2 - m_scaled, fastmath=True)
+            row_max[r] = m_new
+            s = row_sum[r] * corr[r]
+            for j in cutlass.range_constexpr(num_col_groups):
+                for c in cutlass.range_constexpr(2):
+                    p = cute.math.exp2(acc_S[c + 2 * r + 4 * j] * scale_log2 - m_scaled, fastmath=True)
+                    acc_S[c + 2 * r + 4 * j] = p
+                    s += p
+            row_sum[r] = s  # partial over this thread's columns; the quad is summed at the end
+
+    @cute.jit
+    def _rescale(self, acc_O, corr):
+        for r in cutlass.range_constexpr(2):
+            for j in cutlass.range_constexpr(self.head_dim // 8):
+                for c in cutlass.range_constexpr(2):
+                    acc_O[c + 2 * r + 4 * j] = acc_O[c + 2 * r + 4 * j] * corr[r]
+
+    @cute.jit
+    def _consume(self, mO, mLSE, sQ, sK, sVt, q_pipe, k_pipe, v_pipe, tiled_mma_qk, tiled_mma_pv,
+                 scale_log2, ctid, m_block, head, batch, seqlen_q, seqlen_k, n_block_max):
+        """FlashAttention-3's consumer (Shah et al. 2024, sections 3.1-3.2). Within a warpgroup, block j's
+        S = Q K_j^T and the previous block's O += P V_{j-1} are both in flight while the softmax of
+        block j-1 has finished; the softmax of S_j then runs while P V_{j-1} is still computing. Across
+        the two warpgroups, named barriers hand the tensor cores back and forth (ping-pong): one issues
+        its GEMMs while the other does softmax."""
         dt, D, BM, BN = self.dtype, self.head_dim, self.block_m, self.block_n
         thr_qk = tiled_mma_qk.get_slice(ctid)
         thr_pv = tiled_mma_pv.get_slice(ctid)
@@ -205,90 +268,122 @@ class FlashFwdSm90:
         acc_O.fill(0.0)
         tScS = thr_qk.partition_C(cute.make_identity_tensor((BM, BN)))
         tOcO = thr_pv.partition_C(cute.make_identity_tensor((BM, D)))
-
-        # Accumulator of an m64nNk16 WGMMA: per thread ((2 cols, 2 rows, N/8 col groups), 1, 1); its
-        # value order matches the register A operand of m64nDk16 when N/8 is split into (2, N/16).
-        num_col_groups = BN // 8
-        p_layout = cute.make_layout(((2, 2, 2), 1, num_col_groups // 2))
+        # The S accumulator's value order matches the register A operand of m64nDk16 when its N/8 column
+        # groups are split into (2, N/16) (checked by tests/test_cute_compile.py).
+        p_layout = cute.make_layout(((2, 2, 2), 1, BN // 16))
+        rP = cute.make_rmem_tensor_like(acc_S, dt)
+        tOrP = cute.make_tensor(rP.iterator, p_layout)
 
         row_max = cute.make_rmem_tensor((2,), Float32)
         row_sum = cute.make_rmem_tensor((2,), Float32)
+        corr = cute.make_rmem_tensor((2,), Float32)
         row_max.fill(-Float32.inf)
         row_sum.fill(0.0)
 
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        q_pipe.consumer_wait(q_state)
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        # Blocks from here on may hold masked keys: the sequence tail (zero-filled by TMA) or, when
-        # causal, keys past a row's diagonal.
+        # Ping-pong: warpgroup w waits on named barrier 1 + w before issuing GEMMs and then lets the
+        # other one go (barrier 0 is __syncthreads). Both warpgroups run the same number of blocks.
+        wg = cute.arch.make_warp_uniform(ctid // 128)
+        pingpong = cutlass.const_expr(self.NUM_MMA_WARPGROUPS == 2)
+        n_threads_pp = 2 * 128
+
+        # Blocks from here on may hold masked keys: the sequence tail or, when causal, keys past a row's
+        # diagonal.
         n_block_mask_from = seqlen_k // BN
         if cutlass.const_expr(self.causal):
             n_block_mask_from = cutlass.min(
                 n_block_mask_from, cutlass.max(m_block * BM + seqlen_k - seqlen_q, 0) // BN)
 
-        for n_block in cutlass.range(n_block_max, unroll=1):
-            kv_pipe.consumer_wait(state)
-            stage = state.index
-            # S = Q K^T
-            tiled_mma_qk.set(warpgroup.Field.ACCUMULATE, False)
-            warpgroup.fence()
-            for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
-                cute.gemm(tiled_mma_qk, acc_S, tSrQ[None, None, k], tSrK[None, None, k, stage], acc_S)
-                tiled_mma_qk.set(warpgroup.Field.ACCUMULATE, True)
-            warpgroup.commit_group()
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        tiled_mma_pv.set(warpgroup.Field.ACCUMULATE, True)
+
+        if n_block_max > 0:
+            q_pipe.consumer_wait(q_state)
+            if cutlass.const_expr(pingpong):
+                if wg == 1:  # warpgroup 0 goes first
+                    cute.arch.barrier_arrive(barrier_id=1, number_of_threads=n_threads_pp)
+            # Block 0: S = Q K_0^T, then its softmax (nothing to overlap with yet).
+            k_pipe.consumer_wait(k_state)
+            if cutlass.const_expr(pingpong):
+                cute.arch.barrier(barrier_id=1 + wg, number_of_threads=n_threads_pp)
+            self._gemm_qk(tiled_mma_qk, acc_S, tSrQ, tSrK, k_state.index)
+            if cutlass.const_expr(pingpong):
+                self._pass_turn(wg, n_block_max > 1, n_threads_pp)
             warpgroup.wait_group(0)
-
-            if n_block >= n_block_mask_from:
-                for i in cutlass.range_constexpr(cute.size(acc_S)):
-                    row = m_block * BM + tScS[i][0]
-                    col = n_block * BN + tScS[i][1]
-                    masked = col >= seqlen_k
-                    if cutlass.const_expr(self.causal):
-                        masked = masked | (col > row + seqlen_k - seqlen_q)
-                    if masked:
-                        acc_S[i] = -Float32.inf
-
-            # Online softmax: the row's 2*N/8*2 values live in this thread; the other columns of the
-            # row live in the 3 other threads of its quad (lanes 4r..4r+3).
-            for r in cutlass.range_constexpr(2):
-                m_new = row_max[r]
-                for j in cutlass.range_constexpr(num_col_groups):
-                    for c in cutlass.range_constexpr(2):
-                        m_new = cute.arch.fmax(m_new, acc_S[c + 2 * r + 4 * j])
-                m_new = cute.arch.fmax(m_new, cute.arch.shuffle_sync_bfly(m_new, offset=1))
-                m_new = cute.arch.fmax(m_new, cute.arch.shuffle_sync_bfly(m_new, offset=2))
-                # A row with no visible key so far keeps max -inf; subtract 0 then so exp2 gives 0.
-                m_scaled = m_new * scale_log2
-                if m_new == -Float32.inf:
-                    m_scaled = Float32(0.0)
-                corr = cute.math.exp2(row_max[r] * scale_log2 - m_scaled, fastmath=True)
-                row_max[r] = m_new
-                s = row_sum[r] * corr
-                for j in cutlass.range_constexpr(num_col_groups):
-                    for c in cutlass.range_constexpr(2):
-                        p = cute.math.exp2(acc_S[c + 2 * r + 4 * j] * scale_log2 - m_scaled, fastmath=True)
-                        acc_S[c + 2 * r + 4 * j] = p
-                        s += p
-                row_sum[r] = s  # partial over this thread's columns; the quad is summed at the end
-                for j in cutlass.range_constexpr(D // 8):
-                    for c in cutlass.range_constexpr(2):
-                        acc_O[c + 2 * r + 4 * j] = acc_O[c + 2 * r + 4 * j] * corr
-
-            # O += P V, P converted to the input dtype in registers. (The accumulate flag is set here: its
-            # host-side default is not "accumulate", and O must sum over every key block.)
-            tiled_mma_pv.set(warpgroup.Field.ACCUMULATE, True)
-            rP = cute.make_rmem_tensor_like(acc_S, dt)
+            k_pipe.consumer_release(k_state)
+            k_state.advance()
+            if 0 >= n_block_mask_from:
+                self._mask(acc_S, tScS, m_block, 0, seqlen_q, seqlen_k)
+            self._softmax(acc_S, row_max, row_sum, corr, scale_log2)
             rP.store(acc_S.load().to(dt))
-            tOrP = cute.make_tensor(rP.iterator, p_layout)
-            warpgroup.fence()
-            for k in cutlass.range_constexpr(BN // 16):
-                cute.gemm(tiled_mma_pv, acc_O, tOrP[None, None, k], tOrV[None, None, k, stage], acc_O)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
-            kv_pipe.consumer_release(state)
-            state.advance()
 
-        # Epilogue: O / l, lse = ln(sum exp(scale * s)) = (max * scale_log2 + log2 l) * ln 2.
+            for n_block in cutlass.range(1, n_block_max, unroll=1):
+                k_pipe.consumer_wait(k_state)
+                v_pipe.consumer_wait(v_state)
+                if cutlass.const_expr(pingpong):
+                    cute.arch.barrier(barrier_id=1 + wg, number_of_threads=n_threads_pp)
+                self._gemm_qk(tiled_mma_qk, acc_S, tSrQ, tSrK, k_state.index)   # S_j = Q K_j^T
+                self._rescale(acc_O, corr)  # O was final up to block j-2; scale it to block j-1's max
+                self._gemm_pv(tiled_mma_pv, acc_O, tOrP, tOrV, v_state.index)   # O += P_{j-1} V_{j-1}
+                if cutlass.const_expr(pingpong):
+                    self._pass_turn(wg, n_block < n_block_max - 1, n_threads_pp)
+                warpgroup.wait_group(1)  # S_j is ready; P V may still run
+                k_pipe.consumer_release(k_state)
+                k_state.advance()
+                # The softmax sits in both branches so the wait below starts its own basic block:
+                # ptxas hoists a wait it finds in the softmax's block above the softmax, which would
+                # end the overlap with P V.
+                if n_block >= n_block_mask_from:
+                    self._mask(acc_S, tScS, m_block, n_block, seqlen_q, seqlen_k)
+                    self._softmax(acc_S, row_max, row_sum, corr, scale_log2)
+                else:
+                    self._softmax(acc_S, row_max, row_sum, corr, scale_log2)
+                warpgroup.wait_group(0)  # P V done: P's registers and V's stage are free
+                v_pipe.consumer_release(v_state)
+                rP.store(acc_S.load().to(dt))
+                v_state.advance()
+
+            # The last block's O += P V.
+            v_pipe.consumer_wait(v_state)
+            self._rescale(acc_O, corr)
+            self._gemm_pv(tiled_mma_pv, acc_O, tOrP, tOrV, v_state.index)
+            warpgroup.wait_group(0)
+            v_pipe.consumer_release(v_state)
+
+        self._epilogue(mO, mLSE, acc_O, row_max, row_sum, tOcO, scale_log2, ctid, m_block, head, batch,
+                       seqlen_q)
+
+    @cute.jit
+    def _pass_turn(self, wg, more_blocks, n_threads):
+        """Let the other warpgroup issue its GEMMs. Warpgroup 1 skips this after its last block, so that
+        every arrival on a named barrier meets a wait (warpgroup 0 waited once more than warpgroup 1
+        had issued: the first turn was given up front)."""
+        if wg == 0 or more_blocks:
+            cute.arch.barrier_arrive(barrier_id=2 - wg, number_of_threads=n_threads)
+
+    @cute.jit
+    def _gemm_qk(self, tiled_mma_qk, acc_S, tSrQ, tSrK, stage):
+        tiled_mma_qk.set(warpgroup.Field.ACCUMULATE, False)
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+            cute.gemm(tiled_mma_qk, acc_S, tSrQ[None, None, k], tSrK[None, None, k, stage], acc_S)
+            tiled_mma_qk.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def _gemm_pv(self, tiled_mma_pv, acc_O, tOrP, tOrV, stage):
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(self.block_n // 16):
+            cute.gemm(tiled_mma_pv, acc_O, tOrP[None, None, k], tOrV[None, None, k, stage], acc_O)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def _epilogue(self, mO, mLSE, acc_O, row_max, row_sum, tOcO, scale_log2, ctid, m_block, head, batch,
+                  seqlen_q):
+        """O / l and lse = ln(sum exp(scale * s)) = (max * scale_log2 + log2 l) * ln 2; a row with no
+        visible key gets O = 0 and lse = +inf."""
+        dt, D, BM = self.dtype, self.head_dim, self.block_m
         lane = ctid % 32
         gO = mO[None, None, head, batch]  # (Sq, D)
         for r in cutlass.range_constexpr(2):
@@ -296,7 +391,7 @@ class FlashFwdSm90:
             l += cute.arch.shuffle_sync_bfly(l, offset=1)
             l += cute.arch.shuffle_sync_bfly(l, offset=2)
             inv = Float32(0.0)
-            lse = Float32.inf  # a row with no visible key: out 0, lse +inf
+            lse = Float32.inf
             if l > 0.0:
                 inv = 1.0 / l
                 lse = (row_max[r] * scale_log2 + cute.math.log2(l)) * LN_2
