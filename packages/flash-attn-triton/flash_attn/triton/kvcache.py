@@ -421,7 +421,7 @@ def _grid_dim(n):
 
 
 def _strides3(t):
-    return t.stride(0), t.stride(1), t.stride(2)
+    return t.stride()[:3]
 
 
 def fwd_kvcache(q, k_cache, v_cache, *, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
