@@ -24,7 +24,7 @@ if _PKG not in sys.path:  # the checkout's flash_attn/__init__ also finds it; th
 
 from flash_attn.cute import cache, interface, precompile  # noqa: E402
 
-CONFIG = (torch.bfloat16, 128, False, "sm_90a")  # the one precompiled configuration
+CONFIG = (torch.bfloat16, 128, False, "sm_90a")  # the one precompiled configuration (memory key: + local, softcap)
 
 
 def _env(**extra):
@@ -75,7 +75,8 @@ def test_precompile_writes_a_complete_entry(precompiled):
     manifest = json.loads((precompiled / f"{name}.json").read_text())
     assert manifest["key"] == key and manifest["symbol"] == symbol
     assert manifest["config"] == {"kernel": "FlashFwdSm90", "dtype": "bf16", "head_dim": 128, "causal": False,
-                                  "arch": "sm_90a", "abi": "tvm-ffi-env-stream"}
+                                  "local": False, "softcap": False, "arch": "sm_90a",
+                                  "abi": "tvm-ffi-env-stream"}
     assert manifest["source"] == cache.source_hash()
     # no temporary file is left behind, and only the one configuration was built
     assert sorted(p.suffix for p in precompiled.iterdir()) == sorted([".json", ".lock"] + [f".{e}" for e in files])
@@ -101,11 +102,11 @@ _CHILD = textwrap.dedent("""
     load_s = time.perf_counter() - t0
     q = torch.zeros(1, 128, 16, 128, dtype=torch.bfloat16)
     try:  # the real kernel's TVM-FFI wrapper checks its arguments (on the CPU: the device type)
-        fn(q, q, q, q, torch.zeros(1, 16, 128), 0.1)
+        fn(q, q, q, q, torch.zeros(1, 16, 128), 0.1, 0.0, 0, 0)
         error = None
     except Exception as e:
         error = f"{type(e).__name__}: {e}"
-    print(json.dumps({"origin": interface._origins[(torch.bfloat16, 128, False, "sm_90a")], "load_s": load_s,
+    print(json.dumps({"origin": interface._origins[(torch.bfloat16, 128, False, "sm_90a", False, False)], "load_s": load_s,
                       "cutlass_imported": "cutlass" in sys.modules, "error": error}))
 """)
 
@@ -164,7 +165,7 @@ def test_warm_process_never_reloads(precompiled, monkeypatch, no_compile):
     real_load = cache.DiskCache.load
     monkeypatch.setattr(cache.DiskCache, "load", lambda self, *a, **k: loads.append(a) or real_load(self, *a, **k))
     fn = interface.fwd_kernel(*CONFIG)
-    assert interface._origins[CONFIG] in ("so", "o") and len(loads) == 1
+    assert interface._origins[CONFIG + (False, False)] in ("so", "o") and len(loads) == 1
     for _ in range(3):
         assert interface.fwd_kernel(*CONFIG) is fn
     assert len(loads) == 1
@@ -263,7 +264,7 @@ def test_concurrent_builder_waits_for_the_lock_holder(precompiled, tmp_path, no_
         interface.compile_fwd = refuse
         print("ready", flush=True)
         fn = interface.fwd_kernel(torch.bfloat16, 128, False, "sm_90a")
-        print(json.dumps({"origin": interface._origins[(torch.bfloat16, 128, False, "sm_90a")],
+        print(json.dumps({"origin": interface._origins[(torch.bfloat16, 128, False, "sm_90a", False, False)],
                           "done": time.time()}), flush=True)
     """)
     with disk.writer(name):
@@ -353,7 +354,7 @@ def test_kernel_loaded_from_disk_matches_reference(precompiled, monkeypatch, no_
     v = torch.randn(batch, seqlen_k, heads_kv, 128, device="cuda", dtype=torch.bfloat16)
     out, lse = flash_attn_func(q, k, v)
     torch.cuda.synchronize()
-    assert interface._origins[CONFIG] in ("so", "o")
+    assert interface._origins[CONFIG + (False, False)] in ("so", "o")
     out_ref, _ = attention_ref(q, k, v)
     out_pt, _ = attention_ref(q, k, v, upcast=False, reorder_ops=True)
     assert_close_to_ref(out, out_ref, out_pt)

@@ -20,21 +20,24 @@ if _PKG not in sys.path:  # the checkout's flash_attn/__init__ also finds it; th
 from flash_attn.cute.interface import compile_fwd  # noqa: E402
 from flash_attn.testing import assert_close_to_ref, attention_ref  # noqa: E402
 
-CONFIGS = [(dtype, d, causal) for dtype in (torch.bfloat16, torch.float16) for d in (64, 128)
-           for causal in (False, True)]
+# (dtype, head dim, causal, local, softcap): the standard configurations, and the window / softcap variants
+CONFIGS = [(dtype, d, causal, False, False) for dtype in (torch.bfloat16, torch.float16) for d in (64, 128)
+           for causal in (False, True)] + [(torch.bfloat16, 128, False, True, False),
+                                           (torch.float16, 64, True, False, True)]
 
 
 def _ids(cfg):
-    dtype, d, causal = cfg
-    return f"{str(dtype).split('.')[-1]}-d{d}-{'causal' if causal else 'full'}"
+    dtype, d, causal, local, softcap = cfg
+    mask = "local" if local else "causal" if causal else "full"
+    return f"{str(dtype).split('.')[-1]}-d{d}-{mask}{'-softcap' if softcap else ''}"
 
 
 @pytest.fixture(scope="module", params=CONFIGS, ids=_ids)
 def ptx(request, tmp_path_factory):
-    dtype, d, causal = request.param
+    dtype, d, causal, local, softcap = request.param
     dump = tmp_path_factory.mktemp("ptx")
     t0 = time.perf_counter()
-    compile_fwd(dtype, d, causal, arch="sm_90a", dump_dir=str(dump))
+    compile_fwd(dtype, d, causal, arch="sm_90a", dump_dir=str(dump), local=local, softcap=softcap)
     print(f"\ncompile {_ids(request.param)}: {time.perf_counter() - t0:.2f} s")
     (path,) = glob.glob(str(dump / "*.ptx"))
     with open(path) as f:
@@ -51,7 +54,7 @@ def test_ptx_targets_sm90a(ptx):
 
 
 def test_ptx_uses_wgmma_for_both_products(ptx):
-    (dtype, d, _), text = ptx
+    (dtype, d, *_), text = ptx
     ab = "bf16.bf16" if dtype == torch.bfloat16 else "f16.f16"
     block_n = 128
     # S = Q K^T: m64n{block_n}k16, d/16 of them; O += P V: m64n{d}k16 with P from registers, block_n/16.
@@ -68,10 +71,11 @@ def test_ptx_loads_with_tma_and_mbarriers(ptx):
 
 
 def test_ptx_is_warp_specialised(ptx):
-    _, text = ptx
+    cfg, text = ptx
     assert _count(text, "setmaxnreg.dec.sync.aligned.u32") == 1
     assert _count(text, "setmaxnreg.inc.sync.aligned.u32") == 1
     assert "ex2.approx" in text  # softmax through exp2
+    assert ("tanh.approx" in text) == cfg[4]  # soft-capping, only where asked for
 
 
 def _compare_fragments(qk, pv, block_m, block_n, mismatches):
@@ -170,6 +174,52 @@ def test_matches_reference_on_gpu(dtype, d, causal, batch, seqlen_q, seqlen_k, h
         assert (lse[finite] - lse_ref[finite]).abs().max().item() < 1e-2
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal,window", [(False, (64, 16)), (False, (-1, 40)), (False, (100, -1)),
+                                           (True, (48, -1)), (False, (0, 0)), (False, (-1, -1))])
+@pytest.mark.parametrize("softcap", [0.0, 20.0])
+@pytest.mark.parametrize("batch,seqlen_q,seqlen_k,heads,heads_kv", [
+    (2, 333, 333, 4, 2), (1, 129, 517, 2, 1), (1, 700, 200, 2, 2)])
+def test_window_and_softcap_match_reference_on_gpu(d, causal, window, softcap, batch, seqlen_q, seqlen_k,
+                                                    heads, heads_kv):
+    from flash_attn.cute import flash_attn_func
+
+    if window == (-1, -1) and not softcap:
+        pytest.skip("plain attention: test_matches_reference_on_gpu")
+    torch.manual_seed(0)
+    dtype = torch.bfloat16
+    q = torch.randn(batch, seqlen_q, heads, d, device="cuda", dtype=dtype)
+    k = torch.randn(batch, seqlen_k, heads_kv, d, device="cuda", dtype=dtype)
+    v = torch.randn(batch, seqlen_k, heads_kv, d, device="cuda", dtype=dtype)
+    out, lse = flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap)
+    torch.cuda.synchronize()
+    ref_window = (window[0], 0 if causal else window[1])
+    kw = dict(causal=causal, window_size=ref_window, softcap=softcap)
+    out_ref, _ = attention_ref(q, k, v, **kw)
+    out_pt, _ = attention_ref(q, k, v, upcast=False, reorder_ops=True, **kw)
+    assert_close_to_ref(out, out_ref, out_pt)
+    # lse where a row sees keys, +inf where it sees none
+    kk = k.float().repeat_interleave(heads // heads_kv, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q.float(), kk) / math.sqrt(d)
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    i = torch.arange(seqlen_q, device="cuda").view(-1, 1) + seqlen_k - seqlen_q
+    j = torch.arange(seqlen_k, device="cuda").view(1, -1)
+    visible = torch.ones_like(s[0, 0], dtype=torch.bool)
+    if ref_window[0] >= 0:
+        visible &= j >= i - ref_window[0]
+    if ref_window[1] >= 0:
+        visible &= j <= i + ref_window[1]
+    lse_ref = torch.logsumexp(s.masked_fill(~visible, -math.inf), dim=-1)
+    lse_ref = torch.where(torch.isneginf(lse_ref), torch.full_like(lse_ref, math.inf), lse_ref)
+    finite = torch.isfinite(lse_ref)
+    assert torch.equal(torch.isfinite(lse), finite)
+    if finite.any():
+        assert (lse[finite] - lse_ref[finite]).abs().max().item() < 1e-2
+
+
 # ----------------------------------------------------------------------------------------------------
 # The dispatcher's backend module (flash_attn.cute.backend)
 
@@ -188,6 +238,7 @@ def test_backend_admits_only_what_the_kernel_does():
     assert backend.unsupported_reason(_call()) is None
     assert backend.unsupported_reason(_call(causal=True, head_dim=64, head_dim_v=64,
                                             dtype=torch.float16)) is None
+    assert backend.unsupported_reason(_call(local=True, softcap=True)) is None
     refused = {
         "device cpu": _call(device_type="cpu", arch=None),
         "compute capability": _call(arch=(8, 0)),
@@ -196,8 +247,6 @@ def test_backend_admits_only_what_the_kernel_does():
         "head dims 128/64": _call(head_dim_v=64),
         "backward": _call(backward=True),
         "varlen": _call(varlen=True),
-        "sliding window": _call(local=True),
-        "softcap": _call(softcap=True),
         "alibi": _call(alibi=True),
         "dropout": _call(dropout=True),
         "return_probs": _call(return_probs=True),

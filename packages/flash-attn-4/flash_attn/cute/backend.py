@@ -1,7 +1,7 @@
 """The root dispatcher's view of flash_attn.cute (the contract is in flash_attn/backends/__init__.py).
 
 Serves dense forward calls on Hopper (sm_90): fp16/bf16, head dim 64 or 128 (v's equal to q's), causal
-or not, GQA/MQA. It has no backward kernel yet: the dispatcher sends the backward of a call this backend
+or not, sliding windows, softcap, GQA/MQA. It has no backward kernel yet: the dispatcher sends the backward of a call this backend
 served forward to the next backend that has one (Triton, else the reference), which consumes this
 forward's out and lse. (No ``bwd``: ``unsupported_reason`` refuses every backward call.)
 """
@@ -34,10 +34,9 @@ def unsupported_reason(call):
         return f"dtype {call.dtype} (fp16/bf16 only)"
     if call.head_dim not in _HEAD_DIMS or call.head_dim_v != call.head_dim:
         return f"head dims {call.head_dim}/{call.head_dim_v} not in {_HEAD_DIMS} (equal for q/k and v)"
-    for what in ("backward", "varlen", "paged", "local", "softcap", "alibi", "dropout", "return_probs",
-                 "kvcache"):
+    for what in ("backward", "varlen", "paged", "alibi", "dropout", "return_probs", "kvcache"):
         if getattr(call, what):
-            return what if what != "local" else "sliding window"
+            return what
     return None
 
 
@@ -45,6 +44,7 @@ def fwd(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bloc
         causal, window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state, return_probs):
     from flash_attn.cute.interface import forward
 
-    out, lse = forward(q, k, v, softmax_scale, causal, "sm_90a")  # unsupported_reason admitted only sm_90
+    # unsupported_reason admitted only sm_90
+    out, lse = forward(q, k, v, softmax_scale, causal, "sm_90a", window_left, window_right, softcap)
     return out, lse, q.new_empty(0)
 

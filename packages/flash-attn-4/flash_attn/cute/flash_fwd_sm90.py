@@ -12,12 +12,20 @@ import math
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Float32
+from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
+
+
+def _tree(op, values):
+    """op folded over values as a balanced tree (trace time: emits log2(n) levels of independent ops)."""
+    while len(values) > 1:
+        values = [op(values[i], values[i + 1]) if i + 1 < len(values) else values[i]
+                  for i in range(0, len(values), 2)]
+    return values[0]
 
 
 def _smem_layout(kind, dtype, shape):
@@ -27,8 +35,10 @@ def _smem_layout(kind, dtype, shape):
 
 
 class FlashFwdSm90:
-    """Compile-time configuration of the kernel: dtype, head dim, causal. Everything else (batch,
-    sequence lengths, head counts, strides) is a runtime value of the compiled kernel."""
+    """Compile-time configuration of the kernel: dtype, head dim, the mask (none, causal, or a local
+    window whose sizes are runtime values) and whether scores are soft-capped. Everything else (batch,
+    sequence lengths, head counts, strides, scale, softcap, window sizes) is a runtime value of the
+    compiled kernel."""
 
     NUM_PRODUCER_THREADS = 128  # one warpgroup; a single thread issues the TMA copies
     NUM_MMA_WARPGROUPS = 2
@@ -36,7 +46,10 @@ class FlashFwdSm90:
     PRODUCER_REGS = 24
     CONSUMER_REGS = 240
 
-    def __init__(self, dtype, head_dim, causal, block_m=128, block_n=128, num_stages=2):
+    UNBOUNDED = 1 << 30  # window size standing for "no limit on this side" (host passes it for -1)
+
+    def __init__(self, dtype, head_dim, causal, local=False, softcap=False, block_m=128, block_n=128,
+                 num_stages=2):
         if head_dim not in (64, 128):
             raise ValueError(f"head dim {head_dim} not in (64, 128)")
         if dtype not in (cutlass.Float16, cutlass.BFloat16):
@@ -44,7 +57,9 @@ class FlashFwdSm90:
         assert block_m == 64 * self.NUM_MMA_WARPGROUPS
         self.dtype = dtype
         self.head_dim = head_dim
-        self.causal = causal
+        self.causal = bool(causal) and not local  # a causal local window is local with right = 0
+        self.local = bool(local)
+        self.softcap = bool(softcap)
         self.block_m = block_m
         self.block_n = block_n
         self.num_stages = num_stages
@@ -55,8 +70,11 @@ class FlashFwdSm90:
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-                 mLSE: cute.Tensor, softmax_scale: Float32, stream):
-        """mQ/mO (B, Sq, H, D), mK/mV (B, Sk, Hk, D), mLSE (B, H, Sq) fp32, as PyTorch lays them out."""
+                 mLSE: cute.Tensor, softmax_scale: Float32, softcap: Float32, window_left: Int32,
+                 window_right: Int32, stream):
+        """mQ/mO (B, Sq, H, D), mK/mV (B, Sk, Hk, D), mLSE (B, H, Sq) fp32, as PyTorch lays them out.
+        softcap is read when the kernel was built with softcap=True, window_left/right (>= 0, UNBOUNDED
+        for no limit) when built with local=True."""
         dt, D, BM, BN = self.dtype, self.head_dim, self.block_m, self.block_n
         # (B, S, H, D) -> (S, D, H, B): the first two modes are the tile, the others index the CTA.
         mQ = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 3, 2, 0]))
@@ -92,11 +110,17 @@ class FlashFwdSm90:
             g2s, mVt, cute.slice_(sVt_layout, (None, None, 0)), (D, BN))
 
         # exp2 with log2(e) folded into the scale: one FFMA per score instead of FMUL + ex2 scaling.
+        # Soft-capped scores are softcap * tanh(scale * s / softcap): the scale goes into the tanh
+        # argument and the softmax sees log2(e) only.
         scale_log2 = softmax_scale * LOG2_E
+        score_scale = Float32(1.0)
+        if cutlass.const_expr(self.softcap):
+            score_scale = softmax_scale / softcap
+            scale_log2 = Float32(LOG2_E)
         grid = (cute.ceil_div(cute.size(mQ, mode=[0]), BM), cute.size(mQ, mode=[2]),
                 cute.size(mQ, mode=[3]))
-        self.kernel(tma_q, mQ_tma, tma_k, mK_tma, tma_v, mVt_tma, mO, mLSE, scale_log2,
-                    sQ_layout, sK_layout, sVt_layout, tiled_mma_qk, tiled_mma_pv).launch(
+        self.kernel(tma_q, mQ_tma, tma_k, mK_tma, tma_v, mVt_tma, mO, mLSE, scale_log2, score_scale,
+                    softcap, window_left, window_right, sQ_layout, sK_layout, sVt_layout, tiled_mma_qk, tiled_mma_pv).launch(
             grid=grid, block=(self.num_threads, 1, 1), stream=stream)
 
     # ------------------------------------------------------------------------------------------------
@@ -105,7 +129,8 @@ class FlashFwdSm90:
     @cute.kernel
     def kernel(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor,
                tma_v: cute.CopyAtom, mVt: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-               scale_log2: Float32, sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+               scale_log2: Float32, score_scale: Float32, softcap: Float32, window_left: Int32,
+               window_right: Int32, sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
                sVt_layout: cute.ComposedLayout, tiled_mma_qk: cute.TiledMma,
                tiled_mma_pv: cute.TiledMma):
         dt, BM, BN, stages = self.dtype, self.block_m, self.block_n, self.num_stages
@@ -150,27 +175,34 @@ class FlashFwdSm90:
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
-        # Key blocks this query tile sees: all, or (causal, bottom-right aligned) up to the diagonal.
+        # Key blocks this query tile sees (bottom-right aligned masks: row i's diagonal is key
+        # i + Sk - Sq): all; up to the diagonal (causal); or the window around it (local).
+        n_block_min = Int32(0)
         n_block_max = cute.ceil_div(seqlen_k, BN)
-        if cutlass.const_expr(self.causal):
-            last_col = (m_block + 1) * BM + seqlen_k - seqlen_q  # exclusive bound of visible keys
+        if cutlass.const_expr(self.causal or self.local):
+            right = Int32(0) if cutlass.const_expr(self.causal) else window_right
+            last_col = (m_block + 1) * BM + seqlen_k - seqlen_q + right  # exclusive bound of visible keys
             n_block_max = cutlass.min(n_block_max, cute.ceil_div(cutlass.max(last_col, 0), BN))
+        if cutlass.const_expr(self.local):
+            first_col = m_block * BM + seqlen_k - seqlen_q - window_left  # first key row m_block*BM sees
+            n_block_min = cutlass.max(first_col, 0) // BN
 
         if warp_idx < 4:
             # Producer warpgroup: only TMA issue, so it hands its registers to the consumers.
             cute.arch.setmaxregister_decrease(self.PRODUCER_REGS)
             if tidx == 0:
                 self._produce(tma_q, mQ, tma_k, mK, tma_v, mVt, sQ, sK, sVt, q_pipe, k_pipe, v_pipe,
-                              m_block, head, head_kv, batch, n_block_max)
+                              m_block, head, head_kv, batch, n_block_min, n_block_max)
         else:
             cute.arch.setmaxregister_increase(self.CONSUMER_REGS)
             self._consume(mO, mLSE, sQ, sK, sVt, q_pipe, k_pipe, v_pipe, tiled_mma_qk, tiled_mma_pv,
-                          scale_log2, tidx - self.NUM_PRODUCER_THREADS, m_block, head, batch,
-                          seqlen_q, seqlen_k, n_block_max)
+                          scale_log2, score_scale, softcap, window_left, window_right,
+                          tidx - self.NUM_PRODUCER_THREADS, m_block, head, batch, seqlen_q, seqlen_k,
+                          n_block_min, n_block_max)
 
     @cute.jit
     def _produce(self, tma_q, mQ, tma_k, mK, tma_v, mVt, sQ, sK, sVt, q_pipe, k_pipe, v_pipe, m_block,
-                 head, head_kv, batch, n_block_max):
+                 head, head_kv, batch, n_block_min, n_block_max):
         BM, BN, D = self.block_m, self.block_n, self.head_dim
         gQ = cute.local_tile(mQ[None, None, head, batch], (BM, D), (None, 0))      # (BM, D, m)
         gK = cute.local_tile(mK[None, None, head_kv, batch], (BN, D), (None, 0))   # (BN, D, n)
@@ -189,7 +221,7 @@ class FlashFwdSm90:
 
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        for n_block in cutlass.range(n_block_max, unroll=1):
+        for n_block in cutlass.range(n_block_min, n_block_max, unroll=1):
             k_pipe.producer_acquire(k_state)
             cute.copy(tma_k, tKgK[None, n_block], tKsK[None, k_state.index],
                       tma_bar_ptr=k_pipe.producer_get_barrier(k_state))
@@ -200,9 +232,9 @@ class FlashFwdSm90:
             v_state.advance()
 
     @cute.jit
-    def _mask(self, acc_S, tScS, m_block, n_block, seqlen_q, seqlen_k):
+    def _mask(self, acc_S, tScS, m_block, n_block, seqlen_q, seqlen_k, window_left, window_right):
         """-inf for the keys past the sequence end (zero-filled by TMA) and, when causal, past each row's
-        diagonal (bottom-right aligned)."""
+        diagonal, when local, outside [diagonal - window_left, diagonal + window_right]."""
         BM, BN = self.block_m, self.block_n
         for i in cutlass.range(cute.size(acc_S), unroll_full=True):
             row = m_block * BM + tScS[i][0]
@@ -210,8 +242,17 @@ class FlashFwdSm90:
             masked = col >= seqlen_k
             if cutlass.const_expr(self.causal):
                 masked = masked | (col > row + seqlen_k - seqlen_q)
+            if cutlass.const_expr(self.local):
+                diag = row + seqlen_k - seqlen_q
+                masked = masked | (col > diag + window_right) | (col < diag - window_left)
             if masked:
                 acc_S[i] = -Float32.inf
+
+    @cute.jit
+    def _cap(self, acc_S, score_scale, softcap):
+        """Soft-capping: s -> softcap * tanh(scale * s / softcap) (the scale is in score_scale)."""
+        for i in cutlass.range(cute.size(acc_S), unroll_full=True):
+            acc_S[i] = softcap * cute.math.tanh(acc_S[i] * score_scale, fastmath=True)
 
     @cute.jit
     def _softmax(self, acc_S, row_max, row_sum, corr, scale_log2):
@@ -222,10 +263,10 @@ class FlashFwdSm90:
         the 3 other threads of its quad (lanes 4q..4q+3)."""
         num_col_groups = self.block_n // 8
         for r in cutlass.range_constexpr(2):
-            m_new = row_max[r]
-            for j in cutlass.range_constexpr(num_col_groups):
-                for c in cutlass.range_constexpr(2):
-                    m_new = cute.arch.fmax(m_new, acc_S[c + 2 * r + 4 * j])
+            idx = [c + 2 * r + 4 * j for j in range(num_col_groups) for c in range(2)]
+            # Pairwise trees, not a chain: 2N/8 dependent max/add steps would leave the warp waiting
+            # on latency (only two consumer warps share a scheduler).
+            m_new = _tree(cute.arch.fmax, [acc_S[i] for i in idx] + [row_max[r]])
             m_new = cute.arch.fmax(m_new, cute.arch.shuffle_sync_bfly(m_new, offset=1))
             m_new = cute.arch.fmax(m_new, cute.arch.shuffle_sync_bfly(m_new, offset=2))
             # A row with no visible key so far keeps max -inf; subtract 0 then so exp2 gives 0.
@@ -234,13 +275,10 @@ class FlashFwdSm90:
                 m_scaled = Float32(0.0)
             corr[r] = cute.math.exp2(row_max[r] * scale_log2 - m_scaled, fastmath=True)
             row_max[r] = m_new
-            s = row_sum[r] * corr[r]
-            for j in cutlass.range_constexpr(num_col_groups):
-                for c in cutlass.range_constexpr(2):
-                    p = cute.math.exp2(acc_S[c + 2 * r + 4 * j] * scale_log2 - m_scaled, fastmath=True)
-                    acc_S[c + 2 * r + 4 * j] = p
-                    s += p
-            row_sum[r] = s  # partial over this thread's columns; the quad is summed at the end
+            for i in idx:
+                acc_S[i] = cute.math.exp2(acc_S[i] * scale_log2 - m_scaled, fastmath=True)
+            # partial over this thread's columns; the quad is summed at the end
+            row_sum[r] = row_sum[r] * corr[r] + _tree(lambda a, b: a + b, [acc_S[i] for i in idx])
 
     @cute.jit
     def _rescale(self, acc_O, corr):
@@ -251,7 +289,8 @@ class FlashFwdSm90:
 
     @cute.jit
     def _consume(self, mO, mLSE, sQ, sK, sVt, q_pipe, k_pipe, v_pipe, tiled_mma_qk, tiled_mma_pv,
-                 scale_log2, ctid, m_block, head, batch, seqlen_q, seqlen_k, n_block_max):
+                 scale_log2, score_scale, softcap, window_left, window_right, ctid, m_block, head, batch,
+                 seqlen_q, seqlen_k, n_block_min, n_block_max):
         """FlashAttention-3's consumer (Shah et al. 2024, sections 3.1-3.2). Within a warpgroup, block j's
         S = Q K_j^T and the previous block's O += P V_{j-1} are both in flight while the softmax of
         block j-1 has finished; the softmax of S_j then runs while P V_{j-1} is still computing. Across
@@ -286,39 +325,48 @@ class FlashFwdSm90:
         pingpong = cutlass.const_expr(self.NUM_MMA_WARPGROUPS == 2)
         n_threads_pp = 2 * 128
 
-        # Blocks from here on may hold masked keys: the sequence tail or, when causal, keys past a row's
-        # diagonal.
+        # Blocks in [n_block_mask_below, n_block_mask_from) need no mask: every row of the tile sees
+        # every key in them. Outside: the sequence tail, keys past a row's diagonal (causal) or outside
+        # its window (local).
+        n_block_mask_below = Int32(0)
         n_block_mask_from = seqlen_k // BN
-        if cutlass.const_expr(self.causal):
+        if cutlass.const_expr(self.causal or self.local):
+            right = Int32(0) if cutlass.const_expr(self.causal) else window_right
             n_block_mask_from = cutlass.min(
-                n_block_mask_from, cutlass.max(m_block * BM + seqlen_k - seqlen_q, 0) // BN)
+                n_block_mask_from, cutlass.max(m_block * BM + seqlen_k - seqlen_q + right + 1, 0) // BN)
+        if cutlass.const_expr(self.local):
+            # the last row of the tile sees keys from (m_block + 1) * BM - 1 + Sk - Sq - window_left on
+            n_block_mask_below = cute.ceil_div(
+                cutlass.max((m_block + 1) * BM - 1 + seqlen_k - seqlen_q - window_left, 0), BN)
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         tiled_mma_pv.set(warpgroup.Field.ACCUMULATE, True)
 
-        if n_block_max > 0:
+        if n_block_max > n_block_min:
             q_pipe.consumer_wait(q_state)
             if cutlass.const_expr(pingpong):
                 if wg == 1:  # warpgroup 0 goes first
                     cute.arch.barrier_arrive(barrier_id=1, number_of_threads=n_threads_pp)
-            # Block 0: S = Q K_0^T, then its softmax (nothing to overlap with yet).
+            # The first block: S = Q K^T, then its softmax (nothing to overlap with yet).
             k_pipe.consumer_wait(k_state)
             if cutlass.const_expr(pingpong):
                 cute.arch.barrier(barrier_id=1 + wg, number_of_threads=n_threads_pp)
             self._gemm_qk(tiled_mma_qk, acc_S, tSrQ, tSrK, k_state.index)
             if cutlass.const_expr(pingpong):
-                self._pass_turn(wg, n_block_max > 1, n_threads_pp)
+                self._pass_turn(wg, n_block_max - n_block_min > 1, n_threads_pp)
             warpgroup.wait_group(0)
             k_pipe.consumer_release(k_state)
             k_state.advance()
-            if 0 >= n_block_mask_from:
-                self._mask(acc_S, tScS, m_block, 0, seqlen_q, seqlen_k)
+            if cutlass.const_expr(self.softcap):
+                self._cap(acc_S, score_scale, softcap)
+            if n_block_min >= n_block_mask_from or n_block_min < n_block_mask_below:
+                self._mask(acc_S, tScS, m_block, n_block_min, seqlen_q, seqlen_k, window_left, window_right)
             self._softmax(acc_S, row_max, row_sum, corr, scale_log2)
             rP.store(acc_S.load().to(dt))
 
-            for n_block in cutlass.range(1, n_block_max, unroll=1):
+            for n_block in cutlass.range(n_block_min + 1, n_block_max, unroll=1):
                 k_pipe.consumer_wait(k_state)
                 v_pipe.consumer_wait(v_state)
                 if cutlass.const_expr(pingpong):
@@ -334,8 +382,10 @@ class FlashFwdSm90:
                 # The softmax sits in both branches so the wait below starts its own basic block:
                 # ptxas hoists a wait it finds in the softmax's block above the softmax, which would
                 # end the overlap with P V.
-                if n_block >= n_block_mask_from:
-                    self._mask(acc_S, tScS, m_block, n_block, seqlen_q, seqlen_k)
+                if cutlass.const_expr(self.softcap):
+                    self._cap(acc_S, score_scale, softcap)
+                if n_block >= n_block_mask_from or n_block < n_block_mask_below:
+                    self._mask(acc_S, tScS, m_block, n_block, seqlen_q, seqlen_k, window_left, window_right)
                     self._softmax(acc_S, row_max, row_sum, corr, scale_log2)
                 else:
                     self._softmax(acc_S, row_max, row_sum, corr, scale_log2)

@@ -28,6 +28,7 @@ _origins: dict[tuple, str] = {}  # same key -> "so" / "o" (loaded from disk), "c
 _device_archs: dict[int, object] = {}  # CUDA device index -> arch name, or None (no kernels for it)
 _have_tvm_ffi: list = []
 _MAX_ELEMS = 2 ** 31  # the kernels' 32-bit offsets address tensors below this many elements
+_UNBOUNDED = 1 << 30  # FlashFwdSm90.UNBOUNDED: a window side with no limit
 
 
 def _cutlass_dtype(dtype):
@@ -44,13 +45,14 @@ def _tvm_ffi():
     return _have_tvm_ffi[0]
 
 
-def _fwd_config(dtype, head_dim, causal, arch):
+def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False):
     """Everything that selects the forward kernel's code: the kernel class, its constructor arguments,
     the architecture and the calling convention. It is the disk cache's key (with the package sources
     and the versions, see cache.py) and what compile_fwd builds the kernel from, so a constructor
     argument added here changes both. Plain values: computing the key must not import CuTeDSL."""
     return {"kernel": "FlashFwdSm90", "dtype": _DTYPE_NAMES.get(dtype, str(dtype)), "head_dim": int(head_dim),
-            "causal": bool(causal), "arch": arch, "abi": "tvm-ffi-env-stream" if _tvm_ffi() else "cute"}
+            "causal": bool(causal) and not local, "local": bool(local), "softcap": bool(softcap), "arch": arch,
+            "abi": "tvm-ffi-env-stream" if _tvm_ffi() else "cute"}
 
 
 def _make_kernel(config):
@@ -58,21 +60,24 @@ def _make_kernel(config):
 
     dtype = {name: dt for dt, name in _DTYPE_NAMES.items()}.get(config["dtype"], config["dtype"])
     cutlass_dtype = _cutlass_dtype(dtype) if dtype in _DTYPE_NAMES else dtype
-    return FlashFwdSm90(cutlass_dtype, config["head_dim"], config["causal"])
+    return FlashFwdSm90(cutlass_dtype, config["head_dim"], config["causal"], local=config["local"],
+                        softcap=config["softcap"])
 
 
-def compile_fwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None):
-    """Compile the forward kernel for ``dtype`` (torch.float16 / torch.bfloat16), ``head_dim`` (64 / 128)
-    and ``causal`` for ``arch``. No GPU is needed. ``dump_dir``: an existing folder that receives the
-    PTX (``*.ptx``) and cubin. Always compiles (``fwd_kernel`` is the cached way). Returns CuTeDSL's
-    compiled function; with apache-tvm-ffi installed its call is ``(q, k, v, out, lse, softmax_scale)``
-    on torch tensors, q/out (B, Sq, H, D), k/v (B, Sk, Hk, D), lse (B, H, Sq) fp32, launched on torch's
-    current stream; without it ``(q, k, v, out, lse, softmax_scale, stream)`` on CuTe tensors."""
+def compile_fwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=False, softcap=False):
+    """Compile the forward kernel for ``dtype`` (torch.float16 / torch.bfloat16), ``head_dim`` (64 / 128),
+    ``causal``, ``local`` (a sliding window, sizes given per call) and ``softcap`` (soft-capped scores)
+    for ``arch``. No GPU is needed. ``dump_dir``: an existing folder that receives the PTX (``*.ptx``)
+    and cubin. Always compiles (``fwd_kernel`` is the cached way). Returns CuTeDSL's compiled function;
+    with apache-tvm-ffi installed its call is ``(q, k, v, out, lse, softmax_scale, softcap, window_left,
+    window_right)`` on torch tensors, q/out (B, Sq, H, D), k/v (B, Sk, Hk, D), lse (B, H, Sq) fp32,
+    window sizes >= 0 (FlashFwdSm90.UNBOUNDED for no limit), launched on torch's current stream; without
+    it the same plus a stream, on CuTe tensors."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_tensor
 
-    config = _fwd_config(dtype, head_dim, causal, arch)
+    config = _fwd_config(dtype, head_dim, causal, arch, local, softcap)
     kernel = _make_kernel(config)
     dt, D = kernel.dtype, kernel.head_dim
     # 32-bit shapes and strides: with 64-bit symbolic strides CuTeDSL 4.8 builds TMA descriptors that
@@ -96,7 +101,8 @@ def compile_fwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None):
     if dump_dir is not None:
         options += f" --keep-ptx --keep-cubin --dump-dir {dump_dir}"
     stream = cutlass.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi)
-    return cute.compile(kernel, q, k, v, o, lse, cutlass.Float32(1.0), stream, options=options)
+    return cute.compile(kernel, q, k, v, o, lse, cutlass.Float32(1.0), cutlass.Float32(0.0), cutlass.Int32(0),
+                        cutlass.Int32(0), stream, options=options)
 
 
 def _ffi_function(compiled):
@@ -118,45 +124,49 @@ def _dlpack_launcher(compiled):
     def as_cute(t, align):
         return from_dlpack(t.detach(), assumed_align=align).mark_layout_dynamic(leading_dim=t.dim() - 1)
 
-    def launch(q, k, v, out, lse, softmax_scale):
+    def launch(q, k, v, out, lse, softmax_scale, softcap, window_left, window_right):
         with torch.cuda.device(q.device):
             stream = driver.CUstream(torch.cuda.current_stream().cuda_stream)
             compiled(as_cute(q, 16), as_cute(k, 16), as_cute(v, 16), as_cute(out, 16), as_cute(lse, 4),
-                     cutlass.Float32(softmax_scale), stream)
+                     cutlass.Float32(softmax_scale), cutlass.Float32(softcap), cutlass.Int32(window_left),
+                     cutlass.Int32(window_right), stream)
 
     return launch
 
 
-def _entry(dtype, head_dim, causal, arch):
+def _entry(dtype, head_dim, causal, arch, local=False, softcap=False):
     """(config, key, file name, exported C symbol) of a forward kernel's disk cache entry."""
-    config = _fwd_config(dtype, head_dim, causal, arch)
+    config = _fwd_config(dtype, head_dim, causal, arch, local, softcap)
     key = cache.entry_key(config)
-    name = (f"fwd-{arch}-{config['dtype']}-d{config['head_dim']}-{'causal' if config['causal'] else 'full'}"
+    mask = "local" if config["local"] else "causal" if config["causal"] else "full"
+    name = (f"fwd-{arch}-{config['dtype']}-d{config['head_dim']}-{mask}{'-softcap' if softcap else ''}"
             f"-{key[:16]}")
     return config, key, name, f"flash_attn_cute_{key[:16]}"  # the symbol is unique per key
 
 
-def disk_entry(dtype, head_dim, causal, arch="sm_90a", root=None):
+def disk_entry(dtype, head_dim, causal, arch="sm_90a", root=None, local=False, softcap=False):
     """The intact files of a forward kernel's entry in the disk cache ``root`` (default: the runtime's
     folder), {"o": path, "so": path} (the shared library is absent where no C compiler was found), or
     {} when there is none. Loads nothing."""
     root = root if root is not None else cache.cache_dir()
     if root is None or not _tvm_ffi():
         return {}
-    _, key, name, _ = _entry(dtype, head_dim, causal, arch)
+    _, key, name, _ = _entry(dtype, head_dim, causal, arch, local, softcap)
     return cache.DiskCache(root).files(name, key)
 
 
-def load_or_build(dtype, head_dim, causal, arch="sm_90a", root=None, force=False):
-    """The forward kernel as a callable ``(q, k, v, out, lse, softmax_scale)`` and where it came from
+def load_or_build(dtype, head_dim, causal, arch="sm_90a", root=None, force=False, local=False, softcap=False):
+    """The forward kernel as a callable ``(q, k, v, out, lse, softmax_scale, softcap, window_left,
+    window_right)`` and where it came from
     ("so" / "o": the disk cache in ``root``; "compiled": compiled now, and written to ``root``).
     ``root=None``: no disk cache. ``force``: compile even when the disk holds the entry. Compiling
     needs no GPU; loading from disk needs neither a GPU nor the CuTeDSL compiler."""
     if not _tvm_ffi():
-        return _dlpack_launcher(compile_fwd(dtype, head_dim, causal, arch)), "compiled-dlpack"
+        return _dlpack_launcher(compile_fwd(dtype, head_dim, causal, arch, local=local, softcap=softcap)), \
+            "compiled-dlpack"
     if root is None:
-        return _ffi_function(compile_fwd(dtype, head_dim, causal, arch)), "compiled"
-    config, key, name, symbol = _entry(dtype, head_dim, causal, arch)
+        return _ffi_function(compile_fwd(dtype, head_dim, causal, arch, local=local, softcap=softcap)), "compiled"
+    config, key, name, symbol = _entry(dtype, head_dim, causal, arch, local, softcap)
     disk = cache.DiskCache(root)
     if not force:
         fn, how = disk.load(name, key)
@@ -174,7 +184,7 @@ def load_or_build(dtype, head_dim, causal, arch="sm_90a", root=None, force=False
             if fn is not None:
                 return fn, how
         t0 = time.perf_counter()
-        compiled = compile_fwd(dtype, head_dim, causal, arch)
+        compiled = compile_fwd(dtype, head_dim, causal, arch, local=local, softcap=softcap)
         if writable:
             info = {"config": config, "env": cache.environment(), "source": cache.source_hash(),
                     "compile_s": round(time.perf_counter() - t0, 3), "created": time.time()}
@@ -187,17 +197,19 @@ def load_or_build(dtype, head_dim, causal, arch="sm_90a", root=None, force=False
         return _ffi_function(compiled), "compiled"
 
 
-def fwd_kernel(dtype, head_dim, causal, arch="sm_90a"):
-    """The forward kernel for (dtype, head dim, causal, arch): from memory, else from the disk cache
-    (``cache.cache_dir()``: $FLASH_ATTN_CUTE_CACHE, default ~/.cache/flash_attn_cute), else compiled and
-    written there. A callable ``(q, k, v, out, lse, softmax_scale)`` on torch tensors."""
-    mem_key = (dtype, head_dim, bool(causal), arch)
+def fwd_kernel(dtype, head_dim, causal, arch="sm_90a", local=False, softcap=False):
+    """The forward kernel for (dtype, head dim, causal, arch, local, softcap): from memory, else from the
+    disk cache (``cache.cache_dir()``: $FLASH_ATTN_CUTE_CACHE, default ~/.cache/flash_attn_cute), else
+    compiled and written there. A callable ``(q, k, v, out, lse, softmax_scale, softcap, window_left,
+    window_right)`` on torch tensors."""
+    mem_key = (dtype, head_dim, bool(causal), arch, bool(local), bool(softcap))
     fn = _kernels.get(mem_key)
     if fn is None:
         with cache._lock:  # one builder per process; other threads wait, then find it in memory
             fn = _kernels.get(mem_key)
             if fn is None:
-                fn, _origins[mem_key] = load_or_build(dtype, head_dim, causal, arch, cache.cache_dir())
+                fn, _origins[mem_key] = load_or_build(dtype, head_dim, causal, arch, cache.cache_dir(),
+                                                      local=local, softcap=softcap)
                 _kernels[mem_key] = fn
     return fn
 
@@ -231,7 +243,10 @@ def _device_arch(q, k, v):
 def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(None, None), learnable_sink=None,
                     softcap=0.0, num_splits=1, pack_gqa=None, deterministic=False, return_lse=False):
     """Attention forward on Hopper: q (B, Sq, H, D), k/v (B, Sk, Hk, D) fp16/bf16 CUDA tensors, D in
-    (64, 128), H % Hk == 0 (GQA/MQA). Causal masking is bottom-right aligned. Returns (out, lse): out
+    (64, 128), H % Hk == 0 (GQA/MQA). Causal and sliding-window masks are bottom-right aligned: query i
+    sees key j iff j - (i + Sk - Sq) lies in [-window_size[0], window_size[1]] (None or a negative size:
+    no limit on that side; causal sets the right size to 0). softcap > 0: scores become
+    softcap * tanh(scale * q.k / softcap). Returns (out, lse): out
     like q, lse fp32 (B, H, Sq) natural log (+inf for a row that sees no key). There is no backward
     kernel yet: when q, k or v needs a gradient the backward runs on another backend (see
     _with_fallback_backward)."""
@@ -255,12 +270,12 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(None
         raise NotImplementedError(f"head dim {D} not in {_SUPPORTED_HEAD_DIMS}")
     if H % Hk != 0:
         raise ValueError(f"q heads ({H}) must be a multiple of k heads ({Hk})")
-    if window_size != (None, None) and tuple(window_size) not in ((None, None), (-1, -1)):
-        raise NotImplementedError("sliding window")
+    window_left, window_right = (-1 if w is None else int(w) for w in window_size)
     if learnable_sink is not None:
         raise NotImplementedError("learnable_sink")
-    if softcap:
-        raise NotImplementedError("softcap")
+    softcap = float(softcap or 0.0)
+    if softcap < 0.0 or softcap != softcap:
+        raise ValueError(f"softcap must be >= 0 (0: off), got {softcap}")
     if num_splits != 1:
         raise NotImplementedError("num_splits != 1")
     if pack_gqa:
@@ -269,12 +284,12 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(None
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(D)
     if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
-        return _with_fallback_backward(q, k, v, softmax_scale, causal)
+        return _with_fallback_backward(q, k, v, softmax_scale, causal, window_left, window_right, softcap)
 
-    return forward(q, k, v, softmax_scale, bool(causal), arch)
+    return forward(q, k, v, softmax_scale, bool(causal), arch, window_left, window_right, softcap)
 
 
-def _with_fallback_backward(q, k, v, softmax_scale, causal):
+def _with_fallback_backward(q, k, v, softmax_scale, causal, window_left, window_right, softcap):
     """A call that needs gradients: this kernel runs the forward inside the root package's differentiable
     attention op (under use_backend("cute")), whose dispatcher sends the backward to the next backend
     that has one. Needs the flash-attn distribution beside flash-attn-4."""
@@ -288,15 +303,25 @@ def _with_fallback_backward(q, k, v, softmax_scale, causal):
     with use_backend("cute"):
         # (q, k, v, cu_seqlens_q/k, max_seqlen_q/k, block_table, scale, causal, window left/right,
         #  softcap, alibi, dropout_p, rng_state, return_probs, deterministic), as flash_attn::fwd takes them
+        left = max(window_left, -1)
+        right = 0 if causal else max(window_right, -1)
         out, lse, _ = _ops.attention(q, k, v, None, None, q.shape[1], k.shape[1], None, float(softmax_scale),
-                                     bool(causal), -1, 0 if causal else -1, 0.0, None, 0.0, None, False, False)
+                                     bool(causal), left, right, float(softcap), None, 0.0, None, False, False)
     return out, lse
 
 
-def forward(q, k, v, softmax_scale, causal, arch="sm_90a"):
+def forward(q, k, v, softmax_scale, causal, arch="sm_90a", window_left=-1, window_right=-1, softcap=0.0):
     """The kernel launch on validated CUDA inputs (shared with the dispatcher's backend module):
-    q (B, Sq, H, D), k/v (B, Sk, Hk, D) fp16/bf16, D in (64, 128), H % Hk == 0. Returns (out, lse)."""
+    q (B, Sq, H, D), k/v (B, Sk, Hk, D) fp16/bf16, D in (64, 128), H % Hk == 0; window sizes < 0 mean
+    no limit, causal implies a right size of 0; softcap 0 is off. Returns (out, lse)."""
     B, Sq, H, D = q.shape
+    local = window_left >= 0 or (window_right >= 0 and not causal)
+    if local:  # the kernel takes sizes >= 0, _UNBOUNDED for no limit
+        window_left = _UNBOUNDED if window_left < 0 else min(window_left, _UNBOUNDED)
+        window_right = 0 if causal else _UNBOUNDED if window_right < 0 else min(window_right, _UNBOUNDED)
+    else:
+        window_left = window_right = 0
+    capped = softcap > 0.0
     q, k, v = _kernel_layout(q, D), _kernel_layout(k, D), _kernel_layout(v, D)
     out = torch.empty_like(q)
     lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
@@ -304,16 +329,18 @@ def forward(q, k, v, softmax_scale, causal, arch="sm_90a"):
         out.zero_()
         lse.fill_(math.inf)
     elif B * Sq * H > 0:
-        fn = _kernels.get((q.dtype, D, causal, arch)) or fwd_kernel(q.dtype, D, causal, arch)
+        causal = causal and not local
+        fn = (_kernels.get((q.dtype, D, causal, arch, local, capped))
+              or fwd_kernel(q.dtype, D, causal, arch, local=local, softcap=capped))
+        args = (float(softmax_scale), float(softcap), window_left, window_right)
         per_batch = max(Sq * H, k.shape[1] * k.shape[2]) * D  # elements of one batch entry's q/out or k/v
         if B * per_batch < _MAX_ELEMS:
-            fn(q, k, v, out, lse, float(softmax_scale))
+            fn(q, k, v, out, lse, *args)
         else:  # the kernel indexes with 32-bit offsets: launch on batch slices that each stay below 2^31
             if per_batch >= _MAX_ELEMS:
                 raise NotImplementedError(
                     f"one batch entry of q/k/v holds {per_batch} elements; flash_attn.cute handles < 2^31")
             step = (_MAX_ELEMS - 1) // per_batch
             for b in range(0, B, step):
-                fn(q[b:b + step], k[b:b + step], v[b:b + step], out[b:b + step], lse[b:b + step],
-                   float(softmax_scale))
+                fn(q[b:b + step], k[b:b + step], v[b:b + step], out[b:b + step], lse[b:b + step], *args)
     return out, lse
