@@ -20,24 +20,27 @@ if _PKG not in sys.path:  # the checkout's flash_attn/__init__ also finds it; th
 from flash_attn.cute.interface import compile_fwd  # noqa: E402
 from flash_attn.testing import assert_close_to_ref, attention_ref  # noqa: E402
 
-# (dtype, head dim, causal, local, softcap): the standard configurations, and the window / softcap variants
-CONFIGS = [(dtype, d, causal, False, False) for dtype in (torch.bfloat16, torch.float16) for d in (64, 128)
-           for causal in (False, True)] + [(torch.bfloat16, 128, False, True, False),
-                                           (torch.float16, 64, True, False, True)]
+# (dtype, head dim, causal, local, softcap, varlen): the standard configurations, and the window /
+# softcap / varlen variants
+CONFIGS = [(dtype, d, causal, False, False, False) for dtype in (torch.bfloat16, torch.float16)
+           for d in (64, 128) for causal in (False, True)] + [
+    (torch.bfloat16, 128, False, True, False, False), (torch.float16, 64, True, False, True, False),
+    (torch.bfloat16, 128, True, False, False, True)]
 
 
 def _ids(cfg):
-    dtype, d, causal, local, softcap = cfg
+    dtype, d, causal, local, softcap, varlen = cfg
     mask = "local" if local else "causal" if causal else "full"
-    return f"{str(dtype).split('.')[-1]}-d{d}-{mask}{'-softcap' if softcap else ''}"
+    return (f"{str(dtype).split('.')[-1]}-d{d}-{mask}{'-softcap' if softcap else ''}"
+            f"{'-varlen' if varlen else ''}")
 
 
 @pytest.fixture(scope="module", params=CONFIGS, ids=_ids)
 def ptx(request, tmp_path_factory):
-    dtype, d, causal, local, softcap = request.param
+    dtype, d, causal, local, softcap, varlen = request.param
     dump = tmp_path_factory.mktemp("ptx")
     t0 = time.perf_counter()
-    compile_fwd(dtype, d, causal, arch="sm_90a", dump_dir=str(dump), local=local, softcap=softcap)
+    compile_fwd(dtype, d, causal, arch="sm_90a", dump_dir=str(dump), local=local, softcap=softcap, varlen=varlen)
     print(f"\ncompile {_ids(request.param)}: {time.perf_counter() - t0:.2f} s")
     (path,) = glob.glob(str(dump / "*.ptx"))
     with open(path) as f:
@@ -220,6 +223,96 @@ def test_window_and_softcap_match_reference_on_gpu(d, causal, window, softcap, b
         assert (lse[finite] - lse_ref[finite]).abs().max().item() < 1e-2
 
 
+def _varlen_case(lens_q, lens_k, heads, heads_kv, d, dtype=torch.bfloat16, extra_q=0):
+    cu_q = torch.tensor([0] + lens_q, device="cuda").cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0] + lens_k, device="cuda").cumsum(0).to(torch.int32)
+    q = torch.randn(int(cu_q[-1]) + extra_q, heads, d, device="cuda", dtype=dtype)
+    k = torch.randn(int(cu_k[-1]), heads_kv, d, device="cuda", dtype=dtype)
+    v = torch.randn(int(cu_k[-1]), heads_kv, d, device="cuda", dtype=dtype)
+    return q, k, v, cu_q, cu_k
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal,window,softcap", [(False, (-1, -1), 0.0), (True, (-1, -1), 0.0),
+                                                   (False, (50, 10), 0.0), (True, (-1, -1), 15.0)])
+@pytest.mark.parametrize("seqused", [False, True])
+def test_varlen_matches_reference_per_sequence_on_gpu(d, causal, window, softcap, seqused):
+    """Each packed sequence (lengths 0, 1, odd, > 2 tiles; Sq != Sk) against the reference on its own
+    slice; seqused_k uses a prefix of each sequence's keys; q rows after the last sequence get 0 / +inf."""
+    from flash_attn.cute import flash_attn_varlen_func
+
+    torch.manual_seed(0)
+    lens_q, lens_k = [17, 0, 300, 1, 129, 64], [40, 5, 300, 1, 260, 0]
+    q, k, v, cu_q, cu_k = _varlen_case(lens_q, lens_k, 4, 2, d, extra_q=3)
+    used = [min(n, u) for n, u in zip(lens_k, [33, 5, 123, 0, 260, 0])] if seqused else lens_k
+    seqused_k = torch.tensor(used, device="cuda", dtype=torch.int32) if seqused else None
+    out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, seqused_k=seqused_k, causal=causal,
+                                      window_size=window, softcap=softcap)
+    torch.cuda.synchronize()
+    assert out.shape == q.shape and lse.shape == (4, q.shape[0])
+    ref_window = (window[0], 0 if causal else window[1])
+    for b, (sq, sk) in enumerate(zip(lens_q, used)):
+        q0, k0 = int(cu_q[b]), int(cu_k[b])
+        if sq == 0:
+            continue
+        qs, ks, vs = q[None, q0:q0 + sq], k[None, k0:k0 + sk], v[None, k0:k0 + sk]
+        if sk == 0:
+            assert torch.all(out[q0:q0 + sq] == 0) and torch.all(torch.isinf(lse[:, q0:q0 + sq]))
+            continue
+        kw = dict(causal=causal, window_size=ref_window, softcap=softcap)
+        out_ref, _ = attention_ref(qs, ks, vs, **kw)
+        out_pt, _ = attention_ref(qs, ks, vs, upcast=False, reorder_ops=True, **kw)
+        assert_close_to_ref(out[None, q0:q0 + sq], out_ref, out_pt, name=f"out of sequence {b}")
+    tail = int(cu_q[-1])
+    assert torch.all(out[tail:] == 0) and torch.all(torch.isinf(lse[:, tail:]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+def test_varlen_bad_cu_seqlens_are_refused_on_gpu():
+    from flash_attn.cute import flash_attn_varlen_func
+
+    q, k, v, cu_q, cu_k = _varlen_case([5, 7], [5, 7], 2, 2, 64)
+    with pytest.raises(ValueError, match="cu_seqlens_q must be a 1-D int32"):
+        flash_attn_varlen_func(q, k, v, cu_q.long(), cu_k)
+    with pytest.raises(ValueError, match="never decrease"):
+        flash_attn_varlen_func(q, k, v, torch.tensor([0, 7, 5], device="cuda", dtype=torch.int32), cu_k)
+    with pytest.raises(ValueError, match="end at most"):
+        flash_attn_varlen_func(q, k, v, cu_q, cu_k + 1)
+    with pytest.raises(ValueError, match="seqused_k"):
+        flash_attn_varlen_func(q, k, v, cu_q, cu_k, seqused_k=torch.tensor([6, 1], device="cuda",
+                                                                           dtype=torch.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+def test_root_varlen_calls_use_cute_and_backward_falls_back():
+    import flash_attn
+    from flash_attn import dispatch
+
+    assert dispatch.select(_call(varlen=True, causal=True)).NAME == "cute"
+    torch.manual_seed(0)
+    lens = [100, 1, 257]
+    q, k, v, cu, _ = _varlen_case(lens, lens, 4, 4, 128)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = flash_attn.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=True)
+    g = torch.randn_like(out)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), g)
+    for b, n in enumerate(lens):
+        s0 = int(cu[b])
+        sl = slice(s0, s0 + n)
+        qs, ks, vs = (t.detach()[None, sl].requires_grad_() for t in (q, k, v))
+        o_ref, _ = attention_ref(qs, ks, vs, causal=True)
+        o_pt, _ = attention_ref(qs, ks, vs, causal=True, upcast=False, reorder_ops=True)
+        assert_close_to_ref(out[None, sl], o_ref, o_pt, name=f"out {b}")
+        g_ref = torch.autograd.grad(o_ref, (qs, ks, vs), g[None, sl])
+        g_pt = torch.autograd.grad(o_pt, (qs, ks, vs), g[None, sl])
+        for name, mine, r, p in zip("qkv", (dq, dk, dv), g_ref, g_pt):
+            assert_close_to_ref(mine[None, sl], r, p, name=f"d{name} {b}")
+
+
 # ----------------------------------------------------------------------------------------------------
 # The dispatcher's backend module (flash_attn.cute.backend)
 
@@ -239,6 +332,7 @@ def test_backend_admits_only_what_the_kernel_does():
     assert backend.unsupported_reason(_call(causal=True, head_dim=64, head_dim_v=64,
                                             dtype=torch.float16)) is None
     assert backend.unsupported_reason(_call(local=True, softcap=True)) is None
+    assert backend.unsupported_reason(_call(varlen=True, causal=True)) is None
     refused = {
         "device cpu": _call(device_type="cpu", arch=None),
         "compute capability": _call(arch=(8, 0)),
@@ -246,7 +340,6 @@ def test_backend_admits_only_what_the_kernel_does():
         "head dims 96": _call(head_dim=96, head_dim_v=96),
         "head dims 128/64": _call(head_dim_v=64),
         "backward": _call(backward=True),
-        "varlen": _call(varlen=True),
         "alibi": _call(alibi=True),
         "dropout": _call(dropout=True),
         "return_probs": _call(return_probs=True),

@@ -48,8 +48,8 @@ class FlashFwdSm90:
 
     UNBOUNDED = 1 << 30  # window size standing for "no limit on this side" (host passes it for -1)
 
-    def __init__(self, dtype, head_dim, causal, local=False, softcap=False, block_m=128, block_n=128,
-                 num_stages=2):
+    def __init__(self, dtype, head_dim, causal, local=False, softcap=False, varlen=False, block_m=128,
+                 block_n=128, num_stages=2):
         if head_dim not in (64, 128):
             raise ValueError(f"head dim {head_dim} not in (64, 128)")
         if dtype not in (cutlass.Float16, cutlass.BFloat16):
@@ -60,6 +60,7 @@ class FlashFwdSm90:
         self.causal = bool(causal) and not local  # a causal local window is local with right = 0
         self.local = bool(local)
         self.softcap = bool(softcap)
+        self.varlen = bool(varlen)
         self.block_m = block_m
         self.block_n = block_n
         self.num_stages = num_stages
@@ -72,10 +73,9 @@ class FlashFwdSm90:
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                  mLSE: cute.Tensor, softmax_scale: Float32, softcap: Float32, window_left: Int32,
                  window_right: Int32, stream):
-        """mQ/mO (B, Sq, H, D), mK/mV (B, Sk, Hk, D), mLSE (B, H, Sq) fp32, as PyTorch lays them out.
-        softcap is read when the kernel was built with softcap=True, window_left/right (>= 0, UNBOUNDED
-        for no limit) when built with local=True."""
-        dt, D, BM, BN = self.dtype, self.head_dim, self.block_m, self.block_n
+        """Dense: mQ/mO (B, Sq, H, D), mK/mV (B, Sk, Hk, D), mLSE (B, H, Sq) fp32, as PyTorch lays them
+        out. softcap is read when the kernel was built with softcap=True, window_left/right (>= 0,
+        UNBOUNDED for no limit) when built with local=True."""
         # (B, S, H, D) -> (S, D, H, B): the first two modes are the tile, the others index the CTA.
         mQ = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 3, 2, 0]))
         mK = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2, 0]))
@@ -83,7 +83,37 @@ class FlashFwdSm90:
         # V is the B operand of O = P V with N = D contiguous (MN-major): view it as (D, Sk, Hk, B).
         mVt = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[3, 1, 2, 0]))
         mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
+        grid = (cute.ceil_div(cute.size(mQ, mode=[0]), self.block_m), cute.size(mQ, mode=[2]),
+                cute.size(mQ, mode=[3]))
+        self._launch(mQ, mK, mVt, mO, mLSE, None, None, None, softmax_scale, softcap, window_left,
+                     window_right, grid, stream)
 
+    @cute.jit
+    def call_varlen(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+                    mLSE: cute.Tensor, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor,
+                    mSeqUsedK: cute.Tensor, max_seqlen_q: Int32, softmax_scale: Float32, softcap: Float32,
+                    window_left: Int32, window_right: Int32, stream):
+        """Varlen (kernel built with varlen=True): mQ/mO (total_q, H, D), mK/mV (total_k, Hk, D), mLSE
+        (H, total_q) fp32, cu_seqlens int32 (B + 1,), mSeqUsedK int32 (B,): the keys each sequence uses
+        from its start (cu_seqlens_k's differences when the caller has none to give)."""
+        # (T, H, D) -> (T, D, H, 1): the dense kernel's view with one batch entry; sequences are
+        # row offsets into it.
+        unit = cute.make_layout(1)
+        mQ = cute.make_tensor(mQ.iterator, cute.append(cute.select(mQ.layout, mode=[0, 2, 1]), unit))
+        mK = cute.make_tensor(mK.iterator, cute.append(cute.select(mK.layout, mode=[0, 2, 1]), unit))
+        mO = cute.make_tensor(mO.iterator, cute.append(cute.select(mO.layout, mode=[0, 2, 1]), unit))
+        mVt = cute.make_tensor(mV.iterator, cute.append(cute.select(mV.layout, mode=[2, 0, 1]), unit))
+        mLSE = cute.make_tensor(mLSE.iterator, cute.append(cute.select(mLSE.layout, mode=[1, 0]), unit))
+        grid = (cute.ceil_div(max_seqlen_q, self.block_m), cute.size(mQ, mode=[2]),
+                cute.size(mCuSeqlensQ, mode=[0]) - 1)
+        self._launch(mQ, mK, mVt, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, softmax_scale, softcap,
+                     window_left, window_right, grid, stream)
+
+    @cute.jit
+    def _launch(self, mQ, mK, mVt, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, softmax_scale, softcap,
+                window_left, window_right, grid, stream):
+        """Views are (S, D, H, B) for Q/K/O, (D, S, H, B) for V, (S, H, B) for the lse."""
+        dt, D, BM, BN = self.dtype, self.head_dim, self.block_m, self.block_n
         K_SW128 = warpgroup.SmemLayoutAtomKind.K_SW128
         MN_SW128 = warpgroup.SmemLayoutAtomKind.MN_SW128
         sQ_layout = _smem_layout(K_SW128, dt, (BM, D))
@@ -117,10 +147,8 @@ class FlashFwdSm90:
         if cutlass.const_expr(self.softcap):
             score_scale = softmax_scale / softcap
             scale_log2 = Float32(LOG2_E)
-        grid = (cute.ceil_div(cute.size(mQ, mode=[0]), BM), cute.size(mQ, mode=[2]),
-                cute.size(mQ, mode=[3]))
-        self.kernel(tma_q, mQ_tma, tma_k, mK_tma, tma_v, mVt_tma, mO, mLSE, scale_log2, score_scale,
-                    softcap, window_left, window_right, sQ_layout, sK_layout, sVt_layout, tiled_mma_qk, tiled_mma_pv).launch(
+        self.kernel(tma_q, mQ_tma, tma_k, mK_tma, tma_v, mVt_tma, mO, mLSE, mCuSeqlensQ, mCuSeqlensK,
+                    mSeqUsedK, scale_log2, score_scale, softcap, window_left, window_right, sQ_layout, sK_layout, sVt_layout, tiled_mma_qk, tiled_mma_pv).launch(
             grid=grid, block=(self.num_threads, 1, 1), stream=stream)
 
     # ------------------------------------------------------------------------------------------------
@@ -129,21 +157,41 @@ class FlashFwdSm90:
     @cute.kernel
     def kernel(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor,
                tma_v: cute.CopyAtom, mVt: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-               scale_log2: Float32, score_scale: Float32, softcap: Float32, window_left: Int32,
-               window_right: Int32, sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+               mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, scale_log2: Float32, score_scale: Float32,
+               softcap: Float32, window_left: Int32, window_right: Int32, sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
                sVt_layout: cute.ComposedLayout, tiled_mma_qk: cute.TiledMma,
                tiled_mma_pv: cute.TiledMma):
-        dt, BM, BN, stages = self.dtype, self.block_m, self.block_n, self.num_stages
-        tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        seqlen_q = cute.size(mQ, mode=[0])
-        seqlen_k = cute.size(mK, mode=[0])
-        head_kv = head // (cute.size(mQ, mode=[2]) // cute.size(mK, mode=[2]))  # GQA / MQA
         if cutlass.const_expr(self.causal):
             # Longest first: the query tiles near the end see the most keys; the block scheduler issues
             # CTAs in x order, so the cheap tiles fill the tail of the grid.
             m_block = cute.arch.grid_dim()[0] - 1 - m_block
+        if cutlass.const_expr(self.varlen):
+            # Sequence `batch` is rows [start, start + length) of the packed tensors (batch index 0).
+            q_start = mCuSeqlensQ[batch]
+            seqlen_q = mCuSeqlensQ[batch + 1] - q_start
+            k_start = mCuSeqlensK[batch]
+            seqlen_k = mSeqUsedK[batch]
+            if m_block * self.block_m < seqlen_q:  # the grid covers the longest sequence
+                self._cta(tma_q, mQ, tma_k, mK, tma_v, mVt, mO, mLSE, scale_log2, score_scale, softcap,
+                          window_left, window_right, sQ_layout, sK_layout, sVt_layout, tiled_mma_qk,
+                          tiled_mma_pv, m_block, head, Int32(0), q_start, k_start, seqlen_q, seqlen_k)
+        else:
+            self._cta(tma_q, mQ, tma_k, mK, tma_v, mVt, mO, mLSE, scale_log2, score_scale, softcap,
+                      window_left, window_right, sQ_layout, sK_layout, sVt_layout, tiled_mma_qk, tiled_mma_pv,
+                      m_block, head, batch, Int32(0), Int32(0), cute.size(mQ, mode=[0]),
+                      cute.size(mK, mode=[0]))
+
+    @cute.jit
+    def _cta(self, tma_q, mQ, tma_k, mK, tma_v, mVt, mO, mLSE, scale_log2, score_scale, softcap, window_left,
+             window_right, sQ_layout, sK_layout, sVt_layout, tiled_mma_qk, tiled_mma_pv, m_block, head, batch,
+             q_start, k_start, seqlen_q, seqlen_k):
+        """One CTA's query tile: rows [m_block * BM, (m_block + 1) * BM) of the sequence that starts at
+        row q_start (keys at k_start) of batch entry `batch` of the views."""
+        dt, BM, BN, stages = self.dtype, self.block_m, self.block_n, self.num_stages
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        head_kv = head // (cute.size(mQ, mode=[2]) // cute.size(mK, mode=[2]))  # GQA / MQA
 
         if warp_idx == 0:
             cpasync.prefetch_descriptor(tma_q)
@@ -192,21 +240,28 @@ class FlashFwdSm90:
             cute.arch.setmaxregister_decrease(self.PRODUCER_REGS)
             if tidx == 0:
                 self._produce(tma_q, mQ, tma_k, mK, tma_v, mVt, sQ, sK, sVt, q_pipe, k_pipe, v_pipe,
-                              m_block, head, head_kv, batch, n_block_min, n_block_max)
+                              m_block, head, head_kv, batch, q_start, k_start, n_block_min, n_block_max)
         else:
             cute.arch.setmaxregister_increase(self.CONSUMER_REGS)
             self._consume(mO, mLSE, sQ, sK, sVt, q_pipe, k_pipe, v_pipe, tiled_mma_qk, tiled_mma_pv,
                           scale_log2, score_scale, softcap, window_left, window_right,
-                          tidx - self.NUM_PRODUCER_THREADS, m_block, head, batch, seqlen_q, seqlen_k,
-                          n_block_min, n_block_max)
+                          tidx - self.NUM_PRODUCER_THREADS, m_block, head, batch, q_start, seqlen_q,
+                          seqlen_k, n_block_min, n_block_max)
 
     @cute.jit
     def _produce(self, tma_q, mQ, tma_k, mK, tma_v, mVt, sQ, sK, sVt, q_pipe, k_pipe, v_pipe, m_block,
-                 head, head_kv, batch, n_block_min, n_block_max):
+                 head, head_kv, batch, q_start, k_start, n_block_min, n_block_max):
         BM, BN, D = self.block_m, self.block_n, self.head_dim
-        gQ = cute.local_tile(mQ[None, None, head, batch], (BM, D), (None, 0))      # (BM, D, m)
-        gK = cute.local_tile(mK[None, None, head_kv, batch], (BN, D), (None, 0))   # (BN, D, n)
-        gVt = cute.local_tile(mVt[None, None, head_kv, batch], (D, BN), (0, None))  # (D, BN, n)
+        mQ_h = mQ[None, None, head, batch]
+        mK_h = mK[None, None, head_kv, batch]
+        mVt_h = mVt[None, None, head_kv, batch]
+        if cutlass.const_expr(self.varlen):  # the sequence's first row becomes row 0
+            mQ_h = cute.domain_offset((q_start, 0), mQ_h)
+            mK_h = cute.domain_offset((k_start, 0), mK_h)
+            mVt_h = cute.domain_offset((0, k_start), mVt_h)
+        gQ = cute.local_tile(mQ_h, (BM, D), (None, 0))      # (BM, D, m)
+        gK = cute.local_tile(mK_h, (BN, D), (None, 0))      # (BN, D, n)
+        gVt = cute.local_tile(mVt_h, (D, BN), (0, None))    # (D, BN, n)
         one_cta = cute.make_layout(1)
         tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, one_cta, cute.group_modes(sQ, 0, 2),
                                            cute.group_modes(gQ, 0, 2))
@@ -290,7 +345,7 @@ class FlashFwdSm90:
     @cute.jit
     def _consume(self, mO, mLSE, sQ, sK, sVt, q_pipe, k_pipe, v_pipe, tiled_mma_qk, tiled_mma_pv,
                  scale_log2, score_scale, softcap, window_left, window_right, ctid, m_block, head, batch,
-                 seqlen_q, seqlen_k, n_block_min, n_block_max):
+                 q_start, seqlen_q, seqlen_k, n_block_min, n_block_max):
         """FlashAttention-3's consumer (Shah et al. 2024, sections 3.1-3.2). Within a warpgroup, block j's
         S = Q K_j^T and the previous block's O += P V_{j-1} are both in flight while the softmax of
         block j-1 has finished; the softmax of S_j then runs while P V_{j-1} is still computing. Across
@@ -402,7 +457,7 @@ class FlashFwdSm90:
             v_pipe.consumer_release(v_state)
 
         self._epilogue(mO, mLSE, acc_O, row_max, row_sum, tOcO, scale_log2, ctid, m_block, head, batch,
-                       seqlen_q)
+                       q_start, seqlen_q)
 
     @cute.jit
     def _pass_turn(self, wg, more_blocks, n_threads):
@@ -430,7 +485,7 @@ class FlashFwdSm90:
 
     @cute.jit
     def _epilogue(self, mO, mLSE, acc_O, row_max, row_sum, tOcO, scale_log2, ctid, m_block, head, batch,
-                  seqlen_q):
+                  q_start, seqlen_q):
         """O / l and lse = ln(sum exp(scale * s)) = (max * scale_log2 + log2 l) * ln 2; a row with no
         visible key gets O = 0 and lse = +inf."""
         dt, D, BM = self.dtype, self.head_dim, self.block_m
@@ -450,6 +505,6 @@ class FlashFwdSm90:
                 for j in cutlass.range_constexpr(D // 8):
                     for c in cutlass.range_constexpr(2):
                         i = c + 2 * r + 4 * j
-                        gO[row, tOcO[i][1]] = (acc_O[i] * inv).to(dt)
+                        gO[q_start + row, tOcO[i][1]] = (acc_O[i] * inv).to(dt)
                 if lane % 4 == 0:
-                    mLSE[row, head, batch] = lse
+                    mLSE[q_start + row, head, batch] = lse

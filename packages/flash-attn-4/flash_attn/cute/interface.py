@@ -45,14 +45,14 @@ def _tvm_ffi():
     return _have_tvm_ffi[0]
 
 
-def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False):
+def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varlen=False):
     """Everything that selects the forward kernel's code: the kernel class, its constructor arguments,
     the architecture and the calling convention. It is the disk cache's key (with the package sources
     and the versions, see cache.py) and what compile_fwd builds the kernel from, so a constructor
     argument added here changes both. Plain values: computing the key must not import CuTeDSL."""
     return {"kernel": "FlashFwdSm90", "dtype": _DTYPE_NAMES.get(dtype, str(dtype)), "head_dim": int(head_dim),
             "causal": bool(causal) and not local, "local": bool(local), "softcap": bool(softcap), "arch": arch,
-            "abi": "tvm-ffi-env-stream" if _tvm_ffi() else "cute"}
+            "abi": "tvm-ffi-env-stream" if _tvm_ffi() else "cute", **({"varlen": True} if varlen else {})}
 
 
 def _make_kernel(config):
@@ -61,10 +61,11 @@ def _make_kernel(config):
     dtype = {name: dt for dt, name in _DTYPE_NAMES.items()}.get(config["dtype"], config["dtype"])
     cutlass_dtype = _cutlass_dtype(dtype) if dtype in _DTYPE_NAMES else dtype
     return FlashFwdSm90(cutlass_dtype, config["head_dim"], config["causal"], local=config["local"],
-                        softcap=config["softcap"])
+                        softcap=config["softcap"], varlen=config.get("varlen", False))
 
 
-def compile_fwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=False, softcap=False):
+def compile_fwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=False, softcap=False,
+                varlen=False):
     """Compile the forward kernel for ``dtype`` (torch.float16 / torch.bfloat16), ``head_dim`` (64 / 128),
     ``causal``, ``local`` (a sliding window, sizes given per call) and ``softcap`` (soft-capped scores)
     for ``arch``. No GPU is needed. ``dump_dir``: an existing folder that receives the PTX (``*.ptx``)
@@ -72,12 +73,15 @@ def compile_fwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=Fal
     with apache-tvm-ffi installed its call is ``(q, k, v, out, lse, softmax_scale, softcap, window_left,
     window_right)`` on torch tensors, q/out (B, Sq, H, D), k/v (B, Sk, Hk, D), lse (B, H, Sq) fp32,
     window sizes >= 0 (FlashFwdSm90.UNBOUNDED for no limit), launched on torch's current stream; without
-    it the same plus a stream, on CuTe tensors."""
+    it the same plus a stream, on CuTe tensors. ``varlen``: the call is ``(q, k, v, out, lse, cu_seqlens_q,
+    cu_seqlens_k, seqused_k, max_seqlen_q, softmax_scale, softcap, window_left, window_right)`` with
+    q/out (total_q, H, D), k/v (total_k, Hk, D), lse (H, total_q), int32 cu_seqlens (B + 1,) and
+    seqused_k (B,)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_tensor
 
-    config = _fwd_config(dtype, head_dim, causal, arch, local, softcap)
+    config = _fwd_config(dtype, head_dim, causal, arch, local, softcap, varlen)
     kernel = _make_kernel(config)
     dt, D = kernel.dtype, kernel.head_dim
     # 32-bit shapes and strides: with 64-bit symbolic strides CuTeDSL 4.8 builds TMA descriptors that
@@ -92,17 +96,30 @@ def compile_fwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=Fal
         return make_fake_tensor(dt, (batch, seqlen, h, D), (cute.sym_int(divisibility=8), div8, D, 1),
                                 assumed_align=16)
 
-    q, o = qkv(seqlen_q, heads), qkv(seqlen_q, heads)
-    k, v = qkv(seqlen_k, heads_kv), qkv(seqlen_k, heads_kv)
-    lse = make_fake_tensor(cutlass.Float32, (batch, heads, seqlen_q), (cute.sym_int(), cute.sym_int(), 1),
-                           assumed_align=4)
+    def packed(total, h):  # varlen: (total, H, D), rows 16-byte aligned
+        return make_fake_tensor(dt, (total, h, D), (cute.sym_int(divisibility=8), D, 1), assumed_align=16)
+
+    if varlen:
+        q, o = packed(seqlen_q, heads), packed(seqlen_q, heads)
+        k, v = packed(seqlen_k, heads_kv), packed(seqlen_k, heads_kv)
+        lse = make_fake_tensor(cutlass.Float32, (heads, seqlen_q), (cute.sym_int(), 1), assumed_align=4)
+        cu_q, cu_k = (make_fake_tensor(cutlass.Int32, (cute.sym_int(),), (1,), assumed_align=4) for _ in "qk")
+        used_k = make_fake_tensor(cutlass.Int32, (cute.sym_int(),), (1,), assumed_align=4)
+        seq_args = (cu_q, cu_k, used_k, cutlass.Int32(0))
+    else:
+        q, o = qkv(seqlen_q, heads), qkv(seqlen_q, heads)
+        k, v = qkv(seqlen_k, heads_kv), qkv(seqlen_k, heads_kv)
+        lse = make_fake_tensor(cutlass.Float32, (batch, heads, seqlen_q), (cute.sym_int(), cute.sym_int(), 1),
+                               assumed_align=4)
+        seq_args = ()
     tvm_ffi = config["abi"] != "cute"
     options = f"--gpu-arch {arch}" + (" --enable-tvm-ffi" if tvm_ffi else "")
     if dump_dir is not None:
         options += f" --keep-ptx --keep-cubin --dump-dir {dump_dir}"
     stream = cutlass.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi)
-    return cute.compile(kernel, q, k, v, o, lse, cutlass.Float32(1.0), cutlass.Float32(0.0), cutlass.Int32(0),
-                        cutlass.Int32(0), stream, options=options)
+    return cute.compile(kernel.call_varlen if varlen else kernel, q, k, v, o, lse, *seq_args,
+                        cutlass.Float32(1.0), cutlass.Float32(0.0), cutlass.Int32(0), cutlass.Int32(0), stream,
+                        options=options)
 
 
 def _ffi_function(compiled):
@@ -124,49 +141,53 @@ def _dlpack_launcher(compiled):
     def as_cute(t, align):
         return from_dlpack(t.detach(), assumed_align=align).mark_layout_dynamic(leading_dim=t.dim() - 1)
 
-    def launch(q, k, v, out, lse, softmax_scale, softcap, window_left, window_right):
+    def launch(q, k, v, out, lse, *args):
+        *seq, softmax_scale, softcap, window_left, window_right = args  # seq: varlen's 3 tensors and int
+        if seq:
+            seq = [as_cute(t, 4) for t in seq[:3]] + [cutlass.Int32(seq[3])]
         with torch.cuda.device(q.device):
             stream = driver.CUstream(torch.cuda.current_stream().cuda_stream)
-            compiled(as_cute(q, 16), as_cute(k, 16), as_cute(v, 16), as_cute(out, 16), as_cute(lse, 4),
+            compiled(as_cute(q, 16), as_cute(k, 16), as_cute(v, 16), as_cute(out, 16), as_cute(lse, 4), *seq,
                      cutlass.Float32(softmax_scale), cutlass.Float32(softcap), cutlass.Int32(window_left),
                      cutlass.Int32(window_right), stream)
 
     return launch
 
 
-def _entry(dtype, head_dim, causal, arch, local=False, softcap=False):
+def _entry(dtype, head_dim, causal, arch, local=False, softcap=False, varlen=False):
     """(config, key, file name, exported C symbol) of a forward kernel's disk cache entry."""
-    config = _fwd_config(dtype, head_dim, causal, arch, local, softcap)
+    config = _fwd_config(dtype, head_dim, causal, arch, local, softcap, varlen)
     key = cache.entry_key(config)
     mask = "local" if config["local"] else "causal" if config["causal"] else "full"
     name = (f"fwd-{arch}-{config['dtype']}-d{config['head_dim']}-{mask}{'-softcap' if softcap else ''}"
-            f"-{key[:16]}")
+            f"{'-varlen' if varlen else ''}-{key[:16]}")
     return config, key, name, f"flash_attn_cute_{key[:16]}"  # the symbol is unique per key
 
 
-def disk_entry(dtype, head_dim, causal, arch="sm_90a", root=None, local=False, softcap=False):
+def disk_entry(dtype, head_dim, causal, arch="sm_90a", root=None, local=False, softcap=False, varlen=False):
     """The intact files of a forward kernel's entry in the disk cache ``root`` (default: the runtime's
     folder), {"o": path, "so": path} (the shared library is absent where no C compiler was found), or
     {} when there is none. Loads nothing."""
     root = root if root is not None else cache.cache_dir()
     if root is None or not _tvm_ffi():
         return {}
-    _, key, name, _ = _entry(dtype, head_dim, causal, arch, local, softcap)
+    _, key, name, _ = _entry(dtype, head_dim, causal, arch, local, softcap, varlen)
     return cache.DiskCache(root).files(name, key)
 
 
-def load_or_build(dtype, head_dim, causal, arch="sm_90a", root=None, force=False, local=False, softcap=False):
+def load_or_build(dtype, head_dim, causal, arch="sm_90a", root=None, force=False, local=False, softcap=False,
+                  varlen=False):
     """The forward kernel as a callable ``(q, k, v, out, lse, softmax_scale, softcap, window_left,
     window_right)`` and where it came from
     ("so" / "o": the disk cache in ``root``; "compiled": compiled now, and written to ``root``).
     ``root=None``: no disk cache. ``force``: compile even when the disk holds the entry. Compiling
     needs no GPU; loading from disk needs neither a GPU nor the CuTeDSL compiler."""
+    variant = dict(local=local, softcap=softcap, varlen=varlen)
     if not _tvm_ffi():
-        return _dlpack_launcher(compile_fwd(dtype, head_dim, causal, arch, local=local, softcap=softcap)), \
-            "compiled-dlpack"
+        return _dlpack_launcher(compile_fwd(dtype, head_dim, causal, arch, **variant)), "compiled-dlpack"
     if root is None:
-        return _ffi_function(compile_fwd(dtype, head_dim, causal, arch, local=local, softcap=softcap)), "compiled"
-    config, key, name, symbol = _entry(dtype, head_dim, causal, arch, local, softcap)
+        return _ffi_function(compile_fwd(dtype, head_dim, causal, arch, **variant)), "compiled"
+    config, key, name, symbol = _entry(dtype, head_dim, causal, arch, local, softcap, varlen)
     disk = cache.DiskCache(root)
     if not force:
         fn, how = disk.load(name, key)
@@ -184,7 +205,7 @@ def load_or_build(dtype, head_dim, causal, arch="sm_90a", root=None, force=False
             if fn is not None:
                 return fn, how
         t0 = time.perf_counter()
-        compiled = compile_fwd(dtype, head_dim, causal, arch, local=local, softcap=softcap)
+        compiled = compile_fwd(dtype, head_dim, causal, arch, **variant)
         if writable:
             info = {"config": config, "env": cache.environment(), "source": cache.source_hash(),
                     "compile_s": round(time.perf_counter() - t0, 3), "created": time.time()}
@@ -197,19 +218,19 @@ def load_or_build(dtype, head_dim, causal, arch="sm_90a", root=None, force=False
         return _ffi_function(compiled), "compiled"
 
 
-def fwd_kernel(dtype, head_dim, causal, arch="sm_90a", local=False, softcap=False):
+def fwd_kernel(dtype, head_dim, causal, arch="sm_90a", local=False, softcap=False, varlen=False):
     """The forward kernel for (dtype, head dim, causal, arch, local, softcap): from memory, else from the
     disk cache (``cache.cache_dir()``: $FLASH_ATTN_CUTE_CACHE, default ~/.cache/flash_attn_cute), else
     compiled and written there. A callable ``(q, k, v, out, lse, softmax_scale, softcap, window_left,
-    window_right)`` on torch tensors."""
-    mem_key = (dtype, head_dim, bool(causal), arch, bool(local), bool(softcap))
+    window_right)`` on torch tensors (varlen: see compile_fwd)."""
+    mem_key = (dtype, head_dim, bool(causal), arch, bool(local), bool(softcap)) + ((True,) if varlen else ())
     fn = _kernels.get(mem_key)
     if fn is None:
         with cache._lock:  # one builder per process; other threads wait, then find it in memory
             fn = _kernels.get(mem_key)
             if fn is None:
                 fn, _origins[mem_key] = load_or_build(dtype, head_dim, causal, arch, cache.cache_dir(),
-                                                      local=local, softcap=softcap)
+                                                      local=local, softcap=softcap, varlen=varlen)
                 _kernels[mem_key] = fn
     return fn
 
@@ -289,7 +310,7 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(None
     return forward(q, k, v, softmax_scale, bool(causal), arch, window_left, window_right, softcap)
 
 
-def _with_fallback_backward(q, k, v, softmax_scale, causal, window_left, window_right, softcap):
+def _with_fallback_backward(q, k, v, softmax_scale, causal, window_left, window_right, softcap, varlen=None):
     """A call that needs gradients: this kernel runs the forward inside the root package's differentiable
     attention op (under use_backend("cute")), whose dispatcher sends the backward to the next backend
     that has one. Needs the flash-attn distribution beside flash-attn-4."""
@@ -305,9 +326,21 @@ def _with_fallback_backward(q, k, v, softmax_scale, causal, window_left, window_
         #  softcap, alibi, dropout_p, rng_state, return_probs, deterministic), as flash_attn::fwd takes them
         left = max(window_left, -1)
         right = 0 if causal else max(window_right, -1)
-        out, lse, _ = _ops.attention(q, k, v, None, None, q.shape[1], k.shape[1], None, float(softmax_scale),
+        cu_q, cu_k, max_q, max_k = varlen if varlen is not None else (None, None, q.shape[1], k.shape[1])
+        out, lse, _ = _ops.attention(q, k, v, cu_q, cu_k, max_q, max_k, None, float(softmax_scale),
                                      bool(causal), left, right, float(softcap), None, 0.0, None, False, False)
     return out, lse
+
+
+def _window_args(causal, window_left, window_right):
+    """(left, right, local) as the kernel takes them: sizes >= 0, _UNBOUNDED for no limit; local says
+    whether the call needs the window variant (causal alone does not)."""
+    local = window_left >= 0 or (window_right >= 0 and not causal)
+    if not local:
+        return 0, 0, False
+    left = _UNBOUNDED if window_left < 0 else min(window_left, _UNBOUNDED)
+    right = 0 if causal else _UNBOUNDED if window_right < 0 else min(window_right, _UNBOUNDED)
+    return left, right, True
 
 
 def forward(q, k, v, softmax_scale, causal, arch="sm_90a", window_left=-1, window_right=-1, softcap=0.0):
@@ -315,12 +348,7 @@ def forward(q, k, v, softmax_scale, causal, arch="sm_90a", window_left=-1, windo
     q (B, Sq, H, D), k/v (B, Sk, Hk, D) fp16/bf16, D in (64, 128), H % Hk == 0; window sizes < 0 mean
     no limit, causal implies a right size of 0; softcap 0 is off. Returns (out, lse)."""
     B, Sq, H, D = q.shape
-    local = window_left >= 0 or (window_right >= 0 and not causal)
-    if local:  # the kernel takes sizes >= 0, _UNBOUNDED for no limit
-        window_left = _UNBOUNDED if window_left < 0 else min(window_left, _UNBOUNDED)
-        window_right = 0 if causal else _UNBOUNDED if window_right < 0 else min(window_right, _UNBOUNDED)
-    else:
-        window_left = window_right = 0
+    window_left, window_right, local = _window_args(causal, window_left, window_right)
     capped = softcap > 0.0
     q, k, v = _kernel_layout(q, D), _kernel_layout(k, D), _kernel_layout(v, D)
     out = torch.empty_like(q)
@@ -343,4 +371,132 @@ def forward(q, k, v, softmax_scale, causal, arch="sm_90a", window_left=-1, windo
             step = (_MAX_ELEMS - 1) // per_batch
             for b in range(0, B, step):
                 fn(q[b:b + step], k[b:b + step], v[b:b + step], out[b:b + step], lse[b:b + step], *args)
+    return out, lse
+
+
+def _check_cu_seqlens(name, cu, device, batch=None):
+    if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.dtype != torch.int32:
+        raise ValueError(f"{name} must be a 1-D int32 tensor (batch + 1,), got "
+                         f"{getattr(cu, 'dtype', type(cu).__name__)} of shape {tuple(getattr(cu, 'shape', ()))}")
+    if cu.device != device:
+        raise ValueError(f"{name} must be on {device}, got {cu.device}")
+    if cu.shape[0] < 1 or (batch is not None and cu.shape[0] != batch + 1):
+        raise ValueError(f"{name} must have batch + 1 entries, got {cu.shape[0]}")
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                           seqused_q=None, seqused_k=None, page_table=None, softmax_scale=None, causal=False,
+                           window_size=(None, None), learnable_sink=None, softcap=0.0, num_splits=1,
+                           pack_gqa=None, deterministic=False, return_lse=False):
+    """Attention forward over packed sequences: q (total_q, H, D), k/v (total_k, Hk, D); sequence b is rows
+    cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q and, of k/v, the first seqused_k[b] rows from
+    cu_seqlens_k[b] (all of cu_seqlens_k[b]:cu_seqlens_k[b + 1] without seqused_k). Masks, softcap and
+    dtypes as flash_attn_func. Returns (out (total_q, H, D), lse (H, total_q) fp32). Checks the
+    cu_seqlens values (one device sync); max_seqlen_q is computed (another sync) when not given.
+    Not yet: seqused_q, page_table (paged KV)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"{name} must be a 3-D tensor (total, H, D)")
+    if cu_seqlens_q is None or cu_seqlens_k is None:
+        raise NotImplementedError("flash_attn.cute's varlen path needs both cu_seqlens_q and cu_seqlens_k")
+    if seqused_q is not None:
+        raise NotImplementedError("seqused_q")
+    if page_table is not None:
+        raise NotImplementedError("page_table (paged KV)")
+    dtype = q.dtype
+    if dtype not in _DTYPE_NAMES or k.dtype != dtype or v.dtype != dtype:
+        raise ValueError(f"q, k, v must share one dtype, fp16 or bf16; got {q.dtype}, {k.dtype}, {v.dtype}")
+    Tq, H, D = q.shape
+    Tk, Hk, Dk = k.shape
+    if v.shape[:2] != k.shape[:2] or Dk != D:
+        raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if v.shape[2] != D:
+        raise NotImplementedError("head dim of v must equal that of q and k")
+    if D not in _SUPPORTED_HEAD_DIMS:
+        raise NotImplementedError(f"head dim {D} not in {_SUPPORTED_HEAD_DIMS}")
+    if H % Hk != 0:
+        raise ValueError(f"q heads ({H}) must be a multiple of k heads ({Hk})")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dimension, got stride {t.stride(-1)}")
+    arch = _device_arch(q, k, v)
+    _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
+    batch = cu_seqlens_q.shape[0] - 1
+    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, q.device, batch)
+    if seqused_k is not None and (not isinstance(seqused_k, torch.Tensor) or seqused_k.dtype != torch.int32
+                                  or seqused_k.shape != (batch,) or seqused_k.device != q.device):
+        raise ValueError(f"seqused_k must be an int32 tensor ({batch},) on {q.device}")
+    # One device sync for every value check (and max_seqlen_q).
+    lens_q, lens_k = cu_seqlens_q[1:] - cu_seqlens_q[:-1], cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+    zero = cu_seqlens_q.new_zeros(())
+    used_bad = (((seqused_k < 0) | (seqused_k > lens_k)).sum() if seqused_k is not None else zero)
+    first_q, down_q, last_q, max_q, first_k, down_k, last_k, used_bad = torch.stack([
+        cu_seqlens_q[0], (lens_q < 0).sum(), cu_seqlens_q[-1], lens_q.max() if batch else zero,
+        cu_seqlens_k[0], (lens_k < 0).sum(), cu_seqlens_k[-1], used_bad]).tolist()
+    for name, first, down, last, total in (("cu_seqlens_q", first_q, down_q, last_q, Tq),
+                                            ("cu_seqlens_k", first_k, down_k, last_k, Tk)):
+        if first != 0 or down or last > total:
+            raise ValueError(f"{name} must start at 0, never decrease and end at most at {total} "
+                             f"(got first {first}, last {last})")
+    if used_bad:
+        raise ValueError("seqused_k must lie in [0, cu_seqlens_k[b + 1] - cu_seqlens_k[b]]")
+    window_left, window_right = (-1 if w is None else int(w) for w in window_size)
+    if learnable_sink is not None:
+        raise NotImplementedError("learnable_sink")
+    softcap = float(softcap or 0.0)
+    if softcap < 0.0 or softcap != softcap:
+        raise ValueError(f"softcap must be >= 0 (0: off), got {softcap}")
+    if num_splits != 1:
+        raise NotImplementedError("num_splits != 1")
+    if pack_gqa:
+        raise NotImplementedError("pack_gqa")
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(D)
+    if max_seqlen_q is None:
+        max_seqlen_q = max_q
+    elif int(max_seqlen_q) < max_q:
+        raise ValueError(f"max_seqlen_q ({max_seqlen_q}) is below the longest sequence ({max_q})")
+    if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
+        if seqused_k is not None:
+            raise NotImplementedError("gradients with seqused_k (the fallback backward has no seqused_k)")
+        if max_seqlen_k is None:
+            max_seqlen_k = int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max()) if batch else 0
+        return _with_fallback_backward(q, k, v, softmax_scale, causal, window_left, window_right, softcap,
+                                       (cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k)))
+    out, lse = forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, int(max_seqlen_q), softmax_scale,
+                              bool(causal), arch, window_left, window_right, softcap)
+    if last_q < Tq:  # rows of q after the last sequence belong to none: out 0, lse +inf
+        out[last_q:] = 0
+        lse[:, last_q:] = math.inf
+    return out, lse
+
+
+def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, softmax_scale, causal,
+                   arch="sm_90a", window_left=-1, window_right=-1, softcap=0.0, fill_unused_rows=False):
+    """The varlen kernel launch on validated inputs (shared with the dispatcher's backend module). Rows
+    of q after cu_seqlens_q[-1] are left unwritten unless fill_unused_rows (then out 0, lse +inf there:
+    one memset each, for callers that cannot afford a sync to find those rows)."""
+    Tq, H, D = q.shape
+    if max(q.numel(), k.numel()) >= _MAX_ELEMS:
+        raise NotImplementedError("flash_attn.cute's varlen kernel handles q, k, v of < 2^31 elements")
+    # rows 16-byte aligned, head dim contiguous, heads D apart
+    q, k, v = (t if t.stride(1) == D and t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0
+               else t.clone(memory_format=torch.contiguous_format) for t in (q, k, v))
+    out = torch.zeros_like(q) if fill_unused_rows else torch.empty_like(q)
+    lse = torch.full((H, Tq), math.inf, dtype=torch.float32, device=q.device) if fill_unused_rows else \
+        torch.empty((H, Tq), dtype=torch.float32, device=q.device)
+    batch = cu_seqlens_q.shape[0] - 1
+    if k.shape[0] == 0 or batch == 0:  # no key anywhere (TMA descriptors cannot map a 0-length dim)
+        out.zero_()
+        lse.fill_(math.inf)
+    elif Tq > 0 and max_seqlen_q > 0:
+        if seqused_k is None:
+            seqused_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+        window_left, window_right, local = _window_args(causal, window_left, window_right)
+        causal = causal and not local
+        capped = softcap > 0.0
+        fn = (_kernels.get((q.dtype, D, causal, arch, local, capped, True))
+              or fwd_kernel(q.dtype, D, causal, arch, local=local, softcap=capped, varlen=True))
+        fn(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, float(softmax_scale),
+           float(softcap), window_left, window_right)
     return out, lse
