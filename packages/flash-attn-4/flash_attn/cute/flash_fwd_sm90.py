@@ -148,7 +148,8 @@ class FlashFwdSm90:
             score_scale = softmax_scale / softcap
             scale_log2 = Float32(LOG2_E)
         self.kernel(tma_q, mQ_tma, tma_k, mK_tma, tma_v, mVt_tma, mO, mLSE, mCuSeqlensQ, mCuSeqlensK,
-                    mSeqUsedK, scale_log2, score_scale, softcap, window_left, window_right, sQ_layout, sK_layout, sVt_layout, tiled_mma_qk, tiled_mma_pv).launch(
+                    mSeqUsedK, scale_log2, score_scale, softcap, window_left, window_right, sQ_layout,
+                    sK_layout, sVt_layout, tiled_mma_qk, tiled_mma_pv).launch(
             grid=grid, block=(self.num_threads, 1, 1), stream=stream)
 
     # ------------------------------------------------------------------------------------------------
@@ -158,8 +159,8 @@ class FlashFwdSm90:
     def kernel(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor,
                tma_v: cute.CopyAtom, mVt: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
                mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, scale_log2: Float32, score_scale: Float32,
-               softcap: Float32, window_left: Int32, window_right: Int32, sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
-               sVt_layout: cute.ComposedLayout, tiled_mma_qk: cute.TiledMma,
+               softcap: Float32, window_left: Int32, window_right: Int32, sQ_layout: cute.ComposedLayout,
+               sK_layout: cute.ComposedLayout, sVt_layout: cute.ComposedLayout, tiled_mma_qk: cute.TiledMma,
                tiled_mma_pv: cute.TiledMma):
         m_block, head, batch = cute.arch.block_idx()
         if cutlass.const_expr(self.causal):
