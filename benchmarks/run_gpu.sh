@@ -1,26 +1,26 @@
 #!/usr/bin/env bash
-# Everything the GPU tier needs in ONE device call: environment report, the GPU-marked tests (and the
-# rest of the suite on CUDA), then the benchmarks. Logs and result tables go under $OUT.
-#   run command="bash benchmarks/run_gpu.sh [quick]"      (device tool; $OUT is set there)
-# With CuTeDSL brought over (see ../shared/device/README.md) source /tmp/cutedsl/env.sh first, and the
-# released flash-attn-4 is benchmarked as a peer through $PEER_PYTHONPATH.
+# Everything the GPU tier needs in ONE device call: environment report, the GPU-marked tests, then the
+# benchmarks. Logs and result tables go under $OUT.
+#   run command="bash benchmarks/run_gpu.sh [STEP ...]"      (device tool; $OUT is set there)
+# STEPs (default: all but ncu, in this order): tests rest attention cute norm ops models train ncu
+#   tests      the GPU-marked tests (bf16, real sizes)      rest   the rest of the suite on CUDA
+#   attention  bench_attention, full grid                  cute   bench_attention, cute only, short grid
+#   norm       bench_ops --only norm                       ops    bench_ops (norms and cross-entropy)
+#   models     bench_models decode (cg=True)               train  bench_train (GPT-2 medium step)
+#   ncu        Nsight Compute sections of the cute kernel and of the released FA4 (peer) on one shape
+# With CuTeDSL brought over (see ../shared/device/README.md: two bundle calls) /tmp/cutedsl/env.sh is
+# sourced, the cute backend is available and the released flash-attn-4 is benchmarked as a peer.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/flash_attn_gpu_out}
 mkdir -p "$OUT/results"
+[ -f /tmp/cutedsl/env.sh ] && source /tmp/cutedsl/env.sh
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-MODE=${1:-full}
+STEPS=${*:-tests attention norm models train}
 status=0
 
 python -m flash_attn.cli info 2>&1 | tee "$OUT/info.txt"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee -a "$OUT/info.txt"
-
-# GPU-marked tests first (bf16, real sizes), then the whole suite on CUDA.
-python -m pytest -q -m gpu -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.log" | tail -n 40
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-if [ "$MODE" = full ]; then
-    python -m pytest -q -m "not gpu" -p no:cacheprovider 2>&1 | tee "$OUT/pytest_rest.log" | tail -n 15
-fi
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1 | tee -a "$OUT/info.txt"
 
 peer=()
 [ -n "${PEER_PYTHONPATH:-}" ] && peer=(--peer-pythonpath "$PEER_PYTHONPATH")
@@ -29,13 +29,30 @@ bench() {  # bench NAME ARGS...: one benchmark, its log under $OUT, its tables u
     echo "== $name $*"
     python "benchmarks/$name.py" --out "$OUT/results" "$@" 2>&1 | tee "$OUT/$name.log" | tail -n 40
 }
-if [ "$MODE" = quick ]; then
-    bench bench_attention --headdims 128 --seqlens 2048,8192 "${peer[@]}"
-    bench bench_train --quick
-else
-    bench bench_attention "${peer[@]}"
-    bench bench_ops
-    bench bench_models --skip-train   # the training-step target is measured by bench_train
-    bench bench_train
-fi
+for step in $STEPS; do
+    case $step in
+    tests)
+        python -m pytest -q -m gpu -p no:cacheprovider -rfE 2>&1 | tee "$OUT/pytest_gpu.log" | tail -n 40
+        [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
+    rest)
+        python -m pytest -q -m "not gpu" -p no:cacheprovider 2>&1 | tee "$OUT/pytest_rest.log" | tail -n 15 ;;
+    attention) bench bench_attention "${peer[@]}" ;;
+    cute) bench bench_attention --backends cute --headdims 64,128 --seqlens 1024,4096,16384 "${peer[@]}" ;;
+    norm) bench bench_ops --only norm ;;
+    ops) bench bench_ops ;;
+    models) bench bench_models --skip-train ;;   # the training-step target is measured by bench_train
+    train) bench bench_train ;;
+    ncu)
+        sections=(--section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis
+                  --section WarpStateStats --section SchedulerStats)
+        ncu "${sections[@]}" -k regex:cutlass_kernel -c 1 python benchmarks/profile_cute.py 2>&1 \
+            | tee "$OUT/ncu_cute.txt" | grep -E "Throughput|Pipe|Stall|Issue|Warp Cycles|L2|Eligible" | head -n 60
+        if [ -n "${PEER_PYTHONPATH:-}" ]; then
+            (cd /tmp && PYTHONPATH="$PEER_PYTHONPATH" ncu "${sections[@]}" -k regex:cutlass_kernel -c 1 \
+                python "$OLDPWD/benchmarks/profile_cute.py" --peer) 2>&1 | tee "$OUT/ncu_fa4.txt" \
+                | grep -E "Throughput|Pipe|Stall|Issue|Warp Cycles|L2|Eligible" | head -n 60
+        fi ;;
+    *) echo "unknown step $step"; status=1 ;;
+    esac
+done
 exit $status
