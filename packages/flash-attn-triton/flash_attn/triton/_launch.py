@@ -1,15 +1,35 @@
-"""Kernel launches with less host time per call.
+"""Kernel launches with little host time per call.
 
-``kernel[grid](*args, **meta)`` re-binds and re-specialises every argument on each call (tens of
-microseconds for our ~50 arguments). Once a call has compiled (or found) the kernel for a given
-specialisation, later calls with the same specialisation go straight to the compiled kernel's launcher.
+``kernel[grid](*args, **meta)`` runs Triton's argument binder on every call: it types and specialises each
+of our ~50 arguments, hashes the result to find the compiled kernel, builds launch metadata and lets the
+C launcher query the driver about every tensor. On the second and later calls of the same kind,
+:class:`Launcher` skips all of it: it keeps the ``CompiledKernel`` that Triton's own path returned, under a
+key that holds everything Triton specialises on, and calls the kernel's launcher (``CompiledKernel.run``,
+the same object and argument layout Triton's ``JITFunction.run`` uses, in Triton 3.x from 3.3 on: 3.6 and
+3.9 checked) with the tensors' device addresses as plain integers.
 
-The key holds everything Triton specialises on: the caller's plan (dtypes and constexprs), the values of
-the integer arguments Triton specialises (strides, head counts; lengths and seeds are excluded through
-``do_not_specialize``) and the 16-byte alignment of every pointer. A call the fast path cannot serve
-(the interpreter, a launch hook installed by a profiler, a Triton without these internals) takes the
-ordinary path.
+The key (:func:`spec_key`) is a superset of Triton's specialisation (``native_specialize_impl``: a tensor
+is typed by its dtype and marked when ``data_ptr() % 16 == 0``; an int is typed i32/i64/u64 by its range
+and, unless listed in ``do_not_specialize``, becomes the constant 1 when it equals 1 and is marked when
+divisible by 16; a float is always fp32):
+
+* the caller's ``plan_key``, which must determine the constexprs and launch options (``meta``);
+* the current device (compiled kernels are loaded per device);
+* the dtype of every tensor argument and their 16-byte alignment;
+* the exact value of every specialised int argument (a strict superset of == 1 / % 16 / range);
+* the i32/i64/u64 range of every unspecialised int argument.
+
+Which argument positions hold tensors, specialised ints, unspecialised ints and floats is learnt per
+``plan_key`` on the first call; a call whose arguments do not fit that layout (or any first call with
+arguments of another kind, such as None) takes Triton's own path. So does every call under the
+interpreter, with a launch hook installed (a profiler), with pre-run hooks on the kernel, or on a Triton
+without these internals.
 """
+from __future__ import annotations
+
+import operator
+import os
+
 import torch
 
 try:
@@ -19,55 +39,174 @@ except ImportError:  # older Triton: no fast path
     _knobs = _driver = None
 
 _MAX_ENTRIES = 4096
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_I32_LO, _I32_HI = -(1 << 31), 1 << 31
+_I64_LO, _I64_HI = -(1 << 63), 1 << 63
+
+_data_ptr = torch.Tensor.data_ptr
+_dtype_of = operator.attrgetter("dtype")
+_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+_current_stream = None  # Triton's driver.active.get_current_stream, looked up on the first fast launch
 
 
-def _no_launch_hooks():
+def int_type(v):
+    """The Triton type of a Python int argument, by range (Triton raises above the u64 range)."""
+    if _I32_LO <= v < _I32_HI:
+        return "i32"
+    if _I64_LO <= v < _I64_HI:
+        return "i64"
+    return "u64"
+
+
+def _getter(idx):
+    """idx -> a function mapping a sequence to the tuple of its items at idx (itemgetter returns a bare
+    item for one index)."""
+    idx = tuple(idx)
+    if not idx:
+        return lambda args: ()
+    if len(idx) == 1:
+        i = idx[0]
+        return lambda args: (args[i],)
+    return operator.itemgetter(*idx)
+
+
+class Layout:
+    """Where the kinds of runtime arguments sit, for one plan: pointers first (n_ptr of them), then ints
+    (specialised ones read through ``spec``, unspecialised ones through ``plain``) and floats."""
+
+    __slots__ = ("n_args", "n_ptr", "spec", "plain", "kinds")
+
+    def __init__(self, kinds, n_ptr, dns):
+        self.kinds = tuple(kinds)
+        self.n_args = len(kinds)
+        self.n_ptr = n_ptr
+        self.spec = _getter(i for i, kd in enumerate(kinds) if kd == "i" and not dns[i])
+        self.plain = _getter(i for i, kd in enumerate(kinds) if kd == "i" and dns[i])
+
+
+def learn_layout(args, dns):
+    """The Layout of a call's runtime arguments, or None when the fast path cannot serve such calls
+    (an argument that is neither a tensor, an int nor a float; tensors not all before the scalars).
+    ``dns[i]``: whether runtime argument i is listed in the kernel's ``do_not_specialize``."""
+    kinds = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            kinds.append("p")
+        elif type(a) is int:
+            kinds.append("i")
+        elif type(a) is float:
+            kinds.append("f")
+        else:
+            return None
+    n_ptr = 0
+    while n_ptr < len(kinds) and kinds[n_ptr] == "p":
+        n_ptr += 1
+    if "p" in kinds[n_ptr:]:
+        return None
+    return Layout(kinds, n_ptr, dns)
+
+
+def spec_key(layout, args):
+    """(device addresses of the pointer arguments, the part of the cache key that depends on the
+    arguments). Raises TypeError/AttributeError when an argument does not fit the layout."""
+    n = layout.n_ptr
+    tensors = args[:n]
+    ptrs = tuple(map(_data_ptr, tensors))
+    acc = 0
+    for p in ptrs:
+        acc |= p
+    aligned = True if not acc & 15 else tuple(not p & 15 for p in ptrs)
+    plain = layout.plain(args)
+    if plain and (min(plain) < _I32_LO or max(plain) >= _I32_HI):
+        ranges = tuple(map(int_type, plain))
+    else:
+        ranges = None  # all i32
+    return ptrs, (tuple(map(_dtype_of, tensors)), aligned, layout.spec(args), ranges)
+
+
+def _hooks_idle():
     # Triton >= 3.4 keeps launch hooks in (normally empty) HookChain objects, older ones in None-or-callable
     # attributes. With a hook installed (a profiler), every launch takes Triton's own path.
-    for hook in (_knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook):
-        if hook is not None and getattr(hook, "calls", True):
-            return False
-    return True
+    rt = _knobs.runtime
+    h = rt.launch_enter_hook
+    if h is not None and getattr(h, "calls", True):
+        return False
+    h = rt.launch_exit_hook
+    if h is not None and getattr(h, "calls", True):
+        return False
+    return getattr(rt, "add_stages_inspection_hook", None) is None
 
 
 class Launcher:
     """Wraps one @triton.jit kernel whose runtime arguments are passed positionally and whose constexprs
-    (all after the runtime arguments in its signature) are passed as keywords with num_warps/num_stages."""
+    (all after the runtime arguments in its signature) are passed as keywords with num_warps/num_stages.
+
+    ``launcher(grid, args, meta, plan_key)``: ``plan_key`` (hashable) must determine ``meta``, and each
+    argument position must hold the same kind of value (tensor / int / float) on every call with that
+    ``plan_key``; everything else Triton specialises on is read from ``args`` (see the module docstring).
+    """
 
     def __init__(self, kernel):
         self.kernel = kernel
-        self.cache = {}
+        self.cache = {}  # (plan_key, device, spec_key part) -> (launcher, function, packed metadata, tail)
+        self.layouts = {}  # plan_key -> Layout, or None when the fast path cannot serve the plan
         params = getattr(kernel, "params", None)
-        self.enabled = _knobs is not None and params is not None and hasattr(kernel, "device_caches")
+        self.enabled = (not _INTERPRET and _knobs is not None and params is not None
+                        and hasattr(kernel, "device_caches"))
         if not self.enabled:
             return
-        n_args = sum(not p.is_constexpr for p in params)
-        if any(p.is_constexpr for p in params[:n_args]):
+        self.n_args = sum(not p.is_constexpr for p in params)
+        if any(p.is_constexpr for p in params[:self.n_args]):
             self.enabled = False  # constexprs interleaved with runtime arguments: not supported here
             return
-        names = kernel.arg_names
-        dns = {names[i] if isinstance(i, int) else i for i in (kernel.do_not_specialize or [])}
-        self.constexpr_names = names[n_args:]
-        # the integer arguments Triton specialises (== 1, % 16); lengths, windows and seeds are not
-        self.ints = [i for i, n in enumerate(names[:n_args])
-                     if n not in dns and (n.startswith("stride") or n in ("num_heads", "group_size"))]
+        self.dns = [bool(p.do_not_specialize) for p in params[:self.n_args]]
+        self.constexprs = [(p.name, p.default if p.has_default else self) for p in params[self.n_args:]]
 
     def __call__(self, grid, args, meta, plan_key):
-        if self.enabled and _no_launch_hooks():
-            device = _driver.active.get_current_device()
-            key = (plan_key, device, tuple(args[i] for i in self.ints),
-                   tuple(a.data_ptr() % 16 == 0 for a in args if isinstance(a, torch.Tensor)))
-            entry = self.cache.get(key)
-            if entry is not None:
-                compiled, tail = entry
-                stream = _driver.active.get_current_stream(device)
-                compiled.run(grid[0], grid[1], 1, stream, compiled.function, compiled.packed_metadata, None,
-                             None, None, *args, *tail)
-                return
-            compiled = self.kernel[grid](*args, **meta)
-            if hasattr(compiled, "packed_metadata") and hasattr(compiled, "function"):
-                if len(self.cache) >= _MAX_ENTRIES:
-                    self.cache.clear()
-                self.cache[key] = (compiled, tuple(meta[n] for n in self.constexpr_names))
+        if not self.enabled:
+            self.kernel[grid](*args, **meta)
             return
-        self.kernel[grid](*args, **meta)
+        layout = self.layouts.get(plan_key)
+        if layout is not None and _hooks_idle() and not self.kernel.pre_run_hooks:
+            try:
+                ptrs, k = spec_key(layout, args)
+            except (TypeError, AttributeError):
+                pass
+            else:
+                device = _current_device()
+                entry = self.cache.get((plan_key, device, k))
+                if entry is not None:
+                    run, function, packed, tail = entry
+                    run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+                        _current_stream(device), function, packed, None, None, None,
+                        *ptrs, *args[layout.n_ptr:], *tail)
+                    return
+        compiled = self.kernel[grid](*args, **meta)
+        self._remember(compiled, args, meta, plan_key)
+
+    def _remember(self, compiled, args, meta, plan_key):
+        """After Triton's own launch: keep the compiled kernel for the next calls of this kind."""
+        global _current_stream
+        if plan_key not in self.layouts:
+            if len(self.layouts) >= _MAX_ENTRIES:
+                self.layouts.clear()
+            self.layouts[plan_key] = (learn_layout(args, self.dns) if len(args) == self.n_args else None)
+        layout = self.layouts[plan_key]
+        if (layout is None or not _hooks_idle() or self.kernel.pre_run_hooks
+                or not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata"))):
+            return
+        tail = tuple(meta.get(name, default) for name, default in self.constexprs)
+        if any(t is self for t in tail):
+            return  # a constexpr with neither a value nor a default: Triton raised already; be safe
+        try:
+            if learn_layout(args, self.dns).kinds != layout.kinds:
+                return  # this call does not fit the plan's layout
+            _, k = spec_key(layout, args)
+        except (TypeError, AttributeError):
+            return
+        run = compiled.run  # the launcher (loads the module on first use; Triton's launch did already)
+        if _current_stream is None:
+            _current_stream = _driver.active.get_current_stream
+        if len(self.cache) >= _MAX_ENTRIES:
+            self.cache.clear()
+        self.cache[(plan_key, _current_device(), k)] = (run, compiled.function, compiled.packed_metadata, tail)

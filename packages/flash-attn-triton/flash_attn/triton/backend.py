@@ -138,14 +138,14 @@ _FWD_PLANS: dict = {}
 
 
 def _fwd_plan(q, D, Dv, varlen, window, softcap, alibi, dropout, return_probs, config):
-    """(block_m, constexpr/launch kwargs) for one kind of call, cached: the per-call path only does a dict
-    lookup on a small tuple."""
+    """(block_m, plan key, constexpr/launch kwargs) for one kind of call, cached: the per-call path does
+    one dict lookup on a small tuple. The plan key is a fresh object, so the launcher hashes it by identity."""
     key = (q.device, q.dtype, D, Dv, varlen, window, softcap, alibi, dropout, return_probs, config)
     plan = _FWD_PLANS.get(key)
     if plan is None:
         if config is None:
             config = _configs.fwd_config(_arch(q.device), max(D, Dv), window[1], _INTERPRET, q.dtype)
-        plan = (config.block_m, key, dict(
+        plan = (config.block_m, _PlanKey(key), dict(
             IS_FP32=q.dtype == torch.float32, HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=_configs.padded_dim(D),
             BLOCK_DV=_configs.padded_dim(Dv), BLOCK_M=config.block_m, BLOCK_N=config.block_n, IS_VARLEN=varlen,
             WINDOW_LEFT=window[0], WINDOW_RIGHT=window[1], HAS_SOFTCAP=softcap, HAS_ALIBI=alibi,
@@ -153,6 +153,18 @@ def _fwd_plan(q, D, Dv, varlen, window, softcap, alibi, dropout, return_probs, c
             num_stages=config.num_stages))
         _FWD_PLANS[key] = plan
     return plan
+
+
+class _PlanKey:
+    """A launcher cache key for one plan: hashed by identity (cheap), printed as the plan it stands for."""
+
+    __slots__ = ("what",)
+
+    def __init__(self, what):
+        self.what = what
+
+    def __repr__(self):
+        return f"_PlanKey{self.what!r}"
 
 
 def fwd(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, softmax_scale,
@@ -166,9 +178,21 @@ def fwd(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bloc
     if _fwd_mod is None:
         _kernels()
     varlen = cu_seqlens_q is not None
-    B, H, Hk, D, Dv, Sq, Sk, sq_, sk_, sv_ = _geometry(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
-    out = q.new_empty((*q.shape[:-1], Dv))
-    lse = torch.empty((H, q.shape[0]) if varlen else (B, H, Sq), device=q.device, dtype=torch.float32)
+    if varlen:
+        B, H, Hk, D, Dv, Sq, Sk, sq_, sk_, sv_ = _geometry(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
+        out = q.new_empty((*q.shape[:-1], Dv))
+        lse = torch.empty((H, q.shape[0]), device=q.device, dtype=torch.float32)
+        so_ = (0, out.stride(0), out.stride(1))
+        sl_ = (0, lse.stride(0))
+    else:
+        B, Sq, H, D = q.shape
+        _, Sk, Hk, _ = k.shape
+        Dv = v.shape[3]
+        sq_, sk_, sv_ = q.stride()[:3], k.stride()[:3], v.stride()[:3]
+        out = q.new_empty((B, Sq, H, Dv))
+        lse = torch.empty((B, H, Sq), device=q.device, dtype=torch.float32)
+        so_ = out.stride()[:3]
+        sl_ = lse.stride()[:2]
     if return_probs:
         probs = torch.zeros((B, H, Sq, Sk), device=q.device, dtype=torch.float32)
         sp_ = probs.stride()[:3]
@@ -177,17 +201,28 @@ def fwd(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bloc
         sp_ = (0, 0, 0)
     if Sq == 0 or B * H == 0 or out.numel() == 0:
         return out, lse, probs
-    softcap_scale, softcap_log2, window, wl, wr, (seed0, seed1, thr, dscale) = _scalars(
-        softmax_scale, softcap, window_left, window_right, causal, dropout_p, rng_state)
+    if softcap > 0.0 or dropout_p > 0.0 or alibi_slopes is not None:
+        softcap_scale, softcap_log2, window, wl, wr, (seed0, seed1, thr, dscale) = _scalars(
+            softmax_scale, softcap, window_left, window_right, causal, dropout_p, rng_state)
+        sa_ = _alibi_strides(alibi_slopes)
+    else:  # the common call, without the general helper's work
+        softcap_scale = softcap_log2 = 0.0
+        seed0 = seed1 = thr = 0
+        dscale = 1.0
+        sa_ = (0, 0)
+        if causal:
+            window_right = 0
+        window = (window_left >= 0, window_right >= 0)
+        wl = window_left if window_left >= 0 else _NO_WINDOW
+        wr = window_right if window_right >= 0 else _NO_WINDOW
     block_m, plan_key, meta = _fwd_plan(q, D, Dv, varlen, window, softcap > 0.0, alibi_slopes is not None,
                                         dropout_p > 0.0, bool(return_probs), config)
     dummy = lse
     _L_FWD((-(-Sq // block_m), B * H), (
         q, k, v, out, lse, probs, dummy if alibi_slopes is None else alibi_slopes,
         cu_seqlens_q if varlen else dummy, cu_seqlens_k if varlen else dummy,
-        *sq_, *sk_, *sv_, *_row_strides(out, varlen), *_lse_strides(lse, varlen), *_alibi_strides(alibi_slopes),
-        *sp_, Sq, Sk, H, H // Hk, softmax_scale * _LOG2E, softcap_scale, softcap_log2, wl, wr,
-        seed0, seed1, thr, dscale), meta, plan_key)
+        *sq_, *sk_, *sv_, *so_, *sl_, *sa_, *sp_, Sq, Sk, H, H // Hk, softmax_scale * _LOG2E, softcap_scale,
+        softcap_log2, wl, wr, seed0, seed1, thr, dscale), meta, plan_key)
     return out, lse, probs
 
 
@@ -203,6 +238,33 @@ def fwd_kvcache(q, k_cache, v_cache, *, k, v, rotary_cos, rotary_sin, cache_seql
         block_table=block_table, softmax_scale=softmax_scale, causal=causal, window_left=window_left,
         window_right=window_right, softcap=softcap, rotary_interleaved=rotary_interleaved,
         alibi_slopes=alibi_slopes, num_splits=num_splits, interpret=_INTERPRET, arch=_arch(q.device))
+
+
+_BWD_PLANS: dict = {}
+
+
+def _bwd_plan(q, D, Dv, varlen, window, softcap, alibi, dropout, deterministic, config):
+    """(config, dq_atomic, plan key, preprocess / dK-dV / dQ kernel kwargs) for one kind of backward call,
+    cached like _fwd_plan."""
+    key = (q.device, q.dtype, D, Dv, varlen, window, softcap, alibi, dropout, bool(deterministic), config)
+    plan = _BWD_PLANS.get(key)
+    if plan is None:
+        if config is None:
+            config = _configs.bwd_config(_arch(q.device), max(D, Dv), window[1], _INTERPRET, q.dtype)
+        dq_atomic = config.dq_atomic and not deterministic
+        block_d, block_dv = _configs.padded_dim(D), _configs.padded_dim(Dv)
+        flags = dict(IS_FP32=q.dtype == torch.float32, HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=block_d,
+                     BLOCK_DV=block_dv, IS_VARLEN=varlen, WINDOW_LEFT=window[0], WINDOW_RIGHT=window[1],
+                     HAS_SOFTCAP=softcap, HAS_ALIBI=alibi, HAS_DROPOUT=dropout)
+        pre = dict(HEAD_DIM_V=Dv, BLOCK_DV=block_dv, BLOCK_M=64 if block_dv <= 128 else 32, IS_VARLEN=varlen,
+                   num_warps=4)
+        dkdv = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, DQ_ATOMIC=dq_atomic, **flags,
+                    num_warps=config.num_warps, num_stages=config.num_stages)
+        dq = dict(BLOCK_M=config.dq_block_m, BLOCK_N=config.dq_block_n, **flags,
+                  num_warps=config.dq_num_warps, num_stages=config.dq_num_stages)
+        plan = (config, dq_atomic, _PlanKey(key), pre, dkdv, dq)
+        _BWD_PLANS[key] = plan
+    return plan
 
 
 def bwd(dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
@@ -223,9 +285,9 @@ def bwd(dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         return torch.zeros(q.shape, dtype=q.dtype, device=q.device), dk, dv
     softcap_scale, softcap_log2, window, wl, wr, (seed0, seed1, thr, dscale) = _scalars(
         softmax_scale, softcap, window_left, window_right, causal, dropout_p, rng_state)
-    if config is None:
-        config = _configs.bwd_config(_arch(q.device), max(D, Dv), window[1], _INTERPRET, q.dtype)
-    dq_atomic = config.dq_atomic and not deterministic
+    config, dq_atomic, plan_key, pre_meta, dkdv_meta, dq_meta = _bwd_plan(
+        q, D, Dv, varlen, window, softcap > 0.0, alibi_slopes is not None, dropout_p > 0.0, deterministic,
+        config)
     if dq_atomic:
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     else:
@@ -240,28 +302,17 @@ def bwd(dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     alibi = alibi_slopes if alibi_slopes is not None else dummy
     cu_q = cu_seqlens_q if varlen else dummy
     cu_k = cu_seqlens_k if varlen else dummy
-    block_d, block_dv = _configs.padded_dim(D), _configs.padded_dim(Dv)
-    flags = dict(IS_FP32=q.dtype == torch.float32, HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=block_d,
-                 BLOCK_DV=block_dv, IS_VARLEN=varlen, WINDOW_LEFT=window[0], WINDOW_RIGHT=window[1],
-                 HAS_SOFTCAP=softcap > 0.0,
-                 HAS_ALIBI=alibi_slopes is not None, HAS_DROPOUT=dropout_p > 0.0)
     scalars = (Sq, Sk, H, H // Hk, softmax_scale, softmax_scale * _LOG2E, softcap_scale, softcap_log2, wl, wr,
                seed0, seed1, thr, dscale)
 
     delta = torch.empty_like(lse)
-    plan_key = (q.device, q.dtype, D, Dv, varlen, window, softcap > 0.0, alibi_slopes is not None,
-                dropout_p > 0.0, config, dq_atomic)
     if Sq > 0:
-        pre_m = 64 if block_dv <= 128 else 32
-        _L_PRE((-(-Sq // pre_m), B * H),
-               (out, dout, delta, cu_q, *_row_strides(out, varlen), *sdo_, *sl_, Sq, H),
-               dict(HEAD_DIM_V=Dv, BLOCK_DV=block_dv, BLOCK_M=pre_m, IS_VARLEN=varlen, num_warps=4), plan_key)
+        _L_PRE((-(-Sq // pre_meta["BLOCK_M"]), B * H),
+               (out, dout, delta, cu_q, *_row_strides(out, varlen), *sdo_, *sl_, Sq, H), pre_meta, plan_key)
     if Sk > 0:
         _L_DKDV((-(-Sk // config.block_n), B * Hk),
                 (q, k, v, dout, lse, delta, dq_acc, dk, dv, alibi, cu_q, cu_k,
-                 *sq_, *sk_, *sv_, *sdo_, *sdq_, *sdk_, *sdv_, *sl_, *sa_, *scalars),
-                dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, DQ_ATOMIC=dq_atomic, **flags,
-                     num_warps=config.num_warps, num_stages=config.num_stages), plan_key)
+                 *sq_, *sk_, *sv_, *sdo_, *sdq_, *sdk_, *sdv_, *sl_, *sa_, *scalars), dkdv_meta, plan_key)
     if dq_atomic:
         dq = dq_acc if q.dtype == torch.float32 else dq_acc.to(q.dtype)
     else:
@@ -269,7 +320,5 @@ def bwd(dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         if Sq > 0:
             _L_DQ((-(-Sq // config.dq_block_m), B * H),
                   (q, k, v, dout, lse, delta, dq, alibi, cu_q, cu_k,
-                   *sq_, *sk_, *sv_, *sdo_, *sdq_, *sl_, *sa_, *scalars),
-                  dict(BLOCK_M=config.dq_block_m, BLOCK_N=config.dq_block_n, **flags,
-                       num_warps=config.dq_num_warps, num_stages=config.dq_num_stages), plan_key)
+                   *sq_, *sk_, *sv_, *sdo_, *sdq_, *sl_, *sa_, *scalars), dq_meta, plan_key)
     return dq, dk, dv

@@ -1,0 +1,194 @@
+"""The Triton backend's fast relaunch (flash_attn/triton/_launch.py): its cache key must change whenever
+Triton would specialise a kernel differently, so a compiled kernel is never reused for arguments it was
+not compiled for. Runs on CPU: the key is computed from tensors' addresses, dtypes and int values, and the
+launcher's first/second-call logic is driven with a fake kernel (no GPU launch)."""
+import types
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from flash_attn.triton import _launch  # noqa: E402
+
+# A kernel signature like the forward's: pointers, then specialised ints (strides, head counts),
+# unspecialised ints (lengths, seeds) and floats.
+DNS = [False, False, False, False, False, False, True, True, False]
+
+
+def _args(t0=None, t1=None, stride=128, heads=16, seqlen=100, seed=7, scale=0.125):
+    t0 = torch.empty(64, dtype=torch.float16) if t0 is None else t0
+    t1 = torch.empty(64, dtype=torch.float32) if t1 is None else t1
+    return (t0, t1, stride, 2 * stride, heads, 1, seqlen, seed, scale)
+
+
+def _key(args):
+    layout = _launch.learn_layout(args, DNS)
+    return _launch.spec_key(layout, args)[1]
+
+
+def test_layout_learnt_from_arguments():
+    layout = _launch.learn_layout(_args(), DNS)
+    assert layout.kinds == ("p", "p", "i", "i", "i", "i", "i", "i", "f")
+    assert layout.n_ptr == 2
+    assert layout.spec(_args()) == (128, 256, 16, 1)
+    assert layout.plain(_args()) == (100, 7)
+    # None (a constexpr for Triton), bools and pointers after scalars are left to Triton's own path
+    assert _launch.learn_layout((*_args()[:-1], None), DNS) is None
+    assert _launch.learn_layout((*_args()[:-1], True), DNS) is None
+    a = _args()
+    assert _launch.learn_layout((a[2], a[0], *a[1:2], *a[3:]), DNS) is None
+
+
+def test_same_kind_of_call_same_key():
+    assert _key(_args()) == _key(_args())
+    # unspecialised ints (lengths, seeds) and floats do not enter the key while they stay i32
+    assert _key(_args(seqlen=5, seed=123456, scale=3.0)) == _key(_args())
+
+
+@pytest.mark.parametrize("change", [
+    dict(stride=136),          # still divisible by 16 ... and by 8: another value, another key
+    dict(stride=100),          # no longer divisible by 16
+    dict(stride=1),            # == 1 (Triton turns it into a constant)
+    dict(heads=1),
+    dict(heads=17),
+    dict(stride=1 << 31),      # i64 instead of i32
+    dict(seqlen=1 << 31),      # unspecialised, but i64 instead of i32
+    dict(seed=-(1 << 31) - 1),
+    dict(seed=1 << 63),        # u64
+])
+def test_specialisation_change_changes_key(change):
+    assert _key(_args(**change)) != _key(_args())
+
+
+def test_pointer_alignment_and_dtype_change_key():
+    flat = torch.empty(65, dtype=torch.float16)
+    aligned = flat[:64] if flat.data_ptr() % 16 == 0 else flat[1:]
+    misaligned = flat[1:] if aligned.data_ptr() == flat.data_ptr() else flat[:64]
+    assert aligned.data_ptr() % 16 == 0 and misaligned.data_ptr() % 16 == 2
+    base = _key(_args(t0=aligned))
+    assert _key(_args(t0=misaligned)) != base
+    assert _key(_args(t0=torch.empty(64, dtype=torch.bfloat16))) != base
+    assert _key(_args(t0=aligned.clone())) == base  # another aligned buffer: same kernel
+    # the key's pointer part is the addresses handed to the launcher
+    ptrs, _ = _launch.spec_key(_launch.learn_layout(_args(t0=misaligned), DNS), _args(t0=misaligned))
+    assert ptrs[0] == misaligned.data_ptr()
+
+
+def test_key_is_a_superset_of_tritons_specialisation():
+    # Whenever Triton's own binder types or specialises two calls differently, the keys differ.
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    def triton_spec(args):
+        return tuple(native_specialize_impl(BaseBackend, a, False, not dns, True)
+                     for a, dns in zip(args, DNS))
+
+    flat = torch.empty(200, dtype=torch.float16)
+    variants = [_args()]
+    for off in (0, 1, 8):
+        for stride in (1, 2, 16, 48, 100, 1 << 31, (1 << 31) + 16):
+            for heads in (1, 3, 32):
+                for seqlen in (0, 1, 17, 1 << 31, -(1 << 40)):
+                    variants.append(_args(t0=flat[off:off + 64], stride=stride, heads=heads, seqlen=seqlen))
+    keys = [_key(a) for a in variants]
+    specs = [triton_spec(a) for a in variants]
+    for i in range(len(variants)):
+        for j in range(i + 1, len(variants)):
+            if specs[i] != specs[j]:
+                assert keys[i] != keys[j], (variants[i][2:], variants[j][2:])
+
+
+class _FakeCompiled:
+    def __init__(self, log):
+        self.function = 1234
+        self.packed_metadata = (4, 1, 0)
+        self.run = lambda *a: log.append(("fast", a))
+
+
+class _FakeKernel:
+    """Stands in for a JITFunction: kernel[grid](*args, **meta) records a 'slow' launch."""
+
+    def __init__(self, n_args, dns, constexprs=("BLOCK",)):
+        P = types.SimpleNamespace
+        self.params = ([P(is_constexpr=False, do_not_specialize=d, name=f"a{i}", has_default=False)
+                        for i, d in enumerate(dns)]
+                       + [P(is_constexpr=True, do_not_specialize=False, name=n, has_default=False)
+                          for n in constexprs])
+        self.device_caches = {}
+        self.pre_run_hooks = []
+        self.log = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **meta):
+            self.log.append(("slow", args))
+            return _FakeCompiled(self.log)
+        return launch
+
+
+@pytest.fixture
+def fake_launcher(monkeypatch):
+    monkeypatch.setattr(_launch, "_INTERPRET", False)
+    monkeypatch.setattr(_launch, "_current_device", lambda: 0)
+    monkeypatch.setattr(_launch, "_current_stream", lambda device: 99)
+    kernel = _FakeKernel(len(DNS), DNS)
+    launcher = _launch.Launcher(kernel)
+    if not launcher.enabled:
+        pytest.skip("this Triton has no knobs/driver internals: the fast path is off")
+    return launcher, kernel.log
+
+
+def test_launcher_relaunches_compiled_kernel_and_respecialises(fake_launcher):
+    launcher, log = fake_launcher
+    meta = dict(BLOCK=64, num_warps=4)
+    plan = object()
+    args = _args()
+    launcher((3, 2), args, meta, plan)
+    launcher((3, 2), args, meta, plan)
+    assert [kind for kind, _ in log] == ["slow", "fast"]
+    fast = log[-1][1]
+    # grid, stream, function, packed metadata, no launch metadata or hooks, addresses, scalars, constexprs
+    assert fast[:9] == (3, 2, 1, 99, 1234, (4, 1, 0), None, None, None)
+    assert fast[9:] == (args[0].data_ptr(), args[1].data_ptr(), *args[2:], 64)
+    launcher((3, 2), _args(seqlen=999), meta, plan)  # unspecialised change: still fast
+    assert log[-1][0] == "fast"
+    for change in (dict(stride=100), dict(heads=1), dict(seqlen=1 << 33)):
+        n = len(log)
+        launcher((3, 2), _args(**change), meta, plan)
+        launcher((3, 2), _args(**change), meta, plan)
+        assert [kind for kind, _ in log[n:]] == ["slow", "fast"], change
+    launcher((3, 2), _args(), dict(BLOCK=32, num_warps=4), object())  # another plan: Triton's path first
+    assert log[-1][0] == "slow"
+
+
+def test_launcher_leaves_unfit_calls_and_hooks_to_triton(fake_launcher, monkeypatch):
+    launcher, log = fake_launcher
+    meta = dict(BLOCK=64, num_warps=4)
+    plan = object()
+    launcher((1,), _args(), meta, plan)
+    launcher((1,), (5, *_args()[1:]), meta, plan)  # not a tensor where a pointer was
+    assert log[-1][0] == "slow"
+    kernel = launcher.kernel
+    kernel.pre_run_hooks.append(lambda *a, **k: None)
+    launcher((1,), _args(), meta, plan)
+    assert log[-1][0] == "slow"
+    kernel.pre_run_hooks.clear()
+    rt = types.SimpleNamespace(launch_enter_hook=types.SimpleNamespace(calls=[print]), launch_exit_hook=None)
+    monkeypatch.setattr(_launch, "_knobs", types.SimpleNamespace(runtime=rt))
+    launcher((1,), _args(), meta, plan)
+    assert log[-1][0] == "slow"
+    rt.launch_enter_hook.calls.clear()
+    launcher((1,), _args(), meta, plan)
+    assert log[-1][0] == "fast"
+    rt.launch_exit_hook = print  # an old-style (callable) hook
+    launcher((1,), _args(), meta, plan)
+    assert log[-1][0] == "slow"
+
+
+def test_interpreter_takes_tritons_path():
+    from flash_attn.triton import backend as tb
+
+    if not tb._INTERPRET:
+        pytest.skip("kernels are compiled here, not interpreted")
+    tb._kernels()
+    assert not tb._L_FWD.enabled and not tb._L_DKDV.enabled
