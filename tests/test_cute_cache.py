@@ -74,7 +74,8 @@ def test_precompile_writes_a_complete_entry(precompiled):
     assert set(files) == ({"o", "so"} if cache._c_compiler() else {"o"})
     manifest = json.loads((precompiled / f"{name}.json").read_text())
     assert manifest["key"] == key and manifest["symbol"] == symbol
-    assert manifest["config"] == {"kernel": "FlashFwdSm90", "dtype": "bf16", "head_dim": 128, "causal": False,
+    assert manifest["config"] == {"kernel": "FlashFwdSm90", "dtype": "bf16", "head_dim": 128, "stages": 3,
+                                  "causal": False,
                                   "local": False, "softcap": False, "arch": "sm_90a",
                                   "abi": "tvm-ffi-env-stream"}
     assert manifest["source"] == cache.source_hash()

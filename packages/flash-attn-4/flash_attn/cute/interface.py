@@ -14,6 +14,7 @@ on a GPU (see the package README).
 """
 import contextlib
 import math
+import os
 import time
 
 import torch
@@ -29,6 +30,9 @@ _device_archs: dict[int, object] = {}  # CUDA device index -> arch name, or None
 _have_tvm_ffi: list = []
 _MAX_ELEMS = 2 ** 31  # the kernels' 32-bit offsets address tensors below this many elements
 _UNBOUNDED = 1 << 30  # FlashFwdSm90.UNBOUNDED: a window side with no limit
+# K and V ring depth per head dim (shared memory: Q tile + stages x (K tile + V tile) <= 227 KB).
+# $FLASH_ATTN_CUTE_STAGES overrides it (a tuning knob; the disk cache keys on it).
+_DEFAULT_STAGES = {64: 4, 128: 3}
 
 
 def _cutlass_dtype(dtype):
@@ -50,7 +54,9 @@ def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varle
     the architecture and the calling convention. It is the disk cache's key (with the package sources
     and the versions, see cache.py) and what compile_fwd builds the kernel from, so a constructor
     argument added here changes both. Plain values: computing the key must not import CuTeDSL."""
+    stages = int(os.environ.get("FLASH_ATTN_CUTE_STAGES") or _DEFAULT_STAGES.get(int(head_dim), 2))
     return {"kernel": "FlashFwdSm90", "dtype": _DTYPE_NAMES.get(dtype, str(dtype)), "head_dim": int(head_dim),
+            "stages": stages,
             "causal": bool(causal) and not local, "local": bool(local), "softcap": bool(softcap), "arch": arch,
             "abi": "tvm-ffi-env-stream" if _tvm_ffi() else "cute", **({"varlen": True} if varlen else {})}
 
@@ -61,7 +67,8 @@ def _make_kernel(config):
     dtype = {name: dt for dt, name in _DTYPE_NAMES.items()}.get(config["dtype"], config["dtype"])
     cutlass_dtype = _cutlass_dtype(dtype) if dtype in _DTYPE_NAMES else dtype
     return FlashFwdSm90(cutlass_dtype, config["head_dim"], config["causal"], local=config["local"],
-                        softcap=config["softcap"], varlen=config.get("varlen", False))
+                        softcap=config["softcap"], varlen=config.get("varlen", False),
+                        num_stages=config["stages"])
 
 
 def compile_fwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=False, softcap=False,
