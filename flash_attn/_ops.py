@@ -13,16 +13,6 @@ from torch import Tensor
 from . import _checks, dispatch
 
 
-def _call(q, v, *, varlen, paged, causal, window_left, window_right, softcap, alibi, dropout_p,
-          return_probs=False, kvcache=False, backward=False, deterministic=False):
-    return dispatch.Call(
-        device_type=q.device.type, dtype=q.dtype, head_dim=q.shape[-1], head_dim_v=v.shape[-1],
-        arch=dispatch.device_arch(q.device), varlen=varlen, paged=paged, causal=causal,
-        local=window_left >= 0 or (window_right >= 0 and not causal), softcap=softcap > 0.0,
-        alibi=alibi is not None, dropout=dropout_p > 0.0, return_probs=return_probs, kvcache=kvcache,
-        backward=backward, deterministic=deterministic)
-
-
 def _check_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table):
     if cu_seqlens_q is None:
         return
@@ -39,12 +29,11 @@ def _fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], c
         causal: bool, window_left: int, window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
         dropout_p: float, rng_state: Optional[Tensor], return_probs: bool,
         deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
-    varlen = cu_seqlens_q is not None
-    _check_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
-    backend = dispatch.select(_call(
-        q, v, varlen=varlen, paged=block_table is not None, causal=causal, window_left=window_left,
-        window_right=window_right, softcap=softcap, alibi=alibi_slopes, dropout_p=dropout_p,
-        return_probs=return_probs, deterministic=deterministic))
+    if cu_seqlens_q is not None:
+        _check_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
+    backend = dispatch.select_for(q, v, cu_seqlens_q is not None, block_table is not None, causal, window_left,
+                                  window_right, softcap, alibi_slopes, dropout_p, return_probs,
+                                  deterministic=deterministic)
     out, lse, probs = backend.fwd(
         q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, block_table=block_table, softmax_scale=softmax_scale, causal=causal,
@@ -79,10 +68,9 @@ def _bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
         block_table: Optional[Tensor], softmax_scale: float, causal: bool, window_left: int,
         window_right: int, softcap: float, alibi_slopes: Optional[Tensor], dropout_p: float,
         rng_state: Optional[Tensor], deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
-    backend = dispatch.select(_call(
-        q, v, varlen=cu_seqlens_q is not None, paged=block_table is not None, causal=causal,
-        window_left=window_left, window_right=window_right, softcap=softcap, alibi=alibi_slopes,
-        dropout_p=dropout_p, backward=True, deterministic=deterministic))
+    backend = dispatch.select_for(q, v, cu_seqlens_q is not None, block_table is not None, causal, window_left,
+                                  window_right, softcap, alibi_slopes, dropout_p, backward=True,
+                                  deterministic=deterministic)
     dq, dk, dv = backend.bwd(
         dout, q, k, v, out, lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, block_table=block_table,
@@ -148,11 +136,33 @@ class _EagerAttention(torch.autograd.Function):
         return _eager_backward(ctx, dout, dlse, dprobs)[:3] + (None,)
 
 
+# torch.autograd.Function.apply's Python wrapper binds default arguments for setup_context-style Functions,
+# checks for functorch transforms and unwraps dead functorch wrappers (~2 us per call); attention() does
+# the last two itself and calls the C apply underneath. On a torch without these internals it uses apply.
+try:
+    _c_apply = super(torch.autograd.Function, _EagerAttention).apply
+    _transforms_active = torch._C._are_functorch_transforms_active
+    _unwrap = torch._C._functorch.unwrap_if_dead
+except AttributeError:
+    _c_apply = _EagerAttention.apply
+    _transforms_active = bool
+
+    def _unwrap(t):
+        return t
+
+
 def attention(*args):
     """flash_attn::fwd's arguments -> (out, lse, probs), differentiable in q, k, v."""
     if torch.compiler.is_compiling():
         return fwd(*args)
-    return _EagerAttention.apply(args[0], args[1], args[2], args[3:])
+    q, k, v = args[0], args[1], args[2]
+    if _transforms_active():
+        return _EagerAttention.apply(q, k, v, args[3:])
+    q, k, v = _unwrap(q), _unwrap(k), _unwrap(v)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _c_apply(q, k, v, args[3:])
+    # Nothing to differentiate: the autograd.Function would only add its cost.
+    return _fwd_impl(q, k, v, *args[3:])
 
 
 @torch.library.custom_op("flash_attn::fwd_kvcache", mutates_args=("k_cache", "v_cache"))
@@ -178,9 +188,8 @@ def fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor]
         local = causal or window_left >= 0 or window_right >= 0
         need = max(s_new, q.shape[1] if local else 1)
         _checks.range_values("cache_seqlens", cache_seqlens, 0, rotary_cos.shape[0] - need + 1)
-    backend = dispatch.select(_call(
-        q, v_cache, varlen=False, paged=block_table is not None, causal=causal, window_left=window_left,
-        window_right=window_right, softcap=softcap, alibi=alibi_slopes, dropout_p=0.0, kvcache=True))
+    backend = dispatch.select_for(q, v_cache, False, block_table is not None, causal, window_left, window_right,
+                                  softcap, alibi_slopes, 0.0, kvcache=True)
     out, lse = backend.fwd_kvcache(
         q, k_cache, v_cache, k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
         cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,

@@ -104,8 +104,22 @@ def unavailable_reason(name):
     return _unavailable[name]
 
 
+def _env_backend():
+    # os.environ.get encodes the key and decodes the value on each call (~1 us); on POSIX, read the
+    # mapping os.environ keeps in sync with setenv/putenv directly.
+    env = os.environ
+    data = getattr(env, "_data", None)
+    if data is None or os.name != "posix":
+        return env.get(ENV_VAR)
+    raw = data.get(_ENV_KEY)
+    return None if raw is None else env.decodevalue(raw)
+
+
+_ENV_KEY = os.fsencode(ENV_VAR)
+
+
 def forced_backend():
-    name = _forced.get() or os.environ.get(ENV_VAR) or None
+    name = _forced.get() or _env_backend() or None
     if name is not None:
         _check_name(name)
     return name
@@ -167,6 +181,26 @@ def select(call: Call):
         else:
             raise NotImplementedError("no flash_attn backend serves this call: " + "; ".join(reasons))
     _choice[key] = mod
+    return mod
+
+
+def select_for(q, v, varlen, paged, causal, window_left, window_right, softcap, alibi, dropout_p,
+               return_probs=False, kvcache=False, backward=False, deterministic=False):
+    """select(Call(...)) for a call on q/v with these arguments, cached on a plain tuple (building and
+    hashing the Call costs more than the rest of the lookup)."""
+    forced = forced_backend()
+    device = q.device
+    local = window_left >= 0 or (window_right >= 0 and not causal)
+    key = (device, q.dtype, q.shape[-1], v.shape[-1], varlen, paged, causal, local, softcap > 0.0,
+           alibi is not None, dropout_p > 0.0, return_probs, kvcache, backward, deterministic, forced)
+    mod = _choice.get(key)
+    if mod is None:
+        mod = select(Call(
+            device_type=device.type, dtype=q.dtype, head_dim=q.shape[-1], head_dim_v=v.shape[-1],
+            arch=device_arch(device), varlen=varlen, paged=paged, causal=causal, local=local,
+            softcap=softcap > 0.0, alibi=alibi is not None, dropout=dropout_p > 0.0,
+            return_probs=return_probs, kvcache=kvcache, backward=backward, deterministic=deterministic))
+        _choice[key] = mod
     return mod
 
 

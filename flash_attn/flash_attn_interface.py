@@ -72,6 +72,19 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     With return_attn_probs, returns (out, softmax_lse fp32 (B, H, Sq), probs (B, H, Sq, Sk)), probs
     negated where dropout dropped them (for testing only: it materialises Sq x Sk).
     """
+    if not dropout_p and not softcap and alibi_slopes is None and not return_attn_probs:
+        # The common call (no dropout, softcap, ALiBi or probabilities): the same checks and op call as
+        # _attn, without its general-case work.
+        D = _checks.qkv(q, k, v, False)[2]
+        if type(window_size) is tuple and window_size == (-1, -1):
+            left = right = -1
+        else:
+            left, right = _checks.window(window_size)
+        if causal:
+            right = 0
+        scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
+        return _ops.attention(q, k, v, None, None, q.shape[1], k.shape[1], None, scale, bool(causal), left,
+                              right, 0.0, None, 0.0, None, False, bool(deterministic))[0]
     return _attn(q, k, v, None, None, None, None, None, dropout_p, softmax_scale, causal, window_size,
                  softcap, alibi_slopes, deterministic, return_attn_probs)
 

@@ -204,3 +204,42 @@ def test_value_check_reruns_after_in_place_change():
     cu[1] = 9  # same tensor object, new contents: must be checked again
     with pytest.raises(ValueError, match="non-decreasing|exceeds"):
         flash_attn_varlen_func(q, q, q, cu, cu, 9, 9)
+
+
+def _bad_calls():
+    ok = t(1, 4, 2, 8)
+    meta = torch.empty(1, 4, 2, 8, dtype=torch.float16, device="meta")
+    return {
+        "q not a tensor": ((ok.tolist(), ok, ok), {}),
+        "int dtype": ((ok.to(torch.int32), ok, ok), {}),
+        "v dtype": ((ok, ok, ok.float()), {}),
+        "q rank": ((t(4, 2, 8), ok, ok), {}),
+        "v rank": ((ok, ok, t(4, 2, 8)), {}),
+        "batch": ((ok, t(2, 4, 2, 8), t(2, 4, 2, 8)), {}),
+        "heads": ((t(1, 4, 3, 8), ok, ok), {}),
+        "zero kv heads": ((ok, t(1, 4, 0, 8), t(1, 4, 0, 8)), {}),
+        "k head dim": ((ok, t(1, 4, 2, 16), t(1, 4, 2, 16)), {}),
+        "head dim 0": ((t(1, 4, 2, 0), t(1, 4, 2, 0), t(1, 4, 2, 0)), {}),
+        "v head dim 300": ((ok, ok, t(1, 4, 2, 300)), {}),
+        "v seqlen": ((ok, ok, t(1, 5, 2, 8)), {}),
+        "k last dim": ((ok, t(1, 4, 2, 16)[..., ::2], ok), {}),
+        "v last dim": ((ok, ok, t(1, 4, 2, 16)[..., ::2]), {}),
+        "device": ((ok, ok, meta), {}),
+        "window": ((ok, ok, ok), dict(window_size=(-2, 0))),
+        "window type": ((ok, ok, ok), dict(window_size=3)),
+        "negative softcap": ((ok, ok, ok), dict(softcap=-1.0)),
+        "dropout nan": ((ok, ok, ok), dict(dropout_p=float("nan"))),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_bad_calls()))
+def test_common_call_path_checks_like_the_general_one(case):
+    # flash_attn_func takes a shorter path for calls without dropout/softcap/ALiBi/probabilities;
+    # return_attn_probs=True forces the general one. Both must raise the same error.
+    args, kwargs = _bad_calls()[case]
+    errors = []
+    for extra in ({}, dict(return_attn_probs=True)):
+        with pytest.raises((TypeError, ValueError)) as info:
+            flash_attn_func(*args, **kwargs, **extra)
+        errors.append((type(info.value), str(info.value)))
+    assert errors[0] == errors[1]

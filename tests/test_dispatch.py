@@ -127,3 +127,31 @@ def test_info_lists_every_backend(capsys):
     for name in dispatch.BACKENDS:
         assert f"  {name} " in text
     assert "torch   available" in text
+
+
+def test_env_var_read_on_every_call(registry, monkeypatch):
+    # the per-call selection is cached, but not across a change of FLASH_ATTN_BACKEND
+    q, k, v = _qkv()
+    flash_attn_func(q, k, v)
+    monkeypatch.setenv(dispatch.ENV_VAR, "mid")
+    flash_attn_func(q, k, v)
+    monkeypatch.delenv(dispatch.ENV_VAR)
+    flash_attn_func(q, k, v)
+    assert registry == [("fast", "fwd"), ("mid", "fwd"), ("fast", "fwd")]
+
+
+def test_calls_without_gradient_skip_autograd_but_agree(registry):
+    # Without anything to differentiate the op runs outside the autograd.Function; same result.
+    q, k, v = _qkv()
+    with_grad = flash_attn_func(q, k, v, causal=True)
+    assert with_grad.grad_fn is not None
+    with torch.no_grad():
+        no_grad = flash_attn_func(q, k, v, causal=True)
+    detached = flash_attn_func(q.detach(), k.detach(), v.detach(), causal=True)
+    assert no_grad.grad_fn is None and not no_grad.requires_grad
+    assert detached.grad_fn is None and not detached.requires_grad
+    assert torch.equal(no_grad, with_grad) and torch.equal(detached, with_grad)
+    # only k requiring grad still builds the graph
+    out = flash_attn_func(q.detach(), k, v.detach())
+    out.sum().backward()
+    assert k.grad is not None and q.grad is None
