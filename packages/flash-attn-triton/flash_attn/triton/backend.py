@@ -189,15 +189,16 @@ def fwd(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bloc
         _, Sk, Hk, _ = k.shape
         Dv = v.shape[3]
         sq_, sk_, sv_ = q.stride()[:3], k.stride()[:3], v.stride()[:3]
-        out = q.new_empty((B, Sq, H, Dv))
-        lse = torch.empty((B, H, Sq), device=q.device, dtype=torch.float32)
-        so_ = out.stride()[:3]
-        sl_ = lse.stride()[:2]
+        # sizes as separate ints: torch parses them faster than a tuple
+        out = q.new_empty(B, Sq, H, Dv)
+        lse = torch.empty(B, H, Sq, device=q.device, dtype=torch.float32)
+        so_ = (Sq * H * Dv, H * Dv, Dv)  # both contiguous (only read when no size is 0)
+        sl_ = (H * Sq, Sq)
     if return_probs:
         probs = torch.zeros((B, H, Sq, Sk), device=q.device, dtype=torch.float32)
         sp_ = probs.stride()[:3]
     else:
-        probs = lse.new_empty((0,))
+        probs = lse.new_empty(0)
         sp_ = (0, 0, 0)
     if Sq == 0 or B * H == 0 or out.numel() == 0:
         return out, lse, probs
