@@ -228,19 +228,41 @@ def launch_breakdown(args):
     out, lse, probs = tb.fwd(q, k, v, return_probs=False, **kw)
     block_m, _, meta = next(iter(tb._FWD_PLANS.values()))
     B, S, H, D = q.shape
-    launch_args = [q, k, v, out, lse, probs, lse, lse, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+    launch_args = (q, k, v, out, lse, probs, lse, lse, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
                    *out.stride()[:3], lse.stride(0), lse.stride(1), 0, 0, 0, 0, 0, S, S, H, 1,
-                   kw["softmax_scale"] * 1.4426950408889634, 0.0, 0.0, 1 << 30, 1 << 30, 0, 0, 0, 1.0]
+                   kw["softmax_scale"] * 1.4426950408889634, 0.0, 0.0, 1 << 30, 1 << 30, 0, 0, 0, 1.0)
     grid = (-(-S // block_m), B * H)
     kern = _fwd._attn_fwd_kernel
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+    launcher = tb._L_FWD
+    plan_key = next(iter(tb._FWD_PLANS.values()))[1]
     cases = {
-        "flash_attn_func, inputs requiring grad":
-            lambda: flash_attn.flash_attn_func(*(t.requires_grad_() for t in (q, k, v))),
-        "flash_attn_func, no grad": lambda: flash_attn.flash_attn_func(*(t.detach() for t in (q, k, v))),
+        "flash_attn_func, inputs requiring grad": lambda: flash_attn.flash_attn_func(qg, kg, vg),
+        "flash_attn_func, no grad": lambda: flash_attn.flash_attn_func(q, k, v),
         "backend.fwd": lambda: tb.fwd(q, k, v, return_probs=False, **kw),
-        "kernel[grid](...) only": lambda: kern[grid](*launch_args, **meta),
-        "torch.empty x2": lambda: (torch.empty_like(q), torch.empty(1, device=q.device)),
+        "Launcher (cached compiled kernel)": lambda: launcher(grid, launch_args, meta, plan_key),
+        "kernel[grid](...) only (Triton's own path)": lambda: kern[grid](*launch_args, **meta),
+        "out/lse/probs allocations": lambda: (q.new_empty(B, S, H, D), torch.empty(B, H, S, device=q.device,
+                                                                                   dtype=torch.float32),
+                                              lse.new_empty(0)),
     }
+    launcher(grid, launch_args, meta, plan_key)
+    layout = launcher.layouts.get(plan_key) if launcher.enabled else None
+    entry = None
+    if layout is not None:
+        from flash_attn.triton import _launch
+        ptrs, key = _launch.spec_key(layout, launch_args)
+        entry = launcher.cache.get((plan_key, torch.cuda.current_device(), key))
+        cases["  of which the cache key"] = lambda: _launch.spec_key(layout, launch_args)
+    if entry is not None:
+        run, function, packed, tail = entry
+        stream = _launch._current_stream
+        scalars = launch_args[layout.n_ptr:]
+        cases["  of which CompiledKernel.run (Triton's C launcher)"] = lambda: run(
+            grid[0], grid[1], 1, stream(torch.cuda.current_device()), function, packed, None, None, None, *ptrs,
+            *scalars, *tail)
+    print(f"fast relaunch: {'on' if entry is not None else 'OFF (Triton path on every call)'}; "
+          f"triton {__import__('triton').__version__}, torch {torch.__version__}", flush=True)
     if hasattr(kern, "device_caches"):
         binder = kern.device_caches[torch.cuda.current_device()][-1]
         cases["Triton binder alone"] = lambda: binder(*launch_args, **meta)
@@ -280,9 +302,13 @@ def _backend_direct(name):
     import importlib
 
     mod = importlib.import_module(f"flash_attn.{name}.backend")
+    kwargs = {}
 
     def fn(q, k, v):
-        return mod.fwd(q, k, v, return_probs=False, **_triton_kwargs(q, k, False))[0]
+        kw = kwargs.get((q.shape, k.shape))  # built once: the dict is not the backend's cost
+        if kw is None:
+            kw = kwargs[(q.shape, k.shape)] = _triton_kwargs(q, k, False)
+        return mod.fwd(q, k, v, return_probs=False, **kw)[0]
     return fn
 
 
