@@ -165,6 +165,25 @@ def attention(*args):
     return _fwd_impl(q, k, v, *args[3:])
 
 
+def attention_dense(q, k, v, softmax_scale, causal, window_left, window_right, deterministic):
+    """attention() of flash_attn_func's common call (dense; no dropout, softcap, ALiBi or probabilities),
+    arguments already validated -> out. The same op, with less per-call work than the general entry."""
+    if torch.compiler.is_compiling() or _transforms_active():
+        return attention(q, k, v, None, None, q.shape[1], k.shape[1], None, softmax_scale, causal, window_left,
+                         window_right, 0.0, None, 0.0, None, False, deterministic)[0]
+    q, k, v = _unwrap(q), _unwrap(k), _unwrap(v)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _c_apply(q, k, v, (None, None, q.shape[1], k.shape[1], None, softmax_scale, causal, window_left,
+                                  window_right, 0.0, None, 0.0, None, False, deterministic))[0]
+    backend = dispatch.select_dense(q, v, causal, window_left, window_right, deterministic)
+    out = backend.fwd(
+        q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=q.shape[1], max_seqlen_k=k.shape[1],
+        block_table=None, softmax_scale=softmax_scale, causal=causal, window_left=window_left,
+        window_right=window_right, softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None,
+        return_probs=False)[0]
+    return out.contiguous()
+
+
 @torch.library.custom_op("flash_attn::fwd_kvcache", mutates_args=("k_cache", "v_cache"))
 def fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor], v: Optional[Tensor],
                 rotary_cos: Optional[Tensor], rotary_sin: Optional[Tensor], cache_seqlens: Tensor,

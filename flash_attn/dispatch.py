@@ -204,6 +204,19 @@ def select_for(q, v, varlen, paged, causal, window_left, window_right, softcap, 
     return mod
 
 
+def select_dense(q, v, causal, window_left, window_right, deterministic):
+    """select_for() of a dense forward without dropout, softcap, ALiBi or probabilities (flash_attn_func's
+    common call), on a shorter key."""
+    forced = forced_backend()
+    local = window_left >= 0 or (window_right >= 0 and not causal)
+    key = (q.device, q.dtype, q.shape[-1], v.shape[-1], causal, local, deterministic, forced)
+    mod = _choice.get(key)
+    if mod is None:
+        mod = _choice[key] = select_for(q, v, False, False, causal, window_left, window_right, 0.0, None, 0.0,
+                                        deterministic=deterministic)
+    return mod
+
+
 def explain(call: Call):
     """{backend name: None if it would serve ``call`` else the reason}, in priority order."""
     return {name: _reason(name, call) for name in BACKENDS}

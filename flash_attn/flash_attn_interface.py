@@ -83,8 +83,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         if causal:
             right = 0
         scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
-        return _ops.attention(q, k, v, None, None, q.shape[1], k.shape[1], None, scale, bool(causal), left,
-                              right, 0.0, None, 0.0, None, False, bool(deterministic))[0]
+        return _ops.attention_dense(q, k, v, scale, bool(causal), left, right, bool(deterministic))
     return _attn(q, k, v, None, None, None, None, None, dropout_p, softmax_scale, causal, window_size,
                  softcap, alibi_slopes, deterministic, return_attn_probs)
 
