@@ -273,6 +273,7 @@ def launch_breakdown(args):
                 fn()
             torch.cuda.synchronize()
             samples = []
+            slow0 = launcher.slow_launches
             for _ in range(5):
                 t0 = time.perf_counter()
                 for _ in range(200):
@@ -280,7 +281,9 @@ def launch_breakdown(args):
                 torch.cuda.synchronize()
                 samples.append((time.perf_counter() - t0) / 200 * 1e6)
             res[name] = statistics.median(samples)
-            print(f"{name}: {res[name]:.1f} us", flush=True)
+            slow = launcher.slow_launches - slow0
+            print(f"{name}: {res[name]:.1f} us" + (f" ({slow} of 1000 forward launches took Triton's path)"
+                                                   if slow else ""), flush=True)
         # A mid-size problem where per-call host time and GPU time are of the same order.
         from triton.testing import do_bench
         q, k, v = _inputs(8, 2048, 32, 64)
@@ -710,10 +713,16 @@ def main(argv=None):
         torch.cuda.empty_cache()
     latency = {}
     for lab, make, ctx in provs:
+        launcher = getattr(sys.modules.get("flash_attn.triton.backend"), "_L_FWD", None) if lab == "ours:triton" \
+            else None
+        slow0 = launcher.slow_launches if launcher is not None else 0
         try:
             latency[lab] = (per_call_us(make(False), ctx), per_call_us(make(False), ctx, requires_grad=True))
         except Exception as e:
             notes.append(f"{lab} latency: {type(e).__name__}: {e}")
+        if launcher is not None and launcher.slow_launches - slow0 > 2:
+            notes.append(f"{lab} latency: {launcher.slow_launches - slow0} forward launches took Triton's own "
+                         "path instead of the cached compiled kernel")
         if lab.startswith("ours:"):
             try:
                 direct = _backend_direct(lab.split(":", 1)[1])

@@ -148,6 +148,7 @@ class Launcher:
 
     def __init__(self, kernel):
         self.kernel = kernel
+        self.slow_launches = 0  # calls that took Triton's own path (benchmarks report it)
         self.cache = {}  # (plan_key, device, spec_key part) -> (launcher, function, packed metadata, tail)
         self.layouts = {}  # plan_key -> Layout, or None when the fast path cannot serve the plan
         params = getattr(kernel, "params", None)
@@ -164,6 +165,7 @@ class Launcher:
 
     def __call__(self, grid, args, meta, plan_key):
         if not self.enabled:
+            self.slow_launches += 1
             self.kernel[grid](*args, **meta)
             return
         layout = self.layouts.get(plan_key)
@@ -181,6 +183,7 @@ class Launcher:
                         _current_stream(device), function, packed, None, None, None,
                         *ptrs, *args[layout.n_ptr:], *tail)
                     return
+        self.slow_launches += 1
         compiled = self.kernel[grid](*args, **meta)
         self._remember(compiled, args, meta, plan_key)
 
