@@ -165,6 +165,41 @@ def attention(*args):
     return _fwd_impl(q, k, v, *args[3:])
 
 
+def _fwd_dense(q, k, v, softmax_scale, causal, window_left, window_right, deterministic):
+    """_fwd_impl of a dense call without dropout, softcap, ALiBi or probabilities -> (out, lse)."""
+    backend = dispatch.select_dense(q, v, causal, window_left, window_right, deterministic)
+    out, lse, _ = backend.fwd(
+        q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=q.shape[1], max_seqlen_k=k.shape[1],
+        block_table=None, softmax_scale=softmax_scale, causal=causal, window_left=window_left,
+        window_right=window_right, softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None,
+        return_probs=False)
+    return out.contiguous(), lse
+
+
+class _EagerDenseAttention(torch.autograd.Function):
+    """_EagerAttention for attention_dense: out is its only output (each output costs autograd ~0.5 us)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, args):
+        softmax_scale, causal, window_left, window_right, deterministic = args
+        out, lse = _fwd_dense(q, k, v, softmax_scale, causal, window_left, window_right, deterministic)
+        # the layout _fwd_setup_context gives, which _eager_backward reads
+        ctx.save_for_backward(q, k, v, out, lse.contiguous(), None, None, None, None, None)
+        ctx.args = (q.shape[1], k.shape[1], softmax_scale, causal, window_left, window_right, 0.0, 0.0,
+                    deterministic)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        return _eager_backward(ctx, dout, None, None)[:3] + (None,)
+
+
+try:
+    _c_apply_dense = super(torch.autograd.Function, _EagerDenseAttention).apply
+except AttributeError:
+    _c_apply_dense = _EagerDenseAttention.apply
+
+
 def attention_dense(q, k, v, softmax_scale, causal, window_left, window_right, deterministic):
     """attention() of flash_attn_func's common call (dense; no dropout, softcap, ALiBi or probabilities),
     arguments already validated -> out. The same op, with less per-call work than the general entry."""
@@ -173,15 +208,8 @@ def attention_dense(q, k, v, softmax_scale, causal, window_left, window_right, d
                          window_right, 0.0, None, 0.0, None, False, deterministic)[0]
     q, k, v = _unwrap(q), _unwrap(k), _unwrap(v)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _c_apply(q, k, v, (None, None, q.shape[1], k.shape[1], None, softmax_scale, causal, window_left,
-                                  window_right, 0.0, None, 0.0, None, False, deterministic))[0]
-    backend = dispatch.select_dense(q, v, causal, window_left, window_right, deterministic)
-    out = backend.fwd(
-        q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=q.shape[1], max_seqlen_k=k.shape[1],
-        block_table=None, softmax_scale=softmax_scale, causal=causal, window_left=window_left,
-        window_right=window_right, softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None,
-        return_probs=False)[0]
-    return out.contiguous()
+        return _c_apply_dense(q, k, v, (softmax_scale, causal, window_left, window_right, deterministic))
+    return _fwd_dense(q, k, v, softmax_scale, causal, window_left, window_right, deterministic)[0]
 
 
 @torch.library.custom_op("flash_attn::fwd_kvcache", mutates_args=("k_cache", "v_cache"))
