@@ -5,8 +5,9 @@ of our ~50 arguments, hashes the result to find the compiled kernel, builds laun
 C launcher query the driver about every tensor. On the second and later calls of the same kind,
 :class:`Launcher` skips all of it: it keeps the ``CompiledKernel`` that Triton's own path returned, under a
 key that holds everything Triton specialises on, and calls the kernel's launcher (``CompiledKernel.run``,
-the same object and argument layout Triton's ``JITFunction.run`` uses, in Triton 3.x from 3.3 on: 3.6 and
-3.9 checked) with the tensors' device addresses as plain integers.
+the same object and argument layout Triton's ``JITFunction.run`` uses; checked against Triton 3.6 and 3.9)
+with the tensors' device addresses as plain integers (the C launcher then skips its data_ptr() call and
+driver query per tensor) and no launch metadata or hooks.
 
 The key (:func:`spec_key`) is a superset of Triton's specialisation (``native_specialize_impl``: a tensor
 is typed by its dtype and marked when ``data_ptr() % 16 == 0``; an int is typed i32/i64/u64 by its range
@@ -23,7 +24,8 @@ Which argument positions hold tensors, specialised ints, unspecialised ints and 
 ``plan_key`` on the first call; a call whose arguments do not fit that layout (or any first call with
 arguments of another kind, such as None) takes Triton's own path. So does every call under the
 interpreter, with a launch hook installed (a profiler), with pre-run hooks on the kernel, or on a Triton
-without these internals.
+without these internals. Knobs that change compile options (TRITON_DEBUG, instrumentation modes) are
+seen by Triton's own path only: set them before a kernel's first launch.
 """
 from __future__ import annotations
 
