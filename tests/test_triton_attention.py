@@ -12,6 +12,7 @@ output and every gradient; lse is compared to the fp32 reference lse.
 import pytest
 import torch
 
+import flash_attn
 from flash_attn import testing
 from flash_attn.triton import backend as tb
 
@@ -522,10 +523,27 @@ def test_gpu_fast_relaunch_matches_first_launch():
     q, k, v = _qkv(2, 300, 300, 4, 2, 64, 64, torch.bfloat16, seed=81)
     kw = _kwargs(causal=True, head_dim=64, max_seqlen_q=300, max_seqlen_k=300)
     first = tb.fwd(q, k, v, return_probs=False, **kw)[0]
-    n = len(tb._L_FWD.cache)
+    n, slow = len(tb._L_FWD.cache), tb._L_FWD.slow_launches
     again = tb.fwd(q, k, v, return_probs=False, **kw)[0]
     assert len(tb._L_FWD.cache) == n and n > 0
+    assert tb._L_FWD.slow_launches == slow, "the repeated call did not take the fast relaunch"
     assert torch.equal(first, again)
+    # the same through the public API, with and without autograd, and the backward's kernels
+    with flash_attn.use_backend("triton"):
+        api = flash_attn.flash_attn_func(q, k, v, causal=True)
+        slow = tb._L_FWD.slow_launches
+        assert torch.equal(flash_attn.flash_attn_func(q, k, v, causal=True), api)
+        qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+        out = flash_attn.flash_attn_func(qg, kg, vg, causal=True, deterministic=True)
+        assert torch.equal(out, api) and tb._L_FWD.slow_launches == slow
+        out.sum().backward()
+        grads = [t.grad.clone() for t in (qg, kg, vg)]
+        slow_bwd = tb._L_DKDV.slow_launches + tb._L_DQ.slow_launches + tb._L_PRE.slow_launches
+        for t in (qg, kg, vg):
+            t.grad = None
+        flash_attn.flash_attn_func(qg, kg, vg, causal=True, deterministic=True).sum().backward()
+        assert tb._L_DKDV.slow_launches + tb._L_DQ.slow_launches + tb._L_PRE.slow_launches == slow_bwd
+        assert all(torch.equal(t.grad, g) for t, g in zip((qg, kg, vg), grads))
     flat = torch.empty(q.numel() + 1, device=DEVICE, dtype=q.dtype)
     q_odd = flat[1:].view_as(q)  # data_ptr % 16 == 2
     q_odd.copy_(q)
