@@ -359,7 +359,7 @@ def forward(q, k, v, softmax_scale, causal, arch="sm_90a", window_left=-1, windo
     capped = softcap > 0.0
     q, k, v = _kernel_layout(q, D), _kernel_layout(k, D), _kernel_layout(v, D)
     out = torch.empty_like(q)
-    lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
+    lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)  # sizes as ints: parsed faster
     if k.shape[1] == 0:  # no key at all: every row is empty (TMA descriptors cannot map a 0-length dim)
         out.zero_()
         lse.fill_(math.inf)
