@@ -313,6 +313,41 @@ def test_root_varlen_calls_use_cute_and_backward_falls_back():
             assert_close_to_ref(mine[None, sl], r, p, name=f"d{name} {b}")
 
 
+@pytest.mark.parametrize("varlen", [False, True])
+def test_api_refuses_bad_arguments_before_touching_a_gpu(varlen):
+    """The FA4-style entry points name what is wrong (checked on CPU tensors: every one of these is
+    refused before the device check)."""
+    from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+
+    def qkv(d=64, dv=64, h=4, hk=2, dtype=torch.bfloat16):
+        lead = (7,) if varlen else (2, 7)
+        return (torch.zeros(*lead, h, d, dtype=dtype), torch.zeros(*lead, hk, d, dtype=dtype),
+                torch.zeros(*lead, hk, dv, dtype=dtype))
+
+    def call(q, k, v, **kw):
+        if varlen:
+            cu = torch.tensor([0, 7], dtype=torch.int32)
+            return flash_attn_varlen_func(q, k, v, cu, cu, **kw)
+        return flash_attn_func(q, k, v, **kw)
+
+    cases = [
+        (dict(tensors=qkv(dtype=torch.float32)), ValueError, "fp16 or bf16"),
+        (dict(tensors=qkv(d=72, dv=72)), NotImplementedError, "head dim 72"),
+        (dict(tensors=qkv(dv=128)), NotImplementedError, "head dim of v"),
+        (dict(tensors=qkv(h=3)), ValueError, "multiple of k heads"),
+        (dict(softcap=-1.0), ValueError, "softcap must be >= 0"),
+        (dict(learnable_sink=torch.zeros(4)), NotImplementedError, "learnable_sink"),
+        (dict(num_splits=2), NotImplementedError, "num_splits"),
+        (dict(pack_gqa=True), NotImplementedError, "pack_gqa"),
+    ]
+    for kw, exc, msg in cases:
+        tensors = kw.pop("tensors", qkv())
+        with pytest.raises(exc, match=msg):
+            call(*tensors, **kw)
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        call(*qkv())
+
+
 # ----------------------------------------------------------------------------------------------------
 # The dispatcher's backend module (flash_attn.cute.backend)
 

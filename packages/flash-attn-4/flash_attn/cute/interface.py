@@ -268,6 +268,31 @@ def _device_arch(q, k, v):
     return arch
 
 
+def _check_dims(D, Dv, H, Hk):
+    if Dv != D:
+        raise NotImplementedError("head dim of v must equal that of q and k")
+    if D not in _SUPPORTED_HEAD_DIMS:
+        raise NotImplementedError(f"head dim {D} not in {_SUPPORTED_HEAD_DIMS}")
+    if H % Hk != 0:
+        raise ValueError(f"q heads ({H}) must be a multiple of k heads ({Hk})")
+
+
+def _options(window_size, learnable_sink, softcap, num_splits, pack_gqa):
+    """(window_left, window_right, softcap) from FA4's keyword arguments (-1: no limit on that side);
+    raises for what the kernels do not do yet."""
+    window_left, window_right = (-1 if w is None else int(w) for w in window_size)
+    if learnable_sink is not None:
+        raise NotImplementedError("learnable_sink")
+    softcap = float(softcap or 0.0)
+    if softcap < 0.0 or softcap != softcap:
+        raise ValueError(f"softcap must be >= 0 (0: off), got {softcap}")
+    if num_splits != 1:
+        raise NotImplementedError("num_splits != 1")
+    if pack_gqa:
+        raise NotImplementedError("pack_gqa")
+    return window_left, window_right, softcap
+
+
 def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(None, None), learnable_sink=None,
                     softcap=0.0, num_splits=1, pack_gqa=None, deterministic=False, return_lse=False):
     """Attention forward on Hopper: q (B, Sq, H, D), k/v (B, Sk, Hk, D) fp16/bf16 CUDA tensors, D in
@@ -292,22 +317,8 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(None
     Bv, Sv, Hv, Dv = v.shape
     if Bk != B or Bv != Bk or Sv != Sk or Hv != Hk or Dk != D:
         raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if Dv != D:
-        raise NotImplementedError("head dim of v must equal that of q and k")
-    if D not in _SUPPORTED_HEAD_DIMS:
-        raise NotImplementedError(f"head dim {D} not in {_SUPPORTED_HEAD_DIMS}")
-    if H % Hk != 0:
-        raise ValueError(f"q heads ({H}) must be a multiple of k heads ({Hk})")
-    window_left, window_right = (-1 if w is None else int(w) for w in window_size)
-    if learnable_sink is not None:
-        raise NotImplementedError("learnable_sink")
-    softcap = float(softcap or 0.0)
-    if softcap < 0.0 or softcap != softcap:
-        raise ValueError(f"softcap must be >= 0 (0: off), got {softcap}")
-    if num_splits != 1:
-        raise NotImplementedError("num_splits != 1")
-    if pack_gqa:
-        raise NotImplementedError("pack_gqa")
+    _check_dims(D, Dv, H, Hk)
+    window_left, window_right, softcap = _options(window_size, learnable_sink, softcap, num_splits, pack_gqa)
     arch = _device_arch(q, k, v)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(D)
@@ -417,12 +428,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_se
     Tk, Hk, Dk = k.shape
     if v.shape[:2] != k.shape[:2] or Dk != D:
         raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if v.shape[2] != D:
-        raise NotImplementedError("head dim of v must equal that of q and k")
-    if D not in _SUPPORTED_HEAD_DIMS:
-        raise NotImplementedError(f"head dim {D} not in {_SUPPORTED_HEAD_DIMS}")
-    if H % Hk != 0:
-        raise ValueError(f"q heads ({H}) must be a multiple of k heads ({Hk})")
+    _check_dims(D, v.shape[2], H, Hk)
+    window_left, window_right, softcap = _options(window_size, learnable_sink, softcap, num_splits, pack_gqa)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have a contiguous last dimension, got stride {t.stride(-1)}")
@@ -447,16 +454,6 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_se
                              f"(got first {first}, last {last})")
     if used_bad:
         raise ValueError("seqused_k must lie in [0, cu_seqlens_k[b + 1] - cu_seqlens_k[b]]")
-    window_left, window_right = (-1 if w is None else int(w) for w in window_size)
-    if learnable_sink is not None:
-        raise NotImplementedError("learnable_sink")
-    softcap = float(softcap or 0.0)
-    if softcap < 0.0 or softcap != softcap:
-        raise ValueError(f"softcap must be >= 0 (0: off), got {softcap}")
-    if num_splits != 1:
-        raise NotImplementedError("num_splits != 1")
-    if pack_gqa:
-        raise NotImplementedError("pack_gqa")
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(D)
     if max_seqlen_q is None:
