@@ -400,8 +400,9 @@ class FlashFwdSm90:
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         tiled_mma_pv.set(warpgroup.Field.ACCUMULATE, True)
 
+        # Wait for Q even when no key block is visible: the CTA must not exit with its TMA load in flight.
+        q_pipe.consumer_wait(q_state)
         if n_block_max > n_block_min:
-            q_pipe.consumer_wait(q_state)
             if cutlass.const_expr(pingpong):
                 if wg == 1:  # warpgroup 0 goes first
                     cute.arch.barrier_arrive(barrier_id=1, number_of_threads=n_threads_pp)
