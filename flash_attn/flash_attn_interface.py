@@ -163,7 +163,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     k_cache/v_cache (B_cache, Sk_cache, Hk, D), or paged (num_blocks, block_size, Hk, D) with block_table
     int32 (B, max_blocks). If k/v (B, S_new, Hk, D) are given they are written into the caches IN PLACE at
     positions cache_seqlens[b] .., after rotating k by rotary_cos/sin (seqlen_ro, rotary_dim / 2) when
-    given (q is rotated too: at cache_seqlens + i if causal or local, else at cache_seqlens).
+    given (q is rotated too: at cache_seqlens + i if causal or local, else at cache_seqlens); rotary
+    tables without new k/v are refused, as in FlashAttention-2.
     cache_seqlens: int or int32 (B,), the cache lengths before the append; cache_batch_idx int32 (B,)
     picks cache rows; cache_leftpad int32 (B,) where each cache row starts. Returns out (B, Sq, H, D), and
     softmax_lse fp32 (B, H, Sq) with return_softmax_lse.
@@ -230,6 +231,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         _checks.int32_vector("cache_leftpad", cache_leftpad, B, q.device)
     if (rotary_cos is None) != (rotary_sin is None):
         raise ValueError("rotary_cos and rotary_sin must be given together")
+    if rotary_cos is not None and k is None:
+        raise ValueError("rotary_cos/rotary_sin rotate the new k (and q) being appended: pass k and v too "
+                         "(as FlashAttention-2 requires)")
     if rotary_cos is not None:
         for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
             _checks.tensor(name, t, 2, device=q.device)

@@ -182,6 +182,13 @@ def test_kvcache_k_without_v():
         flash_attn_with_kvcache(q, cache, cache, k=t(2, 1, 2, 8), cache_seqlens=1)
 
 
+def test_kvcache_rotary_without_new_kv():
+    q, cache = t(2, 1, 2, 8), t(2, 4, 2, 8)
+    cos = torch.ones(8, 4)
+    with pytest.raises(ValueError, match="pass k and v too"):
+        flash_attn_with_kvcache(q, cache, cache, rotary_cos=cos, rotary_sin=cos, cache_seqlens=1)
+
+
 def test_kvcache_int_seqlens_out_of_range():
     q, cache, new = t(2, 1, 2, 8), t(2, 6, 2, 8), t(2, 2, 2, 8)
     with pytest.raises(ValueError, match=r"cache_seqlens \(5\) must be in \[0, 4\]"):
