@@ -127,6 +127,16 @@ def test_p_fragment_reuses_the_s_accumulator_layout(d):
     assert mismatches == [], mismatches[:30]
 
 
+def test_host_and_kernel_agree_on_the_unbounded_window_size():
+    from flash_attn.cute import interface
+    from flash_attn.cute.flash_fwd_sm90 import FlashFwdSm90
+
+    assert interface._UNBOUNDED == FlashFwdSm90.UNBOUNDED
+    assert interface._window_args(True, -1, -1) == (0, 0, False)  # causal alone: no window variant
+    assert interface._window_args(True, 10, 5) == (10, 0, True)  # causal caps the right side at 0
+    assert interface._window_args(False, -1, 7) == (FlashFwdSm90.UNBOUNDED, 7, True)
+
+
 def test_unsupported_head_dim_is_refused():
     with pytest.raises(ValueError, match="head dim"):
         compile_fwd(torch.bfloat16, 96, False)

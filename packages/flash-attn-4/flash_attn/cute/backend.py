@@ -3,7 +3,8 @@
 Serves forward calls on Hopper (sm_90): fp16/bf16, head dim 64 or 128 (v's equal to q's), causal or
 not, sliding windows, softcap, GQA/MQA, dense or varlen (cu_seqlens). It has no backward kernel yet:
 the dispatcher sends the backward of a call this backend served forward to the next backend that has
-one (Triton, else the reference), which consumes this forward's out and lse. (No ``bwd``: ``unsupported_reason`` refuses every backward call.)
+one (Triton, else the reference), which consumes this forward's out and lse. (No ``bwd``:
+``unsupported_reason`` refuses every backward call.)
 """
 import torch
 

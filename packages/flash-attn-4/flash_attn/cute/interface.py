@@ -7,10 +7,10 @@ symbolic, so a new shape never recompiles. They use CuTeDSL's TVM-FFI calling co
 exchange API, well under a microsecond for all arguments), checks dtypes, shapes, strides, alignment and
 device in C, sets the device when it differs from the current one, and launches on torch's current
 stream of the tensors' device (``make_fake_stream(use_tvm_ffi_env_stream=True)``). A kernel is looked up
-in a dict by (dtype, head dim, causal, arch); a miss loads it from the disk cache (``cache.py``: a shared
-library that loads without importing the CuTeDSL compiler), else compiles it and writes it there.
-``python -m flash_attn.cute.precompile`` fills the disk cache ahead of time, without a GPU. Not yet run
-on a GPU (see the package README).
+in a dict by (dtype, head dim, causal, arch, local, softcap[, varlen]); a miss loads it from the disk
+cache (``cache.py``: a shared library that loads without importing the CuTeDSL compiler), else compiles
+it and writes it there. ``python -m flash_attn.cute.precompile`` fills the disk cache ahead of time,
+without a GPU.
 """
 import contextlib
 import math
@@ -24,7 +24,7 @@ from flash_attn.cute import cache
 _SUPPORTED_HEAD_DIMS = (64, 128)
 _ARCHS = {(9, 0): "sm_90a"}
 _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
-_kernels: dict[tuple, object] = {}  # (torch dtype, head dim, causal, arch) -> callable
+_kernels: dict[tuple, object] = {}  # (torch dtype, head dim, causal, arch, local, softcap[, True]) -> callable
 _origins: dict[tuple, str] = {}  # same key -> "so" / "o" (loaded from disk), "compiled" or "compiled-dlpack"
 _device_archs: dict[int, object] = {}  # CUDA device index -> arch name, or None (no kernels for it)
 _have_tvm_ffi: list = []
