@@ -1,1 +1,1 @@
-"""Model zoo (flash_attn.models): GPT-2, LLaMA, BERT, GPT-NeoX and GPT-J built from the shared modules."""
+"""Model zoo (flash_attn.models): GPT-2, LLaMA, BERT, GPT-NeoX, GPT-J, OPT and Falcon built from the shared modules."""
