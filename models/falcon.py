@@ -25,7 +25,7 @@ from collections import OrderedDict
 import torch
 from transformers import GPT2Config
 
-from flash_attn.models.gpt import _pad_rows, rope_inv_freq
+from flash_attn.models.gpt import _remap_embeddings_and_head, rope_inv_freq
 
 
 def _rope(falcon_config):
@@ -161,18 +161,9 @@ def remap_state_dict_hf_falcon(state_dict, config):
 
     Rotary inv_freq buffers of old versions are dropped; unknown keys raise KeyError.
     """
-    multiple = getattr(config, "pad_vocab_size_multiple", 1) or 1
     state_dict = OrderedDict(state_dict)
     out = OrderedDict()
-    embeddings = _pad_rows(state_dict.pop("transformer.word_embeddings.weight"), multiple)
-    out["transformer.embeddings.word_embeddings.weight"] = embeddings
-    lm_head = state_dict.pop("lm_head.weight", None)
-    if getattr(config, "tie_word_embeddings", True):
-        out["lm_head.weight"] = embeddings
-    else:
-        if lm_head is None:
-            raise KeyError("config.tie_word_embeddings is False but the state dict has no lm_head.weight")
-        out["lm_head.weight"] = _pad_rows(lm_head, multiple)
+    _remap_embeddings_and_head(state_dict, out, config, "transformer.word_embeddings.weight", tie_default=True)
     for kind in ("weight", "bias"):
         out[f"transformer.ln_f.{kind}"] = state_dict.pop(f"transformer.ln_f.{kind}")
     names = _layer_names(config)

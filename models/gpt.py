@@ -324,6 +324,24 @@ def _pad_rows(weight, multiple):
     return F.pad(weight, (0, 0, 0, rows - weight.shape[0]))
 
 
+def _remap_embeddings_and_head(state_dict, out, config, embed_key, head_keys=("lm_head.weight",),
+                               tie_default=False):
+    """Pop the word embedding (``embed_key``) and LM head (the first of ``head_keys`` present) from an HF
+    state dict into ``out`` under this project's names, both padded to pad_vocab_size_multiple rows; a
+    tied head (config.tie_word_embeddings, default ``tie_default``) is the embedding itself."""
+    multiple = _get(config, "pad_vocab_size_multiple", 1)
+    embeddings = _pad_rows(state_dict.pop(embed_key), multiple)
+    out["transformer.embeddings.word_embeddings.weight"] = embeddings
+    heads = [state_dict.pop(key, None) for key in head_keys]
+    lm_head = next((h for h in heads if h is not None), None)
+    if _get(config, "tie_word_embeddings", tie_default):
+        out["lm_head.weight"] = embeddings
+    else:
+        if lm_head is None:
+            raise KeyError(f"config.tie_word_embeddings is False but the state dict has no {head_keys[0]}")
+        out["lm_head.weight"] = _pad_rows(lm_head, multiple)
+
+
 def remap_state_dict_hf_gpt2(state_dict, config):
     """HF GPT2Model / GPT2LMHeadModel state dict -> GPTLMHeadModel state dict.
 
@@ -331,19 +349,10 @@ def remap_state_dict_hf_gpt2(state_dict, config):
     embedding is padded to pad_vocab_size_multiple rows; the causal-mask buffers are dropped.
     """
     state_dict = OrderedDict((re.sub(r"^transformer\.", "", k), v) for k, v in state_dict.items())
-    multiple = _get(config, "pad_vocab_size_multiple", 1)
     out = OrderedDict()
-    word_embeddings = _pad_rows(state_dict.pop("wte.weight"), multiple)
-    out["transformer.embeddings.word_embeddings.weight"] = word_embeddings
+    _remap_embeddings_and_head(state_dict, out, config, "wte.weight", tie_default=True)
     if "wpe.weight" in state_dict:
         out["transformer.embeddings.position_embeddings.weight"] = state_dict.pop("wpe.weight")
-    lm_head = state_dict.pop("lm_head.weight", None)
-    if _get(config, "tie_word_embeddings", True):
-        out["lm_head.weight"] = word_embeddings
-    else:
-        if lm_head is None:
-            raise KeyError("config.tie_word_embeddings is False but the state dict has no lm_head.weight")
-        out["lm_head.weight"] = _pad_rows(lm_head, multiple)
     names = {"ln_1": "norm1", "ln_2": "norm2", "attn.c_attn": "mixer.Wqkv", "attn.c_proj": "mixer.out_proj",
              "mlp.c_fc": "mlp.fc1", "mlp.c_proj": "mlp.fc2"}
     for key, value in state_dict.items():

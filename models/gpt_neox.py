@@ -14,7 +14,7 @@ from collections import OrderedDict
 
 from transformers import GPT2Config
 
-from flash_attn.models.gpt import _pad_rows, rope_inv_freq
+from flash_attn.models.gpt import _remap_embeddings_and_head, rope_inv_freq
 
 
 def _rope(neox_config):
@@ -102,20 +102,10 @@ def remap_state_dict_hf_gpt_neox(state_dict, config):
     Accepts the LM head as ``embed_out.weight`` (checkpoints) or ``lm_head.weight`` (recent transformers);
     rotary inv_freq / attention-mask buffers of old versions are dropped.
     """
-    multiple = getattr(config, "pad_vocab_size_multiple", 1) or 1
     state_dict = OrderedDict(state_dict)
     out = OrderedDict()
-    embeddings = _pad_rows(state_dict.pop("gpt_neox.embed_in.weight"), multiple)
-    out["transformer.embeddings.word_embeddings.weight"] = embeddings
-    lm_head = state_dict.pop("embed_out.weight", None)
-    lm_head_alt = state_dict.pop("lm_head.weight", None)
-    lm_head = lm_head if lm_head is not None else lm_head_alt
-    if getattr(config, "tie_word_embeddings", False):
-        out["lm_head.weight"] = embeddings
-    else:
-        if lm_head is None:
-            raise KeyError("config.tie_word_embeddings is False but the state dict has no embed_out.weight")
-        out["lm_head.weight"] = _pad_rows(lm_head, multiple)
+    _remap_embeddings_and_head(state_dict, out, config, "gpt_neox.embed_in.weight",
+                               head_keys=("embed_out.weight", "lm_head.weight"))
     for kind in ("weight", "bias"):
         out[f"transformer.ln_f.{kind}"] = state_dict.pop(f"gpt_neox.final_layer_norm.{kind}")
     for layer in range(config.n_layer):

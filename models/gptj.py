@@ -14,7 +14,7 @@ from collections import OrderedDict
 import torch
 from transformers import GPT2Config
 
-from flash_attn.models.gpt import _pad_rows
+from flash_attn.models.gpt import _remap_embeddings_and_head
 
 
 def gptj_config_to_gpt2_config(gptj_config):
@@ -66,18 +66,9 @@ _LAYER_NAMES = {  # HF name inside transformer.h.{i} -> ours inside transformer.
 def remap_state_dict_hf_gptj(state_dict, config):
     """HF GPTJForCausalLM state dict -> GPTLMHeadModel state dict (config: the converted GPT2Config).
     The causal-mask / sinusoid buffers old versions stored are dropped."""
-    multiple = getattr(config, "pad_vocab_size_multiple", 1) or 1
     state_dict = OrderedDict(state_dict)
     out = OrderedDict()
-    embeddings = _pad_rows(state_dict.pop("transformer.wte.weight"), multiple)
-    out["transformer.embeddings.word_embeddings.weight"] = embeddings
-    lm_head = state_dict.pop("lm_head.weight", None)
-    if getattr(config, "tie_word_embeddings", False):
-        out["lm_head.weight"] = embeddings
-    else:
-        if lm_head is None:
-            raise KeyError("config.tie_word_embeddings is False but the state dict has no lm_head.weight")
-        out["lm_head.weight"] = _pad_rows(lm_head, multiple)
+    _remap_embeddings_and_head(state_dict, out, config, "transformer.wte.weight")
     lm_head_bias = state_dict.pop("lm_head.bias", None)
     if lm_head_bias is not None:
         rows = out["lm_head.weight"].shape[0]

@@ -16,7 +16,7 @@ from collections import OrderedDict
 import torch
 from transformers import GPT2Config
 
-from flash_attn.models.gpt import _pad_rows, rope_inv_freq
+from flash_attn.models.gpt import _remap_embeddings_and_head, rope_inv_freq
 
 
 def _rope(llama_config):
@@ -98,18 +98,9 @@ def _n_head_kv(config):
 
 def remap_state_dict_hf_llama(state_dict, config):
     """HF LlamaForCausalLM state dict -> GPTLMHeadModel state dict (config: the converted GPT2Config)."""
-    multiple = getattr(config, "pad_vocab_size_multiple", 1) or 1
     state_dict = OrderedDict(state_dict)
     out = OrderedDict()
-    embeddings = _pad_rows(state_dict.pop("model.embed_tokens.weight"), multiple)
-    out["transformer.embeddings.word_embeddings.weight"] = embeddings
-    lm_head = state_dict.pop("lm_head.weight", None)
-    if getattr(config, "tie_word_embeddings", False):
-        out["lm_head.weight"] = embeddings
-    else:
-        if lm_head is None:
-            raise KeyError("config.tie_word_embeddings is False but the state dict has no lm_head.weight")
-        out["lm_head.weight"] = _pad_rows(lm_head, multiple)
+    _remap_embeddings_and_head(state_dict, out, config, "model.embed_tokens.weight")
     out["transformer.ln_f.weight"] = state_dict.pop("model.norm.weight")
     n_head, n_head_kv = config.n_head, _n_head_kv(config)
     for layer in range(config.n_layer):

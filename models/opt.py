@@ -22,7 +22,7 @@ from collections import OrderedDict
 import torch
 from transformers import GPT2Config
 
-from flash_attn.models.gpt import _pad_rows
+from flash_attn.models.gpt import _remap_embeddings_and_head
 
 POSITION_OFFSET = 2  # leading rows of HF's position table that positions 0.. do not read
 
@@ -87,20 +87,11 @@ def remap_state_dict_hf_opt(state_dict, config):
 
     Keys may carry the ``model.`` prefix of OPTForCausalLM or not (OPTModel); unknown keys raise KeyError.
     """
-    multiple = getattr(config, "pad_vocab_size_multiple", 1) or 1
     state_dict = OrderedDict((re.sub(r"^model\.", "", k), v) for k, v in state_dict.items())
     out = OrderedDict()
-    embeddings = _pad_rows(state_dict.pop("decoder.embed_tokens.weight"), multiple)
-    out["transformer.embeddings.word_embeddings.weight"] = embeddings
+    _remap_embeddings_and_head(state_dict, out, config, "decoder.embed_tokens.weight", tie_default=True)
     positions = state_dict.pop("decoder.embed_positions.weight")
     out["transformer.embeddings.position_embeddings.weight"] = positions[POSITION_OFFSET:]
-    lm_head = state_dict.pop("lm_head.weight", None)
-    if getattr(config, "tie_word_embeddings", True):
-        out["lm_head.weight"] = embeddings
-    else:
-        if lm_head is None:
-            raise KeyError("config.tie_word_embeddings is False but the state dict has no lm_head.weight")
-        out["lm_head.weight"] = _pad_rows(lm_head, multiple)
     if getattr(config, "word_embed_proj_dim", None) is not None:
         out["transformer.embeddings.project_in.weight"] = state_dict.pop("decoder.project_in.weight")
         out["project_out.weight"] = state_dict.pop("decoder.project_out.weight")
