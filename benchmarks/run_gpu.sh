@@ -2,12 +2,14 @@
 # Everything the GPU tier needs in ONE device call: environment report, the GPU-marked tests, then the
 # benchmarks. Logs and result tables go under $OUT.
 #   run command="bash benchmarks/run_gpu.sh [STEP ...]"      (device tool; $OUT is set there)
-# STEPs (default: all but ncu, in this order): tests rest attention cute norm ops models train ncu
+# STEPs (default: tests attention norm models train): tests rest attention cute norm ops models train ncu ncusrc profile
 #   tests      the GPU-marked tests (bf16, real sizes)      rest   the rest of the suite on CUDA
 #   attention  bench_attention, full grid                  cute   bench_attention, cute only, short grid
 #   norm       bench_ops --only norm                       ops    bench_ops (norms and cross-entropy)
 #   models     bench_models decode (cg=True)               train  bench_train (GPT-2 medium step)
+#   profile    profile_step.py: per-kernel GPU time of a GPT-2 training step and of the norms
 #   ncu        Nsight Compute sections of the cute kernel and of the released FA4 (peer) on one shape
+#   ncusrc     per-SASS-instruction stall samples of the cute kernel (and FA4's), CSV under $OUT
 # With CuTeDSL brought over (see ../shared/device/README.md: two bundle calls) /tmp/cutedsl/env.sh is
 # sourced, the cute backend is available and the released flash-attn-4 is benchmarked as a peer.
 set -u
@@ -59,6 +61,17 @@ for step in $STEPS; do
                 python "$OLDPWD/benchmarks/profile_cute.py" --peer) 2>&1 | tee "$OUT/ncu_fa4.txt" \
                 | grep -E "Throughput|Pipe|Stall|Issue|Warp Cycles|L2|Eligible" | head -n 60
         fi ;;
+    ncusrc)
+        src=(--section SourceCounters --section WarpStateStats --page source --print-source sass --csv)
+        ncu "${src[@]}" -k regex:cutlass_kernel -c 1 python benchmarks/profile_cute.py > "$OUT/ncusrc_cute.csv" 2>&1
+        echo "ncusrc cute: $(wc -l < "$OUT/ncusrc_cute.csv") lines"
+        if [ -n "${PEER_PYTHONPATH:-}" ]; then
+            (cd /tmp && PYTHONPATH="$PEER_PYTHONPATH" ncu "${src[@]}" -k regex:cutlass_kernel -c 1 \
+                python "$OLDPWD/benchmarks/profile_cute.py" --peer) > "$OUT/ncusrc_fa4.csv" 2>&1
+            echo "ncusrc fa4: $(wc -l < "$OUT/ncusrc_fa4.csv") lines"
+        fi ;;
+    profile) python benchmarks/profile_step.py train 2>&1 | tee "$OUT/profile_train.txt"
+        python benchmarks/profile_step.py norm --hidden 4096 2>&1 | tee "$OUT/profile_norm.txt" ;;
     *) echo "unknown step $step"; status=1 ;;
     esac
 done

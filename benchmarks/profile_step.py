@@ -1,0 +1,101 @@
+"""Where the GPU time of a step goes: torch.profiler's per-kernel table (self CUDA time, sorted) for
+
+  train   one GPT-2-medium training step of bench_train.py (ours: GPTLMHeadModel through the Trainer)
+  norm    LayerNorm / RMSNorm forward, backward and forward+backward as bench_ops.py times them
+
+    python benchmarks/profile_step.py train [--compile] [bench_train.py shape flags]
+    python benchmarks/profile_step.py norm --hidden 4096
+
+Prints the tables (no files): the GPU-busy total against the wall time of the profiled region shows how
+much of a step is host-bound, the kernel rows show which kernels a speed-up has to come from.
+"""
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for _p in (ROOT, os.path.join(ROOT, "benchmarks")):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+
+def report(prof, wall_s, label, steps, rows=35):
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    busy_us = sum(e.self_device_time_total for e in events)
+    print(f"\n## {label}: wall {1e3 * wall_s / steps:.2f} ms per step, GPU kernels {busy_us / 1e3 / steps:.2f} ms "
+          f"per step ({100 * busy_us / 1e6 / wall_s:.0f}% busy)")
+    events.sort(key=lambda e: -e.self_device_time_total)
+    print("| kernel | calls/step | ms/step | share |\n|---|---:|---:|---:|")
+    for e in events[:rows]:
+        print(f"| {e.key[:90]} | {e.count / steps:.0f} | {e.self_device_time_total / 1e3 / steps:.3f} | "
+              f"{100 * e.self_device_time_total / busy_us:.1f}% |")
+
+
+def profiled(fn, steps, label):
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    report(prof, wall, label, steps)
+
+
+def train(argv):
+    import bench_train as bt
+    from flash_attn.training.trainer import Trainer
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--steps", type=int, default=3)
+    args, rest = p.parse_known_args(argv)
+    shape = argparse.Namespace(device="cuda", layers=24, hidden=1024, heads=16, seq=2048, batch=8, vocab=50257,
+                               steps=args.steps, warmup=3, activation_checkpointing=False)
+    for flag in rest:  # --name=value shape overrides, e.g. --batch=4
+        name, value = flag.lstrip("-").split("=")
+        setattr(shape, name.replace("-", "_"), type(getattr(shape, name.replace("-", "_")))(value))
+    with tempfile.TemporaryDirectory() as out:
+        cfg = bt.make_config(shape, out, ours=True, compile=args.compile)
+        trainer = Trainer(cfg)
+        for _ in range(3):
+            trainer.train_step()
+        profiled(lambda: float(trainer.train_step()[0]), args.steps,
+                 f"GPT-2 train step ({'compiled' if args.compile else 'eager'})")
+
+
+def norm(argv):
+    from flash_attn.ops.triton import backend
+    from flash_attn.ops.triton import layer_norm as ln
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--elems", type=int, default=1 << 28)
+    p.add_argument("--steps", type=int, default=5)
+    args = p.parse_args(argv)
+    N, M = args.hidden, args.elems // args.hidden
+    for is_rms in (False, True):
+        x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        w = torch.randn(N, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        b = None if is_rms else torch.randn(N, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn_like(x)
+        params = [t for t in (x, w, b) if t is not None]
+        name = "RMSNorm" if is_rms else "LayerNorm"
+        with backend("triton"):
+            y = ln.layer_norm_fn(x, w, b, eps=1e-6, is_rms_norm=is_rms)
+            profiled(lambda: ln.layer_norm_fn(x, w, b, eps=1e-6, is_rms_norm=is_rms), args.steps, f"{name} {N} fwd")
+            profiled(lambda: torch.autograd.grad(y, params, dy, retain_graph=True), args.steps, f"{name} {N} bwd")
+            profiled(lambda: torch.autograd.grad(ln.layer_norm_fn(x, w, b, eps=1e-6, is_rms_norm=is_rms), params, dy),
+                     args.steps, f"{name} {N} fwd+bwd")
+        x = w = b = dy = y = params = None
+
+
+if __name__ == "__main__":
+    mode, rest = sys.argv[1], sys.argv[2:]
+    {"train": train, "norm": norm}[mode](rest)
