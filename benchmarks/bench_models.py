@@ -212,6 +212,11 @@ def bench_decode(args):
     t_all = time_calls(lambda: hf_generate(args.new_tokens), args.device, args.decode_repeats)
     t_prefill = time_calls(lambda: hf_generate(1), args.device, args.decode_repeats)
     hf_out = hf_generate(args.new_tokens)
+    # Why greedy tokens may differ: the first new token's logits of each bf16 model against an fp32 copy.
+    with torch.no_grad():
+        hf_last = hf(ids).logits[0, -1].float()
+        ref_last = copy.deepcopy(hf).float()(ids).logits[0, -1]
+    free_memory()
     rows.append({"impl": "HF LlamaForCausalLM.generate, sdpa", "tokens_per_s": args.new_tokens / t_all,
                  "ms_per_token": (t_all - t_prefill) * 1e3 / max(args.new_tokens - 1, 1),
                  "prefill_ms": t_prefill * 1e3})
@@ -235,10 +240,18 @@ def bench_decode(args):
 
     t_ours = time_calls(ours_generate, args.device, args.decode_repeats)
     ours_out = ours_generate()
+    with torch.no_grad():
+        ours_last = model(ids).logits[0, -1].float()
+    top2 = ref_last.topk(2).values
+    first = {"fp32 top-2 logit gap": f"{(top2[0] - top2[1]).item():.3f}"}
+    for name, last in (("HF bf16", hf_last), ("ours bf16", ours_last)):
+        first[name] = (f"max |logit - fp32| {(last - ref_last).abs().max().item():.3f}, argmax "
+                       f"{'=' if last.argmax() == ref_last.argmax() else '!='} fp32's")
+    print("first new token:", first, flush=True)
     same = int((ours_out == hf_out).all(dim=0).float().sum().item()) - args.prompt_len
     rows.append({"impl": f"flash_attn GPTLMHeadModel.generate, cg={cg}", "tokens_per_s": args.new_tokens / t_ours,
                  "ms_per_token": timing["decode_ms_per_token"], "prefill_ms": timing["prefill_ms"],
-                 "tokens_equal_to_hf": f"{same}/{args.new_tokens}"})
+                 "tokens_equal_to_hf": f"{same}/{args.new_tokens}", "first_token": first})
     print(rows[-1], flush=True)
     return rows
 
@@ -299,6 +312,10 @@ def write_report(args, train_rows, decode_rows):
                          f"{fmt(r['prefill_ms'], '.1f')} | {r.get('tokens_equal_to_hf', '-')} |")
         lines += ["", "Target: flash_attn >= 1.3x HF generate tokens/s. Greedy tokens can drift from HF's after a "
                   "near-tie in bf16 (different kernels round differently); the count shows how many match.", ""]
+        first = next((r["first_token"] for r in decode_rows if "first_token" in r), None)
+        if first:
+            lines += ["First new token, each bf16 model's logits against an fp32 copy of the HF model (same "
+                      "prompt): " + "; ".join(f"{k}: {v}" for k, v in first.items()), ""]
     path = os.path.join(args.out, "models.md")
     with open(path, "w") as f:
         f.write("\n".join(lines))
