@@ -228,7 +228,7 @@ def bench_decode(args):
     config.residual_in_fp32 = True
     model = GPTLMHeadModel(config, device=args.device, dtype=args.torch_dtype).eval()
     model.load_state_dict(remap_state_dict_hf_llama(hf.state_dict(), config))
-    del hf
+    hf = None  # frees the HF model (not del: hf_generate refers to the name)
     free_memory()
     cg = torch.device(args.device).type == "cuda"
     timing = {}

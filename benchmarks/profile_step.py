@@ -21,11 +21,13 @@ for _p in (ROOT, os.path.join(ROOT, "benchmarks")):
         sys.path.insert(0, _p)
 
 import torch  # noqa: E402
+from torch.autograd import DeviceType  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 
 def report(prof, wall_s, label, steps, rows=35):
-    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    # Only the GPU-side rows (kernels, memcpy/memset): CPU ops carry their kernels' time too.
+    events = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
     busy_us = sum(e.self_device_time_total for e in events)
     print(f"\n## {label}: wall {1e3 * wall_s / steps:.2f} ms per step, GPU kernels {busy_us / 1e3 / steps:.2f} ms "
           f"per step ({100 * busy_us / 1e6 / wall_s:.0f}% busy)")
@@ -93,7 +95,23 @@ def norm(argv):
             profiled(lambda: torch.autograd.grad(y, params, dy, retain_graph=True), args.steps, f"{name} {N} bwd")
             profiled(lambda: torch.autograd.grad(ln.layer_norm_fn(x, w, b, eps=1e-6, is_rms_norm=is_rms), params, dy),
                      args.steps, f"{name} {N} fwd+bwd")
-        x = w = b = dy = y = params = None
+        # Host cost: the same calls on 8 rows (GPU work ~nothing), back to back; if it exceeds the kernels'
+        # time at full size, the GPU waits for Python.
+        xs, dys = x[:8].detach().requires_grad_(), dy[:8]
+        ps = [xs] + params[1:]
+        for label, fn in (("fwd", lambda: ln.layer_norm_fn(xs, w, b, eps=1e-6, is_rms_norm=is_rms)),
+                          ("fwd+bwd", lambda: torch.autograd.grad(
+                              ln.layer_norm_fn(xs, w, b, eps=1e-6, is_rms_norm=is_rms), ps, dys))):
+            with backend("triton"):
+                for _ in range(20):
+                    fn()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(200):
+                    fn()
+                torch.cuda.synchronize()
+            print(f"{name} host time per {label} call (8 rows): {(time.perf_counter() - t0) / 200 * 1e6:.1f} us")
+        x = w = b = dy = y = params = xs = dys = ps = None
 
 
 if __name__ == "__main__":
