@@ -355,9 +355,16 @@ class FlashFwdSm90:
         dt, D, BM, BN = self.dtype, self.head_dim, self.block_m, self.block_n
         thr_qk = tiled_mma_qk.get_slice(ctid)
         thr_pv = tiled_mma_pv.get_slice(ctid)
-        tSrQ = tiled_mma_qk.make_fragment_A(thr_qk.partition_A(sQ))
-        tSrK = tiled_mma_qk.make_fragment_B(thr_qk.partition_B(sK))
-        tOrV = tiled_mma_pv.make_fragment_B(thr_pv.partition_B(sVt))
+        # The shared-memory operands are the same for all 128 threads of a warpgroup: partition them
+        # with the warpgroup's first thread, a warp-uniform index, so that ptxas can build the WGMMA
+        # descriptors in uniform registers (with ctid it computes them per thread and moves each one
+        # with R2UR before every WGMMA).
+        wg = cute.arch.make_warp_uniform(ctid // 128)
+        wg_qk = tiled_mma_qk.get_slice(wg * 128)
+        wg_pv = tiled_mma_pv.get_slice(wg * 128)
+        tSrQ = tiled_mma_qk.make_fragment_A(wg_qk.partition_A(sQ))
+        tSrK = tiled_mma_qk.make_fragment_B(wg_qk.partition_B(sK))
+        tOrV = tiled_mma_pv.make_fragment_B(wg_pv.partition_B(sVt))
         acc_S = cute.make_rmem_tensor(thr_qk.partition_shape_C((BM, BN)), Float32)
         acc_O = cute.make_rmem_tensor(thr_pv.partition_shape_C((BM, D)), Float32)
         acc_O.fill(0.0)
@@ -377,7 +384,6 @@ class FlashFwdSm90:
 
         # Ping-pong: warpgroup w waits on named barrier 1 + w before issuing GEMMs and then lets the
         # other one go (barrier 0 is __syncthreads). Both warpgroups run the same number of blocks.
-        wg = cute.arch.make_warp_uniform(ctid // 128)
         pingpong = cutlass.const_expr(self.NUM_MMA_WARPGROUPS == 2)
         n_threads_pp = 2 * 128
 
