@@ -386,6 +386,11 @@ class FlashFwdSm90:
         # other one go (barrier 0 is __syncthreads). Both warpgroups run the same number of blocks.
         pingpong = cutlass.const_expr(self.NUM_MMA_WARPGROUPS == 2)
         n_threads_pp = 2 * 128
+        # Turn passing (see _pass_turn), loop-invariant parts: warpgroup 0 arrives on barrier 2 after
+        # every block, warpgroup 1 on barrier 1 after every block but its last; i.e. after block n iff
+        # n < n_block_max - wg.
+        turn_bar = 2 - wg
+        turn_below = n_block_max - wg
 
         # Blocks in [n_block_mask_below, n_block_mask_from) need no mask: every row of the tile sees
         # every key in them. Outside: the sequence tail, keys past a row's diagonal (causal) or outside
@@ -418,7 +423,7 @@ class FlashFwdSm90:
                 cute.arch.barrier(barrier_id=1 + wg, number_of_threads=n_threads_pp)
             self._gemm_qk(tiled_mma_qk, acc_S, tSrQ, tSrK, k_state.index)
             if cutlass.const_expr(pingpong):
-                self._pass_turn(wg, n_block_max - n_block_min > 1, n_threads_pp)
+                self._pass_turn(turn_bar, n_block_min < turn_below, n_threads_pp)
             warpgroup.wait_group(0)
             k_pipe.consumer_release(k_state)
             k_state.advance()
@@ -438,7 +443,7 @@ class FlashFwdSm90:
                 self._rescale(acc_O, corr)  # O was final up to block j-2; scale it to block j-1's max
                 self._gemm_pv(tiled_mma_pv, acc_O, tOrP, tOrV, v_state.index)   # O += P_{j-1} V_{j-1}
                 if cutlass.const_expr(pingpong):
-                    self._pass_turn(wg, n_block < n_block_max - 1, n_threads_pp)
+                    self._pass_turn(turn_bar, n_block < turn_below, n_threads_pp)
                 warpgroup.wait_group(1)  # S_j is ready; P V may still run
                 k_pipe.consumer_release(k_state)
                 k_state.advance()
@@ -468,12 +473,13 @@ class FlashFwdSm90:
                        q_start, seqlen_q)
 
     @cute.jit
-    def _pass_turn(self, wg, more_blocks, n_threads):
-        """Let the other warpgroup issue its GEMMs. Warpgroup 1 skips this after its last block, so that
-        every arrival on a named barrier meets a wait (warpgroup 0 waited once more than warpgroup 1
-        had issued: the first turn was given up front)."""
-        if wg == 0 or more_blocks:
-            cute.arch.barrier_arrive(barrier_id=2 - wg, number_of_threads=n_threads)
+    def _pass_turn(self, turn_bar, arrive, n_threads):
+        """Let the other warpgroup issue its GEMMs: arrive on named barrier turn_bar (2 - wg) when
+        `arrive`. Warpgroup 1 skips this after its last block, so that every arrival on a named barrier
+        meets a wait (warpgroup 0 waited once more than warpgroup 1 had issued: the first turn was
+        given up front)."""
+        if arrive:
+            cute.arch.barrier_arrive(barrier_id=turn_bar, number_of_threads=n_threads)
 
     @cute.jit
     def _gemm_qk(self, tiled_mma_qk, acc_S, tSrQ, tSrK, stage):
