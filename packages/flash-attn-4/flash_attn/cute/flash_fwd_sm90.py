@@ -28,10 +28,11 @@ def _tree(op, values):
     return values[0]
 
 
-def _smem_layout(kind, dtype, shape):
-    """A WGMMA-compatible swizzled smem layout of ``shape`` (first two modes: the MMA operand's)."""
+def _smem_layout(kind, dtype, shape, order=None):
+    """A WGMMA-compatible swizzled smem layout of ``shape`` (first two modes: the MMA operand's),
+    tiled with the layout atom in ``order`` (default: mode 0 first)."""
     atom = warpgroup.make_smem_layout_atom(kind, dtype)
-    return cute.tile_to_shape(atom, shape, order=tuple(range(len(shape))))
+    return cute.tile_to_shape(atom, shape, order=order or tuple(range(len(shape))))
 
 
 class FlashFwdSm90:
@@ -118,7 +119,10 @@ class FlashFwdSm90:
         MN_SW128 = warpgroup.SmemLayoutAtomKind.MN_SW128
         sQ_layout = _smem_layout(K_SW128, dt, (BM, D))
         sK_layout = _smem_layout(K_SW128, dt, (BN, D, self.num_stages))
-        sVt_layout = _smem_layout(MN_SW128, dt, (D, BN, self.num_stages))
+        # V^T's atoms (64 of D x 8 keys) are stacked along the keys first: each 64-wide slice of D is then
+        # one contiguous (64, BN) block, which one TMA box covers (D-first stacking gave 64 x 8 boxes,
+        # 2 * BN / 8 TMA copies per stage).
+        sVt_layout = _smem_layout(MN_SW128, dt, (D, BN, self.num_stages), order=(1, 0, 2))
 
         tiled_mma_qk = cute.make_tiled_mma(
             cute.make_mma_atom(warpgroup.MmaF16BF16Op(
