@@ -8,7 +8,8 @@ path): what one consumer warp executes per key block when no block needs a mask.
 histogram (opcode without modifiers), with the kernel's total SASS size, so before/after is one command.
 
     python benchmarks/cute_sass.py 128 [causal] [--hist]   # head dim, mask; needs ptxas (CUDA toolkit)
-    --hist: histogram and sizes only (no instruction order); --sass FILE: also write the SASS there
+    --hist: histogram and sizes only (no instruction order); --sass FILE: also write the SASS there;
+    --path: also list the steady-state path's instructions
 """
 import glob, heapq, os, re, subprocess, sys, tempfile
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "packages", "flash-attn-4"))
@@ -127,3 +128,6 @@ for i in path:
 print("mainloop 0x%04x..0x%04x (%d instructions in range); steady-state path: %d instructions"
       % (code[lo][0], code[hi][0], hi - lo + 1, sum(hist.values())))
 print("  " + "  ".join("%s %d" % kv for kv in sorted(hist.items(), key=lambda kv: (-kv[1], kv[0]))))
+if "--path" in sys.argv:
+    for i in path:
+        print("  %04x  %s" % code[i])
