@@ -114,6 +114,42 @@ def norm(argv):
         x = w = b = dy = y = params = xs = dys = ps = None
 
 
+def host(argv):
+    """cProfile of 200 LayerNorm forward+backward calls on 8 rows (host time only; no torch.profiler in
+    this process, which would add its own hooks)."""
+    import cProfile
+    import pstats
+
+    from flash_attn.ops.triton import backend
+    from flash_attn.ops.triton import layer_norm as ln
+
+    N = int(argv[0]) if argv else 4096
+    x = torch.randn(8, N, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(N, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    b = torch.randn(N, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn_like(x)
+
+    def fwd_bwd():
+        return torch.autograd.grad(ln.layer_norm_fn(x, w, b, eps=1e-6), (x, w, b), dy)
+
+    with backend("triton"):
+        for _ in range(20):
+            fwd_bwd()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(200):
+            fwd_bwd()
+        torch.cuda.synchronize()
+        print(f"host time per LayerNorm fwd+bwd call (8 rows, N={N}): {(time.perf_counter() - t0) / 200 * 1e6:.1f} us")
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(200):
+            fwd_bwd()
+        torch.cuda.synchronize()
+        prof.disable()
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
+
+
 if __name__ == "__main__":
     mode, rest = sys.argv[1], sys.argv[2:]
-    {"train": train, "norm": norm}[mode](rest)
+    {"train": train, "norm": norm, "host": host}[mode](rest)

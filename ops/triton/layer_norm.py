@@ -466,7 +466,11 @@ def _bwd_config(M: int, N: int, device, n_acc: int = 2, extra: int = 0) -> BwdCo
     own = width
     # Costly features and pass-1 chunk loops leave fewer registers to the accumulators.
     acc_regs = BWD_ACC_REGS if extra == 0 and block_r >= N else BWD_ACC_REGS // 2
-    while own > 1 and n_acc * block_m * own > acc_regs * threads:
+    limit = acc_regs * threads
+    # At 32 warps (64 registers a thread) a whole row held for pass 1 plus accumulators filling the limit
+    # spill (LayerNorm at 16384: 96 bytes, 0.45 of copy bandwidth; split in two: 0.54, H200).
+    tight = num_warps == 32 and block_r >= N
+    while own > 1 and (n_acc * block_m * own > limit or tight and n_acc * block_m * own >= limit):
         own //= 2
     sub = 2 if own > 1 and block_m * own >= 2 * BWD_ELEMS_PER_THREAD * threads else 1
     split = cdiv(N, own)
