@@ -111,7 +111,8 @@ class _FakeKernel:
 
     def __init__(self, n_args, dns, constexprs=("BLOCK",)):
         P = types.SimpleNamespace
-        self.params = ([P(is_constexpr=False, do_not_specialize=d, name=f"a{i}", has_default=False)
+        self.params = ([P(is_constexpr=False, do_not_specialize=d, name=f"a{i}", has_default=False,
+                          annotation_type="")
                         for i, d in enumerate(dns)]
                        + [P(is_constexpr=True, do_not_specialize=False, name=n, has_default=False)
                           for n in constexprs])
@@ -192,3 +193,136 @@ def test_interpreter_takes_tritons_path():
         pytest.skip("kernels are compiled here, not interpreted")
     tb._kernels()
     assert not tb._L_FWD.enabled and not tb._L_DKDV.enabled
+
+
+# ----------------------------------------------------------------------------- None pointer arguments
+def _nkey(args, nullable=None):
+    layout = _launch.learn_layout(args, DNS, nullable)
+    return layout.key(layout, args)
+
+
+def test_layout_learnt_with_nones():
+    a = _args()
+    layout = _launch.learn_layout((a[0], None, *a[2:]), DNS)
+    assert layout.kinds == ("p", "n", "i", "i", "i", "i", "i", "i", "f")
+    assert layout.base == _launch.learn_layout(a, DNS).base
+    assert layout.n_ptr == 2 and layout.nulls and layout.key is _launch.spec_key_nulls
+    assert layout.spec(a) == (128, 256, 16, 1) and layout.plain(a) == (100, 7)
+    assert _launch.learn_layout(a, DNS).key is _launch.spec_key  # all tensors: the lean key
+    # a None may lead the pointers; None only where the parameter may take one (no type annotation)
+    assert _launch.learn_layout((None, *a[1:]), DNS).kinds[:2] == ("n", "p")
+    assert _launch.learn_layout((a[0], None, *a[2:]), DNS, [True, False] + [True] * 7) is None
+    # None after the scalars, or a tensor after a scalar, is still left to Triton
+    assert _launch.learn_layout((*a[:-1], None), DNS) is None
+    assert _launch.learn_layout((a[0], a[2], a[1], *a[3:]), DNS) is None
+
+
+def test_none_pattern_is_part_of_the_key():
+    a = _args()
+    t0, t1 = a[0], a[1]
+    calls = {
+        "both": (t0, t1, *a[2:]),
+        "no_t1": (t0, None, *a[2:]),
+        "no_t0": (None, t1, *a[2:]),
+        "none": (None, None, *a[2:]),
+        "no_t1_as_f16": (t0, t0, *a[2:]),  # a tensor of t0's dtype in t1's place
+    }
+    nulls = _launch.Layout(_launch.learn_layout(a, DNS).kinds, 2, DNS, nulls=True)
+    keys = {name: nulls.key(nulls, args)[1] for name, args in calls.items()}
+    assert len(set(keys.values())) == len(keys), keys
+    # the addresses passed on hold None where the call has None
+    ptrs, _ = nulls.key(nulls, calls["no_t0"])
+    assert ptrs == (None, t1.data_ptr())
+    # for an all-tensor call the None-aware key is spec_key's (entries survive a layout upgrade)
+    assert nulls.key(nulls, calls["both"]) == _launch.spec_key(_launch.learn_layout(a, DNS), a)
+    # a tensor where the lean layout had none raises (-> Triton's path), as does a None where it had one
+    with pytest.raises((TypeError, AttributeError)):
+        _launch.spec_key(_launch.learn_layout(a, DNS), calls["no_t1"])
+    layout = _launch.learn_layout(calls["no_t1"], DNS)
+    with pytest.raises((TypeError, AttributeError)):
+        layout.key(layout, (t0, 5, *a[2:]))
+    # the rest of the key still follows specialisation and alignment
+    assert _nkey((t0, None, *a[2:]))[1] == _nkey((t0.clone(), None, *a[2:]))[1]
+    assert _nkey((t0, None, *_args(stride=100)[2:]))[1] != keys["no_t1"]
+    flat = torch.empty(65, dtype=torch.float16)
+    mis = flat[1:] if flat.data_ptr() % 16 == 0 else flat[:64]
+    assert _nkey((mis, None, *a[2:]))[1] != keys["no_t1"]
+
+
+def test_launcher_relaunches_with_nones(fake_launcher):
+    launcher, log = fake_launcher
+    meta = dict(BLOCK=64, num_warps=4)
+    plan = object()
+    a = _args()
+    no_t1 = (a[0], None, *a[2:])
+    launcher((5,), no_t1, meta, plan)
+    launcher((5,), no_t1, meta, plan)
+    assert [kind for kind, _ in log] == ["slow", "fast"]
+    fast = log[-1][1]
+    assert fast[:9] == (5, 1, 1, 99, 1234, (4, 1, 0), None, None, None)
+    assert fast[9:] == (a[0].data_ptr(), None, *a[2:], 64)  # None passed where Triton passes it
+    # a tensor where the cached call had None: another kernel, so Triton's path first, then fast
+    n = len(log)
+    launcher((5,), a, meta, plan)
+    launcher((5,), a, meta, plan)
+    assert [kind for kind, _ in log[n:]] == ["slow", "fast"]
+    assert log[-1][1][9:11] == (a[0].data_ptr(), a[1].data_ptr())
+    n = len(log)
+    launcher((5,), (None, a[1], *a[2:]), meta, plan)
+    launcher((5,), (None, a[1], *a[2:]), meta, plan)
+    launcher((5,), no_t1, meta, plan)
+    assert [kind for kind, _ in log[n:]] == ["slow", "fast", "fast"]
+    assert log[-2][1][9:11] == (None, a[1].data_ptr())
+    assert log[-1][1][9:11] == (a[0].data_ptr(), None)
+
+
+def test_launcher_learns_nones_after_tensors(fake_launcher):
+    launcher, log = fake_launcher
+    meta = dict(BLOCK=64, num_warps=4)
+    plan = object()
+    a = _args()
+    no_t1 = (a[0], None, *a[2:])
+    launcher((5,), a, meta, plan)
+    launcher((5,), a, meta, plan)
+    assert launcher.layouts[plan].key is _launch.spec_key
+    launcher((5,), no_t1, meta, plan)  # None where the plan had a tensor: Triton's path ...
+    assert log[-1][0] == "slow"
+    assert launcher.layouts[plan].key is _launch.spec_key_nulls  # ... and the plan keys on Nones now
+    launcher((5,), no_t1, meta, plan)
+    launcher((5,), a, meta, plan)  # the entry of the all-tensor call is still found
+    assert [kind for kind, _ in log] == ["slow", "fast", "slow", "fast", "fast"]
+    assert log[-2][1][9:11] == (a[0].data_ptr(), None)
+    assert log[-1][1][9:11] == (a[0].data_ptr(), a[1].data_ptr())
+    # None where a scalar belongs does not fit the plan
+    launcher((5,), (*a[:2], None, *a[3:]), meta, plan)
+    launcher((5,), (*a[:2], None, *a[3:]), meta, plan)
+    assert [kind for kind, _ in log[-2:]] == ["slow", "slow"]
+
+
+def test_annotated_pointer_takes_nones_to_triton(fake_launcher):
+    launcher, log = fake_launcher
+    launcher.kernel.params[1].annotation_type = "*fp32"  # Triton types such a None by its annotation
+    launcher = _launch.Launcher(launcher.kernel)
+    meta = dict(BLOCK=64, num_warps=4)
+    plan = object()
+    a = _args()
+    for _ in range(2):
+        launcher((5,), (a[0], None, *a[2:]), meta, plan)
+    assert launcher.layouts[plan] is None  # a plan whose first call had such a None is left to Triton
+    plan = object()
+    launcher((5,), a, meta, plan)
+    launcher((5,), a, meta, plan)
+    launcher((5,), (a[0], None, *a[2:]), meta, plan)
+    launcher((5,), (a[0], None, *a[2:]), meta, plan)
+    assert [kind for kind, _ in log] == ["slow", "slow", "slow", "fast", "slow", "slow"]
+    assert launcher.layouts[plan].key is _launch.spec_key
+
+
+def test_triton_makes_none_a_constexpr():
+    # What the None support relies on: Triton's binder types a None argument (of a parameter without an
+    # annotation) as a constexpr, specialised or not, and compiles a kernel for it.
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    for specialize in (True, False):
+        assert native_specialize_impl(BaseBackend, None, False, specialize, True) == ("constexpr", None)

@@ -22,7 +22,17 @@ divisible by 16; a float is always fp32):
 
 Which argument positions hold tensors, specialised ints, unspecialised ints and floats is learnt per
 ``plan_key`` on the first call; a call whose arguments do not fit that layout (or any first call with
-arguments of another kind, such as None) takes Triton's own path. So does every call under the
+arguments of another kind, such as a bool) takes Triton's own path.
+
+Pointer arguments may be None (optional inputs and outputs), where the kernel's parameter has no type
+annotation: Triton then types the argument as a constexpr (``native_specialize_impl(None)`` is
+``("constexpr", None)`` with or without specialisation, 3.6 and 3.9), compiles a kernel for that None, and
+passes the None to the launcher, which skips constexpr positions (3.6: format "O", left out of the kernel
+parameters; 3.9: ARG_CONSTEXPR). A layout learnt from a call with Nones keys every call on its None
+pattern as well (the dtype tuple holds None there) and passes None at those positions, as Triton does. An
+all-tensor layout keeps the leaner key; a later call of the same plan with Nones (a TypeError there) takes
+Triton's path once and turns the plan's layout into a None-aware one, whose key for all-tensor calls is
+the same, so the entries cached so far stay valid. So does every call under the
 interpreter, with a launch hook installed (a profiler), with pre-run hooks on the kernel, or on a Triton
 without these internals. Knobs that change compile options (TRITON_DEBUG, instrumentation modes) are
 seen by Triton's own path only: set them before a kernel's first launch.
@@ -73,44 +83,54 @@ def _getter(idx):
 
 
 class Layout:
-    """Where the kinds of runtime arguments sit, for one plan: pointers first (n_ptr of them), then ints
-    (specialised ones read through ``spec``, unspecialised ones through ``plain``) and floats."""
+    """Where the kinds of runtime arguments sit, for one plan: pointers first (n_ptr of them, tensors or,
+    with ``nulls``, tensors and Nones), then ints (specialised ones read through ``spec``, unspecialised
+    ones through ``plain``) and floats. ``key`` is the spec_key function for such calls."""
 
-    __slots__ = ("n_args", "n_ptr", "spec", "plain", "kinds")
+    __slots__ = ("n_args", "n_ptr", "spec", "plain", "kinds", "base", "nulls", "key")
 
-    def __init__(self, kinds, n_ptr, dns):
+    def __init__(self, kinds, n_ptr, dns, nulls=None):
         self.kinds = tuple(kinds)
         self.n_args = len(kinds)
         self.n_ptr = n_ptr
         self.spec = _getter(i for i, kd in enumerate(kinds) if kd == "i" and not dns[i])
         self.plain = _getter(i for i, kd in enumerate(kinds) if kd == "i" and dns[i])
+        # the kinds with None as a pointer: layouts of one plan must agree on it
+        self.base = tuple("p" if kd == "n" else kd for kd in self.kinds)
+        self.nulls = "n" in self.kinds if nulls is None else bool(nulls)
+        self.key = spec_key_nulls if self.nulls else spec_key
 
 
-def learn_layout(args, dns):
+def learn_layout(args, dns, nullable=None):
     """The Layout of a call's runtime arguments, or None when the fast path cannot serve such calls
-    (an argument that is neither a tensor, an int nor a float; tensors not all before the scalars).
-    ``dns[i]``: whether runtime argument i is listed in the kernel's ``do_not_specialize``."""
+    (an argument that is neither a tensor, an int nor a float, nor a None among the leading pointers;
+    tensors not all before the scalars). ``dns[i]``: whether runtime argument i is listed in the kernel's
+    ``do_not_specialize``; ``nullable[i]`` (default: all): whether it may be None (Triton makes a None a
+    constexpr only for a parameter without a type annotation)."""
     kinds = []
-    for a in args:
+    for i, a in enumerate(args):
         if isinstance(a, torch.Tensor):
             kinds.append("p")
         elif type(a) is int:
             kinds.append("i")
         elif type(a) is float:
             kinds.append("f")
+        elif a is None and (nullable is None or nullable[i]):
+            kinds.append("n")
         else:
             return None
     n_ptr = 0
-    while n_ptr < len(kinds) and kinds[n_ptr] == "p":
+    while n_ptr < len(kinds) and kinds[n_ptr] in "pn":
         n_ptr += 1
-    if "p" in kinds[n_ptr:]:
+    if "p" in kinds[n_ptr:] or "n" in kinds[n_ptr:]:
         return None
     return Layout(kinds, n_ptr, dns)
 
 
 def spec_key(layout, args):
     """(device addresses of the pointer arguments, the part of the cache key that depends on the
-    arguments). Raises TypeError/AttributeError when an argument does not fit the layout."""
+    arguments), for a layout without None pointers. Raises TypeError/AttributeError when an argument does
+    not fit the layout."""
     n = layout.n_ptr
     tensors = args[:n]
     ptrs = tuple(map(_data_ptr, tensors))
@@ -124,6 +144,26 @@ def spec_key(layout, args):
     else:
         ranges = None  # all i32
     return ptrs, (tuple(map(_dtype_of, tensors)), aligned, layout.spec(args), ranges)
+
+
+def spec_key_nulls(layout, args):
+    """:func:`spec_key` for a layout whose pointers may be None: the addresses hold None there, and so
+    does the key's dtype tuple (a tensor's dtype is never None), which makes the None pattern part of the
+    key. For an all-tensor call the key equals spec_key's."""
+    n = layout.n_ptr
+    tensors = args[:n]
+    ptrs = tuple([None if t is None else _data_ptr(t) for t in tensors])
+    acc = 0
+    for p in ptrs:
+        if p is not None:
+            acc |= p
+    aligned = True if not acc & 15 else tuple(p is None or not p & 15 for p in ptrs)
+    plain = layout.plain(args)
+    if plain and (min(plain) < _I32_LO or max(plain) >= _I32_HI):
+        ranges = tuple(map(int_type, plain))
+    else:
+        ranges = None  # all i32
+    return ptrs, (tuple([None if t is None else t.dtype for t in tensors]), aligned, layout.spec(args), ranges)
 
 
 def _hooks_idle():
@@ -144,8 +184,9 @@ class Launcher:
     (all after the runtime arguments in its signature) are passed as keywords with num_warps/num_stages.
 
     ``launcher(grid, args, meta, plan_key)``: ``plan_key`` (hashable) must determine ``meta``, and each
-    argument position must hold the same kind of value (tensor / int / float) on every call with that
-    ``plan_key``; everything else Triton specialises on is read from ``args`` (see the module docstring).
+    argument position must hold the same kind of value (tensor or None / int / float) on every call with
+    that ``plan_key``; everything else Triton specialises on (the None pattern of the pointers included)
+    is read from ``args`` (see the module docstring).
     """
 
     def __init__(self, kernel):
@@ -163,6 +204,9 @@ class Launcher:
             self.enabled = False  # constexprs interleaved with runtime arguments: not supported here
             return
         self.dns = [bool(p.do_not_specialize) for p in params[:self.n_args]]
+        # None is a constexpr for Triton only where the parameter has no type annotation (else the
+        # annotation types it); where this Triton does not say, None takes Triton's own path.
+        self.nullable = [getattr(p, "annotation_type", None) == "" for p in params[:self.n_args]]
         self.constexprs = [(p.name, p.default if p.has_default else self) for p in params[self.n_args:]]
 
     def __call__(self, grid, args, meta, plan_key):
@@ -173,7 +217,7 @@ class Launcher:
         layout = self.layouts.get(plan_key)
         if layout is not None and _hooks_idle() and not self.kernel.pre_run_hooks:
             try:
-                ptrs, k = spec_key(layout, args)
+                ptrs, k = layout.key(layout, args)
             except (TypeError, AttributeError):
                 pass
             else:
@@ -195,7 +239,8 @@ class Launcher:
         if plan_key not in self.layouts:
             if len(self.layouts) >= _MAX_ENTRIES:
                 self.layouts.clear()
-            self.layouts[plan_key] = (learn_layout(args, self.dns) if len(args) == self.n_args else None)
+            self.layouts[plan_key] = (learn_layout(args, self.dns, self.nullable) if len(args) == self.n_args
+                                      else None)
         layout = self.layouts[plan_key]
         if (layout is None or not _hooks_idle() or self.kernel.pre_run_hooks
                 or not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata"))):
@@ -203,10 +248,17 @@ class Launcher:
         tail = tuple(meta.get(name, default) for name, default in self.constexprs)
         if any(t is self for t in tail):
             return  # a constexpr with neither a value nor a default: Triton raised already; be safe
+        if len(args) != self.n_args:
+            return
+        own = learn_layout(args, self.dns, self.nullable)
+        if own is None or own.base != layout.base:
+            return  # this call does not fit the plan's layout
+        if own.nulls and not layout.nulls:
+            # Nones where the plan's first call had tensors: key the plan's calls on their None pattern
+            # from now on (the entries cached so far have the same key under the None-aware layout).
+            layout = self.layouts[plan_key] = Layout(layout.kinds, layout.n_ptr, self.dns, nulls=True)
         try:
-            if learn_layout(args, self.dns).kinds != layout.kinds:
-                return  # this call does not fit the plan's layout
-            _, k = spec_key(layout, args)
+            _, k = layout.key(layout, args)
         except (TypeError, AttributeError):
             return
         run = compiled.run  # the launcher (loads the module on first use; Triton's launch did already)
