@@ -33,6 +33,8 @@ _UNBOUNDED = 1 << 30  # FlashFwdSm90.UNBOUNDED: a window side with no limit
 # K and V ring depth per head dim (shared memory: Q tile + stages x (K tile + V tile) <= 227 KB).
 # $FLASH_ATTN_CUTE_STAGES overrides it (a tuning knob; the disk cache keys on it).
 _DEFAULT_STAGES = {64: 4, 128: 3}
+# Keys per K/V block (FLASH_ATTN_CUTE_BLOCK_N overrides, for tuning).
+_DEFAULT_BLOCK_N = {64: 128, 128: 128}
 
 
 def _cutlass_dtype(dtype):
@@ -55,8 +57,9 @@ def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varle
     and the versions, see cache.py) and what compile_fwd builds the kernel from, so a constructor
     argument added here changes both. Plain values: computing the key must not import CuTeDSL."""
     stages = int(os.environ.get("FLASH_ATTN_CUTE_STAGES") or _DEFAULT_STAGES.get(int(head_dim), 2))
+    block_n = int(os.environ.get("FLASH_ATTN_CUTE_BLOCK_N") or _DEFAULT_BLOCK_N.get(int(head_dim), 128))
     return {"kernel": "FlashFwdSm90", "dtype": _DTYPE_NAMES.get(dtype, str(dtype)), "head_dim": int(head_dim),
-            "stages": stages,
+            "stages": stages, **({"block_n": block_n} if block_n != 128 else {}),
             "causal": bool(causal) and not local, "local": bool(local), "softcap": bool(softcap), "arch": arch,
             "abi": "tvm-ffi-env-stream" if _tvm_ffi() else "cute", **({"varlen": True} if varlen else {})}
 
@@ -68,7 +71,7 @@ def _make_kernel(config):
     cutlass_dtype = _cutlass_dtype(dtype) if dtype in _DTYPE_NAMES else dtype
     return FlashFwdSm90(cutlass_dtype, config["head_dim"], config["causal"], local=config["local"],
                         softcap=config["softcap"], varlen=config.get("varlen", False),
-                        num_stages=config["stages"])
+                        num_stages=config["stages"], block_n=config.get("block_n", 128))
 
 
 def compile_fwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=False, softcap=False,
