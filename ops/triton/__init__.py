@@ -97,19 +97,47 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+_SM_COUNTS: dict = {}  # device (as given, when it names one) or CUDA index -> multiprocessor count
+
+
 def num_sms(device) -> int:
-    """Streaming multiprocessors of a CUDA device (a fixed small number elsewhere, for grid sizing)."""
+    """Streaming multiprocessors of a CUDA device (a fixed small number elsewhere, for grid sizing); cached
+    per device (launchers call this on every call)."""
+    n = _SM_COUNTS.get(device)
+    if n is not None:
+        return n
     import torch
 
-    if getattr(device, "type", device) == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
+    d = device if isinstance(device, torch.device) else torch.device(device)
+    if d.type != "cuda":
+        n = 4
+    else:
+        index = d.index if d.index is not None else torch.cuda.current_device()
+        n = _SM_COUNTS.get(index)
+        if n is None:
+            n = _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+        if d.index is None:
+            return n  # "cuda": whichever device is current, so not cached under this name
+    _SM_COUNTS[device] = n
+    return n
+
+
+_NO_CTX = contextlib.nullcontext()
+_cuda_current_device = None
 
 
 def device_ctx(x):
-    """Triton launches on the current CUDA device; make it the tensor's own."""
+    """Triton launches on the current CUDA device; make it the tensor's own (a no-op context when it is
+    already current, the common case, which saves the two device switches)."""
+    global _cuda_current_device
+    device = x.device
+    if device.type != "cuda":
+        return _NO_CTX
     import torch
 
-    if x.device.type == "cuda":
-        return torch.cuda.device(x.device)
-    return contextlib.nullcontext()
+    if _cuda_current_device is None:
+        # The tensor exists, so CUDA is initialised: the raw getter skips torch.cuda's lazy-init check.
+        _cuda_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+    if device.index == _cuda_current_device():
+        return _NO_CTX
+    return torch.cuda.device(device)
