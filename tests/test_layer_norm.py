@@ -1,6 +1,7 @@
 """flash_attn.ops.triton.layer_norm against an unfused PyTorch reference, on both paths (Triton kernel --
 the interpreter on CPU -- and the plain-PyTorch path). Errors are judged relative to PyTorch's own error
 at the input dtype (flash_attn.testing.assert_close_to_ref), against an fp64 reference."""
+import inspect
 import math
 import os
 import subprocess
@@ -456,3 +457,137 @@ def test_gpu_bf16_dropout_parallel():
 def test_gpu_torch_path_on_cuda():
     with backend("torch"):
         _check("cuda", torch.bfloat16, 16, 1000, residual=True, prenorm=True, dropout_p=0.1)
+
+
+# ------------------------------------------------------------------------------- launches (host side)
+class _FakeCompiled:
+    function = 1
+    packed_metadata = ()
+
+    def __init__(self, log, name):
+        self.run = lambda *a: log.append((name, "fast", a))
+
+
+class _FakeKernel:
+    """Stands in for one of the norm kernels behind a Launcher on CPU: the real parameter list (so the
+    launcher learns the real argument layout), launches recorded instead of run."""
+
+    def __init__(self, kernel, log, name):
+        from triton.runtime.jit import JITFunction
+
+        params = getattr(kernel, "params", None)  # the interpreter's kernels have none: parse the function
+        if params is None:
+            src = inspect.getsource(kernel.fn)
+            dns = ["seed0", "seed1"] if "do_not_specialize" in src.split("def ", 1)[0] else None
+            params = JITFunction(kernel.fn, do_not_specialize=dns).params
+        self.params, self.device_caches, self.pre_run_hooks = params, {}, []
+        self.log, self.name = log, name
+
+    def __getitem__(self, grid):
+        def launch(*args, **meta):
+            self.log.append((self.name, "slow", args, meta))
+            return _FakeCompiled(self.log, self.name)
+        return launch
+
+
+@pytest.fixture
+def fake_launches(monkeypatch):
+    """The norm launches go through Launchers over fake kernels (on CPU tensors): returns the log."""
+    _launch = pytest.importorskip("flash_attn.triton._launch")
+    pytest.importorskip("triton")
+    monkeypatch.setattr(_launch, "_INTERPRET", False)
+    monkeypatch.setattr(_launch, "_current_device", lambda: 0)
+    monkeypatch.setattr(_launch, "_current_stream", lambda device: 0)
+    monkeypatch.setattr(ln, "use_triton", lambda x: True)
+    log = []
+    for attr, kernel, name in (("_L_FWD", ln._ln_fwd_kernel, "fwd"), ("_L_BWD", ln._ln_bwd_kernel, "bwd"),
+                               ("_L_REDUCE", ln._ln_bwd_reduce_kernel, "reduce")):
+        launcher = _launch.Launcher(_FakeKernel(kernel, log, name))
+        if not launcher.enabled:
+            pytest.skip("this Triton has no knobs/driver internals: the fast path is off")
+        monkeypatch.setattr(ln, attr, launcher)
+    return log
+
+
+def _fwd_bwd(M=5, N=48, **kw):
+    inp = _inputs("cpu", torch.float32, M, N, **{k: kw.pop(k) for k in ("residual", "x1", "weight1", "bias")
+                                                 if k in kw})
+    outs = layer_norm_fn(**inp, **kw)
+    y = outs[0] if isinstance(outs, tuple) else outs
+    params = [v for k, v in inp.items() if v is not None and k != "rowscale"]
+    torch.autograd.grad(y, params, torch.ones_like(y), allow_unused=True)
+
+
+def test_launch_plans_and_fast_relaunch(fake_launches, monkeypatch):
+    """Each launch's plan determines all constexprs and launch options (the launcher caches on it); the
+    second call of a kind relaunches the compiled kernels with None for the absent tensors; dropout seeds
+    are runtime arguments (a new seed is no new kernel); other flags or knobs are other plans."""
+    log = fake_launches
+    _fwd_bwd(residual=True, prenorm=True)
+    assert [(name, kind) for name, kind, *_ in log] == [("fwd", "slow"), ("bwd", "slow"), ("reduce", "slow")]
+    for name, _, args, meta in log:
+        kernel = {"fwd": ln._L_FWD, "bwd": ln._L_BWD, "reduce": ln._L_REDUCE}[name].kernel
+        constexprs = {p.name for p in kernel.params if p.is_constexpr}
+        assert constexprs <= set(meta) and "num_warps" in meta, name
+        assert (name != "bwd") or "maxnreg" in meta
+    fwd_args = log[0][2]
+    assert fwd_args[1] is None and fwd_args[2] is not None  # no x1; the residual
+    del log[:]
+    _fwd_bwd(residual=True, prenorm=True)
+    assert [(name, kind) for name, kind, *_ in log] == [("fwd", "fast"), ("bwd", "fast"), ("reduce", "fast")]
+    # run(grid 3, stream, function, packed metadata, launch metadata and hooks, then the arguments)
+    fast_fwd = log[0][2][9:]
+    assert fast_fwd[1] is None and isinstance(fast_fwd[0], int) and isinstance(fast_fwd[2], int)
+    assert fast_fwd[9] is None  # no y1
+    for kw in (dict(), dict(residual=True, x1=True, weight1=True), dict(is_rms_norm=True, bias=False),
+               dict(dropout_p=0.1)):
+        del log[:]
+        _fwd_bwd(**kw)
+        _fwd_bwd(**kw)
+        kinds = [(name, kind) for name, kind, *_ in log]
+        # (the reduction's plan may be an earlier one's: it has fewer flags)
+        assert kinds[:2] == [("fwd", "slow"), ("bwd", "slow")] and kinds[2][0] == "reduce", kw
+        assert kinds[3:] == [("fwd", "fast"), ("bwd", "fast"), ("reduce", "fast")], kw
+    # a changed knob: another config, so another plan, whose first launch takes Triton's path
+    del log[:]
+    tile = ln.FWD_TILE
+    _fwd_bwd(M=64, N=16)
+    monkeypatch.setattr(ln, "FWD_TILE", tile // 2)
+    _fwd_bwd(M=64, N=16)
+    monkeypatch.setattr(ln, "FWD_TILE", tile)
+    _fwd_bwd(M=64, N=16)
+    assert [kind for name, kind, *_ in log if name == "fwd"] == ["slow", "slow", "fast"]
+
+
+def test_configs_follow_knobs(monkeypatch):
+    """The launch configurations are cached per shape, with the knobs (and the SM count) in the key:
+    changing a knob changes the next call's configuration."""
+    base = ln._bwd_config(4096, 4096, "cpu", 2)
+    assert ln._bwd_config(4096, 4096, "cpu", 2) is base  # cached
+    monkeypatch.setattr(ln, "BWD_MAXNREG", (255,))
+    assert ln._bwd_config(4096, 4096, "cpu", 2).maxnreg == 255
+    monkeypatch.setattr(ln, "num_sms", lambda device: 1)
+    assert ln._bwd_config(4096, 4096, "cpu", 2).programs < base.programs
+    fwd = ln._fwd_config(4096)
+    monkeypatch.setattr(ln, "FWD_MAX_BLOCK_N", 1024)
+    assert ln._fwd_config(4096) != fwd and ln._fwd_config(4096)[1] == 1024
+
+
+def test_num_sms_cached_per_device(monkeypatch):
+    import types
+
+    import flash_attn.ops.triton as ops_triton
+
+    calls = []
+    monkeypatch.setattr(ops_triton, "_SM_COUNTS", {})
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: calls.append(i) or types.SimpleNamespace(multi_processor_count=100 + i))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert ops_triton.num_sms("cpu") == 4 and ops_triton.num_sms(torch.device("cpu")) == 4
+    assert ops_triton.num_sms(torch.device("cuda", 0)) == 100
+    assert ops_triton.num_sms("cuda:0") == 100 and ops_triton.num_sms(torch.device("cuda", 0)) == 100
+    assert ops_triton.num_sms("cuda") == 101  # the current device's
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert ops_triton.num_sms("cuda") == 100
+    assert calls == [0, 1]
+    assert isinstance(ops_triton.device_ctx(torch.zeros(1)), type(ops_triton._NO_CTX))

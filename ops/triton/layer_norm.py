@@ -15,6 +15,7 @@ The backward pass reduces dweight/dbias in two steps: each program accumulates o
 into a private row of a fp32 partial buffer, then a second kernel adds the partials in a fixed order, so no
 two programs ever write the same address (no atomics, bitwise reproducible).
 """
+import functools
 from typing import NamedTuple, Optional
 
 import torch
@@ -118,7 +119,9 @@ def _ln_fwd_output(W, B, W1, B1, Y, Y1, r, cols, mask, N, xhat, stride_y, stride
         tl.store(Y1 + r * stride_y1 + cols, y1, mask=mask)
 
 
-@triton.jit
+# The dropout seeds change on every call: not specialised, so a new seed is no new kernel (Triton keys
+# specialised ints on == 1 and % 16, the fast launcher on their values).
+@triton.jit(do_not_specialize=["seed0", "seed1"])
 def _ln_fwd_kernel(
     X, X1, RES, ROWSCALE, W, B, W1, B1, Y, Y1, RES_OUT, DMASK, MEAN, RSTD,
     stride_x, stride_x1, stride_res, stride_y, stride_y1, stride_res_out,
@@ -185,8 +188,7 @@ def _ln_fwd_kernel(
                               drop_scale, HAS_RES, HAS_X1, HAS_ROWSCALE, HAS_DROPOUT, False, False)
             _ln_fwd_output(W, B, W1, B1, Y, Y1, r, cols, mask, N, (x - mean[:, None]) * rstd[:, None],
                            stride_y, stride_y1, HAS_BIAS, HAS_W1, HAS_B1, ZERO_CENTERED)
-    if not IS_RMS_NORM:
-        tl.store(MEAN + rows, mean, mask=row_ok)
+    tl.store(MEAN + rows, mean, mask=row_ok)  # zeros for RMSNorm (saves the host a fill launch)
     tl.store(RSTD + rows, rstd, mask=row_ok)
 
 
@@ -296,7 +298,7 @@ def _ln_bwd_store_parts(DW_PART, DB_PART, DW1_PART, DB1_PART, part, ok, acc_dw, 
             tl.store(DB1_PART + part, tl.sum(acc_db1, axis=0, keep_dims=True), mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed0", "seed1"])
 def _ln_bwd_kernel(
     X, W, W1, DY, DY1, DRES_OUT, ROWSCALE, MEAN, RSTD, DX, DX1, DRES_IN, DW_PART, DB_PART, DW1_PART, DB1_PART,
     stride_x, stride_dy, stride_dy1, stride_dres_out, stride_dx, stride_dx1, stride_dres_in,
@@ -423,11 +425,18 @@ def _ln_bwd_reduce_kernel(DW_PART, DB_PART, DW1_PART, DB1_PART, DW, DB, DW1, DB1
 
 
 # --------------------------------------------------------------------------------------------- launchers
+# The launch configurations are cached per call shape; the module's knobs are part of each cache key, so
+# changing them (tests, benchmarks/bench_ops.py --sweep) takes effect on the next call.
 def _fwd_config(N: int):
     """(BLOCK_M, BLOCK_N, chunks, warps) of the forward."""
-    block_n = min(next_power_of_2(N), FWD_MAX_BLOCK_N)
-    block_m = max(1, FWD_TILE // block_n)
-    num_warps = max(1, min(16, block_m * block_n // FWD_ELEMS_PER_WARP))
+    return _fwd_config_cached(N, FWD_MAX_BLOCK_N, FWD_TILE, FWD_ELEMS_PER_WARP)
+
+
+@functools.lru_cache(maxsize=1024)
+def _fwd_config_cached(N, max_block_n, tile, elems_per_warp):
+    block_n = min(next_power_of_2(N), max_block_n)
+    block_m = max(1, tile // block_n)
+    num_warps = max(1, min(16, block_m * block_n // elems_per_warp))
     return block_m, block_n, cdiv(N, block_n), num_warps
 
 
@@ -456,28 +465,35 @@ def _bwd_config(M: int, N: int, device, n_acc: int = 2, extra: int = 0) -> BwdCo
     in pass-1 chunks. The own columns of a program are cut (split over programs, then into two
     sub-chunks) until its accumulators take at most BWD_ACC_REGS registers per thread (half that with
     costly features or pass-1 chunks)."""
+    return _bwd_config_cached(M, N, num_sms(device), n_acc, extra, BWD_MIN_TILE, BWD_ELEMS_PER_THREAD,
+                              BWD_MAX_BLOCK_R, BWD_ACC_REGS, BWD_MAXNREG, BWD_PREFETCH)
+
+
+@functools.lru_cache(maxsize=4096)
+def _bwd_config_cached(M, N, sms, n_acc, extra, min_tile, elems_per_thread, max_block_r, max_acc_regs, maxnregs,
+                       prefetch_ok) -> BwdConfig:
     width = next_power_of_2(N)
-    block_m = max(1, BWD_MIN_TILE // width)
-    maxnreg = BWD_MAXNREG[min(len(BWD_MAXNREG) - 1, extra + int(block_m > 1))]
+    block_m = max(1, min_tile // width)
+    maxnreg = maxnregs[min(len(maxnregs) - 1, extra + int(block_m > 1))]
     max_warps = min(32, 1 << ((65536 // (maxnreg * 32)).bit_length() - 1))
-    block_r = min(width, BWD_MAX_BLOCK_R, 2 * BWD_ELEMS_PER_THREAD * 32 * max_warps)
-    num_warps = max(1, min(max_warps, block_m * block_r // (32 * BWD_ELEMS_PER_THREAD)))
+    block_r = min(width, max_block_r, 2 * elems_per_thread * 32 * max_warps)
+    num_warps = max(1, min(max_warps, block_m * block_r // (32 * elems_per_thread)))
     threads = 32 * num_warps
     own = width
     # Costly features and pass-1 chunk loops leave fewer registers to the accumulators.
-    acc_regs = BWD_ACC_REGS if extra == 0 and block_r >= N else BWD_ACC_REGS // 2
+    acc_regs = max_acc_regs if extra == 0 and block_r >= N else max_acc_regs // 2
     limit = acc_regs * threads
     # At 32 warps (64 registers a thread) a whole row held for pass 1 plus accumulators filling the limit
     # spill (LayerNorm at 16384: 96 bytes, 0.45 of copy bandwidth; split in two: 0.54, H200).
     tight = num_warps == 32 and block_r >= N
     while own > 1 and (n_acc * block_m * own > limit or tight and n_acc * block_m * own >= limit):
         own //= 2
-    sub = 2 if own > 1 and block_m * own >= 2 * BWD_ELEMS_PER_THREAD * threads else 1
+    sub = 2 if own > 1 and block_m * own >= 2 * elems_per_thread * threads else 1
     split = cdiv(N, own)
-    prefetch = BWD_PREFETCH and block_r >= N and block_m * block_r <= BWD_ELEMS_PER_THREAD * threads
+    prefetch = prefetch_ok and block_r >= N and block_m * block_r <= elems_per_thread * threads
     per_sm = max(1, min(65536 // (maxnreg * threads), 64 // num_warps, 32))
     tiles = cdiv(M, block_m)
-    groups = max(1, min(tiles, num_sms(device) * per_sm // split))
+    groups = max(1, min(tiles, sms * per_sm // split))
     rows = cdiv(tiles, groups) * block_m
     groups = cdiv(M, rows) if M else 1
     return BwdConfig(groups * split, rows, block_m, block_r, cdiv(N, block_r), own // sub, sub, split, prefetch,
@@ -495,7 +511,12 @@ def _bwd_extra(x: Tensor, dy: Tensor, dy1, dresidual_out, dresidual_in, dx1, row
 def _reduce_config(P: int, N: int, device):
     """(BLOCK_P, BLOCK_C, warps) of the partial-sum reduction: column blocks narrow enough for about one
     program per SM, tiles of 8192 elements."""
-    block_c = max(8, min(128, next_power_of_2(cdiv(N, num_sms(device)))))
+    return _reduce_config_cached(P, N, num_sms(device))
+
+
+@functools.lru_cache(maxsize=4096)
+def _reduce_config_cached(P, N, sms):
+    block_c = max(8, min(128, next_power_of_2(cdiv(N, sms))))
     block_p = max(1, min(next_power_of_2(P), 8192 // block_c))
     return block_p, block_c, max(1, min(8, block_p * block_c // 1024))
 
@@ -511,6 +532,74 @@ def _stride0(t: Optional[Tensor]) -> int:
     return t.stride(0) if t is not None else 0
 
 
+class _Plan:
+    """A launcher cache key standing for one kind of launch (its constexprs and launch options): hashed
+    by identity (cheap), printed as what it stands for."""
+
+    __slots__ = ("what",)
+
+    def __init__(self, what):
+        self.what = what
+
+    def __repr__(self):
+        return f"_Plan{self.what!r}"
+
+
+class _TritonLaunch:
+    """``kernel[grid](*args, **meta)`` behind the Launcher's call signature: the launch path without the
+    flash-attn-triton distribution (whose Launcher relaunches compiled kernels with less host time)."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __call__(self, grid, args, meta, plan_key):
+        self.kernel[grid](*args, **meta)
+
+
+def _launcher(kernel):
+    try:
+        from flash_attn.triton._launch import Launcher
+    except ImportError:
+        return _TritonLaunch(kernel)
+    return Launcher(kernel)
+
+
+# One launcher per kernel (the Launcher is disabled, i.e. Triton's own path, under the interpreter).
+_L_FWD = _launcher(_ln_fwd_kernel)
+_L_BWD = _launcher(_ln_bwd_kernel)
+_L_REDUCE = _launcher(_ln_bwd_reduce_kernel)
+
+
+@functools.lru_cache(maxsize=1024)
+def _fwd_plan(is_rms_norm, has_res, has_x1, has_rowscale, has_dropout, store_dmask, store_res_out, has_bias,
+              has_w1, has_b1, zero_centered, block_m, block_n, chunks, num_warps):
+    """(plan key, constexpr and launch keywords) of a forward launch; the arguments determine both."""
+    meta = dict(IS_RMS_NORM=is_rms_norm, HAS_RES=has_res, HAS_X1=has_x1, HAS_ROWSCALE=has_rowscale,
+                HAS_DROPOUT=has_dropout, STORE_DMASK=store_dmask, STORE_RES_OUT=store_res_out, HAS_BIAS=has_bias,
+                HAS_W1=has_w1, HAS_B1=has_b1, ZERO_CENTERED=zero_centered, BLOCK_M=block_m, BLOCK_N=block_n,
+                NUM_CHUNKS=chunks, num_warps=num_warps)
+    return _Plan(("ln_fwd", *meta.items())), meta
+
+
+@functools.lru_cache(maxsize=1024)
+def _bwd_plan(is_rms_norm, has_bias, has_w1, has_b1, has_dres_out, store_dres_in, has_x1, has_rowscale,
+              has_dropout, zero_centered, cfg):
+    """(plan key, constexpr and launch keywords) of a backward launch (cfg: the BwdConfig)."""
+    meta = dict(IS_RMS_NORM=is_rms_norm, HAS_BIAS=has_bias, HAS_W1=has_w1, HAS_B1=has_b1,
+                HAS_DRES_OUT=has_dres_out, STORE_DRES_IN=store_dres_in, HAS_X1=has_x1, HAS_ROWSCALE=has_rowscale,
+                HAS_DROPOUT=has_dropout, ZERO_CENTERED=zero_centered, BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r,
+                R_CHUNKS=cfg.r_chunks, BLOCK_N=cfg.block_n, SUB=cfg.sub, SPLIT=cfg.split, PREFETCH=cfg.prefetch,
+                num_warps=cfg.num_warps, maxnreg=cfg.maxnreg)
+    return _Plan(("ln_bwd", *meta.items())), meta
+
+
+@functools.lru_cache(maxsize=1024)
+def _reduce_plan(has_bias, has_w1, has_b1, block_p, block_c, num_warps):
+    meta = dict(HAS_BIAS=has_bias, HAS_W1=has_w1, HAS_B1=has_b1, BLOCK_P=block_p, BLOCK_C=block_c,
+                num_warps=num_warps)
+    return _Plan(("ln_bwd_reduce", *meta.items())), meta
+
+
 def _ln_fwd_launch(
     x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: Optional[Tensor], x1: Optional[Tensor],
     weight1: Optional[Tensor], bias1: Optional[Tensor], rowscale: Optional[Tensor], rng_state: Optional[Tensor],
@@ -522,19 +611,17 @@ def _ln_fwd_launch(
         return
     seed0, seed1, drop_threshold, drop_scale = _drop_args(rng_state, dropout_p)
     block_m, block_n, chunks, num_warps = _fwd_config(N)
+    plan, meta = _fwd_plan(
+        is_rms_norm, residual is not None, x1 is not None, rowscale is not None, dropout_p > 0.0,
+        dropout_mask is not None, residual_out is not None, bias is not None, weight1 is not None,
+        bias1 is not None, zero_centered_weight, block_m, block_n, chunks, num_warps)
     with device_ctx(x):
-        _ln_fwd_kernel[(cdiv(M, block_m),)](
+        _L_FWD((cdiv(M, block_m),), (
             x, x1, residual, rowscale, weight, bias, weight1, bias1, y, y1, residual_out, dropout_mask,
             mean, rstd,
             x.stride(0), _stride0(x1), _stride0(residual), y.stride(0), _stride0(y1), _stride0(residual_out),
             M, N, eps, seed0, seed1, drop_threshold, drop_scale,
-            IS_RMS_NORM=is_rms_norm, HAS_RES=residual is not None, HAS_X1=x1 is not None,
-            HAS_ROWSCALE=rowscale is not None, HAS_DROPOUT=dropout_p > 0.0,
-            STORE_DMASK=dropout_mask is not None, STORE_RES_OUT=residual_out is not None,
-            HAS_BIAS=bias is not None, HAS_W1=weight1 is not None, HAS_B1=bias1 is not None,
-            ZERO_CENTERED=zero_centered_weight, BLOCK_M=block_m, BLOCK_N=block_n, NUM_CHUNKS=chunks,
-            num_warps=num_warps,
-        )
+        ), meta, plan)
 
 
 _ln_fwd_op = torch.library.custom_op(
@@ -561,34 +648,33 @@ def _ln_bwd_launch(
                 t.zero_()
         return
     seed0, seed1, drop_threshold, drop_scale = _drop_args(rng_state, dropout_p)
-    n_acc = sum(t is not None for t in (dw, db, dw1, db1))
-    cfg = _bwd_config(M, N, x.device, n_acc,
+    has_bias, has_w1, has_b1 = db is not None, dw1 is not None, db1 is not None
+    n_acc = 1 + has_bias + has_w1 + has_b1
+    dev = x.device
+    cfg = _bwd_config(M, N, dev, n_acc,
                       _bwd_extra(x, dy, dy1, dresidual_out, dresidual_in, dx1, rowscale, dropout_p))
     # Every program writes its whole row of columns (the split programs of a group their own parts), so
-    # the partial buffers need no zeroing.
+    # the partial buffers need no zeroing; one allocation holds all of them.
     P = cfg.programs // cfg.split
-    part = lambda t: torch.empty((P, N), device=x.device, dtype=torch.float32) if t is not None else None  # noqa: E731
-    dw_part, db_part, dw1_part, db1_part = part(dw), part(db), part(dw1), part(db1)
+    parts = iter(torch.empty((n_acc, P, N), device=dev, dtype=torch.float32).unbind(0))
+    dw_part = next(parts)
+    db_part = next(parts) if has_bias else None
+    dw1_part = next(parts) if has_w1 else None
+    db1_part = next(parts) if has_b1 else None
+    plan, meta = _bwd_plan(is_rms_norm, has_bias, has_w1, has_b1, dresidual_out is not None,
+                           dresidual_in is not None, dx1 is not None, rowscale is not None, dropout_p > 0.0,
+                           zero_centered_weight, cfg)
+    block_p, block_c, warps = _reduce_config(P, N, dev)
+    rplan, rmeta = _reduce_plan(has_bias, has_w1, has_b1, block_p, block_c, warps)
     with device_ctx(x):
-        _ln_bwd_kernel[(cfg.programs,)](
+        _L_BWD((cfg.programs,), (
             x, weight, weight1, dy, dy1, dresidual_out, rowscale, mean, rstd, dx, dx1, dresidual_in,
             dw_part, db_part, dw1_part, db1_part,
             x.stride(0), dy.stride(0), _stride0(dy1), _stride0(dresidual_out), dx.stride(0), _stride0(dx1),
             _stride0(dresidual_in),
             M, N, cfg.rows_per_program, seed0, seed1, drop_threshold, drop_scale,
-            IS_RMS_NORM=is_rms_norm, HAS_BIAS=db is not None, HAS_W1=dw1 is not None, HAS_B1=db1 is not None,
-            HAS_DRES_OUT=dresidual_out is not None, STORE_DRES_IN=dresidual_in is not None,
-            HAS_X1=dx1 is not None, HAS_ROWSCALE=rowscale is not None, HAS_DROPOUT=dropout_p > 0.0,
-            ZERO_CENTERED=zero_centered_weight, BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r,
-            R_CHUNKS=cfg.r_chunks, BLOCK_N=cfg.block_n, SUB=cfg.sub, SPLIT=cfg.split, PREFETCH=cfg.prefetch,
-            num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
-        )
-        block_p, block_c, warps = _reduce_config(P, N, x.device)
-        _ln_bwd_reduce_kernel[(cdiv(N, block_c),)](
-            dw_part, db_part, dw1_part, db1_part, dw, db, dw1, db1, P, N,
-            HAS_BIAS=db is not None, HAS_W1=dw1 is not None, HAS_B1=db1 is not None,
-            BLOCK_P=block_p, BLOCK_C=block_c, num_warps=warps,
-        )
+        ), meta, plan)
+        _L_REDUCE((cdiv(N, block_c),), (dw_part, db_part, dw1_part, db1_part, dw, db, dw1, db1, P, N), rmeta, rplan)
 
 
 _ln_bwd_op = torch.library.custom_op(
@@ -644,6 +730,7 @@ def _ln_fwd_torch(x, weight, bias, residual, x1, weight1, bias1, rowscale, rng_s
     if residual_out is not None:
         residual_out.copy_(pre)
     if is_rms_norm:
+        mean.zero_()
         centered = pre
     else:
         mu = pre.mean(dim=1)
@@ -721,8 +808,6 @@ def _layer_norm_fwd(x, weight, bias, eps, residual=None, x1=None, weight1=None, 
     dropout_mask = None
     if return_dropout_mask and dropout_p > 0.0:
         dropout_mask = torch.empty((2 * M if x1 is not None else M, N), device=x.device, dtype=torch.bool)
-    if is_rms_norm:
-        mean.zero_()
     args = (x, weight, bias, residual, x1, weight1, bias1, rowscale, rng_state, out, y1, residual_out,
             dropout_mask, mean, rstd, float(eps), float(dropout_p), bool(is_rms_norm),
             bool(zero_centered_weight))
