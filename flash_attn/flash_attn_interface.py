@@ -95,6 +95,14 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
     if qkv.shape[2] != 3:
         raise ValueError(f"qkv must have shape (B, S, 3, H, D), got {tuple(qkv.shape)}")
     q, k, v = qkv.unbind(2)
+    if not dropout_p and not softcap and alibi_slopes is None and not return_attn_probs:
+        # The common call: the backward writes one packed dqkv (see _ops.attention_qkvpacked_dense).
+        D = _checks.qkv(q, k, v, False)[2]
+        left, right = _checks.window(window_size)
+        if causal:
+            right = 0
+        scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
+        return _ops.attention_qkvpacked_dense(qkv, scale, bool(causal), left, right, bool(deterministic))
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                            deterministic, return_attn_probs)
 

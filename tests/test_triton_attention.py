@@ -179,6 +179,46 @@ def test_non_contiguous_packed_qkv():
     _check_all((out, dq, dk, dv), ref, pt)
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_backward_writes_into_given_grads(deterministic):
+    # grads=(dq, dk, dv) slices of one packed gradient: the kernels write there (no copy), with the
+    # slices' strides, and the result is what the unbind path computes.
+    dtype = DTYPES[0]
+    B, S, H, D = 2, 37, 3, 32
+    qkv = torch.randn(B, S, 3, H, D, generator=torch.Generator().manual_seed(5)).to(DEVICE, dtype)
+    q, k, v = qkv.unbind(2)
+    dout = torch.randn(B, S, H, D, generator=torch.Generator().manual_seed(6)).to(DEVICE, dtype)
+    kw = _kwargs(causal=True, head_dim=D, max_seqlen_q=S, max_seqlen_k=S)
+    out, lse, _ = tb.fwd(q, k, v, return_probs=False, **kw)
+    dqkv = torch.full_like(qkv, float("nan"))
+    grads = dqkv.unbind(2)
+    result = tb.bwd(dout, q, k, v, out, lse, deterministic=deterministic, grads=grads, **kw)
+    assert all(r is g for r, g in zip(result, grads))
+    if deterministic:  # bitwise what the same computation gives into fresh tensors
+        for got, want in zip(grads, tb.bwd(dout, q, k, v, out, lse, deterministic=True, **kw)):
+            assert torch.equal(got, want)
+    ref, pt = _reference(q, k, v, dout, causal=True)
+    _check_all((out, *grads), ref, pt)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_qkvpacked_api_backward_is_one_packed_gradient(backend):
+    # flash_attn_qkvpacked_func's backward returns the packed gradient directly (no stack of three);
+    # a backend without the grads argument (the reference) has its gradients copied in.
+    dtype = DTYPES[0]
+    B, S, H, D = 2, 29, 2, 32
+    qkv = torch.randn(B, S, 3, H, D, generator=torch.Generator().manual_seed(7)).to(DEVICE, dtype)
+    qkv.requires_grad_()
+    with flash_attn.use_backend(backend):
+        out = flash_attn.flash_attn_qkvpacked_func(qkv, causal=True)
+    assert type(out.grad_fn).__name__ == "_EagerPackedDenseAttentionBackward"
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(8)).to(DEVICE, dtype)
+    (dqkv,) = torch.autograd.grad(out, qkv, dout)
+    q, k, v = qkv.detach().unbind(2)
+    ref, pt = _reference(q, k, v, dout, causal=True)
+    _check_all((out.detach(), *dqkv.unbind(2)), ref, pt)
+
+
 def test_empty_sequences_dense():
     dtype = DTYPES[0]
     q, k, v = _qkv(2, 0, 9, 2, 2, 32, 32, dtype)

@@ -38,6 +38,9 @@ A backend is a module (imported lazily by :mod:`flash_attn.dispatch`) that defin
       -> (dq, dk, dv)``
     Gradients in the input dtype, shaped like q, k, v. dk/dv are summed over the query heads of a group
     (GQA/MQA). deterministic=True must give bitwise-identical results run to run.
+    Optional: a backend whose module sets ``BWD_OUT = True`` also takes ``grads=(dq, dk, dv)``, tensors
+    shaped and typed like q, k, v with a contiguous last dim (e.g. the slices of one packed gradient),
+    writes the gradients there and returns them.
 
 ``fwd_kvcache(q, k_cache, v_cache, *, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
       cache_leftpad, block_table, softmax_scale, causal, window_left, window_right, softcap,

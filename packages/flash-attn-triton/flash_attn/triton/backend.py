@@ -268,21 +268,33 @@ def _bwd_plan(q, D, Dv, varlen, window, softcap, alibi, dropout, deterministic, 
     return plan
 
 
+# bwd writes into caller-given gradient tensors (its ``grads`` argument; see bwd).
+BWD_OUT = True
+
+
 def bwd(dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
         softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state,
-        deterministic, config=None):
+        deterministic, config=None, grads=None):
     """Attention backward; see the contract. Returns (dq, dk, dv) shaped like q, k, v in their dtype.
 
     deterministic=True computes dQ in its own kernel (no atomics), so results are bitwise reproducible.
-    ``config`` (a _configs.BwdConfig) overrides the table, for tuning.
+    ``config`` (a _configs.BwdConfig) overrides the table, for tuning. ``grads``: optional (dq, dk, dv)
+    tensors shaped and typed like q, k, v with a contiguous last dim (e.g. views of one packed gradient)
+    that receive the gradients; they are then what is returned.
     """
     if _fwd_mod is None:
         _kernels()
     varlen = cu_seqlens_q is not None
     B, H, Hk, D, Dv, Sq, Sk, sq_, sk_, sv_ = _geometry(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if grads is not None:
+        dq_out, dk, dv = grads
+    else:
+        dq_out = None
+        dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+        dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if B * Hk == 0 or dk.numel() == 0 and dv.numel() == 0:
+        if dq_out is not None:
+            return dq_out.zero_(), dk, dv
         return torch.zeros(q.shape, dtype=q.dtype, device=q.device), dk, dv
     softcap_scale, softcap_log2, window, wl, wr, (seed0, seed1, thr, dscale) = _scalars(
         softmax_scale, softcap, window_left, window_right, causal, dropout_p, rng_state)
@@ -291,6 +303,8 @@ def bwd(dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         config)
     if dq_atomic:
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    elif dq_out is not None:
+        dq_acc = dq_out
     else:
         dq_acc = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     sdo_ = _row_strides(dout, varlen)
@@ -315,7 +329,10 @@ def bwd(dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                 (q, k, v, dout, lse, delta, dq_acc, dk, dv, alibi, cu_q, cu_k,
                  *sq_, *sk_, *sv_, *sdo_, *sdq_, *sdk_, *sdv_, *sl_, *sa_, *scalars), dkdv_meta, plan_key)
     if dq_atomic:
-        dq = dq_acc if q.dtype == torch.float32 else dq_acc.to(q.dtype)
+        if dq_out is not None:
+            dq = dq_out.copy_(dq_acc)
+        else:
+            dq = dq_acc if q.dtype == torch.float32 else dq_acc.to(q.dtype)
     else:
         dq = dq_acc
         if Sq > 0:
