@@ -143,6 +143,44 @@ def test_unsupported_head_dim_is_refused():
 
 
 # ----------------------------------------------------------------------------------------------------
+# exp2 on the FMA pipe (softmax_exp.py, FLASH_ATTN_CUTE_EXP2_EMU)
+
+
+@pytest.mark.parametrize("degree,max_rel", [(2, 2.0e-3), (3, 1.1e-4), (4, 3.0e-6)])
+def test_exp2_poly_reference_error(degree, max_rel):
+    """The kernel's polynomial exp2, step for step on CPU (exp2_poly_reference mirrors the PTX), against
+    exp2 in float64: relative error over [-125.5, 0] and near 0, exact 1 at 0 and 0 at -inf / <= -127,
+    below 2^-125 in between."""
+    from flash_attn.cute.softmax_exp import exp2_poly_reference
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.linspace(-127, 0, 1_000_001), -torch.rand(500_000, generator=gen) * 127,
+                   -torch.rand(100_000, generator=gen) * 1e-3, -torch.logspace(-40, 0, 5_000),
+                   torch.tensor([-0.5, -1.5, -125.5, -126.5, 1e-7, 3e-7])]).float()
+    y = exp2_poly_reference(x, degree).double()
+    ref = torch.exp2(x.double())
+    normal = x >= -125.5
+    rel = (y - ref).abs()[normal] / ref[normal]
+    assert rel.max().item() <= max_rel
+    assert rel[x[normal] > -1e-3].max().item() <= 1e-5  # near 0 (the row maximum's neighbourhood)
+    assert (y - ref).abs()[~normal].max().item() < 2.0 ** -125
+    assert torch.all(y >= 0)
+    special = torch.tensor([0.0, -0.0, -math.inf, -127.0, -128.0, -1e30, -1.0, -2.0, -20.0])
+    assert exp2_poly_reference(special, degree).tolist() == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.5, 0.25,
+                                                             2.0 ** -20]
+
+
+def test_exp2_emulated_columns_spread_evenly():
+    from flash_attn.cute.softmax_exp import emulated_columns
+
+    assert emulated_columns(32, 0) == [False] * 32
+    assert emulated_columns(32, 16) == [True] * 32
+    for e in range(17):
+        cols = emulated_columns(32, e)
+        assert sum(cols) == 2 * e and sum(cols[:16]) == e
+
+
+# ----------------------------------------------------------------------------------------------------
 # On a Hopper GPU
 
 
