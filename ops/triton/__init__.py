@@ -11,6 +11,7 @@ Which path runs is decided per call by :func:`use_triton`:
 process-wide; tests use it to cover both paths on the same inputs.
 """
 import contextlib
+import functools
 import os
 
 try:
@@ -141,3 +142,51 @@ def device_ctx(x):
     if device.index == _cuda_current_device():
         return _NO_CTX
     return torch.cuda.device(device)
+
+
+class Plan:
+    """A launcher cache key standing for one kind of launch (its constexprs and launch options): hashed
+    by identity (cheap), printed as what it stands for."""
+
+    __slots__ = ("what",)
+
+    def __init__(self, what):
+        self.what = what
+
+    def __repr__(self):
+        return f"Plan{self.what!r}"
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(name, items):
+    return Plan((name, *items)), dict(items)
+
+
+def plan(name, **meta):
+    """(plan key, meta) for a launch of kernel ``name`` with these constexpr and launch keywords: the same
+    key object for the same keywords (their order included), as a launcher's ``plan_key``."""
+    return _plan(name, tuple(meta.items()))
+
+
+class TritonLaunch:
+    """``kernel[grid](*args, **meta)`` behind the launcher's call signature ``(grid, args, meta, plan_key)``:
+    the path without the flash-attn-triton distribution, whose Launcher relaunches compiled kernels with
+    less host time."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __call__(self, grid, args, meta, plan_key):
+        self.kernel[grid](*args, **meta)
+
+
+def launcher(kernel):
+    """A launcher for a @triton.jit kernel: ``flash_attn.triton._launch.Launcher`` where that distribution
+    is installed (it takes Triton's own path under the interpreter), else :class:`TritonLaunch`. Runtime
+    arguments go positionally, pointers (tensors or None) first; a plan key must determine every
+    constexpr and launch option, and each position must keep its kind (tensor or None / int / float)."""
+    try:
+        from flash_attn.triton._launch import Launcher
+    except ImportError:
+        return TritonLaunch(kernel)
+    return Launcher(kernel)

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from flash_attn.dropout import hash32, new_rng_state, threshold
 
-from . import cdiv, device_ctx, next_power_of_2, num_sms, tl, triton, use_triton
+from . import Plan, cdiv, device_ctx, launcher, next_power_of_2, num_sms, tl, triton, use_triton
 
 # Launch shape. Forward (from a sweep on an H200, benchmarks/bench_ops.py --sweep): a program works on a
 # tile of BLOCK_M rows x BLOCK_N columns; rows wider than FWD_MAX_BLOCK_N go in chunks (two passes over
@@ -532,42 +532,10 @@ def _stride0(t: Optional[Tensor]) -> int:
     return t.stride(0) if t is not None else 0
 
 
-class _Plan:
-    """A launcher cache key standing for one kind of launch (its constexprs and launch options): hashed
-    by identity (cheap), printed as what it stands for."""
-
-    __slots__ = ("what",)
-
-    def __init__(self, what):
-        self.what = what
-
-    def __repr__(self):
-        return f"_Plan{self.what!r}"
-
-
-class _TritonLaunch:
-    """``kernel[grid](*args, **meta)`` behind the Launcher's call signature: the launch path without the
-    flash-attn-triton distribution (whose Launcher relaunches compiled kernels with less host time)."""
-
-    def __init__(self, kernel):
-        self.kernel = kernel
-
-    def __call__(self, grid, args, meta, plan_key):
-        self.kernel[grid](*args, **meta)
-
-
-def _launcher(kernel):
-    try:
-        from flash_attn.triton._launch import Launcher
-    except ImportError:
-        return _TritonLaunch(kernel)
-    return Launcher(kernel)
-
-
 # One launcher per kernel (the Launcher is disabled, i.e. Triton's own path, under the interpreter).
-_L_FWD = _launcher(_ln_fwd_kernel)
-_L_BWD = _launcher(_ln_bwd_kernel)
-_L_REDUCE = _launcher(_ln_bwd_reduce_kernel)
+_L_FWD = launcher(_ln_fwd_kernel)
+_L_BWD = launcher(_ln_bwd_kernel)
+_L_REDUCE = launcher(_ln_bwd_reduce_kernel)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -578,7 +546,7 @@ def _fwd_plan(is_rms_norm, has_res, has_x1, has_rowscale, has_dropout, store_dma
                 HAS_DROPOUT=has_dropout, STORE_DMASK=store_dmask, STORE_RES_OUT=store_res_out, HAS_BIAS=has_bias,
                 HAS_W1=has_w1, HAS_B1=has_b1, ZERO_CENTERED=zero_centered, BLOCK_M=block_m, BLOCK_N=block_n,
                 NUM_CHUNKS=chunks, num_warps=num_warps)
-    return _Plan(("ln_fwd", *meta.items())), meta
+    return Plan(("ln_fwd", *meta.items())), meta
 
 
 @functools.lru_cache(maxsize=1024)
@@ -590,14 +558,14 @@ def _bwd_plan(is_rms_norm, has_bias, has_w1, has_b1, has_dres_out, store_dres_in
                 HAS_DROPOUT=has_dropout, ZERO_CENTERED=zero_centered, BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r,
                 R_CHUNKS=cfg.r_chunks, BLOCK_N=cfg.block_n, SUB=cfg.sub, SPLIT=cfg.split, PREFETCH=cfg.prefetch,
                 num_warps=cfg.num_warps, maxnreg=cfg.maxnreg)
-    return _Plan(("ln_bwd", *meta.items())), meta
+    return Plan(("ln_bwd", *meta.items())), meta
 
 
 @functools.lru_cache(maxsize=1024)
 def _reduce_plan(has_bias, has_w1, has_b1, block_p, block_c, num_warps):
     meta = dict(HAS_BIAS=has_bias, HAS_W1=has_w1, HAS_B1=has_b1, BLOCK_P=block_p, BLOCK_C=block_c,
                 num_warps=num_warps)
-    return _Plan(("ln_bwd_reduce", *meta.items())), meta
+    return Plan(("ln_bwd_reduce", *meta.items())), meta
 
 
 def _ln_fwd_launch(
