@@ -12,7 +12,9 @@ from typing import Optional
 
 from torch import Tensor
 
-from . import cdiv, device_ctx, next_power_of_2, num_sms, tl, triton
+import functools
+
+from . import cdiv, device_ctx, launcher, next_power_of_2, num_sms, plan, tl, triton
 
 ACT_IDS = {"gelu_tanh": 0, "gelu": 1, "relu": 2, "sqrelu": 3, "silu": 4, "sigmoid": 5}
 
@@ -145,6 +147,15 @@ def _gated_bwd_kernel(DOUT, G, V, BIAS_G, BIAS_V, DG, DV, DBG_PART, DBV_PART, M,
         tl.store(DBV_PART + pid_m.to(tl.int64) * N + cols, tl.sum(acc_v, axis=0), mask=col_ok)
 
 
+# Launchers (flash_attn.triton's fast relaunch where installed); each launch's plan key stands for its
+# constexprs and options.
+_L_BIAS_ACT_FWD = launcher(_bias_act_fwd_kernel)
+_L_BIAS_ACT_BWD = launcher(_bias_act_bwd_kernel)
+_L_GATED_FWD = launcher(_gated_fwd_kernel)
+_L_GATED_BWD = launcher(_gated_bwd_kernel)
+
+
+@functools.lru_cache(maxsize=1024)
 def _tiles(M: int, N: int):
     block_n = min(next_power_of_2(N), 1024)
     block_m = max(1, min(next_power_of_2(M), 4096 // block_n))
@@ -168,10 +179,11 @@ def bias_act_fwd(x: Tensor, bias: Optional[Tensor], out: Tensor, activation: str
     if M == 0 or N == 0:
         return
     block_m, block_n = _tiles(M, N)
+    key, meta = plan("bias_act_fwd", ACT=ACT_IDS[activation], HAS_BIAS=bias is not None, BLOCK_M=block_m,
+                     BLOCK_N=block_n, num_warps=4)
     with device_ctx(x):
-        _bias_act_fwd_kernel[(cdiv(M, block_m), cdiv(N, block_n))](
-            x, bias, out, M, N, x.stride(0), out.stride(0), ACT=ACT_IDS[activation], HAS_BIAS=bias is not None,
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)
+        _L_BIAS_ACT_FWD((cdiv(M, block_m), cdiv(N, block_n)), (x, bias, out, M, N, x.stride(0), out.stride(0)),
+                        meta, key)
 
 
 def bias_act_bwd(dout: Tensor, x: Tensor, bias: Optional[Tensor], dx: Tensor, db_part: Optional[Tensor],
@@ -182,10 +194,11 @@ def bias_act_bwd(dout: Tensor, x: Tensor, bias: Optional[Tensor], dx: Tensor, db
         return
     block_m, block_n = _tiles(M, N)
     programs, rows = bwd_row_programs(M, N, x.device, bias is not None)
+    key, meta = plan("bias_act_bwd", ACT=ACT_IDS[activation], HAS_BIAS=bias is not None, BLOCK_M=block_m,
+                     BLOCK_N=block_n, num_warps=4)
     with device_ctx(x):
-        _bias_act_bwd_kernel[(programs, cdiv(N, block_n))](
-            dout, x, bias, dx, db_part, M, N, rows, dout.stride(0), x.stride(0), dx.stride(0),
-            ACT=ACT_IDS[activation], HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)
+        _L_BIAS_ACT_BWD((programs, cdiv(N, block_n)), (
+            dout, x, bias, dx, db_part, M, N, rows, dout.stride(0), x.stride(0), dx.stride(0)), meta, key)
 
 
 def gated_fwd(gate: Tensor, value: Tensor, bias_g: Optional[Tensor], bias_v: Optional[Tensor], out: Tensor,
@@ -195,10 +208,11 @@ def gated_fwd(gate: Tensor, value: Tensor, bias_g: Optional[Tensor], bias_v: Opt
     if M == 0 or N == 0:
         return
     block_m, block_n = _tiles(M, N)
+    key, meta = plan("gated_fwd", ACT=ACT_IDS[activation], HAS_BIAS=bias_g is not None, BLOCK_M=block_m,
+                     BLOCK_N=block_n, num_warps=4)
     with device_ctx(gate):
-        _gated_fwd_kernel[(cdiv(M, block_m), cdiv(N, block_n))](
-            gate, value, bias_g, bias_v, out, M, N, gate.stride(0), value.stride(0), out.stride(0),
-            ACT=ACT_IDS[activation], HAS_BIAS=bias_g is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)
+        _L_GATED_FWD((cdiv(M, block_m), cdiv(N, block_n)), (
+            gate, value, bias_g, bias_v, out, M, N, gate.stride(0), value.stride(0), out.stride(0)), meta, key)
 
 
 def gated_bwd(dout: Tensor, gate: Tensor, value: Tensor, bias_g: Optional[Tensor], bias_v: Optional[Tensor],
@@ -209,8 +223,9 @@ def gated_bwd(dout: Tensor, gate: Tensor, value: Tensor, bias_g: Optional[Tensor
         return
     block_m, block_n = _tiles(M, N)
     programs, rows = bwd_row_programs(M, N, gate.device, bias_g is not None)
+    key, meta = plan("gated_bwd", ACT=ACT_IDS[activation], HAS_BIAS=bias_g is not None, BLOCK_M=block_m,
+                     BLOCK_N=block_n, num_warps=4)
     with device_ctx(gate):
-        _gated_bwd_kernel[(programs, cdiv(N, block_n))](
+        _L_GATED_BWD((programs, cdiv(N, block_n)), (
             dout, gate, value, bias_g, bias_v, dgate, dvalue, dbg_part, dbv_part, M, N, rows, dout.stride(0),
-            gate.stride(0), value.stride(0), dgate.stride(0), dvalue.stride(0), ACT=ACT_IDS[activation],
-            HAS_BIAS=bias_g is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)
+            gate.stride(0), value.stride(0), dgate.stride(0), dvalue.stride(0)), meta, key)

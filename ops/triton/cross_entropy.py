@@ -18,7 +18,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import cdiv, device_ctx, next_power_of_2, num_sms, tl, triton, use_triton
+from . import cdiv, device_ctx, launcher, next_power_of_2, num_sms, plan, tl, triton, use_triton
 
 # Block sizes and warps from a sweep on an H200 (benchmarks/bench_ops.py --sweep).
 FWD_BLOCK = 8192
@@ -133,6 +133,13 @@ def _ce_bwd_kernel(
     tl.store(DLOGITS + row * stride_drow + cols, g * (dloss * logit_scale), mask=mask)
 
 
+# Launchers (flash_attn.triton's fast relaunch where installed); each launch's plan key stands for its
+# constexprs and options.
+_L_PARTIAL = launcher(_ce_partial_kernel)
+_L_FINISH = launcher(_ce_finish_kernel)
+_L_BWD = launcher(_ce_bwd_kernel)
+
+
 def _num_splits(n_rows: int, n_cols: int, device) -> int:
     want = cdiv(4 * num_sms(device), max(n_rows, 1))
     return max(1, min(cdiv(n_cols, MIN_SPLIT_COLS), want))
@@ -167,17 +174,17 @@ def _ce_fwd_launch(
             part_m = torch.empty((n_rows, n_splits), device=logits.device, dtype=torch.float32)
             part_s = torch.empty_like(part_m)
             part_z = torch.empty_like(part_m) if has_smoothing else part_m
-            _ce_partial_kernel[(n_rows, n_splits)](
+            key, meta = plan("ce_partial", HAS_SMOOTHING=has_smoothing, BLOCK=block, num_warps=FWD_WARPS)
+            _L_PARTIAL((n_rows, n_splits), (
                 logits, part_m, part_s, part_z, n_cols, logits.stride(0), cols_per_split, n_splits, logit_scale,
-                HAS_SMOOTHING=has_smoothing, BLOCK=block, num_warps=FWD_WARPS,
-            )
-        _ce_finish_kernel[(cdiv(n_rows, FIN_BLOCK_ROWS),)](
+            ), meta, key)
+        key, meta = plan("ce_finish", HAS_SMOOTHING=has_smoothing, PRECOMPUTED_LSE=precomputed, SPLIT=split,
+                         BLOCK_ROWS=FIN_BLOCK_ROWS, num_warps=4)
+        _L_FINISH((cdiv(n_rows, FIN_BLOCK_ROWS),), (
             logits, labels, part_m, part_s, part_z, lse, losses, z_losses,
             n_rows, n_cols, logits.stride(0), n_splits, logit_scale, smoothing, lse_square_scale, ignore_index,
             total_classes, class_start,
-            HAS_SMOOTHING=has_smoothing, PRECOMPUTED_LSE=precomputed, SPLIT=split, BLOCK_ROWS=FIN_BLOCK_ROWS,
-            num_warps=4,
-        )
+        ), meta, key)
 
 
 _ce_fwd_op = torch.library.custom_op(
@@ -199,12 +206,12 @@ def _ce_bwd_launch(
     if n_rows == 0:
         return
     block = min(BWD_BLOCK, next_power_of_2(n_cols))
+    key, meta = plan("ce_bwd", HAS_SMOOTHING=smoothing > 0.0, BLOCK=block, num_warps=BWD_WARPS)
     with device_ctx(src):
-        _ce_bwd_kernel[(n_rows, cdiv(n_cols, block))](
+        _L_BWD((n_rows, cdiv(n_cols, block)), (
             dlogits, src, dloss, lse, _aligned(labels), n_cols, src.stride(0), dlogits.stride(0), dloss.stride(0),
             logit_scale, smoothing, lse_square_scale, ignore_index, total_classes, class_start,
-            HAS_SMOOTHING=smoothing > 0.0, BLOCK=block, num_warps=BWD_WARPS,
-        )
+        ), meta, key)
 
 
 _ce_bwd_op = torch.library.custom_op("flash_attn_ops::cross_entropy_bwd", mutates_args=("dlogits",))(_ce_bwd_launch)
