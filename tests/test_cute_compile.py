@@ -180,6 +180,70 @@ def test_exp2_emulated_columns_spread_evenly():
         assert sum(cols) == 2 * e and sum(cols[:16]) == e
 
 
+def test_exp2_emu_in_the_cache_key_only_when_on(monkeypatch):
+    from flash_attn.cute import interface
+
+    for var in ("FLASH_ATTN_CUTE_EXP2_EMU", "FLASH_ATTN_CUTE_EXP2_EMU_DEGREE"):
+        monkeypatch.delenv(var, raising=False)
+    args = (torch.bfloat16, 64, False, "sm_90a")
+    base = interface._fwd_config(*args)
+    assert "exp2_emu" not in base and "exp2_emu_degree" not in base
+    monkeypatch.setenv("FLASH_ATTN_CUTE_EXP2_EMU", "0")
+    assert interface._fwd_config(*args) == base
+    monkeypatch.setenv("FLASH_ATTN_CUTE_EXP2_EMU_DEGREE", "4")
+    assert interface._fwd_config(*args) == base  # the degree alone changes nothing
+    monkeypatch.setenv("FLASH_ATTN_CUTE_EXP2_EMU", "4")
+    assert interface._fwd_config(*args) == {**base, "exp2_emu": 4, "exp2_emu_degree": 4}
+    monkeypatch.setenv("FLASH_ATTN_CUTE_EXP2_EMU_DEGREE", "3")
+    assert interface._fwd_config(*args) == {**base, "exp2_emu": 4}
+    kernel = interface._make_kernel(interface._fwd_config(*args))
+    assert (kernel.exp2_emu, kernel.exp2_emu_degree) == (4, 3)
+    from flash_attn.cute.flash_fwd_sm90 import FlashFwdSm90
+
+    with pytest.raises(ValueError, match="exp2_emu"):
+        FlashFwdSm90(kernel.dtype, 64, False, exp2_emu=17)
+
+
+def _cuobjdump():
+    import shutil
+
+    path = shutil.which("cuobjdump")
+    if path is None:
+        try:
+            import triton
+
+            cand = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+            path = cand if os.path.exists(cand) else None
+        except ImportError:
+            pass
+    return path
+
+
+def test_exp2_emu_moves_exponentials_off_mufu(tmp_path, monkeypatch):
+    """One compile with 4 of 16 exponentials emulated: per softmax site (2 rows of 32 scores plus 2
+    correction factors) the PTX holds 50 ex2.approx and 16 polynomial sequences; in the SASS the
+    CuTeDSL cubin holds as many MUFU.EX2 as the PTX has ex2 (the polynomials stay on FADD / FFMA)."""
+    import subprocess
+
+    monkeypatch.setenv("FLASH_ATTN_CUTE_EXP2_EMU", "4")
+    monkeypatch.delenv("FLASH_ATTN_CUTE_EXP2_EMU_DEGREE", raising=False)
+    compile_fwd(torch.bfloat16, 64, False, arch="sm_90a", dump_dir=str(tmp_path))
+    (ptx_path,) = glob.glob(str(tmp_path / "*.ptx"))
+    text = open(ptx_path).read()
+    n_ex2 = _count(text, "ex2.approx")
+    n_poly = _count(text, "add.rn.f32 %e2_t")
+    sites = n_poly // 16
+    assert sites >= 2 and n_poly == 16 * sites and n_ex2 == 50 * sites
+    tool = _cuobjdump()
+    (cubin,) = glob.glob(str(tmp_path / "*.cubin"))
+    if tool is None:
+        pytest.skip("no cuobjdump to read the SASS")
+    sass = subprocess.run([tool, "-sass", cubin], capture_output=True, text=True, check=True).stdout
+    assert sass.count("MUFU.EX2") == n_ex2
+    assert sass.count(", 12582912 ;") == n_poly  # the range reduction's t = x + 1.5 * 2^23
+    assert sass.count(", -127, !PT") == n_poly  # the clamp at -127 (FMNMX)
+
+
 # ----------------------------------------------------------------------------------------------------
 # On a Hopper GPU
 
@@ -223,6 +287,24 @@ def test_matches_reference_on_gpu(dtype, d, causal, batch, seqlen_q, seqlen_k, h
     assert torch.equal(torch.isfinite(lse), finite)
     if finite.any():
         assert (lse[finite] - lse_ref[finite]).abs().max().item() < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("exp2_emu,degree,dtype", [(4, 3, torch.bfloat16), (16, 3, torch.bfloat16),
+                                                   (8, 4, torch.float16), (8, 2, torch.bfloat16)])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_exp2_emulation_matches_reference_on_gpu(monkeypatch, exp2_emu, degree, dtype, d, causal):
+    """test_matches_reference_on_gpu's checks with a share of the softmax's exponentials (16: all of them)
+    computed by the polynomial (FLASH_ATTN_CUTE_EXP2_EMU)."""
+    from flash_attn.cute import interface
+
+    monkeypatch.setenv("FLASH_ATTN_CUTE_EXP2_EMU", str(exp2_emu))
+    monkeypatch.setenv("FLASH_ATTN_CUTE_EXP2_EMU_DEGREE", str(degree))
+    monkeypatch.setattr(interface, "_kernels", {})  # the in-memory table does not key on the variables
+    for shape in [(2, 128, 128, 4, 4), (2, 113, 203, 6, 2), (1, 1023, 1023, 4, 1), (1, 300, 1200, 8, 4)]:
+        test_matches_reference_on_gpu(dtype, d, causal, *shape)
 
 
 @pytest.mark.gpu

@@ -16,6 +16,8 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
+from flash_attn.cute.softmax_exp import EXP2_POLY, emulated_columns, exp2_poly
+
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
 
@@ -50,7 +52,13 @@ class FlashFwdSm90:
     UNBOUNDED = 1 << 30  # window size standing for "no limit on this side" (host passes it for -1)
 
     def __init__(self, dtype, head_dim, causal, local=False, softcap=False, varlen=False, block_m=128,
-                 block_n=128, num_stages=2):
+                 block_n=128, num_stages=2, exp2_emu=0, exp2_emu_degree=3):
+        """exp2_emu: of every 16 softmax exponentials a thread computes, this many (0..16, spread evenly
+        over its fragment) use a degree-exp2_emu_degree polynomial on the FMA pipe instead of MUFU.EX2
+        (softmax_exp.py), to relieve the MUFU pipe."""
+        if not 0 <= exp2_emu <= 16 or exp2_emu_degree not in EXP2_POLY:
+            raise ValueError(f"exp2_emu {exp2_emu} not in 0..16 or degree {exp2_emu_degree} not in "
+                             f"{tuple(EXP2_POLY)}")
         if head_dim not in (64, 128):
             raise ValueError(f"head dim {head_dim} not in (64, 128)")
         if dtype not in (cutlass.Float16, cutlass.BFloat16):
@@ -65,6 +73,8 @@ class FlashFwdSm90:
         self.block_m = block_m
         self.block_n = block_n
         self.num_stages = num_stages
+        self.exp2_emu = int(exp2_emu)
+        self.exp2_emu_degree = int(exp2_emu_degree)
         self.num_threads = self.NUM_PRODUCER_THREADS + 128 * self.NUM_MMA_WARPGROUPS
 
     # ------------------------------------------------------------------------------------------------
@@ -335,8 +345,11 @@ class FlashFwdSm90:
                 m_scaled = Float32(0.0)
             corr[r] = cute.math.exp2(row_max[r] * scale_log2 - m_scaled, fastmath=True)
             row_max[r] = m_new
-            for i in idx:
-                acc_S[i] = cute.math.exp2(acc_S[i] * scale_log2 - m_scaled, fastmath=True)
+            for i, emu in zip(idx, emulated_columns(len(idx), self.exp2_emu)):
+                if cutlass.const_expr(emu):
+                    acc_S[i] = exp2_poly(acc_S[i] * scale_log2 - m_scaled, self.exp2_emu_degree)
+                else:
+                    acc_S[i] = cute.math.exp2(acc_S[i] * scale_log2 - m_scaled, fastmath=True)
             # partial over this thread's columns; the quad is summed at the end
             row_sum[r] = row_sum[r] * corr[r] + _tree(lambda a, b: a + b, [acc_S[i] for i in idx])
 

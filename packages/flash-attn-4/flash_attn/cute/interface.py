@@ -35,6 +35,10 @@ _UNBOUNDED = 1 << 30  # FlashFwdSm90.UNBOUNDED: a window side with no limit
 _DEFAULT_STAGES = {64: 4, 128: 3}
 # Keys per K/V block (FLASH_ATTN_CUTE_BLOCK_N overrides, for tuning).
 _DEFAULT_BLOCK_N = {64: 128, 128: 128}
+# Softmax exponentials per 16 computed by a polynomial on the FMA pipe instead of MUFU.EX2
+# (FLASH_ATTN_CUTE_EXP2_EMU overrides; FLASH_ATTN_CUTE_EXP2_EMU_DEGREE picks the polynomial's degree,
+# 2..4, default 3). Both are in the cache key only when the emulation is on.
+_DEFAULT_EXP2_EMU = {64: 0, 128: 0}
 
 
 def _cutlass_dtype(dtype):
@@ -58,8 +62,12 @@ def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varle
     argument added here changes both. Plain values: computing the key must not import CuTeDSL."""
     stages = int(os.environ.get("FLASH_ATTN_CUTE_STAGES") or _DEFAULT_STAGES.get(int(head_dim), 2))
     block_n = int(os.environ.get("FLASH_ATTN_CUTE_BLOCK_N") or _DEFAULT_BLOCK_N.get(int(head_dim), 128))
+    emu = int(os.environ.get("FLASH_ATTN_CUTE_EXP2_EMU") or _DEFAULT_EXP2_EMU.get(int(head_dim), 0))
+    emu_degree = int(os.environ.get("FLASH_ATTN_CUTE_EXP2_EMU_DEGREE") or 3)
+    emu_cfg = ({"exp2_emu": emu, **({"exp2_emu_degree": emu_degree} if emu_degree != 3 else {})}
+               if emu else {})
     return {"kernel": "FlashFwdSm90", "dtype": _DTYPE_NAMES.get(dtype, str(dtype)), "head_dim": int(head_dim),
-            "stages": stages, **({"block_n": block_n} if block_n != 128 else {}),
+            "stages": stages, **({"block_n": block_n} if block_n != 128 else {}), **emu_cfg,
             "causal": bool(causal) and not local, "local": bool(local), "softcap": bool(softcap), "arch": arch,
             "abi": "tvm-ffi-env-stream" if _tvm_ffi() else "cute", **({"varlen": True} if varlen else {})}
 
@@ -71,7 +79,8 @@ def _make_kernel(config):
     cutlass_dtype = _cutlass_dtype(dtype) if dtype in _DTYPE_NAMES else dtype
     return FlashFwdSm90(cutlass_dtype, config["head_dim"], config["causal"], local=config["local"],
                         softcap=config["softcap"], varlen=config.get("varlen", False),
-                        num_stages=config["stages"], block_n=config.get("block_n", 128))
+                        num_stages=config["stages"], block_n=config.get("block_n", 128),
+                        exp2_emu=config.get("exp2_emu", 0), exp2_emu_degree=config.get("exp2_emu_degree", 3))
 
 
 def compile_fwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=False, softcap=False,
