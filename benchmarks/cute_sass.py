@@ -7,7 +7,8 @@ shortest path from its head to its back-edge (spin-wait retries and the masked s
 path): what one consumer warp executes per key block when no block needs a mask. Printed as an opcode
 histogram (opcode without modifiers), with the kernel's total SASS size, so before/after is one command.
 
-    python benchmarks/cute_sass.py 128 [causal] [--hist]   # head dim, mask; needs ptxas (CUDA toolkit)
+    python benchmarks/cute_sass.py 128 [causal|local] [softcap] [--hist]   # head dim, mask, softcap;
+                                                                           # needs ptxas (CUDA toolkit)
     --hist: histogram and sizes only (no instruction order); --sass FILE: also write the SASS there;
     --path: also list the steady-state path's instructions
 """
@@ -23,8 +24,8 @@ if sass_out in args:
     args.remove(sass_out)
 d = tempfile.mkdtemp()
 D = int(args[0]) if args else 128
-causal = len(args) > 1 and args[1] == "causal"
-compile_fwd(torch.bfloat16, D, causal, dump_dir=d)
+causal, local, softcap = ("causal" in args[1:]), ("local" in args[1:]), ("softcap" in args[1:])
+compile_fwd(torch.bfloat16, D, causal, dump_dir=d, local=local, softcap=softcap)
 ptx = glob.glob(d + "/*.ptx")[0]
 r = subprocess.run(["ptxas", "-arch=sm_90a", "-v", ptx, "-o", d + "/k.cubin"], capture_output=True, text=True)
 print([l for l in r.stderr.splitlines() if "registers" in l or "spill" in l or "arn" in l])
@@ -128,6 +129,19 @@ for i in path:
 print("mainloop 0x%04x..0x%04x (%d instructions in range); steady-state path: %d instructions"
       % (code[lo][0], code[hi][0], hi - lo + 1, sum(hist.values())))
 print("  " + "  ".join("%s %d" % kv for kv in sorted(hist.items(), key=lambda kv: (-kv[1], kv[0]))))
+# The overlap of P V with the softmax: the exp2s issued after the path's last P V HGMMA (register A,
+# "tnspB") and before the wait for all groups (DEPBAR ... 0x0), going round the loop if the wait comes
+# first in the iteration (the wait at the loop head follows the previous iteration's softmax).
+ex2 = [k for k, i in enumerate(path) if "MUFU.EX2" in code[i][1]]
+pv = [k for k, i in enumerate(path) if "HGMMA" in code[i][1] and "tnspB" in code[i][1]]
+waits = [k for k, i in enumerate(path) if "DEPBAR" in code[i][1] and code[i][1].rstrip().endswith("0x0")]
+if pv and waits:
+    w, last_pv = waits[0], pv[-1]
+    overlap = (sum(last_pv < k < w for k in ex2) if w > last_pv
+               else sum(k > last_pv for k in ex2) + sum(k < w for k in ex2))
+    print("  P V wait at 0x%04x (%s the P V HGMMAs in the iteration): %d of the path's %d MUFU.EX2 "
+          "between the last P V HGMMA and it" % (code[path[w]][0], "after" if w > last_pv else "before",
+                                                 overlap, len(ex2)))
 if "--path" in sys.argv:
     for i in path:
         print("  %04x  %s" % code[i])
