@@ -438,7 +438,6 @@ class FlashFwdSm90:
             k_pipe.consumer_wait(k_state)
             if cutlass.const_expr(pingpong):
                 cute.arch.barrier(barrier_id=1 + wg, number_of_threads=n_threads_pp)
-            tiled_mma_qk.set(warpgroup.Field.ACCUMULATE, False)
             self._gemm_qk(tiled_mma_qk, acc_S, tSrQ, tSrK, k_state.index)
             if cutlass.const_expr(pingpong):
                 self._pass_turn(turn_bar, n_block_min < turn_below, n_threads_pp)
@@ -450,56 +449,37 @@ class FlashFwdSm90:
             if n_block_min >= n_block_mask_from or n_block_min < n_block_mask_below:
                 self._mask(acc_S, tScS, m_block, n_block_min, seqlen_q, seqlen_k, window_left, window_right)
             self._softmax(acc_S, row_max, row_sum, corr, scale_log2)
-
-            # The other blocks in three runs, each its own loop with the mask decided at compile time:
-            # [n_block_min + 1, seg_a) masked (local: keys left of the window), [seg_a, seg_b) no mask,
-            # [seg_b, n_block_max) masked (the diagonal or the window's right edge, the sequence
-            # tail). A masked run may hold blocks that need no mask (harmless); the unmasked one only
-            # blocks in [n_block_mask_below, n_block_mask_from).
-            seg_a = n_block_min + 1
-            if cutlass.const_expr(self.local):
-                seg_a = cutlass.max(seg_a, cutlass.min(n_block_mask_below, n_block_max))
-            seg_b = cutlass.max(seg_a, cutlass.min(n_block_mask_from, n_block_max))
-            seg_bounds = [n_block_min + 1, seg_a, seg_b, n_block_max]
-            for seg in cutlass.range_constexpr(3):
-                if cutlass.const_expr(seg != 0 or self.local):
-                    for n_block in cutlass.range(seg_bounds[seg], seg_bounds[seg + 1], unroll=1):
-                        # Finish the block before last: the wait for its P V opens the loop body, so
-                        # that the softmax it must follow (the previous iteration's, at the end of the
-                        # body) is in another basic block, across the back-edge. ptxas hoists a wait
-                        # that shares the softmax's basic block above the softmax, which ends the
-                        # overlap with P V.
-                        warpgroup.wait_group(0)  # P_{j-2} V_{j-2} done (none in flight at the first)
-                        if n_block > n_block_min + 1:
-                            v_pipe.consumer_release(v_state)  # V_{j-2}'s stage is free
-                            v_state.advance()
-                        rP.store(acc_S.load().to(dt))  # P_{j-1}: its registers are free
-                        k_pipe.consumer_wait(k_state)
-                        v_pipe.consumer_wait(v_state)
-                        if cutlass.const_expr(pingpong):
-                            cute.arch.barrier(barrier_id=1 + wg, number_of_threads=n_threads_pp)
-                        tiled_mma_qk.set(warpgroup.Field.ACCUMULATE, False)
-                        self._gemm_qk(tiled_mma_qk, acc_S, tSrQ, tSrK, k_state.index)   # S_j = Q K_j^T
-                        self._rescale(acc_O, corr)  # O was final up to block j-2; scale it to j-1's max
-                        self._gemm_pv(tiled_mma_pv, acc_O, tOrP, tOrV, v_state.index)   # O += P_{j-1} V_{j-1}
-                        if cutlass.const_expr(pingpong):
-                            self._pass_turn(turn_bar, n_block < turn_below, n_threads_pp)
-                        warpgroup.wait_group(1)  # S_j is ready; P V may still run
-                        k_pipe.consumer_release(k_state)
-                        k_state.advance()
-                        if cutlass.const_expr(self.softcap):
-                            self._cap(acc_S, score_scale, softcap)
-                        if cutlass.const_expr(seg != 1):
-                            self._mask(acc_S, tScS, m_block, n_block, seqlen_q, seqlen_k, window_left,
-                                       window_right)
-                        self._softmax(acc_S, row_max, row_sum, corr, scale_log2)
-
-            # The last block: finish the one before it (as the loop does), then O += P V.
-            warpgroup.wait_group(0)
-            if n_block_max > n_block_min + 1:
-                v_pipe.consumer_release(v_state)
-                v_state.advance()
             rP.store(acc_S.load().to(dt))
+
+            for n_block in cutlass.range(n_block_min + 1, n_block_max, unroll=1):
+                k_pipe.consumer_wait(k_state)
+                v_pipe.consumer_wait(v_state)
+                if cutlass.const_expr(pingpong):
+                    cute.arch.barrier(barrier_id=1 + wg, number_of_threads=n_threads_pp)
+                self._gemm_qk(tiled_mma_qk, acc_S, tSrQ, tSrK, k_state.index)   # S_j = Q K_j^T
+                self._rescale(acc_O, corr)  # O was final up to block j-2; scale it to block j-1's max
+                self._gemm_pv(tiled_mma_pv, acc_O, tOrP, tOrV, v_state.index)   # O += P_{j-1} V_{j-1}
+                if cutlass.const_expr(pingpong):
+                    self._pass_turn(turn_bar, n_block < turn_below, n_threads_pp)
+                warpgroup.wait_group(1)  # S_j is ready; P V may still run
+                k_pipe.consumer_release(k_state)
+                k_state.advance()
+                # The softmax sits in both branches so the wait below starts its own basic block:
+                # ptxas hoists a wait it finds in the softmax's block above the softmax, which would
+                # end the overlap with P V.
+                if cutlass.const_expr(self.softcap):
+                    self._cap(acc_S, score_scale, softcap)
+                if n_block >= n_block_mask_from or n_block < n_block_mask_below:
+                    self._mask(acc_S, tScS, m_block, n_block, seqlen_q, seqlen_k, window_left, window_right)
+                    self._softmax(acc_S, row_max, row_sum, corr, scale_log2)
+                else:
+                    self._softmax(acc_S, row_max, row_sum, corr, scale_log2)
+                warpgroup.wait_group(0)  # P V done: P's registers and V's stage are free
+                v_pipe.consumer_release(v_state)
+                rP.store(acc_S.load().to(dt))
+                v_state.advance()
+
+            # The last block's O += P V.
             v_pipe.consumer_wait(v_state)
             self._rescale(acc_O, corr)
             self._gemm_pv(tiled_mma_pv, acc_O, tOrP, tOrV, v_state.index)
@@ -520,9 +500,7 @@ class FlashFwdSm90:
 
     @cute.jit
     def _gemm_qk(self, tiled_mma_qk, acc_S, tSrQ, tSrK, stage):
-        """S = Q K^T. The caller sets ACCUMULATE to False first (the first k step overwrites S), in
-        its loop body: that makes the DSL carry the atom, whose state this changes, through the loop
-        (a later loop may not use a value made inside an earlier one)."""
+        tiled_mma_qk.set(warpgroup.Field.ACCUMULATE, False)
         warpgroup.fence()
         for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
             cute.gemm(tiled_mma_qk, acc_S, tSrQ[None, None, k], tSrK[None, None, k, stage], acc_S)
