@@ -146,6 +146,42 @@ def test_unsupported_head_dim_is_refused():
 # exp2 on the FMA pipe (softmax_exp.py, FLASH_ATTN_CUTE_EXP2_EMU)
 
 
+def test_common_call_launches_the_cached_kernel_directly(monkeypatch):
+    # flash_attn_func's fast path (dense, no window or softcap, kernel already in memory): the kernel gets
+    # q, k, v as they are when their layout is the kernel's (packed qkv slices included), a copy otherwise,
+    # and the scalars (scale, softcap 0, windows 0 0). A kernel not yet in memory goes through forward().
+    from flash_attn.cute import interface
+
+    calls = []
+
+    def fake(q, k, v, out, lse, *scalars):
+        calls.append((q, k, v, out, lse, scalars))
+
+    monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")
+    monkeypatch.setattr(interface, "_kernels", {(torch.bfloat16, 64, c, "sm_90a", False, False): fake
+                                                for c in (False, True)})
+    B, S, H, D = 2, 16, 4, 64
+    qkv = torch.randn(B, S, 3, H, D, dtype=torch.bfloat16)
+    q, k, v = qkv.unbind(2)
+    out, lse = interface.flash_attn_func(q, k, v, causal=True)
+    (cq, ck, cv, cout, clse, scalars), = calls
+    assert cq is q and ck is k and cv is v and cout is out and clse is lse
+    assert scalars == (D ** -0.5, 0.0, 0, 0)
+    assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (B, H, S) and lse.dtype == torch.float32
+    calls.clear()
+    qt = torch.randn(B, H, S, D, dtype=torch.bfloat16).transpose(1, 2)  # heads S*D apart: not the layout
+    interface.flash_attn_func(qt, k, v, softmax_scale=0.5)
+    (cq, ck, cv, _, _, scalars), = calls
+    assert cq is not qt and torch.equal(cq, qt) and cq.stride() == (S * H * D, H * D, D, 1) and ck is k
+    assert scalars == (0.5, 0.0, 0, 0)
+    # not in memory: the general path (which would compile); a window: the general path too
+    seen = []
+    monkeypatch.setattr(interface, "forward", lambda *a: seen.append(a) or (None, None))
+    interface.flash_attn_func(q.half(), k.half(), v.half())
+    interface.flash_attn_func(q, k, v, window_size=(8, None))
+    assert len(seen) == 2 and seen[1][6:8] == (8, -1) and len(calls) == 1
+
+
 @pytest.mark.parametrize("degree,max_rel", [(2, 2.0e-3), (3, 1.1e-4), (4, 3.0e-6)])
 def test_exp2_poly_reference_error(degree, max_rel):
     """The kernel's polynomial exp2, step for step on CPU (exp2_poly_reference mirrors the PTX), against

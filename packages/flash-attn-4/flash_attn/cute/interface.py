@@ -24,6 +24,7 @@ from flash_attn.cute import cache
 _SUPPORTED_HEAD_DIMS = (64, 128)
 _ARCHS = {(9, 0): "sm_90a"}
 _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+_F32 = torch.float32
 _kernels: dict[tuple, object] = {}  # (torch dtype, head dim, causal, arch, local, softcap[, True]) -> callable
 _origins: dict[tuple, str] = {}  # same key -> "so" / "o" (loaded from disk), "compiled" or "compiled-dlpack"
 _device_archs: dict[int, object] = {}  # CUDA device index -> arch name, or None (no kernels for it)
@@ -305,7 +306,10 @@ def _options(window_size, learnable_sink, softcap, num_splits, pack_gqa):
     return window_left, window_right, softcap
 
 
-def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(None, None), learnable_sink=None,
+_NO_WINDOW = (None, None)  # flash_attn_func's default window_size (identity-checked on the fast path)
+
+
+def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=_NO_WINDOW, learnable_sink=None,
                     softcap=0.0, num_splits=1, pack_gqa=None, deterministic=False, return_lse=False):
     """Attention forward on Hopper: q (B, Sq, H, D), k/v (B, Sk, Hk, D) fp16/bf16 CUDA tensors, D in
     (64, 128), H % Hk == 0 (GQA/MQA). Causal and sliding-window masks are bottom-right aligned: query i
@@ -330,13 +334,30 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(None
     if Bk != B or Bv != Bk or Sv != Sk or Hv != Hk or Dk != D:
         raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     _check_dims(D, Dv, H, Hk)
-    window_left, window_right, softcap = _options(window_size, learnable_sink, softcap, num_splits, pack_gqa)
+    if (window_size is _NO_WINDOW and learnable_sink is None and not softcap and num_splits == 1
+            and pack_gqa is None):
+        window_left = window_right = -1  # the common call: no option to parse
+        softcap = 0.0
+    else:
+        window_left, window_right, softcap = _options(window_size, learnable_sink, softcap, num_splits, pack_gqa)
     arch = _device_arch(q, k, v)
     if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(D)
+        softmax_scale = D ** -0.5
     if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
         return _with_fallback_backward(q, k, v, softmax_scale, causal, window_left, window_right, softcap)
-
+    if window_left < 0 and window_right < 0 and not softcap and Sk and B * Sq * H:
+        # Dense, no window or softcap (the common call): forward() without its general-case work.
+        fn = _kernels.get((dtype, D, bool(causal), arch, False, False))
+        if fn is not None and B * max(Sq * H, Sk * Hk) * D < _MAX_ELEMS:
+            qs, ks, vs = q.stride(), k.stride(), v.stride()
+            if (qs[3] != 1 or qs[2] != D or qs[1] & 7 or qs[0] & 7 or q.data_ptr() & 15
+                    or ks[3] != 1 or ks[2] != D or ks[1] & 7 or ks[0] & 7 or k.data_ptr() & 15
+                    or vs[3] != 1 or vs[2] != D or vs[1] & 7 or vs[0] & 7 or v.data_ptr() & 15):
+                q, k, v = _kernel_layout(q, D), _kernel_layout(k, D), _kernel_layout(v, D)
+            out = torch.empty_like(q)
+            lse = torch.empty(B, H, Sq, dtype=_F32, device=q.device)  # sizes as ints: parsed faster
+            fn(q, k, v, out, lse, float(softmax_scale), 0.0, 0, 0)
+            return out, lse
     return forward(q, k, v, softmax_scale, bool(causal), arch, window_left, window_right, softcap)
 
 
