@@ -38,6 +38,18 @@ def report(prof, wall_s, label, steps, rows=35):
               f"{100 * e.self_device_time_total / busy_us:.1f}% |")
 
 
+def host_us(fn, calls=200):
+    """Microseconds per call of fn back to back (after 20 warm-up calls), one synchronize at the end."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
 def profiled(fn, steps, label):
     fn()
     torch.cuda.synchronize()
@@ -103,14 +115,7 @@ def norm(argv):
                           ("fwd+bwd", lambda: torch.autograd.grad(
                               ln.layer_norm_fn(xs, w, b, eps=1e-6, is_rms_norm=is_rms), ps, dys))):
             with backend("triton"):
-                for _ in range(20):
-                    fn()
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                for _ in range(200):
-                    fn()
-                torch.cuda.synchronize()
-            print(f"{name} host time per {label} call (8 rows): {(time.perf_counter() - t0) / 200 * 1e6:.1f} us")
+                print(f"{name} host time per {label} call (8 rows): {host_us(fn):.1f} us")
         x = w = b = dy = y = params = xs = dys = ps = None
 
 
@@ -133,14 +138,7 @@ def host(argv):
         return torch.autograd.grad(ln.layer_norm_fn(x, w, b, eps=1e-6), (x, w, b), dy)
 
     with backend("triton"):
-        for _ in range(20):
-            fwd_bwd()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(200):
-            fwd_bwd()
-        torch.cuda.synchronize()
-        print(f"host time per LayerNorm fwd+bwd call (8 rows, N={N}): {(time.perf_counter() - t0) / 200 * 1e6:.1f} us")
+        print(f"host time per LayerNorm fwd+bwd call (8 rows, N={N}): {host_us(fwd_bwd):.1f} us")
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(200):
