@@ -240,6 +240,20 @@ def test_exp2_emu_in_the_cache_key_only_when_on(monkeypatch):
         FlashFwdSm90(kernel.dtype, 64, False, exp2_emu=17)
 
 
+def test_block_n_in_the_cache_key_only_when_not_128(monkeypatch):
+    from flash_attn.cute import interface
+
+    monkeypatch.delenv("FLASH_ATTN_CUTE_BLOCK_N", raising=False)
+    args = (torch.bfloat16, 128, True, "sm_90a")
+    base = interface._fwd_config(*args)
+    assert "block_n" not in base and interface._make_kernel(base).block_n == 128
+    monkeypatch.setenv("FLASH_ATTN_CUTE_BLOCK_N", "128")
+    assert interface._fwd_config(*args) == base
+    monkeypatch.setenv("FLASH_ATTN_CUTE_BLOCK_N", "64")
+    assert interface._fwd_config(*args) == {**base, "block_n": 64}
+    assert interface._make_kernel(interface._fwd_config(*args)).block_n == 64
+
+
 def _cuobjdump():
     import shutil
 
