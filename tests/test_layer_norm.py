@@ -559,6 +559,14 @@ def test_launch_plans_and_fast_relaunch(fake_launches, monkeypatch):
     assert [kind for name, kind, *_ in log if name == "fwd"] == ["slow", "slow", "fast"]
 
 
+def test_backward_plan_does_not_depend_on_the_row_count():
+    # grid size and rows per program are runtime values: another row count, the same plan (and kernel)
+    a, b = ln._bwd_config(1000, 256, "cpu", 2), ln._bwd_config(5003, 256, "cpu", 2)
+    assert (a.programs, a.rows_per_program) != (b.programs, b.rows_per_program) and a[2:] == b[2:]
+    flags = (False, True, False, False, False, False, False, False, False, False)
+    assert ln._bwd_plan(*flags, *a[2:])[0] is ln._bwd_plan(*flags, *b[2:])[0]
+
+
 def test_configs_follow_knobs(monkeypatch):
     """The launch configurations are cached per shape, with the knobs (and the SM count) in the key:
     changing a knob changes the next call's configuration."""

@@ -551,13 +551,15 @@ def _fwd_plan(is_rms_norm, has_res, has_x1, has_rowscale, has_dropout, store_dma
 
 @functools.lru_cache(maxsize=1024)
 def _bwd_plan(is_rms_norm, has_bias, has_w1, has_b1, has_dres_out, store_dres_in, has_x1, has_rowscale,
-              has_dropout, zero_centered, cfg):
-    """(plan key, constexpr and launch keywords) of a backward launch (cfg: the BwdConfig)."""
+              has_dropout, zero_centered, block_m, block_r, r_chunks, block_n, sub, split, prefetch, num_warps,
+              maxnreg):
+    """(plan key, constexpr and launch keywords) of a backward launch (the tile fields of a BwdConfig; its
+    grid size and rows per program are runtime values, so a new row count keeps the plan)."""
     meta = dict(IS_RMS_NORM=is_rms_norm, HAS_BIAS=has_bias, HAS_W1=has_w1, HAS_B1=has_b1,
                 HAS_DRES_OUT=has_dres_out, STORE_DRES_IN=store_dres_in, HAS_X1=has_x1, HAS_ROWSCALE=has_rowscale,
-                HAS_DROPOUT=has_dropout, ZERO_CENTERED=zero_centered, BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r,
-                R_CHUNKS=cfg.r_chunks, BLOCK_N=cfg.block_n, SUB=cfg.sub, SPLIT=cfg.split, PREFETCH=cfg.prefetch,
-                num_warps=cfg.num_warps, maxnreg=cfg.maxnreg)
+                HAS_DROPOUT=has_dropout, ZERO_CENTERED=zero_centered, BLOCK_M=block_m, BLOCK_R=block_r,
+                R_CHUNKS=r_chunks, BLOCK_N=block_n, SUB=sub, SPLIT=split, PREFETCH=prefetch,
+                num_warps=num_warps, maxnreg=maxnreg)
     return Plan(("ln_bwd", *meta.items())), meta
 
 
@@ -631,7 +633,7 @@ def _ln_bwd_launch(
     db1_part = next(parts) if has_b1 else None
     plan, meta = _bwd_plan(is_rms_norm, has_bias, has_w1, has_b1, dresidual_out is not None,
                            dresidual_in is not None, dx1 is not None, rowscale is not None, dropout_p > 0.0,
-                           zero_centered_weight, cfg)
+                           zero_centered_weight, *cfg[2:])
     block_p, block_c, warps = _reduce_config(P, N, dev)
     rplan, rmeta = _reduce_plan(has_bias, has_w1, has_b1, block_p, block_c, warps)
     with device_ctx(x):
