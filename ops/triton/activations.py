@@ -8,11 +8,10 @@ Activations, on pre = x + bias in fp32:
 Gated: out = value * act(gate). The backward kernels also reduce the bias gradient: each program sums
 its own rows into a private row of a fp32 partial buffer, added up afterwards (no atomics).
 """
+import functools
 from typing import Optional
 
 from torch import Tensor
-
-import functools
 
 from . import cdiv, device_ctx, launcher, next_power_of_2, num_sms, plan, tl, triton
 

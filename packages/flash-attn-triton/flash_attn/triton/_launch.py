@@ -22,7 +22,10 @@ divisible by 16; a float is always fp32):
 
 Which argument positions hold tensors, specialised ints, unspecialised ints and floats is learnt per
 ``plan_key`` on the first call; a call whose arguments do not fit that layout (or any first call with
-arguments of another kind, such as a bool) takes Triton's own path.
+arguments of another kind, such as a bool) takes Triton's own path. So does every call under the
+interpreter, with a launch hook installed (a profiler), with pre-run hooks on the kernel, or on a Triton
+without these internals. Knobs that change compile options (TRITON_DEBUG, instrumentation modes) are
+seen by Triton's own path only: set them before a kernel's first launch.
 
 Pointer arguments may be None (optional inputs and outputs), where the kernel's parameter has no type
 annotation: Triton then types the argument as a constexpr (``native_specialize_impl(None)`` is
@@ -32,10 +35,7 @@ parameters; 3.9: ARG_CONSTEXPR). A layout learnt from a call with Nones keys eve
 pattern as well (the dtype tuple holds None there) and passes None at those positions, as Triton does. An
 all-tensor layout keeps the leaner key; a later call of the same plan with Nones (a TypeError there) takes
 Triton's path once and turns the plan's layout into a None-aware one, whose key for all-tensor calls is
-the same, so the entries cached so far stay valid. So does every call under the
-interpreter, with a launch hook installed (a profiler), with pre-run hooks on the kernel, or on a Triton
-without these internals. Knobs that change compile options (TRITON_DEBUG, instrumentation modes) are
-seen by Triton's own path only: set them before a kernel's first launch.
+the same, so the entries cached so far stay valid.
 """
 from __future__ import annotations
 
