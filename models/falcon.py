@@ -25,7 +25,7 @@ from collections import OrderedDict
 import torch
 from transformers import GPT2Config
 
-from flash_attn.models.gpt import _remap_embeddings_and_head, rope_inv_freq
+from flash_attn.models.gpt import _move_params, _remap_embeddings_and_head, rope_inv_freq
 
 
 def _rope(falcon_config):
@@ -173,10 +173,7 @@ def remap_state_dict_hf_falcon(state_dict, config):
             qkv = state_dict.pop(f"{src}self_attention.query_key_value.{kind}", None)
             if qkv is not None:
                 out[f"{dst}mixer.Wqkv.{kind}"] = _qkv_to_ours(qkv, config)
-            for hf_name, name in names.items():
-                value = state_dict.pop(f"{src}{hf_name}.{kind}", None)
-                if value is not None:
-                    out[f"{dst}{name}.{kind}"] = value
+            _move_params(state_dict, out, src, dst, names, kind)
         state_dict.pop(f"{src}self_attention.rotary_emb.inv_freq", None)
     state_dict.pop("transformer.rotary_emb.inv_freq", None)
     if state_dict:
@@ -195,17 +192,14 @@ def inv_remap_state_dict_hf_falcon(state_dict, config):
     out["lm_head.weight"] = state_dict.pop("lm_head.weight")[:vocab]
     for kind in ("weight", "bias"):
         out[f"transformer.ln_f.{kind}"] = state_dict.pop(f"transformer.ln_f.{kind}")
-    names = _layer_names(config)
+    inv_names = {ours: hf for hf, ours in _layer_names(config).items()}
     for layer in range(config.n_layer):
         src, dst = f"transformer.layers.{layer}.", f"transformer.h.{layer}."
         for kind in ("weight", "bias"):
             wqkv = state_dict.pop(f"{src}mixer.Wqkv.{kind}", None)
             if wqkv is not None:
                 out[f"{dst}self_attention.query_key_value.{kind}"] = _qkv_to_falcon(wqkv, config)
-            for hf_name, name in names.items():
-                value = state_dict.pop(f"{src}{name}.{kind}", None)
-                if value is not None:
-                    out[f"{dst}{hf_name}.{kind}"] = value
+            _move_params(state_dict, out, src, dst, inv_names, kind)
     if state_dict:
         raise KeyError(f"unexpected keys in GPTLMHeadModel state dict: {sorted(state_dict)[:5]}")
     return out

@@ -324,6 +324,16 @@ def _pad_rows(weight, multiple):
     return F.pad(weight, (0, 0, 0, rows - weight.shape[0]))
 
 
+def _move_params(state_dict, out, src, dst, names, kind):
+    """For each (a, b) in ``names`` (a dict), pop ``{src}{a}.{kind}`` from state_dict into ``out`` as
+    ``{dst}{b}.{kind}`` where present: a layer's renamed parameters in an HF remap (or, with the names
+    swapped, its inverse)."""
+    for a, b in names.items():
+        value = state_dict.pop(f"{src}{a}.{kind}", None)
+        if value is not None:
+            out[f"{dst}{b}.{kind}"] = value
+
+
 def _remap_embeddings_and_head(state_dict, out, config, embed_key, head_keys=("lm_head.weight",),
                                tie_default=False):
     """Pop the word embedding (``embed_key``) and LM head (the first of ``head_keys`` present) from an HF

@@ -14,7 +14,7 @@ from collections import OrderedDict
 
 from transformers import GPT2Config
 
-from flash_attn.models.gpt import _remap_embeddings_and_head, rope_inv_freq
+from flash_attn.models.gpt import _move_params, _remap_embeddings_and_head, rope_inv_freq
 
 
 def _rope(neox_config):
@@ -94,6 +94,7 @@ _LAYER_NAMES = {  # HF name inside gpt_neox.layers.{i} -> ours inside transforme
     "mlp.dense_h_to_4h": "mlp.fc1",
     "mlp.dense_4h_to_h": "mlp.fc2",
 }
+_INV_LAYER_NAMES = {ours: hf for hf, ours in _LAYER_NAMES.items()}
 
 
 def remap_state_dict_hf_gpt_neox(state_dict, config):
@@ -114,10 +115,7 @@ def remap_state_dict_hf_gpt_neox(state_dict, config):
             qkv = state_dict.pop(f"{src}attention.query_key_value.{kind}", None)
             if qkv is not None:
                 out[f"{dst}mixer.Wqkv.{kind}"] = _per_head_to_grouped(qkv, config.n_head)
-            for hf_name, name in _LAYER_NAMES.items():
-                value = state_dict.pop(f"{src}{hf_name}.{kind}", None)
-                if value is not None:
-                    out[f"{dst}{name}.{kind}"] = value
+            _move_params(state_dict, out, src, dst, _LAYER_NAMES, kind)
         for buffer in ("attention.rotary_emb.inv_freq", "attention.bias", "attention.masked_bias"):
             state_dict.pop(src + buffer, None)
     state_dict.pop("gpt_neox.rotary_emb.inv_freq", None)
@@ -145,10 +143,7 @@ def inv_remap_state_dict_hf_gpt_neox(state_dict, config, lm_head_name="embed_out
             wqkv = state_dict.pop(f"{src}mixer.Wqkv.{kind}", None)
             if wqkv is not None:
                 out[f"{dst}attention.query_key_value.{kind}"] = _grouped_to_per_head(wqkv, config.n_head)
-            for hf_name, name in _LAYER_NAMES.items():
-                value = state_dict.pop(f"{src}{name}.{kind}", None)
-                if value is not None:
-                    out[f"{dst}{hf_name}.{kind}"] = value
+            _move_params(state_dict, out, src, dst, _INV_LAYER_NAMES, kind)
     if state_dict:
         raise KeyError(f"unexpected keys in GPTLMHeadModel state dict: {sorted(state_dict)[:5]}")
     return out

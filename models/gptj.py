@@ -14,7 +14,7 @@ from collections import OrderedDict
 import torch
 from transformers import GPT2Config
 
-from flash_attn.models.gpt import _remap_embeddings_and_head
+from flash_attn.models.gpt import _move_params, _remap_embeddings_and_head
 
 
 def gptj_config_to_gpt2_config(gptj_config):
@@ -61,6 +61,7 @@ _LAYER_NAMES = {  # HF name inside transformer.h.{i} -> ours inside transformer.
     "mlp.fc_in": "mlp.fc1",
     "mlp.fc_out": "mlp.fc2",
 }
+_INV_LAYER_NAMES = {ours: hf for hf, ours in _LAYER_NAMES.items()}
 
 
 def remap_state_dict_hf_gptj(state_dict, config):
@@ -83,10 +84,7 @@ def remap_state_dict_hf_gptj(state_dict, config):
                 k = state_dict.pop(f"{src}attn.k_proj.{kind}")
                 v = state_dict.pop(f"{src}attn.v_proj.{kind}")
                 out[f"{dst}mixer.Wqkv.{kind}"] = torch.cat([q, k, v], dim=0)
-            for hf_name, name in _LAYER_NAMES.items():
-                value = state_dict.pop(f"{src}{hf_name}.{kind}", None)
-                if value is not None:
-                    out[f"{dst}{name}.{kind}"] = value
+            _move_params(state_dict, out, src, dst, _LAYER_NAMES, kind)
         for buffer in ("attn.bias", "attn.masked_bias", "attn.embed_positions"):
             state_dict.pop(src + buffer, None)
     if state_dict:
@@ -118,10 +116,7 @@ def inv_remap_state_dict_hf_gptj(state_dict, config):
                 out[f"{dst}attn.q_proj.{kind}"] = q
                 out[f"{dst}attn.k_proj.{kind}"] = k
                 out[f"{dst}attn.v_proj.{kind}"] = v
-            for hf_name, name in _LAYER_NAMES.items():
-                value = state_dict.pop(f"{src}{name}.{kind}", None)
-                if value is not None:
-                    out[f"{dst}{hf_name}.{kind}"] = value
+            _move_params(state_dict, out, src, dst, _INV_LAYER_NAMES, kind)
     if state_dict:
         raise KeyError(f"unexpected keys in GPTLMHeadModel state dict: {sorted(state_dict)[:5]}")
     return out

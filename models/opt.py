@@ -22,7 +22,7 @@ from collections import OrderedDict
 import torch
 from transformers import GPT2Config
 
-from flash_attn.models.gpt import _remap_embeddings_and_head
+from flash_attn.models.gpt import _move_params, _remap_embeddings_and_head
 
 POSITION_OFFSET = 2  # leading rows of HF's position table that positions 0.. do not read
 
@@ -80,6 +80,7 @@ _LAYER_NAMES = {  # HF name inside decoder.layers.{i} -> ours inside transformer
     "fc1": "mlp.fc1",
     "fc2": "mlp.fc2",
 }
+_INV_LAYER_NAMES = {ours: hf for hf, ours in _LAYER_NAMES.items()}
 
 
 def remap_state_dict_hf_opt(state_dict, config):
@@ -105,10 +106,7 @@ def remap_state_dict_hf_opt(state_dict, config):
                 if any(t is None for t in qkv):
                     raise KeyError(f"{src}self_attn: q_proj, k_proj and v_proj {kind}s must all be present")
                 out[f"{dst}mixer.Wqkv.{kind}"] = torch.cat(qkv, dim=0)
-            for hf_name, name in _LAYER_NAMES.items():
-                value = state_dict.pop(f"{src}{hf_name}.{kind}", None)
-                if value is not None:
-                    out[f"{dst}{name}.{kind}"] = value
+            _move_params(state_dict, out, src, dst, _LAYER_NAMES, kind)
     if state_dict:
         raise KeyError(f"unexpected keys in OPT state dict: {sorted(state_dict)[:5]}")
     return out
@@ -138,10 +136,7 @@ def inv_remap_state_dict_hf_opt(state_dict, config):
             if wqkv is not None:
                 for p, t in zip("qkv", wqkv.chunk(3, dim=0)):
                     out[f"{dst}self_attn.{p}_proj.{kind}"] = t
-            for hf_name, name in _LAYER_NAMES.items():
-                value = state_dict.pop(f"{src}{name}.{kind}", None)
-                if value is not None:
-                    out[f"{dst}{hf_name}.{kind}"] = value
+            _move_params(state_dict, out, src, dst, _INV_LAYER_NAMES, kind)
     if state_dict:
         raise KeyError(f"unexpected keys in GPTLMHeadModel state dict: {sorted(state_dict)[:5]}")
     return out
