@@ -69,7 +69,8 @@ for step in $STEPS; do
             (cd /tmp && PYTHONPATH="$PEER_PYTHONPATH" ncu "${src[@]}" -k regex:cutlass_kernel -c 1 \
                 python "$OLDPWD/benchmarks/profile_cute.py" --peer) > "$OUT/ncusrc_fa4.csv" 2>&1
             echo "ncusrc fa4: $(wc -l < "$OUT/ncusrc_fa4.csv") lines"
-        fi ;;
+        fi
+        python benchmarks/ncu_summary.py "$OUT"/ncusrc_*.csv 2>&1 | tee "$OUT/ncusrc_summary.txt" ;;
     profile) python benchmarks/profile_step.py train 2>&1 | tee "$OUT/profile_train.txt"
         python benchmarks/profile_step.py norm --hidden 4096 2>&1 | tee "$OUT/profile_norm.txt" ;;
     *) echo "unknown step $step"; status=1 ;;
