@@ -25,7 +25,8 @@ from collections import OrderedDict
 import torch
 from transformers import GPT2Config
 
-from flash_attn.models.gpt import _move_params, _remap_embeddings_and_head, rope_inv_freq
+from flash_attn.models.gpt import (_inv_remap_embeddings_and_head, _move_params, _remap_embeddings_and_head,
+                                   rope_inv_freq)
 
 
 def _rope(falcon_config):
@@ -186,10 +187,8 @@ def inv_remap_state_dict_hf_falcon(state_dict, config):
     padded vocabulary rows are dropped; ``lm_head.weight`` is included, as FalconForCausalLM.state_dict()
     has it even when tied)."""
     state_dict = OrderedDict(state_dict)
-    vocab = config.vocab_size
     out = OrderedDict()
-    out["transformer.word_embeddings.weight"] = state_dict.pop("transformer.embeddings.word_embeddings.weight")[:vocab]
-    out["lm_head.weight"] = state_dict.pop("lm_head.weight")[:vocab]
+    _inv_remap_embeddings_and_head(state_dict, out, config, "transformer.word_embeddings.weight", keep_tied=True)
     for kind in ("weight", "bias"):
         out[f"transformer.ln_f.{kind}"] = state_dict.pop(f"transformer.ln_f.{kind}")
     inv_names = {ours: hf for hf, ours in _layer_names(config).items()}

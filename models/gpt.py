@@ -334,6 +334,18 @@ def _move_params(state_dict, out, src, dst, names, kind):
             out[f"{dst}{b}.{kind}"] = value
 
 
+def _inv_remap_embeddings_and_head(state_dict, out, config, embed_key, head_key="lm_head.weight",
+                                   keep_tied=False):
+    """The inverse of :func:`_remap_embeddings_and_head`: pop our word embedding and LM head into ``out`` as
+    ``embed_key`` / ``head_key`` without the padded vocabulary rows; a tied head is left out unless
+    ``keep_tied`` (HF models whose state_dict() lists it anyway)."""
+    vocab = config.vocab_size
+    out[embed_key] = state_dict.pop("transformer.embeddings.word_embeddings.weight")[:vocab]
+    lm_head = state_dict.pop("lm_head.weight")[:vocab]
+    if keep_tied or not getattr(config, "tie_word_embeddings", False):
+        out[head_key] = lm_head
+
+
 def _remap_embeddings_and_head(state_dict, out, config, embed_key, head_keys=("lm_head.weight",),
                                tie_default=False):
     """Pop the word embedding (``embed_key``) and LM head (the first of ``head_keys`` present) from an HF

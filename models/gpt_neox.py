@@ -14,7 +14,8 @@ from collections import OrderedDict
 
 from transformers import GPT2Config
 
-from flash_attn.models.gpt import _move_params, _remap_embeddings_and_head, rope_inv_freq
+from flash_attn.models.gpt import (_inv_remap_embeddings_and_head, _move_params, _remap_embeddings_and_head,
+                                   rope_inv_freq)
 
 
 def _rope(neox_config):
@@ -129,12 +130,8 @@ def inv_remap_state_dict_hf_gpt_neox(state_dict, config, lm_head_name="embed_out
     vocabulary rows are dropped). lm_head_name: "embed_out" (checkpoint name) or "lm_head" (the module name
     of transformers >= 5)."""
     state_dict = OrderedDict(state_dict)
-    vocab = config.vocab_size
     out = OrderedDict()
-    out["gpt_neox.embed_in.weight"] = state_dict.pop("transformer.embeddings.word_embeddings.weight")[:vocab]
-    lm_head = state_dict.pop("lm_head.weight")[:vocab]
-    if not getattr(config, "tie_word_embeddings", False):
-        out[f"{lm_head_name}.weight"] = lm_head
+    _inv_remap_embeddings_and_head(state_dict, out, config, "gpt_neox.embed_in.weight", f"{lm_head_name}.weight")
     for kind in ("weight", "bias"):
         out[f"gpt_neox.final_layer_norm.{kind}"] = state_dict.pop(f"transformer.ln_f.{kind}")
     for layer in range(config.n_layer):

@@ -14,7 +14,7 @@ from collections import OrderedDict
 import torch
 from transformers import GPT2Config
 
-from flash_attn.models.gpt import _move_params, _remap_embeddings_and_head
+from flash_attn.models.gpt import _inv_remap_embeddings_and_head, _move_params, _remap_embeddings_and_head
 
 
 def gptj_config_to_gpt2_config(gptj_config):
@@ -98,10 +98,7 @@ def inv_remap_state_dict_hf_gptj(state_dict, config):
     state_dict = OrderedDict(state_dict)
     vocab = config.vocab_size
     out = OrderedDict()
-    out["transformer.wte.weight"] = state_dict.pop("transformer.embeddings.word_embeddings.weight")[:vocab]
-    lm_head = state_dict.pop("lm_head.weight")[:vocab]
-    if not getattr(config, "tie_word_embeddings", False):
-        out["lm_head.weight"] = lm_head
+    _inv_remap_embeddings_and_head(state_dict, out, config, "transformer.wte.weight")
     lm_head_bias = state_dict.pop("lm_head.bias", None)
     if lm_head_bias is not None:
         out["lm_head.bias"] = lm_head_bias[:vocab]

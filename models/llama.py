@@ -16,7 +16,7 @@ from collections import OrderedDict
 import torch
 from transformers import GPT2Config
 
-from flash_attn.models.gpt import _remap_embeddings_and_head, rope_inv_freq
+from flash_attn.models.gpt import _inv_remap_embeddings_and_head, _remap_embeddings_and_head, rope_inv_freq
 
 
 def _rope(llama_config):
@@ -134,12 +134,8 @@ def inv_remap_state_dict_hf_llama(state_dict, config):
     """GPTLMHeadModel state dict -> HF LlamaForCausalLM state dict (inverse of remap_state_dict_hf_llama;
     padded vocabulary rows are dropped)."""
     state_dict = OrderedDict(state_dict)
-    vocab = config.vocab_size
     out = OrderedDict()
-    out["model.embed_tokens.weight"] = state_dict.pop("transformer.embeddings.word_embeddings.weight")[:vocab]
-    lm_head = state_dict.pop("lm_head.weight")[:vocab]
-    if not getattr(config, "tie_word_embeddings", False):
-        out["lm_head.weight"] = lm_head
+    _inv_remap_embeddings_and_head(state_dict, out, config, "model.embed_tokens.weight")
     out["model.norm.weight"] = state_dict.pop("transformer.ln_f.weight")
     n_head, n_head_kv = config.n_head, _n_head_kv(config)
     head_dim = config.n_embd // n_head
