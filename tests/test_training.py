@@ -109,6 +109,21 @@ def test_gradients_are_clipped_before_the_update(tmp_path):
     assert norms[0] == pytest.approx(0.01, rel=1e-4)
 
 
+def test_fused_adamw_clips_inside_its_step(tmp_path):
+    # With fused AdamW the clip factor rides in the optimizer's grad_scale instead of a pass over the
+    # gradients; the update must equal clip_grad_norm_ followed by the same optimizer's step.
+    trainers = [Trainer(tiny(tmp_path, "train.max_steps=2", "optim.grad_clip=0.05", f"optim.fused={f}",
+                             sub=f)) for f in ("on", "off")]
+    fused, plain = trainers
+    assert fused.optimizer.defaults["fused"] and not plain.optimizer.defaults["fused"]
+    for _ in range(2):
+        (_, n_fused), (_, n_plain) = fused.train_step(), plain.train_step()
+        assert float(n_fused) == pytest.approx(float(n_plain), rel=1e-5) and float(n_fused) > 0.05
+        assert float(fused.optimizer.grad_scale) == pytest.approx(float(n_fused) / 0.05, rel=1e-5)
+        for a, b in zip(fused.model.parameters(), plain.model.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_warmup_then_cosine_schedule(tmp_path):
     cfg = tiny(tmp_path, "optim.lr=1e-3", "optim.min_lr=1e-4", "optim.warmup_steps=4")
     o = cfg.optim

@@ -176,6 +176,23 @@ def make_optimizer(model, ocfg, device):
         lr=ocfg.lr, betas=(ocfg.beta1, ocfg.beta2), eps=ocfg.eps, fused=fused or None)
 
 
+def clip_gradients(model, optimizer, max_norm, rt):
+    """Clip the gradients to a global L2 norm of max_norm (as clip_grad_norm_) and return that norm.
+
+    With fused AdamW the scaling rides in the optimizer's own kernel: it divides every gradient by
+    ``optimizer.grad_scale`` before the update (the hook GradScaler unscales through), so clipping costs
+    the norm's read of the gradients and not another read + write of all of them (~0.7 ms of a GPT-2
+    medium step on an H200). FSDP2's gradients are DTensors and keep clip_grad_norm_.
+    """
+    params = [p for p in model.parameters() if p.grad is not None]
+    if not optimizer.defaults.get("fused") or rt.strategy == "fsdp":
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+    # clip_grad_norm_ multiplies by min(1, max_norm / (norm + 1e-6)); dividing by its inverse is the same
+    optimizer.grad_scale = torch.clamp((norm.float() + 1e-6) / max_norm, min=1.0)
+    return norm
+
+
 def lr_at(step, ocfg, max_steps):
     """Linear warmup over warmup_steps, then cosine decay from lr to min_lr at max_steps."""
     if step < ocfg.warmup_steps:
@@ -369,7 +386,7 @@ class Trainer:
             total += loss.detach()
         grad_norm = None
         if self.cfg.optim.grad_clip > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
+            grad_norm = clip_gradients(self.model, self.optimizer, self.cfg.optim.grad_clip, self.rt)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
