@@ -444,7 +444,7 @@ def aot_report(args):
                                  STORE_DRES_IN=dres is not None, HAS_X1=dx1 is not None, HAS_ROWSCALE=False,
                                  HAS_DROPOUT=p > 0.0, ZERO_CENTERED=False, BLOCK_M=cfg.block_m,
                                  BLOCK_R=cfg.block_r, R_CHUNKS=cfg.r_chunks, BLOCK_N=cfg.block_n, SUB=cfg.sub,
-                                 SPLIT=cfg.split, PREFETCH=cfg.prefetch)
+                                 SPLIT=cfg.split, PREFETCH=cfg.prefetch, PAIR=cfg.pair, HOLD=cfg.hold)
                     sig, div16 = {}, []
                     for i, name in enumerate(kernel.arg_names):
                         if name in const:
