@@ -271,7 +271,7 @@ def _cfg_str(cfg, sms):
     """Short form of a layer_norm BwdConfig: warps, programs per SM, pass-2 columns per program (x sub-chunks,
     / programs per row), prefetch."""
     own = f"{cfg.block_n}" + (f"x{cfg.sub}" if cfg.sub > 1 else "") + (f"/{cfg.split}" if cfg.split > 1 else "")
-    return f"{cfg.num_warps}w {cfg.programs / sms:.2g}/SM {own}{' pf' if cfg.prefetch else ''}"
+    return f"{cfg.num_warps}w {cfg.programs / sms:.2g}/SM {own}{' pf' if cfg.prefetch else ''}{' hold' if cfg.hold else ''}"
 
 
 def _cpu_time(fn):

@@ -238,6 +238,23 @@ def test_default_variants_and_tuned_table(monkeypatch):
             _check(_device("triton"), torch.float32, 37, 40)
 
 
+def test_sweep_script_smoke(capsys):
+    """benchmarks/sweep_norm_bwd.py on CPU (interpreter, a tiny size): every candidate it tries is in
+    BWD_TUNED's terms, runs, and has its gradient error checked."""
+    if not triton_runs_on("cuda" if CUDA else "cpu") or CUDA:
+        pytest.skip("CPU interpreter check")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.join(root, "benchmarks"))
+    try:
+        import sweep_norm_bwd
+    finally:
+        sys.path.pop(0)
+    sweep_norm_bwd.main(["--cpu-smoke", "--elems", "48", "--hidden", "24", "--only", "plan,pair=0,hold=1 mr72"])
+    rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| LayerNorm") or r.startswith("| RMSNorm")]
+    assert len(rows) == 4 and not any("WRONG" in r or "failed" in r for r in rows), rows
+    assert "BWD_TUNED[(2, 24)] = {'hold': True, 'maxnreg': 72}" in rows[2]
+
+
 def test_partial_reduction():
     """The second backward kernel sums the (P, N) partials over P in BLOCK_P steps (here 5, the last
     partial) and column blocks (3, the last partial), casting to the parameters' dtypes."""
