@@ -271,7 +271,7 @@ def _cfg_str(cfg, sms):
     """Short form of a layer_norm BwdConfig: warps, programs per SM, pass-2 columns per program (x sub-chunks,
     / programs per row), prefetch."""
     own = f"{cfg.block_n}" + (f"x{cfg.sub}" if cfg.sub > 1 else "") + (f"/{cfg.split}" if cfg.split > 1 else "")
-    return f"{cfg.num_warps}w {cfg.programs / sms:.2g}/SM {own}{' pf' if cfg.prefetch else ''}"
+    return f"{cfg.num_warps}w {cfg.programs / sms:.2g}/SM {own}{' pf' if cfg.prefetch else ''}{' hold' if cfg.hold else ''}"
 
 
 def _cpu_time(fn):
@@ -444,7 +444,7 @@ def aot_report(args):
                                  STORE_DRES_IN=dres is not None, HAS_X1=dx1 is not None, HAS_ROWSCALE=False,
                                  HAS_DROPOUT=p > 0.0, ZERO_CENTERED=False, BLOCK_M=cfg.block_m,
                                  BLOCK_R=cfg.block_r, R_CHUNKS=cfg.r_chunks, BLOCK_N=cfg.block_n, SUB=cfg.sub,
-                                 SPLIT=cfg.split, PREFETCH=cfg.prefetch)
+                                 SPLIT=cfg.split, PREFETCH=cfg.prefetch, PAIR=cfg.pair, HOLD=cfg.hold)
                     sig, div16 = {}, []
                     for i, name in enumerate(kernel.arg_names):
                         if name in const:

@@ -194,6 +194,67 @@ def test_chunked_split_rows(monkeypatch):
         _check(_device("triton"), torch.float32, 5, 40, is_rms_norm=True, bias=False)
 
 
+@pytest.mark.parametrize("pair,hold", [(False, False), (True, False), (False, True), (True, True)])
+def test_row_sum_and_hold_variants(monkeypatch, pair, hold):
+    """Both formulations of LayerNorm's pass-1 row sums (two reductions, or one of the pair joined) and
+    both sources of pass 2 (re-read tile, or pass 1's registers), on multi-row prefetched tiles."""
+    if not triton_runs_on("cuda" if CUDA else "cpu"):
+        pytest.skip("triton is not installed")
+    monkeypatch.setattr(ln, "FWD_TILE", 64)
+    monkeypatch.setattr(ln, "BWD_MIN_TILE", 64)
+    monkeypatch.setattr(ln, "BWD_MAXNREG", (255,))
+    monkeypatch.setattr(ln, "num_sms", lambda device: 1)
+    monkeypatch.setattr(ln, "BWD_PAIR_SUM", pair)
+    monkeypatch.setattr(ln, "BWD_HOLD", hold)
+    monkeypatch.setattr(ln, "BWD_HOLD_MAX_ACC", 4)
+    for n_acc in (1, 2):
+        cfg = ln._bwd_config(37, 17, "cpu", n_acc)
+        assert (cfg.block_m, cfg.prefetch, cfg.pair, cfg.hold) == (2, True, pair, hold)
+    with backend("triton"):
+        _check(_device("triton"), torch.float32, 37, 17, residual=True, prenorm=True)
+        _check(_device("triton"), torch.float16, 37, 17, is_rms_norm=True, bias=False, zero_centered_weight=True)
+
+
+def test_default_variants_and_tuned_table(monkeypatch):
+    """Defaults: the joined row sums everywhere, pass 2 from registers for RMSNorm only (LayerNorm's
+    second accumulator would spill at the 64-register cap). BWD_TUNED replaces fields of the plain
+    configurations it names (the grid follows: programs per SM, split) and refuses unlaunchable ones."""
+    monkeypatch.setattr(ln, "num_sms", lambda device: 1)
+    rms, lnorm = ln._bwd_config(64, 1024, "cpu", 1), ln._bwd_config(64, 1024, "cpu", 2)
+    assert rms.pair and rms.hold and rms.prefetch
+    assert lnorm.pair and not lnorm.hold and lnorm.prefetch
+    monkeypatch.setattr(ln, "BWD_TUNED", {(2, 40): dict(block_n=16, sub=2, num_warps=1, per_sm=2, pair=False),
+                                          (2, 48): dict(num_warps=32, maxnreg=128)})
+    cfg = ln._bwd_config(37, 40, "cpu", 2)
+    assert (cfg.block_n, cfg.sub, cfg.split, cfg.num_warps, cfg.pair, cfg.hold) == (16, 2, 2, 1, False, False)
+    assert cfg.programs == 2 and cfg.rows_per_program >= 37  # 2 per SM: one row group of two programs
+    assert ln._bwd_config(37, 40, "cpu", 1) == ln._bwd_config_cached(
+        37, 40, 1, 1, 0, ln.BWD_MIN_TILE, ln.BWD_ELEMS_PER_THREAD, ln.BWD_MAX_BLOCK_R, ln.BWD_ACC_REGS,
+        ln.BWD_MAXNREG, ln.BWD_PREFETCH, ln.BWD_PAIR_SUM, ln.BWD_HOLD)  # other n_acc: untouched
+    with pytest.raises(ValueError, match="exceed"):
+        ln._bwd_config(37, 48, "cpu", 2)
+    if triton_runs_on("cuda" if CUDA else "cpu"):
+        with backend("triton"):
+            _check(_device("triton"), torch.float32, 37, 40)
+
+
+def test_sweep_script_smoke(capsys):
+    """benchmarks/sweep_norm_bwd.py on CPU (interpreter, a tiny size): every candidate it tries is in
+    BWD_TUNED's terms, runs, and has its gradient error checked."""
+    if not triton_runs_on("cuda" if CUDA else "cpu") or CUDA:
+        pytest.skip("CPU interpreter check")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.join(root, "benchmarks"))
+    try:
+        import sweep_norm_bwd
+    finally:
+        sys.path.pop(0)
+    sweep_norm_bwd.main(["--cpu-smoke", "--elems", "48", "--hidden", "24", "--only", "plan,pair=0,hold=1 mr72"])
+    rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| LayerNorm") or r.startswith("| RMSNorm")]
+    assert len(rows) == 4 and not any("WRONG" in r or "failed" in r for r in rows), rows
+    assert "BWD_TUNED[(2, 24)] = {'hold': True, 'maxnreg': 72}" in rows[2]
+
+
 def test_partial_reduction():
     """The second backward kernel sums the (P, N) partials over P in BLOCK_P steps (here 5, the last
     partial) and column blocks (3, the last partial), casting to the parameters' dtypes."""

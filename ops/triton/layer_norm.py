@@ -45,6 +45,21 @@ BWD_MAX_BLOCK_R = 16384
 BWD_ACC_REGS = 32
 BWD_MAXNREG = (64, 80, 96, 128)
 BWD_PREFETCH = True
+# Row sums of LayerNorm's pass 1 (sum((x - mean) * g) and sum(g)) in one reduction of the two joined:
+# one cross-warp exchange through shared memory (2 barriers, STS.64/LDS.64) instead of two in a row (4
+# barriers, the second waiting on the first; SASS, sm_90).
+BWD_PAIR_SUM = True
+# Pass 2 reuses pass 1's xc, g, dy from registers instead of re-reading the tile from L1 (where prefetch
+# holds a row in one pass-1 chunk, one program owns it whole): 20% fewer instructions in the row loop
+# (RMSNorm 216 -> 172, LayerNorm 282 -> 232, sm_90) for 8-9 registers a thread. RMSNorm fits its 64
+# register cap; LayerNorm's two accumulators push it to 72 (16 bytes of spill at 64), so it is on
+# for n_acc <= BWD_HOLD_MAX_ACC only.
+BWD_HOLD = True
+BWD_HOLD_MAX_ACC = 1
+# Measured exceptions to the rules above, for plain calls (bf16, no extra features): (n_acc, hidden) ->
+# BwdConfig fields to replace (and "per_sm", programs per SM); benchmarks/sweep_norm_bwd.py prints the
+# candidates and their timings. n_acc: 1 RMSNorm, 2 LayerNorm (dweight and dbias).
+BWD_TUNED = {}
 MAX_HIDDEN = 65536
 
 
@@ -213,12 +228,13 @@ def _ln_bwd_stats(MEAN, RSTD, rows, ok, IS_RMS_NORM: tl.constexpr):
 
 
 @triton.jit
-def _ln_bwd_grads(x, dy, dy1, W, W1, cols, mask, N, mean, rstd, HAS_W1: tl.constexpr,
-                  ZERO_CENTERED: tl.constexpr):
-    """xhat and g = dy * w (+ dy1 * w1) of a tile, zero outside it; mean/rstd: (BLOCK_M,). The weights are
-    re-read for every tile (L1 hits) instead of being held in registers across the row loop."""
+def _ln_bwd_grads(x, dy, dy1, W, W1, cols, N, mean, HAS_W1: tl.constexpr, ZERO_CENTERED: tl.constexpr):
+    """xc = x - mean and g = dy * w (+ dy1 * w1) of a tile; mean: (BLOCK_M,). g is zero outside the tile
+    (dy, dy1 and w load as 0 there), which is all that keeps the padding out of the row sums and the
+    dweight terms (both are products with g, dy or dy1), so xc needs no select of its own. The weights
+    are re-read for every tile (L1 hits) instead of being held in registers across the row loop."""
     col_ok = cols < N
-    xhat = tl.where(mask, (x.to(tl.float32) - mean[:, None]) * rstd[:, None], 0.0)
+    xc = x.to(tl.float32) - mean[:, None]
     w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
     if ZERO_CENTERED:
         w = tl.where(col_ok, w + 1.0, 0.0)
@@ -228,7 +244,7 @@ def _ln_bwd_grads(x, dy, dy1, W, W1, cols, mask, N, mean, rstd, HAS_W1: tl.const
         if ZERO_CENTERED:
             w1 = tl.where(col_ok, w1 + 1.0, 0.0)
         g += dy1.to(tl.float32) * w1
-    return xhat, g
+    return xc, g
 
 
 @triton.jit
@@ -253,22 +269,43 @@ def _ln_bwd_store(dx, DRES_OUT, DRES_IN, DX, DX1, ROWSCALE, r, r_ok, M, cols, ma
 
 
 @triton.jit
+def _row_sums(a, b, PAIR: tl.constexpr):
+    """Row sums of two (BLOCK_M, BLOCK) tiles. PAIR: as one reduction of the pair joined on a new minor
+    axis, which Triton lowers to a single shared-memory exchange for both (one barrier pair, 64-bit
+    stores); separately, the second exchange waits for the first to free the scratch buffer. (A
+    two-operand tl.reduce also shares the exchange but runs ~8x slower in the interpreter.)"""
+    if PAIR:
+        sa, sb = tl.split(tl.sum(tl.join(a, b), axis=1))
+    else:
+        sa = tl.sum(a, axis=1)
+        sb = tl.sum(b, axis=1)
+    return sa, sb
+
+
+@triton.jit
 def _ln_bwd_pass2(X, W, W1, DY, DY1, DRES_OUT, ROWSCALE, DX, DX1, DRES_IN, r, r_ok, cols, M, N, mean, rstd, c1, c2,
                   acc_dw, acc_db, acc_dw1, acc_db1, stride_x, stride_dy, stride_dy1, stride_dres_out, stride_dx,
                   stride_dx1, stride_dres_in, seed0, seed1, drop_threshold, drop_scale, IS_RMS_NORM: tl.constexpr,
                   HAS_BIAS: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr, HAS_DRES_OUT: tl.constexpr,
                   STORE_DRES_IN: tl.constexpr, HAS_X1: tl.constexpr, HAS_ROWSCALE: tl.constexpr,
-                  HAS_DROPOUT: tl.constexpr, ZERO_CENTERED: tl.constexpr):
+                  HAS_DROPOUT: tl.constexpr, ZERO_CENTERED: tl.constexpr, held_xc, held_g, held_dy, held_dy1,
+                  HOLD: tl.constexpr):
     """dx of the columns cols of rows r, given the row sums c1, c2; returns the accumulators with the
     tile's dweight/dbias terms added. The explicit (default) cache-all modifier keeps the compiler from
-    merging these loads with pass 1's, which would hold the tile in registers across the reductions."""
+    merging these loads with pass 1's, which would hold the tile in registers across the reductions.
+    HOLD: pass 1's xc, g, dy, dy1 of the same tile are given (held in registers) instead."""
     mask = r_ok & (cols < N)
-    x, dy, dy1 = _ln_bwd_load(X, DY, DY1, r, cols, mask, stride_x, stride_dy, stride_dy1, HAS_W1, ".ca")
-    xhat, g = _ln_bwd_grads(x, dy, dy1, W, W1, cols, mask, N, mean, rstd, HAS_W1, ZERO_CENTERED)
-    if IS_RMS_NORM:
-        dx = (g - xhat * c1[:, None]) * rstd[:, None]
+    if HOLD:
+        xc, g, dy, dy1 = held_xc, held_g, held_dy, held_dy1
     else:
-        dx = (g - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
+        x, dy, dy1 = _ln_bwd_load(X, DY, DY1, r, cols, mask, stride_x, stride_dy, stride_dy1, HAS_W1, ".ca")
+        xc, g = _ln_bwd_grads(x, dy, dy1, W, W1, cols, N, mean, HAS_W1, ZERO_CENTERED)
+    xhat = xc * rstd[:, None]
+    # dx = (g - xhat * c1 - c2) * rstd with c1, c2 pre-scaled by rstd (per row): two FMAs an element.
+    if IS_RMS_NORM:
+        dx = g * rstd[:, None] - xhat * c1[:, None]
+    else:
+        dx = g * rstd[:, None] - (xhat * c1[:, None] + c2[:, None])
     _ln_bwd_store(dx, DRES_OUT, DRES_IN, DX, DX1, ROWSCALE, r, r_ok, M, cols, mask,
                   stride_dres_out, stride_dres_in, stride_dx, stride_dx1, seed0, seed1, drop_threshold,
                   drop_scale, HAS_DRES_OUT, STORE_DRES_IN, HAS_X1, HAS_ROWSCALE, HAS_DROPOUT)
@@ -307,7 +344,8 @@ def _ln_bwd_kernel(
     HAS_DRES_OUT: tl.constexpr, STORE_DRES_IN: tl.constexpr, HAS_X1: tl.constexpr,
     HAS_ROWSCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr, ZERO_CENTERED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, R_CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr,
-    SUB: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr,
+    SUB: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr, PAIR: tl.constexpr,
+    HOLD: tl.constexpr,
 ):
     """Rows [row_start, row_end), BLOCK_M at a time, in two passes over each tile of rows. Pass 1 reads
     the whole rows (R_CHUNKS chunks of BLOCK_R columns) for the two row sums; pass 2 reads again (from
@@ -321,7 +359,8 @@ def _ln_bwd_kernel(
     (the later ones from L2) and add the chunks in the same order, so they get the same row sums. SUB
     sub-chunks are worked one after the other with their own accumulators, which bounds the temporaries
     of pass 2. PREFETCH (one pass-1 chunk per row) loads the next tile's pass-1 data before working on
-    this one.
+    this one; HOLD (with PREFETCH, one program owning the whole row in one chunk) skips pass 2's re-read
+    and works on pass 1's values still in registers. PAIR: LayerNorm's two row sums in one reduction.
 
     Per row the kernel reads x and dy (and dy1, dresidual_out) once from DRAM and writes dx (and dx1,
     dresidual_in) once: xhat is recomputed from x, mean and rstd, nothing else is saved by the forward."""
@@ -353,7 +392,7 @@ def _ln_bwd_kernel(
         ok = rows < row_end
         r = rows[:, None]
         r_ok = ok[:, None]
-        # Pass 1: the row sums of xhat * g and g.
+        # Pass 1: the row sums of (x - mean) * g and g.
         if PREFETCH:
             x, dy, dy1, mean, rstd = x_next, dy_next, dy1_next, mean_next, rstd_next
             nrows = rows + BLOCK_M
@@ -361,37 +400,48 @@ def _ln_bwd_kernel(
             x_next, dy_next, dy1_next = _ln_bwd_load(X, DY, DY1, nrows[:, None], rcols, nok[:, None] & (rcols < N),
                                                      stride_x, stride_dy, stride_dy1, HAS_W1, "")
             mean_next, rstd_next = _ln_bwd_stats(MEAN, RSTD, nrows, nok, IS_RMS_NORM)
-            xhat, g = _ln_bwd_grads(x, dy, dy1, W, W1, rcols, r_ok & (rcols < N), N, mean, rstd, HAS_W1,
-                                    ZERO_CENTERED)
-            c1 = tl.sum(xhat * g, axis=1)
-            c2 = tl.sum(g, axis=1)
+            xc, g = _ln_bwd_grads(x, dy, dy1, W, W1, rcols, N, mean, HAS_W1, ZERO_CENTERED)
+            if IS_RMS_NORM:
+                c1 = tl.sum(xc * g, axis=1)
+                c2 = c1
+            else:
+                c1, c2 = _row_sums(xc * g, g, PAIR)
         else:
             mean, rstd = _ln_bwd_stats(MEAN, RSTD, rows, ok, IS_RMS_NORM)
             c1 = tl.zeros([BLOCK_M], dtype=tl.float32)
             c2 = tl.zeros([BLOCK_M], dtype=tl.float32)
+            xc, g, dy, dy1 = c1, c1, c1, c1  # nothing to hold for pass 2 (HOLD needs PREFETCH)
             for c in range(R_CHUNKS):
                 ccols = c * BLOCK_R + rcols
                 cmask = r_ok & (ccols < N)
-                x, dy, dy1 = _ln_bwd_load(X, DY, DY1, r, ccols, cmask, stride_x, stride_dy, stride_dy1, HAS_W1, "")
-                xhat, g = _ln_bwd_grads(x, dy, dy1, W, W1, ccols, cmask, N, mean, rstd, HAS_W1, ZERO_CENTERED)
-                c1 += tl.sum(xhat * g, axis=1)
-                c2 += tl.sum(g, axis=1)
-        c1 = c1 / N
-        c2 = c2 / N
+                cx, cdy, cdy1 = _ln_bwd_load(X, DY, DY1, r, ccols, cmask, stride_x, stride_dy, stride_dy1, HAS_W1,
+                                             "")
+                cxc, cg = _ln_bwd_grads(cx, cdy, cdy1, W, W1, ccols, N, mean, HAS_W1, ZERO_CENTERED)
+                if IS_RMS_NORM:
+                    c1 += tl.sum(cxc * cg, axis=1)
+                else:
+                    s1, s2 = _row_sums(cxc * cg, cg, PAIR)
+                    c1 += s1
+                    c2 += s2
+        # Pass 1 summed (x - mean) * g: one multiply by rstd a row instead of one an element. Pass 2
+        # wants c1 and c2 times rstd once more.
+        c1 = c1 * (rstd * rstd / N)
+        c2 = c2 * (rstd / N)
         # Pass 2: dx and the dweight/dbias terms of the own columns, SUB chunks of BLOCK_N one after
         # the other (each with its own accumulators) to bound the temporaries live at once.
         acc_dw, acc_db, acc_dw1, acc_db1 = _ln_bwd_pass2(
             X, W, W1, DY, DY1, DRES_OUT, ROWSCALE, DX, DX1, DRES_IN, r, r_ok, cols, M, N, mean, rstd, c1, c2,
             acc_dw, acc_db, acc_dw1, acc_db1, stride_x, stride_dy, stride_dy1, stride_dres_out, stride_dx,
             stride_dx1, stride_dres_in, seed0, seed1, drop_threshold, drop_scale, IS_RMS_NORM, HAS_BIAS, HAS_W1,
-            HAS_B1, HAS_DRES_OUT, STORE_DRES_IN, HAS_X1, HAS_ROWSCALE, HAS_DROPOUT, ZERO_CENTERED)
+            HAS_B1, HAS_DRES_OUT, STORE_DRES_IN, HAS_X1, HAS_ROWSCALE, HAS_DROPOUT, ZERO_CENTERED, xc, g, dy, dy1,
+            HOLD)
         if SUB == 2:
             bcc_dw, bcc_db, bcc_dw1, bcc_db1 = _ln_bwd_pass2(
                 X, W, W1, DY, DY1, DRES_OUT, ROWSCALE, DX, DX1, DRES_IN, r, r_ok, cols + BLOCK_N, M, N, mean, rstd,
                 c1, c2, bcc_dw, bcc_db, bcc_dw1, bcc_db1, stride_x, stride_dy, stride_dy1, stride_dres_out,
                 stride_dx, stride_dx1, stride_dres_in, seed0, seed1, drop_threshold, drop_scale, IS_RMS_NORM,
                 HAS_BIAS, HAS_W1, HAS_B1, HAS_DRES_OUT, STORE_DRES_IN, HAS_X1, HAS_ROWSCALE, HAS_DROPOUT,
-                ZERO_CENTERED)
+                ZERO_CENTERED, xc, g, dy, dy1, False)
     _ln_bwd_store_parts(DW_PART, DB_PART, DW1_PART, DB1_PART, group * N + cols, cols < N, acc_dw, acc_db, acc_dw1,
                         acc_db1, HAS_BIAS, HAS_W1, HAS_B1)
     if SUB == 2:
@@ -452,6 +502,8 @@ class BwdConfig(NamedTuple):
     prefetch: bool
     num_warps: int
     maxnreg: int
+    pair: bool = False  # one joined reduction for LayerNorm's two row sums
+    hold: bool = False  # pass 2 from pass 1's registers (needs prefetch, split == sub == 1)
 
 
 def _bwd_config(M: int, N: int, device, n_acc: int = 2, extra: int = 0) -> BwdConfig:
@@ -465,13 +517,15 @@ def _bwd_config(M: int, N: int, device, n_acc: int = 2, extra: int = 0) -> BwdCo
     in pass-1 chunks. The own columns of a program are cut (split over programs, then into two
     sub-chunks) until its accumulators take at most BWD_ACC_REGS registers per thread (half that with
     costly features or pass-1 chunks)."""
+    tuned = BWD_TUNED.get((n_acc, N)) if extra == 0 else None
     return _bwd_config_cached(M, N, num_sms(device), n_acc, extra, BWD_MIN_TILE, BWD_ELEMS_PER_THREAD,
-                              BWD_MAX_BLOCK_R, BWD_ACC_REGS, BWD_MAXNREG, BWD_PREFETCH)
+                              BWD_MAX_BLOCK_R, BWD_ACC_REGS, BWD_MAXNREG, BWD_PREFETCH, BWD_PAIR_SUM,
+                              BWD_HOLD and n_acc <= BWD_HOLD_MAX_ACC, tuple(sorted(tuned.items())) if tuned else ())
 
 
 @functools.lru_cache(maxsize=4096)
 def _bwd_config_cached(M, N, sms, n_acc, extra, min_tile, elems_per_thread, max_block_r, max_acc_regs, maxnregs,
-                       prefetch_ok) -> BwdConfig:
+                       prefetch_ok, pair, hold_ok, tuned=()) -> BwdConfig:
     width = next_power_of_2(N)
     block_m = max(1, min_tile // width)
     maxnreg = maxnregs[min(len(maxnregs) - 1, extra + int(block_m > 1))]
@@ -491,13 +545,29 @@ def _bwd_config_cached(M, N, sms, n_acc, extra, min_tile, elems_per_thread, max_
     sub = 2 if own > 1 and block_m * own >= 2 * elems_per_thread * threads else 1
     split = cdiv(N, own)
     prefetch = prefetch_ok and block_r >= N and block_m * block_r <= elems_per_thread * threads
-    per_sm = max(1, min(65536 // (maxnreg * threads), 64 // num_warps, 32))
+    block_n = own // sub
+    hold = hold_ok and prefetch and split == 1 and sub == 1
+    per_sm = None
+    if tuned:
+        f = dict(tuned)
+        per_sm = f.pop("per_sm", None)
+        f = dict(dict(block_m=block_m, block_r=block_r, block_n=block_n, sub=sub, prefetch=prefetch,
+                      num_warps=num_warps, maxnreg=maxnreg, pair=pair, hold=hold), **f)
+        block_m, block_r, block_n, sub = f["block_m"], f["block_r"], f["block_n"], f["sub"]
+        num_warps, maxnreg, pair = f["num_warps"], f["maxnreg"], f["pair"]
+        threads = 32 * num_warps
+        if maxnreg * threads > 65536:
+            raise ValueError(f"BWD_TUNED[{n_acc}, {N}]: {num_warps} warps of {maxnreg} registers exceed an SM")
+        split = cdiv(N, block_n * sub)
+        prefetch = f["prefetch"] and block_r >= N
+        hold = f["hold"] and prefetch and split == 1 and sub == 1
+    per_sm = max(1, min(per_sm or 32, 65536 // (maxnreg * threads), 64 // num_warps, 32))
     tiles = cdiv(M, block_m)
     groups = max(1, min(tiles, sms * per_sm // split))
     rows = cdiv(tiles, groups) * block_m
     groups = cdiv(M, rows) if M else 1
-    return BwdConfig(groups * split, rows, block_m, block_r, cdiv(N, block_r), own // sub, sub, split, prefetch,
-                     num_warps, maxnreg)
+    return BwdConfig(groups * split, rows, block_m, block_r, cdiv(N, block_r), block_n, sub, split, prefetch,
+                     num_warps, maxnreg, pair, hold)
 
 
 def _bwd_extra(x: Tensor, dy: Tensor, dy1, dresidual_out, dresidual_in, dx1, rowscale, dropout_p: float) -> int:
@@ -552,14 +622,14 @@ def _fwd_plan(is_rms_norm, has_res, has_x1, has_rowscale, has_dropout, store_dma
 @functools.lru_cache(maxsize=1024)
 def _bwd_plan(is_rms_norm, has_bias, has_w1, has_b1, has_dres_out, store_dres_in, has_x1, has_rowscale,
               has_dropout, zero_centered, block_m, block_r, r_chunks, block_n, sub, split, prefetch, num_warps,
-              maxnreg):
+              maxnreg, pair, hold):
     """(plan key, constexpr and launch keywords) of a backward launch (the tile fields of a BwdConfig; its
     grid size and rows per program are runtime values, so a new row count keeps the plan)."""
     meta = dict(IS_RMS_NORM=is_rms_norm, HAS_BIAS=has_bias, HAS_W1=has_w1, HAS_B1=has_b1,
                 HAS_DRES_OUT=has_dres_out, STORE_DRES_IN=store_dres_in, HAS_X1=has_x1, HAS_ROWSCALE=has_rowscale,
                 HAS_DROPOUT=has_dropout, ZERO_CENTERED=zero_centered, BLOCK_M=block_m, BLOCK_R=block_r,
                 R_CHUNKS=r_chunks, BLOCK_N=block_n, SUB=sub, SPLIT=split, PREFETCH=prefetch,
-                num_warps=num_warps, maxnreg=maxnreg)
+                PAIR=pair, HOLD=hold, num_warps=num_warps, maxnreg=maxnreg)
     return Plan(("ln_bwd", *meta.items())), meta
 
 
