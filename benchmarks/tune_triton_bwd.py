@@ -105,12 +105,15 @@ def compile_worker(spec):
         try:
             out, lse, _ = tb.fwd(q, k, v, return_probs=False, **kw)
             tb.bwd(g, q, k, v, out, lse, deterministic=False, config=_configs.BwdConfig(**job["cfg"]), **kw)
-        except Exception as e:  # reported again (and skipped) by the timing pass
+            torch.cuda.synchronize()
+        except Exception as e:  # the timing pass skips it (a device fault would poison its CUDA context)
             print(f"compile {job}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
-    torch.cuda.synchronize()
+        else:
+            print("OK " + json.dumps(job, sort_keys=True), flush=True)
 
 
 def precompile(jobs_spec, jobs):
+    """Compile (and run once, small) every job in worker processes; returns the set of jobs that ran."""
     n = max(1, min(jobs, len(jobs_spec)))
     procs = []
     env = dict(os.environ)
@@ -119,11 +122,14 @@ def precompile(jobs_spec, jobs):
     for i in range(n):
         part = jobs_spec[i::n]
         cmd = [sys.executable, os.path.abspath(__file__), "--_compile-worker", json.dumps(part)]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    ok = set()
     for p in procs:
-        _, err = p.communicate()
+        out, err = p.communicate()
+        ok.update(line[3:] for line in out.splitlines() if line.startswith("OK "))
         if err.strip():
             print(err.strip()[-1500:], file=sys.stderr)
+    return ok
 
 
 def main(argv=None):
@@ -163,8 +169,8 @@ def main(argv=None):
             job = dict(d=d, causal=causal, h=H, cfg=cfg)
             if job not in jobs:
                 jobs.append(job)
-    precompile(jobs, args.jobs)
-    emit(f"# compiled {len(jobs)} (shape kind, config) pairs in {time.time() - t0:.0f} s")
+    ok = precompile(jobs, args.jobs)
+    emit(f"# compiled {len(jobs)} (shape kind, config) pairs in {time.time() - t0:.0f} s, {len(ok)} ran")
 
     per_kind = {}  # (d, causal) -> {name: [tflops...]}, names with an error/WRONG are dropped
     cfg_of = {}
@@ -198,6 +204,10 @@ def main(argv=None):
         for name, cfg_d in candidates(d, causal):
             cfg = _configs.BwdConfig(**cfg_d)
             cfg_of[(d, causal, name)] = cfg
+            if name != "plan" and json.dumps(dict(d=d, causal=causal, h=H, cfg=cfg_d), sort_keys=True) not in ok:
+                emit(f"{tag} | {name:28s} | skipped: failed in the compile worker (see stderr)")
+                kind.setdefault(name, []).append(None)
+                continue
             try:
                 grads = tb.bwd(g, q, k, v, out, lse, deterministic=False, config=cfg, **kw)
                 torch.cuda.synchronize()
