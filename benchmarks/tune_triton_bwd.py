@@ -48,7 +48,6 @@ def candidates(d, causal):
         add("dq128x64w8+tma", dq_block_m=128, dq_block_n=64, dq_num_warps=8, dq_num_stages=2, tma=True)
         add("dq128x128w8+tma", dq_block_m=128, dq_block_n=128, dq_num_warps=8, dq_num_stages=2, tma=True)
         add("dkdv64x128s2+tma", num_stages=2, tma=True)
-        add("dkdv128x128w8+tma", block_m=128, block_n=128, num_warps=8, num_stages=2, tma=True)
         add("dkdv64x64w4+tma", block_m=64, block_n=64, num_warps=4, num_stages=3, tma=True)
     elif d == 128:
         add("dq128x128w8+tma", dq_block_m=128, dq_block_n=128, dq_num_warps=8, dq_num_stages=2, tma=True)
