@@ -61,8 +61,6 @@ def candidates(d, causal):
         add("split32x128w8+tma", block_m=32, block_n=128, num_warps=8, num_stages=2, split_dkdv=True, tma=True)
         add("split64x64w4+tma+dq64x64", block_m=64, block_n=64, num_warps=4, num_stages=2, split_dkdv=True,
             tma=True, dq_block_m=64, dq_block_n=64, dq_num_warps=4, dq_num_stages=2)
-        add("split64x64w4+tma+atomic", block_m=64, block_n=64, num_warps=4, num_stages=2, split_dkdv=True,
-            tma=True, dq_atomic=True)
         add("dkdv32x64w8+tma", block_m=32, block_n=64, num_warps=8, num_stages=2, tma=True)
     return out
 
