@@ -168,6 +168,70 @@ def test_deterministic_path_is_correct(dtype, causal):
     _run_case(2, 45, 52, 4, 2, 64, 64, dtype, causal=causal, window=(30, -1), deterministic=True)
 
 
+# The backward's optional code paths (BwdConfig.tma, .split_dkdv), at the interpreter's block sizes.
+_VARIANTS = {"tma": dict(tma=True), "split": dict(split_dkdv=True), "tma_split": dict(tma=True, split_dkdv=True)}
+
+
+def _variant_config(name, dq_atomic=True):
+    from flash_attn.triton._configs import BwdConfig
+    return BwdConfig(16, 16, 1, 1, 16, 16, 1, 1, dq_atomic, **_VARIANTS[name])
+
+
+@pytest.mark.parametrize("variant", list(_VARIANTS))
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_backward_variants_are_correct(variant, deterministic):
+    # GQA (3-d descriptor over the group's heads), lengths that end inside a block and a head dim below
+    # the padded one (zero fill past both), causal with a left window (every masked loop), softcap+ALiBi.
+    dtype = DTYPES[0]
+    B, Sq, Sk, H, Hk, D = 2, 37, 45, 4, 2, 40
+    q, k, v = _qkv(B, Sq, Sk, H, Hk, D, D, dtype, seed=5)
+    dout = torch.randn(B, Sq, H, D, generator=torch.Generator().manual_seed(6)).to(DEVICE, dtype)
+    slopes = (torch.rand(H, generator=torch.Generator().manual_seed(7)) * 0.5).to(DEVICE)
+    ref_kw = dict(causal=True, window=(20, -1), softcap=5.0, alibi_slopes=slopes)
+    kw = _kwargs(head_dim=D, max_seqlen_q=Sq, max_seqlen_k=Sk, **ref_kw)
+    out, lse, _ = tb.fwd(q, k, v, return_probs=False, **kw)
+    cfg = _variant_config(variant)
+    grads = tb.bwd(dout, q, k, v, out, lse, deterministic=deterministic, config=cfg, **kw)
+    ref, pt = _reference(q, k, v, dout, **ref_kw)
+    _check_all(grads, ref[1:], pt[1:], names=("dq", "dk", "dv"))
+    # the path under test was the one taken
+    plan = tb._bwd_plan(q, D, D, False, (True, True), True, True, False, deterministic, cfg)
+    assert plan[5]["USE_TMA"] == cfg.tma and len(plan[4]) == 1 + cfg.split_dkdv
+
+
+def test_backward_tma_falls_back_for_unaligned_strides():
+    # Row strides that are not a multiple of 16 bytes cannot be described to the copy engine: the pointer
+    # path must run (and give the right answer).
+    dtype = DTYPES[0]
+    B, S, H, D = 1, 20, 2, 40
+    q = torch.randn(B, S, H, D + 4, generator=torch.Generator().manual_seed(8)).to(DEVICE, dtype)[..., :D]
+    _, k, v = _qkv(B, S, S, H, H, D, D, dtype, seed=9)
+    dout = torch.randn(B, S, H, D, generator=torch.Generator().manual_seed(10)).to(DEVICE, dtype)
+    assert not tb._tma_aligned(q) and tb._tma_aligned(k)
+    kw = _kwargs(head_dim=D, max_seqlen_q=S, max_seqlen_k=S)
+    out, lse, _ = tb.fwd(q, k, v, return_probs=False, **kw)
+    grads = tb.bwd(dout, q, k, v, out, lse, deterministic=True, config=_variant_config("tma"), **kw)
+    ref, pt = _reference(q, k, v, dout)
+    _check_all(grads, ref[1:], pt[1:], names=("dq", "dk", "dv"))
+
+
+def test_split_dkdv_with_dropout_matches_single_launch():
+    # dV and dK launches apply the same keep mask as the single launch: identical gradients.
+    dtype = DTYPES[0]
+    B, S, H, D = 1, 33, 2, 32
+    q, k, v = _qkv(B, S, S, H, H, D, D, dtype, seed=11)
+    dout = torch.randn(B, S, H, D, generator=torch.Generator().manual_seed(12)).to(DEVICE, dtype)
+    rng = torch.tensor([1234, 5678], dtype=torch.int64)
+    kw = _kwargs(head_dim=D, max_seqlen_q=S, max_seqlen_k=S, causal=True, dropout_p=0.2, rng_state=rng)
+    out, lse, _ = tb.fwd(q, k, v, return_probs=False, **kw)
+    from flash_attn.triton._configs import BwdConfig
+    base = tb.bwd(dout, q, k, v, out, lse, deterministic=True, config=BwdConfig(16, 16, 1, 1, 16, 16, 1, 1, True),
+                  **kw)
+    split = tb.bwd(dout, q, k, v, out, lse, deterministic=True, config=_variant_config("split"), **kw)
+    for a, b in zip(base, split):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_non_contiguous_packed_qkv():
     dtype = DTYPES[0]
     B, S, H, D = 2, 35, 3, 32

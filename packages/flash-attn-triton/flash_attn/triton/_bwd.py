@@ -48,25 +48,34 @@ def _bwd_preprocess_kernel(Out, DOut, Delta, CuSeqlensQ,
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, Q_ptr, DO_ptr, Lse_ptr, Delta_ptr, DQ_ptr, Alibi_ptr, stride_qm, stride_qh, stride_dom,
-                stride_doh, stride_dqm, stride_dqh, stride_lh, stride_ah, offs_n, offs_mb, offs_d, offs_dv, start, end,
-                group_size, bh0, seqlen_q, seqlen_k, diag_off, window_left, window_right, sm_scale, qk_scale,
-                softcap_scale, softcap_log2, max_seqlen_q, seed0, seed1, dropout_threshold, dropout_scale,
+def _dkdv_inner(dk, dv, k, v, Q_ptr, DO_ptr, Q_desc, DO_desc, Lse_ptr, Delta_ptr, DQ_ptr, Alibi_ptr, stride_qm,
+                stride_qh, stride_dom, stride_doh, stride_dqm, stride_dqh, stride_lh, stride_ah, offs_n, offs_mb,
+                offs_d, offs_dv, start, end, group_size, bh0, seqlen_q, seqlen_k, diag_off, window_left,
+                window_right, sm_scale, qk_scale, softcap_scale, softcap_log2, max_seqlen_q, seed0, seed1,
+                dropout_threshold, dropout_scale,
                 IS_FP32: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, MASK: tl.constexpr, WINDOW_LEFT: tl.constexpr,
                 WINDOW_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-                HAS_DROPOUT: tl.constexpr, DQ_ATOMIC: tl.constexpr):
+                HAS_DROPOUT: tl.constexpr, DQ_ATOMIC: tl.constexpr, USE_TMA: tl.constexpr,
+                COMPUTE_DK: tl.constexpr, COMPUTE_DV: tl.constexpr):
     # One flat loop over (query head of the group, query block): a nested head loop around three block
     # loops keeps more values live across loop boundaries and spills on sm_90.
     n_steps = tl.cdiv(end - start, BLOCK_M)
     for it in range(0, n_steps * group_size):
         g = it // n_steps
-        rows = start + (it - g * n_steps) * BLOCK_M + offs_mb
+        m0 = start + (it - g * n_steps) * BLOCK_M
+        rows = m0 + offs_mb
         row_ok = rows < seqlen_q
-        q = tl.load(Q_ptr + g * stride_qh + rows[:, None] * stride_qm + offs_d[None, :],
-                    mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
-        do = tl.load(DO_ptr + g * stride_doh + rows[:, None] * stride_dom + offs_dv[None, :],
-                     mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
+        if USE_TMA:
+            # The copy engine zero-fills rows past seqlen_q and columns past the head dim, so the steady
+            # state issues no per-element address or mask arithmetic and keeps no pointer tensors live.
+            q = tl.reshape(Q_desc.load([g, m0, 0]), (BLOCK_M, BLOCK_D))
+            do = tl.reshape(DO_desc.load([g, m0, 0]), (BLOCK_M, BLOCK_DV))
+        else:
+            q = tl.load(Q_ptr + g * stride_qh + rows[:, None] * stride_qm + offs_d[None, :],
+                        mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+            do = tl.load(DO_ptr + g * stride_doh + rows[:, None] * stride_dom + offs_dv[None, :],
+                         mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
         # lse = +inf past the end of the sequence makes P = 0 there (and for rows that see no key).
         lse2 = tl.load(Lse_ptr + g * stride_lh + rows, mask=row_ok, other=float("inf")) * LOG2E
         delta = tl.load(Delta_ptr + g * stride_lh + rows, mask=row_ok, other=0.0)
@@ -77,10 +86,13 @@ def _dkdv_inner(dk, dv, k, v, Q_ptr, DO_ptr, Lse_ptr, Delta_ptr, DQ_ptr, Alibi_p
         # Both products are issued before the exponentials so the second overlaps the first's epilogue.
         if IS_FP32:
             qkT = tl.dot(k, tl.trans(q), input_precision="ieee")
-            dpT = tl.dot(v, tl.trans(do), input_precision="ieee")
         else:
             qkT = tl.dot(k, tl.trans(q))
-            dpT = tl.dot(v, tl.trans(do))
+        if COMPUTE_DK or DQ_ATOMIC:
+            if IS_FP32:
+                dpT = tl.dot(v, tl.trans(do), input_precision="ieee")
+            else:
+                dpT = tl.dot(v, tl.trans(do))
         sT, tT, _ = _scores(qkT, rows[None, :], offs_n[:, None], diag_off, seqlen_k, window_left, window_right,
                             qk_scale, softcap_scale, softcap_log2, slope_log2, MASK, WINDOW_LEFT, WINDOW_RIGHT,
                             HAS_SOFTCAP, HAS_ALIBI)
@@ -89,27 +101,31 @@ def _dkdv_inner(dk, dv, k, v, Q_ptr, DO_ptr, Lse_ptr, Delta_ptr, DQ_ptr, Alibi_p
             row_key = _dropout_row_key(bh0 + g, rows, max_seqlen_q, seed0, seed1)
             keepT = _dropout_keep(row_key[None, :], offs_n[:, None], dropout_threshold)
             pT_drop = tl.where(keepT, pT * dropout_scale, 0.0)
-            dpT = tl.where(keepT, dpT * dropout_scale, 0.0)
+            if COMPUTE_DK or DQ_ATOMIC:
+                dpT = tl.where(keepT, dpT * dropout_scale, 0.0)
         else:
             pT_drop = pT
-        if IS_FP32:
-            dv = tl.dot(pT_drop, do, dv, input_precision="ieee")
-        else:
-            dv = tl.dot(pT_drop.to(do.dtype), do, dv)
-        dsT = pT * (dpT - delta[None, :])
-        if HAS_SOFTCAP:
-            dsT = dsT * (1.0 - tT * tT)
-        if IS_FP32:
-            dk = tl.dot(dsT, q, dk, input_precision="ieee")
-        else:
-            dk = tl.dot(dsT.to(q.dtype), q, dk)
-        if DQ_ATOMIC:
+        if COMPUTE_DV:
             if IS_FP32:
-                dq = tl.dot(tl.trans(dsT), k, input_precision="ieee")
+                dv = tl.dot(pT_drop, do, dv, input_precision="ieee")
             else:
-                dq = tl.dot(tl.trans(dsT.to(k.dtype)), k)
-            tl.atomic_add(DQ_ptr + g * stride_dqh + rows[:, None] * stride_dqm + offs_d[None, :], dq * sm_scale,
-                          mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), sem="relaxed")
+                dv = tl.dot(pT_drop.to(do.dtype), do, dv)
+        if COMPUTE_DK or DQ_ATOMIC:
+            dsT = pT * (dpT - delta[None, :])
+            if HAS_SOFTCAP:
+                dsT = dsT * (1.0 - tT * tT)
+            if COMPUTE_DK:
+                if IS_FP32:
+                    dk = tl.dot(dsT, q, dk, input_precision="ieee")
+                else:
+                    dk = tl.dot(dsT.to(q.dtype), q, dk)
+            if DQ_ATOMIC:
+                if IS_FP32:
+                    dq = tl.dot(tl.trans(dsT), k, input_precision="ieee")
+                else:
+                    dq = tl.dot(tl.trans(dsT.to(k.dtype)), k)
+                tl.atomic_add(DQ_ptr + g * stride_dqh + rows[:, None] * stride_dqm + offs_d[None, :],
+                              dq * sm_scale, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), sem="relaxed")
     return dk, dv
 
 
@@ -132,7 +148,8 @@ def _bwd_dkdv_kernel(
     IS_FP32: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr,
     WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, DQ_ATOMIC: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DQ_ATOMIC: tl.constexpr, USE_TMA: tl.constexpr = False,
+    COMPUTE_DK: tl.constexpr = True, COMPUTE_DV: tl.constexpr = True,
 ):
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1)
@@ -176,6 +193,17 @@ def _bwd_dkdv_kernel(
     Delta += l_off
     Alibi += b * stride_ab + h0 * stride_ah
     bh0 = b * num_heads + h0
+    if USE_TMA:
+        # (query head of the group, row, column) boxes of one sequence; the plan checks the 16-byte
+        # alignment of the base and of the row and head strides that the copy engine requires.
+        Q_desc = tl.make_tensor_descriptor(Q, shape=[group_size, seqlen_q, HEAD_DIM],
+                                           strides=[stride_qh, stride_qm, 1], block_shape=[1, BLOCK_M, BLOCK_D])
+        DO_desc = tl.make_tensor_descriptor(DO, shape=[group_size, seqlen_q, HEAD_DIM_V],
+                                            strides=[stride_doh, stride_dom, 1],
+                                            block_shape=[1, BLOCK_M, BLOCK_DV])
+    else:
+        Q_desc = Q
+        DO_desc = DO
 
     n_last = tl.minimum(n0 + BLOCK_N, seqlen_k) - 1
     lo, full_lo, full_hi, hi = _q_block_range(n0, n_last, seqlen_q, diag_off, window_left, window_right,
@@ -188,49 +216,56 @@ def _bwd_dkdv_kernel(
         mid_end = hi
     if WINDOW_RIGHT:
         dk, dv = _dkdv_inner(
-            dk, dv, k, v, Q, DO, Lse, Delta, DQ, Alibi, stride_qm, stride_qh, stride_dom, stride_doh, stride_dqm,
-            stride_dqh, stride_lh, stride_ah, offs_n, offs_mb, offs_d, offs_dv, lo, full_lo, group_size, bh0,
-            seqlen_q, seqlen_k, diag_off, window_left, window_right, sm_scale, qk_scale, softcap_scale,
-            softcap_log2, max_seqlen_q, seed0, seed1, dropout_threshold, dropout_scale, IS_FP32, HEAD_DIM,
-            HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, True, WINDOW_LEFT, WINDOW_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-            HAS_DROPOUT, DQ_ATOMIC)
+            dk, dv, k, v, Q, DO, Q_desc, DO_desc, Lse, Delta, DQ, Alibi, stride_qm, stride_qh, stride_dom, stride_doh,
+            stride_dqm, stride_dqh, stride_lh, stride_ah, offs_n, offs_mb, offs_d, offs_dv, lo, full_lo, group_size,
+            bh0, seqlen_q, seqlen_k, diag_off, window_left, window_right, sm_scale, qk_scale, softcap_scale,
+            softcap_log2, max_seqlen_q, seed0, seed1, dropout_threshold, dropout_scale, IS_FP32, HEAD_DIM, HEAD_DIM_V,
+            BLOCK_D, BLOCK_DV, BLOCK_M, True, WINDOW_LEFT, WINDOW_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DQ_ATOMIC,
+            USE_TMA, COMPUTE_DK, COMPUTE_DV)
     dk, dv = _dkdv_inner(
-        dk, dv, k, v, Q, DO, Lse, Delta, DQ, Alibi, stride_qm, stride_qh, stride_dom, stride_doh, stride_dqm,
-        stride_dqh, stride_lh, stride_ah, offs_n, offs_mb, offs_d, offs_dv, full_lo, mid_end, group_size, bh0,
-        seqlen_q, seqlen_k, diag_off, window_left, window_right, sm_scale, qk_scale, softcap_scale,
-        softcap_log2, max_seqlen_q, seed0, seed1, dropout_threshold, dropout_scale, IS_FP32, HEAD_DIM,
-        HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, False, WINDOW_LEFT, WINDOW_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-        HAS_DROPOUT, DQ_ATOMIC)
+        dk, dv, k, v, Q, DO, Q_desc, DO_desc, Lse, Delta, DQ, Alibi, stride_qm, stride_qh, stride_dom, stride_doh,
+        stride_dqm, stride_dqh, stride_lh, stride_ah, offs_n, offs_mb, offs_d, offs_dv, full_lo, mid_end, group_size,
+        bh0, seqlen_q, seqlen_k, diag_off, window_left, window_right, sm_scale, qk_scale, softcap_scale, softcap_log2,
+        max_seqlen_q, seed0, seed1, dropout_threshold, dropout_scale, IS_FP32, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
+        BLOCK_M, False, WINDOW_LEFT, WINDOW_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DQ_ATOMIC, USE_TMA, COMPUTE_DK,
+        COMPUTE_DV)
     if WINDOW_LEFT:
         dk, dv = _dkdv_inner(
-            dk, dv, k, v, Q, DO, Lse, Delta, DQ, Alibi, stride_qm, stride_qh, stride_dom, stride_doh, stride_dqm,
-            stride_dqh, stride_lh, stride_ah, offs_n, offs_mb, offs_d, offs_dv, full_hi, hi, group_size, bh0,
-            seqlen_q, seqlen_k, diag_off, window_left, window_right, sm_scale, qk_scale, softcap_scale,
-            softcap_log2, max_seqlen_q, seed0, seed1, dropout_threshold, dropout_scale, IS_FP32, HEAD_DIM,
-            HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, True, WINDOW_LEFT, WINDOW_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-            HAS_DROPOUT, DQ_ATOMIC)
+            dk, dv, k, v, Q, DO, Q_desc, DO_desc, Lse, Delta, DQ, Alibi, stride_qm, stride_qh, stride_dom, stride_doh,
+            stride_dqm, stride_dqh, stride_lh, stride_ah, offs_n, offs_mb, offs_d, offs_dv, full_hi, hi, group_size,
+            bh0, seqlen_q, seqlen_k, diag_off, window_left, window_right, sm_scale, qk_scale, softcap_scale,
+            softcap_log2, max_seqlen_q, seed0, seed1, dropout_threshold, dropout_scale, IS_FP32, HEAD_DIM, HEAD_DIM_V,
+            BLOCK_D, BLOCK_DV, BLOCK_M, True, WINDOW_LEFT, WINDOW_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DQ_ATOMIC,
+            USE_TMA, COMPUTE_DK, COMPUTE_DV)
 
     n_ok = offs_n[:, None] < seqlen_k
-    DK += b.to(tl.int64) * stride_dkb + k_start.to(tl.int64) * stride_dkn + hk.to(tl.int64) * stride_dkh
-    DV += b.to(tl.int64) * stride_dvb + k_start.to(tl.int64) * stride_dvn + hk.to(tl.int64) * stride_dvh
-    tl.store(DK + offs_n[:, None] * stride_dkn + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty),
-             mask=n_ok & (offs_d[None, :] < HEAD_DIM))
-    tl.store(DV + offs_n[:, None] * stride_dvn + offs_dv[None, :], dv.to(DV.dtype.element_ty),
-             mask=n_ok & (offs_dv[None, :] < HEAD_DIM_V))
+    if COMPUTE_DK:
+        DK += b.to(tl.int64) * stride_dkb + k_start.to(tl.int64) * stride_dkn + hk.to(tl.int64) * stride_dkh
+        tl.store(DK + offs_n[:, None] * stride_dkn + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty),
+                 mask=n_ok & (offs_d[None, :] < HEAD_DIM))
+    if COMPUTE_DV:
+        DV += b.to(tl.int64) * stride_dvb + k_start.to(tl.int64) * stride_dvn + hk.to(tl.int64) * stride_dvh
+        tl.store(DV + offs_n[:, None] * stride_dvn + offs_dv[None, :], dv.to(DV.dtype.element_ty),
+                 mask=n_ok & (offs_dv[None, :] < HEAD_DIM_V))
 
 
 @triton.jit
-def _dq_inner(dq, q, do, lse2, delta, K_ptr, V_ptr, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dv,
-              start, end, seqlen_k, diag_off, window_left, window_right, qk_scale, softcap_scale, softcap_log2,
+def _dq_inner(dq, q, do, lse2, delta, K_ptr, V_ptr, K_desc, V_desc, stride_kn, stride_vn, offs_m, offs_n, offs_d,
+              offs_dv, start, end, seqlen_k, diag_off, window_left, window_right, qk_scale, softcap_scale, softcap_log2,
               slope_log2, row_key, dropout_threshold, dropout_scale, IS_FP32: tl.constexpr,
               HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
               BLOCK_N: tl.constexpr, MASK: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
-              HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr):
+              HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+              USE_TMA: tl.constexpr):
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + offs_n
         k_ptrs = K_ptr + cols[:, None] * stride_kn + offs_d[None, :]
         v_ptrs = V_ptr + cols[:, None] * stride_vn + offs_dv[None, :]
-        if MASK:
+        if USE_TMA:
+            # zero fill past seqlen_k and the head dim, as the masked pointer loads below
+            k = K_desc.load([start_n, 0])
+            v = V_desc.load([start_n, 0])
+        elif MASK:
             k = tl.load(k_ptrs, mask=(cols[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM), other=0.0)
             v = tl.load(v_ptrs, mask=(cols[:, None] < seqlen_k) & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
         else:
@@ -282,7 +317,7 @@ def _bwd_dq_kernel(
     IS_FP32: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr,
     WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -330,26 +365,34 @@ def _bwd_dq_kernel(
     else:
         row_key = offs_m
 
+    if USE_TMA:
+        K_desc = tl.make_tensor_descriptor(K, shape=[seqlen_k, HEAD_DIM], strides=[stride_kn, 1],
+                                           block_shape=[BLOCK_N, BLOCK_D])
+        V_desc = tl.make_tensor_descriptor(V, shape=[seqlen_k, HEAD_DIM_V], strides=[stride_vn, 1],
+                                           block_shape=[BLOCK_N, BLOCK_DV])
+    else:
+        K_desc = K
+        V_desc = V
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_last = tl.minimum(m0 + BLOCK_M, seqlen_q) - 1
     lo, full_lo, full_hi, hi = _kv_block_range(m0, m_last, seqlen_k, diag_off, window_left, window_right,
                                                BLOCK_N, WINDOW_LEFT, WINDOW_RIGHT)
     if WINDOW_LEFT:
-        dq = _dq_inner(dq, q, do, lse2, delta, K, V, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dv, lo,
-                       full_lo, seqlen_k, diag_off, window_left, window_right, qk_scale, softcap_scale,
+        dq = _dq_inner(dq, q, do, lse2, delta, K, V, K_desc, V_desc, stride_kn, stride_vn, offs_m, offs_n, offs_d,
+                       offs_dv, lo, full_lo, seqlen_k, diag_off, window_left, window_right, qk_scale, softcap_scale,
                        softcap_log2, slope_log2, row_key, dropout_threshold, dropout_scale, IS_FP32, HEAD_DIM,
                        HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True, WINDOW_LEFT, WINDOW_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-                       HAS_DROPOUT)
-    dq = _dq_inner(dq, q, do, lse2, delta, K, V, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dv, full_lo,
-                   full_hi, seqlen_k, diag_off, window_left, window_right, qk_scale, softcap_scale,
+                       HAS_DROPOUT, USE_TMA)
+    dq = _dq_inner(dq, q, do, lse2, delta, K, V, K_desc, V_desc, stride_kn, stride_vn, offs_m, offs_n, offs_d,
+                   offs_dv, full_lo, full_hi, seqlen_k, diag_off, window_left, window_right, qk_scale, softcap_scale,
                    softcap_log2, slope_log2, row_key, dropout_threshold, dropout_scale, IS_FP32, HEAD_DIM,
                    HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, False, WINDOW_LEFT, WINDOW_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-                   HAS_DROPOUT)
-    dq = _dq_inner(dq, q, do, lse2, delta, K, V, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dv, full_hi,
-                   hi, seqlen_k, diag_off, window_left, window_right, qk_scale, softcap_scale,
+                   HAS_DROPOUT, USE_TMA)
+    dq = _dq_inner(dq, q, do, lse2, delta, K, V, K_desc, V_desc, stride_kn, stride_vn, offs_m, offs_n, offs_d,
+                   offs_dv, full_hi, hi, seqlen_k, diag_off, window_left, window_right, qk_scale, softcap_scale,
                    softcap_log2, slope_log2, row_key, dropout_threshold, dropout_scale, IS_FP32, HEAD_DIM,
                    HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True, WINDOW_LEFT, WINDOW_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-                   HAS_DROPOUT)
+                   HAS_DROPOUT, USE_TMA)
     DQ += b.to(tl.int64) * stride_dqb + q_start.to(tl.int64) * stride_dqm + h.to(tl.int64) * stride_dqh
     tl.store(DQ + offs_m[:, None] * stride_dqm + offs_d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
              mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))

@@ -32,6 +32,14 @@ class BwdConfig:
     dq_num_warps: int
     dq_num_stages: int
     dq_atomic: bool  # non-deterministic calls: dQ by fp32 atomics inside the dK/dV kernel
+    # Q/dO (dK/dV kernel) and K/V (dQ kernel) through TMA tensor descriptors instead of pointer loads: no
+    # per-element address/mask registers in the loop (sm_90+ and Triton with tl.make_tensor_descriptor;
+    # elsewhere, or when a call's strides/alignment do not allow it, the pointer path runs)
+    tma: bool = False
+    # dV and dK by two launches of the dK/dV kernel (the dK one also does the atomic dQ), each holding one
+    # fp32 accumulator: at head dim 256 both (2 x 64 x 256 fp32 per warpgroup) do not fit the registers
+    # with wgmma-sized tiles; one does. Costs one more recomputation of Q K^T.
+    split_dkdv: bool = False
 
 
 _INTERPRET_FWD = FwdConfig(16, 16, 1, 1)

@@ -244,15 +244,65 @@ def fwd_kvcache(q, k_cache, v_cache, *, k, v, rotary_cos, rotary_sin, cache_seql
 _BWD_PLANS: dict = {}
 
 
-def _bwd_plan(q, D, Dv, varlen, window, softcap, alibi, dropout, deterministic, config):
+def _tma_supported(device, dtype, D, Dv):
+    """Whether TMA descriptor loads can serve this kind of call (the per-call alignment is _tma_aligned's)."""
+    if dtype == torch.float32 or D % 8 or Dv % 8:
+        return False  # fp32 tiles keep the pointer path; 16-byte row strides need head dims of 8k
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return False
+    if not (hasattr(tl, "make_tensor_descriptor") and hasattr(triton, "set_allocator")):
+        return False
+    if _INTERPRET:
+        return True
+    arch = _arch(device)
+    return arch is not None and arch[0] >= 9
+
+
+def _tma_aligned(*tensors):
+    # The copy engine needs 16-byte aligned bases and 16-byte multiples for every stride but the last.
+    for t in tensors:
+        if t.data_ptr() % 16 or t.stride(-1) != 1:
+            return False
+        es = t.element_size()
+        if any(s * es % 16 for s in t.stride()[:-1]):
+            return False
+    return True
+
+
+def _tma_alloc(size, alignment, stream):
+    # Global scratch for the descriptors a kernel builds on the device (128 bytes each, per program).
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _set_tma_allocator():
+    # A context variable in Triton: autograd runs the backward on its own thread, so set it per call (only
+    # when nobody set one).
+    import triton
+    try:
+        from triton.runtime import _allocation
+        current = _allocation._allocator.get()
+        if not isinstance(current, _allocation.NullAllocator):
+            return
+    except (ImportError, AttributeError):
+        pass
+    triton.set_allocator(_tma_alloc)
+
+
+def _bwd_plan(q, D, Dv, varlen, window, softcap, alibi, dropout, deterministic, config, no_tma=False):
     """(config, dq_atomic, plan key, preprocess / dK-dV / dQ kernel kwargs) for one kind of backward call,
-    cached like _fwd_plan."""
-    key = (q.device, q.dtype, D, Dv, varlen, window, softcap, alibi, dropout, bool(deterministic), config)
+    cached like _fwd_plan. The dK/dV entry is a list of (kwargs, launcher key): one launch, or two with
+    config.split_dkdv (each with its own key: a launcher key must determine the kwargs).
+    ``no_tma``: the plan for calls whose tensors the copy engine cannot address."""
+    key = (q.device, q.dtype, D, Dv, varlen, window, softcap, alibi, dropout, bool(deterministic), config, no_tma)
     plan = _BWD_PLANS.get(key)
     if plan is None:
         if config is None:
             config = _configs.bwd_config(_arch(q.device), max(D, Dv), window[1], _INTERPRET, q.dtype)
         dq_atomic = config.dq_atomic and not deterministic
+        use_tma = bool(config.tma) and not no_tma and _tma_supported(q.device, q.dtype, D, Dv)
         block_d, block_dv = _configs.padded_dim(D), _configs.padded_dim(Dv)
         flags = dict(IS_FP32=q.dtype == torch.float32, HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=block_d,
                      BLOCK_DV=block_dv, IS_VARLEN=varlen, WINDOW_LEFT=window[0], WINDOW_RIGHT=window[1],
@@ -260,9 +310,14 @@ def _bwd_plan(q, D, Dv, varlen, window, softcap, alibi, dropout, deterministic, 
         pre = dict(HEAD_DIM_V=Dv, BLOCK_DV=block_dv, BLOCK_M=64 if block_dv <= 128 else 32, IS_VARLEN=varlen,
                    num_warps=4)
         dkdv = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, DQ_ATOMIC=dq_atomic, **flags,
-                    num_warps=config.num_warps, num_stages=config.num_stages)
+                    num_warps=config.num_warps, num_stages=config.num_stages, USE_TMA=use_tma)
+        if config.split_dkdv:
+            dkdv = [(dict(dkdv, DQ_ATOMIC=False, COMPUTE_DK=False), _PlanKey(key + ("dv",))),
+                    (dict(dkdv, COMPUTE_DV=False), _PlanKey(key + ("dk",)))]
+        else:
+            dkdv = [(dkdv, None)]
         dq = dict(BLOCK_M=config.dq_block_m, BLOCK_N=config.dq_block_n, **flags,
-                  num_warps=config.dq_num_warps, num_stages=config.dq_num_stages)
+                  num_warps=config.dq_num_warps, num_stages=config.dq_num_stages, USE_TMA=use_tma)
         plan = (config, dq_atomic, _PlanKey(key), pre, dkdv, dq)
         _BWD_PLANS[key] = plan
     return plan
@@ -298,9 +353,15 @@ def bwd(dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         return torch.zeros(q.shape, dtype=q.dtype, device=q.device), dk, dv
     softcap_scale, softcap_log2, window, wl, wr, (seed0, seed1, thr, dscale) = _scalars(
         softmax_scale, softcap, window_left, window_right, causal, dropout_p, rng_state)
-    config, dq_atomic, plan_key, pre_meta, dkdv_meta, dq_meta = _bwd_plan(
-        q, D, Dv, varlen, window, softcap > 0.0, alibi_slopes is not None, dropout_p > 0.0, deterministic,
-        config)
+    plan_args = (q, D, Dv, varlen, window, softcap > 0.0, alibi_slopes is not None, dropout_p > 0.0,
+                 deterministic, config)
+    config, dq_atomic, plan_key, pre_meta, dkdv_metas, dq_meta = _bwd_plan(*plan_args)
+    if dq_meta["USE_TMA"]:
+        if _tma_aligned(q, k, v, dout):
+            if not _INTERPRET:
+                _set_tma_allocator()
+        else:
+            config, dq_atomic, plan_key, pre_meta, dkdv_metas, dq_meta = _bwd_plan(*plan_args, no_tma=True)
     if dq_atomic:
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     elif dq_out is not None:
@@ -325,9 +386,11 @@ def bwd(dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         _L_PRE((-(-Sq // pre_meta["BLOCK_M"]), B * H),
                (out, dout, delta, cu_q, *_row_strides(out, varlen), *sdo_, *sl_, Sq, H), pre_meta, plan_key)
     if Sk > 0:
-        _L_DKDV((-(-Sk // config.block_n), B * Hk),
-                (q, k, v, dout, lse, delta, dq_acc, dk, dv, alibi, cu_q, cu_k,
-                 *sq_, *sk_, *sv_, *sdo_, *sdq_, *sdk_, *sdv_, *sl_, *sa_, *scalars), dkdv_meta, plan_key)
+        for dkdv_meta, dkdv_key in dkdv_metas:
+            _L_DKDV((-(-Sk // config.block_n), B * Hk),
+                    (q, k, v, dout, lse, delta, dq_acc, dk, dv, alibi, cu_q, cu_k,
+                     *sq_, *sk_, *sv_, *sdo_, *sdq_, *sdk_, *sdv_, *sl_, *sa_, *scalars), dkdv_meta,
+                    dkdv_key or plan_key)
     if dq_atomic:
         if dq_out is not None:
             dq = dq_out.copy_(dq_acc)
