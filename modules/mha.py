@@ -12,8 +12,6 @@ Multi-query and grouped-query attention (``num_heads_kv < num_heads``) share eac
 ``dwconv_qkv``, ``rotary_emb``) match FA2 so its checkpoints and state-dict remaps load unchanged.
 """
 
-from functools import partial
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -222,8 +220,8 @@ class MHA(nn.Module):
         rotary_emb_dim: rotate the first rotary_emb_dim dims of q and k (0 = no rotary);
             rotary_emb_base, rotary_emb_scale_base (xPos), rotary_emb_interleaved as in RotaryEmbedding.
         use_alibi: ALiBi slopes from get_alibi_slopes(num_heads). window_size: (left, right) sliding window.
-        fused_bias_fc: projections are flash_attn.ops.fused_dense.FusedDense (same parameters as
-            nn.Linear; the bias add stays in the GEMM epilogue, the bias gradient is a Triton column sum).
+        fused_bias_fc: accepted for FA2 compatibility; nn.Linear already runs the bias add in the GEMM
+            epilogue (torch's addmm), so both values build the same layers.
         use_flash_attn: FlashAttention kernels (else the plain-PyTorch attention).
         return_residual: forward returns (out, x) for a following fused add-norm.
         checkpointing: recompute the attention in the backward pass instead of storing it.
@@ -270,19 +268,12 @@ class MHA(nn.Module):
 
         q_dim = head_dim * num_heads
         kv_dim = 2 * head_dim * num_heads_kv
-        if fused_bias_fc:
-            # bias gradients by a Triton column sum (torch's dim-0 reduction runs at ~1/3 of bandwidth)
-            from flash_attn.ops.fused_dense import FusedDense
-            linear_cls = partial(FusedDense, return_residual=return_residual)
-            out_cls = FusedDense
-        else:
-            linear_cls = LinearResidual if return_residual else nn.Linear
-            out_cls = nn.Linear
+        linear_cls = LinearResidual if return_residual else nn.Linear
         if not cross_attn:
             self.Wqkv = linear_cls(embed_dim, q_dim + kv_dim, bias=qkv_proj_bias, **factory_kwargs)
         else:
             self.Wq = linear_cls(embed_dim, q_dim, bias=qkv_proj_bias, **factory_kwargs)
-            self.Wkv = out_cls(embed_dim, kv_dim, bias=qkv_proj_bias, **factory_kwargs)
+            self.Wkv = nn.Linear(embed_dim, kv_dim, bias=qkv_proj_bias, **factory_kwargs)
         if dwconv:
             def conv(channels):
                 return nn.Conv1d(channels, channels, kernel_size=3, padding=2, groups=channels, **factory_kwargs)
@@ -300,7 +291,7 @@ class MHA(nn.Module):
                            window_size=window_size)
         self.inner_attn = self_cls(alibi_slopes=alibi, **attn_kwargs)
         self.inner_cross_attn = cross_cls(alibi_slopes=None if alibi is None else alibi.clone(), **attn_kwargs)
-        self.out_proj = out_cls(embed_dim, embed_dim, bias=out_proj_bias, **factory_kwargs)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=out_proj_bias, **factory_kwargs)
 
     # ------------------------------------------------------------------------------------------------ cache
     def allocate_inference_cache(self, batch_size, max_seqlen, dtype=None):

@@ -10,7 +10,6 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from flash_attn.ops.activations import ACTIVATIONS, bias_act, gated_act
-from flash_attn.ops.fused_dense import FusedDense
 
 
 class Mlp(nn.Module):
@@ -105,8 +104,7 @@ class FusedMLP(nn.Module):
         self.checkpoint_lvl = checkpoint_lvl
         self.heuristic = heuristic
         self.fc1 = nn.Linear(in_features, hidden_features, bias=bias1, **factory_kwargs)
-        # fc1's bias gradient comes out of the activation kernel; fc2's from a Triton column sum
-        self.fc2 = FusedDense(hidden_features, out_features, bias=bias2, **factory_kwargs)
+        self.fc2 = nn.Linear(hidden_features, out_features, bias=bias2, **factory_kwargs)
 
     def forward(self, x):
         weight, bias = self.fc1.weight, self.fc1.bias
