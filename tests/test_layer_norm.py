@@ -220,9 +220,11 @@ def test_default_variants_and_tuned_table(monkeypatch):
     second accumulator would spill at the 64-register cap). BWD_TUNED replaces fields of the plain
     configurations it names (the grid follows: programs per SM, split) and refuses unlaunchable ones."""
     monkeypatch.setattr(ln, "num_sms", lambda device: 1)
-    rms, lnorm = ln._bwd_config(64, 1024, "cpu", 1), ln._bwd_config(64, 1024, "cpu", 2)
+    rms, lnorm = ln._bwd_config(64, 2048, "cpu", 1), ln._bwd_config(64, 2048, "cpu", 2)
     assert rms.pair and rms.hold and rms.prefetch
     assert lnorm.pair and not lnorm.hold and lnorm.prefetch
+    tuned = ln._bwd_config(64, 1024, "cpu", 2)  # the shipped table: LayerNorm 1024 measured faster so
+    assert tuned.hold and tuned.maxnreg == 72
     monkeypatch.setattr(ln, "BWD_TUNED", {(2, 40): dict(block_n=16, sub=2, num_warps=1, per_sm=2, pair=False),
                                           (2, 48): dict(num_warps=32, maxnreg=128)})
     cfg = ln._bwd_config(37, 40, "cpu", 2)
@@ -484,7 +486,9 @@ def test_backward_compiles_for_sm90_without_spills():
     assert len(rows) == 2 * 5 * 3  # norms x feature sets x (1024, 8192, 65536)
     for norm, feat, hidden, *_, maxnreg, regs, spill, _shared in rows:
         assert int(regs) <= int(maxnreg)
-        if feat.strip() == "plain" and int(hidden) <= 8192:
+        n_acc = 2 if norm.strip() == "LayerNorm" else 1
+        # BWD_TUNED holds configurations measured fastest on the GPU, spill or not
+        if feat.strip() == "plain" and int(hidden) <= 8192 and (n_acc, int(hidden)) not in ln.BWD_TUNED:
             assert int(spill) == 0, (norm, hidden)
 
 
