@@ -240,6 +240,8 @@ _FWD_VARIANTS = [
     pytest.param(_configs.FwdConfig(16, 16, 1, 1, tma=True), 40, id="tma-fallback-d40"),
     pytest.param(_configs.FwdConfig(16, 16, 1, 1, rescale=0.5), 64, id="rescale0.5"),
     pytest.param(_configs.FwdConfig(32, 16, 1, 1, tma=True, rescale=8.0), 64, id="tma-rescale8"),
+    # 2 x 4 (sequence, head) pairs in groups of 3: the last group is smaller.
+    pytest.param(_configs.FwdConfig(16, 16, 1, 1, group=3), 64, id="group3"),
 ]
 
 

@@ -25,6 +25,9 @@ class FwdConfig:
     # > 0: rescale the accumulator only when a row max grew by more than this (log2 units, <= 15 so the
     # 16-bit P cannot overflow); 0: rescale every block.
     rescale: float = 0.0
+    # Causal/window calls: > 0 launches the row blocks longest-first across groups of this many
+    # (sequence, head) pairs instead of within each pair (the tail wave; see _fwd.py).
+    group: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -121,17 +121,29 @@ def _attn_fwd_kernel(
     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr,
     WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, RETURN_PROBS: tl.constexpr, USE_TMA: tl.constexpr = False,
-    RESCALE_THRESHOLD: tl.constexpr = 0.0,
+    RESCALE_THRESHOLD: tl.constexpr = 0.0, GROUP_HEADS: tl.constexpr = 0,
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
-    b = bh // num_heads
-    h = bh % num_heads
-    hk = h // group_size
     if WINDOW_RIGHT:
         # The last row blocks see the most keys under a causal/window mask: launch them first so the
         # short blocks fill the tail of the grid.
-        pid_m = tl.num_programs(0) - 1 - pid_m
+        n_m = tl.num_programs(0)
+        if GROUP_HEADS > 0:
+            # Blocks are dispatched in linear order (axis 0 fastest). Longest-first only within one
+            # (sequence, head) still leaves long blocks late in the grid (~15% tail at 2k-4k causal with
+            # one CTA per SM); longest-first across GROUP_HEADS pairs at a time fixes the tail while the
+            # pairs in flight share their K/V in L2 (GROUP_HEADS * S * D * 4 bytes).
+            lin = pid_m + bh * n_m
+            g = lin // (GROUP_HEADS * n_m)
+            r = lin % (GROUP_HEADS * n_m)
+            g_size = tl.minimum(GROUP_HEADS, tl.num_programs(1) - g * GROUP_HEADS)
+            pid_m = r // g_size
+            bh = g * GROUP_HEADS + r % g_size
+        pid_m = n_m - 1 - pid_m
+    b = bh // num_heads
+    h = bh % num_heads
+    hk = h // group_size
     max_seqlen_q = seqlen_q
     if IS_VARLEN:
         q_start = tl.load(CuSeqlensQ + b)

@@ -175,6 +175,7 @@ def _fwd_plan(q, D, Dv, varlen, window, softcap, alibi, dropout, return_probs, c
             BLOCK_DV=_configs.padded_dim(Dv), BLOCK_M=config.block_m, BLOCK_N=config.block_n, IS_VARLEN=varlen,
             WINDOW_LEFT=window[0], WINDOW_RIGHT=window[1], HAS_SOFTCAP=softcap, HAS_ALIBI=alibi,
             HAS_DROPOUT=dropout, RETURN_PROBS=return_probs, USE_TMA=tma, RESCALE_THRESHOLD=float(config.rescale),
+            GROUP_HEADS=config.group,
             num_warps=config.num_warps, num_stages=config.num_stages), tma)
         _FWD_PLANS[key] = plan
     return plan
