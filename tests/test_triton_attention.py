@@ -14,7 +14,7 @@ import torch
 
 import flash_attn
 from flash_attn import testing
-from flash_attn.triton import backend as tb
+from flash_attn.triton import _configs, backend as tb
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -295,6 +295,35 @@ def test_empty_sequences_dense():
     assert torch.equal(out, torch.zeros_like(out))
     assert torch.isinf(lse).all() and (lse > 0).all()
     assert torch.equal(dq, torch.zeros_like(dq)) and dk.shape == k.shape
+
+
+# The sm_90 candidates of the forward (TMA descriptors for K/V, conditional rescale), selected here by an
+# explicit config: the interpreter runs the descriptor loads too (zero fill past the sequence end included).
+_FWD_VARIANTS = [
+    pytest.param(_configs.FwdConfig(16, 16, 1, 1, tma=True), 64, id="tma"),
+    pytest.param(_configs.FwdConfig(16, 16, 1, 1, tma=True), 40, id="tma-fallback-d40"),
+    pytest.param(_configs.FwdConfig(16, 16, 1, 1, rescale=0.5), 64, id="rescale0.5"),
+    pytest.param(_configs.FwdConfig(32, 16, 1, 1, tma=True, rescale=8.0), 64, id="tma-rescale8"),
+    # 2 x 4 (sequence, head) pairs in groups of 3: the last group is smaller.
+    pytest.param(_configs.FwdConfig(16, 16, 1, 1, group=3), 64, id="group3"),
+]
+
+
+@pytest.mark.parametrize("cfg,D", _FWD_VARIANTS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_fwd_config_variants(cfg, D, causal):
+    dtype = DTYPES[0]
+    q, k, v = _qkv(2, 37, 53, 4, 2, D, D, dtype, seed=3)
+    # Keys that grow along the sequence keep raising the row maxima block after block, so a conditional
+    # rescale both skips and takes the rescale within one row.
+    k = (k.float() * torch.linspace(0.3, 4.0, 53).view(1, -1, 1, 1)).to(dtype)
+    kw = _kwargs(causal=causal, head_dim=D, max_seqlen_q=37, max_seqlen_k=53)
+    out, lse, _ = tb.fwd(q, k, v, return_probs=False, config=cfg, **kw)
+    ref, pt = _reference(q, k, v, torch.zeros_like(q), causal=causal)
+    testing.assert_close_to_ref(out, ref[0], pt[0], "out")
+    _check_lse(lse, q, k, causal=causal)
+    if cfg.tma and D == 64:
+        assert any(p[3] for p in tb._FWD_PLANS.values() if p[1].what[-2] is cfg), "TMA plan not used"
 
 
 # ----------------------------------------------------------------------------------------------------

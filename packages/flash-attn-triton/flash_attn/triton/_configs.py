@@ -19,6 +19,15 @@ class FwdConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    # K/V through TMA tensor descriptors (sm_90+, Triton >= 3.4); calls whose head dims are not powers of
+    # two or whose K/V are not 16-byte aligned take the pointer path of the same config.
+    tma: bool = False
+    # > 0: rescale the accumulator only when a row max grew by more than this (log2 units, <= 15 so the
+    # 16-bit P cannot overflow); 0: rescale every block.
+    rescale: float = 0.0
+    # Causal/window calls: > 0 launches the row blocks longest-first across groups of this many
+    # (sequence, head) pairs instead of within each pair (the tail wave; see _fwd.py).
+    group: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

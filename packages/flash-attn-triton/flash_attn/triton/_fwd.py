@@ -11,19 +11,24 @@ from ._common import LN2, _dropout_keep, _dropout_row_key, _kv_block_range, _sco
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, K_ptr, V_ptr, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dv,
-               start, end, seqlen_k, diag_off, window_left, window_right, qk_scale, softcap_scale,
+def _fwd_inner(acc, l_i, m_i, q, K_ptr, V_ptr, K_desc, V_desc, stride_kn, stride_vn, offs_m, offs_n, offs_d,
+               offs_dv, start, end, seqlen_k, diag_off, window_left, window_right, qk_scale, softcap_scale,
                softcap_log2, slope_log2, row_key, dropout_threshold, IS_FP32: tl.constexpr,
                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
                WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-               HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr):
+               HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr,
+               RESCALE_THRESHOLD: tl.constexpr):
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + offs_n
         k_ptrs = K_ptr + cols[:, None] * stride_kn + offs_d[None, :]
         v_ptrs = V_ptr + cols[:, None] * stride_vn + offs_dv[None, :]
         # Interior blocks are fully inside the sequence: no row predicate, so loads stay vectorised.
-        if MASK:
+        if USE_TMA:
+            # The copy engine fills rows past seqlen_k with zeros and needs no per-thread addresses,
+            # which frees the registers and issue slots of the cp.async address arithmetic.
+            k = K_desc.load([start_n, 0])
+        elif MASK:
             k = tl.load(k_ptrs, mask=(cols[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM), other=0.0)
         elif BLOCK_D != HEAD_DIM:
             k = tl.load(k_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
@@ -37,20 +42,49 @@ def _fwd_inner(acc, l_i, m_i, q, K_ptr, V_ptr, stride_kn, stride_vn, offs_m, off
                           qk_scale, softcap_scale, softcap_log2, slope_log2, MASK, WINDOW_LEFT, WINDOW_RIGHT,
                           HAS_SOFTCAP, HAS_ALIBI)
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        if MASK:
-            # A row that has seen no visible key yet keeps m = -inf; subtract 0 instead so that
-            # exp2(-inf - -inf) never makes a NaN.
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        if RESCALE_THRESHOLD > 0:
+            # Conditional rescale: the reference max of every row only moves (and acc, l are only
+            # rescaled) when some row's max grew by more than RESCALE_THRESHOLD (log2 units). Otherwise
+            # the stale m is kept, so p = exp2(s - m) <= 2**RESCALE_THRESHOLD: no overflow in fp32 l/acc
+            # nor in the 16-bit P (fp16 max 65504 > 2**15), and the same relative rounding of P. The
+            # result is unchanged in exact arithmetic because out = acc / l and lse = m + log2(l) use the
+            # same m for numerator and denominator. The test is block-uniform (one branch for all rows)
+            # so that skipping really skips the BLOCK_M x BLOCK_DV multiply.
+            if tl.max((m_new > m_i + RESCALE_THRESHOLD).to(tl.int32), 0) > 0:
+                if MASK:
+                    # A row that has seen no visible key yet keeps m = -inf; subtract 0 instead so
+                    # that exp2(-inf - -inf) never makes a NaN.
+                    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+                else:
+                    m_use = m_new
+                alpha = tl.exp2(m_i - m_use)
+                l_i = l_i * alpha
+                acc = acc * alpha[:, None]
+                m_i = m_new
+            if MASK:
+                m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
+            else:
+                m_use = m_i
+            p = tl.exp2(s - m_use[:, None])
+            l_i = l_i + tl.sum(p, 1)
+            m_new = m_i
         else:
-            m_use = m_new
-        p = tl.exp2(s - m_use[:, None])
-        alpha = tl.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
+            if MASK:
+                # A row that has seen no visible key yet keeps m = -inf; subtract 0 instead so that
+                # exp2(-inf - -inf) never makes a NaN.
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            else:
+                m_use = m_new
+            p = tl.exp2(s - m_use[:, None])
+            alpha = tl.exp2(m_i - m_use)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
         if HAS_DROPOUT:
             # The normaliser l sums the undropped probabilities; only P @ V sees the mask.
             p = tl.where(_dropout_keep(row_key[:, None], cols[None, :], dropout_threshold), p, 0.0)
-        if MASK:
+        if USE_TMA:
+            v = V_desc.load([start_n, 0])
+        elif MASK:
             v = tl.load(v_ptrs, mask=(cols[:, None] < seqlen_k) & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
         elif BLOCK_DV != HEAD_DIM_V:
             v = tl.load(v_ptrs, mask=offs_dv[None, :] < HEAD_DIM_V, other=0.0)
@@ -86,17 +120,30 @@ def _attn_fwd_kernel(
     IS_FP32: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr,
     WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, RETURN_PROBS: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, RETURN_PROBS: tl.constexpr, USE_TMA: tl.constexpr = False,
+    RESCALE_THRESHOLD: tl.constexpr = 0.0, GROUP_HEADS: tl.constexpr = 0,
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
-    b = bh // num_heads
-    h = bh % num_heads
-    hk = h // group_size
     if WINDOW_RIGHT:
         # The last row blocks see the most keys under a causal/window mask: launch them first so the
         # short blocks fill the tail of the grid.
-        pid_m = tl.num_programs(0) - 1 - pid_m
+        n_m = tl.num_programs(0)
+        if GROUP_HEADS > 0:
+            # Blocks are dispatched in linear order (axis 0 fastest). Longest-first only within one
+            # (sequence, head) still leaves long blocks late in the grid (~15% tail at 2k-4k causal with
+            # one CTA per SM); longest-first across GROUP_HEADS pairs at a time fixes the tail while the
+            # pairs in flight share their K/V in L2 (GROUP_HEADS * S * D * 4 bytes).
+            lin = pid_m + bh * n_m
+            g = lin // (GROUP_HEADS * n_m)
+            r = lin % (GROUP_HEADS * n_m)
+            g_size = tl.minimum(GROUP_HEADS, tl.num_programs(1) - g * GROUP_HEADS)
+            pid_m = r // g_size
+            bh = g * GROUP_HEADS + r % g_size
+        pid_m = n_m - 1 - pid_m
+    b = bh // num_heads
+    h = bh % num_heads
+    hk = h // group_size
     max_seqlen_q = seqlen_q
     if IS_VARLEN:
         q_start = tl.load(CuSeqlensQ + b)
@@ -118,6 +165,16 @@ def _attn_fwd_kernel(
     Q += b.to(tl.int64) * stride_qb + q_start.to(tl.int64) * stride_qm + h.to(tl.int64) * stride_qh
     K += b.to(tl.int64) * stride_kb + k_start.to(tl.int64) * stride_kn + hk.to(tl.int64) * stride_kh
     V += b.to(tl.int64) * stride_vb + k_start.to(tl.int64) * stride_vn + hk.to(tl.int64) * stride_vh
+    if USE_TMA:
+        # Host side guarantees HEAD_DIM == BLOCK_D, HEAD_DIM_V == BLOCK_DV, 16-byte aligned bases and
+        # row strides (TMA requirements); the descriptor's row extent is this sequence's length.
+        K_desc = tl.make_tensor_descriptor(K, shape=[seqlen_k, HEAD_DIM], strides=[stride_kn, 1],
+                                           block_shape=[BLOCK_N, BLOCK_D])
+        V_desc = tl.make_tensor_descriptor(V, shape=[seqlen_k, HEAD_DIM_V], strides=[stride_vn, 1],
+                                           block_shape=[BLOCK_N, BLOCK_DV])
+    else:
+        K_desc = K
+        V_desc = V
     q = tl.load(Q + offs_m[:, None] * stride_qm + offs_d[None, :],
                 mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM), other=0.0)
 
@@ -138,20 +195,20 @@ def _attn_fwd_kernel(
                                                BLOCK_N, WINDOW_LEFT, WINDOW_RIGHT)
     if WINDOW_LEFT:
         acc, l_i, m_i = _fwd_inner(
-            acc, l_i, m_i, q, K, V, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dv, lo, full_lo,
+            acc, l_i, m_i, q, K, V, K_desc, V_desc, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dv, lo, full_lo,
             seqlen_k, diag_off, window_left, window_right, qk_scale, softcap_scale, softcap_log2, slope_log2,
             row_key, dropout_threshold, IS_FP32, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True,
-            WINDOW_LEFT, WINDOW_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
+            WINDOW_LEFT, WINDOW_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, USE_TMA, RESCALE_THRESHOLD)
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, K, V, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dv, full_lo, full_hi,
+        acc, l_i, m_i, q, K, V, K_desc, V_desc, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dv, full_lo, full_hi,
         seqlen_k, diag_off, window_left, window_right, qk_scale, softcap_scale, softcap_log2, slope_log2,
         row_key, dropout_threshold, IS_FP32, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, False,
-        WINDOW_LEFT, WINDOW_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
+        WINDOW_LEFT, WINDOW_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, USE_TMA, RESCALE_THRESHOLD)
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, K, V, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dv, full_hi, hi,
+        acc, l_i, m_i, q, K, V, K_desc, V_desc, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dv, full_hi, hi,
         seqlen_k, diag_off, window_left, window_right, qk_scale, softcap_scale, softcap_log2, slope_log2,
         row_key, dropout_threshold, IS_FP32, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True,
-        WINDOW_LEFT, WINDOW_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
+        WINDOW_LEFT, WINDOW_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, USE_TMA, RESCALE_THRESHOLD)
 
     # Rows with no visible key end with l = 0: their output is 0 and their lse +inf (contract).
     empty = l_i == 0.0

@@ -137,20 +137,46 @@ def _scalars(softmax_scale, softcap, window_left, window_right, causal, dropout_
 _FWD_PLANS: dict = {}
 
 
-def _fwd_plan(q, D, Dv, varlen, window, softcap, alibi, dropout, return_probs, config):
-    """(block_m, plan key, constexpr/launch kwargs) for one kind of call, cached: the per-call path does
-    one dict lookup on a small tuple. The plan key is a fresh object, so the launcher hashes it by identity."""
-    key = (q.device, q.dtype, D, Dv, varlen, window, softcap, alibi, dropout, return_probs, config)
+def _tma_ok(k, v, D, Dv):
+    """Whether K/V meet the TMA descriptor rules: power-of-two head dims (no column padding), 16-byte
+    aligned bases, head and row starts (strides in 2-byte elements divisible by 8), unit last stride."""
+    if D != _configs.padded_dim(D) or Dv != _configs.padded_dim(Dv) or k.data_ptr() % 16 or v.data_ptr() % 16:
+        return False
+    return (k.stride(-1) == 1 and v.stride(-1) == 1 and all(s % 8 == 0 for s in k.stride()[:-1])
+            and all(s % 8 == 0 for s in v.stride()[:-1]))
+
+
+def _set_allocator():
+    # Device-side descriptors live in a per-launch global scratch that Triton asks its allocator for; keep
+    # a caller's own allocator (a ContextVar: each thread starts without one).
+    import triton
+    from triton.runtime import _allocation
+
+    if type(_allocation._allocator.get()).__name__ == "NullAllocator":
+        triton.set_allocator(_alloc_scratch)
+
+
+def _alloc_scratch(size, alignment, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _fwd_plan(q, D, Dv, varlen, window, softcap, alibi, dropout, return_probs, config, tma_ok=True):
+    """(block_m, plan key, constexpr/launch kwargs, uses TMA) for one kind of call, cached: the per-call
+    path does one dict lookup on a small tuple. The plan key is a fresh object, so the launcher hashes it
+    by identity."""
+    key = (q.device, q.dtype, D, Dv, varlen, window, softcap, alibi, dropout, return_probs, config, tma_ok)
     plan = _FWD_PLANS.get(key)
     if plan is None:
         if config is None:
             config = _configs.fwd_config(_arch(q.device), max(D, Dv), window[1], _INTERPRET, q.dtype)
+        tma = config.tma and tma_ok
         plan = (config.block_m, _PlanKey(key), dict(
             IS_FP32=q.dtype == torch.float32, HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=_configs.padded_dim(D),
             BLOCK_DV=_configs.padded_dim(Dv), BLOCK_M=config.block_m, BLOCK_N=config.block_n, IS_VARLEN=varlen,
             WINDOW_LEFT=window[0], WINDOW_RIGHT=window[1], HAS_SOFTCAP=softcap, HAS_ALIBI=alibi,
-            HAS_DROPOUT=dropout, RETURN_PROBS=return_probs, num_warps=config.num_warps,
-            num_stages=config.num_stages))
+            HAS_DROPOUT=dropout, RETURN_PROBS=return_probs, USE_TMA=tma, RESCALE_THRESHOLD=float(config.rescale),
+            GROUP_HEADS=config.group,
+            num_warps=config.num_warps, num_stages=config.num_stages), tma)
         _FWD_PLANS[key] = plan
     return plan
 
@@ -216,8 +242,15 @@ def fwd(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bloc
         window = (window_left >= 0, window_right >= 0)
         wl = window_left if window_left >= 0 else _NO_WINDOW
         wr = window_right if window_right >= 0 else _NO_WINDOW
-    block_m, plan_key, meta = _fwd_plan(q, D, Dv, varlen, window, softcap > 0.0, alibi_slopes is not None,
-                                        dropout_p > 0.0, bool(return_probs), config)
+    block_m, plan_key, meta, tma = _fwd_plan(q, D, Dv, varlen, window, softcap > 0.0, alibi_slopes is not None,
+                                             dropout_p > 0.0, bool(return_probs), config)
+    if tma:
+        if _tma_ok(k, v, D, Dv):
+            _set_allocator()
+        else:  # the same config on the pointer path
+            block_m, plan_key, meta, tma = _fwd_plan(q, D, Dv, varlen, window, softcap > 0.0,
+                                                     alibi_slopes is not None, dropout_p > 0.0,
+                                                     bool(return_probs), config, False)
     dummy = lse
     _L_FWD((-(-Sq // block_m), B * H), (
         q, k, v, out, lse, probs, dummy if alibi_slopes is None else alibi_slopes,
