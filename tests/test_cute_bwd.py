@@ -81,7 +81,7 @@ def test_ptx_is_warp_specialised_and_accumulates_dq_atomically(compiled):
     text = compiled[1]
     assert _count(text, "setmaxnreg.dec.sync.aligned.u32") == 1
     assert _count(text, "setmaxnreg.inc.sync.aligned.u32") == 1
-    assert _count(text, "red.relaxed.gpu.global.add.f32") >= 1  # dq_accum += dS K
+    assert _count(text, "red.relaxed.gpu.global.add.v2.f32") >= 1  # dq_accum += dS K, column pairs
     assert "fence.proxy.async.shared::cta" in text  # dS stores made visible to the WGMMA's async proxy
     assert "ex2.approx" in text
     # launched with .minnctapersm 1: without it ptxas may drop setmaxnreg (C7508)
@@ -100,6 +100,8 @@ def test_ptxas_keeps_setmaxnreg_and_wgmma_pipelined(compiled):
     assert "are serialized" not in log, log
     spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", log)]
     print(f"\nptxas: {spills} bytes of spill stores")
+    # a few words at most (D = 128 full: 8 bytes, loop-invariant); more means the 240-register budget broke
+    assert all(x <= 64 for x in spills), log
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -184,6 +186,35 @@ def test_p_fragment_reuses_the_st_accumulator_layout(d):
 
     cute.compile(check, options="--gpu-arch sm_90a")
     assert mismatches == [], mismatches[:30]
+
+
+def _check_dq_pairs(dq, block_m, d, bad):
+    # Plain Python, as _compare_transposed.
+    for t in (0, 1, 5, 37, 127):
+        c = dq.get_slice(t).partition_C(cute.make_identity_tensor((block_m, d)))
+        for i in range(0, cute.size(c), 2):
+            if c[i][1] % 2 or tuple(c[i + 1]) != (c[i][0], c[i][1] + 1):
+                bad.append((t, i, c[i], c[i + 1]))
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_dq_accumulator_values_pair_up_as_adjacent_columns(d):
+    """_atomic_add_dq adds accumulator values 2 i and 2 i + 1 with one red.global.add.v2.f32 at the
+    address of value 2 i: they must be columns c, c + 1 (c even) of one row, for every thread."""
+    import cutlass
+    from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+
+    block_m = interface._bwd_config(torch.bfloat16, d, False, "sm_90a")["block_m"]
+    bad = []
+
+    @cute.jit
+    def check():
+        op = warpgroup.MmaF16BF16Op(cutlass.BFloat16, cutlass.Float32, (64, d, 16), warpgroup.OperandSource.SMEM,
+                                    OperandMajorMode.MN, OperandMajorMode.MN)
+        _check_dq_pairs(cute.make_tiled_mma(cute.make_mma_atom(op), (1, 1, 1)), block_m, d, bad)
+
+    cute.compile(check, options="--gpu-arch sm_90a")
+    assert bad == [], bad[:20]
 
 
 def test_unsupported_head_dim_is_refused():

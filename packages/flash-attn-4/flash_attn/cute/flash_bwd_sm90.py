@@ -33,7 +33,10 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32
+from cutlass._mlir import ir
+from cutlass._mlir.dialects import vector
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.memory import SmemAllocator
 
 from flash_attn.cute.flash_fwd_sm90 import _smem_layout
@@ -47,6 +50,17 @@ def _transpose_view(t):
     shape = (t.shape[1], t.shape[0], *t.shape[2:])
     order = (1, 0, *range(2, cute.rank(t)))
     return cute.composition(t, cute.make_ordered_layout(shape, order=order))
+
+
+@dsl_user_op
+def _red_add_f32x2(ptr, a, b, *, loc=None, ip=None):
+    """*ptr += (a, b) as one red.global.add.v2.f32 (sm_90): two adjacent fp32 columns of a dQ row in
+    one 8-byte reduction, half the L2 atomic operations of two scalar ones. ptr is 8-byte aligned."""
+    f32 = Float32.mlir_type
+    pair = vector.from_elements(ir.VectorType.get([2], f32),
+                                [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
+                                loc=loc, ip=ip)
+    cute.arch.red(ptr, pair, op="add", dtype=Float32, sem="relaxed", scope="gpu", loc=loc, ip=ip)
 
 
 class FlashBwdSm90:
@@ -379,9 +393,7 @@ class FlashBwdSm90:
                 acc_dP[i] = acc_S[i] * (acc_dP[i] - sDelta[tScS[i][1], do_state.index])
             rdS.store(acc_dP.load().to(dt))
             # dS^T to shared memory, where the dK and dQ WGMMAs read it through the async proxy.
-            tdSsdS = thr_sdp.partition_C(sdSt[None, None, buf])
-            for i in cutlass.range(cute.size(rdS), unroll_full=True):
-                tdSsdS[i] = rdS[i]
+            cute.autovec_copy(rdS, thr_sdp.partition_C(sdSt[None, None, buf]))
             cute.arch.fence_view_async_shared()
             cute.arch.barrier(barrier_id=1 + wg, number_of_threads=128)
             self._gemm(tiled_mma_dk, acc_dK, tdKrdSt, tdKrQt, buf, q_state.index)  # dK += dS^T Q
@@ -416,11 +428,14 @@ class FlashBwdSm90:
         CTAs add into the same rows concurrently, so the order and hence the rounding vary run to run)."""
         BM = self.block_m
         gdQ = mdQaccum[None, None, head, batch]  # (Sq, D)
-        for i in cutlass.range(cute.size(acc_dQ), unroll_full=True):
-            row = m_block * BM + tdQcdQ[i][0]
+        # Accumulator values 2 i and 2 i + 1 are columns c, c + 1 of one row (m64nNk16 C layout: value
+        # index c + 2 r + 4 j; tests/test_cute_bwd.py checks it), 8-byte aligned: c is even and rows are
+        # D * 4 bytes apart.
+        for i in cutlass.range(cute.size(acc_dQ) // 2, unroll_full=True):
+            row = m_block * BM + tdQcdQ[2 * i][0]
             if row < seqlen_q:
-                ptr = gdQ.iterator + cute.crd2idx((row, tdQcdQ[i][1]), gdQ.layout)
-                cute.arch.red(ptr, acc_dQ[i], op="add", dtype=Float32, sem="relaxed", scope="gpu")
+                ptr = gdQ.iterator + cute.crd2idx((row, tdQcdQ[2 * i][1]), gdQ.layout)
+                _red_add_f32x2(ptr, acc_dQ[2 * i], acc_dQ[2 * i + 1])
 
     @cute.jit
     def _epilogue(self, mdK, mdV, acc_dK, acc_dV, tdKcdK, softmax_scale, n_block, head, batch, seqlen_k):
