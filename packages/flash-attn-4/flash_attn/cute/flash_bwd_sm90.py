@@ -5,19 +5,19 @@ their per-row lse / delta streamed in by TMA through an mbarrier pipeline; dQ is
 CTAs with fp32 atomic adds into a global buffer.
 
 Transposed formulation: the consumers compute S^T = K Q^T and dP^T = V dO^T, so keys are the rows of
-the accumulators. P^T and dS^T are then already in the register layout of the A operand of
-dV += P^T dO and dK += dS^T Q (an m64nDk16 WGMMA with A from registers), and the per-query values
-lse and delta are per-column constants read from shared memory.
+the accumulators. P^T is then already in the register layout of the A operand of dV += P^T dO (an
+m64nDk16 WGMMA with A from registers), and the per-query values lse and delta are per-column constants
+read from shared memory.
 
 Per query block, for each of the two consumer warpgroups (64 keys each):
   S^T  = K Q^T                     WGMMA, both operands in smem (K-major)
   dP^T = V dO^T                    WGMMA, both operands in smem (K-major)
   P^T  = exp2(S^T * scale * log2(e) - lse2[col])     (lse2 = lse * log2(e), +inf past Sq)
   dV  += P^T dO                    WGMMA, A = P^T from registers, B = dO^T (transposed smem view)
-  dS^T = P^T * (dP^T - delta[col])
-  dK  += dS^T Q                    WGMMA, A = dS^T from registers, B = Q^T (transposed smem view)
-  dQ_partial = dS K                dS^T written to smem; A = its (BM, 64) view (M-major), B = K^T
-  dq_accum[rows] += dQ_partial     red.global.add.f32
+  dS^T = P^T * (dP^T - delta[col]) written to smem (M-major dS tile, double-buffered)
+  dK  += dS^T Q                    WGMMA, A = dS^T from smem, B = Q^T (transposed smem view)
+  dQ_wg = dS K                     WGMMA over the warpgroup's 64 keys, A = dS (M-major), B = K^T
+  dq_accum[rows] += dQ_wg          red.global.add.v2.f32 (each warpgroup adds its own partial)
 After the loop dK is scaled by softmax_scale and dK, dV are stored. The host (interface.backward)
 computes delta = rowsum(dO * O) and lse2 with torch, and converts dq_accum * softmax_scale to the input
 dtype.
@@ -70,7 +70,7 @@ class FlashBwdSm90:
     NUM_PRODUCER_THREADS = 128  # one warpgroup; a single thread issues the TMA copies
     NUM_MMA_WARPGROUPS = 2  # 64 keys each
     # 24 * 128 + 240 * 256 <= 64K registers. A consumer thread holds dK and dV (D/2 fp32 each), S^T and
-    # dP^T (BLOCK_M/2 each) and then its dQ partial (D/2): 224 at D = 128, BLOCK_M = 64.
+    # dP^T (BLOCK_M/2 each), then P^T in 16 bits and its dQ partial (D/2): 192-208 at D = 128, BLOCK_M = 64.
     PRODUCER_REGS = 24
     CONSUMER_REGS = 240
 
