@@ -230,6 +230,43 @@ def test_cache_key_has_only_what_changes_code():
 
 
 # ----------------------------------------------------------------------------------------------------
+# Host side of interface.backward, with the kernel replaced by a stand-in (CPU tensors)
+
+
+def test_backward_host_steps_with_a_stand_in_kernel(monkeypatch):
+    """lse2 = lse * log2(e) padded with +inf and delta = rowsum(dO * O) padded with 0 to the query block;
+    dq = dq_accum * scale in the input dtype; GQA dK/dV summed over each group of query heads."""
+    B, Sq, Sk, H, Hk, D = 2, 70, 50, 4, 2, 64
+    g = torch.Generator().manual_seed(0)
+    q, out, dout = (torch.randn(B, Sq, H, D, generator=g).to(torch.bfloat16) for _ in range(3))
+    k, v = (torch.randn(B, Sk, Hk, D, generator=g).to(torch.bfloat16) for _ in range(2))
+    lse = torch.randn(B, H, Sq, generator=g)
+    lse[0, 1, 3] = float("inf")  # a row that sees no key
+    seen = {}
+
+    def kernel(q_, k_, v_, dout_, lse2, delta, dq_accum, dk, dv, scale):
+        seen.update(lse2=lse2.clone(), delta=delta.clone(), scale=scale)
+        dq_accum.fill_(2.0)
+        dk.copy_(torch.arange(H, dtype=dk.dtype).view(1, 1, H, 1).expand_as(dk))
+        dv.fill_(1.0)
+
+    block_m = interface._bwd_config(torch.bfloat16, D, True, "sm_90a")["block_m"]
+    monkeypatch.setitem(interface._bwd_kernels, (torch.bfloat16, D, True, "sm_90a"), kernel)
+    dq, dk, dv = interface.backward(dout, q, k, v, out, lse, 0.5, True, "sm_90a")
+    pad = -(-Sq // block_m) * block_m
+    assert seen["lse2"].shape == seen["delta"].shape == (B, H, pad)
+    torch.testing.assert_close(seen["lse2"][..., :Sq], lse * 1.4426950408889634)
+    assert torch.isinf(seen["lse2"][..., Sq:]).all() and (seen["lse2"][..., Sq:] > 0).all()
+    assert torch.isinf(seen["lse2"][0, 1, 3])
+    torch.testing.assert_close(seen["delta"][..., :Sq], (dout.float() * out.float()).sum(-1).transpose(1, 2))
+    assert (seen["delta"][..., Sq:] == 0).all()
+    assert dq.dtype == torch.bfloat16 and (dq == 1.0).all()  # 2.0 * scale 0.5
+    assert dk.shape == k.shape and dv.shape == v.shape
+    assert (dk[:, :, 0] == 0 + 1).all() and (dk[:, :, 1] == 2 + 3).all()  # query heads {0, 1}, {2, 3}
+    assert (dv == 2.0).all()
+
+
+# ----------------------------------------------------------------------------------------------------
 # Dispatch: opt-in
 
 
