@@ -26,26 +26,31 @@ from flash_attn.cute import backend as cute_backend  # noqa: E402
 from flash_attn.cute import interface  # noqa: E402
 from flash_attn.dispatch import Call  # noqa: E402
 
-CONFIGS = [(dtype, d, causal) for dtype in (torch.bfloat16, torch.float16) for d in (64, 128)
-           for causal in (False, True)]
+# (dtype, head dim, causal, dq_split): every dtype / head dim / mask with the default dQ split, and the
+# per-warpgroup dQ variant (FLASH_ATTN_CUTE_BWD_DQ_SPLIT=0) at both head dims
+CONFIGS = [(dtype, d, causal, True) for dtype in (torch.bfloat16, torch.float16) for d in (64, 128)
+           for causal in (False, True)] + [(torch.bfloat16, 64, True, False), (torch.bfloat16, 128, False, False)]
 
 
 def _ids(cfg):
-    dtype, d, causal = cfg
-    return f"{str(dtype).split('.')[-1]}-d{d}-{'causal' if causal else 'full'}"
+    dtype, d, causal, dq_split = cfg
+    return f"{str(dtype).split('.')[-1]}-d{d}-{'causal' if causal else 'full'}{'' if dq_split else '-dq_per_wg'}"
 
 
 @pytest.fixture(scope="module", params=CONFIGS, ids=_ids)
 def compiled(request, tmp_path_factory):
-    """(config, PTX text, cubin path) of one backward compile, shared by the PTX checks."""
-    dtype, d, causal = request.param
+    """(config dict, PTX text, PTX path) of one backward compile, shared by the PTX checks."""
+    dtype, d, causal, dq_split = request.param
     dump = tmp_path_factory.mktemp("bwd")
-    t0 = time.perf_counter()
-    interface.compile_bwd(dtype, d, causal, arch="sm_90a", dump_dir=str(dump))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FLASH_ATTN_CUTE_BWD_DQ_SPLIT", "1" if dq_split else "0")
+        cfg = interface._bwd_config(dtype, d, causal, "sm_90a")
+        t0 = time.perf_counter()
+        interface.compile_bwd(dtype, d, causal, arch="sm_90a", dump_dir=str(dump))
     print(f"\ncompile bwd {_ids(request.param)}: {time.perf_counter() - t0:.2f} s")
     (ptx,) = glob.glob(str(dump / "*.ptx"))
     with open(ptx) as f:
-        return request.param, f.read(), ptx
+        return cfg, f.read(), ptx
 
 
 def _count(text, needle):
@@ -57,14 +62,16 @@ def test_ptx_targets_sm90a(compiled):
 
 
 def test_ptx_has_the_five_wgmma_products(compiled):
-    (dtype, d, _), text, _ = compiled
-    ab = "bf16.bf16" if dtype == torch.bfloat16 else "f16.f16"
-    cfg = interface._bwd_config(dtype, d, False, "sm_90a")
+    cfg, text, _ = compiled
+    d = cfg["head_dim"]
+    ab = "bf16.bf16" if cfg["dtype"] == "bf16" else "f16.f16"
     bm = cfg["block_m"]
     shapes = {}
     # S^T = K Q^T and dP^T = V dO^T: m64n{BM}k16, D/16 each; dV += P^T dO and dK += dS^T Q:
-    # m64n{D}k16, BM/16 each; dQ = dS K over the warpgroup's 64 keys: m64n{D}k16, 64/16.
-    for n, count in ((bm, 2 * d // 16), (d, 2 * bm // 16 + 64 // 16)):
+    # m64n{D}k16, BM/16 each; dQ = dS K: m64n{D/2}k16 over all 128 keys (dq_split), else m64n{D}k16
+    # over the warpgroup's 64 keys.
+    dq = (d // 2, 128 // 16) if cfg["dq_split"] else (d, 64 // 16)
+    for n, count in ((bm, 2 * d // 16), (d, 2 * bm // 16), dq):
         shapes[n] = shapes.get(n, 0) + count
     for n, count in shapes.items():
         assert _count(text, f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ab}") == count, n
@@ -92,7 +99,7 @@ def test_ptx_is_warp_specialised_and_accumulates_dq_atomically(compiled):
 def test_ptxas_keeps_setmaxnreg_and_wgmma_pipelined(compiled):
     """ptxas honours the register split (no C7508) and does not serialise the WGMMAs (C7510-C7520:
     'wgmma.mma_async instructions are serialized'), the two silent performance cliffs of this design."""
-    (_, d, _), _, ptx = compiled
+    _, _, ptx = compiled
     out = subprocess.run(["ptxas", "-arch=sm_90a", "-v", ptx, "-o", os.devnull], capture_output=True,
                          text=True, check=True)
     log = out.stdout + out.stderr
@@ -135,6 +142,7 @@ def test_transposed_smem_views_address_the_same_elements(d):
     def check():
         for kind, shape in ((warpgroup.SmemLayoutAtomKind.K_SW128, (64, d, 2)),
                             (warpgroup.SmemLayoutAtomKind.K_SW128, (128, d)),
+                            (warpgroup.SmemLayoutAtomKind.K_SW64, (128, d)),
                             (warpgroup.SmemLayoutAtomKind.MN_SW128, (64, 128, 2))):
             layout = _smem_layout(kind, cutlass.BFloat16, shape).outer
             t = cute.make_tensor(cute.make_ptr(cutlass.BFloat16, 0, cute.AddressSpace.smem, assumed_align=16),
@@ -188,19 +196,26 @@ def test_p_fragment_reuses_the_st_accumulator_layout(d):
     assert mismatches == [], mismatches[:30]
 
 
-def _check_dq_pairs(dq, block_m, d, bad):
-    # Plain Python, as _compare_transposed.
-    for t in (0, 1, 5, 37, 127):
+def _check_dq_pairs(dq, block_m, d, threads, bad):
+    # Plain Python, as _compare_transposed. Also: the threads' values cover the (block_m, d) tile once.
+    seen = {}
+    for t in range(threads):
         c = dq.get_slice(t).partition_C(cute.make_identity_tensor((block_m, d)))
         for i in range(0, cute.size(c), 2):
             if c[i][1] % 2 or tuple(c[i + 1]) != (c[i][0], c[i][1] + 1):
                 bad.append((t, i, c[i], c[i + 1]))
+        for i in range(cute.size(c)):
+            seen[tuple(c[i])] = seen.get(tuple(c[i]), 0) + 1
+    if len(seen) != block_m * d or set(seen.values()) != {1}:
+        bad.append(("coverage", len(seen), sorted(set(seen.values()))))
 
 
+@pytest.mark.parametrize("dq_split", [True, False])
 @pytest.mark.parametrize("d", [64, 128])
-def test_dq_accumulator_values_pair_up_as_adjacent_columns(d):
+def test_dq_accumulator_values_pair_up_as_adjacent_columns(d, dq_split):
     """_atomic_add_dq adds accumulator values 2 i and 2 i + 1 with one red.global.add.v2.f32 at the
-    address of value 2 i: they must be columns c, c + 1 (c even) of one row, for every thread."""
+    address of value 2 i: they must be columns c, c + 1 (c even) of one row, for every thread; and the
+    dQ tile (one per CTA with dq_split, else one per warpgroup) is covered exactly once."""
     import cutlass
     from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
@@ -209,9 +224,11 @@ def test_dq_accumulator_values_pair_up_as_adjacent_columns(d):
 
     @cute.jit
     def check():
-        op = warpgroup.MmaF16BF16Op(cutlass.BFloat16, cutlass.Float32, (64, d, 16), warpgroup.OperandSource.SMEM,
+        n, atoms = (d // 2, (1, 2, 1)) if dq_split else (d, (1, 1, 1))
+        op = warpgroup.MmaF16BF16Op(cutlass.BFloat16, cutlass.Float32, (64, n, 16), warpgroup.OperandSource.SMEM,
                                     OperandMajorMode.MN, OperandMajorMode.MN)
-        _check_dq_pairs(cute.make_tiled_mma(cute.make_mma_atom(op), (1, 1, 1)), block_m, d, bad)
+        _check_dq_pairs(cute.make_tiled_mma(cute.make_mma_atom(op), atoms), block_m, d, 256 if dq_split else 128,
+                        bad)
 
     cute.compile(check, options="--gpu-arch sm_90a")
     assert bad == [], bad[:20]
@@ -224,7 +241,7 @@ def test_unsupported_head_dim_is_refused():
 
 def test_cache_key_has_only_what_changes_code():
     cfg = interface._bwd_config(torch.bfloat16, 64, True, "sm_90a")
-    assert set(cfg) == {"kernel", "dtype", "head_dim", "causal", "block_m", "stages", "arch", "abi"}
+    assert set(cfg) == {"kernel", "dtype", "head_dim", "causal", "block_m", "stages", "dq_split", "arch", "abi"}
     assert interface._bwd_entry(torch.bfloat16, 64, True, "sm_90a")[1] != \
         interface._bwd_entry(torch.bfloat16, 64, False, "sm_90a")[1]
 
@@ -371,6 +388,18 @@ def test_gradients_match_reference_on_gpu(cute_bwd_on, dtype, d, causal, seqlen,
 def test_gradients_with_unequal_lengths_on_gpu(cute_bwd_on, d, causal, seqlen_q, seqlen_k):
     # bottom-right aligned causal mask; with Sq > Sk the first Sq - Sk queries see no key (zero gradients)
     _run(torch.bfloat16, d, causal, 2, seqlen_q, seqlen_k, 4, 2, cute_bwd_on, seed=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen", [17, 255, 1000])
+def test_gradients_with_per_warpgroup_dq_on_gpu(cute_bwd_on, monkeypatch, d, causal, seqlen):
+    # the FLASH_ATTN_CUTE_BWD_DQ_SPLIT=0 variant (the in-memory kernel cache does not key on it: emptied)
+    monkeypatch.setenv("FLASH_ATTN_CUTE_BWD_DQ_SPLIT", "0")
+    monkeypatch.setattr(interface, "_bwd_kernels", {})
+    _run(torch.bfloat16, d, causal, 2, seqlen, seqlen, 4, 2, cute_bwd_on, seed=2)
 
 
 @pytest.mark.gpu

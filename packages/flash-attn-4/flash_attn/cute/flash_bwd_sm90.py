@@ -74,7 +74,10 @@ class FlashBwdSm90:
     PRODUCER_REGS = 24
     CONSUMER_REGS = 240
 
-    def __init__(self, dtype, head_dim, causal, block_m=64, block_n=128, num_stages=2):
+    def __init__(self, dtype, head_dim, causal, block_m=64, block_n=128, num_stages=2, dq_split=True):
+        """dq_split: the two warpgroups compute one dQ tile together, each its half of D over all BLOCK_N
+        keys (a barrier of both per query block, since each reads the other's dS); else each computes
+        dS K over its own 64 keys and both add into dq_accum (twice the atomic traffic, no barrier)."""
         if head_dim not in (64, 128):
             raise ValueError(f"head dim {head_dim} not in (64, 128)")
         if dtype not in (cutlass.Float16, cutlass.BFloat16):
@@ -91,6 +94,7 @@ class FlashBwdSm90:
         self.block_m = block_m
         self.block_n = block_n
         self.num_stages = num_stages
+        self.dq_split = bool(dq_split)
         self.num_threads = self.NUM_PRODUCER_THREADS + 128 * self.NUM_MMA_WARPGROUPS
 
     # ------------------------------------------------------------------------------------------------
@@ -117,7 +121,10 @@ class FlashBwdSm90:
         MN_SW128 = warpgroup.SmemLayoutAtomKind.MN_SW128
         sQ_layout = _smem_layout(K_SW128, dt, (BM, D, stages))
         sdO_layout = _smem_layout(K_SW128, dt, (BM, D, stages))
-        sK_layout = _smem_layout(K_SW128, dt, (BN, D))
+        # With dq_split, K^T's D rows are split between the warpgroups as WGMMA N: each half must start
+        # on a swizzle atom, so D = 64 uses 64-byte (32-element) atoms.
+        k_atom = warpgroup.SmemLayoutAtomKind.K_SW64 if self.dq_split and D == 64 else K_SW128
+        sK_layout = _smem_layout(k_atom, dt, (BN, D))
         sV_layout = _smem_layout(K_SW128, dt, (BN, D))
         # dS as the A operand of dQ = dS K, M-major (queries contiguous): the S^T accumulator holds
         # pairs of adjacent queries, which then land as 4-byte stores. Two buffers, so that a warpgroup
@@ -145,13 +152,14 @@ class FlashBwdSm90:
                 dt, Float32, (64, D, 16), warpgroup.OperandSource.SMEM,
                 OperandMajorMode.K, OperandMajorMode.MN)),
             (self.NUM_MMA_WARPGROUPS, 1, 1))
-        # dQ_partial = dS[:, keys of this warpgroup] K[keys of this warpgroup, :]: one warpgroup's
-        # MMA; A = the M-major dS tile, B = K^T (D contiguous, MN-major).
+        # dQ = dS K, A = the M-major dS tile, B = K^T (D contiguous, MN-major). dq_split: N = D split over
+        # the two warpgroups, K = all BLOCK_N keys; else one warpgroup's MMA over its own 64 keys.
+        dq_n, dq_atoms = (D // 2, (1, self.NUM_MMA_WARPGROUPS, 1)) if self.dq_split else (D, (1, 1, 1))
         tiled_mma_dq = cute.make_tiled_mma(
             cute.make_mma_atom(warpgroup.MmaF16BF16Op(
-                dt, Float32, (64, D, 16), warpgroup.OperandSource.SMEM,
+                dt, Float32, (64, dq_n, 16), warpgroup.OperandSource.SMEM,
                 OperandMajorMode.MN, OperandMajorMode.MN)),
-            (1, 1, 1))
+            dq_atoms)
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, mQ_tma = cpasync.make_tiled_tma_atom(g2s, mQ, cute.slice_(sQ_layout, (None, None, 0)), (BM, D))
@@ -319,13 +327,13 @@ class FlashBwdSm90:
         wg = cute.arch.make_warp_uniform(ctid // 128)
         thr_sdp = tiled_mma_sdp.get_slice(ctid)
         thr_dv = tiled_mma_dv.get_slice(ctid)
-        thr_dq = tiled_mma_dq.get_slice(ctid % 128)
+        thr_dq = tiled_mma_dq.get_slice(ctid if cutlass.const_expr(self.dq_split) else ctid % 128)
         # Shared-memory operands are the same for a whole warpgroup: partition them with its first
         # thread (a warp-uniform index) so ptxas builds the WGMMA descriptors in uniform registers.
         wg_sdp = tiled_mma_sdp.get_slice(wg * 128)
         wg_dv = tiled_mma_dv.get_slice(wg * 128)
         wg_dk = tiled_mma_dk.get_slice(wg * 128)
-        wg_dq = tiled_mma_dq.get_slice(0)
+        wg_dq = tiled_mma_dq.get_slice(wg * 128 if cutlass.const_expr(self.dq_split) else 0)
 
         sdSt = _transpose_view(sdS)  # (BN, BM, 2): dS^T, the accumulators' orientation
         tSrK = tiled_mma_sdp.make_fragment_A(wg_sdp.partition_A(sK))
@@ -335,11 +343,13 @@ class FlashBwdSm90:
         tdVrdOt = tiled_mma_dv.make_fragment_B(wg_dv.partition_B(_transpose_view(sdO)))  # (D, BM, stages)
         tdKrdSt = tiled_mma_dk.make_fragment_A(wg_dk.partition_A(sdSt))                 # (BN, BM, 2)
         tdKrQt = tiled_mma_dk.make_fragment_B(wg_dk.partition_B(_transpose_view(sQ)))    # (D, BM, stages)
-        # This warpgroup's keys: columns [64 wg, 64 wg + 64) of dS (BM, BN) and of K^T (D, BN).
-        sdS_wg = cute.local_tile(sdS, (BM, 64, 2), (0, wg, 0))
-        sKt_wg = cute.local_tile(_transpose_view(sK), (D, 64), (0, wg))
-        tdQrdS = tiled_mma_dq.make_fragment_A(wg_dq.partition_A(sdS_wg))
-        tdQrKt = tiled_mma_dq.make_fragment_B(wg_dq.partition_B(sKt_wg))
+        if cutlass.const_expr(self.dq_split):  # all keys; the tiled MMA picks this warpgroup's half of D
+            tdQrdS = tiled_mma_dq.make_fragment_A(wg_dq.partition_A(sdS))
+            tdQrKt = tiled_mma_dq.make_fragment_B(wg_dq.partition_B(_transpose_view(sK)))
+        else:  # this warpgroup's keys: columns [64 wg, 64 wg + 64) of dS (BM, BN) and of K^T (D, BN)
+            tdQrdS = tiled_mma_dq.make_fragment_A(wg_dq.partition_A(cute.local_tile(sdS, (BM, 64, 2), (0, wg, 0))))
+            tdQrKt = tiled_mma_dq.make_fragment_B(
+                wg_dq.partition_B(cute.local_tile(_transpose_view(sK), (D, 64), (0, wg))))
 
         acc_S = cute.make_rmem_tensor(thr_sdp.partition_shape_C((BN, BM)), Float32)
         acc_dP = cute.make_rmem_tensor(thr_sdp.partition_shape_C((BN, BM)), Float32)
@@ -395,9 +405,12 @@ class FlashBwdSm90:
             # dS^T to shared memory, where the dK and dQ WGMMAs read it through the async proxy.
             cute.autovec_copy(rdS, thr_sdp.partition_C(sdSt[None, None, buf]))
             cute.arch.fence_view_async_shared()
-            cute.arch.barrier(barrier_id=1 + wg, number_of_threads=128)
+            if cutlass.const_expr(self.dq_split):  # both halves of dS are read by both warpgroups
+                cute.arch.barrier(barrier_id=1, number_of_threads=256)
+            else:
+                cute.arch.barrier(barrier_id=1 + wg, number_of_threads=128)
             self._gemm(tiled_mma_dk, acc_dK, tdKrdSt, tdKrQt, buf, q_state.index)  # dK += dS^T Q
-            self._gemm(tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, buf, None, zero_init=True)  # dQ_wg = dS K
+            self._gemm(tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, buf, None, zero_init=True)  # dQ = dS K
             warpgroup.wait_group(0)  # dV, dK, dQ done: the Q and dO stages and rP are free
             q_pipe.consumer_release(q_state)
             do_pipe.consumer_release(do_state)

@@ -558,14 +558,19 @@ _LOG2E = 1.4426950408889634
 # the disk cache keys on them).
 _BWD_BLOCK_M = {64: 64, 128: 64}
 _BWD_STAGES = {64: 2, 128: 2}
+# dQ tile shared by the two consumer warpgroups (split along D; one atomic add per element per key
+# block) or one per warpgroup (two adds, no cross-warpgroup barrier). FLASH_ATTN_CUTE_BWD_DQ_SPLIT=0/1.
+_BWD_DQ_SPLIT = True
 
 
 def _bwd_config(dtype, head_dim, causal, arch):
     """Everything that selects the backward kernel's code (the disk cache key; see _fwd_config)."""
     block_m = int(os.environ.get("FLASH_ATTN_CUTE_BWD_BLOCK_M") or _BWD_BLOCK_M.get(int(head_dim), 64))
     stages = int(os.environ.get("FLASH_ATTN_CUTE_BWD_STAGES") or _BWD_STAGES.get(int(head_dim), 2))
+    split = os.environ.get("FLASH_ATTN_CUTE_BWD_DQ_SPLIT")
+    dq_split = _BWD_DQ_SPLIT if not split else split not in ("0", "false", "False")
     return {"kernel": "FlashBwdSm90", "dtype": _DTYPE_NAMES.get(dtype, str(dtype)), "head_dim": int(head_dim),
-            "causal": bool(causal), "block_m": block_m, "stages": stages, "arch": arch,
+            "causal": bool(causal), "block_m": block_m, "stages": stages, "dq_split": dq_split, "arch": arch,
             "abi": "tvm-ffi-env-stream" if _tvm_ffi() else "cute"}
 
 
@@ -584,7 +589,7 @@ def compile_bwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None):
     if config["dtype"] not in ("fp16", "bf16"):
         raise ValueError(f"dtype {dtype} not fp16/bf16")
     kernel = FlashBwdSm90(_cutlass_dtype(dtype), int(head_dim), bool(causal), block_m=config["block_m"],
-                          num_stages=config["stages"])
+                          num_stages=config["stages"], dq_split=config["dq_split"])
     D = kernel.head_dim
     # 32-bit symbolic shapes and strides, as in compile_fwd (backward() keeps tensors below 2^31 elements).
     batch, seqlen_q, seqlen_k, heads, heads_kv, seqlen_q_pad = (cute.sym_int() for _ in range(6))
