@@ -7,7 +7,8 @@ TFLOP/s with FlashAttention's count (bwd = 2.5 x 4 * B * S^2 * H * D, half when 
     python benchmarks/bench_cute_bwd.py --headdims 64 --seqlens 2048 --causal 1
 
 The cute time includes its host-side torch steps (delta = rowsum(dO * O), lse in log2 units, dq's
-fp32 -> bf16 conversion, the dq_accum memset); the Triton time includes its own preprocessing.
+fp32 -> bf16 cast, the dq_accum memset); the Triton time includes its own preprocessing. "kernel" is
+flash_bwd_sm90 alone on prepared inputs (its TFLOP/s: what a fused preprocess would leave).
 """
 import argparse
 import os
@@ -49,11 +50,13 @@ def main(argv=None):
     from triton.testing import do_bench
 
     from flash_attn.cute import backend as cb
+    from flash_attn.cute import interface as ci
     from flash_attn.triton import backend as tb
 
     dtype = torch.bfloat16
     emit(f"{'D':>4} {'S':>6} {'B':>3} {'H':>3} {'causal':>6} | {'triton ms':>9} {'TFLOP/s':>8} | "
-         f"{'cute ms':>8} {'TFLOP/s':>8} {'speedup':>7} | max|cute - triton| dq dk dv")
+         f"{'cute ms':>8} {'TFLOP/s':>8} {'speedup':>7} | {'kernel':>7} {'TFLOP/s':>8} | "
+         f"max|cute - triton| dq dk dv")
     for d in args.headdims:
         for s in args.seqlens:
             for causal in args.causal:
@@ -78,8 +81,21 @@ def main(argv=None):
                 flops = 2.5 * 4 * b * s * s * h * d / (2 if causal else 1)
                 t_tri = do_bench(run_triton, warmup=args.warmup, rep=args.rep, return_mode="median")
                 t_cute = do_bench(run_cute, warmup=args.warmup, rep=args.rep, return_mode="median")
+                # the kernel alone, on inputs prepared as interface.backward prepares them
+                fn = ci.bwd_kernel(dtype, d, causal)
+                bm = ci._bwd_config(dtype, d, causal, "sm_90a")["block_m"]
+                pad = -(-s // bm) * bm
+                lse2 = torch.full((b, h, pad), float("inf"), dtype=torch.float32, device="cuda")
+                lse2[:, :, :s] = lse * 1.4426950408889634
+                delta = torch.zeros((b, h, pad), dtype=torch.float32, device="cuda")
+                delta[:, :, :s] = (dout.float() * out).sum(-1).transpose(1, 2)
+                dq_acc = torch.zeros((b, s, h, d), dtype=torch.float32, device="cuda")
+                dk_h, dv_h = torch.empty_like(k), torch.empty_like(v)
+                t_kern = do_bench(lambda: fn(q, k, v, dout, lse2, delta, dq_acc, dk_h, dv_h, d ** -0.5),
+                                  warmup=args.warmup, rep=args.rep, return_mode="median")
                 emit(f"{d:>4} {s:>6} {b:>3} {h:>3} {str(causal):>6} | {t_tri:9.3f} {flops / t_tri / 1e9:8.1f} | "
                      f"{t_cute:8.3f} {flops / t_cute / 1e9:8.1f} {t_tri / t_cute:7.2f} | "
+                     f"{t_kern:7.3f} {flops / t_kern / 1e9:8.1f} | "
                      + " ".join(f"{e:.2e}" for e in errs))
     if args.out:
         os.makedirs(args.out, exist_ok=True)

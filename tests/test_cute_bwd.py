@@ -252,7 +252,7 @@ def test_cache_key_has_only_what_changes_code():
 
 def test_backward_host_steps_with_a_stand_in_kernel(monkeypatch):
     """lse2 = lse * log2(e) padded with +inf and delta = rowsum(dO * O) padded with 0 to the query block;
-    dq = dq_accum * scale in the input dtype; GQA dK/dV summed over each group of query heads."""
+    dq = dq_accum in the input dtype; GQA dK/dV summed over each group of query heads."""
     B, Sq, Sk, H, Hk, D = 2, 70, 50, 4, 2, 64
     g = torch.Generator().manual_seed(0)
     q, out, dout = (torch.randn(B, Sq, H, D, generator=g).to(torch.bfloat16) for _ in range(3))
@@ -277,7 +277,8 @@ def test_backward_host_steps_with_a_stand_in_kernel(monkeypatch):
     assert torch.isinf(seen["lse2"][0, 1, 3])
     torch.testing.assert_close(seen["delta"][..., :Sq], (dout.float() * out.float()).sum(-1).transpose(1, 2))
     assert (seen["delta"][..., Sq:] == 0).all()
-    assert dq.dtype == torch.bfloat16 and (dq == 1.0).all()  # 2.0 * scale 0.5
+    assert seen["scale"] == 0.5
+    assert dq.dtype == torch.bfloat16 and (dq == 2.0).all()  # the kernel applies the scale
     assert dk.shape == k.shape and dv.shape == v.shape
     assert (dk[:, :, 0] == 0 + 1).all() and (dk[:, :, 1] == 2 + 3).all()  # query heads {0, 1}, {2, 3}
     assert (dv == 2.0).all()

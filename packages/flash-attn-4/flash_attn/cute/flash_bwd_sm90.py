@@ -17,10 +17,9 @@ Per query block, for each of the two consumer warpgroups (64 keys each):
   dS^T = P^T * (dP^T - delta[col]) written to smem (M-major dS tile, double-buffered)
   dK  += dS^T Q                    WGMMA, A = dS^T from smem, B = Q^T (transposed smem view)
   dQ_wg = dS K                     WGMMA over the warpgroup's 64 keys, A = dS (M-major), B = K^T
-  dq_accum[rows] += dQ_wg          red.global.add.v2.f32 (each warpgroup adds its own partial)
+  dq_accum[rows] += scale * dQ     red.global.add.v2.f32
 After the loop dK is scaled by softmax_scale and dK, dV are stored. The host (interface.backward)
-computes delta = rowsum(dO * O) and lse2 with torch, and converts dq_accum * softmax_scale to the input
-dtype.
+computes delta = rowsum(dO * O) and lse2 with torch, and casts dq_accum to the input dtype.
 
 Layouts seen by the kernel (views built on the host side of __call__, no copies):
   mQ, mdO (Sq, D, H, B); mK, mV (Sk, D, Hk, B); mLSE2, mDelta (Sq_pad, H, B) fp32, Sq_pad a multiple of
@@ -106,7 +105,7 @@ class FlashBwdSm90:
                  mdV: cute.Tensor, softmax_scale: Float32, stream):
         """mQ/mdO (B, Sq, H, D), mK/mV (B, Sk, Hk, D), mLSE2/mDelta (B, H, Sq_pad) fp32 (lse in log2
         units, +inf past Sq; delta = rowsum(dO * O), 0 past Sq), mdQaccum (B, Sq, H, D) fp32 (zeroed by
-        the caller, receives dS K unscaled), mdK/mdV (B, Sk, H, D) in the input dtype, as PyTorch lays
+        the caller, receives softmax_scale * dS K), mdK/mdV (B, Sk, H, D) in the input dtype, as PyTorch lays
         them out."""
         # (B, S, H, D) -> (S, D, H, B): the first two modes are the tile, the others index the CTA.
         to_sdhb = [1, 3, 2, 0]
@@ -416,7 +415,7 @@ class FlashBwdSm90:
             do_pipe.consumer_release(do_state)
             q_state.advance()
             do_state.advance()
-            self._atomic_add_dq(mdQaccum, acc_dQ, tdQcdQ, m_block, head, batch, seqlen_q)
+            self._atomic_add_dq(mdQaccum, acc_dQ, tdQcdQ, softmax_scale, m_block, head, batch, seqlen_q)
             buf = 1 - buf
 
         self._epilogue(mdK, mdV, acc_dK, acc_dV, tdKcdK, softmax_scale, n_block, head, batch, seqlen_k)
@@ -436,9 +435,10 @@ class FlashBwdSm90:
         warpgroup.commit_group()
 
     @cute.jit
-    def _atomic_add_dq(self, mdQaccum, acc_dQ, tdQcdQ, m_block, head, batch, seqlen_q):
-        """dq_accum[rows of this block] += this warpgroup's dS K (fp32 red.global.add: other key blocks'
-        CTAs add into the same rows concurrently, so the order and hence the rounding vary run to run)."""
+    def _atomic_add_dq(self, mdQaccum, acc_dQ, tdQcdQ, softmax_scale, m_block, head, batch, seqlen_q):
+        """dq_accum[rows of this block] += softmax_scale * dS K (this warpgroup's part; fp32
+        red.global.add: other key blocks' CTAs add into the same rows concurrently, so the order and
+        hence the rounding vary run to run). Scaling here leaves the host a plain cast."""
         BM = self.block_m
         gdQ = mdQaccum[None, None, head, batch]  # (Sq, D)
         # Accumulator values 2 i and 2 i + 1 are columns c, c + 1 of one row (m64nNk16 C layout: value
@@ -448,7 +448,7 @@ class FlashBwdSm90:
             row = m_block * BM + tdQcdQ[2 * i][0]
             if row < seqlen_q:
                 ptr = gdQ.iterator + cute.crd2idx((row, tdQcdQ[2 * i][1]), gdQ.layout)
-                _red_add_f32x2(ptr, acc_dQ[2 * i], acc_dQ[2 * i + 1])
+                _red_add_f32x2(ptr, acc_dQ[2 * i] * softmax_scale, acc_dQ[2 * i + 1] * softmax_scale)
 
     @cute.jit
     def _epilogue(self, mdK, mdV, acc_dK, acc_dV, tdKcdK, softmax_scale, n_block, head, batch, seqlen_k):

@@ -674,8 +674,8 @@ def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grad
     atomics, so results vary in the last bits run to run.
 
     Host-side steps (torch ops for now): delta = rowsum(dO * O) and lse * log2(e), padded to a multiple
-    of the kernel's query block with 0 / +inf (so padded rows contribute nothing); dq = dq_accum * scale
-    cast to the input dtype; with GQA the kernel writes per-query-head dK/dV that are summed here in
+    of the kernel's query block with 0 / +inf (so padded rows contribute nothing); dq_accum (which the
+    kernel fills with softmax_scale * dS K) cast to the input dtype; with GQA the kernel writes per-query-head dK/dV that are summed here in
     fp32 over each group."""
     B, Sq, H, D = q.shape
     Sk, Hk = k.shape[1], k.shape[2]
@@ -697,7 +697,9 @@ def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grad
     lse2 = torch.full((B, H, sq_pad), math.inf, dtype=_F32, device=q.device)
     lse2[:, :, :Sq] = lse[:, :, :Sq] * _LOG2E
     delta = torch.zeros((B, H, sq_pad), dtype=_F32, device=q.device)
-    delta[:, :, :Sq] = (dout.float() * out.float()).sum(-1).transpose(1, 2)
+    # fp32 products as FlashAttention computes delta; out is upcast inside the multiply (type promotion)
+    # rather than copied
+    delta[:, :, :Sq] = (dout.float() * out).sum(-1).transpose(1, 2)
     dq_accum = torch.zeros((B, Sq, H, D), dtype=_F32, device=q.device)
     group = H // Hk
     if group == 1 and dk_out is not None and _bwd_out_layout(dk_out, D) and _bwd_out_layout(dv_out, D):
@@ -715,12 +717,10 @@ def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grad
     else:  # sum the per-query-head gradients over each group of H / Hk query heads, in fp32
         dk = dk_h.view(B, Sk, Hk, group, D).float().sum(3).to(dtype)
         dv = dv_h.view(B, Sk, Hk, group, D).float().sum(3).to(dtype)
-    dq = dq_accum.mul_(softmax_scale)
-    if dq_out is not None:
-        dq_out.copy_(dq)
-        dq = dq_out
+    if dq_out is not None:  # dq_accum holds softmax_scale * dS K: a cast is left
+        dq = dq_out.copy_(dq_accum)
     else:
-        dq = dq.to(dtype)
+        dq = dq_accum.to(dtype)
     if dk_out is not None and dk is not dk_out:
         dk_out.copy_(dk)
         dv_out.copy_(dv)
