@@ -2,9 +2,11 @@
 # Everything the GPU tier needs in ONE device call: environment report, the GPU-marked tests, then the
 # benchmarks. Logs and result tables go under $OUT.
 #   run command="bash benchmarks/run_gpu.sh [STEP ...]"      (device tool; $OUT is set there)
-# STEPs (default: tests attention norm models train): tests rest attention cute norm ops models train ncu ncusrc profile
+# STEPs (default: tests attention norm models train): tests rest attention cute cutebwd norm ops models train ncu
+#   ncusrc profile
 #   tests      the GPU-marked tests (bf16, real sizes)      rest   the rest of the suite on CUDA
 #   attention  bench_attention, full grid                  cute   bench_attention, cute only, short grid
+#   cutebwd    bench_cute_bwd: the cute backward (flash_bwd_sm90) vs Triton's, bf16 d64/d128, S 2k/8k
 #   norm       bench_ops --only norm                       ops    bench_ops (norms and cross-entropy)
 #   models     bench_models decode (cg=True)               train  bench_train (GPT-2 medium step)
 #   profile    profile_step.py: per-kernel GPU time of a GPT-2 training step and of the norms
@@ -47,6 +49,7 @@ for step in $STEPS; do
         python -m pytest -q -m "not gpu" -p no:cacheprovider 2>&1 | tee "$OUT/pytest_rest.log" | tail -n 15 ;;
     attention) bench bench_attention "${peer[@]}" ;;
     cute) bench bench_attention --backends cute --headdims 64,128 --seqlens 1024,4096,16384 "${peer[@]}" ;;
+    cutebwd) timeout 600 python benchmarks/bench_cute_bwd.py --out "$OUT/results" 2>&1 | tee "$OUT/bench_cute_bwd.log" ;;
     norm) bench bench_ops --only norm ;;
     ops) bench bench_ops ;;
     models) bench bench_models --skip-train ;;   # the training-step target is measured by bench_train

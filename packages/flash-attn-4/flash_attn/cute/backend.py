@@ -1,11 +1,16 @@
 """The root dispatcher's view of flash_attn.cute (the contract is in flash_attn/backends/__init__.py).
 
 Serves forward calls on Hopper (sm_90): fp16/bf16, head dim 64 or 128 (v's equal to q's), causal or
-not, sliding windows, softcap, GQA/MQA, dense or varlen (cu_seqlens). It has no backward kernel yet:
-the dispatcher sends the backward of a call this backend served forward to the next backend that has
-one (Triton, else the reference), which consumes this forward's out and lse. (No ``bwd``:
-``unsupported_reason`` refuses every backward call.)
+not, sliding windows, softcap, GQA/MQA, dense or varlen (cu_seqlens).
+
+Backward (flash_bwd_sm90.py) is opt-in until it has been validated on a GPU: with FLASH_ATTN_CUTE_BWD=1
+this backend serves dense backward calls without windows, softcap, ALiBi, dropout or determinism
+(its dQ uses atomics); everything else, and every backward call without the variable, goes to the next
+backend that has a backward (Triton, else the reference), which consumes this forward's out and lse.
+The variable is read when the dispatcher first sees a kind of call (its choices are cached).
 """
+import os
+
 import torch
 
 NAME = "cute"
@@ -13,6 +18,8 @@ _DTYPES = (torch.float16, torch.bfloat16)
 _HEAD_DIMS = (64, 128)
 _ARCHS = {(9, 0): "sm_90a"}
 _unavailable = []
+BWD_OUT = True  # bwd() takes grads=(dq, dk, dv)
+BWD_ENV_VAR = "FLASH_ATTN_CUTE_BWD"
 
 
 def unavailable_reason():
@@ -35,9 +42,15 @@ def unsupported_reason(call):
         return f"dtype {call.dtype} (fp16/bf16 only)"
     if call.head_dim not in _HEAD_DIMS or call.head_dim_v != call.head_dim:
         return f"head dims {call.head_dim}/{call.head_dim_v} not in {_HEAD_DIMS} (equal for q/k and v)"
-    for what in ("backward", "paged", "alibi", "dropout", "return_probs", "kvcache"):
+    for what in ("paged", "alibi", "dropout", "return_probs", "kvcache"):
         if getattr(call, what):
             return what
+    if call.backward:
+        if os.environ.get(BWD_ENV_VAR) != "1":
+            return f"backward (the CuTeDSL backward is opt-in: {BWD_ENV_VAR}=1)"
+        for what in ("varlen", "local", "softcap", "deterministic"):
+            if getattr(call, what):
+                return f"backward with {what}"
     return None
 
 
@@ -54,3 +67,16 @@ def fwd(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bloc
         out, lse = interface.forward(q, k, v, softmax_scale, causal, "sm_90a", window_left, window_right, softcap)
     return out, lse, q.new_empty(0)
 
+
+def bwd(dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
+        softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state,
+        deterministic, grads=None):
+    from flash_attn.cute import interface
+
+    # unsupported_reason admitted only dense, unwindowed, uncapped, non-deterministic calls on sm_90; a
+    # direct caller gets an error rather than a wrong gradient
+    if (cu_seqlens_q is not None or block_table is not None or softcap > 0.0 or alibi_slopes is not None
+            or dropout_p > 0.0 or deterministic or window_left >= 0 or (window_right >= 0 and not causal)):
+        raise NotImplementedError("flash_attn.cute's backward handles dense calls without windows, softcap, "
+                                  "ALiBi, dropout or determinism")
+    return interface.backward(dout, q, k, v, out, lse, softmax_scale, causal, "sm_90a", grads=grads)

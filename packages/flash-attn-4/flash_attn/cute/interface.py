@@ -205,9 +205,16 @@ def load_or_build(dtype, head_dim, causal, arch="sm_90a", root=None, force=False
     variant = dict(local=local, softcap=softcap, varlen=varlen)
     if not _tvm_ffi():
         return _dlpack_launcher(compile_fwd(dtype, head_dim, causal, arch, **variant)), "compiled-dlpack"
+    return _load_or_build_entry(_entry(dtype, head_dim, causal, arch, local, softcap, varlen),
+                                lambda: compile_fwd(dtype, head_dim, causal, arch, **variant), root, force)
+
+
+def _load_or_build_entry(entry, compile_fn, root, force):
+    """(callable, origin) for the disk cache entry ``entry`` = (config, key, name, symbol): loaded from
+    ``root``, else ``compile_fn()`` (a TVM-FFI compiled function) written there."""
     if root is None:
-        return _ffi_function(compile_fwd(dtype, head_dim, causal, arch, **variant)), "compiled"
-    config, key, name, symbol = _entry(dtype, head_dim, causal, arch, local, softcap, varlen)
+        return _ffi_function(compile_fn()), "compiled"
+    config, key, name, symbol = entry
     disk = cache.DiskCache(root)
     if not force:
         fn, how = disk.load(name, key)
@@ -225,7 +232,7 @@ def load_or_build(dtype, head_dim, causal, arch="sm_90a", root=None, force=False
             if fn is not None:
                 return fn, how
         t0 = time.perf_counter()
-        compiled = compile_fwd(dtype, head_dim, causal, arch, **variant)
+        compiled = compile_fn()
         if writable:
             info = {"config": config, "env": cache.environment(), "source": cache.source_hash(),
                     "compile_s": round(time.perf_counter() - t0, 3), "created": time.time()}
@@ -316,9 +323,10 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=_NO_W
     sees key j iff j - (i + Sk - Sq) lies in [-window_size[0], window_size[1]] (None or a negative size:
     no limit on that side; causal sets the right size to 0). softcap > 0: scores become
     softcap * tanh(scale * q.k / softcap). Returns (out, lse): out
-    like q, lse fp32 (B, H, Sq) natural log (+inf for a row that sees no key). There is no backward
-    kernel yet: when q, k or v needs a gradient the backward runs on another backend (see
-    _with_fallback_backward)."""
+    like q, lse fp32 (B, H, Sq) natural log (+inf for a row that sees no key). When q, k or v needs a
+    gradient the call goes through the dispatcher's differentiable op (see _with_fallback_backward): its
+    backward runs on this package's backward kernel when FLASH_ATTN_CUTE_BWD=1 and the call is one it
+    handles (dense, no window or softcap), else on another backend."""
     # Every check reads attributes only (no tensor ops, no CUDA queries): this is the per-call path.
     if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
             and q.dim() == 4 and k.dim() == 4 and v.dim() == 4):
@@ -363,14 +371,15 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=_NO_W
 
 def _with_fallback_backward(q, k, v, softmax_scale, causal, window_left, window_right, softcap, varlen=None):
     """A call that needs gradients: this kernel runs the forward inside the root package's differentiable
-    attention op (under use_backend("cute")), whose dispatcher sends the backward to the next backend
-    that has one. Needs the flash-attn distribution beside flash-attn-4."""
+    attention op (under use_backend("cute")), whose dispatcher runs the backward here too when the cute
+    backend accepts it (FLASH_ATTN_CUTE_BWD=1 and a call flash_bwd_sm90 handles, see backend.py), else
+    on the next backend that has one. Needs the flash-attn distribution beside flash-attn-4."""
     try:
         from flash_attn import _ops
         from flash_attn.dispatch import use_backend
     except ImportError as e:
         raise NotImplementedError(
-            "flash_attn.cute has no backward kernel yet; gradients need the flash-attn package "
+            "flash_attn.cute's gradients go through the flash-attn package's dispatcher "
             f"(pip install flash-attn) for the fallback backward ({e})") from None
     with use_backend("cute"):
         # (q, k, v, cu_seqlens_q/k, max_seqlen_q/k, block_table, scale, causal, window left/right,
@@ -537,3 +546,183 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
         fn(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, float(softmax_scale),
            float(softcap), window_left, window_right)
     return out, lse
+
+
+# ----------------------------------------------------------------------------------------------------
+# Backward (flash_bwd_sm90.py): dense, causal or not, GQA/MQA; no windows, softcap, varlen or dropout.
+
+_bwd_kernels: dict[tuple, object] = {}  # (torch dtype, head dim, causal, arch) -> callable
+_LOG2E = 1.4426950408889634
+# Query rows per pipeline stage (the N of S^T = K Q^T) and Q/dO ring depth; keys per CTA are fixed at
+# 128 (64 per consumer warpgroup). FLASH_ATTN_CUTE_BWD_BLOCK_M / _STAGES override them (tuning knobs;
+# the disk cache keys on them).
+_BWD_BLOCK_M = {64: 64, 128: 64}
+_BWD_STAGES = {64: 2, 128: 2}
+# dQ tile shared by the two consumer warpgroups (split along D; one atomic add per element per key
+# block) or one per warpgroup (two adds, no cross-warpgroup barrier). FLASH_ATTN_CUTE_BWD_DQ_SPLIT=0/1.
+_BWD_DQ_SPLIT = True
+
+
+def _bwd_config(dtype, head_dim, causal, arch):
+    """Everything that selects the backward kernel's code (the disk cache key; see _fwd_config)."""
+    block_m = int(os.environ.get("FLASH_ATTN_CUTE_BWD_BLOCK_M") or _BWD_BLOCK_M.get(int(head_dim), 64))
+    stages = int(os.environ.get("FLASH_ATTN_CUTE_BWD_STAGES") or _BWD_STAGES.get(int(head_dim), 2))
+    split = os.environ.get("FLASH_ATTN_CUTE_BWD_DQ_SPLIT")
+    dq_split = _BWD_DQ_SPLIT if not split else split not in ("0", "false", "False")
+    return {"kernel": "FlashBwdSm90", "dtype": _DTYPE_NAMES.get(dtype, str(dtype)), "head_dim": int(head_dim),
+            "causal": bool(causal), "block_m": block_m, "stages": stages, "dq_split": dq_split, "arch": arch,
+            "abi": "tvm-ffi-env-stream" if _tvm_ffi() else "cute"}
+
+
+def compile_bwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None):
+    """Compile the backward kernel for ``dtype`` (torch.float16 / torch.bfloat16), ``head_dim`` (64 / 128)
+    and ``causal`` for ``arch``; no GPU needed. ``dump_dir``: an existing folder that receives the PTX
+    and cubin. With apache-tvm-ffi the call is ``(q, k, v, dout, lse2, delta, dq_accum, dk, dv,
+    softmax_scale)`` on torch tensors (see FlashBwdSm90.__call__; ``backward`` prepares them)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    from flash_attn.cute.flash_bwd_sm90 import FlashBwdSm90
+
+    config = _bwd_config(dtype, head_dim, causal, arch)
+    if config["dtype"] not in ("fp16", "bf16"):
+        raise ValueError(f"dtype {dtype} not fp16/bf16")
+    kernel = FlashBwdSm90(_cutlass_dtype(dtype), int(head_dim), bool(causal), block_m=config["block_m"],
+                          num_stages=config["stages"], dq_split=config["dq_split"])
+    D = kernel.head_dim
+    # 32-bit symbolic shapes and strides, as in compile_fwd (backward() keeps tensors below 2^31 elements).
+    batch, seqlen_q, seqlen_k, heads, heads_kv, seqlen_q_pad = (cute.sym_int() for _ in range(6))
+
+    def bshd(dt, seqlen, h):
+        return make_fake_tensor(dt, (batch, seqlen, h, D),
+                                (cute.sym_int(divisibility=8), cute.sym_int(divisibility=8), D, 1),
+                                assumed_align=16)
+
+    def rows():  # lse2 / delta (B, H, Sq_pad) fp32: TMA needs 16-byte aligned rows
+        return make_fake_tensor(cutlass.Float32, (batch, heads, seqlen_q_pad),
+                                (cute.sym_int(divisibility=4), cute.sym_int(divisibility=4), 1), assumed_align=16)
+
+    dt = kernel.dtype
+    tvm_ffi = config["abi"] != "cute"
+    options = f"--gpu-arch {arch}" + (" --enable-tvm-ffi" if tvm_ffi else "")
+    if dump_dir is not None:
+        options += f" --keep-ptx --keep-cubin --dump-dir {dump_dir}"
+    stream = cutlass.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi)
+    return cute.compile(kernel, bshd(dt, seqlen_q, heads), bshd(dt, seqlen_k, heads_kv),
+                        bshd(dt, seqlen_k, heads_kv), bshd(dt, seqlen_q, heads), rows(), rows(),
+                        bshd(cutlass.Float32, seqlen_q, heads), bshd(dt, seqlen_k, heads),
+                        bshd(dt, seqlen_k, heads), cutlass.Float32(1.0), stream, options=options)
+
+
+def _bwd_entry(dtype, head_dim, causal, arch):
+    config = _bwd_config(dtype, head_dim, causal, arch)
+    key = cache.entry_key(config)
+    name = (f"bwd-{arch}-{config['dtype']}-d{config['head_dim']}-{'causal' if causal else 'full'}"
+            f"-{key[:16]}")
+    return config, key, name, f"flash_attn_cute_{key[:16]}"
+
+
+def _bwd_dlpack_launcher(compiled):
+    # As _dlpack_launcher, for the backward's signature.
+    import cutlass
+    from cuda.bindings import driver
+    from cutlass.cute.runtime import from_dlpack
+
+    def as_cute(t, align):
+        return from_dlpack(t.detach(), assumed_align=align).mark_layout_dynamic(leading_dim=t.dim() - 1)
+
+    def launch(q, k, v, dout, lse2, delta, dq_accum, dk, dv, softmax_scale):
+        with torch.cuda.device(q.device):
+            stream = driver.CUstream(torch.cuda.current_stream().cuda_stream)
+            compiled(*(as_cute(t, 16) for t in (q, k, v, dout, lse2, delta, dq_accum, dk, dv)),
+                     cutlass.Float32(softmax_scale), stream)
+
+    return launch
+
+
+def bwd_kernel(dtype, head_dim, causal, arch="sm_90a"):
+    """The backward kernel for (dtype, head dim, causal, arch): from memory, else the disk cache, else
+    compiled and written there (as fwd_kernel)."""
+    mem_key = (dtype, int(head_dim), bool(causal), arch)
+    fn = _bwd_kernels.get(mem_key)
+    if fn is None:
+        with cache._lock:
+            fn = _bwd_kernels.get(mem_key)
+            if fn is None:
+                if not _tvm_ffi():
+                    fn = _bwd_dlpack_launcher(compile_bwd(dtype, head_dim, causal, arch))
+                else:
+                    fn, _ = _load_or_build_entry(_bwd_entry(dtype, head_dim, causal, arch),
+                                                 lambda: compile_bwd(dtype, head_dim, causal, arch),
+                                                 cache.cache_dir(), False)
+                _bwd_kernels[mem_key] = fn
+    return fn
+
+
+def _bwd_out_layout(t, D):
+    # What the compiled kernel accepts for dk / dv: the input layout rules (see _kernel_layout).
+    s = t.stride()
+    return s[3] == 1 and s[2] == D and s[1] % 8 == 0 and s[0] % 8 == 0 and t.data_ptr() % 16 == 0
+
+
+def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grads=None):
+    """Attention backward on validated CUDA inputs: q/out/dout (B, Sq, H, D), k/v (B, Sk, Hk, D) fp16/bf16,
+    D in (64, 128), H % Hk == 0, lse fp32 (B, H, Sq) natural log (+inf for rows that see no key), causal
+    bottom-right aligned. Returns (dq, dk, dv) in the input dtype, written into ``grads`` = (dq, dk, dv)
+    when given (tensors shaped like q, k, v with a contiguous last dim). dq is accumulated with fp32
+    atomics, so results vary in the last bits run to run.
+
+    Host-side steps (torch ops for now): delta = rowsum(dO * O) and lse * log2(e), padded to a multiple
+    of the kernel's query block with 0 / +inf (so padded rows contribute nothing); dq_accum (which the
+    kernel fills with softmax_scale * dS K) cast to the input dtype; with GQA the kernel writes per-query-head dK/dV that are summed here in
+    fp32 over each group."""
+    B, Sq, H, D = q.shape
+    Sk, Hk = k.shape[1], k.shape[2]
+    dtype = q.dtype
+    dq_out, dk_out, dv_out = grads if grads is not None else (None, None, None)
+    if B * Sq * H == 0 or Sk == 0:  # no query or no key: every gradient is 0
+        zeros = [torch.zeros_like(t) if g is None else g.zero_() for t, g in zip((q, k, v), (dq_out, dk_out, dv_out))]
+        return tuple(zeros)
+    config = _bwd_config(dtype, D, causal, arch)
+    block_m = config["block_m"]
+    per_batch = max(Sq * H, Sk * max(H, Hk)) * D
+    if per_batch >= _MAX_ELEMS:
+        raise NotImplementedError(
+            f"one batch entry of q/k/v holds {per_batch} elements; flash_attn.cute's backward handles < 2^31")
+    fn = _bwd_kernels.get((dtype, D, bool(causal), arch)) or bwd_kernel(dtype, D, causal, arch)
+
+    q, k, v, dout = (_kernel_layout(t, D) for t in (q, k, v, dout))
+    sq_pad = -(-Sq // block_m) * block_m
+    lse2 = torch.full((B, H, sq_pad), math.inf, dtype=_F32, device=q.device)
+    lse2[:, :, :Sq] = lse[:, :, :Sq] * _LOG2E
+    delta = torch.zeros((B, H, sq_pad), dtype=_F32, device=q.device)
+    # fp32 products as FlashAttention computes delta; out is upcast inside the multiply (type promotion)
+    # rather than copied
+    delta[:, :, :Sq] = (dout.float() * out).sum(-1).transpose(1, 2)
+    dq_accum = torch.zeros((B, Sq, H, D), dtype=_F32, device=q.device)
+    group = H // Hk
+    if group == 1 and dk_out is not None and _bwd_out_layout(dk_out, D) and _bwd_out_layout(dv_out, D):
+        dk_h, dv_h = dk_out, dv_out
+    else:
+        dk_h = torch.empty((B, Sk, H, D), dtype=dtype, device=q.device)
+        dv_h = torch.empty((B, Sk, H, D), dtype=dtype, device=q.device)
+    step = max(1, (_MAX_ELEMS - 1) // per_batch)
+    for b in range(0, B, step):  # 32-bit offsets in the kernel: batch slices below 2^31 elements
+        sl = slice(b, b + step)
+        fn(q[sl], k[sl], v[sl], dout[sl], lse2[sl], delta[sl], dq_accum[sl], dk_h[sl], dv_h[sl],
+           float(softmax_scale))
+    if group == 1:
+        dk, dv = dk_h, dv_h
+    else:  # sum the per-query-head gradients over each group of H / Hk query heads, in fp32
+        dk = dk_h.view(B, Sk, Hk, group, D).float().sum(3).to(dtype)
+        dv = dv_h.view(B, Sk, Hk, group, D).float().sum(3).to(dtype)
+    if dq_out is not None:  # dq_accum holds softmax_scale * dS K: a cast is left
+        dq = dq_out.copy_(dq_accum)
+    else:
+        dq = dq_accum.to(dtype)
+    if dk_out is not None and dk is not dk_out:
+        dk_out.copy_(dk)
+        dv_out.copy_(dv)
+        dk, dv = dk_out, dv_out
+    return dq, dk, dv

@@ -1,0 +1,107 @@
+"""The CuTeDSL Hopper backward (flash_bwd_sm90.py) against the Triton backward, on the same forward
+results (the cute forward's out and lse): median time of the backend's bwd() call (triton.testing.do_bench),
+TFLOP/s with FlashAttention's count (bwd = 2.5 x 4 * B * S^2 * H * D, half when causal) and the max
+|difference| of dq, dk, dv from Triton's. bf16, batch x seqlen = --tokens, heads = --hidden / D.
+
+    python benchmarks/bench_cute_bwd.py                      # d64/d128 x causal x seqlen 2048, 8192
+    python benchmarks/bench_cute_bwd.py --headdims 64 --seqlens 2048 --causal 1
+
+The cute time includes its host-side torch steps (delta = rowsum(dO * O), lse in log2 units, dq's
+fp32 -> bf16 cast, the dq_accum memset); the Triton time includes its own preprocessing. "kernel" is
+flash_bwd_sm90 alone on prepared inputs (its TFLOP/s: what a fused preprocess would leave).
+"""
+import argparse
+import os
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for p in (ROOT, os.path.join(ROOT, "packages", "flash-attn-4"), os.path.join(ROOT, "packages", "flash-attn-triton")):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+
+def _ints(s):
+    return [int(x) for x in s.split(",") if x]
+
+
+def _bools(s):
+    return [x.strip().lower() in ("1", "true", "yes") for x in s.split(",") if x]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--headdims", type=_ints, default=[64, 128])
+    ap.add_argument("--seqlens", type=_ints, default=[2048, 8192])
+    ap.add_argument("--causal", type=_bools, default=[False, True])
+    ap.add_argument("--tokens", type=int, default=16384, help="batch x seqlen")
+    ap.add_argument("--hidden", type=int, default=2048, help="heads x head dim")
+    ap.add_argument("--warmup", type=int, default=25, help="do_bench warmup (ms)")
+    ap.add_argument("--rep", type=int, default=100, help="do_bench repetitions (ms)")
+    ap.add_argument("--out", default=None, help="a folder that also receives the table (cute_bwd.txt)")
+    args = ap.parse_args(argv)
+    lines = []
+
+    def emit(line):
+        print(line, flush=True)
+        lines.append(line)
+
+    from triton.testing import do_bench
+
+    from flash_attn.cute import backend as cb
+    from flash_attn.cute import interface as ci
+    from flash_attn.triton import backend as tb
+
+    dtype = torch.bfloat16
+    emit(f"{'D':>4} {'S':>6} {'B':>3} {'H':>3} {'causal':>6} | {'triton ms':>9} {'TFLOP/s':>8} | "
+         f"{'cute ms':>8} {'TFLOP/s':>8} {'speedup':>7} | {'kernel':>7} {'TFLOP/s':>8} | "
+         f"max|cute - triton| dq dk dv")
+    for d in args.headdims:
+        for s in args.seqlens:
+            for causal in args.causal:
+                b, h = max(1, args.tokens // s), args.hidden // d
+                g = torch.Generator().manual_seed(0)
+                q, k, v, dout = (torch.randn(b, s, h, d, generator=g).to("cuda", dtype) for _ in range(4))
+                kw = dict(cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=s, max_seqlen_k=s, block_table=None,
+                          softmax_scale=d ** -0.5, causal=causal, window_left=-1, window_right=0 if causal else -1,
+                          softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None)
+                out, lse, _ = cb.fwd(q, k, v, return_probs=False, **kw)
+
+                def run_cute():
+                    return cb.bwd(dout, q, k, v, out, lse, deterministic=False, **kw)
+
+                def run_triton():
+                    return tb.bwd(dout, q, k, v, out, lse, deterministic=False, **kw)
+
+                ref = run_triton()
+                got = run_cute()
+                torch.cuda.synchronize()
+                errs = [(a.float() - r.float()).abs().max().item() for a, r in zip(got, ref)]
+                flops = 2.5 * 4 * b * s * s * h * d / (2 if causal else 1)
+                t_tri = do_bench(run_triton, warmup=args.warmup, rep=args.rep, return_mode="median")
+                t_cute = do_bench(run_cute, warmup=args.warmup, rep=args.rep, return_mode="median")
+                # the kernel alone, on inputs prepared as interface.backward prepares them
+                fn = ci.bwd_kernel(dtype, d, causal)
+                bm = ci._bwd_config(dtype, d, causal, "sm_90a")["block_m"]
+                pad = -(-s // bm) * bm
+                lse2 = torch.full((b, h, pad), float("inf"), dtype=torch.float32, device="cuda")
+                lse2[:, :, :s] = lse * 1.4426950408889634
+                delta = torch.zeros((b, h, pad), dtype=torch.float32, device="cuda")
+                delta[:, :, :s] = (dout.float() * out).sum(-1).transpose(1, 2)
+                dq_acc = torch.zeros((b, s, h, d), dtype=torch.float32, device="cuda")
+                dk_h, dv_h = torch.empty_like(k), torch.empty_like(v)
+                t_kern = do_bench(lambda: fn(q, k, v, dout, lse2, delta, dq_acc, dk_h, dv_h, d ** -0.5),
+                                  warmup=args.warmup, rep=args.rep, return_mode="median")
+                emit(f"{d:>4} {s:>6} {b:>3} {h:>3} {str(causal):>6} | {t_tri:9.3f} {flops / t_tri / 1e9:8.1f} | "
+                     f"{t_cute:8.3f} {flops / t_cute / 1e9:8.1f} {t_tri / t_cute:7.2f} | "
+                     f"{t_kern:7.3f} {flops / t_kern / 1e9:8.1f} | "
+                     + " ".join(f"{e:.2e}" for e in errs))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "cute_bwd.txt"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

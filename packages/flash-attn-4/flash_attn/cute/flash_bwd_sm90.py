@@ -1,0 +1,463 @@
+"""Attention backward for Hopper (sm_90a) in CuTeDSL, after FlashAttention-2 (Dao 2023, algorithm 2) and
+FlashAttention-3 (Shah et al. 2024, section 3): one CTA per (key block, head, batch) keeps its K and V
+tiles and the dK, dV accumulators on chip and walks over the query blocks that see it, with Q, dO and
+their per-row lse / delta streamed in by TMA through an mbarrier pipeline; dQ is accumulated across
+CTAs with fp32 atomic adds into a global buffer.
+
+Transposed formulation: the consumers compute S^T = K Q^T and dP^T = V dO^T, so keys are the rows of
+the accumulators. P^T is then already in the register layout of the A operand of dV += P^T dO (an
+m64nDk16 WGMMA with A from registers), and the per-query values lse and delta are per-column constants
+read from shared memory.
+
+Per query block, for each of the two consumer warpgroups (64 keys each):
+  S^T  = K Q^T                     WGMMA, both operands in smem (K-major)
+  dP^T = V dO^T                    WGMMA, both operands in smem (K-major)
+  P^T  = exp2(S^T * scale * log2(e) - lse2[col])     (lse2 = lse * log2(e), +inf past Sq)
+  dV  += P^T dO                    WGMMA, A = P^T from registers, B = dO^T (transposed smem view)
+  dS^T = P^T * (dP^T - delta[col]) written to smem (M-major dS tile, double-buffered)
+  dK  += dS^T Q                    WGMMA, A = dS^T from smem, B = Q^T (transposed smem view)
+  dQ_wg = dS K                     WGMMA over the warpgroup's 64 keys, A = dS (M-major), B = K^T
+  dq_accum[rows] += scale * dQ     red.global.add.v2.f32
+After the loop dK is scaled by softmax_scale and dK, dV are stored. The host (interface.backward)
+computes delta = rowsum(dO * O) and lse2 with torch, and casts dq_accum to the input dtype.
+
+Layouts seen by the kernel (views built on the host side of __call__, no copies):
+  mQ, mdO (Sq, D, H, B); mK, mV (Sk, D, Hk, B); mLSE2, mDelta (Sq_pad, H, B) fp32, Sq_pad a multiple of
+  BLOCK_M; mdQaccum (Sq, D, H, B) fp32; mdK, mdV (Sk, D, H, B): per query head (GQA sums on the host).
+Not yet run on a GPU.
+"""
+import math
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import Float32, Int32
+from cutlass._mlir import ir
+from cutlass._mlir.dialects import vector
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.cutlass_dsl import dsl_user_op
+from cutlass.memory import SmemAllocator
+
+from flash_attn.cute.flash_fwd_sm90 import _smem_layout
+
+LOG2_E = math.log2(math.e)
+
+
+def _transpose_view(t):
+    """The same shared memory seen with its first two modes swapped (an MN-major operand view of a
+    K-major tile, or the reverse)."""
+    shape = (t.shape[1], t.shape[0], *t.shape[2:])
+    order = (1, 0, *range(2, cute.rank(t)))
+    return cute.composition(t, cute.make_ordered_layout(shape, order=order))
+
+
+@dsl_user_op
+def _red_add_f32x2(ptr, a, b, *, loc=None, ip=None):
+    """*ptr += (a, b) as one red.global.add.v2.f32 (sm_90): two adjacent fp32 columns of a dQ row in
+    one 8-byte reduction, half the L2 atomic operations of two scalar ones. ptr is 8-byte aligned."""
+    f32 = Float32.mlir_type
+    pair = vector.from_elements(ir.VectorType.get([2], f32),
+                                [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
+                                loc=loc, ip=ip)
+    cute.arch.red(ptr, pair, op="add", dtype=Float32, sem="relaxed", scope="gpu", loc=loc, ip=ip)
+
+
+class FlashBwdSm90:
+    """Compile-time configuration: dtype, head dim, causal, tile sizes and the Q/dO ring depth. Batch,
+    sequence lengths, head counts, strides and the scale are runtime values of the compiled kernel."""
+
+    NUM_PRODUCER_THREADS = 128  # one warpgroup; a single thread issues the TMA copies
+    NUM_MMA_WARPGROUPS = 2  # 64 keys each
+    # 24 * 128 + 240 * 256 <= 64K registers. A consumer thread holds dK and dV (D/2 fp32 each), S^T and
+    # dP^T (BLOCK_M/2 each), then P^T in 16 bits and its dQ partial (D/2): 192-208 at D = 128, BLOCK_M = 64.
+    PRODUCER_REGS = 24
+    CONSUMER_REGS = 240
+
+    def __init__(self, dtype, head_dim, causal, block_m=64, block_n=128, num_stages=2, dq_split=True):
+        """dq_split: the two warpgroups compute one dQ tile together, each its half of D over all BLOCK_N
+        keys (a barrier of both per query block, since each reads the other's dS); else each computes
+        dS K over its own 64 keys and both add into dq_accum (twice the atomic traffic, no barrier)."""
+        if head_dim not in (64, 128):
+            raise ValueError(f"head dim {head_dim} not in (64, 128)")
+        if dtype not in (cutlass.Float16, cutlass.BFloat16):
+            raise ValueError(f"dtype {dtype} not fp16/bf16")
+        if block_n != 64 * self.NUM_MMA_WARPGROUPS:
+            raise ValueError(f"block_n must be {64 * self.NUM_MMA_WARPGROUPS} (64 keys per warpgroup)")
+        if block_m not in (64, 128):
+            raise ValueError(f"block_m {block_m} not in (64, 128)")
+        if num_stages < 1:
+            raise ValueError(f"num_stages {num_stages} < 1")
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.causal = bool(causal)
+        self.block_m = block_m
+        self.block_n = block_n
+        self.num_stages = num_stages
+        self.dq_split = bool(dq_split)
+        self.num_threads = self.NUM_PRODUCER_THREADS + 128 * self.NUM_MMA_WARPGROUPS
+
+    # ------------------------------------------------------------------------------------------------
+    # Host side: views, TMA descriptors, launch
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+                 mLSE2: cute.Tensor, mDelta: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor,
+                 mdV: cute.Tensor, softmax_scale: Float32, stream):
+        """mQ/mdO (B, Sq, H, D), mK/mV (B, Sk, Hk, D), mLSE2/mDelta (B, H, Sq_pad) fp32 (lse in log2
+        units, +inf past Sq; delta = rowsum(dO * O), 0 past Sq), mdQaccum (B, Sq, H, D) fp32 (zeroed by
+        the caller, receives softmax_scale * dS K), mdK/mdV (B, Sk, H, D) in the input dtype, as PyTorch lays
+        them out."""
+        # (B, S, H, D) -> (S, D, H, B): the first two modes are the tile, the others index the CTA.
+        to_sdhb = [1, 3, 2, 0]
+        mQ, mK, mV, mdO, mdQaccum, mdK, mdV = (
+            cute.make_tensor(t.iterator, cute.select(t.layout, mode=to_sdhb))
+            for t in (mQ, mK, mV, mdO, mdQaccum, mdK, mdV))
+        mLSE2 = cute.make_tensor(mLSE2.iterator, cute.select(mLSE2.layout, mode=[2, 1, 0]))
+        mDelta = cute.make_tensor(mDelta.iterator, cute.select(mDelta.layout, mode=[2, 1, 0]))
+
+        dt, D, BM, BN, stages = self.dtype, self.head_dim, self.block_m, self.block_n, self.num_stages
+        K_SW128 = warpgroup.SmemLayoutAtomKind.K_SW128
+        MN_SW128 = warpgroup.SmemLayoutAtomKind.MN_SW128
+        sQ_layout = _smem_layout(K_SW128, dt, (BM, D, stages))
+        sdO_layout = _smem_layout(K_SW128, dt, (BM, D, stages))
+        # With dq_split, K^T's D rows are split between the warpgroups as WGMMA N: each half must start
+        # on a swizzle atom, so D = 64 uses 64-byte (32-element) atoms.
+        k_atom = warpgroup.SmemLayoutAtomKind.K_SW64 if self.dq_split and D == 64 else K_SW128
+        sK_layout = _smem_layout(k_atom, dt, (BN, D))
+        sV_layout = _smem_layout(K_SW128, dt, (BN, D))
+        # dS as the A operand of dQ = dS K, M-major (queries contiguous): the S^T accumulator holds
+        # pairs of adjacent queries, which then land as 4-byte stores. Two buffers, so that a warpgroup
+        # writes block j + 1's dS while a slower warp may still be in block j's dQ WGMMA.
+        sdS_layout = _smem_layout(MN_SW128, dt, (BM, BN, 2))
+        sLSE_layout = cute.make_layout((BM, stages))
+
+        # S^T = K Q^T and dP^T = V dO^T: keys on M (64 per warpgroup), queries on N.
+        tiled_mma_sdp = cute.make_tiled_mma(
+            cute.make_mma_atom(warpgroup.MmaF16BF16Op(
+                dt, Float32, (64, BM, 16), warpgroup.OperandSource.SMEM,
+                OperandMajorMode.K, OperandMajorMode.K)),
+            (self.NUM_MMA_WARPGROUPS, 1, 1))
+        # dV += P^T dO: A = P^T from the S^T accumulator's registers, B the transposed (D-contiguous,
+        # MN-major) view of the dO tile.
+        tiled_mma_dv = cute.make_tiled_mma(
+            cute.make_mma_atom(warpgroup.MmaF16BF16Op(
+                dt, Float32, (64, D, 16), warpgroup.OperandSource.RMEM,
+                OperandMajorMode.K, OperandMajorMode.MN)),
+            (self.NUM_MMA_WARPGROUPS, 1, 1))
+        # dK += dS^T Q: A = dS^T read back from shared memory (it is there for dQ anyway; from registers
+        # it would stay live next to the dQ accumulator and push D = 128 past 240 registers), B = Q^T.
+        tiled_mma_dk = cute.make_tiled_mma(
+            cute.make_mma_atom(warpgroup.MmaF16BF16Op(
+                dt, Float32, (64, D, 16), warpgroup.OperandSource.SMEM,
+                OperandMajorMode.K, OperandMajorMode.MN)),
+            (self.NUM_MMA_WARPGROUPS, 1, 1))
+        # dQ = dS K, A = the M-major dS tile, B = K^T (D contiguous, MN-major). dq_split: N = D split over
+        # the two warpgroups, K = all BLOCK_N keys; else one warpgroup's MMA over its own 64 keys.
+        dq_n, dq_atoms = (D // 2, (1, self.NUM_MMA_WARPGROUPS, 1)) if self.dq_split else (D, (1, 1, 1))
+        tiled_mma_dq = cute.make_tiled_mma(
+            cute.make_mma_atom(warpgroup.MmaF16BF16Op(
+                dt, Float32, (64, dq_n, 16), warpgroup.OperandSource.SMEM,
+                OperandMajorMode.MN, OperandMajorMode.MN)),
+            dq_atoms)
+
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_q, mQ_tma = cpasync.make_tiled_tma_atom(g2s, mQ, cute.slice_(sQ_layout, (None, None, 0)), (BM, D))
+        tma_do, mdO_tma = cpasync.make_tiled_tma_atom(
+            g2s, mdO, cute.slice_(sdO_layout, (None, None, 0)), (BM, D))
+        tma_k, mK_tma = cpasync.make_tiled_tma_atom(g2s, mK, sK_layout, (BN, D))
+        tma_v, mV_tma = cpasync.make_tiled_tma_atom(g2s, mV, sV_layout, (BN, D))
+        row_layout = cute.make_layout(BM)
+        tma_lse, mLSE2_tma = cpasync.make_tiled_tma_atom(g2s, mLSE2, row_layout, (BM,))
+        tma_delta, mDelta_tma = cpasync.make_tiled_tma_atom(g2s, mDelta, row_layout, (BM,))
+
+        grid = (cute.ceil_div(cute.size(mK, mode=[0]), BN), cute.size(mQ, mode=[2]), cute.size(mQ, mode=[3]))
+        self.kernel(tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma, tma_do, mdO_tma, tma_lse, mLSE2_tma,
+                    tma_delta, mDelta_tma, mdQaccum, mdK, mdV, softmax_scale * LOG2_E, softmax_scale,
+                    cute.size(mQ, mode=[0]), sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout,
+                    sLSE_layout, tiled_mma_sdp, tiled_mma_dv, tiled_mma_dk, tiled_mma_dq).launch(
+            grid=grid, block=(self.num_threads, 1, 1), stream=stream,
+            # .minnctapersm 1 pins the register count at entry (65536 / 384 threads); without it ptxas
+            # may ignore setmaxnreg (C7508) and cap the consumers at 168 registers.
+            min_blocks_per_mp=1)
+
+    # ------------------------------------------------------------------------------------------------
+    # Device side
+
+    @cute.kernel
+    def kernel(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor,
+               tma_v: cute.CopyAtom, mV: cute.Tensor, tma_do: cute.CopyAtom, mdO: cute.Tensor,
+               tma_lse: cute.CopyAtom, mLSE2: cute.Tensor, tma_delta: cute.CopyAtom, mDelta: cute.Tensor,
+               mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, scale_log2: Float32,
+               softmax_scale: Float32, seqlen_q: Int32, sQ_layout: cute.ComposedLayout,
+               sdO_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
+               sdS_layout: cute.ComposedLayout, sLSE_layout: cute.Layout, tiled_mma_sdp: cute.TiledMma,
+               tiled_mma_dv: cute.TiledMma, tiled_mma_dk: cute.TiledMma, tiled_mma_dq: cute.TiledMma):
+        dt, BM, BN, stages = self.dtype, self.block_m, self.block_n, self.num_stages
+        n_block, head, batch = cute.arch.block_idx()
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        head_kv = head // (cute.size(mQ, mode=[2]) // cute.size(mK, mode=[2]))  # GQA / MQA
+        seqlen_k = cute.size(mK, mode=[0])
+
+        if warp_idx == 0:
+            for atom in (tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta):
+                cpasync.prefetch_descriptor(atom)
+
+        smem = SmemAllocator()
+        kv_bars = smem.allocate_array(cutlass.Int64, num_elems=2, byte_alignment=8)
+        q_bars = smem.allocate_array(cutlass.Int64, num_elems=2 * stages, byte_alignment=8)
+        do_bars = smem.allocate_array(cutlass.Int64, num_elems=2 * stages, byte_alignment=8)
+        sQ = smem.allocate_tensor(dt, sQ_layout.outer, byte_alignment=1024, swizzle=sQ_layout.inner)
+        sdO = smem.allocate_tensor(dt, sdO_layout.outer, byte_alignment=1024, swizzle=sdO_layout.inner)
+        sK = smem.allocate_tensor(dt, sK_layout.outer, byte_alignment=1024, swizzle=sK_layout.inner)
+        sV = smem.allocate_tensor(dt, sV_layout.outer, byte_alignment=1024, swizzle=sV_layout.inner)
+        sdS = smem.allocate_tensor(dt, sdS_layout.outer, byte_alignment=1024, swizzle=sdS_layout.inner)
+        sLSE = smem.allocate_tensor(Float32, sLSE_layout, byte_alignment=128)
+        sDelta = smem.allocate_tensor(Float32, sLSE_layout, byte_alignment=128)
+
+        num_mma_warps = self.NUM_MMA_WARPGROUPS * 4
+
+        # Full barriers count the TMA bytes; empty barriers one arrival per consumer warp. Q travels with
+        # its lse rows and dO with its delta rows, on one barrier each: S^T and P^T need Q and lse, dP^T
+        # and dS^T need dO and delta.
+        def tma_pipe(bars, n, nbytes):
+            return pipeline.PipelineTmaAsync.create(
+                num_stages=n, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, num_mma_warps),
+                tx_count=nbytes, barrier_storage=bars, defer_sync=True)
+
+        row_bytes = BM * 4
+        kv_pipe = tma_pipe(kv_bars, 1, cute.size_in_bytes(dt, sK_layout) + cute.size_in_bytes(dt, sV_layout))
+        q_pipe = tma_pipe(q_bars, stages, cute.size_in_bytes(dt, cute.slice_(sQ_layout, (None, None, 0)))
+                          + row_bytes)
+        do_pipe = tma_pipe(do_bars, stages, cute.size_in_bytes(dt, cute.slice_(sdO_layout, (None, None, 0)))
+                           + row_bytes)
+        # mbarrier inits must be visible to the async proxy (TMA) and to every thread before use.
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        # Query blocks that see this key block (bottom-right aligned causal mask: query i sees key j iff
+        # j <= i + Sk - Sq): from the block of the first query that sees key n_block * BN.
+        m_block_max = cute.ceil_div(seqlen_q, BM)
+        m_block_min = Int32(0)
+        if cutlass.const_expr(self.causal):
+            m_block_min = cutlass.max(n_block * BN + seqlen_q - seqlen_k, 0) // BM
+
+        if warp_idx < 4:
+            # Producer warpgroup: only TMA issue, so it hands its registers to the consumers.
+            cute.arch.setmaxregister_decrease(self.PRODUCER_REGS)
+            if tidx == 0:
+                self._produce(tma_q, mQ, tma_k, mK, tma_v, mV, tma_do, mdO, tma_lse, mLSE2, tma_delta, mDelta,
+                              sQ, sK, sV, sdO, sLSE, sDelta, kv_pipe, q_pipe, do_pipe, n_block, head, head_kv,
+                              batch, m_block_min, m_block_max)
+        else:
+            cute.arch.setmaxregister_increase(self.CONSUMER_REGS)
+            self._consume(mdQaccum, mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE, sDelta, kv_pipe, q_pipe, do_pipe,
+                          tiled_mma_sdp, tiled_mma_dv, tiled_mma_dk, tiled_mma_dq, scale_log2, softmax_scale,
+                          tidx - self.NUM_PRODUCER_THREADS, n_block, head, batch, seqlen_q, seqlen_k,
+                          m_block_min, m_block_max)
+
+    @cute.jit
+    def _produce(self, tma_q, mQ, tma_k, mK, tma_v, mV, tma_do, mdO, tma_lse, mLSE2, tma_delta, mDelta,
+                 sQ, sK, sV, sdO, sLSE, sDelta, kv_pipe, q_pipe, do_pipe, n_block, head, head_kv, batch,
+                 m_block_min, m_block_max):
+        BM, BN, D = self.block_m, self.block_n, self.head_dim
+        gQ = cute.local_tile(mQ[None, None, head, batch], (BM, D), (None, 0))      # (BM, D, m)
+        gdO = cute.local_tile(mdO[None, None, head, batch], (BM, D), (None, 0))    # (BM, D, m)
+        gK = cute.local_tile(mK[None, None, head_kv, batch], (BN, D), (None, 0))   # (BN, D, n)
+        gV = cute.local_tile(mV[None, None, head_kv, batch], (BN, D), (None, 0))   # (BN, D, n)
+        gLSE = cute.local_tile(mLSE2[None, head, batch], (BM,), (None,))           # (BM, m)
+        gDelta = cute.local_tile(mDelta[None, head, batch], (BM,), (None,))        # (BM, m)
+        one_cta = cute.make_layout(1)
+        tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, one_cta, cute.group_modes(sQ, 0, 2),
+                                           cute.group_modes(gQ, 0, 2))
+        tdOsdO, tdOgdO = cpasync.tma_partition(tma_do, 0, one_cta, cute.group_modes(sdO, 0, 2),
+                                               cute.group_modes(gdO, 0, 2))
+        tKsK, tKgK = cpasync.tma_partition(tma_k, 0, one_cta, cute.group_modes(sK, 0, 2),
+                                           cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(tma_v, 0, one_cta, cute.group_modes(sV, 0, 2),
+                                           cute.group_modes(gV, 0, 2))
+        tLsL, tLgL = cpasync.tma_partition(tma_lse, 0, one_cta, cute.group_modes(sLSE, 0, 1),
+                                           cute.group_modes(gLSE, 0, 1))
+        tDsD, tDgD = cpasync.tma_partition(tma_delta, 0, one_cta, cute.group_modes(sDelta, 0, 1),
+                                           cute.group_modes(gDelta, 0, 1))
+
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        kv_pipe.producer_acquire(kv_state)
+        kv_bar = kv_pipe.producer_get_barrier(kv_state)
+        cute.copy(tma_k, tKgK[None, n_block], tKsK, tma_bar_ptr=kv_bar)
+        cute.copy(tma_v, tVgV[None, n_block], tVsV, tma_bar_ptr=kv_bar)
+
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
+            q_pipe.producer_acquire(q_state)
+            q_bar = q_pipe.producer_get_barrier(q_state)
+            cute.copy(tma_q, tQgQ[None, m_block], tQsQ[None, q_state.index], tma_bar_ptr=q_bar)
+            cute.copy(tma_lse, tLgL[None, m_block], tLsL[None, q_state.index], tma_bar_ptr=q_bar)
+            q_state.advance()
+            do_pipe.producer_acquire(do_state)
+            do_bar = do_pipe.producer_get_barrier(do_state)
+            cute.copy(tma_do, tdOgdO[None, m_block], tdOsdO[None, do_state.index], tma_bar_ptr=do_bar)
+            cute.copy(tma_delta, tDgD[None, m_block], tDsD[None, do_state.index], tma_bar_ptr=do_bar)
+            do_state.advance()
+
+    @cute.jit
+    def _mask(self, acc_S, tScS, m_block, n_block, seqlen_q, seqlen_k):
+        """-inf for keys past the sequence end (TMA zero-fills them; unmasked they would give P^T = 2^-lse2
+        rows, harmless for dV but an overflow risk in dQ) and, when causal, for keys right of each
+        query's diagonal. acc_S is S^T: (key, query) coordinates."""
+        BM, BN = self.block_m, self.block_n
+        for i in cutlass.range(cute.size(acc_S), unroll_full=True):
+            key = n_block * BN + tScS[i][0]
+            masked = key >= seqlen_k
+            if cutlass.const_expr(self.causal):
+                query = m_block * BM + tScS[i][1]
+                masked = masked | (key > query + seqlen_k - seqlen_q)
+            if masked:
+                acc_S[i] = -Float32.inf
+
+    @cute.jit
+    def _consume(self, mdQaccum, mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE, sDelta, kv_pipe, q_pipe, do_pipe,
+                 tiled_mma_sdp, tiled_mma_dv, tiled_mma_dk, tiled_mma_dq, scale_log2, softmax_scale, ctid,
+                 n_block, head,
+                 batch, seqlen_q, seqlen_k, m_block_min, m_block_max):
+        dt, D, BM, BN = self.dtype, self.head_dim, self.block_m, self.block_n
+        wg = cute.arch.make_warp_uniform(ctid // 128)
+        thr_sdp = tiled_mma_sdp.get_slice(ctid)
+        thr_dv = tiled_mma_dv.get_slice(ctid)
+        thr_dq = tiled_mma_dq.get_slice(ctid if cutlass.const_expr(self.dq_split) else ctid % 128)
+        # Shared-memory operands are the same for a whole warpgroup: partition them with its first
+        # thread (a warp-uniform index) so ptxas builds the WGMMA descriptors in uniform registers.
+        wg_sdp = tiled_mma_sdp.get_slice(wg * 128)
+        wg_dv = tiled_mma_dv.get_slice(wg * 128)
+        wg_dk = tiled_mma_dk.get_slice(wg * 128)
+        wg_dq = tiled_mma_dq.get_slice(wg * 128 if cutlass.const_expr(self.dq_split) else 0)
+
+        sdSt = _transpose_view(sdS)  # (BN, BM, 2): dS^T, the accumulators' orientation
+        tSrK = tiled_mma_sdp.make_fragment_A(wg_sdp.partition_A(sK))
+        tSrQ = tiled_mma_sdp.make_fragment_B(wg_sdp.partition_B(sQ))
+        tdPrV = tiled_mma_sdp.make_fragment_A(wg_sdp.partition_A(sV))
+        tdPrdO = tiled_mma_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
+        tdVrdOt = tiled_mma_dv.make_fragment_B(wg_dv.partition_B(_transpose_view(sdO)))  # (D, BM, stages)
+        tdKrdSt = tiled_mma_dk.make_fragment_A(wg_dk.partition_A(sdSt))                 # (BN, BM, 2)
+        tdKrQt = tiled_mma_dk.make_fragment_B(wg_dk.partition_B(_transpose_view(sQ)))    # (D, BM, stages)
+        if cutlass.const_expr(self.dq_split):  # all keys; the tiled MMA picks this warpgroup's half of D
+            tdQrdS = tiled_mma_dq.make_fragment_A(wg_dq.partition_A(sdS))
+            tdQrKt = tiled_mma_dq.make_fragment_B(wg_dq.partition_B(_transpose_view(sK)))
+        else:  # this warpgroup's keys: columns [64 wg, 64 wg + 64) of dS (BM, BN) and of K^T (D, BN)
+            tdQrdS = tiled_mma_dq.make_fragment_A(wg_dq.partition_A(cute.local_tile(sdS, (BM, 64, 2), (0, wg, 0))))
+            tdQrKt = tiled_mma_dq.make_fragment_B(
+                wg_dq.partition_B(cute.local_tile(_transpose_view(sK), (D, 64), (0, wg))))
+
+        acc_S = cute.make_rmem_tensor(thr_sdp.partition_shape_C((BN, BM)), Float32)
+        acc_dP = cute.make_rmem_tensor(thr_sdp.partition_shape_C((BN, BM)), Float32)
+        acc_dV = cute.make_rmem_tensor(thr_dv.partition_shape_C((BN, D)), Float32)
+        acc_dK = cute.make_rmem_tensor(thr_dv.partition_shape_C((BN, D)), Float32)
+        acc_dQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((BM, D)), Float32)
+        acc_dV.fill(0.0)
+        acc_dK.fill(0.0)
+        tScS = thr_sdp.partition_C(cute.make_identity_tensor((BN, BM)))
+        tdKcdK = thr_dv.partition_C(cute.make_identity_tensor((BN, D)))
+        tdQcdQ = thr_dq.partition_C(cute.make_identity_tensor((BM, D)))
+        # The S^T accumulator's values are in the order of the register A operand of m64nDk16 once its
+        # BM/8 column groups are split into (2, BM/16) (the forward's P layout, checked in
+        # tests/test_cute_compile.py and, for this kernel's shapes, tests/test_cute_bwd.py).
+        rP = cute.make_rmem_tensor_like(acc_S, dt)
+        tdVrP = cute.make_tensor(rP.iterator, cute.make_layout(((2, 2, 2), 1, BM // 16)))
+        rdS = cute.make_rmem_tensor_like(acc_dP, dt)
+
+        # Query blocks below m_block_mask_end cross this key block's diagonal (causal); the key block
+        # past the sequence end needs its tail rows masked in every query block.
+        m_block_mask_end = Int32(0)
+        if cutlass.const_expr(self.causal):
+            m_block_mask_end = cute.ceil_div(cutlass.max((n_block + 1) * BN - 1 + seqlen_q - seqlen_k, 0), BM)
+        key_tail = (n_block + 1) * BN > seqlen_k
+
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        tiled_mma_dv.set(warpgroup.Field.ACCUMULATE, True)
+        tiled_mma_dk.set(warpgroup.Field.ACCUMULATE, True)
+
+        # Wait for K and V even when no query block sees them: the CTA must not exit with TMA in flight.
+        kv_pipe.consumer_wait(kv_state)
+        buf = Int32(0)
+        for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
+            q_pipe.consumer_wait(q_state)
+            self._gemm(tiled_mma_sdp, acc_S, tSrK, tSrQ, None, q_state.index, zero_init=True)  # S^T = K Q^T
+            do_pipe.consumer_wait(do_state)
+            self._gemm(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO, None, do_state.index, zero_init=True)  # dP^T
+            warpgroup.wait_group(1)  # S^T is ready; dP^T may still run
+            if key_tail or m_block < m_block_mask_end:
+                self._mask(acc_S, tScS, m_block, n_block, seqlen_q, seqlen_k)
+            for i in cutlass.range(cute.size(acc_S), unroll_full=True):
+                # +inf lse2 (query past Sq, or a query that sees no key) gives P = 0 exactly.
+                acc_S[i] = cute.math.exp2(acc_S[i] * scale_log2 - sLSE[tScS[i][1], q_state.index],
+                                          fastmath=True)
+            rP.store(acc_S.load().to(dt))
+            self._gemm(tiled_mma_dv, acc_dV, tdVrP, tdVrdOt, None, do_state.index)  # dV += P^T dO
+            warpgroup.wait_group(1)  # dP^T is ready; dV may still run
+            for i in cutlass.range(cute.size(acc_dP), unroll_full=True):
+                acc_dP[i] = acc_S[i] * (acc_dP[i] - sDelta[tScS[i][1], do_state.index])
+            rdS.store(acc_dP.load().to(dt))
+            # dS^T to shared memory, where the dK and dQ WGMMAs read it through the async proxy.
+            cute.autovec_copy(rdS, thr_sdp.partition_C(sdSt[None, None, buf]))
+            cute.arch.fence_view_async_shared()
+            if cutlass.const_expr(self.dq_split):  # both halves of dS are read by both warpgroups
+                cute.arch.barrier(barrier_id=1, number_of_threads=256)
+            else:
+                cute.arch.barrier(barrier_id=1 + wg, number_of_threads=128)
+            self._gemm(tiled_mma_dk, acc_dK, tdKrdSt, tdKrQt, buf, q_state.index)  # dK += dS^T Q
+            self._gemm(tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, buf, None, zero_init=True)  # dQ = dS K
+            warpgroup.wait_group(0)  # dV, dK, dQ done: the Q and dO stages and rP are free
+            q_pipe.consumer_release(q_state)
+            do_pipe.consumer_release(do_state)
+            q_state.advance()
+            do_state.advance()
+            self._atomic_add_dq(mdQaccum, acc_dQ, tdQcdQ, softmax_scale, m_block, head, batch, seqlen_q)
+            buf = 1 - buf
+
+        self._epilogue(mdK, mdV, acc_dK, acc_dV, tdKcdK, softmax_scale, n_block, head, batch, seqlen_k)
+
+    @cute.jit
+    def _gemm(self, tiled_mma, acc, tArA, tBrB, a_stage, b_stage, zero_init=False):
+        """acc (+)= A B over the K blocks of the fragments, one commit group; a_stage / b_stage index a
+        trailing stage mode of A / B (None: the fragment has none)."""
+        if cutlass.const_expr(zero_init):
+            tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(cute.size(tArA, mode=[2])):
+            a = tArA[None, None, k] if cutlass.const_expr(a_stage is None) else tArA[None, None, k, a_stage]
+            b = tBrB[None, None, k] if cutlass.const_expr(b_stage is None) else tBrB[None, None, k, b_stage]
+            cute.gemm(tiled_mma, acc, a, b, acc)
+            tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def _atomic_add_dq(self, mdQaccum, acc_dQ, tdQcdQ, softmax_scale, m_block, head, batch, seqlen_q):
+        """dq_accum[rows of this block] += softmax_scale * dS K (this warpgroup's part; fp32
+        red.global.add: other key blocks' CTAs add into the same rows concurrently, so the order and
+        hence the rounding vary run to run). Scaling here leaves the host a plain cast."""
+        BM = self.block_m
+        gdQ = mdQaccum[None, None, head, batch]  # (Sq, D)
+        # Accumulator values 2 i and 2 i + 1 are columns c, c + 1 of one row (m64nNk16 C layout: value
+        # index c + 2 r + 4 j; tests/test_cute_bwd.py checks it), 8-byte aligned: c is even and rows are
+        # D * 4 bytes apart.
+        for i in cutlass.range(cute.size(acc_dQ) // 2, unroll_full=True):
+            row = m_block * BM + tdQcdQ[2 * i][0]
+            if row < seqlen_q:
+                ptr = gdQ.iterator + cute.crd2idx((row, tdQcdQ[2 * i][1]), gdQ.layout)
+                _red_add_f32x2(ptr, acc_dQ[2 * i] * softmax_scale, acc_dQ[2 * i + 1] * softmax_scale)
+
+    @cute.jit
+    def _epilogue(self, mdK, mdV, acc_dK, acc_dV, tdKcdK, softmax_scale, n_block, head, batch, seqlen_k):
+        """dK = scale * dS^T Q (the scale of S = scale * Q K^T), dV as accumulated; rows past Sk dropped."""
+        dt, BN = self.dtype, self.block_n
+        gdK = mdK[None, None, head, batch]  # (Sk, D)
+        gdV = mdV[None, None, head, batch]
+        for i in cutlass.range(cute.size(acc_dK), unroll_full=True):
+            row = n_block * BN + tdKcdK[i][0]
+            if row < seqlen_k:
+                gdK[row, tdKcdK[i][1]] = (acc_dK[i] * softmax_scale).to(dt)
+                gdV[row, tdKcdK[i][1]] = acc_dV[i].to(dt)

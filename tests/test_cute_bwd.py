@@ -1,0 +1,424 @@
+"""flash_attn.cute's Hopper backward kernel (flash_bwd_sm90.py): it compiles for sm_90a without a GPU and
+its PTX holds the instructions the design rests on; its layout reinterpretations are checked on the
+CuTe layouts; the cute backend refuses backward calls unless FLASH_ATTN_CUTE_BWD=1; on a Hopper GPU
+(tests marked gpu) dq, dk, dv match the reference within the project's criterion
+(flash_attn.testing.assert_close_to_ref, as the Triton backward tests use it)."""
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+cute = pytest.importorskip("cutlass.cute")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PKG = os.path.join(ROOT, "packages", "flash-attn-4")
+if _PKG not in sys.path:
+    sys.path.insert(0, _PKG)
+
+from flash_attn import testing  # noqa: E402
+from flash_attn.cute import backend as cute_backend  # noqa: E402
+from flash_attn.cute import interface  # noqa: E402
+from flash_attn.dispatch import Call  # noqa: E402
+
+# (dtype, head dim, causal, dq_split): every dtype / head dim / mask with the default dQ split, and the
+# per-warpgroup dQ variant (FLASH_ATTN_CUTE_BWD_DQ_SPLIT=0) at both head dims
+CONFIGS = [(dtype, d, causal, True) for dtype in (torch.bfloat16, torch.float16) for d in (64, 128)
+           for causal in (False, True)] + [(torch.bfloat16, 64, True, False), (torch.bfloat16, 128, False, False)]
+
+
+def _ids(cfg):
+    dtype, d, causal, dq_split = cfg
+    return f"{str(dtype).split('.')[-1]}-d{d}-{'causal' if causal else 'full'}{'' if dq_split else '-dq_per_wg'}"
+
+
+@pytest.fixture(scope="module", params=CONFIGS, ids=_ids)
+def compiled(request, tmp_path_factory):
+    """(config dict, PTX text, PTX path) of one backward compile, shared by the PTX checks."""
+    dtype, d, causal, dq_split = request.param
+    dump = tmp_path_factory.mktemp("bwd")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FLASH_ATTN_CUTE_BWD_DQ_SPLIT", "1" if dq_split else "0")
+        cfg = interface._bwd_config(dtype, d, causal, "sm_90a")
+        t0 = time.perf_counter()
+        interface.compile_bwd(dtype, d, causal, arch="sm_90a", dump_dir=str(dump))
+    print(f"\ncompile bwd {_ids(request.param)}: {time.perf_counter() - t0:.2f} s")
+    (ptx,) = glob.glob(str(dump / "*.ptx"))
+    with open(ptx) as f:
+        return cfg, f.read(), ptx
+
+
+def _count(text, needle):
+    return sum(line.lstrip().startswith(needle) for line in text.splitlines())
+
+
+def test_ptx_targets_sm90a(compiled):
+    assert ".target sm_90a" in compiled[1]
+
+
+def test_ptx_has_the_five_wgmma_products(compiled):
+    cfg, text, _ = compiled
+    d = cfg["head_dim"]
+    ab = "bf16.bf16" if cfg["dtype"] == "bf16" else "f16.f16"
+    bm = cfg["block_m"]
+    shapes = {}
+    # S^T = K Q^T and dP^T = V dO^T: m64n{BM}k16, D/16 each; dV += P^T dO and dK += dS^T Q:
+    # m64n{D}k16, BM/16 each; dQ = dS K: m64n{D/2}k16 over all 128 keys (dq_split), else m64n{D}k16
+    # over the warpgroup's 64 keys.
+    dq = (d // 2, 128 // 16) if cfg["dq_split"] else (d, 64 // 16)
+    for n, count in ((bm, 2 * d // 16), (d, 2 * bm // 16), dq):
+        shapes[n] = shapes.get(n, 0) + count
+    for n, count in shapes.items():
+        assert _count(text, f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ab}") == count, n
+    assert _count(text, "wgmma.fence") >= 1 and _count(text, "wgmma.wait_group") >= 1
+
+
+def test_ptx_loads_with_tma_and_mbarriers(compiled):
+    text = compiled[1]
+    assert _count(text, "cp.async.bulk.tensor") >= 6  # Q, dO, K, V tiles and the lse, delta rows
+    assert "mbarrier.try_wait" in text and "expect_tx" in text
+
+
+def test_ptx_is_warp_specialised_and_accumulates_dq_atomically(compiled):
+    text = compiled[1]
+    assert _count(text, "setmaxnreg.dec.sync.aligned.u32") == 1
+    assert _count(text, "setmaxnreg.inc.sync.aligned.u32") == 1
+    assert _count(text, "red.relaxed.gpu.global.add.v2.f32") >= 1  # dq_accum += dS K, column pairs
+    assert "fence.proxy.async.shared::cta" in text  # dS stores made visible to the WGMMA's async proxy
+    assert "ex2.approx" in text
+    # launched with .minnctapersm 1: without it ptxas may drop setmaxnreg (C7508)
+    assert ".minnctapersm 1" in text
+
+
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas not on PATH")
+def test_ptxas_keeps_setmaxnreg_and_wgmma_pipelined(compiled):
+    """ptxas honours the register split (no C7508) and does not serialise the WGMMAs (C7510-C7520:
+    'wgmma.mma_async instructions are serialized'), the two silent performance cliffs of this design."""
+    _, _, ptx = compiled
+    out = subprocess.run(["ptxas", "-arch=sm_90a", "-v", ptx, "-o", os.devnull], capture_output=True,
+                         text=True, check=True)
+    log = out.stdout + out.stderr
+    assert "setmaxnreg' ignored" not in log, log
+    assert "are serialized" not in log, log
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", log)]
+    print(f"\nptxas: {spills} bytes of spill stores")
+    # a few words at most (D = 128 full: 8 bytes, loop-invariant); more means the 240-register budget broke
+    assert all(x <= 64 for x in spills), log
+
+
+# ----------------------------------------------------------------------------------------------------
+# Layouts (trace-time CuTe algebra, no GPU)
+
+
+def _compare_transposed(t, tt, shape, bad):
+    # Plain Python (not @cute.jit, whose loops and ifs become device code): every value here is static.
+    stages = shape[2] if len(shape) == 3 else 1
+    for i in (0, 1, 7, 8, 31, 63):
+        for j in (0, 1, 15, 16, 63):
+            for s in range(stages):
+                c, ct = ((i, j, s), (j, i, s)) if len(shape) == 3 else ((i, j), (j, i))
+                if cute.crd2idx(c, t.layout) != cute.crd2idx(ct, tt.layout):
+                    bad.append((shape, c))
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_transposed_smem_views_address_the_same_elements(d):
+    """The MN-major B operands (dO^T, Q^T, K^T) and the dS^T view are _transpose_view of K-major (or
+    M-major) tiles: element (j, i) of the view must be element (i, j) of the tile, stage by stage."""
+    import cutlass
+    from cutlass.cute.nvgpu import warpgroup
+
+    from flash_attn.cute.flash_bwd_sm90 import _transpose_view
+    from flash_attn.cute.flash_fwd_sm90 import _smem_layout
+
+    bad = []
+
+    @cute.jit
+    def check():
+        for kind, shape in ((warpgroup.SmemLayoutAtomKind.K_SW128, (64, d, 2)),
+                            (warpgroup.SmemLayoutAtomKind.K_SW128, (128, d)),
+                            (warpgroup.SmemLayoutAtomKind.K_SW64, (128, d)),
+                            (warpgroup.SmemLayoutAtomKind.MN_SW128, (64, 128, 2))):
+            layout = _smem_layout(kind, cutlass.BFloat16, shape).outer
+            t = cute.make_tensor(cute.make_ptr(cutlass.BFloat16, 0, cute.AddressSpace.smem, assumed_align=16),
+                                 layout)
+            _compare_transposed(t, _transpose_view(t), shape, bad)
+
+    cute.compile(check, options="--gpu-arch sm_90a")
+    assert bad == [], bad[:20]
+
+
+def _compare_fragments(sdp, dv, block_n, block_m, mismatches):
+    # Plain Python, as _compare_transposed.
+    a_layout = cute.make_layout(((2, 2, 2), 1, block_m // 16))
+    for t in (0, 1, 5, 37, 127, 128, 130, 255):
+        cS = sdp.get_slice(t).partition_C(cute.make_identity_tensor((block_n, block_m)))
+        cA = dv.get_slice(t).partition_A(cute.make_identity_tensor((block_n, block_m)))
+        if cute.size(cS) != cute.size(a_layout) or cute.size(cA) != cute.size(a_layout):
+            mismatches.append((t, "size", cute.size(cS), cute.size(cA)))
+            continue
+        for i in range(cute.size(a_layout)):
+            if a_layout(i) != i or tuple(cS[i]) != tuple(cA[i]):
+                mismatches.append((t, i, cS[i], cA[i]))
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_p_fragment_reuses_the_st_accumulator_layout(d):
+    """P^T goes to dV += P^T dO by reinterpreting the S^T accumulator (m64n{BM}k16) registers as the A
+    operand of m64n{D}k16 with K = BM, layout ((2, 2, 2), 1, BM / 16): each register must then hold the
+    (key, query) the A operand expects, for every thread of both warpgroups."""
+    import cutlass
+    from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+
+    from flash_attn.cute.flash_bwd_sm90 import FlashBwdSm90
+
+    block_n = 128
+    block_m = interface._bwd_config(torch.bfloat16, d, False, "sm_90a")["block_m"]
+    mismatches = []
+
+    @cute.jit
+    def check():
+        def mma(n, src, b_major):
+            op = warpgroup.MmaF16BF16Op(cutlass.BFloat16, cutlass.Float32, (64, n, 16), src,
+                                        OperandMajorMode.K, b_major)
+            return cute.make_tiled_mma(cute.make_mma_atom(op), (FlashBwdSm90.NUM_MMA_WARPGROUPS, 1, 1))
+
+        sdp = mma(block_m, warpgroup.OperandSource.SMEM, OperandMajorMode.K)
+        dv = mma(d, warpgroup.OperandSource.RMEM, OperandMajorMode.MN)
+        _compare_fragments(sdp, dv, block_n, block_m, mismatches)
+
+    cute.compile(check, options="--gpu-arch sm_90a")
+    assert mismatches == [], mismatches[:30]
+
+
+def _check_dq_pairs(dq, block_m, d, threads, bad):
+    # Plain Python, as _compare_transposed. Also: the threads' values cover the (block_m, d) tile once.
+    seen = {}
+    for t in range(threads):
+        c = dq.get_slice(t).partition_C(cute.make_identity_tensor((block_m, d)))
+        for i in range(0, cute.size(c), 2):
+            if c[i][1] % 2 or tuple(c[i + 1]) != (c[i][0], c[i][1] + 1):
+                bad.append((t, i, c[i], c[i + 1]))
+        for i in range(cute.size(c)):
+            seen[tuple(c[i])] = seen.get(tuple(c[i]), 0) + 1
+    if len(seen) != block_m * d or set(seen.values()) != {1}:
+        bad.append(("coverage", len(seen), sorted(set(seen.values()))))
+
+
+@pytest.mark.parametrize("dq_split", [True, False])
+@pytest.mark.parametrize("d", [64, 128])
+def test_dq_accumulator_values_pair_up_as_adjacent_columns(d, dq_split):
+    """_atomic_add_dq adds accumulator values 2 i and 2 i + 1 with one red.global.add.v2.f32 at the
+    address of value 2 i: they must be columns c, c + 1 (c even) of one row, for every thread; and the
+    dQ tile (one per CTA with dq_split, else one per warpgroup) is covered exactly once."""
+    import cutlass
+    from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+
+    block_m = interface._bwd_config(torch.bfloat16, d, False, "sm_90a")["block_m"]
+    bad = []
+
+    @cute.jit
+    def check():
+        n, atoms = (d // 2, (1, 2, 1)) if dq_split else (d, (1, 1, 1))
+        op = warpgroup.MmaF16BF16Op(cutlass.BFloat16, cutlass.Float32, (64, n, 16), warpgroup.OperandSource.SMEM,
+                                    OperandMajorMode.MN, OperandMajorMode.MN)
+        _check_dq_pairs(cute.make_tiled_mma(cute.make_mma_atom(op), atoms), block_m, d, 256 if dq_split else 128,
+                        bad)
+
+    cute.compile(check, options="--gpu-arch sm_90a")
+    assert bad == [], bad[:20]
+
+
+def test_unsupported_head_dim_is_refused():
+    with pytest.raises(ValueError, match="head dim"):
+        interface.compile_bwd(torch.bfloat16, 96, False)
+
+
+def test_cache_key_has_only_what_changes_code():
+    cfg = interface._bwd_config(torch.bfloat16, 64, True, "sm_90a")
+    assert set(cfg) == {"kernel", "dtype", "head_dim", "causal", "block_m", "stages", "dq_split", "arch", "abi"}
+    assert interface._bwd_entry(torch.bfloat16, 64, True, "sm_90a")[1] != \
+        interface._bwd_entry(torch.bfloat16, 64, False, "sm_90a")[1]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Host side of interface.backward, with the kernel replaced by a stand-in (CPU tensors)
+
+
+def test_backward_host_steps_with_a_stand_in_kernel(monkeypatch):
+    """lse2 = lse * log2(e) padded with +inf and delta = rowsum(dO * O) padded with 0 to the query block;
+    dq = dq_accum in the input dtype; GQA dK/dV summed over each group of query heads."""
+    B, Sq, Sk, H, Hk, D = 2, 70, 50, 4, 2, 64
+    g = torch.Generator().manual_seed(0)
+    q, out, dout = (torch.randn(B, Sq, H, D, generator=g).to(torch.bfloat16) for _ in range(3))
+    k, v = (torch.randn(B, Sk, Hk, D, generator=g).to(torch.bfloat16) for _ in range(2))
+    lse = torch.randn(B, H, Sq, generator=g)
+    lse[0, 1, 3] = float("inf")  # a row that sees no key
+    seen = {}
+
+    def kernel(q_, k_, v_, dout_, lse2, delta, dq_accum, dk, dv, scale):
+        seen.update(lse2=lse2.clone(), delta=delta.clone(), scale=scale)
+        dq_accum.fill_(2.0)
+        dk.copy_(torch.arange(H, dtype=dk.dtype).view(1, 1, H, 1).expand_as(dk))
+        dv.fill_(1.0)
+
+    block_m = interface._bwd_config(torch.bfloat16, D, True, "sm_90a")["block_m"]
+    monkeypatch.setitem(interface._bwd_kernels, (torch.bfloat16, D, True, "sm_90a"), kernel)
+    dq, dk, dv = interface.backward(dout, q, k, v, out, lse, 0.5, True, "sm_90a")
+    pad = -(-Sq // block_m) * block_m
+    assert seen["lse2"].shape == seen["delta"].shape == (B, H, pad)
+    torch.testing.assert_close(seen["lse2"][..., :Sq], lse * 1.4426950408889634)
+    assert torch.isinf(seen["lse2"][..., Sq:]).all() and (seen["lse2"][..., Sq:] > 0).all()
+    assert torch.isinf(seen["lse2"][0, 1, 3])
+    torch.testing.assert_close(seen["delta"][..., :Sq], (dout.float() * out.float()).sum(-1).transpose(1, 2))
+    assert (seen["delta"][..., Sq:] == 0).all()
+    assert seen["scale"] == 0.5
+    assert dq.dtype == torch.bfloat16 and (dq == 2.0).all()  # the kernel applies the scale
+    assert dk.shape == k.shape and dv.shape == v.shape
+    assert (dk[:, :, 0] == 0 + 1).all() and (dk[:, :, 1] == 2 + 3).all()  # query heads {0, 1}, {2, 3}
+    assert (dv == 2.0).all()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Dispatch: opt-in
+
+
+def _call(**kw):
+    base = dict(device_type="cuda", dtype=torch.bfloat16, head_dim=64, head_dim_v=64, arch=(9, 0),
+                causal=True, backward=True)
+    base.update(kw)
+    return Call(**base)
+
+
+def test_backward_is_refused_without_the_variable(monkeypatch):
+    monkeypatch.delenv(cute_backend.BWD_ENV_VAR, raising=False)
+    why = cute_backend.unsupported_reason(_call())
+    assert why is not None and cute_backend.BWD_ENV_VAR in why
+    monkeypatch.setenv(cute_backend.BWD_ENV_VAR, "0")
+    assert cute_backend.unsupported_reason(_call()) is not None
+    # forward calls are untouched
+    assert cute_backend.unsupported_reason(_call(backward=False)) is None
+
+
+def test_backward_is_served_with_the_variable_only_where_the_kernel_applies(monkeypatch):
+    monkeypatch.setenv(cute_backend.BWD_ENV_VAR, "1")
+    assert cute_backend.unsupported_reason(_call()) is None
+    assert cute_backend.unsupported_reason(_call(causal=False, dtype=torch.float16, head_dim=128,
+                                                 head_dim_v=128)) is None
+    for what in ("varlen", "local", "softcap", "deterministic", "alibi", "dropout", "paged"):
+        assert cute_backend.unsupported_reason(_call(**{what: True})) is not None, what
+    assert cute_backend.unsupported_reason(_call(head_dim=96, head_dim_v=96)) is not None
+    assert cute_backend.unsupported_reason(_call(arch=(8, 0))) is not None
+
+
+# ----------------------------------------------------------------------------------------------------
+# On a Hopper GPU
+
+
+def _hopper():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.fixture
+def cute_bwd_on(monkeypatch):
+    """FLASH_ATTN_CUTE_BWD=1 with the dispatcher's cached choices dropped (they were made without it),
+    and a count of the backward launches the cute backend makes."""
+    from flash_attn import dispatch
+
+    monkeypatch.setenv(cute_backend.BWD_ENV_VAR, "1")
+    monkeypatch.setattr(dispatch, "_choice", {})
+    calls = []
+    real = interface.backward
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(interface, "backward", counted)
+    return calls
+
+
+def _reference(q, k, v, dout, causal):
+    """(out, dq, dk, dv) of the upcast oracle and of PyTorch at the input dtype."""
+    results = []
+    for upcast in (True, False):
+        qr, kr, vr = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        out, _ = testing.attention_ref(qr, kr, vr, causal=causal, upcast=upcast, reorder_ops=not upcast)
+        results.append((out.detach(), *torch.autograd.grad(out, (qr, kr, vr), dout)))
+    return results
+
+
+def _run(dtype, d, causal, batch, seqlen_q, seqlen_k, heads, heads_kv, calls, seed=0):
+    from flash_attn.cute import flash_attn_func
+
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, seqlen_q, heads, d, generator=g).to("cuda", dtype).requires_grad_()
+    k = torch.randn(batch, seqlen_k, heads_kv, d, generator=g).to("cuda", dtype).requires_grad_()
+    v = torch.randn(batch, seqlen_k, heads_kv, d, generator=g).to("cuda", dtype).requires_grad_()
+    dout = torch.randn(batch, seqlen_q, heads, d, generator=g).to("cuda", dtype)
+    out, _ = flash_attn_func(q, k, v, causal=causal)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    torch.cuda.synchronize()
+    assert calls, "the backward did not run on the cute backend"
+    ref, pt = _reference(q.detach(), k.detach(), v.detach(), dout, causal)
+    for name, a, r, p in zip(("out", "dq", "dk", "dv"), (out.detach(), dq, dk, dv), ref, pt):
+        testing.assert_close_to_ref(a, r, p, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen", [1, 17, 128, 255, 1000, 2048])
+@pytest.mark.parametrize("heads,heads_kv", [(4, 4), (4, 1)])
+def test_gradients_match_reference_on_gpu(cute_bwd_on, dtype, d, causal, seqlen, heads, heads_kv):
+    _run(dtype, d, causal, 2, seqlen, seqlen, heads, heads_kv, cute_bwd_on)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(113, 203), (256, 77), (300, 1200), (1, 130)])
+def test_gradients_with_unequal_lengths_on_gpu(cute_bwd_on, d, causal, seqlen_q, seqlen_k):
+    # bottom-right aligned causal mask; with Sq > Sk the first Sq - Sk queries see no key (zero gradients)
+    _run(torch.bfloat16, d, causal, 2, seqlen_q, seqlen_k, 4, 2, cute_bwd_on, seed=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen", [17, 255, 1000])
+def test_gradients_with_per_warpgroup_dq_on_gpu(cute_bwd_on, monkeypatch, d, causal, seqlen):
+    # the FLASH_ATTN_CUTE_BWD_DQ_SPLIT=0 variant (the in-memory kernel cache does not key on it: emptied)
+    monkeypatch.setenv("FLASH_ATTN_CUTE_BWD_DQ_SPLIT", "0")
+    monkeypatch.setattr(interface, "_bwd_kernels", {})
+    _run(torch.bfloat16, d, causal, 2, seqlen, seqlen, 4, 2, cute_bwd_on, seed=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+def test_backend_writes_into_given_grads_on_gpu(cute_bwd_on):
+    # the packed-qkv path hands (dq, dk, dv) slices of one gradient (BWD_OUT)
+    B, S, H, D = 2, 257, 4, 64
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(B, S, 3, H, D, generator=g).to("cuda", torch.bfloat16)
+    q, k, v = qkv.unbind(2)
+    dout = torch.randn(B, S, H, D, generator=g).to("cuda", torch.bfloat16)
+    kw = dict(cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=S, max_seqlen_k=S, block_table=None,
+              softmax_scale=D ** -0.5, causal=True, window_left=-1, window_right=0, softcap=0.0,
+              alibi_slopes=None, dropout_p=0.0, rng_state=None)
+    out, lse, _ = cute_backend.fwd(q, k, v, return_probs=False, **kw)
+    grads = torch.full_like(qkv, float("nan")).unbind(2)
+    result = cute_backend.bwd(dout, q, k, v, out, lse, deterministic=False, grads=grads, **kw)
+    assert all(r is g_ for r, g_ in zip(result, grads))
+    ref, pt = _reference(q, k, v, dout, True)
+    for name, a, r, p in zip(("dq", "dk", "dv"), result, ref[1:], pt[1:]):
+        testing.assert_close_to_ref(a, r, p, name)
