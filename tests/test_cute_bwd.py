@@ -422,3 +422,26 @@ def test_backend_writes_into_given_grads_on_gpu(cute_bwd_on):
     ref, pt = _reference(q, k, v, dout, True)
     for name, a, r, p in zip(("dq", "dk", "dv"), result, ref[1:], pt[1:]):
         testing.assert_close_to_ref(a, r, p, name)
+
+
+@pytest.mark.parametrize("use_triton", [True, False])
+def test_delta_preprocess_paths_agree(monkeypatch, use_triton):
+    """delta through the Triton backend's preprocess kernel (interpreter on CPU) or the torch expression:
+    rowsum(dO * O) in fp32 into columns :Sq, the padding left as it was."""
+    pytest.importorskip("flash_attn.triton.backend")
+    from flash_attn.triton import backend as triton_backend
+
+    calls = []
+    if use_triton:
+        real = triton_backend.bwd_delta
+        monkeypatch.setattr(interface, "_triton_delta", [lambda *a: (calls.append(1), real(*a))[1]])
+    else:
+        monkeypatch.setattr(interface, "_triton_delta", [None])
+    g = torch.Generator().manual_seed(1)
+    out, dout = (torch.randn(2, 70, 3, 64, generator=g).to(torch.float16) for _ in range(2))
+    delta = torch.full((2, 3, 128), 7.0)
+    interface._delta_into(delta, out, dout)
+    assert len(calls) == int(use_triton)
+    torch.testing.assert_close(delta[..., :70], (dout.float() * out.float()).sum(-1).transpose(1, 2),
+                               rtol=1e-5, atol=1e-5)
+    assert (delta[..., 70:] == 7.0).all()
