@@ -138,26 +138,9 @@ _FWD_PLANS: dict = {}
 
 
 def _tma_ok(k, v, D, Dv):
-    """Whether K/V meet the TMA descriptor rules: power-of-two head dims (no column padding), 16-byte
-    aligned bases, head and row starts (strides in 2-byte elements divisible by 8), unit last stride."""
-    if D != _configs.padded_dim(D) or Dv != _configs.padded_dim(Dv) or k.data_ptr() % 16 or v.data_ptr() % 16:
-        return False
-    return (k.stride(-1) == 1 and v.stride(-1) == 1 and all(s % 8 == 0 for s in k.stride()[:-1])
-            and all(s % 8 == 0 for s in v.stride()[:-1]))
-
-
-def _set_allocator():
-    # Device-side descriptors live in a per-launch global scratch that Triton asks its allocator for; keep
-    # a caller's own allocator (a ContextVar: each thread starts without one).
-    import triton
-    from triton.runtime import _allocation
-
-    if type(_allocation._allocator.get()).__name__ == "NullAllocator":
-        triton.set_allocator(_alloc_scratch)
-
-
-def _alloc_scratch(size, alignment, stream):
-    return torch.empty(size, dtype=torch.int8, device="cuda")
+    """Whether K/V meet the TMA descriptor rules of the forward: power-of-two head dims (no column
+    padding) and the copy engine's alignment (_tma_aligned)."""
+    return D == _configs.padded_dim(D) and Dv == _configs.padded_dim(Dv) and _tma_aligned(k, v)
 
 
 def _fwd_plan(q, D, Dv, varlen, window, softcap, alibi, dropout, return_probs, config, tma_ok=True):
@@ -246,7 +229,7 @@ def fwd(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bloc
                                              dropout_p > 0.0, bool(return_probs), config)
     if tma:
         if _tma_ok(k, v, D, Dv):
-            _set_allocator()
+            _set_tma_allocator()
         else:  # the same config on the pointer path
             block_m, plan_key, meta, tma = _fwd_plan(q, D, Dv, varlen, window, softcap > 0.0,
                                                      alibi_slopes is not None, dropout_p > 0.0,
