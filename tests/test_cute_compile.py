@@ -163,11 +163,12 @@ def test_common_call_launches_the_cached_kernel_directly(monkeypatch):
     B, S, H, D = 2, 16, 4, 64
     qkv = torch.randn(B, S, 3, H, D, dtype=torch.bfloat16)
     q, k, v = qkv.unbind(2)
-    out, lse = interface.flash_attn_func(q, k, v, causal=True)
+    out, lse = interface.flash_attn_func(q, k, v, causal=True, return_lse=True)
     (cq, ck, cv, cout, clse, scalars), = calls
     assert cq is q and ck is k and cv is v and cout is out and clse is lse
     assert scalars == (D ** -0.5, 0.0, 0, 0)
     assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (B, H, S) and lse.dtype == torch.float32
+    assert interface.flash_attn_func(q, k, v, causal=True)[1] is None  # lse only when asked (FA4's API)
     calls.clear()
     qt = torch.randn(B, H, S, D, dtype=torch.bfloat16).transpose(1, 2)  # heads S*D apart: not the layout
     interface.flash_attn_func(qt, k, v, softmax_scale=0.5)
@@ -176,9 +177,9 @@ def test_common_call_launches_the_cached_kernel_directly(monkeypatch):
     assert scalars == (0.5, 0.0, 0, 0)
     # not in memory: the general path (which would compile); a window: the general path too
     seen = []
-    monkeypatch.setattr(interface, "forward", lambda *a: seen.append(a) or (None, None))
-    interface.flash_attn_func(q.half(), k.half(), v.half())
-    interface.flash_attn_func(q, k, v, window_size=(8, None))
+    monkeypatch.setattr(interface, "forward", lambda *a: seen.append(a) or ("out", "lse"))
+    assert interface.flash_attn_func(q.half(), k.half(), v.half()) == ("out", None)
+    assert interface.flash_attn_func(q, k, v, window_size=(8, None), return_lse=True) == ("out", "lse")
     assert len(seen) == 2 and seen[1][6:8] == (8, -1) and len(calls) == 1
 
 
@@ -317,7 +318,7 @@ def test_matches_reference_on_gpu(dtype, d, causal, batch, seqlen_q, seqlen_k, h
     q = torch.randn(batch, seqlen_q, heads, d, device="cuda", dtype=dtype)
     k = torch.randn(batch, seqlen_k, heads_kv, d, device="cuda", dtype=dtype)
     v = torch.randn(batch, seqlen_k, heads_kv, d, device="cuda", dtype=dtype)
-    out, lse = flash_attn_func(q, k, v, causal=causal)
+    out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
     torch.cuda.synchronize()
     out_ref, _ = attention_ref(q, k, v, causal=causal)
     out_pt, _ = attention_ref(q, k, v, causal=causal, upcast=False, reorder_ops=True)
@@ -376,7 +377,7 @@ def test_window_and_softcap_match_reference_on_gpu(d, causal, window, softcap, b
     q = torch.randn(batch, seqlen_q, heads, d, device="cuda", dtype=dtype)
     k = torch.randn(batch, seqlen_k, heads_kv, d, device="cuda", dtype=dtype)
     v = torch.randn(batch, seqlen_k, heads_kv, d, device="cuda", dtype=dtype)
-    out, lse = flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap)
+    out, lse = flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap, return_lse=True)
     torch.cuda.synchronize()
     ref_window = (window[0], 0 if causal else window[1])
     kw = dict(causal=causal, window_size=ref_window, softcap=softcap)
@@ -429,7 +430,7 @@ def test_varlen_matches_reference_per_sequence_on_gpu(d, causal, window, softcap
     used = [min(n, u) for n, u in zip(lens_k, [33, 5, 123, 0, 260, 0])] if seqused else lens_k
     seqused_k = torch.tensor(used, device="cuda", dtype=torch.int32) if seqused else None
     out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, seqused_k=seqused_k, causal=causal,
-                                      window_size=window, softcap=softcap)
+                                      window_size=window, softcap=softcap, return_lse=True)
     torch.cuda.synchronize()
     assert out.shape == q.shape and lse.shape == (4, q.shape[0])
     ref_window = (window[0], 0 if causal else window[1])

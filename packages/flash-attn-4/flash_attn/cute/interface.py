@@ -323,7 +323,8 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=_NO_W
     sees key j iff j - (i + Sk - Sq) lies in [-window_size[0], window_size[1]] (None or a negative size:
     no limit on that side; causal sets the right size to 0). softcap > 0: scores become
     softcap * tanh(scale * q.k / softcap). Returns (out, lse): out
-    like q, lse fp32 (B, H, Sq) natural log (+inf for a row that sees no key). When q, k or v needs a
+    like q, lse fp32 (B, H, Sq) natural log (+inf for a row that sees no key) when return_lse or a
+    gradient needs it, else None (as FA4; the kernel still writes it). When q, k or v needs a
     gradient the call goes through the dispatcher's differentiable op (see _with_fallback_backward): its
     backward runs on this package's backward kernel when FLASH_ATTN_CUTE_BWD=1 and the call is one it
     handles (dense, no window or softcap), else on another backend."""
@@ -365,8 +366,9 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=_NO_W
             out = torch.empty_like(q)
             lse = torch.empty(B, H, Sq, dtype=_F32, device=q.device)  # sizes as ints: parsed faster
             fn(q, k, v, out, lse, float(softmax_scale), 0.0, 0, 0)
-            return out, lse
-    return forward(q, k, v, softmax_scale, bool(causal), arch, window_left, window_right, softcap)
+            return out, (lse if return_lse else None)
+    out, lse = forward(q, k, v, softmax_scale, bool(causal), arch, window_left, window_right, softcap)
+    return out, (lse if return_lse else None)
 
 
 def _with_fallback_backward(q, k, v, softmax_scale, causal, window_left, window_right, softcap, varlen=None):
@@ -451,7 +453,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_se
     """Attention forward over packed sequences: q (total_q, H, D), k/v (total_k, Hk, D); sequence b is rows
     cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q and, of k/v, the first seqused_k[b] rows from
     cu_seqlens_k[b] (all of cu_seqlens_k[b]:cu_seqlens_k[b + 1] without seqused_k). Masks, softcap and
-    dtypes as flash_attn_func. Returns (out (total_q, H, D), lse (H, total_q) fp32). Checks the
+    dtypes as flash_attn_func. Returns (out (total_q, H, D), lse (H, total_q) fp32, or None as in
+    flash_attn_func). Checks the
     cu_seqlens values (one device sync); max_seqlen_q is computed (another sync) when not given.
     Not yet: seqused_q, page_table (paged KV)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -514,7 +517,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_se
     if last_q < Tq:  # rows of q after the last sequence belong to none: out 0, lse +inf
         out[last_q:] = 0
         lse[:, last_q:] = math.inf
-    return out, lse
+    return out, (lse if return_lse else None)
 
 
 def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, softmax_scale, causal,
