@@ -3,7 +3,8 @@
 Serves forward calls on Hopper (sm_90): fp16/bf16, head dim 64 or 128 (v's equal to q's), causal or
 not, sliding windows, softcap, GQA/MQA, dense or varlen (cu_seqlens).
 
-Backward (flash_bwd_sm90.py) is opt-in until it has been validated on a GPU: with FLASH_ATTN_CUTE_BWD=1
+Backward (flash_bwd_sm90.py) is opt-in (its GPU tests pass; at 0.98-1.09x the Triton backward it does not
+yet pay for dQ atomics that are not bitwise reproducible run to run): with FLASH_ATTN_CUTE_BWD=1
 this backend serves dense backward calls without windows, softcap, ALiBi, dropout or determinism
 (its dQ uses atomics); everything else, and every backward call without the variable, goes to the next
 backend that has a backward (Triton, else the reference), which consumes this forward's out and lse.

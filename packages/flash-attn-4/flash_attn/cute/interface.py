@@ -672,7 +672,7 @@ def _bwd_out_layout(t, D):
 def _delta_into(delta, out, dout):
     """delta[:, :, :Sq] = rowsum(dout * out) in fp32: the Triton backend's preprocess kernel when that
     distribution is installed (one read of both tensors; the torch expression materialises fp32 copies
-    of them, ~0.3 ms of a 0.9 ms backward at d64 causal 2k on an H200), else torch."""
+    of them: 0.32 ms of a 1.7 ms backward at d64 causal 2k, b8 h32, on an H200), else torch."""
     if not _triton_delta:
         try:
             from flash_attn.triton.backend import bwd_delta
