@@ -152,7 +152,7 @@ def _fwd_plan(q, D, Dv, varlen, window, softcap, alibi, dropout, return_probs, c
     if plan is None:
         if config is None:
             config = _configs.fwd_config(_arch(q.device), max(D, Dv), window[1], _INTERPRET, q.dtype)
-        tma = config.tma and tma_ok
+        tma = bool(config.tma) and tma_ok and _tma_supported(q.device, q.dtype, D, Dv)
         plan = (config.block_m, _PlanKey(key), dict(
             IS_FP32=q.dtype == torch.float32, HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=_configs.padded_dim(D),
             BLOCK_DV=_configs.padded_dim(Dv), BLOCK_M=config.block_m, BLOCK_N=config.block_n, IS_VARLEN=varlen,
@@ -229,7 +229,8 @@ def fwd(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bloc
                                              dropout_p > 0.0, bool(return_probs), config)
     if tma:
         if _tma_ok(k, v, D, Dv):
-            _set_tma_allocator()
+            if not _INTERPRET:
+                _set_tma_allocator()
         else:  # the same config on the pointer path
             block_m, plan_key, meta, tma = _fwd_plan(q, D, Dv, varlen, window, softcap > 0.0,
                                                      alibi_slopes is not None, dropout_p > 0.0,
