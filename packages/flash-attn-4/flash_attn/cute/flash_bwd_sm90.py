@@ -17,7 +17,9 @@ Per query block, for each of the two consumer warpgroups (64 keys each):
   dS^T = P^T * (dP^T - delta[col]) written to smem (M-major dS tile, double-buffered)
   dK  += dS^T Q                    WGMMA, A = dS^T from smem, B = Q^T (transposed smem view)
   dQ_wg = dS K                     WGMMA over the warpgroup's 64 keys, A = dS (M-major), B = K^T
-  dq_accum[rows] += scale * dQ     red.global.add.v2.f32
+  dq_accum[rows] += scale * dQ     red.global.add.v2.f32 (default), or with dq_tma the scaled tile to
+                                   shared memory and one TMA reduce-add of it, issued by one thread
+                                   after the next block's dS barrier (FLASH_ATTN_CUTE_BWD_DQ_TMA=1)
 After the loop dK is scaled by softmax_scale and dK, dV are stored. The host (interface.backward)
 computes delta = rowsum(dO * O) and lse2 with torch, and casts dq_accum to the input dtype.
 
