@@ -9,13 +9,15 @@ histogram (opcode without modifiers), with the kernel's total SASS size, so befo
 
     python benchmarks/cute_sass.py 128 [causal|local] [softcap] [--hist]   # head dim, mask, softcap;
                                                                            # needs ptxas (CUDA toolkit)
+    python benchmarks/cute_sass.py 64 causal bwd [--hist]   # the backward (flash_bwd_sm90.py) instead,
+                                                            # with the FLASH_ATTN_CUTE_BWD_* settings
     --hist: histogram and sizes only (no instruction order); --sass FILE: also write the SASS there;
     --path: also list the steady-state path's instructions
 """
 import glob, heapq, os, re, subprocess, sys, tempfile
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "packages", "flash-attn-4"))
 import torch, triton
-from flash_attn.cute.interface import compile_fwd
+from flash_attn.cute.interface import compile_bwd, compile_fwd
 
 args = [a for a in sys.argv[1:] if not a.startswith("--")]
 hist_only = "--hist" in sys.argv
@@ -25,7 +27,10 @@ if sass_out in args:
 d = tempfile.mkdtemp()
 D = int(args[0]) if args else 128
 causal, local, softcap = ("causal" in args[1:]), ("local" in args[1:]), ("softcap" in args[1:])
-compile_fwd(torch.bfloat16, D, causal, dump_dir=d, local=local, softcap=softcap)
+if "bwd" in args[1:]:
+    compile_bwd(torch.bfloat16, D, causal, dump_dir=d)
+else:
+    compile_fwd(torch.bfloat16, D, causal, dump_dir=d, local=local, softcap=softcap)
 ptx = glob.glob(d + "/*.ptx")[0]
 r = subprocess.run(["ptxas", "-arch=sm_90a", "-v", ptx, "-o", d + "/k.cubin"], capture_output=True, text=True)
 print([l for l in r.stderr.splitlines() if "registers" in l or "spill" in l or "arn" in l])
@@ -45,7 +50,7 @@ if not hist_only:
     out, last = [], None
     for a, ins in code:
         for key in ("HGMMA", "DEPBAR", "MUFU.EX2", "F2FP", "BAR.SYNC", "BAR.ARV", "SYNCS.PHASECHK",
-                    "SYNCS.ARRIVE", "BRA", "SHFL", "FMUL"):
+                    "SYNCS.ARRIVE", "BRA", "SHFL", "FMUL", "RED", "UBLKRED", "UTMA"):
             if key in ins:
                 tag = key
                 if key == "HGMMA":

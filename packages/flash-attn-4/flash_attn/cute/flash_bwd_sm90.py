@@ -17,7 +17,9 @@ Per query block, for each of the two consumer warpgroups (64 keys each):
   dS^T = P^T * (dP^T - delta[col]) written to smem (M-major dS tile, double-buffered)
   dK  += dS^T Q                    WGMMA, A = dS^T from smem, B = Q^T (transposed smem view)
   dQ_wg = dS K                     WGMMA over the warpgroup's 64 keys, A = dS (M-major), B = K^T
-  dq_accum[rows] += scale * dQ     red.global.add.v2.f32
+  dq_accum[rows] += scale * dQ     red.global.add.v2.f32 (default), or with dq_tma the scaled tile to
+                                   shared memory and one TMA reduce-add of it, issued by one thread
+                                   after the next block's dS barrier (FLASH_ATTN_CUTE_BWD_DQ_TMA=1)
 After the loop dK is scaled by softmax_scale and dK, dV are stored. The host (interface.backward)
 computes delta = rowsum(dO * O) and lse2 with torch, and casts dq_accum to the input dtype.
 
@@ -73,10 +75,15 @@ class FlashBwdSm90:
     PRODUCER_REGS = 24
     CONSUMER_REGS = 240
 
-    def __init__(self, dtype, head_dim, causal, block_m=64, block_n=128, num_stages=2, dq_split=True):
+    def __init__(self, dtype, head_dim, causal, block_m=64, block_n=128, num_stages=2, dq_split=True,
+                 dq_tma=False):
         """dq_split: the two warpgroups compute one dQ tile together, each its half of D over all BLOCK_N
         keys (a barrier of both per query block, since each reads the other's dS); else each computes
-        dS K over its own 64 keys and both add into dq_accum (twice the atomic traffic, no barrier)."""
+        dS K over its own 64 keys and both add into dq_accum (twice the atomic traffic, no barrier).
+        dq_tma (needs dq_split): the scaled fp32 dQ tile goes to shared memory (two buffers) and one
+        thread adds it into dq_accum with a TMA reduce-add (cp.reduce.async.bulk.tensor .add.f32), issued
+        one query block late, after the next dS barrier has shown that every thread wrote and fenced it;
+        else each thread adds its fragment with red.global.add.v2.f32."""
         if head_dim not in (64, 128):
             raise ValueError(f"head dim {head_dim} not in (64, 128)")
         if dtype not in (cutlass.Float16, cutlass.BFloat16):
@@ -94,6 +101,9 @@ class FlashBwdSm90:
         self.block_n = block_n
         self.num_stages = num_stages
         self.dq_split = bool(dq_split)
+        self.dq_tma = bool(dq_tma)
+        if self.dq_tma and not self.dq_split:
+            raise ValueError("dq_tma needs dq_split (the dS barrier of both warpgroups orders the dQ tile)")
         self.num_threads = self.NUM_PRODUCER_THREADS + 128 * self.NUM_MMA_WARPGROUPS
 
     # ------------------------------------------------------------------------------------------------
@@ -169,12 +179,20 @@ class FlashBwdSm90:
         row_layout = cute.make_layout(BM)
         tma_lse, mLSE2_tma = cpasync.make_tiled_tma_atom(g2s, mLSE2, row_layout, (BM,))
         tma_delta, mDelta_tma = cpasync.make_tiled_tma_atom(g2s, mDelta, row_layout, (BM,))
+        # dQ tile for the TMA reduce-add: fp32 128-byte swizzle atoms (8 rows x 32 columns; the
+        # accumulator's column pairs land conflict-free), two buffers. TMA drops rows past Sq.
+        sdQ_layout = _smem_layout(K_SW128, Float32, (BM, D, 2))
+        tma_dq, mdQ_tma = None, None
+        if cutlass.const_expr(self.dq_tma):
+            tma_dq, mdQ_tma = cpasync.make_tiled_tma_atom(
+                cpasync.CopyReduceBulkTensorTileS2GOp(cute.ReductionKind.ADD), mdQaccum,
+                cute.slice_(sdQ_layout, (None, None, 0)), (BM, D))
 
         grid = (cute.ceil_div(cute.size(mK, mode=[0]), BN), cute.size(mQ, mode=[2]), cute.size(mQ, mode=[3]))
         self.kernel(tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma, tma_do, mdO_tma, tma_lse, mLSE2_tma,
-                    tma_delta, mDelta_tma, mdQaccum, mdK, mdV, softmax_scale * LOG2_E, softmax_scale,
-                    cute.size(mQ, mode=[0]), sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout,
-                    sLSE_layout, tiled_mma_sdp, tiled_mma_dv, tiled_mma_dk, tiled_mma_dq).launch(
+                    tma_delta, mDelta_tma, mdQaccum, tma_dq, mdQ_tma, mdK, mdV, softmax_scale * LOG2_E,
+                    softmax_scale, cute.size(mQ, mode=[0]), sQ_layout, sdO_layout, sK_layout, sV_layout,
+                    sdS_layout, sdQ_layout, sLSE_layout, tiled_mma_sdp, tiled_mma_dv, tiled_mma_dk, tiled_mma_dq).launch(
             grid=grid, block=(self.num_threads, 1, 1), stream=stream,
             # .minnctapersm 1 pins the register count at entry (65536 / 384 threads); without it ptxas
             # may ignore setmaxnreg (C7508) and cap the consumers at 168 registers.
@@ -187,10 +205,10 @@ class FlashBwdSm90:
     def kernel(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor,
                tma_v: cute.CopyAtom, mV: cute.Tensor, tma_do: cute.CopyAtom, mdO: cute.Tensor,
                tma_lse: cute.CopyAtom, mLSE2: cute.Tensor, tma_delta: cute.CopyAtom, mDelta: cute.Tensor,
-               mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, scale_log2: Float32,
-               softmax_scale: Float32, seqlen_q: Int32, sQ_layout: cute.ComposedLayout,
+               mdQaccum: cute.Tensor, tma_dq, mdQ_tma, mdK: cute.Tensor, mdV: cute.Tensor,
+               scale_log2: Float32, softmax_scale: Float32, seqlen_q: Int32, sQ_layout: cute.ComposedLayout,
                sdO_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
-               sdS_layout: cute.ComposedLayout, sLSE_layout: cute.Layout, tiled_mma_sdp: cute.TiledMma,
+               sdS_layout: cute.ComposedLayout, sdQ_layout: cute.ComposedLayout, sLSE_layout: cute.Layout, tiled_mma_sdp: cute.TiledMma,
                tiled_mma_dv: cute.TiledMma, tiled_mma_dk: cute.TiledMma, tiled_mma_dq: cute.TiledMma):
         dt, BM, BN, stages = self.dtype, self.block_m, self.block_n, self.num_stages
         n_block, head, batch = cute.arch.block_idx()
@@ -202,6 +220,8 @@ class FlashBwdSm90:
         if warp_idx == 0:
             for atom in (tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta):
                 cpasync.prefetch_descriptor(atom)
+            if cutlass.const_expr(self.dq_tma):
+                cpasync.prefetch_descriptor(tma_dq)
 
         smem = SmemAllocator()
         kv_bars = smem.allocate_array(cutlass.Int64, num_elems=2, byte_alignment=8)
@@ -212,6 +232,10 @@ class FlashBwdSm90:
         sK = smem.allocate_tensor(dt, sK_layout.outer, byte_alignment=1024, swizzle=sK_layout.inner)
         sV = smem.allocate_tensor(dt, sV_layout.outer, byte_alignment=1024, swizzle=sV_layout.inner)
         sdS = smem.allocate_tensor(dt, sdS_layout.outer, byte_alignment=1024, swizzle=sdS_layout.inner)
+        sdQ = None
+        if cutlass.const_expr(self.dq_tma):  # before the row buffers: no 1 KB alignment gap (D = 128 needs
+            # 226 KB of the 227 KB)
+            sdQ = smem.allocate_tensor(Float32, sdQ_layout.outer, byte_alignment=1024, swizzle=sdQ_layout.inner)
         sLSE = smem.allocate_tensor(Float32, sLSE_layout, byte_alignment=128)
         sDelta = smem.allocate_tensor(Float32, sLSE_layout, byte_alignment=128)
 
@@ -252,7 +276,8 @@ class FlashBwdSm90:
                               batch, m_block_min, m_block_max)
         else:
             cute.arch.setmaxregister_increase(self.CONSUMER_REGS)
-            self._consume(mdQaccum, mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE, sDelta, kv_pipe, q_pipe, do_pipe,
+            self._consume(mdQaccum, tma_dq, mdQ_tma, sdQ, mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE, sDelta,
+                          kv_pipe, q_pipe, do_pipe,
                           tiled_mma_sdp, tiled_mma_dv, tiled_mma_dk, tiled_mma_dq, scale_log2, softmax_scale,
                           tidx - self.NUM_PRODUCER_THREADS, n_block, head, batch, seqlen_q, seqlen_k,
                           m_block_min, m_block_max)
@@ -318,7 +343,8 @@ class FlashBwdSm90:
                 acc_S[i] = -Float32.inf
 
     @cute.jit
-    def _consume(self, mdQaccum, mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE, sDelta, kv_pipe, q_pipe, do_pipe,
+    def _consume(self, mdQaccum, tma_dq, mdQ_tma, sdQ, mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE, sDelta, kv_pipe,
+                 q_pipe, do_pipe,
                  tiled_mma_sdp, tiled_mma_dv, tiled_mma_dk, tiled_mma_dq, scale_log2, softmax_scale, ctid,
                  n_block, head,
                  batch, seqlen_q, seqlen_k, m_block_min, m_block_max):
@@ -360,6 +386,11 @@ class FlashBwdSm90:
         tScS = thr_sdp.partition_C(cute.make_identity_tensor((BN, BM)))
         tdKcdK = thr_dv.partition_C(cute.make_identity_tensor((BN, D)))
         tdQcdQ = thr_dq.partition_C(cute.make_identity_tensor((BM, D)))
+        if cutlass.const_expr(self.dq_tma):
+            tdQsdQ = thr_dq.partition_C(sdQ)  # (frag, BM/64, 1, 2 buffers)
+            gdQ = cute.local_tile(mdQ_tma[None, None, head, batch], (BM, D), (None, 0))  # (BM, D, m)
+            tQRsdQ, tQRgdQ = cpasync.tma_partition(tma_dq, 0, cute.make_layout(1), cute.group_modes(sdQ, 0, 2),
+                                                   cute.group_modes(gdQ, 0, 2))
         # The S^T accumulator's values are in the order of the register A operand of m64nDk16 once its
         # BM/8 column groups are split into (2, BM/16) (the forward's P layout, checked in
         # tests/test_cute_compile.py and, for this kernel's shapes, tests/test_cute_bwd.py).
@@ -383,6 +414,7 @@ class FlashBwdSm90:
         # Wait for K and V even when no query block sees them: the CTA must not exit with TMA in flight.
         kv_pipe.consumer_wait(kv_state)
         buf = Int32(0)
+        dq_issuer = ctid == 0  # the one thread that issues, commits and waits for the dQ TMA reduce-adds
         for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
             q_pipe.consumer_wait(q_state)
             self._gemm(tiled_mma_sdp, acc_S, tSrK, tSrQ, None, q_state.index, zero_init=True)  # S^T = K Q^T
@@ -404,8 +436,17 @@ class FlashBwdSm90:
             # dS^T to shared memory, where the dK and dQ WGMMAs read it through the async proxy.
             cute.autovec_copy(rdS, thr_sdp.partition_C(sdSt[None, None, buf]))
             cute.arch.fence_view_async_shared()
+            if cutlass.const_expr(self.dq_tma):
+                # The reduce-add issued one block ago read the buffer this block's dQ tile is written to
+                # below; its completion (.read) is published to all threads by the barrier.
+                if dq_issuer:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
             if cutlass.const_expr(self.dq_split):  # both halves of dS are read by both warpgroups
                 cute.arch.barrier(barrier_id=1, number_of_threads=256)
+                if cutlass.const_expr(self.dq_tma):
+                    # Past the barrier every thread has written and fenced the previous block's dQ tile.
+                    if dq_issuer and m_block > m_block_min:
+                        self._reduce_dq(tma_dq, tQRsdQ, tQRgdQ, 1 - buf, m_block - 1)
             else:
                 cute.arch.barrier(barrier_id=1 + wg, number_of_threads=128)
             self._gemm(tiled_mma_dk, acc_dK, tdKrdSt, tdKrQt, buf, q_state.index)  # dK += dS^T Q
@@ -415,8 +456,22 @@ class FlashBwdSm90:
             do_pipe.consumer_release(do_state)
             q_state.advance()
             do_state.advance()
-            self._atomic_add_dq(mdQaccum, acc_dQ, tdQcdQ, softmax_scale, m_block, head, batch, seqlen_q)
+            if cutlass.const_expr(self.dq_tma):
+                for i in cutlass.range(cute.size(acc_dQ), unroll_full=True):
+                    acc_dQ[i] = acc_dQ[i] * softmax_scale
+                # Made visible to the TMA (async proxy) by the next block's dS fence, before its barrier.
+                cute.autovec_copy(acc_dQ, tdQsdQ[None, None, None, buf])
+            else:
+                self._atomic_add_dq(mdQaccum, acc_dQ, tdQcdQ, softmax_scale, m_block, head, batch, seqlen_q)
             buf = 1 - buf
+
+        if cutlass.const_expr(self.dq_tma):  # the last block's tile; wait before the CTA's smem goes away
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=1, number_of_threads=256)
+            if dq_issuer:
+                if m_block_max > m_block_min:
+                    self._reduce_dq(tma_dq, tQRsdQ, tQRgdQ, 1 - buf, m_block_max - 1)
+                cute.arch.cp_async_bulk_wait_group(0)
 
         self._epilogue(mdK, mdV, acc_dK, acc_dV, tdKcdK, softmax_scale, n_block, head, batch, seqlen_k)
 
@@ -433,6 +488,12 @@ class FlashBwdSm90:
             cute.gemm(tiled_mma, acc, a, b, acc)
             tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
         warpgroup.commit_group()
+
+    @cute.jit
+    def _reduce_dq(self, tma_dq, tQRsdQ, tQRgdQ, buf, m_block):
+        """dq_accum[m_block's rows] += sdQ[buf] (rows past Sq dropped by the TMA unit), one bulk group."""
+        cute.copy(tma_dq, tQRsdQ[None, buf], tQRgdQ[None, m_block])
+        cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit
     def _atomic_add_dq(self, mdQaccum, acc_dQ, tdQcdQ, softmax_scale, m_block, head, batch, seqlen_q):
