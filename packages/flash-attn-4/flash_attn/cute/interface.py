@@ -567,7 +567,7 @@ _BWD_DQ_SPLIT = True
 # dQ added into dq_accum by a TMA reduce-add of the whole fp32 tile from shared memory (one bulk
 # operation per query block, issued by one thread) instead of red.global.add.v2.f32 from every consumer
 # thread. Needs the dQ split. FLASH_ATTN_CUTE_BWD_DQ_TMA=0/1; off until measured on a GPU.
-_BWD_DQ_TMA = False
+_BWD_DQ_TMA = {64: False, 128: False}  # per head dim
 
 
 def _bwd_config(dtype, head_dim, causal, arch):
@@ -577,7 +577,7 @@ def _bwd_config(dtype, head_dim, causal, arch):
     split = os.environ.get("FLASH_ATTN_CUTE_BWD_DQ_SPLIT")
     dq_split = _BWD_DQ_SPLIT if not split else split not in ("0", "false", "False")
     tma = os.environ.get("FLASH_ATTN_CUTE_BWD_DQ_TMA")
-    dq_tma = dq_split and (_BWD_DQ_TMA if not tma else tma not in ("0", "false", "False"))
+    dq_tma = dq_split and (_BWD_DQ_TMA.get(int(head_dim), False) if not tma else tma not in ("0", "false", "False"))
     return {"kernel": "FlashBwdSm90", "dtype": _DTYPE_NAMES.get(dtype, str(dtype)), "head_dim": int(head_dim),
             "causal": bool(causal), "block_m": block_m, "stages": stages, "dq_split": dq_split, "dq_tma": dq_tma,
             "arch": arch,
