@@ -102,7 +102,7 @@ def _ref_scores(q, k, query_padding_mask, key_padding_mask, attn_bias, causal, w
 
 def attention_ref(q, k, v, query_padding_mask=None, key_padding_mask=None, attn_bias=None, dropout_p=0.0,
                   dropout_mask=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                  softmax_scale=None, upcast=True, reorder_ops=False, key_leftpad=None):
+                  softmax_scale=None, upcast=True, reorder_ops=False, key_leftpad=None, learnable_sink=None):
     """Naive attention: q (B, Sq, H, D), k (B, Sk, Hk, D), v (B, Sk, Hk, Dv) -> (out, attn_probs).
 
     out (B, Sq, H, Dv) and attn_probs (B, H, Sq, Sk) (before dropout) in the input dtype; rows with no
@@ -110,14 +110,19 @@ def attention_ref(q, k, v, query_padding_mask=None, key_padding_mask=None, attn_
     :func:`dropout_keep_mask`), kept elements scaled by 1 / (1 - dropout_p). attn_bias: additive, any
     shape broadcastable to (B, H, Sq, Sk). upcast=True computes in fp32 (fp64 for fp32 inputs);
     reorder_ops=True scales the scores instead of q, to measure PyTorch's own low-precision error.
-    Differentiable (use it for reference gradients).
+    learnable_sink: (H,) logits (not scaled by softmax_scale), one per query head, appended to every
+    row as an extra score with no value: the row's probabilities sum to 1 - exp(sink - lse), and a
+    row with no visible key gets out 0. Differentiable (use it for reference gradients; the sink too).
     """
     dtype = q.dtype
     scores, vis = _ref_scores(q, k, query_padding_mask, key_padding_mask, attn_bias, causal, window_size,
                               softcap, alibi_slopes, softmax_scale, upcast, reorder_ops, key_leftpad)
     H, Hk = q.shape[2], k.shape[2]
     vc = v.to(scores.dtype).repeat_interleave(H // Hk, dim=2)
-    attn = torch.softmax(scores, dim=-1)
+    if learnable_sink is not None:
+        attn = torch.softmax(_with_sink_column(scores, learnable_sink), dim=-1)[..., :-1]
+    else:
+        attn = torch.softmax(scores, dim=-1)
     # A row with no visible key is all -inf: softmax gives NaN there, the contract says 0.
     attn = attn.masked_fill(~vis.any(-1, keepdim=True), 0.0)
     if dropout_mask is not None and dropout_p > 0:
@@ -134,13 +139,31 @@ def attention_ref(q, k, v, query_padding_mask=None, key_padding_mask=None, attn_
 
 def attention_lse_ref(q, k, query_padding_mask=None, key_padding_mask=None, attn_bias=None, causal=False,
                       window_size=(-1, -1), softcap=0.0, alibi_slopes=None, softmax_scale=None,
-                      key_leftpad=None):
-    """Natural-log logsumexp of the scores, fp32 (B, H, Sq); +inf for rows with no visible key."""
+                      key_leftpad=None, learnable_sink=None):
+    """Natural-log logsumexp of the scores, fp32 (B, H, Sq); +inf for rows with no visible key. With
+    learnable_sink (see attention_ref) the sum includes exp(sink): a row with no visible key gets
+    lse = sink (padded query rows stay +inf)."""
     scores, vis = _ref_scores(q, k, query_padding_mask, key_padding_mask, attn_bias, causal, window_size,
                               softcap, alibi_slopes, softmax_scale, True, False, key_leftpad)
+    if learnable_sink is not None:
+        lse = torch.logsumexp(_with_sink_column(scores, learnable_sink), dim=-1)
+        if query_padding_mask is not None:
+            B, Sq = query_padding_mask.shape
+            qvalid = query_padding_mask.to(device=lse.device, dtype=torch.bool).view(B, 1, Sq)
+            lse = lse.masked_fill(~qvalid, float("inf"))
+        return lse.float()
     lse = torch.logsumexp(scores, dim=-1)
     lse = lse.masked_fill(~vis.any(-1), float("inf"))
     return lse.float()
+
+
+def _with_sink_column(scores, learnable_sink):
+    """scores (B, H, Sq, Sk) with the head's sink logit appended as column Sk (compute dtype)."""
+    B, H, Sq, _ = scores.shape
+    if tuple(learnable_sink.shape) != (H,):
+        raise ValueError(f"attention_ref: learnable_sink must have shape ({H},), got {tuple(learnable_sink.shape)}")
+    sink = learnable_sink.to(device=scores.device, dtype=scores.dtype).view(1, H, 1, 1).expand(B, H, Sq, 1)
+    return torch.cat([scores, sink], dim=-1)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -4,7 +4,8 @@ accumulators, a producer warpgroup that only issues TMA (registers given back wi
 consumer warpgroups that compute, online softmax in fp32 with exp2 (Milakov & Gimelshein 2018).
 
 Layouts seen by the kernel (views built on the host, no copies):
-  mQ (Sq, D, H, B), mK (Sk, D, Hk, B), mV (Sk, D, Hk, B), mO (Sq, D, H, B), mLSE (Sq, H, B) fp32.
+  mQ (Sq, D, H, B), mK (Sk, D, Hk, B), mV (Sk, D, Hk, B), mO (Sq, D, H, B), mLSE (Sq, H, B) fp32,
+  mSink (H,) fp32 (kernels built with sink=True only).
 One CTA per (BLOCK_M query tile, head, batch). Not yet run on a GPU (see the package README).
 """
 import math
@@ -39,7 +40,8 @@ def _smem_layout(kind, dtype, shape, order=None):
 
 class FlashFwdSm90:
     """Compile-time configuration of the kernel: dtype, head dim, the mask (none, causal, or a local
-    window whose sizes are runtime values) and whether scores are soft-capped. Everything else (batch,
+    window whose sizes are runtime values), whether scores are soft-capped and whether each head has a
+    learnable sink logit (an extra softmax term with no value, folded in at the end). Everything else (batch,
     sequence lengths, head counts, strides, scale, softcap, window sizes) is a runtime value of the
     compiled kernel."""
 
@@ -52,7 +54,7 @@ class FlashFwdSm90:
     UNBOUNDED = 1 << 30  # window size standing for "no limit on this side" (host passes it for -1)
 
     def __init__(self, dtype, head_dim, causal, local=False, softcap=False, varlen=False, block_m=128,
-                 block_n=128, num_stages=2, exp2_emu=0, exp2_emu_degree=3):
+                 block_n=128, num_stages=2, exp2_emu=0, exp2_emu_degree=3, sink=False):
         """exp2_emu: of every 16 softmax exponentials a thread computes, this many (0..16, spread evenly
         over its fragment) use a degree-exp2_emu_degree polynomial on the FMA pipe instead of MUFU.EX2
         (softmax_exp.py), to relieve the MUFU pipe."""
@@ -70,6 +72,7 @@ class FlashFwdSm90:
         self.local = bool(local)
         self.softcap = bool(softcap)
         self.varlen = bool(varlen)
+        self.sink = bool(sink)
         self.block_m = block_m
         self.block_n = block_n
         self.num_stages = num_stages
@@ -87,6 +90,19 @@ class FlashFwdSm90:
         """Dense: mQ/mO (B, Sq, H, D), mK/mV (B, Sk, Hk, D), mLSE (B, H, Sq) fp32, as PyTorch lays them
         out. softcap is read when the kernel was built with softcap=True, window_left/right (>= 0,
         UNBOUNDED for no limit) when built with local=True."""
+        self._dense(mQ, mK, mV, mO, mLSE, softmax_scale, softcap, window_left, window_right, stream, None)
+
+    @cute.jit
+    def call_sink(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+                  softmax_scale: Float32, softcap: Float32, window_left: Int32, window_right: Int32, stream,
+                  mSink: cute.Tensor):
+        """__call__ for a kernel built with sink=True: mSink (H,) fp32, natural-log logits (not scaled by
+        softmax_scale). A separate entry point, so that __call__'s compiled signature has no sink
+        argument at all."""
+        self._dense(mQ, mK, mV, mO, mLSE, softmax_scale, softcap, window_left, window_right, stream, mSink)
+
+    @cute.jit
+    def _dense(self, mQ, mK, mV, mO, mLSE, softmax_scale, softcap, window_left, window_right, stream, mSink):
         # (B, S, H, D) -> (S, D, H, B): the first two modes are the tile, the others index the CTA.
         mQ = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 3, 2, 0]))
         mK = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2, 0]))
@@ -97,7 +113,7 @@ class FlashFwdSm90:
         grid = (cute.ceil_div(cute.size(mQ, mode=[0]), self.block_m), cute.size(mQ, mode=[2]),
                 cute.size(mQ, mode=[3]))
         self._launch(mQ, mK, mVt, mO, mLSE, None, None, None, softmax_scale, softcap, window_left,
-                     window_right, grid, stream)
+                     window_right, grid, stream, mSink)
 
     @cute.jit
     def call_varlen(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
@@ -107,6 +123,21 @@ class FlashFwdSm90:
         """Varlen (kernel built with varlen=True): mQ/mO (total_q, H, D), mK/mV (total_k, Hk, D), mLSE
         (H, total_q) fp32, cu_seqlens int32 (B + 1,), mSeqUsedK int32 (B,): the keys each sequence uses
         from its start (cu_seqlens_k's differences when the caller has none to give)."""
+        self._varlen(mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_q, softmax_scale,
+                     softcap, window_left, window_right, stream, None)
+
+    @cute.jit
+    def call_varlen_sink(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+                         mLSE: cute.Tensor, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor,
+                         mSeqUsedK: cute.Tensor, max_seqlen_q: Int32, softmax_scale: Float32, softcap: Float32,
+                         window_left: Int32, window_right: Int32, stream, mSink: cute.Tensor):
+        """call_varlen for a kernel built with varlen=True and sink=True; mSink as in call_sink."""
+        self._varlen(mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_q, softmax_scale,
+                     softcap, window_left, window_right, stream, mSink)
+
+    @cute.jit
+    def _varlen(self, mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_q, softmax_scale,
+                softcap, window_left, window_right, stream, mSink):
         # (T, H, D) -> (T, D, H, 1): the dense kernel's view with one batch entry; sequences are
         # row offsets into it.
         unit = cute.make_layout(1)
@@ -118,11 +149,11 @@ class FlashFwdSm90:
         grid = (cute.ceil_div(max_seqlen_q, self.block_m), cute.size(mQ, mode=[2]),
                 cute.size(mCuSeqlensQ, mode=[0]) - 1)
         self._launch(mQ, mK, mVt, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, softmax_scale, softcap,
-                     window_left, window_right, grid, stream)
+                     window_left, window_right, grid, stream, mSink)
 
     @cute.jit
     def _launch(self, mQ, mK, mVt, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, softmax_scale, softcap,
-                window_left, window_right, grid, stream):
+                window_left, window_right, grid, stream, mSink):
         """Views are (S, D, H, B) for Q/K/O, (D, S, H, B) for V, (S, H, B) for the lse."""
         dt, D, BM, BN = self.dtype, self.head_dim, self.block_m, self.block_n
         K_SW128 = warpgroup.SmemLayoutAtomKind.K_SW128
@@ -161,7 +192,7 @@ class FlashFwdSm90:
         if cutlass.const_expr(self.softcap):
             score_scale = softmax_scale / softcap
             scale_log2 = Float32(LOG2_E)
-        self.kernel(tma_q, mQ_tma, tma_k, mK_tma, tma_v, mVt_tma, mO, mLSE, mCuSeqlensQ, mCuSeqlensK,
+        self.kernel(tma_q, mQ_tma, tma_k, mK_tma, tma_v, mVt_tma, mO, mLSE, mSink, mCuSeqlensQ, mCuSeqlensK,
                     mSeqUsedK, scale_log2, score_scale, softcap, window_left, window_right, sQ_layout,
                     sK_layout, sVt_layout, tiled_mma_qk, tiled_mma_pv).launch(
             grid=grid, block=(self.num_threads, 1, 1), stream=stream)
@@ -171,7 +202,7 @@ class FlashFwdSm90:
 
     @cute.kernel
     def kernel(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor,
-               tma_v: cute.CopyAtom, mVt: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+               tma_v: cute.CopyAtom, mVt: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, mSink,
                mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, scale_log2: Float32, score_scale: Float32,
                softcap: Float32, window_left: Int32, window_right: Int32, sQ_layout: cute.ComposedLayout,
                sK_layout: cute.ComposedLayout, sVt_layout: cute.ComposedLayout, tiled_mma_qk: cute.TiledMma,
@@ -188,17 +219,17 @@ class FlashFwdSm90:
             k_start = mCuSeqlensK[batch]
             seqlen_k = mSeqUsedK[batch]
             if m_block * self.block_m < seqlen_q:  # the grid covers the longest sequence
-                self._cta(tma_q, mQ, tma_k, mK, tma_v, mVt, mO, mLSE, scale_log2, score_scale, softcap,
+                self._cta(tma_q, mQ, tma_k, mK, tma_v, mVt, mO, mLSE, mSink, scale_log2, score_scale, softcap,
                           window_left, window_right, sQ_layout, sK_layout, sVt_layout, tiled_mma_qk,
                           tiled_mma_pv, m_block, head, Int32(0), q_start, k_start, seqlen_q, seqlen_k)
         else:
-            self._cta(tma_q, mQ, tma_k, mK, tma_v, mVt, mO, mLSE, scale_log2, score_scale, softcap,
+            self._cta(tma_q, mQ, tma_k, mK, tma_v, mVt, mO, mLSE, mSink, scale_log2, score_scale, softcap,
                       window_left, window_right, sQ_layout, sK_layout, sVt_layout, tiled_mma_qk, tiled_mma_pv,
                       m_block, head, batch, Int32(0), Int32(0), cute.size(mQ, mode=[0]),
                       cute.size(mK, mode=[0]))
 
     @cute.jit
-    def _cta(self, tma_q, mQ, tma_k, mK, tma_v, mVt, mO, mLSE, scale_log2, score_scale, softcap, window_left,
+    def _cta(self, tma_q, mQ, tma_k, mK, tma_v, mVt, mO, mLSE, mSink, scale_log2, score_scale, softcap, window_left,
              window_right, sQ_layout, sK_layout, sVt_layout, tiled_mma_qk, tiled_mma_pv, m_block, head, batch,
              q_start, k_start, seqlen_q, seqlen_k):
         """One CTA's query tile: rows [m_block * BM, (m_block + 1) * BM) of the sequence that starts at
@@ -258,7 +289,7 @@ class FlashFwdSm90:
                               m_block, head, head_kv, batch, q_start, k_start, n_block_min, n_block_max)
         else:
             cute.arch.setmaxregister_increase(self.CONSUMER_REGS)
-            self._consume(mO, mLSE, sQ, sK, sVt, q_pipe, k_pipe, v_pipe, tiled_mma_qk, tiled_mma_pv,
+            self._consume(mO, mLSE, mSink, sQ, sK, sVt, q_pipe, k_pipe, v_pipe, tiled_mma_qk, tiled_mma_pv,
                           scale_log2, score_scale, softcap, window_left, window_right,
                           tidx - self.NUM_PRODUCER_THREADS, m_block, head, batch, q_start, seqlen_q,
                           seqlen_k, n_block_min, n_block_max)
@@ -361,7 +392,7 @@ class FlashFwdSm90:
                     acc_O[c + 2 * r + 4 * j] = acc_O[c + 2 * r + 4 * j] * corr[r]
 
     @cute.jit
-    def _consume(self, mO, mLSE, sQ, sK, sVt, q_pipe, k_pipe, v_pipe, tiled_mma_qk, tiled_mma_pv,
+    def _consume(self, mO, mLSE, mSink, sQ, sK, sVt, q_pipe, k_pipe, v_pipe, tiled_mma_qk, tiled_mma_pv,
                  scale_log2, score_scale, softcap, window_left, window_right, ctid, m_block, head, batch,
                  q_start, seqlen_q, seqlen_k, n_block_min, n_block_max):
         """FlashAttention-3's consumer (Shah et al. 2024, sections 3.1-3.2). Within a warpgroup, block j's
@@ -398,6 +429,10 @@ class FlashFwdSm90:
         corr = cute.make_rmem_tensor((2,), Float32)
         row_max.fill(-Float32.inf)
         row_sum.fill(0.0)
+        # The head's sink logit, loaded now so that its global-memory latency hides behind the main loop.
+        sink_log2 = Float32(0.0)
+        if cutlass.const_expr(self.sink):
+            sink_log2 = mSink[head] * LOG2_E
 
         # Ping-pong: warpgroup w waits on named barrier 1 + w before issuing GEMMs and then lets the
         # other one go (barrier 0 is __syncthreads). Both warpgroups run the same number of blocks.
@@ -486,8 +521,8 @@ class FlashFwdSm90:
             warpgroup.wait_group(0)
             v_pipe.consumer_release(v_state)
 
-        self._epilogue(mO, mLSE, acc_O, row_max, row_sum, tOcO, scale_log2, ctid, m_block, head, batch,
-                       q_start, seqlen_q)
+        self._epilogue(mO, mLSE, acc_O, row_max, row_sum, tOcO, scale_log2, sink_log2, ctid, m_block, head,
+                       batch, q_start, seqlen_q)
 
     @cute.jit
     def _pass_turn(self, turn_bar, arrive, n_threads):
@@ -515,10 +550,12 @@ class FlashFwdSm90:
         warpgroup.commit_group()
 
     @cute.jit
-    def _epilogue(self, mO, mLSE, acc_O, row_max, row_sum, tOcO, scale_log2, ctid, m_block, head, batch,
-                  q_start, seqlen_q):
+    def _epilogue(self, mO, mLSE, acc_O, row_max, row_sum, tOcO, scale_log2, sink_log2, ctid, m_block, head,
+                  batch, q_start, seqlen_q):
         """O / l and lse = ln(sum exp(scale * s)) = (max * scale_log2 + log2 l) * ln 2; a row with no
-        visible key gets O = 0 and lse = +inf."""
+        visible key gets O = 0 and lse = +inf. With a sink (sink_log2 = sink * log2 e) the sum gains
+        exp(sink): O / l' and lse = ln(sum exp(scale * s) + exp(sink)), so a row with no visible key
+        gets O = 0 and lse = sink."""
         dt, D, BM = self.dtype, self.head_dim, self.block_m
         lane = ctid % 32
         gO = mO[None, None, head, batch]  # (Sq, D)
@@ -528,9 +565,23 @@ class FlashFwdSm90:
             l += cute.arch.shuffle_sync_bfly(l, offset=2)
             inv = Float32(0.0)
             lse = Float32.inf
-            if l > 0.0:
-                inv = 1.0 / l
-                lse = (row_max[r] * scale_log2 + cute.math.log2(l)) * LN_2
+            if cutlass.const_expr(self.sink):
+                # Rebase l (relative to the row max) and the sink term to their common max. A row with no
+                # visible key has m2 = -inf and l = 0: its scale exp2(m2 - m) is 0 and l becomes exp2(0);
+                # when the sink is -inf too, m = 0 keeps every difference free of inf - inf.
+                m2 = row_max[r] * scale_log2
+                m = cute.arch.fmax(m2, sink_log2)
+                if m == -Float32.inf:
+                    m = Float32(0.0)
+                rescale = cute.math.exp2(m2 - m, fastmath=True)
+                l = l * rescale + cute.math.exp2(sink_log2 - m, fastmath=True)
+                if l > 0.0:
+                    inv = rescale / l
+                    lse = (m + cute.math.log2(l)) * LN_2
+            else:
+                if l > 0.0:
+                    inv = 1.0 / l
+                    lse = (row_max[r] * scale_log2 + cute.math.log2(l)) * LN_2
             row = m_block * BM + tOcO[2 * r][0]
             if row < seqlen_q:
                 for j in cutlass.range_constexpr(D // 8):

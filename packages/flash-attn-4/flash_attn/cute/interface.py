@@ -7,7 +7,7 @@ symbolic, so a new shape never recompiles. They use CuTeDSL's TVM-FFI calling co
 exchange API, well under a microsecond for all arguments), checks dtypes, shapes, strides, alignment and
 device in C, sets the device when it differs from the current one, and launches on torch's current
 stream of the tensors' device (``make_fake_stream(use_tvm_ffi_env_stream=True)``). A kernel is looked up
-in a dict by (dtype, head dim, causal, arch, local, softcap[, varlen]); a miss loads it from the disk
+in a dict by (dtype, head dim, causal, arch, local, softcap[, varlen][, "sink"]); a miss loads it from the disk
 cache (``cache.py``: a shared library that loads without importing the CuTeDSL compiler), else compiles
 it and writes it there. ``python -m flash_attn.cute.precompile`` fills the disk cache ahead of time,
 without a GPU.
@@ -25,7 +25,7 @@ _SUPPORTED_HEAD_DIMS = (64, 128)
 _ARCHS = {(9, 0): "sm_90a"}
 _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 _F32 = torch.float32
-_kernels: dict[tuple, object] = {}  # (torch dtype, head dim, causal, arch, local, softcap[, True]) -> callable
+_kernels: dict[tuple, object] = {}  # (dtype, head dim, causal, arch, local, softcap[, True][, "sink"]) -> fn
 _origins: dict[tuple, str] = {}  # same key -> "so" / "o" (loaded from disk), "compiled" or "compiled-dlpack"
 _device_archs: dict[int, object] = {}  # CUDA device index -> arch name, or None (no kernels for it)
 _have_tvm_ffi: list = []
@@ -56,7 +56,7 @@ def _tvm_ffi():
     return _have_tvm_ffi[0]
 
 
-def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varlen=False):
+def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varlen=False, sink=False):
     """Everything that selects the forward kernel's code: the kernel class, its constructor arguments,
     the architecture and the calling convention. It is the disk cache's key (with the package sources
     and the versions, see cache.py) and what compile_fwd builds the kernel from, so a constructor
@@ -70,7 +70,8 @@ def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varle
     return {"kernel": "FlashFwdSm90", "dtype": _DTYPE_NAMES.get(dtype, str(dtype)), "head_dim": int(head_dim),
             "stages": stages, **({"block_n": block_n} if block_n != 128 else {}), **emu_cfg,
             "causal": bool(causal) and not local, "local": bool(local), "softcap": bool(softcap), "arch": arch,
-            "abi": "tvm-ffi-env-stream" if _tvm_ffi() else "cute", **({"varlen": True} if varlen else {})}
+            "abi": "tvm-ffi-env-stream" if _tvm_ffi() else "cute", **({"varlen": True} if varlen else {}),
+            **({"sink": True} if sink else {})}  # absent unless set: existing disk entries keep their keys
 
 
 def _make_kernel(config):
@@ -81,11 +82,12 @@ def _make_kernel(config):
     return FlashFwdSm90(cutlass_dtype, config["head_dim"], config["causal"], local=config["local"],
                         softcap=config["softcap"], varlen=config.get("varlen", False),
                         num_stages=config["stages"], block_n=config.get("block_n", 128),
-                        exp2_emu=config.get("exp2_emu", 0), exp2_emu_degree=config.get("exp2_emu_degree", 3))
+                        exp2_emu=config.get("exp2_emu", 0), exp2_emu_degree=config.get("exp2_emu_degree", 3),
+                        sink=config.get("sink", False))
 
 
 def compile_fwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=False, softcap=False,
-                varlen=False):
+                varlen=False, sink=False):
     """Compile the forward kernel for ``dtype`` (torch.float16 / torch.bfloat16), ``head_dim`` (64 / 128),
     ``causal``, ``local`` (a sliding window, sizes given per call) and ``softcap`` (soft-capped scores)
     for ``arch``. No GPU is needed. ``dump_dir``: an existing folder that receives the PTX (``*.ptx``)
@@ -96,12 +98,13 @@ def compile_fwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=Fal
     it the same plus a stream, on CuTe tensors. ``varlen``: the call is ``(q, k, v, out, lse, cu_seqlens_q,
     cu_seqlens_k, seqused_k, max_seqlen_q, softmax_scale, softcap, window_left, window_right)`` with
     q/out (total_q, H, D), k/v (total_k, Hk, D), lse (H, total_q), int32 cu_seqlens (B + 1,) and
-    seqused_k (B,)."""
+    seqused_k (B,). ``sink``: the call takes one more argument, last: the learnable sink, an fp32 (H,)
+    tensor."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_tensor
 
-    config = _fwd_config(dtype, head_dim, causal, arch, local, softcap, varlen)
+    config = _fwd_config(dtype, head_dim, causal, arch, local, softcap, varlen, sink)
     kernel = _make_kernel(config)
     dt, D = kernel.dtype, kernel.head_dim
     # 32-bit shapes and strides: with 64-bit symbolic strides CuTeDSL 4.8 builds TMA descriptors that
@@ -137,9 +140,13 @@ def compile_fwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=Fal
     if dump_dir is not None:
         options += f" --keep-ptx --keep-cubin --dump-dir {dump_dir}"
     stream = cutlass.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi)
-    return cute.compile(kernel.call_varlen if varlen else kernel, q, k, v, o, lse, *seq_args,
+    # (H,) with q's symbolic head count: the TVM-FFI wrapper checks that the sink has one entry per head.
+    sink_arg = (make_fake_tensor(cutlass.Float32, (heads,), (1,), assumed_align=4),) if sink else ()
+    entry = ((kernel.call_varlen_sink if sink else kernel.call_varlen) if varlen
+             else (kernel.call_sink if sink else kernel))
+    return cute.compile(entry, q, k, v, o, lse, *seq_args,
                         cutlass.Float32(1.0), cutlass.Float32(0.0), cutlass.Int32(0), cutlass.Int32(0), stream,
-                        options=options)
+                        *sink_arg, options=options)
 
 
 def _ffi_function(compiled):
@@ -149,7 +156,7 @@ def _ffi_function(compiled):
     return (bare() if bare is not None else None) or compiled
 
 
-def _dlpack_launcher(compiled):
+def _dlpack_launcher(compiled, sink=False):
     # The fallback when apache-tvm-ffi (a dependency of flash-attn-4) is missing: CuTe-ABI kernels take
     # CuTe tensors and an explicit stream, so each call wraps every tensor with from_dlpack (~30 us on a
     # CPU core) under the tensors' device. Kernels are not written to disk on this path: the entries
@@ -162,6 +169,9 @@ def _dlpack_launcher(compiled):
         return from_dlpack(t.detach(), assumed_align=align).mark_layout_dynamic(leading_dim=t.dim() - 1)
 
     def launch(q, k, v, out, lse, *args):
+        sink_arg = (as_cute(args[-1], 4),) if sink else ()
+        if sink:
+            args = args[:-1]
         *seq, softmax_scale, softcap, window_left, window_right = args  # seq: varlen's 3 tensors and int
         if seq:
             seq = [as_cute(t, 4) for t in seq[:3]] + [cutlass.Int32(seq[3])]
@@ -169,43 +179,44 @@ def _dlpack_launcher(compiled):
             stream = driver.CUstream(torch.cuda.current_stream().cuda_stream)
             compiled(as_cute(q, 16), as_cute(k, 16), as_cute(v, 16), as_cute(out, 16), as_cute(lse, 4), *seq,
                      cutlass.Float32(softmax_scale), cutlass.Float32(softcap), cutlass.Int32(window_left),
-                     cutlass.Int32(window_right), stream)
+                     cutlass.Int32(window_right), stream, *sink_arg)
 
     return launch
 
 
-def _entry(dtype, head_dim, causal, arch, local=False, softcap=False, varlen=False):
+def _entry(dtype, head_dim, causal, arch, local=False, softcap=False, varlen=False, sink=False):
     """(config, key, file name, exported C symbol) of a forward kernel's disk cache entry."""
-    config = _fwd_config(dtype, head_dim, causal, arch, local, softcap, varlen)
+    config = _fwd_config(dtype, head_dim, causal, arch, local, softcap, varlen, sink)
     key = cache.entry_key(config)
     mask = "local" if config["local"] else "causal" if config["causal"] else "full"
     name = (f"fwd-{arch}-{config['dtype']}-d{config['head_dim']}-{mask}{'-softcap' if softcap else ''}"
-            f"{'-varlen' if varlen else ''}-{key[:16]}")
+            f"{'-varlen' if varlen else ''}{'-sink' if sink else ''}-{key[:16]}")
     return config, key, name, f"flash_attn_cute_{key[:16]}"  # the symbol is unique per key
 
 
-def disk_entry(dtype, head_dim, causal, arch="sm_90a", root=None, local=False, softcap=False, varlen=False):
+def disk_entry(dtype, head_dim, causal, arch="sm_90a", root=None, local=False, softcap=False, varlen=False,
+               sink=False):
     """The intact files of a forward kernel's entry in the disk cache ``root`` (default: the runtime's
     folder), {"o": path, "so": path} (the shared library is absent where no C compiler was found), or
     {} when there is none. Loads nothing."""
     root = root if root is not None else cache.cache_dir()
     if root is None or not _tvm_ffi():
         return {}
-    _, key, name, _ = _entry(dtype, head_dim, causal, arch, local, softcap, varlen)
+    _, key, name, _ = _entry(dtype, head_dim, causal, arch, local, softcap, varlen, sink)
     return cache.DiskCache(root).files(name, key)
 
 
 def load_or_build(dtype, head_dim, causal, arch="sm_90a", root=None, force=False, local=False, softcap=False,
-                  varlen=False):
+                  varlen=False, sink=False):
     """The forward kernel as a callable ``(q, k, v, out, lse, softmax_scale, softcap, window_left,
     window_right)`` and where it came from
     ("so" / "o": the disk cache in ``root``; "compiled": compiled now, and written to ``root``).
     ``root=None``: no disk cache. ``force``: compile even when the disk holds the entry. Compiling
     needs no GPU; loading from disk needs neither a GPU nor the CuTeDSL compiler."""
-    variant = dict(local=local, softcap=softcap, varlen=varlen)
+    variant = dict(local=local, softcap=softcap, varlen=varlen, sink=sink)
     if not _tvm_ffi():
-        return _dlpack_launcher(compile_fwd(dtype, head_dim, causal, arch, **variant)), "compiled-dlpack"
-    return _load_or_build_entry(_entry(dtype, head_dim, causal, arch, local, softcap, varlen),
+        return _dlpack_launcher(compile_fwd(dtype, head_dim, causal, arch, **variant), sink), "compiled-dlpack"
+    return _load_or_build_entry(_entry(dtype, head_dim, causal, arch, local, softcap, varlen, sink),
                                 lambda: compile_fwd(dtype, head_dim, causal, arch, **variant), root, force)
 
 
@@ -245,19 +256,20 @@ def _load_or_build_entry(entry, compile_fn, root, force):
         return _ffi_function(compiled), "compiled"
 
 
-def fwd_kernel(dtype, head_dim, causal, arch="sm_90a", local=False, softcap=False, varlen=False):
+def fwd_kernel(dtype, head_dim, causal, arch="sm_90a", local=False, softcap=False, varlen=False, sink=False):
     """The forward kernel for (dtype, head dim, causal, arch, local, softcap): from memory, else from the
     disk cache (``cache.cache_dir()``: $FLASH_ATTN_CUTE_CACHE, default ~/.cache/flash_attn_cute), else
     compiled and written there. A callable ``(q, k, v, out, lse, softmax_scale, softcap, window_left,
-    window_right)`` on torch tensors (varlen: see compile_fwd)."""
-    mem_key = (dtype, head_dim, bool(causal), arch, bool(local), bool(softcap)) + ((True,) if varlen else ())
+    window_right)`` on torch tensors (varlen, sink: see compile_fwd)."""
+    mem_key = ((dtype, head_dim, bool(causal), arch, bool(local), bool(softcap)) + ((True,) if varlen else ())
+               + (("sink",) if sink else ()))
     fn = _kernels.get(mem_key)
     if fn is None:
         with cache._lock:  # one builder per process; other threads wait, then find it in memory
             fn = _kernels.get(mem_key)
             if fn is None:
                 fn, _origins[mem_key] = load_or_build(dtype, head_dim, causal, arch, cache.cache_dir(),
-                                                      local=local, softcap=softcap, varlen=varlen)
+                                                      local=local, softcap=softcap, varlen=varlen, sink=sink)
                 _kernels[mem_key] = fn
     return fn
 
@@ -297,12 +309,10 @@ def _check_dims(D, Dv, H, Hk):
         raise ValueError(f"q heads ({H}) must be a multiple of k heads ({Hk})")
 
 
-def _options(window_size, learnable_sink, softcap, num_splits, pack_gqa):
+def _options(window_size, softcap, num_splits, pack_gqa):
     """(window_left, window_right, softcap) from FA4's keyword arguments (-1: no limit on that side);
     raises for what the kernels do not do yet."""
     window_left, window_right = (-1 if w is None else int(w) for w in window_size)
-    if learnable_sink is not None:
-        raise NotImplementedError("learnable_sink")
     softcap = float(softcap or 0.0)
     if softcap < 0.0 or softcap != softcap:
         raise ValueError(f"softcap must be >= 0 (0: off), got {softcap}")
@@ -311,6 +321,20 @@ def _options(window_size, learnable_sink, softcap, num_splits, pack_gqa):
     if pack_gqa:
         raise NotImplementedError("pack_gqa")
     return window_left, window_right, softcap
+
+
+def _check_sink(learnable_sink, H, device):
+    """learnable_sink as the kernel takes it: fp32, contiguous, (H,)."""
+    if not isinstance(learnable_sink, torch.Tensor):
+        raise ValueError(f"learnable_sink must be a tensor of shape ({H},), got {type(learnable_sink).__name__}")
+    if learnable_sink.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"learnable_sink must be fp32, bf16 or fp16, got {learnable_sink.dtype}")
+    if tuple(learnable_sink.shape) != (H,):
+        raise ValueError(f"learnable_sink must have shape ({H},) (one logit per query head), got "
+                         f"{tuple(learnable_sink.shape)}")
+    if learnable_sink.device != device:
+        raise ValueError(f"learnable_sink must be on {device} (q's device), got {learnable_sink.device}")
+    return learnable_sink.detach().to(_F32).contiguous()
 
 
 _NO_WINDOW = (None, None)  # flash_attn_func's default window_size (identity-checked on the fast path)
@@ -322,7 +346,10 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=_NO_W
     (64, 128), H % Hk == 0 (GQA/MQA). Causal and sliding-window masks are bottom-right aligned: query i
     sees key j iff j - (i + Sk - Sq) lies in [-window_size[0], window_size[1]] (None or a negative size:
     no limit on that side; causal sets the right size to 0). softcap > 0: scores become
-    softcap * tanh(scale * q.k / softcap). Returns (out, lse): out
+    softcap * tanh(scale * q.k / softcap). learnable_sink: None or (H,) fp32/bf16/fp16 logits, one per
+    query head, that join every softmax row as a term exp(sink) with no value (not scaled by
+    softmax_scale; lse includes it, a row that sees no key gets out 0 and lse = sink); its gradient
+    is computed when it requires one (see _SinkAttention). Returns (out, lse): out
     like q, lse fp32 (B, H, Sq) natural log (+inf for a row that sees no key) when return_lse or a
     gradient needs it, else None (as FA4; the kernel still writes it). When q, k or v needs a
     gradient the call goes through the dispatcher's differentiable op (see _with_fallback_backward): its
@@ -348,7 +375,16 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=_NO_W
         window_left = window_right = -1  # the common call: no option to parse
         softcap = 0.0
     else:
-        window_left, window_right, softcap = _options(window_size, learnable_sink, softcap, num_splits, pack_gqa)
+        window_left, window_right, softcap = _options(window_size, softcap, num_splits, pack_gqa)
+        if learnable_sink is not None:
+            sink = _check_sink(learnable_sink, H, q.device)
+            arch = _device_arch(q, k, v)
+            args = (D ** -0.5 if softmax_scale is None else float(softmax_scale), bool(causal), window_left,
+                    window_right, softcap, bool(deterministic), arch, None)
+            if _needs_grad(q, k, v, learnable_sink):
+                return _SinkAttention.apply(q, k, v, learnable_sink, args)
+            out, lse = forward(q, k, v, args[0], bool(causal), arch, window_left, window_right, softcap, sink)
+            return out, (lse if return_lse else None)
     arch = _device_arch(q, k, v)
     if softmax_scale is None:
         softmax_scale = D ** -0.5
@@ -394,6 +430,88 @@ def _with_fallback_backward(q, k, v, softmax_scale, causal, window_left, window_
     return out, lse
 
 
+def _needs_grad(q, k, v, learnable_sink=None):
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or (
+        learnable_sink is not None and learnable_sink.requires_grad))
+
+
+class _SinkAttention(torch.autograd.Function):
+    """Attention with a learnable sink and gradients. Forward: this package's sink kernel (forward() or
+    forward_varlen()), which returns the sink-inclusive lse. Backward: dq, dk, dv by the root package's
+    dispatcher (the backward it picks for the same call without a sink, see _with_fallback_backward),
+    given that lse: the standard FlashAttention backward recomputes P = exp(s - lse) and uses
+    delta = rowsum(dO * O), both already right with the sink in lse. The sink's own gradient follows
+    from d lse_i / d sink = exp(sink - lse_i) =: p_i (the sink's probability in row i):
+    dL/dsink = sum_ij dP_ij dP_ij/dsink = -sum_i p_i sum_j P_ij dO_i.v_j = -sum_i p_i delta_i, summed
+    over every row of the head (all batch entries / sequences), computed in fp32."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, learnable_sink, args):
+        softmax_scale, causal, window_left, window_right, softcap, _, arch, varlen = args
+        if q.requires_grad or k.requires_grad or v.requires_grad:
+            _dispatcher()  # no forward whose backward cannot run
+        sink = learnable_sink.detach().to(_F32).contiguous()
+        if varlen is None:
+            out, lse = forward(q, k, v, softmax_scale, causal, arch, window_left, window_right, softcap, sink)
+        else:  # rows after the last sequence: out 0, lse +inf (p = 0, so no share in d(sink))
+            cu_q, cu_k, max_q, _ = varlen
+            out, lse = forward_varlen(q, k, v, cu_q, cu_k, None, max_q, softmax_scale, causal, arch, window_left,
+                                      window_right, softcap, fill_unused_rows=True, sink=sink)
+        ctx.save_for_backward(q, k, v, out, lse, sink)
+        ctx.args = args
+        ctx.sink_dtype = learnable_sink.dtype
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, sink = ctx.saved_tensors
+        softmax_scale, causal, window_left, window_right, softcap, deterministic, _, varlen = ctx.args
+        if dout.stride(-1) != 1:
+            dout = dout.contiguous()
+        dq = dk = dv = None
+        if any(ctx.needs_input_grad[:3]):
+            dq, dk, dv = _dispatcher_backward(dout, q, k, v, out, lse, softmax_scale, causal, window_left,
+                                              window_right, softcap, deterministic, varlen)
+        dsink = None
+        if ctx.needs_input_grad[3]:
+            delta = (dout.float() * out.float()).sum(-1)  # (B, Sq, H) or (T, H)
+            if varlen is None:
+                p = torch.exp(sink.view(1, -1, 1) - lse)  # (B, H, Sq)
+                dsink = -(p * delta.transpose(1, 2)).sum((0, 2))
+            else:
+                p = torch.exp(sink.view(-1, 1) - lse)  # (H, T)
+                dsink = -(p * delta.t()).sum(1)
+            dsink = dsink.to(ctx.sink_dtype)
+        return dq, dk, dv, dsink, None
+
+
+def _dispatcher():
+    """The root package's op module and use_backend, or NotImplementedError without that package."""
+    try:
+        from flash_attn import _ops
+        from flash_attn.dispatch import use_backend
+    except ImportError as e:
+        raise NotImplementedError(
+            "flash_attn.cute's gradients go through the flash-attn package's dispatcher "
+            f"(pip install flash-attn) for the fallback backward ({e})") from None
+    return _ops, use_backend
+
+
+def _dispatcher_backward(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, softcap,
+                         deterministic, varlen):
+    """(dq, dk, dv) from the root package's dispatcher for this call, on the given out and lse (the
+    backward _with_fallback_backward's calls get: this package's when FLASH_ATTN_CUTE_BWD=1 and it
+    handles the call, else the next backend that has one)."""
+    _ops, use_backend = _dispatcher()
+    left = max(window_left, -1)
+    right = 0 if causal else max(window_right, -1)
+    cu_q, cu_k, max_q, max_k = varlen if varlen is not None else (None, None, q.shape[1], k.shape[1])
+    with use_backend("cute"):
+        return _ops._bwd_impl(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, None, float(softmax_scale),
+                              bool(causal), left, right, float(softcap), None, 0.0, None, bool(deterministic))
+
+
 def _window_args(causal, window_left, window_right):
     """(left, right, local) as the kernel takes them: sizes >= 0, _UNBOUNDED for no limit; local says
     whether the call needs the window variant (causal alone does not)."""
@@ -405,34 +523,41 @@ def _window_args(causal, window_left, window_right):
     return left, right, True
 
 
-def forward(q, k, v, softmax_scale, causal, arch="sm_90a", window_left=-1, window_right=-1, softcap=0.0):
+def forward(q, k, v, softmax_scale, causal, arch="sm_90a", window_left=-1, window_right=-1, softcap=0.0,
+            sink=None):
     """The kernel launch on validated CUDA inputs (shared with the dispatcher's backend module):
     q (B, Sq, H, D), k/v (B, Sk, Hk, D) fp16/bf16, D in (64, 128), H % Hk == 0; window sizes < 0 mean
-    no limit, causal implies a right size of 0; softcap 0 is off. Returns (out, lse)."""
+    no limit, causal implies a right size of 0; softcap 0 is off; sink None or fp32 contiguous (H,)
+    (see _check_sink). Returns (out, lse)."""
     B, Sq, H, D = q.shape
     window_left, window_right, local = _window_args(causal, window_left, window_right)
     capped = softcap > 0.0
+    sink_arg = () if sink is None else (sink,)
     q, k, v = _kernel_layout(q, D), _kernel_layout(k, D), _kernel_layout(v, D)
     out = torch.empty_like(q)
     lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)  # sizes as ints: parsed faster
     if k.shape[1] == 0:  # no key at all: every row is empty (TMA descriptors cannot map a 0-length dim)
         out.zero_()
-        lse.fill_(math.inf)
+        if sink is None:
+            lse.fill_(math.inf)
+        else:  # the sink is the row's only term
+            lse.copy_(sink.view(1, H, 1).expand(B, H, Sq))
     elif B * Sq * H > 0:
         causal = causal and not local
-        fn = (_kernels.get((q.dtype, D, causal, arch, local, capped))
-              or fwd_kernel(q.dtype, D, causal, arch, local=local, softcap=capped))
+        fn = (_kernels.get((q.dtype, D, causal, arch, local, capped) + (("sink",) if sink is not None else ()))
+              or fwd_kernel(q.dtype, D, causal, arch, local=local, softcap=capped, sink=sink is not None))
         args = (float(softmax_scale), float(softcap), window_left, window_right)
         per_batch = max(Sq * H, k.shape[1] * k.shape[2]) * D  # elements of one batch entry's q/out or k/v
         if B * per_batch < _MAX_ELEMS:
-            fn(q, k, v, out, lse, *args)
+            fn(q, k, v, out, lse, *args, *sink_arg)
         else:  # the kernel indexes with 32-bit offsets: launch on batch slices that each stay below 2^31
             if per_batch >= _MAX_ELEMS:
                 raise NotImplementedError(
                     f"one batch entry of q/k/v holds {per_batch} elements; flash_attn.cute handles < 2^31")
             step = (_MAX_ELEMS - 1) // per_batch
             for b in range(0, B, step):
-                fn(q[b:b + step], k[b:b + step], v[b:b + step], out[b:b + step], lse[b:b + step], *args)
+                fn(q[b:b + step], k[b:b + step], v[b:b + step], out[b:b + step], lse[b:b + step], *args,
+                   *sink_arg)
     return out, lse
 
 
@@ -453,7 +578,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_se
     """Attention forward over packed sequences: q (total_q, H, D), k/v (total_k, Hk, D); sequence b is rows
     cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q and, of k/v, the first seqused_k[b] rows from
     cu_seqlens_k[b] (all of cu_seqlens_k[b]:cu_seqlens_k[b + 1] without seqused_k). Masks, softcap and
-    dtypes as flash_attn_func. Returns (out (total_q, H, D), lse (H, total_q) fp32, or None as in
+    dtypes and learnable_sink as flash_attn_func. Returns (out (total_q, H, D), lse (H, total_q) fp32, or None as in
     flash_attn_func). Checks the
     cu_seqlens values (one device sync); max_seqlen_q is computed (another sync) when not given.
     Not yet: seqused_q, page_table (paged KV)."""
@@ -474,7 +599,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_se
     if v.shape[:2] != k.shape[:2] or Dk != D:
         raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     _check_dims(D, v.shape[2], H, Hk)
-    window_left, window_right, softcap = _options(window_size, learnable_sink, softcap, num_splits, pack_gqa)
+    window_left, window_right, softcap = _options(window_size, softcap, num_splits, pack_gqa)
+    sink = None if learnable_sink is None else _check_sink(learnable_sink, H, q.device)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have a contiguous last dimension, got stride {t.stride(-1)}")
@@ -505,15 +631,19 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_se
         max_seqlen_q = max_q
     elif int(max_seqlen_q) < max_q:
         raise ValueError(f"max_seqlen_q ({max_seqlen_q}) is below the longest sequence ({max_q})")
-    if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
+    if _needs_grad(q, k, v, learnable_sink):
         if seqused_k is not None:
             raise NotImplementedError("gradients with seqused_k (the fallback backward has no seqused_k)")
         if max_seqlen_k is None:
             max_seqlen_k = int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max()) if batch else 0
-        return _with_fallback_backward(q, k, v, softmax_scale, causal, window_left, window_right, softcap,
-                                       (cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k)))
+        varlen = (cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k))
+        if sink is not None:
+            return _SinkAttention.apply(q, k, v, learnable_sink, (float(softmax_scale), bool(causal), window_left,
+                                                                  window_right, softcap, bool(deterministic),
+                                                                  arch, varlen))
+        return _with_fallback_backward(q, k, v, softmax_scale, causal, window_left, window_right, softcap, varlen)
     out, lse = forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, int(max_seqlen_q), softmax_scale,
-                              bool(causal), arch, window_left, window_right, softcap)
+                              bool(causal), arch, window_left, window_right, softcap, sink=sink)
     if last_q < Tq:  # rows of q after the last sequence belong to none: out 0, lse +inf
         out[last_q:] = 0
         lse[:, last_q:] = math.inf
@@ -521,10 +651,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_se
 
 
 def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, softmax_scale, causal,
-                   arch="sm_90a", window_left=-1, window_right=-1, softcap=0.0, fill_unused_rows=False):
+                   arch="sm_90a", window_left=-1, window_right=-1, softcap=0.0, fill_unused_rows=False, sink=None):
     """The varlen kernel launch on validated inputs (shared with the dispatcher's backend module). Rows
     of q after cu_seqlens_q[-1] are left unwritten unless fill_unused_rows (then out 0, lse +inf there:
-    one memset each, for callers that cannot afford a sync to find those rows)."""
+    one memset each, for callers that cannot afford a sync to find those rows). sink: as forward's."""
     Tq, H, D = q.shape
     if max(q.numel(), k.numel()) >= _MAX_ELEMS:
         raise NotImplementedError("flash_attn.cute's varlen kernel handles q, k, v of < 2^31 elements")
@@ -538,16 +668,20 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
     if k.shape[0] == 0 or batch == 0:  # no key anywhere (TMA descriptors cannot map a 0-length dim)
         out.zero_()
         lse.fill_(math.inf)
+        if sink is not None and batch > 0 and Tq > 0:  # rows of a sequence: the sink is their only term
+            rows = torch.arange(Tq, device=q.device) < cu_seqlens_q[-1]  # no host sync
+            lse.copy_(torch.where(rows, sink.view(H, 1), lse))
     elif Tq > 0 and max_seqlen_q > 0:
         if seqused_k is None:
             seqused_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
         window_left, window_right, local = _window_args(causal, window_left, window_right)
         causal = causal and not local
         capped = softcap > 0.0
-        fn = (_kernels.get((q.dtype, D, causal, arch, local, capped, True))
-              or fwd_kernel(q.dtype, D, causal, arch, local=local, softcap=capped, varlen=True))
+        sinked = sink is not None
+        fn = (_kernels.get((q.dtype, D, causal, arch, local, capped, True) + (("sink",) if sinked else ()))
+              or fwd_kernel(q.dtype, D, causal, arch, local=local, softcap=capped, varlen=True, sink=sinked))
         fn(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, float(softmax_scale),
-           float(softcap), window_left, window_right)
+           float(softcap), window_left, window_right, *(() if sink is None else (sink,)))
     return out, lse
 
 
