@@ -192,7 +192,8 @@ class FlashBwdSm90:
         self.kernel(tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma, tma_do, mdO_tma, tma_lse, mLSE2_tma,
                     tma_delta, mDelta_tma, mdQaccum, tma_dq, mdQ_tma, mdK, mdV, softmax_scale * LOG2_E,
                     softmax_scale, cute.size(mQ, mode=[0]), sQ_layout, sdO_layout, sK_layout, sV_layout,
-                    sdS_layout, sdQ_layout, sLSE_layout, tiled_mma_sdp, tiled_mma_dv, tiled_mma_dk, tiled_mma_dq).launch(
+                    sdS_layout, sdQ_layout, sLSE_layout, tiled_mma_sdp, tiled_mma_dv, tiled_mma_dk,
+                    tiled_mma_dq).launch(
             grid=grid, block=(self.num_threads, 1, 1), stream=stream,
             # .minnctapersm 1 pins the register count at entry (65536 / 384 threads); without it ptxas
             # may ignore setmaxnreg (C7508) and cap the consumers at 168 registers.
@@ -208,7 +209,8 @@ class FlashBwdSm90:
                mdQaccum: cute.Tensor, tma_dq, mdQ_tma, mdK: cute.Tensor, mdV: cute.Tensor,
                scale_log2: Float32, softmax_scale: Float32, seqlen_q: Int32, sQ_layout: cute.ComposedLayout,
                sdO_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
-               sdS_layout: cute.ComposedLayout, sdQ_layout: cute.ComposedLayout, sLSE_layout: cute.Layout, tiled_mma_sdp: cute.TiledMma,
+               sdS_layout: cute.ComposedLayout, sdQ_layout: cute.ComposedLayout, sLSE_layout: cute.Layout,
+               tiled_mma_sdp: cute.TiledMma,
                tiled_mma_dv: cute.TiledMma, tiled_mma_dk: cute.TiledMma, tiled_mma_dq: cute.TiledMma):
         dt, BM, BN, stages = self.dtype, self.block_m, self.block_n, self.num_stages
         n_block, head, batch = cute.arch.block_idx()

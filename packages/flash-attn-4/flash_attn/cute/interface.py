@@ -841,8 +841,8 @@ def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grad
 
     Host-side steps: delta = rowsum(dO * O) (_delta_into) and lse * log2(e) (torch), padded to a multiple
     of the kernel's query block with 0 / +inf (so padded rows contribute nothing); dq_accum (which the
-    kernel fills with softmax_scale * dS K) cast to the input dtype; with GQA the kernel writes per-query-head dK/dV that are summed here in
-    fp32 over each group."""
+    kernel fills with softmax_scale * dS K) cast to the input dtype; with GQA the kernel writes
+    per-query-head dK/dV that are summed here in fp32 over each group."""
     B, Sq, H, D = q.shape
     Sk, Hk = k.shape[1], k.shape[2]
     dtype = q.dtype
