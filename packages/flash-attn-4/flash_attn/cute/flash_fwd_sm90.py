@@ -12,8 +12,11 @@ import math
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, Int64
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.cute.nvgpu.tcgen05 import int_to_smem_descriptor, smem_descriptor_to_int
 from cutlass.memory import SmemAllocator
 
 from flash_attn.cute.softmax_exp import EXP2_POLY, emulated_columns, exp2_poly
@@ -28,6 +31,17 @@ def _tree(op, values):
         values = [op(values[i], values[i + 1]) if i + 1 < len(values) else values[i]
                   for i in range(0, len(values), 2)]
     return values[0]
+
+
+def _hoisted_desc(frag):
+    """The WGMMA descriptor fragment ``frag`` (a view of shared memory through a descriptor) rebuilt on a
+    64-bit descriptor value computed here: CuTeDSL otherwise lowers the pointer -> descriptor conversion
+    (address >> 4, masks, layout bits) at every use, i.e. inside the main loop on every key block."""
+    # An opaque move (inline PTX) so that MLIR cannot fold the int <-> descriptor casts back together.
+    desc = Int64(llvm.inline_asm(T.i64(), [smem_descriptor_to_int(frag.iterator).ir_value()], "mov.b64 $0, $1;",
+                                 "=l,l", has_side_effects=False, is_align_stack=False,
+                                 asm_dialect=llvm.AsmDialect.AD_ATT))
+    return cute.make_tensor(int_to_smem_descriptor(desc), frag.layout)
 
 
 def _smem_layout(kind, dtype, shape, order=None):
@@ -52,7 +66,7 @@ class FlashFwdSm90:
     UNBOUNDED = 1 << 30  # window size standing for "no limit on this side" (host passes it for -1)
 
     def __init__(self, dtype, head_dim, causal, local=False, softcap=False, varlen=False, block_m=128,
-                 block_n=128, num_stages=2, exp2_emu=0, exp2_emu_degree=3):
+                 block_n=128, num_stages=2, exp2_emu=0, exp2_emu_degree=3, desc_hoist=""):
         """exp2_emu: of every 16 softmax exponentials a thread computes, this many (0..16, spread evenly
         over its fragment) use a degree-exp2_emu_degree polynomial on the FMA pipe instead of MUFU.EX2
         (softmax_exp.py), to relieve the MUFU pipe."""
@@ -75,6 +89,9 @@ class FlashFwdSm90:
         self.num_stages = num_stages
         self.exp2_emu = int(exp2_emu)
         self.exp2_emu_degree = int(exp2_emu_degree)
+        if set(desc_hoist) - set("qkv"):
+            raise ValueError(f"desc_hoist {desc_hoist!r}: letters of 'qkv' only")
+        self.desc_hoist = "".join(sorted(set(desc_hoist), key="qkv".index))
         self.num_threads = self.NUM_PRODUCER_THREADS + 128 * self.NUM_MMA_WARPGROUPS
 
     # ------------------------------------------------------------------------------------------------
@@ -382,6 +399,12 @@ class FlashFwdSm90:
         tSrQ = tiled_mma_qk.make_fragment_A(wg_qk.partition_A(sQ))
         tSrK = tiled_mma_qk.make_fragment_B(wg_qk.partition_B(sK))
         tOrV = tiled_mma_pv.make_fragment_B(wg_pv.partition_B(sVt))
+        if cutlass.const_expr("q" in self.desc_hoist):
+            tSrQ = _hoisted_desc(tSrQ)
+        if cutlass.const_expr("k" in self.desc_hoist):
+            tSrK = _hoisted_desc(tSrK)
+        if cutlass.const_expr("v" in self.desc_hoist):
+            tOrV = _hoisted_desc(tOrV)
         acc_S = cute.make_rmem_tensor(thr_qk.partition_shape_C((BM, BN)), Float32)
         acc_O = cute.make_rmem_tensor(thr_pv.partition_shape_C((BM, D)), Float32)
         acc_O.fill(0.0)
