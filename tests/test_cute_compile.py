@@ -315,6 +315,35 @@ def test_desc_hoist_builds_the_descriptors_before_the_loop(tmp_path, monkeypatch
         assert _count(texts[""], needle) == _count(texts[hoist], needle), needle
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_skip_rescale_votes_before_the_rescale(tmp_path, monkeypatch, d):
+    """FLASH_ATTN_CUTE_FWD_SKIP_RESCALE=1: the main loop's O rescale sits behind a warp vote on the
+    factors (the loop's one, and the last block's); the math is the default build's."""
+    monkeypatch.delenv("FLASH_ATTN_CUTE_EXP2_EMU", raising=False)
+    monkeypatch.delenv("FLASH_ATTN_CUTE_FWD_DESC_HOIST", raising=False)
+    texts = []
+    for value in ("", "1"):
+        monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_SKIP_RESCALE", value)
+        dump = tmp_path / (value or "default")
+        dump.mkdir()
+        compile_fwd(torch.bfloat16, d, False, arch="sm_90a", dump_dir=str(dump))
+        (path,) = glob.glob(str(dump / "*.ptx"))
+        texts.append(open(path).read())
+    assert _count(texts[0], "vote.sync.any") == 0 and _count(texts[1], "vote.sync.any") == 2
+    for needle in ("wgmma.mma_async", "ex2.approx", "fma.rn.f32", "max.f32", "add.f32", "mul.f32"):
+        assert _count(texts[0], needle) == _count(texts[1], needle), needle
+
+
+def test_main_loop_variants_per_head_dim(monkeypatch):
+    from flash_attn.cute.interface import _fwd_config
+
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_DESC_HOIST", "64:v,128:qk")
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_SKIP_RESCALE", "64:1")
+    c64, c128 = (_fwd_config(torch.bfloat16, d, False, "sm_90a") for d in (64, 128))
+    assert (c64["desc_hoist"], c64["skip_rescale"]) == ("v", True)
+    assert c128["desc_hoist"] == "qk" and "skip_rescale" not in c128
+
+
 def test_desc_hoist_in_the_cache_key_only_when_set(monkeypatch):
     from flash_attn.cute.interface import _fwd_config
 
@@ -391,12 +420,13 @@ def test_exp2_emulation_matches_reference_on_gpu(monkeypatch, exp2_emu, degree, 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
-@pytest.mark.parametrize("hoist", ["qkv", "v", "qk"])
+@pytest.mark.parametrize("hoist,skip", [("qkv", ""), ("v", ""), ("qk", ""), ("", "1"), ("v", "1")])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-def test_desc_hoist_is_bit_identical_on_gpu(monkeypatch, hoist, d, causal):
-    """FLASH_ATTN_CUTE_FWD_DESC_HOIST changes only where the WGMMA descriptors are computed: out and lse
-    equal the default build's bit for bit."""
+def test_main_loop_variants_are_bit_identical_on_gpu(monkeypatch, hoist, skip, d, causal):
+    """FLASH_ATTN_CUTE_FWD_DESC_HOIST changes only where the WGMMA descriptors are computed and
+    FLASH_ATTN_CUTE_FWD_SKIP_RESCALE skips only multiplications by 1.0: out and lse equal the default
+    build's bit for bit."""
     from flash_attn.cute import flash_attn_func, interface
 
     torch.manual_seed(0)
@@ -404,9 +434,10 @@ def test_desc_hoist_is_bit_identical_on_gpu(monkeypatch, hoist, d, causal):
     k = torch.randn(2, 1100, 2, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(2, 1100, 2, d, device="cuda", dtype=torch.bfloat16)
     results = []
-    for value in ("", hoist):
-        monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_DESC_HOIST", value)
-        monkeypatch.setattr(interface, "_kernels", {})  # the in-memory table does not key on the variable
+    for h, sk in (("", ""), (hoist, skip)):
+        monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_DESC_HOIST", h)
+        monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_SKIP_RESCALE", sk)
+        monkeypatch.setattr(interface, "_kernels", {})  # the in-memory table does not key on the variables
         results.append(flash_attn_func(q, k, v, causal=causal, return_lse=True))
     torch.cuda.synchronize()
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])

@@ -66,7 +66,8 @@ class FlashFwdSm90:
     UNBOUNDED = 1 << 30  # window size standing for "no limit on this side" (host passes it for -1)
 
     def __init__(self, dtype, head_dim, causal, local=False, softcap=False, varlen=False, block_m=128,
-                 block_n=128, num_stages=2, exp2_emu=0, exp2_emu_degree=3, desc_hoist=""):
+                 block_n=128, num_stages=2, exp2_emu=0, exp2_emu_degree=3, desc_hoist="",
+                 skip_rescale=False):
         """exp2_emu: of every 16 softmax exponentials a thread computes, this many (0..16, spread evenly
         over its fragment) use a degree-exp2_emu_degree polynomial on the FMA pipe instead of MUFU.EX2
         (softmax_exp.py), to relieve the MUFU pipe."""
@@ -91,6 +92,7 @@ class FlashFwdSm90:
         self.exp2_emu_degree = int(exp2_emu_degree)
         if set(desc_hoist) - set("qkv"):
             raise ValueError(f"desc_hoist {desc_hoist!r}: letters of 'qkv' only")
+        self.skip_rescale = bool(skip_rescale)
         self.desc_hoist = "".join(sorted(set(desc_hoist), key="qkv".index))
         self.num_threads = self.NUM_PRODUCER_THREADS + 128 * self.NUM_MMA_WARPGROUPS
 
@@ -372,6 +374,17 @@ class FlashFwdSm90:
 
     @cute.jit
     def _rescale(self, acc_O, corr):
+        if cutlass.const_expr(self.skip_rescale):
+            # Multiplying by exactly 1.0 changes nothing, so a warp whose factors are all 1.0 (no row
+            # maximum moved in this block: most blocks of a long row) skips the multiplies; the test
+            # is on the factors themselves, so results are bit-identical. A warp-uniform branch.
+            if cute.arch.vote_any_sync((corr[0] != Float32(1.0)) | (corr[1] != Float32(1.0))):
+                self._rescale_all(acc_O, corr)
+        else:
+            self._rescale_all(acc_O, corr)
+
+    @cute.jit
+    def _rescale_all(self, acc_O, corr):
         for r in cutlass.range_constexpr(2):
             for j in cutlass.range_constexpr(self.head_dim // 8):
                 for c in cutlass.range_constexpr(2):
