@@ -315,23 +315,27 @@ def test_desc_hoist_builds_the_descriptors_before_the_loop(tmp_path, monkeypatch
         assert _count(texts[""], needle) == _count(texts[hoist], needle), needle
 
 
-@pytest.mark.parametrize("d", [64, 128])
-def test_skip_rescale_votes_before_the_rescale(tmp_path, monkeypatch, d):
+@pytest.mark.parametrize("d,skip,votes", [(64, "1", 2), (128, "late", 1)])
+def test_skip_rescale_votes_before_the_rescale(tmp_path, monkeypatch, d, skip, votes):
     """FLASH_ATTN_CUTE_FWD_SKIP_RESCALE=1: the main loop's O rescale sits behind a warp vote on the
-    factors (the loop's one, and the last block's); the math is the default build's."""
+    factors (the loop's one, and the last block's); =late: one rescale, at the end of the iteration; the
+    math is the default build's."""
     monkeypatch.delenv("FLASH_ATTN_CUTE_EXP2_EMU", raising=False)
     monkeypatch.delenv("FLASH_ATTN_CUTE_FWD_DESC_HOIST", raising=False)
     texts = []
-    for value in ("", "1"):
+    for value in ("", skip):
         monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_SKIP_RESCALE", value)
         dump = tmp_path / (value or "default")
         dump.mkdir()
         compile_fwd(torch.bfloat16, d, False, arch="sm_90a", dump_dir=str(dump))
         (path,) = glob.glob(str(dump / "*.ptx"))
         texts.append(open(path).read())
-    assert _count(texts[0], "vote.sync.any") == 0 and _count(texts[1], "vote.sync.any") == 2
-    for needle in ("wgmma.mma_async", "ex2.approx", "fma.rn.f32", "max.f32", "add.f32", "mul.f32"):
+    assert _count(texts[0], "vote.sync.any") == 0 and _count(texts[1], "vote.sync.any") == votes
+    for needle in ("wgmma.mma_async", "ex2.approx", "fma.rn.f32", "max.f32", "add.f32"):
         assert _count(texts[0], needle) == _count(texts[1], needle), needle
+    # late: the rescale after the loop (before the last P V) is gone
+    n_mul = d // 2  # O's multiplies per rescale site (a thread's share of 64 rows x d)
+    assert _count(texts[0], "mul.f32") - _count(texts[1], "mul.f32") == (n_mul if skip == "late" else 0)
 
 
 def test_main_loop_variants_per_head_dim(monkeypatch):
@@ -420,7 +424,8 @@ def test_exp2_emulation_matches_reference_on_gpu(monkeypatch, exp2_emu, degree, 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
-@pytest.mark.parametrize("hoist,skip", [("qkv", ""), ("v", ""), ("qk", ""), ("", "1"), ("v", "1")])
+@pytest.mark.parametrize("hoist,skip", [("qkv", ""), ("v", ""), ("qk", ""), ("", "1"), ("v", "1"), ("", "late"),
+                                        ("qk", "late")])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 def test_main_loop_variants_are_bit_identical_on_gpu(monkeypatch, hoist, skip, d, causal):

@@ -92,7 +92,13 @@ class FlashFwdSm90:
         self.exp2_emu_degree = int(exp2_emu_degree)
         if set(desc_hoist) - set("qkv"):
             raise ValueError(f"desc_hoist {desc_hoist!r}: letters of 'qkv' only")
-        self.skip_rescale = bool(skip_rescale)
+        if skip_rescale not in (False, True, 0, 1, "", "0", "1", "late"):
+            raise ValueError(f"skip_rescale {skip_rescale!r} not in (False, True, 'late')")
+        self.skip_rescale = skip_rescale in (True, 1, "1", "late")
+        # "late": the rescale of O by block j's factors at the end of iteration j (after P V_{j-1}), not
+        # between the GEMMs of iteration j + 1; the same multiplications (O is exactly 0 before block 0's
+        # P V, so the rescale after the first block's softmax is skipped: 0 * factor is 0 either way)
+        self.late_rescale = skip_rescale == "late"
         self.desc_hoist = "".join(sorted(set(desc_hoist), key="qkv".index))
         self.num_threads = self.NUM_PRODUCER_THREADS + 128 * self.NUM_MMA_WARPGROUPS
 
@@ -493,7 +499,8 @@ class FlashFwdSm90:
                 if cutlass.const_expr(pingpong):
                     cute.arch.barrier(barrier_id=1 + wg, number_of_threads=n_threads_pp)
                 self._gemm_qk(tiled_mma_qk, acc_S, tSrQ, tSrK, k_state.index)   # S_j = Q K_j^T
-                self._rescale(acc_O, corr)  # O was final up to block j-2; scale it to block j-1's max
+                if cutlass.const_expr(not self.late_rescale):
+                    self._rescale(acc_O, corr)  # O was final up to block j-2; scale it to block j-1's max
                 self._gemm_pv(tiled_mma_pv, acc_O, tOrP, tOrV, v_state.index)   # O += P_{j-1} V_{j-1}
                 if cutlass.const_expr(pingpong):
                     self._pass_turn(turn_bar, n_block < turn_below, n_threads_pp)
@@ -514,10 +521,14 @@ class FlashFwdSm90:
                 v_pipe.consumer_release(v_state)
                 rP.store(acc_S.load().to(dt))
                 v_state.advance()
+                if cutlass.const_expr(self.late_rescale):
+                    # O (up to block j-1, P V done) scaled to block j's max now, outside the GEMM turn
+                    self._rescale(acc_O, corr)
 
             # The last block's O += P V.
             v_pipe.consumer_wait(v_state)
-            self._rescale(acc_O, corr)
+            if cutlass.const_expr(not self.late_rescale):
+                self._rescale(acc_O, corr)
             self._gemm_pv(tiled_mma_pv, acc_O, tOrP, tOrV, v_state.index)
             warpgroup.wait_group(0)
             v_pipe.consumer_release(v_state)

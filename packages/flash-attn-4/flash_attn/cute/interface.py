@@ -81,8 +81,9 @@ def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varle
     # FLASH_ATTN_CUTE_FWD_SKIP_RESCALE=1: a warp skips O's rescale when all its factors are 1.0.
     hoist = _per_head_dim("FLASH_ATTN_CUTE_FWD_DESC_HOIST", head_dim)
     hoist_cfg = {"desc_hoist": hoist} if hoist and hoist != "0" else {}
-    if _per_head_dim("FLASH_ATTN_CUTE_FWD_SKIP_RESCALE", head_dim) not in ("", "0"):
-        hoist_cfg["skip_rescale"] = True
+    skip = _per_head_dim("FLASH_ATTN_CUTE_FWD_SKIP_RESCALE", head_dim)
+    if skip not in ("", "0"):
+        hoist_cfg["skip_rescale"] = True if skip == "1" else skip
     emu_cfg = ({"exp2_emu": emu, **({"exp2_emu_degree": emu_degree} if emu_degree != 3 else {})}
                if emu else {})
     return {"kernel": "FlashFwdSm90", "dtype": _DTYPE_NAMES.get(dtype, str(dtype)), "head_dim": int(head_dim),
