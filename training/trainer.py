@@ -470,15 +470,28 @@ class Trainer:
                 progress.message("loss plot skipped: matplotlib is not installed (pip install matplotlib)")
         return result
 
-    def close(self):
+    def close(self, clean=True):
+        """Release the process group (when this trainer made it). clean: the run finished on every rank,
+        so the ranks meet at a barrier first (after an error a peer may be stuck in another collective)."""
         if self.rt.owns_process_group and dist.is_initialized():
-            dist.destroy_process_group()
+            # Every rank finishes its collectives (rank 0 may still be plotting) and DDP's reducer, which
+            # holds the group, goes first: tearing the group down under a peer's pending work aborted a
+            # gloo rank at exit ("terminate called without an active exception"; once in three CI runs).
+            try:
+                if clean:
+                    dist.barrier()
+            finally:
+                self.model = self.forward_model = None
+                dist.destroy_process_group()
 
 
 def train(cfg):
     """Train with a Config (see flash_attn.training.config) and return a TrainResult."""
     trainer = Trainer(cfg)
     try:
-        return trainer.run()
-    finally:
-        trainer.close()
+        result = trainer.run()
+    except BaseException:
+        trainer.close(clean=False)
+        raise
+    trainer.close()
+    return result
