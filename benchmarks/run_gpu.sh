@@ -4,7 +4,7 @@
 #   run command="bash benchmarks/run_gpu.sh [STEP ...]"      (device tool; $OUT is set there)
 # STEPs (default: tests attention norm models train): tests rest attention cute cutebwd norm ops models train ncu
 #   ncusrc profile
-#   tests      the GPU-marked tests (bf16, real sizes)      rest   the rest of the suite on CUDA
+#   tests      the GPU-marked tests (bf16, real sizes; GPU_TESTS, GPU_TEST_TIMEOUT)   rest   the rest on CUDA
 #   attention  bench_attention, full grid                  cute   bench_attention, cute only, short grid
 #   cutebwd    bench_cute_bwd: the cute backward (flash_bwd_sm90) vs Triton's, bf16 d64/d128, S 2k/8k
 #   norm       bench_ops --only norm                       ops    bench_ops (norms and cross-entropy)
@@ -35,16 +35,25 @@ bench() {  # bench NAME ARGS...: one benchmark, its log under $OUT, its tables u
 }
 for step in $STEPS; do
     case $step in
-    tests)  # one process per file: a device-side assert poisons its CUDA context for every later test
+    tests)  # one process per file: a device-side assert poisons its CUDA context for every later test.
+        # GPU_TESTS="cute_bwd layer_norm" limits the files (test_<name>.py); GPU_TEST_TIMEOUT (s, default
+        # 300) bounds each file, so one slow or hung file is reported and the others still run.
         for f in tests/test_*.py; do
             grep -q "mark.gpu" "$f" || continue
-            python -m pytest -q -m gpu -p no:cacheprovider -rfE "$f" > "$OUT/pytest_gpu_$(basename "$f" .py).log" 2>&1
+            name=$(basename "$f" .py)
+            if [ -n "${GPU_TESTS:-}" ] && ! [[ " $GPU_TESTS " == *" ${name#test_} "* ]]; then continue; fi
+            timeout "${GPU_TEST_TIMEOUT:-300}" python -m pytest -q -m gpu -p no:cacheprovider -rfE "$f" \
+                > "$OUT/pytest_gpu_$name.log" 2>&1
             rc=$?
             [ $rc -eq 0 ] || [ $rc -eq 5 ] || status=1
-            echo "$f: $(tail -n 1 "$OUT/pytest_gpu_$(basename "$f" .py).log")"
+            if [ $rc -eq 124 ]; then
+                echo "$f: TIMED OUT after ${GPU_TEST_TIMEOUT:-300} s (progress in $OUT/pytest_gpu_$name.log)"
+            else
+                echo "$f: $(tail -n 1 "$OUT/pytest_gpu_$name.log")"
+            fi
         done 2>&1 | tee "$OUT/pytest_gpu.log"
         grep -h "^FAILED\|^ERROR" "$OUT"/pytest_gpu_*.log | head -n 40
-        grep -q "failed\|error" "$OUT/pytest_gpu.log" && status=1 ;;
+        grep -q "failed\|error\|TIMED OUT" "$OUT/pytest_gpu.log" && status=1 ;;
     rest)
         python -m pytest -q -m "not gpu" -p no:cacheprovider 2>&1 | tee "$OUT/pytest_rest.log" | tail -n 15 ;;
     attention) bench bench_attention "${peer[@]}" ;;
