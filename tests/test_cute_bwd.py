@@ -482,3 +482,21 @@ def test_delta_preprocess_paths_agree(monkeypatch, use_triton):
     torch.testing.assert_close(delta[..., :70], (dout.float() * out.float()).sum(-1).transpose(1, 2),
                                rtol=1e-5, atol=1e-5)
     assert (delta[..., 70:] == 7.0).all()
+
+
+def test_precompile_fills_the_disk_cache_with_backward_kernels(tmp_path):
+    """`python -m flash_attn.cute.precompile --backward` writes the backward entries too; a second run
+    finds them on disk and compiles nothing."""
+    pytest.importorskip("tvm_ffi")
+    from flash_attn.cute import precompile
+
+    lines = []
+    kw = dict(dtypes=("bf16",), head_dims=(64,), causals=(True,), kinds=("bwd",), log=lines.append)
+    (row,) = precompile.precompile(str(tmp_path), "sm_90a", **kw)
+    assert (row["kind"], row["how"], row["error"]) == ("bwd", "compiled", None), lines
+    files = interface.bwd_disk_entry(torch.bfloat16, 64, True, "sm_90a", str(tmp_path))
+    assert "o" in files and all(os.path.exists(p) for p in files.values())
+    assert interface.disk_entry(torch.bfloat16, 64, True, "sm_90a", str(tmp_path)) == {}  # no forward asked
+    (again,) = precompile.precompile(str(tmp_path), "sm_90a", **kw)
+    assert again["how"] in ("so", "o") and again["error"] is None
+    assert lines[0].startswith("bwd bf16 d64 causal: compiled")

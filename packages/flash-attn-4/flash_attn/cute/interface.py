@@ -226,6 +226,22 @@ def disk_entry(dtype, head_dim, causal, arch="sm_90a", root=None, local=False, s
     return cache.DiskCache(root).files(name, key)
 
 
+def bwd_disk_entry(dtype, head_dim, causal, arch="sm_90a", root=None):
+    """disk_entry for the backward kernel."""
+    root = root if root is not None else cache.cache_dir()
+    if root is None or not _tvm_ffi():
+        return {}
+    _, key, name, _ = _bwd_entry(dtype, head_dim, causal, arch)
+    return cache.DiskCache(root).files(name, key)
+
+
+def load_or_build_bwd(dtype, head_dim, causal, arch="sm_90a", root=None, force=False):
+    """load_or_build for the backward kernel: (callable, origin), from the disk cache ``root`` or compiled
+    and written there."""
+    return _load_or_build_entry(_bwd_entry(dtype, head_dim, causal, arch),
+                                lambda: compile_bwd(dtype, head_dim, causal, arch), root, force)
+
+
 def load_or_build(dtype, head_dim, causal, arch="sm_90a", root=None, force=False, local=False, softcap=False,
                   varlen=False, sink=False):
     """The forward kernel as a callable ``(q, k, v, out, lse, softmax_scale, softcap, window_left,
@@ -818,9 +834,7 @@ def bwd_kernel(dtype, head_dim, causal, arch="sm_90a"):
                 if not _tvm_ffi():
                     fn = _bwd_dlpack_launcher(compile_bwd(dtype, head_dim, causal, arch))
                 else:
-                    fn, _ = _load_or_build_entry(_bwd_entry(dtype, head_dim, causal, arch),
-                                                 lambda: compile_bwd(dtype, head_dim, causal, arch),
-                                                 cache.cache_dir(), False)
+                    fn, _ = load_or_build_bwd(dtype, head_dim, causal, arch, cache.cache_dir())
                 _bwd_kernels[mem_key] = fn
     return fn
 

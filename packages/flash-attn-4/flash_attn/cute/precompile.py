@@ -3,6 +3,7 @@
 the cache a deployment then only loads:
 
     python -m flash_attn.cute.precompile --arch sm_90a --out DIR     # bf16/fp16 x d64/d128 x causal/not
+    python -m flash_attn.cute.precompile --backward ...              # the backward kernels as well
     FLASH_ATTN_CUTE_CACHE=DIR python serve.py                        # first calls load, never compile
 
 The deployment must have the same flash-attn-4 sources and the same nvidia-cutlass-dsl and
@@ -28,17 +29,20 @@ def _torch_dtype(name):
     return {"bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
-def _build(out, arch, dtype, head_dim, causal, force):
-    """One configuration (run in a worker process when --jobs > 1). Returns (how, seconds, error)."""
+def _build(out, arch, dtype, head_dim, causal, force, kind="fwd"):
+    """One configuration of one kernel ("fwd" / "bwd"), run in a worker process when --jobs > 1. Returns
+    (how, seconds, error)."""
     from flash_attn.cute import cache, interface
 
+    load = interface.load_or_build if kind == "fwd" else interface.load_or_build_bwd
+    entry = interface.disk_entry if kind == "fwd" else interface.bwd_disk_entry
     t0 = time.perf_counter()
     try:
-        _, how = interface.load_or_build(_torch_dtype(dtype), head_dim, causal, arch, root=out, force=force)
+        _, how = load(_torch_dtype(dtype), head_dim, causal, arch, root=out, force=force)
     except Exception as e:  # a compile error of one configuration must not hide the others
         return None, time.perf_counter() - t0, f"{type(e).__name__}: {e}"
     seconds = time.perf_counter() - t0
-    files = interface.disk_entry(_torch_dtype(dtype), head_dim, causal, arch, out)
+    files = entry(_torch_dtype(dtype), head_dim, causal, arch, out)
     if not files:
         problems = "; ".join(cache.notes()[-3:]) or "entry missing after the build"
         return how, seconds, f"not written to {out}: {problems}"
@@ -46,18 +50,19 @@ def _build(out, arch, dtype, head_dim, causal, force):
 
 
 def precompile(out, arch="sm_90a", dtypes=DTYPES, head_dims=HEAD_DIMS, causals=CAUSAL, force=False, jobs=1,
-               log=print):
-    """Compile every (dtype, head dim, causal) for ``arch`` into the disk cache folder ``out``. Returns
-    one dict per configuration: dtype, head_dim, causal, how ("compiled", or "so" / "o" when it was
-    already there), seconds, error (None when the entry is on disk)."""
+               log=print, kinds=("fwd",)):
+    """Compile every (kernel kind, dtype, head dim, causal) for ``arch`` into the disk cache folder ``out``
+    (kinds: "fwd", "bwd"). Returns one dict per configuration: kind, dtype, head_dim, causal, how
+    ("compiled", or "so" / "o" when it was already there), seconds, error (None when the entry is on
+    disk)."""
     from flash_attn.cute import interface
 
     if not interface._tvm_ffi():
         raise RuntimeError("precompiling needs apache-tvm-ffi (pip install apache-tvm-ffi): the disk cache "
                            "holds TVM-FFI functions")
     os.makedirs(out, exist_ok=True)
-    todo = [(dt, d, c) for dt in dtypes for d in head_dims for c in causals]
-    args = [(str(out), arch, dt, d, c, force) for dt, d, c in todo]
+    todo = [(kind, dt, d, c) for kind in kinds for dt in dtypes for d in head_dims for c in causals]
+    args = [(str(out), arch, dt, d, c, force, kind) for kind, dt, d, c in todo]
     if jobs > 1 and len(todo) > 1:
         import multiprocessing
 
@@ -66,11 +71,13 @@ def precompile(out, arch="sm_90a", dtypes=DTYPES, head_dims=HEAD_DIMS, causals=C
     else:
         results = [_build(*a) for a in args]
     report = []
-    for (dt, d, c), (how, seconds, error) in zip(todo, results):
-        row = {"dtype": dt, "head_dim": d, "causal": c, "how": how, "seconds": round(seconds, 2), "error": error}
+    for (kind, dt, d, c), (how, seconds, error) in zip(todo, results):
+        row = {"kind": kind, "dtype": dt, "head_dim": d, "causal": c, "how": how, "seconds": round(seconds, 2),
+               "error": error}
         report.append(row)
         what = "already cached" if how in ("so", "o") else how
-        log(f"{dt} d{d} {'causal' if c else 'full  '}: {error or what} ({seconds:.1f} s)")
+        log(f"{'' if kind == 'fwd' else 'bwd '}{dt} d{d} {'causal' if c else 'full  '}: {error or what} "
+            f"({seconds:.1f} s)")
     return report
 
 
@@ -88,6 +95,8 @@ def main(argv=None):
     p.add_argument("--causal", default="both", choices=("both", "true", "false"))
     p.add_argument("--jobs", type=int, default=1, help="compile in this many processes")
     p.add_argument("--force", action="store_true", help="recompile entries already in the folder")
+    p.add_argument("--backward", action="store_true",
+                   help="also the backward kernels (used with FLASH_ATTN_CUTE_BWD=1)")
     a = p.parse_args(argv)
     out = a.out if a.out is not None else cache.cache_dir()
     if out is None:
@@ -98,7 +107,8 @@ def main(argv=None):
         p.error(f"dtypes must be among {DTYPES}, head dims among {HEAD_DIMS}")
     causals = {"both": CAUSAL, "true": (True,), "false": (False,)}[a.causal]
     t0 = time.perf_counter()
-    report = precompile(out, a.arch, dtypes, head_dims, causals, a.force, a.jobs)
+    report = precompile(out, a.arch, dtypes, head_dims, causals, a.force, a.jobs,
+                        kinds=("fwd", "bwd") if a.backward else ("fwd",))
     failed = [r for r in report if r["error"]]
     print(f"{len(report) - len(failed)}/{len(report)} kernels in {os.path.abspath(out)} "
           f"({time.perf_counter() - t0:.1f} s). Use them with {cache.ENV_VAR}={os.path.abspath(out)}")
