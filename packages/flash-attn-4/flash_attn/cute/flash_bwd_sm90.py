@@ -40,7 +40,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.memory import SmemAllocator
 
-from flash_attn.cute.flash_fwd_sm90 import _smem_layout
+from flash_attn.cute.flash_fwd_sm90 import _smem_layout, _tma_tiles
 
 LOG2_E = math.log2(math.e)
 
@@ -295,19 +295,12 @@ class FlashBwdSm90:
         gV = cute.local_tile(mV[None, None, head_kv, batch], (BN, D), (None, 0))   # (BN, D, n)
         gLSE = cute.local_tile(mLSE2[None, head, batch], (BM,), (None,))           # (BM, m)
         gDelta = cute.local_tile(mDelta[None, head, batch], (BM,), (None,))        # (BM, m)
-        one_cta = cute.make_layout(1)
-        tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, one_cta, cute.group_modes(sQ, 0, 2),
-                                           cute.group_modes(gQ, 0, 2))
-        tdOsdO, tdOgdO = cpasync.tma_partition(tma_do, 0, one_cta, cute.group_modes(sdO, 0, 2),
-                                               cute.group_modes(gdO, 0, 2))
-        tKsK, tKgK = cpasync.tma_partition(tma_k, 0, one_cta, cute.group_modes(sK, 0, 2),
-                                           cute.group_modes(gK, 0, 2))
-        tVsV, tVgV = cpasync.tma_partition(tma_v, 0, one_cta, cute.group_modes(sV, 0, 2),
-                                           cute.group_modes(gV, 0, 2))
-        tLsL, tLgL = cpasync.tma_partition(tma_lse, 0, one_cta, cute.group_modes(sLSE, 0, 1),
-                                           cute.group_modes(gLSE, 0, 1))
-        tDsD, tDgD = cpasync.tma_partition(tma_delta, 0, one_cta, cute.group_modes(sDelta, 0, 1),
-                                           cute.group_modes(gDelta, 0, 1))
+        tQsQ, tQgQ = _tma_tiles(tma_q, sQ, gQ)
+        tdOsdO, tdOgdO = _tma_tiles(tma_do, sdO, gdO)
+        tKsK, tKgK = _tma_tiles(tma_k, sK, gK)
+        tVsV, tVgV = _tma_tiles(tma_v, sV, gV)
+        tLsL, tLgL = _tma_tiles(tma_lse, sLSE, gLSE, modes=1)
+        tDsD, tDgD = _tma_tiles(tma_delta, sDelta, gDelta, modes=1)
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         kv_pipe.producer_acquire(kv_state)
@@ -391,8 +384,7 @@ class FlashBwdSm90:
         if cutlass.const_expr(self.dq_tma):
             tdQsdQ = thr_dq.partition_C(sdQ)  # (frag, BM/64, 1, 2 buffers)
             gdQ = cute.local_tile(mdQ_tma[None, None, head, batch], (BM, D), (None, 0))  # (BM, D, m)
-            tQRsdQ, tQRgdQ = cpasync.tma_partition(tma_dq, 0, cute.make_layout(1), cute.group_modes(sdQ, 0, 2),
-                                                   cute.group_modes(gdQ, 0, 2))
+            tQRsdQ, tQRgdQ = _tma_tiles(tma_dq, sdQ, gdQ)
         # The S^T accumulator's values are in the order of the register A operand of m64nDk16 once its
         # BM/8 column groups are split into (2, BM/16) (the forward's P layout, checked in
         # tests/test_cute_compile.py and, for this kernel's shapes, tests/test_cute_bwd.py).

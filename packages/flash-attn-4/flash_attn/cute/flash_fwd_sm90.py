@@ -34,6 +34,13 @@ def _tree(op, values):
     return values[0]
 
 
+def _tma_tiles(atom, s, g, modes=2):
+    """(smem, gmem) views of one CTA's TMA copy ``atom``: the first ``modes`` modes of the shared tile ``s``
+    and of the global tiles ``g`` form the copied box (trace time; no cluster multicast)."""
+    return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, modes),
+                                 cute.group_modes(g, 0, modes))
+
+
 def _hoisted_desc(frag):
     """The WGMMA descriptor fragment ``frag`` (a view of shared memory through a descriptor) rebuilt on a
     64-bit descriptor value computed here: CuTeDSL otherwise lowers the pointer -> descriptor conversion
@@ -333,13 +340,9 @@ class FlashFwdSm90:
         gQ = cute.local_tile(mQ_h, (BM, D), (None, 0))      # (BM, D, m)
         gK = cute.local_tile(mK_h, (BN, D), (None, 0))      # (BN, D, n)
         gVt = cute.local_tile(mVt_h, (D, BN), (0, None))    # (D, BN, n)
-        one_cta = cute.make_layout(1)
-        tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, one_cta, cute.group_modes(sQ, 0, 2),
-                                           cute.group_modes(gQ, 0, 2))
-        tKsK, tKgK = cpasync.tma_partition(tma_k, 0, one_cta, cute.group_modes(sK, 0, 2),
-                                           cute.group_modes(gK, 0, 2))
-        tVsV, tVgV = cpasync.tma_partition(tma_v, 0, one_cta, cute.group_modes(sVt, 0, 2),
-                                           cute.group_modes(gVt, 0, 2))
+        tQsQ, tQgQ = _tma_tiles(tma_q, sQ, gQ)
+        tKsK, tKgK = _tma_tiles(tma_k, sK, gK)
+        tVsV, tVgV = _tma_tiles(tma_v, sVt, gVt)
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         q_pipe.producer_acquire(q_state)
