@@ -26,7 +26,7 @@ computes delta = rowsum(dO * O) and lse2 with torch, and casts dq_accum to the i
 Layouts seen by the kernel (views built on the host side of __call__, no copies):
   mQ, mdO (Sq, D, H, B); mK, mV (Sk, D, Hk, B); mLSE2, mDelta (Sq_pad, H, B) fp32, Sq_pad a multiple of
   BLOCK_M; mdQaccum (Sq, D, H, B) fp32; mdK, mdV (Sk, D, H, B): per query head (GQA sums on the host).
-Not yet run on a GPU.
+Validated on the H200 (tests/test_cute_bwd.py, GPU-marked).
 """
 import math
 
@@ -408,7 +408,11 @@ class FlashBwdSm90:
         # Wait for K and V even when no query block sees them: the CTA must not exit with TMA in flight.
         kv_pipe.consumer_wait(kv_state)
         buf = Int32(0)
-        dq_issuer = ctid == 0  # the one thread that issues, commits and waits for the dQ TMA reduce-adds
+        # The first consumer warp issues, commits and waits for the dQ TMA reduce-adds; cute.copy elects one
+        # lane (elect.sync over the full warp), so the whole warp must take this branch: with a single
+        # thread the other 31 lanes wait at the reconvergence point while elect.sync waits for them (the
+        # kernel hung on the H200). The other lanes commit and wait on empty bulk groups.
+        dq_issuer = cute.arch.make_warp_uniform(ctid // 32) == 0
         for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
             q_pipe.consumer_wait(q_state)
             self._gemm(tiled_mma_sdp, acc_S, tSrK, tSrQ, None, q_state.index, zero_init=True)  # S^T = K Q^T
