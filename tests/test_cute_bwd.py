@@ -618,6 +618,104 @@ def test_backend_writes_into_given_grads_on_gpu(cute_bwd_on):
         testing.assert_close_to_ref(a, r, p, name)
 
 
+def _bwd_kw(S, D, causal):
+    return dict(cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=S, max_seqlen_k=S, block_table=None,
+                softmax_scale=D ** -0.5, causal=causal, window_left=-1, window_right=0 if causal else -1,
+                softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("heads_kv,packed", [(4, False), (4, True), (1, False)])
+def test_backward_is_three_launches_on_gpu(cute_bwd_on, monkeypatch, heads_kv, packed):
+    """The backward's GPU work, counted by the profiler: the preprocess, the kernel and the postprocess,
+    nothing else (no memset, copy or torch kernel), for MHA into packed dqkv slices and for MQA. The
+    torch host path's count is printed for comparison (-s)."""
+    from flash_attn.cute import bwd_host
+
+    B, S, H, D = 2, 1000, 4, 64
+    g = torch.Generator().manual_seed(5)
+    if packed:
+        q, k, v = torch.randn(B, S, 3, H, D, generator=g).to("cuda", torch.bfloat16).unbind(2)
+        grads = torch.empty(B, S, 3, H, D, device="cuda", dtype=torch.bfloat16).unbind(2)
+    else:
+        q = torch.randn(B, S, H, D, generator=g).to("cuda", torch.bfloat16)
+        k, v = (torch.randn(B, S, heads_kv, D, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
+        grads = None
+    dout = torch.randn(B, S, H, D, generator=g).to("cuda", torch.bfloat16)
+    kw = _bwd_kw(S, D, True)
+    out, lse, _ = cute_backend.fwd(q, k, v, return_probs=False, **kw)
+    counts = {}
+    for path in ("torch", "triton"):
+        if path == "torch":
+            monkeypatch.setenv(bwd_host.HOST_ENV_VAR, "torch")
+        else:
+            monkeypatch.delenv(bwd_host.HOST_ENV_VAR)
+        cute_backend.bwd(dout, q, k, v, out, lse, deterministic=False, grads=grads, **kw)  # compiles
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            cute_backend.bwd(dout, q, k, v, out, lse, deterministic=False, grads=grads, **kw)
+            torch.cuda.synchronize()
+        counts[path] = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    print(f"\nGPU work per backward (heads_kv={heads_kv}, packed={packed}): torch host path "
+          f"{len(counts['torch'])}: {counts['torch']}; Triton host path {len(counts['triton'])}")
+    names = counts["triton"]
+    assert len(names) == 3, names
+    assert "_bwd_prep_kernel" in names[0] and "_bwd_post_kernel" in names[2], names
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [64, 128])
+def test_host_paths_agree_on_gpu(dtype, d):
+    """bwd_host's Triton kernels against its torch expressions on CUDA tensors: lse2 (with +-inf rows), the
+    padding, dq_accum and the dq cast bit for bit, delta and the GQA sums within fp32 rounding."""
+    from flash_attn.cute import bwd_host
+
+    if bwd_host.triton is None:
+        pytest.skip("Triton is not installed")
+    B, Sq, Sk, H, Hk, pad = 3, 1000, 777, 8, 2, 1024
+    g = torch.Generator().manual_seed(6)
+    out = torch.randn(B, Sq, 3, H, d, generator=g).to("cuda", dtype)[:, :, 1]
+    dout = torch.randn(B, Sq, H, d, generator=g).to("cuda", dtype)
+    lse = torch.randn(B, H, Sq, generator=g).cuda()
+    lse[0, 1, :7] = float("inf")
+    lse[2, 3, 9] = -float("inf")
+    got, want = bwd_host.prepare(out, dout, lse, pad), bwd_host.prepare_torch(out, dout, lse, pad)
+    assert torch.equal(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[1][..., Sq:], want[1][..., Sq:])
+    assert torch.equal(got[2], want[2])
+    dq_accum = torch.randn(B, Sq, H, d, generator=g).cuda()
+    dk_h, dv_h = (torch.randn(B, Sk, H, d, generator=g).to("cuda", dtype) for _ in range(2))
+    outs = []
+    for fn in (bwd_host.finish, bwd_host.finish_torch):
+        dq = torch.empty(B, Sq, 3, H, d, device="cuda", dtype=dtype)[:, :, 0]
+        dk = torch.empty(B, Sk, Hk, d, device="cuda", dtype=dtype)
+        dv = torch.empty(B, Hk, Sk, d, device="cuda", dtype=dtype).transpose(1, 2)
+        fn(dq_accum, dq, dk_h, dv_h, dk, dv)
+        outs.append((dq, dk, dv))
+    assert torch.equal(outs[0][0], outs[1][0])
+    for a, b in zip(outs[0][1:], outs[1][1:]):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q,seqlen_k,heads_kv", [(255, 255, 4), (1000, 1000, 1), (300, 1200, 2),
+                                                       (256, 77, 2)])
+def test_gradients_with_torch_host_steps_on_gpu(cute_bwd_on, monkeypatch, d, causal, seqlen_q, seqlen_k,
+                                                heads_kv):
+    # the fallback host path (no Triton, or FLASH_ATTN_CUTE_BWD_HOST=torch) around the same kernel
+    from flash_attn.cute import bwd_host
+
+    monkeypatch.setenv(bwd_host.HOST_ENV_VAR, "torch")
+    _run(torch.bfloat16, d, causal, 2, seqlen_q, seqlen_k, 4, heads_kv, cute_bwd_on, seed=7)
+
+
 def test_precompile_fills_the_disk_cache_with_backward_kernels(tmp_path):
     """`python -m flash_attn.cute.precompile --backward` writes the backward entries too; a second run
     finds them on disk and compiles nothing."""
