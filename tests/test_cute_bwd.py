@@ -449,6 +449,77 @@ def test_triton_host_path_is_two_launches_and_no_torch_compute(monkeypatch):
     assert not compute, compute
 
 
+_HOST_AOT_SCRIPT = r"""
+import contextlib, io, json, re
+import triton
+from triton.backends.compiler import GPUTarget
+from flash_attn.cute import bwd_host as bh
+
+target = GPUTarget("cuda", 90, 32)
+backend = triton.compiler.make_backend(target)
+try:
+    triton.knobs.nvidia.dump_ptxas_log = True
+except AttributeError:
+    pass
+
+
+def compile_kernel(label, fn, types, constexprs, num_warps):
+    names = fn.arg_names
+    sig = {n: "constexpr" if n in constexprs else types(n) for n in names}
+    # what Triton sees for contiguous bf16 tensors at head dims 64/128: pointers and strides other than the
+    # unit last ones divisible by 16 (the lengths are not specialised)
+    div = [n for n in names if n not in constexprs and (n[0].isupper() or n.startswith("s_"))]
+    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=constexprs,
+                                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in div})
+    opts = backend.parse_options({"num_warps": num_warps})
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        ptx = triton.compile(src, target=target, options=opts.__dict__).asm["ptx"]
+    m = re.search(r"(\d+) bytes spill stores", log.getvalue())
+    print(json.dumps(dict(label=label, spills=int(m.group(1)) if m else None,
+                          ld_v4=len(re.findall(r"ld\.global[.\w]*\.v4", ptx)),
+                          st_v4=len(re.findall(r"st\.global[.\w]*\.v4", ptx)))))
+
+
+for D in (64, 128):
+    meta = bh._meta(D)
+    ce = dict(HEAD_DIM=D, BLOCK_D=D, BLOCK_M=meta["BLOCK_M"], s_od=1, s_gd=1, s_ls=1)
+    types = lambda n: {"Out": "*bf16", "DOut": "*bf16"}.get(n, "*fp32" if n[0].isupper() else "i32")
+    compile_kernel(f"prep d{D}", bh._bwd_prep_kernel, types, ce, meta["num_warps"])
+    for kv in (False, True):
+        meta = bh._meta(D, kv)
+        ce = dict(HEAD_DIM=D, BLOCK_D=D, BLOCK_S=meta["BLOCK_S"], KV=kv, s_qd=1, s_kd=1, s_vd=1)
+        types = lambda n: "*fp32" if n == "DQAccum" else "*bf16" if n[0].isupper() else "i32"
+        compile_kernel(f"post d{D} kv={kv}", bh._bwd_post_kernel, types, ce, meta["num_warps"])
+"""
+
+
+def test_host_kernels_compile_for_sm90_vectorised_without_spills(tmp_path):
+    """bwd_host's kernels as launched on an H200 compile for sm_90 ahead of time (the interpreter never
+    runs Triton's code generator), ptxas spills nothing, and every global access of out/dout/dq_accum/dq
+    is 16 bytes wide (v4) for unit last strides."""
+    import json
+
+    pytest.importorskip("triton.backends.nvidia")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, _PKG, os.environ.get("PYTHONPATH", "")]),
+               TRITON_CACHE_DIR=str(tmp_path))  # a fresh cache, so ptxas runs and logs
+    env.pop("TRITON_INTERPRET", None)
+    r = subprocess.run([sys.executable, "-c", _HOST_AOT_SCRIPT], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = {row.pop("label"): row for row in map(json.loads, (x for x in r.stdout.splitlines() if x[:1] == "{"))}
+    assert len(rows) == 6, r.stdout
+    for label, row in rows.items():
+        assert row["spills"] in (0, None), (label, row)  # None: a Triton without the ptxas log knob
+    # per thread, bf16 tiles of 64 x D over 32 * num_warps threads: out and dout 2 x 4 loads of 8 values,
+    # dq_accum's zeros 8 stores of 4 fp32; the cast 8 loads of 4 fp32 and 4 stores of 8 bf16; with KV
+    # also the group's 2 x 4 loads per query head and 2 x 4 stores
+    for D in (64, 128):
+        assert (rows[f"prep d{D}"]["ld_v4"], rows[f"prep d{D}"]["st_v4"]) == (8, 8), rows
+        assert (rows[f"post d{D} kv=False"]["ld_v4"], rows[f"post d{D} kv=False"]["st_v4"]) == (8, 4), rows
+        assert (rows[f"post d{D} kv=True"]["ld_v4"], rows[f"post d{D} kv=True"]["st_v4"]) == (16, 12), rows
+
+
 def test_torch_host_path_without_triton(monkeypatch):
     """Without Triton (flash-attn-4 does not require it) backward takes the torch expressions."""
     from flash_attn.cute import bwd_host

@@ -124,15 +124,18 @@ if triton is not None:
                 tile = (rows[:, None] < seqlen_k) & col_ok
                 # the group's first query head in dk_h / dv_h (B, Sk, H, D), contiguous
                 src = ((b64 * seqlen_k + rows64[:, None]) * heads + hk64 * group) * HEAD_DIM + cols[None, :]
-                dk = tl.zeros([BLOCK_S, BLOCK_D], dtype=tl.float32)
-                dv = tl.zeros([BLOCK_S, BLOCK_D], dtype=tl.float32)
-                for j in range(group):  # fixed order: the same bits every run
-                    dk += tl.load(DKh + src + j * HEAD_DIM, mask=tile, other=0.0).to(tl.float32)
-                    dv += tl.load(DVh + src + j * HEAD_DIM, mask=tile, other=0.0).to(tl.float32)
-                tl.store(DK + b64 * s_kb + hk64 * s_kh + rows64[:, None] * s_ks + cols[None, :] * s_kd,
-                         dk.to(DK.dtype.element_ty), mask=tile)
-                tl.store(DV + b64 * s_vb + hk64 * s_vh + rows64[:, None] * s_vs + cols[None, :] * s_vd,
-                         dv.to(DV.dtype.element_ty), mask=tile)
+                # dK then dV: one fp32 accumulator live at a time (two spill at D = 64)
+                _group_sum(DKh + src, DK + b64 * s_kb + hk64 * s_kh + rows64[:, None] * s_ks + cols[None, :] * s_kd,
+                           tile, group, HEAD_DIM, BLOCK_S, BLOCK_D)
+                _group_sum(DVh + src, DV + b64 * s_vb + hk64 * s_vh + rows64[:, None] * s_vs + cols[None, :] * s_vd,
+                           tile, group, HEAD_DIM, BLOCK_S, BLOCK_D)
+
+    @triton.jit
+    def _group_sum(src, dst, tile, group, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+        acc = tl.zeros([BLOCK_S, BLOCK_D], dtype=tl.float32)
+        for j in range(group):  # fixed order: the same bits every run
+            acc += tl.load(src + j * HEAD_DIM, mask=tile, other=0.0).to(tl.float32)
+        tl.store(dst, acc.to(dst.dtype.element_ty), mask=tile)
 
 
 _launchers: dict = {}
@@ -150,8 +153,21 @@ def _launch(kernel, grid, args, meta, plan_key):
     fn(grid, args, meta, plan_key)
 
 
-_PREP_BLOCK_M = 64
-_POST_BLOCK_S = 64
+def _meta(head_dim, kv=None):
+    """The constexprs and launch options of the preprocess (kv None) or the postprocess (with / without
+    the dK/dV sums): tiles of 64 rows x the head dim, 32 values of each tensor per thread."""
+    meta = _metas.get((head_dim, kv))
+    if meta is None:
+        block_d = triton.next_power_of_2(head_dim)
+        rows = "BLOCK_M" if kv is None else "BLOCK_S"
+        meta = {"HEAD_DIM": head_dim, "BLOCK_D": block_d, rows: 64, "num_warps": 4 if block_d <= 64 else 8}
+        if kv is not None:
+            meta["KV"] = bool(kv)
+        _metas[(head_dim, kv)] = meta
+    return meta
+
+
+_metas: dict = {}
 
 
 def prepare(out, dout, lse, seqlen_pad):
@@ -163,10 +179,9 @@ def prepare(out, dout, lse, seqlen_pad):
     lse2 = _empty((B, H, seqlen_pad), dtype=_F32, device=dev)
     delta = _empty((B, H, seqlen_pad), dtype=_F32, device=dev)
     dq_accum = _empty((B, Sq, H, D), dtype=_F32, device=dev)
-    n_m = -(-seqlen_pad // _PREP_BLOCK_M)
+    meta = _meta(D)
+    n_m = -(-seqlen_pad // meta["BLOCK_M"])
     if B * H * n_m:
-        block_d = triton.next_power_of_2(D)
-        meta = dict(HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=_PREP_BLOCK_M, num_warps=4 if block_d <= 64 else 8)
         _launch(_bwd_prep_kernel, (B * H * n_m,),
                 (out, dout, lse, delta, lse2, dq_accum, *out.stride(), *dout.stride(), *lse.stride(),
                  Sq, seqlen_pad, H, n_m), meta, ("prep", D))
@@ -179,12 +194,12 @@ def finish(dq_accum, dq, dk_h=None, dv_h=None, dk=None, dv=None):
     H / Hk query heads (in fp32, query heads in order)."""
     B, Sq, H, D = dq_accum.shape
     kv = dk_h is not None
-    block_d = triton.next_power_of_2(D)
-    n_q = -(-Sq // _POST_BLOCK_S)
+    meta = _meta(D, kv)
+    n_q = -(-Sq // meta["BLOCK_S"])
     n_dq = B * H * n_q
     if kv:
         Sk, Hk = dk.shape[1], dk.shape[2]
-        n_k = -(-Sk // _POST_BLOCK_S)
+        n_k = -(-Sk // meta["BLOCK_S"])
         n_kv = B * Hk * n_k
         kv_args = (dk_h, dv_h, dk, dv)
         kv_strides = (*dk.stride(), *dv.stride())
@@ -194,7 +209,6 @@ def finish(dq_accum, dq, dk_h=None, dv_h=None, dk=None, dv=None):
         kv_strides = (0,) * 8
     if n_dq + n_kv == 0:
         return
-    meta = dict(HEAD_DIM=D, BLOCK_D=block_d, BLOCK_S=_POST_BLOCK_S, KV=kv, num_warps=4 if block_d <= 64 else 8)
     _launch(_bwd_post_kernel, (n_dq + n_kv,),
             (dq_accum, dq, *kv_args, *dq.stride(), *kv_strides, Sq, Sk, H, max(Hk, 1), n_dq, n_q, max(n_k, 1)),
             meta, ("post", D, kv))
