@@ -724,7 +724,8 @@ def test_backward_is_three_launches_on_gpu(cute_bwd_on, monkeypatch, heads_kv, p
             monkeypatch.delenv(bwd_host.HOST_ENV_VAR)
         cute_backend.bwd(dout, q, k, v, out, lse, deterministic=False, grads=grads, **kw)  # compiles
         torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=acts) as prof:
             cute_backend.bwd(dout, q, k, v, out, lse, deterministic=False, grads=grads, **kw)
             torch.cuda.synchronize()
         counts[path] = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
