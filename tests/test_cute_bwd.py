@@ -728,7 +728,8 @@ def test_backward_is_three_launches_on_gpu(cute_bwd_on, monkeypatch, heads_kv, p
         with torch.profiler.profile(activities=acts) as prof:
             cute_backend.bwd(dout, q, k, v, out, lse, deterministic=False, grads=grads, **kw)
             torch.cuda.synchronize()
-        counts[path] = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        gpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        counts[path] = [e.name for e in sorted(gpu, key=lambda e: e.time_range.start)]
     print(f"\nGPU work per backward (heads_kv={heads_kv}, packed={packed}): torch host path "
           f"{len(counts['torch'])}: {counts['torch']}; Triton host path {len(counts['triton'])}")
     names = counts["triton"]
