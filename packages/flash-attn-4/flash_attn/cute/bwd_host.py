@@ -8,13 +8,16 @@ gets lse2 = +inf, which the kernel turns into P = 0 exactly (exp2(s - inf)); -in
 After (``finish``, one launch): dq = dq_accum (already scaled by the kernel) cast to the input dtype
 into the caller's dq, whatever its strides (a slice of a packed dqkv gradient); with GQA/MQA the kernel's
 per-query-head dK/dV summed over each group of query heads in fp32, in a fixed order (deterministic),
-into the caller's dk/dv. The same program may also just copy dK/dV (group 1) into outputs whose layout
-the kernel does not accept.
+into the caller's dk/dv. The same launch also copies dK/dV (group 1) into outputs whose layout the
+kernel does not accept.
 
 The torch expressions of the same steps (``prepare_torch`` / ``finish_torch``) serve when Triton is not
 installed (flash-attn-4 does not require it), and under FLASH_ATTN_CUTE_BWD_HOST=torch (to compare).
 On a GPU this replaces 5-7 launches (torch.full, a sliced multiply, a padding fill, the delta kernel, a
-memset, the cast copy; with GQA a float copy, a sum and a cast per gradient, then copies).
+memset, the cast copy; with GQA a float copy, a sum and a cast per gradient, then copies). The memory
+traffic stays: 14 bytes per element of q (read O and dO, zero dq_accum, read it back, write dq), which
+only a kernel that does not accumulate dQ in global fp32 would remove; what goes is the small ops, the
+gaps between launches, and with GQA the extra passes over dK/dV.
 """
 import os
 
