@@ -6,9 +6,13 @@ TFLOP/s with FlashAttention's count (bwd = 2.5 x 4 * B * S^2 * H * D, half when 
     python benchmarks/bench_cute_bwd.py                      # d64/d128 x causal x seqlen 2048, 8192
     python benchmarks/bench_cute_bwd.py --headdims 64 --seqlens 2048 --causal 1
 
-The cute time includes its host-side torch steps (delta = rowsum(dO * O), lse in log2 units, dq's
-fp32 -> bf16 cast, the dq_accum memset); the Triton time includes its own preprocessing. "kernel" is
-flash_bwd_sm90 alone on prepared inputs (its TFLOP/s: what a fused preprocess would leave).
+The cute time includes its host-side steps (flash_attn/cute/bwd_host.py: one Triton launch before the
+kernel for delta = rowsum(dO * O), lse in log2 units and the dq_accum zeroing, one after it for dq's
+fp32 -> bf16 cast and the GQA sums); "torch host" is the same call with FLASH_ATTN_CUTE_BWD_HOST=torch
+(the torch fallback's launches, as before bwd_host.py); the Triton time includes its own
+preprocessing. "kernel" is flash_bwd_sm90 alone on prepared inputs. The cute column cannot reach it
+however few the launches: per element of q the host steps move 14 bytes (read O and dO, zero the fp32
+dq_accum, read it back, write dq), 0.47 GB at 16k tokens x hidden 2048, about 0.1 ms at H200 bandwidth.
 """
 import argparse
 import os
@@ -50,12 +54,13 @@ def main(argv=None):
     from triton.testing import do_bench
 
     from flash_attn.cute import backend as cb
+    from flash_attn.cute import bwd_host
     from flash_attn.cute import interface as ci
     from flash_attn.triton import backend as tb
 
     dtype = torch.bfloat16
     emit(f"{'D':>4} {'S':>6} {'B':>3} {'H':>3} {'causal':>6} | {'triton ms':>9} {'TFLOP/s':>8} | "
-         f"{'cute ms':>8} {'TFLOP/s':>8} {'speedup':>7} | {'kernel':>7} {'TFLOP/s':>8} | "
+         f"{'cute ms':>8} {'TFLOP/s':>8} {'speedup':>7} | {'torch host':>10} | {'kernel':>7} {'TFLOP/s':>8} | "
          f"max|cute - triton| dq dk dv")
     for d in args.headdims:
         for s in args.seqlens:
@@ -81,6 +86,11 @@ def main(argv=None):
                 flops = 2.5 * 4 * b * s * s * h * d / (2 if causal else 1)
                 t_tri = do_bench(run_triton, warmup=args.warmup, rep=args.rep, return_mode="median")
                 t_cute = do_bench(run_cute, warmup=args.warmup, rep=args.rep, return_mode="median")
+                os.environ[bwd_host.HOST_ENV_VAR] = "torch"
+                try:
+                    t_host = do_bench(run_cute, warmup=args.warmup, rep=args.rep, return_mode="median")
+                finally:
+                    del os.environ[bwd_host.HOST_ENV_VAR]
                 # the kernel alone, on inputs prepared as interface.backward prepares them
                 fn = ci.bwd_kernel(dtype, d, causal)
                 bm = ci._bwd_config(dtype, d, causal, "sm_90a")["block_m"]
@@ -94,7 +104,7 @@ def main(argv=None):
                 t_kern = do_bench(lambda: fn(q, k, v, dout, lse2, delta, dq_acc, dk_h, dv_h, d ** -0.5),
                                   warmup=args.warmup, rep=args.rep, return_mode="median")
                 emit(f"{d:>4} {s:>6} {b:>3} {h:>3} {str(causal):>6} | {t_tri:9.3f} {flops / t_tri / 1e9:8.1f} | "
-                     f"{t_cute:8.3f} {flops / t_cute / 1e9:8.1f} {t_tri / t_cute:7.2f} | "
+                     f"{t_cute:8.3f} {flops / t_cute / 1e9:8.1f} {t_tri / t_cute:7.2f} | {t_host:10.3f} | "
                      f"{t_kern:7.3f} {flops / t_kern / 1e9:8.1f} | "
                      + " ".join(f"{e:.2e}" for e in errs))
     if args.out:

@@ -273,38 +273,266 @@ def test_cache_key_has_only_what_changes_code():
 # Host side of interface.backward, with the kernel replaced by a stand-in (CPU tensors)
 
 
-def test_backward_host_steps_with_a_stand_in_kernel(monkeypatch):
-    """lse2 = lse * log2(e) padded with +inf and delta = rowsum(dO * O) padded with 0 to the query block;
-    dq = dq_accum in the input dtype; GQA dK/dV summed over each group of query heads."""
-    B, Sq, Sk, H, Hk, D = 2, 70, 50, 4, 2, 64
+_HOST_CASES = {  # name: (H, Hk, Sq, Sk, grads layout)
+    "gqa": (4, 2, 70, 50, None),
+    "mqa": (4, 1, 70, 130, None),
+    "mha": (4, 4, 70, 50, None),
+    "packed": (4, 4, 70, 70, "packed"),  # slices of one (B, S, 4, H, D) buffer; the fourth must stay as it was
+    "mha-transposed": (4, 4, 70, 50, "transposed"),  # dk/dv in a layout the kernel refuses: copied after it
+    "gqa-transposed": (4, 2, 130, 50, "transposed"),
+}
+
+
+@pytest.fixture(params=["triton", "torch"])
+def host(request, monkeypatch):
+    """The host path ("triton": bwd_host's kernels, in the interpreter on CPU; "torch": the fallback),
+    with bwd_host's allocations NaN-filled (every element the kernel reads must be written) and a
+    record of which path's functions ran."""
+    from flash_attn.cute import bwd_host
+
+    if request.param == "triton":
+        if bwd_host.triton is None:
+            pytest.skip("Triton is not installed")
+        monkeypatch.delenv(bwd_host.HOST_ENV_VAR, raising=False)
+    else:
+        monkeypatch.setenv(bwd_host.HOST_ENV_VAR, "torch")
+    monkeypatch.setattr(bwd_host, "_empty", lambda shape, **kw: torch.full(shape, float("nan"), **kw))
+    ran = []
+    for name in ("prepare", "finish", "prepare_torch", "finish_torch"):
+        real = getattr(bwd_host, name)
+        monkeypatch.setattr(bwd_host, name, lambda *a, _n=name, _f=real, **kw: (ran.append(_n), _f(*a, **kw))[1])
+    return request.param, ran
+
+
+def _stand_in_grads(layout, B, Sq, Sk, H, Hk, D, dtype):
+    """(dq, dk, dv) outputs for backward's grads (NaN-filled), and the buffer behind them, or (None, None)."""
+    nan = float("nan")
+    if layout is None:
+        return None, None
+    if layout == "packed":  # as the packed-qkv path hands them (Sq == Sk, H == Hk)
+        buf = torch.full((B, Sq, 4, H, D), nan, dtype=dtype)
+        return buf.unbind(2)[:3], buf
+    return ((torch.full((B, H, Sq, D), nan, dtype=dtype).transpose(1, 2),
+             torch.full((B, Hk, Sk, D), nan, dtype=dtype).transpose(1, 2),
+             torch.full((B, Hk, Sk, D), nan, dtype=dtype).transpose(1, 2)), None)
+
+
+@pytest.mark.parametrize("case", list(_HOST_CASES))
+def test_backward_host_steps_with_a_stand_in_kernel(monkeypatch, host, case):
+    """lse2 = lse * log2(e) (+inf for rows whose lse is +-inf) padded with +inf and delta = rowsum(dO * O)
+    padded with 0 to the query block; dq_accum zero before the kernel; dq = dq_accum in the input dtype
+    into the caller's dq (any strides); GQA dK/dV summed over each group of query heads, into the caller's
+    dk/dv. Exact values (small integers where the stand-in kernel writes); fp16 (the interpreter computes
+    bf16 wrongly)."""
+    path, ran = host
+    H, Hk, Sq, Sk, layout = _HOST_CASES[case]
+    B, D, dtype = 2, 64, torch.float16
     g = torch.Generator().manual_seed(0)
-    q, out, dout = (torch.randn(B, Sq, H, D, generator=g).to(torch.bfloat16) for _ in range(3))
-    k, v = (torch.randn(B, Sk, Hk, D, generator=g).to(torch.bfloat16) for _ in range(2))
+    q, out, dout = (torch.randn(B, Sq, H, D, generator=g).to(dtype) for _ in range(3))
+    k, v = (torch.randn(B, Sk, Hk, D, generator=g).to(dtype) for _ in range(2))
     lse = torch.randn(B, H, Sq, generator=g)
     lse[0, 1, 3] = float("inf")  # a row that sees no key
+    lse[1, 2, 5] = -float("inf")  # the same, as a backend may write it: the kernel needs +inf
+    dq_vals = torch.randint(-1024, 1024, (B, Sq, H, D), generator=g).float()
+    dk_vals, dv_vals = (torch.randint(-64, 64, (B, Sk, H, D), generator=g).to(dtype) for _ in range(2))
     seen = {}
 
     def kernel(q_, k_, v_, dout_, lse2, delta, dq_accum, dk, dv, scale):
-        seen.update(lse2=lse2.clone(), delta=delta.clone(), scale=scale)
-        dq_accum.fill_(2.0)
-        dk.copy_(torch.arange(H, dtype=dk.dtype).view(1, 1, H, 1).expand_as(dk))
-        dv.fill_(1.0)
+        seen.update(lse2=lse2.clone(), delta=delta.clone(), dq_accum=dq_accum.clone(), scale=scale)
+        dq_accum.add_(dq_vals)  # the kernel adds into dq_accum
+        assert dk.shape == dv.shape == (B, Sk, H, D)
+        dk.copy_(dk_vals)
+        dv.copy_(dv_vals)
 
-    block_m = interface._bwd_config(torch.bfloat16, D, True, "sm_90a")["block_m"]
-    monkeypatch.setitem(interface._bwd_kernels, (torch.bfloat16, D, True, "sm_90a"), kernel)
-    dq, dk, dv = interface.backward(dout, q, k, v, out, lse, 0.5, True, "sm_90a")
+    block_m = interface._bwd_config(dtype, D, True, "sm_90a")["block_m"]
+    monkeypatch.setitem(interface._bwd_kernels, (dtype, D, True, "sm_90a"), kernel)
+    grads, buf = _stand_in_grads(layout, B, Sq, Sk, H, Hk, D, dtype)
+    dq, dk, dv = interface.backward(dout, q, k, v, out, lse, 0.5, True, "sm_90a", grads=grads)
+    assert ran == (["prepare", "finish"] if path == "triton" else ["prepare_torch", "finish_torch"])
+
     pad = -(-Sq // block_m) * block_m
+    assert pad > Sq
     assert seen["lse2"].shape == seen["delta"].shape == (B, H, pad)
-    torch.testing.assert_close(seen["lse2"][..., :Sq], lse * 1.4426950408889634)
-    assert torch.isinf(seen["lse2"][..., Sq:]).all() and (seen["lse2"][..., Sq:] > 0).all()
-    assert torch.isinf(seen["lse2"][0, 1, 3])
+    expect = lse * 1.4426950408889634
+    expect[0, 1, 3] = expect[1, 2, 5] = float("inf")
+    assert torch.equal(seen["lse2"][..., :Sq], expect)  # one fp32 multiply on both paths: the same bits
+    assert torch.equal(seen["lse2"][..., Sq:], torch.full((B, H, pad - Sq), float("inf")))
     torch.testing.assert_close(seen["delta"][..., :Sq], (dout.float() * out.float()).sum(-1).transpose(1, 2))
-    assert (seen["delta"][..., Sq:] == 0).all()
+    assert torch.equal(seen["delta"][..., Sq:], torch.zeros(B, H, pad - Sq))
+    assert torch.equal(seen["dq_accum"], torch.zeros(B, Sq, H, D))
     assert seen["scale"] == 0.5
-    assert dq.dtype == torch.bfloat16 and (dq == 2.0).all()  # the kernel applies the scale
-    assert dk.shape == k.shape and dv.shape == v.shape
-    assert (dk[:, :, 0] == 0 + 1).all() and (dk[:, :, 1] == 2 + 3).all()  # query heads {0, 1}, {2, 3}
-    assert (dv == 2.0).all()
+
+    assert dq.dtype == dk.dtype == dv.dtype == dtype
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    assert torch.equal(dq.float(), dq_vals)  # the kernel applies the scale
+    group = H // Hk
+    for got, vals in ((dk, dk_vals), (dv, dv_vals)):
+        assert torch.equal(got, vals.float().view(B, Sk, Hk, group, D).sum(3).to(dtype))
+    if grads is not None:
+        assert all(r is g_ for r, g_ in zip((dq, dk, dv), grads))
+    if buf is not None:
+        assert buf[:, :, 3].isnan().all()  # the rest of a packed buffer is not written
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_host_paths_agree(dtype):
+    """bwd_host's Triton kernels (interpreter on CPU) against its torch expressions on random inputs with
+    strided out/dout/lse and strided outputs: lse2, the padding, dq_accum and dq bit for bit, delta and
+    the GQA sums within fp32 rounding."""
+    from flash_attn.cute import bwd_host
+
+    if bwd_host.triton is None:
+        pytest.skip("Triton is not installed")
+    B, Sq, Sk, H, Hk, D, pad = 2, 77, 45, 6, 2, 128, 128
+    g = torch.Generator().manual_seed(1)
+    out = torch.randn(B, Sq, 3, H, D, generator=g).to(dtype)[:, :, 1]  # a slice of a packed tensor
+    dout = torch.randn(B, H, Sq, D, generator=g).to(dtype).transpose(1, 2)
+    lse = torch.randn(B, H, Sq + 5, generator=g)[:, :, 2:Sq + 2]  # a wider buffer's window
+    lse[1, 0, :4] = float("inf")
+    got, want = bwd_host.prepare(out, dout, lse, pad), bwd_host.prepare_torch(out, dout, lse, pad)
+    assert torch.equal(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[1][..., Sq:], want[1][..., Sq:])
+    assert torch.equal(got[2], want[2])
+
+    dq_accum = torch.randn(B, Sq, H, D, generator=g) * 3
+    dk_h, dv_h = (torch.randn(B, Sk, H, D, generator=g).to(dtype) for _ in range(2))
+    outs = []
+    for fn in (bwd_host.finish, bwd_host.finish_torch):
+        dq = torch.full((B, H, Sq, D, 2), float("nan"), dtype=dtype)[..., 1].transpose(1, 2)  # no unit stride
+        dk = torch.full((B, Sk, Hk, D), float("nan"), dtype=dtype)
+        dv = torch.full((B, Sk, 2, Hk, D), float("nan"), dtype=dtype)[:, :, 0]
+        fn(dq_accum, dq, dk_h, dv_h, dk, dv)
+        outs.append((dq, dk, dv))
+    assert torch.equal(outs[0][0], outs[1][0])
+    for a, b in zip(outs[0][1:], outs[1][1:]):
+        torch.testing.assert_close(a, b, rtol=2e-7 if dtype == torch.float32 else 1e-3, atol=1e-6)
+    # dq only (no dK/dV work in the launch)
+    dq = torch.empty(B, Sq, H, D, dtype=dtype)
+    bwd_host.finish(dq_accum, dq)
+    assert torch.equal(dq, outs[1][0])
+
+
+def test_triton_host_path_is_two_launches_and_no_torch_compute(monkeypatch):
+    """With the Triton host path, backward's own torch calls are allocations and views only (no kernel
+    launch of torch's on a GPU): one preprocess launch, the kernel, one postprocess launch, with GQA and
+    grads in layouts the kernel refuses."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from flash_attn.cute import bwd_host
+
+    if bwd_host.triton is None:
+        pytest.skip("Triton is not installed")
+    monkeypatch.delenv(bwd_host.HOST_ENV_VAR, raising=False)
+    launches = []
+    monkeypatch.setattr(bwd_host, "_launch", lambda kernel, *a: launches.append(kernel))
+    ops = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    B, Sq, Sk, H, Hk, D, dtype = 2, 70, 50, 4, 2, 64, torch.float16
+    q, out, dout = (torch.zeros(B, Sq, H, D, dtype=dtype) for _ in range(3))
+    k, v = (torch.zeros(B, Sk, Hk, D, dtype=dtype) for _ in range(2))
+    lse = torch.zeros(B, H, Sq)
+    grads = (torch.empty(B, H, Sq, D, dtype=dtype).transpose(1, 2),
+             torch.empty(B, Hk, Sk, D, dtype=dtype).transpose(1, 2), torch.empty(B, Sk, Hk, D, dtype=dtype))
+    kernel_calls = []
+    monkeypatch.setitem(interface._bwd_kernels, (dtype, D, True, "sm_90a"),
+                        lambda *a: kernel_calls.append(len(launches)))
+    with Record():
+        interface.backward(dout, q, k, v, out, lse, 0.5, True, "sm_90a", grads=grads)
+    assert launches == [bwd_host._bwd_prep_kernel, bwd_host._bwd_post_kernel] and kernel_calls == [1]
+    compute = {str(f) for f in ops if not (f.is_view or str(f).startswith("aten.empty"))}
+    assert not compute, compute
+
+
+_HOST_AOT_SCRIPT = r"""
+import contextlib, io, json, re
+import triton
+from triton.backends.compiler import GPUTarget
+from flash_attn.cute import bwd_host as bh
+
+target = GPUTarget("cuda", 90, 32)
+backend = triton.compiler.make_backend(target)
+try:
+    triton.knobs.nvidia.dump_ptxas_log = True
+except AttributeError:
+    pass
+
+
+def compile_kernel(label, fn, types, constexprs, num_warps):
+    names = fn.arg_names
+    sig = {n: "constexpr" if n in constexprs else types(n) for n in names}
+    # what Triton sees for contiguous bf16 tensors at head dims 64/128: pointers and strides other than the
+    # unit last ones divisible by 16 (the lengths are not specialised)
+    div = [n for n in names if n not in constexprs and (n[0].isupper() or n.startswith("s_"))]
+    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=constexprs,
+                                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in div})
+    opts = backend.parse_options({"num_warps": num_warps})
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        ptx = triton.compile(src, target=target, options=opts.__dict__).asm["ptx"]
+    m = re.search(r"(\d+) bytes spill stores", log.getvalue())
+    print(json.dumps(dict(label=label, spills=int(m.group(1)) if m else None,
+                          ld_v4=len(re.findall(r"ld\.global[.\w]*\.v4", ptx)),
+                          st_v4=len(re.findall(r"st\.global[.\w]*\.v4", ptx)))))
+
+
+for D in (64, 128):
+    meta = bh._meta(D)
+    ce = dict(HEAD_DIM=D, BLOCK_D=D, BLOCK_M=meta["BLOCK_M"], s_od=1, s_gd=1, s_ls=1)
+    types = lambda n: {"Out": "*bf16", "DOut": "*bf16"}.get(n, "*fp32" if n[0].isupper() else "i32")
+    compile_kernel(f"prep d{D}", bh._bwd_prep_kernel, types, ce, meta["num_warps"])
+    for kv in (False, True):
+        meta = bh._meta(D, kv)
+        ce = dict(HEAD_DIM=D, BLOCK_D=D, BLOCK_S=meta["BLOCK_S"], KV=kv, s_qd=1, s_kd=1, s_vd=1)
+        types = lambda n: "*fp32" if n == "DQAccum" else "*bf16" if n[0].isupper() else "i32"
+        compile_kernel(f"post d{D} kv={kv}", bh._bwd_post_kernel, types, ce, meta["num_warps"])
+"""
+
+
+def test_host_kernels_compile_for_sm90_vectorised_without_spills(tmp_path):
+    """bwd_host's kernels as launched on an H200 compile for sm_90 ahead of time (the interpreter never
+    runs Triton's code generator), ptxas spills nothing, and every global access of out/dout/dq_accum/dq
+    is 16 bytes wide (v4) for unit last strides."""
+    import json
+
+    pytest.importorskip("triton.backends.nvidia")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, _PKG, os.environ.get("PYTHONPATH", "")]),
+               TRITON_CACHE_DIR=str(tmp_path))  # a fresh cache, so ptxas runs and logs
+    env.pop("TRITON_INTERPRET", None)
+    r = subprocess.run([sys.executable, "-c", _HOST_AOT_SCRIPT], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = {row.pop("label"): row for row in map(json.loads, (x for x in r.stdout.splitlines() if x[:1] == "{"))}
+    assert len(rows) == 6, r.stdout
+    for label, row in rows.items():
+        assert row["spills"] in (0, None), (label, row)  # None: a Triton without the ptxas log knob
+    # per thread, bf16 tiles of 64 x D over 32 * num_warps threads: out and dout 2 x 4 loads of 8 values,
+    # dq_accum's zeros 8 stores of 4 fp32; the cast 8 loads of 4 fp32 and 4 stores of 8 bf16; with KV
+    # also the group's 2 x 4 loads per query head and 2 x 4 stores
+    for D in (64, 128):
+        assert (rows[f"prep d{D}"]["ld_v4"], rows[f"prep d{D}"]["st_v4"]) == (8, 8), rows
+        assert (rows[f"post d{D} kv=False"]["ld_v4"], rows[f"post d{D} kv=False"]["st_v4"]) == (8, 4), rows
+        assert (rows[f"post d{D} kv=True"]["ld_v4"], rows[f"post d{D} kv=True"]["st_v4"]) == (16, 12), rows
+
+
+def test_torch_host_path_without_triton(monkeypatch):
+    """Without Triton (flash-attn-4 does not require it) backward takes the torch expressions."""
+    from flash_attn.cute import bwd_host
+
+    monkeypatch.delenv(bwd_host.HOST_ENV_VAR, raising=False)
+    t = torch.zeros(1)
+    if bwd_host.triton is not None:
+        assert bwd_host.use_triton(t) == bwd_host._INTERPRET
+        monkeypatch.setenv(bwd_host.HOST_ENV_VAR, "torch")
+        assert not bwd_host.use_triton(t)
+        monkeypatch.delenv(bwd_host.HOST_ENV_VAR)
+    monkeypatch.setattr(bwd_host, "triton", None)
+    assert not bwd_host.use_triton(t)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -461,27 +689,104 @@ def test_backend_writes_into_given_grads_on_gpu(cute_bwd_on):
         testing.assert_close_to_ref(a, r, p, name)
 
 
-@pytest.mark.parametrize("use_triton", [True, False])
-def test_delta_preprocess_paths_agree(monkeypatch, use_triton):
-    """delta through the Triton backend's preprocess kernel (interpreter on CPU) or the torch expression:
-    rowsum(dO * O) in fp32 into columns :Sq, the padding left as it was."""
-    pytest.importorskip("flash_attn.triton.backend")
-    from flash_attn.triton import backend as triton_backend
+def _bwd_kw(S, D, causal):
+    return dict(cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=S, max_seqlen_k=S, block_table=None,
+                softmax_scale=D ** -0.5, causal=causal, window_left=-1, window_right=0 if causal else -1,
+                softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None)
 
-    calls = []
-    if use_triton:
-        real = triton_backend.bwd_delta
-        monkeypatch.setattr(interface, "_triton_delta", [lambda *a: (calls.append(1), real(*a))[1]])
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("heads_kv,packed", [(4, False), (4, True), (1, False)])
+def test_backward_is_three_launches_on_gpu(cute_bwd_on, monkeypatch, heads_kv, packed):
+    """The backward's GPU work, counted by the profiler: the preprocess, the kernel and the postprocess,
+    nothing else (no memset, copy or torch kernel), for MHA into packed dqkv slices and for MQA. The
+    torch host path's count is printed for comparison (-s)."""
+    from flash_attn.cute import bwd_host
+
+    B, S, H, D = 2, 1000, 4, 64
+    g = torch.Generator().manual_seed(5)
+    if packed:
+        q, k, v = torch.randn(B, S, 3, H, D, generator=g).to("cuda", torch.bfloat16).unbind(2)
+        grads = torch.empty(B, S, 3, H, D, device="cuda", dtype=torch.bfloat16).unbind(2)
     else:
-        monkeypatch.setattr(interface, "_triton_delta", [None])
-    g = torch.Generator().manual_seed(1)
-    out, dout = (torch.randn(2, 70, 3, 64, generator=g).to(torch.float16) for _ in range(2))
-    delta = torch.full((2, 3, 128), 7.0)
-    interface._delta_into(delta, out, dout)
-    assert len(calls) == int(use_triton)
-    torch.testing.assert_close(delta[..., :70], (dout.float() * out.float()).sum(-1).transpose(1, 2),
-                               rtol=1e-5, atol=1e-5)
-    assert (delta[..., 70:] == 7.0).all()
+        q = torch.randn(B, S, H, D, generator=g).to("cuda", torch.bfloat16)
+        k, v = (torch.randn(B, S, heads_kv, D, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
+        grads = None
+    dout = torch.randn(B, S, H, D, generator=g).to("cuda", torch.bfloat16)
+    kw = _bwd_kw(S, D, True)
+    out, lse, _ = cute_backend.fwd(q, k, v, return_probs=False, **kw)
+    counts = {}
+    for path in ("torch", "triton"):
+        if path == "torch":
+            monkeypatch.setenv(bwd_host.HOST_ENV_VAR, "torch")
+        else:
+            monkeypatch.delenv(bwd_host.HOST_ENV_VAR)
+        cute_backend.bwd(dout, q, k, v, out, lse, deterministic=False, grads=grads, **kw)  # compiles
+        torch.cuda.synchronize()
+        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=acts) as prof:
+            cute_backend.bwd(dout, q, k, v, out, lse, deterministic=False, grads=grads, **kw)
+            torch.cuda.synchronize()
+        gpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        counts[path] = [e.name for e in sorted(gpu, key=lambda e: e.time_range.start)]
+    print(f"\nGPU work per backward (heads_kv={heads_kv}, packed={packed}): torch host path "
+          f"{len(counts['torch'])}: {counts['torch']}; Triton host path {len(counts['triton'])}")
+    names = counts["triton"]
+    assert len(names) == 3, names
+    assert "_bwd_prep_kernel" in names[0] and "_bwd_post_kernel" in names[2], names
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [64, 128])
+def test_host_paths_agree_on_gpu(dtype, d):
+    """bwd_host's Triton kernels against its torch expressions on CUDA tensors: lse2 (with +-inf rows), the
+    padding, dq_accum and the dq cast bit for bit, delta and the GQA sums within fp32 rounding."""
+    from flash_attn.cute import bwd_host
+
+    if bwd_host.triton is None:
+        pytest.skip("Triton is not installed")
+    B, Sq, Sk, H, Hk, pad = 3, 1000, 777, 8, 2, 1024
+    g = torch.Generator().manual_seed(6)
+    out = torch.randn(B, Sq, 3, H, d, generator=g).to("cuda", dtype)[:, :, 1]
+    dout = torch.randn(B, Sq, H, d, generator=g).to("cuda", dtype)
+    lse = torch.randn(B, H, Sq, generator=g).cuda()
+    lse[0, 1, :7] = float("inf")
+    lse[2, 3, 9] = -float("inf")
+    got, want = bwd_host.prepare(out, dout, lse, pad), bwd_host.prepare_torch(out, dout, lse, pad)
+    assert torch.equal(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[1][..., Sq:], want[1][..., Sq:])
+    assert torch.equal(got[2], want[2])
+    dq_accum = torch.randn(B, Sq, H, d, generator=g).cuda()
+    dk_h, dv_h = (torch.randn(B, Sk, H, d, generator=g).to("cuda", dtype) for _ in range(2))
+    outs = []
+    for fn in (bwd_host.finish, bwd_host.finish_torch):
+        dq = torch.empty(B, Sq, 3, H, d, device="cuda", dtype=dtype)[:, :, 0]
+        dk = torch.empty(B, Sk, Hk, d, device="cuda", dtype=dtype)
+        dv = torch.empty(B, Hk, Sk, d, device="cuda", dtype=dtype).transpose(1, 2)
+        fn(dq_accum, dq, dk_h, dv_h, dk, dv)
+        outs.append((dq, dk, dv))
+    assert torch.equal(outs[0][0], outs[1][0])
+    for a, b in zip(outs[0][1:], outs[1][1:]):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q,seqlen_k,heads_kv", [(255, 255, 4), (1000, 1000, 1), (300, 1200, 2),
+                                                       (256, 77, 2)])
+def test_gradients_with_torch_host_steps_on_gpu(cute_bwd_on, monkeypatch, d, causal, seqlen_q, seqlen_k,
+                                                heads_kv):
+    # the fallback host path (no Triton, or FLASH_ATTN_CUTE_BWD_HOST=torch) around the same kernel
+    from flash_attn.cute import bwd_host
+
+    monkeypatch.setenv(bwd_host.HOST_ENV_VAR, "torch")
+    _run(torch.bfloat16, d, causal, 2, seqlen_q, seqlen_k, 4, heads_kv, cute_bwd_on, seed=7)
 
 
 def test_precompile_fills_the_disk_cache_with_backward_kernels(tmp_path):

@@ -20,8 +20,9 @@ Per query block, for each of the two consumer warpgroups (64 keys each):
   dq_accum[rows] += scale * dQ     red.global.add.v2.f32 (default), or with dq_tma the scaled tile to
                                    shared memory and one TMA reduce-add of it, issued by one thread
                                    after the next block's dS barrier (FLASH_ATTN_CUTE_BWD_DQ_TMA=1)
-After the loop dK is scaled by softmax_scale and dK, dV are stored. The host (interface.backward)
-computes delta = rowsum(dO * O) and lse2 with torch, and casts dq_accum to the input dtype.
+After the loop dK is scaled by softmax_scale and dK, dV are stored. The host (interface.backward,
+bwd_host.py) computes delta = rowsum(dO * O) and lse2 and zeroes dq_accum in one Triton launch before,
+and casts dq_accum to the input dtype (and sums GQA's dK/dV) in one after.
 
 Layouts seen by the kernel (views built on the host side of __call__, no copies):
   mQ, mdO (Sq, D, H, B); mK, mV (Sk, D, Hk, B); mLSE2, mDelta (Sq_pad, H, B) fp32, Sq_pad a multiple of

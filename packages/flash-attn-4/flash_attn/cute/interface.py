@@ -845,27 +845,6 @@ def _bwd_out_layout(t, D):
     return s[3] == 1 and s[2] == D and s[1] % 8 == 0 and s[0] % 8 == 0 and t.data_ptr() % 16 == 0
 
 
-def _delta_into(delta, out, dout):
-    """delta[:, :, :Sq] = rowsum(dout * out) in fp32: the Triton backend's preprocess kernel when that
-    distribution is installed (one read of both tensors; the torch expression materialises fp32 copies
-    of them: 0.32 ms of a 1.7 ms backward at d64 causal 2k, b8 h32, on an H200), else torch."""
-    if not _triton_delta:
-        try:
-            from flash_attn.triton.backend import bwd_delta
-        except ImportError:
-            bwd_delta = None
-        _triton_delta.append(bwd_delta)
-    fn = _triton_delta[0]
-    if fn is not None and out.stride(-1) == 1 and dout.stride(-1) == 1:
-        fn(out, dout, delta)
-    else:  # fp32 products as FlashAttention computes delta; out is upcast inside the multiply
-        Sq = out.shape[1]
-        delta[:, :, :Sq] = (dout.float() * out).sum(-1).transpose(1, 2)
-
-
-_triton_delta: list = []
-
-
 def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grads=None):
     """Attention backward on validated CUDA inputs: q/out/dout (B, Sq, H, D), k/v (B, Sk, Hk, D) fp16/bf16,
     D in (64, 128), H % Hk == 0, lse fp32 (B, H, Sq) natural log (+inf for rows that see no key), causal
@@ -873,10 +852,11 @@ def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grad
     when given (tensors shaped like q, k, v with a contiguous last dim). dq is accumulated with fp32
     atomics, so results vary in the last bits run to run.
 
-    Host-side steps: delta = rowsum(dO * O) (_delta_into) and lse * log2(e) (torch), padded to a multiple
-    of the kernel's query block with 0 / +inf (so padded rows contribute nothing); dq_accum (which the
-    kernel fills with softmax_scale * dS K) cast to the input dtype; with GQA the kernel writes
-    per-query-head dK/dV that are summed here in fp32 over each group."""
+    Host-side steps (bwd_host.py): one Triton launch before the kernel writes delta = rowsum(dO * O) and
+    lse * log2(e), padded to a multiple of the kernel's query block with 0 / +inf (so padded rows
+    contribute nothing), and zeroes dq_accum; one after it casts dq_accum (which the kernel fills with
+    softmax_scale * dS K) into dq and, with GQA, sums the kernel's per-query-head dK/dV over each group
+    in fp32. Without Triton (or with FLASH_ATTN_CUTE_BWD_HOST=torch) torch does the same in more launches."""
     B, Sq, H, D = q.shape
     Sk, Hk = k.shape[1], k.shape[2]
     dtype = q.dtype
@@ -892,37 +872,30 @@ def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grad
             f"one batch entry of q/k/v holds {per_batch} elements; flash_attn.cute's backward handles < 2^31")
     fn = _bwd_kernels.get((dtype, D, bool(causal), arch)) or bwd_kernel(dtype, D, causal, arch)
 
+    from flash_attn.cute import bwd_host  # imports Triton when installed: not at this module's import
+
+    # out and lse are read through their strides; q, k, v, dout must suit the compiled kernel
     q, k, v, dout = (_kernel_layout(t, D) for t in (q, k, v, dout))
     sq_pad = -(-Sq // block_m) * block_m
-    lse2 = torch.full((B, H, sq_pad), math.inf, dtype=_F32, device=q.device)
-    lse2[:, :, :Sq] = lse[:, :, :Sq] * _LOG2E
-    delta = torch.empty((B, H, sq_pad), dtype=_F32, device=q.device)
-    if sq_pad > Sq:
-        delta[:, :, Sq:] = 0.0
-    _delta_into(delta, out, dout)
-    dq_accum = torch.zeros((B, Sq, H, D), dtype=_F32, device=q.device)
+    host = bwd_host if bwd_host.use_triton(q) else None
+    lse2, delta, dq_accum = (bwd_host.prepare if host else bwd_host.prepare_torch)(out, dout, lse, sq_pad)
     group = H // Hk
-    if group == 1 and dk_out is not None and _bwd_out_layout(dk_out, D) and _bwd_out_layout(dv_out, D):
-        dk_h, dv_h = dk_out, dv_out
-    else:
+    if group == 1 and (dk_out is None or (_bwd_out_layout(dk_out, D) and _bwd_out_layout(dv_out, D))):
+        dk_h = dk_out if dk_out is not None else torch.empty((B, Sk, H, D), dtype=dtype, device=q.device)
+        dv_h = dv_out if dv_out is not None else torch.empty((B, Sk, H, D), dtype=dtype, device=q.device)
+        dk, dv, sums = dk_h, dv_h, False
+    else:  # per-query-head dK/dV from the kernel, summed over each group (or copied) after it
         dk_h = torch.empty((B, Sk, H, D), dtype=dtype, device=q.device)
         dv_h = torch.empty((B, Sk, H, D), dtype=dtype, device=q.device)
+        dk = dk_out if dk_out is not None else torch.empty((B, Sk, Hk, D), dtype=dtype, device=q.device)
+        dv = dv_out if dv_out is not None else torch.empty((B, Sk, Hk, D), dtype=dtype, device=q.device)
+        sums = True
     step = max(1, (_MAX_ELEMS - 1) // per_batch)
     for b in range(0, B, step):  # 32-bit offsets in the kernel: batch slices below 2^31 elements
         sl = slice(b, b + step)
         fn(q[sl], k[sl], v[sl], dout[sl], lse2[sl], delta[sl], dq_accum[sl], dk_h[sl], dv_h[sl],
            float(softmax_scale))
-    if group == 1:
-        dk, dv = dk_h, dv_h
-    else:  # sum the per-query-head gradients over each group of H / Hk query heads, in fp32
-        dk = dk_h.view(B, Sk, Hk, group, D).float().sum(3).to(dtype)
-        dv = dv_h.view(B, Sk, Hk, group, D).float().sum(3).to(dtype)
-    if dq_out is not None:  # dq_accum holds softmax_scale * dS K: a cast is left
-        dq = dq_out.copy_(dq_accum)
-    else:
-        dq = dq_accum.to(dtype)
-    if dk_out is not None and dk is not dk_out:
-        dk_out.copy_(dk)
-        dv_out.copy_(dv)
-        dk, dv = dk_out, dv_out
+    # dq_accum holds softmax_scale * dS K: a cast is left
+    dq = dq_out if dq_out is not None else torch.empty((B, Sq, H, D), dtype=dtype, device=q.device)
+    (bwd_host.finish if host else bwd_host.finish_torch)(dq_accum, dq, *((dk_h, dv_h, dk, dv) if sums else ()))
     return dq, dk, dv

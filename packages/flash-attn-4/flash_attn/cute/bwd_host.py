@@ -1,0 +1,240 @@
+"""The host-side steps around flash_bwd_sm90's kernel, as two Triton launches (one before, one after).
+
+Before (``prepare``, one launch): delta = rowsum(dO * O) in fp32 and lse2 = lse * log2(e), both
+(B, H, Sq_pad) with Sq_pad a multiple of the kernel's query block, 0 / +inf in the padding; and dq_accum
+(B, Sq, H, D) fp32 zeroed for the kernel's atomic adds. A row whose lse is +inf or -inf (it sees no key)
+gets lse2 = +inf, which the kernel turns into P = 0 exactly (exp2(s - inf)); -inf would give exp2(+inf).
+
+After (``finish``, one launch): dq = dq_accum (already scaled by the kernel) cast to the input dtype
+into the caller's dq, whatever its strides (a slice of a packed dqkv gradient); with GQA/MQA the kernel's
+per-query-head dK/dV summed over each group of query heads in fp32, in a fixed order (deterministic),
+into the caller's dk/dv. The same launch also copies dK/dV (group 1) into outputs whose layout the
+kernel does not accept.
+
+The torch expressions of the same steps (``prepare_torch`` / ``finish_torch``) serve when Triton is not
+installed (flash-attn-4 does not require it), and under FLASH_ATTN_CUTE_BWD_HOST=torch (to compare).
+On a GPU this replaces 5-7 launches (torch.full, a sliced multiply, a padding fill, the delta kernel, a
+memset, the cast copy; with GQA a float copy, a sum and a cast per gradient, then copies). The memory
+traffic stays: 14 bytes per element of q (read O and dO, zero dq_accum, read it back, write dq), which
+only a kernel that does not accumulate dQ in global fp32 would remove; what goes is the small ops, the
+gaps between launches, and with GQA the extra passes over dK/dV.
+"""
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # flash-attn-4 installs without Triton: the torch path
+    triton = tl = None
+
+try:  # the Triton backend's low-overhead launcher (it skips Triton's argument binder after a first call)
+    from flash_attn.triton._launch import Launcher
+except ImportError:
+    Launcher = None
+
+LOG2E = 1.4426950408889634
+HOST_ENV_VAR = "FLASH_ATTN_CUTE_BWD_HOST"  # "torch": the torch expressions even where Triton would run
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_F32 = torch.float32
+_empty = torch.empty  # prepare's allocations (tests hand it NaN-filled memory: every element must be written)
+
+
+def use_triton(t):
+    """Whether the Triton kernels serve tensors like ``t``: Triton installed, a CUDA tensor (or the
+    interpreter on CPU tensors), and not FLASH_ATTN_CUTE_BWD_HOST=torch."""
+    return (triton is not None and (t.is_cuda or _INTERPRET)
+            and os.environ.get(HOST_ENV_VAR, "").strip().lower() != "torch")
+
+
+if triton is not None:
+
+    # Lengths and block counts change from call to call: not specialised (no recompiles per length).
+    # Strides are, so that a unit last stride and 16-divisible row strides vectorise the accesses.
+    @triton.jit(do_not_specialize=["seqlen_q", "seqlen_pad", "n_m_blocks"])
+    def _bwd_prep_kernel(Out, DOut, Lse, Delta, Lse2, DQAccum,
+                         s_ob, s_os, s_oh, s_od, s_gb, s_gs, s_gh, s_gd, s_lb, s_lh, s_ls,
+                         seqlen_q, seqlen_pad, heads, n_m_blocks,
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+        # heads vary fastest: programs running together cover whole (row, head, D) rows of out/dout/dq_accum
+        pid = tl.program_id(0)
+        bm = pid // heads
+        h = pid - bm * heads
+        b = bm // n_m_blocks
+        m = bm - b * n_m_blocks
+        bh = b * heads + h
+        # 64-bit offsets: the whole batch is one launch, beyond 2^31 elements
+        b64 = b.to(tl.int64)
+        h64 = h.to(tl.int64)
+        rows = m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rows64 = rows.to(tl.int64)
+        cols = tl.arange(0, BLOCK_D)
+        in_q = rows < seqlen_q
+        tile = in_q[:, None] & (cols[None, :] < HEAD_DIM)
+        o = tl.load(Out + b64 * s_ob + h64 * s_oh + rows64[:, None] * s_os + cols[None, :] * s_od,
+                    mask=tile, other=0.0)
+        do = tl.load(DOut + b64 * s_gb + h64 * s_gh + rows64[:, None] * s_gs + cols[None, :] * s_gd,
+                     mask=tile, other=0.0)
+        # fp32 products and sum (as FlashAttention); rows past Sq load zeros: delta = 0 there
+        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+        lse = tl.load(Lse + b64 * s_lb + h64 * s_lh + rows64 * s_ls, mask=in_q, other=float("inf"))
+        # one fp32 multiply, as torch's lse * LOG2E: the same bits
+        lse2 = tl.where(tl.abs(lse) == float("inf"), float("inf"), lse * 1.4426950408889634)
+        row_off = bh.to(tl.int64) * seqlen_pad + rows64
+        in_pad = rows < seqlen_pad
+        tl.store(Delta + row_off, delta, mask=in_pad)
+        tl.store(Lse2 + row_off, lse2, mask=in_pad)
+        tl.store(DQAccum + ((b64 * seqlen_q + rows64[:, None]) * heads + h64) * HEAD_DIM + cols[None, :],
+                 tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), mask=tile)
+
+    @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "n_dq", "n_q_blocks", "n_k_blocks"])
+    def _bwd_post_kernel(DQAccum, DQ, DKh, DVh, DK, DV,
+                         s_qb, s_qs, s_qh, s_qd, s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd,
+                         seqlen_q, seqlen_k, heads, heads_kv, n_dq, n_q_blocks, n_k_blocks,
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+                         KV: tl.constexpr):
+        # Programs [0, n_dq): dq tiles (B * n_q_blocks * H); then, with KV, dk/dv tiles (B * n_k_blocks * Hk).
+        pid = tl.program_id(0)
+        cols = tl.arange(0, BLOCK_D)
+        col_ok = cols[None, :] < HEAD_DIM
+        if pid < n_dq:
+            bm = pid // heads  # heads fastest, as in the preprocess
+            h = pid - bm * heads
+            b = bm // n_q_blocks
+            m = bm - b * n_q_blocks
+            b64 = b.to(tl.int64)
+            h64 = h.to(tl.int64)
+            rows = m * BLOCK_S + tl.arange(0, BLOCK_S)
+            rows64 = rows.to(tl.int64)
+            tile = (rows[:, None] < seqlen_q) & col_ok
+            acc = tl.load(DQAccum + ((b64 * seqlen_q + rows64[:, None]) * heads + h64) * HEAD_DIM + cols[None, :],
+                          mask=tile, other=0.0)
+            tl.store(DQ + b64 * s_qb + h64 * s_qh + rows64[:, None] * s_qs + cols[None, :] * s_qd,
+                     acc.to(DQ.dtype.element_ty), mask=tile)
+        else:
+            if KV:
+                p = pid - n_dq
+                bm = p // heads_kv
+                hk = p - bm * heads_kv
+                b = bm // n_k_blocks
+                m = bm - b * n_k_blocks
+                group = heads // heads_kv
+                b64 = b.to(tl.int64)
+                hk64 = hk.to(tl.int64)
+                rows = m * BLOCK_S + tl.arange(0, BLOCK_S)
+                rows64 = rows.to(tl.int64)
+                tile = (rows[:, None] < seqlen_k) & col_ok
+                # the group's first query head in dk_h / dv_h (B, Sk, H, D), contiguous
+                src = ((b64 * seqlen_k + rows64[:, None]) * heads + hk64 * group) * HEAD_DIM + cols[None, :]
+                # dK then dV: one fp32 accumulator live at a time (two spill at D = 64)
+                _group_sum(DKh + src, DK + b64 * s_kb + hk64 * s_kh + rows64[:, None] * s_ks + cols[None, :] * s_kd,
+                           tile, group, HEAD_DIM, BLOCK_S, BLOCK_D)
+                _group_sum(DVh + src, DV + b64 * s_vb + hk64 * s_vh + rows64[:, None] * s_vs + cols[None, :] * s_vd,
+                           tile, group, HEAD_DIM, BLOCK_S, BLOCK_D)
+
+    @triton.jit
+    def _group_sum(src, dst, tile, group, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+        acc = tl.zeros([BLOCK_S, BLOCK_D], dtype=tl.float32)
+        for j in range(group):  # fixed order: the same bits every run
+            acc += tl.load(src + j * HEAD_DIM, mask=tile, other=0.0).to(tl.float32)
+        tl.store(dst, acc.to(dst.dtype.element_ty), mask=tile)
+
+
+_launchers: dict = {}
+
+
+def _launch(kernel, grid, args, meta, plan_key):
+    fn = _launchers.get(kernel)
+    if fn is None:
+        if Launcher is not None:
+            fn = Launcher(kernel)
+        else:
+            def fn(grid_, args_, meta_, _key, _kernel=kernel):
+                _kernel[grid_](*args_, **meta_)
+        fn = _launchers[kernel] = fn
+    fn(grid, args, meta, plan_key)
+
+
+def _meta(head_dim, kv=None):
+    """The constexprs and launch options of the preprocess (kv None) or the postprocess (with / without
+    the dK/dV sums): tiles of 64 rows x the head dim, 32 values of each tensor per thread."""
+    meta = _metas.get((head_dim, kv))
+    if meta is None:
+        block_d = triton.next_power_of_2(head_dim)
+        rows = "BLOCK_M" if kv is None else "BLOCK_S"
+        meta = {"HEAD_DIM": head_dim, "BLOCK_D": block_d, rows: 64, "num_warps": 4 if block_d <= 64 else 8}
+        if kv is not None:
+            meta["KV"] = bool(kv)
+        _metas[(head_dim, kv)] = meta
+    return meta
+
+
+_metas: dict = {}
+
+
+def prepare(out, dout, lse, seqlen_pad):
+    """(lse2, delta, dq_accum) for the kernel, in one Triton launch: out/dout (B, Sq, H, D) any strides,
+    lse fp32 (B, H, >= Sq) any strides; lse2 / delta (B, H, seqlen_pad) fp32 contiguous, dq_accum
+    (B, Sq, H, D) fp32 contiguous and zero."""
+    B, Sq, H, D = out.shape
+    dev = out.device
+    lse2 = _empty((B, H, seqlen_pad), dtype=_F32, device=dev)
+    delta = _empty((B, H, seqlen_pad), dtype=_F32, device=dev)
+    dq_accum = _empty((B, Sq, H, D), dtype=_F32, device=dev)
+    meta = _meta(D)
+    n_m = -(-seqlen_pad // meta["BLOCK_M"])
+    if B * H * n_m:
+        _launch(_bwd_prep_kernel, (B * H * n_m,),
+                (out, dout, lse, delta, lse2, dq_accum, *out.stride(), *dout.stride(), *lse.stride(),
+                 Sq, seqlen_pad, H, n_m), meta, ("prep", D))
+    return lse2, delta, dq_accum
+
+
+def finish(dq_accum, dq, dk_h=None, dv_h=None, dk=None, dv=None):
+    """One Triton launch: dq (B, Sq, H, D), any strides, = dq_accum in dq's dtype; with dk_h / dv_h
+    (B, Sk, H, D) contiguous, dk / dv (B, Sk, Hk, D), any strides, = their sums over each group of
+    H / Hk query heads (in fp32, query heads in order)."""
+    B, Sq, H, D = dq_accum.shape
+    kv = dk_h is not None
+    meta = _meta(D, kv)
+    n_q = -(-Sq // meta["BLOCK_S"])
+    n_dq = B * H * n_q
+    if kv:
+        Sk, Hk = dk.shape[1], dk.shape[2]
+        n_k = -(-Sk // meta["BLOCK_S"])
+        n_kv = B * Hk * n_k
+        kv_args = (dk_h, dv_h, dk, dv)
+        kv_strides = (*dk.stride(), *dv.stride())
+    else:  # unused pointers and strides (the KV branch is compiled out)
+        Sk = Hk = n_k = n_kv = 0
+        kv_args = (dq_accum, dq_accum, dq, dq)
+        kv_strides = (0,) * 8
+    if n_dq + n_kv == 0:
+        return
+    _launch(_bwd_post_kernel, (n_dq + n_kv,),
+            (dq_accum, dq, *kv_args, *dq.stride(), *kv_strides, Sq, Sk, H, max(Hk, 1), n_dq, n_q, max(n_k, 1)),
+            meta, ("post", D, kv))
+
+
+def prepare_torch(out, dout, lse, seqlen_pad):
+    """``prepare`` in torch (several launches; fp32 copies of out and dout for delta)."""
+    B, Sq, H, D = out.shape
+    lse = lse[:, :, :Sq]
+    lse2 = torch.full((B, H, seqlen_pad), torch.inf, dtype=_F32, device=out.device)
+    lse2[:, :, :Sq] = torch.where(lse.isinf(), torch.inf, lse * LOG2E)
+    delta = torch.zeros((B, H, seqlen_pad), dtype=_F32, device=out.device)
+    # fp32 products as FlashAttention computes delta; out is upcast inside the multiply
+    delta[:, :, :Sq] = (dout.float() * out).sum(-1).transpose(1, 2)
+    dq_accum = torch.zeros((B, Sq, H, D), dtype=_F32, device=out.device)
+    return lse2, delta, dq_accum
+
+
+def finish_torch(dq_accum, dq, dk_h=None, dv_h=None, dk=None, dv=None):
+    """``finish`` in torch."""
+    dq.copy_(dq_accum)
+    if dk_h is not None:
+        B, Sk, Hk, D = dk.shape
+        group = dk_h.shape[2] // Hk
+        dk.copy_(dk_h.view(B, Sk, Hk, group, D).float().sum(3))
+        dv.copy_(dv_h.view(B, Sk, Hk, group, D).float().sum(3))
