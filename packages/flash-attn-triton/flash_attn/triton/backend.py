@@ -420,31 +420,3 @@ def bwd(dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                   (q, k, v, dout, lse, delta, dq, alibi, cu_q, cu_k,
                    *sq_, *sk_, *sv_, *sdo_, *sdq_, *sl_, *sa_, *scalars), dq_meta, plan_key)
     return dq, dk, dv
-
-
-_DELTA_PLANS: dict = {}
-
-
-def bwd_delta(out, dout, delta):
-    """The backward's preprocess for other backends' backward kernels (flash_attn.cute's): delta[b, h, i] =
-    sum over d of dout[b, i, h, d] * out[b, i, h, d], products and sum in fp32, for dense out/dout
-    (B, S, H, Dv) fp16/bf16 with a unit last stride, into delta fp32 (B, H, L >= S) with a unit last stride
-    (columns past S are left as they are). One read of out and dout; a torch expression would first
-    materialise fp32 copies of both."""
-    if _fwd_mod is None:
-        _kernels()
-    B, S, H, Dv = out.shape
-    if B * S * H == 0:
-        return delta
-    key = (out.device, out.dtype, Dv)
-    plan = _DELTA_PLANS.get(key)
-    if plan is None:
-        block_dv = _configs.padded_dim(Dv)
-        meta = dict(HEAD_DIM_V=Dv, BLOCK_DV=block_dv, BLOCK_M=64 if block_dv <= 128 else 32, IS_VARLEN=False,
-                    num_warps=4)
-        plan = _DELTA_PLANS[key] = (meta, _PlanKey(("delta",) + key))
-    meta, plan_key = plan
-    _L_PRE((-(-S // meta["BLOCK_M"]), B * H),
-           (out, dout, delta, delta, *out.stride()[:3], *dout.stride()[:3], delta.stride(0), delta.stride(1), S, H),
-           meta, plan_key)
-    return delta
