@@ -133,6 +133,57 @@ def test_ptxas_keeps_setmaxnreg_and_wgmma_pipelined(compiled):
     assert all(x <= limit for x in spills), log
 
 
+def _cuobjdump():
+    path = shutil.which("cuobjdump")
+    if path is None:
+        try:
+            import triton
+
+            cand = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+            path = cand if os.path.exists(cand) else None
+        except ImportError:
+            pass
+    return path
+
+
+def _sass(ptx_path):
+    """[(address, instruction)] of the cubin CuTeDSL wrote next to ptx_path."""
+    tool = _cuobjdump()
+    if tool is None:
+        pytest.skip("no cuobjdump to read the SASS")
+    (cubin,) = glob.glob(os.path.join(os.path.dirname(ptx_path), "*.cubin"))
+    out = subprocess.run([tool, "-sass", cubin], capture_output=True, text=True, check=True).stdout
+    return [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", out)]
+
+
+def _divergent_tma_reduces(code):
+    """Addresses of the TMA reduce-adds (UTMAREDG) reached after a BRA.DIV since the last barrier: ptxas
+    emits BRA.DIV (to a WARPSYNC.COLLECTIVE fallback) before an elect.sync it cannot prove to run on a
+    converged warp."""
+    bad, div = [], False
+    for addr, ins in code:
+        if ins.startswith("BAR.SYNC"):
+            div = False
+        elif "BRA.DIV" in ins:
+            div = True
+        elif "UTMAREDG" in ins and div:
+            bad.append(hex(addr))
+    return bad
+
+
+def test_tma_dq_reduce_is_issued_by_a_converged_warp(compiled):
+    """The dQ TMA reduce-adds are issued by a whole warp: cute.copy of a TMA atom picks its issuing lane
+    with elect.sync over the full warp, which waits for all 32 lanes; with one lane let in (ctid == 0,
+    the first dq_tma build) the other 31 wait at the next barrier or WGMMA instead, and the kernel hung
+    on the GPU. That build's SASS has a BRA.DIV before every reduce."""
+    cfg, _, ptx = compiled
+    if not cfg["dq_tma"]:
+        pytest.skip("no TMA reduce-add in this variant")
+    code = _sass(ptx)
+    assert sum("UTMAREDG" in ins for _, ins in code) == 2 * (cfg["head_dim"] // 32)
+    assert _divergent_tma_reduces(code) == []
+
+
 # ----------------------------------------------------------------------------------------------------
 # Layouts (trace-time CuTe algebra, no GPU)
 

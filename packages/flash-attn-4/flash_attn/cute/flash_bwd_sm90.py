@@ -18,7 +18,7 @@ Per query block, for each of the two consumer warpgroups (64 keys each):
   dK  += dS^T Q                    WGMMA, A = dS^T from smem, B = Q^T (transposed smem view)
   dQ_wg = dS K                     WGMMA over the warpgroup's 64 keys, A = dS (M-major), B = K^T
   dq_accum[rows] += scale * dQ     red.global.add.v2.f32 (default), or with dq_tma the scaled tile to
-                                   shared memory and one TMA reduce-add of it, issued by one thread
+                                   shared memory and one TMA reduce-add of it, issued by one warp
                                    after the next block's dS barrier (FLASH_ATTN_CUTE_BWD_DQ_TMA=1)
 After the loop dK is scaled by softmax_scale and dK, dV are stored. The host (interface.backward)
 computes delta = rowsum(dO * O) and lse2 with torch, and casts dq_accum to the input dtype.
@@ -81,7 +81,7 @@ class FlashBwdSm90:
         keys (a barrier of both per query block, since each reads the other's dS); else each computes
         dS K over its own 64 keys and both add into dq_accum (twice the atomic traffic, no barrier).
         dq_tma (needs dq_split): the scaled fp32 dQ tile goes to shared memory (two buffers) and one
-        thread adds it into dq_accum with a TMA reduce-add (cp.reduce.async.bulk.tensor .add.f32), issued
+        warp adds it into dq_accum with a TMA reduce-add (cp.reduce.async.bulk.tensor .add.f32), issued
         one query block late, after the next dS barrier has shown that every thread wrote and fenced it;
         else each thread adds its fragment with red.global.add.v2.f32."""
         if head_dim not in (64, 128):
@@ -408,7 +408,12 @@ class FlashBwdSm90:
         # Wait for K and V even when no query block sees them: the CTA must not exit with TMA in flight.
         kv_pipe.consumer_wait(kv_state)
         buf = Int32(0)
-        dq_issuer = ctid == 0  # the one thread that issues, commits and waits for the dQ TMA reduce-adds
+        # The warp that issues, commits and waits for the dQ TMA reduce-adds: a whole warp, not one
+        # thread, because cute.copy of a TMA atom elects its issuing lane with elect.sync over the full
+        # warp, which waits for all 32 lanes; with one lane let in (ctid == 0) the other 31 never reach
+        # it (they wait at the next barrier or WGMMA), a deadlock. The lanes that issue nothing commit
+        # empty bulk groups and their waits return at once.
+        dq_issuer = cute.arch.make_warp_uniform(ctid // 32) == 0
         for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
             q_pipe.consumer_wait(q_state)
             self._gemm(tiled_mma_sdp, acc_S, tSrK, tSrQ, None, q_state.index, zero_init=True)  # S^T = K Q^T

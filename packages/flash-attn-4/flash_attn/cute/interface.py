@@ -735,7 +735,7 @@ _BWD_STAGES = {64: 2, 128: 2}
 # block) or one per warpgroup (two adds, no cross-warpgroup barrier). FLASH_ATTN_CUTE_BWD_DQ_SPLIT=0/1.
 _BWD_DQ_SPLIT = True
 # dQ added into dq_accum by a TMA reduce-add of the whole fp32 tile from shared memory (one bulk
-# operation per query block, issued by one thread) instead of red.global.add.v2.f32 from every consumer
+# operation per query block, issued by one warp) instead of red.global.add.v2.f32 from every consumer
 # thread. Needs the dQ split. FLASH_ATTN_CUTE_BWD_DQ_TMA=0/1; off until measured on a GPU.
 _BWD_DQ_TMA = {64: False, 128: False}  # per head dim
 
