@@ -120,6 +120,10 @@ class FlashBwdSm90:
         if self.overlap and num_stages < 2:
             raise ValueError(f"overlap needs num_stages >= 2 (got {num_stages}): the consumers wait for the "
                              "next query block's stage while holding the current one")
+        if self.overlap and not self.dq_split and head_dim == 128:
+            raise ValueError("overlap with the per-warpgroup dQ (dq_split=False) at head dim 128: its D-wide dQ "
+                             "accumulator next to the next block's S^T does not fit in 240 registers (ptxas "
+                             "spills ~500 bytes and serialises the WGMMAs)")
         self.num_threads = self.NUM_PRODUCER_THREADS + 128 * self.NUM_MMA_WARPGROUPS
 
     # ------------------------------------------------------------------------------------------------
@@ -464,11 +468,19 @@ class FlashBwdSm90:
             # after it: C7514 again).
             _fence_operands(acc_dK)
             _fence_operands(acc_dV)
+            # At D = 128 only S^T goes ahead (dP^T is issued at the top of its own block): dK, dV, dQ, S^T
+            # and dP^T in flight at once need more than the 240 registers (ptxas spills and serialises).
+            ahead_dp = self.head_dim != 128
             self._issue_sdp(q_pipe, do_pipe, q_state, do_state, tiled_mma_sdp, acc_S, acc_dP, tSrK, tSrQ,
-                            tdPrV, tdPrdO, skip_wait=m_block_min >= m_block_max)
+                            tdPrV, tdPrdO, skip_wait=m_block_min >= m_block_max, dp=ahead_dp)
             for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
-                # rP is rewritten here only after the previous block's wait_group(2), which covered
-                # its dV.
+                if cutlass.const_expr(not ahead_dp):
+                    # S^T retired before dP^T is issued: a wait_group(1) after it would leave ptxas unsure
+                    # that S^T retired on the loop's back edge, and it serialises every WGMMA (C7514).
+                    warpgroup.wait_group(0)
+                    self._issue_sdp(q_pipe, do_pipe, q_state, do_state, tiled_mma_sdp, acc_S, acc_dP, tSrK, tSrQ,
+                                    tdPrV, tdPrdO, s=False)
+                # rP is rewritten here only after the previous block's wait_group, which covered its dV.
                 self._p_and_dv(acc_S, tScS, rP, tdVrP, tdVrdOt, acc_dV, tiled_mma_dv, sLSE, scale_log2, m_block,
                                n_block, seqlen_q, seqlen_k, m_block_mask_end, key_tail, do_state.index,
                                q_state.index)
@@ -481,10 +493,10 @@ class FlashBwdSm90:
                 do_next = do_state.clone()
                 do_next.advance()
                 self._issue_sdp(q_pipe, do_pipe, q_next, do_next, tiled_mma_sdp, acc_S, acc_dP, tSrK, tSrQ,
-                                tdPrV, tdPrdO, skip_wait=m_block + 1 >= m_block_max)
-                # Commit groups complete in order: all but the two newest (S^T, dP^T of the next block)
-                # are done, i.e. dV, dK and dQ of this block; its stages and rP are free.
-                warpgroup.wait_group(2)
+                                tdPrV, tdPrdO, skip_wait=m_block + 1 >= m_block_max, dp=ahead_dp)
+                # Commit groups complete in order: all but the newest (S^T and dP^T of the next block) are
+                # done, i.e. dV, dK and dQ of this block; its stages and rP are free.
+                warpgroup.wait_group(2 if ahead_dp else 1)
                 q_pipe.consumer_release(q_state)
                 do_pipe.consumer_release(do_state)
                 q_state.advance()
@@ -510,7 +522,7 @@ class FlashBwdSm90:
 
     @cute.jit
     def _issue_sdp(self, q_pipe, do_pipe, q_state, do_state, tiled_mma_sdp, acc_S, acc_dP, tSrK, tSrQ, tdPrV,
-                   tdPrdO, skip_wait=None):
+                   tdPrdO, skip_wait=None, s=True, dp=True):
         """Wait for the query block's Q and dO stages and issue S^T = K Q^T and dP^T = V dO^T (two commit
         groups). skip_wait (runtime Boolean, with overlap): true issues them on whatever the stages hold
         (a result nobody reads), with no wait: the mbarrier waits are then for the parity of the phase
@@ -522,10 +534,12 @@ class FlashBwdSm90:
             flip = Int32(skip_wait)
             q_state = pipeline.PipelineState(q_state.stages, q_state.count, q_state.index, q_state.phase ^ flip)
             do_state = pipeline.PipelineState(do_state.stages, do_state.count, do_state.index, do_state.phase ^ flip)
-        q_pipe.consumer_wait(q_state)
-        self._gemm(tiled_mma_sdp, acc_S, tSrK, tSrQ, None, q_state.index, zero_init=True)  # S^T = K Q^T
-        do_pipe.consumer_wait(do_state)
-        self._gemm(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO, None, do_state.index, zero_init=True)  # dP^T
+        if cutlass.const_expr(s):
+            q_pipe.consumer_wait(q_state)
+            self._gemm(tiled_mma_sdp, acc_S, tSrK, tSrQ, None, q_state.index, zero_init=True)  # S^T = K Q^T
+        if cutlass.const_expr(dp):
+            do_pipe.consumer_wait(do_state)
+            self._gemm(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO, None, do_state.index, zero_init=True)  # dP^T
 
     @cute.jit
     def _p_and_dv(self, acc_S, tScS, rP, tdVrP, tdVrdOt, acc_dV, tiled_mma_dv, sLSE, scale_log2, m_block, n_block,
@@ -533,9 +547,11 @@ class FlashBwdSm90:
         """Wait for S^T (dP^T may still run), P^T = exp2(S^T scale log2(e) - lse2) in place and in the
         input dtype in rP, and issue dV += P^T dO (one commit group)."""
         if cutlass.const_expr(self.overlap):
-            # S^T and dP^T both: they were issued a whole dQ epilogue ago. With wait_group(1) here ptxas
-            # cannot tell S^T retired on the loop's back edge and serialises every WGMMA (C7514).
-            warpgroup.wait_group(0)
+            if cutlass.const_expr(self.head_dim != 128):
+                # S^T and dP^T both: they were issued a whole dQ epilogue ago. With wait_group(1) here
+                # ptxas cannot tell S^T retired on the loop's back edge and serialises every WGMMA (C7514).
+                warpgroup.wait_group(0)
+            # (D = 128: S^T was waited for before dP^T was issued.)
         else:
             warpgroup.wait_group(1)  # S^T is ready; dP^T may still run
         if key_tail or m_block < m_block_mask_end:
