@@ -20,6 +20,9 @@ Per query block, for each of the two consumer warpgroups (64 keys each):
   dq_accum[rows] += scale * dQ     red.global.add.v2.f32 (default), or with dq_tma the scaled tile to
                                    shared memory and one TMA reduce-add of it, issued by one warp
                                    after the next block's dS barrier (FLASH_ATTN_CUTE_BWD_DQ_TMA=1)
+With overlap (FLASH_ATTN_CUTE_BWD_OVERLAP=1) the loop is software-pipelined: S^T and dP^T of the next
+query block (D = 128: S^T only, for registers) are issued right behind dK and dQ, and this block's dQ
+goes out (atomics or smem tile) while the tensor cores compute them.
 After the loop dK is scaled by softmax_scale and dK, dV are stored. The host (interface.backward)
 computes delta = rowsum(dO * O) and lse2 with torch, and casts dq_accum to the input dtype.
 
