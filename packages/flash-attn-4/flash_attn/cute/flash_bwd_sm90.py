@@ -38,9 +38,9 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32
 from cutlass._mlir import ir
-from cutlass._mlir.dialects import llvm, vector
+from cutlass._mlir.dialects import vector
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
-from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.memory import SmemAllocator
 
 from flash_attn.cute.flash_fwd_sm90 import _smem_layout, _tma_tiles
@@ -65,15 +65,6 @@ def _red_add_f32x2(ptr, a, b, *, loc=None, ip=None):
                                 [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
                                 loc=loc, ip=ip)
     cute.arch.red(ptr, pair, op="add", dtype=Float32, sem="relaxed", scope="gpu", loc=loc, ip=ip)
-
-
-def _fence_operands(acc):
-    """Each value of the register tensor acc through an empty volatile inline asm (CUTLASS's
-    warpgroup_fence_operand): no instruction, but the compiler can move no use of acc above this point,
-    nor any definition below it."""
-    for i in range(cute.size(acc)):  # trace-time loop (plain function)
-        acc[i] = Float32(llvm.inline_asm(T.f32(), [Float32(acc[i]).ir_value()], "", "=f,0", has_side_effects=True,
-                                         is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
 class FlashBwdSm90:
@@ -467,10 +458,6 @@ class FlashBwdSm90:
             # query block, and the last block issues the next stage's: unwaited (the producer loads
             # nothing more, so the stage is not being written), their results never read, waited for
             # after the loop.
-            # The zeros of dK and dV defined before the first WGMMA is in flight (else their moves land
-            # after it: C7514 again).
-            _fence_operands(acc_dK)
-            _fence_operands(acc_dV)
             # At D = 128 only S^T goes ahead (dP^T is issued at the top of its own block): dK, dV, dQ, S^T
             # and dP^T in flight at once need more than the 240 registers (ptxas spills and serialises).
             ahead_dp = self.head_dim != 128
@@ -507,11 +494,6 @@ class FlashBwdSm90:
                 self._dq_out(mdQaccum, acc_dQ, tdQcdQ, tdQsdQ, softmax_scale, buf, m_block, head, batch, seqlen_q)
                 buf = 1 - buf
             warpgroup.wait_group(0)  # the unread S^T and dP^T issued last
-            # Without the fence LLVM computes the epilogue's scale and casts of dK, dV above this wait on
-            # the loop's exit edge (the no-block edge has constant zeros), and ptxas serialises every
-            # WGMMA (C7514: accumulator registers read inside a pipeline stage).
-            _fence_operands(acc_dK)
-            _fence_operands(acc_dV)
 
         if cutlass.const_expr(self.dq_tma):  # the last block's tile; wait before the CTA's smem goes away
             cute.arch.fence_view_async_shared()
@@ -531,8 +513,9 @@ class FlashBwdSm90:
         (a result nobody reads), with no wait: the mbarrier waits are then for the parity of the phase
         before the stage's current one, which try_wait.parity reports complete at once (the previous
         fill of the stage, or on a barrier never completed, the phase "before" phase 0 -- as producers
-        wait on fresh empty barriers). Branch-free on purpose: a conditional branch around the wait,
-        while WGMMAs are in flight, makes ptxas serialise every WGMMA of the kernel (C7514)."""
+        wait on fresh empty barriers). Branch-free on purpose: with a branch around the waits instead
+        (consumer_wait's try_wait_token), taken while WGMMAs are in flight, ptxas spills more at D = 128
+        (16 / 28 bytes instead of 8 / 20) and, in an earlier form of the loop, serialised the WGMMAs."""
         if cutlass.const_expr(skip_wait is not None):
             flip = Int32(skip_wait)
             q_state = pipeline.PipelineState(q_state.stages, q_state.count, q_state.index, q_state.phase ^ flip)
