@@ -133,6 +133,140 @@ def test_ptxas_keeps_setmaxnreg_and_wgmma_pipelined(compiled):
     assert all(x <= limit for x in spills), log
 
 
+def _cuobjdump():
+    path = shutil.which("cuobjdump")
+    if path is None:
+        try:
+            import triton
+
+            cand = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+            path = cand if os.path.exists(cand) else None
+        except ImportError:
+            pass
+    return path
+
+
+def _sass(ptx_path):
+    """[(address, instruction)] of the cubin CuTeDSL wrote next to ptx_path."""
+    tool = _cuobjdump()
+    if tool is None:
+        pytest.skip("no cuobjdump to read the SASS")
+    (cubin,) = glob.glob(os.path.join(os.path.dirname(ptx_path), "*.cubin"))
+    out = subprocess.run([tool, "-sass", cubin], capture_output=True, text=True, check=True).stdout
+    return [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", out)]
+
+
+def _divergent_tma_reduces(code):
+    """Addresses of the TMA reduce-adds (UTMAREDG) reached after a BRA.DIV since the last barrier: ptxas
+    emits BRA.DIV (to a WARPSYNC.COLLECTIVE fallback) before an elect.sync it cannot prove to run on a
+    converged warp."""
+    bad, div = [], False
+    for addr, ins in code:
+        if ins.startswith("BAR.SYNC"):
+            div = False
+        elif "BRA.DIV" in ins:
+            div = True
+        elif "UTMAREDG" in ins and div:
+            bad.append(hex(addr))
+    return bad
+
+
+def test_tma_dq_reduce_is_issued_by_a_converged_warp(compiled):
+    """The dQ TMA reduce-adds are issued by a whole warp: cute.copy of a TMA atom picks its issuing lane
+    with elect.sync over the full warp, which waits for all 32 lanes; with one lane let in (ctid == 0,
+    the first dq_tma build) the other 31 wait at the next barrier or WGMMA instead, and the kernel hung
+    on the GPU. That build's SASS has a BRA.DIV before every reduce."""
+    cfg, _, ptx = compiled
+    if not cfg["dq_tma"]:
+        pytest.skip("no TMA reduce-add in this variant")
+    code = _sass(ptx)
+    assert sum("UTMAREDG" in ins for _, ins in code) == 2 * (cfg["head_dim"] // 32)
+    assert _divergent_tma_reduces(code) == []
+
+
+# ----------------------------------------------------------------------------------------------------
+# FLASH_ATTN_CUTE_BWD_OVERLAP: the software-pipelined query loop
+
+
+def _compile_ptx(tmp_path, monkeypatch, d, causal, **env):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    dump = tmp_path / "_".join(f"{k[-7:]}{v}" for k, v in env.items())
+    dump.mkdir()
+    interface.compile_bwd(torch.bfloat16, d, causal, arch="sm_90a", dump_dir=str(dump))
+    (ptx,) = glob.glob(str(dump / "*.ptx"))
+    with open(ptx) as f:
+        return f.read(), ptx
+
+
+def _wgmmas_between_dq_and_atomics(text, d, bm):
+    """WGMMAs of S^T / dP^T shape (m64n{bm}k16, both operands K-major) issued after the last dQ WGMMA
+    (m64n{d/2}k16, both MN-major) that precedes the first dq_accum atomic, and the wait_group just before that atomic."""
+    lines = [l.strip() for l in text.splitlines()]
+    first_red = next(i for i, l in enumerate(lines) if l.startswith("red.relaxed.gpu.global.add"))
+    last_dq = max(i for i, l in enumerate(lines[:first_red])  # dQ: both operands MN-major (transposed)
+                  if f"wgmma.mma_async.sync.aligned.m64n{d // 2}k16" in l and l.endswith("p, 1,  1, 1, 1;"))
+    sdp = [l for l in lines[last_dq:first_red]
+           if f"wgmma.mma_async.sync.aligned.m64n{bm}k16" in l and l.endswith("p, 1,  1, 0, 0;")]
+    waits = [l for l in lines[last_dq:first_red] if l.startswith("wgmma.wait_group")]
+    return len(sdp), waits
+
+
+@pytest.mark.parametrize("d,causal", [(64, True), (128, False)])
+def test_overlap_issues_the_next_block_before_the_dq_atomics(tmp_path, monkeypatch, d, causal):
+    """With FLASH_ATTN_CUTE_BWD_OVERLAP=1, between this block's dQ WGMMA and its dq_accum atomics the
+    loop issues the next block's S^T and dP^T (D = 64; D = 128: S^T only, 2 x D/16 or D/16 WGMMAs)
+    and waits only for the older groups (wait_group 2 / 1); the default build issues nothing there and
+    waits for everything. ptxas keeps the WGMMAs pipelined and spills at most a few words."""
+    monkeypatch.delenv("FLASH_ATTN_CUTE_BWD_DQ_TMA", raising=False)
+    monkeypatch.delenv("FLASH_ATTN_CUTE_BWD_DQ_SPLIT", raising=False)
+    monkeypatch.delenv("FLASH_ATTN_CUTE_BWD_STAGES", raising=False)
+    bm = interface._bwd_config(torch.bfloat16, d, causal, "sm_90a")["block_m"]
+    base, _ = _compile_ptx(tmp_path, monkeypatch, d, causal, FLASH_ATTN_CUTE_BWD_OVERLAP="0")
+    text, ptx = _compile_ptx(tmp_path, monkeypatch, d, causal, FLASH_ATTN_CUTE_BWD_OVERLAP="1")
+    assert _wgmmas_between_dq_and_atomics(base, d, bm) == (0, ["wgmma.wait_group.sync.aligned \t0;"])
+    ahead = 2 * d // 16 if d == 64 else d // 16
+    assert _wgmmas_between_dq_and_atomics(text, d, bm) == (
+        ahead, [f"wgmma.wait_group.sync.aligned \t{2 if d == 64 else 1};"])
+    if shutil.which("ptxas") is None:
+        pytest.skip("ptxas not on PATH")
+    out = subprocess.run(["ptxas", "-arch=sm_90a", "-v", ptx, "-o", os.devnull], capture_output=True, text=True,
+                         check=True)
+    log = out.stdout + out.stderr
+    assert "are serialized" not in log and "setmaxnreg' ignored" not in log, log
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)]
+    assert all(x <= (0 if d == 64 else 32) for x in spills), log
+
+
+def test_overlap_config_key_and_refusals(monkeypatch):
+    """The option is in the cache key only when on (the default kernels keep their disk entries); the
+    kernel refuses a 1-stage ring (stage j + 1 waited for while j is held: a deadlock) and the
+    per-warpgroup dQ at D = 128 (does not fit the register budget)."""
+    import cutlass
+
+    from flash_attn.cute.flash_bwd_sm90 import FlashBwdSm90
+
+    monkeypatch.delenv("FLASH_ATTN_CUTE_BWD_OVERLAP", raising=False)
+    base = interface._bwd_config(torch.bfloat16, 64, True, "sm_90a")
+    assert "overlap" not in base and interface._BWD_OVERLAP == {64: False, 128: False}
+    key = interface._bwd_entry(torch.bfloat16, 64, True, "sm_90a")[1]
+    monkeypatch.setenv("FLASH_ATTN_CUTE_BWD_OVERLAP", "0")
+    assert interface._bwd_config(torch.bfloat16, 64, True, "sm_90a") == base
+    monkeypatch.setenv("FLASH_ATTN_CUTE_BWD_OVERLAP", "1")
+    assert interface._bwd_config(torch.bfloat16, 64, True, "sm_90a") == {**base, "overlap": True}
+    assert interface._bwd_entry(torch.bfloat16, 64, True, "sm_90a")[1] != key
+    monkeypatch.setitem(interface._BWD_OVERLAP, 128, True)
+    monkeypatch.setenv("FLASH_ATTN_CUTE_BWD_OVERLAP", "")
+    assert interface._bwd_config(torch.bfloat16, 128, False, "sm_90a")["overlap"] is True
+    assert "overlap" not in interface._bwd_config(torch.bfloat16, 64, False, "sm_90a")
+    with pytest.raises(ValueError, match="num_stages >= 2"):
+        FlashBwdSm90(cutlass.BFloat16, 64, True, num_stages=1, overlap=True)
+    with pytest.raises(ValueError, match="dq_split=False"):
+        FlashBwdSm90(cutlass.BFloat16, 128, True, dq_split=False, overlap=True)
+    FlashBwdSm90(cutlass.BFloat16, 64, True, num_stages=1)  # without the option: allowed
+    FlashBwdSm90(cutlass.BFloat16, 64, True, dq_split=False, overlap=True)
+
+
 # ----------------------------------------------------------------------------------------------------
 # Layouts (trace-time CuTe algebra, no GPU)
 
@@ -666,6 +800,38 @@ def test_gradients_with_tma_dq_on_gpu(cute_bwd_on, monkeypatch, d, causal, seqle
     monkeypatch.setenv("FLASH_ATTN_CUTE_BWD_DQ_TMA", "1")
     monkeypatch.setattr(interface, "_bwd_kernels", {})
     _run(torch.bfloat16, d, causal, 2, seqlen_q, seqlen_k, 4, 2, cute_bwd_on, seed=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (17, 17), (255, 255), (1000, 1000), (2048, 2048), (113, 203),
+                                               (256, 77)])
+@pytest.mark.parametrize("heads,heads_kv", [(4, 4), (4, 1)])
+def test_gradients_with_overlap_on_gpu(cute_bwd_on, monkeypatch, d, causal, seqlen_q, seqlen_k, heads, heads_kv):
+    # the FLASH_ATTN_CUTE_BWD_OVERLAP=1 variant: the software-pipelined query loop (key blocks with one
+    # query block, none (causal, Sq < Sk), and many; the in-memory kernel cache does not key on it: emptied)
+    monkeypatch.setenv("FLASH_ATTN_CUTE_BWD_OVERLAP", "1")
+    monkeypatch.setattr(interface, "_bwd_kernels", {})
+    _run(torch.bfloat16, d, causal, 2, seqlen_q, seqlen_k, heads, heads_kv, cute_bwd_on, seed=5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("d,causal,env", [(64, True, {"FLASH_ATTN_CUTE_BWD_DQ_TMA": "1"}),
+                                          (128, False, {"FLASH_ATTN_CUTE_BWD_DQ_TMA": "1"}),
+                                          (64, True, {"FLASH_ATTN_CUTE_BWD_STAGES": "3"}),
+                                          (128, True, {"FLASH_ATTN_CUTE_BWD_STAGES": "3"}),
+                                          (64, False, {"FLASH_ATTN_CUTE_BWD_DQ_SPLIT": "0"})])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(17, 17), (1000, 1000), (113, 203), (256, 77)])
+def test_gradients_with_overlap_variants_on_gpu(cute_bwd_on, monkeypatch, d, causal, env, seqlen_q, seqlen_k):
+    # FLASH_ATTN_CUTE_BWD_OVERLAP=1 with the dQ TMA reduce-add, a 3-stage ring and the per-warpgroup dQ
+    monkeypatch.setenv("FLASH_ATTN_CUTE_BWD_OVERLAP", "1")
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(interface, "_bwd_kernels", {})
+    _run(torch.bfloat16, d, causal, 2, seqlen_q, seqlen_k, 4, 2, cute_bwd_on, seed=6)
 
 
 @pytest.mark.gpu

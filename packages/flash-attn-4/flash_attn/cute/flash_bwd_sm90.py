@@ -18,8 +18,11 @@ Per query block, for each of the two consumer warpgroups (64 keys each):
   dK  += dS^T Q                    WGMMA, A = dS^T from smem, B = Q^T (transposed smem view)
   dQ_wg = dS K                     WGMMA over the warpgroup's 64 keys, A = dS (M-major), B = K^T
   dq_accum[rows] += scale * dQ     red.global.add.v2.f32 (default), or with dq_tma the scaled tile to
-                                   shared memory and one TMA reduce-add of it, issued by one thread
+                                   shared memory and one TMA reduce-add of it, issued by one warp
                                    after the next block's dS barrier (FLASH_ATTN_CUTE_BWD_DQ_TMA=1)
+With overlap (FLASH_ATTN_CUTE_BWD_OVERLAP=1) the loop is software-pipelined: S^T and dP^T of the next
+query block (D = 128: S^T only, for registers) are issued right behind dK and dQ, and this block's dQ
+goes out (atomics or smem tile) while the tensor cores compute them.
 After the loop dK is scaled by softmax_scale and dK, dV are stored. The host (interface.backward,
 bwd_host.py) computes delta = rowsum(dO * O) and lse2 and zeroes dq_accum in one Triton launch before,
 and casts dq_accum to the input dtype (and sums GQA's dK/dV) in one after.
@@ -77,14 +80,17 @@ class FlashBwdSm90:
     CONSUMER_REGS = 240
 
     def __init__(self, dtype, head_dim, causal, block_m=64, block_n=128, num_stages=2, dq_split=True,
-                 dq_tma=False):
+                 dq_tma=False, overlap=False):
         """dq_split: the two warpgroups compute one dQ tile together, each its half of D over all BLOCK_N
         keys (a barrier of both per query block, since each reads the other's dS); else each computes
         dS K over its own 64 keys and both add into dq_accum (twice the atomic traffic, no barrier).
         dq_tma (needs dq_split): the scaled fp32 dQ tile goes to shared memory (two buffers) and one
-        thread adds it into dq_accum with a TMA reduce-add (cp.reduce.async.bulk.tensor .add.f32), issued
+        warp adds it into dq_accum with a TMA reduce-add (cp.reduce.async.bulk.tensor .add.f32), issued
         one query block late, after the next dS barrier has shown that every thread wrote and fenced it;
-        else each thread adds its fragment with red.global.add.v2.f32."""
+        else each thread adds its fragment with red.global.add.v2.f32.
+        overlap: software-pipelined query loop: S^T and dP^T of the next query block are issued behind
+        dK and dQ of this one and run while this block's dQ goes out (atomics or the smem tile); needs
+        num_stages >= 2 (stages j and j + 1 are held at once)."""
         if head_dim not in (64, 128):
             raise ValueError(f"head dim {head_dim} not in (64, 128)")
         if dtype not in (cutlass.Float16, cutlass.BFloat16):
@@ -105,6 +111,14 @@ class FlashBwdSm90:
         self.dq_tma = bool(dq_tma)
         if self.dq_tma and not self.dq_split:
             raise ValueError("dq_tma needs dq_split (the dS barrier of both warpgroups orders the dQ tile)")
+        self.overlap = bool(overlap)
+        if self.overlap and num_stages < 2:
+            raise ValueError(f"overlap needs num_stages >= 2 (got {num_stages}): the consumers wait for the "
+                             "next query block's stage while holding the current one")
+        if self.overlap and not self.dq_split and head_dim == 128:
+            raise ValueError("overlap with the per-warpgroup dQ (dq_split=False) at head dim 128: its D-wide dQ "
+                             "accumulator next to the next block's S^T does not fit in 240 registers (ptxas "
+                             "spills ~500 bytes and serialises the WGMMAs)")
         self.num_threads = self.NUM_PRODUCER_THREADS + 128 * self.NUM_MMA_WARPGROUPS
 
     # ------------------------------------------------------------------------------------------------
@@ -382,6 +396,7 @@ class FlashBwdSm90:
         tScS = thr_sdp.partition_C(cute.make_identity_tensor((BN, BM)))
         tdKcdK = thr_dv.partition_C(cute.make_identity_tensor((BN, D)))
         tdQcdQ = thr_dq.partition_C(cute.make_identity_tensor((BM, D)))
+        tdQsdQ, tQRsdQ, tQRgdQ = None, None, None
         if cutlass.const_expr(self.dq_tma):
             tdQsdQ = thr_dq.partition_C(sdQ)  # (frag, BM/64, 1, 2 buffers)
             gdQ = cute.local_tile(mdQ_tma[None, None, head, batch], (BM, D), (None, 0))  # (BM, D, m)
@@ -409,60 +424,77 @@ class FlashBwdSm90:
         # Wait for K and V even when no query block sees them: the CTA must not exit with TMA in flight.
         kv_pipe.consumer_wait(kv_state)
         buf = Int32(0)
-        # The first consumer warp issues, commits and waits for the dQ TMA reduce-adds; cute.copy elects one
-        # lane (elect.sync over the full warp), so the whole warp must take this branch: with a single
-        # thread the other 31 lanes wait at the reconvergence point while elect.sync waits for them (the
-        # kernel hung on the H200). The other lanes commit and wait on empty bulk groups.
+        # The warp that issues, commits and waits for the dQ TMA reduce-adds: a whole warp, not one
+        # thread, because cute.copy of a TMA atom elects its issuing lane with elect.sync over the full
+        # warp, which waits for all 32 lanes; with one lane let in (ctid == 0) the other 31 never reach
+        # it (they wait at the next barrier or WGMMA), a deadlock. The lanes that issue nothing commit
+        # empty bulk groups and their waits return at once.
         dq_issuer = cute.arch.make_warp_uniform(ctid // 32) == 0
-        for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
-            q_pipe.consumer_wait(q_state)
-            self._gemm(tiled_mma_sdp, acc_S, tSrK, tSrQ, None, q_state.index, zero_init=True)  # S^T = K Q^T
-            do_pipe.consumer_wait(do_state)
-            self._gemm(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO, None, do_state.index, zero_init=True)  # dP^T
-            warpgroup.wait_group(1)  # S^T is ready; dP^T may still run
-            if key_tail or m_block < m_block_mask_end:
-                self._mask(acc_S, tScS, m_block, n_block, seqlen_q, seqlen_k)
-            for i in cutlass.range(cute.size(acc_S), unroll_full=True):
-                # +inf lse2 (query past Sq, or a query that sees no key) gives P = 0 exactly.
-                acc_S[i] = cute.math.exp2(acc_S[i] * scale_log2 - sLSE[tScS[i][1], q_state.index],
-                                          fastmath=True)
-            rP.store(acc_S.load().to(dt))
-            self._gemm(tiled_mma_dv, acc_dV, tdVrP, tdVrdOt, None, do_state.index)  # dV += P^T dO
-            warpgroup.wait_group(1)  # dP^T is ready; dV may still run
-            for i in cutlass.range(cute.size(acc_dP), unroll_full=True):
-                acc_dP[i] = acc_S[i] * (acc_dP[i] - sDelta[tScS[i][1], do_state.index])
-            rdS.store(acc_dP.load().to(dt))
-            # dS^T to shared memory, where the dK and dQ WGMMAs read it through the async proxy.
-            cute.autovec_copy(rdS, thr_sdp.partition_C(sdSt[None, None, buf]))
-            cute.arch.fence_view_async_shared()
-            if cutlass.const_expr(self.dq_tma):
-                # The reduce-add issued one block ago read the buffer this block's dQ tile is written to
-                # below; its completion (.read) is published to all threads by the barrier.
-                if dq_issuer:
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)
-            if cutlass.const_expr(self.dq_split):  # both halves of dS are read by both warpgroups
-                cute.arch.barrier(barrier_id=1, number_of_threads=256)
-                if cutlass.const_expr(self.dq_tma):
-                    # Past the barrier every thread has written and fenced the previous block's dQ tile.
-                    if dq_issuer and m_block > m_block_min:
-                        self._reduce_dq(tma_dq, tQRsdQ, tQRgdQ, 1 - buf, m_block - 1)
-            else:
-                cute.arch.barrier(barrier_id=1 + wg, number_of_threads=128)
-            self._gemm(tiled_mma_dk, acc_dK, tdKrdSt, tdKrQt, buf, q_state.index)  # dK += dS^T Q
-            self._gemm(tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, buf, None, zero_init=True)  # dQ = dS K
-            warpgroup.wait_group(0)  # dV, dK, dQ done: the Q and dO stages and rP are free
-            q_pipe.consumer_release(q_state)
-            do_pipe.consumer_release(do_state)
-            q_state.advance()
-            do_state.advance()
-            if cutlass.const_expr(self.dq_tma):
-                for i in cutlass.range(cute.size(acc_dQ), unroll_full=True):
-                    acc_dQ[i] = acc_dQ[i] * softmax_scale
-                # Made visible to the TMA (async proxy) by the next block's dS fence, before its barrier.
-                cute.autovec_copy(acc_dQ, tdQsdQ[None, None, None, buf])
-            else:
-                self._atomic_add_dq(mdQaccum, acc_dQ, tdQcdQ, softmax_scale, m_block, head, batch, seqlen_q)
-            buf = 1 - buf
+        if cutlass.const_expr(not self.overlap):
+            for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
+                self._issue_sdp(q_pipe, do_pipe, q_state, do_state, tiled_mma_sdp, acc_S, acc_dP, tSrK, tSrQ,
+                                tdPrV, tdPrdO)
+                self._p_and_dv(acc_S, tScS, rP, tdVrP, tdVrdOt, acc_dV, tiled_mma_dv, sLSE, scale_log2, m_block,
+                               n_block, seqlen_q, seqlen_k, m_block_mask_end, key_tail, do_state.index,
+                               q_state.index)
+                self._ds_dk_dq(acc_S, acc_dP, tScS, rdS, thr_sdp, sdSt, sDelta, tiled_mma_dk, acc_dK, tdKrdSt,
+                               tdKrQt, tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, tma_dq, tQRsdQ, tQRgdQ, dq_issuer,
+                               buf, m_block, m_block_min, wg, q_state.index, do_state.index)
+                warpgroup.wait_group(0)  # dV, dK, dQ done: the Q and dO stages and rP are free
+                q_pipe.consumer_release(q_state)
+                do_pipe.consumer_release(do_state)
+                q_state.advance()
+                do_state.advance()
+                self._dq_out(mdQaccum, acc_dQ, tdQcdQ, tdQsdQ, softmax_scale, buf, m_block, head, batch, seqlen_q)
+                buf = 1 - buf
+        else:
+            # Software-pipelined: S^T and dP^T of block j + 1 are issued right behind dK and dQ of block j,
+            # so that the tensor cores run them while this warpgroup waits for dQ(j) and adds it to
+            # dq_accum. Stage j + 1 is waited for while stage j is still held (released after dK(j) and
+            # dV(j), which read it): the ring needs 2 stages, else the producer waits for stage j's release
+            # and the consumer for j + 1's data (__init__ refuses num_stages < 2 with overlap).
+            # The issues are branch-free: a WGMMA issued under a runtime branch leaves its in-flight
+            # accumulators to a phi at the join, and ptxas then serialises every WGMMA of the kernel
+            # (C7515). So the prologue issues block m_block_min's S^T and dP^T even when the CTA has no
+            # query block, and the last block issues the next stage's: unwaited (the producer loads
+            # nothing more, so the stage is not being written), their results never read, waited for
+            # after the loop.
+            # At D = 128 only S^T goes ahead (dP^T is issued at the top of its own block): dK, dV, dQ, S^T
+            # and dP^T in flight at once need more than the 240 registers (ptxas spills and serialises).
+            ahead_dp = self.head_dim != 128
+            self._issue_sdp(q_pipe, do_pipe, q_state, do_state, tiled_mma_sdp, acc_S, acc_dP, tSrK, tSrQ,
+                            tdPrV, tdPrdO, skip_wait=m_block_min >= m_block_max, dp=ahead_dp)
+            for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
+                if cutlass.const_expr(not ahead_dp):
+                    # S^T retired before dP^T is issued: a wait_group(1) after it would leave ptxas unsure
+                    # that S^T retired on the loop's back edge, and it serialises every WGMMA (C7514).
+                    warpgroup.wait_group(0)
+                    self._issue_sdp(q_pipe, do_pipe, q_state, do_state, tiled_mma_sdp, acc_S, acc_dP, tSrK, tSrQ,
+                                    tdPrV, tdPrdO, s=False)
+                # rP is rewritten here only after the previous block's wait_group, which covered its dV.
+                self._p_and_dv(acc_S, tScS, rP, tdVrP, tdVrdOt, acc_dV, tiled_mma_dv, sLSE, scale_log2, m_block,
+                               n_block, seqlen_q, seqlen_k, m_block_mask_end, key_tail, do_state.index,
+                               q_state.index)
+                self._ds_dk_dq(acc_S, acc_dP, tScS, rdS, thr_sdp, sdSt, sDelta, tiled_mma_dk, acc_dK, tdKrdSt,
+                               tdKrQt, tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, tma_dq, tQRsdQ, tQRgdQ, dq_issuer,
+                               buf, m_block, m_block_min, wg, q_state.index, do_state.index)
+                # acc_S and acc_dP are dead: dS^T of this block is in shared memory.
+                q_next = q_state.clone()
+                q_next.advance()
+                do_next = do_state.clone()
+                do_next.advance()
+                self._issue_sdp(q_pipe, do_pipe, q_next, do_next, tiled_mma_sdp, acc_S, acc_dP, tSrK, tSrQ,
+                                tdPrV, tdPrdO, skip_wait=m_block + 1 >= m_block_max, dp=ahead_dp)
+                # Commit groups complete in order: all but the newest (S^T and dP^T of the next block) are
+                # done, i.e. dV, dK and dQ of this block; its stages and rP are free.
+                warpgroup.wait_group(2 if ahead_dp else 1)
+                q_pipe.consumer_release(q_state)
+                do_pipe.consumer_release(do_state)
+                q_state.advance()
+                do_state.advance()
+                self._dq_out(mdQaccum, acc_dQ, tdQcdQ, tdQsdQ, softmax_scale, buf, m_block, head, batch, seqlen_q)
+                buf = 1 - buf
+            warpgroup.wait_group(0)  # the unread S^T and dP^T issued last
 
         if cutlass.const_expr(self.dq_tma):  # the last block's tile; wait before the CTA's smem goes away
             cute.arch.fence_view_async_shared()
@@ -473,6 +505,91 @@ class FlashBwdSm90:
                 cute.arch.cp_async_bulk_wait_group(0)
 
         self._epilogue(mdK, mdV, acc_dK, acc_dV, tdKcdK, softmax_scale, n_block, head, batch, seqlen_k)
+
+    @cute.jit
+    def _issue_sdp(self, q_pipe, do_pipe, q_state, do_state, tiled_mma_sdp, acc_S, acc_dP, tSrK, tSrQ, tdPrV,
+                   tdPrdO, skip_wait=None, s=True, dp=True):
+        """Wait for the query block's Q and dO stages and issue S^T = K Q^T and dP^T = V dO^T (two commit
+        groups). skip_wait (runtime Boolean, with overlap): true issues them on whatever the stages hold
+        (a result nobody reads), with no wait: the mbarrier waits are then for the parity of the phase
+        before the stage's current one, which try_wait.parity reports complete at once (the previous
+        fill of the stage, or on a barrier never completed, the phase "before" phase 0 -- as producers
+        wait on fresh empty barriers). Branch-free on purpose: with a branch around the waits instead
+        (consumer_wait's try_wait_token), taken while WGMMAs are in flight, ptxas spills more at D = 128
+        (16 / 28 bytes instead of 8 / 20) and, in an earlier form of the loop, serialised the WGMMAs."""
+        if cutlass.const_expr(skip_wait is not None):
+            flip = Int32(skip_wait)
+            q_state = pipeline.PipelineState(q_state.stages, q_state.count, q_state.index, q_state.phase ^ flip)
+            do_state = pipeline.PipelineState(do_state.stages, do_state.count, do_state.index, do_state.phase ^ flip)
+        if cutlass.const_expr(s):
+            q_pipe.consumer_wait(q_state)
+            self._gemm(tiled_mma_sdp, acc_S, tSrK, tSrQ, None, q_state.index, zero_init=True)  # S^T = K Q^T
+        if cutlass.const_expr(dp):
+            do_pipe.consumer_wait(do_state)
+            self._gemm(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO, None, do_state.index, zero_init=True)  # dP^T
+
+    @cute.jit
+    def _p_and_dv(self, acc_S, tScS, rP, tdVrP, tdVrdOt, acc_dV, tiled_mma_dv, sLSE, scale_log2, m_block, n_block,
+                  seqlen_q, seqlen_k, m_block_mask_end, key_tail, do_stage, q_stage):
+        """Wait for S^T (dP^T may still run), P^T = exp2(S^T scale log2(e) - lse2) in place and in the
+        input dtype in rP, and issue dV += P^T dO (one commit group)."""
+        if cutlass.const_expr(self.overlap):
+            if cutlass.const_expr(self.head_dim != 128):
+                # S^T and dP^T both: they were issued a whole dQ epilogue ago. With wait_group(1) here
+                # ptxas cannot tell S^T retired on the loop's back edge and serialises every WGMMA (C7514).
+                warpgroup.wait_group(0)
+            # (D = 128: S^T was waited for before dP^T was issued.)
+        else:
+            warpgroup.wait_group(1)  # S^T is ready; dP^T may still run
+        if key_tail or m_block < m_block_mask_end:
+            self._mask(acc_S, tScS, m_block, n_block, seqlen_q, seqlen_k)
+        for i in cutlass.range(cute.size(acc_S), unroll_full=True):
+            # +inf lse2 (query past Sq, or a query that sees no key) gives P = 0 exactly.
+            acc_S[i] = cute.math.exp2(acc_S[i] * scale_log2 - sLSE[tScS[i][1], q_stage], fastmath=True)
+        rP.store(acc_S.load().to(self.dtype))
+        self._gemm(tiled_mma_dv, acc_dV, tdVrP, tdVrdOt, None, do_stage)  # dV += P^T dO
+
+    @cute.jit
+    def _ds_dk_dq(self, acc_S, acc_dP, tScS, rdS, thr_sdp, sdSt, sDelta, tiled_mma_dk, acc_dK, tdKrdSt, tdKrQt,
+                  tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, tma_dq, tQRsdQ, tQRgdQ, dq_issuer, buf, m_block,
+                  m_block_min, wg, q_stage, do_stage):
+        """Wait for dP^T, dS^T = P^T (dP^T - delta) to shared memory (buffer buf), the dS barrier, and
+        issue dK += dS^T Q and dQ = dS K (two commit groups); with dq_tma the previous block's dQ tile
+        reduce-add after the barrier."""
+        warpgroup.wait_group(1)  # dP^T is ready; dV may still run
+        for i in cutlass.range(cute.size(acc_dP), unroll_full=True):
+            acc_dP[i] = acc_S[i] * (acc_dP[i] - sDelta[tScS[i][1], do_stage])
+        rdS.store(acc_dP.load().to(self.dtype))
+        # dS^T to shared memory, where the dK and dQ WGMMAs read it through the async proxy.
+        cute.autovec_copy(rdS, thr_sdp.partition_C(sdSt[None, None, buf]))
+        cute.arch.fence_view_async_shared()
+        if cutlass.const_expr(self.dq_tma):
+            # The reduce-add issued one block ago read the buffer this block's dQ tile is written to
+            # below; its completion (.read) is published to all threads by the barrier.
+            if dq_issuer:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+        if cutlass.const_expr(self.dq_split):  # both halves of dS are read by both warpgroups
+            cute.arch.barrier(barrier_id=1, number_of_threads=256)
+            if cutlass.const_expr(self.dq_tma):
+                # Past the barrier every thread has written and fenced the previous block's dQ tile.
+                if dq_issuer and m_block > m_block_min:
+                    self._reduce_dq(tma_dq, tQRsdQ, tQRgdQ, 1 - buf, m_block - 1)
+        else:
+            cute.arch.barrier(barrier_id=1 + wg, number_of_threads=128)
+        self._gemm(tiled_mma_dk, acc_dK, tdKrdSt, tdKrQt, buf, q_stage)  # dK += dS^T Q
+        self._gemm(tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, buf, None, zero_init=True)  # dQ = dS K
+
+    @cute.jit
+    def _dq_out(self, mdQaccum, acc_dQ, tdQcdQ, tdQsdQ, softmax_scale, buf, m_block, head, batch, seqlen_q):
+        """The finished dQ partial of m_block: red.global.add into dq_accum, or with dq_tma scaled into
+        the shared dQ tile buf (added by TMA after the next dS barrier)."""
+        if cutlass.const_expr(self.dq_tma):
+            for i in cutlass.range(cute.size(acc_dQ), unroll_full=True):
+                acc_dQ[i] = acc_dQ[i] * softmax_scale
+            # Made visible to the TMA (async proxy) by the next block's dS fence, before its barrier.
+            cute.autovec_copy(acc_dQ, tdQsdQ[None, None, None, buf])
+        else:
+            self._atomic_add_dq(mdQaccum, acc_dQ, tdQcdQ, softmax_scale, m_block, head, batch, seqlen_q)
 
     @cute.jit
     def _gemm(self, tiled_mma, acc, tArA, tBrB, a_stage, b_stage, zero_init=False):

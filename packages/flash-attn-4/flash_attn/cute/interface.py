@@ -735,9 +735,12 @@ _BWD_STAGES = {64: 2, 128: 2}
 # block) or one per warpgroup (two adds, no cross-warpgroup barrier). FLASH_ATTN_CUTE_BWD_DQ_SPLIT=0/1.
 _BWD_DQ_SPLIT = True
 # dQ added into dq_accum by a TMA reduce-add of the whole fp32 tile from shared memory (one bulk
-# operation per query block, issued by one thread) instead of red.global.add.v2.f32 from every consumer
+# operation per query block, issued by one warp) instead of red.global.add.v2.f32 from every consumer
 # thread. Needs the dQ split. FLASH_ATTN_CUTE_BWD_DQ_TMA=0/1; off until measured on a GPU.
 _BWD_DQ_TMA = {64: False, 128: False}  # per head dim
+# Software-pipelined query loop (S^T and dP^T of the next query block issued behind dK and dQ of this
+# one, overlapping this block's dQ atomics). FLASH_ATTN_CUTE_BWD_OVERLAP=0/1; off until measured on a GPU.
+_BWD_OVERLAP = {64: False, 128: False}  # per head dim
 
 
 def _bwd_config(dtype, head_dim, causal, arch):
@@ -748,10 +751,15 @@ def _bwd_config(dtype, head_dim, causal, arch):
     dq_split = _BWD_DQ_SPLIT if not split else split not in ("0", "false", "False")
     tma = os.environ.get("FLASH_ATTN_CUTE_BWD_DQ_TMA")
     dq_tma = dq_split and (_BWD_DQ_TMA.get(int(head_dim), False) if not tma else tma not in ("0", "false", "False"))
-    return {"kernel": "FlashBwdSm90", "dtype": _DTYPE_NAMES.get(dtype, str(dtype)), "head_dim": int(head_dim),
-            "causal": bool(causal), "block_m": block_m, "stages": stages, "dq_split": dq_split, "dq_tma": dq_tma,
-            "arch": arch,
-            "abi": "tvm-ffi-env-stream" if _tvm_ffi() else "cute"}
+    ov = os.environ.get("FLASH_ATTN_CUTE_BWD_OVERLAP")
+    overlap = _BWD_OVERLAP.get(int(head_dim), False) if not ov else ov not in ("0", "false", "False")
+    config = {"kernel": "FlashBwdSm90", "dtype": _DTYPE_NAMES.get(dtype, str(dtype)), "head_dim": int(head_dim),
+              "causal": bool(causal), "block_m": block_m, "stages": stages, "dq_split": dq_split, "dq_tma": dq_tma,
+              "arch": arch,
+              "abi": "tvm-ffi-env-stream" if _tvm_ffi() else "cute"}
+    if overlap:  # absent when off: the default kernels keep their disk cache keys
+        config["overlap"] = True
+    return config
 
 
 def compile_bwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None):
@@ -770,7 +778,7 @@ def compile_bwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None):
         raise ValueError(f"dtype {dtype} not fp16/bf16")
     kernel = FlashBwdSm90(_cutlass_dtype(dtype), int(head_dim), bool(causal), block_m=config["block_m"],
                           num_stages=config["stages"], dq_split=config["dq_split"],
-                          dq_tma=config["dq_tma"])
+                          dq_tma=config["dq_tma"], overlap=config.get("overlap", False))
     D = kernel.head_dim
     # 32-bit symbolic shapes and strides, as in compile_fwd (backward() keeps tensors below 2^31 elements).
     batch, seqlen_q, seqlen_k, heads, heads_kv, seqlen_q_pad = (cute.sym_int() for _ in range(6))
