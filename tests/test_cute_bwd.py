@@ -680,18 +680,22 @@ def _call(**kw):
     return Call(**base)
 
 
-def test_backward_is_refused_without_the_variable(monkeypatch):
+def test_backward_is_served_by_default_and_refused_with_the_variable_at_0(monkeypatch):
     monkeypatch.delenv(cute_backend.BWD_ENV_VAR, raising=False)
+    assert cute_backend.unsupported_reason(_call()) is None
+    monkeypatch.setenv(cute_backend.BWD_ENV_VAR, "0")
     why = cute_backend.unsupported_reason(_call())
     assert why is not None and cute_backend.BWD_ENV_VAR in why
-    monkeypatch.setenv(cute_backend.BWD_ENV_VAR, "0")
-    assert cute_backend.unsupported_reason(_call()) is not None
     # forward calls are untouched
     assert cute_backend.unsupported_reason(_call(backward=False)) is None
 
 
-def test_backward_is_served_with_the_variable_only_where_the_kernel_applies(monkeypatch):
-    monkeypatch.setenv(cute_backend.BWD_ENV_VAR, "1")
+@pytest.mark.parametrize("env", [None, "1"])
+def test_backward_is_served_only_where_the_kernel_applies(monkeypatch, env):
+    if env is None:
+        monkeypatch.delenv(cute_backend.BWD_ENV_VAR, raising=False)
+    else:
+        monkeypatch.setenv(cute_backend.BWD_ENV_VAR, env)
     assert cute_backend.unsupported_reason(_call()) is None
     assert cute_backend.unsupported_reason(_call(causal=False, dtype=torch.float16, head_dim=128,
                                                  head_dim_v=128)) is None

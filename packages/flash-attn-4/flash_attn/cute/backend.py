@@ -3,12 +3,13 @@
 Serves forward calls on Hopper (sm_90): fp16/bf16, head dim 64 or 128 (v's equal to q's), causal or
 not, sliding windows, softcap, GQA/MQA, dense or varlen (cu_seqlens).
 
-Backward (flash_bwd_sm90.py) is opt-in (its GPU tests pass; at 0.98-1.09x the Triton backward it does not
-yet pay for dQ atomics that are not bitwise reproducible run to run): with FLASH_ATTN_CUTE_BWD=1
-this backend serves dense backward calls without windows, softcap, ALiBi, dropout or determinism
-(its dQ uses atomics); everything else, and every backward call without the variable, goes to the next
-backend that has a backward (Triton, else the reference), which consumes this forward's out and lse.
-The variable is read when the dispatcher first sees a kind of call (its choices are cached).
+Backward (flash_bwd_sm90.py): dense calls without windows, softcap, ALiBi, dropout or determinism (its dQ
+is a sum of fp32 TMA reduce-adds from the key blocks' CTAs in whatever order they finish, so it varies in
+the last bits run to run, as FA2's default backward does); deterministic=True and everything else goes to
+the next backend that has a backward (Triton, else the reference), which consumes this forward's out and
+lse. FLASH_ATTN_CUTE_BWD=0 sends every backward call there (read when the dispatcher first sees a kind of
+call: its choices are cached). On the H200 it is 1.21-1.39x the Triton backward
+(benchmarks/results/h200/attention_cute_bwd.md).
 """
 import os
 
@@ -47,8 +48,8 @@ def unsupported_reason(call):
         if getattr(call, what):
             return what
     if call.backward:
-        if os.environ.get(BWD_ENV_VAR) != "1":
-            return f"backward (the CuTeDSL backward is opt-in: {BWD_ENV_VAR}=1)"
+        if os.environ.get(BWD_ENV_VAR, "1").strip() == "0":
+            return f"backward (switched off by {BWD_ENV_VAR}=0)"
         for what in ("varlen", "local", "softcap", "deterministic"):
             if getattr(call, what):
                 return f"backward with {what}"

@@ -389,8 +389,8 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=_NO_W
     like q, lse fp32 (B, H, Sq) natural log (+inf for a row that sees no key) when return_lse or a
     gradient needs it, else None (as FA4; the kernel still writes it). When q, k or v needs a
     gradient the call goes through the dispatcher's differentiable op (see _with_fallback_backward): its
-    backward runs on this package's backward kernel when FLASH_ATTN_CUTE_BWD=1 and the call is one it
-    handles (dense, no window or softcap), else on another backend."""
+    backward runs on this package's backward kernel when the call is one it handles (dense, no window,
+    softcap or determinism; FLASH_ATTN_CUTE_BWD=0 switches it off), else on another backend."""
     # Every check reads attributes only (no tensor ops, no CUDA queries): this is the per-call path.
     if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
             and q.dim() == 4 and k.dim() == 4 and v.dim() == 4):
@@ -446,7 +446,7 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=_NO_W
 def _with_fallback_backward(q, k, v, softmax_scale, causal, window_left, window_right, softcap, varlen=None):
     """A call that needs gradients: this kernel runs the forward inside the root package's differentiable
     attention op (under use_backend("cute")), whose dispatcher runs the backward here too when the cute
-    backend accepts it (FLASH_ATTN_CUTE_BWD=1 and a call flash_bwd_sm90 handles, see backend.py), else
+    backend accepts it (a call flash_bwd_sm90 handles, unless FLASH_ATTN_CUTE_BWD=0; see backend.py), else
     on the next backend that has one. Needs the flash-attn distribution beside flash-attn-4."""
     try:
         from flash_attn import _ops
@@ -537,8 +537,8 @@ def _dispatcher():
 def _dispatcher_backward(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, softcap,
                          deterministic, varlen):
     """(dq, dk, dv) from the root package's dispatcher for this call, on the given out and lse (the
-    backward _with_fallback_backward's calls get: this package's when FLASH_ATTN_CUTE_BWD=1 and it
-    handles the call, else the next backend that has one)."""
+    backward _with_fallback_backward's calls get: this package's when it handles the call and
+    FLASH_ATTN_CUTE_BWD is not 0, else the next backend that has one)."""
     _ops, use_backend = _dispatcher()
     left = max(window_left, -1)
     right = 0 if causal else max(window_right, -1)
@@ -736,10 +736,14 @@ _BWD_STAGES = {64: 2, 128: 2}
 _BWD_DQ_SPLIT = True
 # dQ added into dq_accum by a TMA reduce-add of the whole fp32 tile from shared memory (one bulk
 # operation per query block, issued by one warp) instead of red.global.add.v2.f32 from every consumer
-# thread. Needs the dQ split. FLASH_ATTN_CUTE_BWD_DQ_TMA=0/1; off until measured on a GPU.
-_BWD_DQ_TMA = {64: False, 128: False}  # per head dim
+# thread. Needs the dQ split. FLASH_ATTN_CUTE_BWD_DQ_TMA=0/1. H200, bf16, 16k tokens, kernel alone
+# (benchmarks/results/h200/attention_cute_bwd.md, session 5): d64 causal 2k 273 -> 325 TFLOP/s, d64 8k 342 -> 429,
+# d128 causal 2k 313 -> 382, d128 8k 399 -> 520: on for both head dims.
+_BWD_DQ_TMA = {64: True, 128: True}  # per head dim
 # Software-pipelined query loop (S^T and dP^T of the next query block issued behind dK and dQ of this
-# one, overlapping this block's dQ atomics). FLASH_ATTN_CUTE_BWD_OVERLAP=0/1; off until measured on a GPU.
+# one, overlapping this block's dQ atomics). FLASH_ATTN_CUTE_BWD_OVERLAP=0/1. Same run: +4-6% over the
+# red.global dQ, but with the TMA dQ d64 within noise (2k causal 290 vs 292, 8k causal 397 vs 390) and
+# d128 3-8% slower: off.
 _BWD_OVERLAP = {64: False, 128: False}  # per head dim
 
 

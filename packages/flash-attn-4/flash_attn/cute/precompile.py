@@ -96,7 +96,7 @@ def main(argv=None):
     p.add_argument("--jobs", type=int, default=1, help="compile in this many processes")
     p.add_argument("--force", action="store_true", help="recompile entries already in the folder")
     p.add_argument("--backward", action="store_true",
-                   help="also the backward kernels (used with FLASH_ATTN_CUTE_BWD=1)")
+                   help="also the backward kernels (the dispatcher's backward on Hopper)")
     a = p.parse_args(argv)
     out = a.out if a.out is not None else cache.cache_dir()
     if out is None:
