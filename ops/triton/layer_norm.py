@@ -295,15 +295,16 @@ def _row_sums(a, b, PAIR: tl.constexpr):
 
 @triton.jit
 def _ln_bwd_pass2(X, W, W1, DY, DY1, DRES_OUT, ROWSCALE, DX, DX1, DRES_IN, r, r_ok, cols, M, N, mean, rstd, c1, c2,
-                  acc_dw, acc_db, acc_dw1, acc_db1, acc_dxb, stride_x, stride_dy, stride_dy1, stride_dres_out, stride_dx,
-                  stride_dx1, stride_dres_in, seed0, seed1, drop_threshold, drop_scale, IS_RMS_NORM: tl.constexpr,
+                  acc_dw, acc_db, acc_dw1, acc_db1, acc_dxb, stride_x, stride_dy, stride_dy1, stride_dres_out,
+                  stride_dx, stride_dx1, stride_dres_in, seed0, seed1, drop_threshold, drop_scale, IS_RMS_NORM: tl.constexpr,
                   HAS_BIAS: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr, HAS_DRES_OUT: tl.constexpr,
                   STORE_DRES_IN: tl.constexpr, HAS_X1: tl.constexpr, HAS_ROWSCALE: tl.constexpr,
                   HAS_DROPOUT: tl.constexpr, ZERO_CENTERED: tl.constexpr, held_xc, held_g, held_dy, held_dy1,
                   HOLD: tl.constexpr, HAS_XBIAS: tl.constexpr):
     """dx of the columns cols of rows r, given the row sums c1, c2; returns the accumulators with the
-    tile's dweight/dbias (and d x_bias: dx itself) terms added. The explicit (default) cache-all modifier keeps the compiler from
-    merging these loads with pass 1's, which would hold the tile in registers across the reductions.
+    tile's dweight/dbias (and d x_bias: dx itself) terms added. The explicit (default) cache-all modifier
+    keeps the compiler from merging these loads with pass 1's, which would hold the tile in registers
+    across the reductions.
     HOLD: pass 1's xc, g, dy, dy1 of the same tile are given (held in registers) instead."""
     mask = r_ok & (cols < N)
     if HOLD:
