@@ -191,6 +191,41 @@ def test_fused_linear_bias_switch(monkeypatch):
     assert flags(fused_dropout_add_ln=True, fused_linear_bias=True) == (True, [True, True])
 
 
+@pytest.mark.gpu
+def test_fused_linear_bias_gpu_bf16_within_pytorch_error():
+    """GPT-2-medium-wide layers as bench_train.py trains them (d=1024, 16 heads, seq 2048; fp32 parameters
+    under bf16 autocast, FlashAttention, FusedMLP, fused add+norm, fp32 residual), 2 layers: with the
+    out_proj/fc2 biases in the norms (the Triton kernels at their real sizes), the logits and every
+    gradient are within 2x the error of the biases-in-GEMMs run, both against an fp32 run."""
+    from flash_attn.testing import assert_close_to_ref
+
+    def build(**kw):
+        torch.manual_seed(0)
+        config = gpt2_config(n_embd=1024, n_head=16, n_layer=2, n_positions=2048, residual_in_fp32=True,
+                             fused_mlp=True, fused_dropout_add_ln=True, **kw)
+        return GPTLMHeadModel(config).cuda()
+
+    ref = build(use_flash_attn=False, fused_linear_bias=False)
+    for name, p in ref.named_parameters():
+        if name.endswith("bias"):
+            torch.nn.init.normal_(p, std=0.1)
+    pt = build(use_flash_attn=True, fused_linear_bias=False)
+    out = build(use_flash_attn=True, fused_linear_bias=True)
+    pt.load_state_dict(ref.state_dict())
+    out.load_state_dict(ref.state_dict())
+    ids = torch.randint(0, VOCAB, (2, 2048), device="cuda")
+    g = torch.randn(2, 2048, VOCAB, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    results = []
+    for model, autocast in ((ref, False), (pt, True), (out, True)):
+        with triton_ops.backend("auto"), torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+            logits = model(ids).logits
+        (logits.float() * g).sum().backward()
+        results.append([logits.float()] + [p.grad for p in model.parameters()])
+    names = ["logits"] + [n for n, _ in out.named_parameters()]
+    for name, a_ref, a_pt, a_out in zip(names, *results):
+        assert_close_to_ref(a_out, a_ref, a_pt, name=name)
+
+
 def test_rotary_gqa_model_kv_cache_matches_full_forward():
     torch.manual_seed(0)
     config = gpt2_config(n_positions=0, rotary_emb_fraction=0.5, n_head_kv=2, use_flash_attn=True,
@@ -209,12 +244,14 @@ def test_rotary_gqa_model_kv_cache_matches_full_forward():
     assert model.transformer.layers[0].mixer.rotary_emb_dim == 8
 
 
-def test_torch_compile_fullgraph_matches_eager():
+@pytest.mark.parametrize("fused_linear_bias", [False, True])
+def test_torch_compile_fullgraph_matches_eager(fused_linear_bias):
     # Every kernel is a torch.library op, so the whole model (rotary GQA attention, fused MLP and add-norm)
     # traces as one graph, forward and backward.
     torch.manual_seed(0)
     config = gpt2_config(n_positions=0, rotary_emb_fraction=0.5, n_head_kv=2, use_flash_attn=True,
-                         fused_mlp=True, fused_dropout_add_ln=True, residual_in_fp32=True)
+                         fused_mlp=True, fused_dropout_add_ln=True, residual_in_fp32=True,
+                         fused_linear_bias=fused_linear_bias)
     # eval(): no dropout either way, and RotaryEmbedding's train-mode cache check (tensor.is_inference())
     # is a graph break; gradients still flow.
     model = GPTLMHeadModel(config).eval()
