@@ -317,6 +317,24 @@ def test_sweep_script_smoke(capsys):
     assert "BWD_TUNED[(2, 24)] = {'hold': True, 'maxnreg': 72}" in rows[2]
 
 
+def test_xbias_bench_script_smoke(capsys):
+    """benchmarks/bench_norm_xbias.py on CPU (interpreter, tiny sizes): every variant runs, the x_bias ones
+    (split over two programs by the accounting of the third accumulator, and not) give the bias gradient
+    of the GEMM-bias variant."""
+    if not triton_runs_on("cuda" if CUDA else "cpu") or CUDA:
+        pytest.skip("CPU interpreter check")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.join(root, "benchmarks"))
+    try:
+        import bench_norm_xbias
+    finally:
+        sys.path.pop(0)
+    assert bench_norm_xbias.main(["--device", "cpu", "--rows", "37", "--hidden", "40"]) == 0
+    rows = [r.split(" | ") for r in capsys.readouterr().out.splitlines() if r.startswith("| 40 ")]
+    assert [r[1] for r in rows] == list(bench_norm_xbias.VARIANTS)
+    assert rows[1][2].startswith("split 2") and rows[2][2].startswith("split 1")
+
+
 def test_partial_reduction():
     """The second backward kernel sums the (P, N) partials over P in BLOCK_P steps (here 5, the last
     partial) and column blocks (3, the last partial), casting to the parameters' dtypes."""
