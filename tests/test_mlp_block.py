@@ -281,3 +281,117 @@ def test_embedding_argument_errors():
         GPT2Embeddings(D, 50, -1)
     with pytest.raises(ValueError):
         BertEmbeddings(D, 50, 16, -2)
+
+
+# ------------------------------------------------------------------------------ fused_linear_bias
+def _block_pair(mlp_cls, norm_cls=nn.LayerNorm, **kwargs):
+    """The same pre-norm fused block with and without fused_linear_bias (one state dict)."""
+    common = dict(mixer_cls=partial(MHA, num_heads=4, causal=True), mlp_cls=mlp_cls, norm_cls=norm_cls,
+                  prenorm=True, fused_dropout_add_ln=True, residual_in_fp32=True, **kwargs)
+    ref = randomize(Block(D, **common)).train()
+    fused = Block(D, fused_linear_bias=True, **common).train()
+    assert list(fused.state_dict()) == list(ref.state_dict())
+    fused.load_state_dict(ref.state_dict())
+    return ref, fused
+
+
+def _outputs_and_grads(block, run, inputs, seed=3):
+    block.zero_grad()
+    torch.manual_seed(seed)  # the same dropout / drop-path draws for both blocks
+    outs = run(block, *inputs)
+    sum(o.float().sin().sum() for o in outs).backward()
+    return outs, {n: p.grad.clone() for n, p in block.named_parameters()}, [t.grad.clone() for t in inputs]
+
+
+def _assert_same(a, b):
+    (oa, ga, ia), (ob, gb, ib) = a, b
+    for x, y in zip(oa, ob):
+        torch.testing.assert_close(x, y, atol=ATOL, rtol=1e-5)
+    assert ga.keys() == gb.keys()
+    for name in ga:
+        torch.testing.assert_close(ga[name], gb[name], atol=ATOL, rtol=1e-5, msg=name)
+    for x, y in zip(ia, ib):
+        torch.testing.assert_close(x, y, atol=ATOL, rtol=1e-5)
+
+
+@pytest.mark.parametrize("path", ["torch", "triton"])
+@pytest.mark.parametrize("mlp", ["mlp", "gated", "fused"])
+def test_fused_linear_bias_block_matches_unfused(path, mlp):
+    """out_proj's bias added (and its gradient summed) in norm2's fused add; with out_bias=False the MLP's
+    fc2 bias is left off the output and handed to the next block's norm1 as x_bias: two chained blocks
+    give the same outputs and gradients (every bias's included) as with the biases in the GEMMs, with
+    residual dropout and drop path on."""
+    if path == "triton" and not triton_ops.triton_runs_on("cpu"):
+        pytest.skip("triton interpreter not available")
+    mlp_cls = {"mlp": partial(Mlp, hidden_features=96), "gated": partial(GatedMlp, hidden_features=96,
+                                                                        activation=F.silu, multiple_of=16),
+               "fused": partial(FusedMLP, hidden_features=96)}[mlp]
+    kw = dict(resid_dropout1=0.1, resid_dropout2=0.2, drop_path1=0.25)
+    ref0, fused0 = _block_pair(mlp_cls, **kw)
+    ref1, fused1 = _block_pair(mlp_cls, **kw)
+    assert fused0.out_linear_bias is fused0.mlp.fc2.bias and ref0.out_linear_bias is None
+
+    def chain(blocks, h, r):
+        b0, b1 = blocks
+        if b0.fused_linear_bias:
+            h, r = b0(h, r, out_bias=False)
+            return b1(h, r, x_bias=b0.out_linear_bias)
+        return b1(*b0(h, r))
+
+    h, r = torch.randn(2, 7, D, requires_grad=True), torch.randn(2, 7, D, requires_grad=True)
+    with triton_ops.backend(path):
+        got = _outputs_and_grads(nn.ModuleList([fused0, fused1]), chain, (h, r))
+        h.grad = r.grad = None
+        want = _outputs_and_grads(nn.ModuleList([ref0, ref1]), chain, (h, r))
+    assert got[1]["0.mixer.out_proj.bias"].abs().sum() > 0 and got[1]["0.mlp.fc2.bias"].abs().sum() > 0
+    _assert_same(got, want)
+
+
+def test_fused_linear_bias_attention_only_block_and_rmsnorm():
+    # mlp=Identity: the block ends with out_proj, whose bias out_bias=False leaves to the caller.
+    ref, fused = _block_pair(lambda d: nn.Identity(), norm_cls=RMSNorm)
+    assert fused.out_linear_bias is fused.mixer.out_proj.bias
+    h = torch.randn(2, 5, D, requires_grad=True)
+
+    def run_fused(b, h):
+        out, res = b(h, out_bias=False)
+        return out + b.out_linear_bias, res
+    got = _outputs_and_grads(fused, run_fused, (h,))
+    h.grad = None
+    want = _outputs_and_grads(ref, lambda b, h: b(h), (h,))
+    _assert_same(got, want)
+    # out_bias=True (the default): the block is self-contained, the bias in its output
+    torch.manual_seed(0)
+    a = fused(h)
+    torch.manual_seed(0)
+    torch.testing.assert_close(a, ref(h), atol=ATOL, rtol=1e-5)
+
+
+def test_fused_linear_bias_without_biases_and_errors():
+    # Linears without biases: nothing to move
+    block = Block(D, mixer_cls=partial(MHA, num_heads=4, out_proj_bias=False),
+                  mlp_cls=partial(Mlp, hidden_features=96, bias2=False), fused_dropout_add_ln=True,
+                  fused_linear_bias=True)
+    assert block.out_linear_bias is None
+    with pytest.raises(ValueError, match="no bias to leave off"):
+        block(torch.randn(1, 3, D), out_bias=False)
+    with pytest.raises(ValueError, match="fused_linear_bias needs prenorm"):
+        Block(D, fused_linear_bias=True)
+    with pytest.raises(ValueError, match="fused_linear_bias needs prenorm"):
+        Block(D, prenorm=False, fused_dropout_add_ln=True, fused_linear_bias=True)
+    plain = make_block(fused_dropout_add_ln=True)
+    with pytest.raises(ValueError, match="fused_linear_bias=True"):
+        plain(torch.randn(1, 3, D), x_bias=torch.zeros(D))
+    with pytest.raises(ValueError, match="fused_linear_bias=True"):
+        plain(torch.randn(1, 3, D), out_bias=False)
+
+
+def test_modules_out_bias_false_leaves_the_bias_off():
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, D)
+    mha = randomize(MHA(D, num_heads=4, causal=True))
+    for m, linear in ((mha, mha.out_proj), *((cls(D, hidden_features=48), None) for cls in (Mlp, GatedMlp,
+                                                                                            FusedMLP))):
+        m = randomize(m)
+        linear = linear if linear is not None else m.fc2
+        torch.testing.assert_close(m(x, out_bias=False) + linear.bias, m(x), atol=ATOL, rtol=0)

@@ -476,3 +476,66 @@ def test_gpu_bf16_fused_run_trains(tmp_path):
     assert trainer.optimizer.defaults["fused"]
     curve = losses(trainer.run())
     assert np.mean(curve[-5:]) < curve[0] - 1.5
+
+
+# ------------------------------------------------------------------------------ fused_linear_bias
+def test_fused_linear_bias_trains_like_the_gemm_biases(tmp_path, monkeypatch):
+    """model.fused=on with FLASH_ATTN_FUSED_LINEAR_BIAS=1 (out_proj's and fc2's biases in the fused add+norms):
+    the same losses as with the biases in the GEMMs, with dropout and activation checkpointing (the previous
+    layer's bias reaches the checkpointed layer as a keyword argument)."""
+    import flash_attn.ops.triton as triton_ops
+
+    common = ["train.max_steps=3", "model.fused=on", "model.dropout=0.1", "train.activation_checkpointing=true"]
+    runs = {}
+    with triton_ops.backend("torch"):
+        for flag in ("0", "1"):
+            monkeypatch.setenv("FLASH_ATTN_FUSED_LINEAR_BIAS", flag)
+            trainer = Trainer(tiny(tmp_path, *common, sub=f"flag{flag}"))
+            assert trainer.model.transformer.fuse_bias_across_layers == (flag == "1")
+            runs[flag] = losses(trainer.run())
+    torch.testing.assert_close(runs["1"], runs["0"], rtol=1e-5, atol=0)
+
+
+_FSDP_SCRIPT = r"""
+import sys, types, torch
+import torch.distributed as dist
+import flash_attn.ops.triton as triton_ops
+from transformers import GPT2Config
+from flash_attn.models.gpt import GPTLMHeadModel
+from flash_attn.training.trainer import wrap_model
+triton_ops.set_backend("torch")
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+cfg = GPT2Config(n_embd=64, n_head=4, n_layer=2, vocab_size=101, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+                 attn_pdrop=0.0, bos_token_id=0, eos_token_id=1)
+cfg.fused_dropout_add_ln, cfg.residual_in_fp32, cfg.fused_linear_bias = True, True, True
+torch.manual_seed(0)
+model, ref = GPTLMHeadModel(cfg), GPTLMHeadModel(cfg)
+ref.load_state_dict(model.state_dict())
+wrapped = wrap_model(model, types.SimpleNamespace(strategy="fsdp", device=torch.device("cpu"), world=1),
+                     torch.float32)
+assert not model.transformer.fuse_bias_across_layers and model.transformer.layers[0].fused_linear_bias
+ids = torch.randint(0, 101, (2, 9))
+out = wrapped(ids).logits
+out.square().mean().backward()
+want = ref(ids).logits
+want.square().mean().backward()
+torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+    torch.testing.assert_close(p.grad.full_tensor(), q.grad, atol=1e-5, rtol=1e-5, msg=name)
+dist.destroy_process_group()
+print("ok")
+"""
+
+
+def test_fsdp_keeps_each_layers_biases_inside_it(tmp_path):
+    """FSDP reshards a layer's parameters after its forward, so wrap_model turns off the handing of fc2's
+    bias to the next layer's norm (which would read a sharded DTensor); the in-layer out_proj bias still
+    moves. One gloo process on CPU: same logits and gradients as the unwrapped model."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-c", _FSDP_SCRIPT, str(tmp_path / "pg")], cwd=root, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
