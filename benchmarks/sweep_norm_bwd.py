@@ -37,6 +37,11 @@ CANDIDATES = (
     ("8192x2", "L", (16384,), {"block_n": 8192, "sub": 2}),  # RMSNorm's scheme: 64 bytes of spill
     ("8192x2 pass1 8192x2", "LR", (16384,), {"block_n": 8192, "sub": 2, "block_r": 8192}),  # LN: 40 bytes
     ("8192/2", "R", (16384,), {"block_n": 8192, "sub": 1}),  # LayerNorm's scheme
+    # Split rows exchanging their row sums (layer_norm._ln_bwd_exchange): pass 1 reads only the own half
+    ("xchg", "L", (12288, 16384, 65536), {"exchange": True}),
+    ("xchg hold", "L", (12288, 16384), {"exchange": True, "hold": True}),
+    ("xchg 8192/2", "R", (12288, 16384), {"exchange": True, "block_n": 8192, "sub": 1}),
+    ("xchg 8192/2 hold", "R", (12288, 16384), {"exchange": True, "block_n": 8192, "sub": 1, "hold": True}),
 )
 
 
@@ -156,7 +161,7 @@ def main(argv=None):
 def cfg_str(cfg, sms):
     own = f"{cfg.block_n}" + (f"x{cfg.sub}" if cfg.sub > 1 else "") + (f"/{cfg.split}" if cfg.split > 1 else "")
     pass1 = f"{cfg.block_m}x{cfg.block_r}" + (f"x{cfg.r_chunks}" if cfg.r_chunks > 1 else "")
-    flags = "".join(f" {k}" for k in ("prefetch", "pair", "hold") if getattr(cfg, k))
+    flags = "".join(f" {k}" for k in ("prefetch", "pair", "hold", "exchange") if getattr(cfg, k))
     return f"{cfg.num_warps}w {cfg.programs / sms:.2g}/SM mr{cfg.maxnreg} p1 {pass1} own {own}{flags}"
 
 
@@ -199,12 +204,12 @@ def aot(args, hidden):
                         print(f"| {norm} | {N} | {label} | {e} | | | | |")
                         continue
                     absent = ("W1", "DY1", "DRES_OUT", "ROWSCALE", "DX1", "DRES_IN", "DW1_PART", "DB1_PART")
-                    const = dict(IS_RMS_NORM=is_rms, HAS_BIAS=not is_rms, HAS_W1=False, HAS_B1=False,
-                                 HAS_DRES_OUT=False, STORE_DRES_IN=False, HAS_X1=False, HAS_ROWSCALE=False,
-                                 HAS_DROPOUT=False, ZERO_CENTERED=False, BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r,
-                                 R_CHUNKS=cfg.r_chunks, BLOCK_N=cfg.block_n, SUB=cfg.sub, SPLIT=cfg.split,
-                                 PREFETCH=cfg.prefetch, PAIR=cfg.pair, HOLD=cfg.hold,
-                                 **{k: None for k in absent + (("DB_PART",) if is_rms else ())})
+                    # the launcher's own constexprs for this configuration (a plain call, compiled code)
+                    const = dict(ln._bwd_plan(is_rms, not is_rms, False, False, False, False, False, False, False,
+                                              False, *cfg[2:], ln.BWD_SPIN, False)[1])
+                    del const["num_warps"], const["maxnreg"]
+                    const.update({k: None for k in absent + (("DB_PART",) if is_rms else ())
+                                  + (() if cfg.exchange else ("XBUF",))})
                     sig, div16 = {}, []
                     for i, name in enumerate(kernel.arg_names):
                         if name in const:
@@ -214,6 +219,9 @@ def aot(args, hidden):
                             div16.append(i)
                         elif name in ("MEAN", "RSTD", "DW_PART", "DB_PART"):
                             sig[name] = "*fp32"
+                            div16.append(i)
+                        elif name == "XBUF":
+                            sig[name] = "*i64"
                             div16.append(i)
                         elif name == "drop_scale":
                             sig[name] = "fp32"

@@ -215,6 +215,155 @@ def test_row_sum_and_hold_variants(monkeypatch, pair, hold):
         _check(_device("triton"), torch.float16, 37, 17, is_rms_norm=True, bias=False, zero_centered_weight=True)
 
 
+def _exchange_knobs(monkeypatch, sms=1, **knobs):
+    """Limits low enough that rows of a few hundred columns split over programs with one-row tiles, and
+    the row-sum exchange on (BWD_EXCHANGE); further knobs as keywords."""
+    monkeypatch.setattr(ln, "BWD_MIN_TILE", 16)
+    monkeypatch.setattr(ln, "BWD_ELEMS_PER_THREAD", 1)
+    monkeypatch.setattr(ln, "BWD_MAXNREG", (255,))
+    monkeypatch.setattr(ln, "BWD_ACC_REGS", 2)
+    monkeypatch.setattr(ln, "BWD_EXCHANGE", True)
+    monkeypatch.setattr(ln, "num_sms", lambda device: sms)
+    for k, v in knobs.items():
+        monkeypatch.setattr(ln, k, v)
+
+
+# (dtype, rows, hidden, _check keywords, the backward's n_acc and extra, its split and whether it holds)
+_EXCHANGE_CASES = {
+    "ln pair": (torch.float16, 9, 300, dict(), 2, 0, 2),
+    "ln three, residual": (torch.float32, 7, 300, dict(residual=True, prenorm=True), 2, 3, 3),
+    "ln four, parallel dropout": (torch.float16, 5, 100, dict(residual=True, x1=True, weight1=True, dropout_p=0.2,
+                                                               prenorm=True), 4, 5, 4),
+    "rms pair, rowscale": (torch.float32, 9, 300, dict(is_rms_norm=True, bias=False, rowscale=True,
+                                                        zero_centered_weight=True), 1, 3, 2),
+    "rms three, residual dropout": (torch.float16, 6, 600, dict(is_rms_norm=True, bias=False, residual=True,
+                                                                 dropout_p=0.3, prenorm=True), 1, 2, 3),
+}
+
+
+@pytest.mark.parametrize("variant", ["prefetch", "hold", "no prefetch"])
+@pytest.mark.parametrize("case", list(_EXCHANGE_CASES))
+def test_exchange_values_and_grads(monkeypatch, case, variant):
+    """Split rows exchanging pass 1's row sums (_ln_bwd_exchange): every output and gradient against the
+    reference, for pairs and groups of three (a padded word slot) and four, each with pass 2 re-reading
+    its columns, holding them from pass 1, and without prefetch. In the interpreter the first program of
+    a group always computes its partners' sums itself (its spin runs out: they have not run yet) and the
+    last always reads them, so both paths feed every case."""
+    if not triton_runs_on("cuda" if CUDA else "cpu"):
+        pytest.skip("triton is not installed")
+    dtype, M, N, kw, n_acc, extra, split = _EXCHANGE_CASES[case]
+    _exchange_knobs(monkeypatch, sms=2 * split, BWD_HOLD_MAX_ACC=4 if variant == "hold" else 0,
+                    BWD_PREFETCH=variant != "no prefetch")
+    cfg = ln._bwd_config(M, N, "cpu", n_acc, extra)
+    assert (cfg.exchange, cfg.split, cfg.block_m, cfg.sub, cfg.r_chunks, cfg.block_r) == (
+        True, split, 1, 1, 1, cfg.block_n)
+    assert (cfg.prefetch, cfg.hold) == (variant != "no prefetch", variant == "hold")
+    assert cfg.programs >= 2 * split and cfg.rows_per_program > 1  # groups of several rows
+    with backend("triton"):
+        _check(_device("triton"), dtype, M, N, **kw)
+
+
+def _exchange_grads(inp, dy, **fn_kw):
+    with backend("triton"):
+        y = layer_norm_fn(**inp, **fn_kw)
+        names = [k for k, v in inp.items() if v is not None and v.requires_grad]
+        return torch.autograd.grad(y, [inp[k] for k in names], dy)
+
+
+def _word(s1, s2):
+    """_pack of two fp32 values, in Python."""
+    import struct
+
+    lo, hi = struct.unpack("<II", struct.pack("<ff", s1, s2))
+    return struct.unpack("<q", struct.pack("<Q", lo | hi << 32))[0]
+
+
+def test_exchange_paths_agree_bitwise(monkeypatch):
+    """The exchange gives the same bits whichever way a program gets its partner's row sums. In the
+    interpreter (programs one after another) program 2g of each pair never finds program 2g+1's word
+    (its spin runs out, it computes the sums itself) and 2g+1 always finds 2g's (published before it
+    started): the default run. With a negative spin no program polls and every one computes its
+    partner's sums: the same gradients, bitwise, so the computed sums are the published ones. Every word
+    is published once per launch. A word planted before the launch (then overwritten by its owner) is
+    taken as published by the program that polls it first, 2g, whose dx goes wrong while 2g+1's half
+    stays bitwise the same: the read path is live, and without polls the planted words are never read.
+    Against the plan without the exchange (whole rows in pass 1, another summation order): close."""
+    if not triton_runs_on("cuda" if CUDA else "cpu"):
+        pytest.skip("triton is not installed")
+    M, N = 9, 300
+    _exchange_knobs(monkeypatch, sms=4)
+    cfg = ln._bwd_config(M, N, "cpu", 2, 0)
+    assert (cfg.exchange, cfg.split, cfg.block_n, cfg.programs) == (True, 2, 256, 4)
+    dev = _device("triton")
+    inp = _inputs(dev, torch.float16, M, N)
+    dy = torch.randn(M, N, generator=torch.Generator().manual_seed(3)).to(dev, torch.float16)
+    words = []
+    real_words = ln._exchange_words
+    planted = [None]
+
+    def words_hook(rows, split, device):
+        w = real_words(rows, split, device)
+        assert w.shape == (rows * split,) and bool((w == -1).all())
+        if planted[0] is not None:
+            w.view(rows, split)[:, 1] = planted[0]  # the second program's words, before it runs
+        words.append(w)
+        return w
+
+    monkeypatch.setattr(ln, "_exchange_words", words_hook)
+    base = _exchange_grads(inp, dy)
+    assert bool((words[-1] != -1).all())  # every (row, program) word published
+    again = _exchange_grads(inp, dy)
+    monkeypatch.setattr(ln, "BWD_SPIN_INTERPRET", -1)
+    computed = _exchange_grads(inp, dy)
+    assert torch.equal(words[-1], words[0])  # the same words, whoever computed them
+    for a, b, c in zip(base, again, computed):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    planted[0] = _word(1e4, -1e4)
+    unread = _exchange_grads(inp, dy)  # no polls: the planted words are overwritten, never read
+    for a, b in zip(base, unread):
+        assert torch.equal(a, b)
+    monkeypatch.setattr(ln, "BWD_SPIN_INTERPRET", 2)
+    read = _exchange_grads(inp, dy)
+    dx, dx_read = base[0], read[0]
+    assert torch.equal(dx[:, 256:], dx_read[:, 256:])  # 2g+1: 2g's real word and its own sums
+    assert bool(((dx_read[:, :256] - dx[:, :256]).float().abs().amax(dim=1) > 1).all())  # 2g: every row planted
+    for a, b in zip(base[1:], read[1:]):  # dweight, dbias: no row sums in them
+        assert torch.equal(a, b)
+    planted[0] = None
+    monkeypatch.setattr(ln, "BWD_EXCHANGE", False)
+    assert not ln._bwd_config(M, N, "cpu", 2, 0).exchange
+    whole = _exchange_grads(inp, dy)
+    for a, b in zip(base, whole):
+        torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3)
+
+
+def test_exchange_config_rules(monkeypatch):
+    """The plan exchanges only where rows split over programs with one-row tiles and one pass-2 chunk;
+    BWD_TUNED's "exchange" turns it on for one plain configuration (the GPU's 16384 candidates), where
+    pass 1 then reads the own 8192 columns, prefetched; the shipped plan (BWD_EXCHANGE off) has none."""
+    monkeypatch.setattr(ln, "num_sms", lambda device: 132)
+    for n_acc in (1, 2):
+        for N in (1024, 8192, 12288, 16384, 65536):
+            assert not ln._bwd_config((1 << 28) // N, N, "cuda", n_acc).exchange
+    monkeypatch.setattr(ln, "BWD_TUNED", {(2, 16384): {"exchange": True}, (2, 12288): {"exchange": True},
+                                          (1, 16384): {"exchange": True, "block_n": 8192, "sub": 1, "hold": True},
+                                          (2, 1024): {"exchange": True}})
+    cfg = ln._bwd_config(16384, 16384, "cuda", 2)
+    assert (cfg.exchange, cfg.split, cfg.block_r, cfg.r_chunks, cfg.block_n, cfg.prefetch, cfg.num_warps,
+            cfg.programs) == (True, 2, 8192, 1, 8192, True, 32, 132)
+    cfg = ln._bwd_config(16384, 12288, "cuda", 2)  # 8192 + 4096 columns
+    assert (cfg.exchange, cfg.split, cfg.block_r, cfg.block_n) == (True, 2, 8192, 8192)
+    cfg = ln._bwd_config(16384, 16384, "cuda", 1)
+    assert (cfg.exchange, cfg.split, cfg.block_r, cfg.hold, cfg.prefetch) == (True, 2, 8192, True, True)
+    assert not ln._bwd_config(16384, 1024, "cuda", 2).exchange  # one program a row: nothing to exchange
+    assert not ln._bwd_config(16384, 16384, "cuda", 2, 1).exchange  # BWD_TUNED is for plain calls
+    monkeypatch.setattr(ln, "BWD_EXCHANGE", True)
+    cfg = ln._bwd_config(16384, 16384, "cuda", 2, 1)  # with a residual: 80 registers, 16 warps, 4 programs
+    assert (cfg.exchange, cfg.split, cfg.block_r, cfg.block_n, cfg.prefetch) == (True, 4, 4096, 4096, True)
+    monkeypatch.setattr(ln, "BWD_TUNED", {})
+    assert not ln._bwd_config(16384, 16384, "cuda", 1).exchange  # 16384 as two sub-chunks: not split
+
+
 def test_default_variants_and_tuned_table(monkeypatch):
     """Defaults: the joined row sums everywhere, pass 2 from registers for RMSNorm only (LayerNorm's
     second accumulator would spill at the 64-register cap). BWD_TUNED replaces fields of the plain
