@@ -56,6 +56,7 @@ def parse_args(argv=None):
     p.add_argument("--only", default="", help="comma-separated candidate labels (default: all)")
     p.add_argument("--aot", action="store_true", help="no GPU: compile each candidate for sm_90, print registers")
     p.add_argument("--sms", type=int, default=132)
+    p.add_argument("--ptx-dir", default="", help="--aot: also write each candidate's PTX there")
     p.add_argument("--cpu-smoke", action="store_true", help=argparse.SUPPRESS)  # script check without a GPU
     return p.parse_args(argv)
 
@@ -241,6 +242,11 @@ def aot(args, hidden):
                         sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
                     regs, stack = re.search(r"REG:(\d+) STACK:(\d+)", usage).groups()
                     n_ins, n_bar = _main_loop(sass)
+                    if args.ptx_dir:
+                        os.makedirs(args.ptx_dir, exist_ok=True)
+                        with open(os.path.join(args.ptx_dir, f"{norm}_{N}_{label.replace(' ', '_').replace('/', '-')}"
+                                                             ".ptx"), "w") as f:
+                            f.write(ck.asm["ptx"])
                     print(f"| {'RMSNorm' if is_rms else 'LayerNorm'} | {N} | {label} | {cfg_str(cfg, args.sms)} | "
                           f"{regs} | {stack} | {n_ins} | {n_bar} |", flush=True)
     finally:

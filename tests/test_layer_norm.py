@@ -641,6 +641,45 @@ def test_backward_compiles_for_sm90_without_spills():
             assert int(spill) == 0, (norm, hidden)
 
 
+def test_exchange_compiles_for_sm90(tmp_path):
+    """The sweep's exchange candidates at 16384 compile for sm_90 (no GPU) within their register cap, and
+    the compiled exchange is what its correctness argument needs: the word published with a relaxed
+    64-bit atomic exchange and polled with a relaxed 64-bit read (atomic or its load form) inside a loop,
+    no fence anywhere (a release would wait for the outstanding dx stores), and pass 1's products as
+    mul.rn (not contractible, so a partner's sums recomputed elsewhere in the kernel get the same bits)."""
+    pytest.importorskip("triton.backends.nvidia")
+    import re
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("TRITON_INTERPRET", None)
+    labels = ["xchg", "xchg hold", "xchg 8192/2", "xchg 8192/2 hold"]
+    r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "sweep_norm_bwd.py"), "--aot", "--hidden",
+                        "16384", "--only", ",".join(labels), "--ptx-dir", str(tmp_path)], cwd=root, env=env,
+                       capture_output=True, text=True, timeout=600)
+    if r.returncode != 0 and "cuobjdump" in r.stderr + r.stdout:
+        pytest.skip("cuobjdump not available")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [line.split("|")[1:-1] for line in r.stdout.splitlines() if line.startswith("| LayerNorm")
+            or line.startswith("| RMSNorm")]
+    assert sorted(row[2].strip() for row in rows) == sorted(labels)
+    for _, _, _, config, regs, *_ in rows:
+        assert "exchange" in config and int(regs) <= int(re.search(r"mr(\d+)", config).group(1))
+    ptxs = sorted(tmp_path.glob("*.ptx"))
+    assert len(ptxs) == 4
+    for path in ptxs:
+        ptx = path.read_text()
+        assert len(re.findall(r"atom\.global\.gpu\.relaxed\.exch\.b64", ptx)) == 1, path.name
+        poll = re.search(r"(ld\.global\.gpu\.relaxed\.b64|atom\.global\.gpu\.relaxed\.add\.u64)", ptx)
+        assert poll, path.name
+        # the poll sits between a label and a branch back to it (the spin loop)
+        before, after = ptx[:poll.start()], ptx[poll.end():]
+        labels_before = re.findall(r"^\$(L__BB\d+_\d+):", before, re.M)
+        assert any(re.search(r"bra(\.uni)?\s+\$" + lab + ";", after) for lab in labels_before), path.name
+        assert not re.search(r"\b(fence|membar)\.", ptx), path.name
+        assert "mul.rn.f32" in ptx, path.name
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("is_rms_norm", [False, True])
 @pytest.mark.parametrize("N", [1024, 4099, 8192, 16384, 65536])
@@ -665,6 +704,67 @@ def test_gpu_bf16_dropout_parallel():
     with backend("triton"):
         _check(_device("triton"), torch.bfloat16, 257, 2048, x1=True, weight1=True, residual=True, prenorm=True,
                dropout_p=0.1, residual_in_fp32=True)
+
+
+_GPU_EXCHANGE = {"xchg": {"exchange": True}, "xchg hold": {"exchange": True, "hold": True},
+                 "xchg 8192/2": {"exchange": True, "block_n": 8192, "sub": 1},
+                 "xchg 8192/2 hold": {"exchange": True, "block_n": 8192, "sub": 1, "hold": True}}
+
+
+def _gpu_exchange_spins(monkeypatch, inp, dy, **fn_kw):
+    """Gradients with the default spin, one poll a row (each word read or computed as timing has it) and no
+    polls (every program computes its partners' sums), twice each: all bitwise the same."""
+    runs = []
+    for spin in (ln.BWD_SPIN, 0, -1):
+        monkeypatch.setattr(ln, "BWD_SPIN", spin)
+        runs += [_exchange_grads(inp, dy, **fn_kw) for _ in range(2)]
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("candidate", list(_GPU_EXCHANGE))
+@pytest.mark.parametrize("N", [12288, 16384])
+@pytest.mark.parametrize("M", [1, 3, 1000])
+def test_gpu_bf16_exchange(monkeypatch, candidate, M, N):
+    """The sweep's exchange candidates (as BWD_TUNED entries for plain calls; "xchg" and "xchg hold" are
+    LayerNorm's, the 8192/2 ones RMSNorm's): outputs and gradients against the reference, and bitwise
+    the same however the row sums travel and from run to run."""
+    is_rms = "8192/2" in candidate
+    n_acc = 1 if is_rms else 2
+    monkeypatch.setattr(ln, "BWD_TUNED", {**ln.BWD_TUNED, (n_acc, N): _GPU_EXCHANGE[candidate]})
+    cfg = ln._bwd_config(M, N, "cuda", n_acc)
+    assert cfg.exchange and cfg.split == 2 and cfg.hold == ("hold" in candidate)
+    with backend("triton"):
+        _check("cuda", torch.bfloat16, M, N, is_rms_norm=is_rms, bias=not is_rms)
+    inp = _inputs("cuda", torch.bfloat16, M, N, bias=not is_rms)
+    dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    _gpu_exchange_spins(monkeypatch, inp, dy, is_rms_norm=is_rms)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N", [12288, 16384, 65536])
+@pytest.mark.parametrize("sms", [None, 1000])
+def test_gpu_bf16_exchange_plan(monkeypatch, N, sms):
+    """BWD_EXCHANGE on (the plan's rule; LayerNorm with a residual and fp32 weights: groups of three at
+    12288, four at 16384, sixteen at 65536, 4096 columns each): outputs, gradients, bitwise agreement of
+    the ways the sums travel. With the grid sized for 1000 SMs, far more programs than are resident at
+    once: partners that do not run together time out and compute, which must neither hang nor change a
+    bit."""
+    monkeypatch.setattr(ln, "BWD_EXCHANGE", True)
+    if sms is not None:
+        real = ln.num_sms
+        monkeypatch.setattr(ln, "num_sms", lambda device: sms if torch.device(device).type == "cuda" else real(device))
+    M = 1000
+    kw = dict(residual=True, weight_dtype=torch.float32)
+    cfg = ln._bwd_config(M, N, "cuda", 2, 1)
+    assert cfg.exchange and cfg.split == {12288: 3, 16384: 4, 65536: 16}[N]
+    with backend("triton"):
+        _check("cuda", torch.bfloat16, M, N, prenorm=True, **kw)
+    inp = _inputs("cuda", torch.bfloat16, M, N, **kw)
+    dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    _gpu_exchange_spins(monkeypatch, inp, dy)
 
 
 @pytest.mark.gpu

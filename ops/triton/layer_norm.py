@@ -349,8 +349,9 @@ def _unpack(w):
 def _ln_bwd_own_partials_of(X, DY, DY1, W, W1, rows, ok, part, N, mean, stride_x, stride_dy, stride_dy1,
                             IS_RMS_NORM: tl.constexpr, HAS_W1: tl.constexpr, ZERO_CENTERED: tl.constexpr,
                             PAIR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, NO_FMA: tl.constexpr):
-    """The word program `part` of the group publishes for the one-row tile rows, computed here from its
-    columns: the same loads, tile shape and _ln_bwd_row_partials as its own pass 1, so the same bits."""
+    """The word that program `part` of the group publishes for the one-row tile `rows`, computed here from
+    that program's columns with the same loads, tile shape and _ln_bwd_row_partials as its pass 1 (the
+    same layouts, hence the same summation order and bits)."""
     cols = part * BLOCK_N + tl.arange(0, BLOCK_R)[None, :]
     x, dy, dy1 = _ln_bwd_load(X, DY, DY1, rows[:, None], cols, ok[:, None] & (cols < N), stride_x, stride_dy,
                               stride_dy1, HAS_W1, "")
