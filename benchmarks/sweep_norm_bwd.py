@@ -42,6 +42,10 @@ CANDIDATES = (
     ("xchg hold", "L", (12288, 16384), {"exchange": True, "hold": True}),
     ("xchg 8192/2", "R", (12288, 16384), {"exchange": True, "block_n": 8192, "sub": 1}),
     ("xchg 8192/2 hold", "R", (12288, 16384), {"exchange": True, "block_n": 8192, "sub": 1, "hold": True}),
+    # groups of 3 (12288: balanced, where 8192/2 leaves the second program half idle) or 4, 2 programs/SM
+    ("xchg 4096/16w", "LR", (12288, 16384), {"exchange": True, "block_n": 4096, "sub": 1, "num_warps": 16}),
+    ("xchg 4096/16w hold", "LR", (12288, 16384),
+     {"exchange": True, "block_n": 4096, "sub": 1, "num_warps": 16, "hold": True}),
 )
 
 
