@@ -61,7 +61,9 @@ BWD_HOLD_MAX_ACC = 1
 # candidates and their timings. n_acc: 1 RMSNorm, 2 LayerNorm (dweight and dbias).
 # From `benchmarks/sweep_norm_bwd.py` on an H200 (session 4): LayerNorm 1024 449 -> 428 us, 8192 482 -> 457 us
 # (the latter spills 16 bytes at 64 registers and is still the fastest).
-BWD_TUNED = {(2, 1024): {"hold": True, "maxnreg": 72}, (2, 8192): {"hold": True}}
+# (2, 16384): the row-sum exchange below, a no-op until measured; the sweep's "xchg" / "xchg hold" rows
+# print the entry to use where they beat "plan".
+BWD_TUNED = {(2, 1024): {"hold": True, "maxnreg": 72}, (2, 8192): {"hold": True}, (2, 16384): {"exchange": False}}
 # Exchange of pass 1's row sums between the programs that split a row (see _ln_bwd_exchange): each reads
 # only its own columns in pass 1 instead of the whole row. BWD_EXCHANGE makes the plan pick it wherever a
 # row is split (one row per tile, one pass-2 chunk per program); off until measured on a GPU
