@@ -275,6 +275,155 @@ def test_row_sum_and_hold_variants(monkeypatch, pair, hold):
         _check(_device("triton"), torch.float32, 37, 17, is_rms_norm=True, bias=False, x_bias=True)
 
 
+def _exchange_knobs(monkeypatch, sms=1, **knobs):
+    """Limits low enough that rows of a few hundred columns split over programs with one-row tiles, and
+    the row-sum exchange on (BWD_EXCHANGE); further knobs as keywords."""
+    monkeypatch.setattr(ln, "BWD_MIN_TILE", 16)
+    monkeypatch.setattr(ln, "BWD_ELEMS_PER_THREAD", 1)
+    monkeypatch.setattr(ln, "BWD_MAXNREG", (255,))
+    monkeypatch.setattr(ln, "BWD_ACC_REGS", 2)
+    monkeypatch.setattr(ln, "BWD_EXCHANGE", True)
+    monkeypatch.setattr(ln, "num_sms", lambda device: sms)
+    for k, v in knobs.items():
+        monkeypatch.setattr(ln, k, v)
+
+
+# (dtype, rows, hidden, _check keywords, the backward's n_acc and extra, its split and whether it holds)
+_EXCHANGE_CASES = {
+    "ln pair": (torch.float16, 9, 300, dict(), 2, 0, 2),
+    "ln three, residual": (torch.float32, 7, 300, dict(residual=True, prenorm=True), 2, 3, 3),
+    "ln four, parallel dropout": (torch.float16, 5, 100, dict(residual=True, x1=True, weight1=True, dropout_p=0.2,
+                                                               prenorm=True), 4, 5, 4),
+    "rms pair, rowscale": (torch.float32, 9, 300, dict(is_rms_norm=True, bias=False, rowscale=True,
+                                                        zero_centered_weight=True), 1, 3, 2),
+    "rms three, residual dropout": (torch.float16, 6, 600, dict(is_rms_norm=True, bias=False, residual=True,
+                                                                 dropout_p=0.3, prenorm=True), 1, 2, 3),
+}
+
+
+@pytest.mark.parametrize("variant", ["prefetch", "hold", "no prefetch"])
+@pytest.mark.parametrize("case", list(_EXCHANGE_CASES))
+def test_exchange_values_and_grads(monkeypatch, case, variant):
+    """Split rows exchanging pass 1's row sums (_ln_bwd_exchange): every output and gradient against the
+    reference, for pairs and groups of three (a padded word slot) and four, each with pass 2 re-reading
+    its columns, holding them from pass 1, and without prefetch. In the interpreter the first program of
+    a group always computes its partners' sums itself (its spin runs out: they have not run yet) and the
+    last always reads them, so both paths feed every case."""
+    if not triton_runs_on("cuda" if CUDA else "cpu"):
+        pytest.skip("triton is not installed")
+    dtype, M, N, kw, n_acc, extra, split = _EXCHANGE_CASES[case]
+    _exchange_knobs(monkeypatch, sms=2 * split, BWD_HOLD_MAX_ACC=4 if variant == "hold" else 0,
+                    BWD_PREFETCH=variant != "no prefetch")
+    cfg = ln._bwd_config(M, N, "cpu", n_acc, extra)
+    assert (cfg.exchange, cfg.split, cfg.block_m, cfg.sub, cfg.r_chunks, cfg.block_r) == (
+        True, split, 1, 1, 1, cfg.block_n)
+    assert (cfg.prefetch, cfg.hold) == (variant != "no prefetch", variant == "hold")
+    assert cfg.programs >= 2 * split and cfg.rows_per_program > 1  # groups of several rows
+    with backend("triton"):
+        _check(_device("triton"), dtype, M, N, **kw)
+
+
+def _exchange_grads(inp, dy, **fn_kw):
+    with backend("triton"):
+        y = layer_norm_fn(**inp, **fn_kw)
+        names = [k for k, v in inp.items() if v is not None and v.requires_grad]
+        return torch.autograd.grad(y, [inp[k] for k in names], dy)
+
+
+def _word(s1, s2):
+    """_pack of two fp32 values, in Python."""
+    import struct
+
+    lo, hi = struct.unpack("<II", struct.pack("<ff", s1, s2))
+    return struct.unpack("<q", struct.pack("<Q", lo | hi << 32))[0]
+
+
+def test_exchange_paths_agree_bitwise(monkeypatch):
+    """The exchange gives the same bits whichever way a program gets its partner's row sums. In the
+    interpreter (programs one after another) program 2g of each pair never finds program 2g+1's word
+    (its spin runs out, it computes the sums itself) and 2g+1 always finds 2g's (published before it
+    started): the default run. With a negative spin no program polls and every one computes its
+    partner's sums: the same gradients, bitwise, so the computed sums are the published ones. Every word
+    is published once per launch. A word planted before the launch (then overwritten by its owner) is
+    taken as published by the program that polls it first, 2g, whose dx goes wrong while 2g+1's half
+    stays bitwise the same: the read path is live, and without polls the planted words are never read.
+    Against the plan without the exchange (whole rows in pass 1, another summation order): close."""
+    if not triton_runs_on("cuda" if CUDA else "cpu"):
+        pytest.skip("triton is not installed")
+    M, N = 9, 300
+    _exchange_knobs(monkeypatch, sms=4)
+    cfg = ln._bwd_config(M, N, "cpu", 2, 0)
+    assert (cfg.exchange, cfg.split, cfg.block_n, cfg.programs) == (True, 2, 256, 4)
+    dev = _device("triton")
+    inp = _inputs(dev, torch.float16, M, N)
+    dy = torch.randn(M, N, generator=torch.Generator().manual_seed(3)).to(dev, torch.float16)
+    words = []
+    real_words = ln._exchange_words
+    planted = [None]
+
+    def words_hook(rows, split, device):
+        w = real_words(rows, split, device)
+        assert w.shape == (rows * split,) and bool((w == -1).all())
+        if planted[0] is not None:
+            w.view(rows, split)[:, 1] = planted[0]  # the second program's words, before it runs
+        words.append(w)
+        return w
+
+    monkeypatch.setattr(ln, "_exchange_words", words_hook)
+    base = _exchange_grads(inp, dy)
+    assert bool((words[-1] != -1).all())  # every (row, program) word published
+    again = _exchange_grads(inp, dy)
+    monkeypatch.setattr(ln, "BWD_SPIN_INTERPRET", -1)
+    computed = _exchange_grads(inp, dy)
+    assert torch.equal(words[-1], words[0])  # the same words, whoever computed them
+    for a, b, c in zip(base, again, computed):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    planted[0] = _word(1e4, -1e4)
+    unread = _exchange_grads(inp, dy)  # no polls: the planted words are overwritten, never read
+    for a, b in zip(base, unread):
+        assert torch.equal(a, b)
+    monkeypatch.setattr(ln, "BWD_SPIN_INTERPRET", 2)
+    read = _exchange_grads(inp, dy)
+    dx, dx_read = base[0], read[0]
+    assert torch.equal(dx[:, 256:], dx_read[:, 256:])  # 2g+1: 2g's real word and its own sums
+    assert bool(((dx_read[:, :256] - dx[:, :256]).float().abs().amax(dim=1) > 1).all())  # 2g: every row planted
+    for a, b in zip(base[1:], read[1:]):  # dweight, dbias: no row sums in them
+        assert torch.equal(a, b)
+    planted[0] = None
+    monkeypatch.setattr(ln, "BWD_EXCHANGE", False)
+    assert not ln._bwd_config(M, N, "cpu", 2, 0).exchange
+    whole = _exchange_grads(inp, dy)
+    for a, b in zip(base, whole):
+        torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3)
+
+
+def test_exchange_config_rules(monkeypatch):
+    """The plan exchanges only where rows split over programs with one-row tiles and one pass-2 chunk;
+    BWD_TUNED's "exchange" turns it on for one plain configuration (the GPU's 16384 candidates), where
+    pass 1 then reads the own 8192 columns, prefetched; the shipped plan (BWD_EXCHANGE off) has none."""
+    monkeypatch.setattr(ln, "num_sms", lambda device: 132)
+    for n_acc in (1, 2):
+        for N in (1024, 8192, 12288, 16384, 65536):
+            assert not ln._bwd_config((1 << 28) // N, N, "cuda", n_acc).exchange
+    monkeypatch.setattr(ln, "BWD_TUNED", {(2, 16384): {"exchange": True}, (2, 12288): {"exchange": True},
+                                          (1, 16384): {"exchange": True, "block_n": 8192, "sub": 1, "hold": True},
+                                          (2, 1024): {"exchange": True}})
+    cfg = ln._bwd_config(16384, 16384, "cuda", 2)
+    assert (cfg.exchange, cfg.split, cfg.block_r, cfg.r_chunks, cfg.block_n, cfg.prefetch, cfg.num_warps,
+            cfg.programs) == (True, 2, 8192, 1, 8192, True, 32, 132)
+    cfg = ln._bwd_config(16384, 12288, "cuda", 2)  # 8192 + 4096 columns
+    assert (cfg.exchange, cfg.split, cfg.block_r, cfg.block_n) == (True, 2, 8192, 8192)
+    cfg = ln._bwd_config(16384, 16384, "cuda", 1)
+    assert (cfg.exchange, cfg.split, cfg.block_r, cfg.hold, cfg.prefetch) == (True, 2, 8192, True, True)
+    assert not ln._bwd_config(16384, 1024, "cuda", 2).exchange  # one program a row: nothing to exchange
+    assert not ln._bwd_config(16384, 16384, "cuda", 2, 1).exchange  # BWD_TUNED is for plain calls
+    monkeypatch.setattr(ln, "BWD_EXCHANGE", True)
+    cfg = ln._bwd_config(16384, 16384, "cuda", 2, 1)  # with a residual: 80 registers, 16 warps, 4 programs
+    assert (cfg.exchange, cfg.split, cfg.block_r, cfg.block_n, cfg.prefetch) == (True, 4, 4096, 4096, True)
+    monkeypatch.setattr(ln, "BWD_TUNED", {})
+    assert not ln._bwd_config(16384, 16384, "cuda", 1).exchange  # 16384 as two sub-chunks: not split
+
+
 def test_default_variants_and_tuned_table(monkeypatch):
     """Defaults: the joined row sums everywhere, pass 2 from registers for RMSNorm only (LayerNorm's
     second accumulator would spill at the 64-register cap). BWD_TUNED replaces fields of the plain
@@ -578,6 +727,45 @@ def test_backward_compiles_for_sm90_without_spills():
             assert int(spill) == 0, (norm, hidden)
 
 
+def test_exchange_compiles_for_sm90(tmp_path):
+    """The sweep's exchange candidates at 16384 compile for sm_90 (no GPU) within their register cap, and
+    the compiled exchange is what its correctness argument needs: the word published with a relaxed
+    64-bit atomic exchange and polled with a relaxed 64-bit read (atomic or its load form) inside a loop,
+    no fence anywhere (a release would wait for the outstanding dx stores), and pass 1's products as
+    mul.rn (not contractible, so a partner's sums recomputed elsewhere in the kernel get the same bits)."""
+    pytest.importorskip("triton.backends.nvidia")
+    import re
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("TRITON_INTERPRET", None)
+    labels = ["xchg", "xchg hold", "xchg 8192/2", "xchg 8192/2 hold"]
+    r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "sweep_norm_bwd.py"), "--aot", "--hidden",
+                        "16384", "--only", ",".join(labels), "--ptx-dir", str(tmp_path)], cwd=root, env=env,
+                       capture_output=True, text=True, timeout=600)
+    if r.returncode != 0 and "cuobjdump" in r.stderr + r.stdout:
+        pytest.skip("cuobjdump not available")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [line.split("|")[1:-1] for line in r.stdout.splitlines() if line.startswith("| LayerNorm")
+            or line.startswith("| RMSNorm")]
+    assert sorted(row[2].strip() for row in rows) == sorted(labels)
+    for _, _, _, config, regs, *_ in rows:
+        assert "exchange" in config and int(regs) <= int(re.search(r"mr(\d+)", config).group(1))
+    ptxs = sorted(tmp_path.glob("*.ptx"))
+    assert len(ptxs) == 4
+    for path in ptxs:
+        ptx = path.read_text()
+        assert len(re.findall(r"atom\.global\.gpu\.relaxed\.exch\.b64", ptx)) == 1, path.name
+        poll = re.search(r"(ld\.global\.gpu\.relaxed\.b64|atom\.global\.gpu\.relaxed\.add\.u64)", ptx)
+        assert poll, path.name
+        # the poll sits between a label and a branch back to it (the spin loop)
+        before, after = ptx[:poll.start()], ptx[poll.end():]
+        labels_before = re.findall(r"^\$(L__BB\d+_\d+):", before, re.M)
+        assert any(re.search(r"bra(\.uni)?\s+\$" + lab + ";", after) for lab in labels_before), path.name
+        assert not re.search(r"\b(fence|membar)\.", ptx), path.name
+        assert "mul.rn.f32" in ptx, path.name
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("is_rms_norm", [False, True])
 @pytest.mark.parametrize("N", [1024, 4099, 8192, 16384, 65536])
@@ -602,6 +790,67 @@ def test_gpu_bf16_dropout_parallel():
     with backend("triton"):
         _check(_device("triton"), torch.bfloat16, 257, 2048, x1=True, weight1=True, residual=True, prenorm=True,
                dropout_p=0.1, residual_in_fp32=True)
+
+
+_GPU_EXCHANGE = {"xchg": {"exchange": True}, "xchg hold": {"exchange": True, "hold": True},
+                 "xchg 8192/2": {"exchange": True, "block_n": 8192, "sub": 1},
+                 "xchg 8192/2 hold": {"exchange": True, "block_n": 8192, "sub": 1, "hold": True}}
+
+
+def _gpu_exchange_spins(monkeypatch, inp, dy, **fn_kw):
+    """Gradients with the default spin, one poll a row (each word read or computed as timing has it) and no
+    polls (every program computes its partners' sums), twice each: all bitwise the same."""
+    runs = []
+    for spin in (ln.BWD_SPIN, 0, -1):
+        monkeypatch.setattr(ln, "BWD_SPIN", spin)
+        runs += [_exchange_grads(inp, dy, **fn_kw) for _ in range(2)]
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("candidate", list(_GPU_EXCHANGE))
+@pytest.mark.parametrize("N", [12288, 16384])
+@pytest.mark.parametrize("M", [1, 3, 1000])
+def test_gpu_bf16_exchange(monkeypatch, candidate, M, N):
+    """The sweep's exchange candidates (as BWD_TUNED entries for plain calls; "xchg" and "xchg hold" are
+    LayerNorm's, the 8192/2 ones RMSNorm's): outputs and gradients against the reference, and bitwise
+    the same however the row sums travel and from run to run."""
+    is_rms = "8192/2" in candidate
+    n_acc = 1 if is_rms else 2
+    monkeypatch.setattr(ln, "BWD_TUNED", {**ln.BWD_TUNED, (n_acc, N): _GPU_EXCHANGE[candidate]})
+    cfg = ln._bwd_config(M, N, "cuda", n_acc)
+    assert cfg.exchange and cfg.split == 2 and cfg.hold == ("hold" in candidate)
+    with backend("triton"):
+        _check("cuda", torch.bfloat16, M, N, is_rms_norm=is_rms, bias=not is_rms)
+    inp = _inputs("cuda", torch.bfloat16, M, N, bias=not is_rms)
+    dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    _gpu_exchange_spins(monkeypatch, inp, dy, is_rms_norm=is_rms)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N", [12288, 16384, 65536])
+@pytest.mark.parametrize("sms", [None, 1000])
+def test_gpu_bf16_exchange_plan(monkeypatch, N, sms):
+    """BWD_EXCHANGE on (the plan's rule; LayerNorm with a residual and fp32 weights: groups of three at
+    12288, four at 16384, sixteen at 65536, 4096 columns each): outputs, gradients, bitwise agreement of
+    the ways the sums travel. With the grid sized for 1000 SMs, far more programs than are resident at
+    once: partners that do not run together time out and compute, which must neither hang nor change a
+    bit."""
+    monkeypatch.setattr(ln, "BWD_EXCHANGE", True)
+    if sms is not None:
+        real = ln.num_sms
+        monkeypatch.setattr(ln, "num_sms", lambda device: sms if torch.device(device).type == "cuda" else real(device))
+    M = 1000
+    kw = dict(residual=True, weight_dtype=torch.float32)
+    cfg = ln._bwd_config(M, N, "cuda", 2, 1)
+    assert cfg.exchange and cfg.split == {12288: 3, 16384: 4, 65536: 16}[N]
+    with backend("triton"):
+        _check("cuda", torch.bfloat16, M, N, prenorm=True, **kw)
+    inp = _inputs("cuda", torch.bfloat16, M, N, **kw)
+    dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    _gpu_exchange_spins(monkeypatch, inp, dy)
 
 
 @pytest.mark.gpu
