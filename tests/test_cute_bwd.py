@@ -218,7 +218,7 @@ def test_overlap_issues_the_next_block_before_the_dq_atomics(tmp_path, monkeypat
     loop issues the next block's S^T and dP^T (D = 64; D = 128: S^T only, 2 x D/16 or D/16 WGMMAs)
     and waits only for the older groups (wait_group 2 / 1); the default build issues nothing there and
     waits for everything. ptxas keeps the WGMMAs pipelined and spills at most a few words."""
-    monkeypatch.delenv("FLASH_ATTN_CUTE_BWD_DQ_TMA", raising=False)
+    monkeypatch.setenv("FLASH_ATTN_CUTE_BWD_DQ_TMA", "0")  # the atomics path (the TMA dQ has its own test)
     monkeypatch.delenv("FLASH_ATTN_CUTE_BWD_DQ_SPLIT", raising=False)
     monkeypatch.delenv("FLASH_ATTN_CUTE_BWD_STAGES", raising=False)
     bm = interface._bwd_config(torch.bfloat16, d, causal, "sm_90a")["block_m"]
@@ -388,6 +388,20 @@ def test_dq_accumulator_values_pair_up_as_adjacent_columns(d, dq_split):
 
     cute.compile(check, options="--gpu-arch sm_90a")
     assert bad == [], bad[:20]
+
+
+def test_shared_memory_is_counted_and_an_oversized_config_refused():
+    # the H200 refused the d128 3-stage TMA dQ kernel at launch: "Allocated: 264704 bytes. Max: 232448"
+    import cutlass
+
+    from flash_attn.cute.flash_bwd_sm90 import FlashBwdSm90
+
+    k = FlashBwdSm90(cutlass.BFloat16, 128, True, num_stages=2, dq_tma=True)
+    assert k.smem_bytes() == 231424 <= FlashBwdSm90.SMEM_LIMIT
+    with pytest.raises(ValueError, match="264704 bytes of shared memory"):
+        FlashBwdSm90(cutlass.BFloat16, 128, True, num_stages=3, dq_tma=True)
+    assert FlashBwdSm90(cutlass.BFloat16, 128, True, num_stages=3, dq_tma=False).smem_bytes() <= 232448
+    assert FlashBwdSm90(cutlass.BFloat16, 64, True, num_stages=3, dq_tma=True).smem_bytes() <= 232448
 
 
 def test_unsupported_head_dim_is_refused():
@@ -826,7 +840,8 @@ def test_gradients_with_overlap_on_gpu(cute_bwd_on, monkeypatch, d, causal, seql
 @pytest.mark.parametrize("d,causal,env", [(64, True, {"FLASH_ATTN_CUTE_BWD_DQ_TMA": "1"}),
                                           (128, False, {"FLASH_ATTN_CUTE_BWD_DQ_TMA": "1"}),
                                           (64, True, {"FLASH_ATTN_CUTE_BWD_STAGES": "3"}),
-                                          (128, True, {"FLASH_ATTN_CUTE_BWD_STAGES": "3"}),
+                                          (128, True, {"FLASH_ATTN_CUTE_BWD_STAGES": "3",
+                                                       "FLASH_ATTN_CUTE_BWD_DQ_TMA": "0"}),
                                           (64, False, {"FLASH_ATTN_CUTE_BWD_DQ_SPLIT": "0"})])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(17, 17), (1000, 1000), (113, 203), (256, 77)])
 def test_gradients_with_overlap_variants_on_gpu(cute_bwd_on, monkeypatch, d, causal, env, seqlen_q, seqlen_k):

@@ -120,6 +120,25 @@ class FlashBwdSm90:
                              "accumulator next to the next block's S^T does not fit in 240 registers (ptxas "
                              "spills ~500 bytes and serialises the WGMMAs)")
         self.num_threads = self.NUM_PRODUCER_THREADS + 128 * self.NUM_MMA_WARPGROUPS
+        if self.smem_bytes() > self.SMEM_LIMIT:
+            raise ValueError(
+                f"head dim {head_dim}, block_m {block_m}, {num_stages} stages, dq_tma={self.dq_tma} need "
+                f"{self.smem_bytes()} bytes of shared memory, more than sm_90's {self.SMEM_LIMIT} per CTA (the "
+                "TMA dQ's two fp32 tiles take 64 KB at D = 128: use 2 stages or FLASH_ATTN_CUTE_BWD_DQ_TMA=0)")
+
+    SMEM_LIMIT = 232448  # sm_90's largest dynamic shared memory per CTA (227 KB)
+
+    def smem_bytes(self):
+        """Dynamic shared memory of the kernel, in the order and with the alignments `kernel` allocates it
+        (mbarriers, then the 1 KB-aligned tiles, then the lse / delta rows)."""
+        es, BM, BN, D, st = 2, self.block_m, self.block_n, self.head_dim, self.num_stages
+        off = (2 + 4 * st) * 8
+        tiles = [BM * D * es * st, BM * D * es * st, BN * D * es, BN * D * es, BM * BN * es * 2]
+        for nbytes in tiles + ([BM * D * 4 * 2] if self.dq_tma else []):
+            off = -(-off // 1024) * 1024 + nbytes
+        for _ in range(2):
+            off = -(-off // 128) * 128 + BM * 4 * st
+        return off
 
     # ------------------------------------------------------------------------------------------------
     # Host side: views, TMA descriptors, launch
