@@ -295,70 +295,6 @@ def test_exp2_emu_moves_exponentials_off_mufu(tmp_path, monkeypatch):
     assert sass.count(", -127, !PT") == n_poly  # the clamp at -127 (FMNMX)
 
 
-@pytest.mark.parametrize("d,hoist", [(64, "v"), (128, "qkv")])
-def test_desc_hoist_builds_the_descriptors_before_the_loop(tmp_path, monkeypatch, d, hoist):
-    """FLASH_ATTN_CUTE_FWD_DESC_HOIST: the hoisted operands' descriptors pass through one opaque
-    64-bit move each (before the main loop); the GEMMs and the softmax are the default build's."""
-    monkeypatch.delenv("FLASH_ATTN_CUTE_EXP2_EMU", raising=False)
-    texts = {}
-    for value in ("", hoist):
-        monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_DESC_HOIST", value)
-        dump = tmp_path / (value or "default")
-        dump.mkdir()
-        compile_fwd(torch.bfloat16, d, False, arch="sm_90a", dump_dir=str(dump))
-        (path,) = glob.glob(str(dump / "*.ptx"))
-        texts[value] = open(path).read()
-    moves = [sum(l.strip().startswith("mov.b64 %rd") and l.strip().count("%rd") == 2 for l in t.splitlines())
-             for t in (texts[""], texts[hoist])]
-    assert moves[1] - moves[0] == len(hoist)
-    for needle in ("wgmma.mma_async", "ex2.approx", "fma.rn.f32", "max.f32", "add.f32", "mul.f32"):
-        assert _count(texts[""], needle) == _count(texts[hoist], needle), needle
-
-
-@pytest.mark.parametrize("d,skip,votes", [(64, "1", 2), (128, "late", 1)])
-def test_skip_rescale_votes_before_the_rescale(tmp_path, monkeypatch, d, skip, votes):
-    """FLASH_ATTN_CUTE_FWD_SKIP_RESCALE=1: the main loop's O rescale sits behind a warp vote on the
-    factors (the loop's one, and the last block's); =late: one rescale, at the end of the iteration; the
-    math is the default build's."""
-    monkeypatch.delenv("FLASH_ATTN_CUTE_EXP2_EMU", raising=False)
-    monkeypatch.delenv("FLASH_ATTN_CUTE_FWD_DESC_HOIST", raising=False)
-    texts = []
-    for value in ("", skip):
-        monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_SKIP_RESCALE", value)
-        dump = tmp_path / (value or "default")
-        dump.mkdir()
-        compile_fwd(torch.bfloat16, d, False, arch="sm_90a", dump_dir=str(dump))
-        (path,) = glob.glob(str(dump / "*.ptx"))
-        texts.append(open(path).read())
-    assert _count(texts[0], "vote.sync.any") == 0 and _count(texts[1], "vote.sync.any") == votes
-    for needle in ("wgmma.mma_async", "ex2.approx", "fma.rn.f32", "max.f32", "add.f32"):
-        assert _count(texts[0], needle) == _count(texts[1], needle), needle
-    # late: the rescale after the loop (before the last P V) is gone
-    n_mul = d // 2  # O's multiplies per rescale site (a thread's share of 64 rows x d)
-    assert _count(texts[0], "mul.f32") - _count(texts[1], "mul.f32") == (n_mul if skip == "late" else 0)
-
-
-def test_main_loop_variants_per_head_dim(monkeypatch):
-    from flash_attn.cute.interface import _fwd_config
-
-    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_DESC_HOIST", "64:v,128:qk")
-    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_SKIP_RESCALE", "64:1")
-    c64, c128 = (_fwd_config(torch.bfloat16, d, False, "sm_90a") for d in (64, 128))
-    assert (c64["desc_hoist"], c64["skip_rescale"]) == ("v", True)
-    assert c128["desc_hoist"] == "qk" and "skip_rescale" not in c128
-
-
-def test_desc_hoist_in_the_cache_key_only_when_set(monkeypatch):
-    from flash_attn.cute.interface import _fwd_config
-
-    monkeypatch.delenv("FLASH_ATTN_CUTE_FWD_DESC_HOIST", raising=False)
-    assert "desc_hoist" not in _fwd_config(torch.bfloat16, 128, False, "sm_90a")
-    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_DESC_HOIST", "0")
-    assert "desc_hoist" not in _fwd_config(torch.bfloat16, 128, False, "sm_90a")
-    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_DESC_HOIST", "qk")
-    assert _fwd_config(torch.bfloat16, 128, False, "sm_90a")["desc_hoist"] == "qk"
-
-
 # ----------------------------------------------------------------------------------------------------
 # On a Hopper GPU
 
@@ -420,32 +356,6 @@ def test_exp2_emulation_matches_reference_on_gpu(monkeypatch, exp2_emu, degree, 
     monkeypatch.setattr(interface, "_kernels", {})  # the in-memory table does not key on the variables
     for shape in [(2, 128, 128, 4, 4), (2, 113, 203, 6, 2), (1, 1023, 1023, 4, 1), (1, 300, 1200, 8, 4)]:
         test_matches_reference_on_gpu(dtype, d, causal, *shape)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
-@pytest.mark.parametrize("hoist,skip", [("qkv", ""), ("v", ""), ("qk", ""), ("", "1"), ("v", "1"), ("", "late"),
-                                        ("qk", "late")])
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("causal", [False, True])
-def test_main_loop_variants_are_bit_identical_on_gpu(monkeypatch, hoist, skip, d, causal):
-    """FLASH_ATTN_CUTE_FWD_DESC_HOIST changes only where the WGMMA descriptors are computed and
-    FLASH_ATTN_CUTE_FWD_SKIP_RESCALE skips only multiplications by 1.0: out and lse equal the default
-    build's bit for bit."""
-    from flash_attn.cute import flash_attn_func, interface
-
-    torch.manual_seed(0)
-    q = torch.randn(2, 1000, 4, d, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(2, 1100, 2, d, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(2, 1100, 2, d, device="cuda", dtype=torch.bfloat16)
-    results = []
-    for h, sk in (("", ""), (hoist, skip)):
-        monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_DESC_HOIST", h)
-        monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_SKIP_RESCALE", sk)
-        monkeypatch.setattr(interface, "_kernels", {})  # the in-memory table does not key on the variables
-        results.append(flash_attn_func(q, k, v, causal=causal, return_lse=True))
-    torch.cuda.synchronize()
-    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
 
 
 @pytest.mark.gpu

@@ -13,11 +13,8 @@ import math
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Float32, Int32, Int64
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T
+from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
-from cutlass.cute.nvgpu.tcgen05 import int_to_smem_descriptor, smem_descriptor_to_int
 from cutlass.memory import SmemAllocator
 
 from flash_attn.cute.softmax_exp import EXP2_POLY, emulated_columns, exp2_poly
@@ -39,17 +36,6 @@ def _tma_tiles(atom, s, g, modes=2):
     and of the global tiles ``g`` form the copied box (trace time; no cluster multicast)."""
     return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, modes),
                                  cute.group_modes(g, 0, modes))
-
-
-def _hoisted_desc(frag):
-    """The WGMMA descriptor fragment ``frag`` (a view of shared memory through a descriptor) rebuilt on a
-    64-bit descriptor value computed here: CuTeDSL otherwise lowers the pointer -> descriptor conversion
-    (address >> 4, masks, layout bits) at every use, i.e. inside the main loop on every key block."""
-    # An opaque move (inline PTX) so that MLIR cannot fold the int <-> descriptor casts back together.
-    desc = Int64(llvm.inline_asm(T.i64(), [smem_descriptor_to_int(frag.iterator).ir_value()], "mov.b64 $0, $1;",
-                                 "=l,l", has_side_effects=False, is_align_stack=False,
-                                 asm_dialect=llvm.AsmDialect.AD_ATT))
-    return cute.make_tensor(int_to_smem_descriptor(desc), frag.layout)
 
 
 def _smem_layout(kind, dtype, shape, order=None):
@@ -75,8 +61,7 @@ class FlashFwdSm90:
     UNBOUNDED = 1 << 30  # window size standing for "no limit on this side" (host passes it for -1)
 
     def __init__(self, dtype, head_dim, causal, local=False, softcap=False, varlen=False, block_m=128,
-                 block_n=128, num_stages=2, exp2_emu=0, exp2_emu_degree=3, desc_hoist="",
-                 skip_rescale=False, sink=False):
+                 block_n=128, num_stages=2, exp2_emu=0, exp2_emu_degree=3, sink=False):
         """exp2_emu: of every 16 softmax exponentials a thread computes, this many (0..16, spread evenly
         over its fragment) use a degree-exp2_emu_degree polynomial on the FMA pipe instead of MUFU.EX2
         (softmax_exp.py), to relieve the MUFU pipe."""
@@ -100,16 +85,6 @@ class FlashFwdSm90:
         self.num_stages = num_stages
         self.exp2_emu = int(exp2_emu)
         self.exp2_emu_degree = int(exp2_emu_degree)
-        if set(desc_hoist) - set("qkv"):
-            raise ValueError(f"desc_hoist {desc_hoist!r}: letters of 'qkv' only")
-        if skip_rescale not in (False, True, 0, 1, "", "0", "1", "late"):
-            raise ValueError(f"skip_rescale {skip_rescale!r} not in (False, True, 'late')")
-        self.skip_rescale = skip_rescale in (True, 1, "1", "late")
-        # "late": the rescale of O by block j's factors at the end of iteration j (after P V_{j-1}), not
-        # between the GEMMs of iteration j + 1; the same multiplications (O is exactly 0 before block 0's
-        # P V, so the rescale after the first block's softmax is skipped: 0 * factor is 0 either way)
-        self.late_rescale = skip_rescale == "late"
-        self.desc_hoist = "".join(sorted(set(desc_hoist), key="qkv".index))
         self.num_threads = self.NUM_PRODUCER_THREADS + 128 * self.NUM_MMA_WARPGROUPS
 
     # ------------------------------------------------------------------------------------------------
@@ -414,17 +389,6 @@ class FlashFwdSm90:
 
     @cute.jit
     def _rescale(self, acc_O, corr):
-        if cutlass.const_expr(self.skip_rescale):
-            # Multiplying by exactly 1.0 changes nothing, so a warp whose factors are all 1.0 (no row
-            # maximum moved in this block: most blocks of a long row) skips the multiplies; the test
-            # is on the factors themselves, so results are bit-identical. A warp-uniform branch.
-            if cute.arch.vote_any_sync((corr[0] != Float32(1.0)) | (corr[1] != Float32(1.0))):
-                self._rescale_all(acc_O, corr)
-        else:
-            self._rescale_all(acc_O, corr)
-
-    @cute.jit
-    def _rescale_all(self, acc_O, corr):
         for r in cutlass.range_constexpr(2):
             for j in cutlass.range_constexpr(self.head_dim // 8):
                 for c in cutlass.range_constexpr(2):
@@ -452,12 +416,6 @@ class FlashFwdSm90:
         tSrQ = tiled_mma_qk.make_fragment_A(wg_qk.partition_A(sQ))
         tSrK = tiled_mma_qk.make_fragment_B(wg_qk.partition_B(sK))
         tOrV = tiled_mma_pv.make_fragment_B(wg_pv.partition_B(sVt))
-        if cutlass.const_expr("q" in self.desc_hoist):
-            tSrQ = _hoisted_desc(tSrQ)
-        if cutlass.const_expr("k" in self.desc_hoist):
-            tSrK = _hoisted_desc(tSrK)
-        if cutlass.const_expr("v" in self.desc_hoist):
-            tOrV = _hoisted_desc(tOrV)
         acc_S = cute.make_rmem_tensor(thr_qk.partition_shape_C((BM, BN)), Float32)
         acc_O = cute.make_rmem_tensor(thr_pv.partition_shape_C((BM, D)), Float32)
         acc_O.fill(0.0)
@@ -537,8 +495,7 @@ class FlashFwdSm90:
                 if cutlass.const_expr(pingpong):
                     cute.arch.barrier(barrier_id=1 + wg, number_of_threads=n_threads_pp)
                 self._gemm_qk(tiled_mma_qk, acc_S, tSrQ, tSrK, k_state.index)   # S_j = Q K_j^T
-                if cutlass.const_expr(not self.late_rescale):
-                    self._rescale(acc_O, corr)  # O was final up to block j-2; scale it to block j-1's max
+                self._rescale(acc_O, corr)  # O was final up to block j-2; scale it to block j-1's max
                 self._gemm_pv(tiled_mma_pv, acc_O, tOrP, tOrV, v_state.index)   # O += P_{j-1} V_{j-1}
                 if cutlass.const_expr(pingpong):
                     self._pass_turn(turn_bar, n_block < turn_below, n_threads_pp)
@@ -559,14 +516,10 @@ class FlashFwdSm90:
                 v_pipe.consumer_release(v_state)
                 rP.store(acc_S.load().to(dt))
                 v_state.advance()
-                if cutlass.const_expr(self.late_rescale):
-                    # O (up to block j-1, P V done) scaled to block j's max now, outside the GEMM turn
-                    self._rescale(acc_O, corr)
 
             # The last block's O += P V.
             v_pipe.consumer_wait(v_state)
-            if cutlass.const_expr(not self.late_rescale):
-                self._rescale(acc_O, corr)
+            self._rescale(acc_O, corr)
             self._gemm_pv(tiled_mma_pv, acc_O, tOrP, tOrV, v_state.index)
             warpgroup.wait_group(0)
             v_pipe.consumer_release(v_state)

@@ -75,19 +75,10 @@ def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varle
     block_n = int(os.environ.get("FLASH_ATTN_CUTE_BLOCK_N") or _DEFAULT_BLOCK_N.get(int(head_dim), 128))
     emu = int(os.environ.get("FLASH_ATTN_CUTE_EXP2_EMU") or _DEFAULT_EXP2_EMU.get(int(head_dim), 0))
     emu_degree = int(os.environ.get("FLASH_ATTN_CUTE_EXP2_EMU_DEGREE") or 3)
-    # Main-loop variants, off by default, in the key only when on; each variable is one value for all head
-    # dims or per head dim as "64:v,128:qk". FLASH_ATTN_CUTE_FWD_DESC_HOIST: the WGMMA operands ('q', 'k',
-    # 'v') whose shared-memory descriptors are built once before the main loop (desc_hoist);
-    # FLASH_ATTN_CUTE_FWD_SKIP_RESCALE=1: a warp skips O's rescale when all its factors are 1.0.
-    hoist = _per_head_dim("FLASH_ATTN_CUTE_FWD_DESC_HOIST", head_dim)
-    hoist_cfg = {"desc_hoist": hoist} if hoist and hoist != "0" else {}
-    skip = _per_head_dim("FLASH_ATTN_CUTE_FWD_SKIP_RESCALE", head_dim)
-    if skip not in ("", "0"):
-        hoist_cfg["skip_rescale"] = True if skip == "1" else skip
     emu_cfg = ({"exp2_emu": emu, **({"exp2_emu_degree": emu_degree} if emu_degree != 3 else {})}
                if emu else {})
     return {"kernel": "FlashFwdSm90", "dtype": _DTYPE_NAMES.get(dtype, str(dtype)), "head_dim": int(head_dim),
-            "stages": stages, **({"block_n": block_n} if block_n != 128 else {}), **emu_cfg, **hoist_cfg,
+            "stages": stages, **({"block_n": block_n} if block_n != 128 else {}), **emu_cfg,
             "causal": bool(causal) and not local, "local": bool(local), "softcap": bool(softcap), "arch": arch,
             "abi": "tvm-ffi-env-stream" if _tvm_ffi() else "cute", **({"varlen": True} if varlen else {}),
             **({"sink": True} if sink else {})}  # absent unless set: existing disk entries keep their keys
@@ -102,8 +93,7 @@ def _make_kernel(config):
                         softcap=config["softcap"], varlen=config.get("varlen", False),
                         num_stages=config["stages"], block_n=config.get("block_n", 128),
                         exp2_emu=config.get("exp2_emu", 0), exp2_emu_degree=config.get("exp2_emu_degree", 3),
-                        desc_hoist=config.get("desc_hoist", ""),
-                        skip_rescale=config.get("skip_rescale", False), sink=config.get("sink", False))
+                        sink=config.get("sink", False))
 
 
 def compile_fwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=False, softcap=False,
