@@ -84,7 +84,8 @@ def test_ptx_is_warp_specialised(ptx):
 def _compare_fragments(qk, pv, block_m, block_n, mismatches):
     # Plain Python (not @cute.jit, whose loops and ifs become device code): every value here is static.
     p_layout = cute.make_layout(((2, 2, 2), 1, block_n // 16))
-    for t in (0, 1, 5, 37, 127, 128, 130, 255):
+    threads = [t for t in (0, 1, 5, 37, 127, 128, 130, 255, 256, 301, 383) if t < 2 * block_m]  # 128 per 64 rows
+    for t in threads:
         cS = qk.get_slice(t).partition_C(cute.make_identity_tensor((block_m, block_n)))
         cA = pv.get_slice(t).partition_A(cute.make_identity_tensor((block_m, block_n)))
         if cute.size(cS) != cute.size(p_layout) or cute.size(cA) != cute.size(p_layout):
@@ -99,17 +100,17 @@ def _compare_fragments(qk, pv, block_m, block_n, mismatches):
                 mismatches.append((t, i, "row"))
 
 
-@pytest.mark.parametrize("d", [64, 128])
-def test_p_fragment_reuses_the_s_accumulator_layout(d):
+@pytest.mark.parametrize("d,warpgroups,block_n", [(64, 2, 128), (128, 2, 128), (64, 3, 96), (64, 3, 128),
+                                                  (128, 3, 64)])
+def test_p_fragment_reuses_the_s_accumulator_layout(d, warpgroups, block_n):
     """The kernel feeds P to the second WGMMA by reinterpreting the S accumulator registers as the A
     operand with layout ((2, 2, 2), 1, BLOCK_N / 16); check, thread by thread, that each register then
-    holds the (row, col) the A operand expects, and that a row's values are indices c + 2 r + 4 j."""
+    holds the (row, col) the A operand expects, and that a row's values are indices c + 2 r + 4 j
+    (two consumer warpgroups, and three: BLOCK_M 192, threads up to 383)."""
     import cutlass
     from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
-    from flash_attn.cute.flash_fwd_sm90 import FlashFwdSm90
-
-    block_m, block_n = 128, 128
+    block_m = 64 * warpgroups
     mismatches = []
 
     @cute.jit
@@ -117,7 +118,7 @@ def test_p_fragment_reuses_the_s_accumulator_layout(d):
         def mma(n, src, b_major):
             op = warpgroup.MmaF16BF16Op(cutlass.BFloat16, cutlass.Float32, (64, n, 16), src,
                                         OperandMajorMode.K, b_major)
-            return cute.make_tiled_mma(cute.make_mma_atom(op), (FlashFwdSm90.NUM_MMA_WARPGROUPS, 1, 1))
+            return cute.make_tiled_mma(cute.make_mma_atom(op), (warpgroups, 1, 1))
 
         qk = mma(block_n, warpgroup.OperandSource.SMEM, OperandMajorMode.K)
         pv = mma(d, warpgroup.OperandSource.RMEM, OperandMajorMode.MN)
@@ -245,6 +246,8 @@ def test_block_n_in_the_cache_key_only_when_not_128(monkeypatch):
     from flash_attn.cute import interface
 
     monkeypatch.delenv("FLASH_ATTN_CUTE_BLOCK_N", raising=False)
+    monkeypatch.delenv("FLASH_ATTN_CUTE_FWD_WARPGROUPS", raising=False)
+    monkeypatch.setattr("flash_attn.cute.interface._FWD_WARPGROUPS", {64: 2, 128: 2})
     args = (torch.bfloat16, 128, True, "sm_90a")
     base = interface._fwd_config(*args)
     assert "block_n" not in base and interface._make_kernel(base).block_n == 128
@@ -293,6 +296,146 @@ def test_exp2_emu_moves_exponentials_off_mufu(tmp_path, monkeypatch):
     assert sass.count("MUFU.EX2") == n_ex2
     assert sass.count(", 12582912 ;") == n_poly  # the range reduction's t = x + 1.5 * 2^23
     assert sass.count(", -127, !PT") == n_poly  # the clamp at -127 (FMNMX)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Three consumer warpgroups (BLOCK_M 192; FLASH_ATTN_CUTE_FWD_WARPGROUPS / interface._FWD_WARPGROUPS)
+
+
+def test_warpgroups_in_the_cache_key_only_when_not_2(monkeypatch):
+    from flash_attn.cute import interface
+    from flash_attn.cute.flash_fwd_sm90 import FlashFwdSm90
+
+    monkeypatch.delenv("FLASH_ATTN_CUTE_BLOCK_N", raising=False)
+    monkeypatch.delenv("FLASH_ATTN_CUTE_FWD_WARPGROUPS", raising=False)
+    monkeypatch.setattr(interface, "_FWD_WARPGROUPS", {64: 2, 128: 2})
+    cfg = {d: interface._fwd_config(torch.bfloat16, d, True, "sm_90a") for d in (64, 128)}
+    for d, c in cfg.items():
+        assert "warpgroups" not in c and "block_n" not in c
+        kernel = interface._make_kernel(c)
+        assert (kernel.num_mma_warpgroups, kernel.block_m, kernel.block_n, kernel.num_threads) == (2, 128, 128, 384)
+        assert (kernel.producer_regs, kernel.consumer_regs) == (24, 240)
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_WARPGROUPS", "3")
+    for d in (64, 128):
+        c = interface._fwd_config(torch.bfloat16, d, True, "sm_90a")
+        assert c == {**cfg[d], "warpgroups": 3, "block_n": interface._FWD3_BLOCK_N[d]}
+        kernel = interface._make_kernel(c)
+        assert (kernel.num_mma_warpgroups, kernel.block_m, kernel.num_threads) == (3, 192, 512)
+        assert (kernel.producer_regs, kernel.consumer_regs) == (24, 160)
+        assert kernel.block_n == interface._FWD3_BLOCK_N[d]
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_WARPGROUPS", "64:3")  # per head dim
+    assert interface._fwd_config(torch.bfloat16, 64, True, "sm_90a")["warpgroups"] == 3
+    assert interface._fwd_config(torch.bfloat16, 128, True, "sm_90a") == cfg[128]
+    monkeypatch.setenv("FLASH_ATTN_CUTE_BLOCK_N", "112")  # the block-size knob still wins
+    assert interface._fwd_config(torch.bfloat16, 64, True, "sm_90a")["block_n"] == 112
+    monkeypatch.delenv("FLASH_ATTN_CUTE_BLOCK_N")
+    # the table alone selects it, and the variable overrides the table both ways
+    monkeypatch.delenv("FLASH_ATTN_CUTE_FWD_WARPGROUPS")
+    monkeypatch.setattr(interface, "_FWD_WARPGROUPS", {64: 3, 128: 2})
+    assert interface._fwd_config(torch.bfloat16, 64, False, "sm_90a")["warpgroups"] == 3
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_WARPGROUPS", "2")
+    assert "warpgroups" not in interface._fwd_config(torch.bfloat16, 64, False, "sm_90a")
+    # register budgets: producer warpgroup + consumers within the SM's 64K registers, multiples of 8
+    for n, (producer, consumer) in FlashFwdSm90.REGS.items():
+        assert 128 * producer + 128 * n * consumer <= 65536 and producer % 8 == 0 and consumer % 8 == 0
+    with pytest.raises(ValueError, match="num_warpgroups"):
+        FlashFwdSm90(kernel.dtype, 64, False, num_warpgroups=4)
+    with pytest.raises(ValueError, match="block_m"):
+        FlashFwdSm90(kernel.dtype, 64, False, block_m=128, num_warpgroups=3)
+
+
+# (dtype, head dim, causal, variant flags): the variants the 3-warpgroup kernel serves, each compiled once
+CONFIGS3 = [(torch.bfloat16, 64, False, {}), (torch.float16, 64, True, {}),
+            (torch.bfloat16, 64, False, dict(local=True, softcap=True)),
+            (torch.bfloat16, 64, True, dict(varlen=True, sink=True)),
+            (torch.bfloat16, 64, True, dict(varlen=True, softcap=True)), (torch.bfloat16, 128, True, {})]
+
+
+def _ids3(cfg):
+    dtype, d, causal, kw = cfg
+    return f"{str(dtype).split('.')[-1]}-d{d}-{'causal' if causal else 'full'}{''.join('-' + k for k in kw)}"
+
+
+@pytest.fixture(scope="module", params=CONFIGS3, ids=_ids3)
+def three_wg(request, tmp_path_factory):
+    """(config, block_n, PTX text, cubin path) of the forward built with FLASH_ATTN_CUTE_FWD_WARPGROUPS=3."""
+    from flash_attn.cute import interface
+
+    dtype, d, causal, kw = request.param
+    dump = tmp_path_factory.mktemp("ptx3")
+    with pytest.MonkeyPatch.context() as mp:
+        for var in ("FLASH_ATTN_CUTE_BLOCK_N", "FLASH_ATTN_CUTE_EXP2_EMU", "FLASH_ATTN_CUTE_STAGES"):
+            mp.delenv(var, raising=False)
+        mp.setenv("FLASH_ATTN_CUTE_FWD_WARPGROUPS", "3")
+        config = interface._fwd_config(dtype, d, causal, "sm_90a", **kw)
+        compile_fwd(dtype, d, causal, arch="sm_90a", dump_dir=str(dump), **kw)
+    (path,) = glob.glob(str(dump / "*.ptx"))
+    (cubin,) = glob.glob(str(dump / "*.cubin"))
+    with open(path) as f:
+        return request.param, config, f.read(), path, cubin
+
+
+def test_three_warpgroups_ptx(three_wg):
+    """512 threads, setmaxnreg 24 / 160, the two WGMMAs at BLOCK_N (P from registers), TMA loads, and the
+    round robin's named barriers: the up-front turn on barrier 1, arrives and waits of 2 x 128 threads."""
+    (dtype, d, _, kw), config, text, _, _ = three_wg
+    assert config["warpgroups"] == 3
+    block_n = config["block_n"]
+    ab = "bf16.bf16" if dtype == torch.bfloat16 else "f16.f16"
+    assert ".reqntid 512, 1, 1" in text
+    assert _count(text, "setmaxnreg.dec.sync.aligned.u32 \t24;") == 1
+    assert _count(text, "setmaxnreg.inc.sync.aligned.u32 \t160;") == 1
+    assert _count(text, "setmaxnreg") == 2
+    assert _count(text, f"wgmma.mma_async.sync.aligned.m64n{block_n}k16.f32.{ab}") >= d // 16
+    assert _count(text, f"wgmma.mma_async.sync.aligned.m64n{d}k16.f32.{ab}") >= block_n // 16
+    assert _count(text, "cp.async.bulk.tensor") >= 3
+    assert _count(text, "bar.arrive 1, 256;") == 1  # the last warpgroup hands warpgroup 0 the first turn
+    assert _count(text, "bar.arrive") >= 2 and _count(text, "bar.sync") >= 3  # + __syncthreads (bar.sync 0)
+    assert all(line.rstrip(";").endswith(", 256") for line in text.splitlines()
+               if line.lstrip().startswith(("bar.arrive", "bar.sync")) and "bar.sync \t0" not in line)
+    assert ("tanh.approx" in text) == bool(kw.get("softcap"))
+
+
+@pytest.mark.skipif(__import__("shutil").which("ptxas") is None, reason="ptxas not on PATH")
+def test_three_warpgroups_fit_160_registers(three_wg):
+    """ptxas keeps the register split (no C7508 'setmaxnreg ignored'), spills nothing and does not
+    serialise the WGMMAs (C7510-C7520) at the 160-register consumer budget; the cubin CuTeDSL built
+    (what runs) has no local-memory traffic either."""
+    import re
+    import subprocess
+
+    _, config, _, ptx_path, cubin = three_wg
+    out = subprocess.run(["ptxas", "-arch=sm_90a", "-v", ptx_path, "-o", os.devnull], capture_output=True,
+                         text=True, check=True)
+    log = out.stdout + out.stderr
+    assert "setmaxnreg' ignored" not in log and "C7508" not in log, log
+    assert "are serialized" not in log, log
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", log)]
+    loads = [int(x) for x in re.findall(r"(\d+) bytes spill loads", log)]
+    assert spills and not any(spills) and not any(loads), log
+    tool = _cuobjdump()
+    if tool is None:
+        pytest.skip("no cuobjdump to read the SASS")
+    sass = subprocess.run([tool, "-sass", cubin], capture_output=True, text=True, check=True).stdout
+    assert "HGMMA" in sass and " STL" not in sass and " LDL" not in sass
+
+
+@pytest.mark.skipif(__import__("shutil").which("ptxas") is None, reason="ptxas not on PATH")
+def test_two_warpgroups_fit_240_registers(ptx, tmp_path):
+    """The default kernels: no spills and no serialised WGMMAs either (the 3-warpgroup test's checks)."""
+    import re
+    import subprocess
+
+    _, text = ptx
+    path = tmp_path / "k.ptx"
+    path.write_text(text)
+    out = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(path), "-o", os.devnull], capture_output=True,
+                         text=True, check=True)
+    log = out.stdout + out.stderr
+    assert "setmaxnreg' ignored" not in log and "are serialized" not in log, log
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", log)]
+    assert spills and not any(spills), log
+    assert ".reqntid 384, 1, 1" in text
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -419,15 +562,16 @@ def _varlen_case(lens_q, lens_k, heads, heads_kv, d, dtype=torch.bfloat16, extra
 @pytest.mark.parametrize("causal,window,softcap", [(False, (-1, -1), 0.0), (True, (-1, -1), 0.0),
                                                    (False, (50, 10), 0.0), (True, (-1, -1), 15.0)])
 @pytest.mark.parametrize("seqused", [False, True])
-def test_varlen_matches_reference_per_sequence_on_gpu(d, causal, window, softcap, seqused):
+def test_varlen_matches_reference_per_sequence_on_gpu(d, causal, window, softcap, seqused, lens=None):
     """Each packed sequence (lengths 0, 1, odd, > 2 tiles; Sq != Sk) against the reference on its own
-    slice; seqused_k uses a prefix of each sequence's keys; q rows after the last sequence get 0 / +inf."""
+    slice; seqused_k uses a prefix of each sequence's keys; q rows after the last sequence get 0 / +inf.
+    lens: (q lengths, k lengths, seqused_k caps) instead of the default sequences."""
     from flash_attn.cute import flash_attn_varlen_func
 
     torch.manual_seed(0)
-    lens_q, lens_k = [17, 0, 300, 1, 129, 64], [40, 5, 300, 1, 260, 0]
+    lens_q, lens_k, caps = lens or ([17, 0, 300, 1, 129, 64], [40, 5, 300, 1, 260, 0], [33, 5, 123, 0, 260, 0])
     q, k, v, cu_q, cu_k = _varlen_case(lens_q, lens_k, 4, 2, d, extra_q=3)
-    used = [min(n, u) for n, u in zip(lens_k, [33, 5, 123, 0, 260, 0])] if seqused else lens_k
+    used = [min(n, u) for n, u in zip(lens_k, caps)] if seqused else lens_k
     seqused_k = torch.tensor(used, device="cuda", dtype=torch.int32) if seqused else None
     out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, seqused_k=seqused_k, causal=causal,
                                       window_size=window, softcap=softcap, return_lse=True)
@@ -448,6 +592,59 @@ def test_varlen_matches_reference_per_sequence_on_gpu(d, causal, window, softcap
         assert_close_to_ref(out[None, q0:q0 + sq], out_ref, out_pt, name=f"out of sequence {b}")
     tail = int(cu_q[-1])
     assert torch.all(out[tail:] == 0) and torch.all(torch.isinf(lse[:, tail:]))
+
+
+# Forced 3-warpgroup kernels on the GPU: the same checks as the default kernel's tests, at sequence lengths
+# around the 192-row tile (1, 17, 191, 192, 193, 1000, 2048; Sq != Sk), GQA, windows, softcap, varlen
+# (seqused_k, empty sequences), and the sink (tests/test_cute_sink.py).
+
+
+def _force_three_warpgroups(monkeypatch, d=64):
+    from flash_attn.cute import interface
+
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_WARPGROUPS", f"{d}:3")
+    monkeypatch.delenv("FLASH_ATTN_CUTE_BLOCK_N", raising=False)
+    monkeypatch.setattr(interface, "_kernels", {})  # the in-memory table does not key on the variable
+    assert interface._fwd_config(torch.bfloat16, d, True, "sm_90a")["warpgroups"] == 3
+
+
+SHAPES3 = [(1, 1, 1, 2, 2), (2, 17, 17, 4, 2), (1, 191, 191, 4, 4), (2, 192, 192, 4, 1), (1, 193, 193, 2, 2),
+           (1, 1000, 1000, 4, 2), (1, 2048, 2048, 2, 1), (2, 193, 1000, 4, 4), (1, 1000, 193, 2, 2),
+           (1, 2048, 17, 2, 2), (1, 17, 2048, 2, 1), (1, 385, 191, 6, 3)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_three_warpgroups_match_reference_on_gpu(monkeypatch, dtype, causal):
+    _force_three_warpgroups(monkeypatch)
+    for shape in SHAPES3:
+        test_matches_reference_on_gpu(dtype, 64, causal, *shape)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("causal,window,softcap", [(False, (64, 16), 0.0), (True, (48, -1), 20.0),
+                                                   (False, (100, -1), 20.0), (False, (0, 0), 0.0),
+                                                   (False, (-1, 200), 0.0), (True, (-1, -1), 30.0)])
+def test_three_warpgroups_window_and_softcap_on_gpu(monkeypatch, causal, window, softcap):
+    _force_three_warpgroups(monkeypatch)
+    for shape in [(2, 333, 333, 4, 2), (1, 193, 517, 2, 1), (1, 700, 191, 2, 2), (1, 1000, 1000, 2, 2)]:
+        test_window_and_softcap_match_reference_on_gpu(64, causal, window, softcap, *shape)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("causal,window,softcap", [(False, (-1, -1), 0.0), (True, (-1, -1), 0.0),
+                                                   (False, (50, 10), 0.0), (True, (-1, -1), 15.0)])
+def test_three_warpgroups_varlen_on_gpu(monkeypatch, causal, window, softcap):
+    _force_three_warpgroups(monkeypatch)
+    lens = ([191, 0, 192, 1, 193, 17, 1000, 385], [191, 5, 300, 1, 193, 0, 1000, 200],
+            [100, 5, 192, 0, 193, 0, 999, 200])
+    for seqused in (False, True):
+        test_varlen_matches_reference_per_sequence_on_gpu(64, causal, window, softcap, seqused)
+        test_varlen_matches_reference_per_sequence_on_gpu(64, causal, window, softcap, seqused, lens=lens)
 
 
 @pytest.mark.gpu

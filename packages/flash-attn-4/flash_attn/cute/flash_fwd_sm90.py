@@ -1,7 +1,8 @@
 """Attention forward for Hopper (sm_90a) in CuTeDSL, after FlashAttention-3 (Shah et al. 2024, sections
 3.1-3.2): TMA loads into swizzled shared memory through an mbarrier pipeline, WGMMA with fp32 register
 accumulators, a producer warpgroup that only issues TMA (registers given back with setmaxnreg) and two
-consumer warpgroups that compute, online softmax in fp32 with exp2 (Milakov & Gimelshein 2018).
+or three consumer warpgroups of 64 query rows each that compute (BLOCK_M 128 or 192), online softmax in
+fp32 with exp2 (Milakov & Gimelshein 2018).
 
 Layouts seen by the kernel (views built on the host, no copies):
   mQ (Sq, D, H, B), mK (Sk, D, Hk, B), mV (Sk, D, Hk, B), mO (Sq, D, H, B), mLSE (Sq, H, B) fp32,
@@ -53,18 +54,23 @@ class FlashFwdSm90:
     compiled kernel."""
 
     NUM_PRODUCER_THREADS = 128  # one warpgroup; a single thread issues the TMA copies
-    NUM_MMA_WARPGROUPS = 2
-    # setmaxnreg budgets (FA3's choice for 2 consumer warpgroups): 24*128 + 240*256 <= 64K registers.
-    PRODUCER_REGS = 24
-    CONSUMER_REGS = 240
+    NUM_MMA_WARPGROUPS = 2  # the default; 3 with num_warpgroups=3
+    # setmaxnreg budgets (producer, consumer) per consumer warpgroup count, within the SM's 64K registers
+    # (multiples of 8, as setmaxnreg requires): 2: 24*128 + 240*256 = 64512 (FA3's split); 3: 24*128 +
+    # 160*384 = 64512 (168 would need 67584). During the overlap a consumer thread holds the S, P and O
+    # accumulators at once (BLOCK_N + BLOCK_N / 2 + D / 2 registers) plus the loop's state: with 160 that
+    # is BLOCK_N 96 at head dim 64 (128 spills; interface._FWD3_BLOCK_N).
+    REGS = {2: (24, 240), 3: (24, 160)}
+    PRODUCER_REGS, CONSUMER_REGS = REGS[2]
 
     UNBOUNDED = 1 << 30  # window size standing for "no limit on this side" (host passes it for -1)
 
-    def __init__(self, dtype, head_dim, causal, local=False, softcap=False, varlen=False, block_m=128,
-                 block_n=128, num_stages=2, exp2_emu=0, exp2_emu_degree=3, sink=False):
+    def __init__(self, dtype, head_dim, causal, local=False, softcap=False, varlen=False, block_m=None,
+                 block_n=128, num_stages=2, exp2_emu=0, exp2_emu_degree=3, sink=False, num_warpgroups=2):
         """exp2_emu: of every 16 softmax exponentials a thread computes, this many (0..16, spread evenly
         over its fragment) use a degree-exp2_emu_degree polynomial on the FMA pipe instead of MUFU.EX2
-        (softmax_exp.py), to relieve the MUFU pipe."""
+        (softmax_exp.py), to relieve the MUFU pipe. num_warpgroups: consumer warpgroups (2 or 3) of 64
+        query rows each; block_m must be 64 * num_warpgroups (the default)."""
         if not 0 <= exp2_emu <= 16 or exp2_emu_degree not in EXP2_POLY:
             raise ValueError(f"exp2_emu {exp2_emu} not in 0..16 or degree {exp2_emu_degree} not in "
                              f"{tuple(EXP2_POLY)}")
@@ -72,7 +78,13 @@ class FlashFwdSm90:
             raise ValueError(f"head dim {head_dim} not in (64, 128)")
         if dtype not in (cutlass.Float16, cutlass.BFloat16):
             raise ValueError(f"dtype {dtype} not fp16/bf16")
-        assert block_m == 64 * self.NUM_MMA_WARPGROUPS
+        if num_warpgroups not in self.REGS:
+            raise ValueError(f"num_warpgroups {num_warpgroups} not in {tuple(self.REGS)}")
+        block_m = 64 * num_warpgroups if block_m is None else block_m
+        if block_m != 64 * num_warpgroups:
+            raise ValueError(f"block_m {block_m} != 64 * num_warpgroups ({num_warpgroups})")
+        self.num_mma_warpgroups = int(num_warpgroups)
+        self.producer_regs, self.consumer_regs = self.REGS[self.num_mma_warpgroups]
         self.dtype = dtype
         self.head_dim = head_dim
         self.causal = bool(causal) and not local  # a causal local window is local with right = 0
@@ -85,7 +97,7 @@ class FlashFwdSm90:
         self.num_stages = num_stages
         self.exp2_emu = int(exp2_emu)
         self.exp2_emu_degree = int(exp2_emu_degree)
-        self.num_threads = self.NUM_PRODUCER_THREADS + 128 * self.NUM_MMA_WARPGROUPS
+        self.num_threads = self.NUM_PRODUCER_THREADS + 128 * self.num_mma_warpgroups
 
     # ------------------------------------------------------------------------------------------------
     # Host side: views, TMA descriptors, launch
@@ -176,13 +188,13 @@ class FlashFwdSm90:
             cute.make_mma_atom(warpgroup.MmaF16BF16Op(
                 dt, Float32, (64, BN, 16), warpgroup.OperandSource.SMEM,
                 OperandMajorMode.K, OperandMajorMode.K)),
-            (self.NUM_MMA_WARPGROUPS, 1, 1))
+            (self.num_mma_warpgroups, 1, 1))
         # P stays in registers (converted from the S accumulator) and feeds the second WGMMA directly.
         tiled_mma_pv = cute.make_tiled_mma(
             cute.make_mma_atom(warpgroup.MmaF16BF16Op(
                 dt, Float32, (64, D, 16), warpgroup.OperandSource.RMEM,
                 OperandMajorMode.K, OperandMajorMode.MN)),
-            (self.NUM_MMA_WARPGROUPS, 1, 1))
+            (self.num_mma_warpgroups, 1, 1))
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, mQ_tma = cpasync.make_tiled_tma_atom(g2s, mQ, sQ_layout, (BM, D))
@@ -259,7 +271,7 @@ class FlashFwdSm90:
         sK = smem.allocate_tensor(dt, sK_layout.outer, byte_alignment=1024, swizzle=sK_layout.inner)
         sVt = smem.allocate_tensor(dt, sVt_layout.outer, byte_alignment=1024, swizzle=sVt_layout.inner)
 
-        num_mma_warps = self.NUM_MMA_WARPGROUPS * 4
+        num_mma_warps = self.num_mma_warpgroups * 4
         # Full barriers count the TMA bytes; empty barriers one arrival per consumer warp. K and V have
         # their own pipelines: S = Q K^T starts when K has landed, and a K stage is free again as soon
         # as S is computed, while V stays until P V is done.
@@ -290,12 +302,12 @@ class FlashFwdSm90:
 
         if warp_idx < 4:
             # Producer warpgroup: only TMA issue, so it hands its registers to the consumers.
-            cute.arch.setmaxregister_decrease(self.PRODUCER_REGS)
+            cute.arch.setmaxregister_decrease(self.producer_regs)
             if tidx == 0:
                 self._produce(tma_q, mQ, tma_k, mK, tma_v, mVt, sQ, sK, sVt, q_pipe, k_pipe, v_pipe,
                               m_block, head, head_kv, batch, q_start, k_start, n_block_min, n_block_max)
         else:
-            cute.arch.setmaxregister_increase(self.CONSUMER_REGS)
+            cute.arch.setmaxregister_increase(self.consumer_regs)
             self._consume(mO, mLSE, mSink, sQ, sK, sVt, q_pipe, k_pipe, v_pipe, tiled_mma_qk, tiled_mma_pv,
                           scale_log2, score_scale, softcap, window_left, window_right,
                           tidx - self.NUM_PRODUCER_THREADS, m_block, head, batch, q_start, seqlen_q,
@@ -369,7 +381,7 @@ class FlashFwdSm90:
         for r in cutlass.range_constexpr(2):
             idx = [c + 2 * r + 4 * j for j in range(num_col_groups) for c in range(2)]
             # Pairwise trees, not a chain: 2N/8 dependent max/add steps would leave the warp waiting
-            # on latency (only two consumer warps share a scheduler).
+            # on latency (only two or three consumer warps share a scheduler).
             m_new = _tree(cute.arch.fmax, [acc_S[i] for i in idx] + [row_max[r]])
             m_new = cute.arch.fmax(m_new, cute.arch.shuffle_sync_bfly(m_new, offset=1))
             m_new = cute.arch.fmax(m_new, cute.arch.shuffle_sync_bfly(m_new, offset=2))
@@ -401,8 +413,8 @@ class FlashFwdSm90:
         """FlashAttention-3's consumer (Shah et al. 2024, sections 3.1-3.2). Within a warpgroup, block j's
         S = Q K_j^T and the previous block's O += P V_{j-1} are both in flight while the softmax of
         block j-1 has finished; the softmax of S_j then runs while P V_{j-1} is still computing. Across
-        the two warpgroups, named barriers hand the tensor cores back and forth (ping-pong): one issues
-        its GEMMs while the other does softmax."""
+        the warpgroups, named barriers pass the turn to issue GEMMs around (ping-pong with two, a round
+        robin with three): one issues its GEMMs while the others do softmax."""
         dt, D, BM, BN = self.dtype, self.head_dim, self.block_m, self.block_n
         thr_qk = tiled_mma_qk.get_slice(ctid)
         thr_pv = tiled_mma_pv.get_slice(ctid)
@@ -438,14 +450,31 @@ class FlashFwdSm90:
             sink_log2 = mSink[head] * LOG2_E
 
         # Ping-pong: warpgroup w waits on named barrier 1 + w before issuing GEMMs and then lets the
-        # other one go (barrier 0 is __syncthreads). Both warpgroups run the same number of blocks.
-        pingpong = cutlass.const_expr(self.NUM_MMA_WARPGROUPS == 2)
+        # next one go (barrier 0 is __syncthreads; 1..NW are these, nothing else in the kernel uses named
+        # barriers). All warpgroups run the same number of blocks. One turn circulates, so barrier
+        # 1 + w's generations alternate strictly between the previous warpgroup's arrive and w's wait
+        # (2 x 128 threads each).
+        # With three warpgroups the turn goes round robin 0 -> 1 -> 2 -> 0. Why order them at all (FA3
+        # keeps its scheduler barriers for three warpgroups too): unordered warpgroups drift into step,
+        # all issuing GEMMs together and then all waiting on MUFU together, which leaves the tensor cores
+        # idle during the softmax; in a fixed rotation each warpgroup's softmax runs under the other two
+        # warpgroups' GEMMs (2 of 3 slots, where ping-pong has 1 of 2), so a slower softmax (d64: a short
+        # GEMM per exponential) still hides.
+        pingpong = cutlass.const_expr(self.num_mma_warpgroups >= 2)
         n_threads_pp = 2 * 128
-        # Turn passing (see _pass_turn), loop-invariant parts: warpgroup 0 arrives on barrier 2 after
-        # every block, warpgroup 1 on barrier 1 after every block but its last; i.e. after block n iff
-        # n < n_block_max - wg.
-        turn_bar = 2 - wg
-        turn_below = n_block_max - wg
+        last_wg = self.num_mma_warpgroups - 1
+        # Turn passing (see _pass_turn), loop-invariant parts: warpgroup w arrives on barrier 1 + (w + 1)
+        # mod NW after every block, except the last warpgroup after its last block (the turn it would
+        # pass was given up front); i.e. after block n iff n < n_block_max - (w == NW - 1).
+        if cutlass.const_expr(self.num_mma_warpgroups == 2):
+            turn_bar = 2 - wg
+            turn_below = n_block_max - wg
+        else:
+            turn_bar = wg + 2
+            turn_below = n_block_max
+            if wg == last_wg:
+                turn_bar = Int32(1)
+                turn_below = n_block_max - 1
 
         # Blocks in [n_block_mask_below, n_block_mask_from) need no mask: every row of the tile sees
         # every key in them. Outside: the sequence tail, keys past a row's diagonal (causal) or outside
@@ -470,7 +499,7 @@ class FlashFwdSm90:
         q_pipe.consumer_wait(q_state)
         if n_block_max > n_block_min:
             if cutlass.const_expr(pingpong):
-                if wg == 1:  # warpgroup 0 goes first
+                if wg == last_wg:  # warpgroup 0 goes first: the last one hands it the first turn
                     cute.arch.barrier_arrive(barrier_id=1, number_of_threads=n_threads_pp)
             # The first block: S = Q K^T, then its softmax (nothing to overlap with yet).
             k_pipe.consumer_wait(k_state)
@@ -529,10 +558,10 @@ class FlashFwdSm90:
 
     @cute.jit
     def _pass_turn(self, turn_bar, arrive, n_threads):
-        """Let the other warpgroup issue its GEMMs: arrive on named barrier turn_bar (2 - wg) when
-        `arrive`. Warpgroup 1 skips this after its last block, so that every arrival on a named barrier
-        meets a wait (warpgroup 0 waited once more than warpgroup 1 had issued: the first turn was
-        given up front)."""
+        """Let the next warpgroup issue its GEMMs: arrive on named barrier turn_bar (1 + the next
+        warpgroup's index) when `arrive`. The last warpgroup skips this after its last block, so that
+        every arrival on a named barrier meets a wait (warpgroup 0 waits once more than the last one
+        arrives after blocks: the first turn was given up front)."""
         if arrive:
             cute.arch.barrier_arrive(barrier_id=turn_bar, number_of_threads=n_threads)
 

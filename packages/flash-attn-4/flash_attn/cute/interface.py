@@ -40,6 +40,16 @@ _DEFAULT_BLOCK_N = {64: 128, 128: 128}
 # (FLASH_ATTN_CUTE_EXP2_EMU overrides; FLASH_ATTN_CUTE_EXP2_EMU_DEGREE picks the polynomial's degree,
 # 2..4, default 3). Both are in the cache key only when the emulation is on.
 _DEFAULT_EXP2_EMU = {64: 0, 128: 0}
+# Consumer warpgroups of the forward per head dim: 2 (BLOCK_M 128, ping-pong) or 3 (BLOCK_M 192, round
+# robin; FA3's choice at head dim <= 64: each K/V tile serves 192 query rows). FLASH_ATTN_CUTE_FWD_WARPGROUPS
+# overrides: "3" for every head dim or per head dim ("64:3"). In the cache key only when not 2.
+_FWD_WARPGROUPS = {64: 2, 128: 2}
+# Keys per block with 3 warpgroups (FLASH_ATTN_CUTE_BLOCK_N overrides it too): the consumers' 160
+# registers hold the S, P and O accumulators (BLOCK_N + BLOCK_N / 2 + D / 2 per thread) plus the loop's
+# state. ptxas 13.0 (sm_90a, CuTeDSL 4.8.1): d64 BLOCK_N 128 spills 112 bytes in the main loop, 112 spills
+# in every masked variant (causal 128 bytes), 96 is spill-free in all; d128 BLOCK_N 96 serialises the
+# WGMMAs (C7512), 64 is clean.
+_FWD3_BLOCK_N = {64: 96, 128: 64}
 
 
 def _cutlass_dtype(dtype):
@@ -72,13 +82,17 @@ def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varle
     and the versions, see cache.py) and what compile_fwd builds the kernel from, so a constructor
     argument added here changes both. Plain values: computing the key must not import CuTeDSL."""
     stages = int(os.environ.get("FLASH_ATTN_CUTE_STAGES") or _DEFAULT_STAGES.get(int(head_dim), 2))
-    block_n = int(os.environ.get("FLASH_ATTN_CUTE_BLOCK_N") or _DEFAULT_BLOCK_N.get(int(head_dim), 128))
+    warpgroups = int(_per_head_dim("FLASH_ATTN_CUTE_FWD_WARPGROUPS", head_dim)
+                     or _FWD_WARPGROUPS.get(int(head_dim), 2))
+    block_n = int(os.environ.get("FLASH_ATTN_CUTE_BLOCK_N")
+                  or (_DEFAULT_BLOCK_N if warpgroups == 2 else _FWD3_BLOCK_N).get(int(head_dim), 128))
     emu = int(os.environ.get("FLASH_ATTN_CUTE_EXP2_EMU") or _DEFAULT_EXP2_EMU.get(int(head_dim), 0))
     emu_degree = int(os.environ.get("FLASH_ATTN_CUTE_EXP2_EMU_DEGREE") or 3)
     emu_cfg = ({"exp2_emu": emu, **({"exp2_emu_degree": emu_degree} if emu_degree != 3 else {})}
                if emu else {})
     return {"kernel": "FlashFwdSm90", "dtype": _DTYPE_NAMES.get(dtype, str(dtype)), "head_dim": int(head_dim),
             "stages": stages, **({"block_n": block_n} if block_n != 128 else {}), **emu_cfg,
+            **({"warpgroups": warpgroups} if warpgroups != 2 else {}),
             "causal": bool(causal) and not local, "local": bool(local), "softcap": bool(softcap), "arch": arch,
             "abi": "tvm-ffi-env-stream" if _tvm_ffi() else "cute", **({"varlen": True} if varlen else {}),
             **({"sink": True} if sink else {})}  # absent unless set: existing disk entries keep their keys
@@ -93,7 +107,7 @@ def _make_kernel(config):
                         softcap=config["softcap"], varlen=config.get("varlen", False),
                         num_stages=config["stages"], block_n=config.get("block_n", 128),
                         exp2_emu=config.get("exp2_emu", 0), exp2_emu_degree=config.get("exp2_emu_degree", 3),
-                        sink=config.get("sink", False))
+                        sink=config.get("sink", False), num_warpgroups=config.get("warpgroups", 2))
 
 
 def compile_fwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=False, softcap=False,
