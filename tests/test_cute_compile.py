@@ -364,7 +364,8 @@ def three_wg(request, tmp_path_factory):
     dtype, d, causal, kw = request.param
     dump = tmp_path_factory.mktemp("ptx3")
     with pytest.MonkeyPatch.context() as mp:
-        for var in ("FLASH_ATTN_CUTE_BLOCK_N", "FLASH_ATTN_CUTE_EXP2_EMU", "FLASH_ATTN_CUTE_STAGES"):
+        for var in ("FLASH_ATTN_CUTE_BLOCK_N", "FLASH_ATTN_CUTE_EXP2_EMU", "FLASH_ATTN_CUTE_STAGES",
+                    "FLASH_ATTN_CUTE_FWD_WG_ORDER"):
             mp.delenv(var, raising=False)
         mp.setenv("FLASH_ATTN_CUTE_FWD_WARPGROUPS", "3")
         config = interface._fwd_config(dtype, d, causal, "sm_90a", **kw)
@@ -418,6 +419,33 @@ def test_three_warpgroups_fit_160_registers(three_wg):
         pytest.skip("no cuobjdump to read the SASS")
     sass = subprocess.run([tool, "-sass", cubin], capture_output=True, text=True, check=True).stdout
     assert "HGMMA" in sass and " STL" not in sass and " LDL" not in sass
+
+
+@pytest.mark.parametrize("warpgroups", [2, 3])
+def test_wg_order_off_drops_the_named_barriers(tmp_path, monkeypatch, warpgroups):
+    """FLASH_ATTN_CUTE_FWD_WG_ORDER=0 (in the key only then): no bar.sync / bar.arrive but __syncthreads;
+    the same WGMMAs as the ordered kernel."""
+    from flash_attn.cute import interface
+
+    for var in ("FLASH_ATTN_CUTE_BLOCK_N", "FLASH_ATTN_CUTE_EXP2_EMU", "FLASH_ATTN_CUTE_STAGES"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_WARPGROUPS", str(warpgroups))
+    texts = []
+    for order in ("", "64:0"):
+        monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_WG_ORDER", order)
+        config = interface._fwd_config(torch.bfloat16, 64, True, "sm_90a")
+        assert config.get("wg_order", True) == (not order)
+        assert interface._make_kernel(config).wg_order == (not order)
+        dump = tmp_path / (order.replace(":", "_") or "ordered")
+        dump.mkdir()
+        compile_fwd(torch.bfloat16, 64, True, arch="sm_90a", dump_dir=str(dump))
+        (path,) = glob.glob(str(dump / "*.ptx"))
+        texts.append(open(path).read())
+    assert "wg_order" not in interface._fwd_config(torch.bfloat16, 128, True, "sm_90a")  # "64:0": d64 only
+    ordered, unordered = texts
+    assert _count(ordered, "bar.arrive") >= 2 and _count(ordered, "bar.sync") >= 3
+    assert _count(unordered, "bar.arrive") == 0 and _count(unordered, "bar.sync") == 1  # __syncthreads
+    assert _count(ordered, "wgmma.mma_async") == _count(unordered, "wgmma.mma_async")
 
 
 @pytest.mark.skipif(__import__("shutil").which("ptxas") is None, reason="ptxas not on PATH")
@@ -604,6 +632,7 @@ def _force_three_warpgroups(monkeypatch, d=64):
 
     monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_WARPGROUPS", f"{d}:3")
     monkeypatch.delenv("FLASH_ATTN_CUTE_BLOCK_N", raising=False)
+    monkeypatch.delenv("FLASH_ATTN_CUTE_FWD_WG_ORDER", raising=False)
     monkeypatch.setattr(interface, "_kernels", {})  # the in-memory table does not key on the variable
     assert interface._fwd_config(torch.bfloat16, d, True, "sm_90a")["warpgroups"] == 3
 
@@ -621,6 +650,19 @@ def test_three_warpgroups_match_reference_on_gpu(monkeypatch, dtype, causal):
     _force_three_warpgroups(monkeypatch)
     for shape in SHAPES3:
         test_matches_reference_on_gpu(dtype, 64, causal, *shape)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("warpgroups", [2, 3])
+@pytest.mark.parametrize("causal", [False, True])
+def test_unordered_warpgroups_match_reference_on_gpu(monkeypatch, warpgroups, causal):
+    """FLASH_ATTN_CUTE_FWD_WG_ORDER=0 (no ping-pong / round robin) computes the same attention."""
+    _force_three_warpgroups(monkeypatch)
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_WARPGROUPS", f"64:{warpgroups}")
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_WG_ORDER", "0")
+    for shape in [(2, 17, 17, 4, 2), (2, 193, 1000, 4, 4), (1, 2048, 2048, 2, 1), (1, 1000, 193, 2, 2)]:
+        test_matches_reference_on_gpu(torch.bfloat16, 64, causal, *shape)
 
 
 @pytest.mark.gpu

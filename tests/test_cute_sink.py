@@ -324,6 +324,7 @@ def test_sink_with_three_warpgroups_on_gpu(monkeypatch):
 
     monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_WARPGROUPS", "64:3")
     monkeypatch.delenv("FLASH_ATTN_CUTE_BLOCK_N", raising=False)
+    monkeypatch.delenv("FLASH_ATTN_CUTE_FWD_WG_ORDER", raising=False)
     monkeypatch.setattr(interface, "_kernels", {})  # the in-memory table does not key on the variable
     assert interface._fwd_config(torch.bfloat16, 64, True, "sm_90a", sink=True)["warpgroups"] == 3
     for causal in (False, True):

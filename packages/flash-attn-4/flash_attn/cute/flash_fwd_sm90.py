@@ -66,11 +66,14 @@ class FlashFwdSm90:
     UNBOUNDED = 1 << 30  # window size standing for "no limit on this side" (host passes it for -1)
 
     def __init__(self, dtype, head_dim, causal, local=False, softcap=False, varlen=False, block_m=None,
-                 block_n=128, num_stages=2, exp2_emu=0, exp2_emu_degree=3, sink=False, num_warpgroups=2):
+                 block_n=128, num_stages=2, exp2_emu=0, exp2_emu_degree=3, sink=False, num_warpgroups=2,
+                 wg_order=True):
         """exp2_emu: of every 16 softmax exponentials a thread computes, this many (0..16, spread evenly
         over its fragment) use a degree-exp2_emu_degree polynomial on the FMA pipe instead of MUFU.EX2
         (softmax_exp.py), to relieve the MUFU pipe. num_warpgroups: consumer warpgroups (2 or 3) of 64
-        query rows each; block_m must be 64 * num_warpgroups (the default)."""
+        query rows each; block_m must be 64 * num_warpgroups (the default). wg_order=False: no named
+        barriers between the consumer warpgroups (each keeps only its intra-warpgroup overlap), to
+        measure what the ping-pong / round robin buys."""
         if not 0 <= exp2_emu <= 16 or exp2_emu_degree not in EXP2_POLY:
             raise ValueError(f"exp2_emu {exp2_emu} not in 0..16 or degree {exp2_emu_degree} not in "
                              f"{tuple(EXP2_POLY)}")
@@ -85,6 +88,7 @@ class FlashFwdSm90:
             raise ValueError(f"block_m {block_m} != 64 * num_warpgroups ({num_warpgroups})")
         self.num_mma_warpgroups = int(num_warpgroups)
         self.producer_regs, self.consumer_regs = self.REGS[self.num_mma_warpgroups]
+        self.wg_order = bool(wg_order)
         self.dtype = dtype
         self.head_dim = head_dim
         self.causal = bool(causal) and not local  # a causal local window is local with right = 0
@@ -460,7 +464,7 @@ class FlashFwdSm90:
         # idle during the softmax; in a fixed rotation each warpgroup's softmax runs under the other two
         # warpgroups' GEMMs (2 of 3 slots, where ping-pong has 1 of 2), so a slower softmax (d64: a short
         # GEMM per exponential) still hides.
-        pingpong = cutlass.const_expr(self.num_mma_warpgroups >= 2)
+        pingpong = cutlass.const_expr(self.num_mma_warpgroups >= 2 and self.wg_order)
         n_threads_pp = 2 * 128
         last_wg = self.num_mma_warpgroups - 1
         # Turn passing (see _pass_turn), loop-invariant parts: warpgroup w arrives on barrier 1 + (w + 1)

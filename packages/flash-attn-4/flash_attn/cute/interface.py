@@ -43,6 +43,8 @@ _DEFAULT_EXP2_EMU = {64: 0, 128: 0}
 # Consumer warpgroups of the forward per head dim: 2 (BLOCK_M 128, ping-pong) or 3 (BLOCK_M 192, round
 # robin; FA3's choice at head dim <= 64: each K/V tile serves 192 query rows). FLASH_ATTN_CUTE_FWD_WARPGROUPS
 # overrides: "3" for every head dim or per head dim ("64:3"). In the cache key only when not 2.
+# FLASH_ATTN_CUTE_FWD_WG_ORDER=0 (or "64:0") drops the named-barrier ordering between the consumer
+# warpgroups (a measurement knob; in the key only when 0).
 _FWD_WARPGROUPS = {64: 2, 128: 2}
 # Keys per block with 3 warpgroups (FLASH_ATTN_CUTE_BLOCK_N overrides it too): the consumers' 160
 # registers hold the S, P and O accumulators (BLOCK_N + BLOCK_N / 2 + D / 2 per thread) plus the loop's
@@ -86,6 +88,7 @@ def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varle
                      or _FWD_WARPGROUPS.get(int(head_dim), 2))
     block_n = int(os.environ.get("FLASH_ATTN_CUTE_BLOCK_N")
                   or (_DEFAULT_BLOCK_N if warpgroups == 2 else _FWD3_BLOCK_N).get(int(head_dim), 128))
+    unordered = _per_head_dim("FLASH_ATTN_CUTE_FWD_WG_ORDER", head_dim) in ("0", "false", "False")
     emu = int(os.environ.get("FLASH_ATTN_CUTE_EXP2_EMU") or _DEFAULT_EXP2_EMU.get(int(head_dim), 0))
     emu_degree = int(os.environ.get("FLASH_ATTN_CUTE_EXP2_EMU_DEGREE") or 3)
     emu_cfg = ({"exp2_emu": emu, **({"exp2_emu_degree": emu_degree} if emu_degree != 3 else {})}
@@ -93,6 +96,7 @@ def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varle
     return {"kernel": "FlashFwdSm90", "dtype": _DTYPE_NAMES.get(dtype, str(dtype)), "head_dim": int(head_dim),
             "stages": stages, **({"block_n": block_n} if block_n != 128 else {}), **emu_cfg,
             **({"warpgroups": warpgroups} if warpgroups != 2 else {}),
+            **({"wg_order": False} if unordered else {}),
             "causal": bool(causal) and not local, "local": bool(local), "softcap": bool(softcap), "arch": arch,
             "abi": "tvm-ffi-env-stream" if _tvm_ffi() else "cute", **({"varlen": True} if varlen else {}),
             **({"sink": True} if sink else {})}  # absent unless set: existing disk entries keep their keys
@@ -107,7 +111,8 @@ def _make_kernel(config):
                         softcap=config["softcap"], varlen=config.get("varlen", False),
                         num_stages=config["stages"], block_n=config.get("block_n", 128),
                         exp2_emu=config.get("exp2_emu", 0), exp2_emu_degree=config.get("exp2_emu_degree", 3),
-                        sink=config.get("sink", False), num_warpgroups=config.get("warpgroups", 2))
+                        sink=config.get("sink", False), num_warpgroups=config.get("warpgroups", 2),
+                        wg_order=config.get("wg_order", True))
 
 
 def compile_fwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=False, softcap=False,
