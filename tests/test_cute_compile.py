@@ -314,15 +314,22 @@ def test_warpgroups_in_the_cache_key_only_when_not_2(monkeypatch):
         assert "warpgroups" not in c and "block_n" not in c
         kernel = interface._make_kernel(c)
         assert (kernel.num_mma_warpgroups, kernel.block_m, kernel.block_n, kernel.num_threads) == (2, 128, 128, 384)
-        assert (kernel.producer_regs, kernel.consumer_regs) == (24, 240)
+        assert (kernel.producer_regs, kernel.consumer_regs, kernel.pack_p) == (24, 240, False)
     monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_WARPGROUPS", "3")
     for d in (64, 128):
         c = interface._fwd_config(torch.bfloat16, d, True, "sm_90a")
-        assert c == {**cfg[d], "warpgroups": 3, "block_n": interface._FWD3_BLOCK_N[d]}
+        block_n = interface._FWD3_BLOCK_N[d]
+        assert c == {**cfg[d], "warpgroups": 3, **({"block_n": block_n} if block_n != 128 else {})}
         kernel = interface._make_kernel(c)
         assert (kernel.num_mma_warpgroups, kernel.block_m, kernel.num_threads) == (3, 192, 512)
-        assert (kernel.producer_regs, kernel.consumer_regs) == (24, 160)
-        assert kernel.block_n == interface._FWD3_BLOCK_N[d]
+        assert (kernel.producer_regs, kernel.consumer_regs, kernel.pack_p) == (24, 160, True)
+        assert kernel.block_n == block_n
+        # softcap, varlen or a window: the smaller block that fits the registers with their extra state
+        for kw in (dict(softcap=True), dict(varlen=True), dict(local=True)):
+            c = interface._fwd_config(torch.bfloat16, d, True, "sm_90a", **kw)
+            assert interface._make_kernel(c).block_n == interface._FWD3_BLOCK_N_EXTRA[d]
+        assert interface._make_kernel(interface._fwd_config(torch.bfloat16, d, True, "sm_90a", sink=True)
+                                      ).block_n == block_n
     monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_WARPGROUPS", "64:3")  # per head dim
     assert interface._fwd_config(torch.bfloat16, 64, True, "sm_90a")["warpgroups"] == 3
     assert interface._fwd_config(torch.bfloat16, 128, True, "sm_90a") == cfg[128]
@@ -345,9 +352,9 @@ def test_warpgroups_in_the_cache_key_only_when_not_2(monkeypatch):
 
 
 # (dtype, head dim, causal, variant flags): the variants the 3-warpgroup kernel serves, each compiled once
-CONFIGS3 = [(torch.bfloat16, 64, False, {}), (torch.float16, 64, True, {}),
+CONFIGS3 = [(torch.bfloat16, 64, False, {}), (torch.float16, 64, True, {}), (torch.bfloat16, 64, True, dict(sink=True)),
             (torch.bfloat16, 64, False, dict(local=True, softcap=True)),
-            (torch.bfloat16, 64, True, dict(varlen=True, sink=True)),
+            (torch.float16, 64, True, dict(varlen=True, sink=True)),
             (torch.bfloat16, 64, True, dict(varlen=True, softcap=True)), (torch.bfloat16, 128, True, {})]
 
 
@@ -377,12 +384,16 @@ def three_wg(request, tmp_path_factory):
 
 
 def test_three_warpgroups_ptx(three_wg):
-    """512 threads, setmaxnreg 24 / 160, the two WGMMAs at BLOCK_N (P from registers), TMA loads, and the
-    round robin's named barriers: the up-front turn on barrier 1, arrives and waits of 2 x 128 threads."""
+    """512 threads, setmaxnreg 24 / 160, the two WGMMAs at BLOCK_N (P from registers), TMA loads, the
+    round robin's named barriers (the up-front turn on barrier 1, arrives and waits of 2 x 128 threads),
+    and P converted pairwise into the registers the WGMMA reads (no 16-bit values packed at the WGMMA)."""
     (dtype, d, _, kw), config, text, _, _ = three_wg
     assert config["warpgroups"] == 3
-    block_n = config["block_n"]
+    block_n = config.get("block_n", 128)
     ab = "bf16.bf16" if dtype == torch.bfloat16 else "f16.f16"
+    pair = "cvt.rn.bf16x2.f32" if dtype == torch.bfloat16 else "cvt.rn.f16x2.f32"
+    assert _count(text, pair) >= 2 * (block_n // 4)  # a thread's 64 x BLOCK_N / 128 scores, two sites
+    assert not any(line.lstrip().startswith("mov.b32") and "{%rs" in line for line in text.splitlines())
     assert ".reqntid 512, 1, 1" in text
     assert _count(text, "setmaxnreg.dec.sync.aligned.u32 \t24;") == 1
     assert _count(text, "setmaxnreg.inc.sync.aligned.u32 \t160;") == 1
@@ -399,18 +410,18 @@ def test_three_warpgroups_ptx(three_wg):
 
 @pytest.mark.skipif(__import__("shutil").which("ptxas") is None, reason="ptxas not on PATH")
 def test_three_warpgroups_fit_160_registers(three_wg):
-    """ptxas keeps the register split (no C7508 'setmaxnreg ignored'), spills nothing and does not
-    serialise the WGMMAs (C7510-C7520) at the 160-register consumer budget; the cubin CuTeDSL built
-    (what runs) has no local-memory traffic either."""
+    """ptxas keeps the register split (no C7508 'setmaxnreg ignored'), spills nothing, does not serialise
+    the WGMMAs and injects no warpgroup.arrive (C7510-C7520) at the 160-register consumer budget; the cubin
+    CuTeDSL built (what runs) has no local-memory traffic and one WARPGROUP.ARRIVE per GEMM either."""
     import re
     import subprocess
 
-    _, config, _, ptx_path, cubin = three_wg
+    _, config, text, ptx_path, cubin = three_wg
     out = subprocess.run(["ptxas", "-arch=sm_90a", "-v", ptx_path, "-o", os.devnull], capture_output=True,
                          text=True, check=True)
     log = out.stdout + out.stderr
-    assert "setmaxnreg' ignored" not in log and "C7508" not in log, log
-    assert "are serialized" not in log, log
+    # C7508 setmaxnreg ignored, C7510-C7520 WGMMAs serialised or warpgroup.arrive injected: none at all
+    assert not re.findall(r"\((C75\d\d)\)", log), log
     spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", log)]
     loads = [int(x) for x in re.findall(r"(\d+) bytes spill loads", log)]
     assert spills and not any(spills) and not any(loads), log
@@ -419,6 +430,8 @@ def test_three_warpgroups_fit_160_registers(three_wg):
         pytest.skip("no cuobjdump to read the SASS")
     sass = subprocess.run([tool, "-sass", cubin], capture_output=True, text=True, check=True).stdout
     assert "HGMMA" in sass and " STL" not in sass and " LDL" not in sass
+    fences = sum(line.lstrip().startswith("wgmma.fence") for line in text.splitlines())
+    assert sass.count("WARPGROUP.ARRIVE") == fences  # none injected
 
 
 @pytest.mark.parametrize("warpgroups", [2, 3])
@@ -460,7 +473,7 @@ def test_two_warpgroups_fit_240_registers(ptx, tmp_path):
     out = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(path), "-o", os.devnull], capture_output=True,
                          text=True, check=True)
     log = out.stdout + out.stderr
-    assert "setmaxnreg' ignored" not in log and "are serialized" not in log, log
+    assert not re.findall(r"\((C75\d\d)\)", log), log  # no C7508 / C7510-C7520 message
     spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", log)]
     assert spills and not any(spills), log
     assert ".reqntid 384, 1, 1" in text

@@ -15,6 +15,8 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
@@ -89,6 +91,12 @@ class FlashFwdSm90:
         self.num_mma_warpgroups = int(num_warpgroups)
         self.producer_regs, self.consumer_regs = self.REGS[self.num_mma_warpgroups]
         self.wg_order = bool(wg_order)
+        # P converted pairwise into 32-bit registers that the P V WGMMA reads as they are (_to_p). The
+        # element-wise conversion leaves one 16-bit value per register and packs the pairs next to each
+        # WGMMA, after its fence: at the 160-register budget ptxas then injects a warpgroup.arrive per
+        # WGMMA (C7519, d64 BLOCK_N 96-112) or spills (BLOCK_N 128: 112 bytes); packed, d64 BLOCK_N 128
+        # is clean. Off for 2 warpgroups, whose SASS stays as measured.
+        self.pack_p = self.num_mma_warpgroups == 3
         self.dtype = dtype
         self.head_dim = head_dim
         self.causal = bool(causal) and not local  # a causal local window is local with right = 0
@@ -218,7 +226,11 @@ class FlashFwdSm90:
         self.kernel(tma_q, mQ_tma, tma_k, mK_tma, tma_v, mVt_tma, mO, mLSE, mSink, mCuSeqlensQ, mCuSeqlensK,
                     mSeqUsedK, scale_log2, score_scale, softcap, window_left, window_right, sQ_layout,
                     sK_layout, sVt_layout, tiled_mma_qk, tiled_mma_pv).launch(
-            grid=grid, block=(self.num_threads, 1, 1), stream=stream)
+            grid=grid, block=(self.num_threads, 1, 1), stream=stream,
+            # .minnctapersm 1 pins the register count at entry (65536 / 512 threads): a 3-warpgroup
+            # kernel that needs fewer registers (d64 BLOCK_N 64) otherwise has setmaxnreg ignored
+            # (C7508). The 2-warpgroup kernels are left as they were measured.
+            **({"min_blocks_per_mp": 1} if self.num_mma_warpgroups == 3 else {}))
 
     # ------------------------------------------------------------------------------------------------
     # Device side
@@ -442,6 +454,10 @@ class FlashFwdSm90:
         p_layout = cute.make_layout(((2, 2, 2), 1, BN // 16))
         rP = cute.make_rmem_tensor_like(acc_S, dt)
         tOrP = cute.make_tensor(rP.iterator, p_layout)
+        if cutlass.const_expr(self.pack_p):
+            # P as 32-bit registers of two values each, the A operand a view of them (see _to_p)
+            rP = cute.make_rmem_tensor((cute.size(acc_S) // 2,), Int32)
+            tOrP = cute.make_tensor(cute.recast_ptr(rP.iterator, dtype=dt), p_layout)
 
         row_max = cute.make_rmem_tensor((2,), Float32)
         row_sum = cute.make_rmem_tensor((2,), Float32)
@@ -520,7 +536,7 @@ class FlashFwdSm90:
             if n_block_min >= n_block_mask_from or n_block_min < n_block_mask_below:
                 self._mask(acc_S, tScS, m_block, n_block_min, seqlen_q, seqlen_k, window_left, window_right)
             self._softmax(acc_S, row_max, row_sum, corr, scale_log2)
-            rP.store(acc_S.load().to(dt))
+            self._to_p(acc_S, rP)
 
             for n_block in cutlass.range(n_block_min + 1, n_block_max, unroll=1):
                 k_pipe.consumer_wait(k_state)
@@ -547,7 +563,7 @@ class FlashFwdSm90:
                     self._softmax(acc_S, row_max, row_sum, corr, scale_log2)
                 warpgroup.wait_group(0)  # P V done: P's registers and V's stage are free
                 v_pipe.consumer_release(v_state)
-                rP.store(acc_S.load().to(dt))
+                self._to_p(acc_S, rP)
                 v_state.advance()
 
             # The last block's O += P V.
@@ -559,6 +575,22 @@ class FlashFwdSm90:
 
         self._epilogue(mO, mLSE, acc_O, row_max, row_sum, tOcO, scale_log2, sink_log2, ctid, m_block, head,
                        batch, q_start, seqlen_q)
+
+    @cute.jit
+    def _to_p(self, acc_S, rP):
+        """P = the softmax numerators (acc_S) in the input dtype, round to nearest even. pack_p: one
+        cvt.rn.{bf16x2,f16x2}.f32 per pair into a 32-bit register (a goes to the upper half, so value
+        2i + 1 is a and 2i is b: the little-endian order of the bf16 view tOrP)."""
+        if cutlass.const_expr(self.pack_p):
+            op = "cvt.rn.bf16x2.f32 $0, $2, $1;" if cutlass.const_expr(self.dtype == cutlass.BFloat16) else \
+                "cvt.rn.f16x2.f32 $0, $2, $1;"
+            for i in cutlass.range_constexpr(cute.size(rP)):
+                rP[i] = Int32(llvm.inline_asm(T.i32(), [Float32(acc_S[2 * i]).ir_value(),
+                                                        Float32(acc_S[2 * i + 1]).ir_value()],
+                                              op, "=r,f,f", has_side_effects=False, is_align_stack=False,
+                                              asm_dialect=llvm.AsmDialect.AD_ATT))
+        else:
+            rP.store(acc_S.load().to(self.dtype))
 
     @cute.jit
     def _pass_turn(self, turn_bar, arrive, n_threads):

@@ -46,12 +46,15 @@ _DEFAULT_EXP2_EMU = {64: 0, 128: 0}
 # FLASH_ATTN_CUTE_FWD_WG_ORDER=0 (or "64:0") drops the named-barrier ordering between the consumer
 # warpgroups (a measurement knob; in the key only when 0).
 _FWD_WARPGROUPS = {64: 2, 128: 2}
-# Keys per block with 3 warpgroups (FLASH_ATTN_CUTE_BLOCK_N overrides it too): the consumers' 160
+# Keys per block with 3 warpgroups (FLASH_ATTN_CUTE_BLOCK_N overrides both tables): the consumers' 160
 # registers hold the S, P and O accumulators (BLOCK_N + BLOCK_N / 2 + D / 2 per thread) plus the loop's
-# state. ptxas 13.0 (sm_90a, CuTeDSL 4.8.1): d64 BLOCK_N 128 spills 112 bytes in the main loop, 112 spills
-# in every masked variant (causal 128 bytes), 96 is spill-free in all; d128 BLOCK_N 96 serialises the
-# WGMMAs (C7512), 64 is clean.
-_FWD3_BLOCK_N = {64: 96, 128: 64}
+# state. ptxas 13.0 (sm_90a, CuTeDSL 4.8.1), d64: BLOCK_N 128 is clean (no spill, no C75xx message) for
+# dense calls, causal or not, with or without a sink, but spills 28-64 bytes with softcap, causal varlen,
+# or a window with softcap / varlen / sink; 112 spills 12 bytes (causal varlen sink); 96 is clean in all
+# 24 combinations of mask x softcap x varlen x sink. d128: BLOCK_N 96 serialises the WGMMAs (C7512), 64 is
+# clean. _FWD3_BLOCK_N: dense calls; _FWD3_BLOCK_N_EXTRA: softcap, varlen or a window.
+_FWD3_BLOCK_N = {64: 128, 128: 64}
+_FWD3_BLOCK_N_EXTRA = {64: 96, 128: 64}
 
 
 def _cutlass_dtype(dtype):
@@ -86,8 +89,9 @@ def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varle
     stages = int(os.environ.get("FLASH_ATTN_CUTE_STAGES") or _DEFAULT_STAGES.get(int(head_dim), 2))
     warpgroups = int(_per_head_dim("FLASH_ATTN_CUTE_FWD_WARPGROUPS", head_dim)
                      or _FWD_WARPGROUPS.get(int(head_dim), 2))
-    block_n = int(os.environ.get("FLASH_ATTN_CUTE_BLOCK_N")
-                  or (_DEFAULT_BLOCK_N if warpgroups == 2 else _FWD3_BLOCK_N).get(int(head_dim), 128))
+    table = (_DEFAULT_BLOCK_N if warpgroups == 2
+             else _FWD3_BLOCK_N_EXTRA if local or softcap or varlen else _FWD3_BLOCK_N)
+    block_n = int(os.environ.get("FLASH_ATTN_CUTE_BLOCK_N") or table.get(int(head_dim), 128))
     unordered = _per_head_dim("FLASH_ATTN_CUTE_FWD_WG_ORDER", head_dim) in ("0", "false", "False")
     emu = int(os.environ.get("FLASH_ATTN_CUTE_EXP2_EMU") or _DEFAULT_EXP2_EMU.get(int(head_dim), 0))
     emu_degree = int(os.environ.get("FLASH_ATTN_CUTE_EXP2_EMU_DEGREE") or 3)
