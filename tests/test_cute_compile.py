@@ -333,6 +333,9 @@ def test_warpgroups_in_the_cache_key_only_when_not_2(monkeypatch):
     monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_WARPGROUPS", "64:3")  # per head dim
     assert interface._fwd_config(torch.bfloat16, 64, True, "sm_90a")["warpgroups"] == 3
     assert interface._fwd_config(torch.bfloat16, 128, True, "sm_90a") == cfg[128]
+    if interface._tvm_ffi():  # disk cache entries: the warpgroup count in the name when not 2
+        assert "-wg3-" in interface._entry(torch.bfloat16, 64, True, "sm_90a")[2]
+        assert "-wg" not in interface._entry(torch.bfloat16, 128, True, "sm_90a")[2]
     monkeypatch.setenv("FLASH_ATTN_CUTE_BLOCK_N", "112")  # the block-size knob still wins
     assert interface._fwd_config(torch.bfloat16, 64, True, "sm_90a")["block_n"] == 112
     monkeypatch.delenv("FLASH_ATTN_CUTE_BLOCK_N")

@@ -222,8 +222,9 @@ def _entry(dtype, head_dim, causal, arch, local=False, softcap=False, varlen=Fal
     config = _fwd_config(dtype, head_dim, causal, arch, local, softcap, varlen, sink)
     key = cache.entry_key(config)
     mask = "local" if config["local"] else "causal" if config["causal"] else "full"
+    wg = f"-wg{config['warpgroups']}" if "warpgroups" in config else ""  # readable names; the key decides
     name = (f"fwd-{arch}-{config['dtype']}-d{config['head_dim']}-{mask}{'-softcap' if softcap else ''}"
-            f"{'-varlen' if varlen else ''}{'-sink' if sink else ''}-{key[:16]}")
+            f"{'-varlen' if varlen else ''}{'-sink' if sink else ''}{wg}-{key[:16]}")
     return config, key, name, f"flash_attn_cute_{key[:16]}"  # the symbol is unique per key
 
 
