@@ -60,8 +60,9 @@ class FlashFwdSm90:
     # setmaxnreg budgets (producer, consumer) per consumer warpgroup count, within the SM's 64K registers
     # (multiples of 8, as setmaxnreg requires): 2: 24*128 + 240*256 = 64512 (FA3's split); 3: 24*128 +
     # 160*384 = 64512 (168 would need 67584). During the overlap a consumer thread holds the S, P and O
-    # accumulators at once (BLOCK_N + BLOCK_N / 2 + D / 2 registers) plus the loop's state: with 160 that
-    # is BLOCK_N 96 at head dim 64 (128 spills; interface._FWD3_BLOCK_N).
+    # accumulators at once (BLOCK_N + BLOCK_N / 2 + D / 2 registers) plus the loop's state: with 160 (and
+    # pack_p) that is BLOCK_N 128 at head dim 64 for dense calls, 96 with softcap, varlen or a window
+    # (interface._FWD3_BLOCK_N*).
     REGS = {2: (24, 240), 3: (24, 160)}
     PRODUCER_REGS, CONSUMER_REGS = REGS[2]
 
@@ -452,12 +453,13 @@ class FlashFwdSm90:
         # The S accumulator's value order matches the register A operand of m64nDk16 when its N/8 column
         # groups are split into (2, N/16) (checked by tests/test_cute_compile.py).
         p_layout = cute.make_layout(((2, 2, 2), 1, BN // 16))
-        rP = cute.make_rmem_tensor_like(acc_S, dt)
-        tOrP = cute.make_tensor(rP.iterator, p_layout)
         if cutlass.const_expr(self.pack_p):
             # P as 32-bit registers of two values each, the A operand a view of them (see _to_p)
             rP = cute.make_rmem_tensor((cute.size(acc_S) // 2,), Int32)
             tOrP = cute.make_tensor(cute.recast_ptr(rP.iterator, dtype=dt), p_layout)
+        else:
+            rP = cute.make_rmem_tensor_like(acc_S, dt)
+            tOrP = cute.make_tensor(rP.iterator, p_layout)
 
         row_max = cute.make_rmem_tensor((2,), Float32)
         row_sum = cute.make_rmem_tensor((2,), Float32)
