@@ -84,7 +84,8 @@ def test_ptx_is_warp_specialised(ptx):
 def _compare_fragments(qk, pv, block_m, block_n, mismatches):
     # Plain Python (not @cute.jit, whose loops and ifs become device code): every value here is static.
     p_layout = cute.make_layout(((2, 2, 2), 1, block_n // 16))
-    for t in (0, 1, 5, 37, 127, 128, 130, 255):
+    threads = [t for t in (0, 1, 5, 37, 127, 128, 130, 255, 256, 301, 383) if t < 2 * block_m]  # 128 per 64 rows
+    for t in threads:
         cS = qk.get_slice(t).partition_C(cute.make_identity_tensor((block_m, block_n)))
         cA = pv.get_slice(t).partition_A(cute.make_identity_tensor((block_m, block_n)))
         if cute.size(cS) != cute.size(p_layout) or cute.size(cA) != cute.size(p_layout):
@@ -99,17 +100,17 @@ def _compare_fragments(qk, pv, block_m, block_n, mismatches):
                 mismatches.append((t, i, "row"))
 
 
-@pytest.mark.parametrize("d", [64, 128])
-def test_p_fragment_reuses_the_s_accumulator_layout(d):
+@pytest.mark.parametrize("d,warpgroups,block_n", [(64, 2, 128), (128, 2, 128), (64, 3, 96), (64, 3, 128),
+                                                  (128, 3, 64)])
+def test_p_fragment_reuses_the_s_accumulator_layout(d, warpgroups, block_n):
     """The kernel feeds P to the second WGMMA by reinterpreting the S accumulator registers as the A
     operand with layout ((2, 2, 2), 1, BLOCK_N / 16); check, thread by thread, that each register then
-    holds the (row, col) the A operand expects, and that a row's values are indices c + 2 r + 4 j."""
+    holds the (row, col) the A operand expects, and that a row's values are indices c + 2 r + 4 j
+    (two consumer warpgroups, and three: BLOCK_M 192, threads up to 383)."""
     import cutlass
     from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
-    from flash_attn.cute.flash_fwd_sm90 import FlashFwdSm90
-
-    block_m, block_n = 128, 128
+    block_m = 64 * warpgroups
     mismatches = []
 
     @cute.jit
@@ -117,7 +118,7 @@ def test_p_fragment_reuses_the_s_accumulator_layout(d):
         def mma(n, src, b_major):
             op = warpgroup.MmaF16BF16Op(cutlass.BFloat16, cutlass.Float32, (64, n, 16), src,
                                         OperandMajorMode.K, b_major)
-            return cute.make_tiled_mma(cute.make_mma_atom(op), (FlashFwdSm90.NUM_MMA_WARPGROUPS, 1, 1))
+            return cute.make_tiled_mma(cute.make_mma_atom(op), (warpgroups, 1, 1))
 
         qk = mma(block_n, warpgroup.OperandSource.SMEM, OperandMajorMode.K)
         pv = mma(d, warpgroup.OperandSource.RMEM, OperandMajorMode.MN)
@@ -245,6 +246,8 @@ def test_block_n_in_the_cache_key_only_when_not_128(monkeypatch):
     from flash_attn.cute import interface
 
     monkeypatch.delenv("FLASH_ATTN_CUTE_BLOCK_N", raising=False)
+    monkeypatch.delenv("FLASH_ATTN_CUTE_FWD_WARPGROUPS", raising=False)
+    monkeypatch.setattr("flash_attn.cute.interface._FWD_WARPGROUPS", {64: 2, 128: 2})
     args = (torch.bfloat16, 128, True, "sm_90a")
     base = interface._fwd_config(*args)
     assert "block_n" not in base and interface._make_kernel(base).block_n == 128
@@ -295,68 +298,188 @@ def test_exp2_emu_moves_exponentials_off_mufu(tmp_path, monkeypatch):
     assert sass.count(", -127, !PT") == n_poly  # the clamp at -127 (FMNMX)
 
 
-@pytest.mark.parametrize("d,hoist", [(64, "v"), (128, "qkv")])
-def test_desc_hoist_builds_the_descriptors_before_the_loop(tmp_path, monkeypatch, d, hoist):
-    """FLASH_ATTN_CUTE_FWD_DESC_HOIST: the hoisted operands' descriptors pass through one opaque
-    64-bit move each (before the main loop); the GEMMs and the softmax are the default build's."""
-    monkeypatch.delenv("FLASH_ATTN_CUTE_EXP2_EMU", raising=False)
-    texts = {}
-    for value in ("", hoist):
-        monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_DESC_HOIST", value)
-        dump = tmp_path / (value or "default")
-        dump.mkdir()
-        compile_fwd(torch.bfloat16, d, False, arch="sm_90a", dump_dir=str(dump))
-        (path,) = glob.glob(str(dump / "*.ptx"))
-        texts[value] = open(path).read()
-    moves = [sum(l.strip().startswith("mov.b64 %rd") and l.strip().count("%rd") == 2 for l in t.splitlines())
-             for t in (texts[""], texts[hoist])]
-    assert moves[1] - moves[0] == len(hoist)
-    for needle in ("wgmma.mma_async", "ex2.approx", "fma.rn.f32", "max.f32", "add.f32", "mul.f32"):
-        assert _count(texts[""], needle) == _count(texts[hoist], needle), needle
+# ----------------------------------------------------------------------------------------------------
+# Three consumer warpgroups (BLOCK_M 192; FLASH_ATTN_CUTE_FWD_WARPGROUPS / interface._FWD_WARPGROUPS)
 
 
-@pytest.mark.parametrize("d,skip,votes", [(64, "1", 2), (128, "late", 1)])
-def test_skip_rescale_votes_before_the_rescale(tmp_path, monkeypatch, d, skip, votes):
-    """FLASH_ATTN_CUTE_FWD_SKIP_RESCALE=1: the main loop's O rescale sits behind a warp vote on the
-    factors (the loop's one, and the last block's); =late: one rescale, at the end of the iteration; the
-    math is the default build's."""
-    monkeypatch.delenv("FLASH_ATTN_CUTE_EXP2_EMU", raising=False)
-    monkeypatch.delenv("FLASH_ATTN_CUTE_FWD_DESC_HOIST", raising=False)
+def test_warpgroups_in_the_cache_key_only_when_not_2(monkeypatch):
+    from flash_attn.cute import interface
+    from flash_attn.cute.flash_fwd_sm90 import FlashFwdSm90
+
+    monkeypatch.delenv("FLASH_ATTN_CUTE_BLOCK_N", raising=False)
+    monkeypatch.delenv("FLASH_ATTN_CUTE_FWD_WARPGROUPS", raising=False)
+    monkeypatch.setattr(interface, "_FWD_WARPGROUPS", {64: 2, 128: 2})
+    cfg = {d: interface._fwd_config(torch.bfloat16, d, True, "sm_90a") for d in (64, 128)}
+    for d, c in cfg.items():
+        assert "warpgroups" not in c and "block_n" not in c
+        kernel = interface._make_kernel(c)
+        assert (kernel.num_mma_warpgroups, kernel.block_m, kernel.block_n, kernel.num_threads) == (2, 128, 128, 384)
+        assert (kernel.producer_regs, kernel.consumer_regs, kernel.pack_p) == (24, 240, False)
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_WARPGROUPS", "3")
+    for d in (64, 128):
+        c = interface._fwd_config(torch.bfloat16, d, True, "sm_90a")
+        block_n = interface._FWD3_BLOCK_N[d]
+        assert c == {**cfg[d], "warpgroups": 3, **({"block_n": block_n} if block_n != 128 else {})}
+        kernel = interface._make_kernel(c)
+        assert (kernel.num_mma_warpgroups, kernel.block_m, kernel.num_threads) == (3, 192, 512)
+        assert (kernel.producer_regs, kernel.consumer_regs, kernel.pack_p) == (24, 160, True)
+        assert kernel.block_n == block_n
+        # softcap, varlen or a window: the smaller block that fits the registers with their extra state
+        for kw in (dict(softcap=True), dict(varlen=True), dict(local=True)):
+            c = interface._fwd_config(torch.bfloat16, d, True, "sm_90a", **kw)
+            assert interface._make_kernel(c).block_n == interface._FWD3_BLOCK_N_EXTRA[d]
+        assert interface._make_kernel(interface._fwd_config(torch.bfloat16, d, True, "sm_90a", sink=True)
+                                      ).block_n == block_n
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_WARPGROUPS", "64:3")  # per head dim
+    assert interface._fwd_config(torch.bfloat16, 64, True, "sm_90a")["warpgroups"] == 3
+    assert interface._fwd_config(torch.bfloat16, 128, True, "sm_90a") == cfg[128]
+    if interface._tvm_ffi():  # disk cache entries: the warpgroup count in the name when not 2
+        assert "-wg3-" in interface._entry(torch.bfloat16, 64, True, "sm_90a")[2]
+        assert "-wg" not in interface._entry(torch.bfloat16, 128, True, "sm_90a")[2]
+    monkeypatch.setenv("FLASH_ATTN_CUTE_BLOCK_N", "112")  # the block-size knob still wins
+    assert interface._fwd_config(torch.bfloat16, 64, True, "sm_90a")["block_n"] == 112
+    monkeypatch.delenv("FLASH_ATTN_CUTE_BLOCK_N")
+    # the table alone selects it, and the variable overrides the table both ways
+    monkeypatch.delenv("FLASH_ATTN_CUTE_FWD_WARPGROUPS")
+    monkeypatch.setattr(interface, "_FWD_WARPGROUPS", {64: 3, 128: 2})
+    assert interface._fwd_config(torch.bfloat16, 64, False, "sm_90a")["warpgroups"] == 3
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_WARPGROUPS", "2")
+    assert "warpgroups" not in interface._fwd_config(torch.bfloat16, 64, False, "sm_90a")
+    # register budgets: producer warpgroup + consumers within the SM's 64K registers, multiples of 8
+    for n, (producer, consumer) in FlashFwdSm90.REGS.items():
+        assert 128 * producer + 128 * n * consumer <= 65536 and producer % 8 == 0 and consumer % 8 == 0
+    with pytest.raises(ValueError, match="num_warpgroups"):
+        FlashFwdSm90(kernel.dtype, 64, False, num_warpgroups=4)
+    with pytest.raises(ValueError, match="block_m"):
+        FlashFwdSm90(kernel.dtype, 64, False, block_m=128, num_warpgroups=3)
+
+
+# (dtype, head dim, causal, variant flags): the variants the 3-warpgroup kernel serves, each compiled once
+CONFIGS3 = [(torch.bfloat16, 64, False, {}), (torch.float16, 64, True, {}), (torch.bfloat16, 64, True, dict(sink=True)),
+            (torch.bfloat16, 64, False, dict(local=True, softcap=True)),
+            (torch.float16, 64, True, dict(varlen=True, sink=True)),
+            (torch.bfloat16, 64, True, dict(varlen=True, softcap=True)), (torch.bfloat16, 128, True, {})]
+
+
+def _ids3(cfg):
+    dtype, d, causal, kw = cfg
+    return f"{str(dtype).split('.')[-1]}-d{d}-{'causal' if causal else 'full'}{''.join('-' + k for k in kw)}"
+
+
+@pytest.fixture(scope="module", params=CONFIGS3, ids=_ids3)
+def three_wg(request, tmp_path_factory):
+    """(config, block_n, PTX text, cubin path) of the forward built with FLASH_ATTN_CUTE_FWD_WARPGROUPS=3."""
+    from flash_attn.cute import interface
+
+    dtype, d, causal, kw = request.param
+    dump = tmp_path_factory.mktemp("ptx3")
+    with pytest.MonkeyPatch.context() as mp:
+        for var in ("FLASH_ATTN_CUTE_BLOCK_N", "FLASH_ATTN_CUTE_EXP2_EMU", "FLASH_ATTN_CUTE_STAGES",
+                    "FLASH_ATTN_CUTE_FWD_WG_ORDER"):
+            mp.delenv(var, raising=False)
+        mp.setenv("FLASH_ATTN_CUTE_FWD_WARPGROUPS", "3")
+        config = interface._fwd_config(dtype, d, causal, "sm_90a", **kw)
+        compile_fwd(dtype, d, causal, arch="sm_90a", dump_dir=str(dump), **kw)
+    (path,) = glob.glob(str(dump / "*.ptx"))
+    (cubin,) = glob.glob(str(dump / "*.cubin"))
+    with open(path) as f:
+        return request.param, config, f.read(), path, cubin
+
+
+def test_three_warpgroups_ptx(three_wg):
+    """512 threads, setmaxnreg 24 / 160, the two WGMMAs at BLOCK_N (P from registers), TMA loads, the
+    round robin's named barriers (the up-front turn on barrier 1, arrives and waits of 2 x 128 threads),
+    and P converted pairwise into the registers the WGMMA reads (no 16-bit values packed at the WGMMA)."""
+    (dtype, d, _, kw), config, text, _, _ = three_wg
+    assert config["warpgroups"] == 3
+    block_n = config.get("block_n", 128)
+    ab = "bf16.bf16" if dtype == torch.bfloat16 else "f16.f16"
+    pair = "cvt.rn.bf16x2.f32" if dtype == torch.bfloat16 else "cvt.rn.f16x2.f32"
+    assert _count(text, pair) >= 2 * (block_n // 4)  # a thread's 64 x BLOCK_N / 128 scores, two sites
+    assert not any(line.lstrip().startswith("mov.b32") and "{%rs" in line for line in text.splitlines())
+    assert ".reqntid 512, 1, 1" in text
+    assert _count(text, "setmaxnreg.dec.sync.aligned.u32 \t24;") == 1
+    assert _count(text, "setmaxnreg.inc.sync.aligned.u32 \t160;") == 1
+    assert _count(text, "setmaxnreg") == 2
+    assert _count(text, f"wgmma.mma_async.sync.aligned.m64n{block_n}k16.f32.{ab}") >= d // 16
+    assert _count(text, f"wgmma.mma_async.sync.aligned.m64n{d}k16.f32.{ab}") >= block_n // 16
+    assert _count(text, "cp.async.bulk.tensor") >= 3
+    assert _count(text, "bar.arrive 1, 256;") == 1  # the last warpgroup hands warpgroup 0 the first turn
+    assert _count(text, "bar.arrive") >= 2 and _count(text, "bar.sync") >= 3  # + __syncthreads (bar.sync 0)
+    assert all(line.rstrip(";").endswith(", 256") for line in text.splitlines()
+               if line.lstrip().startswith(("bar.arrive", "bar.sync")) and "bar.sync \t0" not in line)
+    assert ("tanh.approx" in text) == bool(kw.get("softcap"))
+
+
+@pytest.mark.skipif(__import__("shutil").which("ptxas") is None, reason="ptxas not on PATH")
+def test_three_warpgroups_fit_160_registers(three_wg):
+    """ptxas keeps the register split (no C7508 'setmaxnreg ignored'), spills nothing, does not serialise
+    the WGMMAs and injects no warpgroup.arrive (C7510-C7520) at the 160-register consumer budget; the cubin
+    CuTeDSL built (what runs) has no local-memory traffic and one WARPGROUP.ARRIVE per GEMM either."""
+    import re
+    import subprocess
+
+    _, config, text, ptx_path, cubin = three_wg
+    out = subprocess.run(["ptxas", "-arch=sm_90a", "-v", ptx_path, "-o", os.devnull], capture_output=True,
+                         text=True, check=True)
+    log = out.stdout + out.stderr
+    # C7508 setmaxnreg ignored, C7510-C7520 WGMMAs serialised or warpgroup.arrive injected: none at all
+    assert not re.findall(r"\((C75\d\d)\)", log), log
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", log)]
+    loads = [int(x) for x in re.findall(r"(\d+) bytes spill loads", log)]
+    assert spills and not any(spills) and not any(loads), log
+    tool = _cuobjdump()
+    if tool is None:
+        pytest.skip("no cuobjdump to read the SASS")
+    sass = subprocess.run([tool, "-sass", cubin], capture_output=True, text=True, check=True).stdout
+    assert "HGMMA" in sass and " STL" not in sass and " LDL" not in sass
+    fences = sum(line.lstrip().startswith("wgmma.fence") for line in text.splitlines())
+    assert sass.count("WARPGROUP.ARRIVE") == fences  # none injected
+
+
+@pytest.mark.parametrize("warpgroups", [2, 3])
+def test_wg_order_off_drops_the_named_barriers(tmp_path, monkeypatch, warpgroups):
+    """FLASH_ATTN_CUTE_FWD_WG_ORDER=0 (in the key only then): no bar.sync / bar.arrive but __syncthreads;
+    the same WGMMAs as the ordered kernel."""
+    from flash_attn.cute import interface
+
+    for var in ("FLASH_ATTN_CUTE_BLOCK_N", "FLASH_ATTN_CUTE_EXP2_EMU", "FLASH_ATTN_CUTE_STAGES"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_WARPGROUPS", str(warpgroups))
     texts = []
-    for value in ("", skip):
-        monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_SKIP_RESCALE", value)
-        dump = tmp_path / (value or "default")
+    for order in ("", "64:0"):
+        monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_WG_ORDER", order)
+        config = interface._fwd_config(torch.bfloat16, 64, True, "sm_90a")
+        assert config.get("wg_order", True) == (not order)
+        assert interface._make_kernel(config).wg_order == (not order)
+        dump = tmp_path / (order.replace(":", "_") or "ordered")
         dump.mkdir()
-        compile_fwd(torch.bfloat16, d, False, arch="sm_90a", dump_dir=str(dump))
+        compile_fwd(torch.bfloat16, 64, True, arch="sm_90a", dump_dir=str(dump))
         (path,) = glob.glob(str(dump / "*.ptx"))
         texts.append(open(path).read())
-    assert _count(texts[0], "vote.sync.any") == 0 and _count(texts[1], "vote.sync.any") == votes
-    for needle in ("wgmma.mma_async", "ex2.approx", "fma.rn.f32", "max.f32", "add.f32"):
-        assert _count(texts[0], needle) == _count(texts[1], needle), needle
-    # late: the rescale after the loop (before the last P V) is gone
-    n_mul = d // 2  # O's multiplies per rescale site (a thread's share of 64 rows x d)
-    assert _count(texts[0], "mul.f32") - _count(texts[1], "mul.f32") == (n_mul if skip == "late" else 0)
+    assert "wg_order" not in interface._fwd_config(torch.bfloat16, 128, True, "sm_90a")  # "64:0": d64 only
+    ordered, unordered = texts
+    assert _count(ordered, "bar.arrive") >= 2 and _count(ordered, "bar.sync") >= 3
+    assert _count(unordered, "bar.arrive") == 0 and _count(unordered, "bar.sync") == 1  # __syncthreads
+    assert _count(ordered, "wgmma.mma_async") == _count(unordered, "wgmma.mma_async")
 
 
-def test_main_loop_variants_per_head_dim(monkeypatch):
-    from flash_attn.cute.interface import _fwd_config
+@pytest.mark.skipif(__import__("shutil").which("ptxas") is None, reason="ptxas not on PATH")
+def test_two_warpgroups_fit_240_registers(ptx, tmp_path):
+    """The default kernels: no spills and no serialised WGMMAs either (the 3-warpgroup test's checks)."""
+    import re
+    import subprocess
 
-    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_DESC_HOIST", "64:v,128:qk")
-    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_SKIP_RESCALE", "64:1")
-    c64, c128 = (_fwd_config(torch.bfloat16, d, False, "sm_90a") for d in (64, 128))
-    assert (c64["desc_hoist"], c64["skip_rescale"]) == ("v", True)
-    assert c128["desc_hoist"] == "qk" and "skip_rescale" not in c128
-
-
-def test_desc_hoist_in_the_cache_key_only_when_set(monkeypatch):
-    from flash_attn.cute.interface import _fwd_config
-
-    monkeypatch.delenv("FLASH_ATTN_CUTE_FWD_DESC_HOIST", raising=False)
-    assert "desc_hoist" not in _fwd_config(torch.bfloat16, 128, False, "sm_90a")
-    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_DESC_HOIST", "0")
-    assert "desc_hoist" not in _fwd_config(torch.bfloat16, 128, False, "sm_90a")
-    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_DESC_HOIST", "qk")
-    assert _fwd_config(torch.bfloat16, 128, False, "sm_90a")["desc_hoist"] == "qk"
+    _, text = ptx
+    path = tmp_path / "k.ptx"
+    path.write_text(text)
+    out = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(path), "-o", os.devnull], capture_output=True,
+                         text=True, check=True)
+    log = out.stdout + out.stderr
+    assert not re.findall(r"\((C75\d\d)\)", log), log  # no C7508 / C7510-C7520 message
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", log)]
+    assert spills and not any(spills), log
+    assert ".reqntid 384, 1, 1" in text
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -424,32 +547,6 @@ def test_exp2_emulation_matches_reference_on_gpu(monkeypatch, exp2_emu, degree, 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
-@pytest.mark.parametrize("hoist,skip", [("qkv", ""), ("v", ""), ("qk", ""), ("", "1"), ("v", "1"), ("", "late"),
-                                        ("qk", "late")])
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("causal", [False, True])
-def test_main_loop_variants_are_bit_identical_on_gpu(monkeypatch, hoist, skip, d, causal):
-    """FLASH_ATTN_CUTE_FWD_DESC_HOIST changes only where the WGMMA descriptors are computed and
-    FLASH_ATTN_CUTE_FWD_SKIP_RESCALE skips only multiplications by 1.0: out and lse equal the default
-    build's bit for bit."""
-    from flash_attn.cute import flash_attn_func, interface
-
-    torch.manual_seed(0)
-    q = torch.randn(2, 1000, 4, d, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(2, 1100, 2, d, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(2, 1100, 2, d, device="cuda", dtype=torch.bfloat16)
-    results = []
-    for h, sk in (("", ""), (hoist, skip)):
-        monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_DESC_HOIST", h)
-        monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_SKIP_RESCALE", sk)
-        monkeypatch.setattr(interface, "_kernels", {})  # the in-memory table does not key on the variables
-        results.append(flash_attn_func(q, k, v, causal=causal, return_lse=True))
-    torch.cuda.synchronize()
-    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal,window", [(False, (64, 16)), (False, (-1, 40)), (False, (100, -1)),
                                            (True, (48, -1)), (False, (0, 0)), (False, (-1, -1))])
@@ -509,15 +606,16 @@ def _varlen_case(lens_q, lens_k, heads, heads_kv, d, dtype=torch.bfloat16, extra
 @pytest.mark.parametrize("causal,window,softcap", [(False, (-1, -1), 0.0), (True, (-1, -1), 0.0),
                                                    (False, (50, 10), 0.0), (True, (-1, -1), 15.0)])
 @pytest.mark.parametrize("seqused", [False, True])
-def test_varlen_matches_reference_per_sequence_on_gpu(d, causal, window, softcap, seqused):
+def test_varlen_matches_reference_per_sequence_on_gpu(d, causal, window, softcap, seqused, lens=None):
     """Each packed sequence (lengths 0, 1, odd, > 2 tiles; Sq != Sk) against the reference on its own
-    slice; seqused_k uses a prefix of each sequence's keys; q rows after the last sequence get 0 / +inf."""
+    slice; seqused_k uses a prefix of each sequence's keys; q rows after the last sequence get 0 / +inf.
+    lens: (q lengths, k lengths, seqused_k caps) instead of the default sequences."""
     from flash_attn.cute import flash_attn_varlen_func
 
     torch.manual_seed(0)
-    lens_q, lens_k = [17, 0, 300, 1, 129, 64], [40, 5, 300, 1, 260, 0]
+    lens_q, lens_k, caps = lens or ([17, 0, 300, 1, 129, 64], [40, 5, 300, 1, 260, 0], [33, 5, 123, 0, 260, 0])
     q, k, v, cu_q, cu_k = _varlen_case(lens_q, lens_k, 4, 2, d, extra_q=3)
-    used = [min(n, u) for n, u in zip(lens_k, [33, 5, 123, 0, 260, 0])] if seqused else lens_k
+    used = [min(n, u) for n, u in zip(lens_k, caps)] if seqused else lens_k
     seqused_k = torch.tensor(used, device="cuda", dtype=torch.int32) if seqused else None
     out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, seqused_k=seqused_k, causal=causal,
                                       window_size=window, softcap=softcap, return_lse=True)
@@ -538,6 +636,73 @@ def test_varlen_matches_reference_per_sequence_on_gpu(d, causal, window, softcap
         assert_close_to_ref(out[None, q0:q0 + sq], out_ref, out_pt, name=f"out of sequence {b}")
     tail = int(cu_q[-1])
     assert torch.all(out[tail:] == 0) and torch.all(torch.isinf(lse[:, tail:]))
+
+
+# Forced 3-warpgroup kernels on the GPU: the same checks as the default kernel's tests, at sequence lengths
+# around the 192-row tile (1, 17, 191, 192, 193, 1000, 2048; Sq != Sk), GQA, windows, softcap, varlen
+# (seqused_k, empty sequences), and the sink (tests/test_cute_sink.py).
+
+
+def _force_three_warpgroups(monkeypatch, d=64):
+    from flash_attn.cute import interface
+
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_WARPGROUPS", f"{d}:3")
+    monkeypatch.delenv("FLASH_ATTN_CUTE_BLOCK_N", raising=False)
+    monkeypatch.delenv("FLASH_ATTN_CUTE_FWD_WG_ORDER", raising=False)
+    monkeypatch.setattr(interface, "_kernels", {})  # the in-memory table does not key on the variable
+    assert interface._fwd_config(torch.bfloat16, d, True, "sm_90a")["warpgroups"] == 3
+
+
+SHAPES3 = [(1, 1, 1, 2, 2), (2, 17, 17, 4, 2), (1, 191, 191, 4, 4), (2, 192, 192, 4, 1), (1, 193, 193, 2, 2),
+           (1, 1000, 1000, 4, 2), (1, 2048, 2048, 2, 1), (2, 193, 1000, 4, 4), (1, 1000, 193, 2, 2),
+           (1, 2048, 17, 2, 2), (1, 17, 2048, 2, 1), (1, 385, 191, 6, 3)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_three_warpgroups_match_reference_on_gpu(monkeypatch, dtype, causal):
+    _force_three_warpgroups(monkeypatch)
+    for shape in SHAPES3:
+        test_matches_reference_on_gpu(dtype, 64, causal, *shape)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("warpgroups", [2, 3])
+@pytest.mark.parametrize("causal", [False, True])
+def test_unordered_warpgroups_match_reference_on_gpu(monkeypatch, warpgroups, causal):
+    """FLASH_ATTN_CUTE_FWD_WG_ORDER=0 (no ping-pong / round robin) computes the same attention."""
+    _force_three_warpgroups(monkeypatch)
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_WARPGROUPS", f"64:{warpgroups}")
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_WG_ORDER", "0")
+    for shape in [(2, 17, 17, 4, 2), (2, 193, 1000, 4, 4), (1, 2048, 2048, 2, 1), (1, 1000, 193, 2, 2)]:
+        test_matches_reference_on_gpu(torch.bfloat16, 64, causal, *shape)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("causal,window,softcap", [(False, (64, 16), 0.0), (True, (48, -1), 20.0),
+                                                   (False, (100, -1), 20.0), (False, (0, 0), 0.0),
+                                                   (False, (-1, 200), 0.0), (True, (-1, -1), 30.0)])
+def test_three_warpgroups_window_and_softcap_on_gpu(monkeypatch, causal, window, softcap):
+    _force_three_warpgroups(monkeypatch)
+    for shape in [(2, 333, 333, 4, 2), (1, 193, 517, 2, 1), (1, 700, 191, 2, 2), (1, 1000, 1000, 2, 2)]:
+        test_window_and_softcap_match_reference_on_gpu(64, causal, window, softcap, *shape)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("causal,window,softcap", [(False, (-1, -1), 0.0), (True, (-1, -1), 0.0),
+                                                   (False, (50, 10), 0.0), (True, (-1, -1), 15.0)])
+def test_three_warpgroups_varlen_on_gpu(monkeypatch, causal, window, softcap):
+    _force_three_warpgroups(monkeypatch)
+    lens = ([191, 0, 192, 1, 193, 17, 1000, 385], [191, 5, 300, 1, 193, 0, 1000, 200],
+            [100, 5, 192, 0, 193, 0, 999, 200])
+    for seqused in (False, True):
+        test_varlen_matches_reference_per_sequence_on_gpu(64, causal, window, softcap, seqused)
+        test_varlen_matches_reference_per_sequence_on_gpu(64, causal, window, softcap, seqused, lens=lens)
 
 
 @pytest.mark.gpu

@@ -318,6 +318,22 @@ def test_sink_varlen_matches_reference_on_gpu(d):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+def test_sink_with_three_warpgroups_on_gpu(monkeypatch):
+    """The sink tests above on the 3-warpgroup forward (BLOCK_M 192; Sq 257 spans two tiles)."""
+    from flash_attn.cute import interface
+
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_WARPGROUPS", "64:3")
+    monkeypatch.delenv("FLASH_ATTN_CUTE_BLOCK_N", raising=False)
+    monkeypatch.delenv("FLASH_ATTN_CUTE_FWD_WG_ORDER", raising=False)
+    monkeypatch.setattr(interface, "_kernels", {})  # the in-memory table does not key on the variable
+    assert interface._fwd_config(torch.bfloat16, 64, True, "sm_90a", sink=True)["warpgroups"] == 3
+    for causal in (False, True):
+        test_sink_matches_reference_on_gpu(64, causal)
+    test_sink_varlen_matches_reference_on_gpu(64)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
 def test_sink_gradients_on_gpu():
     """dq, dk, dv, d(sink) against autograd of the reference (GQA, causal, d128, bf16)."""
     from flash_attn.cute import flash_attn_func

@@ -1,7 +1,8 @@
 """Attention forward for Hopper (sm_90a) in CuTeDSL, after FlashAttention-3 (Shah et al. 2024, sections
 3.1-3.2): TMA loads into swizzled shared memory through an mbarrier pipeline, WGMMA with fp32 register
 accumulators, a producer warpgroup that only issues TMA (registers given back with setmaxnreg) and two
-consumer warpgroups that compute, online softmax in fp32 with exp2 (Milakov & Gimelshein 2018).
+or three consumer warpgroups of 64 query rows each that compute (BLOCK_M 128 or 192), online softmax in
+fp32 with exp2 (Milakov & Gimelshein 2018).
 
 Layouts seen by the kernel (views built on the host, no copies):
   mQ (Sq, D, H, B), mK (Sk, D, Hk, B), mV (Sk, D, Hk, B), mO (Sq, D, H, B), mLSE (Sq, H, B) fp32,
@@ -13,11 +14,10 @@ import math
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Float32, Int32, Int64
+from cutlass import Float32, Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
-from cutlass.cute.nvgpu.tcgen05 import int_to_smem_descriptor, smem_descriptor_to_int
 from cutlass.memory import SmemAllocator
 
 from flash_attn.cute.softmax_exp import EXP2_POLY, emulated_columns, exp2_poly
@@ -41,17 +41,6 @@ def _tma_tiles(atom, s, g, modes=2):
                                  cute.group_modes(g, 0, modes))
 
 
-def _hoisted_desc(frag):
-    """The WGMMA descriptor fragment ``frag`` (a view of shared memory through a descriptor) rebuilt on a
-    64-bit descriptor value computed here: CuTeDSL otherwise lowers the pointer -> descriptor conversion
-    (address >> 4, masks, layout bits) at every use, i.e. inside the main loop on every key block."""
-    # An opaque move (inline PTX) so that MLIR cannot fold the int <-> descriptor casts back together.
-    desc = Int64(llvm.inline_asm(T.i64(), [smem_descriptor_to_int(frag.iterator).ir_value()], "mov.b64 $0, $1;",
-                                 "=l,l", has_side_effects=False, is_align_stack=False,
-                                 asm_dialect=llvm.AsmDialect.AD_ATT))
-    return cute.make_tensor(int_to_smem_descriptor(desc), frag.layout)
-
-
 def _smem_layout(kind, dtype, shape, order=None):
     """A WGMMA-compatible swizzled smem layout of ``shape`` (first two modes: the MMA operand's),
     tiled with the layout atom in ``order`` (default: mode 0 first)."""
@@ -67,19 +56,27 @@ class FlashFwdSm90:
     compiled kernel."""
 
     NUM_PRODUCER_THREADS = 128  # one warpgroup; a single thread issues the TMA copies
-    NUM_MMA_WARPGROUPS = 2
-    # setmaxnreg budgets (FA3's choice for 2 consumer warpgroups): 24*128 + 240*256 <= 64K registers.
-    PRODUCER_REGS = 24
-    CONSUMER_REGS = 240
+    NUM_MMA_WARPGROUPS = 2  # the default; 3 with num_warpgroups=3
+    # setmaxnreg budgets (producer, consumer) per consumer warpgroup count, within the SM's 64K registers
+    # (multiples of 8, as setmaxnreg requires): 2: 24*128 + 240*256 = 64512 (FA3's split); 3: 24*128 +
+    # 160*384 = 64512 (168 would need 67584). During the overlap a consumer thread holds the S, P and O
+    # accumulators at once (BLOCK_N + BLOCK_N / 2 + D / 2 registers) plus the loop's state: with 160 (and
+    # pack_p) that is BLOCK_N 128 at head dim 64 for dense calls, 96 with softcap, varlen or a window
+    # (interface._FWD3_BLOCK_N*).
+    REGS = {2: (24, 240), 3: (24, 160)}
+    PRODUCER_REGS, CONSUMER_REGS = REGS[2]
 
     UNBOUNDED = 1 << 30  # window size standing for "no limit on this side" (host passes it for -1)
 
-    def __init__(self, dtype, head_dim, causal, local=False, softcap=False, varlen=False, block_m=128,
-                 block_n=128, num_stages=2, exp2_emu=0, exp2_emu_degree=3, desc_hoist="",
-                 skip_rescale=False, sink=False):
+    def __init__(self, dtype, head_dim, causal, local=False, softcap=False, varlen=False, block_m=None,
+                 block_n=128, num_stages=2, exp2_emu=0, exp2_emu_degree=3, sink=False, num_warpgroups=2,
+                 wg_order=True):
         """exp2_emu: of every 16 softmax exponentials a thread computes, this many (0..16, spread evenly
         over its fragment) use a degree-exp2_emu_degree polynomial on the FMA pipe instead of MUFU.EX2
-        (softmax_exp.py), to relieve the MUFU pipe."""
+        (softmax_exp.py), to relieve the MUFU pipe. num_warpgroups: consumer warpgroups (2 or 3) of 64
+        query rows each; block_m must be 64 * num_warpgroups (the default). wg_order=False: no named
+        barriers between the consumer warpgroups (each keeps only its intra-warpgroup overlap), to
+        measure what the ping-pong / round robin buys."""
         if not 0 <= exp2_emu <= 16 or exp2_emu_degree not in EXP2_POLY:
             raise ValueError(f"exp2_emu {exp2_emu} not in 0..16 or degree {exp2_emu_degree} not in "
                              f"{tuple(EXP2_POLY)}")
@@ -87,7 +84,20 @@ class FlashFwdSm90:
             raise ValueError(f"head dim {head_dim} not in (64, 128)")
         if dtype not in (cutlass.Float16, cutlass.BFloat16):
             raise ValueError(f"dtype {dtype} not fp16/bf16")
-        assert block_m == 64 * self.NUM_MMA_WARPGROUPS
+        if num_warpgroups not in self.REGS:
+            raise ValueError(f"num_warpgroups {num_warpgroups} not in {tuple(self.REGS)}")
+        block_m = 64 * num_warpgroups if block_m is None else block_m
+        if block_m != 64 * num_warpgroups:
+            raise ValueError(f"block_m {block_m} != 64 * num_warpgroups ({num_warpgroups})")
+        self.num_mma_warpgroups = int(num_warpgroups)
+        self.producer_regs, self.consumer_regs = self.REGS[self.num_mma_warpgroups]
+        self.wg_order = bool(wg_order)
+        # P converted pairwise into 32-bit registers that the P V WGMMA reads as they are (_to_p). The
+        # element-wise conversion leaves one 16-bit value per register and packs the pairs next to each
+        # WGMMA, after its fence: at the 160-register budget ptxas then injects a warpgroup.arrive per
+        # WGMMA (C7519, d64 BLOCK_N 96-112) or spills (BLOCK_N 128: 112 bytes); packed, d64 BLOCK_N 128
+        # is clean. Off for 2 warpgroups, whose SASS stays as measured.
+        self.pack_p = self.num_mma_warpgroups == 3
         self.dtype = dtype
         self.head_dim = head_dim
         self.causal = bool(causal) and not local  # a causal local window is local with right = 0
@@ -100,17 +110,7 @@ class FlashFwdSm90:
         self.num_stages = num_stages
         self.exp2_emu = int(exp2_emu)
         self.exp2_emu_degree = int(exp2_emu_degree)
-        if set(desc_hoist) - set("qkv"):
-            raise ValueError(f"desc_hoist {desc_hoist!r}: letters of 'qkv' only")
-        if skip_rescale not in (False, True, 0, 1, "", "0", "1", "late"):
-            raise ValueError(f"skip_rescale {skip_rescale!r} not in (False, True, 'late')")
-        self.skip_rescale = skip_rescale in (True, 1, "1", "late")
-        # "late": the rescale of O by block j's factors at the end of iteration j (after P V_{j-1}), not
-        # between the GEMMs of iteration j + 1; the same multiplications (O is exactly 0 before block 0's
-        # P V, so the rescale after the first block's softmax is skipped: 0 * factor is 0 either way)
-        self.late_rescale = skip_rescale == "late"
-        self.desc_hoist = "".join(sorted(set(desc_hoist), key="qkv".index))
-        self.num_threads = self.NUM_PRODUCER_THREADS + 128 * self.NUM_MMA_WARPGROUPS
+        self.num_threads = self.NUM_PRODUCER_THREADS + 128 * self.num_mma_warpgroups
 
     # ------------------------------------------------------------------------------------------------
     # Host side: views, TMA descriptors, launch
@@ -201,13 +201,13 @@ class FlashFwdSm90:
             cute.make_mma_atom(warpgroup.MmaF16BF16Op(
                 dt, Float32, (64, BN, 16), warpgroup.OperandSource.SMEM,
                 OperandMajorMode.K, OperandMajorMode.K)),
-            (self.NUM_MMA_WARPGROUPS, 1, 1))
+            (self.num_mma_warpgroups, 1, 1))
         # P stays in registers (converted from the S accumulator) and feeds the second WGMMA directly.
         tiled_mma_pv = cute.make_tiled_mma(
             cute.make_mma_atom(warpgroup.MmaF16BF16Op(
                 dt, Float32, (64, D, 16), warpgroup.OperandSource.RMEM,
                 OperandMajorMode.K, OperandMajorMode.MN)),
-            (self.NUM_MMA_WARPGROUPS, 1, 1))
+            (self.num_mma_warpgroups, 1, 1))
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, mQ_tma = cpasync.make_tiled_tma_atom(g2s, mQ, sQ_layout, (BM, D))
@@ -227,7 +227,11 @@ class FlashFwdSm90:
         self.kernel(tma_q, mQ_tma, tma_k, mK_tma, tma_v, mVt_tma, mO, mLSE, mSink, mCuSeqlensQ, mCuSeqlensK,
                     mSeqUsedK, scale_log2, score_scale, softcap, window_left, window_right, sQ_layout,
                     sK_layout, sVt_layout, tiled_mma_qk, tiled_mma_pv).launch(
-            grid=grid, block=(self.num_threads, 1, 1), stream=stream)
+            grid=grid, block=(self.num_threads, 1, 1), stream=stream,
+            # .minnctapersm 1 pins the register count at entry (65536 / 512 threads): a 3-warpgroup
+            # kernel that needs fewer registers (d64 BLOCK_N 64) otherwise has setmaxnreg ignored
+            # (C7508). The 2-warpgroup kernels are left as they were measured.
+            **({"min_blocks_per_mp": 1} if self.num_mma_warpgroups == 3 else {}))
 
     # ------------------------------------------------------------------------------------------------
     # Device side
@@ -284,7 +288,7 @@ class FlashFwdSm90:
         sK = smem.allocate_tensor(dt, sK_layout.outer, byte_alignment=1024, swizzle=sK_layout.inner)
         sVt = smem.allocate_tensor(dt, sVt_layout.outer, byte_alignment=1024, swizzle=sVt_layout.inner)
 
-        num_mma_warps = self.NUM_MMA_WARPGROUPS * 4
+        num_mma_warps = self.num_mma_warpgroups * 4
         # Full barriers count the TMA bytes; empty barriers one arrival per consumer warp. K and V have
         # their own pipelines: S = Q K^T starts when K has landed, and a K stage is free again as soon
         # as S is computed, while V stays until P V is done.
@@ -315,12 +319,12 @@ class FlashFwdSm90:
 
         if warp_idx < 4:
             # Producer warpgroup: only TMA issue, so it hands its registers to the consumers.
-            cute.arch.setmaxregister_decrease(self.PRODUCER_REGS)
+            cute.arch.setmaxregister_decrease(self.producer_regs)
             if tidx == 0:
                 self._produce(tma_q, mQ, tma_k, mK, tma_v, mVt, sQ, sK, sVt, q_pipe, k_pipe, v_pipe,
                               m_block, head, head_kv, batch, q_start, k_start, n_block_min, n_block_max)
         else:
-            cute.arch.setmaxregister_increase(self.CONSUMER_REGS)
+            cute.arch.setmaxregister_increase(self.consumer_regs)
             self._consume(mO, mLSE, mSink, sQ, sK, sVt, q_pipe, k_pipe, v_pipe, tiled_mma_qk, tiled_mma_pv,
                           scale_log2, score_scale, softcap, window_left, window_right,
                           tidx - self.NUM_PRODUCER_THREADS, m_block, head, batch, q_start, seqlen_q,
@@ -394,7 +398,7 @@ class FlashFwdSm90:
         for r in cutlass.range_constexpr(2):
             idx = [c + 2 * r + 4 * j for j in range(num_col_groups) for c in range(2)]
             # Pairwise trees, not a chain: 2N/8 dependent max/add steps would leave the warp waiting
-            # on latency (only two consumer warps share a scheduler).
+            # on latency (only two or three consumer warps share a scheduler).
             m_new = _tree(cute.arch.fmax, [acc_S[i] for i in idx] + [row_max[r]])
             m_new = cute.arch.fmax(m_new, cute.arch.shuffle_sync_bfly(m_new, offset=1))
             m_new = cute.arch.fmax(m_new, cute.arch.shuffle_sync_bfly(m_new, offset=2))
@@ -414,17 +418,6 @@ class FlashFwdSm90:
 
     @cute.jit
     def _rescale(self, acc_O, corr):
-        if cutlass.const_expr(self.skip_rescale):
-            # Multiplying by exactly 1.0 changes nothing, so a warp whose factors are all 1.0 (no row
-            # maximum moved in this block: most blocks of a long row) skips the multiplies; the test
-            # is on the factors themselves, so results are bit-identical. A warp-uniform branch.
-            if cute.arch.vote_any_sync((corr[0] != Float32(1.0)) | (corr[1] != Float32(1.0))):
-                self._rescale_all(acc_O, corr)
-        else:
-            self._rescale_all(acc_O, corr)
-
-    @cute.jit
-    def _rescale_all(self, acc_O, corr):
         for r in cutlass.range_constexpr(2):
             for j in cutlass.range_constexpr(self.head_dim // 8):
                 for c in cutlass.range_constexpr(2):
@@ -437,8 +430,8 @@ class FlashFwdSm90:
         """FlashAttention-3's consumer (Shah et al. 2024, sections 3.1-3.2). Within a warpgroup, block j's
         S = Q K_j^T and the previous block's O += P V_{j-1} are both in flight while the softmax of
         block j-1 has finished; the softmax of S_j then runs while P V_{j-1} is still computing. Across
-        the two warpgroups, named barriers hand the tensor cores back and forth (ping-pong): one issues
-        its GEMMs while the other does softmax."""
+        the warpgroups, named barriers pass the turn to issue GEMMs around (ping-pong with two, a round
+        robin with three): one issues its GEMMs while the others do softmax."""
         dt, D, BM, BN = self.dtype, self.head_dim, self.block_m, self.block_n
         thr_qk = tiled_mma_qk.get_slice(ctid)
         thr_pv = tiled_mma_pv.get_slice(ctid)
@@ -452,12 +445,6 @@ class FlashFwdSm90:
         tSrQ = tiled_mma_qk.make_fragment_A(wg_qk.partition_A(sQ))
         tSrK = tiled_mma_qk.make_fragment_B(wg_qk.partition_B(sK))
         tOrV = tiled_mma_pv.make_fragment_B(wg_pv.partition_B(sVt))
-        if cutlass.const_expr("q" in self.desc_hoist):
-            tSrQ = _hoisted_desc(tSrQ)
-        if cutlass.const_expr("k" in self.desc_hoist):
-            tSrK = _hoisted_desc(tSrK)
-        if cutlass.const_expr("v" in self.desc_hoist):
-            tOrV = _hoisted_desc(tOrV)
         acc_S = cute.make_rmem_tensor(thr_qk.partition_shape_C((BM, BN)), Float32)
         acc_O = cute.make_rmem_tensor(thr_pv.partition_shape_C((BM, D)), Float32)
         acc_O.fill(0.0)
@@ -466,8 +453,13 @@ class FlashFwdSm90:
         # The S accumulator's value order matches the register A operand of m64nDk16 when its N/8 column
         # groups are split into (2, N/16) (checked by tests/test_cute_compile.py).
         p_layout = cute.make_layout(((2, 2, 2), 1, BN // 16))
-        rP = cute.make_rmem_tensor_like(acc_S, dt)
-        tOrP = cute.make_tensor(rP.iterator, p_layout)
+        if cutlass.const_expr(self.pack_p):
+            # P as 32-bit registers of two values each, the A operand a view of them (see _to_p)
+            rP = cute.make_rmem_tensor((cute.size(acc_S) // 2,), Int32)
+            tOrP = cute.make_tensor(cute.recast_ptr(rP.iterator, dtype=dt), p_layout)
+        else:
+            rP = cute.make_rmem_tensor_like(acc_S, dt)
+            tOrP = cute.make_tensor(rP.iterator, p_layout)
 
         row_max = cute.make_rmem_tensor((2,), Float32)
         row_sum = cute.make_rmem_tensor((2,), Float32)
@@ -480,14 +472,31 @@ class FlashFwdSm90:
             sink_log2 = mSink[head] * LOG2_E
 
         # Ping-pong: warpgroup w waits on named barrier 1 + w before issuing GEMMs and then lets the
-        # other one go (barrier 0 is __syncthreads). Both warpgroups run the same number of blocks.
-        pingpong = cutlass.const_expr(self.NUM_MMA_WARPGROUPS == 2)
+        # next one go (barrier 0 is __syncthreads; 1..NW are these, nothing else in the kernel uses named
+        # barriers). All warpgroups run the same number of blocks. One turn circulates, so barrier
+        # 1 + w's generations alternate strictly between the previous warpgroup's arrive and w's wait
+        # (2 x 128 threads each).
+        # With three warpgroups the turn goes round robin 0 -> 1 -> 2 -> 0. Why order them at all (FA3
+        # keeps its scheduler barriers for three warpgroups too): unordered warpgroups drift into step,
+        # all issuing GEMMs together and then all waiting on MUFU together, which leaves the tensor cores
+        # idle during the softmax; in a fixed rotation each warpgroup's softmax runs under the other two
+        # warpgroups' GEMMs (2 of 3 slots, where ping-pong has 1 of 2), so a slower softmax (d64: a short
+        # GEMM per exponential) still hides.
+        pingpong = cutlass.const_expr(self.num_mma_warpgroups >= 2 and self.wg_order)
         n_threads_pp = 2 * 128
-        # Turn passing (see _pass_turn), loop-invariant parts: warpgroup 0 arrives on barrier 2 after
-        # every block, warpgroup 1 on barrier 1 after every block but its last; i.e. after block n iff
-        # n < n_block_max - wg.
-        turn_bar = 2 - wg
-        turn_below = n_block_max - wg
+        last_wg = self.num_mma_warpgroups - 1
+        # Turn passing (see _pass_turn), loop-invariant parts: warpgroup w arrives on barrier 1 + (w + 1)
+        # mod NW after every block, except the last warpgroup after its last block (the turn it would
+        # pass was given up front); i.e. after block n iff n < n_block_max - (w == NW - 1).
+        if cutlass.const_expr(self.num_mma_warpgroups == 2):
+            turn_bar = 2 - wg
+            turn_below = n_block_max - wg
+        else:
+            turn_bar = wg + 2
+            turn_below = n_block_max
+            if wg == last_wg:
+                turn_bar = Int32(1)
+                turn_below = n_block_max - 1
 
         # Blocks in [n_block_mask_below, n_block_mask_from) need no mask: every row of the tile sees
         # every key in them. Outside: the sequence tail, keys past a row's diagonal (causal) or outside
@@ -512,7 +521,7 @@ class FlashFwdSm90:
         q_pipe.consumer_wait(q_state)
         if n_block_max > n_block_min:
             if cutlass.const_expr(pingpong):
-                if wg == 1:  # warpgroup 0 goes first
+                if wg == last_wg:  # warpgroup 0 goes first: the last one hands it the first turn
                     cute.arch.barrier_arrive(barrier_id=1, number_of_threads=n_threads_pp)
             # The first block: S = Q K^T, then its softmax (nothing to overlap with yet).
             k_pipe.consumer_wait(k_state)
@@ -529,7 +538,7 @@ class FlashFwdSm90:
             if n_block_min >= n_block_mask_from or n_block_min < n_block_mask_below:
                 self._mask(acc_S, tScS, m_block, n_block_min, seqlen_q, seqlen_k, window_left, window_right)
             self._softmax(acc_S, row_max, row_sum, corr, scale_log2)
-            rP.store(acc_S.load().to(dt))
+            self._to_p(acc_S, rP)
 
             for n_block in cutlass.range(n_block_min + 1, n_block_max, unroll=1):
                 k_pipe.consumer_wait(k_state)
@@ -537,8 +546,7 @@ class FlashFwdSm90:
                 if cutlass.const_expr(pingpong):
                     cute.arch.barrier(barrier_id=1 + wg, number_of_threads=n_threads_pp)
                 self._gemm_qk(tiled_mma_qk, acc_S, tSrQ, tSrK, k_state.index)   # S_j = Q K_j^T
-                if cutlass.const_expr(not self.late_rescale):
-                    self._rescale(acc_O, corr)  # O was final up to block j-2; scale it to block j-1's max
+                self._rescale(acc_O, corr)  # O was final up to block j-2; scale it to block j-1's max
                 self._gemm_pv(tiled_mma_pv, acc_O, tOrP, tOrV, v_state.index)   # O += P_{j-1} V_{j-1}
                 if cutlass.const_expr(pingpong):
                     self._pass_turn(turn_bar, n_block < turn_below, n_threads_pp)
@@ -557,16 +565,12 @@ class FlashFwdSm90:
                     self._softmax(acc_S, row_max, row_sum, corr, scale_log2)
                 warpgroup.wait_group(0)  # P V done: P's registers and V's stage are free
                 v_pipe.consumer_release(v_state)
-                rP.store(acc_S.load().to(dt))
+                self._to_p(acc_S, rP)
                 v_state.advance()
-                if cutlass.const_expr(self.late_rescale):
-                    # O (up to block j-1, P V done) scaled to block j's max now, outside the GEMM turn
-                    self._rescale(acc_O, corr)
 
             # The last block's O += P V.
             v_pipe.consumer_wait(v_state)
-            if cutlass.const_expr(not self.late_rescale):
-                self._rescale(acc_O, corr)
+            self._rescale(acc_O, corr)
             self._gemm_pv(tiled_mma_pv, acc_O, tOrP, tOrV, v_state.index)
             warpgroup.wait_group(0)
             v_pipe.consumer_release(v_state)
@@ -575,11 +579,27 @@ class FlashFwdSm90:
                        batch, q_start, seqlen_q)
 
     @cute.jit
+    def _to_p(self, acc_S, rP):
+        """P = the softmax numerators (acc_S) in the input dtype, round to nearest even. pack_p: one
+        cvt.rn.{bf16x2,f16x2}.f32 per pair into a 32-bit register (a goes to the upper half, so value
+        2i + 1 is a and 2i is b: the little-endian order of the bf16 view tOrP)."""
+        if cutlass.const_expr(self.pack_p):
+            op = "cvt.rn.bf16x2.f32 $0, $2, $1;" if cutlass.const_expr(self.dtype == cutlass.BFloat16) else \
+                "cvt.rn.f16x2.f32 $0, $2, $1;"
+            for i in cutlass.range_constexpr(cute.size(rP)):
+                rP[i] = Int32(llvm.inline_asm(T.i32(), [Float32(acc_S[2 * i]).ir_value(),
+                                                        Float32(acc_S[2 * i + 1]).ir_value()],
+                                              op, "=r,f,f", has_side_effects=False, is_align_stack=False,
+                                              asm_dialect=llvm.AsmDialect.AD_ATT))
+        else:
+            rP.store(acc_S.load().to(self.dtype))
+
+    @cute.jit
     def _pass_turn(self, turn_bar, arrive, n_threads):
-        """Let the other warpgroup issue its GEMMs: arrive on named barrier turn_bar (2 - wg) when
-        `arrive`. Warpgroup 1 skips this after its last block, so that every arrival on a named barrier
-        meets a wait (warpgroup 0 waited once more than warpgroup 1 had issued: the first turn was
-        given up front)."""
+        """Let the next warpgroup issue its GEMMs: arrive on named barrier turn_bar (1 + the next
+        warpgroup's index) when `arrive`. The last warpgroup skips this after its last block, so that
+        every arrival on a named barrier meets a wait (warpgroup 0 waits once more than the last one
+        arrives after blocks: the first turn was given up front)."""
         if arrive:
             cute.arch.barrier_arrive(barrier_id=turn_bar, number_of_threads=n_threads)
 

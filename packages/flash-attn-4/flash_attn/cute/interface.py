@@ -40,6 +40,21 @@ _DEFAULT_BLOCK_N = {64: 128, 128: 128}
 # (FLASH_ATTN_CUTE_EXP2_EMU overrides; FLASH_ATTN_CUTE_EXP2_EMU_DEGREE picks the polynomial's degree,
 # 2..4, default 3). Both are in the cache key only when the emulation is on.
 _DEFAULT_EXP2_EMU = {64: 0, 128: 0}
+# Consumer warpgroups of the forward per head dim: 2 (BLOCK_M 128, ping-pong) or 3 (BLOCK_M 192, round
+# robin; FA3's choice at head dim <= 64: each K/V tile serves 192 query rows). FLASH_ATTN_CUTE_FWD_WARPGROUPS
+# overrides: "3" for every head dim or per head dim ("64:3"). In the cache key only when not 2.
+# FLASH_ATTN_CUTE_FWD_WG_ORDER=0 (or "64:0") drops the named-barrier ordering between the consumer
+# warpgroups (a measurement knob; in the key only when 0).
+_FWD_WARPGROUPS = {64: 2, 128: 2}
+# Keys per block with 3 warpgroups (FLASH_ATTN_CUTE_BLOCK_N overrides both tables): the consumers' 160
+# registers hold the S, P and O accumulators (BLOCK_N + BLOCK_N / 2 + D / 2 per thread) plus the loop's
+# state. ptxas 13.0 (sm_90a, CuTeDSL 4.8.1), d64: BLOCK_N 128 is clean (no spill, no C75xx message) for
+# dense calls, causal or not, with or without a sink, but spills 28-64 bytes with softcap, causal varlen,
+# or a window with softcap / varlen / sink; 112 spills 12 bytes (causal varlen sink); 96 is clean in all
+# 24 combinations of mask x softcap x varlen x sink. d128: BLOCK_N 96 serialises the WGMMAs (C7512), 64 is
+# clean. _FWD3_BLOCK_N: dense calls; _FWD3_BLOCK_N_EXTRA: softcap, varlen or a window.
+_FWD3_BLOCK_N = {64: 128, 128: 64}
+_FWD3_BLOCK_N_EXTRA = {64: 96, 128: 64}
 
 
 def _cutlass_dtype(dtype):
@@ -72,22 +87,20 @@ def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varle
     and the versions, see cache.py) and what compile_fwd builds the kernel from, so a constructor
     argument added here changes both. Plain values: computing the key must not import CuTeDSL."""
     stages = int(os.environ.get("FLASH_ATTN_CUTE_STAGES") or _DEFAULT_STAGES.get(int(head_dim), 2))
-    block_n = int(os.environ.get("FLASH_ATTN_CUTE_BLOCK_N") or _DEFAULT_BLOCK_N.get(int(head_dim), 128))
+    warpgroups = int(_per_head_dim("FLASH_ATTN_CUTE_FWD_WARPGROUPS", head_dim)
+                     or _FWD_WARPGROUPS.get(int(head_dim), 2))
+    table = (_DEFAULT_BLOCK_N if warpgroups == 2
+             else _FWD3_BLOCK_N_EXTRA if local or softcap or varlen else _FWD3_BLOCK_N)
+    block_n = int(os.environ.get("FLASH_ATTN_CUTE_BLOCK_N") or table.get(int(head_dim), 128))
+    unordered = _per_head_dim("FLASH_ATTN_CUTE_FWD_WG_ORDER", head_dim) in ("0", "false", "False")
     emu = int(os.environ.get("FLASH_ATTN_CUTE_EXP2_EMU") or _DEFAULT_EXP2_EMU.get(int(head_dim), 0))
     emu_degree = int(os.environ.get("FLASH_ATTN_CUTE_EXP2_EMU_DEGREE") or 3)
-    # Main-loop variants, off by default, in the key only when on; each variable is one value for all head
-    # dims or per head dim as "64:v,128:qk". FLASH_ATTN_CUTE_FWD_DESC_HOIST: the WGMMA operands ('q', 'k',
-    # 'v') whose shared-memory descriptors are built once before the main loop (desc_hoist);
-    # FLASH_ATTN_CUTE_FWD_SKIP_RESCALE=1: a warp skips O's rescale when all its factors are 1.0.
-    hoist = _per_head_dim("FLASH_ATTN_CUTE_FWD_DESC_HOIST", head_dim)
-    hoist_cfg = {"desc_hoist": hoist} if hoist and hoist != "0" else {}
-    skip = _per_head_dim("FLASH_ATTN_CUTE_FWD_SKIP_RESCALE", head_dim)
-    if skip not in ("", "0"):
-        hoist_cfg["skip_rescale"] = True if skip == "1" else skip
     emu_cfg = ({"exp2_emu": emu, **({"exp2_emu_degree": emu_degree} if emu_degree != 3 else {})}
                if emu else {})
     return {"kernel": "FlashFwdSm90", "dtype": _DTYPE_NAMES.get(dtype, str(dtype)), "head_dim": int(head_dim),
-            "stages": stages, **({"block_n": block_n} if block_n != 128 else {}), **emu_cfg, **hoist_cfg,
+            "stages": stages, **({"block_n": block_n} if block_n != 128 else {}), **emu_cfg,
+            **({"warpgroups": warpgroups} if warpgroups != 2 else {}),
+            **({"wg_order": False} if unordered else {}),
             "causal": bool(causal) and not local, "local": bool(local), "softcap": bool(softcap), "arch": arch,
             "abi": "tvm-ffi-env-stream" if _tvm_ffi() else "cute", **({"varlen": True} if varlen else {}),
             **({"sink": True} if sink else {})}  # absent unless set: existing disk entries keep their keys
@@ -102,8 +115,8 @@ def _make_kernel(config):
                         softcap=config["softcap"], varlen=config.get("varlen", False),
                         num_stages=config["stages"], block_n=config.get("block_n", 128),
                         exp2_emu=config.get("exp2_emu", 0), exp2_emu_degree=config.get("exp2_emu_degree", 3),
-                        desc_hoist=config.get("desc_hoist", ""),
-                        skip_rescale=config.get("skip_rescale", False), sink=config.get("sink", False))
+                        sink=config.get("sink", False), num_warpgroups=config.get("warpgroups", 2),
+                        wg_order=config.get("wg_order", True))
 
 
 def compile_fwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=False, softcap=False,
@@ -209,8 +222,9 @@ def _entry(dtype, head_dim, causal, arch, local=False, softcap=False, varlen=Fal
     config = _fwd_config(dtype, head_dim, causal, arch, local, softcap, varlen, sink)
     key = cache.entry_key(config)
     mask = "local" if config["local"] else "causal" if config["causal"] else "full"
+    wg = f"-wg{config['warpgroups']}" if "warpgroups" in config else ""  # readable names; the key decides
     name = (f"fwd-{arch}-{config['dtype']}-d{config['head_dim']}-{mask}{'-softcap' if softcap else ''}"
-            f"{'-varlen' if varlen else ''}{'-sink' if sink else ''}-{key[:16]}")
+            f"{'-varlen' if varlen else ''}{'-sink' if sink else ''}{wg}-{key[:16]}")
     return config, key, name, f"flash_attn_cute_{key[:16]}"  # the symbol is unique per key
 
 
