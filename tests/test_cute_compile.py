@@ -804,13 +804,15 @@ def test_backend_admits_only_what_the_kernel_does():
                                             dtype=torch.float16)) is None
     assert backend.unsupported_reason(_call(local=True, softcap=True)) is None
     assert backend.unsupported_reason(_call(varlen=True, causal=True)) is None
+    assert backend.unsupported_reason(_call(backward=True, causal=True)) is None  # dense: flash_bwd_sm90
     refused = {
         "device cpu": _call(device_type="cpu", arch=None),
         "compute capability": _call(arch=(8, 0)),
         "dtype": _call(dtype=torch.float32),
         "head dims 96": _call(head_dim=96, head_dim_v=96),
         "head dims 128/64": _call(head_dim_v=64),
-        "backward": _call(backward=True),
+        "backward with deterministic": _call(backward=True, deterministic=True),
+        "backward with varlen": _call(backward=True, varlen=True),
         "alibi": _call(alibi=True),
         "dropout": _call(dropout=True),
         "return_probs": _call(return_probs=True),
