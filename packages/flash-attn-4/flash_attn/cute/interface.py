@@ -44,8 +44,13 @@ _DEFAULT_EXP2_EMU = {64: 0, 128: 0}
 # robin; FA3's choice at head dim <= 64: each K/V tile serves 192 query rows). FLASH_ATTN_CUTE_FWD_WARPGROUPS
 # overrides: "3" for every head dim or per head dim ("64:3"). In the cache key only when not 2.
 # FLASH_ATTN_CUTE_FWD_WG_ORDER=0 (or "64:0") drops the named-barrier ordering between the consumer
-# warpgroups (a measurement knob; in the key only when 0).
-_FWD_WARPGROUPS = {64: 2, 128: 2}
+# warpgroups (a measurement knob; in the key only when 0). Calls without a causal mask or window use
+# _FWD_WARPGROUPS, causal / windowed ones _FWD_WARPGROUPS_CAUSAL. H200, bf16, 16k tokens, same run
+# (benchmarks/results/h200/attention_cute_session5.md): d64 non-causal 3 / 2 warpgroups 364/350 TFLOP/s at
+# 1k, 479/433 at 4k, 516/457 at 16k; causal 214/242 at 1k, 374/374 at 4k, 453/443 at 16k (BLOCK_N 96: 224,
+# 383, 465): 3 for d64 without a mask only.
+_FWD_WARPGROUPS = {64: 3, 128: 2}
+_FWD_WARPGROUPS_CAUSAL = {64: 2, 128: 2}
 # Keys per block with 3 warpgroups (FLASH_ATTN_CUTE_BLOCK_N overrides both tables): the consumers' 160
 # registers hold the S, P and O accumulators (BLOCK_N + BLOCK_N / 2 + D / 2 per thread) plus the loop's
 # state. ptxas 13.0 (sm_90a, CuTeDSL 4.8.1), d64: BLOCK_N 128 is clean (no spill, no C75xx message) for
@@ -87,8 +92,8 @@ def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varle
     and the versions, see cache.py) and what compile_fwd builds the kernel from, so a constructor
     argument added here changes both. Plain values: computing the key must not import CuTeDSL."""
     stages = int(os.environ.get("FLASH_ATTN_CUTE_STAGES") or _DEFAULT_STAGES.get(int(head_dim), 2))
-    warpgroups = int(_per_head_dim("FLASH_ATTN_CUTE_FWD_WARPGROUPS", head_dim)
-                     or _FWD_WARPGROUPS.get(int(head_dim), 2))
+    table = _FWD_WARPGROUPS_CAUSAL if causal or local else _FWD_WARPGROUPS
+    warpgroups = int(_per_head_dim("FLASH_ATTN_CUTE_FWD_WARPGROUPS", head_dim) or table.get(int(head_dim), 2))
     table = (_DEFAULT_BLOCK_N if warpgroups == 2
              else _FWD3_BLOCK_N_EXTRA if local or softcap or varlen else _FWD3_BLOCK_N)
     block_n = int(os.environ.get("FLASH_ATTN_CUTE_BLOCK_N") or table.get(int(head_dim), 128))
