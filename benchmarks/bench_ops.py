@@ -441,12 +441,13 @@ def aot_report(args):
                            "DW1_PART": dy1 is not None and torch.float32,
                            "DB1_PART": dy1 is not None and not is_rms and torch.float32,
                            "DXB_PART": "xb" in feat and torch.float32}
-                    ptr["XBUF"] = cfg.exchange and torch.int64
-                    # the launcher's own constexprs for this call (compiled code: no interpreter)
-                    const = dict(ln._bwd_plan(is_rms, not is_rms, dy1 is not None, dy1 is not None and not is_rms,
-                                              dres is not None, dres is not None, dx1 is not None, False, p > 0.0,
-                                              False, *cfg[2:], ln.BWD_SPIN, "xb" in feat, False)[1])
-                    del const["num_warps"], const["maxnreg"]
+                    const = dict(IS_RMS_NORM=is_rms, HAS_BIAS=not is_rms, HAS_W1=dy1 is not None,
+                                 HAS_B1=dy1 is not None and not is_rms, HAS_DRES_OUT=dres is not None,
+                                 STORE_DRES_IN=dres is not None, HAS_X1=dx1 is not None, HAS_ROWSCALE=False,
+                                 HAS_DROPOUT=p > 0.0, ZERO_CENTERED=False, BLOCK_M=cfg.block_m,
+                                 BLOCK_R=cfg.block_r, R_CHUNKS=cfg.r_chunks, BLOCK_N=cfg.block_n, SUB=cfg.sub,
+                                 SPLIT=cfg.split, PREFETCH=cfg.prefetch, PAIR=cfg.pair, HOLD=cfg.hold,
+                                 HAS_XBIAS="xb" in feat)
                     sig, div16 = {}, []
                     for i, name in enumerate(kernel.arg_names):
                         if name in const:
@@ -455,7 +456,7 @@ def aot_report(args):
                             if ptr[name] is False:
                                 sig[name], const[name] = "constexpr", None
                             else:
-                                sig[name] = "*" + {torch.bfloat16: "bf16", torch.float32: "fp32", torch.int64: "i64"}[ptr[name]]
+                                sig[name] = "*" + {torch.bfloat16: "bf16", torch.float32: "fp32"}[ptr[name]]
                                 div16.append(i)
                         elif name == "drop_scale":
                             sig[name] = "fp32"

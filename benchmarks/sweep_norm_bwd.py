@@ -37,15 +37,6 @@ CANDIDATES = (
     ("8192x2", "L", (16384,), {"block_n": 8192, "sub": 2}),  # RMSNorm's scheme: 64 bytes of spill
     ("8192x2 pass1 8192x2", "LR", (16384,), {"block_n": 8192, "sub": 2, "block_r": 8192}),  # LN: 40 bytes
     ("8192/2", "R", (16384,), {"block_n": 8192, "sub": 1}),  # LayerNorm's scheme
-    # Split rows exchanging their row sums (layer_norm._ln_bwd_exchange): pass 1 reads only the own half
-    ("xchg", "L", (12288, 16384, 65536), {"exchange": True}),
-    ("xchg hold", "L", (12288, 16384), {"exchange": True, "hold": True}),
-    ("xchg 8192/2", "R", (12288, 16384), {"exchange": True, "block_n": 8192, "sub": 1}),
-    ("xchg 8192/2 hold", "R", (12288, 16384), {"exchange": True, "block_n": 8192, "sub": 1, "hold": True}),
-    # groups of 3 (12288: balanced, where 8192/2 leaves the second program half idle) or 4, 2 programs/SM
-    ("xchg 4096/16w", "LR", (12288, 16384), {"exchange": True, "block_n": 4096, "sub": 1, "num_warps": 16}),
-    ("xchg 4096/16w hold", "LR", (12288, 16384),
-     {"exchange": True, "block_n": 4096, "sub": 1, "num_warps": 16, "hold": True}),
 )
 
 
@@ -60,7 +51,6 @@ def parse_args(argv=None):
     p.add_argument("--only", default="", help="comma-separated candidate labels (default: all)")
     p.add_argument("--aot", action="store_true", help="no GPU: compile each candidate for sm_90, print registers")
     p.add_argument("--sms", type=int, default=132)
-    p.add_argument("--ptx-dir", default="", help="--aot: also write each candidate's PTX there")
     p.add_argument("--cpu-smoke", action="store_true", help=argparse.SUPPRESS)  # script check without a GPU
     return p.parse_args(argv)
 
@@ -166,7 +156,7 @@ def main(argv=None):
 def cfg_str(cfg, sms):
     own = f"{cfg.block_n}" + (f"x{cfg.sub}" if cfg.sub > 1 else "") + (f"/{cfg.split}" if cfg.split > 1 else "")
     pass1 = f"{cfg.block_m}x{cfg.block_r}" + (f"x{cfg.r_chunks}" if cfg.r_chunks > 1 else "")
-    flags = "".join(f" {k}" for k in ("prefetch", "pair", "hold", "exchange") if getattr(cfg, k))
+    flags = "".join(f" {k}" for k in ("prefetch", "pair", "hold") if getattr(cfg, k))
     return f"{cfg.num_warps}w {cfg.programs / sms:.2g}/SM mr{cfg.maxnreg} p1 {pass1} own {own}{flags}"
 
 
@@ -208,13 +198,13 @@ def aot(args, hidden):
                     except ValueError as e:
                         print(f"| {norm} | {N} | {label} | {e} | | | | |")
                         continue
-                    absent = ("W1", "DY1", "DRES_OUT", "ROWSCALE", "DX1", "DRES_IN", "DW1_PART", "DB1_PART", "DXB_PART")
-                    # the launcher's own constexprs for this configuration (a plain call, compiled code)
-                    const = dict(ln._bwd_plan(is_rms, not is_rms, False, False, False, False, False, False, False,
-                                              False, *cfg[2:], ln.BWD_SPIN, False, False)[1])
-                    del const["num_warps"], const["maxnreg"]
-                    const.update({k: None for k in absent + (("DB_PART",) if is_rms else ())
-                                  + (() if cfg.exchange else ("XBUF",))})
+                    absent = ("W1", "DY1", "DRES_OUT", "ROWSCALE", "DX1", "DRES_IN", "DW1_PART", "DB1_PART")
+                    const = dict(IS_RMS_NORM=is_rms, HAS_BIAS=not is_rms, HAS_W1=False, HAS_B1=False,
+                                 HAS_DRES_OUT=False, STORE_DRES_IN=False, HAS_X1=False, HAS_ROWSCALE=False,
+                                 HAS_DROPOUT=False, ZERO_CENTERED=False, BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r,
+                                 R_CHUNKS=cfg.r_chunks, BLOCK_N=cfg.block_n, SUB=cfg.sub, SPLIT=cfg.split,
+                                 PREFETCH=cfg.prefetch, PAIR=cfg.pair, HOLD=cfg.hold,
+                                 **{k: None for k in absent + (("DB_PART",) if is_rms else ())})
                     sig, div16 = {}, []
                     for i, name in enumerate(kernel.arg_names):
                         if name in const:
@@ -224,9 +214,6 @@ def aot(args, hidden):
                             div16.append(i)
                         elif name in ("MEAN", "RSTD", "DW_PART", "DB_PART"):
                             sig[name] = "*fp32"
-                            div16.append(i)
-                        elif name == "XBUF":
-                            sig[name] = "*i64"
                             div16.append(i)
                         elif name == "drop_scale":
                             sig[name] = "fp32"
@@ -246,11 +233,6 @@ def aot(args, hidden):
                         sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
                     regs, stack = re.search(r"REG:(\d+) STACK:(\d+)", usage).groups()
                     n_ins, n_bar = _main_loop(sass)
-                    if args.ptx_dir:
-                        os.makedirs(args.ptx_dir, exist_ok=True)
-                        with open(os.path.join(args.ptx_dir, f"{norm}_{N}_{label.replace(' ', '_').replace('/', '-')}"
-                                                             ".ptx"), "w") as f:
-                            f.write(ck.asm["ptx"])
                     print(f"| {'RMSNorm' if is_rms else 'LayerNorm'} | {N} | {label} | {cfg_str(cfg, args.sms)} | "
                           f"{regs} | {stack} | {n_ins} | {n_bar} |", flush=True)
     finally:

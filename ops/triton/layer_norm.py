@@ -26,7 +26,7 @@ from torch import Tensor
 
 from flash_attn.dropout import hash32, new_rng_state, threshold
 
-from . import INTERPRET, Plan, cdiv, device_ctx, launcher, next_power_of_2, num_sms, tl, triton, use_triton
+from . import Plan, cdiv, device_ctx, launcher, next_power_of_2, num_sms, tl, triton, use_triton
 
 # Launch shape. Forward (from a sweep on an H200, benchmarks/bench_ops.py --sweep): a program works on a
 # tile of BLOCK_M rows x BLOCK_N columns; rows wider than FWD_MAX_BLOCK_N go in chunks (two passes over
@@ -63,25 +63,7 @@ BWD_HOLD_MAX_ACC = 1
 # candidates and their timings. n_acc: 1 RMSNorm, 2 LayerNorm (dweight and dbias).
 # From `benchmarks/sweep_norm_bwd.py` on an H200 (session 4): LayerNorm 1024 449 -> 428 us, 8192 482 -> 457 us
 # (the latter spills 16 bytes at 64 registers and is still the fastest).
-# (2, 16384): the row-sum exchange below, a no-op until measured; the sweep's "xchg" / "xchg hold" rows
-# print the entry to use where they beat "plan".
-BWD_TUNED = {(2, 1024): {"hold": True, "maxnreg": 72}, (2, 8192): {"hold": True}, (2, 16384): {"exchange": False}}
-# Exchange of pass 1's row sums between the programs that split a row (see _ln_bwd_exchange): each reads
-# only its own columns in pass 1 instead of the whole row. BWD_EXCHANGE makes the plan pick it wherever a
-# row is split (one row per tile, one pass-2 chunk per program); off until measured on a GPU
-# (benchmarks/sweep_norm_bwd.py times it as the "xchg" candidates; BWD_TUNED entries with "exchange"
-# turn it on for one plain configuration). BWD_SPIN: polls of a partner's row sums before a program
-# computes them itself. A poll is one L2 round trip plus a barrier, ~0.3-0.5 us; partners that are both
-# resident work in lock step (each waits for the other every row) so the wait is the skew of one row,
-# well under the ~4 us a half row of 16384 columns takes at copy bandwidth. 64 polls (~20-30 us, several
-# rows) only run out when the partner is not running at all (the GPU shared with other kernels, fewer
-# SMs than programs), and then a program stops waiting (one poll a row) until it sees its partner's
-# sums again, so an absent partner costs one spin, not one per row. The interpreter runs programs one
-# after another: its spin could never succeed for the first of a pair, so it polls twice. A negative
-# spin never polls (every program computes its partners' sums itself: tests compare the two paths).
-BWD_EXCHANGE = False
-BWD_SPIN = 64
-BWD_SPIN_INTERPRET = 2
+BWD_TUNED = {(2, 1024): {"hold": True, "maxnreg": 72}, (2, 8192): {"hold": True}}
 MAX_HIDDEN = 65536
 
 
@@ -256,36 +238,22 @@ def _ln_bwd_stats(MEAN, RSTD, rows, ok, IS_RMS_NORM: tl.constexpr):
 
 
 @triton.jit
-def _mul(a, b, NO_FMA: tl.constexpr):
-    """a * b, rounded on its own where NO_FMA (mul.rn: the compiler cannot contract it with an add; as
-    inline PTX, not libdevice's mul_rn, which flushes subnormals under Triton's FTZ setting)."""
-    if NO_FMA:
-        p = tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32, is_pure=True,
-                                      pack=1)
-    else:
-        p = a * b
-    return p
-
-
-@triton.jit
-def _ln_bwd_grads(x, dy, dy1, W, W1, cols, N, mean, HAS_W1: tl.constexpr, ZERO_CENTERED: tl.constexpr,
-                  NO_FMA: tl.constexpr):
+def _ln_bwd_grads(x, dy, dy1, W, W1, cols, N, mean, HAS_W1: tl.constexpr, ZERO_CENTERED: tl.constexpr):
     """xc = x - mean and g = dy * w (+ dy1 * w1) of a tile; mean: (BLOCK_M,). g is zero outside the tile
     (dy, dy1 and w load as 0 there), which is all that keeps the padding out of the row sums and the
     dweight terms (both are products with g, dy or dy1), so xc needs no select of its own. The weights
-    are re-read for every tile (L1 hits) instead of being held in registers across the row loop.
-    NO_FMA: products rounded on their own (see _ln_bwd_row_partials)."""
+    are re-read for every tile (L1 hits) instead of being held in registers across the row loop."""
     col_ok = cols < N
     xc = x.to(tl.float32) - mean[:, None]
     w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
     if ZERO_CENTERED:
         w = tl.where(col_ok, w + 1.0, 0.0)
-    g = _mul(dy.to(tl.float32), w, NO_FMA)
+    g = dy.to(tl.float32) * w
     if HAS_W1:
         w1 = tl.load(W1 + cols, mask=col_ok, other=0.0).to(tl.float32)
         if ZERO_CENTERED:
             w1 = tl.where(col_ok, w1 + 1.0, 0.0)
-        g += _mul(dy1.to(tl.float32), w1, NO_FMA)
+        g += dy1.to(tl.float32) * w1
     return xc, g
 
 
@@ -326,129 +294,6 @@ def _row_sums(a, b, PAIR: tl.constexpr):
 
 
 @triton.jit
-def _ln_bwd_row_partials(x, dy, dy1, W, W1, cols, N, mean, IS_RMS_NORM: tl.constexpr, HAS_W1: tl.constexpr,
-                         ZERO_CENTERED: tl.constexpr, PAIR: tl.constexpr, NO_FMA: tl.constexpr):
-    """(xc, g, sum(xc * g), sum(g)) of a tile (RMSNorm: the first sum twice). With the row-sum exchange,
-    a program computes its partners' sums with this code when they do not arrive, and must get their
-    values bitwise: NO_FMA keeps the compiler from contracting g's and xc * g's products into the adds
-    that follow them, a choice it may make differently where the same code sits elsewhere (FMA
-    contraction depends on the uses of a product; pass 1's g also feeds pass 2)."""
-    xc, g = _ln_bwd_grads(x, dy, dy1, W, W1, cols, N, mean, HAS_W1, ZERO_CENTERED, NO_FMA)
-    if IS_RMS_NORM:
-        s1 = tl.sum(_mul(xc, g, NO_FMA), axis=1)
-        s2 = s1
-    else:
-        s1, s2 = _row_sums(_mul(xc, g, NO_FMA), g, PAIR)
-    return xc, g, s1, s2
-
-
-@triton.jit
-def _pack(s1, s2):
-    """Two fp32 values as one int64 word (s1 in the low half): published with one 64-bit atomic."""
-    lo = s1.to(tl.uint32, bitcast=True).to(tl.uint64)
-    hi = s2.to(tl.uint32, bitcast=True).to(tl.uint64)
-    return (lo | (hi << 32)).to(tl.int64, bitcast=True)
-
-
-@triton.jit
-def _unpack(w):
-    u = w.to(tl.uint64, bitcast=True)
-    return u.to(tl.uint32).to(tl.float32, bitcast=True), (u >> 32).to(tl.uint32).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _ln_bwd_own_partials_of(X, DY, DY1, W, W1, rows, ok, part, N, mean, stride_x, stride_dy, stride_dy1,
-                            IS_RMS_NORM: tl.constexpr, HAS_W1: tl.constexpr, ZERO_CENTERED: tl.constexpr,
-                            PAIR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, NO_FMA: tl.constexpr):
-    """The word that program `part` of the group publishes for the one-row tile `rows`, computed here from
-    that program's columns with the same loads, tile shape and _ln_bwd_row_partials as its pass 1 (the
-    same layouts, hence the same summation order and bits)."""
-    cols = part * BLOCK_N + tl.arange(0, BLOCK_R)[None, :]
-    x, dy, dy1 = _ln_bwd_load(X, DY, DY1, rows[:, None], cols, ok[:, None] & (cols < N), stride_x, stride_dy,
-                              stride_dy1, HAS_W1, "")
-    _, _, p1, p2 = _ln_bwd_row_partials(x, dy, dy1, W, W1, cols, N, mean, IS_RMS_NORM, HAS_W1, ZERO_CENTERED,
-                                        PAIR, NO_FMA)
-    return _pack(p1, p2)
-
-
-@triton.jit
-def _ln_bwd_exchange(XBUF, X, DY, DY1, W, W1, row, rows, ok, chunk, N, mean, s1, s2, budget, stride_x, stride_dy,
-                     stride_dy1, IS_RMS_NORM: tl.constexpr, HAS_W1: tl.constexpr, ZERO_CENTERED: tl.constexpr,
-                     PAIR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                     EXCHANGE: tl.constexpr, SPIN: tl.constexpr, NO_FMA: tl.constexpr):
-    """Row sums of the whole row `row` (a one-row tile: rows = [row], ok) from this program's sums s1, s2
-    over its own columns and its SPLIT - 1 partners' (the programs of the same row group): returns
-    (total1, total2, budget), the totals as (1,) tensors, bitwise the same in every program of the group.
-
-    XBUF holds one int64 word per (row, program of the group), -1 before it is written (the host fills it
-    per launch, so no value survives from an earlier launch; a row is worked once per launch, so no word
-    is written twice and there is no reuse to race with). A word is both sums (_pack): one 64-bit
-    atomic exchange publishes it, one 64-bit atomic read takes it, and an aligned 64-bit access is
-    single-copy atomic (all of the word or none of it), so no other memory is ordered by the word and
-    relaxed atomics suffice. (A flag with release/acquire beside separate data would cost a fence per
-    row: a release waits for this program's outstanding stores, the previous row's dx.) Scalar atomics
-    return one value to the whole program (broadcast through shared memory), so every warp takes the
-    same branches below, whose reductions hold barriers.
-
-    A program polls each partner's word at most budget + 1 times (budget: SPIN, or 0 after a spin ran
-    out, until a later row finds the partners' words at the first poll; SPIN < 0: no polls, every
-    program computes all words itself, for tests), then computes each word that did not arrive itself
-    (_ln_bwd_own_partials_of: the bits the partner publishes). So no program ever waits on another
-    without bound, whether or not its partners are resident (the CPU interpreter runs programs one after
-    another: the first of a group always computes, the last always finds), and a published word that
-    happens to be -1 (both sums the NaN 0xffffffff) only costs the reader a spin. The totals add the
-    SPLIT partial sums in program order, never own + other, so every program of the group gets the same
-    bits (for a pair a + b == b + a anyway; from three on the order matters)."""
-    own = _pack(s1, s2)
-    tl.atomic_xchg(XBUF + rows * SPLIT + chunk, own, mask=ok, sem="relaxed", scope="gpu")
-    if SPLIT == 2:
-        partner = 1 - chunk
-        word = XBUF + row * 2 + partner
-        w = tl.full((), -1, tl.int64)
-        polls = 0
-        while (w == -1) & (polls <= budget):
-            w = tl.atomic_add(word, 0, sem="relaxed", scope="gpu")
-            polls += 1
-        if w == -1:
-            w = tl.sum(_ln_bwd_own_partials_of(X, DY, DY1, W, W1, rows, ok, partner, N, mean, stride_x, stride_dy,
-                                               stride_dy1, IS_RMS_NORM, HAS_W1, ZERO_CENTERED, PAIR, BLOCK_R,
-                                               BLOCK_N, NO_FMA), axis=0)
-            budget = budget * 0 + (SPIN if SPIN < 0 else 0)
-        else:
-            budget = budget * 0 + SPIN
-        o1, o2 = _unpack(w)
-        first = chunk == 0
-        t1 = tl.where(first, s1, o1) + tl.where(first, o1, s1)
-        t2 = tl.where(first, s2, o2) + tl.where(first, o2, s2)
-    else:
-        slots = tl.arange(0, EXCHANGE)
-        # -1: not arrived; slots past SPLIT (EXCHANGE is a power of two) add +0, the same in every program
-        words = tl.where(slots == chunk, own, tl.where(slots < SPLIT, -1, 0).to(tl.int64))
-        base = XBUF + row * SPLIT
-        missing = SPLIT - 1
-        polls = 0
-        while (missing > 0) & (polls <= budget):
-            for k in tl.static_range(1, SPLIT):
-                p = (chunk + k) % SPLIT
-                words = tl.where(slots == p, tl.atomic_add(base + p, 0, sem="relaxed", scope="gpu"), words)
-            missing = tl.sum((words == -1).to(tl.int32), axis=0)
-            polls += 1
-        if missing > 0:
-            for p in range(0, SPLIT):
-                if tl.sum(tl.where(slots == p, words, 0), axis=0) == -1:
-                    words = tl.where(slots == p, _ln_bwd_own_partials_of(
-                        X, DY, DY1, W, W1, rows, ok, p, N, mean, stride_x, stride_dy, stride_dy1, IS_RMS_NORM,
-                        HAS_W1, ZERO_CENTERED, PAIR, BLOCK_R, BLOCK_N, NO_FMA), words)
-            budget = budget * 0 + (SPIN if SPIN < 0 else 0)
-        else:
-            budget = budget * 0 + SPIN
-        p1, p2 = _unpack(words[None, :])
-        t1 = tl.sum(p1, axis=1)
-        t2 = tl.sum(p2, axis=1)
-    return t1, t2, budget
-
-
-@triton.jit
 def _ln_bwd_pass2(X, W, W1, DY, DY1, DRES_OUT, ROWSCALE, DX, DX1, DRES_IN, r, r_ok, cols, M, N, mean, rstd, c1, c2,
                   acc_dw, acc_db, acc_dw1, acc_db1, acc_dxb, stride_x, stride_dy, stride_dy1, stride_dres_out,
                   stride_dx, stride_dx1, stride_dres_in, seed0, seed1, drop_threshold, drop_scale, IS_RMS_NORM: tl.constexpr,
@@ -466,7 +311,7 @@ def _ln_bwd_pass2(X, W, W1, DY, DY1, DRES_OUT, ROWSCALE, DX, DX1, DRES_IN, r, r_
         xc, g, dy, dy1 = held_xc, held_g, held_dy, held_dy1
     else:
         x, dy, dy1 = _ln_bwd_load(X, DY, DY1, r, cols, mask, stride_x, stride_dy, stride_dy1, HAS_W1, ".ca")
-        xc, g = _ln_bwd_grads(x, dy, dy1, W, W1, cols, N, mean, HAS_W1, ZERO_CENTERED, False)
+        xc, g = _ln_bwd_grads(x, dy, dy1, W, W1, cols, N, mean, HAS_W1, ZERO_CENTERED)
     xhat = xc * rstd[:, None]
     # dx = (g - xhat * c1 - c2) * rstd with c1, c2 pre-scaled by rstd (per row): two FMAs an element.
     if IS_RMS_NORM:
@@ -512,14 +357,14 @@ def _ln_bwd_store_parts(DW_PART, DB_PART, DW1_PART, DB1_PART, DXB_PART, part, ok
 @triton.jit(do_not_specialize=["seed0", "seed1"])
 def _ln_bwd_kernel(
     X, W, W1, DY, DY1, DRES_OUT, ROWSCALE, MEAN, RSTD, DX, DX1, DRES_IN, DW_PART, DB_PART, DW1_PART, DB1_PART,
-    DXB_PART, XBUF, stride_x, stride_dy, stride_dy1, stride_dres_out, stride_dx, stride_dx1, stride_dres_in,
+    DXB_PART, stride_x, stride_dy, stride_dy1, stride_dres_out, stride_dx, stride_dx1, stride_dres_in,
     M, N, rows_per_program, seed0, seed1, drop_threshold, drop_scale,
     IS_RMS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr,
     HAS_DRES_OUT: tl.constexpr, STORE_DRES_IN: tl.constexpr, HAS_X1: tl.constexpr,
     HAS_ROWSCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr, ZERO_CENTERED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, R_CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr,
     SUB: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr, PAIR: tl.constexpr,
-    HOLD: tl.constexpr, HAS_XBIAS: tl.constexpr, EXCHANGE: tl.constexpr, SPIN: tl.constexpr, NO_FMA: tl.constexpr,
+    HOLD: tl.constexpr, HAS_XBIAS: tl.constexpr,
 ):
     """Rows [row_start, row_end), BLOCK_M at a time, in two passes over each tile of rows. Pass 1 reads
     the whole rows (R_CHUNKS chunks of BLOCK_R columns) for the two row sums; pass 2 reads again (from
@@ -537,12 +382,6 @@ def _ln_bwd_kernel(
     and works on pass 1's values still in registers. PAIR: LayerNorm's two row sums in one reduction.
     HAS_XBIAS: dx is also summed over the rows (the gradient of a bias added to x), like dweight.
 
-    EXCHANGE (> 0: a power of two >= SPLIT; one-row tiles, SUB == 1, BLOCK_R == BLOCK_N): the programs of
-    a group read only their own columns in pass 1 (one chunk) and exchange their partial row sums through
-    XBUF (_ln_bwd_exchange) instead of each reading the whole row; with PREFETCH the exchange's wait
-    overlaps the next row's loads, already issued, and HOLD works as for a row owned whole. SPIN: the
-    exchange's polls; NO_FMA: pass 1's products rounded on their own (the exchange's bitwise identity).
-
     Per row the kernel reads x and dy (and dy1, dresidual_out) once from DRAM and writes dx (and dx1,
     dresidual_in) once: xhat is recomputed from x, mean and rstd, nothing else is saved by the forward."""
     pid = tl.program_id(0)
@@ -554,10 +393,6 @@ def _ln_bwd_kernel(
     arange_m = tl.arange(0, BLOCK_M)
     rcols = tl.arange(0, BLOCK_R)[None, :]
     cols = chunk * SUB * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    if EXCHANGE:
-        tl.static_assert(BLOCK_M == 1 and SUB == 1 and BLOCK_R == BLOCK_N and R_CHUNKS == 1)
-        rcols = cols
-    budget = tl.full((), SPIN, tl.int32)
     acc_dw = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_db = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_dw1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -587,14 +422,12 @@ def _ln_bwd_kernel(
             x_next, dy_next, dy1_next = _ln_bwd_load(X, DY, DY1, nrows[:, None], rcols, nok[:, None] & (rcols < N),
                                                      stride_x, stride_dy, stride_dy1, HAS_W1, "")
             mean_next, rstd_next = _ln_bwd_stats(MEAN, RSTD, nrows, nok, IS_RMS_NORM)
-            xc, g, c1, c2 = _ln_bwd_row_partials(x, dy, dy1, W, W1, rcols, N, mean, IS_RMS_NORM, HAS_W1,
-                                                 ZERO_CENTERED, PAIR, NO_FMA)
-        elif EXCHANGE:
-            mean, rstd = _ln_bwd_stats(MEAN, RSTD, rows, ok, IS_RMS_NORM)
-            x, dy, dy1 = _ln_bwd_load(X, DY, DY1, r, rcols, r_ok & (rcols < N), stride_x, stride_dy, stride_dy1,
-                                      HAS_W1, "")
-            xc, g, c1, c2 = _ln_bwd_row_partials(x, dy, dy1, W, W1, rcols, N, mean, IS_RMS_NORM, HAS_W1,
-                                                 ZERO_CENTERED, PAIR, NO_FMA)
+            xc, g = _ln_bwd_grads(x, dy, dy1, W, W1, rcols, N, mean, HAS_W1, ZERO_CENTERED)
+            if IS_RMS_NORM:
+                c1 = tl.sum(xc * g, axis=1)
+                c2 = c1
+            else:
+                c1, c2 = _row_sums(xc * g, g, PAIR)
         else:
             mean, rstd = _ln_bwd_stats(MEAN, RSTD, rows, ok, IS_RMS_NORM)
             c1 = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -605,17 +438,13 @@ def _ln_bwd_kernel(
                 cmask = r_ok & (ccols < N)
                 cx, cdy, cdy1 = _ln_bwd_load(X, DY, DY1, r, ccols, cmask, stride_x, stride_dy, stride_dy1, HAS_W1,
                                              "")
-                cxc, cg = _ln_bwd_grads(cx, cdy, cdy1, W, W1, ccols, N, mean, HAS_W1, ZERO_CENTERED, False)
+                cxc, cg = _ln_bwd_grads(cx, cdy, cdy1, W, W1, ccols, N, mean, HAS_W1, ZERO_CENTERED)
                 if IS_RMS_NORM:
                     c1 += tl.sum(cxc * cg, axis=1)
                 else:
                     s1, s2 = _row_sums(cxc * cg, cg, PAIR)
                     c1 += s1
                     c2 += s2
-        if EXCHANGE:
-            c1, c2, budget = _ln_bwd_exchange(XBUF, X, DY, DY1, W, W1, r0, rows, ok, chunk, N, mean, c1, c2, budget,
-                                              stride_x, stride_dy, stride_dy1, IS_RMS_NORM, HAS_W1, ZERO_CENTERED,
-                                              PAIR, BLOCK_R, BLOCK_N, SPLIT, EXCHANGE, SPIN, NO_FMA)
         # Pass 1 summed (x - mean) * g: one multiply by rstd a row instead of one an element. Pass 2
         # wants c1 and c2 times rstd once more.
         c1 = c1 * (rstd * rstd / N)
@@ -699,8 +528,7 @@ class BwdConfig(NamedTuple):
     num_warps: int
     maxnreg: int
     pair: bool = False  # one joined reduction for LayerNorm's two row sums
-    hold: bool = False  # pass 2 from pass 1's registers (needs prefetch, sub == 1, split == 1 or exchange)
-    exchange: bool = False  # split rows: pass 1 over the own columns, row sums exchanged (block_m == sub == 1)
+    hold: bool = False  # pass 2 from pass 1's registers (needs prefetch, split == sub == 1)
 
 
 def _bwd_config(M: int, N: int, device, n_acc: int = 2, extra: int = 0) -> BwdConfig:
@@ -713,19 +541,16 @@ def _bwd_config(M: int, N: int, device, n_acc: int = 2, extra: int = 0) -> BwdCo
     thread and tensor, up to twice that where the warps the cap allows do not cover a row; wider rows go
     in pass-1 chunks. The own columns of a program are cut (split over programs, then into two
     sub-chunks) until its accumulators take at most BWD_ACC_REGS registers per thread (half that with
-    costly features or pass-1 chunks). With BWD_EXCHANGE (or a BWD_TUNED "exchange"), split rows of
-    one-row tiles and one pass-2 chunk exchange their row sums: pass 1 then reads only the own columns,
-    in one chunk, prefetched where it fits a tile."""
+    costly features or pass-1 chunks)."""
     tuned = BWD_TUNED.get((n_acc, N)) if extra == 0 else None
     return _bwd_config_cached(M, N, num_sms(device), n_acc, extra, BWD_MIN_TILE, BWD_ELEMS_PER_THREAD,
                               BWD_MAX_BLOCK_R, BWD_ACC_REGS, BWD_MAXNREG, BWD_PREFETCH, BWD_PAIR_SUM,
-                              BWD_HOLD and n_acc <= BWD_HOLD_MAX_ACC, tuple(sorted(tuned.items())) if tuned else (),
-                              BWD_EXCHANGE)
+                              BWD_HOLD and n_acc <= BWD_HOLD_MAX_ACC, tuple(sorted(tuned.items())) if tuned else ())
 
 
 @functools.lru_cache(maxsize=4096)
 def _bwd_config_cached(M, N, sms, n_acc, extra, min_tile, elems_per_thread, max_block_r, max_acc_regs, maxnregs,
-                       prefetch_ok, pair, hold_ok, tuned=(), exchange_ok=False) -> BwdConfig:
+                       prefetch_ok, pair, hold_ok, tuned=()) -> BwdConfig:
     width = next_power_of_2(N)
     block_m = max(1, min_tile // width)
     maxnreg = maxnregs[min(len(maxnregs) - 1, extra + int(block_m > 1))]
@@ -747,36 +572,27 @@ def _bwd_config_cached(M, N, sms, n_acc, extra, min_tile, elems_per_thread, max_
     prefetch = prefetch_ok and block_r >= N and block_m * block_r <= elems_per_thread * threads
     block_n = own // sub
     hold = hold_ok and prefetch and split == 1 and sub == 1
-    exchange = exchange_ok
     per_sm = None
     if tuned:
         f = dict(tuned)
         per_sm = f.pop("per_sm", None)
         f = dict(dict(block_m=block_m, block_r=block_r, block_n=block_n, sub=sub, prefetch=prefetch,
-                      num_warps=num_warps, maxnreg=maxnreg, pair=pair, hold=hold, exchange=exchange), **f)
+                      num_warps=num_warps, maxnreg=maxnreg, pair=pair, hold=hold), **f)
         block_m, block_r, block_n, sub = f["block_m"], f["block_r"], f["block_n"], f["sub"]
-        num_warps, maxnreg, pair, exchange = f["num_warps"], f["maxnreg"], f["pair"], f["exchange"]
+        num_warps, maxnreg, pair = f["num_warps"], f["maxnreg"], f["pair"]
         threads = 32 * num_warps
         if maxnreg * threads > 65536:
             raise ValueError(f"BWD_TUNED[{n_acc}, {N}]: {num_warps} warps of {maxnreg} registers exceed an SM")
         split = cdiv(N, block_n * sub)
         prefetch = f["prefetch"] and block_r >= N
-        prefetch_ok = prefetch_ok and dict(tuned).get("prefetch", True)
-        hold_ok = f["hold"]
-        hold = hold_ok and prefetch and split == 1 and sub == 1
-    exchange = exchange and split > 1 and sub == 1 and block_m == 1
-    if exchange:
-        # pass 1 over the own block_n columns: one chunk, prefetched where a tile's loads fit the budget
-        block_r = block_n
-        prefetch = prefetch_ok and block_r <= elems_per_thread * threads
-        hold = hold_ok and prefetch
+        hold = f["hold"] and prefetch and split == 1 and sub == 1
     per_sm = max(1, min(per_sm or 32, 65536 // (maxnreg * threads), 64 // num_warps, 32))
     tiles = cdiv(M, block_m)
     groups = max(1, min(tiles, sms * per_sm // split))
     rows = cdiv(tiles, groups) * block_m
     groups = cdiv(M, rows) if M else 1
-    return BwdConfig(groups * split, rows, block_m, block_r, 1 if exchange else cdiv(N, block_r), block_n, sub,
-                     split, prefetch, num_warps, maxnreg, pair, hold, exchange)
+    return BwdConfig(groups * split, rows, block_m, block_r, cdiv(N, block_r), block_n, sub, split, prefetch,
+                     num_warps, maxnreg, pair, hold)
 
 
 def _bwd_extra(x: Tensor, dy: Tensor, dy1, dresidual_out, dresidual_in, dx1, rowscale, dropout_p: float) -> int:
@@ -798,11 +614,6 @@ def _reduce_config_cached(P, N, sms):
     block_c = max(8, min(128, next_power_of_2(cdiv(N, sms))))
     block_p = max(1, min(next_power_of_2(P), 8192 // block_c))
     return block_p, block_c, max(1, min(8, block_p * block_c // 1024))
-
-
-def _exchange_words(M: int, split: int, device) -> Tensor:
-    """The row-sum exchange's words (_ln_bwd_exchange), -1 ("not published") on every launch."""
-    return torch.full((M * split,), -1, device=device, dtype=torch.int64)
 
 
 def _drop_args(rng_state: Optional[Tensor], dropout_p: float):
@@ -836,18 +647,14 @@ def _fwd_plan(is_rms_norm, has_res, has_x1, has_rowscale, has_dropout, store_dma
 @functools.lru_cache(maxsize=1024)
 def _bwd_plan(is_rms_norm, has_bias, has_w1, has_b1, has_dres_out, store_dres_in, has_x1, has_rowscale,
               has_dropout, zero_centered, block_m, block_r, r_chunks, block_n, sub, split, prefetch, num_warps,
-              maxnreg, pair, hold, exchange=False, spin=0, has_xbias=False, interpret=INTERPRET):
+              maxnreg, pair, hold, has_xbias=False):
     """(plan key, constexpr and launch keywords) of a backward launch (the tile fields of a BwdConfig; its
-    grid size and rows per program are runtime values, so a new row count keeps the plan). spin: the
-    exchange's polls (BWD_SPIN); interpret: for the interpreter, which has no mul.rn (nor needs it: it
-    runs the same numpy operations wherever the code sits)."""
+    grid size and rows per program are runtime values, so a new row count keeps the plan)."""
     meta = dict(IS_RMS_NORM=is_rms_norm, HAS_BIAS=has_bias, HAS_W1=has_w1, HAS_B1=has_b1,
                 HAS_DRES_OUT=has_dres_out, STORE_DRES_IN=store_dres_in, HAS_X1=has_x1, HAS_ROWSCALE=has_rowscale,
                 HAS_DROPOUT=has_dropout, ZERO_CENTERED=zero_centered, BLOCK_M=block_m, BLOCK_R=block_r,
                 R_CHUNKS=r_chunks, BLOCK_N=block_n, SUB=sub, SPLIT=split, PREFETCH=prefetch,
-                PAIR=pair, HOLD=hold, HAS_XBIAS=has_xbias, EXCHANGE=next_power_of_2(split) if exchange else 0,
-                SPIN=spin if exchange else 0, NO_FMA=bool(exchange and not interpret), num_warps=num_warps,
-                maxnreg=maxnreg)
+                PAIR=pair, HOLD=hold, HAS_XBIAS=has_xbias, num_warps=num_warps, maxnreg=maxnreg)
     return Plan(("ln_bwd", *meta.items())), meta
 
 
@@ -915,7 +722,6 @@ def _ln_bwd_launch(
     # Every program writes its whole row of columns (the split programs of a group their own parts), so
     # the partial buffers need no zeroing; one allocation holds all of them.
     P = cfg.programs // cfg.split
-    xbuf = _exchange_words(M, cfg.split, dev) if cfg.exchange else None
     parts = iter(torch.empty((n_acc, P, N), device=dev, dtype=torch.float32).unbind(0))
     dw_part = next(parts)
     db_part = next(parts) if has_bias else None
@@ -924,13 +730,13 @@ def _ln_bwd_launch(
     dxb_part = next(parts) if has_xbias else None
     plan, meta = _bwd_plan(is_rms_norm, has_bias, has_w1, has_b1, dresidual_out is not None,
                            dresidual_in is not None, dx1 is not None, rowscale is not None, dropout_p > 0.0,
-                           zero_centered_weight, *cfg[2:], BWD_SPIN_INTERPRET if INTERPRET else BWD_SPIN, has_xbias)
+                           zero_centered_weight, *cfg[2:], has_xbias)
     block_p, block_c, warps = _reduce_config(P, N, dev)
     rplan, rmeta = _reduce_plan(has_bias, has_w1, has_b1, block_p, block_c, warps, has_xbias)
     with device_ctx(x):
         _L_BWD((cfg.programs,), (
             x, weight, weight1, dy, dy1, dresidual_out, rowscale, mean, rstd, dx, dx1, dresidual_in,
-            dw_part, db_part, dw1_part, db1_part, dxb_part, xbuf,
+            dw_part, db_part, dw1_part, db1_part, dxb_part,
             x.stride(0), dy.stride(0), _stride0(dy1), _stride0(dresidual_out), dx.stride(0), _stride0(dx1),
             _stride0(dresidual_in),
             M, N, cfg.rows_per_program, seed0, seed1, drop_threshold, drop_scale,
