@@ -378,14 +378,13 @@ def sweep(args, bench, copy_gbs, dev, bf16, do_norm=True, do_ce=True):
 
 # Feature sets of the --aot report: which optional inputs a layer_norm_fn call has (res: a residual with
 # prenorm, so dresidual in and out; x32: the pre-norm sum kept in fp32; drop: dropout; x1/w1: the
-# parallel branch; xb: x_bias, a Linear's bias whose gradient the kernel sums with dweight's).
+# parallel branch).
 AOT_FEATURES = {
     "plain": (),
     "residual": ("res",),
     "residual fp32": ("res", "x32"),
     "dropout+residual": ("res", "drop"),
     "parallel": ("res", "drop", "x1", "w1"),
-    "residual fp32 + x_bias": ("res", "x32", "xb"),
 }
 
 
@@ -431,7 +430,7 @@ def aot_report(args):
                     dres = meta(xdt) if "res" in feat else None
                     dx1 = meta(torch.bfloat16) if "x1" in feat else None
                     p = 0.1 if "drop" in feat else 0.0
-                    n_acc = (1 if is_rms else 2) * (2 if "w1" in feat else 1) + int("xb" in feat)
+                    n_acc = (1 if is_rms else 2) * (2 if "w1" in feat else 1)
                     cfg = ln._bwd_config(M, N, "cuda", n_acc, ln._bwd_extra(x, dy, dy1, dres, dres, dx1, None, p))
                     ptr = {"X": xdt, "W": torch.bfloat16, "W1": dy1 is not None and torch.bfloat16, "DY": dy.dtype,
                            "DY1": dy1 is not None and torch.bfloat16, "DRES_OUT": dres is not None and xdt,
@@ -439,15 +438,13 @@ def aot_report(args):
                            "DX1": dx1 is not None and torch.bfloat16, "DRES_IN": dres is not None and xdt,
                            "DW_PART": torch.float32, "DB_PART": not is_rms and torch.float32,
                            "DW1_PART": dy1 is not None and torch.float32,
-                           "DB1_PART": dy1 is not None and not is_rms and torch.float32,
-                           "DXB_PART": "xb" in feat and torch.float32}
+                           "DB1_PART": dy1 is not None and not is_rms and torch.float32}
                     const = dict(IS_RMS_NORM=is_rms, HAS_BIAS=not is_rms, HAS_W1=dy1 is not None,
                                  HAS_B1=dy1 is not None and not is_rms, HAS_DRES_OUT=dres is not None,
                                  STORE_DRES_IN=dres is not None, HAS_X1=dx1 is not None, HAS_ROWSCALE=False,
                                  HAS_DROPOUT=p > 0.0, ZERO_CENTERED=False, BLOCK_M=cfg.block_m,
                                  BLOCK_R=cfg.block_r, R_CHUNKS=cfg.r_chunks, BLOCK_N=cfg.block_n, SUB=cfg.sub,
-                                 SPLIT=cfg.split, PREFETCH=cfg.prefetch, PAIR=cfg.pair, HOLD=cfg.hold,
-                                 HAS_XBIAS="xb" in feat)
+                                 SPLIT=cfg.split, PREFETCH=cfg.prefetch, PAIR=cfg.pair, HOLD=cfg.hold)
                     sig, div16 = {}, []
                     for i, name in enumerate(kernel.arg_names):
                         if name in const:

@@ -10,8 +10,6 @@ the full square), the same count for both models.
 
     python benchmarks/bench_train.py                       # 24 layers, d=1024, seq 2048 (GPU)
     python benchmarks/bench_train.py --quick               # 4 layers, fewer steps
-    python benchmarks/bench_train.py --no-hf --ab-linear-bias   # ours with out_proj/fc2 biases in the GEMMs,
-                                                           # then in the fused add+norms (fused_linear_bias)
     python benchmarks/bench_train.py --device cpu --layers 2 --hidden 64 --heads 4 --seq 64 --batch 2 \
         --vocab 256 --steps 2 --warmup 1                   # smoke test of the script itself
 
@@ -139,24 +137,8 @@ def header(args, flops, peak):
         f"- FLOPs per token {flops / 1e9:.2f} GFLOP (6 x matmul params + causal attention); MFU against "
         + (f"{peak:.0f} TFLOP/s" if peak else "an unknown peak (not reported)"),
         f"- activation checkpointing: {'on' if args.activation_checkpointing else 'off'}; torch.compile "
-        f"(ours): {'on' if args.compile else 'off'}; {_LINEAR_BIAS_ENV}="
-        + ("0 then 1 (--ab-linear-bias)" if args.ab_linear_bias else os.environ.get(_LINEAR_BIAS_ENV, "unset")),
+        f"(ours): {'on' if args.compile else 'off'}",
         "", ""])
-
-
-_LINEAR_BIAS_ENV = "FLASH_ATTN_FUSED_LINEAR_BIAS"
-
-
-def _with_env(name, value, fn):
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        return fn()
-    finally:
-        if old is None:
-            os.environ.pop(name)
-        else:
-            os.environ[name] = old
 
 
 def main(argv=None):
@@ -176,9 +158,6 @@ def main(argv=None):
     p.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
     p.add_argument("--peak-tflops", type=float, default=0.0, help="override the GPU's peak for MFU")
     p.add_argument("--quick", action="store_true", help="4 layers, 5 timed steps after 2 warmup steps")
-    p.add_argument("--ab-linear-bias", action="store_true",
-                   help=f"measure ours twice in this process, {_LINEAR_BIAS_ENV}=0 then =1 (out_proj's and fc2's "
-                        "biases in their GEMMs, then in the fused add+norms)")
     args = p.parse_args(argv)
     if args.quick:
         args.layers, args.steps, args.warmup = 4, 5, 2
@@ -192,14 +171,7 @@ def main(argv=None):
         if not args.no_hf:
             results.append(measure("HF transformers GPT2LMHeadModel (sdpa)",
                                    make_config(args, os.path.join(tmp, "hf"), ours=False), args, hf_model(args)))
-        if args.ab_linear_bias:
-            # The switch is read when the model is built, so each measurement builds under its own value.
-            for flag, where in (("0", "GEMMs"), ("1", "norms")):
-                cfg = make_config(args, os.path.join(tmp, f"ours_bias{flag}"), ours=True)
-                results.append(_with_env(_LINEAR_BIAS_ENV, flag, lambda: measure(
-                    f"flash_attn GPTLMHeadModel (fused, linear biases in the {where})", cfg, args)))
-        else:
-            results.append(measure("flash_attn GPTLMHeadModel (fused)", ours_cfg, args))
+        results.append(measure("flash_attn GPTLMHeadModel (fused)", ours_cfg, args))
         if args.compile:
             results.append(measure("flash_attn GPTLMHeadModel (fused) + torch.compile",
                                    make_config(args, os.path.join(tmp, "compiled"), ours=True, compile=True), args))

@@ -16,15 +16,11 @@ fields FlashAttention 2 reads, all optional (default in parentheses):
     mlp_multiple_of (128)         GatedMlp hidden size rounding
     pad_vocab_size_multiple (1)   embedding rows padded up to a multiple (tensor-core friendly)
     use_flash_attn, fused_bias_fc, fused_mlp, fused_dropout_add_ln (False), mlp_checkpoint_lvl (0)
-    fused_linear_bias (None: env FLASH_ATTN_FUSED_LINEAR_BIAS=1)   with fused_dropout_add_ln, the biases of
-                                  out_proj and fc2 are added (and their gradients summed) in the next fused
-                                  add+norm instead of the GEMM (modules/block.py); no effect on parameters
 
 Parameter names match FA2's ``flash_attn.models.gpt`` (``transformer.embeddings``, ``transformer.layers.{i}``
 with ``mixer``/``mlp``/``norm1``/``norm2``, ``transformer.ln_f``, ``lm_head``), so FA2 checkpoints load as is.
 """
 import math
-import os
 import re
 from collections import OrderedDict, namedtuple
 from functools import partial
@@ -175,17 +171,6 @@ def _norm_cls(config, device=None, dtype=None):
     return partial(nn.LayerNorm, eps=eps, device=device, dtype=dtype)
 
 
-def _fused_linear_bias(config):
-    """Whether out_proj's and fc2's biases go into the fused add+norms (config.fused_linear_bias, else the
-    environment's FLASH_ATTN_FUSED_LINEAR_BIAS=1; default off); only with fused_dropout_add_ln and
-    sequential pre-norm blocks (a parallel block's two outputs enter one add with separate dropout masks)."""
-    value = getattr(config, "fused_linear_bias", None)
-    if value is None:
-        value = os.environ.get("FLASH_ATTN_FUSED_LINEAR_BIAS", "0") == "1"
-    return (bool(value) and _get(config, "fused_dropout_add_ln", False) and _get(config, "prenorm", True)
-            and not _get(config, "parallel_block", False))
-
-
 def create_block(config, layer_idx=None, device=None, dtype=None):
     """Layer layer_idx of the model: a pre-norm Block or ParallelBlock."""
     mixer_cls = create_mixer_cls(config, layer_idx, device=device, dtype=dtype)
@@ -200,8 +185,7 @@ def create_block(config, layer_idx=None, device=None, dtype=None):
         block = ParallelBlock(config.n_embd, mixer_cls, mlp_cls,
                               tied_norm=_get(config, "parallel_block_tied_norm", False), **common)
     else:
-        block = Block(config.n_embd, mixer_cls, mlp_cls, prenorm=True, fused_linear_bias=_fused_linear_bias(config),
-                      **common)
+        block = Block(config.n_embd, mixer_cls, mlp_cls, prenorm=True, **common)
     block.layer_idx = layer_idx
     return block
 
@@ -238,9 +222,6 @@ class GPTModel(GPTPreTrainedModel):
     """Embeddings -> n_layer pre-norm blocks -> final dropout-add-norm.
 
     forward(input_ids (B, S) long, position_ids (B, S) optional, inference_params optional) -> (B, S, D).
-    With fused_linear_bias, each layer leaves its fc2 bias to the next layer's norm1 (the last one to
-    ln_f), unless ``fuse_bias_across_layers`` is set False: FSDP reshards a layer's parameters after its
-    forward, so the next layer must not read them (the bias then stays in its own GEMM).
     """
 
     def __init__(self, config, process_group=None, device=None, dtype=None):
@@ -253,7 +234,6 @@ class GPTModel(GPTPreTrainedModel):
         self.parallel_block = _get(config, "parallel_block", False)
         self.residual_in_fp32 = _get(config, "residual_in_fp32", False)
         self.fused_dropout_add_ln = _get(config, "fused_dropout_add_ln", False)
-        self.fuse_bias_across_layers = _fused_linear_bias(config)
         multiple = _get(config, "pad_vocab_size_multiple", 1)
         vocab_size = math.ceil(config.vocab_size / multiple) * multiple
         self.embeddings = GPT2Embeddings(config.n_embd, vocab_size, _get(config, "n_positions", 0),
@@ -275,16 +255,10 @@ class GPTModel(GPTPreTrainedModel):
         hidden_states2 = None
         residual = None
         mixer_kwargs = {"inference_params": inference_params} if inference_params is not None else None
-        bias = None  # the previous layer's last Linear bias, left off its output for the next norm to add
         for layer in self.layers:
             if self.parallel_block:
                 hidden_states, hidden_states2, residual = layer(hidden_states, hidden_states2, residual,
                                                                 mixer_kwargs=mixer_kwargs)
-            elif self.fuse_bias_across_layers:
-                out_bias = layer.out_linear_bias
-                hidden_states, residual = layer(hidden_states, residual, mixer_kwargs=mixer_kwargs, x_bias=bias,
-                                                out_bias=out_bias is None)
-                bias = out_bias
             else:
                 hidden_states, residual = layer(hidden_states, residual, mixer_kwargs=mixer_kwargs)
         if self.fused_dropout_add_ln:
@@ -293,7 +267,7 @@ class GPTModel(GPTPreTrainedModel):
             return layer_norm_fn(hidden_states, self.ln_f.weight, self.ln_f.bias, residual=residual,
                                  x1=hidden_states2, eps=self.ln_f.eps,
                                  dropout_p=self.drop_f.p if self.training else 0.0, prenorm=False,
-                                 is_rms_norm=isinstance(self.ln_f, RMSNorm), x_bias=bias)
+                                 is_rms_norm=isinstance(self.ln_f, RMSNorm))
         dropped = self.drop_f(hidden_states)
         if hidden_states2 is not None:
             dropped = dropped + self.drop_f(hidden_states2)

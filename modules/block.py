@@ -8,12 +8,6 @@ Stochastic depth (drop path) is Huang et al. 2016, "Deep Networks with Stochasti
 sample's sublayer output is dropped.
 
 Parameter names (``mixer``, ``norm1``, ``mlp``, ``norm2``) match FlashAttention 2's ``flash_attn.modules.block``.
-
-``fused_linear_bias`` (pre-norm, fused add+norm only) moves the bias of the Linear that ends a sublayer (MHA's
-``out_proj``, an MLP's ``fc2``) into the fused add+norm that its output feeds, as ``x_bias``: the GEMM runs
-without it, and its gradient (the column sum of the output gradient, a separate full read of that gradient
-in nn.Linear's backward) comes out of the norm's backward kernel with dweight's. Parameters stay where they
-are, so state dicts are unchanged.
 """
 from functools import partial
 
@@ -21,7 +15,7 @@ import torch
 from torch import nn
 
 from flash_attn.modules.mha import MHA
-from flash_attn.modules.mlp import FusedMLP, GatedMlp, Mlp
+from flash_attn.modules.mlp import Mlp
 
 
 class DropPath(nn.Module):
@@ -61,20 +55,8 @@ def _eps(norm):
     return norm.eps if norm.eps is not None else torch.finfo(norm.weight.dtype).eps
 
 
-def _last_linear_bias(module):
-    """The bias of the Linear that ends ``module`` (MHA's out_proj, an MLP's fc2), which its
-    ``forward(..., out_bias=False)`` leaves off the output; None for other modules or no bias."""
-    if isinstance(module, MHA):
-        return module.out_proj.bias
-    if isinstance(module, (Mlp, GatedMlp, FusedMLP)):
-        return module.fc2.bias
-    return None
-
-
-def _fused_add_norm(x, residual, norm, dropout, drop_path, prenorm, residual_in_fp32, x1=None, norm1=None,
-                    x_bias=None):
-    """dropout(x [+ x_bias]) [* drop-path row scale] (+ dropout(x1)) + residual, then normalize, in one
-    kernel."""
+def _fused_add_norm(x, residual, norm, dropout, drop_path, prenorm, residual_in_fp32, x1=None, norm1=None):
+    """dropout(x) [* drop-path row scale] (+ dropout(x1)) + residual, then normalize, in one kernel."""
     from flash_attn.ops.triton.layer_norm import layer_norm_fn
 
     rowscale = drop_path.row_scale(x)
@@ -86,7 +68,7 @@ def _fused_add_norm(x, residual, norm, dropout, drop_path, prenorm, residual_in_
         weight1=norm1.weight if norm1 is not None else None,
         bias1=norm1.bias if norm1 is not None else None,
         eps=_eps(norm), dropout_p=dropout.p if dropout.training else 0.0, rowscale=rowscale,
-        prenorm=prenorm, residual_in_fp32=residual_in_fp32, is_rms_norm=_is_rms_norm(norm), x_bias=x_bias,
+        prenorm=prenorm, residual_in_fp32=residual_in_fp32, is_rms_norm=_is_rms_norm(norm),
     )
 
 
@@ -106,30 +88,23 @@ class Block(nn.Module):
         fused_dropout_add_ln: use the fused dropout + add + LayerNorm/RMSNorm kernel.
         return_residual: the mixer and MLP return (out, their input) (post-norm only), as FA2.
         residual_in_fp32: keep the pre-norm residual stream in fp32.
-        fused_linear_bias: the mixer's out_proj bias goes into norm2's fused add (x_bias), and the block
-            can leave the bias of its own last Linear to the next fused add+norm (forward(..., out_bias=False),
-            see out_linear_bias). Needs prenorm and fused_dropout_add_ln.
     """
 
     def __init__(self, dim, mixer_cls=None, mlp_cls=None, norm_cls=nn.LayerNorm, dropout_cls=nn.Dropout,
                  prenorm=True, resid_dropout1=0.0, resid_dropout2=0.0, drop_path1=0.0, drop_path2=0.0,
                  fused_dropout_add_ln=False, return_residual=False, residual_in_fp32=False,
-                 sequence_parallel=False, mark_shared_params=False, fused_linear_bias=False):
+                 sequence_parallel=False, mark_shared_params=False):
         super().__init__()
         if sequence_parallel or mark_shared_params:
             raise NotImplementedError("sequence_parallel / mark_shared_params: tensor parallelism is not implemented")
         if residual_in_fp32 and not prenorm:
             raise ValueError("residual_in_fp32 is only meaningful with prenorm=True")
-        if fused_linear_bias and not (prenorm and fused_dropout_add_ln):
-            raise ValueError("fused_linear_bias needs prenorm=True and fused_dropout_add_ln=True (the bias goes "
-                             "into the fused add+norm)")
         if return_residual and prenorm:
             raise ValueError("return_residual is only supported with prenorm=False")
         self.prenorm = prenorm
         self.fused_dropout_add_ln = fused_dropout_add_ln
         self.return_residual = return_residual
         self.residual_in_fp32 = residual_in_fp32
-        self.fused_linear_bias = fused_linear_bias
         if mixer_cls is None:
             mixer_cls = partial(MHA, num_heads=dim // 64)
         if mlp_cls is None:
@@ -147,20 +122,10 @@ class Block(nn.Module):
     def allocate_inference_cache(self, batch_size, max_seqlen, dtype=None, **kwargs):
         return self.mixer.allocate_inference_cache(batch_size, max_seqlen, dtype=dtype, **kwargs)
 
-    @property
-    def out_linear_bias(self):
-        """With fused_linear_bias: the bias of the Linear that ends this block (the MLP's fc2, the mixer's
-        out_proj in an attention-only block) that ``forward(..., out_bias=False)`` leaves off the output
-        for the next fused add+norm to add (its x_bias); None without fused_linear_bias or without a bias."""
-        if not self.fused_linear_bias:
-            return None
-        return _last_linear_bias(self.mixer if isinstance(self.mlp, nn.Identity) else self.mlp)
-
-    def _add_norm(self, x, residual, norm, dropout, drop_path, x_bias=None):
+    def _add_norm(self, x, residual, norm, dropout, drop_path):
         """Pre-norm: returns (norm(new_residual), new_residual)."""
         if self.fused_dropout_add_ln:
-            return _fused_add_norm(x, residual, norm, dropout, drop_path, True, self.residual_in_fp32,
-                                   x_bias=x_bias)
+            return _fused_add_norm(x, residual, norm, dropout, drop_path, True, self.residual_in_fp32)
         dropped = drop_path(dropout(x))
         residual = dropped + residual if residual is not None else dropped
         out = norm(residual.to(dtype=norm.weight.dtype))
@@ -173,38 +138,25 @@ class Block(nn.Module):
             return _fused_add_norm(x, residual, norm, dropout, drop_path, False, False)
         return norm((drop_path(dropout(x)) + residual).to(dtype=norm.weight.dtype))
 
-    def forward(self, hidden_states, residual=None, mixer_subset=None, mixer_kwargs=None, x_bias=None,
-                out_bias=True):
+    def forward(self, hidden_states, residual=None, mixer_subset=None, mixer_kwargs=None):
         """hidden_states (B, S, D); residual (B, S, D) or None (pre-norm only).
 
         mixer_subset: index into the sequence dim; the mixer computes queries only there (and the residual
         is sliced to match), e.g. BERT's last layer on masked tokens.
-        x_bias: (D,) added to hidden_states in norm1's fused add, before dropout: the previous block's
-            out_linear_bias, which it left off its output. out_bias=False: leave out_linear_bias off this
-            block's output. Both need fused_linear_bias.
         """
-        if (x_bias is not None or not out_bias) and not self.fused_linear_bias:
-            raise ValueError("x_bias / out_bias=False need a Block built with fused_linear_bias=True")
-        if not out_bias and self.out_linear_bias is None:
-            raise ValueError("out_bias=False: this block's last Linear has no bias to leave off (out_linear_bias)")
         mixer_kwargs = dict(mixer_kwargs) if mixer_kwargs is not None else {}
         if mixer_subset is not None:
             mixer_kwargs["mixer_subset"] = mixer_subset
         if self.prenorm:
-            has_mlp = not isinstance(self.mlp, nn.Identity)
             hidden_states, residual = self._add_norm(hidden_states, residual, self.norm1, self.dropout1,
-                                                     self.drop_path1, x_bias)
-            # The mixer's out_proj bias goes into norm2's add (or, attention-only, to the caller).
-            mixer_bias = _last_linear_bias(self.mixer) if self.fused_linear_bias and (has_mlp or not out_bias) else None
-            if mixer_bias is not None:
-                mixer_kwargs["out_bias"] = False
+                                                     self.drop_path1)
             hidden_states = self.mixer(hidden_states, **mixer_kwargs)
             if mixer_subset is not None:
                 residual = residual[:, mixer_subset]
-            if has_mlp:
+            if not isinstance(self.mlp, nn.Identity):
                 hidden_states, residual = self._add_norm(hidden_states, residual, self.norm2, self.dropout2,
-                                                         self.drop_path2, mixer_bias)
-                hidden_states = self.mlp(hidden_states) if out_bias else self.mlp(hidden_states, out_bias=False)
+                                                         self.drop_path2)
+                hidden_states = self.mlp(hidden_states)
             return hidden_states, residual
         if residual is not None:
             raise ValueError("residual must be None for a post-norm Block")

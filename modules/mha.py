@@ -455,7 +455,7 @@ class MHA(nn.Module):
         return pad_input(out, indices, batch, seqlen_q)
 
     def forward(self, x, x_kv=None, key_padding_mask=None, cu_seqlens=None, max_seqlen=None, mixer_subset=None,
-                inference_params=None, out_bias=True, **kwargs):
+                inference_params=None, **kwargs):
         """
         x: (B, S, D), or (total, D) packed with cu_seqlens int32 (B + 1,) and max_seqlen (flash path only).
         x_kv: (B, Sk, D) keys/values source for cross-attention (default x).
@@ -463,8 +463,6 @@ class MHA(nn.Module):
         mixer_subset: index into the sequence dim; only those queries are computed (non-causal).
         inference_params: an InferenceParams; appends this call's keys/values to the KV cache at
             ``seqlen_offset`` (or per-sample ``lengths_per_sample``) and attends over the cache.
-        out_bias: False leaves out_proj's bias off the output, for the caller to add it itself (a Block
-            passes it to the next fused add+norm as x_bias, whose backward yields its gradient).
         kwargs: cu_seqlens_k, max_seqlen_k for varlen cross-attention.
         Returns (B, S, D) (or (total, D)); with return_residual, (out, x).
         """
@@ -501,5 +499,5 @@ class MHA(nn.Module):
                 out = checkpoint(self._attend, *args, use_reentrant=False)
             else:
                 out = self._attend(*args)
-        out = self.out_proj(out.flatten(-2)) if out_bias else F.linear(out.flatten(-2), self.out_proj.weight)
+        out = self.out_proj(out.flatten(-2))
         return out if not self.return_residual else (out, residual)

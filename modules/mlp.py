@@ -12,17 +12,11 @@ from torch.utils.checkpoint import checkpoint
 from flash_attn.ops.activations import ACTIVATIONS, bias_act, gated_act
 
 
-def _fc2(fc2, h, out_bias):
-    return fc2(h) if out_bias else F.linear(h, fc2.weight)
-
-
 class Mlp(nn.Module):
     """x (..., in_features) -> fc2(activation(fc1(x))) (..., out_features).
 
     hidden_features defaults to 4 * in_features, out_features to in_features. With return_residual the
     forward returns (out, x) so a following fused dropout-add-norm can take the residual.
-    forward(x, out_bias=False) (here and in GatedMlp, FusedMLP) leaves fc2's bias off the output, for the
-    caller to add (a Block passes it to the next fused add+norm as x_bias).
     """
 
     def __init__(self, in_features, hidden_features=None, out_features=None, activation=F.gelu, bias1=True,
@@ -38,8 +32,8 @@ class Mlp(nn.Module):
         self.activation = activation
         self.fc2 = nn.Linear(hidden_features, out_features, bias=bias2, **factory_kwargs)
 
-    def forward(self, x, out_bias=True):
-        y = _fc2(self.fc2, self.activation(self.fc1(x)), out_bias)
+    def forward(self, x):
+        y = self.fc2(self.activation(self.fc1(x)))
         return y if not self.return_residual else (y, x)
 
 
@@ -70,12 +64,12 @@ class GatedMlp(nn.Module):
         self.activation = activation
         self.fc2 = nn.Linear(hidden_features, out_features, bias=bias2, **factory_kwargs)
 
-    def forward(self, x, out_bias=True):
+    def forward(self, x):
         y, gate = self.fc1(x).chunk(2, dim=-1)
         name = _GATED_KERNEL_NAMES.get(self.activation)
         # GLU / SwiGLU / GeGLU run as one fused elementwise kernel instead of an activation, then a product.
         y = gated_act(gate, y, name) if name is not None else y * self.activation(gate)
-        y = _fc2(self.fc2, y, out_bias)
+        y = self.fc2(y)
         return y if not self.return_residual else (y, x)
 
 
@@ -112,7 +106,7 @@ class FusedMLP(nn.Module):
         self.fc1 = nn.Linear(in_features, hidden_features, bias=bias1, **factory_kwargs)
         self.fc2 = nn.Linear(hidden_features, out_features, bias=bias2, **factory_kwargs)
 
-    def forward(self, x, out_bias=True):
+    def forward(self, x):
         weight, bias = self.fc1.weight, self.fc1.bias
         if self.checkpoint_lvl == 0 or not torch.is_grad_enabled():
             h = _fc1_act(x, weight, bias, self.activation)
@@ -121,5 +115,5 @@ class FusedMLP(nn.Module):
             h = checkpoint(bias_act, pre, bias, self.activation, use_reentrant=False)
         else:
             h = checkpoint(_fc1_act, x, weight, bias, self.activation, use_reentrant=False)
-        y = _fc2(self.fc2, h, out_bias)
+        y = self.fc2(h)
         return y if not self.return_residual else (y, x)

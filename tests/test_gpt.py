@@ -122,110 +122,6 @@ def test_fused_dropout_add_ln_matches_unfused(rms_norm, parallel_block):
         torch.testing.assert_close(fused(ids).logits, ref(ids).logits, atol=ATOL, rtol=0)
 
 
-def _fused_gpt(seed=0, **kwargs):
-    torch.manual_seed(seed)
-    config = gpt2_config(n_layer=3, resid_pdrop=0.1, embd_pdrop=0.1, residual_in_fp32=True,
-                         fused_dropout_add_ln=True, **kwargs)
-    model = GPTLMHeadModel(config)
-    for name, p in model.named_parameters():  # _init_weights zeroes the biases: give them values
-        if name.endswith("bias"):
-            torch.nn.init.normal_(p, std=0.1)
-    return model
-
-
-def _logits_and_grads(model, ids):
-    model.zero_grad()
-    torch.manual_seed(7)  # the same dropout draws in every model
-    logits = model(ids).logits
-    logits.float().square().mean().backward()
-    return logits, {n: p.grad.clone() for n, p in model.named_parameters()}
-
-
-# The Triton interpreter is slow: the kernels on the training configuration (GELU FusedMLP) only.
-@pytest.mark.parametrize("path,variant", [("torch", "gelu"), ("torch", "fused_mlp"), ("torch", "rmsnorm_swiglu"),
-                                          ("triton", "fused_mlp")])
-def test_fused_linear_bias_matches_unfused(path, variant):
-    """fused_linear_bias (out_proj's bias into norm2's add, fc2's into the next layer's norm1, the last one
-    into ln_f): the same logits and gradients, biases' included, as the GEMM biases, in training mode
-    with dropout; the state dict keys are unchanged, so checkpoints move between the two. With
-    fuse_bias_across_layers off (what FSDP needs) only the in-layer bias moves, with the same result."""
-    if path == "triton" and not triton_ops.triton_runs_on("cpu"):
-        pytest.skip("triton interpreter not available")
-    kw = {"gelu": dict(), "fused_mlp": dict(fused_mlp=True),
-          "rmsnorm_swiglu": dict(rms_norm=True, activation_function="swiglu", mlp_multiple_of=16)}[variant]
-    ref = _fused_gpt(**kw, fused_linear_bias=False).train()
-    fused = _fused_gpt(**kw, fused_linear_bias=True).train()
-    assert list(fused.state_dict()) == list(ref.state_dict())
-    fused.load_state_dict(ref.state_dict())
-    assert not ref.transformer.fuse_bias_across_layers and fused.transformer.fuse_bias_across_layers
-    assert all(layer.fused_linear_bias for layer in fused.transformer.layers)
-    ids = torch.randint(0, VOCAB, (2, 11))
-    with triton_ops.backend(path):
-        want = _logits_and_grads(ref, ids)
-        got = _logits_and_grads(fused, ids)
-        fused.transformer.fuse_bias_across_layers = False
-        got_inner = _logits_and_grads(fused, ids)
-    for logits, grads in (got, got_inner):
-        torch.testing.assert_close(logits, want[0], atol=ATOL, rtol=1e-5)
-        assert grads.keys() == want[1].keys()
-        for name, g in grads.items():
-            torch.testing.assert_close(g, want[1][name], atol=ATOL, rtol=1e-5, msg=name)
-    assert want[1]["transformer.layers.2.mlp.fc2.bias"].abs().sum() > 0
-
-
-def test_fused_linear_bias_switch(monkeypatch):
-    """config.fused_linear_bias, else FLASH_ATTN_FUSED_LINEAR_BIAS=1 (default off); only with
-    fused_dropout_add_ln and sequential blocks."""
-    def flags(**kwargs):
-        t = GPTModel(gpt2_config(**kwargs))
-        return t.fuse_bias_across_layers, [getattr(layer, "fused_linear_bias", False) for layer in t.layers]
-
-    monkeypatch.delenv("FLASH_ATTN_FUSED_LINEAR_BIAS", raising=False)
-    assert flags(fused_dropout_add_ln=True) == (False, [False, False])
-    monkeypatch.setenv("FLASH_ATTN_FUSED_LINEAR_BIAS", "1")
-    assert flags(fused_dropout_add_ln=True) == (True, [True, True])
-    assert flags(fused_dropout_add_ln=True, fused_linear_bias=False) == (False, [False, False])
-    assert flags() == (False, [False, False])  # unfused add+norm: nothing to fuse into
-    assert flags(fused_dropout_add_ln=True, parallel_block=True) == (False, [False, False])
-    monkeypatch.setenv("FLASH_ATTN_FUSED_LINEAR_BIAS", "0")
-    assert flags(fused_dropout_add_ln=True, fused_linear_bias=True) == (True, [True, True])
-
-
-@pytest.mark.gpu
-def test_fused_linear_bias_gpu_bf16_within_pytorch_error():
-    """GPT-2-medium-wide layers as bench_train.py trains them (d=1024, 16 heads, seq 2048; fp32 parameters
-    under bf16 autocast, FlashAttention, FusedMLP, fused add+norm, fp32 residual), 2 layers: with the
-    out_proj/fc2 biases in the norms (the Triton kernels at their real sizes), the logits and every
-    gradient are within 2x the error of the biases-in-GEMMs run, both against an fp32 run."""
-    from flash_attn.testing import assert_close_to_ref
-
-    def build(**kw):
-        torch.manual_seed(0)
-        config = gpt2_config(n_embd=1024, n_head=16, n_layer=2, n_positions=2048, residual_in_fp32=True,
-                             fused_mlp=True, fused_dropout_add_ln=True, **kw)
-        return GPTLMHeadModel(config).cuda()
-
-    ref = build(use_flash_attn=False, fused_linear_bias=False)
-    for name, p in ref.named_parameters():
-        if name.endswith("bias"):
-            torch.nn.init.normal_(p, std=0.1)
-    pt = build(use_flash_attn=True, fused_linear_bias=False)
-    out = build(use_flash_attn=True, fused_linear_bias=True)
-    pt.load_state_dict(ref.state_dict())
-    out.load_state_dict(ref.state_dict())
-    ids = torch.randint(0, VOCAB, (2, 2048), device="cuda")
-    g = torch.randn(2, 2048, VOCAB, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
-    results = []
-    for model, autocast in ((ref, False), (pt, True), (out, True)):
-        with triton_ops.backend("auto"), torch.autocast("cuda", torch.bfloat16, enabled=autocast):
-            logits = model(ids).logits
-        (logits.float() * g).sum().backward()
-        results.append([logits.float()] + [p.grad for p in model.parameters()])
-    names = ["logits"] + [n for n, _ in out.named_parameters()]
-    for name, a_ref, a_pt, a_out in zip(names, *results):
-        assert_close_to_ref(a_out, a_ref, a_pt, name=name)
-
-
 def test_rotary_gqa_model_kv_cache_matches_full_forward():
     torch.manual_seed(0)
     config = gpt2_config(n_positions=0, rotary_emb_fraction=0.5, n_head_kv=2, use_flash_attn=True,
@@ -244,14 +140,12 @@ def test_rotary_gqa_model_kv_cache_matches_full_forward():
     assert model.transformer.layers[0].mixer.rotary_emb_dim == 8
 
 
-@pytest.mark.parametrize("fused_linear_bias", [False, True])
-def test_torch_compile_fullgraph_matches_eager(fused_linear_bias):
+def test_torch_compile_fullgraph_matches_eager():
     # Every kernel is a torch.library op, so the whole model (rotary GQA attention, fused MLP and add-norm)
     # traces as one graph, forward and backward.
     torch.manual_seed(0)
     config = gpt2_config(n_positions=0, rotary_emb_fraction=0.5, n_head_kv=2, use_flash_attn=True,
-                         fused_mlp=True, fused_dropout_add_ln=True, residual_in_fp32=True,
-                         fused_linear_bias=fused_linear_bias)
+                         fused_mlp=True, fused_dropout_add_ln=True, residual_in_fp32=True)
     # eval(): no dropout either way, and RotaryEmbedding's train-mode cache check (tensor.is_inference())
     # is a graph break; gradients still flow.
     model = GPTLMHeadModel(config).eval()

@@ -35,15 +35,14 @@ def _device(path):
 
 
 def _inputs(device, dtype, M, N, residual=False, x1=False, weight1=False, bias=True, rowscale=False,
-            weight_dtype=None, x_bias=False):
+            weight_dtype=None):
     g = torch.Generator().manual_seed(M * 1000 + N)
     mk = lambda *s, dt=dtype: torch.randn(*s, generator=g).to(device=device, dtype=dt)  # noqa: E731
     wdt = weight_dtype or dtype
     t = dict(x=mk(M, N), weight=1 + 0.5 * mk(N, dt=wdt), bias=mk(N, dt=wdt) if bias else None,
              residual=mk(M, N) if residual else None, x1=mk(M, N) if x1 else None,
              weight1=1 + 0.5 * mk(N, dt=wdt) if weight1 else None, bias1=mk(N, dt=wdt) if weight1 else None,
-             rowscale=(torch.rand(M, generator=g) + 0.5).to(device=device, dtype=dtype) if rowscale else None,
-             x_bias=mk(N, dt=wdt) if x_bias else None)
+             rowscale=(torch.rand(M, generator=g) + 0.5).to(device=device, dtype=dtype) if rowscale else None)
     return {k: v.requires_grad_() if v is not None and k != "rowscale" else v for k, v in t.items()}
 
 
@@ -147,56 +146,6 @@ def test_hidden_65536(path):
     _check(_device(path), torch.float32, 2, 65536, residual=True, prenorm=True)
 
 
-@pytest.mark.parametrize("is_rms_norm", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("M,N", [(3, 1), (1, 17), (5, 17), (3, 4099)])
-def test_x_bias(path, dtype, M, N, is_rms_norm):
-    # x_bias (a Linear's bias moved into the norm): its gradient is dx summed over the rows. x + x_bias is
-    # saved for the backward in x's dtype unless the pre-norm sum is kept in fp32; at hidden 1 LayerNorm's
-    # input gradient is exactly 0, which only an fp32 copy of the sum reproduces (the rounded one is off
-    # from the fp32 mean by its rounding), so that case keeps it in fp32 as the GPT blocks do.
-    _check(_device(path), dtype, M, N, is_rms_norm=is_rms_norm, x_bias=True, eps=0.1 if N == 1 else 1e-6,
-           prenorm=N == 1, residual_in_fp32=N == 1)
-
-
-@pytest.mark.parametrize("is_rms_norm", [False, True])
-def test_x_bias_dropout_rowscale_residual(path, is_rms_norm):
-    # The bias is added before dropout and the drop-path row scale, where the Linear would add it.
-    _check(_device(path), torch.float32, 5, 130, is_rms_norm=is_rms_norm, dropout_p=0.3, rowscale=True,
-           residual=True, prenorm=True, x_bias=True)
-
-
-@pytest.mark.parametrize("residual,residual_in_fp32", [(True, False), (False, True)])
-def test_x_bias_prenorm_fp32_params(path, residual, residual_in_fp32):
-    # The training call: half x, fp32 parameters (x_bias too), a prenorm residual stream kept in fp32.
-    _check(_device(path), torch.float16, 7, 40, prenorm=True, residual=residual, residual_in_fp32=residual_in_fp32,
-           weight_dtype=torch.float32, x_bias=True, dropout_p=0.1)
-
-
-def test_x_bias_zero_centered_and_rms_without_bias(path):
-    _check(_device(path), torch.float32, 4, 33, is_rms_norm=True, bias=False, zero_centered_weight=True,
-           residual=True, prenorm=True, x_bias=True)
-
-
-def test_x_bias_is_the_linear_bias(path):
-    """layer_norm_fn(x, x_bias=b) is layer_norm_fn(x + b): outputs and every gradient, b's included (as the
-    column sum of x's gradient), with dropout drawn from the same seed."""
-    dev = _device(path)
-    inp = _inputs(dev, torch.float32, 6, 24, residual=True, rowscale=True, x_bias=True)
-    b = inp.pop("x_bias")
-    params = [inp["x"], inp["weight"], inp["bias"], inp["residual"], b]
-    torch.manual_seed(3)
-    y, r = layer_norm_fn(**inp, x_bias=b, dropout_p=0.25, prenorm=True)
-    g = torch.autograd.grad((y.square() + r.sin()).sum(), params)
-    torch.manual_seed(3)
-    y2, r2 = layer_norm_fn(**dict(inp, x=inp["x"] + b), dropout_p=0.25, prenorm=True)
-    g2 = torch.autograd.grad((y2.square() + r2.sin()).sum(), params)
-    torch.testing.assert_close(y, y2, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(r, r2, atol=1e-5, rtol=1e-5)
-    for name, a, c in zip(("x", "weight", "bias", "residual", "x_bias"), g, g2):
-        torch.testing.assert_close(a, c, atol=1e-4, rtol=1e-5, msg=name)
-
-
 def test_row_tiles_and_prefetch(monkeypatch):
     """Narrow rows are batched BLOCK_M to a tile, and the backward prefetches the next tile: lowered
     tile sizes make 2-row tiles; one SM and a high register cap make the 37 rows 7 backward programs of
@@ -214,7 +163,6 @@ def test_row_tiles_and_prefetch(monkeypatch):
         _check(_device("triton"), torch.float32, 37, 17, residual=True, x1=True, weight1=True, dropout_p=0.25,
                prenorm=True)
         _check(_device("triton"), torch.float32, 37, 17, is_rms_norm=True, rowscale=True, residual=True)
-        _check(_device("triton"), torch.float32, 37, 17, residual=True, x_bias=True, dropout_p=0.25, prenorm=True)
 
 
 def test_chunked_split_rows(monkeypatch):
@@ -235,22 +183,15 @@ def test_chunked_split_rows(monkeypatch):
     assert (cfg.block_r, cfg.r_chunks, cfg.block_n, cfg.sub, cfg.split, cfg.prefetch) == (16, 7, 32, 2, 2, False)
     cfg = ln._bwd_config(37, 100, "cpu", n_acc=4)
     assert (cfg.block_n, cfg.sub, cfg.split) == (32, 1, 4)
-    cfg = ln._bwd_config(37, 100, "cpu", n_acc=3)  # LayerNorm with x_bias: its third accumulator counts
-    assert (cfg.block_n, cfg.sub, cfg.split) == (32, 1, 4)
     with backend("triton"):
         _check(_device("triton"), torch.float32, 37, 100, residual=True, x1=True, weight1=True, dropout_p=0.25,
                prenorm=True)
-        _check(_device("triton"), torch.float32, 37, 100, residual=True, x_bias=True, dropout_p=0.25, prenorm=True)
         _check(_device("triton"), torch.float32, 3, 100, is_rms_norm=True, rowscale=True, zero_centered_weight=True)
         # A single program per row group whose second sub-chunk lies partly past N.
         monkeypatch.setattr(ln, "BWD_ACC_REGS", 16)
         cfg = ln._bwd_config(5, 40, "cpu", n_acc=1)
         assert (cfg.split, cfg.sub, cfg.block_n) == (1, 2, 32)
         _check(_device("triton"), torch.float32, 5, 40, is_rms_norm=True, bias=False)
-        # RMSNorm with x_bias: the same shape, the second sub-chunk with a d x_bias accumulator of its own
-        cfg = ln._bwd_config(5, 40, "cpu", n_acc=2)
-        assert (cfg.split, cfg.sub, cfg.block_n) == (1, 2, 32)
-        _check(_device("triton"), torch.float32, 5, 40, is_rms_norm=True, bias=False, x_bias=True)
 
 
 @pytest.mark.parametrize("pair,hold", [(False, False), (True, False), (False, True), (True, True)])
@@ -272,7 +213,6 @@ def test_row_sum_and_hold_variants(monkeypatch, pair, hold):
     with backend("triton"):
         _check(_device("triton"), torch.float32, 37, 17, residual=True, prenorm=True)
         _check(_device("triton"), torch.float16, 37, 17, is_rms_norm=True, bias=False, zero_centered_weight=True)
-        _check(_device("triton"), torch.float32, 37, 17, is_rms_norm=True, bias=False, x_bias=True)
 
 
 def test_default_variants_and_tuned_table(monkeypatch):
@@ -317,24 +257,6 @@ def test_sweep_script_smoke(capsys):
     assert "BWD_TUNED[(2, 24)] = {'hold': True, 'maxnreg': 72}" in rows[2]
 
 
-def test_xbias_bench_script_smoke(capsys):
-    """benchmarks/bench_norm_xbias.py on CPU (interpreter, tiny sizes): every variant runs, the x_bias ones
-    (split over two programs by the accounting of the third accumulator, and not) give the bias gradient
-    of the GEMM-bias variant."""
-    if not triton_runs_on("cuda" if CUDA else "cpu") or CUDA:
-        pytest.skip("CPU interpreter check")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    sys.path.insert(0, os.path.join(root, "benchmarks"))
-    try:
-        import bench_norm_xbias
-    finally:
-        sys.path.pop(0)
-    assert bench_norm_xbias.main(["--device", "cpu", "--rows", "37", "--hidden", "40"]) == 0
-    rows = [r.split(" | ") for r in capsys.readouterr().out.splitlines() if r.startswith("| 40 ")]
-    assert [r[1] for r in rows] == list(bench_norm_xbias.VARIANTS)
-    assert rows[1][2].startswith("split 2") and rows[2][2].startswith("split 1")
-
-
 def test_partial_reduction():
     """The second backward kernel sums the (P, N) partials over P in BLOCK_P steps (here 5, the last
     partial) and column blocks (3, the last partial), casting to the parameters' dtypes."""
@@ -342,31 +264,29 @@ def test_partial_reduction():
         pytest.skip("triton is not installed")
     dev = _device("triton")
     g = torch.Generator().manual_seed(0)
-    parts = [torch.randn(37, 20, generator=g).to(dev) for _ in range(5)]
-    dtypes = (torch.float32, torch.float16, torch.float32, torch.float32, torch.float16)
+    parts = [torch.randn(37, 20, generator=g).to(dev) for _ in range(4)]
+    dtypes = (torch.float32, torch.float16, torch.float32, torch.float32)
     outs = [torch.empty(20, device=dev, dtype=dt) for dt in dtypes]
-    ln._ln_bwd_reduce_kernel[(3,)](*parts[:4], *outs[:4], None, None, 37, 20, HAS_BIAS=True, HAS_W1=True,
-                                   HAS_B1=False, BLOCK_P=8, BLOCK_C=8, HAS_XBIAS=False)
+    ln._ln_bwd_reduce_kernel[(3,)](*parts, *outs, 37, 20, HAS_BIAS=True, HAS_W1=True, HAS_B1=False, BLOCK_P=8,
+                                   BLOCK_C=8)
     for i in range(3):
         torch.testing.assert_close(outs[i], parts[i].sum(0).to(outs[i].dtype), rtol=1e-5, atol=1e-5)
     outs[3].fill_(7.0)
-    ln._ln_bwd_reduce_kernel[(3,)](*parts[:4], *outs[:4], parts[4], outs[4], 37, 20, HAS_BIAS=False, HAS_W1=True,
-                                   HAS_B1=True, BLOCK_P=8, BLOCK_C=8, HAS_XBIAS=True)
+    ln._ln_bwd_reduce_kernel[(3,)](*parts, *outs, 37, 20, HAS_BIAS=False, HAS_W1=True, HAS_B1=True, BLOCK_P=8,
+                                   BLOCK_C=8)
     torch.testing.assert_close(outs[3], parts[3].sum(0), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(outs[4], parts[4].sum(0).half(), rtol=1e-3, atol=1e-3)
 
 
 def test_backward_is_deterministic():
     """Same inputs, bitwise-same gradients: the partials are summed in a fixed order, no atomics."""
     if not triton_runs_on("cuda" if CUDA else "cpu"):
         pytest.skip("triton is not installed")
-    inp = _inputs(_device("triton"), torch.float32, 37, 300, residual=True, x_bias=True)
-    params = [inp["x"], inp["weight"], inp["bias"], inp["residual"], inp["x_bias"]]
+    inp = _inputs(_device("triton"), torch.float32, 37, 300, residual=True)
     with backend("triton"):
         y = layer_norm_fn(**inp)
         dy = torch.randn_like(y)
-        g1 = torch.autograd.grad(y, params, dy, retain_graph=True)
-        g2 = torch.autograd.grad(y, params, dy)
+        g1 = torch.autograd.grad(y, [inp["x"], inp["weight"], inp["bias"], inp["residual"]], dy, retain_graph=True)
+        g2 = torch.autograd.grad(y, [inp["x"], inp["weight"], inp["bias"], inp["residual"]], dy)
     for a, b in zip(g1, g2):
         assert torch.equal(a, b)
 
@@ -490,10 +410,6 @@ def test_bad_inputs():
         layer_norm_fn(x, w, None, x1=torch.randn(3, 8), rowscale=torch.ones(3))
     with pytest.raises(ValueError, match="bias1 needs weight1"):
         layer_norm_fn(x, w, None, bias1=w)
-    with pytest.raises(ValueError, match="x_bias is not supported together with x1"):
-        layer_norm_fn(x, w, None, x1=torch.randn(3, 8), x_bias=w)
-    with pytest.raises(ValueError, match="x_bias must have shape"):
-        layer_norm_fn(x, w, None, x_bias=torch.ones(7))
     with pytest.raises(TypeError, match="floating-point"):
         layer_norm_fn(torch.ones(3, 8, dtype=torch.int64), w, None)
     with pytest.raises(ValueError, match="at most 65536"):
@@ -503,20 +419,18 @@ def test_bad_inputs():
             pass
 
 
-@pytest.mark.parametrize("x_bias", [False, True])
-def test_compile_fullgraph(path, x_bias):
+def test_compile_fullgraph(path):
     dev = _device(path)
-    inp = _inputs(dev, torch.float32, 3, 24, residual=True, x_bias=x_bias)
-    fn = lambda x, w, b, r, xb: layer_norm_fn(x, w, b, residual=r, prenorm=True, x_bias=xb)  # noqa: E731
+    inp = _inputs(dev, torch.float32, 3, 24, residual=True)
+    fn = lambda x, w, b, r: layer_norm_fn(x, w, b, residual=r, prenorm=True)  # noqa: E731
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
-    args = (inp["x"], inp["weight"], inp["bias"], inp["residual"], inp["x_bias"])
+    args = (inp["x"], inp["weight"], inp["bias"], inp["residual"])
     y, r = compiled(*args)
     y_e, r_e = fn(*args)
     torch.testing.assert_close(y, y_e)
     torch.testing.assert_close(r, r_e)
-    params = [a for a in args if a is not None]
-    gc = torch.autograd.grad((y * r).sum(), params)
-    ge = torch.autograd.grad((y_e * r_e).sum(), params)
+    gc = torch.autograd.grad((y * r).sum(), args)
+    ge = torch.autograd.grad((y_e * r_e).sum(), args)
     for a, b in zip(gc, ge):
         torch.testing.assert_close(a, b)
 
@@ -569,7 +483,7 @@ def test_backward_compiles_for_sm90_without_spills():
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [line.split("|")[1:-1] for line in r.stdout.splitlines() if line.startswith("| LayerNorm")
             or line.startswith("| RMSNorm")]
-    assert len(rows) == 2 * 6 * 3  # norms x feature sets x (1024, 8192, 65536)
+    assert len(rows) == 2 * 5 * 3  # norms x feature sets x (1024, 8192, 65536)
     for norm, feat, hidden, *_, maxnreg, regs, spill, _shared in rows:
         assert int(regs) <= int(maxnreg)
         n_acc = 2 if norm.strip() == "LayerNorm" else 1
@@ -602,19 +516,6 @@ def test_gpu_bf16_dropout_parallel():
     with backend("triton"):
         _check(_device("triton"), torch.bfloat16, 257, 2048, x1=True, weight1=True, residual=True, prenorm=True,
                dropout_p=0.1, residual_in_fp32=True)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("is_rms_norm", [False, True])
-@pytest.mark.parametrize("M,N", [(16384, 1024), (4096, 2048), (2048, 4096), (1000, 8192), (300, 16384)])
-def test_gpu_bf16_x_bias(is_rms_norm, M, N):
-    # The GPT training call with a Linear's bias moved into the norm: bf16 x, fp32 parameters and
-    # residual stream, prenorm (16384 x 1024: GPT-2 medium's 8 x 2048 tokens).
-    with backend("triton"):
-        _check(_device("triton"), torch.bfloat16, M, N, is_rms_norm=is_rms_norm, residual=True, prenorm=True,
-               weight_dtype=torch.float32, x_bias=True)
-        _check(_device("triton"), torch.bfloat16, M, N, is_rms_norm=is_rms_norm, residual=True, prenorm=True,
-               weight_dtype=torch.float32, x_bias=True, dropout_p=0.1, rowscale=True)
 
 
 @pytest.mark.gpu
@@ -674,7 +575,7 @@ def fake_launches(monkeypatch):
 
 
 def _fwd_bwd(M=5, N=48, **kw):
-    inp = _inputs("cpu", torch.float32, M, N, **{k: kw.pop(k) for k in ("residual", "x1", "weight1", "bias", "x_bias")
+    inp = _inputs("cpu", torch.float32, M, N, **{k: kw.pop(k) for k in ("residual", "x1", "weight1", "bias")
                                                  if k in kw})
     outs = layer_norm_fn(**inp, **kw)
     y = outs[0] if isinstance(outs, tuple) else outs
@@ -704,7 +605,7 @@ def test_launch_plans_and_fast_relaunch(fake_launches, monkeypatch):
     assert fast_fwd[1] is None and isinstance(fast_fwd[0], int) and isinstance(fast_fwd[2], int)
     assert fast_fwd[9] is None  # no y1
     for kw in (dict(), dict(residual=True, x1=True, weight1=True), dict(is_rms_norm=True, bias=False),
-               dict(dropout_p=0.1), dict(residual=True, x_bias=True)):
+               dict(dropout_p=0.1)):
         del log[:]
         _fwd_bwd(**kw)
         _fwd_bwd(**kw)

@@ -29,30 +29,3 @@ def _run(tmp_path):
                                                  "| flash_attn GPTLMHeadModel (fused)"]
     assert "1.00x" in rows[0] and "%" in rows[1]  # speedup against HF, MFU against the given peak
     assert "- command: `python" in text and "torch 2." in text
-
-
-def test_bench_train_ab_linear_bias_measures_ours_twice(tmp_path, monkeypatch):
-    """--ab-linear-bias: two rows of ours, built with FLASH_ATTN_FUSED_LINEAR_BIAS=0 and =1 (the caller's
-    value restored after)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    monkeypatch.setenv("FLASH_ATTN_FUSED_LINEAR_BIAS", "7")
-    spec = importlib.util.spec_from_file_location("bench_train", os.path.join(ROOT, "benchmarks", "bench_train.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    seen = []
-    measure = bench.measure
-    monkeypatch.setattr(bench, "measure", lambda name, cfg, args, model=None: (
-        seen.append(os.environ["FLASH_ATTN_FUSED_LINEAR_BIAS"]), measure(name, cfg, args, model))[1])
-    try:
-        assert bench.main(["--device", "cpu", "--layers", "1", "--hidden", "64", "--heads", "4", "--seq", "32",
-                           "--batch", "1", "--vocab", "256", "--steps", "1", "--warmup", "1", "--no-hf",
-                           "--ab-linear-bias", "--out", str(tmp_path)]) == 0
-    finally:
-        torch.set_num_threads(threads)
-    assert seen == ["0", "1"] and os.environ["FLASH_ATTN_FUSED_LINEAR_BIAS"] == "7"
-    text = (tmp_path / "train_gpt2_medium.md").read_text()
-    rows = [line.split(" | ")[0] for line in text.splitlines() if line.startswith("| ") and "tokens/s" not in line]
-    assert rows == ["| flash_attn GPTLMHeadModel (fused, linear biases in the GEMMs)",
-                    "| flash_attn GPTLMHeadModel (fused, linear biases in the norms)"]
-    assert "FLASH_ATTN_FUSED_LINEAR_BIAS=0 then 1" in text

@@ -159,11 +159,6 @@ def wrap_model(model, rt, dtype):
         mesh = init_device_mesh(rt.device.type, (rt.world,))
         # Gather parameters in the compute dtype (half the traffic) but reduce gradients in fp32.
         mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-        transformer = getattr(model, "transformer", None)
-        if getattr(transformer, "fuse_bias_across_layers", False):
-            # A layer's parameters are resharded after its forward, so the next layer's norm cannot take
-            # its fc2 bias (the biases inside one layer still go into its own norm).
-            transformer.fuse_bias_across_layers = False
         for layer in transformer_layers(model):
             fully_shard(layer, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)

@@ -5,12 +5,10 @@ and backward, with an optional second input ``x1`` added before the norm and a s
 
 Per row r of the (M, N) input, with s = 1 / (1 - dropout_p):
 
-    pre  = dropout((x + x_bias) * rowscale[r]) + dropout(x1) + residual   (accumulated in fp32)
+    pre  = dropout(x * rowscale[r]) + dropout(x1) + residual         (accumulated in fp32)
     xhat = (pre - mean) * rstd        (RMSNorm: mean = 0)
     y    = xhat * w + b,   y1 = xhat * w1 + b1   (w = 1 + weight if zero_centered_weight)
 
-x_bias is the bias of the Linear that produced x, left out of its GEMM: its gradient, dx summed over the
-rows, comes out of the backward kernel with dweight's (the separate column sum over all rows is gone).
 The dropout mask is a counter-based hash of (seed, row, column) (flash_attn.dropout, with rows M..2M-1
 for x1), so the backward pass and the PyTorch path regenerate exactly the forward mask without storing it.
 The backward pass reduces dweight/dbias in two steps: each program accumulates over its own block of rows
@@ -89,16 +87,11 @@ def _keep(row_hash, cols, drop_threshold):
 
 # Helpers take r: (BLOCK_M, 1) int64 row indices, r_ok = r < M, cols: (1, BLOCK_N), mask = r_ok & cols < N.
 @triton.jit
-def _ln_fwd_input(X, X1, RES, ROWSCALE, RES_OUT, DMASK, XB, r, r_ok, M, N, cols, mask,
+def _ln_fwd_input(X, X1, RES, ROWSCALE, RES_OUT, DMASK, r, r_ok, M, N, cols, mask,
                   stride_x, stride_x1, stride_res, stride_res_out, hash0, hash1, drop_threshold, drop_scale,
                   HAS_RES: tl.constexpr, HAS_X1: tl.constexpr, HAS_ROWSCALE: tl.constexpr,
-                  HAS_DROPOUT: tl.constexpr, STORE_DMASK: tl.constexpr, STORE_RES_OUT: tl.constexpr,
-                  HAS_XBIAS: tl.constexpr):
+                  HAS_DROPOUT: tl.constexpr, STORE_DMASK: tl.constexpr, STORE_RES_OUT: tl.constexpr):
     x = tl.load(X + r * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_XBIAS:
-        # The bias of the Linear that produced x, added in fp32 (its GEMM epilogue would round x + bias
-        # to x's dtype first).
-        x += tl.load(XB + cols, mask=cols < N, other=0.0).to(tl.float32)
     if HAS_ROWSCALE:
         x *= tl.load(ROWSCALE + r, mask=r_ok, other=0.0).to(tl.float32)
     if HAS_DROPOUT:
@@ -147,13 +140,13 @@ def _ln_fwd_output(W, B, W1, B1, Y, Y1, r, cols, mask, N, xhat, stride_y, stride
 # specialised ints on == 1 and % 16, the fast launcher on their values).
 @triton.jit(do_not_specialize=["seed0", "seed1"])
 def _ln_fwd_kernel(
-    X, X1, RES, ROWSCALE, W, B, W1, B1, Y, Y1, RES_OUT, DMASK, MEAN, RSTD, XB,
+    X, X1, RES, ROWSCALE, W, B, W1, B1, Y, Y1, RES_OUT, DMASK, MEAN, RSTD,
     stride_x, stride_x1, stride_res, stride_y, stride_y1, stride_res_out,
     M, N, eps, seed0, seed1, drop_threshold, drop_scale,
     IS_RMS_NORM: tl.constexpr, HAS_RES: tl.constexpr, HAS_X1: tl.constexpr, HAS_ROWSCALE: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, STORE_DMASK: tl.constexpr, STORE_RES_OUT: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr, ZERO_CENTERED: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_CHUNKS: tl.constexpr, HAS_XBIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_CHUNKS: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
@@ -169,10 +162,9 @@ def _ln_fwd_kernel(
     if NUM_CHUNKS == 1:
         cols = tl.arange(0, BLOCK_N)[None, :]
         mask = r_ok & (cols < N)
-        x = _ln_fwd_input(X, X1, RES, ROWSCALE, RES_OUT, DMASK, XB, r, r_ok, M, N, cols, mask,
+        x = _ln_fwd_input(X, X1, RES, ROWSCALE, RES_OUT, DMASK, r, r_ok, M, N, cols, mask,
                           stride_x, stride_x1, stride_res, stride_res_out, hash0, hash1, drop_threshold,
-                          drop_scale, HAS_RES, HAS_X1, HAS_ROWSCALE, HAS_DROPOUT, STORE_DMASK, STORE_RES_OUT,
-                          HAS_XBIAS)
+                          drop_scale, HAS_RES, HAS_X1, HAS_ROWSCALE, HAS_DROPOUT, STORE_DMASK, STORE_RES_OUT)
         if not IS_RMS_NORM:
             mean = tl.sum(x, axis=1) / N
             x = tl.where(mask, x - mean[:, None], 0.0)
@@ -187,10 +179,10 @@ def _ln_fwd_kernel(
         for c in range(NUM_CHUNKS):
             cols = c * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
             mask = r_ok & (cols < N)
-            x = _ln_fwd_input(X, X1, RES, ROWSCALE, RES_OUT, DMASK, XB, r, r_ok, M, N, cols, mask,
+            x = _ln_fwd_input(X, X1, RES, ROWSCALE, RES_OUT, DMASK, r, r_ok, M, N, cols, mask,
                               stride_x, stride_x1, stride_res, stride_res_out, hash0, hash1, drop_threshold,
                               drop_scale, HAS_RES, HAS_X1, HAS_ROWSCALE, HAS_DROPOUT, STORE_DMASK,
-                              STORE_RES_OUT, HAS_XBIAS)
+                              STORE_RES_OUT)
             if IS_RMS_NORM:
                 m2 += tl.sum(x * x, axis=1)
             else:
@@ -208,9 +200,9 @@ def _ln_fwd_kernel(
         for c in range(NUM_CHUNKS):
             cols = c * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
             mask = r_ok & (cols < N)
-            x = _ln_fwd_input(X, X1, RES, ROWSCALE, RES_OUT, DMASK, XB, r, r_ok, M, N, cols, mask,
+            x = _ln_fwd_input(X, X1, RES, ROWSCALE, RES_OUT, DMASK, r, r_ok, M, N, cols, mask,
                               stride_x, stride_x1, stride_res, stride_res_out, hash0, hash1, drop_threshold,
-                              drop_scale, HAS_RES, HAS_X1, HAS_ROWSCALE, HAS_DROPOUT, False, False, HAS_XBIAS)
+                              drop_scale, HAS_RES, HAS_X1, HAS_ROWSCALE, HAS_DROPOUT, False, False)
             _ln_fwd_output(W, B, W1, B1, Y, Y1, r, cols, mask, N, (x - mean[:, None]) * rstd[:, None],
                            stride_y, stride_y1, HAS_BIAS, HAS_W1, HAS_B1, ZERO_CENTERED)
     tl.store(MEAN + rows, mean, mask=row_ok)  # zeros for RMSNorm (saves the host a fill launch)
@@ -276,7 +268,6 @@ def _ln_bwd_store(dx, DRES_OUT, DRES_IN, DX, DX1, ROWSCALE, r, r_ok, M, cols, ma
     if HAS_DROPOUT:
         dx = tl.where(_keep(_row_hash(seed0, seed1, r), cols, drop_threshold), dx * drop_scale, 0.0)
     tl.store(DX + r * stride_dx + cols, dx, mask=mask)
-    return dx
 
 
 @triton.jit
@@ -295,16 +286,15 @@ def _row_sums(a, b, PAIR: tl.constexpr):
 
 @triton.jit
 def _ln_bwd_pass2(X, W, W1, DY, DY1, DRES_OUT, ROWSCALE, DX, DX1, DRES_IN, r, r_ok, cols, M, N, mean, rstd, c1, c2,
-                  acc_dw, acc_db, acc_dw1, acc_db1, acc_dxb, stride_x, stride_dy, stride_dy1, stride_dres_out,
-                  stride_dx, stride_dx1, stride_dres_in, seed0, seed1, drop_threshold, drop_scale, IS_RMS_NORM: tl.constexpr,
+                  acc_dw, acc_db, acc_dw1, acc_db1, stride_x, stride_dy, stride_dy1, stride_dres_out, stride_dx,
+                  stride_dx1, stride_dres_in, seed0, seed1, drop_threshold, drop_scale, IS_RMS_NORM: tl.constexpr,
                   HAS_BIAS: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr, HAS_DRES_OUT: tl.constexpr,
                   STORE_DRES_IN: tl.constexpr, HAS_X1: tl.constexpr, HAS_ROWSCALE: tl.constexpr,
                   HAS_DROPOUT: tl.constexpr, ZERO_CENTERED: tl.constexpr, held_xc, held_g, held_dy, held_dy1,
-                  HOLD: tl.constexpr, HAS_XBIAS: tl.constexpr):
+                  HOLD: tl.constexpr):
     """dx of the columns cols of rows r, given the row sums c1, c2; returns the accumulators with the
-    tile's dweight/dbias (and d x_bias: dx itself) terms added. The explicit (default) cache-all modifier
-    keeps the compiler from merging these loads with pass 1's, which would hold the tile in registers
-    across the reductions.
+    tile's dweight/dbias terms added. The explicit (default) cache-all modifier keeps the compiler from
+    merging these loads with pass 1's, which would hold the tile in registers across the reductions.
     HOLD: pass 1's xc, g, dy, dy1 of the same tile are given (held in registers) instead."""
     mask = r_ok & (cols < N)
     if HOLD:
@@ -318,13 +308,9 @@ def _ln_bwd_pass2(X, W, W1, DY, DY1, DRES_OUT, ROWSCALE, DX, DX1, DRES_IN, r, r_
         dx = g * rstd[:, None] - xhat * c1[:, None]
     else:
         dx = g * rstd[:, None] - (xhat * c1[:, None] + c2[:, None])
-    dx = _ln_bwd_store(dx, DRES_OUT, DRES_IN, DX, DX1, ROWSCALE, r, r_ok, M, cols, mask,
-                       stride_dres_out, stride_dres_in, stride_dx, stride_dx1, seed0, seed1, drop_threshold,
-                       drop_scale, HAS_DRES_OUT, STORE_DRES_IN, HAS_X1, HAS_ROWSCALE, HAS_DROPOUT)
-    if HAS_XBIAS:
-        # dx is zero in the rows past the end (their dy, mean and rstd load as 0); its values in the
-        # columns past N are never stored (the partials' store is masked to cols < N).
-        acc_dxb += dx
+    _ln_bwd_store(dx, DRES_OUT, DRES_IN, DX, DX1, ROWSCALE, r, r_ok, M, cols, mask,
+                  stride_dres_out, stride_dres_in, stride_dx, stride_dx1, seed0, seed1, drop_threshold,
+                  drop_scale, HAS_DRES_OUT, STORE_DRES_IN, HAS_X1, HAS_ROWSCALE, HAS_DROPOUT)
     dyf = dy.to(tl.float32)
     acc_dw += dyf * xhat
     if HAS_BIAS:
@@ -334,13 +320,12 @@ def _ln_bwd_pass2(X, W, W1, DY, DY1, DRES_OUT, ROWSCALE, DX, DX1, DRES_IN, r, r_
         acc_dw1 += dy1f * xhat
         if HAS_B1:
             acc_db1 += dy1f
-    return acc_dw, acc_db, acc_dw1, acc_db1, acc_dxb
+    return acc_dw, acc_db, acc_dw1, acc_db1
 
 
 @triton.jit
-def _ln_bwd_store_parts(DW_PART, DB_PART, DW1_PART, DB1_PART, DXB_PART, part, ok, acc_dw, acc_db, acc_dw1,
-                        acc_db1, acc_dxb, HAS_BIAS: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr,
-                        HAS_XBIAS: tl.constexpr):
+def _ln_bwd_store_parts(DW_PART, DB_PART, DW1_PART, DB1_PART, part, ok, acc_dw, acc_db, acc_dw1, acc_db1,
+                        HAS_BIAS: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr):
     """Column sums of the (BLOCK_M, BLOCK_N) accumulators into the partial buffers at offsets part, a
     (1, BLOCK_N) tile."""
     tl.store(DW_PART + part, tl.sum(acc_dw, axis=0, keep_dims=True), mask=ok)
@@ -350,21 +335,19 @@ def _ln_bwd_store_parts(DW_PART, DB_PART, DW1_PART, DB1_PART, DXB_PART, part, ok
         tl.store(DW1_PART + part, tl.sum(acc_dw1, axis=0, keep_dims=True), mask=ok)
         if HAS_B1:
             tl.store(DB1_PART + part, tl.sum(acc_db1, axis=0, keep_dims=True), mask=ok)
-    if HAS_XBIAS:
-        tl.store(DXB_PART + part, tl.sum(acc_dxb, axis=0, keep_dims=True), mask=ok)
 
 
 @triton.jit(do_not_specialize=["seed0", "seed1"])
 def _ln_bwd_kernel(
     X, W, W1, DY, DY1, DRES_OUT, ROWSCALE, MEAN, RSTD, DX, DX1, DRES_IN, DW_PART, DB_PART, DW1_PART, DB1_PART,
-    DXB_PART, stride_x, stride_dy, stride_dy1, stride_dres_out, stride_dx, stride_dx1, stride_dres_in,
+    stride_x, stride_dy, stride_dy1, stride_dres_out, stride_dx, stride_dx1, stride_dres_in,
     M, N, rows_per_program, seed0, seed1, drop_threshold, drop_scale,
     IS_RMS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr,
     HAS_DRES_OUT: tl.constexpr, STORE_DRES_IN: tl.constexpr, HAS_X1: tl.constexpr,
     HAS_ROWSCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr, ZERO_CENTERED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, R_CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr,
     SUB: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr, PAIR: tl.constexpr,
-    HOLD: tl.constexpr, HAS_XBIAS: tl.constexpr,
+    HOLD: tl.constexpr,
 ):
     """Rows [row_start, row_end), BLOCK_M at a time, in two passes over each tile of rows. Pass 1 reads
     the whole rows (R_CHUNKS chunks of BLOCK_R columns) for the two row sums; pass 2 reads again (from
@@ -380,7 +363,6 @@ def _ln_bwd_kernel(
     of pass 2. PREFETCH (one pass-1 chunk per row) loads the next tile's pass-1 data before working on
     this one; HOLD (with PREFETCH, one program owning the whole row in one chunk) skips pass 2's re-read
     and works on pass 1's values still in registers. PAIR: LayerNorm's two row sums in one reduction.
-    HAS_XBIAS: dx is also summed over the rows (the gradient of a bias added to x), like dweight.
 
     Per row the kernel reads x and dy (and dy1, dresidual_out) once from DRAM and writes dx (and dx1,
     dresidual_in) once: xhat is recomputed from x, mean and rstd, nothing else is saved by the forward."""
@@ -401,8 +383,6 @@ def _ln_bwd_kernel(
     bcc_db = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     bcc_dw1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     bcc_db1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_dxb = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    bcc_dxb = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if PREFETCH:
         rows = row_start + arange_m
         ok = rows < row_end
@@ -451,25 +431,24 @@ def _ln_bwd_kernel(
         c2 = c2 * (rstd / N)
         # Pass 2: dx and the dweight/dbias terms of the own columns, SUB chunks of BLOCK_N one after
         # the other (each with its own accumulators) to bound the temporaries live at once.
-        acc_dw, acc_db, acc_dw1, acc_db1, acc_dxb = _ln_bwd_pass2(
+        acc_dw, acc_db, acc_dw1, acc_db1 = _ln_bwd_pass2(
             X, W, W1, DY, DY1, DRES_OUT, ROWSCALE, DX, DX1, DRES_IN, r, r_ok, cols, M, N, mean, rstd, c1, c2,
-            acc_dw, acc_db, acc_dw1, acc_db1, acc_dxb, stride_x, stride_dy, stride_dy1, stride_dres_out, stride_dx,
+            acc_dw, acc_db, acc_dw1, acc_db1, stride_x, stride_dy, stride_dy1, stride_dres_out, stride_dx,
             stride_dx1, stride_dres_in, seed0, seed1, drop_threshold, drop_scale, IS_RMS_NORM, HAS_BIAS, HAS_W1,
             HAS_B1, HAS_DRES_OUT, STORE_DRES_IN, HAS_X1, HAS_ROWSCALE, HAS_DROPOUT, ZERO_CENTERED, xc, g, dy, dy1,
-            HOLD, HAS_XBIAS)
+            HOLD)
         if SUB == 2:
-            bcc_dw, bcc_db, bcc_dw1, bcc_db1, bcc_dxb = _ln_bwd_pass2(
+            bcc_dw, bcc_db, bcc_dw1, bcc_db1 = _ln_bwd_pass2(
                 X, W, W1, DY, DY1, DRES_OUT, ROWSCALE, DX, DX1, DRES_IN, r, r_ok, cols + BLOCK_N, M, N, mean, rstd,
-                c1, c2, bcc_dw, bcc_db, bcc_dw1, bcc_db1, bcc_dxb, stride_x, stride_dy, stride_dy1, stride_dres_out,
+                c1, c2, bcc_dw, bcc_db, bcc_dw1, bcc_db1, stride_x, stride_dy, stride_dy1, stride_dres_out,
                 stride_dx, stride_dx1, stride_dres_in, seed0, seed1, drop_threshold, drop_scale, IS_RMS_NORM,
                 HAS_BIAS, HAS_W1, HAS_B1, HAS_DRES_OUT, STORE_DRES_IN, HAS_X1, HAS_ROWSCALE, HAS_DROPOUT,
-                ZERO_CENTERED, xc, g, dy, dy1, False, HAS_XBIAS)
-    _ln_bwd_store_parts(DW_PART, DB_PART, DW1_PART, DB1_PART, DXB_PART, group * N + cols, cols < N, acc_dw, acc_db,
-                        acc_dw1, acc_db1, acc_dxb, HAS_BIAS, HAS_W1, HAS_B1, HAS_XBIAS)
+                ZERO_CENTERED, xc, g, dy, dy1, False)
+    _ln_bwd_store_parts(DW_PART, DB_PART, DW1_PART, DB1_PART, group * N + cols, cols < N, acc_dw, acc_db, acc_dw1,
+                        acc_db1, HAS_BIAS, HAS_W1, HAS_B1)
     if SUB == 2:
-        _ln_bwd_store_parts(DW_PART, DB_PART, DW1_PART, DB1_PART, DXB_PART, group * N + cols + BLOCK_N,
-                            cols + BLOCK_N < N, bcc_dw, bcc_db, bcc_dw1, bcc_db1, bcc_dxb, HAS_BIAS, HAS_W1, HAS_B1,
-                            HAS_XBIAS)
+        _ln_bwd_store_parts(DW_PART, DB_PART, DW1_PART, DB1_PART, group * N + cols + BLOCK_N, cols + BLOCK_N < N,
+                            bcc_dw, bcc_db, bcc_dw1, bcc_db1, HAS_BIAS, HAS_W1, HAS_B1)
 
 
 @triton.jit
@@ -482,11 +461,11 @@ def _col_sum(PART, OUT, P, N, cols, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr
 
 
 @triton.jit
-def _ln_bwd_reduce_kernel(DW_PART, DB_PART, DW1_PART, DB1_PART, DW, DB, DW1, DB1, DXB_PART, DXB, P, N,
+def _ln_bwd_reduce_kernel(DW_PART, DB_PART, DW1_PART, DB1_PART, DW, DB, DW1, DB1, P, N,
                           HAS_BIAS: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr,
-                          BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, HAS_XBIAS: tl.constexpr):
-    """dweight (and dbias, dweight1, dbias1, d x_bias) = the (P, N) fp32 partials summed over P, in a
-    fixed order, stored in the parameters' dtypes."""
+                          BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    """dweight (and dbias, dweight1, dbias1) = the (P, N) fp32 partials summed over P, in a fixed order,
+    stored in the parameters' dtypes."""
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     _col_sum(DW_PART, DW, P, N, cols, BLOCK_P, BLOCK_C)
     if HAS_BIAS:
@@ -495,8 +474,6 @@ def _ln_bwd_reduce_kernel(DW_PART, DB_PART, DW1_PART, DB1_PART, DW, DB, DW1, DB1
         _col_sum(DW1_PART, DW1, P, N, cols, BLOCK_P, BLOCK_C)
         if HAS_B1:
             _col_sum(DB1_PART, DB1, P, N, cols, BLOCK_P, BLOCK_C)
-    if HAS_XBIAS:
-        _col_sum(DXB_PART, DXB, P, N, cols, BLOCK_P, BLOCK_C)
 
 
 # --------------------------------------------------------------------------------------------- launchers
@@ -533,7 +510,7 @@ class BwdConfig(NamedTuple):
 
 def _bwd_config(M: int, N: int, device, n_acc: int = 2, extra: int = 0) -> BwdConfig:
     """Launch shape of the backward for M rows of N columns, n_acc parameter gradients accumulated (dweight,
-    dbias, dweight1, dbias1, d x_bias) and ``extra`` costly features (see _bwd_extra).
+    dbias, dweight1, dbias1) and ``extra`` costly features (see _bwd_extra).
 
     A register cap (maxnreg, from BWD_MAXNREG by extra; multi-row tiles count as one more) fixes how many
     programs fit on an SM; the grid has at most that many per SM (persistent), so every program is
@@ -635,33 +612,33 @@ _L_REDUCE = launcher(_ln_bwd_reduce_kernel)
 
 @functools.lru_cache(maxsize=1024)
 def _fwd_plan(is_rms_norm, has_res, has_x1, has_rowscale, has_dropout, store_dmask, store_res_out, has_bias,
-              has_w1, has_b1, zero_centered, block_m, block_n, chunks, num_warps, has_xbias=False):
+              has_w1, has_b1, zero_centered, block_m, block_n, chunks, num_warps):
     """(plan key, constexpr and launch keywords) of a forward launch; the arguments determine both."""
     meta = dict(IS_RMS_NORM=is_rms_norm, HAS_RES=has_res, HAS_X1=has_x1, HAS_ROWSCALE=has_rowscale,
                 HAS_DROPOUT=has_dropout, STORE_DMASK=store_dmask, STORE_RES_OUT=store_res_out, HAS_BIAS=has_bias,
                 HAS_W1=has_w1, HAS_B1=has_b1, ZERO_CENTERED=zero_centered, BLOCK_M=block_m, BLOCK_N=block_n,
-                NUM_CHUNKS=chunks, HAS_XBIAS=has_xbias, num_warps=num_warps)
+                NUM_CHUNKS=chunks, num_warps=num_warps)
     return Plan(("ln_fwd", *meta.items())), meta
 
 
 @functools.lru_cache(maxsize=1024)
 def _bwd_plan(is_rms_norm, has_bias, has_w1, has_b1, has_dres_out, store_dres_in, has_x1, has_rowscale,
               has_dropout, zero_centered, block_m, block_r, r_chunks, block_n, sub, split, prefetch, num_warps,
-              maxnreg, pair, hold, has_xbias=False):
+              maxnreg, pair, hold):
     """(plan key, constexpr and launch keywords) of a backward launch (the tile fields of a BwdConfig; its
     grid size and rows per program are runtime values, so a new row count keeps the plan)."""
     meta = dict(IS_RMS_NORM=is_rms_norm, HAS_BIAS=has_bias, HAS_W1=has_w1, HAS_B1=has_b1,
                 HAS_DRES_OUT=has_dres_out, STORE_DRES_IN=store_dres_in, HAS_X1=has_x1, HAS_ROWSCALE=has_rowscale,
                 HAS_DROPOUT=has_dropout, ZERO_CENTERED=zero_centered, BLOCK_M=block_m, BLOCK_R=block_r,
                 R_CHUNKS=r_chunks, BLOCK_N=block_n, SUB=sub, SPLIT=split, PREFETCH=prefetch,
-                PAIR=pair, HOLD=hold, HAS_XBIAS=has_xbias, num_warps=num_warps, maxnreg=maxnreg)
+                PAIR=pair, HOLD=hold, num_warps=num_warps, maxnreg=maxnreg)
     return Plan(("ln_bwd", *meta.items())), meta
 
 
 @functools.lru_cache(maxsize=1024)
-def _reduce_plan(has_bias, has_w1, has_b1, block_p, block_c, num_warps, has_xbias=False):
+def _reduce_plan(has_bias, has_w1, has_b1, block_p, block_c, num_warps):
     meta = dict(HAS_BIAS=has_bias, HAS_W1=has_w1, HAS_B1=has_b1, BLOCK_P=block_p, BLOCK_C=block_c,
-                HAS_XBIAS=has_xbias, num_warps=num_warps)
+                num_warps=num_warps)
     return Plan(("ln_bwd_reduce", *meta.items())), meta
 
 
@@ -670,7 +647,6 @@ def _ln_fwd_launch(
     weight1: Optional[Tensor], bias1: Optional[Tensor], rowscale: Optional[Tensor], rng_state: Optional[Tensor],
     y: Tensor, y1: Optional[Tensor], residual_out: Optional[Tensor], dropout_mask: Optional[Tensor],
     mean: Tensor, rstd: Tensor, eps: float, dropout_p: float, is_rms_norm: bool, zero_centered_weight: bool,
-    x_bias: Optional[Tensor],
 ) -> None:
     M, N = x.shape
     if M == 0:
@@ -680,11 +656,11 @@ def _ln_fwd_launch(
     plan, meta = _fwd_plan(
         is_rms_norm, residual is not None, x1 is not None, rowscale is not None, dropout_p > 0.0,
         dropout_mask is not None, residual_out is not None, bias is not None, weight1 is not None,
-        bias1 is not None, zero_centered_weight, block_m, block_n, chunks, num_warps, x_bias is not None)
+        bias1 is not None, zero_centered_weight, block_m, block_n, chunks, num_warps)
     with device_ctx(x):
         _L_FWD((cdiv(M, block_m),), (
             x, x1, residual, rowscale, weight, bias, weight1, bias1, y, y1, residual_out, dropout_mask,
-            mean, rstd, x_bias,
+            mean, rstd,
             x.stride(0), _stride0(x1), _stride0(residual), y.stride(0), _stride0(y1), _stride0(residual_out),
             M, N, eps, seed0, seed1, drop_threshold, drop_scale,
         ), meta, plan)
@@ -705,17 +681,17 @@ def _ln_bwd_launch(
     dresidual_out: Optional[Tensor], rowscale: Optional[Tensor], rng_state: Optional[Tensor], mean: Tensor,
     rstd: Tensor, dx: Tensor, dx1: Optional[Tensor], dresidual_in: Optional[Tensor], dw: Tensor,
     db: Optional[Tensor], dw1: Optional[Tensor], db1: Optional[Tensor], dropout_p: float,
-    is_rms_norm: bool, zero_centered_weight: bool, dxb: Optional[Tensor],
+    is_rms_norm: bool, zero_centered_weight: bool,
 ) -> None:
     M, N = x.shape
     if M == 0:
-        for t in (dw, db, dw1, db1, dxb):
+        for t in (dw, db, dw1, db1):
             if t is not None:
                 t.zero_()
         return
     seed0, seed1, drop_threshold, drop_scale = _drop_args(rng_state, dropout_p)
-    has_bias, has_w1, has_b1, has_xbias = db is not None, dw1 is not None, db1 is not None, dxb is not None
-    n_acc = 1 + has_bias + has_w1 + has_b1 + has_xbias
+    has_bias, has_w1, has_b1 = db is not None, dw1 is not None, db1 is not None
+    n_acc = 1 + has_bias + has_w1 + has_b1
     dev = x.device
     cfg = _bwd_config(M, N, dev, n_acc,
                       _bwd_extra(x, dy, dy1, dresidual_out, dresidual_in, dx1, rowscale, dropout_p))
@@ -727,27 +703,25 @@ def _ln_bwd_launch(
     db_part = next(parts) if has_bias else None
     dw1_part = next(parts) if has_w1 else None
     db1_part = next(parts) if has_b1 else None
-    dxb_part = next(parts) if has_xbias else None
     plan, meta = _bwd_plan(is_rms_norm, has_bias, has_w1, has_b1, dresidual_out is not None,
                            dresidual_in is not None, dx1 is not None, rowscale is not None, dropout_p > 0.0,
-                           zero_centered_weight, *cfg[2:], has_xbias)
+                           zero_centered_weight, *cfg[2:])
     block_p, block_c, warps = _reduce_config(P, N, dev)
-    rplan, rmeta = _reduce_plan(has_bias, has_w1, has_b1, block_p, block_c, warps, has_xbias)
+    rplan, rmeta = _reduce_plan(has_bias, has_w1, has_b1, block_p, block_c, warps)
     with device_ctx(x):
         _L_BWD((cfg.programs,), (
             x, weight, weight1, dy, dy1, dresidual_out, rowscale, mean, rstd, dx, dx1, dresidual_in,
-            dw_part, db_part, dw1_part, db1_part, dxb_part,
+            dw_part, db_part, dw1_part, db1_part,
             x.stride(0), dy.stride(0), _stride0(dy1), _stride0(dresidual_out), dx.stride(0), _stride0(dx1),
             _stride0(dresidual_in),
             M, N, cfg.rows_per_program, seed0, seed1, drop_threshold, drop_scale,
         ), meta, plan)
-        _L_REDUCE((cdiv(N, block_c),), (dw_part, db_part, dw1_part, db1_part, dw, db, dw1, db1, dxb_part, dxb, P, N),
-                  rmeta, rplan)
+        _L_REDUCE((cdiv(N, block_c),), (dw_part, db_part, dw1_part, db1_part, dw, db, dw1, db1, P, N), rmeta, rplan)
 
 
 _ln_bwd_op = torch.library.custom_op(
     "flash_attn_ops::layer_norm_bwd",
-    mutates_args=("dx", "dx1", "dresidual_in", "dw", "db", "dw1", "db1", "dxb"),
+    mutates_args=("dx", "dx1", "dresidual_in", "dw", "db", "dw1", "db1"),
 )(_ln_bwd_launch)
 
 
@@ -774,11 +748,9 @@ def _weight_f32(w: Optional[Tensor], zero_centered: bool) -> Optional[Tensor]:
 
 
 def _ln_fwd_torch(x, weight, bias, residual, x1, weight1, bias1, rowscale, rng_state, y, y1, residual_out,
-                  dropout_mask, mean, rstd, eps, dropout_p, is_rms_norm, zero_centered_weight, x_bias):
+                  dropout_mask, mean, rstd, eps, dropout_p, is_rms_norm, zero_centered_weight):
     M, N = x.shape
     pre = x.float()
-    if x_bias is not None:
-        pre = pre + x_bias.float()
     if rowscale is not None:
         pre = pre * rowscale.float()[:, None]
     scale = 1.0 / (1.0 - dropout_p)
@@ -817,7 +789,7 @@ def _ln_fwd_torch(x, weight, bias, residual, x1, weight1, bias1, rowscale, rng_s
 
 
 def _ln_bwd_torch(x, weight, weight1, dy, dy1, dresidual_out, rowscale, rng_state, mean, rstd, dx, dx1,
-                  dresidual_in, dw, db, dw1, db1, dropout_p, is_rms_norm, zero_centered_weight, dxb):
+                  dresidual_in, dw, db, dw1, db1, dropout_p, is_rms_norm, zero_centered_weight):
     M, N = x.shape
     r = rstd[:, None]
     xhat = (x.float() - mean[:, None]) * r if not is_rms_norm else x.float() * r
@@ -852,16 +824,13 @@ def _ln_bwd_torch(x, weight, weight1, dy, dy1, dresidual_out, rowscale, rng_stat
     if dropout_p > 0.0:
         d = torch.where(_keep_mask_torch(rng_state, 0, M, N, dropout_p, x.device), d * scale, 0.0)
     dx.copy_(d)
-    if dxb is not None:
-        dxb.copy_(d.sum(0))
 
 
 # ------------------------------------------------------------------------------------ forward/backward
 def _layer_norm_fwd(x, weight, bias, eps, residual=None, x1=None, weight1=None, bias1=None, dropout_p=0.0,
                     rowscale=None, out_dtype=None, residual_dtype=None, is_rms_norm=False,
-                    zero_centered_weight=False, return_dropout_mask=False, out=None, residual_out=None,
-                    x_bias=None):
-    """x, residual, x1: (M, N); weight, bias, weight1, bias1, x_bias: (N,); rowscale: (M,). Returns
+                    zero_centered_weight=False, return_dropout_mask=False, out=None, residual_out=None):
+    """x, residual, x1: (M, N); weight, bias, weight1, bias1: (N,); rowscale: (M,). Returns
     (y, y1, mean, rstd, residual_out, rng_state, dropout_mask, dropout_mask1); residual_out is x itself
     when nothing had to be added or cast."""
     M, N = x.shape
@@ -871,7 +840,7 @@ def _layer_norm_fwd(x, weight, bias, eps, residual=None, x1=None, weight1=None, 
         out = torch.empty((M, N), device=x.device, dtype=out_dtype if out_dtype is not None else x.dtype)
     y1 = torch.empty_like(out) if weight1 is not None else None
     need_residual_out = (residual is not None or dropout_p > 0.0 or rowscale is not None or x1 is not None
-                         or x_bias is not None or (residual_dtype is not None and residual_dtype != x.dtype))
+                         or (residual_dtype is not None and residual_dtype != x.dtype))
     if residual_out is None and need_residual_out:
         residual_out = torch.empty((M, N), device=x.device,
                                    dtype=residual_dtype if residual_dtype is not None else x.dtype)
@@ -883,7 +852,7 @@ def _layer_norm_fwd(x, weight, bias, eps, residual=None, x1=None, weight1=None, 
         dropout_mask = torch.empty((2 * M if x1 is not None else M, N), device=x.device, dtype=torch.bool)
     args = (x, weight, bias, residual, x1, weight1, bias1, rowscale, rng_state, out, y1, residual_out,
             dropout_mask, mean, rstd, float(eps), float(dropout_p), bool(is_rms_norm),
-            bool(zero_centered_weight), x_bias)
+            bool(zero_centered_weight))
     if use_triton(x):
         # The custom op is what torch.compile traces; eager calls skip its dispatcher overhead.
         (_ln_fwd_op if torch.compiler.is_compiling() else _ln_fwd_launch)(*args)
@@ -899,10 +868,9 @@ def _layer_norm_fwd(x, weight, bias, eps, residual=None, x1=None, weight1=None, 
 def _layer_norm_bwd(dy, x, weight, bias, mean, rstd, dresidual_out=None, dy1=None, weight1=None, bias1=None,
                     rng_state=None, dropout_p=0.0, rowscale=None, has_residual=False, has_x1=False,
                     is_rms_norm=False, zero_centered_weight=False, x_dtype=None, residual_dtype=None,
-                    x1_dtype=None, x_bias=None):
-    """Gradients (dx, dweight, dbias, dresidual, dx1, dweight1, dbias1, dx_bias) of :func:`_layer_norm_fwd`;
-    x is the pre-norm sum it returned as residual_out; x_bias (or any tensor of its shape and dtype) asks
-    for dx_bias = dx summed over the rows."""
+                    x1_dtype=None):
+    """Gradients (dx, dweight, dbias, dresidual, dx1, dweight1, dbias1) of :func:`_layer_norm_fwd`; x is
+    the pre-norm sum it returned as residual_out."""
     M, N = x.shape
     dev = x.device
     dx = torch.empty((M, N), device=dev, dtype=x_dtype if x_dtype is not None else x.dtype)
@@ -914,14 +882,13 @@ def _layer_norm_bwd(dy, x, weight, bias, mean, rstd, dresidual_out=None, dy1=Non
     db = torch.empty_like(bias) if bias is not None else None
     dw1 = torch.empty_like(weight1) if weight1 is not None else None
     db1 = torch.empty_like(bias1) if bias1 is not None else None
-    dxb = torch.empty_like(x_bias) if x_bias is not None else None
     args = (x, weight, weight1, dy, dy1, dresidual_out, rowscale, rng_state, mean, rstd, dx, dx1, dres_in,
-            dw, db, dw1, db1, float(dropout_p), bool(is_rms_norm), bool(zero_centered_weight), dxb)
+            dw, db, dw1, db1, float(dropout_p), bool(is_rms_norm), bool(zero_centered_weight))
     if use_triton(x):
         (_ln_bwd_op if torch.compiler.is_compiling() else _ln_bwd_launch)(*args)
     else:
         _ln_bwd_torch(*args)
-    return dx, dw, db, dres_in, dx1, dw1, db1, dxb
+    return dx, dw, db, dres_in, dx1, dw1, db1
 
 
 def _rows(t: Optional[Tensor], N: int) -> Optional[Tensor]:
@@ -931,8 +898,7 @@ def _rows(t: Optional[Tensor], N: int) -> Optional[Tensor]:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _check_args(x, weight, bias, residual, x1, weight1, bias1, dropout_p, rowscale, out, residual_out,
-                x_bias=None):
+def _check_args(x, weight, bias, residual, x1, weight1, bias1, dropout_p, rowscale, out, residual_out):
     if not isinstance(x, Tensor) or not x.is_floating_point():
         raise TypeError(f"x must be a floating-point tensor, got {type(x).__name__}"
                         f"{'' if not isinstance(x, Tensor) else ' of dtype ' + str(x.dtype)}")
@@ -943,22 +909,17 @@ def _check_args(x, weight, bias, residual, x1, weight1, bias1, dropout_p, rowsca
         raise ValueError(f"hidden size (x.shape[-1]) must be at most {MAX_HIDDEN}, got {N}")
     if not isinstance(weight, Tensor):
         raise TypeError(f"weight must be a tensor of shape ({N},), got {type(weight).__name__}")
-    for name, t in (("weight", weight), ("bias", bias), ("weight1", weight1), ("bias1", bias1),
-                    ("x_bias", x_bias)):
+    for name, t in (("weight", weight), ("bias", bias), ("weight1", weight1), ("bias1", bias1)):
         if t is not None and tuple(t.shape) != (N,):
             raise ValueError(f"{name} must have shape ({N},) (the hidden size of x), got {tuple(t.shape)}")
     for name, t in (("residual", residual), ("x1", x1), ("out", out), ("residual_out", residual_out)):
         if t is not None and t.shape != x.shape:
             raise ValueError(f"{name} must have the shape of x {tuple(x.shape)}, got {tuple(t.shape)}")
-    for name, t in (("residual", residual), ("x1", x1), ("x_bias", x_bias)):
+    for name, t in (("residual", residual), ("x1", x1)):
         if t is not None and t.device != x.device:
             raise ValueError(f"{name} must be on x's device {x.device}, got {t.device}")
     if bias1 is not None and weight1 is None:
         raise ValueError("bias1 needs weight1 (the second output branch)")
-    if x_bias is not None and x1 is not None:
-        # x and x1 have their own dropout masks, so a bias of x's alone has no row-sum form that covers
-        # x1's (and adding the two Linears' biases as one would also merge their gradients).
-        raise ValueError("x_bias is not supported together with x1 (the parallel branch input)")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     if rowscale is not None:
@@ -973,9 +934,8 @@ class LayerNormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, residual=None, x1=None, weight1=None, bias1=None, eps=1e-6,
                 dropout_p=0.0, rowscale=None, prenorm=False, residual_in_fp32=False, zero_centered_weight=False,
-                is_rms_norm=False, return_dropout_mask=False, out_dtype=None, out=None, residual_out=None,
-                x_bias=None):
-        _check_args(x, weight, bias, residual, x1, weight1, bias1, dropout_p, rowscale, out, residual_out, x_bias)
+                is_rms_norm=False, return_dropout_mask=False, out_dtype=None, out=None, residual_out=None):
+        _check_args(x, weight, bias, residual, x1, weight1, bias1, dropout_p, rowscale, out, residual_out)
         shape = x.shape
         N = shape[-1]
         x2, residual2, x12 = _rows(x, N), _rows(residual, N), _rows(x1, N)
@@ -992,13 +952,11 @@ class LayerNormFn(torch.autograd.Function):
         weight1_c = weight1.contiguous() if weight1 is not None else None
         bias1_c = bias1.contiguous() if bias1 is not None else None
         rowscale_c = rowscale.reshape(-1).contiguous() if rowscale is not None else None
-        x_bias_c = x_bias.contiguous() if x_bias is not None else None
         residual_dtype = residual.dtype if residual is not None else (torch.float32 if residual_in_fp32 else None)
         y, y1, mean, rstd, res_out, rng_state, mask, mask1 = _layer_norm_fwd(
             x2, weight_c, bias_c, eps, residual2, x12, weight1_c, bias1_c, dropout_p, rowscale_c, out_dtype,
-            residual_dtype, is_rms_norm, zero_centered_weight, return_dropout_mask, out2, residual_out2, x_bias_c)
-        ctx.save_for_backward(res_out, weight_c, bias_c, weight1_c, bias1_c, rowscale_c, rng_state, mean, rstd,
-                              x_bias_c)
+            residual_dtype, is_rms_norm, zero_centered_weight, return_dropout_mask, out2, residual_out2)
+        ctx.save_for_backward(res_out, weight_c, bias_c, weight1_c, bias1_c, rowscale_c, rng_state, mean, rstd)
         ctx.shape = shape
         ctx.eps = eps
         ctx.dropout_p = dropout_p
@@ -1023,63 +981,58 @@ class LayerNormFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, *args):
-        x, weight, bias, weight1, bias1, rowscale, rng_state, mean, rstd, x_bias = ctx.saved_tensors
+        x, weight, bias, weight1, bias1, rowscale, rng_state, mean, rstd = ctx.saved_tensors
         N = x.shape[-1]
         dy = _rows(dy, N)
         dy1 = None
         if weight1 is not None:
             dy1, args = _rows(args[0], N), args[1:]
         dres_out = _rows(args[0], N) if ctx.prenorm else None
-        dx, dw, db, dres_in, dx1, dw1, db1, dxb = _layer_norm_bwd(
+        dx, dw, db, dres_in, dx1, dw1, db1 = _layer_norm_bwd(
             dy, x, weight, bias, mean, rstd, dres_out, dy1, weight1, bias1, rng_state, ctx.dropout_p, rowscale,
             ctx.has_residual, ctx.has_x1, ctx.is_rms_norm, ctx.zero_centered_weight, ctx.x_dtype,
-            ctx.residual_dtype, ctx.x1_dtype, x_bias)
+            ctx.residual_dtype, ctx.x1_dtype)
         shape = ctx.shape
         return (dx.reshape(shape), dw, db, dres_in.reshape(shape) if dres_in is not None else None,
                 dx1.reshape(shape) if dx1 is not None else None, dw1, db1,
-                *([None] * 11), dxb)
+                *([None] * 11))
 
 
 def layer_norm_fn(x, weight, bias, residual=None, x1=None, weight1=None, bias1=None, eps=1e-6, dropout_p=0.0,
                   rowscale=None, prenorm=False, residual_in_fp32=False, zero_centered_weight=False,
-                  is_rms_norm=False, return_dropout_mask=False, out_dtype=None, out=None, residual_out=None,
-                  x_bias=None):
-    """Fused ``norm(dropout((x + x_bias) * rowscale) + dropout(x1) + residual)``.
+                  is_rms_norm=False, return_dropout_mask=False, out_dtype=None, out=None, residual_out=None):
+    """Fused ``norm(dropout(x * rowscale) + dropout(x1) + residual)``.
 
     x, residual, x1: (..., N), N <= 65536; weight, bias, weight1, bias1: (N,); rowscale: (...,) one scale
     per row. residual_in_fp32 keeps the returned pre-norm sum in fp32 when no residual is given (else it
     has residual's dtype). zero_centered_weight scales by (1 + weight). out / residual_out: preallocated
-    outputs. x_bias: (N,), the bias of the Linear whose output is x, added where that Linear would (before
-    dropout); its gradient is dx summed over the rows, reduced in the backward kernel like dweight (not
-    with x1). Returns y, then y1 if weight1 is given, then the pre-norm sum if prenorm, then the two bool
+    outputs. Returns y, then y1 if weight1 is given, then the pre-norm sum if prenorm, then the two bool
     dropout masks (x's and x1's, None where absent) if return_dropout_mask.
     """
     return LayerNormFn.apply(x, weight, bias, residual, x1, weight1, bias1, eps, dropout_p, rowscale, prenorm,
                              residual_in_fp32, zero_centered_weight, is_rms_norm, return_dropout_mask, out_dtype,
-                             out, residual_out, x_bias)
+                             out, residual_out)
 
 
 def rms_norm_fn(x, weight, bias, residual=None, x1=None, weight1=None, bias1=None, eps=1e-6, dropout_p=0.0,
                 rowscale=None, prenorm=False, residual_in_fp32=False, zero_centered_weight=False,
-                return_dropout_mask=False, out_dtype=None, out=None, residual_out=None, x_bias=None):
+                return_dropout_mask=False, out_dtype=None, out=None, residual_out=None):
     """:func:`layer_norm_fn` with RMSNorm (no mean subtraction)."""
     return LayerNormFn.apply(x, weight, bias, residual, x1, weight1, bias1, eps, dropout_p, rowscale, prenorm,
                              residual_in_fp32, zero_centered_weight, True, return_dropout_mask, out_dtype, out,
-                             residual_out, x_bias)
+                             residual_out)
 
 
 # ------------------------------------------------------------------------------------------ references
 def layer_norm_ref(x, weight, bias, residual=None, x1=None, weight1=None, bias1=None, eps=1e-6, dropout_p=0.0,
                    rowscale=None, prenorm=False, zero_centered_weight=False, dropout_mask=None,
-                   dropout_mask1=None, upcast=False, is_rms_norm=False, x_bias=None):
+                   dropout_mask1=None, upcast=False, is_rms_norm=False):
     """Unfused composition of standard PyTorch ops with the semantics of :func:`layer_norm_fn`; dropout
     takes the given boolean masks (or ``F.dropout``). upcast computes in fp32."""
     dtype = x.dtype
     if upcast:
-        x, residual, x1, x_bias = (t.float() if t is not None else None for t in (x, residual, x1, x_bias))
+        x, residual, x1 = (t.float() if t is not None else None for t in (x, residual, x1))
         weight, bias, weight1, bias1 = (t.float() if t is not None else None for t in (weight, bias, weight1, bias1))
-    if x_bias is not None:
-        x = (x + x_bias).to(x.dtype)
     if zero_centered_weight:
         weight = weight + 1.0
         weight1 = weight1 + 1.0 if weight1 is not None else None
@@ -1113,10 +1066,10 @@ def layer_norm_ref(x, weight, bias, residual=None, x1=None, weight1=None, bias1=
 
 def rms_norm_ref(x, weight, bias, residual=None, x1=None, weight1=None, bias1=None, eps=1e-6, dropout_p=0.0,
                  rowscale=None, prenorm=False, zero_centered_weight=False, dropout_mask=None, dropout_mask1=None,
-                 upcast=False, x_bias=None):
+                 upcast=False):
     """:func:`layer_norm_ref` for RMSNorm."""
     return layer_norm_ref(x, weight, bias, residual, x1, weight1, bias1, eps, dropout_p, rowscale, prenorm,
-                          zero_centered_weight, dropout_mask, dropout_mask1, upcast, is_rms_norm=True, x_bias=x_bias)
+                          zero_centered_weight, dropout_mask, dropout_mask1, upcast, is_rms_norm=True)
 
 
 # --------------------------------------------------------------------------------------------- modules
