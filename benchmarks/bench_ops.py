@@ -393,7 +393,6 @@ def aot_report(args):
     size and feature set (no GPU needed) and prints its registers, spill bytes (the stack frame) and
     shared memory, read back from the cubin with cuobjdump."""
     import re
-    import shutil
     import subprocess
     import tempfile
 
@@ -406,8 +405,9 @@ def aot_report(args):
 
     from flash_attn.ops.triton import layer_norm as ln
 
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    tool = tool if os.path.exists(tool) else shutil.which("cuobjdump")
+    from flash_attn.testing import cuobjdump_path
+
+    tool = cuobjdump_path()
     if tool is None:
         sys.exit("--aot needs cuobjdump (shipped with triton's NVIDIA backend)")
     kernel = ln._ln_bwd_kernel

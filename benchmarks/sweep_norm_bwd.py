@@ -163,7 +163,6 @@ def cfg_str(cfg, sms):
 def aot(args, hidden):
     """Registers and spill bytes of every candidate's plain bf16 backward compiled for sm_90."""
     import re
-    import shutil
     import subprocess
     import tempfile
 
@@ -175,8 +174,9 @@ def aot(args, hidden):
 
     from flash_attn.ops.triton import layer_norm as ln
 
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    tool = tool if os.path.exists(tool) else shutil.which("cuobjdump")
+    from flash_attn.testing import cuobjdump_path
+
+    tool = cuobjdump_path()
     kernel = ln._ln_bwd_kernel
     print(f"# sm_90, triton {triton.__version__}, {args.sms} SMs")
     print("| norm | hidden | candidate | config | registers | spill bytes | main-loop instructions | barriers |")

@@ -325,3 +325,20 @@ def paged_from_dense(k, block_size, num_blocks=None, generator=None, block_table
     padded[:, :S] = k
     k_paged[perm.flatten().to(k.device)] = padded.view(B * nb, block_size, *k.shape[2:])
     return k_paged, perm.to(device=k.device, dtype=torch.int32)
+
+
+def cuobjdump_path():
+    """The cuobjdump to read compiled SASS with: the one on PATH, else the copy in triton's NVIDIA backend
+    (CPU machines and CI have only that one); None when neither exists."""
+    import os
+    import shutil
+
+    path = shutil.which("cuobjdump")
+    if path is None:
+        try:
+            import triton
+        except ImportError:
+            return None
+        cand = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+        path = cand if os.path.exists(cand) else None
+    return path

@@ -127,28 +127,16 @@ def test_ptxas_keeps_setmaxnreg_and_wgmma_pipelined(compiled):
     spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", log)]
     print(f"\nptxas: {spills} bytes of spill stores")
     # a few words at most (D = 128 full: 8 bytes, loop-invariant); more means the 240-register budget broke.
-    # The TMA dQ variant at D = 128 spills 80 bytes (hoisted smem addresses of the dQ stores, reloaded
-    # per block): allowed while it is an opt-in variant, bounded so that it cannot grow unnoticed.
+    # The TMA dQ kernel (the default) at D = 128 spills 80 bytes (hoisted smem addresses of the dQ stores,
+    # reloaded per block; it still ran 1.3x the atomics kernel on the H200): bounded so that it cannot
+    # grow unnoticed.
     limit = 96 if cfg["dq_tma"] and cfg["head_dim"] == 128 else 64
     assert all(x <= limit for x in spills), log
 
 
-def _cuobjdump():
-    path = shutil.which("cuobjdump")
-    if path is None:
-        try:
-            import triton
-
-            cand = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-            path = cand if os.path.exists(cand) else None
-        except ImportError:
-            pass
-    return path
-
-
 def _sass(ptx_path):
     """[(address, instruction)] of the cubin CuTeDSL wrote next to ptx_path."""
-    tool = _cuobjdump()
+    tool = testing.cuobjdump_path()
     if tool is None:
         pytest.skip("no cuobjdump to read the SASS")
     (cubin,) = glob.glob(os.path.join(os.path.dirname(ptx_path), "*.cubin"))

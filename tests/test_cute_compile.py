@@ -18,7 +18,7 @@ if _PKG not in sys.path:  # the checkout's flash_attn/__init__ also finds it; th
     sys.path.insert(0, _PKG)
 
 from flash_attn.cute.interface import compile_fwd  # noqa: E402
-from flash_attn.testing import assert_close_to_ref, attention_ref  # noqa: E402
+from flash_attn.testing import assert_close_to_ref, attention_ref, cuobjdump_path  # noqa: E402
 
 # (dtype, head dim, causal, local, softcap, varlen): the standard configurations, and the window /
 # softcap / varlen variants
@@ -258,21 +258,6 @@ def test_block_n_in_the_cache_key_only_when_not_128(monkeypatch):
     assert interface._make_kernel(interface._fwd_config(*args)).block_n == 64
 
 
-def _cuobjdump():
-    import shutil
-
-    path = shutil.which("cuobjdump")
-    if path is None:
-        try:
-            import triton
-
-            cand = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-            path = cand if os.path.exists(cand) else None
-        except ImportError:
-            pass
-    return path
-
-
 def test_exp2_emu_moves_exponentials_off_mufu(tmp_path, monkeypatch):
     """One compile with 4 of 16 exponentials emulated: per softmax site (2 rows of 32 scores plus 2
     correction factors) the PTX holds 50 ex2.approx and 16 polynomial sequences; in the SASS the
@@ -288,7 +273,7 @@ def test_exp2_emu_moves_exponentials_off_mufu(tmp_path, monkeypatch):
     n_poly = _count(text, "add.rn.f32 %e2_t")
     sites = n_poly // 16
     assert sites >= 2 and n_poly == 16 * sites and n_ex2 == 50 * sites
-    tool = _cuobjdump()
+    tool = cuobjdump_path()
     (cubin,) = glob.glob(str(tmp_path / "*.cubin"))
     if tool is None:
         pytest.skip("no cuobjdump to read the SASS")
@@ -433,7 +418,7 @@ def test_three_warpgroups_fit_160_registers(three_wg):
     spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", log)]
     loads = [int(x) for x in re.findall(r"(\d+) bytes spill loads", log)]
     assert spills and not any(spills) and not any(loads), log
-    tool = _cuobjdump()
+    tool = cuobjdump_path()
     if tool is None:
         pytest.skip("no cuobjdump to read the SASS")
     sass = subprocess.run([tool, "-sass", cubin], capture_output=True, text=True, check=True).stdout
