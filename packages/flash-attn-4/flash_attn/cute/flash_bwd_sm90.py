@@ -2,7 +2,8 @@
 FlashAttention-3 (Shah et al. 2024, section 3): one CTA per (key block, head, batch) keeps its K and V
 tiles and the dK, dV accumulators on chip and walks over the query blocks that see it, with Q, dO and
 their per-row lse / delta streamed in by TMA through an mbarrier pipeline; dQ is accumulated across
-CTAs with fp32 atomic adds into a global buffer.
+CTAs with fp32 reduce-adds into a global buffer (TMA bulk reduce-adds of a shared-memory tile by
+default, as FlashAttention-3 does; per-thread atomics as an option).
 
 Transposed formulation: the consumers compute S^T = K Q^T and dP^T = V dO^T, so keys are the rows of
 the accumulators. P^T is then already in the register layout of the A operand of dV += P^T dO (an
@@ -17,9 +18,9 @@ Per query block, for each of the two consumer warpgroups (64 keys each):
   dS^T = P^T * (dP^T - delta[col]) written to smem (M-major dS tile, double-buffered)
   dK  += dS^T Q                    WGMMA, A = dS^T from smem, B = Q^T (transposed smem view)
   dQ_wg = dS K                     WGMMA over the warpgroup's 64 keys, A = dS (M-major), B = K^T
-  dq_accum[rows] += scale * dQ     red.global.add.v2.f32 (default), or with dq_tma the scaled tile to
-                                   shared memory and one TMA reduce-add of it, issued by one warp
-                                   after the next block's dS barrier (FLASH_ATTN_CUTE_BWD_DQ_TMA=1)
+  dq_accum[rows] += scale * dQ     with dq_tma (the default) the scaled tile to shared memory and one
+                                   TMA reduce-add of it, issued by one warp after the next block's dS
+                                   barrier; else red.global.add.v2.f32 (FLASH_ATTN_CUTE_BWD_DQ_TMA=0)
 With overlap (FLASH_ATTN_CUTE_BWD_OVERLAP=1) the loop is software-pipelined: S^T and dP^T of the next
 query block (D = 128: S^T only, for registers) are issued right behind dK and dQ, and this block's dQ
 goes out (atomics or smem tile) while the tensor cores compute them.

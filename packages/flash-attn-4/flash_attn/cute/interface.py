@@ -880,8 +880,9 @@ def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grad
     """Attention backward on validated CUDA inputs: q/out/dout (B, Sq, H, D), k/v (B, Sk, Hk, D) fp16/bf16,
     D in (64, 128), H % Hk == 0, lse fp32 (B, H, Sq) natural log (+inf for rows that see no key), causal
     bottom-right aligned. Returns (dq, dk, dv) in the input dtype, written into ``grads`` = (dq, dk, dv)
-    when given (tensors shaped like q, k, v with a contiguous last dim). dq is accumulated with fp32
-    atomics, so results vary in the last bits run to run.
+    when given (tensors shaped like q, k, v with a contiguous last dim). dq is accumulated across the key
+    blocks' CTAs with fp32 reduce-adds (TMA bulk, or red.global with FLASH_ATTN_CUTE_BWD_DQ_TMA=0) in
+    whatever order they finish, so results vary in the last bits run to run.
 
     Host-side steps (bwd_host.py): one Triton launch before the kernel writes delta = rowsum(dO * O) and
     lse * log2(e), padded to a multiple of the kernel's query block with 0 / +inf (so padded rows
