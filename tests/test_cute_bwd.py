@@ -405,6 +405,18 @@ def test_cache_key_has_only_what_changes_code():
         interface._bwd_entry(torch.bfloat16, 64, False, "sm_90a")[1]
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_default_backward_adds_dq_by_tma_and_the_variable_switches_it(monkeypatch, d):
+    # the TMA dQ measured 1.19-1.39x the atomics kernel on the H200 (attention_cute_bwd.md, session 5)
+    monkeypatch.delenv("FLASH_ATTN_CUTE_BWD_DQ_TMA", raising=False)
+    monkeypatch.delenv("FLASH_ATTN_CUTE_BWD_DQ_SPLIT", raising=False)
+    monkeypatch.delenv("FLASH_ATTN_CUTE_BWD_OVERLAP", raising=False)
+    cfg = interface._bwd_config(torch.bfloat16, d, True, "sm_90a")
+    assert cfg["dq_tma"] and cfg["dq_split"] and "overlap" not in cfg
+    monkeypatch.setenv("FLASH_ATTN_CUTE_BWD_DQ_TMA", "0")
+    assert not interface._bwd_config(torch.bfloat16, d, True, "sm_90a")["dq_tma"]
+
+
 # ----------------------------------------------------------------------------------------------------
 # Host side of interface.backward, with the kernel replaced by a stand-in (CPU tensors)
 
