@@ -885,10 +885,43 @@ def _layer_norm_bwd(dy, x, weight, bias, mean, rstd, dresidual_out=None, dy1=Non
     args = (x, weight, weight1, dy, dy1, dresidual_out, rowscale, rng_state, mean, rstd, dx, dx1, dres_in,
             dw, db, dw1, db1, float(dropout_p), bool(is_rms_norm), bool(zero_centered_weight))
     if use_triton(x):
-        (_ln_bwd_op if torch.compiler.is_compiling() else _ln_bwd_launch)(*args)
+        if torch.compiler.is_compiling():
+            _ln_bwd_op(*args)
+        elif not _ln_bwd_cute(*args):
+            _ln_bwd_launch(*args)
     else:
         _ln_bwd_torch(*args)
     return dx, dw, db, dres_in, dx1, dw1, db1
+
+
+def _ln_bwd_cute(x, weight, weight1, dy, dy1, dresidual_out, rowscale, rng_state, mean, rstd, dx, dx1,
+                 dresidual_in, dw, db, dw1, db1, dropout_p, is_rms_norm, zero_centered_weight) -> bool:
+    """The CuTeDSL backward for wide rows (ops/cute_layer_norm_bwd.py) when FLASH_ATTN_LN_CUTE_BWD=1 and
+    it serves the call; False (nothing done) otherwise, and the Triton path runs."""
+    from .. import cute_layer_norm_bwd as cute_bwd
+
+    if not cute_bwd.enabled():
+        return False
+    key = cute_bwd.plan(x, weight, weight1, dy, dy1, dresidual_out, rowscale, dropout_p, mean, rstd, dx, dx1,
+                        dresidual_in, db, is_rms_norm, zero_centered_weight)
+    if key is None:
+        return False
+    M, N = x.shape
+    if M == 0:
+        for t in (dw, db):
+            if t is not None:
+                t.zero_()
+        return True
+    P = cute_bwd.programs(M, N, db is not None, num_sms(x.device))
+    parts = iter(torch.empty((1 + (db is not None), P, N), device=x.device, dtype=torch.float32).unbind(0))
+    dw_part = next(parts)
+    db_part = next(parts) if db is not None else None
+    block_p, block_c, warps = _reduce_config(P, N, x.device)
+    rplan, rmeta = _reduce_plan(db is not None, False, False, block_p, block_c, warps)
+    with device_ctx(x):
+        cute_bwd.launch(key, x, weight, dy, dresidual_out, mean, rstd, dx, dresidual_in, dw_part, db_part)
+        _L_REDUCE((cdiv(N, block_c),), (dw_part, db_part, None, None, dw, db, None, None, P, N), rmeta, rplan)
+    return True
 
 
 def _rows(t: Optional[Tensor], N: int) -> Optional[Tensor]:

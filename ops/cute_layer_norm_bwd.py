@@ -1,0 +1,436 @@
+"""LayerNorm / RMSNorm backward for wide rows (hidden 4096..16384) as a CuTeDSL kernel for sm_90a.
+
+Why: the Triton backward (ops/triton/layer_norm.py) keeps the dweight/dbias column accumulators in
+registers; at hidden 12288..16384 a row, its prefetch and two fp32 accumulators of N columns do not fit
+64 registers a thread, and the H200 measures 0.50-0.61 of copy bandwidth there. Here the accumulators live
+in shared memory (fp32, N each: 128 KB for LayerNorm at 16384 of the 227 KB), so registers hold only the
+row being worked on and the next one.
+
+Layout: one persistent CTA per SM slot, N / 16 threads (16 columns a thread: two 16-byte vectors of x and
+of dy), each CTA owning a contiguous block of rows. Thread t always owns the same columns (vector j covers
+columns (j * T + t) * 8 .. +8, coalesced across a warp), so it accumulates dweight/dbias into its own
+shared-memory words: no atomics, no barrier for the accumulators. In shared memory a thread's 8 values sit
+as two float4 at consecutive-thread stride 16 bytes, so a warp's 128-bit accesses are conflict-free. Each
+CTA writes its accumulators as one row of (P, N) fp32 partial buffers, which the caller sums in a fixed
+order (the Triton reduce kernel), so results are bitwise reproducible run to run.
+
+Per row: xhat = (x - mean) * rstd (RMSNorm: mean 0), g = dy * w, the row sums sum(xhat * g), sum(g) by
+warp butterflies and one shared-memory exchange (double-buffered, one barrier per row), then
+dx = rstd * (g - (xhat * c1 + c2)) with c1 = sum(xhat * g) / N, c2 = sum(g) / N (RMSNorm: c2 = 0), plus
+dresidual_out if given; dresidual_in gets the same values. x and dy of the next row are loaded before the
+current row's reduction so the loads overlap it.
+
+Served (``plan`` returns a key, else None and the Triton path runs): CUDA sm_90, x / dy / dx (and
+dresidual_out / dresidual_in) all bf16 or all fp16, weight bf16/fp16/fp32, 4096 <= N <= 16384 with
+N % 512 == 0, no dropout, rowscale, x1, weight1. Off unless FLASH_ATTN_LN_CUTE_BWD=1 (never run on a GPU yet).
+"""
+import functools
+import os
+from typing import Optional
+
+import torch
+
+VEC = 8  # 16-byte vectors of 2-byte elements
+MAX_THREADS = 512
+MIN_N, MAX_N = 4096, 16384
+SMEM_PER_SM = 227 * 1024
+THREADS_PER_SM = 2048
+_DTYPES = (torch.bfloat16, torch.float16)
+_W_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def enabled() -> bool:
+    """FLASH_ATTN_LN_CUTE_BWD=1 turns the CuTeDSL backward on (default off)."""
+    return os.environ.get("FLASH_ATTN_LN_CUTE_BWD", "0") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def _cutedsl_importable() -> bool:
+    try:
+        import cutlass  # noqa: F401
+        import cutlass.cute  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def _same(dtype, *tensors) -> bool:
+    return all(t is None or t.dtype == dtype for t in tensors)
+
+
+def plan(x, weight, weight1, dy, dy1, dresidual_out, rowscale, dropout_p, mean, rstd, dx, dx1, dresidual_in,
+         db, is_rms_norm, zero_centered_weight, check_device=True) -> Optional[tuple]:
+    """The compile key when the CuTeDSL kernel serves this backward call, else None. ``check_device``:
+    also require a CUDA sm_90 device and CuTeDSL (False: the shape/dtype decision alone, for tests)."""
+    if weight1 is not None or dy1 is not None or dx1 is not None or rowscale is not None or dropout_p > 0.0:
+        return None
+    if x.dim() != 2:
+        return None
+    M, N = x.shape
+    if not (MIN_N <= N <= MAX_N and N % VEC == 0 and vectors(N) is not None):
+        return None
+    dt = x.dtype
+    if dt not in _DTYPES or not _same(dt, dy, dx, dresidual_out, dresidual_in) or weight.dtype not in _W_DTYPES:
+        return None
+    if db is not None and is_rms_norm:
+        pass  # RMSNorm with a bias: dbias = sum(dy), served the same way
+    for t in (x, dy, dx, dresidual_out, dresidual_in):
+        # 16-byte vectors: unit column stride, 16-byte aligned rows.
+        if t is not None and (t.shape != (M, N) or t.stride(1) != 1 or t.stride(0) % VEC != 0
+                              or t.data_ptr() % 16 != 0):
+            return None
+    if not weight.is_contiguous() or weight.data_ptr() % 16 != 0:
+        return None
+    if not (mean.is_contiguous() and rstd.is_contiguous() and mean.dtype == torch.float32
+            and rstd.dtype == torch.float32):
+        return None
+    if check_device:
+        if not x.is_cuda or torch.cuda.get_device_capability(x.device) != (9, 0) or not _cutedsl_importable():
+            return None
+        from flash_attn.cute.interface import _tvm_ffi
+
+        if not _tvm_ffi():  # the launch passes torch tensors straight through TVM-FFI
+            return None
+    return (_dtype_name(dt), _dtype_name(weight.dtype), N, bool(is_rms_norm), db is not None,
+            dresidual_out is not None, dresidual_in is not None, bool(zero_centered_weight))
+
+
+def _dtype_name(dt) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dt]
+
+
+def vectors(N: int) -> Optional[int]:
+    """16-byte vectors per thread per row: the fewest (at most 4) that keep a CTA at <= MAX_THREADS
+    threads, a whole number of warps and every thread the same columns; None if there is none."""
+    for k in range(max(1, -(-N // (VEC * MAX_THREADS))), 5):
+        if N % (VEC * k) == 0 and (N // (VEC * k)) % 32 == 0:
+            return k
+    return None
+
+
+def threads(N: int) -> int:
+    return N // (VEC * vectors(N))
+
+
+def smem_bytes(N: int, has_bias: bool) -> int:
+    """Shared memory of one CTA: weight, dweight (and dbias) fp32 rows plus the row-sum exchange."""
+    return (2 + has_bias) * N * 4 + 2 * (threads(N) // 32) * 2 * 4
+
+
+def ctas_per_sm(N: int, has_bias: bool) -> int:
+    """CTAs resident on one SM (the kernel's minimum-CTAs-per-SM bound, so ptxas caps registers to
+    fit them): threads, shared memory, and a register estimate of 32 + 24 per vector a thread (ptxas
+    -v, sm_90a: 4 vectors need about 145, 2 about 80)."""
+    T, K = threads(N), vectors(N)
+    return max(1, min(THREADS_PER_SM // T, SMEM_PER_SM // (smem_bytes(N, has_bias) + 1024),
+                      65536 // (T * (32 + 24 * K))))
+
+
+def programs(M: int, N: int, has_bias: bool, sms: int) -> int:
+    """Grid size (and rows of the partial buffers): every resident CTA slot, at most one per row."""
+    return max(1, min(M, sms * ctas_per_sm(N, has_bias)))
+
+
+def _opaque_i32(v):
+    """v through a volatile PTX mov: the same value, which the compiler can neither fold, hoist nor
+    merge with another use of v."""
+    from cutlass import Int32
+    from cutlass._mlir.dialects import llvm
+    from cutlass.cutlass_dsl import T
+
+    return Int32(llvm.inline_asm(T.i32(), [Int32(v).ir_value()], "mov.b32 $0, $1;", "=r,r",
+                                 has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+def _lds4(addr):
+    """Four fp32 from shared memory (byte address addr, 16-byte aligned), one volatile ld.shared.v4."""
+    from cutlass import Float32, Int32
+    from cutlass._mlir.dialects import llvm
+    from cutlass.cutlass_dsl import T
+
+    res = llvm.inline_asm(llvm.StructType.get_literal([T.f32()] * 4), [Int32(addr).ir_value()],
+                          "ld.volatile.shared.v4.f32 {$0, $1, $2, $3}, [$4];", "=f,=f,=f,=f,r",
+                          has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+    return [Float32(llvm.extractvalue(T.f32(), res, [i])) for i in range(4)]
+
+
+def _sts4(addr, vals):
+    """Four fp32 to shared memory, one volatile st.shared.v4 (ordered with _lds4)."""
+    from cutlass import Float32, Int32
+    from cutlass._mlir.dialects import llvm
+
+    llvm.inline_asm(None, [Int32(addr).ir_value()] + [Float32(v).ir_value() for v in vals],
+                    "st.volatile.shared.v4.f32 [$0], {$1, $2, $3, $4};", "r,f,f,f,f",
+                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+class LnBwdSm90:
+    """The kernel for one compile key (see :func:`plan`)."""
+
+    def __init__(self, dtype, wdtype, N, is_rms, has_bias, has_dres_out, store_dres_in, zero_centered):
+        import cutlass
+
+        names = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp32": cutlass.Float32}
+        self.dtype, self.wdtype = names[dtype], names[wdtype]
+        self.N = N
+        self.T = threads(N)
+        self.K = vectors(N)
+        self.is_rms, self.has_bias = is_rms, has_bias
+        self.has_dres_out, self.store_dres_in, self.zero_centered = has_dres_out, store_dres_in, zero_centered
+
+    def _thr_view(self, row_tensor, tid):
+        """Thread tid's ((4, 2), K) slice of a (N,) row: vector j at columns (j * T + tid) * VEC."""
+        import cutlass.cute as cute
+
+        off = cute.assume(tid * VEC, divby=VEC)
+        return cute.make_tensor(row_tensor.iterator + off,
+                                cute.make_layout(((4, 2), self.K), stride=((1, 4), VEC * self.T)))
+
+    def _smem_view(self, s_tensor, tid, opaque=False):
+        """Thread tid's ((4, 2), K) slice of a shared fp32 row stored as float4 per (half-vector, thread).
+        opaque: the offset goes through a volatile mov, so loads through the view stay in the iteration
+        that issues them (the compiler otherwise carries the weight's 16 fp32 registers across the row
+        loop, loaded one iteration early)."""
+        import cutlass.cute as cute
+
+        T = self.T
+        off = tid * 4
+        if opaque:
+            off = _opaque_i32(off)
+        off = cute.assume(off, divby=4)
+        return cute.make_tensor(s_tensor.iterator + off,
+                                cute.make_layout(((4, 2), self.K), stride=((1, 4 * T), 8 * T)))
+
+    def _fresh(self, t):
+        """A copy of the 2-byte register tensor t that the compiler cannot prove equal to t (each 32-bit
+        word through a volatile PTX mov): its fp32 conversions after the row-sum barrier are formed
+        again instead of being kept live across it (see the row loop)."""
+        import cutlass
+        import cutlass.cute as cute
+        from cutlass import Int32
+        from cutlass._mlir.dialects import llvm
+        from cutlass.cutlass_dsl import T
+
+        words = cute.recast_tensor(t, Int32)
+        out = cute.make_rmem_tensor(cute.size(words), Int32)
+        for i in range(cute.size(words)):  # unrolled at trace time (not a @cute.jit body)
+            out[i] = _opaque_i32(words[i])
+        return cute.make_tensor(cute.recast_tensor(out, self.dtype).iterator, t.layout)
+
+    def _soff(self, j, h):
+        """Byte offset of half-vector h of vector j in a thread's shared row (see _smem_view)."""
+        return (j * 2 + h) * 4 * self.T * 4
+
+    def _build(self):
+        import cutlass
+        import cutlass.cute as cute
+        from cutlass import Float32, Int32
+        from cutlass.memory import SmemAllocator
+
+        T, K, N, W = self.T, self.K, self.N, self.T // 32
+        dt = self.dtype
+        inv_n = 1.0 / N
+
+        @cute.kernel
+        def kernel(mX: cute.Tensor, mDY: cute.Tensor, mW: cute.Tensor, mMean: cute.Tensor, mRstd: cute.Tensor,
+                   mDRO: cute.Tensor, mDX: cute.Tensor, mDRI: cute.Tensor, mDWp: cute.Tensor, mDBp: cute.Tensor):
+            tid, _, _ = cute.arch.thread_idx()
+            cta, _, _ = cute.arch.block_idx()
+            nctas, _, _ = cute.arch.grid_dim()
+            lane = cute.arch.lane_idx()
+            warp = cute.arch.warp_idx()
+            M = mX.shape[0]
+            rpc = (M + nctas - 1) // nctas
+            start = cta * rpc
+            end = cutlass.min(start + rpc, M)
+
+            smem = SmemAllocator()
+            sW = smem.allocate_tensor(Float32, cute.make_layout((N,)), byte_alignment=16)
+            sDW = smem.allocate_tensor(Float32, cute.make_layout((N,)), byte_alignment=16)
+            sDB = sDW
+            if cutlass.const_expr(self.has_bias):
+                sDB = smem.allocate_tensor(Float32, cute.make_layout((N,)), byte_alignment=16)
+            sRed = smem.allocate_tensor(Float32, cute.make_layout((2, 2, W), stride=(1, 2, 4)), byte_alignment=16)
+            tW, tDW, tDB = self._smem_view(sW, tid), self._smem_view(sDW, tid), self._smem_view(sDB, tid)
+            # Byte addresses (shared window) of this thread's first float4 in each row.
+            w_addr = sW.iterator.toint() + tid * 16
+            dw_addr = sDW.iterator.toint() + tid * 16
+            db_addr = sDB.iterator.toint() + tid * 16
+
+            # Weight to fp32 in shared memory (1 + w when zero-centred); accumulators to zero. Each thread
+            # touches only its own words, so no barrier is needed before the row loop.
+            rWg = cute.make_rmem_tensor(((4, 2), K), self.wdtype)
+            cute.autovec_copy(self._thr_view(mW, tid), rWg)
+            rWf = cute.make_rmem_tensor(((4, 2), K), Float32)
+            wv = rWg.load().to(Float32)
+            if cutlass.const_expr(self.zero_centered):
+                wv = wv + 1.0
+            rWf.store(wv)
+            cute.autovec_copy(rWf, tW)
+            rZ = cute.make_rmem_tensor(((4, 2), K), Float32)
+            rZ.fill(0.0)
+            cute.autovec_copy(rZ, tDW)
+            if cutlass.const_expr(self.has_bias):
+                cute.autovec_copy(rZ, tDB)
+
+            rX = cute.make_rmem_tensor(((4, 2), K), dt)
+            rDY = cute.make_rmem_tensor(((4, 2), K), dt)
+            rXn = cute.make_rmem_tensor(((4, 2), K), dt)
+            rDYn = cute.make_rmem_tensor(((4, 2), K), dt)
+            rDR = cute.make_rmem_tensor(((4, 2), K), dt)
+            rO = cute.make_rmem_tensor(((4, 2), K), dt)
+            rAcc = cute.make_rmem_tensor(((4, 2), K), Float32)
+            first = cutlass.min(start, M - 1)
+            cute.autovec_copy(self._thr_view(mX[first, None], tid), rX)
+            cute.autovec_copy(self._thr_view(mDY[first, None], tid), rDY)
+            buf = Int32(0)
+            for r in cutlass.range(start, end, unroll=1):
+                if cutlass.const_expr(self.has_dres_out):
+                    cute.autovec_copy(self._thr_view(mDRO[r, None], tid), rDR)
+                # The next row (the last one again at the end: an L2 hit, never out of bounds) is in
+                # flight during this row's reduction.
+                nxt = cutlass.min(r + 1, M - 1)
+                cute.autovec_copy(self._thr_view(mX[nxt, None], tid), rXn)
+                cute.autovec_copy(self._thr_view(mDY[nxt, None], tid), rDYn)
+                rstd = mRstd[r]
+                mu = Float32(0.0)
+                if cutlass.const_expr(not self.is_rms):
+                    mu = mMean[r]
+                # Pass 1, before the barrier: only the two sums, a = sum((x - mean) * g), b = sum(g).
+                a = Float32(0.0)
+                b = Float32(0.0)
+                for j in cutlass.range_constexpr(K):
+                    for h in cutlass.range_constexpr(2):
+                        w4 = _lds4(w_addr + self._soff(j, h))
+                        for e in cutlass.range_constexpr(4):
+                            g = rDY[(e, h), j].to(Float32) * w4[e]
+                            a = a + (rX[(e, h), j].to(Float32) - mu) * g
+                            if cutlass.const_expr(not self.is_rms):
+                                b = b + g
+                for i in cutlass.range_constexpr(5):
+                    a = a + cute.arch.shuffle_sync_bfly(a, offset=1 << i)
+                    if cutlass.const_expr(not self.is_rms):
+                        b = b + cute.arch.shuffle_sync_bfly(b, offset=1 << i)
+                if lane == 0:
+                    sRed[buf, 0, warp] = a
+                    sRed[buf, 1, warp] = b
+                cute.arch.sync_threads()
+                # Every thread adds the warps' sums in the same order: identical c1, c2 in all threads.
+                a = Float32(0.0)
+                b = Float32(0.0)
+                for w in cutlass.range_constexpr(W):
+                    a = a + sRed[buf, 0, w]
+                    if cutlass.const_expr(not self.is_rms):
+                        b = b + sRed[buf, 1, w]
+                buf = 1 - buf
+                c1 = a * rstd * inv_n  # sum(xhat * g) / N = rstd * sum((x - mean) * g) / N
+                c2 = b * inv_n
+                mr = mu * rstd
+                # Pass 2 from copies of x and dy that the compiler cannot merge with pass 1's: the fp32
+                # conversions are formed again here instead of living across the barrier next to the
+                # prefetched row. Shared-memory accesses are volatile, so they keep program order and
+                # ptxas cannot hoist every load of the row to the top (a register peak of 3 x 32 values).
+                fX, fDY = self._fresh(rX), self._fresh(rDY)
+                gDX = self._thr_view(mDX[r, None], tid)
+                gDRI = self._thr_view(mDRI[r, None], tid)
+                for j in cutlass.range_constexpr(K):
+                    for h in cutlass.range_constexpr(2):
+                        so = self._soff(j, h)
+                        w4 = _lds4(w_addr + so)
+                        dw4 = _lds4(dw_addr + so)
+                        db4 = dw4
+                        if cutlass.const_expr(self.has_bias):
+                            db4 = _lds4(db_addr + so)
+                        for e in cutlass.range_constexpr(4):
+                            dyf = fDY[(e, h), j].to(Float32)
+                            xhat = fX[(e, h), j].to(Float32) * rstd - mr
+                            dxv = dyf * w4[e] - xhat * c1
+                            if cutlass.const_expr(not self.is_rms):
+                                dxv = dxv - c2
+                            dxv = dxv * rstd
+                            if cutlass.const_expr(self.has_dres_out):
+                                dxv = dxv + rDR[(e, h), j].to(Float32)
+                            rO[(e, h), j] = dxv.to(dt)
+                            dw4[e] = dw4[e] + dyf * xhat
+                            if cutlass.const_expr(self.has_bias):
+                                db4[e] = db4[e] + dyf
+                        _sts4(dw_addr + so, dw4)
+                        if cutlass.const_expr(self.has_bias):
+                            _sts4(db_addr + so, db4)
+                    cute.autovec_copy(rO[None, j], gDX[None, j])
+                    if cutlass.const_expr(self.store_dres_in):
+                        cute.autovec_copy(rO[None, j], gDRI[None, j])
+                rX.store(rXn.load())
+                rDY.store(rDYn.load())
+
+            cute.autovec_copy(tDW, rAcc)
+            cute.autovec_copy(rAcc, self._thr_view(mDWp[cta, None], tid))
+            if cutlass.const_expr(self.has_bias):
+                cute.autovec_copy(tDB, rAcc)
+                cute.autovec_copy(rAcc, self._thr_view(mDBp[cta, None], tid))
+
+        @cute.jit
+        def launch(mX: cute.Tensor, mDY: cute.Tensor, mW: cute.Tensor, mMean: cute.Tensor, mRstd: cute.Tensor,
+                   mDRO: cute.Tensor, mDX: cute.Tensor, mDRI: cute.Tensor, mDWp: cute.Tensor, mDBp: cute.Tensor,
+                   grid: Int32, stream):
+            kernel(mX, mDY, mW, mMean, mRstd, mDRO, mDX, mDRI, mDWp, mDBp).launch(
+                grid=(grid, 1, 1), block=(T, 1, 1), smem=smem_bytes(N, self.has_bias) + 64, stream=stream,
+                min_blocks_per_mp=ctas_per_sm(N, self.has_bias), preferred_smem_carveout=100)
+
+        return launch
+
+
+def compile_kernel(key, arch="sm_90a", dump_dir=None):
+    """Compile the kernel for ``key`` (from :func:`plan`) for ``arch``; no GPU needed. ``dump_dir``: an
+    existing folder that receives the PTX and cubin. Rows (M) and the partial-buffer rows (P) are
+    symbolic: one compile serves every row count. With apache-tvm-ffi the call is
+    ``(x, dy, weight, mean, rstd, dres_out, dx, dres_in, dw_part, db_part, grid)`` on torch tensors (absent
+    optional tensors replaced by any tensor of the right shape and dtype: they are never touched)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    from flash_attn.cute.interface import _tvm_ffi
+
+    k = LnBwdSm90(*key)
+    dt, N = k.dtype, k.N
+    M, P = cute.sym_int(), cute.sym_int()
+
+    def rows():
+        return make_fake_tensor(dt, (M, N), (cute.sym_int(divisibility=VEC), 1), assumed_align=16)
+
+    x, dy, dro, dx, dri = rows(), rows(), rows(), rows(), rows()
+    w = make_fake_tensor(k.wdtype, (N,), (1,), assumed_align=16)
+    mean = make_fake_tensor(cutlass.Float32, (M,), (1,), assumed_align=4)
+    rstd = make_fake_tensor(cutlass.Float32, (M,), (1,), assumed_align=4)
+    dwp = make_fake_tensor(cutlass.Float32, (P, N), (N, 1), assumed_align=16)
+    dbp = make_fake_tensor(cutlass.Float32, (P, N), (N, 1), assumed_align=16)
+    tvm_ffi = _tvm_ffi()
+    options = f"--gpu-arch {arch}" + (" --enable-tvm-ffi" if tvm_ffi else "")
+    if dump_dir is not None:
+        options += f" --keep-ptx --keep-cubin --dump-dir {dump_dir}"
+    stream = cutlass.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi)
+    return cute.compile(k._build(), x, dy, w, mean, rstd, dro, dx, dri, dwp, dbp, cutlass.Int32(1), stream,
+                        options=options)
+
+
+_kernels: dict = {}
+
+
+def kernel(key):
+    """The compiled kernel for ``key``, compiled on first use (in memory; rows are symbolic, so one per
+    key)."""
+    fn = _kernels.get(key)
+    if fn is None:
+        from flash_attn.cute.interface import _ffi_function
+
+        fn = _kernels[key] = _ffi_function(compile_kernel(key))
+    return fn
+
+
+def launch(key, x, weight, dy, dresidual_out, mean, rstd, dx, dresidual_in, dw_part, db_part) -> None:
+    """Fill dx (and dresidual_in) and the (P, N) fp32 partials dw_part (db_part) for ``key`` = plan(...);
+    P = dw_part.shape[0] CTAs. The caller sums the partials over P."""
+    kernel(key)(x, dy, weight, mean, rstd, dresidual_out if dresidual_out is not None else dy, dx,
+                dresidual_in if dresidual_in is not None else dx, dw_part,
+                db_part if db_part is not None else dw_part, dw_part.shape[0])
