@@ -4,10 +4,15 @@ Why: the Triton backward (ops/triton/layer_norm.py) keeps the dweight/dbias colu
 registers; at hidden 12288..16384 a row, its prefetch and two fp32 accumulators of N columns do not fit
 64 registers a thread, and the H200 measures 0.50-0.61 of copy bandwidth there. Here the accumulators live
 in shared memory (fp32, N each: 128 KB for LayerNorm at 16384 of the 227 KB), so registers hold only the
-row being worked on and the next one.
+row being worked on and the next one. Shared-memory accumulator and weight accesses are volatile
+ld/st.shared.v4 (ordered among themselves, so ptxas does not hoist a whole row of them into registers),
+and pass 2 reads x and dy through an opaque copy so their fp32 conversions are redone after the barrier
+instead of living across it. ptxas -v (sm_90a, 13.0): no spills up to 12288 in the tested configurations,
+16-24 bytes of spill at 16384 (128-register cap at 512 threads; tests/test_layer_norm_cute.py bounds it).
 
-Layout: one persistent CTA per SM slot, N / 16 threads (16 columns a thread: two 16-byte vectors of x and
-of dy), each CTA owning a contiguous block of rows. Thread t always owns the same columns (vector j covers
+Layout: persistent CTAs (every resident slot, at most one per row) of at most 512 threads, each owning
+a contiguous block of rows; a thread holds K = vectors(N) 16-byte vectors (8 columns each) of x and of dy
+(K = 4 at 16384: 512 threads, 128 registers). Thread t always owns the same columns (vector j covers
 columns (j * T + t) * 8 .. +8, coalesced across a warp), so it accumulates dweight/dbias into its own
 shared-memory words: no atomics, no barrier for the accumulators. In shared memory a thread's 8 values sit
 as two float4 at consecutive-thread stride 16 bytes, so a warp's 128-bit accesses are conflict-free. Each
@@ -22,7 +27,7 @@ current row's reduction so the loads overlap it.
 
 Served (``plan`` returns a key, else None and the Triton path runs): CUDA sm_90, x / dy / dx (and
 dresidual_out / dresidual_in) all bf16 or all fp16, weight bf16/fp16/fp32, 4096 <= N <= 16384 with
-N % 512 == 0, no dropout, rowscale, x1, weight1. Off unless FLASH_ATTN_LN_CUTE_BWD=1 (never run on a GPU yet).
+vectors(N) defined (N a multiple of 8 * 32 * K for some K <= 4), no dropout, rowscale, x1, weight1. Off unless FLASH_ATTN_LN_CUTE_BWD=1 (never run on a GPU yet).
 """
 import functools
 import os
@@ -186,18 +191,13 @@ class LnBwdSm90:
         return cute.make_tensor(row_tensor.iterator + off,
                                 cute.make_layout(((4, 2), self.K), stride=((1, 4), VEC * self.T)))
 
-    def _smem_view(self, s_tensor, tid, opaque=False):
-        """Thread tid's ((4, 2), K) slice of a shared fp32 row stored as float4 per (half-vector, thread).
-        opaque: the offset goes through a volatile mov, so loads through the view stay in the iteration
-        that issues them (the compiler otherwise carries the weight's 16 fp32 registers across the row
-        loop, loaded one iteration early)."""
+    def _smem_view(self, s_tensor, tid):
+        """Thread tid's ((4, 2), K) slice of a shared fp32 row stored as float4 per (half-vector, thread):
+        element ((e, h), j) at word tid * 4 + e + h * 4T + j * 8T (see _soff)."""
         import cutlass.cute as cute
 
         T = self.T
-        off = tid * 4
-        if opaque:
-            off = _opaque_i32(off)
-        off = cute.assume(off, divby=4)
+        off = cute.assume(tid * 4, divby=4)
         return cute.make_tensor(s_tensor.iterator + off,
                                 cute.make_layout(((4, 2), self.K), stride=((1, 4 * T), 8 * T)))
 

@@ -1,0 +1,252 @@
+"""The CuTeDSL LayerNorm/RMSNorm backward for wide rows (flash_attn.ops.cute_layer_norm_bwd, behind
+FLASH_ATTN_LN_CUTE_BWD=1). CPU: which calls it serves, the switch, and the sm_90a code it compiles to
+(PTX / ptxas -v). GPU: values against the fp64 reference, judged against the Triton backward's own error,
+and bitwise run-to-run equality."""
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from flash_attn.ops import cute_layer_norm_bwd as cb
+from flash_attn.ops.triton import backend
+from flash_attn.ops.triton import layer_norm as ln
+
+CUDA = torch.cuda.is_available()
+
+
+def _call(M=8, N=16384, dtype=torch.bfloat16, wdtype=torch.float32, bias=True, dres=True, device="cpu", **over):
+    """Keyword arguments of cb.plan for one backward call."""
+    x = torch.empty(M, N, dtype=dtype, device=device)
+    a = dict(x=x, weight=torch.empty(N, dtype=wdtype, device=device), weight1=None, dy=torch.empty_like(x),
+             dy1=None, dresidual_out=torch.empty_like(x) if dres else None, rowscale=None, dropout_p=0.0,
+             mean=torch.empty(M, device=device), rstd=torch.empty(M, device=device), dx=torch.empty_like(x),
+             dx1=None, dresidual_in=torch.empty_like(x) if dres else None,
+             db=torch.empty(N, dtype=wdtype, device=device) if bias else None, is_rms_norm=not bias,
+             zero_centered_weight=False)
+    a.update(over)
+    return a
+
+
+def test_switch_defaults_off(monkeypatch):
+    monkeypatch.delenv("FLASH_ATTN_LN_CUTE_BWD", raising=False)
+    assert not cb.enabled()
+    monkeypatch.setenv("FLASH_ATTN_LN_CUTE_BWD", "1")
+    assert cb.enabled()
+    monkeypatch.setenv("FLASH_ATTN_LN_CUTE_BWD", "0")
+    assert not cb.enabled()
+
+
+def test_served_calls():
+    key = cb.plan(**_call(), check_device=False)
+    assert key == ("bf16", "fp32", 16384, False, True, True, True, False)
+    assert cb.plan(**_call(N=12288, bias=False, dres=False, zero_centered_weight=True), check_device=False) == \
+        ("bf16", "fp32", 12288, True, False, False, False, True)
+    assert cb.plan(**_call(N=4096, dtype=torch.float16, wdtype=torch.float16), check_device=False)[:3] == \
+        ("fp16", "fp16", 4096)
+    for N in range(4096, 16385, 1024):
+        assert cb.plan(**_call(N=N), check_device=False) is not None, N
+
+
+@pytest.mark.parametrize("what", ["dropout", "rowscale", "weight1", "fp32_x", "fp32_dres_in", "narrow", "wide",
+                                  "odd", "strided", "mixed_dy"])
+def test_not_served(what):
+    a = _call()
+    M, N = a["x"].shape
+    if what == "dropout":
+        a["dropout_p"] = 0.1
+    elif what == "rowscale":
+        a["rowscale"] = torch.ones(M)
+    elif what == "weight1":
+        a["weight1"] = torch.empty(N)
+    elif what == "fp32_x":
+        a = _call(dtype=torch.float32)
+    elif what == "fp32_dres_in":
+        a["dresidual_in"] = torch.empty(M, N)
+    elif what == "narrow":
+        a = _call(N=2048)
+    elif what == "wide":
+        a = _call(N=16384 + 1024)
+    elif what == "odd":
+        a = _call(N=4100)
+    elif what == "strided":
+        a["dy"] = torch.empty(M, 2 * N, dtype=torch.bfloat16)[:, :N:2]
+    elif what == "mixed_dy":
+        a["dy"] = torch.empty(M, N, dtype=torch.float16)
+    assert cb.plan(**a, check_device=False) is None
+
+
+def test_cpu_tensors_take_the_old_path(monkeypatch):
+    """With the switch on, a CPU call is not served (no sm_90 device): _ln_bwd_cute declines and the
+    default path's results are unchanged."""
+    monkeypatch.setenv("FLASH_ATTN_LN_CUTE_BWD", "1")
+    a = _call(M=2, N=4096)
+    assert cb.plan(**a) is None
+    args = (a["x"], a["weight"], None, a["dy"], None, a["dresidual_out"], None, None, a["mean"], a["rstd"], a["dx"],
+            None, a["dresidual_in"], torch.empty(4096), a["db"], None, None, 0.0, False, False)
+    assert ln._ln_bwd_cute(*args) is False
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 4096, generator=g, requires_grad=True)
+    w = torch.randn(4096, generator=g, requires_grad=True)
+    b = torch.randn(4096, generator=g, requires_grad=True)
+    grads = []
+    for on in ("1", "0"):
+        monkeypatch.setenv("FLASH_ATTN_LN_CUTE_BWD", on)
+        with backend("torch"):
+            y = ln.layer_norm_fn(x, w, b)
+        grads.append(torch.autograd.grad(y.sum(), (x, w, b)))
+    for p, q in zip(*grads):
+        assert torch.equal(p, q)
+
+
+def test_launch_shape():
+    """Every configuration fits: threads a whole number of warps, shared memory within the SM, the
+    per-SM CTA count at least one; 16384 takes 512 threads of 4 vectors."""
+    for N in range(4096, 16385, 1024):
+        K, T = cb.vectors(N), cb.threads(N)
+        assert T * K * cb.VEC == N and T % 32 == 0 and T <= cb.MAX_THREADS
+        for bias in (False, True):
+            c = cb.ctas_per_sm(N, bias)
+            assert c >= 1 and c * (cb.smem_bytes(N, bias) + 1024) <= cb.SMEM_PER_SM and c * T <= 2048
+    assert (cb.vectors(16384), cb.threads(16384), cb.ctas_per_sm(16384, True)) == (4, 512, 1)
+    assert cb.programs(3, 16384, True, 132) == 3 and cb.programs(10 ** 6, 16384, True, 132) == 132
+
+
+# ---------------------------------------------------------------------------------- sm_90a code
+# (N, is_rms, bias, dres); spill bound in bytes from ptxas -v (13.0): 0 below 16384, <= 32 at 16384
+_CONFIGS = [(16384, False, True, True), (16384, True, False, False), (12288, False, True, True),
+            (8192, True, False, True), (4096, False, True, False)]
+
+
+@pytest.fixture(scope="module", params=_CONFIGS, ids=lambda c: f"{c[0]}-{'rms' if c[1] else 'ln'}"
+                f"{'-bias' if c[2] else ''}{'-dres' if c[3] else ''}")
+def compiled(request, tmp_path_factory):
+    pytest.importorskip("cutlass.cute")
+    pytest.importorskip("tvm_ffi")
+    N, rms, bias, dres = request.param
+    d = tmp_path_factory.mktemp("lncute")
+    old = os.environ.get("CUTE_DSL_ARCH")
+    os.environ["CUTE_DSL_ARCH"] = "sm_90a"
+    try:
+        cb.compile_kernel(("bf16", "fp32", N, rms, bias, dres, dres, False), dump_dir=str(d))
+    finally:
+        if old is None:
+            os.environ.pop("CUTE_DSL_ARCH")
+        else:
+            os.environ["CUTE_DSL_ARCH"] = old
+    ptx = [p for p in d.iterdir() if p.suffix == ".ptx"]
+    assert len(ptx) == 1
+    return request.param, ptx[0]
+
+
+def test_ptx_vector_loads_and_shared_accumulators(compiled):
+    (N, rms, bias, dres), path = compiled
+    ptx = path.read_text()
+    K = cb.vectors(N)
+    assert f".reqntid {cb.threads(N)}, 1, 1" in ptx
+    body = ptx[ptx.index("bar.sync"):]  # the row loop from the row-sum barrier on
+    # x, dy (and dresidual_out) of the next row as 16-byte loads before the barrier; dx (and dresidual_in)
+    # as 16-byte stores after it
+    assert len(re.findall(r"ld\.global\.v4\.b32", ptx)) >= (2 + dres) * K
+    assert len(re.findall(r"st\.global\.v4\.b32", body)) >= (1 + dres) * K
+    # dweight (and dbias) read-modify-write in shared memory, 2 float4 per vector each, plus the weight
+    n_acc = 1 + bias
+    assert len(re.findall(r"ld\.volatile\.shared\.v4\.f32", body)) >= (n_acc + 1) * 2 * K
+    assert len(re.findall(r"st\.volatile\.shared\.v4\.f32", body)) >= n_acc * 2 * K
+    assert not re.search(r"\b(atom|red)\.", ptx)  # each thread owns its columns: no atomics
+    assert ".local" not in ptx
+    assert ptx.count("bar.sync") == 1  # one barrier per row
+
+
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas not on PATH")
+def test_ptxas_registers_and_spills(compiled):
+    (N, rms, bias, dres), path = compiled
+    out = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(path), "-o", os.devnull], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    regs = int(re.search(r"Used (\d+) registers", out.stderr).group(1))
+    spill = int(re.search(r"(\d+) bytes spill stores", out.stderr).group(1))
+    T = cb.threads(N)
+    assert regs * T * cb.ctas_per_sm(N, bias) <= 65536, regs
+    assert spill <= (32 if N == 16384 else 0), (spill, out.stderr)
+    smem = re.search(r"(\d+) bytes smem", out.stderr)
+    assert smem is None or int(smem.group(1)) <= cb.smem_bytes(N, bias) + 64
+
+
+# ------------------------------------------------------------------------------------------ GPU
+def _gpu_case(M, N, is_rms_norm, residual, seed=0, wdtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda *s, dt=torch.bfloat16: torch.randn(*s, generator=g).to("cuda", dt)  # noqa: E731
+    x = mk(M, N)
+    w = (1 + 0.5 * torch.randn(N, generator=g)).to("cuda", wdtype)
+    b = None if is_rms_norm else mk(N, dt=wdtype)
+    res = mk(M, N) if residual else None
+    return x, w, b, res
+
+
+def _grads(x, w, b, res, is_rms_norm, dy, dres, cast=None):
+    xs = [t.detach().to(cast) if cast is not None and t is not None else
+          (t.detach() if t is not None else None) for t in (x, w, b, res)]
+    for t in xs:
+        if t is not None:
+            t.requires_grad_()
+    fn = ln.rms_norm_fn if is_rms_norm else ln.layer_norm_fn
+    if cast is None:
+        out = fn(xs[0], xs[1], xs[2], residual=xs[3], prenorm=res is not None)
+    else:
+        ref = ln.rms_norm_ref if is_rms_norm else ln.layer_norm_ref
+        out = ref(xs[0], xs[1], xs[2], residual=xs[3], prenorm=res is not None, upcast=False)
+    outs = list(out) if isinstance(out, tuple) else [out]
+    gos = [dy] + ([dres] if res is not None else [])
+    ins = [t for t in xs if t is not None]
+    return torch.autograd.grad(outs, ins, [g.to(o.dtype) for g, o in zip(gos, outs)])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("is_rms_norm", [False, True])
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("N", [4096, 12288, 16384])
+@pytest.mark.parametrize("M", [1, 3, 1000, 16384])
+def test_gpu_matches_reference(monkeypatch, M, N, is_rms_norm, residual):
+    """dx, dweight, dbias, dresidual of the CuTeDSL path (switch on) against fp64, within 2x the Triton
+    backward's own error (switch off) plus one bf16 rounding of the result; the CuTeDSL kernel must
+    actually have been used; and two runs agree bitwise."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("sm_90 only")
+    x, w, b, res = _gpu_case(M, N, is_rms_norm, residual, seed=M + N)
+    g = torch.Generator().manual_seed(1)
+    dy = torch.randn(M, N, generator=g).to("cuda", torch.bfloat16)
+    dres = torch.randn(M, N, generator=g).to("cuda", torch.bfloat16) if residual else None
+    monkeypatch.setenv("FLASH_ATTN_LN_CUTE_BWD", "0")
+    tri = _grads(x, w, b, res, is_rms_norm, dy, dres)
+    monkeypatch.setenv("FLASH_ATTN_LN_CUTE_BWD", "1")
+    calls, launch = [], cb.launch
+    monkeypatch.setattr(cb, "launch", lambda *a: (calls.append(a[0]), launch(*a))[1])
+    cute1 = _grads(x, w, b, res, is_rms_norm, dy, dres)
+    cute2 = _grads(x, w, b, res, is_rms_norm, dy, dres)
+    assert len(calls) == 2  # the CuTeDSL kernel served both backward calls
+    ref = _grads(x, w, b, res, is_rms_norm, dy.double(), dres.double() if dres is not None else None,
+                 cast=torch.float64)
+    for i, (c1, c2, t, r) in enumerate(zip(cute1, cute2, tri, ref)):
+        assert torch.equal(c1, c2), f"grad {i} not reproducible"
+        assert c1.dtype == t.dtype and c1.shape == t.shape
+        err_c = (c1.double() - r).abs().max().item()
+        err_t = (t.double() - r).abs().max().item()
+        rounding = r.abs().max().item() * (2.0 ** -8 if c1.dtype == torch.bfloat16 else 2.0 ** -23)
+        assert err_c <= 2 * err_t + rounding, (i, err_c, err_t, rounding)
+
+
+@pytest.mark.gpu
+def test_gpu_served_and_partials_rows(monkeypatch):
+    """A served call runs the CuTeDSL kernel (its cache gains the key) and a new row count reuses it."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("sm_90 only")
+    monkeypatch.setenv("FLASH_ATTN_LN_CUTE_BWD", "1")
+    for M in (5, 777):
+        x, w, b, res = _gpu_case(M, 16384, False, False)
+        dy = torch.randn(M, 16384, device="cuda", dtype=torch.bfloat16)
+        _grads(x, w, b, res, False, dy, None)
+    keys = [k for k in cb._kernels if k[2] == 16384 and not k[3]]
+    assert len(keys) == 1, keys
