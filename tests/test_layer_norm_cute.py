@@ -114,6 +114,18 @@ def test_launch_shape():
     assert cb.programs(3, 16384, True, 132) == 3 and cb.programs(10 ** 6, 16384, True, 132) == 132
 
 
+def test_bench_script_parses():
+    import importlib.util
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("bench_ln_cute_bwd",
+                                                  os.path.join(root, "benchmarks", "bench_ln_cute_bwd.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    a = mod.parse_args(["--hidden", "16384", "--residual", "--weight-dtype", "fp32"])
+    assert a.hidden == "16384" and a.residual and a.weight_dtype == "fp32"
+
+
 # ---------------------------------------------------------------------------------- sm_90a code
 # (N, is_rms, bias, dres); spill bound in bytes from ptxas -v (13.0): 0 below 16384, <= 32 at 16384
 _CONFIGS = [(16384, False, True, True), (16384, True, False, False), (12288, False, True, True),
