@@ -369,7 +369,9 @@ class LnBwdSm90:
                    mDRO: cute.Tensor, mDX: cute.Tensor, mDRI: cute.Tensor, mDWp: cute.Tensor, mDBp: cute.Tensor,
                    grid: Int32, stream):
             kernel(mX, mDY, mW, mMean, mRstd, mDRO, mDX, mDRI, mDWp, mDBp).launch(
-                grid=(grid, 1, 1), block=(T, 1, 1), smem=smem_bytes(N, self.has_bias) + 64, stream=stream,
+                # Dynamic shared memory: CuTeDSL sizes it from the SmemAllocator (as for the attention
+                # kernels); carveout 100: all of the unified L1 that can be shared memory.
+                grid=(grid, 1, 1), block=(T, 1, 1), stream=stream,
                 min_blocks_per_mp=ctas_per_sm(N, self.has_bias), preferred_smem_carveout=100)
 
         return launch
