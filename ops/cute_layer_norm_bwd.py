@@ -36,7 +36,7 @@ from typing import Optional
 import torch
 
 VEC = 8  # 16-byte vectors of 2-byte elements
-MAX_THREADS = 512
+MAX_THREADS = 512  # FLASH_ATTN_LN_CUTE_BWD_THREADS overrides (256 / 512 / 1024; a tuning knob, in the key)
 MIN_N, MAX_N = 4096, 16384
 SMEM_PER_SM = 227 * 1024
 THREADS_PER_SM = 2048
@@ -72,7 +72,8 @@ def plan(x, weight, weight1, dy, dy1, dresidual_out, rowscale, dropout_p, mean, 
     if x.dim() != 2:
         return None
     M, N = x.shape
-    if not (MIN_N <= N <= MAX_N and N % VEC == 0 and vectors(N) is not None):
+    mt = max_threads()
+    if not (MIN_N <= N <= MAX_N and N % VEC == 0 and vectors(N, mt) is not None):
         return None
     dt = x.dtype
     if dt not in _DTYPES or not _same(dt, dy, dx, dresidual_out, dresidual_in) or weight.dtype not in _W_DTYPES:
@@ -95,43 +96,53 @@ def plan(x, weight, weight1, dy, dy1, dresidual_out, rowscale, dropout_p, mean, 
         if not _tvm_ffi():  # the launch passes torch tensors straight through TVM-FFI
             return None
     return (_dtype_name(dt), _dtype_name(weight.dtype), N, bool(is_rms_norm), db is not None,
-            dresidual_out is not None, dresidual_in is not None, bool(zero_centered_weight))
+            dresidual_out is not None, dresidual_in is not None, bool(zero_centered_weight), mt)
 
 
 def _dtype_name(dt) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dt]
 
 
-def vectors(N: int) -> Optional[int]:
-    """16-byte vectors per thread per row: the fewest (at most 4) that keep a CTA at <= MAX_THREADS
-    threads, a whole number of warps and every thread the same columns; None if there is none."""
-    for k in range(max(1, -(-N // (VEC * MAX_THREADS))), 5):
+def max_threads() -> int:
+    """Threads per CTA at most: MAX_THREADS, or $FLASH_ATTN_LN_CUTE_BWD_THREADS (256, 512 or 1024)."""
+    v = int(os.environ.get("FLASH_ATTN_LN_CUTE_BWD_THREADS", MAX_THREADS))
+    if v not in (256, 512, 1024):
+        raise ValueError(f"FLASH_ATTN_LN_CUTE_BWD_THREADS must be 256, 512 or 1024, got {v}")
+    return v
+
+
+def vectors(N: int, mt: Optional[int] = None) -> Optional[int]:
+    """16-byte vectors per thread per row: the fewest (at most 4) that keep a CTA at <= mt threads
+    (default max_threads()), a whole number of warps and every thread the same columns; None if there
+    is none."""
+    mt = mt or max_threads()
+    for k in range(max(1, -(-N // (VEC * mt))), 5):
         if N % (VEC * k) == 0 and (N // (VEC * k)) % 32 == 0:
             return k
     return None
 
 
-def threads(N: int) -> int:
-    return N // (VEC * vectors(N))
+def threads(N: int, mt: Optional[int] = None) -> int:
+    return N // (VEC * vectors(N, mt))
 
 
-def smem_bytes(N: int, has_bias: bool) -> int:
+def smem_bytes(N: int, has_bias: bool, mt: Optional[int] = None) -> int:
     """Shared memory of one CTA: weight, dweight (and dbias) fp32 rows plus the row-sum exchange."""
-    return (2 + has_bias) * N * 4 + 2 * (threads(N) // 32) * 2 * 4
+    return (2 + has_bias) * N * 4 + 2 * (threads(N, mt) // 32) * 2 * 4
 
 
-def ctas_per_sm(N: int, has_bias: bool) -> int:
+def ctas_per_sm(N: int, has_bias: bool, mt: Optional[int] = None) -> int:
     """CTAs resident on one SM (the kernel's minimum-CTAs-per-SM bound, so ptxas caps registers to
     fit them): threads, shared memory, and a register estimate of 32 + 24 per vector a thread (ptxas
     -v, sm_90a: 4 vectors need about 145, 2 about 80)."""
-    T, K = threads(N), vectors(N)
-    return max(1, min(THREADS_PER_SM // T, SMEM_PER_SM // (smem_bytes(N, has_bias) + 1024),
+    T, K = threads(N, mt), vectors(N, mt)
+    return max(1, min(THREADS_PER_SM // T, SMEM_PER_SM // (smem_bytes(N, has_bias, mt) + 1024),
                       65536 // (T * (32 + 24 * K))))
 
 
-def programs(M: int, N: int, has_bias: bool, sms: int) -> int:
+def programs(M: int, N: int, has_bias: bool, sms: int, mt: Optional[int] = None) -> int:
     """Grid size (and rows of the partial buffers): every resident CTA slot, at most one per row."""
-    return max(1, min(M, sms * ctas_per_sm(N, has_bias)))
+    return max(1, min(M, sms * ctas_per_sm(N, has_bias, mt)))
 
 
 def _opaque_i32(v):
@@ -170,14 +181,15 @@ def _sts4(addr, vals):
 class LnBwdSm90:
     """The kernel for one compile key (see :func:`plan`)."""
 
-    def __init__(self, dtype, wdtype, N, is_rms, has_bias, has_dres_out, store_dres_in, zero_centered):
+    def __init__(self, dtype, wdtype, N, is_rms, has_bias, has_dres_out, store_dres_in, zero_centered, mt):
         import cutlass
 
         names = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp32": cutlass.Float32}
         self.dtype, self.wdtype = names[dtype], names[wdtype]
         self.N = N
-        self.T = threads(N)
-        self.K = vectors(N)
+        self.mt = mt
+        self.T = threads(N, mt)
+        self.K = vectors(N, mt)
         self.is_rms, self.has_bias = is_rms, has_bias
         self.has_dres_out, self.store_dres_in, self.zero_centered = has_dres_out, store_dres_in, zero_centered
 
@@ -372,7 +384,7 @@ class LnBwdSm90:
                 # Dynamic shared memory: CuTeDSL sizes it from the SmemAllocator (as for the attention
                 # kernels); carveout 100: all of the unified L1 that can be shared memory.
                 grid=(grid, 1, 1), block=(T, 1, 1), stream=stream,
-                min_blocks_per_mp=ctas_per_sm(N, self.has_bias), preferred_smem_carveout=100)
+                min_blocks_per_mp=ctas_per_sm(N, self.has_bias, self.mt), preferred_smem_carveout=100)
 
         return launch
 

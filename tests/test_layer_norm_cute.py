@@ -41,9 +41,9 @@ def test_switch_defaults_off(monkeypatch):
 
 def test_served_calls():
     key = cb.plan(**_call(), check_device=False)
-    assert key == ("bf16", "fp32", 16384, False, True, True, True, False)
+    assert key == ("bf16", "fp32", 16384, False, True, True, True, False, 512)
     assert cb.plan(**_call(N=12288, bias=False, dres=False, zero_centered_weight=True), check_device=False) == \
-        ("bf16", "fp32", 12288, True, False, False, False, True)
+        ("bf16", "fp32", 12288, True, False, False, False, True, 512)
     assert cb.plan(**_call(N=4096, dtype=torch.float16, wdtype=torch.float16), check_device=False)[:3] == \
         ("fp16", "fp16", 4096)
     for N in range(4096, 16385, 1024):
@@ -101,6 +101,18 @@ def test_cpu_tensors_take_the_old_path(monkeypatch):
         assert torch.equal(p, q)
 
 
+def test_threads_knob(monkeypatch):
+    monkeypatch.setenv("FLASH_ATTN_LN_CUTE_BWD_THREADS", "1024")
+    assert cb.plan(**_call(), check_device=False)[-1] == 1024
+    assert (cb.vectors(16384), cb.threads(16384)) == (2, 1024)
+    monkeypatch.setenv("FLASH_ATTN_LN_CUTE_BWD_THREADS", "256")
+    assert cb.plan(**_call(), check_device=False) is None  # 16384 would need 8 vectors a thread
+    assert cb.plan(**_call(N=8192), check_device=False)[-1] == 256
+    monkeypatch.setenv("FLASH_ATTN_LN_CUTE_BWD_THREADS", "300")
+    with pytest.raises(ValueError):
+        cb.plan(**_call(), check_device=False)
+
+
 def test_launch_shape():
     """Every configuration fits: threads a whole number of warps, shared memory within the SM, the
     per-SM CTA count at least one; 16384 takes 512 threads of 4 vectors."""
@@ -142,7 +154,7 @@ def compiled(request, tmp_path_factory):
     old = os.environ.get("CUTE_DSL_ARCH")
     os.environ["CUTE_DSL_ARCH"] = "sm_90a"
     try:
-        cb.compile_kernel(("bf16", "fp32", N, rms, bias, dres, dres, False), dump_dir=str(d))
+        cb.compile_kernel(("bf16", "fp32", N, rms, bias, dres, dres, False, 512), dump_dir=str(d))
     finally:
         if old is None:
             os.environ.pop("CUTE_DSL_ARCH")
@@ -252,13 +264,15 @@ def test_gpu_matches_reference(monkeypatch, M, N, is_rms_norm, residual):
 
 @pytest.mark.gpu
 def test_gpu_served_and_partials_rows(monkeypatch):
-    """A served call runs the CuTeDSL kernel (its cache gains the key) and a new row count reuses it."""
+    """Served calls run the CuTeDSL kernel, and a new row count reuses the compiled kernel (symbolic M)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("sm_90 only")
     monkeypatch.setenv("FLASH_ATTN_LN_CUTE_BWD", "1")
+    calls, launch = [], cb.launch
+    monkeypatch.setattr(cb, "launch", lambda *a: (calls.append(a[0]), launch(*a))[1])
     for M in (5, 777):
         x, w, b, res = _gpu_case(M, 16384, False, False)
         dy = torch.randn(M, 16384, device="cuda", dtype=torch.bfloat16)
         _grads(x, w, b, res, False, dy, None)
-    keys = [k for k in cb._kernels if k[2] == 16384 and not k[3]]
-    assert len(keys) == 1, keys
+    assert len(calls) == 2 and calls[0] == calls[1]
+    assert calls[0] in cb._kernels

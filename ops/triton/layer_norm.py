@@ -913,7 +913,7 @@ def _ln_bwd_cute(x, weight, weight1, dy, dy1, dresidual_out, rowscale, rng_state
             if t is not None:
                 t.zero_()
         return True
-    P = cute_bwd.programs(M, N, db is not None, num_sms(x.device))
+    P = cute_bwd.programs(M, N, db is not None, num_sms(x.device), key[-1])
     parts = iter(torch.empty((1 + (db is not None), P, N), device=x.device, dtype=torch.float32).unbind(0))
     dw_part = next(parts)
     db_part = next(parts) if db is not None else None
