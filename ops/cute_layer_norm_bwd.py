@@ -7,8 +7,9 @@ in shared memory (fp32, N each: 128 KB for LayerNorm at 16384 of the 227 KB), so
 row being worked on and the next one. Shared-memory accumulator and weight accesses are volatile
 ld/st.shared.v4 (ordered among themselves, so ptxas does not hoist a whole row of them into registers),
 and pass 2 reads x and dy through an opaque copy so their fp32 conversions are redone after the barrier
-instead of living across it. ptxas -v (sm_90a, 13.0): no spills up to 12288 in the tested configurations,
-16-24 bytes of spill at 16384 (128-register cap at 512 threads; tests/test_layer_norm_cute.py bounds it).
+instead of living across it. ptxas -v (sm_90a, 13.0), 512 threads: 0-16 bytes of spill up to 12288, 16-24
+at 16384 (the 128-register cap), all of it a few loop-invariant words: at most 5 local loads/stores per
+row iteration in the SASS (tests/test_layer_norm_cute.py bounds both).
 
 Layout: persistent CTAs (every resident slot, at most one per row) of at most 512 threads, each owning
 a contiguous block of rows; a thread holds K = vectors(N) 16-byte vectors (8 columns each) of x and of dy
@@ -322,13 +323,20 @@ class LnBwdSm90:
                     sRed[buf, 0, warp] = a
                     sRed[buf, 1, warp] = b
                 cute.arch.sync_threads()
-                # Every thread adds the warps' sums in the same order: identical c1, c2 in all threads.
+                # Lane w of every warp takes warp w's sums (0 past the last warp) and a full butterfly
+                # adds them: one load and two registers instead of W loads in flight. Partners add the
+                # same two values at every level (a + b == b + a in fp32), so every lane of every warp
+                # ends with bitwise the same c1, c2.
                 a = Float32(0.0)
                 b = Float32(0.0)
-                for w in cutlass.range_constexpr(W):
-                    a = a + sRed[buf, 0, w]
+                if lane < W:
+                    a = sRed[buf, 0, lane]
                     if cutlass.const_expr(not self.is_rms):
-                        b = b + sRed[buf, 1, w]
+                        b = sRed[buf, 1, lane]
+                for i in cutlass.range_constexpr(5):
+                    a = a + cute.arch.shuffle_sync_bfly(a, offset=1 << i)
+                    if cutlass.const_expr(not self.is_rms):
+                        b = b + cute.arch.shuffle_sync_bfly(b, offset=1 << i)
                 buf = 1 - buf
                 c1 = a * rstd * inv_n  # sum(xhat * g) / N = rstd * sum((x - mean) * g) / N
                 c2 = b * inv_n
