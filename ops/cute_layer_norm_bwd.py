@@ -60,6 +60,15 @@ def _cutedsl_importable() -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=None)
+def _tvm_ffi_ok() -> bool:
+    try:
+        from flash_attn.cute.interface import _tvm_ffi
+    except Exception:  # flash-attn-4 (flash_attn.cute) not importable
+        return False
+    return _tvm_ffi()
+
+
 def _same(dtype, *tensors) -> bool:
     return all(t is None or t.dtype == dtype for t in tensors)
 
@@ -92,9 +101,7 @@ def plan(x, weight, weight1, dy, dy1, dresidual_out, rowscale, dropout_p, mean, 
     if check_device:
         if not x.is_cuda or torch.cuda.get_device_capability(x.device) != (9, 0) or not _cutedsl_importable():
             return None
-        from flash_attn.cute.interface import _tvm_ffi
-
-        if not _tvm_ffi():  # the launch passes torch tensors straight through TVM-FFI
+        if not _tvm_ffi_ok():  # the launch passes torch tensors straight through TVM-FFI
             return None
     return (_dtype_name(dt), _dtype_name(weight.dtype), N, bool(is_rms_norm), db is not None,
             dresidual_out is not None, dresidual_in is not None, bool(zero_centered_weight), mt)
@@ -432,16 +439,27 @@ def compile_kernel(key, arch="sm_90a", dump_dir=None):
 
 
 _kernels: dict = {}
+_failed: dict = {}  # key -> the compile error, so a failing key is tried once
 
 
 def kernel(key):
     """The compiled kernel for ``key``, compiled on first use (in memory; rows are symbolic, so one per
-    key)."""
+    key); None when compiling it failed (warned once; the caller falls back to Triton)."""
     fn = _kernels.get(key)
     if fn is None:
+        if key in _failed:
+            return None
         from flash_attn.cute.interface import _ffi_function
 
-        fn = _kernels[key] = _ffi_function(compile_kernel(key))
+        try:
+            fn = _kernels[key] = _ffi_function(compile_kernel(key))
+        except Exception as e:  # a CuTeDSL version the kernel does not compile with: keep training
+            import warnings
+
+            _failed[key] = e
+            warnings.warn(f"FLASH_ATTN_LN_CUTE_BWD: compiling the norm backward for {key} failed "
+                          f"({type(e).__name__}: {e}); using the Triton backward")
+            return None
     return fn
 
 

@@ -101,6 +101,24 @@ def test_cpu_tensors_take_the_old_path(monkeypatch):
         assert torch.equal(p, q)
 
 
+def test_compile_failure_falls_back(monkeypatch):
+    """A key that does not compile warns once and returns None (the caller runs Triton), never retried."""
+    pytest.importorskip("flash_attn.cute.interface")
+    tries = []
+
+    def broken(key, **kw):
+        tries.append(key)
+        raise RuntimeError("no")
+
+    monkeypatch.setattr(cb, "compile_kernel", broken)
+    monkeypatch.setattr(cb, "_kernels", {})
+    monkeypatch.setattr(cb, "_failed", {})
+    key = ("bf16", "fp32", 4096, False, True, False, False, False, 512)
+    with pytest.warns(UserWarning, match="using the Triton backward"):
+        assert cb.kernel(key) is None
+    assert cb.kernel(key) is None and tries == [key]
+
+
 def test_threads_knob(monkeypatch):
     monkeypatch.setenv("FLASH_ATTN_LN_CUTE_BWD_THREADS", "1024")
     assert cb.plan(**_call(), check_device=False)[-1] == 1024

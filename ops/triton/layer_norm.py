@@ -905,7 +905,7 @@ def _ln_bwd_cute(x, weight, weight1, dy, dy1, dresidual_out, rowscale, rng_state
 
     key = cute_bwd.plan(x, weight, weight1, dy, dy1, dresidual_out, rowscale, dropout_p, mean, rstd, dx, dx1,
                         dresidual_in, db, is_rms_norm, zero_centered_weight)
-    if key is None:
+    if key is None or (x.shape[0] > 0 and cute_bwd.kernel(key) is None):
         return False
     M, N = x.shape
     if M == 0:
