@@ -3,8 +3,8 @@
 Why: the Triton backward (ops/triton/layer_norm.py) keeps the dweight/dbias column accumulators in
 registers; at hidden 12288..16384 a row, its prefetch and two fp32 accumulators of N columns do not fit
 64 registers a thread, and the H200 measures 0.50-0.61 of copy bandwidth there. Here the accumulators live
-in shared memory (fp32, N each: 128 KB for LayerNorm at 16384 of the 227 KB), so registers hold only the
-row being worked on and the next one. Shared-memory accumulator and weight accesses are volatile
+in shared memory (fp32, N each, next to the fp32 weight: 192 KB for LayerNorm at 16384 of the 227 KB), so
+registers hold only the row being worked on and the next one. Shared-memory accumulator and weight accesses are volatile
 ld/st.shared.v4 (ordered among themselves, so ptxas does not hoist a whole row of them into registers),
 and pass 2 reads x and dy through an opaque copy so their fp32 conversions are redone after the barrier
 instead of living across it. ptxas -v (sm_90a, 13.0), 512 threads: 0-16 bytes of spill up to 12288, 16-24
@@ -28,7 +28,9 @@ current row's reduction so the loads overlap it.
 
 Served (``plan`` returns a key, else None and the Triton path runs): CUDA sm_90, x / dy / dx (and
 dresidual_out / dresidual_in) all bf16 or all fp16, weight bf16/fp16/fp32, 4096 <= N <= 16384 with
-vectors(N) defined (N a multiple of 8 * 32 * K for some K <= 4), no dropout, rowscale, x1, weight1. Off unless FLASH_ATTN_LN_CUTE_BWD=1 (never run on a GPU yet).
+vectors(N) defined (N a multiple of 8 * 32 * K for some K <= 4), no dropout, rowscale, x1, weight1.
+Off unless FLASH_ATTN_LN_CUTE_BWD=1 (never run on a GPU yet). Compiled per key in memory on first use
+(about 2 s; no disk cache), rows symbolic.
 """
 import functools
 import os
