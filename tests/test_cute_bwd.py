@@ -812,10 +812,10 @@ def test_gradients_with_per_warpgroup_dq_on_gpu(cute_bwd_on, monkeypatch, d, cau
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(17, 17), (255, 255), (1000, 1000), (2048, 2048), (113, 203),
                                                (256, 77), (1, 130)])
-def test_gradients_with_tma_dq_on_gpu(cute_bwd_on, monkeypatch, d, causal, seqlen_q, seqlen_k):
-    # the FLASH_ATTN_CUTE_BWD_DQ_TMA=1 variant: dQ tiles added by TMA reduce-add (rows past Sq dropped by
-    # the TMA unit; the tile is written one query block before its add is issued)
-    monkeypatch.setenv("FLASH_ATTN_CUTE_BWD_DQ_TMA", "1")
+def test_gradients_with_atomic_dq_on_gpu(cute_bwd_on, monkeypatch, d, causal, seqlen_q, seqlen_k):
+    # the FLASH_ATTN_CUTE_BWD_DQ_TMA=0 variant: dQ added by per-thread red.global.add.v2.f32 (the default,
+    # the TMA reduce-add, runs in every other gradient test)
+    monkeypatch.setenv("FLASH_ATTN_CUTE_BWD_DQ_TMA", "0")
     monkeypatch.setattr(interface, "_bwd_kernels", {})
     _run(torch.bfloat16, d, causal, 2, seqlen_q, seqlen_k, 4, 2, cute_bwd_on, seed=4)
 
