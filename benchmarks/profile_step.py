@@ -25,17 +25,34 @@ from torch.autograd import DeviceType  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 
-def report(prof, wall_s, label, steps, rows=35):
-    # Only the GPU-side rows (kernels, memcpy/memset): CPU ops carry their kernels' time too.
-    events = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
-    busy_us = sum(e.self_device_time_total for e in events)
-    print(f"\n## {label}: wall {1e3 * wall_s / steps:.2f} ms per step, GPU kernels {busy_us / 1e3 / steps:.2f} ms "
-          f"per step ({100 * busy_us / 1e6 / wall_s:.0f}% busy)")
-    events.sort(key=lambda e: -e.self_device_time_total)
+def report(prof, wall_s, label, steps, rows=35, plain_ms=None):
+    # GPU-side rows only (kernels, memcpy/memset): CPU ops carry their kernels' time too, and user
+    # annotations (e.g. "Optimizer.step#AdamW.step") span kernels that are already counted.
+    events = [e for e in prof.events() if e.device_type == DeviceType.CUDA
+              and not getattr(e, "is_user_annotation", False) and e.time_range.end > e.time_range.start]
+    busy_us = sum(e.time_range.end - e.time_range.start for e in events)
+    # Kernels of one stream do not overlap, so the union of their intervals against the span from the
+    # first kernel's start to the last one's end is the time the GPU sat idle waiting for the host.
+    span_us = idle_us = 0.0
+    if events:
+        events.sort(key=lambda e: e.time_range.start)
+        end = events[0].time_range.start
+        for e in events:
+            if e.time_range.start > end:
+                idle_us += e.time_range.start - end
+            end = max(end, e.time_range.end)
+        span_us = end - events[0].time_range.start
+    plain = f"; unprofiled {plain_ms:.2f} ms per step" if plain_ms is not None else ""
+    print(f"\n## {label}: wall {1e3 * wall_s / steps:.2f} ms per step (profiled){plain}, GPU kernels "
+          f"{busy_us / 1e3 / steps:.2f} ms per step, GPU idle between kernels {idle_us / 1e3 / steps:.2f} ms per "
+          f"step of a {span_us / 1e3 / steps:.2f} ms span")
+    by_key = {}
+    for e in events:
+        n, t = by_key.get(e.name, (0, 0.0))
+        by_key[e.name] = (n + 1, t + e.time_range.end - e.time_range.start)
     print("| kernel | calls/step | ms/step | share |\n|---|---:|---:|---:|")
-    for e in events[:rows]:
-        print(f"| {e.key[:90]} | {e.count / steps:.0f} | {e.self_device_time_total / 1e3 / steps:.3f} | "
-              f"{100 * e.self_device_time_total / busy_us:.1f}% |")
+    for name, (n, t) in sorted(by_key.items(), key=lambda kv: -kv[1][1])[:rows]:
+        print(f"| {name[:90]} | {n / steps:.0f} | {t / 1e3 / steps:.3f} | {100 * t / busy_us:.1f}% |")
 
 
 def host_us(fn, calls=200):
@@ -53,13 +70,18 @@ def host_us(fn, calls=200):
 def profiled(fn, steps, label):
     fn()
     torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    torch.cuda.synchronize()
+    plain_ms = (time.perf_counter() - t0) / steps * 1e3
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
         for _ in range(steps):
             fn()
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
-    report(prof, wall, label, steps)
+    report(prof, wall, label, steps, plain_ms=plain_ms)
 
 
 def train(argv):
