@@ -256,6 +256,38 @@ def test_overlap_config_key_and_refusals(monkeypatch):
 
 
 # ----------------------------------------------------------------------------------------------------
+# FLASH_ATTN_CUTE_BWD_LPT: the grouped longest-first CTA order
+
+
+@pytest.mark.parametrize("n_blocks,heads,batches,lpt", [(16, 16, 8, 128), (8, 5, 3, 16), (64, 4, 2, 128),
+                                                        (3, 7, 1, 1), (1, 2, 2, 1000), (5, 3, 3, 12)])
+def test_lpt_order_covers_every_tile_once_longest_first_per_group(n_blocks, heads, batches, lpt):
+    from flash_attn.cute.flash_bwd_sm90 import lpt_tile
+
+    pairs = heads * batches
+    tiles = [lpt_tile(i, n_blocks, heads, batches, lpt) for i in range(n_blocks * pairs)]
+    assert sorted(tiles) == sorted((n, h, b) for n in range(n_blocks) for h in range(heads) for b in range(batches))
+    g = max(min(lpt // n_blocks, pairs), 1)
+    for start in range(0, n_blocks * pairs, g * n_blocks):  # inside a group: key block 0 of every pair first
+        blocks = [t[0] for t in tiles[start:start + g * n_blocks]]
+        assert blocks == sorted(blocks) and blocks[0] == 0
+
+
+def test_lpt_config_key_and_one_dimensional_grid(tmp_path, monkeypatch):
+    """The option is in the cache key only when set (the default kernels keep their disk entries), and
+    its kernel reads only blockIdx.x (the 1-D grid) where the default reads blockIdx.y for the head."""
+    monkeypatch.delenv("FLASH_ATTN_CUTE_BWD_LPT", raising=False)
+    base = interface._bwd_config(torch.bfloat16, 64, True, "sm_90a")
+    assert "lpt" not in base and interface._BWD_LPT == 0
+    monkeypatch.setenv("FLASH_ATTN_CUTE_BWD_LPT", "128")
+    assert interface._bwd_config(torch.bfloat16, 64, True, "sm_90a") == {**base, "lpt": 128}
+    text, _ = _compile_ptx(tmp_path, monkeypatch, 64, True, FLASH_ATTN_CUTE_BWD_LPT="128")
+    assert "%ctaid.y" not in text and "%ctaid.z" not in text and "%ctaid.x" in text
+    base_text, _ = _compile_ptx(tmp_path, monkeypatch, 64, True, FLASH_ATTN_CUTE_BWD_LPT="0")
+    assert "%ctaid.y" in base_text
+
+
+# ----------------------------------------------------------------------------------------------------
 # Layouts (trace-time CuTe algebra, no GPU)
 
 
@@ -833,6 +865,23 @@ def test_gradients_with_overlap_on_gpu(cute_bwd_on, monkeypatch, d, causal, seql
     monkeypatch.setenv("FLASH_ATTN_CUTE_BWD_OVERLAP", "1")
     monkeypatch.setattr(interface, "_bwd_kernels", {})
     _run(torch.bfloat16, d, causal, 2, seqlen_q, seqlen_k, heads, heads_kv, cute_bwd_on, seed=5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("lpt", ["16", "128"])
+@pytest.mark.parametrize("batch,seqlen_q,seqlen_k,heads,heads_kv", [(3, 1000, 1000, 5, 5), (2, 2048, 2048, 6, 2),
+                                                                    (3, 113, 203, 5, 1), (1, 256, 77, 4, 4),
+                                                                    (2, 17, 17, 3, 3)])
+def test_gradients_with_lpt_order_on_gpu(cute_bwd_on, monkeypatch, d, causal, lpt, batch, seqlen_q, seqlen_k,
+                                         heads, heads_kv):
+    # FLASH_ATTN_CUTE_BWD_LPT: the 1-D grid in grouped longest-first order, groups of one or several
+    # (head, batch) pairs, a smaller last group (15 pairs in groups of 2)
+    monkeypatch.setenv("FLASH_ATTN_CUTE_BWD_LPT", lpt)
+    monkeypatch.setattr(interface, "_bwd_kernels", {})
+    _run(torch.bfloat16, d, causal, batch, seqlen_q, seqlen_k, heads, heads_kv, cute_bwd_on, seed=7)
 
 
 @pytest.mark.gpu

@@ -69,6 +69,21 @@ def _red_add_f32x2(ptr, a, b, *, loc=None, ip=None):
     cute.arch.red(ptr, pair, op="add", dtype=Float32, sem="relaxed", scope="gpu", loc=loc, ip=ip)
 
 
+def lpt_tile(lin, n_blocks, heads, batches, lpt):
+    """(key block, head, batch) of CTA ``lin`` of the 1-D grid in the grouped longest-first order (see
+    FlashBwdSm90's lpt): groups of g = max(1, lpt // n_blocks) (head, batch) pairs, the last group
+    possibly smaller; inside a group of `size` pairs CTA i is key block i // size of pair i % size. Plain
+    integer arithmetic: traced in the kernel, and callable on Python ints (tests)."""
+    pairs = heads * batches
+    g = cutlass.max(cutlass.min(lpt // n_blocks, pairs), 1)
+    group = lin // (g * n_blocks)
+    rem = lin - group * g * n_blocks
+    size = cutlass.min(g, pairs - group * g)
+    n_block = rem // size
+    pair = group * g + rem - n_block * size
+    return n_block, pair % heads, pair // heads
+
+
 class FlashBwdSm90:
     """Compile-time configuration: dtype, head dim, causal, tile sizes and the Q/dO ring depth. Batch,
     sequence lengths, head counts, strides and the scale are runtime values of the compiled kernel."""
@@ -81,7 +96,7 @@ class FlashBwdSm90:
     CONSUMER_REGS = 240
 
     def __init__(self, dtype, head_dim, causal, block_m=64, block_n=128, num_stages=2, dq_split=True,
-                 dq_tma=False, overlap=False):
+                 dq_tma=False, overlap=False, lpt=0):
         """dq_split: the two warpgroups compute one dQ tile together, each its half of D over all BLOCK_N
         keys (a barrier of both per query block, since each reads the other's dS); else each computes
         dS K over its own 64 keys and both add into dq_accum (twice the atomic traffic, no barrier).
@@ -91,7 +106,9 @@ class FlashBwdSm90:
         else each thread adds its fragment with red.global.add.v2.f32.
         overlap: software-pipelined query loop: S^T and dP^T of the next query block are issued behind
         dK and dQ of this one and run while this block's dQ goes out (atomics or the smem tile); needs
-        num_stages >= 2 (stages j and j + 1 are held at once)."""
+        num_stages >= 2 (stages j and j + 1 are held at once).
+        lpt > 0: a 1-D grid in groups of (head, batch) pairs of about lpt CTAs each, key block slowest
+        within a group (longest first under a causal mask); 0: the (key block, head, batch) grid."""
         if head_dim not in (64, 128):
             raise ValueError(f"head dim {head_dim} not in (64, 128)")
         if dtype not in (cutlass.Float16, cutlass.BFloat16):
@@ -113,6 +130,9 @@ class FlashBwdSm90:
         if self.dq_tma and not self.dq_split:
             raise ValueError("dq_tma needs dq_split (the dS barrier of both warpgroups orders the dQ tile)")
         self.overlap = bool(overlap)
+        if lpt < 0:
+            raise ValueError(f"lpt {lpt} < 0")
+        self.lpt = int(lpt)
         if self.overlap and num_stages < 2:
             raise ValueError(f"overlap needs num_stages >= 2 (got {num_stages}): the consumers wait for the "
                              "next query block's stage while holding the current one")
@@ -224,6 +244,8 @@ class FlashBwdSm90:
                 cute.slice_(sdQ_layout, (None, None, 0)), (BM, D))
 
         grid = (cute.ceil_div(cute.size(mK, mode=[0]), BN), cute.size(mQ, mode=[2]), cute.size(mQ, mode=[3]))
+        if cutlass.const_expr(self.lpt > 0):
+            grid = (grid[0] * grid[1] * grid[2], 1, 1)
         self.kernel(tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma, tma_do, mdO_tma, tma_lse, mLSE2_tma,
                     tma_delta, mDelta_tma, mdQaccum, tma_dq, mdQ_tma, mdK, mdV, softmax_scale * LOG2_E,
                     softmax_scale, cute.size(mQ, mode=[0]), sQ_layout, sdO_layout, sK_layout, sV_layout,
@@ -248,7 +270,12 @@ class FlashBwdSm90:
                tiled_mma_sdp: cute.TiledMma,
                tiled_mma_dv: cute.TiledMma, tiled_mma_dk: cute.TiledMma, tiled_mma_dq: cute.TiledMma):
         dt, BM, BN, stages = self.dtype, self.block_m, self.block_n, self.num_stages
-        n_block, head, batch = cute.arch.block_idx()
+        if cutlass.const_expr(self.lpt > 0):
+            lin, _, _ = cute.arch.block_idx()
+            n_block, head, batch = lpt_tile(lin, cute.ceil_div(cute.size(mK, mode=[0]), BN), cute.size(mQ, mode=[2]),
+                                            cute.size(mQ, mode=[3]), self.lpt)
+        else:
+            n_block, head, batch = cute.arch.block_idx()
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         head_kv = head // (cute.size(mQ, mode=[2]) // cute.size(mK, mode=[2]))  # GQA / MQA

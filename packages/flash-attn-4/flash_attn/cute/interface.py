@@ -764,6 +764,11 @@ _BWD_DQ_TMA = {64: True, 128: True}  # per head dim
 # red.global dQ, but with the TMA dQ d64 within noise (2k causal 290 vs 292, 8k causal 397 vs 390) and
 # d128 3-8% slower: off.
 _BWD_OVERLAP = {64: False, 128: False}  # per head dim
+# CTA order: 0 keeps the grid (key block fastest, then head, then batch); N > 0 launches groups of
+# (head, batch) pairs of about N CTAs each with the key block slowest inside a group, so key block 0 (the
+# longest under a causal mask) of every pair in the group starts first and the grid ends on short CTAs,
+# while the CTAs in flight still share a few heads' Q, dO and dq_accum in L2. FLASH_ATTN_CUTE_BWD_LPT=N.
+_BWD_LPT = 0
 
 
 def _bwd_config(dtype, head_dim, causal, arch):
@@ -776,12 +781,15 @@ def _bwd_config(dtype, head_dim, causal, arch):
     dq_tma = dq_split and (_BWD_DQ_TMA.get(int(head_dim), False) if not tma else tma not in ("0", "false", "False"))
     ov = os.environ.get("FLASH_ATTN_CUTE_BWD_OVERLAP")
     overlap = _BWD_OVERLAP.get(int(head_dim), False) if not ov else ov not in ("0", "false", "False")
+    lpt = int(os.environ.get("FLASH_ATTN_CUTE_BWD_LPT") or _BWD_LPT)
     config = {"kernel": "FlashBwdSm90", "dtype": _DTYPE_NAMES.get(dtype, str(dtype)), "head_dim": int(head_dim),
               "causal": bool(causal), "block_m": block_m, "stages": stages, "dq_split": dq_split, "dq_tma": dq_tma,
               "arch": arch,
               "abi": "tvm-ffi-env-stream" if _tvm_ffi() else "cute"}
     if overlap:  # absent when off: the default kernels keep their disk cache keys
         config["overlap"] = True
+    if lpt > 0:
+        config["lpt"] = lpt
     return config
 
 
@@ -801,7 +809,8 @@ def compile_bwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None):
         raise ValueError(f"dtype {dtype} not fp16/bf16")
     kernel = FlashBwdSm90(_cutlass_dtype(dtype), int(head_dim), bool(causal), block_m=config["block_m"],
                           num_stages=config["stages"], dq_split=config["dq_split"],
-                          dq_tma=config["dq_tma"], overlap=config.get("overlap", False))
+                          dq_tma=config["dq_tma"], overlap=config.get("overlap", False),
+                          lpt=config.get("lpt", 0))
     D = kernel.head_dim
     # 32-bit symbolic shapes and strides, as in compile_fwd (backward() keeps tensors below 2^31 elements).
     batch, seqlen_q, seqlen_k, heads, heads_kv, seqlen_q_pad = (cute.sym_int() for _ in range(6))
