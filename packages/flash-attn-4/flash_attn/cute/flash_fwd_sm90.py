@@ -48,6 +48,13 @@ def _smem_layout(kind, dtype, shape, order=None):
     return cute.tile_to_shape(atom, shape, order=order or tuple(range(len(shape))))
 
 
+def _opaque(x):
+    """x (Int32) through a mov the compiler cannot see through: values computed from it are recomputed
+    where they are needed rather than kept live from an earlier identical computation."""
+    return Int32(llvm.inline_asm(T.i32(), [Int32(x).ir_value()], "mov.b32 $0, $1;", "=r,r",
+                                 has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
 def tile_coords(tile, num_m, num_hb, group, causal, minimum=min):
     """The persistent kernel's static tile order: (m_block, hb) of linear tile index ``tile`` among
     num_m query blocks x num_hb (head, batch) pairs, hb = head + heads * batch. Python ints or DSL
@@ -419,6 +426,10 @@ class FlashFwdSm90:
             if n_block_max <= 0:  # no key block (causal, Sq > Sk): Q was waited for, not yet released
                 q_pipe.consumer_release(q_state)
             q_state.advance()
+            # The epilogue's coordinates are recomputed from an opaque copy of the tile index: the ones
+            # above would otherwise stay live across the main loop (the one-tile kernel rereads them from
+            # blockIdx), which costs the 3-warpgroup kernels registers they do not have.
+            m_block, head, batch, _ = self._tile(_opaque(tile), sched, seqlen_q, seqlen_k)
             self._epilogue(mO, mLSE, acc_O, row_max, row_sum, tOcO, scale_log2, Float32(0.0), ctid, m_block,
                            head, batch, Int32(0), seqlen_q)
         if cutlass.const_expr(pingpong):
@@ -731,6 +742,13 @@ class FlashFwdSm90:
                     cute.arch.barrier_arrive(barrier_id=1, number_of_threads=n_threads_pp)
             # The first block: S = Q K^T, then its softmax (nothing to overlap with yet).
             k_pipe.consumer_wait(k_state)
+            if cutlass.const_expr(q_pipe is not None and self.num_mma_warpgroups == 2):
+                # S = Q K^T's WGMMA names acc_S as an input too (scale-d 0 ignores the values, the register
+                # constraint does not): in the persistent kernel the last tile's scores would be live
+                # through that tile's epilogue, and at d128 ptxas then serialises the WGMMAs (C7512).
+                # Not with three warpgroups: at their 160 registers ptxas spills 80 bytes with it (d64,
+                # no mask) and keeps the WGMMAs in order without it.
+                acc_S.fill(0.0)
             if cutlass.const_expr(pingpong):
                 cute.arch.barrier(barrier_id=1 + wg, number_of_threads=n_threads_pp)
             self._gemm_qk(tiled_mma_qk, acc_S, tSrQ, tSrK, k_state.index)
