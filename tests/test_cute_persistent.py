@@ -162,6 +162,9 @@ def test_persistent_ptx_has_the_kernels_instructions(persistent):
     assert len(_lines(text, f"wgmma.mma_async.sync.aligned.m64n{block_n}k16.f32.{ab}")) >= d // 16
     assert len(_lines(text, f"wgmma.mma_async.sync.aligned.m64n{d}k16.f32.{ab}")) >= block_n // 16
     assert len(_lines(text, "cp.async.bulk.tensor")) >= 3  # Q, K, V
+    if d == 128 or config.get("warpgroups", 2) == 3:  # P converted pairwise (FlashFwdSm90.pack_p), two sites
+        pair = "cvt.rn.bf16x2.f32" if dtype == torch.bfloat16 else "cvt.rn.f16x2.f32"
+        assert len(_lines(text, pair)) >= 2 * (block_n // 4)
     regs = FlashFwdSm90.REGS[config.get("warpgroups", 2)]
     assert _lines(text, "setmaxnreg.dec.sync.aligned.u32") == [f"setmaxnreg.dec.sync.aligned.u32 \t{regs[0]};"]
     assert _lines(text, "setmaxnreg.inc.sync.aligned.u32") == [f"setmaxnreg.inc.sync.aligned.u32 \t{regs[1]};"]

@@ -93,8 +93,9 @@ class FlashFwdSm90:
     PRODUCER_REGS, CONSUMER_REGS = REGS[2]
 
     UNBOUNDED = 1 << 30  # window size standing for "no limit on this side" (host passes it for -1)
-    # Bytes of K and V (all key rows of a head) that the persistent causal order keeps in flight
-    # together: FA3's scheduler budgets 32 MiB of the L2 (50 MiB on H100 / H200) for K and V.
+    # Bytes of K and V (all key rows of the KV heads of one causal section, see tile_coords) that the
+    # persistent order keeps in use together: FA3's scheduler budgets 32 MiB of the L2 (50 MiB on H100 /
+    # H200) for K and V (it also rounds its sections to a power of two heads; this one does not).
     L2_KV_BYTES = 32 << 20
 
     def __init__(self, dtype, head_dim, causal, local=False, softcap=False, varlen=False, block_m=None,
@@ -127,8 +128,10 @@ class FlashFwdSm90:
         # element-wise conversion leaves one 16-bit value per register and packs the pairs next to each
         # WGMMA, after its fence: at the 160-register budget ptxas then injects a warpgroup.arrive per
         # WGMMA (C7519, d64 BLOCK_N 96-112) or spills (BLOCK_N 128: 112 bytes); packed, d64 BLOCK_N 128
-        # is clean. Off for 2 warpgroups, whose SASS stays as measured.
-        self.pack_p = self.num_mma_warpgroups == 3
+        # is clean. Off for 2 warpgroups, whose SASS stays as measured; on in the persistent kernel at d128,
+        # where the element-wise conversion takes 2 F2FP per pair in the key-block loop (64, not 32; at
+        # d64 it stays at 32 and packing adds 12 instructions to the loop's steady-state path).
+        self.pack_p = self.num_mma_warpgroups == 3 or (bool(persistent) and head_dim == 128)
         self.dtype = dtype
         self.head_dim = head_dim
         self.causal = bool(causal) and not local  # a causal local window is local with right = 0
@@ -334,10 +337,11 @@ class FlashFwdSm90:
                           tiled_mma_pv: cute.TiledMma, num_m: Int32, num_hb: Int32, group: Int32,
                           num_tiles: Int32):
         """The persistent kernel (dense, causal or not): CTA b runs tiles b, b + G, b + 2G, ... below
-        num_tiles (G CTAs, G <= num_tiles; order: tile_coords, with num_m, num_hb and group). The pipeline states carry from tile to tile, so the producer loads the next
-        tile's K and V as soon as stages free up and its Q once the consumers' last S = Q K^T of the
-        current tile is done, under that tile's last P V and epilogue. O and lse go from registers to
-        global memory (no shared-memory O to guard between tiles)."""
+        num_tiles (G CTAs, G <= num_tiles; order: tile_coords, with num_m, num_hb and group). The
+        pipeline states carry from tile to tile, so the producer loads the next tile's K and V as soon as
+        stages free up and its Q once the consumers' last S = Q K^T of the current tile is done, under
+        that tile's last P V and epilogue. O and lse go from registers to global memory (no shared-memory
+        O to guard between tiles)."""
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
