@@ -348,7 +348,8 @@ def fwd_kernel(dtype, head_dim, causal, arch="sm_90a", local=False, softcap=Fals
     """The forward kernel for (dtype, head dim, causal, arch, local, softcap): from memory, else from the
     disk cache (``cache.cache_dir()``: $FLASH_ATTN_CUTE_CACHE, default ~/.cache/flash_attn_cute), else
     compiled and written there. A callable ``(q, k, v, out, lse, softmax_scale, softcap, window_left,
-    window_right)`` on torch tensors (varlen, sink: see compile_fwd)."""
+    window_right)`` on torch tensors (varlen, sink: see compile_fwd; a persistent kernel's callable adds
+    its last argument, the SM count of q's device, itself)."""
     mem_key = ((dtype, head_dim, bool(causal), arch, bool(local), bool(softcap)) + ((True,) if varlen else ())
                + (("sink",) if sink else ()))
     fn = _kernels.get(mem_key)
