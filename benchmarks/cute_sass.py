@@ -11,6 +11,7 @@ histogram (opcode without modifiers), with the kernel's total SASS size, so befo
                                                                            # needs ptxas (CUDA toolkit)
     python benchmarks/cute_sass.py 64 causal bwd [--hist]   # the backward (flash_bwd_sm90.py) instead,
                                                             # with the FLASH_ATTN_CUTE_BWD_* settings
+    FLASH_ATTN_CUTE_FWD_PERSISTENT=1 python benchmarks/cute_sass.py 128 --hist   # the persistent forward
     --hist: histogram and sizes only (no instruction order); --sass FILE: also write the SASS there;
     --path: also list the steady-state path's instructions
 """
@@ -81,15 +82,22 @@ def branch_target(ins):
 
 
 # The steady-state loop: the conditional backward BRA whose range [target, branch] holds the most HGMMAs
-# (unconditional backward BRAs are the returns from out-of-line spin-wait retries).
+# (unconditional backward BRAs are the returns from out-of-line spin-wait retries), among the innermost
+# such loops (the persistent kernel's tile loop holds the key-block loop).
 index = {a: i for i, (a, _) in enumerate(code)}
-best = None
+loops = []
 for i, (a, ins) in enumerate(code):
     t = branch_target(ins)
     if t is not None and t <= a and t in index and ins.startswith("@"):
         n = sum("HGMMA" in code[j][1] for j in range(index[t], i + 1))
-        if n and (best is None or n > best[0] or (n == best[0] and i - index[t] < best[2] - best[1])):
-            best = (n, index[t], i)
+        if n:
+            loops.append((n, index[t], i))
+best = None
+for n, lo_, hi_ in loops:
+    if any((l2, h2) != (lo_, hi_) and lo_ <= l2 and h2 <= hi_ for _, l2, h2 in loops):
+        continue  # holds another HGMMA loop
+    if best is None or n > best[0] or (n == best[0] and hi_ - lo_ < best[2] - best[1]):
+        best = (n, lo_, hi_)
 print("kernel: %d SASS instructions (%d without NOP)" % (len(code), sum(opcode(c[1]) != "NOP" for c in code)))
 if best is None:
     print("no loop with HGMMA found")

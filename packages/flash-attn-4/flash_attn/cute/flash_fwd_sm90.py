@@ -7,7 +7,10 @@ fp32 with exp2 (Milakov & Gimelshein 2018).
 Layouts seen by the kernel (views built on the host, no copies):
   mQ (Sq, D, H, B), mK (Sk, D, Hk, B), mV (Sk, D, Hk, B), mO (Sq, D, H, B), mLSE (Sq, H, B) fp32,
   mSink (H,) fp32 (kernels built with sink=True only).
-One CTA per (BLOCK_M query tile, head, batch). Not yet run on a GPU (see the package README).
+One CTA per (BLOCK_M query tile, head, batch); or, built with persistent=True (dense calls,
+FLASH_ATTN_CUTE_FWD_PERSISTENT=1), one CTA per SM looping over the tiles in a static order (causal: longest
+first within L2-sized sections of heads), the next tile's loads overlapping the current one's last blocks
+and epilogue (kernel_persistent). Not yet run on a GPU (see the package README).
 """
 import math
 
@@ -48,6 +51,32 @@ def _smem_layout(kind, dtype, shape, order=None):
     return cute.tile_to_shape(atom, shape, order=order or tuple(range(len(shape))))
 
 
+def _opaque(x):
+    """x (Int32) through a mov the compiler cannot see through: values computed from it are recomputed
+    where they are needed rather than kept live from an earlier identical computation."""
+    return Int32(llvm.inline_asm(T.i32(), [Int32(x).ir_value()], "mov.b32 $0, $1;", "=r,r",
+                                 has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+def tile_coords(tile, num_m, num_hb, group, causal, minimum=min):
+    """The persistent kernel's static tile order: (m_block, hb) of linear tile index ``tile`` among
+    num_m query blocks x num_hb (head, batch) pairs, hb = head + heads * batch. Python ints or DSL
+    integers (``minimum``: cutlass.min in the kernel). Without a mask the query blocks of one head are
+    consecutive, so the CTAs running at once share that head's K and V in L2. Causal: longest tiles
+    first (the last query block sees the most keys), within sections of ``group`` (head, batch) pairs
+    whose K and V fit in L2 together: in section order, then query block from the last down, then pair.
+    So every CTA's i-th tile comes from the same band of lengths and the cheapest tiles come last, where
+    they fill the tail of the last wave (with group >= num_hb: longest first over all pairs)."""
+    if causal:
+        span = group * num_m
+        section = tile // span
+        first = section * group
+        size = minimum(group, num_hb - first)  # the last section may be short
+        r = tile - section * span
+        return num_m - 1 - r // size, first + r % size
+    return tile % num_m, tile // num_m
+
+
 class FlashFwdSm90:
     """Compile-time configuration of the kernel: dtype, head dim, the mask (none, causal, or a local
     window whose sizes are runtime values), whether scores are soft-capped and whether each head has a
@@ -67,16 +96,22 @@ class FlashFwdSm90:
     PRODUCER_REGS, CONSUMER_REGS = REGS[2]
 
     UNBOUNDED = 1 << 30  # window size standing for "no limit on this side" (host passes it for -1)
+    # Bytes of K and V (all key rows of the KV heads of one causal section, see tile_coords) that the
+    # persistent order keeps in use together: FA3's scheduler budgets 32 MiB of the L2 (50 MiB on H100 /
+    # H200) for K and V (it also rounds its sections to a power of two heads; this one does not).
+    L2_KV_BYTES = 32 << 20
 
     def __init__(self, dtype, head_dim, causal, local=False, softcap=False, varlen=False, block_m=None,
                  block_n=128, num_stages=2, exp2_emu=0, exp2_emu_degree=3, sink=False, num_warpgroups=2,
-                 wg_order=True):
+                 wg_order=True, persistent=False):
         """exp2_emu: of every 16 softmax exponentials a thread computes, this many (0..16, spread evenly
         over its fragment) use a degree-exp2_emu_degree polynomial on the FMA pipe instead of MUFU.EX2
         (softmax_exp.py), to relieve the MUFU pipe. num_warpgroups: consumer warpgroups (2 or 3) of 64
         query rows each; block_m must be 64 * num_warpgroups (the default). wg_order=False: no named
         barriers between the consumer warpgroups (each keeps only its intra-warpgroup overlap), to
-        measure what the ping-pong / round robin buys."""
+        measure what the ping-pong / round robin buys. persistent: one CTA per SM loops over the tiles
+        (kernel_persistent; entry point call_persistent), dense calls only (no window, softcap, varlen or
+        sink)."""
         if not 0 <= exp2_emu <= 16 or exp2_emu_degree not in EXP2_POLY:
             raise ValueError(f"exp2_emu {exp2_emu} not in 0..16 or degree {exp2_emu_degree} not in "
                              f"{tuple(EXP2_POLY)}")
@@ -96,8 +131,10 @@ class FlashFwdSm90:
         # element-wise conversion leaves one 16-bit value per register and packs the pairs next to each
         # WGMMA, after its fence: at the 160-register budget ptxas then injects a warpgroup.arrive per
         # WGMMA (C7519, d64 BLOCK_N 96-112) or spills (BLOCK_N 128: 112 bytes); packed, d64 BLOCK_N 128
-        # is clean. Off for 2 warpgroups, whose SASS stays as measured.
-        self.pack_p = self.num_mma_warpgroups == 3
+        # is clean. Off for 2 warpgroups, whose SASS stays as measured; on in the persistent kernel at d128,
+        # where the element-wise conversion takes 2 F2FP per pair in the key-block loop (64, not 32; at
+        # d64 it stays at 32 and packing adds 12 instructions to the loop's steady-state path).
+        self.pack_p = self.num_mma_warpgroups == 3 or (bool(persistent) and head_dim == 128)
         self.dtype = dtype
         self.head_dim = head_dim
         self.causal = bool(causal) and not local  # a causal local window is local with right = 0
@@ -111,6 +148,9 @@ class FlashFwdSm90:
         self.exp2_emu = int(exp2_emu)
         self.exp2_emu_degree = int(exp2_emu_degree)
         self.num_threads = self.NUM_PRODUCER_THREADS + 128 * self.num_mma_warpgroups
+        self.persistent = bool(persistent)
+        if self.persistent and (self.local or self.softcap or self.varlen or self.sink):
+            raise ValueError("the persistent kernel is dense only (no window, softcap, varlen or sink)")
 
     # ------------------------------------------------------------------------------------------------
     # Host side: views, TMA descriptors, launch
@@ -134,7 +174,17 @@ class FlashFwdSm90:
         self._dense(mQ, mK, mV, mO, mLSE, softmax_scale, softcap, window_left, window_right, stream, mSink)
 
     @cute.jit
-    def _dense(self, mQ, mK, mV, mO, mLSE, softmax_scale, softcap, window_left, window_right, stream, mSink):
+    def call_persistent(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+                        mLSE: cute.Tensor, softmax_scale: Float32, softcap: Float32, window_left: Int32,
+                        window_right: Int32, stream, max_ctas: Int32):
+        """__call__ for a kernel built with persistent=True: min(tiles, max_ctas) CTAs loop over the
+        tiles (max_ctas >= 1: the SM count, as one CTA fills an SM's shared memory)."""
+        self._dense(mQ, mK, mV, mO, mLSE, softmax_scale, softcap, window_left, window_right, stream, None,
+                    max_ctas)
+
+    @cute.jit
+    def _dense(self, mQ, mK, mV, mO, mLSE, softmax_scale, softcap, window_left, window_right, stream, mSink,
+               max_ctas=None):
         # (B, S, H, D) -> (S, D, H, B): the first two modes are the tile, the others index the CTA.
         mQ = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 3, 2, 0]))
         mK = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2, 0]))
@@ -144,8 +194,19 @@ class FlashFwdSm90:
         mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
         grid = (cute.ceil_div(cute.size(mQ, mode=[0]), self.block_m), cute.size(mQ, mode=[2]),
                 cute.size(mQ, mode=[3]))
+        sched = None
+        if cutlass.const_expr(max_ctas is not None):
+            # The persistent kernel's schedule (tile_coords), as kernel parameters: they stay in the
+            # constant bank instead of taking consumer registers across the main loop. (head, batch)
+            # pairs per causal section: as many KV heads as fit in L2_KV_BYTES (at least one), each
+            # serving H / Hk query heads; a constant // Sk, so no 32-bit overflow.
+            num_m, heads, batch = grid
+            group = cutlass.max(self.L2_KV_BYTES // (2 * self.head_dim * self.dtype.width // 8)
+                                // cute.size(mK, mode=[0]), 1) * (heads // cute.size(mK, mode=[2]))
+            sched = (num_m, heads * batch, group, num_m * heads * batch)
+            grid = (cutlass.min(sched[3], max_ctas), 1, 1)
         self._launch(mQ, mK, mVt, mO, mLSE, None, None, None, softmax_scale, softcap, window_left,
-                     window_right, grid, stream, mSink)
+                     window_right, grid, stream, mSink, sched)
 
     @cute.jit
     def call_varlen(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
@@ -185,7 +246,7 @@ class FlashFwdSm90:
 
     @cute.jit
     def _launch(self, mQ, mK, mVt, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, softmax_scale, softcap,
-                window_left, window_right, grid, stream, mSink):
+                window_left, window_right, grid, stream, mSink, sched=None):
         """Views are (S, D, H, B) for Q/K/O, (D, S, H, B) for V, (S, H, B) for the lse."""
         dt, D, BM, BN = self.dtype, self.head_dim, self.block_m, self.block_n
         K_SW128 = warpgroup.SmemLayoutAtomKind.K_SW128
@@ -224,9 +285,14 @@ class FlashFwdSm90:
         if cutlass.const_expr(self.softcap):
             score_scale = softmax_scale / softcap
             scale_log2 = Float32(LOG2_E)
-        self.kernel(tma_q, mQ_tma, tma_k, mK_tma, tma_v, mVt_tma, mO, mLSE, mSink, mCuSeqlensQ, mCuSeqlensK,
-                    mSeqUsedK, scale_log2, score_scale, softcap, window_left, window_right, sQ_layout,
-                    sK_layout, sVt_layout, tiled_mma_qk, tiled_mma_pv).launch(
+        kernel = self.kernel
+        sched_args = ()
+        if cutlass.const_expr(self.persistent):
+            kernel = self.kernel_persistent
+            sched_args = sched
+        kernel(tma_q, mQ_tma, tma_k, mK_tma, tma_v, mVt_tma, mO, mLSE, mSink, mCuSeqlensQ, mCuSeqlensK,
+               mSeqUsedK, scale_log2, score_scale, softcap, window_left, window_right, sQ_layout,
+               sK_layout, sVt_layout, tiled_mma_qk, tiled_mma_pv, *sched_args).launch(
             grid=grid, block=(self.num_threads, 1, 1), stream=stream,
             # .minnctapersm 1 pins the register count at entry (65536 / 512 threads): a 3-warpgroup
             # kernel that needs fewer registers (d64 BLOCK_N 64) otherwise has setmaxnreg ignored
@@ -264,6 +330,119 @@ class FlashFwdSm90:
                       m_block, head, batch, Int32(0), Int32(0), cute.size(mQ, mode=[0]),
                       cute.size(mK, mode=[0]))
 
+    @cute.kernel
+    def kernel_persistent(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor,
+                          tma_v: cute.CopyAtom, mVt: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, mSink,
+                          mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, scale_log2: Float32, score_scale: Float32,
+                          softcap: Float32, window_left: Int32, window_right: Int32,
+                          sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+                          sVt_layout: cute.ComposedLayout, tiled_mma_qk: cute.TiledMma,
+                          tiled_mma_pv: cute.TiledMma, num_m: Int32, num_hb: Int32, group: Int32,
+                          num_tiles: Int32):
+        """The persistent kernel (dense, causal or not): CTA b runs tiles b, b + G, b + 2G, ... below
+        num_tiles (G CTAs, G <= num_tiles; order: tile_coords, with num_m, num_hb and group). The
+        pipeline states carry from tile to tile, so the producer loads the next tile's K and V as soon as
+        stages free up and its Q once the consumers' last S = Q K^T of the current tile is done, under
+        that tile's last P V and epilogue. O and lse go from registers to global memory (no shared-memory
+        O to guard between tiles)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_q)
+            cpasync.prefetch_descriptor(tma_k)
+            cpasync.prefetch_descriptor(tma_v)
+        sQ, sK, sVt, q_pipe, k_pipe, v_pipe = self._shared(sQ_layout, sK_layout, sVt_layout)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        seqlen_q = cute.size(mQ, mode=[0])
+        seqlen_k = cute.size(mK, mode=[0])
+        heads = cute.size(mQ, mode=[2])
+        qheads_per_kv = heads // cute.size(mK, mode=[2])
+        sched = (num_m, heads, num_hb, group, num_tiles)
+
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if tidx == 0:
+                q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+                k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+                v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+                bid, _, _ = cute.arch.block_idx()
+                num_ctas, _, _ = cute.arch.grid_dim()
+                for tile in cutlass.range(bid, num_tiles, num_ctas, unroll=1):
+                    m_block, head, batch, n_block_max = self._tile(tile, sched, seqlen_q, seqlen_k)
+                    q_state, k_state, v_state = self._produce(
+                        tma_q, mQ, tma_k, mK, tma_v, mVt, sQ, sK, sVt, q_pipe, k_pipe, v_pipe, m_block, head,
+                        head // qheads_per_kv, batch, Int32(0), Int32(0), Int32(0), n_block_max,
+                        states=(q_state, k_state, v_state))
+        else:
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            self._consume_persistent(mO, mLSE, sQ, sK, sVt, q_pipe, k_pipe, v_pipe, tiled_mma_qk, tiled_mma_pv,
+                                     scale_log2, tidx - self.NUM_PRODUCER_THREADS, sched, seqlen_q, seqlen_k)
+
+    def _tile(self, tile, sched, seqlen_q, seqlen_k):
+        """(m_block, head, batch, n_block_max) of the persistent kernel's tile index (trace time)."""
+        num_m, heads, num_hb, group, _ = sched
+        m_block, hb = tile_coords(tile, num_m, num_hb, group, self.causal, minimum=cutlass.min)
+        n_block_max = cute.ceil_div(seqlen_k, self.block_n)
+        if cutlass.const_expr(self.causal):
+            last_col = (m_block + 1) * self.block_m + seqlen_k - seqlen_q  # as in _cta
+            n_block_max = cutlass.min(n_block_max, cute.ceil_div(cutlass.max(last_col, 0), self.block_n))
+        return m_block, hb % heads, hb // heads, n_block_max
+
+    @cute.jit
+    def _consume_persistent(self, mO, mLSE, sQ, sK, sVt, q_pipe, k_pipe, v_pipe, tiled_mma_qk, tiled_mma_pv,
+                            scale_log2, ctid, sched, seqlen_q, seqlen_k):
+        """_consume over the CTA's tiles. Named barriers: the turn to issue GEMMs (see _consume) keeps
+        circulating across tile boundaries, as every warpgroup runs the same blocks of the same tiles:
+        the last warpgroup hands warpgroup 0 the first turn once, before the first tile; each warpgroup
+        then passes it on after every block, the last one included (so warpgroup 0 can start its next
+        tile while the others finish theirs); warpgroup 0 takes the final turn back after the last tile,
+        so that every arrival meets a wait (per barrier: arrivals = waits = blocks run, + 1 on barrier 1)."""
+        BN = self.block_n
+        (wg, tSrQ, tSrK, tOrV, acc_S, acc_O, tScS, tOcO, rP, tOrP, row_max, row_sum,
+         corr) = self._fragments(tiled_mma_qk, tiled_mma_pv, sQ, sK, sVt, ctid)
+        pingpong = cutlass.const_expr(self.num_mma_warpgroups >= 2 and self.wg_order)
+        n_threads_pp = 2 * 128
+        turn_bar = (wg + 1) % self.num_mma_warpgroups + 1
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        tiled_mma_pv.set(warpgroup.Field.ACCUMULATE, True)
+        if cutlass.const_expr(pingpong):
+            if wg == self.num_mma_warpgroups - 1:
+                cute.arch.barrier_arrive(barrier_id=1, number_of_threads=n_threads_pp)
+
+        bid, _, _ = cute.arch.block_idx()
+        num_ctas, _, _ = cute.arch.grid_dim()
+        for tile in cutlass.range(bid, sched[4], num_ctas, unroll=1):
+            m_block, head, batch, n_block_max = self._tile(tile, sched, seqlen_q, seqlen_k)
+            acc_O.fill(0.0)
+            row_max.fill(-Float32.inf)
+            row_sum.fill(0.0)
+            n_block_mask_from = seqlen_k // BN  # see _consume
+            if cutlass.const_expr(self.causal):
+                n_block_mask_from = cutlass.min(
+                    n_block_mask_from, cutlass.max(m_block * self.block_m + seqlen_k - seqlen_q + 1, 0) // BN)
+            q_pipe.consumer_wait(q_state)
+            k_state, v_state = self._mainloop(
+                tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, acc_S, acc_O, tScS, rP, tOrP, row_max, row_sum,
+                corr, k_pipe, v_pipe, k_state, v_state, scale_log2, Float32(1.0), Float32(0.0), Int32(0),
+                Int32(0), m_block, seqlen_q, seqlen_k, Int32(0), n_block_max, Int32(0), n_block_mask_from, wg,
+                turn_bar, n_block_max, q_pipe=q_pipe, q_state=q_state)
+            if n_block_max <= 0:  # no key block (causal, Sq > Sk): Q was waited for, not yet released
+                q_pipe.consumer_release(q_state)
+            q_state.advance()
+            # The epilogue's coordinates are recomputed from an opaque copy of the tile index: the ones
+            # above would otherwise stay live across the main loop (the one-tile kernel rereads them from
+            # blockIdx), which costs the 3-warpgroup kernels registers they do not have.
+            m_block, head, batch, _ = self._tile(_opaque(tile), sched, seqlen_q, seqlen_k)
+            self._epilogue(mO, mLSE, acc_O, row_max, row_sum, tOcO, scale_log2, Float32(0.0), ctid, m_block,
+                           head, batch, Int32(0), seqlen_q)
+        if cutlass.const_expr(pingpong):
+            if wg == 0:
+                cute.arch.barrier(barrier_id=1, number_of_threads=n_threads_pp)
+
     @cute.jit
     def _cta(self, tma_q, mQ, tma_k, mK, tma_v, mVt, mO, mLSE, mSink, scale_log2, score_scale, softcap, window_left,
              window_right, sQ_layout, sK_layout, sVt_layout, tiled_mma_qk, tiled_mma_pv, m_block, head, batch,
@@ -280,27 +459,7 @@ class FlashFwdSm90:
             cpasync.prefetch_descriptor(tma_k)
             cpasync.prefetch_descriptor(tma_v)
 
-        smem = SmemAllocator()
-        q_bars = smem.allocate_array(cutlass.Int64, num_elems=2, byte_alignment=8)
-        k_bars = smem.allocate_array(cutlass.Int64, num_elems=2 * stages, byte_alignment=8)
-        v_bars = smem.allocate_array(cutlass.Int64, num_elems=2 * stages, byte_alignment=8)
-        sQ = smem.allocate_tensor(dt, sQ_layout.outer, byte_alignment=1024, swizzle=sQ_layout.inner)
-        sK = smem.allocate_tensor(dt, sK_layout.outer, byte_alignment=1024, swizzle=sK_layout.inner)
-        sVt = smem.allocate_tensor(dt, sVt_layout.outer, byte_alignment=1024, swizzle=sVt_layout.inner)
-
-        num_mma_warps = self.num_mma_warpgroups * 4
-        # Full barriers count the TMA bytes; empty barriers one arrival per consumer warp. K and V have
-        # their own pipelines: S = Q K^T starts when K has landed, and a K stage is free again as soon
-        # as S is computed, while V stays until P V is done.
-        def tma_pipe(bars, n, nbytes):
-            return pipeline.PipelineTmaAsync.create(
-                num_stages=n, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, num_mma_warps),
-                tx_count=nbytes, barrier_storage=bars, defer_sync=True)
-
-        q_pipe = tma_pipe(q_bars, 1, cute.size_in_bytes(dt, sQ_layout))
-        k_pipe = tma_pipe(k_bars, stages, cute.size_in_bytes(dt, cute.slice_(sK_layout, (None, None, 0))))
-        v_pipe = tma_pipe(v_bars, stages, cute.size_in_bytes(dt, cute.slice_(sVt_layout, (None, None, 0))))
+        sQ, sK, sVt, q_pipe, k_pipe, v_pipe = self._shared(sQ_layout, sK_layout, sVt_layout)
         # mbarrier inits must be visible to the async proxy (TMA) and to every thread before use.
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
@@ -330,9 +489,39 @@ class FlashFwdSm90:
                           tidx - self.NUM_PRODUCER_THREADS, m_block, head, batch, q_start, seqlen_q,
                           seqlen_k, n_block_min, n_block_max)
 
+    def _shared(self, sQ_layout, sK_layout, sVt_layout):
+        """The shared-memory tiles and the Q, K, V mbarrier pipelines (trace time; no control flow, so that
+        the kernels place these ops where they call it)."""
+        dt, stages = self.dtype, self.num_stages
+        smem = SmemAllocator()
+        q_bars = smem.allocate_array(cutlass.Int64, num_elems=2, byte_alignment=8)
+        k_bars = smem.allocate_array(cutlass.Int64, num_elems=2 * stages, byte_alignment=8)
+        v_bars = smem.allocate_array(cutlass.Int64, num_elems=2 * stages, byte_alignment=8)
+        sQ = smem.allocate_tensor(dt, sQ_layout.outer, byte_alignment=1024, swizzle=sQ_layout.inner)
+        sK = smem.allocate_tensor(dt, sK_layout.outer, byte_alignment=1024, swizzle=sK_layout.inner)
+        sVt = smem.allocate_tensor(dt, sVt_layout.outer, byte_alignment=1024, swizzle=sVt_layout.inner)
+
+        num_mma_warps = self.num_mma_warpgroups * 4
+        # Full barriers count the TMA bytes; empty barriers one arrival per consumer warp. K and V have
+        # their own pipelines: S = Q K^T starts when K has landed, and a K stage is free again as soon
+        # as S is computed, while V stays until P V is done.
+        def tma_pipe(bars, n, nbytes):
+            return pipeline.PipelineTmaAsync.create(
+                num_stages=n, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, num_mma_warps),
+                tx_count=nbytes, barrier_storage=bars, defer_sync=True)
+
+        q_pipe = tma_pipe(q_bars, 1, cute.size_in_bytes(dt, sQ_layout))
+        k_pipe = tma_pipe(k_bars, stages, cute.size_in_bytes(dt, cute.slice_(sK_layout, (None, None, 0))))
+        v_pipe = tma_pipe(v_bars, stages, cute.size_in_bytes(dt, cute.slice_(sVt_layout, (None, None, 0))))
+        return sQ, sK, sVt, q_pipe, k_pipe, v_pipe
+
     @cute.jit
     def _produce(self, tma_q, mQ, tma_k, mK, tma_v, mVt, sQ, sK, sVt, q_pipe, k_pipe, v_pipe, m_block,
-                 head, head_kv, batch, q_start, k_start, n_block_min, n_block_max):
+                 head, head_kv, batch, q_start, k_start, n_block_min, n_block_max, states=None):
+        """The TMA loads of one tile: Q, then K and V of each visible key block. states: the persistent
+        kernel's (q, k, v) producer states, carried from tile to tile and returned advanced past this tile
+        (None: the one-tile kernel, which starts them here)."""
         BM, BN, D = self.block_m, self.block_n, self.head_dim
         mQ_h = mQ[None, None, head, batch]
         mK_h = mK[None, None, head_kv, batch]
@@ -348,12 +537,20 @@ class FlashFwdSm90:
         tKsK, tKgK = _tma_tiles(tma_k, sK, gK)
         tVsV, tVgV = _tma_tiles(tma_v, sVt, gVt)
 
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        if cutlass.const_expr(states is None):
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        else:
+            q_state, k_state, v_state = states
         q_pipe.producer_acquire(q_state)
         cute.copy(tma_q, tQgQ[None, m_block], tQsQ, tma_bar_ptr=q_pipe.producer_get_barrier(q_state))
 
-        k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        if cutlass.const_expr(states is None):
+            k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+            v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        else:
+            # The single Q buffer is acquired again for the next tile only when every consumer warp has
+            # released it (after this tile's last S = Q K^T): the phase flips once per tile.
+            q_state.advance()
         for n_block in cutlass.range(n_block_min, n_block_max, unroll=1):
             k_pipe.producer_acquire(k_state)
             cute.copy(tma_k, tKgK[None, n_block], tKsK[None, k_state.index],
@@ -363,6 +560,7 @@ class FlashFwdSm90:
             cute.copy(tma_v, tVgV[None, n_block], tVsV[None, v_state.index],
                       tma_bar_ptr=v_pipe.producer_get_barrier(v_state))
             v_state.advance()
+        return q_state, k_state, v_state
 
     @cute.jit
     def _mask(self, acc_S, tScS, m_block, n_block, seqlen_q, seqlen_k, window_left, window_right):
@@ -433,39 +631,8 @@ class FlashFwdSm90:
         the warpgroups, named barriers pass the turn to issue GEMMs around (ping-pong with two, a round
         robin with three): one issues its GEMMs while the others do softmax."""
         dt, D, BM, BN = self.dtype, self.head_dim, self.block_m, self.block_n
-        thr_qk = tiled_mma_qk.get_slice(ctid)
-        thr_pv = tiled_mma_pv.get_slice(ctid)
-        # The shared-memory operands are the same for all 128 threads of a warpgroup: partition them
-        # with the warpgroup's first thread, a warp-uniform index, so that ptxas can build the WGMMA
-        # descriptors in uniform registers (with ctid it computes them per thread and moves each one
-        # with R2UR before every WGMMA).
-        wg = cute.arch.make_warp_uniform(ctid // 128)
-        wg_qk = tiled_mma_qk.get_slice(wg * 128)
-        wg_pv = tiled_mma_pv.get_slice(wg * 128)
-        tSrQ = tiled_mma_qk.make_fragment_A(wg_qk.partition_A(sQ))
-        tSrK = tiled_mma_qk.make_fragment_B(wg_qk.partition_B(sK))
-        tOrV = tiled_mma_pv.make_fragment_B(wg_pv.partition_B(sVt))
-        acc_S = cute.make_rmem_tensor(thr_qk.partition_shape_C((BM, BN)), Float32)
-        acc_O = cute.make_rmem_tensor(thr_pv.partition_shape_C((BM, D)), Float32)
-        acc_O.fill(0.0)
-        tScS = thr_qk.partition_C(cute.make_identity_tensor((BM, BN)))
-        tOcO = thr_pv.partition_C(cute.make_identity_tensor((BM, D)))
-        # The S accumulator's value order matches the register A operand of m64nDk16 when its N/8 column
-        # groups are split into (2, N/16) (checked by tests/test_cute_compile.py).
-        p_layout = cute.make_layout(((2, 2, 2), 1, BN // 16))
-        if cutlass.const_expr(self.pack_p):
-            # P as 32-bit registers of two values each, the A operand a view of them (see _to_p)
-            rP = cute.make_rmem_tensor((cute.size(acc_S) // 2,), Int32)
-            tOrP = cute.make_tensor(cute.recast_ptr(rP.iterator, dtype=dt), p_layout)
-        else:
-            rP = cute.make_rmem_tensor_like(acc_S, dt)
-            tOrP = cute.make_tensor(rP.iterator, p_layout)
-
-        row_max = cute.make_rmem_tensor((2,), Float32)
-        row_sum = cute.make_rmem_tensor((2,), Float32)
-        corr = cute.make_rmem_tensor((2,), Float32)
-        row_max.fill(-Float32.inf)
-        row_sum.fill(0.0)
+        (wg, tSrQ, tSrK, tOrV, acc_S, acc_O, tScS, tOcO, rP, tOrP, row_max, row_sum,
+         corr) = self._fragments(tiled_mma_qk, tiled_mma_pv, sQ, sK, sVt, ctid)
         # The head's sink logit, loaded now so that its global-memory latency hides behind the main loop.
         sink_log2 = Float32(0.0)
         if cutlass.const_expr(self.sink):
@@ -482,8 +649,6 @@ class FlashFwdSm90:
         # idle during the softmax; in a fixed rotation each warpgroup's softmax runs under the other two
         # warpgroups' GEMMs (2 of 3 slots, where ping-pong has 1 of 2), so a slower softmax (d64: a short
         # GEMM per exponential) still hides.
-        pingpong = cutlass.const_expr(self.num_mma_warpgroups >= 2 and self.wg_order)
-        n_threads_pp = 2 * 128
         last_wg = self.num_mma_warpgroups - 1
         # Turn passing (see _pass_turn), loop-invariant parts: warpgroup w arrives on barrier 1 + (w + 1)
         # mod NW after every block, except the last warpgroup after its last block (the turn it would
@@ -519,12 +684,78 @@ class FlashFwdSm90:
 
         # Wait for Q even when no key block is visible: the CTA must not exit with its TMA load in flight.
         q_pipe.consumer_wait(q_state)
+        self._mainloop(tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, acc_S, acc_O, tScS, rP, tOrP, row_max,
+                       row_sum, corr, k_pipe, v_pipe, k_state, v_state, scale_log2, score_scale, softcap,
+                       window_left, window_right, m_block, seqlen_q, seqlen_k, n_block_min, n_block_max,
+                       n_block_mask_below, n_block_mask_from, wg, turn_bar, turn_below)
+
+        self._epilogue(mO, mLSE, acc_O, row_max, row_sum, tOcO, scale_log2, sink_log2, ctid, m_block, head,
+                       batch, q_start, seqlen_q)
+
+    def _fragments(self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sVt, ctid):
+        """A consumer thread's operand views and accumulators, O zeroed and the softmax state reset
+        (trace time, no control flow)."""
+        dt, D, BM, BN = self.dtype, self.head_dim, self.block_m, self.block_n
+        thr_qk = tiled_mma_qk.get_slice(ctid)
+        thr_pv = tiled_mma_pv.get_slice(ctid)
+        # The shared-memory operands are the same for all 128 threads of a warpgroup: partition them
+        # with the warpgroup's first thread, a warp-uniform index, so that ptxas can build the WGMMA
+        # descriptors in uniform registers (with ctid it computes them per thread and moves each one
+        # with R2UR before every WGMMA).
+        wg = cute.arch.make_warp_uniform(ctid // 128)
+        wg_qk = tiled_mma_qk.get_slice(wg * 128)
+        wg_pv = tiled_mma_pv.get_slice(wg * 128)
+        tSrQ = tiled_mma_qk.make_fragment_A(wg_qk.partition_A(sQ))
+        tSrK = tiled_mma_qk.make_fragment_B(wg_qk.partition_B(sK))
+        tOrV = tiled_mma_pv.make_fragment_B(wg_pv.partition_B(sVt))
+        acc_S = cute.make_rmem_tensor(thr_qk.partition_shape_C((BM, BN)), Float32)
+        acc_O = cute.make_rmem_tensor(thr_pv.partition_shape_C((BM, D)), Float32)
+        acc_O.fill(0.0)
+        tScS = thr_qk.partition_C(cute.make_identity_tensor((BM, BN)))
+        tOcO = thr_pv.partition_C(cute.make_identity_tensor((BM, D)))
+        # The S accumulator's value order matches the register A operand of m64nDk16 when its N/8 column
+        # groups are split into (2, N/16) (checked by tests/test_cute_compile.py).
+        p_layout = cute.make_layout(((2, 2, 2), 1, BN // 16))
+        if cutlass.const_expr(self.pack_p):
+            # P as 32-bit registers of two values each, the A operand a view of them (see _to_p)
+            rP = cute.make_rmem_tensor((cute.size(acc_S) // 2,), Int32)
+            tOrP = cute.make_tensor(cute.recast_ptr(rP.iterator, dtype=dt), p_layout)
+        else:
+            rP = cute.make_rmem_tensor_like(acc_S, dt)
+            tOrP = cute.make_tensor(rP.iterator, p_layout)
+
+        row_max = cute.make_rmem_tensor((2,), Float32)
+        row_sum = cute.make_rmem_tensor((2,), Float32)
+        corr = cute.make_rmem_tensor((2,), Float32)
+        row_max.fill(-Float32.inf)
+        row_sum.fill(0.0)
+        return wg, tSrQ, tSrK, tOrV, acc_S, acc_O, tScS, tOcO, rP, tOrP, row_max, row_sum, corr
+
+    @cute.jit
+    def _mainloop(self, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, acc_S, acc_O, tScS, rP, tOrP, row_max,
+                  row_sum, corr, k_pipe, v_pipe, k_state, v_state, scale_log2, score_scale, softcap, window_left,
+                  window_right, m_block, seqlen_q, seqlen_k, n_block_min, n_block_max, n_block_mask_below,
+                  n_block_mask_from, wg, turn_bar, turn_below, q_pipe=None, q_state=None):
+        """One tile's key blocks [n_block_min, n_block_max) into acc_O / row_max / row_sum (see
+        _consume). Returns the K and V consumer states advanced past them. q_pipe / q_state (persistent
+        kernel): Q is released after the tile's last S = Q K^T, and the turn to issue GEMMs is not handed
+        to warpgroup 0 here (the caller did once, before its first tile)."""
+        pingpong = cutlass.const_expr(self.num_mma_warpgroups >= 2 and self.wg_order)
+        n_threads_pp = 2 * 128
+        last_wg = self.num_mma_warpgroups - 1
         if n_block_max > n_block_min:
-            if cutlass.const_expr(pingpong):
+            if cutlass.const_expr(pingpong and q_pipe is None):
                 if wg == last_wg:  # warpgroup 0 goes first: the last one hands it the first turn
                     cute.arch.barrier_arrive(barrier_id=1, number_of_threads=n_threads_pp)
             # The first block: S = Q K^T, then its softmax (nothing to overlap with yet).
             k_pipe.consumer_wait(k_state)
+            if cutlass.const_expr(q_pipe is not None and self.num_mma_warpgroups == 2):
+                # S = Q K^T's WGMMA names acc_S as an input too (scale-d 0 ignores the values, the register
+                # constraint does not): in the persistent kernel the last tile's scores would be live
+                # through that tile's epilogue, and at d128 ptxas then serialises the WGMMAs (C7512).
+                # Not with three warpgroups: at their 160 registers ptxas spills 80 bytes with it (d64,
+                # no mask) and keeps the WGMMAs in order without it.
+                acc_S.fill(0.0)
             if cutlass.const_expr(pingpong):
                 cute.arch.barrier(barrier_id=1 + wg, number_of_threads=n_threads_pp)
             self._gemm_qk(tiled_mma_qk, acc_S, tSrQ, tSrK, k_state.index)
@@ -568,15 +799,17 @@ class FlashFwdSm90:
                 self._to_p(acc_S, rP)
                 v_state.advance()
 
+            if cutlass.const_expr(q_pipe is not None):
+                # Every S = Q K^T of the tile is complete (the last wait_group(0) above): Q's buffer goes
+                # back to the producer, which loads the next tile's Q while this P V and the epilogue run.
+                q_pipe.consumer_release(q_state)
             # The last block's O += P V.
             v_pipe.consumer_wait(v_state)
             self._rescale(acc_O, corr)
             self._gemm_pv(tiled_mma_pv, acc_O, tOrP, tOrV, v_state.index)
             warpgroup.wait_group(0)
             v_pipe.consumer_release(v_state)
-
-        self._epilogue(mO, mLSE, acc_O, row_max, row_sum, tOcO, scale_log2, sink_log2, ctid, m_block, head,
-                       batch, q_start, seqlen_q)
+        return k_state, v_state
 
     @cute.jit
     def _to_p(self, acc_S, rP):

@@ -60,6 +60,10 @@ _FWD_WARPGROUPS_CAUSAL = {64: 2, 128: 2}
 # clean. _FWD3_BLOCK_N: dense calls; _FWD3_BLOCK_N_EXTRA: softcap, varlen or a window.
 _FWD3_BLOCK_N = {64: 128, 128: 64}
 _FWD3_BLOCK_N_EXTRA = {64: 96, 128: 64}
+# FLASH_ATTN_CUTE_FWD_PERSISTENT=1: dense calls (causal or not; no window, softcap, varlen or sink) run the
+# persistent forward (one CTA per SM looping over the tiles, causal ones longest first; see
+# FlashFwdSm90.kernel_persistent). Off by default: not yet run on a GPU. In the cache key only when on.
+_FWD_PERSISTENT = False
 
 
 def _cutlass_dtype(dtype):
@@ -102,13 +106,17 @@ def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varle
     emu_degree = int(os.environ.get("FLASH_ATTN_CUTE_EXP2_EMU_DEGREE") or 3)
     emu_cfg = ({"exp2_emu": emu, **({"exp2_emu_degree": emu_degree} if emu_degree != 3 else {})}
                if emu else {})
+    env = os.environ.get("FLASH_ATTN_CUTE_FWD_PERSISTENT")
+    persistent = (_FWD_PERSISTENT if not env else env not in ("0", "false", "False")) and not (
+        local or softcap or varlen or sink)
     return {"kernel": "FlashFwdSm90", "dtype": _DTYPE_NAMES.get(dtype, str(dtype)), "head_dim": int(head_dim),
             "stages": stages, **({"block_n": block_n} if block_n != 128 else {}), **emu_cfg,
             **({"warpgroups": warpgroups} if warpgroups != 2 else {}),
             **({"wg_order": False} if unordered else {}),
             "causal": bool(causal) and not local, "local": bool(local), "softcap": bool(softcap), "arch": arch,
             "abi": "tvm-ffi-env-stream" if _tvm_ffi() else "cute", **({"varlen": True} if varlen else {}),
-            **({"sink": True} if sink else {})}  # absent unless set: existing disk entries keep their keys
+            **({"sink": True} if sink else {}),
+            **({"persistent": True} if persistent else {})}  # absent unless set: existing disk entries keep their keys
 
 
 def _make_kernel(config):
@@ -121,7 +129,7 @@ def _make_kernel(config):
                         num_stages=config["stages"], block_n=config.get("block_n", 128),
                         exp2_emu=config.get("exp2_emu", 0), exp2_emu_degree=config.get("exp2_emu_degree", 3),
                         sink=config.get("sink", False), num_warpgroups=config.get("warpgroups", 2),
-                        wg_order=config.get("wg_order", True))
+                        wg_order=config.get("wg_order", True), persistent=config.get("persistent", False))
 
 
 def compile_fwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=False, softcap=False,
@@ -137,7 +145,8 @@ def compile_fwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=Fal
     cu_seqlens_k, seqused_k, max_seqlen_q, softmax_scale, softcap, window_left, window_right)`` with
     q/out (total_q, H, D), k/v (total_k, Hk, D), lse (H, total_q), int32 cu_seqlens (B + 1,) and
     seqused_k (B,). ``sink``: the call takes one more argument, last: the learnable sink, an fp32 (H,)
-    tensor."""
+    tensor. A persistent kernel (FLASH_ATTN_CUTE_FWD_PERSISTENT=1, dense calls) takes one more argument,
+    last: the most CTAs to launch (the SM count; ``fwd_kernel``'s callable adds it)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_tensor
@@ -181,10 +190,11 @@ def compile_fwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=Fal
     # (H,) with q's symbolic head count: the TVM-FFI wrapper checks that the sink has one entry per head.
     sink_arg = (make_fake_tensor(cutlass.Float32, (heads,), (1,), assumed_align=4),) if sink else ()
     entry = ((kernel.call_varlen_sink if sink else kernel.call_varlen) if varlen
-             else (kernel.call_sink if sink else kernel))
+             else (kernel.call_sink if sink else kernel.call_persistent if kernel.persistent else kernel))
+    ctas_arg = (cutlass.Int32(1),) if kernel.persistent else ()
     return cute.compile(entry, q, k, v, o, lse, *seq_args,
                         cutlass.Float32(1.0), cutlass.Float32(0.0), cutlass.Int32(0), cutlass.Int32(0), stream,
-                        *sink_arg, options=options)
+                        *sink_arg, *ctas_arg, options=options)
 
 
 def _ffi_function(compiled):
@@ -194,7 +204,7 @@ def _ffi_function(compiled):
     return (bare() if bare is not None else None) or compiled
 
 
-def _dlpack_launcher(compiled, sink=False):
+def _dlpack_launcher(compiled, sink=False, persistent=False):
     # The fallback when apache-tvm-ffi (a dependency of flash-attn-4) is missing: CuTe-ABI kernels take
     # CuTe tensors and an explicit stream, so each call wraps every tensor with from_dlpack (~30 us on a
     # CPU core) under the tensors' device. Kernels are not written to disk on this path: the entries
@@ -207,6 +217,9 @@ def _dlpack_launcher(compiled, sink=False):
         return from_dlpack(t.detach(), assumed_align=align).mark_layout_dynamic(leading_dim=t.dim() - 1)
 
     def launch(q, k, v, out, lse, *args):
+        ctas_arg = (cutlass.Int32(args[-1]),) if persistent else ()
+        if persistent:
+            args = args[:-1]
         sink_arg = (as_cute(args[-1], 4),) if sink else ()
         if sink:
             args = args[:-1]
@@ -217,7 +230,24 @@ def _dlpack_launcher(compiled, sink=False):
             stream = driver.CUstream(torch.cuda.current_stream().cuda_stream)
             compiled(as_cute(q, 16), as_cute(k, 16), as_cute(v, 16), as_cute(out, 16), as_cute(lse, 4), *seq,
                      cutlass.Float32(softmax_scale), cutlass.Float32(softcap), cutlass.Int32(window_left),
-                     cutlass.Int32(window_right), stream, *sink_arg)
+                     cutlass.Int32(window_right), stream, *sink_arg, *ctas_arg)
+
+    return launch
+
+
+_sm_counts: dict[int, int] = {}  # CUDA device index -> multiprocessor count
+
+
+def _persistent_launcher(fn):
+    """The dense call (q, k, v, out, lse, softmax_scale, softcap, window_left, window_right) of a persistent
+    kernel: appends its CTA limit, the SM count of q's device (one CTA per SM: its shared memory is
+    most of an SM's)."""
+    def launch(q, k, v, out, lse, *args):
+        index = q.get_device()
+        count = _sm_counts.get(index)
+        if count is None:
+            count = _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
+        return fn(q, k, v, out, lse, *args, count)
 
     return launch
 
@@ -229,7 +259,8 @@ def _entry(dtype, head_dim, causal, arch, local=False, softcap=False, varlen=Fal
     mask = "local" if config["local"] else "causal" if config["causal"] else "full"
     wg = f"-wg{config['warpgroups']}" if "warpgroups" in config else ""  # readable names; the key decides
     name = (f"fwd-{arch}-{config['dtype']}-d{config['head_dim']}-{mask}{'-softcap' if softcap else ''}"
-            f"{'-varlen' if varlen else ''}{'-sink' if sink else ''}{wg}-{key[:16]}")
+            f"{'-varlen' if varlen else ''}{'-sink' if sink else ''}{wg}"
+            f"{'-persistent' if config.get('persistent') else ''}-{key[:16]}")
     return config, key, name, f"flash_attn_cute_{key[:16]}"  # the symbol is unique per key
 
 
@@ -270,7 +301,9 @@ def load_or_build(dtype, head_dim, causal, arch="sm_90a", root=None, force=False
     needs no GPU; loading from disk needs neither a GPU nor the CuTeDSL compiler."""
     variant = dict(local=local, softcap=softcap, varlen=varlen, sink=sink)
     if not _tvm_ffi():
-        return _dlpack_launcher(compile_fwd(dtype, head_dim, causal, arch, **variant), sink), "compiled-dlpack"
+        persistent = _fwd_config(dtype, head_dim, causal, arch, **variant).get("persistent", False)
+        return (_dlpack_launcher(compile_fwd(dtype, head_dim, causal, arch, **variant), sink, persistent),
+                "compiled-dlpack")
     return _load_or_build_entry(_entry(dtype, head_dim, causal, arch, local, softcap, varlen, sink),
                                 lambda: compile_fwd(dtype, head_dim, causal, arch, **variant), root, force)
 
@@ -315,7 +348,8 @@ def fwd_kernel(dtype, head_dim, causal, arch="sm_90a", local=False, softcap=Fals
     """The forward kernel for (dtype, head dim, causal, arch, local, softcap): from memory, else from the
     disk cache (``cache.cache_dir()``: $FLASH_ATTN_CUTE_CACHE, default ~/.cache/flash_attn_cute), else
     compiled and written there. A callable ``(q, k, v, out, lse, softmax_scale, softcap, window_left,
-    window_right)`` on torch tensors (varlen, sink: see compile_fwd)."""
+    window_right)`` on torch tensors (varlen, sink: see compile_fwd; a persistent kernel's callable adds
+    its last argument, the SM count of q's device, itself)."""
     mem_key = ((dtype, head_dim, bool(causal), arch, bool(local), bool(softcap)) + ((True,) if varlen else ())
                + (("sink",) if sink else ()))
     fn = _kernels.get(mem_key)
@@ -325,6 +359,8 @@ def fwd_kernel(dtype, head_dim, causal, arch="sm_90a", local=False, softcap=Fals
             if fn is None:
                 fn, _origins[mem_key] = load_or_build(dtype, head_dim, causal, arch, cache.cache_dir(),
                                                       local=local, softcap=softcap, varlen=varlen, sink=sink)
+                if _fwd_config(dtype, head_dim, causal, arch, local, softcap, varlen, sink).get("persistent"):
+                    fn = _persistent_launcher(fn)  # the kernel's last argument, which callers do not give
                 _kernels[mem_key] = fn
     return fn
 
