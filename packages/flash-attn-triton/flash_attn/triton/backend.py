@@ -55,11 +55,12 @@ def unsupported_reason(call):
 
 def _kernels():
     # Imported on first use so that importing the backend (dispatch, unavailable_reason) stays cheap.
-    global _fwd_mod, _bwd_mod, _configs, _NO_WINDOW, _L_FWD, _L_PRE, _L_DKDV, _L_DQ, _FWD_VARIANT_ON
+    global _fwd_mod, _bwd_mod, _configs, _NO_WINDOW, _L_FWD, _L_PRE, _L_DKDV, _L_DQ, _FWD_VARIANT_ON, _L_FWD_WS
 
     from . import _bwd as _bwd_mod
     from . import _configs
     from . import _fwd as _fwd_mod
+    from . import _fwd_ws
     from ._common import NO_WINDOW as _NO_WINDOW
     from ._launch import Launcher
 
@@ -67,6 +68,7 @@ def _kernels():
     _L_PRE = Launcher(_bwd_mod._bwd_preprocess_kernel)
     _L_DKDV = Launcher(_bwd_mod._bwd_dkdv_kernel)
     _L_DQ = Launcher(_bwd_mod._bwd_dq_kernel)
+    _L_FWD_WS = Launcher(_fwd_ws._attn_fwd_ws_kernel)
     # FLASH_ATTN_TRITON_FWD_VARIANT set: calls may take the experimental forward (checked per call)
     _FWD_VARIANT_ON = _configs.FWD_VARIANT[0] != 0
     return _fwd_mod, _bwd_mod, _configs
@@ -194,12 +196,6 @@ def _fwd_ws_plan(q, k, v, D, Dv, Sq, Sk, window, wl, wr, softmax_scale, config):
     key = (q.device, q.dtype, D, Dv, causal, even_k, config)
     plan = _FWD_WS_PLANS.get(key)
     if plan is None:
-        global _L_FWD_WS
-        if _L_FWD_WS is None:
-            from . import _fwd_ws
-            from ._launch import Launcher
-
-            _L_FWD_WS = Launcher(_fwd_ws._attn_fwd_ws_kernel)
         plan = (config.block_m, _PlanKey(key), dict(
             HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_M=config.block_m, BLOCK_N=config.block_n, CAUSAL=causal,
             EVEN_K=even_k, GROUP_HEADS=config.group if causal else 0, num_warps=config.num_warps,
