@@ -26,9 +26,10 @@ _PTRS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16", "Lse": "*fp32
 _FLOATS = {"qk_scale", "softcap_scale", "softcap_log2", "dropout_scale"}
 
 
-def compile_fwd(d, causal, cfg, dtype="bf16"):
+def compile_fwd(d, causal, cfg, dtype="bf16", even_k=True):
     """triton.compile for sm_90 of the kernel the backend launches for cfg (_fwd_ws's when cfg.variant is
-    1, else _fwd's) on a dense call; returns (compiled kernel, ptxas log)."""
+    1, else _fwd's) on a dense call (even_k: seqlen_k a multiple of BLOCK_N); returns (compiled kernel,
+    ptxas log)."""
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -37,7 +38,7 @@ def compile_fwd(d, causal, cfg, dtype="bf16"):
     if cfg.variant == 1:
         kern = _fwd_ws._attn_fwd_ws_kernel
         meta = dict(HEAD_DIM=d, HEAD_DIM_V=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=bool(causal),
-                    EVEN_K=True, GROUP_HEADS=cfg.group)
+                    EVEN_K=even_k, GROUP_HEADS=cfg.group)
     else:
         kern = _fwd._attn_fwd_kernel
         meta = dict(IS_FP32=False, HEAD_DIM=d, HEAD_DIM_V=d, BLOCK_D=d, BLOCK_DV=d, BLOCK_M=cfg.block_m,
