@@ -28,17 +28,17 @@ _FLOATS = {"qk_scale", "softcap_scale", "softcap_log2", "dropout_scale"}
 
 def compile_fwd(d, causal, cfg, dtype="bf16", even_k=True):
     """triton.compile for sm_90 of the kernel the backend launches for cfg (_fwd_ws's when cfg.variant is
-    1, else _fwd's) on a dense call (even_k: seqlen_k a multiple of BLOCK_N); returns (compiled kernel,
+    1 or 2 (persistent), else _fwd's) on a dense call (even_k: seqlen_k a multiple of BLOCK_N); returns (compiled kernel,
     ptxas log)."""
     import triton
     from triton.backends.compiler import GPUTarget
 
     from flash_attn.triton import _fwd, _fwd_ws
 
-    if cfg.variant == 1:
+    if cfg.variant in (1, 2):
         kern = _fwd_ws._attn_fwd_ws_kernel
         meta = dict(HEAD_DIM=d, HEAD_DIM_V=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=bool(causal),
-                    EVEN_K=even_k, GROUP_HEADS=cfg.group)
+                    EVEN_K=even_k, GROUP_HEADS=cfg.group, PERSISTENT=cfg.variant == 2)
     else:
         kern = _fwd._attn_fwd_kernel
         meta = dict(IS_FP32=False, HEAD_DIM=d, HEAD_DIM_V=d, BLOCK_D=d, BLOCK_DV=d, BLOCK_M=cfg.block_m,

@@ -33,9 +33,9 @@ TOL_LSE = 1e-2
 
 
 def ws_candidates(d, causal):
-    """FwdConfig fields of the warp-specialized forward (_fwd_ws.py, variant 1): num_warps=4 becomes one
-    producer and two 64-row consumer warpgroups; stages as fit in shared memory (see
-    _configs.fwd_variant_config, whose entries come first)."""
+    """FwdConfig fields of the warp-specialized forward (_fwd_ws.py, variant 1, and 2 persistent):
+    num_warps=4 becomes one producer and two 64-row consumer warpgroups; stages as fit in shared memory
+    (see _configs.fwd_variant_config, whose entries come first)."""
     from flash_attn.triton import _configs
 
     c = []
@@ -48,6 +48,14 @@ def ws_candidates(d, causal):
         c.append((bm, bn, w, st, True, 0.0, c[0][6], 1))
     if causal:  # the other grid order of causal rows
         c += [(*f[:6], 0 if f[6] else 8, 1) for f in c[:2]]
+    # the persistent form (variant 2)
+    for bn in (None, 64, 128):
+        f = dataclasses.astuple(_configs.fwd_variant_config((9, 0), d, causal, (2, bn)))
+        if f not in c:
+            c.append(f)
+    if causal:
+        f = c[-1]
+        c.append((*f[:6], 0 if f[6] else 8, 2))
     return c
 
 
@@ -85,7 +93,7 @@ def _cfg(fields):
 def _label(fields):
     bm, bn, w, st, tma, rs, grp, var = (*fields, 0)[:8]
     return (f"{bm}x{bn} w{w} s{st}" + (" tma" if tma else "") + (f" rescale{rs:g}" if rs else "")
-            + (f" group{grp}" if grp else "") + (" WS" if var == 1 else ""))
+            + (f" group{grp}" if grp else "") + {0: "", 1: " WS", 2: " WS-persistent"}[var])
 
 
 def _kw(s, causal, d):

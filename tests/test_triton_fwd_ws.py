@@ -23,8 +23,10 @@ from flash_attn.triton import _configs, backend as tb
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Interpreter blocks: small shapes span several row and key blocks.
+# Interpreter blocks: small shapes span several row and key blocks. The persistent form (variant 2) runs
+# 4 programs there (backend._num_sms), so each walks several tiles.
 _WS_INTERP = _configs.FwdConfig(16, 16, 1, 1, tma=True, variant=1)
+_WSP_INTERP = _configs.FwdConfig(16, 16, 1, 1, tma=True, variant=2)
 
 
 def _kw(Sq, Sk, D, causal=False, window=(-1, -1), softcap=0.0, alibi=None, scale=None):
@@ -90,20 +92,28 @@ def _run(spy, cfg, B, Sq, Sk, H, Hk, D, Dv, dtype, causal, seed, expect_ws=True,
 # CPU interpreter (and GPU): the kernel's numerics and the routing
 
 
+@pytest.mark.parametrize("cfg", [_WS_INTERP, _WSP_INTERP], ids=["ws", "wsp"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("Sq,Sk", [(37, 53), (48, 48), (16, 64), (45, 45), (1, 23)])
-def test_ws_interpreter(ws_spy, causal, Sq, Sk):
+def test_ws_interpreter(ws_spy, cfg, causal, Sq, Sk):
     # Sk % 16 != 0 runs the sequence-end mask (EVEN_K=False); Sq % 16 != 0 a partial last row block;
     # causal with Sq < Sk the bottom-right diagonal; H=4 over Hk=2 the GQA head mapping.
     if tb._INTERPRET:
         dtype = torch.float16
     else:
         dtype = torch.bfloat16
-    _run(ws_spy, _WS_INTERP, 2, Sq, Sk, 4, 2, 64, 64, dtype, causal, seed=Sq * 7 + Sk)
+    _run(ws_spy, cfg, 2, Sq, Sk, 4, 2, 64, 64, dtype, causal, seed=Sq * 7 + Sk)
 
 
-def test_ws_interpreter_dv_differs(ws_spy):
-    _run(ws_spy, _WS_INTERP, 1, 40, 40, 2, 2, 64, 32, torch.float16 if tb._INTERPRET else torch.bfloat16, True, seed=5)
+@pytest.mark.parametrize("cfg", [_WS_INTERP, _WSP_INTERP], ids=["ws", "wsp"])
+def test_ws_interpreter_dv_differs(ws_spy, cfg):
+    _run(ws_spy, cfg, 1, 40, 40, 2, 2, 64, 32, torch.float16 if tb._INTERPRET else torch.bfloat16, True, seed=5)
+
+
+def test_wsp_interpreter_grouped_causal_order(ws_spy):
+    # 3 x 5 (sequence, head) pairs in groups of 4 (the last group smaller), walked by 4 persistent programs
+    cfg = _configs.FwdConfig(16, 16, 1, 1, tma=True, group=4, variant=2)
+    _run(ws_spy, cfg, 3, 41, 41, 5, 5, 32, 32, torch.float16 if tb._INTERPRET else torch.bfloat16, True, seed=6)
 
 
 @pytest.mark.parametrize("case", ["fp32", "causal_sq_gt_sk", "window", "softcap", "alibi", "d40",
@@ -140,7 +150,7 @@ def test_ws_falls_back(ws_spy, case):
 
 def test_variant_switch_parsing(monkeypatch):
     for name, want in [("", (0, None)), ("off", (0, None)), ("ws", (1, None)), ("WS64", (1, 64)),
-                       ("ws128", (1, 128))]:
+                       ("ws128", (1, 128)), ("wsp", (2, None)), ("wsp64", (2, 64))]:
         monkeypatch.setenv("FLASH_ATTN_TRITON_FWD_VARIANT", name)
         assert _configs._env_variant() == want
     monkeypatch.setenv("FLASH_ATTN_TRITON_FWD_VARIANT", "pingpong")
@@ -155,13 +165,15 @@ def test_variant_configs():
     for d, causal in [(64, False), (128, False), (128, True), (256, False), (256, True)]:
         base = _configs._lookup(_configs._FWD, (9, 0), d, causal)
         assert _configs.fwd_variant_config((9, 0), d, causal, (0, None)) is base
-        for bn in (None, 64, 128):
-            cfg = _configs.fwd_variant_config((9, 0), d, causal, (1, bn))
-            assert (cfg.variant, cfg.block_m, cfg.num_warps, cfg.tma) == (1, 128, 4, True)
-            assert cfg.block_n == (64 if d == 256 else bn or base.block_n)
-            # K/V stages x tile bytes + Q: within the 227 KiB of shared memory of one sm_90 CTA
-            assert 2 * cfg.num_stages * cfg.block_n * d * 2 + 128 * d * 2 <= 227 * 1024
-            assert cfg.group == base.group
+        for kind in (1, 2):
+            for bn in (None, 64, 128):
+                cfg = _configs.fwd_variant_config((9, 0), d, causal, (kind, bn))
+                assert (cfg.variant, cfg.block_m, cfg.num_warps, cfg.tma) == (kind, 128, 4, True)
+                assert cfg.block_n == ((64 if kind == 1 else 32) if d == 256 else bn or base.block_n)
+                # K/V stages x tile bytes + Q (twice when persistent): within the 227 KiB of shared
+                # memory of one sm_90 CTA (the compile test below checks what Triton really allocates)
+                assert 2 * cfg.num_stages * cfg.block_n * d * 2 + kind * 128 * d * 2 <= 227 * 1024
+                assert cfg.group == base.group
         # other GPUs keep their table entries
         assert _configs.fwd_variant_config((8, 0), d, causal, (1, None)).variant == 0
         assert _configs.fwd_variant_config((10, 0), d, causal, (1, None)).variant == 0
@@ -179,7 +191,7 @@ from flash_attn.triton import _configs
 res = []
 # (seqlen_k % BLOCK_N != 0 adds the sequence-end select inside the loop: it must not stop the pass)
 for d, causal, name, even_k in [(128, False, "ws", True), (256, True, "ws", True), (128, True, "ws128", True),
-                                (64, False, "ws", False)]:
+                                (64, False, "ws", False), (128, True, "wsp", True), (256, False, "wsp", False)]:
     cfg = _configs.fwd_variant_config((9, 0), d, causal, _configs.FWD_VARIANTS[name])
     ck, log = c.compile_fwd(d, causal, cfg, even_k=even_k)
     res.append(dict(d=d, causal=causal, name=name, **c.summary(ck, log)))
@@ -214,25 +226,33 @@ def test_ws_compiles_for_sm90_with_warp_specialization():
 # GPU
 
 
+# (kind, head dim, BLOCK_N or None for the config's own, dtype): every config the switch can select for
+# bf16 at the default block, the BLOCK_N overrides at head dim 128, fp16 once (each config compiles once,
+# ~5-10 s, so the list stays short).
+_GPU_CASES = ([(kind, D, None, torch.bfloat16) for kind in (1, 2) for D in (64, 128, 256)]
+              + [(1, 128, 64, torch.bfloat16), (1, 128, 128, torch.bfloat16), (2, 128, 64, torch.bfloat16),
+                 (1, 128, None, torch.float16)])
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("kind,D,bn,dtype", _GPU_CASES,
+                         ids=[f"{'ws' if k == 1 else 'wsp'}-d{D}-bn{bn}-{str(dt)[6:]}" for k, D, bn, dt in _GPU_CASES])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("bn", [None, 64, 128])
-def test_gpu_ws_real_sizes(ws_spy, dtype, D, causal, bn):
-    cfg = _configs.fwd_variant_config((9, 0), D, causal, (1, bn))
+def test_gpu_ws_real_sizes(ws_spy, kind, D, bn, dtype, causal):
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the warp-specialized forward is tuned for sm_90")
+    cfg = _configs.fwd_variant_config((9, 0), D, causal, (kind, bn))
     _run(ws_spy, cfg, 2, 2048, 2048, 4, 2, D, D, dtype, causal, seed=D + causal)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("Sq,Sk", [(1000, 1000), (777, 1531), (1, 4097), (3000, 3001)])
-def test_gpu_ws_ragged_lengths(ws_spy, causal, Sq, Sk):
+@pytest.mark.parametrize("kind", [1, 2], ids=["ws", "wsp"])
+def test_gpu_ws_ragged_lengths(ws_spy, causal, Sq, Sk, kind):
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the warp-specialized forward is tuned for sm_90")
-    cfg = _configs.fwd_variant_config((9, 0), 128, causal, (1, None))
+    cfg = _configs.fwd_variant_config((9, 0), 128, causal, (kind, None))
     _run(ws_spy, cfg, 2, Sq, Sk, 8, 2, 128, 128, torch.bfloat16, causal, seed=Sq + Sk)
 
 
@@ -253,10 +273,11 @@ print("WS_PLANS", len(tb._FWD_WS_PLANS))
 
 
 @pytest.mark.gpu
-def test_gpu_ws_env_switch_through_public_api():
+@pytest.mark.parametrize("name", ["ws", "wsp"])
+def test_gpu_ws_env_switch_through_public_api(name):
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the warp-specialized forward is tuned for sm_90")
-    env = dict(os.environ, FLASH_ATTN_TRITON_FWD_VARIANT="ws")
+    env = dict(os.environ, FLASH_ATTN_TRITON_FWD_VARIANT=name)
     r = subprocess.run([sys.executable, "-c", _ENV_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -21,32 +21,31 @@ import triton.language as tl
 from ._common import LN2
 
 
-# Sequence lengths and lse strides change between calls: no specialisation on them (see _fwd.py).
-@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "stride_lb", "stride_lh"])
-def _attn_fwd_ws_kernel(
-    Q, K, V, Out, Lse,
-    stride_qb, stride_qm, stride_qh,
-    stride_kb, stride_kn, stride_kh,
-    stride_vb, stride_vn, stride_vh,
-    stride_ob, stride_om, stride_oh,
-    stride_lb, stride_lh,
-    seqlen_q, seqlen_k, num_heads, group_size, qk_scale,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, EVEN_K: tl.constexpr, GROUP_HEADS: tl.constexpr = 0,
-):
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
+@triton.jit
+def _tile_coords(lin, n_m, n_bh, CAUSAL: tl.constexpr, GROUP_HEADS: tl.constexpr):
+    """Linear tile index (row block fastest) -> (row block, sequence*head). Causal grids run the longest
+    row blocks first, across GROUP_HEADS (sequence, head) pairs at a time (the tail wave; see _fwd.py)."""
+    pid_m = lin % n_m
+    bh = lin // n_m
     if CAUSAL:
-        # Longest row blocks first, across GROUP_HEADS (sequence, head) pairs (the tail wave; _fwd.py).
-        n_m = tl.num_programs(0)
         if GROUP_HEADS > 0:
-            lin = pid_m + bh * n_m
             g = lin // (GROUP_HEADS * n_m)
             r = lin % (GROUP_HEADS * n_m)
-            g_size = tl.minimum(GROUP_HEADS, tl.num_programs(1) - g * GROUP_HEADS)
+            g_size = tl.minimum(GROUP_HEADS, n_bh - g * GROUP_HEADS)
             pid_m = r // g_size
             bh = g * GROUP_HEADS + r % g_size
         pid_m = n_m - 1 - pid_m
+    return pid_m, bh
+
+
+@triton.jit
+def _ws_tile(Q, K, V, Out, Lse, pid_m, bh, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
+             stride_vb, stride_vn, stride_vh, stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
+             seqlen_q, seqlen_k, num_heads, group_size, qk_scale, HEAD_DIM: tl.constexpr,
+             HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+             EVEN_K: tl.constexpr, WS_KEYS: tl.constexpr):
+    """Output rows [pid_m * BLOCK_M, +BLOCK_M) of (sequence, head) bh. WS_KEYS: the key loop is the
+    warp-specialized one (else an enclosing tile loop is)."""
     b = bh // num_heads
     h = bh % num_heads
     hk = h // group_size
@@ -79,7 +78,7 @@ def _attn_fwd_ws_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_V], dtype=tl.float32)
-    for start_n in tl.range(0, hi, BLOCK_N, warp_specialize=True):
+    for start_n in tl.range(0, hi, BLOCK_N, warp_specialize=WS_KEYS):
         k = K_desc.load([start_n, 0])
         qk = tl.dot(q, tl.trans(k))
         if CAUSAL or not EVEN_K:
@@ -112,3 +111,36 @@ def _attn_fwd_ws_kernel(
              mask=row_ok[:, None])
     Lse += b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh
     tl.store(Lse + offs_m, (m_i + tl.log2(l_i)) * LN2, mask=row_ok)
+
+
+# Sequence lengths, lse strides and B * H change between calls: no specialisation on them (see _fwd.py).
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "stride_lb", "stride_lh", "num_bh"])
+def _attn_fwd_ws_kernel(
+    Q, K, V, Out, Lse,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_ob, stride_om, stride_oh,
+    stride_lb, stride_lh,
+    seqlen_q, seqlen_k, num_heads, group_size, num_bh, qk_scale,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, EVEN_K: tl.constexpr, GROUP_HEADS: tl.constexpr = 0, PERSISTENT: tl.constexpr = False,
+):
+    """Grid (row blocks, B * H), one tile per program, the key loop warp-specialized; or, PERSISTENT,
+    grid (#SMs,): each program walks the tiles lin = pid, pid + #programs, ... and the tile loop is the
+    warp-specialized one, so the producer loads the next tile's Q/K/V while the consumers still finish
+    the last one's softmax and store (and no tail of short programs waits on CTA launches)."""
+    n_m = tl.cdiv(seqlen_q, BLOCK_M)
+    if PERSISTENT:
+        for lin in tl.range(tl.program_id(0), n_m * num_bh, tl.num_programs(0), warp_specialize=True):
+            pid_m, bh = _tile_coords(lin, n_m, num_bh, CAUSAL, GROUP_HEADS)
+            _ws_tile(Q, K, V, Out, Lse, pid_m, bh, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn,
+                     stride_kh, stride_vb, stride_vn, stride_vh, stride_ob, stride_om, stride_oh, stride_lb,
+                     stride_lh, seqlen_q, seqlen_k, num_heads, group_size, qk_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_M,
+                     BLOCK_N, CAUSAL, EVEN_K, False)
+    else:
+        pid_m, bh = _tile_coords(tl.program_id(0) + tl.program_id(1) * n_m, n_m, num_bh, CAUSAL, GROUP_HEADS)
+        _ws_tile(Q, K, V, Out, Lse, pid_m, bh, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
+                 stride_vb, stride_vn, stride_vh, stride_ob, stride_om, stride_oh, stride_lb, stride_lh, seqlen_q,
+                 seqlen_k, num_heads, group_size, qk_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, CAUSAL, EVEN_K,
+                 True)

@@ -173,6 +173,20 @@ def _fwd_plan(q, D, Dv, varlen, window, softcap, alibi, dropout, return_probs, c
 _FWD_WS_PLANS: dict = {}
 
 
+_NUM_SMS: dict = {}
+
+
+def _num_sms(device):
+    """Streaming multiprocessors of a device (the persistent grid); 4 under the interpreter, so that small
+    test problems give each program several tiles."""
+    if device.type != "cuda":
+        return 4
+    n = _NUM_SMS.get(device.index)
+    if n is None:
+        n = _NUM_SMS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    return n
+
+
 def _fwd_ws_plan(q, k, v, D, Dv, Sq, Sk, window, wl, wr, softmax_scale, config):
     """(block_m, plan key, kwargs) of the experimental warp-specialized forward (_fwd_ws.py) for a dense
     call with no softcap/ALiBi/dropout/probs, or None when the call is outside what it serves: another
@@ -188,9 +202,7 @@ def _fwd_ws_plan(q, k, v, D, Dv, Sq, Sk, window, wl, wr, softmax_scale, config):
         return None
     if config is None:
         config = _configs.fwd_variant_config(_arch(q.device), max(D, Dv), causal, _configs.FWD_VARIANT)
-        if config.variant != 1:
-            return None
-    if config.variant != 1:
+    if config.variant not in (1, 2):
         return None
     even_k = Sk % config.block_n == 0
     key = (q.device, q.dtype, D, Dv, causal, even_k, config)
@@ -198,8 +210,8 @@ def _fwd_ws_plan(q, k, v, D, Dv, Sq, Sk, window, wl, wr, softmax_scale, config):
     if plan is None:
         plan = (config.block_m, _PlanKey(key), dict(
             HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_M=config.block_m, BLOCK_N=config.block_n, CAUSAL=causal,
-            EVEN_K=even_k, GROUP_HEADS=config.group if causal else 0, num_warps=config.num_warps,
-            num_stages=config.num_stages))
+            EVEN_K=even_k, GROUP_HEADS=config.group if causal else 0, PERSISTENT=config.variant == 2,
+            num_warps=config.num_warps, num_stages=config.num_stages))
         _FWD_WS_PLANS[key] = plan
     return plan
 
@@ -272,9 +284,10 @@ def fwd(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bloc
             block_m, plan_key, meta = ws
             if not _INTERPRET:
                 _set_tma_allocator()
-            _L_FWD_WS((-(-Sq // block_m), B * H), (
-                q, k, v, out, lse, *sq_, *sk_, *sv_, *so_, *sl_, Sq, Sk, H, H // Hk, softmax_scale * _LOG2E),
-                meta, plan_key)
+            n_m = -(-Sq // block_m)
+            grid = (min(n_m * B * H, _num_sms(q.device)),) if meta["PERSISTENT"] else (n_m, B * H)
+            _L_FWD_WS(grid, (q, k, v, out, lse, *sq_, *sk_, *sv_, *so_, *sl_, Sq, Sk, H, H // Hk, B * H,
+                             softmax_scale * _LOG2E), meta, plan_key)
             return out, lse, probs
         if config is not None:  # an explicit variant config on an ineligible call: its default-loop twin
             import dataclasses
