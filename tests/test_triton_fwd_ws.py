@@ -256,6 +256,19 @@ def test_gpu_ws_ragged_lengths(ws_spy, causal, Sq, Sk, kind):
     _run(ws_spy, cfg, 2, Sq, Sk, 8, 2, 128, 128, torch.bfloat16, causal, seed=Sq + Sk)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("D", [128, 256])
+def test_gpu_wsp_many_tiles_per_program(ws_spy, causal, D):
+    # 4 x 16 (sequence, head) pairs x 32 row blocks over 132 programs: each walks ~15 tiles of changing
+    # (sequence, head), re-creating its Q/K/V descriptors in place per tile while the previous tile's
+    # copies may still be in flight; a stale or torn descriptor would read another head's rows.
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the warp-specialized forward is tuned for sm_90")
+    cfg = _configs.fwd_variant_config((9, 0), D, causal, (2, None))
+    _run(ws_spy, cfg, 4, 4096, 4096, 16, 4, D, D, torch.bfloat16, causal, seed=D + 7 * causal)
+
+
 _ENV_SCRIPT = r"""
 import torch, flash_attn
 from flash_attn.triton import backend as tb

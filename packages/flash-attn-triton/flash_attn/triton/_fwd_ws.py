@@ -1,19 +1,29 @@
-"""Experimental attention forward for sm_90: one key loop under Triton's automatic warp specialization.
+"""Experimental attention forward for sm_90: the key loop under Triton's automatic warp specialization.
 
 Triton >= 3.5 runs Meta's Hopper warp-specialization pass on loops marked ``tl.range(...,
 warp_specialize=True)``. With num_warps=4 and BLOCK_M=128 it builds three warpgroups: a producer that
-issues the K/V tensor-descriptor (TMA) copies with few registers (setmaxnreg.dec) and two consumers that
-each own 64 query rows, do both GEMMs and the softmax with the registers freed by the producer
-(setmaxnreg.inc). Every warp of _fwd.py instead waits on its own copies and keeps their addresses live.
+issues the Q/K/V tensor-descriptor (TMA) copies with few registers (setmaxnreg.dec 40) and two consumers
+that each own 64 query rows, do both GEMMs and the softmax with the registers freed by the producer
+(setmaxnreg.inc 232). Every warp of _fwd.py instead waits on its own copies and keeps their addresses
+live. Within a consumer the schedule stays FA2's (the Q K^T wgmma is waited on before its softmax); the
+overlap comes from the two consumers and the producer running side by side.
 
-The pass (Triton 3.6 and 3.9 alike, checked by compiling for sm_90) handles a kernel with exactly one
-such loop and no early return; a second loop after it or an early return makes it fail with an
-assertion, and an ``if`` inside the loop makes it silently skip the specialization. So this kernel has
-one loop over every key block a row tile can see, and applies the causal / sequence-end mask with a
-select on every block when the call needs one (a constexpr, not a branch). It serves only dense 16-bit
-calls with power-of-two head dims, no softcap, ALiBi, dropout or probabilities, and causal calls with
-seqlen_q <= seqlen_k (every row then sees key 0, so no row keeps m = -inf); the backend routes other
-calls to _fwd.py.
+What the pass accepts (Triton 3.6 and 3.9 alike, found by compiling for sm_90): one specialized loop,
+possibly with a plain loop nested inside; a second loop after it or an early return fail with an
+assertion; an ``if`` inside the loop makes it silently skip the specialization; a pointer load of Q
+fails ("unsupported load type for producer commit"); a 4-D descriptor with a reshape to 2-D fails in
+its data partitioning. So each tile has one loop over every key block its rows can see and applies the
+causal / sequence-end mask with a select on every block when the call needs one (a constexpr, not a
+branch), and Q comes through a descriptor too.
+
+PERSISTENT: one program per SM walks the tiles and the tile loop is the specialized one, so the
+producer loads the next tile's Q/K/V while the consumers finish the last one's softmax and store. Its
+descriptors are rebuilt (in the program's global scratch) per tile, as they depend on the (sequence,
+head) base pointer.
+
+Serves only dense 16-bit calls with power-of-two head dims, no softcap, ALiBi, dropout or probabilities,
+and causal calls with seqlen_q <= seqlen_k (every row then sees key 0, so no row keeps m = -inf); the
+backend routes other calls to _fwd.py.
 """
 import triton
 import triton.language as tl
