@@ -179,6 +179,35 @@ def test_variant_configs():
         assert _configs.fwd_variant_config((10, 0), d, causal, (1, None)).variant == 0
 
 
+@pytest.mark.parametrize("name", ["ws", "wsp"])
+def test_switch_routes_calls(ws_spy, monkeypatch, name):
+    """With the switch on (as if read at import) on an sm_90 device, eligible calls take the experimental
+    kernel with fwd_variant_config's config, and every other call the default kernel with the table's
+    entry (never the variant's num_warps=4 / 128-row tiles)."""
+    if tb._L_FWD is None:
+        tb._kernels()
+    variant = _configs.FWD_VARIANTS[name]
+    monkeypatch.setattr(_configs, "FWD_VARIANT", variant)
+    monkeypatch.setattr(tb, "_FWD_VARIANT_ON", True)
+    monkeypatch.setattr(tb, "_arch", lambda device: (9, 0))
+    monkeypatch.setattr(tb, "_FWD_PLANS", {})
+    _configs.fwd_config.cache_clear()
+    dtype = torch.float16 if tb._INTERPRET else torch.bfloat16
+    D = 32  # the variant's 128 x 64 tiles at the smallest head dim keep the interpreter quick
+    q, k, v = _qkv(1, 40, 40, 2, 2, D, D, dtype, seed=21)
+    out, lse, _ = tb.fwd(q, k, v, return_probs=False, **_kw(40, 40, D, causal=True))
+    _check(q, k, v, out, lse, causal=True)
+    assert ws_spy.calls == 1 and not tb._FWD_PLANS
+    assert any(key[-1] == _configs.fwd_variant_config((9, 0), D, True, variant) for key in tb._FWD_WS_PLANS)
+    out, lse, _ = tb.fwd(q, k, v, return_probs=False, **_kw(40, 40, D, causal=True, softcap=5.0))
+    _check(q, k, v, out, lse, causal=True, softcap=5.0)
+    assert ws_spy.calls == 1
+    used = [key[10] for key in tb._FWD_PLANS]
+    assert used == [None], used  # the default kernel, config from the table (fwd_config)
+    assert _configs.fwd_config((9, 0), D, True, False, dtype) == _configs._lookup(_configs._FWD, (9, 0), D, True)
+    _configs.fwd_config.cache_clear()
+
+
 # ----------------------------------------------------------------------------------------------------
 # CPU: compile for sm_90 (no GPU) and check the schedule the Hopper pass built
 

@@ -120,7 +120,9 @@ def fwd_config(arch, head_dim: int, causal: bool, interpret: bool, dtype) -> Fwd
         return _INTERPRET_FWD
     if dtype == torch.float32:
         return _FP32_FWD
-    return fwd_variant_config(arch, head_dim, causal, FWD_VARIANT)
+    # (the experimental forward's configs, fwd_variant_config, are chosen by backend._fwd_ws_plan for the
+    # calls it serves; every other call keeps the table's entry)
+    return _lookup(_FWD, arch, padded_dim(head_dim), causal)
 
 
 @functools.lru_cache(maxsize=None)
