@@ -32,9 +32,39 @@ TOL_OUT = 2e-2
 TOL_LSE = 1e-2
 
 
-def candidates(d, causal):
-    """FwdConfig fields (block_m, block_n, num_warps, num_stages, tma, rescale, group) to time against the
-    table's entry for (d, causal)."""
+def ws_candidates(d, causal):
+    """FwdConfig fields of the warp-specialized forward (_fwd_ws.py, variant 1, and 2 persistent):
+    num_warps=4 becomes one producer and two 64-row consumer warpgroups; stages as fit in shared memory
+    (see _configs.fwd_variant_config, whose entries come first)."""
+    from flash_attn.triton import _configs
+
+    c = []
+    for bn in (None, 64, 128):
+        f = dataclasses.astuple(_configs.fwd_variant_config((9, 0), d, causal, (1, bn)))
+        if f not in c:
+            c.append(f)
+    extra = {64: [(128, 128, 4, 2)], 128: [(128, 64, 4, 2), (128, 32, 4, 4)], 256: [(128, 32, 4, 3)]}
+    for bm, bn, w, st in extra[min(256, max(64, d))]:
+        c.append((bm, bn, w, st, True, 0.0, c[0][6], 1))
+    if causal:  # the other grid order of causal rows
+        c += [(*f[:6], 0 if f[6] else 8, 1) for f in c[:2]]
+    # the persistent form (variant 2)
+    for bn in (None, 64, 128):
+        f = dataclasses.astuple(_configs.fwd_variant_config((9, 0), d, causal, (2, bn)))
+        if f not in c:
+            c.append(f)
+    if causal:
+        f = c[-1]
+        c.append((*f[:6], 0 if f[6] else 8, 2))
+    return c
+
+
+def candidates(d, causal, which="all"):
+    """FwdConfig fields (block_m, block_n, num_warps, num_stages, tma, rescale, group, variant) to time
+    against the table's entry for (d, causal): "all" the default-kernel sweep and the warp-specialized
+    ones, "ws" only the latter."""
+    if which == "ws":
+        return ws_candidates(d, causal)
     if d <= 64:
         c = [(64, 64, 4, 3, True, 0.0), (128, 64, 8, 3, False, 0.0), (128, 64, 8, 3, True, 0.0),
              (128, 128, 8, 2, True, 0.0), (64, 128, 4, 3, True, 0.0), (64, 64, 4, 3, True, 8.0),
@@ -48,10 +78,10 @@ def candidates(d, causal):
         c = [(128, 64, 8, 2, False, 0.0), (128, 64, 8, 2, True, 0.0), (128, 32, 8, 3, True, 0.0),
              (64, 64, 4, 2, False, 0.0), (64, 64, 4, 2, True, 0.0), (64, 32, 4, 2, True, 0.0),
              (64, 32, 4, 3, True, 0.0), (128, 64, 8, 2, True, 8.0)]
-    c = [(*f, 0) for f in c]
+    c = [(*f, 0, 0) for f in c]
     if causal:  # longest-first across 8 (sequence, head) pairs: only changes the order of causal grids
-        c += [(*f[:6], 8) for f in c[:4]]
-    return c
+        c += [(*f[:6], 8, 0) for f in c[:4]]
+    return c + ws_candidates(d, causal)
 
 
 def _cfg(fields):
@@ -61,9 +91,9 @@ def _cfg(fields):
 
 
 def _label(fields):
-    bm, bn, w, st, tma, rs, grp = fields
+    bm, bn, w, st, tma, rs, grp, var = (*fields, 0)[:8]
     return (f"{bm}x{bn} w{w} s{st}" + (" tma" if tma else "") + (f" rescale{rs:g}" if rs else "")
-            + (f" group{grp}" if grp else ""))
+            + (f" group{grp}" if grp else "") + {0: "", 1: " WS", 2: " WS-persistent"}[var])
 
 
 def _kw(s, causal, d):
@@ -114,8 +144,10 @@ def stats(args):
     for d in args.headdims:
         for causal in args.causal:
             base = _configs._lookup(_configs._FWD, (9, 0), d, causal)
-            for fields in [None] + candidates(d, causal):
+            for fields in [None] + candidates(d, causal, args.candidates):
                 cfg = base if fields is None else _cfg(fields)
+                if cfg.variant:  # benchmarks/triton_fwd_compile.py compiles and reads the ws kernel
+                    continue
                 meta = dict(IS_FP32=False, HEAD_DIM=d, HEAD_DIM_V=d, BLOCK_D=d, BLOCK_DV=d, BLOCK_M=cfg.block_m,
                             BLOCK_N=cfg.block_n, IS_VARLEN=False, WINDOW_LEFT=False, WINDOW_RIGHT=causal,
                             HAS_SOFTCAP=False, HAS_ALIBI=False, HAS_DROPOUT=False, RETURN_PROBS=False,
@@ -166,6 +198,8 @@ def main(argv=None):
     p.add_argument("--rep", type=int, default=40, help="do_bench repetitions (ms)")
     p.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1), help="compile processes")
     p.add_argument("--stats", action="store_true", help="compile for sm_90 here and print regs/smem (no GPU)")
+    p.add_argument("--candidates", choices=("all", "ws"), default="all",
+                   help="ws: only the warp-specialized forward's candidates (against the table and cuDNN)")
     p.add_argument("--_compile-worker", dest="compile_worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.headdims = [int(x) for x in args.headdims.split(",")]
@@ -189,7 +223,7 @@ def run(args):
 
     print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}", flush=True)
     t0 = time.time()
-    jobs = [(d, c, f) for d in args.headdims for c in args.causal for f in [None] + candidates(d, c)]
+    jobs = [(d, c, f) for d in args.headdims for c in args.causal for f in [None] + candidates(d, c, args.candidates)]
     precompile(jobs, args.jobs)
     print(f"# compiled {len(jobs)} variants in {time.time() - t0:.0f}s", flush=True)
 
@@ -222,7 +256,7 @@ def run(args):
                     hdr = f"d={d} causal={int(causal)} s={s} b={b} h={h}"
                     print(f"{hdr}  cudnn {peer or 0:.0f} TFLOP/s (max|out - table| {peer_err or 0:.2g})", flush=True)
                     row = results.setdefault((d, causal), {})
-                    for fields in [None] + candidates(d, causal):
+                    for fields in [None] + candidates(d, causal, args.candidates):
                         cfg = base_cfg if fields is None else _cfg(fields)
                         label = "table" if fields is None else _label(fields)
                         try:
@@ -260,8 +294,9 @@ def run(args):
             if fields is None:
                 print("    winner: the current table entry")
             else:
-                bm, bn, w, st, tma, rs, grp = fields
-                extra = (", tma=True" if tma else "") + (f", rescale={rs}" if rs else "") + (f", group={grp}" if grp else "")
+                bm, bn, w, st, tma, rs, grp, var = fields
+                extra = ((", tma=True" if tma else "") + (f", rescale={rs}" if rs else "") + (f", group={grp}" if grp else "")
+                         + (f", variant={var}" if var else ""))
                 print(f"    winner line for _FWD: ({9}, {d}, {causal}): FwdConfig({bm}, {bn}, {w}, {st}{extra}),")
 
 

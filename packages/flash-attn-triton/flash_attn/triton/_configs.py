@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import torch
 
@@ -28,6 +29,11 @@ class FwdConfig:
     # Causal/window calls: > 0 launches the row blocks longest-first across groups of this many
     # (sequence, head) pairs instead of within each pair (the tail wave; see _fwd.py).
     group: int = 0
+    # Experimental forward kernel (_fwd_ws.py): 0 the default _fwd.py, 1 one tile per program under Triton's
+    # automatic warp specialization, 2 the same persistent (a program per SM). Served only to dense 16-bit
+    # calls with power-of-two head dims, no softcap/ALiBi/dropout/probs, no window but causal; others
+    # run _fwd.py with this config's variant-0 twin.
+    variant: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +120,8 @@ def fwd_config(arch, head_dim: int, causal: bool, interpret: bool, dtype) -> Fwd
         return _INTERPRET_FWD
     if dtype == torch.float32:
         return _FP32_FWD
+    # (the experimental forward's configs, fwd_variant_config, are chosen by backend._fwd_ws_plan for the
+    # calls it serves; every other call keeps the table's entry)
     return _lookup(_FWD, arch, padded_dim(head_dim), causal)
 
 
@@ -124,3 +132,50 @@ def bwd_config(arch, head_dim: int, causal: bool, interpret: bool, dtype) -> Bwd
     if dtype == torch.float32:
         return _FP32_BWD
     return _lookup(_BWD, arch, padded_dim(head_dim), causal)
+
+
+# FLASH_ATTN_TRITON_FWD_VARIANT (read once, at import): an experimental forward for sm_90, off by default
+# because it has not been measured on a GPU yet. "ws": _fwd_ws.py (automatic warp specialization) with
+# the table's BLOCK_N; "ws64" / "ws128": the same with that BLOCK_N; "wsp*": the persistent form of it.
+# Name -> (variant, BLOCK_N or None).
+FWD_VARIANTS = {"": (0, None), "0": (0, None), "off": (0, None), "ws": (1, None), "ws64": (1, 64),
+                "ws128": (1, 128), "wsp": (2, None), "wsp64": (2, 64), "wsp128": (2, 128)}
+
+
+def _env_variant():
+    name = os.environ.get("FLASH_ATTN_TRITON_FWD_VARIANT", "").strip().lower()
+    if name not in FWD_VARIANTS:
+        raise ValueError(f"FLASH_ATTN_TRITON_FWD_VARIANT={name!r}: expected one of {sorted(FWD_VARIANTS)}")
+    return FWD_VARIANTS[name]
+
+
+FWD_VARIANT = _env_variant()
+
+
+def fwd_variant_config(arch, head_dim: int, causal: bool, variant=(0, None)) -> FwdConfig:
+    """The table entry for (arch, head dim, causal) with an experimental forward switched on (variant
+    (0, None): the entry itself; only sm_90 gets a variant).
+
+    ws (1): 128 query rows per program and num_warps=4, which the Hopper warp-specialization pass turns
+    into one producer and two 64-row consumer warpgroups (12 warps); Q/K/V through TMA descriptors (the
+    pass hands only descriptor loads to the producer). Stages: as many K/V buffers as fit in 227 KiB of
+    shared memory (3 up to 64 x 128 tiles, else 2); at head dim 256 BLOCK_N stays 64 (two stages of
+    64 x 256 K and V tiles plus Q take 224 KiB, 128 would not fit).
+    wsp (2): the same tiles, persistent (a program per SM walks the tiles, the tile loop is the
+    specialized one); Q is double-buffered too, so head dim 256 takes 32-key blocks.
+    """
+    kind, block_n = variant
+    cfg = _lookup(_FWD, arch, padded_dim(head_dim), causal)
+    if kind == 0 or arch is None or arch[0] != 9:
+        return cfg
+    if kind in (1, 2):
+        d = padded_dim(head_dim)
+        if d >= 256:
+            # wsp also double-buffers Q across tiles: 64-key blocks need 288 KiB there, 32 fit in 224
+            bn = 64 if kind == 1 else 32
+        else:
+            bn = block_n or cfg.block_n
+        # Buffers of K and V per stage: 3 stages of 128 x 128 at d128 need 241 KiB (> 227 KiB).
+        stages = 3 if d * bn <= 128 * 64 and d < 256 else 2
+        return FwdConfig(128, bn, 4, stages, tma=True, group=cfg.group, variant=kind)
+    raise ValueError(f"unknown forward variant {variant}")

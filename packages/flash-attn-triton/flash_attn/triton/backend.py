@@ -55,11 +55,12 @@ def unsupported_reason(call):
 
 def _kernels():
     # Imported on first use so that importing the backend (dispatch, unavailable_reason) stays cheap.
-    global _fwd_mod, _bwd_mod, _configs, _NO_WINDOW, _L_FWD, _L_PRE, _L_DKDV, _L_DQ
+    global _fwd_mod, _bwd_mod, _configs, _NO_WINDOW, _L_FWD, _L_PRE, _L_DKDV, _L_DQ, _FWD_VARIANT_ON, _L_FWD_WS
 
     from . import _bwd as _bwd_mod
     from . import _configs
     from . import _fwd as _fwd_mod
+    from . import _fwd_ws
     from ._common import NO_WINDOW as _NO_WINDOW
     from ._launch import Launcher
 
@@ -67,11 +68,16 @@ def _kernels():
     _L_PRE = Launcher(_bwd_mod._bwd_preprocess_kernel)
     _L_DKDV = Launcher(_bwd_mod._bwd_dkdv_kernel)
     _L_DQ = Launcher(_bwd_mod._bwd_dq_kernel)
+    _L_FWD_WS = Launcher(_fwd_ws._attn_fwd_ws_kernel)
+    # FLASH_ATTN_TRITON_FWD_VARIANT set: calls may take the experimental forward (checked per call)
+    _FWD_VARIANT_ON = _configs.FWD_VARIANT[0] != 0
     return _fwd_mod, _bwd_mod, _configs
 
 
 _fwd_mod = _bwd_mod = _configs = None
 _L_FWD = _L_PRE = _L_DKDV = _L_DQ = None
+_FWD_VARIANT_ON = False
+_L_FWD_WS = None
 _NO_WINDOW = 1 << 30
 
 
@@ -164,6 +170,52 @@ def _fwd_plan(q, D, Dv, varlen, window, softcap, alibi, dropout, return_probs, c
     return plan
 
 
+_FWD_WS_PLANS: dict = {}
+
+
+_NUM_SMS: dict = {}
+
+
+def _num_sms(device):
+    """Streaming multiprocessors of a device (the persistent grid); 4 under the interpreter, so that small
+    test problems give each program several tiles."""
+    if device.type != "cuda":
+        return 4
+    n = _NUM_SMS.get(device.index)
+    if n is None:
+        n = _NUM_SMS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    return n
+
+
+def _fwd_ws_plan(q, k, v, D, Dv, Sq, Sk, window, wl, wr, softmax_scale, config):
+    """(block_m, plan key, kwargs) of the experimental warp-specialized forward (_fwd_ws.py) for a dense
+    call with no softcap/ALiBi/dropout/probs, or None when the call is outside what it serves: another
+    window than none or causal, seqlen_q > seqlen_k when causal (rows that see no key), no keys, fp32,
+    head dims that are not 32..256 powers of two, tensors the copy engine cannot address, or no
+    variant for this GPU (then the table's config runs as usual)."""
+    causal = window == (False, True)
+    if (window != (False, False) and not (causal and wr == 0)) or (causal and Sq > Sk) or Sk == 0:
+        return None
+    if q.dtype == torch.float32 or D != _configs.padded_dim(D) or Dv != _configs.padded_dim(Dv):
+        return None
+    if softmax_scale <= 0.0 or not _tma_supported(q.device, q.dtype, D, Dv) or not _tma_aligned(q, k, v):
+        return None
+    if config is None:
+        config = _configs.fwd_variant_config(_arch(q.device), max(D, Dv), causal, _configs.FWD_VARIANT)
+    if config.variant not in (1, 2):
+        return None
+    even_k = Sk % config.block_n == 0
+    key = (q.device, q.dtype, D, Dv, causal, even_k, config)
+    plan = _FWD_WS_PLANS.get(key)
+    if plan is None:
+        plan = (config.block_m, _PlanKey(key), dict(
+            HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_M=config.block_m, BLOCK_N=config.block_n, CAUSAL=causal,
+            EVEN_K=even_k, GROUP_HEADS=config.group if causal else 0, PERSISTENT=config.variant == 2,
+            num_warps=config.num_warps, num_stages=config.num_stages))
+        _FWD_WS_PLANS[key] = plan
+    return plan
+
+
 class _PlanKey:
     """A launcher cache key for one plan: hashed by identity (cheap), printed as the plan it stands for."""
 
@@ -225,6 +277,22 @@ def fwd(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bloc
         window = (window_left >= 0, window_right >= 0)
         wl = window_left if window_left >= 0 else _NO_WINDOW
         wr = window_right if window_right >= 0 else _NO_WINDOW
+    if ((_FWD_VARIANT_ON if config is None else config.variant) and not varlen and not return_probs
+            and softcap <= 0.0 and dropout_p <= 0.0 and alibi_slopes is None):
+        ws = _fwd_ws_plan(q, k, v, D, Dv, Sq, Sk, window, wl, wr, softmax_scale, config)
+        if ws is not None:
+            block_m, plan_key, meta = ws
+            if not _INTERPRET:
+                _set_tma_allocator()
+            n_m = -(-Sq // block_m)
+            grid = (min(n_m * B * H, _num_sms(q.device)),) if meta["PERSISTENT"] else (n_m, B * H)
+            _L_FWD_WS(grid, (q, k, v, out, lse, *sq_, *sk_, *sv_, *so_, *sl_, Sq, Sk, H, H // Hk, B * H,
+                             softmax_scale * _LOG2E), meta, plan_key)
+            return out, lse, probs
+        if config is not None:  # an explicit variant config on an ineligible call: its default-loop twin
+            import dataclasses
+
+            config = dataclasses.replace(config, variant=0)
     block_m, plan_key, meta, tma = _fwd_plan(q, D, Dv, varlen, window, softcap > 0.0, alibi_slopes is not None,
                                              dropout_p > 0.0, bool(return_probs), config)
     if tma:

@@ -1,0 +1,326 @@
+"""The experimental warp-specialized Triton forward (flash_attn/triton/_fwd_ws.py), behind
+FLASH_ATTN_TRITON_FWD_VARIANT (default off).
+
+CPU: the interpreter runs the kernel (fp16; fp32 calls must fall back to the default kernel) through an
+explicit FwdConfig(variant=1), the backend's routing of calls it does not serve, the switch's parsing,
+and an ahead-of-time compile for sm_90 that checks the Hopper warp-specialization pass really split the
+loop (producer + two consumer warpgroups, TMA copies, wgmma, no spills, shared memory within the limit).
+GPU: real sizes in bf16/fp16, and the switch through the public API in a fresh process.
+
+Criterion: flash_attn.testing.assert_close_to_ref (2x PyTorch's error at the input dtype plus rounding).
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from flash_attn import testing
+from flash_attn.triton import _configs, backend as tb
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Interpreter blocks: small shapes span several row and key blocks. The persistent form (variant 2) runs
+# 4 programs there (backend._num_sms), so each walks several tiles.
+_WS_INTERP = _configs.FwdConfig(16, 16, 1, 1, tma=True, variant=1)
+_WSP_INTERP = _configs.FwdConfig(16, 16, 1, 1, tma=True, variant=2)
+
+
+def _kw(Sq, Sk, D, causal=False, window=(-1, -1), softcap=0.0, alibi=None, scale=None):
+    wl, wr = window
+    return dict(cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=Sq, max_seqlen_k=Sk, block_table=None,
+                softmax_scale=D ** -0.5 if scale is None else scale, causal=causal, window_left=wl,
+                window_right=0 if causal else wr, softcap=softcap, alibi_slopes=alibi, dropout_p=0.0,
+                rng_state=None)
+
+
+def _qkv(B, Sq, Sk, H, Hk, D, Dv, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Sq, H, D, generator=g).to(DEVICE, dtype)
+    k = torch.randn(B, Sk, Hk, D, generator=g).to(DEVICE, dtype)
+    v = torch.randn(B, Sk, Hk, Dv, generator=g).to(DEVICE, dtype)
+    return q, k, v
+
+
+def _check(q, k, v, out, lse, causal=False, window=(-1, -1), softcap=0.0, alibi=None, scale=None):
+    ref = testing.attention_ref(q, k, v, causal=causal, window_size=window, softcap=softcap, alibi_slopes=alibi,
+                                softmax_scale=scale, upcast=True)[0]
+    pt = testing.attention_ref(q, k, v, causal=causal, window_size=window, softcap=softcap, alibi_slopes=alibi,
+                               softmax_scale=scale, upcast=False, reorder_ops=True)[0]
+    testing.assert_close_to_ref(out, ref, pt, "out")
+    lse_ref = testing.attention_lse_ref(q, k, causal=causal, window_size=window, softcap=softcap,
+                                        alibi_slopes=alibi, softmax_scale=scale)
+    finite = torch.isfinite(lse_ref)
+    assert torch.equal(finite, torch.isfinite(lse))
+    err = (lse[finite] - lse_ref[finite]).abs().max().item()
+    assert err <= 1e-3 * max(1.0, lse_ref[finite].abs().max().item()), err
+
+
+class _Spy:
+    """Counts the calls that reach the warp-specialized forward's launcher."""
+
+    def __init__(self, launcher):
+        self.launcher, self.calls = launcher, 0
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.launcher(*args)
+
+
+@pytest.fixture
+def ws_spy(monkeypatch):
+    if tb._L_FWD_WS is None:
+        tb._kernels()
+    spy = _Spy(tb._L_FWD_WS)
+    monkeypatch.setattr(tb, "_L_FWD_WS", spy)
+    return spy
+
+
+def _run(spy, cfg, B, Sq, Sk, H, Hk, D, Dv, dtype, causal, seed, expect_ws=True, **extra):
+    q, k, v = _qkv(B, Sq, Sk, H, Hk, D, Dv, dtype, seed)
+    before = spy.calls
+    out, lse, _ = tb.fwd(q, k, v, return_probs=False, config=cfg, **_kw(Sq, Sk, D, causal, **extra))
+    _check(q, k, v, out, lse, causal=causal, **extra)
+    assert (spy.calls > before) == expect_ws, f"warp-specialized forward used: {spy.calls > before}"
+    return out, lse
+
+
+# ----------------------------------------------------------------------------------------------------
+# CPU interpreter (and GPU): the kernel's numerics and the routing
+
+
+@pytest.mark.parametrize("cfg", [_WS_INTERP, _WSP_INTERP], ids=["ws", "wsp"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("Sq,Sk", [(37, 53), (48, 48), (16, 64), (45, 45), (1, 23)])
+def test_ws_interpreter(ws_spy, cfg, causal, Sq, Sk):
+    # Sk % 16 != 0 runs the sequence-end mask (EVEN_K=False); Sq % 16 != 0 a partial last row block;
+    # causal with Sq < Sk the bottom-right diagonal; H=4 over Hk=2 the GQA head mapping.
+    if tb._INTERPRET:
+        dtype = torch.float16
+    else:
+        dtype = torch.bfloat16
+    _run(ws_spy, cfg, 2, Sq, Sk, 4, 2, 64, 64, dtype, causal, seed=Sq * 7 + Sk)
+
+
+@pytest.mark.parametrize("cfg", [_WS_INTERP, _WSP_INTERP], ids=["ws", "wsp"])
+def test_ws_interpreter_dv_differs(ws_spy, cfg):
+    _run(ws_spy, cfg, 1, 40, 40, 2, 2, 64, 32, torch.float16 if tb._INTERPRET else torch.bfloat16, True, seed=5)
+
+
+def test_wsp_interpreter_grouped_causal_order(ws_spy):
+    # 3 x 5 (sequence, head) pairs in groups of 4 (the last group smaller), walked by 4 persistent programs
+    cfg = _configs.FwdConfig(16, 16, 1, 1, tma=True, group=4, variant=2)
+    _run(ws_spy, cfg, 3, 41, 41, 5, 5, 32, 32, torch.float16 if tb._INTERPRET else torch.bfloat16, True, seed=6)
+
+
+@pytest.mark.parametrize("case", ["fp32", "causal_sq_gt_sk", "window", "softcap", "alibi", "d40",
+                                  "unaligned", "neg_scale"])
+def test_ws_falls_back(ws_spy, case):
+    """Calls outside what the kernel serves run the default kernel (and are still right)."""
+    dtype = torch.float16 if tb._INTERPRET else torch.bfloat16
+    B, Sq, Sk, H, Hk, D, causal, extra = 1, 33, 40, 2, 2, 64, True, {}
+    if case == "fp32":
+        dtype = torch.float32
+    elif case == "causal_sq_gt_sk":
+        Sq, Sk = 50, 21
+    elif case == "window":
+        causal, extra = False, dict(window=(7, 3))
+    elif case == "softcap":
+        extra = dict(softcap=3.0)
+    elif case == "alibi":
+        extra = dict(alibi=(torch.rand(H) * 0.5).to(DEVICE))
+    elif case == "d40":
+        D = 40
+    elif case == "neg_scale":
+        extra = dict(scale=-0.1)
+    if case == "unaligned":
+        q, k, v = _qkv(B, Sq, Sk, H, Hk, D, D, dtype, seed=9)
+        flat = torch.empty(k.numel() + 1, device=DEVICE, dtype=dtype)
+        k_odd = flat[1:].view_as(k)  # data_ptr % 16 == 2: the copy engine cannot address it
+        k_odd.copy_(k)
+        out, lse, _ = tb.fwd(q, k_odd, v, return_probs=False, config=_WS_INTERP, **_kw(Sq, Sk, D, causal))
+        _check(q, k, v, out, lse, causal=causal)
+        assert ws_spy.calls == 0
+        return
+    _run(ws_spy, _WS_INTERP, B, Sq, Sk, H, Hk, D, D, dtype, causal, seed=11, expect_ws=False, **extra)
+
+
+def test_variant_switch_parsing(monkeypatch):
+    for name, want in [("", (0, None)), ("off", (0, None)), ("ws", (1, None)), ("WS64", (1, 64)),
+                       ("ws128", (1, 128)), ("wsp", (2, None)), ("wsp64", (2, 64))]:
+        monkeypatch.setenv("FLASH_ATTN_TRITON_FWD_VARIANT", name)
+        assert _configs._env_variant() == want
+    monkeypatch.setenv("FLASH_ATTN_TRITON_FWD_VARIANT", "pingpong")
+    with pytest.raises(ValueError, match="FLASH_ATTN_TRITON_FWD_VARIANT"):
+        _configs._env_variant()
+    # unset (the default): off, the table's configs
+    monkeypatch.delenv("FLASH_ATTN_TRITON_FWD_VARIANT")
+    assert _configs._env_variant() == (0, None)
+
+
+def test_variant_configs():
+    for d, causal in [(64, False), (128, False), (128, True), (256, False), (256, True)]:
+        base = _configs._lookup(_configs._FWD, (9, 0), d, causal)
+        assert _configs.fwd_variant_config((9, 0), d, causal, (0, None)) is base
+        for kind in (1, 2):
+            for bn in (None, 64, 128):
+                cfg = _configs.fwd_variant_config((9, 0), d, causal, (kind, bn))
+                assert (cfg.variant, cfg.block_m, cfg.num_warps, cfg.tma) == (kind, 128, 4, True)
+                assert cfg.block_n == ((64 if kind == 1 else 32) if d == 256 else bn or base.block_n)
+                # K/V stages x tile bytes + Q (twice when persistent): within the 227 KiB of shared
+                # memory of one sm_90 CTA (the compile test below checks what Triton really allocates)
+                assert 2 * cfg.num_stages * cfg.block_n * d * 2 + kind * 128 * d * 2 <= 227 * 1024
+                assert cfg.group == base.group
+        # other GPUs keep their table entries
+        assert _configs.fwd_variant_config((8, 0), d, causal, (1, None)).variant == 0
+        assert _configs.fwd_variant_config((10, 0), d, causal, (1, None)).variant == 0
+
+
+@pytest.mark.parametrize("name", ["ws", "wsp"])
+def test_switch_routes_calls(ws_spy, monkeypatch, name):
+    """With the switch on (as if read at import) on an sm_90 device, eligible calls take the experimental
+    kernel with fwd_variant_config's config, and every other call the default kernel with the table's
+    entry (never the variant's num_warps=4 / 128-row tiles)."""
+    if tb._L_FWD is None:
+        tb._kernels()
+    variant = _configs.FWD_VARIANTS[name]
+    monkeypatch.setattr(_configs, "FWD_VARIANT", variant)
+    monkeypatch.setattr(tb, "_FWD_VARIANT_ON", True)
+    monkeypatch.setattr(tb, "_arch", lambda device: (9, 0))
+    monkeypatch.setattr(tb, "_FWD_PLANS", {})
+    _configs.fwd_config.cache_clear()
+    dtype = torch.float16 if tb._INTERPRET else torch.bfloat16
+    D = 32  # the variant's 128 x 64 tiles at the smallest head dim keep the interpreter quick
+    q, k, v = _qkv(1, 40, 40, 2, 2, D, D, dtype, seed=21)
+    out, lse, _ = tb.fwd(q, k, v, return_probs=False, **_kw(40, 40, D, causal=True))
+    _check(q, k, v, out, lse, causal=True)
+    assert ws_spy.calls == 1 and not tb._FWD_PLANS
+    assert any(key[-1] == _configs.fwd_variant_config((9, 0), D, True, variant) for key in tb._FWD_WS_PLANS)
+    out, lse, _ = tb.fwd(q, k, v, return_probs=False, **_kw(40, 40, D, causal=True, softcap=5.0))
+    _check(q, k, v, out, lse, causal=True, softcap=5.0)
+    assert ws_spy.calls == 1
+    used = [key[10] for key in tb._FWD_PLANS]
+    assert used == [None], used  # the default kernel, config from the table (fwd_config)
+    assert _configs.fwd_config((9, 0), D, True, False, dtype) == _configs._lookup(_configs._FWD, (9, 0), D, True)
+    _configs.fwd_config.cache_clear()
+
+
+# ----------------------------------------------------------------------------------------------------
+# CPU: compile for sm_90 (no GPU) and check the schedule the Hopper pass built
+
+
+_AOT = r"""
+import json, sys
+sys.path.insert(0, "benchmarks")
+import triton_fwd_compile as c
+from flash_attn.triton import _configs
+res = []
+# (seqlen_k % BLOCK_N != 0 adds the sequence-end select inside the loop: it must not stop the pass)
+for d, causal, name, even_k in [(128, False, "ws", True), (256, True, "ws", True), (128, True, "ws128", True),
+                                (64, False, "ws", False), (128, True, "wsp", True), (256, False, "wsp", False)]:
+    cfg = _configs.fwd_variant_config((9, 0), d, causal, _configs.FWD_VARIANTS[name])
+    ck, log = c.compile_fwd(d, causal, cfg, even_k=even_k)
+    res.append(dict(d=d, causal=causal, name=name, **c.summary(ck, log)))
+print("JSON" + json.dumps(res))
+"""
+
+
+@pytest.mark.skipif(CUDA, reason="compile check for CPU machines (the GPU tests run the kernel)")
+def test_ws_compiles_for_sm90_with_warp_specialization():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "packages", "flash-attn-triton"), ROOT,
+                                         env.get("PYTHONPATH", "")])
+    # a fresh cache: ptxas's register/spill log is only printed when it really runs
+    env["TRITON_CACHE_DIR"] = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"ws_aot_{os.getpid()}")
+    r = subprocess.run([sys.executable, "-c", _AOT], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout.split("JSON", 1)[1])
+    for s in res:
+        # the pass split the loop: a producer (default region) and two consumer partitions, 12 warps
+        assert s["warp_specialize"] and s["partitions"] == 2 and s["num_warps"] == 12, s
+        # the producer gives registers back, the consumers take them (setmaxnreg)
+        assert "40" in s["setmaxnreg"] and "232" in s["setmaxnreg"], s
+        assert s["tma_loads"] > 0 and s["cp_async"] == 0, s
+        assert s["wgmma"] > 0 and s["ex2"] > 0, s
+        assert s["spill_stores"] == 0, s
+        assert s["smem"] <= 232448, s  # sm_90's opt-in shared memory per CTA
+
+
+# ----------------------------------------------------------------------------------------------------
+# GPU
+
+
+# (kind, head dim, BLOCK_N or None for the config's own, dtype): every config the switch can select for
+# bf16 at the default block, the BLOCK_N overrides at head dim 128, fp16 once (each config compiles once,
+# ~5-10 s, so the list stays short).
+_GPU_CASES = ([(kind, D, None, torch.bfloat16) for kind in (1, 2) for D in (64, 128, 256)]
+              + [(1, 128, 64, torch.bfloat16), (1, 128, 128, torch.bfloat16), (2, 128, 64, torch.bfloat16),
+                 (1, 128, None, torch.float16)])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind,D,bn,dtype", _GPU_CASES,
+                         ids=[f"{'ws' if k == 1 else 'wsp'}-d{D}-bn{bn}-{str(dt)[6:]}" for k, D, bn, dt in _GPU_CASES])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_ws_real_sizes(ws_spy, kind, D, bn, dtype, causal):
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the warp-specialized forward is tuned for sm_90")
+    cfg = _configs.fwd_variant_config((9, 0), D, causal, (kind, bn))
+    _run(ws_spy, cfg, 2, 2048, 2048, 4, 2, D, D, dtype, causal, seed=D + causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("Sq,Sk", [(1000, 1000), (777, 1531), (1, 4097), (3000, 3001)])
+@pytest.mark.parametrize("kind", [1, 2], ids=["ws", "wsp"])
+def test_gpu_ws_ragged_lengths(ws_spy, causal, Sq, Sk, kind):
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the warp-specialized forward is tuned for sm_90")
+    cfg = _configs.fwd_variant_config((9, 0), 128, causal, (kind, None))
+    _run(ws_spy, cfg, 2, Sq, Sk, 8, 2, 128, 128, torch.bfloat16, causal, seed=Sq + Sk)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("D", [128, 256])
+def test_gpu_wsp_many_tiles_per_program(ws_spy, causal, D):
+    # 4 x 16 (sequence, head) pairs x 32 row blocks over 132 programs: each walks ~15 tiles of changing
+    # (sequence, head), re-creating its Q/K/V descriptors in place per tile while the previous tile's
+    # copies may still be in flight; a stale or torn descriptor would read another head's rows.
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the warp-specialized forward is tuned for sm_90")
+    cfg = _configs.fwd_variant_config((9, 0), D, causal, (2, None))
+    _run(ws_spy, cfg, 4, 4096, 4096, 16, 4, D, D, torch.bfloat16, causal, seed=D + 7 * causal)
+
+
+_ENV_SCRIPT = r"""
+import torch, flash_attn
+from flash_attn.triton import backend as tb
+from flash_attn import testing
+g = torch.Generator().manual_seed(3)
+q, k, v = (torch.randn(2, 1024, 16, 128, generator=g).cuda().bfloat16() for _ in range(3))
+with flash_attn.use_backend("triton"):
+    for causal in (False, True):
+        out = flash_attn.flash_attn_func(q, k, v, causal=causal)
+        ref = testing.attention_ref(q, k, v, causal=causal, upcast=True)[0]
+        pt = testing.attention_ref(q, k, v, causal=causal, upcast=False, reorder_ops=True)[0]
+        testing.assert_close_to_ref(out, ref, pt, "out")
+print("WS_PLANS", len(tb._FWD_WS_PLANS))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["ws", "wsp"])
+def test_gpu_ws_env_switch_through_public_api(name):
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the warp-specialized forward is tuned for sm_90")
+    env = dict(os.environ, FLASH_ATTN_TRITON_FWD_VARIANT=name)
+    r = subprocess.run([sys.executable, "-c", _ENV_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "WS_PLANS 2" in r.stdout, r.stdout
