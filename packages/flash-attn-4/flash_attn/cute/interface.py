@@ -143,8 +143,7 @@ def _make_kernel(config):
 
 def compile_fwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=False, softcap=False,
                 varlen=False, sink=False):
-    """Compile the forward kernel for ``dtype`` (torch.float16 / torch.bfloat16), ``head_dim`` (64, 96,
-    128, 192 or 256),
+    """Compile the forward kernel for ``dtype`` (torch.float16 / torch.bfloat16), ``head_dim`` (_SUPPORTED_HEAD_DIMS),
     ``causal``, ``local`` (a sliding window, sizes given per call) and ``softcap`` (soft-capped scores)
     for ``arch``. No GPU is needed. ``dump_dir``: an existing folder that receives the PTX (``*.ptx``)
     and cubin. Always compiles (``fwd_kernel`` is the cached way). Returns CuTeDSL's compiled function;
@@ -415,19 +414,19 @@ _NO_WINDOW = (None, None)  # flash_attn_func's default window_size (identity-che
 
 def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=_NO_WINDOW, learnable_sink=None,
                     softcap=0.0, num_splits=1, pack_gqa=None, deterministic=False, return_lse=False):
-    """Attention forward on Hopper: q (B, Sq, H, D), k/v (B, Sk, Hk, D) fp16/bf16 CUDA tensors, D in (64, 96, 128, 192,
-    256) (96, 192, 256: not yet run on a GPU), H % Hk == 0 (GQA/MQA). Causal and sliding-window masks are
-    bottom-right aligned: query i sees key j iff j - (i + Sk - Sq) lies in [-window_size[0], window_size[1]]
-    (None or a negative size: no limit on that side; causal sets the right size to 0). softcap > 0: scores
-    become softcap * tanh(scale * q.k / softcap). learnable_sink: None or (H,) fp32/bf16/fp16 logits, one per
-    query head, that join every softmax row as a term exp(sink) with no value (not scaled by softmax_scale; lse
-    includes it, a row that sees no key gets out 0 and lse = sink); its gradient is computed when it requires
-    one (see _SinkAttention). Returns (out, lse): out like q, lse fp32 (B, H, Sq) natural log (+inf for a row
-    that sees no key) when return_lse or a gradient needs it, else None (as FA4; the kernel still writes it).
-    When q, k or v needs a gradient the call goes through the dispatcher's differentiable op (see
-    _with_fallback_backward): its backward runs on this package's backward kernel when the call is one it
-    handles (dense, no window, softcap or determinism; FLASH_ATTN_CUTE_BWD=0 switches it off), else on another
-    backend."""
+    """Attention forward on Hopper: q (B, Sq, H, D), k/v (B, Sk, Hk, D) fp16/bf16 CUDA tensors, D in
+    (64, 96, 128, 192, 256), H % Hk == 0 (GQA/MQA). Causal and sliding-window masks are bottom-right aligned: query i
+    sees key j iff j - (i + Sk - Sq) lies in [-window_size[0], window_size[1]] (None or a negative size:
+    no limit on that side; causal sets the right size to 0). softcap > 0: scores become
+    softcap * tanh(scale * q.k / softcap). learnable_sink: None or (H,) fp32/bf16/fp16 logits, one per
+    query head, that join every softmax row as a term exp(sink) with no value (not scaled by
+    softmax_scale; lse includes it, a row that sees no key gets out 0 and lse = sink); its gradient
+    is computed when it requires one (see _SinkAttention). Returns (out, lse): out
+    like q, lse fp32 (B, H, Sq) natural log (+inf for a row that sees no key) when return_lse or a
+    gradient needs it, else None (as FA4; the kernel still writes it). When q, k or v needs a
+    gradient the call goes through the dispatcher's differentiable op (see _with_fallback_backward): its
+    backward runs on this package's backward kernel when the call is one it handles (dense, no window,
+    softcap or determinism; FLASH_ATTN_CUTE_BWD=0 switches it off), else on another backend."""
     # Every check reads attributes only (no tensor ops, no CUDA queries): this is the per-call path.
     if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
             and q.dim() == 4 and k.dim() == 4 and v.dim() == 4):
