@@ -101,7 +101,8 @@ def _compare_fragments(qk, pv, block_m, block_n, mismatches):
 
 
 @pytest.mark.parametrize("d,warpgroups,block_n", [(64, 2, 128), (128, 2, 128), (64, 3, 96), (64, 3, 128),
-                                                  (128, 3, 64)])
+                                                  (128, 3, 64), (96, 2, 128), (192, 2, 112), (192, 2, 96),
+                                                  (256, 2, 80)])
 def test_p_fragment_reuses_the_s_accumulator_layout(d, warpgroups, block_n):
     """The kernel feeds P to the second WGMMA by reinterpreting the S accumulator registers as the A
     operand with layout ((2, 2, 2), 1, BLOCK_N / 16); check, thread by thread, that each register then
@@ -140,7 +141,7 @@ def test_host_and_kernel_agree_on_the_unbounded_window_size():
 
 def test_unsupported_head_dim_is_refused():
     with pytest.raises(ValueError, match="head dim"):
-        compile_fwd(torch.bfloat16, 96, False)
+        compile_fwd(torch.bfloat16, 72, False)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -485,6 +486,176 @@ def test_default_kernels_fit_their_registers(ptx, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------
+# Head dims 96, 192, 256 (2 consumer warpgroups at 240 registers, packed P; the root dispatcher sends
+# them here only with FLASH_ATTN_CUTE_FWD_HDIMS)
+
+# (dtype, head dim, causal, variant): each head dim's plain kernels and its heaviest variants
+CONFIGS_WIDE = [(torch.bfloat16, 256, False, {}), (torch.float16, 256, True, {}),
+                (torch.bfloat16, 256, False, dict(local=True, softcap=True, varlen=True, sink=True)),
+                (torch.bfloat16, 192, False, {}), (torch.float16, 192, True, dict(sink=True)),
+                (torch.bfloat16, 192, False, dict(local=True)),
+                (torch.bfloat16, 96, False, {}), (torch.float16, 96, True, dict(varlen=True, softcap=True))]
+
+
+@pytest.fixture(scope="module", params=CONFIGS_WIDE, ids=_ids3)
+def wide(request, tmp_path_factory):
+    """(config, forward config, PTX text, PTX path, cubin path) of a head-dim 96 / 192 / 256 forward."""
+    from flash_attn.cute import interface
+
+    dtype, d, causal, kw = request.param
+    dump = tmp_path_factory.mktemp("ptxwide")
+    with pytest.MonkeyPatch.context() as mp:
+        for var in ("FLASH_ATTN_CUTE_BLOCK_N", "FLASH_ATTN_CUTE_EXP2_EMU", "FLASH_ATTN_CUTE_STAGES",
+                    "FLASH_ATTN_CUTE_FWD_WARPGROUPS", "FLASH_ATTN_CUTE_FWD_WG_ORDER"):
+            mp.delenv(var, raising=False)
+        config = interface._fwd_config(dtype, d, causal, "sm_90a", **kw)
+        compile_fwd(dtype, d, causal, arch="sm_90a", dump_dir=str(dump), **kw)
+    (path,) = glob.glob(str(dump / "*.ptx"))
+    (cubin,) = glob.glob(str(dump / "*.cubin"))
+    with open(path) as f:
+        return request.param, config, f.read(), path, cubin
+
+
+def test_wide_head_dims_ptx(wide):
+    """384 threads, setmaxnreg 24 / 240, S = Q K^T at m64n{BLOCK_N} and O += P V at m64n{D} with P
+    converted pairwise into the registers the WGMMA reads, TMA loads of Q, K and V."""
+    (dtype, d, _, kw), config, text, _, _ = wide
+    block_n = config.get("block_n", 128)
+    ab = "bf16.bf16" if dtype == torch.bfloat16 else "f16.f16"
+    pair = "cvt.rn.bf16x2.f32" if dtype == torch.bfloat16 else "cvt.rn.f16x2.f32"
+    assert ".target sm_90a" in text and ".reqntid 384, 1, 1" in text
+    assert _count(text, "setmaxnreg.dec.sync.aligned.u32 \t24;") == 1
+    assert _count(text, "setmaxnreg.inc.sync.aligned.u32 \t240;") == 1
+    assert _count(text, f"wgmma.mma_async.sync.aligned.m64n{block_n}k16.f32.{ab}") >= d // 16
+    assert _count(text, f"wgmma.mma_async.sync.aligned.m64n{d}k16.f32.{ab}") >= block_n // 16
+    assert _count(text, pair) >= 2 * (block_n // 4)
+    assert not any(line.lstrip().startswith("mov.b32") and "{%rs" in line for line in text.splitlines())
+    assert _count(text, "cp.async.bulk.tensor") >= 3 and "mbarrier.try_wait" in text
+    assert ("tanh.approx" in text) == bool(kw.get("softcap"))
+
+
+@pytest.mark.skipif(__import__("shutil").which("ptxas") is None, reason="ptxas not on PATH")
+def test_wide_head_dims_fit_240_registers(wide):
+    """ptxas: no spill, no C75xx message (setmaxnreg ignored, WGMMAs serialised, warpgroup.arrive
+    injected); the cubin CuTeDSL built: no local memory, one WARPGROUP.ARRIVE per wgmma.fence, and
+    registers numbered past the 168 that 384 threads get at launch, i.e. ptxas allocated the consumers
+    against their setmaxnreg budget (the accumulators alone exceed 168 at d192 / d256)."""
+    import re
+    import subprocess
+
+    (_, d, _, _), config, text, ptx_path, cubin = wide
+    out = subprocess.run(["ptxas", "-arch=sm_90a", "-v", ptx_path, "-o", os.devnull], capture_output=True,
+                         text=True, check=True)
+    log = out.stdout + out.stderr
+    assert not re.findall(r"\((C75\d\d)\)", log), log
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", log)]
+    loads = [int(x) for x in re.findall(r"(\d+) bytes spill loads", log)]
+    assert spills and not any(spills) and not any(loads), log
+    tool = cuobjdump_path()
+    if tool is None:
+        pytest.skip("no cuobjdump to read the SASS")
+    sass = subprocess.run([tool, "-sass", cubin], capture_output=True, text=True, check=True).stdout
+    assert "HGMMA" in sass and " STL" not in sass and " LDL" not in sass
+    fences = sum(line.lstrip().startswith("wgmma.fence") for line in text.splitlines())
+    assert sass.count("WARPGROUP.ARRIVE") == fences
+    top = max(int(r) for r in re.findall(r"\bR(\d+)\b", sass))
+    if d > 128:
+        assert 168 <= top < 240, top
+
+
+def test_wide_head_dim_configs(monkeypatch):
+    """The tile tables: every default forward configuration fits shared memory; d256 takes FA3's 80-key
+    blocks in 2 stages, d192 112 (96 with a window), d96 4 stages of 128; per-head-dim overrides; a bare
+    FLASH_ATTN_CUTE_FWD_WARPGROUPS=3 leaves the wide head dims at 2; an oversized tile is refused."""
+    from flash_attn.cute import interface
+    from flash_attn.cute.flash_fwd_sm90 import FlashFwdSm90
+
+    for var in ("FLASH_ATTN_CUTE_BLOCK_N", "FLASH_ATTN_CUTE_STAGES", "FLASH_ATTN_CUTE_FWD_WARPGROUPS",
+                "FLASH_ATTN_CUTE_EXP2_EMU"):
+        monkeypatch.delenv(var, raising=False)
+
+    def cfg(d, causal=False, **kw):
+        c = interface._fwd_config(torch.bfloat16, d, causal, "sm_90a", **kw)
+        return c.get("block_n", 128), c["stages"], c.get("warpgroups", 2)
+
+    assert cfg(256) == cfg(256, True) == cfg(256, local=True) == (80, 2, 2)
+    assert cfg(192) == cfg(192, True, softcap=True, varlen=True) == (112, 2, 2)
+    assert cfg(192, local=True) == cfg(192, True, local=True, sink=True) == (96, 2, 2)
+    assert cfg(96) == cfg(96, True) == (128, 4, 2)
+    for d in interface._SUPPORTED_HEAD_DIMS:
+        for causal in (False, True):
+            for kw in ({}, dict(local=True), dict(softcap=True, varlen=True)):
+                for wg in ("", "3"):
+                    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_WARPGROUPS", wg)
+                    kernel = interface._make_kernel(interface._fwd_config(torch.bfloat16, d, causal, "sm_90a",
+                                                                          **kw))
+                    assert kernel.smem_bytes() <= FlashFwdSm90.SMEM_BYTES
+                    table = (interface._FWD_WARPGROUPS_CAUSAL if causal or kw.get("local")
+                             else interface._FWD_WARPGROUPS)
+                    assert kernel.num_mma_warpgroups == (3 if wg and d in (64, 128) else table.get(d, 2))
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_WARPGROUPS", "")
+    assert FlashFwdSm90(cute_dtype(torch.bfloat16), 256, False, block_n=80, num_stages=2).smem_bytes() == 230400
+    monkeypatch.setenv("FLASH_ATTN_CUTE_BLOCK_N", "256:64,128:96")
+    assert cfg(256)[0] == 64 and cfg(128)[0] == 96 and cfg(192)[0] == 112
+    monkeypatch.setenv("FLASH_ATTN_CUTE_STAGES", "256:3")
+    assert cfg(256)[1] == 3 and cfg(128)[1] == 3 and cfg(64)[1] == 4
+    with pytest.raises(ValueError, match="shared memory"):
+        interface._make_kernel(interface._fwd_config(torch.bfloat16, 256, False, "sm_90a"))  # 64 x 3 stages
+    with pytest.raises(ValueError, match="multiple of 16"):
+        FlashFwdSm90(cute_dtype(torch.bfloat16), 256, False, block_n=72, num_stages=2)
+
+
+def cute_dtype(dtype):
+    from flash_attn.cute.interface import _cutlass_dtype
+
+    return _cutlass_dtype(dtype)
+
+
+def test_backend_gates_the_wide_head_dims(monkeypatch):
+    """The dispatcher's cute backend: d96 / d192 / d256 forwards only when FLASH_ATTN_CUTE_FWD_HDIMS names
+    them; their backward never (the backward kernel has d64 / d128); the package API accepts them."""
+    from flash_attn.cute import backend, interface
+
+    monkeypatch.delenv("FLASH_ATTN_CUTE_FWD_HDIMS", raising=False)
+    assert backend.forward_head_dims() == (64, 128)
+    for d in (96, 192, 256):
+        reason = backend.unsupported_reason(_call(head_dim=d, head_dim_v=d))
+        assert reason is not None and f"FLASH_ATTN_CUTE_FWD_HDIMS={d}" in reason, reason
+        interface._check_dims(d, d, 4, 2)  # flash_attn.cute.flash_attn_func's check
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_HDIMS", "256")
+    assert backend.forward_head_dims() == (64, 128, 256)
+    assert backend.unsupported_reason(_call(head_dim=256, head_dim_v=256, causal=True)) is None
+    assert backend.unsupported_reason(_call(head_dim=256, head_dim_v=256, varlen=True, local=True)) is None
+    assert "head dims 192" in backend.unsupported_reason(_call(head_dim=192, head_dim_v=192))
+    assert "head dims 256" in backend.unsupported_reason(_call(head_dim=256, head_dim_v=256, backward=True))
+    assert "head dims 256/128" in backend.unsupported_reason(_call(head_dim=256, head_dim_v=128))
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_HDIMS", "96, 192,256,72")  # 72: no kernel, ignored
+    assert backend.forward_head_dims() == (64, 96, 128, 192, 256)
+    for d in (96, 192):
+        assert backend.unsupported_reason(_call(head_dim=d, head_dim_v=d)) is None
+        assert backend.unsupported_reason(_call(head_dim=d, head_dim_v=d, backward=True)) is not None
+    with pytest.raises(NotImplementedError, match="head dim 72"):
+        interface._check_dims(72, 72, 4, 2)
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_HDIMS", "d256")
+    with pytest.raises(ValueError, match="FLASH_ATTN_CUTE_FWD_HDIMS"):
+        backend.forward_head_dims()
+
+
+def test_precompile_takes_the_enabled_head_dims(monkeypatch, tmp_path):
+    """python -m flash_attn.cute.precompile: the default head dims follow FLASH_ATTN_CUTE_FWD_HDIMS; any
+    forward head dim may be named; --backward builds backward kernels for d64 / d128 only."""
+    from flash_attn.cute import precompile
+
+    monkeypatch.delenv("FLASH_ATTN_CUTE_FWD_HDIMS", raising=False)
+    assert precompile.default_head_dims() == (64, 128)
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_HDIMS", "256")
+    assert precompile.default_head_dims() == (64, 128, 256)
+    assert precompile.precompile(str(tmp_path), "sm_90a", head_dims=(256, 192), kinds=("bwd",)) == []
+    with pytest.raises(SystemExit):
+        precompile.main(["--out", str(tmp_path), "--head-dims", "72"])
+
+
+# ----------------------------------------------------------------------------------------------------
 # On a Hopper GPU
 
 
@@ -798,9 +969,10 @@ def _call(**kw):
     return Call(**base)
 
 
-def test_backend_admits_only_what_the_kernel_does():
+def test_backend_admits_only_what_the_kernel_does(monkeypatch):
     from flash_attn.cute import backend
 
+    monkeypatch.delenv("FLASH_ATTN_CUTE_FWD_HDIMS", raising=False)
     assert backend.unsupported_reason(_call()) is None
     assert backend.unsupported_reason(_call(causal=True, head_dim=64, head_dim_v=64,
                                             dtype=torch.float16)) is None
@@ -861,3 +1033,99 @@ def test_dispatcher_serves_forward_and_backward_with_cute(causal):
         assert_close_to_ref(out, out_ref, out_pt, name=f"out ({run})")
         for name, gr, gr_ref, gr_pt in zip("qkv", torch.autograd.grad(out, (q, k, v), g), grads_ref, grads_pt):
             assert_close_to_ref(gr, gr_ref, gr_pt, name=f"d{name} ({run})")
+
+
+# Head dims 96, 192, 256 on the GPU (not yet run there when these tests were written): the default
+# kernel's checks at sequence lengths around their key blocks (80 at d256, 112 / 96 at d192, 128 at
+# d96) and the 128-row query tile, Sq != Sk, GQA / MQA, fp16 and bf16; windows, softcap, varlen, the
+# sink (tests/test_cute_sink.py); the dispatcher's gate.
+
+WIDE_SHAPES = [(2, 128, 128, 4, 4), (1, 1, 1, 2, 2), (2, 113, 203, 6, 2), (1, 1023, 1023, 4, 1),
+               (2, 256, 77, 2, 2), (1, 300, 1200, 8, 4), (2, 161, 161, 4, 2), (1, 80, 81, 2, 2),
+               (1, 2048, 2048, 2, 1), (1, 129, 2000, 4, 4)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [256, 192, 96])
+@pytest.mark.parametrize("causal", [False, True])
+def test_wide_head_dims_match_reference_on_gpu(dtype, d, causal):
+    for shape in WIDE_SHAPES:
+        test_matches_reference_on_gpu(dtype, d, causal, *shape)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("d", [256, 192, 96])
+@pytest.mark.parametrize("causal,window,softcap", [(False, (64, 16), 0.0), (True, (48, -1), 20.0),
+                                                   (False, (100, -1), 0.0), (False, (0, 0), 0.0),
+                                                   (False, (-1, 200), 20.0), (True, (-1, -1), 30.0)])
+def test_wide_head_dims_window_and_softcap_on_gpu(d, causal, window, softcap):
+    for shape in [(2, 333, 333, 4, 2), (1, 129, 517, 2, 1), (1, 700, 200, 2, 2)]:
+        test_window_and_softcap_match_reference_on_gpu(d, causal, window, softcap, *shape)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("d", [256, 192, 96])
+@pytest.mark.parametrize("causal,window,softcap", [(False, (-1, -1), 0.0), (True, (-1, -1), 0.0),
+                                                   (False, (50, 10), 0.0), (True, (-1, -1), 15.0)])
+def test_wide_head_dims_varlen_on_gpu(d, causal, window, softcap):
+    for seqused in (False, True):
+        test_varlen_matches_reference_per_sequence_on_gpu(d, causal, window, softcap, seqused)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("causal", [False, True])
+def test_dispatcher_gates_the_wide_head_dims_on_gpu(monkeypatch, causal):
+    """flash_attn.flash_attn_func at d256: the cute forward runs only with FLASH_ATTN_CUTE_FWD_HDIMS=256,
+    its backward on the next backend; outputs and gradients meet the criterion either way, and through
+    flash_attn.cute.flash_attn_func (which refuses gradients without the variable: they go through the
+    dispatcher)."""
+    import flash_attn
+    from flash_attn import dispatch
+    from flash_attn.cute import flash_attn_func as cute_func
+    from flash_attn.cute import interface
+
+    launches = []
+    real = interface.forward
+
+    def counted(*args, **kwargs):
+        launches.append(args[0].shape[-1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(interface, "forward", counted)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 333, 4, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    g = torch.randn(2, 333, 4, 256, device="cuda", dtype=torch.bfloat16)
+    out_ref, _ = attention_ref(q, k, v, causal=causal)
+    out_pt, _ = attention_ref(q, k, v, causal=causal, upcast=False, reorder_ops=True)
+    grads_ref = torch.autograd.grad(out_ref, (q, k, v), g)
+    grads_pt = torch.autograd.grad(out_pt, (q, k, v), g)
+    for enabled in (False, True):
+        if enabled:
+            monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_HDIMS", "256")
+        else:
+            monkeypatch.delenv("FLASH_ATTN_CUTE_FWD_HDIMS", raising=False)
+        monkeypatch.setattr(dispatch, "_choice", {})
+        assert (dispatch.select(_call(head_dim=256, head_dim_v=256, causal=causal)).NAME == "cute") == enabled
+        assert dispatch.select(_call(head_dim=256, head_dim_v=256, causal=causal, backward=True)).NAME != "cute"
+        runs = ("auto", "cute_api") if enabled else ("auto",)
+        for run in runs:
+            del launches[:]
+            out = (flash_attn.flash_attn_func(q, k, v, causal=causal) if run == "auto"
+                   else cute_func(q, k, v, causal=causal)[0])
+            assert launches == ([256] if enabled else []), (run, launches)
+            assert_close_to_ref(out, out_ref, out_pt, name=f"out ({run}, gate {enabled})")
+            grads = torch.autograd.grad(out, (q, k, v), g)
+            for name, gr, gr_ref, gr_pt in zip("qkv", grads, grads_ref, grads_pt):
+                assert_close_to_ref(gr, gr_ref, gr_pt, name=f"d{name} ({run}, gate {enabled})")
+        if not enabled:
+            with pytest.raises(NotImplementedError, match="FLASH_ATTN_CUTE_FWD_HDIMS=256"):
+                cute_func(q, k, v, causal=causal)
+        with torch.no_grad():  # the package API without gradients: no gate
+            out, _ = cute_func(q, k, v, causal=causal)
+        assert_close_to_ref(out, out_ref, out_pt, name=f"out (no grad, gate {enabled})")

@@ -254,7 +254,7 @@ def _check_lse(lse, lse_ref, name="lse"):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("causal", [False, True])
 def test_sink_matches_reference_on_gpu(d, causal):
     """GQA (6 query heads over 2), Sq > Sk so that causal rows at the top see no key (lse = sink)."""
@@ -283,7 +283,7 @@ def test_sink_matches_reference_on_gpu(d, causal):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
 def test_sink_varlen_matches_reference_on_gpu(d):
     """Packed sequences with an empty one, one with no key (out 0, lse = sink) and rows after the last
     sequence (out 0, lse +inf)."""

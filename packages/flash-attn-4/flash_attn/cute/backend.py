@@ -1,7 +1,10 @@
 """The root dispatcher's view of flash_attn.cute (the contract is in flash_attn/backends/__init__.py).
 
 Serves forward calls on Hopper (sm_90): fp16/bf16, head dim 64 or 128 (v's equal to q's), causal or
-not, sliding windows, softcap, GQA/MQA, dense or varlen (cu_seqlens).
+not, sliding windows, softcap, GQA/MQA, dense or varlen (cu_seqlens). Head dims 96, 192 and 256 have
+forward kernels that compile clean for sm_90a but have not run on a GPU: the dispatcher sends them here
+only when FLASH_ATTN_CUTE_FWD_HDIMS names them ("256", "96,192,256"; read when the dispatcher first sees
+a kind of call), and their backward always goes to the next backend.
 
 Backward (flash_bwd_sm90.py): dense calls without windows, softcap, ALiBi, dropout or determinism (its dQ
 is a sum of fp32 TMA reduce-adds from the key blocks' CTAs in whatever order they finish, so it varies in
@@ -17,7 +20,9 @@ import torch
 
 NAME = "cute"
 _DTYPES = (torch.float16, torch.bfloat16)
-_HEAD_DIMS = (64, 128)
+_HEAD_DIMS = (64, 128)  # forward and backward
+_GATED_FWD_HEAD_DIMS = (96, 192, 256)  # forward only, when FLASH_ATTN_CUTE_FWD_HDIMS names them
+FWD_HDIMS_ENV_VAR = "FLASH_ATTN_CUTE_FWD_HDIMS"
 _ARCHS = {(9, 0): "sm_90a"}
 _unavailable = []
 BWD_OUT = True  # bwd() takes grads=(dq, dk, dv)
@@ -35,6 +40,17 @@ def unavailable_reason():
     return _unavailable[0]
 
 
+def forward_head_dims():
+    """The head dims whose forward the dispatcher may send here: 64, 128 and those of 96 / 192 / 256 that
+    $FLASH_ATTN_CUTE_FWD_HDIMS (comma-separated) names."""
+    value = os.environ.get(FWD_HDIMS_ENV_VAR, "")
+    try:
+        named = {int(x) for x in value.replace(" ", "").split(",") if x}
+    except ValueError:
+        raise ValueError(f"{FWD_HDIMS_ENV_VAR}={value!r}: expected comma-separated head dims, e.g. 96,192,256")
+    return tuple(sorted(set(_HEAD_DIMS) | (named & set(_GATED_FWD_HEAD_DIMS))))
+
+
 def unsupported_reason(call):
     if call.device_type != "cuda":
         return f"device {call.device_type}"
@@ -42,8 +58,12 @@ def unsupported_reason(call):
         return f"compute capability {call.arch}: only Hopper (sm_90) kernels exist"
     if call.dtype not in _DTYPES:
         return f"dtype {call.dtype} (fp16/bf16 only)"
-    if call.head_dim not in _HEAD_DIMS or call.head_dim_v != call.head_dim:
-        return f"head dims {call.head_dim}/{call.head_dim_v} not in {_HEAD_DIMS} (equal for q/k and v)"
+    head_dims = _HEAD_DIMS if call.backward else forward_head_dims()
+    if call.head_dim not in head_dims or call.head_dim_v != call.head_dim:
+        why = f"head dims {call.head_dim}/{call.head_dim_v} not in {head_dims} (equal for q/k and v)"
+        if not call.backward and call.head_dim in _GATED_FWD_HEAD_DIMS and call.head_dim_v == call.head_dim:
+            why += f"; {FWD_HDIMS_ENV_VAR}={call.head_dim} enables its forward (not yet run on a GPU)"
+        return why
     for what in ("paged", "alibi", "dropout", "return_probs", "kvcache"):
         if getattr(call, what):
             return what

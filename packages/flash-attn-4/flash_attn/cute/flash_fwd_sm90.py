@@ -100,6 +100,10 @@ class FlashFwdSm90:
     # persistent order keeps in use together: FA3's scheduler budgets 32 MiB of the L2 (50 MiB on H100 /
     # H200) for K and V (it also rounds its sections to a power of two heads; this one does not).
     L2_KV_BYTES = 32 << 20
+    HEAD_DIMS = (64, 96, 128, 192, 256)
+    # Dynamic shared memory of one CTA on sm_90 (227 KB), which holds the barriers (below 1 KB, padded
+    # to the 1024-byte alignment of the swizzled tiles), Q and the K / V stages.
+    SMEM_BYTES = 232448
 
     def __init__(self, dtype, head_dim, causal, local=False, softcap=False, varlen=False, block_m=None,
                  block_n=128, num_stages=2, exp2_emu=0, exp2_emu_degree=3, sink=False, num_warpgroups=2,
@@ -115,8 +119,8 @@ class FlashFwdSm90:
         if not 0 <= exp2_emu <= 16 or exp2_emu_degree not in EXP2_POLY:
             raise ValueError(f"exp2_emu {exp2_emu} not in 0..16 or degree {exp2_emu_degree} not in "
                              f"{tuple(EXP2_POLY)}")
-        if head_dim not in (64, 128):
-            raise ValueError(f"head dim {head_dim} not in (64, 128)")
+        if head_dim not in self.HEAD_DIMS:
+            raise ValueError(f"head dim {head_dim} not in {self.HEAD_DIMS}")
         if dtype not in (cutlass.Float16, cutlass.BFloat16):
             raise ValueError(f"dtype {dtype} not fp16/bf16")
         if num_warpgroups not in self.REGS:
@@ -131,10 +135,14 @@ class FlashFwdSm90:
         # element-wise conversion leaves one 16-bit value per register and packs the pairs next to each
         # WGMMA, after its fence: at the 160-register budget ptxas then injects a warpgroup.arrive per
         # WGMMA (C7519, d64 BLOCK_N 96-112) or spills (BLOCK_N 128: 112 bytes); packed, d64 BLOCK_N 128
-        # is clean. Off for 2 warpgroups, whose SASS stays as measured; on in the persistent kernel at d128,
+        # is clean. Off for 2 warpgroups at head dims 64 and 128, whose SASS stays as measured; on for
+        # the others, where the S, P and O accumulators (D / 2 + 3 BLOCK_N / 4 registers) fill the
+        # 240-register budget too: d256 at BLOCK_N 80 with element-wise P gets 8 injected
+        # warpgroup.arrive (C7519) around the P V WGMMAs, packed none. On in the persistent kernel at d128,
         # where the element-wise conversion takes 2 F2FP per pair in the key-block loop (64, not 32; at
         # d64 it stays at 32 and packing adds 12 instructions to the loop's steady-state path).
-        self.pack_p = self.num_mma_warpgroups == 3 or (bool(persistent) and head_dim == 128)
+        self.pack_p = (self.num_mma_warpgroups == 3 or head_dim not in (64, 128)
+                       or (bool(persistent) and head_dim == 128))
         self.dtype = dtype
         self.head_dim = head_dim
         self.causal = bool(causal) and not local  # a causal local window is local with right = 0
@@ -151,6 +159,16 @@ class FlashFwdSm90:
         self.persistent = bool(persistent)
         if self.persistent and (self.local or self.softcap or self.varlen or self.sink):
             raise ValueError("the persistent kernel is dense only (no window, softcap, varlen or sink)")
+        if block_n % 16 or not 16 <= block_n <= 256:
+            raise ValueError(f"block_n {block_n} not a multiple of 16 in [16, 256] (WGMMA N, P's k-blocks)")
+        if self.smem_bytes() > self.SMEM_BYTES:
+            raise ValueError(f"head dim {head_dim}, block_m {block_m}, block_n {block_n}, {num_stages} stages "
+                             f"need {self.smem_bytes()} bytes of shared memory, more than {self.SMEM_BYTES}")
+
+    def smem_bytes(self):
+        """Shared memory the kernel allocates: the barriers (padded to the tiles' 1024-byte alignment),
+        the Q tile and num_stages K and V tiles, 2-byte elements."""
+        return 1024 + 2 * self.head_dim * (self.block_m + 2 * self.num_stages * self.block_n)
 
     # ------------------------------------------------------------------------------------------------
     # Host side: views, TMA descriptors, launch
@@ -249,14 +267,17 @@ class FlashFwdSm90:
                 window_left, window_right, grid, stream, mSink, sched=None):
         """Views are (S, D, H, B) for Q/K/O, (D, S, H, B) for V, (S, H, B) for the lse."""
         dt, D, BM, BN = self.dtype, self.head_dim, self.block_m, self.block_n
-        K_SW128 = warpgroup.SmemLayoutAtomKind.K_SW128
-        MN_SW128 = warpgroup.SmemLayoutAtomKind.MN_SW128
-        sQ_layout = _smem_layout(K_SW128, dt, (BM, D))
-        sK_layout = _smem_layout(K_SW128, dt, (BN, D, self.num_stages))
-        # V^T's atoms (64 of D x 8 keys) are stacked along the keys first: each 64-wide slice of D is then
-        # one contiguous (64, BN) block, which one TMA box covers (D-first stacking gave 64 x 8 boxes,
-        # 2 * BN / 8 TMA copies per stage).
-        sVt_layout = _smem_layout(MN_SW128, dt, (D, BN, self.num_stages), order=(1, 0, 2))
+        # 128-byte swizzle atoms span 64 elements of D; head dim 96 is tiled with 64-byte atoms (32 of D)
+        # instead, which TMA and the WGMMA descriptors support as well.
+        sw128 = D % 64 == 0
+        K_SW = warpgroup.SmemLayoutAtomKind.K_SW128 if sw128 else warpgroup.SmemLayoutAtomKind.K_SW64
+        MN_SW = warpgroup.SmemLayoutAtomKind.MN_SW128 if sw128 else warpgroup.SmemLayoutAtomKind.MN_SW64
+        sQ_layout = _smem_layout(K_SW, dt, (BM, D))
+        sK_layout = _smem_layout(K_SW, dt, (BN, D, self.num_stages))
+        # V^T's atoms (64 of D x 8 keys; 32 of D at d96) are stacked along the keys first: each 64-wide
+        # slice of D is then one contiguous (64, BN) block, which one TMA box covers (D-first stacking gave
+        # 64 x 8 boxes, 2 * BN / 8 TMA copies per stage).
+        sVt_layout = _smem_layout(MN_SW, dt, (D, BN, self.num_stages), order=(1, 0, 2))
 
         tiled_mma_qk = cute.make_tiled_mma(
             cute.make_mma_atom(warpgroup.MmaF16BF16Op(
@@ -449,7 +470,7 @@ class FlashFwdSm90:
              q_start, k_start, seqlen_q, seqlen_k):
         """One CTA's query tile: rows [m_block * BM, (m_block + 1) * BM) of the sequence that starts at
         row q_start (keys at k_start) of batch entry `batch` of the views."""
-        dt, BM, BN, stages = self.dtype, self.block_m, self.block_n, self.num_stages
+        BM, BN = self.block_m, self.block_n
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         head_kv = head // (cute.size(mQ, mode=[2]) // cute.size(mK, mode=[2]))  # GQA / MQA
@@ -630,7 +651,7 @@ class FlashFwdSm90:
         block j-1 has finished; the softmax of S_j then runs while P V_{j-1} is still computing. Across
         the warpgroups, named barriers pass the turn to issue GEMMs around (ping-pong with two, a round
         robin with three): one issues its GEMMs while the others do softmax."""
-        dt, D, BM, BN = self.dtype, self.head_dim, self.block_m, self.block_n
+        BM, BN = self.block_m, self.block_n
         (wg, tSrQ, tSrK, tOrV, acc_S, acc_O, tScS, tOcO, rP, tOrP, row_max, row_sum,
          corr) = self._fragments(tiled_mma_qk, tiled_mma_pv, sQ, sK, sVt, ctid)
         # The head's sink logit, loaded now so that its global-memory latency hides behind the main loop.

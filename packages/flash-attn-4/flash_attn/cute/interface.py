@@ -21,7 +21,10 @@ import torch
 
 from flash_attn.cute import cache
 
-_SUPPORTED_HEAD_DIMS = (64, 128)
+# Forward head dims of this package's API. The root dispatcher sends it 64 and 128, and 96 / 192 / 256
+# only when FLASH_ATTN_CUTE_FWD_HDIMS names them (backend.py): those kernels compile clean for sm_90a
+# but have not run on a GPU yet. The backward kernel has 64 and 128 (_BWD_BLOCK_M).
+_SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
 _ARCHS = {(9, 0): "sm_90a"}
 _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 _F32 = torch.float32
@@ -31,11 +34,19 @@ _device_archs: dict[int, object] = {}  # CUDA device index -> arch name, or None
 _have_tvm_ffi: list = []
 _MAX_ELEMS = 2 ** 31  # the kernels' 32-bit offsets address tensors below this many elements
 _UNBOUNDED = 1 << 30  # FlashFwdSm90.UNBOUNDED: a window side with no limit
-# K and V ring depth per head dim (shared memory: Q tile + stages x (K tile + V tile) <= 227 KB).
-# $FLASH_ATTN_CUTE_STAGES overrides it (a tuning knob; the disk cache keys on it).
-_DEFAULT_STAGES = {64: 4, 128: 3}
-# Keys per K/V block (FLASH_ATTN_CUTE_BLOCK_N overrides, for tuning).
-_DEFAULT_BLOCK_N = {64: 128, 128: 128}
+# K and V ring depth per head dim (shared memory: Q tile + stages x (K tile + V tile) <= 227 KB,
+# FlashFwdSm90.smem_bytes). $FLASH_ATTN_CUTE_STAGES overrides it, for every head dim or per head dim
+# ("256:2,128:3"; a tuning knob; the disk cache keys on it).
+_DEFAULT_STAGES = {64: 4, 96: 4, 128: 3, 192: 2, 256: 2}
+# Keys per K/V block (FLASH_ATTN_CUTE_BLOCK_N overrides, as the stages). The head dims above 128 take
+# the largest BLOCK_N whose 2 stages fit beside the 128 x D Q tile and whose accumulators fit the
+# consumers' 240 registers (O: D / 2, S: BLOCK_N / 2, packed P: BLOCK_N / 4 per thread). ptxas 13.0
+# (sm_90a, CuTeDSL 4.8.1), fp16 and bf16, causal or not, with softcap / varlen / sink / a window: d256
+# BLOCK_N 80 (224 KB; FA3's tile) and d192 112 (216 KB) no spill and no C75xx message, except d192 112
+# with a window alone (48 bytes spilled): windowed d192 calls take 96 (_BLOCK_N_LOCAL). d96: 64-byte
+# swizzle, 4 stages of 128 keys (216 KB), at most 185 registers.
+_DEFAULT_BLOCK_N = {64: 128, 96: 128, 128: 128, 192: 112, 256: 80}
+_BLOCK_N_LOCAL = {192: 96}
 # Softmax exponentials per 16 computed by a polynomial on the FMA pipe instead of MUFU.EX2
 # (FLASH_ATTN_CUTE_EXP2_EMU overrides; FLASH_ATTN_CUTE_EXP2_EMU_DEGREE picks the polynomial's degree,
 # 2..4, default 3). Both are in the cache key only when the emulation is on.
@@ -95,12 +106,18 @@ def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varle
     the architecture and the calling convention. It is the disk cache's key (with the package sources
     and the versions, see cache.py) and what compile_fwd builds the kernel from, so a constructor
     argument added here changes both. Plain values: computing the key must not import CuTeDSL."""
-    stages = int(os.environ.get("FLASH_ATTN_CUTE_STAGES") or _DEFAULT_STAGES.get(int(head_dim), 2))
+    stages = int(_per_head_dim("FLASH_ATTN_CUTE_STAGES", head_dim) or _DEFAULT_STAGES.get(int(head_dim), 2))
     table = _FWD_WARPGROUPS_CAUSAL if causal or local else _FWD_WARPGROUPS
-    warpgroups = int(_per_head_dim("FLASH_ATTN_CUTE_FWD_WARPGROUPS", head_dim) or table.get(int(head_dim), 2))
+    wg_env = _per_head_dim("FLASH_ATTN_CUTE_FWD_WARPGROUPS", head_dim)
+    if int(head_dim) not in _FWD3_BLOCK_N and ":" not in os.environ.get("FLASH_ATTN_CUTE_FWD_WARPGROUPS", ""):
+        wg_env = ""  # a bare "3" means the head dims that have 3-warpgroup tiles (a 192 x 256 Q tile does not fit)
+    warpgroups = int(wg_env or table.get(int(head_dim), 2))
     table = (_DEFAULT_BLOCK_N if warpgroups == 2
              else _FWD3_BLOCK_N_EXTRA if local or softcap or varlen else _FWD3_BLOCK_N)
-    block_n = int(os.environ.get("FLASH_ATTN_CUTE_BLOCK_N") or table.get(int(head_dim), 128))
+    default_n = table.get(int(head_dim), 128)
+    if warpgroups == 2 and local:
+        default_n = _BLOCK_N_LOCAL.get(int(head_dim), default_n)
+    block_n = int(_per_head_dim("FLASH_ATTN_CUTE_BLOCK_N", head_dim) or default_n)
     unordered = _per_head_dim("FLASH_ATTN_CUTE_FWD_WG_ORDER", head_dim) in ("0", "false", "False")
     emu = int(os.environ.get("FLASH_ATTN_CUTE_EXP2_EMU") or _DEFAULT_EXP2_EMU.get(int(head_dim), 0))
     emu_degree = int(os.environ.get("FLASH_ATTN_CUTE_EXP2_EMU_DEGREE") or 3)
@@ -134,7 +151,7 @@ def _make_kernel(config):
 
 def compile_fwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=False, softcap=False,
                 varlen=False, sink=False):
-    """Compile the forward kernel for ``dtype`` (torch.float16 / torch.bfloat16), ``head_dim`` (64 / 128),
+    """Compile the forward kernel for ``dtype`` (torch.float16 / torch.bfloat16), ``head_dim`` (_SUPPORTED_HEAD_DIMS),
     ``causal``, ``local`` (a sliding window, sizes given per call) and ``softcap`` (soft-capped scores)
     for ``arch``. No GPU is needed. ``dump_dir``: an existing folder that receives the PTX (``*.ptx``)
     and cubin. Always compiles (``fwd_kernel`` is the cached way). Returns CuTeDSL's compiled function;
@@ -434,7 +451,7 @@ _NO_WINDOW = (None, None)  # flash_attn_func's default window_size (identity-che
 def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=_NO_WINDOW, learnable_sink=None,
                     softcap=0.0, num_splits=1, pack_gqa=None, deterministic=False, return_lse=False):
     """Attention forward on Hopper: q (B, Sq, H, D), k/v (B, Sk, Hk, D) fp16/bf16 CUDA tensors, D in
-    (64, 128), H % Hk == 0 (GQA/MQA). Causal and sliding-window masks are bottom-right aligned: query i
+    (64, 96, 128, 192, 256), H % Hk == 0 (GQA/MQA). Causal and sliding-window masks are bottom-right aligned: query i
     sees key j iff j - (i + Sk - Sq) lies in [-window_size[0], window_size[1]] (None or a negative size:
     no limit on that side; causal sets the right size to 0). softcap > 0: scores become
     softcap * tanh(scale * q.k / softcap). learnable_sink: None or (H,) fp32/bf16/fp16 logits, one per
@@ -510,6 +527,13 @@ def _with_fallback_backward(q, k, v, softmax_scale, causal, window_left, window_
         raise NotImplementedError(
             "flash_attn.cute's gradients go through the flash-attn package's dispatcher "
             f"(pip install flash-attn) for the fallback backward ({e})") from None
+    from flash_attn.cute import backend
+
+    fwd_dims = backend.forward_head_dims()
+    if q.shape[-1] not in fwd_dims:  # the dispatcher would refuse the forced forward
+        raise NotImplementedError(
+            f"gradients at head dim {q.shape[-1]}: the dispatcher's cute forward serves {fwd_dims}; "
+            f"{backend.FWD_HDIMS_ENV_VAR}={q.shape[-1]} enables it (not yet run on a GPU)")
     with use_backend("cute"):
         # (q, k, v, cu_seqlens_q/k, max_seqlen_q/k, block_table, scale, causal, window left/right,
         #  softcap, alibi, dropout_p, rng_state, return_probs, deterministic), as flash_attn::fwd takes them
@@ -617,7 +641,7 @@ def _window_args(causal, window_left, window_right):
 def forward(q, k, v, softmax_scale, causal, arch="sm_90a", window_left=-1, window_right=-1, softcap=0.0,
             sink=None):
     """The kernel launch on validated CUDA inputs (shared with the dispatcher's backend module):
-    q (B, Sq, H, D), k/v (B, Sk, Hk, D) fp16/bf16, D in (64, 128), H % Hk == 0; window sizes < 0 mean
+    q (B, Sq, H, D), k/v (B, Sk, Hk, D) fp16/bf16, D in _SUPPORTED_HEAD_DIMS, H % Hk == 0; window sizes < 0 mean
     no limit, causal implies a right size of 0; softcap 0 is off; sink None or fp32 contiguous (H,)
     (see _check_sink). Returns (out, lse)."""
     B, Sq, H, D = q.shape

@@ -4,6 +4,8 @@ the cache a deployment then only loads:
 
     python -m flash_attn.cute.precompile --arch sm_90a --out DIR     # bf16/fp16 x d64/d128 x causal/not
     python -m flash_attn.cute.precompile --backward ...              # the backward kernels as well
+    FLASH_ATTN_CUTE_FWD_HDIMS=256 python -m flash_attn.cute.precompile ...  # + d256 (the head dims the
+                                                                     # dispatcher sends to the forward)
     FLASH_ATTN_CUTE_CACHE=DIR python serve.py                        # first calls load, never compile
 
 The deployment must have the same flash-attn-4 sources and the same nvidia-cutlass-dsl and
@@ -19,8 +21,16 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 
 DTYPES = ("bf16", "fp16")
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128)  # the default; plus those FLASH_ATTN_CUTE_FWD_HDIMS enables (default_head_dims)
+BWD_HEAD_DIMS = (64, 128)
 CAUSAL = (False, True)
+
+
+def default_head_dims():
+    """The forward head dims the root dispatcher sends to this package (backend.forward_head_dims)."""
+    from flash_attn.cute import backend
+
+    return backend.forward_head_dims()
 
 
 def _torch_dtype(name):
@@ -61,7 +71,8 @@ def precompile(out, arch="sm_90a", dtypes=DTYPES, head_dims=HEAD_DIMS, causals=C
         raise RuntimeError("precompiling needs apache-tvm-ffi (pip install apache-tvm-ffi): the disk cache "
                            "holds TVM-FFI functions")
     os.makedirs(out, exist_ok=True)
-    todo = [(kind, dt, d, c) for kind in kinds for dt in dtypes for d in head_dims for c in causals]
+    todo = [(kind, dt, d, c) for kind in kinds for dt in dtypes for d in head_dims for c in causals
+            if kind == "fwd" or d in BWD_HEAD_DIMS]  # the backward kernel has d64 and d128 only
     args = [(str(out), arch, dt, d, c, force, kind) for kind, dt, d, c in todo]
     if jobs > 1 and len(todo) > 1:
         import multiprocessing
@@ -91,7 +102,10 @@ def main(argv=None):
     p.add_argument("--out", default=None,
                    help=f"cache folder (default: ${cache.ENV_VAR}, else {cache.default_dir()})")
     p.add_argument("--dtypes", default=",".join(DTYPES), help="comma-separated, of bf16,fp16")
-    p.add_argument("--head-dims", default=",".join(map(str, HEAD_DIMS)), help="comma-separated, of 64,128")
+    supported = interface._SUPPORTED_HEAD_DIMS
+    p.add_argument("--head-dims", default=None,
+                   help=f"comma-separated, of {','.join(map(str, supported))} (default: 64,128 and those "
+                        "$FLASH_ATTN_CUTE_FWD_HDIMS enables; backward kernels exist for 64,128)")
     p.add_argument("--causal", default="both", choices=("both", "true", "false"))
     p.add_argument("--jobs", type=int, default=1, help="compile in this many processes")
     p.add_argument("--force", action="store_true", help="recompile entries already in the folder")
@@ -102,9 +116,10 @@ def main(argv=None):
     if out is None:
         p.error(f"no folder: ${cache.ENV_VAR} disables the cache and --out is not given")
     dtypes = [x for x in a.dtypes.split(",") if x]
-    head_dims = [int(x) for x in a.head_dims.split(",") if x]
-    if set(dtypes) - set(DTYPES) or set(head_dims) - set(HEAD_DIMS):
-        p.error(f"dtypes must be among {DTYPES}, head dims among {HEAD_DIMS}")
+    head_dims = ([int(x) for x in a.head_dims.split(",") if x] if a.head_dims is not None
+                 else list(default_head_dims()))
+    if set(dtypes) - set(DTYPES) or set(head_dims) - set(supported):
+        p.error(f"dtypes must be among {DTYPES}, head dims among {supported}")
     causals = {"both": CAUSAL, "true": (True,), "false": (False,)}[a.causal]
     t0 = time.perf_counter()
     report = precompile(out, a.arch, dtypes, head_dims, causals, a.force, a.jobs,
