@@ -10,6 +10,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from flash_attn.ops.activations import ACTIVATIONS, bias_act, gated_act
+from flash_attn.ops.linear import Linear, linear
 
 
 class Mlp(nn.Module):
@@ -28,9 +29,9 @@ class Mlp(nn.Module):
         if not callable(activation):
             raise TypeError(f"activation must be callable, got {type(activation).__name__}")
         self.return_residual = return_residual
-        self.fc1 = nn.Linear(in_features, hidden_features, bias=bias1, **factory_kwargs)
+        self.fc1 = Linear(in_features, hidden_features, bias=bias1, **factory_kwargs)
         self.activation = activation
-        self.fc2 = nn.Linear(hidden_features, out_features, bias=bias2, **factory_kwargs)
+        self.fc2 = Linear(hidden_features, out_features, bias=bias2, **factory_kwargs)
 
     def forward(self, x):
         y = self.fc2(self.activation(self.fc1(x)))
@@ -60,9 +61,9 @@ class GatedMlp(nn.Module):
         hidden_features = hidden_features if hidden_features is not None else int(8 * in_features / 3)
         hidden_features = (hidden_features + multiple_of - 1) // multiple_of * multiple_of
         self.return_residual = return_residual
-        self.fc1 = nn.Linear(in_features, 2 * hidden_features, bias=bias1, **factory_kwargs)
+        self.fc1 = Linear(in_features, 2 * hidden_features, bias=bias1, **factory_kwargs)
         self.activation = activation
-        self.fc2 = nn.Linear(hidden_features, out_features, bias=bias2, **factory_kwargs)
+        self.fc2 = Linear(hidden_features, out_features, bias=bias2, **factory_kwargs)
 
     def forward(self, x):
         y, gate = self.fc1(x).chunk(2, dim=-1)
@@ -74,7 +75,7 @@ class GatedMlp(nn.Module):
 
 
 def _fc1_act(x, weight, bias, activation):
-    return bias_act(F.linear(x, weight), bias, activation)
+    return bias_act(linear(x, weight), bias, activation)
 
 
 class FusedMLP(nn.Module):
@@ -103,15 +104,15 @@ class FusedMLP(nn.Module):
         self.return_residual = return_residual
         self.checkpoint_lvl = checkpoint_lvl
         self.heuristic = heuristic
-        self.fc1 = nn.Linear(in_features, hidden_features, bias=bias1, **factory_kwargs)
-        self.fc2 = nn.Linear(hidden_features, out_features, bias=bias2, **factory_kwargs)
+        self.fc1 = Linear(in_features, hidden_features, bias=bias1, **factory_kwargs)
+        self.fc2 = Linear(hidden_features, out_features, bias=bias2, **factory_kwargs)
 
     def forward(self, x):
         weight, bias = self.fc1.weight, self.fc1.bias
         if self.checkpoint_lvl == 0 or not torch.is_grad_enabled():
             h = _fc1_act(x, weight, bias, self.activation)
         elif self.checkpoint_lvl == 1:
-            pre = F.linear(x, weight)
+            pre = linear(x, weight)
             h = checkpoint(bias_act, pre, bias, self.activation, use_reentrant=False)
         else:
             h = checkpoint(_fc1_act, x, weight, bias, self.activation, use_reentrant=False)
