@@ -196,7 +196,11 @@ class LinearFn(torch.autograd.Function):
         ctx.save_for_backward(x2, w_c)
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         ctx.b_dtype = bias.dtype if bias is not None else None
-        return out.view(*x.shape[:-1], out.shape[-1])
+        if x.dim() == 2:
+            return out
+        # Not a tracked view: the caller may modify the output in place (rotary on qkv), which autograd
+        # forbids on views made inside a custom Function.
+        return torch.ops.aten._unsafe_view(out, (*x.shape[:-1], out.shape[-1]))
 
     @staticmethod
     def backward(ctx, dout):

@@ -52,6 +52,8 @@ FINAL_BLOCK_P, FINAL_BLOCK_N = 32, 64
 
 @functools.lru_cache(maxsize=1024)
 def _grid(M: int, N: int, sms: int):
+    if M == 0:
+        return 1, BLOCK_M, cdiv(N, BLOCK_N)
     programs_n = cdiv(N, BLOCK_N)
     programs_m = max(1, min(cdiv(M, BLOCK_M), cdiv(4 * sms, programs_n)))
     rows = cdiv(cdiv(M, programs_m), BLOCK_M) * BLOCK_M
