@@ -138,6 +138,9 @@ def header(args, flops, peak):
         + (f"{peak:.0f} TFLOP/s" if peak else "an unknown peak (not reported)"),
         f"- activation checkpointing: {'on' if args.activation_checkpointing else 'off'}; torch.compile "
         f"(ours): {'on' if args.compile else 'off'}",
+        # A/B runs differ only in these (e.g. FLASH_ATTN_FP32_WGRAD, FLASH_ATTN_WEIGHT_CAST_CACHE).
+        "- FLASH_ATTN_* switches set: " + (", ".join(f"{k}={v}" for k, v in sorted(os.environ.items())
+                                                    if k.startswith("FLASH_ATTN_")) or "none"),
         "", ""])
 
 

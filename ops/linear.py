@@ -160,8 +160,11 @@ class _CastCache:
                 stale.append(p)
         # A new buffer each time (not an in-place refresh): graphs still holding the previous copies keep
         # the values their forward used, as with autocast's own casts.
-        flat = torch.empty(sum(p.numel() for p in stale), device=t.device, dtype=dtype)
-        copies = [c.view(p.shape) for c, p in zip(flat.split([p.numel() for p in stale]), stale)]
+        # Each copy starts on a 128-byte boundary (cuBLAS and Triton pick their fast paths by alignment).
+        align = max(1, 128 // dtype.itemsize)
+        sizes = [-(-p.numel() // align) * align for p in stale]
+        flat = torch.empty(sum(sizes), device=t.device, dtype=dtype)
+        copies = [c[:p.numel()].view(p.shape) for c, p in zip(flat.split(sizes), stale)]
         with torch.no_grad():
             torch._foreach_copy_(copies, [p.detach() for p in stale])
         for p, c in zip(stale, copies):
