@@ -44,6 +44,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
 from .triton import use_triton
 
@@ -181,7 +182,9 @@ _cast_cache = _CastCache()
 def _to_compute(t: Optional[Tensor], dtype: torch.dtype, use_cache: bool) -> Optional[Tensor]:
     if t is None or t.dtype == dtype:
         return t
-    if use_cache and t.is_leaf and t.requires_grad:
+    # Copies made under inference_mode would be inference tensors, which a later training forward cannot
+    # save for backward.
+    if use_cache and t.is_leaf and t.requires_grad and not torch.is_inference_mode_enabled():
         return _cast_cache.get(t, dtype)
     return t.detach().to(dtype)
 
@@ -206,6 +209,7 @@ class LinearFn(torch.autograd.Function):
         return torch.ops.aten._unsafe_view(out, (*x.shape[:-1], out.shape[-1]))
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dout):
         x2, w_c = ctx.saved_tensors
         dout2 = dout.reshape(-1, dout.shape[-1])

@@ -317,6 +317,17 @@ def test_cast_cache_sees_version_bumps_and_keeps_old_graphs(switch_on):
     assert loss_b.item() != loss_a.item()
 
 
+def test_cast_cache_skips_inference_mode(switch_on):
+    switch_on.setenv("FLASH_ATTN_WEIGHT_CAST_CACHE", "1")
+    model = _train_model()
+    x = _randn((5, 16), 17)
+    with torch.inference_mode():
+        _step(model, x)
+    assert len(L._cast_cache.entries) == 0
+    _step(model, x).backward()  # would fail on inference-tensor copies saved for backward
+    assert len(L._cast_cache.entries) == 4
+
+
 def test_cast_cache_off_without_fp32_wgrad(switch_off):
     switch_off.setenv("FLASH_ATTN_WEIGHT_CAST_CACHE", "1")
     model = _train_model()
