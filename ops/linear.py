@@ -20,9 +20,11 @@ What the switches change (environment variables, read on every call; all default
                                  partial sums plus a fixed-order reduction, bitwise reproducible), returned
                                  in the bias' dtype. Gradients differ from nn.Linear's only by the bf16
                                  rounding nn.Linear applies before its cast (they are more accurate).
-    FLASH_ATTN_FP32_WGRAD_BIAS=torch
+    FLASH_ATTN_FP32_WGRAD_BIAS=torch | gemm
                                  with the above, the bias gradient by torch (``sum(0, dtype=float32)``, one
-                                 reduction, no cast) instead of the Triton column sum (for A/B runs).
+                                 reduction, no cast) or by cuBLAS (``ones (1, M) @ dout`` with fp32 output,
+                                 where that GEMM exists; else torch) instead of the Triton column sum (the
+                                 default, ``triton``), for A/B runs.
     FLASH_ATTN_WEIGHT_CAST_CACHE=1
                                  with FLASH_ATTN_FP32_WGRAD=1, the low-precision copies of weights and
                                  biases are kept between forwards and refreshed all at once, by one
@@ -63,8 +65,8 @@ def cast_cache_enabled() -> bool:
     return os.environ.get("FLASH_ATTN_WEIGHT_CAST_CACHE", "0") == "1"
 
 
-def _bias_grad_by_torch() -> bool:
-    return os.environ.get("FLASH_ATTN_FP32_WGRAD_BIAS", "triton") == "torch"
+def _bias_grad_method() -> str:
+    return os.environ.get("FLASH_ATTN_FP32_WGRAD_BIAS", "triton")
 
 
 # ------------------------------------------------------------------------------------------- kernels
@@ -99,9 +101,39 @@ def weight_grad(dout2: Tensor, x2: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.mm(dout2.t(), x2).to(dtype)
 
 
+_ONES: dict = {}  # (device, dtype, M) -> ones (1, M), the left operand of the bias-gradient GEMM
+
+
+def _bias_grad_gemm(dout2: Tensor) -> Optional[Tensor]:
+    # ones (1, M) @ dout2 (M, N) with fp32 output: one memory-bound GEMM (cuBLAS picks a GEMV / split-K
+    # kernel); None where the fp32-output GEMM is not available.
+    global _mm_out_dtype_ok
+    if _mm_out_dtype_ok is False or not _wants_fp32_gemm(dout2, torch.float32):
+        return None
+    M = dout2.shape[0]
+    key = (dout2.device, dout2.dtype, M)
+    ones = _ONES.get(key)
+    if ones is None:
+        if len(_ONES) > 64:
+            _ONES.clear()
+        ones = _ONES[key] = torch.ones((1, M), device=dout2.device, dtype=dout2.dtype)
+    try:
+        out = _mm_fp32(ones, dout2)
+    except (TypeError, RuntimeError, NotImplementedError):
+        _mm_out_dtype_ok = False
+        return None
+    _mm_out_dtype_ok = True
+    return out.view(-1)
+
+
 def bias_grad(dout2: Tensor, dtype: torch.dtype) -> Tensor:
     """dout2 (M, N) summed over its rows, accumulated in fp32 and returned as ``dtype`` (N,)."""
-    if use_triton(dout2) and not _bias_grad_by_torch():
+    method = _bias_grad_method()
+    if method == "gemm":
+        db = _bias_grad_gemm(dout2)
+        if db is not None:
+            return db.to(dtype)
+    if use_triton(dout2) and method == "triton":
         from .triton import colsum as _cs
 
         if dout2.stride(-1) != 1:

@@ -193,6 +193,26 @@ def test_bias_grad_torch_switch(switch_on):
     torch.testing.assert_close(L.bias_grad(d, torch.float32), d.sum(0), atol=0, rtol=0)
 
 
+def test_bias_grad_gemm_switch(switch_on):
+    d = _randn((33, 10), 14, dtype=torch.bfloat16)
+    exact = d.double().sum(0)
+    switch_on.setenv("FLASH_ATTN_FP32_WGRAD_BIAS", "gemm")
+    # No fp32-output GEMM on CPU: torch's fp32 sum.
+    torch.testing.assert_close(L.bias_grad(d, torch.float32), d.sum(0, dtype=torch.float32), atol=0, rtol=0)
+    calls = []
+
+    def fake_mm(a, b):
+        calls.append((tuple(a.shape), tuple(b.shape)))
+        return torch.mm(a.double(), b.double()).float()
+
+    switch_on.setattr(L, "_wants_fp32_gemm", lambda t, dtype: True)
+    switch_on.setattr(L, "_mm_out_dtype_ok", None)
+    switch_on.setattr(L, "_mm_fp32", fake_mm)
+    db = L.bias_grad(d, torch.float32)
+    assert calls == [((1, 33), (33, 10))] and db.shape == (10,) and db.dtype == torch.float32
+    torch.testing.assert_close(db.double(), exact, atol=1e-5, rtol=1e-6)
+
+
 # ------------------------------------------------------------------------- models are wired through it
 def _gpt(**kw):
     from transformers import GPT2Config
@@ -416,8 +436,10 @@ _FUSED = dict(fused_mlp=True, fused_dropout_add_ln=True, use_flash_attn=True)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("bias_method", ["triton", "gemm", "torch"])
 @pytest.mark.parametrize("in_f,out_f,bias", [(1024, 3072, True), (4096, 1024, True), (1024, 4096, False)])
-def test_gpu_linear_bf16_within_plain_error(switch_on, in_f, out_f, bias):
+def test_gpu_linear_bf16_within_plain_error(switch_on, in_f, out_f, bias, bias_method):
+    switch_on.setenv("FLASH_ATTN_FP32_WGRAD_BIAS", bias_method)
     ours, ref = _pair(in_f, out_f, bias, device="cuda")
     ref64 = torch.nn.Linear(in_f, out_f, bias=bias, device="cuda", dtype=torch.float64)
     ref64.load_state_dict({k: v.double() for k, v in ours.state_dict().items()})
@@ -438,8 +460,9 @@ def test_gpu_no_gradient_casts_or_bf16_bias_reductions(switch_on):
     # and no bf16 bias reduction; the weight gradients come from aten::mm.dtype. The same count with the
     # switch off shows the test sees those copies.
     model = _cuda_gpt(**_FUSED)
-    shapes = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear)}
-    shapes |= {tuple(m.bias.shape) for m in model.modules() if isinstance(m, torch.nn.Linear) and m.bias is not None}
+    bias_shapes = {tuple(m.bias.shape) for m in model.modules()
+                   if isinstance(m, torch.nn.Linear) and m.bias is not None}
+    shapes = bias_shapes | {tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear)}
     n_weights = sum(1 for m in model.modules() if isinstance(m, torch.nn.Linear))
     ids = torch.randint(0, 1000, (2, 256), device="cuda")
 
@@ -453,7 +476,8 @@ def test_gpu_no_gradient_casts_or_bf16_bias_reductions(switch_on):
         torch.cuda.synchronize()
         casts = [o for o in rec.ops if "_to_copy" in o[0] and o[1] == (torch.bfloat16,)
                  and o[2] == torch.float32 and o[3] in shapes]
-        bf16_sums = [o for o in rec.ops if o[0].startswith("aten.sum") and o[2] == torch.bfloat16]
+        bf16_sums = [o for o in rec.ops if o[0].startswith("aten.sum") and o[2] == torch.bfloat16
+                     and o[3] in bias_shapes]
         mm_fp32 = [o for o in rec.ops if o[0] == "aten.mm.dtype"]
         return casts, bf16_sums, mm_fp32
 
