@@ -48,7 +48,7 @@ def test_bench_train_ab_rows_set_and_restore_the_environment(tmp_path, monkeypat
     torch.set_num_threads(1)
     try:
         assert bench.main(["--device", "cpu", "--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "32",
-                           "--batch", "1", "--vocab", "64", "--steps", "1", "--warmup", "1", "--no-hf",
+                           "--batch", "1", "--vocab", "256", "--steps", "1", "--warmup", "1", "--no-hf",
                            "--ab", "FLASH_ATTN_FP32_WGRAD=1", "--out", str(tmp_path)]) == 0
     finally:
         torch.set_num_threads(threads)
