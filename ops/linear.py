@@ -83,20 +83,34 @@ def _mm_fp32(a: Tensor, b: Tensor) -> Tensor:
     return torch.mm(a, b, out_dtype=torch.float32)
 
 
+def _try_mm_fp32(a: Tensor, b: Tensor) -> Optional[Tensor]:
+    """a @ b with fp32 output from the GEMM, or None where torch cannot (decided by the first call; later
+    errors, such as running out of memory, propagate)."""
+    global _mm_out_dtype_ok
+    if _mm_out_dtype_ok is False or not _wants_fp32_gemm(a, torch.float32):
+        return None
+    if _mm_out_dtype_ok:
+        return _mm_fp32(a, b)
+    try:
+        out = _mm_fp32(a, b)
+    except torch.OutOfMemoryError:
+        raise
+    except (TypeError, RuntimeError, NotImplementedError):
+        # torch < 2.8 (no out_dtype keyword: TypeError) or a build without aten::mm.dtype for CUDA.
+        _mm_out_dtype_ok = False
+        return None
+    _mm_out_dtype_ok = True
+    return out
+
+
 def weight_grad(dout2: Tensor, x2: Tensor, dtype: torch.dtype) -> Tensor:
     """dout2^T @ x2 (dout2 (M, N), x2 (M, K) in one compute dtype) as an (N, K) tensor of ``dtype``; for
     half inputs and fp32 on CUDA the GEMM writes fp32 itself (no bf16 rounding, no cast kernel)."""
-    global _mm_out_dtype_ok
     if dtype == dout2.dtype:
         return torch.mm(dout2.t(), x2)
-    if _mm_out_dtype_ok is not False and _wants_fp32_gemm(dout2, dtype):
-        try:
-            out = _mm_fp32(dout2.t(), x2)
-        except (TypeError, RuntimeError, NotImplementedError):
-            # torch < 2.8 (no out_dtype keyword: TypeError) or a build without aten::mm.dtype for CUDA.
-            _mm_out_dtype_ok = False
-        else:
-            _mm_out_dtype_ok = True
+    if dtype == torch.float32:
+        out = _try_mm_fp32(dout2.t(), x2)
+        if out is not None:
             return out
     return torch.mm(dout2.t(), x2).to(dtype)
 
@@ -107,7 +121,6 @@ _ONES: dict = {}  # (device, dtype, M) -> ones (1, M), the left operand of the b
 def _bias_grad_gemm(dout2: Tensor) -> Optional[Tensor]:
     # ones (1, M) @ dout2 (M, N) with fp32 output: one memory-bound GEMM (cuBLAS picks a GEMV / split-K
     # kernel); None where the fp32-output GEMM is not available.
-    global _mm_out_dtype_ok
     if _mm_out_dtype_ok is False or not _wants_fp32_gemm(dout2, torch.float32):
         return None
     M = dout2.shape[0]
@@ -117,13 +130,8 @@ def _bias_grad_gemm(dout2: Tensor) -> Optional[Tensor]:
         if len(_ONES) > 64:
             _ONES.clear()
         ones = _ONES[key] = torch.ones((1, M), device=dout2.device, dtype=dout2.dtype)
-    try:
-        out = _mm_fp32(ones, dout2)
-    except (TypeError, RuntimeError, NotImplementedError):
-        _mm_out_dtype_ok = False
-        return None
-    _mm_out_dtype_ok = True
-    return out.view(-1)
+    out = _try_mm_fp32(ones, dout2)
+    return None if out is None else out.view(-1)
 
 
 def bias_grad(dout2: Tensor, dtype: torch.dtype) -> Tensor:

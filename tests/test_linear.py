@@ -186,6 +186,17 @@ def test_weight_grad_fp32_gemm_feature_detection(monkeypatch):
     L.weight_grad(a, b, torch.float32)
     assert len(calls) == n  # not tried again
 
+    def fails(x, y):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    # Once the op has worked, or on the first try when memory runs out, errors are not fallbacks.
+    for state in (True, None):
+        monkeypatch.setattr(L, "_mm_out_dtype_ok", state)
+        monkeypatch.setattr(L, "_mm_fp32", fails)
+        with pytest.raises(torch.OutOfMemoryError):
+            L.weight_grad(a, b, torch.float32)
+        assert L._mm_out_dtype_ok is state
+
 
 def test_bias_grad_torch_switch(switch_on):
     d = _randn((33, 10), 13)
