@@ -52,6 +52,7 @@ from torch.autograd.function import once_differentiable
 from .triton import use_triton
 
 _HALF = (torch.float16, torch.bfloat16)
+_unsafe_view = torch.ops.aten._unsafe_view.default
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -247,7 +248,7 @@ class LinearFn(torch.autograd.Function):
             return out
         # Not a tracked view: the caller may modify the output in place (rotary on qkv), which autograd
         # forbids on views made inside a custom Function.
-        return torch.ops.aten._unsafe_view(out, (*x.shape[:-1], out.shape[-1]))
+        return _unsafe_view(out, (*x.shape[:-1], out.shape[-1]))
 
     @staticmethod
     @once_differentiable
@@ -256,17 +257,24 @@ class LinearFn(torch.autograd.Function):
         dout2 = dout.reshape(-1, dout.shape[-1])
         if dout2.dtype != w_c.dtype:
             dout2 = dout2.to(w_c.dtype)
+        device_type = dout2.device.type
+        if torch.is_autocast_enabled(device_type):
+            # Backward run inside an autocast region: these GEMMs stay in the forward's compute dtype.
+            with torch.autocast(device_type, enabled=False):
+                return LinearFn._grads(ctx, dout2, x2, w_c)
+        return LinearFn._grads(ctx, dout2, x2, w_c)
+
+    @staticmethod
+    def _grads(ctx, dout2, x2, w_c):
         dx = dw = db = None
-        # Backward may run inside an autocast region; these GEMMs must stay in the forward's compute dtype.
-        with torch.autocast(dout2.device.type, enabled=False):
-            if ctx.needs_input_grad[0]:
-                dx = dout2.mm(w_c).view(ctx.x_shape)
-                if dx.dtype != ctx.x_dtype:
-                    dx = dx.to(ctx.x_dtype)
-            if ctx.needs_input_grad[1]:
-                dw = weight_grad(dout2, x2, ctx.w_dtype)
-            if ctx.needs_input_grad[2]:
-                db = bias_grad(dout2, ctx.b_dtype)
+        if ctx.needs_input_grad[0]:
+            dx = dout2.mm(w_c).view(ctx.x_shape)
+            if dx.dtype != ctx.x_dtype:
+                dx = dx.to(ctx.x_dtype)
+        if ctx.needs_input_grad[1]:
+            dw = weight_grad(dout2, x2, ctx.w_dtype)
+        if ctx.needs_input_grad[2]:
+            db = bias_grad(dout2, ctx.b_dtype)
         return dx, dw, db, None, None
 
 

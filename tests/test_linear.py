@@ -128,6 +128,19 @@ def test_output_is_not_a_view(switch_on):
     assert x.grad is not None
 
 
+def test_backward_inside_autocast_keeps_the_forward_dtype(switch_on):
+    # An fp32 forward whose backward runs in a bf16 autocast region: the gradient GEMMs must not be cast.
+    ours, ref = _pair(16, 24, True)
+    x, g = _randn((6, 16), 22), _randn((6, 24), 23)
+    with backend("torch"):
+        y = ours(x.requires_grad_())
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y.backward(g)
+    ref(x.detach()).backward(g)
+    torch.testing.assert_close(ours.weight.grad, ref.weight.grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours.bias.grad, ref.bias.grad, atol=1e-5, rtol=1e-5)
+
+
 def test_switch_off_is_nn_linear(switch_off):
     ours, ref = _pair(8, 12, True)
     x = _randn((4, 8), 8)
