@@ -56,18 +56,32 @@ _unsafe_view = torch.ops.aten._unsafe_view.default
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
+def _env(name: str, key: bytes, default: str) -> str:
+    # os.environ.get encodes the name and decodes the value on each call; linear() asks three times per
+    # layer call, so on POSIX read the bytes mapping os.environ keeps in sync with setenv directly.
+    data = getattr(os.environ, "_data", None)
+    if data is None or os.name != "posix":
+        return os.environ.get(name, default)
+    raw = data.get(key)
+    return default if raw is None else os.fsdecode(raw)
+
+
+_K_WGRAD, _K_CACHE, _K_BIAS = (os.fsencode(n) for n in (
+    "FLASH_ATTN_FP32_WGRAD", "FLASH_ATTN_WEIGHT_CAST_CACHE", "FLASH_ATTN_FP32_WGRAD_BIAS"))
+
+
 def fp32_wgrad_enabled() -> bool:
     """FLASH_ATTN_FP32_WGRAD=1 routes ``linear`` / ``Linear`` through :class:`LinearFn` (default off)."""
-    return os.environ.get("FLASH_ATTN_FP32_WGRAD", "0") == "1"
+    return _env("FLASH_ATTN_FP32_WGRAD", _K_WGRAD, "0") == "1"
 
 
 def cast_cache_enabled() -> bool:
     """FLASH_ATTN_WEIGHT_CAST_CACHE=1 keeps low-precision weight copies between forwards (default off)."""
-    return os.environ.get("FLASH_ATTN_WEIGHT_CAST_CACHE", "0") == "1"
+    return _env("FLASH_ATTN_WEIGHT_CAST_CACHE", _K_CACHE, "0") == "1"
 
 
 def _bias_grad_method() -> str:
-    return os.environ.get("FLASH_ATTN_FP32_WGRAD_BIAS", "triton")
+    return _env("FLASH_ATTN_FP32_WGRAD_BIAS", _K_BIAS, "triton")
 
 
 # ------------------------------------------------------------------------------------------- kernels
