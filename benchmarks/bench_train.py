@@ -16,6 +16,7 @@ the full square), the same count for both models.
 Writes a Markdown table (GPU, versions, date, command) to --out/train_gpt2_medium.md.
 """
 import argparse
+import contextlib
 import datetime
 import gc
 import importlib.metadata
@@ -59,6 +60,25 @@ def make_config(args, out_dir, ours, compile=False):
     if args.device == "cpu":
         overrides.append("train.dtype=fp32")
     return load_config("tiny", overrides)
+
+
+@contextlib.contextmanager
+def env_set(spec):
+    """Set the VAR=VALUE pairs of spec (comma-separated) for the block, then restore the environment;
+    yields the pairs as written."""
+    pairs = [item.split("=", 1) for item in spec.split(",") if item]
+    if any(len(pv) != 2 or not pv[0] for pv in pairs):
+        raise SystemExit(f"--ab expects VAR=VALUE[,VAR=VALUE], got {spec!r}")
+    saved = {k: os.environ.get(k) for k, _ in pairs}
+    os.environ.update(dict(pairs))
+    try:
+        yield ", ".join(f"{k}={v}" for k, v in pairs)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def hf_model(args):
@@ -138,6 +158,10 @@ def header(args, flops, peak):
         + (f"{peak:.0f} TFLOP/s" if peak else "an unknown peak (not reported)"),
         f"- activation checkpointing: {'on' if args.activation_checkpointing else 'off'}; torch.compile "
         f"(ours): {'on' if args.compile else 'off'}",
+        # A/B runs differ only in these (e.g. FLASH_ATTN_FP32_WGRAD, FLASH_ATTN_WEIGHT_CAST_CACHE); --ab rows
+        # add their own on top.
+        "- FLASH_ATTN_* switches set: " + (", ".join(f"{k}={v}" for k, v in sorted(os.environ.items())
+                                                    if k.startswith("FLASH_ATTN_")) or "none"),
         "", ""])
 
 
@@ -156,6 +180,9 @@ def main(argv=None):
     p.add_argument("--compile", action="store_true", help="also run ours under torch.compile")
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
+    p.add_argument("--ab", action="append", default=[], metavar="VAR=VALUE[,VAR=VALUE]",
+                   help="also measure ours with these environment variables set, in this process (one row per "
+                        "--ab; for switches read on every call, e.g. FLASH_ATTN_FP32_WGRAD=1)")
     p.add_argument("--peak-tflops", type=float, default=0.0, help="override the GPU's peak for MFU")
     p.add_argument("--quick", action="store_true", help="4 layers, 5 timed steps after 2 warmup steps")
     args = p.parse_args(argv)
@@ -172,6 +199,10 @@ def main(argv=None):
             results.append(measure("HF transformers GPT2LMHeadModel (sdpa)",
                                    make_config(args, os.path.join(tmp, "hf"), ours=False), args, hf_model(args)))
         results.append(measure("flash_attn GPTLMHeadModel (fused)", ours_cfg, args))
+        for spec in args.ab:
+            with env_set(spec) as pairs:
+                results.append(measure(f"flash_attn GPTLMHeadModel (fused), {pairs}",
+                                       make_config(args, os.path.join(tmp, "ab"), ours=True), args))
         if args.compile:
             results.append(measure("flash_attn GPTLMHeadModel (fused) + torch.compile",
                                    make_config(args, os.path.join(tmp, "compiled"), ours=True, compile=True), args))

@@ -33,6 +33,7 @@ from flash_attn.modules.block import Block, ParallelBlock
 from flash_attn.modules.embedding import GPT2Embeddings
 from flash_attn.modules.mha import MHA
 from flash_attn.modules.mlp import GatedMlp, Mlp
+from flash_attn.ops.linear import Linear
 from flash_attn.utils.generation import GenerationMixin
 
 CausalLMOutput = namedtuple("CausalLMOutput", ["logits"])
@@ -291,10 +292,10 @@ class GPTLMHeadModel(GPTPreTrainedModel, GenerationMixin):
         vocab_size = math.ceil(config.vocab_size / multiple) * multiple
         proj_dim = getattr(config, "word_embed_proj_dim", None)
         if proj_dim is not None:
-            self.project_out = nn.Linear(config.n_embd, proj_dim, bias=False, **factory_kwargs)
+            self.project_out = Linear(config.n_embd, proj_dim, bias=False, **factory_kwargs)
         else:
             self.project_out = None
-        self.lm_head = nn.Linear(proj_dim if proj_dim is not None else config.n_embd, vocab_size,
+        self.lm_head = Linear(proj_dim if proj_dim is not None else config.n_embd, vocab_size,
                                  bias=_get(config, "lm_head_bias", False), **factory_kwargs)
         self.apply(partial(_init_weights, n_layer=config.n_layer,
                            initializer_range=_get(config, "initializer_range", 0.02)))

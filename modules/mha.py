@@ -9,13 +9,16 @@ aligned to the bottom-right corner of each (unpadded) sequence, and ALiBi (Press
 
 Multi-query and grouped-query attention (``num_heads_kv < num_heads``) share each k/v head among
 ``num_heads // num_heads_kv`` query heads. Parameter names (``Wqkv``, ``Wq``, ``Wkv``, ``out_proj``,
-``dwconv_qkv``, ``rotary_emb``) match FA2 so its checkpoints and state-dict remaps load unchanged.
+``dwconv_qkv``, ``rotary_emb``) match FA2 so its checkpoints and state-dict remaps load unchanged. The
+projections are ``flash_attn.ops.linear.Linear`` (nn.Linear unless FLASH_ATTN_FP32_WGRAD=1; see that module).
 """
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from flash_attn.ops.linear import Linear
 
 
 def get_alibi_slopes(nheads):
@@ -192,7 +195,7 @@ class CrossAttention(_AttentionBase):
                                self.window_size, self.alibi_slopes, None, key_padding_mask, self._dropout_p())
 
 
-class LinearResidual(nn.Linear):
+class LinearResidual(Linear):
     """nn.Linear whose forward returns (output, input), for return_residual."""
 
     def forward(self, x):
@@ -268,12 +271,12 @@ class MHA(nn.Module):
 
         q_dim = head_dim * num_heads
         kv_dim = 2 * head_dim * num_heads_kv
-        linear_cls = LinearResidual if return_residual else nn.Linear
+        linear_cls = LinearResidual if return_residual else Linear
         if not cross_attn:
             self.Wqkv = linear_cls(embed_dim, q_dim + kv_dim, bias=qkv_proj_bias, **factory_kwargs)
         else:
             self.Wq = linear_cls(embed_dim, q_dim, bias=qkv_proj_bias, **factory_kwargs)
-            self.Wkv = nn.Linear(embed_dim, kv_dim, bias=qkv_proj_bias, **factory_kwargs)
+            self.Wkv = Linear(embed_dim, kv_dim, bias=qkv_proj_bias, **factory_kwargs)
         if dwconv:
             def conv(channels):
                 return nn.Conv1d(channels, channels, kernel_size=3, padding=2, groups=channels, **factory_kwargs)
@@ -291,7 +294,7 @@ class MHA(nn.Module):
                            window_size=window_size)
         self.inner_attn = self_cls(alibi_slopes=alibi, **attn_kwargs)
         self.inner_cross_attn = cross_cls(alibi_slopes=None if alibi is None else alibi.clone(), **attn_kwargs)
-        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=out_proj_bias, **factory_kwargs)
+        self.out_proj = Linear(embed_dim, embed_dim, bias=out_proj_bias, **factory_kwargs)
 
     # ------------------------------------------------------------------------------------------------ cache
     def allocate_inference_cache(self, batch_size, max_seqlen, dtype=None):

@@ -2,7 +2,9 @@
 "GLU Variants Improve Transformer") and ``FusedMLP`` (fc1's bias add and the activation in one kernel).
 
 Parameter names (``fc1``, ``fc2``) match FlashAttention 2's ``flash_attn.modules.mlp``; in ``GatedMlp`` the
-first half of fc1's output is the value and the second half the gate, as in FA2 checkpoints.
+first half of fc1's output is the value and the second half the gate, as in FA2 checkpoints. fc1 and fc2 are
+``flash_attn.ops.linear.Linear``: nn.Linear, unless FLASH_ATTN_FP32_WGRAD=1 (fp32 weight/bias gradients
+straight from the GEMM and a column-sum kernel under autocast; see that module).
 """
 import torch
 import torch.nn.functional as F
@@ -10,6 +12,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from flash_attn.ops.activations import ACTIVATIONS, bias_act, gated_act
+from flash_attn.ops.linear import Linear, linear
 
 
 class Mlp(nn.Module):
@@ -28,9 +31,9 @@ class Mlp(nn.Module):
         if not callable(activation):
             raise TypeError(f"activation must be callable, got {type(activation).__name__}")
         self.return_residual = return_residual
-        self.fc1 = nn.Linear(in_features, hidden_features, bias=bias1, **factory_kwargs)
+        self.fc1 = Linear(in_features, hidden_features, bias=bias1, **factory_kwargs)
         self.activation = activation
-        self.fc2 = nn.Linear(hidden_features, out_features, bias=bias2, **factory_kwargs)
+        self.fc2 = Linear(hidden_features, out_features, bias=bias2, **factory_kwargs)
 
     def forward(self, x):
         y = self.fc2(self.activation(self.fc1(x)))
@@ -60,9 +63,9 @@ class GatedMlp(nn.Module):
         hidden_features = hidden_features if hidden_features is not None else int(8 * in_features / 3)
         hidden_features = (hidden_features + multiple_of - 1) // multiple_of * multiple_of
         self.return_residual = return_residual
-        self.fc1 = nn.Linear(in_features, 2 * hidden_features, bias=bias1, **factory_kwargs)
+        self.fc1 = Linear(in_features, 2 * hidden_features, bias=bias1, **factory_kwargs)
         self.activation = activation
-        self.fc2 = nn.Linear(hidden_features, out_features, bias=bias2, **factory_kwargs)
+        self.fc2 = Linear(hidden_features, out_features, bias=bias2, **factory_kwargs)
 
     def forward(self, x):
         y, gate = self.fc1(x).chunk(2, dim=-1)
@@ -74,7 +77,7 @@ class GatedMlp(nn.Module):
 
 
 def _fc1_act(x, weight, bias, activation):
-    return bias_act(F.linear(x, weight), bias, activation)
+    return bias_act(linear(x, weight), bias, activation)
 
 
 class FusedMLP(nn.Module):
@@ -103,15 +106,15 @@ class FusedMLP(nn.Module):
         self.return_residual = return_residual
         self.checkpoint_lvl = checkpoint_lvl
         self.heuristic = heuristic
-        self.fc1 = nn.Linear(in_features, hidden_features, bias=bias1, **factory_kwargs)
-        self.fc2 = nn.Linear(hidden_features, out_features, bias=bias2, **factory_kwargs)
+        self.fc1 = Linear(in_features, hidden_features, bias=bias1, **factory_kwargs)
+        self.fc2 = Linear(hidden_features, out_features, bias=bias2, **factory_kwargs)
 
     def forward(self, x):
         weight, bias = self.fc1.weight, self.fc1.bias
         if self.checkpoint_lvl == 0 or not torch.is_grad_enabled():
             h = _fc1_act(x, weight, bias, self.activation)
         elif self.checkpoint_lvl == 1:
-            pre = F.linear(x, weight)
+            pre = linear(x, weight)
             h = checkpoint(bias_act, pre, bias, self.activation, use_reentrant=False)
         else:
             h = checkpoint(_fc1_act, x, weight, bias, self.activation, use_reentrant=False)
