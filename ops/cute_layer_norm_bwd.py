@@ -39,27 +39,56 @@ from typing import Optional
 import torch
 
 VEC = 8  # 16-byte vectors of 2-byte elements
-MAX_THREADS = 512  # FLASH_ATTN_LN_CUTE_BWD_THREADS overrides (256 / 512 / 1024; a tuning knob, in the key)
+MAX_THREADS = 512  # the threads per CTA where THREADS_TABLE has no entry
+# (is_rms_norm, N) -> threads per CTA at most, measured on an H200 (bf16, 2^28 elements): LayerNorm 16384
+# 0.703 of copy at 1024 threads against 0.658 at 512; everywhere else 512 is as fast or faster (LayerNorm
+# 12288: 0.827 against 0.608). $FLASH_ATTN_LN_CUTE_BWD_THREADS overrides the table (a tuning knob, in the key).
+THREADS_TABLE = {(False, 16384): 1024}
 MIN_N, MAX_N = 4096, 16384
 SMEM_PER_SM = 227 * 1024
 THREADS_PER_SM = 2048
 _DTYPES = (torch.bfloat16, torch.float16)
 _W_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# $FLASH_ATTN_LN_CUTE_BWD_OPTS: comma-separated kernel variants, all off by default and part of the key
+# (not yet measured on a GPU):
+#   w16    a bf16 / fp16 weight stays 16-bit in shared memory (half its shared-memory traffic and size)
+#   carve  preferred_smem_carveout just large enough for the kernel's shared memory (else 100: the rest
+#          of the unified 256 KB is L1)
+#   p1     LayerNorm pass 1 as sum(x * g) - mean * sum(g): one FADD an element less
+#   p2     pass 2 as dx = g * rstd + (xhat * -c1 * rstd - c2 * rstd), two FFMAs: one op an element less
+OPTS = ("w16", "carve", "p1", "p2")
 
 
 def enabled() -> bool:
-    """FLASH_ATTN_LN_CUTE_BWD=1 turns the CuTeDSL backward on (default off)."""
-    return os.environ.get("FLASH_ATTN_LN_CUTE_BWD", "0") == "1"
+    """The CuTeDSL backward serves the calls it can (default on); FLASH_ATTN_LN_CUTE_BWD=0 turns it off."""
+    return os.environ.get("FLASH_ATTN_LN_CUTE_BWD", "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def options(wdtype, is_rms_norm, env=None) -> tuple:
+    """The variants of $FLASH_ATTN_LN_CUTE_BWD_OPTS (``env``: that value instead) that change this key's
+    code, sorted: w16 only with a 16-bit weight, p1 only for LayerNorm (RMSNorm has no mean)."""
+    value = os.environ.get("FLASH_ATTN_LN_CUTE_BWD_OPTS", "") if env is None else env
+    opts = {o.strip() for o in value.split(",") if o.strip()}
+    bad = opts - set(OPTS)
+    if bad:
+        raise ValueError(f"FLASH_ATTN_LN_CUTE_BWD_OPTS: unknown {sorted(bad)}; known: {', '.join(OPTS)}")
+    if wdtype in (torch.float32, "fp32"):
+        opts.discard("w16")
+    if is_rms_norm:
+        opts.discard("p1")
+    return tuple(o for o in OPTS if o in opts)
 
 
 @functools.lru_cache(maxsize=None)
-def _cutedsl_importable() -> bool:
+def _cutedsl_installed() -> bool:
+    # Found, not imported: importing the compiler takes about half a second, and a kernel from the disk
+    # cache needs only its runtime library. A CuTeDSL that fails to compile warns once (kernel()).
+    import importlib.util
+
     try:
-        import cutlass  # noqa: F401
-        import cutlass.cute  # noqa: F401  (the compiler itself)
-    except Exception:
+        return importlib.util.find_spec("cutlass") is not None
+    except (ImportError, ValueError):
         return False
-    return True
 
 
 @functools.lru_cache(maxsize=None)
@@ -84,7 +113,7 @@ def plan(x, weight, weight1, dy, dy1, dresidual_out, rowscale, dropout_p, mean, 
     if x.dim() != 2:
         return None
     M, N = x.shape
-    mt = max_threads()
+    mt = max_threads(N, is_rms_norm)
     if not (MIN_N <= N <= MAX_N and N % VEC == 0 and vectors(N, mt) is not None):
         return None
     dt = x.dtype
@@ -101,24 +130,28 @@ def plan(x, weight, weight1, dy, dy1, dresidual_out, rowscale, dropout_p, mean, 
             and rstd.dtype == torch.float32):
         return None
     if check_device:
-        if not x.is_cuda or torch.cuda.get_device_capability(x.device) != (9, 0) or not _cutedsl_importable():
+        if not x.is_cuda or torch.cuda.get_device_capability(x.device) != (9, 0) or not _cutedsl_installed():
             return None
         if not _tvm_ffi_ok():  # the launch passes torch tensors straight through TVM-FFI
             return None
     return (_dtype_name(dt), _dtype_name(weight.dtype), N, bool(is_rms_norm), db is not None,
-            dresidual_out is not None, dresidual_in is not None, bool(zero_centered_weight), mt)
+            dresidual_out is not None, dresidual_in is not None, bool(zero_centered_weight), mt,
+            options(weight.dtype, is_rms_norm))
 
 
 def _dtype_name(dt) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dt]
 
 
-def max_threads() -> int:
-    """Threads per CTA at most: MAX_THREADS, or $FLASH_ATTN_LN_CUTE_BWD_THREADS (256, 512 or 1024)."""
-    v = int(os.environ.get("FLASH_ATTN_LN_CUTE_BWD_THREADS", MAX_THREADS))
-    if v not in (256, 512, 1024):
+def max_threads(N: Optional[int] = None, is_rms_norm: bool = False) -> int:
+    """Threads per CTA at most: $FLASH_ATTN_LN_CUTE_BWD_THREADS (256, 512 or 1024), else THREADS_TABLE's
+    entry for (is_rms_norm, N), else MAX_THREADS."""
+    v = os.environ.get("FLASH_ATTN_LN_CUTE_BWD_THREADS", "").strip()
+    if not v:
+        return THREADS_TABLE.get((bool(is_rms_norm), N), MAX_THREADS)
+    if v not in ("256", "512", "1024"):
         raise ValueError(f"FLASH_ATTN_LN_CUTE_BWD_THREADS must be 256, 512 or 1024, got {v}")
-    return v
+    return int(v)
 
 
 def vectors(N: int, mt: Optional[int] = None) -> Optional[int]:
@@ -136,23 +169,40 @@ def threads(N: int, mt: Optional[int] = None) -> int:
     return N // (VEC * vectors(N, mt))
 
 
-def smem_bytes(N: int, has_bias: bool, mt: Optional[int] = None) -> int:
-    """Shared memory of one CTA: weight, dweight (and dbias) fp32 rows plus the row-sum exchange."""
-    return (2 + has_bias) * N * 4 + 2 * (threads(N, mt) // 32) * 2 * 4
+def smem_bytes(N: int, has_bias: bool, mt: Optional[int] = None, w16: bool = False) -> int:
+    """Shared memory of one CTA: the weight (fp32, or 16-bit with the w16 variant), dweight (and dbias)
+    fp32 rows plus the row-sum exchange."""
+    return (1 + has_bias) * N * 4 + N * (2 if w16 else 4) + 2 * (threads(N, mt) // 32) * 2 * 4
 
 
-def ctas_per_sm(N: int, has_bias: bool, mt: Optional[int] = None) -> int:
+def ctas_per_sm(N: int, has_bias: bool, mt: Optional[int] = None, w16: bool = False) -> int:
     """CTAs resident on one SM (the kernel's minimum-CTAs-per-SM bound, so ptxas caps registers to
     fit them): threads, shared memory, and a register estimate of 32 + 24 per vector a thread (ptxas
     -v, sm_90a: 4 vectors need about 145, 2 about 80)."""
     T, K = threads(N, mt), vectors(N, mt)
-    return max(1, min(THREADS_PER_SM // T, SMEM_PER_SM // (smem_bytes(N, has_bias, mt) + 1024),
+    return max(1, min(THREADS_PER_SM // T, SMEM_PER_SM // (smem_bytes(N, has_bias, mt, w16) + 1024),
                       65536 // (T * (32 + 24 * K))))
 
 
-def programs(M: int, N: int, has_bias: bool, sms: int, mt: Optional[int] = None) -> int:
+def programs(M: int, N: int, has_bias: bool, sms: int, mt: Optional[int] = None, w16: bool = False) -> int:
     """Grid size (and rows of the partial buffers): every resident CTA slot, at most one per row."""
-    return max(1, min(M, sms * ctas_per_sm(N, has_bias, mt)))
+    return max(1, min(M, sms * ctas_per_sm(N, has_bias, mt, w16)))
+
+
+def grid(key, M: int, sms: int) -> int:
+    """programs() for the compile key ``key`` (see :func:`plan`)."""
+    return programs(M, key[2], key[4], sms, key[8], "w16" in key[9])
+
+
+def carveout(key) -> int:
+    """The launch's preferred shared-memory carveout (percent of the SM's shared-memory maximum): 100,
+    or with the carve variant the least that holds ctas_per_sm CTAs (1 KB each reserved by the
+    hardware), so the rest of the unified L1 stays cache."""
+    if "carve" not in key[9]:
+        return 100
+    w16 = "w16" in key[9]
+    need = ctas_per_sm(key[2], key[4], key[8], w16) * (smem_bytes(key[2], key[4], key[8], w16) + 1024)
+    return min(100, -(-100 * need // (228 * 1024)))
 
 
 def _opaque_i32(v):
@@ -178,6 +228,19 @@ def _lds4(addr):
     return [Float32(llvm.extractvalue(T.f32(), res, [i])) for i in range(4)]
 
 
+def _lds4_b32(addr):
+    """Four 32-bit words from shared memory (byte address addr, 16-byte aligned), one volatile
+    ld.shared.v4 (ordered with _lds4 / _sts4)."""
+    from cutlass import Int32
+    from cutlass._mlir.dialects import llvm
+    from cutlass.cutlass_dsl import T
+
+    res = llvm.inline_asm(llvm.StructType.get_literal([T.i32()] * 4), [Int32(addr).ir_value()],
+                          "ld.volatile.shared.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r",
+                          has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+    return [Int32(llvm.extractvalue(T.i32(), res, [i])) for i in range(4)]
+
+
 def _sts4(addr, vals):
     """Four fp32 to shared memory, one volatile st.shared.v4 (ordered with _lds4)."""
     from cutlass import Float32, Int32
@@ -191,7 +254,8 @@ def _sts4(addr, vals):
 class LnBwdSm90:
     """The kernel for one compile key (see :func:`plan`)."""
 
-    def __init__(self, dtype, wdtype, N, is_rms, has_bias, has_dres_out, store_dres_in, zero_centered, mt):
+    def __init__(self, dtype, wdtype, N, is_rms, has_bias, has_dres_out, store_dres_in, zero_centered, mt,
+                 opts=()):
         import cutlass
 
         names = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp32": cutlass.Float32}
@@ -202,6 +266,12 @@ class LnBwdSm90:
         self.K = vectors(N, mt)
         self.is_rms, self.has_bias = is_rms, has_bias
         self.has_dres_out, self.store_dres_in, self.zero_centered = has_dres_out, store_dres_in, zero_centered
+        self.opts = tuple(opts)
+        self.w16 = "w16" in opts and wdtype != "fp32"
+        self.p1 = "p1" in opts and not is_rms
+        self.p2 = "p2" in opts
+        self.key = (dtype, wdtype, N, is_rms, has_bias, has_dres_out, store_dres_in, zero_centered, mt,
+                    self.opts)
 
     def _thr_view(self, row_tensor, tid):
         """Thread tid's ((4, 2), K) slice of a (N,) row: vector j at columns (j * T + tid) * VEC."""
@@ -238,6 +308,30 @@ class LnBwdSm90:
         """Byte offset of half-vector h of vector j in a thread's shared row (see _smem_view)."""
         return (j * 2 + h) * 4 * self.T * 4
 
+    def _weights(self, w_addr, j, h):
+        """Four fp32 weights of half-vector h of vector j, read from shared memory (fp32 path: one
+        ld.shared.v4; 1 + w already folded in when zero-centred)."""
+        return _lds4(w_addr + self._soff(j, h))
+
+    def _weights16(self, w_addr, j):
+        """The eight fp32 weights of vector j from the 16-bit shared weight (w16 variant): one
+        ld.shared.v4.b32 of the thread's 16 bytes (laid out as in global memory: consecutive threads 16
+        bytes apart, conflict-free), converted here (1 + w when zero-centred: added in fp32, as the fp32
+        path does once)."""
+        import cutlass.cute as cute
+        from cutlass import Float32, Int32
+
+        words = _lds4_b32(w_addr + j * self.T * 16)
+        r32 = cute.make_rmem_tensor(4, Int32)
+        for i in range(4):
+            r32[i] = words[i]
+        v = cute.make_tensor(cute.recast_tensor(r32, self.wdtype).iterator, cute.make_layout(8)).load().to(Float32)
+        if self.zero_centered:
+            v = v + 1.0
+        rf = cute.make_rmem_tensor(8, Float32)
+        rf.store(v)
+        return rf
+
     def _build(self):
         import cutlass
         import cutlass.cute as cute
@@ -262,13 +356,14 @@ class LnBwdSm90:
             end = cutlass.min(start + rpc, M)
 
             smem = SmemAllocator()
-            sW = smem.allocate_tensor(Float32, cute.make_layout((N,)), byte_alignment=16)
+            sW = smem.allocate_tensor(self.wdtype if self.w16 else Float32, cute.make_layout((N,)),
+                                      byte_alignment=16)
             sDW = smem.allocate_tensor(Float32, cute.make_layout((N,)), byte_alignment=16)
             sDB = sDW
             if cutlass.const_expr(self.has_bias):
                 sDB = smem.allocate_tensor(Float32, cute.make_layout((N,)), byte_alignment=16)
             sRed = smem.allocate_tensor(Float32, cute.make_layout((2, 2, W), stride=(1, 2, 4)), byte_alignment=16)
-            tW, tDW, tDB = self._smem_view(sW, tid), self._smem_view(sDW, tid), self._smem_view(sDB, tid)
+            tDW, tDB = self._smem_view(sDW, tid), self._smem_view(sDB, tid)
             # Byte addresses (shared window) of this thread's first float4 in each row.
             w_addr = sW.iterator.toint() + tid * 16
             dw_addr = sDW.iterator.toint() + tid * 16
@@ -278,12 +373,15 @@ class LnBwdSm90:
             # touches only its own words, so no barrier is needed before the row loop.
             rWg = cute.make_rmem_tensor(((4, 2), K), self.wdtype)
             cute.autovec_copy(self._thr_view(mW, tid), rWg)
-            rWf = cute.make_rmem_tensor(((4, 2), K), Float32)
-            wv = rWg.load().to(Float32)
-            if cutlass.const_expr(self.zero_centered):
-                wv = wv + 1.0
-            rWf.store(wv)
-            cute.autovec_copy(rWf, tW)
+            if cutlass.const_expr(self.w16):
+                cute.autovec_copy(rWg, self._thr_view(sW, tid))
+            else:
+                rWf = cute.make_rmem_tensor(((4, 2), K), Float32)
+                wv = rWg.load().to(Float32)
+                if cutlass.const_expr(self.zero_centered):
+                    wv = wv + 1.0
+                rWf.store(wv)
+                cute.autovec_copy(rWf, self._smem_view(sW, tid))
             rZ = cute.make_rmem_tensor(((4, 2), K), Float32)
             rZ.fill(0.0)
             cute.autovec_copy(rZ, tDW)
@@ -314,14 +412,25 @@ class LnBwdSm90:
                 if cutlass.const_expr(not self.is_rms):
                     mu = mMean[r]
                 # Pass 1, before the barrier: only the two sums, a = sum((x - mean) * g), b = sum(g).
+                # (p1: a = sum(x * g), and a - mean * b after the reduction: one FADD an element less.)
                 a = Float32(0.0)
                 b = Float32(0.0)
                 for j in cutlass.range_constexpr(K):
+                    w8 = None
+                    if cutlass.const_expr(self.w16):
+                        w8 = self._weights16(w_addr, j)
                     for h in cutlass.range_constexpr(2):
-                        w4 = _lds4(w_addr + self._soff(j, h))
+                        w4 = None
+                        if cutlass.const_expr(self.w16):
+                            w4 = [w8[4 * h + e] for e in range(4)]
+                        else:
+                            w4 = self._weights(w_addr, j, h)
                         for e in cutlass.range_constexpr(4):
                             g = rDY[(e, h), j].to(Float32) * w4[e]
-                            a = a + (rX[(e, h), j].to(Float32) - mu) * g
+                            if cutlass.const_expr(self.p1):
+                                a = a + rX[(e, h), j].to(Float32) * g
+                            else:
+                                a = a + (rX[(e, h), j].to(Float32) - mu) * g
                             if cutlass.const_expr(not self.is_rms):
                                 b = b + g
                 for i in cutlass.range_constexpr(5):
@@ -347,9 +456,15 @@ class LnBwdSm90:
                     if cutlass.const_expr(not self.is_rms):
                         b = b + cute.arch.shuffle_sync_bfly(b, offset=1 << i)
                 buf = 1 - buf
+                if cutlass.const_expr(self.p1):
+                    # sum((x - mean) * g) = sum(x * g) - mean * sum(g); the cancellation costs fp32
+                    # relative error (1 + |mean| / std) in c1, far below dx's 16-bit rounding.
+                    a = a - mu * b
                 c1 = a * rstd * inv_n  # sum(xhat * g) / N = rstd * sum((x - mean) * g) / N
                 c2 = b * inv_n
                 mr = mu * rstd
+                nc1 = -(c1 * rstd)  # p2: dx = g * rstd + (xhat * nc1 + nc2)
+                nc2 = -(c2 * rstd)
                 # Pass 2 from copies of x and dy that the compiler cannot merge with pass 1's: the fp32
                 # conversions are formed again here instead of living across the barrier next to the
                 # prefetched row. Shared-memory accesses are volatile, so they keep program order and
@@ -358,9 +473,16 @@ class LnBwdSm90:
                 gDX = self._thr_view(mDX[r, None], tid)
                 gDRI = self._thr_view(mDRI[r, None], tid)
                 for j in cutlass.range_constexpr(K):
+                    w8 = None
+                    if cutlass.const_expr(self.w16):
+                        w8 = self._weights16(w_addr, j)
                     for h in cutlass.range_constexpr(2):
                         so = self._soff(j, h)
-                        w4 = _lds4(w_addr + so)
+                        w4 = None
+                        if cutlass.const_expr(self.w16):
+                            w4 = [w8[4 * h + e] for e in range(4)]
+                        else:
+                            w4 = self._weights(w_addr, j, h)
                         dw4 = _lds4(dw_addr + so)
                         db4 = dw4
                         if cutlass.const_expr(self.has_bias):
@@ -368,10 +490,17 @@ class LnBwdSm90:
                         for e in cutlass.range_constexpr(4):
                             dyf = fDY[(e, h), j].to(Float32)
                             xhat = fX[(e, h), j].to(Float32) * rstd - mr
-                            dxv = dyf * w4[e] - xhat * c1
-                            if cutlass.const_expr(not self.is_rms):
-                                dxv = dxv - c2
-                            dxv = dxv * rstd
+                            dxv = None
+                            if cutlass.const_expr(self.p2):
+                                t = xhat * nc1
+                                if cutlass.const_expr(not self.is_rms):
+                                    t = t + nc2
+                                dxv = (dyf * w4[e]) * rstd + t
+                            else:
+                                dxv = dyf * w4[e] - xhat * c1
+                                if cutlass.const_expr(not self.is_rms):
+                                    dxv = dxv - c2
+                                dxv = dxv * rstd
                             if cutlass.const_expr(self.has_dres_out):
                                 dxv = dxv + rDR[(e, h), j].to(Float32)
                             rO[(e, h), j] = dxv.to(dt)
@@ -399,9 +528,11 @@ class LnBwdSm90:
                    grid: Int32, stream):
             kernel(mX, mDY, mW, mMean, mRstd, mDRO, mDX, mDRI, mDWp, mDBp).launch(
                 # Dynamic shared memory: CuTeDSL sizes it from the SmemAllocator (as for the attention
-                # kernels); carveout 100: all of the unified L1 that can be shared memory.
+                # kernels); carveout 100 (all of the unified L1 that can be shared memory) unless the
+                # carve variant asks for just what the kernel needs.
                 grid=(grid, 1, 1), block=(T, 1, 1), stream=stream,
-                min_blocks_per_mp=ctas_per_sm(N, self.has_bias, self.mt), preferred_smem_carveout=100)
+                min_blocks_per_mp=ctas_per_sm(N, self.has_bias, self.mt, self.w16),
+                preferred_smem_carveout=carveout(self.key))
 
         return launch
 
@@ -440,28 +571,71 @@ def compile_kernel(key, arch="sm_90a", dump_dir=None):
                         options=options)
 
 
+@functools.lru_cache(maxsize=None)
+def _source_hash() -> str:
+    # flash_attn.cute's cache key covers that package's sources; this file is outside it.
+    import hashlib
+
+    with open(__file__, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def cache_entry(key, arch="sm_90a"):
+    """(config, cache key, file name, exported C symbol) of ``key``'s entry in flash_attn.cute's disk
+    cache (cache.py): the config names every field of the compile key, the architecture, the calling
+    convention and the SHA-256 of this file; cache.entry_key adds the CuTeDSL / TVM-FFI versions."""
+    from flash_attn.cute import cache
+
+    dtype, wdtype, N, is_rms, bias, dres_out, dres_in, zc, mt, opts = key
+    config = {"kernel": "LnBwdSm90", "dtype": dtype, "wdtype": wdtype, "N": int(N), "rms": bool(is_rms),
+              "bias": bool(bias), "dres_out": bool(dres_out), "dres_in": bool(dres_in),
+              "zero_centered": bool(zc), "threads": int(mt), "opts": list(opts), "arch": arch,
+              "abi": "tvm-ffi-env-stream", "source": _source_hash()}
+    ck = cache.entry_key(config)
+    name = (f"lnbwd-{arch}-{dtype}-w{wdtype}-{N}-{'rms' if is_rms else 'ln'}{'-bias' if bias else ''}"
+            f"{'-dres' if dres_out else ''}{'-dresin' if dres_in else ''}{'-zc' if zc else ''}-t{mt}"
+            f"{''.join('-' + o for o in opts)}-{ck[:16]}")
+    return config, ck, name, f"flash_attn_lnbwd_{ck[:16]}"
+
+
+def load_or_build(key, arch="sm_90a", root=None, force=False):
+    """(callable, origin) for ``key``: "so" / "o" loaded from the disk cache folder ``root`` (no compile,
+    no import of the CuTeDSL compiler with "so"), else "compiled" now and written there. ``root=None``:
+    no disk cache. Needs apache-tvm-ffi (plan() serves nothing without it)."""
+    from flash_attn.cute.interface import _load_or_build_entry
+
+    return _load_or_build_entry(cache_entry(key, arch), lambda: compile_kernel(key, arch), root, force)
+
+
 _kernels: dict = {}
-_failed: dict = {}  # key -> the compile error, so a failing key is tried once
+_origins: dict = {}  # key -> "so" / "o" (disk cache) / "compiled"
+_failed: dict = {}  # key -> the load / compile error, so a failing key is tried once
 
 
 def kernel(key):
-    """The compiled kernel for ``key``, compiled on first use (in memory; rows are symbolic, so one per
-    key); None when compiling it failed (warned once; the caller falls back to Triton)."""
+    """The kernel for ``key``: from memory, else flash_attn.cute's disk cache ($FLASH_ATTN_CUTE_CACHE,
+    default ~/.cache/flash_attn_cute; a new process loads it in milliseconds), else compiled (about
+    2 s; rows are symbolic, so one per key) and written there. None when that failed (warned once;
+    the caller falls back to Triton)."""
     fn = _kernels.get(key)
     if fn is None:
         if key in _failed:
             return None
-        from flash_attn.cute.interface import _ffi_function
+        from flash_attn.cute import cache
 
-        try:
-            fn = _kernels[key] = _ffi_function(compile_kernel(key))
-        except Exception as e:  # a CuTeDSL version the kernel does not compile with: keep training
-            import warnings
+        with cache._lock:  # one builder per process, as for the attention kernels
+            fn = _kernels.get(key)
+            if fn is None and key not in _failed:
+                try:
+                    fn, _origins[key] = load_or_build(key, "sm_90a", cache.cache_dir())
+                    _kernels[key] = fn
+                except Exception as e:  # a CuTeDSL version the kernel does not compile with: keep training
+                    import warnings
 
-            _failed[key] = e
-            warnings.warn(f"FLASH_ATTN_LN_CUTE_BWD: compiling the norm backward for {key} failed "
-                          f"({type(e).__name__}: {e}); using the Triton backward")
-            return None
+                    _failed[key] = e
+                    warnings.warn(f"FLASH_ATTN_LN_CUTE_BWD: compiling the norm backward for {key} failed "
+                                  f"({type(e).__name__}: {e}); using the Triton backward")
+                    return None
     return fn
 
 
