@@ -56,7 +56,10 @@ _W_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #          of the unified 256 KB is L1)
 #   p1     LayerNorm pass 1 as sum(x * g) - mean * sum(g): one FADD an element less
 #   p2     pass 2 as dx = g * rstd + (xhat * -c1 * rstd - c2 * rstd), two FFMAs: one op an element less
-OPTS = ("w16", "carve", "p1", "p2")
+#   vld    the next row's x / dy / mean / rstd (and this row's dresidual_out) as volatile loads, so that
+#          ptxas issues them before pass 1 (it sinks plain loads below pass 1's row sums); mean and rstd
+#          one row ahead instead of at the row's start
+OPTS = ("w16", "carve", "p1", "p2", "vld")
 
 
 def enabled() -> bool:
@@ -241,6 +244,32 @@ def _lds4_b32(addr):
     return [Int32(llvm.extractvalue(T.i32(), res, [i])) for i in range(4)]
 
 
+def _ldg4(addr):
+    """Four 32-bit words from global memory (byte address addr, 16-byte aligned), one ld.volatile.global.v4:
+    ptxas keeps volatile accesses in program order, so a prefetch issued before the volatile shared-memory
+    loads of pass 1 stays there instead of being sunk below pass 1 (which ptxas does to plain loads to
+    shorten their registers' lives, leaving only pass 2 to hide the next row's latency)."""
+    from cutlass import Int32, Int64
+    from cutlass._mlir.dialects import llvm
+    from cutlass.cutlass_dsl import T
+
+    res = llvm.inline_asm(llvm.StructType.get_literal([T.i32()] * 4), [Int64(addr).ir_value()],
+                          "ld.volatile.global.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l",
+                          has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+    return [Int32(llvm.extractvalue(T.i32(), res, [i])) for i in range(4)]
+
+
+def _ldg1(addr):
+    """One fp32 from global memory (byte address addr), ld.volatile.global (see _ldg4)."""
+    from cutlass import Float32, Int64
+    from cutlass._mlir.dialects import llvm
+    from cutlass.cutlass_dsl import T
+
+    return Float32(llvm.inline_asm(T.f32(), [Int64(addr).ir_value()], "ld.volatile.global.f32 $0, [$1];", "=f,l",
+                                   has_side_effects=True, is_align_stack=False,
+                                   asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
 def _sts4(addr, vals):
     """Four fp32 to shared memory, one volatile st.shared.v4 (ordered with _lds4)."""
     from cutlass import Float32, Int32
@@ -270,6 +299,7 @@ class LnBwdSm90:
         self.w16 = "w16" in opts and wdtype != "fp32"
         self.p1 = "p1" in opts and not is_rms
         self.p2 = "p2" in opts
+        self.vld = "vld" in opts
         self.key = (dtype, wdtype, N, is_rms, has_bias, has_dres_out, store_dres_in, zero_centered, mt,
                     self.opts)
 
@@ -307,6 +337,22 @@ class LnBwdSm90:
     def _soff(self, j, h):
         """Byte offset of half-vector h of vector j in a thread's shared row (see _smem_view)."""
         return (j * 2 + h) * 4 * self.T * 4
+
+    def _load_row(self, row_tensor, tid, dst):
+        """Thread tid's K vectors of a 2-byte (N,) row into the register tensor dst: vectorised copies, or
+        with the vld variant volatile 16-byte loads that ptxas issues where they are written."""
+        import cutlass.cute as cute
+        from cutlass import Int32
+
+        if not self.vld:
+            cute.autovec_copy(self._thr_view(row_tensor, tid), dst)
+            return
+        base = self._thr_view(row_tensor, tid).iterator.toint()
+        words = cute.recast_tensor(dst, Int32)
+        for j in range(self.K):
+            w = _ldg4(base + j * self.T * 16)
+            for i in range(4):
+                words[4 * j + i] = w[i]
 
     def _weights(self, w_addr, j, h):
         """Four fp32 weights of half-vector h of vector j, read from shared memory (fp32 path: one
@@ -399,18 +445,34 @@ class LnBwdSm90:
             cute.autovec_copy(self._thr_view(mX[first, None], tid), rX)
             cute.autovec_copy(self._thr_view(mDY[first, None], tid), rDY)
             buf = Int32(0)
+            # vld: the next row's mean and rstd are prefetched with its x and dy (else loaded at the row's
+            # start, where pass 1 waits for them).
+            rstd_n = Float32(0.0)
+            mu_n = Float32(0.0)
+            if cutlass.const_expr(self.vld):
+                rstd_n = mRstd[first]
+                if cutlass.const_expr(not self.is_rms):
+                    mu_n = mMean[first]
             for r in cutlass.range(start, end, unroll=1):
                 if cutlass.const_expr(self.has_dres_out):
-                    cute.autovec_copy(self._thr_view(mDRO[r, None], tid), rDR)
+                    self._load_row(mDRO[r, None], tid, rDR)
                 # The next row (the last one again at the end: an L2 hit, never out of bounds) is in
                 # flight during this row's reduction.
                 nxt = cutlass.min(r + 1, M - 1)
-                cute.autovec_copy(self._thr_view(mX[nxt, None], tid), rXn)
-                cute.autovec_copy(self._thr_view(mDY[nxt, None], tid), rDYn)
-                rstd = mRstd[r]
+                self._load_row(mX[nxt, None], tid, rXn)
+                self._load_row(mDY[nxt, None], tid, rDYn)
+                rstd = Float32(0.0)
                 mu = Float32(0.0)
-                if cutlass.const_expr(not self.is_rms):
-                    mu = mMean[r]
+                if cutlass.const_expr(self.vld):
+                    rstd = rstd_n
+                    mu = mu_n
+                    rstd_n = _ldg1((mRstd.iterator + nxt).toint())
+                    if cutlass.const_expr(not self.is_rms):
+                        mu_n = _ldg1((mMean.iterator + nxt).toint())
+                else:
+                    rstd = mRstd[r]
+                    if cutlass.const_expr(not self.is_rms):
+                        mu = mMean[r]
                 # Pass 1, before the barrier: only the two sums, a = sum((x - mean) * g), b = sum(g).
                 # (p1: a = sum(x * g), and a - mean * b after the reduction: one FADD an element less.)
                 a = Float32(0.0)
