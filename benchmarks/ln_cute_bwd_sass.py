@@ -78,6 +78,7 @@ def main(argv=None):
     tool = cuobjdump_path()
     if tool is None:
         sys.exit("no cuobjdump")
+    print("SASS/row and the opcode counts: the row loop's instructions per row a thread (pp: the loop's / 2)")
     print("| norm | hidden | threads | opts | regs | spill st/ld | SASS/row | LDS | STS | LDL+STL | FFMA+FMUL+FADD "
           "| top opcodes |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -90,14 +91,15 @@ def main(argv=None):
                     key = ("bf16", args.weight_dtype, N, rms, not rms, args.residual, args.residual, False, mt,
                            opts)
                     regs, spill, body = analyse(key, tool)
-                    c = collections.Counter(body)
+                    per = 2 if "pp" in opts else 1  # rows a loop iteration
+                    c = collections.Counter({op: n / per for op, n in collections.Counter(body).items()})
                     fp = sum(n for op, n in c.items() if op.split(".")[0] in ("FFMA", "FMUL", "FADD"))
                     loc = sum(n for op, n in c.items() if op.split(".")[0] in ("LDL", "STL"))
                     lds = sum(n for op, n in c.items() if op.startswith("LDS"))
                     sts = sum(n for op, n in c.items() if op.startswith("STS"))
-                    top = ", ".join(f"{op} {n}" for op, n in c.most_common(args.top))
+                    top = ", ".join(f"{op} {n:g}" for op, n in c.most_common(args.top))
                     print(f"| {'RMSNorm' if rms else 'LayerNorm'} | {N} | {mt} | {'+'.join(opts) or '-'} | {regs} "
-                          f"| {spill[0]}/{spill[1]} | {len(body)} | {lds} | {sts} | {loc} | {fp} | {top} |",
+                          f"| {spill[0]}/{spill[1]} | {len(body) / per:g} | {lds:g} | {sts:g} | {loc:g} | {fp:g} | {top} |",
                           flush=True)
 
 

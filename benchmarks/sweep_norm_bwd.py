@@ -77,6 +77,10 @@ def main(argv=None):
     from flash_attn.ops.triton import backend
     from flash_attn.ops.triton import layer_norm as ln
 
+    # The Triton backward's configurations are swept: the CuTeDSL backward (the default at hidden >= 4096
+    # on sm_90, ops/cute_layer_norm_bwd.py; benchmarks/bench_ln_cute_bwd.py measures it) stays off.
+    os.environ["FLASH_ATTN_LN_CUTE_BWD"] = "0"
+
     if args.cpu_smoke:
         dev, dt = "cpu", torch.float32
 

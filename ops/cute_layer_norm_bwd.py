@@ -59,7 +59,8 @@ _W_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #   vld    the next row's x / dy / mean / rstd (and this row's dresidual_out) as volatile loads, so that
 #          ptxas issues them before pass 1 (it sinks plain loads below pass 1's row sums); mean and rstd
 #          one row ahead instead of at the row's start
-OPTS = ("w16", "carve", "p1", "p2", "vld")
+#   pp     two rows a loop iteration with the row registers swapping roles (no row-to-row register moves)
+OPTS = ("w16", "carve", "p1", "p2", "vld", "pp")
 
 
 def enabled() -> bool:
@@ -300,6 +301,7 @@ class LnBwdSm90:
         self.p1 = "p1" in opts and not is_rms
         self.p2 = "p2" in opts
         self.vld = "vld" in opts
+        self.pp = "pp" in opts
         self.key = (dtype, wdtype, N, is_rms, has_bias, has_dres_out, store_dres_in, zero_centered, mt,
                     self.opts)
 
@@ -388,6 +390,133 @@ class LnBwdSm90:
         dt = self.dtype
         inv_n = 1.0 / N
 
+        @cute.jit
+        def row(self, r, buf, M, tid, lane, warp, mX, mDY, mDRO, mDX, mDRI, mMean, mRstd, sRed, w_addr, dw_addr,
+                 db_addr, rX, rDY, rMS, rXn, rDYn, rMSn, rDR, rO):
+            # One row: x, dy (rX, rDY) and (vld) mean, rstd (rMS) in registers, the next row's loaded
+            # into rXn, rDYn (rMSn); buf: the row-sum exchange buffer. A function so that the pp variant
+            # can run it on swapped buffers.
+            if cutlass.const_expr(self.has_dres_out):
+                self._load_row(mDRO[r, None], tid, rDR)
+            # The next row (the last one again at the end: an L2 hit, never out of bounds) is in
+            # flight during this row's reduction.
+            nxt = cutlass.min(r + 1, M - 1)
+            self._load_row(mX[nxt, None], tid, rXn)
+            self._load_row(mDY[nxt, None], tid, rDYn)
+            rstd = Float32(0.0)
+            mu = Float32(0.0)
+            if cutlass.const_expr(self.vld):
+                mu = rMS[0]
+                rstd = rMS[1]
+                rMSn[1] = _ldg1((mRstd.iterator + nxt).toint())
+                if cutlass.const_expr(not self.is_rms):
+                    rMSn[0] = _ldg1((mMean.iterator + nxt).toint())
+            else:
+                rstd = mRstd[r]
+                if cutlass.const_expr(not self.is_rms):
+                    mu = mMean[r]
+            # Pass 1, before the barrier: only the two sums, a = sum((x - mean) * g), b = sum(g).
+            # (p1: a = sum(x * g), and a - mean * b after the reduction: one FADD an element less.)
+            a = Float32(0.0)
+            b = Float32(0.0)
+            for j in cutlass.range_constexpr(K):
+                w8 = None
+                if cutlass.const_expr(self.w16):
+                    w8 = self._weights16(w_addr, j)
+                for h in cutlass.range_constexpr(2):
+                    w4 = None
+                    if cutlass.const_expr(self.w16):
+                        w4 = [w8[4 * h + e] for e in range(4)]
+                    else:
+                        w4 = self._weights(w_addr, j, h)
+                    for e in cutlass.range_constexpr(4):
+                        g = rDY[(e, h), j].to(Float32) * w4[e]
+                        if cutlass.const_expr(self.p1):
+                            a = a + rX[(e, h), j].to(Float32) * g
+                        else:
+                            a = a + (rX[(e, h), j].to(Float32) - mu) * g
+                        if cutlass.const_expr(not self.is_rms):
+                            b = b + g
+            for i in cutlass.range_constexpr(5):
+                a = a + cute.arch.shuffle_sync_bfly(a, offset=1 << i)
+                if cutlass.const_expr(not self.is_rms):
+                    b = b + cute.arch.shuffle_sync_bfly(b, offset=1 << i)
+            if lane == 0:
+                sRed[buf, 0, warp] = a
+                sRed[buf, 1, warp] = b
+            cute.arch.sync_threads()
+            # Lane w of every warp takes warp w's sums (0 past the last warp) and a full butterfly
+            # adds them: one load and two registers instead of W loads in flight. Partners add the
+            # same two values at every level (a + b == b + a in fp32), so every lane of every warp
+            # ends with bitwise the same c1, c2.
+            a = Float32(0.0)
+            b = Float32(0.0)
+            if lane < W:
+                a = sRed[buf, 0, lane]
+                if cutlass.const_expr(not self.is_rms):
+                    b = sRed[buf, 1, lane]
+            for i in cutlass.range_constexpr(5):
+                a = a + cute.arch.shuffle_sync_bfly(a, offset=1 << i)
+                if cutlass.const_expr(not self.is_rms):
+                    b = b + cute.arch.shuffle_sync_bfly(b, offset=1 << i)
+            if cutlass.const_expr(self.p1):
+                # sum((x - mean) * g) = sum(x * g) - mean * sum(g); the cancellation costs fp32
+                # relative error (1 + |mean| / std) in c1, far below dx's 16-bit rounding.
+                a = a - mu * b
+            c1 = a * rstd * inv_n  # sum(xhat * g) / N = rstd * sum((x - mean) * g) / N
+            c2 = b * inv_n
+            mr = mu * rstd
+            nc1 = -(c1 * rstd)  # p2: dx = g * rstd + (xhat * nc1 + nc2)
+            nc2 = -(c2 * rstd)
+            # Pass 2 from copies of x and dy that the compiler cannot merge with pass 1's: the fp32
+            # conversions are formed again here instead of living across the barrier next to the
+            # prefetched row. Shared-memory accesses are volatile, so they keep program order and
+            # ptxas cannot hoist every load of the row to the top (a register peak of 3 x 32 values).
+            fX, fDY = self._fresh(rX), self._fresh(rDY)
+            gDX = self._thr_view(mDX[r, None], tid)
+            gDRI = self._thr_view(mDRI[r, None], tid)
+            for j in cutlass.range_constexpr(K):
+                w8 = None
+                if cutlass.const_expr(self.w16):
+                    w8 = self._weights16(w_addr, j)
+                for h in cutlass.range_constexpr(2):
+                    so = self._soff(j, h)
+                    w4 = None
+                    if cutlass.const_expr(self.w16):
+                        w4 = [w8[4 * h + e] for e in range(4)]
+                    else:
+                        w4 = self._weights(w_addr, j, h)
+                    dw4 = _lds4(dw_addr + so)
+                    db4 = dw4
+                    if cutlass.const_expr(self.has_bias):
+                        db4 = _lds4(db_addr + so)
+                    for e in cutlass.range_constexpr(4):
+                        dyf = fDY[(e, h), j].to(Float32)
+                        xhat = fX[(e, h), j].to(Float32) * rstd - mr
+                        dxv = None
+                        if cutlass.const_expr(self.p2):
+                            t = xhat * nc1
+                            if cutlass.const_expr(not self.is_rms):
+                                t = t + nc2
+                            dxv = (dyf * w4[e]) * rstd + t
+                        else:
+                            dxv = dyf * w4[e] - xhat * c1
+                            if cutlass.const_expr(not self.is_rms):
+                                dxv = dxv - c2
+                            dxv = dxv * rstd
+                        if cutlass.const_expr(self.has_dres_out):
+                            dxv = dxv + rDR[(e, h), j].to(Float32)
+                        rO[(e, h), j] = dxv.to(dt)
+                        dw4[e] = dw4[e] + dyf * xhat
+                        if cutlass.const_expr(self.has_bias):
+                            db4[e] = db4[e] + dyf
+                    _sts4(dw_addr + so, dw4)
+                    if cutlass.const_expr(self.has_bias):
+                        _sts4(db_addr + so, db4)
+                cute.autovec_copy(rO[None, j], gDX[None, j])
+                if cutlass.const_expr(self.store_dres_in):
+                    cute.autovec_copy(rO[None, j], gDRI[None, j])
+
         @cute.kernel
         def kernel(mX: cute.Tensor, mDY: cute.Tensor, mW: cute.Tensor, mMean: cute.Tensor, mRstd: cute.Tensor,
                    mDRO: cute.Tensor, mDX: cute.Tensor, mDRI: cute.Tensor, mDWp: cute.Tensor, mDBp: cute.Tensor):
@@ -441,142 +570,39 @@ class LnBwdSm90:
             rDR = cute.make_rmem_tensor(((4, 2), K), dt)
             rO = cute.make_rmem_tensor(((4, 2), K), dt)
             rAcc = cute.make_rmem_tensor(((4, 2), K), Float32)
+            # vld: (mean, rstd) of the current and the next row, prefetched with x and dy (else loaded at
+            # the row's start, where pass 1 waits for them).
+            rMS = cute.make_rmem_tensor(2, Float32)
+            rMSn = cute.make_rmem_tensor(2, Float32)
             first = cutlass.min(start, M - 1)
             cute.autovec_copy(self._thr_view(mX[first, None], tid), rX)
             cute.autovec_copy(self._thr_view(mDY[first, None], tid), rDY)
-            buf = Int32(0)
-            # vld: the next row's mean and rstd are prefetched with its x and dy (else loaded at the row's
-            # start, where pass 1 waits for them).
-            rstd_n = Float32(0.0)
-            mu_n = Float32(0.0)
             if cutlass.const_expr(self.vld):
-                rstd_n = mRstd[first]
+                rMS[0] = Float32(0.0)
                 if cutlass.const_expr(not self.is_rms):
-                    mu_n = mMean[first]
-            for r in cutlass.range(start, end, unroll=1):
-                if cutlass.const_expr(self.has_dres_out):
-                    self._load_row(mDRO[r, None], tid, rDR)
-                # The next row (the last one again at the end: an L2 hit, never out of bounds) is in
-                # flight during this row's reduction.
-                nxt = cutlass.min(r + 1, M - 1)
-                self._load_row(mX[nxt, None], tid, rXn)
-                self._load_row(mDY[nxt, None], tid, rDYn)
-                rstd = Float32(0.0)
-                mu = Float32(0.0)
-                if cutlass.const_expr(self.vld):
-                    rstd = rstd_n
-                    mu = mu_n
-                    rstd_n = _ldg1((mRstd.iterator + nxt).toint())
-                    if cutlass.const_expr(not self.is_rms):
-                        mu_n = _ldg1((mMean.iterator + nxt).toint())
-                else:
-                    rstd = mRstd[r]
-                    if cutlass.const_expr(not self.is_rms):
-                        mu = mMean[r]
-                # Pass 1, before the barrier: only the two sums, a = sum((x - mean) * g), b = sum(g).
-                # (p1: a = sum(x * g), and a - mean * b after the reduction: one FADD an element less.)
-                a = Float32(0.0)
-                b = Float32(0.0)
-                for j in cutlass.range_constexpr(K):
-                    w8 = None
-                    if cutlass.const_expr(self.w16):
-                        w8 = self._weights16(w_addr, j)
-                    for h in cutlass.range_constexpr(2):
-                        w4 = None
-                        if cutlass.const_expr(self.w16):
-                            w4 = [w8[4 * h + e] for e in range(4)]
-                        else:
-                            w4 = self._weights(w_addr, j, h)
-                        for e in cutlass.range_constexpr(4):
-                            g = rDY[(e, h), j].to(Float32) * w4[e]
-                            if cutlass.const_expr(self.p1):
-                                a = a + rX[(e, h), j].to(Float32) * g
-                            else:
-                                a = a + (rX[(e, h), j].to(Float32) - mu) * g
-                            if cutlass.const_expr(not self.is_rms):
-                                b = b + g
-                for i in cutlass.range_constexpr(5):
-                    a = a + cute.arch.shuffle_sync_bfly(a, offset=1 << i)
-                    if cutlass.const_expr(not self.is_rms):
-                        b = b + cute.arch.shuffle_sync_bfly(b, offset=1 << i)
-                if lane == 0:
-                    sRed[buf, 0, warp] = a
-                    sRed[buf, 1, warp] = b
-                cute.arch.sync_threads()
-                # Lane w of every warp takes warp w's sums (0 past the last warp) and a full butterfly
-                # adds them: one load and two registers instead of W loads in flight. Partners add the
-                # same two values at every level (a + b == b + a in fp32), so every lane of every warp
-                # ends with bitwise the same c1, c2.
-                a = Float32(0.0)
-                b = Float32(0.0)
-                if lane < W:
-                    a = sRed[buf, 0, lane]
-                    if cutlass.const_expr(not self.is_rms):
-                        b = sRed[buf, 1, lane]
-                for i in cutlass.range_constexpr(5):
-                    a = a + cute.arch.shuffle_sync_bfly(a, offset=1 << i)
-                    if cutlass.const_expr(not self.is_rms):
-                        b = b + cute.arch.shuffle_sync_bfly(b, offset=1 << i)
-                buf = 1 - buf
-                if cutlass.const_expr(self.p1):
-                    # sum((x - mean) * g) = sum(x * g) - mean * sum(g); the cancellation costs fp32
-                    # relative error (1 + |mean| / std) in c1, far below dx's 16-bit rounding.
-                    a = a - mu * b
-                c1 = a * rstd * inv_n  # sum(xhat * g) / N = rstd * sum((x - mean) * g) / N
-                c2 = b * inv_n
-                mr = mu * rstd
-                nc1 = -(c1 * rstd)  # p2: dx = g * rstd + (xhat * nc1 + nc2)
-                nc2 = -(c2 * rstd)
-                # Pass 2 from copies of x and dy that the compiler cannot merge with pass 1's: the fp32
-                # conversions are formed again here instead of living across the barrier next to the
-                # prefetched row. Shared-memory accesses are volatile, so they keep program order and
-                # ptxas cannot hoist every load of the row to the top (a register peak of 3 x 32 values).
-                fX, fDY = self._fresh(rX), self._fresh(rDY)
-                gDX = self._thr_view(mDX[r, None], tid)
-                gDRI = self._thr_view(mDRI[r, None], tid)
-                for j in cutlass.range_constexpr(K):
-                    w8 = None
-                    if cutlass.const_expr(self.w16):
-                        w8 = self._weights16(w_addr, j)
-                    for h in cutlass.range_constexpr(2):
-                        so = self._soff(j, h)
-                        w4 = None
-                        if cutlass.const_expr(self.w16):
-                            w4 = [w8[4 * h + e] for e in range(4)]
-                        else:
-                            w4 = self._weights(w_addr, j, h)
-                        dw4 = _lds4(dw_addr + so)
-                        db4 = dw4
-                        if cutlass.const_expr(self.has_bias):
-                            db4 = _lds4(db_addr + so)
-                        for e in cutlass.range_constexpr(4):
-                            dyf = fDY[(e, h), j].to(Float32)
-                            xhat = fX[(e, h), j].to(Float32) * rstd - mr
-                            dxv = None
-                            if cutlass.const_expr(self.p2):
-                                t = xhat * nc1
-                                if cutlass.const_expr(not self.is_rms):
-                                    t = t + nc2
-                                dxv = (dyf * w4[e]) * rstd + t
-                            else:
-                                dxv = dyf * w4[e] - xhat * c1
-                                if cutlass.const_expr(not self.is_rms):
-                                    dxv = dxv - c2
-                                dxv = dxv * rstd
-                            if cutlass.const_expr(self.has_dres_out):
-                                dxv = dxv + rDR[(e, h), j].to(Float32)
-                            rO[(e, h), j] = dxv.to(dt)
-                            dw4[e] = dw4[e] + dyf * xhat
-                            if cutlass.const_expr(self.has_bias):
-                                db4[e] = db4[e] + dyf
-                        _sts4(dw_addr + so, dw4)
-                        if cutlass.const_expr(self.has_bias):
-                            _sts4(db_addr + so, db4)
-                    cute.autovec_copy(rO[None, j], gDX[None, j])
-                    if cutlass.const_expr(self.store_dres_in):
-                        cute.autovec_copy(rO[None, j], gDRI[None, j])
-                rX.store(rXn.load())
-                rDY.store(rDYn.load())
+                    rMS[0] = mMean[first]
+                rMS[1] = mRstd[first]
+
+            if cutlass.const_expr(self.pp):
+                # Two rows an iteration, the register buffers swapping roles instead of being copied:
+                # the row-to-row moves (and the moves ptxas adds to keep the 16-byte load destinations
+                # in place across the back edge) go away.
+                for r0 in cutlass.range(start, end, 2, unroll=1):
+                    row(self, r0, Int32(0), M, tid, lane, warp, mX, mDY, mDRO, mDX, mDRI, mMean, mRstd, sRed, w_addr,
+                        dw_addr, db_addr, rX, rDY, rMS, rXn, rDYn, rMSn, rDR, rO)
+                    if r0 + 1 < end:
+                        row(self, r0 + 1, Int32(1), M, tid, lane, warp, mX, mDY, mDRO, mDX, mDRI, mMean, mRstd, sRed,
+                            w_addr, dw_addr, db_addr, rXn, rDYn, rMSn, rX, rDY, rMS, rDR, rO)
+            else:
+                buf = Int32(0)
+                for r in cutlass.range(start, end, unroll=1):
+                    row(self, r, buf, M, tid, lane, warp, mX, mDY, mDRO, mDX, mDRI, mMean, mRstd, sRed, w_addr,
+                        dw_addr, db_addr, rX, rDY, rMS, rXn, rDYn, rMSn, rDR, rO)
+                    buf = 1 - buf
+                    rX.store(rXn.load())
+                    rDY.store(rDYn.load())
+                    if cutlass.const_expr(self.vld):
+                        rMS.store(rMSn.load())
 
             cute.autovec_copy(tDW, rAcc)
             cute.autovec_copy(rAcc, self._thr_view(mDWp[cta, None], tid))
