@@ -55,7 +55,8 @@ _W_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #   carve  preferred_smem_carveout just large enough for the kernel's shared memory (else 100: the rest
 #          of the unified 256 KB is L1)
 #   p1     LayerNorm pass 1 as sum(x * g) - mean * sum(g): one FADD an element less
-#   p2     pass 2 as dx = g * rstd + (xhat * -c1 * rstd - c2 * rstd), two FFMAs: one op an element less
+#   p2     LayerNorm pass 2 as dx = g * rstd + (xhat * -c1 * rstd - c2 * rstd), two FFMAs: one op an
+#          element less
 #   vld    the next row's x / dy / mean / rstd (and this row's dresidual_out) as volatile loads, so that
 #          ptxas issues them before pass 1 (it sinks plain loads below pass 1's row sums); mean and rstd
 #          one row ahead instead of at the row's start
@@ -70,7 +71,7 @@ def enabled() -> bool:
 
 def options(wdtype, is_rms_norm, env=None) -> tuple:
     """The variants of $FLASH_ATTN_LN_CUTE_BWD_OPTS (``env``: that value instead) that change this key's
-    code, sorted: w16 only with a 16-bit weight, p1 only for LayerNorm (RMSNorm has no mean)."""
+    code, in OPTS order: w16 only with a 16-bit weight, p1 and p2 only for LayerNorm."""
     value = os.environ.get("FLASH_ATTN_LN_CUTE_BWD_OPTS", "") if env is None else env
     opts = {o.strip() for o in value.split(",") if o.strip()}
     bad = opts - set(OPTS)
@@ -78,8 +79,9 @@ def options(wdtype, is_rms_norm, env=None) -> tuple:
         raise ValueError(f"FLASH_ATTN_LN_CUTE_BWD_OPTS: unknown {sorted(bad)}; known: {', '.join(OPTS)}")
     if wdtype in (torch.float32, "fp32"):
         opts.discard("w16")
-    if is_rms_norm:
+    if is_rms_norm:  # no mean: nothing for p1 to save, and p2's count equals the plain one
         opts.discard("p1")
+        opts.discard("p2")
     return tuple(o for o in OPTS if o in opts)
 
 
