@@ -197,6 +197,121 @@ def test_bench_script_parses():
     assert a.hidden == "16384" and a.residual and a.weight_dtype == "fp32"
 
 
+# ---------------------------------------------------------------------------------- disk cache
+_CACHE_KEY = ("bf16", "bf16", 4096, True, False, False, False, False, 512, ())
+
+
+def test_cache_entry_names():
+    """Entries in flash_attn.cute's disk cache: a readable name ending in the key's first hex digits, a C
+    symbol unique per key, a config naming every field of the compile key and this kernel's source."""
+    import hashlib
+
+    pytest.importorskip("flash_attn.cute.cache")
+    config, ck, name, symbol = cb.cache_entry(_CACHE_KEY)
+    assert name == f"lnbwd-sm_90a-bf16-wbf16-4096-rms-t512-{ck[:16]}" and symbol == f"flash_attn_lnbwd_{ck[:16]}"
+    with open(cb.__file__, "rb") as f:
+        assert config["source"] == hashlib.sha256(f.read()).hexdigest()
+    assert config["kernel"] == "LnBwdSm90" and config["opts"] == [] and config["threads"] == 512
+    others = [_CACHE_KEY[:8] + (1024, ()), _CACHE_KEY[:9] + (("w16", "pp"),), _CACHE_KEY[:3] + (False, True) +
+              _CACHE_KEY[5:]]
+    names = {name} | {cb.cache_entry(k)[2] for k in others}
+    assert len(names) == 4 and any(n.startswith("lnbwd-sm_90a-bf16-wbf16-4096-rms-t512-w16-pp-") for n in names)
+    assert cb.cache_entry(_CACHE_KEY, arch="sm_90")[1] != ck
+
+
+@pytest.fixture(scope="module")
+def filled_cache(tmp_path_factory):
+    """A disk cache folder holding _CACHE_KEY's kernel, compiled (no GPU) and written by load_or_build."""
+    pytest.importorskip("cutlass.cute")
+    pytest.importorskip("tvm_ffi")
+    root = tmp_path_factory.mktemp("lncache")
+    old = os.environ.get("CUTE_DSL_ARCH")
+    os.environ["CUTE_DSL_ARCH"] = "sm_90a"
+    try:
+        fn, how = cb.load_or_build(_CACHE_KEY, root=root)
+    finally:
+        if old is None:
+            os.environ.pop("CUTE_DSL_ARCH")
+        else:
+            os.environ["CUTE_DSL_ARCH"] = old
+    assert how == "compiled" and callable(fn)
+    return root
+
+
+def _refuse_compile(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("compile_kernel called")
+
+    monkeypatch.setattr(cb, "compile_kernel", refuse)
+
+
+def test_disk_cache_second_load_hits_the_entry(filled_cache, monkeypatch):
+    from flash_attn.cute import cache
+
+    _, ck, name, _ = cb.cache_entry(_CACHE_KEY)
+    files = cache.DiskCache(filled_cache).files(name, ck)
+    assert set(files) == ({"o", "so"} if cache._c_compiler() else {"o"})
+    _refuse_compile(monkeypatch)
+    fn, how = cb.load_or_build(_CACHE_KEY, root=filled_cache)
+    assert how == ("so" if cache._c_compiler() else "o") and callable(fn)
+    # kernel(): memory, then the folder of $FLASH_ATTN_CUTE_CACHE, loaded once
+    monkeypatch.setenv("FLASH_ATTN_CUTE_CACHE", str(filled_cache))
+    for name_ in ("_kernels", "_origins", "_failed"):
+        monkeypatch.setattr(cb, name_, {})
+    loads, real_load = [], cache.DiskCache.load
+    monkeypatch.setattr(cache.DiskCache, "load", lambda self, *a, **k: loads.append(a) or real_load(self, *a, **k))
+    fn = cb.kernel(_CACHE_KEY)
+    assert fn is not None and cb._origins[_CACHE_KEY] == how and cb.kernel(_CACHE_KEY) is fn and len(loads) == 1
+    # another key (other threads) is another entry: not on disk, so it would compile (refused here: the
+    # failure warns and falls back to Triton)
+    with pytest.warns(UserWarning, match="using the Triton backward"):
+        assert cb.kernel(_CACHE_KEY[:8] + (256, ())) is None
+
+
+_CHILD = """
+import json, sys
+import torch
+from flash_attn.ops import cute_layer_norm_bwd as cb
+
+def refuse(*a, **k):
+    raise AssertionError("compile_kernel called")
+
+cb.compile_kernel = refuse
+key = tuple(json.loads(sys.argv[1])[:9]) + ((),)
+fn = cb.kernel(key)
+t = torch.zeros(4, 4096, dtype=torch.bfloat16)
+v = torch.zeros(4)
+try:  # the real kernel's TVM-FFI wrapper checks its arguments (on the CPU: the device type)
+    fn(t, t, torch.zeros(4096, dtype=torch.bfloat16), v, v, t, t, t, torch.zeros(1, 4096), torch.zeros(1, 4096), 1)
+    error = None
+except Exception as e:
+    error = f"{type(e).__name__}: {e}"
+print(json.dumps({"origin": cb._origins.get(key), "cutlass_imported": "cutlass" in sys.modules, "error": error}))
+"""
+
+
+def test_new_process_loads_from_disk_without_compiling(filled_cache):
+    """A new process loads the norm kernel from the disk cache: no compile, no import of the CuTeDSL
+    compiler, and the loaded function checks its tensors' device."""
+    import json
+    import sys
+
+    from flash_attn.cute import cache
+
+    if not cache._c_compiler():
+        pytest.skip("no C compiler: entries hold objects only, which load through CuTeDSL")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, FLASH_ATTN_CUTE_CACHE=str(filled_cache))
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
+    proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(list(_CACHE_KEY[:9]))], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["origin"] == "so"
+    assert not result["cutlass_imported"], "loading from disk must not import the CuTeDSL compiler"
+    assert "expected device_type=cuda" in (result["error"] or ""), result["error"]
+
+
 # ---------------------------------------------------------------------------------- sm_90a code
 # compile keys (dtype, weight dtype, N, is_rms, bias, dresidual_out, dresidual_in, zero-centred, threads, variants)
 _CONFIGS = [("bf16", "fp32", 16384, False, True, True, True, False, 512, ()),
@@ -368,7 +483,7 @@ def _gpu_case(M, N, is_rms_norm, residual, seed=0, wdtype=torch.float32):
     return x, w, b, res
 
 
-def _grads(x, w, b, res, is_rms_norm, dy, dres, cast=None):
+def _grads(x, w, b, res, is_rms_norm, dy, dres, cast=None, zc=False):
     xs = [t.detach().to(cast) if cast is not None and t is not None else
           (t.detach() if t is not None else None) for t in (x, w, b, res)]
     for t in xs:
@@ -376,14 +491,49 @@ def _grads(x, w, b, res, is_rms_norm, dy, dres, cast=None):
             t.requires_grad_()
     fn = ln.rms_norm_fn if is_rms_norm else ln.layer_norm_fn
     if cast is None:
-        out = fn(xs[0], xs[1], xs[2], residual=xs[3], prenorm=res is not None)
+        out = fn(xs[0], xs[1], xs[2], residual=xs[3], prenorm=res is not None, zero_centered_weight=zc)
     else:
         ref = ln.rms_norm_ref if is_rms_norm else ln.layer_norm_ref
-        out = ref(xs[0], xs[1], xs[2], residual=xs[3], prenorm=res is not None, upcast=False)
+        out = ref(xs[0], xs[1], xs[2], residual=xs[3], prenorm=res is not None, upcast=False,
+                  zero_centered_weight=zc)
     outs = list(out) if isinstance(out, tuple) else [out]
     gos = [dy] + ([dres] if res is not None else [])
     ins = [t for t in xs if t is not None]
     return torch.autograd.grad(outs, ins, [g.to(o.dtype) for g, o in zip(gos, outs)])
+
+
+def _check_gpu(monkeypatch, M, N, is_rms_norm, residual, wdtype=torch.float32, zc=False, on="1"):
+    """dx, dweight, dbias, dresidual of the CuTeDSL path (FLASH_ATTN_LN_CUTE_BWD=on; None: unset, the
+    default) against fp64, within 2x the Triton backward's own error (switch off) plus one bf16 rounding
+    of the result; the CuTeDSL kernel must actually have been used, and two runs agree bitwise. Returns
+    the compile key that served."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("sm_90 only")
+    x, w, b, res = _gpu_case(M, N, is_rms_norm, residual, seed=M + N, wdtype=wdtype)
+    g = torch.Generator().manual_seed(1)
+    dy = torch.randn(M, N, generator=g).to("cuda", torch.bfloat16)
+    dres = torch.randn(M, N, generator=g).to("cuda", torch.bfloat16) if residual else None
+    monkeypatch.setenv("FLASH_ATTN_LN_CUTE_BWD", "0")
+    tri = _grads(x, w, b, res, is_rms_norm, dy, dres, zc=zc)
+    if on is None:
+        monkeypatch.delenv("FLASH_ATTN_LN_CUTE_BWD")
+    else:
+        monkeypatch.setenv("FLASH_ATTN_LN_CUTE_BWD", on)
+    calls, launch = [], cb.launch
+    monkeypatch.setattr(cb, "launch", lambda *a: (calls.append(a[0]), launch(*a))[1])
+    cute1 = _grads(x, w, b, res, is_rms_norm, dy, dres, zc=zc)
+    cute2 = _grads(x, w, b, res, is_rms_norm, dy, dres, zc=zc)
+    assert len(calls) == 2  # the CuTeDSL kernel served both backward calls
+    ref = _grads(x, w, b, res, is_rms_norm, dy.double(), dres.double() if dres is not None else None,
+                 cast=torch.float64, zc=zc)
+    for i, (c1, c2, t, r) in enumerate(zip(cute1, cute2, tri, ref)):
+        assert torch.equal(c1, c2), f"grad {i} not reproducible"
+        assert c1.dtype == t.dtype and c1.shape == t.shape
+        err_c = (c1.double() - r).abs().max().item()
+        err_t = (t.double() - r).abs().max().item()
+        rounding = r.abs().max().item() * (2.0 ** -8 if c1.dtype == torch.bfloat16 else 2.0 ** -23)
+        assert err_c <= 2 * err_t + rounding, (i, err_c, err_t, rounding)
+    return calls[0]
 
 
 @pytest.mark.gpu
@@ -392,32 +542,40 @@ def _grads(x, w, b, res, is_rms_norm, dy, dres, cast=None):
 @pytest.mark.parametrize("N", [4096, 12288, 16384])
 @pytest.mark.parametrize("M", [1, 3, 1000, 16384])
 def test_gpu_matches_reference(monkeypatch, M, N, is_rms_norm, residual):
-    """dx, dweight, dbias, dresidual of the CuTeDSL path (switch on) against fp64, within 2x the Triton
-    backward's own error (switch off) plus one bf16 rounding of the result; the CuTeDSL kernel must
-    actually have been used; and two runs agree bitwise."""
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("sm_90 only")
-    x, w, b, res = _gpu_case(M, N, is_rms_norm, residual, seed=M + N)
-    g = torch.Generator().manual_seed(1)
-    dy = torch.randn(M, N, generator=g).to("cuda", torch.bfloat16)
-    dres = torch.randn(M, N, generator=g).to("cuda", torch.bfloat16) if residual else None
-    monkeypatch.setenv("FLASH_ATTN_LN_CUTE_BWD", "0")
-    tri = _grads(x, w, b, res, is_rms_norm, dy, dres)
-    monkeypatch.setenv("FLASH_ATTN_LN_CUTE_BWD", "1")
-    calls, launch = [], cb.launch
-    monkeypatch.setattr(cb, "launch", lambda *a: (calls.append(a[0]), launch(*a))[1])
-    cute1 = _grads(x, w, b, res, is_rms_norm, dy, dres)
-    cute2 = _grads(x, w, b, res, is_rms_norm, dy, dres)
-    assert len(calls) == 2  # the CuTeDSL kernel served both backward calls
-    ref = _grads(x, w, b, res, is_rms_norm, dy.double(), dres.double() if dres is not None else None,
-                 cast=torch.float64)
-    for i, (c1, c2, t, r) in enumerate(zip(cute1, cute2, tri, ref)):
-        assert torch.equal(c1, c2), f"grad {i} not reproducible"
-        assert c1.dtype == t.dtype and c1.shape == t.shape
-        err_c = (c1.double() - r).abs().max().item()
-        err_t = (t.double() - r).abs().max().item()
-        rounding = r.abs().max().item() * (2.0 ** -8 if c1.dtype == torch.bfloat16 else 2.0 ** -23)
-        assert err_c <= 2 * err_t + rounding, (i, err_c, err_t, rounding)
+    """The default kernels (threads from THREADS_TABLE, no variant) against fp64 (see _check_gpu)."""
+    monkeypatch.delenv("FLASH_ATTN_LN_CUTE_BWD_THREADS", raising=False)
+    monkeypatch.delenv("FLASH_ATTN_LN_CUTE_BWD_OPTS", raising=False)
+    key = _check_gpu(monkeypatch, M, N, is_rms_norm, residual)
+    assert key[8] == cb.THREADS_TABLE.get((is_rms_norm, N), cb.MAX_THREADS) and key[9] == ()
+
+
+@pytest.mark.gpu
+def test_gpu_on_by_default(monkeypatch):
+    """With FLASH_ATTN_LN_CUTE_BWD unset the CuTeDSL kernel serves LayerNorm 16384 (1024 threads)."""
+    monkeypatch.delenv("FLASH_ATTN_LN_CUTE_BWD_THREADS", raising=False)
+    monkeypatch.delenv("FLASH_ATTN_LN_CUTE_BWD_OPTS", raising=False)
+    key = _check_gpu(monkeypatch, 300, 16384, False, False, on=None)
+    assert key[8] == 1024
+
+
+# (N, is_rms_norm, residual, zero-centred, threads): the shapes the variants are measured at, with the
+# dresidual and zero-centred paths; bf16 weights so that w16 applies.
+_VARIANT_CASES = [(12288, False, True, False, "512"), (16384, False, False, False, "1024"),
+                  (16384, False, True, True, "512"), (16384, True, False, True, "512")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("opts", ["w16", "carve", "p1", "p2", "vld", "pp", "w16,carve,p1,p2,vld,pp"])
+@pytest.mark.parametrize("case", _VARIANT_CASES, ids=lambda c: f"{c[0]}-{'rms' if c[1] else 'ln'}"
+                         f"{'-dres' if c[2] else ''}{'-zc' if c[3] else ''}-t{c[4]}")
+@pytest.mark.parametrize("M", [3, 1001])  # 3: one row a CTA; 1001: 8 rows a CTA and a 1-row tail (pp's odd row)
+def test_gpu_variants(monkeypatch, opts, case, M):
+    """Every FLASH_ATTN_LN_CUTE_BWD_OPTS variant, alone and all together, against fp64 (see _check_gpu)."""
+    N, is_rms_norm, residual, zc, threads = case
+    monkeypatch.setenv("FLASH_ATTN_LN_CUTE_BWD_THREADS", threads)
+    monkeypatch.setenv("FLASH_ATTN_LN_CUTE_BWD_OPTS", opts)
+    key = _check_gpu(monkeypatch, M, N, is_rms_norm, residual, wdtype=torch.bfloat16, zc=zc)
+    assert key[9] == cb.options(torch.bfloat16, is_rms_norm, env=opts) and key[8] == int(threads)
 
 
 @pytest.mark.gpu
@@ -433,4 +591,4 @@ def test_gpu_served_and_partials_rows(monkeypatch):
         dy = torch.randn(M, 16384, device="cuda", dtype=torch.bfloat16)
         _grads(x, w, b, res, False, dy, None)
     assert len(calls) == 2 and calls[0] == calls[1]
-    assert calls[0] in cb._kernels
+    assert calls[0] in cb._kernels and cb._origins[calls[0]] in ("so", "o", "compiled")
