@@ -194,7 +194,12 @@ def test_bench_script_parses():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     a = mod.parse_args(["--hidden", "16384", "--residual", "--weight-dtype", "fp32"])
-    assert a.hidden == "16384" and a.residual and a.weight_dtype == "fp32"
+    assert a.hidden == "16384" and a.residual and a.weight_dtype == "fp32" and a.variants is None
+    assert mod.variant_envs(None) == [("cute", {})]
+    assert mod.variant_envs("512:;1024:w16+p1") == [
+        ("cute t512 -", {"FLASH_ATTN_LN_CUTE_BWD_THREADS": "512", "FLASH_ATTN_LN_CUTE_BWD_OPTS": None}),
+        ("cute t1024 w16+p1", {"FLASH_ATTN_LN_CUTE_BWD_THREADS": "1024", "FLASH_ATTN_LN_CUTE_BWD_OPTS": "w16,p1"})]
+    assert mod.variant_envs(":pp")[0][1]["FLASH_ATTN_LN_CUTE_BWD_THREADS"] is None  # the table
 
 
 # ---------------------------------------------------------------------------------- disk cache
