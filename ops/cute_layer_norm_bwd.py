@@ -2,35 +2,49 @@
 
 Why: the Triton backward (ops/triton/layer_norm.py) keeps the dweight/dbias column accumulators in
 registers; at hidden 12288..16384 a row, its prefetch and two fp32 accumulators of N columns do not fit
-64 registers a thread, and the H200 measures 0.50-0.61 of copy bandwidth there. Here the accumulators live
-in shared memory (fp32, N each, next to the fp32 weight: 192 KB for LayerNorm at 16384 of the 227 KB), so
-registers hold only the row being worked on and the next one. Shared-memory accumulator and weight accesses are volatile
-ld/st.shared.v4 (ordered among themselves, so ptxas does not hoist a whole row of them into registers),
-and pass 2 reads x and dy through an opaque copy so their fp32 conversions are redone after the barrier
-instead of living across it. ptxas -v (sm_90a, 13.0), 512 threads: 0-16 bytes of spill up to 12288, 16-24
-at 16384 (the 128-register cap), all of it a few loop-invariant words: at most 5 local loads/stores per
-row iteration in the SASS (tests/test_layer_norm_cute.py bounds both).
+64 registers a thread. Here the accumulators live in shared memory (fp32, N each, next to the fp32 weight:
+192 KB for LayerNorm at 16384 of the 227 KB), so registers hold only the row being worked on and the next
+one. Shared-memory accumulator and weight accesses are volatile ld/st.shared.v4 (ordered among themselves,
+so ptxas does not hoist a whole row of them into registers), and pass 2 reads x and dy through an opaque
+copy so their fp32 conversions are redone after the barrier instead of living across it. ptxas -v (sm_90a,
+13.0), 512 threads: 0-16 bytes of spill up to 12288, 16-24 at 16384 (the 128-register cap), all of it a
+few loop-invariant words: at most 5 local loads/stores per row iteration in the SASS; 1024 threads (64
+registers) spill more (tests/test_layer_norm_cute.py bounds both).
 
-Layout: persistent CTAs (every resident slot, at most one per row) of at most 512 threads, each owning
-a contiguous block of rows; a thread holds K = vectors(N) 16-byte vectors (8 columns each) of x and of dy
-(K = 4 at 16384: 512 threads, 128 registers). Thread t always owns the same columns (vector j covers
-columns (j * T + t) * 8 .. +8, coalesced across a warp), so it accumulates dweight/dbias into its own
-shared-memory words: no atomics, no barrier for the accumulators. In shared memory a thread's 8 values sit
-as two float4 at consecutive-thread stride 16 bytes, so a warp's 128-bit accesses are conflict-free. Each
-CTA writes its accumulators as one row of (P, N) fp32 partial buffers, which the caller sums in a fixed
-order (the Triton reduce kernel), so results are bitwise reproducible run to run.
+Measured on an H200 (bf16 x / dy / dx, rows x hidden = 2^28, fraction of the 4248 GB/s device-to-device
+copy at 6 bytes an element, benchmarks/bench_ln_cute_bwd.py; Triton's backward in brackets): LayerNorm
+4096 0.850 (0.839), 8192 0.843 (0.827), 12288 0.827 (0.501), 16384 0.703 at 1024 threads, 0.658 at 512
+(0.605); RMSNorm 4096 0.928 (0.928), 8192 0.909 (0.923), 12288 0.926 (0.770), 16384 0.880 (0.868). With
+fp32 weights and a residual (dresidual in and out) 1.5-2.3x the Triton backward at 4096-16384.
+
+Layout: persistent CTAs (every resident slot, at most one per row) of at most max_threads() threads (512;
+1024 for LayerNorm 16384: THREADS_TABLE), each owning a contiguous block of rows; a thread holds K =
+vectors(N) 16-byte vectors (8 columns each) of x and of dy (K = 4 at 16384 with 512 threads, 2 with 1024).
+Thread t always owns the same columns (vector j covers columns (j * T + t) * 8 .. +8, coalesced across a
+warp), so it accumulates dweight/dbias into its own shared-memory words: no atomics, no barrier for the
+accumulators. In shared memory a thread's 8 values sit as two float4 at consecutive-thread stride 16
+bytes, so a warp's 128-bit accesses are conflict-free. Each CTA writes its accumulators as one row of
+(P, N) fp32 partial buffers, which the caller sums in a fixed order (the Triton reduce kernel), so results
+are bitwise reproducible run to run.
 
 Per row: xhat = (x - mean) * rstd (RMSNorm: mean 0), g = dy * w, the row sums sum(xhat * g), sum(g) by
 warp butterflies and one shared-memory exchange (double-buffered, one barrier per row), then
 dx = rstd * (g - (xhat * c1 + c2)) with c1 = sum(xhat * g) / N, c2 = sum(g) / N (RMSNorm: c2 = 0), plus
 dresidual_out if given; dresidual_in gets the same values. x and dy of the next row are loaded before the
-current row's reduction so the loads overlap it.
+current row's reduction so the loads overlap it (ptxas sinks them below pass 1; the vld variant keeps them
+above it).
+
+Variants ($FLASH_ATTN_LN_CUTE_BWD_OPTS, see OPTS; off by default, part of the compile key, correct on CPU
+compiles and GPU-tested by tests/test_layer_norm_cute.py::test_gpu_variants, not yet measured): w16,
+carve, p1, p2, vld, pp.
 
 Served (``plan`` returns a key, else None and the Triton path runs): CUDA sm_90, x / dy / dx (and
 dresidual_out / dresidual_in) all bf16 or all fp16, weight bf16/fp16/fp32, 4096 <= N <= 16384 with
 vectors(N) defined (N a multiple of 8 * 32 * K for some K <= 4), no dropout, rowscale, x1, weight1.
-Off unless FLASH_ATTN_LN_CUTE_BWD=1 (never run on a GPU yet). Compiled per key in memory on first use
-(about 2 s; no disk cache), rows symbolic.
+On by default; FLASH_ATTN_LN_CUTE_BWD=0 runs the Triton backward instead. Rows are symbolic, so one
+kernel per key: from memory, else flash_attn.cute's disk cache (cache.py; $FLASH_ATTN_CUTE_CACHE, default
+~/.cache/flash_attn_cute: a new process loads it in milliseconds without importing the CuTeDSL compiler),
+else compiled (about 2 s) and written there.
 """
 import functools
 import os
