@@ -478,10 +478,10 @@ def test_sass_variants(compiled):
 
 
 # ------------------------------------------------------------------------------------------ GPU
-def _gpu_case(M, N, is_rms_norm, residual, seed=0, wdtype=torch.float32):
+def _gpu_case(M, N, is_rms_norm, residual, seed=0, wdtype=torch.float32, x_mean=0.0):
     g = torch.Generator().manual_seed(seed)
     mk = lambda *s, dt=torch.bfloat16: torch.randn(*s, generator=g).to("cuda", dt)  # noqa: E731
-    x = mk(M, N)
+    x = (x_mean + torch.randn(M, N, generator=g)).to("cuda", torch.bfloat16)
     w = (1 + 0.5 * torch.randn(N, generator=g)).to("cuda", wdtype)
     b = None if is_rms_norm else mk(N, dt=wdtype)
     res = mk(M, N) if residual else None
@@ -507,14 +507,14 @@ def _grads(x, w, b, res, is_rms_norm, dy, dres, cast=None, zc=False):
     return torch.autograd.grad(outs, ins, [g.to(o.dtype) for g, o in zip(gos, outs)])
 
 
-def _check_gpu(monkeypatch, M, N, is_rms_norm, residual, wdtype=torch.float32, zc=False, on="1"):
+def _check_gpu(monkeypatch, M, N, is_rms_norm, residual, wdtype=torch.float32, zc=False, on="1", x_mean=0.0):
     """dx, dweight, dbias, dresidual of the CuTeDSL path (FLASH_ATTN_LN_CUTE_BWD=on; None: unset, the
     default) against fp64, within 2x the Triton backward's own error (switch off) plus one bf16 rounding
     of the result; the CuTeDSL kernel must actually have been used, and two runs agree bitwise. Returns
     the compile key that served."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("sm_90 only")
-    x, w, b, res = _gpu_case(M, N, is_rms_norm, residual, seed=M + N, wdtype=wdtype)
+    x, w, b, res = _gpu_case(M, N, is_rms_norm, residual, seed=M + N, wdtype=wdtype, x_mean=x_mean)
     g = torch.Generator().manual_seed(1)
     dy = torch.randn(M, N, generator=g).to("cuda", torch.bfloat16)
     dres = torch.randn(M, N, generator=g).to("cuda", torch.bfloat16) if residual else None
@@ -581,6 +581,17 @@ def test_gpu_variants(monkeypatch, opts, case, M):
     monkeypatch.setenv("FLASH_ATTN_LN_CUTE_BWD_OPTS", opts)
     key = _check_gpu(monkeypatch, M, N, is_rms_norm, residual, wdtype=torch.bfloat16, zc=zc)
     assert key[9] == cb.options(torch.bfloat16, is_rms_norm, env=opts) and key[8] == int(threads)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("opts", ["", "p1"])
+def test_gpu_large_mean(monkeypatch, opts):
+    """x = 30 + N(0, 1): p1's sum(x * g) - mean * sum(g) cancels ~30x more than sum((x - mean) * g), in
+    fp32, against dx's bf16 rounding (the Triton backward subtracts the mean first)."""
+    monkeypatch.setenv("FLASH_ATTN_LN_CUTE_BWD_OPTS", opts)
+    monkeypatch.delenv("FLASH_ATTN_LN_CUTE_BWD_THREADS", raising=False)
+    key = _check_gpu(monkeypatch, 1001, 16384, False, False, wdtype=torch.bfloat16, x_mean=30.0)
+    assert key[9] == ((opts,) if opts else ())
 
 
 @pytest.mark.gpu
