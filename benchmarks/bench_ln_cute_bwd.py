@@ -1,13 +1,19 @@
 """LayerNorm / RMSNorm backward: the Triton plan against the CuTeDSL wide-row kernel
-(ops/cute_layer_norm_bwd.py, FLASH_ATTN_LN_CUTE_BWD=1), bf16, rows x hidden = --elems. Same columns as
-benchmarks/sweep_norm_bwd.py: backward time, its fraction of the device-to-device copy bandwidth (6 bytes
-per element: read x and dy, write dx), and the largest gradient error against an fp32 PyTorch reference
-(over dx, dweight, dbias, relative to the largest reference entry). "bwd x copy" counts 6 bytes per
-element also with --residual (which moves 10: dresidual_out read, dresidual_in written). "served": the
-CuTeDSL kernel ran (else the call fell back to Triton: see cute_layer_norm_bwd.plan).
+(ops/cute_layer_norm_bwd.py, the default; FLASH_ATTN_LN_CUTE_BWD=0 is the Triton plan), bf16, rows x hidden =
+--elems. Same columns as benchmarks/sweep_norm_bwd.py: backward time, its fraction of the device-to-device
+copy bandwidth (6 bytes per element: read x and dy, write dx), and the largest gradient error against an
+fp32 PyTorch reference (over dx, dweight, dbias, relative to the largest reference entry). "bwd x copy"
+counts 6 bytes per element also with --residual (which moves 10: dresidual_out read, dresidual_in written).
+"served": the compile key's threads and variants when the CuTeDSL kernel ran, else False (the call fell
+back to Triton: see cute_layer_norm_bwd.plan).
+
+--variants measures several CuTeDSL configurations in one process (Triton once): ';'-separated
+THREADS:OPTS items, THREADS empty for the THREADS_TABLE default, OPTS '+'-joined FLASH_ATTN_LN_CUTE_BWD_OPTS
+names; without it the environment's FLASH_ATTN_LN_CUTE_BWD_THREADS / _OPTS apply.
 
     python benchmarks/bench_ln_cute_bwd.py                       # H200: 12288 and 16384, both norms
     python benchmarks/bench_ln_cute_bwd.py --hidden 4096,8192,12288,16384 --weight-dtype fp32 --residual
+    python benchmarks/bench_ln_cute_bwd.py --norms L --hidden 16384 --variants "512:;1024:;1024:p1+p2;1024:vld"
 """
 import argparse
 import os
@@ -27,7 +33,22 @@ def parse_args(argv=None):
     p.add_argument("--residual", action="store_true", help="prenorm with a residual (dresidual in and out)")
     p.add_argument("--warmup", type=int, default=10, help="do_bench warmup (ms)")
     p.add_argument("--rep", type=int, default=40, help="do_bench repetitions (ms)")
+    p.add_argument("--variants", default=None, help="';'-separated THREADS:OPTS (see above)")
+    p.add_argument("--no-triton", action="store_true", help="skip the Triton plan")
     return p.parse_args(argv)
+
+
+def variant_envs(spec):
+    """[(label, {env var: value or None})] for --variants (None: the environment as it is)."""
+    if spec is None:
+        return [("cute", {})]
+    out = []
+    for item in spec.split(";"):
+        threads, _, opts = item.strip().partition(":")
+        label = f"cute t{threads or 'table'} {opts or '-'}"
+        out.append((label, {"FLASH_ATTN_LN_CUTE_BWD_THREADS": threads.strip() or None,
+                            "FLASH_ATTN_LN_CUTE_BWD_OPTS": opts.replace("+", ",").strip() or None}))
+    return out
 
 
 def main(argv=None):
@@ -57,11 +78,14 @@ def main(argv=None):
     calls, launch = [], cb.launch
 
     def counted(*a):
-        calls.append(1)
+        calls.append(a[0])
         return launch(*a)
 
     cb.launch = counted
-    saved = os.environ.get("FLASH_ATTN_LN_CUTE_BWD")
+    paths = ([] if args.no_triton else [("triton plan", {"FLASH_ATTN_LN_CUTE_BWD": "0"})])
+    paths += [(label, {"FLASH_ATTN_LN_CUTE_BWD": "1", **env}) for label, env in variant_envs(args.variants)]
+    touched = {k for _, env in paths for k in env}
+    saved = {k: os.environ.get(k) for k in touched}
     try:
         for norm in args.norms:
             is_rms = norm == "R"
@@ -85,8 +109,17 @@ def main(argv=None):
                 refs = torch.autograd.grad(yf, [t for t in (xf, wf, bf) if t is not None], dy.float())
                 yf = xf = wf = bf = pre = None
                 scale = [r.abs().max().clamp_min(1e-30) for r in refs]
-                for path, env in (("triton plan", "0"), ("cute", "1")):
-                    os.environ["FLASH_ATTN_LN_CUTE_BWD"] = env
+                for path, env in paths:
+                    for k, v in saved.items():  # each path starts from the caller's environment
+                        if v is None:
+                            os.environ.pop(k, None)
+                        else:
+                            os.environ[k] = v
+                    for k, v in env.items():
+                        if v is None:
+                            os.environ.pop(k, None)
+                        else:
+                            os.environ[k] = v
                     with backend("triton"):
                         out = ln.layer_norm_fn(x, w, b, residual=res, eps=1e-6, is_rms_norm=is_rms,
                                                prenorm=args.residual)
@@ -94,7 +127,7 @@ def main(argv=None):
                         gouts = [dy] + ([torch.zeros_like(dy)] if args.residual else [])
                         calls.clear()
                         grads = torch.autograd.grad(outs, params, gouts, retain_graph=True)
-                        served = bool(calls)
+                        served = f"t{calls[0][8]} {'+'.join(calls[0][9]) or '-'}" if calls else False
                         err = max(((a.float() - r).abs().max() / s).item() for a, r, s in zip(grads, refs, scale))
                         grads = None
                         t_b = bench(lambda: torch.autograd.grad(outs, params, gouts, retain_graph=True))
@@ -105,10 +138,11 @@ def main(argv=None):
                 torch.cuda.empty_cache()
     finally:
         cb.launch = launch
-        if saved is None:
-            os.environ.pop("FLASH_ATTN_LN_CUTE_BWD", None)
-        else:
-            os.environ["FLASH_ATTN_LN_CUTE_BWD"] = saved
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 if __name__ == "__main__":

@@ -67,6 +67,20 @@ def tuned_line(n_acc, N, fields):
 
 
 def main(argv=None):
+    # The Triton backward's configurations are swept: the CuTeDSL backward (the default at hidden >= 4096
+    # on sm_90, ops/cute_layer_norm_bwd.py; benchmarks/bench_ln_cute_bwd.py measures it) stays off.
+    saved = os.environ.get("FLASH_ATTN_LN_CUTE_BWD")
+    os.environ["FLASH_ATTN_LN_CUTE_BWD"] = "0"
+    try:
+        return _main(argv)
+    finally:
+        if saved is None:
+            os.environ.pop("FLASH_ATTN_LN_CUTE_BWD", None)
+        else:
+            os.environ["FLASH_ATTN_LN_CUTE_BWD"] = saved
+
+
+def _main(argv=None):
     args = parse_args(argv)
     hidden = [int(h) for h in args.hidden.split(",") if h]
     if args.aot:

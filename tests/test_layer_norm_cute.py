@@ -1,7 +1,8 @@
-"""The CuTeDSL LayerNorm/RMSNorm backward for wide rows (flash_attn.ops.cute_layer_norm_bwd, behind
-FLASH_ATTN_LN_CUTE_BWD=1). CPU: which calls it serves, the switch, and the sm_90a code it compiles to
-(PTX / ptxas -v). GPU: values against the fp64 reference, judged against the Triton backward's own error,
-and bitwise run-to-run equality."""
+"""The CuTeDSL LayerNorm/RMSNorm backward for wide rows (flash_attn.ops.cute_layer_norm_bwd, the default;
+FLASH_ATTN_LN_CUTE_BWD=0 turns it off). CPU: which calls it serves, the switch, the threads table and the
+variants (FLASH_ATTN_LN_CUTE_BWD_OPTS), the disk cache, and the sm_90a code it compiles to (PTX / ptxas -v /
+SASS). GPU: values against the fp64 reference, judged against the Triton backward's own error, and bitwise
+run-to-run equality, for the default and for every variant."""
 import os
 import re
 import shutil
@@ -30,24 +31,63 @@ def _call(M=8, N=16384, dtype=torch.bfloat16, wdtype=torch.float32, bias=True, d
     return a
 
 
-def test_switch_defaults_off(monkeypatch):
+def test_switch_defaults_on(monkeypatch):
     monkeypatch.delenv("FLASH_ATTN_LN_CUTE_BWD", raising=False)
-    assert not cb.enabled()
+    assert cb.enabled()
+    for off in ("0", "off", "false"):
+        monkeypatch.setenv("FLASH_ATTN_LN_CUTE_BWD", off)
+        assert not cb.enabled()
     monkeypatch.setenv("FLASH_ATTN_LN_CUTE_BWD", "1")
     assert cb.enabled()
-    monkeypatch.setenv("FLASH_ATTN_LN_CUTE_BWD", "0")
-    assert not cb.enabled()
 
 
-def test_served_calls():
+def test_served_calls(monkeypatch):
+    monkeypatch.delenv("FLASH_ATTN_LN_CUTE_BWD_THREADS", raising=False)
+    monkeypatch.delenv("FLASH_ATTN_LN_CUTE_BWD_OPTS", raising=False)
     key = cb.plan(**_call(), check_device=False)
-    assert key == ("bf16", "fp32", 16384, False, True, True, True, False, 512)
+    assert key == ("bf16", "fp32", 16384, False, True, True, True, False, 1024, ())  # THREADS_TABLE
+    assert cb.plan(**_call(bias=False), check_device=False)[8] == 512  # RMSNorm 16384
     assert cb.plan(**_call(N=12288, bias=False, dres=False, zero_centered_weight=True), check_device=False) == \
-        ("bf16", "fp32", 12288, True, False, False, False, True, 512)
+        ("bf16", "fp32", 12288, True, False, False, False, True, 512, ())
     assert cb.plan(**_call(N=4096, dtype=torch.float16, wdtype=torch.float16), check_device=False)[:3] == \
         ("fp16", "fp16", 4096)
     for N in range(4096, 16385, 1024):
         assert cb.plan(**_call(N=N), check_device=False) is not None, N
+
+
+def test_threads_table(monkeypatch):
+    monkeypatch.delenv("FLASH_ATTN_LN_CUTE_BWD_THREADS", raising=False)
+    assert cb.max_threads(16384, False) == 1024 and cb.max_threads(16384, True) == 512
+    assert cb.max_threads(12288, False) == 512 and cb.max_threads() == cb.MAX_THREADS == 512
+    monkeypatch.setenv("FLASH_ATTN_LN_CUTE_BWD_THREADS", "512")  # the knob overrides the table
+    assert cb.max_threads(16384, False) == 512
+    assert cb.plan(**_call(), check_device=False)[8] == 512
+
+
+def test_options(monkeypatch):
+    """FLASH_ATTN_LN_CUTE_BWD_OPTS: known names only, in the key, sorted, and only where they change the code."""
+    monkeypatch.setenv("FLASH_ATTN_LN_CUTE_BWD_OPTS", "p2, w16,p1")
+    assert cb.plan(**_call(wdtype=torch.bfloat16), check_device=False)[9] == ("w16", "p1", "p2")
+    assert cb.plan(**_call(wdtype=torch.float32), check_device=False)[9] == ("p1", "p2")  # no 16-bit weight
+    assert cb.plan(**_call(wdtype=torch.bfloat16, bias=False), check_device=False)[9] == ("w16",)  # RMSNorm
+    assert cb.options(torch.float16, False, env="pp,vld,carve") == ("carve", "vld", "pp")
+    assert cb.options("fp32", True, env="") == ()
+    monkeypatch.setenv("FLASH_ATTN_LN_CUTE_BWD_OPTS", "w16,fast")
+    with pytest.raises(ValueError, match="fast"):
+        cb.plan(**_call(), check_device=False)
+
+
+def test_carveout_and_w16_smem():
+    """w16 keeps the weight in 2 bytes a column; carve asks for the shared memory the CTAs need (percent of
+    228 KB, rounded up), else 100."""
+    key = ("bf16", "bf16", 16384, False, True, False, False, False, 1024, ())
+    assert cb.carveout(key) == 100
+    assert cb.smem_bytes(16384, True, 1024) - cb.smem_bytes(16384, True, 1024, w16=True) == 16384 * 2
+    need = cb.smem_bytes(16384, True, 1024) + 1024
+    assert cb.carveout(key[:9] + (("carve",),)) == -(-100 * need // (228 * 1024)) == 85
+    need16 = cb.smem_bytes(16384, True, 1024, w16=True) + 1024
+    assert cb.carveout(key[:9] + (("w16", "carve"),)) == -(-100 * need16 // (228 * 1024)) == 71
+    assert cb.grid(key, 10 ** 6, 132) == 132 and cb.grid(key, 5, 132) == 5
 
 
 @pytest.mark.parametrize("what", ["dropout", "rowscale", "weight1", "fp32_x", "fp32_dres_in", "narrow", "wide",
@@ -106,14 +146,15 @@ def test_compile_failure_falls_back(monkeypatch):
     pytest.importorskip("flash_attn.cute.interface")
     tries = []
 
-    def broken(key, **kw):
+    def broken(key, *a, **kw):
         tries.append(key)
         raise RuntimeError("no")
 
     monkeypatch.setattr(cb, "compile_kernel", broken)
     monkeypatch.setattr(cb, "_kernels", {})
     monkeypatch.setattr(cb, "_failed", {})
-    key = ("bf16", "fp32", 4096, False, True, False, False, False, 512)
+    monkeypatch.setenv("FLASH_ATTN_CUTE_CACHE", "off")
+    key = ("bf16", "fp32", 4096, False, True, False, False, False, 512, ())
     with pytest.warns(UserWarning, match="using the Triton backward"):
         assert cb.kernel(key) is None
     assert cb.kernel(key) is None and tries == [key]
@@ -121,11 +162,11 @@ def test_compile_failure_falls_back(monkeypatch):
 
 def test_threads_knob(monkeypatch):
     monkeypatch.setenv("FLASH_ATTN_LN_CUTE_BWD_THREADS", "1024")
-    assert cb.plan(**_call(), check_device=False)[-1] == 1024
+    assert cb.plan(**_call(bias=False), check_device=False)[8] == 1024
     assert (cb.vectors(16384), cb.threads(16384)) == (2, 1024)
     monkeypatch.setenv("FLASH_ATTN_LN_CUTE_BWD_THREADS", "256")
     assert cb.plan(**_call(), check_device=False) is None  # 16384 would need 8 vectors a thread
-    assert cb.plan(**_call(N=8192), check_device=False)[-1] == 256
+    assert cb.plan(**_call(N=8192), check_device=False)[8] == 256
     monkeypatch.setenv("FLASH_ATTN_LN_CUTE_BWD_THREADS", "300")
     with pytest.raises(ValueError):
         cb.plan(**_call(), check_device=False)
@@ -153,22 +194,150 @@ def test_bench_script_parses():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     a = mod.parse_args(["--hidden", "16384", "--residual", "--weight-dtype", "fp32"])
-    assert a.hidden == "16384" and a.residual and a.weight_dtype == "fp32"
+    assert a.hidden == "16384" and a.residual and a.weight_dtype == "fp32" and a.variants is None
+    assert mod.variant_envs(None) == [("cute", {})]
+    assert mod.variant_envs("512:;1024:w16+p1") == [
+        ("cute t512 -", {"FLASH_ATTN_LN_CUTE_BWD_THREADS": "512", "FLASH_ATTN_LN_CUTE_BWD_OPTS": None}),
+        ("cute t1024 w16+p1", {"FLASH_ATTN_LN_CUTE_BWD_THREADS": "1024", "FLASH_ATTN_LN_CUTE_BWD_OPTS": "w16,p1"})]
+    assert mod.variant_envs(":pp")[0][1]["FLASH_ATTN_LN_CUTE_BWD_THREADS"] is None  # the table
+
+
+# ---------------------------------------------------------------------------------- disk cache
+_CACHE_KEY = ("bf16", "bf16", 4096, True, False, False, False, False, 512, ())
+
+
+def test_cache_entry_names():
+    """Entries in flash_attn.cute's disk cache: a readable name ending in the key's first hex digits, a C
+    symbol unique per key, a config naming every field of the compile key and this kernel's source."""
+    import hashlib
+
+    pytest.importorskip("flash_attn.cute.cache")
+    config, ck, name, symbol = cb.cache_entry(_CACHE_KEY)
+    assert name == f"lnbwd-sm_90a-bf16-wbf16-4096-rms-t512-{ck[:16]}" and symbol == f"flash_attn_lnbwd_{ck[:16]}"
+    with open(cb.__file__, "rb") as f:
+        assert config["source"] == hashlib.sha256(f.read()).hexdigest()
+    assert config["kernel"] == "LnBwdSm90" and config["opts"] == [] and config["threads"] == 512
+    others = [_CACHE_KEY[:8] + (1024, ()), _CACHE_KEY[:9] + (("w16", "pp"),), _CACHE_KEY[:3] + (False, True) +
+              _CACHE_KEY[5:]]
+    names = {name} | {cb.cache_entry(k)[2] for k in others}
+    assert len(names) == 4 and any(n.startswith("lnbwd-sm_90a-bf16-wbf16-4096-rms-t512-w16-pp-") for n in names)
+    assert cb.cache_entry(_CACHE_KEY, arch="sm_90")[1] != ck
+
+
+@pytest.fixture(scope="module")
+def filled_cache(tmp_path_factory):
+    """A disk cache folder holding _CACHE_KEY's kernel, compiled (no GPU) and written by load_or_build."""
+    pytest.importorskip("cutlass.cute")
+    pytest.importorskip("tvm_ffi")
+    root = tmp_path_factory.mktemp("lncache")
+    old = os.environ.get("CUTE_DSL_ARCH")
+    os.environ["CUTE_DSL_ARCH"] = "sm_90a"
+    try:
+        fn, how = cb.load_or_build(_CACHE_KEY, root=root)
+    finally:
+        if old is None:
+            os.environ.pop("CUTE_DSL_ARCH")
+        else:
+            os.environ["CUTE_DSL_ARCH"] = old
+    assert how == "compiled" and callable(fn)
+    return root
+
+
+def _refuse_compile(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("compile_kernel called")
+
+    monkeypatch.setattr(cb, "compile_kernel", refuse)
+
+
+def test_disk_cache_second_load_hits_the_entry(filled_cache, monkeypatch):
+    from flash_attn.cute import cache
+
+    _, ck, name, _ = cb.cache_entry(_CACHE_KEY)
+    files = cache.DiskCache(filled_cache).files(name, ck)
+    assert set(files) == ({"o", "so"} if cache._c_compiler() else {"o"})
+    _refuse_compile(monkeypatch)
+    fn, how = cb.load_or_build(_CACHE_KEY, root=filled_cache)
+    assert how == ("so" if cache._c_compiler() else "o") and callable(fn)
+    # kernel(): memory, then the folder of $FLASH_ATTN_CUTE_CACHE, loaded once
+    monkeypatch.setenv("FLASH_ATTN_CUTE_CACHE", str(filled_cache))
+    for name_ in ("_kernels", "_origins", "_failed"):
+        monkeypatch.setattr(cb, name_, {})
+    loads, real_load = [], cache.DiskCache.load
+    monkeypatch.setattr(cache.DiskCache, "load", lambda self, *a, **k: loads.append(a) or real_load(self, *a, **k))
+    fn = cb.kernel(_CACHE_KEY)
+    assert fn is not None and cb._origins[_CACHE_KEY] == how and cb.kernel(_CACHE_KEY) is fn and len(loads) == 1
+    # another key (other threads) is another entry: not on disk, so it would compile (refused here: the
+    # failure warns and falls back to Triton)
+    with pytest.warns(UserWarning, match="using the Triton backward"):
+        assert cb.kernel(_CACHE_KEY[:8] + (256, ())) is None
+
+
+_CHILD = """
+import json, sys
+import torch
+from flash_attn.ops import cute_layer_norm_bwd as cb
+
+def refuse(*a, **k):
+    raise AssertionError("compile_kernel called")
+
+cb.compile_kernel = refuse
+key = tuple(json.loads(sys.argv[1])[:9]) + ((),)
+fn = cb.kernel(key)
+t = torch.zeros(4, 4096, dtype=torch.bfloat16)
+v = torch.zeros(4)
+try:  # the real kernel's TVM-FFI wrapper checks its arguments (on the CPU: the device type)
+    fn(t, t, torch.zeros(4096, dtype=torch.bfloat16), v, v, t, t, t, torch.zeros(1, 4096), torch.zeros(1, 4096), 1)
+    error = None
+except Exception as e:
+    error = f"{type(e).__name__}: {e}"
+print(json.dumps({"origin": cb._origins.get(key), "cutlass_imported": "cutlass" in sys.modules, "error": error}))
+"""
+
+
+def test_new_process_loads_from_disk_without_compiling(filled_cache):
+    """A new process loads the norm kernel from the disk cache: no compile, no import of the CuTeDSL
+    compiler, and the loaded function checks its tensors' device."""
+    import json
+    import sys
+
+    from flash_attn.cute import cache
+
+    if not cache._c_compiler():
+        pytest.skip("no C compiler: entries hold objects only, which load through CuTeDSL")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, FLASH_ATTN_CUTE_CACHE=str(filled_cache))
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
+    proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(list(_CACHE_KEY[:9]))], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["origin"] == "so"
+    assert not result["cutlass_imported"], "loading from disk must not import the CuTeDSL compiler"
+    assert "expected device_type=cuda" in (result["error"] or ""), result["error"]
 
 
 # ---------------------------------------------------------------------------------- sm_90a code
-# compile keys (dtype, weight dtype, N, is_rms, bias, dresidual_out, dresidual_in, zero-centred, threads)
-_CONFIGS = [("bf16", "fp32", 16384, False, True, True, True, False, 512),
-            ("bf16", "fp32", 16384, True, False, False, False, False, 512),
-            ("bf16", "fp32", 12288, False, True, True, True, False, 512),
-            ("bf16", "bf16", 8192, True, False, True, True, False, 512),
-            ("fp16", "fp16", 4096, False, True, False, False, True, 512),
-            ("bf16", "fp32", 16384, True, False, True, False, False, 1024)]
+# compile keys (dtype, weight dtype, N, is_rms, bias, dresidual_out, dresidual_in, zero-centred, threads, variants)
+_CONFIGS = [("bf16", "fp32", 16384, False, True, True, True, False, 512, ()),
+            ("bf16", "fp32", 16384, True, False, False, False, False, 512, ()),
+            ("bf16", "fp32", 12288, False, True, True, True, False, 512, ()),
+            ("bf16", "bf16", 8192, True, False, True, True, False, 512, ()),
+            ("fp16", "fp16", 4096, False, True, False, False, True, 512, ()),
+            ("bf16", "fp32", 16384, True, False, True, False, False, 1024, ()),
+            ("bf16", "bf16", 16384, False, True, False, False, False, 1024, ()),  # the THREADS_TABLE default
+            # FLASH_ATTN_LN_CUTE_BWD_OPTS variants, where they are to be measured (LayerNorm 12288 / 16384)
+            ("bf16", "bf16", 16384, False, True, False, False, False, 1024, ("w16", "carve")),
+            ("bf16", "bf16", 16384, False, True, False, False, True, 512, ("w16",)),  # zero-centred 16-bit
+            ("bf16", "bf16", 16384, False, True, False, False, False, 1024, ("p1", "p2")),
+            ("bf16", "bf16", 12288, False, True, True, True, False, 512, ("vld",)),
+            ("bf16", "bf16", 16384, False, True, False, False, False, 512, ("p1", "p2", "pp")),
+            ("bf16", "bf16", 12288, True, False, False, False, False, 512, ("w16", "vld", "pp"))]
 
 
 def _id(k):
     return (f"{k[0]}-w{k[1]}-{k[2]}-{'rms' if k[3] else 'ln'}{'-bias' if k[4] else ''}{'-dres' if k[5] else ''}"
-            f"{'-zc' if k[7] else ''}-t{k[8]}")
+            f"{'-zc' if k[7] else ''}-t{k[8]}{''.join('-' + o for o in k[9])}")
 
 
 @pytest.fixture(scope="module", params=_CONFIGS, ids=_id)
@@ -179,63 +348,81 @@ def compiled(request, tmp_path_factory):
     d = tmp_path_factory.mktemp("lncute")
     old = os.environ.get("CUTE_DSL_ARCH")
     os.environ["CUTE_DSL_ARCH"] = "sm_90a"
+    carveouts, real_carveout = [], cb.carveout
+    cb.carveout = lambda k: carveouts.append(k) or real_carveout(k)
     try:
         cb.compile_kernel(key, dump_dir=str(d))
     finally:
+        cb.carveout = real_carveout
         if old is None:
             os.environ.pop("CUTE_DSL_ARCH")
         else:
             os.environ["CUTE_DSL_ARCH"] = old
+    assert carveouts == [key]  # the launch's carveout comes from the key (the carve variant)
     ptx = [p for p in d.iterdir() if p.suffix == ".ptx"]
     assert len(ptx) == 1
     return key, ptx[0]
 
 
 def test_ptx_vector_loads_and_shared_accumulators(compiled):
-    (_, _, N, rms, bias, dres, _, _, mt), path = compiled
+    (_, wdt, N, rms, bias, dres, _, _, mt, opts), path = compiled
     ptx = path.read_text()
     K = cb.vectors(N, mt)
+    rows = 2 if "pp" in opts else 1  # rows a loop iteration
+    w16 = "w16" in opts
     assert f".reqntid {cb.threads(N, mt)}, 1, 1" in ptx
     body = ptx[ptx.index("bar.sync"):]  # the row loop from the row-sum barrier on
-    # x, dy (and dresidual_out) of the next row as 16-byte loads before the barrier; dx (and dresidual_in)
-    # as 16-byte stores after it
-    assert len(re.findall(r"ld\.global\.v4\.b32", ptx)) >= (2 + dres) * K
-    assert len(re.findall(r"st\.global\.v4\.b32", body)) >= (1 + dres) * K
-    # dweight (and dbias) read-modify-write in shared memory, 2 float4 per vector each, plus the weight
+    # x, dy (and dresidual_out) of the next row as 16-byte loads before the barrier (vld: volatile, which
+    # ptxas keeps in place); dx (and dresidual_in) as 16-byte stores after it
+    ldg = r"ld\.volatile\.global\.v4\.b32" if "vld" in opts else r"ld\.global\.v4\.b32"
+    assert len(re.findall(ldg, ptx)) >= (2 + dres) * K * rows
+    assert len(re.findall(r"st\.global\.v4\.b32", body)) >= (1 + dres) * K * rows
+    # dweight (and dbias) read-modify-write in shared memory, 2 float4 per vector each, plus the weight:
+    # 2 float4 a vector, or (w16) one 16-byte load of 16-bit values
     n_acc = 1 + bias
-    assert len(re.findall(r"ld\.volatile\.shared\.v4\.f32", body)) >= (n_acc + 1) * 2 * K
-    assert len(re.findall(r"st\.volatile\.shared\.v4\.f32", body)) >= n_acc * 2 * K
+    lds_f32 = len(re.findall(r"ld\.volatile\.shared\.v4\.f32", body))
+    lds_b32 = len(re.findall(r"ld\.volatile\.shared\.v4\.b32", body))
+    if w16:
+        assert lds_f32 >= n_acc * 2 * K * rows and lds_b32 >= K * rows
+    else:
+        assert lds_f32 >= (n_acc + 1) * 2 * K * rows and lds_b32 == 0
+    assert len(re.findall(r"st\.volatile\.shared\.v4\.f32", body)) >= n_acc * 2 * K * rows
     assert not re.search(r"\b(atom|red)\.", ptx)  # each thread owns its columns: no atomics
     assert ".local" not in ptx
-    assert ptx.count("bar.sync") == 1  # one barrier per row
+    assert ptx.count("bar.sync") == rows  # one barrier per row
+
+
+def test_ptx_vld_prefetches_mean_and_rstd(compiled):
+    """vld loads mean and rstd (volatile) one row ahead; no other configuration has volatile global loads
+    of single words. (w16, pp: test_ptx_vector_loads_and_shared_accumulators; p1, p2, vld's placement:
+    test_sass_variants; carve: test_carveout_and_w16_smem.)"""
+    (_, wdt, N, rms, bias, dres, _, zc, mt, opts), path = compiled
+    ptx = path.read_text()
+    assert (ptx.count("ld.volatile.global.f32") >= (1 if rms else 2)) == ("vld" in opts)
 
 
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas not on PATH")
 def test_ptxas_registers_and_spills(compiled):
-    (_, _, N, rms, bias, dres, _, _, mt), path = compiled
+    (_, _, N, rms, bias, dres, _, _, mt, opts), path = compiled
     out = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(path), "-o", os.devnull], capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     regs = int(re.search(r"Used (\d+) registers", out.stderr).group(1))
     spill = int(re.search(r"(\d+) bytes spill stores", out.stderr).group(1))
     T = cb.threads(N, mt)
-    assert regs * T * cb.ctas_per_sm(N, bias, mt) <= 65536, regs
+    assert regs * T * cb.ctas_per_sm(N, bias, mt, "w16" in opts) <= 65536, regs
     # 128 registers at 512 threads: ptxas parks a few loop-invariant words in local memory at 16384
-    # (1024 threads, the tuning knob, has 64 registers and spills more: only the SASS bound below)
+    # (1024 threads has 64 registers and spills more: only the SASS bound below)
     if mt <= 512:
         assert spill <= 32, (spill, out.stderr)
 
 
-def test_sass_row_loop_local_memory(compiled):
-    """Whatever ptxas spills stays out of the row loop but for a few words: at most 8 local loads/stores
-    per iteration (L1 hits; 5 at 16384), against ~40 shared and ~10 global vector accesses per thread
-    and row."""
+def _sass_row_loop(path):
     from flash_attn.testing import cuobjdump_path
 
     tool = cuobjdump_path()
     if tool is None:
         pytest.skip("cuobjdump not available")
-    (_, _, N, rms, bias, dres, _, _, mt), path = compiled
     cubin = [p for p in path.parent.iterdir() if p.suffix == ".cubin"]
     assert len(cubin) == 1
     sass = subprocess.run([tool, "-sass", str(cubin[0])], capture_output=True, text=True, timeout=300).stdout
@@ -251,26 +438,57 @@ def test_sass_row_loop_local_memory(compiled):
             loops.append((int(m.group(1), 16), addr))
     assert loops, "no row loop found"
     lo, hi = max(loops, key=lambda r: r[1] - r[0])
-    body = [t for a, t in ins if lo <= a <= hi]
-    assert sum("BAR.SYNC" in t for t in body) == 1
-    # 1024 threads (64 registers; the knob, not the default): 22 measured, spilled row values
-    bound = 8 if mt <= 512 else 32
+    return [t for a, t in ins if lo <= a <= hi]
+
+
+def test_sass_row_loop_local_memory(compiled):
+    """Whatever ptxas spills stays out of the row loop but for a few words: at most 8 local loads/stores
+    per row (L1 hits; 5 at 16384), against ~40 shared and ~10 global vector accesses per thread and row."""
+    (_, _, N, rms, bias, dres, _, _, mt, opts), path = compiled
+    body = _sass_row_loop(path)
+    rows = 2 if "pp" in opts else 1
+    assert sum("BAR.SYNC" in t for t in body) == rows
+    # 1024 threads (64 registers): 22 measured at LayerNorm 16384 with dresidual, spilled row values
+    bound = (8 if mt <= 512 else 32) * rows
     assert sum(bool(re.search(r"\b(LDL|STL)\b", t)) for t in body) <= bound, [t for t in body if "LDL" in t or "STL" in t]
-    assert sum("LDS.128" in t for t in body) >= 2 * cb.vectors(N, mt) * (2 + bias)
+    w_lds = 1 if "w16" in opts else 2  # 16-byte weight loads a vector
+    assert sum("LDS.128" in t for t in body) >= cb.vectors(N, mt) * (2 * bias + 2 + w_lds) * rows
+
+
+def test_sass_variants(compiled):
+    """Where each variant shows in the row loop's SASS: vld's volatile global loads (LDG.E.128.STRONG.SYS)
+    come before pass 1's first shared-memory load; p1 / p2 cut LayerNorm's fp32 adds / multiplies by one an
+    element (benchmarks/ln_cute_bwd_sass.py prints the counts)."""
+    (_, _, N, rms, bias, dres, _, _, mt, opts), path = compiled
+    body = _sass_row_loop(path)
+    rows = 2 if "pp" in opts else 1
+    elems = cb.VEC * cb.vectors(N, mt) * rows  # elements a thread per loop iteration
+    if "vld" in opts:
+        first_lds = next(i for i, t in enumerate(body) if "LDS.128" in t)
+        strong = [i for i, t in enumerate(body) if "LDG.E.128.STRONG.SYS" in t]
+        assert len(strong) >= 2 * cb.vectors(N, mt) * rows and strong[0] < first_lds
+    fadd = sum(t.split()[0].startswith("FADD") for t in body)
+    fmul = sum(t.split()[0].startswith("FMUL") for t in body)
+    # LayerNorm, plain kernel (ptxas 13, sm_90a, measured): 3 FADD and 3 FMUL an element plus 20 FADD of
+    # the row-sum butterflies and 3 FMUL a row; p1 takes one FADD an element away, p2 one FMUL
+    if "p1" in opts:
+        assert fadd <= 2 * elems + 24 * rows, (fadd, elems)
+    if "p2" in opts:
+        assert fmul <= 2 * elems + 8 * rows, (fmul, elems)
 
 
 # ------------------------------------------------------------------------------------------ GPU
-def _gpu_case(M, N, is_rms_norm, residual, seed=0, wdtype=torch.float32):
+def _gpu_case(M, N, is_rms_norm, residual, seed=0, wdtype=torch.float32, x_mean=0.0):
     g = torch.Generator().manual_seed(seed)
     mk = lambda *s, dt=torch.bfloat16: torch.randn(*s, generator=g).to("cuda", dt)  # noqa: E731
-    x = mk(M, N)
+    x = (x_mean + torch.randn(M, N, generator=g)).to("cuda", torch.bfloat16)
     w = (1 + 0.5 * torch.randn(N, generator=g)).to("cuda", wdtype)
     b = None if is_rms_norm else mk(N, dt=wdtype)
     res = mk(M, N) if residual else None
     return x, w, b, res
 
 
-def _grads(x, w, b, res, is_rms_norm, dy, dres, cast=None):
+def _grads(x, w, b, res, is_rms_norm, dy, dres, cast=None, zc=False):
     xs = [t.detach().to(cast) if cast is not None and t is not None else
           (t.detach() if t is not None else None) for t in (x, w, b, res)]
     for t in xs:
@@ -278,14 +496,49 @@ def _grads(x, w, b, res, is_rms_norm, dy, dres, cast=None):
             t.requires_grad_()
     fn = ln.rms_norm_fn if is_rms_norm else ln.layer_norm_fn
     if cast is None:
-        out = fn(xs[0], xs[1], xs[2], residual=xs[3], prenorm=res is not None)
+        out = fn(xs[0], xs[1], xs[2], residual=xs[3], prenorm=res is not None, zero_centered_weight=zc)
     else:
         ref = ln.rms_norm_ref if is_rms_norm else ln.layer_norm_ref
-        out = ref(xs[0], xs[1], xs[2], residual=xs[3], prenorm=res is not None, upcast=False)
+        out = ref(xs[0], xs[1], xs[2], residual=xs[3], prenorm=res is not None, upcast=False,
+                  zero_centered_weight=zc)
     outs = list(out) if isinstance(out, tuple) else [out]
     gos = [dy] + ([dres] if res is not None else [])
     ins = [t for t in xs if t is not None]
     return torch.autograd.grad(outs, ins, [g.to(o.dtype) for g, o in zip(gos, outs)])
+
+
+def _check_gpu(monkeypatch, M, N, is_rms_norm, residual, wdtype=torch.float32, zc=False, on="1", x_mean=0.0):
+    """dx, dweight, dbias, dresidual of the CuTeDSL path (FLASH_ATTN_LN_CUTE_BWD=on; None: unset, the
+    default) against fp64, within 2x the Triton backward's own error (switch off) plus one bf16 rounding
+    of the result; the CuTeDSL kernel must actually have been used, and two runs agree bitwise. Returns
+    the compile key that served."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("sm_90 only")
+    x, w, b, res = _gpu_case(M, N, is_rms_norm, residual, seed=M + N, wdtype=wdtype, x_mean=x_mean)
+    g = torch.Generator().manual_seed(1)
+    dy = torch.randn(M, N, generator=g).to("cuda", torch.bfloat16)
+    dres = torch.randn(M, N, generator=g).to("cuda", torch.bfloat16) if residual else None
+    monkeypatch.setenv("FLASH_ATTN_LN_CUTE_BWD", "0")
+    tri = _grads(x, w, b, res, is_rms_norm, dy, dres, zc=zc)
+    if on is None:
+        monkeypatch.delenv("FLASH_ATTN_LN_CUTE_BWD")
+    else:
+        monkeypatch.setenv("FLASH_ATTN_LN_CUTE_BWD", on)
+    calls, launch = [], cb.launch
+    monkeypatch.setattr(cb, "launch", lambda *a: (calls.append(a[0]), launch(*a))[1])
+    cute1 = _grads(x, w, b, res, is_rms_norm, dy, dres, zc=zc)
+    cute2 = _grads(x, w, b, res, is_rms_norm, dy, dres, zc=zc)
+    assert len(calls) == 2  # the CuTeDSL kernel served both backward calls
+    ref = _grads(x, w, b, res, is_rms_norm, dy.double(), dres.double() if dres is not None else None,
+                 cast=torch.float64, zc=zc)
+    for i, (c1, c2, t, r) in enumerate(zip(cute1, cute2, tri, ref)):
+        assert torch.equal(c1, c2), f"grad {i} not reproducible"
+        assert c1.dtype == t.dtype and c1.shape == t.shape
+        err_c = (c1.double() - r).abs().max().item()
+        err_t = (t.double() - r).abs().max().item()
+        rounding = r.abs().max().item() * (2.0 ** -8 if c1.dtype == torch.bfloat16 else 2.0 ** -23)
+        assert err_c <= 2 * err_t + rounding, (i, err_c, err_t, rounding)
+    return calls[0]
 
 
 @pytest.mark.gpu
@@ -294,32 +547,51 @@ def _grads(x, w, b, res, is_rms_norm, dy, dres, cast=None):
 @pytest.mark.parametrize("N", [4096, 12288, 16384])
 @pytest.mark.parametrize("M", [1, 3, 1000, 16384])
 def test_gpu_matches_reference(monkeypatch, M, N, is_rms_norm, residual):
-    """dx, dweight, dbias, dresidual of the CuTeDSL path (switch on) against fp64, within 2x the Triton
-    backward's own error (switch off) plus one bf16 rounding of the result; the CuTeDSL kernel must
-    actually have been used; and two runs agree bitwise."""
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("sm_90 only")
-    x, w, b, res = _gpu_case(M, N, is_rms_norm, residual, seed=M + N)
-    g = torch.Generator().manual_seed(1)
-    dy = torch.randn(M, N, generator=g).to("cuda", torch.bfloat16)
-    dres = torch.randn(M, N, generator=g).to("cuda", torch.bfloat16) if residual else None
-    monkeypatch.setenv("FLASH_ATTN_LN_CUTE_BWD", "0")
-    tri = _grads(x, w, b, res, is_rms_norm, dy, dres)
-    monkeypatch.setenv("FLASH_ATTN_LN_CUTE_BWD", "1")
-    calls, launch = [], cb.launch
-    monkeypatch.setattr(cb, "launch", lambda *a: (calls.append(a[0]), launch(*a))[1])
-    cute1 = _grads(x, w, b, res, is_rms_norm, dy, dres)
-    cute2 = _grads(x, w, b, res, is_rms_norm, dy, dres)
-    assert len(calls) == 2  # the CuTeDSL kernel served both backward calls
-    ref = _grads(x, w, b, res, is_rms_norm, dy.double(), dres.double() if dres is not None else None,
-                 cast=torch.float64)
-    for i, (c1, c2, t, r) in enumerate(zip(cute1, cute2, tri, ref)):
-        assert torch.equal(c1, c2), f"grad {i} not reproducible"
-        assert c1.dtype == t.dtype and c1.shape == t.shape
-        err_c = (c1.double() - r).abs().max().item()
-        err_t = (t.double() - r).abs().max().item()
-        rounding = r.abs().max().item() * (2.0 ** -8 if c1.dtype == torch.bfloat16 else 2.0 ** -23)
-        assert err_c <= 2 * err_t + rounding, (i, err_c, err_t, rounding)
+    """The default kernels (threads from THREADS_TABLE, no variant) against fp64 (see _check_gpu)."""
+    monkeypatch.delenv("FLASH_ATTN_LN_CUTE_BWD_THREADS", raising=False)
+    monkeypatch.delenv("FLASH_ATTN_LN_CUTE_BWD_OPTS", raising=False)
+    key = _check_gpu(monkeypatch, M, N, is_rms_norm, residual)
+    assert key[8] == cb.THREADS_TABLE.get((is_rms_norm, N), cb.MAX_THREADS) and key[9] == ()
+
+
+@pytest.mark.gpu
+def test_gpu_on_by_default(monkeypatch):
+    """With FLASH_ATTN_LN_CUTE_BWD unset the CuTeDSL kernel serves LayerNorm 16384 (1024 threads)."""
+    monkeypatch.delenv("FLASH_ATTN_LN_CUTE_BWD_THREADS", raising=False)
+    monkeypatch.delenv("FLASH_ATTN_LN_CUTE_BWD_OPTS", raising=False)
+    key = _check_gpu(monkeypatch, 300, 16384, False, False, on=None)
+    assert key[8] == 1024
+
+
+# (N, is_rms_norm, residual, zero-centred, threads): the shapes the variants are measured at, with the
+# dresidual and zero-centred paths; bf16 weights so that w16 applies.
+_VARIANT_CASES = [(12288, False, True, False, "512"), (16384, False, False, False, "1024"),
+                  (16384, False, True, True, "512"), (16384, True, False, True, "512")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("opts", ["w16", "carve", "p1", "p2", "vld", "pp", "w16,carve,p1,p2,vld,pp"])
+@pytest.mark.parametrize("case", _VARIANT_CASES, ids=lambda c: f"{c[0]}-{'rms' if c[1] else 'ln'}"
+                         f"{'-dres' if c[2] else ''}{'-zc' if c[3] else ''}-t{c[4]}")
+@pytest.mark.parametrize("M", [3, 1001])  # 3: one row a CTA; 1001: 8 rows a CTA and a 1-row tail (pp's odd row)
+def test_gpu_variants(monkeypatch, opts, case, M):
+    """Every FLASH_ATTN_LN_CUTE_BWD_OPTS variant, alone and all together, against fp64 (see _check_gpu)."""
+    N, is_rms_norm, residual, zc, threads = case
+    monkeypatch.setenv("FLASH_ATTN_LN_CUTE_BWD_THREADS", threads)
+    monkeypatch.setenv("FLASH_ATTN_LN_CUTE_BWD_OPTS", opts)
+    key = _check_gpu(monkeypatch, M, N, is_rms_norm, residual, wdtype=torch.bfloat16, zc=zc)
+    assert key[9] == cb.options(torch.bfloat16, is_rms_norm, env=opts) and key[8] == int(threads)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("opts", ["", "p1"])
+def test_gpu_large_mean(monkeypatch, opts):
+    """x = 30 + N(0, 1): p1's sum(x * g) - mean * sum(g) cancels ~30x more than sum((x - mean) * g), in
+    fp32, against dx's bf16 rounding (the Triton backward subtracts the mean first)."""
+    monkeypatch.setenv("FLASH_ATTN_LN_CUTE_BWD_OPTS", opts)
+    monkeypatch.delenv("FLASH_ATTN_LN_CUTE_BWD_THREADS", raising=False)
+    key = _check_gpu(monkeypatch, 1001, 16384, False, False, wdtype=torch.bfloat16, x_mean=30.0)
+    assert key[9] == ((opts,) if opts else ())
 
 
 @pytest.mark.gpu
@@ -335,4 +607,4 @@ def test_gpu_served_and_partials_rows(monkeypatch):
         dy = torch.randn(M, 16384, device="cuda", dtype=torch.bfloat16)
         _grads(x, w, b, res, False, dy, None)
     assert len(calls) == 2 and calls[0] == calls[1]
-    assert calls[0] in cb._kernels
+    assert calls[0] in cb._kernels and cb._origins[calls[0]] in ("so", "o", "compiled")

@@ -897,11 +897,14 @@ def _layer_norm_bwd(dy, x, weight, bias, mean, rstd, dresidual_out=None, dy1=Non
 
 def _ln_bwd_cute(x, weight, weight1, dy, dy1, dresidual_out, rowscale, rng_state, mean, rstd, dx, dx1,
                  dresidual_in, dw, db, dw1, db1, dropout_p, is_rms_norm, zero_centered_weight) -> bool:
-    """The CuTeDSL backward for wide rows (ops/cute_layer_norm_bwd.py) when FLASH_ATTN_LN_CUTE_BWD=1 and
-    it serves the call; False (nothing done) otherwise, and the Triton path runs."""
-    if os.environ.get("FLASH_ATTN_LN_CUTE_BWD", "0") != "1":  # cute_layer_norm_bwd.enabled(), without the import
+    """The CuTeDSL backward for wide rows (ops/cute_layer_norm_bwd.py) when it serves the call (the default;
+    FLASH_ATTN_LN_CUTE_BWD=0 turns it off); False (nothing done) otherwise, and the Triton path runs."""
+    if x.shape[1] < 4096 or not x.is_cuda:  # cute_layer_norm_bwd.MIN_N: narrower rows never import it
         return False
     from .. import cute_layer_norm_bwd as cute_bwd
+
+    if not cute_bwd.enabled():
+        return False
 
     key = cute_bwd.plan(x, weight, weight1, dy, dy1, dresidual_out, rowscale, dropout_p, mean, rstd, dx, dx1,
                         dresidual_in, db, is_rms_norm, zero_centered_weight)
@@ -913,7 +916,7 @@ def _ln_bwd_cute(x, weight, weight1, dy, dy1, dresidual_out, rowscale, rng_state
             if t is not None:
                 t.zero_()
         return True
-    P = cute_bwd.programs(M, N, db is not None, num_sms(x.device), key[-1])
+    P = cute_bwd.grid(key, M, num_sms(x.device))
     parts = iter(torch.empty((1 + (db is not None), P, N), device=x.device, dtype=torch.float32).unbind(0))
     dw_part = next(parts)
     db_part = next(parts) if db is not None else None
