@@ -266,28 +266,35 @@ def _ptxas_log(ptx):
 
 
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas not on PATH")
-def test_block_m_128_kernel_is_spill_free(tmp_path, monkeypatch):
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_block_m_128_kernel_is_spill_free(tmp_path, monkeypatch, overlap):
     """The BLOCK_M = 128 kernel (d64, causal, TMA dQ: the configuration FLASH_ATTN_CUTE_BWD_BLOCK_M=128
     gives) fits its 240 registers: ptxas spills nothing and keeps the WGMMAs pipelined. Its first build
     (the BLOCK_M = 64 code on 128 rows) spilled 160 bytes and serialised them; then the fp32 S^T live
     until dS^T, the swizzled smem-store addresses hoisted out of the loop, or dS^T stored 4 bytes at a
     time each broke the budget. Also the PTX of the design: m64n128k16 S^T and dP^T, m64n64k16 dV, dK
-    and the row-split dQ (no m64n32k16), dS^T by stmatrix, P^T packed and unpacked in 32-bit words."""
+    and the row-split dQ (no m64n32k16), dS^T by stmatrix, P^T packed and unpacked in 32-bit words.
+    With FLASH_ATTN_CUTE_BWD_OVERLAP=1 (the next block's S^T issued behind dK and dQ, once dV is
+    done: wait_group 2) the same holds; with dP^T ahead too it spilled 260 bytes and serialised."""
     for k in ("FLASH_ATTN_CUTE_BWD_STAGES", "FLASH_ATTN_CUTE_BWD_DQ_SPLIT", "FLASH_ATTN_CUTE_BWD_DQ_TMA",
               "FLASH_ATTN_CUTE_BWD_OVERLAP"):
         monkeypatch.delenv(k, raising=False)
     cfg = interface._bwd_config(torch.bfloat16, 64, True, "sm_90a")
     assert cfg["block_m"] == 64  # the default is left as it is
-    text, ptx = _compile_ptx(tmp_path, monkeypatch, 64, True, FLASH_ATTN_CUTE_BWD_BLOCK_M="128")
+    text, ptx = _compile_ptx(tmp_path, monkeypatch, 64, True, FLASH_ATTN_CUTE_BWD_BLOCK_M="128",
+                             FLASH_ATTN_CUTE_BWD_OVERLAP="1" if overlap else "0")
     cfg = interface._bwd_config(torch.bfloat16, 64, True, "sm_90a")
     assert (cfg["block_m"], cfg["stages"], cfg["dq_split"], cfg["dq_tma"]) == (128, 2, True, True)
+    assert cfg.get("overlap", False) == overlap
+    assert (_count(text, "wgmma.wait_group.sync.aligned \t2;") > 0) == overlap
     log = _ptxas_log(ptx)
     assert "are serialized" not in log and "setmaxnreg' ignored" not in log, log
     spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)]
     print(f"\nptxas BLOCK_M=128: {spills} bytes of spill stores, loads")
     assert spills and all(x == 0 for x in spills), log
     wgmma = "wgmma.mma_async.sync.aligned.m64n{}k16.f32.bf16.bf16"
-    assert _count(text, wgmma.format(128)) == 2 * 64 // 16  # S^T, dP^T: K = D
+    # S^T, dP^T: K = D (overlap: S^T issued in the prologue and behind each block's dQ)
+    assert _count(text, wgmma.format(128)) == (3 if overlap else 2) * 64 // 16
     assert _count(text, wgmma.format(64)) == 3 * 128 // 16  # dV, dK: K = 128 queries; dQ: K = 128 keys
     assert _count(text, wgmma.format(32)) == 0
     assert _count(text, "stmatrix.sync.aligned.m8n8.x4.shared.b16") == 128 * 128 // (256 * 8)
@@ -299,8 +306,8 @@ def test_block_m_128_kernel_is_spill_free(tmp_path, monkeypatch):
 
 
 def test_block_m_128_refusals_and_shared_memory():
-    """BLOCK_M = 128 is for head dim 64 (at 128 the accumulators alone exceed the registers) and not with
-    the overlapped loop; its 2-stage TMA-dQ configuration fills shared memory exactly."""
+    """BLOCK_M = 128 is for head dim 64 (at 128 the accumulators alone exceed the registers); its 2-stage
+    TMA-dQ configuration fills shared memory exactly."""
     import cutlass
 
     from flash_attn.cute.flash_bwd_sm90 import FlashBwdSm90
@@ -311,8 +318,6 @@ def test_block_m_128_refusals_and_shared_memory():
     assert not FlashBwdSm90(cutlass.BFloat16, 64, True, dq_tma=True).wide
     with pytest.raises(ValueError, match="head dim 64"):
         FlashBwdSm90(cutlass.BFloat16, 128, True, block_m=128, num_stages=1)
-    with pytest.raises(ValueError, match="overlap with block_m 128"):
-        FlashBwdSm90(cutlass.BFloat16, 64, True, block_m=128, overlap=True)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -992,11 +997,15 @@ def test_gradients_with_block_m_128_on_gpu(cute_bwd_on, monkeypatch, dtype, caus
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("env", [{"FLASH_ATTN_CUTE_BWD_DQ_TMA": "0"}, {"FLASH_ATTN_CUTE_BWD_DQ_SPLIT": "0"},
-                                 {"FLASH_ATTN_CUTE_BWD_STAGES": "1"}], ids=["atomic_dq", "dq_per_wg", "stages1"])
-@pytest.mark.parametrize("seqlen_q,seqlen_k", [(17, 17), (1000, 1000), (113, 203), (256, 77)])
+                                 {"FLASH_ATTN_CUTE_BWD_STAGES": "1"}, {"FLASH_ATTN_CUTE_BWD_OVERLAP": "1"},
+                                 {"FLASH_ATTN_CUTE_BWD_OVERLAP": "1", "FLASH_ATTN_CUTE_BWD_DQ_TMA": "0"}],
+                         ids=["atomic_dq", "dq_per_wg", "stages1", "overlap", "overlap_atomic_dq"])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (17, 17), (1000, 1000), (2048, 2048), (113, 203), (256, 77),
+                                               (1, 130)])
 def test_gradients_with_block_m_128_variants_on_gpu(cute_bwd_on, monkeypatch, causal, env, seqlen_q, seqlen_k):
     # BLOCK_M = 128 with the row-split dQ added by red.global atomics, with the per-warpgroup dQ (M = 128
-    # queries over the warpgroup's 64 keys) and with a 1-stage Q/dO ring
+    # queries over the warpgroup's 64 keys), with a 1-stage Q/dO ring, and the overlapped loop (next
+    # block's S^T issued behind dK and dQ) with either dQ
     monkeypatch.setenv("FLASH_ATTN_CUTE_BWD_BLOCK_M", "128")
     for k, v in env.items():
         monkeypatch.setenv(k, v)

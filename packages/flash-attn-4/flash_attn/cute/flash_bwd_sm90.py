@@ -22,7 +22,7 @@ Per query block, for each of the two consumer warpgroups (64 keys each):
                                    TMA reduce-add of it, issued by one warp after the next block's dS
                                    barrier; else red.global.add.v2.f32 (FLASH_ATTN_CUTE_BWD_DQ_TMA=0)
 With overlap (FLASH_ATTN_CUTE_BWD_OVERLAP=1) the loop is software-pipelined: S^T and dP^T of the next
-query block (D = 128: S^T only, for registers) are issued right behind dK and dQ, and this block's dQ
+query block (D = 128 and BLOCK_M = 128: S^T only, for registers) are issued right behind dK and dQ, and this block's dQ
 goes out (atomics or smem tile) while the tensor cores compute them.
 BLOCK_M = 128 (FLASH_ATTN_CUTE_BWD_BLOCK_M=128, head dim 64 only): the same steps on 128 query rows
 (S^T, dP^T are m64n128k16, dV, dK have K = 128), with three changes that keep a consumer thread within
@@ -145,10 +145,6 @@ class FlashBwdSm90:
         if block_m == 128 and head_dim != 64:
             raise ValueError(f"block_m 128 needs head dim 64 (got {head_dim}): at D = 128 the dK and dV "
                              "accumulators (128 registers) next to S^T and dP^T (64 each) exceed 240 registers")
-        if block_m == 128 and self.overlap:
-            raise ValueError("overlap with block_m 128: the next block's S^T and dP^T (128 registers) next to "
-                             "dK, dV, dQ and P^T do not fit in 240 registers (ptxas spills ~260 bytes and "
-                             "serialises the WGMMAs)")
         # BLOCK_M = 128 (the two 64-row halves of a 128-query tile in one step): the shared dQ tile is
         # split between the warpgroups by query rows (m64nDk16 over all 128 keys, each its 64 rows)
         # instead of by D (m64n{D/2}k16, half the WGMMA N), and dS^T is computed from the 16-bit P^T the
@@ -527,9 +523,10 @@ class FlashBwdSm90:
             # query block, and the last block issues the next stage's: unwaited (the producer loads
             # nothing more, so the stage is not being written), their results never read, waited for
             # after the loop.
-            # At D = 128 only S^T goes ahead (dP^T is issued at the top of its own block): dK, dV, dQ, S^T
-            # and dP^T in flight at once need more than the 240 registers (ptxas spills and serialises).
-            ahead_dp = self.head_dim != 128
+            # At D = 128 and at BLOCK_M = 128 only S^T goes ahead (dP^T is issued at the top of its own
+            # block): dK, dV, dQ, S^T and dP^T in flight at once need more than the 240 registers (ptxas
+            # spills and serialises; BLOCK_M = 128: 260 bytes).
+            ahead_dp = self.head_dim != 128 and not self.wide
             self._issue_sdp(q_pipe, do_pipe, q_state, do_state, tiled_mma_sdp, acc_S, acc_dP, tSrK, tSrQ,
                             tdPrV, tdPrdO, skip_wait=m_block_min >= m_block_max, dp=ahead_dp)
             for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
@@ -548,6 +545,10 @@ class FlashBwdSm90:
                                buf, m_block, m_block_min, wg, q_state.index, do_state.index, rP=rP,
                                ds_copy=ds_copy)
                 # acc_S and acc_dP are dead: dS^T of this block is in shared memory.
+                if cutlass.const_expr(self.wide):
+                    # dV done (dK, dQ may run): the 16-bit P^T is dead before the next S^T takes its 64
+                    # registers (else ptxas serialises the WGMMAs, C7512).
+                    warpgroup.wait_group(2)
                 q_next = q_state.clone()
                 q_next.advance()
                 do_next = do_state.clone()
@@ -561,7 +562,8 @@ class FlashBwdSm90:
                 do_pipe.consumer_release(do_state)
                 q_state.advance()
                 do_state.advance()
-                self._dq_out(mdQaccum, acc_dQ, tdQcdQ, tdQsdQ, softmax_scale, buf, m_block, head, batch, seqlen_q)
+                self._dq_out(mdQaccum, acc_dQ, tdQcdQ, tdQsdQ, softmax_scale, buf, m_block, head, batch, seqlen_q,
+                             dq_repartition=(tiled_mma_dq, sdQ, ctid) if cutlass.const_expr(self.wide) else None)
                 buf = 1 - buf
             warpgroup.wait_group(0)  # the unread S^T and dP^T issued last
 
@@ -603,11 +605,11 @@ class FlashBwdSm90:
         """Wait for S^T (dP^T may still run), P^T = exp2(S^T scale log2(e) - lse2) in place and in the
         input dtype in rP, and issue dV += P^T dO (one commit group)."""
         if cutlass.const_expr(self.overlap):
-            if cutlass.const_expr(self.head_dim != 128):
+            if cutlass.const_expr(self.head_dim != 128 and not self.wide):
                 # S^T and dP^T both: they were issued a whole dQ epilogue ago. With wait_group(1) here
                 # ptxas cannot tell S^T retired on the loop's back edge and serialises every WGMMA (C7514).
                 warpgroup.wait_group(0)
-            # (D = 128: S^T was waited for before dP^T was issued.)
+            # (D = 128, BLOCK_M = 128: S^T was waited for before dP^T was issued.)
         else:
             warpgroup.wait_group(1)  # S^T is ready; dP^T may still run
         if key_tail or m_block < m_block_mask_end:
