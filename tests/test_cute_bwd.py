@@ -266,8 +266,8 @@ def _ptxas_log(ptx):
 
 
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas not on PATH")
-@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
-def test_block_m_128_kernel_is_spill_free(tmp_path, monkeypatch, overlap):
+@pytest.mark.parametrize("overlap,emu", [(False, 0), (True, 0), (False, 6)], ids=["plain", "overlap", "exp2_emu"])
+def test_block_m_128_kernel_is_spill_free(tmp_path, monkeypatch, overlap, emu):
     """The BLOCK_M = 128 kernel (d64, causal, TMA dQ: the configuration FLASH_ATTN_CUTE_BWD_BLOCK_M=128
     gives) fits its 240 registers: ptxas spills nothing and keeps the WGMMAs pipelined. Its first build
     (the BLOCK_M = 64 code on 128 rows) spilled 160 bytes and serialised them; then the fp32 S^T live
@@ -275,17 +275,20 @@ def test_block_m_128_kernel_is_spill_free(tmp_path, monkeypatch, overlap):
     time each broke the budget. Also the PTX of the design: m64n128k16 S^T and dP^T, m64n64k16 dV, dK
     and the row-split dQ (no m64n32k16), dS^T by stmatrix, P^T packed and unpacked in 32-bit words.
     With FLASH_ATTN_CUTE_BWD_OVERLAP=1 (the next block's S^T issued behind dK and dQ, once dV is
-    done: wait_group 2) the same holds; with dP^T ahead too it spilled 260 bytes and serialised."""
+    done: wait_group 2) the same holds; with dP^T ahead too it spilled 260 bytes and serialised. And
+    with FLASH_ATTN_CUTE_BWD_EXP2_EMU=6: 6 of every 16 exponentials by the FMA-pipe polynomial."""
     for k in ("FLASH_ATTN_CUTE_BWD_STAGES", "FLASH_ATTN_CUTE_BWD_DQ_SPLIT", "FLASH_ATTN_CUTE_BWD_DQ_TMA",
-              "FLASH_ATTN_CUTE_BWD_OVERLAP"):
+              "FLASH_ATTN_CUTE_BWD_OVERLAP", "FLASH_ATTN_CUTE_BWD_EXP2_EMU", "FLASH_ATTN_CUTE_BWD_EXP2_EMU_DEGREE"):
         monkeypatch.delenv(k, raising=False)
     cfg = interface._bwd_config(torch.bfloat16, 64, True, "sm_90a")
-    assert cfg["block_m"] == 64  # the default is left as it is
+    assert cfg["block_m"] == 64 and "exp2_emu" not in cfg  # the defaults are left as they are
     text, ptx = _compile_ptx(tmp_path, monkeypatch, 64, True, FLASH_ATTN_CUTE_BWD_BLOCK_M="128",
-                             FLASH_ATTN_CUTE_BWD_OVERLAP="1" if overlap else "0")
+                             FLASH_ATTN_CUTE_BWD_OVERLAP="1" if overlap else "0",
+                             FLASH_ATTN_CUTE_BWD_EXP2_EMU=str(emu))
     cfg = interface._bwd_config(torch.bfloat16, 64, True, "sm_90a")
     assert (cfg["block_m"], cfg["stages"], cfg["dq_split"], cfg["dq_tma"]) == (128, 2, True, True)
-    assert cfg.get("overlap", False) == overlap
+    assert cfg.get("overlap", False) == overlap and cfg.get("exp2_emu", 0) == emu
+    assert _count(text, "ex2.approx") == 64 - 64 * emu // 16  # P^T: 64 exponentials a thread
     assert (_count(text, "wgmma.wait_group.sync.aligned \t2;") > 0) == overlap
     log = _ptxas_log(ptx)
     assert "are serialized" not in log and "setmaxnreg' ignored" not in log, log
@@ -303,6 +306,30 @@ def test_block_m_128_kernel_is_spill_free(tmp_path, monkeypatch, overlap):
     assert _count(text, "cvt.rn.bf16x2.f32") == 2 * 64 // 2
     assert "cvt.f32.bf16" not in text
     assert _count(text, "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group") == 2 * (64 // 32)
+
+
+def test_bwd_exp2_emu_config_key_and_refusals(monkeypatch):
+    """FLASH_ATTN_CUTE_BWD_EXP2_EMU is in the cache key only when on (the degree only when not 3); the
+    kernel refuses counts outside 0..16 and degrees without coefficients."""
+    import cutlass
+
+    from flash_attn.cute.flash_bwd_sm90 import FlashBwdSm90
+
+    monkeypatch.delenv("FLASH_ATTN_CUTE_BWD_EXP2_EMU", raising=False)
+    monkeypatch.delenv("FLASH_ATTN_CUTE_BWD_EXP2_EMU_DEGREE", raising=False)
+    base = interface._bwd_config(torch.bfloat16, 64, True, "sm_90a")
+    assert "exp2_emu" not in base and interface._BWD_EXP2_EMU == {64: 0, 128: 0}
+    monkeypatch.setenv("FLASH_ATTN_CUTE_BWD_EXP2_EMU", "0")
+    assert interface._bwd_config(torch.bfloat16, 64, True, "sm_90a") == base
+    monkeypatch.setenv("FLASH_ATTN_CUTE_BWD_EXP2_EMU", "6")
+    assert interface._bwd_config(torch.bfloat16, 64, True, "sm_90a") == {**base, "exp2_emu": 6}
+    monkeypatch.setenv("FLASH_ATTN_CUTE_BWD_EXP2_EMU_DEGREE", "4")
+    assert interface._bwd_config(torch.bfloat16, 64, True, "sm_90a") == {**base, "exp2_emu": 6,
+                                                                          "exp2_emu_degree": 4}
+    with pytest.raises(ValueError, match="exp2_emu"):
+        FlashBwdSm90(cutlass.BFloat16, 64, True, exp2_emu=17)
+    with pytest.raises(ValueError, match="degree"):
+        FlashBwdSm90(cutlass.BFloat16, 64, True, exp2_emu=4, exp2_emu_degree=5)
 
 
 def test_block_m_128_refusals_and_shared_memory():
@@ -1011,6 +1038,21 @@ def test_gradients_with_block_m_128_variants_on_gpu(cute_bwd_on, monkeypatch, ca
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(interface, "_bwd_kernels", {})
     _run(torch.bfloat16, 64, causal, 2, seqlen_q, seqlen_k, 4, 2, cute_bwd_on, seed=9)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("d,block_m", [(64, "64"), (128, "64"), (64, "128")])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("emu", ["6", "16"])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(17, 17), (1000, 1000), (113, 203), (256, 77)])
+def test_gradients_with_exp2_emu_on_gpu(cute_bwd_on, monkeypatch, d, block_m, causal, emu, seqlen_q, seqlen_k):
+    # FLASH_ATTN_CUTE_BWD_EXP2_EMU: a share of P^T's exponentials (16: all) by the FMA-pipe polynomial;
+    # masked keys and padded / keyless queries (+inf lse2) must still give P = 0 exactly
+    monkeypatch.setenv("FLASH_ATTN_CUTE_BWD_EXP2_EMU", emu)
+    monkeypatch.setenv("FLASH_ATTN_CUTE_BWD_BLOCK_M", block_m)
+    monkeypatch.setattr(interface, "_bwd_kernels", {})
+    _run(torch.bfloat16, d, causal, 2, seqlen_q, seqlen_k, 4, 2, cute_bwd_on, seed=10)
 
 
 @pytest.mark.gpu

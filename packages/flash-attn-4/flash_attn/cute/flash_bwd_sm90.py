@@ -55,6 +55,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.memory import SmemAllocator
 
 from flash_attn.cute.flash_fwd_sm90 import _smem_layout, _tma_tiles
+from flash_attn.cute.softmax_exp import EXP2_POLY, emulated_columns, exp2_poly
 
 LOG2_E = math.log2(math.e)
 
@@ -101,7 +102,7 @@ class FlashBwdSm90:
     CONSUMER_REGS = 240
 
     def __init__(self, dtype, head_dim, causal, block_m=64, block_n=128, num_stages=2, dq_split=True,
-                 dq_tma=False, overlap=False):
+                 dq_tma=False, overlap=False, exp2_emu=0, exp2_emu_degree=3):
         """block_m: query rows per step, 64 or (head dim 64 only) 128, see the module docstring.
         dq_split: the two warpgroups compute one dQ tile together, each its half of D (block_m 128: its
         64 query rows) over all BLOCK_N keys (a barrier of both per query block, since each reads the
@@ -113,9 +114,18 @@ class FlashBwdSm90:
         else each thread adds its fragment with red.global.add.v2.f32.
         overlap: software-pipelined query loop: S^T and dP^T of the next query block are issued behind
         dK and dQ of this one and run while this block's dQ goes out (atomics or the smem tile); needs
-        num_stages >= 2 (stages j and j + 1 are held at once)."""
+        num_stages >= 2 (stages j and j + 1 are held at once).
+        exp2_emu: of every 16 exponentials of P^T a thread computes, this many use softmax_exp.exp2_poly
+        (degree exp2_emu_degree) on the FMA pipe instead of MUFU.EX2, whose 16 results per SM per clock
+        the two warpgroups wait on together between S^T and dV (P^T is rounded to 16 bits after it:
+        degree 3's 1e-4 relative error is below that rounding)."""
         if head_dim not in (64, 128):
             raise ValueError(f"head dim {head_dim} not in (64, 128)")
+        if not 0 <= exp2_emu <= 16 or exp2_emu_degree not in EXP2_POLY:
+            raise ValueError(f"exp2_emu {exp2_emu} not in 0..16 or degree {exp2_emu_degree} not in "
+                             f"{sorted(EXP2_POLY)}")
+        self.exp2_emu = int(exp2_emu)
+        self.exp2_emu_degree = int(exp2_emu_degree)
         if dtype not in (cutlass.Float16, cutlass.BFloat16):
             raise ValueError(f"dtype {dtype} not fp16/bf16")
         if block_n != 64 * self.NUM_MMA_WARPGROUPS:
@@ -614,9 +624,19 @@ class FlashBwdSm90:
             warpgroup.wait_group(1)  # S^T is ready; dP^T may still run
         if key_tail or m_block < m_block_mask_end:
             self._mask(acc_S, tScS, m_block, n_block, seqlen_q, seqlen_k)
-        for i in cutlass.range(cute.size(acc_S), unroll_full=True):
-            # +inf lse2 (query past Sq, or a query that sees no key) gives P = 0 exactly.
-            acc_S[i] = cute.math.exp2(acc_S[i] * scale_log2 - sLSE[tScS[i][1], q_stage], fastmath=True)
+        if cutlass.const_expr(self.exp2_emu == 0):
+            for i in cutlass.range(cute.size(acc_S), unroll_full=True):
+                # +inf lse2 (query past Sq, or a query that sees no key) gives P = 0 exactly.
+                acc_S[i] = cute.math.exp2(acc_S[i] * scale_log2 - sLSE[tScS[i][1], q_stage], fastmath=True)
+        else:
+            # exp2_emu of every 16 on the FMA pipe (exp2_poly: x <= -127, so -inf too, gives 0 exactly).
+            n = cute.size(acc_S)
+            for i, emu in zip(range(n), emulated_columns(n, self.exp2_emu)):
+                x = acc_S[i] * scale_log2 - sLSE[tScS[i][1], q_stage]
+                if cutlass.const_expr(emu):
+                    acc_S[i] = exp2_poly(x, self.exp2_emu_degree)
+                else:
+                    acc_S[i] = cute.math.exp2(x, fastmath=True)
         if cutlass.const_expr(self.wide):
             self._pack_p(acc_S, rP)
         else:
