@@ -273,7 +273,8 @@ def test_block_m_128_kernel_is_spill_free(tmp_path, monkeypatch, overlap, emu):
     (the BLOCK_M = 64 code on 128 rows) spilled 160 bytes and serialised them; then the fp32 S^T live
     until dS^T, the swizzled smem-store addresses hoisted out of the loop, or dS^T stored 4 bytes at a
     time each broke the budget. Also the PTX of the design: m64n128k16 S^T and dP^T, m64n64k16 dV, dK
-    and the row-split dQ (no m64n32k16), dS^T by stmatrix, P^T packed and unpacked in 32-bit words.
+    (both with A from registers) and the row-split dQ (no m64n32k16), dS^T by stmatrix, P^T packed and
+    unpacked in 32-bit words.
     With FLASH_ATTN_CUTE_BWD_OVERLAP=1 (the next block's S^T issued behind dK and dQ, once dV is
     done: wait_group 2) the same holds; with dP^T ahead too it spilled 260 bytes and serialised. And
     with FLASH_ATTN_CUTE_BWD_EXP2_EMU=6: 6 of every 16 exponentials by the FMA-pipe polynomial."""
@@ -300,6 +301,9 @@ def test_block_m_128_kernel_is_spill_free(tmp_path, monkeypatch, overlap, emu):
     assert _count(text, wgmma.format(128)) == (3 if overlap else 2) * 64 // 16
     assert _count(text, wgmma.format(64)) == 3 * 128 // 16  # dV, dK: K = 128 queries; dQ: K = 128 keys
     assert _count(text, wgmma.format(32)) == 0
+    # dV and dK with A from registers (P^T, dS^T: "{accumulators}, {A}, desc_B"), dQ from smem
+    rs = [l for l in text.splitlines() if l.strip().startswith(wgmma.format(64)) and l.split("}", 1)[1].startswith(", {")]
+    assert len(rs) == 2 * 128 // 16
     assert _count(text, "stmatrix.sync.aligned.m8n8.x4.shared.b16") == 128 * 128 // (256 * 8)
     # P^T and dS^T (64 values a thread each) packed by pairs; P^T unpacked by shifts and masks (the
     # scalar cvt.rn.bf16.f32 left are the dK, dV stores of the epilogue)
@@ -333,8 +337,9 @@ def test_bwd_exp2_emu_config_key_and_refusals(monkeypatch):
 
 
 def test_block_m_128_refusals_and_shared_memory():
-    """BLOCK_M = 128 is for head dim 64 (at 128 the accumulators alone exceed the registers); its 2-stage
-    TMA-dQ configuration fills shared memory exactly."""
+    """BLOCK_M = 128 is for head dim 64 (at 128 the accumulators alone exceed the registers), and its
+    overlapped loop for the shared dQ tile only; its 2-stage TMA-dQ configuration fills shared memory
+    exactly."""
     import cutlass
 
     from flash_attn.cute.flash_bwd_sm90 import FlashBwdSm90
@@ -345,6 +350,9 @@ def test_block_m_128_refusals_and_shared_memory():
     assert not FlashBwdSm90(cutlass.BFloat16, 64, True, dq_tma=True).wide
     with pytest.raises(ValueError, match="head dim 64"):
         FlashBwdSm90(cutlass.BFloat16, 128, True, block_m=128, num_stages=1)
+    with pytest.raises(ValueError, match="dq_split=False"):
+        FlashBwdSm90(cutlass.BFloat16, 64, True, block_m=128, dq_split=False, overlap=True)
+    FlashBwdSm90(cutlass.BFloat16, 64, True, block_m=128, overlap=True)
 
 
 # ----------------------------------------------------------------------------------------------------

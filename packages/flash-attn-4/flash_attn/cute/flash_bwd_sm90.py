@@ -25,14 +25,17 @@ With overlap (FLASH_ATTN_CUTE_BWD_OVERLAP=1) the loop is software-pipelined: S^T
 query block (D = 128 and BLOCK_M = 128: S^T only, for registers) are issued right behind dK and dQ, and this block's dQ
 goes out (atomics or smem tile) while the tensor cores compute them.
 BLOCK_M = 128 (FLASH_ATTN_CUTE_BWD_BLOCK_M=128, head dim 64 only): the same steps on 128 query rows
-(S^T, dP^T are m64n128k16, dV, dK have K = 128), with three changes that keep a consumer thread within
-its 240 registers, spill-free (S^T, dP^T are 64 fp32 registers each, dK, dV 32 each):
+(S^T, dP^T are m64n128k16, dV, dK have K = 128), with changes that keep a consumer thread within its
+240 registers, spill-free (S^T, dP^T are 64 fp32 registers each, dK, dV 32 each), and the smem traffic
+down:
   - dS^T = P^T (dP^T - delta) takes P^T from the 16-bit copy the dV WGMMA reads (unpacked exactly), so
     the fp32 S^T dies when P^T is packed, before dP^T is waited for;
   - dS^T goes to shared memory with stmatrix, and the swizzled addresses of the dS and dQ smem stores
     are computed in the loop rather than held across it;
   - the shared dQ tile is split by query rows (each warpgroup m64n64k16 over its 64 rows) instead of by
-    D (m64n32k16), so K keeps 128-byte swizzle atoms.
+    D (m64n32k16), so K keeps 128-byte swizzle atoms;
+  - dK += dS^T Q takes dS^T from registers (as dV takes P^T), issued before the dS barrier.
+With overlap, the next block's S^T is issued once dV is done (P^T dead), behind dK and dQ.
 After the loop dK is scaled by softmax_scale and dK, dV are stored. The host (interface.backward,
 bwd_host.py) computes delta = rowsum(dO * O) and lse2 and zeroes dq_accum in one Triton launch before,
 and casts dq_accum to the input dtype (and sums GQA's dK/dV) in one after.
@@ -152,6 +155,10 @@ class FlashBwdSm90:
             raise ValueError("overlap with the per-warpgroup dQ (dq_split=False) at head dim 128: its D-wide dQ "
                              "accumulator next to the next block's S^T does not fit in 240 registers (ptxas "
                              "spills ~500 bytes and serialises the WGMMAs)")
+        if self.overlap and not self.dq_split and block_m == 128:
+            raise ValueError("overlap with the per-warpgroup dQ (dq_split=False) at block_m 128: its 128-row dQ "
+                             "accumulator next to the next block's S^T does not fit in 240 registers (ptxas "
+                             "serialises the WGMMAs)")
         if block_m == 128 and head_dim != 64:
             raise ValueError(f"block_m 128 needs head dim 64 (got {head_dim}): at D = 128 the dK and dV "
                              "accumulators (128 registers) next to S^T and dP^T (64 each) exceed 240 registers")
@@ -233,9 +240,13 @@ class FlashBwdSm90:
             (self.NUM_MMA_WARPGROUPS, 1, 1))
         # dK += dS^T Q: A = dS^T read back from shared memory (it is there for dQ anyway; from registers
         # it would stay live next to the dQ accumulator and push D = 128 past 240 registers), B = Q^T.
+        # BLOCK_M = 128 (D = 64): A from the 16-bit dS^T registers, as P^T for dV (they fit there, and
+        # an m64n64k16 with both operands in smem reads 4 KB per 32 tensor-core clocks, all of sm_90's
+        # 128 bytes per clock).
         tiled_mma_dk = cute.make_tiled_mma(
             cute.make_mma_atom(warpgroup.MmaF16BF16Op(
-                dt, Float32, (64, D, 16), warpgroup.OperandSource.SMEM,
+                dt, Float32, (64, D, 16),
+                warpgroup.OperandSource.RMEM if cutlass.const_expr(self.wide) else warpgroup.OperandSource.SMEM,
                 OperandMajorMode.K, OperandMajorMode.MN)),
             (self.NUM_MMA_WARPGROUPS, 1, 1))
         # dQ = dS K, A = the M-major dS tile, B = K^T (D contiguous, MN-major). dq_split: N = D split over
@@ -472,6 +483,8 @@ class FlashBwdSm90:
         rP = cute.make_rmem_tensor_like(acc_S, dt)
         tdVrP = cute.make_tensor(rP.iterator, cute.make_layout(((2, 2, 2), 1, BM // 16)))
         rdS = cute.make_rmem_tensor_like(acc_dP, dt)
+        if cutlass.const_expr(self.wide):  # dS^T's registers as dK's A operand (the layout of tdVrP)
+            tdKrdSt = cute.make_tensor(rdS.iterator, cute.make_layout(((2, 2, 2), 1, BM // 16)))
         ds_copy = None
         if cutlass.const_expr(self.wide):
             # dS^T to shared memory with stmatrix (4 8x8 matrices, 8 values, per instruction; a matrix row
@@ -557,7 +570,8 @@ class FlashBwdSm90:
                 # acc_S and acc_dP are dead: dS^T of this block is in shared memory.
                 if cutlass.const_expr(self.wide):
                     # dV done (dK, dQ may run): the 16-bit P^T is dead before the next S^T takes its 64
-                    # registers (else ptxas serialises the WGMMAs, C7512).
+                    # registers (else ptxas serialises the WGMMAs, C7512). dS^T, dK's A operand, stays
+                    # until the wait_group below.
                     warpgroup.wait_group(2)
                 q_next = q_state.clone()
                 q_next.advance()
@@ -694,6 +708,10 @@ class FlashBwdSm90:
         for i in cutlass.range(cute.size(acc_dP), unroll_full=True):
             acc_dP[i] = acc_S[i] * (acc_dP[i] - sDelta[tScS[i][1], do_stage])
         rdS.store(acc_dP.load().to(self.dtype))
+        if cutlass.const_expr(self.wide):
+            # dK needs only this warpgroup's dS^T, from registers: issued before the smem stores and the
+            # barrier, it runs while they do.
+            self._gemm(tiled_mma_dk, acc_dK, tdKrdSt, tdKrQt, None, q_stage)  # dK += dS^T Q
         # dS^T to shared memory, where the dK and dQ WGMMAs read it through the async proxy.
         if cutlass.const_expr(ds_copy is not None):
             stsm, tRS_rdS, ctid = ds_copy  # partitioned from an opaque thread index: see _opaque
@@ -714,7 +732,8 @@ class FlashBwdSm90:
                     self._reduce_dq(tma_dq, tQRsdQ, tQRgdQ, 1 - buf, m_block - 1)
         else:
             cute.arch.barrier(barrier_id=1 + wg, number_of_threads=128)
-        self._gemm(tiled_mma_dk, acc_dK, tdKrdSt, tdKrQt, buf, q_stage)  # dK += dS^T Q
+        if cutlass.const_expr(not self.wide):
+            self._gemm(tiled_mma_dk, acc_dK, tdKrdSt, tdKrQt, buf, q_stage)  # dK += dS^T Q
         self._gemm(tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, buf, None, zero_init=True)  # dQ = dS K
 
     @cute.jit
