@@ -302,7 +302,8 @@ def test_block_m_128_kernel_is_spill_free(tmp_path, monkeypatch, overlap, emu):
     assert _count(text, wgmma.format(64)) == 3 * 128 // 16  # dV, dK: K = 128 queries; dQ: K = 128 keys
     assert _count(text, wgmma.format(32)) == 0
     # dV and dK with A from registers (P^T, dS^T: "{accumulators}, {A}, desc_B"), dQ from smem
-    rs = [l for l in text.splitlines() if l.strip().startswith(wgmma.format(64)) and l.split("}", 1)[1].startswith(", {")]
+    rs = [l for l in text.splitlines()
+          if l.strip().startswith(wgmma.format(64)) and l.split("}", 1)[1].startswith(", {")]
     assert len(rs) == 2 * 128 // 16
     assert _count(text, "stmatrix.sync.aligned.m8n8.x4.shared.b16") == 128 * 128 // (256 * 8)
     # P^T and dS^T (64 values a thread each) packed by pairs; P^T unpacked by shifts and masks (the

@@ -22,8 +22,8 @@ Per query block, for each of the two consumer warpgroups (64 keys each):
                                    TMA reduce-add of it, issued by one warp after the next block's dS
                                    barrier; else red.global.add.v2.f32 (FLASH_ATTN_CUTE_BWD_DQ_TMA=0)
 With overlap (FLASH_ATTN_CUTE_BWD_OVERLAP=1) the loop is software-pipelined: S^T and dP^T of the next
-query block (D = 128 and BLOCK_M = 128: S^T only, for registers) are issued right behind dK and dQ, and this block's dQ
-goes out (atomics or smem tile) while the tensor cores compute them.
+query block (D = 128 and BLOCK_M = 128: S^T only, for registers) are issued right behind dK and dQ,
+and this block's dQ goes out (atomics or smem tile) while the tensor cores compute them.
 BLOCK_M = 128 (FLASH_ATTN_CUTE_BWD_BLOCK_M=128, head dim 64 only): the same steps on 128 query rows
 (S^T, dP^T are m64n128k16, dV, dK have K = 128), with changes that keep a consumer thread within its
 240 registers, spill-free (S^T, dP^T are 64 fp32 registers each, dK, dV 32 each), and the smem traffic
@@ -36,6 +36,8 @@ down:
     D (m64n32k16), so K keeps 128-byte swizzle atoms;
   - dK += dS^T Q takes dS^T from registers (as dV takes P^T), issued before the dS barrier.
 With overlap, the next block's S^T is issued once dV is done (P^T dead), behind dK and dQ.
+With FLASH_ATTN_CUTE_BWD_EXP2_EMU=k (off by default), k of every 16 exponentials of P^T are computed by
+softmax_exp.exp2_poly on the FMA pipe instead of MUFU.EX2.
 After the loop dK is scaled by softmax_scale and dK, dV are stored. The host (interface.backward,
 bwd_host.py) computes delta = rowsum(dO * O) and lse2 and zeroes dq_accum in one Triton launch before,
 and casts dq_accum to the input dtype (and sums GQA's dK/dV) in one after.
@@ -162,10 +164,9 @@ class FlashBwdSm90:
         if block_m == 128 and head_dim != 64:
             raise ValueError(f"block_m 128 needs head dim 64 (got {head_dim}): at D = 128 the dK and dV "
                              "accumulators (128 registers) next to S^T and dP^T (64 each) exceed 240 registers")
-        # BLOCK_M = 128 (the two 64-row halves of a 128-query tile in one step): the shared dQ tile is
-        # split between the warpgroups by query rows (m64nDk16 over all 128 keys, each its 64 rows)
-        # instead of by D (m64n{D/2}k16, half the WGMMA N), and dS^T is computed from the 16-bit P^T the
-        # dV WGMMA reads, so that the fp32 S^T dies at the conversion (see _ds_dk_dq).
+        # BLOCK_M = 128: the register-saving changes of the module docstring (dS^T from the 16-bit P^T,
+        # dK's A from registers, stmatrix, smem-store addresses in the loop); dq_rows: the shared dQ tile
+        # split between the warpgroups by query rows (m64nDk16 over all 128 keys) instead of by D.
         self.wide = block_m == 128
         self.dq_rows = self.dq_split and self.wide
         self.num_threads = self.NUM_PRODUCER_THREADS + 128 * self.NUM_MMA_WARPGROUPS
