@@ -453,7 +453,9 @@ class FlashBwdSm90:
         tdPrV = tiled_mma_sdp.make_fragment_A(wg_sdp.partition_A(sV))
         tdPrdO = tiled_mma_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
         tdVrdOt = tiled_mma_dv.make_fragment_B(wg_dv.partition_B(_transpose_view(sdO)))  # (D, BM, stages)
-        tdKrdSt = tiled_mma_dk.make_fragment_A(wg_dk.partition_A(sdSt))                 # (BN, BM, 2)
+        tdKrdSt = None  # BLOCK_M = 128: dS^T's registers, below
+        if cutlass.const_expr(not self.wide):
+            tdKrdSt = tiled_mma_dk.make_fragment_A(wg_dk.partition_A(sdSt))             # (BN, BM, 2)
         tdKrQt = tiled_mma_dk.make_fragment_B(wg_dk.partition_B(_transpose_view(sQ)))    # (D, BM, stages)
         if cutlass.const_expr(self.dq_split):  # all keys; the tiled MMA picks this warpgroup's half of D
             tdQrdS = tiled_mma_dq.make_fragment_A(wg_dq.partition_A(sdS))
