@@ -285,6 +285,104 @@ def test_lpt_config_key_and_one_dimensional_grid(tmp_path, monkeypatch):
     assert "%ctaid.y" not in text and "%ctaid.z" not in text and "%ctaid.x" in text
     base_text, _ = _compile_ptx(tmp_path, monkeypatch, 64, True, FLASH_ATTN_CUTE_BWD_LPT="0")
     assert "%ctaid.y" in base_text
+# FLASH_ATTN_CUTE_BWD_BLOCK_M=128 (head dim 64): 128 query rows per step
+
+
+def _ptxas_log(ptx):
+    out = subprocess.run(["ptxas", "-arch=sm_90a", "-v", ptx, "-o", os.devnull], capture_output=True, text=True,
+                         check=True)
+    return out.stdout + out.stderr
+
+
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas not on PATH")
+@pytest.mark.parametrize("overlap,emu", [(False, 0), (True, 0), (False, 6)], ids=["plain", "overlap", "exp2_emu"])
+def test_block_m_128_kernel_is_spill_free(tmp_path, monkeypatch, overlap, emu):
+    """The BLOCK_M = 128 kernel (d64, causal, TMA dQ: the configuration FLASH_ATTN_CUTE_BWD_BLOCK_M=128
+    gives) fits its 240 registers: ptxas spills nothing and keeps the WGMMAs pipelined. Its first build
+    (the BLOCK_M = 64 code on 128 rows) spilled 160 bytes and serialised them; then the fp32 S^T live
+    until dS^T, the swizzled smem-store addresses hoisted out of the loop, or dS^T stored 4 bytes at a
+    time each broke the budget. Also the PTX of the design: m64n128k16 S^T and dP^T, m64n64k16 dV, dK
+    (both with A from registers) and the row-split dQ (no m64n32k16), dS^T by stmatrix, P^T packed and
+    unpacked in 32-bit words.
+    With FLASH_ATTN_CUTE_BWD_OVERLAP=1 (the next block's S^T issued behind dK and dQ, once dV is
+    done: wait_group 2) the same holds; with dP^T ahead too it spilled 260 bytes and serialised. And
+    with FLASH_ATTN_CUTE_BWD_EXP2_EMU=6: 6 of every 16 exponentials by the FMA-pipe polynomial."""
+    for k in ("FLASH_ATTN_CUTE_BWD_STAGES", "FLASH_ATTN_CUTE_BWD_DQ_SPLIT", "FLASH_ATTN_CUTE_BWD_DQ_TMA",
+              "FLASH_ATTN_CUTE_BWD_OVERLAP", "FLASH_ATTN_CUTE_BWD_EXP2_EMU", "FLASH_ATTN_CUTE_BWD_EXP2_EMU_DEGREE"):
+        monkeypatch.delenv(k, raising=False)
+    cfg = interface._bwd_config(torch.bfloat16, 64, True, "sm_90a")
+    assert cfg["block_m"] == 64 and "exp2_emu" not in cfg  # the defaults are left as they are
+    text, ptx = _compile_ptx(tmp_path, monkeypatch, 64, True, FLASH_ATTN_CUTE_BWD_BLOCK_M="128",
+                             FLASH_ATTN_CUTE_BWD_OVERLAP="1" if overlap else "0",
+                             FLASH_ATTN_CUTE_BWD_EXP2_EMU=str(emu))
+    cfg = interface._bwd_config(torch.bfloat16, 64, True, "sm_90a")
+    assert (cfg["block_m"], cfg["stages"], cfg["dq_split"], cfg["dq_tma"]) == (128, 2, True, True)
+    assert cfg.get("overlap", False) == overlap and cfg.get("exp2_emu", 0) == emu
+    assert _count(text, "ex2.approx") == 64 - 64 * emu // 16  # P^T: 64 exponentials a thread
+    assert (_count(text, "wgmma.wait_group.sync.aligned \t2;") > 0) == overlap
+    log = _ptxas_log(ptx)
+    assert "are serialized" not in log and "setmaxnreg' ignored" not in log, log
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)]
+    print(f"\nptxas BLOCK_M=128: {spills} bytes of spill stores, loads")
+    assert spills and all(x == 0 for x in spills), log
+    wgmma = "wgmma.mma_async.sync.aligned.m64n{}k16.f32.bf16.bf16"
+    # S^T, dP^T: K = D (overlap: S^T issued in the prologue and behind each block's dQ)
+    assert _count(text, wgmma.format(128)) == (3 if overlap else 2) * 64 // 16
+    assert _count(text, wgmma.format(64)) == 3 * 128 // 16  # dV, dK: K = 128 queries; dQ: K = 128 keys
+    assert _count(text, wgmma.format(32)) == 0
+    # dV and dK with A from registers (P^T, dS^T: "{accumulators}, {A}, desc_B"), dQ from smem
+    rs = [l for l in text.splitlines()
+          if l.strip().startswith(wgmma.format(64)) and l.split("}", 1)[1].startswith(", {")]
+    assert len(rs) == 2 * 128 // 16
+    assert _count(text, "stmatrix.sync.aligned.m8n8.x4.shared.b16") == 128 * 128 // (256 * 8)
+    # P^T and dS^T (64 values a thread each) packed by pairs; P^T unpacked by shifts and masks (the
+    # scalar cvt.rn.bf16.f32 left are the dK, dV stores of the epilogue)
+    assert _count(text, "cvt.rn.bf16x2.f32") == 2 * 64 // 2
+    assert "cvt.f32.bf16" not in text
+    assert _count(text, "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group") == 2 * (64 // 32)
+
+
+def test_bwd_exp2_emu_config_key_and_refusals(monkeypatch):
+    """FLASH_ATTN_CUTE_BWD_EXP2_EMU is in the cache key only when on (the degree only when not 3); the
+    kernel refuses counts outside 0..16 and degrees without coefficients."""
+    import cutlass
+
+    from flash_attn.cute.flash_bwd_sm90 import FlashBwdSm90
+
+    monkeypatch.delenv("FLASH_ATTN_CUTE_BWD_EXP2_EMU", raising=False)
+    monkeypatch.delenv("FLASH_ATTN_CUTE_BWD_EXP2_EMU_DEGREE", raising=False)
+    base = interface._bwd_config(torch.bfloat16, 64, True, "sm_90a")
+    assert "exp2_emu" not in base and interface._BWD_EXP2_EMU == {64: 0, 128: 0}
+    monkeypatch.setenv("FLASH_ATTN_CUTE_BWD_EXP2_EMU", "0")
+    assert interface._bwd_config(torch.bfloat16, 64, True, "sm_90a") == base
+    monkeypatch.setenv("FLASH_ATTN_CUTE_BWD_EXP2_EMU", "6")
+    assert interface._bwd_config(torch.bfloat16, 64, True, "sm_90a") == {**base, "exp2_emu": 6}
+    monkeypatch.setenv("FLASH_ATTN_CUTE_BWD_EXP2_EMU_DEGREE", "4")
+    assert interface._bwd_config(torch.bfloat16, 64, True, "sm_90a") == {**base, "exp2_emu": 6,
+                                                                          "exp2_emu_degree": 4}
+    with pytest.raises(ValueError, match="exp2_emu"):
+        FlashBwdSm90(cutlass.BFloat16, 64, True, exp2_emu=17)
+    with pytest.raises(ValueError, match="degree"):
+        FlashBwdSm90(cutlass.BFloat16, 64, True, exp2_emu=4, exp2_emu_degree=5)
+
+
+def test_block_m_128_refusals_and_shared_memory():
+    """BLOCK_M = 128 is for head dim 64 (at 128 the accumulators alone exceed the registers), and its
+    overlapped loop for the shared dQ tile only; its 2-stage TMA-dQ configuration fills shared memory
+    exactly."""
+    import cutlass
+
+    from flash_attn.cute.flash_bwd_sm90 import FlashBwdSm90
+
+    k = FlashBwdSm90(cutlass.BFloat16, 64, True, block_m=128, num_stages=2, dq_tma=True)
+    assert k.smem_bytes() == FlashBwdSm90.SMEM_LIMIT and k.wide and k.dq_rows
+    assert not FlashBwdSm90(cutlass.BFloat16, 64, True, block_m=128, dq_split=False).dq_rows
+    assert not FlashBwdSm90(cutlass.BFloat16, 64, True, dq_tma=True).wide
+    with pytest.raises(ValueError, match="head dim 64"):
+        FlashBwdSm90(cutlass.BFloat16, 128, True, block_m=128, num_stages=1)
+    with pytest.raises(ValueError, match="dq_split=False"):
+        FlashBwdSm90(cutlass.BFloat16, 64, True, block_m=128, dq_split=False, overlap=True)
+    FlashBwdSm90(cutlass.BFloat16, 64, True, block_m=128, overlap=True)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -343,18 +441,19 @@ def _compare_fragments(sdp, dv, block_n, block_m, mismatches):
                 mismatches.append((t, i, cS[i], cA[i]))
 
 
-@pytest.mark.parametrize("d", [64, 128])
-def test_p_fragment_reuses_the_st_accumulator_layout(d):
+@pytest.mark.parametrize("d,block_m", [(64, None), (128, None), (64, 128)])
+def test_p_fragment_reuses_the_st_accumulator_layout(d, block_m):
     """P^T goes to dV += P^T dO by reinterpreting the S^T accumulator (m64n{BM}k16) registers as the A
     operand of m64n{D}k16 with K = BM, layout ((2, 2, 2), 1, BM / 16): each register must then hold the
-    (key, query) the A operand expects, for every thread of both warpgroups."""
+    (key, query) the A operand expects, for every thread of both warpgroups (block_m None: the
+    configured default; 128: FLASH_ATTN_CUTE_BWD_BLOCK_M=128)."""
     import cutlass
     from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
     from flash_attn.cute.flash_bwd_sm90 import FlashBwdSm90
 
     block_n = 128
-    block_m = interface._bwd_config(torch.bfloat16, d, False, "sm_90a")["block_m"]
+    block_m = block_m or interface._bwd_config(torch.bfloat16, d, False, "sm_90a")["block_m"]
     mismatches = []
 
     @cute.jit
@@ -405,6 +504,62 @@ def test_dq_accumulator_values_pair_up_as_adjacent_columns(d, dq_split):
                                     OperandMajorMode.MN, OperandMajorMode.MN)
         _check_dq_pairs(cute.make_tiled_mma(cute.make_mma_atom(op), atoms), block_m, d, 256 if dq_split else 128,
                         bad)
+
+    cute.compile(check, options="--gpu-arch sm_90a")
+    assert bad == [], bad[:20]
+
+
+def test_dq_rows_split_pairs_up_and_covers_the_tile():
+    """BLOCK_M = 128's shared dQ tile, split between the warpgroups by query rows (m64n64k16, atoms
+    (2, 1, 1)): the column pairs of _atomic_add_dq (FLASH_ATTN_CUTE_BWD_DQ_TMA=0) hold there too, and
+    the 256 threads cover the (128, 64) tile once."""
+    import cutlass
+    from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+
+    bad = []
+
+    @cute.jit
+    def check():
+        op = warpgroup.MmaF16BF16Op(cutlass.BFloat16, cutlass.Float32, (64, 64, 16), warpgroup.OperandSource.SMEM,
+                                    OperandMajorMode.MN, OperandMajorMode.MN)
+        _check_dq_pairs(cute.make_tiled_mma(cute.make_mma_atom(op), (2, 1, 1)), 128, 64, 256, bad)
+
+    cute.compile(check, options="--gpu-arch sm_90a")
+    assert bad == [], bad[:20]
+
+
+def _check_stsm(sdp, stsm, bad):
+    # Plain Python, as _compare_transposed. The copy's source side (partition_S) says where each register
+    # value goes; the destination side is the rows each lane addresses, another grouping of the same tile.
+    ident = cute.make_identity_tensor((128, 128))
+    for t in (0, 1, 5, 37, 127, 128, 130, 255):
+        acc = stsm.get_slice(t).retile(sdp.get_slice(t).partition_C(ident))  # accumulator coords, copy order
+        src = stsm.get_slice(t).partition_S(ident)
+        if cute.size(acc) != cute.size(src) or cute.size(src) != 64:
+            bad.append((t, "size", cute.size(acc), cute.size(src)))
+            continue
+        for i in range(cute.size(src)):
+            if tuple(acc[i]) != tuple(src[i]):
+                bad.append((t, i, acc[i], src[i]))
+
+
+def test_ds_stmatrix_copy_writes_each_value_where_the_accumulator_has_it():
+    """BLOCK_M = 128 stores dS^T with a stmatrix tiled copy built on the S^T / dP^T MMA, its source the
+    retiled register fragment: for every thread (of both warpgroups), the copy's register value i must
+    be the (key, query) the accumulator's value i is. (Where the copy's lanes then write is CuTe's
+    stmatrix atom on the smem layout; the GPU tests check the result.)"""
+    import cutlass
+    from cutlass.cute.nvgpu import OperandMajorMode, warp, warpgroup
+
+    bad = []
+
+    @cute.jit
+    def check():
+        op = warpgroup.MmaF16BF16Op(cutlass.BFloat16, cutlass.Float32, (64, 128, 16), warpgroup.OperandSource.SMEM,
+                                    OperandMajorMode.K, OperandMajorMode.K)
+        sdp = cute.make_tiled_mma(cute.make_mma_atom(op), (2, 1, 1))
+        stsm = cute.make_tiled_copy_C(cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), cutlass.BFloat16), sdp)
+        _check_stsm(sdp, stsm, bad)
 
     cute.compile(check, options="--gpu-arch sm_90a")
     assert bad == [], bad[:20]
@@ -900,6 +1055,59 @@ def test_gradients_with_overlap_variants_on_gpu(cute_bwd_on, monkeypatch, d, cau
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(interface, "_bwd_kernels", {})
     _run(torch.bfloat16, d, causal, 2, seqlen_q, seqlen_k, 4, 2, cute_bwd_on, seed=6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (17, 17), (255, 255), (1000, 1000), (2048, 2048), (113, 203),
+                                               (256, 77), (1, 130), (300, 1200)])
+@pytest.mark.parametrize("heads,heads_kv", [(4, 4), (4, 1), (6, 2)])
+def test_gradients_with_block_m_128_on_gpu(cute_bwd_on, monkeypatch, dtype, causal, seqlen_q, seqlen_k, heads,
+                                           heads_kv):
+    # FLASH_ATTN_CUTE_BWD_BLOCK_M=128 at d64: 128 query rows per step (dS^T from the 16-bit P^T, dS^T by
+    # stmatrix, dQ split by rows; fp16 unpacks P^T with cvt, bf16 with shifts). Key blocks with one
+    # query block, none (causal, Sq < Sk), many, and partial ones on both sides; MHA, MQA, GQA.
+    monkeypatch.setenv("FLASH_ATTN_CUTE_BWD_BLOCK_M", "128")
+    monkeypatch.setattr(interface, "_bwd_kernels", {})  # the in-memory cache does not key on it
+    assert interface._bwd_config(dtype, 64, causal, "sm_90a")["block_m"] == 128
+    _run(dtype, 64, causal, 2, seqlen_q, seqlen_k, heads, heads_kv, cute_bwd_on, seed=8)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("env", [{"FLASH_ATTN_CUTE_BWD_DQ_TMA": "0"}, {"FLASH_ATTN_CUTE_BWD_DQ_SPLIT": "0"},
+                                 {"FLASH_ATTN_CUTE_BWD_STAGES": "1"}, {"FLASH_ATTN_CUTE_BWD_OVERLAP": "1"},
+                                 {"FLASH_ATTN_CUTE_BWD_OVERLAP": "1", "FLASH_ATTN_CUTE_BWD_DQ_TMA": "0"}],
+                         ids=["atomic_dq", "dq_per_wg", "stages1", "overlap", "overlap_atomic_dq"])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (17, 17), (1000, 1000), (2048, 2048), (113, 203), (256, 77),
+                                               (1, 130)])
+def test_gradients_with_block_m_128_variants_on_gpu(cute_bwd_on, monkeypatch, causal, env, seqlen_q, seqlen_k):
+    # BLOCK_M = 128 with the row-split dQ added by red.global atomics, with the per-warpgroup dQ (M = 128
+    # queries over the warpgroup's 64 keys), with a 1-stage Q/dO ring, and the overlapped loop (next
+    # block's S^T issued behind dK and dQ) with either dQ
+    monkeypatch.setenv("FLASH_ATTN_CUTE_BWD_BLOCK_M", "128")
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(interface, "_bwd_kernels", {})
+    _run(torch.bfloat16, 64, causal, 2, seqlen_q, seqlen_k, 4, 2, cute_bwd_on, seed=9)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("d,block_m", [(64, "64"), (128, "64"), (64, "128")])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("emu", ["6", "16"])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(17, 17), (1000, 1000), (113, 203), (256, 77)])
+def test_gradients_with_exp2_emu_on_gpu(cute_bwd_on, monkeypatch, d, block_m, causal, emu, seqlen_q, seqlen_k):
+    # FLASH_ATTN_CUTE_BWD_EXP2_EMU: a share of P^T's exponentials (16: all) by the FMA-pipe polynomial;
+    # masked keys and padded / keyless queries (+inf lse2) must still give P = 0 exactly
+    monkeypatch.setenv("FLASH_ATTN_CUTE_BWD_EXP2_EMU", emu)
+    monkeypatch.setenv("FLASH_ATTN_CUTE_BWD_BLOCK_M", block_m)
+    monkeypatch.setattr(interface, "_bwd_kernels", {})
+    _run(torch.bfloat16, d, causal, 2, seqlen_q, seqlen_k, 4, 2, cute_bwd_on, seed=10)
 
 
 @pytest.mark.gpu

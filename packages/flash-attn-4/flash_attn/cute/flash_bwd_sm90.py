@@ -22,8 +22,22 @@ Per query block, for each of the two consumer warpgroups (64 keys each):
                                    TMA reduce-add of it, issued by one warp after the next block's dS
                                    barrier; else red.global.add.v2.f32 (FLASH_ATTN_CUTE_BWD_DQ_TMA=0)
 With overlap (FLASH_ATTN_CUTE_BWD_OVERLAP=1) the loop is software-pipelined: S^T and dP^T of the next
-query block (D = 128: S^T only, for registers) are issued right behind dK and dQ, and this block's dQ
-goes out (atomics or smem tile) while the tensor cores compute them.
+query block (D = 128 and BLOCK_M = 128: S^T only, for registers) are issued right behind dK and dQ,
+and this block's dQ goes out (atomics or smem tile) while the tensor cores compute them.
+BLOCK_M = 128 (FLASH_ATTN_CUTE_BWD_BLOCK_M=128, head dim 64 only): the same steps on 128 query rows
+(S^T, dP^T are m64n128k16, dV, dK have K = 128), with changes that keep a consumer thread within its
+240 registers, spill-free (S^T, dP^T are 64 fp32 registers each, dK, dV 32 each), and the smem traffic
+down:
+  - dS^T = P^T (dP^T - delta) takes P^T from the 16-bit copy the dV WGMMA reads (unpacked exactly), so
+    the fp32 S^T dies when P^T is packed, before dP^T is waited for;
+  - dS^T goes to shared memory with stmatrix, and the swizzled addresses of the dS and dQ smem stores
+    are computed in the loop rather than held across it;
+  - the shared dQ tile is split by query rows (each warpgroup m64n64k16 over its 64 rows) instead of by
+    D (m64n32k16), so K keeps 128-byte swizzle atoms;
+  - dK += dS^T Q takes dS^T from registers (as dV takes P^T), issued before the dS barrier.
+With overlap, the next block's S^T is issued once dV is done (P^T dead), behind dK and dQ.
+With FLASH_ATTN_CUTE_BWD_EXP2_EMU=k (off by default), k of every 16 exponentials of P^T are computed by
+softmax_exp.exp2_poly on the FMA pipe instead of MUFU.EX2.
 After the loop dK is scaled by softmax_scale and dK, dV are stored. The host (interface.backward,
 bwd_host.py) computes delta = rowsum(dO * O) and lse2 and zeroes dq_accum in one Triton launch before,
 and casts dq_accum to the input dtype (and sums GQA's dK/dV) in one after.
@@ -40,12 +54,13 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32
 from cutlass._mlir import ir
-from cutlass._mlir.dialects import vector
-from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
-from cutlass.cutlass_dsl import dsl_user_op
+from cutlass._mlir.dialects import llvm, vector
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warp, warpgroup
+from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.memory import SmemAllocator
 
 from flash_attn.cute.flash_fwd_sm90 import _smem_layout, _tma_tiles
+from flash_attn.cute.softmax_exp import EXP2_POLY, emulated_columns, exp2_poly
 
 LOG2_E = math.log2(math.e)
 
@@ -84,6 +99,17 @@ def lpt_tile(lin, n_blocks, heads, batches, lpt):
     return n_block, pair % heads, pair // heads
 
 
+@dsl_user_op
+def _opaque(x, *, loc=None, ip=None):
+    """x through a volatile inline-asm move: the compiler can no longer prove that what is computed from
+    it is loop invariant. Used to keep the swizzled shared-memory addresses of the BLOCK_M = 128 loop's
+    stores in the loop (a few integer operations per block) instead of hoisted out of it, where 24 of
+    them held 24 registers across the loop and ptxas spilled."""
+    return Int32(llvm.inline_asm(T.i32(), [Int32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=r,r",
+                                 has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+                                 loc=loc, ip=ip))
+
+
 class FlashBwdSm90:
     """Compile-time configuration: dtype, head dim, causal, tile sizes and the Q/dO ring depth. Batch,
     sequence lengths, head counts, strides and the scale are runtime values of the compiled kernel."""
@@ -96,9 +122,11 @@ class FlashBwdSm90:
     CONSUMER_REGS = 240
 
     def __init__(self, dtype, head_dim, causal, block_m=64, block_n=128, num_stages=2, dq_split=True,
-                 dq_tma=False, overlap=False, lpt=0):
-        """dq_split: the two warpgroups compute one dQ tile together, each its half of D over all BLOCK_N
-        keys (a barrier of both per query block, since each reads the other's dS); else each computes
+                 dq_tma=False, overlap=False, lpt=0, exp2_emu=0, exp2_emu_degree=3):
+        """block_m: query rows per step, 64 or (head dim 64 only) 128, see the module docstring.
+        dq_split: the two warpgroups compute one dQ tile together, each its half of D (block_m 128: its
+        64 query rows) over all BLOCK_N keys (a barrier of both per query block, since each reads the
+        other's dS); else each computes
         dS K over its own 64 keys and both add into dq_accum (twice the atomic traffic, no barrier).
         dq_tma (needs dq_split): the scaled fp32 dQ tile goes to shared memory (two buffers) and one
         warp adds it into dq_accum with a TMA reduce-add (cp.reduce.async.bulk.tensor .add.f32), issued
@@ -108,9 +136,18 @@ class FlashBwdSm90:
         dK and dQ of this one and run while this block's dQ goes out (atomics or the smem tile); needs
         num_stages >= 2 (stages j and j + 1 are held at once).
         lpt > 0: a 1-D grid in groups of (head, batch) pairs of about lpt CTAs each, key block slowest
-        within a group (longest first under a causal mask); 0: the (key block, head, batch) grid."""
+        within a group (longest first under a causal mask); 0: the (key block, head, batch) grid.
+        exp2_emu: of every 16 exponentials of P^T a thread computes, this many use softmax_exp.exp2_poly
+        (degree exp2_emu_degree) on the FMA pipe instead of MUFU.EX2, whose 16 results per SM per clock
+        the two warpgroups wait on together between S^T and dV (P^T is rounded to 16 bits after it:
+        degree 3's 1e-4 relative error is below that rounding)."""
         if head_dim not in (64, 128):
             raise ValueError(f"head dim {head_dim} not in (64, 128)")
+        if not 0 <= exp2_emu <= 16 or exp2_emu_degree not in EXP2_POLY:
+            raise ValueError(f"exp2_emu {exp2_emu} not in 0..16 or degree {exp2_emu_degree} not in "
+                             f"{sorted(EXP2_POLY)}")
+        self.exp2_emu = int(exp2_emu)
+        self.exp2_emu_degree = int(exp2_emu_degree)
         if dtype not in (cutlass.Float16, cutlass.BFloat16):
             raise ValueError(f"dtype {dtype} not fp16/bf16")
         if block_n != 64 * self.NUM_MMA_WARPGROUPS:
@@ -140,6 +177,18 @@ class FlashBwdSm90:
             raise ValueError("overlap with the per-warpgroup dQ (dq_split=False) at head dim 128: its D-wide dQ "
                              "accumulator next to the next block's S^T does not fit in 240 registers (ptxas "
                              "spills ~500 bytes and serialises the WGMMAs)")
+        if self.overlap and not self.dq_split and block_m == 128:
+            raise ValueError("overlap with the per-warpgroup dQ (dq_split=False) at block_m 128: its 128-row dQ "
+                             "accumulator next to the next block's S^T does not fit in 240 registers (ptxas "
+                             "serialises the WGMMAs)")
+        if block_m == 128 and head_dim != 64:
+            raise ValueError(f"block_m 128 needs head dim 64 (got {head_dim}): at D = 128 the dK and dV "
+                             "accumulators (128 registers) next to S^T and dP^T (64 each) exceed 240 registers")
+        # BLOCK_M = 128: the register-saving changes of the module docstring (dS^T from the 16-bit P^T,
+        # dK's A from registers, stmatrix, smem-store addresses in the loop); dq_rows: the shared dQ tile
+        # split between the warpgroups by query rows (m64nDk16 over all 128 keys) instead of by D.
+        self.wide = block_m == 128
+        self.dq_rows = self.dq_split and self.wide
         self.num_threads = self.NUM_PRODUCER_THREADS + 128 * self.NUM_MMA_WARPGROUPS
         if self.smem_bytes() > self.SMEM_LIMIT:
             raise ValueError(
@@ -187,7 +236,8 @@ class FlashBwdSm90:
         sdO_layout = _smem_layout(K_SW128, dt, (BM, D, stages))
         # With dq_split, K^T's D rows are split between the warpgroups as WGMMA N: each half must start
         # on a swizzle atom, so D = 64 uses 64-byte (32-element) atoms.
-        k_atom = warpgroup.SmemLayoutAtomKind.K_SW64 if self.dq_split and D == 64 else K_SW128
+        # (Split by rows, dQ's N is all of D: K keeps 128-byte atoms.)
+        k_atom = warpgroup.SmemLayoutAtomKind.K_SW64 if self.dq_split and D == 64 and not self.dq_rows else K_SW128
         sK_layout = _smem_layout(k_atom, dt, (BN, D))
         sV_layout = _smem_layout(K_SW128, dt, (BN, D))
         # dS as the A operand of dQ = dS K, M-major (queries contiguous): the S^T accumulator holds
@@ -211,14 +261,21 @@ class FlashBwdSm90:
             (self.NUM_MMA_WARPGROUPS, 1, 1))
         # dK += dS^T Q: A = dS^T read back from shared memory (it is there for dQ anyway; from registers
         # it would stay live next to the dQ accumulator and push D = 128 past 240 registers), B = Q^T.
+        # BLOCK_M = 128 (D = 64): A from the 16-bit dS^T registers, as P^T for dV (they fit there, and
+        # an m64n64k16 with both operands in smem reads 4 KB per 32 tensor-core clocks, all of sm_90's
+        # 128 bytes per clock).
         tiled_mma_dk = cute.make_tiled_mma(
             cute.make_mma_atom(warpgroup.MmaF16BF16Op(
-                dt, Float32, (64, D, 16), warpgroup.OperandSource.SMEM,
+                dt, Float32, (64, D, 16),
+                warpgroup.OperandSource.RMEM if cutlass.const_expr(self.wide) else warpgroup.OperandSource.SMEM,
                 OperandMajorMode.K, OperandMajorMode.MN)),
             (self.NUM_MMA_WARPGROUPS, 1, 1))
         # dQ = dS K, A = the M-major dS tile, B = K^T (D contiguous, MN-major). dq_split: N = D split over
         # the two warpgroups, K = all BLOCK_N keys; else one warpgroup's MMA over its own 64 keys.
+        # dq_rows: M = BM split over the warpgroups, N = D.
         dq_n, dq_atoms = (D // 2, (1, self.NUM_MMA_WARPGROUPS, 1)) if self.dq_split else (D, (1, 1, 1))
+        if cutlass.const_expr(self.dq_rows):
+            dq_n, dq_atoms = D, (self.NUM_MMA_WARPGROUPS, 1, 1)
         tiled_mma_dq = cute.make_tiled_mma(
             cute.make_mma_atom(warpgroup.MmaF16BF16Op(
                 dt, Float32, (64, dq_n, 16), warpgroup.OperandSource.SMEM,
@@ -423,7 +480,9 @@ class FlashBwdSm90:
         tdPrV = tiled_mma_sdp.make_fragment_A(wg_sdp.partition_A(sV))
         tdPrdO = tiled_mma_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
         tdVrdOt = tiled_mma_dv.make_fragment_B(wg_dv.partition_B(_transpose_view(sdO)))  # (D, BM, stages)
-        tdKrdSt = tiled_mma_dk.make_fragment_A(wg_dk.partition_A(sdSt))                 # (BN, BM, 2)
+        tdKrdSt = None  # BLOCK_M = 128: dS^T's registers, below
+        if cutlass.const_expr(not self.wide):
+            tdKrdSt = tiled_mma_dk.make_fragment_A(wg_dk.partition_A(sdSt))             # (BN, BM, 2)
         tdKrQt = tiled_mma_dk.make_fragment_B(wg_dk.partition_B(_transpose_view(sQ)))    # (D, BM, stages)
         if cutlass.const_expr(self.dq_split):  # all keys; the tiled MMA picks this warpgroup's half of D
             tdQrdS = tiled_mma_dq.make_fragment_A(wg_dq.partition_A(sdS))
@@ -454,6 +513,15 @@ class FlashBwdSm90:
         rP = cute.make_rmem_tensor_like(acc_S, dt)
         tdVrP = cute.make_tensor(rP.iterator, cute.make_layout(((2, 2, 2), 1, BM // 16)))
         rdS = cute.make_rmem_tensor_like(acc_dP, dt)
+        if cutlass.const_expr(self.wide):  # dS^T's registers as dK's A operand (the layout of tdVrP)
+            tdKrdSt = cute.make_tensor(rdS.iterator, cute.make_layout(((2, 2, 2), 1, BM // 16)))
+        ds_copy = None
+        if cutlass.const_expr(self.wide):
+            # dS^T to shared memory with stmatrix (4 8x8 matrices, 8 values, per instruction; a matrix row
+            # is one key's 8 adjacent queries, 16 contiguous bytes of the M-major tile): a quarter of the
+            # 4-byte stores, and a quarter of the swizzled addresses to hold or recompute.
+            stsm = cute.make_tiled_copy_C(cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), dt), tiled_mma_sdp)
+            ds_copy = (stsm, stsm.get_slice(ctid).retile(rdS), ctid)
 
         # Query blocks below m_block_mask_end cross this key block's diagonal (causal); the key block
         # past the sequence end needs its tail rows masked in every query block.
@@ -486,13 +554,15 @@ class FlashBwdSm90:
                                q_state.index)
                 self._ds_dk_dq(acc_S, acc_dP, tScS, rdS, thr_sdp, sdSt, sDelta, tiled_mma_dk, acc_dK, tdKrdSt,
                                tdKrQt, tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, tma_dq, tQRsdQ, tQRgdQ, dq_issuer,
-                               buf, m_block, m_block_min, wg, q_state.index, do_state.index)
+                               buf, m_block, m_block_min, wg, q_state.index, do_state.index, rP=rP,
+                               ds_copy=ds_copy)
                 warpgroup.wait_group(0)  # dV, dK, dQ done: the Q and dO stages and rP are free
                 q_pipe.consumer_release(q_state)
                 do_pipe.consumer_release(do_state)
                 q_state.advance()
                 do_state.advance()
-                self._dq_out(mdQaccum, acc_dQ, tdQcdQ, tdQsdQ, softmax_scale, buf, m_block, head, batch, seqlen_q)
+                self._dq_out(mdQaccum, acc_dQ, tdQcdQ, tdQsdQ, softmax_scale, buf, m_block, head, batch, seqlen_q,
+                             dq_repartition=(tiled_mma_dq, sdQ, ctid) if cutlass.const_expr(self.wide) else None)
                 buf = 1 - buf
         else:
             # Software-pipelined: S^T and dP^T of block j + 1 are issued right behind dK and dQ of block j,
@@ -506,9 +576,10 @@ class FlashBwdSm90:
             # query block, and the last block issues the next stage's: unwaited (the producer loads
             # nothing more, so the stage is not being written), their results never read, waited for
             # after the loop.
-            # At D = 128 only S^T goes ahead (dP^T is issued at the top of its own block): dK, dV, dQ, S^T
-            # and dP^T in flight at once need more than the 240 registers (ptxas spills and serialises).
-            ahead_dp = self.head_dim != 128
+            # At D = 128 and at BLOCK_M = 128 only S^T goes ahead (dP^T is issued at the top of its own
+            # block): dK, dV, dQ, S^T and dP^T in flight at once need more than the 240 registers (ptxas
+            # spills and serialises; BLOCK_M = 128: 260 bytes).
+            ahead_dp = self.head_dim != 128 and not self.wide
             self._issue_sdp(q_pipe, do_pipe, q_state, do_state, tiled_mma_sdp, acc_S, acc_dP, tSrK, tSrQ,
                             tdPrV, tdPrdO, skip_wait=m_block_min >= m_block_max, dp=ahead_dp)
             for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
@@ -524,8 +595,14 @@ class FlashBwdSm90:
                                q_state.index)
                 self._ds_dk_dq(acc_S, acc_dP, tScS, rdS, thr_sdp, sdSt, sDelta, tiled_mma_dk, acc_dK, tdKrdSt,
                                tdKrQt, tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, tma_dq, tQRsdQ, tQRgdQ, dq_issuer,
-                               buf, m_block, m_block_min, wg, q_state.index, do_state.index)
+                               buf, m_block, m_block_min, wg, q_state.index, do_state.index, rP=rP,
+                               ds_copy=ds_copy)
                 # acc_S and acc_dP are dead: dS^T of this block is in shared memory.
+                if cutlass.const_expr(self.wide):
+                    # dV done (dK, dQ may run): the 16-bit P^T is dead before the next S^T takes its 64
+                    # registers (else ptxas serialises the WGMMAs, C7512). dS^T, dK's A operand, stays
+                    # until the wait_group below.
+                    warpgroup.wait_group(2)
                 q_next = q_state.clone()
                 q_next.advance()
                 do_next = do_state.clone()
@@ -539,7 +616,8 @@ class FlashBwdSm90:
                 do_pipe.consumer_release(do_state)
                 q_state.advance()
                 do_state.advance()
-                self._dq_out(mdQaccum, acc_dQ, tdQcdQ, tdQsdQ, softmax_scale, buf, m_block, head, batch, seqlen_q)
+                self._dq_out(mdQaccum, acc_dQ, tdQcdQ, tdQsdQ, softmax_scale, buf, m_block, head, batch, seqlen_q,
+                             dq_repartition=(tiled_mma_dq, sdQ, ctid) if cutlass.const_expr(self.wide) else None)
                 buf = 1 - buf
             warpgroup.wait_group(0)  # the unread S^T and dP^T issued last
 
@@ -581,34 +659,95 @@ class FlashBwdSm90:
         """Wait for S^T (dP^T may still run), P^T = exp2(S^T scale log2(e) - lse2) in place and in the
         input dtype in rP, and issue dV += P^T dO (one commit group)."""
         if cutlass.const_expr(self.overlap):
-            if cutlass.const_expr(self.head_dim != 128):
+            if cutlass.const_expr(self.head_dim != 128 and not self.wide):
                 # S^T and dP^T both: they were issued a whole dQ epilogue ago. With wait_group(1) here
                 # ptxas cannot tell S^T retired on the loop's back edge and serialises every WGMMA (C7514).
                 warpgroup.wait_group(0)
-            # (D = 128: S^T was waited for before dP^T was issued.)
+            # (D = 128, BLOCK_M = 128: S^T was waited for before dP^T was issued.)
         else:
             warpgroup.wait_group(1)  # S^T is ready; dP^T may still run
         if key_tail or m_block < m_block_mask_end:
             self._mask(acc_S, tScS, m_block, n_block, seqlen_q, seqlen_k)
-        for i in cutlass.range(cute.size(acc_S), unroll_full=True):
-            # +inf lse2 (query past Sq, or a query that sees no key) gives P = 0 exactly.
-            acc_S[i] = cute.math.exp2(acc_S[i] * scale_log2 - sLSE[tScS[i][1], q_stage], fastmath=True)
-        rP.store(acc_S.load().to(self.dtype))
+        if cutlass.const_expr(self.exp2_emu == 0):
+            for i in cutlass.range(cute.size(acc_S), unroll_full=True):
+                # +inf lse2 (query past Sq, or a query that sees no key) gives P = 0 exactly.
+                acc_S[i] = cute.math.exp2(acc_S[i] * scale_log2 - sLSE[tScS[i][1], q_stage], fastmath=True)
+        else:
+            # exp2_emu of every 16 on the FMA pipe (exp2_poly: x <= -127, so -inf too, gives 0 exactly).
+            n = cute.size(acc_S)
+            for i, emu in zip(range(n), emulated_columns(n, self.exp2_emu)):
+                x = acc_S[i] * scale_log2 - sLSE[tScS[i][1], q_stage]
+                if cutlass.const_expr(emu):
+                    acc_S[i] = exp2_poly(x, self.exp2_emu_degree)
+                else:
+                    acc_S[i] = cute.math.exp2(x, fastmath=True)
+        if cutlass.const_expr(self.wide):
+            self._pack_p(acc_S, rP)
+        else:
+            rP.store(acc_S.load().to(self.dtype))
         self._gemm(tiled_mma_dv, acc_dV, tdVrP, tdVrdOt, None, do_stage)  # dV += P^T dO
+
+    @cute.jit
+    def _pack_p(self, acc_S, rP):
+        """rP = acc_S in the input dtype, one cvt.rn.{bf16x2,f16x2}.f32 per pair of values into a 32-bit
+        word (value 2k in the low half, 2k + 1 in the high half, the order of the 16-bit view). Written
+        out because rP is read back value by value (_unpack_p): left to LLVM, the pairs were then
+        converted one value at a time (F2F, on the pipe of the exponentials, and a PRMT to pack)."""
+        op = "cvt.rn.bf16x2.f32 $0, $2, $1;" if cutlass.const_expr(self.dtype == cutlass.BFloat16) else \
+            "cvt.rn.f16x2.f32 $0, $2, $1;"
+        rP32 = cute.recast_tensor(rP, Int32)
+        for k in cutlass.range_constexpr(cute.size(rP32)):
+            rP32[k] = Int32(llvm.inline_asm(T.i32(), [Float32(acc_S[2 * k]).ir_value(),
+                                                      Float32(acc_S[2 * k + 1]).ir_value()],
+                                            op, "=r,f,f", has_side_effects=False, is_align_stack=False,
+                                            asm_dialect=llvm.AsmDialect.AD_ATT))
+
+    @cute.jit
+    def _unpack_p(self, rP, acc):
+        """acc = the 16-bit values of rP in fp32 (exact). bf16 is the high half of an fp32: a shift or a
+        mask of the packed word, no conversion instruction."""
+        rP32 = cute.recast_tensor(rP, Int32)
+        if cutlass.const_expr(self.dtype == cutlass.BFloat16):
+            acc32 = cute.recast_tensor(acc, Int32)
+            for k in cutlass.range_constexpr(cute.size(rP32)):
+                acc32[2 * k] = rP32[k] << 16
+                acc32[2 * k + 1] = rP32[k] & Int32(-65536)
+        else:
+            for k in cutlass.range_constexpr(cute.size(rP32)):
+                for h in cutlass.range_constexpr(2):
+                    acc[2 * k + h] = Float32(llvm.inline_asm(
+                        T.f32(), [Int32(rP32[k]).ir_value()],
+                        f"{{ .reg .b16 lo, hi; mov.b32 {{lo, hi}}, $1; cvt.f32.f16 $0, {('lo', 'hi')[h]}; }}",
+                        "=f,r", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
     @cute.jit
     def _ds_dk_dq(self, acc_S, acc_dP, tScS, rdS, thr_sdp, sdSt, sDelta, tiled_mma_dk, acc_dK, tdKrdSt, tdKrQt,
                   tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, tma_dq, tQRsdQ, tQRgdQ, dq_issuer, buf, m_block,
-                  m_block_min, wg, q_stage, do_stage):
+                  m_block_min, wg, q_stage, do_stage, rP=None, ds_copy=None):
         """Wait for dP^T, dS^T = P^T (dP^T - delta) to shared memory (buffer buf), the dS barrier, and
         issue dK += dS^T Q and dQ = dS K (two commit groups); with dq_tma the previous block's dQ tile
         reduce-add after the barrier."""
         warpgroup.wait_group(1)  # dP^T is ready; dV may still run
+        if cutlass.const_expr(self.wide):
+            # P^T back from the 16-bit copy that dV reads: the fp32 S^T is dead since the conversion,
+            # so S^T, dP^T (64 registers each at BLOCK_M = 128), the 16-bit P^T and dK, dV are never all
+            # live (224 + addresses and indices > 240: with the fp32 S^T kept for dS^T, ptxas serialises
+            # the WGMMAs, C7512). dS^T then carries P's 16-bit rounding (relative 2^-9 for bf16, 2^-12
+            # for fp16), no more than its own rounding to 16 bits below.
+            self._unpack_p(rP, acc_S)
         for i in cutlass.range(cute.size(acc_dP), unroll_full=True):
             acc_dP[i] = acc_S[i] * (acc_dP[i] - sDelta[tScS[i][1], do_stage])
         rdS.store(acc_dP.load().to(self.dtype))
+        if cutlass.const_expr(self.wide):
+            # dK needs only this warpgroup's dS^T, from registers: issued before the smem stores and the
+            # barrier, it runs while they do.
+            self._gemm(tiled_mma_dk, acc_dK, tdKrdSt, tdKrQt, None, q_stage)  # dK += dS^T Q
         # dS^T to shared memory, where the dK and dQ WGMMAs read it through the async proxy.
-        cute.autovec_copy(rdS, thr_sdp.partition_C(sdSt[None, None, buf]))
+        if cutlass.const_expr(ds_copy is not None):
+            stsm, tRS_rdS, ctid = ds_copy  # partitioned from an opaque thread index: see _opaque
+            cute.copy(stsm, tRS_rdS, stsm.get_slice(_opaque(ctid)).partition_D(sdSt)[None, None, None, buf])
+        else:
+            cute.autovec_copy(rdS, thr_sdp.partition_C(sdSt[None, None, buf]))
         cute.arch.fence_view_async_shared()
         if cutlass.const_expr(self.dq_tma):
             # The reduce-add issued one block ago read the buffer this block's dQ tile is written to
@@ -623,16 +762,22 @@ class FlashBwdSm90:
                     self._reduce_dq(tma_dq, tQRsdQ, tQRgdQ, 1 - buf, m_block - 1)
         else:
             cute.arch.barrier(barrier_id=1 + wg, number_of_threads=128)
-        self._gemm(tiled_mma_dk, acc_dK, tdKrdSt, tdKrQt, buf, q_stage)  # dK += dS^T Q
+        if cutlass.const_expr(not self.wide):
+            self._gemm(tiled_mma_dk, acc_dK, tdKrdSt, tdKrQt, buf, q_stage)  # dK += dS^T Q
         self._gemm(tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, buf, None, zero_init=True)  # dQ = dS K
 
     @cute.jit
-    def _dq_out(self, mdQaccum, acc_dQ, tdQcdQ, tdQsdQ, softmax_scale, buf, m_block, head, batch, seqlen_q):
+    def _dq_out(self, mdQaccum, acc_dQ, tdQcdQ, tdQsdQ, softmax_scale, buf, m_block, head, batch, seqlen_q,
+                dq_repartition=None):
         """The finished dQ partial of m_block: red.global.add into dq_accum, or with dq_tma scaled into
-        the shared dQ tile buf (added by TMA after the next dS barrier)."""
+        the shared dQ tile buf (added by TMA after the next dS barrier). dq_repartition (tiled_mma_dq,
+        sdQ, ctid): the smem tile is partitioned here, from an opaque thread index (see _opaque)."""
         if cutlass.const_expr(self.dq_tma):
             for i in cutlass.range(cute.size(acc_dQ), unroll_full=True):
                 acc_dQ[i] = acc_dQ[i] * softmax_scale
+            if cutlass.const_expr(dq_repartition is not None):
+                tiled_mma_dq, sdQ, ctid = dq_repartition
+                tdQsdQ = tiled_mma_dq.get_slice(_opaque(ctid)).partition_C(sdQ)
             # Made visible to the TMA (async proxy) by the next block's dS fence, before its barrier.
             cute.autovec_copy(acc_dQ, tdQsdQ[None, None, None, buf])
         else:

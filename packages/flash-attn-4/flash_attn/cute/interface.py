@@ -829,6 +829,10 @@ _BWD_OVERLAP = {64: False, 128: False}  # per head dim
 # longest under a causal mask) of every pair in the group starts first and the grid ends on short CTAs,
 # while the CTAs in flight still share a few heads' Q, dO and dq_accum in L2. FLASH_ATTN_CUTE_BWD_LPT=N.
 _BWD_LPT = 0
+# Exponentials of P^T per 16 computed by softmax_exp.exp2_poly on the FMA pipe instead of MUFU.EX2
+# (FLASH_ATTN_CUTE_BWD_EXP2_EMU overrides, 0..16; FLASH_ATTN_CUTE_BWD_EXP2_EMU_DEGREE the polynomial's
+# degree, 2..4, default 3). In the cache key only when on. Not measured on a GPU yet: off.
+_BWD_EXP2_EMU = {64: 0, 128: 0}
 
 
 def _bwd_config(dtype, head_dim, causal, arch):
@@ -850,6 +854,12 @@ def _bwd_config(dtype, head_dim, causal, arch):
         config["overlap"] = True
     if lpt > 0:
         config["lpt"] = lpt
+    emu = int(os.environ.get("FLASH_ATTN_CUTE_BWD_EXP2_EMU") or _BWD_EXP2_EMU.get(int(head_dim), 0))
+    if emu:  # likewise
+        config["exp2_emu"] = emu
+        degree = int(os.environ.get("FLASH_ATTN_CUTE_BWD_EXP2_EMU_DEGREE") or 3)
+        if degree != 3:
+            config["exp2_emu_degree"] = degree
     return config
 
 
@@ -870,7 +880,8 @@ def compile_bwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None):
     kernel = FlashBwdSm90(_cutlass_dtype(dtype), int(head_dim), bool(causal), block_m=config["block_m"],
                           num_stages=config["stages"], dq_split=config["dq_split"],
                           dq_tma=config["dq_tma"], overlap=config.get("overlap", False),
-                          lpt=config.get("lpt", 0))
+                          lpt=config.get("lpt", 0),
+                          exp2_emu=config.get("exp2_emu", 0), exp2_emu_degree=config.get("exp2_emu_degree", 3))
     D = kernel.head_dim
     # 32-bit symbolic shapes and strides, as in compile_fwd (backward() keeps tensors below 2^31 elements).
     batch, seqlen_q, seqlen_k, heads, heads_kv, seqlen_q_pad = (cute.sym_int() for _ in range(6))
