@@ -13,12 +13,13 @@ registers) spill more (tests/test_layer_norm_cute.py bounds both).
 
 Measured on an H200 (bf16 x / dy / dx, rows x hidden = 2^28, fraction of the 4248 GB/s device-to-device
 copy at 6 bytes an element, benchmarks/bench_ln_cute_bwd.py; Triton's backward in brackets): LayerNorm
-4096 0.850 (0.839), 8192 0.843 (0.827), 12288 0.827 (0.501), 16384 0.703 at 1024 threads, 0.658 at 512
-(0.605); RMSNorm 4096 0.928 (0.928), 8192 0.909 (0.923), 12288 0.926 (0.770), 16384 0.880 (0.868). With
-fp32 weights and a residual (dresidual in and out) 1.5-2.3x the Triton backward at 4096-16384.
+4096 0.850 (0.839), 8192 0.843 (0.827), 12288 0.827 (0.501), 16384 0.872 with the p1+p2 variants at
+512 threads, the default (0.605; plain 0.698 at 1024 threads, 0.658 at 512); RMSNorm 4096 0.928 (0.928),
+8192 0.909 (0.923), 12288 0.926 (0.770), 16384 0.880 (0.868). With fp32 weights and a residual
+(dresidual in and out) 1.5-2.3x the Triton backward at 4096-16384.
 
 Layout: persistent CTAs (every resident slot, at most one per row) of at most max_threads() threads (512;
-1024 for LayerNorm 16384: THREADS_TABLE), each owning a contiguous block of rows; a thread holds K =
+THREADS_TABLE can say otherwise per size), each owning a contiguous block of rows; a thread holds K =
 vectors(N) 16-byte vectors (8 columns each) of x and of dy (K = 4 at 16384 with 512 threads, 2 with 1024).
 Thread t always owns the same columns (vector j covers columns (j * T + t) * 8 .. +8, coalesced across a
 warp), so it accumulates dweight/dbias into its own shared-memory words: no atomics, no barrier for the
@@ -34,9 +35,9 @@ dresidual_out if given; dresidual_in gets the same values. x and dy of the next 
 current row's reduction so the loads overlap it (ptxas sinks them below pass 1; the vld variant keeps them
 above it).
 
-Variants ($FLASH_ATTN_LN_CUTE_BWD_OPTS, see OPTS; off by default, part of the compile key, correct on CPU
-compiles and GPU-tested by tests/test_layer_norm_cute.py::test_gpu_variants, not yet measured): w16,
-carve, p1, p2, vld, pp.
+Variants ($FLASH_ATTN_LN_CUTE_BWD_OPTS, see OPTS; part of the compile key, checked on CPU compiles and
+GPU-tested by tests/test_layer_norm_cute.py::test_gpu_variants): w16, carve, p1, p2, vld, pp. OPTS_TABLE
+picks them where measured faster: LayerNorm 16384 takes p1+p2 (0.872 of copy at 512 threads).
 
 Served (``plan`` returns a key, else None and the Triton path runs): CUDA sm_90, x / dy / dx (and
 dresidual_out / dresidual_in) all bf16 or all fp16, weight bf16/fp16/fp32, 4096 <= N <= 16384 with
@@ -54,10 +55,11 @@ import torch
 
 VEC = 8  # 16-byte vectors of 2-byte elements
 MAX_THREADS = 512  # the threads per CTA where THREADS_TABLE has no entry
-# (is_rms_norm, N) -> threads per CTA at most, measured on an H200 (bf16, 2^28 elements): LayerNorm 16384
-# 0.703 of copy at 1024 threads against 0.658 at 512; everywhere else 512 is as fast or faster (LayerNorm
-# 12288: 0.827 against 0.608). $FLASH_ATTN_LN_CUTE_BWD_THREADS overrides the table (a tuning knob, in the key).
-THREADS_TABLE = {(False, 16384): 1024}
+# (is_rms_norm, N) -> threads per CTA at most, measured on an H200 (bf16, 2^28 elements): 512 everywhere
+# (LayerNorm 12288: 0.827 of copy against 0.608 at 1024; LayerNorm 16384 with the p1+p2 variants 0.872 at
+# 512 against 0.621 at 1024, and without them 0.698 at 1024 against 0.658 at 512).
+# $FLASH_ATTN_LN_CUTE_BWD_THREADS overrides the table (a tuning knob, in the key).
+THREADS_TABLE = {}
 MIN_N, MAX_N = 4096, 16384
 SMEM_PER_SM = 227 * 1024
 THREADS_PER_SM = 2048
@@ -76,6 +78,11 @@ _W_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #          one row ahead instead of at the row's start
 #   pp     two rows a loop iteration with the row registers swapping roles (no row-to-row register moves)
 OPTS = ("w16", "carve", "p1", "p2", "vld", "pp")
+# (is_rms_norm, N) -> the variants used when $FLASH_ATTN_LN_CUTE_BWD_OPTS is unset. H200, bf16, 2^28
+# elements, one process (benchmarks/bench_ln_cute_bwd.py --hidden 16384 --norms L --variants ...): LayerNorm
+# 16384 at 512 threads with p1+p2 0.872 of copy (435 us) against 0.698 for the plain kernel at 1024 threads,
+# 0.688 with vld, 0.628 with w16+carve+p1+p2+vld at 512 (Triton: 0.606). Other sizes: not measured yet.
+OPTS_TABLE = {(False, 16384): ("p1", "p2")}
 
 
 def enabled() -> bool:
@@ -83,10 +90,13 @@ def enabled() -> bool:
     return os.environ.get("FLASH_ATTN_LN_CUTE_BWD", "1").strip().lower() not in ("0", "off", "false", "no")
 
 
-def options(wdtype, is_rms_norm, env=None) -> tuple:
-    """The variants of $FLASH_ATTN_LN_CUTE_BWD_OPTS (``env``: that value instead) that change this key's
-    code, in OPTS order: w16 only with a 16-bit weight, p1 and p2 only for LayerNorm."""
-    value = os.environ.get("FLASH_ATTN_LN_CUTE_BWD_OPTS", "") if env is None else env
+def options(wdtype, is_rms_norm, env=None, N=None) -> tuple:
+    """The variants of $FLASH_ATTN_LN_CUTE_BWD_OPTS (``env``: that value instead; unset: OPTS_TABLE's entry
+    for (is_rms_norm, N)) that change this key's code, in OPTS order: w16 only with a 16-bit weight, p1 and
+    p2 only for LayerNorm."""
+    value = os.environ.get("FLASH_ATTN_LN_CUTE_BWD_OPTS") if env is None else env
+    if value is None:
+        value = ",".join(OPTS_TABLE.get((bool(is_rms_norm), N), ()))
     opts = {o.strip() for o in value.split(",") if o.strip()}
     bad = opts - set(OPTS)
     if bad:
@@ -156,7 +166,7 @@ def plan(x, weight, weight1, dy, dy1, dresidual_out, rowscale, dropout_p, mean, 
             return None
     return (_dtype_name(dt), _dtype_name(weight.dtype), N, bool(is_rms_norm), db is not None,
             dresidual_out is not None, dresidual_in is not None, bool(zero_centered_weight), mt,
-            options(weight.dtype, is_rms_norm))
+            options(weight.dtype, is_rms_norm, N=N))
 
 
 def _dtype_name(dt) -> str:
