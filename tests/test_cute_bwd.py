@@ -47,6 +47,9 @@ def compiled(request, tmp_path_factory):
     dtype, d, causal, dq_split, dq_tma = request.param
     dump = tmp_path_factory.mktemp("bwd")
     with pytest.MonkeyPatch.context() as mp:
+        # The 64-row loop at both head dims (d64's default is the 128-row loop, whose PTX and ptxas checks
+        # are test_block_m_128_kernel_is_spill_free's).
+        mp.setenv("FLASH_ATTN_CUTE_BWD_BLOCK_M", "64")
         mp.setenv("FLASH_ATTN_CUTE_BWD_DQ_SPLIT", "1" if dq_split else "0")
         mp.setenv("FLASH_ATTN_CUTE_BWD_DQ_TMA", "1" if dq_tma else "0")
         cfg = interface._bwd_config(dtype, d, causal, "sm_90a")
@@ -207,6 +210,7 @@ def test_overlap_issues_the_next_block_before_the_dq_atomics(tmp_path, monkeypat
     and waits only for the older groups (wait_group 2 / 1); the default build issues nothing there and
     waits for everything. ptxas keeps the WGMMAs pipelined and spills at most a few words."""
     monkeypatch.setenv("FLASH_ATTN_CUTE_BWD_DQ_TMA", "0")  # the atomics path (the TMA dQ has its own test)
+    monkeypatch.setenv("FLASH_ATTN_CUTE_BWD_BLOCK_M", "64")  # the 64-row loop (128 rows: its own overlap test)
     monkeypatch.delenv("FLASH_ATTN_CUTE_BWD_DQ_SPLIT", raising=False)
     monkeypatch.delenv("FLASH_ATTN_CUTE_BWD_STAGES", raising=False)
     bm = interface._bwd_config(torch.bfloat16, d, causal, "sm_90a")["block_m"]
@@ -311,7 +315,7 @@ def test_block_m_128_kernel_is_spill_free(tmp_path, monkeypatch, overlap, emu):
               "FLASH_ATTN_CUTE_BWD_OVERLAP", "FLASH_ATTN_CUTE_BWD_EXP2_EMU", "FLASH_ATTN_CUTE_BWD_EXP2_EMU_DEGREE"):
         monkeypatch.delenv(k, raising=False)
     cfg = interface._bwd_config(torch.bfloat16, 64, True, "sm_90a")
-    assert cfg["block_m"] == 64 and "exp2_emu" not in cfg  # the defaults are left as they are
+    assert cfg["block_m"] == 128 and "exp2_emu" not in cfg  # the default at d64 (measured faster)
     text, ptx = _compile_ptx(tmp_path, monkeypatch, 64, True, FLASH_ATTN_CUTE_BWD_BLOCK_M="128",
                              FLASH_ATTN_CUTE_BWD_OVERLAP="1" if overlap else "0",
                              FLASH_ATTN_CUTE_BWD_EXP2_EMU=str(emu))
@@ -441,7 +445,7 @@ def _compare_fragments(sdp, dv, block_n, block_m, mismatches):
                 mismatches.append((t, i, cS[i], cA[i]))
 
 
-@pytest.mark.parametrize("d,block_m", [(64, None), (128, None), (64, 128)])
+@pytest.mark.parametrize("d,block_m", [(64, 64), (128, None), (64, None)])
 def test_p_fragment_reuses_the_st_accumulator_layout(d, block_m):
     """P^T goes to dV += P^T dO by reinterpreting the S^T accumulator (m64n{BM}k16) registers as the A
     operand of m64n{D}k16 with K = BM, layout ((2, 2, 2), 1, BM / 16): each register must then hold the
@@ -1020,6 +1024,20 @@ def test_gradients_with_overlap_on_gpu(cute_bwd_on, monkeypatch, d, causal, seql
     monkeypatch.setenv("FLASH_ATTN_CUTE_BWD_OVERLAP", "1")
     monkeypatch.setattr(interface, "_bwd_kernels", {})
     _run(torch.bfloat16, d, causal, 2, seqlen_q, seqlen_k, heads, heads_kv, cute_bwd_on, seed=5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(17, 17), (1000, 1000), (2048, 2048), (113, 203), (256, 77),
+                                               (1, 130)])
+@pytest.mark.parametrize("heads,heads_kv", [(4, 4), (6, 2)])
+def test_gradients_with_block_m_64_at_d64_on_gpu(cute_bwd_on, monkeypatch, causal, seqlen_q, seqlen_k, heads,
+                                                 heads_kv):
+    # FLASH_ATTN_CUTE_BWD_BLOCK_M=64 at d64: the former default (d64 now takes 128 query rows)
+    monkeypatch.setenv("FLASH_ATTN_CUTE_BWD_BLOCK_M", "64")
+    monkeypatch.setattr(interface, "_bwd_kernels", {})
+    _run(torch.bfloat16, 64, causal, 2, seqlen_q, seqlen_k, heads, heads_kv, cute_bwd_on, seed=8)
 
 
 @pytest.mark.gpu

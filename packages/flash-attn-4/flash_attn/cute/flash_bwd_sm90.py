@@ -24,10 +24,10 @@ Per query block, for each of the two consumer warpgroups (64 keys each):
 With overlap (FLASH_ATTN_CUTE_BWD_OVERLAP=1) the loop is software-pipelined: S^T and dP^T of the next
 query block (D = 128 and BLOCK_M = 128: S^T only, for registers) are issued right behind dK and dQ,
 and this block's dQ goes out (atomics or smem tile) while the tensor cores compute them.
-BLOCK_M = 128 (FLASH_ATTN_CUTE_BWD_BLOCK_M=128, head dim 64 only): the same steps on 128 query rows
-(S^T, dP^T are m64n128k16, dV, dK have K = 128), with changes that keep a consumer thread within its
-240 registers, spill-free (S^T, dP^T are 64 fp32 registers each, dK, dV 32 each), and the smem traffic
-down:
+BLOCK_M = 128 (head dim 64 only; the d64 default, FLASH_ATTN_CUTE_BWD_BLOCK_M=64 restores 64 rows): the
+same steps on 128 query rows (S^T, dP^T are m64n128k16, dV, dK have K = 128), with changes that keep a
+consumer thread within its 240 registers, spill-free (S^T, dP^T are 64 fp32 registers each, dK, dV 32
+each), and the smem traffic down:
   - dS^T = P^T (dP^T - delta) takes P^T from the 16-bit copy the dV WGMMA reads (unpacked exactly), so
     the fp32 S^T dies when P^T is packed, before dP^T is waited for;
   - dS^T goes to shared memory with stmatrix, and the swizzled addresses of the dS and dQ smem stores

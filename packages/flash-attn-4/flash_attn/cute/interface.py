@@ -807,8 +807,11 @@ _bwd_kernels: dict[tuple, object] = {}  # (torch dtype, head dim, causal, arch) 
 _LOG2E = 1.4426950408889634
 # Query rows per pipeline stage (the N of S^T = K Q^T) and Q/dO ring depth; keys per CTA are fixed at
 # 128 (64 per consumer warpgroup). FLASH_ATTN_CUTE_BWD_BLOCK_M / _STAGES override them (tuning knobs;
-# the disk cache keys on them).
-_BWD_BLOCK_M = {64: 64, 128: 64}
+# the disk cache keys on them). d64 takes 128 query rows (the spill-free BLOCK_M = 128 path): H200, bf16, b8
+# s2048 h16 (the GPT-2 medium shape), one process (benchmarks/ab_cute_bwd.py), kernel / whole call TFLOP/s,
+# 64 -> 128: causal 312 / 279 -> 334 / 297, non-causal 377 / 352 -> 409 / 378; 108 GPU gradient tests
+# passed. d128 has no BLOCK_M = 128 (its accumulators do not fit the registers).
+_BWD_BLOCK_M = {64: 128, 128: 64}
 _BWD_STAGES = {64: 2, 128: 2}
 # dQ tile shared by the two consumer warpgroups (split along D; one atomic add per element per key
 # block) or one per warpgroup (two adds, no cross-warpgroup barrier). FLASH_ATTN_CUTE_BWD_DQ_SPLIT=0/1.
