@@ -15,49 +15,73 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+for _p in (ROOT, os.path.join(ROOT, "benchmarks")):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
 
 
 def _ints(s):
     return [int(x) for x in s.split(",")]
 
 
-def _variant(spec):
-    env = {}
-    for item in filter(None, (x.strip() for x in spec.split(","))):
-        name, _, value = item.partition("=")
-        env[name] = value
-    return env
-
-
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser(doc, seqlens):
+    """The A/B scripts' shared arguments (ab_cute_fwd.py uses it too)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variants", required=True, help="';'-separated variants, each NAME=VALUE[,NAME=VALUE]")
     ap.add_argument("--headdims", type=_ints, default=[64, 128])
-    ap.add_argument("--seqlens", type=_ints, default=[2048, 8192])
+    ap.add_argument("--seqlens", type=_ints, default=seqlens)
     ap.add_argument("--causal", type=_ints, default=[1, 0])
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--rounds", type=int, default=2, help="passes over the variants (interleaved)")
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--rep", type=int, default=40)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def variants(spec):
+    """[{NAME: VALUE}] of a --variants string (an empty variant: the defaults) and every NAME in it."""
+    out = []
+    for v in spec.split(";"):
+        env = {}
+        for item in filter(None, (x.strip() for x in v.split(","))):
+            name, _, value = item.partition("=")
+            env[name] = value
+        out.append(env)
+    return out, sorted({n for v in out for n in v})
+
+
+def apply(var, names):
+    """The environment of one variant: its NAMEs set, the other variants' NAMEs unset."""
+    for n in names:
+        os.environ.pop(n, None)
+    os.environ.update(var)
+
+
+def header(kind, args, variants_):
+    import torch
+
+    print(f"# {torch.cuda.get_device_name()}; bf16; tokens {args.tokens}; hidden {args.hidden}; TFLOP/s, best of "
+          f"{args.rounds} interleaved rounds; {kind}")
+    print("| D | S | causal | " + " | ".join(" ".join(f"{k}={v}" for k, v in var.items()) or "default"
+                                             for var in variants_) + " |")
+    print("|---|---|---|" + "---|" * len(variants_))
+
+
+def main(argv=None):
+    args = parser(__doc__, [2048, 8192]).parse_args(argv)
 
     import torch
     from triton.testing import do_bench
 
+    from bench_cute_bwd import kernel_call
+
     from flash_attn.cute import backend as cb
     from flash_attn.cute import interface as ci
 
-    variants = [_variant(v) for v in args.variants.split(";")]
-    names = sorted({n for v in variants for n in v})
+    variants_, names = variants(args.variants)
     dtype = torch.bfloat16
-    print(f"# {torch.cuda.get_device_name()}; bf16; tokens {args.tokens}; hidden {args.hidden}; TFLOP/s, best of "
-          f"{args.rounds} interleaved rounds; kernel alone / whole backward call")
-    print("| D | S | causal | " + " | ".join(" ".join(f"{k}={v}" for k, v in var.items()) or "default"
-                                             for var in variants) + " |")
-    print("|---|---|---|" + "---|" * len(variants))
+    header("kernel alone / whole backward call", args, variants_)
     for d in args.headdims:
         for s in args.seqlens:
             for causal in map(bool, args.causal):
@@ -69,32 +93,20 @@ def main(argv=None):
                           softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None)
                 out, lse, _ = cb.fwd(q, k, v, return_probs=False, **kw)
                 flops = 2.5 * 4 * b * s * s * h * d / (2 if causal else 1)
-                best = [[0.0, 0.0] for _ in variants]
+                best = [[0.0, 0.0] for _ in variants_]
                 for _ in range(args.rounds):
-                    for i, var in enumerate(variants):
-                        for n in names:
-                            os.environ.pop(n, None)
-                        os.environ.update(var)
+                    for i, var in enumerate(variants_):
+                        apply(var, names)
                         ci._bwd_kernels.clear()  # the in-memory cache does not key on the variables
-                        fn = ci.bwd_kernel(dtype, d, causal)
-                        bm = ci._bwd_config(dtype, d, causal, "sm_90a")["block_m"]
-                        pad = -(-s // bm) * bm
-                        lse2 = torch.full((b, h, pad), float("inf"), dtype=torch.float32, device="cuda")
-                        lse2[:, :, :s] = lse * 1.4426950408889634
-                        delta = torch.zeros((b, h, pad), dtype=torch.float32, device="cuda")
-                        delta[:, :, :s] = (dout.float() * out).sum(-1).transpose(1, 2)
-                        dq_acc = torch.zeros((b, s, h, d), dtype=torch.float32, device="cuda")
-                        dk_h, dv_h = torch.empty_like(k), torch.empty_like(v)
-                        t_k = do_bench(lambda: fn(q, k, v, dout, lse2, delta, dq_acc, dk_h, dv_h, d ** -0.5),
-                                       warmup=args.warmup, rep=args.rep, return_mode="median")
+                        t_k = do_bench(kernel_call(q, k, v, dout, out, lse, causal), warmup=args.warmup,
+                                       rep=args.rep, return_mode="median")
                         t_c = do_bench(lambda: cb.bwd(dout, q, k, v, out, lse, deterministic=False, **kw),
                                        warmup=args.warmup, rep=args.rep, return_mode="median")
                         best[i][0] = max(best[i][0], flops / t_k / 1e9)
                         best[i][1] = max(best[i][1], flops / t_c / 1e9)
                 print(f"| {d} | {s} | {causal} | " + " | ".join(f"{a:.0f} / {c:.0f}" for a, c in best) + " |",
                       flush=True)
-    for n in names:
-        os.environ.pop(n, None)
+    apply({}, names)
 
 
 if __name__ == "__main__":

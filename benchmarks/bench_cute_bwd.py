@@ -34,6 +34,24 @@ def _bools(s):
     return [x.strip().lower() in ("1", "true", "yes") for x in s.split(",") if x]
 
 
+def kernel_call(q, k, v, dout, out, lse, causal):
+    """A no-argument call of the backward kernel alone (the current configuration's), on inputs prepared
+    as interface.backward prepares them (lse2 and delta padded to the query block, a zeroed dq_accum)."""
+    from flash_attn.cute import interface as ci
+
+    b, s, h, d = q.shape
+    fn = ci.bwd_kernel(q.dtype, d, causal)
+    bm = ci._bwd_config(q.dtype, d, causal, "sm_90a")["block_m"]
+    pad = -(-s // bm) * bm
+    lse2 = torch.full((b, h, pad), float("inf"), dtype=torch.float32, device=q.device)
+    lse2[:, :, :s] = lse * 1.4426950408889634
+    delta = torch.zeros((b, h, pad), dtype=torch.float32, device=q.device)
+    delta[:, :, :s] = (dout.float() * out).sum(-1).transpose(1, 2)
+    dq_acc = torch.zeros((b, s, h, d), dtype=torch.float32, device=q.device)
+    dk_h, dv_h = torch.empty_like(k), torch.empty_like(v)
+    return lambda: fn(q, k, v, dout, lse2, delta, dq_acc, dk_h, dv_h, d ** -0.5)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--headdims", type=_ints, default=[64, 128])
@@ -55,7 +73,6 @@ def main(argv=None):
 
     from flash_attn.cute import backend as cb
     from flash_attn.cute import bwd_host
-    from flash_attn.cute import interface as ci
     from flash_attn.triton import backend as tb
 
     dtype = torch.bfloat16
@@ -91,18 +108,8 @@ def main(argv=None):
                     t_host = do_bench(run_cute, warmup=args.warmup, rep=args.rep, return_mode="median")
                 finally:
                     del os.environ[bwd_host.HOST_ENV_VAR]
-                # the kernel alone, on inputs prepared as interface.backward prepares them
-                fn = ci.bwd_kernel(dtype, d, causal)
-                bm = ci._bwd_config(dtype, d, causal, "sm_90a")["block_m"]
-                pad = -(-s // bm) * bm
-                lse2 = torch.full((b, h, pad), float("inf"), dtype=torch.float32, device="cuda")
-                lse2[:, :, :s] = lse * 1.4426950408889634
-                delta = torch.zeros((b, h, pad), dtype=torch.float32, device="cuda")
-                delta[:, :, :s] = (dout.float() * out).sum(-1).transpose(1, 2)
-                dq_acc = torch.zeros((b, s, h, d), dtype=torch.float32, device="cuda")
-                dk_h, dv_h = torch.empty_like(k), torch.empty_like(v)
-                t_kern = do_bench(lambda: fn(q, k, v, dout, lse2, delta, dq_acc, dk_h, dv_h, d ** -0.5),
-                                  warmup=args.warmup, rep=args.rep, return_mode="median")
+                t_kern = do_bench(kernel_call(q, k, v, dout, out, lse, causal), warmup=args.warmup, rep=args.rep,
+                                  return_mode="median")
                 emit(f"{d:>4} {s:>6} {b:>3} {h:>3} {str(causal):>6} | {t_tri:9.3f} {flops / t_tri / 1e9:8.1f} | "
                      f"{t_cute:8.3f} {flops / t_cute / 1e9:8.1f} {t_tri / t_cute:7.2f} | {t_host:10.3f} | "
                      f"{t_kern:7.3f} {flops / t_kern / 1e9:8.1f} | "
