@@ -424,7 +424,7 @@ def test_bias_grad_interpreter_fp16_into_fp32(interp, switch_on):
     assert_close_to_ref(db, d.double().sum(0), d.float().sum(0), name="db", fp32_ulps=8)
 
 
-# ----------------------------------------------------------------------------------------------- GPU
+# ------------------------------------------------------------------------------- backward op census
 class _BackwardOps(TorchDispatchMode):
     """(op name, input dtypes, output dtype, output shape) of every op."""
 
@@ -440,7 +440,7 @@ class _BackwardOps(TorchDispatchMode):
         return out
 
 
-def _cuda_gpt(**kw):
+def _census_gpt(device, **kw):
     from transformers import GPT2Config
 
     from flash_attn.models.gpt import GPTLMHeadModel
@@ -448,7 +448,7 @@ def _cuda_gpt(**kw):
     config = GPT2Config(n_embd=256, n_head=4, n_layer=2, vocab_size=1000, n_positions=256, resid_pdrop=0.0,
                         embd_pdrop=0.0, attn_pdrop=0.0, activation_function="gelu_new", **kw)
     torch.manual_seed(0)
-    model = GPTLMHeadModel(config, device="cuda", dtype=torch.float32)
+    model = GPTLMHeadModel(config, device=device, dtype=torch.float32)
     with torch.no_grad():
         for n, p in model.named_parameters():
             if n.endswith("bias"):
@@ -456,9 +456,100 @@ def _cuda_gpt(**kw):
     return model
 
 
+def _cuda_gpt(**kw):
+    return _census_gpt("cuda", **kw)
+
+
 _FUSED = dict(fused_mlp=True, fused_dropout_add_ln=True, use_flash_attn=True)
 
 
+def _squeezed(shape):
+    return tuple(d for d in shape if d != 1)
+
+
+def _backward_census(model, monkeypatch, device):
+    """{"off": ..., "on": ...} of (casts, bf16 bias sums, fp32-output GEMMs) in one bf16-autocast backward of
+    ``model`` with FLASH_ATTN_FP32_WGRAD off / on, and the number of nn.Linear modules.
+
+    casts: bf16 -> fp32 ``_to_copy`` with a Linear parameter's exact shape (autograd casts a gradient after
+    reducing it to the parameter's shape). bias sums: bf16 ``aten.sum`` whose result is a Linear bias' shape
+    up to size-1 dims: autograd reduces a broadcast bias' gradient (addmm's bias) with at::sum_to, which
+    sums with keepdim=True, (M, N) -> (1, N), and only then views it as (N,)."""
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    bias_shapes = {tuple(m.bias.shape) for m in linears if m.bias is not None}
+    shapes = bias_shapes | {tuple(m.weight.shape) for m in linears}
+    ids = torch.randint(0, 1000, (2, 256), device=device, generator=torch.Generator(device).manual_seed(1))
+
+    def census(on):
+        monkeypatch.setenv("FLASH_ATTN_FP32_WGRAD", "1" if on else "0")
+        model.zero_grad(set_to_none=True)
+        with torch.autocast(device, dtype=torch.bfloat16):
+            loss = model(ids).logits.float().square().mean()
+        with _BackwardOps() as rec:
+            loss.backward()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        casts = [o for o in rec.ops if "_to_copy" in o[0] and o[1] == (torch.bfloat16,)
+                 and o[2] == torch.float32 and o[3] in shapes]
+        bf16_sums = [o for o in rec.ops if o[0].startswith("aten.sum") and o[2] == torch.bfloat16
+                     and _squeezed(o[3]) in bias_shapes]
+        mm_fp32 = [o for o in rec.ops if o[0] == "aten.mm.dtype"]
+        return casts, bf16_sums, mm_fp32
+
+    return {"off": census(False), "on": census(True)}, len(linears)
+
+
+def _check_census(result, n_weights):
+    # n_weights counts every nn.Linear: Wqkv, out_proj, FusedMLP's fc1 / fc2 per layer and the tied LM head.
+    casts, sums, mms = result["off"]
+    assert len(casts) >= n_weights, ("switch off: too few gradient casts seen", casts)
+    assert len(sums) > 0, "switch off: no bf16 bias reduction seen"
+    assert not mms, ("switch off: fp32-output GEMMs", mms)
+    casts, sums, mms = result["on"]
+    assert casts == [], ("switch on: gradient casts", casts)
+    assert sums == [], ("switch on: bf16 bias reductions", sums)
+    assert len(mms) == n_weights, ("switch on: fp32-output GEMMs", len(mms), n_weights, mms)
+
+
+@pytest.fixture
+def cpu_mm_dtype(monkeypatch):
+    """A CPU kernel for aten::mm.dtype (bf16/fp16 inputs, fp32 output: CUDA-only in torch), and linear's
+    feature test admitting CPU tensors: the CPU runs the code path the switch takes on CUDA, and a
+    dispatch mode sees the same op. The kernel accumulates in fp32 as cuBLAS does."""
+    one = torch.ones((1, 1), dtype=torch.bfloat16)
+    lib = None
+    try:
+        torch.mm(one, one, out_dtype=torch.float32)  # a torch whose CPU build has the kernel: use it
+    except TypeError:
+        pytest.skip("torch.mm has no out_dtype (torch < 2.8)")
+    except NotImplementedError:
+        lib = torch.library.Library("aten", "IMPL")
+        lib.impl("mm.dtype", lambda a, b, out_dtype: torch.mm(a.float(), b.float()).to(out_dtype), "CPU")
+    monkeypatch.setattr(L, "_wants_fp32_gemm", lambda a, dtype: dtype == torch.float32 and a.dtype in L._HALF)
+    monkeypatch.setattr(L, "_mm_out_dtype_ok", None)
+    try:
+        yield
+    finally:
+        if lib is not None:
+            lib._destroy()
+
+
+def test_no_gradient_casts_or_bf16_bias_reductions_cpu(switch_on, cpu_mm_dtype):
+    # The GPU test's census on CPU (PyTorch LayerNorm, attention and bias kernels instead of Triton / CuTeDSL;
+    # those add no bf16 sums or casts of parameter shapes). With the switch off, the bf16 bias reductions
+    # come out of at::sum_to as (1, N) on any device: a filter on (N,) outputs sees none, so the switch-off
+    # check fails (on the GPU too: this reduction is device-independent autograd code) and the switch-on
+    # check could not fail.
+    model = _census_gpt("cpu", **_FUSED)
+    with backend("torch"):
+        result, n_weights = _backward_census(model, switch_on, "cpu")
+    assert n_weights == 9
+    _check_census(result, n_weights)
+    assert all(o[3][0] == 1 for o in result["off"][1])  # keepdim reductions: the case the filter must cover
+    assert L._mm_out_dtype_ok is True
+
+
+# ----------------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("bias_method", ["triton", "gemm", "torch"])
 @pytest.mark.parametrize("in_f,out_f,bias", [(1024, 3072, True), (4096, 1024, True), (1024, 4096, False)])
@@ -482,33 +573,10 @@ def test_gpu_linear_bf16_within_plain_error(switch_on, in_f, out_f, bias, bias_m
 def test_gpu_no_gradient_casts_or_bf16_bias_reductions(switch_on):
     # The point of the switch: in the backward, no bf16 -> fp32 copy of any Linear parameter's gradient
     # and no bf16 bias reduction; the weight gradients come from aten::mm.dtype. The same count with the
-    # switch off shows the test sees those copies.
+    # switch off shows the test sees those copies and reductions.
     model = _cuda_gpt(**_FUSED)
-    bias_shapes = {tuple(m.bias.shape) for m in model.modules()
-                   if isinstance(m, torch.nn.Linear) and m.bias is not None}
-    shapes = bias_shapes | {tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear)}
-    n_weights = sum(1 for m in model.modules() if isinstance(m, torch.nn.Linear))
-    ids = torch.randint(0, 1000, (2, 256), device="cuda")
-
-    def backward_ops(on):
-        switch_on.setenv("FLASH_ATTN_FP32_WGRAD", "1" if on else "0")
-        model.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(ids).logits.float().square().mean()
-        with _BackwardOps() as rec:
-            loss.backward()
-        torch.cuda.synchronize()
-        casts = [o for o in rec.ops if "_to_copy" in o[0] and o[1] == (torch.bfloat16,)
-                 and o[2] == torch.float32 and o[3] in shapes]
-        bf16_sums = [o for o in rec.ops if o[0].startswith("aten.sum") and o[2] == torch.bfloat16
-                     and o[3] in bias_shapes]
-        mm_fp32 = [o for o in rec.ops if o[0] == "aten.mm.dtype"]
-        return casts, bf16_sums, mm_fp32
-
-    casts, sums, mms = backward_ops(False)
-    assert len(casts) >= n_weights and len(sums) > 0 and not mms
-    casts, sums, mms = backward_ops(True)
-    assert casts == [] and sums == [] and len(mms) == n_weights
+    result, n_weights = _backward_census(model, switch_on, "cuda")
+    _check_census(result, n_weights)
 
 
 @pytest.mark.gpu
