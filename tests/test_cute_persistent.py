@@ -191,6 +191,24 @@ def test_persistent_ptx_turn_circulates_across_tiles(persistent):
     assert len(named) >= 4 and all(line.endswith(", 256;") for line in named), named
 
 
+def test_persistent_ptx_consumers_advance_k_and_v_alike(persistent):
+    """The consumers' K and V pipeline states both advance after a tile's first and in-loop blocks, and
+    V once more after the tile's last P V: without that last advance (the first GPU run's hang) V lags
+    the producer by one stage per tile (tests/test_cute_persistent_protocol.py models it). In the PTX: the
+    phase register of the consumers' V full-barrier waits is flipped at as many sites as K's (2)."""
+    _, _, text, _, _ = persistent
+    body = text[text.index("setmaxnreg.inc"):]  # the consumer warpgroups' code
+    offsets = dict(re.findall(r"add\.s32\s+(%r\d+), %r\d+, (\d+);", body))
+    phases = {}  # barrier offset from the shared-memory base -> phase registers waited on
+    for addr, phase in re.findall(r"mbarrier\.try_wait\.parity\.shared\.b64 P1, \[(%r\d+)\], (%r\d+),", body):
+        if addr in offsets:  # Q's full barrier sits at the base itself
+            phases.setdefault(int(offsets[addr]), set()).add(phase)
+    assert len(phases) == 2, phases  # K full (offset 16), V full (after K's full and empty barriers)
+    flips = [sum(len(re.findall(rf"xor\.b32\s+{r}, {r}, %r\d+;", body)) for r in regs)
+             for _, regs in sorted(phases.items())]
+    assert flips == [2, 2], (phases, flips)
+
+
 @pytest.mark.skipif(__import__("shutil").which("ptxas") is None, reason="ptxas not on PATH")
 def test_persistent_kernel_fits_its_registers(persistent):
     """No spills, no C7508 (setmaxnreg ignored) and no C7510-C7520 (WGMMAs serialised, warpgroup.arrive

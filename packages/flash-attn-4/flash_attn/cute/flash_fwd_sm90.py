@@ -830,6 +830,10 @@ class FlashFwdSm90:
             self._gemm_pv(tiled_mma_pv, acc_O, tOrP, tOrV, v_state.index)
             warpgroup.wait_group(0)
             v_pipe.consumer_release(v_state)
+            # The persistent kernel carries v_state into the next tile: without this advance it would
+            # wait on this stage (already full) and release it a second time there, one stage behind the
+            # producer per tile, until the phases wrap and both sides wait on each other (the hang).
+            v_state.advance()
         return k_state, v_state
 
     @cute.jit
