@@ -132,15 +132,11 @@ def stats(args):
     import tempfile
 
     import triton
-    from triton.backends.compiler import GPUTarget
+    from triton_fwd_compile import compile_fwd
 
-    from flash_attn.triton import _configs, _fwd
+    from flash_attn.triton import _configs
 
-    kern = _fwd._attn_fwd_kernel
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    ptrs = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16", "Lse": "*fp32", "Probs": "*fp32",
-            "Alibi": "*fp32", "CuSeqlensQ": "*i32", "CuSeqlensK": "*i32"}
-    floats = {"qk_scale", "softcap_scale", "softcap_log2", "dropout_scale"}
     for d in args.headdims:
         for causal in args.causal:
             base = _configs._lookup(_configs._FWD, (9, 0), d, causal)
@@ -148,30 +144,9 @@ def stats(args):
                 cfg = base if fields is None else _cfg(fields)
                 if cfg.variant:  # benchmarks/triton_fwd_compile.py compiles and reads the ws kernel
                     continue
-                meta = dict(IS_FP32=False, HEAD_DIM=d, HEAD_DIM_V=d, BLOCK_D=d, BLOCK_DV=d, BLOCK_M=cfg.block_m,
-                            BLOCK_N=cfg.block_n, IS_VARLEN=False, WINDOW_LEFT=False, WINDOW_RIGHT=causal,
-                            HAS_SOFTCAP=False, HAS_ALIBI=False, HAS_DROPOUT=False, RETURN_PROBS=False,
-                            USE_TMA=cfg.tma, RESCALE_THRESHOLD=float(cfg.rescale), GROUP_HEADS=cfg.group)
-                sig, attrs, consts = {}, {}, {}
-                for i, p in enumerate(kern.params):
-                    if p.is_constexpr:
-                        sig[p.name] = "constexpr"
-                        consts[p.name] = meta.get(p.name, p.default)
-                    elif p.name in ptrs:
-                        sig[p.name] = ptrs[p.name]
-                        attrs[(i,)] = [["tt.divisibility", 16]]
-                    elif p.name in floats:
-                        sig[p.name] = "fp32"
-                    else:
-                        sig[p.name] = "i32"
-                        if p.name.startswith("stride_") and p.name[-1] in "bmnh" and not p.do_not_specialize:
-                            attrs[(i,)] = [["tt.divisibility", 16]]
                 label = "table " + _label(tuple(dataclasses.astuple(cfg))) if fields is None else _label(fields)
                 try:
-                    ck = triton.compile(triton.compiler.ASTSource(fn=kern, signature=sig, constexprs=consts,
-                                                                  attrs=attrs),
-                                        target=GPUTarget("cuda", 90, 32),
-                                        options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+                    ck, _ = compile_fwd(d, causal, cfg)  # the backend's kernel, signature and sm_90 target
                     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
                         f.write(ck.asm["cubin"])
                         f.flush()
