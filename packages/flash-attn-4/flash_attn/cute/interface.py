@@ -71,10 +71,14 @@ _FWD_WARPGROUPS_CAUSAL = {64: 2, 128: 2}
 # clean. _FWD3_BLOCK_N: dense calls; _FWD3_BLOCK_N_EXTRA: softcap, varlen or a window.
 _FWD3_BLOCK_N = {64: 128, 128: 64}
 _FWD3_BLOCK_N_EXTRA = {64: 96, 128: 64}
-# FLASH_ATTN_CUTE_FWD_PERSISTENT=1: dense calls (causal or not; no window, softcap, varlen or sink) run the
-# persistent forward (one CTA per SM looping over the tiles, causal ones longest first; see
-# FlashFwdSm90.kernel_persistent). Off by default: not yet run on a GPU. In the cache key only when on.
-_FWD_PERSISTENT = False
+# The persistent forward (one CTA per SM looping over the tiles, causal ones longest first; see
+# FlashFwdSm90.kernel_persistent) serves dense calls (no window, softcap, varlen or sink) of these
+# (head dim, causal) pairs; FLASH_ATTN_CUTE_FWD_PERSISTENT=1 / 0 turns it on / off for every head dim. H200,
+# bf16, 16k tokens (benchmarks/results/h200/attention_cute_session7.md, same-process A/B), one-tile ->
+# persistent TFLOP/s: d64 causal 244 -> 295 (1k), 377 -> 410 (4k), 449 -> 449 (16k); d64 non-causal 365 ->
+# 398, 495 -> 490, 547 -> 522; d128 causal 352 -> 354, 560 -> 518, 640 -> 544 (the one-tile kernel's
+# 2-CTA/SM overlap of epilogue and loads wins there). In the cache key only when on.
+_FWD_PERSISTENT = {(64, True)}
 
 
 def _cutlass_dtype(dtype):
@@ -124,8 +128,8 @@ def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varle
     emu_cfg = ({"exp2_emu": emu, **({"exp2_emu_degree": emu_degree} if emu_degree != 3 else {})}
                if emu else {})
     env = os.environ.get("FLASH_ATTN_CUTE_FWD_PERSISTENT")
-    persistent = (_FWD_PERSISTENT if not env else env not in ("0", "false", "False")) and not (
-        local or softcap or varlen or sink)
+    persistent = (((int(head_dim), bool(causal) and not local) in _FWD_PERSISTENT) if not env
+                  else env not in ("0", "false", "False")) and not (local or softcap or varlen or sink)
     return {"kernel": "FlashFwdSm90", "dtype": _DTYPE_NAMES.get(dtype, str(dtype)), "head_dim": int(head_dim),
             "stages": stages, **({"block_n": block_n} if block_n != 128 else {}), **emu_cfg,
             **({"warpgroups": warpgroups} if warpgroups != 2 else {}),
