@@ -45,8 +45,8 @@ def _version(dist):
         return "not installed"
 
 
-def make_config(args, out_dir, ours, compile=False):
-    overrides = [
+def make_config(args, out_dir, ours, compile=False, graph=False):
+    overrides = [f"train.cuda_graph={str(graph).lower()}",
         f"out_dir={out_dir}", "checkpoint.resume=none", "log.progress=off",
         f"model.vocab_size={args.vocab}", f"model.n_positions={args.seq}", f"model.n_embd={args.hidden}",
         f"model.n_layer={args.layers}", f"model.n_head={args.heads}", "model.dropout=0.0",
@@ -180,6 +180,9 @@ def main(argv=None):
     p.add_argument("--compile", action="store_true", help="also run ours under torch.compile")
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
+    p.add_argument("--cuda-graph", choices=("off", "on", "both"), default=None,
+                   help="ours with train.cuda_graph: off, on, or both rows (--ab rows use graphs unless off); "
+                        "default both on CUDA, off on a CPU")
     p.add_argument("--ab", action="append", default=[], metavar="VAR=VALUE[,VAR=VALUE]",
                    help="also measure ours with these environment variables set, in this process (one row per "
                         "--ab; for switches read on every call, e.g. FLASH_ATTN_FP32_WGRAD=1)")
@@ -189,6 +192,8 @@ def main(argv=None):
     if args.quick:
         args.layers, args.steps, args.warmup = 4, 5, 2
     device = torch.device(args.device)
+    if args.cuda_graph is None:
+        args.cuda_graph = "both" if device.type == "cuda" else "off"
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     peak = peak_tflops(device, dtype, args.peak_tflops)
     results = []
@@ -198,11 +203,17 @@ def main(argv=None):
         if not args.no_hf:
             results.append(measure("HF transformers GPT2LMHeadModel (sdpa)",
                                    make_config(args, os.path.join(tmp, "hf"), ours=False), args, hf_model(args)))
-        results.append(measure("flash_attn GPTLMHeadModel (fused)", ours_cfg, args))
+        graphed = args.cuda_graph != "off"
+        if args.cuda_graph != "on":
+            results.append(measure("flash_attn GPTLMHeadModel (fused)", ours_cfg, args))
+        if graphed:
+            results.append(measure("flash_attn GPTLMHeadModel (fused), CUDA graphs",
+                                   make_config(args, os.path.join(tmp, "graph"), ours=True, graph=True), args))
         for spec in args.ab:
             with env_set(spec) as pairs:
-                results.append(measure(f"flash_attn GPTLMHeadModel (fused), {pairs}",
-                                       make_config(args, os.path.join(tmp, "ab"), ours=True), args))
+                results.append(measure(f"flash_attn GPTLMHeadModel (fused){', CUDA graphs' if graphed else ''}, "
+                                       f"{pairs}", make_config(args, os.path.join(tmp, "ab"), ours=True,
+                                                               graph=graphed), args))
         if args.compile:
             results.append(measure("flash_attn GPTLMHeadModel (fused) + torch.compile",
                                    make_config(args, os.path.join(tmp, "compiled"), ours=True, compile=True), args))

@@ -90,6 +90,7 @@ def train(argv):
 
     p = argparse.ArgumentParser()
     p.add_argument("--compile", action="store_true")
+    p.add_argument("--cuda-graph", action="store_true", help="the step as CUDA graphs (train.cuda_graph)")
     p.add_argument("--steps", type=int, default=3)
     args, rest = p.parse_known_args(argv)
     shape = argparse.Namespace(device="cuda", layers=24, hidden=1024, heads=16, seq=2048, batch=8, vocab=50257,
@@ -98,12 +99,12 @@ def train(argv):
         name, value = flag.lstrip("-").split("=")
         setattr(shape, name.replace("-", "_"), type(getattr(shape, name.replace("-", "_")))(value))
     with tempfile.TemporaryDirectory() as out:
-        cfg = bt.make_config(shape, out, ours=True, compile=args.compile)
+        cfg = bt.make_config(shape, out, ours=True, compile=args.compile, graph=args.cuda_graph)
         trainer = Trainer(cfg)
         for _ in range(3):
             trainer.train_step()
         profiled(lambda: float(trainer.train_step()[0]), args.steps,
-                 f"GPT-2 train step ({'compiled' if args.compile else 'eager'})")
+                 f"GPT-2 train step ({'compiled' if args.compile else 'CUDA graphs' if args.cuda_graph else 'eager'})")
 
 
 def norm(argv):

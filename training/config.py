@@ -88,6 +88,9 @@ class TrainConfig:
     dtype: str = "auto"  # autocast dtype: auto (bf16 on CUDA, fp32 on CPU) | bf16 | fp32
     loss: str = "auto"  # auto (fused on CUDA) | fused (flash_attn.losses) | torch
     compile: bool = False
+    # Replay the step as CUDA graphs after a few eager steps: no Python or launch time per kernel (one
+    # GPU, no dropout, no torch.compile; see flash_attn.training.graphs)
+    cuda_graph: bool = False
     activation_checkpointing: bool = False
     eval_interval: int = 25  # 0 = only at the end
     eval_batches: int = 4
@@ -319,6 +322,12 @@ def validate(cfg):
     if o.lr <= 0 or o.min_lr < 0 or o.min_lr > o.lr:
         raise ConfigError(f"need 0 <= optim.min_lr <= optim.lr and optim.lr > 0, got lr={o.lr}, "
                           f"min_lr={o.min_lr}")
+    if t.cuda_graph and t.compile:
+        raise ConfigError("train.cuda_graph and train.compile cannot both be on (torch.compile's "
+                          "mode='reduce-overhead' makes its own graphs)")
+    if t.cuda_graph and m.dropout > 0:
+        raise ConfigError(f"train.cuda_graph needs model.dropout=0 (got {m.dropout}): the fused dropout "
+                          "kernels draw their seeds on the host, which a replayed graph would repeat")
     if t.stop_at > t.max_steps:
         raise ConfigError(f"train.stop_at ({t.stop_at}) exceeds train.max_steps ({t.max_steps})")
     return cfg

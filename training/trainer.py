@@ -267,6 +267,14 @@ class Trainer:
         self.optimizer = make_optimizer(model, cfg.optim, rt.device)
         self.scheduler = make_scheduler(self.optimizer, cfg.optim, tc.max_steps)
         self.loss_fn = make_loss_fn(tc.loss, rt.device)
+        self.graphed = None  # GraphedStep with train.cuda_graph
+        if tc.cuda_graph:
+            from flash_attn.training.graphs import GraphedStep
+
+            try:
+                self.graphed = GraphedStep(self)
+            except ValueError as e:
+                raise ConfigError(str(e)) from e
         self.step = 0
         self.samples_seen = 0
         # Dropout masks differ between ranks but repeat across runs with the same seed.
@@ -330,6 +338,11 @@ class Trainer:
         """Checkpoint the current step (collective under DDP/FSDP: every rank must call it)."""
         model_state = ckpt.gather_model_state(self.model)
         optim_state = ckpt.gather_optimizer_state(self.model, self.optimizer)
+        sched_state = self.scheduler.state_dict()
+        if self.graphed is not None:
+            from flash_attn.training.graphs import plain_state
+
+            optim_state, sched_state = plain_state(optim_state, sched_state)
         rng = _rng_state(self.rt.device)
         if self.rt.strategy != "none" and self.rt.world > 1:
             rngs = [None] * self.rt.world
@@ -340,7 +353,7 @@ class Trainer:
         if self.rt.is_main:
             state = {
                 "config": self.cfg.to_dict(), "model_shape": shape_signature(self.cfg.model),
-                "model": model_state, "optimizer": optim_state, "scheduler": self.scheduler.state_dict(),
+                "model": model_state, "optimizer": optim_state, "scheduler": sched_state,
                 "step": self.step,
                 "data": {"samples_seen": self.samples_seen, "num_train_tokens": self.num_train_tokens},
                 "rng": rngs,
@@ -375,6 +388,14 @@ class Trainer:
         """One optimizer step over one global batch; returns (loss tensor on this rank, grad norm or None)."""
         tc, rt = self.cfg.train, self.rt
         mb = tc.micro_batch_size
+        if self.graphed is not None:
+            batches = [self._batch(self.train_sampler, self.samples_seen + micro * mb, mb)
+                       for micro in range(tc.grad_accum)]
+            loss, grad_norm = self.graphed.step(batches)
+            self.scheduler.step()
+            self.samples_seen += mb * tc.grad_accum
+            self.step += 1
+            return loss, grad_norm
         total = torch.zeros((), device=rt.device)
         for micro in range(tc.grad_accum):
             first = self.samples_seen + (micro * rt.world + rt.rank) * mb
@@ -440,7 +461,7 @@ class Trainer:
                     result.tokens_per_s, result.mfu = tokens_per_s, mfu
                     if writer is not None:
                         writer.write({"step": self.step, "split": "train", "loss": loss_value,
-                                      "lr": self.scheduler.get_last_lr()[0],
+                                      "lr": _to_float(self.scheduler.get_last_lr()[0]),
                                       "grad_norm": None if grad_norm is None else _to_float(grad_norm),
                                       "tokens": self.step * tokens_per_step, "tokens_per_s": tokens_per_s,
                                       "mfu": mfu, "elapsed_s": now - progress.t0})
