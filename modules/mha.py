@@ -10,7 +10,8 @@ aligned to the bottom-right corner of each (unpadded) sequence, and ALiBi (Press
 Multi-query and grouped-query attention (``num_heads_kv < num_heads``) share each k/v head among
 ``num_heads // num_heads_kv`` query heads. Parameter names (``Wqkv``, ``Wq``, ``Wkv``, ``out_proj``,
 ``dwconv_qkv``, ``rotary_emb``) match FA2 so its checkpoints and state-dict remaps load unchanged. The
-projections are ``flash_attn.ops.linear.Linear`` (nn.Linear unless FLASH_ATTN_FP32_WGRAD=1; see that module).
+projections are ``flash_attn.ops.linear.Linear`` (fp32 weight gradients from the GEMM on CUDA; nn.Linear
+on a CPU or with FLASH_ATTN_FP32_WGRAD=0; see that module).
 """
 
 import torch

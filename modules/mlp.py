@@ -3,8 +3,8 @@
 
 Parameter names (``fc1``, ``fc2``) match FlashAttention 2's ``flash_attn.modules.mlp``; in ``GatedMlp`` the
 first half of fc1's output is the value and the second half the gate, as in FA2 checkpoints. fc1 and fc2 are
-``flash_attn.ops.linear.Linear``: nn.Linear, unless FLASH_ATTN_FP32_WGRAD=1 (fp32 weight/bias gradients
-straight from the GEMM and a column-sum kernel under autocast; see that module).
+``flash_attn.ops.linear.Linear``: on CUDA (or with FLASH_ATTN_FP32_WGRAD=1) fp32 weight/bias gradients
+straight from the GEMM and a column-sum kernel under autocast, else nn.Linear (see that module).
 """
 import torch
 import torch.nn.functional as F

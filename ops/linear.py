@@ -10,7 +10,8 @@ medium step (24 layers of Wqkv, out_proj, fc1, fc2, plus the LM head) that is 16
 copies, 169 bf16 -> fp32 gradient copies (each count one more with the first layer's fp32 input and its
 gradient) and 72 bf16 reductions of (16384, N) gradients: ~4.7 ms of a 95 ms step on an H200.
 
-What the switches change (environment variables, read on every call; all default off):
+What the switches change (environment variables, read on every call; all default off, except
+FLASH_ATTN_FP32_WGRAD, which is on for CUDA inputs unless set to 0):
 
     FLASH_ATTN_FP32_WGRAD=1      ``linear`` runs one autograd Function: the weight gradient is written in
                                  fp32 by the GEMM itself (``torch.mm(..., out_dtype=torch.float32)``, CUDA
@@ -70,9 +71,12 @@ _K_WGRAD, _K_CACHE, _K_BIAS = (os.fsencode(n) for n in (
     "FLASH_ATTN_FP32_WGRAD", "FLASH_ATTN_WEIGHT_CAST_CACHE", "FLASH_ATTN_FP32_WGRAD_BIAS"))
 
 
-def fp32_wgrad_enabled() -> bool:
-    """FLASH_ATTN_FP32_WGRAD=1 routes ``linear`` / ``Linear`` through :class:`LinearFn` (default off)."""
-    return _env("FLASH_ATTN_FP32_WGRAD", _K_WGRAD, "0") == "1"
+def fp32_wgrad_enabled(device_type: str = "cuda") -> bool:
+    """Whether ``linear`` / ``Linear`` on ``device_type`` inputs go through :class:`LinearFn`:
+    FLASH_ATTN_FP32_WGRAD=1 / 0 for every device; unset, on CUDA only (H200, GPT-2 medium step with CUDA
+    graphs: 91.4 -> 90.5 ms, benchmarks/results/h200/train_gpt2_medium.md, session 7)."""
+    value = _env("FLASH_ATTN_FP32_WGRAD", _K_WGRAD, "")
+    return value == "1" if value else device_type == "cuda"
 
 
 def cast_cache_enabled() -> bool:
@@ -307,9 +311,9 @@ def _compute_dtype(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Optiona
 
 
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
-    """F.linear(x, weight, bias); with FLASH_ATTN_FP32_WGRAD=1 through :class:`LinearFn` (fp32 weight and
-    bias gradients from the GEMM and the column-sum kernel; module docstring)."""
-    if torch.compiler.is_compiling() or not fp32_wgrad_enabled():
+    """F.linear(x, weight, bias); on CUDA (or with FLASH_ATTN_FP32_WGRAD=1) through :class:`LinearFn`
+    (fp32 weight and bias gradients from the GEMM and the column-sum kernel; module docstring)."""
+    if torch.compiler.is_compiling() or not fp32_wgrad_enabled(x.device.type):
         return F.linear(x, weight, bias)
     dtype = _compute_dtype(x, weight, bias)
     if dtype is None:
@@ -320,7 +324,7 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
 
 class Linear(nn.Linear):
     """nn.Linear (same parameters, init, state dict) whose forward is :func:`linear`: identical to
-    nn.Linear unless FLASH_ATTN_FP32_WGRAD=1."""
+    nn.Linear on a CPU (unless FLASH_ATTN_FP32_WGRAD=1) and with FLASH_ATTN_FP32_WGRAD=0."""
 
     def forward(self, input: Tensor) -> Tensor:
         return linear(input, self.weight, self.bias)

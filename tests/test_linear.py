@@ -28,9 +28,17 @@ def switch_on(monkeypatch):
 
 @pytest.fixture
 def switch_off(monkeypatch):
-    monkeypatch.delenv("FLASH_ATTN_FP32_WGRAD", raising=False)
+    monkeypatch.setenv("FLASH_ATTN_FP32_WGRAD", "0")
     monkeypatch.delenv("FLASH_ATTN_WEIGHT_CAST_CACHE", raising=False)
     yield monkeypatch
+
+
+def test_switch_defaults_on_for_cuda_only(monkeypatch):
+    monkeypatch.delenv("FLASH_ATTN_FP32_WGRAD", raising=False)
+    assert L.fp32_wgrad_enabled("cuda") and not L.fp32_wgrad_enabled("cpu")
+    for value, on in (("0", False), ("1", True)):
+        monkeypatch.setenv("FLASH_ATTN_FP32_WGRAD", value)
+        assert L.fp32_wgrad_enabled("cuda") is on and L.fp32_wgrad_enabled("cpu") is on
 
 
 def _randn(shape, seed, device="cpu", dtype=torch.float32, scale=1.0):
