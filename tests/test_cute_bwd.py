@@ -278,11 +278,16 @@ def test_lpt_order_covers_every_tile_once_longest_first_per_group(n_blocks, head
 
 
 def test_lpt_config_key_and_one_dimensional_grid(tmp_path, monkeypatch):
-    """The option is in the cache key only when set (the default kernels keep their disk entries), and
-    its kernel reads only blockIdx.x (the 1-D grid) where the default reads blockIdx.y for the head."""
+    """The option is in the cache key only when on (the plain-grid kernels keep their disk entries): by
+    default for causal d64, and its kernel reads only blockIdx.x (the 1-D grid) where the plain grid
+    reads blockIdx.y for the head."""
     monkeypatch.delenv("FLASH_ATTN_CUTE_BWD_LPT", raising=False)
+    assert interface._bwd_config(torch.bfloat16, 64, True, "sm_90a")["lpt"] == 128
+    for d, causal in ((64, False), (128, True), (128, False)):
+        assert "lpt" not in interface._bwd_config(torch.bfloat16, d, causal, "sm_90a")
+    monkeypatch.setenv("FLASH_ATTN_CUTE_BWD_LPT", "0")
     base = interface._bwd_config(torch.bfloat16, 64, True, "sm_90a")
-    assert "lpt" not in base and interface._BWD_LPT == 0
+    assert "lpt" not in base
     monkeypatch.setenv("FLASH_ATTN_CUTE_BWD_LPT", "128")
     assert interface._bwd_config(torch.bfloat16, 64, True, "sm_90a") == {**base, "lpt": 128}
     text, _ = _compile_ptx(tmp_path, monkeypatch, 64, True, FLASH_ATTN_CUTE_BWD_LPT="128")
@@ -589,9 +594,10 @@ def test_unsupported_head_dim_is_refused():
 
 
 def test_cache_key_has_only_what_changes_code():
-    cfg = interface._bwd_config(torch.bfloat16, 64, True, "sm_90a")
+    cfg = interface._bwd_config(torch.bfloat16, 64, False, "sm_90a")
     assert set(cfg) == {"kernel", "dtype", "head_dim", "causal", "block_m", "stages", "dq_split", "dq_tma", "arch",
                         "abi"}
+    assert set(interface._bwd_config(torch.bfloat16, 64, True, "sm_90a")) == set(cfg) | {"lpt"}
     assert interface._bwd_entry(torch.bfloat16, 64, True, "sm_90a")[1] != \
         interface._bwd_entry(torch.bfloat16, 64, False, "sm_90a")[1]
 
