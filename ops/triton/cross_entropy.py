@@ -34,6 +34,8 @@ BWD_WARPS = 8
 # straddling at most two rows (falls back to "row" for other layouts or vocabs below BWD_BLOCK).
 BWD_LAYOUT = "row"
 FIN_BLOCK_ROWS = 128
+# False: scalar accesses as before VEC (the benchmark's baseline).
+VECTORIZE = True
 # Each vocab split streams at least this many columns; rows are split only while the grid is short of
 # a few programs per SM.
 MIN_SPLIT_COLS = 16384
@@ -231,7 +233,7 @@ def _ce_fwd_launch(
             part_m = torch.empty((n_rows, n_splits), device=logits.device, dtype=torch.float32)
             part_s = torch.empty_like(part_m)
             part_z = torch.empty_like(part_m) if has_smoothing else part_m
-            vec = vec_align(logits.element_size(), n_cols, logits.stride(0))
+            vec = vec_align(logits.element_size(), n_cols, logits.stride(0)) if VECTORIZE else 1
             key, meta = plan("ce_partial", HAS_SMOOTHING=has_smoothing, BLOCK=block, VEC=vec, STAGES=FWD_STAGES,
                              num_warps=FWD_WARPS)
             _L_PARTIAL((n_rows, n_splits), (
@@ -269,7 +271,7 @@ def _ce_bwd_launch(
     labels = _aligned(labels)
     if BWD_LAYOUT == "flat" and n_cols >= BWD_BLOCK and src.is_contiguous() and dlogits.is_contiguous():
         n_elems = n_rows * n_cols
-        vec = vec_align(src.element_size(), n_elems)
+        vec = vec_align(src.element_size(), n_elems) if VECTORIZE else 1
         key, meta = plan("ce_bwd_flat", HAS_SMOOTHING=has_smoothing, BLOCK=BWD_BLOCK, VEC=vec, num_warps=BWD_WARPS)
         with device_ctx(src):
             _L_BWD_FLAT((cdiv(n_elems, BWD_BLOCK),), (
@@ -278,7 +280,7 @@ def _ce_bwd_launch(
             ), meta, key)
         return
     block = min(BWD_BLOCK, next_power_of_2(n_cols))
-    vec = vec_align(src.element_size(), n_cols, src.stride(0), dlogits.stride(0))
+    vec = vec_align(src.element_size(), n_cols, src.stride(0), dlogits.stride(0)) if VECTORIZE else 1
     key, meta = plan("ce_bwd", HAS_SMOOTHING=has_smoothing, BLOCK=block, VEC=vec, num_warps=BWD_WARPS)
     with device_ctx(src):
         _L_BWD((n_rows, cdiv(n_cols, block)), (
