@@ -32,8 +32,8 @@ BWD_WARPS = 4
 # With a bias the backward's programs loop over rows (fp32 bias partials per program, not per tile):
 # about this many programs per SM along the rows times the column tiles.
 BWD_PROGRAMS_PER_SM = 8
-# Software-pipelining depth of that row loop (0: Triton's default for the loop).
-BWD_STAGES = 0
+# Software-pipelining depth of that row loop (1: none, the PTX of a plain range loop).
+BWD_STAGES = 1
 # gelu_tanh's derivative from one exp and one reciprocal (sigmoid(2u) and sigmoid(-2u) of the same
 # exp(-2|u|)); False: two sigmoids, twice the MUFU work of a kernel whose SFU time is close to its
 # memory time at bf16 (four MUFU ops an element).
@@ -229,7 +229,7 @@ def bias_act_bwd(dout: Tensor, x: Tensor, bias: Optional[Tensor], dx: Tensor, db
     block_m, block_n = _bwd_tiles(M, N)
     programs, rows = bwd_row_programs(M, N, x.device, bias is not None)
     key, meta = plan("bias_act_bwd", ACT=ACT_IDS[activation], HAS_BIAS=bias is not None, BLOCK_M=block_m,
-                     BLOCK_N=block_n, ONE_EXP=GELU_ONE_EXP, STAGES=BWD_STAGES or None, num_warps=BWD_WARPS)
+                     BLOCK_N=block_n, ONE_EXP=GELU_ONE_EXP, STAGES=BWD_STAGES, num_warps=BWD_WARPS)
     with device_ctx(x):
         _L_BIAS_ACT_BWD((programs, cdiv(N, block_n)), (
             dout, x, bias, dx, db_part, M, N, rows, dout.stride(0), x.stride(0), dx.stride(0)), meta, key)
