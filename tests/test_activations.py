@@ -126,6 +126,32 @@ def test_bias_grad_over_many_row_programs(path):
            lambda x, b: (x + b).chunk(2, -1)[0] * F.silu((x + b).chunk(2, -1)[1]), [x, b])
 
 
+@pytest.mark.parametrize("one_exp", [True, False])
+def test_gelu_tanh_grad_tails(path, one_exp, monkeypatch):
+    """gelu_tanh's derivative from one exp(-2|u|) (GELU_ONE_EXP) or two sigmoids, out to the tails where
+    exp(2|u|) overflows fp32 and sigmoid(2u) rounds to 0 or 1."""
+    from flash_attn.ops.triton import activations as K
+    monkeypatch.setattr(K, "GELU_ONE_EXP", one_exp)
+    dev = _device(path)
+    v = torch.tensor([-100.0, -30.0, -12.0, -5.0, -2.0, -1e-3, 0.0, 1e-3, 0.5, 2.0, 5.0, 12.0, 30.0, 100.0])
+    x = torch.cat([v, -v.flip(0)]).reshape(2, 14).to(dev)
+    b = torch.zeros(14, device=dev)
+    _check(lambda x, b: A.bias_act(x, b, "gelu_tanh"), lambda x, b: REF["gelu_tanh"](x + b), [x, b])
+    _check(lambda g, v: A.gated_act(g, v, "gelu_tanh"), lambda g, v: v * REF["gelu_tanh"](g), [x, x.flip(1)])
+
+
+@pytest.mark.parametrize("knobs", [dict(BWD_TILE=2048, BWD_WARPS=8), dict(BWD_TILE=8192, BWD_BLOCK_N=512),
+                                   dict(BWD_STAGES=2), dict(BWD_PROGRAMS_PER_SM=1), dict(FWD_TILE=1024, FWD_WARPS=8)])
+def test_tile_knobs(path, knobs, monkeypatch):
+    """Every tiling the benchmark sweeps gives the same results (1000 x 300: partial tiles both ways)."""
+    from flash_attn.ops.triton import activations as K
+    for name, value in knobs.items():
+        monkeypatch.setattr(K, name, value)
+    dev = _device(path)
+    x, b = _randn((1000, 300), dev, torch.float32, 15), _randn((300,), dev, torch.float32, 16)
+    _check(lambda x, b: A.bias_act(x, b, "gelu_tanh"), lambda x, b: REF["gelu_tanh"](x + b), [x, b])
+
+
 def test_fa2_helpers(path):
     dev = _device(path)
     x, b, g = _randn((6, 10), dev, torch.float32, 15), _randn((10,), dev, torch.float32, 16), \

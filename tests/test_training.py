@@ -476,3 +476,25 @@ def test_gpu_bf16_fused_run_trains(tmp_path):
     assert trainer.optimizer.defaults["fused"]
     curve = losses(trainer.run())
     assert np.mean(curve[-5:]) < curve[0] - 1.5
+
+
+def test_fused_loss_takes_the_padded_logits_and_writes_their_gradient_in_place():
+    """The trainer's fused loss sees the model's (B, S, padded vocab) logits as they are (no slice to the
+    real vocab, whose odd row stride would make every kernel access scalar, and no copy) and its
+    gradient overwrites them: the lm_head's backward receives the logits' own storage."""
+    from flash_attn.ops.triton import backend, triton_runs_on
+    from flash_attn.training.trainer import make_loss_fn
+
+    if not triton_runs_on("cpu"):
+        pytest.skip("needs TRITON_INTERPRET=1 (the fused loss runs the Triton kernels)")
+    cfg = load_config("tiny", TINY + ["model.vocab_size=250"])
+    model = build_model(cfg.model)
+    x = torch.randint(0, 250, (2, 16))
+    with backend("triton"):
+        logits = model(x).logits
+        assert logits.shape == (2, 16, 256) and logits.is_contiguous()
+        seen = []
+        logits.register_hook(lambda g: seen.append((g.data_ptr(), g.shape)))
+        ptr = logits.data_ptr()
+        make_loss_fn("fused", torch.device("cpu"))(logits, torch.roll(x, -1, 1)).backward()
+    assert seen == [(ptr, logits.shape)]

@@ -90,6 +90,32 @@ def use_triton(x) -> bool:
     return ok
 
 
+def env_knobs(var: str, namespace: dict) -> None:
+    """Override a kernel module's tuning constants from the environment: ``var="FWD_BLOCK=16384,BWD_WARPS=4"``
+    sets those module globals (ints, or strings for non-int defaults); for sweeps without editing code.
+    Unknown names raise, so a typo never silently measures the default."""
+    spec = os.environ.get(var, "").strip()
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        name, _, value = item.partition("=")
+        name = name.strip()
+        if name not in namespace or not name.isupper():
+            raise ValueError(f"{var}: unknown knob {name!r}")
+        default = namespace[name]
+        namespace[name] = int(value) if isinstance(default, int) and not isinstance(default, bool) else (
+            value.strip().lower() in ("1", "true", "yes") if isinstance(default, bool) else value.strip())
+
+
+def vec_align(elem_size: int, *ints: int) -> int:
+    """The largest power of two <= one 16-byte vector of elements that divides every int: Triton sees an
+    int argument's divisibility only by 16, so a row stride or length that is a multiple of 8 bf16
+    elements (50264, a padded GPT-2 vocab) must be passed divided by this and multiplied back in the
+    kernel, or every load and store of the row is a scalar 2-byte access."""
+    a = max(1, 16 // elem_size)
+    while a > 1 and any(v % a for v in ints):
+        a //= 2
+    return a
+
+
 def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 

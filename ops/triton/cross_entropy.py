@@ -18,27 +18,42 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import cdiv, device_ctx, launcher, next_power_of_2, num_sms, plan, tl, triton, use_triton
+from . import cdiv, device_ctx, env_knobs, launcher, next_power_of_2, num_sms, plan, tl, triton, use_triton, vec_align
 
-# Block sizes and warps from a sweep on an H200 (benchmarks/bench_ops.py --sweep).
+# Block sizes and warps from a sweep on an H200 (benchmarks/bench_ops.py --sweep); env
+# FLASH_ATTN_CE_KNOBS="FWD_BLOCK=16384,BWD_LAYOUT=flat" overrides them (benchmarks/bench_elementwise.py).
 FWD_BLOCK = 8192
 FWD_WARPS = 4
+# Software-pipelining depth of the forward's loop over a row (1: none, each block's load waits for the
+# previous block's reductions).
+FWD_STAGES = 1
 BWD_BLOCK = 4096
 BWD_WARPS = 8
+# "row": a (rows, column blocks) grid, the last block of each row mostly masked when the vocab is not a
+# multiple of BWD_BLOCK; "flat": contiguous logits and gradient as one array in full blocks, a block
+# straddling at most two rows (falls back to "row" for other layouts or vocabs below BWD_BLOCK).
+BWD_LAYOUT = "row"
 FIN_BLOCK_ROWS = 128
+# False: scalar accesses as before VEC (the benchmark's baseline).
+VECTORIZE = True
 # Each vocab split streams at least this many columns; rows are split only while the grid is short of
 # a few programs per SM.
 MIN_SPLIT_COLS = 16384
 # The PyTorch path upcasts this many logits to fp32 at a time (rows at once), bounding its extra memory.
 TORCH_CHUNK_ELEMS = 1 << 22
+env_knobs("FLASH_ATTN_CE_KNOBS", globals())
 
 
 
 @triton.jit
 def _ce_partial_kernel(
-    LOGITS, PART_M, PART_S, PART_Z, n_cols, stride_row, cols_per_split, n_splits, logit_scale,
-    HAS_SMOOTHING: tl.constexpr, BLOCK: tl.constexpr,
+    LOGITS, PART_M, PART_S, PART_Z, n_cols_v, stride_row_v, cols_per_split, n_splits, logit_scale,
+    HAS_SMOOTHING: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, STAGES: tl.constexpr,
 ):
+    # n_cols and the row stride arrive divided by VEC (see vec_align): multiplied back here, the compiler
+    # knows both are multiples of VEC, so loads and their tail masks are VEC-wide vectors.
+    n_cols = n_cols_v * VEC
+    stride_row = stride_row_v * VEC
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     start = split * cols_per_split
@@ -47,7 +62,7 @@ def _ce_partial_kernel(
     m = -float("inf")
     s = 0.0
     sz = 0.0
-    for c in range(start, end, BLOCK):
+    for c in tl.range(start, end, BLOCK, num_stages=STAGES):
         cols = c + tl.arange(0, BLOCK)
         mask = cols < end
         z = tl.load(LOGITS + cols, mask=mask, other=-float("inf")).to(tl.float32) * logit_scale
@@ -114,10 +129,14 @@ def _ce_finish_kernel(
 
 @triton.jit
 def _ce_bwd_kernel(
-    DLOGITS, LOGITS, DLOSS, LSE, LABELS, n_cols, stride_row, stride_drow, stride_dloss,
+    DLOGITS, LOGITS, DLOSS, LSE, LABELS, n_cols_v, stride_row_v, stride_drow_v, stride_dloss,
     logit_scale, smoothing, lse_square_scale, ignore_index, total_classes, class_start,
-    HAS_SMOOTHING: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
 ):
+    # Lengths and strides divided by VEC, as in _ce_partial_kernel.
+    n_cols = n_cols_v * VEC
+    stride_row = stride_row_v * VEC
+    stride_drow = stride_drow_v * VEC
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -133,11 +152,51 @@ def _ce_bwd_kernel(
     tl.store(DLOGITS + row * stride_drow + cols, g * (dloss * logit_scale), mask=mask)
 
 
+@triton.jit
+def _ce_bwd_flat_kernel(
+    DLOGITS, LOGITS, DLOSS, LSE, LABELS, n_rows, n_cols, n_elems_v, stride_dloss,
+    logit_scale, smoothing, lse_square_scale, ignore_index, total_classes, class_start,
+    HAS_SMOOTHING: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
+):
+    # Contiguous (n_rows, n_cols) logits and gradient, n_cols >= BLOCK: block b covers flat elements
+    # [b * BLOCK, (b + 1) * BLOCK), which start in row0 at column col0 and from offset `boundary` on
+    # belong to row0 + 1. Every block but the last is full and its addresses are aligned whatever n_cols
+    # is; per element only two selects (lse, dloss) and the label compares differ from the row kernel.
+    n_elems = n_elems_v * VEC
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    row0 = start // n_cols
+    row1 = tl.minimum(row0 + 1, n_rows - 1)
+    col0 = (start - row0 * n_cols).to(tl.int32)
+    boundary = n_cols - col0
+    label0 = tl.load(LABELS + row0).to(tl.int64) - class_start
+    label1 = tl.load(LABELS + row1).to(tl.int64) - class_start
+    # Offsets (int32, from the block's start) of the two rows' label columns, -1 when not in this shard.
+    hit0 = tl.where((label0 >= 0) & (label0 < n_cols), label0 - col0, -1).to(tl.int32)
+    hit1 = tl.where((label1 >= 0) & (label1 < n_cols), label1 + boundary, -1).to(tl.int32)
+    d0 = tl.load(DLOSS + row0 * stride_dloss).to(tl.float32)
+    d1 = tl.load(DLOSS + row1 * stride_dloss).to(tl.float32)
+    d0 = tl.where(label0 + class_start != ignore_index, d0, 0.0) * logit_scale
+    d1 = tl.where(label1 + class_start != ignore_index, d1, 0.0) * logit_scale
+    lse0 = tl.load(LSE + row0)
+    lse1 = tl.load(LSE + row1)
+    offs = tl.arange(0, BLOCK)
+    second = offs >= boundary
+    lse = tl.where(second, lse1, lse0)
+    mask = offs < tl.minimum(n_elems - start, BLOCK).to(tl.int32)
+    z = tl.load(LOGITS + start + offs, mask=mask, other=0.0).to(tl.float32) * logit_scale
+    g = tl.exp(z - lse) * (1.0 + 2.0 * lse_square_scale * lse)
+    g = tl.where((offs == hit0) | (offs == hit1), g - (1.0 - smoothing), g)
+    if HAS_SMOOTHING:
+        g -= smoothing / total_classes
+    tl.store(DLOGITS + start + offs, g * tl.where(second, d1, d0), mask=mask)
+
+
 # Launchers (flash_attn.triton's fast relaunch where installed); each launch's plan key stands for its
 # constexprs and options.
 _L_PARTIAL = launcher(_ce_partial_kernel)
 _L_FINISH = launcher(_ce_finish_kernel)
 _L_BWD = launcher(_ce_bwd_kernel)
+_L_BWD_FLAT = launcher(_ce_bwd_flat_kernel)
 
 
 def _num_splits(n_rows: int, n_cols: int, device) -> int:
@@ -174,9 +233,12 @@ def _ce_fwd_launch(
             part_m = torch.empty((n_rows, n_splits), device=logits.device, dtype=torch.float32)
             part_s = torch.empty_like(part_m)
             part_z = torch.empty_like(part_m) if has_smoothing else part_m
-            key, meta = plan("ce_partial", HAS_SMOOTHING=has_smoothing, BLOCK=block, num_warps=FWD_WARPS)
+            vec = vec_align(logits.element_size(), n_cols, logits.stride(0)) if VECTORIZE else 1
+            key, meta = plan("ce_partial", HAS_SMOOTHING=has_smoothing, BLOCK=block, VEC=vec, STAGES=FWD_STAGES,
+                             num_warps=FWD_WARPS)
             _L_PARTIAL((n_rows, n_splits), (
-                logits, part_m, part_s, part_z, n_cols, logits.stride(0), cols_per_split, n_splits, logit_scale,
+                logits, part_m, part_s, part_z, n_cols // vec, logits.stride(0) // vec, cols_per_split, n_splits,
+                logit_scale,
             ), meta, key)
         key, meta = plan("ce_finish", HAS_SMOOTHING=has_smoothing, PRECOMPUTED_LSE=precomputed, SPLIT=split,
                          BLOCK_ROWS=FIN_BLOCK_ROWS, num_warps=4)
@@ -205,12 +267,25 @@ def _ce_bwd_launch(
     n_rows, n_cols = src.shape
     if n_rows == 0:
         return
+    has_smoothing = smoothing > 0.0
+    labels = _aligned(labels)
+    if BWD_LAYOUT == "flat" and n_cols >= BWD_BLOCK and src.is_contiguous() and dlogits.is_contiguous():
+        n_elems = n_rows * n_cols
+        vec = vec_align(src.element_size(), n_elems) if VECTORIZE else 1
+        key, meta = plan("ce_bwd_flat", HAS_SMOOTHING=has_smoothing, BLOCK=BWD_BLOCK, VEC=vec, num_warps=BWD_WARPS)
+        with device_ctx(src):
+            _L_BWD_FLAT((cdiv(n_elems, BWD_BLOCK),), (
+                dlogits, src, dloss, lse, labels, n_rows, n_cols, n_elems // vec, dloss.stride(0),
+                logit_scale, smoothing, lse_square_scale, ignore_index, total_classes, class_start,
+            ), meta, key)
+        return
     block = min(BWD_BLOCK, next_power_of_2(n_cols))
-    key, meta = plan("ce_bwd", HAS_SMOOTHING=smoothing > 0.0, BLOCK=block, num_warps=BWD_WARPS)
+    vec = vec_align(src.element_size(), n_cols, src.stride(0), dlogits.stride(0)) if VECTORIZE else 1
+    key, meta = plan("ce_bwd", HAS_SMOOTHING=has_smoothing, BLOCK=block, VEC=vec, num_warps=BWD_WARPS)
     with device_ctx(src):
         _L_BWD((n_rows, cdiv(n_cols, block)), (
-            dlogits, src, dloss, lse, _aligned(labels), n_cols, src.stride(0), dlogits.stride(0), dloss.stride(0),
-            logit_scale, smoothing, lse_square_scale, ignore_index, total_classes, class_start,
+            dlogits, src, dloss, lse, labels, n_cols // vec, src.stride(0) // vec, dlogits.stride(0) // vec,
+            dloss.stride(0), logit_scale, smoothing, lse_square_scale, ignore_index, total_classes, class_start,
         ), meta, key)
 
 
