@@ -87,7 +87,7 @@ class GraphedStep:
         if t.cfg.train.grad_accum > 1:
             graphs["accum"] = torch.cuda.CUDAGraph()
         graphs["update"] = torch.cuda.CUDAGraph()
-        pool = graphs["first"].pool()
+        pool = torch.cuda.graph_pool_handle()
         try:
             for name in graphs:
                 with torch.cuda.graph(graphs[name], pool=pool):
