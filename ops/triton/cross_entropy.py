@@ -20,19 +20,21 @@ from torch import Tensor
 
 from . import cdiv, device_ctx, env_knobs, launcher, next_power_of_2, num_sms, plan, tl, triton, use_triton, vec_align
 
-# Block sizes and warps from a sweep on an H200 (benchmarks/bench_ops.py --sweep); env
+# Block sizes, warps and layout from a sweep on an H200 at the GPT-2 medium shape (16384 x 50264 bf16;
+# benchmarks/bench_elementwise.py, results/h200/ops_elementwise.md: forward 0.745 -> 0.435 ms, backward
+# 2.10 -> 0.918 ms with the vectorised loads and the flat layout); env
 # FLASH_ATTN_CE_KNOBS="FWD_BLOCK=16384,BWD_LAYOUT=flat" overrides them (benchmarks/bench_elementwise.py).
-FWD_BLOCK = 8192
+FWD_BLOCK = 4096
 FWD_WARPS = 4
 # Software-pipelining depth of the forward's loop over a row (1: none, each block's load waits for the
 # previous block's reductions).
 FWD_STAGES = 1
 BWD_BLOCK = 4096
-BWD_WARPS = 8
+BWD_WARPS = 4
 # "row": a (rows, column blocks) grid, the last block of each row mostly masked when the vocab is not a
 # multiple of BWD_BLOCK; "flat": contiguous logits and gradient as one array in full blocks, a block
 # straddling at most two rows (falls back to "row" for other layouts or vocabs below BWD_BLOCK).
-BWD_LAYOUT = "row"
+BWD_LAYOUT = "flat"
 FIN_BLOCK_ROWS = 128
 # False: scalar accesses as before VEC (the benchmark's baseline).
 VECTORIZE = True
