@@ -8,7 +8,8 @@ the GPU's dense bf16 peak (989 TFLOP/s on H100/H200), peak memory and the speedu
 token are 6 * (matmul parameters) + 6 * n_layer * seq_len * d_model (causal attention counted at half of
 the full square), the same count for both models.
 
-    python benchmarks/bench_train.py                       # 24 layers, d=1024, seq 2048 (GPU)
+    python benchmarks/bench_train.py                       # 24 layers, d=1024, seq 2048 (GPU); ours eager
+                                                           # and with train.cuda_graph (--cuda-graph)
     python benchmarks/bench_train.py --quick               # 4 layers, fewer steps
     python benchmarks/bench_train.py --device cpu --layers 2 --hidden 64 --heads 4 --seq 64 --batch 2 \
         --vocab 256 --steps 2 --warmup 1                   # smoke test of the script itself
