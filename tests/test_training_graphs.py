@@ -63,9 +63,14 @@ def test_graphed_run_equals_the_eager_run_with_torch_attention_on_gpu(tmp_path, 
     assert float(lr) == pytest.approx(lr_at(8, trainer.cfg.optim, 8), rel=1e-6)
 
 
+LLAMA = ["model.arch=llama", "model.n_head_kv=1", "model.tie_word_embeddings=false"]
+
+
 @pytest.mark.gpu
-def test_graphed_run_follows_the_eager_run_with_the_default_kernels_on_gpu(tmp_path):
-    common = ["train.device=cuda", "train.max_steps=12"]
+@pytest.mark.parametrize("arch", [[], LLAMA], ids=["gpt2", "llama"])
+def test_graphed_run_follows_the_eager_run_with_the_default_kernels_on_gpu(tmp_path, arch):
+    # gpt2: LayerNorm, bias-GELU MLP, learned positions; llama: RMSNorm, SwiGLU, rotary, grouped-query heads
+    common = ["train.device=cuda", "train.max_steps=12", *arch]
     eager_trainer, eager = _run(small(tmp_path, *common, sub="eager"))
     _, eager2 = _run(small(tmp_path, *common, sub="eager2"))
     trainer, graphed = _run(small(tmp_path, *common, "train.cuda_graph=true", sub="graph"))
