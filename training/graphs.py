@@ -46,26 +46,6 @@ class GraphedStep:
         self.replays = 0  # micro-batch graph replays (tests check the graphs are what runs)
         self.side = torch.cuda.Stream(rt.device)
 
-    # -------------------------------------------------------------------------------- pieces
-    def _micro(self, x, y):
-        t = self.trainer
-        with t._autocast():
-            loss = t.loss_fn(t.forward_model(x).logits, y)
-        (loss / t.cfg.train.grad_accum).backward()
-        return loss.detach()
-
-    def _update(self, zero_grad):
-        t = self.trainer
-        norm = None
-        if t.cfg.optim.grad_clip > 0:
-            from flash_attn.training.trainer import clip_gradients
-
-            norm = clip_gradients(t.model, t.optimizer, t.cfg.optim.grad_clip, t.rt)
-        t.optimizer.step()
-        if zero_grad:
-            t.optimizer.zero_grad(set_to_none=False)
-        return norm
-
     def _make_capturable(self):
         dev = self.trainer.rt.device
         for group in self.trainer.optimizer.param_groups:
@@ -92,9 +72,9 @@ class GraphedStep:
             for name in graphs:
                 with torch.cuda.graph(graphs[name], pool=pool):
                     if name == "update":
-                        self.static_norm = self._update(zero_grad=False)
+                        self.static_norm = t.update(zero_grad=False)
                     else:
-                        self.static_loss[name] = self._micro(self.static_x, self.static_y)
+                        self.static_loss[name] = t.micro_step(self.static_x, self.static_y)
         except Exception as e:
             raise RuntimeError(f"train.cuda_graph: capturing the training step failed ({e}); an op of the "
                                "step synchronises with the host or cannot be captured. Run with "
@@ -110,8 +90,8 @@ class GraphedStep:
             self.side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self.side):
                 for x, y in batches:
-                    total += self._micro(x, y)
-                norm = self._update(zero_grad=True)
+                    total += t.micro_step(x, y)
+                norm = t.update()
             torch.cuda.current_stream().wait_stream(self.side)
             return total / len(batches), norm
         for i, (x, y) in enumerate(batches):

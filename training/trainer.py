@@ -384,36 +384,43 @@ class Trainer:
                                                                                           non_blocking=True)
         return x, y
 
-    def train_step(self):
-        """One optimizer step over one global batch; returns (loss tensor on this rank, grad norm or None)."""
-        tc, rt = self.cfg.train, self.rt
-        mb = tc.micro_batch_size
-        if self.graphed is not None:
-            batches = [self._batch(self.train_sampler, self.samples_seen + micro * mb, mb)
-                       for micro in range(tc.grad_accum)]
-            loss, grad_norm = self.graphed.step(batches)
-            self.scheduler.step()
-            self.samples_seen += mb * tc.grad_accum
-            self.step += 1
-            return loss, grad_norm
-        total = torch.zeros((), device=rt.device)
-        for micro in range(tc.grad_accum):
-            first = self.samples_seen + (micro * rt.world + rt.rank) * mb
-            x, y = self._batch(self.train_sampler, first, mb)
-            with self._grad_sync(micro == tc.grad_accum - 1):
-                with self._autocast():
-                    loss = self.loss_fn(self.forward_model(x).logits, y)
-                (loss / tc.grad_accum).backward()
-            total += loss.detach()
+    def micro_step(self, x, y):
+        """Forward, loss and backward of one micro-batch (the loss scaled for the accumulation, so the
+        gradients of grad_accum micro-steps add up to the step's); returns the unscaled loss."""
+        with self._autocast():
+            loss = self.loss_fn(self.forward_model(x).logits, y)
+        (loss / self.cfg.train.grad_accum).backward()
+        return loss.detach()
+
+    def update(self, zero_grad=True):
+        """Gradient clipping and the optimizer step, then (zero_grad) the gradients set to None; returns
+        the gradient norm before clipping (None without clipping)."""
         grad_norm = None
         if self.cfg.optim.grad_clip > 0:
             grad_norm = clip_gradients(self.model, self.optimizer, self.cfg.optim.grad_clip, self.rt)
         self.optimizer.step()
+        if zero_grad:
+            self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    def train_step(self):
+        """One optimizer step over one global batch; returns (loss tensor on this rank, grad norm or None)."""
+        tc, rt = self.cfg.train, self.rt
+        mb = tc.micro_batch_size
+        batches = [self._batch(self.train_sampler, self.samples_seen + (micro * rt.world + rt.rank) * mb, mb)
+                   for micro in range(tc.grad_accum)]
+        if self.graphed is not None:
+            loss, grad_norm = self.graphed.step(batches)
+        else:
+            total = torch.zeros((), device=rt.device)
+            for micro, (x, y) in enumerate(batches):
+                with self._grad_sync(micro == tc.grad_accum - 1):
+                    total += self.micro_step(x, y)
+            loss, grad_norm = total / tc.grad_accum, self.update()
         self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
         self.samples_seen += mb * tc.grad_accum * rt.world
         self.step += 1
-        return total / tc.grad_accum, grad_norm
+        return loss, grad_norm
 
     @torch.no_grad()
     def evaluate(self):
