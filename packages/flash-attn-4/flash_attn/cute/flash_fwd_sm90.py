@@ -7,10 +7,10 @@ fp32 with exp2 (Milakov & Gimelshein 2018).
 Layouts seen by the kernel (views built on the host, no copies):
   mQ (Sq, D, H, B), mK (Sk, D, Hk, B), mV (Sk, D, Hk, B), mO (Sq, D, H, B), mLSE (Sq, H, B) fp32,
   mSink (H,) fp32 (kernels built with sink=True only).
-One CTA per (BLOCK_M query tile, head, batch); or, built with persistent=True (dense calls,
-FLASH_ATTN_CUTE_FWD_PERSISTENT=1), one CTA per SM looping over the tiles in a static order (causal: longest
-first within L2-sized sections of heads), the next tile's loads overlapping the current one's last blocks
-and epilogue (kernel_persistent). Not yet run on a GPU (see the package README).
+One CTA per (BLOCK_M query tile, head, batch); or, built with persistent=True (dense calls: by default d64
+causal ones, see interface._FWD_PERSISTENT; FLASH_ATTN_CUTE_FWD_PERSISTENT=1 / 0 for all / none), one CTA per
+SM looping over the tiles in a static order (causal: longest first within L2-sized sections of heads), the
+next tile's loads overlapping the current one's last blocks and epilogue (kernel_persistent).
 """
 import math
 
