@@ -313,7 +313,8 @@ def _compute_dtype(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Optiona
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     """F.linear(x, weight, bias); on CUDA (or with FLASH_ATTN_FP32_WGRAD=1) through :class:`LinearFn`
     (fp32 weight and bias gradients from the GEMM and the column-sum kernel; module docstring)."""
-    if torch.compiler.is_compiling() or not fp32_wgrad_enabled(x.device.type):
+    # Without autograd (inference, generation) the Function would add its own cost and change nothing.
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled() or not fp32_wgrad_enabled(x.device.type):
         return F.linear(x, weight, bias)
     dtype = _compute_dtype(x, weight, bias)
     if dtype is None:

@@ -369,6 +369,22 @@ def test_cast_cache_sees_version_bumps_and_keeps_old_graphs(switch_on):
     assert loss_b.item() != loss_a.item()
 
 
+def test_no_function_without_autograd(switch_on, monkeypatch):
+    # inference and generation take F.linear: the Function only changes what the backward writes
+    lin = L.Linear(16, 8)
+    x = _randn((5, 16), 16)
+
+    def refuse(*args):
+        raise AssertionError("LinearFn used without autograd")
+
+    monkeypatch.setattr(L.LinearFn, "apply", refuse)
+    for ctx in (torch.no_grad, torch.inference_mode):
+        with ctx():
+            torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), atol=0, rtol=0)
+    with pytest.raises(AssertionError, match="without autograd"):
+        lin(x)
+
+
 def test_cast_cache_skips_inference_mode(switch_on):
     switch_on.setenv("FLASH_ATTN_WEIGHT_CAST_CACHE", "1")
     model = _train_model()
