@@ -76,8 +76,8 @@ _FWD3_BLOCK_N_EXTRA = {64: 96, 128: 64}
 # (head dim, causal) pairs; FLASH_ATTN_CUTE_FWD_PERSISTENT=1 / 0 turns it on / off for every head dim. H200,
 # bf16, 16k tokens (benchmarks/results/h200/attention_cute_session7.md, same-process A/B), one-tile ->
 # persistent TFLOP/s: d64 causal 244 -> 295 (1k), 377 -> 410 (4k), 449 -> 449 (16k); d64 non-causal 365 ->
-# 398, 495 -> 490, 547 -> 522; d128 causal 352 -> 354, 560 -> 518, 640 -> 544 (the one-tile kernel's
-# 2-CTA/SM overlap of epilogue and loads wins there). In the cache key only when on.
+# 398, 495 -> 490, 547 -> 522; d128 causal 352 -> 354, 560 -> 518, 640 -> 544 (why the one-tile kernel
+# wins there is not profiled yet). In the cache key only when on.
 _FWD_PERSISTENT = {(64, True)}
 
 
