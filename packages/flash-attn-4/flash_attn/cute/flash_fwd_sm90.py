@@ -141,8 +141,10 @@ class FlashFwdSm90:
         # warpgroup.arrive (C7519) around the P V WGMMAs, packed none. On in the persistent kernel at d128,
         # where the element-wise conversion takes 2 F2FP per pair in the key-block loop (64, not 32; at
         # d64 it stays at 32 and packing adds 12 instructions to the loop's steady-state path).
+        # Also on for blocks of more than 128 keys (2 warpgroups, d128): element-wise, BLOCK_N 176 spills
+        # 348 bytes with 10 injected warpgroup.arrive (C7519); packed it is clean (ptxas 13.0, sm_90a).
         self.pack_p = (self.num_mma_warpgroups == 3 or head_dim not in (64, 128)
-                       or (bool(persistent) and head_dim == 128))
+                       or (bool(persistent) and head_dim == 128) or block_n > 128)
         self.dtype = dtype
         self.head_dim = head_dim
         self.causal = bool(causal) and not local  # a causal local window is local with right = 0
