@@ -116,8 +116,22 @@ def test_wsp_interpreter_grouped_causal_order(ws_spy):
     _run(ws_spy, cfg, 3, 41, 41, 5, 5, 32, 32, torch.float16 if tb._INTERPRET else torch.bfloat16, True, seed=6)
 
 
+@pytest.mark.parametrize("cfg", [_WS_INTERP, _WSP_INTERP], ids=["ws", "wsp"])
+def test_ws_packed_qkv_strides(ws_spy, cfg):
+    """q, k, v as views of one (B, S, 3, H, D) tensor (MHA's packed projection): rows of 3 * H * D
+    elements, served in place (the descriptors' row stride), with GQA-free heads at stride D."""
+    dtype = torch.float16 if tb._INTERPRET else torch.bfloat16
+    B, S, H, D = 2, 45, 3, 32
+    g = torch.Generator().manual_seed(12)
+    qkv = torch.randn(B, S, 3, H, D, generator=g).to(DEVICE, dtype)
+    q, k, v = qkv.unbind(2)
+    out, lse, _ = tb.fwd(q, k, v, return_probs=False, config=cfg, **_kw(S, S, D, True))
+    _check(q, k, v, out, lse, causal=True)
+    assert ws_spy.calls == 1
+
+
 @pytest.mark.parametrize("case", ["fp32", "causal_sq_gt_sk", "window", "softcap", "alibi", "d40",
-                                  "unaligned", "neg_scale"])
+                                  "unaligned", "neg_scale", "batch_stride"])
 def test_ws_falls_back(ws_spy, case):
     """Calls outside what the kernel serves run the default kernel (and are still right)."""
     dtype = torch.float16 if tb._INTERPRET else torch.bfloat16
@@ -136,6 +150,14 @@ def test_ws_falls_back(ws_spy, case):
         D = 40
     elif case == "neg_scale":
         extra = dict(scale=-0.1)
+    if case == "batch_stride":
+        # sequences that are not one row range of the tensor (the first Sq rows of a longer buffer)
+        q, k, v = _qkv(2, Sq + 8, Sk, H, Hk, D, D, dtype, seed=10)
+        q = q[:, :Sq]
+        out, lse, _ = tb.fwd(q, k, v, return_probs=False, config=_WS_INTERP, **_kw(Sq, Sk, D, causal))
+        _check(q, k, v, out, lse, causal=causal)
+        assert ws_spy.calls == 0
+        return
     if case == "unaligned":
         q, k, v = _qkv(B, Sq, Sk, H, Hk, D, D, dtype, seed=9)
         flat = torch.empty(k.numel() + 1, device=DEVICE, dtype=dtype)

@@ -16,12 +16,15 @@ its data partitioning. So each tile has one loop over every key block its rows c
 causal / sequence-end mask with a select on every block when the call needs one (a constexpr, not a
 branch), and Q comes through a descriptor too.
 
-PERSISTENT: one program per SM walks the tiles and the tile loop is the specialized one, so the
-producer loads the next tile's Q/K/V while the consumers finish the last one's softmax and store. Its
-descriptors are rebuilt (in the program's global scratch) per tile, as they depend on the (sequence,
-head) base pointer.
+Descriptors: one per tensor, made once at the kernel's start over all sequences and heads (a tile
+offsets its coordinates). Descriptors made per (sequence, head) on offset base pointers compile the
+same way but computed wrong results on an H200 (triton 3.6; see _attn_fwd_ws_kernel).
 
-Serves only dense 16-bit calls with power-of-two head dims, no softcap, ALiBi, dropout or probabilities,
+PERSISTENT: one program per SM walks the tiles and the tile loop is the specialized one, so the
+producer loads the next tile's Q/K/V while the consumers finish the last one's softmax and store.
+
+Serves only dense 16-bit calls whose Q, K and V have a batch stride of seqlen x row stride (or one
+sequence), with power-of-two head dims, no softcap, ALiBi, dropout or probabilities,
 and causal calls with seqlen_q <= seqlen_k (every row then sees key 0, so no row keeps m = -inf); the
 backend routes other calls to _fwd.py.
 """
@@ -49,35 +52,31 @@ def _tile_coords(lin, n_m, n_bh, CAUSAL: tl.constexpr, GROUP_HEADS: tl.constexpr
 
 
 @triton.jit
-def _ws_tile(Q, K, V, Out, Lse, pid_m, bh, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
-             stride_vb, stride_vn, stride_vh, stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
-             seqlen_q, seqlen_k, num_heads, group_size, qk_scale, HEAD_DIM: tl.constexpr,
-             HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-             EVEN_K: tl.constexpr, WS_KEYS: tl.constexpr):
-    """Output rows [pid_m * BLOCK_M, +BLOCK_M) of (sequence, head) bh. WS_KEYS: the key loop is the
-    warp-specialized one (else an enclosing tile loop is)."""
+def _ws_tile(Q_desc, K_desc, V_desc, Out, Lse, pid_m, bh, stride_qh, stride_kh, stride_vh, stride_ob, stride_om,
+             stride_oh, stride_lb, stride_lh, seqlen_q, seqlen_k, num_heads, group_size, qk_scale,
+             HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             CAUSAL: tl.constexpr, EVEN_K: tl.constexpr, WS_KEYS: tl.constexpr):
+    """Output rows [pid_m * BLOCK_M, +BLOCK_M) of (sequence, head) bh. The descriptors view each tensor as
+    (sequences x rows, row elements) (see _attn_fwd_ws_kernel): sequence b's row i is row b * seqlen + i,
+    head h's columns start at h * stride_h. WS_KEYS: the key loop is the warp-specialized one (else an
+    enclosing tile loop is)."""
     b = bh // num_heads
     h = bh % num_heads
     hk = h // group_size
     m0 = pid_m * BLOCK_M
     diag_off = seqlen_k - seqlen_q
+    q_row = b * seqlen_q
+    k_row = b * seqlen_k
+    q_col = h * stride_qh
+    k_col = hk * stride_kh
+    v_col = hk * stride_vh
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_dv = tl.arange(0, HEAD_DIM_V)
-    Q += b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-    K += b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
-    V += b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
-    # The copy engine fills rows past seqlen_k with zeros: finite scores, masked below when needed.
-    K_desc = tl.make_tensor_descriptor(K, shape=[seqlen_k, HEAD_DIM], strides=[stride_kn, 1],
-                                       block_shape=[BLOCK_N, HEAD_DIM])
-    V_desc = tl.make_tensor_descriptor(V, shape=[seqlen_k, HEAD_DIM_V], strides=[stride_vn, 1],
-                                       block_shape=[BLOCK_N, HEAD_DIM_V])
-    # Q through a descriptor too: the pass rejects a pointer load ("unsupported load type for producer
-    # commit"). Rows past seqlen_q read zeros (finite scores); they are never stored.
-    Q_desc = tl.make_tensor_descriptor(Q, shape=[seqlen_q, HEAD_DIM], strides=[stride_qm, 1],
-                                       block_shape=[BLOCK_M, HEAD_DIM])
-    q = Q_desc.load([m0, 0])
+    # Rows past this sequence's end are the next sequence's first rows (zeros past the tensor's end):
+    # finite, so Q's are never stored and K's are masked below when the last block is partial.
+    q = Q_desc.load([q_row + m0, q_col])
 
     if CAUSAL:
         # Row i sees keys j <= i + diag_off: the tile's last row bounds the loop.
@@ -89,7 +88,7 @@ def _ws_tile(Q, K, V, Out, Lse, pid_m, bh, stride_qb, stride_qm, stride_qh, stri
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_V], dtype=tl.float32)
     for start_n in tl.range(0, hi, BLOCK_N, warp_specialize=WS_KEYS):
-        k = K_desc.load([start_n, 0])
+        k = K_desc.load([k_row + start_n, k_col])
         qk = tl.dot(q, tl.trans(k))
         if CAUSAL or not EVEN_K:
             cols = start_n + offs_n
@@ -110,8 +109,10 @@ def _ws_tile(Q, K, V, Out, Lse, pid_m, bh, stride_qb, stride_qm, stride_qh, stri
         # exp2(-inf - finite) = 0 on the first block: acc and l start at zero either way.
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = V_desc.load([start_n, 0])
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        v = V_desc.load([k_row + start_n, v_col])
+        # The rescale as its own statement, not folded into the dot's accumulator operand.
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_new
 
     out = acc * (1.0 / l_i)[:, None]
@@ -139,18 +140,30 @@ def _attn_fwd_ws_kernel(
     """Grid (row blocks, B * H), one tile per program, the key loop warp-specialized; or, PERSISTENT,
     grid (#SMs,): each program walks the tiles lin = pid, pid + #programs, ... and the tile loop is the
     warp-specialized one, so the producer loads the next tile's Q/K/V while the consumers still finish
-    the last one's softmax and store (and no tail of short programs waits on CTA launches)."""
+    the last one's softmax and store (and no tail of short programs waits on CTA launches).
+
+    Q, K and V each get ONE descriptor, made here before any loop, over the tensor as a 2-D array of
+    B * seqlen rows (the batch stride must be seqlen x the row stride: backend._fwd_ws_plan checks it)
+    by the row's elements up to the last head's end. Descriptors per (sequence, head), on offset base
+    pointers, gave wrong results under the Hopper pass on an H200 (triton 3.6: max |out - ref| 0.3-5,
+    NaN at 3 stages), this form the reference's to 1e-3 (.scratch probe, session 8)."""
+    n_b = num_bh // num_heads
+    Q_desc = tl.make_tensor_descriptor(Q, shape=[n_b * seqlen_q, (num_heads - 1) * stride_qh + HEAD_DIM],
+                                       strides=[stride_qm, 1], block_shape=[BLOCK_M, HEAD_DIM])
+    num_kv = num_heads // group_size
+    K_desc = tl.make_tensor_descriptor(K, shape=[n_b * seqlen_k, (num_kv - 1) * stride_kh + HEAD_DIM],
+                                       strides=[stride_kn, 1], block_shape=[BLOCK_N, HEAD_DIM])
+    V_desc = tl.make_tensor_descriptor(V, shape=[n_b * seqlen_k, (num_kv - 1) * stride_vh + HEAD_DIM_V],
+                                       strides=[stride_vn, 1], block_shape=[BLOCK_N, HEAD_DIM_V])
     n_m = tl.cdiv(seqlen_q, BLOCK_M)
     if PERSISTENT:
         for lin in tl.range(tl.program_id(0), n_m * num_bh, tl.num_programs(0), warp_specialize=True):
             pid_m, bh = _tile_coords(lin, n_m, num_bh, CAUSAL, GROUP_HEADS)
-            _ws_tile(Q, K, V, Out, Lse, pid_m, bh, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn,
-                     stride_kh, stride_vb, stride_vn, stride_vh, stride_ob, stride_om, stride_oh, stride_lb,
-                     stride_lh, seqlen_q, seqlen_k, num_heads, group_size, qk_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_M,
-                     BLOCK_N, CAUSAL, EVEN_K, False)
+            _ws_tile(Q_desc, K_desc, V_desc, Out, Lse, pid_m, bh, stride_qh, stride_kh, stride_vh, stride_ob,
+                     stride_om, stride_oh, stride_lb, stride_lh, seqlen_q, seqlen_k, num_heads, group_size,
+                     qk_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, CAUSAL, EVEN_K, False)
     else:
         pid_m, bh = _tile_coords(tl.program_id(0) + tl.program_id(1) * n_m, n_m, num_bh, CAUSAL, GROUP_HEADS)
-        _ws_tile(Q, K, V, Out, Lse, pid_m, bh, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
-                 stride_vb, stride_vn, stride_vh, stride_ob, stride_om, stride_oh, stride_lb, stride_lh, seqlen_q,
-                 seqlen_k, num_heads, group_size, qk_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, CAUSAL, EVEN_K,
-                 True)
+        _ws_tile(Q_desc, K_desc, V_desc, Out, Lse, pid_m, bh, stride_qh, stride_kh, stride_vh, stride_ob,
+                 stride_om, stride_oh, stride_lb, stride_lh, seqlen_q, seqlen_k, num_heads, group_size, qk_scale,
+                 HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, CAUSAL, EVEN_K, True)

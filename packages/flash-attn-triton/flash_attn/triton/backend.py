@@ -191,14 +191,18 @@ def _fwd_ws_plan(q, k, v, D, Dv, Sq, Sk, window, wl, wr, softmax_scale, config):
     """(block_m, plan key, kwargs) of the experimental warp-specialized forward (_fwd_ws.py) for a dense
     call with no softcap/ALiBi/dropout/probs, or None when the call is outside what it serves: another
     window than none or causal, seqlen_q > seqlen_k when causal (rows that see no key), no keys, fp32,
-    head dims that are not 32..256 powers of two, tensors the copy engine cannot address, or no
-    variant for this GPU (then the table's config runs as usual)."""
+    head dims that are not 32..256 powers of two, tensors the copy engine cannot address or whose
+    sequences are not one row range (batch stride != seqlen x row stride), or no variant for this GPU (then the table's config runs as usual)."""
     causal = window == (False, True)
     if (window != (False, False) and not (causal and wr == 0)) or (causal and Sq > Sk) or Sk == 0:
         return None
     if q.dtype == torch.float32 or D != _configs.padded_dim(D) or Dv != _configs.padded_dim(Dv):
         return None
     if softmax_scale <= 0.0 or not _tma_supported(q.device, q.dtype, D, Dv) or not _tma_aligned(q, k, v):
+        return None
+    # The kernel's descriptors view each tensor as B * S rows (_fwd_ws._attn_fwd_ws_kernel).
+    if q.shape[0] > 1 and (q.stride(0) != Sq * q.stride(1) or k.stride(0) != Sk * k.stride(1)
+                           or v.stride(0) != Sk * v.stride(1)):
         return None
     if config is None:
         config = _configs.fwd_variant_config(_arch(q.device), max(D, Dv), causal, _configs.FWD_VARIANT)
