@@ -1,5 +1,5 @@
-"""The experimental warp-specialized Triton forward (flash_attn/triton/_fwd_ws.py), behind
-FLASH_ATTN_TRITON_FWD_VARIANT (default off).
+"""The warp-specialized Triton forward (flash_attn/triton/_fwd_ws.py): the default on sm_90 for the
+(head dim, causal) pairs of _configs.FWD_WS_DEFAULT, FLASH_ATTN_TRITON_FWD_VARIANT overrides it.
 
 CPU: the interpreter runs the kernel (fp16; fp32 calls must fall back to the default kernel) through an
 explicit FwdConfig(variant=1), the backend's routing of calls it does not serve, the switch's parsing,
@@ -201,6 +201,23 @@ def test_variant_configs():
         assert _configs.fwd_variant_config((10, 0), d, causal, (1, None)).variant == 0
 
 
+def test_default_variants(monkeypatch):
+    """Unset switch: FWD_WS_DEFAULT decides per (head dim, causal); set, the switch for every head dim."""
+    monkeypatch.setattr(_configs, "FWD_VARIANT_SET", False)
+    assert _configs.ws_variant(128, False) == (2, None)
+    assert _configs.ws_variant(256, False) == (1, None) and _configs.ws_variant(256, True) == (1, None)
+    assert _configs.ws_variant(128, True) == (1, 128) and _configs.ws_variant(64, False) == (0, None)
+    monkeypatch.setattr(_configs, "FWD_VARIANT_SET", True)
+    monkeypatch.setattr(_configs, "FWD_VARIANT", (0, None))  # "off"
+    assert _configs.ws_variant(128, False) == (0, None)
+    monkeypatch.setattr(_configs, "FWD_VARIANT", (1, 64))
+    assert _configs.ws_variant(64, True) == (1, 64)
+    # the served configs never take three stages (NaN on the GPU)
+    for (d, causal), var in _configs.FWD_WS_DEFAULT.items():
+        cfg = _configs.fwd_variant_config((9, 0), d, causal, var)
+        assert cfg.variant == var[0] and cfg.num_stages == 2
+
+
 @pytest.mark.parametrize("name", ["ws", "wsp"])
 def test_switch_routes_calls(ws_spy, monkeypatch, name):
     """With the switch on (as if read at import) on an sm_90 device, eligible calls take the experimental
@@ -210,6 +227,7 @@ def test_switch_routes_calls(ws_spy, monkeypatch, name):
         tb._kernels()
     variant = _configs.FWD_VARIANTS[name]
     monkeypatch.setattr(_configs, "FWD_VARIANT", variant)
+    monkeypatch.setattr(_configs, "FWD_VARIANT_SET", True)
     monkeypatch.setattr(tb, "_FWD_VARIANT_ON", True)
     monkeypatch.setattr(tb, "_arch", lambda device: (9, 0))
     monkeypatch.setattr(tb, "_FWD_PLANS", {})
@@ -303,7 +321,7 @@ def test_gpu_ws_real_sizes(ws_spy, kind, D, bn, dtype, causal):
 def test_gpu_ws_ragged_lengths(ws_spy, causal, Sq, Sk, kind):
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the warp-specialized forward is tuned for sm_90")
-    cfg = _configs.fwd_variant_config((9, 0), 128, causal, (kind, None))
+    cfg = _configs.fwd_variant_config((9, 0), 128, causal, (kind, 128))  # d128's default blocks
     _run(ws_spy, cfg, 2, Sq, Sk, 8, 2, 128, 128, torch.bfloat16, causal, seed=Sq + Sk)
 
 
@@ -337,12 +355,16 @@ print("WS_PLANS", len(tb._FWD_WS_PLANS))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["ws", "wsp"])
-def test_gpu_ws_env_switch_through_public_api(name):
+@pytest.mark.parametrize("name,plans", [("ws", 2), ("wsp", 2), ("", 2), ("off", 0)])
+def test_gpu_ws_env_switch_through_public_api(name, plans):
+    """d128 through the public API in a fresh process, causal and not: the switch's variant, or unset
+    the defaults (FWD_WS_DEFAULT), serve both calls; "off" runs the table's kernel for both."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the warp-specialized forward is tuned for sm_90")
-    env = dict(os.environ, FLASH_ATTN_TRITON_FWD_VARIANT=name)
+    env = {k: v for k, v in os.environ.items() if k != "FLASH_ATTN_TRITON_FWD_VARIANT"}
+    if name:
+        env["FLASH_ATTN_TRITON_FWD_VARIANT"] = name
     r = subprocess.run([sys.executable, "-c", _ENV_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "WS_PLANS 2" in r.stdout, r.stdout
+    assert f"WS_PLANS {plans}" in r.stdout, r.stdout

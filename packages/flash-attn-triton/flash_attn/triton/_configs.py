@@ -134,10 +134,16 @@ def bwd_config(arch, head_dim: int, causal: bool, interpret: bool, dtype) -> Bwd
     return _lookup(_BWD, arch, padded_dim(head_dim), causal)
 
 
-# FLASH_ATTN_TRITON_FWD_VARIANT (read once, at import): an experimental forward for sm_90, off by default
-# because it has not been measured on a GPU yet. "ws": _fwd_ws.py (automatic warp specialization) with
-# the table's BLOCK_N; "ws64" / "ws128": the same with that BLOCK_N; "wsp*": the persistent form of it.
-# Name -> (variant, BLOCK_N or None).
+# The warp-specialized forward (_fwd_ws.py) on sm_90: the (head dim, causal) pairs it serves by default,
+# with (variant, BLOCK_N or None). H200, bf16, 16k tokens, cuDNN SDPA in the same run (`python
+# benchmarks/tune_triton_fwd.py --headdims 64,128,256 --seqlens 2048,16384 --candidates ws`, session 8,
+# geometric mean over the two lengths): d128 non-causal 464 -> 578 TFLOP/s persistent (0.73x -> 0.91x
+# cuDNN), d128 causal 416 -> 436 with 128-key blocks (0.79x), d256 non-causal 476 -> 600 (0.86x), d256
+# causal 456 -> 536 (0.92x). Not d64: the table's kernel is faster there (421 vs 386).
+FWD_WS_DEFAULT = {(128, False): (2, None), (128, True): (1, 128), (256, False): (1, None), (256, True): (1, None)}
+# FLASH_ATTN_TRITON_FWD_VARIANT (read once, at import) overrides FWD_WS_DEFAULT for every head dim: "off"
+# (or "0") the table's kernels only; "ws": _fwd_ws.py with the table's BLOCK_N; "ws64" / "ws128": with that
+# BLOCK_N; "wsp*": the persistent form. Name -> (variant, BLOCK_N or None).
 FWD_VARIANTS = {"": (0, None), "0": (0, None), "off": (0, None), "ws": (1, None), "ws64": (1, 64),
                 "ws128": (1, 128), "wsp": (2, None), "wsp64": (2, 64), "wsp128": (2, 128)}
 
@@ -150,6 +156,15 @@ def _env_variant():
 
 
 FWD_VARIANT = _env_variant()
+FWD_VARIANT_SET = bool(os.environ.get("FLASH_ATTN_TRITON_FWD_VARIANT", "").strip())
+
+
+def ws_variant(head_dim: int, causal: bool):
+    """(variant, BLOCK_N or None) of the warp-specialized forward for a padded head dim: the switch's when
+    set, else FWD_WS_DEFAULT's entry ((0, None): the table's kernel)."""
+    if FWD_VARIANT_SET:
+        return FWD_VARIANT
+    return FWD_WS_DEFAULT.get((head_dim, bool(causal)), (0, None))
 
 
 def fwd_variant_config(arch, head_dim: int, causal: bool, variant=(0, None)) -> FwdConfig:
@@ -158,9 +173,8 @@ def fwd_variant_config(arch, head_dim: int, causal: bool, variant=(0, None)) -> 
 
     ws (1): 128 query rows per program and num_warps=4, which the Hopper warp-specialization pass turns
     into one producer and two 64-row consumer warpgroups (12 warps); Q/K/V through TMA descriptors (the
-    pass hands only descriptor loads to the producer). Stages: as many K/V buffers as fit in 227 KiB of
-    shared memory (3 up to 64 x 128 tiles, else 2); at head dim 256 BLOCK_N stays 64 (two stages of
-    64 x 256 K and V tiles plus Q take 224 KiB, 128 would not fit).
+    pass hands only descriptor loads to the producer). Two K/V stages; at head dim 256 BLOCK_N stays 64
+    (two stages of 64 x 256 K and V tiles plus Q take 224 KiB, 128 would not fit).
     wsp (2): the same tiles, persistent (a program per SM walks the tiles, the tile loop is the
     specialized one); Q is double-buffered too, so head dim 256 takes 32-key blocks.
     """
@@ -175,7 +189,7 @@ def fwd_variant_config(arch, head_dim: int, causal: bool, variant=(0, None)) -> 
             bn = 64 if kind == 1 else 32
         else:
             bn = block_n or cfg.block_n
-        # Buffers of K and V per stage: 3 stages of 128 x 128 at d128 need 241 KiB (> 227 KiB).
-        stages = 3 if d * bn <= 128 * 64 and d < 256 else 2
-        return FwdConfig(128, bn, 4, stages, tma=True, group=cfg.group, variant=kind)
+        # Two K/V stages: with three (d64, d128 at 64-key blocks) every formulation tried computed NaN
+        # on the H200 (triton 3.6), with two the same kernels match the reference.
+        return FwdConfig(128, bn, 4, 2, tma=True, group=cfg.group, variant=kind)
     raise ValueError(f"unknown forward variant {variant}")

@@ -69,8 +69,9 @@ def _kernels():
     _L_DKDV = Launcher(_bwd_mod._bwd_dkdv_kernel)
     _L_DQ = Launcher(_bwd_mod._bwd_dq_kernel)
     _L_FWD_WS = Launcher(_fwd_ws._attn_fwd_ws_kernel)
-    # FLASH_ATTN_TRITON_FWD_VARIANT set: calls may take the experimental forward (checked per call)
-    _FWD_VARIANT_ON = _configs.FWD_VARIANT[0] != 0
+    # calls may take the warp-specialized forward (by default some head dims on sm_90; checked per call)
+    _FWD_VARIANT_ON = (_configs.FWD_VARIANT[0] != 0 if _configs.FWD_VARIANT_SET
+                       else bool(_configs.FWD_WS_DEFAULT))
     return _fwd_mod, _bwd_mod, _configs
 
 
@@ -198,6 +199,10 @@ def _fwd_ws_plan(q, k, v, D, Dv, Sq, Sk, window, wl, wr, softmax_scale, config):
         return None
     if q.dtype == torch.float32 or D != _configs.padded_dim(D) or Dv != _configs.padded_dim(Dv):
         return None
+    if config is None:
+        variant = _configs.ws_variant(max(D, Dv), causal)
+        if variant[0] == 0:
+            return None
     if softmax_scale <= 0.0 or not _tma_supported(q.device, q.dtype, D, Dv) or not _tma_aligned(q, k, v):
         return None
     # The kernel's descriptors view each tensor as B * S rows (_fwd_ws._attn_fwd_ws_kernel).
@@ -205,7 +210,7 @@ def _fwd_ws_plan(q, k, v, D, Dv, Sq, Sk, window, wl, wr, softmax_scale, config):
                            or v.stride(0) != Sk * v.stride(1)):
         return None
     if config is None:
-        config = _configs.fwd_variant_config(_arch(q.device), max(D, Dv), causal, _configs.FWD_VARIANT)
+        config = _configs.fwd_variant_config(_arch(q.device), max(D, Dv), causal, variant)
     if config.variant not in (1, 2):
         return None
     even_k = Sk % config.block_n == 0
