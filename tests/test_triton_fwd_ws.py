@@ -231,6 +231,8 @@ def test_switch_routes_calls(ws_spy, monkeypatch, name):
     monkeypatch.setattr(tb, "_FWD_VARIANT_ON", True)
     monkeypatch.setattr(tb, "_arch", lambda device: (9, 0))
     monkeypatch.setattr(tb, "_FWD_PLANS", {})
+    monkeypatch.setattr(tb, "_FWD_WS_KINDS", {})  # kinds cached under the real arch
+    monkeypatch.setattr(tb, "_TMA_SUPPORTED", {})
     _configs.fwd_config.cache_clear()
     dtype = torch.float16 if tb._INTERPRET else torch.bfloat16
     D = 32  # the variant's 128 x 64 tiles at the smallest head dim keep the interpreter quick
@@ -238,7 +240,8 @@ def test_switch_routes_calls(ws_spy, monkeypatch, name):
     out, lse, _ = tb.fwd(q, k, v, return_probs=False, **_kw(40, 40, D, causal=True))
     _check(q, k, v, out, lse, causal=True)
     assert ws_spy.calls == 1 and not tb._FWD_PLANS
-    assert any(key[-1] == _configs.fwd_variant_config((9, 0), D, True, variant) for key in tb._FWD_WS_PLANS)
+    assert any(plan[1].what[-1] == _configs.fwd_variant_config((9, 0), D, True, variant)
+               for plan in tb._FWD_WS_PLANS.values())
     out, lse, _ = tb.fwd(q, k, v, return_probs=False, **_kw(40, 40, D, causal=True, softcap=5.0))
     _check(q, k, v, out, lse, causal=True, softcap=5.0)
     assert ws_spy.calls == 1

@@ -172,6 +172,7 @@ def _fwd_plan(q, D, Dv, varlen, window, softcap, alibi, dropout, return_probs, c
 
 
 _FWD_WS_PLANS: dict = {}
+_FWD_WS_KINDS: dict = {}  # (device, dtype, D, Dv, causal, variant or config) -> FwdConfig or None
 
 
 _NUM_SMS: dict = {}
@@ -189,38 +190,49 @@ def _num_sms(device):
 
 
 def _fwd_ws_plan(q, k, v, D, Dv, Sq, Sk, window, wl, wr, softmax_scale, config):
-    """(block_m, plan key, kwargs) of the experimental warp-specialized forward (_fwd_ws.py) for a dense
-    call with no softcap/ALiBi/dropout/probs, or None when the call is outside what it serves: another
-    window than none or causal, seqlen_q > seqlen_k when causal (rows that see no key), no keys, fp32,
-    head dims that are not 32..256 powers of two, tensors the copy engine cannot address or whose
-    sequences are not one row range (batch stride != seqlen x row stride), or no variant for this GPU (then the table's config runs as usual)."""
+    """(block_m, plan key, kwargs) of the warp-specialized forward (_fwd_ws.py) for a dense call with no
+    softcap/ALiBi/dropout/probs, or None when the call is outside what it serves: another window than
+    none or causal, seqlen_q > seqlen_k when causal (rows that see no key), no keys, fp32, head dims
+    that are not 32..256 powers of two, tensors the copy engine cannot address or whose sequences are
+    not one row range (batch stride != seqlen x row stride), or no variant for this GPU and head dim
+    (then the table's config runs as usual). The per-call checks come first; what depends only on the
+    kind of call is cached (_FWD_WS_KINDS, _FWD_WS_PLANS)."""
     causal = window == (False, True)
     if (window != (False, False) and not (causal and wr == 0)) or (causal and Sq > Sk) or Sk == 0:
-        return None
-    if q.dtype == torch.float32 or D != _configs.padded_dim(D) or Dv != _configs.padded_dim(Dv):
         return None
     if config is None:
         variant = _configs.ws_variant(max(D, Dv), causal)
         if variant[0] == 0:
             return None
-    if softmax_scale <= 0.0 or not _tma_supported(q.device, q.dtype, D, Dv) or not _tma_aligned(q, k, v):
+    else:
+        variant = config
+    if softmax_scale <= 0.0 or not _tma_aligned(q, k, v):
         return None
     # The kernel's descriptors view each tensor as B * S rows (_fwd_ws._attn_fwd_ws_kernel).
     if q.shape[0] > 1 and (q.stride(0) != Sq * q.stride(1) or k.stride(0) != Sk * k.stride(1)
                            or v.stride(0) != Sk * v.stride(1)):
         return None
-    if config is None:
-        config = _configs.fwd_variant_config(_arch(q.device), max(D, Dv), causal, variant)
-    if config.variant not in (1, 2):
+    kind = (q.device, q.dtype, D, Dv, causal, variant)
+    cfg = _FWD_WS_KINDS.get(kind, _FWD_WS_KINDS)
+    if cfg is _FWD_WS_KINDS:  # first call of this kind
+        cfg = None
+        if (q.dtype != torch.float32 and D == _configs.padded_dim(D) and Dv == _configs.padded_dim(Dv)
+                and _tma_supported(q.device, q.dtype, D, Dv)):
+            cfg = (config if config is not None
+                   else _configs.fwd_variant_config(_arch(q.device), max(D, Dv), causal, variant))
+            if cfg.variant not in (1, 2):
+                cfg = None
+        _FWD_WS_KINDS[kind] = cfg
+    if cfg is None:
         return None
-    even_k = Sk % config.block_n == 0
-    key = (q.device, q.dtype, D, Dv, causal, even_k, config)
+    even_k = Sk % cfg.block_n == 0
+    key = (kind, even_k)
     plan = _FWD_WS_PLANS.get(key)
     if plan is None:
-        plan = (config.block_m, _PlanKey(key), dict(
-            HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_M=config.block_m, BLOCK_N=config.block_n, CAUSAL=causal,
-            EVEN_K=even_k, GROUP_HEADS=config.group if causal else 0, PERSISTENT=config.variant == 2,
-            num_warps=config.num_warps, num_stages=config.num_stages))
+        plan = (cfg.block_m, _PlanKey((q.device, q.dtype, D, Dv, causal, even_k, cfg)), dict(
+            HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
+            EVEN_K=even_k, GROUP_HEADS=cfg.group if causal else 0, PERSISTENT=cfg.variant == 2,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages))
         _FWD_WS_PLANS[key] = plan
     return plan
 
@@ -338,8 +350,20 @@ def fwd_kvcache(q, k_cache, v_cache, *, k, v, rotary_cos, rotary_sin, cache_seql
 _BWD_PLANS: dict = {}
 
 
+_TMA_SUPPORTED: dict = {}
+
+
 def _tma_supported(device, dtype, D, Dv):
-    """Whether TMA descriptor loads can serve this kind of call (the per-call alignment is _tma_aligned's)."""
+    """Whether TMA descriptor loads can serve this kind of call (the per-call alignment is _tma_aligned's);
+    cached per kind (the answer depends on the device and the installed Triton only)."""
+    key = (device, dtype, D, Dv)
+    ok = _TMA_SUPPORTED.get(key)
+    if ok is None:
+        ok = _TMA_SUPPORTED[key] = _tma_supported_uncached(device, dtype, D, Dv)
+    return ok
+
+
+def _tma_supported_uncached(device, dtype, D, Dv):
     if dtype == torch.float32 or D % 8 or Dv % 8:
         return False  # fp32 tiles keep the pointer path; 16-byte row strides need head dims of 8k
     try:
@@ -356,13 +380,16 @@ def _tma_supported(device, dtype, D, Dv):
 
 
 def _tma_aligned(*tensors):
-    # The copy engine needs 16-byte aligned bases and 16-byte multiples for every stride but the last.
+    # The copy engine needs 16-byte aligned bases and 16-byte multiples for every stride but the last
+    # (a plain loop: this runs on every call that may take a descriptor path).
     for t in tensors:
-        if t.data_ptr() % 16 or t.stride(-1) != 1:
+        st = t.stride()
+        if t.data_ptr() & 15 or st[-1] != 1:
             return False
-        es = t.element_size()
-        if any(s * es % 16 for s in t.stride()[:-1]):
-            return False
+        m = 16 // t.element_size()
+        for s in st[:-1]:
+            if s % m:
+                return False
     return True
 
 
