@@ -30,9 +30,6 @@ def compile_fwd(d, causal, cfg, dtype="bf16", even_k=True):
     """triton.compile for sm_90 of the kernel the backend launches for cfg (_fwd_ws's when cfg.variant is
     1 or 2 (persistent), else _fwd's) on a dense call (even_k: seqlen_k a multiple of BLOCK_N); returns (compiled kernel,
     ptxas log)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-
     from flash_attn.triton import _fwd, _fwd_ws
 
     if cfg.variant in (1, 2):
@@ -46,6 +43,19 @@ def compile_fwd(d, causal, cfg, dtype="bf16", even_k=True):
                     HAS_SOFTCAP=False, HAS_ALIBI=False, HAS_DROPOUT=False, RETURN_PROBS=False, USE_TMA=cfg.tma,
                     RESCALE_THRESHOLD=float(cfg.rescale), GROUP_HEADS=cfg.group)
     ptrs = {k: (f"*{dtype}" if v == "*bf16" else v) for k, v in _PTRS.items()}
+    return aot_compile(kern, meta, ptrs, _FLOATS,
+                       lambda p: p.name.startswith("stride_") and p.name[-1] in "bmnh" and not p.do_not_specialize,
+                       cfg.num_warps, cfg.num_stages)
+
+
+def aot_compile(kern, meta, ptrs, floats, divisible, num_warps, num_stages):
+    """triton.compile of @triton.jit ``kern`` for sm_90 (no GPU needed): ``meta`` the constexprs (missing
+    ones take their defaults), ``ptrs`` {name: "*dtype"} the pointer parameters (16-byte aligned), ``floats``
+    the fp32 parameters, the other parameters i32, marked divisible by 16 where ``divisible(param)``.
+    Returns (compiled kernel, ptxas log)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
     sig, attrs, consts = {}, {}, {}
     for i, p in enumerate(kern.params):
         if p.is_constexpr:
@@ -54,15 +64,14 @@ def compile_fwd(d, causal, cfg, dtype="bf16", even_k=True):
         elif p.name in ptrs:
             sig[p.name] = ptrs[p.name]
             attrs[(i,)] = [["tt.divisibility", 16]]
-        elif p.name in _FLOATS:
+        elif p.name in floats:
             sig[p.name] = "fp32"
         else:
             sig[p.name] = "i32"
-            if p.name.startswith("stride_") and p.name[-1] in "bmnh" and not p.do_not_specialize:
+            if divisible(p):
                 attrs[(i,)] = [["tt.divisibility", 16]]
     target = GPUTarget("cuda", 90, 32)
-    opts = triton.compiler.make_backend(target).parse_options(
-        {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    opts = triton.compiler.make_backend(target).parse_options({"num_warps": num_warps, "num_stages": num_stages})
     try:
         triton.knobs.nvidia.dump_ptxas_log = True
     except AttributeError:

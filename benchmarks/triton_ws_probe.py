@@ -244,45 +244,19 @@ def bench_cudnn(D, S):
 def compile_sm90(form, cfg):
     """triton.compile for sm_90 (no GPU needed), as benchmarks/triton_fwd_compile.py does; returns
     (compiled, ptxas log)."""
-    from triton.backends.compiler import GPUTarget
     D, BN, stages = CONFIGS[cfg]
     flags = FORMS[form]
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import triton_fwd_compile
     if flags is None:
-        sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
         import types
 
-        import triton_fwd_compile
         c = types.SimpleNamespace(variant=1, block_m=BLOCK_M, block_n=BN, group=0, num_warps=4,
                                   num_stages=stages)
         return triton_fwd_compile.compile_fwd(D, False, c)
-    kern = _probe_fwd
-    meta = dict(HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BN, **flags)
     ptrs = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16", "Lse": "*fp32"}
-    sig, attrs, consts = {}, {}, {}
-    for i, p in enumerate(kern.params):
-        if p.is_constexpr:
-            sig[p.name] = "constexpr"
-            consts[p.name] = meta[p.name]
-        elif p.name in ptrs:
-            sig[p.name] = ptrs[p.name]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif p.name == "qk_scale":
-            sig[p.name] = "fp32"
-        else:
-            sig[p.name] = "i32"
-            if p.name == "ROW_STRIDE":
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    target = GPUTarget("cuda", 90, 32)
-    opts = triton.compiler.make_backend(target).parse_options({"num_warps": 4, "num_stages": stages})
-    try:
-        triton.knobs.nvidia.dump_ptxas_log = True
-    except AttributeError:
-        pass
-    log = io.StringIO()
-    with contextlib.redirect_stdout(log):
-        ck = triton.compile(triton.compiler.ASTSource(fn=kern, signature=sig, constexprs=consts, attrs=attrs),
-                            target=target, options=opts.__dict__)
-    return ck, log.getvalue()
+    return triton_fwd_compile.aot_compile(_probe_fwd, dict(HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BN, **flags), ptrs,
+                                          {"qk_scale"}, lambda p: p.name == "ROW_STRIDE", 4, stages)
 
 
 def compile_summary(ck, log):
