@@ -299,6 +299,17 @@ def test_default_forward_uses_three_warpgroups_for_d64_without_a_mask(monkeypatc
     assert "warpgroups" not in cfg(128, False) and "warpgroups" not in cfg(128, True)
 
 
+def test_wide_key_blocks_pack_p():
+    """Two warpgroups at d64 / d128 convert P element-wise up to 128 keys per block (the measured SASS);
+    wider blocks pack it (element-wise, d128 BLOCK_N 176 spills 348 bytes at 240 registers)."""
+    import cutlass
+    from flash_attn.cute.flash_fwd_sm90 import FlashFwdSm90
+
+    for d in (64, 128):
+        assert not FlashFwdSm90(cutlass.BFloat16, d, False, block_n=128, num_stages=2).pack_p
+        assert FlashFwdSm90(cutlass.BFloat16, d, False, block_n=176, num_stages=2).pack_p
+
+
 def test_warpgroups_in_the_cache_key_only_when_not_2(monkeypatch):
     from flash_attn.cute import interface
     from flash_attn.cute.flash_fwd_sm90 import FlashFwdSm90
