@@ -73,6 +73,16 @@ def test_ptx_loads_with_tma_and_mbarriers(ptx):
     assert "expect_tx" in text
 
 
+def test_ptx_stores_o_from_registers_by_default(ptx):
+    """O goes straight from registers to global memory unless FLASH_ATTN_CUTE_FWD_TMA_O is on
+    (tests/test_cute_tma_o.py): no shared -> global bulk tensor store, no async-proxy fence."""
+    _, text = ptx
+    assert "cp.async.bulk.tensor" in text  # the loads
+    assert not any(line.lstrip().startswith("cp.async.bulk.tensor") and ".global.shared::cta" in line
+                   for line in text.splitlines())
+    assert "fence.proxy.async" not in text
+
+
 def test_ptx_is_warp_specialised(ptx):
     cfg, text = ptx
     assert _count(text, "setmaxnreg.dec.sync.aligned.u32") == 1

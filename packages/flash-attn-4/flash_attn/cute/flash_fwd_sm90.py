@@ -20,7 +20,7 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T
-from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warp, warpgroup
 from cutlass.memory import SmemAllocator
 
 from flash_attn.cute.softmax_exp import EXP2_POLY, emulated_columns, exp2_poly
@@ -107,7 +107,7 @@ class FlashFwdSm90:
 
     def __init__(self, dtype, head_dim, causal, local=False, softcap=False, varlen=False, block_m=None,
                  block_n=128, num_stages=2, exp2_emu=0, exp2_emu_degree=3, sink=False, num_warpgroups=2,
-                 wg_order=True, persistent=False):
+                 wg_order=True, persistent=False, tma_o=False):
         """exp2_emu: of every 16 softmax exponentials a thread computes, this many (0..16, spread evenly
         over its fragment) use a degree-exp2_emu_degree polynomial on the FMA pipe instead of MUFU.EX2
         (softmax_exp.py), to relieve the MUFU pipe. num_warpgroups: consumer warpgroups (2 or 3) of 64
@@ -115,7 +115,9 @@ class FlashFwdSm90:
         barriers between the consumer warpgroups (each keeps only its intra-warpgroup overlap), to
         measure what the ping-pong / round robin buys. persistent: one CTA per SM loops over the tiles
         (kernel_persistent; entry point call_persistent), dense calls only (no window, softcap, varlen or
-        sink)."""
+        sink). tma_o: O goes through shared memory (Q's buffer, free once the tile's last S = Q K^T is
+        done) and one TMA store per consumer warpgroup (one-tile kernel, dense calls only: a TMA box
+        would write past a packed sequence's end into the next one, so varlen keeps the direct store)."""
         if not 0 <= exp2_emu <= 16 or exp2_emu_degree not in EXP2_POLY:
             raise ValueError(f"exp2_emu {exp2_emu} not in 0..16 or degree {exp2_emu_degree} not in "
                              f"{tuple(EXP2_POLY)}")
@@ -161,6 +163,9 @@ class FlashFwdSm90:
         self.persistent = bool(persistent)
         if self.persistent and (self.local or self.softcap or self.varlen or self.sink):
             raise ValueError("the persistent kernel is dense only (no window, softcap, varlen or sink)")
+        self.tma_o = bool(tma_o)
+        if self.tma_o and (self.varlen or self.persistent):
+            raise ValueError("tma_o: dense calls of the one-tile kernel only (no varlen, not persistent)")
         if block_n % 16 or not 16 <= block_n <= 256:
             raise ValueError(f"block_n {block_n} not a multiple of 16 in [16, 256] (WGMMA N, P's k-blocks)")
         if self.smem_bytes() > self.SMEM_BYTES:
@@ -299,6 +304,12 @@ class FlashFwdSm90:
             g2s, mK, cute.slice_(sK_layout, (None, None, 0)), (BN, D))
         tma_v, mVt_tma = cpasync.make_tiled_tma_atom(
             g2s, mVt, cute.slice_(sVt_layout, (None, None, 0)), (D, BN))
+        tma_o = None
+        if cutlass.const_expr(self.tma_o):
+            # One warpgroup's 64 rows of Q's buffer (the first ones; the kernel offsets the others) go
+            # out as one (64, D) box per warpgroup; rows past Sq are clipped by TMA.
+            tma_o, mO = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), mO, cute.composition(sQ_layout, (64, D)), (64, D))
 
         # exp2 with log2(e) folded into the scale: one FFMA per score instead of FMUL + ex2 scaling.
         # Soft-capped scores are softcap * tanh(scale * s / softcap): the scale goes into the tanh
@@ -309,7 +320,7 @@ class FlashFwdSm90:
             score_scale = softmax_scale / softcap
             scale_log2 = Float32(LOG2_E)
         kernel = self.kernel
-        sched_args = ()
+        sched_args = (tma_o,)
         if cutlass.const_expr(self.persistent):
             kernel = self.kernel_persistent
             sched_args = sched
@@ -331,7 +342,9 @@ class FlashFwdSm90:
                mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, scale_log2: Float32, score_scale: Float32,
                softcap: Float32, window_left: Int32, window_right: Int32, sQ_layout: cute.ComposedLayout,
                sK_layout: cute.ComposedLayout, sVt_layout: cute.ComposedLayout, tiled_mma_qk: cute.TiledMma,
-               tiled_mma_pv: cute.TiledMma):
+               tiled_mma_pv: cute.TiledMma, tma_o):
+        """The one-tile kernel. tma_o: the O store's TMA atom (mO is then its coordinate tensor), None
+        for the direct store."""
         m_block, head, batch = cute.arch.block_idx()
         if cutlass.const_expr(self.causal):
             # Longest first: the query tiles near the end see the most keys; the block scheduler issues
@@ -346,12 +359,12 @@ class FlashFwdSm90:
             if m_block * self.block_m < seqlen_q:  # the grid covers the longest sequence
                 self._cta(tma_q, mQ, tma_k, mK, tma_v, mVt, mO, mLSE, mSink, scale_log2, score_scale, softcap,
                           window_left, window_right, sQ_layout, sK_layout, sVt_layout, tiled_mma_qk,
-                          tiled_mma_pv, m_block, head, Int32(0), q_start, k_start, seqlen_q, seqlen_k)
+                          tiled_mma_pv, m_block, head, Int32(0), q_start, k_start, seqlen_q, seqlen_k, tma_o)
         else:
             self._cta(tma_q, mQ, tma_k, mK, tma_v, mVt, mO, mLSE, mSink, scale_log2, score_scale, softcap,
                       window_left, window_right, sQ_layout, sK_layout, sVt_layout, tiled_mma_qk, tiled_mma_pv,
                       m_block, head, batch, Int32(0), Int32(0), cute.size(mQ, mode=[0]),
-                      cute.size(mK, mode=[0]))
+                      cute.size(mK, mode=[0]), tma_o)
 
     @cute.kernel
     def kernel_persistent(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor,
@@ -469,7 +482,7 @@ class FlashFwdSm90:
     @cute.jit
     def _cta(self, tma_q, mQ, tma_k, mK, tma_v, mVt, mO, mLSE, mSink, scale_log2, score_scale, softcap, window_left,
              window_right, sQ_layout, sK_layout, sVt_layout, tiled_mma_qk, tiled_mma_pv, m_block, head, batch,
-             q_start, k_start, seqlen_q, seqlen_k):
+             q_start, k_start, seqlen_q, seqlen_k, tma_o=None):
         """One CTA's query tile: rows [m_block * BM, (m_block + 1) * BM) of the sequence that starts at
         row q_start (keys at k_start) of batch entry `batch` of the views."""
         BM, BN = self.block_m, self.block_n
@@ -481,6 +494,8 @@ class FlashFwdSm90:
             cpasync.prefetch_descriptor(tma_q)
             cpasync.prefetch_descriptor(tma_k)
             cpasync.prefetch_descriptor(tma_v)
+            if cutlass.const_expr(tma_o is not None):
+                cpasync.prefetch_descriptor(tma_o)
 
         sQ, sK, sVt, q_pipe, k_pipe, v_pipe = self._shared(sQ_layout, sK_layout, sVt_layout)
         # mbarrier inits must be visible to the async proxy (TMA) and to every thread before use.
@@ -510,7 +525,7 @@ class FlashFwdSm90:
             self._consume(mO, mLSE, mSink, sQ, sK, sVt, q_pipe, k_pipe, v_pipe, tiled_mma_qk, tiled_mma_pv,
                           scale_log2, score_scale, softcap, window_left, window_right,
                           tidx - self.NUM_PRODUCER_THREADS, m_block, head, batch, q_start, seqlen_q,
-                          seqlen_k, n_block_min, n_block_max)
+                          seqlen_k, n_block_min, n_block_max, tma_o)
 
     def _shared(self, sQ_layout, sK_layout, sVt_layout):
         """The shared-memory tiles and the Q, K, V mbarrier pipelines (trace time; no control flow, so that
@@ -647,7 +662,7 @@ class FlashFwdSm90:
     @cute.jit
     def _consume(self, mO, mLSE, mSink, sQ, sK, sVt, q_pipe, k_pipe, v_pipe, tiled_mma_qk, tiled_mma_pv,
                  scale_log2, score_scale, softcap, window_left, window_right, ctid, m_block, head, batch,
-                 q_start, seqlen_q, seqlen_k, n_block_min, n_block_max):
+                 q_start, seqlen_q, seqlen_k, n_block_min, n_block_max, tma_o=None):
         """FlashAttention-3's consumer (Shah et al. 2024, sections 3.1-3.2). Within a warpgroup, block j's
         S = Q K_j^T and the previous block's O += P V_{j-1} are both in flight while the softmax of
         block j-1 has finished; the softmax of S_j then runs while P V_{j-1} is still computing. Across
@@ -713,7 +728,7 @@ class FlashFwdSm90:
                        n_block_mask_below, n_block_mask_from, wg, turn_bar, turn_below)
 
         self._epilogue(mO, mLSE, acc_O, row_max, row_sum, tOcO, scale_log2, sink_log2, ctid, m_block, head,
-                       batch, q_start, seqlen_q)
+                       batch, q_start, seqlen_q, tma_o, sQ, tiled_mma_pv)
 
     def _fragments(self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sVt, ctid):
         """A consumer thread's operand views and accumulators, O zeroed and the softmax state reset
@@ -881,11 +896,11 @@ class FlashFwdSm90:
 
     @cute.jit
     def _epilogue(self, mO, mLSE, acc_O, row_max, row_sum, tOcO, scale_log2, sink_log2, ctid, m_block, head,
-                  batch, q_start, seqlen_q):
+                  batch, q_start, seqlen_q, tma_o=None, sQ=None, tiled_mma_pv=None):
         """O / l and lse = ln(sum exp(scale * s)) = (max * scale_log2 + log2 l) * ln 2; a row with no
         visible key gets O = 0 and lse = +inf. With a sink (sink_log2 = sink * log2 e) the sum gains
         exp(sink): O / l' and lse = ln(sum exp(scale * s) + exp(sink)), so a row with no visible key
-        gets O = 0 and lse = sink."""
+        gets O = 0 and lse = sink. tma_o: O through Q's buffer sQ and a TMA store (_store_o_tma)."""
         dt, D, BM = self.dtype, self.head_dim, self.block_m
         lane = ctid % 32
         gO = mO[None, None, head, batch]  # (Sq, D)
@@ -913,10 +928,48 @@ class FlashFwdSm90:
                     inv = 1.0 / l
                     lse = (row_max[r] * scale_log2 + cute.math.log2(l)) * LN_2
             row = m_block * BM + tOcO[2 * r][0]
-            if row < seqlen_q:
+            if cutlass.const_expr(tma_o is not None):
                 for j in cutlass.range_constexpr(D // 8):
                     for c in cutlass.range_constexpr(2):
-                        i = c + 2 * r + 4 * j
-                        gO[q_start + row, tOcO[i][1]] = (acc_O[i] * inv).to(dt)
-                if lane % 4 == 0:
-                    mLSE[q_start + row, head, batch] = lse
+                        acc_O[c + 2 * r + 4 * j] = acc_O[c + 2 * r + 4 * j] * inv
+                if row < seqlen_q and lane % 4 == 0:
+                    mLSE[row, head, batch] = lse
+            else:
+                if row < seqlen_q:
+                    for j in cutlass.range_constexpr(D // 8):
+                        for c in cutlass.range_constexpr(2):
+                            i = c + 2 * r + 4 * j
+                            gO[q_start + row, tOcO[i][1]] = (acc_O[i] * inv).to(dt)
+                    if lane % 4 == 0:
+                        mLSE[q_start + row, head, batch] = lse
+        if cutlass.const_expr(tma_o is not None):
+            self._store_o_tma(tma_o, mO, sQ, tiled_mma_pv, acc_O, ctid, m_block, head, batch)
+
+    @cute.jit
+    def _store_o_tma(self, tma_o, mO, sQ, tiled_mma_pv, acc_O, ctid, m_block, head, batch):
+        """O (acc_O, already divided by l) into Q's buffer with stmatrix, then this warpgroup's 64 rows to
+        global memory with one TMA store. Q's rows of this warpgroup are read only by its own S = Q K^T
+        WGMMAs, all complete here (their last wait_group(0)), and Q's TMA load landed before the main loop
+        (q_pipe.consumer_wait), so each warpgroup syncs only its own 128 threads. ptxas 13.0 then keeps the
+        main loop's pipeline indices and WGMMA descriptors in per-thread registers (d128: 13 R2UR and 28
+        more instructions per key block); a direct store without its row < Sq branch does the same, and
+        neither an opaque smem address nor opaque coordinates here avoided it (not understood yet)."""
+        dt, D = self.dtype, self.head_dim
+        wg = cute.arch.make_warp_uniform(ctid // 128)
+        rO = cute.make_rmem_tensor_like(acc_O, dt)
+        rO.store(acc_O.load().to(dt))
+        copy_o = cute.make_tiled_copy_C(
+            cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), dt), tiled_mma_pv)
+        thr_o = copy_o.get_slice(ctid)
+        cute.copy(copy_o, thr_o.retile(rO), thr_o.partition_D(sQ))
+        # The generic-proxy stores must be visible to the async proxy (TMA) before it reads the tile.
+        cute.arch.fence_proxy("async.shared", space="cta")
+        # Named barriers 1..NW are the GEMM turns (_consume); NW + 1 + wg is this warpgroup's own.
+        cute.arch.barrier(barrier_id=self.num_mma_warpgroups + 1 + wg, number_of_threads=128)
+        if ctid % 128 == 0:
+            gO = cute.local_tile(mO[None, None, head, batch], (64, D), (None, 0))  # (64, D, Sq / 64)
+            tOsO, tOgO = _tma_tiles(tma_o, cute.local_tile(sQ, (64, D), (wg, 0)), gO)
+            cute.copy(tma_o, tOsO, tOgO[None, m_block * self.num_mma_warpgroups + wg])
+            cute.arch.cp_async_bulk_commit_group()
+            # The CTA's shared memory must stay until TMA has read it: wait for the reads, not the writes.
+            cute.arch.cp_async_bulk_wait_group(0, read=True)

@@ -79,6 +79,10 @@ _FWD3_BLOCK_N_EXTRA = {64: 96, 128: 64}
 # 398, 495 -> 490, 547 -> 522; d128 causal 352 -> 354, 560 -> 518, 640 -> 544 (why the one-tile kernel
 # wins there is not profiled yet). In the cache key only when on.
 _FWD_PERSISTENT = {(64, True)}
+# O through shared memory and a TMA store (FlashFwdSm90 tma_o) instead of direct stores from registers:
+# FLASH_ATTN_CUTE_FWD_TMA_O=1 (or per head dim, "64:1,128:1"); off by default (not measured yet). Dense
+# calls of the one-tile kernel only (a box would write past a packed sequence's end; the persistent kernel
+# loads the next tile's Q into that buffer under the epilogue). In the cache key only when on.
 
 
 def _cutlass_dtype(dtype):
@@ -130,6 +134,8 @@ def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varle
     env = os.environ.get("FLASH_ATTN_CUTE_FWD_PERSISTENT")
     persistent = (((int(head_dim), bool(causal) and not local) in _FWD_PERSISTENT) if not env
                   else env not in ("0", "false", "False")) and not (local or softcap or varlen or sink)
+    tma_o = (_per_head_dim("FLASH_ATTN_CUTE_FWD_TMA_O", head_dim) not in ("", "0", "false", "False")
+             and not varlen and not persistent)
     return {"kernel": "FlashFwdSm90", "dtype": _DTYPE_NAMES.get(dtype, str(dtype)), "head_dim": int(head_dim),
             "stages": stages, **({"block_n": block_n} if block_n != 128 else {}), **emu_cfg,
             **({"warpgroups": warpgroups} if warpgroups != 2 else {}),
@@ -137,7 +143,8 @@ def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varle
             "causal": bool(causal) and not local, "local": bool(local), "softcap": bool(softcap), "arch": arch,
             "abi": "tvm-ffi-env-stream" if _tvm_ffi() else "cute", **({"varlen": True} if varlen else {}),
             **({"sink": True} if sink else {}),
-            **({"persistent": True} if persistent else {})}  # absent unless set: existing disk entries keep their keys
+            **({"persistent": True} if persistent else {}),  # absent unless set: existing disk entries keep their keys
+            **({"tma_o": True} if tma_o else {})}
 
 
 def _make_kernel(config):
@@ -150,7 +157,8 @@ def _make_kernel(config):
                         num_stages=config["stages"], block_n=config.get("block_n", 128),
                         exp2_emu=config.get("exp2_emu", 0), exp2_emu_degree=config.get("exp2_emu_degree", 3),
                         sink=config.get("sink", False), num_warpgroups=config.get("warpgroups", 2),
-                        wg_order=config.get("wg_order", True), persistent=config.get("persistent", False))
+                        wg_order=config.get("wg_order", True), persistent=config.get("persistent", False),
+                        tma_o=config.get("tma_o", False))
 
 
 def compile_fwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=False, softcap=False,

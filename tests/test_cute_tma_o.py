@@ -1,0 +1,158 @@
+"""flash_attn.cute forward with FLASH_ATTN_CUTE_FWD_TMA_O (FlashFwdSm90 tma_o): O goes from registers into
+Q's shared-memory buffer (stmatrix) and out with one TMA store per consumer warpgroup. Compiled for sm_90a
+without a GPU: the PTX holds the shared -> global bulk tensor store behind an async-proxy fence, ptxas
+spills nothing; the config gives it to dense one-tile calls only. On a Hopper GPU (marked gpu) its output
+and lse equal the direct store's bit for bit."""
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("cutlass.cute")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PKG = os.path.join(ROOT, "packages", "flash-attn-4")
+if _PKG not in sys.path:
+    sys.path.insert(0, _PKG)
+
+from flash_attn.cute.interface import compile_fwd  # noqa: E402
+
+# Knobs that would change which kernel a config builds; cleared so the tests see the defaults.
+_KNOBS = ("FLASH_ATTN_CUTE_BLOCK_N", "FLASH_ATTN_CUTE_EXP2_EMU", "FLASH_ATTN_CUTE_EXP2_EMU_DEGREE",
+          "FLASH_ATTN_CUTE_STAGES", "FLASH_ATTN_CUTE_FWD_WARPGROUPS", "FLASH_ATTN_CUTE_FWD_WG_ORDER",
+          "FLASH_ATTN_CUTE_FWD_PERSISTENT", "FLASH_ATTN_CUTE_FWD_TMA_O")
+_BULK_STORE = re.compile(r"^\s*cp\.async\.bulk\.tensor\.\d+d\.global\.shared::cta\b", re.M)
+
+
+def _clear(mp):
+    for var in _KNOBS:
+        mp.delenv(var, raising=False)
+
+
+# (head dim, causal): d64 without a mask has 3 consumer warpgroups (BLOCK_M 192), the others 2; d64 causal
+# is persistent by default, so these compile with FLASH_ATTN_CUTE_FWD_PERSISTENT=0.
+CONFIGS = [(64, False), (64, True), (128, False), (128, True)]
+
+
+@pytest.fixture(scope="module", params=CONFIGS, ids=lambda c: f"d{c[0]}-{'causal' if c[1] else 'full'}")
+def tma_o_ptx(request, tmp_path_factory):
+    from flash_attn.cute import interface
+
+    d, causal = request.param
+    dump = tmp_path_factory.mktemp("ptx_tma_o")
+    with pytest.MonkeyPatch.context() as mp:
+        _clear(mp)
+        mp.setenv("FLASH_ATTN_CUTE_FWD_PERSISTENT", "0")
+        mp.setenv("FLASH_ATTN_CUTE_FWD_TMA_O", "1")
+        config = interface._fwd_config(torch.bfloat16, d, causal, "sm_90a")
+        compile_fwd(torch.bfloat16, d, causal, arch="sm_90a", dump_dir=str(dump))
+    (path,) = glob.glob(str(dump / "*.ptx"))
+    with open(path) as f:
+        return request.param, config, f.read(), path
+
+
+def test_ptx_stores_o_with_tma(tma_o_ptx):
+    """stmatrix into shared memory, the async-proxy fence, the warpgroup's own named barrier (128 threads),
+    then D / 64 bulk tensor stores (one per 64-column box of the (64, D) tile) and a wait for their reads;
+    the Q load stays a global -> shared bulk copy."""
+    (d, _), config, text, _ = tma_o_ptx
+    assert config.get("tma_o") is True and "persistent" not in config
+    stores = _BULK_STORE.findall(text)
+    assert len(stores) == d // 64, stores
+    assert "fence.proxy.async.shared::cta;" in text
+    assert re.search(r"^\s*stmatrix\.sync\.aligned\.m8n8\.x4\.shared\.b16", text, re.M)
+    assert re.search(r"^\s*bar\.sync\s+%r\d+, 128;", text, re.M)
+    assert "cp.async.bulk.commit_group;" in text and re.search(r"cp\.async\.bulk\.wait_group\.read\s+0;", text)
+    assert re.search(r"cp\.async\.bulk\.tensor\.\d+d\.shared::cta\.global", text)  # the loads
+    # the fence comes before the stores in program order
+    assert text.index("fence.proxy.async.shared::cta;") < _BULK_STORE.search(text).start()
+
+
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas not on PATH")
+def test_tma_o_fits_the_registers(tma_o_ptx, tmp_path):
+    (d, causal), _, _, path = tma_o_ptx
+    out = subprocess.run(["ptxas", "-arch=sm_90a", "-v", path, "-o", os.devnull], capture_output=True,
+                         text=True, check=True)
+    log = out.stdout + out.stderr
+    assert not re.findall(r"\((C75\d\d)\)", log), log
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", log)]
+    assert spills and not any(spills), log
+
+
+def test_tma_o_in_the_config_only_for_dense_one_tile_calls(monkeypatch):
+    """Absent unless switched on (existing disk-cache keys stay); never for varlen or the persistent kernel;
+    per head dim with "D:1"; the cache key changes only when it is on."""
+    from flash_attn.cute import cache, interface
+    from flash_attn.cute.flash_fwd_sm90 import FlashFwdSm90
+
+    _clear(monkeypatch)
+    cfg = lambda d, causal, **kw: interface._fwd_config(torch.bfloat16, d, causal, "sm_90a", **kw)  # noqa: E731
+    base = {(d, c, v): cfg(d, c, varlen=v) for d in (64, 128) for c in (False, True) for v in (False, True)}
+    assert not any("tma_o" in b for b in base.values())
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_TMA_O", "0")
+    assert {k: cfg(k[0], k[1], varlen=k[2]) for k in base} == base
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_TMA_O", "1")
+    for (d, causal, varlen), b in base.items():
+        on = cfg(d, causal, varlen=varlen)
+        if varlen or b.get("persistent"):
+            assert on == b and cache.entry_key(on) == cache.entry_key(b)
+        else:
+            assert on == {**b, "tma_o": True} and cache.entry_key(on) != cache.entry_key(b)
+            assert interface._make_kernel(on).tma_o
+    for kw in (dict(local=True), dict(softcap=True), dict(sink=True)):  # dense one-tile variants take it
+        assert cfg(128, False, **kw)["tma_o"] is True
+    assert "tma_o" not in cfg(128, True, local=True, varlen=True)
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_TMA_O", "128:1")
+    assert cfg(128, False)["tma_o"] is True and "tma_o" not in cfg(64, False)
+    assert not interface._make_kernel(cfg(64, False)).tma_o
+    for kw in (dict(varlen=True), dict(persistent=True)):
+        with pytest.raises(ValueError, match="tma_o"):
+            FlashFwdSm90(interface._cutlass_dtype(torch.bfloat16), 128, False, tma_o=True, **kw)
+
+
+# ----------------------------------------------------------------------------------------------------
+# On a Hopper GPU
+
+
+def _hopper():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+def _run(monkeypatch, tma_o, q, k, v, causal):
+    from flash_attn.cute import flash_attn_func, interface
+
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_TMA_O", "1" if tma_o else "0")
+    monkeypatch.setattr(interface, "_kernels", {})  # the in-memory table does not key on the variable
+    assert interface._fwd_config(q.dtype, q.shape[-1], causal, "sm_90a").get("tma_o", False) == tma_o
+    out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    torch.cuda.synchronize()
+    return out, lse
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("batch,seqlen_q,seqlen_k,heads,heads_kv", [
+    (1, 1, 1, 2, 2), (2, 1000, 1000, 4, 2), (1, 1000, 193, 6, 3), (2, 193, 1000, 4, 1), (1, 2048, 2048, 2, 2),
+    (1, 64, 300, 4, 4)])
+def test_tma_o_matches_the_direct_store_bit_for_bit_on_gpu(monkeypatch, d, causal, batch, seqlen_q, seqlen_k,
+                                                          heads, heads_kv):
+    """The same kernel but for the O store (the one-tile kernel for both: FLASH_ATTN_CUTE_FWD_PERSISTENT=0),
+    so O and lse must be equal; with Sq not a multiple of 64 a box that TMA did not clip at Sq would
+    overwrite the next batch entry's first rows."""
+    _clear(monkeypatch)
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_PERSISTENT", "0")
+    torch.manual_seed(0)
+    q = torch.randn(batch, seqlen_q, heads, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(batch, seqlen_k, heads_kv, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(batch, seqlen_k, heads_kv, d, device="cuda", dtype=torch.bfloat16)
+    out_ref, lse_ref = _run(monkeypatch, False, q, k, v, causal)
+    out, lse = _run(monkeypatch, True, q, k, v, causal)
+    assert out.shape == out_ref.shape and torch.equal(out, out_ref)
+    assert torch.equal(lse, lse_ref)
