@@ -12,6 +12,7 @@
 #   profile    profile_step.py: per-kernel GPU time of a GPT-2 training step and of the norms
 #   ncu        Nsight Compute sections of the cute kernel and of the released FA4 (peer) on one shape
 #   ncusrc     per-SASS-instruction stall samples of the cute kernel (and FA4's), CSV under $OUT
+#              (PROFILE_ARGS: profile_cute.py arguments for ncu and ncusrc, e.g. "--headdim 64 --causal")
 # With CuTeDSL brought over (see ../shared/device/README.md: two bundle calls) /tmp/cutedsl/env.sh is
 # sourced, the cute backend is available and the released flash-attn-4 is benchmarked as a peer.
 set -u
@@ -66,20 +67,20 @@ for step in $STEPS; do
     ncu)
         sections=(--section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis
                   --section WarpStateStats --section SchedulerStats)
-        ncu "${sections[@]}" -k regex:cutlass_kernel -c 1 python benchmarks/profile_cute.py 2>&1 \
+        ncu "${sections[@]}" -k regex:cutlass_kernel -c 1 python benchmarks/profile_cute.py ${PROFILE_ARGS:-} 2>&1 \
             | tee "$OUT/ncu_cute.txt" | grep -E "Throughput|Pipe|Stall|Issue|Warp Cycles|L2|Eligible" | head -n 60
         if [ -n "${PEER_PYTHONPATH:-}" ]; then
             (cd /tmp && PYTHONPATH="$PEER_PYTHONPATH" ncu "${sections[@]}" -k regex:cutlass_kernel -c 1 \
-                python "$OLDPWD/benchmarks/profile_cute.py" --peer) 2>&1 | tee "$OUT/ncu_fa4.txt" \
+                python "$OLDPWD/benchmarks/profile_cute.py" --peer ${PROFILE_ARGS:-}) 2>&1 | tee "$OUT/ncu_fa4.txt" \
                 | grep -E "Throughput|Pipe|Stall|Issue|Warp Cycles|L2|Eligible" | head -n 60
         fi ;;
     ncusrc)
         src=(--section SourceCounters --section WarpStateStats --page source --print-source sass --csv)
-        ncu "${src[@]}" -k regex:cutlass_kernel -c 1 python benchmarks/profile_cute.py > "$OUT/ncusrc_cute.csv" 2>&1
+        ncu "${src[@]}" -k regex:cutlass_kernel -c 1 python benchmarks/profile_cute.py ${PROFILE_ARGS:-} > "$OUT/ncusrc_cute.csv" 2>&1
         echo "ncusrc cute: $(wc -l < "$OUT/ncusrc_cute.csv") lines"
         if [ -n "${PEER_PYTHONPATH:-}" ]; then
             (cd /tmp && PYTHONPATH="$PEER_PYTHONPATH" ncu "${src[@]}" -k regex:cutlass_kernel -c 1 \
-                python "$OLDPWD/benchmarks/profile_cute.py" --peer) > "$OUT/ncusrc_fa4.csv" 2>&1
+                python "$OLDPWD/benchmarks/profile_cute.py" --peer ${PROFILE_ARGS:-}) > "$OUT/ncusrc_fa4.csv" 2>&1
             echo "ncusrc fa4: $(wc -l < "$OUT/ncusrc_fa4.csv") lines"
         fi
         python benchmarks/ncu_summary.py "$OUT"/ncusrc_*.csv 2>&1 | tee "$OUT/ncusrc_summary.txt" ;;
