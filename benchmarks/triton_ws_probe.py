@@ -179,7 +179,7 @@ def attn(form, cfg, q, k, v):
     if flags is None:
         from flash_attn.triton import _fwd_ws
         _fwd_ws._attn_fwd_ws_kernel[grid](
-            q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+            q, k, v, out, lse, *q.stride()[1:3], *k.stride()[1:3], *v.stride()[1:3], *out.stride()[:3],
             H * S, S, S, S, H, 1, B * H, scale * LOG2E,
             HEAD_DIM=D, HEAD_DIM_V=D, BLOCK_M=BLOCK_M, BLOCK_N=BN, CAUSAL=False, EVEN_K=True,
             GROUP_HEADS=0, PERSISTENT=False, num_warps=4, num_stages=stages)

@@ -128,9 +128,9 @@ def _ws_tile(Q_desc, K_desc, V_desc, Out, Lse, pid_m, bh, stride_qh, stride_kh, 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "stride_lb", "stride_lh", "num_bh"])
 def _attn_fwd_ws_kernel(
     Q, K, V, Out, Lse,
-    stride_qb, stride_qm, stride_qh,
-    stride_kb, stride_kn, stride_kh,
-    stride_vb, stride_vn, stride_vh,
+    stride_qm, stride_qh,
+    stride_kn, stride_kh,
+    stride_vn, stride_vh,
     stride_ob, stride_om, stride_oh,
     stride_lb, stride_lh,
     seqlen_q, seqlen_k, num_heads, group_size, num_bh, qk_scale,
@@ -144,7 +144,7 @@ def _attn_fwd_ws_kernel(
 
     Q, K and V each get ONE descriptor, made here before any loop, over the tensor as a 2-D array of
     B * seqlen rows (the batch stride must be seqlen x the row stride: backend._fwd_ws_plan checks it)
-    by the row's elements up to the last head's end. Descriptors per (sequence, head), on offset base
+    by the row's elements up to the last head's end (so only row and head strides are arguments). Descriptors per (sequence, head), on offset base
     pointers, gave wrong results under the Hopper pass on an H200 (triton 3.6: max |out - ref| 0.3-5,
     NaN at 3 stages), this form the reference's to 1e-3 (.scratch probe, session 8)."""
     n_b = num_bh // num_heads

@@ -307,8 +307,9 @@ def fwd(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bloc
                 _set_tma_allocator()
             n_m = -(-Sq // block_m)
             grid = (min(n_m * B * H, _num_sms(q.device)),) if meta["PERSISTENT"] else (n_m, B * H)
-            _L_FWD_WS(grid, (q, k, v, out, lse, *sq_, *sk_, *sv_, *so_, *sl_, Sq, Sk, H, H // Hk, B * H,
-                             softmax_scale * _LOG2E), meta, plan_key)
+            # (row and head strides only: the descriptors cover all sequences, see _fwd_ws_plan)
+            _L_FWD_WS(grid, (q, k, v, out, lse, *sq_[1:], *sk_[1:], *sv_[1:], *so_, *sl_, Sq, Sk, H, H // Hk,
+                             B * H, softmax_scale * _LOG2E), meta, plan_key)
             return out, lse, probs
         if config is not None:  # an explicit variant config on an ineligible call: its default-loop twin
             import dataclasses
