@@ -327,6 +327,24 @@ def paged_from_dense(k, block_size, num_blocks=None, generator=None, block_table
     return k_paged, perm.to(device=k.device, dtype=torch.int32)
 
 
+def assert_ptxas_clean(ptx_path, arch="sm_90a"):
+    """Run ``ptxas -v`` on a PTX file and assert that it spilled nothing (stores or loads) and printed no
+    C75xx message (C7508 setmaxnreg ignored, C7510-C7520 WGMMAs serialised or warpgroup.arrive injected).
+    Returns the log."""
+    import os
+    import re
+    import subprocess
+
+    out = subprocess.run(["ptxas", f"-arch={arch}", "-v", str(ptx_path), "-o", os.devnull], capture_output=True,
+                         text=True, check=True)
+    log = out.stdout + out.stderr
+    assert not re.findall(r"\((C75\d\d)\)", log), log
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", log)]
+    loads = [int(x) for x in re.findall(r"(\d+) bytes spill loads", log)]
+    assert spills and not any(spills) and not any(loads), log
+    return log
+
+
 def cuobjdump_path():
     """The cuobjdump to read compiled SASS with: the one on PATH, else the copy in triton's NVIDIA backend
     (CPU machines and CI have only that one); None when neither exists."""

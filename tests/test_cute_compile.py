@@ -18,7 +18,7 @@ if _PKG not in sys.path:  # the checkout's flash_attn/__init__ also finds it; th
     sys.path.insert(0, _PKG)
 
 from flash_attn.cute.interface import compile_fwd  # noqa: E402
-from flash_attn.testing import assert_close_to_ref, attention_ref, cuobjdump_path  # noqa: E402
+from flash_attn.testing import assert_close_to_ref, assert_ptxas_clean, attention_ref, cuobjdump_path  # noqa: E402
 
 # (dtype, head dim, causal, local, softcap, varlen): the standard configurations, and the window /
 # softcap / varlen variants
@@ -439,18 +439,10 @@ def test_three_warpgroups_fit_160_registers(three_wg):
     """ptxas keeps the register split (no C7508 'setmaxnreg ignored'), spills nothing, does not serialise
     the WGMMAs and injects no warpgroup.arrive (C7510-C7520) at the 160-register consumer budget; the cubin
     CuTeDSL built (what runs) has no local-memory traffic and one WARPGROUP.ARRIVE per GEMM either."""
-    import re
     import subprocess
 
     _, config, text, ptx_path, cubin = three_wg
-    out = subprocess.run(["ptxas", "-arch=sm_90a", "-v", ptx_path, "-o", os.devnull], capture_output=True,
-                         text=True, check=True)
-    log = out.stdout + out.stderr
-    # C7508 setmaxnreg ignored, C7510-C7520 WGMMAs serialised or warpgroup.arrive injected: none at all
-    assert not re.findall(r"\((C75\d\d)\)", log), log
-    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", log)]
-    loads = [int(x) for x in re.findall(r"(\d+) bytes spill loads", log)]
-    assert spills and not any(spills) and not any(loads), log
+    assert_ptxas_clean(ptx_path)  # no spill, no C75xx message
     tool = cuobjdump_path()
     if tool is None:
         pytest.skip("no cuobjdump to read the SASS")
@@ -491,18 +483,11 @@ def test_wg_order_off_drops_the_named_barriers(tmp_path, monkeypatch, warpgroups
 def test_default_kernels_fit_their_registers(ptx, tmp_path):
     """The default kernels (2 consumer warpgroups at 240 registers, d64 without a mask 3 at 160): no spills
     and no serialised WGMMAs either (the 3-warpgroup test's checks)."""
-    import re
-    import subprocess
 
     _, text = ptx
     path = tmp_path / "k.ptx"
     path.write_text(text)
-    out = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(path), "-o", os.devnull], capture_output=True,
-                         text=True, check=True)
-    log = out.stdout + out.stderr
-    assert not re.findall(r"\((C75\d\d)\)", log), log  # no C7508 / C7510-C7520 message
-    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", log)]
-    assert spills and not any(spills), log
+    assert_ptxas_clean(path)  # no spill, no C7508 / C7510-C7520 message
     assert ".reqntid 384, 1, 1" in text or ".reqntid 512, 1, 1" in text
 
 
@@ -565,13 +550,7 @@ def test_wide_head_dims_fit_240_registers(wide):
     import subprocess
 
     (_, d, _, _), config, text, ptx_path, cubin = wide
-    out = subprocess.run(["ptxas", "-arch=sm_90a", "-v", ptx_path, "-o", os.devnull], capture_output=True,
-                         text=True, check=True)
-    log = out.stdout + out.stderr
-    assert not re.findall(r"\((C75\d\d)\)", log), log
-    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", log)]
-    loads = [int(x) for x in re.findall(r"(\d+) bytes spill loads", log)]
-    assert spills and not any(spills) and not any(loads), log
+    assert_ptxas_clean(ptx_path)  # no spill, no C75xx message
     tool = cuobjdump_path()
     if tool is None:
         pytest.skip("no cuobjdump to read the SASS")

@@ -20,7 +20,7 @@ if _PKG not in sys.path:
 
 from flash_attn.cute import interface  # noqa: E402
 from flash_attn.cute.flash_fwd_sm90 import FlashFwdSm90, tile_coords  # noqa: E402
-from flash_attn.testing import cuobjdump_path  # noqa: E402
+from flash_attn.testing import assert_ptxas_clean, cuobjdump_path  # noqa: E402
 
 _KNOBS = ("FLASH_ATTN_CUTE_FWD_PERSISTENT", "FLASH_ATTN_CUTE_FWD_WARPGROUPS", "FLASH_ATTN_CUTE_BLOCK_N",
           "FLASH_ATTN_CUTE_STAGES", "FLASH_ATTN_CUTE_FWD_WG_ORDER", "FLASH_ATTN_CUTE_EXP2_EMU")
@@ -217,12 +217,7 @@ def test_persistent_kernel_fits_its_registers(persistent):
     """No spills, no C7508 (setmaxnreg ignored) and no C7510-C7520 (WGMMAs serialised, warpgroup.arrive
     injected); CuTeDSL's cubin has no local-memory traffic and one WARPGROUP.ARRIVE per wgmma.fence."""
     _, _, text, ptx_path, cubin = persistent
-    out = subprocess.run(["ptxas", "-arch=sm_90a", "-v", ptx_path, "-o", os.devnull], capture_output=True,
-                         text=True, check=True)
-    log = out.stdout + out.stderr
-    assert not re.findall(r"\((C75\d\d)\)", log), log
-    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", log)]
-    assert spills and not any(spills), log
+    assert_ptxas_clean(ptx_path)
     tool = cuobjdump_path()
     if tool is None:
         pytest.skip("no cuobjdump to read the SASS")
