@@ -42,3 +42,5 @@ if tb._L_FWD_WS is not None:
     t0 = time.perf_counter()
     for _ in range(1000): torch.empty(6144, dtype=torch.int8, device="cuda")
     print("scratch alloc us", round((time.perf_counter() - t0) * 1e3, 2))
+qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+print("sdpa (default backend) us", round(per_call(lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt)), 1))

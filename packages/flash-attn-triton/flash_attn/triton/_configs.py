@@ -193,3 +193,52 @@ def fwd_variant_config(arch, head_dim: int, causal: bool, variant=(0, None)) -> 
         # on the H200 (triton 3.6), with two the same kernels match the reference.
         return FwdConfig(128, bn, 4, 2, tma=True, group=cfg.group, variant=kind)
     raise ValueError(f"unknown forward variant {variant}")
+
+
+@dataclasses.dataclass(frozen=True)
+class BwdWsConfig:
+    """The warp-specialized backward (_bwd_ws.py, sm_90): every kernel runs with num_warps=4 and two copy
+    stages, which the Hopper pass turns into a producer and two consumer warpgroups."""
+    block_m: int  # dK/dV kernel: query rows per step
+    block_n: int  # dK/dV kernel: keys per program (two consumers of block_n / 2 keys each)
+    # dQ kernel: rows per program (two consumers of dq_block_m / 2 rows each); 0: the FA2-style dQ kernel
+    # (_bwd.py) with the table's config
+    dq_block_m: int
+    dq_block_n: int  # dQ kernel: keys per step
+    # dV and dK by two launches (dk_block_m query rows per step for the dK one): at head dim 256 both
+    # accumulators (2 x 64 x 256 fp32 per consumer) do not fit the registers, nor K, V and the Q/dO stages
+    # the shared memory
+    split_dkdv: bool = False
+    dk_block_m: int = 0
+    # how the dQ kernel applies each row's lse and delta (_bwd_dq_ws_kernel's ROW_TERMS)
+    row_terms: int = 1
+
+
+# Padded head dim -> the warp-specialized backward's config: the largest tiles that compile for sm_90
+# without spills (`python benchmarks/triton_bwd_ws_compile.py` prints registers, spills and shared memory).
+BWD_WS = {
+    32: BwdWsConfig(64, 128, 128, 64),
+    64: BwdWsConfig(64, 128, 128, 64),
+    128: BwdWsConfig(64, 128, 128, 64),
+    # (the dQ kernel's 128 x 32 tiles need 235 KB of shared memory with the row terms: the FA2-style one)
+    256: BwdWsConfig(64, 128, 0, 0, split_dkdv=True, dk_block_m=32),
+}
+# (padded head dim, causal) pairs whose backward takes _bwd_ws.py by default on sm_90 (none until measured).
+BWD_WS_DEFAULT: frozenset = frozenset()
+# FLASH_ATTN_TRITON_BWD_VARIANT (read once, at import): "off"/"0" the FA2-style kernels (_bwd.py) only, "ws" the
+# warp-specialized backward for every call it serves; unset: BWD_WS_DEFAULT.
+_BWD_VARIANT_NAME = os.environ.get("FLASH_ATTN_TRITON_BWD_VARIANT", "").strip().lower()
+if _BWD_VARIANT_NAME not in ("", "0", "off", "ws"):
+    raise ValueError(f"FLASH_ATTN_TRITON_BWD_VARIANT={_BWD_VARIANT_NAME!r}: expected one of 'off', 'ws'")
+
+
+def bwd_ws_config(arch, head_dim: int, causal: bool):
+    """The warp-specialized backward's config for (arch, padded head dim, causal), or None where the
+    FA2-style kernels serve the call (not sm_90, the switch off, or not a default pair)."""
+    if arch is None or arch[0] != 9:
+        return None
+    if _BWD_VARIANT_NAME in ("0", "off"):
+        return None
+    if _BWD_VARIANT_NAME != "ws" and (head_dim, bool(causal)) not in BWD_WS_DEFAULT:
+        return None
+    return BWD_WS.get(head_dim)

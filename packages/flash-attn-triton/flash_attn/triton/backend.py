@@ -56,8 +56,10 @@ def unsupported_reason(call):
 def _kernels():
     # Imported on first use so that importing the backend (dispatch, unavailable_reason) stays cheap.
     global _fwd_mod, _bwd_mod, _configs, _NO_WINDOW, _L_FWD, _L_PRE, _L_DKDV, _L_DQ, _FWD_VARIANT_ON, _L_FWD_WS
+    global _L_PRE_WS, _L_DKDV_WS, _L_DQ_WS, _BWD_WS_ON
 
     from . import _bwd as _bwd_mod
+    from . import _bwd_ws
     from . import _configs
     from . import _fwd as _fwd_mod
     from . import _fwd_ws
@@ -69,16 +71,23 @@ def _kernels():
     _L_DKDV = Launcher(_bwd_mod._bwd_dkdv_kernel)
     _L_DQ = Launcher(_bwd_mod._bwd_dq_kernel)
     _L_FWD_WS = Launcher(_fwd_ws._attn_fwd_ws_kernel)
+    _L_PRE_WS = Launcher(_bwd_ws._bwd_ws_preprocess_kernel)
+    _L_DKDV_WS = Launcher(_bwd_ws._bwd_dkdv_ws_kernel)
+    _L_DQ_WS = Launcher(_bwd_ws._bwd_dq_ws_kernel)
     # calls may take the warp-specialized forward (by default some head dims on sm_90; checked per call)
     _FWD_VARIANT_ON = (_configs.FWD_VARIANT[0] != 0 if _configs.FWD_VARIANT_SET
                        else bool(_configs.FWD_WS_DEFAULT))
+    # calls may take the warp-specialized backward
+    _BWD_WS_ON = _configs._BWD_VARIANT_NAME == "ws" or (
+        _configs._BWD_VARIANT_NAME not in ("0", "off") and bool(_configs.BWD_WS_DEFAULT))
     return _fwd_mod, _bwd_mod, _configs
 
 
 _fwd_mod = _bwd_mod = _configs = None
 _L_FWD = _L_PRE = _L_DKDV = _L_DQ = None
 _FWD_VARIANT_ON = False
-_L_FWD_WS = None
+_L_FWD_WS = _L_PRE_WS = _L_DKDV_WS = _L_DQ_WS = None
+_BWD_WS_ON = False
 _NO_WINDOW = 1 << 30
 
 
@@ -445,6 +454,92 @@ def _bwd_plan(q, D, Dv, varlen, window, softcap, alibi, dropout, deterministic, 
     return plan
 
 
+_BWD_WS_PLANS: dict = {}
+_BWD_WS_KINDS: dict = {}  # (device, dtype, D, Dv, causal, config) -> BwdWsConfig or None
+
+
+def _bwd_ws_plan(q, k, v, dout, D, Dv, Sq, Sk, window, wr, config):
+    """(config, launches) of the warp-specialized backward (_bwd_ws.py) for a dense call with no softcap,
+    ALiBi or dropout, or None when the call is outside what it serves (see _fwd_ws_plan: the same rules,
+    with dO among the tensors the copy engine must address). ``config``: a _configs.BwdWsConfig forces it
+    (tuning, the interpreter's tests); None: _configs.bwd_ws_config's choice for this GPU. ``launches``:
+    (preprocess kwargs, [(dK/dV kwargs, key)], dQ kwargs, key)."""
+    causal = window == (False, True)
+    if (window != (False, False) and not (causal and wr == 0)) or (causal and Sq > Sk) or Sk == 0 or Sq == 0:
+        return None
+    if not _tma_aligned(q, k, v, dout):
+        return None
+    if q.shape[0] > 1 and (q.stride(0) != Sq * q.stride(1) or dout.stride(0) != Sq * dout.stride(1)
+                           or k.stride(0) != Sk * k.stride(1) or v.stride(0) != Sk * v.stride(1)):
+        return None
+    kind = (q.device, q.dtype, D, Dv, causal, config)
+    cfg = _BWD_WS_KINDS.get(kind, _BWD_WS_KINDS)
+    if cfg is _BWD_WS_KINDS:  # first call of this kind
+        cfg = None
+        if (q.dtype != torch.float32 and D == _configs.padded_dim(D) and Dv == _configs.padded_dim(Dv)
+                and _tma_supported(q.device, q.dtype, D, Dv)):
+            cfg = config if config is not None else _configs.bwd_ws_config(_arch(q.device), max(D, Dv), causal)
+        _BWD_WS_KINDS[kind] = cfg
+    if cfg is None:
+        return None
+    even_k = cfg.dq_block_n == 0 or Sk % cfg.dq_block_n == 0
+    key = (kind, even_k)
+    plan = _BWD_WS_PLANS.get(key)
+    if plan is None:
+        ws = dict(num_warps=4, num_stages=2)
+        pre = dict(HEAD_DIM_V=Dv, BLOCK_M=64 if Dv <= 128 else 32, num_warps=4)
+        dkdv = dict(HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, **ws)
+        pk = (q.device, q.dtype, D, Dv, causal, cfg)
+        if cfg.split_dkdv:
+            dkdv = [(dict(dkdv, COMPUTE_DK=False), _PlanKey(pk + ("dv",))),
+                    (dict(dkdv, BLOCK_M=cfg.dk_block_m, COMPUTE_DV=False), _PlanKey(pk + ("dk",)))]
+        else:
+            dkdv = [(dkdv, _PlanKey(pk + ("dkdv",)))]
+        if cfg.dq_block_m == 0:  # the FA2-style dQ kernel: its table entry and plan (TMA for K/V)
+            _, _, dq_key, _, _, fa2_dq = _bwd_plan(q, D, Dv, False, window, False, False, False, True, None)
+            dq = (_configs.bwd_config(_arch(q.device), max(D, Dv), causal, _INTERPRET, q.dtype), dq_key, fa2_dq)
+        else:
+            dq = dict(HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, CAUSAL=causal,
+                      EVEN_K=even_k, ROW_TERMS=cfg.row_terms, **ws)
+        plan = _BWD_WS_PLANS[key] = (cfg, (pre, dkdv, dq, _PlanKey(pk + (even_k,))))
+    return plan
+
+
+def _bwd_ws(ws, dout, q, k, v, out, lse, dq, dk, dv, B, H, Hk, Sq, Sk, softmax_scale):
+    """The warp-specialized backward's launches (see _bwd_ws.py); dq may be None (allocated)."""
+    cfg, (pre, dkdv_metas, dq_meta, key) = ws
+    if not _INTERPRET:
+        _set_tma_allocator()
+    sq_pad = -(-Sq // 128) * 128
+    rows = torch.empty(3, B * H, sq_pad, device=q.device, dtype=torch.float32)
+    lse2, delta, lse_n = rows.unbind(0)
+    ld = torch.empty(B * H * sq_pad, 16, device=q.device, dtype=torch.bfloat16)
+    qk_scale = softmax_scale * _LOG2E
+    _L_PRE_WS((sq_pad // pre["BLOCK_M"], B * H),
+              (out, dout, lse, delta, lse2, lse_n, ld, *out.stride()[:3], *dout.stride()[:3], lse.stride(0),
+               lse.stride(1), sq_pad, Sq, H, qk_scale), pre, key)
+    qs, ks, vs, dos = q.stride(), k.stride(), v.stride(), dout.stride()
+    for meta, dkdv_key in dkdv_metas:
+        _L_DKDV_WS((-(-Sk // cfg.block_n), B * Hk),
+                   (q, k, v, dout, lse2, delta, dk, dv, qs[1], qs[2], ks[1], ks[2], vs[1], vs[2], dos[1], dos[2],
+                    *dk.stride()[:3], *dv.stride()[:3], sq_pad, Sq, Sk, H, H // Hk, B, softmax_scale, qk_scale),
+                   meta, dkdv_key)
+    if dq is None:
+        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if cfg.dq_block_m == 0:  # the FA2-style dQ kernel (_bwd.py) with the table's config, on the padded rows
+        fcfg, dq_key, dq_meta = dq_meta
+        dummy = lse
+        _L_DQ((-(-Sq // fcfg.dq_block_m), B * H),
+              (q, k, v, dout, lse_n, delta, dq, dummy, dummy, dummy, *qs[:3], *ks[:3], *vs[:3], *dos[:3],
+               *dq.stride()[:3], H * sq_pad, sq_pad, 0, 0, Sq, Sk, H, H // Hk, softmax_scale, qk_scale, 0.0, 0.0,
+               _NO_WINDOW, 0 if dq_meta["WINDOW_RIGHT"] else _NO_WINDOW, 0, 0, 0, 1.0), dq_meta, dq_key)
+        return dq, dk, dv
+    _L_DQ_WS((-(-Sq // cfg.dq_block_m), B * H),
+             (q, k, v, dout, lse2, delta, ld, dq, qs[1], qs[2], ks[1], ks[2], vs[1], vs[2], dos[1], dos[2],
+              *dq.stride()[:3], sq_pad, Sq, Sk, H, H // Hk, B, softmax_scale, qk_scale), dq_meta, key)
+    return dq, dk, dv
+
+
 # bwd writes into caller-given gradient tensors (its ``grads`` argument; see bwd).
 BWD_OUT = True
 
@@ -475,6 +570,12 @@ def bwd(dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         return torch.zeros(q.shape, dtype=q.dtype, device=q.device), dk, dv
     softcap_scale, softcap_log2, window, wl, wr, (seed0, seed1, thr, dscale) = _scalars(
         softmax_scale, softcap, window_left, window_right, causal, dropout_p, rng_state)
+    if _BWD_WS_ON if config is None else isinstance(config, _configs.BwdWsConfig):
+        if (not varlen and softcap <= 0.0 and dropout_p <= 0.0 and alibi_slopes is None and lse.dim() == 3):
+            ws = _bwd_ws_plan(q, k, v, dout, D, Dv, Sq, Sk, window, wr, config)
+            if ws is not None:
+                return _bwd_ws(ws, dout, q, k, v, out, lse, dq_out, dk, dv, B, H, Hk, Sq, Sk, softmax_scale)
+        config = None  # (an explicit ws config on an ineligible call: the table's kernels)
     plan_args = (q, D, Dv, varlen, window, softcap > 0.0, alibi_slopes is not None, dropout_p > 0.0,
                  deterministic, config)
     config, dq_atomic, plan_key, pre_meta, dkdv_metas, dq_meta = _bwd_plan(*plan_args)
