@@ -77,6 +77,18 @@ def tile_coords(tile, num_m, num_hb, group, causal, minimum=min):
     return tile % num_m, tile // num_m
 
 
+def key_block(position, n_block_min, n_block_max, reverse):
+    """The key block a tile processes at ``position`` of its walk over [n_block_min, n_block_max), the
+    positions running n_block_min, n_block_min + 1, ... in processing order: the block itself, or with
+    ``reverse`` its mirror (n_block_max - 1 first, n_block_min last: FA3's order, a causal or local tile's
+    masked diagonal blocks before the unmasked ones). Python ints or DSL integers. The producer's loads,
+    the consumers' masks and nothing else go through it: the pipeline stages and the ping-pong turns count
+    positions, which are the same in both orders."""
+    if reverse:
+        return n_block_max - 1 + n_block_min - position
+    return position
+
+
 class FlashFwdSm90:
     """Compile-time configuration of the kernel: dtype, head dim, the mask (none, causal, or a local
     window whose sizes are runtime values), whether scores are soft-capped and whether each head has a
@@ -107,7 +119,7 @@ class FlashFwdSm90:
 
     def __init__(self, dtype, head_dim, causal, local=False, softcap=False, varlen=False, block_m=None,
                  block_n=128, num_stages=2, exp2_emu=0, exp2_emu_degree=3, sink=False, num_warpgroups=2,
-                 wg_order=True, persistent=False, tma_o=False):
+                 wg_order=True, persistent=False, tma_o=False, reverse=False):
         """exp2_emu: of every 16 softmax exponentials a thread computes, this many (0..16, spread evenly
         over its fragment) use a degree-exp2_emu_degree polynomial on the FMA pipe instead of MUFU.EX2
         (softmax_exp.py), to relieve the MUFU pipe. num_warpgroups: consumer warpgroups (2 or 3) of 64
@@ -117,7 +129,12 @@ class FlashFwdSm90:
         (kernel_persistent; entry point call_persistent), dense calls only (no window, softcap, varlen or
         sink). tma_o: O goes through shared memory (Q's buffer, free once the tile's last S = Q K^T is
         done) and one TMA store per consumer warpgroup (one-tile kernel, dense calls only: a TMA box
-        would write past a packed sequence's end into the next one, so varlen keeps the direct store)."""
+        would write past a packed sequence's end into the next one, so varlen keeps the direct store).
+        reverse: each tile walks its key blocks from the last down (key_block), so a causal or local
+        tile's masked blocks come first and its warpgroups end on unmasked ones (FA3's order); both
+        kernels, every mask. Without a causal mask or window only the sequence's tail block is masked,
+        and it comes first too: correct, but the config (interface._fwd_config) asks for it only for
+        causal and local calls."""
         if not 0 <= exp2_emu <= 16 or exp2_emu_degree not in EXP2_POLY:
             raise ValueError(f"exp2_emu {exp2_emu} not in 0..16 or degree {exp2_emu_degree} not in "
                              f"{tuple(EXP2_POLY)}")
@@ -164,6 +181,7 @@ class FlashFwdSm90:
         if self.persistent and (self.local or self.softcap or self.varlen or self.sink):
             raise ValueError("the persistent kernel is dense only (no window, softcap, varlen or sink)")
         self.tma_o = bool(tma_o)
+        self.reverse = bool(reverse)
         if self.tma_o and (self.varlen or self.persistent):
             raise ValueError("tma_o: dense calls of the one-tile kernel only (no varlen, not persistent)")
         if block_n % 16 or not 16 <= block_n <= 256:
@@ -589,7 +607,8 @@ class FlashFwdSm90:
             # The single Q buffer is acquired again for the next tile only when every consumer warp has
             # released it (after this tile's last S = Q K^T): the phase flips once per tile.
             q_state.advance()
-        for n_block in cutlass.range(n_block_min, n_block_max, unroll=1):
+        for n in cutlass.range(n_block_min, n_block_max, unroll=1):  # n: the position (key_block)
+            n_block = key_block(n, n_block_min, n_block_max, self.reverse)
             k_pipe.producer_acquire(k_state)
             cute.copy(tma_k, tKgK[None, n_block], tKsK[None, k_state.index],
                       tma_bar_ptr=k_pipe.producer_get_barrier(k_state))
@@ -775,7 +794,7 @@ class FlashFwdSm90:
                   window_right, m_block, seqlen_q, seqlen_k, n_block_min, n_block_max, n_block_mask_below,
                   n_block_mask_from, wg, turn_bar, turn_below, q_pipe=None, q_state=None):
         """One tile's key blocks [n_block_min, n_block_max) into acc_O / row_max / row_sum (see
-        _consume). Returns the K and V consumer states advanced past them. q_pipe / q_state (persistent
+        _consume), in key_block's order (ascending, or descending when built with reverse). Returns the K and V consumer states advanced past them. q_pipe / q_state (persistent
         kernel): Q is released after the tile's last S = Q K^T, and the turn to issue GEMMs is not handed
         to warpgroup 0 here (the caller did once, before its first tile)."""
         pingpong = cutlass.const_expr(self.num_mma_warpgroups >= 2 and self.wg_order)
@@ -804,11 +823,15 @@ class FlashFwdSm90:
             k_state.advance()
             if cutlass.const_expr(self.softcap):
                 self._cap(acc_S, score_scale, softcap)
-            if n_block_min >= n_block_mask_from or n_block_min < n_block_mask_below:
-                self._mask(acc_S, tScS, m_block, n_block_min, seqlen_q, seqlen_k, window_left, window_right)
+            # Reverse: this first block is the tile's last one, where a row may see no key yet (rows
+            # above the diagonal; a window's right edge): _softmax keeps its max at -inf and its P at 0.
+            n_first = key_block(n_block_min, n_block_min, n_block_max, self.reverse)
+            if n_first >= n_block_mask_from or n_first < n_block_mask_below:
+                self._mask(acc_S, tScS, m_block, n_first, seqlen_q, seqlen_k, window_left, window_right)
             self._softmax(acc_S, row_max, row_sum, corr, scale_log2)
             self._to_p(acc_S, rP)
 
+            # n_block: the position; the turns count positions, the mask takes the key block (key_block)
             for n_block in cutlass.range(n_block_min + 1, n_block_max, unroll=1):
                 k_pipe.consumer_wait(k_state)
                 v_pipe.consumer_wait(v_state)
@@ -827,8 +850,9 @@ class FlashFwdSm90:
                 # end the overlap with P V.
                 if cutlass.const_expr(self.softcap):
                     self._cap(acc_S, score_scale, softcap)
-                if n_block >= n_block_mask_from or n_block < n_block_mask_below:
-                    self._mask(acc_S, tScS, m_block, n_block, seqlen_q, seqlen_k, window_left, window_right)
+                n_key = key_block(n_block, n_block_min, n_block_max, self.reverse)
+                if n_key >= n_block_mask_from or n_key < n_block_mask_below:
+                    self._mask(acc_S, tScS, m_block, n_key, seqlen_q, seqlen_k, window_left, window_right)
                     self._softmax(acc_S, row_max, row_sum, corr, scale_log2)
                 else:
                     self._softmax(acc_S, row_max, row_sum, corr, scale_log2)

@@ -83,6 +83,11 @@ _FWD_PERSISTENT = {(64, True)}
 # FLASH_ATTN_CUTE_FWD_TMA_O=1 (or per head dim, "64:1,128:1"); off by default (not measured yet). Dense
 # calls of the one-tile kernel only (a box would write past a packed sequence's end; the persistent kernel
 # loads the next tile's Q into that buffer under the epilogue). In the cache key only when on.
+# Key blocks walked from the last down (FlashFwdSm90 reverse, FA3's order: a causal or windowed tile's masked
+# diagonal blocks first, so its consumer warpgroups end the tile in step on unmasked blocks):
+# FLASH_ATTN_CUTE_FWD_REVERSE=1 (or per head dim, "64:1"); off by default (not measured yet). Causal and
+# local calls only (without a mask only the tail block is masked: the order is left as it is), the one-tile
+# and the persistent kernel, varlen included. In the cache key only when on.
 
 
 def _cutlass_dtype(dtype):
@@ -136,6 +141,8 @@ def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varle
                   else env not in ("0", "false", "False")) and not (local or softcap or varlen or sink)
     tma_o = (_per_head_dim("FLASH_ATTN_CUTE_FWD_TMA_O", head_dim) not in ("", "0", "false", "False")
              and not varlen and not persistent)
+    reverse = (_per_head_dim("FLASH_ATTN_CUTE_FWD_REVERSE", head_dim) not in ("", "0", "false", "False")
+               and (bool(causal) or bool(local)))
     return {"kernel": "FlashFwdSm90", "dtype": _DTYPE_NAMES.get(dtype, str(dtype)), "head_dim": int(head_dim),
             "stages": stages, **({"block_n": block_n} if block_n != 128 else {}), **emu_cfg,
             **({"warpgroups": warpgroups} if warpgroups != 2 else {}),
@@ -144,7 +151,8 @@ def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varle
             "abi": "tvm-ffi-env-stream" if _tvm_ffi() else "cute", **({"varlen": True} if varlen else {}),
             **({"sink": True} if sink else {}),
             **({"persistent": True} if persistent else {}),  # absent unless set: existing disk entries keep their keys
-            **({"tma_o": True} if tma_o else {})}
+            **({"tma_o": True} if tma_o else {}),
+            **({"reverse": True} if reverse else {})}
 
 
 def _make_kernel(config):
@@ -158,7 +166,7 @@ def _make_kernel(config):
                         exp2_emu=config.get("exp2_emu", 0), exp2_emu_degree=config.get("exp2_emu_degree", 3),
                         sink=config.get("sink", False), num_warpgroups=config.get("warpgroups", 2),
                         wg_order=config.get("wg_order", True), persistent=config.get("persistent", False),
-                        tma_o=config.get("tma_o", False))
+                        tma_o=config.get("tma_o", False), reverse=config.get("reverse", False))
 
 
 def compile_fwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=False, softcap=False,
@@ -289,7 +297,8 @@ def _entry(dtype, head_dim, causal, arch, local=False, softcap=False, varlen=Fal
     wg = f"-wg{config['warpgroups']}" if "warpgroups" in config else ""  # readable names; the key decides
     name = (f"fwd-{arch}-{config['dtype']}-d{config['head_dim']}-{mask}{'-softcap' if softcap else ''}"
             f"{'-varlen' if varlen else ''}{'-sink' if sink else ''}{wg}"
-            f"{'-persistent' if config.get('persistent') else ''}-{key[:16]}")
+            f"{'-persistent' if config.get('persistent') else ''}{'-reverse' if config.get('reverse') else ''}"
+            f"-{key[:16]}")
     return config, key, name, f"flash_attn_cute_{key[:16]}"  # the symbol is unique per key
 
 
