@@ -117,8 +117,13 @@ def n_blocks(m_block, causal, seqlen_q, seqlen_k, block_m, block_n):
     return n
 
 
-def producer(tiles, nblocks, q, k, v):
-    """_produce, states carried from tile to tile (kernel_persistent's producer thread)."""
+def _ascending(position, n):
+    return position
+
+
+def producer(tiles, nblocks, q, k, v, order=_ascending):
+    """_produce, states carried from tile to tile (kernel_persistent's producer thread). order(position,
+    n): the key block loaded at that position of a tile of n blocks (FlashFwdSm90's key_block)."""
     qs, ks, vs = State(1, 1), State(k.stages, 1), State(v.stages, 1)
     for tile, n in zip(tiles, nblocks):
         yield ("wait", q.empty[0], qs.phase)
@@ -129,13 +134,14 @@ def producer(tiles, nblocks, q, k, v):
             for pipe, st in ((k, ks), (v, vs)):
                 yield ("wait", pipe.empty[st.index], st.phase)
                 yield ("expect", pipe.full[st.index], "KV")
-                yield ("tma", pipe, st.index, (tile, j))
+                yield ("tma", pipe, st.index, (tile, order(j, n)))
                 st.advance()
 
 
-def consumer(wg, num_wg, tiles, nblocks, q, k, v, pingpong, advance_v_after_last):
+def consumer(wg, num_wg, tiles, nblocks, q, k, v, pingpong, advance_v_after_last, order=_ascending):
     """_consume_persistent + _mainloop(q_pipe=...) for one warpgroup (its 4 warps act together: 4
-    arrivals on an empty barrier, 128 threads on a named barrier)."""
+    arrivals on an empty barrier, 128 threads on a named barrier); order: the key block it expects at
+    each position (as producer's)."""
     qs, ks, vs = State(1, 0), State(k.stages, 0), State(v.stages, 0)
     turn_bar = (wg + 1) % num_wg + 1
     me = ("wg", wg)
@@ -153,7 +159,7 @@ def consumer(wg, num_wg, tiles, nblocks, q, k, v, pingpong, advance_v_after_last
         yield ("tile", i)
         yield from take(q, qs, (tile, "Q"))
         if n > 0:
-            yield from take(k, ks, (tile, 0))
+            yield from take(k, ks, (tile, order(0, n)))
             if pingpong:
                 yield ("bar_sync", 1 + wg)
             if pingpong:
@@ -161,8 +167,8 @@ def consumer(wg, num_wg, tiles, nblocks, q, k, v, pingpong, advance_v_after_last
             yield from give(k, ks)
             ks.advance()
             for j in range(1, n):
-                yield from take(k, ks, (tile, j))
-                yield from take(v, vs, (tile, j - 1))
+                yield from take(k, ks, (tile, order(j, n)))
+                yield from take(v, vs, (tile, order(j - 1, n)))
                 if pingpong:
                     yield ("bar_sync", 1 + wg)
                 if pingpong:
@@ -172,7 +178,7 @@ def consumer(wg, num_wg, tiles, nblocks, q, k, v, pingpong, advance_v_after_last
                 yield from give(v, vs)
                 vs.advance()
             yield from give(q, qs)
-            yield from take(v, vs, (tile, n - 1))
+            yield from take(v, vs, (tile, order(n - 1, n)))
             yield from give(v, vs)
             if advance_v_after_last:
                 vs.advance()
@@ -184,7 +190,7 @@ def consumer(wg, num_wg, tiles, nblocks, q, k, v, pingpong, advance_v_after_last
 
 
 def simulate(tiles, nblocks, num_wg=2, stages=2, pingpong=True, advance_v_after_last=True, seed=0,
-             check_reads=True, max_steps=10 ** 7):
+             check_reads=True, max_steps=10 ** 7, order=_ascending, consumer_order=None):
     """Runs one CTA's agents in a random order until all finish. Raises Deadlock when none can move
     with some unfinished, Race on an over-arrival and (check_reads) on a stale read or an overwrite of a
     held buffer. Returns the number of steps."""
@@ -192,9 +198,10 @@ def simulate(tiles, nblocks, num_wg=2, stages=2, pingpong=True, advance_v_after_
     warps = 4 * num_wg
     q, k, v = Pipe("Q", 1, warps), Pipe("K", stages, warps), Pipe("V", stages, warps)
     named = {i: NamedBarrier() for i in range(1, num_wg + 1)}
-    agents = {"producer": producer(tiles, nblocks, q, k, v)}
+    agents = {"producer": producer(tiles, nblocks, q, k, v, order)}
     for wg in range(num_wg):
-        agents[("wg", wg)] = consumer(wg, num_wg, tiles, nblocks, q, k, v, pingpong, advance_v_after_last)
+        agents[("wg", wg)] = consumer(wg, num_wg, tiles, nblocks, q, k, v, pingpong, advance_v_after_last,
+                                      order if consumer_order is None else consumer_order)
     current = {name: next(gen) for name, gen in agents.items()}
     in_flight = []  # TMA copies issued, not landed: (pipe, stage, tag)
     progress = {}  # consumer warpgroup -> the index of the tile it is in
