@@ -12,6 +12,8 @@ histogram (opcode without modifiers), with the kernel's total SASS size, so befo
     python benchmarks/cute_sass.py 64 causal bwd [--hist]   # the backward (flash_bwd_sm90.py) instead,
                                                             # with the FLASH_ATTN_CUTE_BWD_* settings
     FLASH_ATTN_CUTE_FWD_PERSISTENT=1 python benchmarks/cute_sass.py 128 --hist   # the persistent forward
+    FLASH_ATTN_CUTE_FWD_REVERSE=1 python benchmarks/cute_sass.py 64 causal --hist   # key blocks from the last
+                                                                                    # down (FlashFwdSm90 reverse)
     --hist: histogram and sizes only (no instruction order); --sass FILE: also write the SASS there;
     --path: also list the steady-state path's instructions
 """

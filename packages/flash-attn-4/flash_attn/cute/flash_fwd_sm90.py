@@ -11,6 +11,8 @@ One CTA per (BLOCK_M query tile, head, batch); or, built with persistent=True (d
 causal ones, see interface._FWD_PERSISTENT; FLASH_ATTN_CUTE_FWD_PERSISTENT=1 / 0 for all / none), one CTA per
 SM looping over the tiles in a static order (causal: longest first within L2-sized sections of heads), the
 next tile's loads overlapping the current one's last blocks and epilogue (kernel_persistent).
+A tile's key blocks run ascending, or built with reverse=True (FLASH_ATTN_CUTE_FWD_REVERSE=1) from the last
+down, FA3's order: a causal or windowed tile's masked blocks first (key_block).
 """
 import math
 
@@ -709,7 +711,9 @@ class FlashFwdSm90:
         last_wg = self.num_mma_warpgroups - 1
         # Turn passing (see _pass_turn), loop-invariant parts: warpgroup w arrives on barrier 1 + (w + 1)
         # mod NW after every block, except the last warpgroup after its last block (the turn it would
-        # pass was given up front); i.e. after block n iff n < n_block_max - (w == NW - 1).
+        # pass was given up front); i.e. after the block at position n iff n < n_block_max - (w == NW - 1)
+        # (positions n_block_min .. n_block_max - 1 in processing order: the key block itself, or with
+        # reverse its mirror, see key_block; the turns do not depend on the order).
         if cutlass.const_expr(self.num_mma_warpgroups == 2):
             turn_bar = 2 - wg
             turn_below = n_block_max - wg
