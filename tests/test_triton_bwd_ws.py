@@ -131,12 +131,16 @@ def test_ws_bwd_packed_qkv_strides(ws_spy):
     _run(ws_spy, _INTERP, B, S, S, H, H, D, D, _DTYPE, True, seed=0, inputs=(q, k, v, dout))
 
 
-@pytest.mark.parametrize("case", ["softcap", "window", "causal_sq_gt_sk", "batch_stride", "fp32", "d48"])
-def test_ws_bwd_falls_back(ws_spy, case):
+@pytest.mark.parametrize("case", ["softcap", "window", "causal_sq_gt_sk", "batch_stride", "fp32", "d48", "gqa"])
+def test_ws_bwd_falls_back(ws_spy, monkeypatch, case):
     """Calls the kernels do not serve take the FA2-style backward (and are still right)."""
     if CUDA:
         pytest.skip("interpreter blocks")
     B, Sq, Sk, H, D, causal, extra, dtype = 2, 24, 24, 2, 32, False, {}, _DTYPE
+    Hk = H
+    if case == "gqa":  # a head dim served only without GQA (BWD_WS_NO_GQA; d256 on the GPU)
+        monkeypatch.setattr(_configs, "BWD_WS_NO_GQA", frozenset({32}))
+        Hk = 1
     if case == "softcap":
         extra = dict(softcap=4.0)
     elif case == "window":
@@ -149,10 +153,10 @@ def test_ws_bwd_falls_back(ws_spy, case):
         B, Sq, Sk, H, D, dtype = 2, 45, 45, 4, 64, torch.float32
     elif case == "d48":
         D = 48
-    q, k, v, dout = _inputs(B, Sq, Sk, H, H, D, D, dtype, seed=3)
+    q, k, v, dout = _inputs(B, Sq, Sk, H, Hk, D, D, dtype, seed=3)
     if case == "batch_stride":  # sequences that are not one row range of the tensor
         q = torch.cat([q, q], 1)[:, :Sq]
-    _run(ws_spy, _INTERP, B, Sq, Sk, H, H, D, D, dtype, causal, seed=3, expect_ws=False,
+    _run(ws_spy, _INTERP, B, Sq, Sk, H, Hk, D, D, dtype, causal, seed=3, expect_ws=False,
          inputs=(q, k, v, dout), **extra)
 
 
@@ -180,6 +184,14 @@ def test_bwd_ws_config_choice(monkeypatch):
     monkeypatch.setattr(_configs, "_BWD_VARIANT_NAME", "")
     assert _configs.bwd_ws_config((9, 0), 128, False) is _configs.BWD_WS[128]
     assert _configs.bwd_ws_config((9, 0), 128, True) is None
+    monkeypatch.undo()
+    # the shipped defaults (switch unset): every measured pair on sm_90, with the FA2-style dQ kernel
+    monkeypatch.setattr(_configs, "_BWD_VARIANT_NAME", "")
+    for d in (64, 128, 256):
+        for causal in (False, True):
+            cfg = _configs.bwd_ws_config((9, 0), d, causal)
+            assert cfg is _configs.BWD_WS[d] and cfg.dq_block_m == 0 and cfg.split_dkdv == (d == 256)
+    assert _configs.bwd_ws_config((9, 0), 32, False) is None
 
 
 def test_switch_routes_calls(ws_spy, monkeypatch):
@@ -194,9 +206,6 @@ def test_switch_routes_calls(ws_spy, monkeypatch):
     monkeypatch.setattr(tb, "_BWD_WS_PLANS", {})
     monkeypatch.setattr(tb, "_TMA_SUPPORTED", {})
     monkeypatch.setattr(tb, "_FWD_VARIANT_ON", False)  # the forward's table kernel (under the fake arch)
-    import dataclasses
-    if tb._INTERPRET:  # (see _INTERP)
-        monkeypatch.setitem(_configs.BWD_WS, 32, dataclasses.replace(_configs.BWD_WS[32], row_terms=0))
     # (the sm_90 config's 128-key blocks at head dim 32 keep the interpreter quick enough)
     _run(ws_spy, None, 1, 40, 40, 2, 2, 32, 32, _DTYPE, True, seed=21)
     assert [plan[0] for plan in tb._BWD_WS_PLANS.values()] == [_configs.BWD_WS[32]]
@@ -212,9 +221,13 @@ _AOT = r"""
 import json, sys
 sys.path.insert(0, "benchmarks")
 import triton_bwd_ws_compile as c
+from flash_attn.triton import _configs
 res = []
-for d, causal in [(64, False), (128, True), (256, False)]:
-    for name, ck, log in c.compile_all(d, causal):
+# the configs the backend serves, and the warp-specialized dQ kernel (row terms 1) at d64 / d128
+for d, causal, cfg in [(64, False, None), (128, True, None), (256, False, None),
+                       (64, True, _configs.BwdWsConfig(64, 128, 128, 64)),
+                       (128, False, _configs.BwdWsConfig(64, 128, 128, 64))]:
+    for name, ck, log in c.compile_all(d, causal, cfg):
         res.append(dict(d=d, causal=causal, name=name, **c.summary(ck, log)))
 print("JSON" + json.dumps(res))
 """
@@ -232,7 +245,6 @@ def test_ws_bwd_compiles_for_sm90_with_warp_specialization():
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout.split("JSON", 1)[1])
     names = sorted({(s["d"], s["name"]) for s in res})
-    # (d256 takes the FA2-style dQ kernel)
     assert names == [(64, "dkdv"), (64, "dq"), (128, "dkdv"), (128, "dq"), (256, "dk"), (256, "dv")], names
     for s in res:
         assert s["warp_specialize"] and s["partitions"] == 2 and s["num_warps"] == 12, s
@@ -257,7 +269,10 @@ def _sm90():
 @pytest.mark.parametrize("D", [64, 128, 256])
 def test_gpu_ws_bwd_real_sizes(ws_spy, D, causal, dtype):
     _sm90()
-    _run(ws_spy, _configs.BWD_WS[D], 2, 2048, 2048, 8, 2, D, D, dtype, causal, seed=D + causal)
+    # (GQA at d256 takes the FA2-style kernels: _configs.BWD_WS_NO_GQA)
+    _run(ws_spy, _configs.BWD_WS[D], 2, 2048, 2048, 8, 2, D, D, dtype, causal, seed=D + causal,
+         expect_ws=D not in _configs.BWD_WS_NO_GQA)
+    _run(ws_spy, _configs.BWD_WS[D], 2, 2048, 2048, 8, 8, D, D, dtype, causal, seed=D + causal + 1)
 
 
 @pytest.mark.gpu

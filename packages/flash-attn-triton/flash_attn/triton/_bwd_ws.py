@@ -4,16 +4,18 @@ accepts: one specialized loop, no runtime ``if`` inside it, every load in it fro
 
 Three launches, no atomics (so the gradients are bitwise reproducible run to run):
 
-1. ``_bwd_ws_preprocess_kernel``: delta = rowsum(dO * O) and lse * log2(e) into two fp32 buffers of
-   (B * H) rows of ``seqlen_q`` rounded up to 128 (16-byte aligned rows, as a descriptor needs). Rows past
-   seqlen_q, and rows whose lse is -inf (they saw no key; their output is 0), get lse2 = +inf and
-   delta = 0, so P = exp2(s - lse2) = 0 there: the loops below need no row mask.
+1. ``_bwd_ws_preprocess_kernel``: delta = rowsum(dO * O), lse * log2(e) and lse into fp32 rows of
+   ``seqlen_q`` rounded up to 128 per (sequence, head) (16-byte aligned rows, as a descriptor needs). Rows
+   past seqlen_q, and rows that saw no key (lse +-inf; their output is 0), get lse2 = +inf and delta = 0, so
+   P = exp2(s - lse2) = 0 there: the loops below need no row mask. (With the warp-specialized dQ kernel also
+   its row terms, LD.)
 2. ``_bwd_dkdv_ws_kernel``: a program owns BLOCK_N keys of one (sequence, kv head); K and V are loaded once
    (to shared memory), and the specialized loop streams (query head of the GQA group, query block) pairs:
    the producer warpgroup issues the Q / dO / lse2 / delta copies, two consumer warpgroups each own half of
    the keys (the products' M dimension) and compute S^T = K Q^T, dP^T = V dO^T, P^T, dS^T and the dV += P^T dO
    and dK += dS^T Q products. Keys past seqlen_k are the next sequence's (finite) and never stored.
-3. ``_bwd_dq_ws_kernel``: a program owns BLOCK_M query rows of one (sequence, head); Q, dO, lse2 and delta
+3. dQ: by default the FA2-style ``_bwd.py`` dQ kernel on the padded rows (measured faster); or
+   ``_bwd_dq_ws_kernel``: a program owns BLOCK_M query rows of one (sequence, head); Q, dO and the row terms
    are loaded once and the specialized loop streams the key blocks (producer: K and V copies; consumers: 64
    rows each) for S, dP, dS and dQ += dS K.
 
@@ -42,7 +44,7 @@ def _split3(x):
 @triton.jit(do_not_specialize=["seqlen_q", "stride_lb", "stride_lh", "stride_p"])
 def _bwd_ws_preprocess_kernel(Out, DOut, Lse, Delta, Lse2, LseN, LD, stride_ob, stride_om, stride_oh, stride_db,
                               stride_dm, stride_dh, stride_lb, stride_lh, stride_p, seqlen_q, num_heads, qk_scale,
-                              HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr):
+                              HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, WRITE_LD: tl.constexpr = True):
     """Per (sequence, head) row of stride_p >= seqlen_q entries: Delta = rowsum(dO * O), Lse2 = lse * log2(e)
     (+inf past seqlen_q and where lse is -inf), LseN = lse (the same rows; for the FA2-style dQ kernel), and
     LD, 16 bf16 per query row: -lse2 / qk_scale (a large finite value past seqlen_q) in columns 0-2 and
@@ -69,14 +71,15 @@ def _bwd_ws_preprocess_kernel(Out, DOut, Lse, Delta, Lse2, LseN, LD, stride_ob, 
     tl.store(Lse2 + dst, lse2)
     tl.store(LseN + dst, tl.where(seen, lse, float("inf")))
     tl.store(Delta + dst, delta)
-    # exp2((s - 1e30 / qk_scale) * qk_scale) = 0, without the NaN an infinite split would give
-    lh, lm, ll = _split3(tl.where(seen, -lse2, -1e30) / qk_scale)
-    dh, dm, dl = _split3(-delta)
-    col = tl.arange(0, 16)[None, :]
-    z = tl.zeros([BLOCK_M, 16], dtype=tl.bfloat16)
-    ld = tl.where(col == 0, lh[:, None], tl.where(col == 1, lm[:, None], tl.where(col == 2, ll[:, None], z)))
-    ld = tl.where(col == 8, dh[:, None], tl.where(col == 9, dm[:, None], tl.where(col == 10, dl[:, None], ld)))
-    tl.store(LD + dst[:, None] * 16 + col, ld)
+    if WRITE_LD:
+        # exp2((s - 1e30 / qk_scale) * qk_scale) = 0, without the NaN an infinite split would give
+        lh, lm, ll = _split3(tl.where(seen, -lse2, -1e30) / qk_scale)
+        dh, dm, dl = _split3(-delta)
+        col = tl.arange(0, 16)[None, :]
+        z = tl.zeros([BLOCK_M, 16], dtype=tl.bfloat16)
+        ld = tl.where(col == 0, lh[:, None], tl.where(col == 1, lm[:, None], tl.where(col == 2, ll[:, None], z)))
+        ld = tl.where(col == 8, dh[:, None], tl.where(col == 9, dm[:, None], tl.where(col == 10, dl[:, None], ld)))
+        tl.store(LD + dst[:, None] * 16 + col, ld)
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "stride_p", "n_b"])

@@ -214,17 +214,25 @@ class BwdWsConfig:
     row_terms: int = 1
 
 
-# Padded head dim -> the warp-specialized backward's config: the largest tiles that compile for sm_90
-# without spills (`python benchmarks/triton_bwd_ws_compile.py` prints registers, spills and shared memory).
+# Padded head dim -> the warp-specialized backward's config. H200, bf16, 16k tokens, cuDNN SDPA's backward in
+# the same run (`python benchmarks/tune_triton_bwd_ws.py --seqlens 2048,16384`, session 9; geometric mean of
+# the ratio to cuDNN over the two lengths): the warp-specialized dK/dV loop with the FA2-style dQ kernel was
+# the fastest candidate everywhere: d64 0.68 -> 0.76 (the FA2-style kernels -> it), d64 causal 0.72 -> 0.79,
+# d128 0.68 -> 0.79, d128 causal 0.64 -> 0.77, d256 0.67 -> 0.93, d256 causal 0.57 -> 0.79. The
+# warp-specialized dQ kernel (row terms 1) is right but 2-10% slower (row terms 0 computed wrong dQ).
+# (`python benchmarks/triton_bwd_ws_compile.py` prints registers, spills and shared memory.)
 BWD_WS = {
-    32: BwdWsConfig(64, 128, 128, 64),
-    64: BwdWsConfig(64, 128, 128, 64),
-    128: BwdWsConfig(64, 128, 128, 64),
-    # (the dQ kernel's 128 x 32 tiles need 235 KB of shared memory with the row terms: the FA2-style one)
+    32: BwdWsConfig(64, 128, 0, 0),
+    64: BwdWsConfig(64, 128, 0, 0),
+    128: BwdWsConfig(64, 128, 0, 0),
     256: BwdWsConfig(64, 128, 0, 0, split_dkdv=True, dk_block_m=32),
 }
-# (padded head dim, causal) pairs whose backward takes _bwd_ws.py by default on sm_90 (none until measured).
-BWD_WS_DEFAULT: frozenset = frozenset()
+# (padded head dim, causal) pairs whose backward takes _bwd_ws.py by default on sm_90 (not d32: not measured).
+BWD_WS_DEFAULT: frozenset = frozenset((d, c) for d in (64, 128, 256) for c in (False, True))
+# Head dims whose warp-specialized dK kernel is served only without GQA: at d256 (dK launch with 32-row
+# steps) GQA calls computed non-finite dK on the H200 (triton 3.6; 2 x 2048, 8 heads over 2), calls
+# without GQA matched the FA2-style kernels' gradients (cause not found).
+BWD_WS_NO_GQA = frozenset({256})
 # FLASH_ATTN_TRITON_BWD_VARIANT (read once, at import): "off"/"0" the FA2-style kernels (_bwd.py) only, "ws" the
 # warp-specialized backward for every call it serves; unset: BWD_WS_DEFAULT.
 _BWD_VARIANT_NAME = os.environ.get("FLASH_ATTN_TRITON_BWD_VARIANT", "").strip().lower()

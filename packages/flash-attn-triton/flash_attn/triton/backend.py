@@ -467,11 +467,7 @@ def _bwd_ws_plan(q, k, v, dout, D, Dv, Sq, Sk, window, wr, config):
     causal = window == (False, True)
     if (window != (False, False) and not (causal and wr == 0)) or (causal and Sq > Sk) or Sk == 0 or Sq == 0:
         return None
-    if not _tma_aligned(q, k, v, dout):
-        return None
-    if q.shape[0] > 1 and (q.stride(0) != Sq * q.stride(1) or dout.stride(0) != Sq * dout.stride(1)
-                           or k.stride(0) != Sk * k.stride(1) or v.stride(0) != Sk * v.stride(1)):
-        return None
+    # What depends only on the kind of call first (cached; None on other GPUs), then the per-call checks.
     kind = (q.device, q.dtype, D, Dv, causal, config)
     cfg = _BWD_WS_KINDS.get(kind, _BWD_WS_KINDS)
     if cfg is _BWD_WS_KINDS:  # first call of this kind
@@ -482,12 +478,19 @@ def _bwd_ws_plan(q, k, v, dout, D, Dv, Sq, Sk, window, wr, config):
         _BWD_WS_KINDS[kind] = cfg
     if cfg is None:
         return None
+    if not _tma_aligned(q, k, v, dout):
+        return None
+    if q.shape[2] != k.shape[2] and _configs.padded_dim(max(D, Dv)) in _configs.BWD_WS_NO_GQA:
+        return None
+    if q.shape[0] > 1 and (q.stride(0) != Sq * q.stride(1) or dout.stride(0) != Sq * dout.stride(1)
+                           or k.stride(0) != Sk * k.stride(1) or v.stride(0) != Sk * v.stride(1)):
+        return None
     even_k = cfg.dq_block_n == 0 or Sk % cfg.dq_block_n == 0
     key = (kind, even_k)
     plan = _BWD_WS_PLANS.get(key)
     if plan is None:
         ws = dict(num_warps=4, num_stages=2)
-        pre = dict(HEAD_DIM_V=Dv, BLOCK_M=64 if Dv <= 128 else 32, num_warps=4)
+        pre = dict(HEAD_DIM_V=Dv, BLOCK_M=64 if Dv <= 128 else 32, WRITE_LD=cfg.dq_block_m > 0, num_warps=4)
         dkdv = dict(HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, **ws)
         pk = (q.device, q.dtype, D, Dv, causal, cfg)
         if cfg.split_dkdv:
@@ -513,7 +516,8 @@ def _bwd_ws(ws, dout, q, k, v, out, lse, dq, dk, dv, B, H, Hk, Sq, Sk, softmax_s
     sq_pad = -(-Sq // 128) * 128
     rows = torch.empty(3, B * H, sq_pad, device=q.device, dtype=torch.float32)
     lse2, delta, lse_n = rows.unbind(0)
-    ld = torch.empty(B * H * sq_pad, 16, device=q.device, dtype=torch.bfloat16)
+    # (the warp-specialized dQ kernel's row terms; the FA2-style one reads lse_n)
+    ld = torch.empty(B * H * sq_pad if pre["WRITE_LD"] else 1, 16, device=q.device, dtype=torch.bfloat16)
     qk_scale = softmax_scale * _LOG2E
     _L_PRE_WS((sq_pad // pre["BLOCK_M"], B * H),
               (out, dout, lse, delta, lse2, lse_n, ld, *out.stride()[:3], *dout.stride()[:3], lse.stride(0),
