@@ -45,9 +45,8 @@ def compile_all(d, causal, cfg=None, dtype="bf16"):
         res.append((name, ck, log))
     if cfg.dq_block_m:  # (0: the FA2-style dQ kernel, triton_bwd_compile.py's)
         ck, log = aot_compile(_bwd_ws._bwd_dq_ws_kernel,
-                              dict(base, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, EVEN_K=True,
-                                   ROW_TERMS=cfg.row_terms),
-                              dict(Q=ptr, K=ptr, V=ptr, DO=ptr, Lse2="*fp32", Delta="*fp32", LD="*bf16", DQ=ptr),
+                              dict(base, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, EVEN_K=True),
+                              dict(Q=ptr, K=ptr, V=ptr, DO=ptr, LD="*bf16", DQ=ptr),
                               floats, _divisible, 4, 2)
         res.append(("dq", ck, log))
     return res

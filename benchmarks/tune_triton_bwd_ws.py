@@ -34,16 +34,16 @@ def candidates(d):
 
     W = c.BwdWsConfig
     extra = {
-        64: [W(64, 128, 128, 128), W(128, 128, 128, 64), W(64, 128, 0, 0), W(64, 128, 128, 64, row_terms=0)],
-        128: [W(64, 128, 128, 128), W(64, 128, 0, 0), W(64, 128, 128, 64, row_terms=0)],
-        256: [W(64, 128, 128, 32, split_dkdv=True, dk_block_m=32, row_terms=0)],
+        64: [W(64, 128, 128, 64), W(64, 128, 128, 128), W(128, 128, 128, 64)],
+        128: [W(64, 128, 128, 64), W(64, 128, 128, 128)],
+        256: [],
     }[d]
     out = [c.BWD_WS[d]] + [e for e in extra if e != c.BWD_WS[d]]
     return [(_label(x), x) for x in out]
 
 
 def _label(cfg):
-    dq = f"dq {cfg.dq_block_m}x{cfg.dq_block_n} r{cfg.row_terms}" if cfg.dq_block_m else "dq fa2"
+    dq = f"dq {cfg.dq_block_m}x{cfg.dq_block_n}" if cfg.dq_block_m else "dq fa2"
     s = f"ws dkdv {cfg.block_m}x{cfg.block_n} {dq}"
     return s + (f" split dk {cfg.dk_block_m}" if cfg.split_dkdv else "")
 

@@ -24,12 +24,12 @@ from flash_attn.triton import _configs, backend as tb
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Interpreter blocks: small shapes span several blocks of every loop. row_terms=0: the dQ kernel's default
-# row terms (1) go through bf16 products, which the interpreter computes wrongly; the GPU tests run them.
-_INTERP = _configs.BwdWsConfig(16, 32, 32, 16, row_terms=0)
-_INTERP_SPLIT = _configs.BwdWsConfig(16, 32, 32, 16, split_dkdv=True, dk_block_m=32, row_terms=0)
-_INTERP_FA2_DQ = _configs.BwdWsConfig(16, 32, 0, 0)
-
+# Interpreter blocks: small shapes span several blocks of every loop. The dQ step is the FA2-style kernel
+# (the backend's default); the warp-specialized dQ kernel adds its row terms by bf16 products, which the
+# interpreter computes wrongly: the sm_90 compile test and the GPU tests cover it.
+_INTERP = _configs.BwdWsConfig(16, 32, 0, 0)
+_INTERP_SPLIT = _configs.BwdWsConfig(16, 32, 0, 0, split_dkdv=True, dk_block_m=32)
+_INTERP_BN16 = _configs.BwdWsConfig(32, 16, 0, 0)
 
 def _kw(Sq, Sk, D, causal=False, window=(-1, -1), softcap=0.0):
     wl, wr = window
@@ -102,7 +102,7 @@ def _run(spy, cfg, B, Sq, Sk, H, Hk, D, Dv, dtype, causal, seed, expect_ws=True,
 _DTYPE = torch.float16 if tb._INTERPRET else torch.bfloat16
 
 
-@pytest.mark.parametrize("cfg", [_INTERP, _INTERP_SPLIT, _INTERP_FA2_DQ], ids=["one", "split", "fa2dq"])
+@pytest.mark.parametrize("cfg", [_INTERP, _INTERP_SPLIT, _INTERP_BN16], ids=["one", "split", "bn16"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("B,Sq,Sk,H,Hk,D", [(2, 37, 37, 2, 1, 32), (2, 29, 53, 4, 2, 32), (3, 20, 45, 2, 2, 64),
                                              (1, 1, 17, 2, 2, 32)])
@@ -185,13 +185,15 @@ def test_bwd_ws_config_choice(monkeypatch):
     assert _configs.bwd_ws_config((9, 0), 128, False) is _configs.BWD_WS[128]
     assert _configs.bwd_ws_config((9, 0), 128, True) is None
     monkeypatch.undo()
-    # the shipped defaults (switch unset): every measured pair on sm_90, with the FA2-style dQ kernel
+    # the shipped defaults (switch unset): d64 and d128 on sm_90, with the FA2-style dQ kernel; not d256
+    # (its dK launch failed the GPU test) nor d32 (not measured)
     monkeypatch.setattr(_configs, "_BWD_VARIANT_NAME", "")
-    for d in (64, 128, 256):
+    for d in (64, 128):
         for causal in (False, True):
             cfg = _configs.bwd_ws_config((9, 0), d, causal)
-            assert cfg is _configs.BWD_WS[d] and cfg.dq_block_m == 0 and cfg.split_dkdv == (d == 256)
-    assert _configs.bwd_ws_config((9, 0), 32, False) is None
+            assert cfg is _configs.BWD_WS[d] and cfg.dq_block_m == 0 and not cfg.split_dkdv
+    for d in (32, 256):
+        assert _configs.bwd_ws_config((9, 0), d, False) is None and _configs.bwd_ws_config((9, 0), d, True) is None
 
 
 def test_switch_routes_calls(ws_spy, monkeypatch):
@@ -266,10 +268,11 @@ def _sm90():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("D", [64, 128, pytest.param(256, marks=pytest.mark.xfail(
+    strict=True, reason="split dK launch gives non-finite dK on the H200 (triton 3.6); off by default"))])
 def test_gpu_ws_bwd_real_sizes(ws_spy, D, causal, dtype):
     _sm90()
-    # (GQA at d256 takes the FA2-style kernels: _configs.BWD_WS_NO_GQA)
+    # (d256 fails here on the H200, triton 3.6: non-finite dK from its split dK launch; it is off by default)
     _run(ws_spy, _configs.BWD_WS[D], 2, 2048, 2048, 8, 2, D, D, dtype, causal, seed=D + causal,
          expect_ws=D not in _configs.BWD_WS_NO_GQA)
     _run(ws_spy, _configs.BWD_WS[D], 2, 2048, 2048, 8, 8, D, D, dtype, causal, seed=D + causal + 1)
@@ -277,8 +280,8 @@ def test_gpu_ws_bwd_real_sizes(ws_spy, D, causal, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("cfg", [_configs.BwdWsConfig(64, 128, 128, 64, row_terms=0), _configs.BwdWsConfig(64, 128, 0, 0),
-                                 _configs.BwdWsConfig(64, 128, 128, 64, row_terms=1)], ids=["r0", "fa2dq", "r1"])
+@pytest.mark.parametrize("cfg", [_configs.BwdWsConfig(64, 128, 0, 0), _configs.BwdWsConfig(64, 128, 128, 64)],
+                         ids=["fa2dq", "wsdq"])
 def test_gpu_ws_bwd_dq_forms(ws_spy, cfg, causal):
     _sm90()
     _run(ws_spy, cfg, 2, 1536, 1536, 8, 2, 128, 128, torch.bfloat16, causal, seed=17 + causal)

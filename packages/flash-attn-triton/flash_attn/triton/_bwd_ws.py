@@ -158,18 +158,18 @@ def _bwd_dkdv_ws_kernel(
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "stride_p", "n_b"])
 def _bwd_dq_ws_kernel(
-    Q, K, V, DO, Lse2, Delta, LD, DQ,
+    Q, K, V, DO, LD, DQ,
     stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_dom, stride_doh,
     stride_dqb, stride_dqm, stride_dqh, stride_p,
     seqlen_q, seqlen_k, num_heads, group_size, n_b, sm_scale, qk_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, EVEN_K: tl.constexpr, ROW_TERMS: tl.constexpr = 1,
+    CAUSAL: tl.constexpr, EVEN_K: tl.constexpr,
 ):
-    """ROW_TERMS: how the rows' lse2 and delta enter. 1: the consumers add them to S and dP with one more
-    k=16 product each, LD's (BLOCK_M, 16) box (split like Q between the consumers) times a 0/1 selector:
-    S - lse2 / qk_scale and dP - delta come out of the tensor cores in S's layout. 0: (1, BLOCK_M) boxes of
-    Lse2 / Delta transposed to columns (a pointer load there fails the Hopper pass, a reduction or a
-    reshape too)."""
+    """The rows' lse2 and delta enter through the tensor cores: the consumers add them to S and dP with one
+    more k=16 product each, LD's (BLOCK_M, 16) box (split like Q between the consumers) times a 0/1 selector,
+    so S - lse2 / qk_scale and dP - delta come out in S's layout. (A pointer load of lse2 here fails the
+    Hopper pass, a reduction or a reshape of a loaded box too, and (1, BLOCK_M) boxes transposed to columns
+    computed wrong dQ with two consumers on the H200, triton 3.6.)"""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     if CAUSAL:
@@ -192,23 +192,13 @@ def _bwd_dq_ws_kernel(
     q = Q_desc.load([b * seqlen_q + m0, h * stride_qh])
     do = DO_desc.load([b * seqlen_q + m0, h * stride_doh])
     # Rows are padded to a multiple of 128 >= BLOCK_M per (sequence, head), with P = 0 there: no mask.
-    if ROW_TERMS == 1:
-        LD_desc = tl.make_tensor_descriptor(LD, shape=[n_b * num_heads * stride_p, 16], strides=[16, 1],
-                                            block_shape=[BLOCK_M, 16])
-        ld = LD_desc.load([bh * stride_p + m0, 0])
-        r = tl.arange(0, 16)[:, None]
-        ones = tl.full([16, BLOCK_N], 1.0, tl.float32)
-        sel_l = tl.where(r < 3, ones, 0.0).to(tl.bfloat16)
-        sel_d = tl.where((r >= 8) & (r < 11), ones, 0.0).to(tl.bfloat16)
-        lse2 = 0.0
-        delta = 0.0
-    else:
-        L_desc = tl.make_tensor_descriptor(Lse2, shape=[n_b * num_heads, stride_p], strides=[stride_p, 1],
-                                           block_shape=[1, BLOCK_M])
-        D_desc = tl.make_tensor_descriptor(Delta, shape=[n_b * num_heads, stride_p], strides=[stride_p, 1],
-                                           block_shape=[1, BLOCK_M])
-        lse2 = tl.trans(L_desc.load([bh, m0]))  # (BLOCK_M, 1)
-        delta = tl.trans(D_desc.load([bh, m0]))
+    LD_desc = tl.make_tensor_descriptor(LD, shape=[n_b * num_heads * stride_p, 16], strides=[16, 1],
+                                        block_shape=[BLOCK_M, 16])
+    ld = LD_desc.load([bh * stride_p + m0, 0])
+    r = tl.arange(0, 16)[:, None]
+    ones = tl.full([16, BLOCK_N], 1.0, tl.float32)
+    sel_l = tl.where(r < 3, ones, 0.0).to(tl.bfloat16)
+    sel_d = tl.where((r >= 8) & (r < 11), ones, 0.0).to(tl.bfloat16)
     diag_off = seqlen_k - seqlen_q
     if CAUSAL:
         hi = tl.minimum(m0 + BLOCK_M + diag_off, seqlen_k)
@@ -220,9 +210,8 @@ def _bwd_dq_ws_kernel(
         v = V_desc.load([b * seqlen_k + start_n, hk * stride_vh])
         qk = tl.dot(q, tl.trans(k))
         dp = tl.dot(do, tl.trans(v))
-        if ROW_TERMS == 1:
-            qk = tl.dot(ld, sel_l, qk)  # S - lse2 / qk_scale
-            dp = tl.dot(ld, sel_d, dp)  # dP - delta
+        qk = tl.dot(ld, sel_l, qk)  # S - lse2 / qk_scale
+        dp = tl.dot(ld, sel_d, dp)  # dP - delta
         if CAUSAL or not EVEN_K:
             cols = start_n + offs_n
             if CAUSAL:
@@ -230,10 +219,10 @@ def _bwd_dq_ws_kernel(
                 vis = cols[None, :] <= offs_m[:, None] + diag_off
             else:
                 vis = cols[None, :] < seqlen_k
-            p = tl.exp2(tl.where(vis, qk * qk_scale, float("-inf")) - lse2)
+            p = tl.exp2(tl.where(vis, qk * qk_scale, float("-inf")))
         else:
-            p = tl.exp2(qk * qk_scale - lse2)
-        ds = p * (dp - delta)
+            p = tl.exp2(qk * qk_scale)
+        ds = p * dp
         dq = tl.dot(ds.to(k.dtype), k, dq)
     offs_d = tl.arange(0, HEAD_DIM)
     DQ += b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh

@@ -210,16 +210,15 @@ class BwdWsConfig:
     # the shared memory
     split_dkdv: bool = False
     dk_block_m: int = 0
-    # how the dQ kernel applies each row's lse and delta (_bwd_dq_ws_kernel's ROW_TERMS)
-    row_terms: int = 1
 
 
 # Padded head dim -> the warp-specialized backward's config. H200, bf16, 16k tokens, cuDNN SDPA's backward in
 # the same run (`python benchmarks/tune_triton_bwd_ws.py --seqlens 2048,16384`, session 9; geometric mean of
 # the ratio to cuDNN over the two lengths): the warp-specialized dK/dV loop with the FA2-style dQ kernel was
 # the fastest candidate everywhere: d64 0.68 -> 0.76 (the FA2-style kernels -> it), d64 causal 0.72 -> 0.79,
-# d128 0.68 -> 0.79, d128 causal 0.64 -> 0.77, d256 0.67 -> 0.93, d256 causal 0.57 -> 0.79. The
-# warp-specialized dQ kernel (row terms 1) is right but 2-10% slower (row terms 0 computed wrong dQ).
+# d128 0.68 -> 0.79, d128 causal 0.64 -> 0.77 (d256 0.67 -> 0.93 and causal 0.57 -> 0.79, but wrong: below). The
+# warp-specialized dQ kernel is right but 2-10% slower (with lse / delta as transposed boxes it computed
+# wrong dQ).
 # (`python benchmarks/triton_bwd_ws_compile.py` prints registers, spills and shared memory.)
 BWD_WS = {
     32: BwdWsConfig(64, 128, 0, 0),
@@ -227,12 +226,14 @@ BWD_WS = {
     128: BwdWsConfig(64, 128, 0, 0),
     256: BwdWsConfig(64, 128, 0, 0, split_dkdv=True, dk_block_m=32),
 }
-# (padded head dim, causal) pairs whose backward takes _bwd_ws.py by default on sm_90 (not d32: not measured).
-BWD_WS_DEFAULT: frozenset = frozenset((d, c) for d in (64, 128, 256) for c in (False, True))
-# Head dims whose warp-specialized dK kernel is served only without GQA: at d256 (dK launch with 32-row
-# steps) GQA calls computed non-finite dK on the H200 (triton 3.6; 2 x 2048, 8 heads over 2), calls
-# without GQA matched the FA2-style kernels' gradients (cause not found).
-BWD_WS_NO_GQA = frozenset({256})
+# (padded head dim, causal) pairs whose backward takes _bwd_ws.py by default on sm_90. Not d32 (not measured)
+# and not d256: its split dK launch (32-row steps) computed non-finite dK on the H200 (triton 3.6; GPU test
+# 2 x 2048 x 8 heads, with and without GQA). The tuning run's d256 figures above passed its check only
+# because dK's memory still held the FA2-style result (the dK launch leaves some of it unwritten or wrong).
+BWD_WS_DEFAULT: frozenset = frozenset((d, c) for d in (64, 128) for c in (False, True))
+# Head dims whose warp-specialized backward the plan serves only without GQA (none: d256, where GQA calls
+# were seen failing first, fails without GQA too and is off above).
+BWD_WS_NO_GQA: frozenset = frozenset()
 # FLASH_ATTN_TRITON_BWD_VARIANT (read once, at import): "off"/"0" the FA2-style kernels (_bwd.py) only, "ws" the
 # warp-specialized backward for every call it serves; unset: BWD_WS_DEFAULT.
 _BWD_VARIANT_NAME = os.environ.get("FLASH_ATTN_TRITON_BWD_VARIANT", "").strip().lower()

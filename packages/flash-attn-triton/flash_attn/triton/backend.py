@@ -503,7 +503,7 @@ def _bwd_ws_plan(q, k, v, dout, D, Dv, Sq, Sk, window, wr, config):
             dq = (_configs.bwd_config(_arch(q.device), max(D, Dv), causal, _INTERPRET, q.dtype), dq_key, fa2_dq)
         else:
             dq = dict(HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, CAUSAL=causal,
-                      EVEN_K=even_k, ROW_TERMS=cfg.row_terms, **ws)
+                      EVEN_K=even_k, **ws)
         plan = _BWD_WS_PLANS[key] = (cfg, (pre, dkdv, dq, _PlanKey(pk + (even_k,))))
     return plan
 
@@ -539,7 +539,7 @@ def _bwd_ws(ws, dout, q, k, v, out, lse, dq, dk, dv, B, H, Hk, Sq, Sk, softmax_s
                _NO_WINDOW, 0 if dq_meta["WINDOW_RIGHT"] else _NO_WINDOW, 0, 0, 0, 1.0), dq_meta, dq_key)
         return dq, dk, dv
     _L_DQ_WS((-(-Sq // cfg.dq_block_m), B * H),
-             (q, k, v, dout, lse2, delta, ld, dq, qs[1], qs[2], ks[1], ks[2], vs[1], vs[2], dos[1], dos[2],
+             (q, k, v, dout, ld, dq, qs[1], qs[2], ks[1], ks[2], vs[1], vs[2], dos[1], dos[2],
               *dq.stride()[:3], sq_pad, Sq, Sk, H, H // Hk, B, softmax_scale, qk_scale), dq_meta, key)
     return dq, dk, dv
 
