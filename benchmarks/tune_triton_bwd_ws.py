@@ -149,8 +149,10 @@ def main(argv=None):
                         return tb.bwd(do, q, k, v, out, lse, deterministic=False, config=cfg, grads=grads, **kw)
                     try:
                         got = call()
-                        err = max(((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
-                                  for a, b in zip(got, base))
+                        errs = [((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+                                for a, b in zip(got, base)]
+                        # (a NaN must win: Python's max() drops it unless it comes first)
+                        err = float("nan") if any(e != e for e in errs) else max(errs)
                         ms = do_bench(call, warmup=args.warmup, rep=args.rep, return_mode="median")
                     except Exception as e:  # a candidate that fails to compile or launch
                         print(f"  {label:40s} FAILED {type(e).__name__}: {str(e)[:120]}", flush=True)

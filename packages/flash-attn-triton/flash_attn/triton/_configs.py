@@ -222,14 +222,18 @@ class BwdWsConfig:
 # (`python benchmarks/triton_bwd_ws_compile.py` prints registers, spills and shared memory.)
 BWD_WS = {
     32: BwdWsConfig(64, 128, 0, 0),
-    64: BwdWsConfig(64, 128, 0, 0),
+    # 128 query rows per step: d64 0.79 -> 0.83, causal 0.77 -> 0.77 (second tuning run; triton 3.9 spills
+    # 44 bytes for it, triton 3.6 on the H200 ran it right and faster)
+    64: BwdWsConfig(128, 128, 0, 0),
     128: BwdWsConfig(64, 128, 0, 0),
     256: BwdWsConfig(64, 128, 0, 0, split_dkdv=True, dk_block_m=32),
 }
 # (padded head dim, causal) pairs whose backward takes _bwd_ws.py by default on sm_90. Not d32 (not measured)
 # and not d256: its split dK launch (32-row steps) computed non-finite dK on the H200 (triton 3.6; GPU test
 # 2 x 2048 x 8 heads, with and without GQA). The tuning run's d256 figures above passed its check only
-# because dK's memory still held the FA2-style result (the dK launch leaves some of it unwritten or wrong).
+# because dK's memory still held the FA2-style result. `benchmarks/probe_bwd_ws_split.py all`: 32-row steps
+# give NaN dK at d128 too, the split with 64-row steps is right; d256's dK launch needs 257 KB of shared
+# memory at 64-row steps with two stages, and with one the pass does not specialize.
 BWD_WS_DEFAULT: frozenset = frozenset((d, c) for d in (64, 128) for c in (False, True))
 # Head dims whose warp-specialized backward the plan serves only without GQA (none: d256, where GQA calls
 # were seen failing first, fails without GQA too and is off above).
