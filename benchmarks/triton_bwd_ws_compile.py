@@ -29,7 +29,7 @@ def compile_all(d, causal, cfg=None, dtype="bf16"):
     config splits them) and the dQ launch of head dim d's config (_configs.BWD_WS)."""
     from flash_attn.triton import _bwd_ws, _configs
 
-    cfg = cfg or _configs.BWD_WS[d]
+    cfg = cfg or _configs.BWD_WS.get(d, _configs.BWD_WS_D256_BROKEN)
     ptr = "*" + dtype
     floats = {"sm_scale", "qk_scale"}
     base = dict(HEAD_DIM=d, HEAD_DIM_V=d, CAUSAL=causal)

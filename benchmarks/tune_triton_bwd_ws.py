@@ -38,7 +38,8 @@ def candidates(d):
         128: [W(32, 128, 0, 0), W(64, 128, 128, 64)],
         256: [W(32, 128, 0, 0, split_dkdv=True, dk_block_m=32)],
     }[d]
-    out = [c.BWD_WS[d]] + [e for e in extra if e != c.BWD_WS[d]]
+    first = c.BWD_WS.get(d, c.BWD_WS_D256_BROKEN)
+    out = [first] + [e for e in extra if e != first]
     return [(_label(x), x) for x in out]
 
 

@@ -227,10 +227,11 @@ BWD_WS = {
     # 44 bytes compiling it for sm_90 (3.6, the GPU machine's, was not checked for spills).
     64: BwdWsConfig(128, 128, 0, 0),
     128: BwdWsConfig(64, 128, 0, 0),
-    256: BwdWsConfig(64, 128, 0, 0, split_dkdv=True, dk_block_m=32),
+    # no d256 entry, so that no switch serves it: its config (BWD_WS_D256_BROKEN) computes NaN dK, below
 }
+BWD_WS_D256_BROKEN = BwdWsConfig(64, 128, 0, 0, split_dkdv=True, dk_block_m=32)
 # (padded head dim, causal) pairs whose backward takes _bwd_ws.py by default on sm_90. Not d32 (not measured)
-# and not d256: its split dK launch (32-row steps) computed non-finite dK on the H200 (triton 3.6; GPU test
+# and not d256 (not even with the switch: BWD_WS has no entry): its split dK launch (32-row steps) computed non-finite dK on the H200 (triton 3.6; GPU test
 # 2 x 2048 x 8 heads, with and without GQA). The tuning run's d256 figures above passed its check only
 # because dK's memory still held the FA2-style result. `benchmarks/probe_bwd_ws_split.py all`: 32-row steps
 # give NaN dK at d128 too, the split with 64-row steps is right; d256's dK launch needs 257 KB of shared
