@@ -82,6 +82,14 @@ def _bwd_ws_preprocess_kernel(Out, DOut, Lse, Delta, Lse2, LseN, LD, stride_ob, 
         tl.store(LD + dst[:, None] * 16 + col, ld)
 
 
+@triton.jit
+def _rows_desc(T, n_rows, n_heads, stride_row, stride_head, WIDTH: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+    """One descriptor over a (sequences x rows, heads x WIDTH) tensor: every sequence and head (a box's
+    coordinates pick the row and the head's first column)."""
+    return tl.make_tensor_descriptor(T, shape=[n_rows, (n_heads - 1) * stride_head + WIDTH],
+                                     strides=[stride_row, 1], block_shape=[BLOCK_ROWS, WIDTH])
+
+
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "stride_p", "n_b"])
 def _bwd_dkdv_ws_kernel(
     Q, K, V, DO, Lse2, Delta, DK, DV,
@@ -96,14 +104,10 @@ def _bwd_dkdv_ws_kernel(
     num_kv = num_heads // group_size
     b = bhk // num_kv
     hk = bhk % num_kv
-    Q_desc = tl.make_tensor_descriptor(Q, shape=[n_b * seqlen_q, (num_heads - 1) * stride_qh + HEAD_DIM],
-                                       strides=[stride_qm, 1], block_shape=[BLOCK_M, HEAD_DIM])
-    DO_desc = tl.make_tensor_descriptor(DO, shape=[n_b * seqlen_q, (num_heads - 1) * stride_doh + HEAD_DIM_V],
-                                        strides=[stride_dom, 1], block_shape=[BLOCK_M, HEAD_DIM_V])
-    K_desc = tl.make_tensor_descriptor(K, shape=[n_b * seqlen_k, (num_kv - 1) * stride_kh + HEAD_DIM],
-                                       strides=[stride_kn, 1], block_shape=[BLOCK_N, HEAD_DIM])
-    V_desc = tl.make_tensor_descriptor(V, shape=[n_b * seqlen_k, (num_kv - 1) * stride_vh + HEAD_DIM_V],
-                                       strides=[stride_vn, 1], block_shape=[BLOCK_N, HEAD_DIM_V])
+    Q_desc = _rows_desc(Q, n_b * seqlen_q, num_heads, stride_qm, stride_qh, HEAD_DIM, BLOCK_M)
+    DO_desc = _rows_desc(DO, n_b * seqlen_q, num_heads, stride_dom, stride_doh, HEAD_DIM_V, BLOCK_M)
+    K_desc = _rows_desc(K, n_b * seqlen_k, num_kv, stride_kn, stride_kh, HEAD_DIM, BLOCK_N)
+    V_desc = _rows_desc(V, n_b * seqlen_k, num_kv, stride_vn, stride_vh, HEAD_DIM_V, BLOCK_N)
     L_desc = tl.make_tensor_descriptor(Lse2, shape=[n_b * num_heads, stride_p], strides=[stride_p, 1],
                                        block_shape=[1, BLOCK_M])
     D_desc = tl.make_tensor_descriptor(Delta, shape=[n_b * num_heads, stride_p], strides=[stride_p, 1],
@@ -178,14 +182,10 @@ def _bwd_dq_ws_kernel(
     h = bh % num_heads
     hk = h // group_size
     num_kv = num_heads // group_size
-    Q_desc = tl.make_tensor_descriptor(Q, shape=[n_b * seqlen_q, (num_heads - 1) * stride_qh + HEAD_DIM],
-                                       strides=[stride_qm, 1], block_shape=[BLOCK_M, HEAD_DIM])
-    DO_desc = tl.make_tensor_descriptor(DO, shape=[n_b * seqlen_q, (num_heads - 1) * stride_doh + HEAD_DIM_V],
-                                        strides=[stride_dom, 1], block_shape=[BLOCK_M, HEAD_DIM_V])
-    K_desc = tl.make_tensor_descriptor(K, shape=[n_b * seqlen_k, (num_kv - 1) * stride_kh + HEAD_DIM],
-                                       strides=[stride_kn, 1], block_shape=[BLOCK_N, HEAD_DIM])
-    V_desc = tl.make_tensor_descriptor(V, shape=[n_b * seqlen_k, (num_kv - 1) * stride_vh + HEAD_DIM_V],
-                                       strides=[stride_vn, 1], block_shape=[BLOCK_N, HEAD_DIM_V])
+    Q_desc = _rows_desc(Q, n_b * seqlen_q, num_heads, stride_qm, stride_qh, HEAD_DIM, BLOCK_M)
+    DO_desc = _rows_desc(DO, n_b * seqlen_q, num_heads, stride_dom, stride_doh, HEAD_DIM_V, BLOCK_M)
+    K_desc = _rows_desc(K, n_b * seqlen_k, num_kv, stride_kn, stride_kh, HEAD_DIM, BLOCK_N)
+    V_desc = _rows_desc(V, n_b * seqlen_k, num_kv, stride_vn, stride_vh, HEAD_DIM_V, BLOCK_N)
     m0 = pid_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
