@@ -499,8 +499,8 @@ def _bwd_ws_plan(q, k, v, dout, D, Dv, Sq, Sk, window, wr, config):
         else:
             dkdv = [(dkdv, _PlanKey(pk + ("dkdv",)))]
         if cfg.dq_block_m == 0:  # the FA2-style dQ kernel: its table entry and plan (TMA for K/V)
-            _, _, dq_key, _, _, fa2_dq = _bwd_plan(q, D, Dv, False, window, False, False, False, True, None)
-            dq = (_configs.bwd_config(_arch(q.device), max(D, Dv), causal, _INTERPRET, q.dtype), dq_key, fa2_dq)
+            fa2_cfg, _, dq_key, _, _, fa2_dq = _bwd_plan(q, D, Dv, False, window, False, False, False, True, None)
+            dq = (fa2_cfg, dq_key, fa2_dq)
         else:
             dq = dict(HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, CAUSAL=causal,
                       EVEN_K=even_k, **ws)
@@ -516,8 +516,8 @@ def _bwd_ws(ws, dout, q, k, v, out, lse, dq, dk, dv, B, H, Hk, Sq, Sk, softmax_s
     sq_pad = -(-Sq // 128) * 128
     rows = torch.empty(3, B * H, sq_pad, device=q.device, dtype=torch.float32)
     lse2, delta, lse_n = rows.unbind(0)
-    # (the warp-specialized dQ kernel's row terms; the FA2-style one reads lse_n)
-    ld = torch.empty(B * H * sq_pad if pre["WRITE_LD"] else 1, 16, device=q.device, dtype=torch.bfloat16)
+    # the warp-specialized dQ kernel's row terms (the FA2-style one reads lse_n; then the kernel ignores LD)
+    ld = torch.empty(B * H * sq_pad, 16, device=q.device, dtype=torch.bfloat16) if pre["WRITE_LD"] else rows
     qk_scale = softmax_scale * _LOG2E
     _L_PRE_WS((sq_pad // pre["BLOCK_M"], B * H),
               (out, dout, lse, delta, lse2, lse_n, ld, *out.stride()[:3], *dout.stride()[:3], lse.stride(0),
