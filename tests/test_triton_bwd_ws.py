@@ -131,16 +131,13 @@ def test_ws_bwd_packed_qkv_strides(ws_spy):
     _run(ws_spy, _INTERP, B, S, S, H, H, D, D, _DTYPE, True, seed=0, inputs=(q, k, v, dout))
 
 
-@pytest.mark.parametrize("case", ["softcap", "window", "causal_sq_gt_sk", "batch_stride", "fp32", "d48", "gqa"])
-def test_ws_bwd_falls_back(ws_spy, monkeypatch, case):
+@pytest.mark.parametrize("case", ["softcap", "window", "causal_sq_gt_sk", "batch_stride", "fp32", "d48"])
+def test_ws_bwd_falls_back(ws_spy, case):
     """Calls the kernels do not serve take the FA2-style backward (and are still right)."""
     if CUDA:
         pytest.skip("interpreter blocks")
     B, Sq, Sk, H, D, causal, extra, dtype = 2, 24, 24, 2, 32, False, {}, _DTYPE
     Hk = H
-    if case == "gqa":  # a head dim served only without GQA (BWD_WS_NO_GQA; d256 on the GPU)
-        monkeypatch.setattr(_configs, "BWD_WS_NO_GQA", frozenset({32}))
-        Hk = 1
     if case == "softcap":
         extra = dict(softcap=4.0)
     elif case == "window":
@@ -174,11 +171,12 @@ def test_ws_bwd_deterministic_interpreter(ws_spy):
 def test_bwd_ws_config_choice(monkeypatch):
     assert _configs.bwd_ws_config((8, 0), 128, False) is None  # sm_90 only
     monkeypatch.setattr(_configs, "_BWD_VARIANT_NAME", "ws")
-    for d in (32, 64, 128):
+    for d in (64, 128):
         for causal in (False, True):
             assert _configs.bwd_ws_config((9, 0), d, causal) is _configs.BWD_WS[d]
-    # d256's config computes NaN dK on the H200: not even the switch serves it
-    assert _configs.bwd_ws_config((9, 0), 256, False) is None and _configs.bwd_ws_config((9, 0), 256, True) is None
+    # d256's config computes NaN dK on the H200, d32 never ran on a GPU: not even the switch serves them
+    for d in (32, 256):
+        assert _configs.bwd_ws_config((9, 0), d, False) is None and _configs.bwd_ws_config((9, 0), d, True) is None
     assert _configs.bwd_ws_config((10, 0), 128, False) is None
     monkeypatch.setattr(_configs, "_BWD_VARIANT_NAME", "off")
     monkeypatch.setattr(_configs, "BWD_WS_DEFAULT", frozenset({(128, False)}))
@@ -210,10 +208,9 @@ def test_switch_routes_calls(ws_spy, monkeypatch):
     monkeypatch.setattr(tb, "_BWD_WS_PLANS", {})
     monkeypatch.setattr(tb, "_TMA_SUPPORTED", {})
     monkeypatch.setattr(tb, "_FWD_VARIANT_ON", False)  # the forward's table kernel (under the fake arch)
-    # (the sm_90 config's 128-key blocks at head dim 32 keep the interpreter quick enough)
-    _run(ws_spy, None, 1, 40, 40, 2, 2, 32, 32, _DTYPE, True, seed=21)
-    assert [plan[0] for plan in tb._BWD_WS_PLANS.values()] == [_configs.BWD_WS[32]]
-    _run(ws_spy, None, 1, 40, 40, 2, 2, 32, 32, _DTYPE, True, seed=21, expect_ws=False, softcap=5.0)
+    _run(ws_spy, None, 1, 40, 40, 2, 2, 64, 64, _DTYPE, True, seed=21)
+    assert [plan[0] for plan in tb._BWD_WS_PLANS.values()] == [_configs.BWD_WS[64]]
+    _run(ws_spy, None, 1, 40, 40, 2, 2, 64, 64, _DTYPE, True, seed=21, expect_ws=False, softcap=5.0)
     _configs.fwd_config.cache_clear()
     _configs.bwd_config.cache_clear()
 
@@ -277,8 +274,7 @@ def test_gpu_ws_bwd_real_sizes(ws_spy, D, causal, dtype):
     _sm90()
     # (d256 fails here on the H200, triton 3.6: non-finite dK from its split dK launch; no switch serves it)
     cfg = _configs.BWD_WS.get(D, _configs.BWD_WS_D256_BROKEN)
-    _run(ws_spy, cfg, 2, 2048, 2048, 8, 2, D, D, dtype, causal, seed=D + causal,
-         expect_ws=D not in _configs.BWD_WS_NO_GQA)
+    _run(ws_spy, cfg, 2, 2048, 2048, 8, 2, D, D, dtype, causal, seed=D + causal)
     _run(ws_spy, cfg, 2, 2048, 2048, 8, 8, D, D, dtype, causal, seed=D + causal + 1)
 
 

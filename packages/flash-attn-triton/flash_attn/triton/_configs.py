@@ -221,7 +221,6 @@ class BwdWsConfig:
 # wrong dQ).
 # (`python benchmarks/triton_bwd_ws_compile.py` prints registers, spills and shared memory.)
 BWD_WS = {
-    32: BwdWsConfig(64, 128, 0, 0),
     # 128 query rows per step: 0.79 -> 0.83 of cuDNN at d64, causal 0.77 -> 0.77 (third tuning run);
     # right on the H200 (probe_bwd_ws_split.py with NaN-filled outputs, the GPU tests). Triton 3.9 spills
     # 44 bytes compiling it for sm_90 (3.6, the GPU machine's, was not checked for spills).
@@ -230,16 +229,13 @@ BWD_WS = {
     # no d256 entry, so that no switch serves it: its config (BWD_WS_D256_BROKEN) computes NaN dK, below
 }
 BWD_WS_D256_BROKEN = BwdWsConfig(64, 128, 0, 0, split_dkdv=True, dk_block_m=32)
-# (padded head dim, causal) pairs whose backward takes _bwd_ws.py by default on sm_90. Not d32 (not measured)
-# and not d256 (not even with the switch: BWD_WS has no entry): its split dK launch (32-row steps) computed non-finite dK on the H200 (triton 3.6; GPU test
+# (padded head dim, causal) pairs whose backward takes _bwd_ws.py by default on sm_90. Not d32 (never run on a
+# GPU) nor d256 (BWD_WS has no entry for either, so not even the switch serves them): its split dK launch (32-row steps) computed non-finite dK on the H200 (triton 3.6; GPU test
 # 2 x 2048 x 8 heads, with and without GQA). The tuning run's d256 figures above passed its check only
 # because dK's memory still held the FA2-style result. `benchmarks/probe_bwd_ws_split.py all`: 32-row steps
 # give NaN dK at d128 too, the split with 64-row steps is right; d256's dK launch needs 257 KB of shared
 # memory at 64-row steps with two stages, and with one the pass does not specialize.
 BWD_WS_DEFAULT: frozenset = frozenset((d, c) for d in (64, 128) for c in (False, True))
-# Head dims whose warp-specialized backward the plan serves only without GQA (none: d256, where GQA calls
-# were seen failing first, fails without GQA too and is off above).
-BWD_WS_NO_GQA: frozenset = frozenset()
 # FLASH_ATTN_TRITON_BWD_VARIANT (read once, at import): "off"/"0" the FA2-style kernels (_bwd.py) only, "ws" the
 # warp-specialized backward for every call it serves; unset: BWD_WS_DEFAULT.
 _BWD_VARIANT_NAME = os.environ.get("FLASH_ATTN_TRITON_BWD_VARIANT", "").strip().lower()

@@ -480,8 +480,6 @@ def _bwd_ws_plan(q, k, v, dout, D, Dv, Sq, Sk, window, wr, config):
         return None
     if not _tma_aligned(q, k, v, dout):
         return None
-    if q.shape[2] != k.shape[2] and _configs.padded_dim(max(D, Dv)) in _configs.BWD_WS_NO_GQA:
-        return None
     if q.shape[0] > 1 and (q.stride(0) != Sq * q.stride(1) or dout.stride(0) != Sq * dout.stride(1)
                            or k.stride(0) != Sk * k.stride(1) or v.stride(0) != Sk * v.stride(1)):
         return None
