@@ -170,6 +170,56 @@ def test_ws_falls_back(ws_spy, case):
     _run(ws_spy, _WS_INTERP, B, Sq, Sk, H, Hk, D, D, dtype, causal, seed=11, expect_ws=False, **extra)
 
 
+def test_tiny_calls_take_the_table_kernel(monkeypatch):
+    """By default (switch unset) a forward of less work than one 128 x 128 block per SM takes the table's
+    kernel (fewer host steps per launch); one block per SM or more takes the warp-specialized one; a set
+    switch serves every size (the kernel tests above rely on it)."""
+    if tb._L_FWD_WS is None:
+        tb._kernels()
+    monkeypatch.setattr(_configs, "FWD_VARIANT_SET", False)
+    monkeypatch.setattr(tb, "_arch", lambda device: (9, 0))
+    monkeypatch.setattr(tb, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(tb, "_tma_supported", lambda *a: True)
+    monkeypatch.setattr(tb, "_FWD_WS_KINDS", {})
+    monkeypatch.setattr(tb, "_FWD_WS_PLANS", {})
+    dtype = torch.float16
+
+    def plan(B, Sq, Sk, H):
+        q, k, v = _qkv(B, Sq, Sk, H, H, 128, 128, dtype, seed=1)
+        return tb._fwd_ws_plan(q, k, v, 128, 128, Sq, Sk, (False, False), 1 << 30, 1 << 30, 0.1, None)
+
+    assert _configs.ws_variant(128, False)[0] != 0  # d128 non-causal has a default variant
+    assert plan(1, 128, 128, 16) is None  # 16 blocks
+    assert plan(1, 128, 1024, 16) is None  # 128 blocks
+    assert plan(1, 128, 1152, 16) is not None  # 144 blocks
+    assert plan(2, 512, 512, 4) is None  # 2 x 4 (sequence, head) pairs x 4 x 4 blocks = 128
+    assert plan(2, 512, 640, 4) is not None  # 160 blocks
+    assert plan(1, 1, 16384, 16) is not None  # a long key range: 16 x 128 blocks
+    monkeypatch.setattr(_configs, "FWD_VARIANT_SET", True)
+    monkeypatch.setattr(_configs, "FWD_VARIANT", (2, None))
+    assert plan(1, 128, 128, 16) is not None
+
+
+def test_fwd_dense_is_fwd_and_serves_flash_attn_func(monkeypatch):
+    """backend.fwd_dense (the positional entry of flash_attn_func's common call) gives fwd's results,
+    and the dispatcher takes it for that call."""
+    import flash_attn
+
+    dtype = torch.float16 if tb._INTERPRET else torch.bfloat16
+    for causal in (False, True):
+        q, k, v = _qkv(2, 37, 45, 4, 2, 64, 64, dtype, seed=3 + causal)
+        out, lse, _ = tb.fwd(q, k, v, return_probs=False, **_kw(37, 45, 64, causal))
+        out2, lse2 = tb.fwd_dense(q, k, v, 64 ** -0.5, causal, -1, 0 if causal else -1)
+        assert torch.equal(out, out2) and torch.equal(lse, lse2)
+        calls = []
+        real = tb.fwd_dense
+        monkeypatch.setattr(tb, "fwd_dense", lambda *a: calls.append(a) or real(*a))
+        with flash_attn.use_backend("triton"):
+            api = flash_attn.flash_attn_func(q, k, v, causal=causal)
+        monkeypatch.setattr(tb, "fwd_dense", real)
+        assert len(calls) == 1 and torch.equal(api, out)
+
+
 def test_variant_switch_parsing(monkeypatch):
     for name, want in [("", (0, None)), ("off", (0, None)), ("ws", (1, None)), ("WS64", (1, 64)),
                        ("ws128", (1, 128)), ("wsp", (2, None)), ("wsp64", (2, 64))]:

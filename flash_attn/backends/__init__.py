@@ -34,6 +34,10 @@ A backend is a module (imported lazily by :mod:`flash_attn.dispatch`) that defin
     softmax probabilities fp32 (B, H, max_seqlen_q, max_seqlen_k) (dense: Sq, Sk), zero outside a
     sequence, negated where dropout dropped the element; else an empty tensor.
 
+``fwd_dense(q, k, v, softmax_scale, causal, window_left, window_right) -> (out, lse)``   (optional)
+    fwd of a dense call without softcap, ALiBi, dropout or probabilities, positional (flash_attn_func's
+    common call takes it where a backend defines it: less per-call work than fwd's keywords).
+
 ``bwd(dout, q, k, v, out, lse, *, <same keyword arguments as fwd without return_probs>, deterministic)
       -> (dq, dk, dv)``
     Gradients in the input dtype, shaped like q, k, v. dk/dv are summed over the query heads of a group

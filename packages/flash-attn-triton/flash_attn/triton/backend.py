@@ -213,6 +213,8 @@ def _fwd_ws_plan(q, k, v, D, Dv, Sq, Sk, window, wl, wr, softmax_scale, config):
         variant = _configs.ws_variant(max(D, Dv), causal)
         if variant[0] == 0:
             return None
+        if not _configs.FWD_VARIANT_SET and _tiny(q.device, q.shape[0] * q.shape[2], Sq, Sk):
+            return None
     else:
         variant = config
     if softmax_scale <= 0.0 or not _tma_aligned(q, k, v):
@@ -246,6 +248,13 @@ def _fwd_ws_plan(q, k, v, D, Dv, Sq, Sk, window, wl, wr, softmax_scale, config):
     return plan
 
 
+def _tiny(device, BH, Sq, Sk):
+    """Whether a forward is less work than one 128 x 128 block per streaming multiprocessor: its GPU time is
+    a few microseconds whichever kernel runs, and the table's kernel launches with less host work than the
+    warp-specialized one (no plan checks, no descriptor scratch to allocate)."""
+    return BH * -(-Sq // 128) * -(-Sk // 128) < _num_sms(device)
+
+
 class _PlanKey:
     """A launcher cache key for one plan: hashed by identity (cheap), printed as the plan it stands for."""
 
@@ -266,6 +275,21 @@ def fwd(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bloc
 
     ``config`` (a _configs.FwdConfig) overrides the table, for tuning.
     """
+    return _fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state, bool(return_probs), config)
+
+
+def fwd_dense(q, k, v, softmax_scale, causal, window_left, window_right):
+    """fwd of a dense call without softcap, ALiBi, dropout or probabilities (flash_attn_func's common call),
+    arguments validated -> (out, lse): the same kernels, with less per-call work (positional arguments,
+    no zero-size probs tensor)."""
+    return _fwd(q, k, v, None, None, q.shape[1], k.shape[1], softmax_scale, causal, window_left, window_right,
+                0.0, None, 0.0, None, None, None)[:2]
+
+
+def _fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
+         window_right, softcap, alibi_slopes, dropout_p, rng_state, return_probs, config):
+    # fwd's body; return_probs None: the caller discards the probabilities (their result is None)
     if _fwd_mod is None:
         _kernels()
     varlen = cu_seqlens_q is not None
@@ -289,7 +313,7 @@ def fwd(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bloc
         probs = torch.zeros((B, H, Sq, Sk), device=q.device, dtype=torch.float32)
         sp_ = probs.stride()[:3]
     else:
-        probs = lse.new_empty(0)
+        probs = None if return_probs is None else lse.new_empty(0)
         sp_ = (0, 0, 0)
     if Sq == 0 or B * H == 0 or out.numel() == 0:
         return out, lse, probs
