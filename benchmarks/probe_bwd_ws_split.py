@@ -22,6 +22,7 @@ CASES = [
     (64, W(128, 128, 0, 0)),
     (64, W(64, 128, 0, 0)),
     (128, W(64, 128, 0, 0)),
+    (256, _configs.BWD_WS_D256_FA2DK),  # dV warp-specialized, dK FA2-style (session 10)
 ]
 if len(sys.argv) > 1 and sys.argv[1] == "all":  # session 9's split / 32-row cases (32-row steps: NaN dK)
     CASES += [(128, W(64, 128, 0, 0, split_dkdv=True, dk_block_m=64)),

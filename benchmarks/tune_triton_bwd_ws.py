@@ -37,9 +37,10 @@ def candidates(d):
         # (no 32-row steps: they give NaN dK on the H200, probe_bwd_ws_split.py)
         64: [W(64, 128, 0, 0), W(64, 128, 128, 64)],
         128: [W(64, 128, 128, 64), W(64, 128, 128, 128)],
-        256: [],
+        # dV warp-specialized, dK by the FA2-style kernel (the ws dK launch at d256 needs 32-row steps)
+        256: [c.BWD_WS_D256_FA2DK],
     }[d]
-    first = c.BWD_WS.get(d, c.BWD_WS_D256_BROKEN)
+    first = c.BWD_WS.get(d, c.BWD_WS_D256_FA2DK)
     out = [first] + [e for e in extra if e != first]
     return [(_label(x), x) for x in out]
 
@@ -54,7 +55,7 @@ def _fa2(d, causal):
 def _label(cfg):
     dq = f"dq {cfg.dq_block_m}x{cfg.dq_block_n}" if cfg.dq_block_m else "dq fa2"
     s = f"ws dkdv {cfg.block_m}x{cfg.block_n} {dq}"
-    return s + (f" split dk {cfg.dk_block_m}" if cfg.split_dkdv else "")
+    return s + ((" split dk fa2" if cfg.fa2_dk else f" split dk {cfg.dk_block_m}") if cfg.split_dkdv else "")
 
 
 def _inputs(d, s, tokens, hidden, causal):

@@ -30,6 +30,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _INTERP = _configs.BwdWsConfig(16, 32, 0, 0)
 _INTERP_SPLIT = _configs.BwdWsConfig(16, 32, 0, 0, split_dkdv=True, dk_block_m=32)
 _INTERP_BN16 = _configs.BwdWsConfig(32, 16, 0, 0)
+# dV warp-specialized, dK by the FA2-style kernel on the padded rows (d256's form)
+_INTERP_FA2DK = _configs.BwdWsConfig(16, 32, 0, 0, split_dkdv=True, fa2_dk=True)
 
 def _kw(Sq, Sk, D, causal=False, window=(-1, -1), softcap=0.0):
     wl, wr = window
@@ -102,7 +104,8 @@ def _run(spy, cfg, B, Sq, Sk, H, Hk, D, Dv, dtype, causal, seed, expect_ws=True,
 _DTYPE = torch.float16 if tb._INTERPRET else torch.bfloat16
 
 
-@pytest.mark.parametrize("cfg", [_INTERP, _INTERP_SPLIT, _INTERP_BN16], ids=["one", "split", "bn16"])
+@pytest.mark.parametrize("cfg", [_INTERP, _INTERP_SPLIT, _INTERP_BN16, _INTERP_FA2DK],
+                         ids=["one", "split", "bn16", "fa2dk"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("B,Sq,Sk,H,Hk,D", [(2, 37, 37, 2, 1, 32), (2, 29, 53, 4, 2, 32), (3, 20, 45, 2, 2, 64),
                                              (1, 1, 17, 2, 2, 32)])
@@ -276,6 +279,27 @@ def test_gpu_ws_bwd_real_sizes(ws_spy, D, causal, dtype):
     cfg = _configs.BWD_WS.get(D, _configs.BWD_WS_D256_BROKEN)
     _run(ws_spy, cfg, 2, 2048, 2048, 8, 2, D, D, dtype, causal, seed=D + causal)
     _run(ws_spy, cfg, 2, 2048, 2048, 8, 8, D, D, dtype, causal, seed=D + causal + 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_ws_bwd_d256_fa2_dk(ws_spy, causal, dtype):
+    """d256: the warp-specialized dV launch with the FA2-style dK launch (no 32-row steps), with and without
+    GQA, and ragged lengths; outputs NaN-filled so that unwritten rows show."""
+    _sm90()
+    cfg = _configs.BWD_WS_D256_FA2DK
+    for B, Sq, Sk, H, Hk in [(2, 2048, 2048, 8, 2), (2, 2048, 2048, 8, 8), (2, 777, 1531, 4, 2)]:
+        q, k, v, dout = _inputs(B, Sq, Sk, H, Hk, 256, 256, dtype, seed=Sq + causal)
+        kw = _kw(Sq, Sk, 256, causal)
+        out, lse, _ = tb.fwd(q, k, v, return_probs=False, **kw)
+        grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
+        before = ws_spy.calls
+        got = tb.bwd(dout, q, k, v, out, lse, deterministic=False, config=cfg, grads=grads, **kw)
+        assert ws_spy.calls == before + 1
+        ref, pt = _reference(q, k, v, dout, causal)
+        for name, a, r, p in zip(("dq", "dk", "dv"), got, ref, pt):
+            testing.assert_close_to_ref(a, r, p, name)
 
 
 @pytest.mark.gpu

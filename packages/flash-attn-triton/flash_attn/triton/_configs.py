@@ -210,6 +210,10 @@ class BwdWsConfig:
     # the shared memory
     split_dkdv: bool = False
     dk_block_m: int = 0
+    # with split_dkdv: the dK launch is the FA2-style dK/dV kernel (_bwd.py, the table's config, dV off) on the
+    # preprocess's padded rows, the dV launch the warp-specialized one (at head dim 256 the warp-specialized
+    # dK launch needs 32-row steps, which compute NaN on the H200)
+    fa2_dk: bool = False
 
 
 # Padded head dim -> the warp-specialized backward's config. H200, bf16, 16k tokens, cuDNN SDPA's backward in
@@ -229,6 +233,8 @@ BWD_WS = {
     # no d256 entry, so that no switch serves it: its config (BWD_WS_D256_BROKEN) computes NaN dK, below
 }
 BWD_WS_D256_BROKEN = BwdWsConfig(64, 128, 0, 0, split_dkdv=True, dk_block_m=32)
+# d256's candidate without 32-row steps: the warp-specialized dV launch, the FA2-style dK launch
+BWD_WS_D256_FA2DK = BwdWsConfig(64, 128, 0, 0, split_dkdv=True, fa2_dk=True)
 # (padded head dim, causal) pairs whose backward takes _bwd_ws.py by default on sm_90. Not d32 (never run on a
 # GPU) nor d256 (BWD_WS has no entry for either, so not even the switch serves them): its split dK launch (32-row steps) computed non-finite dK on the H200 (triton 3.6; GPU test
 # 2 x 2048 x 8 heads, with and without GQA). The tuning run's d256 figures above passed its check only

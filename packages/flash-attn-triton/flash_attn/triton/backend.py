@@ -515,11 +515,17 @@ def _bwd_ws_plan(q, k, v, dout, D, Dv, Sq, Sk, window, wr, config):
         pre = dict(HEAD_DIM_V=Dv, BLOCK_M=64 if Dv <= 128 else 32, WRITE_LD=cfg.dq_block_m > 0, num_warps=4)
         dkdv = dict(HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, **ws)
         pk = (q.device, q.dtype, D, Dv, causal, cfg)
-        if cfg.split_dkdv:
-            dkdv = [(dict(dkdv, COMPUTE_DK=False), _PlanKey(pk + ("dv",))),
-                    (dict(dkdv, BLOCK_M=cfg.dk_block_m, COMPUTE_DV=False), _PlanKey(pk + ("dk",)))]
+        if cfg.split_dkdv and cfg.fa2_dk:  # dV warp-specialized, dK by the FA2-style kernel (its table config)
+            fa2_cfg, _, fa2_key, _, fa2_dkdv, _ = _bwd_plan(q, D, Dv, False, window, False, False, False, True, None)
+            dk_meta = next((m for m, _ in fa2_dkdv if m.get("COMPUTE_DV", True) is False), None)
+            dk_meta = dict(dk_meta or fa2_dkdv[0][0], COMPUTE_DV=False, DQ_ATOMIC=False)
+            dkdv = [(dict(dkdv, COMPUTE_DK=False), _PlanKey(pk + ("dv",)), None),
+                    (dk_meta, _PlanKey(pk + ("dk", "fa2")), fa2_cfg)]
+        elif cfg.split_dkdv:
+            dkdv = [(dict(dkdv, COMPUTE_DK=False), _PlanKey(pk + ("dv",)), None),
+                    (dict(dkdv, BLOCK_M=cfg.dk_block_m, COMPUTE_DV=False), _PlanKey(pk + ("dk",)), None)]
         else:
-            dkdv = [(dkdv, _PlanKey(pk + ("dkdv",)))]
+            dkdv = [(dkdv, _PlanKey(pk + ("dkdv",)), None)]
         if cfg.dq_block_m == 0:  # the FA2-style dQ kernel: its table entry and plan (TMA for K/V)
             fa2_cfg, _, dq_key, _, _, fa2_dq = _bwd_plan(q, D, Dv, False, window, False, False, False, True, None)
             dq = (fa2_cfg, dq_key, fa2_dq)
@@ -545,11 +551,18 @@ def _bwd_ws(ws, dout, q, k, v, out, lse, dq, dk, dv, B, H, Hk, Sq, Sk, softmax_s
               (out, dout, lse, delta, lse2, lse_n, ld, *out.stride()[:3], *dout.stride()[:3], lse.stride(0),
                lse.stride(1), sq_pad, Sq, H, qk_scale), pre, key)
     qs, ks, vs, dos = q.stride(), k.stride(), v.stride(), dout.stride()
-    for meta, dkdv_key in dkdv_metas:
-        _L_DKDV_WS((-(-Sk // cfg.block_n), B * Hk),
-                   (q, k, v, dout, lse2, delta, dk, dv, qs[1], qs[2], ks[1], ks[2], vs[1], vs[2], dos[1], dos[2],
-                    *dk.stride()[:3], *dv.stride()[:3], sq_pad, Sq, Sk, H, H // Hk, B, softmax_scale, qk_scale),
-                   meta, dkdv_key)
+    for meta, dkdv_key, fa2_cfg in dkdv_metas:
+        if fa2_cfg is None:
+            _L_DKDV_WS((-(-Sk // cfg.block_n), B * Hk),
+                       (q, k, v, dout, lse2, delta, dk, dv, qs[1], qs[2], ks[1], ks[2], vs[1], vs[2], dos[1],
+                        dos[2], *dk.stride()[:3], *dv.stride()[:3], sq_pad, Sq, Sk, H, H // Hk, B, softmax_scale,
+                        qk_scale), meta, dkdv_key)
+        else:  # the FA2-style kernel's dK (dV off, no dQ: its DQ arguments are unused) on the padded rows
+            _L_DKDV((-(-Sk // fa2_cfg.block_n), B * Hk),
+                    (q, k, v, dout, lse_n, delta, lse, dk, dv, lse, lse, lse, *qs[:3], *ks[:3], *vs[:3], *dos[:3],
+                     0, 0, 0, *dk.stride()[:3], *dv.stride()[:3], H * sq_pad, sq_pad, 0, 0, Sq, Sk, H, H // Hk,
+                     softmax_scale, qk_scale, 0.0, 0.0, _NO_WINDOW, 0 if meta["WINDOW_RIGHT"] else _NO_WINDOW,
+                     0, 0, 0, 1.0), meta, dkdv_key)
     if dq is None:
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if cfg.dq_block_m == 0:  # the FA2-style dQ kernel (_bwd.py) with the table's config, on the padded rows
