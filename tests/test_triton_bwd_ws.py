@@ -174,12 +174,13 @@ def test_ws_bwd_deterministic_interpreter(ws_spy):
 def test_bwd_ws_config_choice(monkeypatch):
     assert _configs.bwd_ws_config((8, 0), 128, False) is None  # sm_90 only
     monkeypatch.setattr(_configs, "_BWD_VARIANT_NAME", "ws")
-    for d in (64, 128):
+    for d in (64, 128, 256):
         for causal in (False, True):
             assert _configs.bwd_ws_config((9, 0), d, causal) is _configs.BWD_WS[d]
-    # d256's config computes NaN dK on the H200, d32 never ran on a GPU: not even the switch serves them
-    for d in (32, 256):
-        assert _configs.bwd_ws_config((9, 0), d, False) is None and _configs.bwd_ws_config((9, 0), d, True) is None
+    # d256 takes the FA2-style dK launch (the all-warp-specialized split computes NaN dK on the H200)
+    assert _configs.BWD_WS[256].split_dkdv and _configs.BWD_WS[256].fa2_dk
+    # d32 never ran on a GPU: not even the switch serves it
+    assert _configs.bwd_ws_config((9, 0), 32, False) is None and _configs.bwd_ws_config((9, 0), 32, True) is None
     assert _configs.bwd_ws_config((10, 0), 128, False) is None
     monkeypatch.setattr(_configs, "_BWD_VARIANT_NAME", "off")
     monkeypatch.setattr(_configs, "BWD_WS_DEFAULT", frozenset({(128, False)}))
@@ -188,15 +189,14 @@ def test_bwd_ws_config_choice(monkeypatch):
     assert _configs.bwd_ws_config((9, 0), 128, False) is _configs.BWD_WS[128]
     assert _configs.bwd_ws_config((9, 0), 128, True) is None
     monkeypatch.undo()
-    # the shipped defaults (switch unset): d64 and d128 on sm_90, with the FA2-style dQ kernel; not d256
-    # (its dK launch failed the GPU test) nor d32 (not measured)
+    # the shipped defaults (switch unset): d64, d128 and d256 on sm_90, with the FA2-style dQ kernel (d256 also
+    # its dK launch); not d32 (not measured)
     monkeypatch.setattr(_configs, "_BWD_VARIANT_NAME", "")
-    for d in (64, 128):
+    for d in (64, 128, 256):
         for causal in (False, True):
             cfg = _configs.bwd_ws_config((9, 0), d, causal)
-            assert cfg is _configs.BWD_WS[d] and cfg.dq_block_m == 0 and not cfg.split_dkdv
-    for d in (32, 256):
-        assert _configs.bwd_ws_config((9, 0), d, False) is None and _configs.bwd_ws_config((9, 0), d, True) is None
+            assert cfg is _configs.BWD_WS[d] and cfg.dq_block_m == 0 and cfg.split_dkdv == (d == 256)
+    assert _configs.bwd_ws_config((9, 0), 32, False) is None and _configs.bwd_ws_config((9, 0), 32, True) is None
 
 
 def test_switch_routes_calls(ws_spy, monkeypatch):
@@ -271,12 +271,10 @@ def _sm90():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("D", [64, 128, pytest.param(256, marks=pytest.mark.xfail(
-    strict=True, reason="split dK launch gives non-finite dK on the H200 (triton 3.6); off by default"))])
+@pytest.mark.parametrize("D", [64, 128, 256])
 def test_gpu_ws_bwd_real_sizes(ws_spy, D, causal, dtype):
     _sm90()
-    # (d256 fails here on the H200, triton 3.6: non-finite dK from its split dK launch; no switch serves it)
-    cfg = _configs.BWD_WS.get(D, _configs.BWD_WS_D256_BROKEN)
+    cfg = _configs.BWD_WS[D]
     _run(ws_spy, cfg, 2, 2048, 2048, 8, 2, D, D, dtype, causal, seed=D + causal)
     _run(ws_spy, cfg, 2, 2048, 2048, 8, 8, D, D, dtype, causal, seed=D + causal + 1)
 

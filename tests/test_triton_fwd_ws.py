@@ -218,6 +218,12 @@ def test_fwd_dense_is_fwd_and_serves_flash_attn_func(monkeypatch):
             api = flash_attn.flash_attn_func(q, k, v, causal=causal)
         monkeypatch.setattr(tb, "fwd_dense", real)
         assert len(calls) == 1 and torch.equal(api, out)
+    # the table kernel gets a tensor where fwd passes its empty probs (a None would compile another kernel)
+    seen = []
+    real_l = tb._L_FWD
+    monkeypatch.setattr(tb, "_L_FWD", lambda grid, args, meta, key: seen.append(args) or real_l(grid, args, meta, key))
+    tb.fwd_dense(q, k, v, 64 ** -0.5, False, 3, 2)  # a window: the table kernel
+    assert len(seen) == 1 and all(isinstance(a, torch.Tensor) for a in seen[0][:9])
 
 
 def test_variant_switch_parsing(monkeypatch):

@@ -230,18 +230,20 @@ BWD_WS = {
     # 44 bytes compiling it for sm_90 (3.6, the GPU machine's, was not checked for spills).
     64: BwdWsConfig(128, 128, 0, 0),
     128: BwdWsConfig(64, 128, 0, 0),
-    # no d256 entry, so that no switch serves it: its config (BWD_WS_D256_BROKEN) computes NaN dK, below
+    # the warp-specialized dV launch with the FA2-style dK launch (session 10, `tune_triton_bwd_ws.py
+    # --headdims 256 --seqlens 2048,4096,8192,16384`, H200, triton 3.6, cuDNN in the same run): 0.66-0.69 ->
+    # 0.77-0.81 of cuDNN, causal 0.51-0.61 -> 0.61-0.71; GPU test test_gpu_ws_bwd_d256_fa2_dk (NaN-filled
+    # outputs, GQA, ragged lengths). The all-warp-specialized split (BWD_WS_D256_BROKEN) computes NaN dK.
+    256: BwdWsConfig(64, 128, 0, 0, split_dkdv=True, fa2_dk=True),
 }
 BWD_WS_D256_BROKEN = BwdWsConfig(64, 128, 0, 0, split_dkdv=True, dk_block_m=32)
-# d256's candidate without 32-row steps: the warp-specialized dV launch, the FA2-style dK launch
-BWD_WS_D256_FA2DK = BwdWsConfig(64, 128, 0, 0, split_dkdv=True, fa2_dk=True)
+BWD_WS_D256_FA2DK = BWD_WS[256]
 # (padded head dim, causal) pairs whose backward takes _bwd_ws.py by default on sm_90. Not d32 (never run on a
-# GPU) nor d256 (BWD_WS has no entry for either, so not even the switch serves them): its split dK launch (32-row steps) computed non-finite dK on the H200 (triton 3.6; GPU test
-# 2 x 2048 x 8 heads, with and without GQA). The tuning run's d256 figures above passed its check only
-# because dK's memory still held the FA2-style result. `benchmarks/probe_bwd_ws_split.py all`: 32-row steps
-# give NaN dK at d128 too, the split with 64-row steps is right; d256's dK launch needs 257 KB of shared
-# memory at 64-row steps with two stages, and with one the pass does not specialize.
-BWD_WS_DEFAULT: frozenset = frozenset((d, c) for d in (64, 128) for c in (False, True))
+# GPU; BWD_WS has no entry, so not even the switch serves it). d256's all-warp-specialized split
+# (BWD_WS_D256_BROKEN, kept for the probe) computed non-finite dK on the H200 (triton 3.6): its dK launch
+# needs 32-row steps (at 64 rows K, V and two stages of Q / dO take 257 KB of shared memory, and with one stage
+# the pass does not specialize), and `benchmarks/probe_bwd_ws_split.py all` found 32-row steps NaN at d128 too.
+BWD_WS_DEFAULT: frozenset = frozenset((d, c) for d in (64, 128, 256) for c in (False, True))
 # FLASH_ATTN_TRITON_BWD_VARIANT (read once, at import): "off"/"0" the FA2-style kernels (_bwd.py) only, "ws" the
 # warp-specialized backward for every call it serves; unset: BWD_WS_DEFAULT.
 _BWD_VARIANT_NAME = os.environ.get("FLASH_ATTN_TRITON_BWD_VARIANT", "").strip().lower()

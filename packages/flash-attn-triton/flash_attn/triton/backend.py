@@ -360,7 +360,8 @@ def _fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softma
                                                      bool(return_probs), config, False)
     dummy = lse
     _L_FWD((-(-Sq // block_m), B * H), (
-        q, k, v, out, lse, probs, dummy if alibi_slopes is None else alibi_slopes,
+        # (without probs, a tensor in their place all the same: a None would compile another kernel)
+        q, k, v, out, lse, dummy if probs is None else probs, dummy if alibi_slopes is None else alibi_slopes,
         cu_seqlens_q if varlen else dummy, cu_seqlens_k if varlen else dummy,
         *sq_, *sk_, *sv_, *so_, *sl_, *sa_, *sp_, Sq, Sk, H, H // Hk, softmax_scale * _LOG2E, softcap_scale,
         softcap_log2, wl, wr, seed0, seed1, thr, dscale), meta, plan_key)
