@@ -97,15 +97,13 @@ def _ws_tile(Q_desc, K_desc, V_desc, Out, Lse, pid_m, bh, stride_qh, stride_kh, 
                 vis = cols[None, :] <= offs_m[:, None] + diag_off
             else:
                 vis = cols[None, :] < seqlen_k
-            s = tl.where(vis, qk * qk_scale, float("-inf"))
+            # The mask on the raw scores (qk_scale > 0), so the scale still folds into the FMA below.
             # Key 0 is visible to every row (seqlen_q <= seqlen_k when causal), so after the first block
             # m_new is finite and exp2(-inf - m_new) = 0 for the masked scores.
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.exp2(s - m_new[:, None])
-        else:
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            # One FMA per score: scale and max subtraction together.
-            p = tl.exp2(qk * qk_scale - m_new[:, None])
+            qk = tl.where(vis, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        # One FMA per score: scale and max subtraction together.
+        p = tl.exp2(qk * qk_scale - m_new[:, None])
         # exp2(-inf - finite) = 0 on the first block: acc and l start at zero either way.
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
