@@ -13,6 +13,7 @@ causal) by the geometric mean over the seqlens.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import subprocess
@@ -38,7 +39,11 @@ def candidates(d):
         64: [W(64, 128, 0, 0), W(64, 128, 128, 64)],
         128: [W(64, 128, 128, 64), W(64, 128, 128, 128)],
         # dV warp-specialized, dK by the FA2-style kernel (the ws dK launch at d256 needs 32-row steps)
-        256: [c.BWD_WS_D256_FA2DK],
+        256: [c.BWD_WS_D256_FA2DK] + [dataclasses.replace(c.BWD_WS_D256_FA2DK, fa2=f) for f in (
+            c.BwdConfig(64, 64, 4, 2, 64, 64, 4, 2, False, tma=True, split_dkdv=True),
+            c.BwdConfig(32, 128, 8, 2, 64, 64, 4, 2, False, tma=True, split_dkdv=True),
+            c.BwdConfig(64, 64, 4, 2, 128, 32, 8, 2, False, tma=True, split_dkdv=True),
+            c.BwdConfig(64, 128, 8, 2, 128, 32, 8, 2, False, tma=True, split_dkdv=True))],
     }[d]
     first = c.BWD_WS.get(d, c.BWD_WS_D256_FA2DK)
     out = [first] + [e for e in extra if e != first]
@@ -55,7 +60,10 @@ def _fa2(d, causal):
 def _label(cfg):
     dq = f"dq {cfg.dq_block_m}x{cfg.dq_block_n}" if cfg.dq_block_m else "dq fa2"
     s = f"ws dkdv {cfg.block_m}x{cfg.block_n} {dq}"
-    return s + ((" split dk fa2" if cfg.fa2_dk else f" split dk {cfg.dk_block_m}") if cfg.split_dkdv else "")
+    s += (" split dk fa2" if cfg.fa2_dk else f" split dk {cfg.dk_block_m}") if cfg.split_dkdv else ""
+    f = cfg.fa2
+    return s + (f" fa2 dk {f.block_m}x{f.block_n}w{f.num_warps} dq {f.dq_block_m}x{f.dq_block_n}w{f.dq_num_warps}"
+                if f is not None else "")
 
 
 def _inputs(d, s, tokens, hidden, causal):

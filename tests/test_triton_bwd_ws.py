@@ -10,6 +10,7 @@ determinism, the switch through autograd in a fresh process.
 
 Criterion: flash_attn.testing.assert_close_to_ref (2x PyTorch's error at the input dtype plus rounding).
 """
+import dataclasses
 import json
 import os
 import subprocess
@@ -113,6 +114,19 @@ def test_ws_bwd_interpreter(ws_spy, cfg, causal, B, Sq, Sk, H, Hk, D):
     if CUDA:
         pytest.skip("interpreter blocks; the GPU tests below run the sm_90 configs")
     _run(ws_spy, cfg, B, Sq, Sk, H, Hk, D, D, _DTYPE, causal, seed=Sq + Sk + causal)
+
+
+def test_ws_bwd_fa2_config_override(ws_spy):
+    """BwdWsConfig.fa2 replaces the table's config of the FA2-style dK launch and dQ kernel (tuning)."""
+    if CUDA:
+        pytest.skip("interpreter blocks")
+    fa2 = _configs.BwdConfig(16, 16, 1, 1, 32, 16, 1, 1, False, split_dkdv=True)
+    cfg = dataclasses.replace(_INTERP_FA2DK, fa2=fa2)
+    _run(ws_spy, cfg, 2, 29, 53, 4, 2, 32, 32, _DTYPE, True, seed=4)
+    plans = [p for (kind, _), p in tb._BWD_WS_PLANS.items() if kind[-1] == cfg]
+    assert len(plans) == 1
+    _, (_, dkdv, dq, _) = plans[0]
+    assert dkdv[1][2] is fa2 and dkdv[1][0]["BLOCK_N"] == 16 and dq[0] is fa2 and dq[2]["BLOCK_M"] == 32
 
 
 def test_ws_bwd_interpreter_dv_differs(ws_spy):

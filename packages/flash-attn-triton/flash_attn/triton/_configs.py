@@ -214,6 +214,9 @@ class BwdWsConfig:
     # preprocess's padded rows, the dV launch the warp-specialized one (at head dim 256 the warp-specialized
     # dK launch needs 32-row steps, which compute NaN on the H200)
     fa2_dk: bool = False
+    # the FA2-style kernels' config (a BwdConfig: the dQ kernel's tiles, and with fa2_dk the dK launch's);
+    # None: the _BWD table's entry for the call
+    fa2: object = None
 
 
 # Padded head dim -> the warp-specialized backward's config. H200, bf16, 16k tokens, cuDNN SDPA's backward in

@@ -517,7 +517,7 @@ def _bwd_ws_plan(q, k, v, dout, D, Dv, Sq, Sk, window, wr, config):
         dkdv = dict(HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, **ws)
         pk = (q.device, q.dtype, D, Dv, causal, cfg)
         if cfg.split_dkdv and cfg.fa2_dk:  # dV warp-specialized, dK by the FA2-style kernel (its table config)
-            fa2_cfg, _, fa2_key, _, fa2_dkdv, _ = _bwd_plan(q, D, Dv, False, window, False, False, False, True, None)
+            fa2_cfg, _, fa2_key, _, fa2_dkdv, _ = _bwd_plan(q, D, Dv, False, window, False, False, False, True, cfg.fa2)
             dk_meta = next((m for m, _ in fa2_dkdv if m.get("COMPUTE_DV", True) is False), None)
             dk_meta = dict(dk_meta or fa2_dkdv[0][0], COMPUTE_DV=False, DQ_ATOMIC=False)
             dkdv = [(dict(dkdv, COMPUTE_DK=False), _PlanKey(pk + ("dv",)), None),
@@ -528,7 +528,7 @@ def _bwd_ws_plan(q, k, v, dout, D, Dv, Sq, Sk, window, wr, config):
         else:
             dkdv = [(dkdv, _PlanKey(pk + ("dkdv",)), None)]
         if cfg.dq_block_m == 0:  # the FA2-style dQ kernel: its table entry and plan (TMA for K/V)
-            fa2_cfg, _, dq_key, _, _, fa2_dq = _bwd_plan(q, D, Dv, False, window, False, False, False, True, None)
+            fa2_cfg, _, dq_key, _, _, fa2_dq = _bwd_plan(q, D, Dv, False, window, False, False, False, True, cfg.fa2)
             dq = (fa2_cfg, dq_key, fa2_dq)
         else:
             dq = dict(HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, CAUSAL=causal,
