@@ -190,7 +190,8 @@ def test_bwd_ws_config_choice(monkeypatch):
     monkeypatch.setattr(_configs, "_BWD_VARIANT_NAME", "ws")
     for d in (64, 128, 256):
         for causal in (False, True):
-            assert _configs.bwd_ws_config((9, 0), d, causal) is _configs.BWD_WS[d]
+            want = _configs.BWD_WS_D256_CAUSAL if (d, causal) == (256, True) else _configs.BWD_WS[d]
+            assert _configs.bwd_ws_config((9, 0), d, causal) is want
     # d256 takes the FA2-style dK launch (the all-warp-specialized split computes NaN dK on the H200)
     assert _configs.BWD_WS[256].split_dkdv and _configs.BWD_WS[256].fa2_dk
     # d32 never ran on a GPU: not even the switch serves it
@@ -209,7 +210,9 @@ def test_bwd_ws_config_choice(monkeypatch):
     for d in (64, 128, 256):
         for causal in (False, True):
             cfg = _configs.bwd_ws_config((9, 0), d, causal)
-            assert cfg is _configs.BWD_WS[d] and cfg.dq_block_m == 0 and cfg.split_dkdv == (d == 256)
+            want = _configs.BWD_WS_D256_CAUSAL if (d, causal) == (256, True) else _configs.BWD_WS[d]
+            assert cfg is want and cfg.dq_block_m == 0 and cfg.split_dkdv == (d == 256)
+    assert _configs.BWD_WS_D256_CAUSAL.fa2_dk and _configs.BWD_WS_D256_CAUSAL.fa2.dq_block_m == 64
     assert _configs.bwd_ws_config((9, 0), 32, False) is None and _configs.bwd_ws_config((9, 0), 32, True) is None
 
 
@@ -288,7 +291,7 @@ def _sm90():
 @pytest.mark.parametrize("D", [64, 128, 256])
 def test_gpu_ws_bwd_real_sizes(ws_spy, D, causal, dtype):
     _sm90()
-    cfg = _configs.BWD_WS[D]
+    cfg = _configs.bwd_ws_config((9, 0), D, causal)
     _run(ws_spy, cfg, 2, 2048, 2048, 8, 2, D, D, dtype, causal, seed=D + causal)
     _run(ws_spy, cfg, 2, 2048, 2048, 8, 8, D, D, dtype, causal, seed=D + causal + 1)
 

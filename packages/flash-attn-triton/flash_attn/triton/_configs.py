@@ -140,6 +140,9 @@ def bwd_config(arch, head_dim: int, causal: bool, interpret: bool, dtype) -> Bwd
 # geometric mean over the two lengths): d128 non-causal 464 -> 578 TFLOP/s persistent (0.73x -> 0.91x
 # cuDNN), d128 causal 416 -> 436 with 128-key blocks (0.79x), d256 non-causal 476 -> 600 (0.86x), d256
 # causal 456 -> 536 (0.92x). Not d64: the table's kernel is faster there (421 vs 386).
+# Session 10 (`tune_triton_fwd.py --headdims 128 --causal 1 --seqlens 2048,4096,8192 --candidates ws`): d128
+# causal persistent with 128-key blocks 0.80-0.82x at 2k-8k (this entry 0.75-0.79x, with 8-head grouping
+# 0.78-0.83x), but the same-run grid with it measured 0.59x at 16k (this entry: 0.83x): kept.
 FWD_WS_DEFAULT = {(128, False): (2, None), (128, True): (1, 128), (256, False): (1, None), (256, True): (1, None)}
 # FLASH_ATTN_TRITON_FWD_VARIANT (read once, at import) overrides FWD_WS_DEFAULT for every head dim: "off"
 # (or "0") the table's kernels only; "ws": _fwd_ws.py with the table's BLOCK_N; "ws64" / "ws128": with that
@@ -239,6 +242,10 @@ BWD_WS = {
     # outputs, GQA, ragged lengths). The all-warp-specialized split (BWD_WS_D256_BROKEN) computes NaN dK.
     256: BwdWsConfig(64, 128, 0, 0, split_dkdv=True, fa2_dk=True),
 }
+# d256 causal: the FA2-style dK launch with the causal table's tiles, the dQ kernel with the non-causal ones
+# (64 x 64, 4 warps): 0.62 -> 0.64 of cuDNN (geometric mean, seqlen 2k-16k, session 10's tuning run)
+BWD_WS_D256_CAUSAL = BwdWsConfig(64, 128, 0, 0, split_dkdv=True, fa2_dk=True, fa2=BwdConfig(
+    32, 128, 8, 2, 64, 64, 4, 2, False, tma=True, split_dkdv=True))
 BWD_WS_D256_BROKEN = BwdWsConfig(64, 128, 0, 0, split_dkdv=True, dk_block_m=32)
 BWD_WS_D256_FA2DK = BWD_WS[256]
 # (padded head dim, causal) pairs whose backward takes _bwd_ws.py by default on sm_90. Not d32 (never run on a
@@ -263,4 +270,6 @@ def bwd_ws_config(arch, head_dim: int, causal: bool):
         return None
     if _BWD_VARIANT_NAME != "ws" and (head_dim, bool(causal)) not in BWD_WS_DEFAULT:
         return None
+    if head_dim == 256 and causal:
+        return BWD_WS_D256_CAUSAL
     return BWD_WS.get(head_dim)
