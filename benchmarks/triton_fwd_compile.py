@@ -32,10 +32,11 @@ def compile_fwd(d, causal, cfg, dtype="bf16", even_k=True):
     ptxas log)."""
     from flash_attn.triton import _fwd, _fwd_ws
 
-    if cfg.variant in (1, 2):
+    if cfg.variant in (1, 2, 3):
         kern = _fwd_ws._attn_fwd_ws_kernel
         meta = dict(HEAD_DIM=d, HEAD_DIM_V=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=bool(causal),
-                    EVEN_K=even_k, GROUP_HEADS=cfg.group, PERSISTENT=cfg.variant == 2)
+                    EVEN_K=even_k, GROUP_HEADS=cfg.group, PERSISTENT=cfg.variant in (2, 3),
+                    BALANCED=cfg.variant == 3 and bool(causal))
     else:
         kern = _fwd._attn_fwd_kernel
         meta = dict(IS_FP32=False, HEAD_DIM=d, HEAD_DIM_V=d, BLOCK_D=d, BLOCK_DV=d, BLOCK_M=cfg.block_m,

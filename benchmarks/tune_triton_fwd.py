@@ -56,6 +56,11 @@ def ws_candidates(d, causal):
     if causal:
         f = c[-1]
         c.append((*f[:6], 0 if f[6] else 8, 2))
+        # persistent with the balanced (snake) order of the causal tiles (variant 3)
+        for bn in (None, 128):
+            f = dataclasses.astuple(_configs.fwd_variant_config((9, 0), d, causal, (3, bn)))
+            if f not in c:
+                c.append(f)
     return c
 
 
@@ -93,7 +98,7 @@ def _cfg(fields):
 def _label(fields):
     bm, bn, w, st, tma, rs, grp, var = (*fields, 0)[:8]
     return (f"{bm}x{bn} w{w} s{st}" + (" tma" if tma else "") + (f" rescale{rs:g}" if rs else "")
-            + (f" group{grp}" if grp else "") + {0: "", 1: " WS", 2: " WS-persistent"}[var])
+            + (f" group{grp}" if grp else "") + {0: "", 1: " WS", 2: " WS-persistent", 3: " WS-persistent-balanced"}[var])
 
 
 def _kw(s, causal, d):

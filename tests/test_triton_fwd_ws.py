@@ -16,9 +16,11 @@ import sys
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from flash_attn import testing
-from flash_attn.triton import _configs, backend as tb
+from flash_attn.triton import _configs, _fwd_ws, backend as tb
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -27,6 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 4 programs there (backend._num_sms), so each walks several tiles.
 _WS_INTERP = _configs.FwdConfig(16, 16, 1, 1, tma=True, variant=1)
 _WSP_INTERP = _configs.FwdConfig(16, 16, 1, 1, tma=True, variant=2)
+_WSB_INTERP = _configs.FwdConfig(16, 16, 1, 1, tma=True, variant=3)  # persistent, balanced causal order
 
 
 def _kw(Sq, Sk, D, causal=False, window=(-1, -1), softcap=0.0, alibi=None, scale=None):
@@ -92,7 +95,7 @@ def _run(spy, cfg, B, Sq, Sk, H, Hk, D, Dv, dtype, causal, seed, expect_ws=True,
 # CPU interpreter (and GPU): the kernel's numerics and the routing
 
 
-@pytest.mark.parametrize("cfg", [_WS_INTERP, _WSP_INTERP], ids=["ws", "wsp"])
+@pytest.mark.parametrize("cfg", [_WS_INTERP, _WSP_INTERP, _WSB_INTERP], ids=["ws", "wsp", "wsb"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("Sq,Sk", [(37, 53), (48, 48), (16, 64), (45, 45), (1, 23)])
 def test_ws_interpreter(ws_spy, cfg, causal, Sq, Sk):
@@ -103,6 +106,42 @@ def test_ws_interpreter(ws_spy, cfg, causal, Sq, Sk):
     else:
         dtype = torch.bfloat16
     _run(ws_spy, cfg, 2, Sq, Sk, 4, 2, 64, 64, dtype, causal, seed=Sq * 7 + Sk)
+
+
+@triton.jit
+def _order_kernel(Out, n_m, n_bh, n_rounds, BALANCED: tl.constexpr):
+    # what the persistent tile loop of program i visits: Out[i, j] = (row block, sequence*head) of its j-th tile
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    for j in range(0, n_rounds):
+        lin = pid + j * P
+        if lin < n_m * n_bh:
+            pid_m, bh = _fwd_ws._tile_coords(lin, n_m, n_bh, True, 0, BALANCED)
+            tl.store(Out + (pid * n_rounds + j) * 2, pid_m)
+            tl.store(Out + (pid * n_rounds + j) * 2 + 1, bh)
+
+
+@pytest.mark.skipif(CUDA, reason="the order's arithmetic, in the interpreter (the GPU tests run the kernel)")
+@pytest.mark.parametrize("n_m,n_bh,P", [(128, 16, 132), (16, 128, 132), (7, 5, 4), (5, 3, 8), (32, 16, 132)])
+def test_persistent_causal_tile_order(n_m, n_bh, P):
+    """Both persistent orders visit every causal tile once, longest (last row block) first; the balanced one
+    (variant 3) gives no program more than the mean work plus one tile (the other: 1.56x the mean at
+    seqlen 16k, h16, 132 programs)."""
+    n_rounds = -(-n_m * n_bh // P)
+    for balanced in (False, True):
+        out = torch.full((P, n_rounds, 2), -1, dtype=torch.int32)
+        _order_kernel[(P,)](out, n_m, n_bh, n_rounds, BALANCED=balanced)
+        tiles = [tuple(t) for t in out.reshape(-1, 2).tolist() if t[0] >= 0]
+        assert sorted(tiles) == [(m, b) for m in range(n_m) for b in range(n_bh)]
+        work = (out[..., 0] + 1).clamp(min=0).sum(1).double()  # a tile's work ~ its row block + 1
+        mean = n_m * n_bh * (n_m + 1) / 2 / P
+        if not balanced and (n_m, n_bh, P) == (128, 16, 132):
+            assert work.max().item() / mean > 1.5  # the imbalance variant 3 removes
+        if balanced:
+            assert work.max().item() <= mean + n_m + 1, (work.max().item(), mean)
+            assert all(out[p, 0, 0].item() == n_m - 1 for p in range(min(P, n_bh)))  # longest first
+    if (n_m, n_bh, P) == (128, 16, 132):
+        assert work.max().item() / mean < 1.02
 
 
 @pytest.mark.parametrize("cfg", [_WS_INTERP, _WSP_INTERP], ids=["ws", "wsp"])
@@ -319,7 +358,8 @@ from flash_attn.triton import _configs
 res = []
 # (seqlen_k % BLOCK_N != 0 adds the sequence-end select inside the loop: it must not stop the pass)
 for d, causal, name, even_k in [(128, False, "ws", True), (256, True, "ws", True), (128, True, "ws128", True),
-                                (64, False, "ws", False), (128, True, "wsp", True), (256, False, "wsp", False)]:
+                                (64, False, "ws", False), (128, True, "wsp", True), (256, False, "wsp", False),
+                                (128, True, "wsb128", True)]:
     cfg = _configs.fwd_variant_config((9, 0), d, causal, _configs.FWD_VARIANTS[name])
     ck, log = c.compile_fwd(d, causal, cfg, even_k=even_k)
     res.append(dict(d=d, causal=causal, name=name, **c.summary(ck, log)))
@@ -376,7 +416,7 @@ def test_gpu_ws_real_sizes(ws_spy, kind, D, bn, dtype, causal):
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("Sq,Sk", [(1000, 1000), (777, 1531), (1, 4097), (3000, 3001)])
-@pytest.mark.parametrize("kind", [1, 2], ids=["ws", "wsp"])
+@pytest.mark.parametrize("kind", [1, 2, 3], ids=["ws", "wsp", "wsb"])
 def test_gpu_ws_ragged_lengths(ws_spy, causal, Sq, Sk, kind):
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the warp-specialized forward is tuned for sm_90")
@@ -386,14 +426,14 @@ def test_gpu_ws_ragged_lengths(ws_spy, causal, Sq, Sk, kind):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("D", [128, 256])
-def test_gpu_wsp_many_tiles_per_program(ws_spy, causal, D):
+@pytest.mark.parametrize("D,kind", [(128, 2), (256, 2), (128, 3)])
+def test_gpu_wsp_many_tiles_per_program(ws_spy, causal, D, kind):
     # 4 x 16 (sequence, head) pairs x 32 row blocks over 132 programs: each walks ~15 tiles of changing
     # (sequence, head), re-creating its Q/K/V descriptors in place per tile while the previous tile's
     # copies may still be in flight; a stale or torn descriptor would read another head's rows.
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the warp-specialized forward is tuned for sm_90")
-    cfg = _configs.fwd_variant_config((9, 0), D, causal, (2, None))
+    cfg = _configs.fwd_variant_config((9, 0), D, causal, (kind, None))
     _run(ws_spy, cfg, 4, 4096, 4096, 16, 4, D, D, torch.bfloat16, causal, seed=D + 7 * causal)
 
 

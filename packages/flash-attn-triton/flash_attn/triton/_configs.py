@@ -30,7 +30,8 @@ class FwdConfig:
     # (sequence, head) pairs instead of within each pair (the tail wave; see _fwd.py).
     group: int = 0
     # Experimental forward kernel (_fwd_ws.py): 0 the default _fwd.py, 1 one tile per program under Triton's
-    # automatic warp specialization, 2 the same persistent (a program per SM). Served only to dense 16-bit
+    # automatic warp specialization, 2 the same persistent (a program per SM), 3 persistent with causal tiles
+    # dealt longest-first in a snake over the programs (balanced totals; _fwd_ws._tile_coords). Served only to dense 16-bit
     # calls with power-of-two head dims, no softcap/ALiBi/dropout/probs, no window but causal; others
     # run _fwd.py with this config's variant-0 twin.
     variant: int = 0
@@ -146,9 +147,11 @@ def bwd_config(arch, head_dim: int, causal: bool, interpret: bool, dtype) -> Bwd
 FWD_WS_DEFAULT = {(128, False): (2, None), (128, True): (1, 128), (256, False): (1, None), (256, True): (1, None)}
 # FLASH_ATTN_TRITON_FWD_VARIANT (read once, at import) overrides FWD_WS_DEFAULT for every head dim: "off"
 # (or "0") the table's kernels only; "ws": _fwd_ws.py with the table's BLOCK_N; "ws64" / "ws128": with that
-# BLOCK_N; "wsp*": the persistent form. Name -> (variant, BLOCK_N or None).
+# BLOCK_N; "wsp*": the persistent form; "wsb*": persistent, causal tiles in the balanced order. Name ->
+# (variant, BLOCK_N or None).
 FWD_VARIANTS = {"": (0, None), "0": (0, None), "off": (0, None), "ws": (1, None), "ws64": (1, 64),
-                "ws128": (1, 128), "wsp": (2, None), "wsp64": (2, 64), "wsp128": (2, 128)}
+                "ws128": (1, 128), "wsp": (2, None), "wsp64": (2, 64), "wsp128": (2, 128), "wsb": (3, None),
+                "wsb64": (3, 64), "wsb128": (3, 128)}
 
 
 def _env_variant():
@@ -180,12 +183,15 @@ def fwd_variant_config(arch, head_dim: int, causal: bool, variant=(0, None)) -> 
     (two stages of 64 x 256 K and V tiles plus Q take 224 KiB, 128 would not fit).
     wsp (2): the same tiles, persistent (a program per SM walks the tiles, the tile loop is the
     specialized one); Q is double-buffered too, so head dim 256 takes 32-key blocks.
+    wsb (3): wsp whose causal tiles go to the programs longest-first in a snake (the order of wsp deals a
+    program row blocks from one stretch of a head: at seqlen 16k, 128 row blocks per head and 132 programs,
+    its longest program has 1.56x the mean work; the snake's 1.01x).
     """
     kind, block_n = variant
     cfg = _lookup(_FWD, arch, padded_dim(head_dim), causal)
     if kind == 0 or arch is None or arch[0] != 9:
         return cfg
-    if kind in (1, 2):
+    if kind in (1, 2, 3):
         d = padded_dim(head_dim)
         if d >= 256:
             # wsp also double-buffers Q across tiles: 64-key blocks need 288 KiB there, 32 fit in 224

@@ -35,13 +35,26 @@ from ._common import LN2
 
 
 @triton.jit
-def _tile_coords(lin, n_m, n_bh, CAUSAL: tl.constexpr, GROUP_HEADS: tl.constexpr):
+def _tile_coords(lin, n_m, n_bh, CAUSAL: tl.constexpr, GROUP_HEADS: tl.constexpr, BALANCED: tl.constexpr = False):
     """Linear tile index (row block fastest) -> (row block, sequence*head). Causal grids run the longest
-    row blocks first, across GROUP_HEADS (sequence, head) pairs at a time (the tail wave; see _fwd.py)."""
+    row blocks first, across GROUP_HEADS (sequence, head) pairs at a time (the tail wave; see _fwd.py), or
+    (BALANCED, a persistent grid) in a snake over the programs."""
     pid_m = lin % n_m
     bh = lin // n_m
     if CAUSAL:
-        if GROUP_HEADS > 0:
+        if BALANCED:
+            # lin = program + round * programs: round r deals tiles [r * P, r * P + P) of the longest-first
+            # order (row block descending, (sequence, head) fastest), forwards on even rounds and backwards
+            # on odd ones (within the tiles left in a last partial round), so every program's total is
+            # within about one tile of the mean.
+            P = tl.num_programs(0)
+            r = lin // P
+            p = lin - r * P
+            n_round = tl.minimum(P, n_m * n_bh - r * P)
+            t = r * P + tl.where(r % 2 == 0, p, n_round - 1 - p)
+            bh = t % n_bh
+            pid_m = t // n_bh
+        elif GROUP_HEADS > 0:
             g = lin // (GROUP_HEADS * n_m)
             r = lin % (GROUP_HEADS * n_m)
             g_size = tl.minimum(GROUP_HEADS, n_bh - g * GROUP_HEADS)
@@ -134,6 +147,7 @@ def _attn_fwd_ws_kernel(
     seqlen_q, seqlen_k, num_heads, group_size, num_bh, qk_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, EVEN_K: tl.constexpr, GROUP_HEADS: tl.constexpr = 0, PERSISTENT: tl.constexpr = False,
+    BALANCED: tl.constexpr = False,
 ):
     """Grid (row blocks, B * H), one tile per program, the key loop warp-specialized; or, PERSISTENT,
     grid (#SMs,): each program walks the tiles lin = pid, pid + #programs, ... and the tile loop is the
@@ -156,7 +170,7 @@ def _attn_fwd_ws_kernel(
     n_m = tl.cdiv(seqlen_q, BLOCK_M)
     if PERSISTENT:
         for lin in tl.range(tl.program_id(0), n_m * num_bh, tl.num_programs(0), warp_specialize=True):
-            pid_m, bh = _tile_coords(lin, n_m, num_bh, CAUSAL, GROUP_HEADS)
+            pid_m, bh = _tile_coords(lin, n_m, num_bh, CAUSAL, GROUP_HEADS, BALANCED)
             _ws_tile(Q_desc, K_desc, V_desc, Out, Lse, pid_m, bh, stride_qh, stride_kh, stride_vh, stride_ob,
                      stride_om, stride_oh, stride_lb, stride_lh, seqlen_q, seqlen_k, num_heads, group_size,
                      qk_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, CAUSAL, EVEN_K, False)

@@ -231,7 +231,7 @@ def _fwd_ws_plan(q, k, v, D, Dv, Sq, Sk, window, wl, wr, softmax_scale, config):
                 and _tma_supported(q.device, q.dtype, D, Dv)):
             cfg = (config if config is not None
                    else _configs.fwd_variant_config(_arch(q.device), max(D, Dv), causal, variant))
-            if cfg.variant not in (1, 2):
+            if cfg.variant not in (1, 2, 3):
                 cfg = None
         _FWD_WS_KINDS[kind] = cfg
     if cfg is None:
@@ -242,7 +242,8 @@ def _fwd_ws_plan(q, k, v, D, Dv, Sq, Sk, window, wl, wr, softmax_scale, config):
     if plan is None:
         plan = (cfg.block_m, _PlanKey((q.device, q.dtype, D, Dv, causal, even_k, cfg)), dict(
             HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
-            EVEN_K=even_k, GROUP_HEADS=cfg.group if causal else 0, PERSISTENT=cfg.variant == 2,
+            EVEN_K=even_k, GROUP_HEADS=cfg.group if causal else 0, PERSISTENT=cfg.variant in (2, 3),
+            BALANCED=cfg.variant == 3 and causal,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages))
         _FWD_WS_PLANS[key] = plan
     return plan
