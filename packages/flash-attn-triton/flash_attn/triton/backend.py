@@ -517,8 +517,8 @@ def _bwd_ws_plan(q, k, v, dout, D, Dv, Sq, Sk, window, wr, config):
         pre = dict(HEAD_DIM_V=Dv, BLOCK_M=64 if Dv <= 128 else 32, WRITE_LD=cfg.dq_block_m > 0, num_warps=4)
         dkdv = dict(HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, **ws)
         pk = (q.device, q.dtype, D, Dv, causal, cfg)
-        if cfg.split_dkdv and cfg.fa2_dk:  # dV warp-specialized, dK by the FA2-style kernel (its table config)
-            fa2_cfg, _, fa2_key, _, fa2_dkdv, _ = _bwd_plan(q, D, Dv, False, window, False, False, False, True, cfg.fa2)
+        if cfg.split_dkdv and cfg.fa2_dk:  # dV warp-specialized, dK by the FA2-style kernel (cfg.fa2 or the table)
+            fa2_cfg, _, _, _, fa2_dkdv, _ = _bwd_plan(q, D, Dv, False, window, False, False, False, True, cfg.fa2)
             dk_meta = next((m for m, _ in fa2_dkdv if m.get("COMPUTE_DV", True) is False), None)
             dk_meta = dict(dk_meta or fa2_dkdv[0][0], COMPUTE_DV=False, DQ_ATOMIC=False)
             dkdv = [(dict(dkdv, COMPUTE_DK=False), _PlanKey(pk + ("dv",)), None),
@@ -528,7 +528,7 @@ def _bwd_ws_plan(q, k, v, dout, D, Dv, Sq, Sk, window, wr, config):
                     (dict(dkdv, BLOCK_M=cfg.dk_block_m, COMPUTE_DV=False), _PlanKey(pk + ("dk",)), None)]
         else:
             dkdv = [(dkdv, _PlanKey(pk + ("dkdv",)), None)]
-        if cfg.dq_block_m == 0:  # the FA2-style dQ kernel: its table entry and plan (TMA for K/V)
+        if cfg.dq_block_m == 0:  # the FA2-style dQ kernel: cfg.fa2 or its table entry, and plan (TMA for K/V)
             fa2_cfg, _, dq_key, _, _, fa2_dq = _bwd_plan(q, D, Dv, False, window, False, False, False, True, cfg.fa2)
             dq = (fa2_cfg, dq_key, fa2_dq)
         else:
@@ -567,7 +567,7 @@ def _bwd_ws(ws, dout, q, k, v, out, lse, dq, dk, dv, B, H, Hk, Sq, Sk, softmax_s
                      0, 0, 0, 1.0), meta, dkdv_key)
     if dq is None:
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if cfg.dq_block_m == 0:  # the FA2-style dQ kernel (_bwd.py) with the table's config, on the padded rows
+    if cfg.dq_block_m == 0:  # the FA2-style dQ kernel (_bwd.py) (cfg.fa2 or the table's config) on the padded rows
         fcfg, dq_key, dq_meta = dq_meta
         dummy = lse
         _L_DQ((-(-Sq // fcfg.dq_block_m), B * H),
