@@ -2,6 +2,7 @@
 warp-specialized ones (_bwd_ws.py) with candidate tiles, cuDNN SDPA's backward as the peer, same run.
 
     python benchmarks/tune_triton_bwd_ws.py [--headdims 64,128,256] [--seqlens 2048,4096,16384] [--jobs 16]
+                                            [--kernels]   # + GPU time per kernel of each candidate
 
 bf16, batch x seqlen = 16k tokens, H = 2048 / D. Per shape one line per variant: backward TFLOP/s (2.5 x the
 forward's 4*B*S^2*H*D, half if causal; triton.testing.do_bench median of the backward call alone, given
@@ -106,6 +107,27 @@ def precompile(args, specs):
     print(f"# precompiled {len(specs)} kernel sets in {time.time() - t0:.0f} s", flush=True)
 
 
+def kernel_times(call, n=10):
+    """'name us (share) ...' of the GPU kernels one call(), averaged over n calls, from torch.profiler's
+    device events (which of a backward's launches costs what)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            call()
+        torch.cuda.synchronize()
+    per = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:  # a kernel: its time range is on the GPU
+            per[e.name] = per.get(e.name, 0.0) + e.time_range.elapsed_us()
+    total = sum(per.values()) or 1.0
+    return "  ".join(f"{k[:28]} {v / n:.0f} us ({v / total:.0%})"
+                     for k, v in sorted(per.items(), key=lambda kv: -kv[1]))
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--headdims", default="64,128,256")
@@ -116,6 +138,8 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--rep", type=int, default=40)
     p.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1))
+    p.add_argument("--kernels", action="store_true",
+                   help="also print each candidate's GPU time per kernel (torch.profiler, 10 backward calls)")
     p.add_argument("--_compile-worker", dest="compile_worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.compile_worker:
@@ -174,6 +198,8 @@ def main(argv=None):
                           f"{'  WRONG' if wrong else ''}", flush=True)
                     if not wrong:
                         summary.setdefault((d, causal, label), []).append(tf / cudnn)
+                    if args.kernels:
+                        print("    " + kernel_times(call), flush=True)
                 del q, k, v, do, out, lse, base, o
                 torch.cuda.empty_cache()
     print("# geometric mean of the ratio to cuDNN over the seqlens (complete rows only)")
