@@ -110,6 +110,114 @@ def test_tma_o_in_the_config_only_for_dense_one_tile_calls(monkeypatch):
             FlashFwdSm90(interface._cutlass_dtype(torch.bfloat16), 128, False, tma_o=True, **kw)
 
 
+def test_short_switch_takes_tma_o_for_short_keys_only(monkeypatch):
+    """FLASH_ATTN_CUTE_FWD_TMA_O=short (or "D:short"): the TMA O store for plain dense one-tile calls whose
+    seqlen_k <= _TMA_O_SHORT_SK (their own config), the direct store for longer keys; never for windows,
+    softcap, sinks, varlen or the persistent kernel. Unset, short and long calls share one config."""
+    from flash_attn.cute import interface
+
+    _clear(monkeypatch)
+    cfg = lambda d, causal, **kw: interface._fwd_config(torch.bfloat16, d, causal, "sm_90a", **kw)  # noqa: E731
+    for d in (64, 128):
+        for causal in (False, True):
+            assert cfg(d, causal, short=True) == cfg(d, causal)
+    assert interface._tma_o_short_dims() == frozenset()
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_TMA_O", "short")
+    assert interface._tma_o_short_dims() == frozenset(interface._SUPPORTED_HEAD_DIMS)
+    for d, causal in [(64, False), (128, False), (128, True)]:
+        assert "tma_o" not in cfg(d, causal)
+        assert cfg(d, causal, short=True) == {**cfg(d, causal), "tma_o": True}
+    assert cfg(64, True).get("persistent") and cfg(64, True, short=True) == cfg(64, True)
+    for kw in (dict(local=True), dict(softcap=True), dict(sink=True), dict(varlen=True)):
+        assert "tma_o" not in cfg(128, False, short=True, **kw)
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_TMA_O", "128:short")
+    assert interface._tma_o_short_dims() == frozenset({128})
+    assert cfg(128, False, short=True)["tma_o"] and "tma_o" not in cfg(64, False, short=True)
+
+
+def test_short_keys_select_their_kernel_per_call(monkeypatch):
+    """flash_attn_func's fast path and forward() pick the "short" in-memory kernel for seqlen_k <=
+    _TMA_O_SHORT_SK when the head dim has the switch (the key ends in "short"), the usual one otherwise;
+    fwd_kernel(short=True) shares the usual kernel when the configs are the same."""
+    from flash_attn.cute import interface
+
+    _clear(monkeypatch)
+    calls = []
+    long_fn = lambda q, k, v, out, lse, *a: calls.append("long")  # noqa: E731
+    short_fn = lambda q, k, v, out, lse, *a: calls.append("short")  # noqa: E731
+    base = (torch.bfloat16, 128, False, "sm_90a", False, False)
+    monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")
+    monkeypatch.setattr(interface, "_kernels", {base: long_fn, base + ("short",): short_fn})
+    mk = lambda s: [torch.randn(1, s, 2, 128, dtype=torch.bfloat16) for _ in range(3)]  # noqa: E731
+    limit = interface._TMA_O_SHORT_SK
+    monkeypatch.setattr(interface, "_TMA_O_SHORT", frozenset({128}))
+    for s, want in [(limit, "short"), (limit + 1, "long"), (64, "short")]:
+        q, k, v = mk(s)
+        interface.flash_attn_func(q, k, v)
+        interface.forward(q, k, v, 0.1, False)
+        assert calls[-2:] == [want, want], (s, calls)
+    monkeypatch.setattr(interface, "_TMA_O_SHORT", frozenset())
+    q, k, v = mk(64)
+    interface.flash_attn_func(q, k, v)
+    interface.forward(q, k, v, 0.1, False)
+    assert calls[-2:] == ["long", "long"]
+    # a window or softcap never takes the short kernel (forward's key has no "short")
+    monkeypatch.setattr(interface, "_TMA_O_SHORT", frozenset({128}))
+    seen = []
+    monkeypatch.setattr(interface, "fwd_kernel", lambda *a, **kw: seen.append(kw) or long_fn)
+    interface.forward(q, k, v, 0.1, False, softcap=5.0)
+    assert seen and seen[-1]["short"] is False
+    # same configs (switch unset): fwd_kernel(short=True) is the usual kernel, built once
+    monkeypatch.undo()
+    _clear(monkeypatch)
+    built = []
+    monkeypatch.setattr(interface, "_kernels", {})
+    monkeypatch.setattr(interface, "load_or_build", lambda *a, **kw: built.append(kw) or (long_fn, "compiled"))
+    assert interface.fwd_kernel(torch.bfloat16, 128, False, short=True) is long_fn
+    assert interface.fwd_kernel(torch.bfloat16, 128, False) is long_fn
+    assert len(built) == 1 and built[0]["short"] is False
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_TMA_O", "short")
+    monkeypatch.setattr(interface, "_kernels", {})
+    interface.fwd_kernel(torch.bfloat16, 128, False, short=True)
+    assert built[-1]["short"] is True
+
+
+def test_precompile_adds_the_short_key_kernels_the_switch_makes(monkeypatch, tmp_path):
+    """With FLASH_ATTN_CUTE_FWD_TMA_O=short, precompile also builds the forward of short key lengths
+    where its config differs (one-tile calls: not the persistent d64 causal one); unset, nothing more."""
+    from flash_attn.cute import interface, precompile
+
+    _clear(monkeypatch)
+    monkeypatch.setattr(interface, "_tvm_ffi", lambda: True)
+    built = []
+    monkeypatch.setattr(precompile, "_build", lambda out, arch, dt, d, c, force, kind: built.append((kind, d, c))
+                        or ("compiled", 0.0, None))
+    precompile.precompile(str(tmp_path), dtypes=("bf16",), head_dims=(64, 128), log=lambda *a: None)
+    assert sorted(built) == [("fwd", d, c) for d in (64, 128) for c in (False, True)]
+    built.clear()
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_TMA_O", "short")
+    precompile.precompile(str(tmp_path), dtypes=("bf16",), head_dims=(64, 128), log=lambda *a: None)
+    assert sorted(k for k in built if k[0] == "fwd-short") == [("fwd-short", 64, False), ("fwd-short", 128, False),
+                                                               ("fwd-short", 128, True)]
+
+
+def test_short_key_kernel_builds_into_the_disk_cache(monkeypatch, tmp_path):
+    """precompile's "fwd-short" build (a real compile for sm_90a, no GPU): its disk entry is the tma_o
+    config's, another file than the usual kernel's."""
+    from flash_attn.cute import interface, precompile
+
+    if not interface._tvm_ffi():
+        pytest.skip("the disk cache holds TVM-FFI functions")
+    _clear(monkeypatch)
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_TMA_O", "128:short")
+    how, _, error = precompile._build(str(tmp_path), "sm_90a", "bf16", 128, False, False, "fwd-short")
+    assert error is None and how == "compiled"
+    short = interface.disk_entry(torch.bfloat16, 128, False, "sm_90a", str(tmp_path), short=True)
+    assert short and not interface.disk_entry(torch.bfloat16, 128, False, "sm_90a", str(tmp_path))
+    config, _, name, _ = interface._entry(torch.bfloat16, 128, False, "sm_90a", short=True)
+    assert config["tma_o"] and "-tmao-" in name
+
+
 # ----------------------------------------------------------------------------------------------------
 # On a Hopper GPU
 

@@ -80,9 +80,14 @@ _FWD3_BLOCK_N_EXTRA = {64: 96, 128: 64}
 # wins there is not profiled yet). In the cache key only when on.
 _FWD_PERSISTENT = {(64, True)}
 # O through shared memory and a TMA store (FlashFwdSm90 tma_o) instead of direct stores from registers:
-# FLASH_ATTN_CUTE_FWD_TMA_O=1 (or per head dim, "64:1,128:1"); off by default (not measured yet). Dense
-# calls of the one-tile kernel only (a box would write past a packed sequence's end; the persistent kernel
-# loads the next tile's Q into that buffer under the epilogue). In the cache key only when on.
+# FLASH_ATTN_CUTE_FWD_TMA_O=1 (or per head dim, "64:1,128:1"). Dense calls of the one-tile kernel only (a
+# box would write past a packed sequence's end; the persistent kernel loads the next tile's Q into that
+# buffer under the epilogue). In the cache key only when on. H200 A/B (attention_cute_session9.md, one-tile
+# kernel): +3..+12% at seqlen 1k (d128 causal 350 -> 392), -1..-9% at 4k-16k, so "short" (or "128:short")
+# takes it only for calls with seqlen_k <= _TMA_O_SHORT_SK (plain dense calls: no window, softcap or sink;
+# the calls select their kernel by length, a second compiled kernel). Off by default: "short" has not run
+# on a GPU yet (the tma_o kernel has: tests/test_cute_tma_o.py).
+_TMA_O_SHORT_SK = 1024
 # Key blocks walked from the last down (FlashFwdSm90 reverse, FA3's order: a causal or windowed tile's masked
 # diagonal blocks first, so its consumer warpgroups end the tile in step on unmasked blocks):
 # FLASH_ATTN_CUTE_FWD_REVERSE=1 (or per head dim, "64:1"); off by default (not measured yet). Causal and
@@ -114,11 +119,26 @@ def _per_head_dim(name, head_dim):
     return table.get(str(int(head_dim)), "").strip()
 
 
-def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varlen=False, sink=False):
+def _tma_o_short_dims():
+    """Head dims whose plain dense calls with seqlen_k <= _TMA_O_SHORT_SK take the TMA O store
+    (FLASH_ATTN_CUTE_FWD_TMA_O=short, or "D:short" per head dim); read at import (the per-call path checks
+    membership only)."""
+    value = os.environ.get("FLASH_ATTN_CUTE_FWD_TMA_O", "").strip()
+    if value == "short":
+        return frozenset(_SUPPORTED_HEAD_DIMS)
+    if ":" in value:
+        return frozenset(int(d) for d, v in (item.split(":", 1) for item in value.split(",") if item.strip())
+                         if v.strip() == "short")
+    return frozenset()
+
+
+def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varlen=False, sink=False, short=False):
     """Everything that selects the forward kernel's code: the kernel class, its constructor arguments,
     the architecture and the calling convention. It is the disk cache's key (with the package sources
     and the versions, see cache.py) and what compile_fwd builds the kernel from, so a constructor
-    argument added here changes both. Plain values: computing the key must not import CuTeDSL."""
+    argument added here changes both. Plain values: computing the key must not import CuTeDSL.
+    ``short``: the kernel for calls with seqlen_k <= _TMA_O_SHORT_SK (the TMA O store with the "short"
+    switch; else the same config)."""
     stages = int(_per_head_dim("FLASH_ATTN_CUTE_STAGES", head_dim) or _DEFAULT_STAGES.get(int(head_dim), 2))
     table = _FWD_WARPGROUPS_CAUSAL if causal or local else _FWD_WARPGROUPS
     wg_env = _per_head_dim("FLASH_ATTN_CUTE_FWD_WARPGROUPS", head_dim)
@@ -139,7 +159,9 @@ def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varle
     env = os.environ.get("FLASH_ATTN_CUTE_FWD_PERSISTENT")
     persistent = (((int(head_dim), bool(causal) and not local) in _FWD_PERSISTENT) if not env
                   else env not in ("0", "false", "False")) and not (local or softcap or varlen or sink)
-    tma_o = (_per_head_dim("FLASH_ATTN_CUTE_FWD_TMA_O", head_dim) not in ("", "0", "false", "False")
+    tma_o_env = _per_head_dim("FLASH_ATTN_CUTE_FWD_TMA_O", head_dim)
+    tma_o = ((tma_o_env not in ("", "0", "false", "False", "short")
+              or (tma_o_env == "short" and short and not (local or softcap or sink)))
              and not varlen and not persistent)
     reverse = (_per_head_dim("FLASH_ATTN_CUTE_FWD_REVERSE", head_dim) not in ("", "0", "false", "False")
                and (bool(causal) or bool(local)))
@@ -153,6 +175,9 @@ def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varle
             **({"persistent": True} if persistent else {}),  # absent unless set: existing disk entries keep their keys
             **({"tma_o": True} if tma_o else {}),
             **({"reverse": True} if reverse else {})}
+
+
+_TMA_O_SHORT = _tma_o_short_dims()  # head dims with the "short" TMA O rule (see _fwd_config)
 
 
 def _make_kernel(config):
@@ -170,7 +195,7 @@ def _make_kernel(config):
 
 
 def compile_fwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=False, softcap=False,
-                varlen=False, sink=False):
+                varlen=False, sink=False, short=False):
     """Compile the forward kernel for ``dtype`` (torch.float16 / torch.bfloat16), ``head_dim`` (_SUPPORTED_HEAD_DIMS),
     ``causal``, ``local`` (a sliding window, sizes given per call) and ``softcap`` (soft-capped scores)
     for ``arch``. No GPU is needed. ``dump_dir``: an existing folder that receives the PTX (``*.ptx``)
@@ -188,7 +213,7 @@ def compile_fwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=Fal
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_tensor
 
-    config = _fwd_config(dtype, head_dim, causal, arch, local, softcap, varlen, sink)
+    config = _fwd_config(dtype, head_dim, causal, arch, local, softcap, varlen, sink, short)
     kernel = _make_kernel(config)
     dt, D = kernel.dtype, kernel.head_dim
     # 32-bit shapes and strides: with 64-bit symbolic strides CuTeDSL 4.8 builds TMA descriptors that
@@ -289,28 +314,28 @@ def _persistent_launcher(fn):
     return launch
 
 
-def _entry(dtype, head_dim, causal, arch, local=False, softcap=False, varlen=False, sink=False):
+def _entry(dtype, head_dim, causal, arch, local=False, softcap=False, varlen=False, sink=False, short=False):
     """(config, key, file name, exported C symbol) of a forward kernel's disk cache entry."""
-    config = _fwd_config(dtype, head_dim, causal, arch, local, softcap, varlen, sink)
+    config = _fwd_config(dtype, head_dim, causal, arch, local, softcap, varlen, sink, short)
     key = cache.entry_key(config)
     mask = "local" if config["local"] else "causal" if config["causal"] else "full"
     wg = f"-wg{config['warpgroups']}" if "warpgroups" in config else ""  # readable names; the key decides
     name = (f"fwd-{arch}-{config['dtype']}-d{config['head_dim']}-{mask}{'-softcap' if softcap else ''}"
             f"{'-varlen' if varlen else ''}{'-sink' if sink else ''}{wg}"
             f"{'-persistent' if config.get('persistent') else ''}{'-reverse' if config.get('reverse') else ''}"
-            f"-{key[:16]}")
+            f"{'-tmao' if config.get('tma_o') else ''}-{key[:16]}")
     return config, key, name, f"flash_attn_cute_{key[:16]}"  # the symbol is unique per key
 
 
 def disk_entry(dtype, head_dim, causal, arch="sm_90a", root=None, local=False, softcap=False, varlen=False,
-               sink=False):
+               sink=False, short=False):
     """The intact files of a forward kernel's entry in the disk cache ``root`` (default: the runtime's
     folder), {"o": path, "so": path} (the shared library is absent where no C compiler was found), or
     {} when there is none. Loads nothing."""
     root = root if root is not None else cache.cache_dir()
     if root is None or not _tvm_ffi():
         return {}
-    _, key, name, _ = _entry(dtype, head_dim, causal, arch, local, softcap, varlen, sink)
+    _, key, name, _ = _entry(dtype, head_dim, causal, arch, local, softcap, varlen, sink, short)
     return cache.DiskCache(root).files(name, key)
 
 
@@ -331,18 +356,18 @@ def load_or_build_bwd(dtype, head_dim, causal, arch="sm_90a", root=None, force=F
 
 
 def load_or_build(dtype, head_dim, causal, arch="sm_90a", root=None, force=False, local=False, softcap=False,
-                  varlen=False, sink=False):
+                  varlen=False, sink=False, short=False):
     """The forward kernel as a callable ``(q, k, v, out, lse, softmax_scale, softcap, window_left,
     window_right)`` and where it came from
     ("so" / "o": the disk cache in ``root``; "compiled": compiled now, and written to ``root``).
     ``root=None``: no disk cache. ``force``: compile even when the disk holds the entry. Compiling
     needs no GPU; loading from disk needs neither a GPU nor the CuTeDSL compiler."""
-    variant = dict(local=local, softcap=softcap, varlen=varlen, sink=sink)
+    variant = dict(local=local, softcap=softcap, varlen=varlen, sink=sink, short=short)
     if not _tvm_ffi():
         persistent = _fwd_config(dtype, head_dim, causal, arch, **variant).get("persistent", False)
         return (_dlpack_launcher(compile_fwd(dtype, head_dim, causal, arch, **variant), sink, persistent),
                 "compiled-dlpack")
-    return _load_or_build_entry(_entry(dtype, head_dim, causal, arch, local, softcap, varlen, sink),
+    return _load_or_build_entry(_entry(dtype, head_dim, causal, arch, local, softcap, varlen, sink, short),
                                 lambda: compile_fwd(dtype, head_dim, causal, arch, **variant), root, force)
 
 
@@ -382,23 +407,31 @@ def _load_or_build_entry(entry, compile_fn, root, force):
         return _ffi_function(compiled), "compiled"
 
 
-def fwd_kernel(dtype, head_dim, causal, arch="sm_90a", local=False, softcap=False, varlen=False, sink=False):
+def fwd_kernel(dtype, head_dim, causal, arch="sm_90a", local=False, softcap=False, varlen=False, sink=False,
+               short=False):
     """The forward kernel for (dtype, head dim, causal, arch, local, softcap): from memory, else from the
     disk cache (``cache.cache_dir()``: $FLASH_ATTN_CUTE_CACHE, default ~/.cache/flash_attn_cute), else
     compiled and written there. A callable ``(q, k, v, out, lse, softmax_scale, softcap, window_left,
     window_right)`` on torch tensors (varlen, sink: see compile_fwd; a persistent kernel's callable adds
-    its last argument, the SM count of q's device, itself)."""
+    its last argument, the SM count of q's device, itself). ``short``: the kernel of calls with seqlen_k <=
+    _TMA_O_SHORT_SK (in-memory key ending in "short"; the same kernel as not short unless the TMA O
+    "short" switch makes their configs differ)."""
     mem_key = ((dtype, head_dim, bool(causal), arch, bool(local), bool(softcap)) + ((True,) if varlen else ())
-               + (("sink",) if sink else ()))
+               + (("sink",) if sink else ()) + (("short",) if short else ()))
     fn = _kernels.get(mem_key)
     if fn is None:
         with cache._lock:  # one builder per process; other threads wait, then find it in memory
             fn = _kernels.get(mem_key)
             if fn is None:
-                fn, _origins[mem_key] = load_or_build(dtype, head_dim, causal, arch, cache.cache_dir(),
-                                                      local=local, softcap=softcap, varlen=varlen, sink=sink)
-                if _fwd_config(dtype, head_dim, causal, arch, local, softcap, varlen, sink).get("persistent"):
-                    fn = _persistent_launcher(fn)  # the kernel's last argument, which callers do not give
+                config = _fwd_config(dtype, head_dim, causal, arch, local, softcap, varlen, sink, short)
+                if short and config == _fwd_config(dtype, head_dim, causal, arch, local, softcap, varlen, sink):
+                    fn = fwd_kernel(dtype, head_dim, causal, arch, local, softcap, varlen, sink)  # the same kernel
+                else:
+                    fn, _origins[mem_key] = load_or_build(dtype, head_dim, causal, arch, cache.cache_dir(),
+                                                          local=local, softcap=softcap, varlen=varlen, sink=sink,
+                                                          short=short)
+                    if config.get("persistent"):
+                        fn = _persistent_launcher(fn)  # the kernel's last argument, which callers do not give
                 _kernels[mem_key] = fn
     return fn
 
@@ -521,7 +554,8 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=_NO_W
         return _with_fallback_backward(q, k, v, softmax_scale, causal, window_left, window_right, softcap)
     if window_left < 0 and window_right < 0 and not softcap and Sk and B * Sq * H:
         # Dense, no window or softcap (the common call): forward() without its general-case work.
-        fn = _kernels.get((dtype, D, bool(causal), arch, False, False))
+        key = (dtype, D, bool(causal), arch, False, False)
+        fn = _kernels.get(key if Sk > _TMA_O_SHORT_SK or D not in _TMA_O_SHORT else key + ("short",))
         if fn is not None and B * max(Sq * H, Sk * Hk) * D < _MAX_ELEMS:
             qs, ks, vs = q.stride(), k.stride(), v.stride()
             if (qs[3] != 1 or qs[2] != D or qs[1] & 7 or qs[0] & 7 or q.data_ptr() & 15
@@ -680,8 +714,12 @@ def forward(q, k, v, softmax_scale, causal, arch="sm_90a", window_left=-1, windo
             lse.copy_(sink.view(1, H, 1).expand(B, H, Sq))
     elif B * Sq * H > 0:
         causal = causal and not local
-        fn = (_kernels.get((q.dtype, D, causal, arch, local, capped) + (("sink",) if sink is not None else ()))
-              or fwd_kernel(q.dtype, D, causal, arch, local=local, softcap=capped, sink=sink is not None))
+        # (the "short" kernel: plain dense calls of a short key length, see _TMA_O_SHORT_SK)
+        short = k.shape[1] <= _TMA_O_SHORT_SK and D in _TMA_O_SHORT and not (local or capped or sink is not None)
+        fn = (_kernels.get((q.dtype, D, causal, arch, local, capped) + (("sink",) if sink is not None else ())
+                           + (("short",) if short else ()))
+              or fwd_kernel(q.dtype, D, causal, arch, local=local, softcap=capped, sink=sink is not None,
+                            short=short))
         args = (float(softmax_scale), float(softcap), window_left, window_right)
         per_batch = max(Sq * H, k.shape[1] * k.shape[2]) * D  # elements of one batch entry's q/out or k/v
         if B * per_batch < _MAX_ELEMS:

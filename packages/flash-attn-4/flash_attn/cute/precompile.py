@@ -40,19 +40,21 @@ def _torch_dtype(name):
 
 
 def _build(out, arch, dtype, head_dim, causal, force, kind="fwd"):
-    """One configuration of one kernel ("fwd" / "bwd"), run in a worker process when --jobs > 1. Returns
-    (how, seconds, error)."""
+    """One configuration of one kernel ("fwd" / "bwd", or "fwd-short": the forward of short key lengths,
+    see interface._TMA_O_SHORT_SK), run in a worker process when --jobs > 1. Returns (how, seconds, error)."""
     from flash_attn.cute import cache, interface
 
-    load = interface.load_or_build if kind == "fwd" else interface.load_or_build_bwd
-    entry = interface.disk_entry if kind == "fwd" else interface.bwd_disk_entry
+    fwd = kind in ("fwd", "fwd-short")
+    extra = {"short": True} if kind == "fwd-short" else {}
+    load = interface.load_or_build if fwd else interface.load_or_build_bwd
+    entry = interface.disk_entry if fwd else interface.bwd_disk_entry
     t0 = time.perf_counter()
     try:
-        _, how = load(_torch_dtype(dtype), head_dim, causal, arch, root=out, force=force)
+        _, how = load(_torch_dtype(dtype), head_dim, causal, arch, root=out, force=force, **extra)
     except Exception as e:  # a compile error of one configuration must not hide the others
         return None, time.perf_counter() - t0, f"{type(e).__name__}: {e}"
     seconds = time.perf_counter() - t0
-    files = entry(_torch_dtype(dtype), head_dim, causal, arch, out)
+    files = entry(_torch_dtype(dtype), head_dim, causal, arch, out, **extra)
     if not files:
         problems = "; ".join(cache.notes()[-3:]) or "entry missing after the build"
         return how, seconds, f"not written to {out}: {problems}"
@@ -73,6 +75,10 @@ def precompile(out, arch="sm_90a", dtypes=DTYPES, head_dims=HEAD_DIMS, causals=C
     os.makedirs(out, exist_ok=True)
     todo = [(kind, dt, d, c) for kind in kinds for dt in dtypes for d in head_dims for c in causals
             if kind == "fwd" or d in BWD_HEAD_DIMS]  # the backward kernel has d64 and d128 only
+    # the forward of short key lengths where it is another kernel (FLASH_ATTN_CUTE_FWD_TMA_O=short)
+    todo += [("fwd-short", dt, d, c) for kind, dt, d, c in list(todo) if kind == "fwd"
+             and interface._fwd_config(_torch_dtype(dt), d, c, arch, short=True)
+             != interface._fwd_config(_torch_dtype(dt), d, c, arch)]
     args = [(str(out), arch, dt, d, c, force, kind) for kind, dt, d, c in todo]
     if jobs > 1 and len(todo) > 1:
         import multiprocessing
@@ -87,8 +93,8 @@ def precompile(out, arch="sm_90a", dtypes=DTYPES, head_dims=HEAD_DIMS, causals=C
                "error": error}
         report.append(row)
         what = "already cached" if how in ("so", "o") else how
-        log(f"{'' if kind == 'fwd' else 'bwd '}{dt} d{d} {'causal' if c else 'full  '}: {error or what} "
-            f"({seconds:.1f} s)")
+        prefix = {"fwd": "", "fwd-short": "short-key ", "bwd": "bwd "}[kind]
+        log(f"{prefix}{dt} d{d} {'causal' if c else 'full  '}: {error or what} ({seconds:.1f} s)")
     return report
 
 
