@@ -3,13 +3,15 @@
 # benchmarks. Logs and result tables go under $OUT.
 #   run command="bash benchmarks/run_gpu.sh [STEP ...]"      (device tool; $OUT is set there)
 # STEPs (default: tests attention norm models train): tests rest attention cute cutebwd norm ops models train ncu
-#   ncusrc profile
+#   ncusrc profile tunetriton
 #   tests      the GPU-marked tests (bf16, real sizes; GPU_TESTS, GPU_TEST_TIMEOUT)   rest   the rest on CUDA
 #   attention  bench_attention, full grid                  cute   bench_attention, cute only, short grid
 #   cutebwd    bench_cute_bwd: the cute backward (flash_bwd_sm90) vs Triton's, bf16 d64/d128, S 2k/8k
 #   norm       bench_ops --only norm                       ops    bench_ops (norms and cross-entropy)
 #   models     bench_models decode (cg=True)               train  bench_train (GPT-2 medium step)
 #   profile    profile_step.py: per-kernel GPU time of a GPT-2 training step and of the norms
+#   tunetriton the Triton tuners on the open cells: d128 causal forward (ws / wsp / wsb orders), d256 causal
+#              backward with the GPU time per launch (--kernels)
 #   ncu        Nsight Compute sections of the cute kernel and of the released FA4 (peer) on one shape
 #   ncusrc     per-SASS-instruction stall samples of the cute kernel (and FA4's), CSV under $OUT
 #              (PROFILE_ARGS: profile_cute.py arguments for ncu and ncusrc, e.g. "--headdim 64 --causal")
@@ -84,6 +86,11 @@ for step in $STEPS; do
             echo "ncusrc fa4: $(wc -l < "$OUT/ncusrc_fa4.csv") lines"
         fi
         python benchmarks/ncu_summary.py "$OUT"/ncusrc_*.csv 2>&1 | tee "$OUT/ncusrc_summary.txt" ;;
+    tunetriton)  # the open Triton questions (docs/STATUS.md): d128 causal forward orders, d256 causal backward launches
+        timeout 300 python benchmarks/tune_triton_fwd.py --headdims 128 --causal 1 --seqlens 2048,4096,8192,16384 \
+            --candidates ws 2>&1 | tee "$OUT/tune_triton_fwd.log" | tail -n 12
+        timeout 300 python benchmarks/tune_triton_bwd_ws.py --headdims 256 --causal 1 --seqlens 2048,16384 --kernels \
+            2>&1 | tee "$OUT/tune_triton_bwd_ws.log" | tail -n 30 ;;
     profile) python benchmarks/profile_step.py train 2>&1 | tee "$OUT/profile_train.txt"
         python benchmarks/profile_step.py norm --hidden 4096 2>&1 | tee "$OUT/profile_norm.txt" ;;
     *) echo "unknown step $step"; status=1 ;;
