@@ -36,7 +36,8 @@ def compile_all(d, causal, cfg=None, dtype="bf16"):
     dkdv_ptrs = dict(Q=ptr, K=ptr, V=ptr, DO=ptr, Lse2="*fp32", Delta="*fp32", DK=ptr, DV=ptr)
     if cfg.split_dkdv:
         launches = [("dv", dict(base, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, COMPUTE_DK=False)),
-                    ("dk", dict(base, BLOCK_M=cfg.dk_block_m, BLOCK_N=cfg.block_n, COMPUTE_DV=False))]
+                    ("dk", dict(base, BLOCK_M=cfg.dk_block_m or cfg.block_m, BLOCK_N=cfg.dk_block_n or cfg.block_n,
+                                COMPUTE_DV=False))]
     else:
         launches = [("dkdv", dict(base, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n))]
     res = []
@@ -60,13 +61,14 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--headdims", default="64,128,256")
     p.add_argument("--causal", default="0,1")
-    p.add_argument("--config", default=None, help="BM,BN,DQBM,DQBN[,DKBM] (DKBM: split dV / dK launches)")
+    p.add_argument("--config", default=None, help="BM,BN,DQBM,DQBN[,DKBM[,DKBN]] (DKBM: split dV / dK launches)")
     args = p.parse_args(argv)
     print(f"# triton {triton.__version__}")
     cfg = None
     if args.config:
         f = [int(x) for x in args.config.split(",")]
-        cfg = _configs.BwdWsConfig(*f[:4], split_dkdv=len(f) > 4, dk_block_m=f[4] if len(f) > 4 else 0)
+        cfg = _configs.BwdWsConfig(*f[:4], split_dkdv=len(f) > 4, dk_block_m=f[4] if len(f) > 4 else 0,
+                                   dk_block_n=f[5] if len(f) > 5 else 0)
     for d in (int(x) for x in args.headdims.split(",")):
         for causal in (c == "1" for c in args.causal.split(",")):
             for name, ck, log in compile_all(d, causal, cfg):

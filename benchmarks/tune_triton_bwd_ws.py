@@ -44,7 +44,12 @@ def candidates(d):
             c.BwdConfig(64, 64, 4, 2, 64, 64, 4, 2, False, tma=True, split_dkdv=True),
             c.BwdConfig(32, 128, 8, 2, 64, 64, 4, 2, False, tma=True, split_dkdv=True),
             c.BwdConfig(64, 64, 4, 2, 128, 32, 8, 2, False, tma=True, split_dkdv=True),
-            c.BwdConfig(64, 128, 8, 2, 128, 32, 8, 2, False, tma=True, split_dkdv=True))],
+            c.BwdConfig(64, 128, 8, 2, 128, 32, 8, 2, False, tma=True, split_dkdv=True))] + [
+            # both launches warp-specialized, the dK one on 64 keys per program with 64-row steps (fits
+            # the shared memory; 32-row steps gave NaN); dQ by the FA2-style kernel (table / 64 x 64 tiles)
+            c.BWD_WS_D256_WSDK,
+            dataclasses.replace(c.BWD_WS_D256_WSDK, fa2=c.BwdConfig(
+                32, 128, 8, 2, 64, 64, 4, 2, False, tma=True, split_dkdv=True))],
     }[d]
     first = c.BWD_WS.get(d, c.BWD_WS_D256_FA2DK)
     out = [first] + [e for e in extra if e != first]
@@ -61,7 +66,8 @@ def _fa2(d, causal):
 def _label(cfg):
     dq = f"dq {cfg.dq_block_m}x{cfg.dq_block_n}" if cfg.dq_block_m else "dq fa2"
     s = f"ws dkdv {cfg.block_m}x{cfg.block_n} {dq}"
-    s += (" split dk fa2" if cfg.fa2_dk else f" split dk {cfg.dk_block_m}") if cfg.split_dkdv else ""
+    dk = f" split dk {cfg.dk_block_m or cfg.block_m}x{cfg.dk_block_n or cfg.block_n}"
+    s += (" split dk fa2" if cfg.fa2_dk else dk) if cfg.split_dkdv else ""
     f = cfg.fa2
     return s + (f" fa2 dk {f.block_m}x{f.block_n}w{f.num_warps} dq {f.dq_block_m}x{f.dq_block_n}w{f.dq_num_warps}"
                 if f is not None else "")

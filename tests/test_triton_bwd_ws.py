@@ -33,6 +33,8 @@ _INTERP_SPLIT = _configs.BwdWsConfig(16, 32, 0, 0, split_dkdv=True, dk_block_m=3
 _INTERP_BN16 = _configs.BwdWsConfig(32, 16, 0, 0)
 # dV warp-specialized, dK by the FA2-style kernel on the padded rows (d256's form)
 _INTERP_FA2DK = _configs.BwdWsConfig(16, 32, 0, 0, split_dkdv=True, fa2_dk=True)
+# both launches warp-specialized, the dK one on fewer keys per program than the dV one (d256's other form)
+_INTERP_SPLIT_BN = _configs.BwdWsConfig(16, 32, 0, 0, split_dkdv=True, dk_block_m=16, dk_block_n=16)
 
 def _kw(Sq, Sk, D, causal=False, window=(-1, -1), softcap=0.0):
     wl, wr = window
@@ -105,8 +107,8 @@ def _run(spy, cfg, B, Sq, Sk, H, Hk, D, Dv, dtype, causal, seed, expect_ws=True,
 _DTYPE = torch.float16 if tb._INTERPRET else torch.bfloat16
 
 
-@pytest.mark.parametrize("cfg", [_INTERP, _INTERP_SPLIT, _INTERP_BN16, _INTERP_FA2DK],
-                         ids=["one", "split", "bn16", "fa2dk"])
+@pytest.mark.parametrize("cfg", [_INTERP, _INTERP_SPLIT, _INTERP_BN16, _INTERP_FA2DK, _INTERP_SPLIT_BN],
+                         ids=["one", "split", "bn16", "fa2dk", "split_bn"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("B,Sq,Sk,H,Hk,D", [(2, 37, 37, 2, 1, 32), (2, 29, 53, 4, 2, 32), (3, 20, 45, 2, 2, 64),
                                              (1, 1, 17, 2, 2, 32)])
@@ -127,6 +129,18 @@ def test_ws_bwd_fa2_config_override(ws_spy):
     assert len(plans) == 1
     _, (_, dkdv, dq, _) = plans[0]
     assert dkdv[1][2] is fa2 and dkdv[1][0]["BLOCK_N"] == 16 and dq[0] is fa2 and dq[2]["BLOCK_M"] == 32
+
+
+def test_ws_bwd_split_dk_block_n(ws_spy):
+    """BwdWsConfig.dk_block_n gives the warp-specialized dK launch its own keys per program (and grid)."""
+    if CUDA:
+        pytest.skip("interpreter blocks")
+    _run(ws_spy, _INTERP_SPLIT_BN, 2, 29, 53, 4, 2, 32, 32, _DTYPE, True, seed=5)
+    plans = [p for (kind, _), p in tb._BWD_WS_PLANS.items() if kind[-1] == _INTERP_SPLIT_BN]
+    assert len(plans) == 1
+    _, (_, dkdv, _, _) = plans[0]
+    assert [(m["BLOCK_M"], m["BLOCK_N"], m.get("COMPUTE_DK", True), m.get("COMPUTE_DV", True)) for m, _, _ in dkdv] == [
+        (16, 32, False, True), (16, 16, True, False)]
 
 
 def test_ws_bwd_interpreter_dv_differs(ws_spy):
@@ -299,11 +313,12 @@ def test_gpu_ws_bwd_real_sizes(ws_spy, D, causal, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_gpu_ws_bwd_d256_fa2_dk(ws_spy, causal, dtype):
-    """d256: the warp-specialized dV launch with the FA2-style dK launch (no 32-row steps), with and without
-    GQA, and ragged lengths; outputs NaN-filled so that unwritten rows show."""
+@pytest.mark.parametrize("cfg", [_configs.BWD_WS_D256_FA2DK, _configs.BWD_WS_D256_WSDK], ids=["fa2dk", "wsdk"])
+def test_gpu_ws_bwd_d256_fa2_dk(ws_spy, causal, dtype, cfg):
+    """d256: the warp-specialized dV launch with the FA2-style dK launch (no 32-row steps), or with the
+    warp-specialized dK launch on 64 keys per program, with and without GQA, and ragged lengths; outputs
+    NaN-filled so that unwritten rows show."""
     _sm90()
-    cfg = _configs.BWD_WS_D256_FA2DK
     for B, Sq, Sk, H, Hk in [(2, 2048, 2048, 8, 2), (2, 2048, 2048, 8, 8), (2, 777, 1531, 4, 2)]:
         q, k, v, dout = _inputs(B, Sq, Sk, H, Hk, 256, 256, dtype, seed=Sq + causal)
         kw = _kw(Sq, Sk, 256, causal)

@@ -301,7 +301,7 @@ def test_default_variants(monkeypatch):
     monkeypatch.setattr(_configs, "FWD_VARIANT_SET", False)
     assert _configs.ws_variant(128, False) == (2, None)
     assert _configs.ws_variant(256, False) == (1, None) and _configs.ws_variant(256, True) == (1, None)
-    assert _configs.ws_variant(128, True) == (1, 128) and _configs.ws_variant(64, False) == (0, None)
+    assert _configs.ws_variant(128, True) == (3, 128) and _configs.ws_variant(64, False) == (0, None)
     monkeypatch.setattr(_configs, "FWD_VARIANT_SET", True)
     monkeypatch.setattr(_configs, "FWD_VARIANT", (0, None))  # "off"
     assert _configs.ws_variant(128, False) == (0, None)

@@ -144,7 +144,11 @@ def bwd_config(arch, head_dim: int, causal: bool, interpret: bool, dtype) -> Bwd
 # Session 10 (`tune_triton_fwd.py --headdims 128 --causal 1 --seqlens 2048,4096,8192 --candidates ws`): d128
 # causal persistent with 128-key blocks 0.80-0.82x at 2k-8k (this entry 0.75-0.79x, with 8-head grouping
 # 0.78-0.83x), but the same-run grid with it measured 0.59x at 16k (this entry: 0.83x): kept.
-FWD_WS_DEFAULT = {(128, False): (2, None), (128, True): (1, 128), (256, False): (1, None), (256, True): (1, None)}
+# Session 11 (`bash benchmarks/run_gpu.sh tunetriton`: the same tuner at 2k-16k): d128 causal persistent with
+# the balanced order (wsb128) 0.83 / 0.79 / 0.82 / 0.83x at 2k / 4k / 8k / 16k (geometric mean 472 TFLOP/s),
+# the one-tile kernel with 128-key blocks 0.74 / 0.79 / 0.81 / 0.82x (455), wsp128 0.58x at 16k: wsb128
+# (the same-run grid with it, attention_session11.md: 0.78 / 0.82 / 0.84 / 0.81x).
+FWD_WS_DEFAULT = {(128, False): (2, None), (128, True): (3, 128), (256, False): (1, None), (256, True): (1, None)}
 # FLASH_ATTN_TRITON_FWD_VARIANT (read once, at import) overrides FWD_WS_DEFAULT for every head dim: "off"
 # (or "0") the table's kernels only; "ws": _fwd_ws.py with the table's BLOCK_N; "ws64" / "ws128": with that
 # BLOCK_N; "wsp*": the persistent form; "wsb*": persistent, causal tiles in the balanced order. Name ->
@@ -219,6 +223,9 @@ class BwdWsConfig:
     # the shared memory
     split_dkdv: bool = False
     dk_block_m: int = 0
+    # with split_dkdv (not fa2_dk): keys per program of the warp-specialized dK launch (0: block_n). At head
+    # dim 256, 64 keys with 64-row steps keep K, V and two Q / dO stages in 192 KB (128 keys need 257 KB)
+    dk_block_n: int = 0
     # with split_dkdv: the dK launch is the FA2-style dK/dV kernel (_bwd.py, the table's config, dV off) on the
     # preprocess's padded rows, the dV launch the warp-specialized one (at head dim 256 the warp-specialized
     # dK launch needs 32-row steps, which compute NaN on the H200)
@@ -253,6 +260,11 @@ BWD_WS = {
 BWD_WS_D256_CAUSAL = BwdWsConfig(64, 128, 0, 0, split_dkdv=True, fa2_dk=True, fa2=BwdConfig(
     32, 128, 8, 2, 64, 64, 4, 2, False, tma=True, split_dkdv=True))
 BWD_WS_D256_BROKEN = BwdWsConfig(64, 128, 0, 0, split_dkdv=True, dk_block_m=32)
+# both launches warp-specialized, the dK one on 64 keys per program with 64-row steps (K, V and two Q / dO
+# stages fit; triton 3.9 compiles it for sm_90 with 231 KB of shared memory and 228 bytes spilled). Right on
+# the H200 (test_gpu_ws_bwd_d256_fa2_dk[wsdk]) but not faster: causal 0.62 / 0.64 of cuDNN at 2k / 16k against
+# the default's 0.63 / 0.71 (session 11, attention_cute_session11.md); a tuning candidate
+BWD_WS_D256_WSDK = BwdWsConfig(64, 128, 0, 0, split_dkdv=True, dk_block_m=64, dk_block_n=64)
 BWD_WS_D256_FA2DK = BWD_WS[256]
 # (padded head dim, causal) pairs whose backward takes _bwd_ws.py by default on sm_90. Not d32 (never run on a
 # GPU; BWD_WS has no entry, so not even the switch serves it). d256's all-warp-specialized split

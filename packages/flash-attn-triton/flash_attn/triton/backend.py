@@ -525,7 +525,8 @@ def _bwd_ws_plan(q, k, v, dout, D, Dv, Sq, Sk, window, wr, config):
                     (dk_meta, _PlanKey(pk + ("dk", "fa2")), fa2_cfg)]
         elif cfg.split_dkdv:
             dkdv = [(dict(dkdv, COMPUTE_DK=False), _PlanKey(pk + ("dv",)), None),
-                    (dict(dkdv, BLOCK_M=cfg.dk_block_m, COMPUTE_DV=False), _PlanKey(pk + ("dk",)), None)]
+                    (dict(dkdv, BLOCK_M=cfg.dk_block_m or cfg.block_m, BLOCK_N=cfg.dk_block_n or cfg.block_n,
+                          COMPUTE_DV=False), _PlanKey(pk + ("dk",)), None)]
         else:
             dkdv = [(dkdv, _PlanKey(pk + ("dkdv",)), None)]
         if cfg.dq_block_m == 0:  # the FA2-style dQ kernel: cfg.fa2 or its table entry, and plan (TMA for K/V)
@@ -555,7 +556,7 @@ def _bwd_ws(ws, dout, q, k, v, out, lse, dq, dk, dv, B, H, Hk, Sq, Sk, softmax_s
     qs, ks, vs, dos = q.stride(), k.stride(), v.stride(), dout.stride()
     for meta, dkdv_key, fa2_cfg in dkdv_metas:
         if fa2_cfg is None:
-            _L_DKDV_WS((-(-Sk // cfg.block_n), B * Hk),
+            _L_DKDV_WS((-(-Sk // meta["BLOCK_N"]), B * Hk),
                        (q, k, v, dout, lse2, delta, dk, dv, qs[1], qs[2], ks[1], ks[2], vs[1], vs[2], dos[1],
                         dos[2], *dk.stride()[:3], *dv.stride()[:3], sq_pad, Sq, Sk, H, H // Hk, B, softmax_scale,
                         qk_scale), meta, dkdv_key)
