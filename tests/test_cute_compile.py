@@ -612,16 +612,23 @@ def cute_dtype(dtype):
 
 
 def test_backend_gates_the_wide_head_dims(monkeypatch):
-    """The dispatcher's cute backend: d96 / d192 / d256 forwards only when FLASH_ATTN_CUTE_FWD_HDIMS names
-    them; their backward never (the backward kernel has d64 / d128); the package API accepts them."""
+    """The dispatcher's cute backend: d96 / d192 / d256 forwards by default, or those that
+    FLASH_ATTN_CUTE_FWD_HDIMS names when set; their backward never (the backward kernel has d64 / d128); the
+    package API accepts them."""
     from flash_attn.cute import backend, interface
 
     monkeypatch.delenv("FLASH_ATTN_CUTE_FWD_HDIMS", raising=False)
-    assert backend.forward_head_dims() == (64, 128)
+    assert backend.forward_head_dims() == (64, 96, 128, 192, 256)
     for d in (96, 192, 256):
-        reason = backend.unsupported_reason(_call(head_dim=d, head_dim_v=d))
-        assert reason is not None and f"FLASH_ATTN_CUTE_FWD_HDIMS={d}" in reason, reason
-        interface._check_dims(d, d, 4, 2)  # flash_attn.cute.flash_attn_func's check
+        assert backend.unsupported_reason(_call(head_dim=d, head_dim_v=d, causal=True)) is None
+        assert backend.unsupported_reason(_call(head_dim=d, head_dim_v=d, backward=True)) is not None
+    for off in ("0", "none"):
+        monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_HDIMS", off)
+        assert backend.forward_head_dims() == (64, 128)
+        for d in (96, 192, 256):
+            reason = backend.unsupported_reason(_call(head_dim=d, head_dim_v=d))
+            assert reason is not None and "FLASH_ATTN_CUTE_FWD_HDIMS" in reason, reason
+            interface._check_dims(d, d, 4, 2)  # flash_attn.cute.flash_attn_func's check
     monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_HDIMS", "256")
     assert backend.forward_head_dims() == (64, 128, 256)
     assert backend.unsupported_reason(_call(head_dim=256, head_dim_v=256, causal=True)) is None
@@ -647,6 +654,8 @@ def test_precompile_takes_the_enabled_head_dims(monkeypatch, tmp_path):
     from flash_attn.cute import precompile
 
     monkeypatch.delenv("FLASH_ATTN_CUTE_FWD_HDIMS", raising=False)
+    assert precompile.default_head_dims() == (64, 96, 128, 192, 256)
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_HDIMS", "none")
     assert precompile.default_head_dims() == (64, 128)
     monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_HDIMS", "256")
     assert precompile.default_head_dims() == (64, 128, 256)
@@ -1080,10 +1089,10 @@ def test_wide_head_dims_varlen_on_gpu(d, causal, window, softcap):
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
 @pytest.mark.parametrize("causal", [False, True])
 def test_dispatcher_gates_the_wide_head_dims_on_gpu(monkeypatch, causal):
-    """flash_attn.flash_attn_func at d256: the cute forward runs only with FLASH_ATTN_CUTE_FWD_HDIMS=256,
-    its backward on the next backend; outputs and gradients meet the criterion either way, and through
-    flash_attn.cute.flash_attn_func (which refuses gradients without the variable: they go through the
-    dispatcher)."""
+    """flash_attn.flash_attn_func at d256: the cute forward runs by default (not with
+    FLASH_ATTN_CUTE_FWD_HDIMS=0), its backward on the next backend; outputs and gradients meet the criterion
+    either way, and through flash_attn.cute.flash_attn_func (which refuses gradients when the variable
+    turned d256 off: they go through the dispatcher)."""
     import flash_attn
     from flash_attn import dispatch
     from flash_attn.cute import flash_attn_func as cute_func
@@ -1107,9 +1116,9 @@ def test_dispatcher_gates_the_wide_head_dims_on_gpu(monkeypatch, causal):
     grads_pt = torch.autograd.grad(out_pt, (q, k, v), g)
     for enabled in (False, True):
         if enabled:
-            monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_HDIMS", "256")
+            monkeypatch.delenv("FLASH_ATTN_CUTE_FWD_HDIMS", raising=False)  # the default
         else:
-            monkeypatch.delenv("FLASH_ATTN_CUTE_FWD_HDIMS", raising=False)
+            monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_HDIMS", "0")
         monkeypatch.setattr(dispatch, "_choice", {})
         assert (dispatch.select(_call(head_dim=256, head_dim_v=256, causal=causal)).NAME == "cute") == enabled
         assert dispatch.select(_call(head_dim=256, head_dim_v=256, causal=causal, backward=True)).NAME != "cute"
@@ -1124,7 +1133,7 @@ def test_dispatcher_gates_the_wide_head_dims_on_gpu(monkeypatch, causal):
             for name, gr, gr_ref, gr_pt in zip("qkv", grads, grads_ref, grads_pt):
                 assert_close_to_ref(gr, gr_ref, gr_pt, name=f"d{name} ({run}, gate {enabled})")
         if not enabled:
-            with pytest.raises(NotImplementedError, match="FLASH_ATTN_CUTE_FWD_HDIMS=256"):
+            with pytest.raises(NotImplementedError, match="FLASH_ATTN_CUTE_FWD_HDIMS"):
                 cute_func(q, k, v, causal=causal)
         with torch.no_grad():  # the package API without gradients: no gate
             out, _ = cute_func(q, k, v, causal=causal)

@@ -88,9 +88,10 @@ def test_tma_o_in_the_config_only_for_dense_one_tile_calls(monkeypatch):
     _clear(monkeypatch)
     cfg = lambda d, causal, **kw: interface._fwd_config(torch.bfloat16, d, causal, "sm_90a", **kw)  # noqa: E731
     base = {(d, c, v): cfg(d, c, varlen=v) for d in (64, 128) for c in (False, True) for v in (False, True)}
-    assert not any("tma_o" in b for b in base.values())
+    assert not any("tma_o" in b for b in base.values())  # (unset: only short-key calls take it)
     monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_TMA_O", "0")
     assert {k: cfg(k[0], k[1], varlen=k[2]) for k in base} == base
+    assert not any("tma_o" in cfg(k[0], k[1], varlen=k[2], short=True) for k in base)
     monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_TMA_O", "1")
     for (d, causal, varlen), b in base.items():
         on = cfg(d, causal, varlen=varlen)
@@ -111,28 +112,34 @@ def test_tma_o_in_the_config_only_for_dense_one_tile_calls(monkeypatch):
 
 
 def test_short_switch_takes_tma_o_for_short_keys_only(monkeypatch):
-    """FLASH_ATTN_CUTE_FWD_TMA_O=short (or "D:short"): the TMA O store for plain dense one-tile calls whose
-    seqlen_k <= _TMA_O_SHORT_SK (their own config), the direct store for longer keys; never for windows,
-    softcap, sinks, varlen or the persistent kernel. Unset, short and long calls share one config."""
+    """FLASH_ATTN_CUTE_FWD_TMA_O=short (or "D:short"; unset: d64 and d128): the TMA O store for plain dense
+    one-tile calls whose seqlen_k <= _TMA_O_SHORT_SK (their own config), the direct store for longer keys;
+    never for windows, softcap, sinks, varlen or the persistent kernel. "0": short and long calls share one
+    config."""
     from flash_attn.cute import interface
 
     _clear(monkeypatch)
     cfg = lambda d, causal, **kw: interface._fwd_config(torch.bfloat16, d, causal, "sm_90a", **kw)  # noqa: E731
-    for d in (64, 128):
+    for value, dims in [("", {64, 128}), ("short", set(interface._SUPPORTED_HEAD_DIMS))]:
+        monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_TMA_O", value)
+        assert interface._tma_o_short_dims() == frozenset(dims)
+        for d, causal in [(64, False), (128, False), (128, True)]:
+            assert "tma_o" not in cfg(d, causal)
+            assert cfg(d, causal, short=True) == {**cfg(d, causal), "tma_o": True}
+        assert cfg(64, True).get("persistent") and cfg(64, True, short=True) == cfg(64, True)
+        for kw in (dict(local=True), dict(softcap=True), dict(sink=True), dict(varlen=True)):
+            assert "tma_o" not in cfg(128, False, short=True, **kw)
+        assert ("tma_o" in cfg(256, False, short=True)) == (256 in dims)
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_TMA_O", "0")
+    assert interface._tma_o_short_dims() == frozenset()
+    for d in (64, 128, 256):
         for causal in (False, True):
             assert cfg(d, causal, short=True) == cfg(d, causal)
-    assert interface._tma_o_short_dims() == frozenset()
-    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_TMA_O", "short")
-    assert interface._tma_o_short_dims() == frozenset(interface._SUPPORTED_HEAD_DIMS)
-    for d, causal in [(64, False), (128, False), (128, True)]:
-        assert "tma_o" not in cfg(d, causal)
-        assert cfg(d, causal, short=True) == {**cfg(d, causal), "tma_o": True}
-    assert cfg(64, True).get("persistent") and cfg(64, True, short=True) == cfg(64, True)
-    for kw in (dict(local=True), dict(softcap=True), dict(sink=True), dict(varlen=True)):
-        assert "tma_o" not in cfg(128, False, short=True, **kw)
-    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_TMA_O", "128:short")
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_TMA_O", "128:short,64:0")
     assert interface._tma_o_short_dims() == frozenset({128})
     assert cfg(128, False, short=True)["tma_o"] and "tma_o" not in cfg(64, False, short=True)
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_TMA_O", "128:1")  # d64 unnamed: its default rule
+    assert interface._tma_o_short_dims() == frozenset({64})
 
 
 def test_short_keys_select_their_kernel_per_call(monkeypatch):
@@ -167,9 +174,10 @@ def test_short_keys_select_their_kernel_per_call(monkeypatch):
     monkeypatch.setattr(interface, "fwd_kernel", lambda *a, **kw: seen.append(kw) or long_fn)
     interface.forward(q, k, v, 0.1, False, softcap=5.0)
     assert seen and seen[-1]["short"] is False
-    # same configs (switch unset): fwd_kernel(short=True) is the usual kernel, built once
+    # same configs (switch "0"): fwd_kernel(short=True) is the usual kernel, built once
     monkeypatch.undo()
     _clear(monkeypatch)
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_TMA_O", "0")
     built = []
     monkeypatch.setattr(interface, "_kernels", {})
     monkeypatch.setattr(interface, "load_or_build", lambda *a, **kw: built.append(kw) or (long_fn, "compiled"))
@@ -183,8 +191,9 @@ def test_short_keys_select_their_kernel_per_call(monkeypatch):
 
 
 def test_precompile_adds_the_short_key_kernels_the_switch_makes(monkeypatch, tmp_path):
-    """With FLASH_ATTN_CUTE_FWD_TMA_O=short, precompile also builds the forward of short key lengths
-    where its config differs (one-tile calls: not the persistent d64 causal one); unset, nothing more."""
+    """With the short rule (FLASH_ATTN_CUTE_FWD_TMA_O unset or "short"), precompile also builds the forward
+    of short key lengths where its config differs (one-tile calls: not the persistent d64 causal one); with
+    "0", nothing more."""
     from flash_attn.cute import interface, precompile
 
     _clear(monkeypatch)
@@ -192,13 +201,15 @@ def test_precompile_adds_the_short_key_kernels_the_switch_makes(monkeypatch, tmp
     built = []
     monkeypatch.setattr(precompile, "_build", lambda out, arch, dt, d, c, force, kind: built.append((kind, d, c))
                         or ("compiled", 0.0, None))
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_TMA_O", "0")
     precompile.precompile(str(tmp_path), dtypes=("bf16",), head_dims=(64, 128), log=lambda *a: None)
     assert sorted(built) == [("fwd", d, c) for d in (64, 128) for c in (False, True)]
-    built.clear()
-    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_TMA_O", "short")
-    precompile.precompile(str(tmp_path), dtypes=("bf16",), head_dims=(64, 128), log=lambda *a: None)
-    assert sorted(k for k in built if k[0] == "fwd-short") == [("fwd-short", 64, False), ("fwd-short", 128, False),
-                                                               ("fwd-short", 128, True)]
+    for value in ("", "short"):
+        built.clear()
+        monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_TMA_O", value)
+        precompile.precompile(str(tmp_path), dtypes=("bf16",), head_dims=(64, 128), log=lambda *a: None)
+        assert sorted(k for k in built if k[0] == "fwd-short") == [
+            ("fwd-short", 64, False), ("fwd-short", 128, False), ("fwd-short", 128, True)]
 
 
 def test_short_key_kernel_builds_into_the_disk_cache(monkeypatch, tmp_path):

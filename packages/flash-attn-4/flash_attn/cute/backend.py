@@ -2,9 +2,12 @@
 
 Serves forward calls on Hopper (sm_90): fp16/bf16, head dim 64 or 128 (v's equal to q's), causal or
 not, sliding windows, softcap, GQA/MQA, dense or varlen (cu_seqlens). Head dims 96, 192 and 256 have
-forward kernels that compile clean for sm_90a but have not run on a GPU: the dispatcher sends them here
-only when FLASH_ATTN_CUTE_FWD_HDIMS names them ("256", "96,192,256"; read when the dispatcher first sees
-a kind of call), and their backward always goes to the next backend.
+forward kernels only (GPU-tested on the H200 in session 11: tests/test_cute_compile.py -k wide_head_dims,
+tests/test_cute_sink.py): the dispatcher sends their forward here and their backward to the next backend.
+FLASH_ATTN_CUTE_FWD_HDIMS (read when the dispatcher first sees a kind of call) names the ones of them it
+sends here ("256", "96,192,256"; "0" or "none": none of them); unset: all three. H200, bf16, 16k tokens,
+same run (benchmarks/results/h200/attention_cute_session11.md): d256 forward 395-733 TFLOP/s against the
+Triton backend's 383-601.
 
 Backward (flash_bwd_sm90.py): dense calls without windows, softcap, ALiBi, dropout or determinism (its dQ
 is a sum of fp32 TMA reduce-adds from the key blocks' CTAs in whatever order they finish, so it varies in
@@ -21,7 +24,7 @@ import torch
 NAME = "cute"
 _DTYPES = (torch.float16, torch.bfloat16)
 _HEAD_DIMS = (64, 128)  # forward and backward
-_GATED_FWD_HEAD_DIMS = (96, 192, 256)  # forward only, when FLASH_ATTN_CUTE_FWD_HDIMS names them
+_GATED_FWD_HEAD_DIMS = (96, 192, 256)  # forward only; FLASH_ATTN_CUTE_FWD_HDIMS, when set, picks among them
 FWD_HDIMS_ENV_VAR = "FLASH_ATTN_CUTE_FWD_HDIMS"
 _ARCHS = {(9, 0): "sm_90a"}
 _unavailable = []
@@ -41,9 +44,13 @@ def unavailable_reason():
 
 
 def forward_head_dims():
-    """The head dims whose forward the dispatcher may send here: 64, 128 and those of 96 / 192 / 256 that
-    $FLASH_ATTN_CUTE_FWD_HDIMS (comma-separated) names."""
-    value = os.environ.get(FWD_HDIMS_ENV_VAR, "")
+    """The head dims whose forward the dispatcher may send here: 64, 128 and 96 / 192 / 256, or when
+    $FLASH_ATTN_CUTE_FWD_HDIMS is set, those of 96 / 192 / 256 it names (comma-separated; "0" / "none": none)."""
+    value = os.environ.get(FWD_HDIMS_ENV_VAR)
+    if value is None or not value.strip():
+        return tuple(sorted(_HEAD_DIMS + _GATED_FWD_HEAD_DIMS))
+    if value.strip().lower() == "none":
+        return _HEAD_DIMS
     try:
         named = {int(x) for x in value.replace(" ", "").split(",") if x}
     except ValueError:
@@ -62,7 +69,7 @@ def unsupported_reason(call):
     if call.head_dim not in head_dims or call.head_dim_v != call.head_dim:
         why = f"head dims {call.head_dim}/{call.head_dim_v} not in {head_dims} (equal for q/k and v)"
         if not call.backward and call.head_dim in _GATED_FWD_HEAD_DIMS and call.head_dim_v == call.head_dim:
-            why += f"; {FWD_HDIMS_ENV_VAR}={call.head_dim} enables its forward (not yet run on a GPU)"
+            why += f"; {FWD_HDIMS_ENV_VAR} (set, without {call.head_dim}) turned its forward off"
         return why
     for what in ("paged", "alibi", "dropout", "return_probs", "kvcache"):
         if getattr(call, what):

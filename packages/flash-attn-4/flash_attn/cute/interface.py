@@ -21,9 +21,8 @@ import torch
 
 from flash_attn.cute import cache
 
-# Forward head dims of this package's API. The root dispatcher sends it 64 and 128, and 96 / 192 / 256
-# only when FLASH_ATTN_CUTE_FWD_HDIMS names them (backend.py): those kernels compile clean for sm_90a
-# but have not run on a GPU yet. The backward kernel has 64 and 128 (_BWD_BLOCK_M).
+# Forward head dims of this package's API. The root dispatcher sends it all five (FLASH_ATTN_CUTE_FWD_HDIMS,
+# when set, picks among 96 / 192 / 256: backend.py). The backward kernel has 64 and 128 (_BWD_BLOCK_M).
 _SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
 _ARCHS = {(9, 0): "sm_90a"}
 _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -85,9 +84,13 @@ _FWD_PERSISTENT = {(64, True)}
 # buffer under the epilogue). In the cache key only when on. H200 A/B (attention_cute_session9.md, one-tile
 # kernel): +3..+12% at seqlen 1k (d128 causal 350 -> 392), -1..-9% at 4k-16k, so "short" (or "128:short")
 # takes it only for calls with seqlen_k <= _TMA_O_SHORT_SK (plain dense calls: no window, softcap or sink;
-# the calls select their kernel by length, a second compiled kernel). Off by default: "short" has not run
-# on a GPU yet (the tma_o kernel has: tests/test_cute_tma_o.py).
+# the calls select their kernel by length, a second compiled kernel). "short" is the default for d64 and d128
+# (_TMA_O_SHORT_DEFAULT; "0" turns TMA O off everywhere): session 11's A/B on the H200
+# (attention_cute_session11.md) d128 causal 350 -> 391 TFLOP/s at seqlen 1k, d128 518 -> 530, d64 360 -> 374
+# (d64 causal is persistent: unchanged); longer keys run the same kernel as without it. GPU tests with it:
+# tests/test_cute_tma_o.py and test_cute_compile.py's test_matches_reference_on_gpu.
 _TMA_O_SHORT_SK = 1024
+_TMA_O_SHORT_DEFAULT = frozenset({64, 128})
 # Key blocks walked from the last down (FlashFwdSm90 reverse, FA3's order: a causal or windowed tile's masked
 # diagonal blocks first, so its consumer warpgroups end the tile in step on unmasked blocks):
 # FLASH_ATTN_CUTE_FWD_REVERSE=1 (or per head dim, "64:1"); off by default (not measured yet). Causal and
@@ -119,17 +122,20 @@ def _per_head_dim(name, head_dim):
     return table.get(str(int(head_dim)), "").strip()
 
 
+def _tma_o_rule(head_dim):
+    """FLASH_ATTN_CUTE_FWD_TMA_O's value for head_dim ("short", "1", "0", ...): the variable's (whole, or its
+    "D:value" entry), else "short" for the head dims of _TMA_O_SHORT_DEFAULT and "0" for the others."""
+    value = _per_head_dim("FLASH_ATTN_CUTE_FWD_TMA_O", head_dim)
+    if value:
+        return value
+    return "short" if int(head_dim) in _TMA_O_SHORT_DEFAULT else "0"
+
+
 def _tma_o_short_dims():
-    """Head dims whose plain dense calls with seqlen_k <= _TMA_O_SHORT_SK take the TMA O store
-    (FLASH_ATTN_CUTE_FWD_TMA_O=short, or "D:short" per head dim); read at import (the per-call path checks
-    membership only)."""
-    value = os.environ.get("FLASH_ATTN_CUTE_FWD_TMA_O", "").strip()
-    if value == "short":
-        return frozenset(_SUPPORTED_HEAD_DIMS)
-    if ":" in value:
-        return frozenset(int(d) for d, v in (item.split(":", 1) for item in value.split(",") if item.strip())
-                         if v.strip() == "short")
-    return frozenset()
+    """Head dims whose plain dense calls with seqlen_k <= _TMA_O_SHORT_SK take the TMA O store (the
+    "short" rule: FLASH_ATTN_CUTE_FWD_TMA_O=short, "D:short" per head dim, or unset and in
+    _TMA_O_SHORT_DEFAULT); read at import (the per-call path checks membership only)."""
+    return frozenset(d for d in _SUPPORTED_HEAD_DIMS if _tma_o_rule(d) == "short")
 
 
 def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varlen=False, sink=False, short=False):
@@ -159,7 +165,7 @@ def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varle
     env = os.environ.get("FLASH_ATTN_CUTE_FWD_PERSISTENT")
     persistent = (((int(head_dim), bool(causal) and not local) in _FWD_PERSISTENT) if not env
                   else env not in ("0", "false", "False")) and not (local or softcap or varlen or sink)
-    tma_o_env = _per_head_dim("FLASH_ATTN_CUTE_FWD_TMA_O", head_dim)
+    tma_o_env = _tma_o_rule(head_dim)
     tma_o = ((tma_o_env not in ("", "0", "false", "False", "short")
               or (tma_o_env == "short" and short and not (local or softcap or sink)))
              and not varlen and not persistent)
@@ -588,7 +594,7 @@ def _with_fallback_backward(q, k, v, softmax_scale, causal, window_left, window_
     if q.shape[-1] not in fwd_dims:  # the dispatcher would refuse the forced forward
         raise NotImplementedError(
             f"gradients at head dim {q.shape[-1]}: the dispatcher's cute forward serves {fwd_dims}; "
-            f"{backend.FWD_HDIMS_ENV_VAR}={q.shape[-1]} enables it (not yet run on a GPU)")
+            f"{backend.FWD_HDIMS_ENV_VAR} (set, without {q.shape[-1]}) turned it off")
     with use_backend("cute"):
         # (q, k, v, cu_seqlens_q/k, max_seqlen_q/k, block_table, scale, causal, window left/right,
         #  softcap, alibi, dropout_p, rng_state, return_probs, deterministic), as flash_attn::fwd takes them

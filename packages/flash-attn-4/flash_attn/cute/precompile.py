@@ -2,10 +2,10 @@
 (CuTeDSL compiles for the named architecture on any Linux machine), so a build or CI machine can fill
 the cache a deployment then only loads:
 
-    python -m flash_attn.cute.precompile --arch sm_90a --out DIR     # bf16/fp16 x d64/d128 x causal/not
+    python -m flash_attn.cute.precompile --arch sm_90a --out DIR     # bf16/fp16 x d64..d256 x causal/not
     python -m flash_attn.cute.precompile --backward ...              # the backward kernels as well
-    FLASH_ATTN_CUTE_FWD_HDIMS=256 python -m flash_attn.cute.precompile ...  # + d256 (the head dims the
-                                                                     # dispatcher sends to the forward)
+    FLASH_ATTN_CUTE_FWD_HDIMS=256 python -m flash_attn.cute.precompile ...  # d64, d128, d256 only (the
+                                                                     # head dims the dispatcher sends)
     FLASH_ATTN_CUTE_CACHE=DIR python serve.py                        # first calls load, never compile
 
 The deployment must have the same flash-attn-4 sources and the same nvidia-cutlass-dsl and
@@ -21,7 +21,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 
 DTYPES = ("bf16", "fp16")
-HEAD_DIMS = (64, 128)  # the default; plus those FLASH_ATTN_CUTE_FWD_HDIMS enables (default_head_dims)
+HEAD_DIMS = (64, 128)  # precompile()'s default argument; the command line's default is default_head_dims()
 BWD_HEAD_DIMS = (64, 128)
 CAUSAL = (False, True)
 
@@ -110,8 +110,8 @@ def main(argv=None):
     p.add_argument("--dtypes", default=",".join(DTYPES), help="comma-separated, of bf16,fp16")
     supported = interface._SUPPORTED_HEAD_DIMS
     p.add_argument("--head-dims", default=None,
-                   help=f"comma-separated, of {','.join(map(str, supported))} (default: 64,128 and those "
-                        "$FLASH_ATTN_CUTE_FWD_HDIMS enables; backward kernels exist for 64,128)")
+                   help=f"comma-separated, of {','.join(map(str, supported))} (default: those the dispatcher sends, "
+                        "all unless $FLASH_ATTN_CUTE_FWD_HDIMS picks; backward kernels exist for 64,128)")
     p.add_argument("--causal", default="both", choices=("both", "true", "false"))
     p.add_argument("--jobs", type=int, default=1, help="compile in this many processes")
     p.add_argument("--force", action="store_true", help="recompile entries already in the folder")
