@@ -58,11 +58,19 @@ def apply(var, names):
     os.environ.update(var)
 
 
+def round_order(variants_, r):
+    """(index, variant) pairs of round r: the variants' order, reversed every other round (ABBA), so that
+    whatever favours the first-timed one (session 11 saw identical kernels 0-8% apart) cancels over two
+    rounds."""
+    pairs = list(enumerate(variants_))
+    return pairs[::-1] if r % 2 else pairs
+
+
 def header(kind, args, variants_):
     import torch
 
     print(f"# {torch.cuda.get_device_name()}; bf16; tokens {args.tokens}; hidden {args.hidden}; TFLOP/s, best of "
-          f"{args.rounds} interleaved rounds; {kind}")
+          f"{args.rounds} interleaved rounds (ABBA order); {kind}")
     print("| D | S | causal | " + " | ".join(" ".join(f"{k}={v}" for k, v in var.items()) or "default"
                                              for var in variants_) + " |")
     print("|---|---|---|" + "---|" * len(variants_))
@@ -94,8 +102,8 @@ def main(argv=None):
                 out, lse, _ = cb.fwd(q, k, v, return_probs=False, **kw)
                 flops = 2.5 * 4 * b * s * s * h * d / (2 if causal else 1)
                 best = [[0.0, 0.0] for _ in variants_]
-                for _ in range(args.rounds):
-                    for i, var in enumerate(variants_):
+                for r in range(args.rounds):
+                    for i, var in round_order(variants_, r):
                         apply(var, names)
                         ci._bwd_kernels.clear()  # the in-memory cache does not key on the variables
                         t_k = do_bench(kernel_call(q, k, v, dout, out, lse, causal), warmup=args.warmup,

@@ -18,7 +18,7 @@ for _p in (ROOT, os.path.join(ROOT, "benchmarks")):
 
 
 def main(argv=None):
-    from ab_cute_bwd import apply, header, parser, variants
+    from ab_cute_bwd import apply, header, parser, round_order, variants
 
     args = parser(__doc__, [1024, 4096, 16384]).parse_args(argv)
 
@@ -39,8 +39,8 @@ def main(argv=None):
                 q, k, v = (torch.randn(b, s, h, d, generator=g).to("cuda", dtype) for _ in range(3))
                 flops = 4 * b * s * s * h * d / (2 if causal else 1)
                 best = [0.0 for _ in variants_]
-                for _ in range(args.rounds):
-                    for i, var in enumerate(variants_):
+                for r in range(args.rounds):
+                    for i, var in round_order(variants_, r):
                         apply(var, names)
                         ci._kernels.clear()  # the in-memory cache does not key on the variables
                         ci._TMA_O_SHORT = ci._tma_o_short_dims()  # (read at import: FLASH_ATTN_CUTE_FWD_TMA_O=short)
