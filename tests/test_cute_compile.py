@@ -170,8 +170,9 @@ def test_common_call_launches_the_cached_kernel_directly(monkeypatch):
         calls.append((q, k, v, out, lse, scalars))
 
     monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")
-    monkeypatch.setattr(interface, "_kernels", {(torch.bfloat16, 64, c, "sm_90a", False, False): fake
-                                                for c in (False, True)})
+    # (both kernels of each key: the "short" one serves seqlen_k <= _TMA_O_SHORT_SK at d64 non-causal)
+    monkeypatch.setattr(interface, "_kernels", {(torch.bfloat16, 64, c, "sm_90a", False, False) + s: fake
+                                                for c in (False, True) for s in ((), ("short",))})
     B, S, H, D = 2, 16, 4, 64
     qkv = torch.randn(B, S, 3, H, D, dtype=torch.bfloat16)
     q, k, v = qkv.unbind(2)
@@ -992,7 +993,8 @@ def test_backend_admits_only_what_the_kernel_does(monkeypatch):
         "device cpu": _call(device_type="cpu", arch=None),
         "compute capability": _call(arch=(8, 0)),
         "dtype": _call(dtype=torch.float32),
-        "head dims 96": _call(head_dim=96, head_dim_v=96),
+        "head dims 72": _call(head_dim=72, head_dim_v=72),
+        "head dims 96/96": _call(head_dim=96, head_dim_v=96, backward=True),  # a forward kernel only
         "head dims 128/64": _call(head_dim_v=64),
         "backward with deterministic": _call(backward=True, deterministic=True),
         "backward with varlen": _call(backward=True, varlen=True),
