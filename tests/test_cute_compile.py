@@ -4,6 +4,7 @@ the reference within the project's accuracy criterion."""
 import glob
 import math
 import os
+import re
 import sys
 import time
 
@@ -89,6 +90,59 @@ def test_ptx_is_warp_specialised(ptx):
     assert _count(text, "setmaxnreg.inc.sync.aligned.u32") == 1
     assert "ex2.approx" in text  # softmax through exp2
     assert ("tanh.approx" in text) == cfg[4]  # soft-capping, only where asked for
+
+
+_LABEL = re.compile(r"^(\$L__BB\d+_\d+):")
+_BRANCH = re.compile(r"\bbra(?:\.uni)?\s+(\$L__BB\d+_\d+);")
+_WAIT = re.compile(r"wgmma\.wait_group\.sync\.aligned\s+(\d+);")
+
+
+def _exps_from_pv_wait_block(text):
+    """ex2.approx in the key-block loop from the start of the basic block that holds the P V wait (the
+    first wait_group 0 after the loop's S wait, wait_group 1) to the loop's back-edge. ptxas hoists a
+    wait above the independent instructions of its own block, so any exponential there, or after the
+    wait, is computed after P V is done instead of under it."""
+    lines = text.splitlines()
+    s_wait = next(i for i, line in enumerate(lines) if (m := _WAIT.search(line)) and m.group(1) == "1")
+    pv_wait = next(i for i in range(s_wait, len(lines)) if (m := _WAIT.search(lines[i])) and m.group(1) == "0")
+    start = max([s_wait] + [i for i in range(s_wait, pv_wait) if _LABEL.match(lines[i])])
+    loop_heads = {m.group(1) for line in lines[:s_wait] if (m := _LABEL.match(line))}
+    back_edge = next(i for i in range(pv_wait, len(lines))
+                     if (m := _BRANCH.search(lines[i])) and m.group(1) in loop_heads)
+    return sum("ex2.approx" in line for line in lines[start:back_edge + 1])
+
+
+def test_ptx_softmax_ends_before_the_p_v_wait(ptx):
+    """The key-block loop's softmax of S_j (both branches, masked or not) stays ahead of the wait for
+    O += P_{j-1} V_{j-1}, so the exponentials overlap that WGMMA (flash_fwd_sm90._pin)."""
+    _, text = ptx
+    assert _exps_from_pv_wait_block(text) == 0
+
+
+def test_unpinned_loop_puts_exponentials_behind_the_p_v_wait(tmp_path, monkeypatch):
+    """Without _pin (FLASH_ATTN_CUTE_FWD_PIN=0) LLVM merges the branches' common tail, the second row's
+    exponentials, into the wait's block: the check above sees it (d128 causal: 41 ex2 there)."""
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_PIN", "0")
+    compile_fwd(torch.bfloat16, 128, True, arch="sm_90a", dump_dir=str(tmp_path))
+    (path,) = glob.glob(str(tmp_path / "*.ptx"))
+    with open(path) as f:
+        text = f.read()
+    assert "// pin" not in text
+    assert _exps_from_pv_wait_block(text) >= 32
+
+
+def test_pin_in_the_cache_key_only_when_off(monkeypatch):
+    from flash_attn.cute import interface
+
+    monkeypatch.delenv("FLASH_ATTN_CUTE_FWD_PIN", raising=False)
+    args = (torch.bfloat16, 128, True, "sm_90a")
+    base = interface._fwd_config(*args)
+    assert "pin" not in base and interface._make_kernel(base).pin
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_PIN", "64:0")
+    assert interface._fwd_config(*args) == base
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_PIN", "0")
+    assert interface._fwd_config(*args) == {**base, "pin": False}
+    assert not interface._make_kernel(interface._fwd_config(*args)).pin
 
 
 def _compare_fragments(qk, pv, block_m, block_n, mismatches):

@@ -79,6 +79,20 @@ def tile_coords(tile, num_m, num_hb, group, causal, minimum=min):
     return tile % num_m, tile // num_m
 
 
+def _pin(acc_S, row_sum, corr, tag):
+    """Ends a softmax branch of the main loop: every value it computed passes through a side-effecting
+    inline asm (a mov ptxas folds away), so LLVM cannot sink the two branches' common tail (the second
+    row's exponentials) into the join block, nor move exponentials below the P V wait that follows it,
+    where ptxas then issues them after the wait (the softmax no longer overlaps P V). The tag differs per
+    branch so that the two asm statements are not identical either."""
+    op = f"mov.b32 $0, $1; // pin {tag}"
+    for t in (acc_S, row_sum, corr):
+        for i in range(cute.size(t)):
+            t[i] = Float32(llvm.inline_asm(T.f32(), [Float32(t[i]).ir_value()], op, "=f,f",
+                                           has_side_effects=True, is_align_stack=False,
+                                           asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
 def key_block(position, n_block_min, n_block_max, reverse):
     """The key block a tile processes at ``position`` of its walk over [n_block_min, n_block_max), the
     positions running n_block_min, n_block_min + 1, ... in processing order: the block itself, or with
@@ -121,7 +135,7 @@ class FlashFwdSm90:
 
     def __init__(self, dtype, head_dim, causal, local=False, softcap=False, varlen=False, block_m=None,
                  block_n=128, num_stages=2, exp2_emu=0, exp2_emu_degree=3, sink=False, num_warpgroups=2,
-                 wg_order=True, persistent=False, tma_o=False, reverse=False):
+                 wg_order=True, persistent=False, tma_o=False, reverse=False, pin=True):
         """exp2_emu: of every 16 softmax exponentials a thread computes, this many (0..16, spread evenly
         over its fragment) use a degree-exp2_emu_degree polynomial on the FMA pipe instead of MUFU.EX2
         (softmax_exp.py), to relieve the MUFU pipe. num_warpgroups: consumer warpgroups (2 or 3) of 64
@@ -136,7 +150,8 @@ class FlashFwdSm90:
         tile's masked blocks come first and its warpgroups end on unmasked ones (FA3's order); both
         kernels, every mask. Without a causal mask or window only the sequence's tail block is masked,
         and it comes first too: correct, but the config (interface._fwd_config) asks for it only for
-        causal and local calls."""
+        causal and local calls. pin: each softmax branch of the key-block loop ends in _pin, which keeps
+        the whole softmax ahead of the P V wait (False: the code before it, for A/Bs)."""
         if not 0 <= exp2_emu <= 16 or exp2_emu_degree not in EXP2_POLY:
             raise ValueError(f"exp2_emu {exp2_emu} not in 0..16 or degree {exp2_emu_degree} not in "
                              f"{tuple(EXP2_POLY)}")
@@ -184,6 +199,7 @@ class FlashFwdSm90:
             raise ValueError("the persistent kernel is dense only (no window, softcap, varlen or sink)")
         self.tma_o = bool(tma_o)
         self.reverse = bool(reverse)
+        self.pin = bool(pin)
         if self.tma_o and (self.varlen or self.persistent):
             raise ValueError("tma_o: dense calls of the one-tile kernel only (no varlen, not persistent)")
         if block_n % 16 or not 16 <= block_n <= 256:
@@ -851,15 +867,22 @@ class FlashFwdSm90:
                 k_state.advance()
                 # The softmax sits in both branches so the wait below starts its own basic block:
                 # ptxas hoists a wait it finds in the softmax's block above the softmax, which would
-                # end the overlap with P V.
+                # end the overlap with P V. _pin keeps LLVM from merging the branches' common tail (the
+                # second row's exponentials) into that block again: without it every causal, local or
+                # softcap kernel ran half its exponentials after the wait (ptxas 13.0 SASS,
+                # benchmarks/cute_sass.py "P V wait" line: 33 of 66 MUFU.EX2 at d128 causal, now 66).
                 if cutlass.const_expr(self.softcap):
                     self._cap(acc_S, score_scale, softcap)
                 n_key = key_block(n_block, n_block_min, n_block_max, self.reverse)
                 if n_key >= n_block_mask_from or n_key < n_block_mask_below:
                     self._mask(acc_S, tScS, m_block, n_key, seqlen_q, seqlen_k, window_left, window_right)
                     self._softmax(acc_S, row_max, row_sum, corr, scale_log2)
+                    if cutlass.const_expr(self.pin):
+                        _pin(acc_S, row_sum, corr, "masked")
                 else:
                     self._softmax(acc_S, row_max, row_sum, corr, scale_log2)
+                    if cutlass.const_expr(self.pin):
+                        _pin(acc_S, row_sum, corr, "unmasked")
                 warpgroup.wait_group(0)  # P V done: P's registers and V's stage are free
                 v_pipe.consumer_release(v_state)
                 self._to_p(acc_S, rP)

@@ -96,6 +96,9 @@ _TMA_O_SHORT_DEFAULT = frozenset({64, 128})
 # FLASH_ATTN_CUTE_FWD_REVERSE=1 (or per head dim, "64:1"); off by default (not measured yet). Causal and
 # local calls only (without a mask only the tail block is masked: the order is left as it is), the one-tile
 # and the persistent kernel, varlen included. In the cache key only when on.
+# FLASH_ATTN_CUTE_FWD_PIN=0 (or "128:0") builds the key-block loop without flash_fwd_sm90._pin, i.e. with half of
+# a masked kernel's softmax after the P V wait (the code before session 12; an A/B knob). In the key only
+# when 0.
 
 
 def _cutlass_dtype(dtype):
@@ -171,6 +174,7 @@ def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varle
              and not varlen and not persistent)
     reverse = (_per_head_dim("FLASH_ATTN_CUTE_FWD_REVERSE", head_dim) not in ("", "0", "false", "False")
                and (bool(causal) or bool(local)))
+    unpinned = _per_head_dim("FLASH_ATTN_CUTE_FWD_PIN", head_dim) in ("0", "false", "False")
     return {"kernel": "FlashFwdSm90", "dtype": _DTYPE_NAMES.get(dtype, str(dtype)), "head_dim": int(head_dim),
             "stages": stages, **({"block_n": block_n} if block_n != 128 else {}), **emu_cfg,
             **({"warpgroups": warpgroups} if warpgroups != 2 else {}),
@@ -180,7 +184,8 @@ def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varle
             **({"sink": True} if sink else {}),
             **({"persistent": True} if persistent else {}),  # absent unless set: existing disk entries keep their keys
             **({"tma_o": True} if tma_o else {}),
-            **({"reverse": True} if reverse else {})}
+            **({"reverse": True} if reverse else {}),
+            **({"pin": False} if unpinned else {})}
 
 
 _TMA_O_SHORT = _tma_o_short_dims()  # head dims with the "short" TMA O rule (see _fwd_config)
@@ -197,7 +202,8 @@ def _make_kernel(config):
                         exp2_emu=config.get("exp2_emu", 0), exp2_emu_degree=config.get("exp2_emu_degree", 3),
                         sink=config.get("sink", False), num_warpgroups=config.get("warpgroups", 2),
                         wg_order=config.get("wg_order", True), persistent=config.get("persistent", False),
-                        tma_o=config.get("tma_o", False), reverse=config.get("reverse", False))
+                        tma_o=config.get("tma_o", False), reverse=config.get("reverse", False),
+                        pin=config.get("pin", True))
 
 
 def compile_fwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=False, softcap=False,
