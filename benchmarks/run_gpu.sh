@@ -3,7 +3,7 @@
 # benchmarks. Logs and result tables go under $OUT.
 #   run command="bash benchmarks/run_gpu.sh [STEP ...]"      (device tool; $OUT is set there)
 # STEPs (default: tests attention norm models train): tests rest attention cute cutebwd norm ops models train ncu
-#   ncusrc profile tunetriton
+#   ncusrc profile tunetriton abfwd overhead
 #   tests      the GPU-marked tests (bf16, real sizes; GPU_TESTS, GPU_TEST_TIMEOUT)   rest   the rest on CUDA
 #   attention  bench_attention, full grid                  cute   bench_attention, cute only, short grid
 #   cutebwd    bench_cute_bwd: the cute backward (flash_bwd_sm90) vs Triton's, bf16 d64/d128, S 2k/8k
@@ -15,6 +15,8 @@
 #   ncu        Nsight Compute sections of the cute kernel and of the released FA4 (peer) on one shape
 #   ncusrc     per-SASS-instruction stall samples of the cute kernel (and FA4's), CSV under $OUT
 #              (PROFILE_ARGS: profile_cute.py arguments for ncu and ncusrc, e.g. "--headdim 64 --causal")
+#   abfwd      ab_cute_fwd.py with $AB_ARGS (e.g. '--headdims 128 --causal 1 --variants ";FLASH_ATTN_CUTE_FWD_PIN=0"')
+#   overhead   bench_cute_overhead.py --no-cold: per-call time of the tiny cute forward, SDPA beside it
 # With CuTeDSL brought over (see ../shared/device/README.md: two bundle calls) /tmp/cutedsl/env.sh is
 # sourced, the cute backend is available and the released flash-attn-4 is benchmarked as a peer.
 set -u
@@ -91,6 +93,10 @@ for step in $STEPS; do
             --candidates ws 2>&1 | tee "$OUT/tune_triton_fwd.log" | tail -n 12
         timeout 300 python benchmarks/tune_triton_bwd_ws.py --headdims 256 --causal 1 --seqlens 2048,16384 --kernels \
             2>&1 | tee "$OUT/tune_triton_bwd_ws.log" | tail -n 30 ;;
+    abfwd)  # A/B of cute forward variants in one process (AB_ARGS: ab_cute_fwd.py arguments, --variants among them)
+        timeout "${AB_TIMEOUT:-300}" python benchmarks/ab_cute_fwd.py ${AB_ARGS:---variants ";"} 2>&1 \
+            | tee "$OUT/ab_cute_fwd.log" | tail -n 40 ;;
+    overhead) timeout 300 python benchmarks/bench_cute_overhead.py --no-cold 2>&1 | tee "$OUT/bench_cute_overhead.log" ;;
     profile) python benchmarks/profile_step.py train 2>&1 | tee "$OUT/profile_train.txt"
         python benchmarks/profile_step.py norm --hidden 4096 2>&1 | tee "$OUT/profile_norm.txt" ;;
     *) echo "unknown step $step"; status=1 ;;

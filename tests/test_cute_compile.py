@@ -766,6 +766,30 @@ def test_matches_reference_on_gpu(dtype, d, causal, batch, seqlen_q, seqlen_k, h
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_pinned_loop_equals_unpinned_on_gpu(monkeypatch, d):
+    """_pin only moves instructions (a mov per value that ptxas folds away): out and lse of a causal call
+    are bitwise those of the loop built without it (FLASH_ATTN_CUTE_FWD_PIN=0). d64 causal is the
+    persistent kernel, d128 / d256 the one-tile one; 3001 x 2500 spans masked and unmasked blocks."""
+    from flash_attn.cute import flash_attn_func, interface
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 3001, 8, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(2, 2500, 2, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(2, 2500, 2, d, device="cuda", dtype=torch.bfloat16)
+    monkeypatch.delenv("FLASH_ATTN_CUTE_FWD_PIN", raising=False)
+    monkeypatch.setattr(interface, "_kernels", {})
+    out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_PIN", "0")
+    monkeypatch.setattr(interface, "_kernels", {})
+    ref_out, ref_lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
+    torch.cuda.synchronize()
+    assert torch.equal(out, ref_out)
+    assert torch.equal(lse, ref_lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
 @pytest.mark.parametrize("exp2_emu,degree,dtype", [(4, 3, torch.bfloat16), (16, 3, torch.bfloat16),
                                                    (8, 4, torch.float16), (8, 2, torch.bfloat16)])
 @pytest.mark.parametrize("d", [64, 128])
