@@ -489,6 +489,17 @@ def test_three_warpgroups_ptx(three_wg):
     assert ("tanh.approx" in text) == bool(kw.get("softcap"))
 
 
+def test_three_warpgroups_softmax_ends_before_the_p_v_wait(three_wg):
+    """The round-robin loop is pinned too (test_ptx_softmax_ends_before_the_p_v_wait), except with a sink,
+    where the pin costs a spilled register at 160 (FlashFwdSm90: pin off there)."""
+    (_, _, _, kw), _, text, _, _ = three_wg
+    if kw.get("sink"):
+        assert "// pin" not in text
+    else:
+        assert "// pin masked" in text and "// pin unmasked" in text
+        assert _exps_from_pv_wait_block(text) == 0
+
+
 @pytest.mark.skipif(__import__("shutil").which("ptxas") is None, reason="ptxas not on PATH")
 def test_three_warpgroups_fit_160_registers(three_wg):
     """ptxas keeps the register split (no C7508 'setmaxnreg ignored'), spills nothing, does not serialise

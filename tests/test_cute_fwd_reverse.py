@@ -48,17 +48,23 @@ def _clear(mp):
 
 
 def test_reverse_in_the_config_only_for_masked_calls_when_on(monkeypatch):
-    """Absent unless switched on (existing disk-cache keys stay); with it on, in the key of causal and
-    windowed calls (one-tile and persistent, varlen, softcap, sink) and not of calls without a mask; per
-    head dim with "D:1"; the kernel gets reverse=True."""
+    """Unset: only d64 causal's persistent kernel (dense calls) is reversed (_FWD_REVERSE_DEFAULT); "0": none
+    (the other keys unchanged, so their disk entries stay); "1": in the key of causal and windowed calls
+    (one-tile and persistent, varlen, softcap, sink) and not of calls without a mask; per head dim with
+    "D:1"; the kernel gets reverse=True."""
     _clear(monkeypatch)
     cfg = lambda d, causal, **kw: interface._fwd_config(torch.bfloat16, d, causal, "sm_90a", **kw)  # noqa: E731
     kinds = [dict(), dict(local=True), dict(varlen=True), dict(softcap=True), dict(sink=True),
              dict(local=True, varlen=True)]
-    base = {(d, c, i): cfg(d, c, **kw) for d in (64, 128) for c in (False, True) for i, kw in enumerate(kinds)}
-    assert not any("reverse" in b for b in base.values())
+    default = {(d, c, i): cfg(d, c, **kw) for d in (64, 128) for c in (False, True) for i, kw in enumerate(kinds)}
+    assert {key for key, b in default.items() if "reverse" in b} == {(64, True, 0)}
+    assert default[(64, True, 0)]["reverse"] is True and default[(64, True, 0)]["persistent"] is True
     monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_REVERSE", "0")
-    assert {key: cfg(key[0], key[1], **kinds[key[2]]) for key in base} == base
+    base = {key: cfg(key[0], key[1], **kinds[key[2]]) for key in default}
+    assert not any("reverse" in b for b in base.values())
+    assert {key: b for key, b in base.items() if key != (64, True, 0)} == {
+        key: b for key, b in default.items() if key != (64, True, 0)}
+    assert {k: v for k, v in default[(64, True, 0)].items() if k != "reverse"} == base[(64, True, 0)]
     monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_REVERSE", "1")
     for (d, causal, i), b in base.items():
         on = cfg(d, causal, **kinds[i])
@@ -92,7 +98,7 @@ def test_precompile_honours_the_switch(monkeypatch, tmp_path):
         raise RuntimeError("stub: not compiled")
 
     monkeypatch.setattr(interface, "_load_or_build_entry", stub)
-    for env in ("", "1"):
+    for env in ("0", "1"):
         monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_REVERSE", env)
         report = precompile.precompile(str(tmp_path), "sm_90a", dtypes=("bf16",), head_dims=(64, 128),
                                        log=lambda *a: None)
@@ -363,8 +369,7 @@ def _hopper():
 
 def _reverse(monkeypatch, on=True, persistent=None, warpgroups=None):
     _clear(monkeypatch)
-    if on:
-        monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_REVERSE", "1")
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_REVERSE", "1" if on else "0")  # (unset: d64 causal's default is on)
     if persistent is not None:
         monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_PERSISTENT", "1" if persistent else "0")
     if warpgroups:

@@ -151,7 +151,8 @@ class FlashFwdSm90:
         kernels, every mask. Without a causal mask or window only the sequence's tail block is masked,
         and it comes first too: correct, but the config (interface._fwd_config) asks for it only for
         causal and local calls. pin: each softmax branch of the key-block loop ends in _pin, which keeps
-        the whole softmax ahead of the P V wait (False: the code before it, for A/Bs)."""
+        the whole softmax ahead of the P V wait (False: the code before it, for A/Bs; ignored with three
+        warpgroups and a sink)."""
         if not 0 <= exp2_emu <= 16 or exp2_emu_degree not in EXP2_POLY:
             raise ValueError(f"exp2_emu {exp2_emu} not in 0..16 or degree {exp2_emu_degree} not in "
                              f"{tuple(EXP2_POLY)}")
@@ -199,7 +200,9 @@ class FlashFwdSm90:
             raise ValueError("the persistent kernel is dense only (no window, softcap, varlen or sink)")
         self.tma_o = bool(tma_o)
         self.reverse = bool(reverse)
-        self.pin = bool(pin)
+        # Not with three warpgroups and a sink: at their 160 registers CuTeDSL's cubin of the causal d64 sink
+        # kernel then spills one register (one STL / LDL pair; ptxas 13.0 on the same PTX spills none).
+        self.pin = bool(pin) and not (self.num_mma_warpgroups == 3 and self.sink)
         if self.tma_o and (self.varlen or self.persistent):
             raise ValueError("tma_o: dense calls of the one-tile kernel only (no varlen, not persistent)")
         if block_n % 16 or not 16 <= block_n <= 256:

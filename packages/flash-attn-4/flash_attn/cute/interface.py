@@ -93,9 +93,13 @@ _TMA_O_SHORT_SK = 1024
 _TMA_O_SHORT_DEFAULT = frozenset({64, 128})
 # Key blocks walked from the last down (FlashFwdSm90 reverse, FA3's order: a causal or windowed tile's masked
 # diagonal blocks first, so its consumer warpgroups end the tile in step on unmasked blocks):
-# FLASH_ATTN_CUTE_FWD_REVERSE=1 (or per head dim, "64:1"); off by default (not measured yet). Causal and
-# local calls only (without a mask only the tail block is masked: the order is left as it is), the one-tile
-# and the persistent kernel, varlen included. In the cache key only when on.
+# FLASH_ATTN_CUTE_FWD_REVERSE=1 (or per head dim, "64:1"; "0" off everywhere). Causal and local calls only
+# (without a mask only the tail block is masked: the order is left as it is), the one-tile and the persistent
+# kernel, varlen included. In the cache key only when on. Unset: on for the persistent kernel of the
+# (head dim, causal) pairs in _FWD_REVERSE_DEFAULT. H200, bf16, 16k tokens, same-process A/B after the pin
+# below (benchmarks/results/h200/attention_cute_session12.md): d64 causal 293 -> 299, 358 -> 373, 403 -> 425,
+# 432 -> 455, 446 -> 464 TFLOP/s at 1k / 2k / 4k / 8k / 16k; d128 and d256 causal lose 2-12% with it.
+_FWD_REVERSE_DEFAULT = frozenset({(64, True)})
 # FLASH_ATTN_CUTE_FWD_PIN=0 (or "128:0") builds the key-block loop without flash_fwd_sm90._pin, i.e. with half of
 # a masked kernel's softmax after the P V wait (the code before session 12; an A/B knob). In the key only
 # when 0.
@@ -172,8 +176,11 @@ def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varle
     tma_o = ((tma_o_env not in ("", "0", "false", "False", "short")
               or (tma_o_env == "short" and short and not (local or softcap or sink)))
              and not varlen and not persistent)
-    reverse = (_per_head_dim("FLASH_ATTN_CUTE_FWD_REVERSE", head_dim) not in ("", "0", "false", "False")
-               and (bool(causal) or bool(local)))
+    reverse_env = _per_head_dim("FLASH_ATTN_CUTE_FWD_REVERSE", head_dim)
+    if reverse_env:
+        reverse = reverse_env not in ("0", "false", "False") and (bool(causal) or bool(local))
+    else:
+        reverse = persistent and (int(head_dim), bool(causal) and not local) in _FWD_REVERSE_DEFAULT
     unpinned = _per_head_dim("FLASH_ATTN_CUTE_FWD_PIN", head_dim) in ("0", "false", "False")
     return {"kernel": "FlashFwdSm90", "dtype": _DTYPE_NAMES.get(dtype, str(dtype)), "head_dim": int(head_dim),
             "stages": stages, **({"block_n": block_n} if block_n != 128 else {}), **emu_cfg,
