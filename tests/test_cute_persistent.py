@@ -19,11 +19,12 @@ if _PKG not in sys.path:
     sys.path.insert(0, _PKG)
 
 from flash_attn.cute import interface  # noqa: E402
-from flash_attn.cute.flash_fwd_sm90 import FlashFwdSm90, tile_coords  # noqa: E402
+from flash_attn.cute.flash_fwd_sm90 import FlashFwdSm90, cta_tile, tile_coords  # noqa: E402
 from flash_attn.testing import assert_ptxas_clean, cuobjdump_path  # noqa: E402
 
 _KNOBS = ("FLASH_ATTN_CUTE_FWD_PERSISTENT", "FLASH_ATTN_CUTE_FWD_WARPGROUPS", "FLASH_ATTN_CUTE_BLOCK_N",
-          "FLASH_ATTN_CUTE_STAGES", "FLASH_ATTN_CUTE_FWD_WG_ORDER", "FLASH_ATTN_CUTE_EXP2_EMU")
+          "FLASH_ATTN_CUTE_STAGES", "FLASH_ATTN_CUTE_FWD_WG_ORDER", "FLASH_ATTN_CUTE_EXP2_EMU",
+          "FLASH_ATTN_CUTE_FWD_SNAKE", "FLASH_ATTN_CUTE_FWD_REVERSE")
 
 
 def _clean(mp):
@@ -56,6 +57,56 @@ def test_causal_order_is_longest_first_per_section(num_m, num_hb, group):
         assert blocks == sorted(blocks, reverse=True)
     if group >= num_hb:
         assert [m for m, _ in order] == sorted((m for m, _ in order), reverse=True)
+
+
+def _cta_work(num_m, num_hb, group, num_ctas, snake, block_m=128, block_n=128):
+    """Per CTA: key blocks over its tiles (plus one per tile for its prologue and epilogue), causal, Sq = Sk."""
+    n = num_m * num_hb
+    work = [0] * num_ctas
+    for bid in range(num_ctas):
+        for p in range(-(-n // num_ctas)):
+            t = cta_tile(p, bid, num_ctas, snake)
+            if t < n:
+                m, _ = tile_coords(t, num_m, num_hb, group, True)
+                work[bid] += -(-((m + 1) * block_m) // block_n) + 1
+    return work
+
+
+@pytest.mark.parametrize("num_tiles,num_ctas", [(1, 1), (5, 3), (17, 4), (2048, 132), (131, 132), (264, 132)])
+def test_snake_deals_every_tile_once(num_tiles, num_ctas):
+    dealt = sorted(t for bid in range(num_ctas) for p in range(-(-num_tiles // num_ctas))
+                   if (t := cta_tile(p, bid, num_ctas, True)) < num_tiles)
+    assert dealt == list(range(num_tiles))
+    assert [cta_tile(p, 2 % num_ctas, num_ctas, False) for p in range(3)] == [2 % num_ctas + p * num_ctas
+                                                                             for p in range(3)]
+
+
+# (seqlen, batch, heads, head dim, BLOCK_N): the grid's causal shapes at 16k tokens, hidden 2048
+@pytest.mark.parametrize("seqlen,batch,heads,d,block_n", [(16384, 1, 16, 128, 128), (4096, 4, 16, 128, 128),
+                                                          (16384, 1, 32, 64, 128), (16384, 1, 8, 256, 80),
+                                                          (4096, 4, 8, 256, 80)])
+def test_snake_balances_the_causal_tiles(seqlen, batch, heads, d, block_n):
+    """The default causal schedule (one longest-first order, dealt in a snake) keeps every CTA's work
+    within 3% of the mean on 132 SMs; the former one (L2-sized sections dealt round robin, FLASH_ATTN_CUTE_
+    FWD_SNAKE=0) gave one CTA 1.15x (d128) to 1.42x (d256) of the mean, and the CTAs wait for it."""
+    num_m, num_hb = seqlen // 128, batch * heads
+    snake = _cta_work(num_m, num_hb, num_hb, 132, True, block_n=block_n)
+    assert max(snake) <= 1.03 * sum(snake) / 132
+    group = max(FlashFwdSm90.L2_KV_BYTES // (2 * d * 2) // seqlen, 1)
+    old = _cta_work(num_m, num_hb, group, 132, False, block_n=block_n)
+    if d != 64:
+        assert max(old) >= 1.1 * sum(old) / 132
+
+
+def test_snake_in_the_cache_key_only_when_off(monkeypatch):
+    _clean(monkeypatch)
+    cfg = lambda d, causal: interface._fwd_config(torch.bfloat16, d, causal, "sm_90a")  # noqa: E731
+    base = cfg(64, True)
+    assert base["persistent"] and "snake" not in base and interface._make_kernel(base).snake
+    assert not interface._make_kernel(cfg(64, False)).snake  # one-tile (and non-causal): no schedule
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_SNAKE", "0")
+    assert cfg(64, True) == {**base, "snake": False} and not interface._make_kernel(cfg(64, True)).snake
+    assert "snake" not in cfg(128, True)  # the one-tile kernel: nothing to switch
 
 
 def test_dense_order_runs_a_heads_query_blocks_together():
@@ -175,13 +226,17 @@ def test_persistent_ptx_has_the_kernels_instructions(persistent):
 
 def test_persistent_ptx_loops_over_tiles(persistent):
     """A 1-D grid (no blockIdx.y / .z: head and batch come from the tile index), and two tile loops
-    (producer, consumers) that step their tile by gridDim.x."""
-    _, _, text, _, _ = persistent
+    (producer, consumers): without a mask they step their tile by gridDim.x; causal ones (snake) count
+    positions and take the tile from cta_tile, so no tile index steps by gridDim.x."""
+    _, config, text, _, _ = persistent
     assert "%ctaid.y" not in text and "%ctaid.z" not in text
     nctaid = re.findall(r"mov\.u32\s+(%r\d+), %nctaid\.x;", text)
     steps = [line for line in _lines(text, "add.s32") for r in nctaid
              if re.fullmatch(rf"add\.s32\s+(%r\d+), \1, {r};", line)]
-    assert len(steps) == 2, (nctaid, steps)
+    if config["causal"]:
+        assert len(nctaid) >= 2 and not steps, (nctaid, steps)
+    else:
+        assert len(steps) == 2, (nctaid, steps)
 
 
 def test_persistent_ptx_turn_circulates_across_tiles(persistent):

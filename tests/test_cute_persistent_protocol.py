@@ -17,7 +17,7 @@ _PKG = os.path.join(ROOT, "packages", "flash-attn-4")
 if _PKG not in sys.path:
     sys.path.insert(0, _PKG)
 
-from flash_attn.cute.flash_fwd_sm90 import tile_coords  # noqa: E402  (plain Python, no cutlass needed)
+from flash_attn.cute.flash_fwd_sm90 import cta_tile, tile_coords  # noqa: E402  (plain Python, no cutlass needed)
 
 L2_KV_BYTES = 32 << 20  # FlashFwdSm90.L2_KV_BYTES, repeated so that this file needs no cutlass
 
@@ -105,8 +105,13 @@ class Pipe:
         self.holders = [set() for _ in range(stages)]
 
 
-def cta_tiles(bid, num_ctas, num_m, num_hb, group, causal):
-    return [tile_coords(t, num_m, num_hb, group, causal) for t in range(bid, num_m * num_hb, num_ctas)]
+def cta_tiles(bid, num_ctas, num_m, num_hb, group, causal, snake=False):
+    """kernel_persistent's tiles of CTA bid: round robin, or with snake (causal) cta_tile's order."""
+    n = num_m * num_hb
+    if snake:
+        ts = [cta_tile(p, bid, num_ctas, True) for p in range(-(-n // num_ctas))]
+        return [tile_coords(t, num_m, num_hb, group, causal) for t in ts if t < n]
+    return [tile_coords(t, num_m, num_hb, group, causal) for t in range(bid, n, num_ctas)]
 
 
 def n_blocks(m_block, causal, seqlen_q, seqlen_k, block_m, block_n):
@@ -281,8 +286,10 @@ def cta_schedule(batch, seqlen_q, seqlen_k, heads, heads_kv, d, causal, block_m=
     num_m = -(-seqlen_q // block_m)
     num_hb = heads * batch
     group = max(L2_KV_BYTES // (2 * d * 2) // seqlen_k, 1) * (heads // heads_kv)
+    if causal:  # FlashFwdSm90 snake (the default): one longest-first order over all pairs, dealt in a snake
+        group = num_hb
     num_ctas = min(num_ctas, num_m * num_hb)
-    tiles = cta_tiles(bid, num_ctas, num_m, num_hb, group, causal)
+    tiles = cta_tiles(bid, num_ctas, num_m, num_hb, group, causal, snake=causal)
     return tiles, [n_blocks(m, causal, seqlen_q, seqlen_k, block_m, block_n) for m, _ in tiles]
 
 

@@ -79,6 +79,18 @@ def tile_coords(tile, num_m, num_hb, group, causal, minimum=min):
     return tile % num_m, tile // num_m
 
 
+def cta_tile(position, bid, num_ctas, snake):
+    """The linear tile index (into tile_coords' order) of CTA bid's position-th tile among num_ctas CTAs:
+    rounds of num_ctas consecutive tiles, CTA bid taking the bid-th of each; with snake, the odd rounds
+    from the other end (the bid-th from the last), so that over a longest-first order every CTA's total
+    stays near the mean (the plain stride hands CTA 0 the longest tile of every round). Python ints or
+    DSL integers; an index >= the tile count means no tile (the last round may be partial)."""
+    if snake:
+        odd = position % 2
+        return position * num_ctas + bid + odd * (num_ctas - 1 - 2 * bid)
+    return position * num_ctas + bid
+
+
 def _pin(acc_S, row_sum, corr, tag):
     """Ends a softmax branch of the main loop: every value it computed passes through a side-effecting
     inline asm (a mov ptxas folds away), so LLVM cannot sink the two branches' common tail (the second
@@ -135,7 +147,7 @@ class FlashFwdSm90:
 
     def __init__(self, dtype, head_dim, causal, local=False, softcap=False, varlen=False, block_m=None,
                  block_n=128, num_stages=2, exp2_emu=0, exp2_emu_degree=3, sink=False, num_warpgroups=2,
-                 wg_order=True, persistent=False, tma_o=False, reverse=False, pin=True):
+                 wg_order=True, persistent=False, tma_o=False, reverse=False, pin=True, snake=True):
         """exp2_emu: of every 16 softmax exponentials a thread computes, this many (0..16, spread evenly
         over its fragment) use a degree-exp2_emu_degree polynomial on the FMA pipe instead of MUFU.EX2
         (softmax_exp.py), to relieve the MUFU pipe. num_warpgroups: consumer warpgroups (2 or 3) of 64
@@ -152,7 +164,9 @@ class FlashFwdSm90:
         and it comes first too: correct, but the config (interface._fwd_config) asks for it only for
         causal and local calls. pin: each softmax branch of the key-block loop ends in _pin, which keeps
         the whole softmax ahead of the P V wait (False: the code before it, for A/Bs; ignored with three
-        warpgroups and a sink)."""
+        warpgroups and a sink). snake (persistent causal kernels): the tiles in longest-first order over all
+        (head, batch) pairs, dealt to the CTAs in a snake (cta_tile); False: longest first within L2-sized
+        sections of heads, dealt round robin (the order before session 12, for A/Bs)."""
         if not 0 <= exp2_emu <= 16 or exp2_emu_degree not in EXP2_POLY:
             raise ValueError(f"exp2_emu {exp2_emu} not in 0..16 or degree {exp2_emu_degree} not in "
                              f"{tuple(EXP2_POLY)}")
@@ -203,6 +217,7 @@ class FlashFwdSm90:
         # Not with three warpgroups and a sink: at their 160 registers CuTeDSL's cubin of the causal d64 sink
         # kernel then spills one register (one STL / LDL pair; ptxas 13.0 on the same PTX spills none).
         self.pin = bool(pin) and not (self.num_mma_warpgroups == 3 and self.sink)
+        self.snake = bool(snake) and self.persistent and self.causal
         if self.tma_o and (self.varlen or self.persistent):
             raise ValueError("tma_o: dense calls of the one-tile kernel only (no varlen, not persistent)")
         if block_n % 16 or not 16 <= block_n <= 256:
@@ -267,6 +282,12 @@ class FlashFwdSm90:
             num_m, heads, batch = grid
             group = cutlass.max(self.L2_KV_BYTES // (2 * self.head_dim * self.dtype.width // 8)
                                 // cute.size(mK, mode=[0]), 1) * (heads // cute.size(mK, mode=[2]))
+            if cutlass.const_expr(self.snake):
+                # One section: with sections, the stride deals CTA b tiles from the same place of every
+                # section's sawtooth of lengths (max / mean work 1.16 at d128 16k, 1.42 at d256: the
+                # balance test in tests/test_cute_persistent.py); the snake over one longest-first order
+                # keeps it within 1.03.
+                group = heads * batch
             sched = (num_m, heads * batch, group, num_m * heads * batch)
             grid = (cutlass.min(sched[3], max_ctas), 1, 1)
         self._launch(mQ, mK, mVt, mO, mLSE, None, None, None, softmax_scale, softcap, window_left,
@@ -444,16 +465,33 @@ class FlashFwdSm90:
                 v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
                 bid, _, _ = cute.arch.block_idx()
                 num_ctas, _, _ = cute.arch.grid_dim()
-                for tile in cutlass.range(bid, num_tiles, num_ctas, unroll=1):
-                    m_block, head, batch, n_block_max = self._tile(tile, sched, seqlen_q, seqlen_k)
-                    q_state, k_state, v_state = self._produce(
-                        tma_q, mQ, tma_k, mK, tma_v, mVt, sQ, sK, sVt, q_pipe, k_pipe, v_pipe, m_block, head,
-                        head // qheads_per_kv, batch, Int32(0), Int32(0), Int32(0), n_block_max,
-                        states=(q_state, k_state, v_state))
+                produce = (tma_q, mQ, tma_k, mK, tma_v, mVt, sQ, sK, sVt, q_pipe, k_pipe, v_pipe, sched, seqlen_q,
+                           seqlen_k, qheads_per_kv)
+                if cutlass.const_expr(self.snake):
+                    for position in cutlass.range(cute.ceil_div(num_tiles, num_ctas), unroll=1):
+                        tile = cta_tile(position, bid, num_ctas, True)
+                        if tile < num_tiles:
+                            q_state, k_state, v_state = self._produce_tile(tile, produce, q_state, k_state,
+                                                                           v_state)
+                else:
+                    for tile in cutlass.range(bid, num_tiles, num_ctas, unroll=1):
+                        q_state, k_state, v_state = self._produce_tile(tile, produce, q_state, k_state, v_state)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self._consume_persistent(mO, mLSE, sQ, sK, sVt, q_pipe, k_pipe, v_pipe, tiled_mma_qk, tiled_mma_pv,
                                      scale_log2, tidx - self.NUM_PRODUCER_THREADS, sched, seqlen_q, seqlen_k)
+
+    @cute.jit
+    def _produce_tile(self, tile, produce, q_state, k_state, v_state):
+        """The persistent producer's loads of one tile (linear index ``tile``)."""
+        (tma_q, mQ, tma_k, mK, tma_v, mVt, sQ, sK, sVt, q_pipe, k_pipe, v_pipe, sched, seqlen_q, seqlen_k,
+         qheads_per_kv) = produce
+        m_block, head, batch, n_block_max = self._tile(tile, sched, seqlen_q, seqlen_k)
+        q_state, k_state, v_state = self._produce(
+            tma_q, mQ, tma_k, mK, tma_v, mVt, sQ, sK, sVt, q_pipe, k_pipe, v_pipe, m_block, head,
+            head // qheads_per_kv, batch, Int32(0), Int32(0), Int32(0), n_block_max,
+            states=(q_state, k_state, v_state))
+        return q_state, k_state, v_state
 
     def _tile(self, tile, sched, seqlen_q, seqlen_k):
         """(m_block, head, batch, n_block_max) of the persistent kernel's tile index (trace time)."""
@@ -490,33 +528,51 @@ class FlashFwdSm90:
 
         bid, _, _ = cute.arch.block_idx()
         num_ctas, _, _ = cute.arch.grid_dim()
-        for tile in cutlass.range(bid, sched[4], num_ctas, unroll=1):
-            m_block, head, batch, n_block_max = self._tile(tile, sched, seqlen_q, seqlen_k)
-            acc_O.fill(0.0)
-            row_max.fill(-Float32.inf)
-            row_sum.fill(0.0)
-            n_block_mask_from = seqlen_k // BN  # see _consume
-            if cutlass.const_expr(self.causal):
-                n_block_mask_from = cutlass.min(
-                    n_block_mask_from, cutlass.max(m_block * self.block_m + seqlen_k - seqlen_q + 1, 0) // BN)
-            q_pipe.consumer_wait(q_state)
-            k_state, v_state = self._mainloop(
-                tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, acc_S, acc_O, tScS, rP, tOrP, row_max, row_sum,
-                corr, k_pipe, v_pipe, k_state, v_state, scale_log2, Float32(1.0), Float32(0.0), Int32(0),
-                Int32(0), m_block, seqlen_q, seqlen_k, Int32(0), n_block_max, Int32(0), n_block_mask_from, wg,
-                turn_bar, n_block_max, q_pipe=q_pipe, q_state=q_state)
-            if n_block_max <= 0:  # no key block (causal, Sq > Sk): Q was waited for, not yet released
-                q_pipe.consumer_release(q_state)
-            q_state.advance()
-            # The epilogue's coordinates are recomputed from an opaque copy of the tile index: the ones
-            # above would otherwise stay live across the main loop (the one-tile kernel rereads them from
-            # blockIdx), which costs the 3-warpgroup kernels registers they do not have.
-            m_block, head, batch, _ = self._tile(_opaque(tile), sched, seqlen_q, seqlen_k)
-            self._epilogue(mO, mLSE, acc_O, row_max, row_sum, tOcO, scale_log2, Float32(0.0), ctid, m_block,
-                           head, batch, Int32(0), seqlen_q)
+        consume = (mO, mLSE, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, acc_S, acc_O, tScS, tOcO, rP, tOrP,
+                   row_max, row_sum, corr, k_pipe, v_pipe, q_pipe, scale_log2, ctid, wg, turn_bar, sched, seqlen_q,
+                   seqlen_k)
+        if cutlass.const_expr(self.snake):
+            for position in cutlass.range(cute.ceil_div(sched[4], num_ctas), unroll=1):
+                tile = cta_tile(position, bid, num_ctas, True)
+                if tile < sched[4]:
+                    q_state, k_state, v_state = self._consume_tile(tile, consume, q_state, k_state, v_state)
+        else:
+            for tile in cutlass.range(bid, sched[4], num_ctas, unroll=1):
+                q_state, k_state, v_state = self._consume_tile(tile, consume, q_state, k_state, v_state)
         if cutlass.const_expr(pingpong):
             if wg == 0:
                 cute.arch.barrier(barrier_id=1, number_of_threads=n_threads_pp)
+
+    @cute.jit
+    def _consume_tile(self, tile, consume, q_state, k_state, v_state):
+        """The persistent consumers' work on one tile (linear index ``tile``): main loop and epilogue."""
+        (mO, mLSE, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, acc_S, acc_O, tScS, tOcO, rP, tOrP, row_max,
+         row_sum, corr, k_pipe, v_pipe, q_pipe, scale_log2, ctid, wg, turn_bar, sched, seqlen_q, seqlen_k) = consume
+        BN = self.block_n
+        m_block, head, batch, n_block_max = self._tile(tile, sched, seqlen_q, seqlen_k)
+        acc_O.fill(0.0)
+        row_max.fill(-Float32.inf)
+        row_sum.fill(0.0)
+        n_block_mask_from = seqlen_k // BN  # see _consume
+        if cutlass.const_expr(self.causal):
+            n_block_mask_from = cutlass.min(
+                n_block_mask_from, cutlass.max(m_block * self.block_m + seqlen_k - seqlen_q + 1, 0) // BN)
+        q_pipe.consumer_wait(q_state)
+        k_state, v_state = self._mainloop(
+            tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, acc_S, acc_O, tScS, rP, tOrP, row_max, row_sum,
+            corr, k_pipe, v_pipe, k_state, v_state, scale_log2, Float32(1.0), Float32(0.0), Int32(0),
+            Int32(0), m_block, seqlen_q, seqlen_k, Int32(0), n_block_max, Int32(0), n_block_mask_from, wg,
+            turn_bar, n_block_max, q_pipe=q_pipe, q_state=q_state)
+        if n_block_max <= 0:  # no key block (causal, Sq > Sk): Q was waited for, not yet released
+            q_pipe.consumer_release(q_state)
+        q_state.advance()
+        # The epilogue's coordinates are recomputed from an opaque copy of the tile index: the ones
+        # above would otherwise stay live across the main loop (the one-tile kernel rereads them from
+        # blockIdx), which costs the 3-warpgroup kernels registers they do not have.
+        m_block, head, batch, _ = self._tile(_opaque(tile), sched, seqlen_q, seqlen_k)
+        self._epilogue(mO, mLSE, acc_O, row_max, row_sum, tOcO, scale_log2, Float32(0.0), ctid, m_block,
+                       head, batch, Int32(0), seqlen_q)
+        return q_state, k_state, v_state
 
     @cute.jit
     def _cta(self, tma_q, mQ, tma_k, mK, tma_v, mVt, mO, mLSE, mSink, scale_log2, score_scale, softcap, window_left,

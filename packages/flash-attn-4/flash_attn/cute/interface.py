@@ -100,6 +100,10 @@ _TMA_O_SHORT_DEFAULT = frozenset({64, 128})
 # below (benchmarks/results/h200/attention_cute_session12.md): d64 causal 293 -> 299, 358 -> 373, 403 -> 425,
 # 432 -> 455, 446 -> 464 TFLOP/s at 1k / 2k / 4k / 8k / 16k; d128 and d256 causal lose 2-12% with it.
 _FWD_REVERSE_DEFAULT = frozenset({(64, True)})
+# FLASH_ATTN_CUTE_FWD_SNAKE=0 (or "64:0"): the persistent causal kernel's tiles in the order before session 12
+# (longest first within L2-sized sections of heads, dealt round robin: max / mean work per CTA 1.16 at d128,
+# 1.42 at d256 16k) instead of one longest-first order dealt in a snake (FlashFwdSm90 snake). In the key only
+# when 0 (and persistent causal).
 # FLASH_ATTN_CUTE_FWD_PIN=0 (or "128:0") builds the key-block loop without flash_fwd_sm90._pin, i.e. with half of
 # a masked kernel's softmax after the P V wait (the code before session 12; an A/B knob). In the key only
 # when 0.
@@ -182,6 +186,8 @@ def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varle
     else:
         reverse = persistent and (int(head_dim), bool(causal) and not local) in _FWD_REVERSE_DEFAULT
     unpinned = _per_head_dim("FLASH_ATTN_CUTE_FWD_PIN", head_dim) in ("0", "false", "False")
+    unsnaked = (_per_head_dim("FLASH_ATTN_CUTE_FWD_SNAKE", head_dim) in ("0", "false", "False")
+                and persistent and bool(causal) and not local)
     return {"kernel": "FlashFwdSm90", "dtype": _DTYPE_NAMES.get(dtype, str(dtype)), "head_dim": int(head_dim),
             "stages": stages, **({"block_n": block_n} if block_n != 128 else {}), **emu_cfg,
             **({"warpgroups": warpgroups} if warpgroups != 2 else {}),
@@ -192,7 +198,8 @@ def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varle
             **({"persistent": True} if persistent else {}),  # absent unless set: existing disk entries keep their keys
             **({"tma_o": True} if tma_o else {}),
             **({"reverse": True} if reverse else {}),
-            **({"pin": False} if unpinned else {})}
+            **({"pin": False} if unpinned else {}),
+            **({"snake": False} if unsnaked else {})}
 
 
 _TMA_O_SHORT = _tma_o_short_dims()  # head dims with the "short" TMA O rule (see _fwd_config)
@@ -210,7 +217,7 @@ def _make_kernel(config):
                         sink=config.get("sink", False), num_warpgroups=config.get("warpgroups", 2),
                         wg_order=config.get("wg_order", True), persistent=config.get("persistent", False),
                         tma_o=config.get("tma_o", False), reverse=config.get("reverse", False),
-                        pin=config.get("pin", True))
+                        pin=config.get("pin", True), snake=config.get("snake", True))
 
 
 def compile_fwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=False, softcap=False,
