@@ -18,7 +18,7 @@ for _p in (ROOT, os.path.join(ROOT, "benchmarks")):
 
 
 def main(argv=None):
-    from ab_cute_bwd import apply, header, parser, round_order, variants
+    from ab_cute_bwd import apply, header, parser, round_order, summary, variants
 
     args = parser(__doc__, [1024, 4096, 16384]).parse_args(argv)
 
@@ -38,7 +38,7 @@ def main(argv=None):
                 g = torch.Generator().manual_seed(0)
                 q, k, v = (torch.randn(b, s, h, d, generator=g).to("cuda", dtype) for _ in range(3))
                 flops = 4 * b * s * s * h * d / (2 if causal else 1)
-                best = [0.0 for _ in variants_]
+                rates = [[] for _ in variants_]
                 for r in range(args.rounds):
                     for i, var in round_order(variants_, r):
                         apply(var, names)
@@ -46,8 +46,8 @@ def main(argv=None):
                         ci._TMA_O_SHORT = ci._tma_o_short_dims()  # (read at import: FLASH_ATTN_CUTE_FWD_TMA_O=short)
                         t = do_bench(lambda: flash_attn_func(q, k, v, causal=causal), warmup=args.warmup,
                                      rep=args.rep, return_mode="median")
-                        best[i] = max(best[i], flops / t / 1e9)
-                print(f"| {d} | {s} | {causal} | " + " | ".join(f"{x:.0f}" for x in best) + " |",
+                        rates[i].append(flops / t / 1e9)
+                print(f"| {d} | {s} | {causal} | " + " | ".join(f"{summary(x):.0f}" for x in rates) + " |",
                       flush=True)
     apply({}, names)
 

@@ -99,14 +99,24 @@ def test_snake_balances_the_causal_tiles(seqlen, batch, heads, d, block_n):
 
 
 def test_snake_in_the_cache_key_only_when_off(monkeypatch):
+    """Unset: the snake for persistent causal kernels but at d64 (_FWD_SNAKE_OFF, its measured default); "1" /
+    "0" (or per head dim) on / off; {"snake": False} in the key only for a persistent causal kernel without it."""
     _clean(monkeypatch)
     cfg = lambda d, causal: interface._fwd_config(torch.bfloat16, d, causal, "sm_90a")  # noqa: E731
-    base = cfg(64, True)
-    assert base["persistent"] and "snake" not in base and interface._make_kernel(base).snake
-    assert not interface._make_kernel(cfg(64, False)).snake  # one-tile (and non-causal): no schedule
-    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_SNAKE", "0")
-    assert cfg(64, True) == {**base, "snake": False} and not interface._make_kernel(cfg(64, True)).snake
+    d64 = cfg(64, True)
+    assert d64["persistent"] and d64["snake"] is False and not interface._make_kernel(d64).snake
     assert "snake" not in cfg(128, True)  # the one-tile kernel: nothing to switch
+    assert not interface._make_kernel(cfg(64, False)).snake  # one-tile (and non-causal): no schedule
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_PERSISTENT", "1")
+    d128 = cfg(128, True)
+    assert "snake" not in d128 and interface._make_kernel(d128).snake
+    assert not interface._make_kernel(cfg(128, False)).snake
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_SNAKE", "1")
+    assert cfg(64, True) == {k: v for k, v in d64.items() if k != "snake"} and interface._make_kernel(cfg(64, True)).snake
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_SNAKE", "0")
+    assert cfg(128, True) == {**d128, "snake": False} and not interface._make_kernel(cfg(128, True)).snake
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_SNAKE", "128:1")
+    assert cfg(128, True) == d128 and cfg(64, True)["snake"] is False
 
 
 def test_dense_order_runs_a_heads_query_blocks_together():
@@ -226,14 +236,14 @@ def test_persistent_ptx_has_the_kernels_instructions(persistent):
 
 def test_persistent_ptx_loops_over_tiles(persistent):
     """A 1-D grid (no blockIdx.y / .z: head and batch come from the tile index), and two tile loops
-    (producer, consumers): without a mask they step their tile by gridDim.x; causal ones (snake) count
-    positions and take the tile from cta_tile, so no tile index steps by gridDim.x."""
+    (producer, consumers): round robin they step their tile by gridDim.x; in a snake (causal, but d64 by
+    default) they count positions and take the tile from cta_tile, so no tile index steps by gridDim.x."""
     _, config, text, _, _ = persistent
     assert "%ctaid.y" not in text and "%ctaid.z" not in text
     nctaid = re.findall(r"mov\.u32\s+(%r\d+), %nctaid\.x;", text)
     steps = [line for line in _lines(text, "add.s32") for r in nctaid
              if re.fullmatch(rf"add\.s32\s+(%r\d+), \1, {r};", line)]
-    if config["causal"]:
+    if config["causal"] and config.get("snake", True):
         assert len(nctaid) >= 2 and not steps, (nctaid, steps)
     else:
         assert len(steps) == 2, (nctaid, steps)

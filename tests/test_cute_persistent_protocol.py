@@ -286,10 +286,11 @@ def cta_schedule(batch, seqlen_q, seqlen_k, heads, heads_kv, d, causal, block_m=
     num_m = -(-seqlen_q // block_m)
     num_hb = heads * batch
     group = max(L2_KV_BYTES // (2 * d * 2) // seqlen_k, 1) * (heads // heads_kv)
-    if causal:  # FlashFwdSm90 snake (the default): one longest-first order over all pairs, dealt in a snake
+    snake = causal and d != 64  # FlashFwdSm90 snake (interface._FWD_SNAKE_OFF: d64 keeps the sections)
+    if snake:  # one longest-first order over all pairs, dealt in a snake
         group = num_hb
     num_ctas = min(num_ctas, num_m * num_hb)
-    tiles = cta_tiles(bid, num_ctas, num_m, num_hb, group, causal, snake=causal)
+    tiles = cta_tiles(bid, num_ctas, num_m, num_hb, group, causal, snake=snake)
     return tiles, [n_blocks(m, causal, seqlen_q, seqlen_k, block_m, block_n) for m, _ in tiles]
 
 

@@ -100,10 +100,15 @@ _TMA_O_SHORT_DEFAULT = frozenset({64, 128})
 # below (benchmarks/results/h200/attention_cute_session12.md): d64 causal 293 -> 299, 358 -> 373, 403 -> 425,
 # 432 -> 455, 446 -> 464 TFLOP/s at 1k / 2k / 4k / 8k / 16k; d128 and d256 causal lose 2-12% with it.
 _FWD_REVERSE_DEFAULT = frozenset({(64, True)})
-# FLASH_ATTN_CUTE_FWD_SNAKE=0 (or "64:0"): the persistent causal kernel's tiles in the order before session 12
-# (longest first within L2-sized sections of heads, dealt round robin: max / mean work per CTA 1.16 at d128,
-# 1.42 at d256 16k) instead of one longest-first order dealt in a snake (FlashFwdSm90 snake). In the key only
-# when 0 (and persistent causal).
+# FLASH_ATTN_CUTE_FWD_SNAKE=0 / 1 (or per head dim, "128:1"): the persistent causal kernel's tiles in the order
+# before session 12 (longest first within L2-sized sections of heads, dealt round robin: max / mean work per
+# CTA 1.16 at d128, 1.42 at d256 16k) / in one longest-first order dealt in a snake (FlashFwdSm90 snake). Unset:
+# the snake but at the head dims of _FWD_SNAKE_OFF. H200 A/B (attention_cute_session12.md), persistent causal,
+# 1k / 2k / 4k / 8k / 16k, old order -> snake: d128 357/446/492/524/545 -> 334/421/515/564/601, d256
+# 341/420/471/506/526 -> 313/468/612/663/709 TFLOP/s (neither the default: the one-tile kernel is faster at
+# d128 and at d256 but 4k-8k); d64 (2 warpgroups, its default) 296/373/413/435/452 -> 285/354/405/424/447,
+# where the old order was already within 3% of balance: d64 keeps it. In the key only when off.
+_FWD_SNAKE_OFF = frozenset({64})
 # FLASH_ATTN_CUTE_FWD_PIN=0 (or "128:0") builds the key-block loop without flash_fwd_sm90._pin, i.e. with half of
 # a masked kernel's softmax after the P V wait (the code before session 12; an A/B knob). In the key only
 # when 0.
@@ -186,8 +191,9 @@ def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varle
     else:
         reverse = persistent and (int(head_dim), bool(causal) and not local) in _FWD_REVERSE_DEFAULT
     unpinned = _per_head_dim("FLASH_ATTN_CUTE_FWD_PIN", head_dim) in ("0", "false", "False")
-    unsnaked = (_per_head_dim("FLASH_ATTN_CUTE_FWD_SNAKE", head_dim) in ("0", "false", "False")
-                and persistent and bool(causal) and not local)
+    snake_env = _per_head_dim("FLASH_ATTN_CUTE_FWD_SNAKE", head_dim)
+    unsnaked = (persistent and bool(causal) and not local
+                and (snake_env in ("0", "false", "False") if snake_env else int(head_dim) in _FWD_SNAKE_OFF))
     return {"kernel": "FlashFwdSm90", "dtype": _DTYPE_NAMES.get(dtype, str(dtype)), "head_dim": int(head_dim),
             "stages": stages, **({"block_n": block_n} if block_n != 128 else {}), **emu_cfg,
             **({"warpgroups": warpgroups} if warpgroups != 2 else {}),
