@@ -97,8 +97,9 @@ _TMA_O_SHORT_DEFAULT = frozenset({64, 128})
 # (without a mask only the tail block is masked: the order is left as it is), the one-tile and the persistent
 # kernel, varlen included. In the cache key only when on. Unset: on for the persistent kernel of the
 # (head dim, causal) pairs in _FWD_REVERSE_DEFAULT. H200, bf16, 16k tokens, same-process A/B after the pin
-# below (benchmarks/results/h200/attention_cute_session12.md): d64 causal 293 -> 299, 358 -> 373, 403 -> 425,
-# 432 -> 455, 446 -> 464 TFLOP/s at 1k / 2k / 4k / 8k / 16k; d128 and d256 causal lose 2-12% with it.
+# below (benchmarks/results/h200/attention_cute_session12.md; the harness then favoured the first-timed
+# variant, here the default, and reverse still won): d64 causal 293 -> 299, 358 -> 373, 403 -> 425, 432 -> 455,
+# 446 -> 464 TFLOP/s at 1k / 2k / 4k / 8k / 16k; d128 and d256 causal lose 2-12% with it.
 _FWD_REVERSE_DEFAULT = frozenset({(64, True)})
 # FLASH_ATTN_CUTE_FWD_SNAKE=0 / 1 (or per head dim, "128:1"): the persistent causal kernel's tiles in the order
 # before session 12 (longest first within L2-sized sections of heads, dealt round robin: max / mean work per
