@@ -79,6 +79,14 @@ def tile_coords(tile, num_m, num_hb, group, causal, minimum=min):
     return tile % num_m, tile // num_m
 
 
+def lpt_block(x, y, z, num_m, heads, batches, group, minimum=min):
+    """(m_block, head, batch) that the one-tile causal kernel built with lpt runs in block (x, y, z) of its
+    (num_m, heads, batches) grid: the tile of linear block index x + num_m (y + heads z) in tile_coords' causal
+    order with sections of ``group`` (head, batch) pairs. Python ints or DSL integers."""
+    m_block, hb = tile_coords(x + num_m * (y + heads * z), num_m, heads * batches, group, True, minimum=minimum)
+    return m_block, hb % heads, hb // heads
+
+
 def cta_tile(position, bid, num_ctas, snake):
     """The linear tile index (into tile_coords' order) of CTA bid's position-th tile among num_ctas CTAs:
     rounds of num_ctas consecutive tiles, CTA bid taking the bid-th of each; with snake, the odd rounds
@@ -147,7 +155,7 @@ class FlashFwdSm90:
 
     def __init__(self, dtype, head_dim, causal, local=False, softcap=False, varlen=False, block_m=None,
                  block_n=128, num_stages=2, exp2_emu=0, exp2_emu_degree=3, sink=False, num_warpgroups=2,
-                 wg_order=True, persistent=False, tma_o=False, reverse=False, pin=True, snake=True):
+                 wg_order=True, persistent=False, tma_o=False, reverse=False, pin=True, snake=True, lpt=False):
         """exp2_emu: of every 16 softmax exponentials a thread computes, this many (0..16, spread evenly
         over its fragment) use a degree-exp2_emu_degree polynomial on the FMA pipe instead of MUFU.EX2
         (softmax_exp.py), to relieve the MUFU pipe. num_warpgroups: consumer warpgroups (2 or 3) of 64
@@ -166,7 +174,11 @@ class FlashFwdSm90:
         the whole softmax ahead of the P V wait (False: the code before it, for A/Bs; ignored with three
         warpgroups and a sink). snake (persistent causal kernels): the tiles in longest-first order over all
         (head, batch) pairs, dealt to the CTAs in a snake (cta_tile); False: longest first within L2-sized
-        sections of heads, dealt round robin (the order before session 12, for A/Bs)."""
+        sections of heads, dealt round robin (the order before session 12, for A/Bs). lpt (one-tile dense
+        causal kernels): CTA (x, y, z) runs the tile of linear index x + num_m (y + heads z) in tile_coords'
+        causal order (longest first within L2-sized sections of (head, batch) pairs), so that the blocks the
+        hardware issues first are the longest ones over all heads; False: longest first within each head
+        (the x order reversed)."""
         if not 0 <= exp2_emu <= 16 or exp2_emu_degree not in EXP2_POLY:
             raise ValueError(f"exp2_emu {exp2_emu} not in 0..16 or degree {exp2_emu_degree} not in "
                              f"{tuple(EXP2_POLY)}")
@@ -218,6 +230,7 @@ class FlashFwdSm90:
         # kernel then spills one register (one STL / LDL pair; ptxas 13.0 on the same PTX spills none).
         self.pin = bool(pin) and not (self.num_mma_warpgroups == 3 and self.sink)
         self.snake = bool(snake) and self.persistent and self.causal
+        self.lpt = bool(lpt) and self.causal and not (self.persistent or self.varlen)
         if self.tma_o and (self.varlen or self.persistent):
             raise ValueError("tma_o: dense calls of the one-tile kernel only (no varlen, not persistent)")
         if block_n % 16 or not 16 <= block_n <= 256:
@@ -276,12 +289,10 @@ class FlashFwdSm90:
         sched = None
         if cutlass.const_expr(max_ctas is not None):
             # The persistent kernel's schedule (tile_coords), as kernel parameters: they stay in the
-            # constant bank instead of taking consumer registers across the main loop. (head, batch)
-            # pairs per causal section: as many KV heads as fit in L2_KV_BYTES (at least one), each
-            # serving H / Hk query heads; a constant // Sk, so no 32-bit overflow.
+            # constant bank instead of taking consumer registers across the main loop; (head, batch)
+            # pairs per causal section: _l2_group.
             num_m, heads, batch = grid
-            group = cutlass.max(self.L2_KV_BYTES // (2 * self.head_dim * self.dtype.width // 8)
-                                // cute.size(mK, mode=[0]), 1) * (heads // cute.size(mK, mode=[2]))
+            group = self._l2_group(mK, heads)
             if cutlass.const_expr(self.snake):
                 # One section: with sections, the stride deals CTA b tiles from the same place of every
                 # section's sawtooth of lengths (max / mean work 1.16 at d128 16k, 1.42 at d256: the
@@ -290,8 +301,17 @@ class FlashFwdSm90:
                 group = heads * batch
             sched = (num_m, heads * batch, group, num_m * heads * batch)
             grid = (cutlass.min(sched[3], max_ctas), 1, 1)
+        elif cutlass.const_expr(self.lpt):
+            sched = self._l2_group(mK, grid[1])
         self._launch(mQ, mK, mVt, mO, mLSE, None, None, None, softmax_scale, softcap, window_left,
                      window_right, grid, stream, mSink, sched)
+
+    def _l2_group(self, mK, heads):
+        """(head, batch) pairs per causal section of tile_coords (trace time): as many KV heads as fit in
+        L2_KV_BYTES (at least one), each serving heads / Hk query heads; a constant // Sk, so no 32-bit
+        overflow. mK: the (Sk, D, Hk, B) view."""
+        return cutlass.max(self.L2_KV_BYTES // (2 * self.head_dim * self.dtype.width // 8)
+                           // cute.size(mK, mode=[0]), 1) * (heads // cute.size(mK, mode=[2]))
 
     @cute.jit
     def call_varlen(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
@@ -380,7 +400,7 @@ class FlashFwdSm90:
             score_scale = softmax_scale / softcap
             scale_log2 = Float32(LOG2_E)
         kernel = self.kernel
-        sched_args = (tma_o,)
+        sched_args = (tma_o, sched)  # sched: the lpt order's section size, else None
         if cutlass.const_expr(self.persistent):
             kernel = self.kernel_persistent
             sched_args = sched
@@ -402,11 +422,17 @@ class FlashFwdSm90:
                mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, scale_log2: Float32, score_scale: Float32,
                softcap: Float32, window_left: Int32, window_right: Int32, sQ_layout: cute.ComposedLayout,
                sK_layout: cute.ComposedLayout, sVt_layout: cute.ComposedLayout, tiled_mma_qk: cute.TiledMma,
-               tiled_mma_pv: cute.TiledMma, tma_o):
+               tiled_mma_pv: cute.TiledMma, tma_o, group):
         """The one-tile kernel. tma_o: the O store's TMA atom (mO is then its coordinate tensor), None
-        for the direct store."""
+        for the direct store. group: with lpt, the (head, batch) pairs per section of tile_coords' order
+        (else None)."""
         m_block, head, batch = cute.arch.block_idx()
-        if cutlass.const_expr(self.causal):
+        if cutlass.const_expr(self.lpt):
+            # Longest first over all heads (within L2-sized sections): the hardware issues CTAs in linear
+            # block order, so the first wave takes the longest tiles and the shortest ones fill the tail.
+            m_block, head, batch = lpt_block(m_block, head, batch, *cute.arch.grid_dim(), group,
+                                             minimum=cutlass.min)
+        elif cutlass.const_expr(self.causal):
             # Longest first: the query tiles near the end see the most keys; the block scheduler issues
             # CTAs in x order, so the cheap tiles fill the tail of the grid.
             m_block = cute.arch.grid_dim()[0] - 1 - m_block

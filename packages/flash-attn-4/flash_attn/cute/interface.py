@@ -110,6 +110,12 @@ _FWD_REVERSE_DEFAULT = frozenset({(64, True)})
 # d128 and at d256 but 4k-8k); d64 (2 warpgroups, its default) 296/373/413/435/452 -> 285/354/405/424/447,
 # where the old order was already within 3% of balance: d64 keeps it. In the key only when off.
 _FWD_SNAKE_OFF = frozenset({64})
+# The one-tile causal kernel's CTA order (FlashFwdSm90 lpt): FLASH_ATTN_CUTE_FWD_LPT=1 / 0 (or per head dim,
+# "128:0"): block (x, y, z) runs the tile of linear index x + num_m (y + H z) in tile_coords' causal order,
+# longest first over all (head, batch) pairs within L2-sized sections / longest first within each head only
+# (the order before session 13). Dense causal calls of the one-tile kernel (not varlen, windowed or
+# persistent). Unset: on but at the head dims of _FWD_LPT_OFF. In the key only when on.
+_FWD_LPT_OFF = frozenset()
 # FLASH_ATTN_CUTE_FWD_PIN=0 (or "128:0") builds the key-block loop without flash_fwd_sm90._pin, i.e. with half of
 # a masked kernel's softmax after the P V wait (the code before session 12; an A/B knob). In the key only
 # when 0.
@@ -195,6 +201,9 @@ def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varle
     snake_env = _per_head_dim("FLASH_ATTN_CUTE_FWD_SNAKE", head_dim)
     unsnaked = (persistent and bool(causal) and not local
                 and (snake_env in ("0", "false", "False") if snake_env else int(head_dim) in _FWD_SNAKE_OFF))
+    lpt_env = _per_head_dim("FLASH_ATTN_CUTE_FWD_LPT", head_dim)
+    lpt = (bool(causal) and not (local or varlen or persistent)
+           and (lpt_env not in ("0", "false", "False") if lpt_env else int(head_dim) not in _FWD_LPT_OFF))
     return {"kernel": "FlashFwdSm90", "dtype": _DTYPE_NAMES.get(dtype, str(dtype)), "head_dim": int(head_dim),
             "stages": stages, **({"block_n": block_n} if block_n != 128 else {}), **emu_cfg,
             **({"warpgroups": warpgroups} if warpgroups != 2 else {}),
@@ -206,7 +215,8 @@ def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varle
             **({"tma_o": True} if tma_o else {}),
             **({"reverse": True} if reverse else {}),
             **({"pin": False} if unpinned else {}),
-            **({"snake": False} if unsnaked else {})}
+            **({"snake": False} if unsnaked else {}),
+            **({"lpt": True} if lpt else {})}
 
 
 _TMA_O_SHORT = _tma_o_short_dims()  # head dims with the "short" TMA O rule (see _fwd_config)
@@ -224,7 +234,8 @@ def _make_kernel(config):
                         sink=config.get("sink", False), num_warpgroups=config.get("warpgroups", 2),
                         wg_order=config.get("wg_order", True), persistent=config.get("persistent", False),
                         tma_o=config.get("tma_o", False), reverse=config.get("reverse", False),
-                        pin=config.get("pin", True), snake=config.get("snake", True))
+                        pin=config.get("pin", True), snake=config.get("snake", True),
+                        lpt=config.get("lpt", False))
 
 
 def compile_fwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=False, softcap=False,
