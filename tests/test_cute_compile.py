@@ -250,6 +250,50 @@ def test_common_call_launches_the_cached_kernel_directly(monkeypatch):
     assert len(seen) == 2 and seen[1][6:8] == (8, -1) and len(calls) == 1
 
 
+def test_common_call_reuses_an_unreturned_lse(monkeypatch):
+    # The fast path's lse when the call does not return it: one fp32 (B, H, Sq) buffer per (device, B, H, Sq),
+    # handed to the kernel on every such call (nobody reads it); return_lse gets a fresh one each call. Buffers
+    # above _LSE_SCRATCH_MAX_ELEMS are not kept, and the table is emptied when it reaches
+    # _LSE_SCRATCH_MAX_SHAPES shapes.
+    from flash_attn.cute import interface
+
+    lses = []
+    monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")
+    monkeypatch.setattr(interface, "_kernels", {(torch.bfloat16, 64, False, "sm_90a", False, False) + s:
+                                                (lambda q, k, v, out, lse, *a: lses.append(lse))
+                                                for s in ((), ("short",))})
+    monkeypatch.setattr(interface, "_lse_scratch", {})
+    mk = lambda b, s, h: [torch.randn(b, s, h, 64, dtype=torch.bfloat16) for _ in range(3)]  # noqa: E731
+    q, k, v = mk(2, 16, 4)
+    assert interface.flash_attn_func(q, k, v)[1] is None
+    assert interface.flash_attn_func(q, k, v)[1] is None
+    assert lses[0] is lses[1] and lses[0].shape == (2, 4, 16) and lses[0].dtype == torch.float32
+    assert interface._lse_scratch == {(-1, 2, 4, 16): lses[0]}  # CPU tensors: get_device() is -1
+    _, lse = interface.flash_attn_func(q, k, v, return_lse=True)
+    _, lse2 = interface.flash_attn_func(q, k, v, return_lse=True)
+    assert lse is lses[2] and lse2 is lses[3] and lse is not lse2 and lse is not lses[0]
+    interface.flash_attn_func(*mk(2, 8, 4))
+    assert lses[4].shape == (2, 4, 8) and len(interface._lse_scratch) == 2
+    monkeypatch.setattr(interface, "_LSE_SCRATCH_MAX_ELEMS", 2 * 4 * 8)
+    interface.flash_attn_func(*mk(2, 9, 4))  # above the size limit: used once, not kept
+    assert lses[5].shape == (2, 4, 9) and len(interface._lse_scratch) == 2
+    monkeypatch.setattr(interface, "_LSE_SCRATCH_MAX_SHAPES", 2)
+    interface.flash_attn_func(*mk(1, 8, 4))
+    assert list(interface._lse_scratch) == [(-1, 1, 4, 8)]
+
+
+def test_per_call_checks_name_what_is_not_a_4d_tensor():
+    from flash_attn.cute import interface
+
+    q = torch.zeros(2, 8, 4, 64, dtype=torch.bfloat16)
+    for args, name in [((q[0], q, q), "q"), ((q, None, q), "k"), ((q, q, [1]), "v"),
+                       ((q.float().numpy(), q, q), "q")]:
+        with pytest.raises(ValueError, match=f"{name} must be a 4-D tensor"):
+            interface.flash_attn_func(*args)
+    with pytest.raises(ValueError, match="fp16 or bf16; got torch.bfloat16, torch.float16"):
+        interface.flash_attn_func(q, q.half(), q)
+
+
 @pytest.mark.parametrize("degree,max_rel", [(2, 2.0e-3), (3, 1.1e-4), (4, 3.0e-6)])
 def test_exp2_poly_reference_error(degree, max_rel):
     """The kernel's polynomial exp2, step for step on CPU (exp2_poly_reference mirrors the PTX), against

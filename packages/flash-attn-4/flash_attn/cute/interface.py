@@ -506,6 +506,34 @@ def _device_arch(q, k, v):
     return arch
 
 
+def _check_tensors(q, k, v):
+    """Raises ValueError naming the first of q, k, v that is not a 4-D tensor, or their dtypes when they are
+    not one of fp16 / bf16 (the per-call path's checks, spelled out for the message)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D tensor (B, S, H, D)")
+    if q.dtype not in _DTYPE_NAMES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must share one dtype, fp16 or bf16; got {q.dtype}, {k.dtype}, {v.dtype}")
+
+
+# The lse of calls that do not return it (no return_lse, no gradient): the kernels write one, nobody reads it,
+# so one buffer per (device index, B, H, Sq) serves every such call (concurrent calls on several streams
+# write the same unread values: harmless) instead of an allocation per call. Small shapes only, and a bounded
+# number of them: the calls whose per-call cost the allocation is a part of.
+_lse_scratch: dict[tuple, torch.Tensor] = {}
+_LSE_SCRATCH_MAX_ELEMS = 1 << 20  # 4 MiB per buffer
+_LSE_SCRATCH_MAX_SHAPES = 32
+
+
+def _new_lse_scratch(index, B, H, Sq):
+    lse = torch.empty(B, H, Sq, dtype=_F32, device=torch.device("cuda", index) if index >= 0 else "cpu")
+    if B * H * Sq <= _LSE_SCRATCH_MAX_ELEMS:
+        if len(_lse_scratch) >= _LSE_SCRATCH_MAX_SHAPES:
+            _lse_scratch.clear()
+        _lse_scratch[(index, B, H, Sq)] = lse
+    return lse
+
+
 def _check_dims(D, Dv, H, Hk):
     if Dv != D:
         raise NotImplementedError("head dim of v must equal that of q and k")
@@ -561,18 +589,18 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=_NO_W
     gradient the call goes through the dispatcher's differentiable op (see _with_fallback_backward): its
     backward runs on this package's backward kernel when the call is one it handles (dense, no window,
     softcap or determinism; FLASH_ATTN_CUTE_BWD=0 switches it off), else on another backend."""
-    # Every check reads attributes only (no tensor ops, no CUDA queries): this is the per-call path.
-    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
-            and q.dim() == 4 and k.dim() == 4 and v.dim() == 4):
-        for name, t in (("q", q), ("k", k), ("v", v)):
-            if not isinstance(t, torch.Tensor) or t.dim() != 4:
-                raise ValueError(f"{name} must be a 4-D tensor (B, S, H, D)")
-    dtype = q.dtype
-    if dtype not in _DTYPE_NAMES or k.dtype != dtype or v.dtype != dtype:
-        raise ValueError(f"q, k, v must share one dtype, fp16 or bf16; got {q.dtype}, {k.dtype}, {v.dtype}")
-    B, Sq, H, D = q.shape
-    Bk, Sk, Hk, Dk = k.shape
-    Bv, Sv, Hv, Dv = v.shape
+    # Every check reads attributes only (no tensor ops, no CUDA queries): this is the per-call path. What is
+    # not a 4-D tensor fails the unpacking or the dtype lookup; _check_tensors then names the problem.
+    try:
+        dtype = q.dtype
+        B, Sq, H, D = q.shape
+        Bk, Sk, Hk, Dk = k.shape
+        Bv, Sv, Hv, Dv = v.shape
+        if dtype not in _DTYPE_NAMES or k.dtype != dtype or v.dtype != dtype:
+            raise TypeError
+    except (AttributeError, TypeError, ValueError):
+        _check_tensors(q, k, v)
+        raise
     if Bk != B or Bv != Bk or Sv != Sk or Hv != Hk or Dk != D:
         raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     _check_dims(D, Dv, H, Hk)
@@ -607,7 +635,12 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=_NO_W
                     or vs[3] != 1 or vs[2] != D or vs[1] & 7 or vs[0] & 7 or v.data_ptr() & 15):
                 q, k, v = _kernel_layout(q, D), _kernel_layout(k, D), _kernel_layout(v, D)
             out = torch.empty_like(q)
-            lse = torch.empty(B, H, Sq, dtype=_F32, device=q.device)  # sizes as ints: parsed faster
+            if return_lse:
+                lse = torch.empty(B, H, Sq, dtype=_F32, device=q.device)  # sizes as ints: parsed faster
+            else:
+                lse = _lse_scratch.get((q.get_device(), B, H, Sq))
+                if lse is None:
+                    lse = _new_lse_scratch(q.get_device(), B, H, Sq)
             fn(q, k, v, out, lse, float(softmax_scale), 0.0, 0, 0)
             return out, (lse if return_lse else None)
     out, lse = forward(q, k, v, softmax_scale, bool(causal), arch, window_left, window_right, softcap)
