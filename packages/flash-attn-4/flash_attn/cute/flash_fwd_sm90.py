@@ -155,8 +155,7 @@ class FlashFwdSm90:
 
     def __init__(self, dtype, head_dim, causal, local=False, softcap=False, varlen=False, block_m=None,
                  block_n=128, num_stages=2, exp2_emu=0, exp2_emu_degree=3, sink=False, num_warpgroups=2,
-                 wg_order=True, persistent=False, tma_o=False, reverse=False, pin=True, snake=True, lpt=False,
-                 rescale_end=False):
+                 wg_order=True, persistent=False, tma_o=False, reverse=False, pin=True, snake=True, lpt=False):
         """exp2_emu: of every 16 softmax exponentials a thread computes, this many (0..16, spread evenly
         over its fragment) use a degree-exp2_emu_degree polynomial on the FMA pipe instead of MUFU.EX2
         (softmax_exp.py), to relieve the MUFU pipe. num_warpgroups: consumer warpgroups (2 or 3) of 64
@@ -179,10 +178,7 @@ class FlashFwdSm90:
         causal kernels): CTA (x, y, z) runs the tile of linear index x + num_m (y + heads z) in tile_coords'
         causal order (longest first within L2-sized sections of (head, batch) pairs), so that the blocks the
         hardware issues first are the longest ones over all heads; False: longest first within each head
-        (the x order reversed). rescale_end: O is scaled to block j's row max at the end of block j's step,
-        right after its P V wait, where the warpgroup waits for its turn anyway; False: between the issue of
-        S_{j+1} = Q K^T and that of P_j V_j (the former place, where ptxas interleaves the D / 2 multiplies
-        with the first S WGMMAs' issue). Same products in the same order: bitwise the same result."""
+        (the x order reversed)."""
         if not 0 <= exp2_emu <= 16 or exp2_emu_degree not in EXP2_POLY:
             raise ValueError(f"exp2_emu {exp2_emu} not in 0..16 or degree {exp2_emu_degree} not in "
                              f"{tuple(EXP2_POLY)}")
@@ -235,7 +231,6 @@ class FlashFwdSm90:
         self.pin = bool(pin) and not (self.num_mma_warpgroups == 3 and self.sink)
         self.snake = bool(snake) and self.persistent and self.causal
         self.lpt = bool(lpt) and self.causal and not (self.persistent or self.varlen)
-        self.rescale_end = bool(rescale_end)
         if self.tma_o and (self.varlen or self.persistent):
             raise ValueError("tma_o: dense calls of the one-tile kernel only (no varlen, not persistent)")
         if block_n % 16 or not 16 <= block_n <= 256:
@@ -940,8 +935,6 @@ class FlashFwdSm90:
                 self._mask(acc_S, tScS, m_block, n_first, seqlen_q, seqlen_k, window_left, window_right)
             self._softmax(acc_S, row_max, row_sum, corr, scale_log2)
             self._to_p(acc_S, rP)
-            if cutlass.const_expr(self.rescale_end):
-                self._rescale(acc_O, corr)
 
             # n_block: the position; the turns count positions, the mask takes the key block (key_block)
             for n_block in cutlass.range(n_block_min + 1, n_block_max, unroll=1):
@@ -950,8 +943,7 @@ class FlashFwdSm90:
                 if cutlass.const_expr(pingpong):
                     cute.arch.barrier(barrier_id=1 + wg, number_of_threads=n_threads_pp)
                 self._gemm_qk(tiled_mma_qk, acc_S, tSrQ, tSrK, k_state.index)   # S_j = Q K_j^T
-                if cutlass.const_expr(not self.rescale_end):
-                    self._rescale(acc_O, corr)  # O was final up to block j-2; scale it to block j-1's max
+                self._rescale(acc_O, corr)  # O was final up to block j-2; scale it to block j-1's max
                 self._gemm_pv(tiled_mma_pv, acc_O, tOrP, tOrV, v_state.index)   # O += P_{j-1} V_{j-1}
                 if cutlass.const_expr(pingpong):
                     self._pass_turn(turn_bar, n_block < turn_below, n_threads_pp)
@@ -979,8 +971,6 @@ class FlashFwdSm90:
                 warpgroup.wait_group(0)  # P V done: P's registers and V's stage are free
                 v_pipe.consumer_release(v_state)
                 self._to_p(acc_S, rP)
-                if cutlass.const_expr(self.rescale_end):
-                    self._rescale(acc_O, corr)  # O is final up to block j-1; scale it to block j's max
                 v_state.advance()
 
             if cutlass.const_expr(q_pipe is not None):
@@ -989,8 +979,7 @@ class FlashFwdSm90:
                 q_pipe.consumer_release(q_state)
             # The last block's O += P V.
             v_pipe.consumer_wait(v_state)
-            if cutlass.const_expr(not self.rescale_end):
-                self._rescale(acc_O, corr)
+            self._rescale(acc_O, corr)
             self._gemm_pv(tiled_mma_pv, acc_O, tOrP, tOrV, v_state.index)
             warpgroup.wait_group(0)
             v_pipe.consumer_release(v_state)

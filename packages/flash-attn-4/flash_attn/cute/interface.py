@@ -211,7 +211,6 @@ def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varle
     lpt_env = _per_head_dim("FLASH_ATTN_CUTE_FWD_LPT", head_dim)
     lpt = (bool(causal) and not (local or varlen or persistent or (short and tma_o and tma_o_env == "short"))
            and (lpt_env not in ("0", "false", "False") if lpt_env else int(head_dim) not in _FWD_LPT_OFF))
-    rescale_end = _per_head_dim("FLASH_ATTN_CUTE_FWD_RESCALE_END", head_dim) not in ("", "0", "false", "False")
     return {"kernel": "FlashFwdSm90", "dtype": _DTYPE_NAMES.get(dtype, str(dtype)), "head_dim": int(head_dim),
             "stages": stages, **({"block_n": block_n} if block_n != 128 else {}), **emu_cfg,
             **({"warpgroups": warpgroups} if warpgroups != 2 else {}),
@@ -224,8 +223,7 @@ def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varle
             **({"reverse": True} if reverse else {}),
             **({"pin": False} if unpinned else {}),
             **({"snake": False} if unsnaked else {}),
-            **({"lpt": True} if lpt else {}),
-            **({"rescale_end": True} if rescale_end else {})}
+            **({"lpt": True} if lpt else {})}
 
 
 _TMA_O_SHORT = _tma_o_short_dims()  # head dims with the "short" TMA O rule (see _fwd_config)
@@ -244,7 +242,7 @@ def _make_kernel(config):
                         wg_order=config.get("wg_order", True), persistent=config.get("persistent", False),
                         tma_o=config.get("tma_o", False), reverse=config.get("reverse", False),
                         pin=config.get("pin", True), snake=config.get("snake", True),
-                        lpt=config.get("lpt", False), rescale_end=config.get("rescale_end", False))
+                        lpt=config.get("lpt", False))
 
 
 def compile_fwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=False, softcap=False,
