@@ -91,6 +91,7 @@ def test_precompile_honours_the_switch(monkeypatch, tmp_path):
         pytest.skip("precompiling needs apache-tvm-ffi")
     _clear(monkeypatch)
     monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_TMA_O", "0")  # not the short-key kernels as well
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_LONG", "0")  # nor the long-key ones
     seen = []
 
     def stub(entry, compile_fn, root, force):

@@ -123,6 +123,15 @@ _FWD_SNAKE_OFF = frozenset({64})
 # 450, 520 -> 547, 569 -> 591, 619 -> 621, but at 1k (the short-key kernel) 393 -> 378 (7 rounds; 354 -> 343
 # without TMA O): all SMs then run tiles of one length in step, prologues at once. So not for that kernel.
 _FWD_LPT_OFF = frozenset()
+# Plain dense calls (no window, softcap, varlen or sink) with seqlen_k >= _FWD_LONG_SK of these (head dim, causal)
+# pairs run the one-tile kernel with this many consumer warpgroups (a second compiled kernel, "long" in the
+# in-memory key; FLASH_ATTN_CUTE_FWD_LONG=0 turns it off, and FLASH_ATTN_CUTE_FWD_PERSISTENT or
+# FLASH_ATTN_CUTE_FWD_WARPGROUPS, when set, decide instead). d64 causal, H200 same-process A/B
+# (attention_cute_session13.md; bf16, 16k tokens, TFLOP/s) at 1k / 2k / 4k / 8k / 16k: the default persistent
+# kernel 298 / 372 / 415 / 436 / 458, the one-tile kernel with 3 warpgroups (BLOCK_M 192, lpt order) 224 / 329 /
+# 402 / 466 / 493, with 2 warpgroups 262 / 310 / 371 / 404 / 432.
+_FWD_LONG_SK = 8192
+_FWD_LONG = {(64, True): 3}
 # FLASH_ATTN_CUTE_FWD_PIN=0 (or "128:0") builds the key-block loop without flash_fwd_sm90._pin, i.e. with half of
 # a masked kernel's softmax after the P V wait (the code before session 12; an A/B knob). In the key only
 # when 0.
@@ -168,16 +177,23 @@ def _tma_o_short_dims():
     return frozenset(d for d in _SUPPORTED_HEAD_DIMS if _tma_o_rule(d) == "short")
 
 
-def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varlen=False, sink=False, short=False):
+def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varlen=False, sink=False, short=False,
+                long=False):
     """Everything that selects the forward kernel's code: the kernel class, its constructor arguments,
     the architecture and the calling convention. It is the disk cache's key (with the package sources
     and the versions, see cache.py) and what compile_fwd builds the kernel from, so a constructor
     argument added here changes both. Plain values: computing the key must not import CuTeDSL.
     ``short``: the kernel for calls with seqlen_k <= _TMA_O_SHORT_SK (the TMA O store with the "short"
-    switch; else the same config)."""
+    switch; else the same config). ``long``: the kernel for calls with seqlen_k >= _FWD_LONG_SK (see _FWD_LONG;
+    else the same config)."""
     stages = int(_per_head_dim("FLASH_ATTN_CUTE_STAGES", head_dim) or _DEFAULT_STAGES.get(int(head_dim), 2))
     table = _FWD_WARPGROUPS_CAUSAL if causal or local else _FWD_WARPGROUPS
     wg_env = _per_head_dim("FLASH_ATTN_CUTE_FWD_WARPGROUPS", head_dim)
+    env = os.environ.get("FLASH_ATTN_CUTE_FWD_PERSISTENT")
+    long_kernel = (long and _long_rule(head_dim, causal) and not (local or softcap or varlen or sink) and not env
+                   and not os.environ.get("FLASH_ATTN_CUTE_FWD_WARPGROUPS"))
+    if long_kernel:  # the one-tile kernel with _FWD_LONG's warpgroups (the variables, when set, decide instead)
+        wg_env = str(_FWD_LONG[(int(head_dim), True)])
     if int(head_dim) not in _FWD3_BLOCK_N and ":" not in os.environ.get("FLASH_ATTN_CUTE_FWD_WARPGROUPS", ""):
         wg_env = ""  # a bare "3" means the head dims that have 3-warpgroup tiles (a 192 x 256 Q tile does not fit)
     warpgroups = int(wg_env or table.get(int(head_dim), 2))
@@ -192,9 +208,8 @@ def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varle
     emu_degree = int(os.environ.get("FLASH_ATTN_CUTE_EXP2_EMU_DEGREE") or 3)
     emu_cfg = ({"exp2_emu": emu, **({"exp2_emu_degree": emu_degree} if emu_degree != 3 else {})}
                if emu else {})
-    env = os.environ.get("FLASH_ATTN_CUTE_FWD_PERSISTENT")
     persistent = (((int(head_dim), bool(causal) and not local) in _FWD_PERSISTENT) if not env
-                  else env not in ("0", "false", "False")) and not (local or softcap or varlen or sink)
+                  else env not in ("0", "false", "False")) and not (local or softcap or varlen or sink or long_kernel)
     tma_o_env = _tma_o_rule(head_dim)
     tma_o = ((tma_o_env not in ("", "0", "false", "False", "short")
               or (tma_o_env == "short" and short and not (local or softcap or sink)))
@@ -229,6 +244,18 @@ def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varle
 _TMA_O_SHORT = _tma_o_short_dims()  # head dims with the "short" TMA O rule (see _fwd_config)
 
 
+def _long_rule(head_dim, causal):
+    """Whether plain dense calls of (head_dim, causal) with seqlen_k >= _FWD_LONG_SK take their own kernel
+    (_FWD_LONG; FLASH_ATTN_CUTE_FWD_LONG=0, or "64:0" per head dim, turns it off)."""
+    value = _per_head_dim("FLASH_ATTN_CUTE_FWD_LONG", head_dim)
+    return (int(head_dim), bool(causal)) in _FWD_LONG and value not in ("0", "false", "False")
+
+
+# (head dim, causal) pairs whose calls select the long-key kernel (read at import; the per-call paths check
+# membership only)
+_FWD_LONG_ON = frozenset(pair for pair in _FWD_LONG if _long_rule(*pair))
+
+
 def _make_kernel(config):
     from flash_attn.cute.flash_fwd_sm90 import FlashFwdSm90
 
@@ -246,7 +273,7 @@ def _make_kernel(config):
 
 
 def compile_fwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=False, softcap=False,
-                varlen=False, sink=False, short=False):
+                varlen=False, sink=False, short=False, long=False):
     """Compile the forward kernel for ``dtype`` (torch.float16 / torch.bfloat16), ``head_dim`` (_SUPPORTED_HEAD_DIMS),
     ``causal``, ``local`` (a sliding window, sizes given per call) and ``softcap`` (soft-capped scores)
     for ``arch``. No GPU is needed. ``dump_dir``: an existing folder that receives the PTX (``*.ptx``)
@@ -264,7 +291,7 @@ def compile_fwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=Fal
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_tensor
 
-    config = _fwd_config(dtype, head_dim, causal, arch, local, softcap, varlen, sink, short)
+    config = _fwd_config(dtype, head_dim, causal, arch, local, softcap, varlen, sink, short, long)
     kernel = _make_kernel(config)
     dt, D = kernel.dtype, kernel.head_dim
     # 32-bit shapes and strides: with 64-bit symbolic strides CuTeDSL 4.8 builds TMA descriptors that
@@ -365,9 +392,10 @@ def _persistent_launcher(fn):
     return launch
 
 
-def _entry(dtype, head_dim, causal, arch, local=False, softcap=False, varlen=False, sink=False, short=False):
+def _entry(dtype, head_dim, causal, arch, local=False, softcap=False, varlen=False, sink=False, short=False,
+           long=False):
     """(config, key, file name, exported C symbol) of a forward kernel's disk cache entry."""
-    config = _fwd_config(dtype, head_dim, causal, arch, local, softcap, varlen, sink, short)
+    config = _fwd_config(dtype, head_dim, causal, arch, local, softcap, varlen, sink, short, long)
     key = cache.entry_key(config)
     mask = "local" if config["local"] else "causal" if config["causal"] else "full"
     wg = f"-wg{config['warpgroups']}" if "warpgroups" in config else ""  # readable names; the key decides
@@ -379,14 +407,14 @@ def _entry(dtype, head_dim, causal, arch, local=False, softcap=False, varlen=Fal
 
 
 def disk_entry(dtype, head_dim, causal, arch="sm_90a", root=None, local=False, softcap=False, varlen=False,
-               sink=False, short=False):
+               sink=False, short=False, long=False):
     """The intact files of a forward kernel's entry in the disk cache ``root`` (default: the runtime's
     folder), {"o": path, "so": path} (the shared library is absent where no C compiler was found), or
     {} when there is none. Loads nothing."""
     root = root if root is not None else cache.cache_dir()
     if root is None or not _tvm_ffi():
         return {}
-    _, key, name, _ = _entry(dtype, head_dim, causal, arch, local, softcap, varlen, sink, short)
+    _, key, name, _ = _entry(dtype, head_dim, causal, arch, local, softcap, varlen, sink, short, long)
     return cache.DiskCache(root).files(name, key)
 
 
@@ -407,18 +435,18 @@ def load_or_build_bwd(dtype, head_dim, causal, arch="sm_90a", root=None, force=F
 
 
 def load_or_build(dtype, head_dim, causal, arch="sm_90a", root=None, force=False, local=False, softcap=False,
-                  varlen=False, sink=False, short=False):
+                  varlen=False, sink=False, short=False, long=False):
     """The forward kernel as a callable ``(q, k, v, out, lse, softmax_scale, softcap, window_left,
     window_right)`` and where it came from
     ("so" / "o": the disk cache in ``root``; "compiled": compiled now, and written to ``root``).
     ``root=None``: no disk cache. ``force``: compile even when the disk holds the entry. Compiling
     needs no GPU; loading from disk needs neither a GPU nor the CuTeDSL compiler."""
-    variant = dict(local=local, softcap=softcap, varlen=varlen, sink=sink, short=short)
+    variant = dict(local=local, softcap=softcap, varlen=varlen, sink=sink, short=short, long=long)
     if not _tvm_ffi():
         persistent = _fwd_config(dtype, head_dim, causal, arch, **variant).get("persistent", False)
         return (_dlpack_launcher(compile_fwd(dtype, head_dim, causal, arch, **variant), sink, persistent),
                 "compiled-dlpack")
-    return _load_or_build_entry(_entry(dtype, head_dim, causal, arch, local, softcap, varlen, sink, short),
+    return _load_or_build_entry(_entry(dtype, head_dim, causal, arch, local, softcap, varlen, sink, short, long),
                                 lambda: compile_fwd(dtype, head_dim, causal, arch, **variant), root, force)
 
 
@@ -459,28 +487,30 @@ def _load_or_build_entry(entry, compile_fn, root, force):
 
 
 def fwd_kernel(dtype, head_dim, causal, arch="sm_90a", local=False, softcap=False, varlen=False, sink=False,
-               short=False):
+               short=False, long=False):
     """The forward kernel for (dtype, head dim, causal, arch, local, softcap): from memory, else from the
     disk cache (``cache.cache_dir()``: $FLASH_ATTN_CUTE_CACHE, default ~/.cache/flash_attn_cute), else
     compiled and written there. A callable ``(q, k, v, out, lse, softmax_scale, softcap, window_left,
     window_right)`` on torch tensors (varlen, sink: see compile_fwd; a persistent kernel's callable adds
     its last argument, the SM count of q's device, itself). ``short``: the kernel of calls with seqlen_k <=
     _TMA_O_SHORT_SK (in-memory key ending in "short"; the same kernel as not short unless the TMA O
-    "short" switch makes their configs differ)."""
+    "short" switch makes their configs differ). ``long``: the kernel of calls with seqlen_k >= _FWD_LONG_SK
+    (key ending in "long"; the same kernel as not long outside _FWD_LONG)."""
     mem_key = ((dtype, head_dim, bool(causal), arch, bool(local), bool(softcap)) + ((True,) if varlen else ())
-               + (("sink",) if sink else ()) + (("short",) if short else ()))
+               + (("sink",) if sink else ()) + (("short",) if short else ()) + (("long",) if long else ()))
     fn = _kernels.get(mem_key)
     if fn is None:
         with cache._lock:  # one builder per process; other threads wait, then find it in memory
             fn = _kernels.get(mem_key)
             if fn is None:
-                config = _fwd_config(dtype, head_dim, causal, arch, local, softcap, varlen, sink, short)
-                if short and config == _fwd_config(dtype, head_dim, causal, arch, local, softcap, varlen, sink):
+                config = _fwd_config(dtype, head_dim, causal, arch, local, softcap, varlen, sink, short, long)
+                if (short or long) and config == _fwd_config(dtype, head_dim, causal, arch, local, softcap, varlen,
+                                                             sink):
                     fn = fwd_kernel(dtype, head_dim, causal, arch, local, softcap, varlen, sink)  # the same kernel
                 else:
                     fn, _origins[mem_key] = load_or_build(dtype, head_dim, causal, arch, cache.cache_dir(),
                                                           local=local, softcap=softcap, varlen=varlen, sink=sink,
-                                                          short=short)
+                                                          short=short, long=long)
                     if config.get("persistent"):
                         fn = _persistent_launcher(fn)  # the kernel's last argument, which callers do not give
                 _kernels[mem_key] = fn
@@ -634,7 +664,10 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=_NO_W
     if window_left < 0 and window_right < 0 and not softcap and Sk and B * Sq * H:
         # Dense, no window or softcap (the common call): forward() without its general-case work.
         key = (dtype, D, bool(causal), arch, False, False)
-        fn = _kernels.get(key if Sk > _TMA_O_SHORT_SK or D not in _TMA_O_SHORT else key + ("short",))
+        if Sk <= _TMA_O_SHORT_SK:
+            fn = _kernels.get(key + ("short",) if D in _TMA_O_SHORT else key)
+        else:
+            fn = _kernels.get(key + ("long",) if Sk >= _FWD_LONG_SK and (D, key[2]) in _FWD_LONG_ON else key)
         if fn is not None and B * max(Sq * H, Sk * Hk) * D < _MAX_ELEMS:
             qs, ks, vs = q.stride(), k.stride(), v.stride()
             if (qs[3] != 1 or qs[2] != D or qs[1] & 7 or qs[0] & 7 or q.data_ptr() & 15
@@ -799,11 +832,14 @@ def forward(q, k, v, softmax_scale, causal, arch="sm_90a", window_left=-1, windo
     elif B * Sq * H > 0:
         causal = causal and not local
         # (the "short" kernel: plain dense calls of a short key length, see _TMA_O_SHORT_SK)
-        short = k.shape[1] <= _TMA_O_SHORT_SK and D in _TMA_O_SHORT and not (local or capped or sink is not None)
+        plain = not (local or capped or sink is not None)
+        short = k.shape[1] <= _TMA_O_SHORT_SK and D in _TMA_O_SHORT and plain
+        # (and the "long" one: plain dense calls of a long key length, see _FWD_LONG)
+        long = k.shape[1] >= _FWD_LONG_SK and (D, causal) in _FWD_LONG_ON and plain
         fn = (_kernels.get((q.dtype, D, causal, arch, local, capped) + (("sink",) if sink is not None else ())
-                           + (("short",) if short else ()))
+                           + (("short",) if short else ()) + (("long",) if long else ()))
               or fwd_kernel(q.dtype, D, causal, arch, local=local, softcap=capped, sink=sink is not None,
-                            short=short))
+                            short=short, long=long))
         args = (float(softmax_scale), float(softcap), window_left, window_right)
         per_batch = max(Sq * H, k.shape[1] * k.shape[2]) * D  # elements of one batch entry's q/out or k/v
         if B * per_batch < _MAX_ELEMS:

@@ -40,12 +40,12 @@ def _torch_dtype(name):
 
 
 def _build(out, arch, dtype, head_dim, causal, force, kind="fwd"):
-    """One configuration of one kernel ("fwd" / "bwd", or "fwd-short": the forward of short key lengths,
-    see interface._TMA_O_SHORT_SK), run in a worker process when --jobs > 1. Returns (how, seconds, error)."""
+    """One configuration of one kernel ("fwd" / "bwd", or "fwd-short" / "fwd-long": the forward of short / long
+    key lengths, see interface._TMA_O_SHORT_SK and _FWD_LONG), run in a worker process when --jobs > 1. Returns (how, seconds, error)."""
     from flash_attn.cute import cache, interface
 
-    fwd = kind in ("fwd", "fwd-short")
-    extra = {"short": True} if kind == "fwd-short" else {}
+    fwd = kind in ("fwd", "fwd-short", "fwd-long")
+    extra = {"short": True} if kind == "fwd-short" else {"long": True} if kind == "fwd-long" else {}
     load = interface.load_or_build if fwd else interface.load_or_build_bwd
     entry = interface.disk_entry if fwd else interface.bwd_disk_entry
     t0 = time.perf_counter()
@@ -79,6 +79,10 @@ def precompile(out, arch="sm_90a", dtypes=DTYPES, head_dims=HEAD_DIMS, causals=C
     todo += [("fwd-short", dt, d, c) for kind, dt, d, c in list(todo) if kind == "fwd"
              and interface._fwd_config(_torch_dtype(dt), d, c, arch, short=True)
              != interface._fwd_config(_torch_dtype(dt), d, c, arch)]
+    # and of long key lengths (interface._FWD_LONG)
+    todo += [("fwd-long", dt, d, c) for kind, dt, d, c in list(todo) if kind == "fwd"
+             and interface._fwd_config(_torch_dtype(dt), d, c, arch, long=True)
+             != interface._fwd_config(_torch_dtype(dt), d, c, arch)]
     args = [(str(out), arch, dt, d, c, force, kind) for kind, dt, d, c in todo]
     if jobs > 1 and len(todo) > 1:
         import multiprocessing
@@ -93,7 +97,7 @@ def precompile(out, arch="sm_90a", dtypes=DTYPES, head_dims=HEAD_DIMS, causals=C
                "error": error}
         report.append(row)
         what = "already cached" if how in ("so", "o") else how
-        prefix = {"fwd": "", "fwd-short": "short-key ", "bwd": "bwd "}[kind]
+        prefix = {"fwd": "", "fwd-short": "short-key ", "fwd-long": "long-key ", "bwd": "bwd "}[kind]
         log(f"{prefix}{dt} d{d} {'causal' if c else 'full  '}: {error or what} ({seconds:.1f} s)")
     return report
 
