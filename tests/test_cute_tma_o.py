@@ -252,7 +252,7 @@ def _run(monkeypatch, tma_o, q, k, v, causal):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("batch,seqlen_q,seqlen_k,heads,heads_kv", [
     (1, 1, 1, 2, 2), (2, 1000, 1000, 4, 2), (1, 1000, 193, 6, 3), (2, 193, 1000, 4, 1), (1, 2048, 2048, 2, 2),
