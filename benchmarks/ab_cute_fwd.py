@@ -43,7 +43,8 @@ def main(argv=None):
                     for i, var in round_order(variants_, r):
                         apply(var, names)
                         ci._kernels.clear()  # the in-memory cache does not key on the variables
-                        ci._TMA_O_SHORT = ci._tma_o_short_dims()  # (read at import: FLASH_ATTN_CUTE_FWD_TMA_O=short)
+                        ci._SHORT_DIMS = ci._short_dims()  # (read at import: FLASH_ATTN_CUTE_FWD_TMA_O=short, _LPT)
+                        ci._FWD_LONG_ON = frozenset(p for p in ci._FWD_LONG if ci._long_rule(*p))
                         t = do_bench(lambda: flash_attn_func(q, k, v, causal=causal), warmup=args.warmup,
                                      rep=args.rep, return_mode="median")
                         rates[i].append(flops / t / 1e9)

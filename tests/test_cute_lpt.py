@@ -81,11 +81,11 @@ def test_lpt_in_the_cache_key_only_when_on(monkeypatch):
         c = cfg(d, True)
         assert c["lpt"] is True and interface._make_kernel(c).lpt
         assert cfg(d, True, softcap=True)["lpt"] and cfg(d, True, sink=True)["lpt"]
-        # the short-key kernel of the "short" TMA O rule (d128 by default) keeps the former order
-        assert cfg(d, True, short=True).get("lpt") is (None if d in interface._TMA_O_SHORT else True)
+        # the short-key kernel of the head dims of _FWD_LPT_SHORT_OFF (d128) keeps the former order
+        assert cfg(d, True, short=True).get("lpt") is (None if d in interface._FWD_LPT_SHORT_OFF else True)
         for off in (cfg(d, False), cfg(d, True, varlen=True), cfg(d, True, local=True), cfg(d, False, local=True)):
             assert "lpt" not in off and not interface._make_kernel(off).lpt
-    assert 128 in interface._TMA_O_SHORT and 256 not in interface._TMA_O_SHORT
+    assert interface._FWD_LPT_SHORT_OFF == {128} and 128 in interface._short_dims()
     assert cfg(256, True, short=True) == cfg(256, True)  # no short-key kernel of its own at d256
     assert cfg(64, True).get("persistent") and "lpt" not in cfg(64, True)  # d64 causal: the persistent kernel
     monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_PERSISTENT", "0")

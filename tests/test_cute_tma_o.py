@@ -25,7 +25,8 @@ from flash_attn.testing import assert_ptxas_clean  # noqa: E402
 # Knobs that would change which kernel a config builds; cleared so the tests see the defaults.
 _KNOBS = ("FLASH_ATTN_CUTE_BLOCK_N", "FLASH_ATTN_CUTE_EXP2_EMU", "FLASH_ATTN_CUTE_EXP2_EMU_DEGREE",
           "FLASH_ATTN_CUTE_STAGES", "FLASH_ATTN_CUTE_FWD_WARPGROUPS", "FLASH_ATTN_CUTE_FWD_WG_ORDER",
-          "FLASH_ATTN_CUTE_FWD_PERSISTENT", "FLASH_ATTN_CUTE_FWD_TMA_O")
+          "FLASH_ATTN_CUTE_FWD_PERSISTENT", "FLASH_ATTN_CUTE_FWD_TMA_O", "FLASH_ATTN_CUTE_FWD_LPT",
+          "FLASH_ATTN_CUTE_FWD_LONG")
 _BULK_STORE = re.compile(r"^\s*cp\.async\.bulk\.tensor\.\d+d\.global\.shared::cta\b", re.M)
 
 
@@ -34,9 +35,9 @@ def _clear(mp):
         mp.delenv(var, raising=False)
 
 
-# (head dim, causal): d64 without a mask has 3 consumer warpgroups (BLOCK_M 192), the others 2; d64 causal
-# is persistent by default, so these compile with FLASH_ATTN_CUTE_FWD_PERSISTENT=0.
-CONFIGS = [(64, False), (64, True), (128, False), (128, True)]
+# (head dim, causal): d64 without a mask has 3 consumer warpgroups (BLOCK_M 192), the others 2; d64 is
+# persistent by default, so these compile with FLASH_ATTN_CUTE_FWD_PERSISTENT=0. d256: BLOCK_N 80, 2 stages.
+CONFIGS = [(64, False), (64, True), (128, False), (128, True), (256, False), (256, True)]
 
 
 @pytest.fixture(scope="module", params=CONFIGS, ids=lambda c: f"d{c[0]}-{'causal' if c[1] else 'full'}")
@@ -80,18 +81,22 @@ def test_tma_o_fits_the_registers(tma_o_ptx, tmp_path):
 
 
 def test_tma_o_in_the_config_only_for_dense_one_tile_calls(monkeypatch):
-    """Absent unless switched on (existing disk-cache keys stay); never for varlen or the persistent kernel;
-    per head dim with "D:1"; the cache key changes only when it is on."""
+    """Absent when off ("0": the configs, and disk-cache keys, of the direct store); never for varlen or the
+    persistent kernel; per head dim with "D:1"; the cache key changes only when it is on. Unset: the plain dense
+    one-tile calls of d128 / d256 take it (see test_tma_o_rules)."""
     from flash_attn.cute import cache, interface
     from flash_attn.cute.flash_fwd_sm90 import FlashFwdSm90
 
     _clear(monkeypatch)
     cfg = lambda d, causal, **kw: interface._fwd_config(torch.bfloat16, d, causal, "sm_90a", **kw)  # noqa: E731
-    base = {(d, c, v): cfg(d, c, varlen=v) for d in (64, 128) for c in (False, True) for v in (False, True)}
-    assert not any("tma_o" in b for b in base.values())  # (unset: only short-key calls take it)
     monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_TMA_O", "0")
-    assert {k: cfg(k[0], k[1], varlen=k[2]) for k in base} == base
+    base = {(d, c, v): cfg(d, c, varlen=v) for d in (64, 128) for c in (False, True) for v in (False, True)}
+    assert not any("tma_o" in b for b in base.values())
     assert not any("tma_o" in cfg(k[0], k[1], varlen=k[2], short=True) for k in base)
+    monkeypatch.delenv("FLASH_ATTN_CUTE_FWD_TMA_O")
+    for (d, causal, varlen), b in base.items():
+        want = {**b, "tma_o": True} if d == 128 and not varlen else b  # d64: persistent
+        assert cfg(d, causal, varlen=varlen) == want
     monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_TMA_O", "1")
     for (d, causal, varlen), b in base.items():
         on = cfg(d, causal, varlen=varlen)
@@ -111,37 +116,53 @@ def test_tma_o_in_the_config_only_for_dense_one_tile_calls(monkeypatch):
             FlashFwdSm90(interface._cutlass_dtype(torch.bfloat16), 128, False, tma_o=True, **kw)
 
 
-def test_short_switch_takes_tma_o_for_short_keys_only(monkeypatch):
-    """FLASH_ATTN_CUTE_FWD_TMA_O=short (or "D:short"; unset: d64 and d128): the TMA O store for plain dense
-    one-tile calls whose seqlen_k <= _TMA_O_SHORT_SK (their own config), the direct store for longer keys;
-    never for windows, softcap, sinks, varlen or the persistent kernel. "0": short and long calls share one
-    config."""
+def test_tma_o_rules(monkeypatch):
+    """FLASH_ATTN_CUTE_FWD_TMA_O per head dim ("D:rule"; unset: _TMA_O_DEFAULT, "plain" at d128 / d256, "short" at
+    d64): "plain" gives the TMA O store to every plain dense one-tile call (no window, softcap, sink or varlen;
+    not the persistent kernel), "short" only to those with seqlen_k <= _TMA_O_SHORT_SK (their own config), "0"
+    to none. _short_dims(): the head dims with a short-key kernel ("short", and d128 for its CTA order)."""
     from flash_attn.cute import interface
 
     _clear(monkeypatch)
     cfg = lambda d, causal, **kw: interface._fwd_config(torch.bfloat16, d, causal, "sm_90a", **kw)  # noqa: E731
-    for value, dims in [("", {64, 128}), ("short", set(interface._SUPPORTED_HEAD_DIMS))]:
-        monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_TMA_O", value)
-        assert interface._tma_o_short_dims() == frozenset(dims)
-        for d, causal in [(64, False), (128, False), (128, True)]:
-            assert "tma_o" not in cfg(d, causal)
-            # (the short-key kernel keeps the former causal CTA order: no "lpt", see test_cute_lpt.py)
-            long_cfg = {k: v for k, v in cfg(d, causal).items() if k != "lpt"}
-            assert cfg(d, causal, short=True) == {**long_cfg, "tma_o": True}
-        assert cfg(64, True).get("persistent") and cfg(64, True, short=True) == cfg(64, True)
+    no_lpt = lambda c: {k: v for k, v in c.items() if k != "lpt"}  # noqa: E731
+    assert interface._TMA_O_DEFAULT == {64: "short", 128: "plain", 256: "plain"}
+    # unset: the defaults
+    assert interface._short_dims() == frozenset({64, 128})
+    for d in (128, 256):
+        for causal in (False, True):
+            assert cfg(d, causal)["tma_o"] and cfg(d, causal, short=True)["tma_o"]
+            for kw in (dict(local=True), dict(softcap=True), dict(sink=True), dict(varlen=True)):
+                assert "tma_o" not in cfg(d, causal, **kw) and "tma_o" not in cfg(d, causal, short=True, **kw)
+    assert cfg(256, True, short=True) == cfg(256, True) and cfg(128, False, short=True) == cfg(128, False)
+    assert cfg(128, True, short=True) == no_lpt(cfg(128, True))  # d128's short-key kernel: the former order
+    for causal in (False, True):  # d64: persistent, whose kernel has no TMA O
+        assert cfg(64, causal)["persistent"] and cfg(64, causal, short=True) == cfg(64, causal)
+        assert "tma_o" not in cfg(64, causal)
+    # "short" everywhere: only the short-key kernels
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_TMA_O", "short")
+    assert interface._short_dims() == frozenset(interface._SUPPORTED_HEAD_DIMS)
+    for d, causal in [(128, False), (128, True), (256, False), (256, True)]:
+        assert "tma_o" not in cfg(d, causal)
+        assert cfg(d, causal, short=True) == {**(no_lpt(cfg(d, causal)) if d == 128 else cfg(d, causal)), "tma_o": True}
         for kw in (dict(local=True), dict(softcap=True), dict(sink=True), dict(varlen=True)):
-            assert "tma_o" not in cfg(128, False, short=True, **kw)
-        assert ("tma_o" in cfg(256, False, short=True)) == (256 in dims)
+            assert "tma_o" not in cfg(d, causal, short=True, **kw)
+    # "0": none; short and long calls share one config but for d128's CTA order
     monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_TMA_O", "0")
-    assert interface._tma_o_short_dims() == frozenset()
+    assert interface._short_dims() == frozenset({128})
     for d in (64, 128, 256):
         for causal in (False, True):
-            assert cfg(d, causal, short=True) == cfg(d, causal)
-    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_TMA_O", "128:short,64:0")
-    assert interface._tma_o_short_dims() == frozenset({128})
-    assert cfg(128, False, short=True)["tma_o"] and "tma_o" not in cfg(64, False, short=True)
-    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_TMA_O", "128:1")  # d64 unnamed: its default rule
-    assert interface._tma_o_short_dims() == frozenset({64})
+            assert "tma_o" not in cfg(d, causal) and "tma_o" not in cfg(d, causal, short=True)
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_LPT", "1")  # the CTA order set for every length: no short kernel
+    assert interface._short_dims() == frozenset() and cfg(128, True, short=True) == cfg(128, True)
+    monkeypatch.delenv("FLASH_ATTN_CUTE_FWD_LPT")
+    # per head dim; an unnamed one keeps its default rule
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_TMA_O", "128:0,256:short")
+    assert interface._short_dims() == frozenset({64, 128, 256})
+    assert "tma_o" not in cfg(128, False) and "tma_o" not in cfg(256, False) and cfg(256, False, short=True)["tma_o"]
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_TMA_O", "256:1")  # "1": every dense one-tile call, options included
+    assert cfg(256, False, softcap=True)["tma_o"] and "tma_o" not in cfg(256, False, varlen=True)
+    assert cfg(128, False)["tma_o"]  # unnamed: "plain"
 
 
 def test_short_keys_select_their_kernel_per_call(monkeypatch):
@@ -159,19 +180,19 @@ def test_short_keys_select_their_kernel_per_call(monkeypatch):
     monkeypatch.setattr(interface, "_kernels", {base: long_fn, base + ("short",): short_fn})
     mk = lambda s: [torch.randn(1, s, 2, 128, dtype=torch.bfloat16) for _ in range(3)]  # noqa: E731
     limit = interface._TMA_O_SHORT_SK
-    monkeypatch.setattr(interface, "_TMA_O_SHORT", frozenset({128}))
+    monkeypatch.setattr(interface, "_SHORT_DIMS", frozenset({128}))
     for s, want in [(limit, "short"), (limit + 1, "long"), (64, "short")]:
         q, k, v = mk(s)
         interface.flash_attn_func(q, k, v)
         interface.forward(q, k, v, 0.1, False)
         assert calls[-2:] == [want, want], (s, calls)
-    monkeypatch.setattr(interface, "_TMA_O_SHORT", frozenset())
+    monkeypatch.setattr(interface, "_SHORT_DIMS", frozenset())
     q, k, v = mk(64)
     interface.flash_attn_func(q, k, v)
     interface.forward(q, k, v, 0.1, False)
     assert calls[-2:] == ["long", "long"]
     # a window or softcap never takes the short kernel (forward's key has no "short")
-    monkeypatch.setattr(interface, "_TMA_O_SHORT", frozenset({128}))
+    monkeypatch.setattr(interface, "_SHORT_DIMS", frozenset({128}))
     seen = []
     monkeypatch.setattr(interface, "fwd_kernel", lambda *a, **kw: seen.append(kw) or long_fn)
     interface.forward(q, k, v, 0.1, False, softcap=5.0)
@@ -192,10 +213,10 @@ def test_short_keys_select_their_kernel_per_call(monkeypatch):
     assert built[-1]["short"] is True
 
 
-def test_precompile_adds_the_short_key_kernels_the_switch_makes(monkeypatch, tmp_path):
-    """With the short rule (FLASH_ATTN_CUTE_FWD_TMA_O unset or "short"), precompile also builds the forward
-    of short key lengths where its config differs (one-tile calls: not the persistent d64 causal one); with
-    "0", nothing more."""
+def test_precompile_adds_the_short_key_kernels_where_they_differ(monkeypatch, tmp_path):
+    """precompile also builds the forward of short key lengths where its config differs: by default d128 causal
+    only (its CTA order; d64 is persistent, d128 / d256 take TMA O at every length); with "short" everywhere,
+    the one-tile d128 / d256 kernels; with "0" and the CTA order set, none."""
     from flash_attn.cute import interface, precompile
 
     _clear(monkeypatch)
@@ -203,15 +224,19 @@ def test_precompile_adds_the_short_key_kernels_the_switch_makes(monkeypatch, tmp
     built = []
     monkeypatch.setattr(precompile, "_build", lambda out, arch, dt, d, c, force, kind: built.append((kind, d, c))
                         or ("compiled", 0.0, None))
-    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_TMA_O", "0")
-    precompile.precompile(str(tmp_path), dtypes=("bf16",), head_dims=(64, 128), log=lambda *a: None)
-    assert sorted(k for k in built if k[0] != "fwd-long") == [("fwd", d, c) for d in (64, 128) for c in (False, True)]
-    for value in ("", "short"):
+    run = lambda: precompile.precompile(str(tmp_path), dtypes=("bf16",), head_dims=(64, 128, 256),  # noqa: E731
+                                        log=lambda *a: None)
+    for value, want in [("", [(128, True)]), ("short", [(128, False), (128, True), (256, False), (256, True)]),
+                        ("0", [(128, True)])]:
         built.clear()
         monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_TMA_O", value)
-        precompile.precompile(str(tmp_path), dtypes=("bf16",), head_dims=(64, 128), log=lambda *a: None)
-        assert sorted(k for k in built if k[0] == "fwd-short") == [
-            ("fwd-short", 64, False), ("fwd-short", 128, False), ("fwd-short", 128, True)]
+        run()
+        assert sorted(k for k in built if k[0] == "fwd") == [("fwd", d, c) for d in (64, 128, 256) for c in (False, True)]
+        assert sorted((d, c) for kind, d, c in built if kind == "fwd-short") == want
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_LPT", "1")
+    built.clear()
+    run()
+    assert not [k for k in built if k[0] == "fwd-short"]
 
 
 def test_short_key_kernel_builds_into_the_disk_cache(monkeypatch, tmp_path):

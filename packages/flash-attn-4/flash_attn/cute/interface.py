@@ -76,21 +76,30 @@ _FWD3_BLOCK_N_EXTRA = {64: 96, 128: 64}
 # bf16, 16k tokens (benchmarks/results/h200/attention_cute_session7.md, same-process A/B), one-tile ->
 # persistent TFLOP/s: d64 causal 244 -> 295 (1k), 377 -> 410 (4k), 449 -> 449 (16k); d64 non-causal 365 ->
 # 398, 495 -> 490, 547 -> 522; d128 causal 352 -> 354, 560 -> 518, 640 -> 544 (why the one-tile kernel
-# wins there is not profiled yet). In the cache key only when on.
-_FWD_PERSISTENT = {(64, True)}
+# wins there is not profiled yet). In the cache key only when on. Session 13, same-process A/B with the harness
+# that rotates the order (attention_cute_session13.md), d64 non-causal, default -> persistent: 374 -> 389, 436 ->
+# 458, 467 -> 479 (471 -> 474 in a second run), 507 -> 503, 515 -> 513 at 1k / 2k / 4k / 8k / 16k; d128 non-causal
+# -2..+2%; d256 non-causal +1..+5% but below the one-tile kernel with the TMA O store.
+_FWD_PERSISTENT = {(64, True), (64, False)}
 # O through shared memory and a TMA store (FlashFwdSm90 tma_o) instead of direct stores from registers:
 # FLASH_ATTN_CUTE_FWD_TMA_O=1 (or per head dim, "64:1,128:1"). Dense calls of the one-tile kernel only (a
 # box would write past a packed sequence's end; the persistent kernel loads the next tile's Q into that
 # buffer under the epilogue). In the cache key only when on. H200 A/B (attention_cute_session9.md, one-tile
 # kernel): +3..+12% at seqlen 1k (d128 causal 350 -> 392), -1..-9% at 4k-16k, so "short" (or "128:short")
 # takes it only for calls with seqlen_k <= _TMA_O_SHORT_SK (plain dense calls: no window, softcap or sink;
-# the calls select their kernel by length, a second compiled kernel). "short" is the default for d64 and d128
-# (_TMA_O_SHORT_DEFAULT; "0" turns TMA O off everywhere): session 11's A/B on the H200
+# the calls select their kernel by length, a second compiled kernel). "short" was the default for d64 and d128
+# from session 11 ("0" turns TMA O off everywhere): session 11's A/B on the H200
 # (attention_cute_session11.md) d128 causal 350 -> 391 TFLOP/s at seqlen 1k, d128 518 -> 530, d64 360 -> 374
 # (d64 causal is persistent: unchanged); longer keys run the same kernel as without it. GPU tests with it:
-# tests/test_cute_tma_o.py and test_cute_compile.py's test_matches_reference_on_gpu.
+# tests/test_cute_tma_o.py and test_cute_compile.py's test_matches_reference_on_gpu. "plain": every plain dense
+# call (no window, softcap or sink) of the one-tile kernel, whatever its length. Session 13's A/B
+# (attention_cute_session13.md, with lpt; bf16, 16k tokens), direct store -> TMA O: d256 causal 377 -> 426, 501 ->
+# 548, 593 -> 624, 694 -> 703 at 1k / 2k / 4k / 16k, d256 non-causal 542 -> 594, 621 -> 655, 673 -> 682, 727 ->
+# 731; d128 causal 450 -> 480, 534 -> 547, 626 -> 626 at 2k / 4k / 16k, d128 non-causal 564 -> 584, 600 -> 611,
+# 634 -> 642. So "plain" is the default at d128 and d256, "short" at d64 (_TMA_O_DEFAULT; whose persistent
+# kernels, its default since session 13, have no TMA O).
 _TMA_O_SHORT_SK = 1024
-_TMA_O_SHORT_DEFAULT = frozenset({64, 128})
+_TMA_O_DEFAULT = {64: "short", 128: "plain", 256: "plain"}
 # Key blocks walked from the last down (FlashFwdSm90 reverse, FA3's order: a causal or windowed tile's masked
 # diagonal blocks first, so its consumer warpgroups end the tile in step on unmasked blocks):
 # FLASH_ATTN_CUTE_FWD_REVERSE=1 (or per head dim, "64:1"; "0" off everywhere). Causal and local calls only
@@ -114,8 +123,8 @@ _FWD_SNAKE_OFF = frozenset({64})
 # "128:0"): block (x, y, z) runs the tile of linear index x + num_m (y + H z) in tile_coords' causal order,
 # longest first over all (head, batch) pairs within L2-sized sections / longest first within each head only
 # (the order before session 13). Dense causal calls of the one-tile kernel (not varlen, windowed or
-# persistent), but for the short-key kernel of the "short" TMA O rule (seqlen_k <= _TMA_O_SHORT_SK). Unset:
-# on but at the head dims of _FWD_LPT_OFF. In the key only when on. ncu on the H200 (d128 causal 1k b16,
+# persistent). Unset: on but at the head dims of _FWD_LPT_OFF, and for the short-key kernel (seqlen_k <=
+# _TMA_O_SHORT_SK) of the head dims of _FWD_LPT_SHORT_OFF. In the key only when on. ncu on the H200 (d128 causal 1k b16,
 # d256 causal 2k b8) had the busiest SM at 1.07x / 1.12x the mean active cycles in the former order (FA4
 # 1.02x / 1.035x); the issue model of tests/test_cute_lpt.py gives the same figures and 1.01x / 1.02x with lpt.
 # Same-process A/B (attention_cute_session13.md; bf16, 16k tokens, TFLOP/s, former -> lpt) at 1k / 2k / 4k /
@@ -123,6 +132,7 @@ _FWD_SNAKE_OFF = frozenset({64})
 # 450, 520 -> 547, 569 -> 591, 619 -> 621, but at 1k (the short-key kernel) 393 -> 378 (7 rounds; 354 -> 343
 # without TMA O): all SMs then run tiles of one length in step, prologues at once. So not for that kernel.
 _FWD_LPT_OFF = frozenset()
+_FWD_LPT_SHORT_OFF = frozenset({128})
 # Plain dense calls (no window, softcap, varlen or sink) with seqlen_k >= _FWD_LONG_SK of these (head dim, causal)
 # pairs run the one-tile kernel with this many consumer warpgroups (a second compiled kernel, "long" in the
 # in-memory key; FLASH_ATTN_CUTE_FWD_LONG=0 turns it off, and FLASH_ATTN_CUTE_FWD_PERSISTENT or
@@ -162,19 +172,21 @@ def _per_head_dim(name, head_dim):
 
 
 def _tma_o_rule(head_dim):
-    """FLASH_ATTN_CUTE_FWD_TMA_O's value for head_dim ("short", "1", "0", ...): the variable's (whole, or its
-    "D:value" entry), else "short" for the head dims of _TMA_O_SHORT_DEFAULT and "0" for the others."""
+    """FLASH_ATTN_CUTE_FWD_TMA_O's value for head_dim ("short", "plain", "1", "0", ...): the variable's (whole, or
+    its "D:value" entry), else _TMA_O_DEFAULT's entry ("0" where it has none)."""
     value = _per_head_dim("FLASH_ATTN_CUTE_FWD_TMA_O", head_dim)
     if value:
         return value
-    return "short" if int(head_dim) in _TMA_O_SHORT_DEFAULT else "0"
+    return _TMA_O_DEFAULT.get(int(head_dim), "0")
 
 
-def _tma_o_short_dims():
-    """Head dims whose plain dense calls with seqlen_k <= _TMA_O_SHORT_SK take the TMA O store (the
-    "short" rule: FLASH_ATTN_CUTE_FWD_TMA_O=short, "D:short" per head dim, or unset and in
-    _TMA_O_SHORT_DEFAULT); read at import (the per-call path checks membership only)."""
-    return frozenset(d for d in _SUPPORTED_HEAD_DIMS if _tma_o_rule(d) == "short")
+def _short_dims():
+    """Head dims whose plain dense calls with seqlen_k <= _TMA_O_SHORT_SK take a short-key kernel of their own:
+    the TMA O store with the "short" rule (FLASH_ATTN_CUTE_FWD_TMA_O=short, "D:short" per head dim, or unset and
+    "short" in _TMA_O_DEFAULT), and the head dims of _FWD_LPT_SHORT_OFF (FLASH_ATTN_CUTE_FWD_LPT unset: their
+    short-key kernel keeps the former CTA order). Read at import (the per-call paths check membership only)."""
+    return frozenset(d for d in _SUPPORTED_HEAD_DIMS if _tma_o_rule(d) == "short"
+                     or (d in _FWD_LPT_SHORT_OFF and not _per_head_dim("FLASH_ATTN_CUTE_FWD_LPT", d)))
 
 
 def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varlen=False, sink=False, short=False,
@@ -211,8 +223,9 @@ def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varle
     persistent = (((int(head_dim), bool(causal) and not local) in _FWD_PERSISTENT) if not env
                   else env not in ("0", "false", "False")) and not (local or softcap or varlen or sink or long_kernel)
     tma_o_env = _tma_o_rule(head_dim)
-    tma_o = ((tma_o_env not in ("", "0", "false", "False", "short")
-              or (tma_o_env == "short" and short and not (local or softcap or sink)))
+    plain = not (local or softcap or sink)
+    tma_o = ((tma_o_env not in ("", "0", "false", "False", "short", "plain")
+              or (tma_o_env == "short" and short and plain) or (tma_o_env == "plain" and plain))
              and not varlen and not persistent)
     reverse_env = _per_head_dim("FLASH_ATTN_CUTE_FWD_REVERSE", head_dim)
     if reverse_env:
@@ -224,8 +237,9 @@ def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varle
     unsnaked = (persistent and bool(causal) and not local
                 and (snake_env in ("0", "false", "False") if snake_env else int(head_dim) in _FWD_SNAKE_OFF))
     lpt_env = _per_head_dim("FLASH_ATTN_CUTE_FWD_LPT", head_dim)
-    lpt = (bool(causal) and not (local or varlen or persistent or (short and tma_o and tma_o_env == "short"))
-           and (lpt_env not in ("0", "false", "False") if lpt_env else int(head_dim) not in _FWD_LPT_OFF))
+    lpt = (bool(causal) and not (local or varlen or persistent)
+           and (lpt_env not in ("0", "false", "False") if lpt_env
+                else int(head_dim) not in _FWD_LPT_OFF and not (short and int(head_dim) in _FWD_LPT_SHORT_OFF)))
     return {"kernel": "FlashFwdSm90", "dtype": _DTYPE_NAMES.get(dtype, str(dtype)), "head_dim": int(head_dim),
             "stages": stages, **({"block_n": block_n} if block_n != 128 else {}), **emu_cfg,
             **({"warpgroups": warpgroups} if warpgroups != 2 else {}),
@@ -241,7 +255,7 @@ def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varle
             **({"lpt": True} if lpt else {})}
 
 
-_TMA_O_SHORT = _tma_o_short_dims()  # head dims with the "short" TMA O rule (see _fwd_config)
+_SHORT_DIMS = _short_dims()  # head dims with a short-key kernel (see _fwd_config)
 
 
 def _long_rule(head_dim, causal):
@@ -665,7 +679,7 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=_NO_W
         # Dense, no window or softcap (the common call): forward() without its general-case work.
         key = (dtype, D, bool(causal), arch, False, False)
         if Sk <= _TMA_O_SHORT_SK:
-            fn = _kernels.get(key + ("short",) if D in _TMA_O_SHORT else key)
+            fn = _kernels.get(key + ("short",) if D in _SHORT_DIMS else key)
         else:
             fn = _kernels.get(key + ("long",) if Sk >= _FWD_LONG_SK and (D, key[2]) in _FWD_LONG_ON else key)
         if fn is not None and B * max(Sq * H, Sk * Hk) * D < _MAX_ELEMS:
@@ -833,7 +847,7 @@ def forward(q, k, v, softmax_scale, causal, arch="sm_90a", window_left=-1, windo
         causal = causal and not local
         # (the "short" kernel: plain dense calls of a short key length, see _TMA_O_SHORT_SK)
         plain = not (local or capped or sink is not None)
-        short = k.shape[1] <= _TMA_O_SHORT_SK and D in _TMA_O_SHORT and plain
+        short = k.shape[1] <= _TMA_O_SHORT_SK and D in _SHORT_DIMS and plain
         # (and the "long" one: plain dense calls of a long key length, see _FWD_LONG)
         long = k.shape[1] >= _FWD_LONG_SK and (D, causal) in _FWD_LONG_ON and plain
         fn = (_kernels.get((q.dtype, D, causal, arch, local, capped) + (("sink",) if sink is not None else ())
