@@ -34,14 +34,21 @@ def _env(**extra):
     return env
 
 
+@pytest.fixture(autouse=True)
+def _direct_o_store(monkeypatch):
+    """The tests' configuration (CONFIG: bf16 d128 non-causal) with the direct O store, as the precompiled
+    fixture builds it: in-process keys, and the child processes (which inherit the environment), agree with it
+    (unset, d128 takes the TMA O store: another entry)."""
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_TMA_O", "0")
+
+
 @pytest.fixture(scope="module")
 def precompiled(tmp_path_factory):
     """A cache folder filled by the command line entry point, in its own process."""
     out = tmp_path_factory.mktemp("precompiled")
     cmd = [sys.executable, "-m", "flash_attn.cute.precompile", "--arch", "sm_90a", "--out", str(out),
            "--dtypes", "bf16", "--head-dims", "128", "--causal", "false"]
-    # FLASH_ATTN_CUTE_FWD_TMA_O=0: not the short-key kernel as well (test_cute_tma_o.py builds that one); the
-    # usual kernel's entry is the same with the variable unset
+    # FLASH_ATTN_CUTE_FWD_TMA_O=0: the direct O store (see _direct_o_store)
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(FLASH_ATTN_CUTE_FWD_TMA_O="0"), capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
