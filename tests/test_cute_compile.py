@@ -74,14 +74,20 @@ def test_ptx_loads_with_tma_and_mbarriers(ptx):
     assert "expect_tx" in text
 
 
-def test_ptx_stores_o_from_registers_by_default(ptx):
-    """O goes straight from registers to global memory unless FLASH_ATTN_CUTE_FWD_TMA_O is on
-    (tests/test_cute_tma_o.py): no shared -> global bulk tensor store, no async-proxy fence."""
-    _, text = ptx
+def test_ptx_o_store_follows_the_config(ptx):
+    """O goes through shared memory and a TMA store exactly where the config says tma_o (by default the plain
+    dense d128 / d256 calls but fp16 d128 non-causal, see tests/test_cute_tma_o.py), else straight from
+    registers to global memory: no shared -> global bulk tensor store, no async-proxy fence."""
+    from flash_attn.cute import interface
+
+    (dtype, d, causal, local, softcap, varlen), text = ptx
+    tma_o = interface._fwd_config(dtype, d, causal, "sm_90a", local=local, softcap=softcap, varlen=varlen).get(
+        "tma_o", False)
+    assert tma_o == (d == 128 and not (local or softcap or varlen) and (dtype, causal) != (torch.float16, False))
     assert "cp.async.bulk.tensor" in text  # the loads
-    assert not any(line.lstrip().startswith("cp.async.bulk.tensor") and ".global.shared::cta" in line
-                   for line in text.splitlines())
-    assert "fence.proxy.async" not in text
+    assert any(line.lstrip().startswith("cp.async.bulk.tensor") and ".global.shared::cta" in line
+               for line in text.splitlines()) == tma_o
+    assert ("fence.proxy.async" in text) == tma_o
 
 
 def test_ptx_is_warp_specialised(ptx):
@@ -500,6 +506,7 @@ def three_wg(request, tmp_path_factory):
                     "FLASH_ATTN_CUTE_FWD_WG_ORDER"):
             mp.delenv(var, raising=False)
         mp.setenv("FLASH_ATTN_CUTE_FWD_WARPGROUPS", "3")
+        mp.setenv("FLASH_ATTN_CUTE_FWD_TMA_O", "0")  # the direct O store: these tests count the named barriers
         config = interface._fwd_config(dtype, d, causal, "sm_90a", **kw)
         compile_fwd(dtype, d, causal, arch="sm_90a", dump_dir=str(dump), **kw)
     (path,) = glob.glob(str(dump / "*.ptx"))

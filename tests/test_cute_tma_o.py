@@ -38,6 +38,8 @@ def _clear(mp):
 # (head dim, causal): d64 without a mask has 3 consumer warpgroups (BLOCK_M 192), the others 2; d64 is
 # persistent by default, so these compile with FLASH_ATTN_CUTE_FWD_PERSISTENT=0. d256: BLOCK_N 80, 2 stages.
 CONFIGS = [(64, False), (64, True), (128, False), (128, True), (256, False), (256, True)]
+# the TMA O kernels of the default rules in fp16 (bf16 above; fp16 d128 non-causal is _TMA_O_SPILLS')
+CONFIGS_FP16 = [(128, True), (256, False), (256, True)]
 
 
 @pytest.fixture(scope="module", params=CONFIGS, ids=lambda c: f"d{c[0]}-{'causal' if c[1] else 'full'}")
@@ -78,6 +80,46 @@ def test_ptx_stores_o_with_tma(tma_o_ptx):
 def test_tma_o_fits_the_registers(tma_o_ptx, tmp_path):
     (d, causal), _, _, path = tma_o_ptx
     assert_ptxas_clean(path)
+
+
+def _ptxas_report(dtype, d, causal, tmp, env):
+    from flash_attn.cute import interface
+
+    with pytest.MonkeyPatch.context() as mp:
+        _clear(mp)
+        for var, value in env.items():
+            mp.setenv(var, value)
+        config = interface._fwd_config(dtype, d, causal, "sm_90a")
+        compile_fwd(dtype, d, causal, arch="sm_90a", dump_dir=str(tmp))
+    (path,) = glob.glob(str(tmp / "*.ptx"))
+    return config, path
+
+
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas not on PATH")
+@pytest.mark.parametrize("d,causal", CONFIGS_FP16, ids=lambda v: str(v))
+def test_default_fp16_tma_o_kernels_fit_the_registers(d, causal, tmp_path):
+    """The fp16 kernels the default rules give the TMA O store: no spill, no C75xx message."""
+    config, path = _ptxas_report(torch.float16, d, causal, tmp_path, {})
+    assert config["tma_o"]
+    assert_ptxas_clean(path)
+
+
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas not on PATH")
+def test_the_excluded_tma_o_kernel_still_spills(tmp_path):
+    """_TMA_O_SPILLS: fp16 d128 non-causal keeps the direct store by default because its TMA O kernel spills
+    (forced here with the variable). When a ptxas no longer spills, this fails: drop the exclusion then."""
+    import subprocess
+
+    from flash_attn.cute import interface
+
+    assert ("fp16", 128, False) in interface._TMA_O_SPILLS
+    assert "tma_o" not in interface._fwd_config(torch.float16, 128, False, "sm_90a")
+    config, path = _ptxas_report(torch.float16, 128, False, tmp_path, {"FLASH_ATTN_CUTE_FWD_TMA_O": "128:1"})
+    assert config["tma_o"]
+    report = subprocess.run(["ptxas", "-arch=sm_90a", "-v", path, "-o", os.devnull], capture_output=True,
+                            text=True, check=True).stderr
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", report)]
+    assert spills and max(spills) > 0, report
 
 
 def test_tma_o_in_the_config_only_for_dense_one_tile_calls(monkeypatch):

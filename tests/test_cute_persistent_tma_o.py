@@ -1,0 +1,149 @@
+"""flash_attn.cute's persistent forward with the TMA O store (FLASH_ATTN_CUTE_FWD_PERSISTENT_TMA_O=1: FlashFwdSm90
+persistent + tma_o): its config (an O buffer of its own, fewer K / V stages where needed), the kernel's PTX for
+sm_90a (no GPU: the bulk store, the wait for its reads before the buffer is written again, the wait for the last
+store at the end; ptxas spills nothing), and on a Hopper GPU (tests marked gpu) out and lse bitwise equal to the
+persistent kernel's direct store."""
+import glob
+import os
+import re
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("cutlass.cute")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PKG = os.path.join(ROOT, "packages", "flash-attn-4")
+if _PKG not in sys.path:
+    sys.path.insert(0, _PKG)
+
+from flash_attn.cute import interface  # noqa: E402
+from flash_attn.cute.flash_fwd_sm90 import FlashFwdSm90  # noqa: E402
+from flash_attn.testing import assert_ptxas_clean  # noqa: E402
+
+_KNOBS = ("FLASH_ATTN_CUTE_FWD_PERSISTENT", "FLASH_ATTN_CUTE_FWD_PERSISTENT_TMA_O", "FLASH_ATTN_CUTE_FWD_TMA_O",
+          "FLASH_ATTN_CUTE_FWD_WARPGROUPS", "FLASH_ATTN_CUTE_BLOCK_N", "FLASH_ATTN_CUTE_STAGES",
+          "FLASH_ATTN_CUTE_FWD_LONG", "FLASH_ATTN_CUTE_FWD_SNAKE", "FLASH_ATTN_CUTE_FWD_REVERSE")
+_BULK_STORE = re.compile(r"^\s*cp\.async\.bulk\.tensor\.\d+d\.global\.shared::cta\b", re.M)
+
+
+def _clear(mp):
+    for var in _KNOBS:
+        mp.delenv(var, raising=False)
+
+
+def _on(mp, persistent=True):
+    _clear(mp)
+    mp.setenv("FLASH_ATTN_CUTE_FWD_PERSISTENT_TMA_O", "1")
+    if persistent:
+        mp.setenv("FLASH_ATTN_CUTE_FWD_PERSISTENT", "1")
+    mp.setattr(interface, "_kernels", {})  # the in-memory table does not key on the variables
+
+
+def test_config(monkeypatch):
+    """Off unless asked; on, every persistent kernel gets "tma_o" and keeps the stages that fit beside its O
+    buffer (d128: 2 of 3; d64: its 4), one-tile and varlen configs stay as they are."""
+    _clear(monkeypatch)
+    cfg = lambda d, causal, **kw: interface._fwd_config(torch.bfloat16, d, causal, "sm_90a", **kw)  # noqa: E731
+    off = {(d, c): cfg(d, c) for d in (64, 128) for c in (False, True)}
+    assert "tma_o" not in off[(64, True)] and off[(64, True)]["persistent"]
+    _on(monkeypatch, persistent=False)
+    assert cfg(64, True) == {**off[(64, True)], "tma_o": True}  # d64: persistent by default
+    assert cfg(64, False) == {**off[(64, False)], "tma_o": True}
+    assert cfg(128, True) == off[(128, True)]  # one-tile: the TMA O rules decide
+    assert "tma_o" not in cfg(64, True, varlen=True)
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_PERSISTENT", "1")
+    for d, causal, stages in [(64, True, 4), (64, False, 4), (128, True, 2), (128, False, 2)]:
+        c = cfg(d, causal)
+        assert c["persistent"] and c["tma_o"] and c["stages"] == stages, c
+        k = interface._make_kernel(c)
+        assert k.persistent and k.tma_o and k.smem_bytes() <= FlashFwdSm90.SMEM_BYTES
+    monkeypatch.setenv("FLASH_ATTN_CUTE_STAGES", "128:3")  # set explicitly: kept, and the kernel says it won't fit
+    with pytest.raises(ValueError, match="shared memory"):
+        interface._make_kernel(cfg(128, True))
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_PERSISTENT_TMA_O", "128:1")
+    monkeypatch.delenv("FLASH_ATTN_CUTE_STAGES")
+    assert cfg(128, True)["tma_o"] and "tma_o" not in cfg(64, True)
+
+
+def test_smem_bytes_counts_the_o_buffer():
+    args = (interface._cutlass_dtype(torch.bfloat16), 128, True)
+    base = FlashFwdSm90(*args, persistent=True, num_stages=2).smem_bytes()
+    assert FlashFwdSm90(*args, persistent=True, num_stages=2, tma_o=True).smem_bytes() == base + 128 * 128 * 2
+    assert FlashFwdSm90(*args, num_stages=2, tma_o=True).smem_bytes() == base  # one-tile: O reuses Q's buffer
+    with pytest.raises(ValueError, match="varlen"):
+        FlashFwdSm90(*args, varlen=True, tma_o=True)
+
+
+# (head dim, causal, consumer warpgroups)
+CONFIGS = [(64, True, 2), (64, False, 3), (128, True, 2)]
+
+
+@pytest.fixture(scope="module", params=CONFIGS, ids=lambda c: f"d{c[0]}-{'causal' if c[1] else 'full'}-wg{c[2]}")
+def ptx(request, tmp_path_factory):
+    d, causal, wg = request.param
+    dump = tmp_path_factory.mktemp("ptx_ptma")
+    with pytest.MonkeyPatch.context() as mp:
+        _on(mp)
+        mp.setenv("FLASH_ATTN_CUTE_FWD_WARPGROUPS", f"{d}:{wg}")
+        config = interface._fwd_config(torch.bfloat16, d, causal, "sm_90a")
+        assert config["persistent"] and config["tma_o"] and config.get("warpgroups", 2) == wg
+        interface.compile_fwd(torch.bfloat16, d, causal, dump_dir=str(dump))
+    (path,) = glob.glob(str(dump / "*.ptx"))
+    with open(path) as f:
+        return request.param, f.read(), path
+
+
+def test_ptx_stores_o_with_tma_and_waits_before_reuse(ptx):
+    """One bulk tensor store per warpgroup and tile; before each epilogue's stmatrix the wait for the previous
+    store's reads; after the tile loop the wait for the last store; the kernel's other instructions as ever."""
+    _, text, _ = ptx
+    assert _BULK_STORE.search(text)
+    lines = text.splitlines()
+    stm = [i for i, line in enumerate(lines) if "stmatrix" in line]
+    read_waits = [i for i, line in enumerate(lines) if re.search(r"cp\.async\.bulk\.wait_group\.read\s+0", line)]
+    full_waits = [i for i, line in enumerate(lines) if re.search(r"cp\.async\.bulk\.wait_group\s+0", line)]
+    assert stm and read_waits and full_waits
+    assert min(read_waits) < min(stm)  # the buffer is free before it is written
+    store = next(i for i, line in enumerate(lines) if _BULK_STORE.match(line))
+    assert not any(store < i < store + 40 for i in read_waits)  # not waited for right after the store
+    assert max(full_waits) > store
+    for op in ("wgmma.mma_async", "setmaxnreg", "cp.async.bulk.tensor.2d.shared::cluster.global"):
+        assert op in text, op
+
+
+def test_ptxas_spills_nothing(ptx):
+    _, _, path = ptx
+    assert_ptxas_clean(path)
+
+
+def _hopper():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_equals_the_direct_store_on_gpu(monkeypatch, d, causal):
+    """Same tiles, same code but the O store (d128: 2 K / V stages, which change no product): out and lse
+    bitwise equal to the persistent kernel's direct store, over many tiles per CTA, GQA, Sq != Sk and rows past
+    Sq in a tile (a store not clipped at Sq would overwrite the next head's rows)."""
+    from flash_attn.cute import flash_attn_func
+
+    torch.manual_seed(0)
+    for b, sq, sk, h, hk in [(2, 3001, 2500, 8, 2), (1, 1, 1, 2, 2), (3, 777, 777, 16, 16), (1, 200, 4097, 4, 1)]:
+        q = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(b, sk, hk, d, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(b, sk, hk, d, device="cuda", dtype=torch.bfloat16)
+        _clear(monkeypatch)
+        monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_PERSISTENT", "1")
+        monkeypatch.setattr(interface, "_kernels", {})
+        ref_out, ref_lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
+        _on(monkeypatch)
+        assert interface._fwd_config(torch.bfloat16, d, causal, "sm_90a")["tma_o"]
+        out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
+        torch.cuda.synchronize()
+        assert torch.equal(out, ref_out), (b, sq, sk, h, hk)
+        assert torch.equal(lse, ref_lse), (b, sq, sk, h, hk)
