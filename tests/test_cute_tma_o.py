@@ -26,7 +26,7 @@ from flash_attn.testing import assert_ptxas_clean  # noqa: E402
 _KNOBS = ("FLASH_ATTN_CUTE_BLOCK_N", "FLASH_ATTN_CUTE_EXP2_EMU", "FLASH_ATTN_CUTE_EXP2_EMU_DEGREE",
           "FLASH_ATTN_CUTE_STAGES", "FLASH_ATTN_CUTE_FWD_WARPGROUPS", "FLASH_ATTN_CUTE_FWD_WG_ORDER",
           "FLASH_ATTN_CUTE_FWD_PERSISTENT", "FLASH_ATTN_CUTE_FWD_TMA_O", "FLASH_ATTN_CUTE_FWD_LPT",
-          "FLASH_ATTN_CUTE_FWD_LONG")
+          "FLASH_ATTN_CUTE_FWD_LONG", "FLASH_ATTN_CUTE_FWD_PERSISTENT_TMA_O")
 _BULK_STORE = re.compile(r"^\s*cp\.async\.bulk\.tensor\.\d+d\.global\.shared::cta\b", re.M)
 
 
@@ -153,9 +153,13 @@ def test_tma_o_in_the_config_only_for_dense_one_tile_calls(monkeypatch):
     monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_TMA_O", "128:1")
     assert cfg(128, False)["tma_o"] is True and "tma_o" not in cfg(64, False)
     assert not interface._make_kernel(cfg(64, False)).tma_o
-    for kw in (dict(varlen=True), dict(persistent=True)):
-        with pytest.raises(ValueError, match="tma_o"):
-            FlashFwdSm90(interface._cutlass_dtype(torch.bfloat16), 128, False, tma_o=True, **kw)
+    with pytest.raises(ValueError, match="tma_o"):
+        FlashFwdSm90(interface._cutlass_dtype(torch.bfloat16), 128, False, tma_o=True, varlen=True)
+    # the persistent kernel takes it only with its own O buffer (FLASH_ATTN_CUTE_FWD_PERSISTENT_TMA_O,
+    # tests/test_cute_persistent_tma_o.py): not from this variable
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_PERSISTENT", "1")
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_TMA_O", "1")
+    assert "tma_o" not in cfg(128, False) and "tma_o" not in cfg(64, True)
 
 
 def test_tma_o_rules(monkeypatch):

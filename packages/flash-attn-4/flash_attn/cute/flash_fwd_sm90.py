@@ -164,8 +164,11 @@ class FlashFwdSm90:
         measure what the ping-pong / round robin buys. persistent: one CTA per SM loops over the tiles
         (kernel_persistent; entry point call_persistent), dense calls only (no window, softcap, varlen or
         sink). tma_o: O goes through shared memory (Q's buffer, free once the tile's last S = Q K^T is
-        done) and one TMA store per consumer warpgroup (one-tile kernel, dense calls only: a TMA box
-        would write past a packed sequence's end into the next one, so varlen keeps the direct store).
+        done) and one TMA store per consumer warpgroup (dense calls only: a TMA box would write past a packed
+        sequence's end into the next one, so varlen keeps the direct store). In the persistent kernel, whose
+        producer loads the next tile's Q into Q's buffer under the epilogue, O has a buffer of its own
+        (BLOCK_M x D more shared memory), and a tile's store is waited for (its reads of the buffer) only
+        before the next tile's epilogue writes it, so that it runs under the next tile's main loop.
         reverse: each tile walks its key blocks from the last down (key_block), so a causal or local
         tile's masked blocks come first and its warpgroups end on unmasked ones (FA3's order); both
         kernels, every mask. Without a causal mask or window only the sequence's tail block is masked,
@@ -231,8 +234,8 @@ class FlashFwdSm90:
         self.pin = bool(pin) and not (self.num_mma_warpgroups == 3 and self.sink)
         self.snake = bool(snake) and self.persistent and self.causal
         self.lpt = bool(lpt) and self.causal and not (self.persistent or self.varlen)
-        if self.tma_o and (self.varlen or self.persistent):
-            raise ValueError("tma_o: dense calls of the one-tile kernel only (no varlen, not persistent)")
+        if self.tma_o and self.varlen:
+            raise ValueError("tma_o: dense calls only (no varlen)")
         if block_n % 16 or not 16 <= block_n <= 256:
             raise ValueError(f"block_n {block_n} not a multiple of 16 in [16, 256] (WGMMA N, P's k-blocks)")
         if self.smem_bytes() > self.SMEM_BYTES:
@@ -241,8 +244,9 @@ class FlashFwdSm90:
 
     def smem_bytes(self):
         """Shared memory the kernel allocates: the barriers (padded to the tiles' 1024-byte alignment),
-        the Q tile and num_stages K and V tiles, 2-byte elements."""
-        return 1024 + 2 * self.head_dim * (self.block_m + 2 * self.num_stages * self.block_n)
+        the Q tile, num_stages K and V tiles and, persistent with tma_o, the O tile; 2-byte elements."""
+        o_rows = self.block_m if self.persistent and self.tma_o else 0
+        return 1024 + 2 * self.head_dim * (self.block_m + o_rows + 2 * self.num_stages * self.block_n)
 
     # ------------------------------------------------------------------------------------------------
     # Host side: views, TMA descriptors, launch
@@ -403,7 +407,7 @@ class FlashFwdSm90:
         sched_args = (tma_o, sched)  # sched: the lpt order's section size, else None
         if cutlass.const_expr(self.persistent):
             kernel = self.kernel_persistent
-            sched_args = sched
+            sched_args = (*sched, tma_o)
         kernel(tma_q, mQ_tma, tma_k, mK_tma, tma_v, mVt_tma, mO, mLSE, mSink, mCuSeqlensQ, mCuSeqlensK,
                mSeqUsedK, scale_log2, score_scale, softcap, window_left, window_right, sQ_layout,
                sK_layout, sVt_layout, tiled_mma_qk, tiled_mma_pv, *sched_args).launch(
@@ -460,20 +464,22 @@ class FlashFwdSm90:
                           sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
                           sVt_layout: cute.ComposedLayout, tiled_mma_qk: cute.TiledMma,
                           tiled_mma_pv: cute.TiledMma, num_m: Int32, num_hb: Int32, group: Int32,
-                          num_tiles: Int32):
+                          num_tiles: Int32, tma_o):
         """The persistent kernel (dense, causal or not): CTA b runs tiles b, b + G, b + 2G, ... below
         num_tiles (G CTAs, G <= num_tiles; order: tile_coords, with num_m, num_hb and group). The
         pipeline states carry from tile to tile, so the producer loads the next tile's K and V as soon as
         stages free up and its Q once the consumers' last S = Q K^T of the current tile is done, under
-        that tile's last P V and epilogue. O and lse go from registers to global memory (no shared-memory
-        O to guard between tiles)."""
+        that tile's last P V and epilogue. O and lse go from registers to global memory; with tma_o (its
+        atom; None otherwise) O goes through a shared-memory buffer of its own and a TMA store (_store_o_tma)."""
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
             cpasync.prefetch_descriptor(tma_q)
             cpasync.prefetch_descriptor(tma_k)
             cpasync.prefetch_descriptor(tma_v)
-        sQ, sK, sVt, q_pipe, k_pipe, v_pipe = self._shared(sQ_layout, sK_layout, sVt_layout)
+            if cutlass.const_expr(tma_o is not None):
+                cpasync.prefetch_descriptor(tma_o)
+        sQ, sK, sVt, q_pipe, k_pipe, v_pipe, sO = self._shared(sQ_layout, sK_layout, sVt_layout)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -505,7 +511,8 @@ class FlashFwdSm90:
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self._consume_persistent(mO, mLSE, sQ, sK, sVt, q_pipe, k_pipe, v_pipe, tiled_mma_qk, tiled_mma_pv,
-                                     scale_log2, tidx - self.NUM_PRODUCER_THREADS, sched, seqlen_q, seqlen_k)
+                                     scale_log2, tidx - self.NUM_PRODUCER_THREADS, sched, seqlen_q, seqlen_k,
+                                     tma_o, sO)
 
     @cute.jit
     def _produce_tile(self, tile, produce, q_state, k_state, v_state):
@@ -531,13 +538,14 @@ class FlashFwdSm90:
 
     @cute.jit
     def _consume_persistent(self, mO, mLSE, sQ, sK, sVt, q_pipe, k_pipe, v_pipe, tiled_mma_qk, tiled_mma_pv,
-                            scale_log2, ctid, sched, seqlen_q, seqlen_k):
+                            scale_log2, ctid, sched, seqlen_q, seqlen_k, tma_o=None, sO=None):
         """_consume over the CTA's tiles. Named barriers: the turn to issue GEMMs (see _consume) keeps
         circulating across tile boundaries, as every warpgroup runs the same blocks of the same tiles:
         the last warpgroup hands warpgroup 0 the first turn once, before the first tile; each warpgroup
         then passes it on after every block, the last one included (so warpgroup 0 can start its next
         tile while the others finish theirs); warpgroup 0 takes the final turn back after the last tile,
-        so that every arrival meets a wait (per barrier: arrivals = waits = blocks run, + 1 on barrier 1)."""
+        so that every arrival meets a wait (per barrier: arrivals = waits = blocks run, + 1 on barrier 1).
+        tma_o / sO: O's TMA store atom and shared-memory buffer (persistent kernels built with tma_o)."""
         BN = self.block_n
         (wg, tSrQ, tSrK, tOrV, acc_S, acc_O, tScS, tOcO, rP, tOrP, row_max, row_sum,
          corr) = self._fragments(tiled_mma_qk, tiled_mma_pv, sQ, sK, sVt, ctid)
@@ -556,7 +564,7 @@ class FlashFwdSm90:
         num_ctas, _, _ = cute.arch.grid_dim()
         consume = (mO, mLSE, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, acc_S, acc_O, tScS, tOcO, rP, tOrP,
                    row_max, row_sum, corr, k_pipe, v_pipe, q_pipe, scale_log2, ctid, wg, turn_bar, sched, seqlen_q,
-                   seqlen_k)
+                   seqlen_k, tma_o, sO)
         if cutlass.const_expr(self.snake):
             for position in cutlass.range(cute.ceil_div(sched[4], num_ctas), unroll=1):
                 tile = cta_tile(position, bid, num_ctas, True)
@@ -568,12 +576,16 @@ class FlashFwdSm90:
         if cutlass.const_expr(pingpong):
             if wg == 0:
                 cute.arch.barrier(barrier_id=1, number_of_threads=n_threads_pp)
+        if cutlass.const_expr(tma_o is not None):
+            if ctid % 128 == 0:  # the last tile's O store: done before the CTA (and its shared memory) goes
+                cute.arch.cp_async_bulk_wait_group(0, read=False)
 
     @cute.jit
     def _consume_tile(self, tile, consume, q_state, k_state, v_state):
         """The persistent consumers' work on one tile (linear index ``tile``): main loop and epilogue."""
         (mO, mLSE, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, acc_S, acc_O, tScS, tOcO, rP, tOrP, row_max,
-         row_sum, corr, k_pipe, v_pipe, q_pipe, scale_log2, ctid, wg, turn_bar, sched, seqlen_q, seqlen_k) = consume
+         row_sum, corr, k_pipe, v_pipe, q_pipe, scale_log2, ctid, wg, turn_bar, sched, seqlen_q, seqlen_k, tma_o,
+         sO) = consume
         BN = self.block_n
         m_block, head, batch, n_block_max = self._tile(tile, sched, seqlen_q, seqlen_k)
         acc_O.fill(0.0)
@@ -597,7 +609,7 @@ class FlashFwdSm90:
         # blockIdx), which costs the 3-warpgroup kernels registers they do not have.
         m_block, head, batch, _ = self._tile(_opaque(tile), sched, seqlen_q, seqlen_k)
         self._epilogue(mO, mLSE, acc_O, row_max, row_sum, tOcO, scale_log2, Float32(0.0), ctid, m_block,
-                       head, batch, Int32(0), seqlen_q)
+                       head, batch, Int32(0), seqlen_q, tma_o, sO, tiled_mma_pv)
         return q_state, k_state, v_state
 
     @cute.jit
@@ -618,7 +630,7 @@ class FlashFwdSm90:
             if cutlass.const_expr(tma_o is not None):
                 cpasync.prefetch_descriptor(tma_o)
 
-        sQ, sK, sVt, q_pipe, k_pipe, v_pipe = self._shared(sQ_layout, sK_layout, sVt_layout)
+        sQ, sK, sVt, q_pipe, k_pipe, v_pipe, _ = self._shared(sQ_layout, sK_layout, sVt_layout)
         # mbarrier inits must be visible to the async proxy (TMA) and to every thread before use.
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
@@ -649,8 +661,9 @@ class FlashFwdSm90:
                           seqlen_k, n_block_min, n_block_max, tma_o)
 
     def _shared(self, sQ_layout, sK_layout, sVt_layout):
-        """The shared-memory tiles and the Q, K, V mbarrier pipelines (trace time; no control flow, so that
-        the kernels place these ops where they call it)."""
+        """The shared-memory tiles and the Q, K, V mbarrier pipelines, and the persistent kernel's O buffer when
+        built with tma_o, else None (trace time; no control flow, so that the kernels place these ops where they
+        call it)."""
         dt, stages = self.dtype, self.num_stages
         smem = SmemAllocator()
         q_bars = smem.allocate_array(cutlass.Int64, num_elems=2, byte_alignment=8)
@@ -659,6 +672,9 @@ class FlashFwdSm90:
         sQ = smem.allocate_tensor(dt, sQ_layout.outer, byte_alignment=1024, swizzle=sQ_layout.inner)
         sK = smem.allocate_tensor(dt, sK_layout.outer, byte_alignment=1024, swizzle=sK_layout.inner)
         sVt = smem.allocate_tensor(dt, sVt_layout.outer, byte_alignment=1024, swizzle=sVt_layout.inner)
+        sO = None  # the persistent kernel's O buffer (tma_o): a tile of Q's layout
+        if cutlass.const_expr(self.persistent and self.tma_o):
+            sO = smem.allocate_tensor(dt, sQ_layout.outer, byte_alignment=1024, swizzle=sQ_layout.inner)
 
         num_mma_warps = self.num_mma_warpgroups * 4
         # Full barriers count the TMA bytes; empty barriers one arrival per consumer warp. K and V have
@@ -673,7 +689,7 @@ class FlashFwdSm90:
         q_pipe = tma_pipe(q_bars, 1, cute.size_in_bytes(dt, sQ_layout))
         k_pipe = tma_pipe(k_bars, stages, cute.size_in_bytes(dt, cute.slice_(sK_layout, (None, None, 0))))
         v_pipe = tma_pipe(v_bars, stages, cute.size_in_bytes(dt, cute.slice_(sVt_layout, (None, None, 0))))
-        return sQ, sK, sVt, q_pipe, k_pipe, v_pipe
+        return sQ, sK, sVt, q_pipe, k_pipe, v_pipe, sO
 
     @cute.jit
     def _produce(self, tma_q, mQ, tma_k, mK, tma_v, mVt, sQ, sK, sVt, q_pipe, k_pipe, v_pipe, m_block,
@@ -1036,7 +1052,8 @@ class FlashFwdSm90:
         """O / l and lse = ln(sum exp(scale * s)) = (max * scale_log2 + log2 l) * ln 2; a row with no
         visible key gets O = 0 and lse = +inf. With a sink (sink_log2 = sink * log2 e) the sum gains
         exp(sink): O / l' and lse = ln(sum exp(scale * s) + exp(sink)), so a row with no visible key
-        gets O = 0 and lse = sink. tma_o: O through Q's buffer sQ and a TMA store (_store_o_tma)."""
+        gets O = 0 and lse = sink. tma_o: O through the shared-memory buffer sQ (Q's; the persistent kernel's
+        own O buffer) and a TMA store (_store_o_tma)."""
         dt, D, BM = self.dtype, self.head_dim, self.block_m
         lane = ctid % 32
         gO = mO[None, None, head, batch]  # (Sq, D)
@@ -1084,7 +1101,10 @@ class FlashFwdSm90:
     @cute.jit
     def _store_o_tma(self, tma_o, mO, sQ, tiled_mma_pv, acc_O, ctid, m_block, head, batch):
         """O (acc_O, already divided by l) into Q's buffer with stmatrix, then this warpgroup's 64 rows to
-        global memory with one TMA store. Q's rows of this warpgroup are read only by its own S = Q K^T
+        global memory with one TMA store. Persistent kernel: sQ is O's own buffer, which the previous tile's
+        store may still be reading: the warpgroup's issuing thread waits for those reads first (then the
+        warpgroup syncs), and the new store is not waited for here but before the next tile's epilogue (and at
+        the end of _consume_persistent). Q's rows of this warpgroup are read only by its own S = Q K^T
         WGMMAs, all complete here (their last wait_group(0)), and Q's TMA load landed before the main loop
         (q_pipe.consumer_wait), so each warpgroup syncs only its own 128 threads. ptxas 13.0 then keeps the
         main loop's pipeline indices and WGMMA descriptors in per-thread registers (d128: 13 R2UR and 28
@@ -1092,6 +1112,10 @@ class FlashFwdSm90:
         neither an opaque smem address nor opaque coordinates here avoided it (not understood yet)."""
         dt, D = self.dtype, self.head_dim
         wg = cute.arch.make_warp_uniform(ctid // 128)
+        if cutlass.const_expr(self.persistent):
+            if ctid % 128 == 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            cute.arch.barrier(barrier_id=self.num_mma_warpgroups + 1 + wg, number_of_threads=128)
         rO = cute.make_rmem_tensor_like(acc_O, dt)
         rO.store(acc_O.load().to(dt))
         copy_o = cute.make_tiled_copy_C(
@@ -1107,5 +1131,6 @@ class FlashFwdSm90:
             tOsO, tOgO = _tma_tiles(tma_o, cute.local_tile(sQ, (64, D), (wg, 0)), gO)
             cute.copy(tma_o, tOsO, tOgO[None, m_block * self.num_mma_warpgroups + wg])
             cute.arch.cp_async_bulk_commit_group()
-            # The CTA's shared memory must stay until TMA has read it: wait for the reads, not the writes.
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
+            if cutlass.const_expr(not self.persistent):
+                # The CTA's shared memory must stay until TMA has read it: wait for the reads, not the writes.
+                cute.arch.cp_async_bulk_wait_group(0, read=True)

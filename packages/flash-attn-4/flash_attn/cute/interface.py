@@ -146,6 +146,13 @@ _FWD_LPT_SHORT_OFF = frozenset({128})
 # 402 / 466 / 493, with 2 warpgroups 262 / 310 / 371 / 404 / 432.
 _FWD_LONG_SK = 8192
 _FWD_LONG = {(64, True): 3}
+# FLASH_ATTN_CUTE_FWD_PERSISTENT_TMA_O=1 (or per head dim, "64:1"): the persistent kernel stores O through a
+# shared-memory buffer of its own and a TMA store, waited for only before the next tile's epilogue (FlashFwdSm90
+# tma_o with persistent), with as many K / V stages as still fit (d128: 2 instead of 3). Two consumer warpgroups
+# only (with three, d64 non-causal's default, ptxas 13.0 spills 4 bytes at their 160 registers). An experiment: compiled
+# and checked on the CPU (tests/test_cute_persistent_tma_o.py) in session 13, not yet run on a GPU. In the key
+# (as "tma_o") only when on.
+_SMEM_BYTES = 232448  # FlashFwdSm90.SMEM_BYTES (kept here: computing a config must not import CuTeDSL)
 # FLASH_ATTN_CUTE_FWD_PIN=0 (or "128:0") builds the key-block loop without flash_fwd_sm90._pin, i.e. with half of
 # a masked kernel's softmax after the P V wait (the code before session 12; an A/B knob). In the key only
 # when 0.
@@ -231,6 +238,13 @@ def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varle
     tma_o = ((tma_o_env not in ("", "0", "false", "False", "short", "plain")
               or (tma_o_env == "short" and short and plain) or (tma_o_env == "plain" and plain))
              and not varlen and not persistent)
+    if persistent and warpgroups == 2 and _per_head_dim("FLASH_ATTN_CUTE_FWD_PERSISTENT_TMA_O", head_dim) not in (
+            "", "0", "false", "False"):
+        tma_o = True  # the persistent kernel's own O buffer: fewer K / V stages where the default ones leave no room
+        if not _per_head_dim("FLASH_ATTN_CUTE_STAGES", head_dim):
+            block_m = 64 * warpgroups
+            while stages > 2 and 1024 + 2 * int(head_dim) * (2 * block_m + 2 * stages * block_n) > _SMEM_BYTES:
+                stages -= 1
     if tma_o and not _per_head_dim("FLASH_ATTN_CUTE_FWD_TMA_O", head_dim) and (
             _DTYPE_NAMES.get(dtype), int(head_dim), bool(causal) and not local) in _TMA_O_SPILLS:
         tma_o = False  # the default rule, where the TMA O kernel spills (set the variable to have it anyway)
