@@ -71,6 +71,7 @@ def test_config(monkeypatch):
 
 
 def test_smem_bytes_counts_the_o_buffer():
+    assert interface._SMEM_BYTES == FlashFwdSm90.SMEM_BYTES  # the config's copy of the kernel's limit
     args = (interface._cutlass_dtype(torch.bfloat16), 128, True)
     base = FlashFwdSm90(*args, persistent=True, num_stages=2).smem_bytes()
     assert FlashFwdSm90(*args, persistent=True, num_stages=2, tma_o=True).smem_bytes() == base + 128 * 128 * 2

@@ -127,15 +127,14 @@ _FWD_SNAKE_OFF = frozenset({64})
 # "128:0"): block (x, y, z) runs the tile of linear index x + num_m (y + H z) in tile_coords' causal order,
 # longest first over all (head, batch) pairs within L2-sized sections / longest first within each head only
 # (the order before session 13). Dense causal calls of the one-tile kernel (not varlen, windowed or
-# persistent). Unset: on but at the head dims of _FWD_LPT_OFF, and for the short-key kernel (seqlen_k <=
-# _TMA_O_SHORT_SK) of the head dims of _FWD_LPT_SHORT_OFF. In the key only when on. ncu on the H200 (d128 causal 1k b16,
+# persistent). Unset: on but for the short-key kernel (seqlen_k <= _TMA_O_SHORT_SK) of the head dims of
+# _FWD_LPT_SHORT_OFF. In the key only when on. ncu on the H200 (d128 causal 1k b16,
 # d256 causal 2k b8) had the busiest SM at 1.07x / 1.12x the mean active cycles in the former order (FA4
 # 1.02x / 1.035x); the issue model of tests/test_cute_lpt.py gives the same figures and 1.01x / 1.02x with lpt.
 # Same-process A/B (attention_cute_session13.md; bf16, 16k tokens, TFLOP/s, former -> lpt) at 1k / 2k / 4k /
 # 8k / 16k: d256 causal 385 -> 385, 482 -> 512, 552 -> 600, 605 -> 671, 681 -> 685; d128 causal 2k-16k 449 ->
 # 450, 520 -> 547, 569 -> 591, 619 -> 621, but at 1k (the short-key kernel) 393 -> 378 (7 rounds; 354 -> 343
 # without TMA O): all SMs then run tiles of one length in step, prologues at once. So not for that kernel.
-_FWD_LPT_OFF = frozenset()
 _FWD_LPT_SHORT_OFF = frozenset({128})
 # Plain dense calls (no window, softcap, varlen or sink) with seqlen_k >= _FWD_LONG_SK of these (head dim, causal)
 # pairs run the one-tile kernel with this many consumer warpgroups (a second compiled kernel, "long" in the
@@ -216,7 +215,7 @@ def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varle
     long_kernel = (long and _long_rule(head_dim, causal) and not (local or softcap or varlen or sink) and not env
                    and not os.environ.get("FLASH_ATTN_CUTE_FWD_WARPGROUPS"))
     if long_kernel:  # the one-tile kernel with _FWD_LONG's warpgroups (the variables, when set, decide instead)
-        wg_env = str(_FWD_LONG[(int(head_dim), True)])
+        wg_env = str(_FWD_LONG[(int(head_dim), bool(causal))])
     if int(head_dim) not in _FWD3_BLOCK_N and ":" not in os.environ.get("FLASH_ATTN_CUTE_FWD_WARPGROUPS", ""):
         wg_env = ""  # a bare "3" means the head dims that have 3-warpgroup tiles (a 192 x 256 Q tile does not fit)
     warpgroups = int(wg_env or table.get(int(head_dim), 2))
@@ -260,7 +259,7 @@ def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varle
     lpt_env = _per_head_dim("FLASH_ATTN_CUTE_FWD_LPT", head_dim)
     lpt = (bool(causal) and not (local or varlen or persistent)
            and (lpt_env not in ("0", "false", "False") if lpt_env
-                else int(head_dim) not in _FWD_LPT_OFF and not (short and int(head_dim) in _FWD_LPT_SHORT_OFF)))
+                else not (short and int(head_dim) in _FWD_LPT_SHORT_OFF)))
     return {"kernel": "FlashFwdSm90", "dtype": _DTYPE_NAMES.get(dtype, str(dtype)), "head_dim": int(head_dim),
             "stages": stages, **({"block_n": block_n} if block_n != 128 else {}), **emu_cfg,
             **({"warpgroups": warpgroups} if warpgroups != 2 else {}),
