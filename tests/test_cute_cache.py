@@ -36,10 +36,12 @@ def _env(**extra):
 
 @pytest.fixture(autouse=True)
 def _direct_o_store(monkeypatch):
-    """The tests' configuration (CONFIG: bf16 d128 non-causal) with the direct O store, as the precompiled
-    fixture builds it: in-process keys, and the child processes (which inherit the environment), agree with it
-    (unset, d128 takes the TMA O store: another entry)."""
+    """The tests' configuration (CONFIG: bf16 d128 non-causal) with the direct O store and no short-key kernel
+    of its own, as the precompiled fixture builds it: in-process keys, and the child processes (which inherit
+    the environment), agree with it (unset, d128 takes the TMA O store, and its short keys the persistent
+    kernel: other entries)."""
     monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_TMA_O", "0")
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_SHORT_PERSISTENT", "0")
 
 
 @pytest.fixture(scope="module")
@@ -48,9 +50,10 @@ def precompiled(tmp_path_factory):
     out = tmp_path_factory.mktemp("precompiled")
     cmd = [sys.executable, "-m", "flash_attn.cute.precompile", "--arch", "sm_90a", "--out", str(out),
            "--dtypes", "bf16", "--head-dims", "128", "--causal", "false"]
-    # FLASH_ATTN_CUTE_FWD_TMA_O=0: the direct O store (see _direct_o_store)
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(FLASH_ATTN_CUTE_FWD_TMA_O="0"), capture_output=True, text=True,
-                          timeout=600)
+    # FLASH_ATTN_CUTE_FWD_TMA_O=0, FLASH_ATTN_CUTE_FWD_SHORT_PERSISTENT=0: the direct O store, one kernel (see
+    # _direct_o_store)
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(FLASH_ATTN_CUTE_FWD_TMA_O="0", FLASH_ATTN_CUTE_FWD_SHORT_PERSISTENT="0"),
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "bf16 d128 full  : compiled" in proc.stdout, proc.stdout
     return out

@@ -93,6 +93,7 @@ def test_precompile_honours_the_switch(monkeypatch, tmp_path):
     monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_TMA_O", "0")  # not the short-key kernels as well
     monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_LONG", "0")  # nor the long-key ones
     monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_LPT", "0")  # (d128's short-key kernel differs in its CTA order)
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_SHORT_PERSISTENT", "0")  # (and d128 non-causal's is persistent)
     seen = []
 
     def stub(entry, compile_fn, root, force):

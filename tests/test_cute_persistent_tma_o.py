@@ -2,7 +2,8 @@
 persistent + tma_o): its config (an O buffer of its own, fewer K / V stages where needed), the kernel's PTX for
 sm_90a (no GPU: the bulk store, the wait for its reads before the buffer is written again, the wait for the last
 store at the end; ptxas spills nothing), and on a Hopper GPU (tests marked gpu) out and lse bitwise equal to the
-persistent kernel's direct store."""
+persistent kernel's direct store. It is the default short-key kernel (seqlen_k <= _TMA_O_SHORT_SK) of the
+(head dim, causal) pairs of interface._FWD_SHORT_PERSISTENT (d128 non-causal)."""
 import glob
 import os
 import re
@@ -24,7 +25,8 @@ from flash_attn.testing import assert_ptxas_clean  # noqa: E402
 
 _KNOBS = ("FLASH_ATTN_CUTE_FWD_PERSISTENT", "FLASH_ATTN_CUTE_FWD_PERSISTENT_TMA_O", "FLASH_ATTN_CUTE_FWD_TMA_O",
           "FLASH_ATTN_CUTE_FWD_WARPGROUPS", "FLASH_ATTN_CUTE_BLOCK_N", "FLASH_ATTN_CUTE_STAGES",
-          "FLASH_ATTN_CUTE_FWD_LONG", "FLASH_ATTN_CUTE_FWD_SNAKE", "FLASH_ATTN_CUTE_FWD_REVERSE")
+          "FLASH_ATTN_CUTE_FWD_LONG", "FLASH_ATTN_CUTE_FWD_SNAKE", "FLASH_ATTN_CUTE_FWD_REVERSE",
+          "FLASH_ATTN_CUTE_FWD_SHORT_PERSISTENT", "FLASH_ATTN_CUTE_FWD_LPT")
 _BULK_STORE = re.compile(r"^\s*cp\.async\.bulk\.tensor\.\d+d\.global\.shared::cta\b", re.M)
 
 
@@ -80,20 +82,82 @@ def test_smem_bytes_counts_the_o_buffer():
         FlashFwdSm90(*args, varlen=True, tma_o=True)
 
 
-# (head dim, causal, consumer warpgroups)
-CONFIGS = [(64, True, 2), (64, False, 2), (128, True, 2)]
+def test_short_key_default(monkeypatch):
+    """The short-key kernel of d128 non-causal (both dtypes: fp16's one-tile TMA O kernel spills, this one does
+    not) is the persistent kernel with its O buffer; causal, other head dims, long keys and calls with a window,
+    softcap, varlen or a sink keep their kernels. FLASH_ATTN_CUTE_FWD_SHORT_PERSISTENT=0 / "128:0", or the
+    persistent or warpgroup variables set: the former short-key kernel."""
+    _clear(monkeypatch)
+    cfg = lambda dt, d, causal, **kw: interface._fwd_config(dt, d, causal, "sm_90a", **kw)  # noqa: E731
+    assert interface._FWD_SHORT_PERSISTENT == {(128, False)} and 128 in interface._short_dims()
+    for dt in (torch.bfloat16, torch.float16):
+        short = cfg(dt, 128, False, short=True)
+        assert short["persistent"] and short["tma_o"] and short["stages"] == 2 and "warpgroups" not in short
+        usual = cfg(dt, 128, False)
+        assert "persistent" not in usual and usual["stages"] == 3
+        assert "persistent" not in cfg(dt, 128, True, short=True)
+        for kw in (dict(local=True), dict(softcap=True), dict(varlen=True), dict(sink=True)):
+            assert cfg(dt, 128, False, short=True, **kw) == cfg(dt, 128, False, **kw)
+        for var, value in [("FLASH_ATTN_CUTE_FWD_SHORT_PERSISTENT", "0"), ("FLASH_ATTN_CUTE_FWD_SHORT_PERSISTENT",
+                                                                           "128:0"),
+                           ("FLASH_ATTN_CUTE_FWD_PERSISTENT", "0"), ("FLASH_ATTN_CUTE_FWD_WARPGROUPS", "128:2")]:
+            monkeypatch.setenv(var, value)
+            assert "persistent" not in cfg(dt, 128, False, short=True), (var, value)
+            monkeypatch.delenv(var)
+        monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_SHORT_PERSISTENT", "64:0")  # another head dim's entry
+        assert cfg(dt, 128, False, short=True) == short
+        monkeypatch.delenv("FLASH_ATTN_CUTE_FWD_SHORT_PERSISTENT")
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_LPT", "1")  # the lpt rule no longer asks for d128's short kernel ...
+    assert 128 in interface._short_dims()  # ... this one still does
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_SHORT_PERSISTENT", "0")
+    assert 128 not in interface._short_dims()
 
 
-@pytest.fixture(scope="module", params=CONFIGS, ids=lambda c: f"d{c[0]}-{'causal' if c[1] else 'full'}-wg{c[2]}")
+def test_short_keys_select_the_persistent_kernel_per_call(monkeypatch):
+    """flash_attn_func's fast path and forward() run d128 non-causal calls with seqlen_k <= _TMA_O_SHORT_SK on the
+    "short" in-memory kernel, which fwd_kernel builds from the persistent config (with the launcher that adds the
+    SM count)."""
+    _clear(monkeypatch)
+    calls = []
+    fns = {tag: (lambda q, k, v, out, lse, *a, tag=tag: calls.append(tag)) for tag in ("usual", "short")}
+    monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")
+    base = (torch.bfloat16, 128, False, "sm_90a", False, False)
+    monkeypatch.setattr(interface, "_kernels", {base: fns["usual"], base + ("short",): fns["short"]})
+    limit = interface._TMA_O_SHORT_SK
+    for s, want in [(limit, "short"), (1, "short"), (limit + 1, "usual")]:
+        q, k, v = (torch.randn(1, s, 1, 128, dtype=torch.bfloat16) for _ in range(3))
+        interface.flash_attn_func(q, k, v)
+        interface.forward(q, k, v, 0.1, False)
+        assert calls[-2:] == [want, want], (s, calls)
+    built = []
+    monkeypatch.setattr(interface, "_kernels", {})
+    monkeypatch.setattr(interface, "load_or_build", lambda *a, **kw: built.append(kw) or (fns["usual"], "compiled"))
+    fn = interface.fwd_kernel(torch.bfloat16, 128, False, short=True)
+    assert built[-1]["short"] is True and fn is not fns["usual"]  # wrapped: the persistent launcher
+
+
+# (head dim, causal, consumer warpgroups, dtype, config): "on" the variables above, "short" the default short-key
+# kernel
+CONFIGS = [(64, True, 2, torch.bfloat16, "on"), (64, False, 2, torch.bfloat16, "on"),
+           (128, True, 2, torch.bfloat16, "on"), (128, False, 2, torch.bfloat16, "short"),
+           (128, False, 2, torch.float16, "short")]
+
+
+@pytest.fixture(scope="module", params=CONFIGS,
+                ids=lambda c: f"d{c[0]}-{'causal' if c[1] else 'full'}-wg{c[2]}-{str(c[3])[6:]}-{c[4]}")
 def ptx(request, tmp_path_factory):
-    d, causal, wg = request.param
+    d, causal, wg, dtype, how = request.param
     dump = tmp_path_factory.mktemp("ptx_ptma")
     with pytest.MonkeyPatch.context() as mp:
-        _on(mp)
-        mp.setenv("FLASH_ATTN_CUTE_FWD_WARPGROUPS", f"{d}:{wg}")
-        config = interface._fwd_config(torch.bfloat16, d, causal, "sm_90a")
+        short = how == "short"
+        if short:
+            _clear(mp)
+        else:
+            _on(mp)
+            mp.setenv("FLASH_ATTN_CUTE_FWD_WARPGROUPS", f"{d}:{wg}")
+        config = interface._fwd_config(dtype, d, causal, "sm_90a", short=short)
         assert config["persistent"] and config["tma_o"] and config.get("warpgroups", 2) == wg
-        interface.compile_fwd(torch.bfloat16, d, causal, dump_dir=str(dump))
+        interface.compile_fwd(dtype, d, causal, dump_dir=str(dump), short=short)
     (path,) = glob.glob(str(dump / "*.ptx"))
     with open(path) as f:
         return request.param, f.read(), path
@@ -153,3 +217,21 @@ def test_equals_the_direct_store_on_gpu(monkeypatch, d, causal):
         torch.cuda.synchronize()
         assert torch.equal(out, ref_out), (b, sq, sk, h, hk)
         assert torch.equal(lse, ref_lse), (b, sq, sk, h, hk)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_short_key_default_matches_reference_on_gpu(monkeypatch, dtype):
+    """d128 non-causal with seqlen_k <= _TMA_O_SHORT_SK through the default short-key kernel (persistent, TMA O):
+    odd lengths, Sq != Sk both ways, GQA, more tiles than SMs."""
+    from test_cute_compile import test_matches_reference_on_gpu
+
+    _clear(monkeypatch)
+    monkeypatch.setattr(interface, "_kernels", {})
+    limit = interface._TMA_O_SHORT_SK
+    for shape in [(1, 1, 1, 2, 2), (2, 1000, limit, 8, 2), (3, 777, 777, 16, 16), (1, 3000, 200, 4, 1),
+                  (16, limit, limit, 16, 16)]:
+        test_matches_reference_on_gpu(dtype, 128, False, *shape)
+    assert interface._fwd_config(dtype, 128, False, "sm_90a", short=True)["persistent"]
+    assert (dtype, 128, False, "sm_90a", False, False, "short") in interface._kernels

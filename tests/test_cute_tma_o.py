@@ -26,7 +26,7 @@ from flash_attn.testing import assert_ptxas_clean  # noqa: E402
 _KNOBS = ("FLASH_ATTN_CUTE_BLOCK_N", "FLASH_ATTN_CUTE_EXP2_EMU", "FLASH_ATTN_CUTE_EXP2_EMU_DEGREE",
           "FLASH_ATTN_CUTE_STAGES", "FLASH_ATTN_CUTE_FWD_WARPGROUPS", "FLASH_ATTN_CUTE_FWD_WG_ORDER",
           "FLASH_ATTN_CUTE_FWD_PERSISTENT", "FLASH_ATTN_CUTE_FWD_TMA_O", "FLASH_ATTN_CUTE_FWD_LPT",
-          "FLASH_ATTN_CUTE_FWD_LONG", "FLASH_ATTN_CUTE_FWD_PERSISTENT_TMA_O")
+          "FLASH_ATTN_CUTE_FWD_LONG", "FLASH_ATTN_CUTE_FWD_PERSISTENT_TMA_O", "FLASH_ATTN_CUTE_FWD_SHORT_PERSISTENT")
 _BULK_STORE = re.compile(r"^\s*cp\.async\.bulk\.tensor\.\d+d\.global\.shared::cta\b", re.M)
 
 
@@ -134,7 +134,10 @@ def test_tma_o_in_the_config_only_for_dense_one_tile_calls(monkeypatch):
     monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_TMA_O", "0")
     base = {(d, c, v): cfg(d, c, varlen=v) for d in (64, 128) for c in (False, True) for v in (False, True)}
     assert not any("tma_o" in b for b in base.values())
-    assert not any("tma_o" in cfg(k[0], k[1], varlen=k[2], short=True) for k in base)
+    assert not any("tma_o" in cfg(k[0], k[1], varlen=k[2], short=True) for k in base if k != (128, False, False))
+    # (d128 non-causal's short-key kernel is the persistent one, whose O buffer FLASH_ATTN_CUTE_FWD_SHORT_PERSISTENT
+    # and FLASH_ATTN_CUTE_FWD_PERSISTENT_TMA_O decide: tests/test_cute_persistent_tma_o.py)
+    assert cfg(128, False, short=True)["persistent"]
     monkeypatch.delenv("FLASH_ATTN_CUTE_FWD_TMA_O")
     for (d, causal, varlen), b in base.items():
         want = {**b, "tma_o": True} if d == 128 and not varlen else b  # d64: persistent
@@ -180,11 +183,14 @@ def test_tma_o_rules(monkeypatch):
             assert cfg(d, causal)["tma_o"] and cfg(d, causal, short=True)["tma_o"]
             for kw in (dict(local=True), dict(softcap=True), dict(sink=True), dict(varlen=True)):
                 assert "tma_o" not in cfg(d, causal, **kw) and "tma_o" not in cfg(d, causal, short=True, **kw)
-    assert cfg(256, True, short=True) == cfg(256, True) and cfg(128, False, short=True) == cfg(128, False)
+    assert cfg(256, True, short=True) == cfg(256, True) and cfg(256, False, short=True) == cfg(256, False)
+    assert cfg(128, False, short=True)["persistent"]  # d128 non-causal's short-key kernel: _FWD_SHORT_PERSISTENT
     assert cfg(128, True, short=True) == no_lpt(cfg(128, True))  # d128's short-key kernel: the former order
     for causal in (False, True):  # d64: persistent, whose kernel has no TMA O
         assert cfg(64, causal)["persistent"] and cfg(64, causal, short=True) == cfg(64, causal)
         assert "tma_o" not in cfg(64, causal)
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_SHORT_PERSISTENT", "0")  # from here the TMA O rules alone
+    assert cfg(128, False, short=True) == cfg(128, False)
     # "short" everywhere: only the short-key kernels
     monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_TMA_O", "short")
     assert interface._short_dims() == frozenset(interface._SUPPORTED_HEAD_DIMS)
@@ -247,6 +253,7 @@ def test_short_keys_select_their_kernel_per_call(monkeypatch):
     monkeypatch.undo()
     _clear(monkeypatch)
     monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_TMA_O", "0")
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_SHORT_PERSISTENT", "0")  # (else d128 non-causal's is persistent)
     built = []
     monkeypatch.setattr(interface, "_kernels", {})
     monkeypatch.setattr(interface, "load_or_build", lambda *a, **kw: built.append(kw) or (long_fn, "compiled"))
@@ -260,9 +267,10 @@ def test_short_keys_select_their_kernel_per_call(monkeypatch):
 
 
 def test_precompile_adds_the_short_key_kernels_where_they_differ(monkeypatch, tmp_path):
-    """precompile also builds the forward of short key lengths where its config differs: by default d128 causal
-    only (its CTA order; d64 is persistent, d128 / d256 take TMA O at every length); with "short" everywhere,
-    the one-tile d128 / d256 kernels; with "0" and the CTA order set, none."""
+    """precompile also builds the forward of short key lengths where its config differs: by default d128 only
+    (causal: its CTA order; non-causal: the persistent kernel; d64 is persistent, d256 takes TMA O at every
+    length); with "short" everywhere, the one-tile d256 kernels too; with "0" and the CTA order set, d128
+    non-causal's persistent one, and none once that is off too."""
     from flash_attn.cute import interface, precompile
 
     _clear(monkeypatch)
@@ -272,14 +280,19 @@ def test_precompile_adds_the_short_key_kernels_where_they_differ(monkeypatch, tm
                         or ("compiled", 0.0, None))
     run = lambda: precompile.precompile(str(tmp_path), dtypes=("bf16",), head_dims=(64, 128, 256),  # noqa: E731
                                         log=lambda *a: None)
-    for value, want in [("", [(128, True)]), ("short", [(128, False), (128, True), (256, False), (256, True)]),
-                        ("0", [(128, True)])]:
+    for value, want in [("", [(128, False), (128, True)]),
+                        ("short", [(128, False), (128, True), (256, False), (256, True)]),
+                        ("0", [(128, False), (128, True)])]:
         built.clear()
         monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_TMA_O", value)
         run()
         assert sorted(k for k in built if k[0] == "fwd") == [("fwd", d, c) for d in (64, 128, 256) for c in (False, True)]
         assert sorted((d, c) for kind, d, c in built if kind == "fwd-short") == want
     monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_LPT", "1")
+    built.clear()
+    run()
+    assert [k for k in built if k[0] == "fwd-short"] == [("fwd-short", 128, False)]
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_SHORT_PERSISTENT", "0")
     built.clear()
     run()
     assert not [k for k in built if k[0] == "fwd-short"]

@@ -102,7 +102,8 @@ _TMA_O_SHORT_SK = 1024
 _TMA_O_DEFAULT = {64: "short", 128: "plain", 256: "plain"}
 # (dtype, head dim, causal) whose TMA O kernel ptxas 13.0 (sm_90a, CuTeDSL 4.8.1) compiles with spills: the
 # default rules leave them the direct store (fp16 d128 non-causal: 12 bytes, three values kept across the main
-# loop for the epilogue; bf16, and fp16 causal, are clean: tests/test_cute_tma_o.py).
+# loop for the epilogue; bf16, and fp16 causal, are clean: tests/test_cute_tma_o.py). The one-tile kernel's: the
+# persistent kernel's own O buffer is clean there (tests/test_cute_persistent_tma_o.py).
 _TMA_O_SPILLS = frozenset({("fp16", 128, False)})
 # Key blocks walked from the last down (FlashFwdSm90 reverse, FA3's order: a causal or windowed tile's masked
 # diagonal blocks first, so its consumer warpgroups end the tile in step on unmasked blocks):
@@ -142,15 +143,25 @@ _FWD_LPT_SHORT_OFF = frozenset({128})
 # FLASH_ATTN_CUTE_FWD_WARPGROUPS, when set, decide instead). d64 causal, H200 same-process A/B
 # (attention_cute_session13.md; bf16, 16k tokens, TFLOP/s) at 1k / 2k / 4k / 8k / 16k: the default persistent
 # kernel 298 / 372 / 415 / 436 / 458, the one-tile kernel with 3 warpgroups (BLOCK_M 192, lpt order) 224 / 329 /
-# 402 / 466 / 493, with 2 warpgroups 262 / 310 / 371 / 404 / 432.
+# 402 / 466 / 493, with 2 warpgroups 262 / 310 / 371 / 404 / 432. Not d64 non-causal (attention_cute_session14.md,
+# 7 rounds): the persistent kernel (its default since session 13) and the one-tile one with 3 warpgroups tie at 8k
+# (503 / 501) and 16k (508 / 508).
 _FWD_LONG_SK = 8192
 _FWD_LONG = {(64, True): 3}
 # FLASH_ATTN_CUTE_FWD_PERSISTENT_TMA_O=1 (or per head dim, "64:1"): the persistent kernel stores O through a
 # shared-memory buffer of its own and a TMA store, waited for only before the next tile's epilogue (FlashFwdSm90
 # tma_o with persistent), with as many K / V stages as still fit (d128: 2 instead of 3). Two consumer warpgroups
-# only (with three, d64 non-causal's default, ptxas 13.0 spills 4 bytes at their 160 registers). An experiment: compiled
-# and checked on the CPU (tests/test_cute_persistent_tma_o.py) in session 13, not yet run on a GPU. In the key
+# only (with three, d64 non-causal's default, ptxas 13.0 spills 4 bytes at their 160 registers). Bitwise equal to
+# the direct store on the H200 (tests/test_cute_persistent_tma_o.py). Session 14's A/B (attention_cute_session14.md):
+# d64 causal +0..+1%; d128 persistent +1..+8%, ahead of the one-tile default only at short keys (below). In the key
 # (as "tma_o") only when on.
+# The short-key kernel (plain dense calls with seqlen_k <= _TMA_O_SHORT_SK) of these (head dim, causal) pairs is
+# the persistent kernel with its own O buffer (two warpgroups, the PERSISTENT_TMA_O config above);
+# FLASH_ATTN_CUTE_FWD_SHORT_PERSISTENT=0 (or "128:0") turns it off, and FLASH_ATTN_CUTE_FWD_PERSISTENT or
+# FLASH_ATTN_CUTE_FWD_WARPGROUPS, when set, decide instead. H200 same-process A/B (attention_cute_session14.md;
+# bf16, 16k tokens, TFLOP/s), d128 non-causal at 1k / 4k / 16k: the one-tile kernel (TMA O) 534 / 620 / 643, the
+# persistent kernel 521 / 600 / 630, with its TMA O 563 / 616 / 636. Causal at 1k: 390 / 335 / 363.
+_FWD_SHORT_PERSISTENT = frozenset({(128, False)})
 _SMEM_BYTES = 232448  # FlashFwdSm90.SMEM_BYTES (kept here: computing a config must not import CuTeDSL)
 # FLASH_ATTN_CUTE_FWD_PIN=0 (or "128:0") builds the key-block loop without flash_fwd_sm90._pin, i.e. with half of
 # a masked kernel's softmax after the P V wait (the code before session 12; an A/B knob). In the key only
@@ -196,7 +207,15 @@ def _short_dims():
     "short" in _TMA_O_DEFAULT), and the head dims of _FWD_LPT_SHORT_OFF (FLASH_ATTN_CUTE_FWD_LPT unset: their
     short-key kernel keeps the former CTA order). Read at import (the per-call paths check membership only)."""
     return frozenset(d for d in _SUPPORTED_HEAD_DIMS if _tma_o_rule(d) == "short"
-                     or (d in _FWD_LPT_SHORT_OFF and not _per_head_dim("FLASH_ATTN_CUTE_FWD_LPT", d)))
+                     or (d in _FWD_LPT_SHORT_OFF and not _per_head_dim("FLASH_ATTN_CUTE_FWD_LPT", d))
+                     or any(_short_persistent_rule(d, c) for c in (False, True)))
+
+
+def _short_persistent_rule(head_dim, causal):
+    """Whether the short-key kernel of (head_dim, causal) is the persistent one (_FWD_SHORT_PERSISTENT;
+    FLASH_ATTN_CUTE_FWD_SHORT_PERSISTENT=0, or "128:0", turns it off)."""
+    value = _per_head_dim("FLASH_ATTN_CUTE_FWD_SHORT_PERSISTENT", head_dim)
+    return (int(head_dim), bool(causal)) in _FWD_SHORT_PERSISTENT and value not in ("0", "false", "False")
 
 
 def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varlen=False, sink=False, short=False,
@@ -206,7 +225,7 @@ def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varle
     and the versions, see cache.py) and what compile_fwd builds the kernel from, so a constructor
     argument added here changes both. Plain values: computing the key must not import CuTeDSL.
     ``short``: the kernel for calls with seqlen_k <= _TMA_O_SHORT_SK (the TMA O store with the "short"
-    switch; else the same config). ``long``: the kernel for calls with seqlen_k >= _FWD_LONG_SK (see _FWD_LONG;
+    switch, the persistent kernel of _FWD_SHORT_PERSISTENT; else the same config). ``long``: the kernel for calls with seqlen_k >= _FWD_LONG_SK (see _FWD_LONG;
     else the same config)."""
     stages = int(_per_head_dim("FLASH_ATTN_CUTE_STAGES", head_dim) or _DEFAULT_STAGES.get(int(head_dim), 2))
     table = _FWD_WARPGROUPS_CAUSAL if causal or local else _FWD_WARPGROUPS
@@ -214,6 +233,10 @@ def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varle
     env = os.environ.get("FLASH_ATTN_CUTE_FWD_PERSISTENT")
     long_kernel = (long and _long_rule(head_dim, causal) and not (local or softcap or varlen or sink) and not env
                    and not os.environ.get("FLASH_ATTN_CUTE_FWD_WARPGROUPS"))
+    short_persistent = (short and _short_persistent_rule(head_dim, causal) and not (local or softcap or varlen or sink)
+                        and not env and not os.environ.get("FLASH_ATTN_CUTE_FWD_WARPGROUPS"))
+    if short_persistent:
+        wg_env = "2"
     if long_kernel:  # the one-tile kernel with _FWD_LONG's warpgroups (the variables, when set, decide instead)
         wg_env = str(_FWD_LONG[(int(head_dim), bool(causal))])
     if int(head_dim) not in _FWD3_BLOCK_N and ":" not in os.environ.get("FLASH_ATTN_CUTE_FWD_WARPGROUPS", ""):
@@ -230,21 +253,22 @@ def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varle
     emu_degree = int(os.environ.get("FLASH_ATTN_CUTE_EXP2_EMU_DEGREE") or 3)
     emu_cfg = ({"exp2_emu": emu, **({"exp2_emu_degree": emu_degree} if emu_degree != 3 else {})}
                if emu else {})
-    persistent = (((int(head_dim), bool(causal) and not local) in _FWD_PERSISTENT) if not env
+    persistent = (short_persistent or ((int(head_dim), bool(causal) and not local) in _FWD_PERSISTENT) if not env
                   else env not in ("0", "false", "False")) and not (local or softcap or varlen or sink or long_kernel)
     tma_o_env = _tma_o_rule(head_dim)
     plain = not (local or softcap or sink)
     tma_o = ((tma_o_env not in ("", "0", "false", "False", "short", "plain")
               or (tma_o_env == "short" and short and plain) or (tma_o_env == "plain" and plain))
              and not varlen and not persistent)
-    if persistent and warpgroups == 2 and _per_head_dim("FLASH_ATTN_CUTE_FWD_PERSISTENT_TMA_O", head_dim) not in (
-            "", "0", "false", "False"):
+    ptma_env = _per_head_dim("FLASH_ATTN_CUTE_FWD_PERSISTENT_TMA_O", head_dim)
+    if persistent and warpgroups == 2 and (ptma_env not in ("", "0", "false", "False")
+                                           or (short_persistent and not ptma_env)):
         tma_o = True  # the persistent kernel's own O buffer: fewer K / V stages where the default ones leave no room
         if not _per_head_dim("FLASH_ATTN_CUTE_STAGES", head_dim):
             block_m = 64 * warpgroups
             while stages > 2 and 1024 + 2 * int(head_dim) * (2 * block_m + 2 * stages * block_n) > _SMEM_BYTES:
                 stages -= 1
-    if tma_o and not _per_head_dim("FLASH_ATTN_CUTE_FWD_TMA_O", head_dim) and (
+    if tma_o and not persistent and not _per_head_dim("FLASH_ATTN_CUTE_FWD_TMA_O", head_dim) and (
             _DTYPE_NAMES.get(dtype), int(head_dim), bool(causal) and not local) in _TMA_O_SPILLS:
         tma_o = False  # the default rule, where the TMA O kernel spills (set the variable to have it anyway)
     reverse_env = _per_head_dim("FLASH_ATTN_CUTE_FWD_REVERSE", head_dim)
