@@ -49,7 +49,15 @@ def candidates(d):
             # the shared memory; 32-row steps gave NaN); dQ by the FA2-style kernel (table / 64 x 64 tiles)
             c.BWD_WS_D256_WSDK,
             dataclasses.replace(c.BWD_WS_D256_WSDK, fa2=c.BwdConfig(
-                32, 128, 8, 2, 64, 64, 4, 2, False, tma=True, split_dkdv=True))],
+                32, 128, 8, 2, 64, 64, 4, 2, False, tma=True, split_dkdv=True))] + [
+            # the FA2-style dK launch adds dQ by atomics: no dQ launch (session 14). With the dK tiles above
+            # (two stages) it needs 263-328 KB of shared memory; one stage or 64 keys per program
+            dataclasses.replace(c.BWD_WS_D256_FA2DK, dq_atomic=True, fa2=f) for f in (
+                c.BwdConfig(64, 64, 4, 1, 64, 64, 4, 2, False, tma=True, split_dkdv=True),
+                c.BwdConfig(32, 64, 4, 1, 64, 64, 4, 2, False, tma=True, split_dkdv=True),
+                c.BwdConfig(32, 64, 4, 2, 64, 64, 4, 2, False, tma=True, split_dkdv=True),
+                c.BwdConfig(32, 128, 8, 1, 64, 64, 4, 2, False, tma=True, split_dkdv=True),
+                c.BwdConfig(16, 128, 8, 2, 64, 64, 4, 2, False, tma=True, split_dkdv=True))],
     }[d]
     first = c.BWD_WS.get(d, c.BWD_WS_D256_FA2DK)
     out = [first] + [e for e in extra if e != first]
@@ -68,8 +76,10 @@ def _label(cfg):
     s = f"ws dkdv {cfg.block_m}x{cfg.block_n} {dq}"
     dk = f" split dk {cfg.dk_block_m or cfg.block_m}x{cfg.dk_block_n or cfg.block_n}"
     s += (" split dk fa2" if cfg.fa2_dk else dk) if cfg.split_dkdv else ""
+    s += " dq atomic" if cfg.dq_atomic else ""
     f = cfg.fa2
-    return s + (f" fa2 dk {f.block_m}x{f.block_n}w{f.num_warps} dq {f.dq_block_m}x{f.dq_block_n}w{f.dq_num_warps}"
+    return s + (f" fa2 dk {f.block_m}x{f.block_n}w{f.num_warps}{'' if f.num_stages == 2 else f's{f.num_stages}'}"
+                f" dq {f.dq_block_m}x{f.dq_block_n}w{f.dq_num_warps}"
                 if f is not None else "")
 
 

@@ -33,6 +33,8 @@ _INTERP_SPLIT = _configs.BwdWsConfig(16, 32, 0, 0, split_dkdv=True, dk_block_m=3
 _INTERP_BN16 = _configs.BwdWsConfig(32, 16, 0, 0)
 # dV warp-specialized, dK by the FA2-style kernel on the padded rows (d256's form)
 _INTERP_FA2DK = _configs.BwdWsConfig(16, 32, 0, 0, split_dkdv=True, fa2_dk=True)
+# ... with dQ added by the dK launch's atomics (no dQ launch)
+_INTERP_FA2DK_ATOMIC = dataclasses.replace(_INTERP_FA2DK, dq_atomic=True)
 # both launches warp-specialized, the dK one on fewer keys per program than the dV one (d256's other form)
 _INTERP_SPLIT_BN = _configs.BwdWsConfig(16, 32, 0, 0, split_dkdv=True, dk_block_m=16, dk_block_n=16)
 
@@ -107,8 +109,9 @@ def _run(spy, cfg, B, Sq, Sk, H, Hk, D, Dv, dtype, causal, seed, expect_ws=True,
 _DTYPE = torch.float16 if tb._INTERPRET else torch.bfloat16
 
 
-@pytest.mark.parametrize("cfg", [_INTERP, _INTERP_SPLIT, _INTERP_BN16, _INTERP_FA2DK, _INTERP_SPLIT_BN],
-                         ids=["one", "split", "bn16", "fa2dk", "split_bn"])
+@pytest.mark.parametrize("cfg", [_INTERP, _INTERP_SPLIT, _INTERP_BN16, _INTERP_FA2DK, _INTERP_SPLIT_BN,
+                                 _INTERP_FA2DK_ATOMIC],
+                         ids=["one", "split", "bn16", "fa2dk", "split_bn", "fa2dk_atomic"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("B,Sq,Sk,H,Hk,D", [(2, 37, 37, 2, 1, 32), (2, 29, 53, 4, 2, 32), (3, 20, 45, 2, 2, 64),
                                              (1, 1, 17, 2, 2, 32)])
@@ -125,10 +128,43 @@ def test_ws_bwd_fa2_config_override(ws_spy):
     fa2 = _configs.BwdConfig(16, 16, 1, 1, 32, 16, 1, 1, False, split_dkdv=True)
     cfg = dataclasses.replace(_INTERP_FA2DK, fa2=fa2)
     _run(ws_spy, cfg, 2, 29, 53, 4, 2, 32, 32, _DTYPE, True, seed=4)
-    plans = [p for (kind, _), p in tb._BWD_WS_PLANS.items() if kind[-1] == cfg]
+    plans = [p for (kind, _, _), p in tb._BWD_WS_PLANS.items() if kind[-1] == cfg]
     assert len(plans) == 1
     _, (_, dkdv, dq, _) = plans[0]
     assert dkdv[1][2] is fa2 and dkdv[1][0]["BLOCK_N"] == 16 and dq[0] is fa2 and dq[2]["BLOCK_M"] == 32
+
+
+def test_ws_bwd_dq_atomic_plan(ws_spy, monkeypatch):
+    """BwdWsConfig.dq_atomic: the FA2-style dK launch adds dQ by atomics and no dQ kernel runs; a deterministic
+    call keeps the dQ launch (bitwise equal to the config without atomics); into caller-given gradients too."""
+    if CUDA:
+        pytest.skip("interpreter blocks")
+    q, k, v, dout = _inputs(2, 29, 53, 4, 2, 32, 32, _DTYPE, seed=9)
+    launched = []
+    for name in ("_L_DQ", "_L_DQ_WS"):
+        real = getattr(tb, name)
+        monkeypatch.setattr(tb, name, lambda *a, real=real, name=name: launched.append(name) or real(*a))
+    det = _grads(q, k, v, dout, _INTERP_FA2DK_ATOMIC, True, deterministic=True)
+    assert launched == ["_L_DQ"]
+    plain = _grads(q, k, v, dout, _INTERP_FA2DK, True, deterministic=True)
+    assert all(torch.equal(x, y) for x, y in zip(det, plain))
+    launched.clear()
+    atomic = _grads(q, k, v, dout, _INTERP_FA2DK_ATOMIC, True)
+    assert launched == [] and ws_spy.calls == 3
+    plans = {atomic_: p for (kind, _, atomic_), p in tb._BWD_WS_PLANS.items() if kind[-1] == _INTERP_FA2DK_ATOMIC}
+    assert plans[True][1][2] is None and plans[False][1][2] is not None  # no dQ launch / the dQ launch
+    assert plans[True][1][1][1][0]["DQ_ATOMIC"] and not plans[False][1][1][1][0]["DQ_ATOMIC"]
+    ref, pt = _reference(q, k, v, dout, True)
+    for name, a, r, p in zip(("dq", "dk", "dv"), atomic, ref, pt):
+        testing.assert_close_to_ref(a, r, p, name)
+    assert torch.equal(atomic[1], plain[1]) and torch.equal(atomic[2], plain[2])  # dK, dV: the same launches
+    Sq, Sk, D = q.shape[1], k.shape[1], q.shape[-1]
+    kw = _kw(Sq, Sk, D, True)
+    out, lse, _ = tb.fwd(q, k, v, return_probs=False, **kw)
+    grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
+    got = tb.bwd(dout, q, k, v, out, lse, deterministic=False, config=_INTERP_FA2DK_ATOMIC, grads=grads, **kw)
+    assert all(g is x for g, x in zip(got, grads)) and launched == []
+    testing.assert_close_to_ref(got[0], ref[0], pt[0], "dq")
 
 
 def test_ws_bwd_split_dk_block_n(ws_spy):
@@ -137,7 +173,7 @@ def test_ws_bwd_split_dk_block_n(ws_spy):
         pytest.skip("interpreter blocks")
     _run(ws_spy, _INTERP_SPLIT_BN, 2, 29, 53, 4, 2, 32, 32, _DTYPE, True, seed=5)
     # (one plan per kind of call: the parametrized interpreter test may have added others of this config)
-    plans = [p for (kind, _), p in tb._BWD_WS_PLANS.items() if kind[-1] == _INTERP_SPLIT_BN]
+    plans = [p for (kind, _, _), p in tb._BWD_WS_PLANS.items() if kind[-1] == _INTERP_SPLIT_BN]
     assert plans
     for _, (_, dkdv, _, _) in plans:
         assert [(m["BLOCK_M"], m["BLOCK_N"], m.get("COMPUTE_DK", True), m.get("COMPUTE_DV", True))
@@ -314,7 +350,10 @@ def test_gpu_ws_bwd_real_sizes(ws_spy, D, causal, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("cfg", [_configs.BWD_WS_D256_FA2DK, _configs.BWD_WS_D256_WSDK], ids=["fa2dk", "wsdk"])
+@pytest.mark.parametrize("cfg", [_configs.BWD_WS_D256_FA2DK, _configs.BWD_WS_D256_WSDK,
+                                 dataclasses.replace(_configs.BWD_WS_D256_FA2DK, dq_atomic=True, fa2=_configs.BwdConfig(
+                                     64, 64, 4, 1, 64, 64, 4, 2, False, tma=True, split_dkdv=True))],
+                         ids=["fa2dk", "wsdk", "fa2dk_atomic"])
 def test_gpu_ws_bwd_d256_fa2_dk(ws_spy, causal, dtype, cfg):
     """d256: the warp-specialized dV launch with the FA2-style dK launch (no 32-row steps), or with the
     warp-specialized dK launch on 64 keys per program, with and without GQA, and ragged lengths; outputs

@@ -233,6 +233,12 @@ class BwdWsConfig:
     # the FA2-style kernels' config (a BwdConfig: the dQ kernel's tiles, and with fa2_dk the dK launch's);
     # None: the _BWD table's entry for the call
     fa2: object = None
+    # with fa2_dk: the dK launch also adds dS K into an fp32 dQ by atomics, and no dQ launch runs (two products
+    # fewer: Q K^T and dO V^T are not recomputed for dQ). deterministic=True calls keep the dQ launch. A tuning
+    # candidate, slower at d256 causal on the H200 (session 14, `tune_triton_bwd_ws.py --headdims 256 --causal 1
+    # --seqlens 2048,16384`, attention_session14_triton.md): 0.29-0.54 of cuDNN against the default's 0.68. The
+    # dK tiles that fit beside the dQ product's staging (one stage, or 64 keys) lose more than the dQ launch costs.
+    dq_atomic: bool = False
 
 
 # Padded head dim -> the warp-specialized backward's config. H200, bf16, 16k tokens, cuDNN SDPA's backward in

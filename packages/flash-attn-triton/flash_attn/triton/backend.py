@@ -484,12 +484,13 @@ _BWD_WS_PLANS: dict = {}
 _BWD_WS_KINDS: dict = {}  # (device, dtype, D, Dv, causal, config) -> BwdWsConfig or None
 
 
-def _bwd_ws_plan(q, k, v, dout, D, Dv, Sq, Sk, window, wr, config):
+def _bwd_ws_plan(q, k, v, dout, D, Dv, Sq, Sk, window, wr, config, deterministic=False):
     """(config, launches) of the warp-specialized backward (_bwd_ws.py) for a dense call with no softcap,
     ALiBi or dropout, or None when the call is outside what it serves (see _fwd_ws_plan: the same rules,
     with dO among the tensors the copy engine must address). ``config``: a _configs.BwdWsConfig forces it
     (tuning, the interpreter's tests); None: _configs.bwd_ws_config's choice for this GPU. ``launches``:
-    (preprocess kwargs, [(dK/dV kwargs, key)], dQ kwargs, key)."""
+    (preprocess kwargs, [(dK/dV kwargs, key)], dQ kwargs, key); dQ kwargs None: the FA2-style dK launch adds
+    dQ by atomics (config.dq_atomic, not ``deterministic``)."""
     causal = window == (False, True)
     if (window != (False, False) and not (causal and wr == 0)) or (causal and Sq > Sk) or Sk == 0 or Sq == 0:
         return None
@@ -510,7 +511,8 @@ def _bwd_ws_plan(q, k, v, dout, D, Dv, Sq, Sk, window, wr, config):
                            or k.stride(0) != Sk * k.stride(1) or v.stride(0) != Sk * v.stride(1)):
         return None
     even_k = cfg.dq_block_n == 0 or Sk % cfg.dq_block_n == 0
-    key = (kind, even_k)
+    dq_atomic = bool(cfg.dq_atomic and cfg.split_dkdv and cfg.fa2_dk and not deterministic)
+    key = (kind, even_k, dq_atomic)
     plan = _BWD_WS_PLANS.get(key)
     if plan is None:
         ws = dict(num_warps=4, num_stages=2)
@@ -520,16 +522,18 @@ def _bwd_ws_plan(q, k, v, dout, D, Dv, Sq, Sk, window, wr, config):
         if cfg.split_dkdv and cfg.fa2_dk:  # dV warp-specialized, dK by the FA2-style kernel (cfg.fa2 or the table)
             fa2_cfg, _, _, _, fa2_dkdv, _ = _bwd_plan(q, D, Dv, False, window, False, False, False, True, cfg.fa2)
             dk_meta = next((m for m, _ in fa2_dkdv if m.get("COMPUTE_DV", True) is False), None)
-            dk_meta = dict(dk_meta or fa2_dkdv[0][0], COMPUTE_DV=False, DQ_ATOMIC=False)
+            dk_meta = dict(dk_meta or fa2_dkdv[0][0], COMPUTE_DV=False, DQ_ATOMIC=dq_atomic)
             dkdv = [(dict(dkdv, COMPUTE_DK=False), _PlanKey(pk + ("dv",)), None),
-                    (dk_meta, _PlanKey(pk + ("dk", "fa2")), fa2_cfg)]
+                    (dk_meta, _PlanKey(pk + ("dk", "fa2") + (("atomic",) if dq_atomic else ())), fa2_cfg)]
         elif cfg.split_dkdv:
             dkdv = [(dict(dkdv, COMPUTE_DK=False), _PlanKey(pk + ("dv",)), None),
                     (dict(dkdv, BLOCK_M=cfg.dk_block_m or cfg.block_m, BLOCK_N=cfg.dk_block_n or cfg.block_n,
                           COMPUTE_DV=False), _PlanKey(pk + ("dk",)), None)]
         else:
             dkdv = [(dkdv, _PlanKey(pk + ("dkdv",)), None)]
-        if cfg.dq_block_m == 0:  # the FA2-style dQ kernel: cfg.fa2 or its table entry, and plan (TMA for K/V)
+        if dq_atomic:
+            dq = None
+        elif cfg.dq_block_m == 0:  # the FA2-style dQ kernel: cfg.fa2 or its table entry, and plan (TMA for K/V)
             fa2_cfg, _, dq_key, _, _, fa2_dq = _bwd_plan(q, D, Dv, False, window, False, False, False, True, cfg.fa2)
             dq = (fa2_cfg, dq_key, fa2_dq)
         else:
@@ -554,6 +558,9 @@ def _bwd_ws(ws, dout, q, k, v, out, lse, dq, dk, dv, B, H, Hk, Sq, Sk, softmax_s
               (out, dout, lse, delta, lse2, lse_n, ld, *out.stride()[:3], *dout.stride()[:3], lse.stride(0),
                lse.stride(1), sq_pad, Sq, H, qk_scale), pre, key)
     qs, ks, vs, dos = q.stride(), k.stride(), v.stride(), dout.stride()
+    dq_acc = lse  # (unused unless the dK launch adds dQ by atomics)
+    if dq_meta is None:
+        dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     for meta, dkdv_key, fa2_cfg in dkdv_metas:
         if fa2_cfg is None:
             _L_DKDV_WS((-(-Sk // meta["BLOCK_N"]), B * Hk),
@@ -562,10 +569,13 @@ def _bwd_ws(ws, dout, q, k, v, out, lse, dq, dk, dv, B, H, Hk, Sq, Sk, softmax_s
                         qk_scale), meta, dkdv_key)
         else:  # the FA2-style kernel's dK (dV off, no dQ: its DQ arguments are unused) on the padded rows
             _L_DKDV((-(-Sk // fa2_cfg.block_n), B * Hk),
-                    (q, k, v, dout, lse_n, delta, lse, dk, dv, lse, lse, lse, *qs[:3], *ks[:3], *vs[:3], *dos[:3],
-                     0, 0, 0, *dk.stride()[:3], *dv.stride()[:3], H * sq_pad, sq_pad, 0, 0, Sq, Sk, H, H // Hk,
+                    (q, k, v, dout, lse_n, delta, dq_acc, dk, dv, lse, lse, lse, *qs[:3], *ks[:3], *vs[:3],
+                     *dos[:3], *(dq_acc.stride()[:3] if dq_meta is None else (0, 0, 0)), *dk.stride()[:3],
+                     *dv.stride()[:3], H * sq_pad, sq_pad, 0, 0, Sq, Sk, H, H // Hk,
                      softmax_scale, qk_scale, 0.0, 0.0, _NO_WINDOW, 0 if meta["WINDOW_RIGHT"] else _NO_WINDOW,
                      0, 0, 0, 1.0), meta, dkdv_key)
+    if dq_meta is None:  # dQ summed by the dK launch's atomics
+        return (dq.copy_(dq_acc) if dq is not None else dq_acc.to(q.dtype)), dk, dv
     if dq is None:
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if cfg.dq_block_m == 0:  # the FA2-style dQ kernel (_bwd.py) (cfg.fa2 or the table's config) on the padded rows
@@ -614,7 +624,7 @@ def bwd(dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         softmax_scale, softcap, window_left, window_right, causal, dropout_p, rng_state)
     if _BWD_WS_ON if config is None else isinstance(config, _configs.BwdWsConfig):
         if (not varlen and softcap <= 0.0 and dropout_p <= 0.0 and alibi_slopes is None and lse.dim() == 3):
-            ws = _bwd_ws_plan(q, k, v, dout, D, Dv, Sq, Sk, window, wr, config)
+            ws = _bwd_ws_plan(q, k, v, dout, D, Dv, Sq, Sk, window, wr, config, deterministic)
             if ws is not None:
                 return _bwd_ws(ws, dout, q, k, v, out, lse, dq_out, dk, dv, B, H, Hk, Sq, Sk, softmax_scale)
         config = None  # (an explicit ws config on an ineligible call: the table's kernels)
