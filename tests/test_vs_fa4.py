@@ -1,0 +1,57 @@
+"""benchmarks/vs_fa4.py's driver on the CPU, with stub workers (fixed times per side, the order of the timing
+requests logged): the sides alternate per round, a side's figure is the median of its rounds, the table's
+ratios and the control column follow from the times, and a side that fails leaves its cells marked and the
+exit status 1."""
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import vs_fa4  # noqa: E402
+
+
+def _run(monkeypatch, tmp_path, stub, *extra):
+    log = tmp_path / "order.log"
+    monkeypatch.setenv("VS_FA4_STUB", stub)
+    monkeypatch.setenv("VS_FA4_STUB_LOG", str(log))
+    rc = vs_fa4.main(["--peer-pythonpath", str(tmp_path / "peer"), "--headdims", "64", "--seqlens", "1024",
+                      "--causal", "0,1", "--rounds", "3", "--out", str(tmp_path), *extra])
+    return rc, (tmp_path / "vs_fa4.md").read_text(), log.read_text().split()
+
+
+def test_rounds_alternate_and_ratios_follow(monkeypatch, tmp_path):
+    rc, text, order = _run(monkeypatch, tmp_path, "ours=1.0,fa4=2.0,ours2=1.25", "--control")
+    assert rc == 0
+    per_cell = ["ours", "fa4", "ours2", "fa4", "ours2", "ours", "ours2", "ours", "fa4"]
+    assert order == per_cell * 2  # two cells, three rounds each, rotated
+    # 4 * 16 * 1024^2 * 32 * 64 / 1 ms = 137.4 TFLOP/s; causal half that
+    assert "| 64 | False | 1024 | 137 | 69 | 110 | 2.000 | 0.800 |" in text
+    assert "| 64 | True | 1024 | 69 | 34 | 55 | 2.000 | 0.800 |" in text
+    assert "geometric mean 2.000" in text and "2 of 2 cells >= 1.0" in text
+    assert "ratio to ours 0.800..0.800" in text
+    assert '"$PEER_PYTHONPATH"' in text and str(tmp_path / "peer") not in text
+
+
+def test_median_of_rounds():
+    assert vs_fa4.round_order(["a", "b", "c"], 4) == ["b", "c", "a"]
+    cells = [(64, 1024, False, 16, 32)]
+
+    class Fake:
+        def __init__(self, name, times):
+            self.name, self.times = name, iter(times)
+
+        def ask(self, op, **kw):
+            return {"device": "x", "versions": {}} if op == "setup" else {"ms": next(self.times)}
+
+    res, _ = vs_fa4.compare([Fake("ours", [1.0, 9.0, 1.2]), Fake("fa4", [2.0, 2.2, 0.1])], cells, 3, 1, 1,
+                            log=lambda *a: None)
+    assert res[cells[0]] == {"ours": 1.2, "fa4": 2.0}
+
+
+def test_a_failing_side_is_reported(monkeypatch, tmp_path):
+    rc, text, _ = _run(monkeypatch, tmp_path, "ours=1.0")  # the fa4 stub has no time: its worker errors
+    assert rc == 1
+    assert "| 64 | False | 1024 | 137 | error | - |" in text
