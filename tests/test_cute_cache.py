@@ -52,8 +52,8 @@ def precompiled(tmp_path_factory):
            "--dtypes", "bf16", "--head-dims", "128", "--causal", "false"]
     # FLASH_ATTN_CUTE_FWD_TMA_O=0, FLASH_ATTN_CUTE_FWD_SHORT_PERSISTENT=0: the direct O store, one kernel (see
     # _direct_o_store)
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(FLASH_ATTN_CUTE_FWD_TMA_O="0", FLASH_ATTN_CUTE_FWD_SHORT_PERSISTENT="0"),
-                          capture_output=True, text=True, timeout=600)
+    env = _env(FLASH_ATTN_CUTE_FWD_TMA_O="0", FLASH_ATTN_CUTE_FWD_SHORT_PERSISTENT="0")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "bf16 d128 full  : compiled" in proc.stdout, proc.stdout
     return out

@@ -225,8 +225,8 @@ def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varle
     and the versions, see cache.py) and what compile_fwd builds the kernel from, so a constructor
     argument added here changes both. Plain values: computing the key must not import CuTeDSL.
     ``short``: the kernel for calls with seqlen_k <= _TMA_O_SHORT_SK (the TMA O store with the "short"
-    switch, the persistent kernel of _FWD_SHORT_PERSISTENT; else the same config). ``long``: the kernel for calls with seqlen_k >= _FWD_LONG_SK (see _FWD_LONG;
-    else the same config)."""
+    switch, the persistent kernel of _FWD_SHORT_PERSISTENT; else the same config). ``long``: the kernel for
+    calls with seqlen_k >= _FWD_LONG_SK (see _FWD_LONG; else the same config)."""
     stages = int(_per_head_dim("FLASH_ATTN_CUTE_STAGES", head_dim) or _DEFAULT_STAGES.get(int(head_dim), 2))
     table = _FWD_WARPGROUPS_CAUSAL if causal or local else _FWD_WARPGROUPS
     wg_env = _per_head_dim("FLASH_ATTN_CUTE_FWD_WARPGROUPS", head_dim)
