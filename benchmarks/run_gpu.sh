@@ -3,7 +3,7 @@
 # benchmarks. Logs and result tables go under $OUT.
 #   run command="bash benchmarks/run_gpu.sh [STEP ...]"      (device tool; $OUT is set there)
 # STEPs (default: tests attention norm models train): tests rest attention cute cutebwd norm ops models train ncu
-#   ncusrc profile tunetriton abfwd overhead vsfa4
+#   ncusrc profile tunetriton abfwd overhead vsfa4 sanitize
 #   tests      the GPU-marked tests (bf16, real sizes; GPU_TESTS, GPU_TEST_TIMEOUT)   rest   the rest on CUDA
 #   attention  bench_attention, full grid                  cute   bench_attention, cute only, short grid
 #   cutebwd    bench_cute_bwd: the cute backward (flash_bwd_sm90) vs Triton's, bf16 d64/d128, S 2k/8k
@@ -17,6 +17,9 @@
 #              (PROFILE_ARGS: profile_cute.py arguments for ncu and ncusrc, e.g. "--headdim 64 --causal")
 #   abfwd      ab_cute_fwd.py with $AB_ARGS (e.g. '--headdims 128 --causal 1 --variants ";FLASH_ATTN_CUTE_FWD_PIN=0"')
 #   overhead   bench_cute_overhead.py --no-cold: per-call time of the tiny cute forward, SDPA beside it
+#   sanitize   compute-sanitizer racecheck, memcheck and synccheck (every kernel of the process) over the cases of
+#              sanitize_cute.py: one small call of every kind of cute forward kernel, each checked against the
+#              reference too
 #   vsfa4      vs_fa4.py --control: the cute forward against the released FA4 with both sides timed per cell in
 #              alternating rounds, a second worker of ours as the noise floor (VS_ARGS: more arguments)
 # With CuTeDSL brought over (see ../shared/device/README.md: two bundle calls) /tmp/cutedsl/env.sh is
@@ -64,6 +67,15 @@ for step in $STEPS; do
     rest)
         python -m pytest -q -m "not gpu" -p no:cacheprovider 2>&1 | tee "$OUT/pytest_rest.log" | tail -n 15 ;;
     attention) bench bench_attention "${peer[@]}" ;;
+    sanitize)
+        for tool in racecheck memcheck synccheck; do
+            timeout 900 compute-sanitizer --tool "$tool" --error-exitcode 1 \
+                python benchmarks/sanitize_cute.py > "$OUT/sanitize_$tool.log" 2>&1
+            rc=$?
+            [ $rc -eq 0 ] || status=1
+            echo "compute-sanitizer $tool: rc $rc; $(grep -c ': ok$' "$OUT/sanitize_$tool.log") cases ok"
+            grep -E "FAILED|ERROR SUMMARY|========= (Error|Race|Barrier|Invalid)" "$OUT/sanitize_$tool.log" | head -n 12
+        done ;;
     vsfa4) python benchmarks/vs_fa4.py --peer-pythonpath "${PEER_PYTHONPATH:?the released flash-attn-4 (bundle)}" \
                --control ${VS_ARGS:-} --out "$OUT/results" 2>&1 | tee "$OUT/vs_fa4.log" | tail -n 45 ;;
     cute) bench bench_attention --backends cute --headdims 64,128 --seqlens 1024,4096,16384 "${peer[@]}" ;;

@@ -1,0 +1,136 @@
+"""Small calls of every kind of flash_attn.cute forward kernel the default selection runs, for compute-sanitizer
+(the issue asks for racecheck and memcheck clean on a few small cases; session 1 ran racecheck on the first
+2-stage kernel only, and the persistent, TMA O, lpt, long-key and 3-warpgroup kernels came later):
+
+    compute-sanitizer --tool racecheck --error-exitcode 1 \\
+        python benchmarks/sanitize_cute.py [--only NAME,NAME] [--list]
+
+(`bash benchmarks/run_gpu.sh sanitize` runs racecheck, memcheck and synccheck over all of them.) Each case runs
+one call, checks that the kernel the selection predicts for it (``expected_config``: short-key, long-key,
+persistent, TMA O ...) is the one that ran, and compares out with the reference by the project's criterion, so a
+race that the sanitizer does not see (TMA and WGMMA use the async proxy) can still show as a wrong answer.
+Exit status 1 when a case fails.
+"""
+import argparse
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for _p in (ROOT, os.path.join(ROOT, "packages", "flash-attn-4")):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+# name -> (dtype name, head dim, batch, seqlen_q, seqlen_k, heads, kv heads, options): options as flash_attn_func
+# takes them (causal, window_size, softcap, sink) plus "varlen" (a list of (seqlen_q, seqlen_k) per sequence, the
+# batch / lengths above unused). Sizes: more tiles than a persistent kernel has CTAs (132 on an H200) where the
+# case is about the persistent loop, otherwise small.
+CASES = {
+    "d128_causal_tma_o_lpt": ("bf16", 128, 2, 1500, 1500, 4, 2, dict(causal=True)),
+    "d128_causal_short": ("bf16", 128, 2, 1000, 1000, 4, 4, dict(causal=True)),
+    "d128_short_persistent_tma_o": ("bf16", 128, 4, 900, 1000, 8, 2, dict()),
+    "d128_fp16_direct_store": ("fp16", 128, 2, 1500, 1500, 4, 4, dict()),
+    "d64_causal_persistent": ("bf16", 64, 4, 600, 600, 8, 8, dict(causal=True)),
+    "d64_persistent_3wg": ("bf16", 64, 4, 600, 700, 8, 4, dict()),
+    "d64_causal_long_3wg": ("bf16", 64, 1, 300, 8192, 2, 1, dict(causal=True)),
+    "d256_causal_tma_o": ("bf16", 256, 2, 700, 700, 2, 1, dict(causal=True)),
+    "d96_window": ("bf16", 96, 2, 500, 800, 4, 2, dict(window_size=(128, 32))),
+    "d192_softcap": ("fp16", 192, 1, 400, 400, 4, 4, dict(softcap=30.0)),
+    "d128_sink": ("bf16", 128, 2, 300, 300, 4, 2, dict(causal=True, sink=True)),
+    "d128_varlen_causal": ("bf16", 128, 0, 0, 0, 4, 2, dict(causal=True, varlen=[(300, 300), (0, 0), (129, 500),
+                                                                                 (1, 77)])),
+}
+
+
+def expected_config(case):
+    """The forward config flash_attn.cute's selection gives this case (interface._fwd_config with the short /
+    long choice forward() makes from the key length), and the in-memory key of its kernel."""
+    import torch
+
+    from flash_attn.cute import interface as ci
+
+    dt, d, b, sq, sk, h, hk, opt = case
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dt]
+    varlen = "varlen" in opt
+    if varlen:
+        sk = max(k for _, k in opt["varlen"])
+    window = opt.get("window_size", (-1, -1))
+    local = window != (-1, -1)
+    causal = bool(opt.get("causal")) and not local
+    softcap, sink = bool(opt.get("softcap")), bool(opt.get("sink"))
+    plain = not (local or softcap or sink)
+    short = not varlen and plain and sk <= ci._TMA_O_SHORT_SK and d in ci._SHORT_DIMS
+    long = not varlen and plain and sk >= ci._FWD_LONG_SK and (d, causal) in ci._FWD_LONG_ON
+    config = ci._fwd_config(dtype, d, causal, "sm_90a", local, softcap, varlen, sink, short, long)
+    key = ((dtype, d, causal, "sm_90a", local, softcap) + ((True,) if varlen else ()) + (("sink",) if sink else ())
+           + (("short",) if short else ()) + (("long",) if long else ()))
+    return config, key
+
+
+def run_case(name, case):
+    import torch
+
+    from flash_attn import testing
+    from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+    from flash_attn.cute import interface as ci
+
+    dt, d, b, sq, sk, h, hk, opt = case
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dt]
+    g = torch.Generator().manual_seed(len(name))
+    kw = {k: v for k, v in opt.items() if k in ("causal", "window_size", "softcap")}
+    sink = torch.randn(h, generator=g).cuda() if opt.get("sink") else None
+    _, key = expected_config(case)
+    if "varlen" in opt:
+        lens = opt["varlen"]
+        qs = [torch.randn(1, a, h, d, generator=g).to("cuda", dtype) for a, _ in lens]
+        ks = [torch.randn(1, c, hk, d, generator=g).to("cuda", dtype) for _, c in lens]
+        vs = [torch.randn(1, c, hk, d, generator=g).to("cuda", dtype) for _, c in lens]
+        cu = lambda n: torch.tensor([0] + [sum(n[:i + 1]) for i in range(len(n))], dtype=torch.int32,  # noqa: E731
+                                    device="cuda")
+        out, _ = flash_attn_varlen_func(torch.cat(qs, 1)[0], torch.cat(ks, 1)[0], torch.cat(vs, 1)[0],
+                                        cu([a for a, _ in lens]), cu([c for _, c in lens]), learnable_sink=sink, **kw)
+        torch.cuda.synchronize()
+        pieces = list(torch.split(out, [a for a, _ in lens]))
+        pairs = [(pieces[i][None], qs[i], ks[i], vs[i]) for i in range(len(lens)) if lens[i][0] and lens[i][1]]
+    else:
+        q = torch.randn(b, sq, h, d, generator=g).to("cuda", dtype)
+        k = torch.randn(b, sk, hk, d, generator=g).to("cuda", dtype)
+        v = torch.randn(b, sk, hk, d, generator=g).to("cuda", dtype)
+        out, _ = flash_attn_func(q, k, v, learnable_sink=sink, **kw)
+        torch.cuda.synchronize()
+        pairs = [(out, q, k, v)]
+    if key not in ci._kernels:
+        raise AssertionError(f"{name}: the kernel {key} did not run (ran: {sorted(map(str, ci._kernels))})")
+    ref_kw = dict(causal=bool(opt.get("causal")), window_size=opt.get("window_size", (-1, -1)),
+                  softcap=opt.get("softcap", 0.0), learnable_sink=sink)
+    for o, q, k, v in pairs:
+        o_ref, _ = testing.attention_ref(q, k, v, **ref_kw)
+        o_pt, _ = testing.attention_ref(q, k, v, upcast=False, reorder_ops=True, **ref_kw)
+        testing.assert_close_to_ref(o, o_ref, o_pt, f"{name} out")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", default="", help="comma-separated case names (default: all)")
+    p.add_argument("--list", action="store_true", help="print each case's expected kernel config and exit")
+    args = p.parse_args(argv)
+    names = [n for n in args.only.split(",") if n] or list(CASES)
+    unknown = [n for n in names if n not in CASES]
+    if unknown:
+        p.error(f"unknown case(s) {unknown}; known: {', '.join(CASES)}")
+    if args.list:
+        for n in names:
+            print(n, expected_config(CASES[n])[0])
+        return 0
+    failed = 0
+    for n in names:
+        try:
+            run_case(n, CASES[n])
+            print(f"{n}: ok", flush=True)
+        except Exception as e:  # every case runs; the exit status says whether one failed
+            failed += 1
+            print(f"{n}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

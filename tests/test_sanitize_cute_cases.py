@@ -1,0 +1,74 @@
+"""benchmarks/sanitize_cute.py's cases (run under compute-sanitizer on a GPU) cover every kind of forward kernel the
+default selection runs, and its prediction of which kernel a case runs agrees with the dispatch (CPU: the
+in-memory kernel table stubbed, the calls' tensors on the CPU)."""
+import os
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("cutlass.cute")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import sanitize_cute  # noqa: E402
+from flash_attn.cute import interface  # noqa: E402
+
+_KNOBS = [v for v in os.environ if v.startswith("FLASH_ATTN_CUTE_")]
+
+
+@pytest.fixture(autouse=True)
+def _defaults(monkeypatch):
+    for var in _KNOBS:
+        monkeypatch.delenv(var, raising=False)
+
+
+def test_cases_cover_every_kernel_kind():
+    configs = {name: sanitize_cute.expected_config(case)[0] for name, case in sanitize_cute.CASES.items()}
+    kinds = {
+        "persistent, own O buffer (short keys)": lambda c: c.get("persistent") and c.get("tma_o"),
+        "persistent, 3 warpgroups": lambda c: c.get("persistent") and c.get("warpgroups") == 3,
+        "persistent causal, 2 warpgroups": lambda c: c.get("persistent") and c["causal"] and "warpgroups" not in c,
+        "one-tile, 3 warpgroups (long keys)": lambda c: not c.get("persistent") and c.get("warpgroups") == 3,
+        "one-tile TMA O, lpt": lambda c: not c.get("persistent") and c.get("tma_o") and c.get("lpt"),
+        "one-tile TMA O causal, former order": lambda c: (not c.get("persistent") and c.get("tma_o") and c["causal"]
+                                                          and not c.get("lpt")),
+        "one-tile direct O store": lambda c: not c.get("persistent") and not c.get("tma_o"),
+        "varlen": lambda c: c.get("varlen"), "sink": lambda c: c.get("sink"), "window": lambda c: c["local"],
+        "softcap": lambda c: c["softcap"],
+    }
+    for kind, test in kinds.items():
+        assert any(test(c) for c in configs.values()), kind
+    assert {c["head_dim"] for c in configs.values()} == set(interface._SUPPORTED_HEAD_DIMS)
+    assert {c["dtype"] for c in configs.values()} == {"bf16", "fp16"}
+    assert len(set(map(str, configs.values()))) == len(configs)  # no two cases run the same kernel
+
+
+@pytest.mark.parametrize("name", [n for n, c in sanitize_cute.CASES.items() if "varlen" not in c[7]])
+def test_prediction_matches_the_dispatch(monkeypatch, name):
+    dt, d, b, sq, sk, h, hk, opt = sanitize_cute.CASES[name]
+    _, key = sanitize_cute.expected_config(sanitize_cute.CASES[name])
+    ran = []
+    monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")
+    monkeypatch.setattr(interface, "_kernels", {key: lambda *a: ran.append(key)})
+
+    def other(*a, **kw):
+        raise AssertionError(f"{name}: dispatched to another kernel ({a}, {kw}), predicted {key}")
+
+    monkeypatch.setattr(interface, "fwd_kernel", other)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dt]
+    q = torch.randn(b, sq, h, d, dtype=dtype)
+    k, v = (torch.randn(b, sk, hk, d, dtype=dtype) for _ in range(2))
+    kw = {o: x for o, x in opt.items() if o in ("causal", "window_size", "softcap")}
+    sink = torch.zeros(h) if opt.get("sink") else None
+    interface.flash_attn_func(q, k, v, learnable_sink=sink, **kw)
+    assert ran == [key]
+
+
+def test_unknown_case_is_an_error(capsys):
+    with pytest.raises(SystemExit):
+        sanitize_cute.main(["--only", "no_such_case"])
+    assert "no_such_case" in capsys.readouterr().err
+    assert sanitize_cute.main(["--list", "--only", "d64_causal_long_3wg"]) == 0
+    assert "'warpgroups': 3" in capsys.readouterr().out
