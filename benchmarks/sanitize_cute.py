@@ -5,7 +5,9 @@
     compute-sanitizer --tool racecheck --error-exitcode 1 \\
         python benchmarks/sanitize_cute.py [--only NAME,NAME] [--list]
 
-(`bash benchmarks/run_gpu.sh sanitize` runs racecheck, memcheck and synccheck over all of them.) Each case runs
+(`bash benchmarks/run_gpu.sh sanitize` runs racecheck, memcheck and synccheck over all of them;
+`CUTE_DSL_ARCH=sm_90a FLASH_ATTN_CUTE_CACHE=DIR python benchmarks/sanitize_cute.py --compile-only` builds their
+kernels on a CPU first.) Each case runs
 one call, checks that the kernel the selection predicts for it (``expected_config``: short-key, long-key,
 persistent, TMA O ...) is the one that ran, and compares out with the reference by the project's criterion, so a
 race that the sanitizer does not see (TMA and WGMMA use the async proxy) can still show as a wrong answer.
@@ -41,9 +43,10 @@ CASES = {
 }
 
 
-def expected_config(case):
+def expected_config(case, flags=False):
     """The forward config flash_attn.cute's selection gives this case (interface._fwd_config with the short /
-    long choice forward() makes from the key length), and the in-memory key of its kernel."""
+    long choice forward() makes from the key length), and the in-memory key of its kernel (``flags``: and the
+    (dtype, head dim, causal, options) that fwd_kernel / load_or_build take)."""
     import torch
 
     from flash_attn.cute import interface as ci
@@ -63,6 +66,9 @@ def expected_config(case):
     config = ci._fwd_config(dtype, d, causal, "sm_90a", local, softcap, varlen, sink, short, long)
     key = ((dtype, d, causal, "sm_90a", local, softcap) + ((True,) if varlen else ()) + (("sink",) if sink else ())
            + (("short",) if short else ()) + (("long",) if long else ()))
+    if flags:
+        return config, key, (dtype, d, causal, dict(local=local, softcap=softcap, varlen=varlen, sink=sink,
+                                                     short=short, long=long))
     return config, key
 
 
@@ -112,6 +118,9 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", default="", help="comma-separated case names (default: all)")
     p.add_argument("--list", action="store_true", help="print each case's expected kernel config and exit")
+    p.add_argument("--compile-only", action="store_true",
+                   help="build the cases' kernels into the disk cache ($FLASH_ATTN_CUTE_CACHE; no GPU needed: "
+                        "CUTE_DSL_ARCH=sm_90a) and exit")
     args = p.parse_args(argv)
     names = [n for n in args.only.split(",") if n] or list(CASES)
     unknown = [n for n in names if n not in CASES]
@@ -120,6 +129,17 @@ def main(argv=None):
     if args.list:
         for n in names:
             print(n, expected_config(CASES[n])[0])
+        return 0
+    if args.compile_only:
+        from flash_attn.cute import cache
+        from flash_attn.cute import interface as ci
+
+        if cache.cache_dir() is None:
+            p.error("--compile-only writes the disk cache: set FLASH_ATTN_CUTE_CACHE")
+        for n in names:
+            _, _, (dtype, d, causal, opts) = expected_config(CASES[n], flags=True)
+            _, how = ci.load_or_build(dtype, d, causal, "sm_90a", cache.cache_dir(), **opts)
+            print(f"{n}: {how}", flush=True)
         return 0
     failed = 0
     for n in names:

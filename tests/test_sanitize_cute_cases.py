@@ -72,3 +72,18 @@ def test_unknown_case_is_an_error(capsys):
     assert "no_such_case" in capsys.readouterr().err
     assert sanitize_cute.main(["--list", "--only", "d64_causal_long_3wg"]) == 0
     assert "'warpgroups': 3" in capsys.readouterr().out
+
+
+def test_compile_only_fills_the_disk_cache(monkeypatch, tmp_path, capsys):
+    """--compile-only builds a case's kernel (the one the selection picks: here the long-key one) into the cache."""
+    if not interface._tvm_ffi():
+        pytest.skip("the disk cache needs apache-tvm-ffi")
+    monkeypatch.setenv("FLASH_ATTN_CUTE_CACHE", str(tmp_path))
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    assert sanitize_cute.main(["--compile-only", "--only", "d64_causal_long_3wg"]) == 0
+    assert "d64_causal_long_3wg: compiled" in capsys.readouterr().out
+    assert interface.disk_entry(torch.bfloat16, 64, True, root=str(tmp_path), long=True)
+    assert not interface.disk_entry(torch.bfloat16, 64, True, root=str(tmp_path))  # not the persistent one
+    monkeypatch.setenv("FLASH_ATTN_CUTE_CACHE", "0")
+    with pytest.raises(SystemExit):
+        sanitize_cute.main(["--compile-only", "--only", "d64_causal_long_3wg"])
