@@ -23,12 +23,16 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
 
 
-def round_order(names, r):
-    """The sides' order in round r: rotated by r, so each side is timed first equally often."""
-    k = r % len(names)
-    return names[k:] + names[:k]
+def round_order(sides, r):
+    """The sides' order in round r: rotated by r, so each side is timed first equally often (the A/B harness's
+    order, ab_cute_bwd.round_order)."""
+    from ab_cute_bwd import round_order as rotated
+
+    return [side for _, side in rotated(sides, r)]
 
 
 # ----------------------------------------------------------------------------------------------------
