@@ -567,7 +567,8 @@ def _bwd_ws(ws, dout, q, k, v, out, lse, dq, dk, dv, B, H, Hk, Sq, Sk, softmax_s
                        (q, k, v, dout, lse2, delta, dk, dv, qs[1], qs[2], ks[1], ks[2], vs[1], vs[2], dos[1],
                         dos[2], *dk.stride()[:3], *dv.stride()[:3], sq_pad, Sq, Sk, H, H // Hk, B, softmax_scale,
                         qk_scale), meta, dkdv_key)
-        else:  # the FA2-style kernel's dK (dV off, no dQ: its DQ arguments are unused) on the padded rows
+        else:  # the FA2-style kernel's dK (dV off; dQ only by its atomics, else its DQ arguments are unused) on the
+            # padded rows
             _L_DKDV((-(-Sk // fa2_cfg.block_n), B * Hk),
                     (q, k, v, dout, lse_n, delta, dq_acc, dk, dv, lse, lse, lse, *qs[:3], *ks[:3], *vs[:3],
                      *dos[:3], *(dq_acc.stride()[:3] if dq_meta is None else (0, 0, 0)), *dk.stride()[:3],
