@@ -60,9 +60,7 @@ def expected_config(case, flags=False):
     local = window != (-1, -1)
     causal = bool(opt.get("causal")) and not local
     softcap, sink = bool(opt.get("softcap")), bool(opt.get("sink"))
-    plain = not (local or softcap or sink)
-    short = not varlen and plain and sk <= ci._TMA_O_SHORT_SK and d in ci._SHORT_DIMS
-    long = not varlen and plain and sk >= ci._FWD_LONG_SK and (d, causal) in ci._FWD_LONG_ON
+    short, long = ci._length_kernel(d, causal, sk, not (varlen or local or softcap or sink))
     config = ci._fwd_config(dtype, d, causal, "sm_90a", local, softcap, varlen, sink, short, long)
     key = ((dtype, d, causal, "sm_90a", local, softcap) + ((True,) if varlen else ()) + (("sink",) if sink else ())
            + (("short",) if short else ()) + (("long",) if long else ()))

@@ -231,10 +231,10 @@ def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varle
     table = _FWD_WARPGROUPS_CAUSAL if causal or local else _FWD_WARPGROUPS
     wg_env = _per_head_dim("FLASH_ATTN_CUTE_FWD_WARPGROUPS", head_dim)
     env = os.environ.get("FLASH_ATTN_CUTE_FWD_PERSISTENT")
-    long_kernel = (long and _long_rule(head_dim, causal) and not (local or softcap or varlen or sink) and not env
-                   and not os.environ.get("FLASH_ATTN_CUTE_FWD_WARPGROUPS"))
-    short_persistent = (short and _short_persistent_rule(head_dim, causal) and not (local or softcap or varlen or sink)
-                        and not env and not os.environ.get("FLASH_ATTN_CUTE_FWD_WARPGROUPS"))
+    # the length rules serve dense calls without options, and yield to the persistent / warpgroup variables
+    by_length = not (local or softcap or varlen or sink or env or os.environ.get("FLASH_ATTN_CUTE_FWD_WARPGROUPS"))
+    long_kernel = long and by_length and _long_rule(head_dim, causal)
+    short_persistent = short and by_length and _short_persistent_rule(head_dim, causal)
     if short_persistent:
         wg_env = "2"
     if long_kernel:  # the one-tile kernel with _FWD_LONG's warpgroups (the variables, when set, decide instead)
@@ -312,6 +312,14 @@ def _long_rule(head_dim, causal):
 # (head dim, causal) pairs whose calls select the long-key kernel (read at import; the per-call paths check
 # membership only)
 _FWD_LONG_ON = frozenset(pair for pair in _FWD_LONG if _long_rule(*pair))
+
+
+def _length_kernel(head_dim, causal, seqlen_k, plain):
+    """(short, long): whether a dense call (``plain``: no window, softcap or sink) of this key length runs the
+    short-key kernel (seqlen_k <= _TMA_O_SHORT_SK, see _SHORT_DIMS) or the long-key one (seqlen_k >= _FWD_LONG_SK,
+    see _FWD_LONG). flash_attn_func's fast path inlines the same choice."""
+    return (plain and seqlen_k <= _TMA_O_SHORT_SK and head_dim in _SHORT_DIMS,
+            plain and seqlen_k >= _FWD_LONG_SK and (head_dim, causal) in _FWD_LONG_ON)
 
 
 def _make_kernel(config):
@@ -889,11 +897,7 @@ def forward(q, k, v, softmax_scale, causal, arch="sm_90a", window_left=-1, windo
             lse.copy_(sink.view(1, H, 1).expand(B, H, Sq))
     elif B * Sq * H > 0:
         causal = causal and not local
-        # (the "short" kernel: plain dense calls of a short key length, see _TMA_O_SHORT_SK)
-        plain = not (local or capped or sink is not None)
-        short = k.shape[1] <= _TMA_O_SHORT_SK and D in _SHORT_DIMS and plain
-        # (and the "long" one: plain dense calls of a long key length, see _FWD_LONG)
-        long = k.shape[1] >= _FWD_LONG_SK and (D, causal) in _FWD_LONG_ON and plain
+        short, long = _length_kernel(D, causal, k.shape[1], not (local or capped or sink is not None))
         fn = (_kernels.get((q.dtype, D, causal, arch, local, capped) + (("sink",) if sink is not None else ())
                            + (("short",) if short else ()) + (("long",) if long else ()))
               or fwd_kernel(q.dtype, D, causal, arch, local=local, softcap=capped, sink=sink is not None,
