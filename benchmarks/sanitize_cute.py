@@ -23,9 +23,9 @@ for _p in (ROOT, os.path.join(ROOT, "packages", "flash-attn-4")):
         sys.path.insert(0, _p)
 
 # name -> (dtype name, head dim, batch, seqlen_q, seqlen_k, heads, kv heads, options): options as flash_attn_func
-# takes them (causal, window_size, softcap, sink) plus "varlen" (a list of (seqlen_q, seqlen_k) per sequence, the
-# batch / lengths above unused). Sizes: more tiles than a persistent kernel has CTAs (132 on an H200) where the
-# case is about the persistent loop, otherwise small.
+# takes them (causal, window_size, softcap, sink, pack_gqa) plus "varlen" (a list of (seqlen_q, seqlen_k) per
+# sequence, the batch / lengths above unused). Sizes: more tiles than a persistent kernel has CTAs (132 on an H200)
+# where the case is about the persistent loop, otherwise small.
 CASES = {
     "d128_causal_tma_o_lpt": ("bf16", 128, 2, 1500, 1500, 4, 2, dict(causal=True)),
     "d128_causal_short": ("bf16", 128, 2, 1000, 1000, 4, 4, dict(causal=True)),
@@ -40,6 +40,11 @@ CASES = {
     "d128_sink": ("bf16", 128, 2, 300, 300, 4, 2, dict(causal=True, sink=True)),
     "d128_varlen_causal": ("bf16", 128, 0, 0, 0, 4, 2, dict(causal=True, varlen=[(300, 300), (0, 0), (129, 500),
                                                                                  (1, 77)])),
+    # pack_gqa: 8 and 4 query heads per KV head; the packed kernel runs with FLASH_ATTN_CUTE_PACK_GQA=1 (run_gpu.sh
+    # sets it; without it these cases expect and run the unpacked kernels)
+    "d128_causal_pack8": ("bf16", 128, 2, 37, 700, 16, 2, dict(causal=True, pack_gqa=True)),
+    "d64_varlen_pack4_sink_window": ("bf16", 64, 0, 0, 0, 8, 2, dict(window_size=(100, 0), sink=True, pack_gqa=True,
+                                                                    varlen=[(1, 300), (45, 45), (0, 9), (200, 260)])),
 }
 
 
@@ -60,13 +65,14 @@ def expected_config(case, flags=False):
     local = window != (-1, -1)
     causal = bool(opt.get("causal")) and not local
     softcap, sink = bool(opt.get("softcap")), bool(opt.get("sink"))
-    short, long = ci._length_kernel(d, causal, sk, not (varlen or local or softcap or sink))
-    config = ci._fwd_config(dtype, d, causal, "sm_90a", local, softcap, varlen, sink, short, long)
+    pack = ci._pack_group(opt.get("pack_gqa"), h, hk)
+    short, long = ci._length_kernel(d, causal, sk, not (varlen or local or softcap or sink or pack > 1))
+    config = ci._fwd_config(dtype, d, causal, "sm_90a", local, softcap, varlen, sink, short, long, pack)
     key = ((dtype, d, causal, "sm_90a", local, softcap) + ((True,) if varlen else ()) + (("sink",) if sink else ())
-           + (("short",) if short else ()) + (("long",) if long else ()))
+           + (("short",) if short else ()) + (("long",) if long else ()) + (("pack", pack) if pack > 1 else ()))
     if flags:
         return config, key, (dtype, d, causal, dict(local=local, softcap=softcap, varlen=varlen, sink=sink,
-                                                     short=short, long=long))
+                                                     short=short, long=long, pack=pack))
     return config, key
 
 
@@ -80,7 +86,7 @@ def run_case(name, case):
     dt, d, b, sq, sk, h, hk, opt = case
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dt]
     g = torch.Generator().manual_seed(len(name))
-    kw = {k: v for k, v in opt.items() if k in ("causal", "window_size", "softcap")}
+    kw = {k: v for k, v in opt.items() if k in ("causal", "window_size", "softcap", "pack_gqa")}
     sink = torch.randn(h, generator=g).cuda() if opt.get("sink") else None
     _, key = expected_config(case)
     if "varlen" in opt:

@@ -24,7 +24,8 @@ def _defaults(monkeypatch):
         monkeypatch.delenv(var, raising=False)
 
 
-def test_cases_cover_every_kernel_kind():
+def test_cases_cover_every_kernel_kind(monkeypatch):
+    monkeypatch.setenv("FLASH_ATTN_CUTE_PACK_GQA", "1")  # as run_gpu.sh runs them
     configs = {name: sanitize_cute.expected_config(case)[0] for name, case in sanitize_cute.CASES.items()}
     kinds = {
         "persistent, own O buffer (short keys)": lambda c: c.get("persistent") and c.get("tma_o"),
@@ -37,6 +38,8 @@ def test_cases_cover_every_kernel_kind():
         "one-tile direct O store": lambda c: not c.get("persistent") and not c.get("tma_o"),
         "varlen": lambda c: c.get("varlen"), "sink": lambda c: c.get("sink"), "window": lambda c: c["local"],
         "softcap": lambda c: c["softcap"],
+        "pack_gqa": lambda c: c.get("pack_gqa") and not c.get("varlen"),
+        "pack_gqa varlen": lambda c: c.get("pack_gqa") and c.get("varlen"),
     }
     for kind, test in kinds.items():
         assert any(test(c) for c in configs.values()), kind
@@ -46,7 +49,9 @@ def test_cases_cover_every_kernel_kind():
 
 
 @pytest.mark.parametrize("name", [n for n, c in sanitize_cute.CASES.items() if "varlen" not in c[7]])
-def test_prediction_matches_the_dispatch(monkeypatch, name):
+@pytest.mark.parametrize("packed", ["0", "1"])
+def test_prediction_matches_the_dispatch(monkeypatch, name, packed):
+    monkeypatch.setenv("FLASH_ATTN_CUTE_PACK_GQA", packed)  # the pack_gqa cases: packed or not, predicted
     dt, d, b, sq, sk, h, hk, opt = sanitize_cute.CASES[name]
     _, key = sanitize_cute.expected_config(sanitize_cute.CASES[name])
     ran = []
@@ -60,7 +65,7 @@ def test_prediction_matches_the_dispatch(monkeypatch, name):
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dt]
     q = torch.randn(b, sq, h, d, dtype=dtype)
     k, v = (torch.randn(b, sk, hk, d, dtype=dtype) for _ in range(2))
-    kw = {o: x for o, x in opt.items() if o in ("causal", "window_size", "softcap")}
+    kw = {o: x for o, x in opt.items() if o in ("causal", "window_size", "softcap", "pack_gqa")}
     sink = torch.zeros(h) if opt.get("sink") else None
     interface.flash_attn_func(q, k, v, learnable_sink=sink, **kw)
     assert ran == [key]

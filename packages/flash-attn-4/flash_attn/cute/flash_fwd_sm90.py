@@ -113,6 +113,16 @@ def _pin(acc_S, row_sum, corr, tag):
                                            asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
+def packed_row(row, m_block, block_q, group):
+    """(query position, query head within the KV head's group) of row ``row`` of query tile ``m_block``
+    (python ints on the host and in tests, Int32 in the kernel): with pack_gqa (group g > 1) the tile holds
+    block_q positions of each of the g heads, head-major (each head's rows are one TMA box); else
+    (group 1, block_q = block_m) the rows are positions and the head is the CTA's."""
+    if group == 1:
+        return m_block * block_q + row, 0
+    return m_block * block_q + row % block_q, row // block_q
+
+
 def key_block(position, n_block_min, n_block_max, reverse):
     """The key block a tile processes at ``position`` of its walk over [n_block_min, n_block_max), the
     positions running n_block_min, n_block_min + 1, ... in processing order: the block itself, or with
@@ -155,7 +165,8 @@ class FlashFwdSm90:
 
     def __init__(self, dtype, head_dim, causal, local=False, softcap=False, varlen=False, block_m=None,
                  block_n=128, num_stages=2, exp2_emu=0, exp2_emu_degree=3, sink=False, num_warpgroups=2,
-                 wg_order=True, persistent=False, tma_o=False, reverse=False, pin=True, snake=True, lpt=False):
+                 wg_order=True, persistent=False, tma_o=False, reverse=False, pin=True, snake=True, lpt=False,
+                 pack_gqa=1):
         """exp2_emu: of every 16 softmax exponentials a thread computes, this many (0..16, spread evenly
         over its fragment) use a degree-exp2_emu_degree polynomial on the FMA pipe instead of MUFU.EX2
         (softmax_exp.py), to relieve the MUFU pipe. num_warpgroups: consumer warpgroups (2 or 3) of 64
@@ -181,7 +192,12 @@ class FlashFwdSm90:
         causal kernels): CTA (x, y, z) runs the tile of linear index x + num_m (y + heads z) in tile_coords'
         causal order (longest first within L2-sized sections of (head, batch) pairs), so that the blocks the
         hardware issues first are the longest ones over all heads; False: longest first within each head
-        (the x order reversed)."""
+        (the x order reversed). pack_gqa: g > 1 packs the g query heads of each KV head into one tile (the
+        kernel then serves exactly H = g * Hk; one-tile kernel only, direct O store): a CTA runs (block_m / g
+        query positions x g heads, KV head, batch), so a short query sequence (decoding) fills the tile's rows
+        and K / V are loaded once for the g heads. Tile row r is query head g * head_kv + r // (block_m / g) at
+        position m_block * (block_m / g) + r % (block_m / g) (packed_row): Q arrives as g TMA boxes of
+        (block_m / g, D), one per head, each in its own rows of the tile."""
         if not 0 <= exp2_emu <= 16 or exp2_emu_degree not in EXP2_POLY:
             raise ValueError(f"exp2_emu {exp2_emu} not in 0..16 or degree {exp2_emu_degree} not in "
                              f"{tuple(EXP2_POLY)}")
@@ -236,6 +252,14 @@ class FlashFwdSm90:
         self.lpt = bool(lpt) and self.causal and not (self.persistent or self.varlen)
         if self.tma_o and self.varlen:
             raise ValueError("tma_o: dense calls only (no varlen)")
+        self.pack_gqa = int(pack_gqa)
+        if self.pack_gqa > 1 and (self.persistent or self.tma_o):
+            raise ValueError("pack_gqa: the one-tile kernel with the direct O store only (not persistent or tma_o)")
+        if self.pack_gqa < 1 or block_m % self.pack_gqa or (block_m // self.pack_gqa) % 8:
+            raise ValueError(f"pack_gqa {pack_gqa}: block_m ({block_m}) / pack_gqa must be a whole multiple of 8 "
+                             "(the swizzle atom's rows, where each head's TMA box starts)")
+        # Query positions per tile: block_m, or block_m / g of each of the g heads with pack_gqa.
+        self.block_q = block_m // self.pack_gqa
         if block_n % 16 or not 16 <= block_n <= 256:
             raise ValueError(f"block_n {block_n} not a multiple of 16 in [16, 256] (WGMMA N, P's k-blocks)")
         if self.smem_bytes() > self.SMEM_BYTES:
@@ -288,8 +312,9 @@ class FlashFwdSm90:
         # V is the B operand of O = P V with N = D contiguous (MN-major): view it as (D, Sk, Hk, B).
         mVt = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[3, 1, 2, 0]))
         mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
-        grid = (cute.ceil_div(cute.size(mQ, mode=[0]), self.block_m), cute.size(mQ, mode=[2]),
-                cute.size(mQ, mode=[3]))
+        # pack_gqa: one tile per KV head covers its g query heads
+        heads = cute.size(mK, mode=[2]) if cutlass.const_expr(self.pack_gqa > 1) else cute.size(mQ, mode=[2])
+        grid = (cute.ceil_div(cute.size(mQ, mode=[0]), self.block_q), heads, cute.size(mQ, mode=[3]))
         sched = None
         if cutlass.const_expr(max_ctas is not None):
             # The persistent kernel's schedule (tile_coords), as kernel parameters: they stay in the
@@ -348,8 +373,8 @@ class FlashFwdSm90:
         mO = cute.make_tensor(mO.iterator, cute.append(cute.select(mO.layout, mode=[0, 2, 1]), unit))
         mVt = cute.make_tensor(mV.iterator, cute.append(cute.select(mV.layout, mode=[2, 0, 1]), unit))
         mLSE = cute.make_tensor(mLSE.iterator, cute.append(cute.select(mLSE.layout, mode=[1, 0]), unit))
-        grid = (cute.ceil_div(max_seqlen_q, self.block_m), cute.size(mQ, mode=[2]),
-                cute.size(mCuSeqlensQ, mode=[0]) - 1)
+        heads = cute.size(mK, mode=[2]) if cutlass.const_expr(self.pack_gqa > 1) else cute.size(mQ, mode=[2])
+        grid = (cute.ceil_div(max_seqlen_q, self.block_q), heads, cute.size(mCuSeqlensQ, mode=[0]) - 1)
         self._launch(mQ, mK, mVt, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, softmax_scale, softcap,
                      window_left, window_right, grid, stream, mSink)
 
@@ -383,7 +408,10 @@ class FlashFwdSm90:
             (self.num_mma_warpgroups, 1, 1))
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
-        tma_q, mQ_tma = cpasync.make_tiled_tma_atom(g2s, mQ, sQ_layout, (BM, D))
+        BQ = self.block_q
+        # pack_gqa: one (BQ, D) box per query head, into rows [j * BQ, (j + 1) * BQ) of the tile (_produce)
+        sQ_box = sQ_layout if cutlass.const_expr(BQ == BM) else cute.composition(sQ_layout, (BQ, D))
+        tma_q, mQ_tma = cpasync.make_tiled_tma_atom(g2s, mQ, sQ_box, (BQ, D))
         tma_k, mK_tma = cpasync.make_tiled_tma_atom(
             g2s, mK, cute.slice_(sK_layout, (None, None, 0)), (BN, D))
         tma_v, mVt_tma = cpasync.make_tiled_tma_atom(
@@ -446,7 +474,7 @@ class FlashFwdSm90:
             seqlen_q = mCuSeqlensQ[batch + 1] - q_start
             k_start = mCuSeqlensK[batch]
             seqlen_k = mSeqUsedK[batch]
-            if m_block * self.block_m < seqlen_q:  # the grid covers the longest sequence
+            if m_block * self.block_q < seqlen_q:  # the grid covers the longest sequence
                 self._cta(tma_q, mQ, tma_k, mK, tma_v, mVt, mO, mLSE, mSink, scale_log2, score_scale, softcap,
                           window_left, window_right, sQ_layout, sK_layout, sVt_layout, tiled_mma_qk,
                           tiled_mma_pv, m_block, head, Int32(0), q_start, k_start, seqlen_q, seqlen_k, tma_o)
@@ -617,11 +645,15 @@ class FlashFwdSm90:
              window_right, sQ_layout, sK_layout, sVt_layout, tiled_mma_qk, tiled_mma_pv, m_block, head, batch,
              q_start, k_start, seqlen_q, seqlen_k, tma_o=None):
         """One CTA's query tile: rows [m_block * BM, (m_block + 1) * BM) of the sequence that starts at
-        row q_start (keys at k_start) of batch entry `batch` of the views."""
-        BM, BN = self.block_m, self.block_n
+        row q_start (keys at k_start) of batch entry `batch` of the views (pack_gqa: positions [m_block * BQ,
+        (m_block + 1) * BQ) of the g query heads of KV head `head`, see packed_row)."""
+        BQ, BN = self.block_q, self.block_n
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        head_kv = head // (cute.size(mQ, mode=[2]) // cute.size(mK, mode=[2]))  # GQA / MQA
+        if cutlass.const_expr(self.pack_gqa > 1):
+            head_kv = head
+        else:
+            head_kv = head // (cute.size(mQ, mode=[2]) // cute.size(mK, mode=[2]))  # GQA / MQA
 
         if warp_idx == 0:
             cpasync.prefetch_descriptor(tma_q)
@@ -641,10 +673,10 @@ class FlashFwdSm90:
         n_block_max = cute.ceil_div(seqlen_k, BN)
         if cutlass.const_expr(self.causal or self.local):
             right = Int32(0) if cutlass.const_expr(self.causal) else window_right
-            last_col = (m_block + 1) * BM + seqlen_k - seqlen_q + right  # exclusive bound of visible keys
+            last_col = (m_block + 1) * BQ + seqlen_k - seqlen_q + right  # exclusive bound of visible keys
             n_block_max = cutlass.min(n_block_max, cute.ceil_div(cutlass.max(last_col, 0), BN))
         if cutlass.const_expr(self.local):
-            first_col = m_block * BM + seqlen_k - seqlen_q - window_left  # first key row m_block*BM sees
+            first_col = m_block * BQ + seqlen_k - seqlen_q - window_left  # first key row m_block*BQ sees
             n_block_min = cutlass.max(first_col, 0) // BN
 
         if warp_idx < 4:
@@ -697,18 +729,14 @@ class FlashFwdSm90:
         """The TMA loads of one tile: Q, then K and V of each visible key block. states: the persistent
         kernel's (q, k, v) producer states, carried from tile to tile and returned advanced past this tile
         (None: the one-tile kernel, which starts them here)."""
-        BM, BN, D = self.block_m, self.block_n, self.head_dim
-        mQ_h = mQ[None, None, head, batch]
+        BQ, BN, D, G = self.block_q, self.block_n, self.head_dim, self.pack_gqa
         mK_h = mK[None, None, head_kv, batch]
         mVt_h = mVt[None, None, head_kv, batch]
         if cutlass.const_expr(self.varlen):  # the sequence's first row becomes row 0
-            mQ_h = cute.domain_offset((q_start, 0), mQ_h)
             mK_h = cute.domain_offset((k_start, 0), mK_h)
             mVt_h = cute.domain_offset((0, k_start), mVt_h)
-        gQ = cute.local_tile(mQ_h, (BM, D), (None, 0))      # (BM, D, m)
         gK = cute.local_tile(mK_h, (BN, D), (None, 0))      # (BN, D, n)
         gVt = cute.local_tile(mVt_h, (D, BN), (0, None))    # (D, BN, n)
-        tQsQ, tQgQ = _tma_tiles(tma_q, sQ, gQ)
         tKsK, tKgK = _tma_tiles(tma_k, sK, gK)
         tVsV, tVgV = _tma_tiles(tma_v, sVt, gVt)
 
@@ -717,7 +745,16 @@ class FlashFwdSm90:
         else:
             q_state, k_state, v_state = states
         q_pipe.producer_acquire(q_state)
-        cute.copy(tma_q, tQgQ[None, m_block], tQsQ, tma_bar_ptr=q_pipe.producer_get_barrier(q_state))
+        # One box (G = 1), or one per query head of the KV head's group (pack_gqa), all on Q's barrier, whose
+        # transaction count is the whole tile's bytes.
+        for j in cutlass.range_constexpr(G):
+            mQ_h = mQ[None, None, (head * G + j) if G > 1 else head, batch]
+            if cutlass.const_expr(self.varlen):  # the sequence's first row becomes row 0
+                mQ_h = cute.domain_offset((q_start, 0), mQ_h)
+            gQ = cute.local_tile(mQ_h, (BQ, D), (None, 0))      # (BQ, D, m)
+            sQ_j = sQ if cutlass.const_expr(G == 1) else cute.local_tile(sQ, (BQ, D), (j, 0))
+            tQsQ, tQgQ = _tma_tiles(tma_q, sQ_j, gQ)
+            cute.copy(tma_q, tQgQ[None, m_block], tQsQ, tma_bar_ptr=q_pipe.producer_get_barrier(q_state))
 
         if cutlass.const_expr(states is None):
             k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
@@ -742,9 +779,9 @@ class FlashFwdSm90:
     def _mask(self, acc_S, tScS, m_block, n_block, seqlen_q, seqlen_k, window_left, window_right):
         """-inf for the keys past the sequence end (zero-filled by TMA) and, when causal, past each row's
         diagonal, when local, outside [diagonal - window_left, diagonal + window_right]."""
-        BM, BN = self.block_m, self.block_n
+        BN = self.block_n
         for i in cutlass.range(cute.size(acc_S), unroll_full=True):
-            row = m_block * BM + tScS[i][0]
+            row, _ = packed_row(tScS[i][0], m_block, self.block_q, self.pack_gqa)  # the query position
             col = n_block * BN + tScS[i][1]
             masked = col >= seqlen_k
             if cutlass.const_expr(self.causal):
@@ -806,13 +843,18 @@ class FlashFwdSm90:
         block j-1 has finished; the softmax of S_j then runs while P V_{j-1} is still computing. Across
         the warpgroups, named barriers pass the turn to issue GEMMs around (ping-pong with two, a round
         robin with three): one issues its GEMMs while the others do softmax."""
-        BM, BN = self.block_m, self.block_n
+        BQ, BN, G = self.block_q, self.block_n, self.pack_gqa
         (wg, tSrQ, tSrK, tOrV, acc_S, acc_O, tScS, tOcO, rP, tOrP, row_max, row_sum,
          corr) = self._fragments(tiled_mma_qk, tiled_mma_pv, sQ, sK, sVt, ctid)
-        # The head's sink logit, loaded now so that its global-memory latency hides behind the main loop.
+        # The head's sink logit, loaded now so that its global-memory latency hides behind the main loop
+        # (pack_gqa: one per row of the thread, each of its own query head).
         sink_log2 = Float32(0.0)
         if cutlass.const_expr(self.sink):
-            sink_log2 = mSink[head] * LOG2_E
+            if cutlass.const_expr(G > 1):
+                sink_log2 = [mSink[head * G + packed_row(tOcO[2 * r][0], m_block, BQ, G)[1]] * LOG2_E
+                             for r in range(2)]
+            else:
+                sink_log2 = mSink[head] * LOG2_E
 
         # Ping-pong: warpgroup w waits on named barrier 1 + w before issuing GEMMs and then lets the
         # next one go (barrier 0 is __syncthreads; 1..NW are these, nothing else in the kernel uses named
@@ -849,11 +891,11 @@ class FlashFwdSm90:
         if cutlass.const_expr(self.causal or self.local):
             right = Int32(0) if cutlass.const_expr(self.causal) else window_right
             n_block_mask_from = cutlass.min(
-                n_block_mask_from, cutlass.max(m_block * BM + seqlen_k - seqlen_q + right + 1, 0) // BN)
+                n_block_mask_from, cutlass.max(m_block * BQ + seqlen_k - seqlen_q + right + 1, 0) // BN)
         if cutlass.const_expr(self.local):
-            # the last row of the tile sees keys from (m_block + 1) * BM - 1 + Sk - Sq - window_left on
+            # the last row of the tile sees keys from (m_block + 1) * BQ - 1 + Sk - Sq - window_left on
             n_block_mask_below = cute.ceil_div(
-                cutlass.max((m_block + 1) * BM - 1 + seqlen_k - seqlen_q - window_left, 0), BN)
+                cutlass.max((m_block + 1) * BQ - 1 + seqlen_k - seqlen_q - window_left, 0), BN)
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
@@ -1053,8 +1095,9 @@ class FlashFwdSm90:
         visible key gets O = 0 and lse = +inf. With a sink (sink_log2 = sink * log2 e) the sum gains
         exp(sink): O / l' and lse = ln(sum exp(scale * s) + exp(sink)), so a row with no visible key
         gets O = 0 and lse = sink. tma_o: O through the shared-memory buffer sQ (Q's; the persistent kernel's
-        own O buffer) and a TMA store (_store_o_tma)."""
-        dt, D, BM = self.dtype, self.head_dim, self.block_m
+        own O buffer) and a TMA store (_store_o_tma). pack_gqa: ``head`` is the KV head, each row has its own
+        query head (packed_row) and sink_log2 is a pair, one per row of the thread."""
+        dt, D, BQ, G = self.dtype, self.head_dim, self.block_q, self.pack_gqa
         lane = ctid % 32
         gO = mO[None, None, head, batch]  # (Sq, D)
         for r in cutlass.range_constexpr(2):
@@ -1067,12 +1110,13 @@ class FlashFwdSm90:
                 # Rebase l (relative to the row max) and the sink term to their common max. A row with no
                 # visible key has m2 = -inf and l = 0: its scale exp2(m2 - m) is 0 and l becomes exp2(0);
                 # when the sink is -inf too, m = 0 keeps every difference free of inf - inf.
+                sink_r = sink_log2[r] if G > 1 else sink_log2
                 m2 = row_max[r] * scale_log2
-                m = cute.arch.fmax(m2, sink_log2)
+                m = cute.arch.fmax(m2, sink_r)
                 if m == -Float32.inf:
                     m = Float32(0.0)
                 rescale = cute.math.exp2(m2 - m, fastmath=True)
-                l = l * rescale + cute.math.exp2(sink_log2 - m, fastmath=True)
+                l = l * rescale + cute.math.exp2(sink_r - m, fastmath=True)
                 if l > 0.0:
                     inv = rescale / l
                     lse = (m + cute.math.log2(l)) * LN_2
@@ -1080,13 +1124,17 @@ class FlashFwdSm90:
                 if l > 0.0:
                     inv = 1.0 / l
                     lse = (row_max[r] * scale_log2 + cute.math.log2(l)) * LN_2
-            row = m_block * BM + tOcO[2 * r][0]
+            row, j = packed_row(tOcO[2 * r][0], m_block, BQ, G)  # the query position (and head, pack_gqa)
+            head_q = head
+            if cutlass.const_expr(G > 1):
+                head_q = head * G + j
+                gO = mO[None, None, head_q, batch]
             if cutlass.const_expr(tma_o is not None):
                 for j in cutlass.range_constexpr(D // 8):
                     for c in cutlass.range_constexpr(2):
                         acc_O[c + 2 * r + 4 * j] = acc_O[c + 2 * r + 4 * j] * inv
                 if row < seqlen_q and lane % 4 == 0:
-                    mLSE[row, head, batch] = lse
+                    mLSE[row, head_q, batch] = lse
             else:
                 if row < seqlen_q:
                     for j in cutlass.range_constexpr(D // 8):
@@ -1094,7 +1142,7 @@ class FlashFwdSm90:
                             i = c + 2 * r + 4 * j
                             gO[q_start + row, tOcO[i][1]] = (acc_O[i] * inv).to(dt)
                     if lane % 4 == 0:
-                        mLSE[q_start + row, head, batch] = lse
+                        mLSE[q_start + row, head_q, batch] = lse
         if cutlass.const_expr(tma_o is not None):
             self._store_o_tma(tma_o, mO, sQ, tiled_mma_pv, acc_O, ctid, m_block, head, batch)
 

@@ -162,6 +162,11 @@ _FWD_LONG = {(64, True): 3}
 # bf16, 16k tokens, TFLOP/s), d128 non-causal at 1k / 4k / 16k: the one-tile kernel (TMA O) 534 / 620 / 643, the
 # persistent kernel 521 / 600 / 630, with its TMA O 563 / 616 / 636. Causal at 1k: 390 / 335 / 363.
 _FWD_SHORT_PERSISTENT = frozenset({(128, False)})
+# pack_gqa (FlashFwdSm90's pack_gqa): the query heads per KV head that a 128-row tile packs (128 / g rows per
+# head, a multiple of the swizzle atom's 8 rows). The packed kernel was written without a GPU at hand (session
+# 15): pack_gqa=True runs it only with FLASH_ATTN_CUTE_PACK_GQA=1 until tests/test_cute_pack_gqa.py's GPU tests
+# have passed; otherwise the call runs unpacked (the same result).
+_PACK_GROUPS = (2, 4, 8, 16)
 _SMEM_BYTES = 232448  # FlashFwdSm90.SMEM_BYTES (kept here: computing a config must not import CuTeDSL)
 # FLASH_ATTN_CUTE_FWD_PIN=0 (or "128:0") builds the key-block loop without flash_fwd_sm90._pin, i.e. with half of
 # a masked kernel's softmax after the P V wait (the code before session 12; an A/B knob). In the key only
@@ -219,14 +224,18 @@ def _short_persistent_rule(head_dim, causal):
 
 
 def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varlen=False, sink=False, short=False,
-                long=False):
+                long=False, pack=1):
     """Everything that selects the forward kernel's code: the kernel class, its constructor arguments,
     the architecture and the calling convention. It is the disk cache's key (with the package sources
     and the versions, see cache.py) and what compile_fwd builds the kernel from, so a constructor
     argument added here changes both. Plain values: computing the key must not import CuTeDSL.
     ``short``: the kernel for calls with seqlen_k <= _TMA_O_SHORT_SK (the TMA O store with the "short"
     switch, the persistent kernel of _FWD_SHORT_PERSISTENT; else the same config). ``long``: the kernel for
-    calls with seqlen_k >= _FWD_LONG_SK (see _FWD_LONG; else the same config)."""
+    calls with seqlen_k >= _FWD_LONG_SK (see _FWD_LONG; else the same config). ``pack``: pack_gqa's group (the
+    query heads per KV head, one of _PACK_GROUPS) for the packed one-tile kernel, 1 for none."""
+    pack = int(pack)
+    if pack > 1:
+        short = long = False  # the packed kernel is the one-tile kernel with the direct O store, at any length
     stages = int(_per_head_dim("FLASH_ATTN_CUTE_STAGES", head_dim) or _DEFAULT_STAGES.get(int(head_dim), 2))
     table = _FWD_WARPGROUPS_CAUSAL if causal or local else _FWD_WARPGROUPS
     wg_env = _per_head_dim("FLASH_ATTN_CUTE_FWD_WARPGROUPS", head_dim)
@@ -242,6 +251,8 @@ def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varle
     if int(head_dim) not in _FWD3_BLOCK_N and ":" not in os.environ.get("FLASH_ATTN_CUTE_FWD_WARPGROUPS", ""):
         wg_env = ""  # a bare "3" means the head dims that have 3-warpgroup tiles (a 192 x 256 Q tile does not fit)
     warpgroups = int(wg_env or table.get(int(head_dim), 2))
+    if pack > 1 and ((64 * warpgroups) % pack or (64 * warpgroups // pack) % 8):
+        warpgroups = 2  # each head's rows of the tile must start on a swizzle atom (8 rows): 128 / _PACK_GROUPS do
     table = (_DEFAULT_BLOCK_N if warpgroups == 2
              else _FWD3_BLOCK_N_EXTRA if local or softcap or varlen else _FWD3_BLOCK_N)
     default_n = table.get(int(head_dim), 128)
@@ -254,12 +265,13 @@ def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varle
     emu_cfg = ({"exp2_emu": emu, **({"exp2_emu_degree": emu_degree} if emu_degree != 3 else {})}
                if emu else {})
     persistent = (short_persistent or ((int(head_dim), bool(causal) and not local) in _FWD_PERSISTENT) if not env
-                  else env not in ("0", "false", "False")) and not (local or softcap or varlen or sink or long_kernel)
+                  else env not in ("0", "false", "False")) and not (local or softcap or varlen or sink or long_kernel
+                                                                    or pack > 1)
     tma_o_env = _tma_o_rule(head_dim)
     plain = not (local or softcap or sink)
     tma_o = ((tma_o_env not in ("", "0", "false", "False", "short", "plain")
               or (tma_o_env == "short" and short and plain) or (tma_o_env == "plain" and plain))
-             and not varlen and not persistent)
+             and not varlen and not persistent and pack == 1)
     ptma_env = _per_head_dim("FLASH_ATTN_CUTE_FWD_PERSISTENT_TMA_O", head_dim)
     if persistent and warpgroups == 2 and (ptma_env not in ("", "0", "false", "False")
                                            or (short_persistent and not ptma_env)):
@@ -296,7 +308,8 @@ def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varle
             **({"reverse": True} if reverse else {}),
             **({"pin": False} if unpinned else {}),
             **({"snake": False} if unsnaked else {}),
-            **({"lpt": True} if lpt else {})}
+            **({"lpt": True} if lpt else {}),
+            **({"pack_gqa": pack} if pack > 1 else {})}
 
 
 _SHORT_DIMS = _short_dims()  # head dims with a short-key kernel (see _fwd_config)
@@ -335,11 +348,11 @@ def _make_kernel(config):
                         wg_order=config.get("wg_order", True), persistent=config.get("persistent", False),
                         tma_o=config.get("tma_o", False), reverse=config.get("reverse", False),
                         pin=config.get("pin", True), snake=config.get("snake", True),
-                        lpt=config.get("lpt", False))
+                        lpt=config.get("lpt", False), pack_gqa=config.get("pack_gqa", 1))
 
 
 def compile_fwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=False, softcap=False,
-                varlen=False, sink=False, short=False, long=False):
+                varlen=False, sink=False, short=False, long=False, pack=1):
     """Compile the forward kernel for ``dtype`` (torch.float16 / torch.bfloat16), ``head_dim`` (_SUPPORTED_HEAD_DIMS),
     ``causal``, ``local`` (a sliding window, sizes given per call) and ``softcap`` (soft-capped scores)
     for ``arch``. No GPU is needed. ``dump_dir``: an existing folder that receives the PTX (``*.ptx``)
@@ -352,12 +365,13 @@ def compile_fwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=Fal
     q/out (total_q, H, D), k/v (total_k, Hk, D), lse (H, total_q), int32 cu_seqlens (B + 1,) and
     seqused_k (B,). ``sink``: the call takes one more argument, last: the learnable sink, an fp32 (H,)
     tensor. A persistent kernel (FLASH_ATTN_CUTE_FWD_PERSISTENT=1, dense calls) takes one more argument,
-    last: the most CTAs to launch (the SM count; ``fwd_kernel``'s callable adds it)."""
+    last: the most CTAs to launch (the SM count; ``fwd_kernel``'s callable adds it). ``pack`` > 1: the pack_gqa
+    kernel for calls with exactly pack query heads per KV head (same call)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_tensor
 
-    config = _fwd_config(dtype, head_dim, causal, arch, local, softcap, varlen, sink, short, long)
+    config = _fwd_config(dtype, head_dim, causal, arch, local, softcap, varlen, sink, short, long, pack)
     kernel = _make_kernel(config)
     dt, D = kernel.dtype, kernel.head_dim
     # 32-bit shapes and strides: with 64-bit symbolic strides CuTeDSL 4.8 builds TMA descriptors that
@@ -459,28 +473,28 @@ def _persistent_launcher(fn):
 
 
 def _entry(dtype, head_dim, causal, arch, local=False, softcap=False, varlen=False, sink=False, short=False,
-           long=False):
+           long=False, pack=1):
     """(config, key, file name, exported C symbol) of a forward kernel's disk cache entry."""
-    config = _fwd_config(dtype, head_dim, causal, arch, local, softcap, varlen, sink, short, long)
+    config = _fwd_config(dtype, head_dim, causal, arch, local, softcap, varlen, sink, short, long, pack)
     key = cache.entry_key(config)
     mask = "local" if config["local"] else "causal" if config["causal"] else "full"
     wg = f"-wg{config['warpgroups']}" if "warpgroups" in config else ""  # readable names; the key decides
     name = (f"fwd-{arch}-{config['dtype']}-d{config['head_dim']}-{mask}{'-softcap' if softcap else ''}"
             f"{'-varlen' if varlen else ''}{'-sink' if sink else ''}{wg}"
             f"{'-persistent' if config.get('persistent') else ''}{'-reverse' if config.get('reverse') else ''}"
-            f"{'-tmao' if config.get('tma_o') else ''}-{key[:16]}")
+            f"{'-tmao' if config.get('tma_o') else ''}{f'-pack{pack}' if config.get('pack_gqa') else ''}-{key[:16]}")
     return config, key, name, f"flash_attn_cute_{key[:16]}"  # the symbol is unique per key
 
 
 def disk_entry(dtype, head_dim, causal, arch="sm_90a", root=None, local=False, softcap=False, varlen=False,
-               sink=False, short=False, long=False):
+               sink=False, short=False, long=False, pack=1):
     """The intact files of a forward kernel's entry in the disk cache ``root`` (default: the runtime's
     folder), {"o": path, "so": path} (the shared library is absent where no C compiler was found), or
     {} when there is none. Loads nothing."""
     root = root if root is not None else cache.cache_dir()
     if root is None or not _tvm_ffi():
         return {}
-    _, key, name, _ = _entry(dtype, head_dim, causal, arch, local, softcap, varlen, sink, short, long)
+    _, key, name, _ = _entry(dtype, head_dim, causal, arch, local, softcap, varlen, sink, short, long, pack)
     return cache.DiskCache(root).files(name, key)
 
 
@@ -501,18 +515,19 @@ def load_or_build_bwd(dtype, head_dim, causal, arch="sm_90a", root=None, force=F
 
 
 def load_or_build(dtype, head_dim, causal, arch="sm_90a", root=None, force=False, local=False, softcap=False,
-                  varlen=False, sink=False, short=False, long=False):
+                  varlen=False, sink=False, short=False, long=False, pack=1):
     """The forward kernel as a callable ``(q, k, v, out, lse, softmax_scale, softcap, window_left,
     window_right)`` and where it came from
     ("so" / "o": the disk cache in ``root``; "compiled": compiled now, and written to ``root``).
     ``root=None``: no disk cache. ``force``: compile even when the disk holds the entry. Compiling
     needs no GPU; loading from disk needs neither a GPU nor the CuTeDSL compiler."""
-    variant = dict(local=local, softcap=softcap, varlen=varlen, sink=sink, short=short, long=long)
+    variant = dict(local=local, softcap=softcap, varlen=varlen, sink=sink, short=short, long=long, pack=pack)
     if not _tvm_ffi():
         persistent = _fwd_config(dtype, head_dim, causal, arch, **variant).get("persistent", False)
         return (_dlpack_launcher(compile_fwd(dtype, head_dim, causal, arch, **variant), sink, persistent),
                 "compiled-dlpack")
-    return _load_or_build_entry(_entry(dtype, head_dim, causal, arch, local, softcap, varlen, sink, short, long),
+    return _load_or_build_entry(_entry(dtype, head_dim, causal, arch, local, softcap, varlen, sink, short, long,
+                                       pack),
                                 lambda: compile_fwd(dtype, head_dim, causal, arch, **variant), root, force)
 
 
@@ -553,7 +568,7 @@ def _load_or_build_entry(entry, compile_fn, root, force):
 
 
 def fwd_kernel(dtype, head_dim, causal, arch="sm_90a", local=False, softcap=False, varlen=False, sink=False,
-               short=False, long=False):
+               short=False, long=False, pack=1):
     """The forward kernel for (dtype, head dim, causal, arch, local, softcap): from memory, else from the
     disk cache (``cache.cache_dir()``: $FLASH_ATTN_CUTE_CACHE, default ~/.cache/flash_attn_cute), else
     compiled and written there. A callable ``(q, k, v, out, lse, softmax_scale, softcap, window_left,
@@ -561,22 +576,26 @@ def fwd_kernel(dtype, head_dim, causal, arch="sm_90a", local=False, softcap=Fals
     its last argument, the SM count of q's device, itself). ``short``: the kernel of calls with seqlen_k <=
     _TMA_O_SHORT_SK (in-memory key ending in "short"; the same kernel as not short unless the TMA O
     "short" switch makes their configs differ). ``long``: the kernel of calls with seqlen_k >= _FWD_LONG_SK
-    (key ending in "long"; the same kernel as not long outside _FWD_LONG)."""
+    (key ending in "long"; the same kernel as not long outside _FWD_LONG). ``pack`` > 1: the pack_gqa kernel
+    (key ending in ("pack", pack); short and long are then ignored)."""
+    if pack > 1:
+        short = long = False
     mem_key = ((dtype, head_dim, bool(causal), arch, bool(local), bool(softcap)) + ((True,) if varlen else ())
-               + (("sink",) if sink else ()) + (("short",) if short else ()) + (("long",) if long else ()))
+               + (("sink",) if sink else ()) + (("short",) if short else ()) + (("long",) if long else ())
+               + (("pack", pack) if pack > 1 else ()))
     fn = _kernels.get(mem_key)
     if fn is None:
         with cache._lock:  # one builder per process; other threads wait, then find it in memory
             fn = _kernels.get(mem_key)
             if fn is None:
-                config = _fwd_config(dtype, head_dim, causal, arch, local, softcap, varlen, sink, short, long)
+                config = _fwd_config(dtype, head_dim, causal, arch, local, softcap, varlen, sink, short, long, pack)
                 if (short or long) and config == _fwd_config(dtype, head_dim, causal, arch, local, softcap, varlen,
                                                              sink):
                     fn = fwd_kernel(dtype, head_dim, causal, arch, local, softcap, varlen, sink)  # the same kernel
                 else:
                     fn, _origins[mem_key] = load_or_build(dtype, head_dim, causal, arch, cache.cache_dir(),
                                                           local=local, softcap=softcap, varlen=varlen, sink=sink,
-                                                          short=short, long=long)
+                                                          short=short, long=long, pack=pack)
                     if config.get("persistent"):
                         fn = _persistent_launcher(fn)  # the kernel's last argument, which callers do not give
                 _kernels[mem_key] = fn
@@ -646,7 +665,16 @@ def _check_dims(D, Dv, H, Hk):
         raise ValueError(f"q heads ({H}) must be a multiple of k heads ({Hk})")
 
 
-def _options(window_size, softcap, num_splits, pack_gqa):
+def _pack_group(pack_gqa, H, Hk):
+    """The pack_gqa group of a call: H // Hk when pack_gqa is true, FLASH_ATTN_CUTE_PACK_GQA=1 and the group is
+    one of _PACK_GROUPS, else 1 (unpacked: pack_gqa only changes how the work is tiled, not the result)."""
+    if not pack_gqa or os.environ.get("FLASH_ATTN_CUTE_PACK_GQA", "0") in ("0", "false", "False"):
+        return 1
+    group = H // Hk
+    return group if group in _PACK_GROUPS else 1
+
+
+def _options(window_size, softcap, num_splits):
     """(window_left, window_right, softcap) from FA4's keyword arguments (-1: no limit on that side);
     raises for what the kernels do not do yet."""
     window_left, window_right = (-1 if w is None else int(w) for w in window_size)
@@ -655,8 +683,6 @@ def _options(window_size, softcap, num_splits, pack_gqa):
         raise ValueError(f"softcap must be >= 0 (0: off), got {softcap}")
     if num_splits != 1:
         raise NotImplementedError("num_splits != 1")
-    if pack_gqa:
-        raise NotImplementedError("pack_gqa")
     return window_left, window_right, softcap
 
 
@@ -686,7 +712,9 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=_NO_W
     softcap * tanh(scale * q.k / softcap). learnable_sink: None or (H,) fp32/bf16/fp16 logits, one per
     query head, that join every softmax row as a term exp(sink) with no value (not scaled by
     softmax_scale; lse includes it, a row that sees no key gets out 0 and lse = sink); its gradient
-    is computed when it requires one (see _SinkAttention). Returns (out, lse): out
+    is computed when it requires one (see _SinkAttention). pack_gqa=True: the H / Hk query heads of each KV head
+    share the kernel's tiles (_pack_group: groups of 2, 4, 8 or 16, and while the packed kernel awaits its GPU
+    tests only with FLASH_ATTN_CUTE_PACK_GQA=1; else unpacked, the same result). Returns (out, lse): out
     like q, lse fp32 (B, H, Sq) natural log (+inf for a row that sees no key) when return_lse or a
     gradient needs it, else None (as FA4; the kernel still writes it). When q, k or v needs a
     gradient the call goes through the dispatcher's differentiable op (see _with_fallback_backward): its
@@ -707,12 +735,14 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=_NO_W
     if Bk != B or Bv != Bk or Sv != Sk or Hv != Hk or Dk != D:
         raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     _check_dims(D, Dv, H, Hk)
+    pack = 1
     if (window_size is _NO_WINDOW and learnable_sink is None and not softcap and num_splits == 1
-            and pack_gqa is None):
+            and not pack_gqa):
         window_left = window_right = -1  # the common call: no option to parse
         softcap = 0.0
     else:
-        window_left, window_right, softcap = _options(window_size, softcap, num_splits, pack_gqa)
+        window_left, window_right, softcap = _options(window_size, softcap, num_splits)
+        pack = _pack_group(pack_gqa, H, Hk)
         if learnable_sink is not None:
             sink = _check_sink(learnable_sink, H, q.device)
             arch = _device_arch(q, k, v)
@@ -720,14 +750,15 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=_NO_W
                     window_right, softcap, bool(deterministic), arch, None)
             if _needs_grad(q, k, v, learnable_sink):
                 return _SinkAttention.apply(q, k, v, learnable_sink, args)
-            out, lse = forward(q, k, v, args[0], bool(causal), arch, window_left, window_right, softcap, sink)
+            out, lse = forward(q, k, v, args[0], bool(causal), arch, window_left, window_right, softcap, sink,
+                               pack=pack)
             return out, (lse if return_lse else None)
     arch = _device_arch(q, k, v)
     if softmax_scale is None:
         softmax_scale = D ** -0.5
     if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
         return _with_fallback_backward(q, k, v, softmax_scale, causal, window_left, window_right, softcap)
-    if window_left < 0 and window_right < 0 and not softcap and Sk and B * Sq * H:
+    if window_left < 0 and window_right < 0 and not softcap and Sk and B * Sq * H and pack == 1:
         # Dense, no window or softcap (the common call): forward() without its general-case work.
         key = (dtype, D, bool(causal), arch, False, False)
         if Sk <= _TMA_O_SHORT_SK:
@@ -749,7 +780,7 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=_NO_W
                     lse = _new_lse_scratch(q.get_device(), B, H, Sq)
             fn(q, k, v, out, lse, float(softmax_scale), 0.0, 0, 0)
             return out, (lse if return_lse else None)
-    out, lse = forward(q, k, v, softmax_scale, bool(causal), arch, window_left, window_right, softcap)
+    out, lse = forward(q, k, v, softmax_scale, bool(causal), arch, window_left, window_right, softcap, pack=pack)
     return out, (lse if return_lse else None)
 
 
@@ -877,11 +908,11 @@ def _window_args(causal, window_left, window_right):
 
 
 def forward(q, k, v, softmax_scale, causal, arch="sm_90a", window_left=-1, window_right=-1, softcap=0.0,
-            sink=None):
+            sink=None, pack=1):
     """The kernel launch on validated CUDA inputs (shared with the dispatcher's backend module):
     q (B, Sq, H, D), k/v (B, Sk, Hk, D) fp16/bf16, D in _SUPPORTED_HEAD_DIMS, H % Hk == 0; window sizes < 0 mean
     no limit, causal implies a right size of 0; softcap 0 is off; sink None or fp32 contiguous (H,)
-    (see _check_sink). Returns (out, lse)."""
+    (see _check_sink); pack: the pack_gqa group (_pack_group; H == pack * Hk), 1 for none. Returns (out, lse)."""
     B, Sq, H, D = q.shape
     window_left, window_right, local = _window_args(causal, window_left, window_right)
     capped = softcap > 0.0
@@ -897,11 +928,12 @@ def forward(q, k, v, softmax_scale, causal, arch="sm_90a", window_left=-1, windo
             lse.copy_(sink.view(1, H, 1).expand(B, H, Sq))
     elif B * Sq * H > 0:
         causal = causal and not local
-        short, long = _length_kernel(D, causal, k.shape[1], not (local or capped or sink is not None))
+        short, long = _length_kernel(D, causal, k.shape[1], not (local or capped or sink is not None or pack > 1))
         fn = (_kernels.get((q.dtype, D, causal, arch, local, capped) + (("sink",) if sink is not None else ())
-                           + (("short",) if short else ()) + (("long",) if long else ()))
+                           + (("short",) if short else ()) + (("long",) if long else ())
+                           + (("pack", pack) if pack > 1 else ()))
               or fwd_kernel(q.dtype, D, causal, arch, local=local, softcap=capped, sink=sink is not None,
-                            short=short, long=long))
+                            short=short, long=long, pack=pack))
         args = (float(softmax_scale), float(softcap), window_left, window_right)
         per_batch = max(Sq * H, k.shape[1] * k.shape[2]) * D  # elements of one batch entry's q/out or k/v
         if B * per_batch < _MAX_ELEMS:
@@ -955,7 +987,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_se
     if v.shape[:2] != k.shape[:2] or Dk != D:
         raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     _check_dims(D, v.shape[2], H, Hk)
-    window_left, window_right, softcap = _options(window_size, softcap, num_splits, pack_gqa)
+    window_left, window_right, softcap = _options(window_size, softcap, num_splits)
     sink = None if learnable_sink is None else _check_sink(learnable_sink, H, q.device)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.stride(-1) != 1:
@@ -999,7 +1031,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_se
                                                                   arch, varlen))
         return _with_fallback_backward(q, k, v, softmax_scale, causal, window_left, window_right, softcap, varlen)
     out, lse = forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, int(max_seqlen_q), softmax_scale,
-                              bool(causal), arch, window_left, window_right, softcap, sink=sink)
+                              bool(causal), arch, window_left, window_right, softcap, sink=sink,
+                              pack=_pack_group(pack_gqa, H, Hk))
     if last_q < Tq:  # rows of q after the last sequence belong to none: out 0, lse +inf
         out[last_q:] = 0
         lse[:, last_q:] = math.inf
@@ -1007,10 +1040,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_se
 
 
 def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, softmax_scale, causal,
-                   arch="sm_90a", window_left=-1, window_right=-1, softcap=0.0, fill_unused_rows=False, sink=None):
+                   arch="sm_90a", window_left=-1, window_right=-1, softcap=0.0, fill_unused_rows=False, sink=None,
+                   pack=1):
     """The varlen kernel launch on validated inputs (shared with the dispatcher's backend module). Rows
     of q after cu_seqlens_q[-1] are left unwritten unless fill_unused_rows (then out 0, lse +inf there:
-    one memset each, for callers that cannot afford a sync to find those rows). sink: as forward's."""
+    one memset each, for callers that cannot afford a sync to find those rows). sink, pack: as forward's."""
     Tq, H, D = q.shape
     if max(q.numel(), k.numel()) >= _MAX_ELEMS:
         raise NotImplementedError("flash_attn.cute's varlen kernel handles q, k, v of < 2^31 elements")
@@ -1034,8 +1068,10 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
         causal = causal and not local
         capped = softcap > 0.0
         sinked = sink is not None
-        fn = (_kernels.get((q.dtype, D, causal, arch, local, capped, True) + (("sink",) if sinked else ()))
-              or fwd_kernel(q.dtype, D, causal, arch, local=local, softcap=capped, varlen=True, sink=sinked))
+        fn = (_kernels.get((q.dtype, D, causal, arch, local, capped, True) + (("sink",) if sinked else ())
+                           + (("pack", pack) if pack > 1 else ()))
+              or fwd_kernel(q.dtype, D, causal, arch, local=local, softcap=capped, varlen=True, sink=sinked,
+                            pack=pack))
         fn(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, float(softmax_scale),
            float(softcap), window_left, window_right, *(() if sink is None else (sink,)))
     return out, lse
