@@ -963,20 +963,20 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_se
                            seqused_q=None, seqused_k=None, page_table=None, softmax_scale=None, causal=False,
                            window_size=(None, None), learnable_sink=None, softcap=0.0, num_splits=1,
                            pack_gqa=None, deterministic=False, return_lse=False):
-    """Attention forward over packed sequences: q (total_q, H, D), k/v (total_k, Hk, D); sequence b is rows
-    cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q and, of k/v, the first seqused_k[b] rows from
-    cu_seqlens_k[b] (all of cu_seqlens_k[b]:cu_seqlens_k[b + 1] without seqused_k). Masks, softcap and
+    """Attention forward over packed sequences: q (total_q, H, D), k/v (total_k, Hk, D); sequence b is, of q, the
+    first seqused_q[b] rows from cu_seqlens_q[b] (all of cu_seqlens_q[b]:cu_seqlens_q[b + 1] without seqused_q)
+    and, of k/v, the first seqused_k[b] rows from cu_seqlens_k[b] (all of cu_seqlens_k[b]:cu_seqlens_k[b + 1]
+    without seqused_k); masks align the sequence's last used query with its last used key. Rows of q past
+    seqused_q[b] get out 0 and the lse of a row that sees no key (+inf, or the sink). Masks, softcap and
     dtypes and learnable_sink as flash_attn_func. Returns (out (total_q, H, D), lse (H, total_q) fp32, or None as in
     flash_attn_func). Checks the
-    cu_seqlens values (one device sync); max_seqlen_q is computed (another sync) when not given.
-    Not yet: seqused_q, page_table (paged KV)."""
+    cu_seqlens / seqused values (one device sync); max_seqlen_q is computed (another sync) when not given.
+    Not yet: page_table (paged KV)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             raise ValueError(f"{name} must be a 3-D tensor (total, H, D)")
     if cu_seqlens_q is None or cu_seqlens_k is None:
         raise NotImplementedError("flash_attn.cute's varlen path needs both cu_seqlens_q and cu_seqlens_k")
-    if seqused_q is not None:
-        raise NotImplementedError("seqused_q")
     if page_table is not None:
         raise NotImplementedError("page_table (paged KV)")
     dtype = q.dtype
@@ -996,16 +996,18 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_se
     _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
     batch = cu_seqlens_q.shape[0] - 1
     _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, q.device, batch)
-    if seqused_k is not None and (not isinstance(seqused_k, torch.Tensor) or seqused_k.dtype != torch.int32
-                                  or seqused_k.shape != (batch,) or seqused_k.device != q.device):
-        raise ValueError(f"seqused_k must be an int32 tensor ({batch},) on {q.device}")
+    for name, used in (("seqused_q", seqused_q), ("seqused_k", seqused_k)):
+        if used is not None and (not isinstance(used, torch.Tensor) or used.dtype != torch.int32
+                                 or used.shape != (batch,) or used.device != q.device):
+            raise ValueError(f"{name} must be an int32 tensor ({batch},) on {q.device}")
     # One device sync for every value check (and max_seqlen_q).
     lens_q, lens_k = cu_seqlens_q[1:] - cu_seqlens_q[:-1], cu_seqlens_k[1:] - cu_seqlens_k[:-1]
     zero = cu_seqlens_q.new_zeros(())
     used_bad = (((seqused_k < 0) | (seqused_k > lens_k)).sum() if seqused_k is not None else zero)
-    first_q, down_q, last_q, max_q, first_k, down_k, last_k, used_bad = torch.stack([
+    used_q_bad = (((seqused_q < 0) | (seqused_q > lens_q)).sum() if seqused_q is not None else zero)
+    first_q, down_q, last_q, max_q, first_k, down_k, last_k, used_bad, used_q_bad = torch.stack([
         cu_seqlens_q[0], (lens_q < 0).sum(), cu_seqlens_q[-1], lens_q.max() if batch else zero,
-        cu_seqlens_k[0], (lens_k < 0).sum(), cu_seqlens_k[-1], used_bad]).tolist()
+        cu_seqlens_k[0], (lens_k < 0).sum(), cu_seqlens_k[-1], used_bad, used_q_bad]).tolist()
     for name, first, down, last, total in (("cu_seqlens_q", first_q, down_q, last_q, Tq),
                                             ("cu_seqlens_k", first_k, down_k, last_k, Tk)):
         if first != 0 or down or last > total:
@@ -1013,6 +1015,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_se
                              f"(got first {first}, last {last})")
     if used_bad:
         raise ValueError("seqused_k must lie in [0, cu_seqlens_k[b + 1] - cu_seqlens_k[b]]")
+    if used_q_bad:
+        raise ValueError("seqused_q must lie in [0, cu_seqlens_q[b + 1] - cu_seqlens_q[b]]")
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(D)
     if max_seqlen_q is None:
@@ -1020,8 +1024,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_se
     elif int(max_seqlen_q) < max_q:
         raise ValueError(f"max_seqlen_q ({max_seqlen_q}) is below the longest sequence ({max_q})")
     if _needs_grad(q, k, v, learnable_sink):
-        if seqused_k is not None:
-            raise NotImplementedError("gradients with seqused_k (the fallback backward has no seqused_k)")
+        if seqused_k is not None or seqused_q is not None:
+            raise NotImplementedError("gradients with seqused_q / seqused_k (the fallback backward has neither)")
         if max_seqlen_k is None:
             max_seqlen_k = int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max()) if batch else 0
         varlen = (cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k))
@@ -1030,6 +1034,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_se
                                                                   window_right, softcap, bool(deterministic),
                                                                   arch, varlen))
         return _with_fallback_backward(q, k, v, softmax_scale, causal, window_left, window_right, softcap, varlen)
+    if seqused_q is not None:
+        cu_seqlens_q, cu_seqlens_k, seqused_k = _split_unused_q(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
     out, lse = forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, int(max_seqlen_q), softmax_scale,
                               bool(causal), arch, window_left, window_right, softcap, sink=sink,
                               pack=_pack_group(pack_gqa, H, Hk))
@@ -1037,6 +1043,19 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_se
         out[last_q:] = 0
         lse[:, last_q:] = math.inf
     return out, (lse if return_lse else None)
+
+
+def _split_unused_q(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
+    """seqused_q on the varlen kernel as it is: (cu_seqlens_q, cu_seqlens_k, seqused_k) of 2B sequences, sequence
+    2b the used rows of sequence b (its first seqused_q[b] queries, with its keys), sequence 2b + 1 its unused
+    query rows with no key (the kernel gives them out 0 and lse +inf, or the sink). Device ops only (no sync)."""
+    if seqused_k is None:
+        seqused_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+    starts = cu_seqlens_q[:-1]
+    cu_q = torch.cat([torch.stack([starts, starts + seqused_q], 1).flatten(), cu_seqlens_q[-1:]])
+    cu_k = torch.cat([torch.stack([cu_seqlens_k[:-1], cu_seqlens_k[1:]], 1).flatten(), cu_seqlens_k[-1:]])
+    used_k = torch.stack([seqused_k, torch.zeros_like(seqused_k)], 1).flatten()
+    return cu_q, cu_k, used_k
 
 
 def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, softmax_scale, causal,
