@@ -24,7 +24,7 @@ for _p in (ROOT, os.path.join(ROOT, "packages", "flash-attn-4")):
 
 # name -> (dtype name, head dim, batch, seqlen_q, seqlen_k, heads, kv heads, options): options as flash_attn_func
 # takes them (causal, window_size, softcap, sink, pack_gqa) plus "varlen" (a list of (seqlen_q, seqlen_k) per
-# sequence, the batch / lengths above unused). Sizes: more tiles than a persistent kernel has CTAs (132 on an H200)
+# sequence, the batch / lengths above unused) and "dv" (v's head dim, when not the head dim). Sizes: more tiles than a persistent kernel has CTAs (132 on an H200)
 # where the case is about the persistent loop, otherwise small.
 CASES = {
     "d128_causal_tma_o_lpt": ("bf16", 128, 2, 1500, 1500, 4, 2, dict(causal=True)),
@@ -40,11 +40,13 @@ CASES = {
     "d128_sink": ("bf16", 128, 2, 300, 300, 4, 2, dict(causal=True, sink=True)),
     "d128_varlen_causal": ("bf16", 128, 0, 0, 0, 4, 2, dict(causal=True, varlen=[(300, 300), (0, 0), (129, 500),
                                                                                  (1, 77)])),
-    # pack_gqa: 8 and 4 query heads per KV head; the packed kernel runs with FLASH_ATTN_CUTE_PACK_GQA=1 (run_gpu.sh
-    # sets it; without it these cases expect and run the unpacked kernels)
+    # pack_gqa: 8 and 4 query heads per KV head; the packed kernel runs with FLASH_ATTN_CUTE_PACK_GQA=1, and v's head
+    # dim 128 with q's 192 with FLASH_ATTN_CUTE_HDIM_V=1 (run_gpu.sh sets both; without them the pack_gqa cases
+    # expect and run the unpacked kernels and the dv case is refused)
     "d128_causal_pack8": ("bf16", 128, 2, 37, 700, 16, 2, dict(causal=True, pack_gqa=True)),
     "d64_varlen_pack4_sink_window": ("bf16", 64, 0, 0, 0, 8, 2, dict(window_size=(100, 0), sink=True, pack_gqa=True,
                                                                     varlen=[(1, 300), (45, 45), (0, 9), (200, 260)])),
+    "d192_v128_causal": ("bf16", 192, 2, 333, 700, 4, 2, dict(causal=True, dv=128)),
 }
 
 
@@ -66,13 +68,15 @@ def expected_config(case, flags=False):
     causal = bool(opt.get("causal")) and not local
     softcap, sink = bool(opt.get("softcap")), bool(opt.get("sink"))
     pack = ci._pack_group(opt.get("pack_gqa"), h, hk)
-    short, long = ci._length_kernel(d, causal, sk, not (varlen or local or softcap or sink or pack > 1))
-    config = ci._fwd_config(dtype, d, causal, "sm_90a", local, softcap, varlen, sink, short, long, pack)
+    dv = opt.get("dv")
+    short, long = ci._length_kernel(d, causal, sk, not (varlen or local or softcap or sink or pack > 1 or dv))
+    config = ci._fwd_config(dtype, d, causal, "sm_90a", local, softcap, varlen, sink, short, long, pack, dv)
     key = ((dtype, d, causal, "sm_90a", local, softcap) + ((True,) if varlen else ()) + (("sink",) if sink else ())
-           + (("short",) if short else ()) + (("long",) if long else ()) + (("pack", pack) if pack > 1 else ()))
+           + (("short",) if short else ()) + (("long",) if long else ()) + (("pack", pack) if pack > 1 else ())
+           + (("dv", dv) if dv else ()))
     if flags:
         return config, key, (dtype, d, causal, dict(local=local, softcap=softcap, varlen=varlen, sink=sink,
-                                                     short=short, long=long, pack=pack))
+                                                     short=short, long=long, pack=pack, dv=dv))
     return config, key
 
 
@@ -93,7 +97,7 @@ def run_case(name, case):
         lens = opt["varlen"]
         qs = [torch.randn(1, a, h, d, generator=g).to("cuda", dtype) for a, _ in lens]
         ks = [torch.randn(1, c, hk, d, generator=g).to("cuda", dtype) for _, c in lens]
-        vs = [torch.randn(1, c, hk, d, generator=g).to("cuda", dtype) for _, c in lens]
+        vs = [torch.randn(1, c, hk, opt.get("dv", d), generator=g).to("cuda", dtype) for _, c in lens]
         cu = lambda n: torch.tensor([0] + [sum(n[:i + 1]) for i in range(len(n))], dtype=torch.int32,  # noqa: E731
                                     device="cuda")
         out, _ = flash_attn_varlen_func(torch.cat(qs, 1)[0], torch.cat(ks, 1)[0], torch.cat(vs, 1)[0],
@@ -104,7 +108,7 @@ def run_case(name, case):
     else:
         q = torch.randn(b, sq, h, d, generator=g).to("cuda", dtype)
         k = torch.randn(b, sk, hk, d, generator=g).to("cuda", dtype)
-        v = torch.randn(b, sk, hk, d, generator=g).to("cuda", dtype)
+        v = torch.randn(b, sk, hk, opt.get("dv", d), generator=g).to("cuda", dtype)
         out, _ = flash_attn_func(q, k, v, learnable_sink=sink, **kw)
         torch.cuda.synchronize()
         pairs = [(out, q, k, v)]

@@ -26,6 +26,7 @@ def _defaults(monkeypatch):
 
 def test_cases_cover_every_kernel_kind(monkeypatch):
     monkeypatch.setenv("FLASH_ATTN_CUTE_PACK_GQA", "1")  # as run_gpu.sh runs them
+    monkeypatch.setenv("FLASH_ATTN_CUTE_HDIM_V", "1")
     configs = {name: sanitize_cute.expected_config(case)[0] for name, case in sanitize_cute.CASES.items()}
     kinds = {
         "persistent, own O buffer (short keys)": lambda c: c.get("persistent") and c.get("tma_o"),
@@ -40,6 +41,7 @@ def test_cases_cover_every_kernel_kind(monkeypatch):
         "softcap": lambda c: c["softcap"],
         "pack_gqa": lambda c: c.get("pack_gqa") and not c.get("varlen"),
         "pack_gqa varlen": lambda c: c.get("pack_gqa") and c.get("varlen"),
+        "v's head dim != q's": lambda c: c.get("head_dim_v"),
     }
     for kind, test in kinds.items():
         assert any(test(c) for c in configs.values()), kind
@@ -52,6 +54,7 @@ def test_cases_cover_every_kernel_kind(monkeypatch):
 @pytest.mark.parametrize("packed", ["0", "1"])
 def test_prediction_matches_the_dispatch(monkeypatch, name, packed):
     monkeypatch.setenv("FLASH_ATTN_CUTE_PACK_GQA", packed)  # the pack_gqa cases: packed or not, predicted
+    monkeypatch.setenv("FLASH_ATTN_CUTE_HDIM_V", "1")
     dt, d, b, sq, sk, h, hk, opt = sanitize_cute.CASES[name]
     _, key = sanitize_cute.expected_config(sanitize_cute.CASES[name])
     ran = []
@@ -64,7 +67,7 @@ def test_prediction_matches_the_dispatch(monkeypatch, name, packed):
     monkeypatch.setattr(interface, "fwd_kernel", other)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dt]
     q = torch.randn(b, sq, h, d, dtype=dtype)
-    k, v = (torch.randn(b, sk, hk, d, dtype=dtype) for _ in range(2))
+    k, v = torch.randn(b, sk, hk, d, dtype=dtype), torch.randn(b, sk, hk, opt.get("dv", d), dtype=dtype)
     kw = {o: x for o, x in opt.items() if o in ("causal", "window_size", "softcap", "pack_gqa")}
     sink = torch.zeros(h) if opt.get("sink") else None
     interface.flash_attn_func(q, k, v, learnable_sink=sink, **kw)

@@ -29,7 +29,11 @@ def one_thread():
 
 
 def torchrun(out_dir, *overrides):
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    # PYTHONFAULTHANDLER: a rank that aborts (SIGABRT: "terminate called without an active exception" at exit, once
+    # in about five CI runs, not reproduced in 60 runs of this pair alone, also with two busy processes beside them)
+    # prints every thread's Python stack, which says whether it died in close() or in the interpreter's finalization
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
+               PYTHONFAULTHANDLER="1")
     env.pop("TRITON_INTERPRET", None)  # nothing here runs Triton; the interpreter only slows the import
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            "-m", "flash_attn.training", "train", "--config", "tiny", *TINY, f"out_dir={out_dir}",

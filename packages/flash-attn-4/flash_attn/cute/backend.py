@@ -1,7 +1,7 @@
 """The root dispatcher's view of flash_attn.cute (the contract is in flash_attn/backends/__init__.py).
 
-Serves forward calls on Hopper (sm_90): fp16/bf16, head dim 64 or 128 (v's equal to q's), causal or
-not, sliding windows, softcap, GQA/MQA, dense or varlen (cu_seqlens). Head dims 96, 192 and 256 have
+Serves forward calls on Hopper (sm_90): fp16/bf16, head dim 64 or 128 (v's equal to q's; forward only: 192 with
+v's 128 when FLASH_ATTN_CUTE_HDIM_V=1, interface._HEAD_DIM_PAIRS), causal or not, sliding windows, softcap, GQA/MQA, dense or varlen (cu_seqlens). Head dims 96, 192 and 256 have
 forward kernels only (GPU-tested on the H200 in session 11: tests/test_cute_compile.py -k wide_head_dims,
 tests/test_cute_sink.py): the dispatcher sends their forward here and their backward to the next backend.
 FLASH_ATTN_CUTE_FWD_HDIMS (read when the dispatcher first sees a kind of call) names the ones of them it
@@ -66,7 +66,15 @@ def unsupported_reason(call):
     if call.dtype not in _DTYPES:
         return f"dtype {call.dtype} (fp16/bf16 only)"
     head_dims = _HEAD_DIMS if call.backward else forward_head_dims()
-    if call.head_dim not in head_dims or call.head_dim_v != call.head_dim:
+    pair = False  # v's head dim != q's: a pair of interface._HEAD_DIM_PAIRS, forward only (backward: the next one)
+    if call.head_dim_v != call.head_dim and not call.backward and call.head_dim in head_dims:
+        from flash_attn.cute.interface import _HEAD_DIM_PAIRS, _hdim_v_on
+
+        pair = (call.head_dim, call.head_dim_v) in _HEAD_DIM_PAIRS
+        if pair and not _hdim_v_on():
+            return (f"head dims {call.head_dim}/{call.head_dim_v}: the kernel awaits its GPU tests "
+                    "(FLASH_ATTN_CUTE_HDIM_V=1 runs it)")
+    if not pair and (call.head_dim not in head_dims or call.head_dim_v != call.head_dim):
         why = f"head dims {call.head_dim}/{call.head_dim_v} not in {head_dims} (equal for q/k and v)"
         if not call.backward and call.head_dim in _GATED_FWD_HEAD_DIMS and call.head_dim_v == call.head_dim:
             why += f"; {FWD_HDIMS_ENV_VAR} (set, without {call.head_dim}) turned its forward off"

@@ -166,7 +166,7 @@ class FlashFwdSm90:
     def __init__(self, dtype, head_dim, causal, local=False, softcap=False, varlen=False, block_m=None,
                  block_n=128, num_stages=2, exp2_emu=0, exp2_emu_degree=3, sink=False, num_warpgroups=2,
                  wg_order=True, persistent=False, tma_o=False, reverse=False, pin=True, snake=True, lpt=False,
-                 pack_gqa=1):
+                 pack_gqa=1, head_dim_v=None):
         """exp2_emu: of every 16 softmax exponentials a thread computes, this many (0..16, spread evenly
         over its fragment) use a degree-exp2_emu_degree polynomial on the FMA pipe instead of MUFU.EX2
         (softmax_exp.py), to relieve the MUFU pipe. num_warpgroups: consumer warpgroups (2 or 3) of 64
@@ -197,12 +197,19 @@ class FlashFwdSm90:
         query positions x g heads, KV head, batch), so a short query sequence (decoding) fills the tile's rows
         and K / V are loaded once for the g heads. Tile row r is query head g * head_kv + r // (block_m / g) at
         position m_block * (block_m / g) + r % (block_m / g) (packed_row): Q arrives as g TMA boxes of
-        (block_m / g, D), one per head, each in its own rows of the tile."""
+        (block_m / g, D), one per head, each in its own rows of the tile. head_dim_v: V's (and O's) head dim when it
+        differs from Q's and K's (e.g. 192 / 128, DeepSeek's MLA without absorption; one-tile kernel with the direct O
+        store, as the TMA O store goes through Q's buffer); None: head_dim."""
         if not 0 <= exp2_emu <= 16 or exp2_emu_degree not in EXP2_POLY:
             raise ValueError(f"exp2_emu {exp2_emu} not in 0..16 or degree {exp2_emu_degree} not in "
                              f"{tuple(EXP2_POLY)}")
         if head_dim not in self.HEAD_DIMS:
             raise ValueError(f"head dim {head_dim} not in {self.HEAD_DIMS}")
+        head_dim_v = head_dim if head_dim_v is None else int(head_dim_v)
+        if head_dim_v not in self.HEAD_DIMS:
+            raise ValueError(f"head dim of v {head_dim_v} not in {self.HEAD_DIMS}")
+        if head_dim_v != head_dim and (persistent or tma_o):
+            raise ValueError("head_dim_v != head_dim: the one-tile kernel with the direct O store only")
         if dtype not in (cutlass.Float16, cutlass.BFloat16):
             raise ValueError(f"dtype {dtype} not fp16/bf16")
         if num_warpgroups not in self.REGS:
@@ -229,6 +236,7 @@ class FlashFwdSm90:
                        or (bool(persistent) and head_dim == 128) or block_n > 128)
         self.dtype = dtype
         self.head_dim = head_dim
+        self.head_dim_v = head_dim_v
         self.causal = bool(causal) and not local  # a causal local window is local with right = 0
         self.local = bool(local)
         self.softcap = bool(softcap)
@@ -270,7 +278,8 @@ class FlashFwdSm90:
         """Shared memory the kernel allocates: the barriers (padded to the tiles' 1024-byte alignment),
         the Q tile, num_stages K and V tiles and, persistent with tma_o, the O tile; 2-byte elements."""
         o_rows = self.block_m if self.persistent and self.tma_o else 0
-        return 1024 + 2 * self.head_dim * (self.block_m + o_rows + 2 * self.num_stages * self.block_n)
+        D, Dv = self.head_dim, self.head_dim_v
+        return 1024 + 2 * (D * self.block_m + Dv * o_rows + (D + Dv) * self.num_stages * self.block_n)
 
     # ------------------------------------------------------------------------------------------------
     # Host side: views, TMA descriptors, launch
@@ -339,7 +348,7 @@ class FlashFwdSm90:
         """(head, batch) pairs per causal section of tile_coords (trace time): as many KV heads as fit in
         L2_KV_BYTES (at least one), each serving heads / Hk query heads; a constant // Sk, so no 32-bit
         overflow. mK: the (Sk, D, Hk, B) view."""
-        return cutlass.max(self.L2_KV_BYTES // (2 * self.head_dim * self.dtype.width // 8)
+        return cutlass.max(self.L2_KV_BYTES // ((self.head_dim + self.head_dim_v) * self.dtype.width // 8)
                            // cute.size(mK, mode=[0]), 1) * (heads // cute.size(mK, mode=[2]))
 
     @cute.jit
@@ -382,18 +391,17 @@ class FlashFwdSm90:
     def _launch(self, mQ, mK, mVt, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, softmax_scale, softcap,
                 window_left, window_right, grid, stream, mSink, sched=None):
         """Views are (S, D, H, B) for Q/K/O, (D, S, H, B) for V, (S, H, B) for the lse."""
-        dt, D, BM, BN = self.dtype, self.head_dim, self.block_m, self.block_n
+        dt, D, Dv, BM, BN = self.dtype, self.head_dim, self.head_dim_v, self.block_m, self.block_n
         # 128-byte swizzle atoms span 64 elements of D; head dim 96 is tiled with 64-byte atoms (32 of D)
-        # instead, which TMA and the WGMMA descriptors support as well.
-        sw128 = D % 64 == 0
-        K_SW = warpgroup.SmemLayoutAtomKind.K_SW128 if sw128 else warpgroup.SmemLayoutAtomKind.K_SW64
-        MN_SW = warpgroup.SmemLayoutAtomKind.MN_SW128 if sw128 else warpgroup.SmemLayoutAtomKind.MN_SW64
+        # instead, which TMA and the WGMMA descriptors support as well (Q and K by D, V by Dv).
+        K_SW = warpgroup.SmemLayoutAtomKind.K_SW128 if D % 64 == 0 else warpgroup.SmemLayoutAtomKind.K_SW64
+        MN_SW = warpgroup.SmemLayoutAtomKind.MN_SW128 if Dv % 64 == 0 else warpgroup.SmemLayoutAtomKind.MN_SW64
         sQ_layout = _smem_layout(K_SW, dt, (BM, D))
         sK_layout = _smem_layout(K_SW, dt, (BN, D, self.num_stages))
         # V^T's atoms (64 of D x 8 keys; 32 of D at d96) are stacked along the keys first: each 64-wide
         # slice of D is then one contiguous (64, BN) block, which one TMA box covers (D-first stacking gave
         # 64 x 8 boxes, 2 * BN / 8 TMA copies per stage).
-        sVt_layout = _smem_layout(MN_SW, dt, (D, BN, self.num_stages), order=(1, 0, 2))
+        sVt_layout = _smem_layout(MN_SW, dt, (Dv, BN, self.num_stages), order=(1, 0, 2))
 
         tiled_mma_qk = cute.make_tiled_mma(
             cute.make_mma_atom(warpgroup.MmaF16BF16Op(
@@ -403,7 +411,7 @@ class FlashFwdSm90:
         # P stays in registers (converted from the S accumulator) and feeds the second WGMMA directly.
         tiled_mma_pv = cute.make_tiled_mma(
             cute.make_mma_atom(warpgroup.MmaF16BF16Op(
-                dt, Float32, (64, D, 16), warpgroup.OperandSource.RMEM,
+                dt, Float32, (64, Dv, 16), warpgroup.OperandSource.RMEM,
                 OperandMajorMode.K, OperandMajorMode.MN)),
             (self.num_mma_warpgroups, 1, 1))
 
@@ -415,7 +423,7 @@ class FlashFwdSm90:
         tma_k, mK_tma = cpasync.make_tiled_tma_atom(
             g2s, mK, cute.slice_(sK_layout, (None, None, 0)), (BN, D))
         tma_v, mVt_tma = cpasync.make_tiled_tma_atom(
-            g2s, mVt, cute.slice_(sVt_layout, (None, None, 0)), (D, BN))
+            g2s, mVt, cute.slice_(sVt_layout, (None, None, 0)), (Dv, BN))
         tma_o = None
         if cutlass.const_expr(self.tma_o):
             # One warpgroup's 64 rows of Q's buffer (the first ones; the kernel offsets the others) go
@@ -736,7 +744,7 @@ class FlashFwdSm90:
             mK_h = cute.domain_offset((k_start, 0), mK_h)
             mVt_h = cute.domain_offset((0, k_start), mVt_h)
         gK = cute.local_tile(mK_h, (BN, D), (None, 0))      # (BN, D, n)
-        gVt = cute.local_tile(mVt_h, (D, BN), (0, None))    # (D, BN, n)
+        gVt = cute.local_tile(mVt_h, (self.head_dim_v, BN), (0, None))    # (Dv, BN, n)
         tKsK, tKgK = _tma_tiles(tma_k, sK, gK)
         tVsV, tVgV = _tma_tiles(tma_v, sVt, gVt)
 
@@ -830,7 +838,7 @@ class FlashFwdSm90:
     @cute.jit
     def _rescale(self, acc_O, corr):
         for r in cutlass.range_constexpr(2):
-            for j in cutlass.range_constexpr(self.head_dim // 8):
+            for j in cutlass.range_constexpr(self.head_dim_v // 8):
                 for c in cutlass.range_constexpr(2):
                     acc_O[c + 2 * r + 4 * j] = acc_O[c + 2 * r + 4 * j] * corr[r]
 
@@ -915,7 +923,7 @@ class FlashFwdSm90:
     def _fragments(self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sVt, ctid):
         """A consumer thread's operand views and accumulators, O zeroed and the softmax state reset
         (trace time, no control flow)."""
-        dt, D, BM, BN = self.dtype, self.head_dim, self.block_m, self.block_n
+        dt, Dv, BM, BN = self.dtype, self.head_dim_v, self.block_m, self.block_n
         thr_qk = tiled_mma_qk.get_slice(ctid)
         thr_pv = tiled_mma_pv.get_slice(ctid)
         # The shared-memory operands are the same for all 128 threads of a warpgroup: partition them
@@ -929,10 +937,10 @@ class FlashFwdSm90:
         tSrK = tiled_mma_qk.make_fragment_B(wg_qk.partition_B(sK))
         tOrV = tiled_mma_pv.make_fragment_B(wg_pv.partition_B(sVt))
         acc_S = cute.make_rmem_tensor(thr_qk.partition_shape_C((BM, BN)), Float32)
-        acc_O = cute.make_rmem_tensor(thr_pv.partition_shape_C((BM, D)), Float32)
+        acc_O = cute.make_rmem_tensor(thr_pv.partition_shape_C((BM, Dv)), Float32)
         acc_O.fill(0.0)
         tScS = thr_qk.partition_C(cute.make_identity_tensor((BM, BN)))
-        tOcO = thr_pv.partition_C(cute.make_identity_tensor((BM, D)))
+        tOcO = thr_pv.partition_C(cute.make_identity_tensor((BM, Dv)))
         # The S accumulator's value order matches the register A operand of m64nDk16 when its N/8 column
         # groups are split into (2, N/16) (checked by tests/test_cute_compile.py).
         p_layout = cute.make_layout(((2, 2, 2), 1, BN // 16))
@@ -1097,7 +1105,7 @@ class FlashFwdSm90:
         gets O = 0 and lse = sink. tma_o: O through the shared-memory buffer sQ (Q's; the persistent kernel's
         own O buffer) and a TMA store (_store_o_tma). pack_gqa: ``head`` is the KV head, each row has its own
         query head (packed_row) and sink_log2 is a pair, one per row of the thread."""
-        dt, D, BQ, G = self.dtype, self.head_dim, self.block_q, self.pack_gqa
+        dt, D, BQ, G = self.dtype, self.head_dim_v, self.block_q, self.pack_gqa  # D: O's head dim
         lane = ctid % 32
         gO = mO[None, None, head, batch]  # (Sq, D)
         for r in cutlass.range_constexpr(2):

@@ -167,6 +167,10 @@ _FWD_SHORT_PERSISTENT = frozenset({(128, False)})
 # 15): pack_gqa=True runs it only with FLASH_ATTN_CUTE_PACK_GQA=1 until tests/test_cute_pack_gqa.py's GPU tests
 # have passed; otherwise the call runs unpacked (the same result).
 _PACK_GROUPS = (2, 4, 8, 16)
+# (head dim of q / k, head dim of v) pairs with Dv != D: DeepSeek's 192 / 128 (MLA without absorption, as FA3 /
+# FA4 serve it). Written without a GPU at hand as well (session 15): served only with FLASH_ATTN_CUTE_HDIM_V=1
+# until tests/test_cute_hdim_v.py's GPU tests have passed.
+_HEAD_DIM_PAIRS = frozenset({(192, 128)})
 _SMEM_BYTES = 232448  # FlashFwdSm90.SMEM_BYTES (kept here: computing a config must not import CuTeDSL)
 # FLASH_ATTN_CUTE_FWD_PIN=0 (or "128:0") builds the key-block loop without flash_fwd_sm90._pin, i.e. with half of
 # a masked kernel's softmax after the P V wait (the code before session 12; an A/B knob). In the key only
@@ -224,7 +228,7 @@ def _short_persistent_rule(head_dim, causal):
 
 
 def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varlen=False, sink=False, short=False,
-                long=False, pack=1):
+                long=False, pack=1, dv=None):
     """Everything that selects the forward kernel's code: the kernel class, its constructor arguments,
     the architecture and the calling convention. It is the disk cache's key (with the package sources
     and the versions, see cache.py) and what compile_fwd builds the kernel from, so a constructor
@@ -232,9 +236,11 @@ def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varle
     ``short``: the kernel for calls with seqlen_k <= _TMA_O_SHORT_SK (the TMA O store with the "short"
     switch, the persistent kernel of _FWD_SHORT_PERSISTENT; else the same config). ``long``: the kernel for
     calls with seqlen_k >= _FWD_LONG_SK (see _FWD_LONG; else the same config). ``pack``: pack_gqa's group (the
-    query heads per KV head, one of _PACK_GROUPS) for the packed one-tile kernel, 1 for none."""
+    query heads per KV head, one of _PACK_GROUPS) for the packed one-tile kernel, 1 for none. ``dv``: v's head dim
+    when it differs from head_dim (_HEAD_DIM_PAIRS; one-tile kernel, direct O store), else None."""
     pack = int(pack)
-    if pack > 1:
+    dv = None if dv is None or int(dv) == int(head_dim) else int(dv)
+    if pack > 1 or dv:
         short = long = False  # the packed kernel is the one-tile kernel with the direct O store, at any length
     stages = int(_per_head_dim("FLASH_ATTN_CUTE_STAGES", head_dim) or _DEFAULT_STAGES.get(int(head_dim), 2))
     table = _FWD_WARPGROUPS_CAUSAL if causal or local else _FWD_WARPGROUPS
@@ -266,12 +272,12 @@ def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varle
                if emu else {})
     persistent = (short_persistent or ((int(head_dim), bool(causal) and not local) in _FWD_PERSISTENT) if not env
                   else env not in ("0", "false", "False")) and not (local or softcap or varlen or sink or long_kernel
-                                                                    or pack > 1)
+                                                                    or pack > 1 or dv)
     tma_o_env = _tma_o_rule(head_dim)
     plain = not (local or softcap or sink)
     tma_o = ((tma_o_env not in ("", "0", "false", "False", "short", "plain")
               or (tma_o_env == "short" and short and plain) or (tma_o_env == "plain" and plain))
-             and not varlen and not persistent and pack == 1)
+             and not varlen and not persistent and pack == 1 and not dv)
     ptma_env = _per_head_dim("FLASH_ATTN_CUTE_FWD_PERSISTENT_TMA_O", head_dim)
     if persistent and warpgroups == 2 and (ptma_env not in ("", "0", "false", "False")
                                            or (short_persistent and not ptma_env)):
@@ -309,7 +315,8 @@ def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varle
             **({"pin": False} if unpinned else {}),
             **({"snake": False} if unsnaked else {}),
             **({"lpt": True} if lpt else {}),
-            **({"pack_gqa": pack} if pack > 1 else {})}
+            **({"pack_gqa": pack} if pack > 1 else {}),
+            **({"head_dim_v": dv} if dv else {})}
 
 
 _SHORT_DIMS = _short_dims()  # head dims with a short-key kernel (see _fwd_config)
@@ -348,11 +355,12 @@ def _make_kernel(config):
                         wg_order=config.get("wg_order", True), persistent=config.get("persistent", False),
                         tma_o=config.get("tma_o", False), reverse=config.get("reverse", False),
                         pin=config.get("pin", True), snake=config.get("snake", True),
-                        lpt=config.get("lpt", False), pack_gqa=config.get("pack_gqa", 1))
+                        lpt=config.get("lpt", False), pack_gqa=config.get("pack_gqa", 1),
+                        head_dim_v=config.get("head_dim_v"))
 
 
 def compile_fwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=False, softcap=False,
-                varlen=False, sink=False, short=False, long=False, pack=1):
+                varlen=False, sink=False, short=False, long=False, pack=1, dv=None):
     """Compile the forward kernel for ``dtype`` (torch.float16 / torch.bfloat16), ``head_dim`` (_SUPPORTED_HEAD_DIMS),
     ``causal``, ``local`` (a sliding window, sizes given per call) and ``softcap`` (soft-capped scores)
     for ``arch``. No GPU is needed. ``dump_dir``: an existing folder that receives the PTX (``*.ptx``)
@@ -366,39 +374,40 @@ def compile_fwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=Fal
     seqused_k (B,). ``sink``: the call takes one more argument, last: the learnable sink, an fp32 (H,)
     tensor. A persistent kernel (FLASH_ATTN_CUTE_FWD_PERSISTENT=1, dense calls) takes one more argument,
     last: the most CTAs to launch (the SM count; ``fwd_kernel``'s callable adds it). ``pack`` > 1: the pack_gqa
-    kernel for calls with exactly pack query heads per KV head (same call)."""
+    kernel for calls with exactly pack query heads per KV head (same call). ``dv``: v's (and out's) head dim, when
+    it differs from head_dim (_HEAD_DIM_PAIRS)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_tensor
 
-    config = _fwd_config(dtype, head_dim, causal, arch, local, softcap, varlen, sink, short, long, pack)
+    config = _fwd_config(dtype, head_dim, causal, arch, local, softcap, varlen, sink, short, long, pack, dv)
     kernel = _make_kernel(config)
-    dt, D = kernel.dtype, kernel.head_dim
+    dt, D, Dv = kernel.dtype, kernel.head_dim, kernel.head_dim_v
     # 32-bit shapes and strides: with 64-bit symbolic strides CuTeDSL 4.8 builds TMA descriptors that
     # the driver rejects (the launch fails with cudaErrorInvalidValue on an H200); forward() keeps every
     # tensor under 2^31 elements by splitting the batch.
     batch, seqlen_q, seqlen_k, heads, heads_kv = (cute.sym_int() for _ in range(5))
 
-    def qkv(seqlen, h):
+    def qkv(seqlen, h, d=D):
         # Row strides are multiples of 8 elements (16 bytes), as TMA requires; the head dim is contiguous
-        # and heads are D apart (the wrapper makes them so).
+        # and heads are d apart (the wrapper makes them so).
         div8 = cute.sym_int(divisibility=8)
-        return make_fake_tensor(dt, (batch, seqlen, h, D), (cute.sym_int(divisibility=8), div8, D, 1),
+        return make_fake_tensor(dt, (batch, seqlen, h, d), (cute.sym_int(divisibility=8), div8, d, 1),
                                 assumed_align=16)
 
-    def packed(total, h):  # varlen: (total, H, D), rows 16-byte aligned
-        return make_fake_tensor(dt, (total, h, D), (cute.sym_int(divisibility=8), D, 1), assumed_align=16)
+    def packed(total, h, d=D):  # varlen: (total, H, d), rows 16-byte aligned
+        return make_fake_tensor(dt, (total, h, d), (cute.sym_int(divisibility=8), d, 1), assumed_align=16)
 
     if varlen:
-        q, o = packed(seqlen_q, heads), packed(seqlen_q, heads)
-        k, v = packed(seqlen_k, heads_kv), packed(seqlen_k, heads_kv)
+        q, o = packed(seqlen_q, heads), packed(seqlen_q, heads, Dv)
+        k, v = packed(seqlen_k, heads_kv), packed(seqlen_k, heads_kv, Dv)
         lse = make_fake_tensor(cutlass.Float32, (heads, seqlen_q), (cute.sym_int(), 1), assumed_align=4)
         cu_q, cu_k = (make_fake_tensor(cutlass.Int32, (cute.sym_int(),), (1,), assumed_align=4) for _ in "qk")
         used_k = make_fake_tensor(cutlass.Int32, (cute.sym_int(),), (1,), assumed_align=4)
         seq_args = (cu_q, cu_k, used_k, cutlass.Int32(0))
     else:
-        q, o = qkv(seqlen_q, heads), qkv(seqlen_q, heads)
-        k, v = qkv(seqlen_k, heads_kv), qkv(seqlen_k, heads_kv)
+        q, o = qkv(seqlen_q, heads), qkv(seqlen_q, heads, Dv)
+        k, v = qkv(seqlen_k, heads_kv), qkv(seqlen_k, heads_kv, Dv)
         lse = make_fake_tensor(cutlass.Float32, (batch, heads, seqlen_q), (cute.sym_int(), cute.sym_int(), 1),
                                assumed_align=4)
         seq_args = ()
@@ -473,28 +482,29 @@ def _persistent_launcher(fn):
 
 
 def _entry(dtype, head_dim, causal, arch, local=False, softcap=False, varlen=False, sink=False, short=False,
-           long=False, pack=1):
+           long=False, pack=1, dv=None):
     """(config, key, file name, exported C symbol) of a forward kernel's disk cache entry."""
-    config = _fwd_config(dtype, head_dim, causal, arch, local, softcap, varlen, sink, short, long, pack)
+    config = _fwd_config(dtype, head_dim, causal, arch, local, softcap, varlen, sink, short, long, pack, dv)
     key = cache.entry_key(config)
     mask = "local" if config["local"] else "causal" if config["causal"] else "full"
     wg = f"-wg{config['warpgroups']}" if "warpgroups" in config else ""  # readable names; the key decides
     name = (f"fwd-{arch}-{config['dtype']}-d{config['head_dim']}-{mask}{'-softcap' if softcap else ''}"
             f"{'-varlen' if varlen else ''}{'-sink' if sink else ''}{wg}"
             f"{'-persistent' if config.get('persistent') else ''}{'-reverse' if config.get('reverse') else ''}"
-            f"{'-tmao' if config.get('tma_o') else ''}{f'-pack{pack}' if config.get('pack_gqa') else ''}-{key[:16]}")
+            f"{'-tmao' if config.get('tma_o') else ''}{f'-pack{pack}' if config.get('pack_gqa') else ''}"
+            f"{f'-dv{dv}' if config.get('head_dim_v') else ''}-{key[:16]}")
     return config, key, name, f"flash_attn_cute_{key[:16]}"  # the symbol is unique per key
 
 
 def disk_entry(dtype, head_dim, causal, arch="sm_90a", root=None, local=False, softcap=False, varlen=False,
-               sink=False, short=False, long=False, pack=1):
+               sink=False, short=False, long=False, pack=1, dv=None):
     """The intact files of a forward kernel's entry in the disk cache ``root`` (default: the runtime's
     folder), {"o": path, "so": path} (the shared library is absent where no C compiler was found), or
     {} when there is none. Loads nothing."""
     root = root if root is not None else cache.cache_dir()
     if root is None or not _tvm_ffi():
         return {}
-    _, key, name, _ = _entry(dtype, head_dim, causal, arch, local, softcap, varlen, sink, short, long, pack)
+    _, key, name, _ = _entry(dtype, head_dim, causal, arch, local, softcap, varlen, sink, short, long, pack, dv)
     return cache.DiskCache(root).files(name, key)
 
 
@@ -515,19 +525,19 @@ def load_or_build_bwd(dtype, head_dim, causal, arch="sm_90a", root=None, force=F
 
 
 def load_or_build(dtype, head_dim, causal, arch="sm_90a", root=None, force=False, local=False, softcap=False,
-                  varlen=False, sink=False, short=False, long=False, pack=1):
+                  varlen=False, sink=False, short=False, long=False, pack=1, dv=None):
     """The forward kernel as a callable ``(q, k, v, out, lse, softmax_scale, softcap, window_left,
     window_right)`` and where it came from
     ("so" / "o": the disk cache in ``root``; "compiled": compiled now, and written to ``root``).
     ``root=None``: no disk cache. ``force``: compile even when the disk holds the entry. Compiling
     needs no GPU; loading from disk needs neither a GPU nor the CuTeDSL compiler."""
-    variant = dict(local=local, softcap=softcap, varlen=varlen, sink=sink, short=short, long=long, pack=pack)
+    variant = dict(local=local, softcap=softcap, varlen=varlen, sink=sink, short=short, long=long, pack=pack, dv=dv)
     if not _tvm_ffi():
         persistent = _fwd_config(dtype, head_dim, causal, arch, **variant).get("persistent", False)
         return (_dlpack_launcher(compile_fwd(dtype, head_dim, causal, arch, **variant), sink, persistent),
                 "compiled-dlpack")
     return _load_or_build_entry(_entry(dtype, head_dim, causal, arch, local, softcap, varlen, sink, short, long,
-                                       pack),
+                                       pack, dv),
                                 lambda: compile_fwd(dtype, head_dim, causal, arch, **variant), root, force)
 
 
@@ -568,7 +578,7 @@ def _load_or_build_entry(entry, compile_fn, root, force):
 
 
 def fwd_kernel(dtype, head_dim, causal, arch="sm_90a", local=False, softcap=False, varlen=False, sink=False,
-               short=False, long=False, pack=1):
+               short=False, long=False, pack=1, dv=None):
     """The forward kernel for (dtype, head dim, causal, arch, local, softcap): from memory, else from the
     disk cache (``cache.cache_dir()``: $FLASH_ATTN_CUTE_CACHE, default ~/.cache/flash_attn_cute), else
     compiled and written there. A callable ``(q, k, v, out, lse, softmax_scale, softcap, window_left,
@@ -577,25 +587,29 @@ def fwd_kernel(dtype, head_dim, causal, arch="sm_90a", local=False, softcap=Fals
     _TMA_O_SHORT_SK (in-memory key ending in "short"; the same kernel as not short unless the TMA O
     "short" switch makes their configs differ). ``long``: the kernel of calls with seqlen_k >= _FWD_LONG_SK
     (key ending in "long"; the same kernel as not long outside _FWD_LONG). ``pack`` > 1: the pack_gqa kernel
-    (key ending in ("pack", pack); short and long are then ignored)."""
-    if pack > 1:
+    (key ending in ("pack", pack); short and long are then ignored). ``dv``: v's head dim when it differs from
+    head_dim (key ending in ("dv", dv); short and long ignored too)."""
+    if dv == head_dim:
+        dv = None
+    if pack > 1 or dv:
         short = long = False
     mem_key = ((dtype, head_dim, bool(causal), arch, bool(local), bool(softcap)) + ((True,) if varlen else ())
                + (("sink",) if sink else ()) + (("short",) if short else ()) + (("long",) if long else ())
-               + (("pack", pack) if pack > 1 else ()))
+               + (("pack", pack) if pack > 1 else ()) + (("dv", dv) if dv else ()))
     fn = _kernels.get(mem_key)
     if fn is None:
         with cache._lock:  # one builder per process; other threads wait, then find it in memory
             fn = _kernels.get(mem_key)
             if fn is None:
-                config = _fwd_config(dtype, head_dim, causal, arch, local, softcap, varlen, sink, short, long, pack)
+                config = _fwd_config(dtype, head_dim, causal, arch, local, softcap, varlen, sink, short, long, pack,
+                                     dv)
                 if (short or long) and config == _fwd_config(dtype, head_dim, causal, arch, local, softcap, varlen,
                                                              sink):
                     fn = fwd_kernel(dtype, head_dim, causal, arch, local, softcap, varlen, sink)  # the same kernel
                 else:
                     fn, _origins[mem_key] = load_or_build(dtype, head_dim, causal, arch, cache.cache_dir(),
                                                           local=local, softcap=softcap, varlen=varlen, sink=sink,
-                                                          short=short, long=long, pack=pack)
+                                                          short=short, long=long, pack=pack, dv=dv)
                     if config.get("persistent"):
                         fn = _persistent_launcher(fn)  # the kernel's last argument, which callers do not give
                 _kernels[mem_key] = fn
@@ -656,9 +670,20 @@ def _new_lse_scratch(index, B, H, Sq):
     return lse
 
 
+def _hdim_v_on():
+    """Whether calls with v's head dim != q's (_HEAD_DIM_PAIRS) run: FLASH_ATTN_CUTE_HDIM_V=1 until the kernel has
+    passed its GPU tests."""
+    return os.environ.get("FLASH_ATTN_CUTE_HDIM_V", "0") not in ("0", "false", "False")
+
+
 def _check_dims(D, Dv, H, Hk):
     if Dv != D:
-        raise NotImplementedError("head dim of v must equal that of q and k")
+        if (D, Dv) not in _HEAD_DIM_PAIRS:
+            raise NotImplementedError(f"head dim of v ({Dv}) must equal that of q and k ({D}), or the pair be one "
+                                      f"of {sorted(_HEAD_DIM_PAIRS)}")
+        if not _hdim_v_on():
+            raise NotImplementedError(f"head dim of v ({Dv}) != that of q and k ({D}): the kernel awaits its GPU "
+                                      "tests; FLASH_ATTN_CUTE_HDIM_V=1 runs it")
     if D not in _SUPPORTED_HEAD_DIMS:
         raise NotImplementedError(f"head dim {D} not in {_SUPPORTED_HEAD_DIMS}")
     if H % Hk != 0:
@@ -758,7 +783,7 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=_NO_W
         softmax_scale = D ** -0.5
     if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
         return _with_fallback_backward(q, k, v, softmax_scale, causal, window_left, window_right, softcap)
-    if window_left < 0 and window_right < 0 and not softcap and Sk and B * Sq * H and pack == 1:
+    if window_left < 0 and window_right < 0 and not softcap and Sk and B * Sq * H and pack == 1 and Dv == D:
         # Dense, no window or softcap (the common call): forward() without its general-case work.
         key = (dtype, D, bool(causal), arch, False, False)
         if Sk <= _TMA_O_SHORT_SK:
@@ -912,13 +937,15 @@ def forward(q, k, v, softmax_scale, causal, arch="sm_90a", window_left=-1, windo
     """The kernel launch on validated CUDA inputs (shared with the dispatcher's backend module):
     q (B, Sq, H, D), k/v (B, Sk, Hk, D) fp16/bf16, D in _SUPPORTED_HEAD_DIMS, H % Hk == 0; window sizes < 0 mean
     no limit, causal implies a right size of 0; softcap 0 is off; sink None or fp32 contiguous (H,)
-    (see _check_sink); pack: the pack_gqa group (_pack_group; H == pack * Hk), 1 for none. Returns (out, lse)."""
+    (see _check_sink); pack: the pack_gqa group (_pack_group; H == pack * Hk), 1 for none. v's head dim may differ
+    from q's (a pair of _HEAD_DIM_PAIRS; out has v's). Returns (out, lse)."""
     B, Sq, H, D = q.shape
+    Dv = v.shape[3]
     window_left, window_right, local = _window_args(causal, window_left, window_right)
     capped = softcap > 0.0
     sink_arg = () if sink is None else (sink,)
-    q, k, v = _kernel_layout(q, D), _kernel_layout(k, D), _kernel_layout(v, D)
-    out = torch.empty_like(q)
+    q, k, v = _kernel_layout(q, D), _kernel_layout(k, D), _kernel_layout(v, Dv)
+    out = torch.empty_like(q) if Dv == D else q.new_empty(B, Sq, H, Dv)
     lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)  # sizes as ints: parsed faster
     if k.shape[1] == 0:  # no key at all: every row is empty (TMA descriptors cannot map a 0-length dim)
         out.zero_()
@@ -928,14 +955,15 @@ def forward(q, k, v, softmax_scale, causal, arch="sm_90a", window_left=-1, windo
             lse.copy_(sink.view(1, H, 1).expand(B, H, Sq))
     elif B * Sq * H > 0:
         causal = causal and not local
-        short, long = _length_kernel(D, causal, k.shape[1], not (local or capped or sink is not None or pack > 1))
+        short, long = _length_kernel(D, causal, k.shape[1],
+                                     not (local or capped or sink is not None or pack > 1 or Dv != D))
         fn = (_kernels.get((q.dtype, D, causal, arch, local, capped) + (("sink",) if sink is not None else ())
                            + (("short",) if short else ()) + (("long",) if long else ())
-                           + (("pack", pack) if pack > 1 else ()))
+                           + (("pack", pack) if pack > 1 else ()) + (("dv", Dv) if Dv != D else ()))
               or fwd_kernel(q.dtype, D, causal, arch, local=local, softcap=capped, sink=sink is not None,
-                            short=short, long=long, pack=pack))
+                            short=short, long=long, pack=pack, dv=Dv))
         args = (float(softmax_scale), float(softcap), window_left, window_right)
-        per_batch = max(Sq * H, k.shape[1] * k.shape[2]) * D  # elements of one batch entry's q/out or k/v
+        per_batch = max(Sq * H, k.shape[1] * k.shape[2]) * max(D, Dv)  # elements of one entry's q/out or k/v
         if B * per_batch < _MAX_ELEMS:
             fn(q, k, v, out, lse, *args, *sink_arg)
         else:  # the kernel indexes with 32-bit offsets: launch on batch slices that each stay below 2^31
@@ -984,7 +1012,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_se
         raise ValueError(f"q, k, v must share one dtype, fp16 or bf16; got {q.dtype}, {k.dtype}, {v.dtype}")
     Tq, H, D = q.shape
     Tk, Hk, Dk = k.shape
-    if v.shape[:2] != k.shape[:2] or Dk != D:
+    if v.dim() != 3 or v.shape[:2] != k.shape[:2] or Dk != D:
         raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     _check_dims(D, v.shape[2], H, Hk)
     window_left, window_right, softcap = _options(window_size, softcap, num_splits)
@@ -1065,12 +1093,13 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
     of q after cu_seqlens_q[-1] are left unwritten unless fill_unused_rows (then out 0, lse +inf there:
     one memset each, for callers that cannot afford a sync to find those rows). sink, pack: as forward's."""
     Tq, H, D = q.shape
-    if max(q.numel(), k.numel()) >= _MAX_ELEMS:
+    Dv = v.shape[2]
+    if max(q.numel(), k.numel(), v.numel(), Tq * H * Dv) >= _MAX_ELEMS:
         raise NotImplementedError("flash_attn.cute's varlen kernel handles q, k, v of < 2^31 elements")
-    # rows 16-byte aligned, head dim contiguous, heads D apart
-    q, k, v = (t if t.stride(1) == D and t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0
+    # rows 16-byte aligned, head dim contiguous, heads D (v: Dv) apart
+    q, k, v = (t if t.stride(1) == t.shape[2] and t.stride(2) == 1 and t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0
                else t.clone(memory_format=torch.contiguous_format) for t in (q, k, v))
-    out = torch.zeros_like(q) if fill_unused_rows else torch.empty_like(q)
+    out = (torch.zeros if fill_unused_rows else torch.empty)((Tq, H, Dv), dtype=q.dtype, device=q.device)
     lse = torch.full((H, Tq), math.inf, dtype=torch.float32, device=q.device) if fill_unused_rows else \
         torch.empty((H, Tq), dtype=torch.float32, device=q.device)
     batch = cu_seqlens_q.shape[0] - 1
@@ -1088,9 +1117,9 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
         capped = softcap > 0.0
         sinked = sink is not None
         fn = (_kernels.get((q.dtype, D, causal, arch, local, capped, True) + (("sink",) if sinked else ())
-                           + (("pack", pack) if pack > 1 else ()))
+                           + (("pack", pack) if pack > 1 else ()) + (("dv", Dv) if Dv != D else ()))
               or fwd_kernel(q.dtype, D, causal, arch, local=local, softcap=capped, varlen=True, sink=sinked,
-                            pack=pack))
+                            pack=pack, dv=Dv))
         fn(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, float(softmax_scale),
            float(softcap), window_left, window_right, *(() if sink is None else (sink,)))
     return out, lse
