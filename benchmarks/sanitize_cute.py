@@ -24,7 +24,8 @@ for _p in (ROOT, os.path.join(ROOT, "packages", "flash-attn-4")):
 
 # name -> (dtype name, head dim, batch, seqlen_q, seqlen_k, heads, kv heads, options): options as flash_attn_func
 # takes them (causal, window_size, softcap, sink, pack_gqa) plus "varlen" (a list of (seqlen_q, seqlen_k) per
-# sequence, the batch / lengths above unused) and "dv" (v's head dim, when not the head dim). Sizes: more tiles than a persistent kernel has CTAs (132 on an H200)
+# sequence, the batch / lengths above unused), "paged" (varlen: k / v in a shuffled cache of pages of this many rows)
+# and "dv" (v's head dim, when not the head dim). Sizes: more tiles than a persistent kernel has CTAs (132 on an H200)
 # where the case is about the persistent loop, otherwise small.
 CASES = {
     "d128_causal_tma_o_lpt": ("bf16", 128, 2, 1500, 1500, 4, 2, dict(causal=True)),
@@ -41,12 +42,15 @@ CASES = {
     "d128_varlen_causal": ("bf16", 128, 0, 0, 0, 4, 2, dict(causal=True, varlen=[(300, 300), (0, 0), (129, 500),
                                                                                  (1, 77)])),
     # pack_gqa: 8 and 4 query heads per KV head; the packed kernel runs with FLASH_ATTN_CUTE_PACK_GQA=1, and v's head
-    # dim 128 with q's 192 with FLASH_ATTN_CUTE_HDIM_V=1 (run_gpu.sh sets both; without them the pack_gqa cases
-    # expect and run the unpacked kernels and the dv case is refused)
+    # dim 128 with q's 192 with FLASH_ATTN_CUTE_HDIM_V=1, paged K / V with FLASH_ATTN_CUTE_PAGED=1 (run_gpu.sh sets
+    # them; without them the pack_gqa cases expect and run the unpacked kernels and the others are refused)
     "d128_causal_pack8": ("bf16", 128, 2, 37, 700, 16, 2, dict(causal=True, pack_gqa=True)),
     "d64_varlen_pack4_sink_window": ("bf16", 64, 0, 0, 0, 8, 2, dict(window_size=(100, 0), sink=True, pack_gqa=True,
                                                                     varlen=[(1, 300), (45, 45), (0, 9), (200, 260)])),
     "d192_v128_causal": ("bf16", 192, 2, 333, 700, 4, 2, dict(causal=True, dv=128)),
+    "d128_paged16_causal": ("bf16", 128, 0, 0, 0, 8, 2, dict(causal=True, paged=16, varlen=[(1, 500), (77, 77),
+                                                                                         (5, 0), (130, 1000)])),
+    "d256_paged256_pack4": ("bf16", 256, 0, 0, 0, 8, 2, dict(pack_gqa=True, paged=256, varlen=[(3, 700), (64, 300)])),
 }
 
 
@@ -68,15 +72,15 @@ def expected_config(case, flags=False):
     causal = bool(opt.get("causal")) and not local
     softcap, sink = bool(opt.get("softcap")), bool(opt.get("sink"))
     pack = ci._pack_group(opt.get("pack_gqa"), h, hk)
-    dv = opt.get("dv")
+    dv, paged = opt.get("dv"), opt.get("paged", 0)
     short, long = ci._length_kernel(d, causal, sk, not (varlen or local or softcap or sink or pack > 1 or dv))
-    config = ci._fwd_config(dtype, d, causal, "sm_90a", local, softcap, varlen, sink, short, long, pack, dv)
+    config = ci._fwd_config(dtype, d, causal, "sm_90a", local, softcap, varlen, sink, short, long, pack, dv, paged)
     key = ((dtype, d, causal, "sm_90a", local, softcap) + ((True,) if varlen else ()) + (("sink",) if sink else ())
            + (("short",) if short else ()) + (("long",) if long else ()) + (("pack", pack) if pack > 1 else ())
-           + (("dv", dv) if dv else ()))
+           + (("dv", dv) if dv else ()) + (("paged", paged) if paged else ()))
     if flags:
         return config, key, (dtype, d, causal, dict(local=local, softcap=softcap, varlen=varlen, sink=sink,
-                                                     short=short, long=long, pack=pack, dv=dv))
+                                                     short=short, long=long, pack=pack, dv=dv, paged=paged))
     return config, key
 
 
@@ -100,8 +104,19 @@ def run_case(name, case):
         vs = [torch.randn(1, c, hk, opt.get("dv", d), generator=g).to("cuda", dtype) for _, c in lens]
         cu = lambda n: torch.tensor([0] + [sum(n[:i + 1]) for i in range(len(n))], dtype=torch.int32,  # noqa: E731
                                     device="cuda")
-        out, _ = flash_attn_varlen_func(torch.cat(qs, 1)[0], torch.cat(ks, 1)[0], torch.cat(vs, 1)[0],
-                                        cu([a for a, _ in lens]), cu([c for _, c in lens]), learnable_sink=sink, **kw)
+        if opt.get("paged"):  # each sequence's keys in its own shuffled pages of one cache
+            page, s_max = opt["paged"], max(c for _, c in lens)
+            pad = lambda t: torch.cat([t, t.new_zeros(1, s_max - t.shape[1], *t.shape[2:])], 1)  # noqa: E731
+            k_cache, table = testing.paged_from_dense(torch.cat([pad(t) for t in ks]), page, generator=g)
+            v_cache, _ = testing.paged_from_dense(torch.cat([pad(t) for t in vs]), page, block_table=table)
+            out, _ = flash_attn_varlen_func(torch.cat(qs, 1)[0], k_cache, v_cache, cu([a for a, _ in lens]), None,
+                                            seqused_k=torch.tensor([c for _, c in lens], dtype=torch.int32,
+                                                                   device="cuda"),
+                                            page_table=table, learnable_sink=sink, **kw)
+        else:
+            out, _ = flash_attn_varlen_func(torch.cat(qs, 1)[0], torch.cat(ks, 1)[0], torch.cat(vs, 1)[0],
+                                            cu([a for a, _ in lens]), cu([c for _, c in lens]), learnable_sink=sink,
+                                            **kw)
         torch.cuda.synchronize()
         pieces = list(torch.split(out, [a for a, _ in lens]))
         pairs = [(pieces[i][None], qs[i], ks[i], vs[i]) for i in range(len(lens)) if lens[i][0] and lens[i][1]]

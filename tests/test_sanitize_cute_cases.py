@@ -27,6 +27,7 @@ def _defaults(monkeypatch):
 def test_cases_cover_every_kernel_kind(monkeypatch):
     monkeypatch.setenv("FLASH_ATTN_CUTE_PACK_GQA", "1")  # as run_gpu.sh runs them
     monkeypatch.setenv("FLASH_ATTN_CUTE_HDIM_V", "1")
+    monkeypatch.setenv("FLASH_ATTN_CUTE_PAGED", "1")
     configs = {name: sanitize_cute.expected_config(case)[0] for name, case in sanitize_cute.CASES.items()}
     kinds = {
         "persistent, own O buffer (short keys)": lambda c: c.get("persistent") and c.get("tma_o"),
@@ -42,6 +43,8 @@ def test_cases_cover_every_kernel_kind(monkeypatch):
         "pack_gqa": lambda c: c.get("pack_gqa") and not c.get("varlen"),
         "pack_gqa varlen": lambda c: c.get("pack_gqa") and c.get("varlen"),
         "v's head dim != q's": lambda c: c.get("head_dim_v"),
+        "paged, boxes of a page": lambda c: c.get("paged") and c["paged"] < c.get("block_n", 128),
+        "paged, one box of a page": lambda c: c.get("paged") and c["paged"] == c.get("block_n", 128),
     }
     for kind, test in kinds.items():
         assert any(test(c) for c in configs.values()), kind

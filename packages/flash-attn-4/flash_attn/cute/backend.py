@@ -1,9 +1,10 @@
 """The root dispatcher's view of flash_attn.cute (the contract is in flash_attn/backends/__init__.py).
 
 Serves forward calls on Hopper (sm_90): fp16/bf16, head dim 64 or 128 (v's equal to q's; forward only: 192 with
-v's 128 when FLASH_ATTN_CUTE_HDIM_V=1, interface._HEAD_DIM_PAIRS), causal or not, sliding windows, softcap, GQA/MQA, dense or varlen (cu_seqlens). Head dims 96, 192 and 256 have
-forward kernels only (GPU-tested on the H200 in session 11: tests/test_cute_compile.py -k wide_head_dims,
-tests/test_cute_sink.py): the dispatcher sends their forward here and their backward to the next backend.
+v's 128 when FLASH_ATTN_CUTE_HDIM_V=1, interface._HEAD_DIM_PAIRS), causal or not, sliding windows, softcap,
+GQA/MQA, dense or varlen (cu_seqlens). Head dims 96, 192 and 256 have forward kernels only (GPU-tested on the
+H200 in session 11: tests/test_cute_compile.py -k wide_head_dims, tests/test_cute_sink.py): the dispatcher sends
+their forward here and their backward to the next backend.
 FLASH_ATTN_CUTE_FWD_HDIMS (read when the dispatcher first sees a kind of call) names the ones of them it
 sends here ("256", "96,192,256"; "0" or "none": none of them); unset: all three. H200, bf16, 16k tokens,
 same run (benchmarks/results/h200/attention_cute_session11.md): d256 forward 395-733 TFLOP/s against the

@@ -166,7 +166,7 @@ class FlashFwdSm90:
     def __init__(self, dtype, head_dim, causal, local=False, softcap=False, varlen=False, block_m=None,
                  block_n=128, num_stages=2, exp2_emu=0, exp2_emu_degree=3, sink=False, num_warpgroups=2,
                  wg_order=True, persistent=False, tma_o=False, reverse=False, pin=True, snake=True, lpt=False,
-                 pack_gqa=1, head_dim_v=None):
+                 pack_gqa=1, head_dim_v=None, paged=0):
         """exp2_emu: of every 16 softmax exponentials a thread computes, this many (0..16, spread evenly
         over its fragment) use a degree-exp2_emu_degree polynomial on the FMA pipe instead of MUFU.EX2
         (softmax_exp.py), to relieve the MUFU pipe. num_warpgroups: consumer warpgroups (2 or 3) of 64
@@ -199,7 +199,11 @@ class FlashFwdSm90:
         position m_block * (block_m / g) + r % (block_m / g) (packed_row): Q arrives as g TMA boxes of
         (block_m / g, D), one per head, each in its own rows of the tile. head_dim_v: V's (and O's) head dim when it
         differs from Q's and K's (e.g. 192 / 128, DeepSeek's MLA without absorption; one-tile kernel with the direct O
-        store, as the TMA O store goes through Q's buffer); None: head_dim."""
+        store, as the TMA O store goes through Q's buffer); None: head_dim. paged: > 0 for a paged K / V cache
+        (varlen only): K and V are (num_pages, page_size, Hk, D) and each sequence's keys are the pages its row of
+        the page table names, in order (call_varlen takes the page table where cu_seqlens_k goes, and seqused_k
+        gives the key counts); each key block arrives as block_n / paged TMA boxes of ``paged`` rows (paged =
+        min(page_size, block_n): whole pages, or block_n rows of one page), each from its own page."""
         if not 0 <= exp2_emu <= 16 or exp2_emu_degree not in EXP2_POLY:
             raise ValueError(f"exp2_emu {exp2_emu} not in 0..16 or degree {exp2_emu_degree} not in "
                              f"{tuple(EXP2_POLY)}")
@@ -210,6 +214,10 @@ class FlashFwdSm90:
             raise ValueError(f"head dim of v {head_dim_v} not in {self.HEAD_DIMS}")
         if head_dim_v != head_dim and (persistent or tma_o):
             raise ValueError("head_dim_v != head_dim: the one-tile kernel with the direct O store only")
+        self.paged = int(paged)
+        if self.paged and (not varlen or self.paged % 8 or block_n % self.paged):
+            raise ValueError(f"paged {paged}: varlen only, with boxes of a multiple of 8 rows that divide block_n "
+                             f"({block_n})")
         if dtype not in (cutlass.Float16, cutlass.BFloat16):
             raise ValueError(f"dtype {dtype} not fp16/bf16")
         if num_warpgroups not in self.REGS:
@@ -378,9 +386,15 @@ class FlashFwdSm90:
         # row offsets into it.
         unit = cute.make_layout(1)
         mQ = cute.make_tensor(mQ.iterator, cute.append(cute.select(mQ.layout, mode=[0, 2, 1]), unit))
-        mK = cute.make_tensor(mK.iterator, cute.append(cute.select(mK.layout, mode=[0, 2, 1]), unit))
         mO = cute.make_tensor(mO.iterator, cute.append(cute.select(mO.layout, mode=[0, 2, 1]), unit))
-        mVt = cute.make_tensor(mV.iterator, cute.append(cute.select(mV.layout, mode=[2, 0, 1]), unit))
+        if cutlass.const_expr(self.paged):
+            # paged: K / V (num_pages, page_size, Hk, D) -> (page_size, D, Hk, num_pages), V^T (D, page_size, Hk,
+            # num_pages): the dense views with pages for batch entries; mCuSeqlensK is the page table
+            mK = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2, 0]))
+            mVt = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[3, 1, 2, 0]))
+        else:
+            mK = cute.make_tensor(mK.iterator, cute.append(cute.select(mK.layout, mode=[0, 2, 1]), unit))
+            mVt = cute.make_tensor(mV.iterator, cute.append(cute.select(mV.layout, mode=[2, 0, 1]), unit))
         mLSE = cute.make_tensor(mLSE.iterator, cute.append(cute.select(mLSE.layout, mode=[1, 0]), unit))
         heads = cute.size(mK, mode=[2]) if cutlass.const_expr(self.pack_gqa > 1) else cute.size(mQ, mode=[2])
         grid = (cute.ceil_div(max_seqlen_q, self.block_q), heads, cute.size(mCuSeqlensQ, mode=[0]) - 1)
@@ -420,10 +434,15 @@ class FlashFwdSm90:
         # pack_gqa: one (BQ, D) box per query head, into rows [j * BQ, (j + 1) * BQ) of the tile (_produce)
         sQ_box = sQ_layout if cutlass.const_expr(BQ == BM) else cute.composition(sQ_layout, (BQ, D))
         tma_q, mQ_tma = cpasync.make_tiled_tma_atom(g2s, mQ, sQ_box, (BQ, D))
-        tma_k, mK_tma = cpasync.make_tiled_tma_atom(
-            g2s, mK, cute.slice_(sK_layout, (None, None, 0)), (BN, D))
-        tma_v, mVt_tma = cpasync.make_tiled_tma_atom(
-            g2s, mVt, cute.slice_(sVt_layout, (None, None, 0)), (Dv, BN))
+        # paged: boxes of PB rows (a page, or block_n rows of one), each into its rows of the stage (_produce)
+        PB = self.paged if cutlass.const_expr(self.paged) else BN
+        sK_box = cute.slice_(sK_layout, (None, None, 0))
+        sVt_box = cute.slice_(sVt_layout, (None, None, 0))
+        if cutlass.const_expr(PB != BN):
+            sK_box = cute.composition(sK_box, (PB, D))
+            sVt_box = cute.composition(sVt_box, (Dv, PB))
+        tma_k, mK_tma = cpasync.make_tiled_tma_atom(g2s, mK, sK_box, (PB, D))
+        tma_v, mVt_tma = cpasync.make_tiled_tma_atom(g2s, mVt, sVt_box, (Dv, PB))
         tma_o = None
         if cutlass.const_expr(self.tma_o):
             # One warpgroup's 64 rows of Q's buffer (the first ones; the kernel offsets the others) go
@@ -480,12 +499,18 @@ class FlashFwdSm90:
             # Sequence `batch` is rows [start, start + length) of the packed tensors (batch index 0).
             q_start = mCuSeqlensQ[batch]
             seqlen_q = mCuSeqlensQ[batch + 1] - q_start
-            k_start = mCuSeqlensK[batch]
+            if cutlass.const_expr(self.paged):
+                k_start = Int32(0)  # the sequence's keys are its pages (mCuSeqlensK: the page table)
+                page_table = mCuSeqlensK
+            else:
+                k_start = mCuSeqlensK[batch]
+                page_table = None
             seqlen_k = mSeqUsedK[batch]
             if m_block * self.block_q < seqlen_q:  # the grid covers the longest sequence
                 self._cta(tma_q, mQ, tma_k, mK, tma_v, mVt, mO, mLSE, mSink, scale_log2, score_scale, softcap,
                           window_left, window_right, sQ_layout, sK_layout, sVt_layout, tiled_mma_qk,
-                          tiled_mma_pv, m_block, head, Int32(0), q_start, k_start, seqlen_q, seqlen_k, tma_o)
+                          tiled_mma_pv, m_block, head, Int32(0), q_start, k_start, seqlen_q, seqlen_k, tma_o,
+                          page_table, batch)
         else:
             self._cta(tma_q, mQ, tma_k, mK, tma_v, mVt, mO, mLSE, mSink, scale_log2, score_scale, softcap,
                       window_left, window_right, sQ_layout, sK_layout, sVt_layout, tiled_mma_qk, tiled_mma_pv,
@@ -651,7 +676,7 @@ class FlashFwdSm90:
     @cute.jit
     def _cta(self, tma_q, mQ, tma_k, mK, tma_v, mVt, mO, mLSE, mSink, scale_log2, score_scale, softcap, window_left,
              window_right, sQ_layout, sK_layout, sVt_layout, tiled_mma_qk, tiled_mma_pv, m_block, head, batch,
-             q_start, k_start, seqlen_q, seqlen_k, tma_o=None):
+             q_start, k_start, seqlen_q, seqlen_k, tma_o=None, page_table=None, sequence=None):
         """One CTA's query tile: rows [m_block * BM, (m_block + 1) * BM) of the sequence that starts at
         row q_start (keys at k_start) of batch entry `batch` of the views (pack_gqa: positions [m_block * BQ,
         (m_block + 1) * BQ) of the g query heads of KV head `head`, see packed_row)."""
@@ -692,7 +717,8 @@ class FlashFwdSm90:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if tidx == 0:
                 self._produce(tma_q, mQ, tma_k, mK, tma_v, mVt, sQ, sK, sVt, q_pipe, k_pipe, v_pipe,
-                              m_block, head, head_kv, batch, q_start, k_start, n_block_min, n_block_max)
+                              m_block, head, head_kv, batch, q_start, k_start, n_block_min, n_block_max,
+                              paging=None if page_table is None else (page_table, sequence, seqlen_k))
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self._consume(mO, mLSE, mSink, sQ, sK, sVt, q_pipe, k_pipe, v_pipe, tiled_mma_qk, tiled_mma_pv,
@@ -733,20 +759,22 @@ class FlashFwdSm90:
 
     @cute.jit
     def _produce(self, tma_q, mQ, tma_k, mK, tma_v, mVt, sQ, sK, sVt, q_pipe, k_pipe, v_pipe, m_block,
-                 head, head_kv, batch, q_start, k_start, n_block_min, n_block_max, states=None):
+                 head, head_kv, batch, q_start, k_start, n_block_min, n_block_max, states=None, paging=None):
         """The TMA loads of one tile: Q, then K and V of each visible key block. states: the persistent
         kernel's (q, k, v) producer states, carried from tile to tile and returned advanced past this tile
-        (None: the one-tile kernel, which starts them here)."""
+        (None: the one-tile kernel, which starts them here). paging (paged kernel): (page table, the sequence's
+        index, its key count)."""
         BQ, BN, D, G = self.block_q, self.block_n, self.head_dim, self.pack_gqa
-        mK_h = mK[None, None, head_kv, batch]
-        mVt_h = mVt[None, None, head_kv, batch]
-        if cutlass.const_expr(self.varlen):  # the sequence's first row becomes row 0
-            mK_h = cute.domain_offset((k_start, 0), mK_h)
-            mVt_h = cute.domain_offset((0, k_start), mVt_h)
-        gK = cute.local_tile(mK_h, (BN, D), (None, 0))      # (BN, D, n)
-        gVt = cute.local_tile(mVt_h, (self.head_dim_v, BN), (0, None))    # (Dv, BN, n)
-        tKsK, tKgK = _tma_tiles(tma_k, sK, gK)
-        tVsV, tVgV = _tma_tiles(tma_v, sVt, gVt)
+        if cutlass.const_expr(paging is None):  # (paged: per box, _produce_paged)
+            mK_h = mK[None, None, head_kv, batch]
+            mVt_h = mVt[None, None, head_kv, batch]
+            if cutlass.const_expr(self.varlen):  # the sequence's first row becomes row 0
+                mK_h = cute.domain_offset((k_start, 0), mK_h)
+                mVt_h = cute.domain_offset((0, k_start), mVt_h)
+            gK = cute.local_tile(mK_h, (BN, D), (None, 0))      # (BN, D, n)
+            gVt = cute.local_tile(mVt_h, (self.head_dim_v, BN), (0, None))    # (Dv, BN, n)
+            tKsK, tKgK = _tma_tiles(tma_k, sK, gK)
+            tVsV, tVgV = _tma_tiles(tma_v, sVt, gVt)
 
         if cutlass.const_expr(states is None):
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
@@ -773,15 +801,48 @@ class FlashFwdSm90:
             q_state.advance()
         for n in cutlass.range(n_block_min, n_block_max, unroll=1):  # n: the position (key_block)
             n_block = key_block(n, n_block_min, n_block_max, self.reverse)
-            k_pipe.producer_acquire(k_state)
-            cute.copy(tma_k, tKgK[None, n_block], tKsK[None, k_state.index],
-                      tma_bar_ptr=k_pipe.producer_get_barrier(k_state))
-            k_state.advance()
-            v_pipe.producer_acquire(v_state)
-            cute.copy(tma_v, tVgV[None, n_block], tVsV[None, v_state.index],
-                      tma_bar_ptr=v_pipe.producer_get_barrier(v_state))
-            v_state.advance()
+            if cutlass.const_expr(paging is not None):
+                self._produce_paged(tma_k, mK, tma_v, mVt, sK, sVt, k_pipe, v_pipe, k_state, v_state, head_kv,
+                                    n_block, *paging)
+                k_state.advance()
+                v_state.advance()
+            else:
+                k_pipe.producer_acquire(k_state)
+                cute.copy(tma_k, tKgK[None, n_block], tKsK[None, k_state.index],
+                          tma_bar_ptr=k_pipe.producer_get_barrier(k_state))
+                k_state.advance()
+                v_pipe.producer_acquire(v_state)
+                cute.copy(tma_v, tVgV[None, n_block], tVsV[None, v_state.index],
+                          tma_bar_ptr=v_pipe.producer_get_barrier(v_state))
+                v_state.advance()
         return q_state, k_state, v_state
+
+    @cute.jit
+    def _produce_paged(self, tma_k, mK, tma_v, mVt, sK, sVt, k_pipe, v_pipe, k_state, v_state, head_kv, n_block,
+                       page_table, sequence, seqlen_k):
+        """Key block n_block of a paged sequence: BN / PB boxes of PB rows for K and for V, box c holding keys
+        n_block * BN + c * PB + [0, PB) from their page (page_table[sequence, key // page_size], rows key % page_size
+        on). A box past the sequence's last key reads its last page instead (its keys are masked), so that no page
+        table entry past the sequence's pages is read and every box lands on the stage's barrier."""
+        BN, PB, D, Dv = self.block_n, self.paged, self.head_dim, self.head_dim_v
+        page_size = cute.size(mK, mode=[0])
+        k_pipe.producer_acquire(k_state)
+        v_pipe.producer_acquire(v_state)
+        sK_s = sK[None, None, k_state.index]
+        sVt_s = sVt[None, None, v_state.index]
+        # a loop, not unrolled: unrolled, the producer's 24 registers spill at d192 (7 boxes of 16 rows)
+        for c in cutlass.range(BN // PB, unroll=1):
+            key = cutlass.min(n_block * BN + c * PB, seqlen_k - 1)
+            page = page_table[sequence, key // page_size]
+            box = (key % page_size) // PB  # the box's index within its page
+            gK = cute.local_tile(mK[None, None, head_kv, page], (PB, D), (None, 0))       # (PB, D, page_size / PB)
+            gVt = cute.local_tile(mVt[None, None, head_kv, page], (Dv, PB), (0, None))    # (Dv, PB, page_size / PB)
+            sK_c = sK_s if cutlass.const_expr(PB == BN) else cute.local_tile(sK_s, (PB, D), (c, 0))
+            sVt_c = sVt_s if cutlass.const_expr(PB == BN) else cute.local_tile(sVt_s, (Dv, PB), (0, c))
+            tKsK, tKgK = _tma_tiles(tma_k, sK_c, gK)
+            tVsV, tVgV = _tma_tiles(tma_v, sVt_c, gVt)
+            cute.copy(tma_k, tKgK[None, box], tKsK, tma_bar_ptr=k_pipe.producer_get_barrier(k_state))
+            cute.copy(tma_v, tVgV[None, box], tVsV, tma_bar_ptr=v_pipe.producer_get_barrier(v_state))
 
     @cute.jit
     def _mask(self, acc_S, tScS, m_block, n_block, seqlen_q, seqlen_k, window_left, window_right):

@@ -171,6 +171,20 @@ _PACK_GROUPS = (2, 4, 8, 16)
 # FA4 serve it). Written without a GPU at hand as well (session 15): served only with FLASH_ATTN_CUTE_HDIM_V=1
 # until tests/test_cute_hdim_v.py's GPU tests have passed.
 _HEAD_DIM_PAIRS = frozenset({(192, 128)})
+# Paged K / V (flash_attn_varlen_func's page_table): written without a GPU as well (session 15), served only with
+# FLASH_ATTN_CUTE_PAGED=1 until tests/test_cute_paged.py's GPU tests have passed.
+
+
+def _paged_block_n(block_n, page_size):
+    """The key block for a paged cache of page_size rows: the config's block_n, or the largest multiple of 16
+    below it, that is a multiple of page_size or divides it, so that each TMA box is one page or part of one
+    (page_size a multiple of 8: boxes start on the swizzle atom's rows); None when there is none."""
+    if page_size < 8 or page_size % 8:
+        return None
+    for n in range(block_n, 15, -16):
+        if page_size % n == 0 or n % page_size == 0:
+            return n
+    return None
 _SMEM_BYTES = 232448  # FlashFwdSm90.SMEM_BYTES (kept here: computing a config must not import CuTeDSL)
 # FLASH_ATTN_CUTE_FWD_PIN=0 (or "128:0") builds the key-block loop without flash_fwd_sm90._pin, i.e. with half of
 # a masked kernel's softmax after the P V wait (the code before session 12; an A/B knob). In the key only
@@ -228,7 +242,7 @@ def _short_persistent_rule(head_dim, causal):
 
 
 def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varlen=False, sink=False, short=False,
-                long=False, pack=1, dv=None):
+                long=False, pack=1, dv=None, paged=0):
     """Everything that selects the forward kernel's code: the kernel class, its constructor arguments,
     the architecture and the calling convention. It is the disk cache's key (with the package sources
     and the versions, see cache.py) and what compile_fwd builds the kernel from, so a constructor
@@ -237,10 +251,12 @@ def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varle
     switch, the persistent kernel of _FWD_SHORT_PERSISTENT; else the same config). ``long``: the kernel for
     calls with seqlen_k >= _FWD_LONG_SK (see _FWD_LONG; else the same config). ``pack``: pack_gqa's group (the
     query heads per KV head, one of _PACK_GROUPS) for the packed one-tile kernel, 1 for none. ``dv``: v's head dim
-    when it differs from head_dim (_HEAD_DIM_PAIRS; one-tile kernel, direct O store), else None."""
+    when it differs from head_dim (_HEAD_DIM_PAIRS; one-tile kernel, direct O store), else None. ``paged``: the
+    page size of a paged K / V cache (varlen only; see _paged_block_n), 0 for none."""
     pack = int(pack)
     dv = None if dv is None or int(dv) == int(head_dim) else int(dv)
-    if pack > 1 or dv:
+    paged = int(paged)
+    if pack > 1 or dv or paged:
         short = long = False  # the packed kernel is the one-tile kernel with the direct O store, at any length
     stages = int(_per_head_dim("FLASH_ATTN_CUTE_STAGES", head_dim) or _DEFAULT_STAGES.get(int(head_dim), 2))
     table = _FWD_WARPGROUPS_CAUSAL if causal or local else _FWD_WARPGROUPS
@@ -265,6 +281,13 @@ def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varle
     if warpgroups == 2 and local:
         default_n = _BLOCK_N_LOCAL.get(int(head_dim), default_n)
     block_n = int(_per_head_dim("FLASH_ATTN_CUTE_BLOCK_N", head_dim) or default_n)
+    page_box = 0
+    if paged:
+        block_n = _paged_block_n(block_n, paged)
+        if block_n is None or not varlen:
+            raise NotImplementedError(f"page size {paged}: a multiple of 8 that a key block of a multiple of 16 "
+                                      "rows divides or is divided by (varlen calls)")
+        page_box = min(paged, block_n)
     unordered = _per_head_dim("FLASH_ATTN_CUTE_FWD_WG_ORDER", head_dim) in ("0", "false", "False")
     emu = int(os.environ.get("FLASH_ATTN_CUTE_EXP2_EMU") or _DEFAULT_EXP2_EMU.get(int(head_dim), 0))
     emu_degree = int(os.environ.get("FLASH_ATTN_CUTE_EXP2_EMU_DEGREE") or 3)
@@ -316,7 +339,8 @@ def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varle
             **({"snake": False} if unsnaked else {}),
             **({"lpt": True} if lpt else {}),
             **({"pack_gqa": pack} if pack > 1 else {}),
-            **({"head_dim_v": dv} if dv else {})}
+            **({"head_dim_v": dv} if dv else {}),
+            **({"paged": page_box} if page_box else {})}
 
 
 _SHORT_DIMS = _short_dims()  # head dims with a short-key kernel (see _fwd_config)
@@ -356,11 +380,11 @@ def _make_kernel(config):
                         tma_o=config.get("tma_o", False), reverse=config.get("reverse", False),
                         pin=config.get("pin", True), snake=config.get("snake", True),
                         lpt=config.get("lpt", False), pack_gqa=config.get("pack_gqa", 1),
-                        head_dim_v=config.get("head_dim_v"))
+                        head_dim_v=config.get("head_dim_v"), paged=config.get("paged", 0))
 
 
 def compile_fwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=False, softcap=False,
-                varlen=False, sink=False, short=False, long=False, pack=1, dv=None):
+                varlen=False, sink=False, short=False, long=False, pack=1, dv=None, paged=0):
     """Compile the forward kernel for ``dtype`` (torch.float16 / torch.bfloat16), ``head_dim`` (_SUPPORTED_HEAD_DIMS),
     ``causal``, ``local`` (a sliding window, sizes given per call) and ``softcap`` (soft-capped scores)
     for ``arch``. No GPU is needed. ``dump_dir``: an existing folder that receives the PTX (``*.ptx``)
@@ -375,12 +399,14 @@ def compile_fwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=Fal
     tensor. A persistent kernel (FLASH_ATTN_CUTE_FWD_PERSISTENT=1, dense calls) takes one more argument,
     last: the most CTAs to launch (the SM count; ``fwd_kernel``'s callable adds it). ``pack`` > 1: the pack_gqa
     kernel for calls with exactly pack query heads per KV head (same call). ``dv``: v's (and out's) head dim, when
-    it differs from head_dim (_HEAD_DIM_PAIRS)."""
+    it differs from head_dim (_HEAD_DIM_PAIRS). ``paged`` (varlen): the page size of a paged K / V cache; the call
+    then takes k / v (num_pages, page_size, Hk, D) and, in cu_seqlens_k's place, the int32 page table (B,
+    max_pages)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_tensor
 
-    config = _fwd_config(dtype, head_dim, causal, arch, local, softcap, varlen, sink, short, long, pack, dv)
+    config = _fwd_config(dtype, head_dim, causal, arch, local, softcap, varlen, sink, short, long, pack, dv, paged)
     kernel = _make_kernel(config)
     dt, D, Dv = kernel.dtype, kernel.head_dim, kernel.head_dim_v
     # 32-bit shapes and strides: with 64-bit symbolic strides CuTeDSL 4.8 builds TMA descriptors that
@@ -403,6 +429,10 @@ def compile_fwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=Fal
         k, v = packed(seqlen_k, heads_kv), packed(seqlen_k, heads_kv, Dv)
         lse = make_fake_tensor(cutlass.Float32, (heads, seqlen_q), (cute.sym_int(), 1), assumed_align=4)
         cu_q, cu_k = (make_fake_tensor(cutlass.Int32, (cute.sym_int(),), (1,), assumed_align=4) for _ in "qk")
+        if paged:  # k / v (num_pages, page_size, Hk, D): the dense layout with pages for batch entries; the page table
+            k, v = qkv(cute.sym_int(), heads_kv), qkv(cute.sym_int(), heads_kv, Dv)
+            cu_k = make_fake_tensor(cutlass.Int32, (cute.sym_int(), cute.sym_int()), (cute.sym_int(), 1),
+                                    assumed_align=4)
         used_k = make_fake_tensor(cutlass.Int32, (cute.sym_int(),), (1,), assumed_align=4)
         seq_args = (cu_q, cu_k, used_k, cutlass.Int32(0))
     else:
@@ -482,9 +512,9 @@ def _persistent_launcher(fn):
 
 
 def _entry(dtype, head_dim, causal, arch, local=False, softcap=False, varlen=False, sink=False, short=False,
-           long=False, pack=1, dv=None):
+           long=False, pack=1, dv=None, paged=0):
     """(config, key, file name, exported C symbol) of a forward kernel's disk cache entry."""
-    config = _fwd_config(dtype, head_dim, causal, arch, local, softcap, varlen, sink, short, long, pack, dv)
+    config = _fwd_config(dtype, head_dim, causal, arch, local, softcap, varlen, sink, short, long, pack, dv, paged)
     key = cache.entry_key(config)
     mask = "local" if config["local"] else "causal" if config["causal"] else "full"
     wg = f"-wg{config['warpgroups']}" if "warpgroups" in config else ""  # readable names; the key decides
@@ -492,19 +522,20 @@ def _entry(dtype, head_dim, causal, arch, local=False, softcap=False, varlen=Fal
             f"{'-varlen' if varlen else ''}{'-sink' if sink else ''}{wg}"
             f"{'-persistent' if config.get('persistent') else ''}{'-reverse' if config.get('reverse') else ''}"
             f"{'-tmao' if config.get('tma_o') else ''}{f'-pack{pack}' if config.get('pack_gqa') else ''}"
-            f"{f'-dv{dv}' if config.get('head_dim_v') else ''}-{key[:16]}")
+            f"{f'-dv{dv}' if config.get('head_dim_v') else ''}{f'-paged{paged}' if paged else ''}-{key[:16]}")
     return config, key, name, f"flash_attn_cute_{key[:16]}"  # the symbol is unique per key
 
 
 def disk_entry(dtype, head_dim, causal, arch="sm_90a", root=None, local=False, softcap=False, varlen=False,
-               sink=False, short=False, long=False, pack=1, dv=None):
+               sink=False, short=False, long=False, pack=1, dv=None, paged=0):
     """The intact files of a forward kernel's entry in the disk cache ``root`` (default: the runtime's
     folder), {"o": path, "so": path} (the shared library is absent where no C compiler was found), or
     {} when there is none. Loads nothing."""
     root = root if root is not None else cache.cache_dir()
     if root is None or not _tvm_ffi():
         return {}
-    _, key, name, _ = _entry(dtype, head_dim, causal, arch, local, softcap, varlen, sink, short, long, pack, dv)
+    _, key, name, _ = _entry(dtype, head_dim, causal, arch, local, softcap, varlen, sink, short, long, pack, dv,
+                             paged)
     return cache.DiskCache(root).files(name, key)
 
 
@@ -525,19 +556,20 @@ def load_or_build_bwd(dtype, head_dim, causal, arch="sm_90a", root=None, force=F
 
 
 def load_or_build(dtype, head_dim, causal, arch="sm_90a", root=None, force=False, local=False, softcap=False,
-                  varlen=False, sink=False, short=False, long=False, pack=1, dv=None):
+                  varlen=False, sink=False, short=False, long=False, pack=1, dv=None, paged=0):
     """The forward kernel as a callable ``(q, k, v, out, lse, softmax_scale, softcap, window_left,
     window_right)`` and where it came from
     ("so" / "o": the disk cache in ``root``; "compiled": compiled now, and written to ``root``).
     ``root=None``: no disk cache. ``force``: compile even when the disk holds the entry. Compiling
     needs no GPU; loading from disk needs neither a GPU nor the CuTeDSL compiler."""
-    variant = dict(local=local, softcap=softcap, varlen=varlen, sink=sink, short=short, long=long, pack=pack, dv=dv)
+    variant = dict(local=local, softcap=softcap, varlen=varlen, sink=sink, short=short, long=long, pack=pack, dv=dv,
+                   paged=paged)
     if not _tvm_ffi():
         persistent = _fwd_config(dtype, head_dim, causal, arch, **variant).get("persistent", False)
         return (_dlpack_launcher(compile_fwd(dtype, head_dim, causal, arch, **variant), sink, persistent),
                 "compiled-dlpack")
     return _load_or_build_entry(_entry(dtype, head_dim, causal, arch, local, softcap, varlen, sink, short, long,
-                                       pack, dv),
+                                       pack, dv, paged),
                                 lambda: compile_fwd(dtype, head_dim, causal, arch, **variant), root, force)
 
 
@@ -578,7 +610,7 @@ def _load_or_build_entry(entry, compile_fn, root, force):
 
 
 def fwd_kernel(dtype, head_dim, causal, arch="sm_90a", local=False, softcap=False, varlen=False, sink=False,
-               short=False, long=False, pack=1, dv=None):
+               short=False, long=False, pack=1, dv=None, paged=0):
     """The forward kernel for (dtype, head dim, causal, arch, local, softcap): from memory, else from the
     disk cache (``cache.cache_dir()``: $FLASH_ATTN_CUTE_CACHE, default ~/.cache/flash_attn_cute), else
     compiled and written there. A callable ``(q, k, v, out, lse, softmax_scale, softcap, window_left,
@@ -588,28 +620,30 @@ def fwd_kernel(dtype, head_dim, causal, arch="sm_90a", local=False, softcap=Fals
     "short" switch makes their configs differ). ``long``: the kernel of calls with seqlen_k >= _FWD_LONG_SK
     (key ending in "long"; the same kernel as not long outside _FWD_LONG). ``pack`` > 1: the pack_gqa kernel
     (key ending in ("pack", pack); short and long are then ignored). ``dv``: v's head dim when it differs from
-    head_dim (key ending in ("dv", dv); short and long ignored too)."""
+    head_dim (key ending in ("dv", dv); short and long ignored too). ``paged``: the page size of a paged varlen
+    call (key ending in ("paged", page size))."""
     if dv == head_dim:
         dv = None
-    if pack > 1 or dv:
+    if pack > 1 or dv or paged:
         short = long = False
     mem_key = ((dtype, head_dim, bool(causal), arch, bool(local), bool(softcap)) + ((True,) if varlen else ())
                + (("sink",) if sink else ()) + (("short",) if short else ()) + (("long",) if long else ())
-               + (("pack", pack) if pack > 1 else ()) + (("dv", dv) if dv else ()))
+               + (("pack", pack) if pack > 1 else ()) + (("dv", dv) if dv else ())
+               + (("paged", paged) if paged else ()))
     fn = _kernels.get(mem_key)
     if fn is None:
         with cache._lock:  # one builder per process; other threads wait, then find it in memory
             fn = _kernels.get(mem_key)
             if fn is None:
                 config = _fwd_config(dtype, head_dim, causal, arch, local, softcap, varlen, sink, short, long, pack,
-                                     dv)
+                                     dv, paged)
                 if (short or long) and config == _fwd_config(dtype, head_dim, causal, arch, local, softcap, varlen,
                                                              sink):
                     fn = fwd_kernel(dtype, head_dim, causal, arch, local, softcap, varlen, sink)  # the same kernel
                 else:
                     fn, _origins[mem_key] = load_or_build(dtype, head_dim, causal, arch, cache.cache_dir(),
                                                           local=local, softcap=softcap, varlen=varlen, sink=sink,
-                                                          short=short, long=long, pack=pack, dv=dv)
+                                                          short=short, long=long, pack=pack, dv=dv, paged=paged)
                     if config.get("persistent"):
                         fn = _persistent_launcher(fn)  # the kernel's last argument, which callers do not give
                 _kernels[mem_key] = fn
@@ -668,6 +702,11 @@ def _new_lse_scratch(index, B, H, Sq):
             _lse_scratch.clear()
         _lse_scratch[(index, B, H, Sq)] = lse
     return lse
+
+
+def _paged_on():
+    """Whether paged calls (page_table) run: FLASH_ATTN_CUTE_PAGED=1 until the kernel has passed its GPU tests."""
+    return os.environ.get("FLASH_ATTN_CUTE_PAGED", "0") not in ("0", "false", "False")
 
 
 def _hdim_v_on():
@@ -999,22 +1038,37 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_se
     dtypes and learnable_sink as flash_attn_func. Returns (out (total_q, H, D), lse (H, total_q) fp32, or None as in
     flash_attn_func). Checks the
     cu_seqlens / seqused values (one device sync); max_seqlen_q is computed (another sync) when not given.
-    Not yet: page_table (paged KV)."""
+    page_table (paged K / V): k / v (num_pages, page_size, Hk, D), page_table int32 (B, max_pages): sequence b's
+    keys are the first seqused_k[b] rows of its pages page_table[b, 0], page_table[b, 1], ... in order (give
+    seqused_k, not cu_seqlens_k; page_size a multiple of 8, see _paged_block_n). Forward only."""
+    paged = page_table is not None
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 3:
-            raise ValueError(f"{name} must be a 3-D tensor (total, H, D)")
-    if cu_seqlens_q is None or cu_seqlens_k is None:
+        want = 4 if paged and name != "q" else 3
+        if not isinstance(t, torch.Tensor) or t.dim() != want:
+            raise ValueError(f"{name} must be a {want}-D tensor "
+                             + ("(num_pages, page_size, Hk, D) with page_table" if want == 4 else "(total, H, D)"))
+    if paged:
+        if not _paged_on():
+            raise NotImplementedError("page_table: the paged kernel awaits its GPU tests; FLASH_ATTN_CUTE_PAGED=1 "
+                                      "runs it")
+        if cu_seqlens_k is not None or seqused_k is None:
+            raise ValueError("page_table: give each sequence's key count as seqused_k (and cu_seqlens_k None)")
+    if cu_seqlens_q is None or (cu_seqlens_k is None and not paged):
         raise NotImplementedError("flash_attn.cute's varlen path needs both cu_seqlens_q and cu_seqlens_k")
-    if page_table is not None:
-        raise NotImplementedError("page_table (paged KV)")
     dtype = q.dtype
     if dtype not in _DTYPE_NAMES or k.dtype != dtype or v.dtype != dtype:
         raise ValueError(f"q, k, v must share one dtype, fp16 or bf16; got {q.dtype}, {k.dtype}, {v.dtype}")
     Tq, H, D = q.shape
-    Tk, Hk, Dk = k.shape
-    if v.dim() != 3 or v.shape[:2] != k.shape[:2] or Dk != D:
+    if paged:
+        num_pages, page_size, Hk, Dk = k.shape
+        Tk = num_pages * page_size
+        same = v.shape[:3] == k.shape[:3]
+    else:
+        Tk, Hk, Dk = k.shape
+        same = v.shape[:2] == k.shape[:2]
+    if not same or Dk != D:
         raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    _check_dims(D, v.shape[2], H, Hk)
+    _check_dims(D, v.shape[-1], H, Hk)
     window_left, window_right, softcap = _options(window_size, softcap, num_splits)
     sink = None if learnable_sink is None else _check_sink(learnable_sink, H, q.device)
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -1023,26 +1077,49 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_se
     arch = _device_arch(q, k, v)
     _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
     batch = cu_seqlens_q.shape[0] - 1
-    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, q.device, batch)
+    if paged:
+        if (not isinstance(page_table, torch.Tensor) or page_table.dtype != torch.int32 or page_table.dim() != 2
+                or page_table.shape[0] != batch or page_table.device != q.device or page_table.stride(-1) != 1):
+            raise ValueError(f"page_table must be an int32 tensor (batch={batch}, max_pages) on {q.device} with a "
+                             f"contiguous last dimension, got {getattr(page_table, 'dtype', type(page_table))} of "
+                             f"shape {tuple(getattr(page_table, 'shape', ()))}")
+        if _paged_block_n(128, page_size) is None:
+            raise NotImplementedError(f"page size {page_size}: a multiple of 8 (each page is one or more TMA boxes)")
+        cu_k_check = torch.zeros(batch + 1, dtype=torch.int32, device=q.device)  # (no cu_seqlens_k: nothing to check)
+    else:
+        _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, q.device, batch)
+        cu_k_check = cu_seqlens_k
     for name, used in (("seqused_q", seqused_q), ("seqused_k", seqused_k)):
         if used is not None and (not isinstance(used, torch.Tensor) or used.dtype != torch.int32
                                  or used.shape != (batch,) or used.device != q.device):
             raise ValueError(f"{name} must be an int32 tensor ({batch},) on {q.device}")
     # One device sync for every value check (and max_seqlen_q).
-    lens_q, lens_k = cu_seqlens_q[1:] - cu_seqlens_q[:-1], cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+    lens_q, lens_k = cu_seqlens_q[1:] - cu_seqlens_q[:-1], cu_k_check[1:] - cu_k_check[:-1]
+    if paged:
+        lens_k = torch.full_like(lens_k, page_table.shape[1] * page_size)  # each sequence's page table's capacity
     zero = cu_seqlens_q.new_zeros(())
     used_bad = (((seqused_k < 0) | (seqused_k > lens_k)).sum() if seqused_k is not None else zero)
     used_q_bad = (((seqused_q < 0) | (seqused_q > lens_q)).sum() if seqused_q is not None else zero)
-    first_q, down_q, last_q, max_q, first_k, down_k, last_k, used_bad, used_q_bad = torch.stack([
+    pages_bad = zero
+    if paged and batch and page_table.shape[1]:
+        # the page table entries the sequences use: each a page of k / v
+        used_pages = torch.arange(page_table.shape[1], device=q.device) < ((seqused_k + page_size - 1)
+                                                                          // page_size).view(-1, 1)
+        pages_bad = (((page_table < 0) | (page_table >= num_pages)) & used_pages).sum()
+    first_q, down_q, last_q, max_q, first_k, down_k, last_k, used_bad, used_q_bad, pages_bad = torch.stack([
         cu_seqlens_q[0], (lens_q < 0).sum(), cu_seqlens_q[-1], lens_q.max() if batch else zero,
-        cu_seqlens_k[0], (lens_k < 0).sum(), cu_seqlens_k[-1], used_bad, used_q_bad]).tolist()
+        cu_k_check[0], (lens_k < 0).sum(), cu_k_check[-1], used_bad, used_q_bad, pages_bad]).tolist()
     for name, first, down, last, total in (("cu_seqlens_q", first_q, down_q, last_q, Tq),
                                             ("cu_seqlens_k", first_k, down_k, last_k, Tk)):
         if first != 0 or down or last > total:
             raise ValueError(f"{name} must start at 0, never decrease and end at most at {total} "
                              f"(got first {first}, last {last})")
     if used_bad:
-        raise ValueError("seqused_k must lie in [0, cu_seqlens_k[b + 1] - cu_seqlens_k[b]]")
+        raise ValueError("seqused_k must lie in [0, page_table.shape[1] * page_size]" if paged else
+                         "seqused_k must lie in [0, cu_seqlens_k[b + 1] - cu_seqlens_k[b]]")
+    if pages_bad:
+        raise ValueError(f"page_table: {pages_bad} entries that sequences use are not page indices in "
+                         f"[0, {num_pages})")
     if used_q_bad:
         raise ValueError("seqused_q must lie in [0, cu_seqlens_q[b + 1] - cu_seqlens_q[b]]")
     if softmax_scale is None:
@@ -1052,6 +1129,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_se
     elif int(max_seqlen_q) < max_q:
         raise ValueError(f"max_seqlen_q ({max_seqlen_q}) is below the longest sequence ({max_q})")
     if _needs_grad(q, k, v, learnable_sink):
+        if paged:
+            raise NotImplementedError("gradients with page_table (paged K / V is a forward-only path)")
         if seqused_k is not None or seqused_q is not None:
             raise NotImplementedError("gradients with seqused_q / seqused_k (the fallback backward has neither)")
         if max_seqlen_k is None:
@@ -1063,42 +1142,57 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_se
                                                                   arch, varlen))
         return _with_fallback_backward(q, k, v, softmax_scale, causal, window_left, window_right, softcap, varlen)
     if seqused_q is not None:
-        cu_seqlens_q, cu_seqlens_k, seqused_k = _split_unused_q(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+        cu_seqlens_q, keys, seqused_k = _split_unused_q(cu_seqlens_q, page_table if paged else cu_seqlens_k,
+                                                        seqused_q, seqused_k, paged)
+        if paged:
+            page_table = keys
+        else:
+            cu_seqlens_k = keys
     out, lse = forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, int(max_seqlen_q), softmax_scale,
                               bool(causal), arch, window_left, window_right, softcap, sink=sink,
-                              pack=_pack_group(pack_gqa, H, Hk))
+                              pack=_pack_group(pack_gqa, H, Hk), page_table=page_table)
     if last_q < Tq:  # rows of q after the last sequence belong to none: out 0, lse +inf
         out[last_q:] = 0
         lse[:, last_q:] = math.inf
     return out, (lse if return_lse else None)
 
 
-def _split_unused_q(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
+def _split_unused_q(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, paged=False):
     """seqused_q on the varlen kernel as it is: (cu_seqlens_q, cu_seqlens_k, seqused_k) of 2B sequences, sequence
     2b the used rows of sequence b (its first seqused_q[b] queries, with its keys), sequence 2b + 1 its unused
-    query rows with no key (the kernel gives them out 0 and lse +inf, or the sink). Device ops only (no sync)."""
+    query rows with no key (the kernel gives them out 0 and lse +inf, or the sink). paged: cu_seqlens_k is the
+    page table (B, max_pages), returned with each row twice. Device ops only (no sync)."""
     if seqused_k is None:
         seqused_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
     starts = cu_seqlens_q[:-1]
     cu_q = torch.cat([torch.stack([starts, starts + seqused_q], 1).flatten(), cu_seqlens_q[-1:]])
-    cu_k = torch.cat([torch.stack([cu_seqlens_k[:-1], cu_seqlens_k[1:]], 1).flatten(), cu_seqlens_k[-1:]])
+    if paged:
+        cu_k = cu_seqlens_k.repeat_interleave(2, dim=0)
+    else:
+        cu_k = torch.cat([torch.stack([cu_seqlens_k[:-1], cu_seqlens_k[1:]], 1).flatten(), cu_seqlens_k[-1:]])
     used_k = torch.stack([seqused_k, torch.zeros_like(seqused_k)], 1).flatten()
     return cu_q, cu_k, used_k
 
 
 def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, softmax_scale, causal,
                    arch="sm_90a", window_left=-1, window_right=-1, softcap=0.0, fill_unused_rows=False, sink=None,
-                   pack=1):
+                   pack=1, page_table=None):
     """The varlen kernel launch on validated inputs (shared with the dispatcher's backend module). Rows
     of q after cu_seqlens_q[-1] are left unwritten unless fill_unused_rows (then out 0, lse +inf there:
-    one memset each, for callers that cannot afford a sync to find those rows). sink, pack: as forward's."""
+    one memset each, for callers that cannot afford a sync to find those rows). sink, pack: as forward's.
+    page_table: the paged call (k / v (num_pages, page_size, Hk, D), seqused_k given, cu_seqlens_k unused)."""
     Tq, H, D = q.shape
-    Dv = v.shape[2]
+    Dv = v.shape[-1]
     if max(q.numel(), k.numel(), v.numel(), Tq * H * Dv) >= _MAX_ELEMS:
         raise NotImplementedError("flash_attn.cute's varlen kernel handles q, k, v of < 2^31 elements")
-    # rows 16-byte aligned, head dim contiguous, heads D (v: Dv) apart
-    q, k, v = (t if t.stride(1) == t.shape[2] and t.stride(2) == 1 and t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0
-               else t.clone(memory_format=torch.contiguous_format) for t in (q, k, v))
+    # rows 16-byte aligned, head dim contiguous, heads D (v: Dv) apart (paged k / v: the dense kernel's layout)
+    q = q if q.stride(1) == D and q.stride(2) == 1 and q.stride(0) % 8 == 0 and q.data_ptr() % 16 == 0 else \
+        q.clone(memory_format=torch.contiguous_format)
+    if page_table is not None:
+        k, v = _kernel_layout(k, D), _kernel_layout(v, Dv)
+    else:
+        k, v = (t if t.stride(1) == t.shape[2] and t.stride(2) == 1 and t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0
+                else t.clone(memory_format=torch.contiguous_format) for t in (k, v))
     out = (torch.zeros if fill_unused_rows else torch.empty)((Tq, H, Dv), dtype=q.dtype, device=q.device)
     lse = torch.full((H, Tq), math.inf, dtype=torch.float32, device=q.device) if fill_unused_rows else \
         torch.empty((H, Tq), dtype=torch.float32, device=q.device)
@@ -1116,11 +1210,14 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
         causal = causal and not local
         capped = softcap > 0.0
         sinked = sink is not None
+        page_size = 0 if page_table is None else k.shape[1]
         fn = (_kernels.get((q.dtype, D, causal, arch, local, capped, True) + (("sink",) if sinked else ())
-                           + (("pack", pack) if pack > 1 else ()) + (("dv", Dv) if Dv != D else ()))
+                           + (("pack", pack) if pack > 1 else ()) + (("dv", Dv) if Dv != D else ())
+                           + (("paged", page_size) if page_size else ()))
               or fwd_kernel(q.dtype, D, causal, arch, local=local, softcap=capped, varlen=True, sink=sinked,
-                            pack=pack, dv=Dv))
-        fn(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, float(softmax_scale),
+                            pack=pack, dv=Dv, paged=page_size))
+        keys = cu_seqlens_k if page_table is None else page_table  # the paged kernel takes the page table there
+        fn(q, k, v, out, lse, cu_seqlens_q, keys, seqused_k, max_seqlen_q, float(softmax_scale),
            float(softcap), window_left, window_right, *(() if sink is None else (sink,)))
     return out, lse
 

@@ -1,0 +1,256 @@
+"""Paged K / V in flash_attn.cute's varlen forward (page_table, as FA4's flash_attn_varlen_func takes it): k / v
+(num_pages, page_size, Hk, D), sequence b's keys the first seqused_k[b] rows of its pages page_table[b, :] in
+order. Each key block arrives as TMA boxes of min(page_size, block_n) rows from their pages. On the CPU: the block
+and box rules, the config and cache key, whole calls with the kernel replaced by a torch model of its paged contract
+against the reference per sequence (seqused_q too), the argument checks, and the paged kernels' PTX (one box per page
+of a block, at its rows of the stage; ptxas clean). On a Hopper GPU (tests marked gpu): against the reference.
+
+The paged kernel was written without a GPU (session 15): until its GPU tests here have passed, page_table calls run
+only with FLASH_ATTN_CUTE_PAGED=1."""
+import glob
+import math
+import os
+import re
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("cutlass.cute")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PKG = os.path.join(ROOT, "packages", "flash-attn-4")
+if _PKG not in sys.path:
+    sys.path.insert(0, _PKG)
+
+from flash_attn.cute import interface  # noqa: E402
+from flash_attn.testing import (assert_close_to_ref, assert_ptxas_clean, attention_lse_ref, attention_ref,  # noqa: E402
+                                paged_from_dense)
+
+I32 = torch.int32
+_KNOBS = [v for v in os.environ if v.startswith("FLASH_ATTN_CUTE_")]
+
+
+@pytest.fixture(autouse=True)
+def _defaults(monkeypatch):
+    for var in _KNOBS:
+        monkeypatch.delenv(var, raising=False)
+
+
+def test_paged_block_n():
+    """The key block: the config's, or the largest multiple of 16 below it that a page divides or that divides a
+    page; pages of a multiple of 8 rows only."""
+    cases = {(128, 16): 128, (128, 256): 128, (128, 64): 128, (112, 16): 112, (112, 64): 64, (112, 256): 64,
+             (80, 16): 80, (80, 64): 64, (80, 128): 64, (128, 48): 96, (128, 24): 96, (128, 8): 128,
+             (96, 256): 64, (128, 200): None, (128, 12): None, (128, 4): None}
+    for (block_n, page), want in cases.items():
+        assert interface._paged_block_n(block_n, page) == want, (block_n, page)
+
+
+def test_paged_config():
+    cfg = lambda d, causal, **kw: interface._fwd_config(torch.bfloat16, d, causal, "sm_90a", **kw)  # noqa: E731
+    for d in (64, 96, 128, 192, 256):
+        for causal in (False, True):
+            plain = cfg(d, causal, varlen=True)
+            assert "paged" not in plain and cfg(d, causal, varlen=True, paged=0) == plain
+            for page in (8, 16, 64, 256):
+                paged = cfg(d, causal, varlen=True, paged=page)
+                block_n = paged.get("block_n", 128)
+                assert paged["paged"] == min(page, block_n) and (page % block_n == 0 or block_n % page == 0)
+                assert {k: v for k, v in paged.items() if k not in ("paged", "block_n")} == \
+                    {k: v for k, v in plain.items() if k != "block_n"}
+                kernel = interface._make_kernel(paged)
+                assert kernel.smem_bytes() <= kernel.SMEM_BYTES and kernel.paged == paged["paged"]
+    with pytest.raises(NotImplementedError, match="page size 200"):
+        cfg(128, True, varlen=True, paged=200)
+    with pytest.raises(NotImplementedError, match="varlen"):
+        cfg(128, True, paged=16)
+    names = {interface._entry(torch.bfloat16, 128, True, "sm_90a", varlen=True, paged=p)[2] for p in (0, 16, 256)}
+    assert len(names) == 3 and any("-paged16-" in n for n in names)
+
+
+def test_kernel_refuses_what_it_cannot_page():
+    import cutlass
+
+    from flash_attn.cute.flash_fwd_sm90 import FlashFwdSm90
+
+    for kw, msg in [(dict(paged=16), "varlen only"), (dict(varlen=True, paged=12), "multiple of 8"),
+                    (dict(varlen=True, paged=48), "divide block_n")]:
+        with pytest.raises(ValueError, match=msg):
+            FlashFwdSm90(cutlass.BFloat16, 128, True, **kw)
+
+
+def test_split_unused_q_repeats_the_page_table_rows():
+    table = torch.tensor([[3, 1], [0, 2]], dtype=I32)
+    cu_q, pages, used_k = interface._split_unused_q(torch.tensor([0, 4, 9], dtype=I32), table,
+                                                    torch.tensor([2, 5], dtype=I32), torch.tensor([30, 7], dtype=I32),
+                                                    paged=True)
+    assert cu_q.tolist() == [0, 2, 4, 9, 9] and used_k.tolist() == [30, 0, 7, 0]
+    assert pages.tolist() == [[3, 1], [3, 1], [0, 2], [0, 2]]
+
+
+def _paged_kernel_model(causal, sink_given):
+    """The paged varlen kernel's contract in torch: sequence b = rows cu_q[b]:cu_q[b + 1] against the first
+    used_k[b] rows of its pages (the page table comes where cu_seqlens_k goes)."""
+    def run(q, k, v, out, lse, cu_q, page_table, used_k, max_seqlen_q, scale, softcap, wl, wr, *sink):
+        sink = sink[0] if sink_given else None
+        page_size = k.shape[1]
+        for b in range(cu_q.shape[0] - 1):
+            q0, q1, n = int(cu_q[b]), int(cu_q[b + 1]), int(used_k[b])
+            if q1 == q0:
+                continue
+            if n == 0:
+                out[q0:q1] = 0
+                lse[:, q0:q1] = math.inf if sink is None else sink.view(-1, 1)
+                continue
+            pages = page_table[b, :-(-n // page_size)].long()
+            ks, vs = k[pages].flatten(0, 1)[None, :n], v[pages].flatten(0, 1)[None, :n]
+            qs = q[None, q0:q1]
+            o, _ = attention_ref(qs, ks, vs, causal=causal, softmax_scale=scale, learnable_sink=sink)
+            out[q0:q1] = o[0].to(out.dtype)
+            lse[:, q0:q1] = attention_lse_ref(qs, ks, causal=causal, softmax_scale=scale, learnable_sink=sink)[0]
+    return run
+
+
+def _paged_case(lens_q, lens_k, page_size, heads, heads_kv, d, device="cpu", dtype=torch.float16, dv=None):
+    """q packed, and k / v per sequence as dense (B, max Sk) scattered into a shuffled paged cache with spare pages."""
+    torch.manual_seed(0)
+    cu_q = torch.tensor([0] + lens_q).cumsum(0).to(device=device, dtype=I32)
+    q = torch.randn(int(cu_q[-1]) + 2, heads, d, dtype=dtype, device=device)
+    s_max = max(max(lens_k), 1)
+    kd = torch.randn(len(lens_k), s_max, heads_kv, d, dtype=dtype, device=device)
+    vd = torch.randn(len(lens_k), s_max, heads_kv, dv or d, dtype=dtype, device=device)
+    pages_per = -(-s_max // page_size)
+    num_pages = len(lens_k) * pages_per + 3
+    k, table = paged_from_dense(kd, page_size, num_blocks=num_pages, generator=torch.Generator().manual_seed(1))
+    v, _ = paged_from_dense(vd, page_size, block_table=table, num_blocks=num_pages)
+    used_k = torch.tensor(lens_k, dtype=I32, device=device)
+    return q, k, v, kd, vd, cu_q, table, used_k
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sink", [False, True])
+@pytest.mark.parametrize("page_size", [8, 16])
+@pytest.mark.parametrize("with_used_q", [False, True])
+def test_paged_calls_per_sequence(monkeypatch, causal, sink, page_size, with_used_q):
+    monkeypatch.setenv("FLASH_ATTN_CUTE_PAGED", "1")
+    monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")
+    key = ((torch.float16, 64, causal, "sm_90a", False, False, True) + (("sink",) if sink else ())
+           + ("paged", page_size))
+    monkeypatch.setattr(interface, "_kernels", {key: _paged_kernel_model(causal, sink)})
+    lens_q, lens_k = [5, 0, 9, 3, 4], [20, 3, 9, 0, 16]
+    used_q = [2, 0, 9, 3, 0] if with_used_q else lens_q
+    q, k, v, kd, vd, cu_q, table, used_k = _paged_case(lens_q, lens_k, page_size, 4, 2, 64)
+    sink_t = torch.randn(4) if sink else None
+    out, lse = interface.flash_attn_varlen_func(
+        q, k, v, cu_q, None, seqused_q=torch.tensor(used_q, dtype=I32) if with_used_q else None, seqused_k=used_k,
+        page_table=table, causal=causal, learnable_sink=sink_t, return_lse=True)
+    for b in range(len(lens_q)):
+        q0, uq, uk = int(cu_q[b]), used_q[b], lens_k[b]
+        if uq and uk:
+            qs, ks, vs = q[None, q0:q0 + uq], kd[b:b + 1, :uk], vd[b:b + 1, :uk]
+            o_ref, _ = attention_ref(qs, ks, vs, causal=causal, learnable_sink=sink_t)
+            o_pt, _ = attention_ref(qs, ks, vs, causal=causal, learnable_sink=sink_t, upcast=False, reorder_ops=True)
+            assert_close_to_ref(out[None, q0:q0 + uq], o_ref, o_pt, name=f"sequence {b}")
+            torch.testing.assert_close(lse[:, q0:q0 + uq],
+                                       attention_lse_ref(qs, ks, causal=causal, learnable_sink=sink_t)[0])
+        empty = slice(q0 + (uq if uk else 0), q0 + lens_q[b])
+        assert torch.all(out[empty] == 0), b
+    tail = int(cu_q[-1])
+    assert torch.all(out[tail:] == 0) and torch.all(torch.isinf(lse[:, tail:]))
+
+
+def test_paged_argument_checks(monkeypatch):
+    monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")
+    q, k, v, _, _, cu_q, table, used_k = _paged_case([3, 4], [10, 17], 8, 2, 1, 64)
+    call = lambda **kw: interface.flash_attn_varlen_func(  # noqa: E731
+        q, kw.pop("k", k), kw.pop("v", v), cu_q, kw.pop("cu_k", None), seqused_k=kw.pop("used_k", used_k),
+        page_table=kw.pop("table", table), **kw)
+    with pytest.raises(NotImplementedError, match="FLASH_ATTN_CUTE_PAGED=1"):
+        call()
+    monkeypatch.setenv("FLASH_ATTN_CUTE_PAGED", "1")
+    cases = [
+        (dict(k=k[0]), ValueError, "k must be a 4-D tensor"),
+        (dict(cu_k=cu_q), ValueError, "seqused_k"),
+        (dict(used_k=None), ValueError, "seqused_k"),
+        (dict(table=table.long()), ValueError, "page_table must be an int32 tensor"),
+        (dict(table=table[:1]), ValueError, "page_table must be an int32 tensor"),
+        (dict(v=v[:, :, :, :32]), NotImplementedError, "head dim of v"),
+        (dict(used_k=torch.tensor([10, 10 ** 4], dtype=I32)), ValueError, "seqused_k must lie in"),
+        (dict(table=torch.where(table == table[1, 2], 10 ** 4, table)), ValueError, "1 entries that sequences use"),
+    ]
+    for kw, exc, msg in cases:
+        with pytest.raises(exc, match=msg):
+            call(**kw)
+    # an out-of-range entry past a sequence's pages is never read: no error (the kernel model is not called here)
+    big = torch.cat([table, torch.full((2, 1), -7, dtype=I32)], 1)
+    monkeypatch.setattr(interface, "forward_varlen", lambda *a, **kw: (q.new_zeros(q.shape), q.new_zeros(2, 9).float()))
+    call(table=big)
+    qg = q.clone().requires_grad_()
+    with pytest.raises(NotImplementedError, match="gradients with page_table"):
+        interface.flash_attn_varlen_func(qg, k, v, cu_q, None, seqused_k=used_k, page_table=table)
+    with pytest.raises(NotImplementedError, match="page size 12"):
+        k12 = torch.randn(k.shape[0], 12, *k.shape[2:], dtype=k.dtype)  # 12-row pages
+        interface.flash_attn_varlen_func(q, k12, k12, cu_q, None, seqused_k=torch.tensor([10, 12], dtype=I32),
+                                         page_table=table)
+
+
+@pytest.mark.parametrize("page_size", [16, 256])
+def test_paged_kernel_loads_k_and_v_by_page(tmp_path, page_size):
+    """K and V go through 4-D TMA descriptors (page rows, D, KV heads, pages: the page is a coordinate), one copy per
+    swizzle column block in the block's loop over its boxes (8 boxes of 16-row pages; one box of 128 rows of a
+    256-row page), Q through varlen's 3-D one; the kernel is ptxas clean (the producer's 24 registers included)."""
+    interface.compile_fwd(torch.bfloat16, 128, True, dump_dir=str(tmp_path), varlen=True, paged=page_size)
+    (ptx,) = glob.glob(str(tmp_path / "*.ptx"))
+    text = open(ptx).read()
+    dims = re.findall(r"cp\.async\.bulk\.tensor\.(\d)d\.shared::cta\.global", text)
+    assert dims == ["3", "3", "4", "4", "4", "4"]
+    assert_ptxas_clean(ptx)
+
+
+# ----------------------------------------------------------------------------------------------------
+# GPU
+
+
+def _hopper():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("d,dv", [(64, 64), (128, 128), (256, 256), (192, 128)])
+@pytest.mark.parametrize("page_size", [16, 64, 256])
+@pytest.mark.parametrize("causal,window,sink,pack", [(False, (-1, -1), False, False), (True, (-1, -1), False, False),
+                                                     (True, (-1, -1), True, True), (False, (40, 8), False, True)])
+def test_paged_matches_reference_per_sequence_on_gpu(monkeypatch, d, dv, page_size, causal, window, sink, pack):
+    from flash_attn.cute import flash_attn_varlen_func
+
+    for var in ("FLASH_ATTN_CUTE_PAGED", "FLASH_ATTN_CUTE_HDIM_V", "FLASH_ATTN_CUTE_PACK_GQA"):
+        monkeypatch.setenv(var, "1")
+    heads, heads_kv = 8, 2
+    lens_q, lens_k = [1, 0, 77, 1, 300, 5], [500, 9, 77, 0, 300, 1000]
+    q, k, v, kd, vd, cu_q, table, used_k = _paged_case(lens_q, lens_k, page_size, heads, heads_kv, d, "cuda",
+                                                       torch.bfloat16, dv)
+    sink_t = torch.randn(heads, device="cuda") if sink else None
+    out, lse = flash_attn_varlen_func(q, k, v, cu_q, None, seqused_k=used_k, page_table=table, causal=causal,
+                                      window_size=window, learnable_sink=sink_t, pack_gqa=pack, return_lse=True)
+    torch.cuda.synchronize()
+    assert any(key[-2:] == ("paged", page_size) for key in interface._kernels)
+    ref_window = (window[0], 0 if causal else window[1])
+    for b, (sq, sk) in enumerate(zip(lens_q, lens_k)):
+        q0 = int(cu_q[b])
+        if sq == 0:
+            continue
+        if sk == 0:
+            assert torch.all(out[q0:q0 + sq] == 0)
+            continue
+        qs, ks, vs = q[None, q0:q0 + sq], kd[b:b + 1, :sk], vd[b:b + 1, :sk]
+        kw = dict(causal=causal, window_size=ref_window, learnable_sink=sink_t)
+        o_ref, _ = attention_ref(qs, ks, vs, **kw)
+        o_pt, _ = attention_ref(qs, ks, vs, upcast=False, reorder_ops=True, **kw)
+        assert_close_to_ref(out[None, q0:q0 + sq], o_ref, o_pt, name=f"sequence {b}")
+        lse_ref = attention_lse_ref(qs, ks, causal=causal, window_size=ref_window, learnable_sink=sink_t)[0]
+        finite = torch.isfinite(lse_ref)
+        assert torch.equal(torch.isfinite(lse[:, q0:q0 + sq]), finite)
+        if finite.any():
+            assert (lse[:, q0:q0 + sq][finite] - lse_ref[finite]).abs().max().item() < 1e-2
