@@ -178,14 +178,29 @@ def _lse_ref(q, k, causal, window, softcap, sink):
     return torch.where(torch.isneginf(lse), torch.full_like(lse, math.inf), lse)
 
 
+# The GPU tests' cases (gpu_kernel_requests() reads them too, for benchmarks/precompile_gpu_tests.py)
+_GPU_OPTIONS = [(False, (-1, -1), 0.0, False, False), (True, (-1, -1), 0.0, False, False),
+                (False, (100, 20), 0.0, False, False), (True, (-1, -1), 30.0, False, False),
+                (True, (-1, -1), 0.0, True, False), (True, (-1, -1), 0.0, False, True)]
+# (each: causal, window, softcap, sink, pack_gqa)
+_GPU_SHAPES = [(2, 128, 128, 4, 4), (1, 1, 700, 8, 2), (2, 333, 1000, 8, 2), (1, 1000, 300, 4, 1)]
+
+
+def gpu_kernel_requests():
+    """The forward calls' kernel choices of this file's GPU tests, for benchmarks/precompile_gpu_tests.py."""
+    out = [dict(dtype=dt, d=192, dv=128, causal=c, window=w, softcap=cap, sink=sink,
+                pack=(h // hk) if pack and h // hk in interface._PACK_GROUPS else 1, seqlen_k=sk)
+           for dt in (torch.bfloat16, torch.float16) for c, w, cap, sink, pack in _GPU_OPTIONS
+           for _, _, sk, h, hk in _GPU_SHAPES]
+    out += [dict(dtype=torch.bfloat16, d=192, dv=128, causal=c, varlen=True) for c in (False, True)]
+    return out
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("causal,window,softcap,sink,pack", [
-    (False, (-1, -1), 0.0, False, False), (True, (-1, -1), 0.0, False, False), (False, (100, 20), 0.0, False, False),
-    (True, (-1, -1), 30.0, False, False), (True, (-1, -1), 0.0, True, False), (True, (-1, -1), 0.0, False, True)])
-@pytest.mark.parametrize("batch,seqlen_q,seqlen_k,heads,heads_kv", [
-    (2, 128, 128, 4, 4), (1, 1, 700, 8, 2), (2, 333, 1000, 8, 2), (1, 1000, 300, 4, 1)])
+@pytest.mark.parametrize("causal,window,softcap,sink,pack", _GPU_OPTIONS)
+@pytest.mark.parametrize("batch,seqlen_q,seqlen_k,heads,heads_kv", _GPU_SHAPES)
 def test_matches_reference_on_gpu(monkeypatch, dtype, causal, window, softcap, sink, pack, batch, seqlen_q, seqlen_k,
                                   heads, heads_kv):
     from flash_attn.cute import flash_attn_func

@@ -225,13 +225,34 @@ def _lse_ref(q, k, causal, window, softcap, sink):
     return torch.where(torch.isneginf(lse), torch.full_like(lse, math.inf), lse)
 
 
+# The GPU tests' cases, as constants that gpu_kernel_requests() reads too (benchmarks/precompile_gpu_tests.py builds
+# their kernels on a CPU first). Every head dim and both dtypes with groups of 8 and 4 (decode-like 1-row and
+# 7-row queries, a long one, a single key); groups of 2 and 16 at d128.
+_BF16, _FP16 = torch.bfloat16, torch.float16
+_SHAPES_ALL = [(2, 1, 1000, 16, 2), (1, 1023, 517, 32, 8), (1, 300, 1, 8, 2)]
+_SHAPES_D128 = [(1, 7, 333, 8, 4), (2, 100, 100, 16, 1)]
+_GPU_DENSE = ([(dt, d, c, *shape) for dt, d in [(_BF16, 64), (_BF16, 96), (_BF16, 128), (_BF16, 192), (_BF16, 256),
+                                                (_FP16, 128)] for c in (False, True) for shape in _SHAPES_ALL]
+              + [(_BF16, 128, c, *shape) for c in (False, True) for shape in _SHAPES_D128])
+_GPU_OPTIONS = [(False, (64, 16), 0.0, False), (True, (100, -1), 0.0, False), (True, (-1, -1), 20.0, False),
+                (True, (-1, -1), 0.0, True), (False, (30, 30), 15.0, True)]  # (causal, window, softcap, sink)
+_GPU_OPTION_SHAPES = [(1, 700, 16, 2), (129, 300, 16, 2), (500, 500, 32, 4)]  # (Sq, Sk, H, Hk): groups of 8
+_GPU_VARLEN = [(False, (-1, -1), False), (True, (-1, -1), False), (False, (50, 10), True), (True, (-1, -1), True)]
+
+
+def gpu_kernel_requests():
+    """The forward calls' kernel choices of this file's GPU tests, for benchmarks/precompile_gpu_tests.py."""
+    out = [dict(dtype=dt, d=d, causal=c, pack=h // hk, seqlen_k=sk) for dt, d, c, _, _, sk, h, hk in _GPU_DENSE]
+    out += [dict(dtype=_BF16, d=d, causal=c, window=w, softcap=cap, sink=sink, pack=h // hk, seqlen_k=sk)
+            for d in (64, 128) for c, w, cap, sink in _GPU_OPTIONS for _, sk, h, hk in _GPU_OPTION_SHAPES]
+    out += [dict(dtype=_BF16, d=d, causal=c, window=w, sink=sink, pack=8, varlen=True)
+            for d in (64, 128, 256) for c, w, sink in _GPU_VARLEN]
+    return out
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("batch,seqlen_q,seqlen_k,heads,heads_kv", [
-    (2, 1, 1000, 16, 2), (1, 7, 333, 8, 4), (2, 100, 100, 16, 1), (1, 1023, 517, 32, 8), (1, 300, 1, 8, 2)])
+@pytest.mark.parametrize("dtype,d,causal,batch,seqlen_q,seqlen_k,heads,heads_kv", _GPU_DENSE)
 def test_packed_matches_reference_on_gpu(monkeypatch, dtype, d, causal, batch, seqlen_q, seqlen_k, heads,
                                          heads_kv):
     from flash_attn.cute import flash_attn_func
@@ -258,10 +279,8 @@ def test_packed_matches_reference_on_gpu(monkeypatch, dtype, d, causal, batch, s
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("causal,window,softcap,sink", [
-    (False, (64, 16), 0.0, False), (True, (100, -1), 0.0, False), (True, (-1, -1), 20.0, False),
-    (True, (-1, -1), 0.0, True), (False, (30, 30), 15.0, True)])
-@pytest.mark.parametrize("seqlen_q,seqlen_k,heads,heads_kv", [(1, 700, 16, 2), (129, 300, 8, 2), (500, 500, 32, 2)])
+@pytest.mark.parametrize("causal,window,softcap,sink", _GPU_OPTIONS)
+@pytest.mark.parametrize("seqlen_q,seqlen_k,heads,heads_kv", _GPU_OPTION_SHAPES)
 def test_packed_options_match_reference_on_gpu(monkeypatch, d, causal, window, softcap, sink, seqlen_q, seqlen_k,
                                                heads, heads_kv):
     from flash_attn.cute import flash_attn_func
@@ -291,8 +310,7 @@ def test_packed_options_match_reference_on_gpu(monkeypatch, d, causal, window, s
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
 @pytest.mark.parametrize("d", [64, 128, 256])
-@pytest.mark.parametrize("causal,window,sink", [(False, (-1, -1), False), (True, (-1, -1), False),
-                                                (False, (50, 10), True), (True, (-1, -1), True)])
+@pytest.mark.parametrize("causal,window,sink", _GPU_VARLEN)
 @pytest.mark.parametrize("seqused", [False, True])
 def test_packed_varlen_matches_reference_per_sequence_on_gpu(monkeypatch, d, causal, window, sink, seqused):
     """Packed sequences (decode-like 1-row ones, empty ones, Sq != Sk, one past a tile) with 8 query heads per KV

@@ -216,12 +216,26 @@ def _hopper():
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
+# The GPU test's cases (gpu_kernel_requests() reads them too, for benchmarks/precompile_gpu_tests.py): every head dim
+# (and 192 / 128) with pages of 16 (several boxes per key block) and 256 rows, plain and causal; d128 with 64-row
+# pages and the sink, pack_gqa and a window as well.
+_PLAIN = [(False, (-1, -1), False, False), (True, (-1, -1), False, False)]  # (causal, window, sink, pack)
+_MORE = [(True, (-1, -1), True, True), (False, (40, 8), False, True)]
+_GPU_CASES = ([(d, dv, page, *opt) for d, dv in [(64, 64), (128, 128), (256, 256), (192, 128)] for page in (16, 256)
+               for opt in _PLAIN]
+              + [(128, 128, page, *opt) for page in (16, 64, 256) for opt in _MORE]
+              + [(128, 128, 64, *opt) for opt in _PLAIN])
+
+
+def gpu_kernel_requests():
+    """The forward calls' kernel choices of this file's GPU test, for benchmarks/precompile_gpu_tests.py."""
+    return [dict(dtype=torch.bfloat16, d=d, dv=dv, causal=c, window=w, sink=sink, pack=4 if pack else 1, varlen=True,
+                 paged=page) for d, dv, page, c, w, sink, pack in _GPU_CASES]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
-@pytest.mark.parametrize("d,dv", [(64, 64), (128, 128), (256, 256), (192, 128)])
-@pytest.mark.parametrize("page_size", [16, 64, 256])
-@pytest.mark.parametrize("causal,window,sink,pack", [(False, (-1, -1), False, False), (True, (-1, -1), False, False),
-                                                     (True, (-1, -1), True, True), (False, (40, 8), False, True)])
+@pytest.mark.parametrize("d,dv,page_size,causal,window,sink,pack", _GPU_CASES)
 def test_paged_matches_reference_per_sequence_on_gpu(monkeypatch, d, dv, page_size, causal, window, sink, pack):
     from flash_attn.cute import flash_attn_varlen_func
 

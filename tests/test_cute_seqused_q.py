@@ -118,11 +118,19 @@ def _hopper():
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
+_GPU_OPTIONS = [(False, (-1, -1), False), (True, (-1, -1), False), (True, (-1, -1), True), (False, (40, 8), False)]
+
+
+def gpu_kernel_requests():
+    """The forward calls' kernel choices of this file's GPU test, for benchmarks/precompile_gpu_tests.py."""
+    return [dict(dtype=torch.bfloat16, d=d, causal=c, window=w, sink=sink, varlen=True)
+            for d in (64, 128) for c, w, sink in _GPU_OPTIONS]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("causal,window,sink", [(False, (-1, -1), False), (True, (-1, -1), False),
-                                                (True, (-1, -1), True), (False, (40, 8), False)])
+@pytest.mark.parametrize("causal,window,sink", _GPU_OPTIONS)
 def test_seqused_q_matches_reference_per_sequence_on_gpu(d, causal, window, sink):
     from flash_attn.cute import flash_attn_varlen_func
 

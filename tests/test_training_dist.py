@@ -30,7 +30,7 @@ def one_thread():
 
 def torchrun(out_dir, *overrides):
     # PYTHONFAULTHANDLER: a rank that aborts (SIGABRT: "terminate called without an active exception" at exit, once
-    # in about five CI runs, not reproduced in 60 runs of this pair alone, also with two busy processes beside them)
+    # in about five CI runs, not reproduced in 75 runs of this pair alone, 30 of them beside two busy processes)
     # prints every thread's Python stack, which says whether it died in close() or in the interpreter's finalization
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
                PYTHONFAULTHANDLER="1")
