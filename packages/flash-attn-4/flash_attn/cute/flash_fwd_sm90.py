@@ -826,23 +826,28 @@ class FlashFwdSm90:
         table entry past the sequence's pages is read and every box lands on the stage's barrier."""
         BN, PB, D, Dv = self.block_n, self.paged, self.head_dim, self.head_dim_v
         page_size = cute.size(mK, mode=[0])
+        # K's stage first, then V's (which frees later, after P V), as the dense producer does. The box loops are not
+        # unrolled: unrolled, the producer's 24 registers spill at d192 (7 boxes of 16 rows).
         k_pipe.producer_acquire(k_state)
-        v_pipe.producer_acquire(v_state)
         sK_s = sK[None, None, k_state.index]
-        sVt_s = sVt[None, None, v_state.index]
-        # a loop, not unrolled: unrolled, the producer's 24 registers spill at d192 (7 boxes of 16 rows)
         for c in cutlass.range(BN // PB, unroll=1):
             key = cutlass.min(n_block * BN + c * PB, seqlen_k - 1)
             page = page_table[sequence, key // page_size]
-            box = (key % page_size) // PB  # the box's index within its page
-            gK = cute.local_tile(mK[None, None, head_kv, page], (PB, D), (None, 0))       # (PB, D, page_size / PB)
-            gVt = cute.local_tile(mVt[None, None, head_kv, page], (Dv, PB), (0, None))    # (Dv, PB, page_size / PB)
+            gK = cute.local_tile(mK[None, None, head_kv, page], (PB, D), (None, 0))  # (PB, D, page_size / PB)
             sK_c = sK_s if cutlass.const_expr(PB == BN) else cute.local_tile(sK_s, (PB, D), (c, 0))
-            sVt_c = sVt_s if cutlass.const_expr(PB == BN) else cute.local_tile(sVt_s, (Dv, PB), (0, c))
             tKsK, tKgK = _tma_tiles(tma_k, sK_c, gK)
+            cute.copy(tma_k, tKgK[None, (key % page_size) // PB], tKsK,
+                      tma_bar_ptr=k_pipe.producer_get_barrier(k_state))
+        v_pipe.producer_acquire(v_state)
+        sVt_s = sVt[None, None, v_state.index]
+        for c in cutlass.range(BN // PB, unroll=1):
+            key = cutlass.min(n_block * BN + c * PB, seqlen_k - 1)
+            page = page_table[sequence, key // page_size]
+            gVt = cute.local_tile(mVt[None, None, head_kv, page], (Dv, PB), (0, None))  # (Dv, PB, page_size / PB)
+            sVt_c = sVt_s if cutlass.const_expr(PB == BN) else cute.local_tile(sVt_s, (Dv, PB), (0, c))
             tVsV, tVgV = _tma_tiles(tma_v, sVt_c, gVt)
-            cute.copy(tma_k, tKgK[None, box], tKsK, tma_bar_ptr=k_pipe.producer_get_barrier(k_state))
-            cute.copy(tma_v, tVgV[None, box], tVsV, tma_bar_ptr=v_pipe.producer_get_barrier(v_state))
+            cute.copy(tma_v, tVgV[None, (key % page_size) // PB], tVsV,
+                      tma_bar_ptr=v_pipe.producer_get_barrier(v_state))
 
     @cute.jit
     def _mask(self, acc_S, tScS, m_block, n_block, seqlen_q, seqlen_k, window_left, window_right):
