@@ -1,5 +1,5 @@
 """Build the forward kernels that the GPU tests of the kernels written without a GPU will ask for (pack_gqa, v's head
-dim != q's, paged K / V, seqused_q) into a disk cache, on a CPU, so that the device call loads them instead of
+dim != q's, paged K / V, seqused_q, split-KV) into a disk cache, on a CPU, so that the device call loads them instead of
 compiling each one at its first use (~7 s each, one at a time, in device time):
 
     pip uninstall -y nvidia-cutlass-dsl-libs-cu12; pip install nvidia-cutlass-dsl-libs-cu13==4.8.1  # the device's
@@ -22,14 +22,15 @@ for _p in (ROOT, os.path.join(ROOT, "packages", "flash-attn-4"), os.path.join(RO
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-MODULES = ("test_cute_pack_gqa", "test_cute_hdim_v", "test_cute_paged", "test_cute_seqused_q")
+MODULES = ("test_cute_pack_gqa", "test_cute_hdim_v", "test_cute_paged", "test_cute_seqused_q", "test_cute_split")
 
 
 def kernel_args(dtype, d, causal, window=(-1, -1), softcap=0.0, sink=False, varlen=False, pack=1, dv=None, paged=0,
-                seqlen_k=0):
+                seqlen_k=0, split=False):
     """(dtype, head dim, causal, fwd_kernel's keyword arguments) of a call, chosen as forward() / forward_varlen()
     choose them (window sizes < 0: no limit; pack: the group _pack_group gives; seqlen_k: a dense call's key
-    length, for the short / long-key kernels); None for a dense call without keys (no kernel runs)."""
+    length, for the short / long-key kernels; split: a split-KV call, whose kernel leaves the sink to the host);
+    None for a dense call without keys (no kernel runs)."""
     from flash_attn.cute import interface as ci
 
     if not varlen and seqlen_k == 0:
@@ -39,10 +40,10 @@ def kernel_args(dtype, d, causal, window=(-1, -1), softcap=0.0, sink=False, varl
     capped = softcap > 0.0
     dv = None if dv in (None, d) else dv
     short = long = False
-    if not varlen:
+    if not varlen and not split:
         short, long = ci._length_kernel(d, causal, seqlen_k, not (local or capped or sink or pack > 1 or dv))
-    return dtype, d, causal, dict(local=local, softcap=capped, varlen=varlen, sink=sink, short=short, long=long,
-                                  pack=pack, dv=dv, paged=paged)
+    return dtype, d, causal, dict(local=local, softcap=capped, varlen=varlen, sink=sink and not split, short=short,
+                                  long=long, pack=pack, dv=dv, paged=paged, split=split)
 
 
 def requests(modules=MODULES):

@@ -69,7 +69,8 @@ for step in $STEPS; do
     attention) bench bench_attention "${peer[@]}" ;;
     sanitize)
         for tool in racecheck memcheck synccheck; do
-            FLASH_ATTN_CUTE_PACK_GQA=1 FLASH_ATTN_CUTE_HDIM_V=1 FLASH_ATTN_CUTE_PAGED=1 timeout 900 compute-sanitizer --tool "$tool" --error-exitcode 1 \
+            FLASH_ATTN_CUTE_PACK_GQA=1 FLASH_ATTN_CUTE_HDIM_V=1 FLASH_ATTN_CUTE_PAGED=1 FLASH_ATTN_CUTE_SPLIT=1 \
+                timeout 900 compute-sanitizer --tool "$tool" --error-exitcode 1 \
                 python benchmarks/sanitize_cute.py > "$OUT/sanitize_$tool.log" 2>&1
             rc=$?
             [ $rc -eq 0 ] || status=1

@@ -23,10 +23,10 @@ for _p in (ROOT, os.path.join(ROOT, "packages", "flash-attn-4")):
         sys.path.insert(0, _p)
 
 # name -> (dtype name, head dim, batch, seqlen_q, seqlen_k, heads, kv heads, options): options as flash_attn_func
-# takes them (causal, window_size, softcap, sink, pack_gqa) plus "varlen" (a list of (seqlen_q, seqlen_k) per
-# sequence, the batch / lengths above unused), "paged" (varlen: k / v in a shuffled cache of pages of this many rows)
-# and "dv" (v's head dim, when not the head dim). Sizes: more tiles than a persistent kernel has CTAs (132 on an H200)
-# where the case is about the persistent loop, otherwise small.
+# takes them (causal, window_size, softcap, sink, pack_gqa, num_splits) plus "varlen" (a list of (seqlen_q,
+# seqlen_k) per sequence, the batch / lengths above unused), "paged" (varlen: k / v in a shuffled cache of pages of
+# this many rows) and "dv" (v's head dim, when not the head dim). Sizes: more tiles than a persistent kernel has
+# CTAs (132 on an H200) where the case is about the persistent loop, otherwise small.
 CASES = {
     "d128_causal_tma_o_lpt": ("bf16", 128, 2, 1500, 1500, 4, 2, dict(causal=True)),
     "d128_causal_short": ("bf16", 128, 2, 1000, 1000, 4, 4, dict(causal=True)),
@@ -42,14 +42,16 @@ CASES = {
     "d128_varlen_causal": ("bf16", 128, 0, 0, 0, 4, 2, dict(causal=True, varlen=[(300, 300), (0, 0), (129, 500),
                                                                                  (1, 77)])),
     # pack_gqa: 8 and 4 query heads per KV head; the packed kernel runs with FLASH_ATTN_CUTE_PACK_GQA=1, and v's head
-    # dim 128 with q's 192 with FLASH_ATTN_CUTE_HDIM_V=1, paged K / V with FLASH_ATTN_CUTE_PAGED=1 (run_gpu.sh sets
-    # them; without them the pack_gqa cases expect and run the unpacked kernels and the others are refused)
+    # dim 128 with q's 192 with FLASH_ATTN_CUTE_HDIM_V=1, paged K / V with FLASH_ATTN_CUTE_PAGED=1, split-KV with
+    # FLASH_ATTN_CUTE_SPLIT=1 (run_gpu.sh sets them; without them the pack_gqa and split cases expect and run the
+    # unpacked / unsplit kernels and the others are refused)
     "d128_causal_pack8": ("bf16", 128, 2, 37, 700, 16, 2, dict(causal=True, pack_gqa=True)),
     "d64_varlen_pack4_sink_window": ("bf16", 64, 0, 0, 0, 8, 2, dict(window_size=(100, 0), sink=True, pack_gqa=True,
                                                                     varlen=[(1, 300), (45, 45), (0, 9), (200, 260)])),
     "d192_v128_causal": ("bf16", 192, 2, 333, 700, 4, 2, dict(causal=True, dv=128)),
     "d128_paged16_causal": ("bf16", 128, 0, 0, 0, 8, 2, dict(causal=True, paged=16, varlen=[(1, 500), (77, 77),
                                                                                          (5, 0), (130, 1000)])),
+    "d128_causal_split3_sink": ("bf16", 128, 2, 5, 3000, 16, 2, dict(causal=True, sink=True, num_splits=3)),
     "d256_paged256_pack4": ("bf16", 256, 0, 0, 0, 8, 2, dict(pack_gqa=True, paged=256, varlen=[(3, 700), (64, 300)])),
 }
 
@@ -73,14 +75,18 @@ def expected_config(case, flags=False):
     softcap, sink = bool(opt.get("softcap")), bool(opt.get("sink"))
     pack = ci._pack_group(opt.get("pack_gqa"), h, hk)
     dv, paged = opt.get("dv"), opt.get("paged", 0)
-    short, long = ci._length_kernel(d, causal, sk, not (varlen or local or softcap or sink or pack > 1 or dv))
-    config = ci._fwd_config(dtype, d, causal, "sm_90a", local, softcap, varlen, sink, short, long, pack, dv, paged)
+    split = not varlen and ci._split_count(opt.get("num_splits", 1)) > 1
+    sink = sink and not split  # the split kernel leaves the sink to the host's merge
+    short, long = ci._length_kernel(d, causal, sk, not (varlen or local or softcap or sink or pack > 1 or dv or split))
+    config = ci._fwd_config(dtype, d, causal, "sm_90a", local, softcap, varlen, sink, short, long, pack, dv, paged,
+                            split)
     key = ((dtype, d, causal, "sm_90a", local, softcap) + ((True,) if varlen else ()) + (("sink",) if sink else ())
            + (("short",) if short else ()) + (("long",) if long else ()) + (("pack", pack) if pack > 1 else ())
-           + (("dv", dv) if dv else ()) + (("paged", paged) if paged else ()))
+           + (("dv", dv) if dv else ()) + (("paged", paged) if paged else ()) + (("split",) if split else ()))
     if flags:
         return config, key, (dtype, d, causal, dict(local=local, softcap=softcap, varlen=varlen, sink=sink,
-                                                     short=short, long=long, pack=pack, dv=dv, paged=paged))
+                                                     short=short, long=long, pack=pack, dv=dv, paged=paged,
+                                                     split=split))
     return config, key
 
 
@@ -94,7 +100,7 @@ def run_case(name, case):
     dt, d, b, sq, sk, h, hk, opt = case
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dt]
     g = torch.Generator().manual_seed(len(name))
-    kw = {k: v for k, v in opt.items() if k in ("causal", "window_size", "softcap", "pack_gqa")}
+    kw = {k: v for k, v in opt.items() if k in ("causal", "window_size", "softcap", "pack_gqa", "num_splits")}
     sink = torch.randn(h, generator=g).cuda() if opt.get("sink") else None
     _, key = expected_config(case)
     if "varlen" in opt:

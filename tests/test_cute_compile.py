@@ -1096,7 +1096,7 @@ def test_api_refuses_bad_arguments_before_touching_a_gpu(varlen):
         (dict(tensors=qkv(h=3)), ValueError, "multiple of k heads"),
         (dict(softcap=-1.0), ValueError, "softcap must be >= 0"),
         (dict(learnable_sink=torch.zeros(3)), ValueError, "learnable_sink must have shape \\(4,\\)"),
-        (dict(num_splits=2), NotImplementedError, "num_splits"),
+        (dict(num_splits=2.5), ValueError, "num_splits must be an int"),
     ]
     for kw, exc, msg in cases:
         tensors = kw.pop("tensors", qkv())

@@ -18,9 +18,9 @@ from flash_attn.cute import interface  # noqa: E402
 
 def test_requests_cover_the_new_kernels():
     todo = pg.requests()
-    kinds = {k for _, _, _, kw in todo for k in ("pack", "dv", "paged", "varlen")
+    kinds = {k for _, _, _, kw in todo for k in ("pack", "dv", "paged", "varlen", "split")
              if (kw[k] > 1 if k == "pack" else kw[k])}
-    assert kinds == {"pack", "dv", "paged", "varlen"} and 40 < len(todo) < 120
+    assert kinds == {"pack", "dv", "paged", "varlen", "split"} and 40 < len(todo) < 130
     for dtype, d, causal, kw in todo:
         interface._fwd_config(dtype, d, causal, "sm_90a", **kw)  # a config exists (paged: its block and box)
 
@@ -31,7 +31,9 @@ def test_requests_cover_the_new_kernels():
     dict(dtype=torch.bfloat16, d=128, causal=False, seqlen_k=500),
     dict(dtype=torch.float16, d=192, dv=128, causal=True, window=(100, -1), softcap=30.0, sink=True, seqlen_k=300),
     dict(dtype=torch.bfloat16, d=128, causal=True, window=(100, -1), pack=4, varlen=True, paged=16),
-    dict(dtype=torch.bfloat16, d=64, causal=False, window=(40, 8), sink=True, varlen=True)])
+    dict(dtype=torch.bfloat16, d=64, causal=False, window=(40, 8), sink=True, varlen=True),
+    dict(dtype=torch.bfloat16, d=128, causal=True, sink=True, split=True, pack=4, seqlen_k=2000),
+    dict(dtype=torch.bfloat16, d=192, dv=128, causal=False, window=(64, 0), softcap=20.0, split=True, seqlen_k=77)])
 def test_kernel_args_are_what_the_calls_ask_for(monkeypatch, req):
     asked = []
 
@@ -60,12 +62,12 @@ def test_kernel_args_are_what_the_calls_ask_for(monkeypatch, req):
         q = torch.zeros(1, 3, H, d, dtype=dtype)
         k = torch.zeros(1, req["seqlen_k"], Hk, d, dtype=dtype)
         v = torch.zeros(1, req["seqlen_k"], Hk, dv, dtype=dtype)
-        interface.forward(q, k, v, 0.1, req["causal"], **common)
+        interface.forward(q, k, v, 0.1, req["causal"], splits=3 if req.get("split") else 1, **common)
     (args, kw), = asked
     if kw.get("dv") == d:  # forward passes v's head dim always; fwd_kernel drops it when it is q's
         kw["dv"] = None
     want = pg.kernel_args(**req)
     assert args == want[:3] + ("sm_90a",)
     defaults = dict(local=False, softcap=False, varlen=False, sink=False, short=False, long=False, pack=1, dv=None,
-                    paged=0)
+                    paged=0, split=False)
     assert {**defaults, **kw} == want[3]

@@ -28,6 +28,7 @@ def test_cases_cover_every_kernel_kind(monkeypatch):
     monkeypatch.setenv("FLASH_ATTN_CUTE_PACK_GQA", "1")  # as run_gpu.sh runs them
     monkeypatch.setenv("FLASH_ATTN_CUTE_HDIM_V", "1")
     monkeypatch.setenv("FLASH_ATTN_CUTE_PAGED", "1")
+    monkeypatch.setenv("FLASH_ATTN_CUTE_SPLIT", "1")
     configs = {name: sanitize_cute.expected_config(case)[0] for name, case in sanitize_cute.CASES.items()}
     kinds = {
         "persistent, own O buffer (short keys)": lambda c: c.get("persistent") and c.get("tma_o"),
@@ -45,6 +46,7 @@ def test_cases_cover_every_kernel_kind(monkeypatch):
         "v's head dim != q's": lambda c: c.get("head_dim_v"),
         "paged, boxes of a page": lambda c: c.get("paged") and c["paged"] < c.get("block_n", 128),
         "paged, one box of a page": lambda c: c.get("paged") and c["paged"] == c.get("block_n", 128),
+        "split-KV": lambda c: c.get("split"),
     }
     for kind, test in kinds.items():
         assert any(test(c) for c in configs.values()), kind
@@ -58,6 +60,7 @@ def test_cases_cover_every_kernel_kind(monkeypatch):
 def test_prediction_matches_the_dispatch(monkeypatch, name, packed):
     monkeypatch.setenv("FLASH_ATTN_CUTE_PACK_GQA", packed)  # the pack_gqa cases: packed or not, predicted
     monkeypatch.setenv("FLASH_ATTN_CUTE_HDIM_V", "1")
+    monkeypatch.setenv("FLASH_ATTN_CUTE_SPLIT", packed)  # the split case: split or not, predicted
     dt, d, b, sq, sk, h, hk, opt = sanitize_cute.CASES[name]
     _, key = sanitize_cute.expected_config(sanitize_cute.CASES[name])
     ran = []
@@ -71,7 +74,7 @@ def test_prediction_matches_the_dispatch(monkeypatch, name, packed):
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dt]
     q = torch.randn(b, sq, h, d, dtype=dtype)
     k, v = torch.randn(b, sk, hk, d, dtype=dtype), torch.randn(b, sk, hk, opt.get("dv", d), dtype=dtype)
-    kw = {o: x for o, x in opt.items() if o in ("causal", "window_size", "softcap", "pack_gqa")}
+    kw = {o: x for o, x in opt.items() if o in ("causal", "window_size", "softcap", "pack_gqa", "num_splits")}
     sink = torch.zeros(h) if opt.get("sink") else None
     interface.flash_attn_func(q, k, v, learnable_sink=sink, **kw)
     assert ran == [key]

@@ -166,7 +166,7 @@ class FlashFwdSm90:
     def __init__(self, dtype, head_dim, causal, local=False, softcap=False, varlen=False, block_m=None,
                  block_n=128, num_stages=2, exp2_emu=0, exp2_emu_degree=3, sink=False, num_warpgroups=2,
                  wg_order=True, persistent=False, tma_o=False, reverse=False, pin=True, snake=True, lpt=False,
-                 pack_gqa=1, head_dim_v=None, paged=0):
+                 pack_gqa=1, head_dim_v=None, paged=0, split=False):
         """exp2_emu: of every 16 softmax exponentials a thread computes, this many (0..16, spread evenly
         over its fragment) use a degree-exp2_emu_degree polynomial on the FMA pipe instead of MUFU.EX2
         (softmax_exp.py), to relieve the MUFU pipe. num_warpgroups: consumer warpgroups (2 or 3) of 64
@@ -203,7 +203,11 @@ class FlashFwdSm90:
         (varlen only): K and V are (num_pages, page_size, Hk, D) and each sequence's keys are the pages its row of
         the page table names, in order (call_varlen takes the page table where cu_seqlens_k goes, and seqused_k
         gives the key counts); each key block arrives as block_n / paged TMA boxes of ``paged`` rows (paged =
-        min(page_size, block_n): whole pages, or block_n rows of one page), each from its own page."""
+        min(page_size, block_n): whole pages, or block_n rows of one page), each from its own page. split
+        (call_split; dense, one-tile kernel, direct O store, no sink): split-KV, the key blocks of each tile divided
+        among num_splits CTAs (a runtime argument; grid z = batch x num_splits), each writing its part's O (divided
+        by its own row sums) and lse in fp32 to entry split * B + b of mO / mLSE, for the host to combine
+        (interface._combine_splits, which adds a sink)."""
         if not 0 <= exp2_emu <= 16 or exp2_emu_degree not in EXP2_POLY:
             raise ValueError(f"exp2_emu {exp2_emu} not in 0..16 or degree {exp2_emu_degree} not in "
                              f"{tuple(EXP2_POLY)}")
@@ -214,6 +218,9 @@ class FlashFwdSm90:
             raise ValueError(f"head dim of v {head_dim_v} not in {self.HEAD_DIMS}")
         if head_dim_v != head_dim and (persistent or tma_o):
             raise ValueError("head_dim_v != head_dim: the one-tile kernel with the direct O store only")
+        self.split = bool(split)
+        if self.split and (persistent or tma_o or varlen or sink):
+            raise ValueError("split: dense calls on the one-tile kernel with the direct O store, without a sink")
         self.paged = int(paged)
         if self.paged and (not varlen or self.paged % 8 or block_n % self.paged):
             raise ValueError(f"paged {paged}: varlen only, with boxes of a multiple of 8 rows that divide block_n "
@@ -311,6 +318,15 @@ class FlashFwdSm90:
         self._dense(mQ, mK, mV, mO, mLSE, softmax_scale, softcap, window_left, window_right, stream, mSink)
 
     @cute.jit
+    def call_split(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+                   softmax_scale: Float32, softcap: Float32, window_left: Int32, window_right: Int32,
+                   num_splits: Int32, stream):
+        """__call__ for a kernel built with split=True: mO (num_splits * B, Sq, H, Dv) and mLSE (num_splits * B, H,
+        Sq) fp32, the parts of split s of batch entry b at s * B + b; num_splits >= 1."""
+        self._dense(mQ, mK, mV, mO, mLSE, softmax_scale, softcap, window_left, window_right, stream, None,
+                    num_splits=num_splits)
+
+    @cute.jit
     def call_persistent(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                         mLSE: cute.Tensor, softmax_scale: Float32, softcap: Float32, window_left: Int32,
                         window_right: Int32, stream, max_ctas: Int32):
@@ -321,7 +337,7 @@ class FlashFwdSm90:
 
     @cute.jit
     def _dense(self, mQ, mK, mV, mO, mLSE, softmax_scale, softcap, window_left, window_right, stream, mSink,
-               max_ctas=None):
+               max_ctas=None, num_splits=None):
         # (B, S, H, D) -> (S, D, H, B): the first two modes are the tile, the others index the CTA.
         mQ = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 3, 2, 0]))
         mK = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2, 0]))
@@ -332,6 +348,8 @@ class FlashFwdSm90:
         # pack_gqa: one tile per KV head covers its g query heads
         heads = cute.size(mK, mode=[2]) if cutlass.const_expr(self.pack_gqa > 1) else cute.size(mQ, mode=[2])
         grid = (cute.ceil_div(cute.size(mQ, mode=[0]), self.block_q), heads, cute.size(mQ, mode=[3]))
+        if cutlass.const_expr(num_splits is not None):
+            grid = (grid[0], grid[1], grid[2] * num_splits)  # z: split * B + batch entry
         sched = None
         if cutlass.const_expr(max_ctas is not None):
             # The persistent kernel's schedule (tile_coords), as kernel parameters: they stay in the
@@ -350,7 +368,7 @@ class FlashFwdSm90:
         elif cutlass.const_expr(self.lpt):
             sched = self._l2_group(mK, grid[1])
         self._launch(mQ, mK, mVt, mO, mLSE, None, None, None, softmax_scale, softcap, window_left,
-                     window_right, grid, stream, mSink, sched)
+                     window_right, grid, stream, mSink, sched, num_splits)
 
     def _l2_group(self, mK, heads):
         """(head, batch) pairs per causal section of tile_coords (trace time): as many KV heads as fit in
@@ -403,7 +421,7 @@ class FlashFwdSm90:
 
     @cute.jit
     def _launch(self, mQ, mK, mVt, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, softmax_scale, softcap,
-                window_left, window_right, grid, stream, mSink, sched=None):
+                window_left, window_right, grid, stream, mSink, sched=None, num_splits=None):
         """Views are (S, D, H, B) for Q/K/O, (D, S, H, B) for V, (S, H, B) for the lse."""
         dt, D, Dv, BM, BN = self.dtype, self.head_dim, self.head_dim_v, self.block_m, self.block_n
         # 128-byte swizzle atoms span 64 elements of D; head dim 96 is tiled with 64-byte atoms (32 of D)
@@ -459,7 +477,7 @@ class FlashFwdSm90:
             score_scale = softmax_scale / softcap
             scale_log2 = Float32(LOG2_E)
         kernel = self.kernel
-        sched_args = (tma_o, sched)  # sched: the lpt order's section size, else None
+        sched_args = (tma_o, sched, num_splits)  # sched: the lpt order's section size, else None
         if cutlass.const_expr(self.persistent):
             kernel = self.kernel_persistent
             sched_args = (*sched, tma_o)
@@ -481,10 +499,10 @@ class FlashFwdSm90:
                mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, scale_log2: Float32, score_scale: Float32,
                softcap: Float32, window_left: Int32, window_right: Int32, sQ_layout: cute.ComposedLayout,
                sK_layout: cute.ComposedLayout, sVt_layout: cute.ComposedLayout, tiled_mma_qk: cute.TiledMma,
-               tiled_mma_pv: cute.TiledMma, tma_o, group):
+               tiled_mma_pv: cute.TiledMma, tma_o, group, num_splits):
         """The one-tile kernel. tma_o: the O store's TMA atom (mO is then its coordinate tensor), None
         for the direct store. group: with lpt, the (head, batch) pairs per section of tile_coords' order
-        (else None)."""
+        (else None). num_splits: split-KV's part count (split=True; else None)."""
         m_block, head, batch = cute.arch.block_idx()
         if cutlass.const_expr(self.lpt):
             # Longest first over all heads (within L2-sized sections): the hardware issues CTAs in linear
@@ -511,6 +529,13 @@ class FlashFwdSm90:
                           window_left, window_right, sQ_layout, sK_layout, sVt_layout, tiled_mma_qk,
                           tiled_mma_pv, m_block, head, Int32(0), q_start, k_start, seqlen_q, seqlen_k, tma_o,
                           page_table, batch)
+        elif cutlass.const_expr(self.split):
+            # z = split * B + b: batch entry b's inputs, split `split`'s key blocks, outputs at z
+            batches = cute.size(mQ, mode=[3])
+            self._cta(tma_q, mQ, tma_k, mK, tma_v, mVt, mO, mLSE, mSink, scale_log2, score_scale, softcap,
+                      window_left, window_right, sQ_layout, sK_layout, sVt_layout, tiled_mma_qk, tiled_mma_pv,
+                      m_block, head, batch % batches, Int32(0), Int32(0), cute.size(mQ, mode=[0]),
+                      cute.size(mK, mode=[0]), tma_o, split=(batch // batches, num_splits, batch))
         else:
             self._cta(tma_q, mQ, tma_k, mK, tma_v, mVt, mO, mLSE, mSink, scale_log2, score_scale, softcap,
                       window_left, window_right, sQ_layout, sK_layout, sVt_layout, tiled_mma_qk, tiled_mma_pv,
@@ -676,10 +701,11 @@ class FlashFwdSm90:
     @cute.jit
     def _cta(self, tma_q, mQ, tma_k, mK, tma_v, mVt, mO, mLSE, mSink, scale_log2, score_scale, softcap, window_left,
              window_right, sQ_layout, sK_layout, sVt_layout, tiled_mma_qk, tiled_mma_pv, m_block, head, batch,
-             q_start, k_start, seqlen_q, seqlen_k, tma_o=None, page_table=None, sequence=None):
+             q_start, k_start, seqlen_q, seqlen_k, tma_o=None, page_table=None, sequence=None, split=None):
         """One CTA's query tile: rows [m_block * BM, (m_block + 1) * BM) of the sequence that starts at
         row q_start (keys at k_start) of batch entry `batch` of the views (pack_gqa: positions [m_block * BQ,
-        (m_block + 1) * BQ) of the g query heads of KV head `head`, see packed_row)."""
+        (m_block + 1) * BQ) of the g query heads of KV head `head`, see packed_row). split (split-KV): (this part's
+        index, the part count, the outputs' batch index): the part's share of the key blocks."""
         BQ, BN = self.block_q, self.block_n
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -711,6 +737,14 @@ class FlashFwdSm90:
         if cutlass.const_expr(self.local):
             first_col = m_block * BQ + seqlen_k - seqlen_q - window_left  # first key row m_block*BQ sees
             n_block_min = cutlass.max(first_col, 0) // BN
+        out_batch = batch
+        if cutlass.const_expr(split is not None):
+            # Part s takes key blocks [s * per, (s + 1) * per) of the sequence, those the tile sees: the parts
+            # partition the blocks for every tile (a part with none writes O = 0, lse = +inf, no contribution).
+            part, parts, out_batch = split
+            per = cute.ceil_div(cute.ceil_div(seqlen_k, BN), parts)
+            n_block_min = cutlass.max(n_block_min, part * per)
+            n_block_max = cutlass.min(n_block_max, (part + 1) * per)
 
         if warp_idx < 4:
             # Producer warpgroup: only TMA issue, so it hands its registers to the consumers.
@@ -723,7 +757,7 @@ class FlashFwdSm90:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self._consume(mO, mLSE, mSink, sQ, sK, sVt, q_pipe, k_pipe, v_pipe, tiled_mma_qk, tiled_mma_pv,
                           scale_log2, score_scale, softcap, window_left, window_right,
-                          tidx - self.NUM_PRODUCER_THREADS, m_block, head, batch, q_start, seqlen_q,
+                          tidx - self.NUM_PRODUCER_THREADS, m_block, head, out_batch, q_start, seqlen_q,
                           seqlen_k, n_block_min, n_block_max, tma_o)
 
     def _shared(self, sQ_layout, sK_layout, sVt_layout):
@@ -1172,6 +1206,8 @@ class FlashFwdSm90:
         own O buffer) and a TMA store (_store_o_tma). pack_gqa: ``head`` is the KV head, each row has its own
         query head (packed_row) and sink_log2 is a pair, one per row of the thread."""
         dt, D, BQ, G = self.dtype, self.head_dim_v, self.block_q, self.pack_gqa  # D: O's head dim
+        if cutlass.const_expr(self.split):
+            dt = Float32  # a part's O, for the host's combine
         lane = ctid % 32
         gO = mO[None, None, head, batch]  # (Sq, D)
         for r in cutlass.range_constexpr(2):

@@ -242,7 +242,7 @@ def _short_persistent_rule(head_dim, causal):
 
 
 def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varlen=False, sink=False, short=False,
-                long=False, pack=1, dv=None, paged=0):
+                long=False, pack=1, dv=None, paged=0, split=False):
     """Everything that selects the forward kernel's code: the kernel class, its constructor arguments,
     the architecture and the calling convention. It is the disk cache's key (with the package sources
     and the versions, see cache.py) and what compile_fwd builds the kernel from, so a constructor
@@ -252,11 +252,14 @@ def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varle
     calls with seqlen_k >= _FWD_LONG_SK (see _FWD_LONG; else the same config). ``pack``: pack_gqa's group (the
     query heads per KV head, one of _PACK_GROUPS) for the packed one-tile kernel, 1 for none. ``dv``: v's head dim
     when it differs from head_dim (_HEAD_DIM_PAIRS; one-tile kernel, direct O store), else None. ``paged``: the
-    page size of a paged K / V cache (varlen only; see _paged_block_n), 0 for none."""
+    page size of a paged K / V cache (varlen only; see _paged_block_n), 0 for none. ``split``: the split-KV kernel
+    (dense, no sink: the host combines the parts and adds a sink; see _forward_split)."""
     pack = int(pack)
     dv = None if dv is None or int(dv) == int(head_dim) else int(dv)
     paged = int(paged)
-    if pack > 1 or dv or paged:
+    if split and (varlen or sink):
+        raise NotImplementedError("split-KV: dense calls, the sink added by the host (kernel built without one)")
+    if pack > 1 or dv or paged or split:
         short = long = False  # the packed kernel is the one-tile kernel with the direct O store, at any length
     stages = int(_per_head_dim("FLASH_ATTN_CUTE_STAGES", head_dim) or _DEFAULT_STAGES.get(int(head_dim), 2))
     table = _FWD_WARPGROUPS_CAUSAL if causal or local else _FWD_WARPGROUPS
@@ -295,12 +298,12 @@ def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varle
                if emu else {})
     persistent = (short_persistent or ((int(head_dim), bool(causal) and not local) in _FWD_PERSISTENT) if not env
                   else env not in ("0", "false", "False")) and not (local or softcap or varlen or sink or long_kernel
-                                                                    or pack > 1 or dv)
+                                                                    or pack > 1 or dv or split)
     tma_o_env = _tma_o_rule(head_dim)
     plain = not (local or softcap or sink)
     tma_o = ((tma_o_env not in ("", "0", "false", "False", "short", "plain")
               or (tma_o_env == "short" and short and plain) or (tma_o_env == "plain" and plain))
-             and not varlen and not persistent and pack == 1 and not dv)
+             and not varlen and not persistent and pack == 1 and not dv and not split)
     ptma_env = _per_head_dim("FLASH_ATTN_CUTE_FWD_PERSISTENT_TMA_O", head_dim)
     if persistent and warpgroups == 2 and (ptma_env not in ("", "0", "false", "False")
                                            or (short_persistent and not ptma_env)):
@@ -340,7 +343,8 @@ def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varle
             **({"lpt": True} if lpt else {}),
             **({"pack_gqa": pack} if pack > 1 else {}),
             **({"head_dim_v": dv} if dv else {}),
-            **({"paged": page_box} if page_box else {})}
+            **({"paged": page_box} if page_box else {}),
+            **({"split": True} if split else {})}
 
 
 _SHORT_DIMS = _short_dims()  # head dims with a short-key kernel (see _fwd_config)
@@ -380,11 +384,12 @@ def _make_kernel(config):
                         tma_o=config.get("tma_o", False), reverse=config.get("reverse", False),
                         pin=config.get("pin", True), snake=config.get("snake", True),
                         lpt=config.get("lpt", False), pack_gqa=config.get("pack_gqa", 1),
-                        head_dim_v=config.get("head_dim_v"), paged=config.get("paged", 0))
+                        head_dim_v=config.get("head_dim_v"), paged=config.get("paged", 0),
+                        split=config.get("split", False))
 
 
 def compile_fwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=False, softcap=False,
-                varlen=False, sink=False, short=False, long=False, pack=1, dv=None, paged=0):
+                varlen=False, sink=False, short=False, long=False, pack=1, dv=None, paged=0, split=False):
     """Compile the forward kernel for ``dtype`` (torch.float16 / torch.bfloat16), ``head_dim`` (_SUPPORTED_HEAD_DIMS),
     ``causal``, ``local`` (a sliding window, sizes given per call) and ``softcap`` (soft-capped scores)
     for ``arch``. No GPU is needed. ``dump_dir``: an existing folder that receives the PTX (``*.ptx``)
@@ -401,12 +406,14 @@ def compile_fwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=Fal
     kernel for calls with exactly pack query heads per KV head (same call). ``dv``: v's (and out's) head dim, when
     it differs from head_dim (_HEAD_DIM_PAIRS). ``paged`` (varlen): the page size of a paged K / V cache; the call
     then takes k / v (num_pages, page_size, Hk, D) and, in cu_seqlens_k's place, the int32 page table (B,
-    max_pages)."""
+    max_pages). ``split``: the split-KV kernel, whose call takes out (num_splits * B, Sq, H, Dv) and lse (num_splits *
+    B, H, Sq) in fp32 and one more argument after window_right: num_splits."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_tensor
 
-    config = _fwd_config(dtype, head_dim, causal, arch, local, softcap, varlen, sink, short, long, pack, dv, paged)
+    config = _fwd_config(dtype, head_dim, causal, arch, local, softcap, varlen, sink, short, long, pack, dv, paged,
+                         split)
     kernel = _make_kernel(config)
     dt, D, Dv = kernel.dtype, kernel.head_dim, kernel.head_dim_v
     # 32-bit shapes and strides: with 64-bit symbolic strides CuTeDSL 4.8 builds TMA descriptors that
@@ -441,6 +448,12 @@ def compile_fwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=Fal
         lse = make_fake_tensor(cutlass.Float32, (batch, heads, seqlen_q), (cute.sym_int(), cute.sym_int(), 1),
                                assumed_align=4)
         seq_args = ()
+        if split:  # the parts: fp32, num_splits * B entries
+            parts = cute.sym_int()
+            o = make_fake_tensor(cutlass.Float32, (parts, seqlen_q, heads, Dv),
+                                 (cute.sym_int(divisibility=4), cute.sym_int(divisibility=4), Dv, 1), assumed_align=16)
+            lse = make_fake_tensor(cutlass.Float32, (parts, heads, seqlen_q), (cute.sym_int(), cute.sym_int(), 1),
+                                   assumed_align=4)
     tvm_ffi = config["abi"] != "cute"
     options = f"--gpu-arch {arch}" + (" --enable-tvm-ffi" if tvm_ffi else "")
     if dump_dir is not None:
@@ -449,11 +462,13 @@ def compile_fwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=Fal
     # (H,) with q's symbolic head count: the TVM-FFI wrapper checks that the sink has one entry per head.
     sink_arg = (make_fake_tensor(cutlass.Float32, (heads,), (1,), assumed_align=4),) if sink else ()
     entry = ((kernel.call_varlen_sink if sink else kernel.call_varlen) if varlen
-             else (kernel.call_sink if sink else kernel.call_persistent if kernel.persistent else kernel))
+             else (kernel.call_sink if sink else kernel.call_persistent if kernel.persistent
+                   else kernel.call_split if split else kernel))
     ctas_arg = (cutlass.Int32(1),) if kernel.persistent else ()
+    splits_arg = (cutlass.Int32(1),) if split else ()
     return cute.compile(entry, q, k, v, o, lse, *seq_args,
-                        cutlass.Float32(1.0), cutlass.Float32(0.0), cutlass.Int32(0), cutlass.Int32(0), stream,
-                        *sink_arg, *ctas_arg, options=options)
+                        cutlass.Float32(1.0), cutlass.Float32(0.0), cutlass.Int32(0), cutlass.Int32(0), *splits_arg,
+                        stream, *sink_arg, *ctas_arg, options=options)
 
 
 def _ffi_function(compiled):
@@ -463,7 +478,7 @@ def _ffi_function(compiled):
     return (bare() if bare is not None else None) or compiled
 
 
-def _dlpack_launcher(compiled, sink=False, persistent=False):
+def _dlpack_launcher(compiled, sink=False, persistent=False, split=False):
     # The fallback when apache-tvm-ffi (a dependency of flash-attn-4) is missing: CuTe-ABI kernels take
     # CuTe tensors and an explicit stream, so each call wraps every tensor with from_dlpack (~30 us on a
     # CPU core) under the tensors' device. Kernels are not written to disk on this path: the entries
@@ -482,6 +497,9 @@ def _dlpack_launcher(compiled, sink=False, persistent=False):
         sink_arg = (as_cute(args[-1], 4),) if sink else ()
         if sink:
             args = args[:-1]
+        splits_arg = (cutlass.Int32(args[-1]),) if split else ()
+        if split:
+            args = args[:-1]
         *seq, softmax_scale, softcap, window_left, window_right = args  # seq: varlen's 3 tensors and int
         if seq:
             seq = [as_cute(t, 4) for t in seq[:3]] + [cutlass.Int32(seq[3])]
@@ -489,7 +507,7 @@ def _dlpack_launcher(compiled, sink=False, persistent=False):
             stream = driver.CUstream(torch.cuda.current_stream().cuda_stream)
             compiled(as_cute(q, 16), as_cute(k, 16), as_cute(v, 16), as_cute(out, 16), as_cute(lse, 4), *seq,
                      cutlass.Float32(softmax_scale), cutlass.Float32(softcap), cutlass.Int32(window_left),
-                     cutlass.Int32(window_right), stream, *sink_arg, *ctas_arg)
+                     cutlass.Int32(window_right), *splits_arg, stream, *sink_arg, *ctas_arg)
 
     return launch
 
@@ -512,9 +530,10 @@ def _persistent_launcher(fn):
 
 
 def _entry(dtype, head_dim, causal, arch, local=False, softcap=False, varlen=False, sink=False, short=False,
-           long=False, pack=1, dv=None, paged=0):
+           long=False, pack=1, dv=None, paged=0, split=False):
     """(config, key, file name, exported C symbol) of a forward kernel's disk cache entry."""
-    config = _fwd_config(dtype, head_dim, causal, arch, local, softcap, varlen, sink, short, long, pack, dv, paged)
+    config = _fwd_config(dtype, head_dim, causal, arch, local, softcap, varlen, sink, short, long, pack, dv, paged,
+                         split)
     key = cache.entry_key(config)
     mask = "local" if config["local"] else "causal" if config["causal"] else "full"
     wg = f"-wg{config['warpgroups']}" if "warpgroups" in config else ""  # readable names; the key decides
@@ -522,12 +541,13 @@ def _entry(dtype, head_dim, causal, arch, local=False, softcap=False, varlen=Fal
             f"{'-varlen' if varlen else ''}{'-sink' if sink else ''}{wg}"
             f"{'-persistent' if config.get('persistent') else ''}{'-reverse' if config.get('reverse') else ''}"
             f"{'-tmao' if config.get('tma_o') else ''}{f'-pack{pack}' if config.get('pack_gqa') else ''}"
-            f"{f'-dv{dv}' if config.get('head_dim_v') else ''}{f'-paged{paged}' if paged else ''}-{key[:16]}")
+            f"{f'-dv{dv}' if config.get('head_dim_v') else ''}{f'-paged{paged}' if paged else ''}"
+            f"{'-split' if split else ''}-{key[:16]}")
     return config, key, name, f"flash_attn_cute_{key[:16]}"  # the symbol is unique per key
 
 
 def disk_entry(dtype, head_dim, causal, arch="sm_90a", root=None, local=False, softcap=False, varlen=False,
-               sink=False, short=False, long=False, pack=1, dv=None, paged=0):
+               sink=False, short=False, long=False, pack=1, dv=None, paged=0, split=False):
     """The intact files of a forward kernel's entry in the disk cache ``root`` (default: the runtime's
     folder), {"o": path, "so": path} (the shared library is absent where no C compiler was found), or
     {} when there is none. Loads nothing."""
@@ -535,7 +555,7 @@ def disk_entry(dtype, head_dim, causal, arch="sm_90a", root=None, local=False, s
     if root is None or not _tvm_ffi():
         return {}
     _, key, name, _ = _entry(dtype, head_dim, causal, arch, local, softcap, varlen, sink, short, long, pack, dv,
-                             paged)
+                             paged, split)
     return cache.DiskCache(root).files(name, key)
 
 
@@ -556,20 +576,20 @@ def load_or_build_bwd(dtype, head_dim, causal, arch="sm_90a", root=None, force=F
 
 
 def load_or_build(dtype, head_dim, causal, arch="sm_90a", root=None, force=False, local=False, softcap=False,
-                  varlen=False, sink=False, short=False, long=False, pack=1, dv=None, paged=0):
+                  varlen=False, sink=False, short=False, long=False, pack=1, dv=None, paged=0, split=False):
     """The forward kernel as a callable ``(q, k, v, out, lse, softmax_scale, softcap, window_left,
     window_right)`` and where it came from
     ("so" / "o": the disk cache in ``root``; "compiled": compiled now, and written to ``root``).
     ``root=None``: no disk cache. ``force``: compile even when the disk holds the entry. Compiling
     needs no GPU; loading from disk needs neither a GPU nor the CuTeDSL compiler."""
     variant = dict(local=local, softcap=softcap, varlen=varlen, sink=sink, short=short, long=long, pack=pack, dv=dv,
-                   paged=paged)
+                   paged=paged, split=split)
     if not _tvm_ffi():
         persistent = _fwd_config(dtype, head_dim, causal, arch, **variant).get("persistent", False)
-        return (_dlpack_launcher(compile_fwd(dtype, head_dim, causal, arch, **variant), sink, persistent),
+        return (_dlpack_launcher(compile_fwd(dtype, head_dim, causal, arch, **variant), sink, persistent, split),
                 "compiled-dlpack")
     return _load_or_build_entry(_entry(dtype, head_dim, causal, arch, local, softcap, varlen, sink, short, long,
-                                       pack, dv, paged),
+                                       pack, dv, paged, split),
                                 lambda: compile_fwd(dtype, head_dim, causal, arch, **variant), root, force)
 
 
@@ -610,7 +630,7 @@ def _load_or_build_entry(entry, compile_fn, root, force):
 
 
 def fwd_kernel(dtype, head_dim, causal, arch="sm_90a", local=False, softcap=False, varlen=False, sink=False,
-               short=False, long=False, pack=1, dv=None, paged=0):
+               short=False, long=False, pack=1, dv=None, paged=0, split=False):
     """The forward kernel for (dtype, head dim, causal, arch, local, softcap): from memory, else from the
     disk cache (``cache.cache_dir()``: $FLASH_ATTN_CUTE_CACHE, default ~/.cache/flash_attn_cute), else
     compiled and written there. A callable ``(q, k, v, out, lse, softmax_scale, softcap, window_left,
@@ -621,29 +641,30 @@ def fwd_kernel(dtype, head_dim, causal, arch="sm_90a", local=False, softcap=Fals
     (key ending in "long"; the same kernel as not long outside _FWD_LONG). ``pack`` > 1: the pack_gqa kernel
     (key ending in ("pack", pack); short and long are then ignored). ``dv``: v's head dim when it differs from
     head_dim (key ending in ("dv", dv); short and long ignored too). ``paged``: the page size of a paged varlen
-    call (key ending in ("paged", page size))."""
+    call (key ending in ("paged", page size)). ``split``: the split-KV kernel (key ending in "split")."""
     if dv == head_dim:
         dv = None
-    if pack > 1 or dv or paged:
+    if pack > 1 or dv or paged or split:
         short = long = False
     mem_key = ((dtype, head_dim, bool(causal), arch, bool(local), bool(softcap)) + ((True,) if varlen else ())
                + (("sink",) if sink else ()) + (("short",) if short else ()) + (("long",) if long else ())
                + (("pack", pack) if pack > 1 else ()) + (("dv", dv) if dv else ())
-               + (("paged", paged) if paged else ()))
+               + (("paged", paged) if paged else ()) + (("split",) if split else ()))
     fn = _kernels.get(mem_key)
     if fn is None:
         with cache._lock:  # one builder per process; other threads wait, then find it in memory
             fn = _kernels.get(mem_key)
             if fn is None:
                 config = _fwd_config(dtype, head_dim, causal, arch, local, softcap, varlen, sink, short, long, pack,
-                                     dv, paged)
+                                     dv, paged, split)
                 if (short or long) and config == _fwd_config(dtype, head_dim, causal, arch, local, softcap, varlen,
                                                              sink):
                     fn = fwd_kernel(dtype, head_dim, causal, arch, local, softcap, varlen, sink)  # the same kernel
                 else:
                     fn, _origins[mem_key] = load_or_build(dtype, head_dim, causal, arch, cache.cache_dir(),
                                                           local=local, softcap=softcap, varlen=varlen, sink=sink,
-                                                          short=short, long=long, pack=pack, dv=dv, paged=paged)
+                                                          short=short, long=long, pack=pack, dv=dv, paged=paged,
+                                                          split=split)
                     if config.get("persistent"):
                         fn = _persistent_launcher(fn)  # the kernel's last argument, which callers do not give
                 _kernels[mem_key] = fn
@@ -738,15 +759,23 @@ def _pack_group(pack_gqa, H, Hk):
     return group if group in _PACK_GROUPS else 1
 
 
-def _options(window_size, softcap, num_splits):
-    """(window_left, window_right, softcap) from FA4's keyword arguments (-1: no limit on that side);
-    raises for what the kernels do not do yet."""
+def _split_count(num_splits):
+    """The split-KV parts of a call: num_splits when > 1 and the split kernel is on (FLASH_ATTN_CUTE_SPLIT=1 until
+    tests/test_cute_split.py's GPU tests have passed), else 1; num_splits <= 0 (FA4's "choose") takes 1 for now.
+    Splitting changes how the work is divided, not the result (beyond fp32 rounding)."""
+    if not isinstance(num_splits, int) or isinstance(num_splits, bool):
+        raise ValueError(f"num_splits must be an int, got {type(num_splits).__name__}")
+    if num_splits <= 1 or os.environ.get("FLASH_ATTN_CUTE_SPLIT", "0") in ("0", "false", "False"):
+        return 1
+    return num_splits
+
+
+def _options(window_size, softcap):
+    """(window_left, window_right, softcap) from FA4's keyword arguments (-1: no limit on that side)."""
     window_left, window_right = (-1 if w is None else int(w) for w in window_size)
     softcap = float(softcap or 0.0)
     if softcap < 0.0 or softcap != softcap:
         raise ValueError(f"softcap must be >= 0 (0: off), got {softcap}")
-    if num_splits != 1:
-        raise NotImplementedError("num_splits != 1")
     return window_left, window_right, softcap
 
 
@@ -778,7 +807,8 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=_NO_W
     softmax_scale; lse includes it, a row that sees no key gets out 0 and lse = sink); its gradient
     is computed when it requires one (see _SinkAttention). pack_gqa=True: the H / Hk query heads of each KV head
     share the kernel's tiles (_pack_group: groups of 2, 4, 8 or 16, and while the packed kernel awaits its GPU
-    tests only with FLASH_ATTN_CUTE_PACK_GQA=1; else unpacked, the same result). Returns (out, lse): out
+    tests only with FLASH_ATTN_CUTE_PACK_GQA=1; else unpacked, the same result). num_splits > 1: split-KV
+    (_forward_split; with FLASH_ATTN_CUTE_SPLIT=1 while it awaits its GPU tests, else unsplit). Returns (out, lse): out
     like q, lse fp32 (B, H, Sq) natural log (+inf for a row that sees no key) when return_lse or a
     gradient needs it, else None (as FA4; the kernel still writes it). When q, k or v needs a
     gradient the call goes through the dispatcher's differentiable op (see _with_fallback_backward): its
@@ -799,14 +829,15 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=_NO_W
     if Bk != B or Bv != Bk or Sv != Sk or Hv != Hk or Dk != D:
         raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     _check_dims(D, Dv, H, Hk)
-    pack = 1
+    pack = splits = 1
     if (window_size is _NO_WINDOW and learnable_sink is None and not softcap and num_splits == 1
             and not pack_gqa):
         window_left = window_right = -1  # the common call: no option to parse
         softcap = 0.0
     else:
-        window_left, window_right, softcap = _options(window_size, softcap, num_splits)
+        window_left, window_right, softcap = _options(window_size, softcap)
         pack = _pack_group(pack_gqa, H, Hk)
+        splits = _split_count(num_splits)
         if learnable_sink is not None:
             sink = _check_sink(learnable_sink, H, q.device)
             arch = _device_arch(q, k, v)
@@ -815,14 +846,15 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=_NO_W
             if _needs_grad(q, k, v, learnable_sink):
                 return _SinkAttention.apply(q, k, v, learnable_sink, args)
             out, lse = forward(q, k, v, args[0], bool(causal), arch, window_left, window_right, softcap, sink,
-                               pack=pack)
+                               pack=pack, splits=splits)
             return out, (lse if return_lse else None)
     arch = _device_arch(q, k, v)
     if softmax_scale is None:
         softmax_scale = D ** -0.5
     if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
         return _with_fallback_backward(q, k, v, softmax_scale, causal, window_left, window_right, softcap)
-    if window_left < 0 and window_right < 0 and not softcap and Sk and B * Sq * H and pack == 1 and Dv == D:
+    if (window_left < 0 and window_right < 0 and not softcap and Sk and B * Sq * H and pack == 1 and Dv == D
+            and splits == 1):
         # Dense, no window or softcap (the common call): forward() without its general-case work.
         key = (dtype, D, bool(causal), arch, False, False)
         if Sk <= _TMA_O_SHORT_SK:
@@ -844,7 +876,8 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=_NO_W
                     lse = _new_lse_scratch(q.get_device(), B, H, Sq)
             fn(q, k, v, out, lse, float(softmax_scale), 0.0, 0, 0)
             return out, (lse if return_lse else None)
-    out, lse = forward(q, k, v, softmax_scale, bool(causal), arch, window_left, window_right, softcap, pack=pack)
+    out, lse = forward(q, k, v, softmax_scale, bool(causal), arch, window_left, window_right, softcap, pack=pack,
+                       splits=splits)
     return out, (lse if return_lse else None)
 
 
@@ -972,12 +1005,12 @@ def _window_args(causal, window_left, window_right):
 
 
 def forward(q, k, v, softmax_scale, causal, arch="sm_90a", window_left=-1, window_right=-1, softcap=0.0,
-            sink=None, pack=1):
+            sink=None, pack=1, splits=1):
     """The kernel launch on validated CUDA inputs (shared with the dispatcher's backend module):
     q (B, Sq, H, D), k/v (B, Sk, Hk, D) fp16/bf16, D in _SUPPORTED_HEAD_DIMS, H % Hk == 0; window sizes < 0 mean
     no limit, causal implies a right size of 0; softcap 0 is off; sink None or fp32 contiguous (H,)
     (see _check_sink); pack: the pack_gqa group (_pack_group; H == pack * Hk), 1 for none. v's head dim may differ
-    from q's (a pair of _HEAD_DIM_PAIRS; out has v's). Returns (out, lse)."""
+    from q's (a pair of _HEAD_DIM_PAIRS; out has v's). splits > 1: split-KV (_forward_split). Returns (out, lse)."""
     B, Sq, H, D = q.shape
     Dv = v.shape[3]
     window_left, window_right, local = _window_args(causal, window_left, window_right)
@@ -992,6 +1025,9 @@ def forward(q, k, v, softmax_scale, causal, arch="sm_90a", window_left=-1, windo
             lse.fill_(math.inf)
         else:  # the sink is the row's only term
             lse.copy_(sink.view(1, H, 1).expand(B, H, Sq))
+    elif splits > 1 and B * Sq * H > 0 and splits * B * max(Sq * H, k.shape[1] * k.shape[2]) * max(D, Dv) < _MAX_ELEMS:
+        return _forward_split(q, k, v, softmax_scale, causal and not local, arch, local, window_left, window_right,
+                              softcap, sink, pack, splits)
     elif B * Sq * H > 0:
         causal = causal and not local
         short, long = _length_kernel(D, causal, k.shape[1],
@@ -1014,6 +1050,39 @@ def forward(q, k, v, softmax_scale, causal, arch="sm_90a", window_left=-1, windo
                 fn(q[b:b + step], k[b:b + step], v[b:b + step], out[b:b + step], lse[b:b + step], *args,
                    *sink_arg)
     return out, lse
+
+
+def _forward_split(q, k, v, softmax_scale, causal, arch, local, window_left, window_right, softcap, sink, pack,
+                   splits):
+    """Split-KV on validated inputs (forward's, window sizes already the kernel's): the split kernel writes each
+    part's O and lse in fp32 (parts of batch entry b at s * B + b), _combine_splits merges them (and adds the sink,
+    which the kernel leaves out so that it counts once)."""
+    B, Sq, H, D = q.shape
+    Dv = v.shape[3]
+    capped = softcap > 0.0
+    o_parts = torch.empty(splits * B, Sq, H, Dv, dtype=torch.float32, device=q.device)
+    lse_parts = torch.empty(splits * B, H, Sq, dtype=torch.float32, device=q.device)
+    fn = (_kernels.get((q.dtype, D, causal, arch, local, capped) + (("pack", pack) if pack > 1 else ())
+                       + (("dv", Dv) if Dv != D else ()) + ("split",))
+          or fwd_kernel(q.dtype, D, causal, arch, local=local, softcap=capped, pack=pack, dv=Dv, split=True))
+    fn(q, k, v, o_parts, lse_parts, float(softmax_scale), float(softcap), window_left, window_right, splits)
+    return _combine_splits(o_parts.view(splits, B, Sq, H, Dv), lse_parts.view(splits, B, H, Sq), sink, q.dtype)
+
+
+def _combine_splits(o_parts, lse_parts, sink, dtype):
+    """(out, lse) from split-KV parts: o_parts (S, B, Sq, H, Dv) each divided by its own row sums, lse_parts (S, B,
+    H, Sq) natural-log, +inf for a part whose rows saw no key (no contribution). lse = log(sum_s exp(lse_s) [+
+    exp(sink)]), out = sum_s exp(lse_s - lse) o_s in dtype; a row no part saw gets out 0 and lse +inf (or the
+    sink). fp32 torch ops."""
+    terms = torch.where(torch.isposinf(lse_parts), torch.full_like(lse_parts, -math.inf), lse_parts)
+    if sink is not None:
+        S, B, H, Sq = lse_parts.shape
+        terms = torch.cat([terms, sink.float().view(1, 1, H, 1).expand(1, B, H, Sq)], 0)
+    lse = torch.logsumexp(terms, 0)  # (B, H, Sq); -inf where no term
+    seen = torch.isfinite(lse)
+    weights = torch.where(seen, torch.exp(terms[:lse_parts.shape[0]] - lse), torch.zeros_like(lse))  # (S, B, H, Sq)
+    out = (o_parts * weights.permute(0, 1, 3, 2).unsqueeze(-1)).sum(0)
+    return out.to(dtype), torch.where(seen, lse, torch.full_like(lse, math.inf))
 
 
 def _check_cu_seqlens(name, cu, device, batch=None):
@@ -1069,7 +1138,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_se
     if not same or Dk != D:
         raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     _check_dims(D, v.shape[-1], H, Hk)
-    window_left, window_right, softcap = _options(window_size, softcap, num_splits)
+    window_left, window_right, softcap = _options(window_size, softcap)
+    _split_count(num_splits)  # (checked; the varlen kernel has no split-KV variant: such calls run unsplit)
     sink = None if learnable_sink is None else _check_sink(learnable_sink, H, q.device)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.stride(-1) != 1:

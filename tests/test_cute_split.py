@@ -1,0 +1,235 @@
+"""Split-KV in flash_attn.cute's dense forward (num_splits > 1): the split kernel divides each tile's key blocks among
+num_splits CTAs, each writing its part's O (divided by its own row sums) and lse in fp32; the host merges them
+(interface._combine_splits) and adds the sink. On the CPU: the merge against the reference (parts computed in fp32,
+empty parts and rows, the sink), the rules and config, whole calls with the kernel replaced by a torch model of
+its contract, and the PTX (fp32 O stores; ptxas clean). On a Hopper GPU (tests marked gpu): against the reference.
+
+The split kernel was written without a GPU (session 15): until its GPU tests here have passed, num_splits > 1 runs
+it only with FLASH_ATTN_CUTE_SPLIT=1 (else the call runs unsplit: the same result)."""
+import collections
+import glob
+import math
+import os
+import re
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("cutlass.cute")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PKG = os.path.join(ROOT, "packages", "flash-attn-4")
+if _PKG not in sys.path:
+    sys.path.insert(0, _PKG)
+
+from flash_attn.cute import interface  # noqa: E402
+from flash_attn.testing import assert_close_to_ref, assert_ptxas_clean, attention_lse_ref, attention_ref  # noqa: E402
+
+_KNOBS = [v for v in os.environ if v.startswith("FLASH_ATTN_CUTE_")]
+
+
+@pytest.fixture(autouse=True)
+def _defaults(monkeypatch):
+    for var in _KNOBS:
+        monkeypatch.delenv(var, raising=False)
+
+
+def _parts(q, k, v, causal, bounds, scale, window=(-1, -1), softcap=0.0):
+    """The split kernel's contract in fp32 torch: for each key range [lo, hi) of bounds, the part's O (softmax over
+    the part's visible keys, times V) and lse (+inf, and O 0, for a row that sees none of the part's keys).
+    q (B, Sq, H, D), k / v (B, Sk, Hk, D): returns o (S, B, Sq, H, Dv), lse (S, B, H, Sq)."""
+    B, Sq, H, D = q.shape
+    Sk, Hk = k.shape[1], k.shape[2]
+    kk = k.double().repeat_interleave(H // Hk, 2)
+    vv = v.double().repeat_interleave(H // Hk, 2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q.double(), kk) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    i = torch.arange(Sq).view(-1, 1) + Sk - Sq
+    j = torch.arange(Sk).view(1, -1)
+    visible = torch.ones(Sq, Sk, dtype=torch.bool)
+    left, right = window[0], 0 if causal else window[1]
+    if left >= 0:
+        visible &= j >= i - left
+    if right >= 0:
+        visible &= j <= i + right
+    os_, lses = [], []
+    for lo, hi in bounds:
+        part = visible & (j >= lo) & (j < hi)
+        sp = s.masked_fill(~part, -math.inf)
+        lse = torch.logsumexp(sp, -1)  # (B, H, Sq)
+        p = torch.where(torch.isfinite(lse)[..., None], torch.exp(sp - lse[..., None]), torch.zeros_like(sp))
+        os_.append(torch.einsum("bhqk,bkhd->bqhd", p, vv))
+        lses.append(torch.where(torch.isneginf(lse), torch.full_like(lse, math.inf), lse))
+    return torch.stack(os_), torch.stack(lses)
+
+
+@pytest.mark.parametrize("causal,window,softcap", [(False, (-1, -1), 0.0), (True, (-1, -1), 0.0),
+                                                   (False, (5, 3), 0.0), (True, (-1, -1), 10.0)])
+@pytest.mark.parametrize("sink", [False, True])
+@pytest.mark.parametrize("bounds", [[(0, 40)], [(0, 13), (13, 26), (26, 40)], [(0, 8), (8, 16), (16, 40), (40, 40)],
+                                    [(0, 1), (1, 39), (39, 40)]])
+def test_combine_matches_the_reference(causal, window, softcap, sink, bounds):
+    """Parts over any partition of the keys (empty parts, parts some rows see none of) merge into the reference's
+    out and lse, the sink counted once; a row that sees no key gets out 0 and lse +inf (or the sink)."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 12, 4, 16, dtype=torch.float64)
+    k = torch.randn(2, 40, 2, 16, dtype=torch.float64)
+    v = torch.randn(2, 40, 2, 16, dtype=torch.float64)
+    sink_t = torch.randn(4, dtype=torch.float64) if sink else None
+    o_parts, lse_parts = _parts(q, k, v, causal, bounds, 0.25, window, softcap)
+    out, lse = interface._combine_splits(o_parts, lse_parts, sink_t, torch.float64)
+    kw = dict(causal=causal, window_size=(window[0], 0 if causal else window[1]), softcap=softcap,
+              softmax_scale=0.25, learnable_sink=sink_t)
+    out_ref = attention_ref(q, k, v, **kw)[0].double()
+    lse_ref = attention_lse_ref(q, k, **kw).double()
+    # (the parts are float64; the reference computes in fp32: its rounding, ~3e-7 here, is the tolerance)
+    empty = torch.isinf(lse_ref) if sink_t is None else torch.zeros_like(lse_ref, dtype=torch.bool)
+    torch.testing.assert_close(out, torch.where(empty.permute(0, 2, 1)[..., None], torch.zeros_like(out_ref), out_ref),
+                               rtol=2e-5, atol=2e-6)
+    torch.testing.assert_close(torch.where(empty, 0.0, lse), torch.where(empty, 0.0, lse_ref), rtol=2e-5, atol=2e-6)
+    assert torch.equal(torch.isposinf(lse), empty)
+
+
+def test_split_count_rules(monkeypatch):
+    assert interface._split_count(4) == 1  # off until its GPU tests pass
+    monkeypatch.setenv("FLASH_ATTN_CUTE_SPLIT", "1")
+    assert [interface._split_count(n) for n in (4, 2, 1, 0, -3)] == [4, 2, 1, 1, 1]
+    for bad in (2.0, True, "2"):
+        with pytest.raises(ValueError, match="num_splits must be an int"):
+            interface._split_count(bad)
+
+
+def test_split_config():
+    cfg = lambda d, causal, **kw: interface._fwd_config(torch.bfloat16, d, causal, "sm_90a", **kw)  # noqa: E731
+    for d, causal in [(64, False), (64, True), (128, True), (256, False)]:
+        for kw in (dict(), dict(short=True), dict(long=True), dict(local=True), dict(pack=8)):
+            split = cfg(d, causal, split=True, **kw)
+            assert split["split"] and not split.get("persistent") and not split.get("tma_o")
+            assert "split" not in cfg(d, causal, **kw)
+            kernel = interface._make_kernel(split)
+            assert kernel.split and not kernel.persistent
+    for kw in (dict(varlen=True), dict(sink=True)):
+        with pytest.raises(NotImplementedError, match="split-KV"):
+            cfg(128, True, split=True, **kw)
+    names = {interface._entry(torch.bfloat16, 128, True, "sm_90a", split=s)[2] for s in (False, True)}
+    assert len(names) == 2 and any("-split-" in n for n in names)
+
+
+def _split_kernel_model(config):
+    """The split kernel's contract (call_split) in torch, with the kernel's partition of the key blocks: part s of
+    batch entry b takes blocks [s * per, (s + 1) * per), per = ceil(ceil(Sk / block_n) / num_splits), written to
+    entry s * B + b."""
+    block_n = config.get("block_n", 128)
+    causal, local = config["causal"], config["local"]
+
+    def run(q, k, v, out, lse, scale, softcap, wl, wr, num_splits):
+        B, Sk = q.shape[0], k.shape[1]
+        per = -(-(-(-Sk // block_n)) // num_splits)
+        bounds = [(min(s * per * block_n, Sk), min((s + 1) * per * block_n, Sk)) for s in range(num_splits)]
+        window = ((-1 if wl >= interface._UNBOUNDED else wl), (-1 if wr >= interface._UNBOUNDED else wr)) if local \
+            else (-1, -1)
+        o, l_ = _parts(q, k, v, causal, bounds, scale, window, softcap)
+        out.copy_(o.flatten(0, 1))
+        lse.copy_(l_.flatten(0, 1))
+    return run
+
+
+@pytest.mark.parametrize("causal,window,softcap,sink", [(False, (-1, -1), 0.0, False), (True, (-1, -1), 0.0, True),
+                                                        (False, (20, 4), 5.0, False)])
+@pytest.mark.parametrize("num_splits", [2, 3, 9])
+def test_split_calls(monkeypatch, causal, window, softcap, sink, num_splits):
+    """flash_attn_func(num_splits=n) runs the split kernel (its model here) and merges the parts into the
+    reference's out and lse; unsplit without the variable (the usual kernel)."""
+    monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")
+    local = window != (-1, -1)
+    key = (torch.float16, 64, causal and not local, "sm_90a", local, softcap > 0, "split")
+    config = interface._fwd_config(torch.float16, 64, causal and not local, "sm_90a", local=local,
+                                   softcap=softcap > 0, split=True)
+    usual = []
+    short, long = interface._length_kernel(64, causal and not local, 300, not (local or softcap or sink))
+    plain = ((torch.float16, 64, causal and not local, "sm_90a", local, softcap > 0) + (("sink",) if sink else ())
+             + (("short",) if short else ()) + (("long",) if long else ()))
+    monkeypatch.setattr(interface, "_kernels", {key: _split_kernel_model(config), plain: lambda *a: usual.append(1)})
+    torch.manual_seed(0)
+    q = torch.randn(2, 5, 4, 64, dtype=torch.float16)
+    k = torch.randn(2, 300, 2, 64, dtype=torch.float16)
+    v = torch.randn(2, 300, 2, 64, dtype=torch.float16)
+    sink_t = torch.randn(4) if sink else None
+    kw = dict(causal=causal, window_size=window, softcap=softcap, learnable_sink=sink_t)
+    interface.flash_attn_func(q, k, v, num_splits=num_splits, **kw)
+    assert usual == [1]
+    monkeypatch.setenv("FLASH_ATTN_CUTE_SPLIT", "1")
+    out, lse = interface.flash_attn_func(q, k, v, num_splits=num_splits, return_lse=True, **kw)
+    assert usual == [1] and out.dtype == torch.float16 and out.shape == q.shape
+    ref_kw = dict(causal=causal, window_size=(window[0], 0 if causal else window[1]), softcap=softcap,
+                  learnable_sink=sink_t)
+    out_ref, _ = attention_ref(q, k, v, **ref_kw)
+    out_pt, _ = attention_ref(q, k, v, upcast=False, reorder_ops=True, **ref_kw)
+    assert_close_to_ref(out, out_ref, out_pt)
+    torch.testing.assert_close(lse, attention_lse_ref(q, k, **ref_kw), rtol=1e-5, atol=1e-5)
+
+
+def test_split_kernel_stores_fp32_parts(tmp_path):
+    """The split kernel stores O in fp32 (pairs: st.global.v2.b32, Dv / 8 per row, two rows per thread) and the lse;
+    ptxas clean. The usual kernel stores bf16 pairs (st.global.b32)."""
+    interface.compile_fwd(torch.bfloat16, 128, True, dump_dir=str(tmp_path), split=True)
+    (ptx,) = glob.glob(str(tmp_path / "*.ptx"))
+    stores = collections.Counter(re.findall(r"st\.global[\.\w]*", open(ptx).read()))
+    assert stores == {"st.global.v2.b32": 2 * 128 // 8, "st.global.b32": 2}
+    assert_ptxas_clean(ptx)
+
+
+# ----------------------------------------------------------------------------------------------------
+# GPU
+
+
+def _hopper():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+# (d, dv, causal, window, softcap, sink, pack) x num_splits x shapes: gpu_kernel_requests() reads them too
+_GPU_OPTIONS = [(64, 64, False, (-1, -1), 0.0, False, False), (128, 128, True, (-1, -1), 0.0, False, False),
+                (128, 128, False, (-1, -1), 0.0, True, True), (256, 256, True, (-1, -1), 0.0, False, False),
+                (128, 128, False, (64, 0), 20.0, False, False), (192, 128, True, (-1, -1), 0.0, False, False)]
+_GPU_SHAPES = [(2, 1, 8192, 16, 2), (1, 300, 1000, 8, 8), (3, 77, 77, 4, 1)]  # (B, Sq, Sk, H, Hk)
+
+
+def gpu_kernel_requests():
+    """The forward calls' kernel choices of this file's GPU test, for benchmarks/precompile_gpu_tests.py."""
+    return [dict(dtype=torch.bfloat16, d=d, dv=dv, causal=c, window=w, softcap=cap, sink=sink, split=True,
+                 pack=(h // hk) if pack and h // hk in interface._PACK_GROUPS else 1, seqlen_k=sk)
+            for d, dv, c, w, cap, sink, pack in _GPU_OPTIONS for _, _, sk, h, hk in _GPU_SHAPES]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("d,dv,causal,window,softcap,sink,pack", _GPU_OPTIONS)
+@pytest.mark.parametrize("num_splits", [2, 3, 64])
+@pytest.mark.parametrize("batch,seqlen_q,seqlen_k,heads,heads_kv", _GPU_SHAPES)
+def test_split_matches_reference_on_gpu(monkeypatch, d, dv, causal, window, softcap, sink, pack, num_splits, batch,
+                                        seqlen_q, seqlen_k, heads, heads_kv):
+    from flash_attn.cute import flash_attn_func
+
+    for var in ("FLASH_ATTN_CUTE_SPLIT", "FLASH_ATTN_CUTE_PACK_GQA", "FLASH_ATTN_CUTE_HDIM_V"):
+        monkeypatch.setenv(var, "1")
+    torch.manual_seed(0)
+    q = torch.randn(batch, seqlen_q, heads, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(batch, seqlen_k, heads_kv, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(batch, seqlen_k, heads_kv, dv, device="cuda", dtype=torch.bfloat16)
+    sink_t = torch.randn(heads, device="cuda") if sink else None
+    out, lse = flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap, learnable_sink=sink_t,
+                               num_splits=num_splits, pack_gqa=pack, return_lse=True)
+    torch.cuda.synchronize()
+    assert any(key[-1] == "split" for key in interface._kernels)
+    ref_kw = dict(causal=causal, window_size=(window[0], 0 if causal else window[1]), softcap=softcap,
+                  learnable_sink=sink_t)
+    out_ref, _ = attention_ref(q, k, v, **ref_kw)
+    out_pt, _ = attention_ref(q, k, v, upcast=False, reorder_ops=True, **ref_kw)
+    assert_close_to_ref(out, out_ref, out_pt)
+    lse_ref = attention_lse_ref(q, k, **ref_kw)
+    finite = torch.isfinite(lse_ref)
+    assert torch.equal(torch.isfinite(lse), finite)
+    if finite.any():
+        assert (lse[finite] - lse_ref[finite]).abs().max().item() < 1e-2
