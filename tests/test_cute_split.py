@@ -96,6 +96,7 @@ def test_split_count_rules(monkeypatch):
     assert interface._split_count(4) == 1  # off until its GPU tests pass
     monkeypatch.setenv("FLASH_ATTN_CUTE_SPLIT", "1")
     assert [interface._split_count(n) for n in (4, 2, 1, 0, -3)] == [4, 2, 1, 1, 1]
+    assert interface._split_count(torch.tensor(3)) == 3  # integer scalars of other types
     for bad in (2.0, True, "2"):
         with pytest.raises(ValueError, match="num_splits must be an int"):
             interface._split_count(bad)

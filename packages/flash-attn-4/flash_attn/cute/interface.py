@@ -14,6 +14,7 @@ without a GPU.
 """
 import contextlib
 import math
+import operator
 import os
 import time
 
@@ -763,8 +764,12 @@ def _split_count(num_splits):
     """The split-KV parts of a call: num_splits when > 1 and the split kernel is on (FLASH_ATTN_CUTE_SPLIT=1 until
     tests/test_cute_split.py's GPU tests have passed), else 1; num_splits <= 0 (FA4's "choose") takes 1 for now.
     Splitting changes how the work is divided, not the result (beyond fp32 rounding)."""
-    if not isinstance(num_splits, int) or isinstance(num_splits, bool):
-        raise ValueError(f"num_splits must be an int, got {type(num_splits).__name__}")
+    try:
+        if isinstance(num_splits, bool):
+            raise TypeError
+        num_splits = operator.index(num_splits)  # ints, numpy / torch integer scalars
+    except TypeError:
+        raise ValueError(f"num_splits must be an int, got {type(num_splits).__name__}") from None
     if num_splits <= 1 or os.environ.get("FLASH_ATTN_CUTE_SPLIT", "0") in ("0", "false", "False"):
         return 1
     return num_splits
