@@ -137,6 +137,16 @@ def attention_ref(q, k, v, query_padding_mask=None, key_padding_mask=None, attn_
     return out.to(dtype), attn.to(dtype)
 
 
+def assert_lse_close(lse, lse_ref, atol=1e-2, name="lse"):
+    """A kernel's lse against attention_lse_ref's: +inf exactly where the reference's is (rows that see no key and
+    no sink), within atol elsewhere (fp32 logsumexp of bf16 / fp16 scores)."""
+    finite = torch.isfinite(lse_ref)
+    assert torch.equal(torch.isfinite(lse), finite), f"{name}: rows with no visible key differ"
+    if finite.any():
+        err = (lse[finite] - lse_ref[finite]).abs().max().item()
+        assert err < atol, f"{name}: max error {err} >= {atol}"
+
+
 def attention_lse_ref(q, k, query_padding_mask=None, key_padding_mask=None, attn_bias=None, causal=False,
                       window_size=(-1, -1), softcap=0.0, alibi_slopes=None, softmax_scale=None,
                       key_leftpad=None, learnable_sink=None):

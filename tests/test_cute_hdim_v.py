@@ -8,7 +8,6 @@ The kernel was written without a GPU (session 15): until its GPU tests here have
 FLASH_ATTN_CUTE_HDIM_V=1."""
 import collections
 import glob
-import math
 import os
 import re
 import sys
@@ -24,7 +23,8 @@ if _PKG not in sys.path:
     sys.path.insert(0, _PKG)
 
 from flash_attn.cute import interface  # noqa: E402
-from flash_attn.testing import assert_close_to_ref, assert_ptxas_clean, attention_ref  # noqa: E402
+from flash_attn.testing import (assert_close_to_ref, assert_lse_close, assert_ptxas_clean,  # noqa: E402
+                                attention_lse_ref, attention_ref)
 
 _KNOBS = [v for v in os.environ if v.startswith("FLASH_ATTN_CUTE_")]
 
@@ -157,27 +157,6 @@ def _hopper():
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-def _lse_ref(q, k, causal, window, softcap, sink):
-    B, Sq, H, D = q.shape
-    Sk, Hk = k.shape[1], k.shape[2]
-    s = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float().repeat_interleave(H // Hk, dim=2)) / math.sqrt(D)
-    if softcap:
-        s = softcap * torch.tanh(s / softcap)
-    i = torch.arange(Sq, device=q.device).view(-1, 1) + Sk - Sq
-    j = torch.arange(Sk, device=q.device).view(1, -1)
-    left, right = window[0], 0 if causal else window[1]
-    visible = torch.ones(Sq, Sk, dtype=torch.bool, device=q.device)
-    if left >= 0:
-        visible &= j >= i - left
-    if right >= 0:
-        visible &= j <= i + right
-    s = s.masked_fill(~visible, -math.inf)
-    if sink is not None:
-        s = torch.cat([s, sink.float().view(1, H, 1, 1).expand(B, H, Sq, 1)], dim=-1)
-    lse = torch.logsumexp(s, dim=-1)
-    return torch.where(torch.isneginf(lse), torch.full_like(lse, math.inf), lse)
-
-
 # The GPU tests' cases (gpu_kernel_requests() reads them too, for benchmarks/precompile_gpu_tests.py)
 _GPU_OPTIONS = [(False, (-1, -1), 0.0, False, False), (True, (-1, -1), 0.0, False, False),
                 (False, (100, 20), 0.0, False, False), (True, (-1, -1), 30.0, False, False),
@@ -221,11 +200,9 @@ def test_matches_reference_on_gpu(monkeypatch, dtype, causal, window, softcap, s
     out_ref, _ = attention_ref(q, k, v, **kw)
     out_pt, _ = attention_ref(q, k, v, upcast=False, reorder_ops=True, **kw)
     assert_close_to_ref(out, out_ref, out_pt)
-    lse_ref = _lse_ref(q, k, causal, window, softcap, sink_t)
-    finite = torch.isfinite(lse_ref)
-    assert torch.equal(torch.isfinite(lse), finite)
-    if finite.any():
-        assert (lse[finite] - lse_ref[finite]).abs().max().item() < 1e-2
+    lse_ref = attention_lse_ref(q, k, causal=causal, window_size=ref_window, softcap=softcap,
+                                 learnable_sink=sink_t)
+    assert_lse_close(lse, lse_ref)
 
 
 @pytest.mark.gpu

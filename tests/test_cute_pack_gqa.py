@@ -7,7 +7,6 @@ every option against the reference, dense and varlen.
 The packed kernel was written without a GPU (session 15): until its GPU tests here have passed,
 pack_gqa=True runs it only with FLASH_ATTN_CUTE_PACK_GQA=1 (interface._pack_group)."""
 import glob
-import math
 import os
 import re
 import sys
@@ -24,7 +23,8 @@ if _PKG not in sys.path:
 
 from flash_attn.cute import interface  # noqa: E402
 from flash_attn.cute.flash_fwd_sm90 import packed_row  # noqa: E402
-from flash_attn.testing import assert_close_to_ref, assert_ptxas_clean, attention_ref  # noqa: E402
+from flash_attn.testing import (assert_close_to_ref, assert_lse_close, assert_ptxas_clean,  # noqa: E402
+                                attention_lse_ref, attention_ref)
 
 _KNOBS = [v for v in os.environ if v.startswith("FLASH_ATTN_CUTE_")]
 
@@ -202,29 +202,6 @@ def _hopper():
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-def _lse_ref(q, k, causal, window, softcap, sink):
-    """fp32 lse (B, H, Sq) of the masked scores (bottom-right aligned), +inf where a row sees nothing and no
-    sink."""
-    B, Sq, H, D = q.shape
-    Sk, Hk = k.shape[1], k.shape[2]
-    s = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float().repeat_interleave(H // Hk, dim=2)) / math.sqrt(D)
-    if softcap:
-        s = softcap * torch.tanh(s / softcap)
-    i = torch.arange(Sq, device=q.device).view(-1, 1) + Sk - Sq
-    j = torch.arange(Sk, device=q.device).view(1, -1)
-    left, right = window[0], 0 if causal else window[1]
-    visible = torch.ones(Sq, Sk, dtype=torch.bool, device=q.device)
-    if left >= 0:
-        visible &= j >= i - left
-    if right >= 0:
-        visible &= j <= i + right
-    s = s.masked_fill(~visible, -math.inf)
-    if sink is not None:
-        s = torch.cat([s, sink.float().view(1, H, 1, 1).expand(B, H, Sq, 1)], dim=-1)
-    lse = torch.logsumexp(s, dim=-1)
-    return torch.where(torch.isneginf(lse), torch.full_like(lse, math.inf), lse)
-
-
 # The GPU tests' cases, as constants that gpu_kernel_requests() reads too (benchmarks/precompile_gpu_tests.py builds
 # their kernels on a CPU first). Every head dim and both dtypes with groups of 8 and 4 (decode-like 1-row and
 # 7-row queries, a long one, a single key); groups of 2 and 16 at d128.
@@ -269,11 +246,8 @@ def test_packed_matches_reference_on_gpu(monkeypatch, dtype, d, causal, batch, s
     out_ref, _ = attention_ref(q, k, v, causal=causal)
     out_pt, _ = attention_ref(q, k, v, causal=causal, upcast=False, reorder_ops=True)
     assert_close_to_ref(out, out_ref, out_pt)
-    lse_ref = _lse_ref(q, k, causal, (-1, -1), 0.0, None)
-    finite = torch.isfinite(lse_ref)
-    assert torch.equal(torch.isfinite(lse), finite)
-    if finite.any():
-        assert (lse[finite] - lse_ref[finite]).abs().max().item() < 1e-2
+    lse_ref = attention_lse_ref(q, k, causal=causal)
+    assert_lse_close(lse, lse_ref)
 
 
 @pytest.mark.gpu
@@ -300,11 +274,9 @@ def test_packed_options_match_reference_on_gpu(monkeypatch, d, causal, window, s
     out_ref, _ = attention_ref(q, k, v, **kw)
     out_pt, _ = attention_ref(q, k, v, upcast=False, reorder_ops=True, **kw)
     assert_close_to_ref(out, out_ref, out_pt)
-    lse_ref = _lse_ref(q, k, causal, window, softcap, sink_t)
-    finite = torch.isfinite(lse_ref)
-    assert torch.equal(torch.isfinite(lse), finite)
-    if finite.any():
-        assert (lse[finite] - lse_ref[finite]).abs().max().item() < 1e-2
+    lse_ref = attention_lse_ref(q, k, causal=causal, window_size=ref_window, softcap=softcap,
+                                 learnable_sink=sink_t)
+    assert_lse_close(lse, lse_ref)
 
 
 @pytest.mark.gpu
@@ -339,12 +311,8 @@ def test_packed_varlen_matches_reference_per_sequence_on_gpu(monkeypatch, d, cau
         if sq == 0:
             continue
         qs, ks, vs = q[None, q0:q0 + sq], k[None, k0:k0 + sk], v[None, k0:k0 + sk]
-        lse_ref = _lse_ref(qs, ks, causal, window, 0.0, sink_t)[0]
-        got = lse[:, q0:q0 + sq]
-        assert torch.equal(torch.isfinite(got), torch.isfinite(lse_ref)), b
-        finite = torch.isfinite(lse_ref)
-        if finite.any():
-            assert (got[finite] - lse_ref[finite]).abs().max().item() < 1e-2, b
+        lse_ref = attention_lse_ref(qs, ks, causal=causal, window_size=ref_window, learnable_sink=sink_t)[0]
+        assert_lse_close(lse[:, q0:q0 + sq], lse_ref, name=f"lse of sequence {b}")
         if sk == 0:
             assert torch.all(out[q0:q0 + sq] == 0)
             continue
