@@ -726,15 +726,20 @@ def _new_lse_scratch(index, B, H, Sq):
     return lse
 
 
+def _unverified_on(feature):
+    """Whether a kernel written without a GPU (session 15) may run: its variable FLASH_ATTN_CUTE_<feature> set (to
+    anything but 0 / false) until its GPU tests have passed. feature: PACK_GQA, HDIM_V, PAGED or SPLIT."""
+    return os.environ.get("FLASH_ATTN_CUTE_" + feature, "0") not in ("0", "false", "False")
+
+
 def _paged_on():
-    """Whether paged calls (page_table) run: FLASH_ATTN_CUTE_PAGED=1 until the kernel has passed its GPU tests."""
-    return os.environ.get("FLASH_ATTN_CUTE_PAGED", "0") not in ("0", "false", "False")
+    """Whether paged calls (page_table) run (see _unverified_on)."""
+    return _unverified_on("PAGED")
 
 
 def _hdim_v_on():
-    """Whether calls with v's head dim != q's (_HEAD_DIM_PAIRS) run: FLASH_ATTN_CUTE_HDIM_V=1 until the kernel has
-    passed its GPU tests."""
-    return os.environ.get("FLASH_ATTN_CUTE_HDIM_V", "0") not in ("0", "false", "False")
+    """Whether calls with v's head dim != q's (_HEAD_DIM_PAIRS) run (see _unverified_on)."""
+    return _unverified_on("HDIM_V")
 
 
 def _check_dims(D, Dv, H, Hk):
@@ -754,7 +759,7 @@ def _check_dims(D, Dv, H, Hk):
 def _pack_group(pack_gqa, H, Hk):
     """The pack_gqa group of a call: H // Hk when pack_gqa is true, FLASH_ATTN_CUTE_PACK_GQA=1 and the group is
     one of _PACK_GROUPS, else 1 (unpacked: pack_gqa only changes how the work is tiled, not the result)."""
-    if not pack_gqa or os.environ.get("FLASH_ATTN_CUTE_PACK_GQA", "0") in ("0", "false", "False"):
+    if not pack_gqa or not _unverified_on("PACK_GQA"):
         return 1
     group = H // Hk
     return group if group in _PACK_GROUPS else 1
@@ -770,7 +775,7 @@ def _split_count(num_splits):
         num_splits = operator.index(num_splits)  # ints, numpy / torch integer scalars
     except TypeError:
         raise ValueError(f"num_splits must be an int, got {type(num_splits).__name__}") from None
-    if num_splits <= 1 or os.environ.get("FLASH_ATTN_CUTE_SPLIT", "0") in ("0", "false", "False"):
+    if num_splits <= 1 or not _unverified_on("SPLIT"):
         return 1
     return num_splits
 
