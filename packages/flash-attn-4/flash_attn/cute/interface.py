@@ -1027,17 +1027,19 @@ def forward(q, k, v, softmax_scale, causal, arch="sm_90a", window_left=-1, windo
     capped = softcap > 0.0
     sink_arg = () if sink is None else (sink,)
     q, k, v = _kernel_layout(q, D), _kernel_layout(k, D), _kernel_layout(v, Dv)
+    Sk = k.shape[1]
+    if splits > 1 and Sk and B * Sq * H and splits * B * max(Sq * H, Sk * k.shape[2]) * max(D, Dv) < _MAX_ELEMS:
+        # (the split path allocates its own fp32 parts and returns the merged out / lse)
+        return _forward_split(q, k, v, softmax_scale, causal and not local, arch, local, window_left, window_right,
+                              softcap, sink, pack, splits)
     out = torch.empty_like(q) if Dv == D else q.new_empty(B, Sq, H, Dv)
     lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)  # sizes as ints: parsed faster
-    if k.shape[1] == 0:  # no key at all: every row is empty (TMA descriptors cannot map a 0-length dim)
+    if Sk == 0:  # no key at all: every row is empty (TMA descriptors cannot map a 0-length dim)
         out.zero_()
         if sink is None:
             lse.fill_(math.inf)
         else:  # the sink is the row's only term
             lse.copy_(sink.view(1, H, 1).expand(B, H, Sq))
-    elif splits > 1 and B * Sq * H > 0 and splits * B * max(Sq * H, k.shape[1] * k.shape[2]) * max(D, Dv) < _MAX_ELEMS:
-        return _forward_split(q, k, v, softmax_scale, causal and not local, arch, local, window_left, window_right,
-                              softcap, sink, pack, splits)
     elif B * Sq * H > 0:
         causal = causal and not local
         short, long = _length_kernel(D, causal, k.shape[1],
