@@ -53,6 +53,8 @@ CASES = {
                                                                                          (5, 0), (130, 1000)])),
     "d128_causal_split3_sink": ("bf16", 128, 2, 5, 3000, 16, 2, dict(causal=True, sink=True, num_splits=3)),
     "d256_paged256_pack4": ("bf16", 256, 0, 0, 0, 8, 2, dict(pack_gqa=True, paged=256, varlen=[(3, 700), (64, 300)])),
+    "d64_paged64_split4_sink": ("bf16", 64, 0, 0, 0, 8, 2, dict(causal=True, sink=True, paged=64, num_splits=4,
+                                                                 varlen=[(1, 2000), (0, 9), (40, 40), (3, 0)])),
 }
 
 
@@ -75,7 +77,7 @@ def expected_config(case, flags=False):
     softcap, sink = bool(opt.get("softcap")), bool(opt.get("sink"))
     pack = ci._pack_group(opt.get("pack_gqa"), h, hk)
     dv, paged = opt.get("dv"), opt.get("paged", 0)
-    split = not varlen and ci._split_count(opt.get("num_splits", 1)) > 1
+    split = ci._split_count(opt.get("num_splits", 1)) > 1
     sink = sink and not split  # the split kernel leaves the sink to the host's merge
     short, long = ci._length_kernel(d, causal, sk, not (varlen or local or softcap or sink or pack > 1 or dv or split))
     config = ci._fwd_config(dtype, d, causal, "sm_90a", local, softcap, varlen, sink, short, long, pack, dv, paged,

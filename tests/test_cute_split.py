@@ -2,10 +2,11 @@
 num_splits CTAs, each writing its part's O (divided by its own row sums) and lse in fp32; the host merges them
 (interface._combine_splits) and adds the sink. On the CPU: the merge against the reference (parts computed in fp32,
 empty parts and rows, the sink), the rules and config, whole calls with the kernel replaced by a torch model of
-its contract, and the PTX (fp32 O stores; ptxas clean). On a Hopper GPU (tests marked gpu): against the reference.
+its contract, and the PTX (fp32 O stores; ptxas clean). Varlen calls (flash_attn_varlen_func, with cu_seqlens_k or a
+page table, and seqused_q) the same way, per sequence. On a Hopper GPU (tests marked gpu): against the reference.
 
-The split kernel was written without a GPU (session 15): until its GPU tests here have passed, num_splits > 1 runs
-it only with FLASH_ATTN_CUTE_SPLIT=1 (else the call runs unsplit: the same result)."""
+The split kernel was written without a GPU (sessions 15 and 16): until its GPU tests here have passed, num_splits > 1
+runs it only with FLASH_ATTN_CUTE_SPLIT=1 (else the call runs unsplit: the same result)."""
 import collections
 import glob
 import math
@@ -25,7 +26,9 @@ if _PKG not in sys.path:
 
 from flash_attn.cute import interface  # noqa: E402
 from flash_attn.testing import (assert_close_to_ref, assert_lse_close, assert_ptxas_clean,  # noqa: E402
-                                attention_lse_ref, attention_ref)
+                                attention_lse_ref, attention_ref, paged_from_dense)
+
+I32 = torch.int32
 
 _KNOBS = [v for v in os.environ if v.startswith("FLASH_ATTN_CUTE_")]
 
@@ -112,9 +115,15 @@ def test_split_config():
             assert "split" not in cfg(d, causal, **kw)
             kernel = interface._make_kernel(split)
             assert kernel.split and not kernel.persistent
-    for kw in (dict(varlen=True), dict(sink=True)):
-        with pytest.raises(NotImplementedError, match="split-KV"):
-            cfg(128, True, split=True, **kw)
+    for kw in (dict(), dict(local=True), dict(paged=16), dict(pack=4)):
+        split = cfg(128, True, varlen=True, split=True, **kw)
+        assert split["split"] and split["varlen"]
+        assert "split" not in cfg(128, True, varlen=True, **kw)
+        kernel = interface._make_kernel(split)
+        assert kernel.split and kernel.varlen and not kernel.persistent and not kernel.tma_o
+    for kw in (dict(), dict(varlen=True)):
+        with pytest.raises(NotImplementedError, match="split-KV: the sink"):
+            cfg(128, True, split=True, sink=True, **kw)
     names = {interface._entry(torch.bfloat16, 128, True, "sm_90a", split=s)[2] for s in (False, True)}
     assert len(names) == 2 and any("-split-" in n for n in names)
 
@@ -173,10 +182,129 @@ def test_split_calls(monkeypatch, causal, window, softcap, sink, num_splits):
     torch.testing.assert_close(lse, attention_lse_ref(q, k, **ref_kw), rtol=1e-5, atol=1e-5)
 
 
-def test_split_kernel_stores_fp32_parts(tmp_path):
+def _varlen_split_kernel_model(config):
+    """The varlen split kernel's contract (call_varlen_split) in torch: sequence b is rows cu_q[b]:cu_q[b + 1] of q
+    against its first used_k[b] keys (from cu_k[b], or its pages when the page table comes in cu_k's place); part s
+    takes its key blocks [s * per, (s + 1) * per), per = ceil(ceil(used_k[b] / block_n) / num_splits), and writes
+    entry s of out / lse. Rows after the last sequence are left as they were (NaN here: the kernel never writes
+    them)."""
+    block_n = config.get("block_n", 128)
+    causal, local = config["causal"], config["local"]
+
+    def run(q, k, v, out, lse, cu_q, keys, used_k, max_seqlen_q, scale, softcap, wl, wr, num_splits):
+        out.fill_(math.nan)
+        lse.fill_(math.nan)
+        window = ((-1 if wl >= interface._UNBOUNDED else wl), (-1 if wr >= interface._UNBOUNDED else wr)) if local \
+            else (-1, -1)
+        for b in range(cu_q.shape[0] - 1):
+            q0, q1, n = int(cu_q[b]), int(cu_q[b + 1]), int(used_k[b])
+            if keys.dim() == 2:  # the page table
+                pages = keys[b, :-(-n // k.shape[1])].long()
+                ks, vs = k[pages].flatten(0, 1)[:n], v[pages].flatten(0, 1)[:n]
+            else:
+                ks, vs = k[int(keys[b]):int(keys[b]) + n], v[int(keys[b]):int(keys[b]) + n]
+            per = -(-(-(-n // block_n)) // num_splits)
+            bounds = [(min(s * per * block_n, n), min((s + 1) * per * block_n, n)) for s in range(num_splits)]
+            o, l_ = _parts(q[None, q0:q1], ks[None], vs[None], causal, bounds, scale, window, softcap)
+            out[:, q0:q1] = o[:, 0].to(out.dtype)
+            lse[:, :, q0:q1] = l_[:, 0]
+    return run
+
+
+@pytest.mark.parametrize("causal,window,softcap,sink", [(False, (-1, -1), 0.0, False), (True, (-1, -1), 0.0, True),
+                                                        (False, (20, 4), 5.0, False)])
+@pytest.mark.parametrize("num_splits", [2, 5])
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("with_used_q", [False, True])
+def test_varlen_split_calls_per_sequence(monkeypatch, causal, window, softcap, sink, num_splits, paged, with_used_q):
+    """flash_attn_varlen_func(num_splits=n) runs the varlen split kernel (its model here: one part of each
+    sequence's keys per entry) and merges the parts into the reference's out and lse per sequence (empty sequences,
+    sequences without keys, unused query rows, rows after the last sequence); unsplit without the variable."""
+    monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")
+    local = window != (-1, -1)
+    page_size = 16 if paged else 0
+    if paged:
+        monkeypatch.setenv("FLASH_ATTN_CUTE_PAGED", "1")
+    flags = (torch.float16, 64, causal and not local, "sm_90a", local, softcap > 0, True)
+    key = flags + (("paged", page_size) if paged else ()) + ("split",)
+    config = interface._fwd_config(torch.float16, 64, causal and not local, "sm_90a", local=local,
+                                   softcap=softcap > 0, varlen=True, paged=page_size, split=True)
+    usual = []
+    plain = flags + (("sink",) if sink else ()) + (("paged", page_size) if paged else ())
+    monkeypatch.setattr(interface, "_kernels", {key: _varlen_split_kernel_model(config),
+                                                plain: lambda *a: usual.append(1)})
+    torch.manual_seed(0)
+    lens_q, lens_k = [5, 0, 9, 3, 4, 1], [300, 3, 9, 0, 160, 129]
+    used_q = [2, 0, 9, 3, 0, 1] if with_used_q else lens_q
+    H, Hk, D = 4, 2, 64
+    cu_q = torch.tensor([0] + lens_q).cumsum(0).to(I32)
+    q = torch.randn(int(cu_q[-1]) + 2, H, D, dtype=torch.float16)  # two rows after the last sequence
+    kd = torch.randn(len(lens_k), max(lens_k), Hk, D, dtype=torch.float16)
+    vd = torch.randn(len(lens_k), max(lens_k), Hk, D, dtype=torch.float16)
+    if paged:
+        num_pages = len(lens_k) * -(-max(lens_k) // page_size) + 3
+        k, table = paged_from_dense(kd, page_size, num_blocks=num_pages, generator=torch.Generator().manual_seed(1))
+        v, _ = paged_from_dense(vd, page_size, block_table=table, num_blocks=num_pages)
+        keys = dict(cu_seqlens_k=None, page_table=table, seqused_k=torch.tensor(lens_k, dtype=I32))
+    else:
+        k = torch.cat([kd[b, :n] for b, n in enumerate(lens_k)])
+        v = torch.cat([vd[b, :n] for b, n in enumerate(lens_k)])
+        keys = dict(cu_seqlens_k=torch.tensor([0] + lens_k).cumsum(0).to(I32))
+    sink_t = torch.randn(H) if sink else None
+    kw = dict(causal=causal, window_size=window, softcap=softcap, learnable_sink=sink_t, return_lse=True,
+              seqused_q=torch.tensor(used_q, dtype=I32) if with_used_q else None, **keys)
+    interface.flash_attn_varlen_func(q, k, v, cu_q, num_splits=num_splits, **kw)
+    assert usual == [1]
+    monkeypatch.setenv("FLASH_ATTN_CUTE_SPLIT", "1")
+    out, lse = interface.flash_attn_varlen_func(q, k, v, cu_q, num_splits=num_splits, **kw)
+    assert usual == [1] and out.dtype == torch.float16 and out.shape == q.shape and lse.shape == (H, q.shape[0])
+    ref_kw = dict(causal=causal, window_size=(window[0], 0 if causal else window[1]), softcap=softcap,
+                  learnable_sink=sink_t)
+    for b in range(len(lens_q)):
+        q0, uq, uk = int(cu_q[b]), used_q[b], lens_k[b]
+        if uq and uk:
+            qs, ks, vs = q[None, q0:q0 + uq], kd[b:b + 1, :uk], vd[b:b + 1, :uk]
+            o_ref, _ = attention_ref(qs, ks, vs, **ref_kw)
+            o_pt, _ = attention_ref(qs, ks, vs, upcast=False, reorder_ops=True, **ref_kw)
+            assert_close_to_ref(out[None, q0:q0 + uq], o_ref, o_pt, name=f"sequence {b}")
+            torch.testing.assert_close(lse[:, q0:q0 + uq], attention_lse_ref(qs, ks, **ref_kw)[0], rtol=1e-5,
+                                       atol=1e-5)
+        empty = slice(q0 + (uq if uk else 0), q0 + lens_q[b])  # rows that see no key: out 0, lse +inf or the sink
+        assert torch.all(out[empty] == 0), b
+        want = math.inf if sink_t is None else sink_t.view(H, 1).expand(H, empty.stop - empty.start)
+        torch.testing.assert_close(lse[:, empty], torch.as_tensor(want).expand(H, empty.stop - empty.start))
+    tail = int(cu_q[-1])
+    assert torch.all(out[tail:] == 0) and torch.all(torch.isposinf(lse[:, tail:]))
+
+
+def test_forward_varlen_split_fills_unused_rows(monkeypatch):
+    """forward_varlen (the dispatcher's entry) with splits and fill_unused_rows: rows after the last sequence get out 0
+    and lse +inf (the parts leave them unwritten), with no host sync."""
+    monkeypatch.setenv("FLASH_ATTN_CUTE_SPLIT", "1")
+    config = interface._fwd_config(torch.float16, 64, False, "sm_90a", varlen=True, split=True)
+    key = (torch.float16, 64, False, "sm_90a", False, False, True, "split")
+    monkeypatch.setattr(interface, "_kernels", {key: _varlen_split_kernel_model(config)})
+    torch.manual_seed(0)
+    q = torch.randn(10, 2, 64, dtype=torch.float16)
+    k = torch.randn(200, 2, 64, dtype=torch.float16)
+    v = torch.randn(200, 2, 64, dtype=torch.float16)
+    cu_q, cu_k = torch.tensor([0, 3, 7], dtype=I32), torch.tensor([0, 150, 200], dtype=I32)
+    out, lse = interface.forward_varlen(q, k, v, cu_q, cu_k, None, 4, 0.125, False, fill_unused_rows=True, splits=3)
+    assert torch.all(out[7:] == 0) and torch.all(torch.isposinf(lse[:, 7:]))
+    for b in range(2):
+        qs = q[None, int(cu_q[b]):int(cu_q[b + 1])]
+        ks, vs = k[None, int(cu_k[b]):int(cu_k[b + 1])], v[None, int(cu_k[b]):int(cu_k[b + 1])]
+        o_ref, _ = attention_ref(qs, ks, vs, softmax_scale=0.125)
+        o_pt, _ = attention_ref(qs, ks, vs, softmax_scale=0.125, upcast=False, reorder_ops=True)
+        assert_close_to_ref(out[None, int(cu_q[b]):int(cu_q[b + 1])], o_ref, o_pt)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(varlen=True), dict(varlen=True, paged=16)],
+                         ids=["dense", "varlen", "paged"])
+def test_split_kernel_stores_fp32_parts(tmp_path, kw):
     """The split kernel stores O in fp32 (pairs: st.global.v2.b32, Dv / 8 per row, two rows per thread) and the lse;
     ptxas clean. The usual kernel stores bf16 pairs (st.global.b32)."""
-    interface.compile_fwd(torch.bfloat16, 128, True, dump_dir=str(tmp_path), split=True)
+    interface.compile_fwd(torch.bfloat16, 128, True, dump_dir=str(tmp_path), split=True, **kw)
     (ptx,) = glob.glob(str(tmp_path / "*.ptx"))
     stores = collections.Counter(re.findall(r"st\.global[\.\w]*", open(ptx).read()))
     assert stores == {"st.global.v2.b32": 2 * 128 // 8, "st.global.b32": 2}
@@ -200,9 +328,10 @@ _GPU_SHAPES = [(2, 1, 8192, 16, 2), (1, 300, 1000, 8, 8), (3, 77, 77, 4, 1)]  # 
 
 def gpu_kernel_requests():
     """The forward calls' kernel choices of this file's GPU test, for benchmarks/precompile_gpu_tests.py."""
-    return [dict(dtype=torch.bfloat16, d=d, dv=dv, causal=c, window=w, softcap=cap, sink=sink, split=True,
-                 pack=(h // hk) if pack and h // hk in interface._PACK_GROUPS else 1, seqlen_k=sk)
+    return ([dict(dtype=torch.bfloat16, d=d, dv=dv, causal=c, window=w, softcap=cap, sink=sink, split=True,
+                  pack=(h // hk) if pack and h // hk in interface._PACK_GROUPS else 1, seqlen_k=sk)
             for d, dv, c, w, cap, sink, pack in _GPU_OPTIONS for _, _, sk, h, hk in _GPU_SHAPES]
+            + _gpu_varlen_requests())
 
 
 @pytest.mark.gpu
@@ -232,3 +361,63 @@ def test_split_matches_reference_on_gpu(monkeypatch, d, dv, causal, window, soft
     assert_close_to_ref(out, out_ref, out_pt)
     lse_ref = attention_lse_ref(q, k, **ref_kw)
     assert_lse_close(lse, lse_ref)
+
+
+# Varlen (d, dv, causal, window, sink, pack, page size or 0 for cu_seqlens_k), num_splits in (3, 16): every head dim
+# once, the sink, pack_gqa, a window, pages of 16 / 64 / 256 rows. gpu_kernel_requests() reads them too.
+_GPU_VARLEN = [(64, 64, False, (-1, -1), False, False, 0), (128, 128, True, (-1, -1), True, True, 0),
+               (128, 128, True, (-1, -1), False, False, 16), (128, 128, False, (64, 0), False, True, 256),
+               (256, 256, True, (-1, -1), False, False, 0), (192, 128, False, (-1, -1), False, False, 64)]
+
+
+def _gpu_varlen_requests():
+    return [dict(dtype=torch.bfloat16, d=d, dv=dv, causal=c, window=w, sink=sink, split=True, varlen=True,
+                 pack=4 if pack else 1, paged=page) for d, dv, c, w, sink, pack, page in _GPU_VARLEN]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("d,dv,causal,window,sink,pack,page_size", _GPU_VARLEN)
+@pytest.mark.parametrize("num_splits", [3, 16])
+def test_varlen_split_matches_reference_per_sequence_on_gpu(monkeypatch, d, dv, causal, window, sink, pack, page_size,
+                                                            num_splits):
+    from flash_attn.cute import flash_attn_varlen_func
+
+    for var in ("FLASH_ATTN_CUTE_SPLIT", "FLASH_ATTN_CUTE_PACK_GQA", "FLASH_ATTN_CUTE_HDIM_V", "FLASH_ATTN_CUTE_PAGED"):
+        monkeypatch.setenv(var, "1")
+    torch.manual_seed(0)
+    heads, heads_kv = 8, 2
+    lens_q, lens_k = [1, 0, 77, 1, 300, 5], [500, 9, 77, 0, 300, 8000]
+    used_q = [1, 0, 70, 1, 300, 2]  # seqused_q: some rows of a sequence unused
+    cu_q = torch.tensor([0] + lens_q, device="cuda").cumsum(0).to(I32)
+    q = torch.randn(int(cu_q[-1]) + 3, heads, d, device="cuda", dtype=torch.bfloat16)
+    kd = torch.randn(len(lens_k), max(lens_k), heads_kv, d, device="cuda", dtype=torch.bfloat16)
+    vd = torch.randn(len(lens_k), max(lens_k), heads_kv, dv, device="cuda", dtype=torch.bfloat16)
+    if page_size:
+        num_pages = len(lens_k) * -(-max(lens_k) // page_size) + 3
+        k, table = paged_from_dense(kd, page_size, num_blocks=num_pages, generator=torch.Generator().manual_seed(1))
+        v, _ = paged_from_dense(vd, page_size, block_table=table, num_blocks=num_pages)
+        keys = dict(page_table=table, seqused_k=torch.tensor(lens_k, dtype=I32, device="cuda"))
+    else:
+        k = torch.cat([kd[b, :n] for b, n in enumerate(lens_k)])
+        v = torch.cat([vd[b, :n] for b, n in enumerate(lens_k)])
+        keys = dict(cu_seqlens_k=torch.tensor([0] + lens_k, device="cuda").cumsum(0).to(I32))
+    sink_t = torch.randn(heads, device="cuda") if sink else None
+    out, lse = flash_attn_varlen_func(q, k, v, cu_q, causal=causal, window_size=window, learnable_sink=sink_t,
+                                      seqused_q=torch.tensor(used_q, dtype=I32, device="cuda"), num_splits=num_splits,
+                                      pack_gqa=pack, return_lse=True, **keys)
+    torch.cuda.synchronize()
+    assert any(key[-1] == "split" and True in key for key in interface._kernels)
+    ref_kw = dict(causal=causal, window_size=(window[0], 0 if causal else window[1]), learnable_sink=sink_t)
+    for b in range(len(lens_q)):
+        q0, uq, uk = int(cu_q[b]), used_q[b], lens_k[b]
+        if uq and uk:
+            qs, ks, vs = q[None, q0:q0 + uq], kd[b:b + 1, :uk], vd[b:b + 1, :uk]
+            o_ref, _ = attention_ref(qs, ks, vs, **ref_kw)
+            o_pt, _ = attention_ref(qs, ks, vs, upcast=False, reorder_ops=True, **ref_kw)
+            assert_close_to_ref(out[None, q0:q0 + uq], o_ref, o_pt, name=f"sequence {b}")
+            assert_lse_close(lse[:, q0:q0 + uq], attention_lse_ref(qs, ks, **ref_kw)[0], name=f"lse of sequence {b}")
+        empty = slice(q0 + (uq if uk else 0), q0 + lens_q[b])
+        assert torch.all(out[empty] == 0), b
+    tail = int(cu_q[-1])
+    assert torch.all(out[tail:] == 0) and torch.all(torch.isposinf(lse[:, tail:]))

@@ -33,7 +33,9 @@ def test_requests_cover_the_new_kernels():
     dict(dtype=torch.bfloat16, d=128, causal=True, window=(100, -1), pack=4, varlen=True, paged=16),
     dict(dtype=torch.bfloat16, d=64, causal=False, window=(40, 8), sink=True, varlen=True),
     dict(dtype=torch.bfloat16, d=128, causal=True, sink=True, split=True, pack=4, seqlen_k=2000),
-    dict(dtype=torch.bfloat16, d=192, dv=128, causal=False, window=(64, 0), softcap=20.0, split=True, seqlen_k=77)])
+    dict(dtype=torch.bfloat16, d=192, dv=128, causal=False, window=(64, 0), softcap=20.0, split=True, seqlen_k=77),
+    dict(dtype=torch.bfloat16, d=128, causal=True, sink=True, split=True, pack=4, varlen=True),
+    dict(dtype=torch.bfloat16, d=192, dv=128, causal=False, window=(64, 0), split=True, varlen=True, paged=64)])
 def test_kernel_args_are_what_the_calls_ask_for(monkeypatch, req):
     asked = []
 
@@ -47,7 +49,7 @@ def test_kernel_args_are_what_the_calls_ask_for(monkeypatch, req):
     sink = torch.zeros(H) if req.get("sink") else None
     window = req.get("window", (-1, -1))
     common = dict(window_left=window[0], window_right=window[1], softcap=req.get("softcap", 0.0), sink=sink,
-                  pack=req.get("pack", 1))
+                  pack=req.get("pack", 1), splits=3 if req.get("split") else 1)
     if req.get("varlen"):
         q = torch.zeros(5, H, d, dtype=dtype)
         cu = torch.tensor([0, 5], dtype=torch.int32)
@@ -62,7 +64,7 @@ def test_kernel_args_are_what_the_calls_ask_for(monkeypatch, req):
         q = torch.zeros(1, 3, H, d, dtype=dtype)
         k = torch.zeros(1, req["seqlen_k"], Hk, d, dtype=dtype)
         v = torch.zeros(1, req["seqlen_k"], Hk, dv, dtype=dtype)
-        interface.forward(q, k, v, 0.1, req["causal"], splits=3 if req.get("split") else 1, **common)
+        interface.forward(q, k, v, 0.1, req["causal"], **common)
     (args, kw), = asked
     if kw.get("dv") == d:  # forward passes v's head dim always; fwd_kernel drops it when it is q's
         kw["dv"] = None

@@ -46,7 +46,8 @@ def test_cases_cover_every_kernel_kind(monkeypatch):
         "v's head dim != q's": lambda c: c.get("head_dim_v"),
         "paged, boxes of a page": lambda c: c.get("paged") and c["paged"] < c.get("block_n", 128),
         "paged, one box of a page": lambda c: c.get("paged") and c["paged"] == c.get("block_n", 128),
-        "split-KV": lambda c: c.get("split"),
+        "split-KV": lambda c: c.get("split") and not c.get("varlen"),
+        "split-KV varlen, paged": lambda c: c.get("split") and c.get("varlen") and c.get("paged"),
     }
     for kind, test in kinds.items():
         assert any(test(c) for c in configs.values()), kind

@@ -204,10 +204,11 @@ class FlashFwdSm90:
         the page table names, in order (call_varlen takes the page table where cu_seqlens_k goes, and seqused_k
         gives the key counts); each key block arrives as block_n / paged TMA boxes of ``paged`` rows (paged =
         min(page_size, block_n): whole pages, or block_n rows of one page), each from its own page. split
-        (call_split; dense, one-tile kernel, direct O store, no sink): split-KV, the key blocks of each tile divided
-        among num_splits CTAs (a runtime argument; grid z = batch x num_splits), each writing its part's O (divided
-        by its own row sums) and lse in fp32 to entry split * B + b of mO / mLSE, for the host to combine
-        (interface._combine_splits, which adds a sink)."""
+        (call_split, call_varlen_split; one-tile kernel, direct O store, no sink): split-KV, the key blocks of each
+        tile divided among num_splits CTAs (a runtime argument; grid z = batch (or sequences) x num_splits), each
+        writing its part's O (divided by its own row sums) and lse in fp32 to entry split * B + b of mO / mLSE
+        (varlen: entry split, see call_varlen_split), for the host to combine (interface._combine_splits, which
+        adds a sink)."""
         if not 0 <= exp2_emu <= 16 or exp2_emu_degree not in EXP2_POLY:
             raise ValueError(f"exp2_emu {exp2_emu} not in 0..16 or degree {exp2_emu_degree} not in "
                              f"{tuple(EXP2_POLY)}")
@@ -219,8 +220,8 @@ class FlashFwdSm90:
         if head_dim_v != head_dim and (persistent or tma_o):
             raise ValueError("head_dim_v != head_dim: the one-tile kernel with the direct O store only")
         self.split = bool(split)
-        if self.split and (persistent or tma_o or varlen or sink):
-            raise ValueError("split: dense calls on the one-tile kernel with the direct O store, without a sink")
+        if self.split and (persistent or tma_o or sink):
+            raise ValueError("split: the one-tile kernel with the direct O store, without a sink")
         self.paged = int(paged)
         if self.paged and (not varlen or self.paged % 8 or block_n % self.paged):
             raise ValueError(f"paged {paged}: varlen only, with boxes of a multiple of 8 rows that divide block_n "
@@ -398,13 +399,29 @@ class FlashFwdSm90:
                      softcap, window_left, window_right, stream, mSink)
 
     @cute.jit
+    def call_varlen_split(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+                          mLSE: cute.Tensor, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor,
+                          mSeqUsedK: cute.Tensor, max_seqlen_q: Int32, softmax_scale: Float32, softcap: Float32,
+                          window_left: Int32, window_right: Int32, num_splits: Int32, stream):
+        """call_varlen for a kernel built with varlen=True and split=True: mO (num_splits, total_q, H, Dv) and mLSE
+        (num_splits, H, total_q) fp32, split s's part of every sequence's rows in entry s; num_splits >= 1."""
+        self._varlen(mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_q, softmax_scale,
+                     softcap, window_left, window_right, stream, None, num_splits=num_splits)
+
+    @cute.jit
     def _varlen(self, mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_q, softmax_scale,
-                softcap, window_left, window_right, stream, mSink):
+                softcap, window_left, window_right, stream, mSink, num_splits=None):
         # (T, H, D) -> (T, D, H, 1): the dense kernel's view with one batch entry; sequences are
         # row offsets into it.
         unit = cute.make_layout(1)
         mQ = cute.make_tensor(mQ.iterator, cute.append(cute.select(mQ.layout, mode=[0, 2, 1]), unit))
-        mO = cute.make_tensor(mO.iterator, cute.append(cute.select(mO.layout, mode=[0, 2, 1]), unit))
+        if cutlass.const_expr(num_splits is not None):
+            # split: (S, T, H, Dv) -> (T, Dv, H, S) and the lse (S, H, T) -> (T, H, S): the parts are the batch entries
+            mO = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[1, 3, 2, 0]))
+            mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
+        else:
+            mO = cute.make_tensor(mO.iterator, cute.append(cute.select(mO.layout, mode=[0, 2, 1]), unit))
+            mLSE = cute.make_tensor(mLSE.iterator, cute.append(cute.select(mLSE.layout, mode=[1, 0]), unit))
         if cutlass.const_expr(self.paged):
             # paged: K / V (num_pages, page_size, Hk, D) -> (page_size, D, Hk, num_pages), V^T (D, page_size, Hk,
             # num_pages): the dense views with pages for batch entries; mCuSeqlensK is the page table
@@ -413,11 +430,12 @@ class FlashFwdSm90:
         else:
             mK = cute.make_tensor(mK.iterator, cute.append(cute.select(mK.layout, mode=[0, 2, 1]), unit))
             mVt = cute.make_tensor(mV.iterator, cute.append(cute.select(mV.layout, mode=[2, 0, 1]), unit))
-        mLSE = cute.make_tensor(mLSE.iterator, cute.append(cute.select(mLSE.layout, mode=[1, 0]), unit))
         heads = cute.size(mK, mode=[2]) if cutlass.const_expr(self.pack_gqa > 1) else cute.size(mQ, mode=[2])
         grid = (cute.ceil_div(max_seqlen_q, self.block_q), heads, cute.size(mCuSeqlensQ, mode=[0]) - 1)
+        if cutlass.const_expr(num_splits is not None):
+            grid = (grid[0], grid[1], grid[2] * num_splits)  # z: split * sequences + sequence
         self._launch(mQ, mK, mVt, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, softmax_scale, softcap,
-                     window_left, window_right, grid, stream, mSink)
+                     window_left, window_right, grid, stream, mSink, num_splits=num_splits)
 
     @cute.jit
     def _launch(self, mQ, mK, mVt, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, softmax_scale, softcap,
@@ -514,21 +532,28 @@ class FlashFwdSm90:
             # CTAs in x order, so the cheap tiles fill the tail of the grid.
             m_block = cute.arch.grid_dim()[0] - 1 - m_block
         if cutlass.const_expr(self.varlen):
-            # Sequence `batch` is rows [start, start + length) of the packed tensors (batch index 0).
-            q_start = mCuSeqlensQ[batch]
-            seqlen_q = mCuSeqlensQ[batch + 1] - q_start
+            # Sequence `seq` is rows [start, start + length) of the packed tensors (batch index 0).
+            seq = batch
+            split = None
+            if cutlass.const_expr(self.split):
+                # z = split * sequences + sequence: the part's O / lse rows go to batch index `split` of the views
+                seqs = cute.size(mCuSeqlensQ, mode=[0]) - 1
+                seq = batch % seqs
+                split = (batch // seqs, num_splits, batch // seqs)
+            q_start = mCuSeqlensQ[seq]
+            seqlen_q = mCuSeqlensQ[seq + 1] - q_start
             if cutlass.const_expr(self.paged):
                 k_start = Int32(0)  # the sequence's keys are its pages (mCuSeqlensK: the page table)
                 page_table = mCuSeqlensK
             else:
-                k_start = mCuSeqlensK[batch]
+                k_start = mCuSeqlensK[seq]
                 page_table = None
-            seqlen_k = mSeqUsedK[batch]
+            seqlen_k = mSeqUsedK[seq]
             if m_block * self.block_q < seqlen_q:  # the grid covers the longest sequence
                 self._cta(tma_q, mQ, tma_k, mK, tma_v, mVt, mO, mLSE, mSink, scale_log2, score_scale, softcap,
                           window_left, window_right, sQ_layout, sK_layout, sVt_layout, tiled_mma_qk,
                           tiled_mma_pv, m_block, head, Int32(0), q_start, k_start, seqlen_q, seqlen_k, tma_o,
-                          page_table, batch)
+                          page_table, seq, split)
         elif cutlass.const_expr(self.split):
             # z = split * B + b: batch entry b's inputs, split `split`'s key blocks, outputs at z
             batches = cute.size(mQ, mode=[3])
@@ -1065,9 +1090,10 @@ class FlashFwdSm90:
                   window_right, m_block, seqlen_q, seqlen_k, n_block_min, n_block_max, n_block_mask_below,
                   n_block_mask_from, wg, turn_bar, turn_below, q_pipe=None, q_state=None):
         """One tile's key blocks [n_block_min, n_block_max) into acc_O / row_max / row_sum (see
-        _consume), in key_block's order (ascending, or descending when built with reverse). Returns the K and V consumer states advanced past them. q_pipe / q_state (persistent
-        kernel): Q is released after the tile's last S = Q K^T, and the turn to issue GEMMs is not handed
-        to warpgroup 0 here (the caller did once, before its first tile)."""
+        _consume), in key_block's order (ascending, or descending when built with reverse). Returns the K and V
+        consumer states advanced past them. q_pipe / q_state (persistent kernel): Q is released after the tile's
+        last S = Q K^T, and the turn to issue GEMMs is not handed to warpgroup 0 here (the caller did once, before
+        its first tile)."""
         pingpong = cutlass.const_expr(self.num_mma_warpgroups >= 2 and self.wg_order)
         n_threads_pp = 2 * 128
         last_wg = self.num_mma_warpgroups - 1

@@ -254,12 +254,12 @@ def _fwd_config(dtype, head_dim, causal, arch, local=False, softcap=False, varle
     query heads per KV head, one of _PACK_GROUPS) for the packed one-tile kernel, 1 for none. ``dv``: v's head dim
     when it differs from head_dim (_HEAD_DIM_PAIRS; one-tile kernel, direct O store), else None. ``paged``: the
     page size of a paged K / V cache (varlen only; see _paged_block_n), 0 for none. ``split``: the split-KV kernel
-    (dense, no sink: the host combines the parts and adds a sink; see _forward_split)."""
+    (dense or varlen, no sink: the host combines the parts and adds a sink; see _forward_split, forward_varlen)."""
     pack = int(pack)
     dv = None if dv is None or int(dv) == int(head_dim) else int(dv)
     paged = int(paged)
-    if split and (varlen or sink):
-        raise NotImplementedError("split-KV: dense calls, the sink added by the host (kernel built without one)")
+    if split and sink:
+        raise NotImplementedError("split-KV: the sink is added by the host (the kernel is built without one)")
     if pack > 1 or dv or paged or split:
         short = long = False  # the packed kernel is the one-tile kernel with the direct O store, at any length
     stages = int(_per_head_dim("FLASH_ATTN_CUTE_STAGES", head_dim) or _DEFAULT_STAGES.get(int(head_dim), 2))
@@ -408,7 +408,8 @@ def compile_fwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=Fal
     it differs from head_dim (_HEAD_DIM_PAIRS). ``paged`` (varlen): the page size of a paged K / V cache; the call
     then takes k / v (num_pages, page_size, Hk, D) and, in cu_seqlens_k's place, the int32 page table (B,
     max_pages). ``split``: the split-KV kernel, whose call takes out (num_splits * B, Sq, H, Dv) and lse (num_splits *
-    B, H, Sq) in fp32 and one more argument after window_right: num_splits."""
+    B, H, Sq) in fp32 (varlen: (num_splits, total_q, H, Dv) and (num_splits, H, total_q)) and one more argument after
+    window_right: num_splits."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_tensor
@@ -443,6 +444,12 @@ def compile_fwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=Fal
                                     assumed_align=4)
         used_k = make_fake_tensor(cutlass.Int32, (cute.sym_int(),), (1,), assumed_align=4)
         seq_args = (cu_q, cu_k, used_k, cutlass.Int32(0))
+        if split:  # the parts: fp32 (num_splits, total_q, H, Dv) and (num_splits, H, total_q)
+            parts = cute.sym_int()
+            o = make_fake_tensor(cutlass.Float32, (parts, seqlen_q, heads, Dv),
+                                 (cute.sym_int(divisibility=4), cute.sym_int(divisibility=4), Dv, 1), assumed_align=16)
+            lse = make_fake_tensor(cutlass.Float32, (parts, heads, seqlen_q), (cute.sym_int(), cute.sym_int(), 1),
+                                   assumed_align=4)
     else:
         q, o = qkv(seqlen_q, heads), qkv(seqlen_q, heads, Dv)
         k, v = qkv(seqlen_k, heads_kv), qkv(seqlen_k, heads_kv, Dv)
@@ -462,7 +469,7 @@ def compile_fwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=Fal
     stream = cutlass.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi)
     # (H,) with q's symbolic head count: the TVM-FFI wrapper checks that the sink has one entry per head.
     sink_arg = (make_fake_tensor(cutlass.Float32, (heads,), (1,), assumed_align=4),) if sink else ()
-    entry = ((kernel.call_varlen_sink if sink else kernel.call_varlen) if varlen
+    entry = ((kernel.call_varlen_sink if sink else kernel.call_varlen_split if split else kernel.call_varlen) if varlen
              else (kernel.call_sink if sink else kernel.call_persistent if kernel.persistent
                    else kernel.call_split if split else kernel))
     ctas_arg = (cutlass.Int32(1),) if kernel.persistent else ()
@@ -1151,7 +1158,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_se
         raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     _check_dims(D, v.shape[-1], H, Hk)
     window_left, window_right, softcap = _options(window_size, softcap)
-    _split_count(num_splits)  # (checked; the varlen kernel has no split-KV variant: such calls run unsplit)
+    splits = _split_count(num_splits)
     sink = None if learnable_sink is None else _check_sink(learnable_sink, H, q.device)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.stride(-1) != 1:
@@ -1232,7 +1239,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_se
             cu_seqlens_k = keys
     out, lse = forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, int(max_seqlen_q), softmax_scale,
                               bool(causal), arch, window_left, window_right, softcap, sink=sink,
-                              pack=_pack_group(pack_gqa, H, Hk), page_table=page_table)
+                              pack=_pack_group(pack_gqa, H, Hk), page_table=page_table, splits=splits)
     if last_q < Tq:  # rows of q after the last sequence belong to none: out 0, lse +inf
         out[last_q:] = 0
         lse[:, last_q:] = math.inf
@@ -1258,11 +1265,13 @@ def _split_unused_q(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, paged=Fals
 
 def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, softmax_scale, causal,
                    arch="sm_90a", window_left=-1, window_right=-1, softcap=0.0, fill_unused_rows=False, sink=None,
-                   pack=1, page_table=None):
+                   pack=1, page_table=None, splits=1):
     """The varlen kernel launch on validated inputs (shared with the dispatcher's backend module). Rows
     of q after cu_seqlens_q[-1] are left unwritten unless fill_unused_rows (then out 0, lse +inf there:
     one memset each, for callers that cannot afford a sync to find those rows). sink, pack: as forward's.
-    page_table: the paged call (k / v (num_pages, page_size, Hk, D), seqused_k given, cu_seqlens_k unused)."""
+    page_table: the paged call (k / v (num_pages, page_size, Hk, D), seqused_k given, cu_seqlens_k unused).
+    splits > 1: split-KV, each sequence's key blocks divided among that many parts (the split kernel writes each
+    part's O and lse in fp32, _combine_splits merges them and adds the sink)."""
     Tq, H, D = q.shape
     Dv = v.shape[-1]
     if max(q.numel(), k.numel(), v.numel(), Tq * H * Dv) >= _MAX_ELEMS:
@@ -1293,12 +1302,31 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
         capped = softcap > 0.0
         sinked = sink is not None
         page_size = 0 if page_table is None else k.shape[1]
+        keys = cu_seqlens_k if page_table is None else page_table  # the paged kernel takes the page table there
+        if splits > 1 and splits * Tq * H * max(D, Dv) < _MAX_ELEMS:
+            # split s's parts in entry s (rows after the last sequence are never written: their merge is undefined,
+            # as those rows of the unsplit kernel's out, and replaced when fill_unused_rows)
+            o_parts = torch.empty(splits, Tq, H, Dv, dtype=torch.float32, device=q.device)
+            lse_parts = torch.empty(splits, H, Tq, dtype=torch.float32, device=q.device)
+            fn = (_kernels.get((q.dtype, D, causal, arch, local, capped, True) + (("pack", pack) if pack > 1 else ())
+                               + (("dv", Dv) if Dv != D else ()) + (("paged", page_size) if page_size else ())
+                               + ("split",))
+                  or fwd_kernel(q.dtype, D, causal, arch, local=local, softcap=capped, varlen=True, pack=pack, dv=Dv,
+                                paged=page_size, split=True))
+            fn(q, k, v, o_parts, lse_parts, cu_seqlens_q, keys, seqused_k, max_seqlen_q, float(softmax_scale),
+               float(softcap), window_left, window_right, splits)
+            merged, merged_lse = _combine_splits(o_parts.view(splits, 1, Tq, H, Dv),
+                                                 lse_parts.view(splits, 1, H, Tq), sink, q.dtype)
+            out, lse = merged[0], merged_lse[0]
+            if fill_unused_rows:
+                rows = torch.arange(Tq, device=q.device) < cu_seqlens_q[-1]  # no host sync
+                out, lse = torch.where(rows.view(Tq, 1, 1), out, 0.0), torch.where(rows, lse, math.inf)
+            return out, lse
         fn = (_kernels.get((q.dtype, D, causal, arch, local, capped, True) + (("sink",) if sinked else ())
                            + (("pack", pack) if pack > 1 else ()) + (("dv", Dv) if Dv != D else ())
                            + (("paged", page_size) if page_size else ()))
               or fwd_kernel(q.dtype, D, causal, arch, local=local, softcap=capped, varlen=True, sink=sinked,
                             pack=pack, dv=Dv, paged=page_size))
-        keys = cu_seqlens_k if page_table is None else page_table  # the paged kernel takes the page table there
         fn(q, k, v, out, lse, cu_seqlens_q, keys, seqused_k, max_seqlen_q, float(softmax_scale),
            float(softcap), window_left, window_right, *(() if sink is None else (sink,)))
     return out, lse
