@@ -94,7 +94,8 @@ def test_calls_select_the_kernel_and_shape_out(monkeypatch):
 
     base = (torch.bfloat16, 192, True, "sm_90a", False, False)
     table = {base: kernel("same"), base + (("dv", 128)): kernel("dv"), base + (True, "dv", 128): kernel("varlen dv"),
-             base + ("pack", 4, "dv", 128): kernel("pack dv")}
+             base + ("pack", 4, "dv", 128): kernel("pack dv"),
+             base + (True, "pack", 4, "dv", 128): kernel("varlen pack dv")}
     monkeypatch.setattr(interface, "_kernels", table)
     q = torch.randn(2, 5, 8, 192, dtype=torch.bfloat16)
     k = torch.randn(2, 9, 2, 192, dtype=torch.bfloat16)
@@ -109,8 +110,10 @@ def test_calls_select_the_kernel_and_shape_out(monkeypatch):
     assert seen[-1][0] == "pack dv"
     cu = torch.tensor([0, 5], dtype=torch.int32)
     cu_k = torch.tensor([0, 9], dtype=torch.int32)
-    out, _ = interface.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu_k, causal=True)
+    out, _ = interface.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu_k, causal=True, pack_gqa=False)
     assert out.shape == (5, 8, 128) and seen[-1][0] == "varlen dv"
+    out, _ = interface.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu_k, causal=True)  # pack_gqa None: packed
+    assert out.shape == (5, 8, 128) and seen[-1][0] == "varlen pack dv"
     with pytest.raises(ValueError, match="shape mismatch"):
         interface.flash_attn_varlen_func(q[0], k[0], v[0, :8], cu, cu_k, causal=True)
 

@@ -62,17 +62,23 @@ def test_packed_rows_cover_every_query_row_once(block_m, group, seqlen_q):
 
 
 def test_pack_group_rules(monkeypatch):
-    """pack_gqa=True packs H // Hk when that is one of _PACK_GROUPS and the packed kernel is switched on; else
-    (or pack_gqa None / False) the call runs unpacked."""
+    """pack_gqa=True packs H // Hk when that is one of _PACK_GROUPS and the packed kernel is switched on; None packs
+    it where _pack_helps (short query sequences, varlen); False, or the kernel off: unpacked."""
     assert interface._PACK_GROUPS == (2, 4, 8, 16)
     assert interface._pack_group(True, 16, 2) == 1  # off until its GPU tests pass
     monkeypatch.setenv("FLASH_ATTN_CUTE_PACK_GQA", "1")
     for h, hk, want in [(16, 2, 8), (8, 4, 2), (32, 8, 4), (16, 1, 16), (4, 4, 1), (12, 4, 1), (32, 1, 1),
                         (40, 8, 1)]:
         assert interface._pack_group(True, h, hk) == want, (h, hk)
-    assert interface._pack_group(None, 16, 2) == interface._pack_group(False, 16, 2) == 1
+    assert interface._pack_group(False, 16, 2) == interface._pack_group(False, 16, 2, 1) == 1
+    # None: packed where the packed tiles hold clearly more real rows (decoding, short or ragged lengths; varlen)
+    for sq, want in [(None, 8), (1, 8), (5, 8), (100, 8), (300, 8), (1024, 1), (4096, 1), (4000, 1), (129, 8)]:
+        assert interface._pack_group(None, 16, 2, sq) == want, sq
+    assert interface._pack_group(None, 12, 4, 1) == interface._pack_group(None, 8, 8, 1) == 1
+    assert interface._pack_helps(8, 1) and interface._pack_helps(2, 1) and not interface._pack_helps(2, 120)
+    assert not interface._pack_helps(16, 0) and not interface._pack_helps(4, 128) and not interface._pack_helps(4, 250)
     monkeypatch.setenv("FLASH_ATTN_CUTE_PACK_GQA", "0")
-    assert interface._pack_group(True, 16, 2) == 1
+    assert interface._pack_group(True, 16, 2) == interface._pack_group(None, 16, 2, 1) == 1
 
 
 def test_pack_config():
@@ -137,8 +143,10 @@ def test_pack_gqa_selects_the_packed_kernel_per_call(monkeypatch):
     cases = [  # (Sq, Sk, H, Hk, d, causal, kwargs, expected key tail)
         (1, 500, 16, 2, 128, False, dict(pack_gqa=True), ("pack", 8)),
         (3, 9000, 16, 2, 64, True, dict(pack_gqa=True), ("pack", 8)),  # not the long-key kernel
-        (3, 9000, 16, 2, 64, True, dict(), ("long",)),
-        (1, 500, 16, 2, 128, False, dict(), ("short",)),
+        (3, 9000, 16, 2, 64, True, dict(), ("pack", 8)),  # pack_gqa None: packed for 3 queries
+        (1024, 9000, 16, 2, 64, True, dict(), ("long",)),  # and not for 1024
+        (1, 500, 16, 2, 128, False, dict(), ("pack", 8)),
+        (1, 500, 16, 16, 128, False, dict(), ("short",)),  # no GQA: nothing to pack
         (1, 500, 4, 2, 128, False, dict(pack_gqa=True), ("pack", 2)),
         (1, 500, 12, 4, 128, False, dict(pack_gqa=True), ("short",)),  # 3 per KV head: unpacked
         (1, 500, 16, 2, 128, False, dict(pack_gqa=False), ("short",)),
@@ -148,12 +156,15 @@ def test_pack_gqa_selects_the_packed_kernel_per_call(monkeypatch):
         interface.flash_attn_func(mk(sq, h, d), mk(sk, hk, d), mk(sk, hk, d), causal=causal, **kw)
         assert calls[-1] == want, (sq, sk, h, hk, d, kw, calls[-1])
     cu = torch.tensor([0, 5], dtype=torch.int32)
-    for kw, want in [(dict(pack_gqa=True), (True, "pack", 8)), (dict(), (True,))]:
+    for kw, want in [(dict(pack_gqa=True), (True, "pack", 8)), (dict(), (True, "pack", 8)),
+                     (dict(pack_gqa=False), (True,))]:
         q, k, v = mk(5, 16, 64)[0], mk(5, 2, 64)[0], mk(5, 2, 64)[0]
         interface.flash_attn_varlen_func(q, k, v, cu, cu, causal=True, **kw)
         assert calls[-1] == want
     monkeypatch.setenv("FLASH_ATTN_CUTE_PACK_GQA", "0")
     interface.flash_attn_func(mk(1, 16, 128), mk(500, 2, 128), mk(500, 2, 128), pack_gqa=True)
+    assert calls[-1] == ("short",)
+    interface.flash_attn_func(mk(1, 16, 128), mk(500, 2, 128), mk(500, 2, 128))
     assert calls[-1] == ("short",)
 
 

@@ -104,6 +104,44 @@ def test_split_count_rules(monkeypatch):
     for bad in (2.0, True, "2"):
         with pytest.raises(ValueError, match="num_splits must be an int"):
             interface._split_count(bad)
+    # num_splits <= 0: chosen for the grid on q's device's SMs (none for a CPU tensor: unsplit)
+    q = torch.zeros(1)
+    assert interface._split_count(0, 32, 8192, q) == 1
+    monkeypatch.setattr(interface, "_device_sms", lambda t: 132)
+    assert [interface._split_count(n, 32, 8192, q) for n in (0, -1, 1, 3)] == [4, 4, 1, 3]
+    assert interface._split_count(0, 0, 8192, q) == interface._split_count(0, 32, 8192) == 1
+    monkeypatch.setenv("FLASH_ATTN_CUTE_SPLIT", "0")
+    assert interface._split_count(0, 32, 8192, q) == 1
+
+
+@pytest.mark.parametrize("tiles,key_blocks,want", [
+    (32, 64, 4),  # decoding, 32 heads, 8k keys: 128 CTAs in one wave
+    (8, 64, 16),  # packed (4 query heads per KV head): 8 tiles
+    (1, 1000, 112), (1, 2, 2), (4, 8, 8),  # at most one part per key block
+    (105, 64, 5),  # just under 0.8 of the SMs: the fewest parts near whole waves
+    (106, 64, 1), (128, 64, 1), (500, 64, 1),  # the grid fills the GPU already
+    (16, 1, 1)])  # one key block: nothing to split
+def test_choose_splits(tiles, key_blocks, want):
+    assert interface._choose_splits(tiles, key_blocks, 132) == want
+
+
+def test_choose_splits_properties():
+    """For every small grid: the parts never exceed the key blocks or _MAX_SPLITS, each part count is the fewest with
+    its blocks per part, and the waves of the split grid reach _SPLIT_EFFICIENCY of the best such part count's (a
+    count with as many blocks per part as one fewer takes as long per CTA: not a candidate)."""
+    for sms in (78, 132):
+        for tiles in range(1, int(0.8 * sms) + 1, 7):
+            for key_blocks in (2, 3, 16, 64, 129, 1000):
+                s = interface._choose_splits(tiles, key_blocks, sms)
+                top = min(key_blocks, interface._MAX_SPLITS)
+                assert 1 <= s <= top
+                per = lambda n: -(-key_blocks // n)  # noqa: E731
+                assert s == 1 or per(s) < per(s - 1)
+                eff = lambda n: (tiles * n / sms) / -(-(tiles * n / sms) // 1)  # noqa: E731
+                best = max(eff(n) for n in range(1, top + 1) if n == 1 or per(n) < per(n - 1))
+                assert eff(s) >= interface._SPLIT_EFFICIENCY * best, (sms, tiles, key_blocks, s)
+                assert all(eff(n) < interface._SPLIT_EFFICIENCY * best for n in range(1, s)
+                           if n == 1 or per(n) < per(n - 1))  # the fewest
 
 
 def test_split_config():
@@ -297,6 +335,55 @@ def test_forward_varlen_split_fills_unused_rows(monkeypatch):
         o_ref, _ = attention_ref(qs, ks, vs, softmax_scale=0.125)
         o_pt, _ = attention_ref(qs, ks, vs, softmax_scale=0.125, upcast=False, reorder_ops=True)
         assert_close_to_ref(out[None, int(cu_q[b]):int(cu_q[b + 1])], o_ref, o_pt)
+
+
+def test_num_splits_zero_chooses_per_call(monkeypatch):
+    """num_splits=0 (FA4's "choose"): a small grid (decoding) runs split into _choose_splits's parts for its tiles and
+    key blocks, dense and varlen (the longest sequence's keys, read in the call's one sync), with the reference's
+    result; a grid that fills the GPU runs unsplit."""
+    monkeypatch.setenv("FLASH_ATTN_CUTE_SPLIT", "1")
+    monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")
+    monkeypatch.setattr(interface, "_device_sms", lambda t: 132)
+    parts, usual = [], []
+
+    def spy(model):
+        def run(*a):
+            parts.append(a[-1])
+            model(*a)
+        return run
+
+    dense = interface._fwd_config(torch.float16, 64, False, "sm_90a", split=True)
+    varlen = interface._fwd_config(torch.float16, 64, False, "sm_90a", varlen=True, split=True)
+    flags = (torch.float16, 64, False, "sm_90a", False, False)
+    kernels = {flags + ("split",): spy(_split_kernel_model(dense)),
+               flags + (True, "split"): spy(_varlen_split_kernel_model(varlen))}
+    for tail in [(), ("short",), ("long",)]:
+        kernels[flags + tail] = lambda *a: usual.append(1)
+    monkeypatch.setattr(interface, "_kernels", kernels)
+    torch.manual_seed(0)
+    H, D = 32, 64
+    q = torch.randn(1, 1, H, D, dtype=torch.float16)
+    k = torch.randn(1, 8192, H, D, dtype=torch.float16)
+    v = torch.randn(1, 8192, H, D, dtype=torch.float16)
+    out, _ = interface.flash_attn_func(q, k, v, num_splits=0)
+    assert parts == [interface._choose_splits(H, 64, 132)] == [4] and not usual
+    out_ref, _ = attention_ref(q, k, v)
+    out_pt, _ = attention_ref(q, k, v, upcast=False, reorder_ops=True)
+    assert_close_to_ref(out, out_ref, out_pt)
+    interface.flash_attn_func(torch.randn(1, 1024, H, D, dtype=torch.float16), k, v, num_splits=0)
+    assert len(parts) == 1 and usual == [1]  # 8 x 32 tiles fill the SMs: unsplit
+    lens_k = [3000, 5000]
+    cu_q = torch.tensor([0, 1, 2], dtype=I32)
+    cu_k = torch.tensor([0] + lens_k, dtype=I32).cumsum(0).to(I32)
+    kv = k[0, :8000, :8], v[0, :8000, :8]
+    out, _ = interface.flash_attn_varlen_func(q[0].repeat(2, 1, 1)[:, :8], *kv, cu_q, cu_k, num_splits=0)
+    assert parts[1:] == [interface._choose_splits(2 * 8, 40, 132)] and parts[1] > 1 and usual == [1]
+    for b in range(2):
+        qs = q[:, :, :8]
+        ks, vs = (t[None, int(cu_k[b]):int(cu_k[b + 1])] for t in kv)
+        o_ref, _ = attention_ref(qs, ks, vs)
+        o_pt, _ = attention_ref(qs, ks, vs, upcast=False, reorder_ops=True)
+        assert_close_to_ref(out[None, b:b + 1], o_ref, o_pt)
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(varlen=True), dict(varlen=True, paged=16)],

@@ -527,7 +527,7 @@ def _persistent_launcher(fn):
     """The dense call (q, k, v, out, lse, softmax_scale, softcap, window_left, window_right) of a persistent
     kernel: appends its CTA limit, the SM count of q's device (one CTA per SM: its shared memory is
     most of an SM's)."""
-    def launch(q, k, v, out, lse, *args):
+    def launch(q, k, v, out, lse, *args):  # (_device_sms inlined: the per-call path)
         index = q.get_device()
         count = _sm_counts.get(index)
         if count is None:
@@ -763,28 +763,99 @@ def _check_dims(D, Dv, H, Hk):
         raise ValueError(f"q heads ({H}) must be a multiple of k heads ({Hk})")
 
 
-def _pack_group(pack_gqa, H, Hk):
-    """The pack_gqa group of a call: H // Hk when pack_gqa is true, FLASH_ATTN_CUTE_PACK_GQA=1 and the group is
-    one of _PACK_GROUPS, else 1 (unpacked: pack_gqa only changes how the work is tiled, not the result)."""
-    if not pack_gqa or not _unverified_on("PACK_GQA"):
+# The query rows of the tile the pack / split rules reason with (two consumer warpgroups; the packed kernel's tile),
+# the share of the unpacked tile's fill below which packing pays (_pack_helps), and the split rules' bounds
+# (_choose_splits): a grid of fewer CTAs than _SPLIT_BELOW x the SM count is split, into at most _MAX_SPLITS parts,
+# the fewest that reach _SPLIT_EFFICIENCY of the best wave efficiency.
+_RULE_BLOCK_M = 128
+_PACK_FILL = 0.9
+_SPLIT_BELOW = 0.8
+_MAX_SPLITS = 128
+_SPLIT_EFFICIENCY = 0.85
+
+
+def _pack_helps(group, seqlen_q):
+    """pack_gqa=None's rule: pack the group's query heads when the packed tiles' rows hold clearly more real queries
+    than the unpacked ones' (positions per tile _RULE_BLOCK_M unpacked, _RULE_BLOCK_M / group packed): a short query
+    sequence (decoding: 1 to a few positions) fills 1 / 128 of an unpacked tile and group / 128 of a packed one, and
+    K / V are then read once per KV head. seqlen_q None (varlen: only the longest is known): pack."""
+    if seqlen_q is None:
+        return True
+    if seqlen_q <= 0:
+        return False
+    rows = _RULE_BLOCK_M // group
+    fill = seqlen_q / (-(-seqlen_q // _RULE_BLOCK_M) * _RULE_BLOCK_M)
+    packed_fill = seqlen_q / (-(-seqlen_q // rows) * rows)
+    return fill < _PACK_FILL * packed_fill
+
+
+def _pack_group(pack_gqa, H, Hk, seqlen_q=None):
+    """The pack_gqa group of a call: H // Hk when the group is one of _PACK_GROUPS and pack_gqa is true, or None
+    (FA4's "choose") and _pack_helps(group, seqlen_q) (seqlen_q None: a varlen call); else 1 (unpacked: pack_gqa only
+    changes how the work is tiled, not the result). 1 as well until the packed kernel's GPU tests have passed, unless
+    FLASH_ATTN_CUTE_PACK_GQA=1."""
+    if pack_gqa is False or H == Hk or not (pack_gqa or pack_gqa is None) or not _unverified_on("PACK_GQA"):
         return 1
     group = H // Hk
-    return group if group in _PACK_GROUPS else 1
+    if group not in _PACK_GROUPS or (pack_gqa is None and not _pack_helps(group, seqlen_q)):
+        return 1
+    return group
 
 
-def _split_count(num_splits):
-    """The split-KV parts of a call: num_splits when > 1 and the split kernel is on (FLASH_ATTN_CUTE_SPLIT=1 until
-    tests/test_cute_split.py's GPU tests have passed), else 1; num_splits <= 0 (FA4's "choose") takes 1 for now.
-    Splitting changes how the work is divided, not the result (beyond fp32 rounding)."""
+def _choose_splits(tiles, key_blocks, sms):
+    """num_splits=0's rule (FlashAttention's split-KV idea: fill the GPU when the grid is small): 1 when the unsplit
+    grid's ``tiles`` CTAs fill at least _SPLIT_BELOW of the ``sms`` SMs, or a tile sees fewer than 2 key blocks;
+    else, over the part counts s <= min(key_blocks, _MAX_SPLITS) that change the blocks per part (ceil(key_blocks /
+    s)), the wave efficiency of tiles x s CTAs (waves / whole waves), and the fewest parts within
+    _SPLIT_EFFICIENCY of the best."""
+    if tiles <= 0 or tiles >= _SPLIT_BELOW * sms or key_blocks < 2:
+        return 1
+    efficiency = {}
+    for s in range(1, min(key_blocks, _MAX_SPLITS) + 1):
+        if s > 1 and -(-key_blocks // s) == -(-key_blocks // (s - 1)):
+            continue  # as many blocks per part as with one part fewer: more parts to merge for nothing
+        waves = tiles * s / sms
+        efficiency[s] = waves / -(-waves // 1)
+    best = max(efficiency.values())
+    return min(s for s, e in efficiency.items() if e >= _SPLIT_EFFICIENCY * best)
+
+
+def _split_count(num_splits, tiles=0, seqlen_k=0, q=None):
+    """The split-KV parts of a call: num_splits when > 1; when <= 0 (FA4's "choose"), _choose_splits for the unsplit
+    grid's ``tiles`` CTAs, each seeing up to ``seqlen_k`` keys (128-key blocks), on the SMs of q's CUDA device
+    (_device_sms); 1 without those or when num_splits is 1. 1 as well until the split kernel's GPU tests
+    (tests/test_cute_split.py) have passed, unless FLASH_ATTN_CUTE_SPLIT=1. Splitting changes how the work is
+    divided, not the result (beyond fp32 rounding)."""
     try:
         if isinstance(num_splits, bool):
             raise TypeError
         num_splits = operator.index(num_splits)  # ints, numpy / torch integer scalars
     except TypeError:
         raise ValueError(f"num_splits must be an int, got {type(num_splits).__name__}") from None
-    if num_splits <= 1 or not _unverified_on("SPLIT"):
+    if num_splits == 1 or not _unverified_on("SPLIT"):
         return 1
+    if num_splits <= 0:
+        sms = _device_sms(q) if tiles and q is not None else None
+        return _choose_splits(tiles, -(-seqlen_k // 128), sms) if sms else 1
     return num_splits
+
+
+def _device_sms(t):
+    """The multiprocessor count of tensor t's CUDA device (cached per device), None for a CPU tensor."""
+    if not t.is_cuda:
+        return None
+    index = t.get_device()
+    count = _sm_counts.get(index)
+    if count is None:
+        count = _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return count
+
+
+def _visible_keys(seqlen_k, block_q, window_left, window_right):
+    """The most keys one tile of block_q query rows sees: seqlen_k, or its window's span (sizes < 0: no limit)."""
+    if window_left < 0 or window_right < 0:
+        return seqlen_k
+    return min(seqlen_k, window_left + block_q + window_right)
 
 
 def _options(window_size, softcap):
@@ -824,8 +895,10 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=_NO_W
     softmax_scale; lse includes it, a row that sees no key gets out 0 and lse = sink); its gradient
     is computed when it requires one (see _SinkAttention). pack_gqa=True: the H / Hk query heads of each KV head
     share the kernel's tiles (_pack_group: groups of 2, 4, 8 or 16, and while the packed kernel awaits its GPU
-    tests only with FLASH_ATTN_CUTE_PACK_GQA=1; else unpacked, the same result). num_splits > 1: split-KV
-    (_forward_split; with FLASH_ATTN_CUTE_SPLIT=1 while it awaits its GPU tests, else unsplit). Returns (out, lse): out
+    tests only with FLASH_ATTN_CUTE_PACK_GQA=1; else unpacked, the same result); None: packed where that fills the
+    tiles better (_pack_helps: short query sequences, decoding). num_splits > 1: split-KV (_forward_split; with
+    FLASH_ATTN_CUTE_SPLIT=1 while it awaits its GPU tests, else unsplit); num_splits <= 0: as many parts as fill the
+    GPU's SMs when the grid alone does not (_choose_splits), 1 otherwise. Returns (out, lse): out
     like q, lse fp32 (B, H, Sq) natural log (+inf for a row that sees no key) when return_lse or a
     gradient needs it, else None (as FA4; the kernel still writes it). When q, k or v needs a
     gradient the call goes through the dispatcher's differentiable op (see _with_fallback_backward): its
@@ -848,13 +921,15 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=_NO_W
     _check_dims(D, Dv, H, Hk)
     pack = splits = 1
     if (window_size is _NO_WINDOW and learnable_sink is None and not softcap and num_splits == 1
-            and not pack_gqa):
+            and not pack_gqa and (H == Hk or pack_gqa is False or _pack_group(None, H, Hk, Sq) == 1)):
         window_left = window_right = -1  # the common call: no option to parse
         softcap = 0.0
     else:
         window_left, window_right, softcap = _options(window_size, softcap)
-        pack = _pack_group(pack_gqa, H, Hk)
-        splits = _split_count(num_splits)
+        pack = _pack_group(pack_gqa, H, Hk, Sq)
+        rows = _RULE_BLOCK_M // pack  # query positions per tile
+        splits = _split_count(num_splits, B * (Hk if pack > 1 else H) * -(-Sq // rows),
+                              _visible_keys(Sk, rows, window_left, 0 if causal else window_right), q)
         if learnable_sink is not None:
             sink = _check_sink(learnable_sink, H, q.device)
             arch = _device_arch(q, k, v)
@@ -1128,7 +1203,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_se
     cu_seqlens / seqused values (one device sync); max_seqlen_q is computed (another sync) when not given.
     page_table (paged K / V): k / v (num_pages, page_size, Hk, D), page_table int32 (B, max_pages): sequence b's
     keys are the first seqused_k[b] rows of its pages page_table[b, 0], page_table[b, 1], ... in order (give
-    seqused_k, not cu_seqlens_k; page_size a multiple of 8, see _paged_block_n). Forward only."""
+    seqused_k, not cu_seqlens_k; page_size a multiple of 8, see _paged_block_n). Forward only. num_splits, pack_gqa:
+    as flash_attn_func's (pack_gqa None packs every group of _PACK_GROUPS: only the longest sequence is known;
+    num_splits <= 0 reads the longest sequence's key count in the call's one sync)."""
     paged = page_table is not None
     for name, t in (("q", q), ("k", k), ("v", v)):
         want = 4 if paged and name != "q" else 3
@@ -1158,7 +1235,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_se
         raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     _check_dims(D, v.shape[-1], H, Hk)
     window_left, window_right, softcap = _options(window_size, softcap)
-    splits = _split_count(num_splits)
+    splits = _split_count(num_splits)  # (num_splits <= 0: chosen below, with the sequence lengths)
     sink = None if learnable_sink is None else _check_sink(learnable_sink, H, q.device)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.stride(-1) != 1:
@@ -1195,9 +1272,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_se
         used_pages = torch.arange(page_table.shape[1], device=q.device) < ((seqused_k + page_size - 1)
                                                                           // page_size).view(-1, 1)
         pages_bad = (((page_table < 0) | (page_table >= num_pages)) & used_pages).sum()
-    first_q, down_q, last_q, max_q, first_k, down_k, last_k, used_bad, used_q_bad, pages_bad = torch.stack([
+    choose = splits == 1 and num_splits <= 0 and _unverified_on("SPLIT")  # num_splits's rule needs the longest keys
+    keys_max = ((seqused_k if seqused_k is not None else lens_k).max() if batch else zero,) if choose else ()
+    first_q, down_q, last_q, max_q, first_k, down_k, last_k, used_bad, used_q_bad, pages_bad, *max_k = torch.stack([
         cu_seqlens_q[0], (lens_q < 0).sum(), cu_seqlens_q[-1], lens_q.max() if batch else zero,
-        cu_k_check[0], (lens_k < 0).sum(), cu_k_check[-1], used_bad, used_q_bad, pages_bad]).tolist()
+        cu_k_check[0], (lens_k < 0).sum(), cu_k_check[-1], used_bad, used_q_bad, pages_bad, *keys_max]).tolist()
     for name, first, down, last, total in (("cu_seqlens_q", first_q, down_q, last_q, Tq),
                                             ("cu_seqlens_k", first_k, down_k, last_k, Tk)):
         if first != 0 or down or last > total:
@@ -1230,6 +1309,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_se
                                                                   window_right, softcap, bool(deterministic),
                                                                   arch, varlen))
         return _with_fallback_backward(q, k, v, softmax_scale, causal, window_left, window_right, softcap, varlen)
+    pack = _pack_group(pack_gqa, H, Hk)
+    if choose:
+        rows = _RULE_BLOCK_M // pack
+        splits = _split_count(num_splits, batch * (Hk if pack > 1 else H) * -(-int(max_seqlen_q) // rows),
+                              _visible_keys(max_k[0], rows, window_left, 0 if causal else window_right), q)
     if seqused_q is not None:
         cu_seqlens_q, keys, seqused_k = _split_unused_q(cu_seqlens_q, page_table if paged else cu_seqlens_k,
                                                         seqused_q, seqused_k, paged)
@@ -1239,7 +1323,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_se
             cu_seqlens_k = keys
     out, lse = forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, int(max_seqlen_q), softmax_scale,
                               bool(causal), arch, window_left, window_right, softcap, sink=sink,
-                              pack=_pack_group(pack_gqa, H, Hk), page_table=page_table, splits=splits)
+                              pack=pack, page_table=page_table, splits=splits)
     if last_q < Tq:  # rows of q after the last sequence belong to none: out 0, lse +inf
         out[last_q:] = 0
         lse[:, last_q:] = math.inf
