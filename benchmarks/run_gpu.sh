@@ -3,7 +3,7 @@
 # benchmarks. Logs and result tables go under $OUT.
 #   run command="bash benchmarks/run_gpu.sh [STEP ...]"      (device tool; $OUT is set there)
 # STEPs (default: tests attention norm models train): tests rest attention cute cutebwd norm ops models train ncu
-#   ncusrc profile tunetriton abfwd overhead vsfa4 sanitize
+#   ncusrc profile tunetriton abfwd abdecode overhead vsfa4 sanitize
 #   tests      the GPU-marked tests (bf16, real sizes; GPU_TESTS, GPU_TEST_TIMEOUT)   rest   the rest on CUDA
 #   attention  bench_attention, full grid                  cute   bench_attention, cute only, short grid
 #   cutebwd    bench_cute_bwd: the cute backward (flash_bwd_sm90) vs Triton's, bf16 d64/d128, S 2k/8k
@@ -16,6 +16,8 @@
 #   ncusrc     per-SASS-instruction stall samples of the cute kernel (and FA4's), CSV under $OUT
 #              (PROFILE_ARGS: profile_cute.py arguments for ncu and ncusrc, e.g. "--headdim 64 --causal")
 #   abfwd      ab_cute_fwd.py with $AB_ARGS (e.g. '--headdims 128 --causal 1 --variants ";FLASH_ATTN_CUTE_FWD_PIN=0"')
+#   abdecode   ab_cute_decode.py: decoding shapes, unpacked / pack_gqa / num_splits=0 / both / the defaults' rules,
+#              dense and paged (64-row pages), with the four session-15 variables set (DECODE_ARGS: more arguments)
 #   overhead   bench_cute_overhead.py --no-cold: per-call time of the tiny cute forward, SDPA beside it
 #   sanitize   compute-sanitizer racecheck, memcheck and synccheck (every kernel of the process) over the cases of
 #              sanitize_cute.py: one small call of every kind of cute forward kernel, each checked against the
@@ -113,6 +115,14 @@ for step in $STEPS; do
     abfwd)  # A/B of cute forward variants in one process (AB_ARGS: ab_cute_fwd.py arguments, --variants among them)
         timeout "${AB_TIMEOUT:-300}" python benchmarks/ab_cute_fwd.py ${AB_ARGS:---variants ";"} 2>&1 \
             | tee "$OUT/ab_cute_fwd.log" | tail -n 40 ;;
+    abdecode)  # pack_gqa / split-KV on decoding shapes (docs/STATUS.md: the rules for pack_gqa=None, num_splits=0)
+        variants="plain:pack_gqa=False;pack:pack_gqa=True;split:pack_gqa=False,num_splits=0"
+        variants+=";both:pack_gqa=True,num_splits=0;rules:num_splits=0"
+        for paged in 0 64; do
+            timeout "${AB_TIMEOUT:-300}" python benchmarks/ab_cute_decode.py --paged $paged \
+                --env FLASH_ATTN_CUTE_PACK_GQA=1,FLASH_ATTN_CUTE_SPLIT=1,FLASH_ATTN_CUTE_PAGED=1 --variants "$variants" \
+                ${DECODE_ARGS:-} 2>&1 | tee "$OUT/ab_cute_decode_paged$paged.log" | tail -n 14
+        done ;;
     overhead) timeout 300 python benchmarks/bench_cute_overhead.py --no-cold 2>&1 | tee "$OUT/bench_cute_overhead.log" ;;
     profile) python benchmarks/profile_step.py train 2>&1 | tee "$OUT/profile_train.txt"
         python benchmarks/profile_step.py norm --hidden 4096 2>&1 | tee "$OUT/profile_norm.txt" ;;

@@ -29,3 +29,51 @@ def test_variants_parse():
     variants, names = ab_cute_bwd.variants(";FLASH_ATTN_CUTE_FWD_PERSISTENT=1,FLASH_ATTN_CUTE_FWD_REVERSE=1")
     assert variants == [{}, {"FLASH_ATTN_CUTE_FWD_PERSISTENT": "1", "FLASH_ATTN_CUTE_FWD_REVERSE": "1"}]
     assert set(names) == {"FLASH_ATTN_CUTE_FWD_PERSISTENT", "FLASH_ATTN_CUTE_FWD_REVERSE"}
+
+
+def test_decode_ab_parses_shapes_and_variants():
+    import ab_cute_decode as ad
+    import pytest
+
+    assert ad.parse_shapes("1:1:8192:32:8:128, 4:16:8192:32:4:64") == [(1, 1, 8192, 32, 8, 128),
+                                                                         (4, 16, 8192, 32, 4, 64)]
+    assert len(ad.parse_shapes(ad.DEFAULT_SHAPES)) == 8
+    for bad, msg in [("1:1:8192:32:8", "B:Sq:Sk:H:Hk:D"), ("1:1:8:6:4:64", "multiple of Hk")]:
+        with pytest.raises(ValueError, match=msg):
+            ad.parse_shapes(bad)
+    variants, names = ad.parse_variants("plain:pack_gqa=False;both:pack_gqa=True,num_splits=0,FLASH_ATTN_CUTE_X=1;"
+                                        "pack_gqa=None;")
+    assert variants == [("plain", {"pack_gqa": False}, {}),
+                        ("both", {"pack_gqa": True, "num_splits": 0}, {"FLASH_ATTN_CUTE_X": "1"}),
+                        ("pack_gqa=None", {"pack_gqa": None}, {}), ("default", {}, {})]
+    assert names == ["FLASH_ATTN_CUTE_X"]
+    for bad in ("x:pack_gqa=maybe", "x:num_splits=two", "x:pack_gqa"):
+        with pytest.raises(ValueError):
+            ad.parse_variants(bad)
+    assert ad.kv_bytes(2, 1000, 8, 128) == 2 * 1000 * 8 * 256 * 2
+    assert ad.kv_bytes(1, 10, 1, 192, 128) == 10 * 320 * 2
+
+
+def test_decode_ab_finds_the_kernels_its_calls_ask_for(monkeypatch):
+    """--compile-only's list: the calls of every shape and variant on CPU tensors, fwd_kernel recording; the four
+    variants ask for the plain, packed, split and packed split kernels (dense and paged varlen), and the module's
+    functions are restored after."""
+    import pytest
+
+    pytest.importorskip("cutlass.cute")
+    import ab_cute_decode as ad
+    import torch
+
+    from flash_attn.cute import interface as ci
+
+    for var in ("FLASH_ATTN_CUTE_PACK_GQA", "FLASH_ATTN_CUTE_SPLIT", "FLASH_ATTN_CUTE_PAGED"):
+        monkeypatch.setenv(var, "1")
+    before = ci.fwd_kernel, ci._kernels, ci._device_arch, ci._device_sms
+    variants, names = ad.parse_variants("plain:pack_gqa=False;pack:pack_gqa=True;split:pack_gqa=False,num_splits=0;"
+                                        "both:pack_gqa=True,num_splits=0")
+    for paged, extra in [(0, {}), (16, {"varlen": True, "paged": 16})]:
+        asked = ad.kernels_asked([(1, 1, 2048, 8, 2, 64)], variants, names, paged, True)
+        got = [{k: v for k, v in kw.items() if v and not (k == "pack" and v == 1)} for _, _, _, kw in asked]
+        assert got == [extra, {**extra, "pack": 4}, {**extra, "split": True}, {**extra, "pack": 4, "split": True}]
+        assert all(a[:3] == (torch.bfloat16, 64, True) for a in asked)
+    assert (ci.fwd_kernel, ci._kernels, ci._device_arch, ci._device_sms) == before
