@@ -110,6 +110,10 @@ def test_split_count_rules(monkeypatch):
     monkeypatch.setattr(interface, "_device_sms", lambda t: 132)
     assert [interface._split_count(n, 32, 8192, q) for n in (0, -1, 1, 3)] == [4, 4, 1, 3]
     assert interface._split_count(0, 0, 8192, q) == interface._split_count(0, 32, 8192) == 1
+    # explicit counts: at most one part per 128-key block the tiles see (the others would be empty)
+    assert [interface._split_count(n, 32, 300, q) for n in (2, 3, 4, 64)] == [2, 3, 3, 3]
+    assert interface._split_count(64, 32, 0, q) == interface._split_count(5, 1, 100, q) == 1
+    assert interface._split_count(64) == 64  # no key count given: as asked
     monkeypatch.setenv("FLASH_ATTN_CUTE_SPLIT", "0")
     assert interface._split_count(0, 32, 8192, q) == 1
 
@@ -413,18 +417,31 @@ _GPU_OPTIONS = [(64, 64, False, (-1, -1), 0.0, False, False), (128, 128, True, (
 _GPU_SHAPES = [(2, 1, 8192, 16, 2), (1, 300, 1000, 8, 8), (3, 77, 77, 4, 1)]  # (B, Sq, Sk, H, Hk)
 
 
+_GPU_SPLITS = [2, 3, 64]
+
+
+def _dense_parts(num_splits, seqlen_k, window, rows):
+    """The parts a dense GPU test call runs (num_splits capped at the 128-key blocks a tile sees)."""
+    visible = seqlen_k if window == (-1, -1) else min(seqlen_k, window[0] + rows + window[1])
+    return min(num_splits, -(-visible // 128))
+
+
 def gpu_kernel_requests():
     """The forward calls' kernel choices of this file's GPU test, for benchmarks/precompile_gpu_tests.py."""
-    return ([dict(dtype=torch.bfloat16, d=d, dv=dv, causal=c, window=w, softcap=cap, sink=sink, split=True,
-                  pack=(h // hk) if pack and h // hk in interface._PACK_GROUPS else 1, seqlen_k=sk)
-            for d, dv, c, w, cap, sink, pack in _GPU_OPTIONS for _, _, sk, h, hk in _GPU_SHAPES]
-            + _gpu_varlen_requests())
+    out = []
+    for d, dv, c, w, cap, sink, pack in _GPU_OPTIONS:
+        for _, _, sk, h, hk in _GPU_SHAPES:
+            g = h // hk if pack and h // hk in interface._PACK_GROUPS else 1
+            for n in _GPU_SPLITS:
+                out.append(dict(dtype=torch.bfloat16, d=d, dv=dv, causal=c, window=w, softcap=cap, sink=sink,
+                                split=_dense_parts(n, sk, w, 128 // g) > 1, pack=g, seqlen_k=sk))
+    return out + _gpu_varlen_requests()
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
 @pytest.mark.parametrize("d,dv,causal,window,softcap,sink,pack", _GPU_OPTIONS)
-@pytest.mark.parametrize("num_splits", [2, 3, 64])
+@pytest.mark.parametrize("num_splits", _GPU_SPLITS)
 @pytest.mark.parametrize("batch,seqlen_q,seqlen_k,heads,heads_kv", _GPU_SHAPES)
 def test_split_matches_reference_on_gpu(monkeypatch, d, dv, causal, window, softcap, sink, pack, num_splits, batch,
                                         seqlen_q, seqlen_k, heads, heads_kv):
@@ -440,7 +457,10 @@ def test_split_matches_reference_on_gpu(monkeypatch, d, dv, causal, window, soft
     out, lse = flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap, learnable_sink=sink_t,
                                num_splits=num_splits, pack_gqa=pack, return_lse=True)
     torch.cuda.synchronize()
-    assert any(key[-1] == "split" for key in interface._kernels)
+    rows = 128 // (heads // heads_kv if pack and heads // heads_kv in interface._PACK_GROUPS else 1)
+    # (more parts than key blocks are not launched: the varlen test's short sequences have empty parts)
+    assert any(key[-1] == "split" for key in interface._kernels) == (_dense_parts(num_splits, seqlen_k, window,
+                                                                                  rows) > 1)
     ref_kw = dict(causal=causal, window_size=(window[0], 0 if causal else window[1]), softcap=softcap,
                   learnable_sink=sink_t)
     out_ref, _ = attention_ref(q, k, v, **ref_kw)

@@ -820,12 +820,13 @@ def _choose_splits(tiles, key_blocks, sms):
     return min(s for s, e in efficiency.items() if e >= _SPLIT_EFFICIENCY * best)
 
 
-def _split_count(num_splits, tiles=0, seqlen_k=0, q=None):
-    """The split-KV parts of a call: num_splits when > 1; when <= 0 (FA4's "choose"), _choose_splits for the unsplit
-    grid's ``tiles`` CTAs, each seeing up to ``seqlen_k`` keys (128-key blocks), on the SMs of q's CUDA device
-    (_device_sms); 1 without those or when num_splits is 1. 1 as well until the split kernel's GPU tests
-    (tests/test_cute_split.py) have passed, unless FLASH_ATTN_CUTE_SPLIT=1. Splitting changes how the work is
-    divided, not the result (beyond fp32 rounding)."""
+def _split_count(num_splits, tiles=0, seqlen_k=None, q=None):
+    """The split-KV parts of a call: num_splits when > 1, at most one per 128-key block of the ``seqlen_k`` keys a
+    tile sees (when given: more parts would be empty, and each costs its fp32 O); when <= 0 (FA4's "choose"),
+    _choose_splits for the unsplit grid's ``tiles`` CTAs on the SMs of q's CUDA device (_device_sms); 1 without
+    those or when num_splits is 1. 1 as well until the split kernel's GPU tests (tests/test_cute_split.py) have
+    passed, unless FLASH_ATTN_CUTE_SPLIT=1. Splitting changes how the work is divided, not the result (beyond fp32
+    rounding)."""
     try:
         if isinstance(num_splits, bool):
             raise TypeError
@@ -835,9 +836,9 @@ def _split_count(num_splits, tiles=0, seqlen_k=0, q=None):
     if num_splits == 1 or not _unverified_on("SPLIT"):
         return 1
     if num_splits <= 0:
-        sms = _device_sms(q) if tiles and q is not None else None
+        sms = _device_sms(q) if tiles and seqlen_k and q is not None else None
         return _choose_splits(tiles, -(-seqlen_k // 128), sms) if sms else 1
-    return num_splits
+    return num_splits if seqlen_k is None else max(1, min(num_splits, -(-seqlen_k // 128)))
 
 
 def _device_sms(t):
@@ -1272,7 +1273,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_se
         used_pages = torch.arange(page_table.shape[1], device=q.device) < ((seqused_k + page_size - 1)
                                                                           // page_size).view(-1, 1)
         pages_bad = (((page_table < 0) | (page_table >= num_pages)) & used_pages).sum()
-    choose = splits == 1 and num_splits <= 0 and _unverified_on("SPLIT")  # num_splits's rule needs the longest keys
+    # the split rule and the cap on num_splits need the longest sequence's key count
+    choose = (splits > 1 or num_splits <= 0) and _unverified_on("SPLIT")
     keys_max = ((seqused_k if seqused_k is not None else lens_k).max() if batch else zero,) if choose else ()
     first_q, down_q, last_q, max_q, first_k, down_k, last_k, used_bad, used_q_bad, pages_bad, *max_k = torch.stack([
         cu_seqlens_q[0], (lens_q < 0).sum(), cu_seqlens_q[-1], lens_q.max() if batch else zero,
