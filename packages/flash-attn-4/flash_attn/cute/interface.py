@@ -33,6 +33,7 @@ _origins: dict[tuple, str] = {}  # same key -> "so" / "o" (loaded from disk), "c
 _device_archs: dict[int, object] = {}  # CUDA device index -> arch name, or None (no kernels for it)
 _have_tvm_ffi: list = []
 _MAX_ELEMS = 2 ** 31  # the kernels' 32-bit offsets address tensors below this many elements
+_MAX_GRID_Z = 65535  # CUDA's limit on a grid's z extent: the kernels' batch entries (x split-KV parts) per launch
 _UNBOUNDED = 1 << 30  # FlashFwdSm90.UNBOUNDED: a window side with no limit
 # K and V ring depth per head dim (shared memory: Q tile + stages x (K tile + V tile) <= 227 KB,
 # FlashFwdSm90.smem_bytes). $FLASH_ATTN_CUTE_STAGES overrides it, for every head dim or per head dim
@@ -954,7 +955,7 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=_NO_W
             fn = _kernels.get(key + ("short",) if D in _SHORT_DIMS else key)
         else:
             fn = _kernels.get(key + ("long",) if Sk >= _FWD_LONG_SK and (D, key[2]) in _FWD_LONG_ON else key)
-        if fn is not None and B * max(Sq * H, Sk * Hk) * D < _MAX_ELEMS:
+        if fn is not None and B * max(Sq * H, Sk * Hk) * D < _MAX_ELEMS and B <= _MAX_GRID_Z:
             qs, ks, vs = q.stride(), k.stride(), v.stride()
             if (qs[3] != 1 or qs[2] != D or qs[1] & 7 or qs[0] & 7 or q.data_ptr() & 15
                     or ks[3] != 1 or ks[2] != D or ks[1] & 7 or ks[0] & 7 or k.data_ptr() & 15
@@ -1111,6 +1112,7 @@ def forward(q, k, v, softmax_scale, causal, arch="sm_90a", window_left=-1, windo
     sink_arg = () if sink is None else (sink,)
     q, k, v = _kernel_layout(q, D), _kernel_layout(k, D), _kernel_layout(v, Dv)
     Sk = k.shape[1]
+    splits = min(splits, _MAX_GRID_Z // max(B, 1))  # grid z = parts x batch
     if splits > 1 and Sk and B * Sq * H and splits * B * max(Sq * H, Sk * k.shape[2]) * max(D, Dv) < _MAX_ELEMS:
         # (the split path allocates its own fp32 parts and returns the merged out / lse)
         return _forward_split(q, k, v, softmax_scale, causal and not local, arch, local, window_left, window_right,
@@ -1134,13 +1136,14 @@ def forward(q, k, v, softmax_scale, causal, arch="sm_90a", window_left=-1, windo
                             short=short, long=long, pack=pack, dv=Dv))
         args = (float(softmax_scale), float(softcap), window_left, window_right)
         per_batch = max(Sq * H, k.shape[1] * k.shape[2]) * max(D, Dv)  # elements of one entry's q/out or k/v
-        if B * per_batch < _MAX_ELEMS:
+        if B * per_batch < _MAX_ELEMS and B <= _MAX_GRID_Z:
             fn(q, k, v, out, lse, *args, *sink_arg)
-        else:  # the kernel indexes with 32-bit offsets: launch on batch slices that each stay below 2^31
+        else:  # the kernel indexes with 32-bit offsets: launch on batch slices that each stay below 2^31 (and a
+            # grid's z limit)
             if per_batch >= _MAX_ELEMS:
                 raise NotImplementedError(
                     f"one batch entry of q/k/v holds {per_batch} elements; flash_attn.cute handles < 2^31")
-            step = (_MAX_ELEMS - 1) // per_batch
+            step = min((_MAX_ELEMS - 1) // per_batch, _MAX_GRID_Z)
             for b in range(0, B, step):
                 fn(q[b:b + step], k[b:b + step], v[b:b + step], out[b:b + step], lse[b:b + step], *args,
                    *sink_arg)
@@ -1389,6 +1392,7 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
         sinked = sink is not None
         page_size = 0 if page_table is None else k.shape[1]
         keys = cu_seqlens_k if page_table is None else page_table  # the paged kernel takes the page table there
+        splits = min(splits, _MAX_GRID_Z // max(batch, 1))  # grid z = parts x sequences: one launch
         if splits > 1 and splits * Tq * H * max(D, Dv) < _MAX_ELEMS:
             # split s's parts in entry s (rows after the last sequence are never written: their merge is undefined,
             # as those rows of the unsplit kernel's out, and replaced when fill_unused_rows)
@@ -1413,9 +1417,24 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
                            + (("paged", page_size) if page_size else ()))
               or fwd_kernel(q.dtype, D, causal, arch, local=local, softcap=capped, varlen=True, sink=sinked,
                             pack=pack, dv=Dv, paged=page_size))
-        fn(q, k, v, out, lse, cu_seqlens_q, keys, seqused_k, max_seqlen_q, float(softmax_scale),
-           float(softcap), window_left, window_right, *(() if sink is None else (sink,)))
+        for seq_args in _sequence_chunks(cu_seqlens_q, keys, seqused_k, page_table is not None):
+            fn(q, k, v, out, lse, *seq_args, max_seqlen_q, float(softmax_scale), float(softcap), window_left,
+               window_right, *(() if sink is None else (sink,)))
     return out, lse
+
+
+def _sequence_chunks(cu_seqlens_q, keys, seqused_k, paged):
+    """(cu_seqlens_q, keys, seqused_k) of each varlen launch, so that its grid's z extent (the sequences) stays
+    within _MAX_GRID_Z: the kernels read each sequence's rows and keys at the absolute offsets of cu_seqlens (keys:
+    cu_seqlens_k, or the page table, one row per sequence), so a launch on sequences [lo, hi) writes only their
+    rows. One launch on the tensors as they are when they fit (and always for split-KV, whose part count is capped
+    to fit instead)."""
+    batch = seqused_k.shape[0]
+    step = _MAX_GRID_Z
+    if batch <= step:
+        return [(cu_seqlens_q, keys, seqused_k)]
+    return [(cu_seqlens_q[lo:lo + step + 1], keys[lo:lo + step] if paged else keys[lo:lo + step + 1],
+             seqused_k[lo:lo + step]) for lo in range(0, batch, step)]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1627,8 +1646,8 @@ def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grad
         dk = dk_out if dk_out is not None else torch.empty((B, Sk, Hk, D), dtype=dtype, device=q.device)
         dv = dv_out if dv_out is not None else torch.empty((B, Sk, Hk, D), dtype=dtype, device=q.device)
         sums = True
-    step = max(1, (_MAX_ELEMS - 1) // per_batch)
-    for b in range(0, B, step):  # 32-bit offsets in the kernel: batch slices below 2^31 elements
+    step = max(1, min((_MAX_ELEMS - 1) // per_batch, _MAX_GRID_Z))
+    for b in range(0, B, step):  # 32-bit offsets in the kernel: batch slices below 2^31 elements (and grid z's limit)
         sl = slice(b, b + step)
         fn(q[sl], k[sl], v[sl], dout[sl], lse2[sl], delta[sl], dq_accum[sl], dk_h[sl], dv_h[sl],
            float(softmax_scale))
