@@ -20,6 +20,9 @@ NAME = "triton"
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
+# CUDA's limit on a grid's y extent, where the kernels put their (sequence, head) pairs: calls with more run as
+# launches on chunks of the batch (_batch_chunks)
+_MAX_GRID_Y = 65535
 
 
 def unavailable_reason():
@@ -276,16 +279,78 @@ def fwd(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bloc
 
     ``config`` (a _configs.FwdConfig) overrides the table, for tuning.
     """
-    return _fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state, bool(return_probs), config)
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
+            window_right, softcap, alibi_slopes, dropout_p, rng_state, bool(return_probs), config)
+    if _num_seqs(q, cu_seqlens_q) * q.shape[-2] > _MAX_GRID_Y:
+        return _fwd_chunked(*args)
+    return _fwd(*args)
 
 
 def fwd_dense(q, k, v, softmax_scale, causal, window_left, window_right):
     """fwd of a dense call without softcap, ALiBi, dropout or probabilities (flash_attn_func's common call),
     arguments validated -> (out, lse): the same kernels, with less per-call work (positional arguments,
     no zero-size probs tensor)."""
+    if q.shape[0] * q.shape[2] > _MAX_GRID_Y:
+        return _fwd_chunked(q, k, v, None, None, q.shape[1], k.shape[1], softmax_scale, causal, window_left,
+                            window_right, 0.0, None, 0.0, None, None, None)[:2]
     return _fwd(q, k, v, None, None, q.shape[1], k.shape[1], softmax_scale, causal, window_left, window_right,
                 0.0, None, 0.0, None, None, None)[:2]
+
+
+def _num_seqs(q, cu_seqlens_q):
+    return q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1
+
+
+def _batch_chunks(n, heads):
+    """[lo, hi) ranges of the batch entries (or sequences) of each launch of a call whose n x heads (sequence, head)
+    pairs exceed a grid's y extent (_MAX_GRID_Y)."""
+    step = max(1, _MAX_GRID_Y // max(heads, 1))
+    return [(lo, min(lo + step, n)) for lo in range(0, n, step)]
+
+
+def _chunk_rng(rng_state, c):
+    """Chunk c's dropout seeds: the call's with c added to the first, so that the chunks' masks differ (the mask's
+    hash keys on the (sequence, head) index within a launch) and the backward, chunked alike, finds each again."""
+    if rng_state is None or c == 0:
+        return rng_state
+    return rng_state + torch.tensor([c, 0], dtype=rng_state.dtype, device=rng_state.device)
+
+
+def _rows_in(cu, lo, hi, total):
+    """Whether each of total packed rows belongs to sequences [lo, hi) of cu (device ops, no sync)."""
+    rows = torch.arange(total, device=cu.device)
+    return (rows >= cu[lo]) & (rows < cu[hi])
+
+
+def _chunk_alibi(alibi_slopes, lo, hi):
+    return alibi_slopes[lo:hi] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
+
+
+def _fwd_chunked(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                 window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state, return_probs, config):
+    """_fwd as launches on chunks of the batch (dense: batch slices, concatenated) or of the sequences (varlen:
+    slices of cu_seqlens, whose absolute offsets the kernels read; each launch's rows taken from its out / lse),
+    each within the grid's y limit."""
+    opts = (softmax_scale, causal, window_left, window_right, softcap)
+    parts = []
+    for c, (lo, hi) in enumerate(_batch_chunks(_num_seqs(q, cu_seqlens_q), q.shape[-2])):
+        tail = (_chunk_alibi(alibi_slopes, lo, hi), dropout_p, _chunk_rng(rng_state, c), return_probs, config)
+        if cu_seqlens_q is None:
+            parts.append(_fwd(q[lo:hi], k[lo:hi], v[lo:hi], None, None, max_seqlen_q, max_seqlen_k, *opts, *tail))
+        else:
+            parts.append(_fwd(q, k, v, cu_seqlens_q[lo:hi + 1], cu_seqlens_k[lo:hi + 1], max_seqlen_q, max_seqlen_k,
+                              *opts, *tail) + ((lo, hi),))
+    probs = None if return_probs is None else parts[0][2]
+    if return_probs:
+        probs = torch.cat([p[2] for p in parts])
+    if cu_seqlens_q is None:
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), probs
+    out, lse = parts[0][0], parts[0][1]
+    for o, l_, _, (lo, hi) in parts[1:]:
+        rows = _rows_in(cu_seqlens_q, lo, hi, q.shape[0])
+        out = torch.where(rows.view(-1, 1, 1), o, out)
+        lse = torch.where(rows, l_, lse)
+    return out, lse, probs
 
 
 def _fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
@@ -609,6 +674,10 @@ def bwd(dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """
     if _fwd_mod is None:
         _kernels()
+    if _num_seqs(q, cu_seqlens_q) * q.shape[-2] > _MAX_GRID_Y:
+        return _bwd_chunked(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                            softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p,
+                            rng_state, deterministic, config, grads)
     varlen = cu_seqlens_q is not None
     B, H, Hk, D, Dv, Sq, Sk, sq_, sk_, sv_ = _geometry(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     if grads is not None:
@@ -678,4 +747,41 @@ def bwd(dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             _L_DQ((-(-Sq // config.dq_block_m), B * H),
                   (q, k, v, dout, lse, delta, dq, alibi, cu_q, cu_k,
                    *sq_, *sk_, *sv_, *sdo_, *sdq_, *sl_, *sa_, *scalars), dq_meta, plan_key)
+    return dq, dk, dv
+
+
+def _bwd_chunked(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                 causal, window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state, deterministic, config,
+                 grads):
+    """bwd as launches on the forward's chunks (_fwd_chunked: the same chunks and dropout seeds): dense, batch
+    slices (into grads' slices when given); varlen, slices of cu_seqlens, each chunk's dq / dk / dv rows taken from
+    its launch."""
+    kw = dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, block_table=None, softmax_scale=softmax_scale,
+              causal=causal, window_left=window_left, window_right=window_right, softcap=softcap,
+              dropout_p=dropout_p, deterministic=deterministic, config=config)
+    chunks = _batch_chunks(_num_seqs(q, cu_seqlens_q), q.shape[-2])
+    if cu_seqlens_q is None:
+        if grads is None:
+            grads = (torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype,
+                     device=k.device), torch.empty(v.shape, dtype=v.dtype, device=v.device))
+        for c, (lo, hi) in enumerate(chunks):
+            sl = slice(lo, hi)
+            bwd(dout[sl], q[sl], k[sl], v[sl], out[sl], lse[sl], cu_seqlens_q=None, cu_seqlens_k=None,
+                alibi_slopes=_chunk_alibi(alibi_slopes, lo, hi), rng_state=_chunk_rng(rng_state, c),
+                grads=tuple(g[sl] for g in grads), **kw)
+        return grads
+    dq = dk = dv = None
+    for c, (lo, hi) in enumerate(chunks):
+        g = bwd(dout, q, k, v, out, lse, cu_seqlens_q=cu_seqlens_q[lo:hi + 1], cu_seqlens_k=cu_seqlens_k[lo:hi + 1],
+                alibi_slopes=_chunk_alibi(alibi_slopes, lo, hi), rng_state=_chunk_rng(rng_state, c), **kw)
+        if dq is None:
+            dq, dk, dv = g
+            continue
+        rows_q = _rows_in(cu_seqlens_q, lo, hi, q.shape[0]).view(-1, 1, 1)
+        rows_k = _rows_in(cu_seqlens_k, lo, hi, k.shape[0]).view(-1, 1, 1)
+        dq, dk, dv = torch.where(rows_q, g[0], dq), torch.where(rows_k, g[1], dk), torch.where(rows_k, g[2], dv)
+    if grads is not None:
+        for t, g in zip(grads, (dq, dk, dv)):
+            t.copy_(g)
+        return grads
     return dq, dk, dv
