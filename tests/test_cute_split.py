@@ -302,6 +302,19 @@ def test_varlen_split_calls_per_sequence(monkeypatch, causal, window, softcap, s
     assert usual == [1] and out.dtype == torch.float16 and out.shape == q.shape and lse.shape == (H, q.shape[0])
     ref_kw = dict(causal=causal, window_size=(window[0], 0 if causal else window[1]), softcap=softcap,
                   learnable_sink=sink_t)
+    _check_per_sequence(out, lse, q, kd, vd, cu_q, lens_q, used_q, lens_k, ref_kw,
+                        lambda a, b, name: torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5))
+    for b in range(len(lens_q)):  # rows that see no key: lse +inf or the sink
+        q0, uq, uk = int(cu_q[b]), used_q[b], lens_k[b]
+        empty = slice(q0 + (uq if uk else 0), q0 + lens_q[b])
+        want = math.inf if sink_t is None else sink_t.view(H, 1).expand(H, empty.stop - empty.start)
+        torch.testing.assert_close(lse[:, empty], torch.as_tensor(want).expand(H, empty.stop - empty.start))
+
+
+def _check_per_sequence(out, lse, q, kd, vd, cu_q, lens_q, used_q, lens_k, ref_kw, lse_check):
+    """A varlen call's out / lse against the reference per sequence b: its first used_q[b] rows against kd / vd's
+    first lens_k[b] keys (out by the criterion, lse by lse_check(lse, ref, name)); its other rows, and those after
+    the last sequence, out 0 (the latter lse +inf)."""
     for b in range(len(lens_q)):
         q0, uq, uk = int(cu_q[b]), used_q[b], lens_k[b]
         if uq and uk:
@@ -309,12 +322,9 @@ def test_varlen_split_calls_per_sequence(monkeypatch, causal, window, softcap, s
             o_ref, _ = attention_ref(qs, ks, vs, **ref_kw)
             o_pt, _ = attention_ref(qs, ks, vs, upcast=False, reorder_ops=True, **ref_kw)
             assert_close_to_ref(out[None, q0:q0 + uq], o_ref, o_pt, name=f"sequence {b}")
-            torch.testing.assert_close(lse[:, q0:q0 + uq], attention_lse_ref(qs, ks, **ref_kw)[0], rtol=1e-5,
-                                       atol=1e-5)
-        empty = slice(q0 + (uq if uk else 0), q0 + lens_q[b])  # rows that see no key: out 0, lse +inf or the sink
+            lse_check(lse[:, q0:q0 + uq], attention_lse_ref(qs, ks, **ref_kw)[0], f"lse of sequence {b}")
+        empty = slice(q0 + (uq if uk else 0), q0 + lens_q[b])
         assert torch.all(out[empty] == 0), b
-        want = math.inf if sink_t is None else sink_t.view(H, 1).expand(H, empty.stop - empty.start)
-        torch.testing.assert_close(lse[:, empty], torch.as_tensor(want).expand(H, empty.stop - empty.start))
     tail = int(cu_q[-1])
     assert torch.all(out[tail:] == 0) and torch.all(torch.isposinf(lse[:, tail:]))
 
@@ -516,15 +526,5 @@ def test_varlen_split_matches_reference_per_sequence_on_gpu(monkeypatch, d, dv, 
     torch.cuda.synchronize()
     assert any(key[-1] == "split" and True in key for key in interface._kernels)
     ref_kw = dict(causal=causal, window_size=(window[0], 0 if causal else window[1]), learnable_sink=sink_t)
-    for b in range(len(lens_q)):
-        q0, uq, uk = int(cu_q[b]), used_q[b], lens_k[b]
-        if uq and uk:
-            qs, ks, vs = q[None, q0:q0 + uq], kd[b:b + 1, :uk], vd[b:b + 1, :uk]
-            o_ref, _ = attention_ref(qs, ks, vs, **ref_kw)
-            o_pt, _ = attention_ref(qs, ks, vs, upcast=False, reorder_ops=True, **ref_kw)
-            assert_close_to_ref(out[None, q0:q0 + uq], o_ref, o_pt, name=f"sequence {b}")
-            assert_lse_close(lse[:, q0:q0 + uq], attention_lse_ref(qs, ks, **ref_kw)[0], name=f"lse of sequence {b}")
-        empty = slice(q0 + (uq if uk else 0), q0 + lens_q[b])
-        assert torch.all(out[empty] == 0), b
-    tail = int(cu_q[-1])
-    assert torch.all(out[tail:] == 0) and torch.all(torch.isposinf(lse[:, tail:]))
+    _check_per_sequence(out, lse, q, kd, vd, cu_q, lens_q, used_q, lens_k, ref_kw,
+                        lambda a, b, name: assert_lse_close(a, b, name=name))
