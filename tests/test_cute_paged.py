@@ -195,6 +195,59 @@ def test_paged_argument_checks(monkeypatch):
                                          page_table=table)
 
 
+def test_root_dispatcher_routes_paged_calls_here(monkeypatch):
+    """The root API's paged varlen forward (block_table) is served here once the paged kernel is switched on; its
+    backward and ALiBi / dropout / probabilities go elsewhere."""
+    from flash_attn.cute import backend
+    from flash_attn.dispatch import Call
+
+    call = Call(device_type="cuda", dtype=torch.bfloat16, head_dim=128, head_dim_v=128, arch=(9, 0), varlen=True,
+                paged=True, causal=True)
+    assert "FLASH_ATTN_CUTE_PAGED=1" in backend.unsupported_reason(call)
+    monkeypatch.setenv("FLASH_ATTN_CUTE_PAGED", "1")
+    assert backend.unsupported_reason(call) is None
+    assert backend.unsupported_reason(call._replace(local=True, softcap=True)) is None
+    assert backend.unsupported_reason(call._replace(backward=True)) == "backward with paged KV"
+    for what in ("alibi", "dropout", "return_probs"):
+        assert backend.unsupported_reason(call._replace(**{what: True})) == what
+
+
+def test_backend_fwd_runs_paged_calls_per_sequence(monkeypatch):
+    """backend.fwd (the root dispatcher's entry) with block_table: the paged kernel (its model) with each sequence's
+    key count from cu_seqlens_k (cumulative, as the root API takes it), rows after the last sequence 0 / +inf; pages
+    the kernel cannot box (12 rows) run on the reference backend."""
+    from flash_attn import reference
+    from flash_attn.cute import backend
+
+    monkeypatch.setenv("FLASH_ATTN_CUTE_PAGED", "1")
+    monkeypatch.setattr(interface, "_kernels", {(torch.float16, 64, True, "sm_90a", False, False, True, "paged", 16):
+                                                _paged_kernel_model(True, False)})
+    lens_q, lens_k = [5, 0, 9, 3], [20, 3, 9, 0]
+    q, k, v, kd, vd, cu_q, table, _ = _paged_case(lens_q, lens_k, 16, 4, 2, 64)
+    cu_k = torch.tensor([0] + lens_k).cumsum(0).to(I32)
+    kw = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=9, max_seqlen_k=20, softmax_scale=0.125,
+              causal=True, window_left=-1, window_right=0, softcap=0.0, alibi_slopes=None, dropout_p=0.0,
+              rng_state=None, return_probs=False)
+    out, lse, _ = backend.fwd(q, k, v, block_table=table, **kw)
+    for b, (sq, sk) in enumerate(zip(lens_q, lens_k)):
+        q0 = int(cu_q[b])
+        if sq and sk:
+            qs, ks, vs = q[None, q0:q0 + sq], kd[b:b + 1, :sk], vd[b:b + 1, :sk]
+            o_ref, _ = attention_ref(qs, ks, vs, causal=True, softmax_scale=0.125)
+            o_pt, _ = attention_ref(qs, ks, vs, causal=True, softmax_scale=0.125, upcast=False, reorder_ops=True)
+            assert_close_to_ref(out[None, q0:q0 + sq], o_ref, o_pt, name=f"sequence {b}")
+            torch.testing.assert_close(lse[:, q0:q0 + sq],
+                                       attention_lse_ref(qs, ks, causal=True, softmax_scale=0.125)[0])
+        elif sq:
+            assert torch.all(out[q0:q0 + sq] == 0)
+    tail = int(cu_q[-1])
+    assert torch.all(out[tail:] == 0) and torch.all(torch.isposinf(lse[:, tail:]))
+    q, k, v, _, _, cu_q, table, _ = _paged_case(lens_q, lens_k, 12, 4, 2, 64)
+    out, lse, _ = backend.fwd(q, k, v, block_table=table, **kw)
+    ref_out, ref_lse, _ = reference.fwd(q, k, v, block_table=table, **kw)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+
+
 @pytest.mark.parametrize("page_size", [16, 256])
 def test_paged_kernel_loads_k_and_v_by_page(tmp_path, page_size):
     """K and V go through 4-D TMA descriptors (page rows, D, KV heads, pages: the page is a coordinate), one copy per
@@ -228,9 +281,10 @@ _GPU_CASES = ([(d, dv, page, *opt) for d, dv in [(64, 64), (128, 128), (256, 256
 
 
 def gpu_kernel_requests():
-    """The forward calls' kernel choices of this file's GPU test, for benchmarks/precompile_gpu_tests.py."""
-    return [dict(dtype=torch.bfloat16, d=d, dv=dv, causal=c, window=w, sink=sink, pack=4 if pack else 1, varlen=True,
-                 paged=page) for d, dv, page, c, w, sink, pack in _GPU_CASES]
+    """The forward calls' kernel choices of this file's GPU tests, for benchmarks/precompile_gpu_tests.py."""
+    return ([dict(dtype=torch.bfloat16, d=d, dv=dv, causal=c, window=w, sink=sink, pack=4 if pack else 1,
+                  varlen=True, paged=page) for d, dv, page, c, w, sink, pack in _GPU_CASES]
+            + [dict(dtype=torch.bfloat16, d=128, causal=c, varlen=True, paged=64) for c in (False, True)])
 
 
 @pytest.mark.gpu
@@ -265,3 +319,30 @@ def test_paged_matches_reference_per_sequence_on_gpu(monkeypatch, d, dv, page_si
         assert_close_to_ref(out[None, q0:q0 + sq], o_ref, o_pt, name=f"sequence {b}")
         lse_ref = attention_lse_ref(qs, ks, causal=causal, window_size=ref_window, learnable_sink=sink_t)[0]
         assert_lse_close(lse[:, q0:q0 + sq], lse_ref, name=f"lse of sequence {b}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("causal", [False, True])
+def test_root_api_paged_calls_run_here_on_gpu(monkeypatch, causal):
+    """flash_attn.flash_attn_varlen_func(..., block_table=...) (FA2's paged call: cu_seqlens_k counts each
+    sequence's keys) runs the paged kernel through the root dispatcher, against the reference per sequence."""
+    import flash_attn
+    from flash_attn import dispatch
+
+    monkeypatch.setenv("FLASH_ATTN_CUTE_PAGED", "1")
+    monkeypatch.setattr(dispatch, "_choice", {})  # (the dispatcher's choices are cached per kind of call)
+    heads, heads_kv, d, page = 8, 2, 128, 64
+    lens_q, lens_k = [1, 77, 300, 5], [500, 77, 300, 1000]
+    q, k, v, kd, vd, cu_q, table, _ = _paged_case(lens_q, lens_k, page, heads, heads_kv, d, "cuda", torch.bfloat16)
+    cu_k = torch.tensor([0] + lens_k, device="cuda").cumsum(0).to(I32)
+    out = flash_attn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+                                            block_table=table)
+    torch.cuda.synchronize()
+    assert any(key[-2:] == ("paged", page) for key in interface._kernels)
+    for b, (sq, sk) in enumerate(zip(lens_q, lens_k)):
+        q0 = int(cu_q[b])
+        qs, ks, vs = q[None, q0:q0 + sq], kd[b:b + 1, :sk], vd[b:b + 1, :sk]
+        o_ref, _ = attention_ref(qs, ks, vs, causal=causal)
+        o_pt, _ = attention_ref(qs, ks, vs, causal=causal, upcast=False, reorder_ops=True)
+        assert_close_to_ref(out[None, q0:q0 + sq], o_ref, o_pt, name=f"sequence {b}")

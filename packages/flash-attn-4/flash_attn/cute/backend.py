@@ -17,6 +17,12 @@ the next backend that has a backward (Triton, else the reference), which consume
 lse. FLASH_ATTN_CUTE_BWD=0 sends every backward call there (read when the dispatcher first sees a kind of
 call: its choices are cached). On the H200 it is 1.21-1.39x the Triton backward
 (benchmarks/results/h200/attention_cute_bwd.md).
+
+Paged varlen forward calls (flash_attn_varlen_func's block_table; cu_seqlens_k then counts each sequence's keys)
+run the paged kernel (interface.forward_varlen with the page table, each sequence's key count as seqused_k) once
+it is switched on (FLASH_ATTN_CUTE_PAGED=1, until tests/test_cute_paged.py's GPU tests have passed; read when the
+dispatcher first sees a kind of call); a page size the kernel cannot box (see interface._paged_block_n) runs on
+the reference backend, the one that serves paged calls without it.
 """
 import os
 
@@ -80,7 +86,14 @@ def unsupported_reason(call):
         if not call.backward and call.head_dim in _GATED_FWD_HEAD_DIMS and call.head_dim_v == call.head_dim:
             why += f"; {FWD_HDIMS_ENV_VAR} (set, without {call.head_dim}) turned its forward off"
         return why
-    for what in ("paged", "alibi", "dropout", "return_probs", "kvcache"):
+    if call.paged:
+        from flash_attn.cute.interface import _paged_on
+
+        if call.backward:
+            return "backward with paged KV"
+        if not _paged_on():
+            return "paged KV (the paged kernel awaits its GPU tests; FLASH_ATTN_CUTE_PAGED=1 runs it)"
+    for what in ("alibi", "dropout", "return_probs", "kvcache"):
         if getattr(call, what):
             return what
     if call.backward:
@@ -97,13 +110,48 @@ def fwd(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bloc
     from flash_attn.cute import interface
 
     # unsupported_reason admitted only sm_90
-    if cu_seqlens_q is not None:
+    if block_table is not None:
+        if not _boxes_pages(q, v, k.shape[1], causal, window_left, window_right, softcap):
+            from flash_attn import reference
+
+            return reference.fwd(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                 max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, block_table=block_table,
+                                 softmax_scale=softmax_scale, causal=causal, window_left=window_left,
+                                 window_right=window_right, softcap=softcap, alibi_slopes=None, dropout_p=0.0,
+                                 rng_state=None, return_probs=False)
+        # (block_table's entries were checked to be pages: flash_attn._ops._check_values)
+        out, lse = interface.forward_varlen(q, k, v, cu_seqlens_q, None, cu_seqlens_k[1:] - cu_seqlens_k[:-1],
+                                            max_seqlen_q, softmax_scale, causal, "sm_90a", window_left,
+                                            window_right, softcap, fill_unused_rows=True, page_table=block_table)
+    elif cu_seqlens_q is not None:
         out, lse = interface.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, None, max_seqlen_q, softmax_scale,
                                             causal, "sm_90a", window_left, window_right, softcap,
                                             fill_unused_rows=True)
     else:
         out, lse = interface.forward(q, k, v, softmax_scale, causal, "sm_90a", window_left, window_right, softcap)
     return out, lse, q.new_empty(0)
+
+
+_BOXED = {}  # (dtype, D, Dv, causal, local, softcap, page size) -> whether the paged kernel takes those pages
+
+
+def _boxes_pages(q, v, page_size, causal, window_left, window_right, softcap):
+    """Whether the paged kernel of this call has a key block that pages of page_size rows fill in whole TMA boxes
+    (its config exists: interface._paged_block_n of the config's block_n)."""
+    from flash_attn.cute import interface
+
+    _, _, local = interface._window_args(causal, window_left, window_right)
+    key = (q.dtype, q.shape[-1], v.shape[-1], bool(causal) and not local, local, softcap > 0.0, page_size)
+    ok = _BOXED.get(key)
+    if ok is None:
+        try:
+            interface._fwd_config(q.dtype, key[1], key[3], "sm_90a", local=local, softcap=key[5], varlen=True,
+                                  dv=key[2], paged=page_size)
+            ok = True
+        except NotImplementedError:
+            ok = False
+        _BOXED[key] = ok
+    return ok
 
 
 def bwd(dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
