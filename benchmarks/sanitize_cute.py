@@ -75,7 +75,7 @@ def expected_config(case, flags=False):
     local = window != (-1, -1)
     causal = bool(opt.get("causal")) and not local
     softcap, sink = bool(opt.get("softcap")), bool(opt.get("sink"))
-    pack = ci._pack_group(opt.get("pack_gqa"), h, hk, None if varlen else sq)
+    pack = ci._pack_group(opt.get("pack_gqa"), h, hk, max(a for a, _ in opt["varlen"]) if varlen else sq)
     dv, paged = opt.get("dv"), opt.get("paged", 0)
     split = ci._split_count(opt.get("num_splits", 1)) > 1
     sink = sink and not split  # the split kernel leaves the sink to the host's merge

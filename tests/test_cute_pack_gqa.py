@@ -161,6 +161,12 @@ def test_pack_gqa_selects_the_packed_kernel_per_call(monkeypatch):
         q, k, v = mk(5, 16, 64)[0], mk(5, 2, 64)[0], mk(5, 2, 64)[0]
         interface.flash_attn_varlen_func(q, k, v, cu, cu, causal=True, **kw)
         assert calls[-1] == want
+    # pack_gqa None by the longest sequence: 1024 queries keep the unpacked kernel, pack_gqa=True packs them
+    cu2 = torch.tensor([0, 3, 1027], dtype=torch.int32)
+    q, k, v = mk(1027, 16, 64)[0], mk(1027, 2, 64)[0], mk(1027, 2, 64)[0]
+    for kw, want in [(dict(), (True,)), (dict(pack_gqa=True), (True, "pack", 8))]:
+        interface.flash_attn_varlen_func(q, k, v, cu2, cu2, causal=True, **kw)
+        assert calls[-1] == want
     monkeypatch.setenv("FLASH_ATTN_CUTE_PACK_GQA", "0")
     interface.flash_attn_func(mk(1, 16, 128), mk(500, 2, 128), mk(500, 2, 128), pack_gqa=True)
     assert calls[-1] == ("short",)

@@ -56,12 +56,13 @@ def test_cases_cover_every_kernel_kind(monkeypatch):
     assert len(set(map(str, configs.values()))) == len(configs)  # no two cases run the same kernel
 
 
-@pytest.mark.parametrize("name", [n for n, c in sanitize_cute.CASES.items() if "varlen" not in c[7]])
+@pytest.mark.parametrize("name", list(sanitize_cute.CASES))
 @pytest.mark.parametrize("packed", ["0", "1"])
 def test_prediction_matches_the_dispatch(monkeypatch, name, packed):
     monkeypatch.setenv("FLASH_ATTN_CUTE_PACK_GQA", packed)  # the pack_gqa cases: packed or not, predicted
     monkeypatch.setenv("FLASH_ATTN_CUTE_HDIM_V", "1")
-    monkeypatch.setenv("FLASH_ATTN_CUTE_SPLIT", packed)  # the split case: split or not, predicted
+    monkeypatch.setenv("FLASH_ATTN_CUTE_SPLIT", packed)  # the split cases: split or not, predicted
+    monkeypatch.setenv("FLASH_ATTN_CUTE_PAGED", "1")
     dt, d, b, sq, sk, h, hk, opt = sanitize_cute.CASES[name]
     _, key = sanitize_cute.expected_config(sanitize_cute.CASES[name])
     ran = []
@@ -73,11 +74,26 @@ def test_prediction_matches_the_dispatch(monkeypatch, name, packed):
 
     monkeypatch.setattr(interface, "fwd_kernel", other)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dt]
-    q = torch.randn(b, sq, h, d, dtype=dtype)
-    k, v = torch.randn(b, sk, hk, d, dtype=dtype), torch.randn(b, sk, hk, opt.get("dv", d), dtype=dtype)
     kw = {o: x for o, x in opt.items() if o in ("causal", "window_size", "softcap", "pack_gqa", "num_splits")}
     sink = torch.zeros(h) if opt.get("sink") else None
-    interface.flash_attn_func(q, k, v, learnable_sink=sink, **kw)
+    if "varlen" in opt:  # the sequences' rows and keys packed, or the keys in pages of opt["paged"] rows
+        lens = opt["varlen"]
+        cu = lambda n: torch.tensor([0] + n).cumsum(0).to(torch.int32)  # noqa: E731
+        q = torch.randn(sum(a for a, _ in lens), h, d, dtype=dtype)
+        tk = sum(c for _, c in lens)
+        k, v = torch.randn(tk, hk, d, dtype=dtype), torch.randn(tk, hk, opt.get("dv", d), dtype=dtype)
+        keys = dict(cu_seqlens_k=cu([c for _, c in lens]))
+        if opt.get("paged"):
+            page, pages = opt["paged"], [-(-c // opt["paged"]) for _, c in lens]
+            k = torch.randn(sum(pages) + 1, page, hk, d, dtype=dtype)
+            v = torch.randn(sum(pages) + 1, page, hk, opt.get("dv", d), dtype=dtype)
+            table = torch.zeros(len(lens), max(pages), dtype=torch.int32)
+            keys = dict(page_table=table, seqused_k=torch.tensor([c for _, c in lens], dtype=torch.int32))
+        interface.flash_attn_varlen_func(q, k, v, cu([a for a, _ in lens]), learnable_sink=sink, **keys, **kw)
+    else:
+        q = torch.randn(b, sq, h, d, dtype=dtype)
+        k, v = torch.randn(b, sk, hk, d, dtype=dtype), torch.randn(b, sk, hk, opt.get("dv", d), dtype=dtype)
+        interface.flash_attn_func(q, k, v, learnable_sink=sink, **kw)
     assert ran == [key]
 
 

@@ -779,7 +779,8 @@ def _pack_helps(group, seqlen_q):
     """pack_gqa=None's rule: pack the group's query heads when the packed tiles' rows hold clearly more real queries
     than the unpacked ones' (positions per tile _RULE_BLOCK_M unpacked, _RULE_BLOCK_M / group packed): a short query
     sequence (decoding: 1 to a few positions) fills 1 / 128 of an unpacked tile and group / 128 of a packed one, and
-    K / V are then read once per KV head. seqlen_q None (varlen: only the longest is known): pack."""
+    K / V are then read once per KV head. Varlen calls give their longest sequence's length (a batch of long
+    prompts stays unpacked, a decoding batch packs); seqlen_q None (unknown): pack."""
     if seqlen_q is None:
         return True
     if seqlen_q <= 0:
@@ -792,7 +793,7 @@ def _pack_helps(group, seqlen_q):
 
 def _pack_group(pack_gqa, H, Hk, seqlen_q=None):
     """The pack_gqa group of a call: H // Hk when the group is one of _PACK_GROUPS and pack_gqa is true, or None
-    (FA4's "choose") and _pack_helps(group, seqlen_q) (seqlen_q None: a varlen call); else 1 (unpacked: pack_gqa only
+    (FA4's "choose") and _pack_helps(group, seqlen_q) (varlen: the longest sequence's); else 1 (unpacked: pack_gqa only
     changes how the work is tiled, not the result). 1 as well until the packed kernel's GPU tests have passed, unless
     FLASH_ATTN_CUTE_PACK_GQA=1."""
     if pack_gqa is False or H == Hk or not (pack_gqa or pack_gqa is None) or not _unverified_on("PACK_GQA"):
@@ -1208,7 +1209,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_se
     page_table (paged K / V): k / v (num_pages, page_size, Hk, D), page_table int32 (B, max_pages): sequence b's
     keys are the first seqused_k[b] rows of its pages page_table[b, 0], page_table[b, 1], ... in order (give
     seqused_k, not cu_seqlens_k; page_size a multiple of 8, see _paged_block_n). Forward only. num_splits, pack_gqa:
-    as flash_attn_func's (pack_gqa None packs every group of _PACK_GROUPS: only the longest sequence is known;
+    as flash_attn_func's (pack_gqa None: _pack_helps for the longest sequence's length;
     num_splits <= 0 reads the longest sequence's key count in the call's one sync)."""
     paged = page_table is not None
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -1314,7 +1315,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_se
                                                                   window_right, softcap, bool(deterministic),
                                                                   arch, varlen))
         return _with_fallback_backward(q, k, v, softmax_scale, causal, window_left, window_right, softcap, varlen)
-    pack = _pack_group(pack_gqa, H, Hk)
+    pack = _pack_group(pack_gqa, H, Hk, int(max_seqlen_q))
     if choose:
         rows = _RULE_BLOCK_M // pack
         splits = _split_count(num_splits, batch * (Hk if pack > 1 else H) * -(-int(max_seqlen_q) // rows),
