@@ -3,7 +3,7 @@
 # benchmarks. Logs and result tables go under $OUT.
 #   run command="bash benchmarks/run_gpu.sh [STEP ...]"      (device tool; $OUT is set there)
 # STEPs (default: tests attention norm models train): tests rest attention cute cutebwd norm ops models train ncu
-#   ncusrc profile tunetriton abfwd abdecode overhead vsfa4 sanitize
+#   ncusrc profile tunetriton abfwd abdecode overhead vsfa4 vsfa4decode sanitize
 #   tests      the GPU-marked tests (bf16, real sizes; GPU_TESTS, GPU_TEST_TIMEOUT)   rest   the rest on CUDA
 #   attention  bench_attention, full grid                  cute   bench_attention, cute only, short grid
 #   cutebwd    bench_cute_bwd: the cute backward (flash_bwd_sm90) vs Triton's, bf16 d64/d128, S 2k/8k
@@ -24,6 +24,8 @@
 #              reference too
 #   vsfa4      vs_fa4.py --control: the cute forward against the released FA4 with both sides timed per cell in
 #              alternating rounds, a second worker of ours as the noise floor (VS_ARGS: more arguments)
+#   vsfa4decode vs_fa4.py --decode: the same on decoding shapes, both sides called with num_splits=0 (FA4's
+#              "choose"; ours with the pack_gqa / split variables set; VS_DECODE_ARGS: more arguments)
 # With CuTeDSL brought over (see ../shared/device/README.md: two bundle calls) /tmp/cutedsl/env.sh is
 # sourced, the cute backend is available and the released flash-attn-4 is benchmarked as a peer.
 set -u
@@ -81,6 +83,9 @@ for step in $STEPS; do
         done ;;
     vsfa4) python benchmarks/vs_fa4.py --peer-pythonpath "${PEER_PYTHONPATH:?the released flash-attn-4 (bundle)}" \
                --control ${VS_ARGS:-} --out "$OUT/results" 2>&1 | tee "$OUT/vs_fa4.log" | tail -n 45 ;;
+    vsfa4decode) FLASH_ATTN_CUTE_PACK_GQA=1 FLASH_ATTN_CUTE_SPLIT=1 python benchmarks/vs_fa4.py --decode \
+               --peer-pythonpath "${PEER_PYTHONPATH:?the released flash-attn-4 (bundle)}" --call num_splits=0 \
+               --causal 0 ${VS_DECODE_ARGS:-} --out "$OUT/results" 2>&1 | tee "$OUT/vs_fa4_decode.log" | tail -n 20 ;;
     cute) bench bench_attention --backends cute --headdims 64,128 --seqlens 1024,4096,16384 "${peer[@]}" ;;
     cutebwd) timeout 600 python benchmarks/bench_cute_bwd.py --out "$OUT/results" 2>&1 | tee "$OUT/bench_cute_bwd.log" ;;
     norm) bench bench_ops --only norm ;;

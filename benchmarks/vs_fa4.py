@@ -11,6 +11,13 @@ whose ratio to the first is the noise floor of the comparison.
 
 bf16, batch x seqlen = --tokens, heads = --hidden / head dim (the standard grid); forward TFLOP/s = 4*B*S^2*H*D
 (half if causal) / time. Writes vs_fa4.md under --out (default benchmarks/results).
+
+    python benchmarks/vs_fa4.py --peer-pythonpath "$PEER_PYTHONPATH" --decode [--shapes B:Sq:Sk:H:Hk:D,...]
+        [--call num_splits=0,pack_gqa=None]
+
+--decode: decoding shapes instead (ab_cute_decode.py's defaults: few queries, long keys, GQA), both sides called
+with --call's options (FA4's num_splits / pack_gqa; a side that refuses them shows its error); microseconds per
+call and the K / V read rate. Writes vs_fa4_decode.md.
 """
 import argparse
 import json
@@ -62,10 +69,12 @@ def worker(name):
                 fn = None
                 torch.cuda.empty_cache()
                 g = torch.Generator().manual_seed(0)
-                q, k, v = (torch.randn(req["b"], req["s"], req["h"], req["d"], generator=g).to("cuda", torch.bfloat16)
-                           for _ in range(3))
-                causal = bool(req["causal"])
-                fn = lambda: flash_attn_func(q, k, v, causal=causal)  # noqa: E731
+                b, h, d = req["b"], req["h"], req["d"]
+                sq, sk, hk = req["s"], req.get("sk", req["s"]), req.get("hk", h)
+                q = torch.randn(b, sq, h, d, generator=g).to("cuda", torch.bfloat16)
+                k, v = (torch.randn(b, sk, hk, d, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
+                causal, kw = bool(req["causal"]), req.get("kw", {})
+                fn = lambda: flash_attn_func(q, k, v, causal=causal, **kw)  # noqa: E731
                 fn()  # compile or load the kernel outside the timing
                 torch.cuda.synchronize()
                 reply = {"device": torch.cuda.get_device_name(), "versions": _versions()}
@@ -122,15 +131,26 @@ class Side:
         self.proc.wait(timeout=60)
 
 
-def compare(sides, cells, rounds, warmup, rep, log=print):
-    """{cell: {side: median ms, or an error string}} over ``cells`` = [(d, s, causal, b, h)], plus the device and
-    versions the first side reported."""
+def _setup(cell, kw):
+    """The setup request of a cell: (d, s, causal, b, h) of the standard grid, or (b, sq, sk, h, hk, d, causal) of a
+    decoding shape (with the call's options kw)."""
+    if len(cell) == 5:
+        d, s, causal, b, h = cell
+        return dict(d=d, s=s, causal=int(causal), b=b, h=h), f"d{d} s{s} causal={int(causal)}"
+    b, sq, sk, h, hk, d, causal = cell
+    return (dict(d=d, s=sq, sk=sk, causal=int(causal), b=b, h=h, hk=hk, kw=kw),
+            f"{b}:{sq}:{sk}:{h}:{hk}:{d} causal={int(causal)}")
+
+
+def compare(sides, cells, rounds, warmup, rep, log=print, kw=None):
+    """{cell: {side: median ms, or an error string}} over ``cells`` = [(d, s, causal, b, h)] (or decoding shapes, see
+    _setup, called with the options kw), plus the device and versions the first side reported."""
     results, info = {}, {}
     for cell in cells:
-        d, s, causal, b, h = cell
+        req, label = _setup(cell, kw or {})
         res, alive = {}, []
         for side in sides:
-            rep_ = side.ask(op="setup", d=d, s=s, causal=int(causal), b=b, h=h)
+            rep_ = side.ask(op="setup", **req)
             if "error" in rep_:
                 res[side.name] = rep_["error"]
             else:
@@ -150,7 +170,7 @@ def compare(sides, cells, rounds, warmup, rep, log=print):
         for name, ts in times.items():
             res[name] = statistics.median(ts)
         results[cell] = res
-        log(f"d{d} s{s} causal={int(causal)}: " + ", ".join(
+        log(f"{label}: " + ", ".join(
             f"{n} {v:.3f} ms" if isinstance(v, float) else f"{n} ERROR {v}" for n, v in res.items()))
     return results, info
 
@@ -195,6 +215,42 @@ def report(results, info, names, args, command):
     return "\n".join(lines) + "\n"
 
 
+def report_decode(results, info, names, args, command, kw):
+    """Markdown for --decode: microseconds per call per side, fa4's time / ours (> 1: ours faster), the K / V read
+    rate of ours, and the summary line."""
+    from ab_cute_decode import kv_bytes
+
+    first = info.get(names[0], {})
+    lines = ["# Cute forward vs the released FA4 on decoding shapes, interleaved per cell (benchmarks/vs_fa4.py)", "",
+             f"- GPU: {first.get('device', '?')}; ours: " + ", ".join(f"{k} {v}" for k, v in first.get(
+                 "versions", {}).items()),
+             "- fa4: " + ", ".join(f"{k} {v}" for k, v in info.get("fa4", {}).get("versions", {}).items()),
+             f"- date: {time.strftime('%Y-%m-%d %H:%M')}",
+             f"- command: `{command}`",
+             f"- bf16; both sides called with {kw or 'their defaults'}; us per call from the median of {args.rounds} "
+             f"rounds (each a do_bench median, warmup {args.warmup} ms, rep {args.rep} ms), the order rotated", "",
+             "| B:Sq:Sk:H:Hk:D | causal | " + " | ".join(f"{n} us" for n in names) + " | fa4 / ours | ours GB/s |",
+             "|---|---|" + "---|" * (len(names) + 2)]
+    ratios = []
+    for (b, sq, sk, h, hk, d, causal), res in results.items():
+        us = {n: res[n] * 1e3 if isinstance(res.get(n), float) else None for n in names}
+        ratio = us["fa4"] / us["ours"] if us.get("ours") and us.get("fa4") else None
+        if ratio:
+            ratios.append(ratio)
+        rate = f"{kv_bytes(b, sk, hk, d) / (us['ours'] * 1e3):.0f}" if us.get("ours") else "-"
+        lines.append(f"| {b}:{sq}:{sk}:{h}:{hk}:{d} | {causal} | "
+                     + " | ".join(f"{us[n]:.1f}" if us[n] else "error" for n in names)
+                     + (f" | {ratio:.3f}" if ratio else " | -") + f" | {rate} |")
+    lines.append("")
+    if ratios:
+        geo = math.exp(sum(map(math.log, ratios)) / len(ratios))
+        lines.append(f"fa4 / ours (time): geometric mean {geo:.3f}, min {min(ratios):.3f}, max {max(ratios):.3f}; "
+                     f"{sum(r >= 1.0 for r in ratios)} of {len(ratios)} cells with ours at least as fast")
+    errors = sorted({f"{n}: {v}" for res in results.values() for n, v in res.items() if isinstance(v, str)})
+    lines += [f"- error: {e}" for e in errors]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--peer-pythonpath", default=None, help="PYTHONPATH of the released flash-attn-4 (required)")
@@ -207,6 +263,9 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--rep", type=int, default=40)
     p.add_argument("--control", action="store_true", help="a second worker of ours (the noise floor)")
+    p.add_argument("--decode", action="store_true", help="decoding shapes (--shapes) instead of the standard grid")
+    p.add_argument("--shapes", default=None, help="--decode: comma-separated B:Sq:Sk:H:Hk:D (ab_cute_decode's)")
+    p.add_argument("--call", default="", help="--decode: both sides' options, e.g. num_splits=0,pack_gqa=None")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     p.add_argument("--_worker", dest="worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -214,23 +273,34 @@ def main(argv=None):
         return worker(args.worker)
     if not args.peer_pythonpath:
         p.error("--peer-pythonpath is required (the released flash-attn-4's PYTHONPATH)")
-    cells = [(d, s, c == "1", max(1, args.tokens // s), args.hidden // d) for d in map(int, args.headdims.split(","))
-             for c in args.causal.split(",") for s in map(int, args.seqlens.split(","))]
+    kw = None
+    if args.decode:
+        from ab_cute_decode import DEFAULT_SHAPES, parse_shapes, parse_variants
+
+        kw = parse_variants(f"call:{args.call}")[0][0][1]
+        cells = [(*shape, c == "1") for c in args.causal.split(",")
+                 for shape in parse_shapes(args.shapes or DEFAULT_SHAPES)]
+    else:
+        cells = [(d, s, c == "1", max(1, args.tokens // s), args.hidden // d)
+                 for d in map(int, args.headdims.split(",")) for c in args.causal.split(",")
+                 for s in map(int, args.seqlens.split(","))]
     ours_path = os.pathsep.join([ROOT] + [x for x in [os.environ.get("PYTHONPATH")] if x])
     specs = [("ours", ours_path, ROOT), ("fa4", args.peer_pythonpath, HERE)]  # (the peer: no flash_attn in HERE)
     if args.control:
         specs.append(("ours2", ours_path, ROOT))
     sides = [Side(*spec) for spec in specs]
     try:
-        results, info = compare(sides, cells, args.rounds, args.warmup, args.rep)
+        results, info = compare(sides, cells, args.rounds, args.warmup, args.rep, kw=kw)
     finally:
         for side in sides:
             side.close()
     given = " ".join(argv if argv is not None else sys.argv[1:])
     command = "python benchmarks/vs_fa4.py " + given.replace(args.peer_pythonpath, '"$PEER_PYTHONPATH"')
-    text = report(results, info, [s[0] for s in specs], args, command)
+    names = [s[0] for s in specs]
+    text = (report_decode(results, info, names, args, command, kw) if args.decode
+            else report(results, info, names, args, command))
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "vs_fa4.md"), "w") as f:
+    with open(os.path.join(args.out, "vs_fa4_decode.md" if args.decode else "vs_fa4.md"), "w") as f:
         f.write(text)
     print(text)
     missing = [cell for cell, res in results.items() if not all(isinstance(v, float) for v in res.values())]

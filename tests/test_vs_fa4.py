@@ -55,3 +55,21 @@ def test_a_failing_side_is_reported(monkeypatch, tmp_path):
     rc, text, _ = _run(monkeypatch, tmp_path, "ours=1.0")  # the fa4 stub has no time: its worker errors
     assert rc == 1
     assert "| 64 | False | 1024 | 137 | error | - |" in text
+
+
+def test_decode_mode(monkeypatch, tmp_path):
+    """--decode: decoding shapes, both sides set up with the shape and --call's options; us per call, fa4 / ours
+    and ours' K / V read rate in vs_fa4_decode.md."""
+    monkeypatch.setenv("VS_FA4_STUB", "ours=0.01,fa4=0.02")
+    rc = vs_fa4.main(["--peer-pythonpath", str(tmp_path / "peer"), "--decode", "--shapes", "1:1:8192:32:8:128",
+                      "--causal", "0", "--call", "num_splits=0,pack_gqa=None", "--rounds", "2",
+                      "--out", str(tmp_path)])
+    text = (tmp_path / "vs_fa4_decode.md").read_text()
+    assert rc == 0
+    # K and V: 8192 x 8 x 256 x 2 bytes = 33.6 MB in 10 us
+    assert "| 1:1:8192:32:8:128 | False | 10.0 | 20.0 | 2.000 | 3355 |" in text
+    assert "{'num_splits': 0, 'pack_gqa': None}" in text and "1 of 1 cells with ours at least as fast" in text
+    req, label = vs_fa4._setup((1, 1, 8192, 32, 8, 128, True), {"num_splits": 0})
+    assert req == dict(d=128, s=1, sk=8192, causal=1, b=1, h=32, hk=8, kw={"num_splits": 0})
+    assert label == "1:1:8192:32:8:128 causal=1"
+    assert vs_fa4._setup((64, 1024, False, 16, 32), {})[0] == dict(d=64, s=1024, causal=0, b=16, h=32)
