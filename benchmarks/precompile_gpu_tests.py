@@ -22,7 +22,8 @@ for _p in (ROOT, os.path.join(ROOT, "packages", "flash-attn-4"), os.path.join(RO
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-MODULES = ("test_cute_pack_gqa", "test_cute_hdim_v", "test_cute_paged", "test_cute_seqused_q", "test_cute_split")
+MODULES = ("test_cute_pack_gqa", "test_cute_hdim_v", "test_cute_paged", "test_cute_seqused_q", "test_cute_split",
+           "test_cute_grid_limits")
 
 
 def kernel_args(dtype, d, causal, window=(-1, -1), softcap=0.0, sink=False, varlen=False, pack=1, dv=None, paged=0,

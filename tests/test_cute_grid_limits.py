@@ -27,11 +27,12 @@ F16 = torch.float16
 
 
 @pytest.fixture(autouse=True)
-def _setup(monkeypatch):
+def _setup(monkeypatch, request):
     for var in [v for v in os.environ if v.startswith("FLASH_ATTN_CUTE_")]:
         monkeypatch.delenv(var)
-    monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")
-    monkeypatch.setattr(interface, "_MAX_GRID_Z", 4)
+    if request.node.get_closest_marker("gpu") is None:  # CPU tests: the limit lowered, the kernels modelled
+        monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")
+        monkeypatch.setattr(interface, "_MAX_GRID_Z", 4)
 
 
 def _dense_model(launches):
@@ -192,3 +193,39 @@ def test_backward_launches_on_batch_slices(monkeypatch):
     lse = torch.zeros(10, 2, 5)
     dq, dk, dv = interface.backward(dout, q, k, v, out, lse, 0.125, False, "sm_90a")
     assert launches == [4, 4, 2] and dq.shape == q.shape and dk.shape == k.shape
+
+
+# ----------------------------------------------------------------------------------------------------
+# GPU: real launches past 65535 batch entries / sequences (before: an error at launch)
+
+
+def _hopper():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+_GPU_B = 70000  # > 65535
+
+
+def gpu_kernel_requests():
+    """The forward calls' kernel choices of this file's GPU tests, for benchmarks/precompile_gpu_tests.py."""
+    return [dict(dtype=torch.bfloat16, d=64, causal=True, seqlen_k=5),
+            dict(dtype=torch.bfloat16, d=64, causal=True, varlen=True)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+def test_more_batch_entries_than_a_grid_holds_on_gpu():
+    from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(_GPU_B, 5, 1, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
+    torch.cuda.synchronize()
+    o_ref, _ = attention_ref(q, k, v, causal=True)
+    o_pt, _ = attention_ref(q, k, v, causal=True, upcast=False, reorder_ops=True)
+    assert_close_to_ref(out, o_ref, o_pt)
+    # varlen: 70000 sequences of 5 queries and keys
+    cu = torch.arange(0, 5 * _GPU_B + 1, 5, device="cuda", dtype=I32)
+    out_v, _ = flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu, causal=True)
+    torch.cuda.synchronize()
+    assert_close_to_ref(out_v.view_as(out), o_ref, o_pt)

@@ -117,3 +117,27 @@ def test_dropout_masks_per_chunk_match_forward_and_backward(monkeypatch):
         results.append((o.detach(), *torch.autograd.grad(o, (qr, kr, vr), dout)))
     for name, a, r, pt in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), *results):
         testing.assert_close_to_ref(a, r, pt, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_more_pairs_than_a_grid_holds_on_gpu():
+    """33000 sequences x 2 heads (> 65535 pairs): forward and backward through real launches, dense and varlen,
+    against the reference (before: an error at launch)."""
+    B, S, H, D = 33000, 4, 2, 64
+    q, k, v, dout = (_rand(B, S, H, D, seed=i) for i in range(4))
+    kw = _kw(D, S, S, causal=True)
+    out, lse, dq, dk, dv = _fwd_bwd(q, k, v, dout, kw)
+    results = []
+    for upcast in (True, False):
+        qr, kr, vr = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        o, _ = testing.attention_ref(qr, kr, vr, causal=True, upcast=upcast, reorder_ops=not upcast)
+        results.append((o.detach(), *torch.autograd.grad(o, (qr, kr, vr), dout)))
+    for name, a, r, pt in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), *results):
+        testing.assert_close_to_ref(a, r, pt, name)
+    cu = torch.arange(0, S * B + 1, S, device=DEVICE, dtype=torch.int32)
+    kw.update(cu_seqlens_q=cu, cu_seqlens_k=cu)
+    flat = [t.flatten(0, 1) for t in (q, k, v, dout)]
+    out_v, _, dq_v, dk_v, dv_v = _fwd_bwd(*flat, kw)
+    for name, a, r, pt in zip(("out", "dq", "dk", "dv"), (out_v, dq_v, dk_v, dv_v), *results):
+        testing.assert_close_to_ref(a.view_as(r), r, pt, name + " (varlen)")
