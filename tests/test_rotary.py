@@ -295,3 +295,39 @@ def test_gpu_bf16(interleaved):
         ref = lambda t: rotary_ref(t, *((cos64, sin64) if t.dtype == torch.float64 else (cos, sin)),  # noqa: E731
                                    interleaved, off)
         _check_fwd_bwd(lambda t: apply_rotary_emb(t, cos, sin, interleaved=interleaved, seqlen_offsets=off), ref, x)
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_more_sequences_than_a_grid_holds(monkeypatch, varlen):
+    """The kernel's grid has one row per sequence (CUDA: at most 65535): more run as several launches (batch
+    slices, or slices of cu_seqlens), the same result. The limit lowered to 2 here, 5 sequences: 3 launches."""
+    from flash_attn.ops.triton import rotary as rot
+
+    if not triton_runs_on("cuda" if CUDA else "cpu"):
+        pytest.skip("triton is not installed")
+    dev = "cuda" if CUDA else "cpu"
+    g = torch.Generator().manual_seed(0)
+    H, D, rd, lens = 2, 8, 8, [3, 1, 4, 2, 5]
+    cos, sin = _tables(16, rd, dev, torch.float32)
+    off = torch.tensor([0, 5, 2, 7, 1], dtype=torch.int32, device=dev)
+    if varlen:
+        x = torch.randn(sum(lens), H, D, generator=g).to(dev)
+        kw = dict(cu_seqlens=torch.tensor([0] + lens, device=dev).cumsum(0).to(torch.int32), max_seqlen=max(lens))
+    else:
+        x = torch.randn(len(lens), 5, H, D, generator=g).to(dev)
+        kw = {}
+    with backend("triton"):
+        whole = apply_rotary_emb(x, cos, sin, seqlen_offsets=off, **kw)
+        launches = []
+        kernel = rot._rotary_kernel
+
+        class Spy:
+            def __getitem__(self, grid):
+                launches.append(grid)
+                return kernel[grid]
+
+        monkeypatch.setattr(rot, "_MAX_GRID_Y", 2)
+        monkeypatch.setattr(rot, "_rotary_kernel", Spy())
+        chunked = apply_rotary_emb(x, cos, sin, seqlen_offsets=off, **kw)
+    assert [grid[1] for grid in launches] == [2, 2, 1]
+    assert torch.equal(chunked, whole)

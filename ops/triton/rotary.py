@@ -66,6 +66,10 @@ def _rotary_kernel(
     tl.store(OUT + o_row + col_b[None, :] * stride_od, xa * sin + xb * cos, mask=m)
 
 
+# CUDA's limit on a grid's y extent, where the kernel puts the sequences: more run as several launches
+_MAX_GRID_Y = 65535
+
+
 def _strides4(t: Tensor, varlen: bool):
     # (batch, seq, head, dim) strides; varlen tensors (total, head, dim) have no batch stride.
     return (0, *t.stride()) if varlen else t.stride()
@@ -86,16 +90,27 @@ def _rotary_launch(
         return
     block_k = next_power_of_2(half)
     block_r = max(1, min(next_power_of_2(seqlen * nheads), max(1, 4096 // block_k)))
-    grid = (cdiv(seqlen * nheads, block_r), batch)
     with device_ctx(src):
-        _rotary_kernel[grid](
-            out, src, cos, sin, cu_seqlens, seqlen_offsets,
-            *_strides4(out, varlen), *_strides4(src, varlen), cos.stride(0),
-            seqlen, nheads, cos.shape[0], offset,
-            HALF=half, BLOCK_R=block_r, BLOCK_K=block_k, IS_VARLEN=varlen,
-            HAS_OFFSETS_TENSOR=seqlen_offsets is not None, INTERLEAVED=interleaved, CONJUGATE=conjugate,
-            num_warps=4,
-        )
+        # sequences [lo, hi) per launch (grid axis 1): dense, batch slices; varlen, slices of cu_seqlens, whose
+        # absolute offsets the kernel reads
+        for lo in range(0, batch, _MAX_GRID_Y):
+            hi = min(lo + _MAX_GRID_Y, batch)
+            whole = lo == 0 and hi == batch
+            o, x_, cu = out, src, cu_seqlens
+            if not whole:
+                if varlen:
+                    cu = cu_seqlens[lo:hi + 1]
+                else:
+                    o, x_ = out[lo:hi], src[lo:hi]
+            offs = seqlen_offsets if whole or seqlen_offsets is None else seqlen_offsets[lo:hi]
+            _rotary_kernel[(cdiv(seqlen * nheads, block_r), hi - lo)](
+                o, x_, cos, sin, cu, offs,
+                *_strides4(o, varlen), *_strides4(x_, varlen), cos.stride(0),
+                seqlen, nheads, cos.shape[0], offset,
+                HALF=half, BLOCK_R=block_r, BLOCK_K=block_k, IS_VARLEN=varlen,
+                HAS_OFFSETS_TENSOR=seqlen_offsets is not None, INTERLEAVED=interleaved, CONJUGATE=conjugate,
+                num_warps=4,
+            )
 
 
 _rotary_op = torch.library.custom_op("flash_attn_ops::rotary", mutates_args=("out",))(_rotary_launch)
