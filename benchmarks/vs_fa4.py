@@ -175,15 +175,20 @@ def compare(sides, cells, rounds, warmup, rep, log=print, kw=None):
     return results, info
 
 
+def _header(title, info, names, command):
+    """The report's first lines: title, GPU and both sides' versions, date, command."""
+    first = info.get(names[0], {})
+    return [f"# {title}, interleaved per cell (benchmarks/vs_fa4.py)", "",
+            f"- GPU: {first.get('device', '?')}; ours: " + ", ".join(f"{k} {v}" for k, v in first.get(
+                "versions", {}).items()),
+            "- fa4: " + ", ".join(f"{k} {v}" for k, v in info.get("fa4", {}).get("versions", {}).items()),
+            f"- date: {time.strftime('%Y-%m-%d %H:%M')}",
+            f"- command: `{command}`"]
+
+
 def report(results, info, names, args, command):
     """Markdown: TFLOP/s per side, ours / fa4 (and the control's ratio to ours), and the summary line."""
-    first = info.get(names[0], {})
-    lines = ["# Cute forward vs the released FA4, interleaved per cell (benchmarks/vs_fa4.py)", "",
-             f"- GPU: {first.get('device', '?')}; ours: " + ", ".join(f"{k} {v}" for k, v in first.get(
-                 "versions", {}).items()),
-             "- fa4: " + ", ".join(f"{k} {v}" for k, v in info.get("fa4", {}).get("versions", {}).items()),
-             f"- date: {time.strftime('%Y-%m-%d %H:%M')}",
-             f"- command: `{command}`",
+    lines = _header("Cute forward vs the released FA4", info, names, command) + [
              f"- bf16, batch x seqlen = {args.tokens} tokens, hidden {args.hidden}; forward TFLOP/s from the median of "
              f"{args.rounds} rounds (each a do_bench median, warmup {args.warmup} ms, rep {args.rep} ms), the sides' "
              "order rotated per round", "",
@@ -220,13 +225,7 @@ def report_decode(results, info, names, args, command, kw):
     rate of ours, and the summary line."""
     from ab_cute_decode import kv_bytes
 
-    first = info.get(names[0], {})
-    lines = ["# Cute forward vs the released FA4 on decoding shapes, interleaved per cell (benchmarks/vs_fa4.py)", "",
-             f"- GPU: {first.get('device', '?')}; ours: " + ", ".join(f"{k} {v}" for k, v in first.get(
-                 "versions", {}).items()),
-             "- fa4: " + ", ".join(f"{k} {v}" for k, v in info.get("fa4", {}).get("versions", {}).items()),
-             f"- date: {time.strftime('%Y-%m-%d %H:%M')}",
-             f"- command: `{command}`",
+    lines = _header("Cute forward vs the released FA4 on decoding shapes", info, names, command) + [
              f"- bf16; both sides called with {kw or 'their defaults'}; us per call from the median of {args.rounds} "
              f"rounds (each a do_bench median, warmup {args.warmup} ms, rep {args.rep} ms), the order rotated", "",
              "| B:Sq:Sk:H:Hk:D | causal | " + " | ".join(f"{n} us" for n in names) + " | fa4 / ours | ours GB/s |",
