@@ -19,7 +19,8 @@
 #   abdecode   ab_cute_decode.py: decoding shapes, unpacked / pack_gqa / num_splits=0 / both / the defaults' rules,
 #              dense and paged (64-row pages), with the four session-15 variables set (DECODE_ARGS: more arguments)
 #   overhead   bench_cute_overhead.py --no-cold: per-call time of the tiny cute forward, SDPA beside it
-#   sanitize   compute-sanitizer racecheck, memcheck and synccheck (every kernel of the process) over the cases of
+#   sanitize   compute-sanitizer racecheck, memcheck and synccheck (SANITIZE_TOOLS; each bounded by SANITIZE_TIMEOUT s,
+#              default 900) (every kernel of the process) over the cases of
 #              sanitize_cute.py: one small call of every kind of cute forward kernel, each checked against the
 #              reference too
 #   vsfa4      vs_fa4.py --control: the cute forward against the released FA4 with both sides timed per cell in
@@ -72,9 +73,9 @@ for step in $STEPS; do
         python -m pytest -q -m "not gpu" -p no:cacheprovider 2>&1 | tee "$OUT/pytest_rest.log" | tail -n 15 ;;
     attention) bench bench_attention "${peer[@]}" ;;
     sanitize)
-        for tool in racecheck memcheck synccheck; do
+        for tool in ${SANITIZE_TOOLS:-racecheck memcheck synccheck}; do
             FLASH_ATTN_CUTE_PACK_GQA=1 FLASH_ATTN_CUTE_HDIM_V=1 FLASH_ATTN_CUTE_PAGED=1 FLASH_ATTN_CUTE_SPLIT=1 \
-                timeout 900 compute-sanitizer --tool "$tool" --error-exitcode 1 \
+                timeout "${SANITIZE_TIMEOUT:-900}" compute-sanitizer --tool "$tool" --error-exitcode 1 \
                 python benchmarks/sanitize_cute.py > "$OUT/sanitize_$tool.log" 2>&1
             rc=$?
             [ $rc -eq 0 ] || status=1
