@@ -252,6 +252,7 @@ def test_packed_matches_reference_on_gpu(monkeypatch, dtype, d, causal, batch, s
     from flash_attn.cute import flash_attn_func
 
     monkeypatch.setenv("FLASH_ATTN_CUTE_PACK_GQA", "1")
+    monkeypatch.setattr(interface, "_kernels", {})  # the kernels this call runs, loaded anew from the disk cache
     torch.manual_seed(0)
     q = torch.randn(batch, seqlen_q, heads, d, device="cuda", dtype=dtype)
     k = torch.randn(batch, seqlen_k, heads_kv, d, device="cuda", dtype=dtype)
@@ -277,6 +278,7 @@ def test_packed_options_match_reference_on_gpu(monkeypatch, d, causal, window, s
     from flash_attn.cute import flash_attn_func
 
     monkeypatch.setenv("FLASH_ATTN_CUTE_PACK_GQA", "1")
+    monkeypatch.setattr(interface, "_kernels", {})  # the kernels this call runs, loaded anew from the disk cache
     torch.manual_seed(0)
     dtype = torch.bfloat16
     q = torch.randn(2, seqlen_q, heads, d, device="cuda", dtype=dtype)
@@ -307,6 +309,7 @@ def test_packed_varlen_matches_reference_per_sequence_on_gpu(monkeypatch, d, cau
     from flash_attn.cute import flash_attn_varlen_func
 
     monkeypatch.setenv("FLASH_ATTN_CUTE_PACK_GQA", "1")
+    monkeypatch.setattr(interface, "_kernels", {})  # the kernels this call runs, loaded anew from the disk cache
     torch.manual_seed(0)
     heads, heads_kv = 16, 2
     lens_q, lens_k, caps = [1, 0, 17, 1, 40, 300], [500, 9, 40, 1, 0, 260], [123, 9, 33, 0, 0, 260]

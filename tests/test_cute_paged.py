@@ -295,6 +295,7 @@ def test_paged_matches_reference_per_sequence_on_gpu(monkeypatch, d, dv, page_si
 
     for var in ("FLASH_ATTN_CUTE_PAGED", "FLASH_ATTN_CUTE_HDIM_V", "FLASH_ATTN_CUTE_PACK_GQA"):
         monkeypatch.setenv(var, "1")
+    monkeypatch.setattr(interface, "_kernels", {})  # the kernels this call runs, loaded anew from the disk cache
     heads, heads_kv = 8, 2
     lens_q, lens_k = [1, 0, 77, 1, 300, 5], [500, 9, 77, 0, 300, 1000]
     q, k, v, kd, vd, cu_q, table, used_k = _paged_case(lens_q, lens_k, page_size, heads, heads_kv, d, "cuda",
@@ -332,6 +333,7 @@ def test_root_api_paged_calls_run_here_on_gpu(monkeypatch, causal):
 
     monkeypatch.setenv("FLASH_ATTN_CUTE_PAGED", "1")
     monkeypatch.setattr(dispatch, "_choice", {})  # (the dispatcher's choices are cached per kind of call)
+    monkeypatch.setattr(interface, "_kernels", {})  # the kernels this call runs, loaded anew from the disk cache
     heads, heads_kv, d, page = 8, 2, 128, 64
     lens_q, lens_k = [1, 77, 300, 5], [500, 77, 300, 1000]
     q, k, v, kd, vd, cu_q, table, _ = _paged_case(lens_q, lens_k, page, heads, heads_kv, d, "cuda", torch.bfloat16)
