@@ -4,8 +4,8 @@ key, the argument checks and the gate, the per-call choice of kernel and out's s
 (forward only), and the PTX (WGMMA N = Dv for P V, V's TMA boxes, ptxas clean). On a Hopper GPU (tests marked gpu):
 against the reference with every option, varlen, pack_gqa and the gradients (backward on the next backend).
 
-The kernel was written without a GPU (session 15): until its GPU tests here have passed, such calls run only with
-FLASH_ATTN_CUTE_HDIM_V=1."""
+The kernel was written without a GPU (session 15) and its GPU tests here passed in session 16; FLASH_ATTN_CUTE_HDIM_V=0
+turns such calls off (NotImplementedError)."""
 import collections
 import glob
 import os
@@ -69,10 +69,12 @@ def test_kernel_refuses_what_it_does_not_do():
 
 def test_checks_and_gate(monkeypatch):
     interface._check_dims(128, 128, 4, 2)
-    with pytest.raises(NotImplementedError, match="awaits its GPU tests; FLASH_ATTN_CUTE_HDIM_V=1"):
-        interface._check_dims(192, 128, 4, 2)
+    interface._check_dims(192, 128, 4, 2)  # on by default
     with pytest.raises(NotImplementedError, match=r"head dim of v \(128\) must equal that of q and k \(64\)"):
         interface._check_dims(64, 128, 4, 2)
+    monkeypatch.setenv("FLASH_ATTN_CUTE_HDIM_V", "0")
+    with pytest.raises(NotImplementedError, match="FLASH_ATTN_CUTE_HDIM_V=0 turned these calls off"):
+        interface._check_dims(192, 128, 4, 2)
     monkeypatch.setenv("FLASH_ATTN_CUTE_HDIM_V", "1")
     interface._check_dims(192, 128, 4, 2)
     for d, dv in [(64, 128), (128, 192), (192, 64), (256, 128)]:
@@ -100,7 +102,7 @@ def test_calls_select_the_kernel_and_shape_out(monkeypatch):
     q = torch.randn(2, 5, 8, 192, dtype=torch.bfloat16)
     k = torch.randn(2, 9, 2, 192, dtype=torch.bfloat16)
     v = torch.randn(2, 9, 2, 128, dtype=torch.bfloat16)
-    out, _ = interface.flash_attn_func(q, k, v, causal=True)
+    out, _ = interface.flash_attn_func(q, k, v, causal=True, pack_gqa=False)
     assert out.shape == (2, 5, 8, 128) and seen[-1][0] == "dv" and seen[-1][3] == (2, 5, 8, 128)
     assert seen[-1][4] == (9 * 2 * 128, 2 * 128, 128, 1)
     out, lse = interface.forward(q, k, v, 0.1, True)
@@ -126,8 +128,9 @@ def test_dispatcher_admits_the_pair_forward_only(monkeypatch):
         base = dict(device_type="cuda", dtype=torch.bfloat16, head_dim=d, head_dim_v=dv, arch=(9, 0))
         return Call(**{**base, **kw})
 
-    assert "awaits its GPU tests" in backend.unsupported_reason(call(192, 128))
-    monkeypatch.setenv("FLASH_ATTN_CUTE_HDIM_V", "1")
+    monkeypatch.setenv("FLASH_ATTN_CUTE_HDIM_V", "0")
+    assert "FLASH_ATTN_CUTE_HDIM_V=0 turned them off" in backend.unsupported_reason(call(192, 128))
+    monkeypatch.delenv("FLASH_ATTN_CUTE_HDIM_V")
     assert backend.unsupported_reason(call(192, 128)) is None
     assert backend.unsupported_reason(call(192, 128, varlen=True, causal=True)) is None
     assert "head dims 192/128" in backend.unsupported_reason(call(192, 128, backward=True))

@@ -4,8 +4,8 @@ the row mapping, the selection rules and cache key, the per-call choice of kerne
 PTX (one Q box per head, each into its own rows of the tile; ptxas clean). On a Hopper GPU (tests marked gpu):
 every option against the reference, dense and varlen.
 
-The packed kernel was written without a GPU (session 15): until its GPU tests here have passed,
-pack_gqa=True runs it only with FLASH_ATTN_CUTE_PACK_GQA=1 (interface._pack_group)."""
+The packed kernel was written without a GPU (session 15) and its GPU tests here passed in session 16;
+FLASH_ATTN_CUTE_PACK_GQA=0 runs every call unpacked (interface._pack_group; the same result)."""
 import glob
 import os
 import re
@@ -62,11 +62,9 @@ def test_packed_rows_cover_every_query_row_once(block_m, group, seqlen_q):
 
 
 def test_pack_group_rules(monkeypatch):
-    """pack_gqa=True packs H // Hk when that is one of _PACK_GROUPS and the packed kernel is switched on; None packs
-    it where _pack_helps (short query sequences, varlen); False, or the kernel off: unpacked."""
+    """pack_gqa=True packs H // Hk when that is one of _PACK_GROUPS (by default: FLASH_ATTN_CUTE_PACK_GQA=0 turns
+    the packed kernel off); None packs it where _pack_helps (short query sequences, varlen); False: unpacked."""
     assert interface._PACK_GROUPS == (2, 4, 8, 16)
-    assert interface._pack_group(True, 16, 2) == 1  # off until its GPU tests pass
-    monkeypatch.setenv("FLASH_ATTN_CUTE_PACK_GQA", "1")
     for h, hk, want in [(16, 2, 8), (8, 4, 2), (32, 8, 4), (16, 1, 16), (4, 4, 1), (12, 4, 1), (32, 1, 1),
                         (40, 8, 1)]:
         assert interface._pack_group(True, h, hk) == want, (h, hk)

@@ -5,8 +5,8 @@ and box rules, the config and cache key, whole calls with the kernel replaced by
 against the reference per sequence (seqused_q too), the argument checks, and the paged kernels' PTX (one box per page
 of a block, at its rows of the stage; ptxas clean). On a Hopper GPU (tests marked gpu): against the reference.
 
-The paged kernel was written without a GPU (session 15): until its GPU tests here have passed, page_table calls run
-only with FLASH_ATTN_CUTE_PAGED=1."""
+The paged kernel was written without a GPU (session 15) and its GPU tests here passed in session 16;
+FLASH_ATTN_CUTE_PAGED=0 turns page_table calls off (NotImplementedError; the dispatcher then serves them elsewhere)."""
 import glob
 import math
 import os
@@ -133,7 +133,7 @@ def _paged_case(lens_q, lens_k, page_size, heads, heads_kv, d, device="cpu", dty
 @pytest.mark.parametrize("page_size", [8, 16])
 @pytest.mark.parametrize("with_used_q", [False, True])
 def test_paged_calls_per_sequence(monkeypatch, causal, sink, page_size, with_used_q):
-    monkeypatch.setenv("FLASH_ATTN_CUTE_PAGED", "1")
+    monkeypatch.setenv("FLASH_ATTN_CUTE_PACK_GQA", "0")  # the unpacked paged kernel (None would pack these)
     monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")
     key = ((torch.float16, 64, causal, "sm_90a", False, False, True) + (("sink",) if sink else ())
            + ("paged", page_size))
@@ -166,9 +166,10 @@ def test_paged_argument_checks(monkeypatch):
     call = lambda **kw: interface.flash_attn_varlen_func(  # noqa: E731
         q, kw.pop("k", k), kw.pop("v", v), cu_q, kw.pop("cu_k", None), seqused_k=kw.pop("used_k", used_k),
         page_table=kw.pop("table", table), **kw)
-    with pytest.raises(NotImplementedError, match="FLASH_ATTN_CUTE_PAGED=1"):
+    monkeypatch.setenv("FLASH_ATTN_CUTE_PAGED", "0")
+    with pytest.raises(NotImplementedError, match="FLASH_ATTN_CUTE_PAGED=0 turned the paged kernel off"):
         call()
-    monkeypatch.setenv("FLASH_ATTN_CUTE_PAGED", "1")
+    monkeypatch.delenv("FLASH_ATTN_CUTE_PAGED")
     cases = [
         (dict(k=k[0]), ValueError, "k must be a 4-D tensor"),
         (dict(cu_k=cu_q), ValueError, "seqused_k"),
@@ -196,16 +197,17 @@ def test_paged_argument_checks(monkeypatch):
 
 
 def test_root_dispatcher_routes_paged_calls_here(monkeypatch):
-    """The root API's paged varlen forward (block_table) is served here once the paged kernel is switched on; its
+    """The root API's paged varlen forward (block_table) is served here unless FLASH_ATTN_CUTE_PAGED=0; its
     backward and ALiBi / dropout / probabilities go elsewhere."""
     from flash_attn.cute import backend
     from flash_attn.dispatch import Call
 
     call = Call(device_type="cuda", dtype=torch.bfloat16, head_dim=128, head_dim_v=128, arch=(9, 0), varlen=True,
                 paged=True, causal=True)
-    assert "FLASH_ATTN_CUTE_PAGED=1" in backend.unsupported_reason(call)
-    monkeypatch.setenv("FLASH_ATTN_CUTE_PAGED", "1")
     assert backend.unsupported_reason(call) is None
+    monkeypatch.setenv("FLASH_ATTN_CUTE_PAGED", "0")
+    assert "FLASH_ATTN_CUTE_PAGED=0 turned the paged kernel off" in backend.unsupported_reason(call)
+    monkeypatch.delenv("FLASH_ATTN_CUTE_PAGED")
     assert backend.unsupported_reason(call._replace(local=True, softcap=True)) is None
     assert backend.unsupported_reason(call._replace(backward=True)) == "backward with paged KV"
     for what in ("alibi", "dropout", "return_probs"):

@@ -5,8 +5,8 @@ empty parts and rows, the sink), the rules and config, whole calls with the kern
 its contract, and the PTX (fp32 O stores; ptxas clean). Varlen calls (flash_attn_varlen_func, with cu_seqlens_k or a
 page table, and seqused_q) the same way, per sequence. On a Hopper GPU (tests marked gpu): against the reference.
 
-The split kernel was written without a GPU (sessions 15 and 16): until its GPU tests here have passed, num_splits > 1
-runs it only with FLASH_ATTN_CUTE_SPLIT=1 (else the call runs unsplit: the same result)."""
+The split kernel was written without a GPU (sessions 15 and 16) and its GPU tests here passed in sessions 16-17;
+FLASH_ATTN_CUTE_SPLIT=0 runs every call unsplit (the same result)."""
 import collections
 import glob
 import math
@@ -97,9 +97,7 @@ def test_combine_matches_the_reference(causal, window, softcap, sink, bounds):
 
 
 def test_split_count_rules(monkeypatch):
-    assert interface._split_count(4) == 1  # off until its GPU tests pass
-    monkeypatch.setenv("FLASH_ATTN_CUTE_SPLIT", "1")
-    assert [interface._split_count(n) for n in (4, 2, 1, 0, -3)] == [4, 2, 1, 1, 1]
+    assert [interface._split_count(n) for n in (4, 2, 1, 0, -3)] == [4, 2, 1, 1, 1]  # on by default
     assert interface._split_count(torch.tensor(3)) == 3  # integer scalars of other types
     for bad in (2.0, True, "2"):
         with pytest.raises(ValueError, match="num_splits must be an int"):
@@ -114,8 +112,8 @@ def test_split_count_rules(monkeypatch):
     assert [interface._split_count(n, 32, 300, q) for n in (2, 3, 4, 64)] == [2, 3, 3, 3]
     assert interface._split_count(64, 32, 0, q) == interface._split_count(5, 1, 100, q) == 1
     assert interface._split_count(64) == 64  # no key count given: as asked
-    monkeypatch.setenv("FLASH_ATTN_CUTE_SPLIT", "0")
-    assert interface._split_count(0, 32, 8192, q) == 1
+    monkeypatch.setenv("FLASH_ATTN_CUTE_SPLIT", "0")  # the switch: every call unsplit
+    assert interface._split_count(0, 32, 8192, q) == interface._split_count(4) == 1
 
 
 @pytest.mark.parametrize("tiles,key_blocks,want", [
@@ -194,7 +192,7 @@ def _split_kernel_model(config):
 @pytest.mark.parametrize("num_splits", [2, 3, 9])
 def test_split_calls(monkeypatch, causal, window, softcap, sink, num_splits):
     """flash_attn_func(num_splits=n) runs the split kernel (its model here) and merges the parts into the
-    reference's out and lse; unsplit without the variable (the usual kernel)."""
+    reference's out and lse; unsplit with FLASH_ATTN_CUTE_SPLIT=0 (the usual kernel)."""
     monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")
     local = window != (-1, -1)
     key = (torch.float16, 64, causal and not local, "sm_90a", local, softcap > 0, "split")
@@ -211,9 +209,11 @@ def test_split_calls(monkeypatch, causal, window, softcap, sink, num_splits):
     v = torch.randn(2, 300, 2, 64, dtype=torch.float16)
     sink_t = torch.randn(4) if sink else None
     kw = dict(causal=causal, window_size=window, softcap=softcap, learnable_sink=sink_t)
+    monkeypatch.setenv("FLASH_ATTN_CUTE_PACK_GQA", "0")  # (5 queries, 2 heads per KV head: pack_gqa=None packs)
+    monkeypatch.setenv("FLASH_ATTN_CUTE_SPLIT", "0")
     interface.flash_attn_func(q, k, v, num_splits=num_splits, **kw)
     assert usual == [1]
-    monkeypatch.setenv("FLASH_ATTN_CUTE_SPLIT", "1")
+    monkeypatch.delenv("FLASH_ATTN_CUTE_SPLIT")
     out, lse = interface.flash_attn_func(q, k, v, num_splits=num_splits, return_lse=True, **kw)
     assert usual == [1] and out.dtype == torch.float16 and out.shape == q.shape
     ref_kw = dict(causal=causal, window_size=(window[0], 0 if causal else window[1]), softcap=softcap,
@@ -261,7 +261,7 @@ def _varlen_split_kernel_model(config):
 def test_varlen_split_calls_per_sequence(monkeypatch, causal, window, softcap, sink, num_splits, paged, with_used_q):
     """flash_attn_varlen_func(num_splits=n) runs the varlen split kernel (its model here: one part of each
     sequence's keys per entry) and merges the parts into the reference's out and lse per sequence (empty sequences,
-    sequences without keys, unused query rows, rows after the last sequence); unsplit without the variable."""
+    sequences without keys, unused query rows, rows after the last sequence); unsplit with FLASH_ATTN_CUTE_SPLIT=0."""
     monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")
     local = window != (-1, -1)
     page_size = 16 if paged else 0
@@ -295,9 +295,11 @@ def test_varlen_split_calls_per_sequence(monkeypatch, causal, window, softcap, s
     sink_t = torch.randn(H) if sink else None
     kw = dict(causal=causal, window_size=window, softcap=softcap, learnable_sink=sink_t, return_lse=True,
               seqused_q=torch.tensor(used_q, dtype=I32) if with_used_q else None, **keys)
+    monkeypatch.setenv("FLASH_ATTN_CUTE_PACK_GQA", "0")  # (short sequences, 2 heads per KV head: None packs)
+    monkeypatch.setenv("FLASH_ATTN_CUTE_SPLIT", "0")
     interface.flash_attn_varlen_func(q, k, v, cu_q, num_splits=num_splits, **kw)
     assert usual == [1]
-    monkeypatch.setenv("FLASH_ATTN_CUTE_SPLIT", "1")
+    monkeypatch.delenv("FLASH_ATTN_CUTE_SPLIT")
     out, lse = interface.flash_attn_varlen_func(q, k, v, cu_q, num_splits=num_splits, **kw)
     assert usual == [1] and out.dtype == torch.float16 and out.shape == q.shape and lse.shape == (H, q.shape[0])
     ref_kw = dict(causal=causal, window_size=(window[0], 0 if causal else window[1]), softcap=softcap,

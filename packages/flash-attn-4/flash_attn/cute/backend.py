@@ -79,8 +79,7 @@ def unsupported_reason(call):
 
         pair = (call.head_dim, call.head_dim_v) in _HEAD_DIM_PAIRS
         if pair and not _hdim_v_on():
-            return (f"head dims {call.head_dim}/{call.head_dim_v}: the kernel awaits its GPU tests "
-                    "(FLASH_ATTN_CUTE_HDIM_V=1 runs it)")
+            return f"head dims {call.head_dim}/{call.head_dim_v}: FLASH_ATTN_CUTE_HDIM_V=0 turned them off"
     if not pair and (call.head_dim not in head_dims or call.head_dim_v != call.head_dim):
         why = f"head dims {call.head_dim}/{call.head_dim_v} not in {head_dims} (equal for q/k and v)"
         if not call.backward and call.head_dim in _GATED_FWD_HEAD_DIMS and call.head_dim_v == call.head_dim:
@@ -92,7 +91,7 @@ def unsupported_reason(call):
         if call.backward:
             return "backward with paged KV"
         if not _paged_on():
-            return "paged KV (the paged kernel awaits its GPU tests; FLASH_ATTN_CUTE_PAGED=1 runs it)"
+            return "paged KV: FLASH_ATTN_CUTE_PAGED=0 turned the paged kernel off"
     for what in ("alibi", "dropout", "return_probs", "kvcache"):
         if getattr(call, what):
             return what

@@ -734,20 +734,21 @@ def _new_lse_scratch(index, B, H, Sq):
     return lse
 
 
-def _unverified_on(feature):
-    """Whether a kernel written without a GPU (session 15) may run: its variable FLASH_ATTN_CUTE_<feature> set (to
-    anything but 0 / false) until its GPU tests have passed. feature: PACK_GQA, HDIM_V, PAGED or SPLIT."""
-    return os.environ.get("FLASH_ATTN_CUTE_" + feature, "0") not in ("0", "false", "False")
+def _feature_on(feature):
+    """Whether a kernel feature runs (on unless its variable FLASH_ATTN_CUTE_<feature> is 0 / false: a switch to
+    tell a suspected kernel fault from a caller's). feature: PACK_GQA (off: unpacked), HDIM_V (off:
+    NotImplementedError), PAGED (off: NotImplementedError) or SPLIT (off: unsplit)."""
+    return os.environ.get("FLASH_ATTN_CUTE_" + feature, "1") not in ("0", "false", "False")
 
 
 def _paged_on():
-    """Whether paged calls (page_table) run (see _unverified_on)."""
-    return _unverified_on("PAGED")
+    """Whether paged calls (page_table) run (see _feature_on)."""
+    return _feature_on("PAGED")
 
 
 def _hdim_v_on():
-    """Whether calls with v's head dim != q's (_HEAD_DIM_PAIRS) run (see _unverified_on)."""
-    return _unverified_on("HDIM_V")
+    """Whether calls with v's head dim != q's (_HEAD_DIM_PAIRS) run (see _feature_on)."""
+    return _feature_on("HDIM_V")
 
 
 def _check_dims(D, Dv, H, Hk):
@@ -756,8 +757,8 @@ def _check_dims(D, Dv, H, Hk):
             raise NotImplementedError(f"head dim of v ({Dv}) must equal that of q and k ({D}), or the pair be one "
                                       f"of {sorted(_HEAD_DIM_PAIRS)}")
         if not _hdim_v_on():
-            raise NotImplementedError(f"head dim of v ({Dv}) != that of q and k ({D}): the kernel awaits its GPU "
-                                      "tests; FLASH_ATTN_CUTE_HDIM_V=1 runs it")
+            raise NotImplementedError(f"head dim of v ({Dv}) != that of q and k ({D}): FLASH_ATTN_CUTE_HDIM_V=0 "
+                                      "turned these calls off")
     if D not in _SUPPORTED_HEAD_DIMS:
         raise NotImplementedError(f"head dim {D} not in {_SUPPORTED_HEAD_DIMS}")
     if H % Hk != 0:
@@ -794,9 +795,8 @@ def _pack_helps(group, seqlen_q):
 def _pack_group(pack_gqa, H, Hk, seqlen_q=None):
     """The pack_gqa group of a call: H // Hk when the group is one of _PACK_GROUPS and pack_gqa is true, or None
     (FA4's "choose") and _pack_helps(group, seqlen_q) (varlen: the longest sequence's); else 1 (unpacked: pack_gqa only
-    changes how the work is tiled, not the result). 1 as well until the packed kernel's GPU tests have passed, unless
-    FLASH_ATTN_CUTE_PACK_GQA=1."""
-    if pack_gqa is False or H == Hk or not (pack_gqa or pack_gqa is None) or not _unverified_on("PACK_GQA"):
+    changes how the work is tiled, not the result). 1 as well with FLASH_ATTN_CUTE_PACK_GQA=0."""
+    if pack_gqa is False or H == Hk or not (pack_gqa or pack_gqa is None) or not _feature_on("PACK_GQA"):
         return 1
     group = H // Hk
     if group not in _PACK_GROUPS or (pack_gqa is None and not _pack_helps(group, seqlen_q)):
@@ -826,8 +826,7 @@ def _split_count(num_splits, tiles=0, seqlen_k=None, q=None):
     """The split-KV parts of a call: num_splits when > 1, at most one per 128-key block of the ``seqlen_k`` keys a
     tile sees (when given: more parts would be empty, and each costs its fp32 O); when <= 0 (FA4's "choose"),
     _choose_splits for the unsplit grid's ``tiles`` CTAs on the SMs of q's CUDA device (_device_sms); 1 without
-    those or when num_splits is 1. 1 as well until the split kernel's GPU tests (tests/test_cute_split.py) have
-    passed, unless FLASH_ATTN_CUTE_SPLIT=1. Splitting changes how the work is divided, not the result (beyond fp32
+    those or when num_splits is 1. 1 as well with FLASH_ATTN_CUTE_SPLIT=0. Splitting changes how the work is divided, not the result (beyond fp32
     rounding)."""
     try:
         if isinstance(num_splits, bool):
@@ -835,7 +834,7 @@ def _split_count(num_splits, tiles=0, seqlen_k=None, q=None):
         num_splits = operator.index(num_splits)  # ints, numpy / torch integer scalars
     except TypeError:
         raise ValueError(f"num_splits must be an int, got {type(num_splits).__name__}") from None
-    if num_splits == 1 or not _unverified_on("SPLIT"):
+    if num_splits == 1 or not _feature_on("SPLIT"):
         return 1
     if num_splits <= 0:
         sms = _device_sms(q) if tiles and seqlen_k and q is not None else None
@@ -897,10 +896,9 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=_NO_W
     query head, that join every softmax row as a term exp(sink) with no value (not scaled by
     softmax_scale; lse includes it, a row that sees no key gets out 0 and lse = sink); its gradient
     is computed when it requires one (see _SinkAttention). pack_gqa=True: the H / Hk query heads of each KV head
-    share the kernel's tiles (_pack_group: groups of 2, 4, 8 or 16, and while the packed kernel awaits its GPU
-    tests only with FLASH_ATTN_CUTE_PACK_GQA=1; else unpacked, the same result); None: packed where that fills the
-    tiles better (_pack_helps: short query sequences, decoding). num_splits > 1: split-KV (_forward_split; with
-    FLASH_ATTN_CUTE_SPLIT=1 while it awaits its GPU tests, else unsplit); num_splits <= 0: as many parts as fill the
+    share the kernel's tiles (_pack_group: groups of 2, 4, 8 or 16; other groups and FLASH_ATTN_CUTE_PACK_GQA=0 run
+    unpacked, the same result); None: packed where that fills the tiles better (_pack_helps: short query sequences,
+    decoding). num_splits > 1: split-KV (_forward_split; FLASH_ATTN_CUTE_SPLIT=0: unsplit); num_splits <= 0: as many parts as fill the
     GPU's SMs when the grid alone does not (_choose_splits), 1 otherwise. Returns (out, lse): out
     like q, lse fp32 (B, H, Sq) natural log (+inf for a row that sees no key) when return_lse or a
     gradient needs it, else None (as FA4; the kernel still writes it). When q, k or v needs a
@@ -1219,8 +1217,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_se
                              + ("(num_pages, page_size, Hk, D) with page_table" if want == 4 else "(total, H, D)"))
     if paged:
         if not _paged_on():
-            raise NotImplementedError("page_table: the paged kernel awaits its GPU tests; FLASH_ATTN_CUTE_PAGED=1 "
-                                      "runs it")
+            raise NotImplementedError("page_table: FLASH_ATTN_CUTE_PAGED=0 turned the paged kernel off")
         if cu_seqlens_k is not None or seqused_k is None:
             raise ValueError("page_table: give each sequence's key count as seqused_k (and cu_seqlens_k None)")
     if cu_seqlens_q is None or (cu_seqlens_k is None and not paged):
@@ -1278,7 +1275,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_se
                                                                           // page_size).view(-1, 1)
         pages_bad = (((page_table < 0) | (page_table >= num_pages)) & used_pages).sum()
     # the split rule and the cap on num_splits need the longest sequence's key count
-    choose = (splits > 1 or num_splits <= 0) and _unverified_on("SPLIT")
+    choose = (splits > 1 or num_splits <= 0) and _feature_on("SPLIT")
     keys_max = ((seqused_k if seqused_k is not None else lens_k).max() if batch else zero,) if choose else ()
     first_q, down_q, last_q, max_q, first_k, down_k, last_k, used_bad, used_q_bad, pages_bad, *max_k = torch.stack([
         cu_seqlens_q[0], (lens_q < 0).sum(), cu_seqlens_q[-1], lens_q.max() if batch else zero,
