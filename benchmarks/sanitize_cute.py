@@ -41,10 +41,9 @@ CASES = {
     "d128_sink": ("bf16", 128, 2, 300, 300, 4, 2, dict(causal=True, sink=True)),
     "d128_varlen_causal": ("bf16", 128, 0, 0, 0, 4, 2, dict(causal=True, varlen=[(300, 300), (0, 0), (129, 500),
                                                                                  (1, 77)])),
-    # pack_gqa: 8 and 4 query heads per KV head; the packed kernel runs with FLASH_ATTN_CUTE_PACK_GQA=1, and v's head
-    # dim 128 with q's 192 with FLASH_ATTN_CUTE_HDIM_V=1, paged K / V with FLASH_ATTN_CUTE_PAGED=1, split-KV with
-    # FLASH_ATTN_CUTE_SPLIT=1 (run_gpu.sh sets them; without them the pack_gqa and split cases expect and run the
-    # unpacked / unsplit kernels and the others are refused)
+    # pack_gqa: 8 and 4 query heads per KV head, v's head dim 128 with q's 192, paged K / V, split-KV (with
+    # FLASH_ATTN_CUTE_PACK_GQA=0 / FLASH_ATTN_CUTE_SPLIT=0 the pack_gqa and split cases expect and run the unpacked /
+    # unsplit kernels; with FLASH_ATTN_CUTE_HDIM_V=0 / FLASH_ATTN_CUTE_PAGED=0 the others are refused)
     "d128_causal_pack8": ("bf16", 128, 2, 37, 700, 16, 2, dict(causal=True, pack_gqa=True)),
     "d64_varlen_pack4_sink_window": ("bf16", 64, 0, 0, 0, 8, 2, dict(window_size=(100, 0), sink=True, pack_gqa=True,
                                                                     varlen=[(1, 300), (45, 45), (0, 9), (200, 260)])),

@@ -19,9 +19,8 @@ call: its choices are cached). On the H200 it is 1.21-1.39x the Triton backward
 (benchmarks/results/h200/attention_cute_bwd.md).
 
 Paged varlen forward calls (flash_attn_varlen_func's block_table; cu_seqlens_k then counts each sequence's keys)
-run the paged kernel (interface.forward_varlen with the page table, each sequence's key count as seqused_k) once
-it is switched on (FLASH_ATTN_CUTE_PAGED=1, until tests/test_cute_paged.py's GPU tests have passed; read when the
-dispatcher first sees a kind of call); a page size the kernel cannot box (see interface._paged_block_n) runs on
+run the paged kernel (interface.forward_varlen with the page table, each sequence's key count as seqused_k) unless
+FLASH_ATTN_CUTE_PAGED=0 (read when the dispatcher first sees a kind of call); a page size the kernel cannot box (see interface._paged_block_n) runs on
 the reference backend, the one that serves paged calls without it.
 """
 import os

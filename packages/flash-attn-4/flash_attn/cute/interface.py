@@ -165,16 +165,15 @@ _FWD_LONG = {(64, True): 3}
 # persistent kernel 521 / 600 / 630, with its TMA O 563 / 616 / 636. Causal at 1k: 390 / 335 / 363.
 _FWD_SHORT_PERSISTENT = frozenset({(128, False)})
 # pack_gqa (FlashFwdSm90's pack_gqa): the query heads per KV head that a 128-row tile packs (128 / g rows per
-# head, a multiple of the swizzle atom's 8 rows). The packed kernel was written without a GPU at hand (session
-# 15): pack_gqa=True runs it only with FLASH_ATTN_CUTE_PACK_GQA=1 until tests/test_cute_pack_gqa.py's GPU tests
-# have passed; otherwise the call runs unpacked (the same result).
+# head, a multiple of the swizzle atom's 8 rows). Written without a GPU at hand (session 15), GPU-tested in session 16
+# (tests/test_cute_pack_gqa.py); FLASH_ATTN_CUTE_PACK_GQA=0 runs every call unpacked (the same result).
 _PACK_GROUPS = (2, 4, 8, 16)
 # (head dim of q / k, head dim of v) pairs with Dv != D: DeepSeek's 192 / 128 (MLA without absorption, as FA3 /
-# FA4 serve it). Written without a GPU at hand as well (session 15): served only with FLASH_ATTN_CUTE_HDIM_V=1
-# until tests/test_cute_hdim_v.py's GPU tests have passed.
+# FA4 serve it). Written without a GPU at hand as well (session 15), GPU-tested in session 16
+# (tests/test_cute_hdim_v.py); FLASH_ATTN_CUTE_HDIM_V=0 refuses such calls.
 _HEAD_DIM_PAIRS = frozenset({(192, 128)})
-# Paged K / V (flash_attn_varlen_func's page_table): written without a GPU as well (session 15), served only with
-# FLASH_ATTN_CUTE_PAGED=1 until tests/test_cute_paged.py's GPU tests have passed.
+# Paged K / V (flash_attn_varlen_func's page_table): written without a GPU as well (session 15), GPU-tested in
+# session 16 (tests/test_cute_paged.py); FLASH_ATTN_CUTE_PAGED=0 refuses paged calls.
 
 
 def _paged_block_n(block_n, page_size):
