@@ -84,7 +84,7 @@ for step in $STEPS; do
         done ;;
     vsfa4) python benchmarks/vs_fa4.py --peer-pythonpath "${PEER_PYTHONPATH:?the released flash-attn-4 (bundle)}" \
                --control ${VS_ARGS:-} --out "$OUT/results" 2>&1 | tee "$OUT/vs_fa4.log" | tail -n 45 ;;
-    vsfa4decode) FLASH_ATTN_CUTE_PACK_GQA=1 FLASH_ATTN_CUTE_SPLIT=1 python benchmarks/vs_fa4.py --decode \
+    vsfa4decode) FLASH_ATTN_CUTE_PACK_GQA=auto FLASH_ATTN_CUTE_SPLIT=1 python benchmarks/vs_fa4.py --decode \
                --peer-pythonpath "${PEER_PYTHONPATH:?the released flash-attn-4 (bundle)}" --call num_splits=0 \
                --causal 0 ${VS_DECODE_ARGS:-} --out "$OUT/results" 2>&1 | tee "$OUT/vs_fa4_decode.log" | tail -n 20 ;;
     cute) bench bench_attention --backends cute --headdims 64,128 --seqlens 1024,4096,16384 "${peer[@]}" ;;
@@ -126,7 +126,7 @@ for step in $STEPS; do
         variants+=";both:pack_gqa=True,num_splits=0;rules:num_splits=0"
         for paged in 0 64; do
             timeout "${AB_TIMEOUT:-300}" python benchmarks/ab_cute_decode.py --paged $paged \
-                --env FLASH_ATTN_CUTE_PACK_GQA=1,FLASH_ATTN_CUTE_SPLIT=1,FLASH_ATTN_CUTE_PAGED=1 --variants "$variants" \
+                --env FLASH_ATTN_CUTE_PACK_GQA=auto,FLASH_ATTN_CUTE_SPLIT=1,FLASH_ATTN_CUTE_PAGED=1 --variants "$variants" \
                 ${DECODE_ARGS:-} 2>&1 | tee "$OUT/ab_cute_decode_paged$paged.log" | tail -n 14
         done ;;
     overhead) timeout 300 python benchmarks/bench_cute_overhead.py --no-cold 2>&1 | tee "$OUT/bench_cute_overhead.log" ;;

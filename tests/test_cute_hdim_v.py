@@ -107,9 +107,9 @@ def test_calls_select_the_kernel_and_shape_out(monkeypatch):
     assert seen[-1][4] == (9 * 2 * 128, 2 * 128, 128, 1)
     out, lse = interface.forward(q, k, v, 0.1, True)
     assert out.shape == (2, 5, 8, 128) and lse.shape == (2, 8, 5) and seen[-1][0] == "dv"
-    monkeypatch.setenv("FLASH_ATTN_CUTE_PACK_GQA", "1")
     interface.flash_attn_func(q, k, v, causal=True, pack_gqa=True)
     assert seen[-1][0] == "pack dv"
+    monkeypatch.setenv("FLASH_ATTN_CUTE_PACK_GQA", "auto")  # pack_gqa=None's rule (_pack_auto)
     cu = torch.tensor([0, 5], dtype=torch.int32)
     cu_k = torch.tensor([0, 9], dtype=torch.int32)
     out, _ = interface.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu_k, causal=True, pack_gqa=False)

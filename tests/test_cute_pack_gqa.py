@@ -63,13 +63,18 @@ def test_packed_rows_cover_every_query_row_once(block_m, group, seqlen_q):
 
 def test_pack_group_rules(monkeypatch):
     """pack_gqa=True packs H // Hk when that is one of _PACK_GROUPS (by default: FLASH_ATTN_CUTE_PACK_GQA=0 turns
-    the packed kernel off); None packs it where _pack_helps (short query sequences, varlen); False: unpacked."""
+    the packed kernel off); None packs it where _pack_helps (short query sequences, varlen) with
+    FLASH_ATTN_CUTE_PACK_GQA=auto, else not yet; False: unpacked."""
     assert interface._PACK_GROUPS == (2, 4, 8, 16)
     for h, hk, want in [(16, 2, 8), (8, 4, 2), (32, 8, 4), (16, 1, 16), (4, 4, 1), (12, 4, 1), (32, 1, 1),
                         (40, 8, 1)]:
         assert interface._pack_group(True, h, hk) == want, (h, hk)
     assert interface._pack_group(False, 16, 2) == interface._pack_group(False, 16, 2, 1) == 1
-    # None: packed where the packed tiles hold clearly more real rows (decoding, short or ragged lengths; varlen)
+    # None: unpacked until the rule is measured; with FLASH_ATTN_CUTE_PACK_GQA=auto packed where the packed tiles
+    # hold clearly more real rows (decoding, short or ragged lengths; varlen)
+    assert interface._pack_group(None, 16, 2, 1) == interface._pack_group(None, 16, 2) == 1
+    monkeypatch.setenv("FLASH_ATTN_CUTE_PACK_GQA", "auto")
+    assert interface._pack_group(True, 16, 2) == 8
     for sq, want in [(None, 8), (1, 8), (5, 8), (100, 8), (300, 8), (1024, 1), (4096, 1), (4000, 1), (129, 8)]:
         assert interface._pack_group(None, 16, 2, sq) == want, sq
     assert interface._pack_group(None, 12, 4, 1) == interface._pack_group(None, 8, 8, 1) == 1
@@ -137,7 +142,12 @@ def test_pack_gqa_selects_the_packed_kernel_per_call(monkeypatch):
 
     monkeypatch.setattr(interface, "fwd_kernel", fail)
     mk = lambda s, h, d: torch.randn(1, s, h, d, dtype=torch.bfloat16)  # noqa: E731
-    monkeypatch.setenv("FLASH_ATTN_CUTE_PACK_GQA", "1")
+    # by default pack_gqa=True packs and None does not (its rule awaits its A/B)
+    interface.flash_attn_func(mk(1, 16, 128), mk(500, 2, 128), mk(500, 2, 128), pack_gqa=True)
+    assert calls[-1] == ("pack", 8)
+    interface.flash_attn_func(mk(1, 16, 128), mk(500, 2, 128), mk(500, 2, 128))
+    assert calls[-1] == ("short",)
+    monkeypatch.setenv("FLASH_ATTN_CUTE_PACK_GQA", "auto")  # None's rule on
     cases = [  # (Sq, Sk, H, Hk, d, causal, kwargs, expected key tail)
         (1, 500, 16, 2, 128, False, dict(pack_gqa=True), ("pack", 8)),
         (3, 9000, 16, 2, 64, True, dict(pack_gqa=True), ("pack", 8)),  # not the long-key kernel

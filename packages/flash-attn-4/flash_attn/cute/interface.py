@@ -791,14 +791,22 @@ def _pack_helps(group, seqlen_q):
     return fill < _PACK_FILL * packed_fill
 
 
+def _pack_auto():
+    """Whether pack_gqa=None packs where _pack_helps says so: not yet (the rule awaits the decoding A/B of
+    benchmarks/ab_cute_decode.py: fewer CTAs per call may cost more than the fuller tiles save on a small grid), unless
+    FLASH_ATTN_CUTE_PACK_GQA=auto."""
+    return os.environ.get("FLASH_ATTN_CUTE_PACK_GQA") == "auto"
+
+
 def _pack_group(pack_gqa, H, Hk, seqlen_q=None):
     """The pack_gqa group of a call: H // Hk when the group is one of _PACK_GROUPS and pack_gqa is true, or None
-    (FA4's "choose") and _pack_helps(group, seqlen_q) (varlen: the longest sequence's); else 1 (unpacked: pack_gqa only
-    changes how the work is tiled, not the result). 1 as well with FLASH_ATTN_CUTE_PACK_GQA=0."""
+    (FA4's "choose"), _pack_auto() and _pack_helps(group, seqlen_q) (varlen: the longest sequence's); else 1
+    (unpacked: pack_gqa only changes how the work is tiled, not the result). 1 as well with
+    FLASH_ATTN_CUTE_PACK_GQA=0."""
     if pack_gqa is False or H == Hk or not (pack_gqa or pack_gqa is None) or not _feature_on("PACK_GQA"):
         return 1
     group = H // Hk
-    if group not in _PACK_GROUPS or (pack_gqa is None and not _pack_helps(group, seqlen_q)):
+    if group not in _PACK_GROUPS or (pack_gqa is None and not (_pack_auto() and _pack_helps(group, seqlen_q))):
         return 1
     return group
 
@@ -825,8 +833,8 @@ def _split_count(num_splits, tiles=0, seqlen_k=None, q=None):
     """The split-KV parts of a call: num_splits when > 1, at most one per 128-key block of the ``seqlen_k`` keys a
     tile sees (when given: more parts would be empty, and each costs its fp32 O); when <= 0 (FA4's "choose"),
     _choose_splits for the unsplit grid's ``tiles`` CTAs on the SMs of q's CUDA device (_device_sms); 1 without
-    those or when num_splits is 1. 1 as well with FLASH_ATTN_CUTE_SPLIT=0. Splitting changes how the work is divided, not the result (beyond fp32
-    rounding)."""
+    those or when num_splits is 1. 1 as well with FLASH_ATTN_CUTE_SPLIT=0. Splitting changes how the work is divided,
+    not the result (beyond fp32 rounding)."""
     try:
         if isinstance(num_splits, bool):
             raise TypeError
@@ -896,8 +904,9 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=_NO_W
     softmax_scale; lse includes it, a row that sees no key gets out 0 and lse = sink); its gradient
     is computed when it requires one (see _SinkAttention). pack_gqa=True: the H / Hk query heads of each KV head
     share the kernel's tiles (_pack_group: groups of 2, 4, 8 or 16; other groups and FLASH_ATTN_CUTE_PACK_GQA=0 run
-    unpacked, the same result); None: packed where that fills the tiles better (_pack_helps: short query sequences,
-    decoding). num_splits > 1: split-KV (_forward_split; FLASH_ATTN_CUTE_SPLIT=0: unsplit); num_splits <= 0: as many parts as fill the
+    unpacked, the same result); None: unpacked for now (with FLASH_ATTN_CUTE_PACK_GQA=auto packed where that fills
+    the tiles better, _pack_helps: short query sequences, decoding). num_splits > 1: split-KV (_forward_split;
+    FLASH_ATTN_CUTE_SPLIT=0: unsplit); num_splits <= 0: as many parts as fill the
     GPU's SMs when the grid alone does not (_choose_splits), 1 otherwise. Returns (out, lse): out
     like q, lse fp32 (B, H, Sq) natural log (+inf for a row that sees no key) when return_lse or a
     gradient needs it, else None (as FA4; the kernel still writes it). When q, k or v needs a
@@ -1206,7 +1215,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_se
     page_table (paged K / V): k / v (num_pages, page_size, Hk, D), page_table int32 (B, max_pages): sequence b's
     keys are the first seqused_k[b] rows of its pages page_table[b, 0], page_table[b, 1], ... in order (give
     seqused_k, not cu_seqlens_k; page_size a multiple of 8, see _paged_block_n). Forward only. num_splits, pack_gqa:
-    as flash_attn_func's (pack_gqa None: _pack_helps for the longest sequence's length;
+    as flash_attn_func's (pack_gqa None with FLASH_ATTN_CUTE_PACK_GQA=auto: _pack_helps for the longest sequence's
+    length;
     num_splits <= 0 reads the longest sequence's key count in the call's one sync)."""
     paged = page_table is not None
     for name, t in (("q", q), ("k", k), ("v", v)):
