@@ -20,8 +20,8 @@ call: its choices are cached). On the H200 it is 1.21-1.39x the Triton backward
 
 Paged varlen forward calls (flash_attn_varlen_func's block_table; cu_seqlens_k then counts each sequence's keys)
 run the paged kernel (interface.forward_varlen with the page table, each sequence's key count as seqused_k) unless
-FLASH_ATTN_CUTE_PAGED=0 (read when the dispatcher first sees a kind of call); a page size the kernel cannot box (see interface._paged_block_n) runs on
-the reference backend, the one that serves paged calls without it.
+FLASH_ATTN_CUTE_PAGED=0 (read when the dispatcher first sees a kind of call); a page size the kernel cannot box
+(see interface._paged_block_n) runs on the reference backend, the one that serves paged calls without it.
 """
 import os
 

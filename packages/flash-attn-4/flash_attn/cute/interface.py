@@ -803,10 +803,12 @@ def _pack_group(pack_gqa, H, Hk, seqlen_q=None):
     (FA4's "choose"), _pack_auto() and _pack_helps(group, seqlen_q) (varlen: the longest sequence's); else 1
     (unpacked: pack_gqa only changes how the work is tiled, not the result). 1 as well with
     FLASH_ATTN_CUTE_PACK_GQA=0."""
-    if pack_gqa is False or H == Hk or not (pack_gqa or pack_gqa is None) or not _feature_on("PACK_GQA"):
+    if pack_gqa is False or H == Hk or not (pack_gqa or pack_gqa is None):
+        return 1
+    if not (_pack_auto() if pack_gqa is None else _feature_on("PACK_GQA")):  # one variable read per call
         return 1
     group = H // Hk
-    if group not in _PACK_GROUPS or (pack_gqa is None and not (_pack_auto() and _pack_helps(group, seqlen_q))):
+    if group not in _PACK_GROUPS or (pack_gqa is None and not _pack_helps(group, seqlen_q)):
         return 1
     return group
 
@@ -1216,8 +1218,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_se
     keys are the first seqused_k[b] rows of its pages page_table[b, 0], page_table[b, 1], ... in order (give
     seqused_k, not cu_seqlens_k; page_size a multiple of 8, see _paged_block_n). Forward only. num_splits, pack_gqa:
     as flash_attn_func's (pack_gqa None with FLASH_ATTN_CUTE_PACK_GQA=auto: _pack_helps for the longest sequence's
-    length;
-    num_splits <= 0 reads the longest sequence's key count in the call's one sync)."""
+    length; num_splits <= 0 reads the longest sequence's key count in the call's one sync)."""
     paged = page_table is not None
     for name, t in (("q", q), ("k", k), ("v", v)):
         want = 4 if paged and name != "q" else 3
