@@ -133,7 +133,7 @@ def _paged_case(lens_q, lens_k, page_size, heads, heads_kv, d, device="cpu", dty
 @pytest.mark.parametrize("page_size", [8, 16])
 @pytest.mark.parametrize("with_used_q", [False, True])
 def test_paged_calls_per_sequence(monkeypatch, causal, sink, page_size, with_used_q):
-    monkeypatch.setenv("FLASH_ATTN_CUTE_PACK_GQA", "0")  # the unpacked paged kernel (None would pack these)
+    monkeypatch.setenv("FLASH_ATTN_CUTE_PACK_GQA", "0")  # the unpacked paged kernel (=auto would pack these)
     monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")
     key = ((torch.float16, 64, causal, "sm_90a", False, False, True) + (("sink",) if sink else ())
            + ("paged", page_size))

@@ -5,7 +5,8 @@ empty parts and rows, the sink), the rules and config, whole calls with the kern
 its contract, and the PTX (fp32 O stores; ptxas clean). Varlen calls (flash_attn_varlen_func, with cu_seqlens_k or a
 page table, and seqused_q) the same way, per sequence. On a Hopper GPU (tests marked gpu): against the reference.
 
-The split kernel was written without a GPU (sessions 15 and 16) and its GPU tests here passed in sessions 16-17;
+The split kernel was written without a GPU (sessions 15 and 16); its GPU tests here passed in session 16 (18 cases
+failed only at a check of the test, fixed since, not yet rerun);
 FLASH_ATTN_CUTE_SPLIT=0 runs every call unsplit (the same result)."""
 import collections
 import glob
@@ -209,7 +210,7 @@ def test_split_calls(monkeypatch, causal, window, softcap, sink, num_splits):
     v = torch.randn(2, 300, 2, 64, dtype=torch.float16)
     sink_t = torch.randn(4) if sink else None
     kw = dict(causal=causal, window_size=window, softcap=softcap, learnable_sink=sink_t)
-    monkeypatch.setenv("FLASH_ATTN_CUTE_PACK_GQA", "0")  # (5 queries, 2 heads per KV head: pack_gqa=None packs)
+    monkeypatch.setenv("FLASH_ATTN_CUTE_PACK_GQA", "0")  # (pack_gqa=None would pack these under =auto)
     monkeypatch.setenv("FLASH_ATTN_CUTE_SPLIT", "0")
     interface.flash_attn_func(q, k, v, num_splits=num_splits, **kw)
     assert usual == [1]
@@ -295,7 +296,7 @@ def test_varlen_split_calls_per_sequence(monkeypatch, causal, window, softcap, s
     sink_t = torch.randn(H) if sink else None
     kw = dict(causal=causal, window_size=window, softcap=softcap, learnable_sink=sink_t, return_lse=True,
               seqused_q=torch.tensor(used_q, dtype=I32) if with_used_q else None, **keys)
-    monkeypatch.setenv("FLASH_ATTN_CUTE_PACK_GQA", "0")  # (short sequences, 2 heads per KV head: None packs)
+    monkeypatch.setenv("FLASH_ATTN_CUTE_PACK_GQA", "0")  # (None would pack these under =auto)
     monkeypatch.setenv("FLASH_ATTN_CUTE_SPLIT", "0")
     interface.flash_attn_varlen_func(q, k, v, cu_q, num_splits=num_splits, **kw)
     assert usual == [1]
