@@ -326,3 +326,32 @@ def test_triton_makes_none_a_constexpr():
 
     for specialize in (True, False):
         assert native_specialize_impl(BaseBackend, None, False, specialize, True) == ("constexpr", None)
+
+
+def test_rocm_takes_tritons_path_every_call(monkeypatch):
+    # On a ROCm build of torch the fast path is off: each launch goes through Triton's own binder.
+    monkeypatch.setattr(_launch, "_INTERPRET", False)
+    monkeypatch.setattr(_launch, "_HIP", True)
+    kernel = _FakeKernel(len(DNS), DNS)
+    launcher = _launch.Launcher(kernel)
+    assert not launcher.enabled
+    args = _args()
+    for _ in range(3):
+        launcher((3, 2), args, dict(BLOCK=64, num_warps=4), object())
+    assert [kind for kind, _ in kernel.log] == ["slow"] * 3
+
+
+def test_amd_backend_specialises_on_storage_size():
+    # Why ROCm has no fast path: Triton's AMD backend marks a tensor whose storage fits 2 GiB for 32-bit buffer
+    # offsets, a specialisation the key does not hold (a kernel compiled for a small tensor would address a
+    # larger one wrongly).
+    amd = pytest.importorskip("triton.backends.amd.compiler")
+    from triton import knobs
+
+    if not knobs.amd.use_buffer_ops:
+        pytest.skip("AMDGCN_USE_BUFFER_OPS is off in this environment")
+    small = torch.empty(64, dtype=torch.float16)
+    big = types.SimpleNamespace(data_ptr=small.data_ptr, dtype=small.dtype, ptr_range=lambda: 1 << 32)
+    spec = amd.HIPBackend.get_tensor_specialization
+    assert "S" in spec(small, align=True) and "S" not in spec(big, align=True)
+    assert _key(_args(t0=small)) == _key(_args(t0=torch.empty(1 << 20, dtype=torch.float16)[:64]))

@@ -23,9 +23,10 @@ divisible by 16; a float is always fp32):
 Which argument positions hold tensors, specialised ints, unspecialised ints and floats is learnt per
 ``plan_key`` on the first call; a call whose arguments do not fit that layout (or any first call with
 arguments of another kind, such as a bool) takes Triton's own path. So does every call under the
-interpreter, with a launch hook installed (a profiler), with pre-run hooks on the kernel, or on a Triton
-without these internals. Knobs that change compile options (TRITON_DEBUG, instrumentation modes) are
-seen by Triton's own path only: set them before a kernel's first launch.
+interpreter, on ROCm (``_HIP``: the AMD backend also specialises on a tensor's storage size), with a launch
+hook installed (a profiler), with pre-run hooks on the kernel, or on a Triton without these internals. Knobs
+that change compile options (TRITON_DEBUG, instrumentation modes) are seen by Triton's own path only: set them
+before a kernel's first launch.
 
 Pointer arguments may be None (optional inputs and outputs), where the kernel's parameter has no type
 annotation: Triton then types the argument as a constexpr (``native_specialize_impl(None)`` is
@@ -52,6 +53,10 @@ except ImportError:  # older Triton: no fast path
 
 _MAX_ENTRIES = 4096
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# ROCm builds of torch: Triton's AMD backend specialises a tensor on more than the key holds (a storage of at most
+# 2 GiB is marked for 32-bit buffer offsets, "tt.pointer_range"), so a kernel compiled for small tensors must not be
+# relaunched on a larger one: there every launch takes Triton's own path.
+_HIP = getattr(torch.version, "hip", None) is not None
 _I32_LO, _I32_HI = -(1 << 31), 1 << 31
 _I64_LO, _I64_HI = -(1 << 63), 1 << 63
 
@@ -195,7 +200,7 @@ class Launcher:
         self.cache = {}  # (plan_key, device, spec_key part) -> (launcher, function, packed metadata, tail)
         self.layouts = {}  # plan_key -> Layout, or None when the fast path cannot serve the plan
         params = getattr(kernel, "params", None)
-        self.enabled = (not _INTERPRET and _knobs is not None and params is not None
+        self.enabled = (not _INTERPRET and not _HIP and _knobs is not None and params is not None
                         and hasattr(kernel, "device_caches"))
         if not self.enabled:
             return

@@ -1,0 +1,163 @@
+"""Compile every Triton attention kernel the backend launches on an AMD GPU, for a ROCm target, on a machine
+without one: LDS (shared memory), registers and scratch (spills) per kernel.
+
+A stand-in for Triton's active driver reports the target (gfx942 = MI300, gfx90a = MI200), and every launch
+compiles instead of running (Triton's own ``warmup`` path), so the calls below take the backend's real host code
+with the configs a ROCm device gets (``backend._arch`` -> ``_configs.HIP_ARCH``) on CPU tensors. Their outputs are
+never computed: this checks what the hardware would be asked to run, not the numbers (no AMD GPU here).
+
+    python benchmarks/triton_rocm_compile.py [--arch gfx942] [--json]
+
+Prints one row per (case, kernel): VGPRs, AGPRs, scratch bytes per lane, occupancy (waves per SIMD) and LDS
+bytes; the exit status is 1 when a kernel needs more LDS than the target has (64 KiB) or spills.
+"""
+import argparse
+import json
+import re
+import sys
+
+import torch
+
+LDS_BYTES = {"gfx90a": 65536, "gfx942": 65536, "gfx950": 163840}
+
+
+class _Driver:
+    """What Triton's JIT asks its active driver for when it compiles (a ROCm device's answers)."""
+
+    def __init__(self, arch):
+        from triton.backends.compiler import GPUTarget
+
+        self.target = GPUTarget("hip", arch, 64)
+
+    def is_active(self):
+        return True
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+
+def _stat(asm, key):
+    m = re.search(r";\s*%s:\s*(\d+)" % key, asm)
+    return int(m.group(1)) if m else None
+
+
+def compile_all(arch):
+    """Run the cases with every launch compiled for ``arch``; returns the rows (dicts)."""
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
+    driver.set_active(_Driver(arch))
+    rows, case = [], [None]
+    run = JITFunction.run
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
+        asm = kernel.asm["amdgcn"]
+        rows.append(dict(arch=arch, case=case[0], kernel=self.fn.__name__, vgpr=_stat(asm, "NumVgprs"),
+                         agpr=_stat(asm, "NumAgprs"), scratch=_stat(asm, "ScratchSize"),
+                         occupancy=_stat(asm, "Occupancy"), lds=kernel.metadata.shared,
+                         warps=kernel.metadata.num_warps))
+        return kernel
+
+    JITFunction.run = compile_only
+    from flash_attn.triton import _configs, _launch, backend
+
+    _launch._INTERPRET = True  # every launch through Triton's path (the fast relaunch is off on ROCm as well)
+    backend._arch = lambda device: _configs.HIP_ARCH  # what a ROCm device gets (CPU tensors give None)
+    g = torch.Generator().manual_seed(0)
+
+    def attention(name, D, dtype, causal=False, varlen=False, deterministic=False, features=False, probs=False):
+        case[0] = name
+        B, S, H, Hk = 2, 200, 4, 2
+        q, k, v = (torch.randn(B, S, h, D, generator=g).to(dtype) for h in (H, Hk, Hk))
+        kw = dict(cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=S, max_seqlen_k=S, block_table=None,
+                  softmax_scale=D ** -0.5, causal=causal, window_left=-1, window_right=0 if causal else -1,
+                  softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None)
+        if varlen:
+            q, k, v = (t.reshape(-1, *t.shape[2:]) for t in (q, k, v))
+            cu = torch.tensor([0, 77, 2 * S], dtype=torch.int32)
+            kw.update(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=2 * S - 77, max_seqlen_k=2 * S - 77)
+        if features:
+            kw.update(window_left=40, window_right=0 if causal else 9, softcap=30.0, alibi_slopes=torch.rand(H),
+                      dropout_p=0.1, rng_state=torch.tensor([1, 2], dtype=torch.int64))
+        out, lse, _ = backend.fwd(q, k, v, return_probs=probs, **kw)
+        backend.bwd(torch.randn_like(out), q, k, v, out, lse, deterministic=deterministic, **kw)
+
+    def kvcache(name, D, rows_q, paged, splits):
+        case[0] = name
+        B, Hk, G, S = 2, 2, 4, 512
+        q = torch.randn(B, rows_q, Hk * G, D, generator=g).to(torch.bfloat16)
+        table = None
+        if paged:
+            kc = torch.randn(8, 256, Hk, D, generator=g).to(torch.bfloat16)
+            table = torch.arange(8, dtype=torch.int32).reshape(B, 4)
+        else:
+            kc = torch.randn(B, 1024, Hk, D, generator=g).to(torch.bfloat16)
+        knew = torch.randn(B, 3, Hk, D, generator=g).to(torch.bfloat16)
+        cos, sin = torch.randn(2, S + 8, D // 2, generator=g).unbind(0)
+        backend.fwd_kvcache(q, kc, kc.clone(), k=knew, v=knew.clone(), rotary_cos=cos, rotary_sin=sin,
+                            cache_seqlens=torch.tensor([300, 17], dtype=torch.int32), cache_batch_idx=None,
+                            cache_leftpad=None, block_table=table, softmax_scale=D ** -0.5, causal=True,
+                            window_left=-1, window_right=0, softcap=0.0, rotary_interleaved=False,
+                            alibi_slopes=None, num_splits=splits)
+
+    bf, fp = torch.bfloat16, torch.float16
+    attention("d32 plain", 32, bf)
+    attention("d40 varlen, every feature, probs", 40, fp, varlen=True, features=True, probs=True)
+    attention("d64 causal", 64, bf, causal=True)
+    attention("d64 deterministic, every feature", 64, bf, deterministic=True, features=True)
+    attention("d96 causal varlen, every feature", 96, bf, causal=True, varlen=True, features=True)
+    attention("d128 causal", 128, bf, causal=True)
+    attention("d128 deterministic", 128, fp, deterministic=True)
+    attention("d128 causal deterministic, every feature", 128, bf, causal=True, deterministic=True, features=True)
+    attention("d256 causal", 256, bf, causal=True)
+    attention("d256 varlen deterministic, every feature", 256, bf, varlen=True, deterministic=True, features=True)
+    kvcache("kvcache d128 decode, paged, split", 128, 1, True, 4)
+    kvcache("kvcache d256 decode", 256, 2, False, 1)
+    kvcache("kvcache d128 prompt", 128, 40, False, 1)
+    kvcache("kvcache d256 prompt, paged", 256, 40, True, 1)
+    JITFunction.run = run
+    return rows
+
+
+def problems(rows):
+    """The rows' faults: more LDS than the target has, or scratch (spills)."""
+    out = []
+    for r in rows:
+        if r["lds"] > LDS_BYTES.get(r["arch"], 65536):
+            out.append(f"{r['case']}: {r['kernel']} needs {r['lds']} bytes of LDS on {r['arch']}")
+        if r["scratch"]:
+            out.append(f"{r['case']}: {r['kernel']} spills ({r['scratch']} bytes of scratch a lane) on {r['arch']}")
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", default="gfx942")
+    ap.add_argument("--json", action="store_true", help="one JSON list on stdout instead of the table")
+    a = ap.parse_args()
+    rows = compile_all(a.arch)
+    if a.json:
+        print(json.dumps(rows))
+    else:
+        print("| case | kernel | VGPRs | AGPRs | scratch | waves/SIMD | LDS |\n|---|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['case']} | {r['kernel']} | {r['vgpr']} | {r['agpr']} | {r['scratch']} | {r['occupancy']} "
+                  f"| {r['lds']} |")
+    bad = problems(rows)
+    for p in bad:
+        print(p, file=sys.stderr)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
