@@ -2,8 +2,9 @@
 call does no timing runs and no host syncs, and every shape of a kind reuses one compiled kernel.
 
 The sm_90 entries come from sweeping candidates on an H200 in bf16 (``benchmarks/bench_attention.py
---tune``); other GPUs (and AMD, untested) get the conservative sm_80 entries. Under TRITON_INTERPRET
-small blocks keep the interpreter fast and make small test shapes span several blocks.
+--tune``); other NVIDIA GPUs get the conservative sm_80 entries, AMD GPUs (untested) entries that fit their
+64 KiB of LDS (HIP_ARCH). Under TRITON_INTERPRET small blocks keep the interpreter fast and make small test
+shapes span several blocks.
 """
 from __future__ import annotations
 
@@ -102,12 +103,30 @@ _BWD = {
 }
 
 
+# ROCm devices (backend._arch gives them HIP_ARCH). Chosen without an AMD GPU at hand, so untimed: per padded head
+# dim, tiles whose kernels compile for gfx90a and gfx942 (MI200 / MI300) within their 64 KiB of LDS per workgroup
+# and without scratch (register spills) in every call of `python benchmarks/triton_rocm_compile.py` (plain and with
+# every feature, causal or not, deterministic or not, varlen, kvcache; tests/test_triton_rocm_compile.py on every
+# commit), AMD's customary 128 x 64 forward tile where it fits. The larger candidates fail some of those calls:
+# the sm_80 entries (the d256 forward takes 72 KiB of LDS on gfx942, the d64-d128 backwards spill), 64 x 64
+# backward steps with two stages at d64 (216-1096 bytes of scratch), 32 x 64 ones at d128 (20).
+HIP_ARCH = (0, 0)
+_FWD[("hip", 32, False)] = FwdConfig(128, 64, 4, 2)
+_FWD[("hip", 64, False)] = FwdConfig(128, 64, 4, 1)
+_FWD[("hip", 128, False)] = FwdConfig(128, 64, 4, 1)
+_FWD[("hip", 256, False)] = FwdConfig(64, 64, 4, 1)
+_BWD[("hip", 32, False)] = BwdConfig(32, 64, 4, 1, 64, 32, 4, 1, True)
+_BWD[("hip", 64, False)] = BwdConfig(32, 32, 4, 1, 32, 32, 4, 1, True)
+_BWD[("hip", 128, False)] = BwdConfig(32, 32, 4, 1, 32, 32, 4, 1, True)
+_BWD[("hip", 256, False)] = BwdConfig(16, 32, 4, 1, 32, 16, 4, 1, True)
+
+
 def padded_dim(d: int) -> int:
     return max(32, 1 << (d - 1).bit_length())
 
 
 def _lookup(table, arch, d, causal):
-    major = 9 if arch is not None and arch[0] >= 9 else 8
+    major = "hip" if arch == HIP_ARCH else 9 if arch is not None and arch[0] >= 9 else 8
     for c in (causal, False):
         cfg = table.get((major, d, c))
         if cfg is not None:

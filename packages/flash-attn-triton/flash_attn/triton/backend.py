@@ -95,9 +95,14 @@ _NO_WINDOW = 1 << 30
 
 
 def _arch(device):
-    # ROCm reports gfx versions through the same call (MI300: (9, 4)); they must not pick the sm_90 table.
-    if device.type != "cuda" or torch.version.hip is not None:
+    # ROCm reports gfx versions through the same call (MI300: (9, 4)); they must not pick the sm_90 table, and
+    # take the entries that fit AMD's 64 KiB of LDS (_configs.HIP_ARCH).
+    if device.type != "cuda":
         return None
+    if torch.version.hip is not None:
+        from ._configs import HIP_ARCH
+
+        return HIP_ARCH
     return _ARCH.get(device.index) or _ARCH.setdefault(device.index, torch.cuda.get_device_capability(device))
 
 
