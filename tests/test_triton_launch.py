@@ -335,9 +335,9 @@ def test_rocm_takes_tritons_path_every_call(monkeypatch):
     kernel = _FakeKernel(len(DNS), DNS)
     launcher = _launch.Launcher(kernel)
     assert not launcher.enabled
-    args = _args()
+    args, plan = _args(), object()
     for _ in range(3):
-        launcher((3, 2), args, dict(BLOCK=64, num_warps=4), object())
+        launcher((3, 2), args, dict(BLOCK=64, num_warps=4), plan)  # the same plan: relaunched fast elsewhere
     assert [kind for kind, _ in kernel.log] == ["slow"] * 3
 
 
