@@ -4,7 +4,8 @@ without one: LDS (shared memory), registers and scratch (spills) per kernel.
 A stand-in for Triton's active driver reports the target (gfx942 = MI300, gfx90a = MI200), and every launch
 compiles instead of running (Triton's own ``warmup`` path), so the calls below take the backend's real host code
 with the configs a ROCm device gets (``backend._arch`` -> ``_configs.HIP_ARCH``) on CPU tensors. Their outputs are
-never computed: this checks what the hardware would be asked to run, not the numbers (no AMD GPU here).
+never computed: this checks what the hardware would be asked to run, not the numbers (no AMD GPU here). The
+fused ops' kernels (LayerNorm / RMSNorm, rotary, cross entropy, activations) are compiled the same way.
 
     python benchmarks/triton_rocm_compile.py [--arch gfx942] [--json]
 
@@ -125,6 +126,35 @@ def compile_all(arch):
     kvcache("kvcache d256 decode", 256, 2, False, 1)
     kvcache("kvcache d128 prompt", 128, 40, False, 1)
     kvcache("kvcache d256 prompt, paged", 256, 40, True, 1)
+
+    # the fused ops' kernels (flash_attn.ops.triton), on their Triton paths as on a ROCm device
+    import flash_attn.ops.triton as ops_triton
+    from flash_attn.ops.activations import bias_act, gated_act
+    from flash_attn.ops.triton import layer_norm as ln
+    from flash_attn.ops.triton.cross_entropy import cross_entropy_loss
+    from flash_attn.ops.triton.rotary import apply_rotary
+
+    ops_triton.triton_runs_on = lambda device: True
+    ln._HIP = True
+
+    def op(name, fn, *shape):
+        case[0] = name
+        x = torch.randn(*shape, generator=g).to(bf).requires_grad_()
+        fn(x).float().sum().backward()
+
+    for n in (1024, 8192, 16384):
+        op(f"LayerNorm {n}", lambda x: ln.layer_norm_fn(x, torch.ones(x.shape[1], requires_grad=True),
+                                                          torch.zeros(x.shape[1], requires_grad=True)), 64, n)
+        op(f"RMSNorm {n}, residual, dropout", lambda x: ln.rms_norm_fn(
+            x, torch.ones(x.shape[1], requires_grad=True), None, residual=torch.randn_like(x), dropout_p=0.1),
+           64, n)
+    op("rotary", lambda x: apply_rotary(x.detach(), *torch.randn(2, 128, 32, generator=g).unbind(0)).requires_grad_(),
+       2, 100, 4, 128)
+    op("cross entropy, smoothing, z-loss", lambda x: cross_entropy_loss(
+        x, torch.randint(0, x.shape[1], (x.shape[0],), generator=g), label_smoothing=0.1,
+        lse_square_scale=1e-4)[0], 16, 50264)
+    op("bias GELU", lambda x: bias_act(x, torch.zeros(x.shape[1], dtype=bf, requires_grad=True)), 64, 4096)
+    op("SwiGLU", lambda x: gated_act(x, torch.randn_like(x), "silu"), 64, 4096)
     JITFunction.run = run
     return rows
 

@@ -1,7 +1,7 @@
-"""The Triton attention backend on AMD GPUs, checked without one: every kernel a ROCm device would be asked to
-run (the backend's host code with the configs ROCm gets) compiles for gfx942 (MI300) and gfx90a (MI200) within
-their 64 KiB of LDS and without register spills (benchmarks/triton_rocm_compile.py), and a ROCm device selects
-those configs. Numbers are not checked: no AMD GPU here (the README says AMD is untested)."""
+"""The Triton attention backend and the fused ops on AMD GPUs, checked without one: every kernel a ROCm device
+would be asked to run (the host code with the configs ROCm gets) compiles for gfx942 (MI300) and gfx90a (MI200)
+within their 64 KiB of LDS and without register spills (benchmarks/triton_rocm_compile.py), and a ROCm device
+selects those configs. Numbers are not checked: no AMD GPU here (the README says AMD is untested)."""
 import json
 import os
 import subprocess
@@ -16,7 +16,11 @@ from flash_attn.triton import _configs, backend  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KERNELS = {"_attn_fwd_kernel", "_bwd_preprocess_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel", "_kvcache_prep_kernel",
-           "_kvcache_attn_kernel", "_kvcache_combine_kernel"}
+           "_kvcache_attn_kernel", "_kvcache_combine_kernel",
+           # the fused ops (flash_attn.ops.triton)
+           "_ln_fwd_kernel", "_ln_bwd_kernel", "_ln_bwd_reduce_kernel", "_rotary_kernel", "_ce_partial_kernel",
+           "_ce_finish_kernel", "_ce_bwd_flat_kernel", "_bias_act_fwd_kernel", "_bias_act_bwd_kernel",
+           "_gated_fwd_kernel", "_gated_bwd_kernel"}
 
 
 def test_rocm_device_takes_the_hip_configs(monkeypatch):
@@ -52,7 +56,21 @@ def test_every_kernel_compiles_for_mi300_and_mi200_within_lds_without_spills(tmp
         rows = json.loads(out.strip().splitlines()[-1])
         assert {r["arch"] for r in rows} == {arch}
         assert {r["kernel"] for r in rows} == KERNELS
-        assert len({r["case"] for r in rows}) == 14
+        assert len({r["case"] for r in rows}) == 24
         for r in rows:
-            assert 0 < r["lds"] <= 65536 or r["kernel"] == "_kvcache_prep_kernel", r
-            assert r["scratch"] == 0 and r["vgpr"] <= 512, r
+            assert r["lds"] <= 65536 and r["scratch"] == 0 and r["vgpr"] <= 512 and r["warps"] <= 16, r
+
+
+def test_rocm_layer_norm_backward_without_register_cap(monkeypatch):
+    # Triton's AMD backend has no maxnreg launch option (a launch with it raises KeyError), and a workgroup holds
+    # at most 16 warps of 64 lanes: the LayerNorm backward's plan leaves the cap out and its warps at 16 there.
+    from flash_attn.ops.triton import layer_norm as ln
+
+    for hip in (False, True):
+        monkeypatch.setattr(ln, "_HIP", hip)
+        ln._bwd_plan.cache_clear()
+        cfg = ln._bwd_config(64, 16384, "cpu", 1)
+        assert cfg.num_warps == (16 if hip else 32)
+        meta = ln._bwd_plan(*(False,) * 10, *cfg[2:])[1]
+        assert ("maxnreg" in meta) == (not hip) and meta["num_warps"] == cfg.num_warps
+    ln._bwd_plan.cache_clear()

@@ -64,6 +64,11 @@ BWD_HOLD_MAX_ACC = 1
 # (the latter spills 16 bytes at 64 registers and is still the fastest).
 BWD_TUNED = {(2, 1024): {"hold": True, "maxnreg": 72}, (2, 8192): {"hold": True}}
 MAX_HIDDEN = 65536
+# ROCm builds of torch: warps of 64 lanes (a workgroup holds at most 16), and no register cap (Triton's AMD backend
+# has no maxnreg option: a launch with it raises). The rules below still count NVIDIA's 32-lane warps and 64K
+# registers an SM, so on AMD they size tiles and grids conservatively; untimed there (no AMD GPU here), compiled
+# for gfx942 / gfx90a in CI (benchmarks/triton_rocm_compile.py).
+_HIP = getattr(torch.version, "hip", None) is not None
 
 
 # ----------------------------------------------------------------------------------------------- kernels
@@ -523,16 +528,17 @@ def _bwd_config(M: int, N: int, device, n_acc: int = 2, extra: int = 0) -> BwdCo
     tuned = BWD_TUNED.get((n_acc, N)) if extra == 0 else None
     return _bwd_config_cached(M, N, num_sms(device), n_acc, extra, BWD_MIN_TILE, BWD_ELEMS_PER_THREAD,
                               BWD_MAX_BLOCK_R, BWD_ACC_REGS, BWD_MAXNREG, BWD_PREFETCH, BWD_PAIR_SUM,
-                              BWD_HOLD and n_acc <= BWD_HOLD_MAX_ACC, tuple(sorted(tuned.items())) if tuned else ())
+                              BWD_HOLD and n_acc <= BWD_HOLD_MAX_ACC, tuple(sorted(tuned.items())) if tuned else (),
+                              16 if _HIP else 32)
 
 
 @functools.lru_cache(maxsize=4096)
 def _bwd_config_cached(M, N, sms, n_acc, extra, min_tile, elems_per_thread, max_block_r, max_acc_regs, maxnregs,
-                       prefetch_ok, pair, hold_ok, tuned=()) -> BwdConfig:
+                       prefetch_ok, pair, hold_ok, tuned=(), warps_cap=32) -> BwdConfig:
     width = next_power_of_2(N)
     block_m = max(1, min_tile // width)
     maxnreg = maxnregs[min(len(maxnregs) - 1, extra + int(block_m > 1))]
-    max_warps = min(32, 1 << ((65536 // (maxnreg * 32)).bit_length() - 1))
+    max_warps = min(warps_cap, 1 << ((65536 // (maxnreg * 32)).bit_length() - 1))
     block_r = min(width, max_block_r, 2 * elems_per_thread * 32 * max_warps)
     num_warps = max(1, min(max_warps, block_m * block_r // (32 * elems_per_thread)))
     threads = 32 * num_warps
@@ -632,7 +638,7 @@ def _bwd_plan(is_rms_norm, has_bias, has_w1, has_b1, has_dres_out, store_dres_in
                 HAS_DRES_OUT=has_dres_out, STORE_DRES_IN=store_dres_in, HAS_X1=has_x1, HAS_ROWSCALE=has_rowscale,
                 HAS_DROPOUT=has_dropout, ZERO_CENTERED=zero_centered, BLOCK_M=block_m, BLOCK_R=block_r,
                 R_CHUNKS=r_chunks, BLOCK_N=block_n, SUB=sub, SPLIT=split, PREFETCH=prefetch,
-                PAIR=pair, HOLD=hold, num_warps=num_warps, maxnreg=maxnreg)
+                PAIR=pair, HOLD=hold, num_warps=num_warps, **({} if _HIP else dict(maxnreg=maxnreg)))
     return Plan(("ln_bwd", *meta.items())), meta
 
 
