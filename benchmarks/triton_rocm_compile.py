@@ -1,16 +1,18 @@
-"""Compile every Triton attention kernel the backend launches on an AMD GPU, for a ROCm target, on a machine
-without one: LDS (shared memory), registers and scratch (spills) per kernel.
+"""Compile every Triton kernel the attention backend and the fused ops launch on an AMD GPU, for a ROCm target, on
+a machine without one: LDS (shared memory), registers and scratch (spills) per kernel.
 
 A stand-in for Triton's active driver reports the target (gfx942 = MI300, gfx90a = MI200), and every launch
 compiles instead of running (Triton's own ``warmup`` path), so the calls below take the backend's real host code
 with the configs a ROCm device gets (``backend._arch`` -> ``_configs.HIP_ARCH``) on CPU tensors. Their outputs are
 never computed: this checks what the hardware would be asked to run, not the numbers (no AMD GPU here). The
-fused ops' kernels (LayerNorm / RMSNorm, rotary, cross entropy, activations) are compiled the same way.
+fused ops' kernels (LayerNorm / RMSNorm, rotary, cross entropy, activations, the bias gradient's column
+sum) are compiled the same way.
 
     python benchmarks/triton_rocm_compile.py [--arch gfx942] [--json]
 
 Prints one row per (case, kernel): VGPRs, AGPRs, scratch bytes per lane, occupancy (waves per SIMD) and LDS
-bytes; the exit status is 1 when a kernel needs more LDS than the target has (64 KiB) or spills.
+bytes; the exit status is 1 when a kernel needs more LDS than the target has (64 KiB), spills, or has more than
+16 warps (a workgroup holds 1024 lanes: 16 warps of 64).
 """
 import argparse
 import json
@@ -130,7 +132,7 @@ def compile_all(arch):
     # the fused ops' kernels (flash_attn.ops.triton), on their Triton paths as on a ROCm device
     import flash_attn.ops.triton as ops_triton
     from flash_attn.ops.activations import bias_act, gated_act
-    from flash_attn.ops.triton import layer_norm as ln
+    from flash_attn.ops.triton import colsum, layer_norm as ln
     from flash_attn.ops.triton.cross_entropy import cross_entropy_loss
     from flash_attn.ops.triton.rotary import apply_rotary
 
@@ -155,18 +157,23 @@ def compile_all(arch):
         lse_square_scale=1e-4)[0], 16, 50264)
     op("bias GELU", lambda x: bias_act(x, torch.zeros(x.shape[1], dtype=bf, requires_grad=True)), 64, 4096)
     op("SwiGLU", lambda x: gated_act(x, torch.randn_like(x), "silu"), 64, 4096)
+    case[0] = "bias gradient (column sum)"
+    x = torch.randn(4096, 1024, generator=g).to(bf)
+    colsum.colsum(x, torch.empty(colsum.partial_programs(*x.shape, x.device), x.shape[1]), torch.empty(x.shape[1]))
     JITFunction.run = run
     return rows
 
 
 def problems(rows):
-    """The rows' faults: more LDS than the target has, or scratch (spills)."""
+    """The rows' faults: more LDS than the target has, scratch (spills), more than 16 warps."""
     out = []
     for r in rows:
         if r["lds"] > LDS_BYTES.get(r["arch"], 65536):
             out.append(f"{r['case']}: {r['kernel']} needs {r['lds']} bytes of LDS on {r['arch']}")
         if r["scratch"]:
             out.append(f"{r['case']}: {r['kernel']} spills ({r['scratch']} bytes of scratch a lane) on {r['arch']}")
+        if r["warps"] > 16:
+            out.append(f"{r['case']}: {r['kernel']} has {r['warps']} warps of 64 lanes (at most 16)")
     return out
 
 
