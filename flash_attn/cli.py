@@ -29,13 +29,18 @@ def info(out=None):
 
     p = lambda *a: print(*a, file=out)  # noqa: E731
     p(f"flash_attn {flash_attn.__version__} ({flash_attn.__path__[0]})")
-    p(f"python {platform.python_version()}, torch {torch.__version__} (CUDA {torch.version.cuda})")
+    hip = getattr(torch.version, "hip", None)
+    p(f"python {platform.python_version()}, torch {torch.__version__} "
+      f"({f'ROCm {hip}' if hip else f'CUDA {torch.version.cuda}'})")
     for dist in ("triton", "nvidia-cutlass-dsl", "flash-attn-4", "flash-attn-triton", "transformers"):
         p(f"  {dist}: {_version(dist)}")
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
-            cap = torch.cuda.get_device_capability(i)
-            p(f"device cuda:{i}: {torch.cuda.get_device_name(i)} (sm_{cap[0]}{cap[1]})")
+            if hip:  # an AMD GPU: its gfx name (its "capability" can read as an NVIDIA one's: MI200 (9, 0))
+                arch = torch.cuda.get_device_properties(i).gcnArchName.split(":")[0]
+            else:
+                arch = "sm_{}{}".format(*torch.cuda.get_device_capability(i))
+            p(f"device cuda:{i}: {torch.cuda.get_device_name(i)} ({arch})")
     else:
         p("device: cpu (no CUDA device)")
     forced = dispatch.forced_backend()

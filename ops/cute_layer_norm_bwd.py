@@ -109,6 +109,11 @@ def options(wdtype, is_rms_norm, env=None, N=None) -> tuple:
     return tuple(o for o in OPTS if o in opts)
 
 
+def _on_hopper(x) -> bool:
+    # an AMD GPU answers the capability query too (an MI200 says (9, 0)): a ROCm torch never is
+    return x.is_cuda and torch.version.hip is None and torch.cuda.get_device_capability(x.device) == (9, 0)
+
+
 @functools.lru_cache(maxsize=None)
 def _cutedsl_installed() -> bool:
     # Found, not imported: importing the compiler takes about half a second, and a kernel from the disk
@@ -160,7 +165,7 @@ def plan(x, weight, weight1, dy, dy1, dresidual_out, rowscale, dropout_p, mean, 
             and rstd.dtype == torch.float32):
         return None
     if check_device:
-        if not x.is_cuda or torch.cuda.get_device_capability(x.device) != (9, 0) or not _cutedsl_installed():
+        if not _on_hopper(x) or not _cutedsl_installed():
             return None
         if not _tvm_ffi_ok():  # the launch passes torch tensors straight through TVM-FFI
             return None

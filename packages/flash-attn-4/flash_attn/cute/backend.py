@@ -39,6 +39,9 @@ BWD_ENV_VAR = "FLASH_ATTN_CUTE_BWD"
 
 
 def unavailable_reason():
+    if not _unavailable and getattr(torch.version, "hip", None) is not None:
+        # AMD GPUs answer the same capability query, and an MI200 (gfx90a) says (9, 0), Hopper's
+        _unavailable.append("a ROCm build of torch: the CuTeDSL kernels run on NVIDIA GPUs only")
     if not _unavailable:
         try:
             import cutlass.cute  # noqa: F401

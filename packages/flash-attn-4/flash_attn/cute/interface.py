@@ -698,8 +698,11 @@ def _device_arch(q, k, v):
     arch = _device_archs.get(index, False)
     if arch is False:
         cap = tuple(torch.cuda.get_device_capability(index))
-        arch = _device_archs[index] = _ARCHS.get(cap)
+        # (an AMD GPU answers too: an MI200 says (9, 0))
+        arch = _device_archs[index] = None if torch.version.hip is not None else _ARCHS.get(cap)
     if arch is None:
+        if torch.version.hip is not None:
+            raise NotImplementedError("a ROCm device: the CuTeDSL kernels run on NVIDIA Hopper (sm_90) only")
         cap = tuple(torch.cuda.get_device_capability(index))
         raise NotImplementedError(f"compute capability {cap}: only Hopper (sm_90) kernels exist")
     return arch
