@@ -74,7 +74,7 @@ def compile_all(arch):
     JITFunction.run = compile_only
     from flash_attn.triton import _configs, _launch, backend
 
-    _launch._INTERPRET = True  # every launch through Triton's path (the fast relaunch is off on ROCm as well)
+    _launch._HIP = True  # as on a ROCm torch: every launch through Triton's own path (no fast relaunch)
     backend._arch = lambda device: _configs.HIP_ARCH  # what a ROCm device gets (CPU tensors give None)
     g = torch.Generator().manual_seed(0)
 
