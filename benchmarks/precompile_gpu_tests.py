@@ -36,7 +36,7 @@ def kernel_args(dtype, d, causal, window=(-1, -1), softcap=0.0, sink=False, varl
 
     if not varlen and seqlen_k == 0:
         return None
-    _, _, local = ci._window_args(causal, *window)
+    _, _, local = ci._window_args(causal, *(ci._UNBOUNDED if w < 0 else w for w in window))
     causal = causal and not local
     capped = softcap > 0.0
     dv = None if dv in (None, d) else dv

@@ -28,7 +28,7 @@ def _fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], c
         max_seqlen_q: int, max_seqlen_k: int, block_table: Optional[Tensor], softmax_scale: float,
         causal: bool, window_left: int, window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
         dropout_p: float, rng_state: Optional[Tensor], return_probs: bool,
-        deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+        deterministic: bool, lse_grad: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     if cu_seqlens_q is not None:
         _check_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
     backend = dispatch.select_for(q, v, cu_seqlens_q is not None, block_table is not None, causal, window_left,
@@ -49,7 +49,7 @@ fwd = torch.library.custom_op("flash_attn::fwd", _fwd_impl, mutates_args=())
 @fwd.register_fake
 def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, softmax_scale,
               causal, window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state, return_probs,
-              deterministic):
+              deterministic, lse_grad=False):
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
     if cu_seqlens_q is None:
         B, Sq, H = q.shape[:3]
@@ -67,16 +67,20 @@ def _bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
         cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
         block_table: Optional[Tensor], softmax_scale: float, causal: bool, window_left: int,
         window_right: int, softcap: float, alibi_slopes: Optional[Tensor], dropout_p: float,
-        rng_state: Optional[Tensor], deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+        rng_state: Optional[Tensor], deterministic: bool,
+        dlse: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     backend = dispatch.select_for(q, v, cu_seqlens_q is not None, block_table is not None, causal, window_left,
                                   window_right, softcap, alibi_slopes, dropout_p, backward=True,
                                   deterministic=deterministic)
+    # dlse, the gradient flowing into the returned lse, travels only when there is one: a backend may take a
+    # faster path without it.
+    extra = {} if dlse is None else {"dlse": dlse}
     dq, dk, dv = backend.bwd(
         dout, q, k, v, out, lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, block_table=block_table,
         softmax_scale=softmax_scale, causal=causal, window_left=window_left, window_right=window_right,
         softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, rng_state=rng_state,
-        deterministic=deterministic)
+        deterministic=deterministic, **extra)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
@@ -90,11 +94,14 @@ def _bwd_fake(dout, q, k, v, *args):
 
 def _fwd_setup_context(ctx, inputs, output):
     (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, softmax_scale, causal,
-     window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state, _, deterministic) = inputs
+     window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state, _, deterministic, *lse_grad) = inputs
     out, lse, _ = output
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, rng_state)
     ctx.args = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
                 dropout_p, deterministic)
+    # lse_grad: the caller hands lse to its user, so a gradient may flow into it. Without it the backward drops
+    # dlse, which torch.compile's backward always passes (zeros for an unused output).
+    ctx.lse_grad = bool(lse_grad and lse_grad[0])
 
 
 def _backward_with(bwd_fn):
@@ -102,12 +109,16 @@ def _backward_with(bwd_fn):
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, rng_state = ctx.saved_tensors
         (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, dropout_p,
          deterministic) = ctx.args
-        if dout.stride(-1) != 1:
+        if not getattr(ctx, "lse_grad", False):
+            dlse = None
+        if dout is None:  # only lse is used (grads are not materialised: see _EagerAttention)
+            dout = torch.zeros_like(out)
+        elif dout.stride(-1) != 1:
             dout = dout.contiguous()
         dq, dk, dv = bwd_fn(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                             block_table, softmax_scale, causal, window_left, window_right, softcap,
-                            alibi_slopes, dropout_p, rng_state, deterministic)
-        return (dq, dk, dv) + (None,) * 15
+                            alibi_slopes, dropout_p, rng_state, deterministic, dlse)
+        return (dq, dk, dv) + (None,) * 16
     return backward
 
 
@@ -129,6 +140,8 @@ class _EagerAttention(torch.autograd.Function):
         args = (q, k, v, *rest)
         output = _fwd_impl(*args)
         _fwd_setup_context(ctx, args, output)
+        # An unused lse then arrives as None, not as zeros: the backward skips the lse term.
+        ctx.set_materialize_grads(False)
         return output
 
     @staticmethod

@@ -59,7 +59,8 @@ def _attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block
         max_seqlen_q, max_seqlen_k = q.shape[1], k.shape[1]
     out, lse, probs = _ops.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
                                scale, bool(causal), left, right, float(softcap), alibi_slopes,
-                               float(dropout_p), rng_state, bool(return_attn_probs), bool(deterministic))
+                               float(dropout_p), rng_state, bool(return_attn_probs), bool(deterministic),
+                               bool(return_attn_probs))  # lse reaches the caller exactly then
     return (out, lse, probs) if return_attn_probs else out
 
 

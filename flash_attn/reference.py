@@ -234,8 +234,9 @@ def _probs_rows(probs, qs, kt, row_lse, plan, q0, q1, lo, hi, bk):
         probs[:, :, q0:q1, k0:k1] = p.view(N, plan.Hk * plan.G, nq, k1 - k0)
 
 
-def _bwd_plan(dout, q, k, v, out, lse, plan):
-    """Gradients in plan.acc: dq (N, Sq, H, D), dk (N, Sk, Hk, D), dv (N, Sk, Hk, Dv)."""
+def _bwd_plan(dout, q, k, v, out, lse, plan, dlse=None):
+    """Gradients in plan.acc: dq (N, Sq, H, D), dk (N, Sk, Hk, D), dv (N, Sk, Hk, Dv). dlse: None or the
+    gradient flowing into lse (N, H, Sq)."""
     N, Sq, H, D = q.shape
     Dv = v.shape[-1]
     dq = torch.zeros(N, Sq, H, D, dtype=plan.acc, device=q.device)
@@ -257,6 +258,10 @@ def _bwd_plan(dout, q, k, v, out, lse, plan):
             o = _q_chunk(out, q0, q1, plan)
             # delta_i = sum_j P_ij dP_ij = dO_i . O_i, also under dropout (O already holds the mask).
             delta = (do * o).sum(-1).view(N, plan.Hk, plan.G, nq, 1)
+            if dlse is not None:
+                # d lse_i / d s_ij = P_ij: the lse's gradient adds dlse_i * P_ij to dS_ij, i.e. delta_i - dlse_i
+                # takes delta_i's place in dS = P * (dP - delta).
+                delta = delta - _rows(dlse, plan, q0, q1).to(plan.acc).unsqueeze(-1)
             row_lse = _rows(lse, plan, q0, q1).to(plan.acc).unsqueeze(-1)
             dqs = torch.zeros(N, plan.Hk, plan.G * nq, D, dtype=plan.acc, device=q.device)
             for k0 in range(lo, hi, bk):
@@ -371,13 +376,13 @@ def fwd(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bloc
 
 def bwd(dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
         softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state,
-        deterministic):
+        deterministic, dlse=None):
     """Backward per the contract -> (dq, dk, dv) in the input dtype. Always deterministic: every sum runs
     in a fixed sequential order (the ``deterministic`` flag changes nothing here)."""
     common = _common(softmax_scale, causal, window_left, window_right, softcap, dropout_p, rng_state)
     if cu_seqlens_q is None:
         plan = _dense_plan(q, k, alibi_slopes, common)
-        dq, dk, dv = _bwd_plan(dout, q, k, v, out, lse, plan)
+        dq, dk, dv = _bwd_plan(dout, q, k, v, out, lse, plan, dlse)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
     cu_q, cu_k = _host(cu_seqlens_q), _host(cu_seqlens_k)
     B = cu_q.numel() - 1
@@ -395,7 +400,8 @@ def bwd(dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         qb = q[q0:q1].unsqueeze(0)
         plan = _seq_plan(qb, kb, alibi_slopes, b, max_seqlen_q, common)
         dqb, dkb, dvb = _bwd_plan(dout[q0:q1].unsqueeze(0), qb, kb, vb, out[q0:q1].unsqueeze(0),
-                                  lse[:, q0:q1].unsqueeze(0), plan)
+                                  lse[:, q0:q1].unsqueeze(0), plan,
+                                  None if dlse is None else dlse[:, q0:q1].unsqueeze(0))
         dq[q0:q1] = dqb[0]
         if block_table is None:
             rows = torch.arange(k0, k1, device=k.device)

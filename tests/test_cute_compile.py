@@ -204,9 +204,11 @@ def test_host_and_kernel_agree_on_the_unbounded_window_size():
     from flash_attn.cute.flash_fwd_sm90 import FlashFwdSm90
 
     assert interface._UNBOUNDED == FlashFwdSm90.UNBOUNDED
-    assert interface._window_args(True, -1, -1) == (0, 0, False)  # causal alone: no window variant
+    U = FlashFwdSm90.UNBOUNDED
+    assert interface._window_args(True, U, U) == (0, 0, False)  # causal alone: no window variant
     assert interface._window_args(True, 10, 5) == (10, 0, True)  # causal caps the right side at 0
-    assert interface._window_args(False, -1, 7) == (FlashFwdSm90.UNBOUNDED, 7, True)
+    assert interface._window_args(False, U, 7) == (U, 7, True)
+    assert interface._window_args(False, -3, U) == (-3, U, True)  # FA4's negative sizes are literal
 
 
 def test_unsupported_head_dim_is_refused():

@@ -177,7 +177,7 @@ def test_sink_backward_dense_against_reference_autograd(monkeypatch):
     v = torch.randn(B, Sk, Hk, D, requires_grad=True)
     sink = torch.tensor([0.5, -1.0, 2.0, 0.0], dtype=torch.bfloat16, requires_grad=True)
     scale = 0.3
-    out, lse = interface._SinkAttention.apply(q, k, v, sink, (scale, True, -1, -1, 0.0, False, "sm_90a", None))
+    out, lse = interface._SinkAttention.apply(q, k, v, sink, (scale, True, interface._UNBOUNDED, interface._UNBOUNDED, 0.0, False, "sm_90a", None))
     assert torch.allclose(lse[:, :, 0], sink.detach().float().view(1, H))  # row 0 sees no key
     dout = torch.randn_like(out)
     got = torch.autograd.grad(out, (q, k, v, sink), dout)
@@ -204,7 +204,7 @@ def test_sink_backward_varlen_and_sink_only(monkeypatch):
     k = torch.randn(Tk, Hk, D).requires_grad_()
     v = torch.randn(Tk, Hk, D).requires_grad_()
     sink = torch.tensor([0.25, -0.5], requires_grad=True)
-    args = (D ** -0.5, False, -1, -1, 0.0, False, "sm_90a", (cu_q, cu_k, max(lens_q), max(lens_k)))
+    args = (D ** -0.5, False, interface._UNBOUNDED, interface._UNBOUNDED, 0.0, False, "sm_90a", (cu_q, cu_k, max(lens_q), max(lens_k)))
     out, lse = interface._SinkAttention.apply(q, k, v, sink, args)
     assert torch.isinf(lse[:, -2:]).all() and (out[-2:] == 0).all()
     s0 = int(cu_q[2])  # sequence 2 has no key: lse = sink

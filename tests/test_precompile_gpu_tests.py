@@ -47,7 +47,7 @@ def test_kernel_args_are_what_the_calls_ask_for(monkeypatch, req):
     monkeypatch.setattr(interface, "_kernels", {})
     dtype, d, dv, H, Hk = req["dtype"], req["d"], req.get("dv") or req["d"], 4 * req.get("pack", 1), 4
     sink = torch.zeros(H) if req.get("sink") else None
-    window = req.get("window", (-1, -1))
+    window = [interface._UNBOUNDED if w < 0 else w for w in req.get("window", (-1, -1))]  # (-1: no limit)
     common = dict(window_left=window[0], window_right=window[1], softcap=req.get("softcap", 0.0), sink=sink,
                   pack=req.get("pack", 1), splits=3 if req.get("split") else 1)
     if req.get("varlen"):

@@ -110,9 +110,12 @@ def fwd(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bloc
         causal, window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state, return_probs):
     from flash_attn.cute import interface
 
+    # the contract's -1 (no limit) is the kernels' UNBOUNDED; reference.fwd below takes the contract's encoding
+    wl = interface._UNBOUNDED if window_left < 0 else window_left
+    wr = interface._UNBOUNDED if window_right < 0 else window_right
     # unsupported_reason admitted only sm_90
     if block_table is not None:
-        if not _boxes_pages(q, v, k.shape[1], causal, window_left, window_right, softcap):
+        if not _boxes_pages(q, v, k.shape[1], causal, wl, wr, softcap):
             from flash_attn import reference
 
             return reference.fwd(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
@@ -122,14 +125,13 @@ def fwd(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bloc
                                  rng_state=None, return_probs=False)
         # (block_table's entries were checked to be pages: flash_attn._ops._check_values)
         out, lse = interface.forward_varlen(q, k, v, cu_seqlens_q, None, cu_seqlens_k[1:] - cu_seqlens_k[:-1],
-                                            max_seqlen_q, softmax_scale, causal, "sm_90a", window_left,
-                                            window_right, softcap, fill_unused_rows=True, page_table=block_table)
+                                            max_seqlen_q, softmax_scale, causal, "sm_90a", wl, wr, softcap,
+                                            fill_unused_rows=True, page_table=block_table)
     elif cu_seqlens_q is not None:
         out, lse = interface.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, None, max_seqlen_q, softmax_scale,
-                                            causal, "sm_90a", window_left, window_right, softcap,
-                                            fill_unused_rows=True)
+                                            causal, "sm_90a", wl, wr, softcap, fill_unused_rows=True)
     else:
-        out, lse = interface.forward(q, k, v, softmax_scale, causal, "sm_90a", window_left, window_right, softcap)
+        out, lse = interface.forward(q, k, v, softmax_scale, causal, "sm_90a", wl, wr, softcap)
     return out, lse, q.new_empty(0)
 
 
@@ -157,7 +159,7 @@ def _boxes_pages(q, v, page_size, causal, window_left, window_right, softcap):
 
 def bwd(dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
         softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state,
-        deterministic, grads=None):
+        deterministic, grads=None, dlse=None):
     from flash_attn.cute import interface
 
     # unsupported_reason admitted only dense, unwindowed, uncapped, non-deterministic calls on sm_90; a
@@ -166,4 +168,4 @@ def bwd(dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             or dropout_p > 0.0 or deterministic or window_left >= 0 or (window_right >= 0 and not causal)):
         raise NotImplementedError("flash_attn.cute's backward handles dense calls without windows, softcap, "
                                   "ALiBi, dropout or determinism")
-    return interface.backward(dout, q, k, v, out, lse, softmax_scale, causal, "sm_90a", grads=grads)
+    return interface.backward(dout, q, k, v, out, lse, softmax_scale, causal, "sm_90a", grads=grads, dlse=dlse)

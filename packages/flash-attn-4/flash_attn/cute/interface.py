@@ -866,19 +866,51 @@ def _device_sms(t):
 
 
 def _visible_keys(seqlen_k, block_q, window_left, window_right):
-    """The most keys one tile of block_q query rows sees: seqlen_k, or its window's span (sizes < 0: no limit)."""
-    if window_left < 0 or window_right < 0:
+    """The most keys one tile of block_q query rows sees: seqlen_k, or its window's span."""
+    if window_left >= _UNBOUNDED or window_right >= _UNBOUNDED:
         return seqlen_k
-    return min(seqlen_k, window_left + block_q + window_right)
+    return max(0, min(seqlen_k, window_left + block_q + window_right))
 
 
-def _options(window_size, softcap):
-    """(window_left, window_right, softcap) from FA4's keyword arguments (-1: no limit on that side)."""
-    window_left, window_right = (-1 if w is None else int(w) for w in window_size)
+def _options(window_size, softcap, causal):
+    """(causal, window_left, window_right, softcap) from FA4's keyword arguments, resolved as FA4 resolves them:
+    causal sets the right size to 0; None on a side is no limit (_UNBOUNDED here); other sizes are literal,
+    negative ones included (query i sees key j iff j - (i + Sk - Sq) lies in [-left, right], so a negative left
+    size starts the window right of the diagonal), except that two given sizes whose sum is negative (FA2's
+    (-1, -1) among them) mean no window; what is left of (None, 0) is the causal mask."""
+    try:
+        left, right = window_size
+        left, right = (None if w is None else operator.index(w) for w in (left, right))
+    except (TypeError, ValueError):
+        raise ValueError(f"window_size must be a pair (left, right) of ints or None, got {window_size!r}") from None
     softcap = float(softcap or 0.0)
     if softcap < 0.0 or softcap != softcap:
         raise ValueError(f"softcap must be >= 0 (0: off), got {softcap}")
-    return window_left, window_right, softcap
+    if causal:
+        right = 0
+    if left is not None and right is not None and left + right < 0:
+        left = right = None
+    if left is None and right == 0:
+        return True, _UNBOUNDED, _UNBOUNDED, softcap
+    if left is None and right is None:
+        return False, _UNBOUNDED, _UNBOUNDED, softcap
+    left = _UNBOUNDED if left is None else max(min(left, _UNBOUNDED), -_UNBOUNDED)
+    right = _UNBOUNDED if right is None else max(min(right, _UNBOUNDED), -_UNBOUNDED)
+    return False, left, right, softcap
+
+
+def _dispatcher_window(causal, window_left, window_right):
+    """The window in the root dispatcher's encoding (sizes >= 0, -1 for no limit; right 0 when causal), for the
+    backends that compute this package's gradients; NotImplementedError for a negative size, which that
+    encoding cannot say."""
+    left = -1 if window_left >= _UNBOUNDED else window_left
+    right = 0 if causal else -1 if window_right >= _UNBOUNDED else window_right
+    if left < -1 or right < -1 or (left == -1 and window_left < _UNBOUNDED) or (
+            right == -1 and window_right < _UNBOUNDED):
+        raise NotImplementedError(
+            f"gradients of a window with a negative size (window_size resolved to ({window_left}, {window_right})): "
+            "the forward runs, the backward does not yet")
+    return left, right
 
 
 def _check_sink(learnable_sink, H, device):
@@ -936,10 +968,10 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=_NO_W
     pack = splits = 1
     if (window_size is _NO_WINDOW and learnable_sink is None and not softcap and num_splits == 1
             and not pack_gqa and (H == Hk or pack_gqa is False or _pack_group(None, H, Hk, Sq) == 1)):
-        window_left = window_right = -1  # the common call: no option to parse
+        window_left = window_right = _UNBOUNDED  # the common call: no option to parse
         softcap = 0.0
     else:
-        window_left, window_right, softcap = _options(window_size, softcap)
+        causal, window_left, window_right, softcap = _options(window_size, softcap, causal)
         pack = _pack_group(pack_gqa, H, Hk, Sq)
         rows = _RULE_BLOCK_M // pack  # query positions per tile
         splits = _split_count(num_splits, B * (Hk if pack > 1 else H) * -(-Sq // rows),
@@ -958,8 +990,10 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=_NO_W
     if softmax_scale is None:
         softmax_scale = D ** -0.5
     if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
-        return _with_fallback_backward(q, k, v, softmax_scale, causal, window_left, window_right, softcap)
-    if (window_left < 0 and window_right < 0 and not softcap and Sk and B * Sq * H and pack == 1 and Dv == D
+        return _with_fallback_backward(q, k, v, softmax_scale, causal, window_left, window_right, softcap,
+                                       deterministic=deterministic)
+    if (window_left == _UNBOUNDED and window_right == _UNBOUNDED and not softcap and Sk and B * Sq * H and pack == 1
+            and Dv == D
             and splits == 1):
         # Dense, no window or softcap (the common call): forward() without its general-case work.
         key = (dtype, D, bool(causal), arch, False, False)
@@ -987,7 +1021,8 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=_NO_W
     return out, (lse if return_lse else None)
 
 
-def _with_fallback_backward(q, k, v, softmax_scale, causal, window_left, window_right, softcap, varlen=None):
+def _with_fallback_backward(q, k, v, softmax_scale, causal, window_left, window_right, softcap, varlen=None,
+                            deterministic=False):
     """A call that needs gradients: this kernel runs the forward inside the root package's differentiable
     attention op (under use_backend("cute")), whose dispatcher runs the backward here too when the cute
     backend accepts it (a call flash_bwd_sm90 handles, unless FLASH_ATTN_CUTE_BWD=0; see backend.py), else
@@ -1006,14 +1041,14 @@ def _with_fallback_backward(q, k, v, softmax_scale, causal, window_left, window_
         raise NotImplementedError(
             f"gradients at head dim {q.shape[-1]}: the dispatcher's cute forward serves {fwd_dims}; "
             f"{backend.FWD_HDIMS_ENV_VAR} (set, without {q.shape[-1]}) turned it off")
+    left, right = _dispatcher_window(causal, window_left, window_right)
     with use_backend("cute"):
         # (q, k, v, cu_seqlens_q/k, max_seqlen_q/k, block_table, scale, causal, window left/right,
         #  softcap, alibi, dropout_p, rng_state, return_probs, deterministic), as flash_attn::fwd takes them
-        left = max(window_left, -1)
-        right = 0 if causal else max(window_right, -1)
         cu_q, cu_k, max_q, max_k = varlen if varlen is not None else (None, None, q.shape[1], k.shape[1])
         out, lse, _ = _ops.attention(q, k, v, cu_q, cu_k, max_q, max_k, None, float(softmax_scale),
-                                     bool(causal), left, right, float(softcap), None, 0.0, None, False, False)
+                                     bool(causal), left, right, float(softcap), None, 0.0, None, False,
+                                     bool(deterministic), True)
     return out, lse
 
 
@@ -1037,6 +1072,7 @@ class _SinkAttention(torch.autograd.Function):
         softmax_scale, causal, window_left, window_right, softcap, _, arch, varlen = args
         if q.requires_grad or k.requires_grad or v.requires_grad:
             _dispatcher()  # no forward whose backward cannot run
+            _dispatcher_window(causal, window_left, window_right)
         sink = learnable_sink.detach().to(_F32).contiguous()
         if varlen is None:
             out, lse = forward(q, k, v, softmax_scale, causal, arch, window_left, window_right, softcap, sink)
@@ -1047,22 +1083,27 @@ class _SinkAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse, sink)
         ctx.args = args
         ctx.sink_dtype = learnable_sink.dtype
-        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # an unused out or lse arrives as None
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout, _dlse):
+    def backward(ctx, dout, dlse):
         q, k, v, out, lse, sink = ctx.saved_tensors
         softmax_scale, causal, window_left, window_right, softcap, deterministic, _, varlen = ctx.args
-        if dout.stride(-1) != 1:
+        if dout is None:
+            dout = torch.zeros_like(out)
+        elif dout.stride(-1) != 1:
             dout = dout.contiguous()
         dq = dk = dv = None
         if any(ctx.needs_input_grad[:3]):
             dq, dk, dv = _dispatcher_backward(dout, q, k, v, out, lse, softmax_scale, causal, window_left,
-                                              window_right, softcap, deterministic, varlen)
+                                              window_right, softcap, deterministic, varlen, dlse)
         dsink = None
         if ctx.needs_input_grad[3]:
+            # d lse_i / d sink = p_i as well: the lse's own gradient enters as delta_i - dlse_i
             delta = (dout.float() * out.float()).sum(-1)  # (B, Sq, H) or (T, H)
+            if dlse is not None:
+                delta = delta - (dlse.transpose(1, 2) if varlen is None else dlse.t())
             if varlen is None:
                 p = torch.exp(sink.view(1, -1, 1) - lse)  # (B, H, Sq)
                 dsink = -(p * delta.transpose(1, 2)).sum((0, 2))
@@ -1086,35 +1127,33 @@ def _dispatcher():
 
 
 def _dispatcher_backward(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, softcap,
-                         deterministic, varlen):
+                         deterministic, varlen, dlse=None):
     """(dq, dk, dv) from the root package's dispatcher for this call, on the given out and lse (the
     backward _with_fallback_backward's calls get: this package's when it handles the call and
     FLASH_ATTN_CUTE_BWD is not 0, else the next backend that has one)."""
     _ops, use_backend = _dispatcher()
-    left = max(window_left, -1)
-    right = 0 if causal else max(window_right, -1)
+    left, right = _dispatcher_window(causal, window_left, window_right)
     cu_q, cu_k, max_q, max_k = varlen if varlen is not None else (None, None, q.shape[1], k.shape[1])
     with use_backend("cute"):
         return _ops._bwd_impl(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, None, float(softmax_scale),
-                              bool(causal), left, right, float(softcap), None, 0.0, None, bool(deterministic))
+                              bool(causal), left, right, float(softcap), None, 0.0, None, bool(deterministic),
+                              dlse)
 
 
 def _window_args(causal, window_left, window_right):
-    """(left, right, local) as the kernel takes them: sizes >= 0, _UNBOUNDED for no limit; local says
+    """(left, right, local) as the kernel takes them (literal sizes, _UNBOUNDED for no limit); local says
     whether the call needs the window variant (causal alone does not)."""
-    local = window_left >= 0 or (window_right >= 0 and not causal)
+    local = window_left < _UNBOUNDED or (window_right < _UNBOUNDED and not causal)
     if not local:
         return 0, 0, False
-    left = _UNBOUNDED if window_left < 0 else min(window_left, _UNBOUNDED)
-    right = 0 if causal else _UNBOUNDED if window_right < 0 else min(window_right, _UNBOUNDED)
-    return left, right, True
+    return window_left, 0 if causal else window_right, True
 
 
-def forward(q, k, v, softmax_scale, causal, arch="sm_90a", window_left=-1, window_right=-1, softcap=0.0,
+def forward(q, k, v, softmax_scale, causal, arch="sm_90a", window_left=_UNBOUNDED, window_right=_UNBOUNDED, softcap=0.0,
             sink=None, pack=1, splits=1):
     """The kernel launch on validated CUDA inputs (shared with the dispatcher's backend module):
-    q (B, Sq, H, D), k/v (B, Sk, Hk, D) fp16/bf16, D in _SUPPORTED_HEAD_DIMS, H % Hk == 0; window sizes < 0 mean
-    no limit, causal implies a right size of 0; softcap 0 is off; sink None or fp32 contiguous (H,)
+    q (B, Sq, H, D), k/v (B, Sk, Hk, D) fp16/bf16, D in _SUPPORTED_HEAD_DIMS, H % Hk == 0; window sizes literal
+    (negative ones too), _UNBOUNDED for no limit, causal implies a right size of 0; softcap 0 is off; sink None or fp32 contiguous (H,)
     (see _check_sink); pack: the pack_gqa group (_pack_group; H == pack * Hk), 1 for none. v's head dim may differ
     from q's (a pair of _HEAD_DIM_PAIRS; out has v's). splits > 1: split-KV (_forward_split). Returns (out, lse)."""
     B, Sq, H, D = q.shape
@@ -1249,7 +1288,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_se
     if not same or Dk != D:
         raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     _check_dims(D, v.shape[-1], H, Hk)
-    window_left, window_right, softcap = _options(window_size, softcap)
+    causal, window_left, window_right, softcap = _options(window_size, softcap, causal)
     splits = _split_count(num_splits)  # (num_splits <= 0: chosen below, with the sequence lengths)
     sink = None if learnable_sink is None else _check_sink(learnable_sink, H, q.device)
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -1324,7 +1363,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_se
             return _SinkAttention.apply(q, k, v, learnable_sink, (float(softmax_scale), bool(causal), window_left,
                                                                   window_right, softcap, bool(deterministic),
                                                                   arch, varlen))
-        return _with_fallback_backward(q, k, v, softmax_scale, causal, window_left, window_right, softcap, varlen)
+        return _with_fallback_backward(q, k, v, softmax_scale, causal, window_left, window_right, softcap, varlen,
+                                       deterministic=deterministic)
     pack = _pack_group(pack_gqa, H, Hk, int(max_seqlen_q))
     if choose:
         rows = _RULE_BLOCK_M // pack
@@ -1364,7 +1404,8 @@ def _split_unused_q(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, paged=Fals
 
 
 def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, softmax_scale, causal,
-                   arch="sm_90a", window_left=-1, window_right=-1, softcap=0.0, fill_unused_rows=False, sink=None,
+                   arch="sm_90a", window_left=_UNBOUNDED, window_right=_UNBOUNDED, softcap=0.0, fill_unused_rows=False,
+                   sink=None,
                    pack=1, page_table=None, splits=1):
     """The varlen kernel launch on validated inputs (shared with the dispatcher's backend module). Rows
     of q after cu_seqlens_q[-1] are left unwritten unless fill_unused_rows (then out 0, lse +inf there:
@@ -1611,7 +1652,7 @@ def _bwd_out_layout(t, D):
     return s[3] == 1 and s[2] == D and s[1] % 8 == 0 and s[0] % 8 == 0 and t.data_ptr() % 16 == 0
 
 
-def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grads=None):
+def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grads=None, dlse=None):
     """Attention backward on validated CUDA inputs: q/out/dout (B, Sq, H, D), k/v (B, Sk, Hk, D) fp16/bf16,
     D in (64, 128), H % Hk == 0, lse fp32 (B, H, Sq) natural log (+inf for rows that see no key), causal
     bottom-right aligned. Returns (dq, dk, dv) in the input dtype, written into ``grads`` = (dq, dk, dv)
@@ -1623,7 +1664,9 @@ def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grad
     lse * log2(e), padded to a multiple of the kernel's query block with 0 / +inf (so padded rows
     contribute nothing), and zeroes dq_accum; one after it casts dq_accum (which the kernel fills with
     softmax_scale * dS K) into dq and, with GQA, sums the kernel's per-query-head dK/dV over each group
-    in fp32. Without Triton (or with FLASH_ATTN_CUTE_BWD_HOST=torch) torch does the same in more launches."""
+    in fp32. Without Triton (or with FLASH_ATTN_CUTE_BWD_HOST=torch) torch does the same in more launches.
+    dlse: None or the gradient flowing into lse (B, H, Sq): d lse_i / d s_ij = P_ij adds dlse_i * P_ij to dS_ij,
+    which the kernel gets as delta - dlse in delta's place."""
     B, Sq, H, D = q.shape
     Sk, Hk = k.shape[1], k.shape[2]
     dtype = q.dtype
@@ -1646,6 +1689,8 @@ def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grad
     sq_pad = -(-Sq // block_m) * block_m
     host = bwd_host if bwd_host.use_triton(q) else None
     lse2, delta, dq_accum = (bwd_host.prepare if host else bwd_host.prepare_torch)(out, dout, lse, sq_pad)
+    if dlse is not None:
+        delta[:, :, :Sq].sub_(dlse[:, :, :Sq])
     group = H // Hk
     if group == 1 and (dk_out is None or (_bwd_out_layout(dk_out, D) and _bwd_out_layout(dv_out, D))):
         dk_h = dk_out if dk_out is not None else torch.empty((B, Sk, H, D), dtype=dtype, device=q.device)

@@ -669,7 +669,7 @@ BWD_OUT = True
 
 def bwd(dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
         softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state,
-        deterministic, config=None, grads=None):
+        deterministic, config=None, grads=None, dlse=None):
     """Attention backward; see the contract. Returns (dq, dk, dv) shaped like q, k, v in their dtype.
 
     deterministic=True computes dQ in its own kernel (no atomics), so results are bitwise reproducible.
@@ -682,7 +682,7 @@ def bwd(dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if _num_seqs(q, cu_seqlens_q) * q.shape[-2] > _MAX_GRID_Y:
         return _bwd_chunked(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                             softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p,
-                            rng_state, deterministic, config, grads)
+                            rng_state, deterministic, config, grads, dlse)
     varlen = cu_seqlens_q is not None
     B, H, Hk, D, Dv, Sq, Sk, sq_, sk_, sv_ = _geometry(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     if grads is not None:
@@ -698,7 +698,9 @@ def bwd(dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     softcap_scale, softcap_log2, window, wl, wr, (seed0, seed1, thr, dscale) = _scalars(
         softmax_scale, softcap, window_left, window_right, causal, dropout_p, rng_state)
     if _BWD_WS_ON if config is None else isinstance(config, _configs.BwdWsConfig):
-        if (not varlen and softcap <= 0.0 and dropout_p <= 0.0 and alibi_slopes is None and lse.dim() == 3):
+        # (its preprocessing packs lse and delta for the dQ kernel: no place for the lse's own gradient)
+        if (not varlen and softcap <= 0.0 and dropout_p <= 0.0 and alibi_slopes is None and lse.dim() == 3
+                and dlse is None):
             ws = _bwd_ws_plan(q, k, v, dout, D, Dv, Sq, Sk, window, wr, config, deterministic)
             if ws is not None:
                 return _bwd_ws(ws, dout, q, k, v, out, lse, dq_out, dk, dv, B, H, Hk, Sq, Sk, softmax_scale)
@@ -735,6 +737,10 @@ def bwd(dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if Sq > 0:
         _L_PRE((-(-Sq // pre_meta["BLOCK_M"]), B * H),
                (out, dout, delta, cu_q, *_row_strides(out, varlen), *sdo_, *sl_, Sq, H), pre_meta, plan_key)
+        if dlse is not None:
+            # d lse_i / d s_ij = P_ij: the lse's gradient adds dlse_i * P_ij to dS_ij, which is dS = P * (dP -
+            # delta) with delta - dlse in delta's place.
+            delta.sub_(dlse)
     if Sk > 0:
         for dkdv_meta, dkdv_key in dkdv_metas:
             _L_DKDV((-(-Sk // config.block_n), B * Hk),
@@ -757,7 +763,7 @@ def bwd(dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
 def _bwd_chunked(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                  causal, window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state, deterministic, config,
-                 grads):
+                 grads, dlse=None):
     """bwd as launches on the forward's chunks (_fwd_chunked: the same chunks and dropout seeds): dense, batch
     slices (into grads' slices when given); varlen, slices of cu_seqlens, each chunk's dq / dk / dv rows taken from
     its launch."""
@@ -773,12 +779,12 @@ def _bwd_chunked(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen
             sl = slice(lo, hi)
             bwd(dout[sl], q[sl], k[sl], v[sl], out[sl], lse[sl], cu_seqlens_q=None, cu_seqlens_k=None,
                 alibi_slopes=_chunk_alibi(alibi_slopes, lo, hi), rng_state=_chunk_rng(rng_state, c),
-                grads=tuple(g[sl] for g in grads), **kw)
+                grads=tuple(g[sl] for g in grads), dlse=None if dlse is None else dlse[sl], **kw)
         return grads
     dq = dk = dv = None
     for c, (lo, hi) in enumerate(chunks):
         g = bwd(dout, q, k, v, out, lse, cu_seqlens_q=cu_seqlens_q[lo:hi + 1], cu_seqlens_k=cu_seqlens_k[lo:hi + 1],
-                alibi_slopes=_chunk_alibi(alibi_slopes, lo, hi), rng_state=_chunk_rng(rng_state, c), **kw)
+                alibi_slopes=_chunk_alibi(alibi_slopes, lo, hi), rng_state=_chunk_rng(rng_state, c), dlse=dlse, **kw)
         if dq is None:
             dq, dk, dv = g
             continue
