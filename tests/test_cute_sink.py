@@ -190,6 +190,34 @@ def test_sink_backward_dense_against_reference_autograd(monkeypatch):
     torch.testing.assert_close(got[3].double(), w_sink, rtol=0, atol=float(w_sink.abs().max()) * 2 ** -7)
 
 
+@pytest.mark.parametrize("lse_only", [False, True])
+def test_sink_backward_with_lse_gradient(monkeypatch, lse_only):
+    """A loss that uses the returned (sink-inclusive) lse: dq, dk, dv and d(sink) take its gradient too (delta - dlse
+    in both), against fp64 autograd of the reference's out and lse; with the lse term alone, dv is 0."""
+    monkeypatch.setattr(interface, "forward", _stand_in_forward)
+    torch.manual_seed(2)
+    B, Sq, Sk, H, Hk, D = 2, 7, 5, 4, 2, 16
+    q, k, v = (torch.randn(B, s, h, D, requires_grad=True) for s, h in ((Sq, H), (Sk, Hk), (Sk, Hk)))
+    sink = torch.tensor([0.5, -1.0, 2.0, 0.0], requires_grad=True)
+    U = interface._UNBOUNDED
+    out, lse = interface._SinkAttention.apply(q, k, v, sink, (0.3, True, U, U, 0.0, False, "sm_90a", None))
+    assert lse.requires_grad
+    dout, wlse = torch.randn_like(out), torch.randn_like(lse)
+    loss = (lse * wlse).sum() + (0 if lse_only else (out * dout).sum())
+    got = torch.autograd.grad(loss, (q, k, v, sink))
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v, sink)]
+    kw = dict(causal=True, softmax_scale=0.3, learnable_sink=leaves[3])
+    out_r, _ = attention_ref(*leaves[:3], **kw)
+    lse_r = attention_lse_ref(*leaves[:2], **kw)
+    loss_r = (lse_r * wlse.double()).sum() + (0 if lse_only else (out_r * dout.double()).sum())
+    want = torch.autograd.grad(loss_r, leaves, allow_unused=True)
+    for name, g, w in zip(("dq", "dk", "dv", "dsink"), got, want):
+        w = torch.zeros_like(g, dtype=torch.float64) if w is None else w
+        torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-4, msg=name)
+    if lse_only:
+        assert torch.equal(got[2], torch.zeros_like(got[2]))
+
+
 def test_sink_backward_varlen_and_sink_only(monkeypatch):
     """Varlen (an empty sequence, a sequence with no key, rows after the last sequence) through
     flash_attn_varlen_func's gradient path, and a call where only the sink needs a gradient."""

@@ -893,7 +893,7 @@ def _options(window_size, softcap, causal):
     if left is None and right == 0:
         return True, _UNBOUNDED, _UNBOUNDED, softcap
     if left is None and right is None:
-        return False, _UNBOUNDED, _UNBOUNDED, softcap
+        return bool(causal), _UNBOUNDED, _UNBOUNDED, softcap
     left = _UNBOUNDED if left is None else max(min(left, _UNBOUNDED), -_UNBOUNDED)
     right = _UNBOUNDED if right is None else max(min(right, _UNBOUNDED), -_UNBOUNDED)
     return False, left, right, softcap
@@ -934,8 +934,10 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=_NO_W
                     softcap=0.0, num_splits=1, pack_gqa=None, deterministic=False, return_lse=False):
     """Attention forward on Hopper: q (B, Sq, H, D), k/v (B, Sk, Hk, D) fp16/bf16 CUDA tensors, D in
     (64, 96, 128, 192, 256), H % Hk == 0 (GQA/MQA). Causal and sliding-window masks are bottom-right aligned: query i
-    sees key j iff j - (i + Sk - Sq) lies in [-window_size[0], window_size[1]] (None or a negative size:
-    no limit on that side; causal sets the right size to 0). softcap > 0: scores become
+    sees key j iff j - (i + Sk - Sq) lies in [-window_size[0], window_size[1]] (None: no limit on that side;
+    negative sizes are literal, as in FA4, except that two sizes with a negative sum mean no window; causal sets
+    the right size to 0; see _options; the gradients of a negative size raise NotImplementedError for now).
+    softcap > 0: scores become
     softcap * tanh(scale * q.k / softcap). learnable_sink: None or (H,) fp32/bf16/fp16 logits, one per
     query head, that join every softmax row as a term exp(sink) with no value (not scaled by
     softmax_scale; lse includes it, a row that sees no key gets out 0 and lse = sink); its gradient
@@ -949,7 +951,8 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=_NO_W
     gradient needs it, else None (as FA4; the kernel still writes it). When q, k or v needs a
     gradient the call goes through the dispatcher's differentiable op (see _with_fallback_backward): its
     backward runs on this package's backward kernel when the call is one it handles (dense, no window,
-    softcap or determinism; FLASH_ATTN_CUTE_BWD=0 switches it off), else on another backend."""
+    softcap or determinism; FLASH_ATTN_CUTE_BWD=0 switches it off), else on another backend (deterministic=True:
+    one whose backward is deterministic). A loss that uses the returned lse sends its gradient back too."""
     # Every check reads attributes only (no tensor ops, no CUDA queries): this is the per-call path. What is
     # not a 4-D tensor fails the unpacking or the dtype lookup; _check_tensors then names the problem.
     try:

@@ -1,0 +1,203 @@
+"""flash_attn.cute's API semantics that must match the released FA4: how window_size resolves (negative sizes are
+literal), that deterministic=True reaches the backward, and that the returned lse carries a gradient. On CPU: the
+host's resolution composed with the kernel's mask rule against FA4's documented mask, and the arguments the
+backward receives; on a Hopper GPU (marked gpu): the kernels against a naive masked softmax."""
+import os
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PKG = os.path.join(ROOT, "packages", "flash-attn-4")
+if _PKG not in sys.path:
+    sys.path.insert(0, _PKG)
+
+from flash_attn.cute import interface  # noqa: E402
+
+U = interface._UNBOUNDED
+
+
+def _fa4_mask(Sq, Sk, causal, window):
+    """Visible (Sq, Sk) as FA4's tests define it (flash_attn/cute/testing.py: attention_ref with
+    construct_local_mask): causal makes the right size 0; None is no limit on that side; sizes are literal."""
+    left, right = window
+    if causal:
+        right = 0
+    i = torch.arange(Sq).view(-1, 1)
+    j = torch.arange(Sk).view(1, -1)
+    diag = i + Sk - Sq
+    if left is None and right is None:
+        return torch.ones(Sq, Sk, dtype=torch.bool)
+    if left is None:
+        return j <= diag + right
+    hidden = j < diag - left
+    if right is not None:
+        hidden |= j > torch.clamp(diag + right, max=Sk)
+    return ~hidden
+
+
+def _kernel_mask(Sq, Sk, causal, window):
+    """Visible (Sq, Sk) as the kernel computes it (FlashFwdSm90._mask and its key-block range) from the sizes the
+    host hands it: interface._options, then interface._window_args."""
+    causal, left, right, _ = interface._options(window, 0.0, causal)
+    left, right, local = interface._window_args(causal, left, right)
+    i = torch.arange(Sq).view(-1, 1)
+    j = torch.arange(Sk).view(1, -1)
+    diag = i + Sk - Sq
+    vis = (j < Sk).expand(Sq, Sk).clone()
+    if causal and not local:
+        vis &= j <= diag
+    if local:
+        vis &= (j <= diag + right) & (j >= diag - left)
+    return vis
+
+
+_SIZES = [None, -5, -1, 0, 2, 7]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("left", _SIZES)
+@pytest.mark.parametrize("right", _SIZES)
+def test_window_resolution_matches_fa4(causal, left, right):
+    right_eff = 0 if causal else right
+    for Sq, Sk in ((9, 9), (5, 12), (12, 5)):
+        got = _kernel_mask(Sq, Sk, causal, (left, right))
+        if left is not None and right_eff is not None and left + right_eff < 0:
+            # FA4's interface: two given sizes with a negative sum (FA2's (-1, -1)) are no window at all
+            want = _fa4_mask(Sq, Sk, causal, (None, None))
+        else:
+            want = _fa4_mask(Sq, Sk, causal, (left, right))
+        assert torch.equal(got, want), (Sq, Sk)
+
+
+def test_negative_sizes_stay_literal():
+    assert interface._options((-3, None), 0.0, False) == (False, -3, U, 0.0)
+    assert interface._options((None, -2), 0.0, False) == (False, U, -2, 0.0)
+    assert interface._options((None, 0), 0.0, False) == (True, U, U, 0.0)  # FA4: this is the causal mask
+    assert interface._options((-1, -1), 0.0, False) == (False, U, U, 0.0)
+    assert interface._options((4, None), 0.0, True) == (False, 4, 0, 0.0)
+    for bad in ((1,), (1.5, 2), "ab", None):
+        with pytest.raises(ValueError, match="window_size"):
+            interface._options(bad, 0.0, False)
+
+
+def test_negative_window_gradients_are_refused_not_wrong():
+    # the dispatcher's backends take sizes >= 0 (-1: no limit); a literal negative size must not reach them
+    with pytest.raises(NotImplementedError, match="negative size"):
+        interface._dispatcher_window(False, -3, U)
+    with pytest.raises(NotImplementedError, match="negative size"):
+        interface._dispatcher_window(False, U, -1)
+    assert interface._dispatcher_window(False, U, U) == (-1, -1)
+    assert interface._dispatcher_window(True, 5, U) == (5, 0)
+    assert interface._dispatcher_window(False, 0, 3) == (0, 3)
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_deterministic_and_lse_reach_the_dispatcher(monkeypatch, varlen, deterministic):
+    """A call that needs gradients runs inside the root package's differentiable op: deterministic=True must arrive
+    there (its backward is then a deterministic one), and lse must be marked as reaching the caller."""
+    from flash_attn import _ops
+
+    seen = []
+
+    def record(*args):
+        seen.append(args)
+        q = args[0]
+        lse_shape = (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
+        return torch.zeros_like(q), torch.zeros(lse_shape), None
+
+    monkeypatch.setattr(_ops, "attention", record)
+    monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")
+    lead = (7,) if varlen else (2, 7)
+    q, k, v = (torch.zeros(*lead, 2, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    if varlen:
+        cu = torch.tensor([0, 7], dtype=torch.int32)
+        interface.flash_attn_varlen_func(q, k, v, cu, cu, 7, 7, causal=True, deterministic=deterministic)
+    else:
+        interface.flash_attn_func(q, k, v, causal=True, deterministic=deterministic)
+    (args,) = seen
+    assert args[-2] is deterministic and args[-1] is True
+
+
+def test_sink_call_passes_deterministic_to_the_backward(monkeypatch):
+    monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")
+    monkeypatch.setattr(interface, "forward", lambda q, k, v, *a, **kw: (
+        torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], q.shape[1])))
+    seen = []
+    monkeypatch.setattr(interface, "_dispatcher_backward", lambda *a: seen.append(a) or tuple(
+        torch.zeros_like(t) for t in a[1:4]))
+    q, k, v = (torch.zeros(1, 5, 2, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    sink = torch.zeros(2, requires_grad=True)
+    out, _ = interface.flash_attn_func(q, k, v, learnable_sink=sink, deterministic=True, window_size=(3, 1))
+    out.float().sum().backward()
+    (args,) = seen
+    assert args[11] is True  # (dout, q, k, v, out, lse, scale, causal, left, right, softcap, deterministic, ...)
+
+
+# ----------------------------------------------------------------------------------------------------
+# On a Hopper GPU
+
+
+def _hopper():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+def _masked_attention(q, k, v, vis, scale):
+    """fp32 softmax attention under the visibility mask vis (Sq, Sk); a row that sees nothing gives 0."""
+    G = q.shape[2] // k.shape[2]
+    kf = k.float().repeat_interleave(G, dim=2)
+    vf = v.float().repeat_interleave(G, dim=2)
+    s = torch.einsum("bshd,bthd->bhst", q.float(), kf) * scale
+    s = s.masked_fill(~vis.to(s.device), float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    return torch.einsum("bhst,bthd->bshd", p, vf)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("window", [(-37, None), (None, -20), (-5, 40), (60, -9), (0, None), (None, 0)])
+@pytest.mark.parametrize("seqlens", [(113, 203), (256, 256), (129, 64)])
+def test_literal_windows_match_fa4_mask_on_gpu(dtype, d, window, seqlens):
+    torch.manual_seed(0)
+    Sq, Sk = seqlens
+    q = torch.randn(2, Sq, 6, d, device="cuda", dtype=dtype)
+    k = torch.randn(2, Sk, 3, d, device="cuda", dtype=dtype)
+    v = torch.randn(2, Sk, 3, d, device="cuda", dtype=dtype)
+    out, _ = interface.flash_attn_func(q, k, v, window_size=window)
+    vis = _fa4_mask(Sq, Sk, False, window)
+    ref = _masked_attention(q, k, v, vis, d ** -0.5)
+    ref_lp = _masked_attention(q.to(dtype), k, v, vis, d ** -0.5).to(dtype).float()  # rounded once, as a bound
+    err = (out.float() - ref).abs().max().item()
+    bound = 2 * (ref_lp - ref).abs().max().item() + 4 * torch.finfo(dtype).eps
+    assert err <= bound, f"max error {err:.3e} > {bound:.3e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_lse_gradient_on_gpu(dtype, causal):
+    """The cute forward with the backward the dispatcher picks (the cute backward at d128): the lse term changes dq
+    and dk, leaves dv bitwise alone, and the gradients meet fp32 autograd."""
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(2, 200, 4, 128, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+    out, lse = interface.flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    g, w = torch.randn_like(out), torch.randn_like(lse)
+    dq, dk, dv = torch.autograd.grad((out.float() * g).sum() + (lse * w).sum(), (q, k, v))
+    qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
+    s = torch.einsum("bshd,bthd->bhst", qf, kf) * 128 ** -0.5
+    if causal:
+        s = s.masked_fill(torch.ones(200, 200, dtype=torch.bool, device="cuda").triu(1), float("-inf"))
+    o = torch.einsum("bhst,bthd->bshd", torch.softmax(s, -1), vf)
+    want = torch.autograd.grad((o * g.float()).sum() + (torch.logsumexp(s, -1) * w).sum(), (qf, kf, vf))
+    for name, got, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), want):
+        err = (got.float() - ref).abs().max().item()
+        assert err <= 0.02 * max(1.0, ref.abs().max().item()), f"{name}: max error {err:.3e}"
+    out2, _ = interface.flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    dq2, dk2, dv2 = torch.autograd.grad((out2.float() * g).sum(), (q, k, v))
+    assert not torch.equal(dq, dq2) and not torch.equal(dk, dk2)
+    assert (dv.float() - dv2.float()).abs().max().item() <= 2 * torch.finfo(dtype).eps * dv2.abs().max().item()
