@@ -99,7 +99,8 @@ def _inputs(shape, paged, dtype, seed=0, device="cuda"):
     vp, _ = paged_from_dense(v, paged, num_blocks=kp.shape[0], block_table=table)
     cu_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=device)
     used = torch.full((b,), sk, dtype=torch.int32, device=device)
-    return "paged", (q.flatten(0, 1), kp, vp, cu_q, None), dict(max_seqlen_q=sq, seqused_k=used, page_table=table)
+    return "paged", (q.flatten(0, 1), kp, vp), dict(cu_seqlens_q=cu_q, max_seqlen_q=sq, seqused_k=used,
+                                                    page_table=table)
 
 
 def kernels_asked(shapes, variants_, names, paged, causal, sms=132):

@@ -116,13 +116,13 @@ def run_case(name, case):
             pad = lambda t: torch.cat([t, t.new_zeros(1, s_max - t.shape[1], *t.shape[2:])], 1)  # noqa: E731
             k_cache, table = testing.paged_from_dense(torch.cat([pad(t) for t in ks]), page, generator=g)
             v_cache, _ = testing.paged_from_dense(torch.cat([pad(t) for t in vs]), page, block_table=table)
-            out, _ = flash_attn_varlen_func(torch.cat(qs, 1)[0], k_cache, v_cache, cu([a for a, _ in lens]), None,
+            out, _ = flash_attn_varlen_func(torch.cat(qs, 1)[0], k_cache, v_cache, cu_seqlens_q=cu([a for a, _ in lens]), cu_seqlens_k=None,
                                             seqused_k=torch.tensor([c for _, c in lens], dtype=torch.int32,
                                                                    device="cuda"),
                                             page_table=table, learnable_sink=sink, **kw)
         else:
             out, _ = flash_attn_varlen_func(torch.cat(qs, 1)[0], torch.cat(ks, 1)[0], torch.cat(vs, 1)[0],
-                                            cu([a for a, _ in lens]), cu([c for _, c in lens]), learnable_sink=sink,
+                                            cu_seqlens_q=cu([a for a, _ in lens]), cu_seqlens_k=cu([c for _, c in lens]), learnable_sink=sink,
                                             **kw)
         torch.cuda.synchronize()
         pieces = list(torch.split(out, [a for a, _ in lens]))

@@ -114,7 +114,7 @@ def test_deterministic_and_lse_reach_the_dispatcher(monkeypatch, varlen, determi
     q, k, v = (torch.zeros(*lead, 2, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     if varlen:
         cu = torch.tensor([0, 7], dtype=torch.int32)
-        interface.flash_attn_varlen_func(q, k, v, cu, cu, 7, 7, causal=True, deterministic=deterministic)
+        interface.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=7, max_seqlen_k=7, causal=True, deterministic=deterministic)
     else:
         interface.flash_attn_func(q, k, v, causal=True, deterministic=deterministic)
     (args,) = seen
@@ -201,3 +201,144 @@ def test_lse_gradient_on_gpu(dtype, causal):
     dq2, dk2, dv2 = torch.autograd.grad((out2.float() * g).sum(), (q, k, v))
     assert not torch.equal(dq, dq2) and not torch.equal(dk, dk2)
     assert (dv.float() - dv2.float()).abs().max().item() <= 2 * torch.finfo(dtype).eps * dv2.abs().max().item()
+
+
+# ----------------------------------------------------------------------------------------------------
+# FA4's signatures, head dims and batch-shaped varlen calls (CPU: the kernel launch recorded, not run)
+
+FA4_FUNC_PARAMS = ["q", "k", "v", "qv", "gather_kv_indices", "softmax_scale", "causal", "window_size",
+                   "learnable_sink", "softcap", "num_splits", "pack_gqa", "deterministic", "score_mod", "score_mod_bwd",
+                   "mask_mod", "aux_tensors", "aux_scalars", "block_sparse_tensors", "block_sparse_tensors_bwd",
+                   "return_lse"]
+FA4_VARLEN_PARAMS = ["q", "k", "v", "qv", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k",
+                     "min_seqlen_k", "seqused_q", "seqused_k", "gather_kv_indices", "page_table", "softmax_scale",
+                     "causal", "window_size", "learnable_sink", "softcap", "num_splits", "pack_gqa", "deterministic",
+                     "score_mod", "score_mod_bwd", "mask_mod", "block_sparse_tensors", "aux_tensors", "aux_scalars",
+                     "return_lse", "scheduler_metadata", "seqlen_k_per_split", "disable_scheduler_metadata"]
+
+
+def test_signatures_are_fa4s():
+    """Positional callers of FA4 (its order since beta 10, qv and gather_kv_indices early) reach the same arguments."""
+    import inspect
+
+    assert list(inspect.signature(interface.flash_attn_func).parameters) == FA4_FUNC_PARAMS
+    assert list(inspect.signature(interface.flash_attn_varlen_func).parameters) == FA4_VARLEN_PARAMS
+
+
+@pytest.mark.parametrize("name", ["qv", "gather_kv_indices", "score_mod", "mask_mod", "aux_tensors",
+                                  "block_sparse_tensors"])
+@pytest.mark.parametrize("varlen", [False, True])
+def test_unimplemented_fa4_arguments_are_refused(name, varlen):
+    lead = (7,) if varlen else (1, 7)
+    q = k = v = torch.zeros(*lead, 2, 64, dtype=torch.bfloat16)
+    value = [torch.zeros(1)] if name == "aux_tensors" else (lambda *a: None) if name.endswith("mod") else torch.zeros(1)
+    fn = interface.flash_attn_varlen_func if varlen else interface.flash_attn_func
+    with pytest.raises(NotImplementedError, match=f"does not take {name}"):
+        fn(q, k, v, **{name: value})
+
+
+class _Recorder:
+    """Stands in for the kernel launches: records q / k / v shapes and the scale, returns zeros."""
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")
+        monkeypatch.setattr(interface, "forward", self.dense)
+        monkeypatch.setattr(interface, "forward_varlen", self.varlen)
+
+    def dense(self, q, k, v, softmax_scale, *a, **kw):
+        self.calls.append((q.shape, k.shape, v.shape, softmax_scale))
+        B, Sq, H, _ = q.shape
+        return torch.ones(B, Sq, H, v.shape[-1], dtype=q.dtype), torch.zeros(B, H, Sq)
+
+    def varlen(self, q, k, v, cu_q, cu_k, seqused_k, max_q, softmax_scale, *a, **kw):
+        self.calls.append((q.shape, k.shape, v.shape, softmax_scale, cu_q.tolist()))
+        return torch.ones(*q.shape[:2], v.shape[-1], dtype=q.dtype), torch.zeros(q.shape[1], q.shape[0])
+
+
+@pytest.mark.parametrize("d,dv,padded", [(8, 8, 64), (32, 32, 64), (80, 80, 96), (64, 128, 128), (200, 136, 256),
+                                         (128, 64, 128)])
+@pytest.mark.parametrize("varlen", [False, True])
+def test_other_head_dims_run_zero_padded(monkeypatch, d, dv, padded, varlen):
+    rec = _Recorder(monkeypatch)
+    lead = (9,) if varlen else (1, 9)
+    q, k, v = torch.randn(*lead, 4, d), torch.randn(*lead, 2, d), torch.randn(*lead, 2, dv)
+    q, k, v = (t.to(torch.float16) for t in (q, k, v))
+    if varlen:
+        cu = torch.tensor([0, 9], dtype=torch.int32)
+        out, _ = interface.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=9,
+                                                  max_seqlen_k=9)
+    else:
+        out, _ = interface.flash_attn_func(q, k, v)
+    (call,) = rec.calls
+    assert call[0][-1] == call[1][-1] == call[2][-1] == padded
+    assert call[3] == pytest.approx(d ** -0.5)  # the scale of the call's own head dim
+    assert out.shape == (*lead, 4, dv) and out.is_contiguous()
+
+
+@pytest.mark.parametrize("d,dv", [(4, 4), (148, 148), (288, 288), (64, 12), (260, 64)])
+@pytest.mark.parametrize("varlen", [False, True])
+def test_head_dims_fa4_refuses_raise_its_assertion(d, dv, varlen):
+    lead = (5,) if varlen else (1, 5)
+    q, k, v = (torch.zeros(*lead, 2, n, dtype=torch.bfloat16) for n in (d, d, dv))
+    msg = rf"\(head_dim, head_dim_v\)=\({d}, {dv}\) is not supported on SM90"
+    with pytest.raises(AssertionError, match=msg) as info:
+        if varlen:
+            cu = torch.tensor([0, 5], dtype=torch.int32)
+            interface.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu)
+        else:
+            interface.flash_attn_func(q, k, v)
+    assert isinstance(info.value, ValueError)
+
+
+def test_varlen_takes_batch_shaped_tensors(monkeypatch):
+    """FA4's varlen entry with cu_seqlens None: (B, S, H, D) tensors, sequences of S rows (seqused_* their used
+    counts); out keeps q's batch shape and lse is (B, H, Sq)."""
+    rec = _Recorder(monkeypatch)
+    B, Sq, Sk, H, D = 3, 5, 7, 2, 64
+    q = torch.randn(B, Sq, H, D, dtype=torch.float16)
+    k, v = (torch.randn(B, Sk, H, D, dtype=torch.float16) for _ in range(2))
+    used = torch.tensor([7, 0, 3], dtype=torch.int32)
+    out, lse = interface.flash_attn_varlen_func(q, k, v, seqused_k=used, return_lse=True)
+    (call,) = rec.calls
+    assert call[0] == (B * Sq, H, D) and call[1] == (B * Sk, H, D) and call[4] == [0, 5, 10, 15]
+    assert out.shape == (B, Sq, H, D) and lse.shape == (B, H, Sq)
+    with pytest.raises(ValueError, match="k and v must both be batch-shaped"):
+        interface.flash_attn_varlen_func(q, k, v[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d,dv", [(8, 8), (16, 16), (32, 32), (40, 40), (72, 72), (64, 128), (200, 136)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_padded_head_dims_on_gpu(dtype, d, dv, causal):
+    torch.manual_seed(2)
+    Sq, Sk = 129, 257
+    q = torch.randn(2, Sq, 4, d, device="cuda", dtype=dtype)
+    k = torch.randn(2, Sk, 2, d, device="cuda", dtype=dtype)
+    v = torch.randn(2, Sk, 2, dv, device="cuda", dtype=dtype)
+    out, _ = interface.flash_attn_func(q, k, v, causal=causal)
+    vis = _fa4_mask(Sq, Sk, causal, (None, None))
+    ref = _masked_attention(q, k, v, vis, d ** -0.5)
+    ref_lp = _masked_attention(q, k, v, vis, d ** -0.5).to(dtype).float()
+    err = (out.float() - ref).abs().max().item()
+    assert out.shape == (2, Sq, 4, dv)
+    assert err <= 2 * (ref_lp - ref).abs().max().item() + 4 * torch.finfo(dtype).eps, err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("causal", [False, True])
+def test_batch_shaped_varlen_on_gpu(causal):
+    torch.manual_seed(3)
+    B, Sq, Sk, H, Hk, D = 3, 17, 40, 4, 2, 128
+    q = torch.randn(B, Sq, H, D, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(B, Sk, Hk, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    used = torch.tensor([40, 1, 23], dtype=torch.int32, device="cuda")
+    out, lse = interface.flash_attn_varlen_func(q, k, v, seqused_k=used, causal=causal, return_lse=True)
+    assert out.shape == (B, Sq, H, D) and lse.shape == (B, H, Sq)
+    for b in range(B):
+        n = int(used[b])
+        want, _ = interface.flash_attn_func(q[b:b + 1], k[b:b + 1, :n], v[b:b + 1, :n], causal=causal)
+        assert (out[b:b + 1].float() - want.float()).abs().max().item() <= 1e-2

@@ -942,7 +942,7 @@ def test_varlen_matches_reference_per_sequence_on_gpu(d, causal, window, softcap
     q, k, v, cu_q, cu_k = _varlen_case(lens_q, lens_k, 4, 2, d, extra_q=3)
     used = [min(n, u) for n, u in zip(lens_k, caps)] if seqused else lens_k
     seqused_k = torch.tensor(used, device="cuda", dtype=torch.int32) if seqused else None
-    out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, seqused_k=seqused_k, causal=causal,
+    out, lse = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_k=seqused_k, causal=causal,
                                       window_size=window, softcap=softcap, return_lse=True)
     torch.cuda.synchronize()
     assert out.shape == q.shape and lse.shape == (4, q.shape[0])
@@ -1037,13 +1037,13 @@ def test_varlen_bad_cu_seqlens_are_refused_on_gpu():
 
     q, k, v, cu_q, cu_k = _varlen_case([5, 7], [5, 7], 2, 2, 64)
     with pytest.raises(ValueError, match="cu_seqlens_q must be a 1-D int32"):
-        flash_attn_varlen_func(q, k, v, cu_q.long(), cu_k)
+        flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q.long(), cu_seqlens_k=cu_k)
     with pytest.raises(ValueError, match="never decrease"):
-        flash_attn_varlen_func(q, k, v, torch.tensor([0, 7, 5], device="cuda", dtype=torch.int32), cu_k)
+        flash_attn_varlen_func(q, k, v, cu_seqlens_q=torch.tensor([0, 7, 5], device="cuda", dtype=torch.int32), cu_seqlens_k=cu_k)
     with pytest.raises(ValueError, match="end at most"):
-        flash_attn_varlen_func(q, k, v, cu_q, cu_k + 1)
+        flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k + 1)
     with pytest.raises(ValueError, match="seqused_k"):
-        flash_attn_varlen_func(q, k, v, cu_q, cu_k, seqused_k=torch.tensor([6, 1], device="cuda",
+        flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_k=torch.tensor([6, 1], device="cuda",
                                                                            dtype=torch.int32))
 
 
@@ -1088,7 +1088,7 @@ def test_api_refuses_bad_arguments_before_touching_a_gpu(varlen):
     def call(q, k, v, **kw):
         if varlen:
             cu = torch.tensor([0, 7], dtype=torch.int32)
-            return flash_attn_varlen_func(q, k, v, cu, cu, **kw)
+            return flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, **kw)
         return flash_attn_func(q, k, v, **kw)
 
     cases = [

@@ -157,7 +157,7 @@ def test_varlen_calls_launch_on_sequence_chunks(monkeypatch, paged, num_splits):
         k = torch.cat([kd[b, :n] for b, n in enumerate(lens_k)])
         v = torch.cat([vd[b, :n] for b, n in enumerate(lens_k)])
         keys = dict(cu_seqlens_k=torch.tensor([0] + lens_k).cumsum(0).to(I32))
-    out, lse = interface.flash_attn_varlen_func(q, k, v, cu_q, num_splits=num_splits, return_lse=True, **keys)
+    out, lse = interface.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, num_splits=num_splits, return_lse=True, **keys)
     assert launches == [4, 4, 1]
     for b in range(len(lens_q)):
         q0, n, m = int(cu_q[b]), lens_q[b], lens_k[b]
@@ -173,7 +173,7 @@ def test_varlen_calls_launch_on_sequence_chunks(monkeypatch, paged, num_splits):
     if num_splits == 2:
         two = dict(page_table=table[:2], seqused_k=keys["seqused_k"][:2]) if paged else \
             dict(cu_seqlens_k=keys["cu_seqlens_k"][:3])
-        out2, _ = interface.flash_attn_varlen_func(q, k, v, cu_q[:3], num_splits=2, **two)
+        out2, _ = interface.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q[:3], num_splits=2, **two)
         assert launches[3:] == [(2, 2)]
         torch.testing.assert_close(out2[:int(cu_q[2])], out[:int(cu_q[2])], rtol=0, atol=1e-3)
 
@@ -226,6 +226,6 @@ def test_more_batch_entries_than_a_grid_holds_on_gpu():
     assert_close_to_ref(out, o_ref, o_pt)
     # varlen: 70000 sequences of 5 queries and keys
     cu = torch.arange(0, 5 * _GPU_B + 1, 5, device="cuda", dtype=I32)
-    out_v, _ = flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu, causal=True)
+    out_v, _ = flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True)
     torch.cuda.synchronize()
     assert_close_to_ref(out_v.view_as(out), o_ref, o_pt)

@@ -112,12 +112,12 @@ def test_calls_select_the_kernel_and_shape_out(monkeypatch):
     monkeypatch.setenv("FLASH_ATTN_CUTE_PACK_GQA", "auto")  # pack_gqa=None's rule (_pack_auto)
     cu = torch.tensor([0, 5], dtype=torch.int32)
     cu_k = torch.tensor([0, 9], dtype=torch.int32)
-    out, _ = interface.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu_k, causal=True, pack_gqa=False)
+    out, _ = interface.flash_attn_varlen_func(q[0], k[0], v[0], cu_seqlens_q=cu, cu_seqlens_k=cu_k, causal=True, pack_gqa=False)
     assert out.shape == (5, 8, 128) and seen[-1][0] == "varlen dv"
-    out, _ = interface.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu_k, causal=True)  # pack_gqa None: packed
+    out, _ = interface.flash_attn_varlen_func(q[0], k[0], v[0], cu_seqlens_q=cu, cu_seqlens_k=cu_k, causal=True)  # pack_gqa None: packed
     assert out.shape == (5, 8, 128) and seen[-1][0] == "varlen pack dv"
     with pytest.raises(ValueError, match="shape mismatch"):
-        interface.flash_attn_varlen_func(q[0], k[0], v[0, :8], cu, cu_k, causal=True)
+        interface.flash_attn_varlen_func(q[0], k[0], v[0, :8], cu_seqlens_q=cu, cu_seqlens_k=cu_k, causal=True)
 
 
 def test_dispatcher_admits_the_pair_forward_only(monkeypatch):
@@ -225,7 +225,7 @@ def test_varlen_matches_reference_per_sequence_on_gpu(monkeypatch, causal):
     q = torch.randn(int(cu_q[-1]), 4, 192, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(int(cu_k[-1]), 2, 192, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(int(cu_k[-1]), 2, 128, device="cuda", dtype=torch.bfloat16)
-    out, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, causal=causal)
+    out, _ = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=causal)
     torch.cuda.synchronize()
     assert out.shape == (q.shape[0], 4, 128)
     for b, (sq, sk) in enumerate(zip(lens_q, lens_k)):

@@ -167,13 +167,13 @@ def test_pack_gqa_selects_the_packed_kernel_per_call(monkeypatch):
     for kw, want in [(dict(pack_gqa=True), (True, "pack", 8)), (dict(), (True, "pack", 8)),
                      (dict(pack_gqa=False), (True,))]:
         q, k, v = mk(5, 16, 64)[0], mk(5, 2, 64)[0], mk(5, 2, 64)[0]
-        interface.flash_attn_varlen_func(q, k, v, cu, cu, causal=True, **kw)
+        interface.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True, **kw)
         assert calls[-1] == want
     # pack_gqa None by the longest sequence: 1024 queries keep the unpacked kernel, pack_gqa=True packs them
     cu2 = torch.tensor([0, 3, 1027], dtype=torch.int32)
     q, k, v = mk(1027, 16, 64)[0], mk(1027, 2, 64)[0], mk(1027, 2, 64)[0]
     for kw, want in [(dict(), (True,)), (dict(pack_gqa=True), (True, "pack", 8))]:
-        interface.flash_attn_varlen_func(q, k, v, cu2, cu2, causal=True, **kw)
+        interface.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu2, cu_seqlens_k=cu2, causal=True, **kw)
         assert calls[-1] == want
     monkeypatch.setenv("FLASH_ATTN_CUTE_PACK_GQA", "0")
     interface.flash_attn_func(mk(1, 16, 128), mk(500, 2, 128), mk(500, 2, 128), pack_gqa=True)
@@ -329,7 +329,7 @@ def test_packed_varlen_matches_reference_per_sequence_on_gpu(monkeypatch, d, cau
     used = [min(n, u) for n, u in zip(lens_k, caps)] if seqused else lens_k
     seqused_k = torch.tensor(used, device="cuda", dtype=torch.int32) if seqused else None
     sink_t = torch.randn(heads, device="cuda") if sink else None
-    out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, seqused_k=seqused_k, causal=causal, window_size=window,
+    out, lse = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_k=seqused_k, causal=causal, window_size=window,
                                       learnable_sink=sink_t, pack_gqa=True, return_lse=True)
     torch.cuda.synchronize()
     assert any(key[-2:] == ("pack", 8) and True in key for key in interface._kernels)

@@ -143,7 +143,7 @@ def test_paged_calls_per_sequence(monkeypatch, causal, sink, page_size, with_use
     q, k, v, kd, vd, cu_q, table, used_k = _paged_case(lens_q, lens_k, page_size, 4, 2, 64)
     sink_t = torch.randn(4) if sink else None
     out, lse = interface.flash_attn_varlen_func(
-        q, k, v, cu_q, None, seqused_q=torch.tensor(used_q, dtype=I32) if with_used_q else None, seqused_k=used_k,
+        q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=None, seqused_q=torch.tensor(used_q, dtype=I32) if with_used_q else None, seqused_k=used_k,
         page_table=table, causal=causal, learnable_sink=sink_t, return_lse=True)
     for b in range(len(lens_q)):
         q0, uq, uk = int(cu_q[b]), used_q[b], lens_k[b]
@@ -164,7 +164,7 @@ def test_paged_argument_checks(monkeypatch):
     monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")
     q, k, v, _, _, cu_q, table, used_k = _paged_case([3, 4], [10, 17], 8, 2, 1, 64)
     call = lambda **kw: interface.flash_attn_varlen_func(  # noqa: E731
-        q, kw.pop("k", k), kw.pop("v", v), cu_q, kw.pop("cu_k", None), seqused_k=kw.pop("used_k", used_k),
+        q, kw.pop("k", k), kw.pop("v", v), cu_seqlens_q=cu_q, cu_seqlens_k=kw.pop("cu_k", None), seqused_k=kw.pop("used_k", used_k),
         page_table=kw.pop("table", table), **kw)
     monkeypatch.setenv("FLASH_ATTN_CUTE_PAGED", "0")
     with pytest.raises(NotImplementedError, match="FLASH_ATTN_CUTE_PAGED=0 turned the paged kernel off"):
@@ -176,7 +176,7 @@ def test_paged_argument_checks(monkeypatch):
         (dict(used_k=None), ValueError, "seqused_k"),
         (dict(table=table.long()), ValueError, "page_table must be an int32 tensor"),
         (dict(table=table[:1]), ValueError, "page_table must be an int32 tensor"),
-        (dict(v=v[:, :, :, :32]), NotImplementedError, "head dim of v"),
+        (dict(v=v[:, :, :, :12]), AssertionError, r"\(head_dim, head_dim_v\)=\(64, 12\) is not supported on SM90"),
         (dict(used_k=torch.tensor([10, 10 ** 4], dtype=I32)), ValueError, "seqused_k must lie in"),
         (dict(table=torch.where(table == table[1, 2], 10 ** 4, table)), ValueError, "1 entries that sequences use"),
     ]
@@ -189,10 +189,10 @@ def test_paged_argument_checks(monkeypatch):
     call(table=big)
     qg = q.clone().requires_grad_()
     with pytest.raises(NotImplementedError, match="gradients with page_table"):
-        interface.flash_attn_varlen_func(qg, k, v, cu_q, None, seqused_k=used_k, page_table=table)
+        interface.flash_attn_varlen_func(qg, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=None, seqused_k=used_k, page_table=table)
     with pytest.raises(NotImplementedError, match="page size 12"):
         k12 = torch.randn(k.shape[0], 12, *k.shape[2:], dtype=k.dtype)  # 12-row pages
-        interface.flash_attn_varlen_func(q, k12, k12, cu_q, None, seqused_k=torch.tensor([10, 12], dtype=I32),
+        interface.flash_attn_varlen_func(q, k12, k12, cu_seqlens_q=cu_q, cu_seqlens_k=None, seqused_k=torch.tensor([10, 12], dtype=I32),
                                          page_table=table)
 
 
@@ -303,7 +303,7 @@ def test_paged_matches_reference_per_sequence_on_gpu(monkeypatch, d, dv, page_si
     q, k, v, kd, vd, cu_q, table, used_k = _paged_case(lens_q, lens_k, page_size, heads, heads_kv, d, "cuda",
                                                        torch.bfloat16, dv)
     sink_t = torch.randn(heads, device="cuda") if sink else None
-    out, lse = flash_attn_varlen_func(q, k, v, cu_q, None, seqused_k=used_k, page_table=table, causal=causal,
+    out, lse = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=None, seqused_k=used_k, page_table=table, causal=causal,
                                       window_size=window, learnable_sink=sink_t, pack_gqa=pack, return_lse=True)
     torch.cuda.synchronize()
     assert any(key[-2:] == ("paged", page_size) for key in interface._kernels)

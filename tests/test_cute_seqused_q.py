@@ -77,7 +77,7 @@ def test_seqused_q_calls_per_sequence(monkeypatch, causal, sink, with_used_k):
     if not with_used_k:
         used_k = lens_k
     out, lse = interface.flash_attn_varlen_func(
-        q, k, v, cu_q, cu_k, seqused_q=torch.tensor(used_q, dtype=I32),
+        q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_q=torch.tensor(used_q, dtype=I32),
         seqused_k=torch.tensor(used_k, dtype=I32) if with_used_k else None, causal=causal, learnable_sink=sink_t,
         return_lse=True)
     for b in range(len(lens_q)):
@@ -108,10 +108,10 @@ def test_seqused_q_checks(monkeypatch):
                            (torch.tensor([3, 1], dtype=I32), ValueError, "seqused_q must lie in"),
                            (torch.tensor([1, -1], dtype=I32), ValueError, "seqused_q must lie in")]:
         with pytest.raises(exc, match=msg):
-            interface.flash_attn_varlen_func(q, k, v, cu, cu, seqused_q=used)
+            interface.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, seqused_q=used)
     qg = q.clone().requires_grad_()
     with pytest.raises(NotImplementedError, match="seqused_q"):
-        interface.flash_attn_varlen_func(qg, k, v, cu, cu, seqused_q=torch.tensor([1, 2], dtype=I32))
+        interface.flash_attn_varlen_func(qg, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, seqused_q=torch.tensor([1, 2], dtype=I32))
 
 
 def _hopper():
@@ -144,7 +144,7 @@ def test_seqused_q_matches_reference_per_sequence_on_gpu(d, causal, window, sink
     k = torch.randn(int(cu_k[-1]), Hk, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(int(cu_k[-1]), Hk, d, device="cuda", dtype=torch.bfloat16)
     sink_t = torch.randn(H, device="cuda") if sink else None
-    out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, seqused_q=torch.tensor(used_q, device="cuda", dtype=I32),
+    out, lse = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_q=torch.tensor(used_q, device="cuda", dtype=I32),
                                       seqused_k=torch.tensor(used_k, device="cuda", dtype=I32), causal=causal,
                                       window_size=window, learnable_sink=sink_t, return_lse=True)
     torch.cuda.synchronize()

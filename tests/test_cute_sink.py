@@ -122,7 +122,7 @@ def test_bad_learnable_sink_is_refused(varlen):
     def call(sink):
         if varlen:
             cu = torch.tensor([0, 7], dtype=torch.int32)
-            return interface.flash_attn_varlen_func(q, k, v, cu, cu, learnable_sink=sink)
+            return interface.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, learnable_sink=sink)
         return interface.flash_attn_func(q, k, v, learnable_sink=sink)
 
     for sink, msg in [(torch.zeros(2), r"have shape \(4,\)"), (torch.zeros(1, 4), r"have shape \(4,\)"),
@@ -255,7 +255,7 @@ def test_sink_backward_varlen_and_sink_only(monkeypatch):
     # only the sink needs a gradient: through flash_attn_varlen_func, no dispatcher backward
     monkeypatch.setattr(interface, "_dispatcher_backward", lambda *a: pytest.fail("dq/dk/dv not needed"))
     qb, kb, vb = (t.detach().to(torch.bfloat16) for t in (q, k, v))
-    out_b, _ = interface.flash_attn_varlen_func(qb, kb, vb, cu_q, cu_k, learnable_sink=sink)
+    out_b, _ = interface.flash_attn_varlen_func(qb, kb, vb, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, learnable_sink=sink)
     assert out_b.requires_grad
     (dsink,) = torch.autograd.grad(out_b.float(), (sink,), dout)
     assert dsink.dtype == torch.float32 and torch.isfinite(dsink).all()
@@ -326,7 +326,7 @@ def test_sink_varlen_matches_reference_on_gpu(d):
     k = torch.randn(int(cu_k[-1]), Hk, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(int(cu_k[-1]), Hk, d, device="cuda", dtype=torch.bfloat16)
     sink = _sinks(H)
-    out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, causal=True, learnable_sink=sink, return_lse=True)
+    out, lse = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=True, learnable_sink=sink, return_lse=True)
     for b, (sq, sk) in enumerate(zip(lens_q, lens_k)):
         q0, k0 = int(cu_q[b]), int(cu_k[b])
         if sq == 0:

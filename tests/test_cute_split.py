@@ -298,10 +298,10 @@ def test_varlen_split_calls_per_sequence(monkeypatch, causal, window, softcap, s
               seqused_q=torch.tensor(used_q, dtype=I32) if with_used_q else None, **keys)
     monkeypatch.setenv("FLASH_ATTN_CUTE_PACK_GQA", "0")  # (None would pack these under =auto)
     monkeypatch.setenv("FLASH_ATTN_CUTE_SPLIT", "0")
-    interface.flash_attn_varlen_func(q, k, v, cu_q, num_splits=num_splits, **kw)
+    interface.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, num_splits=num_splits, **kw)
     assert usual == [1]
     monkeypatch.delenv("FLASH_ATTN_CUTE_SPLIT")
-    out, lse = interface.flash_attn_varlen_func(q, k, v, cu_q, num_splits=num_splits, **kw)
+    out, lse = interface.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, num_splits=num_splits, **kw)
     assert usual == [1] and out.dtype == torch.float16 and out.shape == q.shape and lse.shape == (H, q.shape[0])
     ref_kw = dict(causal=causal, window_size=(window[0], 0 if causal else window[1]), softcap=softcap,
                   learnable_sink=sink_t)
@@ -393,7 +393,8 @@ def test_num_splits_zero_chooses_per_call(monkeypatch):
     cu_q = torch.tensor([0, 1, 2], dtype=I32)
     cu_k = torch.tensor([0] + lens_k, dtype=I32).cumsum(0).to(I32)
     kv = k[0, :8000, :8], v[0, :8000, :8]
-    out, _ = interface.flash_attn_varlen_func(q[0].repeat(2, 1, 1)[:, :8], *kv, cu_q, cu_k, num_splits=0)
+    out, _ = interface.flash_attn_varlen_func(q[0].repeat(2, 1, 1)[:, :8], *kv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                              num_splits=0)
     assert parts[1:] == [interface._choose_splits(2 * 8, 40, 132)] and parts[1] > 1 and usual == [1]
     for b in range(2):
         qs = q[:, :, :8]
@@ -525,7 +526,7 @@ def test_varlen_split_matches_reference_per_sequence_on_gpu(monkeypatch, d, dv, 
         v = torch.cat([vd[b, :n] for b, n in enumerate(lens_k)])
         keys = dict(cu_seqlens_k=torch.tensor([0] + lens_k, device="cuda").cumsum(0).to(I32))
     sink_t = torch.randn(heads, device="cuda") if sink else None
-    out, lse = flash_attn_varlen_func(q, k, v, cu_q, causal=causal, window_size=window, learnable_sink=sink_t,
+    out, lse = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, causal=causal, window_size=window, learnable_sink=sink_t,
                                       seqused_q=torch.tensor(used_q, dtype=I32, device="cuda"), num_splits=num_splits,
                                       pack_gqa=pack, return_lse=True, **keys)
     torch.cuda.synchronize()

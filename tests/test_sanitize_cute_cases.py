@@ -89,7 +89,7 @@ def test_prediction_matches_the_dispatch(monkeypatch, name, packed):
             v = torch.randn(sum(pages) + 1, page, hk, opt.get("dv", d), dtype=dtype)
             table = torch.zeros(len(lens), max(pages), dtype=torch.int32)
             keys = dict(page_table=table, seqused_k=torch.tensor([c for _, c in lens], dtype=torch.int32))
-        interface.flash_attn_varlen_func(q, k, v, cu([a for a, _ in lens]), learnable_sink=sink, **keys, **kw)
+        interface.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu([a for a, _ in lens]), learnable_sink=sink, **keys, **kw)
     else:
         q = torch.randn(b, sq, h, d, dtype=dtype)
         k, v = torch.randn(b, sk, hk, d, dtype=dtype), torch.randn(b, sk, hk, opt.get("dv", d), dtype=dtype)

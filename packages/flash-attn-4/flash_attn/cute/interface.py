@@ -930,10 +930,43 @@ def _check_sink(learnable_sink, H, device):
 _NO_WINDOW = (None, None)  # flash_attn_func's default window_size (identity-checked on the fast path)
 
 
-def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=_NO_WINDOW, learnable_sink=None,
-                    softcap=0.0, num_splits=1, pack_gqa=None, deterministic=False, return_lse=False):
-    """Attention forward on Hopper: q (B, Sq, H, D), k/v (B, Sk, Hk, D) fp16/bf16 CUDA tensors, D in
-    (64, 96, 128, 192, 256), H % Hk == 0 (GQA/MQA). Causal and sliding-window masks are bottom-right aligned: query i
+class HeadDimError(AssertionError, ValueError):
+    """A head dim FA4 does not take on Hopper: FA4 raises AssertionError there, so this is one (and a ValueError)."""
+
+
+def _padded_dim(D, Dv):
+    """The kernel head dim that q, k (D) and v (Dv) are zero-padded to when (D, Dv) is not a kernel's own pair:
+    the smallest of _SUPPORTED_HEAD_DIMS that holds both. Zero columns change no score q.k (the scale stays
+    D ** -0.5) and give zero output columns, dropped after the call. HeadDimError for what FA4 refuses on SM90:
+    sizes outside [8, 256] or not multiples of 8 (16 bytes of fp16 / bf16)."""
+    if not (8 <= D <= 256 and 8 <= Dv <= 256 and D % 8 == 0 and Dv % 8 == 0):
+        raise HeadDimError(f"(head_dim, head_dim_v)=({D}, {Dv}) is not supported on SM90. head_dim and head_dim_v "
+                           "must be between 8 and 256 and divisible by 8.")
+    return next(p for p in _SUPPORTED_HEAD_DIMS if p >= max(D, Dv))
+
+
+def _pad_last(t, size):
+    return t if t.shape[-1] == size else torch.nn.functional.pad(t, (0, size - t.shape[-1]))
+
+
+def _refuse_unsupported(**given):
+    """NotImplementedError naming the first FA4 argument this package does not implement yet that the call set."""
+    for name, value in given.items():
+        if value is not None and not (name.startswith("aux") and not value):
+            raise NotImplementedError(f"flash_attn.cute does not take {name} yet (FA4's {name} is not implemented "
+                                      "here); leave it None")
+
+
+def flash_attn_func(q, k, v, qv=None, gather_kv_indices=None, softmax_scale=None, causal=False, window_size=_NO_WINDOW,
+                    learnable_sink=None, softcap=0.0, num_splits=1, pack_gqa=None, deterministic=False, score_mod=None,
+                    score_mod_bwd=None, mask_mod=None, aux_tensors=None, aux_scalars=None, block_sparse_tensors=None,
+                    block_sparse_tensors_bwd=None, return_lse=False):
+    """Attention forward on Hopper, with FA4's signature: q (B, Sq, H, D), k (B, Sk, Hk, D), v (B, Sk, Hk, Dv)
+    fp16/bf16 CUDA tensors, D and Dv multiples of 8 in [8, 256] (the kernels' own head dims 64, 96, 128, 192, 256
+    and the pair (192, 128); other sizes run zero-padded to the next of those, _padded_dim; others raise
+    HeadDimError, an AssertionError as in FA4), H % Hk == 0 (GQA/MQA). qv, gather_kv_indices, score_mod,
+    score_mod_bwd, mask_mod, aux_tensors, aux_scalars and the block-sparsity tensors raise NotImplementedError
+    when given. Causal and sliding-window masks are bottom-right aligned: query i
     sees key j iff j - (i + Sk - Sq) lies in [-window_size[0], window_size[1]] (None: no limit on that side;
     negative sizes are literal, as in FA4, except that two sizes with a negative sum mean no window; causal sets
     the right size to 0; see _options; the gradients of a negative size raise NotImplementedError for now).
@@ -965,8 +998,23 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=_NO_W
     except (AttributeError, TypeError, ValueError):
         _check_tensors(q, k, v)
         raise
+    if (qv is not None or gather_kv_indices is not None or score_mod is not None or score_mod_bwd is not None
+            or mask_mod is not None or aux_tensors or aux_scalars or block_sparse_tensors is not None
+            or block_sparse_tensors_bwd is not None):
+        _refuse_unsupported(qv=qv, gather_kv_indices=gather_kv_indices, score_mod=score_mod,
+                            score_mod_bwd=score_mod_bwd, mask_mod=mask_mod, aux_tensors=aux_tensors,
+                            aux_scalars=aux_scalars, block_sparse_tensors=block_sparse_tensors,
+                            block_sparse_tensors_bwd=block_sparse_tensors_bwd)
     if Bk != B or Bv != Bk or Sv != Sk or Hv != Hk or Dk != D:
         raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if D not in _SUPPORTED_HEAD_DIMS or (Dv != D and (D, Dv) not in _HEAD_DIM_PAIRS):
+        P = _padded_dim(D, Dv)
+        out, lse = flash_attn_func(_pad_last(q, P), _pad_last(k, P), _pad_last(v, P),
+                                   softmax_scale=D ** -0.5 if softmax_scale is None else softmax_scale, causal=causal,
+                                   window_size=window_size, learnable_sink=learnable_sink, softcap=softcap,
+                                   num_splits=num_splits, pack_gqa=pack_gqa, deterministic=deterministic,
+                                   return_lse=return_lse)
+        return out[..., :Dv].contiguous(), lse
     _check_dims(D, Dv, H, Hk)
     pack = splits = 1
     if (window_size is _NO_WINDOW and learnable_sink is None and not softcap and num_splits == 1
@@ -1247,10 +1295,53 @@ def _check_cu_seqlens(name, cu, device, batch=None):
         raise ValueError(f"{name} must have batch + 1 entries, got {cu.shape[0]}")
 
 
-def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-                           seqused_q=None, seqused_k=None, page_table=None, softmax_scale=None, causal=False,
-                           window_size=(None, None), learnable_sink=None, softcap=0.0, num_splits=1,
-                           pack_gqa=None, deterministic=False, return_lse=False):
+def flash_attn_varlen_func(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                           max_seqlen_k=None, min_seqlen_k=None, seqused_q=None, seqused_k=None, gather_kv_indices=None,
+                           page_table=None, softmax_scale=None, causal=False, window_size=(None, None),
+                           learnable_sink=None, softcap=0.0, num_splits=1, pack_gqa=None, deterministic=False,
+                           score_mod=None, score_mod_bwd=None, mask_mod=None, block_sparse_tensors=None,
+                           aux_tensors=None, aux_scalars=None, return_lse=False, scheduler_metadata=None,
+                           seqlen_k_per_split=None, disable_scheduler_metadata=False):
+    """FA4's varlen entry (see _varlen_func for the packed layout). q may also be batch-shaped (B, Sq, H, D) with
+    cu_seqlens_q None (sequence b: the first seqused_q[b] of its Sq rows, all without seqused_q), and k / v
+    (B, Sk, Hk, D) with cu_seqlens_k None (likewise with seqused_k); out then has q's batch shape and lse is
+    (B, H, Sq). min_seqlen_k, scheduler_metadata (get_scheduler_metadata), seqlen_k_per_split and
+    disable_scheduler_metadata are scheduling hints in FA4 that change no result; the kernels here need none of
+    them. qv, gather_kv_indices, score_mod, score_mod_bwd, mask_mod, aux_tensors, aux_scalars and
+    block_sparse_tensors raise NotImplementedError when given."""
+    if (qv is not None or gather_kv_indices is not None or score_mod is not None or score_mod_bwd is not None
+            or mask_mod is not None or aux_tensors or aux_scalars or block_sparse_tensors is not None):
+        _refuse_unsupported(qv=qv, gather_kv_indices=gather_kv_indices, score_mod=score_mod,
+                            score_mod_bwd=score_mod_bwd, mask_mod=mask_mod, aux_tensors=aux_tensors,
+                            aux_scalars=aux_scalars, block_sparse_tensors=block_sparse_tensors)
+    batch_q = isinstance(q, torch.Tensor) and q.dim() == 4 and cu_seqlens_q is None
+    batch_k = (page_table is None and isinstance(k, torch.Tensor) and k.dim() == 4 and cu_seqlens_k is None)
+    if batch_q:
+        B, Sq = q.shape[:2]
+        q = q.reshape(B * Sq, *q.shape[2:])
+        cu_seqlens_q = torch.arange(0, (B + 1) * Sq, Sq, dtype=torch.int32, device=q.device)[:B + 1]
+        max_seqlen_q = Sq if max_seqlen_q is None else max_seqlen_q
+    if batch_k:
+        if not isinstance(v, torch.Tensor) or v.dim() != 4 or v.shape[:2] != k.shape[:2]:
+            raise ValueError(f"k and v must both be batch-shaped (B, Sk, Hk, D) like each other, got k "
+                             f"{tuple(k.shape)}, v {tuple(getattr(v, 'shape', ()))}")
+        Bk, Sk = k.shape[:2]
+        k, v = k.reshape(Bk * Sk, *k.shape[2:]), v.reshape(Bk * Sk, *v.shape[2:])
+        cu_seqlens_k = torch.arange(0, (Bk + 1) * Sk, Sk, dtype=torch.int32, device=k.device)[:Bk + 1]
+        max_seqlen_k = Sk if max_seqlen_k is None else max_seqlen_k
+    out, lse = _varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
+                            page_table, softmax_scale, causal, window_size, learnable_sink, softcap, num_splits,
+                            pack_gqa, deterministic, return_lse)
+    if batch_q:
+        out = out.view(B, Sq, *out.shape[1:])
+        lse = None if lse is None else lse.view(lse.shape[0], B, Sq).transpose(0, 1)
+    return out, lse
+
+
+def _varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                 seqused_q=None, seqused_k=None, page_table=None, softmax_scale=None, causal=False,
+                 window_size=(None, None), learnable_sink=None, softcap=0.0, num_splits=1,
+                 pack_gqa=None, deterministic=False, return_lse=False):
     """Attention forward over packed sequences: q (total_q, H, D), k/v (total_k, Hk, D); sequence b is, of q, the
     first seqused_q[b] rows from cu_seqlens_q[b] (all of cu_seqlens_q[b]:cu_seqlens_q[b + 1] without seqused_q)
     and, of k/v, the first seqused_k[b] rows from cu_seqlens_k[b] (all of cu_seqlens_k[b]:cu_seqlens_k[b + 1]
@@ -1290,7 +1381,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_se
         same = v.shape[:2] == k.shape[:2]
     if not same or Dk != D:
         raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    _check_dims(D, v.shape[-1], H, Hk)
+    Dv = v.shape[-1]
+    if D not in _SUPPORTED_HEAD_DIMS or (Dv != D and (D, Dv) not in _HEAD_DIM_PAIRS):
+        P = _padded_dim(D, Dv)
+        out, lse = _varlen_func(_pad_last(q, P), _pad_last(k, P), _pad_last(v, P), cu_seqlens_q, cu_seqlens_k,
+                                max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, page_table,
+                                D ** -0.5 if softmax_scale is None else softmax_scale, causal, window_size,
+                                learnable_sink, softcap, num_splits, pack_gqa, deterministic, return_lse)
+        return out[..., :Dv].contiguous(), lse
+    _check_dims(D, Dv, H, Hk)
     causal, window_left, window_right, softcap = _options(window_size, softcap, causal)
     splits = _split_count(num_splits)  # (num_splits <= 0: chosen below, with the sequence lengths)
     sink = None if learnable_sink is None else _check_sink(learnable_sink, H, q.device)
