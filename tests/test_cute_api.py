@@ -2,6 +2,7 @@
 literal), that deterministic=True reaches the backward, and that the returned lse carries a gradient. On CPU: the
 host's resolution composed with the kernel's mask rule against FA4's documented mask, and the arguments the
 backward receives; on a Hopper GPU (marked gpu): the kernels against a naive masked softmax."""
+import math
 import os
 import sys
 
@@ -342,3 +343,66 @@ def test_batch_shaped_varlen_on_gpu(causal):
         n = int(used[b])
         want, _ = interface.flash_attn_func(q[b:b + 1], k[b:b + 1, :n], v[b:b + 1, :n], causal=causal)
         assert (out[b:b + 1].float() - want.float()).abs().max().item() <= 1e-2
+
+
+# ----------------------------------------------------------------------------------------------------
+# flash_attn_combine and get_scheduler_metadata
+
+
+def _parts(scores, values, bounds):
+    """Per key range [a, b): (o normalised by its own sum, lse), empty ranges as FA4 writes them (o 0, lse -inf)."""
+    outs, lses = [], []
+    for a, b in bounds:
+        s = scores[..., a:b]
+        lse = torch.logsumexp(s, -1) if b > a else torch.full(s.shape[:-1], -math.inf, dtype=s.dtype)
+        p = torch.exp(s - lse.unsqueeze(-1)) if b > a else s
+        outs.append(p @ values[a:b] if b > a else torch.zeros(*s.shape[:-1], values.shape[-1], dtype=s.dtype))
+        lses.append(lse)
+    return torch.stack(outs), torch.stack(lses)
+
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_flash_attn_combine_merges_parts(varlen):
+    g = torch.Generator().manual_seed(4)
+    rows = (6,) if varlen else (2, 3)
+    H, Sk, D = 2, 20, 8
+    scores = torch.randn(*rows, H, Sk, generator=g, dtype=torch.float64)
+    values = torch.randn(Sk, D, generator=g, dtype=torch.float64)
+    o_parts, lse_parts = _parts(scores, values, [(0, 7), (7, 7), (7, 20)])
+    out, lse = interface.flash_attn_combine(o_parts.float(), lse_parts.float())
+    full = torch.softmax(scores, -1) @ values
+    assert out.shape == (*rows, H, D) and lse.shape == (*rows, H) and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), full, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.double(), torch.logsumexp(scores, -1), rtol=1e-5, atol=1e-5)
+    # this package's split kernel marks an empty part with +inf: the same result
+    lse_pos = torch.where(torch.isinf(lse_parts), math.inf, lse_parts).float()
+    out2, _ = interface.flash_attn_combine(o_parts.float(), lse_pos, out_dtype=torch.bfloat16, return_lse=False)
+    assert out2.dtype == torch.bfloat16
+    torch.testing.assert_close(out2.double(), full, rtol=1e-2, atol=1e-2)
+    dest = torch.empty(*rows, H, D)
+    res, none = interface.flash_attn_combine(o_parts.float(), lse_parts.float(), out=dest, return_lse=False)
+    assert res is dest and none is None and torch.allclose(dest, out)
+
+
+def test_flash_attn_combine_row_no_part_saw():
+    o = torch.zeros(2, 1, 1, 1, 4)
+    lse = torch.full((2, 1, 1, 1), -math.inf)
+    out, l_out = interface.flash_attn_combine(o, lse)
+    assert torch.equal(out, torch.zeros(1, 1, 1, 4)) and torch.isneginf(l_out).all()
+    with pytest.raises(ValueError, match="lse_partial must have shape"):
+        interface.flash_attn_combine(o, lse[0])
+    with pytest.raises(NotImplementedError, match="virtual_batch_idx"):
+        interface.flash_attn_combine(o, lse, virtual_batch_idx=torch.zeros(1, dtype=torch.int32))
+
+
+def test_scheduler_metadata_round_trips(monkeypatch):
+    meta = interface.get_scheduler_metadata(max_seqlen_q=5, max_seqlen_k=7, nheads=4, nheads_kv=2, headdim=64,
+                                            num_splits=1, causal=True)
+    assert isinstance(meta, interface.SchedulerMetadataTensorsTorch) and all(f is None for f in meta)
+    rec = _Recorder(monkeypatch)
+    q = k = v = torch.zeros(5, 2, 64, dtype=torch.float16)
+    cu = torch.tensor([0, 5], dtype=torch.int32)
+    interface.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, scheduler_metadata=meta,
+                                     min_seqlen_k=5, seqlen_k_per_split=64)
+    assert len(rec.calls) == 1

@@ -6,7 +6,7 @@ FlashAttention-4's API. Importing this package imports neither torch kernels nor
 are compiled (or loaded from the disk cache) on first use.
 """
 
-__all__ = ["flash_attn_func", "flash_attn_varlen_func"]
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_combine", "get_scheduler_metadata"]
 
 
 def __getattr__(name):

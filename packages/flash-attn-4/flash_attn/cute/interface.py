@@ -21,6 +21,7 @@ import time
 import torch
 
 from flash_attn.cute import cache
+from flash_attn.cute.combine import SchedulerMetadataTensorsTorch, flash_attn_combine, get_scheduler_metadata  # noqa: F401
 
 # Forward head dims of this package's API. The root dispatcher sends it all five (FLASH_ATTN_CUTE_FWD_HDIMS,
 # when set, picks among 96 / 192 / 256: backend.py). The backward kernel has 64 and 128 (_BWD_BLOCK_M).
