@@ -14,7 +14,7 @@ _PKG = os.path.join(ROOT, "packages", "flash-attn-4")
 if _PKG not in sys.path:
     sys.path.insert(0, _PKG)
 
-from flash_attn.cute import interface  # noqa: E402
+from flash_attn.cute import autograd, interface  # noqa: E402
 
 U = interface._UNBOUNDED
 
@@ -83,15 +83,14 @@ def test_negative_sizes_stay_literal():
             interface._options(bad, 0.0, False)
 
 
-def test_negative_window_gradients_are_refused_not_wrong():
-    # the dispatcher's backends take sizes >= 0 (-1: no limit); a literal negative size must not reach them
-    with pytest.raises(NotImplementedError, match="negative size"):
-        interface._dispatcher_window(False, -3, U)
-    with pytest.raises(NotImplementedError, match="negative size"):
-        interface._dispatcher_window(False, U, -1)
-    assert interface._dispatcher_window(False, U, U) == (-1, -1)
-    assert interface._dispatcher_window(True, 5, U) == (5, 0)
-    assert interface._dispatcher_window(False, 0, 3) == (0, 3)
+def test_negative_windows_bypass_the_dispatcher():
+    # the dispatcher's backends take sizes >= 0 (-1: no limit): a literal negative size never reaches them
+    assert autograd.dispatcher_window(False, -3, U) is None
+    assert autograd.dispatcher_window(False, U, -1) is None
+    assert autograd.dispatcher_window(True, 5, -7) == (5, 0)  # causal: the right size is 0 whatever it was
+    assert autograd.dispatcher_window(False, U, U) == (-1, -1)
+    assert autograd.dispatcher_window(True, 5, U) == (5, 0)
+    assert autograd.dispatcher_window(False, 0, 3) == (0, 3)
 
 
 @pytest.mark.parametrize("varlen", [False, True])
@@ -127,7 +126,7 @@ def test_sink_call_passes_deterministic_to_the_backward(monkeypatch):
     monkeypatch.setattr(interface, "forward", lambda q, k, v, *a, **kw: (
         torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], q.shape[1])))
     seen = []
-    monkeypatch.setattr(interface, "_dispatcher_backward", lambda *a: seen.append(a) or tuple(
+    monkeypatch.setattr(autograd, "dispatcher_backward", lambda *a: seen.append(a) or tuple(
         torch.zeros_like(t) for t in a[1:4]))
     q, k, v = (torch.zeros(1, 5, 2, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     sink = torch.zeros(2, requires_grad=True)

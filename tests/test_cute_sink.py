@@ -18,8 +18,10 @@ _PKG = os.path.join(ROOT, "packages", "flash-attn-4")
 if _PKG not in sys.path:
     sys.path.insert(0, _PKG)
 
-from flash_attn.cute import interface  # noqa: E402
+from flash_attn.cute import autograd, interface  # noqa: E402
 from flash_attn.testing import assert_close_to_ref, attention_lse_ref, attention_ref  # noqa: E402
+
+U = interface._UNBOUNDED
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -177,7 +179,7 @@ def test_sink_backward_dense_against_reference_autograd(monkeypatch):
     v = torch.randn(B, Sk, Hk, D, requires_grad=True)
     sink = torch.tensor([0.5, -1.0, 2.0, 0.0], dtype=torch.bfloat16, requires_grad=True)
     scale = 0.3
-    out, lse = interface._SinkAttention.apply(q, k, v, sink, (scale, True, interface._UNBOUNDED, interface._UNBOUNDED, 0.0, False, "sm_90a", None))
+    out, lse = autograd.Attention.apply(q, k, v, sink, (scale, True, U, U, 0.0, False, "sm_90a", None))
     assert torch.allclose(lse[:, :, 0], sink.detach().float().view(1, H))  # row 0 sees no key
     dout = torch.randn_like(out)
     got = torch.autograd.grad(out, (q, k, v, sink), dout)
@@ -200,7 +202,7 @@ def test_sink_backward_with_lse_gradient(monkeypatch, lse_only):
     q, k, v = (torch.randn(B, s, h, D, requires_grad=True) for s, h in ((Sq, H), (Sk, Hk), (Sk, Hk)))
     sink = torch.tensor([0.5, -1.0, 2.0, 0.0], requires_grad=True)
     U = interface._UNBOUNDED
-    out, lse = interface._SinkAttention.apply(q, k, v, sink, (0.3, True, U, U, 0.0, False, "sm_90a", None))
+    out, lse = autograd.Attention.apply(q, k, v, sink, (0.3, True, U, U, 0.0, False, "sm_90a", None))
     assert lse.requires_grad
     dout, wlse = torch.randn_like(out), torch.randn_like(lse)
     loss = (lse * wlse).sum() + (0 if lse_only else (out * dout).sum())
@@ -232,8 +234,8 @@ def test_sink_backward_varlen_and_sink_only(monkeypatch):
     k = torch.randn(Tk, Hk, D).requires_grad_()
     v = torch.randn(Tk, Hk, D).requires_grad_()
     sink = torch.tensor([0.25, -0.5], requires_grad=True)
-    args = (D ** -0.5, False, interface._UNBOUNDED, interface._UNBOUNDED, 0.0, False, "sm_90a", (cu_q, cu_k, max(lens_q), max(lens_k)))
-    out, lse = interface._SinkAttention.apply(q, k, v, sink, args)
+    args = (D ** -0.5, False, U, U, 0.0, False, "sm_90a", (cu_q, cu_k, max(lens_q), max(lens_k), None, None))
+    out, lse = autograd.Attention.apply(q, k, v, sink, args)
     assert torch.isinf(lse[:, -2:]).all() and (out[-2:] == 0).all()
     s0 = int(cu_q[2])  # sequence 2 has no key: lse = sink
     assert torch.allclose(lse[:, s0:s0 + 3], sink.detach().view(H, 1).expand(H, 3))
@@ -253,7 +255,7 @@ def test_sink_backward_varlen_and_sink_only(monkeypatch):
         torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-4, msg=name)
 
     # only the sink needs a gradient: through flash_attn_varlen_func, no dispatcher backward
-    monkeypatch.setattr(interface, "_dispatcher_backward", lambda *a: pytest.fail("dq/dk/dv not needed"))
+    monkeypatch.setattr(autograd, "dispatcher_backward", lambda *a: pytest.fail("dq/dk/dv not needed"))
     qb, kb, vb = (t.detach().to(torch.bfloat16) for t in (q, k, v))
     out_b, _ = interface.flash_attn_varlen_func(qb, kb, vb, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, learnable_sink=sink)
     assert out_b.requires_grad

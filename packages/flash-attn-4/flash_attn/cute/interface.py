@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from flash_attn.cute import autograd as _autograd
 from flash_attn.cute import cache
 from flash_attn.cute.combine import SchedulerMetadataTensorsTorch, flash_attn_combine, get_scheduler_metadata  # noqa: F401
 
@@ -900,20 +901,6 @@ def _options(window_size, softcap, causal):
     return False, left, right, softcap
 
 
-def _dispatcher_window(causal, window_left, window_right):
-    """The window in the root dispatcher's encoding (sizes >= 0, -1 for no limit; right 0 when causal), for the
-    backends that compute this package's gradients; NotImplementedError for a negative size, which that
-    encoding cannot say."""
-    left = -1 if window_left >= _UNBOUNDED else window_left
-    right = 0 if causal else -1 if window_right >= _UNBOUNDED else window_right
-    if left < -1 or right < -1 or (left == -1 and window_left < _UNBOUNDED) or (
-            right == -1 and window_right < _UNBOUNDED):
-        raise NotImplementedError(
-            f"gradients of a window with a negative size (window_size resolved to ({window_left}, {window_right})): "
-            "the forward runs, the backward does not yet")
-    return left, right
-
-
 def _check_sink(learnable_sink, H, device):
     """learnable_sink as the kernel takes it: fp32, contiguous, (H,)."""
     if not isinstance(learnable_sink, torch.Tensor):
@@ -975,7 +962,7 @@ def flash_attn_func(q, k, v, qv=None, gather_kv_indices=None, softmax_scale=None
     softcap * tanh(scale * q.k / softcap). learnable_sink: None or (H,) fp32/bf16/fp16 logits, one per
     query head, that join every softmax row as a term exp(sink) with no value (not scaled by
     softmax_scale; lse includes it, a row that sees no key gets out 0 and lse = sink); its gradient
-    is computed when it requires one (see _SinkAttention). pack_gqa=True: the H / Hk query heads of each KV head
+    is computed when it requires one (autograd.py). pack_gqa=True: the H / Hk query heads of each KV head
     share the kernel's tiles (_pack_group: groups of 2, 4, 8 or 16; other groups and FLASH_ATTN_CUTE_PACK_GQA=0 run
     unpacked, the same result); None: unpacked for now (with FLASH_ATTN_CUTE_PACK_GQA=auto packed where that fills
     the tiles better, _pack_helps: short query sequences, decoding). num_splits > 1: split-KV (_forward_split;
@@ -983,10 +970,10 @@ def flash_attn_func(q, k, v, qv=None, gather_kv_indices=None, softmax_scale=None
     GPU's SMs when the grid alone does not (_choose_splits), 1 otherwise. Returns (out, lse): out
     like q, lse fp32 (B, H, Sq) natural log (+inf for a row that sees no key) when return_lse or a
     gradient needs it, else None (as FA4; the kernel still writes it). When q, k or v needs a
-    gradient the call goes through the dispatcher's differentiable op (see _with_fallback_backward): its
-    backward runs on this package's backward kernel when the call is one it handles (dense, no window,
-    softcap or determinism; FLASH_ATTN_CUTE_BWD=0 switches it off), else on another backend (deterministic=True:
-    one whose backward is deterministic). A loss that uses the returned lse sends its gradient back too."""
+    gradient its backward runs on this package's backward kernel when the call is one it handles (dense, no
+    window, softcap or determinism; FLASH_ATTN_CUTE_BWD=0 switches it off), else on the root package's Triton
+    backward when that package is installed, else on this package's PyTorch backward (autograd.py;
+    deterministic=True: a deterministic one). A loss that uses the returned lse sends its gradient back too."""
     # Every check reads attributes only (no tensor ops, no CUDA queries): this is the per-call path. What is
     # not a 4-D tensor fails the unpacking or the dtype lookup; _check_tensors then names the problem.
     try:
@@ -1033,8 +1020,8 @@ def flash_attn_func(q, k, v, qv=None, gather_kv_indices=None, softmax_scale=None
             arch = _device_arch(q, k, v)
             args = (D ** -0.5 if softmax_scale is None else float(softmax_scale), bool(causal), window_left,
                     window_right, softcap, bool(deterministic), arch, None)
-            if _needs_grad(q, k, v, learnable_sink):
-                return _SinkAttention.apply(q, k, v, learnable_sink, args)
+            if _autograd.needs_grad(q, k, v, learnable_sink):
+                return _autograd.Attention.apply(q, k, v, learnable_sink, args)
             out, lse = forward(q, k, v, args[0], bool(causal), arch, window_left, window_right, softcap, sink,
                                pack=pack, splits=splits)
             return out, (lse if return_lse else None)
@@ -1042,8 +1029,12 @@ def flash_attn_func(q, k, v, qv=None, gather_kv_indices=None, softmax_scale=None
     if softmax_scale is None:
         softmax_scale = D ** -0.5
     if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
-        return _with_fallback_backward(q, k, v, softmax_scale, causal, window_left, window_right, softcap,
-                                       deterministic=deterministic)
+        res = _autograd.with_fallback_backward(q, k, v, softmax_scale, causal, window_left, window_right, softcap,
+                                               deterministic=deterministic)
+        if res is not None:
+            return res
+        return _autograd.Attention.apply(q, k, v, None, (float(softmax_scale), bool(causal), window_left,
+                                                         window_right, softcap, bool(deterministic), arch, None))
     if (window_left == _UNBOUNDED and window_right == _UNBOUNDED and not softcap and Sk and B * Sq * H and pack == 1
             and Dv == D
             and splits == 1):
@@ -1071,125 +1062,6 @@ def flash_attn_func(q, k, v, qv=None, gather_kv_indices=None, softmax_scale=None
     out, lse = forward(q, k, v, softmax_scale, bool(causal), arch, window_left, window_right, softcap, pack=pack,
                        splits=splits)
     return out, (lse if return_lse else None)
-
-
-def _with_fallback_backward(q, k, v, softmax_scale, causal, window_left, window_right, softcap, varlen=None,
-                            deterministic=False):
-    """A call that needs gradients: this kernel runs the forward inside the root package's differentiable
-    attention op (under use_backend("cute")), whose dispatcher runs the backward here too when the cute
-    backend accepts it (a call flash_bwd_sm90 handles, unless FLASH_ATTN_CUTE_BWD=0; see backend.py), else
-    on the next backend that has one. Needs the flash-attn distribution beside flash-attn-4."""
-    try:
-        from flash_attn import _ops
-        from flash_attn.dispatch import use_backend
-    except ImportError as e:
-        raise NotImplementedError(
-            "flash_attn.cute's gradients go through the flash-attn package's dispatcher "
-            f"(pip install flash-attn) for the fallback backward ({e})") from None
-    from flash_attn.cute import backend
-
-    fwd_dims = backend.forward_head_dims()
-    if q.shape[-1] not in fwd_dims:  # the dispatcher would refuse the forced forward
-        raise NotImplementedError(
-            f"gradients at head dim {q.shape[-1]}: the dispatcher's cute forward serves {fwd_dims}; "
-            f"{backend.FWD_HDIMS_ENV_VAR} (set, without {q.shape[-1]}) turned it off")
-    left, right = _dispatcher_window(causal, window_left, window_right)
-    with use_backend("cute"):
-        # (q, k, v, cu_seqlens_q/k, max_seqlen_q/k, block_table, scale, causal, window left/right,
-        #  softcap, alibi, dropout_p, rng_state, return_probs, deterministic), as flash_attn::fwd takes them
-        cu_q, cu_k, max_q, max_k = varlen if varlen is not None else (None, None, q.shape[1], k.shape[1])
-        out, lse, _ = _ops.attention(q, k, v, cu_q, cu_k, max_q, max_k, None, float(softmax_scale),
-                                     bool(causal), left, right, float(softcap), None, 0.0, None, False,
-                                     bool(deterministic), True)
-    return out, lse
-
-
-def _needs_grad(q, k, v, learnable_sink=None):
-    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or (
-        learnable_sink is not None and learnable_sink.requires_grad))
-
-
-class _SinkAttention(torch.autograd.Function):
-    """Attention with a learnable sink and gradients. Forward: this package's sink kernel (forward() or
-    forward_varlen()), which returns the sink-inclusive lse. Backward: dq, dk, dv by the root package's
-    dispatcher (the backward it picks for the same call without a sink, see _with_fallback_backward),
-    given that lse: the standard FlashAttention backward recomputes P = exp(s - lse) and uses
-    delta = rowsum(dO * O), both already right with the sink in lse. The sink's own gradient follows
-    from d lse_i / d sink = exp(sink - lse_i) =: p_i (the sink's probability in row i):
-    dL/dsink = sum_ij dP_ij dP_ij/dsink = -sum_i p_i sum_j P_ij dO_i.v_j = -sum_i p_i delta_i, summed
-    over every row of the head (all batch entries / sequences), computed in fp32."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, learnable_sink, args):
-        softmax_scale, causal, window_left, window_right, softcap, _, arch, varlen = args
-        if q.requires_grad or k.requires_grad or v.requires_grad:
-            _dispatcher()  # no forward whose backward cannot run
-            _dispatcher_window(causal, window_left, window_right)
-        sink = learnable_sink.detach().to(_F32).contiguous()
-        if varlen is None:
-            out, lse = forward(q, k, v, softmax_scale, causal, arch, window_left, window_right, softcap, sink)
-        else:  # rows after the last sequence: out 0, lse +inf (p = 0, so no share in d(sink))
-            cu_q, cu_k, max_q, _ = varlen
-            out, lse = forward_varlen(q, k, v, cu_q, cu_k, None, max_q, softmax_scale, causal, arch, window_left,
-                                      window_right, softcap, fill_unused_rows=True, sink=sink)
-        ctx.save_for_backward(q, k, v, out, lse, sink)
-        ctx.args = args
-        ctx.sink_dtype = learnable_sink.dtype
-        ctx.set_materialize_grads(False)  # an unused out or lse arrives as None
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        q, k, v, out, lse, sink = ctx.saved_tensors
-        softmax_scale, causal, window_left, window_right, softcap, deterministic, _, varlen = ctx.args
-        if dout is None:
-            dout = torch.zeros_like(out)
-        elif dout.stride(-1) != 1:
-            dout = dout.contiguous()
-        dq = dk = dv = None
-        if any(ctx.needs_input_grad[:3]):
-            dq, dk, dv = _dispatcher_backward(dout, q, k, v, out, lse, softmax_scale, causal, window_left,
-                                              window_right, softcap, deterministic, varlen, dlse)
-        dsink = None
-        if ctx.needs_input_grad[3]:
-            # d lse_i / d sink = p_i as well: the lse's own gradient enters as delta_i - dlse_i
-            delta = (dout.float() * out.float()).sum(-1)  # (B, Sq, H) or (T, H)
-            if dlse is not None:
-                delta = delta - (dlse.transpose(1, 2) if varlen is None else dlse.t())
-            if varlen is None:
-                p = torch.exp(sink.view(1, -1, 1) - lse)  # (B, H, Sq)
-                dsink = -(p * delta.transpose(1, 2)).sum((0, 2))
-            else:
-                p = torch.exp(sink.view(-1, 1) - lse)  # (H, T)
-                dsink = -(p * delta.t()).sum(1)
-            dsink = dsink.to(ctx.sink_dtype)
-        return dq, dk, dv, dsink, None
-
-
-def _dispatcher():
-    """The root package's op module and use_backend, or NotImplementedError without that package."""
-    try:
-        from flash_attn import _ops
-        from flash_attn.dispatch import use_backend
-    except ImportError as e:
-        raise NotImplementedError(
-            "flash_attn.cute's gradients go through the flash-attn package's dispatcher "
-            f"(pip install flash-attn) for the fallback backward ({e})") from None
-    return _ops, use_backend
-
-
-def _dispatcher_backward(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, softcap,
-                         deterministic, varlen, dlse=None):
-    """(dq, dk, dv) from the root package's dispatcher for this call, on the given out and lse (the
-    backward _with_fallback_backward's calls get: this package's when it handles the call and
-    FLASH_ATTN_CUTE_BWD is not 0, else the next backend that has one)."""
-    _ops, use_backend = _dispatcher()
-    left, right = _dispatcher_window(causal, window_left, window_right)
-    cu_q, cu_k, max_q, max_k = varlen if varlen is not None else (None, None, q.shape[1], k.shape[1])
-    with use_backend("cute"):
-        return _ops._bwd_impl(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, None, float(softmax_scale),
-                              bool(causal), left, right, float(softcap), None, 0.0, None, bool(deterministic),
-                              dlse)
 
 
 def _window_args(causal, window_left, window_right):
@@ -1454,20 +1326,20 @@ def _varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=Non
         max_seqlen_q = max_q
     elif int(max_seqlen_q) < max_q:
         raise ValueError(f"max_seqlen_q ({max_seqlen_q}) is below the longest sequence ({max_q})")
-    if _needs_grad(q, k, v, learnable_sink):
+    if _autograd.needs_grad(q, k, v, learnable_sink):
         if paged:
             raise NotImplementedError("gradients with page_table (paged K / V is a forward-only path)")
-        if seqused_k is not None or seqused_q is not None:
-            raise NotImplementedError("gradients with seqused_q / seqused_k (the fallback backward has neither)")
         if max_seqlen_k is None:
             max_seqlen_k = int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max()) if batch else 0
-        varlen = (cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k))
-        if sink is not None:
-            return _SinkAttention.apply(q, k, v, learnable_sink, (float(softmax_scale), bool(causal), window_left,
-                                                                  window_right, softcap, bool(deterministic),
-                                                                  arch, varlen))
-        return _with_fallback_backward(q, k, v, softmax_scale, causal, window_left, window_right, softcap, varlen,
-                                       deterministic=deterministic)
+        varlen = (cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), seqused_q, seqused_k)
+        if sink is None and seqused_q is None and seqused_k is None:
+            res = _autograd.with_fallback_backward(q, k, v, softmax_scale, causal, window_left, window_right, softcap,
+                                                   varlen, deterministic=deterministic)
+            if res is not None:
+                return res
+        return _autograd.Attention.apply(q, k, v, learnable_sink, (float(softmax_scale), bool(causal), window_left,
+                                                                   window_right, softcap, bool(deterministic), arch,
+                                                                   varlen))
     pack = _pack_group(pack_gqa, H, Hk, int(max_seqlen_q))
     if choose:
         rows = _RULE_BLOCK_M // pack
@@ -1487,6 +1359,17 @@ def _varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=Non
         out[last_q:] = 0
         lse[:, last_q:] = math.inf
     return out, (lse if return_lse else None)
+
+
+def _varlen_forward(q, k, v, varlen, softmax_scale, causal, arch, window_left, window_right, softcap, sink=None):
+    """forward_varlen on the API's sequence description varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+    max_seqlen_k, seqused_q, seqused_k): rows of q past seqused_q[b] and after the last sequence get out 0 and the
+    lse of a row that sees no key."""
+    cu_q, cu_k, max_q, _, used_q, used_k = varlen
+    if used_q is not None:
+        cu_q, cu_k, used_k = _split_unused_q(cu_q, cu_k, used_q, used_k)
+    return forward_varlen(q, k, v, cu_q, cu_k, used_k, max_q, softmax_scale, causal, arch, window_left, window_right,
+                          softcap, fill_unused_rows=True, sink=sink)
 
 
 def _split_unused_q(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, paged=False):

@@ -1,0 +1,165 @@
+"""Gradients of flash_attn.cute's calls.
+
+Two routes, one result:
+- With the root ``flash-attn`` distribution installed, a call whose mask that package's backends can express (window
+  sizes >= 0) runs inside its differentiable op (``_with_fallback_backward``): the forward is this package's kernel
+  (the dispatcher's cute backend), the backward the dispatcher's choice (this package's backward kernel where it
+  serves the call, else Triton's: windows, softcap, determinism).
+- Otherwise (flash-attn-4 installed alone, a learnable sink, a negative window size, seqused_q / seqused_k), the
+  ``Attention`` Function here runs this package's forward and backs it with the dispatcher's backward when it can
+  take the call, else with this package's own: the CuTeDSL backward kernel for dense calls it serves
+  (``_kernel_takes``), the PyTorch backward of bwd_torch.py for the rest.
+
+The learnable sink adds exp(sink) to each softmax row's sum with no value. Given the sink-inclusive lse the standard
+backward stays right (P = exp(s - lse), delta = rowsum(dO * O)); the sink's own gradient follows from
+d lse_i / d sink = exp(sink - lse_i) =: p_i: dL/dsink = -sum_i p_i (delta_i - dlse_i) over every row of the head.
+A loss that uses the returned lse contributes dlse_i * P_ij to dS_ij, which every backward takes as delta - dlse.
+"""
+from __future__ import annotations
+
+import torch
+
+from flash_attn.cute import interface as _k
+
+_F32 = torch.float32
+
+
+def needs_grad(q, k, v, learnable_sink=None):
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or (
+        learnable_sink is not None and learnable_sink.requires_grad))
+
+
+def dispatcher():
+    """The root package's op module and use_backend, or None without that package (flash-attn-4 alone)."""
+    try:
+        from flash_attn import _ops
+        from flash_attn.dispatch import use_backend
+    except ImportError:
+        return None
+    return _ops, use_backend
+
+
+def dispatcher_window(causal, window_left, window_right):
+    """The window in the root dispatcher's encoding (sizes >= 0, -1 for no limit; right 0 when causal), or None
+    for a negative size, which that encoding cannot say."""
+    if window_left < 0 or (window_right < 0 and not causal):
+        return None
+    U = _k._UNBOUNDED
+    return -1 if window_left >= U else window_left, 0 if causal else -1 if window_right >= U else window_right
+
+
+def with_fallback_backward(q, k, v, softmax_scale, causal, window_left, window_right, softcap, varlen=None,
+                           deterministic=False):
+    """(out, lse) of a call that needs gradients, through the root package's differentiable op under
+    use_backend("cute") when that package is installed and the call is one its contract says (None otherwise, for
+    the caller to take Attention)."""
+    ops = dispatcher()
+    window = dispatcher_window(causal, window_left, window_right)
+    if ops is None or window is None:
+        return None
+    from flash_attn.cute import backend
+
+    if q.shape[-1] not in backend.forward_head_dims():  # the dispatcher would refuse the forced forward
+        return None
+    _ops, use_backend = ops
+    cu_q, cu_k, max_q, max_k = varlen[:4] if varlen is not None else (None, None, q.shape[1], k.shape[1])
+    with use_backend("cute"):
+        # flash_attn::fwd's arguments; the last says lse reaches the caller (its gradient flows back)
+        out, lse, _ = _ops.attention(q, k, v, cu_q, cu_k, max_q, max_k, None, float(softmax_scale), bool(causal),
+                                     window[0], window[1], float(softcap), None, 0.0, None, False,
+                                     bool(deterministic), True)
+    return out, lse
+
+
+def _kernel_takes(q, v, causal, window_left, window_right, softcap, deterministic, varlen):
+    """Whether this package's CuTeDSL backward kernel serves the call (the rule backend.py gives the dispatcher:
+    dense, no window or softcap, not deterministic, its head dims, not switched off)."""
+    import os
+
+    from flash_attn.cute import backend
+
+    U = _k._UNBOUNDED
+    return (varlen is None and not softcap and not deterministic and window_left >= U and (causal or window_right >= U)
+            and q.shape[-1] == v.shape[-1] and q.shape[-1] in backend._HEAD_DIMS
+            and os.environ.get(backend.BWD_ENV_VAR, "1").strip() != "0")
+
+
+def own_backward(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, softcap, deterministic,
+                 arch, varlen, dlse=None):
+    """(dq, dk, dv) without the root package: the CuTeDSL backward kernel where it serves the call, else bwd_torch."""
+    if _kernel_takes(q, v, causal, window_left, window_right, softcap, deterministic, varlen):
+        return _k.backward(dout, q, k, v, out, lse, softmax_scale, causal, arch, dlse=dlse)
+    from flash_attn.cute import bwd_torch
+
+    cu_q = cu_k = used_q = used_k = None
+    if varlen is not None:
+        cu_q, cu_k, _, _, used_q, used_k = varlen
+    return bwd_torch.backward(dout, q, k, v, out, lse, softmax_scale, causal=causal, window_left=window_left,
+                              window_right=window_right, softcap=softcap, dlse=dlse, cu_seqlens_q=cu_q,
+                              cu_seqlens_k=cu_k, seqused_q=used_q, seqused_k=used_k)
+
+
+def dispatcher_backward(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, softcap,
+                        deterministic, arch, varlen, dlse=None):
+    """(dq, dk, dv) from the root package's dispatcher (the backward with_fallback_backward's calls get) when it is
+    installed and takes the call, else own_backward."""
+    ops = dispatcher()
+    window = dispatcher_window(causal, window_left, window_right)
+    used = varlen is not None and (varlen[4] is not None or varlen[5] is not None)
+    if ops is None or window is None or used:
+        return own_backward(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, softcap,
+                            deterministic, arch, varlen, dlse)
+    _ops, use_backend = ops
+    cu_q, cu_k, max_q, max_k = varlen[:4] if varlen is not None else (None, None, q.shape[1], k.shape[1])
+    with use_backend("cute"):
+        return _ops._bwd_impl(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, None, float(softmax_scale),
+                              bool(causal), window[0], window[1], float(softcap), None, 0.0, None,
+                              bool(deterministic), dlse)
+
+
+class Attention(torch.autograd.Function):
+    """This package's forward (forward() or forward_varlen(), a learnable sink included), backed by
+    dispatcher_backward. args: (softmax_scale, causal, window_left, window_right, softcap, deterministic, arch,
+    varlen); varlen None or (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k) with
+    rows of q outside every sequence's used rows given out 0 and lse +inf."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, learnable_sink, args):
+        softmax_scale, causal, window_left, window_right, softcap, _, arch, varlen = args
+        sink = None if learnable_sink is None else learnable_sink.detach().to(_F32).contiguous()
+        if varlen is None:
+            out, lse = _k.forward(q, k, v, softmax_scale, causal, arch, window_left, window_right, softcap, sink)
+        else:
+            out, lse = _k._varlen_forward(q, k, v, varlen, softmax_scale, causal, arch, window_left, window_right,
+                                          softcap, sink)
+        ctx.save_for_backward(q, k, v, out, lse, sink)
+        ctx.args = args
+        ctx.sink_dtype = None if learnable_sink is None else learnable_sink.dtype
+        ctx.set_materialize_grads(False)  # an unused out or lse arrives as None
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, sink = ctx.saved_tensors
+        softmax_scale, causal, window_left, window_right, softcap, deterministic, arch, varlen = ctx.args
+        if dout is None:
+            dout = torch.zeros_like(out)
+        elif dout.stride(-1) != 1:
+            dout = dout.contiguous()
+        dq = dk = dv = None
+        if any(ctx.needs_input_grad[:3]):
+            dq, dk, dv = dispatcher_backward(dout, q, k, v, out, lse, softmax_scale, causal, window_left,
+                                                 window_right, softcap, deterministic, arch, varlen, dlse)
+        dsink = None
+        if ctx.needs_input_grad[3]:
+            delta = (dout.float() * out.float()).sum(-1)  # (B, Sq, H) or (T, H)
+            if dlse is not None:
+                delta = delta - (dlse.transpose(1, 2) if varlen is None else dlse.t())
+            if varlen is None:
+                p = torch.exp(sink.view(1, -1, 1) - lse)  # (B, H, Sq)
+                dsink = -(p * delta.transpose(1, 2)).sum((0, 2))
+            else:
+                p = torch.exp(sink.view(-1, 1) - lse)  # (H, T)
+                dsink = -(p * delta.t()).sum(1)
+            dsink = dsink.to(ctx.sink_dtype)
+        return dq, dk, dv, dsink, None
