@@ -180,6 +180,11 @@ def _with_sink_column(scores, learnable_sink):
 # The accuracy criterion
 
 
+def fa4_window(window_size):
+    """FA2's window spelling (-1: no limit on that side) in FA4's (None), where negative sizes are literal."""
+    return tuple(None if w is None or w == -1 else w for w in window_size)
+
+
 def rounding_error(x: torch.Tensor) -> float:
     """The dtype's rounding error at x's magnitudes: max |(x + 0.3 - 0.3) - x| computed in x's dtype."""
     if x.numel() == 0:

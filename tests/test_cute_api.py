@@ -405,3 +405,165 @@ def test_scheduler_metadata_round_trips(monkeypatch):
     interface.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, scheduler_metadata=meta,
                                      min_seqlen_k=5, seqlen_k_per_split=64)
     assert len(rec.calls) == 1
+
+
+# ----------------------------------------------------------------------------------------------------
+# Gradients without the root package (flash-attn-4 installed alone) and for negative window sizes: this package's
+# own backward (autograd.own_backward: the CuTeDSL kernel where it serves the call, else bwd_torch). On CPU the
+# forward kernel is stood in for by a naive fp64 computation with the kernel's mask rule.
+
+
+def _naive(q, k, v, sink, softmax_scale, causal, window_left=U, window_right=U, softcap=0.0):
+    """(out, lse, seen): fp64 attention under the kernel's mask rule (interface._window_args), differentiable
+    without NaNs (hidden scores are a large negative number and P is multiplied by the mask); seen: rows with a
+    visible key or a sink."""
+    left, right, local = interface._window_args(causal, window_left, window_right)
+    Sq, Sk = q.shape[1], k.shape[1]
+    i, j = torch.arange(Sq).view(-1, 1), torch.arange(Sk).view(1, -1)
+    diag = i + Sk - Sq
+    vis = torch.ones(Sq, Sk, dtype=torch.bool)
+    if causal and not local:
+        vis &= j <= diag
+    if local:
+        vis &= (j <= diag + right) & (j >= diag - left)
+    G = q.shape[2] // k.shape[2]
+    s = torch.einsum("bshd,bthd->bhst", q.double(), k.double().repeat_interleave(G, 2)) * softmax_scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    s = s.masked_fill(~vis, -1e30)
+    if sink is not None:
+        s = torch.cat([s, sink.double().view(1, -1, 1, 1).expand(*s.shape[:3], 1)], -1)
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse.unsqueeze(-1))[..., :Sk] * vis
+    out = torch.einsum("bhst,bthd->bshd", p, v.double().repeat_interleave(G, 2))
+    seen = vis.any(-1).expand_as(lse) if sink is None else torch.ones_like(lse, dtype=torch.bool)
+    return out, lse, seen
+
+
+def _stand_in_forward(q, k, v, softmax_scale, causal, arch="sm_90a", window_left=U, window_right=U, softcap=0.0,
+                      sink=None, pack=1, splits=1):
+    out, lse, seen = _naive(q, k, v, sink, softmax_scale, causal, window_left, window_right, softcap)
+    return out.to(q.dtype), torch.where(seen, lse, math.inf).float()
+
+
+def _naive_grads(q, k, v, sink, dout, wlse, **kw):
+    """fp64 autograd of sum(out * dout) + sum(lse * wlse) (rows that see nothing left out of the lse term)."""
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    if sink is not None:
+        leaves.append(sink.detach().double().requires_grad_())
+    out, lse, seen = _naive(*leaves[:3], leaves[3] if sink is not None else None, **kw)
+    loss = (out * dout.double()).sum() + (lse * seen * wlse.double()).sum()
+    return torch.autograd.grad(loss, leaves)
+
+
+@pytest.fixture
+def alone(monkeypatch):
+    """flash-attn-4 without the root package, on CPU: no dispatcher; the forward kernel stood in for."""
+    monkeypatch.setattr(autograd, "dispatcher", lambda: None)
+    monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")
+    monkeypatch.setattr(interface, "forward", _stand_in_forward)
+    used = []
+    from flash_attn.cute import bwd_torch
+
+    real = bwd_torch.backward
+    monkeypatch.setattr(bwd_torch, "backward", lambda *a, **kw: used.append(kw) or real(*a, **kw))
+    return used
+
+
+@pytest.mark.parametrize("case", [
+    dict(causal=True, deterministic=True), dict(window_size=(5, 2)), dict(window_size=(-3, None)),
+    dict(window_size=(None, -2), softcap=3.0), dict(causal=True, window_size=(4, None), sink=True),
+    dict(window_size=(7, -2), sink=True)])
+def test_own_backward_matches_autograd(alone, case):
+    torch.manual_seed(5)
+    B, Sq, Sk, H, Hk, D = 2, 11, 17, 4, 2, 64
+    q = torch.randn(B, Sq, H, D, dtype=torch.float16, requires_grad=True)
+    k, v = (torch.randn(B, Sk, Hk, D, dtype=torch.float16, requires_grad=True) for _ in range(2))
+    sink = torch.randn(H, requires_grad=True) if case.get("sink") else None
+    kw = {n: case[n] for n in ("causal", "window_size", "softcap", "deterministic") if n in case}
+    out, lse = interface.flash_attn_func(q, k, v, learnable_sink=sink, return_lse=True, **kw)
+    assert type(out.grad_fn).__name__ == "AttentionBackward"
+    dout, wlse = torch.randn(out.shape), torch.randn_like(lse)
+    leaves = [q, k, v] + ([sink] if sink is not None else [])
+    got = torch.autograd.grad((out.float() * dout).sum() + (lse.masked_fill(lse.isinf(), 0) * wlse).sum(), leaves)
+    causal, left, right, softcap = interface._options(case.get("window_size", (None, None)), case.get("softcap", 0.0),
+                                                      case.get("causal", False))
+    want = _naive_grads(q, k, v, sink, dout, wlse, softmax_scale=D ** -0.5, causal=causal, window_left=left,
+                        window_right=right, softcap=softcap)
+    assert len(alone) == 1  # bwd_torch served it
+    for name, g, w in zip(("dq", "dk", "dv", "dsink"), got, want):
+        torch.testing.assert_close(g.double(), w, rtol=5e-3, atol=5e-3, msg=name)  # fp16 gradients
+
+
+def test_own_backward_takes_the_kernel_where_it_serves(alone, monkeypatch):
+    seen = []
+    monkeypatch.setattr(interface, "backward", lambda dout, q, k, v, out, lse, scale, causal, arch, dlse=None:
+                        seen.append((causal, dlse is not None)) or (torch.zeros_like(q), torch.zeros_like(k),
+                                                                    torch.zeros_like(v)))
+    q, k, v = (torch.randn(1, 9, 2, 64, dtype=torch.float16, requires_grad=True) for _ in range(3))
+    out, lse = interface.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    torch.autograd.grad(out.float().sum() + lse.sum(), (q, k, v))
+    assert seen == [(True, True)] and alone == []
+    monkeypatch.setenv("FLASH_ATTN_CUTE_BWD", "0")  # switched off: bwd_torch
+    out = interface.flash_attn_func(q, k, v, causal=True)[0]
+    torch.autograd.grad(out.float().sum(), (q, k, v))
+    assert len(seen) == 1 and len(alone) == 1
+
+
+def test_own_backward_varlen_with_seqused(alone, monkeypatch):
+    def stand_in_varlen(q, k, v, cu_q, cu_k, used_k, max_q, scale, causal, arch, wl, wr, softcap,
+                        fill_unused_rows=False, sink=None, **kw):
+        out = torch.zeros_like(q)
+        lse = torch.full((q.shape[1], q.shape[0]), math.inf)
+        for b in range(cu_q.shape[0] - 1):
+            q0, q1, k0 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b])
+            k1 = k0 + int(used_k[b]) if used_k is not None else int(cu_k[b + 1])
+            if q1 > q0:
+                o, l_ = _stand_in_forward(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], scale, causal, arch, wl, wr,
+                                          softcap, sink)
+                out[q0:q1], lse[:, q0:q1] = o[0], l_[0]
+        return out, lse
+
+    monkeypatch.setattr(interface, "forward_varlen", stand_in_varlen)
+    torch.manual_seed(6)
+    cu = torch.tensor([0, 6, 6, 15], dtype=torch.int32)
+    used_q, used_k = torch.tensor([4, 0, 9], dtype=torch.int32), torch.tensor([6, 0, 5], dtype=torch.int32)
+    q, k, v = (torch.randn(15, 2, 64, dtype=torch.float16, requires_grad=True) for _ in range(3))
+    out, lse = interface.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, seqused_q=used_q,
+                                                seqused_k=used_k, causal=True, return_lse=True)
+    dout = torch.randn(out.shape)
+    got = torch.autograd.grad((out.float() * dout).sum(), (q, k, v))
+    assert len(alone) == 1
+    want = [torch.zeros(t.shape, dtype=torch.float64) for t in (q, k, v)]
+    for b, (nq, nk) in enumerate(zip(used_q.tolist(), used_k.tolist())):
+        s0 = int(cu[b])
+        if nq == 0:
+            continue
+        g = _naive_grads(q[None, s0:s0 + nq], k[None, s0:s0 + nk], v[None, s0:s0 + nk], None, dout[None, s0:s0 + nq],
+                         torch.zeros(1, 2, nq), softmax_scale=64 ** -0.5, causal=True)
+        want[0][s0:s0 + nq] += g[0][0]
+        want[1][s0:s0 + nk] += g[1][0]
+        want[2][s0:s0 + nk] += g[2][0]
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(g.double(), w, rtol=5e-3, atol=5e-3, msg=name)
+
+
+def test_low_level_entry_points(alone):
+    torch.manual_seed(7)
+    q, k, v = (torch.randn(1, 10, 2, 64, dtype=torch.float16) for _ in range(3))
+    sink = torch.randn(2)
+    out, lse, p, row_max = interface._flash_attn_fwd(q, k, v, causal=True, window_size_left=3, learnable_sink=sink,
+                                                     return_lse=True)
+    assert p is None and row_max is None and lse.shape == (1, 2, 10)
+    assert interface._flash_attn_fwd(q, k, v)[1] is None
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    dq = torch.empty_like(q)
+    grads = interface._flash_attn_bwd(q, k, v, out, dout, lse, causal=True, window_size_left=3, dq=dq, dlse=dlse,
+                                      learnable_sink=sink, deterministic=True)
+    assert len(grads) == 4 and grads[0] is dq
+    want = _naive_grads(q, k, v, sink, dout, dlse, softmax_scale=64 ** -0.5, causal=False, window_left=3,
+                        window_right=0)
+    for name, g, w in zip(("dq", "dk", "dv", "dsink"), grads, want):
+        torch.testing.assert_close(g.double(), w, rtol=5e-3, atol=5e-3, msg=name)
+    with pytest.raises(NotImplementedError, match="does not take score_mod"):
+        interface._flash_attn_bwd(q, k, v, out, dout, lse, score_mod=lambda *a: None)

@@ -19,7 +19,7 @@ if _PKG not in sys.path:  # the checkout's flash_attn/__init__ also finds it; th
     sys.path.insert(0, _PKG)
 
 from flash_attn.cute.interface import compile_fwd  # noqa: E402
-from flash_attn.testing import assert_close_to_ref, assert_ptxas_clean, attention_ref, cuobjdump_path  # noqa: E402
+from flash_attn.testing import assert_close_to_ref, assert_ptxas_clean, attention_ref, cuobjdump_path, fa4_window  # noqa: E402
 
 # (dtype, head dim, causal, local, softcap, varlen): the standard configurations, and the window /
 # softcap / varlen variants
@@ -255,7 +255,7 @@ def test_common_call_launches_the_cached_kernel_directly(monkeypatch):
     monkeypatch.setattr(interface, "forward", lambda *a, **kw: seen.append(a) or ("out", "lse"))
     assert interface.flash_attn_func(q.half(), k.half(), v.half()) == ("out", None)
     assert interface.flash_attn_func(q, k, v, window_size=(8, None), return_lse=True) == ("out", "lse")
-    assert len(seen) == 2 and seen[1][6:8] == (8, -1) and len(calls) == 1
+    assert len(seen) == 2 and seen[1][6:8] == (8, interface._UNBOUNDED) and len(calls) == 1
 
 
 def test_common_call_reuses_an_unreturned_lse(monkeypatch):
@@ -889,7 +889,7 @@ def test_window_and_softcap_match_reference_on_gpu(d, causal, window, softcap, b
     q = torch.randn(batch, seqlen_q, heads, d, device="cuda", dtype=dtype)
     k = torch.randn(batch, seqlen_k, heads_kv, d, device="cuda", dtype=dtype)
     v = torch.randn(batch, seqlen_k, heads_kv, d, device="cuda", dtype=dtype)
-    out, lse = flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap, return_lse=True)
+    out, lse = flash_attn_func(q, k, v, causal=causal, window_size=fa4_window(window), softcap=softcap, return_lse=True)
     torch.cuda.synchronize()
     ref_window = (window[0], 0 if causal else window[1])
     kw = dict(causal=causal, window_size=ref_window, softcap=softcap)
@@ -943,7 +943,7 @@ def test_varlen_matches_reference_per_sequence_on_gpu(d, causal, window, softcap
     used = [min(n, u) for n, u in zip(lens_k, caps)] if seqused else lens_k
     seqused_k = torch.tensor(used, device="cuda", dtype=torch.int32) if seqused else None
     out, lse = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_k=seqused_k, causal=causal,
-                                      window_size=window, softcap=softcap, return_lse=True)
+                                      window_size=fa4_window(window), softcap=softcap, return_lse=True)
     torch.cuda.synchronize()
     assert out.shape == q.shape and lse.shape == (4, q.shape[0])
     ref_window = (window[0], 0 if causal else window[1])

@@ -23,8 +23,9 @@ if _PKG not in sys.path:
     sys.path.insert(0, _PKG)
 
 from flash_attn.cute import interface  # noqa: E402
-from flash_attn.testing import (assert_close_to_ref, assert_lse_close, assert_ptxas_clean,  # noqa: E402
-                                attention_lse_ref, attention_ref)
+from flash_attn.testing import (  # noqa: E402
+    assert_close_to_ref, assert_lse_close, assert_ptxas_clean, attention_lse_ref, attention_ref, fa4_window,
+)
 
 _KNOBS = [v for v in os.environ if v.startswith("FLASH_ATTN_CUTE_")]
 
@@ -197,7 +198,7 @@ def test_matches_reference_on_gpu(monkeypatch, dtype, causal, window, softcap, s
     k = torch.randn(batch, seqlen_k, heads_kv, 192, device="cuda", dtype=dtype)
     v = torch.randn(batch, seqlen_k, heads_kv, 128, device="cuda", dtype=dtype)
     sink_t = torch.randn(heads, device="cuda") if sink else None
-    out, lse = flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap, learnable_sink=sink_t,
+    out, lse = flash_attn_func(q, k, v, causal=causal, window_size=fa4_window(window), softcap=softcap, learnable_sink=sink_t,
                                pack_gqa=pack, return_lse=True)
     torch.cuda.synchronize()
     assert out.shape == (batch, seqlen_q, heads, 128)

@@ -23,8 +23,9 @@ if _PKG not in sys.path:
 
 from flash_attn.cute import interface  # noqa: E402
 from flash_attn.cute.flash_fwd_sm90 import packed_row  # noqa: E402
-from flash_attn.testing import (assert_close_to_ref, assert_lse_close, assert_ptxas_clean,  # noqa: E402
-                                attention_lse_ref, attention_ref)
+from flash_attn.testing import (  # noqa: E402
+    assert_close_to_ref, assert_lse_close, assert_ptxas_clean, attention_lse_ref, attention_ref, fa4_window,
+)
 
 _KNOBS = [v for v in os.environ if v.startswith("FLASH_ATTN_CUTE_")]
 
@@ -293,7 +294,7 @@ def test_packed_options_match_reference_on_gpu(monkeypatch, d, causal, window, s
     k = torch.randn(2, seqlen_k, heads_kv, d, device="cuda", dtype=dtype)
     v = torch.randn(2, seqlen_k, heads_kv, d, device="cuda", dtype=dtype)
     sink_t = torch.randn(heads, device="cuda") if sink else None
-    out, lse = flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap, learnable_sink=sink_t,
+    out, lse = flash_attn_func(q, k, v, causal=causal, window_size=fa4_window(window), softcap=softcap, learnable_sink=sink_t,
                                pack_gqa=True, return_lse=True)
     torch.cuda.synchronize()
     ref_window = (window[0], 0 if causal else window[1])
@@ -329,7 +330,7 @@ def test_packed_varlen_matches_reference_per_sequence_on_gpu(monkeypatch, d, cau
     used = [min(n, u) for n, u in zip(lens_k, caps)] if seqused else lens_k
     seqused_k = torch.tensor(used, device="cuda", dtype=torch.int32) if seqused else None
     sink_t = torch.randn(heads, device="cuda") if sink else None
-    out, lse = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_k=seqused_k, causal=causal, window_size=window,
+    out, lse = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_k=seqused_k, causal=causal, window_size=fa4_window(window),
                                       learnable_sink=sink_t, pack_gqa=True, return_lse=True)
     torch.cuda.synchronize()
     assert any(key[-2:] == ("pack", 8) and True in key for key in interface._kernels)

@@ -24,8 +24,10 @@ if _PKG not in sys.path:
     sys.path.insert(0, _PKG)
 
 from flash_attn.cute import interface  # noqa: E402
-from flash_attn.testing import (assert_close_to_ref, assert_lse_close, assert_ptxas_clean,  # noqa: E402
-                                attention_lse_ref, attention_ref, paged_from_dense)
+from flash_attn.testing import (  # noqa: E402
+    assert_close_to_ref, assert_lse_close, assert_ptxas_clean, attention_lse_ref, attention_ref, fa4_window,
+    paged_from_dense,
+)
 
 I32 = torch.int32
 _KNOBS = [v for v in os.environ if v.startswith("FLASH_ATTN_CUTE_")]
@@ -190,10 +192,21 @@ def test_paged_argument_checks(monkeypatch):
     qg = q.clone().requires_grad_()
     with pytest.raises(NotImplementedError, match="gradients with page_table"):
         interface.flash_attn_varlen_func(qg, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=None, seqused_k=used_k, page_table=table)
-    with pytest.raises(NotImplementedError, match="page size 12"):
-        k12 = torch.randn(k.shape[0], 12, *k.shape[2:], dtype=k.dtype)  # 12-row pages
-        interface.flash_attn_varlen_func(q, k12, k12, cu_seqlens_q=cu_q, cu_seqlens_k=None, seqused_k=torch.tensor([10, 12], dtype=I32),
-                                         page_table=table)
+    # pages that fill no TMA box (12 rows here; FA4's tests use 1 and 4): gathered into contiguous keys for the
+    # unpaged kernel, each sequence's page-table capacity in order
+    seen = []
+    monkeypatch.setattr(interface, "forward_varlen", lambda q_, k_, v_, cu_q_, cu_k_, used_k_, *a, page_table=None,
+                        **kw: seen.append((k_.clone(), cu_k_.tolist(), used_k_.tolist(), page_table)) or (
+                            q_.new_zeros(q_.shape), q_.new_zeros(q_.shape[1], q_.shape[0]).float()))
+    k12 = torch.randn(k.shape[0], 12, *k.shape[2:], dtype=k.dtype)  # 12-row pages
+    interface.flash_attn_varlen_func(q, k12, k12, cu_seqlens_q=cu_q, seqused_k=torch.tensor([10, 12], dtype=I32),
+                                     page_table=table)
+    (keys, cu_k, used, pages), = seen
+    cap = table.shape[1] * 12
+    assert pages is None and cu_k == [0, cap, 2 * cap] and used == [10, 12]
+    for b in range(2):
+        want = torch.cat([k12[int(p)] for p in table[b]])
+        assert torch.equal(keys[b * cap:(b + 1) * cap], want)
 
 
 def test_root_dispatcher_routes_paged_calls_here(monkeypatch):
@@ -304,7 +317,7 @@ def test_paged_matches_reference_per_sequence_on_gpu(monkeypatch, d, dv, page_si
                                                        torch.bfloat16, dv)
     sink_t = torch.randn(heads, device="cuda") if sink else None
     out, lse = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=None, seqused_k=used_k, page_table=table, causal=causal,
-                                      window_size=window, learnable_sink=sink_t, pack_gqa=pack, return_lse=True)
+                                      window_size=fa4_window(window), learnable_sink=sink_t, pack_gqa=pack, return_lse=True)
     torch.cuda.synchronize()
     assert any(key[-2:] == ("paged", page_size) for key in interface._kernels)
     ref_window = (window[0], 0 if causal else window[1])

@@ -17,7 +17,7 @@ if _PKG not in sys.path:
     sys.path.insert(0, _PKG)
 
 from flash_attn.cute import interface  # noqa: E402
-from flash_attn.testing import assert_close_to_ref, attention_lse_ref, attention_ref  # noqa: E402
+from flash_attn.testing import assert_close_to_ref, attention_lse_ref, attention_ref, fa4_window  # noqa: E402
 
 I32 = torch.int32
 
@@ -146,7 +146,7 @@ def test_seqused_q_matches_reference_per_sequence_on_gpu(d, causal, window, sink
     sink_t = torch.randn(H, device="cuda") if sink else None
     out, lse = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_q=torch.tensor(used_q, device="cuda", dtype=I32),
                                       seqused_k=torch.tensor(used_k, device="cuda", dtype=I32), causal=causal,
-                                      window_size=window, learnable_sink=sink_t, return_lse=True)
+                                      window_size=fa4_window(window), learnable_sink=sink_t, return_lse=True)
     torch.cuda.synchronize()
     ref_window = (window[0], 0 if causal else window[1])
     for b in range(len(lens_q)):

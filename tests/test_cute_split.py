@@ -26,8 +26,10 @@ if _PKG not in sys.path:
     sys.path.insert(0, _PKG)
 
 from flash_attn.cute import interface  # noqa: E402
-from flash_attn.testing import (assert_close_to_ref, assert_lse_close, assert_ptxas_clean,  # noqa: E402
-                                attention_lse_ref, attention_ref, paged_from_dense)
+from flash_attn.testing import (  # noqa: E402
+    assert_close_to_ref, assert_lse_close, assert_ptxas_clean, attention_lse_ref, attention_ref, fa4_window,
+    paged_from_dense,
+)
 
 I32 = torch.int32
 
@@ -209,7 +211,7 @@ def test_split_calls(monkeypatch, causal, window, softcap, sink, num_splits):
     k = torch.randn(2, 300, 2, 64, dtype=torch.float16)
     v = torch.randn(2, 300, 2, 64, dtype=torch.float16)
     sink_t = torch.randn(4) if sink else None
-    kw = dict(causal=causal, window_size=window, softcap=softcap, learnable_sink=sink_t)
+    kw = dict(causal=causal, window_size=fa4_window(window), softcap=softcap, learnable_sink=sink_t)
     monkeypatch.setenv("FLASH_ATTN_CUTE_PACK_GQA", "0")  # (pack_gqa=None would pack these under =auto)
     monkeypatch.setenv("FLASH_ATTN_CUTE_SPLIT", "0")
     interface.flash_attn_func(q, k, v, num_splits=num_splits, **kw)
@@ -294,7 +296,7 @@ def test_varlen_split_calls_per_sequence(monkeypatch, causal, window, softcap, s
         v = torch.cat([vd[b, :n] for b, n in enumerate(lens_k)])
         keys = dict(cu_seqlens_k=torch.tensor([0] + lens_k).cumsum(0).to(I32))
     sink_t = torch.randn(H) if sink else None
-    kw = dict(causal=causal, window_size=window, softcap=softcap, learnable_sink=sink_t, return_lse=True,
+    kw = dict(causal=causal, window_size=fa4_window(window), softcap=softcap, learnable_sink=sink_t, return_lse=True,
               seqused_q=torch.tensor(used_q, dtype=I32) if with_used_q else None, **keys)
     monkeypatch.setenv("FLASH_ATTN_CUTE_PACK_GQA", "0")  # (None would pack these under =auto)
     monkeypatch.setenv("FLASH_ATTN_CUTE_SPLIT", "0")
@@ -469,7 +471,7 @@ def test_split_matches_reference_on_gpu(monkeypatch, d, dv, causal, window, soft
     k = torch.randn(batch, seqlen_k, heads_kv, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(batch, seqlen_k, heads_kv, dv, device="cuda", dtype=torch.bfloat16)
     sink_t = torch.randn(heads, device="cuda") if sink else None
-    out, lse = flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap, learnable_sink=sink_t,
+    out, lse = flash_attn_func(q, k, v, causal=causal, window_size=fa4_window(window), softcap=softcap, learnable_sink=sink_t,
                                num_splits=num_splits, pack_gqa=pack, return_lse=True)
     torch.cuda.synchronize()
     rows = 128 // (heads // heads_kv if pack and heads // heads_kv in interface._PACK_GROUPS else 1)
@@ -526,7 +528,7 @@ def test_varlen_split_matches_reference_per_sequence_on_gpu(monkeypatch, d, dv, 
         v = torch.cat([vd[b, :n] for b, n in enumerate(lens_k)])
         keys = dict(cu_seqlens_k=torch.tensor([0] + lens_k, device="cuda").cumsum(0).to(I32))
     sink_t = torch.randn(heads, device="cuda") if sink else None
-    out, lse = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, causal=causal, window_size=window, learnable_sink=sink_t,
+    out, lse = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, causal=causal, window_size=fa4_window(window), learnable_sink=sink_t,
                                       seqused_q=torch.tensor(used_q, dtype=I32, device="cuda"), num_splits=num_splits,
                                       pack_gqa=pack, return_lse=True, **keys)
     torch.cuda.synchronize()

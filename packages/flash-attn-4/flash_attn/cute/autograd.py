@@ -150,16 +150,22 @@ class Attention(torch.autograd.Function):
         if any(ctx.needs_input_grad[:3]):
             dq, dk, dv = dispatcher_backward(dout, q, k, v, out, lse, softmax_scale, causal, window_left,
                                                  window_right, softcap, deterministic, arch, varlen, dlse)
-        dsink = None
-        if ctx.needs_input_grad[3]:
-            delta = (dout.float() * out.float()).sum(-1)  # (B, Sq, H) or (T, H)
-            if dlse is not None:
-                delta = delta - (dlse.transpose(1, 2) if varlen is None else dlse.t())
-            if varlen is None:
-                p = torch.exp(sink.view(1, -1, 1) - lse)  # (B, H, Sq)
-                dsink = -(p * delta.transpose(1, 2)).sum((0, 2))
-            else:
-                p = torch.exp(sink.view(-1, 1) - lse)  # (H, T)
-                dsink = -(p * delta.t()).sum(1)
-            dsink = dsink.to(ctx.sink_dtype)
+        dsink = sink_grad(dout, out, lse, sink, dlse).to(ctx.sink_dtype) if ctx.needs_input_grad[3] else None
         return dq, dk, dv, dsink, None
+
+
+def sink_grad(dout, out, lse, sink, dlse=None):
+    """d(sink) (H,) fp32: -sum_i p_i (delta_i - dlse_i) over every row of each head, p_i = exp(sink - lse_i); dense
+    out / dout (B, Sq, H, Dv) with lse (B, H, Sq), or varlen (T, H, Dv) with lse (H, T) (rows of no sequence have
+    lse +inf: p = 0)."""
+    delta = (dout.float() * out.float()).sum(-1)  # (B, Sq, H) or (T, H)
+    sink = sink.float()
+    if lse.dim() == 3:
+        if dlse is not None:
+            delta = delta - dlse.transpose(1, 2)
+        p = torch.exp(sink.view(1, -1, 1) - lse)  # (B, H, Sq)
+        return -(p * delta.transpose(1, 2)).sum((0, 2))
+    if dlse is not None:
+        delta = delta - dlse.t()
+    p = torch.exp(sink.view(-1, 1) - lse)  # (H, T)
+    return -(p * delta.t()).sum(1)

@@ -1278,8 +1278,6 @@ def _varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=Non
             raise ValueError(f"page_table must be an int32 tensor (batch={batch}, max_pages) on {q.device} with a "
                              f"contiguous last dimension, got {getattr(page_table, 'dtype', type(page_table))} of "
                              f"shape {tuple(getattr(page_table, 'shape', ()))}")
-        if _paged_block_n(128, page_size) is None:
-            raise NotImplementedError(f"page size {page_size}: a multiple of 8 (each page is one or more TMA boxes)")
         cu_k_check = torch.zeros(batch + 1, dtype=torch.int32, device=q.device)  # (no cu_seqlens_k: nothing to check)
     else:
         _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, q.device, batch)
@@ -1320,6 +1318,16 @@ def _varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=Non
                          f"[0, {num_pages})")
     if used_q_bad:
         raise ValueError("seqused_q must lie in [0, cu_seqlens_q[b + 1] - cu_seqlens_q[b]]")
+    if paged and _paged_block_n(128, page_size) is None:
+        # Pages of fewer than 8 rows (or not a multiple of 8) fill no TMA box: the sequences' pages are gathered into
+        # contiguous keys (a copy of each sequence's page-table capacity) for the unpaged kernel.
+        cap = page_table.shape[1] * page_size
+        rows = page_table.clamp(0, num_pages - 1).long()  # entries past a sequence's used pages are never read
+        k, v = (t[rows].reshape(batch * cap, *t.shape[2:]) for t in (k, v))
+        cu_k = torch.arange(0, (batch + 1) * cap, cap, dtype=torch.int32, device=q.device)[:batch + 1]
+        return _varlen_func(q, k, v, cu_seqlens_q, cu_k, max_seqlen_q, cap, seqused_q, seqused_k, None,
+                            softmax_scale, causal, window_size, learnable_sink, softcap, num_splits, pack_gqa,
+                            deterministic, return_lse)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(D)
     if max_seqlen_q is None:
@@ -1697,3 +1705,7 @@ def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grad
     dq = dq_out if dq_out is not None else torch.empty((B, Sq, H, D), dtype=dtype, device=q.device)
     (bwd_host.finish if host else bwd_host.finish_torch)(dq_accum, dq, *((dk_h, dv_h, dk, dv) if sums else ()))
     return dq, dk, dv
+
+
+# FA4's low-level entry points (downstream libraries import them from here)
+from flash_attn.cute.lowlevel import _flash_attn_bwd, _flash_attn_fwd  # noqa: E402, F401
