@@ -22,8 +22,6 @@ cu_seqlens_k, int32 (B + 1,)): q / out / dout (total_q, H, .), k / v (total_k, H
 sequence b uses seqused_q[b] (else all) rows from cu_seqlens_q[b] and seqused_k[b] (else all) keys from
 cu_seqlens_k[b]; the rows and keys no sequence uses get zero gradients.
 """
-import math
-
 import torch
 
 UNBOUNDED = 1 << 30  # a window side with no limit (flash_attn.cute.interface._UNBOUNDED)
@@ -94,31 +92,29 @@ def _backward_batch(dq, dout, q, k, v, out, lse, dlse, scale, causal, window_lef
         delta = (doc * rows(out, i0, i1)).sum(-1, keepdim=True)
         if dlse is not None:
             delta = delta - dlse[:, :, i0:i1].to(acc).reshape(B, Hk, g * bq, 1)
-        live = torch.isfinite(lse_c)
-        # A row with no visible key has lse = inf: its P is 0, and zeroing its delta keeps a non-finite dlse
-        # from turning 0 * inf into NaN.
-        lse_c = torch.where(live, lse_c, torch.full_like(lse_c, math.inf))
-        delta = torch.where(live, delta, torch.zeros_like(delta))
+        # A row with no visible key (lse = +-inf) has P = 0 from the mask; zeroing its delta keeps a non-finite
+        # dlse there from turning 0 * inf into NaN.
+        delta = torch.where(torch.isfinite(lse_c), delta, torch.zeros_like(delta))
         dqc = torch.zeros(B, Hk, g * bq, D, dtype=acc, device=q.device)
         for j0 in range(lo, hi, block_k):
             j1 = min(hi, j0 + block_k)
             kc = k[:, j0:j1].to(acc).transpose(1, 2)  # (B, Hk, bk, D)
             vc = v[:, j0:j1].to(acc).transpose(1, 2)
+            # In-place steps keep about three (B, Hk, g * bq, bk) tiles alive at once.
             qk = qc @ kc.transpose(-1, -2)  # (B, Hk, g * bq, bk)
             if softcap > 0:
-                t = torch.tanh(qk * (scale / softcap))
-                s = t * softcap
+                t = qk.mul_(scale / softcap).tanh_()
+                p = (t * softcap).sub_(lse_c).exp_()
             else:
-                s = qk * scale
-            p = torch.exp(s - lse_c)
+                p = qk.mul_(scale).sub_(lse_c).exp_()
             mask = _tile_mask(i0, i1, j0, j1, Lq, Lk, causal, window_left, window_right, q.device)
-            if mask is not None:
-                p = torch.where(mask.repeat(g, 1), p, torch.zeros((), dtype=acc, device=q.device))
+            if mask is not None:  # hidden entries may have overflowed to inf: fill, do not multiply
+                p.view(B, Hk, g, bq, j1 - j0).masked_fill_(~mask, 0.0)
             dv[:, :, j0:j1] += p.transpose(-1, -2) @ doc
-            ds = p * (doc @ vc.transpose(-1, -2) - delta)
+            ds = (doc @ vc.transpose(-1, -2)).sub_(delta).mul_(p)
             if softcap > 0:
-                ds = ds * (1 - t * t)
-            ds = ds * scale
+                ds.mul_(t.mul_(t).neg_().add_(1.0))
+            ds.mul_(scale)
             dqc += ds @ kc
             dk[:, :, j0:j1] += ds.transpose(-1, -2) @ qc
         dq[:, i0:i1] = dqc.reshape(B, Hk, g, bq, D).permute(0, 3, 1, 2, 4).reshape(B, bq, H, D).to(dq.dtype)
