@@ -1093,8 +1093,9 @@ def test_api_refuses_bad_arguments_before_touching_a_gpu(varlen):
 
     cases = [
         (dict(tensors=qkv(dtype=torch.float32)), ValueError, "fp16 or bf16"),
-        (dict(tensors=qkv(d=72, dv=72)), NotImplementedError, "head dim 72"),
-        (dict(tensors=qkv(dv=128)), NotImplementedError, "head dim of v"),
+        (dict(tensors=qkv(d=12, dv=12)), AssertionError, r"\(head_dim, head_dim_v\)=\(12, 12\) is not supported"),
+        (dict(tensors=qkv(dv=264)), AssertionError, r"\(head_dim, head_dim_v\)=\(64, 264\) is not supported"),
+        (dict(tensors=qkv(d=72, dv=72, h=3)), ValueError, "multiple of k heads"),  # (checked after the padding)
         (dict(tensors=qkv(h=3)), ValueError, "multiple of k heads"),
         (dict(softcap=-1.0), ValueError, "softcap must be >= 0"),
         (dict(learnable_sink=torch.zeros(3)), ValueError, "learnable_sink must have shape \\(4,\\)"),

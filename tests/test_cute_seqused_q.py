@@ -109,9 +109,13 @@ def test_seqused_q_checks(monkeypatch):
                            (torch.tensor([1, -1], dtype=I32), ValueError, "seqused_q must lie in")]:
         with pytest.raises(exc, match=msg):
             interface.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, seqused_q=used)
+    # gradients with seqused_q: this package's own backward (autograd.Attention; the root dispatcher has no seqused)
+    monkeypatch.setattr(interface, "forward_varlen", lambda q_, *a, **kw: (torch.zeros_like(q_),
+                                                                           torch.zeros(q_.shape[1], q_.shape[0])))
     qg = q.clone().requires_grad_()
-    with pytest.raises(NotImplementedError, match="seqused_q"):
-        interface.flash_attn_varlen_func(qg, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, seqused_q=torch.tensor([1, 2], dtype=I32))
+    out, _ = interface.flash_attn_varlen_func(qg, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                              seqused_q=torch.tensor([1, 2], dtype=I32))
+    assert type(out.grad_fn).__name__ == "AttentionBackward"
 
 
 def _hopper():
