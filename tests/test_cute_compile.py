@@ -209,6 +209,7 @@ def test_host_and_kernel_agree_on_the_unbounded_window_size():
     assert interface._window_args(True, 10, 5) == (10, 0, True)  # causal caps the right side at 0
     assert interface._window_args(False, U, 7) == (U, 7, True)
     assert interface._window_args(False, -3, U) == (-3, U, True)  # FA4's negative sizes are literal
+    assert interface._window_args(False, 2 ** 40, 5) == (U, 5, True)  # (the root API's ints: no Int32 overflow)
 
 
 def test_unsupported_head_dim_is_refused():

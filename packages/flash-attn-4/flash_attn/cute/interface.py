@@ -1070,7 +1070,9 @@ def _window_args(causal, window_left, window_right):
     local = window_left < _UNBOUNDED or (window_right < _UNBOUNDED and not causal)
     if not local:
         return 0, 0, False
-    return window_left, 0 if causal else window_right, True
+    # the kernel's sizes are Int32: a size past _UNBOUNDED is no limit all the same
+    left = max(min(window_left, _UNBOUNDED), -_UNBOUNDED)
+    return left, 0 if causal else max(min(window_right, _UNBOUNDED), -_UNBOUNDED), True
 
 
 def forward(q, k, v, softmax_scale, causal, arch="sm_90a", window_left=_UNBOUNDED, window_right=_UNBOUNDED, softcap=0.0,
