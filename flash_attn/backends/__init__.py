@@ -38,10 +38,12 @@ A backend is a module (imported lazily by :mod:`flash_attn.dispatch`) that defin
     fwd of a dense call without softcap, ALiBi, dropout or probabilities, positional (flash_attn_func's
     common call takes it where a backend defines it: less per-call work than fwd's keywords).
 
-``bwd(dout, q, k, v, out, lse, *, <same keyword arguments as fwd without return_probs>, deterministic)
+``bwd(dout, q, k, v, out, lse, *, <same keyword arguments as fwd without return_probs>, deterministic[, dlse])
       -> (dq, dk, dv)``
     Gradients in the input dtype, shaped like q, k, v. dk/dv are summed over the query heads of a group
-    (GQA/MQA). deterministic=True must give bitwise-identical results run to run.
+    (GQA/MQA). deterministic=True must give bitwise-identical results run to run. ``dlse`` (passed only when a
+    loss uses the returned lse): the gradient flowing into lse, lse's shape; as d lse_i / d s_ij = P_ij it adds
+    dlse_i * P_ij to dS_ij, i.e. the backward uses delta_i - dlse_i where it uses delta_i = rowsum(dO_i * O_i).
     Optional: a backend whose module sets ``BWD_OUT = True`` also takes ``grads=(dq, dk, dv)``, tensors
     shaped and typed like q, k, v with a contiguous last dim (e.g. the slices of one packed gradient),
     writes the gradients there and returns them.

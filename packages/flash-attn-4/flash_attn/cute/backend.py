@@ -1,7 +1,7 @@
 """The root dispatcher's view of flash_attn.cute (the contract is in flash_attn/backends/__init__.py).
 
 Serves forward calls on Hopper (sm_90): fp16/bf16, head dim 64 or 128 (v's equal to q's; forward only: 192 with
-v's 128 when FLASH_ATTN_CUTE_HDIM_V=1, interface._HEAD_DIM_PAIRS), causal or not, sliding windows, softcap,
+v's 128 unless FLASH_ATTN_CUTE_HDIM_V=0, interface._HEAD_DIM_PAIRS), causal or not, sliding windows, softcap,
 GQA/MQA, dense or varlen (cu_seqlens). Head dims 96, 192 and 256 have forward kernels only (GPU-tested on the
 H200 in session 11: tests/test_cute_compile.py -k wide_head_dims, tests/test_cute_sink.py): the dispatcher sends
 their forward here and their backward to the next backend.
@@ -116,13 +116,12 @@ def fwd(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bloc
     # unsupported_reason admitted only sm_90
     if block_table is not None:
         if not _boxes_pages(q, v, k.shape[1], causal, wl, wr, softcap):
-            from flash_attn import reference
-
-            return reference.fwd(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                                 max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, block_table=block_table,
-                                 softmax_scale=softmax_scale, causal=causal, window_left=window_left,
-                                 window_right=window_right, softcap=softcap, alibi_slopes=None, dropout_p=0.0,
-                                 rng_state=None, return_probs=False)
+            # pages that fill no TMA box: gathered into contiguous keys for the unpaged kernel (as the FA4 API does)
+            kc, vc, cu_k, _ = interface._gather_pages(k, v, block_table)
+            out, lse = interface.forward_varlen(q, kc, vc, cu_seqlens_q, cu_k, cu_seqlens_k[1:] - cu_seqlens_k[:-1],
+                                                max_seqlen_q, softmax_scale, causal, "sm_90a", wl, wr, softcap,
+                                                fill_unused_rows=True)
+            return out, lse, q.new_empty(0)
         # (block_table's entries were checked to be pages: flash_attn._ops._check_values)
         out, lse = interface.forward_varlen(q, k, v, cu_seqlens_q, None, cu_seqlens_k[1:] - cu_seqlens_k[:-1],
                                             max_seqlen_q, softmax_scale, causal, "sm_90a", wl, wr, softcap,

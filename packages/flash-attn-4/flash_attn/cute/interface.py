@@ -1323,10 +1323,7 @@ def _varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=Non
     if paged and _paged_block_n(128, page_size) is None:
         # Pages of fewer than 8 rows (or not a multiple of 8) fill no TMA box: the sequences' pages are gathered into
         # contiguous keys (a copy of each sequence's page-table capacity) for the unpaged kernel.
-        cap = page_table.shape[1] * page_size
-        rows = page_table.clamp(0, num_pages - 1).long()  # entries past a sequence's used pages are never read
-        k, v = (t[rows].reshape(batch * cap, *t.shape[2:]) for t in (k, v))
-        cu_k = torch.arange(0, (batch + 1) * cap, cap, dtype=torch.int32, device=q.device)[:batch + 1]
+        k, v, cu_k, cap = _gather_pages(k, v, page_table)
         return _varlen_func(q, k, v, cu_seqlens_q, cu_k, max_seqlen_q, cap, seqused_q, seqused_k, None,
                             softmax_scale, causal, window_size, learnable_sink, softcap, num_splits, pack_gqa,
                             deterministic, return_lse)
@@ -1369,6 +1366,16 @@ def _varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=Non
         out[last_q:] = 0
         lse[:, last_q:] = math.inf
     return out, (lse if return_lse else None)
+
+
+def _gather_pages(k, v, page_table):
+    """Paged k / v (num_pages, page_size, Hk, D) as packed sequences: (k, v, cu_seqlens_k, capacity), sequence b the rows of
+    its pages page_table[b, 0], page_table[b, 1], ... (its page-table capacity, a copy). Entries out of range are
+    clamped: callers read only the keys of each sequence's used pages, which were checked."""
+    batch, cap = page_table.shape[0], page_table.shape[1] * k.shape[1]
+    rows = page_table.clamp(0, k.shape[0] - 1).long()
+    k, v = (t[rows].reshape(batch * cap, *t.shape[2:]) for t in (k, v))
+    return k, v, torch.arange(0, (batch + 1) * cap, cap, dtype=torch.int32, device=k.device)[:batch + 1], cap
 
 
 def _varlen_forward(q, k, v, varlen, softmax_scale, causal, arch, window_left, window_right, softcap, sink=None):
