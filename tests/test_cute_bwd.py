@@ -1,7 +1,7 @@
 """flash_attn.cute's Hopper backward kernel (flash_bwd_sm90.py): it compiles for sm_90a without a GPU and
 its PTX holds the instructions the design rests on; its layout reinterpretations are checked on the
-CuTe layouts; the cute backend refuses backward calls unless FLASH_ATTN_CUTE_BWD=1; on a Hopper GPU
-(tests marked gpu) dq, dk, dv match the reference within the project's criterion
+CuTe layouts; the cute backend serves backward calls by default and refuses them when FLASH_ATTN_CUTE_BWD=0;
+on a Hopper GPU (tests marked gpu) dq, dk, dv match the reference within the project's criterion
 (flash_attn.testing.assert_close_to_ref, as the Triton backward tests use it)."""
 import glob
 import os
@@ -881,7 +881,7 @@ def test_torch_host_path_without_triton(monkeypatch):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Dispatch: opt-in
+# Dispatch: on by default, off with FLASH_ATTN_CUTE_BWD=0
 
 
 def _call(**kw):
@@ -926,8 +926,9 @@ def _hopper():
 
 @pytest.fixture
 def cute_bwd_on(monkeypatch):
-    """FLASH_ATTN_CUTE_BWD=1 with the dispatcher's cached choices dropped (they were made without it),
-    and a count of the backward launches the cute backend makes."""
+    """FLASH_ATTN_CUTE_BWD=1 (the default, set in case the environment has it at 0) with the dispatcher's
+    cached choices dropped (they may have been made with it off), and a count of the backward launches the
+    cute backend makes."""
     from flash_attn import dispatch
 
     monkeypatch.setenv(cute_backend.BWD_ENV_VAR, "1")

@@ -5,10 +5,12 @@ sources. Two kernels are compiled in this file (the precompiled one, and one reb
 reuses them. On a Hopper GPU (marked gpu) a kernel loaded from disk runs and matches the reference."""
 import json
 import os
+import queue
 import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -262,40 +264,120 @@ def test_unwritable_cache_compiles_in_memory(tmp_path, monkeypatch):
     assert fn is kernel and how == "compiled"
 
 
+def _blocked_on_flock(pid, path):
+    """Whether /proc/locks lists process ``pid`` as waiting (``->``) for a flock on ``path``; None where the
+    kernel's lock table cannot be read (not Linux)."""
+    try:
+        with open("/proc/locks") as f:
+            table = f.read()
+    except OSError:
+        return None
+    inode = os.stat(path).st_ino
+    for line in table.splitlines():
+        fields = line.split()
+        if "->" in fields and "FLOCK" in fields:
+            rest = fields[fields.index("->") + 1:]  # FLOCK ADVISORY WRITE pid maj:min:inode start end
+            if len(rest) >= 5 and rest[3] == str(pid) and rest[4].rsplit(":", 1)[-1] == str(inode):
+                return True
+    return False
+
+
 def test_concurrent_builder_waits_for_the_lock_holder(precompiled, tmp_path, no_compile):
     """While one process holds an entry's lock (it is compiling), another that misses waits for it and
-    then loads what it wrote, instead of compiling the same kernel again."""
+    then loads what it wrote, instead of compiling the same kernel again. The child proves the wait: it
+    misses, finds the lock held (a non-blocking probe of the same flock), is seen blocked on it in the
+    kernel's lock table (Linux), asks for it before the holder releases and gets it only after, and then
+    loads the holder's entry under the lock."""
     _, name, _ = _names()
     root = tmp_path / "c"
     disk = cache.DiskCache(root)
     child = textwrap.dedent("""
-        import json, sys, time
+        import contextlib, fcntl, json, sys, time
         import torch
-        from flash_attn.cute import interface
+        from flash_attn.cute import cache, interface
 
         def refuse(*args, **kwargs):
             raise AssertionError("compile_fwd called")
 
         interface.compile_fwd = refuse
+        events = {"loads": [], "writers": []}
+        real_load, real_writer = cache.DiskCache.load, cache.DiskCache.writer
+
+        def load(self, name, key, locked=False):
+            fn, how = real_load(self, name, key, locked)
+            events["loads"].append([locked, how])
+            return fn, how
+
+        @contextlib.contextmanager
+        def writer(self, name):
+            with open(self.paths(name)["lock"], "a") as f:  # is the lock held by someone else?
+                try:
+                    fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    held = True
+                else:
+                    held = False
+                    fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+            w = {"found_held": held, "requested": time.time()}
+            events["writers"].append(w)
+            print("waiting" if held else "free", flush=True)
+            with real_writer(self, name):
+                w["acquired"] = time.time()
+                yield
+
+        cache.DiskCache.load, cache.DiskCache.writer = load, writer
         print("ready", flush=True)
         fn = interface.fwd_kernel(torch.bfloat16, 128, False, "sm_90a")
         print(json.dumps({"origin": interface._origins[(torch.bfloat16, 128, False, "sm_90a", False, False)],
-                          "done": time.time()}), flush=True)
+                          "done": time.time(), **events}), flush=True)
     """)
-    with disk.writer(name):
-        proc = subprocess.Popen([sys.executable, "-c", child], cwd=ROOT, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, env=_env(FLASH_ATTN_CUTE_CACHE=str(root)))
-        assert proc.stdout.readline().strip() == "ready"
-        time.sleep(1.0)  # the child misses and blocks on the lock
-        assert proc.poll() is None, proc.stderr.read()
-        staging = _copy_entry(precompiled, tmp_path / "staging")
-        for path in sorted(staging.iterdir(), key=lambda p: p.suffix == ".json"):  # manifest last
-            os.replace(path, root / path.name)
-        released = time.time()
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out + err
-    result = json.loads(out.strip().splitlines()[-1])
-    assert result["origin"] in ("so", "o") and result["done"] >= released
+    proc = None
+    try:
+        with disk.writer(name):
+            lock = disk.paths(name)["lock"]
+            proc = subprocess.Popen([sys.executable, "-c", child], cwd=ROOT, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, env=_env(FLASH_ATTN_CUTE_CACHE=str(root)))
+            lines = queue.Queue()
+            reader = threading.Thread(target=lambda: [lines.put(x.strip()) for x in iter(proc.stdout.readline, "")],
+                                      daemon=True)
+            reader.start()
+
+            def next_line():
+                try:
+                    return lines.get(timeout=120)
+                except queue.Empty:
+                    return "(nothing within 120 s)"
+
+            assert next_line() == "ready"
+            # the child missed and found the lock held; it now asks for it
+            line = next_line()
+            assert line == "waiting", line
+            deadline = time.time() + 60
+            while (blocked := _blocked_on_flock(proc.pid, lock)) is False and time.time() < deadline:
+                assert proc.poll() is None, proc.stderr.read()
+                time.sleep(0.01)
+            assert blocked is not False, "the child never blocked on the entry's lock"
+            if blocked is None:  # no lock table to look at: give the child time to reach flock
+                time.sleep(0.5)
+            assert proc.poll() is None, proc.stderr.read()
+            staging = _copy_entry(precompiled, tmp_path / "staging")
+            for path in sorted(staging.iterdir(), key=lambda p: p.suffix == ".json"):  # manifest last
+                os.replace(path, root / path.name)
+            released = time.time()
+        proc.wait(timeout=300)
+        reader.join(timeout=30)
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    out = [lines.get_nowait() for _ in range(lines.qsize())]
+    assert proc.returncode == 0, "\n".join(out) + proc.stderr.read()
+    result = json.loads(out[-1])
+    assert result["origin"] in ("so", "o")
+    # one miss without the lock, then, under the lock it waited for, a hit on what the holder wrote
+    assert result["loads"] == [[False, None], [True, result["origin"]]], result["loads"]
+    (w,) = result["writers"]
+    assert w["found_held"] and w["requested"] < released <= w["acquired"] <= result["done"], (w, released)
 
 
 def test_key_follows_sources_config_and_versions(tmp_path, monkeypatch):

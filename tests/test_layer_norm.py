@@ -145,6 +145,37 @@ def test_zero_centered_weight(path):
     _check(_device(path), torch.float32, 3, 19, zero_centered_weight=True, residual=True)
 
 
+@pytest.mark.parametrize("is_rms_norm", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_zero_centered_weight_with_weight1(path, dtype, is_rms_norm):
+    """The parallel branch's weight1 is zero-centred too (y1 = xhat * (1 + weight1) + bias1): forward and both
+    branches' gradients, which meet in dx through g = dy * (1 + w) + dy1 * (1 + w1)."""
+    _check(_device(path), dtype, 4, 37, zero_centered_weight=True, weight1=True, is_rms_norm=is_rms_norm,
+           bias=not is_rms_norm)
+    _check(_device(path), dtype, 3, 70, zero_centered_weight=True, x1=True, weight1=True, residual=True,
+           prenorm=True, dropout_p=0.2, is_rms_norm=is_rms_norm)
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.25])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_x1_with_rowscale(path, monkeypatch, dtype, dropout_p):
+    """rowscale scales x only: pre = dropout(x * rowscale) + dropout(x1) + residual, so dx carries rowscale
+    and dx1 does not. layer_norm_fn refuses rowscale together with x1 (as FA2's does), but the forward and
+    backward it calls implement the pair (the kernels' HAS_X1 with HAS_ROWSCALE, and the PyTorch path):
+    with the argument check relaxed, both paths must give the documented formula's outputs and gradients."""
+    real = ln._check_args
+
+    def check_args(x, weight, bias, residual, x1, weight1, bias1, dropout_p, rowscale, out, residual_out):
+        real(x, weight, bias, residual, None, weight1, bias1, dropout_p, rowscale, out, residual_out)
+        real(x, weight, bias, residual, x1, weight1, bias1, dropout_p, None, out, residual_out)
+
+    monkeypatch.setattr(ln, "_check_args", check_args)
+    dev = _device(path)
+    _check(dev, dtype, 5, 33, x1=True, rowscale=True, dropout_p=dropout_p)
+    _check(dev, dtype, 4, 40, x1=True, weight1=True, rowscale=True, residual=True, prenorm=True,
+           dropout_p=dropout_p, is_rms_norm=True, bias=False)
+
+
 def test_out_dtype_and_fp32_weights(path):
     _check(_device(path), torch.float16, 3, 21, out_dtype=torch.float32, weight_dtype=torch.float32, residual=True)
 

@@ -1,0 +1,296 @@
+"""Which real backend (cute, triton, torch) the dispatcher picks, on faked device facts.
+
+No GPU is needed: torch.cuda's availability and compute capability, and whether the cute / triton packages
+can run here (their backends' ``unavailable_reason``), are monkeypatched; the calls are described by stand-ins
+for q and v that carry only what flash_attn.dispatch reads (device, dtype, shape). The backends' own
+``unsupported_reason`` runs unpatched, so these tests pin the priority order (CuTeDSL first, then Triton,
+then the PyTorch reference) against what each backend really refuses, and that every call attribute that can
+change the choice is part of the dispatcher's cache keys (select_for's and select_dense's): two calls
+differing only in it, made one after the other in either order, each get the backend a fresh lookup gives.
+"""
+import sys
+import types
+
+import pytest
+import torch
+
+from flash_attn import dispatch
+
+_ENV = ("FLASH_ATTN_CUTE_FWD_HDIMS", "FLASH_ATTN_CUTE_BWD", "FLASH_ATTN_CUTE_PAGED", "FLASH_ATTN_CUTE_HDIM_V")
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """A process with CUDA devices 0: Hopper (9, 0) and 1: Ampere (8, 0), cute and triton installed, and an
+    empty dispatch cache. Returns a setter for the backends' availability."""
+    cute_backend = pytest.importorskip("flash_attn.cute.backend")
+    triton_backend = pytest.importorskip("flash_attn.triton.backend")
+
+    caps = {0: (9, 0), 1: (8, 0)}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(caps))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+    def capability(device=None):
+        index = device if isinstance(device, int) else 0 if device is None else torch.device(device).index or 0
+        return caps[index]
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", capability)
+    for var in _ENV + (dispatch.ENV_VAR,):
+        monkeypatch.delenv(var, raising=False)
+    mods = {"cute": cute_backend, "triton": triton_backend}
+
+    def available(**reasons):
+        """available(cute="not installed") makes cute unavailable with that reason; None: available."""
+        for name, mod in mods.items():
+            monkeypatch.setattr(mod, "unavailable_reason", lambda why=reasons.get(name): why)
+        for cache in ("_modules", "_unavailable", "_choice", "_arch_cache"):
+            monkeypatch.setattr(dispatch, cache, {})
+
+    available()
+    return available
+
+
+def _t(device="cuda:0", dtype=torch.float16, d=64, shape=(2, 16, 4)):
+    """What dispatch reads of a tensor: its device, dtype and last dim."""
+    return types.SimpleNamespace(device=torch.device(device), dtype=dtype, shape=(*shape, d))
+
+
+# select_for's arguments of a plain call: dense, no mask, fp16, head dim 64, forward
+BASE = dict(device="cuda:0", dtype=torch.float16, d=64, dv=64, varlen=False, paged=False, causal=False,
+            window_left=-1, window_right=-1, softcap=0.0, alibi=None, dropout_p=0.0, return_probs=False,
+            kvcache=False, backward=False, deterministic=False)
+
+
+def _select_for(**kw):
+    a = {**BASE, **kw}
+    q = _t(a["device"], a["dtype"], a["d"])
+    v = _t(a["device"], a["dtype"], a["dv"])
+    return dispatch.select_for(q, v, a["varlen"], a["paged"], a["causal"], a["window_left"], a["window_right"],
+                               a["softcap"], a["alibi"], a["dropout_p"], return_probs=a["return_probs"],
+                               kvcache=a["kvcache"], backward=a["backward"], deterministic=a["deterministic"]).NAME
+
+
+def _select_dense(**kw):
+    a = {**BASE, **kw}
+    return dispatch.select_dense(_t(a["device"], a["dtype"], a["d"]), _t(a["device"], a["dtype"], a["dv"]),
+                                 a["causal"], a["window_left"], a["window_right"], a["deterministic"]).NAME
+
+
+# ----------------------------------------------------------------------------------------------------
+# Which backend each kind of call reaches
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 128])
+def test_hopper_dense_forward_runs_cute(gpu, dtype, d):
+    assert _select_for(dtype=dtype, d=d, dv=d) == "cute"
+    assert _select_dense(dtype=dtype, d=d, dv=d) == "cute"
+    assert _select_for(dtype=dtype, d=d, dv=d, causal=True, window_right=0) == "cute"
+    assert _select_for(dtype=dtype, d=d, dv=d, window_left=32, window_right=8, softcap=30.0) == "cute"
+    assert _select_for(dtype=dtype, d=d, dv=d, varlen=True) == "cute"
+
+
+def test_hopper_dense_backward_runs_cute(gpu):
+    assert _select_for(backward=True) == "cute"
+    assert _select_for(backward=True, causal=True, window_right=0, d=128, dv=128) == "cute"
+
+
+@pytest.mark.parametrize("call", [
+    dict(dropout_p=0.1), dict(alibi=object()), dict(return_probs=True), dict(kvcache=True),
+    dict(dtype=torch.float32), dict(d=72, dv=72), dict(d=64, dv=32), dict(device="cuda:1"),
+    dict(backward=True, softcap=30.0), dict(backward=True, deterministic=True), dict(backward=True, varlen=True),
+    dict(backward=True, window_left=16, window_right=0, causal=True), dict(backward=True, d=256, dv=256),
+], ids=lambda c: ",".join(f"{k}={getattr(v, '__name__', v)}" for k, v in c.items()))
+def test_triton_where_cute_refuses(gpu, call):
+    assert _select_for(**call) == "triton"
+
+
+def test_wide_head_dims_forward_on_cute_backward_on_triton(gpu):
+    for d in (96, 192, 256):
+        assert _select_for(d=d, dv=d) == "cute", d
+        assert _select_for(d=d, dv=d, backward=True) == "triton", d
+
+
+def test_switches_move_calls_off_cute(gpu, monkeypatch):
+    monkeypatch.setenv("FLASH_ATTN_CUTE_BWD", "0")
+    assert _select_for(backward=True) == "triton"
+    assert _select_for() == "cute"
+    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_HDIMS", "none")
+    assert _select_for(d=256, dv=256) == "triton"
+
+
+def test_cute_not_installed_hopper_runs_triton(gpu):
+    gpu(cute="not installed (pip install flash-attn-4)")
+    assert _select_for() == "triton"
+    assert _select_dense() == "triton"
+    assert _select_for(backward=True) == "triton"
+    assert "not installed" in dispatch.explain(dispatch.Call("cuda", torch.float16, 64, 64, (9, 0)))["cute"]
+
+
+def test_neither_gpu_backend_installed_runs_torch(gpu):
+    gpu(cute="not installed", triton="triton is not installed")
+    assert _select_for() == "torch"
+    assert _select_for(backward=True) == "torch"
+
+
+def test_paged_calls(gpu):
+    # the cute paged kernel serves Hopper's paged forward; Triton has no paged attention outside the kv cache
+    assert _select_for(varlen=True, paged=True) == "cute"
+    assert _select_for(varlen=True, paged=True, device="cuda:1") == "torch"
+    assert _select_for(varlen=True, paged=True, backward=True) == "torch"
+    assert _select_for(paged=True, kvcache=True, device="cuda:1") == "triton"
+
+
+def test_cpu_runs_torch(gpu):
+    # even with the Triton interpreter on (tests/conftest.py) and every backend importable
+    for kw in (dict(), dict(backward=True), dict(dtype=torch.float32, d=72, dv=72), dict(dropout_p=0.1)):
+        assert _select_for(device="cpu", **kw) == "torch", kw
+    assert _select_dense(device="cpu") == "torch"
+
+
+def test_priority_order_is_cute_triton_torch(gpu):
+    assert list(dispatch.BACKENDS) == ["cute", "triton", "torch"]
+    call = dispatch.Call("cuda", torch.float16, 128, 128, (9, 0))
+    assert dispatch.explain(call) == {"cute": None, "triton": None, "torch": None}
+    assert dispatch.select(call).NAME == "cute"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Every attribute that changes the choice is in the cache keys
+
+# (name, the plain call's changes, the same call with only that attribute changed, expected backends)
+PAIRS = [
+    ("softcap", dict(backward=True), dict(backward=True, softcap=30.0), ("cute", "triton")),
+    ("deterministic", dict(backward=True), dict(backward=True, deterministic=True), ("cute", "triton")),
+    ("dropout", dict(), dict(dropout_p=0.1), ("cute", "triton")),
+    ("alibi", dict(), dict(alibi=object()), ("cute", "triton")),
+    ("return_probs", dict(), dict(return_probs=True), ("cute", "triton")),
+    ("kvcache", dict(), dict(kvcache=True), ("cute", "triton")),
+    ("varlen", dict(backward=True), dict(backward=True, varlen=True), ("cute", "triton")),
+    ("paged", dict(varlen=True, backward=True), dict(varlen=True, backward=True, paged=True), ("triton", "torch")),
+    ("head_dim", dict(), dict(d=72), ("cute", "triton")),
+    ("head_dim_v", dict(), dict(dv=32), ("cute", "triton")),
+    ("dtype", dict(), dict(dtype=torch.float32), ("cute", "triton")),
+    ("device", dict(), dict(device="cpu"), ("cute", "torch")),
+    ("arch", dict(), dict(device="cuda:1"), ("cute", "triton")),
+    ("local", dict(backward=True), dict(backward=True, window_left=16), ("cute", "triton")),
+    # causal with the same window (-1, 0): causal, or a window reaching to the diagonal (a local call)
+    ("causal", dict(backward=True, causal=True, window_right=0), dict(backward=True, window_right=0),
+     ("cute", "triton")),
+    ("backward", dict(softcap=30.0), dict(softcap=30.0, backward=True), ("cute", "triton")),
+]
+
+
+@pytest.mark.parametrize("name,a,b,expect", PAIRS, ids=[p[0] for p in PAIRS])
+def test_select_for_cache_key_holds_every_attribute(gpu, name, a, b, expect):
+    assert (_select_for(**a), _select_for(**b)) == expect
+    gpu()  # empty cache: the other order
+    assert (_select_for(**b), _select_for(**a)) == expect[::-1]
+    # and once more from the warm cache
+    assert (_select_for(**a), _select_for(**b)) == expect
+
+
+DENSE_PAIRS = [
+    ("head_dim", dict(), dict(d=72), ("cute", "triton")),
+    ("head_dim_v", dict(), dict(dv=32), ("cute", "triton")),
+    ("dtype", dict(), dict(dtype=torch.float32), ("cute", "triton")),
+    ("device", dict(), dict(device="cpu"), ("cute", "torch")),
+    ("arch", dict(), dict(device="cuda:1"), ("cute", "triton")),
+]
+
+
+@pytest.mark.parametrize("name,a,b,expect", DENSE_PAIRS, ids=[p[0] for p in DENSE_PAIRS])
+def test_select_dense_cache_key_holds_every_attribute(gpu, name, a, b, expect):
+    assert (_select_dense(**a), _select_dense(**b)) == expect
+    gpu()
+    assert (_select_dense(**b), _select_dense(**a)) == expect[::-1]
+
+
+def test_select_dense_and_select_for_agree(gpu):
+    # flash_attn_func's short key and the full one share the cache: neither answers for the other's calls
+    for kw in (dict(), dict(causal=True, window_right=0), dict(window_left=8, window_right=8),
+               dict(d=256, dv=256), dict(dtype=torch.float32), dict(device="cpu"), dict(device="cuda:1")):
+        gpu()
+        dense = _select_dense(**kw)
+        assert _select_for(**kw) == dense, kw
+        assert _select_for(**kw, dropout_p=0.1) in ("triton", "torch")
+        assert _select_dense(**kw) == dense
+
+
+def test_forced_backend_is_in_the_cache_key(gpu):
+    assert _select_for() == "cute"
+    with dispatch.use_backend("triton"):
+        assert _select_for() == "triton"
+        assert _select_dense() == "triton"
+    with dispatch.use_backend("torch"):
+        assert _select_for() == "torch"
+        assert _select_dense() == "torch"
+    assert _select_for() == "cute" and _select_dense() == "cute"
+
+
+# A backend first in line that refuses whatever differs from the plain call in one Call field: with the real
+# backends some fields change the choice only together with others (causal only through local, today), but
+# the Call contract lets any backend refuse on any field, so each must reach the cache keys on its own.
+# field -> (select_for changes that leave every other Call field as the plain call has it)
+FIELDS = {
+    "device_type": dict(device="cpu"),
+    "dtype": dict(dtype=torch.float32),
+    "head_dim": dict(d=72),
+    "head_dim_v": dict(dv=32),
+    "arch": dict(device="cuda:1"),
+    "varlen": dict(varlen=True),
+    "paged": dict(paged=True),
+    "causal": dict(causal=True, window_right=0),
+    "local": dict(window_left=16),
+    "softcap": dict(softcap=30.0),
+    "alibi": dict(alibi=object()),
+    "dropout": dict(dropout_p=0.1),
+    "return_probs": dict(return_probs=True),
+    "kvcache": dict(kvcache=True),
+    "backward": dict(backward=True),
+    "deterministic": dict(deterministic=True),
+}
+_DENSE_FIELDS = ("device_type", "dtype", "head_dim", "head_dim_v", "arch", "causal", "local", "deterministic")
+
+
+def test_fields_cover_the_call():
+    assert set(FIELDS) == set(dispatch.Call._fields)
+
+
+@pytest.fixture
+def picky(gpu, monkeypatch):
+    plain = dispatch.Call("cuda", torch.float16, 64, 64, (9, 0))
+
+    def install(field):
+        mod = types.ModuleType("_picky_backend")
+        mod.NAME = "picky"
+        mod.unavailable_reason = lambda: None
+        mod.unsupported_reason = lambda call: (None if getattr(call, field) == getattr(plain, field)
+                                               else f"picky about {field}")
+        monkeypatch.setitem(sys.modules, mod.__name__, mod)
+        monkeypatch.setattr(dispatch, "BACKENDS", {"picky": mod.__name__, **dispatch.BACKENDS})
+        gpu()
+
+    return install
+
+
+@pytest.mark.parametrize("field", FIELDS)
+def test_select_for_key_holds_every_call_field(picky, field):
+    picky(field)
+    for _ in range(2):  # a cold cache, then a warm one
+        assert _select_for() == "picky"
+        assert _select_for(**FIELDS[field]) != "picky"
+    picky(field)  # the other order
+    assert _select_for(**FIELDS[field]) != "picky"
+    assert _select_for() == "picky"
+
+
+@pytest.mark.parametrize("field", _DENSE_FIELDS)
+def test_select_dense_key_holds_every_call_field(picky, field):
+    picky(field)
+    for _ in range(2):
+        assert _select_dense() == "picky"
+        assert _select_dense(**FIELDS[field]) != "picky"
+    picky(field)
+    assert _select_dense(**FIELDS[field]) != "picky"
+    assert _select_dense() == "picky"
