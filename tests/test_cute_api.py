@@ -72,6 +72,14 @@ def test_window_resolution_matches_fa4(causal, left, right):
         assert torch.equal(got, want), (Sq, Sk)
 
 
+def test_one_unbounded_value_across_the_package():
+    pytest.importorskip("cutlass.cute")
+    from flash_attn.cute import bwd_torch
+    from flash_attn.cute.flash_fwd_sm90 import FlashFwdSm90
+
+    assert bwd_torch.UNBOUNDED == interface._UNBOUNDED == FlashFwdSm90.UNBOUNDED
+
+
 def test_negative_sizes_stay_literal():
     assert interface._options((-3, None), 0.0, False) == (False, -3, U, 0.0)
     assert interface._options((None, -2), 0.0, False) == (False, U, -2, 0.0)
