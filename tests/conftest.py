@@ -22,3 +22,25 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def cute_env(monkeypatch):
+    """Set flash_attn.cute's environment for one test: ``cute_env(OVERRIDES="fwd.stages=2", DISABLE="bwd")`` sets
+    FLASH_ATTN_CUTE_OVERRIDES / FLASH_ATTN_CUTE_DISABLE / ... (None or "" unsets) and has the package read it again;
+    the test's end restores the environment and reads it once more."""
+    settings = pytest.importorskip("flash_attn.cute.settings")
+
+    def set_env(**names):
+        for name, value in names.items():
+            var = "FLASH_ATTN_CUTE_" + name
+            if value is None or value == "":
+                monkeypatch.delenv(var, raising=False)
+            else:
+                monkeypatch.setenv(var, str(value))
+        return settings.reload()
+
+    set_env(OVERRIDES=None, DISABLE=None)
+    yield set_env
+    monkeypatch.undo()
+    settings.reload()

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from flash_attn.cute import interface as _k
+from flash_attn.cute import launch as _k
+from flash_attn.cute import settings
+from flash_attn.cute.plan import _UNBOUNDED
 
 _F32 = torch.float32
 
@@ -44,7 +46,7 @@ def dispatcher_window(causal, window_left, window_right):
     for a negative size, which that encoding cannot say."""
     if window_left < 0 or (window_right < 0 and not causal):
         return None
-    U = _k._UNBOUNDED
+    U = _UNBOUNDED
     return -1 if window_left >= U else window_left, 0 if causal else -1 if window_right >= U else window_right
 
 
@@ -74,14 +76,12 @@ def with_fallback_backward(q, k, v, softmax_scale, causal, window_left, window_r
 def _kernel_takes(q, v, causal, window_left, window_right, softcap, deterministic, varlen):
     """Whether this package's CuTeDSL backward kernel serves the call (the rule backend.py gives the dispatcher:
     dense, no window or softcap, not deterministic, its head dims, not switched off)."""
-    import os
-
     from flash_attn.cute import backend
 
-    U = _k._UNBOUNDED
+    U = _UNBOUNDED
     return (varlen is None and not softcap and not deterministic and window_left >= U and (causal or window_right >= U)
             and q.shape[-1] == v.shape[-1] and q.shape[-1] in backend._HEAD_DIMS
-            and os.environ.get(backend.BWD_ENV_VAR, "1").strip() != "0")
+            and not settings.disabled("bwd"))
 
 
 def own_backward(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, softcap, deterministic,

@@ -12,16 +12,16 @@ into the caller's dk/dv. The same launch also copies dK/dV (group 1) into output
 kernel does not accept.
 
 The torch expressions of the same steps (``prepare_torch`` / ``finish_torch``) serve when Triton is not
-installed (flash-attn-4 does not require it), and under FLASH_ATTN_CUTE_BWD_HOST=torch (to compare).
+installed (flash-attn-4 does not require it), and under the plan rule bwd_host=torch (config.PlanRules, to compare).
 On a GPU this replaces 5-7 launches (torch.full, a sliced multiply, a padding fill, the delta kernel, a
 memset, the cast copy; with GQA a float copy, a sum and a cast per gradient, then copies). The memory
 traffic stays: 14 bytes per element of q (read O and dO, zero dq_accum, read it back, write dq), which
 only a kernel that does not accumulate dQ in global fp32 would remove; what goes is the small ops, the
 gaps between launches, and with GQA the extra passes over dK/dV.
 """
-import os
-
 import torch
+
+from flash_attn.cute import config, settings
 
 try:
     import triton
@@ -35,17 +35,15 @@ except ImportError:
     Launcher = None
 
 LOG2E = 1.4426950408889634
-HOST_ENV_VAR = "FLASH_ATTN_CUTE_BWD_HOST"  # "torch": the torch expressions even where Triton would run
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_INTERPRET = settings.current.triton_interpret
 _F32 = torch.float32
 _empty = torch.empty  # prepare's allocations (tests hand it NaN-filled memory: every element must be written)
 
 
 def use_triton(t):
     """Whether the Triton kernels serve tensors like ``t``: Triton installed, a CUDA tensor (or the
-    interpreter on CPU tensors), and not FLASH_ATTN_CUTE_BWD_HOST=torch."""
-    return (triton is not None and (t.is_cuda or _INTERPRET)
-            and os.environ.get(HOST_ENV_VAR, "").strip().lower() != "torch")
+    interpreter on CPU tensors), and the plan rule bwd_host is "triton"."""
+    return triton is not None and (t.is_cuda or _INTERPRET) and config.plan_rules().bwd_host == "triton"
 
 
 if triton is not None:

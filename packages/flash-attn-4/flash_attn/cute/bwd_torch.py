@@ -24,7 +24,7 @@ cu_seqlens_k[b]; the rows and keys no sequence uses get zero gradients.
 """
 import torch
 
-UNBOUNDED = 1 << 30  # a window side with no limit (flash_attn.cute.interface._UNBOUNDED)
+UNBOUNDED = 1 << 30  # a window side with no limit (flash_attn.cute.plan._UNBOUNDED)
 BLOCK_Q = 128
 BLOCK_K = 1024
 

@@ -1,4 +1,4 @@
-"""On-disk cache of compiled CuTeDSL kernels (the in-memory level is a dict in interface.py).
+"""On-disk cache of compiled CuTeDSL kernels (the in-memory level is a dict in kernels.py).
 
 An entry holds one kernel compiled with CuTeDSL's TVM-FFI calling convention, as CuTeDSL exports it
 (``export_to_c``: a relocatable host object with the cubin inside) and, where a C compiler driver is
@@ -36,24 +36,25 @@ import time
 import uuid
 from pathlib import Path
 
-ENV_VAR = "FLASH_ATTN_CUTE_CACHE"
+from flash_attn.cute import settings
+
+ENV_VAR = settings.CACHE
 FORMAT = 1  # bump when the files of an entry change meaning
-_DISABLED = ("0", "off", "false", "no", "none")
 _PKG_DIR = Path(__file__).resolve().parent
 _memo = {}
 _lock = threading.RLock()  # one in-process builder at a time; flock orders processes
 
 
 def default_dir():
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    base = settings.current.xdg_cache_home or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "flash_attn_cute"
 
 
 def cache_dir():
     """The disk cache folder: ``$FLASH_ATTN_CUTE_CACHE``, else ``$XDG_CACHE_HOME/flash_attn_cute``
     (``~/.cache/flash_attn_cute``); None when the variable is 0 / off / false / no / none."""
-    value = os.environ.get(ENV_VAR, "").strip()
-    if value.lower() in _DISABLED:
+    value = settings.current.cache
+    if settings.current.cache_off:
         return None
     return Path(value).expanduser() if value else default_dir()
 
@@ -149,7 +150,7 @@ def _write_atomic(path, data):
 
 
 def _c_compiler():
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+    for name in (settings.current.cc, "cc", "gcc", "clang"):
         if name:
             found = shutil.which(name)
             if found:
@@ -182,7 +183,7 @@ def _link_shared(obj, out):
 def _runtime_library():
     """Path of CuTeDSL's runtime library, found without importing cutlass: ``CUTE_DSL_LIBS`` as
     CuTeDSL reads it, else the single flavour under the nvidia_cutlass_dsl package."""
-    for path in os.environ.get("CUTE_DSL_LIBS", "").split(os.pathsep):
+    for path in settings.current.cute_dsl_libs.split(os.pathsep):
         if path.endswith("libcute_dsl_runtime.so") and os.path.exists(path):
             return path
     root = _cutlass_dsl_root()
@@ -223,7 +224,7 @@ def _note(message):
     FLASH_ATTN_CUTE_CACHE_VERBOSE=1, printed to stderr."""
     _notes.append(message)
     del _notes[:-100]
-    if os.environ.get("FLASH_ATTN_CUTE_CACHE_VERBOSE", "") not in ("", "0"):
+    if settings.current.cache_verbose:
         print(f"flash_attn.cute cache: {message}", file=sys.stderr)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from flash_attn.cute import autograd, interface
+from flash_attn.cute import autograd, interface, launch, plan
 
 
 def _flash_attn_fwd(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None,
@@ -71,7 +71,7 @@ def _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, s
         raise NotImplementedError("_flash_attn_bwd: give both cu_seqlens_q and cu_seqlens_k, or neither")
     if cu_seqlens_q is None and (seqused_q is not None or seqused_k is not None):
         raise NotImplementedError("_flash_attn_bwd: seqused_q / seqused_k need cu_seqlens_q and cu_seqlens_k")
-    causal, window_left, window_right, softcap = interface._options((window_size_left, window_size_right),
+    causal, window_left, window_right, softcap = plan._options((window_size_left, window_size_right),
                                                                     softcap, causal)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     varlen = None
@@ -79,7 +79,7 @@ def _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, s
         lens = lambda cu: int((cu[1:] - cu[:-1]).max()) if cu.shape[0] > 1 else 0  # noqa: E731
         varlen = (cu_seqlens_q, cu_seqlens_k, lens(cu_seqlens_q) if max_seqlen_q is None else int(max_seqlen_q),
                   lens(cu_seqlens_k) if max_seqlen_k is None else int(max_seqlen_k), seqused_q, seqused_k)
-    arch = interface._device_arch(q, k, v)
+    arch = launch._device_arch(q, k, v)
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
     grads = autograd.dispatcher_backward(dout, q, k, v, out, lse, scale, causal, window_left, window_right, softcap,

@@ -4,7 +4,7 @@ the cache a deployment then only loads:
 
     python -m flash_attn.cute.precompile --arch sm_90a --out DIR     # bf16/fp16 x d64..d256 x causal/not
     python -m flash_attn.cute.precompile --backward ...              # the backward kernels as well
-    FLASH_ATTN_CUTE_FWD_HDIMS=256 python -m flash_attn.cute.precompile ...  # d64, d128, d256 only (the
+    FLASH_ATTN_CUTE_DISABLE=d96,d192 python -m flash_attn.cute.precompile ...  # d64, d128, d256 only (the
                                                                      # head dims the dispatcher sends)
     FLASH_ATTN_CUTE_CACHE=DIR python serve.py                        # first calls load, never compile
 
@@ -41,13 +41,13 @@ def _torch_dtype(name):
 
 def _build(out, arch, dtype, head_dim, causal, force, kind="fwd"):
     """One configuration of one kernel ("fwd" / "bwd", or "fwd-short" / "fwd-long": the forward of short / long
-    key lengths, see interface._TMA_O_SHORT_SK and _FWD_LONG), run in a worker process when --jobs > 1. Returns (how, seconds, error)."""
-    from flash_attn.cute import cache, interface
+    key lengths, see config.SHORT_SK and config.LONG), run in a worker process when --jobs > 1. Returns (how, seconds, error)."""
+    from flash_attn.cute import cache, kernels
 
     fwd = kind in ("fwd", "fwd-short", "fwd-long")
     extra = {"short": True} if kind == "fwd-short" else {"long": True} if kind == "fwd-long" else {}
-    load = interface.load_or_build if fwd else interface.load_or_build_bwd
-    entry = interface.disk_entry if fwd else interface.bwd_disk_entry
+    load = kernels.load_or_build if fwd else kernels.load_or_build_bwd
+    entry = kernels.disk_entry if fwd else kernels.bwd_disk_entry
     t0 = time.perf_counter()
     try:
         _, how = load(_torch_dtype(dtype), head_dim, causal, arch, root=out, force=force, **extra)
@@ -67,22 +67,21 @@ def precompile(out, arch="sm_90a", dtypes=DTYPES, head_dims=HEAD_DIMS, causals=C
     (kinds: "fwd", "bwd"). Returns one dict per configuration: kind, dtype, head_dim, causal, how
     ("compiled", or "so" / "o" when it was already there), seconds, error (None when the entry is on
     disk)."""
-    from flash_attn.cute import interface
+    from flash_attn.cute import kernels
 
-    if not interface._tvm_ffi():
+    if not kernels._tvm_ffi():
         raise RuntimeError("precompiling needs apache-tvm-ffi (pip install apache-tvm-ffi): the disk cache "
                            "holds TVM-FFI functions")
     os.makedirs(out, exist_ok=True)
     todo = [(kind, dt, d, c) for kind in kinds for dt in dtypes for d in head_dims for c in causals
             if kind == "fwd" or d in BWD_HEAD_DIMS]  # the backward kernel has d64 and d128 only
-    # the forward of short key lengths where it is another kernel (FLASH_ATTN_CUTE_FWD_TMA_O=short)
+    # the forward of short and of long key lengths where it is another kernel (config.SHORT_SK, config.LONG)
     todo += [("fwd-short", dt, d, c) for kind, dt, d, c in list(todo) if kind == "fwd"
-             and interface._fwd_config(_torch_dtype(dt), d, c, arch, short=True)
-             != interface._fwd_config(_torch_dtype(dt), d, c, arch)]
-    # and of long key lengths (interface._FWD_LONG)
+             and kernels.fwd_config(_torch_dtype(dt), d, c, arch, short=True)
+             != kernels.fwd_config(_torch_dtype(dt), d, c, arch)]
     todo += [("fwd-long", dt, d, c) for kind, dt, d, c in list(todo) if kind == "fwd"
-             and interface._fwd_config(_torch_dtype(dt), d, c, arch, long=True)
-             != interface._fwd_config(_torch_dtype(dt), d, c, arch)]
+             and kernels.fwd_config(_torch_dtype(dt), d, c, arch, long=True)
+             != kernels.fwd_config(_torch_dtype(dt), d, c, arch)]
     args = [(str(out), arch, dt, d, c, force, kind) for kind, dt, d, c in todo]
     if jobs > 1 and len(todo) > 1:
         import multiprocessing
@@ -103,19 +102,19 @@ def precompile(out, arch="sm_90a", dtypes=DTYPES, head_dims=HEAD_DIMS, causals=C
 
 
 def main(argv=None):
-    from flash_attn.cute import cache, interface
+    from flash_attn.cute import cache, config, launch
 
-    archs = sorted(set(interface._ARCHS.values()))
+    archs = sorted(set(launch._ARCHS.values()))
     p = argparse.ArgumentParser(prog="python -m flash_attn.cute.precompile", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", default=archs[0], choices=archs, help="GPU architecture (default %(default)s)")
     p.add_argument("--out", default=None,
                    help=f"cache folder (default: ${cache.ENV_VAR}, else {cache.default_dir()})")
     p.add_argument("--dtypes", default=",".join(DTYPES), help="comma-separated, of bf16,fp16")
-    supported = interface._SUPPORTED_HEAD_DIMS
+    supported = config.SUPPORTED_HEAD_DIMS
     p.add_argument("--head-dims", default=None,
                    help=f"comma-separated, of {','.join(map(str, supported))} (default: those the dispatcher sends, "
-                        "all unless $FLASH_ATTN_CUTE_FWD_HDIMS picks; backward kernels exist for 64,128)")
+                        "all but those $FLASH_ATTN_CUTE_DISABLE names; backward kernels exist for 64,128)")
     p.add_argument("--causal", default="both", choices=("both", "true", "false"))
     p.add_argument("--jobs", type=int, default=1, help="compile in this many processes")
     p.add_argument("--force", action="store_true", help="recompile entries already in the folder")

@@ -1,0 +1,409 @@
+"""The kernels' typed configurations and the rules that select them.
+
+``FwdVariant`` names what a call asks of the forward kernel (dtype, head dim, mask, options, and the
+length class that picks among tunings); ``select_fwd`` turns it into a ``FwdConfig``, every choice that
+shapes the kernel's code. ``BwdConfig`` / ``select_bwd`` do the same for the backward, and ``PlanRules``
+holds the per-call planning rules the host applies. A configuration is the disk cache's key (``key()``;
+with the package sources and versions, see cache.py) and all that ``compile.py`` builds a kernel from.
+Computing one imports neither CuTeDSL nor a GPU.
+
+The defaults below come from measurements on an H100 / H200 (the current tables are in
+``benchmarks/results/``; the measuring scripts are named there). ``FLASH_ATTN_CUTE_OVERRIDES``
+(settings.py) replaces any field for a tuning experiment.
+"""
+import dataclasses
+from dataclasses import dataclass
+
+from flash_attn.cute import settings
+
+SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
+SMEM_BYTES = 232448  # FlashFwdSm90.SMEM_BYTES (kept here: computing a config must not import CuTeDSL)
+
+# K / V ring depth per head dim: the Q tile and stages x (K tile + V tile) fit the 227 KB of shared memory.
+STAGES = {64: 4, 96: 4, 128: 3, 192: 2, 256: 2}
+# Keys per K / V block with two consumer warpgroups. Above d128 the largest block whose two stages fit beside
+# the 128 x D Q tile and whose accumulators fit the consumers' 240 registers (O: D / 2, S: BLOCK_N / 2, packed
+# P: BLOCK_N / 4 per thread) without spilling: d256 80 (FA3's tile), d192 112, and 96 for windowed d192 calls
+# (112 spills 48 bytes there). d96: a 64-byte swizzle and four stages of 128 keys.
+BLOCK_N = {64: 128, 96: 128, 128: 128, 192: 112, 256: 80}
+BLOCK_N_LOCAL = {192: 96}
+# Consumer warpgroups: 2 (BLOCK_M 128, ping-pong) or 3 (BLOCK_M 192, round robin: each K / V tile serves 192
+# query rows, FA3's choice at d64). Three win for d64 without a mask; with a mask the two-warpgroup tiles do.
+WARPGROUPS = {64: 3, 128: 2}
+WARPGROUPS_MASKED = {64: 2, 128: 2}
+# Keys per block with three warpgroups, whose 160 registers hold S, P and O (BLOCK_N + BLOCK_N / 2 + D / 2
+# per thread) and the loop's state: d64 128 is spill-free for dense calls but spills with softcap, causal
+# varlen or a window with options, where 96 is clean in every combination; d128 takes 64 (96 serialises the
+# WGMMAs, ptxas C7512).
+BLOCK_N_3WG = {64: 128, 128: 64}
+BLOCK_N_3WG_OPTIONS = {64: 96, 128: 64}
+# Softmax exponentials per 16 computed by a polynomial on the FMA pipe instead of MUFU.EX2: off by default.
+EXP2_EMU = {64: 0, 128: 0}
+# The persistent forward (one CTA per SM looping over the tiles) serves dense calls without options of these
+# (head dim, causal) pairs; the one-tile kernel is faster elsewhere.
+PERSISTENT = frozenset({(64, True), (64, False)})
+# O through shared memory and a TMA store instead of direct stores from registers, for dense calls of the
+# one-tile kernel: "plain" for every call without a window, softcap or sink; "short" only for those with
+# seqlen_k <= SHORT_SK (it gains at short keys only there). Not where ptxas spills with it (TMA_O_SPILLS:
+# fp16 d128 non-causal keeps three values across the main loop for the epilogue).
+SHORT_SK = 1024
+TMA_O = {64: "short", 128: "plain", 256: "plain"}
+TMA_O_SPILLS = frozenset({("fp16", 128, False)})
+# Key blocks walked from the last down (masked diagonal blocks first, so the consumer warpgroups end a tile in
+# step): the persistent kernel's causal d64 only; d128 / d256 lose with it.
+REVERSE = frozenset({(64, True)})
+# The persistent causal kernel deals its tiles longest first in a snake over the SMs, but at these head dims,
+# whose sectioned round robin is already balanced.
+SNAKE_OFF = frozenset({64})
+# The one-tile causal kernel runs its CTAs longest first over all (head, batch) pairs (lpt), but the short-key
+# kernel of these head dims: all its tiles have one length, and their prologues then collide.
+LPT_SHORT_OFF = frozenset({128})
+# Plain dense calls with seqlen_k >= LONG_SK of these (head dim, causal) pairs run the one-tile kernel with
+# this many consumer warpgroups instead of the persistent one.
+LONG_SK = 8192
+LONG = {(64, True): 3}
+# The short-key kernel of these pairs is the persistent kernel with its own TMA O buffer.
+SHORT_PERSISTENT = frozenset({(128, False)})
+# pack_gqa: the query heads per KV head that a 128-row tile packs (128 / g rows per head, a multiple of the
+# swizzle atom's 8 rows).
+PACK_GROUPS = (2, 4, 8, 16)
+# (head dim of q / k, head dim of v) pairs with Dv != D: DeepSeek's 192 / 128 (MLA without absorption).
+HEAD_DIM_PAIRS = frozenset({(192, 128)})
+
+# Backward: query rows per pipeline stage (the N of S^T = K Q^T; keys per CTA are 128) and Q / dO ring depth.
+# d64 takes 128 rows; d128's accumulators do not fit the registers at 128.
+BWD_BLOCK_M = {64: 128, 128: 64}
+BWD_STAGES = {64: 2, 128: 2}
+# dQ added into dq_accum by one TMA reduce-add of the fp32 tile per query block (needs the dQ tile split along
+# D between the two consumer warpgroups) rather than red.global from every consumer thread.
+BWD_DQ_SPLIT = True
+BWD_DQ_TMA = {64: True, 128: True}
+# The software-pipelined query loop gains nothing over the TMA dQ (d128 loses 3-8%): off.
+BWD_OVERLAP = {64: False, 128: False}
+# CTA order: groups of about N CTAs over (head, batch) pairs, key block slowest inside a group, so the longest
+# causal blocks start first while the CTAs in flight share Q, dO and dq_accum in L2; 0 keeps the plain grid.
+BWD_LPT = 0
+BWD_LPT_CAUSAL = {64: 128}
+BWD_EXP2_EMU = {64: 0, 128: 0}
+
+_DTYPE_NAMES = {"torch.float16": "fp16", "torch.bfloat16": "bf16", "fp16": "fp16", "bf16": "bf16"}
+
+
+def dtype_name(dtype):
+    """"fp16" / "bf16" for torch.float16 / torch.bfloat16 (or those names); else str(dtype)."""
+    return _DTYPE_NAMES.get(str(dtype), str(dtype))
+
+
+@dataclass(frozen=True)
+class FwdVariant:
+    """What a call asks of the forward kernel. ``short`` / ``long``: seqlen_k <= SHORT_SK / >= LONG_SK (their
+    tunings may differ; the same kernel when they do not). ``pack``: query heads per KV head packed into a
+    tile (1: none). ``dv``: v's head dim when it differs from head_dim. ``paged``: the page size of a paged
+    varlen call (0: none). ``split``: the split-KV kernel."""
+    dtype: str
+    head_dim: int
+    causal: bool
+    arch: str = "sm_90a"
+    local: bool = False
+    softcap: bool = False
+    varlen: bool = False
+    sink: bool = False
+    short: bool = False
+    long: bool = False
+    pack: int = 1
+    dv: int | None = None
+    paged: int = 0
+    split: bool = False
+
+    def __post_init__(self):
+        norm = object.__setattr__
+        norm(self, "dtype", dtype_name(self.dtype))
+        for name in ("head_dim", "pack", "paged"):
+            norm(self, name, int(getattr(self, name)))
+        for name in ("causal", "local", "softcap", "varlen", "sink", "short", "long", "split"):
+            norm(self, name, bool(getattr(self, name)))
+        norm(self, "dv", None if self.dv is None or int(self.dv) == self.head_dim else int(self.dv))
+        if self.pack > 1 or self.dv or self.paged or self.split:
+            norm(self, "short", False)  # these kernels have one tuning at any length
+            norm(self, "long", False)
+
+    @property
+    def plain(self):
+        """No window, softcap or sink: the dense calls that the length rules tune."""
+        return not (self.local or self.softcap or self.sink)
+
+
+@dataclass(frozen=True)
+class FwdConfig:
+    """Every choice that shapes the forward kernel's code (FlashFwdSm90's components are built from it)."""
+    dtype: str
+    head_dim: int
+    arch: str
+    abi: str
+    stages: int
+    causal: bool = False
+    local: bool = False
+    softcap: bool = False
+    varlen: bool = False
+    sink: bool = False
+    block_n: int = 128
+    warpgroups: int = 2
+    wg_order: bool = True  # named-barrier ordering of the consumer warpgroups' softmax
+    exp2_emu: int = 0
+    exp2_emu_degree: int = 3
+    persistent: bool = False
+    tma_o: bool = False
+    reverse: bool = False
+    pin: bool = True  # the whole softmax of a masked block before the P V wait
+    snake: bool = True
+    lpt: bool = False
+    pack_gqa: int = 1
+    head_dim_v: int | None = None
+    paged: int = 0  # the TMA box's rows of a paged K / V (the page, or the key block when smaller)
+    split: bool = False
+
+    def __post_init__(self):
+        options = self.local or self.softcap or self.varlen or self.sink
+        if self.persistent and (options or self.pack_gqa > 1 or self.head_dim_v or self.split):
+            raise ValueError("FwdConfig: the persistent kernel serves dense calls without options only")
+        if self.tma_o and (self.varlen or self.pack_gqa > 1 or self.head_dim_v or self.split):
+            raise ValueError("FwdConfig: the TMA O store serves dense unpacked calls only")
+        if self.split and self.sink:
+            raise ValueError("FwdConfig: split-KV kernels are built without a sink (the host adds it)")
+        if self.warpgroups not in (2, 3) or self.block_n % 16 or not 16 <= self.block_n <= 256:
+            raise ValueError(f"FwdConfig: warpgroups {self.warpgroups} / block_n {self.block_n} "
+                             "(2 or 3; a multiple of 16 up to 256)")
+        if self.warpgroups == 3 and self.head_dim not in BLOCK_N_3WG:
+            raise ValueError(f"FwdConfig: no three-warpgroup tile for head dim {self.head_dim}")
+
+    def key(self):
+        """The disk cache's key: the kernel's name and every field, a field left out where it has its default
+        and is not one of the always-present ones (so adding a field keeps the existing entries' keys)."""
+        out = {"kernel": "FlashFwdSm90"}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name in _FWD_ALWAYS or value != f.default:
+                out[f.name] = value
+        return out
+
+
+_FWD_ALWAYS = frozenset({"dtype", "head_dim", "arch", "abi", "stages", "causal", "local", "softcap"})
+
+
+@dataclass(frozen=True)
+class BwdConfig:
+    """Every choice that shapes the backward kernel's code."""
+    dtype: str
+    head_dim: int
+    causal: bool
+    arch: str
+    abi: str
+    block_m: int
+    stages: int
+    dq_split: bool
+    dq_tma: bool
+    overlap: bool = False
+    lpt: int = 0
+    exp2_emu: int = 0
+    exp2_emu_degree: int = 3
+
+    def __post_init__(self):
+        if self.dtype not in ("fp16", "bf16"):
+            raise ValueError(f"dtype {self.dtype} not fp16/bf16")
+        if self.dq_tma and not self.dq_split:
+            raise ValueError("BwdConfig: the TMA dQ needs the split dQ tile (dq_split)")
+
+    def key(self):
+        out = {"kernel": "FlashBwdSm90"}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name in _BWD_ALWAYS or value != f.default:
+                out[f.name] = value
+        return out
+
+
+_BWD_ALWAYS = frozenset({"dtype", "head_dim", "causal", "arch", "abi", "block_m", "stages", "dq_split", "dq_tma"})
+
+
+@dataclass(frozen=True)
+class PlanRules:
+    """Per-call planning rules of the host. ``pack_gqa_auto``: pack_gqa=None packs where the packed tiles
+    hold more real queries (plan._pack_helps); off until a decoding benchmark decides it. ``bwd_host``:
+    "triton" (Triton kernels prepare and finish the backward where they run) or "torch"."""
+    pack_gqa_auto: bool = False
+    bwd_host: str = "triton"
+
+    def __post_init__(self):
+        if self.bwd_host not in ("triton", "torch"):
+            raise ValueError(f"PlanRules: bwd_host {self.bwd_host!r} (triton or torch)")
+
+
+_SECTIONS = {"fwd": FwdConfig, "bwd": BwdConfig, "plan": PlanRules}
+_FIXED = {"dtype", "head_dim", "arch", "abi", "causal", "local", "softcap", "varlen", "sink", "split", "pack_gqa",
+          "head_dim_v", "paged"}  # what the call decides: not tunable
+_parsed = {}
+
+
+def _value(section, field, raw):
+    kind = {f.name: f.type for f in dataclasses.fields(_SECTIONS[section])}[field]
+    kind = kind if isinstance(kind, str) else getattr(kind, "__name__", str(kind))
+    try:
+        if kind == "bool":
+            if raw.lower() not in ("0", "1", "true", "false"):
+                raise ValueError
+            return raw.lower() in ("1", "true")
+        if kind == "int":
+            return int(raw)
+        return raw
+    except ValueError:
+        raise ValueError(f"{settings.OVERRIDES}: {section}.{field}={raw!r} is not a {kind}") from None
+
+
+def overrides(section):
+    """{field: value} of FLASH_ATTN_CUTE_OVERRIDES for ``section`` ("fwd", "bwd" or "plan"), typed and checked
+    (ValueError naming an unknown section or field, or a value of the wrong type)."""
+    current = settings.current
+    cached = _parsed.get("table")
+    if cached is None or cached[0] is not current:
+        table = {name: {} for name in _SECTIONS}
+        for sect, items in current.overrides.items():
+            if sect and sect not in _SECTIONS:
+                raise ValueError(f"{settings.OVERRIDES}: unknown section {sect!r}; expected one of {list(_SECTIONS)}")
+            for field, raw in items.items():
+                targets = [sect] if sect else [s for s, cls in _SECTIONS.items()
+                                               if field in {f.name for f in dataclasses.fields(cls)}]
+                tunable = [s for s in targets if field not in _FIXED
+                           and field in {f.name for f in dataclasses.fields(_SECTIONS[s])}]
+                if not tunable:
+                    raise ValueError(f"{settings.OVERRIDES}: {(sect + '.') if sect else ''}{field} is not a tunable "
+                                     f"field; {_tunable_fields()}")
+                for s in tunable:
+                    table[s][field] = _value(s, field, raw)
+        cached = _parsed["table"] = (current, table)
+    return cached[1][section]
+
+
+def _tunable_fields():
+    return "; ".join(f"{s}: " + ", ".join(f.name for f in dataclasses.fields(cls) if f.name not in _FIXED)
+                     for s, cls in _SECTIONS.items())
+
+
+def plan_rules():
+    """The PlanRules in force (the defaults with FLASH_ATTN_CUTE_OVERRIDES' plan fields; per-call paths ask)."""
+    current = settings.current
+    cached = _rules.get("plan")
+    if cached is None or cached[0] is not current:
+        cached = _rules["plan"] = (current, PlanRules(**overrides("plan")))
+    return cached[1]
+
+
+_rules = {}
+
+
+def paged_block_n(block_n, page_size):
+    """The key block for a paged cache of page_size rows: block_n, or the largest multiple of 16 below it, that is
+    a multiple of page_size or divides it, so that each TMA box is one page or part of one (page_size a multiple of
+    8: boxes start on the swizzle atom's rows); None when there is none."""
+    if page_size < 8 or page_size % 8:
+        return None
+    for n in range(block_n, 15, -16):
+        if page_size % n == 0 or n % page_size == 0:
+            return n
+    return None
+
+
+def _tma_o_rule(v, ov):
+    if "tma_o" in ov:
+        return ov["tma_o"]
+    rule = TMA_O.get(v.head_dim, "")
+    return (rule == "plain" and v.plain) or (rule == "short" and v.short and v.plain)
+
+
+def select_fwd(v, abi):
+    """The FwdConfig for FwdVariant ``v`` under the calling convention ``abi`` ("tvm-ffi-env-stream" or "cute")."""
+    ov = overrides("fwd")
+    d, masked = v.head_dim, v.causal or v.local
+    causal = v.causal and not v.local
+    options = v.local or v.softcap or v.varlen or v.sink
+    stages = ov.get("stages", STAGES.get(d, 2))
+    # the length rules tune plain dense calls, and yield to an override of what they choose
+    by_length = not (options or "persistent" in ov or "warpgroups" in ov)
+    long_kernel = v.long and by_length and LONG.get((d, v.causal)) is not None
+    short_persistent = v.short and by_length and (d, v.causal) in SHORT_PERSISTENT
+    if "warpgroups" in ov:
+        warpgroups = ov["warpgroups"]
+    elif short_persistent:
+        warpgroups = 2
+    elif long_kernel:
+        warpgroups = LONG[(d, v.causal)]
+    else:
+        warpgroups = (WARPGROUPS_MASKED if masked else WARPGROUPS).get(d, 2)
+    if v.pack > 1 and ((64 * warpgroups) % v.pack or (64 * warpgroups // v.pack) % 8):
+        warpgroups = 2  # each head's rows of the tile must start on a swizzle atom (8 rows)
+    if warpgroups == 2:
+        block_n = (BLOCK_N_LOCAL if v.local else BLOCK_N).get(d, BLOCK_N.get(d, 128))
+    else:
+        block_n = (BLOCK_N_3WG_OPTIONS if v.local or v.softcap or v.varlen else BLOCK_N_3WG).get(d, 128)
+    block_n = ov.get("block_n", block_n)
+    page_box = 0
+    if v.paged:
+        block_n = paged_block_n(block_n, v.paged)
+        if block_n is None or not v.varlen:
+            raise NotImplementedError(f"page size {v.paged}: a multiple of 8 that a key block of a multiple of 16 "
+                                      "rows divides or is divided by (varlen calls)")
+        page_box = min(v.paged, block_n)
+    emu = ov.get("exp2_emu", EXP2_EMU.get(d, 0))
+    degree = ov.get("exp2_emu_degree", 3) if emu else 3
+    one_tile_only = options or long_kernel or v.pack > 1 or v.dv or v.split
+    if "persistent" in ov:
+        persistent = ov["persistent"] and not one_tile_only
+    else:
+        persistent = (short_persistent or (d, causal) in PERSISTENT) and not one_tile_only
+    dense_one_tile = not (v.varlen or v.pack > 1 or v.dv or v.split)
+    if persistent:
+        # the persistent kernel's own O buffer (two warpgroups: with three ptxas spills), with as many K / V
+        # stages as still fit
+        tma_o = warpgroups == 2 and ov.get("tma_o", short_persistent)
+        if tma_o and "stages" not in ov:
+            while stages > 2 and 1024 + 2 * d * (2 * 128 + 2 * stages * block_n) > SMEM_BYTES:
+                stages -= 1
+    else:
+        tma_o = dense_one_tile and _tma_o_rule(v, ov)
+        if tma_o and "tma_o" not in ov and (v.dtype, d, causal) in TMA_O_SPILLS:
+            tma_o = False
+    if "reverse" in ov:
+        reverse = ov["reverse"] and masked
+    else:
+        reverse = persistent and (d, causal) in REVERSE
+    snake = not (persistent and causal and not ov.get("snake", d not in SNAKE_OFF))
+    if causal and not (v.local or v.varlen or persistent):
+        lpt = ov.get("lpt", not (v.short and d in LPT_SHORT_OFF))
+    else:
+        lpt = False
+    return FwdConfig(dtype=v.dtype, head_dim=d, arch=v.arch, abi=abi, stages=stages, causal=causal, local=v.local,
+                     softcap=v.softcap, varlen=v.varlen, sink=v.sink, block_n=block_n, warpgroups=warpgroups,
+                     wg_order=ov.get("wg_order", True), exp2_emu=emu, exp2_emu_degree=degree, persistent=persistent,
+                     tma_o=tma_o, reverse=reverse, pin=ov.get("pin", True), snake=snake, lpt=lpt, pack_gqa=v.pack,
+                     head_dim_v=v.dv, paged=page_box, split=v.split)
+
+
+def short_dims():
+    """Head dims whose plain dense calls with seqlen_k <= SHORT_SK may take a kernel of their own (the TMA O
+    "short" rule, the short-key lpt exception, the short-key persistent kernel). Calls of other head dims skip
+    the length check."""
+    return frozenset(d for d in SUPPORTED_HEAD_DIMS if TMA_O.get(d) == "short" or d in LPT_SHORT_OFF
+                     or any((d, c) in SHORT_PERSISTENT for c in (False, True)))
+
+
+def select_bwd(dtype, head_dim, causal, arch, abi):
+    """The BwdConfig of a backward call."""
+    ov = overrides("bwd")
+    d = int(head_dim)
+    dq_split = ov.get("dq_split", BWD_DQ_SPLIT)
+    emu = ov.get("exp2_emu", BWD_EXP2_EMU.get(d, 0))
+    return BwdConfig(dtype=dtype_name(dtype), head_dim=d, causal=bool(causal), arch=arch, abi=abi,
+                     block_m=ov.get("block_m", BWD_BLOCK_M.get(d, 64)), stages=ov.get("stages", BWD_STAGES.get(d, 2)),
+                     dq_split=dq_split, dq_tma=dq_split and ov.get("dq_tma", BWD_DQ_TMA.get(d, False)),
+                     overlap=ov.get("overlap", BWD_OVERLAP.get(d, False)),
+                     lpt=max(0, ov.get("lpt", BWD_LPT_CAUSAL.get(d, BWD_LPT) if causal else BWD_LPT)),
+                     exp2_emu=emu, exp2_emu_degree=ov.get("exp2_emu_degree", 3) if emu else 3)

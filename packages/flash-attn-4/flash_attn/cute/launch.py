@@ -1,0 +1,340 @@
+"""Kernel launches on validated CUDA tensors: the dense, varlen, paged and split-KV forward and the backward
+(shared by the FA4 API in interface.py and the dispatcher's backend module). Layout fix-ups the compiled kernels
+need, batch slicing for their 32-bit offsets and grid limits, and the host's combine of split-KV parts.
+"""
+import math
+
+import torch
+
+from flash_attn.cute.kernels import _bwd_kernels, _kernels, bwd_config, bwd_kernel, fwd_kernel
+from flash_attn.cute.plan import _UNBOUNDED, _length_kernel, _window_args
+
+_F32 = torch.float32
+_MAX_ELEMS = 2 ** 31  # the kernels' 32-bit offsets address tensors below this many elements
+_MAX_GRID_Z = 65535  # CUDA's limit on a grid's z extent: the kernels' batch entries (x split-KV parts) per launch
+_ARCHS = {(9, 0): "sm_90a"}
+_device_archs: dict[int, object] = {}  # CUDA device index -> arch name, or None (no kernels for it)
+
+
+def _kernel_layout(t, D):
+    # The kernel is compiled for a contiguous head dim, heads D apart, 16-byte aligned rows and batch /
+    # sequence strides that are multiples of 8 elements (the TVM-FFI wrapper rejects anything else).
+    # clone, not contiguous(): contiguous() keeps the odd stride of a size-1 dim.
+    s = t.stride()
+    if s[3] != 1 or s[2] != D or s[1] % 8 or s[0] % 8 or t.data_ptr() % 16:
+        t = t.clone(memory_format=torch.contiguous_format)
+    return t
+
+
+def _device_arch(q, k, v):
+    """The kernel architecture for the device of q, k and v (CUDA tensors on one device), cached per
+    device index so that a call asks CUDA nothing."""
+    index = q.get_device()
+    if not q.is_cuda or k.get_device() != index or v.get_device() != index or not k.is_cuda or not v.is_cuda:
+        raise ValueError("q, k, v must be CUDA tensors on one device")
+    arch = _device_archs.get(index, False)
+    if arch is False:
+        cap = tuple(torch.cuda.get_device_capability(index))
+        # (an AMD GPU answers too: an MI200 says (9, 0))
+        arch = _device_archs[index] = None if torch.version.hip is not None else _ARCHS.get(cap)
+    if arch is None:
+        if torch.version.hip is not None:
+            raise NotImplementedError("a ROCm device: the CuTeDSL kernels run on NVIDIA Hopper (sm_90) only")
+        cap = tuple(torch.cuda.get_device_capability(index))
+        raise NotImplementedError(f"compute capability {cap}: only Hopper (sm_90) kernels exist")
+    return arch
+
+
+# The lse of calls that do not return it (no return_lse, no gradient): the kernels write one, nobody reads it,
+# so one buffer per (device index, B, H, Sq) serves every such call (concurrent calls on several streams
+# write the same unread values: harmless) instead of an allocation per call. Small shapes only, and a bounded
+# number of them: the calls whose per-call cost the allocation is a part of.
+_lse_scratch: dict[tuple, torch.Tensor] = {}
+_LSE_SCRATCH_MAX_ELEMS = 1 << 20  # 4 MiB per buffer
+_LSE_SCRATCH_MAX_SHAPES = 32
+
+
+def _new_lse_scratch(index, B, H, Sq):
+    lse = torch.empty(B, H, Sq, dtype=_F32, device=torch.device("cuda", index) if index >= 0 else "cpu")
+    if B * H * Sq <= _LSE_SCRATCH_MAX_ELEMS:
+        if len(_lse_scratch) >= _LSE_SCRATCH_MAX_SHAPES:
+            _lse_scratch.clear()
+        _lse_scratch[(index, B, H, Sq)] = lse
+    return lse
+
+
+def forward(q, k, v, softmax_scale, causal, arch="sm_90a", window_left=_UNBOUNDED, window_right=_UNBOUNDED, softcap=0.0,
+            sink=None, pack=1, splits=1):
+    """The kernel launch on validated CUDA inputs (shared with the dispatcher's backend module):
+    q (B, Sq, H, D), k/v (B, Sk, Hk, D) fp16/bf16, D in SUPPORTED_HEAD_DIMS, H % Hk == 0; window sizes literal
+    (negative ones too), _UNBOUNDED for no limit, causal implies a right size of 0; softcap 0 is off; sink None or fp32 contiguous (H,)
+    (see _check_sink); pack: the pack_gqa group (_pack_group; H == pack * Hk), 1 for none. v's head dim may differ
+    from q's (a pair of HEAD_DIM_PAIRS; out has v's). splits > 1: split-KV (_forward_split). Returns (out, lse)."""
+    B, Sq, H, D = q.shape
+    Dv = v.shape[3]
+    window_left, window_right, local = _window_args(causal, window_left, window_right)
+    capped = softcap > 0.0
+    sink_arg = () if sink is None else (sink,)
+    q, k, v = _kernel_layout(q, D), _kernel_layout(k, D), _kernel_layout(v, Dv)
+    Sk = k.shape[1]
+    splits = min(splits, _MAX_GRID_Z // max(B, 1))  # grid z = parts x batch
+    if splits > 1 and Sk and B * Sq * H and splits * B * max(Sq * H, Sk * k.shape[2]) * max(D, Dv) < _MAX_ELEMS:
+        # (the split path allocates its own fp32 parts and returns the merged out / lse)
+        return _forward_split(q, k, v, softmax_scale, causal and not local, arch, local, window_left, window_right,
+                              softcap, sink, pack, splits)
+    out = torch.empty_like(q) if Dv == D else q.new_empty(B, Sq, H, Dv)
+    lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)  # sizes as ints: parsed faster
+    if Sk == 0:  # no key at all: every row is empty (TMA descriptors cannot map a 0-length dim)
+        out.zero_()
+        if sink is None:
+            lse.fill_(math.inf)
+        else:  # the sink is the row's only term
+            lse.copy_(sink.view(1, H, 1).expand(B, H, Sq))
+    elif B * Sq * H > 0:
+        causal = causal and not local
+        short, long = _length_kernel(D, causal, k.shape[1],
+                                     not (local or capped or sink is not None or pack > 1 or Dv != D))
+        fn = (_kernels.get((q.dtype, D, causal, arch, local, capped) + (("sink",) if sink is not None else ())
+                           + (("short",) if short else ()) + (("long",) if long else ())
+                           + (("pack", pack) if pack > 1 else ()) + (("dv", Dv) if Dv != D else ()))
+              or fwd_kernel(q.dtype, D, causal, arch, local=local, softcap=capped, sink=sink is not None,
+                            short=short, long=long, pack=pack, dv=Dv))
+        args = (float(softmax_scale), float(softcap), window_left, window_right)
+        per_batch = max(Sq * H, k.shape[1] * k.shape[2]) * max(D, Dv)  # elements of one entry's q/out or k/v
+        if B * per_batch < _MAX_ELEMS and B <= _MAX_GRID_Z:
+            fn(q, k, v, out, lse, *args, *sink_arg)
+        else:  # the kernel indexes with 32-bit offsets: launch on batch slices that each stay below 2^31 (and a
+            # grid's z limit)
+            if per_batch >= _MAX_ELEMS:
+                raise NotImplementedError(
+                    f"one batch entry of q/k/v holds {per_batch} elements; flash_attn.cute handles < 2^31")
+            step = min((_MAX_ELEMS - 1) // per_batch, _MAX_GRID_Z)
+            for b in range(0, B, step):
+                fn(q[b:b + step], k[b:b + step], v[b:b + step], out[b:b + step], lse[b:b + step], *args,
+                   *sink_arg)
+    return out, lse
+
+
+def _forward_split(q, k, v, softmax_scale, causal, arch, local, window_left, window_right, softcap, sink, pack,
+                   splits):
+    """Split-KV on validated inputs (forward's, window sizes already the kernel's): the split kernel writes each
+    part's O and lse in fp32 (parts of batch entry b at s * B + b), _combine_splits merges them (and adds the sink,
+    which the kernel leaves out so that it counts once)."""
+    B, Sq, H, D = q.shape
+    Dv = v.shape[3]
+    capped = softcap > 0.0
+    o_parts = torch.empty(splits * B, Sq, H, Dv, dtype=torch.float32, device=q.device)
+    lse_parts = torch.empty(splits * B, H, Sq, dtype=torch.float32, device=q.device)
+    fn = (_kernels.get((q.dtype, D, causal, arch, local, capped) + (("pack", pack) if pack > 1 else ())
+                       + (("dv", Dv) if Dv != D else ()) + ("split",))
+          or fwd_kernel(q.dtype, D, causal, arch, local=local, softcap=capped, pack=pack, dv=Dv, split=True))
+    fn(q, k, v, o_parts, lse_parts, float(softmax_scale), float(softcap), window_left, window_right, splits)
+    return _combine_splits(o_parts.view(splits, B, Sq, H, Dv), lse_parts.view(splits, B, H, Sq), sink, q.dtype)
+
+
+def _combine_splits(o_parts, lse_parts, sink, dtype):
+    """(out, lse) from split-KV parts: o_parts (S, B, Sq, H, Dv) each divided by its own row sums, lse_parts (S, B,
+    H, Sq) natural-log, +inf for a part whose rows saw no key (no contribution). lse = log(sum_s exp(lse_s) [+
+    exp(sink)]), out = sum_s exp(lse_s - lse) o_s in dtype; a row no part saw gets out 0 and lse +inf (or the
+    sink). fp32 torch ops."""
+    terms = torch.where(torch.isposinf(lse_parts), torch.full_like(lse_parts, -math.inf), lse_parts)
+    if sink is not None:
+        S, B, H, Sq = lse_parts.shape
+        terms = torch.cat([terms, sink.float().view(1, 1, H, 1).expand(1, B, H, Sq)], 0)
+    lse = torch.logsumexp(terms, 0)  # (B, H, Sq); -inf where no term
+    seen = torch.isfinite(lse)
+    weights = torch.where(seen, torch.exp(terms[:lse_parts.shape[0]] - lse), torch.zeros_like(lse))  # (S, B, H, Sq)
+    out = (o_parts * weights.permute(0, 1, 3, 2).unsqueeze(-1)).sum(0)
+    return out.to(dtype), torch.where(seen, lse, torch.full_like(lse, math.inf))
+
+
+def _gather_pages(k, v, page_table):
+    """Paged k / v (num_pages, page_size, Hk, D) as packed sequences: (k, v, cu_seqlens_k, capacity), sequence b the rows of
+    its pages page_table[b, 0], page_table[b, 1], ... (its page-table capacity, a copy). Entries out of range are
+    clamped: callers read only the keys of each sequence's used pages, which were checked."""
+    batch, cap = page_table.shape[0], page_table.shape[1] * k.shape[1]
+    rows = page_table.clamp(0, k.shape[0] - 1).long()
+    k, v = (t[rows].reshape(batch * cap, *t.shape[2:]) for t in (k, v))
+    return k, v, torch.arange(0, (batch + 1) * cap, cap, dtype=torch.int32, device=k.device)[:batch + 1], cap
+
+
+def _varlen_forward(q, k, v, varlen, softmax_scale, causal, arch, window_left, window_right, softcap, sink=None):
+    """forward_varlen on the API's sequence description varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+    max_seqlen_k, seqused_q, seqused_k): rows of q past seqused_q[b] and after the last sequence get out 0 and the
+    lse of a row that sees no key."""
+    cu_q, cu_k, max_q, _, used_q, used_k = varlen
+    if used_q is not None:
+        cu_q, cu_k, used_k = _split_unused_q(cu_q, cu_k, used_q, used_k)
+    return forward_varlen(q, k, v, cu_q, cu_k, used_k, max_q, softmax_scale, causal, arch, window_left, window_right,
+                          softcap, fill_unused_rows=True, sink=sink)
+
+
+def _split_unused_q(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, paged=False):
+    """seqused_q on the varlen kernel as it is: (cu_seqlens_q, cu_seqlens_k, seqused_k) of 2B sequences, sequence
+    2b the used rows of sequence b (its first seqused_q[b] queries, with its keys), sequence 2b + 1 its unused
+    query rows with no key (the kernel gives them out 0 and lse +inf, or the sink). paged: cu_seqlens_k is the
+    page table (B, max_pages), returned with each row twice. Device ops only (no sync)."""
+    if seqused_k is None:
+        seqused_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+    starts = cu_seqlens_q[:-1]
+    cu_q = torch.cat([torch.stack([starts, starts + seqused_q], 1).flatten(), cu_seqlens_q[-1:]])
+    if paged:
+        cu_k = cu_seqlens_k.repeat_interleave(2, dim=0)
+    else:
+        cu_k = torch.cat([torch.stack([cu_seqlens_k[:-1], cu_seqlens_k[1:]], 1).flatten(), cu_seqlens_k[-1:]])
+    used_k = torch.stack([seqused_k, torch.zeros_like(seqused_k)], 1).flatten()
+    return cu_q, cu_k, used_k
+
+
+def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, softmax_scale, causal,
+                   arch="sm_90a", window_left=_UNBOUNDED, window_right=_UNBOUNDED, softcap=0.0, fill_unused_rows=False,
+                   sink=None,
+                   pack=1, page_table=None, splits=1):
+    """The varlen kernel launch on validated inputs (shared with the dispatcher's backend module). Rows
+    of q after cu_seqlens_q[-1] are left unwritten unless fill_unused_rows (then out 0, lse +inf there:
+    one memset each, for callers that cannot afford a sync to find those rows). sink, pack: as forward's.
+    page_table: the paged call (k / v (num_pages, page_size, Hk, D), seqused_k given, cu_seqlens_k unused).
+    splits > 1: split-KV, each sequence's key blocks divided among that many parts (the split kernel writes each
+    part's O and lse in fp32, _combine_splits merges them and adds the sink)."""
+    Tq, H, D = q.shape
+    Dv = v.shape[-1]
+    if max(q.numel(), k.numel(), v.numel(), Tq * H * Dv) >= _MAX_ELEMS:
+        raise NotImplementedError("flash_attn.cute's varlen kernel handles q, k, v of < 2^31 elements")
+    # rows 16-byte aligned, head dim contiguous, heads D (v: Dv) apart (paged k / v: the dense kernel's layout)
+    q = q if q.stride(1) == D and q.stride(2) == 1 and q.stride(0) % 8 == 0 and q.data_ptr() % 16 == 0 else \
+        q.clone(memory_format=torch.contiguous_format)
+    if page_table is not None:
+        k, v = _kernel_layout(k, D), _kernel_layout(v, Dv)
+    else:
+        k, v = (t if t.stride(1) == t.shape[2] and t.stride(2) == 1 and t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0
+                else t.clone(memory_format=torch.contiguous_format) for t in (k, v))
+    out = (torch.zeros if fill_unused_rows else torch.empty)((Tq, H, Dv), dtype=q.dtype, device=q.device)
+    lse = torch.full((H, Tq), math.inf, dtype=torch.float32, device=q.device) if fill_unused_rows else \
+        torch.empty((H, Tq), dtype=torch.float32, device=q.device)
+    batch = cu_seqlens_q.shape[0] - 1
+    if k.shape[0] == 0 or batch == 0:  # no key anywhere (TMA descriptors cannot map a 0-length dim)
+        out.zero_()
+        lse.fill_(math.inf)
+        if sink is not None and batch > 0 and Tq > 0:  # rows of a sequence: the sink is their only term
+            rows = torch.arange(Tq, device=q.device) < cu_seqlens_q[-1]  # no host sync
+            lse.copy_(torch.where(rows, sink.view(H, 1), lse))
+    elif Tq > 0 and max_seqlen_q > 0:
+        if seqused_k is None:
+            seqused_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+        window_left, window_right, local = _window_args(causal, window_left, window_right)
+        causal = causal and not local
+        capped = softcap > 0.0
+        sinked = sink is not None
+        page_size = 0 if page_table is None else k.shape[1]
+        keys = cu_seqlens_k if page_table is None else page_table  # the paged kernel takes the page table there
+        splits = min(splits, _MAX_GRID_Z // max(batch, 1))  # grid z = parts x sequences: one launch
+        if splits > 1 and splits * Tq * H * max(D, Dv) < _MAX_ELEMS:
+            # split s's parts in entry s (rows after the last sequence are never written: their merge is undefined,
+            # as those rows of the unsplit kernel's out, and replaced when fill_unused_rows)
+            o_parts = torch.empty(splits, Tq, H, Dv, dtype=torch.float32, device=q.device)
+            lse_parts = torch.empty(splits, H, Tq, dtype=torch.float32, device=q.device)
+            fn = (_kernels.get((q.dtype, D, causal, arch, local, capped, True) + (("pack", pack) if pack > 1 else ())
+                               + (("dv", Dv) if Dv != D else ()) + (("paged", page_size) if page_size else ())
+                               + ("split",))
+                  or fwd_kernel(q.dtype, D, causal, arch, local=local, softcap=capped, varlen=True, pack=pack, dv=Dv,
+                                paged=page_size, split=True))
+            fn(q, k, v, o_parts, lse_parts, cu_seqlens_q, keys, seqused_k, max_seqlen_q, float(softmax_scale),
+               float(softcap), window_left, window_right, splits)
+            merged, merged_lse = _combine_splits(o_parts.view(splits, 1, Tq, H, Dv),
+                                                 lse_parts.view(splits, 1, H, Tq), sink, q.dtype)
+            out, lse = merged[0], merged_lse[0]
+            if fill_unused_rows:
+                rows = torch.arange(Tq, device=q.device) < cu_seqlens_q[-1]  # no host sync
+                out, lse = torch.where(rows.view(Tq, 1, 1), out, 0.0), torch.where(rows, lse, math.inf)
+            return out, lse
+        fn = (_kernels.get((q.dtype, D, causal, arch, local, capped, True) + (("sink",) if sinked else ())
+                           + (("pack", pack) if pack > 1 else ()) + (("dv", Dv) if Dv != D else ())
+                           + (("paged", page_size) if page_size else ()))
+              or fwd_kernel(q.dtype, D, causal, arch, local=local, softcap=capped, varlen=True, sink=sinked,
+                            pack=pack, dv=Dv, paged=page_size))
+        for seq_args in _sequence_chunks(cu_seqlens_q, keys, seqused_k, page_table is not None):
+            fn(q, k, v, out, lse, *seq_args, max_seqlen_q, float(softmax_scale), float(softcap), window_left,
+               window_right, *(() if sink is None else (sink,)))
+    return out, lse
+
+
+def _sequence_chunks(cu_seqlens_q, keys, seqused_k, paged):
+    """(cu_seqlens_q, keys, seqused_k) of each varlen launch, so that its grid's z extent (the sequences) stays
+    within _MAX_GRID_Z: the kernels read each sequence's rows and keys at the absolute offsets of cu_seqlens (keys:
+    cu_seqlens_k, or the page table, one row per sequence), so a launch on sequences [lo, hi) writes only their
+    rows. One launch on the tensors as they are when they fit (and always for split-KV, whose part count is capped
+    to fit instead)."""
+    batch = seqused_k.shape[0]
+    step = _MAX_GRID_Z
+    if batch <= step:
+        return [(cu_seqlens_q, keys, seqused_k)]
+    return [(cu_seqlens_q[lo:lo + step + 1], keys[lo:lo + step] if paged else keys[lo:lo + step + 1],
+             seqused_k[lo:lo + step]) for lo in range(0, batch, step)]
+
+
+def _bwd_out_layout(t, D):
+    # What the compiled kernel accepts for dk / dv: the input layout rules (see _kernel_layout).
+    s = t.stride()
+    return s[3] == 1 and s[2] == D and s[1] % 8 == 0 and s[0] % 8 == 0 and t.data_ptr() % 16 == 0
+
+
+def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grads=None, dlse=None):
+    """Attention backward on validated CUDA inputs: q/out/dout (B, Sq, H, D), k/v (B, Sk, Hk, D) fp16/bf16,
+    D in (64, 128), H % Hk == 0, lse fp32 (B, H, Sq) natural log (+inf for rows that see no key), causal
+    bottom-right aligned. Returns (dq, dk, dv) in the input dtype, written into ``grads`` = (dq, dk, dv)
+    when given (tensors shaped like q, k, v with a contiguous last dim). dq is accumulated across the key
+    blocks' CTAs with fp32 reduce-adds (TMA bulk, or red.global with FLASH_ATTN_CUTE_BWD_DQ_TMA=0) in
+    whatever order they finish, so results vary in the last bits run to run.
+
+    Host-side steps (bwd_host.py): one Triton launch before the kernel writes delta = rowsum(dO * O) and
+    lse * log2(e), padded to a multiple of the kernel's query block with 0 / +inf (so padded rows
+    contribute nothing), and zeroes dq_accum; one after it casts dq_accum (which the kernel fills with
+    softmax_scale * dS K) into dq and, with GQA, sums the kernel's per-query-head dK/dV over each group
+    in fp32. Without Triton (or with FLASH_ATTN_CUTE_BWD_HOST=torch) torch does the same in more launches.
+    dlse: None or the gradient flowing into lse (B, H, Sq): d lse_i / d s_ij = P_ij adds dlse_i * P_ij to dS_ij,
+    which the kernel gets as delta - dlse in delta's place."""
+    B, Sq, H, D = q.shape
+    Sk, Hk = k.shape[1], k.shape[2]
+    dtype = q.dtype
+    dq_out, dk_out, dv_out = grads if grads is not None else (None, None, None)
+    if B * Sq * H == 0 or Sk == 0:  # no query or no key: every gradient is 0
+        zeros = [torch.zeros_like(t) if g is None else g.zero_() for t, g in zip((q, k, v), (dq_out, dk_out, dv_out))]
+        return tuple(zeros)
+    config = bwd_config(dtype, D, causal, arch)
+    block_m = config["block_m"]
+    per_batch = max(Sq * H, Sk * max(H, Hk)) * D
+    if per_batch >= _MAX_ELEMS:
+        raise NotImplementedError(
+            f"one batch entry of q/k/v holds {per_batch} elements; flash_attn.cute's backward handles < 2^31")
+    fn = _bwd_kernels.get((dtype, D, bool(causal), arch)) or bwd_kernel(dtype, D, causal, arch)
+
+    from flash_attn.cute import bwd_host  # imports Triton when installed: not at this module's import
+
+    # out and lse are read through their strides; q, k, v, dout must suit the compiled kernel
+    q, k, v, dout = (_kernel_layout(t, D) for t in (q, k, v, dout))
+    sq_pad = -(-Sq // block_m) * block_m
+    host = bwd_host if bwd_host.use_triton(q) else None
+    lse2, delta, dq_accum = (bwd_host.prepare if host else bwd_host.prepare_torch)(out, dout, lse, sq_pad)
+    if dlse is not None:
+        delta[:, :, :Sq].sub_(dlse[:, :, :Sq])
+    group = H // Hk
+    if group == 1 and (dk_out is None or (_bwd_out_layout(dk_out, D) and _bwd_out_layout(dv_out, D))):
+        dk_h = dk_out if dk_out is not None else torch.empty((B, Sk, H, D), dtype=dtype, device=q.device)
+        dv_h = dv_out if dv_out is not None else torch.empty((B, Sk, H, D), dtype=dtype, device=q.device)
+        dk, dv, sums = dk_h, dv_h, False
+    else:  # per-query-head dK/dV from the kernel, summed over each group (or copied) after it
+        dk_h = torch.empty((B, Sk, H, D), dtype=dtype, device=q.device)
+        dv_h = torch.empty((B, Sk, H, D), dtype=dtype, device=q.device)
+        dk = dk_out if dk_out is not None else torch.empty((B, Sk, Hk, D), dtype=dtype, device=q.device)
+        dv = dv_out if dv_out is not None else torch.empty((B, Sk, Hk, D), dtype=dtype, device=q.device)
+        sums = True
+    step = max(1, min((_MAX_ELEMS - 1) // per_batch, _MAX_GRID_Z))
+    for b in range(0, B, step):  # 32-bit offsets in the kernel: batch slices below 2^31 elements (and grid z's limit)
+        sl = slice(b, b + step)
+        fn(q[sl], k[sl], v[sl], dout[sl], lse2[sl], delta[sl], dq_accum[sl], dk_h[sl], dv_h[sl],
+           float(softmax_scale))
+    # dq_accum holds softmax_scale * dS K: a cast is left
+    dq = dq_out if dq_out is not None else torch.empty((B, Sq, H, D), dtype=dtype, device=q.device)
+    (bwd_host.finish if host else bwd_host.finish_torch)(dq_accum, dq, *((dk_h, dv_h, dk, dv) if sums else ()))
+    return dq, dk, dv
+
