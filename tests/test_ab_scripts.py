@@ -26,9 +26,10 @@ def test_summary_is_the_median_of_the_rounds():
 
 
 def test_variants_parse():
-    variants, names = ab_cute_bwd.variants(";FLASH_ATTN_CUTE_FWD_PERSISTENT=1,FLASH_ATTN_CUTE_FWD_REVERSE=1")
-    assert variants == [{}, {"FLASH_ATTN_CUTE_FWD_PERSISTENT": "1", "FLASH_ATTN_CUTE_FWD_REVERSE": "1"}]
-    assert set(names) == {"FLASH_ATTN_CUTE_FWD_PERSISTENT", "FLASH_ATTN_CUTE_FWD_REVERSE"}
+    # (a value may hold "=": FLASH_ATTN_CUTE_OVERRIDES' field=value)
+    variants, names = ab_cute_bwd.variants(";FLASH_ATTN_CUTE_OVERRIDES=fwd.persistent=1,FLASH_ATTN_CUTE_DISABLE=split")
+    assert variants == [{}, {"FLASH_ATTN_CUTE_OVERRIDES": "fwd.persistent=1", "FLASH_ATTN_CUTE_DISABLE": "split"}]
+    assert set(names) == {"FLASH_ATTN_CUTE_OVERRIDES", "FLASH_ATTN_CUTE_DISABLE"}
 
 
 def test_decode_ab_parses_shapes_and_variants():
@@ -54,7 +55,7 @@ def test_decode_ab_parses_shapes_and_variants():
     assert ad.kv_bytes(1, 10, 1, 192, 128) == 10 * 320 * 2
 
 
-def test_decode_ab_finds_the_kernels_its_calls_ask_for(monkeypatch):
+def test_decode_ab_finds_the_kernels_its_calls_ask_for(cute_env):
     """--compile-only's list: the calls of every shape and variant on CPU tensors, fwd_kernel recording; the four
     variants ask for the plain, packed, split and packed split kernels (dense and paged varlen), and the module's
     functions are restored after."""
@@ -64,11 +65,13 @@ def test_decode_ab_finds_the_kernels_its_calls_ask_for(monkeypatch):
     import ab_cute_decode as ad
     import torch
 
-    from flash_attn.cute import interface as ci
+    from flash_attn.cute import interface, kernels, launch, plan
 
-    for var in ("FLASH_ATTN_CUTE_PACK_GQA", "FLASH_ATTN_CUTE_SPLIT", "FLASH_ATTN_CUTE_PAGED"):
-        monkeypatch.setenv(var, "1")
-    before = ci.fwd_kernel, ci._kernels, ci._device_arch, ci._device_sms
+    # (cute_env: no FLASH_ATTN_CUTE_DISABLE: pack_gqa, split and paged on)
+    def state():  # what the script replaces while it records, where the calls use it
+        return launch.fwd_kernel, interface._device_arch, plan._device_sms, kernels._kernels, dict(kernels._kernels)
+
+    before = state()
     variants, names = ad.parse_variants("plain:pack_gqa=False;pack:pack_gqa=True;split:pack_gqa=False,num_splits=0;"
                                         "both:pack_gqa=True,num_splits=0")
     for paged, extra in [(0, {}), (16, {"varlen": True, "paged": 16})]:
@@ -76,4 +79,4 @@ def test_decode_ab_finds_the_kernels_its_calls_ask_for(monkeypatch):
         got = [{k: v for k, v in kw.items() if v and not (k == "pack" and v == 1)} for _, _, _, kw in asked]
         assert got == [extra, {**extra, "pack": 4}, {**extra, "split": True}, {**extra, "pack": 4, "split": True}]
         assert all(a[:3] == (torch.bfloat16, 64, True) for a in asked)
-    assert (ci.fwd_kernel, ci._kernels, ci._device_arch, ci._device_sms) == before
+    assert state() == before and interface._kernels is launch._kernels is kernels._kernels

@@ -14,9 +14,16 @@ _PKG = os.path.join(ROOT, "packages", "flash-attn-4")
 if _PKG not in sys.path:
     sys.path.insert(0, _PKG)
 
-from flash_attn.cute import autograd, interface  # noqa: E402
+from flash_attn.cute import autograd, interface, launch, plan  # noqa: E402
 
-U = interface._UNBOUNDED
+U = plan._UNBOUNDED
+
+
+def _stand_in(monkeypatch, name, fn):
+    """Replace launch.<name> (forward / forward_varlen) where it is used: flash_attn_func's and
+    flash_attn_varlen_func's own calls (interface's name) and autograd.Attention's (launch's)."""
+    monkeypatch.setattr(interface, name, fn)
+    monkeypatch.setattr(launch, name, fn)
 
 
 def _fa4_mask(Sq, Sk, causal, window):
@@ -40,9 +47,9 @@ def _fa4_mask(Sq, Sk, causal, window):
 
 def _kernel_mask(Sq, Sk, causal, window):
     """Visible (Sq, Sk) as the kernel computes it (FlashFwdSm90._mask and its key-block range) from the sizes the
-    host hands it: interface._options, then interface._window_args."""
-    causal, left, right, _ = interface._options(window, 0.0, causal)
-    left, right, local = interface._window_args(causal, left, right)
+    host hands it: plan._options, then plan._window_args."""
+    causal, left, right, _ = plan._options(window, 0.0, causal)
+    left, right, local = plan._window_args(causal, left, right)
     i = torch.arange(Sq).view(-1, 1)
     j = torch.arange(Sk).view(1, -1)
     diag = i + Sk - Sq
@@ -77,18 +84,18 @@ def test_one_unbounded_value_across_the_package():
     from flash_attn.cute import bwd_torch
     from flash_attn.cute.flash_fwd_sm90 import FlashFwdSm90
 
-    assert bwd_torch.UNBOUNDED == interface._UNBOUNDED == FlashFwdSm90.UNBOUNDED
+    assert bwd_torch.UNBOUNDED == plan._UNBOUNDED == FlashFwdSm90.UNBOUNDED
 
 
 def test_negative_sizes_stay_literal():
-    assert interface._options((-3, None), 0.0, False) == (False, -3, U, 0.0)
-    assert interface._options((None, -2), 0.0, False) == (False, U, -2, 0.0)
-    assert interface._options((None, 0), 0.0, False) == (True, U, U, 0.0)  # FA4: this is the causal mask
-    assert interface._options((-1, -1), 0.0, False) == (False, U, U, 0.0)
-    assert interface._options((4, None), 0.0, True) == (False, 4, 0, 0.0)
+    assert plan._options((-3, None), 0.0, False) == (False, -3, U, 0.0)
+    assert plan._options((None, -2), 0.0, False) == (False, U, -2, 0.0)
+    assert plan._options((None, 0), 0.0, False) == (True, U, U, 0.0)  # FA4: this is the causal mask
+    assert plan._options((-1, -1), 0.0, False) == (False, U, U, 0.0)
+    assert plan._options((4, None), 0.0, True) == (False, 4, 0, 0.0)
     for bad in ((1,), (1.5, 2), "ab", None):
         with pytest.raises(ValueError, match="window_size"):
-            interface._options(bad, 0.0, False)
+            plan._options(bad, 0.0, False)
 
 
 def test_negative_windows_bypass_the_dispatcher():
@@ -131,7 +138,7 @@ def test_deterministic_and_lse_reach_the_dispatcher(monkeypatch, varlen, determi
 
 def test_sink_call_passes_deterministic_to_the_backward(monkeypatch):
     monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")
-    monkeypatch.setattr(interface, "forward", lambda q, k, v, *a, **kw: (
+    _stand_in(monkeypatch, "forward", lambda q, k, v, *a, **kw: (
         torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], q.shape[1])))
     seen = []
     monkeypatch.setattr(autograd, "dispatcher_backward", lambda *a: seen.append(a) or tuple(
@@ -251,8 +258,8 @@ class _Recorder:
     def __init__(self, monkeypatch):
         self.calls = []
         monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")
-        monkeypatch.setattr(interface, "forward", self.dense)
-        monkeypatch.setattr(interface, "forward_varlen", self.varlen)
+        _stand_in(monkeypatch, "forward", self.dense)
+        _stand_in(monkeypatch, "forward_varlen", self.varlen)
 
     def dense(self, q, k, v, softmax_scale, *a, **kw):
         self.calls.append((q.shape, k.shape, v.shape, softmax_scale))
@@ -422,10 +429,10 @@ def test_scheduler_metadata_round_trips(monkeypatch):
 
 
 def _naive(q, k, v, sink, softmax_scale, causal, window_left=U, window_right=U, softcap=0.0):
-    """(out, lse, seen): fp64 attention under the kernel's mask rule (interface._window_args), differentiable
+    """(out, lse, seen): fp64 attention under the kernel's mask rule (plan._window_args), differentiable
     without NaNs (hidden scores are a large negative number and P is multiplied by the mask); seen: rows with a
     visible key or a sink."""
-    left, right, local = interface._window_args(causal, window_left, window_right)
+    left, right, local = plan._window_args(causal, window_left, window_right)
     Sq, Sk = q.shape[1], k.shape[1]
     i, j = torch.arange(Sq).view(-1, 1), torch.arange(Sk).view(1, -1)
     diag = i + Sk - Sq
@@ -469,7 +476,7 @@ def alone(monkeypatch):
     """flash-attn-4 without the root package, on CPU: no dispatcher; the forward kernel stood in for."""
     monkeypatch.setattr(autograd, "dispatcher", lambda: None)
     monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")
-    monkeypatch.setattr(interface, "forward", _stand_in_forward)
+    _stand_in(monkeypatch, "forward", _stand_in_forward)
     used = []
     from flash_attn.cute import bwd_torch
 
@@ -494,7 +501,7 @@ def test_own_backward_matches_autograd(alone, case):
     dout, wlse = torch.randn(out.shape), torch.randn_like(lse)
     leaves = [q, k, v] + ([sink] if sink is not None else [])
     got = torch.autograd.grad((out.float() * dout).sum() + (lse.masked_fill(lse.isinf(), 0) * wlse).sum(), leaves)
-    causal, left, right, softcap = interface._options(case.get("window_size", (None, None)), case.get("softcap", 0.0),
+    causal, left, right, softcap = plan._options(case.get("window_size", (None, None)), case.get("softcap", 0.0),
                                                       case.get("causal", False))
     want = _naive_grads(q, k, v, sink, dout, wlse, softmax_scale=D ** -0.5, causal=causal, window_left=left,
                         window_right=right, softcap=softcap)
@@ -503,16 +510,16 @@ def test_own_backward_matches_autograd(alone, case):
         torch.testing.assert_close(g.double(), w, rtol=5e-3, atol=5e-3, msg=name)  # fp16 gradients
 
 
-def test_own_backward_takes_the_kernel_where_it_serves(alone, monkeypatch):
+def test_own_backward_takes_the_kernel_where_it_serves(alone, cute_env, monkeypatch):
     seen = []
-    monkeypatch.setattr(interface, "backward", lambda dout, q, k, v, out, lse, scale, causal, arch, dlse=None:
+    monkeypatch.setattr(launch, "backward", lambda dout, q, k, v, out, lse, scale, causal, arch, dlse=None:
                         seen.append((causal, dlse is not None)) or (torch.zeros_like(q), torch.zeros_like(k),
                                                                     torch.zeros_like(v)))
     q, k, v = (torch.randn(1, 9, 2, 64, dtype=torch.float16, requires_grad=True) for _ in range(3))
     out, lse = interface.flash_attn_func(q, k, v, causal=True, return_lse=True)
     torch.autograd.grad(out.float().sum() + lse.sum(), (q, k, v))
     assert seen == [(True, True)] and alone == []
-    monkeypatch.setenv("FLASH_ATTN_CUTE_BWD", "0")  # switched off: bwd_torch
+    cute_env(DISABLE="bwd")  # switched off: bwd_torch
     out = interface.flash_attn_func(q, k, v, causal=True)[0]
     torch.autograd.grad(out.float().sum(), (q, k, v))
     assert len(seen) == 1 and len(alone) == 1
@@ -532,7 +539,7 @@ def test_own_backward_varlen_with_seqused(alone, monkeypatch):
                 out[q0:q1], lse[:, q0:q1] = o[0], l_[0]
         return out, lse
 
-    monkeypatch.setattr(interface, "forward_varlen", stand_in_varlen)
+    _stand_in(monkeypatch, "forward_varlen", stand_in_varlen)
     torch.manual_seed(6)
     cu = torch.tensor([0, 6, 6, 15], dtype=torch.int32)
     used_q, used_k = torch.tensor([4, 0, 9], dtype=torch.int32), torch.tensor([6, 0, 5], dtype=torch.int32)

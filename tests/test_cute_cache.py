@@ -24,7 +24,7 @@ _PKG = os.path.join(ROOT, "packages", "flash-attn-4")
 if _PKG not in sys.path:  # the checkout's flash_attn/__init__ also finds it; this keeps the test standalone
     sys.path.insert(0, _PKG)
 
-from flash_attn.cute import cache, interface, precompile  # noqa: E402
+from flash_attn.cute import cache, kernels, precompile, settings  # noqa: E402
 
 CONFIG = (torch.bfloat16, 128, False, "sm_90a")  # the one precompiled configuration (memory key: + local, softcap)
 
@@ -36,14 +36,26 @@ def _env(**extra):
     return env
 
 
+# the direct O store (fwd.tma_o=0) and no short-key kernel of its own (fwd.persistent=0: no short-key persistent
+# kernel either)
+_OVERRIDES = "fwd.tma_o=0,fwd.persistent=0"
+
+
+def _swap_kernels(monkeypatch, table):
+    """Replace the contents of the one in-memory kernel table (kernels._kernels) for the test."""
+    for key in list(kernels._kernels):
+        monkeypatch.delitem(kernels._kernels, key)
+    for key, fn in table.items():
+        monkeypatch.setitem(kernels._kernels, key, fn)
+
+
 @pytest.fixture(autouse=True)
-def _direct_o_store(monkeypatch):
+def _direct_o_store(cute_env):
     """The tests' configuration (CONFIG: bf16 d128 non-causal) with the direct O store and no short-key kernel
     of its own, as the precompiled fixture builds it: in-process keys, and the child processes (which inherit
     the environment), agree with it (unset, d128 takes the TMA O store, and its short keys the persistent
     kernel: other entries)."""
-    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_TMA_O", "0")
-    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_SHORT_PERSISTENT", "0")
+    cute_env(OVERRIDES=_OVERRIDES)
 
 
 @pytest.fixture(scope="module")
@@ -52,9 +64,8 @@ def precompiled(tmp_path_factory):
     out = tmp_path_factory.mktemp("precompiled")
     cmd = [sys.executable, "-m", "flash_attn.cute.precompile", "--arch", "sm_90a", "--out", str(out),
            "--dtypes", "bf16", "--head-dims", "128", "--causal", "false"]
-    # FLASH_ATTN_CUTE_FWD_TMA_O=0, FLASH_ATTN_CUTE_FWD_SHORT_PERSISTENT=0: the direct O store, one kernel (see
-    # _direct_o_store)
-    env = _env(FLASH_ATTN_CUTE_FWD_TMA_O="0", FLASH_ATTN_CUTE_FWD_SHORT_PERSISTENT="0")
+    # the direct O store, one kernel (see _direct_o_store)
+    env = _env(FLASH_ATTN_CUTE_OVERRIDES=_OVERRIDES)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "bf16 d128 full  : compiled" in proc.stdout, proc.stdout
@@ -67,7 +78,7 @@ def no_compile(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError(f"compile_fwd{args} called")
 
-    monkeypatch.setattr(interface, "compile_fwd", refuse)
+    monkeypatch.setattr(kernels, "compile_fwd", refuse)
 
 
 def _copy_entry(src, dst):
@@ -79,13 +90,13 @@ def _copy_entry(src, dst):
 
 
 def _names():
-    _, key, name, symbol = interface._entry(*CONFIG)
+    _, key, name, symbol = kernels._entry(*CONFIG)
     return key, name, symbol
 
 
 def test_precompile_writes_a_complete_entry(precompiled):
     key, name, symbol = _names()
-    files = interface.disk_entry(*CONFIG, root=precompiled)
+    files = kernels.disk_entry(*CONFIG, root=precompiled)
     assert set(files) == ({"o", "so"} if cache._c_compiler() else {"o"})
     manifest = json.loads((precompiled / f"{name}.json").read_text())
     assert manifest["key"] == key and manifest["symbol"] == symbol
@@ -98,8 +109,8 @@ def test_precompile_writes_a_complete_entry(precompiled):
     assert sorted(p.suffix for p in precompiled.iterdir()) == sorted([".json", ".lock"] + [f".{e}" for e in files])
 
 
-def test_precompile_again_keeps_the_entry(precompiled, no_compile, capsys, monkeypatch):
-    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_TMA_O", "0")  # as the fixture built it: no short-key kernel
+def test_precompile_again_keeps_the_entry(precompiled, no_compile, capsys):
+    # (_direct_o_store: as the fixture built it, no short-key kernel)
     assert precompile.main(["--out", str(precompiled), "--dtypes", "bf16", "--head-dims", "128",
                             "--causal", "false"]) == 0
     assert "already cached" in capsys.readouterr().out
@@ -108,14 +119,14 @@ def test_precompile_again_keeps_the_entry(precompiled, no_compile, capsys, monke
 _CHILD = textwrap.dedent("""
     import json, sys, time
     import torch
-    from flash_attn.cute import interface
+    from flash_attn.cute import kernels
 
     def refuse(*args, **kwargs):
         raise AssertionError("compile_fwd called")
 
-    interface.compile_fwd = refuse
+    kernels.compile_fwd = refuse
     t0 = time.perf_counter()
-    fn = interface.fwd_kernel(torch.bfloat16, 128, False, "sm_90a")
+    fn = kernels.fwd_kernel(torch.bfloat16, 128, False, "sm_90a")
     load_s = time.perf_counter() - t0
     q = torch.zeros(1, 128, 16, 128, dtype=torch.bfloat16)
     try:  # the real kernel's TVM-FFI wrapper checks its arguments (on the CPU: the device type)
@@ -123,7 +134,7 @@ _CHILD = textwrap.dedent("""
         error = None
     except Exception as e:
         error = f"{type(e).__name__}: {e}"
-    print(json.dumps({"origin": interface._origins[(torch.bfloat16, 128, False, "sm_90a", False, False)], "load_s": load_s,
+    print(json.dumps({"origin": kernels._origins[(torch.bfloat16, 128, False, "sm_90a", False, False)], "load_s": load_s,
                       "cutlass_imported": "cutlass" in sys.modules, "error": error}))
 """)
 
@@ -156,13 +167,13 @@ def test_object_only_entry_loads_through_cutedsl(precompiled, tmp_path, monkeypa
     (root / f"{name}.json").write_text(json.dumps(manifest))
     real_cc = cache._c_compiler
     monkeypatch.setattr(cache, "_c_compiler", lambda: None)
-    fn, how = interface.load_or_build(*CONFIG, root=root)
+    fn, how = kernels.load_or_build(*CONFIG, root=root)
     assert how == "o" and callable(fn)
-    assert set(interface.disk_entry(*CONFIG, root=root)) == {"o"}
+    assert set(kernels.disk_entry(*CONFIG, root=root)) == {"o"}
     monkeypatch.setattr(cache, "_c_compiler", real_cc)
     if real_cc():
-        fn, how = interface.load_or_build(*CONFIG, root=root)
-        assert how == "so" and set(interface.disk_entry(*CONFIG, root=root)) == {"o", "so"}
+        fn, how = kernels.load_or_build(*CONFIG, root=root)
+        assert how == "so" and set(kernels.disk_entry(*CONFIG, root=root)) == {"o", "so"}
 
 
 def test_failing_linker_falls_back_to_the_object(precompiled, tmp_path, monkeypatch, no_compile):
@@ -170,21 +181,21 @@ def test_failing_linker_falls_back_to_the_object(precompiled, tmp_path, monkeypa
     root = _copy_entry(precompiled, tmp_path / "c")
     (root / f"{name}.so").unlink(missing_ok=True)
     monkeypatch.setattr(cache, "_c_compiler", lambda: shutil.which("false"))
-    fn, how = interface.load_or_build(*CONFIG, root=root)
+    fn, how = kernels.load_or_build(*CONFIG, root=root)
     assert how == "o" and any("linking" in n for n in cache.notes())
 
 
-def test_warm_process_never_reloads(precompiled, monkeypatch, no_compile):
-    monkeypatch.setenv(cache.ENV_VAR, str(precompiled))
-    monkeypatch.setattr(interface, "_kernels", {})
-    monkeypatch.setattr(interface, "_origins", dict(interface._origins))
+def test_warm_process_never_reloads(precompiled, cute_env, monkeypatch, no_compile):
+    cute_env(CACHE=str(precompiled))
+    _swap_kernels(monkeypatch, {})
+    monkeypatch.setattr(kernels, "_origins", dict(kernels._origins))
     loads = []
     real_load = cache.DiskCache.load
     monkeypatch.setattr(cache.DiskCache, "load", lambda self, *a, **k: loads.append(a) or real_load(self, *a, **k))
-    fn = interface.fwd_kernel(*CONFIG)
-    assert interface._origins[CONFIG + (False, False)] in ("so", "o") and len(loads) == 1
+    fn = kernels.fwd_kernel(*CONFIG)
+    assert kernels._origins[CONFIG + (False, False)] in ("so", "o") and len(loads) == 1
     for _ in range(3):
-        assert interface.fwd_kernel(*CONFIG) is fn
+        assert kernels.fwd_kernel(*CONFIG) is fn
     assert len(loads) == 1
 
 
@@ -214,7 +225,7 @@ def test_bad_entry_is_a_miss(precompiled, tmp_path, damage):
         elif damage == "binaries-missing":
             path.unlink(missing_ok=True)
     assert cache.DiskCache(root).load(name, key) == (None, None)
-    assert interface.disk_entry(*CONFIG, root=root) == {}
+    assert kernels.disk_entry(*CONFIG, root=root) == {}
 
 
 def test_corrupt_shared_library_is_relinked_from_the_object(precompiled, tmp_path, no_compile):
@@ -223,8 +234,8 @@ def test_corrupt_shared_library_is_relinked_from_the_object(precompiled, tmp_pat
     _, name, _ = _names()
     root = _copy_entry(precompiled, tmp_path / "c")
     _corrupt(root / f"{name}.so")
-    fn, how = interface.load_or_build(*CONFIG, root=root)
-    assert how == "so" and set(interface.disk_entry(*CONFIG, root=root)) == {"o", "so"}
+    fn, how = kernels.load_or_build(*CONFIG, root=root)
+    assert how == "so" and set(kernels.disk_entry(*CONFIG, root=root)) == {"o", "so"}
 
 
 def test_corrupt_entry_is_rebuilt(precompiled, tmp_path):
@@ -236,14 +247,14 @@ def test_corrupt_entry_is_rebuilt(precompiled, tmp_path):
         if (root / f"{name}.{ext}").exists():
             _corrupt(root / f"{name}.{ext}")
     calls = []
-    real = interface.compile_fwd
-    interface.compile_fwd = lambda *a, **k: calls.append(a) or real(*a, **k)
+    real = kernels.compile_fwd
+    kernels.compile_fwd = lambda *a, **k: calls.append(a) or real(*a, **k)
     try:
-        fn, how = interface.load_or_build(*CONFIG, root=root)
+        fn, how = kernels.load_or_build(*CONFIG, root=root)
     finally:
-        interface.compile_fwd = real
+        kernels.compile_fwd = real
     assert how == "compiled" and len(calls) == 1 and callable(fn)
-    assert interface.disk_entry(*CONFIG, root=root)
+    assert kernels.disk_entry(*CONFIG, root=root)
     assert not [p for p in root.iterdir() if ".tmp" in p.name]
     if cache._c_compiler():
         assert _run_child(root)["origin"] == "so"
@@ -259,8 +270,8 @@ def test_unwritable_cache_compiles_in_memory(tmp_path, monkeypatch):
         return None
 
     (tmp_path / "file").write_text("")
-    monkeypatch.setattr(interface, "compile_fwd", lambda *a, **k: Compiled())
-    fn, how = interface.load_or_build(*CONFIG, root=tmp_path / "file" / "cache")
+    monkeypatch.setattr(kernels, "compile_fwd", lambda *a, **k: Compiled())
+    fn, how = kernels.load_or_build(*CONFIG, root=tmp_path / "file" / "cache")
     assert fn is kernel and how == "compiled"
 
 
@@ -294,12 +305,12 @@ def test_concurrent_builder_waits_for_the_lock_holder(precompiled, tmp_path, no_
     child = textwrap.dedent("""
         import contextlib, fcntl, json, sys, time
         import torch
-        from flash_attn.cute import cache, interface
+        from flash_attn.cute import cache, kernels
 
         def refuse(*args, **kwargs):
             raise AssertionError("compile_fwd called")
 
-        interface.compile_fwd = refuse
+        kernels.compile_fwd = refuse
         events = {"loads": [], "writers": []}
         real_load, real_writer = cache.DiskCache.load, cache.DiskCache.writer
 
@@ -327,8 +338,8 @@ def test_concurrent_builder_waits_for_the_lock_holder(precompiled, tmp_path, no_
 
         cache.DiskCache.load, cache.DiskCache.writer = load, writer
         print("ready", flush=True)
-        fn = interface.fwd_kernel(torch.bfloat16, 128, False, "sm_90a")
-        print(json.dumps({"origin": interface._origins[(torch.bfloat16, 128, False, "sm_90a", False, False)],
+        fn = kernels.fwd_kernel(torch.bfloat16, 128, False, "sm_90a")
+        print(json.dumps({"origin": kernels._origins[(torch.bfloat16, 128, False, "sm_90a", False, False)],
                           "done": time.time(), **events}), flush=True)
     """)
     proc = None
@@ -381,7 +392,7 @@ def test_concurrent_builder_waits_for_the_lock_holder(precompiled, tmp_path, no_
 
 
 def test_key_follows_sources_config_and_versions(tmp_path, monkeypatch):
-    config = interface._fwd_config(*CONFIG)
+    config = kernels.fwd_config(*CONFIG).key()
     key = cache.entry_key(config)
     assert cache.entry_key(dict(config)) == key  # deterministic
     for change in ({"dtype": "fp16"}, {"head_dim": 64}, {"causal": True}, {"arch": "sm_100a"}, {"abi": "cute"}):
@@ -415,14 +426,16 @@ def test_stale_temporary_files_are_swept(tmp_path):
     assert not old.exists() and fresh.exists()
 
 
-def test_cache_dir_from_environment(monkeypatch, tmp_path):
-    monkeypatch.setenv(cache.ENV_VAR, str(tmp_path))
+def test_cache_dir_from_environment(cute_env, monkeypatch, tmp_path):
+    assert cache.ENV_VAR == settings.CACHE == "FLASH_ATTN_CUTE_CACHE"
+    cute_env(CACHE=str(tmp_path))
     assert cache.cache_dir() == tmp_path
     for off in ("0", "off", "none"):
-        monkeypatch.setenv(cache.ENV_VAR, off)
+        cute_env(CACHE=off)
         assert cache.cache_dir() is None
-    monkeypatch.delenv(cache.ENV_VAR)
+    cute_env(CACHE=None)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cute_env()  # (read once: settings.reload)
     assert cache.cache_dir() == tmp_path / "flash_attn_cute"
 
 
@@ -437,21 +450,21 @@ def _hopper():
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
 @pytest.mark.parametrize("batch,seqlen_q,seqlen_k,heads,heads_kv", [(1, 128, 128, 16, 16), (2, 113, 203, 4, 2)])
-def test_kernel_loaded_from_disk_matches_reference(precompiled, monkeypatch, no_compile, batch, seqlen_q,
+def test_kernel_loaded_from_disk_matches_reference(precompiled, cute_env, monkeypatch, no_compile, batch, seqlen_q,
                                                    seqlen_k, heads, heads_kv):
     from flash_attn.cute import flash_attn_func
     from flash_attn.testing import assert_close_to_ref, attention_lse_ref, attention_ref
 
-    monkeypatch.setenv(cache.ENV_VAR, str(precompiled))
-    monkeypatch.setattr(interface, "_kernels", {})
-    monkeypatch.setattr(interface, "_origins", dict(interface._origins))
+    cute_env(CACHE=str(precompiled))
+    _swap_kernels(monkeypatch, {})
+    monkeypatch.setattr(kernels, "_origins", dict(kernels._origins))
     torch.manual_seed(0)
     q = torch.randn(batch, seqlen_q, heads, 128, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(batch, seqlen_k, heads_kv, 128, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(batch, seqlen_k, heads_kv, 128, device="cuda", dtype=torch.bfloat16)
     out, lse = flash_attn_func(q, k, v, return_lse=True)
     torch.cuda.synchronize()
-    assert interface._origins[CONFIG + (False, False)] in ("so", "o")
+    assert kernels._origins[CONFIG + (False, False)] in ("so", "o")
     out_ref, _ = attention_ref(q, k, v)
     out_pt, _ = attention_ref(q, k, v, upcast=False, reorder_ops=True)
     assert_close_to_ref(out, out_ref, out_pt)

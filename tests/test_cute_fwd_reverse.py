@@ -1,4 +1,4 @@
-"""flash_attn.cute forward with FLASH_ATTN_CUTE_FWD_REVERSE (FlashFwdSm90 reverse): each tile walks its key
+"""flash_attn.cute forward with fwd.reverse (FLASH_ATTN_CUTE_OVERRIDES; FlashFwdSm90 reverse): each tile walks its key
 blocks from the last down (FA3's order), so a causal or windowed tile's masked diagonal blocks come first.
 
 Without a GPU: the switch, its cache key and the precompile entry point; the order function the producer
@@ -28,81 +28,70 @@ _TESTS = os.path.dirname(os.path.abspath(__file__))
 if _TESTS not in sys.path:
     sys.path.insert(0, _TESTS)
 
-from flash_attn.cute import flash_fwd_sm90, interface  # noqa: E402
+from flash_attn.cute import cache, config, flash_fwd_sm90, kernels, settings  # noqa: E402
 from flash_attn.cute.flash_fwd_sm90 import FlashFwdSm90, key_block  # noqa: E402
 from flash_attn.testing import assert_ptxas_clean  # noqa: E402
 
-_KNOBS = ("FLASH_ATTN_CUTE_BLOCK_N", "FLASH_ATTN_CUTE_EXP2_EMU", "FLASH_ATTN_CUTE_EXP2_EMU_DEGREE",
-          "FLASH_ATTN_CUTE_STAGES", "FLASH_ATTN_CUTE_FWD_WARPGROUPS", "FLASH_ATTN_CUTE_FWD_WG_ORDER",
-          "FLASH_ATTN_CUTE_FWD_PERSISTENT", "FLASH_ATTN_CUTE_FWD_TMA_O", "FLASH_ATTN_CUTE_FWD_REVERSE")
 UNBOUNDED = FlashFwdSm90.UNBOUNDED
-
-
-def _clear(mp):
-    for var in _KNOBS:
-        mp.delenv(var, raising=False)
 
 
 # ----------------------------------------------------------------------------------------------------
 # The switch
 
 
-def test_reverse_in_the_config_only_for_masked_calls_when_on(monkeypatch):
-    """Unset: only d64 causal's persistent kernel (dense calls) is reversed (_FWD_REVERSE_DEFAULT); "0": none
-    (the other keys unchanged, so their disk entries stay); "1": in the key of causal and windowed calls
-    (one-tile and persistent, varlen, softcap, sink) and not of calls without a mask; per head dim with
-    "D:1"; the kernel gets reverse=True."""
-    _clear(monkeypatch)
-    cfg = lambda d, causal, **kw: interface._fwd_config(torch.bfloat16, d, causal, "sm_90a", **kw)  # noqa: E731
+def test_reverse_in_the_config_only_for_masked_calls_when_on(cute_env):
+    """Unset: only d64 causal's persistent kernel (dense calls) is reversed (config.REVERSE); fwd.reverse=0: none
+    (the other keys unchanged, so their disk entries stay); fwd.reverse=1: in the key of causal and windowed calls
+    (one-tile and persistent, varlen, softcap, sink) and not of calls without a mask; the kernel gets
+    reverse=True."""
+    cfg = lambda d, causal, **kw: kernels.fwd_config(torch.bfloat16, d, causal, "sm_90a", **kw).key()  # noqa: E731
+    make = lambda d, causal, **kw: kernels._make_kernel(kernels.fwd_config(torch.bfloat16, d, causal, **kw))  # noqa: E731
     kinds = [dict(), dict(local=True), dict(varlen=True), dict(softcap=True), dict(sink=True),
              dict(local=True, varlen=True)]
     default = {(d, c, i): cfg(d, c, **kw) for d in (64, 128) for c in (False, True) for i, kw in enumerate(kinds)}
     assert {key for key, b in default.items() if "reverse" in b} == {(64, True, 0)}
     assert default[(64, True, 0)]["reverse"] is True and default[(64, True, 0)]["persistent"] is True
-    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_REVERSE", "0")
+    cute_env(OVERRIDES="fwd.reverse=0")
     base = {key: cfg(key[0], key[1], **kinds[key[2]]) for key in default}
     assert not any("reverse" in b for b in base.values())
     assert {key: b for key, b in base.items() if key != (64, True, 0)} == {
         key: b for key, b in default.items() if key != (64, True, 0)}
     assert {k: v for k, v in default[(64, True, 0)].items() if k != "reverse"} == base[(64, True, 0)]
-    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_REVERSE", "1")
+    cute_env(OVERRIDES="fwd.reverse=1")
     for (d, causal, i), b in base.items():
         on = cfg(d, causal, **kinds[i])
         if causal or kinds[i].get("local"):
             assert on == {**b, "reverse": True}
-            assert interface.cache.entry_key(on) != interface.cache.entry_key(b)
-            assert interface._make_kernel(on).reverse
+            assert cache.entry_key(on) != cache.entry_key(b)
+            assert make(d, causal, **kinds[i]).reverse
         else:
-            assert on == b and not interface._make_kernel(on).reverse
+            assert on == b and not make(d, causal, **kinds[i]).reverse
     assert cfg(64, True)["persistent"] is True  # d64 causal: the persistent kernel, reversed
-    config, key, name, _ = interface._entry(torch.bfloat16, 128, True, "sm_90a")
-    assert "-reverse-" in name and config["reverse"] is True
-    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_REVERSE", "64:1")
-    assert cfg(64, True)["reverse"] is True and "reverse" not in cfg(128, True)
-    assert FlashFwdSm90(interface._cutlass_dtype(torch.bfloat16), 64, True, persistent=True, reverse=True).reverse
+    key_config, key, name, _ = kernels._entry(torch.bfloat16, 128, True, "sm_90a")
+    assert "-reverse-" in name and key_config["reverse"] is True
+    assert FlashFwdSm90(kernels._cutlass_dtype(torch.bfloat16), 64, True, persistent=True, reverse=True).reverse
 
 
-def test_precompile_honours_the_switch(monkeypatch, tmp_path):
+def test_precompile_honours_the_switch(cute_env, monkeypatch, tmp_path):
     """python -m flash_attn.cute.precompile builds the configs the environment selects: with the switch on,
     the causal entries it writes are the reverse kernels (compiling is stubbed out here)."""
     from flash_attn.cute import precompile
 
-    if not interface._tvm_ffi():
+    if not kernels._tvm_ffi():
         pytest.skip("precompiling needs apache-tvm-ffi")
-    _clear(monkeypatch)
-    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_TMA_O", "0")  # not the short-key kernels as well
-    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_LONG", "0")  # nor the long-key ones
-    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_LPT", "0")  # (d128's short-key kernel differs in its CTA order)
-    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_SHORT_PERSISTENT", "0")  # (and d128 non-causal's is persistent)
+    # not the short-key kernels as well (fwd.tma_o=0; fwd.lpt=0: d128's short-key kernel differs in its CTA
+    # order; no short-key persistent kernel: d128 non-causal's), nor the long-key ones (no config.LONG entry)
+    monkeypatch.setattr(config, "LONG", {})
+    monkeypatch.setattr(config, "SHORT_PERSISTENT", frozenset())
     seen = []
 
     def stub(entry, compile_fn, root, force):
         seen.append(entry[0])
         raise RuntimeError("stub: not compiled")
 
-    monkeypatch.setattr(interface, "_load_or_build_entry", stub)
+    monkeypatch.setattr(kernels, "_load_or_build_entry", stub)
     for env in ("0", "1"):
-        monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_REVERSE", env)
+        cute_env(OVERRIDES=f"fwd.tma_o=0,fwd.lpt=0,fwd.reverse={env}")
         report = precompile.precompile(str(tmp_path), "sm_90a", dtypes=("bf16",), head_dims=(64, 128),
                                        log=lambda *a: None)
         assert len(report) == 4 and all("stub" in r["error"] for r in report)
@@ -316,17 +305,20 @@ def reverse_ptx(request, tmp_path_factory):
         calls.append((frame.f_code.co_name if frame is not None else None, reverse))
         return real(position, n_block_min, n_block_max, reverse)
 
-    with pytest.MonkeyPatch.context() as mp:
-        _clear(mp)
-        mp.setenv("FLASH_ATTN_CUTE_FWD_PERSISTENT", "1" if persistent else "0")
-        mp.setenv("FLASH_ATTN_CUTE_FWD_REVERSE", "1")
-        mp.setattr(flash_fwd_sm90, "key_block", traced)
-        causal, local = mask == "causal", mask == "local"
-        config = interface._fwd_config(torch.bfloat16, d, causal, "sm_90a", local=local)
-        interface.compile_fwd(torch.bfloat16, d, causal, arch="sm_90a", dump_dir=str(dump), local=local)
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.delenv(settings.DISABLE, raising=False)
+            mp.setenv(settings.OVERRIDES, f"fwd.persistent={1 if persistent else 0},fwd.reverse=1")
+            settings.reload()
+            mp.setattr(flash_fwd_sm90, "key_block", traced)
+            causal, local = mask == "causal", mask == "local"
+            cfg = kernels.fwd_config(torch.bfloat16, d, causal, "sm_90a", local=local).key()
+            kernels.compile_fwd(torch.bfloat16, d, causal, arch="sm_90a", dump_dir=str(dump), local=local)
+    finally:
+        settings.reload()
     (path,) = glob.glob(str(dump / "*.ptx"))
     with open(path) as f:
-        return request.param, config, f.read(), path, calls
+        return request.param, cfg, f.read(), path, calls
 
 
 def _lines(text, start):
@@ -370,14 +362,14 @@ def _hopper():
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
-def _reverse(monkeypatch, on=True, persistent=None, warpgroups=None):
-    _clear(monkeypatch)
-    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_REVERSE", "1" if on else "0")  # (unset: d64 causal's default is on)
-    if persistent is not None:
-        monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_PERSISTENT", "1" if persistent else "0")
-    if warpgroups:
-        monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_WARPGROUPS", f"64:{warpgroups}")
-    monkeypatch.setattr(interface, "_kernels", {})  # the in-memory table does not key on the variables
+def _reverse(cute_env, monkeypatch, on=True, persistent=None, warpgroups=None):
+    """fwd.reverse on / off (unset: d64 causal's default is on), fwd.persistent and fwd.warpgroups (d64 calls
+    only) when given, and an empty in-memory kernel table (it does not key on the overrides)."""
+    cute_env(OVERRIDES=f"fwd.reverse={1 if on else 0}"
+             + (f",fwd.persistent={1 if persistent else 0}" if persistent is not None else "")
+             + (f",fwd.warpgroups={warpgroups}" if warpgroups else ""))
+    for key in list(kernels._kernels):
+        monkeypatch.delitem(kernels._kernels, key)
 
 
 # (batch, seqlen_q, seqlen_k, heads, heads_kv): lengths 1, 17, 1000, 4097; Sq != Sk both ways (Sq > Sk:
@@ -391,14 +383,13 @@ GPU_SHAPES = [(1, 1, 1, 2, 2), (2, 17, 17, 4, 2), (1, 1000, 1000, 4, 1), (1, 409
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("d,persistent", [(64, None), (64, False), (128, None), (128, True)])
-def test_reverse_matches_reference_on_gpu(monkeypatch, dtype, d, persistent):
+def test_reverse_matches_reference_on_gpu(cute_env, monkeypatch, dtype, d, persistent):
     """Causal: test_cute_compile's reference checks (out within the project's bound, lse) with the reverse
     order, d64 in its default persistent kernel and one-tile, d128 one-tile (default) and persistent."""
     from test_cute_compile import test_matches_reference_on_gpu
 
-    _reverse(monkeypatch, persistent=persistent)
-    config = interface._fwd_config(dtype, d, True, "sm_90a")
-    assert config["reverse"] is True
+    _reverse(cute_env, monkeypatch, persistent=persistent)
+    assert kernels.fwd_config(dtype, d, True, "sm_90a").reverse is True
     for shape in GPU_SHAPES:
         test_matches_reference_on_gpu(dtype, d, True, *shape)
 
@@ -409,11 +400,11 @@ def test_reverse_matches_reference_on_gpu(monkeypatch, dtype, d, persistent):
 @pytest.mark.parametrize("causal,window", [(False, (64, 16)), (False, (-1, 40)), (False, (100, -1)),
                                            (True, (48, -1)), (False, (0, 0))])
 @pytest.mark.parametrize("softcap", [0.0, 20.0])
-def test_reverse_window_matches_reference_on_gpu(monkeypatch, d, causal, window, softcap):
+def test_reverse_window_matches_reference_on_gpu(cute_env, monkeypatch, d, causal, window, softcap):
     from test_cute_compile import test_window_and_softcap_match_reference_on_gpu
 
-    _reverse(monkeypatch)
-    assert interface._fwd_config(torch.bfloat16, d, causal, "sm_90a", local=True)["reverse"] is True
+    _reverse(cute_env, monkeypatch)
+    assert kernels.fwd_config(torch.bfloat16, d, causal, "sm_90a", local=True).reverse is True
     for shape in [(2, 333, 333, 4, 2), (1, 129, 517, 2, 1), (1, 700, 200, 2, 2), (1, 17, 1000, 2, 1),
                   (1, 4097, 4097, 2, 2)]:
         test_window_and_softcap_match_reference_on_gpu(d, causal, window, softcap, *shape)
@@ -424,10 +415,10 @@ def test_reverse_window_matches_reference_on_gpu(monkeypatch, d, causal, window,
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal,window,softcap", [(True, (-1, -1), 0.0), (False, (50, 10), 0.0),
                                                    (True, (-1, -1), 15.0)])
-def test_reverse_varlen_matches_reference_on_gpu(monkeypatch, d, causal, window, softcap):
+def test_reverse_varlen_matches_reference_on_gpu(cute_env, monkeypatch, d, causal, window, softcap):
     from test_cute_compile import test_varlen_matches_reference_per_sequence_on_gpu
 
-    _reverse(monkeypatch)
+    _reverse(cute_env, monkeypatch)
     for seqused in (False, True):
         test_varlen_matches_reference_per_sequence_on_gpu(d, causal, window, softcap, seqused)
 
@@ -435,12 +426,12 @@ def test_reverse_varlen_matches_reference_on_gpu(monkeypatch, d, causal, window,
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
 @pytest.mark.parametrize("persistent", [False, True])
-def test_reverse_three_warpgroups_on_gpu(monkeypatch, persistent):
+def test_reverse_three_warpgroups_on_gpu(cute_env, monkeypatch, persistent):
     """d64 causal with 3 consumer warpgroups (BLOCK_M 192, the round robin), reversed."""
     from test_cute_compile import SHAPES3, test_matches_reference_on_gpu
 
-    _reverse(monkeypatch, persistent=persistent, warpgroups=3)
-    assert interface._fwd_config(torch.bfloat16, 64, True, "sm_90a")["warpgroups"] == 3
+    _reverse(cute_env, monkeypatch, persistent=persistent, warpgroups=3)
+    assert kernels.fwd_config(torch.bfloat16, 64, True, "sm_90a").warpgroups == 3
     for shape in SHAPES3:
         test_matches_reference_on_gpu(torch.bfloat16, 64, True, *shape)
 
@@ -460,7 +451,7 @@ def _attn(q, k, v, **kw):
                          ids=["causal", "window", "causal-window"])
 @pytest.mark.parametrize("batch,seqlen_q,seqlen_k,heads,heads_kv", [
     (2, 1000, 1000, 4, 2), (1, 17, 1000, 4, 4), (1, 1000, 17, 2, 1), (1, 4097, 4097, 4, 1), (2, 113, 203, 6, 2)])
-def test_reverse_equals_the_default_order_within_rounding_on_gpu(monkeypatch, d, kw, batch, seqlen_q, seqlen_k,
+def test_reverse_equals_the_default_order_within_rounding_on_gpu(cute_env, monkeypatch, d, kw, batch, seqlen_q, seqlen_k,
                                                                  heads, heads_kv):
     """The same sums in another order: out within the project's bound of the default order's out (2 x
     PyTorch's own low-precision error + rounding), lse to 1e-3 where finite and +inf in the same rows."""
@@ -470,9 +461,9 @@ def test_reverse_equals_the_default_order_within_rounding_on_gpu(monkeypatch, d,
     q = torch.randn(batch, seqlen_q, heads, d, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(batch, seqlen_k, heads_kv, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(batch, seqlen_k, heads_kv, d, device="cuda", dtype=torch.bfloat16)
-    _reverse(monkeypatch, on=False)
+    _reverse(cute_env, monkeypatch, on=False)
     out_def, lse_def = _attn(q, k, v, **kw)
-    _reverse(monkeypatch)
+    _reverse(cute_env, monkeypatch)
     out, lse = _attn(q, k, v, **kw)
     window = kw.get("window_size", (-1, -1))
     ref_kw = dict(causal=kw.get("causal", False), window_size=(window[0], 0 if kw.get("causal") else window[1]))

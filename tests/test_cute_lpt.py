@@ -1,4 +1,4 @@
-"""flash_attn.cute's one-tile causal kernel in longest-first order (FlashFwdSm90 lpt, FLASH_ATTN_CUTE_FWD_LPT):
+"""flash_attn.cute's one-tile causal kernel in longest-first order (FlashFwdSm90 lpt, fwd.lpt in FLASH_ATTN_CUTE_OVERRIDES):
 the block -> tile map, a model of the hardware's block issue that shows what it buys, the switch and its cache
 key, the kernel's PTX for sm_90a (no GPU needed), and on a Hopper GPU (tests marked gpu) bitwise equality with
 the kernel in the former order plus the reference checks."""
@@ -19,17 +19,17 @@ _PKG = os.path.join(ROOT, "packages", "flash-attn-4")
 if _PKG not in sys.path:
     sys.path.insert(0, _PKG)
 
-from flash_attn.cute import interface  # noqa: E402
+from flash_attn.cute import config, kernels  # noqa: E402
 from flash_attn.cute.flash_fwd_sm90 import FlashFwdSm90, lpt_block  # noqa: E402
 
-_KNOBS = ("FLASH_ATTN_CUTE_FWD_PERSISTENT", "FLASH_ATTN_CUTE_FWD_LPT", "FLASH_ATTN_CUTE_FWD_WARPGROUPS",
-          "FLASH_ATTN_CUTE_BLOCK_N", "FLASH_ATTN_CUTE_STAGES", "FLASH_ATTN_CUTE_FWD_TMA_O")
 
 
-def _clean(mp):
-    for var in _KNOBS:
-        mp.delenv(var, raising=False)
-    mp.setattr(interface, "_kernels", {})  # the in-memory table does not key on the variables
+def _clean(cute_env, mp, overrides=None):
+    """FLASH_ATTN_CUTE_OVERRIDES as given (None: the defaults), and an empty in-memory kernel table (it does not
+    key on the overrides)."""
+    cute_env(OVERRIDES=overrides)
+    for key in list(kernels._kernels):
+        mp.delitem(kernels._kernels, key)
 
 
 def _hopper():
@@ -72,47 +72,46 @@ def test_lpt_order_balances_the_one_tile_grid(seqlen, batch, heads, d, block_n):
     assert _makespan(seqlen, batch, heads, d, block_n, False) >= 1.06
 
 
-def test_lpt_in_the_cache_key_only_when_on(monkeypatch):
+def test_lpt_in_the_cache_key_only_when_on(cute_env, monkeypatch):
     """Unset: on for dense causal calls of the one-tile kernel (not varlen, windowed or persistent, not
-    without a mask); "0" / "D:0" off; {"lpt": True} in the key exactly when the kernel is built with it."""
-    _clean(monkeypatch)
-    cfg = lambda d, causal, **kw: interface._fwd_config(torch.bfloat16, d, causal, "sm_90a", **kw)  # noqa: E731
+    without a mask); fwd.lpt=0 off; {"lpt": True} in the key exactly when the kernel is built with it."""
+    _clean(cute_env, monkeypatch)
+    cfg = lambda d, causal, **kw: kernels.fwd_config(torch.bfloat16, d, causal, "sm_90a", **kw).key()  # noqa: E731
+    make = lambda d, causal, **kw: kernels._make_kernel(kernels.fwd_config(torch.bfloat16, d, causal, **kw))  # noqa: E731
     for d in (96, 128, 192, 256):
         c = cfg(d, True)
-        assert c["lpt"] is True and interface._make_kernel(c).lpt
+        assert c["lpt"] is True and make(d, True).lpt
         assert cfg(d, True, softcap=True)["lpt"] and cfg(d, True, sink=True)["lpt"]
-        # the short-key kernel of the head dims of _FWD_LPT_SHORT_OFF (d128) keeps the former order
-        assert cfg(d, True, short=True).get("lpt") is (None if d in interface._FWD_LPT_SHORT_OFF else True)
-        for off in (cfg(d, False), cfg(d, True, varlen=True), cfg(d, True, local=True), cfg(d, False, local=True)):
-            assert "lpt" not in off and not interface._make_kernel(off).lpt
-    assert interface._FWD_LPT_SHORT_OFF == {128} and 128 in interface._short_dims()
+        # the short-key kernel of the head dims of config.LPT_SHORT_OFF (d128) keeps the former order
+        assert cfg(d, True, short=True).get("lpt") is (None if d in config.LPT_SHORT_OFF else True)
+        for causal, kw in ((False, {}), (True, dict(varlen=True)), (True, dict(local=True)), (False, dict(local=True))):
+            assert "lpt" not in cfg(d, causal, **kw) and not make(d, causal, **kw).lpt
+    assert config.LPT_SHORT_OFF == {128} and 128 in config.short_dims()
     assert cfg(256, True, short=True) == cfg(256, True)  # no short-key kernel of its own at d256
     assert cfg(64, True).get("persistent") and "lpt" not in cfg(64, True)  # d64 causal: the persistent kernel
-    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_PERSISTENT", "0")
+    cute_env(OVERRIDES="fwd.persistent=0")
     assert cfg(64, True)["lpt"]
-    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_LPT", "0")
+    cute_env(OVERRIDES="fwd.persistent=0,fwd.lpt=0")
     c = cfg(128, True)
-    assert "lpt" not in c and not interface._make_kernel(c).lpt
-    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_LPT", "256:0")
-    assert cfg(128, True)["lpt"] and "lpt" not in cfg(256, True)
+    assert "lpt" not in c and not make(128, True).lpt and "lpt" not in cfg(256, True)
+    assert "lpt" not in cfg(64, True)
 
 
-def _ptx(d, monkeypatch, lpt):
+def _ptx(d, cute_env, monkeypatch, lpt):
     import tempfile
 
-    _clean(monkeypatch)
-    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_LPT", "1" if lpt else "0")
+    _clean(cute_env, monkeypatch, f"fwd.lpt={1 if lpt else 0}")
     with tempfile.TemporaryDirectory() as tmp:
-        interface.compile_fwd(torch.bfloat16, d, True, dump_dir=tmp)
+        kernels.compile_fwd(torch.bfloat16, d, True, dump_dir=tmp)
         (path,) = glob.glob(os.path.join(tmp, "*.ptx"))
         return open(path).read()
 
 
 @pytest.mark.parametrize("d", [128, 256])
-def test_lpt_ptx_reads_the_whole_grid(monkeypatch, d):
+def test_lpt_ptx_reads_the_whole_grid(cute_env, monkeypatch, d):
     """The lpt kernel maps its block through the grid's y and z extents (heads, batch); the former order reads
     only x's."""
-    on, off = _ptx(d, monkeypatch, True), _ptx(d, monkeypatch, False)
+    on, off = _ptx(d, cute_env, monkeypatch, True), _ptx(d, cute_env, monkeypatch, False)
     for ptx, want in ((on, True), (off, False)):
         assert "%nctaid.x" in ptx
         assert ("%nctaid.y" in ptx and "%nctaid.z" in ptx) == want
@@ -122,7 +121,7 @@ def test_lpt_ptx_reads_the_whole_grid(monkeypatch, d):
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
 @pytest.mark.parametrize("d", [128, 256])
-def test_lpt_equals_former_order_on_gpu(monkeypatch, d):
+def test_lpt_equals_former_order_on_gpu(cute_env, monkeypatch, d):
     """Each tile runs the same code on the same blocks whatever CTA runs it: out and lse bitwise equal to the
     kernel in the former order, over many waves (GQA, Sq != Sk, several batches)."""
     from flash_attn.cute import flash_attn_func
@@ -131,11 +130,10 @@ def test_lpt_equals_former_order_on_gpu(monkeypatch, d):
     q = torch.randn(3, 3001, 8, d, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(3, 3300, 2, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(3, 3300, 2, d, device="cuda", dtype=torch.bfloat16)
-    _clean(monkeypatch)
-    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_LPT", "0")
+    _clean(cute_env, monkeypatch, "fwd.lpt=0")
     ref_out, ref_lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
-    _clean(monkeypatch)
-    assert interface._fwd_config(torch.bfloat16, d, True, "sm_90a")["lpt"]
+    _clean(cute_env, monkeypatch)
+    assert kernels.fwd_config(torch.bfloat16, d, True, "sm_90a").lpt
     out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
     torch.cuda.synchronize()
     assert torch.equal(out, ref_out)
@@ -146,13 +144,13 @@ def test_lpt_equals_former_order_on_gpu(monkeypatch, d):
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
 @pytest.mark.parametrize("d", [96, 128, 192, 256])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_lpt_matches_reference_on_gpu(monkeypatch, d, dtype):
+def test_lpt_matches_reference_on_gpu(cute_env, monkeypatch, d, dtype):
     """The reference checks of the one-tile kernel's tests with the lpt order (the default), over shapes with
     one tile, odd lengths, GQA / MQA, Sq != Sk both ways and many waves."""
     from test_cute_compile import test_matches_reference_on_gpu
 
-    _clean(monkeypatch)
-    assert interface._fwd_config(dtype, d, True, "sm_90a")["lpt"]
+    _clean(cute_env, monkeypatch)
+    assert kernels.fwd_config(dtype, d, True, "sm_90a").lpt
     for shape in [(1, 1, 1, 2, 2), (2, 113, 203, 6, 2), (1, 1023, 1023, 4, 1), (2, 256, 77, 2, 2),
                   (3, 17, 2049, 5, 1), (2, 4097, 4097, 16, 4), (1, 2000, 333, 12, 3), (9, 640, 640, 8, 8)]:
         test_matches_reference_on_gpu(dtype, d, True, *shape)

@@ -5,7 +5,7 @@ PTX (one Q box per head, each into its own rows of the tile; ptxas clean). On a 
 every option against the reference, dense and varlen.
 
 The packed kernel was written without a GPU (session 15) and its GPU tests here passed in session 16;
-FLASH_ATTN_CUTE_PACK_GQA=0 runs every call unpacked (interface._pack_group; the same result)."""
+FLASH_ATTN_CUTE_DISABLE=pack_gqa runs every call unpacked (plan._pack_group; the same result)."""
 import glob
 import os
 import re
@@ -21,19 +21,25 @@ _PKG = os.path.join(ROOT, "packages", "flash-attn-4")
 if _PKG not in sys.path:
     sys.path.insert(0, _PKG)
 
-from flash_attn.cute import interface  # noqa: E402
+from flash_attn.cute import config, interface, kernels, launch, plan  # noqa: E402
 from flash_attn.cute.flash_fwd_sm90 import packed_row  # noqa: E402
 from flash_attn.testing import (  # noqa: E402
     assert_close_to_ref, assert_lse_close, assert_ptxas_clean, attention_lse_ref, attention_ref, fa4_window,
 )
 
-_KNOBS = [v for v in os.environ if v.startswith("FLASH_ATTN_CUTE_")]
 
 
 @pytest.fixture(autouse=True)
-def _defaults(monkeypatch):
-    for var in _KNOBS:
-        monkeypatch.delenv(var, raising=False)
+def _defaults(cute_env):
+    """No FLASH_ATTN_CUTE_OVERRIDES / FLASH_ATTN_CUTE_DISABLE: the default kernels."""
+
+
+def _swap_kernels(monkeypatch, table):
+    """Replace the contents of the one in-memory kernel table (kernels._kernels) for the test."""
+    for key in list(kernels._kernels):
+        monkeypatch.delitem(kernels._kernels, key)
+    for key, fn in table.items():
+        monkeypatch.setitem(kernels._kernels, key, fn)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -62,43 +68,45 @@ def test_packed_rows_cover_every_query_row_once(block_m, group, seqlen_q):
     assert sorted(seen) == [(s, j) for s in range(seqlen_q) for j in range(group)]
 
 
-def test_pack_group_rules(monkeypatch):
-    """pack_gqa=True packs H // Hk when that is one of _PACK_GROUPS (by default: FLASH_ATTN_CUTE_PACK_GQA=0 turns
-    the packed kernel off); None packs it where _pack_helps (short query sequences, varlen) with
-    FLASH_ATTN_CUTE_PACK_GQA=auto, else not yet; False: unpacked."""
-    assert interface._PACK_GROUPS == (2, 4, 8, 16)
+def test_pack_group_rules(cute_env):
+    """pack_gqa=True packs H // Hk when that is one of config.PACK_GROUPS (by default: FLASH_ATTN_CUTE_DISABLE=pack_gqa
+    turns the packed kernel off); None packs it where _pack_helps (short query sequences, varlen) with the plan rule
+    plan.pack_gqa_auto=1, else not yet; False: unpacked."""
+    assert config.PACK_GROUPS == (2, 4, 8, 16)
     for h, hk, want in [(16, 2, 8), (8, 4, 2), (32, 8, 4), (16, 1, 16), (4, 4, 1), (12, 4, 1), (32, 1, 1),
                         (40, 8, 1)]:
-        assert interface._pack_group(True, h, hk) == want, (h, hk)
-    assert interface._pack_group(False, 16, 2) == interface._pack_group(False, 16, 2, 1) == 1
-    # None: unpacked until the rule is measured; with FLASH_ATTN_CUTE_PACK_GQA=auto packed where the packed tiles
+        assert plan._pack_group(True, h, hk) == want, (h, hk)
+    assert plan._pack_group(False, 16, 2) == plan._pack_group(False, 16, 2, 1) == 1
+    # None: unpacked until the rule is measured; with plan.pack_gqa_auto=1 packed where the packed tiles
     # hold clearly more real rows (decoding, short or ragged lengths; varlen)
-    assert interface._pack_group(None, 16, 2, 1) == interface._pack_group(None, 16, 2) == 1
-    monkeypatch.setenv("FLASH_ATTN_CUTE_PACK_GQA", "auto")
-    assert interface._pack_group(True, 16, 2) == 8
+    assert plan._pack_group(None, 16, 2, 1) == plan._pack_group(None, 16, 2) == 1
+    cute_env(OVERRIDES="plan.pack_gqa_auto=1")
+    assert plan._pack_group(True, 16, 2) == 8
     for sq, want in [(None, 8), (1, 8), (5, 8), (100, 8), (300, 8), (1024, 1), (4096, 1), (4000, 1), (129, 8)]:
-        assert interface._pack_group(None, 16, 2, sq) == want, sq
-    assert interface._pack_group(None, 12, 4, 1) == interface._pack_group(None, 8, 8, 1) == 1
-    assert interface._pack_helps(8, 1) and interface._pack_helps(2, 1) and not interface._pack_helps(2, 120)
-    assert not interface._pack_helps(16, 0) and not interface._pack_helps(4, 128) and not interface._pack_helps(4, 250)
-    monkeypatch.setenv("FLASH_ATTN_CUTE_PACK_GQA", "0")
-    assert interface._pack_group(True, 16, 2) == interface._pack_group(None, 16, 2, 1) == 1
+        assert plan._pack_group(None, 16, 2, sq) == want, sq
+    assert plan._pack_group(None, 12, 4, 1) == plan._pack_group(None, 8, 8, 1) == 1
+    assert plan._pack_helps(8, 1) and plan._pack_helps(2, 1) and not plan._pack_helps(2, 120)
+    assert not plan._pack_helps(16, 0) and not plan._pack_helps(4, 128) and not plan._pack_helps(4, 250)
+    cute_env(OVERRIDES=None, DISABLE="pack_gqa")
+    assert plan._pack_group(True, 16, 2) == plan._pack_group(None, 16, 2, 1) == 1
+    cute_env(OVERRIDES="plan.pack_gqa_auto=1", DISABLE="pack_gqa")  # the switch wins over the rule
+    assert plan._pack_group(True, 16, 2) == plan._pack_group(None, 16, 2, 1) == 1
 
 
 def test_pack_config():
     """The packed kernel is the one-tile kernel with the direct O store at every length (no persistent, TMA O,
     short- or long-key kernel), keyed by its group; 2 warpgroups where 3 would give a head rows that do not start
     on an 8-row atom; pack=1 leaves every config as it was."""
-    cfg = lambda d, causal, **kw: interface._fwd_config(torch.bfloat16, d, causal, "sm_90a", **kw)  # noqa: E731
+    cfg = lambda d, causal, **kw: kernels.fwd_config(torch.bfloat16, d, causal, "sm_90a", **kw).key()  # noqa: E731
     for d, causal in [(64, False), (64, True), (128, False), (128, True), (256, True), (96, False)]:
         for kw in (dict(), dict(short=True), dict(long=True), dict(varlen=True), dict(sink=True), dict(local=True)):
             assert cfg(d, causal, pack=1, **kw) == cfg(d, causal, **kw)
             assert "pack_gqa" not in cfg(d, causal, **kw)
-            for g in interface._PACK_GROUPS:
+            for g in config.PACK_GROUPS:
                 packed = cfg(d, causal, pack=g, **kw)
                 assert packed["pack_gqa"] == g
                 assert not packed.get("persistent") and not packed.get("tma_o")
-                kernel = interface._make_kernel(packed)
+                kernel = kernels._make_kernel(kernels.fwd_config(torch.bfloat16, d, causal, "sm_90a", pack=g, **kw))
                 assert kernel.pack_gqa == g and kernel.block_q * g == kernel.block_m and kernel.block_q % 8 == 0
                 unpacked = {k: v for k, v in cfg(d, causal, **{**kw, "short": False, "long": False}).items()
                             if k not in ("persistent", "tma_o", "reverse", "snake", "lpt", "warpgroups", "block_n",
@@ -106,7 +114,7 @@ def test_pack_config():
                 assert {k: v for k, v in packed.items() if k in unpacked} == unpacked
     assert cfg(64, False)["warpgroups"] == 3 and cfg(64, False, pack=8)["warpgroups"] == 3  # 24 rows per head
     assert "warpgroups" not in cfg(64, False, pack=16)  # 12 rows per head: 2 warpgroups, 8 rows
-    names = {interface._entry(torch.bfloat16, 128, True, "sm_90a", pack=g)[2] for g in (1, 2, 8)}
+    names = {kernels._entry(torch.bfloat16, 128, True, "sm_90a", pack=g)[2] for g in (1, 2, 8)}
     assert len(names) == 3 and any("-pack8-" in n for n in names)
 
 
@@ -124,7 +132,7 @@ def test_kernel_refuses_what_it_cannot_pack():
     assert FlashFwdSm90(bf16, 64, False, num_warpgroups=3, pack_gqa=8).block_q == 24
 
 
-def test_pack_gqa_selects_the_packed_kernel_per_call(monkeypatch):
+def test_pack_gqa_selects_the_packed_kernel_per_call(cute_env, monkeypatch):
     """flash_attn_func / flash_attn_varlen_func with pack_gqa=True run the packed kernel of their group (any key
     length: never the short- or long-key one), and the usual one when the group cannot be packed, pack_gqa is not
     set, or the packed kernel is off."""
@@ -136,19 +144,19 @@ def test_pack_gqa_selects_the_packed_kernel_per_call(monkeypatch):
                      (True,), (True, "pack", 8)]:
             key = (torch.bfloat16, d, causal, "sm_90a", False, False) + tail
             table[key] = (lambda *a, key=key: calls.append(key[6:]))
-    monkeypatch.setattr(interface, "_kernels", table)
+    _swap_kernels(monkeypatch, table)
 
     def fail(*a, **kw):
         raise AssertionError(f"not in the table: {a} {kw}")
 
-    monkeypatch.setattr(interface, "fwd_kernel", fail)
+    monkeypatch.setattr(launch, "fwd_kernel", fail)
     mk = lambda s, h, d: torch.randn(1, s, h, d, dtype=torch.bfloat16)  # noqa: E731
     # by default pack_gqa=True packs and None does not (its rule awaits its A/B)
     interface.flash_attn_func(mk(1, 16, 128), mk(500, 2, 128), mk(500, 2, 128), pack_gqa=True)
     assert calls[-1] == ("pack", 8)
     interface.flash_attn_func(mk(1, 16, 128), mk(500, 2, 128), mk(500, 2, 128))
     assert calls[-1] == ("short",)
-    monkeypatch.setenv("FLASH_ATTN_CUTE_PACK_GQA", "auto")  # None's rule on
+    cute_env(OVERRIDES="plan.pack_gqa_auto=1")  # None's rule on
     cases = [  # (Sq, Sk, H, Hk, d, causal, kwargs, expected key tail)
         (1, 500, 16, 2, 128, False, dict(pack_gqa=True), ("pack", 8)),
         (3, 9000, 16, 2, 64, True, dict(pack_gqa=True), ("pack", 8)),  # not the long-key kernel
@@ -176,7 +184,7 @@ def test_pack_gqa_selects_the_packed_kernel_per_call(monkeypatch):
     for kw, want in [(dict(), (True,)), (dict(pack_gqa=True), (True, "pack", 8))]:
         interface.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu2, cu_seqlens_k=cu2, causal=True, **kw)
         assert calls[-1] == want
-    monkeypatch.setenv("FLASH_ATTN_CUTE_PACK_GQA", "0")
+    cute_env(DISABLE="pack_gqa")
     interface.flash_attn_func(mk(1, 16, 128), mk(500, 2, 128), mk(500, 2, 128), pack_gqa=True)
     assert calls[-1] == ("short",)
     interface.flash_attn_func(mk(1, 16, 128), mk(500, 2, 128), mk(500, 2, 128))
@@ -198,9 +206,9 @@ def test_packed_kernel_loads_one_q_box_per_head(tmp_path, case):
     each written at the shared-memory offset of its head's first row, with one mbarrier for all of them; the
     kernel is ptxas clean."""
     dtype, d, causal, kw, g = case
-    cfg = interface._fwd_config(dtype, d, causal, "sm_90a", pack=g, **kw)
-    kernel = interface._make_kernel(cfg)
-    interface.compile_fwd(dtype, d, causal, dump_dir=str(tmp_path), pack=g, **kw)
+    cfg = kernels.fwd_config(dtype, d, causal, "sm_90a", pack=g, **kw)
+    kernel = kernels._make_kernel(cfg)
+    kernels.compile_fwd(dtype, d, causal, dump_dir=str(tmp_path), pack=g, **kw)
     (ptx,) = glob.glob(str(tmp_path / "*.ptx"))
     text = open(ptx).read()
     # (shared address register, its offset, the mbarrier operand) of every TMA load
@@ -260,8 +268,7 @@ def test_packed_matches_reference_on_gpu(monkeypatch, dtype, d, causal, batch, s
                                          heads_kv):
     from flash_attn.cute import flash_attn_func
 
-    monkeypatch.setenv("FLASH_ATTN_CUTE_PACK_GQA", "1")
-    monkeypatch.setattr(interface, "_kernels", {})  # the kernels this call runs, loaded anew from the disk cache
+    _swap_kernels(monkeypatch, {})  # the kernels this call runs, loaded anew from the disk cache
     torch.manual_seed(0)
     q = torch.randn(batch, seqlen_q, heads, d, device="cuda", dtype=dtype)
     k = torch.randn(batch, seqlen_k, heads_kv, d, device="cuda", dtype=dtype)
@@ -269,7 +276,7 @@ def test_packed_matches_reference_on_gpu(monkeypatch, dtype, d, causal, batch, s
     out, lse = flash_attn_func(q, k, v, causal=causal, pack_gqa=True, return_lse=True)
     torch.cuda.synchronize()
     g = heads // heads_kv
-    assert any(key[-2:] == ("pack", g) for key in interface._kernels)  # the packed kernel ran
+    assert any(key[-2:] == ("pack", g) for key in kernels._kernels)  # the packed kernel ran
     out_ref, _ = attention_ref(q, k, v, causal=causal)
     out_pt, _ = attention_ref(q, k, v, causal=causal, upcast=False, reorder_ops=True)
     assert_close_to_ref(out, out_ref, out_pt)
@@ -286,8 +293,7 @@ def test_packed_options_match_reference_on_gpu(monkeypatch, d, causal, window, s
                                                heads, heads_kv):
     from flash_attn.cute import flash_attn_func
 
-    monkeypatch.setenv("FLASH_ATTN_CUTE_PACK_GQA", "1")
-    monkeypatch.setattr(interface, "_kernels", {})  # the kernels this call runs, loaded anew from the disk cache
+    _swap_kernels(monkeypatch, {})  # the kernels this call runs, loaded anew from the disk cache
     torch.manual_seed(0)
     dtype = torch.bfloat16
     q = torch.randn(2, seqlen_q, heads, d, device="cuda", dtype=dtype)
@@ -317,8 +323,7 @@ def test_packed_varlen_matches_reference_per_sequence_on_gpu(monkeypatch, d, cau
     head, each against the reference on its own slice; q rows after the last sequence stay 0 / +inf."""
     from flash_attn.cute import flash_attn_varlen_func
 
-    monkeypatch.setenv("FLASH_ATTN_CUTE_PACK_GQA", "1")
-    monkeypatch.setattr(interface, "_kernels", {})  # the kernels this call runs, loaded anew from the disk cache
+    _swap_kernels(monkeypatch, {})  # the kernels this call runs, loaded anew from the disk cache
     torch.manual_seed(0)
     heads, heads_kv = 16, 2
     lens_q, lens_k, caps = [1, 0, 17, 1, 40, 300], [500, 9, 40, 1, 0, 260], [123, 9, 33, 0, 0, 260]
@@ -333,7 +338,7 @@ def test_packed_varlen_matches_reference_per_sequence_on_gpu(monkeypatch, d, cau
     out, lse = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_k=seqused_k, causal=causal, window_size=fa4_window(window),
                                       learnable_sink=sink_t, pack_gqa=True, return_lse=True)
     torch.cuda.synchronize()
-    assert any(key[-2:] == ("pack", 8) and True in key for key in interface._kernels)
+    assert any(key[-2:] == ("pack", 8) and True in key for key in kernels._kernels)
     ref_window = (window[0], 0 if causal else window[1])
     for b, (sq, sk) in enumerate(zip(lens_q, used)):
         q0, k0 = int(cu_q[b]), int(cu_k[b])

@@ -1,4 +1,4 @@
-"""flash_attn.cute's persistent forward (FLASH_ATTN_CUTE_FWD_PERSISTENT=1, dense calls): the static tile
+"""flash_attn.cute's persistent forward (FwdConfig.persistent, FLASH_ATTN_CUTE_OVERRIDES=fwd.persistent=1, dense calls): the static tile
 order, the switch and its cache key, the launch argument it adds, the kernel's PTX / SASS for sm_90a (no
 GPU needed), and on a Hopper GPU (tests marked gpu) the reference checks of the one-tile kernel's tests."""
 import glob
@@ -18,18 +18,26 @@ _PKG = os.path.join(ROOT, "packages", "flash-attn-4")
 if _PKG not in sys.path:
     sys.path.insert(0, _PKG)
 
-from flash_attn.cute import interface  # noqa: E402
+from flash_attn.cute import config, interface, kernels, plan, settings  # noqa: E402
 from flash_attn.cute.flash_fwd_sm90 import FlashFwdSm90, cta_tile, tile_coords  # noqa: E402
 from flash_attn.testing import assert_ptxas_clean, cuobjdump_path  # noqa: E402
 
-_KNOBS = ("FLASH_ATTN_CUTE_FWD_PERSISTENT", "FLASH_ATTN_CUTE_FWD_WARPGROUPS", "FLASH_ATTN_CUTE_BLOCK_N",
-          "FLASH_ATTN_CUTE_STAGES", "FLASH_ATTN_CUTE_FWD_WG_ORDER", "FLASH_ATTN_CUTE_EXP2_EMU",
-          "FLASH_ATTN_CUTE_FWD_SNAKE", "FLASH_ATTN_CUTE_FWD_REVERSE")
 
 
-def _clean(mp):
-    for var in _KNOBS:
-        mp.delenv(var, raising=False)
+def _swap_kernels(monkeypatch, table):
+    """Replace the contents of the one in-memory kernel table (kernels._kernels) for the test."""
+    for key in list(kernels._kernels):
+        monkeypatch.delitem(kernels._kernels, key)
+    for key, fn in table.items():
+        monkeypatch.setitem(kernels._kernels, key, fn)
+
+
+def _cfg(dtype, d, causal, **kw):
+    return kernels.fwd_config(dtype, d, causal, "sm_90a", **kw).key()
+
+
+def _make(dtype, d, causal, **kw):
+    return kernels._make_kernel(kernels.fwd_config(dtype, d, causal, "sm_90a", **kw))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -87,8 +95,8 @@ def test_snake_deals_every_tile_once(num_tiles, num_ctas):
                                                           (4096, 4, 8, 256, 80)])
 def test_snake_balances_the_causal_tiles(seqlen, batch, heads, d, block_n):
     """The default causal schedule (one longest-first order, dealt in a snake) keeps every CTA's work
-    within 3% of the mean on 132 SMs; the former one (L2-sized sections dealt round robin, FLASH_ATTN_CUTE_
-    FWD_SNAKE=0) gave one CTA 1.15x (d128) to 1.42x (d256) of the mean, and the CTAs wait for it."""
+    within 3% of the mean on 132 SMs; the former one (L2-sized sections dealt round robin, fwd.snake=0 in
+    FLASH_ATTN_CUTE_OVERRIDES) gave one CTA 1.15x (d128) to 1.42x (d256) of the mean, and the CTAs wait for it."""
     num_m, num_hb = seqlen // 128, batch * heads
     snake = _cta_work(num_m, num_hb, num_hb, 132, True, block_n=block_n)
     assert max(snake) <= 1.03 * sum(snake) / 132
@@ -98,25 +106,27 @@ def test_snake_balances_the_causal_tiles(seqlen, batch, heads, d, block_n):
         assert max(old) >= 1.1 * sum(old) / 132
 
 
-def test_snake_in_the_cache_key_only_when_off(monkeypatch):
-    """Unset: the snake for persistent causal kernels but at d64 (_FWD_SNAKE_OFF, its measured default); "1" /
-    "0" (or per head dim) on / off; {"snake": False} in the key only for a persistent causal kernel without it."""
-    _clean(monkeypatch)
-    cfg = lambda d, causal: interface._fwd_config(torch.bfloat16, d, causal, "sm_90a")  # noqa: E731
+def test_snake_in_the_cache_key_only_when_off(cute_env, monkeypatch):
+    """Unset: the snake for persistent causal kernels but at d64 (config.SNAKE_OFF, its measured default);
+    fwd.snake=1 / 0 on / off; {"snake": False} in the key only for a persistent causal kernel without it."""
+    cfg = lambda d, causal: _cfg(torch.bfloat16, d, causal)  # noqa: E731
+    make = lambda d, causal: _make(torch.bfloat16, d, causal)  # noqa: E731
     d64 = cfg(64, True)
-    assert d64["persistent"] and d64["snake"] is False and not interface._make_kernel(d64).snake
+    assert d64["persistent"] and d64["snake"] is False and not make(64, True).snake
     assert "snake" not in cfg(128, True)  # the one-tile kernel: nothing to switch
-    assert not interface._make_kernel(cfg(64, False)).snake  # one-tile (and non-causal): no schedule
-    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_PERSISTENT", "1")
+    # (d64 non-causal: persistent without a causal schedule, so no snake either)
+    assert not make(64, False).snake and "snake" not in cfg(64, False)
+    cute_env(OVERRIDES="fwd.persistent=1")
     d128 = cfg(128, True)
-    assert "snake" not in d128 and interface._make_kernel(d128).snake
-    assert not interface._make_kernel(cfg(128, False)).snake
-    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_SNAKE", "1")
-    assert cfg(64, True) == {k: v for k, v in d64.items() if k != "snake"} and interface._make_kernel(cfg(64, True)).snake
-    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_SNAKE", "0")
-    assert cfg(128, True) == {**d128, "snake": False} and not interface._make_kernel(cfg(128, True)).snake
-    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_SNAKE", "128:1")
-    assert cfg(128, True) == d128 and cfg(64, True)["snake"] is False
+    assert "snake" not in d128 and make(128, True).snake
+    assert not make(128, False).snake
+    cute_env(OVERRIDES="fwd.persistent=1,fwd.snake=1")
+    assert cfg(64, True) == {k: v for k, v in d64.items() if k != "snake"} and make(64, True).snake
+    cute_env(OVERRIDES="fwd.persistent=1,fwd.snake=0")
+    assert cfg(128, True) == {**d128, "snake": False} and not make(128, True).snake
+    cute_env(OVERRIDES=None)  # per head dim: the table (the former "D:1" values are gone)
+    monkeypatch.setattr(config, "SNAKE_OFF", frozenset())
+    assert cfg(64, True) == {k: v for k, v in d64.items() if k != "snake"} and make(64, True).snake
 
 
 def test_dense_order_runs_a_heads_query_blocks_together():
@@ -128,27 +138,26 @@ def test_dense_order_runs_a_heads_query_blocks_together():
 # The switch, the cache key, the launch
 
 
-def test_persistent_in_the_cache_key_only_when_on(monkeypatch):
-    _clean(monkeypatch)
-    # by default d64 calls only (the measured wins; see interface._FWD_PERSISTENT)
+def test_persistent_in_the_cache_key_only_when_on(cute_env):
+    # by default d64 calls only (the measured wins; see config.PERSISTENT)
     for d, causal in itertools.product((64, 128), (False, True)):
-        config = interface._fwd_config(torch.bfloat16, d, causal, "sm_90a")
-        assert config.get("persistent", False) is (d == 64)
-    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_PERSISTENT", "0")
+        cfg = _cfg(torch.bfloat16, d, causal)
+        assert cfg.get("persistent", False) is (d == 64)
+    cute_env(OVERRIDES="fwd.persistent=0")
     for d, causal in itertools.product((64, 128), (False, True)):
-        assert "persistent" not in interface._fwd_config(torch.bfloat16, d, causal, "sm_90a")
-    assert "persistent" not in interface._fwd_config(torch.bfloat16, 64, True, "sm_90a")
-    off_key = interface._entry(torch.bfloat16, 64, True, "sm_90a")[1]
-    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_PERSISTENT", "1")
+        assert "persistent" not in _cfg(torch.bfloat16, d, causal)
+    assert "persistent" not in _cfg(torch.bfloat16, 64, True)
+    off_key = kernels._entry(torch.bfloat16, 64, True, "sm_90a")[1]
+    cute_env(OVERRIDES="fwd.persistent=1")
     for d, causal in itertools.product((64, 128), (False, True)):
-        config = interface._fwd_config(torch.float16, d, causal, "sm_90a")
-        assert config["persistent"] is True
-        assert interface._make_kernel(config).persistent
-    config, key, name, _ = interface._entry(torch.bfloat16, 64, True, "sm_90a")
+        cfg = _cfg(torch.float16, d, causal)
+        assert cfg["persistent"] is True
+        assert _make(torch.float16, d, causal).persistent
+    cfg, key, name, _ = kernels._entry(torch.bfloat16, 64, True, "sm_90a")
     assert key != off_key and "-persistent-" in name
     # windows, softcap, varlen and sinks keep the one-tile kernel (and its key)
     for kw in (dict(local=True), dict(softcap=True), dict(varlen=True), dict(sink=True)):
-        assert "persistent" not in interface._fwd_config(torch.bfloat16, 64, True, "sm_90a", **kw)
+        assert "persistent" not in _cfg(torch.bfloat16, 64, True, **kw)
 
 
 def test_persistent_kernel_refuses_what_it_does_not_do():
@@ -162,24 +171,23 @@ def test_persistent_kernel_refuses_what_it_does_not_do():
 def test_fwd_kernel_adds_the_sm_count(monkeypatch):
     """The cached callable takes the one-tile kernel's arguments and appends the device's SM count,
     the persistent kernel's last argument; the one-tile kernel is returned as it is."""
-    _clean(monkeypatch)
     seen = []
 
     def fake(*args):
         seen.append(args)
 
-    monkeypatch.setattr(interface, "load_or_build", lambda *a, **k: (fake, "compiled"))
-    monkeypatch.setattr(interface, "_kernels", {})
-    monkeypatch.setattr(interface, "_origins", {})
-    monkeypatch.setattr(interface, "_sm_counts", {-1: 132})  # CPU tensors: device index -1
+    monkeypatch.setattr(kernels, "load_or_build", lambda *a, **k: (fake, "compiled"))
+    _swap_kernels(monkeypatch, {})
+    monkeypatch.setattr(kernels, "_origins", {})
+    monkeypatch.setitem(plan._sm_counts, -1, 132)  # CPU tensors: device index -1 (kernels reads plan's dict)
     q = torch.zeros(1)
-    assert interface.fwd_kernel(torch.bfloat16, 128, False) is fake
-    monkeypatch.setattr(interface, "_kernels", {})
-    fn = interface.fwd_kernel(torch.bfloat16, 64, True)  # persistent by default
+    assert kernels.fwd_kernel(torch.bfloat16, 128, False) is fake
+    _swap_kernels(monkeypatch, {})
+    fn = kernels.fwd_kernel(torch.bfloat16, 64, True)  # persistent by default
     fn(q, q, q, q, q, 0.125, 0.0, 0, 0)
     assert seen[-1][5:] == (0.125, 0.0, 0, 0, 132)
     # a window still gets the one-tile kernel, unwrapped
-    assert interface.fwd_kernel(torch.bfloat16, 64, True, local=True) is fake
+    assert kernels.fwd_kernel(torch.bfloat16, 64, True, local=True) is fake
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -200,17 +208,19 @@ def persistent(request, tmp_path_factory):
     """(config tuple, fwd config, PTX text, PTX path, cubin path) of the persistent forward."""
     dtype, d, causal, wg = request.param
     dump = tmp_path_factory.mktemp("ptxp")
-    with pytest.MonkeyPatch.context() as mp:
-        _clean(mp)
-        mp.setenv("FLASH_ATTN_CUTE_FWD_PERSISTENT", "1")
-        if wg:
-            mp.setenv("FLASH_ATTN_CUTE_FWD_WARPGROUPS", str(wg))
-        config = interface._fwd_config(dtype, d, causal, "sm_90a")
-        interface.compile_fwd(dtype, d, causal, arch="sm_90a", dump_dir=str(dump))
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.delenv(settings.DISABLE, raising=False)
+            mp.setenv(settings.OVERRIDES, "fwd.persistent=1" + (f",fwd.warpgroups={wg}" if wg else ""))
+            settings.reload()
+            cfg = _cfg(dtype, d, causal)
+            kernels.compile_fwd(dtype, d, causal, arch="sm_90a", dump_dir=str(dump))
+    finally:
+        settings.reload()
     (path,) = glob.glob(str(dump / "*.ptx"))
     (cubin,) = glob.glob(str(dump / "*.cubin"))
     with open(path) as f:
-        return request.param, config, f.read(), path, cubin
+        return request.param, cfg, f.read(), path, cubin
 
 
 def _lines(text, start):
@@ -299,14 +309,11 @@ def _hopper():
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
-def _persistent_on(monkeypatch, warpgroups=None, wg_order=None):
-    _clean(monkeypatch)
-    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_PERSISTENT", "1")
-    if warpgroups:
-        monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_WARPGROUPS", f"64:{warpgroups}")
-    if wg_order is not None:
-        monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_WG_ORDER", wg_order)
-    monkeypatch.setattr(interface, "_kernels", {})  # the in-memory table does not key on the variables
+def _persistent_on(cute_env, monkeypatch, warpgroups=None, wg_order=None):
+    """fwd.persistent=1 (fwd.warpgroups / fwd.wg_order as given: d64 calls only)."""
+    cute_env(OVERRIDES="fwd.persistent=1" + (f",fwd.warpgroups={warpgroups}" if warpgroups else "")
+             + (f",fwd.wg_order={wg_order}" if wg_order is not None else ""))
+    _swap_kernels(monkeypatch, {})  # the in-memory table does not key on the overrides
 
 
 # (batch, seqlen_q, seqlen_k, heads, heads_kv): 1 row; odd lengths; GQA / MQA; Sq != Sk both ways (causal
@@ -321,14 +328,14 @@ PSHAPES = [(1, 1, 1, 2, 2), (2, 128, 128, 4, 4), (2, 113, 203, 6, 2), (1, 1023, 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-def test_persistent_matches_reference_on_gpu(monkeypatch, dtype, d, causal):
+def test_persistent_matches_reference_on_gpu(cute_env, monkeypatch, dtype, d, causal):
     from test_cute_compile import test_matches_reference_on_gpu
 
-    _persistent_on(monkeypatch)
-    assert interface._fwd_config(dtype, d, causal, "sm_90a")["persistent"]
+    _persistent_on(cute_env, monkeypatch)
+    assert kernels.fwd_config(dtype, d, causal, "sm_90a").persistent
     for shape in PSHAPES:
         test_matches_reference_on_gpu(dtype, d, causal, *shape)
-    fn = interface._kernels[(dtype, d, causal, "sm_90a", False, False)]
+    fn = kernels._kernels[(dtype, d, causal, "sm_90a", False, False)]
     assert fn.__qualname__.startswith("_persistent_launcher")  # the persistent kernel ran
 
 
@@ -336,12 +343,12 @@ def test_persistent_matches_reference_on_gpu(monkeypatch, dtype, d, causal):
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
 @pytest.mark.parametrize("warpgroups,wg_order", [(2, None), (3, None), (3, "0"), (2, "0")])
 @pytest.mark.parametrize("causal", [False, True])
-def test_persistent_d64_warpgroups_on_gpu(monkeypatch, warpgroups, wg_order, causal):
+def test_persistent_d64_warpgroups_on_gpu(cute_env, monkeypatch, warpgroups, wg_order, causal):
     """d64 with 2 and 3 consumer warpgroups (BLOCK_M 128 / 192) whatever the mask, ordered or not."""
     from test_cute_compile import test_matches_reference_on_gpu
 
-    _persistent_on(monkeypatch, warpgroups, wg_order)
-    assert interface._fwd_config(torch.bfloat16, 64, causal, "sm_90a").get("warpgroups", 2) == warpgroups
+    _persistent_on(cute_env, monkeypatch, warpgroups, wg_order)
+    assert kernels.fwd_config(torch.bfloat16, 64, causal, "sm_90a").warpgroups == warpgroups
     for shape in PSHAPES + [(1, 191, 191, 4, 4), (2, 192, 192, 4, 1), (1, 193, 385, 2, 2)]:
         test_matches_reference_on_gpu(torch.bfloat16, 64, causal, *shape)
 
@@ -350,7 +357,7 @@ def test_persistent_d64_warpgroups_on_gpu(monkeypatch, warpgroups, wg_order, cau
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-def test_persistent_equals_one_tile_kernel_on_gpu(monkeypatch, d, causal):
+def test_persistent_equals_one_tile_kernel_on_gpu(cute_env, monkeypatch, d, causal):
     """Each tile runs the one-tile kernel's code on the same blocks in the same order, so out and lse
     should be bitwise equal to it (a failure here with the reference tests passing points at code
     generation, e.g. a different FMA contraction, rather than at the schedule)."""
@@ -360,10 +367,9 @@ def test_persistent_equals_one_tile_kernel_on_gpu(monkeypatch, d, causal):
     q = torch.randn(2, 3001, 8, d, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(2, 2500, 2, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(2, 2500, 2, d, device="cuda", dtype=torch.bfloat16)
-    _clean(monkeypatch)
-    monkeypatch.setattr(interface, "_kernels", {})
+    _swap_kernels(monkeypatch, {})
     ref_out, ref_lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
-    _persistent_on(monkeypatch)
+    _persistent_on(cute_env, monkeypatch)
     out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
     torch.cuda.synchronize()
     assert torch.equal(out, ref_out)

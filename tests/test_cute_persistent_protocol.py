@@ -286,7 +286,7 @@ def cta_schedule(batch, seqlen_q, seqlen_k, heads, heads_kv, d, causal, block_m=
     num_m = -(-seqlen_q // block_m)
     num_hb = heads * batch
     group = max(L2_KV_BYTES // (2 * d * 2) // seqlen_k, 1) * (heads // heads_kv)
-    snake = causal and d != 64  # FlashFwdSm90 snake (interface._FWD_SNAKE_OFF: d64 keeps the sections)
+    snake = causal and d != 64  # FlashFwdSm90 snake (config.SNAKE_OFF: d64 keeps the sections)
     if snake:  # one longest-first order over all pairs, dealt in a snake
         group = num_hb
     num_ctas = min(num_ctas, num_m * num_hb)

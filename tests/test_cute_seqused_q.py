@@ -1,6 +1,6 @@
 """seqused_q in flash_attn.cute's varlen forward: sequence b uses its first seqused_q[b] query rows (masks align
 its last used query with its last used key) and its other rows get out 0 and the lse of a row that sees no key.
-The host runs it on the unchanged varlen kernel as 2B sequences (interface._split_unused_q). On the CPU: the
+The host runs it on the unchanged varlen kernel as 2B sequences (launch._split_unused_q). On the CPU: the
 split, and whole calls with the kernel replaced by a torch model of its contract (sequence b = rows
 cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q against keys cu_seqlens_k[b] + [0, seqused_k[b])), against the
 reference per sequence; the argument checks. On a Hopper GPU: the same calls on the kernel."""
@@ -16,7 +16,7 @@ _PKG = os.path.join(ROOT, "packages", "flash-attn-4")
 if _PKG not in sys.path:
     sys.path.insert(0, _PKG)
 
-from flash_attn.cute import interface  # noqa: E402
+from flash_attn.cute import interface, kernels, launch  # noqa: E402
 from flash_attn.testing import assert_close_to_ref, attention_lse_ref, attention_ref, fa4_window  # noqa: E402
 
 I32 = torch.int32
@@ -27,12 +27,12 @@ def test_split_unused_q():
     cu_k = torch.tensor([0, 7, 9, 9], dtype=I32)
     used_q = torch.tensor([3, 0, 7], dtype=I32)
     used_k = torch.tensor([6, 1, 0], dtype=I32)
-    q2, k2, u2 = interface._split_unused_q(cu_q, cu_k, used_q, used_k)
+    q2, k2, u2 = launch._split_unused_q(cu_q, cu_k, used_q, used_k)
     assert q2.tolist() == [0, 3, 5, 5, 5, 12, 12]
     assert k2.tolist() == [0, 7, 7, 9, 9, 9, 9]
     assert u2.tolist() == [6, 0, 1, 0, 0, 0]
     assert q2.dtype == k2.dtype == u2.dtype == I32
-    _, _, u2 = interface._split_unused_q(cu_q, cu_k, used_q, None)  # no seqused_k: every key of the sequence
+    _, _, u2 = launch._split_unused_q(cu_q, cu_k, used_q, None)  # no seqused_k: every key of the sequence
     assert u2.tolist() == [7, 0, 2, 0, 0, 0]
 
 
@@ -63,7 +63,9 @@ def _kernel_model(causal, sink_given):
 def test_seqused_q_calls_per_sequence(monkeypatch, causal, sink, with_used_k):
     monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")
     key = (torch.float16, 64, causal, "sm_90a", False, False, True) + (("sink",) if sink else ())
-    monkeypatch.setattr(interface, "_kernels", {key: _kernel_model(causal, sink)})
+    for old in list(kernels._kernels):  # the one in-memory kernel table, holding the model only
+        monkeypatch.delitem(kernels._kernels, old)
+    monkeypatch.setitem(kernels._kernels, key, _kernel_model(causal, sink))
     torch.manual_seed(0)
     H, Hk, D = 4, 2, 64
     lens_q, lens_k = [5, 0, 9, 4, 3], [7, 3, 12, 0, 6]
@@ -110,7 +112,7 @@ def test_seqused_q_checks(monkeypatch):
         with pytest.raises(exc, match=msg):
             interface.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, seqused_q=used)
     # gradients with seqused_q: this package's own backward (autograd.Attention; the root dispatcher has no seqused)
-    monkeypatch.setattr(interface, "forward_varlen", lambda q_, *a, **kw: (torch.zeros_like(q_),
+    monkeypatch.setattr(launch, "forward_varlen", lambda q_, *a, **kw: (torch.zeros_like(q_),
                                                                            torch.zeros(q_.shape[1], q_.shape[0])))
     qg = q.clone().requires_grad_()
     out, _ = interface.flash_attn_varlen_func(qg, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu,

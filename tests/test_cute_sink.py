@@ -18,10 +18,10 @@ _PKG = os.path.join(ROOT, "packages", "flash-attn-4")
 if _PKG not in sys.path:
     sys.path.insert(0, _PKG)
 
-from flash_attn.cute import autograd, interface  # noqa: E402
+from flash_attn.cute import autograd, interface, kernels, launch, plan  # noqa: E402
 from flash_attn.testing import assert_close_to_ref, attention_lse_ref, attention_ref  # noqa: E402
 
-U = interface._UNBOUNDED
+U = plan._UNBOUNDED
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -71,7 +71,7 @@ def _count(text, needle):
 @pytest.mark.parametrize("dtype,d,causal,varlen", [(torch.bfloat16, 64, True, False),
                                                    (torch.float16, 128, False, True)])
 def test_sink_kernel_compiles_for_sm90a(tmp_path, dtype, d, causal, varlen):
-    interface.compile_fwd(dtype, d, causal, arch="sm_90a", dump_dir=str(tmp_path), varlen=varlen, sink=True)
+    kernels.compile_fwd(dtype, d, causal, arch="sm_90a", dump_dir=str(tmp_path), varlen=varlen, sink=True)
     (path,) = glob.glob(str(tmp_path / "*.ptx"))
     text = open(path).read()
     assert ".target sm_90a" in text
@@ -89,7 +89,7 @@ def test_sink_kernel_takes_the_sink_last(tmp_path):
 
     if not cache._c_compiler():
         pytest.skip("no C compiler: the entry holds an object only")
-    fn, how = interface.load_or_build(torch.bfloat16, 64, False, root=str(tmp_path), sink=True)
+    fn, how = kernels.load_or_build(torch.bfloat16, 64, False, root=str(tmp_path), sink=True)
     assert how == "compiled"
     q = torch.zeros(1, 8, 4, 64, dtype=torch.bfloat16)
     with pytest.raises(Exception, match="expected device_type=cuda"):
@@ -101,14 +101,15 @@ def test_sink_kernel_takes_the_sink_last(tmp_path):
 def test_sink_in_the_cache_key_only_when_set():
     for varlen in (False, True):
         args = (torch.bfloat16, 128, True, "sm_90a", False, False, varlen)
-        plain = interface._fwd_config(*args)
-        sinked = interface._fwd_config(*args, sink=True)
-        assert "sink" not in plain and interface._fwd_config(*args, sink=False) == plain
+        plain = kernels.fwd_config(*args).key()
+        sinked = kernels.fwd_config(*args, sink=True).key()
+        assert "sink" not in plain and kernels.fwd_config(*args, sink=False).key() == plain
         # (a sink call keeps the direct O store: the dense call's default TMA O is for plain calls only)
         assert sinked == {**{k: v for k, v in plain.items() if k != "tma_o"}, "sink": True}
-        e_plain, e_sink = interface._entry(*args), interface._entry(*args, sink=True)
+        e_plain, e_sink = kernels._entry(*args), kernels._entry(*args, sink=True)
         assert e_plain[1] != e_sink[1] and "-sink-" in e_sink[2] and "sink" not in e_plain[2]
-        assert interface._make_kernel(sinked).sink and not interface._make_kernel(plain).sink
+        assert kernels._make_kernel(kernels.fwd_config(*args, sink=True)).sink
+        assert not kernels._make_kernel(kernels.fwd_config(*args)).sink
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -171,7 +172,7 @@ def test_sink_backward_dense_against_reference_autograd(monkeypatch):
     """dq, dk, dv (the dispatcher's backward on the sink-inclusive lse: the reference backend on CPU) and
     d(sink) (the Function's formula) against fp64 autograd of the reference; GQA, causal with Sq > Sk
     so that the first rows see no key."""
-    monkeypatch.setattr(interface, "forward", _stand_in_forward)
+    monkeypatch.setattr(launch, "forward", _stand_in_forward)
     torch.manual_seed(0)
     B, Sq, Sk, H, Hk, D = 2, 9, 6, 4, 2, 16
     q = torch.randn(B, Sq, H, D, requires_grad=True)
@@ -196,12 +197,12 @@ def test_sink_backward_dense_against_reference_autograd(monkeypatch):
 def test_sink_backward_with_lse_gradient(monkeypatch, lse_only):
     """A loss that uses the returned (sink-inclusive) lse: dq, dk, dv and d(sink) take its gradient too (delta - dlse
     in both), against fp64 autograd of the reference's out and lse; with the lse term alone, dv is 0."""
-    monkeypatch.setattr(interface, "forward", _stand_in_forward)
+    monkeypatch.setattr(launch, "forward", _stand_in_forward)
     torch.manual_seed(2)
     B, Sq, Sk, H, Hk, D = 2, 7, 5, 4, 2, 16
     q, k, v = (torch.randn(B, s, h, D, requires_grad=True) for s, h in ((Sq, H), (Sk, Hk), (Sk, Hk)))
     sink = torch.tensor([0.5, -1.0, 2.0, 0.0], requires_grad=True)
-    U = interface._UNBOUNDED
+    U = plan._UNBOUNDED
     out, lse = autograd.Attention.apply(q, k, v, sink, (0.3, True, U, U, 0.0, False, "sm_90a", None))
     assert lse.requires_grad
     dout, wlse = torch.randn_like(out), torch.randn_like(lse)
@@ -223,7 +224,7 @@ def test_sink_backward_with_lse_gradient(monkeypatch, lse_only):
 def test_sink_backward_varlen_and_sink_only(monkeypatch):
     """Varlen (an empty sequence, a sequence with no key, rows after the last sequence) through
     flash_attn_varlen_func's gradient path, and a call where only the sink needs a gradient."""
-    monkeypatch.setattr(interface, "forward_varlen", _stand_in_forward_varlen)
+    monkeypatch.setattr(launch, "forward_varlen", _stand_in_forward_varlen)  # (autograd.Attention's forward)
     monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")
     torch.manual_seed(1)
     lens_q, lens_k, H, Hk, D = [5, 0, 3, 4], [6, 2, 0, 7], 2, 1, 64
@@ -349,15 +350,12 @@ def test_sink_varlen_matches_reference_on_gpu(d):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
-def test_sink_with_three_warpgroups_on_gpu(monkeypatch):
+def test_sink_with_three_warpgroups_on_gpu(cute_env, monkeypatch):
     """The sink tests above on the 3-warpgroup forward (BLOCK_M 192; Sq 257 spans two tiles)."""
-    from flash_attn.cute import interface
-
-    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_WARPGROUPS", "64:3")
-    monkeypatch.delenv("FLASH_ATTN_CUTE_BLOCK_N", raising=False)
-    monkeypatch.delenv("FLASH_ATTN_CUTE_FWD_WG_ORDER", raising=False)
-    monkeypatch.setattr(interface, "_kernels", {})  # the in-memory table does not key on the variable
-    assert interface._fwd_config(torch.bfloat16, 64, True, "sm_90a", sink=True)["warpgroups"] == 3
+    cute_env(OVERRIDES="fwd.warpgroups=3")  # (d64 calls only below)
+    for key in list(kernels._kernels):  # the in-memory table does not key on the overrides
+        monkeypatch.delitem(kernels._kernels, key)
+    assert kernels.fwd_config(torch.bfloat16, 64, True, "sm_90a", sink=True).warpgroups == 3
     for causal in (False, True):
         test_sink_matches_reference_on_gpu(64, causal)
     test_sink_varlen_matches_reference_on_gpu(64)

@@ -1,13 +1,13 @@
 """Split-KV in flash_attn.cute's dense forward (num_splits > 1): the split kernel divides each tile's key blocks among
 num_splits CTAs, each writing its part's O (divided by its own row sums) and lse in fp32; the host merges them
-(interface._combine_splits) and adds the sink. On the CPU: the merge against the reference (parts computed in fp32,
+(launch._combine_splits) and adds the sink. On the CPU: the merge against the reference (parts computed in fp32,
 empty parts and rows, the sink), the rules and config, whole calls with the kernel replaced by a torch model of
 its contract, and the PTX (fp32 O stores; ptxas clean). Varlen calls (flash_attn_varlen_func, with cu_seqlens_k or a
 page table, and seqused_q) the same way, per sequence. On a Hopper GPU (tests marked gpu): against the reference.
 
 The split kernel was written without a GPU (sessions 15 and 16); its GPU tests here passed in session 16 (18 cases
 failed only at a check of the test, fixed since, not yet rerun);
-FLASH_ATTN_CUTE_SPLIT=0 runs every call unsplit (the same result)."""
+FLASH_ATTN_CUTE_DISABLE=split runs every call unsplit (the same result)."""
 import collections
 import glob
 import math
@@ -25,7 +25,7 @@ _PKG = os.path.join(ROOT, "packages", "flash-attn-4")
 if _PKG not in sys.path:
     sys.path.insert(0, _PKG)
 
-from flash_attn.cute import interface  # noqa: E402
+from flash_attn.cute import config, interface, kernels, launch, plan  # noqa: E402
 from flash_attn.testing import (  # noqa: E402
     assert_close_to_ref, assert_lse_close, assert_ptxas_clean, attention_lse_ref, attention_ref, fa4_window,
     paged_from_dense,
@@ -33,13 +33,23 @@ from flash_attn.testing import (  # noqa: E402
 
 I32 = torch.int32
 
-_KNOBS = [v for v in os.environ if v.startswith("FLASH_ATTN_CUTE_")]
 
 
 @pytest.fixture(autouse=True)
-def _defaults(monkeypatch):
-    for var in _KNOBS:
-        monkeypatch.delenv(var, raising=False)
+def _defaults(cute_env):
+    """No FLASH_ATTN_CUTE_OVERRIDES / FLASH_ATTN_CUTE_DISABLE: the default kernels."""
+
+
+def _swap_kernels(monkeypatch, table):
+    """Replace the contents of the one in-memory kernel table (kernels._kernels) for the test."""
+    for key in list(kernels._kernels):
+        monkeypatch.delitem(kernels._kernels, key)
+    for key, fn in table.items():
+        monkeypatch.setitem(kernels._kernels, key, fn)
+
+
+def _cfg(dtype, d, causal, **kw):
+    return kernels.fwd_config(dtype, d, causal, "sm_90a", **kw).key()
 
 
 def _parts(q, k, v, causal, bounds, scale, window=(-1, -1), softcap=0.0):
@@ -86,7 +96,7 @@ def test_combine_matches_the_reference(causal, window, softcap, sink, bounds):
     v = torch.randn(2, 40, 2, 16, dtype=torch.float64)
     sink_t = torch.randn(4, dtype=torch.float64) if sink else None
     o_parts, lse_parts = _parts(q, k, v, causal, bounds, 0.25, window, softcap)
-    out, lse = interface._combine_splits(o_parts, lse_parts, sink_t, torch.float64)
+    out, lse = launch._combine_splits(o_parts, lse_parts, sink_t, torch.float64)
     kw = dict(causal=causal, window_size=(window[0], 0 if causal else window[1]), softcap=softcap,
               softmax_scale=0.25, learnable_sink=sink_t)
     out_ref = attention_ref(q, k, v, **kw)[0].double()
@@ -99,24 +109,24 @@ def test_combine_matches_the_reference(causal, window, softcap, sink, bounds):
     assert torch.equal(torch.isposinf(lse), empty)
 
 
-def test_split_count_rules(monkeypatch):
-    assert [interface._split_count(n) for n in (4, 2, 1, 0, -3)] == [4, 2, 1, 1, 1]  # on by default
-    assert interface._split_count(torch.tensor(3)) == 3  # integer scalars of other types
+def test_split_count_rules(cute_env, monkeypatch):
+    assert [plan._split_count(n) for n in (4, 2, 1, 0, -3)] == [4, 2, 1, 1, 1]  # on by default
+    assert plan._split_count(torch.tensor(3)) == 3  # integer scalars of other types
     for bad in (2.0, True, "2"):
         with pytest.raises(ValueError, match="num_splits must be an int"):
-            interface._split_count(bad)
+            plan._split_count(bad)
     # num_splits <= 0: chosen for the grid on q's device's SMs (none for a CPU tensor: unsplit)
     q = torch.zeros(1)
-    assert interface._split_count(0, 32, 8192, q) == 1
-    monkeypatch.setattr(interface, "_device_sms", lambda t: 132)
-    assert [interface._split_count(n, 32, 8192, q) for n in (0, -1, 1, 3)] == [4, 4, 1, 3]
-    assert interface._split_count(0, 0, 8192, q) == interface._split_count(0, 32, 8192) == 1
+    assert plan._split_count(0, 32, 8192, q) == 1
+    monkeypatch.setattr(plan, "_device_sms", lambda t: 132)
+    assert [plan._split_count(n, 32, 8192, q) for n in (0, -1, 1, 3)] == [4, 4, 1, 3]
+    assert plan._split_count(0, 0, 8192, q) == plan._split_count(0, 32, 8192) == 1
     # explicit counts: at most one part per 128-key block the tiles see (the others would be empty)
-    assert [interface._split_count(n, 32, 300, q) for n in (2, 3, 4, 64)] == [2, 3, 3, 3]
-    assert interface._split_count(64, 32, 0, q) == interface._split_count(5, 1, 100, q) == 1
-    assert interface._split_count(64) == 64  # no key count given: as asked
-    monkeypatch.setenv("FLASH_ATTN_CUTE_SPLIT", "0")  # the switch: every call unsplit
-    assert interface._split_count(0, 32, 8192, q) == interface._split_count(4) == 1
+    assert [plan._split_count(n, 32, 300, q) for n in (2, 3, 4, 64)] == [2, 3, 3, 3]
+    assert plan._split_count(64, 32, 0, q) == plan._split_count(5, 1, 100, q) == 1
+    assert plan._split_count(64) == 64  # no key count given: as asked
+    cute_env(DISABLE="split")  # the switch: every call unsplit
+    assert plan._split_count(0, 32, 8192, q) == plan._split_count(4) == 1
 
 
 @pytest.mark.parametrize("tiles,key_blocks,want", [
@@ -127,7 +137,7 @@ def test_split_count_rules(monkeypatch):
     (106, 64, 1), (128, 64, 1), (500, 64, 1),  # the grid fills the GPU already
     (16, 1, 1)])  # one key block: nothing to split
 def test_choose_splits(tiles, key_blocks, want):
-    assert interface._choose_splits(tiles, key_blocks, 132) == want
+    assert plan._choose_splits(tiles, key_blocks, 132) == want
 
 
 def test_choose_splits_properties():
@@ -137,52 +147,53 @@ def test_choose_splits_properties():
     for sms in (78, 132):
         for tiles in range(1, int(0.8 * sms) + 1, 7):
             for key_blocks in (2, 3, 16, 64, 129, 1000):
-                s = interface._choose_splits(tiles, key_blocks, sms)
-                top = min(key_blocks, interface._MAX_SPLITS)
+                s = plan._choose_splits(tiles, key_blocks, sms)
+                top = min(key_blocks, plan._MAX_SPLITS)
                 assert 1 <= s <= top
                 per = lambda n: -(-key_blocks // n)  # noqa: E731
                 assert s == 1 or per(s) < per(s - 1)
                 eff = lambda n: (tiles * n / sms) / -(-(tiles * n / sms) // 1)  # noqa: E731
                 best = max(eff(n) for n in range(1, top + 1) if n == 1 or per(n) < per(n - 1))
-                assert eff(s) >= interface._SPLIT_EFFICIENCY * best, (sms, tiles, key_blocks, s)
-                assert all(eff(n) < interface._SPLIT_EFFICIENCY * best for n in range(1, s)
+                assert eff(s) >= plan._SPLIT_EFFICIENCY * best, (sms, tiles, key_blocks, s)
+                assert all(eff(n) < plan._SPLIT_EFFICIENCY * best for n in range(1, s)
                            if n == 1 or per(n) < per(n - 1))  # the fewest
 
 
 def test_split_config():
-    cfg = lambda d, causal, **kw: interface._fwd_config(torch.bfloat16, d, causal, "sm_90a", **kw)  # noqa: E731
+    cfg = lambda d, causal, **kw: _cfg(torch.bfloat16, d, causal, **kw)  # noqa: E731
+    make = lambda d, causal, **kw: kernels._make_kernel(kernels.fwd_config(torch.bfloat16, d, causal, **kw))  # noqa: E731
     for d, causal in [(64, False), (64, True), (128, True), (256, False)]:
         for kw in (dict(), dict(short=True), dict(long=True), dict(local=True), dict(pack=8)):
             split = cfg(d, causal, split=True, **kw)
             assert split["split"] and not split.get("persistent") and not split.get("tma_o")
             assert "split" not in cfg(d, causal, **kw)
-            kernel = interface._make_kernel(split)
+            kernel = make(d, causal, split=True, **kw)
             assert kernel.split and not kernel.persistent
     for kw in (dict(), dict(local=True), dict(paged=16), dict(pack=4)):
         split = cfg(128, True, varlen=True, split=True, **kw)
         assert split["split"] and split["varlen"]
         assert "split" not in cfg(128, True, varlen=True, **kw)
-        kernel = interface._make_kernel(split)
+        kernel = make(128, True, varlen=True, split=True, **kw)
         assert kernel.split and kernel.varlen and not kernel.persistent and not kernel.tma_o
     for kw in (dict(), dict(varlen=True)):
         with pytest.raises(NotImplementedError, match="split-KV: the sink"):
             cfg(128, True, split=True, sink=True, **kw)
-    names = {interface._entry(torch.bfloat16, 128, True, "sm_90a", split=s)[2] for s in (False, True)}
+    names = {kernels._entry(torch.bfloat16, 128, True, "sm_90a", split=s)[2] for s in (False, True)}
     assert len(names) == 2 and any("-split-" in n for n in names)
 
 
-def _split_kernel_model(config):
+def _split_kernel_model(cfg):
     """The split kernel's contract (call_split) in torch, with the kernel's partition of the key blocks: part s of
     batch entry b takes blocks [s * per, (s + 1) * per), per = ceil(ceil(Sk / block_n) / num_splits), written to
     entry s * B + b."""
-    block_n = config.get("block_n", 128)
-    causal, local = config["causal"], config["local"]
+    block_n = cfg.get("block_n", 128)
+    causal, local = cfg["causal"], cfg["local"]
 
     def run(q, k, v, out, lse, scale, softcap, wl, wr, num_splits):
         B, Sk = q.shape[0], k.shape[1]
         per = -(-(-(-Sk // block_n)) // num_splits)
         bounds = [(min(s * per * block_n, Sk), min((s + 1) * per * block_n, Sk)) for s in range(num_splits)]
-        window = ((-1 if wl >= interface._UNBOUNDED else wl), (-1 if wr >= interface._UNBOUNDED else wr)) if local \
+        window = ((-1 if wl >= plan._UNBOUNDED else wl), (-1 if wr >= plan._UNBOUNDED else wr)) if local \
             else (-1, -1)
         o, l_ = _parts(q, k, v, causal, bounds, scale, window, softcap)
         out.copy_(o.flatten(0, 1))
@@ -193,30 +204,29 @@ def _split_kernel_model(config):
 @pytest.mark.parametrize("causal,window,softcap,sink", [(False, (-1, -1), 0.0, False), (True, (-1, -1), 0.0, True),
                                                         (False, (20, 4), 5.0, False)])
 @pytest.mark.parametrize("num_splits", [2, 3, 9])
-def test_split_calls(monkeypatch, causal, window, softcap, sink, num_splits):
+def test_split_calls(cute_env, monkeypatch, causal, window, softcap, sink, num_splits):
     """flash_attn_func(num_splits=n) runs the split kernel (its model here) and merges the parts into the
-    reference's out and lse; unsplit with FLASH_ATTN_CUTE_SPLIT=0 (the usual kernel)."""
+    reference's out and lse; unsplit with FLASH_ATTN_CUTE_DISABLE=split (the usual kernel)."""
     monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")
     local = window != (-1, -1)
     key = (torch.float16, 64, causal and not local, "sm_90a", local, softcap > 0, "split")
-    config = interface._fwd_config(torch.float16, 64, causal and not local, "sm_90a", local=local,
-                                   softcap=softcap > 0, split=True)
+    cfg = _cfg(torch.float16, 64, causal and not local, local=local, softcap=softcap > 0, split=True)
     usual = []
-    short, long = interface._length_kernel(64, causal and not local, 300, not (local or softcap or sink))
+    short, long = plan._length_kernel(64, causal and not local, 300, not (local or softcap or sink))
     plain = ((torch.float16, 64, causal and not local, "sm_90a", local, softcap > 0) + (("sink",) if sink else ())
              + (("short",) if short else ()) + (("long",) if long else ()))
-    monkeypatch.setattr(interface, "_kernels", {key: _split_kernel_model(config), plain: lambda *a: usual.append(1)})
+    _swap_kernels(monkeypatch, {key: _split_kernel_model(cfg), plain: lambda *a: usual.append(1)})
     torch.manual_seed(0)
     q = torch.randn(2, 5, 4, 64, dtype=torch.float16)
     k = torch.randn(2, 300, 2, 64, dtype=torch.float16)
     v = torch.randn(2, 300, 2, 64, dtype=torch.float16)
     sink_t = torch.randn(4) if sink else None
     kw = dict(causal=causal, window_size=fa4_window(window), softcap=softcap, learnable_sink=sink_t)
-    monkeypatch.setenv("FLASH_ATTN_CUTE_PACK_GQA", "0")  # (pack_gqa=None would pack these under =auto)
-    monkeypatch.setenv("FLASH_ATTN_CUTE_SPLIT", "0")
+    # (pack_gqa=None would pack these under plan.pack_gqa_auto=1)
+    cute_env(DISABLE="pack_gqa,split")
     interface.flash_attn_func(q, k, v, num_splits=num_splits, **kw)
     assert usual == [1]
-    monkeypatch.delenv("FLASH_ATTN_CUTE_SPLIT")
+    cute_env(DISABLE="pack_gqa")
     out, lse = interface.flash_attn_func(q, k, v, num_splits=num_splits, return_lse=True, **kw)
     assert usual == [1] and out.dtype == torch.float16 and out.shape == q.shape
     ref_kw = dict(causal=causal, window_size=(window[0], 0 if causal else window[1]), softcap=softcap,
@@ -227,19 +237,19 @@ def test_split_calls(monkeypatch, causal, window, softcap, sink, num_splits):
     torch.testing.assert_close(lse, attention_lse_ref(q, k, **ref_kw), rtol=1e-5, atol=1e-5)
 
 
-def _varlen_split_kernel_model(config):
+def _varlen_split_kernel_model(cfg):
     """The varlen split kernel's contract (call_varlen_split) in torch: sequence b is rows cu_q[b]:cu_q[b + 1] of q
     against its first used_k[b] keys (from cu_k[b], or its pages when the page table comes in cu_k's place); part s
     takes its key blocks [s * per, (s + 1) * per), per = ceil(ceil(used_k[b] / block_n) / num_splits), and writes
     entry s of out / lse. Rows after the last sequence are left as they were (NaN here: the kernel never writes
     them)."""
-    block_n = config.get("block_n", 128)
-    causal, local = config["causal"], config["local"]
+    block_n = cfg.get("block_n", 128)
+    causal, local = cfg["causal"], cfg["local"]
 
     def run(q, k, v, out, lse, cu_q, keys, used_k, max_seqlen_q, scale, softcap, wl, wr, num_splits):
         out.fill_(math.nan)
         lse.fill_(math.nan)
-        window = ((-1 if wl >= interface._UNBOUNDED else wl), (-1 if wr >= interface._UNBOUNDED else wr)) if local \
+        window = ((-1 if wl >= plan._UNBOUNDED else wl), (-1 if wr >= plan._UNBOUNDED else wr)) if local \
             else (-1, -1)
         for b in range(cu_q.shape[0] - 1):
             q0, q1, n = int(cu_q[b]), int(cu_q[b + 1]), int(used_k[b])
@@ -261,23 +271,20 @@ def _varlen_split_kernel_model(config):
 @pytest.mark.parametrize("num_splits", [2, 5])
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("with_used_q", [False, True])
-def test_varlen_split_calls_per_sequence(monkeypatch, causal, window, softcap, sink, num_splits, paged, with_used_q):
+def test_varlen_split_calls_per_sequence(cute_env, monkeypatch, causal, window, softcap, sink, num_splits, paged, with_used_q):
     """flash_attn_varlen_func(num_splits=n) runs the varlen split kernel (its model here: one part of each
     sequence's keys per entry) and merges the parts into the reference's out and lse per sequence (empty sequences,
-    sequences without keys, unused query rows, rows after the last sequence); unsplit with FLASH_ATTN_CUTE_SPLIT=0."""
+    sequences without keys, unused query rows, rows after the last sequence); unsplit with FLASH_ATTN_CUTE_DISABLE=split."""
     monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")
     local = window != (-1, -1)
     page_size = 16 if paged else 0
-    if paged:
-        monkeypatch.setenv("FLASH_ATTN_CUTE_PAGED", "1")
     flags = (torch.float16, 64, causal and not local, "sm_90a", local, softcap > 0, True)
     key = flags + (("paged", page_size) if paged else ()) + ("split",)
-    config = interface._fwd_config(torch.float16, 64, causal and not local, "sm_90a", local=local,
-                                   softcap=softcap > 0, varlen=True, paged=page_size, split=True)
+    cfg = _cfg(torch.float16, 64, causal and not local, local=local, softcap=softcap > 0, varlen=True,
+               paged=page_size, split=True)
     usual = []
     plain = flags + (("sink",) if sink else ()) + (("paged", page_size) if paged else ())
-    monkeypatch.setattr(interface, "_kernels", {key: _varlen_split_kernel_model(config),
-                                                plain: lambda *a: usual.append(1)})
+    _swap_kernels(monkeypatch, {key: _varlen_split_kernel_model(cfg), plain: lambda *a: usual.append(1)})
     torch.manual_seed(0)
     lens_q, lens_k = [5, 0, 9, 3, 4, 1], [300, 3, 9, 0, 160, 129]
     used_q = [2, 0, 9, 3, 0, 1] if with_used_q else lens_q
@@ -298,11 +305,10 @@ def test_varlen_split_calls_per_sequence(monkeypatch, causal, window, softcap, s
     sink_t = torch.randn(H) if sink else None
     kw = dict(causal=causal, window_size=fa4_window(window), softcap=softcap, learnable_sink=sink_t, return_lse=True,
               seqused_q=torch.tensor(used_q, dtype=I32) if with_used_q else None, **keys)
-    monkeypatch.setenv("FLASH_ATTN_CUTE_PACK_GQA", "0")  # (None would pack these under =auto)
-    monkeypatch.setenv("FLASH_ATTN_CUTE_SPLIT", "0")
+    cute_env(DISABLE="pack_gqa,split")  # (None would pack these under plan.pack_gqa_auto=1)
     interface.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, num_splits=num_splits, **kw)
     assert usual == [1]
-    monkeypatch.delenv("FLASH_ATTN_CUTE_SPLIT")
+    cute_env(DISABLE="pack_gqa")
     out, lse = interface.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, num_splits=num_splits, **kw)
     assert usual == [1] and out.dtype == torch.float16 and out.shape == q.shape and lse.shape == (H, q.shape[0])
     ref_kw = dict(causal=causal, window_size=(window[0], 0 if causal else window[1]), softcap=softcap,
@@ -337,16 +343,15 @@ def _check_per_sequence(out, lse, q, kd, vd, cu_q, lens_q, used_q, lens_k, ref_k
 def test_forward_varlen_split_fills_unused_rows(monkeypatch):
     """forward_varlen (the dispatcher's entry) with splits and fill_unused_rows: rows after the last sequence get out 0
     and lse +inf (the parts leave them unwritten), with no host sync."""
-    monkeypatch.setenv("FLASH_ATTN_CUTE_SPLIT", "1")
-    config = interface._fwd_config(torch.float16, 64, False, "sm_90a", varlen=True, split=True)
+    cfg = _cfg(torch.float16, 64, False, varlen=True, split=True)
     key = (torch.float16, 64, False, "sm_90a", False, False, True, "split")
-    monkeypatch.setattr(interface, "_kernels", {key: _varlen_split_kernel_model(config)})
+    _swap_kernels(monkeypatch, {key: _varlen_split_kernel_model(cfg)})
     torch.manual_seed(0)
     q = torch.randn(10, 2, 64, dtype=torch.float16)
     k = torch.randn(200, 2, 64, dtype=torch.float16)
     v = torch.randn(200, 2, 64, dtype=torch.float16)
     cu_q, cu_k = torch.tensor([0, 3, 7], dtype=I32), torch.tensor([0, 150, 200], dtype=I32)
-    out, lse = interface.forward_varlen(q, k, v, cu_q, cu_k, None, 4, 0.125, False, fill_unused_rows=True, splits=3)
+    out, lse = launch.forward_varlen(q, k, v, cu_q, cu_k, None, 4, 0.125, False, fill_unused_rows=True, splits=3)
     assert torch.all(out[7:] == 0) and torch.all(torch.isposinf(lse[:, 7:]))
     for b in range(2):
         qs = q[None, int(cu_q[b]):int(cu_q[b + 1])]
@@ -360,9 +365,8 @@ def test_num_splits_zero_chooses_per_call(monkeypatch):
     """num_splits=0 (FA4's "choose"): a small grid (decoding) runs split into _choose_splits's parts for its tiles and
     key blocks, dense and varlen (the longest sequence's keys, read in the call's one sync), with the reference's
     result; a grid that fills the GPU runs unsplit."""
-    monkeypatch.setenv("FLASH_ATTN_CUTE_SPLIT", "1")
     monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")
-    monkeypatch.setattr(interface, "_device_sms", lambda t: 132)
+    monkeypatch.setattr(plan, "_device_sms", lambda t: 132)
     parts, usual = [], []
 
     def spy(model):
@@ -371,21 +375,21 @@ def test_num_splits_zero_chooses_per_call(monkeypatch):
             model(*a)
         return run
 
-    dense = interface._fwd_config(torch.float16, 64, False, "sm_90a", split=True)
-    varlen = interface._fwd_config(torch.float16, 64, False, "sm_90a", varlen=True, split=True)
+    dense = _cfg(torch.float16, 64, False, split=True)
+    varlen = _cfg(torch.float16, 64, False, varlen=True, split=True)
     flags = (torch.float16, 64, False, "sm_90a", False, False)
-    kernels = {flags + ("split",): spy(_split_kernel_model(dense)),
-               flags + (True, "split"): spy(_varlen_split_kernel_model(varlen))}
+    table = {flags + ("split",): spy(_split_kernel_model(dense)),
+             flags + (True, "split"): spy(_varlen_split_kernel_model(varlen))}
     for tail in [(), ("short",), ("long",)]:
-        kernels[flags + tail] = lambda *a: usual.append(1)
-    monkeypatch.setattr(interface, "_kernels", kernels)
+        table[flags + tail] = lambda *a: usual.append(1)
+    _swap_kernels(monkeypatch, table)
     torch.manual_seed(0)
     H, D = 32, 64
     q = torch.randn(1, 1, H, D, dtype=torch.float16)
     k = torch.randn(1, 8192, H, D, dtype=torch.float16)
     v = torch.randn(1, 8192, H, D, dtype=torch.float16)
     out, _ = interface.flash_attn_func(q, k, v, num_splits=0)
-    assert parts == [interface._choose_splits(H, 64, 132)] == [4] and not usual
+    assert parts == [plan._choose_splits(H, 64, 132)] == [4] and not usual
     out_ref, _ = attention_ref(q, k, v)
     out_pt, _ = attention_ref(q, k, v, upcast=False, reorder_ops=True)
     assert_close_to_ref(out, out_ref, out_pt)
@@ -397,7 +401,7 @@ def test_num_splits_zero_chooses_per_call(monkeypatch):
     kv = k[0, :8000, :8], v[0, :8000, :8]
     out, _ = interface.flash_attn_varlen_func(q[0].repeat(2, 1, 1)[:, :8], *kv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
                                               num_splits=0)
-    assert parts[1:] == [interface._choose_splits(2 * 8, 40, 132)] and parts[1] > 1 and usual == [1]
+    assert parts[1:] == [plan._choose_splits(2 * 8, 40, 132)] and parts[1] > 1 and usual == [1]
     for b in range(2):
         qs = q[:, :, :8]
         ks, vs = (t[None, int(cu_k[b]):int(cu_k[b + 1])] for t in kv)
@@ -411,7 +415,7 @@ def test_num_splits_zero_chooses_per_call(monkeypatch):
 def test_split_kernel_stores_fp32_parts(tmp_path, kw):
     """The split kernel stores O in fp32 (pairs: st.global.v2.b32, Dv / 8 per row, two rows per thread) and the lse;
     ptxas clean. The usual kernel stores bf16 pairs (st.global.b32)."""
-    interface.compile_fwd(torch.bfloat16, 128, True, dump_dir=str(tmp_path), split=True, **kw)
+    kernels.compile_fwd(torch.bfloat16, 128, True, dump_dir=str(tmp_path), split=True, **kw)
     (ptx,) = glob.glob(str(tmp_path / "*.ptx"))
     stores = collections.Counter(re.findall(r"st\.global[\.\w]*", open(ptx).read()))
     assert stores == {"st.global.v2.b32": 2 * 128 // 8, "st.global.b32": 2}
@@ -447,7 +451,7 @@ def gpu_kernel_requests():
     out = []
     for d, dv, c, w, cap, sink, pack in _GPU_OPTIONS:
         for _, _, sk, h, hk in _GPU_SHAPES:
-            g = h // hk if pack and h // hk in interface._PACK_GROUPS else 1
+            g = h // hk if pack and h // hk in config.PACK_GROUPS else 1
             for n in _GPU_SPLITS:
                 out.append(dict(dtype=torch.bfloat16, d=d, dv=dv, causal=c, window=w, softcap=cap, sink=sink,
                                 split=_dense_parts(n, sk, w, 128 // g) > 1, pack=g, seqlen_k=sk))
@@ -463,9 +467,7 @@ def test_split_matches_reference_on_gpu(monkeypatch, d, dv, causal, window, soft
                                         seqlen_q, seqlen_k, heads, heads_kv):
     from flash_attn.cute import flash_attn_func
 
-    for var in ("FLASH_ATTN_CUTE_SPLIT", "FLASH_ATTN_CUTE_PACK_GQA", "FLASH_ATTN_CUTE_HDIM_V"):
-        monkeypatch.setenv(var, "1")
-    monkeypatch.setattr(interface, "_kernels", {})  # the kernels this call runs, loaded anew from the disk cache
+    _swap_kernels(monkeypatch, {})  # the kernels this call runs, loaded anew from the disk cache
     torch.manual_seed(0)
     q = torch.randn(batch, seqlen_q, heads, d, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(batch, seqlen_k, heads_kv, d, device="cuda", dtype=torch.bfloat16)
@@ -474,9 +476,9 @@ def test_split_matches_reference_on_gpu(monkeypatch, d, dv, causal, window, soft
     out, lse = flash_attn_func(q, k, v, causal=causal, window_size=fa4_window(window), softcap=softcap, learnable_sink=sink_t,
                                num_splits=num_splits, pack_gqa=pack, return_lse=True)
     torch.cuda.synchronize()
-    rows = 128 // (heads // heads_kv if pack and heads // heads_kv in interface._PACK_GROUPS else 1)
+    rows = 128 // (heads // heads_kv if pack and heads // heads_kv in config.PACK_GROUPS else 1)
     # (more parts than key blocks are not launched: the varlen test's short sequences have empty parts)
-    assert any(key[-1] == "split" for key in interface._kernels) == (_dense_parts(num_splits, seqlen_k, window,
+    assert any(key[-1] == "split" for key in kernels._kernels) == (_dense_parts(num_splits, seqlen_k, window,
                                                                                   rows) > 1)
     ref_kw = dict(causal=causal, window_size=(window[0], 0 if causal else window[1]), softcap=softcap,
                   learnable_sink=sink_t)
@@ -507,9 +509,7 @@ def test_varlen_split_matches_reference_per_sequence_on_gpu(monkeypatch, d, dv, 
                                                             num_splits):
     from flash_attn.cute import flash_attn_varlen_func
 
-    for var in ("FLASH_ATTN_CUTE_SPLIT", "FLASH_ATTN_CUTE_PACK_GQA", "FLASH_ATTN_CUTE_HDIM_V", "FLASH_ATTN_CUTE_PAGED"):
-        monkeypatch.setenv(var, "1")
-    monkeypatch.setattr(interface, "_kernels", {})  # the kernels this call runs, loaded anew from the disk cache
+    _swap_kernels(monkeypatch, {})  # the kernels this call runs, loaded anew from the disk cache
     torch.manual_seed(0)
     heads, heads_kv = 8, 2
     lens_q, lens_k = [1, 0, 77, 1, 300, 5], [500, 9, 77, 0, 300, 8000]
@@ -532,7 +532,7 @@ def test_varlen_split_matches_reference_per_sequence_on_gpu(monkeypatch, d, dv, 
                                       seqused_q=torch.tensor(used_q, dtype=I32, device="cuda"), num_splits=num_splits,
                                       pack_gqa=pack, return_lse=True, **keys)
     torch.cuda.synchronize()
-    assert any(key[-1] == "split" and True in key for key in interface._kernels)
+    assert any(key[-1] == "split" and True in key for key in kernels._kernels)
     ref_kw = dict(causal=causal, window_size=(window[0], 0 if causal else window[1]), learnable_sink=sink_t)
     _check_per_sequence(out, lse, q, kd, vd, cu_q, lens_q, used_q, lens_k, ref_kw,
                         lambda a, b, name: assert_lse_close(a, b, name=name))

@@ -16,11 +16,10 @@ import torch
 
 from flash_attn import dispatch
 
-_ENV = ("FLASH_ATTN_CUTE_FWD_HDIMS", "FLASH_ATTN_CUTE_BWD", "FLASH_ATTN_CUTE_PAGED", "FLASH_ATTN_CUTE_HDIM_V")
 
 
 @pytest.fixture
-def gpu(monkeypatch):
+def gpu(cute_env, monkeypatch):
     """A process with CUDA devices 0: Hopper (9, 0) and 1: Ampere (8, 0), cute and triton installed, and an
     empty dispatch cache. Returns a setter for the backends' availability."""
     cute_backend = pytest.importorskip("flash_attn.cute.backend")
@@ -36,8 +35,7 @@ def gpu(monkeypatch):
         return caps[index]
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", capability)
-    for var in _ENV + (dispatch.ENV_VAR,):
-        monkeypatch.delenv(var, raising=False)
+    monkeypatch.delenv(dispatch.ENV_VAR, raising=False)  # (cute_env: no FLASH_ATTN_CUTE_DISABLE / _OVERRIDES)
     mods = {"cute": cute_backend, "triton": triton_backend}
 
     def available(**reasons):
@@ -111,11 +109,12 @@ def test_wide_head_dims_forward_on_cute_backward_on_triton(gpu):
         assert _select_for(d=d, dv=d, backward=True) == "triton", d
 
 
-def test_switches_move_calls_off_cute(gpu, monkeypatch):
-    monkeypatch.setenv("FLASH_ATTN_CUTE_BWD", "0")
+def test_switches_move_calls_off_cute(gpu, cute_env):
+    cute_env(DISABLE="bwd")
     assert _select_for(backward=True) == "triton"
     assert _select_for() == "cute"
-    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_HDIMS", "none")
+    assert _select_for(d=256, dv=256) == "cute"
+    cute_env(DISABLE="bwd,d96,d192,d256")
     assert _select_for(d=256, dv=256) == "triton"
 
 

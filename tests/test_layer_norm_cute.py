@@ -156,7 +156,7 @@ def test_cpu_tensors_take_the_old_path(monkeypatch):
         assert torch.equal(p, q)
 
 
-def test_compile_failure_falls_back(monkeypatch):
+def test_compile_failure_falls_back(cute_env, monkeypatch):
     """A key that does not compile warns once and returns None (the caller runs Triton), never retried."""
     pytest.importorskip("flash_attn.cute.interface")
     tries = []
@@ -168,7 +168,7 @@ def test_compile_failure_falls_back(monkeypatch):
     monkeypatch.setattr(cb, "compile_kernel", broken)
     monkeypatch.setattr(cb, "_kernels", {})
     monkeypatch.setattr(cb, "_failed", {})
-    monkeypatch.setenv("FLASH_ATTN_CUTE_CACHE", "off")
+    cute_env(CACHE="off")
     key = ("bf16", "fp32", 4096, False, True, False, False, False, 512, ())
     with pytest.warns(UserWarning, match="using the Triton backward"):
         assert cb.kernel(key) is None
@@ -265,7 +265,7 @@ def _refuse_compile(monkeypatch):
     monkeypatch.setattr(cb, "compile_kernel", refuse)
 
 
-def test_disk_cache_second_load_hits_the_entry(filled_cache, monkeypatch):
+def test_disk_cache_second_load_hits_the_entry(filled_cache, cute_env, monkeypatch):
     from flash_attn.cute import cache
 
     _, ck, name, _ = cb.cache_entry(_CACHE_KEY)
@@ -275,7 +275,7 @@ def test_disk_cache_second_load_hits_the_entry(filled_cache, monkeypatch):
     fn, how = cb.load_or_build(_CACHE_KEY, root=filled_cache)
     assert how == ("so" if cache._c_compiler() else "o") and callable(fn)
     # kernel(): memory, then the folder of $FLASH_ATTN_CUTE_CACHE, loaded once
-    monkeypatch.setenv("FLASH_ATTN_CUTE_CACHE", str(filled_cache))
+    cute_env(CACHE=str(filled_cache))
     for name_ in ("_kernels", "_origins", "_failed"):
         monkeypatch.setattr(cb, name_, {})
     loads, real_load = [], cache.DiskCache.load

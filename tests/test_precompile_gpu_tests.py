@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import precompile_gpu_tests as pg  # noqa: E402
-from flash_attn.cute import interface  # noqa: E402
+from flash_attn.cute import kernels, launch, plan  # noqa: E402
 
 
 def test_requests_cover_the_new_kernels():
@@ -22,7 +22,7 @@ def test_requests_cover_the_new_kernels():
              if (kw[k] > 1 if k == "pack" else kw[k])}
     assert kinds == {"pack", "dv", "paged", "varlen", "split"} and 40 < len(todo) < 130
     for dtype, d, causal, kw in todo:
-        interface._fwd_config(dtype, d, causal, "sm_90a", **kw)  # a config exists (paged: its block and box)
+        kernels.fwd_config(dtype, d, causal, "sm_90a", **kw)  # a config exists (paged: its block and box)
 
 
 @pytest.mark.parametrize("req", [
@@ -43,11 +43,12 @@ def test_kernel_args_are_what_the_calls_ask_for(monkeypatch, req):
         asked.append((args, kw))
         return lambda *a: None
 
-    monkeypatch.setattr(interface, "fwd_kernel", record)
-    monkeypatch.setattr(interface, "_kernels", {})
+    monkeypatch.setattr(launch, "fwd_kernel", record)
+    for key in list(kernels._kernels):  # the in-memory table (empty: every call asks fwd_kernel)
+        monkeypatch.delitem(kernels._kernels, key)
     dtype, d, dv, H, Hk = req["dtype"], req["d"], req.get("dv") or req["d"], 4 * req.get("pack", 1), 4
     sink = torch.zeros(H) if req.get("sink") else None
-    window = [interface._UNBOUNDED if w < 0 else w for w in req.get("window", (-1, -1))]  # (-1: no limit)
+    window = [plan._UNBOUNDED if w < 0 else w for w in req.get("window", (-1, -1))]  # (-1: no limit)
     common = dict(window_left=window[0], window_right=window[1], softcap=req.get("softcap", 0.0), sink=sink,
                   pack=req.get("pack", 1), splits=3 if req.get("split") else 1)
     if req.get("varlen"):
@@ -55,16 +56,16 @@ def test_kernel_args_are_what_the_calls_ask_for(monkeypatch, req):
         cu = torch.tensor([0, 5], dtype=torch.int32)
         if req.get("paged"):
             k, v = torch.zeros(2, req["paged"], Hk, d, dtype=dtype), torch.zeros(2, req["paged"], Hk, dv, dtype=dtype)
-            interface.forward_varlen(q, k, v, cu, None, torch.tensor([7], dtype=torch.int32), 5, 0.1, req["causal"],
-                                     page_table=torch.zeros(1, 2, dtype=torch.int32), **common)
+            launch.forward_varlen(q, k, v, cu, None, torch.tensor([7], dtype=torch.int32), 5, 0.1, req["causal"],
+                                  page_table=torch.zeros(1, 2, dtype=torch.int32), **common)
         else:
             k, v = torch.zeros(7, Hk, d, dtype=dtype), torch.zeros(7, Hk, dv, dtype=dtype)
-            interface.forward_varlen(q, k, v, cu, cu, None, 5, 0.1, req["causal"], **common)
+            launch.forward_varlen(q, k, v, cu, cu, None, 5, 0.1, req["causal"], **common)
     else:
         q = torch.zeros(1, 3, H, d, dtype=dtype)
         k = torch.zeros(1, req["seqlen_k"], Hk, d, dtype=dtype)
         v = torch.zeros(1, req["seqlen_k"], Hk, dv, dtype=dtype)
-        interface.forward(q, k, v, 0.1, req["causal"], **common)
+        launch.forward(q, k, v, 0.1, req["causal"], **common)
     (args, kw), = asked
     if kw.get("dv") == d:  # forward passes v's head dim always; fwd_kernel drops it when it is q's
         kw["dv"] = None

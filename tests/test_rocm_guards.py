@@ -26,14 +26,14 @@ def test_cute_backend_is_unavailable_on_rocm(monkeypatch, mi200):
 
 
 def test_cute_api_refuses_a_rocm_device(monkeypatch, mi200):
-    interface = pytest.importorskip("flash_attn.cute.interface")
+    launch = pytest.importorskip("flash_attn.cute.launch")
     q = _cuda_tensor()
-    monkeypatch.setattr(interface, "_device_archs", {})
+    monkeypatch.setattr(launch, "_device_archs", {})
     with pytest.raises(NotImplementedError, match="ROCm"):
-        interface._device_arch(q, q, q)
+        launch._device_arch(q, q, q)
     monkeypatch.setattr(torch.version, "hip", None)  # the same answer from an NVIDIA device: Hopper
-    monkeypatch.setattr(interface, "_device_archs", {})
-    assert interface._device_arch(q, q, q) == "sm_90a"
+    monkeypatch.setattr(launch, "_device_archs", {})
+    assert launch._device_arch(q, q, q) == "sm_90a"
 
 
 def test_cute_layer_norm_backward_not_on_rocm(monkeypatch, mi200):

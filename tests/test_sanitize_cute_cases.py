@@ -13,22 +13,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import sanitize_cute  # noqa: E402
-from flash_attn.cute import interface  # noqa: E402
-
-_KNOBS = [v for v in os.environ if v.startswith("FLASH_ATTN_CUTE_")]
+from flash_attn.cute import config, interface, kernels, launch  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
-def _defaults(monkeypatch):
-    for var in _KNOBS:
-        monkeypatch.delenv(var, raising=False)
+def _defaults(cute_env):
+    """No FLASH_ATTN_CUTE_OVERRIDES / FLASH_ATTN_CUTE_DISABLE: every kernel on, as run_gpu.sh runs the cases."""
 
 
-def test_cases_cover_every_kernel_kind(monkeypatch):
-    monkeypatch.setenv("FLASH_ATTN_CUTE_PACK_GQA", "1")  # as run_gpu.sh runs them
-    monkeypatch.setenv("FLASH_ATTN_CUTE_HDIM_V", "1")
-    monkeypatch.setenv("FLASH_ATTN_CUTE_PAGED", "1")
-    monkeypatch.setenv("FLASH_ATTN_CUTE_SPLIT", "1")
+def test_cases_cover_every_kernel_kind():
     configs = {name: sanitize_cute.expected_config(case)[0] for name, case in sanitize_cute.CASES.items()}
     kinds = {
         "persistent, own O buffer (short keys)": lambda c: c.get("persistent") and c.get("tma_o"),
@@ -51,28 +44,28 @@ def test_cases_cover_every_kernel_kind(monkeypatch):
     }
     for kind, test in kinds.items():
         assert any(test(c) for c in configs.values()), kind
-    assert {c["head_dim"] for c in configs.values()} == set(interface._SUPPORTED_HEAD_DIMS)
+    assert {c["head_dim"] for c in configs.values()} == set(config.SUPPORTED_HEAD_DIMS)
     assert {c["dtype"] for c in configs.values()} == {"bf16", "fp16"}
     assert len(set(map(str, configs.values()))) == len(configs)  # no two cases run the same kernel
 
 
 @pytest.mark.parametrize("name", list(sanitize_cute.CASES))
 @pytest.mark.parametrize("packed", ["0", "1"])
-def test_prediction_matches_the_dispatch(monkeypatch, name, packed):
-    monkeypatch.setenv("FLASH_ATTN_CUTE_PACK_GQA", packed)  # the pack_gqa cases: packed or not, predicted
-    monkeypatch.setenv("FLASH_ATTN_CUTE_HDIM_V", "1")
-    monkeypatch.setenv("FLASH_ATTN_CUTE_SPLIT", packed)  # the split cases: split or not, predicted
-    monkeypatch.setenv("FLASH_ATTN_CUTE_PAGED", "1")
+def test_prediction_matches_the_dispatch(cute_env, monkeypatch, name, packed):
+    # the pack_gqa and split cases: packed / split or not, predicted
+    cute_env(DISABLE=None if packed == "1" else "pack_gqa,split")
     dt, d, b, sq, sk, h, hk, opt = sanitize_cute.CASES[name]
     _, key = sanitize_cute.expected_config(sanitize_cute.CASES[name])
     ran = []
     monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")
-    monkeypatch.setattr(interface, "_kernels", {key: lambda *a: ran.append(key)})
+    for old in list(kernels._kernels):  # the one in-memory kernel table, holding the predicted kernel only
+        monkeypatch.delitem(kernels._kernels, old)
+    monkeypatch.setitem(kernels._kernels, key, lambda *a: ran.append(key))
 
     def other(*a, **kw):
         raise AssertionError(f"{name}: dispatched to another kernel ({a}, {kw}), predicted {key}")
 
-    monkeypatch.setattr(interface, "fwd_kernel", other)
+    monkeypatch.setattr(launch, "fwd_kernel", other)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dt]
     kw = {o: x for o, x in opt.items() if o in ("causal", "window_size", "softcap", "pack_gqa", "num_splits")}
     sink = torch.zeros(h) if opt.get("sink") else None
@@ -105,16 +98,16 @@ def test_unknown_case_is_an_error(capsys):
     assert "'warpgroups': 3" in capsys.readouterr().out
 
 
-def test_compile_only_fills_the_disk_cache(monkeypatch, tmp_path, capsys):
+def test_compile_only_fills_the_disk_cache(cute_env, monkeypatch, tmp_path, capsys):
     """--compile-only builds a case's kernel (the one the selection picks: here the long-key one) into the cache."""
-    if not interface._tvm_ffi():
+    if not kernels._tvm_ffi():
         pytest.skip("the disk cache needs apache-tvm-ffi")
-    monkeypatch.setenv("FLASH_ATTN_CUTE_CACHE", str(tmp_path))
+    cute_env(CACHE=str(tmp_path))
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
     assert sanitize_cute.main(["--compile-only", "--only", "d64_causal_long_3wg"]) == 0
     assert "d64_causal_long_3wg: compiled" in capsys.readouterr().out
-    assert interface.disk_entry(torch.bfloat16, 64, True, root=str(tmp_path), long=True)
-    assert not interface.disk_entry(torch.bfloat16, 64, True, root=str(tmp_path))  # not the persistent one
-    monkeypatch.setenv("FLASH_ATTN_CUTE_CACHE", "0")
+    assert kernels.disk_entry(torch.bfloat16, 64, True, root=str(tmp_path), long=True)
+    assert not kernels.disk_entry(torch.bfloat16, 64, True, root=str(tmp_path))  # not the persistent one
+    cute_env(CACHE="0")
     with pytest.raises(SystemExit):
         sanitize_cute.main(["--compile-only", "--only", "d64_causal_long_3wg"])
