@@ -1,8 +1,9 @@
 """flash_attn.cute's Hopper backward kernel (flash_bwd_sm90.py): it compiles for sm_90a without a GPU and
 its PTX holds the instructions the design rests on; its layout reinterpretations are checked on the
-CuTe layouts; the cute backend serves backward calls by default and refuses them when FLASH_ATTN_CUTE_BWD=0;
+CuTe layouts; the cute backend serves backward calls by default and refuses them when FLASH_ATTN_CUTE_DISABLE names bwd;
 on a Hopper GPU (tests marked gpu) dq, dk, dv match the reference within the project's criterion
 (flash_attn.testing.assert_close_to_ref, as the Triton backward tests use it)."""
+import contextlib
 import glob
 import os
 import re
@@ -23,12 +24,44 @@ if _PKG not in sys.path:
 
 from flash_attn import testing  # noqa: E402
 from flash_attn.cute import backend as cute_backend  # noqa: E402
-from flash_attn.cute import interface  # noqa: E402
+from flash_attn.cute import config, kernels, launch, settings  # noqa: E402
 from flash_attn.dispatch import Call  # noqa: E402
 
+
+def _overrides(fields):
+    """FLASH_ATTN_CUTE_OVERRIDES's text for {"section.field": value} (bools as 1 / 0; None: left out)."""
+    return ",".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in fields.items() if v is not None)
+
+
+@contextlib.contextmanager
+def _cute_settings(**names):
+    """The cute_env fixture (tests/conftest.py) for module-scoped fixtures: FLASH_ATTN_CUTE_<name> set (None or "":
+    unset; OVERRIDES and DISABLE unset unless given) and read again for the block, restored and read again after."""
+    names = {"OVERRIDES": None, "DISABLE": None, **names}
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in names.items():
+            if value is None or value == "":
+                mp.delenv("FLASH_ATTN_CUTE_" + name, raising=False)
+            else:
+                mp.setenv("FLASH_ATTN_CUTE_" + name, str(value))
+        settings.reload()
+        try:
+            yield
+        finally:
+            mp.undo()
+            settings.reload()
+
+
+def _fresh_bwd_kernels(monkeypatch):
+    """An empty in-memory backward kernel table (it does not key on the overrides), where kernels.py fills it and
+    launch.py reads it."""
+    table = {}
+    monkeypatch.setattr(kernels, "_bwd_kernels", table)
+    monkeypatch.setattr(launch, "_bwd_kernels", table)
+
 # (dtype, head dim, causal, dq_split, dq_tma): every dtype / head dim / mask with the default dQ split
-# and atomics, the per-warpgroup dQ variant (FLASH_ATTN_CUTE_BWD_DQ_SPLIT=0) and the TMA reduce-add of dQ
-# (FLASH_ATTN_CUTE_BWD_DQ_TMA=1) at both head dims
+# and atomics, the per-warpgroup dQ variant (bwd.dq_split=0) and the TMA reduce-add of dQ (bwd.dq_tma=1) at both
+# head dims
 CONFIGS = ([(dtype, d, causal, True, False) for dtype in (torch.bfloat16, torch.float16) for d in (64, 128)
             for causal in (False, True)]
            + [(torch.bfloat16, 64, True, False, False), (torch.bfloat16, 128, False, False, False)]
@@ -46,16 +79,13 @@ def compiled(request, tmp_path_factory):
     """(config dict, PTX text, PTX path) of one backward compile, shared by the PTX checks."""
     dtype, d, causal, dq_split, dq_tma = request.param
     dump = tmp_path_factory.mktemp("bwd")
-    with pytest.MonkeyPatch.context() as mp:
-        # The 64-row loop at both head dims (d64's default is the 128-row loop, whose PTX and ptxas checks
-        # are test_block_m_128_kernel_is_spill_free's).
-        mp.setenv("FLASH_ATTN_CUTE_BWD_BLOCK_M", "64")
-        mp.setenv("FLASH_ATTN_CUTE_BWD_DQ_SPLIT", "1" if dq_split else "0")
-        mp.setenv("FLASH_ATTN_CUTE_BWD_DQ_TMA", "1" if dq_tma else "0")
-        cfg = interface._bwd_config(dtype, d, causal, "sm_90a")
+    # The 64-row loop at both head dims (d64's default is the 128-row loop, whose PTX and ptxas checks
+    # are test_block_m_128_kernel_is_spill_free's).
+    with _cute_settings(OVERRIDES=_overrides({"bwd.block_m": 64, "bwd.dq_split": dq_split, "bwd.dq_tma": dq_tma})):
+        cfg = kernels.bwd_config(dtype, d, causal, "sm_90a").key()
         assert cfg["dq_tma"] == dq_tma
         t0 = time.perf_counter()
-        interface.compile_bwd(dtype, d, causal, arch="sm_90a", dump_dir=str(dump))
+        kernels.compile_bwd(dtype, d, causal, arch="sm_90a", dump_dir=str(dump))
     print(f"\ncompile bwd {_ids(request.param)}: {time.perf_counter() - t0:.2f} s")
     (ptx,) = glob.glob(str(dump / "*.ptx"))
     with open(ptx) as f:
@@ -176,15 +206,16 @@ def test_tma_dq_reduce_is_issued_by_a_converged_warp(compiled):
 
 
 # ----------------------------------------------------------------------------------------------------
-# FLASH_ATTN_CUTE_BWD_OVERLAP: the software-pipelined query loop
+# bwd.overlap: the software-pipelined query loop
 
 
-def _compile_ptx(tmp_path, monkeypatch, d, causal, **env):
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    dump = tmp_path / "_".join(f"{k[-7:]}{v}" for k, v in env.items())
+def _compile_ptx(tmp_path, cute_env, d, causal, fields):
+    """The PTX text and path of the bf16 backward built with the overrides {"bwd.field": value} (left set)."""
+    cute_env(OVERRIDES=_overrides(fields))
+    dump = tmp_path / "_".join(f"{k.split('.')[-1]}{int(v) if isinstance(v, bool) else v}"
+                               for k, v in fields.items())
     dump.mkdir()
-    interface.compile_bwd(torch.bfloat16, d, causal, arch="sm_90a", dump_dir=str(dump))
+    kernels.compile_bwd(torch.bfloat16, d, causal, arch="sm_90a", dump_dir=str(dump))
     (ptx,) = glob.glob(str(dump / "*.ptx"))
     with open(ptx) as f:
         return f.read(), ptx
@@ -204,18 +235,18 @@ def _wgmmas_between_dq_and_atomics(text, d, bm):
 
 
 @pytest.mark.parametrize("d,causal", [(64, True), (128, False)])
-def test_overlap_issues_the_next_block_before_the_dq_atomics(tmp_path, monkeypatch, d, causal):
-    """With FLASH_ATTN_CUTE_BWD_OVERLAP=1, between this block's dQ WGMMA and its dq_accum atomics the
+def test_overlap_issues_the_next_block_before_the_dq_atomics(tmp_path, cute_env, d, causal):
+    """With bwd.overlap=1, between this block's dQ WGMMA and its dq_accum atomics the
     loop issues the next block's S^T and dP^T (D = 64; D = 128: S^T only, 2 x D/16 or D/16 WGMMAs)
     and waits only for the older groups (wait_group 2 / 1); the default build issues nothing there and
     waits for everything. ptxas keeps the WGMMAs pipelined and spills at most a few words."""
-    monkeypatch.setenv("FLASH_ATTN_CUTE_BWD_DQ_TMA", "0")  # the atomics path (the TMA dQ has its own test)
-    monkeypatch.setenv("FLASH_ATTN_CUTE_BWD_BLOCK_M", "64")  # the 64-row loop (128 rows: its own overlap test)
-    monkeypatch.delenv("FLASH_ATTN_CUTE_BWD_DQ_SPLIT", raising=False)
-    monkeypatch.delenv("FLASH_ATTN_CUTE_BWD_STAGES", raising=False)
-    bm = interface._bwd_config(torch.bfloat16, d, causal, "sm_90a")["block_m"]
-    base, _ = _compile_ptx(tmp_path, monkeypatch, d, causal, FLASH_ATTN_CUTE_BWD_OVERLAP="0")
-    text, ptx = _compile_ptx(tmp_path, monkeypatch, d, causal, FLASH_ATTN_CUTE_BWD_OVERLAP="1")
+    # the atomics path (the TMA dQ has its own test), the 64-row loop (128 rows: its own overlap test)
+    fields = {"bwd.dq_tma": False, "bwd.block_m": 64}
+    cute_env(OVERRIDES=_overrides(fields))
+    bm = kernels.bwd_config(torch.bfloat16, d, causal, "sm_90a").block_m
+    assert bm == 64
+    base, _ = _compile_ptx(tmp_path, cute_env, d, causal, {**fields, "bwd.overlap": False})
+    text, ptx = _compile_ptx(tmp_path, cute_env, d, causal, {**fields, "bwd.overlap": True})
     assert _wgmmas_between_dq_and_atomics(base, d, bm) == (0, ["wgmma.wait_group.sync.aligned \t0;"])
     ahead = 2 * d // 16 if d == 64 else d // 16
     assert _wgmmas_between_dq_and_atomics(text, d, bm) == (
@@ -230,7 +261,7 @@ def test_overlap_issues_the_next_block_before_the_dq_atomics(tmp_path, monkeypat
     assert all(x <= (0 if d == 64 else 32) for x in spills), log
 
 
-def test_overlap_config_key_and_refusals(monkeypatch):
+def test_overlap_config_key_and_refusals(monkeypatch, cute_env):
     """The option is in the cache key only when on (the default kernels keep their disk entries); the
     kernel refuses a 1-stage ring (stage j + 1 waited for while j is held: a deadlock) and the
     per-warpgroup dQ at D = 128 (does not fit the register budget)."""
@@ -238,19 +269,18 @@ def test_overlap_config_key_and_refusals(monkeypatch):
 
     from flash_attn.cute.flash_bwd_sm90 import FlashBwdSm90
 
-    monkeypatch.delenv("FLASH_ATTN_CUTE_BWD_OVERLAP", raising=False)
-    base = interface._bwd_config(torch.bfloat16, 64, True, "sm_90a")
-    assert "overlap" not in base and interface._BWD_OVERLAP == {64: False, 128: False}
-    key = interface._bwd_entry(torch.bfloat16, 64, True, "sm_90a")[1]
-    monkeypatch.setenv("FLASH_ATTN_CUTE_BWD_OVERLAP", "0")
-    assert interface._bwd_config(torch.bfloat16, 64, True, "sm_90a") == base
-    monkeypatch.setenv("FLASH_ATTN_CUTE_BWD_OVERLAP", "1")
-    assert interface._bwd_config(torch.bfloat16, 64, True, "sm_90a") == {**base, "overlap": True}
-    assert interface._bwd_entry(torch.bfloat16, 64, True, "sm_90a")[1] != key
-    monkeypatch.setitem(interface._BWD_OVERLAP, 128, True)
-    monkeypatch.setenv("FLASH_ATTN_CUTE_BWD_OVERLAP", "")
-    assert interface._bwd_config(torch.bfloat16, 128, False, "sm_90a")["overlap"] is True
-    assert "overlap" not in interface._bwd_config(torch.bfloat16, 64, False, "sm_90a")
+    base = kernels.bwd_config(torch.bfloat16, 64, True, "sm_90a").key()
+    assert "overlap" not in base and config.BWD_OVERLAP == {64: False, 128: False}
+    key = kernels._bwd_entry(torch.bfloat16, 64, True, "sm_90a")[1]
+    cute_env(OVERRIDES="bwd.overlap=0")
+    assert kernels.bwd_config(torch.bfloat16, 64, True, "sm_90a").key() == base
+    cute_env(OVERRIDES="bwd.overlap=1")
+    assert kernels.bwd_config(torch.bfloat16, 64, True, "sm_90a").key() == {**base, "overlap": True}
+    assert kernels._bwd_entry(torch.bfloat16, 64, True, "sm_90a")[1] != key
+    monkeypatch.setitem(config.BWD_OVERLAP, 128, True)
+    cute_env(OVERRIDES=None)
+    assert kernels.bwd_config(torch.bfloat16, 128, False, "sm_90a").overlap is True
+    assert "overlap" not in kernels.bwd_config(torch.bfloat16, 64, False, "sm_90a").key()
     with pytest.raises(ValueError, match="num_stages >= 2"):
         FlashBwdSm90(cutlass.BFloat16, 64, True, num_stages=1, overlap=True)
     with pytest.raises(ValueError, match="dq_split=False"):
@@ -260,7 +290,7 @@ def test_overlap_config_key_and_refusals(monkeypatch):
 
 
 # ----------------------------------------------------------------------------------------------------
-# FLASH_ATTN_CUTE_BWD_LPT: the grouped longest-first CTA order
+# bwd.lpt: the grouped longest-first CTA order
 
 
 @pytest.mark.parametrize("n_blocks,heads,batches,lpt", [(16, 16, 8, 128), (8, 5, 3, 16), (64, 4, 2, 128),
@@ -277,24 +307,23 @@ def test_lpt_order_covers_every_tile_once_longest_first_per_group(n_blocks, head
         assert blocks == sorted(blocks) and blocks[0] == 0
 
 
-def test_lpt_config_key_and_one_dimensional_grid(tmp_path, monkeypatch):
+def test_lpt_config_key_and_one_dimensional_grid(tmp_path, cute_env):
     """The option is in the cache key only when on (the plain-grid kernels keep their disk entries): by
     default for causal d64, and its kernel reads only blockIdx.x (the 1-D grid) where the plain grid
     reads blockIdx.y for the head."""
-    monkeypatch.delenv("FLASH_ATTN_CUTE_BWD_LPT", raising=False)
-    assert interface._bwd_config(torch.bfloat16, 64, True, "sm_90a")["lpt"] == 128
+    assert kernels.bwd_config(torch.bfloat16, 64, True, "sm_90a").key()["lpt"] == 128
     for d, causal in ((64, False), (128, True), (128, False)):
-        assert "lpt" not in interface._bwd_config(torch.bfloat16, d, causal, "sm_90a")
-    monkeypatch.setenv("FLASH_ATTN_CUTE_BWD_LPT", "0")
-    base = interface._bwd_config(torch.bfloat16, 64, True, "sm_90a")
+        assert "lpt" not in kernels.bwd_config(torch.bfloat16, d, causal, "sm_90a").key()
+    cute_env(OVERRIDES="bwd.lpt=0")
+    base = kernels.bwd_config(torch.bfloat16, 64, True, "sm_90a").key()
     assert "lpt" not in base
-    monkeypatch.setenv("FLASH_ATTN_CUTE_BWD_LPT", "128")
-    assert interface._bwd_config(torch.bfloat16, 64, True, "sm_90a") == {**base, "lpt": 128}
-    text, _ = _compile_ptx(tmp_path, monkeypatch, 64, True, FLASH_ATTN_CUTE_BWD_LPT="128")
+    cute_env(OVERRIDES="bwd.lpt=128")
+    assert kernels.bwd_config(torch.bfloat16, 64, True, "sm_90a").key() == {**base, "lpt": 128}
+    text, _ = _compile_ptx(tmp_path, cute_env, 64, True, {"bwd.lpt": 128})
     assert "%ctaid.y" not in text and "%ctaid.z" not in text and "%ctaid.x" in text
-    base_text, _ = _compile_ptx(tmp_path, monkeypatch, 64, True, FLASH_ATTN_CUTE_BWD_LPT="0")
+    base_text, _ = _compile_ptx(tmp_path, cute_env, 64, True, {"bwd.lpt": 0})
     assert "%ctaid.y" in base_text
-# FLASH_ATTN_CUTE_BWD_BLOCK_M=128 (head dim 64): 128 query rows per step
+# bwd.block_m=128 (head dim 64): 128 query rows per step
 
 
 def _ptxas_log(ptx):
@@ -305,26 +334,22 @@ def _ptxas_log(ptx):
 
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas not on PATH")
 @pytest.mark.parametrize("overlap,emu", [(False, 0), (True, 0), (False, 6)], ids=["plain", "overlap", "exp2_emu"])
-def test_block_m_128_kernel_is_spill_free(tmp_path, monkeypatch, overlap, emu):
-    """The BLOCK_M = 128 kernel (d64, causal, TMA dQ: the configuration FLASH_ATTN_CUTE_BWD_BLOCK_M=128
+def test_block_m_128_kernel_is_spill_free(tmp_path, cute_env, overlap, emu):
+    """The BLOCK_M = 128 kernel (d64, causal, TMA dQ: the configuration bwd.block_m=128
     gives) fits its 240 registers: ptxas spills nothing and keeps the WGMMAs pipelined. Its first build
     (the BLOCK_M = 64 code on 128 rows) spilled 160 bytes and serialised them; then the fp32 S^T live
     until dS^T, the swizzled smem-store addresses hoisted out of the loop, or dS^T stored 4 bytes at a
     time each broke the budget. Also the PTX of the design: m64n128k16 S^T and dP^T, m64n64k16 dV, dK
     (both with A from registers) and the row-split dQ (no m64n32k16), dS^T by stmatrix, P^T packed and
     unpacked in 32-bit words.
-    With FLASH_ATTN_CUTE_BWD_OVERLAP=1 (the next block's S^T issued behind dK and dQ, once dV is
+    With bwd.overlap=1 (the next block's S^T issued behind dK and dQ, once dV is
     done: wait_group 2) the same holds; with dP^T ahead too it spilled 260 bytes and serialised. And
-    with FLASH_ATTN_CUTE_BWD_EXP2_EMU=6: 6 of every 16 exponentials by the FMA-pipe polynomial."""
-    for k in ("FLASH_ATTN_CUTE_BWD_STAGES", "FLASH_ATTN_CUTE_BWD_DQ_SPLIT", "FLASH_ATTN_CUTE_BWD_DQ_TMA",
-              "FLASH_ATTN_CUTE_BWD_OVERLAP", "FLASH_ATTN_CUTE_BWD_EXP2_EMU", "FLASH_ATTN_CUTE_BWD_EXP2_EMU_DEGREE"):
-        monkeypatch.delenv(k, raising=False)
-    cfg = interface._bwd_config(torch.bfloat16, 64, True, "sm_90a")
+    with bwd.exp2_emu=6: 6 of every 16 exponentials by the FMA-pipe polynomial."""
+    cfg = kernels.bwd_config(torch.bfloat16, 64, True, "sm_90a").key()
     assert cfg["block_m"] == 128 and "exp2_emu" not in cfg  # the default at d64 (measured faster)
-    text, ptx = _compile_ptx(tmp_path, monkeypatch, 64, True, FLASH_ATTN_CUTE_BWD_BLOCK_M="128",
-                             FLASH_ATTN_CUTE_BWD_OVERLAP="1" if overlap else "0",
-                             FLASH_ATTN_CUTE_BWD_EXP2_EMU=str(emu))
-    cfg = interface._bwd_config(torch.bfloat16, 64, True, "sm_90a")
+    text, ptx = _compile_ptx(tmp_path, cute_env, 64, True, {"bwd.block_m": 128, "bwd.overlap": overlap,
+                                                            "bwd.exp2_emu": emu})
+    cfg = kernels.bwd_config(torch.bfloat16, 64, True, "sm_90a").key()
     assert (cfg["block_m"], cfg["stages"], cfg["dq_split"], cfg["dq_tma"]) == (128, 2, True, True)
     assert cfg.get("overlap", False) == overlap and cfg.get("exp2_emu", 0) == emu
     assert _count(text, "ex2.approx") == 64 - 64 * emu // 16  # P^T: 64 exponentials a thread
@@ -351,24 +376,22 @@ def test_block_m_128_kernel_is_spill_free(tmp_path, monkeypatch, overlap, emu):
     assert _count(text, "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group") == 2 * (64 // 32)
 
 
-def test_bwd_exp2_emu_config_key_and_refusals(monkeypatch):
-    """FLASH_ATTN_CUTE_BWD_EXP2_EMU is in the cache key only when on (the degree only when not 3); the
+def test_bwd_exp2_emu_config_key_and_refusals(cute_env):
+    """bwd.exp2_emu is in the cache key only when on (the degree only when not 3); the
     kernel refuses counts outside 0..16 and degrees without coefficients."""
     import cutlass
 
     from flash_attn.cute.flash_bwd_sm90 import FlashBwdSm90
 
-    monkeypatch.delenv("FLASH_ATTN_CUTE_BWD_EXP2_EMU", raising=False)
-    monkeypatch.delenv("FLASH_ATTN_CUTE_BWD_EXP2_EMU_DEGREE", raising=False)
-    base = interface._bwd_config(torch.bfloat16, 64, True, "sm_90a")
-    assert "exp2_emu" not in base and interface._BWD_EXP2_EMU == {64: 0, 128: 0}
-    monkeypatch.setenv("FLASH_ATTN_CUTE_BWD_EXP2_EMU", "0")
-    assert interface._bwd_config(torch.bfloat16, 64, True, "sm_90a") == base
-    monkeypatch.setenv("FLASH_ATTN_CUTE_BWD_EXP2_EMU", "6")
-    assert interface._bwd_config(torch.bfloat16, 64, True, "sm_90a") == {**base, "exp2_emu": 6}
-    monkeypatch.setenv("FLASH_ATTN_CUTE_BWD_EXP2_EMU_DEGREE", "4")
-    assert interface._bwd_config(torch.bfloat16, 64, True, "sm_90a") == {**base, "exp2_emu": 6,
-                                                                          "exp2_emu_degree": 4}
+    base = kernels.bwd_config(torch.bfloat16, 64, True, "sm_90a").key()
+    assert "exp2_emu" not in base and config.BWD_EXP2_EMU == {64: 0, 128: 0}
+    cute_env(OVERRIDES="bwd.exp2_emu=0")
+    assert kernels.bwd_config(torch.bfloat16, 64, True, "sm_90a").key() == base
+    cute_env(OVERRIDES="bwd.exp2_emu=6")
+    assert kernels.bwd_config(torch.bfloat16, 64, True, "sm_90a").key() == {**base, "exp2_emu": 6}
+    cute_env(OVERRIDES="bwd.exp2_emu=6,bwd.exp2_emu_degree=4")
+    assert kernels.bwd_config(torch.bfloat16, 64, True, "sm_90a").key() == {**base, "exp2_emu": 6,
+                                                                             "exp2_emu_degree": 4}
     with pytest.raises(ValueError, match="exp2_emu"):
         FlashBwdSm90(cutlass.BFloat16, 64, True, exp2_emu=17)
     with pytest.raises(ValueError, match="degree"):
@@ -455,14 +478,14 @@ def test_p_fragment_reuses_the_st_accumulator_layout(d, block_m):
     """P^T goes to dV += P^T dO by reinterpreting the S^T accumulator (m64n{BM}k16) registers as the A
     operand of m64n{D}k16 with K = BM, layout ((2, 2, 2), 1, BM / 16): each register must then hold the
     (key, query) the A operand expects, for every thread of both warpgroups (block_m None: the
-    configured default; 128: FLASH_ATTN_CUTE_BWD_BLOCK_M=128)."""
+    configured default; 128: bwd.block_m=128)."""
     import cutlass
     from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
     from flash_attn.cute.flash_bwd_sm90 import FlashBwdSm90
 
     block_n = 128
-    block_m = block_m or interface._bwd_config(torch.bfloat16, d, False, "sm_90a")["block_m"]
+    block_m = block_m or kernels.bwd_config(torch.bfloat16, d, False, "sm_90a").block_m
     mismatches = []
 
     @cute.jit
@@ -503,7 +526,7 @@ def test_dq_accumulator_values_pair_up_as_adjacent_columns(d, dq_split):
     import cutlass
     from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
-    block_m = interface._bwd_config(torch.bfloat16, d, False, "sm_90a")["block_m"]
+    block_m = kernels.bwd_config(torch.bfloat16, d, False, "sm_90a").block_m
     bad = []
 
     @cute.jit
@@ -520,7 +543,7 @@ def test_dq_accumulator_values_pair_up_as_adjacent_columns(d, dq_split):
 
 def test_dq_rows_split_pairs_up_and_covers_the_tile():
     """BLOCK_M = 128's shared dQ tile, split between the warpgroups by query rows (m64n64k16, atoms
-    (2, 1, 1)): the column pairs of _atomic_add_dq (FLASH_ATTN_CUTE_BWD_DQ_TMA=0) hold there too, and
+    (2, 1, 1)): the column pairs of _atomic_add_dq (bwd.dq_tma=0) hold there too, and
     the 256 threads cover the (128, 64) tile once."""
     import cutlass
     from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
@@ -590,32 +613,29 @@ def test_shared_memory_is_counted_and_an_oversized_config_refused():
 
 def test_unsupported_head_dim_is_refused():
     with pytest.raises(ValueError, match="head dim"):
-        interface.compile_bwd(torch.bfloat16, 96, False)
+        kernels.compile_bwd(torch.bfloat16, 96, False)
 
 
 def test_cache_key_has_only_what_changes_code():
-    cfg = interface._bwd_config(torch.bfloat16, 64, False, "sm_90a")
+    cfg = kernels.bwd_config(torch.bfloat16, 64, False, "sm_90a").key()
     assert set(cfg) == {"kernel", "dtype", "head_dim", "causal", "block_m", "stages", "dq_split", "dq_tma", "arch",
                         "abi"}
-    assert set(interface._bwd_config(torch.bfloat16, 64, True, "sm_90a")) == set(cfg) | {"lpt"}
-    assert interface._bwd_entry(torch.bfloat16, 64, True, "sm_90a")[1] != \
-        interface._bwd_entry(torch.bfloat16, 64, False, "sm_90a")[1]
+    assert set(kernels.bwd_config(torch.bfloat16, 64, True, "sm_90a").key()) == set(cfg) | {"lpt"}
+    assert kernels._bwd_entry(torch.bfloat16, 64, True, "sm_90a")[1] != \
+        kernels._bwd_entry(torch.bfloat16, 64, False, "sm_90a")[1]
 
 
 @pytest.mark.parametrize("d", [64, 128])
-def test_default_backward_adds_dq_by_tma_and_the_variable_switches_it(monkeypatch, d):
+def test_default_backward_adds_dq_by_tma_and_the_override_switches_it(cute_env, d):
     # the TMA dQ measured 1.19-1.39x the atomics kernel on the H200 (attention_cute_bwd.md, session 5)
-    monkeypatch.delenv("FLASH_ATTN_CUTE_BWD_DQ_TMA", raising=False)
-    monkeypatch.delenv("FLASH_ATTN_CUTE_BWD_DQ_SPLIT", raising=False)
-    monkeypatch.delenv("FLASH_ATTN_CUTE_BWD_OVERLAP", raising=False)
-    cfg = interface._bwd_config(torch.bfloat16, d, True, "sm_90a")
+    cfg = kernels.bwd_config(torch.bfloat16, d, True, "sm_90a").key()
     assert cfg["dq_tma"] and cfg["dq_split"] and "overlap" not in cfg
-    monkeypatch.setenv("FLASH_ATTN_CUTE_BWD_DQ_TMA", "0")
-    assert not interface._bwd_config(torch.bfloat16, d, True, "sm_90a")["dq_tma"]
+    cute_env(OVERRIDES="bwd.dq_tma=0")
+    assert not kernels.bwd_config(torch.bfloat16, d, True, "sm_90a").dq_tma
 
 
 # ----------------------------------------------------------------------------------------------------
-# Host side of interface.backward, with the kernel replaced by a stand-in (CPU tensors)
+# Host side of launch.backward, with the kernel replaced by a stand-in (CPU tensors)
 
 
 _HOST_CASES = {  # name: (H, Hk, Sq, Sk, grads layout)
@@ -629,7 +649,7 @@ _HOST_CASES = {  # name: (H, Hk, Sq, Sk, grads layout)
 
 
 @pytest.fixture(params=["triton", "torch"])
-def host(request, monkeypatch):
+def host(request, monkeypatch, cute_env):
     """The host path ("triton": bwd_host's kernels, in the interpreter on CPU; "torch": the fallback),
     with bwd_host's allocations NaN-filled (every element the kernel reads must be written) and a
     record of which path's functions ran."""
@@ -638,9 +658,9 @@ def host(request, monkeypatch):
     if request.param == "triton":
         if bwd_host.triton is None:
             pytest.skip("Triton is not installed")
-        monkeypatch.delenv(bwd_host.HOST_ENV_VAR, raising=False)
+        cute_env(OVERRIDES=None)
     else:
-        monkeypatch.setenv(bwd_host.HOST_ENV_VAR, "torch")
+        cute_env(OVERRIDES="plan.bwd_host=torch")
     monkeypatch.setattr(bwd_host, "_empty", lambda shape, **kw: torch.full(shape, float("nan"), **kw))
     ran = []
     for name in ("prepare", "finish", "prepare_torch", "finish_torch"):
@@ -689,10 +709,10 @@ def test_backward_host_steps_with_a_stand_in_kernel(monkeypatch, host, case):
         dk.copy_(dk_vals)
         dv.copy_(dv_vals)
 
-    block_m = interface._bwd_config(dtype, D, True, "sm_90a")["block_m"]
-    monkeypatch.setitem(interface._bwd_kernels, (dtype, D, True, "sm_90a"), kernel)
+    block_m = kernels.bwd_config(dtype, D, True, "sm_90a").block_m
+    monkeypatch.setitem(kernels._bwd_kernels, (dtype, D, True, "sm_90a"), kernel)
     grads, buf = _stand_in_grads(layout, B, Sq, Sk, H, Hk, D, dtype)
-    dq, dk, dv = interface.backward(dout, q, k, v, out, lse, 0.5, True, "sm_90a", grads=grads)
+    dq, dk, dv = launch.backward(dout, q, k, v, out, lse, 0.5, True, "sm_90a", grads=grads)
     assert ran == (["prepare", "finish"] if path == "triton" else ["prepare_torch", "finish_torch"])
 
     pad = -(-Sq // block_m) * block_m
@@ -758,7 +778,7 @@ def test_host_paths_agree(dtype):
     assert torch.equal(dq, outs[1][0])
 
 
-def test_triton_host_path_is_two_launches_and_no_torch_compute(monkeypatch):
+def test_triton_host_path_is_two_launches_and_no_torch_compute(monkeypatch, cute_env):
     """With the Triton host path, backward's own torch calls are allocations and views only (no kernel
     launch of torch's on a GPU): one preprocess launch, the kernel, one postprocess launch, with GQA and
     grads in layouts the kernel refuses."""
@@ -768,7 +788,7 @@ def test_triton_host_path_is_two_launches_and_no_torch_compute(monkeypatch):
 
     if bwd_host.triton is None:
         pytest.skip("Triton is not installed")
-    monkeypatch.delenv(bwd_host.HOST_ENV_VAR, raising=False)
+    cute_env(OVERRIDES=None)  # the default host path (plan.bwd_host=triton)
     launches = []
     monkeypatch.setattr(bwd_host, "_launch", lambda kernel, *a: launches.append(kernel))
     ops = []
@@ -785,10 +805,10 @@ def test_triton_host_path_is_two_launches_and_no_torch_compute(monkeypatch):
     grads = (torch.empty(B, H, Sq, D, dtype=dtype).transpose(1, 2),
              torch.empty(B, Hk, Sk, D, dtype=dtype).transpose(1, 2), torch.empty(B, Sk, Hk, D, dtype=dtype))
     kernel_calls = []
-    monkeypatch.setitem(interface._bwd_kernels, (dtype, D, True, "sm_90a"),
+    monkeypatch.setitem(kernels._bwd_kernels, (dtype, D, True, "sm_90a"),
                         lambda *a: kernel_calls.append(len(launches)))
     with Record():
-        interface.backward(dout, q, k, v, out, lse, 0.5, True, "sm_90a", grads=grads)
+        launch.backward(dout, q, k, v, out, lse, 0.5, True, "sm_90a", grads=grads)
     assert launches == [bwd_host._bwd_prep_kernel, bwd_host._bwd_post_kernel] and kernel_calls == [1]
     compute = {str(f) for f in ops if not (f.is_view or str(f).startswith("aten.empty"))}
     assert not compute, compute
@@ -865,23 +885,23 @@ def test_host_kernels_compile_for_sm90_vectorised_without_spills(tmp_path):
         assert (rows[f"post d{D} kv=True"]["ld_v4"], rows[f"post d{D} kv=True"]["st_v4"]) == (16, 12), rows
 
 
-def test_torch_host_path_without_triton(monkeypatch):
-    """Without Triton (flash-attn-4 does not require it) backward takes the torch expressions."""
+def test_torch_host_path_without_triton(monkeypatch, cute_env):
+    """Without Triton (flash-attn-4 does not require it), or with plan.bwd_host=torch, backward takes the torch
+    expressions."""
     from flash_attn.cute import bwd_host
 
-    monkeypatch.delenv(bwd_host.HOST_ENV_VAR, raising=False)
     t = torch.zeros(1)
     if bwd_host.triton is not None:
         assert bwd_host.use_triton(t) == bwd_host._INTERPRET
-        monkeypatch.setenv(bwd_host.HOST_ENV_VAR, "torch")
+        cute_env(OVERRIDES="plan.bwd_host=torch")
         assert not bwd_host.use_triton(t)
-        monkeypatch.delenv(bwd_host.HOST_ENV_VAR)
+        cute_env(OVERRIDES=None)
     monkeypatch.setattr(bwd_host, "triton", None)
     assert not bwd_host.use_triton(t)
 
 
 # ----------------------------------------------------------------------------------------------------
-# Dispatch: on by default, off with FLASH_ATTN_CUTE_BWD=0
+# Dispatch: on by default, off with FLASH_ATTN_CUTE_DISABLE=bwd
 
 
 def _call(**kw):
@@ -891,22 +911,18 @@ def _call(**kw):
     return Call(**base)
 
 
-def test_backward_is_served_by_default_and_refused_with_the_variable_at_0(monkeypatch):
-    monkeypatch.delenv(cute_backend.BWD_ENV_VAR, raising=False)
+def test_backward_is_served_by_default_and_refused_when_disabled(cute_env):
     assert cute_backend.unsupported_reason(_call()) is None
-    monkeypatch.setenv(cute_backend.BWD_ENV_VAR, "0")
+    cute_env(DISABLE="bwd")
     why = cute_backend.unsupported_reason(_call())
-    assert why is not None and cute_backend.BWD_ENV_VAR in why
+    assert why is not None and settings.DISABLE in why and "bwd" in why, why
     # forward calls are untouched
     assert cute_backend.unsupported_reason(_call(backward=False)) is None
 
 
-@pytest.mark.parametrize("env", [None, "1"])
-def test_backward_is_served_only_where_the_kernel_applies(monkeypatch, env):
-    if env is None:
-        monkeypatch.delenv(cute_backend.BWD_ENV_VAR, raising=False)
-    else:
-        monkeypatch.setenv(cute_backend.BWD_ENV_VAR, env)
+@pytest.mark.parametrize("disable", [None, "paged,split"])
+def test_backward_is_served_only_where_the_kernel_applies(cute_env, disable):
+    cute_env(DISABLE=disable)  # (features other than bwd leave the backward on)
     assert cute_backend.unsupported_reason(_call()) is None
     assert cute_backend.unsupported_reason(_call(causal=False, dtype=torch.float16, head_dim=128,
                                                  head_dim_v=128)) is None
@@ -925,22 +941,22 @@ def _hopper():
 
 
 @pytest.fixture
-def cute_bwd_on(monkeypatch):
-    """FLASH_ATTN_CUTE_BWD=1 (the default, set in case the environment has it at 0) with the dispatcher's
-    cached choices dropped (they may have been made with it off), and a count of the backward launches the
-    cute backend makes."""
+def cute_bwd_on(monkeypatch, cute_env):
+    """The backward on (FLASH_ATTN_CUTE_DISABLE unset, in case the environment names bwd there) with the
+    dispatcher's cached choices dropped (they may have been made with it off), and a count of the backward
+    launches the cute backend makes (launch.backward, which backend.bwd and autograd.py call)."""
     from flash_attn import dispatch
 
-    monkeypatch.setenv(cute_backend.BWD_ENV_VAR, "1")
+    cute_env(DISABLE=None)
     monkeypatch.setattr(dispatch, "_choice", {})
     calls = []
-    real = interface.backward
+    real = launch.backward
 
     def counted(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(interface, "backward", counted)
+    monkeypatch.setattr(launch, "backward", counted)
     return calls
 
 
@@ -997,10 +1013,10 @@ def test_gradients_with_unequal_lengths_on_gpu(cute_bwd_on, d, causal, seqlen_q,
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlen", [17, 255, 1000])
-def test_gradients_with_per_warpgroup_dq_on_gpu(cute_bwd_on, monkeypatch, d, causal, seqlen):
-    # the FLASH_ATTN_CUTE_BWD_DQ_SPLIT=0 variant (the in-memory kernel cache does not key on it: emptied)
-    monkeypatch.setenv("FLASH_ATTN_CUTE_BWD_DQ_SPLIT", "0")
-    monkeypatch.setattr(interface, "_bwd_kernels", {})
+def test_gradients_with_per_warpgroup_dq_on_gpu(cute_bwd_on, monkeypatch, cute_env, d, causal, seqlen):
+    # the bwd.dq_split=0 variant (the in-memory kernel cache does not key on it: emptied)
+    cute_env(OVERRIDES="bwd.dq_split=0")
+    _fresh_bwd_kernels(monkeypatch)
     _run(torch.bfloat16, d, causal, 2, seqlen, seqlen, 4, 2, cute_bwd_on, seed=2)
 
 
@@ -1010,11 +1026,11 @@ def test_gradients_with_per_warpgroup_dq_on_gpu(cute_bwd_on, monkeypatch, d, cau
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(17, 17), (255, 255), (1000, 1000), (2048, 2048), (113, 203),
                                                (256, 77), (1, 130)])
-def test_gradients_with_atomic_dq_on_gpu(cute_bwd_on, monkeypatch, d, causal, seqlen_q, seqlen_k):
-    # the FLASH_ATTN_CUTE_BWD_DQ_TMA=0 variant: dQ added by per-thread red.global.add.v2.f32 (the default,
+def test_gradients_with_atomic_dq_on_gpu(cute_bwd_on, monkeypatch, cute_env, d, causal, seqlen_q, seqlen_k):
+    # the bwd.dq_tma=0 variant: dQ added by per-thread red.global.add.v2.f32 (the default,
     # the TMA reduce-add, runs in every other gradient test)
-    monkeypatch.setenv("FLASH_ATTN_CUTE_BWD_DQ_TMA", "0")
-    monkeypatch.setattr(interface, "_bwd_kernels", {})
+    cute_env(OVERRIDES="bwd.dq_tma=0")
+    _fresh_bwd_kernels(monkeypatch)
     _run(torch.bfloat16, d, causal, 2, seqlen_q, seqlen_k, 4, 2, cute_bwd_on, seed=4)
 
 
@@ -1025,11 +1041,12 @@ def test_gradients_with_atomic_dq_on_gpu(cute_bwd_on, monkeypatch, d, causal, se
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (17, 17), (255, 255), (1000, 1000), (2048, 2048), (113, 203),
                                                (256, 77)])
 @pytest.mark.parametrize("heads,heads_kv", [(4, 4), (4, 1)])
-def test_gradients_with_overlap_on_gpu(cute_bwd_on, monkeypatch, d, causal, seqlen_q, seqlen_k, heads, heads_kv):
-    # the FLASH_ATTN_CUTE_BWD_OVERLAP=1 variant: the software-pipelined query loop (key blocks with one
+def test_gradients_with_overlap_on_gpu(cute_bwd_on, monkeypatch, cute_env, d, causal, seqlen_q, seqlen_k, heads,
+                                      heads_kv):
+    # the bwd.overlap=1 variant: the software-pipelined query loop (key blocks with one
     # query block, none (causal, Sq < Sk), and many; the in-memory kernel cache does not key on it: emptied)
-    monkeypatch.setenv("FLASH_ATTN_CUTE_BWD_OVERLAP", "1")
-    monkeypatch.setattr(interface, "_bwd_kernels", {})
+    cute_env(OVERRIDES="bwd.overlap=1")
+    _fresh_bwd_kernels(monkeypatch)
     _run(torch.bfloat16, d, causal, 2, seqlen_q, seqlen_k, heads, heads_kv, cute_bwd_on, seed=5)
 
 
@@ -1039,11 +1056,11 @@ def test_gradients_with_overlap_on_gpu(cute_bwd_on, monkeypatch, d, causal, seql
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(17, 17), (1000, 1000), (2048, 2048), (113, 203), (256, 77),
                                                (1, 130)])
 @pytest.mark.parametrize("heads,heads_kv", [(4, 4), (6, 2)])
-def test_gradients_with_block_m_64_at_d64_on_gpu(cute_bwd_on, monkeypatch, causal, seqlen_q, seqlen_k, heads,
-                                                 heads_kv):
-    # FLASH_ATTN_CUTE_BWD_BLOCK_M=64 at d64: the former default (d64 now takes 128 query rows)
-    monkeypatch.setenv("FLASH_ATTN_CUTE_BWD_BLOCK_M", "64")
-    monkeypatch.setattr(interface, "_bwd_kernels", {})
+def test_gradients_with_block_m_64_at_d64_on_gpu(cute_bwd_on, monkeypatch, cute_env, causal, seqlen_q, seqlen_k,
+                                                 heads, heads_kv):
+    # bwd.block_m=64 at d64: the former default (d64 now takes 128 query rows)
+    cute_env(OVERRIDES="bwd.block_m=64")
+    _fresh_bwd_kernels(monkeypatch)
     _run(torch.bfloat16, 64, causal, 2, seqlen_q, seqlen_k, heads, heads_kv, cute_bwd_on, seed=8)
 
 
@@ -1055,30 +1072,27 @@ def test_gradients_with_block_m_64_at_d64_on_gpu(cute_bwd_on, monkeypatch, causa
 @pytest.mark.parametrize("batch,seqlen_q,seqlen_k,heads,heads_kv", [(3, 1000, 1000, 5, 5), (2, 2048, 2048, 6, 2),
                                                                     (3, 113, 203, 5, 1), (1, 256, 77, 4, 4),
                                                                     (2, 17, 17, 3, 3)])
-def test_gradients_with_lpt_order_on_gpu(cute_bwd_on, monkeypatch, d, causal, lpt, batch, seqlen_q, seqlen_k,
-                                         heads, heads_kv):
-    # FLASH_ATTN_CUTE_BWD_LPT: the 1-D grid in grouped longest-first order, groups of one or several
+def test_gradients_with_lpt_order_on_gpu(cute_bwd_on, monkeypatch, cute_env, d, causal, lpt, batch, seqlen_q,
+                                         seqlen_k, heads, heads_kv):
+    # bwd.lpt: the 1-D grid in grouped longest-first order, groups of one or several
     # (head, batch) pairs, a smaller last group (15 pairs in groups of 2)
-    monkeypatch.setenv("FLASH_ATTN_CUTE_BWD_LPT", lpt)
-    monkeypatch.setattr(interface, "_bwd_kernels", {})
+    cute_env(OVERRIDES=f"bwd.lpt={lpt}")
+    _fresh_bwd_kernels(monkeypatch)
     _run(torch.bfloat16, d, causal, batch, seqlen_q, seqlen_k, heads, heads_kv, cute_bwd_on, seed=7)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
-@pytest.mark.parametrize("d,causal,env", [(64, True, {"FLASH_ATTN_CUTE_BWD_DQ_TMA": "1"}),
-                                          (128, False, {"FLASH_ATTN_CUTE_BWD_DQ_TMA": "1"}),
-                                          (64, True, {"FLASH_ATTN_CUTE_BWD_STAGES": "3"}),
-                                          (128, True, {"FLASH_ATTN_CUTE_BWD_STAGES": "3",
-                                                       "FLASH_ATTN_CUTE_BWD_DQ_TMA": "0"}),
-                                          (64, False, {"FLASH_ATTN_CUTE_BWD_DQ_SPLIT": "0"})])
+@pytest.mark.parametrize("d,causal,fields", [(64, True, {"bwd.dq_tma": 1}), (128, False, {"bwd.dq_tma": 1}),
+                                             (64, True, {"bwd.stages": 3}),
+                                             (128, True, {"bwd.stages": 3, "bwd.dq_tma": 0}),
+                                             (64, False, {"bwd.dq_split": 0})])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(17, 17), (1000, 1000), (113, 203), (256, 77)])
-def test_gradients_with_overlap_variants_on_gpu(cute_bwd_on, monkeypatch, d, causal, env, seqlen_q, seqlen_k):
-    # FLASH_ATTN_CUTE_BWD_OVERLAP=1 with the dQ TMA reduce-add, a 3-stage ring and the per-warpgroup dQ
-    monkeypatch.setenv("FLASH_ATTN_CUTE_BWD_OVERLAP", "1")
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.setattr(interface, "_bwd_kernels", {})
+def test_gradients_with_overlap_variants_on_gpu(cute_bwd_on, monkeypatch, cute_env, d, causal, fields, seqlen_q,
+                                                seqlen_k):
+    # bwd.overlap=1 with the dQ TMA reduce-add, a 3-stage ring and the per-warpgroup dQ
+    cute_env(OVERRIDES=_overrides({"bwd.overlap": 1, **fields}))
+    _fresh_bwd_kernels(monkeypatch)
     _run(torch.bfloat16, d, causal, 2, seqlen_q, seqlen_k, 4, 2, cute_bwd_on, seed=6)
 
 
@@ -1089,34 +1103,32 @@ def test_gradients_with_overlap_variants_on_gpu(cute_bwd_on, monkeypatch, d, cau
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (17, 17), (255, 255), (1000, 1000), (2048, 2048), (113, 203),
                                                (256, 77), (1, 130), (300, 1200)])
 @pytest.mark.parametrize("heads,heads_kv", [(4, 4), (4, 1), (6, 2)])
-def test_gradients_with_block_m_128_on_gpu(cute_bwd_on, monkeypatch, dtype, causal, seqlen_q, seqlen_k, heads,
-                                           heads_kv):
-    # FLASH_ATTN_CUTE_BWD_BLOCK_M=128 at d64: 128 query rows per step (dS^T from the 16-bit P^T, dS^T by
+def test_gradients_with_block_m_128_on_gpu(cute_bwd_on, monkeypatch, cute_env, dtype, causal, seqlen_q, seqlen_k,
+                                           heads, heads_kv):
+    # bwd.block_m=128 at d64: 128 query rows per step (dS^T from the 16-bit P^T, dS^T by
     # stmatrix, dQ split by rows; fp16 unpacks P^T with cvt, bf16 with shifts). Key blocks with one
     # query block, none (causal, Sq < Sk), many, and partial ones on both sides; MHA, MQA, GQA.
-    monkeypatch.setenv("FLASH_ATTN_CUTE_BWD_BLOCK_M", "128")
-    monkeypatch.setattr(interface, "_bwd_kernels", {})  # the in-memory cache does not key on it
-    assert interface._bwd_config(dtype, 64, causal, "sm_90a")["block_m"] == 128
+    cute_env(OVERRIDES="bwd.block_m=128")
+    _fresh_bwd_kernels(monkeypatch)  # the in-memory cache does not key on it
+    assert kernels.bwd_config(dtype, 64, causal, "sm_90a").block_m == 128
     _run(dtype, 64, causal, 2, seqlen_q, seqlen_k, heads, heads_kv, cute_bwd_on, seed=8)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("env", [{"FLASH_ATTN_CUTE_BWD_DQ_TMA": "0"}, {"FLASH_ATTN_CUTE_BWD_DQ_SPLIT": "0"},
-                                 {"FLASH_ATTN_CUTE_BWD_STAGES": "1"}, {"FLASH_ATTN_CUTE_BWD_OVERLAP": "1"},
-                                 {"FLASH_ATTN_CUTE_BWD_OVERLAP": "1", "FLASH_ATTN_CUTE_BWD_DQ_TMA": "0"}],
+@pytest.mark.parametrize("fields", [{"bwd.dq_tma": 0}, {"bwd.dq_split": 0}, {"bwd.stages": 1}, {"bwd.overlap": 1},
+                                    {"bwd.overlap": 1, "bwd.dq_tma": 0}],
                          ids=["atomic_dq", "dq_per_wg", "stages1", "overlap", "overlap_atomic_dq"])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (17, 17), (1000, 1000), (2048, 2048), (113, 203), (256, 77),
                                                (1, 130)])
-def test_gradients_with_block_m_128_variants_on_gpu(cute_bwd_on, monkeypatch, causal, env, seqlen_q, seqlen_k):
+def test_gradients_with_block_m_128_variants_on_gpu(cute_bwd_on, monkeypatch, cute_env, causal, fields, seqlen_q,
+                                                    seqlen_k):
     # BLOCK_M = 128 with the row-split dQ added by red.global atomics, with the per-warpgroup dQ (M = 128
     # queries over the warpgroup's 64 keys), with a 1-stage Q/dO ring, and the overlapped loop (next
     # block's S^T issued behind dK and dQ) with either dQ
-    monkeypatch.setenv("FLASH_ATTN_CUTE_BWD_BLOCK_M", "128")
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.setattr(interface, "_bwd_kernels", {})
+    cute_env(OVERRIDES=_overrides({"bwd.block_m": 128, **fields}))
+    _fresh_bwd_kernels(monkeypatch)
     _run(torch.bfloat16, 64, causal, 2, seqlen_q, seqlen_k, 4, 2, cute_bwd_on, seed=9)
 
 
@@ -1126,12 +1138,12 @@ def test_gradients_with_block_m_128_variants_on_gpu(cute_bwd_on, monkeypatch, ca
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("emu", ["6", "16"])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(17, 17), (1000, 1000), (113, 203), (256, 77)])
-def test_gradients_with_exp2_emu_on_gpu(cute_bwd_on, monkeypatch, d, block_m, causal, emu, seqlen_q, seqlen_k):
-    # FLASH_ATTN_CUTE_BWD_EXP2_EMU: a share of P^T's exponentials (16: all) by the FMA-pipe polynomial;
+def test_gradients_with_exp2_emu_on_gpu(cute_bwd_on, monkeypatch, cute_env, d, block_m, causal, emu, seqlen_q,
+                                        seqlen_k):
+    # bwd.exp2_emu: a share of P^T's exponentials (16: all) by the FMA-pipe polynomial;
     # masked keys and padded / keyless queries (+inf lse2) must still give P = 0 exactly
-    monkeypatch.setenv("FLASH_ATTN_CUTE_BWD_EXP2_EMU", emu)
-    monkeypatch.setenv("FLASH_ATTN_CUTE_BWD_BLOCK_M", block_m)
-    monkeypatch.setattr(interface, "_bwd_kernels", {})
+    cute_env(OVERRIDES=f"bwd.exp2_emu={emu},bwd.block_m={block_m}")
+    _fresh_bwd_kernels(monkeypatch)
     _run(torch.bfloat16, d, causal, 2, seqlen_q, seqlen_k, 4, 2, cute_bwd_on, seed=10)
 
 
@@ -1165,12 +1177,10 @@ def _bwd_kw(S, D, causal):
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
 @pytest.mark.parametrize("heads_kv,packed", [(4, False), (4, True), (1, False)])
-def test_backward_is_three_launches_on_gpu(cute_bwd_on, monkeypatch, heads_kv, packed):
+def test_backward_is_three_launches_on_gpu(cute_bwd_on, cute_env, heads_kv, packed):
     """The backward's GPU work, counted by the profiler: the preprocess, the kernel and the postprocess,
     nothing else (no memset, copy or torch kernel), for MHA into packed dqkv slices and for MQA. The
     torch host path's count is printed for comparison (-s)."""
-    from flash_attn.cute import bwd_host
-
     B, S, H, D = 2, 1000, 4, 64
     g = torch.Generator().manual_seed(5)
     if packed:
@@ -1185,10 +1195,7 @@ def test_backward_is_three_launches_on_gpu(cute_bwd_on, monkeypatch, heads_kv, p
     out, lse, _ = cute_backend.fwd(q, k, v, return_probs=False, **kw)
     counts = {}
     for path in ("torch", "triton"):
-        if path == "torch":
-            monkeypatch.setenv(bwd_host.HOST_ENV_VAR, "torch")
-        else:
-            monkeypatch.delenv(bwd_host.HOST_ENV_VAR)
+        cute_env(OVERRIDES="plan.bwd_host=torch" if path == "torch" else None)
         cute_backend.bwd(dout, q, k, v, out, lse, deterministic=False, grads=grads, **kw)  # compiles
         torch.cuda.synchronize()
         acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
@@ -1247,12 +1254,9 @@ def test_host_paths_agree_on_gpu(dtype, d):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlen_q,seqlen_k,heads_kv", [(255, 255, 4), (1000, 1000, 1), (300, 1200, 2),
                                                        (256, 77, 2)])
-def test_gradients_with_torch_host_steps_on_gpu(cute_bwd_on, monkeypatch, d, causal, seqlen_q, seqlen_k,
-                                                heads_kv):
-    # the fallback host path (no Triton, or FLASH_ATTN_CUTE_BWD_HOST=torch) around the same kernel
-    from flash_attn.cute import bwd_host
-
-    monkeypatch.setenv(bwd_host.HOST_ENV_VAR, "torch")
+def test_gradients_with_torch_host_steps_on_gpu(cute_bwd_on, cute_env, d, causal, seqlen_q, seqlen_k, heads_kv):
+    # the fallback host path (no Triton, or plan.bwd_host=torch) around the same kernel
+    cute_env(OVERRIDES="plan.bwd_host=torch")
     _run(torch.bfloat16, d, causal, 2, seqlen_q, seqlen_k, 4, heads_kv, cute_bwd_on, seed=7)
 
 
@@ -1266,9 +1270,9 @@ def test_precompile_fills_the_disk_cache_with_backward_kernels(tmp_path):
     kw = dict(dtypes=("bf16",), head_dims=(64,), causals=(True,), kinds=("bwd",), log=lines.append)
     (row,) = precompile.precompile(str(tmp_path), "sm_90a", **kw)
     assert (row["kind"], row["how"], row["error"]) == ("bwd", "compiled", None), lines
-    files = interface.bwd_disk_entry(torch.bfloat16, 64, True, "sm_90a", str(tmp_path))
+    files = kernels.bwd_disk_entry(torch.bfloat16, 64, True, "sm_90a", str(tmp_path))
     assert "o" in files and all(os.path.exists(p) for p in files.values())
-    assert interface.disk_entry(torch.bfloat16, 64, True, "sm_90a", str(tmp_path)) == {}  # no forward asked
+    assert kernels.disk_entry(torch.bfloat16, 64, True, "sm_90a", str(tmp_path)) == {}  # no forward asked
     (again,) = precompile.precompile(str(tmp_path), "sm_90a", **kw)
     assert again["how"] in ("so", "o") and again["error"] is None
     assert lines[0].startswith("bwd bf16 d64 causal: compiled")

@@ -1,6 +1,7 @@
 """flash_attn.cute (distribution flash-attn-4): the Hopper forward kernel compiles for sm_90a without a
 GPU and its PTX holds the instructions the design rests on; on a Hopper GPU (tests marked gpu) it matches
 the reference within the project's accuracy criterion."""
+import contextlib
 import glob
 import math
 import os
@@ -18,8 +19,39 @@ _PKG = os.path.join(ROOT, "packages", "flash-attn-4")
 if _PKG not in sys.path:  # the checkout's flash_attn/__init__ also finds it; this keeps the test standalone
     sys.path.insert(0, _PKG)
 
-from flash_attn.cute.interface import compile_fwd  # noqa: E402
+from flash_attn.cute import config, kernels, launch, plan, settings  # noqa: E402
+from flash_attn.cute.kernels import compile_fwd  # noqa: E402
 from flash_attn.testing import assert_close_to_ref, assert_ptxas_clean, attention_ref, cuobjdump_path, fa4_window  # noqa: E402
+
+@contextlib.contextmanager
+def _cute_settings(**names):
+    """The cute_env fixture (tests/conftest.py) for module-scoped fixtures: FLASH_ATTN_CUTE_<name> set (None or "":
+    unset; OVERRIDES and DISABLE unset unless given) and read again for the block, restored and read again after."""
+    names = {"OVERRIDES": None, "DISABLE": None, **names}
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in names.items():
+            if value is None or value == "":
+                mp.delenv("FLASH_ATTN_CUTE_" + name, raising=False)
+            else:
+                mp.setenv("FLASH_ATTN_CUTE_" + name, str(value))
+        settings.reload()
+        try:
+            yield
+        finally:
+            mp.undo()
+            settings.reload()
+
+
+def _kernel_table(monkeypatch, table=None):
+    """One in-memory forward kernel table (``table``, default empty) where kernels.py fills it and launch.py and
+    interface.py's fast path read it (it does not key on the overrides)."""
+    from flash_attn.cute import interface
+
+    table = {} if table is None else table
+    for module in (kernels, launch, interface):
+        monkeypatch.setattr(module, "_kernels", table)
+    return table
+
 
 # (dtype, head dim, causal, local, softcap, varlen): the standard configurations, and the window /
 # softcap / varlen variants
@@ -78,11 +110,8 @@ def test_ptx_o_store_follows_the_config(ptx):
     """O goes through shared memory and a TMA store exactly where the config says tma_o (by default the plain
     dense d128 / d256 calls but fp16 d128 non-causal, see tests/test_cute_tma_o.py), else straight from
     registers to global memory: no shared -> global bulk tensor store, no async-proxy fence."""
-    from flash_attn.cute import interface
-
     (dtype, d, causal, local, softcap, varlen), text = ptx
-    tma_o = interface._fwd_config(dtype, d, causal, "sm_90a", local=local, softcap=softcap, varlen=varlen).get(
-        "tma_o", False)
+    tma_o = kernels.fwd_config(dtype, d, causal, "sm_90a", local=local, softcap=softcap, varlen=varlen).tma_o
     assert tma_o == (d == 128 and not (local or softcap or varlen) and (dtype, causal) != (torch.float16, False))
     assert "cp.async.bulk.tensor" in text  # the loads
     assert any(line.lstrip().startswith("cp.async.bulk.tensor") and ".global.shared::cta" in line
@@ -125,10 +154,11 @@ def test_ptx_softmax_ends_before_the_p_v_wait(ptx):
     assert _exps_from_pv_wait_block(text) == 0
 
 
-def test_unpinned_loop_puts_exponentials_behind_the_p_v_wait(tmp_path, monkeypatch):
-    """Without _pin (FLASH_ATTN_CUTE_FWD_PIN=0) LLVM merges the branches' common tail, the second row's
+def test_unpinned_loop_puts_exponentials_behind_the_p_v_wait(tmp_path, cute_env):
+    """Without _pin (fwd.pin=0) LLVM merges the branches' common tail, the second row's
     exponentials, into the wait's block: the check above sees it (d128 causal: 41 ex2 there)."""
-    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_PIN", "0")
+    cute_env(OVERRIDES="fwd.pin=0")
+    assert not kernels.fwd_config(torch.bfloat16, 128, True, "sm_90a").pin
     compile_fwd(torch.bfloat16, 128, True, arch="sm_90a", dump_dir=str(tmp_path))
     (path,) = glob.glob(str(tmp_path / "*.ptx"))
     with open(path) as f:
@@ -137,18 +167,15 @@ def test_unpinned_loop_puts_exponentials_behind_the_p_v_wait(tmp_path, monkeypat
     assert _exps_from_pv_wait_block(text) >= 32
 
 
-def test_pin_in_the_cache_key_only_when_off(monkeypatch):
-    from flash_attn.cute import interface
-
-    monkeypatch.delenv("FLASH_ATTN_CUTE_FWD_PIN", raising=False)
+def test_pin_in_the_cache_key_only_when_off(cute_env):
     args = (torch.bfloat16, 128, True, "sm_90a")
-    base = interface._fwd_config(*args)
-    assert "pin" not in base and interface._make_kernel(base).pin
-    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_PIN", "64:0")
-    assert interface._fwd_config(*args) == base
-    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_PIN", "0")
-    assert interface._fwd_config(*args) == {**base, "pin": False}
-    assert not interface._make_kernel(interface._fwd_config(*args)).pin
+    base = kernels.fwd_config(*args).key()
+    assert "pin" not in base and kernels._make_kernel(kernels.fwd_config(*args)).pin
+    cute_env(OVERRIDES="fwd.pin=1")  # the default, given: the same key
+    assert kernels.fwd_config(*args).key() == base
+    cute_env(OVERRIDES="fwd.pin=0")
+    assert kernels.fwd_config(*args).key() == {**base, "pin": False}
+    assert not kernels._make_kernel(kernels.fwd_config(*args)).pin
 
 
 def _compare_fragments(qk, pv, block_m, block_n, mismatches):
@@ -203,13 +230,13 @@ def test_host_and_kernel_agree_on_the_unbounded_window_size():
     from flash_attn.cute import interface
     from flash_attn.cute.flash_fwd_sm90 import FlashFwdSm90
 
-    assert interface._UNBOUNDED == FlashFwdSm90.UNBOUNDED
+    assert plan._UNBOUNDED == interface._UNBOUNDED == FlashFwdSm90.UNBOUNDED
     U = FlashFwdSm90.UNBOUNDED
-    assert interface._window_args(True, U, U) == (0, 0, False)  # causal alone: no window variant
-    assert interface._window_args(True, 10, 5) == (10, 0, True)  # causal caps the right side at 0
-    assert interface._window_args(False, U, 7) == (U, 7, True)
-    assert interface._window_args(False, -3, U) == (-3, U, True)  # FA4's negative sizes are literal
-    assert interface._window_args(False, 2 ** 40, 5) == (U, 5, True)  # (the root API's ints: no Int32 overflow)
+    assert plan._window_args(True, U, U) == (0, 0, False)  # causal alone: no window variant
+    assert plan._window_args(True, 10, 5) == (10, 0, True)  # causal caps the right side at 0
+    assert plan._window_args(False, U, 7) == (U, 7, True)
+    assert plan._window_args(False, -3, U) == (-3, U, True)  # FA4's negative sizes are literal
+    assert plan._window_args(False, 2 ** 40, 5) == (U, 5, True)  # (the root API's ints: no Int32 overflow)
 
 
 def test_unsupported_head_dim_is_refused():
@@ -218,7 +245,7 @@ def test_unsupported_head_dim_is_refused():
 
 
 # ----------------------------------------------------------------------------------------------------
-# exp2 on the FMA pipe (softmax_exp.py, FLASH_ATTN_CUTE_EXP2_EMU)
+# exp2 on the FMA pipe (softmax_exp.py, fwd.exp2_emu)
 
 
 def test_common_call_launches_the_cached_kernel_directly(monkeypatch):
@@ -233,9 +260,9 @@ def test_common_call_launches_the_cached_kernel_directly(monkeypatch):
         calls.append((q, k, v, out, lse, scalars))
 
     monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")
-    # (both kernels of each key: the "short" one serves seqlen_k <= _TMA_O_SHORT_SK at d64 non-causal)
-    monkeypatch.setattr(interface, "_kernels", {(torch.bfloat16, 64, c, "sm_90a", False, False) + s: fake
-                                                for c in (False, True) for s in ((), ("short",))})
+    # (both kernels of each key: the "short" one serves seqlen_k <= config.SHORT_SK at d64 non-causal)
+    _kernel_table(monkeypatch, {(torch.bfloat16, 64, c, "sm_90a", False, False) + s: fake
+                                for c in (False, True) for s in ((), ("short",))})
     B, S, H, D = 2, 16, 4, 64
     qkv = torch.randn(B, S, 3, H, D, dtype=torch.bfloat16)
     q, k, v = qkv.unbind(2)
@@ -268,10 +295,11 @@ def test_common_call_reuses_an_unreturned_lse(monkeypatch):
 
     lses = []
     monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")
-    monkeypatch.setattr(interface, "_kernels", {(torch.bfloat16, 64, False, "sm_90a", False, False) + s:
-                                                (lambda q, k, v, out, lse, *a: lses.append(lse))
-                                                for s in ((), ("short",))})
-    monkeypatch.setattr(interface, "_lse_scratch", {})
+    _kernel_table(monkeypatch, {(torch.bfloat16, 64, False, "sm_90a", False, False) + s:
+                                (lambda q, k, v, out, lse, *a: lses.append(lse)) for s in ((), ("short",))})
+    scratch = {}  # where launch._new_lse_scratch keeps the buffers and interface.py's fast path reads them
+    monkeypatch.setattr(launch, "_lse_scratch", scratch)
+    monkeypatch.setattr(interface, "_lse_scratch", scratch)
     mk = lambda b, s, h: [torch.randn(b, s, h, 64, dtype=torch.bfloat16) for _ in range(3)]  # noqa: E731
     q, k, v = mk(2, 16, 4)
     assert interface.flash_attn_func(q, k, v)[1] is None
@@ -283,10 +311,10 @@ def test_common_call_reuses_an_unreturned_lse(monkeypatch):
     assert lse is lses[2] and lse2 is lses[3] and lse is not lse2 and lse is not lses[0]
     interface.flash_attn_func(*mk(2, 8, 4))
     assert lses[4].shape == (2, 4, 8) and len(interface._lse_scratch) == 2
-    monkeypatch.setattr(interface, "_LSE_SCRATCH_MAX_ELEMS", 2 * 4 * 8)
+    monkeypatch.setattr(launch, "_LSE_SCRATCH_MAX_ELEMS", 2 * 4 * 8)
     interface.flash_attn_func(*mk(2, 9, 4))  # above the size limit: used once, not kept
     assert lses[5].shape == (2, 4, 9) and len(interface._lse_scratch) == 2
-    monkeypatch.setattr(interface, "_LSE_SCRATCH_MAX_SHAPES", 2)
+    monkeypatch.setattr(launch, "_LSE_SCRATCH_MAX_SHAPES", 2)
     interface.flash_attn_func(*mk(1, 8, 4))
     assert list(interface._lse_scratch) == [(-1, 1, 4, 8)]
 
@@ -337,23 +365,19 @@ def test_exp2_emulated_columns_spread_evenly():
         assert sum(cols) == 2 * e and sum(cols[:16]) == e
 
 
-def test_exp2_emu_in_the_cache_key_only_when_on(monkeypatch):
-    from flash_attn.cute import interface
-
-    for var in ("FLASH_ATTN_CUTE_EXP2_EMU", "FLASH_ATTN_CUTE_EXP2_EMU_DEGREE"):
-        monkeypatch.delenv(var, raising=False)
+def test_exp2_emu_in_the_cache_key_only_when_on(cute_env):
     args = (torch.bfloat16, 64, False, "sm_90a")
-    base = interface._fwd_config(*args)
+    base = kernels.fwd_config(*args).key()
     assert "exp2_emu" not in base and "exp2_emu_degree" not in base
-    monkeypatch.setenv("FLASH_ATTN_CUTE_EXP2_EMU", "0")
-    assert interface._fwd_config(*args) == base
-    monkeypatch.setenv("FLASH_ATTN_CUTE_EXP2_EMU_DEGREE", "4")
-    assert interface._fwd_config(*args) == base  # the degree alone changes nothing
-    monkeypatch.setenv("FLASH_ATTN_CUTE_EXP2_EMU", "4")
-    assert interface._fwd_config(*args) == {**base, "exp2_emu": 4, "exp2_emu_degree": 4}
-    monkeypatch.setenv("FLASH_ATTN_CUTE_EXP2_EMU_DEGREE", "3")
-    assert interface._fwd_config(*args) == {**base, "exp2_emu": 4}
-    kernel = interface._make_kernel(interface._fwd_config(*args))
+    cute_env(OVERRIDES="fwd.exp2_emu=0")
+    assert kernels.fwd_config(*args).key() == base
+    cute_env(OVERRIDES="fwd.exp2_emu=0,fwd.exp2_emu_degree=4")
+    assert kernels.fwd_config(*args).key() == base  # the degree alone changes nothing
+    cute_env(OVERRIDES="fwd.exp2_emu=4,fwd.exp2_emu_degree=4")
+    assert kernels.fwd_config(*args).key() == {**base, "exp2_emu": 4, "exp2_emu_degree": 4}
+    cute_env(OVERRIDES="fwd.exp2_emu=4,fwd.exp2_emu_degree=3")
+    assert kernels.fwd_config(*args).key() == {**base, "exp2_emu": 4}
+    kernel = kernels._make_kernel(kernels.fwd_config(*args))
     assert (kernel.exp2_emu, kernel.exp2_emu_degree) == (4, 3)
     from flash_attn.cute.flash_fwd_sm90 import FlashFwdSm90
 
@@ -361,30 +385,25 @@ def test_exp2_emu_in_the_cache_key_only_when_on(monkeypatch):
         FlashFwdSm90(kernel.dtype, 64, False, exp2_emu=17)
 
 
-def test_block_n_in_the_cache_key_only_when_not_128(monkeypatch):
-    from flash_attn.cute import interface
-
-    monkeypatch.delenv("FLASH_ATTN_CUTE_BLOCK_N", raising=False)
-    monkeypatch.delenv("FLASH_ATTN_CUTE_FWD_WARPGROUPS", raising=False)
-    monkeypatch.setattr("flash_attn.cute.interface._FWD_WARPGROUPS", {64: 2, 128: 2})
+def test_block_n_in_the_cache_key_only_when_not_128(monkeypatch, cute_env):
+    monkeypatch.setattr(config, "WARPGROUPS", {64: 2, 128: 2})
     args = (torch.bfloat16, 128, True, "sm_90a")
-    base = interface._fwd_config(*args)
-    assert "block_n" not in base and interface._make_kernel(base).block_n == 128
-    monkeypatch.setenv("FLASH_ATTN_CUTE_BLOCK_N", "128")
-    assert interface._fwd_config(*args) == base
-    monkeypatch.setenv("FLASH_ATTN_CUTE_BLOCK_N", "64")
-    assert interface._fwd_config(*args) == {**base, "block_n": 64}
-    assert interface._make_kernel(interface._fwd_config(*args)).block_n == 64
+    base = kernels.fwd_config(*args).key()
+    assert "block_n" not in base and kernels._make_kernel(kernels.fwd_config(*args)).block_n == 128
+    cute_env(OVERRIDES="fwd.block_n=128")
+    assert kernels.fwd_config(*args).key() == base
+    cute_env(OVERRIDES="fwd.block_n=64")
+    assert kernels.fwd_config(*args).key() == {**base, "block_n": 64}
+    assert kernels._make_kernel(kernels.fwd_config(*args)).block_n == 64
 
 
-def test_exp2_emu_moves_exponentials_off_mufu(tmp_path, monkeypatch):
+def test_exp2_emu_moves_exponentials_off_mufu(tmp_path, cute_env):
     """One compile with 4 of 16 exponentials emulated: per softmax site (2 rows of 32 scores plus 2
     correction factors) the PTX holds 50 ex2.approx and 16 polynomial sequences; in the SASS the
     CuTeDSL cubin holds as many MUFU.EX2 as the PTX has ex2 (the polynomials stay on FADD / FFMA)."""
     import subprocess
 
-    monkeypatch.setenv("FLASH_ATTN_CUTE_EXP2_EMU", "4")
-    monkeypatch.delenv("FLASH_ATTN_CUTE_EXP2_EMU_DEGREE", raising=False)
+    cute_env(OVERRIDES="fwd.exp2_emu=4")
     compile_fwd(torch.bfloat16, 64, False, arch="sm_90a", dump_dir=str(tmp_path))
     (ptx_path,) = glob.glob(str(tmp_path / "*.ptx"))
     text = open(ptx_path).read()
@@ -403,15 +422,12 @@ def test_exp2_emu_moves_exponentials_off_mufu(tmp_path, monkeypatch):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Three consumer warpgroups (BLOCK_M 192; FLASH_ATTN_CUTE_FWD_WARPGROUPS / interface._FWD_WARPGROUPS)
+# Three consumer warpgroups (BLOCK_M 192; fwd.warpgroups / config.WARPGROUPS)
 
 
-def test_default_forward_uses_three_warpgroups_for_d64_without_a_mask(monkeypatch):
+def test_default_forward_uses_three_warpgroups_for_d64_without_a_mask(cute_env):
     # measured on the H200 (attention_cute_session5.md): +4-13% at d64 non-causal, -12% at causal 1k
-    from flash_attn.cute import interface
-
-    monkeypatch.delenv("FLASH_ATTN_CUTE_FWD_WARPGROUPS", raising=False)
-    cfg = lambda d, causal, **kw: interface._fwd_config(torch.bfloat16, d, causal, "sm_90a", **kw)  # noqa: E731
+    cfg = lambda d, causal, **kw: kernels.fwd_config(torch.bfloat16, d, causal, "sm_90a", **kw).key()  # noqa: E731
     assert cfg(64, False)["warpgroups"] == 3 and cfg(64, False, varlen=True)["warpgroups"] == 3
     assert "warpgroups" not in cfg(64, True) and "warpgroups" not in cfg(64, False, local=True)
     assert "warpgroups" not in cfg(128, False) and "warpgroups" not in cfg(128, True)
@@ -428,54 +444,56 @@ def test_wide_key_blocks_pack_p():
         assert FlashFwdSm90(cutlass.BFloat16, d, False, block_n=176, num_stages=2).pack_p
 
 
-def test_warpgroups_in_the_cache_key_only_when_not_2(monkeypatch):
-    from flash_attn.cute import interface
+def test_warpgroups_in_the_cache_key_only_when_not_2(monkeypatch, cute_env):
     from flash_attn.cute.flash_fwd_sm90 import FlashFwdSm90
 
-    monkeypatch.delenv("FLASH_ATTN_CUTE_BLOCK_N", raising=False)
-    monkeypatch.delenv("FLASH_ATTN_CUTE_FWD_WARPGROUPS", raising=False)
-    monkeypatch.setattr(interface, "_FWD_WARPGROUPS", {64: 2, 128: 2})
-    cfg = {d: interface._fwd_config(torch.bfloat16, d, True, "sm_90a") for d in (64, 128)}
+    def fwd(d, causal=True, **kw):
+        return kernels.fwd_config(torch.bfloat16, d, causal, "sm_90a", **kw)
+
+    monkeypatch.setattr(config, "WARPGROUPS", {64: 2, 128: 2})
+    cfg = {d: fwd(d).key() for d in (64, 128)}
     for d, c in cfg.items():
         assert "warpgroups" not in c and "block_n" not in c
-        kernel = interface._make_kernel(c)
+        kernel = kernels._make_kernel(fwd(d))
         assert (kernel.num_mma_warpgroups, kernel.block_m, kernel.block_n, kernel.num_threads) == (2, 128, 128, 384)
         assert (kernel.producer_regs, kernel.consumer_regs, kernel.pack_p) == (24, 240, False)
-    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_WARPGROUPS", "3")
+    cute_env(OVERRIDES="fwd.warpgroups=3")
     for d in (64, 128):
-        c = interface._fwd_config(torch.bfloat16, d, True, "sm_90a")
-        block_n = interface._FWD3_BLOCK_N[d]
-        assert c == {**cfg[d], "warpgroups": 3, **({"block_n": block_n} if block_n != 128 else {})}
-        kernel = interface._make_kernel(c)
+        c = fwd(d)
+        block_n = config.BLOCK_N_3WG[d]
+        assert c.key() == {**cfg[d], "warpgroups": 3, **({"block_n": block_n} if block_n != 128 else {})}
+        kernel = kernels._make_kernel(c)
         assert (kernel.num_mma_warpgroups, kernel.block_m, kernel.num_threads) == (3, 192, 512)
         assert (kernel.producer_regs, kernel.consumer_regs, kernel.pack_p) == (24, 160, True)
         assert kernel.block_n == block_n
         # softcap, varlen or a window: the smaller block that fits the registers with their extra state
         for kw in (dict(softcap=True), dict(varlen=True), dict(local=True)):
-            c = interface._fwd_config(torch.bfloat16, d, True, "sm_90a", **kw)
-            assert interface._make_kernel(c).block_n == interface._FWD3_BLOCK_N_EXTRA[d]
-        assert interface._make_kernel(interface._fwd_config(torch.bfloat16, d, True, "sm_90a", sink=True)
-                                      ).block_n == block_n
-    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_WARPGROUPS", "64:3")  # per head dim
-    assert interface._fwd_config(torch.bfloat16, 64, True, "sm_90a")["warpgroups"] == 3
-    assert interface._fwd_config(torch.bfloat16, 128, True, "sm_90a") == cfg[128]
-    if interface._tvm_ffi():  # disk cache entries: the warpgroup count in the name when not 2
-        assert "-wg3-" in interface._entry(torch.bfloat16, 64, True, "sm_90a")[2]
-        assert "-wg" not in interface._entry(torch.bfloat16, 128, True, "sm_90a")[2]
-    monkeypatch.setenv("FLASH_ATTN_CUTE_BLOCK_N", "112")  # the block-size knob still wins
-    assert interface._fwd_config(torch.bfloat16, 64, True, "sm_90a")["block_n"] == 112
-    monkeypatch.delenv("FLASH_ATTN_CUTE_BLOCK_N")
-    # the table alone selects it, and the variable overrides the table both ways
-    monkeypatch.delenv("FLASH_ATTN_CUTE_FWD_WARPGROUPS")
-    monkeypatch.setattr(interface, "_FWD_WARPGROUPS", {64: 3, 128: 2})
-    assert interface._fwd_config(torch.bfloat16, 64, False, "sm_90a")["warpgroups"] == 3
+            assert kernels._make_kernel(fwd(d, **kw)).block_n == config.BLOCK_N_3WG_OPTIONS[d]
+        assert kernels._make_kernel(fwd(d, sink=True)).block_n == block_n
+    # (per-head-dim values are gone: the override applies to every head dim, and one without a three-warpgroup
+    # tile refuses it)
+    for d in (96, 192, 256):
+        with pytest.raises(ValueError, match=f"no three-warpgroup tile for head dim {d}"):
+            fwd(d)
+    if kernels._tvm_ffi():  # disk cache entries: the warpgroup count in the name when not 2
+        assert "-wg3-" in kernels._entry(torch.bfloat16, 64, True, "sm_90a")[2]
+        assert "-wg3-" in kernels._entry(torch.bfloat16, 128, True, "sm_90a")[2]
+    cute_env(OVERRIDES="fwd.warpgroups=3,fwd.block_n=112")  # the block-size field still wins
+    assert fwd(64).block_n == 112
+    cute_env(OVERRIDES=None)
+    assert fwd(128).key() == cfg[128]
+    if kernels._tvm_ffi():
+        assert "-wg" not in kernels._entry(torch.bfloat16, 128, True, "sm_90a")[2]
+    # the table alone selects it, and the override overrides the table both ways
+    monkeypatch.setattr(config, "WARPGROUPS", {64: 3, 128: 2})
+    assert fwd(64, False).key()["warpgroups"] == 3
     # causal and windowed calls read their own table
-    assert "warpgroups" not in interface._fwd_config(torch.bfloat16, 64, True, "sm_90a")
-    assert "warpgroups" not in interface._fwd_config(torch.bfloat16, 64, False, "sm_90a", local=True)
-    monkeypatch.setattr(interface, "_FWD_WARPGROUPS_CAUSAL", {64: 3, 128: 2})
-    assert interface._fwd_config(torch.bfloat16, 64, True, "sm_90a")["warpgroups"] == 3
-    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_WARPGROUPS", "2")
-    assert "warpgroups" not in interface._fwd_config(torch.bfloat16, 64, False, "sm_90a")
+    assert "warpgroups" not in fwd(64).key()
+    assert "warpgroups" not in fwd(64, False, local=True).key()
+    monkeypatch.setattr(config, "WARPGROUPS_MASKED", {64: 3, 128: 2})
+    assert fwd(64).key()["warpgroups"] == 3
+    cute_env(OVERRIDES="fwd.warpgroups=2")
+    assert "warpgroups" not in fwd(64, False).key()
     # register budgets: producer warpgroup + consumers within the SM's 64K registers, multiples of 8
     for n, (producer, consumer) in FlashFwdSm90.REGS.items():
         assert 128 * producer + 128 * n * consumer <= 65536 and producer % 8 == 0 and consumer % 8 == 0
@@ -499,18 +517,12 @@ def _ids3(cfg):
 
 @pytest.fixture(scope="module", params=CONFIGS3, ids=_ids3)
 def three_wg(request, tmp_path_factory):
-    """(config, block_n, PTX text, cubin path) of the forward built with FLASH_ATTN_CUTE_FWD_WARPGROUPS=3."""
-    from flash_attn.cute import interface
-
+    """(config key, block_n, PTX text, cubin path) of the forward built with fwd.warpgroups=3."""
     dtype, d, causal, kw = request.param
     dump = tmp_path_factory.mktemp("ptx3")
-    with pytest.MonkeyPatch.context() as mp:
-        for var in ("FLASH_ATTN_CUTE_BLOCK_N", "FLASH_ATTN_CUTE_EXP2_EMU", "FLASH_ATTN_CUTE_STAGES",
-                    "FLASH_ATTN_CUTE_FWD_WG_ORDER"):
-            mp.delenv(var, raising=False)
-        mp.setenv("FLASH_ATTN_CUTE_FWD_WARPGROUPS", "3")
-        mp.setenv("FLASH_ATTN_CUTE_FWD_TMA_O", "0")  # the direct O store: these tests count the named barriers
-        config = interface._fwd_config(dtype, d, causal, "sm_90a", **kw)
+    # fwd.tma_o=0: the direct O store (these tests count the named barriers)
+    with _cute_settings(OVERRIDES="fwd.warpgroups=3,fwd.tma_o=0"):
+        config = kernels.fwd_config(dtype, d, causal, "sm_90a", **kw).key()
         compile_fwd(dtype, d, causal, arch="sm_90a", dump_dir=str(dump), **kw)
     (path,) = glob.glob(str(dump / "*.ptx"))
     (cubin,) = glob.glob(str(dump / "*.cubin"))
@@ -573,26 +585,24 @@ def test_three_warpgroups_fit_160_registers(three_wg):
 
 
 @pytest.mark.parametrize("warpgroups", [2, 3])
-def test_wg_order_off_drops_the_named_barriers(tmp_path, monkeypatch, warpgroups):
-    """FLASH_ATTN_CUTE_FWD_WG_ORDER=0 (in the key only then): no bar.sync / bar.arrive but __syncthreads;
+def test_wg_order_off_drops_the_named_barriers(tmp_path, cute_env, warpgroups):
+    """fwd.wg_order=0 (in the key only then): no bar.sync / bar.arrive but __syncthreads;
     the same WGMMAs as the ordered kernel."""
-    from flash_attn.cute import interface
-
-    for var in ("FLASH_ATTN_CUTE_BLOCK_N", "FLASH_ATTN_CUTE_EXP2_EMU", "FLASH_ATTN_CUTE_STAGES"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_WARPGROUPS", str(warpgroups))
     texts = []
-    for order in ("", "64:0"):
-        monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_WG_ORDER", order)
-        config = interface._fwd_config(torch.bfloat16, 64, True, "sm_90a")
-        assert config.get("wg_order", True) == (not order)
-        assert interface._make_kernel(config).wg_order == (not order)
-        dump = tmp_path / (order.replace(":", "_") or "ordered")
+    for unordered in (False, True):
+        cute_env(OVERRIDES=f"fwd.warpgroups={warpgroups}" + (",fwd.wg_order=0" if unordered else ""))
+        cfg = kernels.fwd_config(torch.bfloat16, 64, True, "sm_90a")
+        assert cfg.key().get("wg_order", True) == (not unordered)
+        assert kernels._make_kernel(cfg).wg_order == (not unordered)
+        dump = tmp_path / ("unordered" if unordered else "ordered")
         dump.mkdir()
         compile_fwd(torch.bfloat16, 64, True, arch="sm_90a", dump_dir=str(dump))
         (path,) = glob.glob(str(dump / "*.ptx"))
         texts.append(open(path).read())
-    assert "wg_order" not in interface._fwd_config(torch.bfloat16, 128, True, "sm_90a")  # "64:0": d64 only
+    # (no per-head-dim values any more: the field applies to every head dim)
+    assert kernels.fwd_config(torch.bfloat16, 128, True, "sm_90a").key()["wg_order"] is False
+    cute_env(OVERRIDES=f"fwd.warpgroups={warpgroups}")
+    assert "wg_order" not in kernels.fwd_config(torch.bfloat16, 128, True, "sm_90a").key()
     ordered, unordered = texts
     assert _count(ordered, "bar.arrive") >= 2 and _count(ordered, "bar.sync") >= 3
     assert _count(unordered, "bar.arrive") == 0 and _count(unordered, "bar.sync") == 1  # __syncthreads
@@ -613,7 +623,7 @@ def test_default_kernels_fit_their_registers(ptx, tmp_path):
 
 # ----------------------------------------------------------------------------------------------------
 # Head dims 96, 192, 256 (2 consumer warpgroups at 240 registers, packed P; the root dispatcher sends
-# them here only with FLASH_ATTN_CUTE_FWD_HDIMS)
+# them here unless FLASH_ATTN_CUTE_DISABLE names d96 / d192 / d256)
 
 # (dtype, head dim, causal, variant): each head dim's plain kernels and its heaviest variants
 CONFIGS_WIDE = [(torch.bfloat16, 256, False, {}), (torch.float16, 256, True, {}),
@@ -625,16 +635,11 @@ CONFIGS_WIDE = [(torch.bfloat16, 256, False, {}), (torch.float16, 256, True, {})
 
 @pytest.fixture(scope="module", params=CONFIGS_WIDE, ids=_ids3)
 def wide(request, tmp_path_factory):
-    """(config, forward config, PTX text, PTX path, cubin path) of a head-dim 96 / 192 / 256 forward."""
-    from flash_attn.cute import interface
-
+    """(config, forward config key, PTX text, PTX path, cubin path) of a head-dim 96 / 192 / 256 forward."""
     dtype, d, causal, kw = request.param
     dump = tmp_path_factory.mktemp("ptxwide")
-    with pytest.MonkeyPatch.context() as mp:
-        for var in ("FLASH_ATTN_CUTE_BLOCK_N", "FLASH_ATTN_CUTE_EXP2_EMU", "FLASH_ATTN_CUTE_STAGES",
-                    "FLASH_ATTN_CUTE_FWD_WARPGROUPS", "FLASH_ATTN_CUTE_FWD_WG_ORDER"):
-            mp.delenv(var, raising=False)
-        config = interface._fwd_config(dtype, d, causal, "sm_90a", **kw)
+    with _cute_settings():  # no overrides
+        config = kernels.fwd_config(dtype, d, causal, "sm_90a", **kw).key()
         compile_fwd(dtype, d, causal, arch="sm_90a", dump_dir=str(dump), **kw)
     (path,) = glob.glob(str(dump / "*.ptx"))
     (cubin,) = glob.glob(str(dump / "*.cubin"))
@@ -683,101 +688,94 @@ def test_wide_head_dims_fit_240_registers(wide):
         assert 168 <= top < 240, top
 
 
-def test_wide_head_dim_configs(monkeypatch):
+def test_wide_head_dim_configs(cute_env):
     """The tile tables: every default forward configuration fits shared memory; d256 takes FA3's 80-key
-    blocks in 2 stages, d192 112 (96 with a window), d96 4 stages of 128; per-head-dim overrides; a bare
-    FLASH_ATTN_CUTE_FWD_WARPGROUPS=3 leaves the wide head dims at 2; an oversized tile is refused."""
-    from flash_attn.cute import interface
+    blocks in 2 stages, d192 112 (96 with a window), d96 4 stages of 128; overrides of block_n and stages apply to
+    every head dim; fwd.warpgroups=3 at a wide head dim (no three-warpgroup tile) is refused with ValueError; an
+    oversized tile is refused."""
     from flash_attn.cute.flash_fwd_sm90 import FlashFwdSm90
 
-    for var in ("FLASH_ATTN_CUTE_BLOCK_N", "FLASH_ATTN_CUTE_STAGES", "FLASH_ATTN_CUTE_FWD_WARPGROUPS",
-                "FLASH_ATTN_CUTE_EXP2_EMU"):
-        monkeypatch.delenv(var, raising=False)
-
     def cfg(d, causal=False, **kw):
-        c = interface._fwd_config(torch.bfloat16, d, causal, "sm_90a", **kw)
-        return c.get("block_n", 128), c["stages"], c.get("warpgroups", 2)
+        c = kernels.fwd_config(torch.bfloat16, d, causal, "sm_90a", **kw)
+        return c.block_n, c.stages, c.warpgroups
 
     assert cfg(256) == cfg(256, True) == cfg(256, local=True) == (80, 2, 2)
     assert cfg(192) == cfg(192, True, softcap=True, varlen=True) == (112, 2, 2)
     assert cfg(192, local=True) == cfg(192, True, local=True, sink=True) == (96, 2, 2)
     assert cfg(96) == cfg(96, True) == (128, 4, 2)
-    for d in interface._SUPPORTED_HEAD_DIMS:
+    for d in config.SUPPORTED_HEAD_DIMS:
         for causal in (False, True):
             for kw in ({}, dict(local=True), dict(softcap=True, varlen=True)):
                 for wg in ("", "3"):
-                    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_WARPGROUPS", wg)
-                    kernel = interface._make_kernel(interface._fwd_config(torch.bfloat16, d, causal, "sm_90a",
-                                                                          **kw))
+                    cute_env(OVERRIDES=f"fwd.warpgroups={wg}" if wg else None)
+                    if wg and d not in (64, 128):
+                        with pytest.raises(ValueError, match=f"no three-warpgroup tile for head dim {d}"):
+                            kernels.fwd_config(torch.bfloat16, d, causal, "sm_90a", **kw)
+                        continue
+                    kernel = kernels._make_kernel(kernels.fwd_config(torch.bfloat16, d, causal, "sm_90a", **kw))
                     assert kernel.smem_bytes() <= FlashFwdSm90.SMEM_BYTES
-                    table = (interface._FWD_WARPGROUPS_CAUSAL if causal or kw.get("local")
-                             else interface._FWD_WARPGROUPS)
-                    assert kernel.num_mma_warpgroups == (3 if wg and d in (64, 128) else table.get(d, 2))
-    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_WARPGROUPS", "")
+                    table = config.WARPGROUPS_MASKED if causal or kw.get("local") else config.WARPGROUPS
+                    assert kernel.num_mma_warpgroups == (3 if wg else table.get(d, 2))
+    cute_env(OVERRIDES=None)
     assert FlashFwdSm90(cute_dtype(torch.bfloat16), 256, False, block_n=80, num_stages=2).smem_bytes() == 230400
-    monkeypatch.setenv("FLASH_ATTN_CUTE_BLOCK_N", "256:64,128:96")
-    assert cfg(256)[0] == 64 and cfg(128)[0] == 96 and cfg(192)[0] == 112
-    monkeypatch.setenv("FLASH_ATTN_CUTE_STAGES", "256:3")
-    assert cfg(256)[1] == 3 and cfg(128)[1] == 3 and cfg(64)[1] == 4
+    cute_env(OVERRIDES="fwd.block_n=64")
+    assert cfg(256)[0] == cfg(128)[0] == cfg(192)[0] == 64
+    cute_env(OVERRIDES="fwd.block_n=64,fwd.stages=3")
+    assert cfg(256)[1] == cfg(128)[1] == cfg(64)[1] == 3
     with pytest.raises(ValueError, match="shared memory"):
-        interface._make_kernel(interface._fwd_config(torch.bfloat16, 256, False, "sm_90a"))  # 64 x 3 stages
+        kernels._make_kernel(kernels.fwd_config(torch.bfloat16, 256, False, "sm_90a"))  # 64 x 3 stages
     with pytest.raises(ValueError, match="multiple of 16"):
         FlashFwdSm90(cute_dtype(torch.bfloat16), 256, False, block_n=72, num_stages=2)
 
 
 def cute_dtype(dtype):
-    from flash_attn.cute.interface import _cutlass_dtype
-
-    return _cutlass_dtype(dtype)
+    return kernels._cutlass_dtype(dtype)
 
 
-def test_backend_gates_the_wide_head_dims(monkeypatch):
-    """The dispatcher's cute backend: d96 / d192 / d256 forwards by default, or those that
-    FLASH_ATTN_CUTE_FWD_HDIMS names when set; their backward never (the backward kernel has d64 / d128); the
-    package API accepts them."""
+def test_backend_gates_the_wide_head_dims(cute_env):
+    """The dispatcher's cute backend: d96 / d192 / d256 forwards by default, but those that
+    FLASH_ATTN_CUTE_DISABLE names (d96, d192, d256); their backward never (the backward kernel has d64 / d128);
+    the package API accepts them."""
     from flash_attn.cute import backend, interface
 
-    monkeypatch.delenv("FLASH_ATTN_CUTE_FWD_HDIMS", raising=False)
     assert backend.forward_head_dims() == (64, 96, 128, 192, 256)
     for d in (96, 192, 256):
         assert backend.unsupported_reason(_call(head_dim=d, head_dim_v=d, causal=True)) is None
         assert backend.unsupported_reason(_call(head_dim=d, head_dim_v=d, backward=True)) is not None
-    for off in ("0", "none"):
-        monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_HDIMS", off)
-        assert backend.forward_head_dims() == (64, 128)
-        for d in (96, 192, 256):
-            reason = backend.unsupported_reason(_call(head_dim=d, head_dim_v=d))
-            assert reason is not None and "FLASH_ATTN_CUTE_FWD_HDIMS" in reason, reason
-            interface._check_dims(d, d, 4, 2)  # flash_attn.cute.flash_attn_func's check
-    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_HDIMS", "256")
+    cute_env(DISABLE="d96,d192,d256")  # (the former FLASH_ATTN_CUTE_FWD_HDIMS=0 / none)
+    assert backend.forward_head_dims() == (64, 128)
+    for d in (96, 192, 256):
+        reason = backend.unsupported_reason(_call(head_dim=d, head_dim_v=d))
+        assert reason is not None and settings.DISABLE in reason and f"d{d}" in reason, reason
+        interface._check_dims(d, d, 4, 2)  # flash_attn.cute.flash_attn_func's check
+    cute_env(DISABLE="d96,d192")  # (the former FLASH_ATTN_CUTE_FWD_HDIMS=256)
     assert backend.forward_head_dims() == (64, 128, 256)
     assert backend.unsupported_reason(_call(head_dim=256, head_dim_v=256, causal=True)) is None
     assert backend.unsupported_reason(_call(head_dim=256, head_dim_v=256, varlen=True, local=True)) is None
     assert "head dims 192" in backend.unsupported_reason(_call(head_dim=192, head_dim_v=192))
     assert "head dims 256" in backend.unsupported_reason(_call(head_dim=256, head_dim_v=256, backward=True))
     assert "head dims 256/128" in backend.unsupported_reason(_call(head_dim=256, head_dim_v=128))
-    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_HDIMS", "96, 192,256,72")  # 72: no kernel, ignored
+    cute_env(DISABLE="paged, Split")  # other features leave every head dim on (names: any case, spaces)
     assert backend.forward_head_dims() == (64, 96, 128, 192, 256)
     for d in (96, 192):
         assert backend.unsupported_reason(_call(head_dim=d, head_dim_v=d)) is None
         assert backend.unsupported_reason(_call(head_dim=d, head_dim_v=d, backward=True)) is not None
     with pytest.raises(NotImplementedError, match="head dim 72"):
         interface._check_dims(72, 72, 4, 2)
-    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_HDIMS", "d256")
-    with pytest.raises(ValueError, match="FLASH_ATTN_CUTE_FWD_HDIMS"):
-        backend.forward_head_dims()
+    for bad in ("256", "d72", "96,192"):  # a head dim without its "d", or one with no gated kernel
+        with pytest.raises(ValueError, match=settings.DISABLE):
+            cute_env(DISABLE=bad)
 
 
-def test_precompile_takes_the_enabled_head_dims(monkeypatch, tmp_path):
-    """python -m flash_attn.cute.precompile: the default head dims follow FLASH_ATTN_CUTE_FWD_HDIMS; any
-    forward head dim may be named; --backward builds backward kernels for d64 / d128 only."""
+def test_precompile_takes_the_enabled_head_dims(cute_env, tmp_path):
+    """python -m flash_attn.cute.precompile: the default head dims are those FLASH_ATTN_CUTE_DISABLE leaves on;
+    any forward head dim may be named; --backward builds backward kernels for d64 / d128 only."""
     from flash_attn.cute import precompile
 
-    monkeypatch.delenv("FLASH_ATTN_CUTE_FWD_HDIMS", raising=False)
     assert precompile.default_head_dims() == (64, 96, 128, 192, 256)
-    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_HDIMS", "none")
+    cute_env(DISABLE="d96,d192,d256")
     assert precompile.default_head_dims() == (64, 128)
-    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_HDIMS", "256")
+    cute_env(DISABLE="d96,d192")
     assert precompile.default_head_dims() == (64, 128, 256)
     assert precompile.precompile(str(tmp_path), "sm_90a", head_dims=(256, 192), kinds=("bwd",)) == []
     with pytest.raises(SystemExit):
@@ -832,21 +830,20 @@ def test_matches_reference_on_gpu(dtype, d, causal, batch, seqlen_q, seqlen_k, h
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_pinned_loop_equals_unpinned_on_gpu(monkeypatch, d):
+def test_pinned_loop_equals_unpinned_on_gpu(monkeypatch, cute_env, d):
     """_pin only moves instructions (a mov per value that ptxas folds away): out and lse of a causal call
-    are bitwise those of the loop built without it (FLASH_ATTN_CUTE_FWD_PIN=0). d64 causal is the
+    are bitwise those of the loop built without it (fwd.pin=0). d64 causal is the
     persistent kernel, d128 / d256 the one-tile one; 3001 x 2500 spans masked and unmasked blocks."""
-    from flash_attn.cute import flash_attn_func, interface
+    from flash_attn.cute import flash_attn_func
 
     torch.manual_seed(0)
     q = torch.randn(2, 3001, 8, d, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(2, 2500, 2, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(2, 2500, 2, d, device="cuda", dtype=torch.bfloat16)
-    monkeypatch.delenv("FLASH_ATTN_CUTE_FWD_PIN", raising=False)
-    monkeypatch.setattr(interface, "_kernels", {})
+    _kernel_table(monkeypatch)
     out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
-    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_PIN", "0")
-    monkeypatch.setattr(interface, "_kernels", {})
+    cute_env(OVERRIDES="fwd.pin=0")
+    _kernel_table(monkeypatch)
     ref_out, ref_lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
     torch.cuda.synchronize()
     assert torch.equal(out, ref_out)
@@ -859,14 +856,11 @@ def test_pinned_loop_equals_unpinned_on_gpu(monkeypatch, d):
                                                    (8, 4, torch.float16), (8, 2, torch.bfloat16)])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-def test_exp2_emulation_matches_reference_on_gpu(monkeypatch, exp2_emu, degree, dtype, d, causal):
+def test_exp2_emulation_matches_reference_on_gpu(monkeypatch, cute_env, exp2_emu, degree, dtype, d, causal):
     """test_matches_reference_on_gpu's checks with a share of the softmax's exponentials (16: all of them)
-    computed by the polynomial (FLASH_ATTN_CUTE_EXP2_EMU)."""
-    from flash_attn.cute import interface
-
-    monkeypatch.setenv("FLASH_ATTN_CUTE_EXP2_EMU", str(exp2_emu))
-    monkeypatch.setenv("FLASH_ATTN_CUTE_EXP2_EMU_DEGREE", str(degree))
-    monkeypatch.setattr(interface, "_kernels", {})  # the in-memory table does not key on the variables
+    computed by the polynomial (fwd.exp2_emu)."""
+    cute_env(OVERRIDES=f"fwd.exp2_emu={exp2_emu},fwd.exp2_emu_degree={degree}")
+    _kernel_table(monkeypatch)  # the in-memory table does not key on the overrides
     for shape in [(2, 128, 128, 4, 4), (2, 113, 203, 6, 2), (1, 1023, 1023, 4, 1), (1, 300, 1200, 8, 4)]:
         test_matches_reference_on_gpu(dtype, d, causal, *shape)
 
@@ -969,14 +963,10 @@ def test_varlen_matches_reference_per_sequence_on_gpu(d, causal, window, softcap
 # (seqused_k, empty sequences), and the sink (tests/test_cute_sink.py).
 
 
-def _force_three_warpgroups(monkeypatch, d=64):
-    from flash_attn.cute import interface
-
-    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_WARPGROUPS", f"{d}:3")
-    monkeypatch.delenv("FLASH_ATTN_CUTE_BLOCK_N", raising=False)
-    monkeypatch.delenv("FLASH_ATTN_CUTE_FWD_WG_ORDER", raising=False)
-    monkeypatch.setattr(interface, "_kernels", {})  # the in-memory table does not key on the variable
-    assert interface._fwd_config(torch.bfloat16, d, True, "sm_90a")["warpgroups"] == 3
+def _force_three_warpgroups(monkeypatch, cute_env, d=64, extra=""):
+    cute_env(OVERRIDES="fwd.warpgroups=3" + extra)
+    _kernel_table(monkeypatch)  # the in-memory table does not key on the overrides
+    assert kernels.fwd_config(torch.bfloat16, d, True, "sm_90a").warpgroups == 3
 
 
 SHAPES3 = [(1, 1, 1, 2, 2), (2, 17, 17, 4, 2), (1, 191, 191, 4, 4), (2, 192, 192, 4, 1), (1, 193, 193, 2, 2),
@@ -988,8 +978,8 @@ SHAPES3 = [(1, 1, 1, 2, 2), (2, 17, 17, 4, 2), (1, 191, 191, 4, 4), (2, 192, 192
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("causal", [False, True])
-def test_three_warpgroups_match_reference_on_gpu(monkeypatch, dtype, causal):
-    _force_three_warpgroups(monkeypatch)
+def test_three_warpgroups_match_reference_on_gpu(monkeypatch, cute_env, dtype, causal):
+    _force_three_warpgroups(monkeypatch, cute_env)
     for shape in SHAPES3:
         test_matches_reference_on_gpu(dtype, 64, causal, *shape)
 
@@ -998,11 +988,10 @@ def test_three_warpgroups_match_reference_on_gpu(monkeypatch, dtype, causal):
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
 @pytest.mark.parametrize("warpgroups", [2, 3])
 @pytest.mark.parametrize("causal", [False, True])
-def test_unordered_warpgroups_match_reference_on_gpu(monkeypatch, warpgroups, causal):
-    """FLASH_ATTN_CUTE_FWD_WG_ORDER=0 (no ping-pong / round robin) computes the same attention."""
-    _force_three_warpgroups(monkeypatch)
-    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_WARPGROUPS", f"64:{warpgroups}")
-    monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_WG_ORDER", "0")
+def test_unordered_warpgroups_match_reference_on_gpu(monkeypatch, cute_env, warpgroups, causal):
+    """fwd.wg_order=0 (no ping-pong / round robin) computes the same attention."""
+    _force_three_warpgroups(monkeypatch, cute_env)
+    cute_env(OVERRIDES=f"fwd.warpgroups={warpgroups},fwd.wg_order=0")
     for shape in [(2, 17, 17, 4, 2), (2, 193, 1000, 4, 4), (1, 2048, 2048, 2, 1), (1, 1000, 193, 2, 2)]:
         test_matches_reference_on_gpu(torch.bfloat16, 64, causal, *shape)
 
@@ -1012,8 +1001,8 @@ def test_unordered_warpgroups_match_reference_on_gpu(monkeypatch, warpgroups, ca
 @pytest.mark.parametrize("causal,window,softcap", [(False, (64, 16), 0.0), (True, (48, -1), 20.0),
                                                    (False, (100, -1), 20.0), (False, (0, 0), 0.0),
                                                    (False, (-1, 200), 0.0), (True, (-1, -1), 30.0)])
-def test_three_warpgroups_window_and_softcap_on_gpu(monkeypatch, causal, window, softcap):
-    _force_three_warpgroups(monkeypatch)
+def test_three_warpgroups_window_and_softcap_on_gpu(monkeypatch, cute_env, causal, window, softcap):
+    _force_three_warpgroups(monkeypatch, cute_env)
     for shape in [(2, 333, 333, 4, 2), (1, 193, 517, 2, 1), (1, 700, 191, 2, 2), (1, 1000, 1000, 2, 2)]:
         test_window_and_softcap_match_reference_on_gpu(64, causal, window, softcap, *shape)
 
@@ -1022,8 +1011,8 @@ def test_three_warpgroups_window_and_softcap_on_gpu(monkeypatch, causal, window,
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
 @pytest.mark.parametrize("causal,window,softcap", [(False, (-1, -1), 0.0), (True, (-1, -1), 0.0),
                                                    (False, (50, 10), 0.0), (True, (-1, -1), 15.0)])
-def test_three_warpgroups_varlen_on_gpu(monkeypatch, causal, window, softcap):
-    _force_three_warpgroups(monkeypatch)
+def test_three_warpgroups_varlen_on_gpu(monkeypatch, cute_env, causal, window, softcap):
+    _force_three_warpgroups(monkeypatch, cute_env)
     lens = ([191, 0, 192, 1, 193, 17, 1000, 385], [191, 5, 300, 1, 193, 0, 1000, 200],
             [100, 5, 192, 0, 193, 0, 999, 200])
     for seqused in (False, True):
@@ -1122,10 +1111,9 @@ def _call(**kw):
     return Call(**base)
 
 
-def test_backend_admits_only_what_the_kernel_does(monkeypatch):
+def test_backend_admits_only_what_the_kernel_does(cute_env):
     from flash_attn.cute import backend
 
-    monkeypatch.delenv("FLASH_ATTN_CUTE_FWD_HDIMS", raising=False)
     assert backend.unsupported_reason(_call()) is None
     assert backend.unsupported_reason(_call(causal=True, head_dim=64, head_dim_v=64,
                                             dtype=torch.float16)) is None
@@ -1233,9 +1221,9 @@ def test_wide_head_dims_varlen_on_gpu(d, causal, window, softcap):
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
 @pytest.mark.parametrize("causal", [False, True])
-def test_dispatcher_gates_the_wide_head_dims_on_gpu(monkeypatch, causal):
+def test_dispatcher_gates_the_wide_head_dims_on_gpu(monkeypatch, cute_env, causal):
     """flash_attn.flash_attn_func at d256: the cute forward runs by default (not with
-    FLASH_ATTN_CUTE_FWD_HDIMS=0), its backward on the next backend; outputs and gradients meet the criterion
+    FLASH_ATTN_CUTE_DISABLE=d96,d192,d256), its backward on the next backend; outputs and gradients meet the criterion
     either way, and through flash_attn.cute.flash_attn_func (which refuses gradients when the variable
     turned d256 off: they go through the dispatcher)."""
     import flash_attn
@@ -1244,12 +1232,14 @@ def test_dispatcher_gates_the_wide_head_dims_on_gpu(monkeypatch, causal):
     from flash_attn.cute import interface
 
     launches = []
-    real = interface.forward
+    real = launch.forward
 
     def counted(*args, **kwargs):
         launches.append(args[0].shape[-1])
         return real(*args, **kwargs)
 
+    # where the dispatcher's backend.fwd (launch.forward) and flash_attn_func (interface.forward) find it
+    monkeypatch.setattr(launch, "forward", counted)
     monkeypatch.setattr(interface, "forward", counted)
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 333, 4, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -1260,10 +1250,7 @@ def test_dispatcher_gates_the_wide_head_dims_on_gpu(monkeypatch, causal):
     grads_ref = torch.autograd.grad(out_ref, (q, k, v), g)
     grads_pt = torch.autograd.grad(out_pt, (q, k, v), g)
     for enabled in (False, True):
-        if enabled:
-            monkeypatch.delenv("FLASH_ATTN_CUTE_FWD_HDIMS", raising=False)  # the default
-        else:
-            monkeypatch.setenv("FLASH_ATTN_CUTE_FWD_HDIMS", "0")
+        cute_env(DISABLE=None if enabled else "d96,d192,d256")  # None: the default
         monkeypatch.setattr(dispatch, "_choice", {})
         assert (dispatch.select(_call(head_dim=256, head_dim_v=256, causal=causal)).NAME == "cute") == enabled
         assert dispatch.select(_call(head_dim=256, head_dim_v=256, causal=causal, backward=True)).NAME != "cute"
@@ -1278,7 +1265,7 @@ def test_dispatcher_gates_the_wide_head_dims_on_gpu(monkeypatch, causal):
             for name, gr, gr_ref, gr_pt in zip("qkv", grads, grads_ref, grads_pt):
                 assert_close_to_ref(gr, gr_ref, gr_pt, name=f"d{name} ({run}, gate {enabled})")
         if not enabled:
-            with pytest.raises(NotImplementedError, match="FLASH_ATTN_CUTE_FWD_HDIMS"):
+            with pytest.raises(NotImplementedError, match="FLASH_ATTN_CUTE_DISABLE"):
                 cute_func(q, k, v, causal=causal)
         with torch.no_grad():  # the package API without gradients: no gate
             out, _ = cute_func(q, k, v, causal=causal)
