@@ -476,6 +476,7 @@ def alone(monkeypatch):
     """flash-attn-4 without the root package, on CPU: no dispatcher; the forward kernel stood in for."""
     monkeypatch.setattr(autograd, "dispatcher", lambda: None)
     monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")
+    monkeypatch.setattr(launch, "_device_arch", lambda q, k, v: "sm_90a")  # (lowlevel._flash_attn_bwd's)
     _stand_in(monkeypatch, "forward", _stand_in_forward)
     used = []
     from flash_attn.cute import bwd_torch

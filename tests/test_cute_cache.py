@@ -25,6 +25,7 @@ if _PKG not in sys.path:  # the checkout's flash_attn/__init__ also finds it; th
     sys.path.insert(0, _PKG)
 
 from flash_attn.cute import cache, kernels, precompile, settings  # noqa: E402
+from _cute_table import swap_kernels as _swap_kernels  # noqa: E402
 
 CONFIG = (torch.bfloat16, 128, False, "sm_90a")  # the one precompiled configuration (memory key: + local, softcap)
 
@@ -40,13 +41,6 @@ def _env(**extra):
 # kernel either)
 _OVERRIDES = "fwd.tma_o=0,fwd.persistent=0"
 
-
-def _swap_kernels(monkeypatch, table):
-    """Replace the contents of the one in-memory kernel table (kernels._kernels) for the test."""
-    for key in list(kernels._kernels):
-        monkeypatch.delitem(kernels._kernels, key)
-    for key, fn in table.items():
-        monkeypatch.setitem(kernels._kernels, key, fn)
 
 
 @pytest.fixture(autouse=True)

@@ -29,6 +29,7 @@ if _TESTS not in sys.path:
     sys.path.insert(0, _TESTS)
 
 from flash_attn.cute import cache, config, flash_fwd_sm90, kernels, settings  # noqa: E402
+from _cute_table import swap_kernels  # noqa: E402
 from flash_attn.cute.flash_fwd_sm90 import FlashFwdSm90, key_block  # noqa: E402
 from flash_attn.testing import assert_ptxas_clean  # noqa: E402
 
@@ -368,8 +369,7 @@ def _reverse(cute_env, monkeypatch, on=True, persistent=None, warpgroups=None):
     cute_env(OVERRIDES=f"fwd.reverse={1 if on else 0}"
              + (f",fwd.persistent={1 if persistent else 0}" if persistent is not None else "")
              + (f",fwd.warpgroups={warpgroups}" if warpgroups else ""))
-    for key in list(kernels._kernels):
-        monkeypatch.delitem(kernels._kernels, key)
+    swap_kernels(monkeypatch, {})
 
 
 # (batch, seqlen_q, seqlen_k, heads, heads_kv): lengths 1, 17, 1000, 4097; Sq != Sk both ways (Sq > Sk:

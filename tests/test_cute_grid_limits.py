@@ -18,6 +18,7 @@ if _PKG not in sys.path:
     sys.path.insert(0, _PKG)
 
 from flash_attn.cute import interface, kernels, launch  # noqa: E402
+from _cute_table import swap_kernels as _swap_kernels  # noqa: E402
 from flash_attn.testing import (assert_close_to_ref, attention_lse_ref, attention_ref,  # noqa: E402
                                 paged_from_dense)
 from test_cute_split import _split_kernel_model, _varlen_split_kernel_model  # noqa: E402
@@ -35,13 +36,6 @@ def _setup(cute_env, monkeypatch, request):
         monkeypatch.setattr(interface, "_MAX_GRID_Z", 4)
         monkeypatch.setattr(launch, "_MAX_GRID_Z", 4)
 
-
-def _swap_kernels(monkeypatch, table):
-    """Replace the contents of the one in-memory kernel table (kernels._kernels) for the test."""
-    for key in list(kernels._kernels):
-        monkeypatch.delitem(kernels._kernels, key)
-    for key, fn in table.items():
-        monkeypatch.setitem(kernels._kernels, key, fn)
 
 
 def _dense_model(launches):

@@ -23,6 +23,7 @@ if _PKG not in sys.path:
     sys.path.insert(0, _PKG)
 
 from flash_attn.cute import config, interface, kernels, launch  # noqa: E402
+from _cute_table import swap_kernels as _swap_kernels  # noqa: E402
 from flash_attn.testing import (  # noqa: E402
     assert_close_to_ref, assert_lse_close, assert_ptxas_clean, attention_lse_ref, attention_ref, fa4_window,
 )
@@ -33,13 +34,6 @@ from flash_attn.testing import (  # noqa: E402
 def _defaults(cute_env):
     """No FLASH_ATTN_CUTE_OVERRIDES / FLASH_ATTN_CUTE_DISABLE: the default kernels."""
 
-
-def _swap_kernels(monkeypatch, table):
-    """Replace the contents of the one in-memory kernel table (kernels._kernels) for the test."""
-    for key in list(kernels._kernels):
-        monkeypatch.delitem(kernels._kernels, key)
-    for key, fn in table.items():
-        monkeypatch.setitem(kernels._kernels, key, fn)
 
 
 def test_pairs_and_config():

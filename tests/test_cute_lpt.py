@@ -20,6 +20,7 @@ if _PKG not in sys.path:
     sys.path.insert(0, _PKG)
 
 from flash_attn.cute import config, kernels  # noqa: E402
+from _cute_table import swap_kernels  # noqa: E402
 from flash_attn.cute.flash_fwd_sm90 import FlashFwdSm90, lpt_block  # noqa: E402
 
 
@@ -28,8 +29,7 @@ def _clean(cute_env, mp, overrides=None):
     """FLASH_ATTN_CUTE_OVERRIDES as given (None: the defaults), and an empty in-memory kernel table (it does not
     key on the overrides)."""
     cute_env(OVERRIDES=overrides)
-    for key in list(kernels._kernels):
-        mp.delitem(kernels._kernels, key)
+    swap_kernels(mp, {})
 
 
 def _hopper():

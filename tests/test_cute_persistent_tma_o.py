@@ -20,6 +20,7 @@ if _PKG not in sys.path:
     sys.path.insert(0, _PKG)
 
 from flash_attn.cute import config, interface, kernels, launch, plan, settings  # noqa: E402
+from _cute_table import swap_kernels as _swap_kernels  # noqa: E402
 from flash_attn.cute.flash_fwd_sm90 import FlashFwdSm90  # noqa: E402
 from flash_attn.testing import assert_ptxas_clean  # noqa: E402
 
@@ -27,13 +28,6 @@ _BULK_STORE = re.compile(r"^\s*cp\.async\.bulk\.tensor\.\d+d\.global\.shared::ct
 # the persistent kernel with its own O buffer (the old FLASH_ATTN_CUTE_FWD_PERSISTENT_TMA_O=1)
 _ON = "fwd.persistent=1,fwd.tma_o=1"
 
-
-def _swap_kernels(monkeypatch, table):
-    """Replace the contents of the one in-memory kernel table (kernels._kernels) for the test."""
-    for key in list(kernels._kernels):
-        monkeypatch.delitem(kernels._kernels, key)
-    for key, fn in table.items():
-        monkeypatch.setitem(kernels._kernels, key, fn)
 
 
 def _cfg(dtype, d, causal, **kw):

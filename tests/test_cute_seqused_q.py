@@ -17,6 +17,7 @@ if _PKG not in sys.path:
     sys.path.insert(0, _PKG)
 
 from flash_attn.cute import interface, kernels, launch  # noqa: E402
+from _cute_table import swap_kernels  # noqa: E402
 from flash_attn.testing import assert_close_to_ref, attention_lse_ref, attention_ref, fa4_window  # noqa: E402
 
 I32 = torch.int32
@@ -63,9 +64,7 @@ def _kernel_model(causal, sink_given):
 def test_seqused_q_calls_per_sequence(monkeypatch, causal, sink, with_used_k):
     monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")
     key = (torch.float16, 64, causal, "sm_90a", False, False, True) + (("sink",) if sink else ())
-    for old in list(kernels._kernels):  # the one in-memory kernel table, holding the model only
-        monkeypatch.delitem(kernels._kernels, old)
-    monkeypatch.setitem(kernels._kernels, key, _kernel_model(causal, sink))
+    swap_kernels(monkeypatch, {key: _kernel_model(causal, sink)})  # the in-memory kernel table: the model only
     torch.manual_seed(0)
     H, Hk, D = 4, 2, 64
     lens_q, lens_k = [5, 0, 9, 4, 3], [7, 3, 12, 0, 6]

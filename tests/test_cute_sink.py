@@ -19,6 +19,7 @@ if _PKG not in sys.path:
     sys.path.insert(0, _PKG)
 
 from flash_attn.cute import autograd, interface, kernels, launch, plan  # noqa: E402
+from _cute_table import swap_kernels  # noqa: E402
 from flash_attn.testing import assert_close_to_ref, attention_lse_ref, attention_ref  # noqa: E402
 
 U = plan._UNBOUNDED
@@ -353,8 +354,7 @@ def test_sink_varlen_matches_reference_on_gpu(d):
 def test_sink_with_three_warpgroups_on_gpu(cute_env, monkeypatch):
     """The sink tests above on the 3-warpgroup forward (BLOCK_M 192; Sq 257 spans two tiles)."""
     cute_env(OVERRIDES="fwd.warpgroups=3")  # (d64 calls only below)
-    for key in list(kernels._kernels):  # the in-memory table does not key on the overrides
-        monkeypatch.delitem(kernels._kernels, key)
+    swap_kernels(monkeypatch, {})  # the in-memory table does not key on the overrides
     assert kernels.fwd_config(torch.bfloat16, 64, True, "sm_90a", sink=True).warpgroups == 3
     for causal in (False, True):
         test_sink_matches_reference_on_gpu(64, causal)

@@ -20,6 +20,7 @@ if _PKG not in sys.path:
     sys.path.insert(0, _PKG)
 
 from flash_attn.cute import config, kernels, launch, plan, settings  # noqa: E402
+from _cute_table import swap_kernels as _swap_kernels  # noqa: E402
 from flash_attn.cute import interface  # noqa: E402
 from flash_attn.cute.kernels import compile_fwd  # noqa: E402
 from flash_attn.testing import assert_ptxas_clean  # noqa: E402
@@ -42,13 +43,6 @@ def _with_env(mp, overrides=None):
         mp.delenv(settings.OVERRIDES, raising=False)
     settings.reload()
 
-
-def _swap_kernels(monkeypatch, table):
-    """Replace the contents of the one in-memory kernel table (kernels._kernels) for the test."""
-    for key in list(kernels._kernels):
-        monkeypatch.delitem(kernels._kernels, key)
-    for key, fn in table.items():
-        monkeypatch.setitem(kernels._kernels, key, fn)
 
 
 # (head dim, causal): d64 without a mask has 3 consumer warpgroups (BLOCK_M 192), the others 2; d64 is

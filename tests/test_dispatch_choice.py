@@ -113,8 +113,7 @@ def test_switches_move_calls_off_cute(gpu, cute_env):
     cute_env(DISABLE="bwd")
     assert _select_for(backward=True) == "triton"
     assert _select_for() == "cute"
-    assert _select_for(d=256, dv=256) == "cute"
-    cute_env(DISABLE="bwd,d96,d192,d256")
+    cute_env(DISABLE="bwd,d96,d192,d256")  # (before any d256 call: the dispatcher caches its choice per kind)
     assert _select_for(d=256, dv=256) == "triton"
 
 

@@ -14,6 +14,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import precompile_gpu_tests as pg  # noqa: E402
 from flash_attn.cute import kernels, launch, plan  # noqa: E402
+from _cute_table import swap_kernels  # noqa: E402
 
 
 def test_requests_cover_the_new_kernels():
@@ -44,8 +45,7 @@ def test_kernel_args_are_what_the_calls_ask_for(monkeypatch, req):
         return lambda *a: None
 
     monkeypatch.setattr(launch, "fwd_kernel", record)
-    for key in list(kernels._kernels):  # the in-memory table (empty: every call asks fwd_kernel)
-        monkeypatch.delitem(kernels._kernels, key)
+    swap_kernels(monkeypatch, {})  # the in-memory table (empty: every call asks fwd_kernel)
     dtype, d, dv, H, Hk = req["dtype"], req["d"], req.get("dv") or req["d"], 4 * req.get("pack", 1), 4
     sink = torch.zeros(H) if req.get("sink") else None
     window = [plan._UNBOUNDED if w < 0 else w for w in req.get("window", (-1, -1))]  # (-1: no limit)

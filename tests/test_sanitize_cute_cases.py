@@ -14,6 +14,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import sanitize_cute  # noqa: E402
 from flash_attn.cute import config, interface, kernels, launch  # noqa: E402
+from _cute_table import swap_kernels  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -58,9 +59,7 @@ def test_prediction_matches_the_dispatch(cute_env, monkeypatch, name, packed):
     _, key = sanitize_cute.expected_config(sanitize_cute.CASES[name])
     ran = []
     monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")
-    for old in list(kernels._kernels):  # the one in-memory kernel table, holding the predicted kernel only
-        monkeypatch.delitem(kernels._kernels, old)
-    monkeypatch.setitem(kernels._kernels, key, lambda *a: ran.append(key))
+    swap_kernels(monkeypatch, {key: lambda *a: ran.append(key)})  # the in-memory table: the predicted kernel only
 
     def other(*a, **kw):
         raise AssertionError(f"{name}: dispatched to another kernel ({a}, {kw}), predicted {key}")
