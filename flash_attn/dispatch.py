@@ -14,10 +14,11 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import importlib
-import os
 from typing import NamedTuple
 
 import torch
+
+from flash_attn import settings
 
 # name -> module implementing the contract in flash_attn/backends/__init__.py, in priority order.
 BACKENDS = {
@@ -29,7 +30,7 @@ _INSTALL_HINT = {
     "cute": "pip install flash-attn-4 (or ./packages/flash-attn-4)",
     "triton": "pip install flash-attn-triton (or ./packages/flash-attn-triton)",
 }
-ENV_VAR = "FLASH_ATTN_BACKEND"
+ENV_VAR = settings.BACKEND
 # GPU backends that can run CPU tensors in an interpreter (tests); never picked for CPU automatically.
 _INTERPRETED_ON_CPU = {"triton", "cute"}
 
@@ -104,22 +105,8 @@ def unavailable_reason(name):
     return _unavailable[name]
 
 
-def _env_backend():
-    # os.environ.get encodes the key and decodes the value on each call (~1 us); on POSIX, read the
-    # mapping os.environ keeps in sync with setenv/putenv directly.
-    env = os.environ
-    data = getattr(env, "_data", None)
-    if data is None or os.name != "posix":
-        return env.get(ENV_VAR)
-    raw = data.get(_ENV_KEY)
-    return None if raw is None else env.decodevalue(raw)
-
-
-_ENV_KEY = os.fsencode(ENV_VAR)
-
-
 def forced_backend():
-    name = _forced.get() or _env_backend() or None
+    name = _forced.get() or settings.current.backend
     if name is not None:
         _check_name(name)
     return name

@@ -35,37 +35,38 @@ dresidual_out if given; dresidual_in gets the same values. x and dy of the next 
 current row's reduction so the loads overlap it (ptxas sinks them below pass 1; the vld variant keeps them
 above it).
 
-Variants ($FLASH_ATTN_LN_CUTE_BWD_OPTS, see OPTS; part of the compile key, checked on CPU compiles and
+Variants (FLASH_ATTN_OVERRIDES' ln.opts, see OPTS; part of the compile key, checked on CPU compiles and
 GPU-tested by tests/test_layer_norm_cute.py::test_gpu_variants): w16, carve, p1, p2, vld, pp. OPTS_TABLE
 picks them where measured faster: LayerNorm 16384 takes p1+p2 (0.872 of copy at 512 threads).
 
 Served (``plan`` returns a key, else None and the Triton path runs): CUDA sm_90, x / dy / dx (and
 dresidual_out / dresidual_in) all bf16 or all fp16, weight bf16/fp16/fp32, 4096 <= N <= 16384 with
 vectors(N) defined (N a multiple of 8 * 32 * K for some K <= 4), no dropout, rowscale, x1, weight1.
-On by default; FLASH_ATTN_LN_CUTE_BWD=0 runs the Triton backward instead. Rows are symbolic, so one
+On by default; FLASH_ATTN_DISABLE=ln_cute_bwd runs the Triton backward instead. Rows are symbolic, so one
 kernel per key: from memory, else flash_attn.cute's disk cache (cache.py; $FLASH_ATTN_CUTE_CACHE, default
 ~/.cache/flash_attn_cute: a new process loads it in milliseconds without importing the CuTeDSL compiler),
 else compiled (about 2 s) and written there.
 """
 import functools
-import os
 from typing import Optional
 
 import torch
+
+from flash_attn import settings
 
 VEC = 8  # 16-byte vectors of 2-byte elements
 MAX_THREADS = 512  # the threads per CTA where THREADS_TABLE has no entry
 # (is_rms_norm, N) -> threads per CTA at most, measured on an H200 (bf16, 2^28 elements): 512 everywhere
 # (LayerNorm 12288: 0.827 of copy against 0.608 at 1024; LayerNorm 16384 with the p1+p2 variants 0.872 at
 # 512 against 0.621 at 1024, and without them 0.698 at 1024 against 0.658 at 512).
-# $FLASH_ATTN_LN_CUTE_BWD_THREADS overrides the table (a tuning knob, in the key).
+# FLASH_ATTN_OVERRIDES' ln.threads overrides the table (a tuning knob, in the key).
 THREADS_TABLE = {}
 MIN_N, MAX_N = 4096, 16384
 SMEM_PER_SM = 227 * 1024
 THREADS_PER_SM = 2048
 _DTYPES = (torch.bfloat16, torch.float16)
 _W_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# $FLASH_ATTN_LN_CUTE_BWD_OPTS: comma-separated kernel variants, all off by default and part of the key
+# FLASH_ATTN_OVERRIDES' ln.opts: "+"-separated kernel variants, all off by default and part of the key
 # (not yet measured on a GPU):
 #   w16    a bf16 / fp16 weight stays 16-bit in shared memory (half its shared-memory traffic and size)
 #   carve  preferred_smem_carveout just large enough for the kernel's shared memory (else 100: the rest
@@ -78,7 +79,7 @@ _W_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #          one row ahead instead of at the row's start
 #   pp     two rows a loop iteration with the row registers swapping roles (no row-to-row register moves)
 OPTS = ("w16", "carve", "p1", "p2", "vld", "pp")
-# (is_rms_norm, N) -> the variants used when $FLASH_ATTN_LN_CUTE_BWD_OPTS is unset. H200, bf16, 2^28
+# (is_rms_norm, N) -> the variants used unless FLASH_ATTN_OVERRIDES gives ln.opts. H200, bf16, 2^28
 # elements, one process (benchmarks/bench_ln_cute_bwd.py --hidden 16384 --norms L --variants ...): LayerNorm
 # 16384 at 512 threads with p1+p2 0.872 of copy (435 us) against 0.698 for the plain kernel at 1024 threads,
 # 0.688 with vld, 0.628 with w16+carve+p1+p2+vld at 512 (Triton: 0.606). Other sizes: not measured yet.
@@ -86,21 +87,21 @@ OPTS_TABLE = {(False, 16384): ("p1", "p2")}
 
 
 def enabled() -> bool:
-    """The CuTeDSL backward serves the calls it can (default on); FLASH_ATTN_LN_CUTE_BWD=0 turns it off."""
-    return os.environ.get("FLASH_ATTN_LN_CUTE_BWD", "1").strip().lower() not in ("0", "off", "false", "no")
+    """The CuTeDSL backward serves the calls it can (default on); FLASH_ATTN_DISABLE=ln_cute_bwd turns it off."""
+    return not settings.disabled("ln_cute_bwd")
 
 
 def options(wdtype, is_rms_norm, env=None, N=None) -> tuple:
-    """The variants of $FLASH_ATTN_LN_CUTE_BWD_OPTS (``env``: that value instead; unset: OPTS_TABLE's entry
-    for (is_rms_norm, N)) that change this key's code, in OPTS order: w16 only with a 16-bit weight, p1 and
+    """The variants of FLASH_ATTN_OVERRIDES' ln.opts ("p1+p2"; ``env``: that value instead; unset: OPTS_TABLE's
+    entry for (is_rms_norm, N)) that change this key's code, in OPTS order: w16 only with a 16-bit weight, p1 and
     p2 only for LayerNorm."""
-    value = os.environ.get("FLASH_ATTN_LN_CUTE_BWD_OPTS") if env is None else env
+    value = settings.override("ln", "opts") if env is None else env
     if value is None:
         value = ",".join(OPTS_TABLE.get((bool(is_rms_norm), N), ()))
-    opts = {o.strip() for o in value.split(",") if o.strip()}
+    opts = {o.strip() for o in value.replace("+", ",").split(",") if o.strip()}
     bad = opts - set(OPTS)
     if bad:
-        raise ValueError(f"FLASH_ATTN_LN_CUTE_BWD_OPTS: unknown {sorted(bad)}; known: {', '.join(OPTS)}")
+        raise ValueError(f"FLASH_ATTN_OVERRIDES ln.opts: unknown {sorted(bad)}; known: {', '.join(OPTS)}")
     if wdtype in (torch.float32, "fp32"):
         opts.discard("w16")
     if is_rms_norm:  # no mean: nothing for p1 to save, and p2's count equals the plain one
@@ -179,13 +180,13 @@ def _dtype_name(dt) -> str:
 
 
 def max_threads(N: Optional[int] = None, is_rms_norm: bool = False) -> int:
-    """Threads per CTA at most: $FLASH_ATTN_LN_CUTE_BWD_THREADS (256, 512 or 1024), else THREADS_TABLE's
+    """Threads per CTA at most: FLASH_ATTN_OVERRIDES' ln.threads (256, 512 or 1024), else THREADS_TABLE's
     entry for (is_rms_norm, N), else MAX_THREADS."""
-    v = os.environ.get("FLASH_ATTN_LN_CUTE_BWD_THREADS", "").strip()
+    v = settings.override("ln", "threads", "")
     if not v:
         return THREADS_TABLE.get((bool(is_rms_norm), N), MAX_THREADS)
     if v not in ("256", "512", "1024"):
-        raise ValueError(f"FLASH_ATTN_LN_CUTE_BWD_THREADS must be 256, 512 or 1024, got {v}")
+        raise ValueError(f"FLASH_ATTN_OVERRIDES ln.threads must be 256, 512 or 1024, got {v}")
     return int(v)
 
 
@@ -752,7 +753,7 @@ def kernel(key):
                     import warnings
 
                     _failed[key] = e
-                    warnings.warn(f"FLASH_ATTN_LN_CUTE_BWD: compiling the norm backward for {key} failed "
+                    warnings.warn(f"the CuTeDSL norm backward (FLASH_ATTN_DISABLE=ln_cute_bwd turns it off): compiling the norm backward for {key} failed "
                                   f"({type(e).__name__}: {e}); using the Triton backward")
                     return None
     return fn

@@ -21,7 +21,7 @@ FLASH_ATTN_FP32_WGRAD, which is on for CUDA inputs unless set to 0):
                                  partial sums plus a fixed-order reduction, bitwise reproducible), returned
                                  in the bias' dtype. Gradients differ from nn.Linear's only by the bf16
                                  rounding nn.Linear applies before its cast (they are more accurate).
-    FLASH_ATTN_FP32_WGRAD_BIAS=torch | gemm
+    FLASH_ATTN_OVERRIDES=linear.wgrad_bias=torch | gemm
                                  with the above, the bias gradient by torch (``sum(0, dtype=float32)``, one
                                  reduction, no cast) or by cuBLAS (``ones (1, M) @ dout`` with fp32 output,
                                  where that GEMM exists; else torch) instead of the Triton column sum (the
@@ -42,13 +42,14 @@ FLASH_ATTN_FP32_WGRAD, which is on for CUDA inputs unless set to 0):
 Outside autocast the Function computes in the input dtype (fp32 on CPU: what the CPU tests compare); it
 needs weight, bias and input on one device. ``torch.compile`` traces the plain ``F.linear`` path.
 """
-import os
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
+
+from flash_attn import settings
 
 from .triton import use_triton
 
@@ -57,35 +58,21 @@ _unsafe_view = torch.ops.aten._unsafe_view.default
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _env(name: str, key: bytes, default: str) -> str:
-    # os.environ.get encodes the name and decodes the value on each call; linear() asks three times per
-    # layer call, so on POSIX read the bytes mapping os.environ keeps in sync with setenv directly.
-    data = getattr(os.environ, "_data", None)
-    if data is None or os.name != "posix":
-        return os.environ.get(name, default)
-    raw = data.get(key)
-    return default if raw is None else os.fsdecode(raw)
-
-
-_K_WGRAD, _K_CACHE, _K_BIAS = (os.fsencode(n) for n in (
-    "FLASH_ATTN_FP32_WGRAD", "FLASH_ATTN_WEIGHT_CAST_CACHE", "FLASH_ATTN_FP32_WGRAD_BIAS"))
-
-
 def fp32_wgrad_enabled(device_type: str = "cuda") -> bool:
     """Whether ``linear`` / ``Linear`` on ``device_type`` inputs go through :class:`LinearFn`:
-    FLASH_ATTN_FP32_WGRAD=1 / 0 for every device; unset, on CUDA only (H200, GPT-2 medium step with CUDA
-    graphs: 91.4 -> 90.5 ms, benchmarks/results/h200/train_gpt2_medium.md, session 7)."""
-    value = _env("FLASH_ATTN_FP32_WGRAD", _K_WGRAD, "")
-    return value == "1" if value else device_type == "cuda"
+    FLASH_ATTN_FP32_WGRAD=1 / 0 for every device; unset, on CUDA only (it shortens the GPT-2 medium training step:
+    benchmarks/results/)."""
+    value = settings.current.fp32_wgrad
+    return value if value is not None else device_type == "cuda"
 
 
 def cast_cache_enabled() -> bool:
     """FLASH_ATTN_WEIGHT_CAST_CACHE=1 keeps low-precision weight copies between forwards (default off)."""
-    return _env("FLASH_ATTN_WEIGHT_CAST_CACHE", _K_CACHE, "0") == "1"
+    return settings.current.weight_cast_cache
 
 
 def _bias_grad_method() -> str:
-    return _env("FLASH_ATTN_FP32_WGRAD_BIAS", _K_BIAS, "triton")
+    return settings.override("linear", "wgrad_bias", "triton")
 
 
 # ------------------------------------------------------------------------------------------- kernels

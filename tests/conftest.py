@@ -44,3 +44,23 @@ def cute_env(monkeypatch):
     yield set_env
     monkeypatch.undo()
     settings.reload()
+
+
+@pytest.fixture
+def fa_env(monkeypatch):
+    """As cute_env, for the root package's settings (flash_attn/settings.py): ``fa_env(FP32_WGRAD="1",
+    OVERRIDES="linear.wgrad_bias=torch")`` sets FLASH_ATTN_FP32_WGRAD / FLASH_ATTN_OVERRIDES / ... and reloads."""
+    from flash_attn import settings
+
+    def set_env(**names):
+        for name, value in names.items():
+            var = "FLASH_ATTN_" + name
+            if value is None:
+                monkeypatch.delenv(var, raising=False)
+            else:
+                monkeypatch.setenv(var, str(value))
+        return settings.reload()
+
+    yield set_env
+    monkeypatch.undo()
+    settings.reload()

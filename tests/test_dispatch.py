@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import flash_attn
-from flash_attn import dispatch, flash_attn_func, reference
+from flash_attn import dispatch, flash_attn_func, reference, settings
 
 
 def _fake_backend(name, supports, calls):
@@ -40,7 +40,9 @@ def registry(monkeypatch):
                                                "torch": "flash_attn.reference"})
     for cache in ("_modules", "_unavailable", "_choice"):
         monkeypatch.setattr(dispatch, cache, {})
+    monkeypatch.setattr(settings, "current", settings.current)  # restored at the test's end
     monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
+    settings.reload()
     return calls
 
 
@@ -70,8 +72,8 @@ def test_use_backend_forces_and_restores(registry):
     assert registry == [("fast", "fwd")]
 
 
-def test_env_var_forces(registry, monkeypatch):
-    monkeypatch.setenv(dispatch.ENV_VAR, "mid")
+def test_env_var_forces(registry, fa_env):
+    fa_env(BACKEND="mid")
     q, k, v = _qkv()
     flash_attn_func(q, k, v)
     assert registry == [("mid", "fwd")]
@@ -129,13 +131,13 @@ def test_info_lists_every_backend(capsys):
     assert "torch   available" in text
 
 
-def test_env_var_read_on_every_call(registry, monkeypatch):
-    # the per-call selection is cached, but not across a change of FLASH_ATTN_BACKEND
+def test_backend_setting_not_cached_per_call(registry, fa_env):
+    # the per-call selection is cached, but not across a change of FLASH_ATTN_BACKEND (settings.reload)
     q, k, v = _qkv()
     flash_attn_func(q, k, v)
-    monkeypatch.setenv(dispatch.ENV_VAR, "mid")
+    fa_env(BACKEND="mid")
     flash_attn_func(q, k, v)
-    monkeypatch.delenv(dispatch.ENV_VAR)
+    fa_env(BACKEND=None)
     flash_attn_func(q, k, v)
     assert registry == [("fast", "fwd"), ("mid", "fwd"), ("fast", "fwd")]
 

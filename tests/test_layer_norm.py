@@ -19,10 +19,10 @@ CUDA = torch.cuda.is_available()
 
 
 @pytest.fixture(autouse=True)
-def _triton_backward(monkeypatch):
+def _triton_backward(fa_env):
     """These tests are the Triton kernels' (ops/triton/layer_norm.py): the CuTeDSL backward, the default for
     wide rows on sm_90 (tests/test_layer_norm_cute.py), is switched off so that N >= 4096 runs Triton."""
-    monkeypatch.setenv("FLASH_ATTN_LN_CUTE_BWD", "0")
+    fa_env(DISABLE="ln_cute_bwd")
 
 
 def _assert_close(out, ref, pt, name):

@@ -17,28 +17,28 @@ CUDA = torch.cuda.is_available()
 
 
 @pytest.fixture
-def switch_on(monkeypatch):
-    monkeypatch.setenv("FLASH_ATTN_FP32_WGRAD", "1")
-    monkeypatch.delenv("FLASH_ATTN_WEIGHT_CAST_CACHE", raising=False)
-    monkeypatch.delenv("FLASH_ATTN_FP32_WGRAD_BIAS", raising=False)
+def switch_on(fa_env):
+    """The fa_env setter, with FLASH_ATTN_FP32_WGRAD=1 and neither the cast cache nor overrides."""
+    fa_env(FP32_WGRAD="1", WEIGHT_CAST_CACHE=None, OVERRIDES=None)
     L._cast_cache.clear()
-    yield monkeypatch
+    yield fa_env
     L._cast_cache.clear()
 
 
 @pytest.fixture
-def switch_off(monkeypatch):
-    monkeypatch.setenv("FLASH_ATTN_FP32_WGRAD", "0")
-    monkeypatch.delenv("FLASH_ATTN_WEIGHT_CAST_CACHE", raising=False)
-    yield monkeypatch
+def switch_off(fa_env):
+    fa_env(FP32_WGRAD="0", WEIGHT_CAST_CACHE=None)
+    yield fa_env
 
 
-def test_switch_defaults_on_for_cuda_only(monkeypatch):
-    monkeypatch.delenv("FLASH_ATTN_FP32_WGRAD", raising=False)
+def test_switch_defaults_on_for_cuda_only(fa_env):
+    fa_env(FP32_WGRAD=None)
     assert L.fp32_wgrad_enabled("cuda") and not L.fp32_wgrad_enabled("cpu")
     for value, on in (("0", False), ("1", True)):
-        monkeypatch.setenv("FLASH_ATTN_FP32_WGRAD", value)
+        fa_env(FP32_WGRAD=value)
         assert L.fp32_wgrad_enabled("cuda") is on and L.fp32_wgrad_enabled("cpu") is on
+    with pytest.raises(ValueError, match="FLASH_ATTN_FP32_WGRAD"):
+        fa_env(FP32_WGRAD="yes")
 
 
 def _randn(shape, seed, device="cpu", dtype=torch.float32, scale=1.0):
@@ -221,14 +221,14 @@ def test_weight_grad_fp32_gemm_feature_detection(monkeypatch):
 
 def test_bias_grad_torch_switch(switch_on):
     d = _randn((33, 10), 13)
-    switch_on.setenv("FLASH_ATTN_FP32_WGRAD_BIAS", "torch")
+    switch_on(OVERRIDES="linear.wgrad_bias=torch")
     torch.testing.assert_close(L.bias_grad(d, torch.float32), d.sum(0), atol=0, rtol=0)
 
 
-def test_bias_grad_gemm_switch(switch_on):
+def test_bias_grad_gemm_switch(switch_on, monkeypatch):
     d = _randn((33, 10), 14, dtype=torch.bfloat16)
     exact = d.double().sum(0)
-    switch_on.setenv("FLASH_ATTN_FP32_WGRAD_BIAS", "gemm")
+    switch_on(OVERRIDES="linear.wgrad_bias=gemm")
     # No fp32-output GEMM on CPU: torch's fp32 sum.
     torch.testing.assert_close(L.bias_grad(d, torch.float32), d.sum(0, dtype=torch.float32), atol=0, rtol=0)
     calls = []
@@ -237,9 +237,9 @@ def test_bias_grad_gemm_switch(switch_on):
         calls.append((tuple(a.shape), tuple(b.shape)))
         return torch.mm(a.double(), b.double()).float()
 
-    switch_on.setattr(L, "_wants_fp32_gemm", lambda t, dtype: True)
-    switch_on.setattr(L, "_mm_out_dtype_ok", None)
-    switch_on.setattr(L, "_mm_fp32", fake_mm)
+    monkeypatch.setattr(L, "_wants_fp32_gemm", lambda t, dtype: True)
+    monkeypatch.setattr(L, "_mm_out_dtype_ok", None)
+    monkeypatch.setattr(L, "_mm_fp32", fake_mm)
     db = L.bias_grad(d, torch.float32)
     assert calls == [((1, 33), (33, 10))] and db.shape == (10,) and db.dtype == torch.float32
     torch.testing.assert_close(db.double(), exact, atol=1e-5, rtol=1e-6)
@@ -266,7 +266,7 @@ def test_gpt_runs_every_linear_through_it(switch_on, fused_mlp):
     with backend("torch"):
         logits = model(ids).logits
     assert _linear_nodes(logits) == 4 * 2 + 1
-    switch_on.setenv("FLASH_ATTN_FP32_WGRAD", "0")
+    switch_on(FP32_WGRAD="0")
     with backend("torch"):
         assert _linear_nodes(model(ids).logits) == 0
 
@@ -277,7 +277,7 @@ def test_gpt_cpu_autocast_gradients_match_plain(switch_on, fused_mlp):
     ids = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(1))
 
     def grads(on):
-        switch_on.setenv("FLASH_ATTN_FP32_WGRAD", "1" if on else "0")
+        switch_on(FP32_WGRAD="1" if on else "0")
         model.zero_grad(set_to_none=True)
         with backend("torch"), torch.autocast("cpu", dtype=torch.bfloat16):
             loss = F.cross_entropy(model(ids).logits.float().flatten(0, 1), ids.flatten())
@@ -327,7 +327,7 @@ def _step(model, x, autocast=True):
 
 
 def test_cast_cache_batches_and_reuses(switch_on):
-    switch_on.setenv("FLASH_ATTN_WEIGHT_CAST_CACHE", "1")
+    switch_on(WEIGHT_CAST_CACHE="1")
     model = _train_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)  # does not bump parameter versions
     x = _randn((5, 16), 14)
@@ -344,12 +344,12 @@ def test_cast_cache_batches_and_reuses(switch_on):
     for p in model.parameters():
         torch.testing.assert_close(L._cast_cache.entries[p].copy, p.detach().bfloat16(), atol=0, rtol=0)
     # The same values as without the cache.
-    switch_on.setenv("FLASH_ATTN_WEIGHT_CAST_CACHE", "0")
+    switch_on(WEIGHT_CAST_CACHE="0")
     torch.testing.assert_close(loss3, _step(model, x), atol=0, rtol=0)
 
 
 def test_cast_cache_sees_version_bumps_and_keeps_old_graphs(switch_on):
-    switch_on.setenv("FLASH_ATTN_WEIGHT_CAST_CACHE", "1")
+    switch_on(WEIGHT_CAST_CACHE="1")
     model = _train_model()
     x = _randn((5, 16), 15)
     loss_a = _step(model, x)  # graph A holds the copies of the current weights
@@ -362,7 +362,7 @@ def test_cast_cache_sees_version_bumps_and_keeps_old_graphs(switch_on):
     got = {n: p.grad.clone() for n, p in model.named_parameters()}
     ref = _train_model()
     ref.load_state_dict(snapshot)
-    switch_on.setenv("FLASH_ATTN_WEIGHT_CAST_CACHE", "0")
+    switch_on(WEIGHT_CAST_CACHE="0")
     _step(ref, x).backward()
     for n, p in ref.named_parameters():
         torch.testing.assert_close(got[n], p.grad, atol=0, rtol=0, msg=n)
@@ -386,7 +386,7 @@ def test_no_function_without_autograd(switch_on, monkeypatch):
 
 
 def test_cast_cache_skips_inference_mode(switch_on):
-    switch_on.setenv("FLASH_ATTN_WEIGHT_CAST_CACHE", "1")
+    switch_on(WEIGHT_CAST_CACHE="1")
     model = _train_model()
     x = _randn((5, 16), 17)
     with torch.inference_mode():
@@ -397,7 +397,7 @@ def test_cast_cache_skips_inference_mode(switch_on):
 
 
 def test_cast_cache_off_without_fp32_wgrad(switch_off):
-    switch_off.setenv("FLASH_ATTN_WEIGHT_CAST_CACHE", "1")
+    switch_off(WEIGHT_CAST_CACHE="1")
     model = _train_model()
     with _CopyCount() as count:
         _step(model, _randn((5, 16), 16))
@@ -491,7 +491,7 @@ def _squeezed(shape):
     return tuple(d for d in shape if d != 1)
 
 
-def _backward_census(model, monkeypatch, device):
+def _backward_census(model, set_env, device):
     """{"off": ..., "on": ...} of (casts, bf16 bias sums, fp32-output GEMMs) in one bf16-autocast backward of
     ``model`` with FLASH_ATTN_FP32_WGRAD off / on, and the number of nn.Linear modules.
 
@@ -505,7 +505,7 @@ def _backward_census(model, monkeypatch, device):
     ids = torch.randint(0, 1000, (2, 256), device=device, generator=torch.Generator(device).manual_seed(1))
 
     def census(on):
-        monkeypatch.setenv("FLASH_ATTN_FP32_WGRAD", "1" if on else "0")
+        set_env(FP32_WGRAD="1" if on else "0")
         model.zero_grad(set_to_none=True)
         with torch.autocast(device, dtype=torch.bfloat16):
             loss = model(ids).logits.float().square().mean()
@@ -578,7 +578,7 @@ def test_no_gradient_casts_or_bf16_bias_reductions_cpu(switch_on, cpu_mm_dtype):
 @pytest.mark.parametrize("bias_method", ["triton", "gemm", "torch"])
 @pytest.mark.parametrize("in_f,out_f,bias", [(1024, 3072, True), (4096, 1024, True), (1024, 4096, False)])
 def test_gpu_linear_bf16_within_plain_error(switch_on, in_f, out_f, bias, bias_method):
-    switch_on.setenv("FLASH_ATTN_FP32_WGRAD_BIAS", bias_method)
+    switch_on(OVERRIDES=f"linear.wgrad_bias={bias_method}")
     ours, ref = _pair(in_f, out_f, bias, device="cuda")
     ref64 = torch.nn.Linear(in_f, out_f, bias=bias, device="cuda", dtype=torch.float64)
     ref64.load_state_dict({k: v.double() for k, v in ours.state_dict().items()})
@@ -617,8 +617,8 @@ def test_gpu_gpt_gradients_within_plain_error(switch_on, cache):
     ids = torch.randint(0, 1000, (4, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
 
     def grads(m, on, autocast):
-        switch_on.setenv("FLASH_ATTN_FP32_WGRAD", "1" if on else "0")
-        switch_on.setenv("FLASH_ATTN_WEIGHT_CAST_CACHE", "1" if cache else "0")
+        switch_on(FP32_WGRAD="1" if on else "0")
+        switch_on(WEIGHT_CAST_CACHE="1" if cache else "0")
         m.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
             logits = m(ids).logits

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from flash_attn import settings
 from flash_attn.training.config import ConfigError, load_config
 from flash_attn.training.graphs import WARMUP_STEPS
 from flash_attn.training.trainer import Trainer, lr_at
@@ -42,7 +43,9 @@ def test_graphs_on_a_cpu_are_a_config_error(tmp_path):
 
 def _run(cfg, backend=None, monkeypatch=None):
     if backend is not None:
+        monkeypatch.setattr(settings, "current", settings.current)  # restored, with the variable, at the test's end
         monkeypatch.setenv("FLASH_ATTN_BACKEND", backend)
+        settings.reload()
     trainer = Trainer(cfg)
     result = trainer.run()
     return trainer, curve(result)

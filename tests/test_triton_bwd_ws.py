@@ -1,4 +1,4 @@
-"""The warp-specialized Triton backward (flash_attn/triton/_bwd_ws.py): FLASH_ATTN_TRITON_BWD_VARIANT=ws
+"""The warp-specialized Triton backward (flash_attn/triton/_bwd_ws.py): FLASH_ATTN_TRITON_OVERRIDES=bwd_variant=ws
 switches it on on sm_90 (_configs.BWD_WS_DEFAULT lists the pairs it serves without the switch).
 
 CPU: the interpreter runs its three kernels (fp16) through an explicit BwdWsConfig, one and two dK/dV
@@ -430,7 +430,7 @@ def test_gpu_ws_bwd_env_switch_through_autograd(name, plans):
     """d128 through flash_attn_func's autograd in a fresh process, causal and not: "ws" serves both
     backward calls, "off" neither."""
     _sm90()
-    env = dict(os.environ, FLASH_ATTN_TRITON_BWD_VARIANT=name)
+    env = dict(os.environ, FLASH_ATTN_TRITON_OVERRIDES=f"bwd_variant={name}")
     r = subprocess.run([sys.executable, "-c", _ENV_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]

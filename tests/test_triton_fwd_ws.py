@@ -1,5 +1,5 @@
 """The warp-specialized Triton forward (flash_attn/triton/_fwd_ws.py): the default on sm_90 for the
-(head dim, causal) pairs of _configs.FWD_WS_DEFAULT, FLASH_ATTN_TRITON_FWD_VARIANT overrides it.
+(head dim, causal) pairs of _configs.FWD_WS_DEFAULT, FLASH_ATTN_TRITON_OVERRIDES' fwd_variant overrides it.
 
 CPU: the interpreter runs the kernel (fp16; fp32 calls must fall back to the default kernel) through an
 explicit FwdConfig(variant=1), the backend's routing of calls it does not serve, the switch's parsing,
@@ -265,17 +265,18 @@ def test_fwd_dense_is_fwd_and_serves_flash_attn_func(monkeypatch):
     assert len(seen) == 1 and all(isinstance(a, torch.Tensor) for a in seen[0][:9])
 
 
-def test_variant_switch_parsing(monkeypatch):
-    for name, want in [("", (0, None)), ("off", (0, None)), ("ws", (1, None)), ("WS64", (1, 64)),
+def test_variant_switch_parsing():
+    from flash_attn.triton import settings
+
+    for name, want in [("off", (0, None)), ("ws", (1, None)), ("WS64", (1, 64)),
                        ("ws128", (1, 128)), ("wsp", (2, None)), ("wsp64", (2, 64))]:
-        monkeypatch.setenv("FLASH_ATTN_TRITON_FWD_VARIANT", name)
-        assert _configs._env_variant() == want
-    monkeypatch.setenv("FLASH_ATTN_TRITON_FWD_VARIANT", "pingpong")
-    with pytest.raises(ValueError, match="FLASH_ATTN_TRITON_FWD_VARIANT"):
-        _configs._env_variant()
+        assert _configs._fwd_variant(settings._overrides(f"fwd_variant={name}")["fwd_variant"]) == want
+    with pytest.raises(ValueError, match="FLASH_ATTN_TRITON_OVERRIDES"):
+        _configs._fwd_variant(settings._overrides("fwd_variant=pingpong")["fwd_variant"])
+    with pytest.raises(ValueError, match="FLASH_ATTN_TRITON_OVERRIDES"):
+        settings._overrides("fwd_varient=ws")  # a typo never silently measures the default
     # unset (the default): off, the table's configs
-    monkeypatch.delenv("FLASH_ATTN_TRITON_FWD_VARIANT")
-    assert _configs._env_variant() == (0, None)
+    assert _configs._fwd_variant(settings._overrides("").get("fwd_variant", "")) == (0, None)
 
 
 def test_variant_configs():
@@ -460,9 +461,9 @@ def test_gpu_ws_env_switch_through_public_api(name, plans):
     the defaults (FWD_WS_DEFAULT), serve both calls; "off" runs the table's kernel for both."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the warp-specialized forward is tuned for sm_90")
-    env = {k: v for k, v in os.environ.items() if k != "FLASH_ATTN_TRITON_FWD_VARIANT"}
+    env = {k: v for k, v in os.environ.items() if k != "FLASH_ATTN_TRITON_OVERRIDES"}
     if name:
-        env["FLASH_ATTN_TRITON_FWD_VARIANT"] = name
+        env["FLASH_ATTN_TRITON_OVERRIDES"] = f"fwd_variant={name}"
     r = subprocess.run([sys.executable, "-c", _ENV_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]

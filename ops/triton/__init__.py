@@ -12,7 +12,8 @@ process-wide; tests use it to cover both paths on the same inputs.
 """
 import contextlib
 import functools
-import os
+
+from flash_attn import settings
 
 try:
     import triton
@@ -24,7 +25,7 @@ except ImportError:  # CPU-only installs: the kernels below still parse, the PyT
 HAS_TRITON = triton is not None
 # Triton picks interpreter or compiler when a kernel is defined (module import), so the flag is read
 # once here, before any kernel module of this package imports it.
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+INTERPRET = settings.current.triton_interpret
 
 BACKENDS = ("auto", "triton", "torch")
 _backend = "auto"
@@ -88,21 +89,6 @@ def use_triton(x) -> bool:
                else f"device {x.device.type} needs CUDA, or TRITON_INTERPRET=1 set before import")
         raise RuntimeError(f"backend 'triton' was forced but cannot run here: {why}")
     return ok
-
-
-def env_knobs(var: str, namespace: dict) -> None:
-    """Override a kernel module's tuning constants from the environment: ``var="FWD_BLOCK=16384,BWD_WARPS=4"``
-    sets those module globals (ints, or strings for non-int defaults); for sweeps without editing code.
-    Unknown names raise, so a typo never silently measures the default."""
-    spec = os.environ.get(var, "").strip()
-    for item in filter(None, (x.strip() for x in spec.split(","))):
-        name, _, value = item.partition("=")
-        name = name.strip()
-        if name not in namespace or not name.isupper():
-            raise ValueError(f"{var}: unknown knob {name!r}")
-        default = namespace[name]
-        namespace[name] = int(value) if isinstance(default, int) and not isinstance(default, bool) else (
-            value.strip().lower() in ("1", "true", "yes") if isinstance(default, bool) else value.strip())
 
 
 def vec_align(elem_size: int, *ints: int) -> int:

@@ -13,7 +13,9 @@ from typing import Optional
 
 from torch import Tensor
 
-from . import cdiv, device_ctx, env_knobs, launcher, next_power_of_2, num_sms, plan, tl, triton
+from flash_attn import settings
+
+from . import cdiv, device_ctx, launcher, next_power_of_2, num_sms, plan, tl, triton
 
 ACT_IDS = {"gelu_tanh": 0, "gelu": 1, "relu": 2, "sqrelu": 3, "silu": 4, "sigmoid": 5}
 
@@ -22,7 +24,7 @@ _INV_SQRT_2 = 0.7071067811865476
 _INV_SQRT_2PI = 0.3989422804014327
 
 # Tiles: BLOCK_N = min(next_power_of_2(N), *_BLOCK_N) columns by *_TILE / BLOCK_N rows, *_WARPS warps.
-# Env FLASH_ATTN_ACT_KNOBS="BWD_TILE=8192,BWD_WARPS=8" overrides them (benchmarks/bench_elementwise.py).
+# FLASH_ATTN_OVERRIDES="act.BWD_TILE=8192,act.BWD_WARPS=8" overrides them (benchmarks/bench_elementwise.py).
 FWD_TILE = 4096
 FWD_BLOCK_N = 1024
 FWD_WARPS = 4
@@ -38,7 +40,7 @@ BWD_STAGES = 1
 # exp(-2|u|)); False: two sigmoids, four MUFU ops an element, about 64 us of SFU issue on an H200 at
 # (16384, 4096) against about 95 us of memory time: half of it hides nothing.
 GELU_ONE_EXP = True
-env_knobs("FLASH_ATTN_ACT_KNOBS", globals())
+settings.apply_knobs("act", globals())
 
 
 @triton.jit

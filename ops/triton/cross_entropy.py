@@ -18,12 +18,14 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import cdiv, device_ctx, env_knobs, launcher, next_power_of_2, num_sms, plan, tl, triton, use_triton, vec_align
+from flash_attn import settings
+
+from . import cdiv, device_ctx, launcher, next_power_of_2, num_sms, plan, tl, triton, use_triton, vec_align
 
 # Block sizes, warps and layout from a sweep on an H200 at the GPT-2 medium shape (16384 x 50264 bf16;
 # benchmarks/bench_elementwise.py, results/h200/ops_elementwise.md: forward 0.745 -> 0.435 ms, backward
 # 2.10 -> 0.918 ms with the vectorised loads and the flat layout); env
-# FLASH_ATTN_CE_KNOBS="FWD_BLOCK=16384,BWD_LAYOUT=flat" overrides them (benchmarks/bench_elementwise.py).
+# FLASH_ATTN_OVERRIDES="ce.FWD_BLOCK=16384,ce.BWD_LAYOUT=flat" overrides them (benchmarks/bench_elementwise.py).
 FWD_BLOCK = 4096
 FWD_WARPS = 4
 # Software-pipelining depth of the forward's loop over a row (1: none, each block's load waits for the
@@ -43,7 +45,7 @@ VECTORIZE = True
 MIN_SPLIT_COLS = 16384
 # The PyTorch path upcasts this many logits to fp32 at a time (rows at once), bounding its extra memory.
 TORCH_CHUNK_ELEMS = 1 << 22
-env_knobs("FLASH_ATTN_CE_KNOBS", globals())
+settings.apply_knobs("ce", globals())
 
 
 

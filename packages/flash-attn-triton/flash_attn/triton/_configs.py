@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import torch
+
+from flash_attn.triton import settings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,7 +169,7 @@ def bwd_config(arch, head_dim: int, causal: bool, interpret: bool, dtype) -> Bwd
 # the one-tile kernel with 128-key blocks 0.74 / 0.79 / 0.81 / 0.82x (455), wsp128 0.58x at 16k: wsb128
 # (the same-run grid with it, attention_session11.md: 0.78 / 0.82 / 0.84 / 0.81x).
 FWD_WS_DEFAULT = {(128, False): (2, None), (128, True): (3, 128), (256, False): (1, None), (256, True): (1, None)}
-# FLASH_ATTN_TRITON_FWD_VARIANT (read once, at import) overrides FWD_WS_DEFAULT for every head dim: "off"
+# FLASH_ATTN_TRITON_OVERRIDES' fwd_variant (settings.py) overrides FWD_WS_DEFAULT for every head dim: "off"
 # (or "0") the table's kernels only; "ws": _fwd_ws.py with the table's BLOCK_N; "ws64" / "ws128": with that
 # BLOCK_N; "wsp*": the persistent form; "wsb*": persistent, causal tiles in the balanced order. Name ->
 # (variant, BLOCK_N or None).
@@ -177,15 +178,14 @@ FWD_VARIANTS = {"": (0, None), "0": (0, None), "off": (0, None), "ws": (1, None)
                 "wsb64": (3, 64), "wsb128": (3, 128)}
 
 
-def _env_variant():
-    name = os.environ.get("FLASH_ATTN_TRITON_FWD_VARIANT", "").strip().lower()
+def _fwd_variant(name):
     if name not in FWD_VARIANTS:
-        raise ValueError(f"FLASH_ATTN_TRITON_FWD_VARIANT={name!r}: expected one of {sorted(FWD_VARIANTS)}")
+        raise ValueError(f"{settings.OVERRIDES}: fwd_variant={name!r}: expected one of {sorted(FWD_VARIANTS)}")
     return FWD_VARIANTS[name]
 
 
-FWD_VARIANT = _env_variant()
-FWD_VARIANT_SET = bool(os.environ.get("FLASH_ATTN_TRITON_FWD_VARIANT", "").strip())
+FWD_VARIANT = _fwd_variant(settings.overrides.get("fwd_variant", ""))
+FWD_VARIANT_SET = bool(settings.overrides.get("fwd_variant"))
 
 
 def ws_variant(head_dim: int, causal: bool):
@@ -297,11 +297,11 @@ BWD_WS_D256_FA2DK = BWD_WS[256]
 # needs 32-row steps (at 64 rows K, V and two stages of Q / dO take 257 KB of shared memory, and with one stage
 # the pass does not specialize), and `benchmarks/probe_bwd_ws_split.py all` found 32-row steps NaN at d128 too.
 BWD_WS_DEFAULT: frozenset = frozenset((d, c) for d in (64, 128, 256) for c in (False, True))
-# FLASH_ATTN_TRITON_BWD_VARIANT (read once, at import): "off"/"0" the FA2-style kernels (_bwd.py) only, "ws" the
+# FLASH_ATTN_TRITON_OVERRIDES' bwd_variant: "off"/"0" the FA2-style kernels (_bwd.py) only, "ws" the
 # warp-specialized backward for every call it serves; unset: BWD_WS_DEFAULT.
-_BWD_VARIANT_NAME = os.environ.get("FLASH_ATTN_TRITON_BWD_VARIANT", "").strip().lower()
+_BWD_VARIANT_NAME = settings.overrides.get("bwd_variant", "")
 if _BWD_VARIANT_NAME not in ("", "0", "off", "ws"):
-    raise ValueError(f"FLASH_ATTN_TRITON_BWD_VARIANT={_BWD_VARIANT_NAME!r}: expected one of 'off', 'ws'")
+    raise ValueError(f"{settings.OVERRIDES}: bwd_variant={_BWD_VARIANT_NAME!r}: expected one of 'off', 'ws'")
 
 
 def bwd_ws_config(arch, head_dim: int, causal: bool):

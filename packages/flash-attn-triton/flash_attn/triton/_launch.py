@@ -41,9 +41,9 @@ the same, so the entries cached so far stay valid.
 from __future__ import annotations
 
 import operator
-import os
-
 import torch
+
+from flash_attn.triton import settings
 
 try:
     from triton import knobs as _knobs
@@ -52,7 +52,7 @@ except ImportError:  # older Triton: no fast path
     _knobs = _driver = None
 
 _MAX_ENTRIES = 4096
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_INTERPRET = settings.interpret
 # ROCm builds of torch: Triton's AMD backend specialises a tensor on more than the key holds (a storage of at most
 # 2 GiB is marked for 32-bit buffer offsets, "tt.pointer_range"), so a kernel compiled for small tensors must not be
 # relaunched on a larger one: there every launch takes Triton's own path.

@@ -11,13 +11,13 @@ reads a device tensor on the host.
 """
 from __future__ import annotations
 
-import os
-
 import torch
+
+from flash_attn.triton import settings
 
 NAME = "triton"
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_INTERPRET = settings.interpret
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
 # CUDA's limit on a grid's y extent, where the kernels put their (sequence, head) pairs: calls with more run as
