@@ -177,9 +177,6 @@ def test_varlen_calls_launch_on_sequence_chunks(monkeypatch, paged, num_splits):
         torch.testing.assert_close(out2[:int(cu_q[2])], out[:int(cu_q[2])], rtol=0, atol=1e-3)
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError,
-                   reason="package bug: launch.backward indexes its BwdConfig like the old dict "
-                          "(config[\"block_m\"]: 'BwdConfig' object is not subscriptable)")
 def test_backward_launches_on_batch_slices(monkeypatch):
     """The backward kernel's grid is (key blocks, heads, batch) too: it launches on batch slices within the limit
     (the kernel replaced by a recorder here; tests/test_cute_bwd.py checks its gradients on a GPU)."""

@@ -122,8 +122,6 @@ def test_calls_select_the_kernel_and_shape_out(cute_env, monkeypatch):
         interface.flash_attn_varlen_func(q[0], k[0], v[0, :8], cu_seqlens_q=cu, cu_seqlens_k=cu_k, causal=True)
 
 
-@pytest.mark.xfail(strict=True, reason="package bug: interface._check_dims's message still names the removed "
-                   "FLASH_ATTN_CUTE_HDIM_V=0 (MIGRATION.md: error messages name FLASH_ATTN_CUTE_DISABLE)")
 def test_hdim_v_refusal_names_the_disable_variable(cute_env):
     cute_env(DISABLE="hdim_v")
     with pytest.raises(NotImplementedError, match="FLASH_ATTN_CUTE_DISABLE"):

@@ -85,9 +85,6 @@ def test_pack_group_rules(cute_env):
     assert plan._pack_group(True, 16, 2) == plan._pack_group(None, 16, 2, 1) == 1
 
 
-@pytest.mark.xfail(strict=True, reason="package bug: plan._pack_group packs pack_gqa=None calls under "
-                   "plan.pack_gqa_auto=1 although FLASH_ATTN_CUTE_DISABLE names pack_gqa (its docstring and settings.py: "
-                   "such calls run unpacked)")
 def test_disable_wins_over_the_auto_rule(cute_env):
     cute_env(OVERRIDES="plan.pack_gqa_auto=1", DISABLE="pack_gqa")
     assert plan._pack_group(True, 16, 2) == 1

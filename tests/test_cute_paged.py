@@ -210,8 +210,28 @@ def test_paged_argument_checks(cute_env, monkeypatch):
         assert torch.equal(keys[b * cap:(b + 1) * cap], want)
 
 
-@pytest.mark.xfail(strict=True, reason="package bug: interface._varlen_func's message still names the removed "
-                   "FLASH_ATTN_CUTE_PAGED=0 (MIGRATION.md: error messages name FLASH_ATTN_CUTE_DISABLE)")
+def test_gathered_pages_keep_the_resolved_mask(cute_env, monkeypatch):
+    """Pages that fill no TMA box go through a second call on gathered keys: it gets the mask as the first call
+    resolved it (causal with a window is the window (left, 0)), not the caller's raw window with causal dropped
+    (FA4's kvcache tests with 1- and 4-row pages, causal and local, caught that)."""
+    monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")
+    q, k, v, _, _, cu_q, table, used_k = _paged_case([3, 4], [10, 17], 8, 2, 1, 64)
+    seen = []
+    monkeypatch.setattr(interface, "forward_varlen", lambda q_, k_, v_, cu_q_, cu_k_, used_k_, max_q, scale, causal, arch,
+                        left, right, softcap, **kw: seen.append((causal, left, right)) or (
+                            q_.new_zeros(q_.shape), q_.new_zeros(q_.shape[1], q_.shape[0]).float()))
+    k4 = torch.randn(k.shape[0], 4, *k.shape[2:], dtype=k.dtype)  # 4-row pages
+    used = torch.tensor([3, 4], dtype=I32)
+    for causal, window, want in ((True, (5, 3), (False, 5, 0)), (True, (None, None), (True, None, None)),
+                                 (False, (5, 3), (False, 5, 3)), (True, (None, 7), (True, None, None))):
+        seen.clear()
+        interface.flash_attn_varlen_func(q, k4, k4, cu_seqlens_q=cu_q, seqused_k=used, page_table=table[:, :1],
+                                         causal=causal, window_size=window)
+        (c, left, right), = seen
+        unbounded = lambda w: None if w >= interface._UNBOUNDED else w  # noqa: E731
+        assert (c, unbounded(left), unbounded(right)) == want, (causal, window)
+
+
 def test_paged_refusal_names_the_disable_variable(cute_env, monkeypatch):
     """With paged calls switched off, the FA4 API's NotImplementedError names the variable that did it."""
     monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")

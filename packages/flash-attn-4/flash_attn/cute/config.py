@@ -235,7 +235,7 @@ class PlanRules:
 
     def __post_init__(self):
         if self.bwd_host not in ("triton", "torch"):
-            raise ValueError(f"PlanRules: bwd_host {self.bwd_host!r} (triton or torch)")
+            raise ValueError(f"{settings.OVERRIDES}: plan.bwd_host={self.bwd_host!r}: expected triton or torch")
 
 
 _SECTIONS = {"fwd": FwdConfig, "bwd": BwdConfig, "plan": PlanRules}

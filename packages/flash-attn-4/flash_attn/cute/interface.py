@@ -37,8 +37,7 @@ def _check_dims(D, Dv, H, Hk):
             raise NotImplementedError(f"head dim of v ({Dv}) must equal that of q and k ({D}), or the pair be one "
                                       f"of {sorted(HEAD_DIM_PAIRS)}")
         if settings.disabled("hdim_v"):
-            raise NotImplementedError(f"head dim of v ({Dv}) != that of q and k ({D}): FLASH_ATTN_CUTE_HDIM_V=0 "
-                                      "turned these calls off")
+            raise NotImplementedError(f"head dim of v ({Dv}) != that of q and k ({D}): {settings.DISABLE} names hdim_v")
     if D not in SUPPORTED_HEAD_DIMS:
         raise NotImplementedError(f"head dim {D} not in {SUPPORTED_HEAD_DIMS}")
     if H % Hk != 0:
@@ -267,7 +266,7 @@ def _varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=Non
                              + ("(num_pages, page_size, Hk, D) with page_table" if want == 4 else "(total, H, D)"))
     if paged:
         if settings.disabled("paged"):
-            raise NotImplementedError("page_table: FLASH_ATTN_CUTE_PAGED=0 turned the paged kernel off")
+            raise NotImplementedError(f"page_table: {settings.DISABLE} names paged (the paged kernel is off)")
         if cu_seqlens_k is not None or seqused_k is None:
             raise ValueError("page_table: give each sequence's key count as seqused_k (and cu_seqlens_k None)")
     if cu_seqlens_q is None or (cu_seqlens_k is None and not paged):
@@ -352,9 +351,11 @@ def _varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=Non
     if paged and config.paged_block_n(128, page_size) is None:
         # Pages of fewer than 8 rows (or not a multiple of 8) fill no TMA box: the sequences' pages are gathered into
         # contiguous keys (a copy of each sequence's page-table capacity) for the unpaged kernel.
+        # (causal and softcap are resolved by now: the window goes on resolved too, or causal's right size is lost)
         k, v, cu_k, cap = _gather_pages(k, v, page_table)
+        resolved = tuple(None if w >= _UNBOUNDED else w for w in (window_left, window_right))
         return _varlen_func(q, k, v, cu_seqlens_q, cu_k, max_seqlen_q, cap, seqused_q, seqused_k, None,
-                            softmax_scale, causal, window_size, learnable_sink, softcap, num_splits, pack_gqa,
+                            softmax_scale, causal, resolved, learnable_sink, softcap, num_splits, pack_gqa,
                             deterministic, return_lse)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(D)

@@ -300,8 +300,7 @@ def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grad
     if B * Sq * H == 0 or Sk == 0:  # no query or no key: every gradient is 0
         zeros = [torch.zeros_like(t) if g is None else g.zero_() for t, g in zip((q, k, v), (dq_out, dk_out, dv_out))]
         return tuple(zeros)
-    config = bwd_config(dtype, D, causal, arch)
-    block_m = config["block_m"]
+    block_m = bwd_config(dtype, D, causal, arch).block_m
     per_batch = max(Sq * H, Sk * max(H, Hk)) * D
     if per_batch >= _MAX_ELEMS:
         raise NotImplementedError(

@@ -62,7 +62,7 @@ def _pack_group(pack_gqa, H, Hk, seqlen_q=None):
     FLASH_ATTN_CUTE_DISABLE names pack_gqa."""
     if pack_gqa is False or H == Hk or not (pack_gqa or pack_gqa is None):
         return 1
-    if not (config.plan_rules().pack_gqa_auto if pack_gqa is None else not settings.disabled("pack_gqa")):
+    if settings.disabled("pack_gqa") or (pack_gqa is None and not config.plan_rules().pack_gqa_auto):
         return 1
     group = H // Hk
     if group not in PACK_GROUPS or (pack_gqa is None and not _pack_helps(group, seqlen_q)):
