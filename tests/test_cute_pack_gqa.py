@@ -22,7 +22,7 @@ if _PKG not in sys.path:
     sys.path.insert(0, _PKG)
 
 from flash_attn.cute import interface  # noqa: E402
-from flash_attn.cute.flash_fwd_sm90 import packed_row  # noqa: E402
+from flash_attn.cute.pack_gqa import packed_row  # noqa: E402
 from flash_attn.testing import (  # noqa: E402
     assert_close_to_ref, assert_lse_close, assert_ptxas_clean, attention_lse_ref, attention_ref, fa4_window,
 )

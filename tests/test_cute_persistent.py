@@ -19,7 +19,8 @@ if _PKG not in sys.path:
     sys.path.insert(0, _PKG)
 
 from flash_attn.cute import interface  # noqa: E402
-from flash_attn.cute.flash_fwd_sm90 import FlashFwdSm90, cta_tile, tile_coords  # noqa: E402
+from flash_attn.cute.flash_fwd_sm90 import FlashFwdSm90  # noqa: E402
+from flash_attn.cute.tile_scheduler import cta_tile, tile_coords  # noqa: E402
 from flash_attn.testing import assert_ptxas_clean, cuobjdump_path  # noqa: E402
 
 _KNOBS = ("FLASH_ATTN_CUTE_FWD_PERSISTENT", "FLASH_ATTN_CUTE_FWD_WARPGROUPS", "FLASH_ATTN_CUTE_BLOCK_N",
