@@ -28,14 +28,13 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T
-from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
 from flash_attn.cute.epilogue import Epilogue
 from flash_attn.cute.hopper_helpers import opaque, smem_layout, tma_tiles
 from flash_attn.cute.mask import AttentionMask
+from flash_attn.cute.mma import ConsumerMma
 from flash_attn.cute.pack_gqa import PackGQA
 from flash_attn.cute.paged_kv import PagedKV
 from flash_attn.cute.seqlen_info import SeqlenInfo
@@ -128,20 +127,6 @@ class FlashFwdSm90:
         self.num_mma_warpgroups = int(num_warpgroups)
         self.producer_regs, self.consumer_regs = self.REGS[self.num_mma_warpgroups]
         self.wg_order = bool(wg_order)
-        # P converted pairwise into 32-bit registers that the P V WGMMA reads as they are (_to_p). The
-        # element-wise conversion leaves one 16-bit value per register and packs the pairs next to each
-        # WGMMA, after its fence: at the 160-register budget ptxas then injects a warpgroup.arrive per
-        # WGMMA (C7519, d64 BLOCK_N 96-112) or spills (BLOCK_N 128: 112 bytes); packed, d64 BLOCK_N 128
-        # is clean. Off for 2 warpgroups at head dims 64 and 128, whose SASS is best element-wise; on for
-        # the others, where the S, P and O accumulators (D / 2 + 3 BLOCK_N / 4 registers) fill the
-        # 240-register budget too: d256 at BLOCK_N 80 with element-wise P gets 8 injected
-        # warpgroup.arrive (C7519) around the P V WGMMAs, packed none. On in the persistent kernel at d128,
-        # where the element-wise conversion takes 2 F2FP per pair in the key-block loop (64, not 32; at
-        # d64 it stays at 32 and packing adds 12 instructions to the loop's steady-state path).
-        # Also on for blocks of more than 128 keys (2 warpgroups, d128): element-wise, BLOCK_N 176 spills
-        # 348 bytes with 10 injected warpgroup.arrive (C7519); packed it is clean (ptxas 13.0, sm_90a).
-        self.pack_p = (self.num_mma_warpgroups == 3 or head_dim not in (64, 128)
-                       or (bool(persistent) and head_dim == 128) or block_n > 128)
         self.dtype = dtype
         self.head_dim = head_dim
         self.head_dim_v = head_dim_v
@@ -175,6 +160,9 @@ class FlashFwdSm90:
         self.block_q = self.pack.block_q  # query positions per tile: block_m, or block_m / g of each of g heads
         if block_n % 16 or not 16 <= block_n <= 256:
             raise ValueError(f"block_n {block_n} not a multiple of 16 in [16, 256] (WGMMA N, P's k-blocks)")
+        self.mma = ConsumerMma(dtype, head_dim, head_dim_v, block_m, block_n, self.num_mma_warpgroups,
+                               self.persistent)
+        self.pack_p = self.mma.pack_p
         if self.smem_bytes() > self.SMEM_BYTES:
             raise ValueError(f"head dim {head_dim}, block_m {block_m}, block_n {block_n}, {num_stages} stages "
                              f"need {self.smem_bytes()} bytes of shared memory, more than {self.SMEM_BYTES}")
@@ -236,13 +224,7 @@ class FlashFwdSm90:
     @cute.jit
     def _dense(self, mQ, mK, mV, mO, mLSE, softmax_scale, softcap, window_left, window_right, stream, mSink,
                max_ctas=None, num_splits=None):
-        # (B, S, H, D) -> (S, D, H, B): the first two modes are the tile, the others index the CTA.
-        mQ = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 3, 2, 0]))
-        mK = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2, 0]))
-        mO = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[1, 3, 2, 0]))
-        # V is the B operand of O = P V with N = D contiguous (MN-major): view it as (D, Sk, Hk, B).
-        mVt = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[3, 1, 2, 0]))
-        mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
+        mQ, mK, mVt, mO, mLSE = self.seqlens.dense_views(mQ, mK, mV, mO, mLSE)
         grid = (cute.ceil_div(cute.size(mQ, mode=[0]), self.block_q), self.pack.grid_heads(mQ, mK),
                 cute.size(mQ, mode=[3]))
         if cutlass.const_expr(num_splits is not None):
@@ -292,22 +274,7 @@ class FlashFwdSm90:
     @cute.jit
     def _varlen(self, mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_q, softmax_scale,
                 softcap, window_left, window_right, stream, mSink, num_splits=None):
-        # (T, H, D) -> (T, D, H, 1): the dense kernel's view with one batch entry; sequences are
-        # row offsets into it.
-        unit = cute.make_layout(1)
-        mQ = cute.make_tensor(mQ.iterator, cute.append(cute.select(mQ.layout, mode=[0, 2, 1]), unit))
-        if cutlass.const_expr(num_splits is not None):
-            # split: (S, T, H, Dv) -> (T, Dv, H, S) and the lse (S, H, T) -> (T, H, S): the parts are the batch entries
-            mO = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[1, 3, 2, 0]))
-            mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
-        else:
-            mO = cute.make_tensor(mO.iterator, cute.append(cute.select(mO.layout, mode=[0, 2, 1]), unit))
-            mLSE = cute.make_tensor(mLSE.iterator, cute.append(cute.select(mLSE.layout, mode=[1, 0]), unit))
-        if cutlass.const_expr(self.paged):
-            mK, mVt = self.paged_kv.views(mK, mV)  # mCuSeqlensK is the page table
-        else:
-            mK = cute.make_tensor(mK.iterator, cute.append(cute.select(mK.layout, mode=[0, 2, 1]), unit))
-            mVt = cute.make_tensor(mV.iterator, cute.append(cute.select(mV.layout, mode=[2, 0, 1]), unit))
+        mQ, mK, mVt, mO, mLSE = self.seqlens.varlen_views(mQ, mK, mV, mO, mLSE, self.paged_kv, num_splits is not None)
         grid = (cute.ceil_div(max_seqlen_q, self.block_q), self.pack.grid_heads(mQ, mK),
                 cute.size(mCuSeqlensQ, mode=[0]) - 1)
         if cutlass.const_expr(num_splits is not None):
@@ -331,17 +298,7 @@ class FlashFwdSm90:
         # 64 x 8 boxes, 2 * BN / 8 TMA copies per stage).
         sVt_layout = smem_layout(MN_SW, dt, (Dv, BN, self.num_stages), order=(1, 0, 2))
 
-        tiled_mma_qk = cute.make_tiled_mma(
-            cute.make_mma_atom(warpgroup.MmaF16BF16Op(
-                dt, Float32, (64, BN, 16), warpgroup.OperandSource.SMEM,
-                OperandMajorMode.K, OperandMajorMode.K)),
-            (self.num_mma_warpgroups, 1, 1))
-        # P stays in registers (converted from the S accumulator) and feeds the second WGMMA directly.
-        tiled_mma_pv = cute.make_tiled_mma(
-            cute.make_mma_atom(warpgroup.MmaF16BF16Op(
-                dt, Float32, (64, Dv, 16), warpgroup.OperandSource.RMEM,
-                OperandMajorMode.K, OperandMajorMode.MN)),
-            (self.num_mma_warpgroups, 1, 1))
+        tiled_mma_qk, tiled_mma_pv = self.mma.tiled_mmas()
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         BQ = self.block_q
@@ -475,7 +432,7 @@ class FlashFwdSm90:
         so that every arrival meets a wait (per barrier: arrivals = waits = blocks run, + 1 on barrier 1).
         tma_o / sO: O's TMA store atom and shared-memory buffer (persistent kernels built with tma_o)."""
         (wg, tSrQ, tSrK, tOrV, acc_S, acc_O, tScS, tOcO, rP, tOrP, row_max, row_sum,
-         corr) = self._fragments(tiled_mma_qk, tiled_mma_pv, sQ, sK, sVt, ctid)
+         corr) = self.mma.fragments(tiled_mma_qk, tiled_mma_pv, sQ, sK, sVt, ctid)
         pingpong = cutlass.const_expr(self.num_mma_warpgroups >= 2 and self.wg_order)
         n_threads_pp = 2 * 128
         turn_bar = (wg + 1) % self.num_mma_warpgroups + 1
@@ -672,7 +629,7 @@ class FlashFwdSm90:
         the warpgroups, named barriers pass the turn to issue GEMMs around (ping-pong with two, a round
         robin with three): one issues its GEMMs while the others do softmax."""
         (wg, tSrQ, tSrK, tOrV, acc_S, acc_O, tScS, tOcO, rP, tOrP, row_max, row_sum,
-         corr) = self._fragments(tiled_mma_qk, tiled_mma_pv, sQ, sK, sVt, ctid)
+         corr) = self.mma.fragments(tiled_mma_qk, tiled_mma_pv, sQ, sK, sVt, ctid)
         sink_log2 = self.epilogue.load_sink(mSink, head, m_block, tOcO)
 
         # Ping-pong: warpgroup w waits on named barrier 1 + w before issuing GEMMs and then lets the
@@ -721,45 +678,6 @@ class FlashFwdSm90:
         self.epilogue.store(mO, mLSE, acc_O, row_max, row_sum, tOcO, scale_log2, sink_log2, ctid, m_block, head,
                             batch, q_start, seqlen_q, tma_o, sQ, tiled_mma_pv)
 
-    def _fragments(self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sVt, ctid):
-        """A consumer thread's operand views and accumulators, O zeroed and the softmax state reset
-        (trace time, no control flow)."""
-        dt, Dv, BM, BN = self.dtype, self.head_dim_v, self.block_m, self.block_n
-        thr_qk = tiled_mma_qk.get_slice(ctid)
-        thr_pv = tiled_mma_pv.get_slice(ctid)
-        # The shared-memory operands are the same for all 128 threads of a warpgroup: partition them
-        # with the warpgroup's first thread, a warp-uniform index, so that ptxas can build the WGMMA
-        # descriptors in uniform registers (with ctid it computes them per thread and moves each one
-        # with R2UR before every WGMMA).
-        wg = cute.arch.make_warp_uniform(ctid // 128)
-        wg_qk = tiled_mma_qk.get_slice(wg * 128)
-        wg_pv = tiled_mma_pv.get_slice(wg * 128)
-        tSrQ = tiled_mma_qk.make_fragment_A(wg_qk.partition_A(sQ))
-        tSrK = tiled_mma_qk.make_fragment_B(wg_qk.partition_B(sK))
-        tOrV = tiled_mma_pv.make_fragment_B(wg_pv.partition_B(sVt))
-        acc_S = cute.make_rmem_tensor(thr_qk.partition_shape_C((BM, BN)), Float32)
-        acc_O = cute.make_rmem_tensor(thr_pv.partition_shape_C((BM, Dv)), Float32)
-        acc_O.fill(0.0)
-        tScS = thr_qk.partition_C(cute.make_identity_tensor((BM, BN)))
-        tOcO = thr_pv.partition_C(cute.make_identity_tensor((BM, Dv)))
-        # The S accumulator's value order matches the register A operand of m64nDk16 when its N/8 column
-        # groups are split into (2, N/16) (checked by tests/test_cute_compile.py).
-        p_layout = cute.make_layout(((2, 2, 2), 1, BN // 16))
-        if cutlass.const_expr(self.pack_p):
-            # P as 32-bit registers of two values each, the A operand a view of them (see _to_p)
-            rP = cute.make_rmem_tensor((cute.size(acc_S) // 2,), Int32)
-            tOrP = cute.make_tensor(cute.recast_ptr(rP.iterator, dtype=dt), p_layout)
-        else:
-            rP = cute.make_rmem_tensor_like(acc_S, dt)
-            tOrP = cute.make_tensor(rP.iterator, p_layout)
-
-        row_max = cute.make_rmem_tensor((2,), Float32)
-        row_sum = cute.make_rmem_tensor((2,), Float32)
-        corr = cute.make_rmem_tensor((2,), Float32)
-        row_max.fill(-Float32.inf)
-        row_sum.fill(0.0)
-        return wg, tSrQ, tSrK, tOrV, acc_S, acc_O, tScS, tOcO, rP, tOrP, row_max, row_sum, corr
-
     @cute.jit
     def _mainloop(self, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, acc_S, acc_O, tScS, rP, tOrP, row_max,
                   row_sum, corr, k_pipe, v_pipe, k_state, v_state, scale_log2, score_scale, softcap, window_left,
@@ -788,7 +706,7 @@ class FlashFwdSm90:
                 acc_S.fill(0.0)
             if cutlass.const_expr(pingpong):
                 cute.arch.barrier(barrier_id=1 + wg, number_of_threads=n_threads_pp)
-            self._gemm_qk(tiled_mma_qk, acc_S, tSrQ, tSrK, k_state.index)
+            self.mma.gemm_qk(tiled_mma_qk, acc_S, tSrQ, tSrK, k_state.index)
             if cutlass.const_expr(pingpong):
                 self._pass_turn(turn_bar, n_block_min < turn_below, n_threads_pp)
             warpgroup.wait_group(0)
@@ -802,7 +720,7 @@ class FlashFwdSm90:
             if n_first >= n_block_mask_from or n_first < n_block_mask_below:
                 self.mask.apply(acc_S, tScS, m_block, n_first, seqlen_q, seqlen_k, window_left, window_right)
             self.softmax.step(acc_S, row_max, row_sum, corr, scale_log2)
-            self._to_p(acc_S, rP)
+            self.mma.to_p(acc_S, rP)
 
             # n_block: the position; the turns count positions, the mask takes the key block (key_block)
             for n_block in cutlass.range(n_block_min + 1, n_block_max, unroll=1):
@@ -810,9 +728,9 @@ class FlashFwdSm90:
                 v_pipe.consumer_wait(v_state)
                 if cutlass.const_expr(pingpong):
                     cute.arch.barrier(barrier_id=1 + wg, number_of_threads=n_threads_pp)
-                self._gemm_qk(tiled_mma_qk, acc_S, tSrQ, tSrK, k_state.index)   # S_j = Q K_j^T
+                self.mma.gemm_qk(tiled_mma_qk, acc_S, tSrQ, tSrK, k_state.index)   # S_j = Q K_j^T
                 self.softmax.rescale(acc_O, corr)  # O was final up to block j-2; scale it to block j-1's max
-                self._gemm_pv(tiled_mma_pv, acc_O, tOrP, tOrV, v_state.index)   # O += P_{j-1} V_{j-1}
+                self.mma.gemm_pv(tiled_mma_pv, acc_O, tOrP, tOrV, v_state.index)   # O += P_{j-1} V_{j-1}
                 if cutlass.const_expr(pingpong):
                     self._pass_turn(turn_bar, n_block < turn_below, n_threads_pp)
                 warpgroup.wait_group(1)  # S_j is ready; P V may still run
@@ -838,7 +756,7 @@ class FlashFwdSm90:
                         pin(acc_S, row_sum, corr, "unmasked")
                 warpgroup.wait_group(0)  # P V done: P's registers and V's stage are free
                 v_pipe.consumer_release(v_state)
-                self._to_p(acc_S, rP)
+                self.mma.to_p(acc_S, rP)
                 v_state.advance()
 
             if cutlass.const_expr(q_pipe is not None):
@@ -848,7 +766,7 @@ class FlashFwdSm90:
             # The last block's O += P V.
             v_pipe.consumer_wait(v_state)
             self.softmax.rescale(acc_O, corr)
-            self._gemm_pv(tiled_mma_pv, acc_O, tOrP, tOrV, v_state.index)
+            self.mma.gemm_pv(tiled_mma_pv, acc_O, tOrP, tOrV, v_state.index)
             warpgroup.wait_group(0)
             v_pipe.consumer_release(v_state)
             # The persistent kernel carries v_state into the next tile: without this advance it would
@@ -858,22 +776,6 @@ class FlashFwdSm90:
         return k_state, v_state
 
     @cute.jit
-    def _to_p(self, acc_S, rP):
-        """P = the softmax numerators (acc_S) in the input dtype, round to nearest even. pack_p: one
-        cvt.rn.{bf16x2,f16x2}.f32 per pair into a 32-bit register (a goes to the upper half, so value
-        2i + 1 is a and 2i is b: the little-endian order of the bf16 view tOrP)."""
-        if cutlass.const_expr(self.pack_p):
-            op = "cvt.rn.bf16x2.f32 $0, $2, $1;" if cutlass.const_expr(self.dtype == cutlass.BFloat16) else \
-                "cvt.rn.f16x2.f32 $0, $2, $1;"
-            for i in cutlass.range_constexpr(cute.size(rP)):
-                rP[i] = Int32(llvm.inline_asm(T.i32(), [Float32(acc_S[2 * i]).ir_value(),
-                                                        Float32(acc_S[2 * i + 1]).ir_value()],
-                                              op, "=r,f,f", has_side_effects=False, is_align_stack=False,
-                                              asm_dialect=llvm.AsmDialect.AD_ATT))
-        else:
-            rP.store(acc_S.load().to(self.dtype))
-
-    @cute.jit
     def _pass_turn(self, turn_bar, arrive, n_threads):
         """Let the next warpgroup issue its GEMMs: arrive on named barrier turn_bar (1 + the next
         warpgroup's index) when `arrive`. The last warpgroup skips this after its last block, so that
@@ -881,19 +783,3 @@ class FlashFwdSm90:
         arrives after blocks: the first turn was given up front)."""
         if arrive:
             cute.arch.barrier_arrive(barrier_id=turn_bar, number_of_threads=n_threads)
-
-    @cute.jit
-    def _gemm_qk(self, tiled_mma_qk, acc_S, tSrQ, tSrK, stage):
-        tiled_mma_qk.set(warpgroup.Field.ACCUMULATE, False)
-        warpgroup.fence()
-        for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
-            cute.gemm(tiled_mma_qk, acc_S, tSrQ[None, None, k], tSrK[None, None, k, stage], acc_S)
-            tiled_mma_qk.set(warpgroup.Field.ACCUMULATE, True)
-        warpgroup.commit_group()
-
-    @cute.jit
-    def _gemm_pv(self, tiled_mma_pv, acc_O, tOrP, tOrV, stage):
-        warpgroup.fence()
-        for k in cutlass.range_constexpr(self.block_n // 16):
-            cute.gemm(tiled_mma_pv, acc_O, tOrP[None, None, k], tOrV[None, None, k, stage], acc_O)
-        warpgroup.commit_group()

@@ -39,7 +39,8 @@ class TileSeqlens:
 
 
 class SeqlenInfo:
-    """Owns how grid z and the views map to a CTA's sequence (device side, trace time). Dense: batch entry
+    """Owns the host's views of Q, K, V, O and the lse, and how grid z maps to a CTA's sequence in them
+    (device side, trace time). Dense: batch entry
     z of the views, every sequence Sq x Sk. Varlen: sequence z is rows [cu_seqlens_q[z], cu_seqlens_q[z +
     1]) of the packed tensors (batch index 0), its keys the seqused_k[z] rows from cu_seqlens_k[z] (paged:
     its pages, cu_seqlens_k being the page table). Split-KV: z = split * B + b."""
@@ -48,6 +49,36 @@ class SeqlenInfo:
         self.varlen = varlen
         self.paged = paged
         self.split = split
+
+    def dense_views(self, mQ, mK, mV, mO, mLSE):
+        """Host side: the kernel's (S, D, H, B) views of dense (B, S, H, D) Q, K, O, the (D, Sk, Hk, B) view
+        of V (the B operand of O = P V, N = D contiguous: MN-major) and the (Sq, H, B) view of the (B, H, Sq)
+        lse; the first two modes are the tile, the others index the CTA. Split-KV's parts are batch entries."""
+        mQ = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 3, 2, 0]))
+        mK = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2, 0]))
+        mO = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[1, 3, 2, 0]))
+        mVt = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[3, 1, 2, 0]))
+        mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
+        return mQ, mK, mVt, mO, mLSE
+
+    def varlen_views(self, mQ, mK, mV, mO, mLSE, paged_kv, split):
+        """Host side: packed (T, H, D) tensors as the dense views with one batch entry, the sequences being
+        row offsets into it; with split, split-KV's (S, T, H, Dv) O and (S, H, T) lse with the parts as batch
+        entries; paged K / V as PagedKV's views."""
+        unit = cute.make_layout(1)
+        mQ = cute.make_tensor(mQ.iterator, cute.append(cute.select(mQ.layout, mode=[0, 2, 1]), unit))
+        if cutlass.const_expr(split):
+            mO = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[1, 3, 2, 0]))
+            mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
+        else:
+            mO = cute.make_tensor(mO.iterator, cute.append(cute.select(mO.layout, mode=[0, 2, 1]), unit))
+            mLSE = cute.make_tensor(mLSE.iterator, cute.append(cute.select(mLSE.layout, mode=[1, 0]), unit))
+        if cutlass.const_expr(self.paged):
+            mK, mVt = paged_kv.views(mK, mV)  # cu_seqlens_k is the page table
+        else:
+            mK = cute.make_tensor(mK.iterator, cute.append(cute.select(mK.layout, mode=[0, 2, 1]), unit))
+            mVt = cute.make_tensor(mV.iterator, cute.append(cute.select(mV.layout, mode=[2, 0, 1]), unit))
+        return mQ, mK, mVt, mO, mLSE
 
     def tile(self, z, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, num_splits):
         if cutlass.const_expr(self.varlen):
