@@ -45,7 +45,7 @@ and casts dq_accum to the input dtype (and sums GQA's dK/dV) in one after.
 Layouts seen by the kernel (views built on the host side of __call__, no copies):
   mQ, mdO (Sq, D, H, B); mK, mV (Sk, D, Hk, B); mLSE2, mDelta (Sq_pad, H, B) fp32, Sq_pad a multiple of
   BLOCK_M; mdQaccum (Sq, D, H, B) fp32; mdK, mdV (Sk, D, H, B): per query head (GQA sums on the host).
-Validated on the H200 (tests/test_cute_bwd.py, GPU-marked).
+tests/test_cute_bwd.py checks it against a reference on a Hopper GPU (its GPU-marked tests).
 """
 import math
 
@@ -596,7 +596,7 @@ class FlashBwdSm90:
         fill of the stage, or on a barrier never completed, the phase "before" phase 0 -- as producers
         wait on fresh empty barriers). Branch-free on purpose: with a branch around the waits instead
         (consumer_wait's try_wait_token), taken while WGMMAs are in flight, ptxas spills more at D = 128
-        (16 / 28 bytes instead of 8 / 20) and, in an earlier form of the loop, serialised the WGMMAs."""
+        (16 / 28 bytes instead of 8 / 20) and can serialise the WGMMAs."""
         if cutlass.const_expr(skip_wait is not None):
             flip = Int32(skip_wait)
             q_state = pipeline.PipelineState(q_state.stages, q_state.count, q_state.index, q_state.phase ^ flip)
@@ -646,7 +646,7 @@ class FlashBwdSm90:
     def _pack_p(self, acc_S, rP):
         """rP = acc_S in the input dtype, one cvt.rn.{bf16x2,f16x2}.f32 per pair of values into a 32-bit
         word (value 2k in the low half, 2k + 1 in the high half, the order of the 16-bit view). Written
-        out because rP is read back value by value (_unpack_p): left to LLVM, the pairs were then
+        out because rP is read back value by value (_unpack_p): left to LLVM, the pairs are then
         converted one value at a time (F2F, on the pipe of the exponentials, and a PRMT to pack)."""
         op = "cvt.rn.bf16x2.f32 $0, $2, $1;" if cutlass.const_expr(self.dtype == cutlass.BFloat16) else \
             "cvt.rn.f16x2.f32 $0, $2, $1;"
