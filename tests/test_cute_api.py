@@ -46,7 +46,7 @@ def _fa4_mask(Sq, Sk, causal, window):
 
 
 def _kernel_mask(Sq, Sk, causal, window):
-    """Visible (Sq, Sk) as the kernel computes it (FlashFwdSm90._mask and its key-block range) from the sizes the
+    """Visible (Sq, Sk) as the kernel computes it (mask.AttentionMask.apply and its key-block range) from the sizes the
     host hands it: plan._options, then plan._window_args."""
     causal, left, right, _ = plan._options(window, 0.0, causal)
     left, right, local = plan._window_args(causal, left, right)

@@ -296,7 +296,7 @@ def test_overlap_config_key_and_refusals(monkeypatch, cute_env):
 @pytest.mark.parametrize("n_blocks,heads,batches,lpt", [(16, 16, 8, 128), (8, 5, 3, 16), (64, 4, 2, 128),
                                                         (3, 7, 1, 1), (1, 2, 2, 1000), (5, 3, 3, 12)])
 def test_lpt_order_covers_every_tile_once_longest_first_per_group(n_blocks, heads, batches, lpt):
-    from flash_attn.cute.flash_bwd_sm90 import lpt_tile
+    from flash_attn.cute.tile_scheduler import lpt_tile
 
     pairs = heads * batches
     tiles = [lpt_tile(i, n_blocks, heads, batches, lpt) for i in range(n_blocks * pairs)]
@@ -440,7 +440,7 @@ def test_transposed_smem_views_address_the_same_elements(d):
     from cutlass.cute.nvgpu import warpgroup
 
     from flash_attn.cute.flash_bwd_sm90 import _transpose_view
-    from flash_attn.cute.flash_fwd_sm90 import _smem_layout
+    from flash_attn.cute.hopper_helpers import smem_layout as _smem_layout
 
     bad = []
 

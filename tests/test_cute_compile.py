@@ -149,13 +149,13 @@ def _exps_from_pv_wait_block(text):
 
 def test_ptx_softmax_ends_before_the_p_v_wait(ptx):
     """The key-block loop's softmax of S_j (both branches, masked or not) stays ahead of the wait for
-    O += P_{j-1} V_{j-1}, so the exponentials overlap that WGMMA (flash_fwd_sm90._pin)."""
+    O += P_{j-1} V_{j-1}, so the exponentials overlap that WGMMA (softmax.pin)."""
     _, text = ptx
     assert _exps_from_pv_wait_block(text) == 0
 
 
 def test_unpinned_loop_puts_exponentials_behind_the_p_v_wait(tmp_path, cute_env):
-    """Without _pin (fwd.pin=0) LLVM merges the branches' common tail, the second row's
+    """Without softmax.pin (fwd.pin=0) LLVM merges the branches' common tail, the second row's
     exponentials, into the wait's block: the check above sees it (d128 causal: 41 ex2 there)."""
     cute_env(OVERRIDES="fwd.pin=0")
     assert not kernels.fwd_config(torch.bfloat16, 128, True, "sm_90a").pin
@@ -831,7 +831,7 @@ def test_matches_reference_on_gpu(dtype, d, causal, batch, seqlen_q, seqlen_k, h
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_pinned_loop_equals_unpinned_on_gpu(monkeypatch, cute_env, d):
-    """_pin only moves instructions (a mov per value that ptxas folds away): out and lse of a causal call
+    """softmax.pin only moves instructions (a mov per value that ptxas folds away): out and lse of a causal call
     are bitwise those of the loop built without it (fwd.pin=0). d64 causal is the
     persistent kernel, d128 / d256 the one-tile one; 3001 x 2500 spans masked and unmasked blocks."""
     from flash_attn.cute import flash_attn_func

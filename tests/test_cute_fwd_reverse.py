@@ -30,7 +30,8 @@ if _TESTS not in sys.path:
 
 from flash_attn.cute import cache, config, flash_fwd_sm90, kernels, settings  # noqa: E402
 from _cute_table import swap_kernels  # noqa: E402
-from flash_attn.cute.flash_fwd_sm90 import FlashFwdSm90, key_block  # noqa: E402
+from flash_attn.cute.flash_fwd_sm90 import FlashFwdSm90  # noqa: E402
+from flash_attn.cute.tile_scheduler import key_block  # noqa: E402
 from flash_attn.testing import assert_ptxas_clean  # noqa: E402
 
 UNBOUNDED = FlashFwdSm90.UNBOUNDED
@@ -133,9 +134,9 @@ def test_protocol_model_with_the_reverse_order():
                              consumer_order=consumer_order)
 
 
-# A model of one query tile as the kernel computes it (_cta's block range, _consume's mask predicate,
-# _mask, _softmax, the P rounding and O's rescale), in plain torch: fp32 scores and running state,
-# P rounded to bf16.
+# A model of one query tile as the kernel computes it (AttentionMask's block ranges, _mainloop's mask
+# predicate, AttentionMask.apply, OnlineSoftmax.step, the P rounding and O's rescale), in plain torch:
+# fp32 scores and running state, P rounded to bf16.
 
 def _tile_range(m, bm, bn, sq, sk, causal, local, wl, wr):
     lo, hi = 0, -(-sk // bn)
@@ -240,7 +241,7 @@ def _case_id(c):
 def test_reverse_online_softmax_model(case):
     """Both orders through the kernel's tile computation: no NaN, the reference's result (P rounded to
     bf16 as the kernel does), and each other's within that rounding. Rows a tile's first processed block
-    shows no key keep max -inf and sum 0 there (the guard in _softmax makes exp2(-inf - -inf) an
+    shows no key keep max -inf and sum 0 there (the guard in OnlineSoftmax.step makes exp2(-inf - -inf) an
     exp2(-inf) = 0); in the cases that have such rows, the softmax without the guard gives NaN."""
     sq, sk, bm, bn, causal, window = case
     local = window is not None

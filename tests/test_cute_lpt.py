@@ -21,7 +21,8 @@ if _PKG not in sys.path:
 
 from flash_attn.cute import config, kernels  # noqa: E402
 from _cute_table import swap_kernels  # noqa: E402
-from flash_attn.cute.flash_fwd_sm90 import FlashFwdSm90, lpt_block  # noqa: E402
+from flash_attn.cute.flash_fwd_sm90 import FlashFwdSm90  # noqa: E402
+from flash_attn.cute.tile_scheduler import lpt_block  # noqa: E402
 
 
 
@@ -49,7 +50,7 @@ def _makespan(seqlen, batch, heads, d, block_n, lpt, sms=132, block_m=128):
     of the hardware: blocks issued in linear order (x fastest), each to the SM that frees first, one CTA per SM
     (its shared memory), a tile costing its key blocks plus one (prologue and epilogue)."""
     num_m = -(-seqlen // block_m)
-    group = max(FlashFwdSm90.L2_KV_BYTES // (2 * d * 2) // seqlen, 1)  # FlashFwdSm90._l2_group, Hk = H
+    group = max(FlashFwdSm90.L2_KV_BYTES // (2 * d * 2) // seqlen, 1)  # tile_scheduler.l2_group, Hk = H
     free = [0] * sms
     total = longest = 0
     for z, y, x in itertools.product(range(batch), range(heads), range(num_m)):

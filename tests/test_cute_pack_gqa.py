@@ -23,7 +23,7 @@ if _PKG not in sys.path:
 
 from flash_attn.cute import config, interface, kernels, launch, plan  # noqa: E402
 from _cute_table import swap_kernels as _swap_kernels  # noqa: E402
-from flash_attn.cute.flash_fwd_sm90 import packed_row  # noqa: E402
+from flash_attn.cute.pack_gqa import packed_row  # noqa: E402
 from flash_attn.testing import (  # noqa: E402
     assert_close_to_ref, assert_lse_close, assert_ptxas_clean, attention_lse_ref, attention_ref, fa4_window,
 )

@@ -20,7 +20,8 @@ if _PKG not in sys.path:
 
 from flash_attn.cute import config, interface, kernels, plan, settings  # noqa: E402
 from _cute_table import swap_kernels as _swap_kernels  # noqa: E402
-from flash_attn.cute.flash_fwd_sm90 import FlashFwdSm90, cta_tile, tile_coords  # noqa: E402
+from flash_attn.cute.flash_fwd_sm90 import FlashFwdSm90  # noqa: E402
+from flash_attn.cute.tile_scheduler import cta_tile, tile_coords  # noqa: E402
 from flash_attn.testing import assert_ptxas_clean, cuobjdump_path  # noqa: E402
 
 

@@ -17,7 +17,7 @@ _PKG = os.path.join(ROOT, "packages", "flash-attn-4")
 if _PKG not in sys.path:
     sys.path.insert(0, _PKG)
 
-from flash_attn.cute.flash_fwd_sm90 import cta_tile, tile_coords  # noqa: E402  (plain Python, no cutlass needed)
+from flash_attn.cute.tile_scheduler import cta_tile, tile_coords  # noqa: E402  (plain Python, no cutlass needed)
 
 L2_KV_BYTES = 32 << 20  # FlashFwdSm90.L2_KV_BYTES, repeated so that this file needs no cutlass
 

@@ -45,7 +45,7 @@ and casts dq_accum to the input dtype (and sums GQA's dK/dV) in one after.
 Layouts seen by the kernel (views built on the host side of __call__, no copies):
   mQ, mdO (Sq, D, H, B); mK, mV (Sk, D, Hk, B); mLSE2, mDelta (Sq_pad, H, B) fp32, Sq_pad a multiple of
   BLOCK_M; mdQaccum (Sq, D, H, B) fp32; mdK, mdV (Sk, D, H, B): per query head (GQA sums on the host).
-Validated on the H200 (tests/test_cute_bwd.py, GPU-marked).
+tests/test_cute_bwd.py checks it against a reference on a Hopper GPU (its GPU-marked tests).
 """
 import math
 
@@ -59,8 +59,10 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warp, warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.memory import SmemAllocator
 
-from flash_attn.cute.flash_fwd_sm90 import _smem_layout, _tma_tiles
+from flash_attn.cute.hopper_helpers import opaque, smem_layout, tma_tiles
+from flash_attn.cute.mask import AttentionMask
 from flash_attn.cute.softmax_exp import EXP2_POLY, emulated_columns, exp2_poly
+from flash_attn.cute.tile_scheduler import lpt_tile
 
 LOG2_E = math.log2(math.e)
 
@@ -82,32 +84,6 @@ def _red_add_f32x2(ptr, a, b, *, loc=None, ip=None):
                                 [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
                                 loc=loc, ip=ip)
     cute.arch.red(ptr, pair, op="add", dtype=Float32, sem="relaxed", scope="gpu", loc=loc, ip=ip)
-
-
-def lpt_tile(lin, n_blocks, heads, batches, lpt):
-    """(key block, head, batch) of CTA ``lin`` of the 1-D grid in the grouped longest-first order (see
-    FlashBwdSm90's lpt): groups of g = max(1, lpt // n_blocks) (head, batch) pairs, the last group
-    possibly smaller; inside a group of `size` pairs CTA i is key block i // size of pair i % size. Plain
-    integer arithmetic: traced in the kernel, and callable on Python ints (tests)."""
-    pairs = heads * batches
-    g = cutlass.max(cutlass.min(lpt // n_blocks, pairs), 1)
-    group = lin // (g * n_blocks)
-    rem = lin - group * g * n_blocks
-    size = cutlass.min(g, pairs - group * g)
-    n_block = rem // size
-    pair = group * g + rem - n_block * size
-    return n_block, pair % heads, pair // heads
-
-
-@dsl_user_op
-def _opaque(x, *, loc=None, ip=None):
-    """x through a volatile inline-asm move: the compiler can no longer prove that what is computed from
-    it is loop invariant. Used to keep the swizzled shared-memory addresses of the BLOCK_M = 128 loop's
-    stores in the loop (a few integer operations per block) instead of hoisted out of it, where 24 of
-    them held 24 registers across the loop and ptxas spilled."""
-    return Int32(llvm.inline_asm(T.i32(), [Int32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=r,r",
-                                 has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-                                 loc=loc, ip=ip))
 
 
 class FlashBwdSm90:
@@ -190,6 +166,7 @@ class FlashBwdSm90:
         self.wide = block_m == 128
         self.dq_rows = self.dq_split and self.wide
         self.num_threads = self.NUM_PRODUCER_THREADS + 128 * self.NUM_MMA_WARPGROUPS
+        self.mask = AttentionMask(self.causal, False, block_m, block_n)
         if self.smem_bytes() > self.SMEM_LIMIT:
             raise ValueError(
                 f"head dim {head_dim}, block_m {block_m}, {num_stages} stages, dq_tma={self.dq_tma} need "
@@ -232,18 +209,18 @@ class FlashBwdSm90:
         dt, D, BM, BN, stages = self.dtype, self.head_dim, self.block_m, self.block_n, self.num_stages
         K_SW128 = warpgroup.SmemLayoutAtomKind.K_SW128
         MN_SW128 = warpgroup.SmemLayoutAtomKind.MN_SW128
-        sQ_layout = _smem_layout(K_SW128, dt, (BM, D, stages))
-        sdO_layout = _smem_layout(K_SW128, dt, (BM, D, stages))
+        sQ_layout = smem_layout(K_SW128, dt, (BM, D, stages))
+        sdO_layout = smem_layout(K_SW128, dt, (BM, D, stages))
         # With dq_split, K^T's D rows are split between the warpgroups as WGMMA N: each half must start
         # on a swizzle atom, so D = 64 uses 64-byte (32-element) atoms.
         # (Split by rows, dQ's N is all of D: K keeps 128-byte atoms.)
         k_atom = warpgroup.SmemLayoutAtomKind.K_SW64 if self.dq_split and D == 64 and not self.dq_rows else K_SW128
-        sK_layout = _smem_layout(k_atom, dt, (BN, D))
-        sV_layout = _smem_layout(K_SW128, dt, (BN, D))
+        sK_layout = smem_layout(k_atom, dt, (BN, D))
+        sV_layout = smem_layout(K_SW128, dt, (BN, D))
         # dS as the A operand of dQ = dS K, M-major (queries contiguous): the S^T accumulator holds
         # pairs of adjacent queries, which then land as 4-byte stores. Two buffers, so that a warpgroup
         # writes block j + 1's dS while a slower warp may still be in block j's dQ WGMMA.
-        sdS_layout = _smem_layout(MN_SW128, dt, (BM, BN, 2))
+        sdS_layout = smem_layout(MN_SW128, dt, (BM, BN, 2))
         sLSE_layout = cute.make_layout((BM, stages))
 
         # S^T = K Q^T and dP^T = V dO^T: keys on M (64 per warpgroup), queries on N.
@@ -293,7 +270,7 @@ class FlashBwdSm90:
         tma_delta, mDelta_tma = cpasync.make_tiled_tma_atom(g2s, mDelta, row_layout, (BM,))
         # dQ tile for the TMA reduce-add: fp32 128-byte swizzle atoms (8 rows x 32 columns; the
         # accumulator's column pairs land conflict-free), two buffers. TMA drops rows past Sq.
-        sdQ_layout = _smem_layout(K_SW128, Float32, (BM, D, 2))
+        sdQ_layout = smem_layout(K_SW128, Float32, (BM, D, 2))
         tma_dq, mdQ_tma = None, None
         if cutlass.const_expr(self.dq_tma):
             tma_dq, mdQ_tma = cpasync.make_tiled_tma_atom(
@@ -381,12 +358,7 @@ class FlashBwdSm90:
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
-        # Query blocks that see this key block (bottom-right aligned causal mask: query i sees key j iff
-        # j <= i + Sk - Sq): from the block of the first query that sees key n_block * BN.
-        m_block_max = cute.ceil_div(seqlen_q, BM)
-        m_block_min = Int32(0)
-        if cutlass.const_expr(self.causal):
-            m_block_min = cutlass.max(n_block * BN + seqlen_q - seqlen_k, 0) // BM
+        m_block_min, m_block_max = self.mask.m_block_range(n_block, seqlen_q, seqlen_k)  # those that see it
 
         if warp_idx < 4:
             # Producer warpgroup: only TMA issue, so it hands its registers to the consumers.
@@ -414,12 +386,12 @@ class FlashBwdSm90:
         gV = cute.local_tile(mV[None, None, head_kv, batch], (BN, D), (None, 0))   # (BN, D, n)
         gLSE = cute.local_tile(mLSE2[None, head, batch], (BM,), (None,))           # (BM, m)
         gDelta = cute.local_tile(mDelta[None, head, batch], (BM,), (None,))        # (BM, m)
-        tQsQ, tQgQ = _tma_tiles(tma_q, sQ, gQ)
-        tdOsdO, tdOgdO = _tma_tiles(tma_do, sdO, gdO)
-        tKsK, tKgK = _tma_tiles(tma_k, sK, gK)
-        tVsV, tVgV = _tma_tiles(tma_v, sV, gV)
-        tLsL, tLgL = _tma_tiles(tma_lse, sLSE, gLSE, modes=1)
-        tDsD, tDgD = _tma_tiles(tma_delta, sDelta, gDelta, modes=1)
+        tQsQ, tQgQ = tma_tiles(tma_q, sQ, gQ)
+        tdOsdO, tdOgdO = tma_tiles(tma_do, sdO, gdO)
+        tKsK, tKgK = tma_tiles(tma_k, sK, gK)
+        tVsV, tVgV = tma_tiles(tma_v, sV, gV)
+        tLsL, tLgL = tma_tiles(tma_lse, sLSE, gLSE, modes=1)
+        tDsD, tDgD = tma_tiles(tma_delta, sDelta, gDelta, modes=1)
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         kv_pipe.producer_acquire(kv_state)
@@ -440,21 +412,6 @@ class FlashBwdSm90:
             cute.copy(tma_do, tdOgdO[None, m_block], tdOsdO[None, do_state.index], tma_bar_ptr=do_bar)
             cute.copy(tma_delta, tDgD[None, m_block], tDsD[None, do_state.index], tma_bar_ptr=do_bar)
             do_state.advance()
-
-    @cute.jit
-    def _mask(self, acc_S, tScS, m_block, n_block, seqlen_q, seqlen_k):
-        """-inf for keys past the sequence end (TMA zero-fills them; unmasked they would give P^T = 2^-lse2
-        rows, harmless for dV but an overflow risk in dQ) and, when causal, for keys right of each
-        query's diagonal. acc_S is S^T: (key, query) coordinates."""
-        BM, BN = self.block_m, self.block_n
-        for i in cutlass.range(cute.size(acc_S), unroll_full=True):
-            key = n_block * BN + tScS[i][0]
-            masked = key >= seqlen_k
-            if cutlass.const_expr(self.causal):
-                query = m_block * BM + tScS[i][1]
-                masked = masked | (key > query + seqlen_k - seqlen_q)
-            if masked:
-                acc_S[i] = -Float32.inf
 
     @cute.jit
     def _consume(self, mdQaccum, tma_dq, mdQ_tma, sdQ, mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE, sDelta, kv_pipe,
@@ -506,7 +463,7 @@ class FlashBwdSm90:
         if cutlass.const_expr(self.dq_tma):
             tdQsdQ = thr_dq.partition_C(sdQ)  # (frag, BM/64, 1, 2 buffers)
             gdQ = cute.local_tile(mdQ_tma[None, None, head, batch], (BM, D), (None, 0))  # (BM, D, m)
-            tQRsdQ, tQRgdQ = _tma_tiles(tma_dq, sdQ, gdQ)
+            tQRsdQ, tQRgdQ = tma_tiles(tma_dq, sdQ, gdQ)
         # The S^T accumulator's values are in the order of the register A operand of m64nDk16 once its
         # BM/8 column groups are split into (2, BM/16) (the forward's P layout, checked in
         # tests/test_cute_compile.py and, for this kernel's shapes, tests/test_cute_bwd.py).
@@ -525,9 +482,7 @@ class FlashBwdSm90:
 
         # Query blocks below m_block_mask_end cross this key block's diagonal (causal); the key block
         # past the sequence end needs its tail rows masked in every query block.
-        m_block_mask_end = Int32(0)
-        if cutlass.const_expr(self.causal):
-            m_block_mask_end = cute.ceil_div(cutlass.max((n_block + 1) * BN - 1 + seqlen_q - seqlen_k, 0), BM)
+        m_block_mask_end = self.mask.m_block_mask_end(n_block, seqlen_q, seqlen_k)
         key_tail = (n_block + 1) * BN > seqlen_k
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
@@ -641,7 +596,7 @@ class FlashBwdSm90:
         fill of the stage, or on a barrier never completed, the phase "before" phase 0 -- as producers
         wait on fresh empty barriers). Branch-free on purpose: with a branch around the waits instead
         (consumer_wait's try_wait_token), taken while WGMMAs are in flight, ptxas spills more at D = 128
-        (16 / 28 bytes instead of 8 / 20) and, in an earlier form of the loop, serialised the WGMMAs."""
+        (16 / 28 bytes instead of 8 / 20) and can serialise the WGMMAs."""
         if cutlass.const_expr(skip_wait is not None):
             flip = Int32(skip_wait)
             q_state = pipeline.PipelineState(q_state.stages, q_state.count, q_state.index, q_state.phase ^ flip)
@@ -667,7 +622,7 @@ class FlashBwdSm90:
         else:
             warpgroup.wait_group(1)  # S^T is ready; dP^T may still run
         if key_tail or m_block < m_block_mask_end:
-            self._mask(acc_S, tScS, m_block, n_block, seqlen_q, seqlen_k)
+            self.mask.apply_transposed(acc_S, tScS, m_block, n_block, seqlen_q, seqlen_k)
         if cutlass.const_expr(self.exp2_emu == 0):
             for i in cutlass.range(cute.size(acc_S), unroll_full=True):
                 # +inf lse2 (query past Sq, or a query that sees no key) gives P = 0 exactly.
@@ -691,7 +646,7 @@ class FlashBwdSm90:
     def _pack_p(self, acc_S, rP):
         """rP = acc_S in the input dtype, one cvt.rn.{bf16x2,f16x2}.f32 per pair of values into a 32-bit
         word (value 2k in the low half, 2k + 1 in the high half, the order of the 16-bit view). Written
-        out because rP is read back value by value (_unpack_p): left to LLVM, the pairs were then
+        out because rP is read back value by value (_unpack_p): left to LLVM, the pairs are then
         converted one value at a time (F2F, on the pipe of the exponentials, and a PRMT to pack)."""
         op = "cvt.rn.bf16x2.f32 $0, $2, $1;" if cutlass.const_expr(self.dtype == cutlass.BFloat16) else \
             "cvt.rn.f16x2.f32 $0, $2, $1;"
@@ -744,8 +699,8 @@ class FlashBwdSm90:
             self._gemm(tiled_mma_dk, acc_dK, tdKrdSt, tdKrQt, None, q_stage)  # dK += dS^T Q
         # dS^T to shared memory, where the dK and dQ WGMMAs read it through the async proxy.
         if cutlass.const_expr(ds_copy is not None):
-            stsm, tRS_rdS, ctid = ds_copy  # partitioned from an opaque thread index: see _opaque
-            cute.copy(stsm, tRS_rdS, stsm.get_slice(_opaque(ctid)).partition_D(sdSt)[None, None, None, buf])
+            stsm, tRS_rdS, ctid = ds_copy  # partitioned from an opaque thread index: see hopper_helpers.opaque
+            cute.copy(stsm, tRS_rdS, stsm.get_slice(opaque(ctid)).partition_D(sdSt)[None, None, None, buf])
         else:
             cute.autovec_copy(rdS, thr_sdp.partition_C(sdSt[None, None, buf]))
         cute.arch.fence_view_async_shared()
@@ -771,13 +726,13 @@ class FlashBwdSm90:
                 dq_repartition=None):
         """The finished dQ partial of m_block: red.global.add into dq_accum, or with dq_tma scaled into
         the shared dQ tile buf (added by TMA after the next dS barrier). dq_repartition (tiled_mma_dq,
-        sdQ, ctid): the smem tile is partitioned here, from an opaque thread index (see _opaque)."""
+        sdQ, ctid): the smem tile is partitioned here, from an opaque thread index (see hopper_helpers.opaque)."""
         if cutlass.const_expr(self.dq_tma):
             for i in cutlass.range(cute.size(acc_dQ), unroll_full=True):
                 acc_dQ[i] = acc_dQ[i] * softmax_scale
             if cutlass.const_expr(dq_repartition is not None):
                 tiled_mma_dq, sdQ, ctid = dq_repartition
-                tdQsdQ = tiled_mma_dq.get_slice(_opaque(ctid)).partition_C(sdQ)
+                tdQsdQ = tiled_mma_dq.get_slice(opaque(ctid)).partition_C(sdQ)
             # Made visible to the TMA (async proxy) by the next block's dS fence, before its barrier.
             cute.autovec_copy(acc_dQ, tdQsdQ[None, None, None, buf])
         else:
