@@ -798,7 +798,7 @@ def _pack_helps(group, seqlen_q):
 
 def _pack_auto():
     """Whether pack_gqa=None packs where _pack_helps says so: not yet (the rule awaits the decoding A/B of
-    benchmarks/ab_cute_decode.py: fewer CTAs per call may cost more than the fuller tiles save on a small grid), unless
+    benchmarks/attention/ab_cute_decode.py: fewer CTAs per call may cost more than the fuller tiles save on a small grid), unless
     FLASH_ATTN_CUTE_PACK_GQA=auto."""
     return os.environ.get("FLASH_ATTN_CUTE_PACK_GQA") == "auto"
 
@@ -1500,7 +1500,7 @@ _LOG2E = 1.4426950408889634
 # Query rows per pipeline stage (the N of S^T = K Q^T) and Q/dO ring depth; keys per CTA are fixed at
 # 128 (64 per consumer warpgroup). FLASH_ATTN_CUTE_BWD_BLOCK_M / _STAGES override them (tuning knobs;
 # the disk cache keys on them). d64 takes 128 query rows (the spill-free BLOCK_M = 128 path): H200, bf16, b8
-# s2048 h16 (the GPT-2 medium shape), one process (benchmarks/ab_cute_bwd.py), kernel / whole call TFLOP/s,
+# s2048 h16 (the GPT-2 medium shape), one process (benchmarks/attention/ab_cute_bwd.py), kernel / whole call TFLOP/s,
 # 64 -> 128: causal 312 / 279 -> 334 / 297, non-causal 377 / 352 -> 409 / 378; 108 GPU gradient tests
 # passed. d128 has no BLOCK_M = 128 (its accumulators do not fit the registers).
 _BWD_BLOCK_M = {64: 128, 128: 64}
