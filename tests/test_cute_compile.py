@@ -407,7 +407,7 @@ def test_exp2_emu_moves_exponentials_off_mufu(tmp_path, monkeypatch):
 
 
 def test_default_forward_uses_three_warpgroups_for_d64_without_a_mask(monkeypatch):
-    # measured on the H200 (attention_cute_session5.md): +4-13% at d64 non-causal, -12% at causal 1k
+    # same-process A/B on the H200 (benchmarks/attention/ab_cute_fwd.py): +4-13% at d64 non-causal, -12% at causal 1k
     from flash_attn.cute import interface
 
     monkeypatch.delenv("FLASH_ATTN_CUTE_FWD_WARPGROUPS", raising=False)
