@@ -74,7 +74,7 @@ _K_WGRAD, _K_CACHE, _K_BIAS = (os.fsencode(n) for n in (
 def fp32_wgrad_enabled(device_type: str = "cuda") -> bool:
     """Whether ``linear`` / ``Linear`` on ``device_type`` inputs go through :class:`LinearFn`:
     FLASH_ATTN_FP32_WGRAD=1 / 0 for every device; unset, on CUDA only (H200, GPT-2 medium step with CUDA
-    graphs: 91.4 -> 90.5 ms, benchmarks/results/h200/train_gpt2_medium.md, session 7)."""
+    graphs: 90.0 ms, 90.6 ms with FLASH_ATTN_FP32_WGRAD=0; benchmarks/results/h200/train_gpt2_medium.md)."""
     value = _env("FLASH_ATTN_FP32_WGRAD", _K_WGRAD, "")
     return value == "1" if value else device_type == "cuda"
 
