@@ -17,7 +17,7 @@
 #              (PROFILE_ARGS: profile_cute.py arguments for ncu and ncusrc, e.g. "--headdim 64 --causal")
 #   abfwd      ab_cute_fwd.py with $AB_ARGS (e.g. '--headdims 128 --causal 1 --variants ";FLASH_ATTN_CUTE_FWD_PIN=0"')
 #   abdecode   ab_cute_decode.py: decoding shapes, unpacked / pack_gqa / num_splits=0 / both / the defaults' rules,
-#              dense and paged (64-row pages), with the four session-15 variables set (DECODE_ARGS: more arguments)
+#              dense and paged (64-row pages), with pack_gqa, split-KV and paged K / V on (DECODE_ARGS: more arguments)
 #   overhead   bench_cute_overhead.py --no-cold: per-call time of the tiny cute forward, SDPA beside it
 #   sanitize   compute-sanitizer racecheck, memcheck and synccheck (SANITIZE_TOOLS; each bounded by SANITIZE_TIMEOUT s,
 #              default 900) (every kernel of the process) over the cases of
@@ -43,10 +43,10 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=c
 
 peer=()
 [ -n "${PEER_PYTHONPATH:-}" ] && peer=(--peer-pythonpath "$PEER_PYTHONPATH")
-bench() {  # bench NAME ARGS...: one benchmark, its log under $OUT, its tables under $OUT/results
-    local name=$1; shift
-    echo "== $name $*"
-    python "benchmarks/$name.py" --out "$OUT/results" "$@" 2>&1 | tee "$OUT/$name.log" | tail -n 40
+bench() {  # bench GROUP.SCRIPT ARGS...: benchmarks.GROUP.SCRIPT, its log under $OUT, its tables under $OUT/results
+    local module=benchmarks.$1 name=${1##*.}; shift
+    echo "== $module $*"
+    python -m "$module" --out "$OUT/results" "$@" 2>&1 | tee "$OUT/$name.log" | tail -n 40
 }
 for step in $STEPS; do
     case $step in
@@ -71,67 +71,67 @@ for step in $STEPS; do
         grep -q "failed\|error\|TIMED OUT" "$OUT/pytest_gpu.log" && status=1 ;;
     rest)
         python -m pytest -q -m "not gpu" -p no:cacheprovider 2>&1 | tee "$OUT/pytest_rest.log" | tail -n 15 ;;
-    attention) bench bench_attention "${peer[@]}" ;;
+    attention) bench attention.bench_attention "${peer[@]}" ;;
     sanitize)
         for tool in ${SANITIZE_TOOLS:-racecheck memcheck synccheck}; do
             FLASH_ATTN_CUTE_PACK_GQA=1 FLASH_ATTN_CUTE_HDIM_V=1 FLASH_ATTN_CUTE_PAGED=1 FLASH_ATTN_CUTE_SPLIT=1 \
                 timeout "${SANITIZE_TIMEOUT:-900}" compute-sanitizer --tool "$tool" --error-exitcode 1 \
-                python benchmarks/sanitize_cute.py > "$OUT/sanitize_$tool.log" 2>&1
+                python -m benchmarks.tools.sanitize_cute > "$OUT/sanitize_$tool.log" 2>&1
             rc=$?
             [ $rc -eq 0 ] || status=1
             echo "compute-sanitizer $tool: rc $rc; $(grep -c ': ok$' "$OUT/sanitize_$tool.log") cases ok"
             grep -E "FAILED|ERROR SUMMARY|========= (Error|Race|Barrier|Invalid)" "$OUT/sanitize_$tool.log" | head -n 12
         done ;;
-    vsfa4) python benchmarks/vs_fa4.py --peer-pythonpath "${PEER_PYTHONPATH:?the released flash-attn-4 (bundle)}" \
+    vsfa4) python -m benchmarks.attention.vs_fa4 --peer-pythonpath "${PEER_PYTHONPATH:?the released flash-attn-4 (bundle)}" \
                --control ${VS_ARGS:-} --out "$OUT/results" 2>&1 | tee "$OUT/vs_fa4.log" | tail -n 45 ;;
-    vsfa4decode) FLASH_ATTN_CUTE_PACK_GQA=auto FLASH_ATTN_CUTE_SPLIT=1 python benchmarks/vs_fa4.py --decode \
+    vsfa4decode) FLASH_ATTN_CUTE_PACK_GQA=auto FLASH_ATTN_CUTE_SPLIT=1 python -m benchmarks.attention.vs_fa4 --decode \
                --peer-pythonpath "${PEER_PYTHONPATH:?the released flash-attn-4 (bundle)}" --call num_splits=0 \
                --causal 0 ${VS_DECODE_ARGS:-} --out "$OUT/results" 2>&1 | tee "$OUT/vs_fa4_decode.log" | tail -n 20 ;;
-    cute) bench bench_attention --backends cute --headdims 64,128 --seqlens 1024,4096,16384 "${peer[@]}" ;;
-    cutebwd) timeout 600 python benchmarks/bench_cute_bwd.py --out "$OUT/results" 2>&1 | tee "$OUT/bench_cute_bwd.log" ;;
-    norm) bench bench_ops --only norm ;;
-    ops) bench bench_ops ;;
-    models) bench bench_models --skip-train ;;   # the training-step target is measured by bench_train
-    train) bench bench_train ;;
+    cute) bench attention.bench_attention --backends cute --headdims 64,128 --seqlens 1024,4096,16384 "${peer[@]}" ;;
+    cutebwd) timeout 600 python -m benchmarks.attention.bench_cute_bwd --out "$OUT/results" 2>&1 | tee "$OUT/bench_cute_bwd.log" ;;
+    norm) bench ops.bench_ops --only norm ;;
+    ops) bench ops.bench_ops ;;
+    models) bench models.bench_models --skip-train ;;   # the training-step target is measured by bench_train
+    train) bench training.bench_train ;;
     ncu)
         sections=(--section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis
                   --section WarpStateStats --section SchedulerStats)
-        ncu "${sections[@]}" -k regex:cutlass_kernel -c 1 python benchmarks/profile_cute.py ${PROFILE_ARGS:-} 2>&1 \
+        ncu "${sections[@]}" -k regex:cutlass_kernel -c 1 python -m benchmarks.tools.profile_cute ${PROFILE_ARGS:-} 2>&1 \
             | tee "$OUT/ncu_cute.txt" | grep -E "Throughput|Pipe|Stall|Issue|Warp Cycles|L2|Eligible" | head -n 60
         if [ -n "${PEER_PYTHONPATH:-}" ]; then
             (cd /tmp && PYTHONPATH="$PEER_PYTHONPATH" ncu "${sections[@]}" -k regex:cutlass_kernel -c 1 \
-                python "$OLDPWD/benchmarks/profile_cute.py" --peer ${PROFILE_ARGS:-}) 2>&1 | tee "$OUT/ncu_fa4.txt" \
+                python "$OLDPWD/benchmarks/tools/profile_cute.py" --peer ${PROFILE_ARGS:-}) 2>&1 | tee "$OUT/ncu_fa4.txt" \
                 | grep -E "Throughput|Pipe|Stall|Issue|Warp Cycles|L2|Eligible" | head -n 60
         fi ;;
     ncusrc)
         src=(--section SourceCounters --section WarpStateStats --page source --print-source sass --csv)
-        ncu "${src[@]}" -k regex:cutlass_kernel -c 1 python benchmarks/profile_cute.py ${PROFILE_ARGS:-} > "$OUT/ncusrc_cute.csv" 2>&1
+        ncu "${src[@]}" -k regex:cutlass_kernel -c 1 python -m benchmarks.tools.profile_cute ${PROFILE_ARGS:-} > "$OUT/ncusrc_cute.csv" 2>&1
         echo "ncusrc cute: $(wc -l < "$OUT/ncusrc_cute.csv") lines"
         if [ -n "${PEER_PYTHONPATH:-}" ]; then
             (cd /tmp && PYTHONPATH="$PEER_PYTHONPATH" ncu "${src[@]}" -k regex:cutlass_kernel -c 1 \
-                python "$OLDPWD/benchmarks/profile_cute.py" --peer ${PROFILE_ARGS:-}) > "$OUT/ncusrc_fa4.csv" 2>&1
+                python "$OLDPWD/benchmarks/tools/profile_cute.py" --peer ${PROFILE_ARGS:-}) > "$OUT/ncusrc_fa4.csv" 2>&1
             echo "ncusrc fa4: $(wc -l < "$OUT/ncusrc_fa4.csv") lines"
         fi
-        python benchmarks/ncu_summary.py "$OUT"/ncusrc_*.csv 2>&1 | tee "$OUT/ncusrc_summary.txt" ;;
+        python -m benchmarks.tools.ncu_summary "$OUT"/ncusrc_*.csv 2>&1 | tee "$OUT/ncusrc_summary.txt" ;;
     tunetriton)  # the open Triton questions (docs/STATUS.md): d128 causal forward orders, d256 causal backward launches
-        timeout 300 python benchmarks/tune_triton_fwd.py --headdims 128 --causal 1 --seqlens 2048,4096,8192,16384 \
+        timeout 300 python -m benchmarks.tools.tune_triton_fwd --headdims 128 --causal 1 --seqlens 2048,4096,8192,16384 \
             --candidates ws 2>&1 | tee "$OUT/tune_triton_fwd.log" | tail -n 12
-        timeout 300 python benchmarks/tune_triton_bwd_ws.py --headdims 256 --causal 1 --seqlens 2048,16384 --kernels \
+        timeout 300 python -m benchmarks.tools.tune_triton_bwd_ws --headdims 256 --causal 1 --seqlens 2048,16384 --kernels \
             2>&1 | tee "$OUT/tune_triton_bwd_ws.log" | tail -n 30 ;;
     abfwd)  # A/B of cute forward variants in one process (AB_ARGS: ab_cute_fwd.py arguments, --variants among them)
-        timeout "${AB_TIMEOUT:-300}" python benchmarks/ab_cute_fwd.py ${AB_ARGS:---variants ";"} 2>&1 \
+        timeout "${AB_TIMEOUT:-300}" python -m benchmarks.attention.ab_cute_fwd ${AB_ARGS:---variants ";"} 2>&1 \
             | tee "$OUT/ab_cute_fwd.log" | tail -n 40 ;;
     abdecode)  # pack_gqa / split-KV on decoding shapes (docs/STATUS.md: the rules for pack_gqa=None, num_splits=0)
         variants="plain:pack_gqa=False;pack:pack_gqa=True;split:pack_gqa=False,num_splits=0"
         variants+=";both:pack_gqa=True,num_splits=0;rules:num_splits=0"
         for paged in 0 64; do
-            timeout "${AB_TIMEOUT:-300}" python benchmarks/ab_cute_decode.py --paged $paged \
+            timeout "${AB_TIMEOUT:-300}" python -m benchmarks.attention.ab_cute_decode --paged $paged \
                 --env FLASH_ATTN_CUTE_PACK_GQA=auto,FLASH_ATTN_CUTE_SPLIT=1,FLASH_ATTN_CUTE_PAGED=1 --variants "$variants" \
                 ${DECODE_ARGS:-} 2>&1 | tee "$OUT/ab_cute_decode_paged$paged.log" | tail -n 14
         done ;;
-    overhead) timeout 300 python benchmarks/bench_cute_overhead.py --no-cold 2>&1 | tee "$OUT/bench_cute_overhead.log" ;;
-    profile) python benchmarks/profile_step.py train 2>&1 | tee "$OUT/profile_train.txt"
-        python benchmarks/profile_step.py norm --hidden 4096 2>&1 | tee "$OUT/profile_norm.txt" ;;
+    overhead) timeout 300 python -m benchmarks.attention.bench_cute_overhead --no-cold 2>&1 | tee "$OUT/bench_cute_overhead.log" ;;
+    profile) python -m benchmarks.tools.profile_step train 2>&1 | tee "$OUT/profile_train.txt"
+        python -m benchmarks.tools.profile_step norm --hidden 4096 2>&1 | tee "$OUT/profile_norm.txt" ;;
     *) echo "unknown step $step"; status=1 ;;
     esac
 done

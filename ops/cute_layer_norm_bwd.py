@@ -12,7 +12,7 @@ few loop-invariant words: at most 5 local loads/stores per row iteration in the 
 registers) spill more (tests/test_layer_norm_cute.py bounds both).
 
 Measured on an H200 (bf16 x / dy / dx, rows x hidden = 2^28, fraction of the 4248 GB/s device-to-device
-copy at 6 bytes an element, benchmarks/bench_ln_cute_bwd.py; Triton's backward in brackets): LayerNorm
+copy at 6 bytes an element, benchmarks/ops/bench_ln_cute_bwd.py; Triton's backward in brackets): LayerNorm
 4096 0.850 (0.839), 8192 0.843 (0.827), 12288 0.827 (0.501), 16384 0.872 with the p1+p2 variants at
 512 threads, the default (0.605; plain 0.698 at 1024 threads, 0.658 at 512); RMSNorm 4096 0.928 (0.928),
 8192 0.909 (0.923), 12288 0.926 (0.770), 16384 0.880 (0.868). With fp32 weights and a residual
@@ -80,7 +80,7 @@ _W_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #   pp     two rows a loop iteration with the row registers swapping roles (no row-to-row register moves)
 OPTS = ("w16", "carve", "p1", "p2", "vld", "pp")
 # (is_rms_norm, N) -> the variants used unless FLASH_ATTN_OVERRIDES gives ln.opts. H200, bf16, 2^28
-# elements, one process (benchmarks/bench_ln_cute_bwd.py --hidden 16384 --norms L --variants ...): LayerNorm
+# elements, one process (benchmarks/ops/bench_ln_cute_bwd.py --hidden 16384 --norms L --variants ...): LayerNorm
 # 16384 at 512 threads with p1+p2 0.872 of copy (435 us) against 0.698 for the plain kernel at 1024 threads,
 # 0.688 with vld, 0.628 with w16+carve+p1+p2+vld at 512 (Triton: 0.606). Other sizes: not measured yet.
 OPTS_TABLE = {(False, 16384): ("p1", "p2")}

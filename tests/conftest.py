@@ -1,5 +1,4 @@
 import os
-import sys
 
 import pytest
 import torch
@@ -8,11 +7,6 @@ import torch
 # kernel is defined, so this must happen before any test module imports a kernel.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-
-# Tests import the checkout's flash_attn even without an install.
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,10 +1,5 @@
-"""The A/B benchmark scripts' pieces that need no GPU (benchmarks/ab_cute_bwd.py, ab_cute_fwd.py)."""
-import os
-import sys
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-
-import ab_cute_bwd  # noqa: E402
+"""The A/B benchmark scripts' pieces that need no GPU (benchmarks/attention/ab_cute_bwd.py, ab_cute_fwd.py)."""
+from benchmarks.attention import ab_cute_bwd
 
 
 def test_rounds_rotate_the_variant_order():
@@ -33,7 +28,7 @@ def test_variants_parse():
 
 
 def test_decode_ab_parses_shapes_and_variants():
-    import ab_cute_decode as ad
+    from benchmarks.attention import ab_cute_decode as ad
     import pytest
 
     assert ad.parse_shapes("1:1:8192:32:8:128, 4:16:8192:32:4:64") == [(1, 1, 8192, 32, 8, 128),
@@ -62,7 +57,7 @@ def test_decode_ab_finds_the_kernels_its_calls_ask_for(cute_env):
     import pytest
 
     pytest.importorskip("cutlass.cute")
-    import ab_cute_decode as ad
+    from benchmarks.attention import ab_cute_decode as ad
     import torch
 
     from flash_attn.cute import interface, kernels, launch, plan

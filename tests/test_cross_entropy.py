@@ -487,15 +487,10 @@ def test_gpu_no_fp32_copy_of_logits():
 
 
 def test_elementwise_benchmark_runs_every_knob_and_each_matches_the_default():
-    # benchmarks/bench_elementwise.py on small shapes in the interpreter: every configuration it sweeps
+    # benchmarks/ops/bench_elementwise.py on small shapes in the interpreter: every configuration it sweeps
     # on the GPU runs and gives the default's output (it exits 1 on a mismatch)
-    import importlib.util
+    from benchmarks.ops import bench_elementwise as bench
 
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
-                        "bench_elementwise.py")
-    spec = importlib.util.spec_from_file_location("bench_elementwise", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
     if torch.cuda.is_available():
         pytest.skip("the GPU run of the script is the benchmark itself")
     assert bench.main(["--cpu-smoke"]) == 0

@@ -426,7 +426,7 @@ def test_exp2_emu_moves_exponentials_off_mufu(tmp_path, cute_env):
 
 
 def test_default_forward_uses_three_warpgroups_for_d64_without_a_mask(cute_env):
-    # measured on the H200 (attention_cute_session5.md): +4-13% at d64 non-causal, -12% at causal 1k
+    # same-process A/B on the H200 (benchmarks/attention/ab_cute_fwd.py): +4-13% at d64 non-causal, -12% at causal 1k
     cfg = lambda d, causal, **kw: kernels.fwd_config(torch.bfloat16, d, causal, "sm_90a", **kw).key()  # noqa: E731
     assert cfg(64, False)["warpgroups"] == 3 and cfg(64, False, varlen=True)["warpgroups"] == 3
     assert "warpgroups" not in cfg(64, True) and "warpgroups" not in cfg(64, False, local=True)

@@ -206,7 +206,7 @@ _GPU_B = 70000  # > 65535
 
 
 def gpu_kernel_requests():
-    """The forward calls' kernel choices of this file's GPU tests, for benchmarks/precompile_gpu_tests.py."""
+    """The forward calls' kernel choices of this file's GPU tests, for benchmarks/tools/precompile_gpu_tests.py."""
     return [dict(dtype=torch.bfloat16, d=64, causal=True, seqlen_k=5),
             dict(dtype=torch.bfloat16, d=64, causal=True, varlen=True)]
 

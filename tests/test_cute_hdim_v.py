@@ -171,7 +171,7 @@ def _hopper():
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-# The GPU tests' cases (gpu_kernel_requests() reads them too, for benchmarks/precompile_gpu_tests.py)
+# The GPU tests' cases (gpu_kernel_requests() reads them too, for benchmarks/tools/precompile_gpu_tests.py)
 _GPU_OPTIONS = [(False, (-1, -1), 0.0, False, False), (True, (-1, -1), 0.0, False, False),
                 (False, (100, 20), 0.0, False, False), (True, (-1, -1), 30.0, False, False),
                 (True, (-1, -1), 0.0, True, False), (True, (-1, -1), 0.0, False, True)]
@@ -180,7 +180,7 @@ _GPU_SHAPES = [(2, 128, 128, 4, 4), (1, 1, 700, 8, 2), (2, 333, 1000, 8, 2), (1,
 
 
 def gpu_kernel_requests():
-    """The forward calls' kernel choices of this file's GPU tests, for benchmarks/precompile_gpu_tests.py."""
+    """The forward calls' kernel choices of this file's GPU tests, for benchmarks/tools/precompile_gpu_tests.py."""
     out = [dict(dtype=dt, d=192, dv=128, causal=c, window=w, softcap=cap, sink=sink,
                 pack=(h // hk) if pack and h // hk in config.PACK_GROUPS else 1, seqlen_k=sk)
            for dt in (torch.bfloat16, torch.float16) for c, w, cap, sink, pack in _GPU_OPTIONS

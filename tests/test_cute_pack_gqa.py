@@ -234,7 +234,7 @@ def _hopper():
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-# The GPU tests' cases, as constants that gpu_kernel_requests() reads too (benchmarks/precompile_gpu_tests.py builds
+# The GPU tests' cases, as constants that gpu_kernel_requests() reads too (benchmarks/tools/precompile_gpu_tests.py builds
 # their kernels on a CPU first). Every head dim and both dtypes with groups of 8 and 4 (decode-like 1-row and
 # 7-row queries, a long one, a single key); groups of 2 and 16 at d128.
 _BF16, _FP16 = torch.bfloat16, torch.float16
@@ -250,7 +250,7 @@ _GPU_VARLEN = [(False, (-1, -1), False), (True, (-1, -1), False), (False, (50, 1
 
 
 def gpu_kernel_requests():
-    """The forward calls' kernel choices of this file's GPU tests, for benchmarks/precompile_gpu_tests.py."""
+    """The forward calls' kernel choices of this file's GPU tests, for benchmarks/tools/precompile_gpu_tests.py."""
     out = [dict(dtype=dt, d=d, causal=c, pack=h // hk, seqlen_k=sk) for dt, d, c, _, _, sk, h, hk in _GPU_DENSE]
     out += [dict(dtype=_BF16, d=d, causal=c, window=w, softcap=cap, sink=sink, pack=h // hk, seqlen_k=sk)
             for d in (64, 128) for c, w, cap, sink in _GPU_OPTIONS for _, sk, h, hk in _GPU_OPTION_SHAPES]

@@ -322,7 +322,7 @@ def _hopper():
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-# The GPU test's cases (gpu_kernel_requests() reads them too, for benchmarks/precompile_gpu_tests.py): every head dim
+# The GPU test's cases (gpu_kernel_requests() reads them too, for benchmarks/tools/precompile_gpu_tests.py): every head dim
 # (and 192 / 128) with pages of 16 (several boxes per key block) and 256 rows, plain and causal; d128 with 64-row
 # pages and the sink, pack_gqa and a window as well.
 _PLAIN = [(False, (-1, -1), False, False), (True, (-1, -1), False, False)]  # (causal, window, sink, pack)
@@ -334,7 +334,7 @@ _GPU_CASES = ([(d, dv, page, *opt) for d, dv in [(64, 64), (128, 128), (256, 256
 
 
 def gpu_kernel_requests():
-    """The forward calls' kernel choices of this file's GPU tests, for benchmarks/precompile_gpu_tests.py."""
+    """The forward calls' kernel choices of this file's GPU tests, for benchmarks/tools/precompile_gpu_tests.py."""
     return ([dict(dtype=torch.bfloat16, d=d, dv=dv, causal=c, window=w, sink=sink, pack=4 if pack else 1,
                   varlen=True, paged=page) for d, dv, page, c, w, sink, pack in _GPU_CASES]
             + [dict(dtype=torch.bfloat16, d=128, causal=c, varlen=True, paged=64) for c in (False, True)])

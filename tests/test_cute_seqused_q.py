@@ -127,7 +127,7 @@ _GPU_OPTIONS = [(False, (-1, -1), False), (True, (-1, -1), False), (True, (-1, -
 
 
 def gpu_kernel_requests():
-    """The forward calls' kernel choices of this file's GPU test, for benchmarks/precompile_gpu_tests.py."""
+    """The forward calls' kernel choices of this file's GPU test, for benchmarks/tools/precompile_gpu_tests.py."""
     return [dict(dtype=torch.bfloat16, d=d, causal=c, window=w, sink=sink, varlen=True)
             for d in (64, 128) for c, w, sink in _GPU_OPTIONS]
 

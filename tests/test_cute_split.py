@@ -441,7 +441,7 @@ def _dense_parts(num_splits, seqlen_k, window, rows):
 
 
 def gpu_kernel_requests():
-    """The forward calls' kernel choices of this file's GPU test, for benchmarks/precompile_gpu_tests.py."""
+    """The forward calls' kernel choices of this file's GPU test, for benchmarks/tools/precompile_gpu_tests.py."""
     out = []
     for d, dv, c, w, cap, sink, pack in _GPU_OPTIONS:
         for _, _, sk, h, hk in _GPU_SHAPES:

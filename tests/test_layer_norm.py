@@ -279,16 +279,12 @@ def test_default_variants_and_tuned_table(monkeypatch):
 
 
 def test_sweep_script_smoke(capsys):
-    """benchmarks/sweep_norm_bwd.py on CPU (interpreter, a tiny size): every candidate it tries is in
+    """benchmarks/ops/sweep_norm_bwd.py on CPU (interpreter, a tiny size): every candidate it tries is in
     BWD_TUNED's terms, runs, and has its gradient error checked."""
     if not triton_runs_on("cuda" if CUDA else "cpu") or CUDA:
         pytest.skip("CPU interpreter check")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    sys.path.insert(0, os.path.join(root, "benchmarks"))
-    try:
-        import sweep_norm_bwd
-    finally:
-        sys.path.pop(0)
+    from benchmarks.ops import sweep_norm_bwd
+
     sweep_norm_bwd.main(["--cpu-smoke", "--elems", "48", "--hidden", "24", "--only", "plan,pair=0,hold=1 mr72"])
     rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| LayerNorm") or r.startswith("| RMSNorm")]
     assert len(rows) == 4 and not any("WRONG" in r or "failed" in r for r in rows), rows
@@ -509,12 +505,12 @@ print("ok")
 
 def test_backward_compiles_for_sm90_without_spills():
     """The backward as configured for an H200 compiles for sm_90 ahead of time (no GPU), and the plain bf16
-    configurations up to 8192 columns fit their register cap without spilling (bench_ops.py --aot)."""
+    configurations up to 8192 columns fit their register cap without spilling (benchmarks/ops/bench_ops.py --aot)."""
     pytest.importorskip("triton.backends.nvidia")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("TRITON_INTERPRET", None)
-    r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "bench_ops.py"), "--aot", "--hidden",
+    r = subprocess.run([sys.executable, "-m", "benchmarks.ops.bench_ops", "--aot", "--hidden",
                         "1024,8192"], cwd=root, env=env, capture_output=True, text=True, timeout=600)
     if r.returncode != 0 and "needs cuobjdump" in r.stderr + r.stdout:
         pytest.skip("cuobjdump not available")

@@ -201,13 +201,8 @@ def test_launch_shape():
 
 
 def test_bench_script_parses():
-    import importlib.util
+    from benchmarks.ops import bench_ln_cute_bwd as mod
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location("bench_ln_cute_bwd",
-                                                  os.path.join(root, "benchmarks", "bench_ln_cute_bwd.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
     a = mod.parse_args(["--hidden", "16384", "--residual", "--weight-dtype", "fp32"])
     assert a.hidden == "16384" and a.residual and a.weight_dtype == "fp32" and a.variants is None
     assert mod.variant_envs(None) == [("cute", {})]
@@ -474,7 +469,7 @@ def test_sass_row_loop_local_memory(compiled):
 def test_sass_variants(compiled):
     """Where each variant shows in the row loop's SASS: vld's volatile global loads (LDG.E.128.STRONG.SYS)
     come before pass 1's first shared-memory load; p1 / p2 cut LayerNorm's fp32 adds / multiplies by one an
-    element (benchmarks/ln_cute_bwd_sass.py prints the counts)."""
+    element (benchmarks/tools/ln_cute_bwd_sass.py prints the counts)."""
     (_, _, N, rms, bias, dres, _, _, mt, opts), path = compiled
     body = _sass_row_loop(path)
     rows = 2 if "pp" in opts else 1

@@ -1,10 +1,5 @@
-"""benchmarks/ncu_summary.py on a small synthetic Nsight Compute source-page CSV."""
-import os
-import sys
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-
-import ncu_summary  # noqa: E402
+"""benchmarks/tools/ncu_summary.py on a small synthetic Nsight Compute source-page CSV."""
+from benchmarks.tools import ncu_summary
 
 CSV = '''==PROF== Connected to process 1
 "Kernel Name","k",

@@ -1,18 +1,12 @@
-"""benchmarks/precompile_gpu_tests.py: the kernels it builds are the ones forward() / forward_varlen() ask fwd_kernel
-for in the GPU tests' calls (checked by making those calls on CPU tensors with fwd_kernel recording), and each has a
+"""benchmarks/tools/precompile_gpu_tests.py: the kernels it builds are the ones forward() / forward_varlen() ask
+fwd_kernel for in the GPU tests' calls (checked by making those calls on CPU tensors with fwd_kernel recording), and each has a
 config."""
-import os
-import sys
-
 import pytest
 import torch
 
 pytest.importorskip("cutlass.cute")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-
-import precompile_gpu_tests as pg  # noqa: E402
+from benchmarks.tools import precompile_gpu_tests as pg  # noqa: E402
 from flash_attn.cute import kernels, launch, plan  # noqa: E402
 from _cute_table import swap_kernels  # noqa: E402
 

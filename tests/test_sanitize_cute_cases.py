@@ -1,18 +1,12 @@
-"""benchmarks/sanitize_cute.py's cases (run under compute-sanitizer on a GPU) cover every kind of forward kernel the
-default selection runs, and its prediction of which kernel a case runs agrees with the dispatch (CPU: the
+"""benchmarks/tools/sanitize_cute.py's cases (run under compute-sanitizer on a GPU) cover every kind of forward kernel
+the default selection runs, and its prediction of which kernel a case runs agrees with the dispatch (CPU: the
 in-memory kernel table stubbed, the calls' tensors on the CPU)."""
-import os
-import sys
-
 import pytest
 import torch
 
 pytest.importorskip("cutlass.cute")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-
-import sanitize_cute  # noqa: E402
+from benchmarks.tools import sanitize_cute  # noqa: E402
 from flash_attn.cute import config, interface, kernels, launch  # noqa: E402
 from _cute_table import swap_kernels  # noqa: E402
 

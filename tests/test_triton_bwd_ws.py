@@ -290,9 +290,8 @@ def test_switch_routes_calls(ws_spy, monkeypatch):
 # CPU: compile for sm_90 (no GPU) and check what the Hopper pass built
 
 _AOT = r"""
-import json, sys
-sys.path.insert(0, "benchmarks")
-import triton_bwd_ws_compile as c
+import json
+from benchmarks.tools import triton_bwd_ws_compile as c
 from flash_attn.triton import _configs
 res = []
 # the configs the backend serves, and the warp-specialized dQ kernel (row terms 1) at d64 / d128

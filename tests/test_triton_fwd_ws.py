@@ -352,9 +352,8 @@ def test_switch_routes_calls(ws_spy, monkeypatch, name):
 
 
 _AOT = r"""
-import json, sys
-sys.path.insert(0, "benchmarks")
-import triton_fwd_compile as c
+import json
+from benchmarks.tools import triton_fwd_compile as c
 from flash_attn.triton import _configs
 res = []
 # (seqlen_k % BLOCK_N != 0 adds the sequence-end select inside the loop: it must not stop the pass)

@@ -1,6 +1,6 @@
 """The Triton attention backend and the fused ops on AMD GPUs, checked without one: every kernel a ROCm device
 would be asked to run (the host code with the configs ROCm gets) compiles for gfx942 (MI300) and gfx90a (MI200)
-within their 64 KiB of LDS and without register spills (benchmarks/triton_rocm_compile.py), and a ROCm device
+within their 64 KiB of LDS and without register spills (benchmarks/tools/triton_rocm_compile.py), and a ROCm device
 selects those configs. Numbers are not checked: no AMD GPU here (the README says AMD is untested)."""
 import json
 import os
@@ -46,8 +46,8 @@ def test_every_kernel_compiles_for_mi300_and_mi200_within_lds_without_spills(tmp
                PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "packages", "flash-attn-triton"), ROOT,
                                            env.get("PYTHONPATH", "")]))
     archs = ("gfx942", "gfx90a")
-    procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "benchmarks", "triton_rocm_compile.py"), "--arch",
-                               arch, "--json"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.tools.triton_rocm_compile", "--arch", arch,
+                               "--json"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for arch in archs]
     for arch, p in zip(archs, procs):
         out, err = p.communicate(timeout=900)

@@ -1,16 +1,10 @@
-"""benchmarks/vs_fa4.py's driver on the CPU, with stub workers (fixed times per side, the order of the timing
+"""benchmarks/attention/vs_fa4.py's driver on the CPU, with stub workers (fixed times per side, the order of the timing
 requests logged): the sides alternate per round, a side's figure is the median of its rounds, the table's
 ratios and the control column follow from the times, and a side that fails leaves its cells marked and the
 exit status 1."""
-import os
-import sys
-
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-
-import vs_fa4  # noqa: E402
+from benchmarks.attention import vs_fa4
 
 
 def _run(monkeypatch, tmp_path, stub, *extra):

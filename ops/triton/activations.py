@@ -24,7 +24,7 @@ _INV_SQRT_2 = 0.7071067811865476
 _INV_SQRT_2PI = 0.3989422804014327
 
 # Tiles: BLOCK_N = min(next_power_of_2(N), *_BLOCK_N) columns by *_TILE / BLOCK_N rows, *_WARPS warps.
-# FLASH_ATTN_OVERRIDES="act.BWD_TILE=8192,act.BWD_WARPS=8" overrides them (benchmarks/bench_elementwise.py).
+# FLASH_ATTN_OVERRIDES="act.BWD_TILE=8192,act.BWD_WARPS=8" overrides them (benchmarks/ops/bench_elementwise.py).
 FWD_TILE = 4096
 FWD_BLOCK_N = 1024
 FWD_WARPS = 4

@@ -27,7 +27,7 @@ from flash_attn.dropout import hash32, new_rng_state, threshold
 
 from . import Plan, cdiv, device_ctx, launcher, next_power_of_2, num_sms, tl, triton, use_triton
 
-# Launch shape. Forward (from a sweep on an H200, benchmarks/bench_ops.py --sweep): a program works on a
+# Launch shape. Forward (from a sweep on an H200, benchmarks/ops/bench_ops.py --sweep): a program works on a
 # tile of BLOCK_M rows x BLOCK_N columns; rows wider than FWD_MAX_BLOCK_N go in chunks (two passes over
 # each row, the second from L2); BLOCK_M = FWD_TILE // BLOCK_N batches narrow rows, one warp per
 # FWD_ELEMS_PER_WARP tile elements.
@@ -52,22 +52,22 @@ BWD_PREFETCH = True
 BWD_PAIR_SUM = True
 # Pass 2 reuses pass 1's xc, g, dy from registers instead of re-reading the tile from L1 (where prefetch
 # holds a row in one pass-1 chunk, one program owns it whole): 20% fewer instructions in the row loop
-# (RMSNorm 216 -> 172, LayerNorm 282 -> 232, sm_90) for 8-9 registers a thread. RMSNorm fits its 64
+# (RMSNorm 172 instead of 216, LayerNorm 232 instead of 282, sm_90) for 8-9 registers a thread. RMSNorm fits its 64
 # register cap; LayerNorm's two accumulators push it to 72 (16 bytes of spill at 64), so it is on
 # for n_acc <= BWD_HOLD_MAX_ACC only.
 BWD_HOLD = True
 BWD_HOLD_MAX_ACC = 1
 # Measured exceptions to the rules above, for plain calls (bf16, no extra features): (n_acc, hidden) ->
-# BwdConfig fields to replace (and "per_sm", programs per SM); benchmarks/sweep_norm_bwd.py prints the
+# BwdConfig fields to replace (and "per_sm", programs per SM); benchmarks/ops/sweep_norm_bwd.py prints the
 # candidates and their timings. n_acc: 1 RMSNorm, 2 LayerNorm (dweight and dbias).
-# From `benchmarks/sweep_norm_bwd.py` on an H200 (session 4): LayerNorm 1024 449 -> 428 us, 8192 482 -> 457 us
-# (the latter spills 16 bytes at 64 registers and is still the fastest).
+# On an H200 they beat the rules' plan: LayerNorm 1024 428 us against 449, 8192 457 us against 482, the latter
+# although it spills 16 bytes at 64 registers (benchmarks/results/h200/ops_norm_bwd_sweep.md).
 BWD_TUNED = {(2, 1024): {"hold": True, "maxnreg": 72}, (2, 8192): {"hold": True}}
 MAX_HIDDEN = 65536
 # ROCm builds of torch: warps of 64 lanes (a workgroup holds at most 16), and no register cap (Triton's AMD backend
 # has no maxnreg option: a launch with it raises). The rules below still count NVIDIA's 32-lane warps and 64K
 # registers an SM, so on AMD they size tiles and grids conservatively; untimed there (no AMD GPU here), compiled
-# for gfx942 / gfx90a in CI (benchmarks/triton_rocm_compile.py).
+# for gfx942 / gfx90a in CI (benchmarks/tools/triton_rocm_compile.py).
 _HIP = getattr(torch.version, "hip", None) is not None
 
 
@@ -484,7 +484,7 @@ def _ln_bwd_reduce_kernel(DW_PART, DB_PART, DW1_PART, DB1_PART, DW, DB, DW1, DB1
 
 # --------------------------------------------------------------------------------------------- launchers
 # The launch configurations are cached per call shape; the module's knobs are part of each cache key, so
-# changing them (tests, benchmarks/bench_ops.py --sweep) takes effect on the next call.
+# changing them (tests, benchmarks/ops/bench_ops.py --sweep) takes effect on the next call.
 def _fwd_config(N: int):
     """(BLOCK_M, BLOCK_N, chunks, warps) of the forward."""
     return _fwd_config_cached(N, FWD_MAX_BLOCK_N, FWD_TILE, FWD_ELEMS_PER_WARP)

@@ -741,7 +741,7 @@ class FlashFwdSm90:
                 # end the overlap with P V. softmax.pin keeps LLVM from merging the branches' common tail
                 # (the second row's exponentials) into that block again: without it every causal, local or
                 # softcap kernel runs half its exponentials after the wait (ptxas 13.0 SASS,
-                # benchmarks/cute_sass.py "P V wait" line: 33 of 66 MUFU.EX2 at d128 causal; with it 0).
+                # benchmarks/tools/cute_sass.py "P V wait" line: 33 of 66 MUFU.EX2 at d128 causal; with it 0).
                 if cutlass.const_expr(self.softcap):
                     self.softmax.cap(acc_S, score_scale, softcap)
                 n_key = key_block(n_block, n_block_min, n_block_max, self.reverse)

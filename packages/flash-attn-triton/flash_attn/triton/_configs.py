@@ -1,7 +1,7 @@
 """Launch configurations: a fixed table per (arch, head dim, causal) instead of autotuning, so the first
 call does no timing runs and no host syncs, and every shape of a kind reuses one compiled kernel.
 
-The sm_90 entries come from sweeping candidates on an H200 in bf16 (``benchmarks/bench_attention.py
+The sm_90 entries come from sweeping candidates on an H200 in bf16 (``benchmarks/attention/bench_attention.py
 --tune``); other NVIDIA GPUs get the conservative sm_80 entries, AMD GPUs (untested) entries that fit their
 64 KiB of LDS (HIP_ARCH). Under TRITON_INTERPRET small blocks keep the interpreter fast and make small test
 shapes span several blocks.
@@ -70,16 +70,16 @@ _FP32_BWD = BwdConfig(32, 32, 4, 1, 32, 32, 4, 1, True)
 # (arch major, padded head dim, causal) -> config. Padded head dim: 32, 64, 128, 256. The sm_90 entries
 # are the fastest candidates of `bench_attention.py --tune` on an H200 (bf16, seqlen 4096, Triton 3.6);
 # each compiles without (or with a few bytes of) register spills. With the dQ kernel separate the backward
-# needs no atomics, and it was as fast as the atomic variant, so deterministic=True costs nothing there.
+# needs no atomics and is as fast as the atomic variant, so deterministic=True costs nothing there.
 _FWD = {
     (9, 32, False): FwdConfig(64, 64, 4, 3),
     (9, 64, False): FwdConfig(64, 64, 4, 3),
     (9, 128, False): FwdConfig(128, 128, 8, 3),
     (9, 128, True): FwdConfig(128, 64, 8, 3),
     (9, 256, False): FwdConfig(128, 64, 8, 2),
-    # `benchmarks/tune_triton_fwd.py` (H200, session 4): longest-first over groups of 8 (sequence, head)
-    # pairs, 475 vs 432 TFLOP/s geometric mean over s2k/4k/16k; other candidates were within run noise
-    # (the table's own config measured 4-7% apart in one run)
+    # longest-first over groups of 8 (sequence, head) pairs: 475 vs 432 TFLOP/s geometric mean over s2k/4k/16k
+    # on an H200; other candidates are within run noise (the table's own config measures 4-7% apart in one run).
+    # `benchmarks/tools/tune_triton_fwd.py`, table in benchmarks/results/h200/triton_fwd_tune.txt
     (9, 256, True): FwdConfig(128, 64, 8, 2, group=8),
     (8, 32, False): FwdConfig(128, 64, 4, 3),
     (8, 64, False): FwdConfig(128, 64, 4, 3),
@@ -88,9 +88,9 @@ _FWD = {
 }
 _BWD = {
     (9, 32, False): BwdConfig(64, 128, 8, 3, 128, 64, 8, 2, False),
-    # d64..256: winners of `benchmarks/tune_triton_bwd.py --quick` (H200, Triton 3.6, session 4; geometric
-    # mean over s2048 b8 (d64 causal), s4096 b4 vs the previous entries): d64 causal 1.17x, d64 1.14x,
-    # d128 causal 1.01x, d128 1.05x, d256 causal 1.11x, d256 1.47x.
+    # d64..256: the fastest candidates of `benchmarks/tools/tune_triton_bwd.py --quick` on an H200 (Triton 3.6;
+    # s2048 b8 for d64 causal, s4096 b4; benchmarks/results/h200/triton_bwd_tune.txt): TMA loads, and at d256
+    # dK and dV in separate launches.
     (9, 64, False): BwdConfig(64, 64, 4, 3, 128, 64, 8, 2, False, tma=True),
     (9, 64, True): BwdConfig(64, 64, 4, 3, 64, 64, 4, 2, False, tma=True),
     (9, 128, False): BwdConfig(64, 128, 8, 2, 128, 64, 8, 3, False, tma=True),
@@ -106,8 +106,8 @@ _BWD = {
 
 # ROCm devices (backend._arch gives them HIP_ARCH). Chosen without an AMD GPU at hand, so untimed: per padded head
 # dim, tiles whose kernels compile for gfx90a and gfx942 (MI200 / MI300) within their 64 KiB of LDS per workgroup
-# and without scratch (register spills) in every call of `python benchmarks/triton_rocm_compile.py` (plain and with
-# every feature, causal or not, deterministic or not, varlen, kvcache; tests/test_triton_rocm_compile.py on every
+# and without scratch (register spills) in every call of `python -m benchmarks.tools.triton_rocm_compile` (plain and
+# with every feature, causal or not, deterministic or not, varlen, kvcache; tests/test_triton_rocm_compile.py on every
 # commit), AMD's customary 128 x 64 forward tile where it fits. The larger candidates fail some of those calls:
 # the sm_80 entries (the d256 forward takes 72 KiB of LDS on gfx942, the d64-d128 backwards spill), 64 x 64
 # backward steps with two stages at d64 (216-1096 bytes of scratch), 32 x 64 ones at d128 (20).
@@ -156,18 +156,15 @@ def bwd_config(arch, head_dim: int, causal: bool, interpret: bool, dtype) -> Bwd
 
 
 # The warp-specialized forward (_fwd_ws.py) on sm_90: the (head dim, causal) pairs it serves by default,
-# with (variant, BLOCK_N or None). H200, bf16, 16k tokens, cuDNN SDPA in the same run (`python
-# benchmarks/tune_triton_fwd.py --headdims 64,128,256 --seqlens 2048,16384 --candidates ws`, session 8,
-# geometric mean over the two lengths): d128 non-causal 464 -> 578 TFLOP/s persistent (0.73x -> 0.91x
-# cuDNN), d128 causal 416 -> 436 with 128-key blocks (0.79x), d256 non-causal 476 -> 600 (0.86x), d256
-# causal 456 -> 536 (0.92x). Not d64: the table's kernel is faster there (421 vs 386).
-# Session 10 (`tune_triton_fwd.py --headdims 128 --causal 1 --seqlens 2048,4096,8192 --candidates ws`): d128
-# causal persistent with 128-key blocks 0.80-0.82x at 2k-8k (this entry 0.75-0.79x, with 8-head grouping
-# 0.78-0.83x), but the same-run grid with it measured 0.59x at 16k (this entry: 0.83x): kept.
-# Session 11 (`bash benchmarks/run_gpu.sh tunetriton`: the same tuner at 2k-16k): d128 causal persistent with
-# the balanced order (wsb128) 0.83 / 0.79 / 0.82 / 0.83x at 2k / 4k / 8k / 16k (geometric mean 472 TFLOP/s),
-# the one-tile kernel with 128-key blocks 0.74 / 0.79 / 0.81 / 0.82x (455), wsp128 0.58x at 16k: wsb128
-# (the same-run grid with it, attention_session11.md: 0.78 / 0.82 / 0.84 / 0.81x).
+# with (variant, BLOCK_N or None). H200, bf16, 16k tokens, cuDNN SDPA in the same run (`python -m
+# benchmarks.tools.tune_triton_fwd --headdims 64,128,256 --seqlens 2048,16384 --candidates ws`, geometric mean
+# over the two lengths, against the table's kernel): d128 non-causal 464 -> 578 TFLOP/s persistent (0.73x ->
+# 0.91x cuDNN), d256 non-causal 476 -> 600 (0.86x), d256 causal 456 -> 536 (0.92x); table in
+# benchmarks/results/h200/triton_fwd_ws_tune.md. Not d64: the table's kernel is faster there (421 vs 386).
+# d128 causal takes the persistent form with the balanced tile order (wsb128): 0.83 / 0.79 / 0.82 / 0.83x cuDNN
+# at 2k / 4k / 8k / 16k in the same tuner (`bash benchmarks/run_gpu.sh tunetriton`), against 0.74-0.82x for the
+# one-tile kernel with 128-key blocks; the plain persistent order (wsp128) drops to 0.58x at 16k. The grid with
+# it: benchmarks/results/h200/attention_triton.md.
 FWD_WS_DEFAULT = {(128, False): (2, None), (128, True): (3, 128), (256, False): (1, None), (256, True): (1, None)}
 # FLASH_ATTN_TRITON_OVERRIDES' fwd_variant (settings.py) overrides FWD_WS_DEFAULT for every head dim: "off"
 # (or "0") the table's kernels only; "ws": _fwd_ws.py with the table's BLOCK_N; "ws64" / "ws128": with that
@@ -254,48 +251,50 @@ class BwdWsConfig:
     fa2: object = None
     # with fa2_dk: the dK launch also adds dS K into an fp32 dQ by atomics, and no dQ launch runs (two products
     # fewer: Q K^T and dO V^T are not recomputed for dQ). deterministic=True calls keep the dQ launch. A tuning
-    # candidate, slower at d256 causal on the H200 (session 14, `tune_triton_bwd_ws.py --headdims 256 --causal 1
-    # --seqlens 2048,16384`, attention_session14_triton.md): 0.29-0.54 of cuDNN against the default's 0.68. The
-    # dK tiles that fit beside the dQ product's staging (one stage, or 64 keys) lose more than the dQ launch costs.
+    # candidate, slower at d256 causal on the H200: 0.29-0.54 of cuDNN against the default's 0.68
+    # (benchmarks/results/h200/triton_bwd_ws_tune.md). The dK tiles that fit beside the dQ product's staging
+    # (one stage, or 64 keys) lose more than the dQ launch costs.
     dq_atomic: bool = False
 
 
 # Padded head dim -> the warp-specialized backward's config. H200, bf16, 16k tokens, cuDNN SDPA's backward in
-# the same run (`python benchmarks/tune_triton_bwd_ws.py --seqlens 2048,16384`, session 9; geometric mean of
-# the ratio to cuDNN over the two lengths): the warp-specialized dK/dV loop with the FA2-style dQ kernel was
-# the fastest candidate everywhere: d64 0.68 -> 0.76 (the FA2-style kernels -> it), d64 causal 0.72 -> 0.79,
-# d128 0.68 -> 0.79, d128 causal 0.64 -> 0.77 (d256 0.67 -> 0.93 and causal 0.57 -> 0.79, but wrong: below). The
-# warp-specialized dQ kernel is right but 2-10% slower (with lse / delta as transposed boxes it computed
-# wrong dQ).
-# (`python benchmarks/triton_bwd_ws_compile.py` prints registers, spills and shared memory.)
+# the same run (`python -m benchmarks.tools.tune_triton_bwd_ws --seqlens 2048,16384`, geometric mean of the ratio
+# to cuDNN over the two lengths; benchmarks/results/h200/triton_bwd_ws_tune.md): the warp-specialized dK/dV loop
+# with the FA2-style dQ kernel is the fastest right candidate: d64 0.68 -> 0.76 (the FA2-style kernels -> it),
+# d64 causal 0.72 -> 0.79, d128 0.68 -> 0.79, d128 causal 0.64 -> 0.77 (the all-warp-specialized d256 split is
+# faster but wrong: below). The warp-specialized dQ kernel is right but 2-10% slower; it reads lse / delta as
+# plain rows (as transposed TMA boxes they give a wrong dQ).
+# (`python -m benchmarks.tools.triton_bwd_ws_compile` prints registers, spills and shared memory.)
 BWD_WS = {
-    # 128 query rows per step: 0.79 -> 0.83 of cuDNN at d64, causal 0.77 -> 0.77 (third tuning run);
-    # right on the H200 (probe_bwd_ws_split.py with NaN-filled outputs, the GPU tests). Triton 3.9 spills
-    # 44 bytes compiling it for sm_90 (3.6, the GPU machine's, was not checked for spills).
+    # 128 query rows per step: 0.83 of cuDNN at d64 against 0.79 with 64, causal 0.77 either way; right on the
+    # H200 (probe_bwd_ws_split.py with NaN-filled outputs, the GPU tests). Triton 3.9 spills 44 bytes compiling
+    # it for sm_90 (not checked with 3.6, the GPU machine's).
     64: BwdWsConfig(128, 128, 0, 0),
     128: BwdWsConfig(64, 128, 0, 0),
-    # the warp-specialized dV launch with the FA2-style dK launch (session 10, `tune_triton_bwd_ws.py
-    # --headdims 256 --seqlens 2048,4096,8192,16384`, H200, triton 3.6, cuDNN in the same run): 0.66-0.69 ->
-    # 0.77-0.81 of cuDNN, causal 0.51-0.61 -> 0.61-0.71; GPU test test_gpu_ws_bwd_d256_fa2_dk (NaN-filled
-    # outputs, GQA, ragged lengths). The all-warp-specialized split (BWD_WS_D256_BROKEN) computes NaN dK.
+    # the warp-specialized dV launch with the FA2-style dK launch (`tune_triton_bwd_ws.py --headdims 256
+    # --seqlens 2048,4096,8192,16384`, H200, triton 3.6, cuDNN in the same run): 0.77-0.81 of cuDNN against
+    # 0.66-0.69 for the FA2-style kernels, causal 0.61-0.71 against 0.51-0.61; GPU test
+    # test_gpu_ws_bwd_d256_fa2_dk (NaN-filled outputs, GQA, ragged lengths). The all-warp-specialized split
+    # (BWD_WS_D256_BROKEN) computes NaN dK.
     256: BwdWsConfig(64, 128, 0, 0, split_dkdv=True, fa2_dk=True),
 }
 # d256 causal: the FA2-style dK launch with the causal table's tiles, the dQ kernel with the non-causal ones
-# (64 x 64, 4 warps): 0.62 -> 0.64 of cuDNN (geometric mean, seqlen 2k-16k, session 10's tuning run)
+# (64 x 64, 4 warps): 0.64 of cuDNN against 0.62 with the causal dQ tiles (geometric mean, seqlen 2k-16k,
+# `tune_triton_bwd_ws.py --headdims 256 --causal 1`)
 BWD_WS_D256_CAUSAL = BwdWsConfig(64, 128, 0, 0, split_dkdv=True, fa2_dk=True, fa2=BwdConfig(
     32, 128, 8, 2, 64, 64, 4, 2, False, tma=True, split_dkdv=True))
 BWD_WS_D256_BROKEN = BwdWsConfig(64, 128, 0, 0, split_dkdv=True, dk_block_m=32)
 # both launches warp-specialized, the dK one on 64 keys per program with 64-row steps (K, V and two Q / dO
 # stages fit; triton 3.9 compiles it for sm_90 with 231 KB of shared memory and 228 bytes spilled). Right on
 # the H200 (test_gpu_ws_bwd_d256_fa2_dk[wsdk]) but not faster: causal 0.62 / 0.64 of cuDNN at 2k / 16k against
-# the default's 0.63 / 0.71 (session 11, attention_cute_session11.md); a tuning candidate
+# the default's 0.63 / 0.71 (`tune_triton_bwd_ws.py --headdims 256 --causal 1`); a tuning candidate
 BWD_WS_D256_WSDK = BwdWsConfig(64, 128, 0, 0, split_dkdv=True, dk_block_m=64, dk_block_n=64)
 BWD_WS_D256_FA2DK = BWD_WS[256]
 # (padded head dim, causal) pairs whose backward takes _bwd_ws.py by default on sm_90. Not d32 (never run on a
 # GPU; BWD_WS has no entry, so not even the switch serves it). d256's all-warp-specialized split
-# (BWD_WS_D256_BROKEN, kept for the probe) computed non-finite dK on the H200 (triton 3.6): its dK launch
+# (BWD_WS_D256_BROKEN, kept for the probe) computes non-finite dK on the H200 (triton 3.6): its dK launch
 # needs 32-row steps (at 64 rows K, V and two stages of Q / dO take 257 KB of shared memory, and with one stage
-# the pass does not specialize), and `benchmarks/probe_bwd_ws_split.py all` found 32-row steps NaN at d128 too.
+# the pass does not specialize), and `benchmarks/tools/probe_bwd_ws_split.py all` finds 32-row steps NaN at d128 too.
 BWD_WS_DEFAULT: frozenset = frozenset((d, c) for d in (64, 128, 256) for c in (False, True))
 # FLASH_ATTN_TRITON_OVERRIDES' bwd_variant: "off"/"0" the FA2-style kernels (_bwd.py) only, "ws" the
 # warp-specialized backward for every call it serves; unset: BWD_WS_DEFAULT.

@@ -157,8 +157,8 @@ def _attn_fwd_ws_kernel(
     Q, K and V each get ONE descriptor, made here before any loop, over the tensor as a 2-D array of
     B * seqlen rows (the batch stride must be seqlen x the row stride: backend._fwd_ws_plan checks it)
     by the row's elements up to the last head's end (so only row and head strides are arguments). Descriptors per (sequence, head), on offset base
-    pointers, gave wrong results under the Hopper pass on an H200 (triton 3.6: max |out - ref| 0.3-5,
-    NaN at 3 stages), this form the reference's to 1e-3 (.scratch probe, session 8)."""
+    pointers, give wrong results under the Hopper pass on an H200 (triton 3.6: max |out - ref| 0.3-5,
+    NaN at 3 stages); this form matches the reference to 1e-3 (benchmarks/tools/triton_ws_probe.py)."""
     n_b = num_bh // num_heads
     Q_desc = tl.make_tensor_descriptor(Q, shape=[n_b * seqlen_q, (num_heads - 1) * stride_qh + HEAD_DIM],
                                        strides=[stride_qm, 1], block_shape=[BLOCK_M, HEAD_DIM])

@@ -1,0 +1,125 @@
+"""A/B of CuTeDSL backward variants (environment switches) in one process, interleaved, so that machine
+drift between device calls does not decide a comparison. For each shape and each variant: the kernel
+alone (inputs prepared as interface.backward prepares them) and the whole backward call (host steps
+included), do_bench medians, bf16, batch x seqlen = --tokens, heads = --hidden / head dim.
+
+    python -m benchmarks.attention.ab_cute_bwd --variants "FLASH_ATTN_CUTE_BWD_LPT=0;FLASH_ATTN_CUTE_BWD_LPT=128"
+    python -m benchmarks.attention.ab_cute_bwd --variants ";FLASH_ATTN_CUTE_BWD_BLOCK_M=128" --headdims 64
+
+A variant is a comma-separated list of NAME=VALUE (empty: the defaults). Kernels compile on first use
+(run `python -m flash_attn.cute.precompile --backward` with each variant's variables first to fill the
+disk cache in parallel).
+"""
+import argparse
+import os
+
+from benchmarks.common import ints as _ints
+
+
+def parser(doc, seqlens):
+    """The A/B scripts' shared arguments (ab_cute_fwd.py uses it too)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--variants", required=True, help="';'-separated variants, each NAME=VALUE[,NAME=VALUE]")
+    ap.add_argument("--headdims", type=_ints, default=[64, 128])
+    ap.add_argument("--seqlens", type=_ints, default=seqlens)
+    ap.add_argument("--causal", type=_ints, default=[1, 0])
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--rounds", type=int, default=3, help="passes over the variants (interleaved; as many as "
+                    "there are variants times k puts every variant first equally often)")
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--rep", type=int, default=40)
+    return ap
+
+
+def variants(spec):
+    """[{NAME: VALUE}] of a --variants string (an empty variant: the defaults) and every NAME in it."""
+    out = []
+    for v in spec.split(";"):
+        env = {}
+        for item in filter(None, (x.strip() for x in v.split(","))):
+            name, _, value = item.partition("=")
+            env[name] = value
+        out.append(env)
+    return out, sorted({n for v in out for n in v})
+
+
+def apply(var, names):
+    """The environment of one variant: its NAMEs set, the other variants' NAMEs unset."""
+    for n in names:
+        os.environ.pop(n, None)
+    os.environ.update(var)
+
+
+def round_order(variants_, r):
+    """(index, variant) pairs of round r: the variants' order rotated by r, so that over n rounds every one
+    of n variants is timed first once. The first-timed variant of a shape runs right after the inputs are
+    made (the GPU idle, its clocks up): identical kernels measure 0-8% apart in a fixed order, and with the
+    ABBA order (reversed every other round) and the best of the rounds the first and last variants' identical
+    kernels come out up to 13% above the middle ones."""
+    pairs = list(enumerate(variants_))
+    k = r % len(pairs) if pairs else 0
+    return pairs[k:] + pairs[:k]
+
+
+def summary(values):
+    """One number per variant from its rounds: the median (a lucky first-timed round does not decide)."""
+    import statistics
+
+    return statistics.median(values)
+
+
+def header(kind, args, variants_):
+    import torch
+
+    print(f"# {torch.cuda.get_device_name()}; bf16; tokens {args.tokens}; hidden {args.hidden}; TFLOP/s, median "
+          f"of {args.rounds} interleaved rounds (order rotated per round); {kind}")
+    print("| D | S | causal | " + " | ".join(" ".join(f"{k}={v}" for k, v in var.items()) or "default"
+                                             for var in variants_) + " |")
+    print("|---|---|---|" + "---|" * len(variants_))
+
+
+def main(argv=None):
+    args = parser(__doc__, [2048, 8192]).parse_args(argv)
+
+    import torch
+    from triton.testing import do_bench
+
+    from benchmarks.attention.bench_cute_bwd import kernel_call
+
+    from flash_attn.cute import backend as cb
+    from flash_attn.cute import interface as ci
+
+    variants_, names = variants(args.variants)
+    dtype = torch.bfloat16
+    header("kernel alone / whole backward call", args, variants_)
+    for d in args.headdims:
+        for s in args.seqlens:
+            for causal in map(bool, args.causal):
+                b, h = max(1, args.tokens // s), args.hidden // d
+                g = torch.Generator().manual_seed(0)
+                q, k, v, dout = (torch.randn(b, s, h, d, generator=g).to("cuda", dtype) for _ in range(4))
+                kw = dict(cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=s, max_seqlen_k=s, block_table=None,
+                          softmax_scale=d ** -0.5, causal=causal, window_left=-1, window_right=0 if causal else -1,
+                          softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None)
+                out, lse, _ = cb.fwd(q, k, v, return_probs=False, **kw)
+                flops = 2.5 * 4 * b * s * s * h * d / (2 if causal else 1)
+                rates = [([], []) for _ in variants_]
+                for r in range(args.rounds):
+                    for i, var in round_order(variants_, r):
+                        apply(var, names)
+                        ci._bwd_kernels.clear()  # the in-memory cache does not key on the variables
+                        t_k = do_bench(kernel_call(q, k, v, dout, out, lse, causal), warmup=args.warmup,
+                                       rep=args.rep, return_mode="median")
+                        t_c = do_bench(lambda: cb.bwd(dout, q, k, v, out, lse, deterministic=False, **kw),
+                                       warmup=args.warmup, rep=args.rep, return_mode="median")
+                        rates[i][0].append(flops / t_k / 1e9)
+                        rates[i][1].append(flops / t_c / 1e9)
+                print(f"| {d} | {s} | {causal} | " + " | ".join(f"{summary(a):.0f} / {summary(c):.0f}"
+                                                               for a, c in rates) + " |",
+                      flush=True)
+    apply({}, names)
+
+
+if __name__ == "__main__":
+    main()

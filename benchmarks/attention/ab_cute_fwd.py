@@ -1,0 +1,49 @@
+"""A/B of CuTeDSL forward variants (environment switches) in one process, interleaved, so that machine
+drift between device calls does not decide a comparison: flash_attn.cute.flash_attn_func, forward
+only, do_bench medians, bf16, batch x seqlen = --tokens, heads = --hidden / head dim.
+
+    python -m benchmarks.attention.ab_cute_fwd --variants ";FLASH_ATTN_CUTE_FWD_PERSISTENT=1"
+
+A variant is a comma-separated list of NAME=VALUE (empty: the defaults). Kernels compile on first use
+(run `python -m flash_attn.cute.precompile` with each variant's variables first to fill the disk cache in
+parallel).
+"""
+from benchmarks.attention.ab_cute_bwd import apply, header, parser, round_order, summary, variants
+
+
+def main(argv=None):
+    args = parser(__doc__, [1024, 4096, 16384]).parse_args(argv)
+
+    import torch
+    from triton.testing import do_bench
+
+    from flash_attn.cute import flash_attn_func
+    from flash_attn.cute import interface as ci
+
+    variants_, names = variants(args.variants)
+    dtype = torch.bfloat16
+    header("forward", args, variants_)
+    for d in args.headdims:
+        for s in args.seqlens:
+            for causal in map(bool, args.causal):
+                b, h = max(1, args.tokens // s), args.hidden // d
+                g = torch.Generator().manual_seed(0)
+                q, k, v = (torch.randn(b, s, h, d, generator=g).to("cuda", dtype) for _ in range(3))
+                flops = 4 * b * s * s * h * d / (2 if causal else 1)
+                rates = [[] for _ in variants_]
+                for r in range(args.rounds):
+                    for i, var in round_order(variants_, r):
+                        apply(var, names)
+                        ci._kernels.clear()  # the in-memory cache does not key on the variables
+                        ci._SHORT_DIMS = ci._short_dims()  # (read at import: FLASH_ATTN_CUTE_FWD_TMA_O=short, _LPT)
+                        ci._FWD_LONG_ON = frozenset(p for p in ci._FWD_LONG if ci._long_rule(*p))
+                        t = do_bench(lambda: flash_attn_func(q, k, v, causal=causal), warmup=args.warmup,
+                                     rep=args.rep, return_mode="median")
+                        rates[i].append(flops / t / 1e9)
+                print(f"| {d} | {s} | {causal} | " + " | ".join(f"{summary(x):.0f}" for x in rates) + " |",
+                      flush=True)
+    apply({}, names)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,307 @@
+"""The cute forward against the released FA4, cell by cell in alternating rounds: one worker process per side
+(both import ``flash_attn.cute``, so they cannot share a process), kept alive over the whole grid; for each cell
+both build the same inputs and compile, then every round times each side with do_bench (median), the order
+rotated per round; a side's figure is the median of its rounds. bench_attention.py times all our cells first
+and the peer's after, minutes apart: two such grids move single cells by up to 10%, FA4's as much as
+ours (benchmarks/results/h200/attention.md). Here the two sides of a cell are timed seconds apart, and
+``--control`` adds a second worker of ours, whose ratio to the first is the noise floor of the comparison.
+
+    python -m benchmarks.attention.vs_fa4 --peer-pythonpath "$PEER_PYTHONPATH" [--headdims 64,128,256]
+        [--seqlens 1024,2048,4096,8192,16384] [--causal 0,1] [--rounds 5] [--control] [--out DIR]
+
+bf16, batch x seqlen = --tokens, heads = --hidden / head dim (the standard grid); forward TFLOP/s = 4*B*S^2*H*D
+(half if causal) / time. Writes vs_fa4.md under --out (default benchmarks/results/h200).
+
+    python -m benchmarks.attention.vs_fa4 --peer-pythonpath "$PEER_PYTHONPATH" --decode [--shapes B:Sq:Sk:H:Hk:D,...]
+        [--call num_splits=0,pack_gqa=None]
+
+--decode: decoding shapes instead (ab_cute_decode.py's defaults: few queries, long keys, GQA), both sides called
+with --call's options (FA4's num_splits / pack_gqa; a side that refuses them shows its error); microseconds per
+call and the K / V read rate. Writes vs_fa4_decode.md.
+"""
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+
+from benchmarks import common
+from benchmarks.attention.ab_cute_bwd import round_order as _rotated
+
+MODULE = "benchmarks.attention.vs_fa4"
+
+
+def round_order(sides, r):
+    """The sides' order in round r: rotated by r, so each side is timed first equally often (the A/B harness's
+    order, ab_cute_bwd.round_order)."""
+    return [side for _, side in _rotated(sides, r)]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Worker: one side, driven by JSON lines on stdin; one JSON line back per request
+
+
+def worker(name):
+    stub = dict(item.split("=") for item in os.environ.get("VS_FA4_STUB", "").split(",") if item)
+    log = os.environ.get("VS_FA4_STUB_LOG")
+    fn = None
+    if not stub:
+        import torch
+        from triton.testing import do_bench
+
+        from flash_attn.cute import flash_attn_func
+    for line in sys.stdin:
+        req = json.loads(line)
+        try:
+            if req["op"] == "quit":
+                break
+            if stub:  # CPU tests of the driver: fixed times, the order of the requests logged
+                if req["op"] == "time" and log:
+                    with open(log, "a") as f:
+                        f.write(name + "\n")
+                reply = {"ms": float(stub[name])} if req["op"] == "time" else {"device": "stub", "versions": {}}
+            elif req["op"] == "setup":
+                fn = None
+                torch.cuda.empty_cache()
+                g = torch.Generator().manual_seed(0)
+                b, h, d = req["b"], req["h"], req["d"]
+                sq, sk, hk = req["s"], req.get("sk", req["s"]), req.get("hk", h)
+                q = torch.randn(b, sq, h, d, generator=g).to("cuda", torch.bfloat16)
+                k, v = (torch.randn(b, sk, hk, d, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
+                causal, kw = bool(req["causal"]), req.get("kw", {})
+                fn = lambda: flash_attn_func(q, k, v, causal=causal, **kw)  # noqa: E731
+                fn()  # compile or load the kernel outside the timing
+                torch.cuda.synchronize()
+                reply = {"device": torch.cuda.get_device_name(), "versions": _versions()}
+            elif req["op"] == "time":
+                reply = {"ms": do_bench(fn, warmup=req["warmup"], rep=req["rep"], return_mode="median")}
+            else:
+                reply = {"error": f"unknown op {req['op']!r}"}
+        except Exception as e:  # reported to the driver: that cell of this side is missing
+            reply = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        print(json.dumps(reply), flush=True)
+
+
+def _versions():
+    from importlib import metadata
+
+    import torch
+
+    out = {"torch": torch.__version__}
+    for dist in ("nvidia-cutlass-dsl", "flash-attn-4", "apache-tvm-ffi"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# Driver
+
+
+class Side:
+    def __init__(self, name, pythonpath, cwd):
+        env = dict(os.environ)
+        env["PYTHONPATH"] = pythonpath
+        self.name = name
+        self.proc = subprocess.Popen([sys.executable, "-m", MODULE, "--_worker", name], env=env, cwd=cwd,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def ask(self, **req):
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            return {"error": f"worker {self.name} exited (rc {self.proc.poll()})"}
+        return json.loads(line)
+
+    def close(self):
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                self.proc.stdin.flush()
+            except OSError:
+                pass
+        self.proc.wait(timeout=60)
+
+
+def _setup(cell, kw):
+    """The setup request of a cell: (d, s, causal, b, h) of the standard grid, or (b, sq, sk, h, hk, d, causal) of a
+    decoding shape (with the call's options kw)."""
+    if len(cell) == 5:
+        d, s, causal, b, h = cell
+        return dict(d=d, s=s, causal=int(causal), b=b, h=h), f"d{d} s{s} causal={int(causal)}"
+    b, sq, sk, h, hk, d, causal = cell
+    return (dict(d=d, s=sq, sk=sk, causal=int(causal), b=b, h=h, hk=hk, kw=kw),
+            f"{b}:{sq}:{sk}:{h}:{hk}:{d} causal={int(causal)}")
+
+
+def compare(sides, cells, rounds, warmup, rep, log=print, kw=None):
+    """{cell: {side: median ms, or an error string}} over ``cells`` = [(d, s, causal, b, h)] (or decoding shapes, see
+    _setup, called with the options kw), plus the device and versions the first side reported."""
+    results, info = {}, {}
+    for cell in cells:
+        req, label = _setup(cell, kw or {})
+        res, alive = {}, []
+        for side in sides:
+            rep_ = side.ask(op="setup", **req)
+            if "error" in rep_:
+                res[side.name] = rep_["error"]
+            else:
+                info.setdefault(side.name, rep_)
+                alive.append(side)
+        times = {side.name: [] for side in alive}
+        for r in range(rounds):
+            for side in round_order(alive, r):
+                if side.name not in times:
+                    continue
+                got = side.ask(op="time", warmup=warmup, rep=rep)
+                if "error" in got:
+                    res[side.name] = got["error"]
+                    del times[side.name]
+                else:
+                    times[side.name].append(got["ms"])
+        for name, ts in times.items():
+            res[name] = statistics.median(ts)
+        results[cell] = res
+        log(f"{label}: " + ", ".join(
+            f"{n} {v:.3f} ms" if isinstance(v, float) else f"{n} ERROR {v}" for n, v in res.items()))
+    return results, info
+
+
+def _header(title, info, names, command):
+    """The report's first lines: title, GPU and both sides' versions, date, command."""
+    first = info.get(names[0], {})
+    return [f"# {title}, interleaved per cell (benchmarks/attention/vs_fa4.py)", "",
+            f"- GPU: {first.get('device', '?')}; ours: " + ", ".join(f"{k} {v}" for k, v in first.get(
+                "versions", {}).items()),
+            "- fa4: " + ", ".join(f"{k} {v}" for k, v in info.get("fa4", {}).get("versions", {}).items()),
+            f"- date: {common.date()}",
+            f"- command: `{command}`"]
+
+
+def report(results, info, names, args, command):
+    """Markdown: TFLOP/s per side, ours / fa4 (and the control's ratio to ours), and the summary line."""
+    lines = _header("Cute forward vs the released FA4", info, names, command) + [
+             f"- bf16, batch x seqlen = {args.tokens} tokens, hidden {args.hidden}; forward TFLOP/s from the median of "
+             f"{args.rounds} rounds (each a do_bench median, warmup {args.warmup} ms, rep {args.rep} ms), the sides' "
+             "order rotated per round", "",
+             "| head dim | causal | seqlen | " + " | ".join(names) + " | ours / fa4 |"
+             + (" ours2 / ours |" if "ours2" in names else ""),
+             "|---|---|---|" + "---|" * (len(names) + 1 + ("ours2" in names))]
+    ratios, controls = [], []
+    for (d, s, causal, b, h), res in results.items():
+        flops = 4 * b * s * s * h * d / (2 if causal else 1)
+        tf = {n: flops / res[n] * 1e-9 if isinstance(res.get(n), float) else None for n in names}
+        cells = [f"{tf[n]:.0f}" if tf[n] else "error" for n in names]
+        ratio = tf["ours"] / tf["fa4"] if tf.get("ours") and tf.get("fa4") else None
+        row = f"| {d} | {causal} | {s} | " + " | ".join(cells) + (f" | {ratio:.3f} |" if ratio else " | - |")
+        if ratio:
+            ratios.append(ratio)
+        if "ours2" in names:
+            c = tf["ours2"] / tf["ours"] if tf.get("ours2") and tf.get("ours") else None
+            row += f" {c:.3f} |" if c else " - |"
+            if c:
+                controls.append(c)
+        lines.append(row)
+    lines.append("")
+    if ratios:
+        geo = math.exp(sum(map(math.log, ratios)) / len(ratios))
+        lines.append(f"ours / fa4: geometric mean {geo:.3f}, min {min(ratios):.3f}, max {max(ratios):.3f}; "
+                     f"{sum(r >= 1.0 for r in ratios)} of {len(ratios)} cells >= 1.0")
+    if controls:
+        lines.append(f"control (a second worker of ours): ratio to ours {min(controls):.3f}..{max(controls):.3f}")
+    return "\n".join(lines) + "\n"
+
+
+def report_decode(results, info, names, args, command, kw):
+    """Markdown for --decode: microseconds per call per side, fa4's time / ours (> 1: ours faster), the K / V read
+    rate of ours, and the summary line."""
+    from benchmarks.attention.ab_cute_decode import kv_bytes
+
+    lines = _header("Cute forward vs the released FA4 on decoding shapes", info, names, command) + [
+             f"- bf16; both sides called with {kw or 'their defaults'}; us per call from the median of {args.rounds} "
+             f"rounds (each a do_bench median, warmup {args.warmup} ms, rep {args.rep} ms), the order rotated", "",
+             "| B:Sq:Sk:H:Hk:D | causal | " + " | ".join(f"{n} us" for n in names) + " | fa4 / ours | ours GB/s |",
+             "|---|---|" + "---|" * (len(names) + 2)]
+    ratios = []
+    for (b, sq, sk, h, hk, d, causal), res in results.items():
+        us = {n: res[n] * 1e3 if isinstance(res.get(n), float) else None for n in names}
+        ratio = us["fa4"] / us["ours"] if us.get("ours") and us.get("fa4") else None
+        if ratio:
+            ratios.append(ratio)
+        rate = f"{kv_bytes(b, sk, hk, d) / (us['ours'] * 1e3):.0f}" if us.get("ours") else "-"
+        lines.append(f"| {b}:{sq}:{sk}:{h}:{hk}:{d} | {causal} | "
+                     + " | ".join(f"{us[n]:.1f}" if us[n] else "error" for n in names)
+                     + (f" | {ratio:.3f}" if ratio else " | -") + f" | {rate} |")
+    lines.append("")
+    if ratios:
+        geo = math.exp(sum(map(math.log, ratios)) / len(ratios))
+        lines.append(f"fa4 / ours (time): geometric mean {geo:.3f}, min {min(ratios):.3f}, max {max(ratios):.3f}; "
+                     f"{sum(r >= 1.0 for r in ratios)} of {len(ratios)} cells with ours at least as fast")
+    errors = sorted({f"{n}: {v}" for res in results.values() for n, v in res.items() if isinstance(v, str)})
+    lines += [f"- error: {e}" for e in errors]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--peer-pythonpath", default=None, help="PYTHONPATH of the released flash-attn-4 (required)")
+    p.add_argument("--headdims", default="64,128,256")
+    p.add_argument("--seqlens", default="1024,2048,4096,8192,16384")
+    p.add_argument("--causal", default="0,1")
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--rep", type=int, default=40)
+    p.add_argument("--control", action="store_true", help="a second worker of ours (the noise floor)")
+    p.add_argument("--decode", action="store_true", help="decoding shapes (--shapes) instead of the standard grid")
+    p.add_argument("--shapes", default=None, help="--decode: comma-separated B:Sq:Sk:H:Hk:D (ab_cute_decode's)")
+    p.add_argument("--call", default="", help="--decode: both sides' options, e.g. num_splits=0,pack_gqa=None")
+    p.add_argument("--out", default=common.RESULTS)
+    p.add_argument("--_worker", dest="worker", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        return worker(args.worker)
+    if not args.peer_pythonpath:
+        p.error("--peer-pythonpath is required (the released flash-attn-4's PYTHONPATH)")
+    kw = None
+    if args.decode:
+        from benchmarks.attention.ab_cute_decode import DEFAULT_SHAPES, parse_shapes, parse_variants
+
+        kw = parse_variants(f"call:{args.call}")[0][0][1]
+        cells = [(*shape, c == "1") for c in args.causal.split(",")
+                 for shape in parse_shapes(args.shapes or DEFAULT_SHAPES)]
+    else:
+        cells = [(d, s, c == "1", max(1, args.tokens // s), args.hidden // d)
+                 for d in map(int, args.headdims.split(",")) for c in args.causal.split(",")
+                 for s in map(int, args.seqlens.split(","))]
+    ours_path = os.pathsep.join([common.ROOT] + [x for x in [os.environ.get("PYTHONPATH")] if x])
+    # the peer's worker runs where no flash_attn package is (its own comes from --peer-pythonpath)
+    specs = [("ours", ours_path, common.ROOT), ("fa4", args.peer_pythonpath, common.peer_cwd())]
+    if args.control:
+        specs.append(("ours2", ours_path, common.ROOT))
+    sides = [Side(*spec) for spec in specs]
+    try:
+        results, info = compare(sides, cells, args.rounds, args.warmup, args.rep, kw=kw)
+    finally:
+        for side in sides:
+            side.close()
+    command = common.command(MODULE, argv, hide={args.peer_pythonpath: "$PEER_PYTHONPATH"})
+    names = [s[0] for s in specs]
+    text = (report_decode(results, info, names, args, command, kw) if args.decode
+            else report(results, info, names, args, command))
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "vs_fa4_decode.md" if args.decode else "vs_fa4.md"), "w") as f:
+        f.write(text)
+    print(text)
+    missing = [cell for cell, res in results.items() if not all(isinstance(v, float) for v in res.values())]
+    return 1 if missing else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

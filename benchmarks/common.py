@@ -1,0 +1,118 @@
+"""What the benchmark scripts share: the repository's paths, argument parsers, the per-call timing loop, and
+the lines every results table starts with (device, versions, date, the command that reproduces it).
+
+Scripts run as modules from the repository root (``python -m benchmarks.attention.vs_fa4``), so the
+checkout's ``flash_attn`` (and through it ``packages/*/flash_attn``) is the one imported. Only the standard
+library is imported here at module level: a worker process of the released flash-attn-4 imports this too.
+"""
+import atexit
+import datetime
+import os
+import platform
+import shlex
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from importlib import metadata
+
+ROOT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+# Where the tables of record live (benchmarks/results/h200/, one current table per benchmark).
+RESULTS = os.path.join(ROOT, "benchmarks", "results", "h200")
+
+
+def ints(s):
+    """[int] of a comma-separated list ("64,128")."""
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
+def bools(s):
+    """[bool] of a comma-separated list of 1/0, true/false, yes/no or "causal"."""
+    return [x.strip().lower() in ("1", "true", "yes", "causal") for x in s.split(",") if x.strip()]
+
+
+def per_call_us(fn, n=300, rounds=5, warmup=30, device="cuda", sync_each=False):
+    """Median over rounds of the wall time per call of ``fn`` in microseconds, n calls back to back with one
+    synchronize per round: on a problem whose GPU work takes a few microseconds, this is the cost of the
+    Python path and the launch (the project's per-call metric). ``sync_each``: a synchronize after every
+    call too (the latency to the result); on device "cpu" nothing is synchronized."""
+    import torch
+
+    def sync():
+        if device != "cpu":
+            torch.cuda.synchronize()
+
+    for _ in range(warmup):
+        fn()
+    sync()
+    samples = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+            if sync_each:
+                sync()
+        sync()
+        samples.append((time.perf_counter() - t0) / n * 1e6)
+    return statistics.median(samples)
+
+
+def version(dist):
+    """The installed version of a distribution, or "not installed"."""
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def versions(*dists):
+    """"torch 2.x (CUDA 12.x), triton 3.x, ..., Python 3.x" for torch and triton plus ``dists``."""
+    import torch
+
+    parts = [f"torch {torch.__version__} (CUDA {torch.version.cuda})", f"triton {version('triton')}"]
+    parts += [f"{d} {version(d)}" for d in dists]
+    return ", ".join(parts + [f"Python {platform.python_version()}"])
+
+
+def device_name(device="cuda"):
+    """The GPU's name, or "CPU (<processor>)" for a CPU run (a smoke test, not a measurement)."""
+    import torch
+
+    if str(device).startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name(torch.device(device))
+    return f"CPU ({platform.processor() or platform.machine() or 'cpu'})"
+
+
+def date():
+    return f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}"
+
+
+def command(module, argv=None, hide=None):
+    """The shell command that reproduces this run: ``python -m <module> <argv>`` from the repository root.
+    ``hide`` maps literal values (a machine's paths) to the variable to show instead, e.g.
+    {peer_path: "$PEER_PYTHONPATH"}."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    text = shlex.join(["python", "-m", module, *argv])
+    for value, name in (hide or {}).items():
+        if value:
+            text = text.replace(shlex.quote(value), f'"{name}"').replace(value, f'"{name}"')
+    return text
+
+
+def header(module, argv=None, device="cuda", dists=(), hide=None):
+    """The metadata lines a results table starts with (Markdown list items)."""
+    return [f"- device: {device_name(device)}",
+            f"- versions: {versions(*dists)}",
+            f"- date: {date()}",
+            f"- command: `{command(module, argv, hide)}`"]
+
+
+def peer_cwd():
+    """A working directory for a process that imports the released flash-attn-4 (whose import name is also
+    ``flash_attn``): a fresh folder holding only a link to benchmarks/, so ``python -m benchmarks....`` finds
+    the scripts there while ``flash_attn`` comes from the peer's PYTHONPATH, not from this checkout."""
+    folder = tempfile.mkdtemp(prefix="flash_attn_peer_")
+    atexit.register(shutil.rmtree, folder, True)  # (removes the link, not what it points to)
+    os.symlink(os.path.join(ROOT, "benchmarks"), os.path.join(folder, "benchmarks"))
+    return folder

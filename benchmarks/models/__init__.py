@@ -1,0 +1,1 @@
+"""Whole models (training step, decoding) against Hugging Face transformers."""

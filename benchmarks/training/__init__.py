@@ -1,0 +1,1 @@
+"""Training throughput and MFU of the trainer against Hugging Face transformers."""
