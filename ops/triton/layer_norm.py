@@ -904,7 +904,7 @@ def _layer_norm_bwd(dy, x, weight, bias, mean, rstd, dresidual_out=None, dy1=Non
 def _ln_bwd_cute(x, weight, weight1, dy, dy1, dresidual_out, rowscale, rng_state, mean, rstd, dx, dx1,
                  dresidual_in, dw, db, dw1, db1, dropout_p, is_rms_norm, zero_centered_weight) -> bool:
     """The CuTeDSL backward for wide rows (ops/cute_layer_norm_bwd.py) when it serves the call (the default;
-    FLASH_ATTN_LN_CUTE_BWD=0 turns it off); False (nothing done) otherwise, and the Triton path runs."""
+    FLASH_ATTN_DISABLE=ln_cute_bwd turns it off); False (nothing done) otherwise, and the Triton path runs."""
     if x.shape[1] < 4096 or not x.is_cuda:  # cute_layer_norm_bwd.MIN_N: narrower rows never import it
         return False
     from .. import cute_layer_norm_bwd as cute_bwd

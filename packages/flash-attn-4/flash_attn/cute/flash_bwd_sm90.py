@@ -20,11 +20,11 @@ Per query block, for each of the two consumer warpgroups (64 keys each):
   dQ_wg = dS K                     WGMMA over the warpgroup's 64 keys, A = dS (M-major), B = K^T
   dq_accum[rows] += scale * dQ     with dq_tma (the default) the scaled tile to shared memory and one
                                    TMA reduce-add of it, issued by one warp after the next block's dS
-                                   barrier; else red.global.add.v2.f32 (FLASH_ATTN_CUTE_BWD_DQ_TMA=0)
-With overlap (FLASH_ATTN_CUTE_BWD_OVERLAP=1) the loop is software-pipelined: S^T and dP^T of the next
+                                   barrier; else red.global.add.v2.f32 (BwdConfig.dq_tma off)
+With overlap (BwdConfig.overlap) the loop is software-pipelined: S^T and dP^T of the next
 query block (D = 128 and BLOCK_M = 128: S^T only, for registers) are issued right behind dK and dQ,
 and this block's dQ goes out (atomics or smem tile) while the tensor cores compute them.
-BLOCK_M = 128 (head dim 64 only; the d64 default, FLASH_ATTN_CUTE_BWD_BLOCK_M=64 restores 64 rows): the
+BLOCK_M = 128 (head dim 64 only; the d64 default; bwd.block_m=64 in FLASH_ATTN_CUTE_OVERRIDES gives 64 rows): the
 same steps on 128 query rows (S^T, dP^T are m64n128k16, dV, dK have K = 128), with changes that keep a
 consumer thread within its 240 registers, spill-free (S^T, dP^T are 64 fp32 registers each, dK, dV 32
 each), and the smem traffic down:
@@ -38,7 +38,7 @@ each), and the smem traffic down:
 With overlap, the next block's S^T is issued once dV is done (P^T dead), behind dK and dQ.
 With FLASH_ATTN_CUTE_BWD_EXP2_EMU=k (off by default), k of every 16 exponentials of P^T are computed by
 softmax_exp.exp2_poly on the FMA pipe instead of MUFU.EX2.
-After the loop dK is scaled by softmax_scale and dK, dV are stored. The host (interface.backward,
+After the loop dK is scaled by softmax_scale and dK, dV are stored. The host (launch.backward,
 bwd_host.py) computes delta = rowsum(dO * O) and lse2 and zeroes dq_accum in one Triton launch before,
 and casts dq_accum to the input dtype (and sums GQA's dK/dV) in one after.
 
@@ -171,7 +171,7 @@ class FlashBwdSm90:
             raise ValueError(
                 f"head dim {head_dim}, block_m {block_m}, {num_stages} stages, dq_tma={self.dq_tma} need "
                 f"{self.smem_bytes()} bytes of shared memory, more than sm_90's {self.SMEM_LIMIT} per CTA (the "
-                "TMA dQ's two fp32 tiles take 64 KB at D = 128: use 2 stages or FLASH_ATTN_CUTE_BWD_DQ_TMA=0)")
+                "TMA dQ's two fp32 tiles take 64 KB at D = 128: use 2 stages or bwd.dq_tma=0 in FLASH_ATTN_CUTE_OVERRIDES)")
 
     SMEM_LIMIT = 232448  # sm_90's largest dynamic shared memory per CTA (227 KB)
 

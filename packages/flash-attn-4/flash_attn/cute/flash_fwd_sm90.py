@@ -8,7 +8,7 @@ Layouts seen by the kernel (views built on the host, no copies):
   mQ (Sq, D, H, B), mK (Sk, D, Hk, B), mV (Sk, D, Hk, B), mO (Sq, D, H, B), mLSE (Sq, H, B) fp32,
   mSink (H,) fp32 (kernels built with sink=True only).
 One CTA per (BLOCK_M query tile, head, batch); or, built with persistent=True (dense calls: by default d64
-causal ones, see interface._FWD_PERSISTENT; FLASH_ATTN_CUTE_FWD_PERSISTENT=1 / 0 for all / none), one CTA per
+causal ones, see config.PERSISTENT; FwdConfig.persistent), one CTA per
 SM looping over the tiles in a static order, the next tile's loads overlapping the current one's last blocks
 and epilogue (kernel_persistent).
 
@@ -59,7 +59,7 @@ class FlashFwdSm90:
     # 160*384 = 64512 (168 would need 67584). During the overlap a consumer thread holds the S, P and O
     # accumulators at once (BLOCK_N + BLOCK_N / 2 + D / 2 registers) plus the loop's state: with 160 (and
     # pack_p) that is BLOCK_N 128 at head dim 64 for dense calls, 96 with softcap, varlen or a window
-    # (interface._FWD3_BLOCK_N*).
+    # (config.BLOCK_N_3WG*).
     REGS = {2: (24, 240), 3: (24, 160)}
     PRODUCER_REGS, CONSUMER_REGS = REGS[2]
 
@@ -88,7 +88,7 @@ class FlashFwdSm90:
         store). reverse: each tile walks its key blocks from the last down (tile_scheduler.key_block), so a
         causal or local tile's masked blocks come first and its warpgroups end on unmasked ones (FA3's
         order); both kernels, every mask (without a mask only the tail block is masked and comes first:
-        correct, but interface._fwd_config asks for it only for causal and local calls). pin: each softmax
+        correct, but config.select_fwd asks for it only for causal and local calls). pin: each softmax
         branch of the key-block loop ends in softmax.pin, which keeps the whole softmax ahead of the P V
         wait (ignored with three warpgroups and a sink). snake (persistent causal kernels) and lpt (one-tile
         dense causal kernels): the longest-first tile orders of tile_scheduler. pack_gqa: g > 1 packs the g
@@ -101,7 +101,7 @@ class FlashFwdSm90:
         of each tile divided among num_splits CTAs (a runtime argument; grid z = batch (or sequences) x
         num_splits), each writing its part's O (divided by its own row sums) and lse in fp32 to entry split
         * B + b of mO / mLSE (varlen: entry split, see call_varlen_split), for the host to combine
-        (interface._combine_splits, which adds a sink)."""
+        (launch._combine_splits, which adds a sink)."""
         if not 0 <= exp2_emu <= 16 or exp2_emu_degree not in EXP2_POLY:
             raise ValueError(f"exp2_emu {exp2_emu} not in 0..16 or degree {exp2_emu_degree} not in "
                              f"{tuple(EXP2_POLY)}")

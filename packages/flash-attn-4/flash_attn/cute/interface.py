@@ -87,15 +87,15 @@ def flash_attn_func(q, k, v, qv=None, gather_kv_indices=None, softmax_scale=None
     query head, that join every softmax row as a term exp(sink) with no value (not scaled by
     softmax_scale; lse includes it, a row that sees no key gets out 0 and lse = sink); its gradient
     is computed when it requires one (autograd.py). pack_gqa=True: the H / Hk query heads of each KV head
-    share the kernel's tiles (_pack_group: groups of 2, 4, 8 or 16; other groups and FLASH_ATTN_CUTE_PACK_GQA=0 run
-    unpacked, the same result); None: unpacked for now (with FLASH_ATTN_CUTE_PACK_GQA=auto packed where that fills
+    share the kernel's tiles (_pack_group: groups of 2, 4, 8 or 16; other groups, and FLASH_ATTN_CUTE_DISABLE=pack_gqa, run
+    unpacked, the same result); None: unpacked for now (with the plan rule pack_gqa_auto packed where that fills
     the tiles better, _pack_helps: short query sequences, decoding). num_splits > 1: split-KV (_forward_split;
-    FLASH_ATTN_CUTE_SPLIT=0: unsplit); num_splits <= 0: as many parts as fill the
+    FLASH_ATTN_CUTE_DISABLE=split: unsplit); num_splits <= 0: as many parts as fill the
     GPU's SMs when the grid alone does not (_choose_splits), 1 otherwise. Returns (out, lse): out
     like q, lse fp32 (B, H, Sq) natural log (+inf for a row that sees no key) when return_lse or a
     gradient needs it, else None (as FA4; the kernel still writes it). When q, k or v needs a
     gradient its backward runs on this package's backward kernel when the call is one it handles (dense, no
-    window, softcap or determinism; FLASH_ATTN_CUTE_BWD=0 switches it off), else on the root package's Triton
+    window, softcap or determinism; FLASH_ATTN_CUTE_DISABLE=bwd switches it off), else on the root package's Triton
     backward when that package is installed, else on this package's PyTorch backward (autograd.py;
     deterministic=True: a deterministic one). A loss that uses the returned lse sends its gradient back too."""
     # Every check reads attributes only (no tensor ops, no CUDA queries): this is the per-call path. What is
@@ -256,7 +256,7 @@ def _varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=Non
     page_table (paged K / V): k / v (num_pages, page_size, Hk, D), page_table int32 (B, max_pages): sequence b's
     keys are the first seqused_k[b] rows of its pages page_table[b, 0], page_table[b, 1], ... in order (give
     seqused_k, not cu_seqlens_k; page_size a multiple of 8, see paged_block_n). Forward only. num_splits, pack_gqa:
-    as flash_attn_func's (pack_gqa None with FLASH_ATTN_CUTE_PACK_GQA=auto: _pack_helps for the longest sequence's
+    as flash_attn_func's (pack_gqa None with the plan rule pack_gqa_auto: _pack_helps for the longest sequence's
     length; num_splits <= 0 reads the longest sequence's key count in the call's one sync)."""
     paged = page_table is not None
     for name, t in (("q", q), ("k", k), ("v", v)):

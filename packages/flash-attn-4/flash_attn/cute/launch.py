@@ -283,14 +283,14 @@ def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grad
     D in (64, 128), H % Hk == 0, lse fp32 (B, H, Sq) natural log (+inf for rows that see no key), causal
     bottom-right aligned. Returns (dq, dk, dv) in the input dtype, written into ``grads`` = (dq, dk, dv)
     when given (tensors shaped like q, k, v with a contiguous last dim). dq is accumulated across the key
-    blocks' CTAs with fp32 reduce-adds (TMA bulk, or red.global with FLASH_ATTN_CUTE_BWD_DQ_TMA=0) in
+    blocks' CTAs with fp32 reduce-adds (TMA bulk, or red.global without BwdConfig.dq_tma) in
     whatever order they finish, so results vary in the last bits run to run.
 
     Host-side steps (bwd_host.py): one Triton launch before the kernel writes delta = rowsum(dO * O) and
     lse * log2(e), padded to a multiple of the kernel's query block with 0 / +inf (so padded rows
     contribute nothing), and zeroes dq_accum; one after it casts dq_accum (which the kernel fills with
     softmax_scale * dS K) into dq and, with GQA, sums the kernel's per-query-head dK/dV over each group
-    in fp32. Without Triton (or with FLASH_ATTN_CUTE_BWD_HOST=torch) torch does the same in more launches.
+    in fp32. Without Triton (or with the plan rule bwd_host=torch) torch does the same in more launches.
     dlse: None or the gradient flowing into lse (B, H, Sq): d lse_i / d s_ij = P_ij adds dlse_i * P_ij to dS_ij,
     which the kernel gets as delta - dlse in delta's place."""
     B, Sq, H, D = q.shape
