@@ -94,6 +94,17 @@ def dtype_name(dtype):
     return _DTYPE_NAMES.get(str(dtype), str(dtype))
 
 
+def _key(cfg, kernel, always):
+    """A configuration as the disk cache keys it: the kernel's name and every field, a field left out where it has
+    its default and is not one of ``always`` (so adding a field keeps the existing entries' keys)."""
+    out = {"kernel": kernel}
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if f.name in always or value != f.default:
+            out[f.name] = value
+    return out
+
+
 @dataclass(frozen=True)
 class FwdVariant:
     """What a call asks of the forward kernel. ``short`` / ``long``: seqlen_k <= SHORT_SK / >= LONG_SK (their
@@ -177,14 +188,8 @@ class FwdConfig:
             raise ValueError(f"FwdConfig: no three-warpgroup tile for head dim {self.head_dim}")
 
     def key(self):
-        """The disk cache's key: the kernel's name and every field, a field left out where it has its default
-        and is not one of the always-present ones (so adding a field keeps the existing entries' keys)."""
-        out = {"kernel": "FlashFwdSm90"}
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if f.name in _FWD_ALWAYS or value != f.default:
-                out[f.name] = value
-        return out
+        """The disk cache's key (see _key)."""
+        return _key(self, "FlashFwdSm90", _FWD_ALWAYS)
 
 
 _FWD_ALWAYS = frozenset({"dtype", "head_dim", "arch", "abi", "stages", "causal", "local", "softcap"})
@@ -214,12 +219,8 @@ class BwdConfig:
             raise ValueError("BwdConfig: the TMA dQ needs the split dQ tile (dq_split)")
 
     def key(self):
-        out = {"kernel": "FlashBwdSm90"}
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if f.name in _BWD_ALWAYS or value != f.default:
-                out[f.name] = value
-        return out
+        """The disk cache's key (see _key)."""
+        return _key(self, "FlashBwdSm90", _BWD_ALWAYS)
 
 
 _BWD_ALWAYS = frozenset({"dtype", "head_dim", "causal", "arch", "abi", "block_m", "stages", "dq_split", "dq_tma"})
