@@ -130,7 +130,7 @@ def _cutedsl_installed() -> bool:
 @functools.lru_cache(maxsize=None)
 def _tvm_ffi_ok() -> bool:
     try:
-        from flash_attn.cute.interface import _tvm_ffi
+        from flash_attn.cute.kernels import _tvm_ffi
     except Exception:  # flash-attn-4 (flash_attn.cute) not importable
         return False
     return _tvm_ffi()
@@ -667,7 +667,7 @@ def compile_kernel(key, arch="sm_90a", dump_dir=None):
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_tensor
 
-    from flash_attn.cute.interface import _tvm_ffi
+    from flash_attn.cute.kernels import _tvm_ffi
 
     k = LnBwdSm90(*key)
     dt, N = k.dtype, k.N
@@ -722,7 +722,7 @@ def load_or_build(key, arch="sm_90a", root=None, force=False):
     """(callable, origin) for ``key``: "so" / "o" loaded from the disk cache folder ``root`` (no compile,
     no import of the CuTeDSL compiler with "so"), else "compiled" now and written there. ``root=None``:
     no disk cache. Needs apache-tvm-ffi (plan() serves nothing without it)."""
-    from flash_attn.cute.interface import _load_or_build_entry
+    from flash_attn.cute.kernels import _load_or_build_entry
 
     return _load_or_build_entry(cache_entry(key, arch), lambda: compile_kernel(key, arch), root, force)
 

@@ -4,7 +4,7 @@
 length class that picks among tunings); ``select_fwd`` turns it into a ``FwdConfig``, every choice that
 shapes the kernel's code. ``BwdConfig`` / ``select_bwd`` do the same for the backward, and ``PlanRules``
 holds the per-call planning rules the host applies. A configuration is the disk cache's key (``key()``;
-with the package sources and versions, see cache.py) and all that ``compile.py`` builds a kernel from.
+with the package sources and versions, see cache.py) and all that ``kernels.py`` builds a kernel from.
 Computing one imports neither CuTeDSL nor a GPU.
 
 The defaults below come from measurements on an H100 / H200 (the current tables are in
