@@ -6,9 +6,11 @@ checkout's ``flash_attn`` (and through it ``packages/*/flash_attn``) is the one 
 library is imported here at module level: a worker process of the released flash-attn-4 imports this too.
 """
 import atexit
+import contextlib
 import datetime
 import os
 import platform
+import re
 import shlex
 import shutil
 import statistics
@@ -56,6 +58,63 @@ def per_call_us(fn, n=300, rounds=5, warmup=30, device="cuda", sync_each=False):
         sync()
         samples.append((time.perf_counter() - t0) / n * 1e6)
     return statistics.median(samples)
+
+
+_ENV_NAME = re.compile(r"[A-Z][A-Z0-9_]*=")
+
+
+def env_items(text):
+    """{NAME: VALUE} of a comma-separated NAME=VALUE list ("" gives {}). An item that does not start with an
+    upper-case NAME= continues the previous value, so that FLASH_ATTN_OVERRIDES / FLASH_ATTN_CUTE_OVERRIDES /
+    ..._DISABLE keep their own comma-separated lists: "FLASH_ATTN_CUTE_OVERRIDES=fwd.stages=2,fwd.block_n=96"
+    is one variable. ValueError for a first item that is not NAME=VALUE, and for FLASH_ATTN_TRITON_* (read once
+    at import: they cannot change inside a process)."""
+    env, last = {}, None
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        if _ENV_NAME.match(item):
+            last, _, value = item.partition("=")
+            env[last] = value
+        elif last is None:
+            raise ValueError(f"{text!r}: {item!r} is not NAME=VALUE")
+        else:
+            env[last] += "," + item
+    triton = sorted(n for n in env if n.startswith("FLASH_ATTN_TRITON_"))
+    if triton:
+        raise ValueError(f"{text!r}: {triton} are read once at import; set them before the process starts")
+    return env
+
+
+def reload_settings():
+    """Have the imported flash_attn settings readers (flash_attn.settings, flash_attn.cute.settings) read the
+    environment again: they read it once at import, so a script that changes os.environ between calls calls this.
+    flash_attn.triton reads FLASH_ATTN_TRITON_OVERRIDES at import only: a change to it needs a new process."""
+    for name in ("flash_attn.settings", "flash_attn.cute.settings"):
+        module = sys.modules.get(name)
+        if module is not None:
+            module.reload()
+
+
+def set_environ(values):
+    """Set the environment variables of ``values`` ({NAME: value, or None to unset}) and reload the settings;
+    returns the previous values in the same form (set_environ(previous) restores them)."""
+    previous = {name: os.environ.get(name) for name in values}
+    for name, value in values.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = str(value)
+    reload_settings()
+    return previous
+
+
+@contextlib.contextmanager
+def environ(values):
+    """set_environ(values) for the body of a with statement; the previous values afterwards."""
+    previous = set_environ(values)
+    try:
+        yield
+    finally:
+        set_environ(previous)
 
 
 def version(dist):

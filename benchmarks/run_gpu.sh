@@ -15,9 +15,10 @@
 #   ncu        Nsight Compute sections of the cute kernel and of the released FA4 (peer) on one shape
 #   ncusrc     per-SASS-instruction stall samples of the cute kernel (and FA4's), CSV under $OUT
 #              (PROFILE_ARGS: profile_cute.py arguments for ncu and ncusrc, e.g. "--headdim 64 --causal")
-#   abfwd      ab_cute_fwd.py with $AB_ARGS (e.g. '--headdims 128 --causal 1 --variants ";FLASH_ATTN_CUTE_FWD_PIN=0"')
+#   abfwd      ab_cute_fwd.py with $AB_ARGS (e.g. '--headdims 128 --causal 1 --variants ";FLASH_ATTN_CUTE_OVERRIDES=fwd.pin=0"')
 #   abdecode   ab_cute_decode.py: decoding shapes, unpacked / pack_gqa / num_splits=0 / both / the defaults' rules,
-#              dense and paged (64-row pages), with pack_gqa, split-KV and paged K / V on (DECODE_ARGS: more arguments)
+#              dense and paged (64-row pages), nothing in FLASH_ATTN_CUTE_DISABLE and plan.pack_gqa_auto=1 (the rules
+#              for pack_gqa=None) (DECODE_ARGS: more arguments)
 #   overhead   bench_cute_overhead.py --no-cold: per-call time of the tiny cute forward, SDPA beside it
 #   sanitize   compute-sanitizer racecheck, memcheck and synccheck (SANITIZE_TOOLS; each bounded by SANITIZE_TIMEOUT s,
 #              default 900) (every kernel of the process) over the cases of
@@ -26,7 +27,7 @@
 #   vsfa4      vs_fa4.py --control: the cute forward against the released FA4 with both sides timed per cell in
 #              alternating rounds, a second worker of ours as the noise floor (VS_ARGS: more arguments)
 #   vsfa4decode vs_fa4.py --decode: the same on decoding shapes, both sides called with num_splits=0 (FA4's
-#              "choose"; ours with the pack_gqa / split variables set; VS_DECODE_ARGS: more arguments)
+#              "choose"; ours with plan.pack_gqa_auto=1 and nothing disabled; VS_DECODE_ARGS: more arguments)
 # With CuTeDSL brought over (see ../shared/device/README.md: two bundle calls) /tmp/cutedsl/env.sh is
 # sourced, the cute backend is available and the released flash-attn-4 is benchmarked as a peer.
 set -u
@@ -74,7 +75,8 @@ for step in $STEPS; do
     attention) bench attention.bench_attention "${peer[@]}" ;;
     sanitize)
         for tool in ${SANITIZE_TOOLS:-racecheck memcheck synccheck}; do
-            FLASH_ATTN_CUTE_PACK_GQA=1 FLASH_ATTN_CUTE_HDIM_V=1 FLASH_ATTN_CUTE_PAGED=1 FLASH_ATTN_CUTE_SPLIT=1 \
+            # the default selection with every kernel on, as the cases predict it
+            FLASH_ATTN_CUTE_DISABLE= FLASH_ATTN_CUTE_OVERRIDES= \
                 timeout "${SANITIZE_TIMEOUT:-900}" compute-sanitizer --tool "$tool" --error-exitcode 1 \
                 python -m benchmarks.tools.sanitize_cute > "$OUT/sanitize_$tool.log" 2>&1
             rc=$?
@@ -84,7 +86,7 @@ for step in $STEPS; do
         done ;;
     vsfa4) python -m benchmarks.attention.vs_fa4 --peer-pythonpath "${PEER_PYTHONPATH:?the released flash-attn-4 (bundle)}" \
                --control ${VS_ARGS:-} --out "$OUT/results" 2>&1 | tee "$OUT/vs_fa4.log" | tail -n 45 ;;
-    vsfa4decode) FLASH_ATTN_CUTE_PACK_GQA=auto FLASH_ATTN_CUTE_SPLIT=1 python -m benchmarks.attention.vs_fa4 --decode \
+    vsfa4decode) FLASH_ATTN_CUTE_OVERRIDES=plan.pack_gqa_auto=1 FLASH_ATTN_CUTE_DISABLE= python -m benchmarks.attention.vs_fa4 --decode \
                --peer-pythonpath "${PEER_PYTHONPATH:?the released flash-attn-4 (bundle)}" --call num_splits=0 \
                --causal 0 ${VS_DECODE_ARGS:-} --out "$OUT/results" 2>&1 | tee "$OUT/vs_fa4_decode.log" | tail -n 20 ;;
     cute) bench attention.bench_attention --backends cute --headdims 64,128 --seqlens 1024,4096,16384 "${peer[@]}" ;;
@@ -125,8 +127,8 @@ for step in $STEPS; do
         variants="plain:pack_gqa=False;pack:pack_gqa=True;split:pack_gqa=False,num_splits=0"
         variants+=";both:pack_gqa=True,num_splits=0;rules:num_splits=0"
         for paged in 0 64; do
-            timeout "${AB_TIMEOUT:-300}" python -m benchmarks.attention.ab_cute_decode --paged $paged \
-                --env FLASH_ATTN_CUTE_PACK_GQA=auto,FLASH_ATTN_CUTE_SPLIT=1,FLASH_ATTN_CUTE_PAGED=1 --variants "$variants" \
+            FLASH_ATTN_CUTE_DISABLE= timeout "${AB_TIMEOUT:-300}" python -m benchmarks.attention.ab_cute_decode --paged $paged \
+                --env FLASH_ATTN_CUTE_OVERRIDES=plan.pack_gqa_auto=1 --variants "$variants" \
                 ${DECODE_ARGS:-} 2>&1 | tee "$OUT/ab_cute_decode_paged$paged.log" | tail -n 14
         done ;;
     overhead) timeout 300 python -m benchmarks.attention.bench_cute_overhead --no-cold 2>&1 | tee "$OUT/bench_cute_overhead.log" ;;

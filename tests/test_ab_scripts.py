@@ -27,6 +27,30 @@ def test_variants_parse():
     assert set(names) == {"FLASH_ATTN_CUTE_OVERRIDES", "FLASH_ATTN_CUTE_DISABLE"}
 
 
+def test_variant_values_keep_their_own_lists_and_switch_the_settings(cute_env, monkeypatch):
+    """FLASH_ATTN_CUTE_OVERRIDES / _DISABLE hold comma-separated lists: the items after NAME=VALUE that are not
+    NAME=VALUE themselves belong to that value. Triton's variables are read at import only: refused. apply()
+    has flash_attn.cute read the environment again."""
+    import pytest
+
+    from flash_attn.cute import config, settings
+
+    spec = "FLASH_ATTN_CUTE_OVERRIDES=fwd.persistent=1,fwd.tma_o=1,FLASH_ATTN_CUTE_DISABLE=pack_gqa,split;"
+    variants, names = ab_cute_bwd.variants(spec)
+    assert variants == [{"FLASH_ATTN_CUTE_OVERRIDES": "fwd.persistent=1,fwd.tma_o=1",
+                         "FLASH_ATTN_CUTE_DISABLE": "pack_gqa,split"}, {}]
+    for bad in ("fwd.persistent=1", "FLASH_ATTN_TRITON_OVERRIDES=fwd_variant=ws"):
+        with pytest.raises(ValueError):
+            ab_cute_bwd.variants(bad)
+    for n in names:  # (recorded, so that the test's end restores them whatever apply() left)
+        monkeypatch.setenv(n, "")
+    ab_cute_bwd.apply(variants[0], names)
+    assert config.overrides("fwd") == {"persistent": True, "tma_o": True}
+    assert settings.disabled("pack_gqa") and settings.disabled("split")
+    ab_cute_bwd.apply(variants[1], names)
+    assert config.overrides("fwd") == {} and not settings.disabled("split")
+
+
 def test_decode_ab_parses_shapes_and_variants():
     from benchmarks.attention import ab_cute_decode as ad
     import pytest
@@ -43,6 +67,10 @@ def test_decode_ab_parses_shapes_and_variants():
                         ("both", {"pack_gqa": True, "num_splits": 0}, {"FLASH_ATTN_CUTE_X": "1"}),
                         ("pack_gqa=None", {"pack_gqa": None}, {}), ("default", {}, {})]
     assert names == ["FLASH_ATTN_CUTE_X"]
+    variants, names = ad.parse_variants("o:FLASH_ATTN_CUTE_OVERRIDES=fwd.stages=2,fwd.block_n=96,num_splits=0;"
+                                        "d:FLASH_ATTN_CUTE_DISABLE=split,pack_gqa,pack_gqa=False")
+    assert variants == [("o", {"num_splits": 0}, {"FLASH_ATTN_CUTE_OVERRIDES": "fwd.stages=2,fwd.block_n=96"}),
+                        ("d", {"pack_gqa": False}, {"FLASH_ATTN_CUTE_DISABLE": "split,pack_gqa"})]
     for bad in ("x:pack_gqa=maybe", "x:num_splits=two", "x:pack_gqa"):
         with pytest.raises(ValueError):
             ad.parse_variants(bad)

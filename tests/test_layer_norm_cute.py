@@ -1,7 +1,7 @@
 """The CuTeDSL LayerNorm/RMSNorm backward for wide rows (flash_attn.ops.cute_layer_norm_bwd, the default;
-FLASH_ATTN_LN_CUTE_BWD=0 turns it off). CPU: which calls it serves, the switch, the threads table and the
-variants (FLASH_ATTN_LN_CUTE_BWD_OPTS), the disk cache, and the sm_90a code it compiles to (PTX / ptxas -v /
-SASS). GPU: values against the fp64 reference, judged against the Triton backward's own error, and bitwise
+FLASH_ATTN_DISABLE=ln_cute_bwd turns it off). CPU: which calls it serves, the switch, the threads table and the
+variants (FLASH_ATTN_OVERRIDES' ln.threads / ln.opts), the disk cache, and the sm_90a code it compiles to (PTX /
+ptxas -v / SASS). GPU: values against the fp64 reference, judged against the Triton backward's own error, and bitwise
 run-to-run equality, for the default and for every variant."""
 import os
 import re
@@ -31,19 +31,20 @@ def _call(M=8, N=16384, dtype=torch.bfloat16, wdtype=torch.float32, bias=True, d
     return a
 
 
-def test_switch_defaults_on(monkeypatch):
-    monkeypatch.delenv("FLASH_ATTN_LN_CUTE_BWD", raising=False)
+def test_switch_defaults_on(fa_env):
+    fa_env(DISABLE=None)
     assert cb.enabled()
-    for off in ("0", "off", "false"):
-        monkeypatch.setenv("FLASH_ATTN_LN_CUTE_BWD", off)
+    for off in ("ln_cute_bwd", " LN_CUTE_BWD ", "ln_cute_bwd,"):
+        fa_env(DISABLE=off)
         assert not cb.enabled()
-    monkeypatch.setenv("FLASH_ATTN_LN_CUTE_BWD", "1")
+    fa_env(DISABLE="")
     assert cb.enabled()
+    with pytest.raises(ValueError, match="ln_cute_bwdx"):  # a misspelt feature never silently keeps it on
+        fa_env(DISABLE="ln_cute_bwdx")
 
 
-def test_served_calls(monkeypatch):
-    monkeypatch.delenv("FLASH_ATTN_LN_CUTE_BWD_THREADS", raising=False)
-    monkeypatch.delenv("FLASH_ATTN_LN_CUTE_BWD_OPTS", raising=False)
+def test_served_calls(fa_env):
+    fa_env(OVERRIDES=None)
     key = cb.plan(**_call(), check_device=False)
     assert key == ("bf16", "fp32", 16384, False, True, True, True, False, 512, ("p1", "p2"))  # OPTS_TABLE
     assert cb.plan(**_call(bias=False), check_device=False)[8] == 512  # RMSNorm 16384
@@ -55,39 +56,41 @@ def test_served_calls(monkeypatch):
         assert cb.plan(**_call(N=N), check_device=False) is not None, N
 
 
-def test_threads_table(monkeypatch):
-    monkeypatch.delenv("FLASH_ATTN_LN_CUTE_BWD_THREADS", raising=False)
+def test_threads_table(fa_env):
+    fa_env(OVERRIDES=None)
     assert cb.max_threads(16384, False) == 512 and cb.max_threads(16384, True) == 512
     assert cb.max_threads(12288, False) == 512 and cb.max_threads() == cb.MAX_THREADS == 512
-    monkeypatch.setenv("FLASH_ATTN_LN_CUTE_BWD_THREADS", "1024")  # the knob overrides the table
+    fa_env(OVERRIDES="ln.threads=1024")  # the override replaces the table
     assert cb.max_threads(16384, False) == 1024
     assert cb.plan(**_call(), check_device=False)[8] == 1024
 
 
-def test_opts_table_is_the_default_and_the_variable_overrides_it(monkeypatch):
-    """LayerNorm 16384 runs p1+p2 by default (measured 0.872 of copy against 0.698); other keys none; a set
-    FLASH_ATTN_LN_CUTE_BWD_OPTS, even empty, replaces the table."""
-    monkeypatch.delenv("FLASH_ATTN_LN_CUTE_BWD_OPTS", raising=False)
-    monkeypatch.delenv("FLASH_ATTN_LN_CUTE_BWD_THREADS", raising=False)
+def test_opts_table_is_the_default_and_the_override_replaces_it(fa_env):
+    """LayerNorm 16384 runs p1+p2 by default (measured 0.872 of copy against 0.698); other keys none; a given
+    ln.opts, even empty, replaces the table."""
+    fa_env(OVERRIDES=None)
     assert cb.OPTS_TABLE == {(False, 16384): ("p1", "p2")}
     assert cb.plan(**_call(wdtype=torch.bfloat16), check_device=False)[8:] == (512, ("p1", "p2"))
     assert cb.plan(**_call(bias=False), check_device=False)[9] == ()  # RMSNorm 16384
     assert cb.plan(**_call(N=12288), check_device=False)[9] == ()
-    monkeypatch.setenv("FLASH_ATTN_LN_CUTE_BWD_OPTS", "")
+    fa_env(OVERRIDES="ln.opts=")
     assert cb.plan(**_call(), check_device=False)[9] == ()
-    monkeypatch.setenv("FLASH_ATTN_LN_CUTE_BWD_OPTS", "vld")
+    fa_env(OVERRIDES="ln.opts=vld")
     assert cb.plan(**_call(), check_device=False)[9] == ("vld",)
+    fa_env(OVERRIDES="ce.FWD_BLOCK=16384")  # another section's override leaves the table in force
+    assert cb.plan(**_call(), check_device=False)[9] == ("p1", "p2")
 
 
-def test_options(monkeypatch):
-    """FLASH_ATTN_LN_CUTE_BWD_OPTS: known names only, in the key, sorted, and only where they change the code."""
-    monkeypatch.setenv("FLASH_ATTN_LN_CUTE_BWD_OPTS", "p2, w16,p1")
+def test_options(fa_env):
+    """ln.opts: known names only, in the key, sorted, and only where they change the code."""
+    fa_env(OVERRIDES="ln.opts=p2+ w16+p1")
     assert cb.plan(**_call(wdtype=torch.bfloat16), check_device=False)[9] == ("w16", "p1", "p2")
     assert cb.plan(**_call(wdtype=torch.float32), check_device=False)[9] == ("p1", "p2")  # no 16-bit weight
     assert cb.plan(**_call(wdtype=torch.bfloat16, bias=False), check_device=False)[9] == ("w16",)  # RMSNorm
     assert cb.options(torch.float16, False, env="pp,vld,carve") == ("carve", "vld", "pp")
+    assert cb.options(torch.float16, False, env="pp+vld+carve") == ("carve", "vld", "pp")
     assert cb.options("fp32", True, env="") == ()
-    monkeypatch.setenv("FLASH_ATTN_LN_CUTE_BWD_OPTS", "w16,fast")
+    fa_env(OVERRIDES="ln.opts=w16+fast")
     with pytest.raises(ValueError, match="fast"):
         cb.plan(**_call(), check_device=False)
 
@@ -133,10 +136,10 @@ def test_not_served(what):
     assert cb.plan(**a, check_device=False) is None
 
 
-def test_cpu_tensors_take_the_old_path(monkeypatch):
+def test_cpu_tensors_take_the_old_path(fa_env):
     """With the switch on, a CPU call is not served (no sm_90 device): _ln_bwd_cute declines and the
     default path's results are unchanged."""
-    monkeypatch.setenv("FLASH_ATTN_LN_CUTE_BWD", "1")
+    fa_env(DISABLE="")
     a = _call(M=2, N=4096)
     assert cb.plan(**a) is None
     args = (a["x"], a["weight"], None, a["dy"], None, a["dresidual_out"], None, None, a["mean"], a["rstd"], a["dx"],
@@ -147,8 +150,8 @@ def test_cpu_tensors_take_the_old_path(monkeypatch):
     w = torch.randn(4096, generator=g, requires_grad=True)
     b = torch.randn(4096, generator=g, requires_grad=True)
     grads = []
-    for on in ("1", "0"):
-        monkeypatch.setenv("FLASH_ATTN_LN_CUTE_BWD", on)
+    for disable in ("", "ln_cute_bwd"):
+        fa_env(DISABLE=disable)
         with backend("torch"):
             y = ln.layer_norm_fn(x, w, b)
         grads.append(torch.autograd.grad(y.sum(), (x, w, b)))
@@ -175,14 +178,14 @@ def test_compile_failure_falls_back(cute_env, monkeypatch):
     assert cb.kernel(key) is None and tries == [key]
 
 
-def test_threads_knob(monkeypatch):
-    monkeypatch.setenv("FLASH_ATTN_LN_CUTE_BWD_THREADS", "1024")
+def test_threads_knob(fa_env):
+    fa_env(OVERRIDES="ln.threads=1024")
     assert cb.plan(**_call(bias=False), check_device=False)[8] == 1024
     assert (cb.vectors(16384), cb.threads(16384)) == (2, 1024)
-    monkeypatch.setenv("FLASH_ATTN_LN_CUTE_BWD_THREADS", "256")
+    fa_env(OVERRIDES="ln.threads=256")
     assert cb.plan(**_call(), check_device=False) is None  # 16384 would need 8 vectors a thread
     assert cb.plan(**_call(N=8192), check_device=False)[8] == 256
-    monkeypatch.setenv("FLASH_ATTN_LN_CUTE_BWD_THREADS", "300")
+    fa_env(OVERRIDES="ln.threads=300")
     with pytest.raises(ValueError):
         cb.plan(**_call(), check_device=False)
 
@@ -207,9 +210,18 @@ def test_bench_script_parses():
     assert a.hidden == "16384" and a.residual and a.weight_dtype == "fp32" and a.variants is None
     assert mod.variant_envs(None) == [("cute", {})]
     assert mod.variant_envs("512:;1024:w16+p1") == [
-        ("cute t512 -", {"FLASH_ATTN_LN_CUTE_BWD_THREADS": "512", "FLASH_ATTN_LN_CUTE_BWD_OPTS": None}),
-        ("cute t1024 w16+p1", {"FLASH_ATTN_LN_CUTE_BWD_THREADS": "1024", "FLASH_ATTN_LN_CUTE_BWD_OPTS": "w16,p1"})]
-    assert mod.variant_envs(":pp")[0][1]["FLASH_ATTN_LN_CUTE_BWD_THREADS"] is None  # the table
+        ("cute t512 -", {"FLASH_ATTN_OVERRIDES": "ln.threads=512"}),
+        ("cute t1024 w16+p1", {"FLASH_ATTN_OVERRIDES": "ln.threads=1024,ln.opts=w16+p1"})]
+    assert mod.variant_envs(":pp") == [("cute ttable pp", {"FLASH_ATTN_OVERRIDES": "ln.opts=pp"})]  # table threads
+    # each path's environment: the caller's other settings kept, ln_cute_bwd off for Triton only, the variant's
+    # overrides after the caller's (the later item wins)
+    caller = {"FLASH_ATTN_DISABLE": "ln_cute_bwd", "FLASH_ATTN_OVERRIDES": "ce.FWD_BLOCK=16384,ln.threads=256"}
+    assert mod.path_env(caller, False, {}) == {"FLASH_ATTN_DISABLE": "ln_cute_bwd",
+                                               "FLASH_ATTN_OVERRIDES": "ce.FWD_BLOCK=16384,ln.threads=256"}
+    assert mod.path_env(caller, True, mod.variant_envs("512:p1")[0][1]) == {
+        "FLASH_ATTN_DISABLE": None,
+        "FLASH_ATTN_OVERRIDES": "ce.FWD_BLOCK=16384,ln.threads=256,ln.threads=512,ln.opts=p1"}
+    assert mod.path_env({}, True, {}) == {"FLASH_ATTN_DISABLE": None, "FLASH_ATTN_OVERRIDES": None}
 
 
 # ---------------------------------------------------------------------------------- disk cache
@@ -337,7 +349,7 @@ _CONFIGS = [("bf16", "fp32", 16384, False, True, True, True, False, 512, ()),
             ("bf16", "fp32", 16384, True, False, True, False, False, 1024, ()),
             ("bf16", "bf16", 16384, False, True, False, False, False, 1024, ()),  # the 1024-thread knob
             ("bf16", "bf16", 16384, False, True, False, False, False, 512, ("p1", "p2")),  # the default
-            # FLASH_ATTN_LN_CUTE_BWD_OPTS variants, where they are to be measured (LayerNorm 12288 / 16384)
+            # ln.opts variants, where they are to be measured (LayerNorm 12288 / 16384)
             ("bf16", "bf16", 16384, False, True, False, False, False, 1024, ("w16", "carve")),
             ("bf16", "bf16", 16384, False, True, False, False, True, 512, ("w16",)),  # zero-centred 16-bit
             ("bf16", "bf16", 16384, False, True, False, False, False, 1024, ("p1", "p2")),
@@ -518,23 +530,21 @@ def _grads(x, w, b, res, is_rms_norm, dy, dres, cast=None, zc=False):
     return torch.autograd.grad(outs, ins, [g.to(o.dtype) for g, o in zip(gos, outs)])
 
 
-def _check_gpu(monkeypatch, M, N, is_rms_norm, residual, wdtype=torch.float32, zc=False, on="1", x_mean=0.0):
-    """dx, dweight, dbias, dresidual of the CuTeDSL path (FLASH_ATTN_LN_CUTE_BWD=on; None: unset, the
-    default) against fp64, within 2x the Triton backward's own error (switch off) plus one bf16 rounding
-    of the result; the CuTeDSL kernel must actually have been used, and two runs agree bitwise. Returns
-    the compile key that served."""
+def _check_gpu(monkeypatch, fa_env, M, N, is_rms_norm, residual, wdtype=torch.float32, zc=False, disable="",
+               x_mean=0.0):
+    """dx, dweight, dbias, dresidual of the CuTeDSL path (FLASH_ATTN_DISABLE=disable, a value without
+    ln_cute_bwd; None: unset, the default) against fp64, within 2x the Triton backward's own error
+    (FLASH_ATTN_DISABLE=ln_cute_bwd) plus one bf16 rounding of the result; the CuTeDSL kernel must actually
+    have been used, and two runs agree bitwise. Returns the compile key that served."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("sm_90 only")
     x, w, b, res = _gpu_case(M, N, is_rms_norm, residual, seed=M + N, wdtype=wdtype, x_mean=x_mean)
     g = torch.Generator().manual_seed(1)
     dy = torch.randn(M, N, generator=g).to("cuda", torch.bfloat16)
     dres = torch.randn(M, N, generator=g).to("cuda", torch.bfloat16) if residual else None
-    monkeypatch.setenv("FLASH_ATTN_LN_CUTE_BWD", "0")
+    fa_env(DISABLE="ln_cute_bwd")
     tri = _grads(x, w, b, res, is_rms_norm, dy, dres, zc=zc)
-    if on is None:
-        monkeypatch.delenv("FLASH_ATTN_LN_CUTE_BWD")
-    else:
-        monkeypatch.setenv("FLASH_ATTN_LN_CUTE_BWD", on)
+    fa_env(DISABLE=disable)
     calls, launch = [], cb.launch
     monkeypatch.setattr(cb, "launch", lambda *a: (calls.append(a[0]), launch(*a))[1])
     cute1 = _grads(x, w, b, res, is_rms_norm, dy, dres, zc=zc)
@@ -557,22 +567,20 @@ def _check_gpu(monkeypatch, M, N, is_rms_norm, residual, wdtype=torch.float32, z
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("N", [4096, 12288, 16384])
 @pytest.mark.parametrize("M", [1, 3, 1000, 16384])
-def test_gpu_matches_reference(monkeypatch, M, N, is_rms_norm, residual):
+def test_gpu_matches_reference(monkeypatch, fa_env, M, N, is_rms_norm, residual):
     """The default kernels (threads from THREADS_TABLE, variants from OPTS_TABLE) against fp64 (see
     _check_gpu)."""
-    monkeypatch.delenv("FLASH_ATTN_LN_CUTE_BWD_THREADS", raising=False)
-    monkeypatch.delenv("FLASH_ATTN_LN_CUTE_BWD_OPTS", raising=False)
-    key = _check_gpu(monkeypatch, M, N, is_rms_norm, residual)
+    fa_env(OVERRIDES=None)
+    key = _check_gpu(monkeypatch, fa_env, M, N, is_rms_norm, residual)
     assert key[8] == cb.THREADS_TABLE.get((is_rms_norm, N), cb.MAX_THREADS)
     assert key[9] == cb.OPTS_TABLE.get((is_rms_norm, N), ())
 
 
 @pytest.mark.gpu
-def test_gpu_on_by_default(monkeypatch):
-    """With FLASH_ATTN_LN_CUTE_BWD unset the CuTeDSL kernel serves LayerNorm 16384 (512 threads, p1+p2)."""
-    monkeypatch.delenv("FLASH_ATTN_LN_CUTE_BWD_THREADS", raising=False)
-    monkeypatch.delenv("FLASH_ATTN_LN_CUTE_BWD_OPTS", raising=False)
-    key = _check_gpu(monkeypatch, 300, 16384, False, False, on=None)
+def test_gpu_on_by_default(monkeypatch, fa_env):
+    """With FLASH_ATTN_DISABLE unset the CuTeDSL kernel serves LayerNorm 16384 (512 threads, p1+p2)."""
+    fa_env(OVERRIDES=None)
+    key = _check_gpu(monkeypatch, fa_env, 300, 16384, False, False, disable=None)
     assert key[8:] == (512, ("p1", "p2"))
 
 
@@ -583,36 +591,34 @@ _VARIANT_CASES = [(12288, False, True, False, "512"), (16384, False, False, Fals
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("opts", ["w16", "carve", "p1", "p2", "vld", "pp", "w16,carve,p1,p2,vld,pp"])
+@pytest.mark.parametrize("opts", ["w16", "carve", "p1", "p2", "vld", "pp", "w16+carve+p1+p2+vld+pp"])
 @pytest.mark.parametrize("case", _VARIANT_CASES, ids=lambda c: f"{c[0]}-{'rms' if c[1] else 'ln'}"
                          f"{'-dres' if c[2] else ''}{'-zc' if c[3] else ''}-t{c[4]}")
 @pytest.mark.parametrize("M", [3, 1001])  # 3: one row a CTA; 1001: 8 rows a CTA and a 1-row tail (pp's odd row)
-def test_gpu_variants(monkeypatch, opts, case, M):
-    """Every FLASH_ATTN_LN_CUTE_BWD_OPTS variant, alone and all together, against fp64 (see _check_gpu)."""
+def test_gpu_variants(monkeypatch, fa_env, opts, case, M):
+    """Every ln.opts variant, alone and all together, against fp64 (see _check_gpu)."""
     N, is_rms_norm, residual, zc, threads = case
-    monkeypatch.setenv("FLASH_ATTN_LN_CUTE_BWD_THREADS", threads)
-    monkeypatch.setenv("FLASH_ATTN_LN_CUTE_BWD_OPTS", opts)
-    key = _check_gpu(monkeypatch, M, N, is_rms_norm, residual, wdtype=torch.bfloat16, zc=zc)
+    fa_env(OVERRIDES=f"ln.threads={threads},ln.opts={opts}")
+    key = _check_gpu(monkeypatch, fa_env, M, N, is_rms_norm, residual, wdtype=torch.bfloat16, zc=zc)
     assert key[9] == cb.options(torch.bfloat16, is_rms_norm, env=opts) and key[8] == int(threads)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("opts", ["", "p1"])
-def test_gpu_large_mean(monkeypatch, opts):
+def test_gpu_large_mean(monkeypatch, fa_env, opts):
     """x = 30 + N(0, 1): p1's sum(x * g) - mean * sum(g) cancels ~30x more than sum((x - mean) * g), in
     fp32, against dx's bf16 rounding (the Triton backward subtracts the mean first)."""
-    monkeypatch.setenv("FLASH_ATTN_LN_CUTE_BWD_OPTS", opts)
-    monkeypatch.delenv("FLASH_ATTN_LN_CUTE_BWD_THREADS", raising=False)
-    key = _check_gpu(monkeypatch, 1001, 16384, False, False, wdtype=torch.bfloat16, x_mean=30.0)
+    fa_env(OVERRIDES=f"ln.opts={opts}")  # (empty: no variants)
+    key = _check_gpu(monkeypatch, fa_env, 1001, 16384, False, False, wdtype=torch.bfloat16, x_mean=30.0)
     assert key[9] == ((opts,) if opts else ())
 
 
 @pytest.mark.gpu
-def test_gpu_served_and_partials_rows(monkeypatch):
+def test_gpu_served_and_partials_rows(monkeypatch, fa_env):
     """Served calls run the CuTeDSL kernel, and a new row count reuses the compiled kernel (symbolic M)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("sm_90 only")
-    monkeypatch.setenv("FLASH_ATTN_LN_CUTE_BWD", "1")
+    fa_env(DISABLE="")
     calls, launch = [], cb.launch
     monkeypatch.setattr(cb, "launch", lambda *a: (calls.append(a[0]), launch(*a))[1])
     for M in (5, 777):

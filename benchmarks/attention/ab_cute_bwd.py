@@ -1,18 +1,23 @@
-"""A/B of CuTeDSL backward variants (environment switches) in one process, interleaved, so that machine
+"""A/B of CuTeDSL backward variants (environment settings) in one process, interleaved, so that machine
 drift between device calls does not decide a comparison. For each shape and each variant: the kernel
-alone (inputs prepared as interface.backward prepares them) and the whole backward call (host steps
+alone (inputs prepared as launch.backward prepares them) and the whole backward call (host steps
 included), do_bench medians, bf16, batch x seqlen = --tokens, heads = --hidden / head dim.
 
-    python -m benchmarks.attention.ab_cute_bwd --variants "FLASH_ATTN_CUTE_BWD_LPT=0;FLASH_ATTN_CUTE_BWD_LPT=128"
-    python -m benchmarks.attention.ab_cute_bwd --variants ";FLASH_ATTN_CUTE_BWD_BLOCK_M=128" --headdims 64
+    python -m benchmarks.attention.ab_cute_bwd \\
+        --variants "FLASH_ATTN_CUTE_OVERRIDES=bwd.lpt=0;FLASH_ATTN_CUTE_OVERRIDES=bwd.lpt=128"
+    python -m benchmarks.attention.ab_cute_bwd --variants ";FLASH_ATTN_CUTE_OVERRIDES=bwd.block_m=128" --headdims 64
+    python -m benchmarks.attention.ab_cute_bwd --variants ";FLASH_ATTN_CUTE_OVERRIDES=bwd.dq_tma=0,bwd.overlap=1"
 
-A variant is a comma-separated list of NAME=VALUE (empty: the defaults). Kernels compile on first use
-(run `python -m flash_attn.cute.precompile --backward` with each variant's variables first to fill the
-disk cache in parallel).
+A variant is a comma-separated list of NAME=VALUE (empty: the defaults); an item that does not start with an
+upper-case NAME= continues the previous value, so FLASH_ATTN_CUTE_OVERRIDES / FLASH_ATTN_CUTE_DISABLE keep their
+own comma-separated lists. The settings are read again after each switch (flash_attn.cute.settings.reload()).
+Kernels compile on first use (run `python -m flash_attn.cute.precompile --backward` with each variant's
+variables first to fill the disk cache in parallel).
 """
 import argparse
 import os
 
+from benchmarks.common import env_items, reload_settings
 from benchmarks.common import ints as _ints
 
 
@@ -33,22 +38,20 @@ def parser(doc, seqlens):
 
 
 def variants(spec):
-    """[{NAME: VALUE}] of a --variants string (an empty variant: the defaults) and every NAME in it."""
-    out = []
-    for v in spec.split(";"):
-        env = {}
-        for item in filter(None, (x.strip() for x in v.split(","))):
-            name, _, value = item.partition("=")
-            env[name] = value
-        out.append(env)
+    """[{NAME: VALUE}] of a --variants string (an empty variant: the defaults) and every NAME in it; each variant
+    is parsed by common.env_items (an item that is not NAME=VALUE with an upper-case NAME continues the previous
+    value; FLASH_ATTN_TRITON_* are refused: they cannot switch inside a process)."""
+    out = [env_items(v) for v in spec.split(";")]
     return out, sorted({n for v in out for n in v})
 
 
 def apply(var, names):
-    """The environment of one variant: its NAMEs set, the other variants' NAMEs unset."""
+    """The environment of one variant: its NAMEs set, the other variants' NAMEs unset, and the settings read
+    again."""
     for n in names:
         os.environ.pop(n, None)
     os.environ.update(var)
+    reload_settings()
 
 
 def round_order(variants_, r):
@@ -88,7 +91,7 @@ def main(argv=None):
     from benchmarks.attention.bench_cute_bwd import kernel_call
 
     from flash_attn.cute import backend as cb
-    from flash_attn.cute import interface as ci
+    from flash_attn.cute import kernels
 
     variants_, names = variants(args.variants)
     dtype = torch.bfloat16
@@ -108,7 +111,7 @@ def main(argv=None):
                 for r in range(args.rounds):
                     for i, var in round_order(variants_, r):
                         apply(var, names)
-                        ci._bwd_kernels.clear()  # the in-memory cache does not key on the variables
+                        kernels._bwd_kernels.clear()  # the in-memory cache does not key on the settings
                         t_k = do_bench(kernel_call(q, k, v, dout, out, lse, causal), warmup=args.warmup,
                                        rep=args.rep, return_mode="median")
                         t_c = do_bench(lambda: cb.bwd(dout, q, k, v, out, lse, deterministic=False, **kw),

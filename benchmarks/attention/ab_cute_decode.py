@@ -4,11 +4,16 @@ per round, the median kept), microseconds per call and the rate at which the cal
 output is compared with the first variant's (the options change the tiling, not the result), and the kernels a
 variant ran are listed (the in-memory cache's keys), so a variant that silently ran unpacked or unsplit shows.
 
-    python -m benchmarks.attention.ab_cute_decode --env FLASH_ATTN_CUTE_PACK_GQA=1,FLASH_ATTN_CUTE_SPLIT=1 --variants \\
+    python -m benchmarks.attention.ab_cute_decode --variants \\
         "plain:pack_gqa=False;pack:pack_gqa=True;split:num_splits=0;both:pack_gqa=True,num_splits=0;auto:num_splits=0"
+    python -m benchmarks.attention.ab_cute_decode --env FLASH_ATTN_CUTE_OVERRIDES=plan.pack_gqa_auto=1 --variants \\
+        "plain:pack_gqa=False;auto:pack_gqa=None,num_splits=0;unsplit:num_splits=0,FLASH_ATTN_CUTE_DISABLE=split"
 
 A variant is LABEL:KEY=VALUE[,KEY=VALUE] with KEY pack_gqa (True / False / None) or num_splits (an int), or an
-environment variable (NAME=VALUE, set for that variant only). --env sets variables for every variant. A shape is
+environment variable (NAME=VALUE with an upper-case NAME, set for that variant only; an item that is neither
+continues the variable's value, so FLASH_ATTN_CUTE_OVERRIDES=fwd.stages=2,fwd.block_n=96 is one variable).
+--env sets variables for every variant (the same NAME=VALUE list). The settings are read again after each
+switch (flash_attn.cute.settings.reload()). A shape is
 B:Sq:Sk:H:Hk:D; --paged P runs each shape as flash_attn_varlen_func with B sequences of Sq queries, their keys in a
 shuffled cache of P-row pages (page_table, seqused_k), as a serving engine calls it.
 
@@ -17,7 +22,7 @@ every shape's calls of every variant on CPU tensors with the kernel launches rec
 SMs for num_splits=0), and compiles the kernels they asked for into the cache, so that the device call loads them.
 """
 import argparse
-import os
+import re
 import sys
 
 # B:Sq:Sk:H:Hk:D: one-token decoding at batch 1 / 8 / 32 with 8k-32k keys and 4 or 8 query heads per KV head, a
@@ -25,6 +30,7 @@ import sys
 DEFAULT_SHAPES = ("1:1:8192:32:8:128,1:1:32768:32:8:128,8:1:8192:32:8:128,32:1:4096:32:8:128,1:4:16384:64:8:128,"
                   "4:16:8192:32:4:128,1:1:32768:16:2:64,1:1:8192:16:2:256")
 _CALL_KEYS = ("pack_gqa", "num_splits")
+_NAME = re.compile(r"[A-Z][A-Z0-9_]*=")
 
 
 def parse_shapes(spec):
@@ -52,21 +58,26 @@ def _value(key, text):
 
 def parse_variants(spec):
     """[(label, call kwargs, env)] of a ';'-separated LABEL:KEY=VALUE[,KEY=VALUE] list (no label: the items
-    joined), and every environment NAME any variant sets."""
+    joined), and every environment NAME any variant sets. An item that is neither a call KEY=VALUE nor
+    NAME=VALUE with an upper-case NAME continues the previous variable's value."""
     out = []
     for v in spec.split(";"):
         label, sep, items = v.partition(":")
         if not sep:
             label, items = "", label
-        kw, env = {}, {}
+        kw, env, last = {}, {}, None
         for item in filter(None, (x.strip() for x in items.split(","))):
             key, eq, value = item.partition("=")
-            if not eq:
-                raise ValueError(f"variant item {item!r}: expected KEY=VALUE")
-            if key in _CALL_KEYS:
-                kw[key] = _value(key, value)
+            if eq and key in _CALL_KEYS:
+                kw[key], last = _value(key, value), None
+            elif _NAME.match(item):
+                env[key], last = value, key
+            elif last is not None:
+                env[last] += "," + item
             else:
-                env[key] = value
+                raise ValueError(f"variant item {item!r}: expected KEY=VALUE")
+        if any(n.startswith("FLASH_ATTN_TRITON_") for n in env):
+            raise ValueError(f"variant {v!r}: flash_attn.triton reads its variables once at import")
         out.append((label.strip() or ",".join(f"{k}={x}" for k, x in {**kw, **env}.items()) or "default", kw, env))
     return out, sorted({n for _, _, env in out for n in env})
 
@@ -100,13 +111,13 @@ def _inputs(shape, paged, dtype, seed=0, device="cuda"):
 
 def kernels_asked(shapes, variants_, names, paged, causal, sms=132):
     """The forward kernels (dtype, head dim, causal, fwd_kernel keyword arguments) the calls of every shape and
-    variant ask for, found on the CPU: the calls run on CPU tensors with interface.fwd_kernel recording (its kernels
-    do nothing) and the device queries answered as an H200's."""
+    variant ask for, found on the CPU: the calls run on CPU tensors with launch.fwd_kernel recording (its kernels
+    do nothing), the in-memory kernel table empty (every call asks fwd_kernel) and the device queries answered as
+    an H200's. Everything replaced is put back after."""
     import torch
 
     from benchmarks.attention.ab_cute_bwd import apply
-    from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
-    from flash_attn.cute import interface as ci
+    from flash_attn.cute import flash_attn_func, flash_attn_varlen_func, interface, kernels, launch, plan
 
     asked = []
 
@@ -117,9 +128,11 @@ def kernels_asked(shapes, variants_, names, paged, causal, sms=132):
             asked.append(entry)
         return lambda *a: None
 
-    saved = ci.fwd_kernel, ci._kernels, ci._device_arch, ci._device_sms
-    ci.fwd_kernel, ci._kernels = record, {}
-    ci._device_arch, ci._device_sms = (lambda q, k, v: "sm_90a"), (lambda t: sms)
+    # patched where the calls look them up; kernels._kernels is one dict that launch.py and interface.py import,
+    # so its contents are swapped, not the name
+    saved = launch.fwd_kernel, interface._device_arch, plan._device_sms, dict(kernels._kernels)
+    launch.fwd_kernel, interface._device_arch, plan._device_sms = record, (lambda q, k, v: "sm_90a"), (lambda t: sms)
+    kernels._kernels.clear()
     try:
         for shape in shapes:
             kind, args, kw_ = _inputs(shape, paged, torch.bfloat16, device="cpu")
@@ -128,7 +141,9 @@ def kernels_asked(shapes, variants_, names, paged, causal, sms=132):
                 apply(env, names)
                 fn(*args, causal=causal, **kw_, **kw)
     finally:
-        ci.fwd_kernel, ci._kernels, ci._device_arch, ci._device_sms = saved
+        launch.fwd_kernel, interface._device_arch, plan._device_sms, table = saved
+        kernels._kernels.clear()
+        kernels._kernels.update(table)
         apply({}, names)
     return [(dtype, d, causal, dict(kw)) for dtype, d, causal, kw in asked]
 
@@ -159,11 +174,13 @@ def _compile(asked, jobs):
 
 def main(argv=None):
     from benchmarks.attention.ab_cute_bwd import apply, round_order, summary
+    from benchmarks.common import env_items, set_environ
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--variants", required=True)
     p.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma-separated B:Sq:Sk:H:Hk:D")
-    p.add_argument("--env", default="", help="NAME=VALUE[,NAME=VALUE] for every variant")
+    p.add_argument("--env", default="", help="NAME=VALUE[,NAME=VALUE] for every variant (e.g. "
+                   "FLASH_ATTN_CUTE_OVERRIDES=plan.pack_gqa_auto=1)")
     p.add_argument("--paged", type=int, default=0, help="page size: run the varlen paged form (0: dense)")
     p.add_argument("--causal", action="store_true")
     p.add_argument("--rounds", type=int, default=5)
@@ -172,9 +189,7 @@ def main(argv=None):
     p.add_argument("--compile-only", action="store_true", help="fill the disk cache on a CPU (see above)")
     p.add_argument("--jobs", type=int, default=2, help="--compile-only: compile in this many processes")
     args = p.parse_args(argv)
-    for item in filter(None, (x.strip() for x in args.env.split(","))):
-        name, _, value = item.partition("=")
-        os.environ[name] = value
+    set_environ(env_items(args.env))
     if args.compile_only:
         variants_, names = parse_variants(args.variants)
         asked = kernels_asked(parse_shapes(args.shapes), variants_, names, args.paged, args.causal)
@@ -183,8 +198,7 @@ def main(argv=None):
     import torch
     from triton.testing import do_bench
 
-    from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
-    from flash_attn.cute import interface as ci
+    from flash_attn.cute import flash_attn_func, flash_attn_varlen_func, kernels
 
     variants_, names = parse_variants(args.variants)
     shapes = parse_shapes(args.shapes)
@@ -201,14 +215,14 @@ def main(argv=None):
         for r in range(args.rounds):
             for i, (label, kw, env) in round_order(variants_, r):
                 apply(env, names)
-                ci._kernels.clear()  # the in-memory cache does not key on the variables
+                kernels._kernels.clear()  # the in-memory cache does not key on the settings
 
                 def call(kw=kw):
                     return fn(*call_args, causal=args.causal, **call_kw, **kw)[0]
 
                 if outs[i] is None:
                     outs[i] = call().float()
-                    ran[i] = {k[6:] for k in ci._kernels}  # what the call ran beyond (dtype, D, causal, ...)
+                    ran[i] = {k[6:] for k in kernels._kernels}  # what the call ran beyond (dtype, D, causal, ...)
                 times[i].append(do_bench(call, warmup=args.warmup, rep=args.rep, return_mode="median") * 1e3)
         b, sq, sk, h, hk, d = shape
         gbytes = kv_bytes(b, sk, hk, d) / 1e9

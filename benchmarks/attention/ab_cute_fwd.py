@@ -1,12 +1,15 @@
-"""A/B of CuTeDSL forward variants (environment switches) in one process, interleaved, so that machine
+"""A/B of CuTeDSL forward variants (environment settings) in one process, interleaved, so that machine
 drift between device calls does not decide a comparison: flash_attn.cute.flash_attn_func, forward
 only, do_bench medians, bf16, batch x seqlen = --tokens, heads = --hidden / head dim.
 
-    python -m benchmarks.attention.ab_cute_fwd --variants ";FLASH_ATTN_CUTE_FWD_PERSISTENT=1"
+    python -m benchmarks.attention.ab_cute_fwd --variants ";FLASH_ATTN_CUTE_OVERRIDES=fwd.persistent=1"
+    python -m benchmarks.attention.ab_cute_fwd --headdims 64 \\
+        --variants ";FLASH_ATTN_CUTE_OVERRIDES=fwd.persistent=0,fwd.warpgroups=3"
 
-A variant is a comma-separated list of NAME=VALUE (empty: the defaults). Kernels compile on first use
-(run `python -m flash_attn.cute.precompile` with each variant's variables first to fill the disk cache in
-parallel).
+A variant is a comma-separated list of NAME=VALUE (empty: the defaults; parsed as ab_cute_bwd's, so
+FLASH_ATTN_CUTE_OVERRIDES' own comma-separated fields stay one value). The settings are read again after
+each switch. Kernels compile on first use (run `python -m flash_attn.cute.precompile` with each variant's
+variables first to fill the disk cache in parallel).
 """
 from benchmarks.attention.ab_cute_bwd import apply, header, parser, round_order, summary, variants
 
@@ -18,7 +21,7 @@ def main(argv=None):
     from triton.testing import do_bench
 
     from flash_attn.cute import flash_attn_func
-    from flash_attn.cute import interface as ci
+    from flash_attn.cute import kernels
 
     variants_, names = variants(args.variants)
     dtype = torch.bfloat16
@@ -34,9 +37,7 @@ def main(argv=None):
                 for r in range(args.rounds):
                     for i, var in round_order(variants_, r):
                         apply(var, names)
-                        ci._kernels.clear()  # the in-memory cache does not key on the variables
-                        ci._SHORT_DIMS = ci._short_dims()  # (read at import: FLASH_ATTN_CUTE_FWD_TMA_O=short, _LPT)
-                        ci._FWD_LONG_ON = frozenset(p for p in ci._FWD_LONG if ci._long_rule(*p))
+                        kernels._kernels.clear()  # the in-memory cache does not key on the settings
                         t = do_bench(lambda: flash_attn_func(q, k, v, causal=causal), warmup=args.warmup,
                                      rep=args.rep, return_mode="median")
                         rates[i].append(flops / t / 1e9)

@@ -8,8 +8,8 @@ TFLOP/s with FlashAttention's count (bwd = 2.5 x 4 * B * S^2 * H * D, half when 
 
 The cute time includes its host-side steps (flash_attn/cute/bwd_host.py: one Triton launch before the
 kernel for delta = rowsum(dO * O), lse in log2 units and the dq_accum zeroing, one after it for dq's
-fp32 -> bf16 cast and the GQA sums); "torch host" is the same call with FLASH_ATTN_CUTE_BWD_HOST=torch
-(the torch fallback's launches); the Triton time includes its own
+fp32 -> bf16 cast and the GQA sums); "torch host" is the same call with
+FLASH_ATTN_CUTE_OVERRIDES=plan.bwd_host=torch (the torch fallback's launches); the Triton time includes its own
 preprocessing. "kernel" is flash_bwd_sm90 alone on prepared inputs. The cute column cannot reach it
 however few the launches: per element of q the host steps move 14 bytes (read O and dO, zero the fp32
 dq_accum, read it back, write dq), 0.47 GB at 16k tokens x hidden 2048, about 0.1 ms at H200 bandwidth.
@@ -20,17 +20,18 @@ import os
 import torch
 
 from benchmarks.common import bools as _bools
+from benchmarks.common import environ
 from benchmarks.common import ints as _ints
 
 
 def kernel_call(q, k, v, dout, out, lse, causal):
     """A no-argument call of the backward kernel alone (the current configuration's), on inputs prepared
-    as interface.backward prepares them (lse2 and delta padded to the query block, a zeroed dq_accum)."""
-    from flash_attn.cute import interface as ci
+    as launch.backward prepares them (lse2 and delta padded to the query block, a zeroed dq_accum)."""
+    from flash_attn.cute import kernels
 
     b, s, h, d = q.shape
-    fn = ci.bwd_kernel(q.dtype, d, causal)
-    bm = ci._bwd_config(q.dtype, d, causal, "sm_90a")["block_m"]
+    fn = kernels.bwd_kernel(q.dtype, d, causal)
+    bm = kernels.bwd_config(q.dtype, d, causal, "sm_90a").block_m
     pad = -(-s // bm) * bm
     lse2 = torch.full((b, h, pad), float("inf"), dtype=torch.float32, device=q.device)
     lse2[:, :, :s] = lse * 1.4426950408889634
@@ -61,7 +62,7 @@ def main(argv=None):
     from triton.testing import do_bench
 
     from flash_attn.cute import backend as cb
-    from flash_attn.cute import bwd_host
+    from flash_attn.cute import settings as cute_settings
     from flash_attn.triton import backend as tb
 
     dtype = torch.bfloat16
@@ -92,11 +93,10 @@ def main(argv=None):
                 flops = 2.5 * 4 * b * s * s * h * d / (2 if causal else 1)
                 t_tri = do_bench(run_triton, warmup=args.warmup, rep=args.rep, return_mode="median")
                 t_cute = do_bench(run_cute, warmup=args.warmup, rep=args.rep, return_mode="median")
-                os.environ[bwd_host.HOST_ENV_VAR] = "torch"
-                try:
+                # the torch host steps: plan.bwd_host added to whatever overrides the run has
+                overrides = ",".join(filter(None, (os.environ.get(cute_settings.OVERRIDES), "plan.bwd_host=torch")))
+                with environ({cute_settings.OVERRIDES: overrides}):
                     t_host = do_bench(run_cute, warmup=args.warmup, rep=args.rep, return_mode="median")
-                finally:
-                    del os.environ[bwd_host.HOST_ENV_VAR]
                 t_kern = do_bench(kernel_call(q, k, v, dout, out, lse, causal), warmup=args.warmup, rep=args.rep,
                                   return_mode="median")
                 emit(f"{d:>4} {s:>6} {b:>3} {h:>3} {str(causal):>6} | {t_tri:9.3f} {flops / t_tri / 1e9:8.1f} | "

@@ -46,14 +46,17 @@ def _per_call_us(fn, device, n, rounds, sync_each=False):
     return common.per_call_us(fn, n=n, rounds=rounds, warmup=20, device=device, sync_each=sync_each)
 
 
-def _nop_kernel(interface):
-    """Swap every kernel for TVM-FFI's no-op: the call marshals the same torch tensors and float
-    through TVM-FFI and returns without launching anything."""
+def _nop_kernel():
+    """Swap every kernel of the in-memory table (kernels._kernels, the one dict the call paths read) for
+    TVM-FFI's no-op: the call marshals the same torch tensors and float through TVM-FFI and returns without
+    launching anything."""
     import tvm_ffi
 
+    from flash_attn.cute import kernels
+
     nop = tvm_ffi.get_global_func("testing.nop")
-    for key in list(interface._kernels):
-        interface._kernels[key] = nop
+    for key in list(kernels._kernels):
+        kernels._kernels[key] = nop
     return nop
 
 
@@ -62,14 +65,14 @@ def _child(mode, device):
     t_start = time.perf_counter()
     import torch
 
-    from flash_attn.cute import interface
+    from flash_attn.cute import interface, kernels
     q, k, v = _inputs(device)
     _sync(device)  # CUDA context and inputs ready: not part of the first call
     t0 = time.perf_counter()
     if device == "cuda":
         interface.flash_attn_func(q, k, v)
     else:
-        interface.fwd_kernel(torch.bfloat16, D, False, "sm_90a")
+        kernels.fwd_kernel(torch.bfloat16, D, False, "sm_90a")
     _sync(device)
     first = time.perf_counter() - t0
     t1 = time.perf_counter()
@@ -78,7 +81,7 @@ def _child(mode, device):
         _sync(device)
     second = time.perf_counter() - t1
     print(json.dumps({"first_s": first, "second_s": second, "process_s": time.perf_counter() - t_start,
-                      "origin": interface._origins.get((torch.bfloat16, D, False, "sm_90a")),
+                      "origin": kernels._origins.get((torch.bfloat16, D, False, "sm_90a")),
                       "cutlass_imported": "cutlass" in sys.modules}))
 
 
@@ -126,7 +129,7 @@ def main():
 
     import torch
 
-    from flash_attn.cute import cache, interface
+    from flash_attn.cute import cache, interface, kernels, launch
     print(f"torch {torch.__version__}, device "
           f"{torch.cuda.get_device_name() if device == 'cuda' else 'CPU (--cpu: no launch)'}, "
           f"versions {json.dumps(cache.environment())}")
@@ -143,13 +146,13 @@ def main():
         print(f"warm disk cache, first call in a new process: {warm['first_s'] * 1e3:.1f} ms "
               f"(kernel from: {warm['origin']}, CuTeDSL compiler imported: {warm['cutlass_imported']})"
               + (f"; second call {warm['second_s'] * 1e6:.0f} us" if device == "cuda" else ""))
-        os.environ[cache.ENV_VAR] = folder
+        common.set_environ({cache.ENV_VAR: folder})  # (flash_attn.cute reads its settings again)
 
         # 1: per call, in this process (the kernel is in memory after the first call)
         q, k, v = _inputs(device)
         if device == "cuda":
             f = interface.flash_attn_func
-            interface.fwd_kernel(torch.bfloat16, D, False, interface._device_arch(q, k, v))
+            kernels.fwd_kernel(torch.bfloat16, D, False, launch._device_arch(q, k, v))
             us = _per_call_us(lambda: f(q, k, v), device, a.calls, a.rounds)
             print(f"flash_attn.cute.flash_attn_func per call: {us:.1f} us (back to back)")
             us_sync = _per_call_us(lambda: f(q, k, v), device, max(a.calls // 10, 50), a.rounds, sync_each=True)
@@ -158,12 +161,13 @@ def main():
             sdpa = torch.nn.functional.scaled_dot_product_attention
             print(f"  peer, SDPA per call: {_per_call_us(lambda: sdpa(qt, kt, vt), device, a.calls, a.rounds):.1f} us")
         else:
-            interface._device_arch = lambda q, k, v: "sm_90a"  # CPU tensors pass the device check
-            interface.fwd_kernel(torch.bfloat16, D, False, "sm_90a")  # loads from the warm folder
-            # the tiny call's key length takes the short-key kernel's entry (interface._TMA_O_SHORT_SK)
-            interface.fwd_kernel(torch.bfloat16, D, False, "sm_90a", short=True)
+            # CPU tensors pass the device check (the name flash_attn_func looks up)
+            interface._device_arch = lambda q, k, v: "sm_90a"
+            kernels.fwd_kernel(torch.bfloat16, D, False, "sm_90a")  # loads from the warm folder
+            # the tiny call's key length takes the short-key kernel's entry (seqlen_k <= config.SHORT_SK)
+            kernels.fwd_kernel(torch.bfloat16, D, False, "sm_90a", short=True)
             f = interface.flash_attn_func
-        _nop_kernel(interface)
+        _nop_kernel()
         us_py = _per_call_us(lambda: f(q, k, v), device, a.calls, a.rounds)
         print(f"Python path alone (kernel = TVM-FFI no-op, {device} tensors): {us_py:.2f} us per call")
         if device == "cpu":

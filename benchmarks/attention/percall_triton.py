@@ -3,12 +3,15 @@ backend.fwd and flash_attn_func (300 calls back to back, median of 5 rounds), th
 host cost of the warp-specialized plan, the TMA allocator hook and a scratch allocation. The per-call table of
 record: benchmarks/results/h200/attention_triton.md.
 
-    for v in "" off; do FLASH_ATTN_TRITON_FWD_VARIANT=$v python -m benchmarks.attention.percall_triton; done
+    for v in "" off; do FLASH_ATTN_TRITON_OVERRIDES=fwd_variant=$v python -m benchmarks.attention.percall_triton; done
+
+(flash_attn.triton reads FLASH_ATTN_TRITON_OVERRIDES once at import: one process per variant.)
 """
-import os, time, torch
+import time, torch
 from benchmarks.common import per_call_us
 import flash_attn
 from flash_attn.triton import backend as tb
+from flash_attn.triton import settings as ts
 from triton.testing import do_bench
 q, k, v = (torch.randn(1, 128, 16, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
 kw = dict(cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=128, max_seqlen_k=128, block_table=None,
@@ -16,7 +19,7 @@ kw = dict(cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=128, max_seqlen_k=1
           alibi_slopes=None, dropout_p=0.0, rng_state=None)
 f = lambda: tb.fwd(q, k, v, return_probs=False, **kw)
 per_call = per_call_us  # 300 calls back to back, median of 5 rounds
-print("variant", os.environ.get("FLASH_ATTN_TRITON_FWD_VARIANT"), "backend.fwd us", round(per_call(f), 1))
+print("variant", ts.overrides.get("fwd_variant"), "backend.fwd us", round(per_call(f), 1))
 with flash_attn.use_backend("triton"):
     print("flash_attn_func us", round(per_call(lambda: flash_attn.flash_attn_func(q, k, v)), 1))
 print("gpu time us (do_bench)", round(do_bench(f, warmup=20, rep=100) * 1e3, 1))

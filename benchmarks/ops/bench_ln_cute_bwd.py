@@ -1,5 +1,5 @@
 """LayerNorm / RMSNorm backward: the Triton plan against the CuTeDSL wide-row kernel
-(ops/cute_layer_norm_bwd.py, the default; FLASH_ATTN_LN_CUTE_BWD=0 is the Triton plan), bf16, rows x hidden =
+(ops/cute_layer_norm_bwd.py, the default; FLASH_ATTN_DISABLE=ln_cute_bwd is the Triton plan), bf16, rows x hidden =
 --elems. Same columns as benchmarks/ops/sweep_norm_bwd.py: backward time, its fraction of the device-to-device
 copy bandwidth (6 bytes per element: read x and dy, write dx), and the largest gradient error against an
 fp32 PyTorch reference (over dx, dweight, dbias, relative to the largest reference entry). "bwd x copy"
@@ -8,8 +8,10 @@ counts 6 bytes per element also with --residual (which moves 10: dresidual_out r
 back to Triton: see cute_layer_norm_bwd.plan).
 
 --variants measures several CuTeDSL configurations in one process (Triton once): ';'-separated
-THREADS:OPTS items, THREADS empty for the THREADS_TABLE default, OPTS '+'-joined FLASH_ATTN_LN_CUTE_BWD_OPTS
-names; without it the environment's FLASH_ATTN_LN_CUTE_BWD_THREADS / _OPTS apply.
+THREADS:OPTS items, each FLASH_ATTN_OVERRIDES' ln.threads=THREADS,ln.opts=OPTS added to the environment's
+FLASH_ATTN_OVERRIDES: THREADS empty for the environment's ln.threads or the THREADS_TABLE default, OPTS
+'+'-joined ln.opts names, empty for the environment's ln.opts or the OPTS_TABLE default. Without it the
+environment's FLASH_ATTN_OVERRIDES applies as it is. The settings are read again for each path.
 
     python -m benchmarks.ops.bench_ln_cute_bwd                       # H200: 12288 and 16384, both norms
     python -m benchmarks.ops.bench_ln_cute_bwd --hidden 4096,8192,12288,16384 --weight-dtype fp32 --residual
@@ -18,6 +20,10 @@ names; without it the environment's FLASH_ATTN_LN_CUTE_BWD_THREADS / _OPTS apply
 import argparse
 import os
 import sys
+
+from benchmarks.common import set_environ
+
+_DISABLE, _OVERRIDES = "FLASH_ATTN_DISABLE", "FLASH_ATTN_OVERRIDES"  # (flash_attn/settings.py)
 
 
 def parse_args(argv=None):
@@ -35,16 +41,26 @@ def parse_args(argv=None):
 
 
 def variant_envs(spec):
-    """[(label, {env var: value or None})] for --variants (None: the environment as it is)."""
+    """[(label, {env var: value})] for --variants: FLASH_ATTN_OVERRIDES' ln.threads / ln.opts items of each
+    variant (absent: the environment as it is)."""
     if spec is None:
         return [("cute", {})]
     out = []
     for item in spec.split(";"):
-        threads, _, opts = item.strip().partition(":")
+        threads, _, opts = (x.strip() for x in item.strip().partition(":"))
         label = f"cute t{threads or 'table'} {opts or '-'}"
-        out.append((label, {"FLASH_ATTN_LN_CUTE_BWD_THREADS": threads.strip() or None,
-                            "FLASH_ATTN_LN_CUTE_BWD_OPTS": opts.replace("+", ",").strip() or None}))
+        fields = ",".join(f"ln.{name}={value}" for name, value in (("threads", threads), ("opts", opts)) if value)
+        out.append((label, {_OVERRIDES: fields} if fields else {}))
     return out
+
+
+def path_env(caller, cute, env):
+    """The environment of one path, from the caller's {FLASH_ATTN_DISABLE: ..., FLASH_ATTN_OVERRIDES: ...}:
+    ln_cute_bwd disabled for the Triton plan, enabled for a CuTeDSL one (the other features as the caller set
+    them), and a variant's overrides after the caller's (the later item of a field wins)."""
+    disabled = [x.strip() for x in (caller.get(_DISABLE) or "").split(",") if x.strip() not in ("", "ln_cute_bwd")]
+    overrides = ",".join(filter(None, (caller.get(_OVERRIDES), env.get(_OVERRIDES))))
+    return {_DISABLE: ",".join(disabled + ([] if cute else ["ln_cute_bwd"])) or None, _OVERRIDES: overrides or None}
 
 
 def main(argv=None):
@@ -78,10 +94,9 @@ def main(argv=None):
         return launch(*a)
 
     cb.launch = counted
-    paths = ([] if args.no_triton else [("triton plan", {"FLASH_ATTN_LN_CUTE_BWD": "0"})])
-    paths += [(label, {"FLASH_ATTN_LN_CUTE_BWD": "1", **env}) for label, env in variant_envs(args.variants)]
-    touched = {k for _, env in paths for k in env}
-    saved = {k: os.environ.get(k) for k in touched}
+    saved = {k: os.environ.get(k) for k in (_DISABLE, _OVERRIDES)}
+    paths = ([] if args.no_triton else [("triton plan", path_env(saved, False, {}))])
+    paths += [(label, path_env(saved, True, env)) for label, env in variant_envs(args.variants)]
     try:
         for norm in args.norms:
             is_rms = norm == "R"
@@ -106,16 +121,7 @@ def main(argv=None):
                 yf = xf = wf = bf = pre = None
                 scale = [r.abs().max().clamp_min(1e-30) for r in refs]
                 for path, env in paths:
-                    for k, v in saved.items():  # each path starts from the caller's environment
-                        if v is None:
-                            os.environ.pop(k, None)
-                        else:
-                            os.environ[k] = v
-                    for k, v in env.items():
-                        if v is None:
-                            os.environ.pop(k, None)
-                        else:
-                            os.environ[k] = v
+                    set_environ(env)  # (and flash_attn.settings.reload())
                     with backend("triton"):
                         out = ln.layer_norm_fn(x, w, b, residual=res, eps=1e-6, is_rms_norm=is_rms,
                                                prenorm=args.residual)
@@ -134,11 +140,7 @@ def main(argv=None):
                 torch.cuda.empty_cache()
     finally:
         cb.launch = launch
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        set_environ(saved)
 
 
 if __name__ == "__main__":

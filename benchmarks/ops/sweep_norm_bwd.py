@@ -17,6 +17,8 @@ import os
 import sys
 import time
 
+from benchmarks.common import environ
+
 # (label, norms, hidden sizes (None: all), BWD_TUNED fields). "plan" is the module's own configuration.
 CANDIDATES = (
     ("plan", "LR", None, {}),
@@ -65,15 +67,9 @@ def tuned_line(n_acc, N, fields):
 def main(argv=None):
     # The Triton backward's configurations are swept: the CuTeDSL backward (the default at hidden >= 4096
     # on sm_90, ops/cute_layer_norm_bwd.py; benchmarks/ops/bench_ln_cute_bwd.py measures it) stays off.
-    saved = os.environ.get("FLASH_ATTN_LN_CUTE_BWD")
-    os.environ["FLASH_ATTN_LN_CUTE_BWD"] = "0"
-    try:
+    disabled = [x for x in os.environ.get("FLASH_ATTN_DISABLE", "").split(",") if x.strip()]
+    with environ({"FLASH_ATTN_DISABLE": ",".join(disabled + ["ln_cute_bwd"])}):  # (and the settings read again)
         return _main(argv)
-    finally:
-        if saved is None:
-            os.environ.pop("FLASH_ATTN_LN_CUTE_BWD", None)
-        else:
-            os.environ["FLASH_ATTN_LN_CUTE_BWD"] = saved
 
 
 def _main(argv=None):

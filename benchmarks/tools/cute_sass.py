@@ -10,16 +10,16 @@ histogram (opcode without modifiers), with the kernel's total SASS size, so befo
     python -m benchmarks.tools.cute_sass 128 [causal|local] [softcap] [--hist]   # head dim, mask, softcap;
                                                                            # needs ptxas (CUDA toolkit)
     python -m benchmarks.tools.cute_sass 64 causal bwd [--hist]   # the backward (flash_bwd_sm90.py) instead,
-                                                            # with the FLASH_ATTN_CUTE_BWD_* settings
-    FLASH_ATTN_CUTE_FWD_PERSISTENT=1 python -m benchmarks.tools.cute_sass 128 --hist   # the persistent forward
-    FLASH_ATTN_CUTE_FWD_REVERSE=1 python -m benchmarks.tools.cute_sass 64 causal --hist   # key blocks from the last
-                                                                                    # down (FlashFwdSm90 reverse)
+                                                            # with FLASH_ATTN_CUTE_OVERRIDES' bwd. fields
+    FLASH_ATTN_CUTE_OVERRIDES=fwd.persistent=1 python -m benchmarks.tools.cute_sass 128 --hist   # persistent
+    FLASH_ATTN_CUTE_OVERRIDES=fwd.reverse=1 python -m benchmarks.tools.cute_sass 64 causal --hist   # key blocks
+                                                            # from the last down (FlashFwdSm90 reverse)
     --hist: histogram and sizes only (no instruction order); --sass FILE: also write the SASS there;
     --path: also list the steady-state path's instructions
 """
 import glob, heapq, os, re, subprocess, sys, tempfile
 import torch, triton
-from flash_attn.cute.interface import compile_bwd, compile_fwd
+from flash_attn.cute.kernels import compile_bwd, compile_fwd
 
 args = [a for a in sys.argv[1:] if not a.startswith("--")]
 hist_only = "--hist" in sys.argv

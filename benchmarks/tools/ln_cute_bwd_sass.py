@@ -1,7 +1,7 @@
 """No GPU: compile the CuTeDSL norm backward (ops/cute_layer_norm_bwd.py) for sm_90a and print, per
 configuration, ptxas -v's registers and spill bytes and the row loop's SASS: instructions per row
-iteration (one thread) and the opcodes that make them up. For comparing the FLASH_ATTN_LN_CUTE_BWD_OPTS
-variants before measuring them.
+iteration (one thread) and the opcodes that make them up. For comparing the variants of FLASH_ATTN_OVERRIDES'
+ln.opts before measuring them.
 
     python -m benchmarks.tools.ln_cute_bwd_sass --hidden 12288,16384 --threads 512,1024 --opts ,w16,p1,p2,w16+p1+p2
 """
@@ -20,7 +20,7 @@ def parse_args(argv=None):
     p.add_argument("--norms", default="L", help="L: LayerNorm (with bias), R: RMSNorm")
     p.add_argument("--threads", default="", help="comma-separated; empty: the THREADS_TABLE default")
     p.add_argument("--opts", default=",w16,p1,p2,w16+p1+p2",
-                   help="comma-separated variants, each a '+'-joined FLASH_ATTN_LN_CUTE_BWD_OPTS set ('' = none)")
+                   help="comma-separated variants, each a '+'-joined ln.opts set ('' = none)")
     p.add_argument("--weight-dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     p.add_argument("--residual", action="store_true")
     p.add_argument("--top", type=int, default=12, help="opcodes shown per configuration")
@@ -83,7 +83,7 @@ def main(argv=None):
         for N in [int(h) for h in args.hidden.split(",") if h]:
             for mt in [int(t) for t in args.threads.split(",") if t] or [cb.max_threads(N, rms)]:
                 for opt in args.opts.split(","):
-                    opts = cb.options(args.weight_dtype, rms, env=opt.replace("+", ","))
+                    opts = cb.options(args.weight_dtype, rms, env=opt)
                     key = ("bf16", args.weight_dtype, N, rms, not rms, args.residual, args.residual, False, mt,
                            opts)
                     regs, spill, body = analyse(key, tool)

@@ -30,17 +30,17 @@ def kernel_args(dtype, d, causal, window=(-1, -1), softcap=0.0, sink=False, varl
     choose them (window sizes < 0: no limit; pack: the group _pack_group gives; seqlen_k: a dense call's key
     length, for the short / long-key kernels; split: a split-KV call, whose kernel leaves the sink to the host);
     None for a dense call without keys (no kernel runs)."""
-    from flash_attn.cute import interface as ci
+    from flash_attn.cute import plan
 
     if not varlen and seqlen_k == 0:
         return None
-    _, _, local = ci._window_args(causal, *(ci._UNBOUNDED if w < 0 else w for w in window))
+    _, _, local = plan._window_args(causal, *(plan._UNBOUNDED if w < 0 else w for w in window))
     causal = causal and not local
     capped = softcap > 0.0
     dv = None if dv in (None, d) else dv
     short = long = False
     if not varlen and not split:
-        short, long = ci._length_kernel(d, causal, seqlen_k, not (local or capped or sink or pack > 1 or dv))
+        short, long = plan._length_kernel(d, causal, seqlen_k, not (local or capped or sink or pack > 1 or dv))
     return dtype, d, causal, dict(local=local, softcap=capped, varlen=varlen, sink=sink and not split, short=short,
                                   long=long, pack=pack, dv=dv, paged=paged, split=split)
 
@@ -75,12 +75,12 @@ def requests(modules=MODULES):
 def _build(out, dtype_name, d, causal, kwargs):
     import torch
 
-    from flash_attn.cute import interface
+    from flash_attn.cute import kernels
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
     t0 = time.perf_counter()
     try:
-        _, how = interface.load_or_build(dtype, d, causal, "sm_90a", root=out, **kwargs)
+        _, how = kernels.load_or_build(dtype, d, causal, "sm_90a", root=out, **kwargs)
     except Exception as e:  # one kernel's failure must not hide the others
         return None, time.perf_counter() - t0, f"{type(e).__name__}: {e}"
     return how, time.perf_counter() - t0, None

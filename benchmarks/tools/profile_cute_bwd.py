@@ -3,7 +3,8 @@ see whether a kernel variant finishes at all (a watchdog prints every thread's s
 
     python -m benchmarks.tools.profile_cute_bwd --seqlen 2048 --batch 8 --headdim 64 --causal
     ncu --section WarpStateStats -k regex:cutlass -c 1 python -m benchmarks.tools.profile_cute_bwd ...
-    FLASH_ATTN_CUTE_BWD_DQ_TMA=1 python -m benchmarks.tools.profile_cute_bwd --seqlen 128 --batch 1 --timeout 40
+    FLASH_ATTN_CUTE_OVERRIDES=bwd.dq_tma=0 \\
+        python -m benchmarks.tools.profile_cute_bwd --seqlen 128 --batch 1 --timeout 40
 
 The forward (out, lse) and the reference gradients come from the Triton backend, so the only CuTeDSL
 kernel launched is the backward. Prints the load/compile time, each iteration's time and the max
@@ -28,7 +29,7 @@ def main():
         faulthandler.dump_traceback_later(a.timeout, exit=True)
     import torch
 
-    from flash_attn.cute import interface as ci
+    from flash_attn.cute import kernels
     from flash_attn.triton import backend as tb
 
     b, s, d, dtype = a.batch, a.seqlen, a.headdim, torch.bfloat16
@@ -41,10 +42,10 @@ def main():
     out, lse, _ = tb.fwd(q, k, v, return_probs=False, **kw)
     ref = tb.bwd(dout, q, k, v, out, lse, deterministic=False, **kw)
     torch.cuda.synchronize()
-    config = ci._bwd_config(dtype, d, a.causal, "sm_90a")
+    config = kernels.bwd_config(dtype, d, a.causal, "sm_90a").key()  # with FLASH_ATTN_CUTE_OVERRIDES' bwd. fields
     print("config", config, flush=True)
     t0 = time.perf_counter()
-    fn = ci.bwd_kernel(dtype, d, a.causal)
+    fn = kernels.bwd_kernel(dtype, d, a.causal)
     print(f"kernel ready in {time.perf_counter() - t0:.1f} s", flush=True)
     bm = config["block_m"]
     pad = -(-s // bm) * bm

@@ -29,7 +29,7 @@ def trivial_kernels(tma):
     from cutlass.cute.nvgpu import cpasync
     from cutlass.cute.runtime import make_fake_tensor
 
-    from flash_attn.cute.interface import _ffi_function
+    from flash_attn.cute.kernels import _ffi_function
 
     @cute.kernel
     def noop(x: cute.Tensor):
@@ -77,7 +77,7 @@ def main():
     import torch
 
     import flash_attn
-    from flash_attn.cute import interface
+    from flash_attn.cute import kernels
     from flash_attn.cute import flash_attn_func as cute_func
 
     dev = "cuda"
@@ -85,7 +85,7 @@ def main():
     out = torch.empty_like(q)
     lse = torch.empty(1, 16, 128, device=dev, dtype=torch.float32)
     a = torch.randn(1024, device=dev)
-    fn = interface.fwd_kernel(torch.bfloat16, 128, False)
+    fn = kernels.fwd_kernel(torch.bfloat16, 128, False)
     rows = [("torch.add (1 launch)", lambda: torch.add(a, a))]
     rows.append(("2 x torch.empty (out, lse)",
                  lambda: (torch.empty_like(q), torch.empty(1, 16, 128, dtype=torch.float32, device=q.device))))

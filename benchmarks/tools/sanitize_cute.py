@@ -37,8 +37,8 @@ CASES = {
     "d128_varlen_causal": ("bf16", 128, 0, 0, 0, 4, 2, dict(causal=True, varlen=[(300, 300), (0, 0), (129, 500),
                                                                                  (1, 77)])),
     # pack_gqa: 8 and 4 query heads per KV head, v's head dim 128 with q's 192, paged K / V, split-KV (with
-    # FLASH_ATTN_CUTE_PACK_GQA=0 / FLASH_ATTN_CUTE_SPLIT=0 the pack_gqa and split cases expect and run the unpacked /
-    # unsplit kernels; with FLASH_ATTN_CUTE_HDIM_V=0 / FLASH_ATTN_CUTE_PAGED=0 the others are refused)
+    # FLASH_ATTN_CUTE_DISABLE=pack_gqa,split the pack_gqa and split cases expect and run the unpacked / unsplit
+    # kernels; with FLASH_ATTN_CUTE_DISABLE=hdim_v,paged the others are refused)
     "d128_causal_pack8": ("bf16", 128, 2, 37, 700, 16, 2, dict(causal=True, pack_gqa=True)),
     "d64_varlen_pack4_sink_window": ("bf16", 64, 0, 0, 0, 8, 2, dict(window_size=(100, 0), sink=True, pack_gqa=True,
                                                                     varlen=[(1, 300), (45, 45), (0, 9), (200, 260)])),
@@ -53,12 +53,12 @@ CASES = {
 
 
 def expected_config(case, flags=False):
-    """The forward config flash_attn.cute's selection gives this case (interface._fwd_config with the short /
-    long choice forward() makes from the key length), and the in-memory key of its kernel (``flags``: and the
-    (dtype, head dim, causal, options) that fwd_kernel / load_or_build take)."""
+    """The forward config flash_attn.cute's selection gives this case (kernels.fwd_config with the short /
+    long choice launch.forward() makes from the key length, as FwdConfig.key()'s dict), and the in-memory key
+    of its kernel (``flags``: and the (dtype, head dim, causal, options) that fwd_kernel / load_or_build take)."""
     import torch
 
-    from flash_attn.cute import interface as ci
+    from flash_attn.cute import kernels, plan
 
     dt, d, b, sq, sk, h, hk, opt = case
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dt]
@@ -69,13 +69,14 @@ def expected_config(case, flags=False):
     local = window != (-1, -1)
     causal = bool(opt.get("causal")) and not local
     softcap, sink = bool(opt.get("softcap")), bool(opt.get("sink"))
-    pack = ci._pack_group(opt.get("pack_gqa"), h, hk, max(a for a, _ in opt["varlen"]) if varlen else sq)
+    pack = plan._pack_group(opt.get("pack_gqa"), h, hk, max(a for a, _ in opt["varlen"]) if varlen else sq)
     dv, paged = opt.get("dv"), opt.get("paged", 0)
-    split = ci._split_count(opt.get("num_splits", 1)) > 1
+    split = plan._split_count(opt.get("num_splits", 1)) > 1
     sink = sink and not split  # the split kernel leaves the sink to the host's merge
-    short, long = ci._length_kernel(d, causal, sk, not (varlen or local or softcap or sink or pack > 1 or dv or split))
-    config = ci._fwd_config(dtype, d, causal, "sm_90a", local, softcap, varlen, sink, short, long, pack, dv, paged,
-                            split)
+    plain = not (varlen or local or softcap or sink or pack > 1 or dv or split)
+    short, long = plan._length_kernel(d, causal, sk, plain)
+    config = kernels.fwd_config(dtype, d, causal, "sm_90a", local, softcap, varlen, sink, short, long, pack, dv,
+                                paged, split).key()
     key = ((dtype, d, causal, "sm_90a", local, softcap) + ((True,) if varlen else ()) + (("sink",) if sink else ())
            + (("short",) if short else ()) + (("long",) if long else ()) + (("pack", pack) if pack > 1 else ())
            + (("dv", dv) if dv else ()) + (("paged", paged) if paged else ()) + (("split",) if split else ()))
@@ -90,8 +91,7 @@ def run_case(name, case):
     import torch
 
     from flash_attn import testing
-    from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
-    from flash_attn.cute import interface as ci
+    from flash_attn.cute import flash_attn_func, flash_attn_varlen_func, kernels
 
     dt, d, b, sq, sk, h, hk, opt = case
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dt]
@@ -129,8 +129,8 @@ def run_case(name, case):
         out, _ = flash_attn_func(q, k, v, learnable_sink=sink, **kw)
         torch.cuda.synchronize()
         pairs = [(out, q, k, v)]
-    if key not in ci._kernels:
-        raise AssertionError(f"{name}: the kernel {key} did not run (ran: {sorted(map(str, ci._kernels))})")
+    if key not in kernels._kernels:
+        raise AssertionError(f"{name}: the kernel {key} did not run (ran: {sorted(map(str, kernels._kernels))})")
     ref_kw = dict(causal=bool(opt.get("causal")), window_size=opt.get("window_size", (-1, -1)),
                   softcap=opt.get("softcap", 0.0), learnable_sink=sink)
     for o, q, k, v in pairs:
@@ -156,14 +156,13 @@ def main(argv=None):
             print(n, expected_config(CASES[n])[0])
         return 0
     if args.compile_only:
-        from flash_attn.cute import cache
-        from flash_attn.cute import interface as ci
+        from flash_attn.cute import cache, kernels
 
         if cache.cache_dir() is None:
             p.error("--compile-only writes the disk cache: set FLASH_ATTN_CUTE_CACHE")
         for n in names:
             _, _, (dtype, d, causal, opts) = expected_config(CASES[n], flags=True)
-            _, how = ci.load_or_build(dtype, d, causal, "sm_90a", cache.cache_dir(), **opts)
+            _, how = kernels.load_or_build(dtype, d, causal, "sm_90a", cache.cache_dir(), **opts)
             print(f"{n}: {how}", flush=True)
         return 0
     failed = 0

@@ -112,7 +112,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--headdims", default="128,256")
     p.add_argument("--causal", default="0,1")
-    p.add_argument("--variants", default=",ws", help="FLASH_ATTN_TRITON_FWD_VARIANT names ('' = default)")
+    p.add_argument("--variants", default=",ws", help="FLASH_ATTN_TRITON_OVERRIDES fwd_variant names ('' = default)")
     p.add_argument("--dump", default=None, help="write ttgir/ptx per kernel here")
     args = p.parse_args(argv)
     print(f"# triton {triton.__version__}")

@@ -51,21 +51,33 @@ def make_config(args, out_dir, ours, compile=False, graph=False):
 
 @contextlib.contextmanager
 def env_set(spec):
-    """Set the VAR=VALUE pairs of spec (comma-separated) for the block, then restore the environment;
-    yields the pairs as written."""
-    pairs = [item.split("=", 1) for item in spec.split(",") if item]
-    if any(len(pv) != 2 or not pv[0] for pv in pairs):
-        raise SystemExit(f"--ab expects VAR=VALUE[,VAR=VALUE], got {spec!r}")
-    saved = {k: os.environ.get(k) for k, _ in pairs}
-    os.environ.update(dict(pairs))
+    """Set the VAR=VALUE pairs of spec (comma-separated; common.env_items, so FLASH_ATTN_OVERRIDES' own list stays
+    one value) for the block and have flash_attn read its settings again, then restore both; yields the pairs as
+    written."""
     try:
-        yield ", ".join(f"{k}={v}" for k, v in pairs)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        pairs = common.env_items(spec)
+    except ValueError as e:
+        raise SystemExit(f"--ab expects VAR=VALUE[,VAR=VALUE]: {e}") from None
+    if not pairs:
+        raise SystemExit(f"--ab expects VAR=VALUE[,VAR=VALUE], got {spec!r}")
+    cute = any(k.startswith("FLASH_ATTN_CUTE_") for k in pairs)
+    with common.environ(pairs):
+        if cute:
+            _clear_cute_kernels()
+        try:
+            yield ", ".join(f"{k}={v}" for k, v in pairs.items())
+        finally:
+            if cute:
+                _clear_cute_kernels()
+
+
+def _clear_cute_kernels():
+    """Empty flash_attn.cute's in-memory kernel tables (keyed by the call, not by the settings), so that a row
+    under other FLASH_ATTN_CUTE_* settings gets their kernels (from the disk cache, keyed by the config)."""
+    kernels = sys.modules.get("flash_attn.cute.kernels")
+    if kernels is not None:
+        kernels._kernels.clear()
+        kernels._bwd_kernels.clear()
 
 
 def hf_model(args):
@@ -169,7 +181,8 @@ def main(argv=None):
                         "default both on CUDA, off on a CPU")
     p.add_argument("--ab", action="append", default=[], metavar="VAR=VALUE[,VAR=VALUE]",
                    help="also measure ours with these environment variables set, in this process (one row per "
-                        "--ab; for switches read on every call, e.g. FLASH_ATTN_FP32_WGRAD=1)")
+                        "--ab; the settings are read again, e.g. FLASH_ATTN_FP32_WGRAD=1 or "
+                        "FLASH_ATTN_OVERRIDES=linear.wgrad_bias=torch; not FLASH_ATTN_TRITON_*, read at import)")
     p.add_argument("--peak-tflops", type=float, default=0.0, help="override the GPU's peak for MFU")
     p.add_argument("--quick", action="store_true", help="4 layers, 5 timed steps after 2 warmup steps")
     args = p.parse_args(argv)
