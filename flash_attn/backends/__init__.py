@@ -53,3 +53,33 @@ A backend is a module (imported lazily by :mod:`flash_attn.dispatch`) that defin
       rotary_interleaved, alibi_slopes, num_splits) -> (out, lse)``   (optional; no backward)
     Semantics of FA2's flash_attn_with_kvcache; cache_seqlens arrives as an int32 tensor (B,).
 """
+
+
+# The core's services to a backend's own API (flash_attn.cute's FA4 functions): a backend depends on these, never on
+# the front door's private modules. Imported lazily: the contract above stays a plain module.
+
+def core_attention(backend, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                   window_left, window_right, softcap, deterministic):
+    """(out, lse) of the core's differentiable attention (flash_attn::fwd, the contract's encoding) with its forward
+    forced onto ``backend`` and its backward on the dispatcher's choice; lse is exposed, so a loss's gradient through
+    it flows back."""
+    from flash_attn import _ops
+    from flash_attn.dispatch import use_backend
+
+    with use_backend(backend):
+        out, lse, _ = _ops.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, None,
+                                     float(softmax_scale), bool(causal), window_left, window_right, float(softcap),
+                                     None, 0.0, None, False, bool(deterministic), True)
+    return out, lse
+
+
+def core_backward(backend, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                  softmax_scale, causal, window_left, window_right, softcap, deterministic, dlse=None):
+    """(dq, dk, dv) of the dispatcher's backward for a forward that ``backend`` ran (flash_attn::bwd's choice)."""
+    from flash_attn import _ops
+    from flash_attn.dispatch import use_backend
+
+    with use_backend(backend):
+        return _ops._bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, None,
+                              float(softmax_scale), bool(causal), window_left, window_right, float(softcap), None, 0.0,
+                              None, bool(deterministic), dlse)

@@ -32,13 +32,13 @@ def needs_grad(q, k, v, learnable_sink=None):
 
 
 def dispatcher():
-    """The root package's op module and use_backend, or None without that package (flash-attn-4 alone)."""
+    """The root package's core services to a backend (flash_attn.backends.core_attention / core_backward), or None
+    without that package (flash-attn-4 alone)."""
     try:
-        from flash_attn import _ops
-        from flash_attn.dispatch import use_backend
+        from flash_attn.backends import core_attention, core_backward
     except ImportError:
         return None
-    return _ops, use_backend
+    return core_attention, core_backward
 
 
 def dispatcher_window(causal, window_left, window_right):
@@ -63,14 +63,10 @@ def with_fallback_backward(q, k, v, softmax_scale, causal, window_left, window_r
 
     if q.shape[-1] not in backend.forward_head_dims():  # the dispatcher would refuse the forced forward
         return None
-    _ops, use_backend = ops
+    core_attention, _ = ops
     cu_q, cu_k, max_q, max_k = varlen[:4] if varlen is not None else (None, None, q.shape[1], k.shape[1])
-    with use_backend("cute"):
-        # flash_attn::fwd's arguments; the last says lse reaches the caller (its gradient flows back)
-        out, lse, _ = _ops.attention(q, k, v, cu_q, cu_k, max_q, max_k, None, float(softmax_scale), bool(causal),
-                                     window[0], window[1], float(softcap), None, 0.0, None, False,
-                                     bool(deterministic), True)
-    return out, lse
+    return core_attention("cute", q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, window[0], window[1],
+                          softcap, deterministic)
 
 
 def _kernel_takes(q, v, causal, window_left, window_right, softcap, deterministic, varlen):
@@ -109,12 +105,10 @@ def dispatcher_backward(dout, q, k, v, out, lse, softmax_scale, causal, window_l
     if ops is None or window is None or used:
         return own_backward(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, softcap,
                             deterministic, arch, varlen, dlse)
-    _ops, use_backend = ops
+    _, core_backward = ops
     cu_q, cu_k, max_q, max_k = varlen[:4] if varlen is not None else (None, None, q.shape[1], k.shape[1])
-    with use_backend("cute"):
-        return _ops._bwd_impl(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, None, float(softmax_scale),
-                              bool(causal), window[0], window[1], float(softcap), None, 0.0, None,
-                              bool(deterministic), dlse)
+    return core_backward("cute", dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, softmax_scale, causal, window[0],
+                         window[1], softcap, deterministic, dlse)
 
 
 class Attention(torch.autograd.Function):

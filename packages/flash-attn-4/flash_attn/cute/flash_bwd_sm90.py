@@ -36,8 +36,8 @@ each), and the smem traffic down:
     D (m64n32k16), so K keeps 128-byte swizzle atoms;
   - dK += dS^T Q takes dS^T from registers (as dV takes P^T), issued before the dS barrier.
 With overlap, the next block's S^T is issued once dV is done (P^T dead), behind dK and dQ.
-With FLASH_ATTN_CUTE_BWD_EXP2_EMU=k (off by default), k of every 16 exponentials of P^T are computed by
-softmax_exp.exp2_poly on the FMA pipe instead of MUFU.EX2.
+With BwdConfig.exp2_emu = k (off by default; bwd.exp2_emu in FLASH_ATTN_CUTE_OVERRIDES), k of every 16
+exponentials of P^T are computed by softmax_exp.exp2_poly on the FMA pipe instead of MUFU.EX2.
 After the loop dK is scaled by softmax_scale and dK, dV are stored. The host (launch.backward,
 bwd_host.py) computes delta = rowsum(dO * O) and lse2 and zeroes dq_accum in one Triton launch before,
 and casts dq_accum to the input dtype (and sums GQA's dK/dV) in one after.
