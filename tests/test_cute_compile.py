@@ -742,13 +742,13 @@ def test_backend_gates_the_wide_head_dims(cute_env):
     for d in (96, 192, 256):
         assert backend.unsupported_reason(_call(head_dim=d, head_dim_v=d, causal=True)) is None
         assert backend.unsupported_reason(_call(head_dim=d, head_dim_v=d, backward=True)) is not None
-    cute_env(DISABLE="d96,d192,d256")  # (the former FLASH_ATTN_CUTE_FWD_HDIMS=0 / none)
+    cute_env(DISABLE="d96,d192,d256")
     assert backend.forward_head_dims() == (64, 128)
     for d in (96, 192, 256):
         reason = backend.unsupported_reason(_call(head_dim=d, head_dim_v=d))
         assert reason is not None and settings.DISABLE in reason and f"d{d}" in reason, reason
         interface._check_dims(d, d, 4, 2)  # flash_attn.cute.flash_attn_func's check
-    cute_env(DISABLE="d96,d192")  # (the former FLASH_ATTN_CUTE_FWD_HDIMS=256)
+    cute_env(DISABLE="d96,d192")
     assert backend.forward_head_dims() == (64, 128, 256)
     assert backend.unsupported_reason(_call(head_dim=256, head_dim_v=256, causal=True)) is None
     assert backend.unsupported_reason(_call(head_dim=256, head_dim_v=256, varlen=True, local=True)) is None

@@ -25,7 +25,7 @@ from flash_attn.cute.flash_fwd_sm90 import FlashFwdSm90  # noqa: E402
 from flash_attn.testing import assert_ptxas_clean  # noqa: E402
 
 _BULK_STORE = re.compile(r"^\s*cp\.async\.bulk\.tensor\.\d+d\.global\.shared::cta\b", re.M)
-# the persistent kernel with its own O buffer (the old FLASH_ATTN_CUTE_FWD_PERSISTENT_TMA_O=1)
+# the persistent kernel with its own O buffer
 _ON = "fwd.persistent=1,fwd.tma_o=1"
 
 
