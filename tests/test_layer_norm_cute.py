@@ -31,6 +31,19 @@ def _call(M=8, N=16384, dtype=torch.bfloat16, wdtype=torch.float32, bias=True, d
     return a
 
 
+def test_finds_flash_attn_cute_runtime():
+    """With flash-attn-4 and apache-tvm-ffi installed the kernel's disk-cache runtime is found: a lookup that fails
+    (a moved helper in flash_attn.cute) would leave every call on Triton without a word."""
+    import importlib.util
+
+    pytest.importorskip("flash_attn.cute.kernels")
+    cb._tvm_ffi_ok.cache_clear()
+    assert cb._tvm_ffi_ok() is (importlib.util.find_spec("tvm_ffi") is not None)
+    from flash_attn.cute.kernels import _load_or_build_entry  # what cb.kernel loads entries with
+
+    assert callable(_load_or_build_entry)
+
+
 def test_switch_defaults_on(fa_env):
     fa_env(DISABLE=None)
     assert cb.enabled()
