@@ -3,7 +3,6 @@ its PTX holds the instructions the design rests on; its layout reinterpretations
 CuTe layouts; the cute backend serves backward calls by default and refuses them when FLASH_ATTN_CUTE_DISABLE names bwd;
 on a Hopper GPU (tests marked gpu) dq, dk, dv match the reference within the project's criterion
 (flash_attn.testing.assert_close_to_ref, as the Triton backward tests use it)."""
-import contextlib
 import glob
 import os
 import re
@@ -25,31 +24,13 @@ if _PKG not in sys.path:
 from flash_attn import testing  # noqa: E402
 from flash_attn.cute import backend as cute_backend  # noqa: E402
 from flash_attn.cute import config, kernels, launch, settings  # noqa: E402
+from _cute_table import cute_settings as _cute_settings  # noqa: E402
 from flash_attn.dispatch import Call  # noqa: E402
 
 
 def _overrides(fields):
     """FLASH_ATTN_CUTE_OVERRIDES's text for {"section.field": value} (bools as 1 / 0; None: left out)."""
     return ",".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in fields.items() if v is not None)
-
-
-@contextlib.contextmanager
-def _cute_settings(**names):
-    """The cute_env fixture (tests/conftest.py) for module-scoped fixtures: FLASH_ATTN_CUTE_<name> set (None or "":
-    unset; OVERRIDES and DISABLE unset unless given) and read again for the block, restored and read again after."""
-    names = {"OVERRIDES": None, "DISABLE": None, **names}
-    with pytest.MonkeyPatch.context() as mp:
-        for name, value in names.items():
-            if value is None or value == "":
-                mp.delenv("FLASH_ATTN_CUTE_" + name, raising=False)
-            else:
-                mp.setenv("FLASH_ATTN_CUTE_" + name, str(value))
-        settings.reload()
-        try:
-            yield
-        finally:
-            mp.undo()
-            settings.reload()
 
 
 def _fresh_bwd_kernels(monkeypatch):

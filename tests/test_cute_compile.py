@@ -1,7 +1,6 @@
 """flash_attn.cute (distribution flash-attn-4): the Hopper forward kernel compiles for sm_90a without a
 GPU and its PTX holds the instructions the design rests on; on a Hopper GPU (tests marked gpu) it matches
 the reference within the project's accuracy criterion."""
-import contextlib
 import glob
 import math
 import os
@@ -20,27 +19,9 @@ if _PKG not in sys.path:  # the checkout's flash_attn/__init__ also finds it; th
     sys.path.insert(0, _PKG)
 
 from flash_attn.cute import config, kernels, launch, plan, settings  # noqa: E402
+from _cute_table import cute_settings as _cute_settings  # noqa: E402
 from flash_attn.cute.kernels import compile_fwd  # noqa: E402
 from flash_attn.testing import assert_close_to_ref, assert_ptxas_clean, attention_ref, cuobjdump_path, fa4_window  # noqa: E402
-
-@contextlib.contextmanager
-def _cute_settings(**names):
-    """The cute_env fixture (tests/conftest.py) for module-scoped fixtures: FLASH_ATTN_CUTE_<name> set (None or "":
-    unset; OVERRIDES and DISABLE unset unless given) and read again for the block, restored and read again after."""
-    names = {"OVERRIDES": None, "DISABLE": None, **names}
-    with pytest.MonkeyPatch.context() as mp:
-        for name, value in names.items():
-            if value is None or value == "":
-                mp.delenv("FLASH_ATTN_CUTE_" + name, raising=False)
-            else:
-                mp.setenv("FLASH_ATTN_CUTE_" + name, str(value))
-        settings.reload()
-        try:
-            yield
-        finally:
-            mp.undo()
-            settings.reload()
-
 
 def _kernel_table(monkeypatch, table=None):
     """One in-memory forward kernel table (``table``, default empty) where kernels.py fills it and launch.py and
