@@ -127,15 +127,20 @@ def test_vec_align():
     assert vec_align(1, 48) == 16
 
 
-def test_env_knobs(monkeypatch):
-    from flash_attn.ops.triton import env_knobs
+def test_override_knobs(fa_env):
+    """FLASH_ATTN_OVERRIDES' ce. items set a kernel module's constants by their defaults' types; a misspelt name
+    raises (a typo never silently measures the default)."""
+    from flash_attn import settings
+
     ns = {"BLOCK": 8, "LAYOUT": "row", "FAST": True}
-    monkeypatch.setenv("KNOBS_TEST", "BLOCK=64, LAYOUT=flat,FAST=0")
-    env_knobs("KNOBS_TEST", ns)
+    fa_env(OVERRIDES="ce.BLOCK=64, ce.LAYOUT=flat,ce.FAST=0")
+    settings.apply_knobs("ce", ns)
     assert ns == {"BLOCK": 64, "LAYOUT": "flat", "FAST": False}
-    monkeypatch.setenv("KNOBS_TEST", "BLOK=64")
+    fa_env(OVERRIDES="ce.BLOK=64")
     with pytest.raises(ValueError, match="BLOK"):
-        env_knobs("KNOBS_TEST", ns)
+        settings.apply_knobs("ce", ns)
+    with pytest.raises(ValueError, match="FLASH_ATTN_OVERRIDES"):
+        fa_env(OVERRIDES="xe.BLOCK=64")
 
 
 @pytest.mark.parametrize("inplace", [False, True])

@@ -62,7 +62,7 @@ def test_overrides_refuse_malformed_items_when_read(cute_env, text):
 
 def test_plan_rules_refuse_an_unknown_backward_host(cute_env):
     cute_env(OVERRIDES="plan.bwd_host=cuda")
-    with pytest.raises(ValueError, match="bwd_host 'cuda'"):
+    with pytest.raises(ValueError, match="FLASH_ATTN_CUTE_OVERRIDES: plan.bwd_host='cuda'"):
         config.plan_rules()
 
 
