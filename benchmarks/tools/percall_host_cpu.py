@@ -1,17 +1,21 @@
-"""Host-path cost per call of flash_attn.cute.flash_attn_func on the CPU: the Python work of a call with the kernel
-replaced by a Python no-op (CPU tensors, the device check bypassed), b1 s128 h16 d128 bf16. For comparing the
-per-call path before and after a change to the package (run it on both checkouts, alternating, on a quiet machine;
-the GPU per-call figure is bench_cute_overhead's).
+"""Host-path cost per call on the CPU: the Python work of a call with the kernel replaced by a Python no-op (CPU
+tensors, b1 s128 h16 d128 bf16). ``--api cute``: flash_attn.cute.flash_attn_func with its kernels stubbed and the
+device check bypassed; ``--api root``: flash_attn.flash_attn_func with a no-op backend forced ("nop", registered
+here), with and without autograd. For comparing the per-call path before and after a change (run it on both
+checkouts, alternating, on a quiet machine; the GPU per-call figure is bench_cute_overhead's).
 
-    python -m benchmarks.tools.percall_host_cpu [--rounds 15] [--calls 2000]
+    python -m benchmarks.tools.percall_host_cpu [--api cute|root|both] [--rounds 15] [--calls 2000]
 """
 import argparse
+import sys
 import time
 
 import torch
 
+SHAPE = (1, 128, 16, 128)
 
-def _stub_kernels():
+
+def _stub_cute():
     from flash_attn.cute import interface, kernels, launch
 
     def nop(*args):
@@ -25,32 +29,82 @@ def _stub_kernels():
     return interface.flash_attn_func
 
 
-def measure(rounds=15, calls=2000):
-    """{"common": us, "windowed": us}: the fastest round's time per call of the common call and of a windowed one."""
-    f = _stub_kernels()
-    q, k, v = (torch.randn(1, 128, 16, 128, dtype=torch.bfloat16) for _ in range(3))
+class _NopBackend:
+    """A backend (the contract of flash_attn/backends/__init__.py) whose forward returns preallocated tensors."""
+
+    NAME = "nop"
+
+    def __init__(self):
+        B, S, H, D = SHAPE
+        self.out = torch.empty(SHAPE, dtype=torch.bfloat16)
+        self.lse = torch.empty((B, H, S), dtype=torch.float32)
+        self.probs = torch.empty(0)
+
+    def unavailable_reason(self):
+        return None
+
+    def unsupported_reason(self, call):
+        return None
+
+    def fwd(self, *args, **kwargs):
+        return self.out, self.lse, self.probs
+
+    def fwd_dense(self, *args, **kwargs):
+        return self.out, self.lse
+
+
+def _stub_root():
+    import flash_attn
+    from flash_attn import dispatch
+
+    sys.modules["_percall_nop_backend"] = _NopBackend()
+    dispatch.BACKENDS["nop"] = "_percall_nop_backend"
+    return flash_attn.flash_attn_func
+
+
+def _time(f, args, kw, rounds, calls):
+    for _ in range(calls):  # warm: the plan's caches
+        f(*args, **kw)
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            f(*args, **kw)
+        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+    return best
+
+
+def measure(api="cute", rounds=15, calls=2000):
+    """{case: us}: the fastest round's time per call of the common call and of a windowed one (root: also with
+    q, k, v requiring gradients, the forward of a training step)."""
+    q, k, v = (torch.randn(SHAPE, dtype=torch.bfloat16) for _ in range(3))
     cases = {"common": {}, "windowed": {"causal": True, "window_size": (64, 0)}}
     out = {}
-    for name, kw in cases.items():
-        for _ in range(calls):  # warm: the plan's caches
-            f(q, k, v, **kw)
-        best = float("inf")
-        for _ in range(rounds):
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                f(q, k, v, **kw)
-            best = min(best, (time.perf_counter() - t0) / calls * 1e6)
-        out[name] = best
+    if api == "cute":
+        f = _stub_cute()
+        for name, kw in cases.items():
+            out[name] = _time(f, (q, k, v), kw, rounds, calls)
+        return out
+    from flash_attn import dispatch
+
+    f = _stub_root()
+    with dispatch.use_backend("nop"):
+        for name, kw in cases.items():
+            out[name] = _time(f, (q, k, v), kw, rounds, calls)
+        qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+        out["common, grad"] = _time(f, (qg, kg, vg), {}, rounds, calls)
     return out
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--api", choices=("cute", "root", "both"), default="cute")
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--calls", type=int, default=2000)
     a = p.parse_args(argv)
-    res = measure(a.rounds, a.calls)
-    print(" ".join(f"{k} call {v:.2f} us" for k, v in res.items()))
+    for api in (("cute", "root") if a.api == "both" else (a.api,)):
+        res = measure(api, a.rounds, a.calls)
+        print(f"{api}: " + ", ".join(f"{k} {v:.2f} us" for k, v in res.items()))
 
 
 if __name__ == "__main__":
