@@ -42,12 +42,15 @@ def qkv(q, k, v, varlen):
     if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor):
         qs, ks, vs = q.shape, k.shape, v.shape
         dt = q.dtype
+        # (element by element: slicing a torch.Size costs more than the whole comparison; stride()[-1] less than
+        # stride(-1))
         if (len(qs) == nd and len(ks) == nd and len(vs) == nd and dt in _FLOAT_DTYPES and k.dtype == dt
-                and v.dtype == dt and ks[-1] == qs[-1] and ks[:-1] == vs[:-1] and (varlen or ks[0] == qs[0])):
+                and v.dtype == dt and ks[-1] == qs[-1] and ks[0] == vs[0] and ks[1] == vs[1]
+                and (varlen or (ks[2] == vs[2] and ks[0] == qs[0]))):
             H, D, Hk, Dv = qs[-2], qs[-1], ks[-2], vs[-1]
             if (Hk and not H % Hk and 0 < D <= MAX_HEAD_DIM and 0 < Dv <= MAX_HEAD_DIM
-                    and (q.stride(-1) == 1 or D == 1) and (k.stride(-1) == 1 or D == 1)
-                    and (v.stride(-1) == 1 or Dv == 1) and k.device == q.device and v.device == q.device):
+                    and (q.stride()[-1] == 1 or D == 1) and (k.stride()[-1] == 1 or D == 1)
+                    and (v.stride()[-1] == 1 or Dv == 1) and k.device == q.device and v.device == q.device):
                 return H, Hk, D, Dv
     tensor("q", q, nd)
     tensor("k", k, None, device=q.device)
@@ -74,17 +77,6 @@ def qkv(q, k, v, varlen):
         if d > MAX_HEAD_DIM or d < 1:
             raise ValueError(f"{name} must be in 1..{MAX_HEAD_DIM}, got {d}")
     return H, Hk, D, Dv
-
-
-def window(window_size):
-    try:
-        left, right = window_size
-        left, right = int(left), int(right)
-    except (TypeError, ValueError):
-        raise ValueError(f"window_size must be a pair of ints (left, right), got {window_size!r}") from None
-    if left < -1 or right < -1:
-        raise ValueError(f"window_size entries must be >= -1 (-1: unbounded), got {window_size!r}")
-    return left, right
 
 
 def scalars(dropout_p, softcap, softmax_scale, head_dim):

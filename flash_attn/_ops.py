@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from . import _checks, dispatch
+from .call import describe, for_backward
 
 
 def _check_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table):
@@ -24,21 +25,51 @@ def _check_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
         _checks.range_values("block_table", block_table, 0, k.shape[0])
 
 
+def _forward(call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, alibi_slopes,
+             rng_state):
+    """The forward of a described call on the backend that serves it -> (out, lse, probs or None)."""
+    if cu_seqlens_q is not None:
+        _check_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
+    return dispatch.select(call).fwd(call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                     block_table, alibi_slopes, rng_state)
+
+
+def _backward(call, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
+              alibi_slopes, rng_state, dlse=None, grads=None, forced=dispatch._CURRENT):
+    """(dq, dk, dv) of the forward ``call`` on the backend that serves its backward (under ``forced``, the backend
+    its forward was forced onto; default: this context's). dlse, the gradient flowing into the returned lse, travels
+    only when there is one (a backend may take a faster path without it); ``grads``, the tensors to write the
+    gradients into, only to a backend that takes them (BWD_OUT)."""
+    call = for_backward(call)
+    backend = dispatch.select(call, forced)
+    extra = {} if dlse is None else {"dlse": dlse}
+    if grads is not None and getattr(backend, "BWD_OUT", False):
+        extra["grads"] = grads
+    return backend.bwd(call, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                       block_table, alibi_slopes, rng_state, **extra)
+
+
+# ---- the custom ops (torch.compile traces these): their flat arguments are the description's fields ----
+
+def _flat_call(q, v, cu_seqlens_q, block_table, softmax_scale, causal, window_left, window_right, softcap,
+               alibi_slopes, dropout_p, return_probs, deterministic):
+    return describe(q, v, varlen=cu_seqlens_q is not None, paged=block_table is not None, causal=causal,
+                    window_left=window_left, window_right=window_right, softcap=softcap,
+                    alibi=alibi_slopes is not None, dropout_p=dropout_p, return_probs=return_probs,
+                    deterministic=deterministic, scale=softmax_scale)
+
+
 def _fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
         max_seqlen_q: int, max_seqlen_k: int, block_table: Optional[Tensor], softmax_scale: float,
         causal: bool, window_left: int, window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
         dropout_p: float, rng_state: Optional[Tensor], return_probs: bool,
         deterministic: bool, lse_grad: bool = False) -> tuple[Tensor, Tensor, Tensor]:
-    if cu_seqlens_q is not None:
-        _check_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
-    backend = dispatch.select_for(q, v, cu_seqlens_q is not None, block_table is not None, causal, window_left,
-                                  window_right, softcap, alibi_slopes, dropout_p, return_probs,
-                                  deterministic=deterministic)
-    out, lse, probs = backend.fwd(
-        q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k, block_table=block_table, softmax_scale=softmax_scale, causal=causal,
-        window_left=window_left, window_right=window_right, softcap=softcap, alibi_slopes=alibi_slopes,
-        dropout_p=dropout_p, rng_state=rng_state, return_probs=return_probs)
+    call = _flat_call(q, v, cu_seqlens_q, block_table, softmax_scale, causal, window_left, window_right, softcap,
+                      alibi_slopes, dropout_p, return_probs, deterministic)
+    out, lse, probs = _forward(call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
+                               alibi_slopes, rng_state)
+    if probs is None:
+        probs = q.new_empty(0, dtype=torch.float32)
     # the fake kernels promise contiguous outputs; torch.compile checks real strides against them
     return out.contiguous(), lse.contiguous(), probs
 
@@ -69,18 +100,10 @@ def _bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
         window_right: int, softcap: float, alibi_slopes: Optional[Tensor], dropout_p: float,
         rng_state: Optional[Tensor], deterministic: bool,
         dlse: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
-    backend = dispatch.select_for(q, v, cu_seqlens_q is not None, block_table is not None, causal, window_left,
-                                  window_right, softcap, alibi_slopes, dropout_p, backward=True,
-                                  deterministic=deterministic)
-    # dlse, the gradient flowing into the returned lse, travels only when there is one: a backend may take a
-    # faster path without it.
-    extra = {} if dlse is None else {"dlse": dlse}
-    dq, dk, dv = backend.bwd(
-        dout, q, k, v, out, lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, block_table=block_table,
-        softmax_scale=softmax_scale, causal=causal, window_left=window_left, window_right=window_right,
-        softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, rng_state=rng_state,
-        deterministic=deterministic, **extra)
+    call = _flat_call(q, v, cu_seqlens_q, block_table, softmax_scale, causal, window_left, window_right, softcap,
+                      alibi_slopes, dropout_p, False, deterministic)
+    dq, dk, dv = _backward(call, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           block_table, alibi_slopes, rng_state, dlse)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
@@ -92,57 +115,79 @@ def _bwd_fake(dout, q, k, v, *args):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
+def _op_args(call, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, alibi_slopes, rng_state):
+    """flash_attn::fwd's arguments after q, k, v (without lse_grad) of a described call."""
+    return (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, call.softmax_scale, call.causal,
+            call.window_left, call.window_right, call.softcap, alibi_slopes, call.dropout_p, rng_state,
+            call.return_probs, call.deterministic)
+
+
 def _fwd_setup_context(ctx, inputs, output):
     (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, softmax_scale, causal,
-     window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state, _, deterministic, *lse_grad) = inputs
-    out, lse, _ = output
+     window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state, return_probs, deterministic,
+     *lse_grad) = inputs
+    _save(ctx, _flat_call(q, v, cu_seqlens_q, block_table, softmax_scale, causal, window_left, window_right, softcap,
+                          alibi_slopes, dropout_p, return_probs, deterministic),
+          q, k, v, output[0], output[1], (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
+                                          alibi_slopes, rng_state), bool(lse_grad and lse_grad[0]))
+
+
+def _save(ctx, call, q, k, v, out, lse, extras, lse_grad):
+    """What the backward of a forward needs: the tensors, the description, the sequence lengths. lse_grad: the caller
+    hands lse to its user, so a gradient may flow into it; without it the backward drops dlse, which torch.compile's
+    backward always passes (zeros for an unused output)."""
+    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, alibi_slopes, rng_state = extras
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, rng_state)
-    ctx.args = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
-                dropout_p, deterministic)
-    # lse_grad: the caller hands lse to its user, so a gradient may flow into it. Without it the backward drops
-    # dlse, which torch.compile's backward always passes (zeros for an unused output).
-    ctx.lse_grad = bool(lse_grad and lse_grad[0])
+    ctx.call = call
+    ctx.seqlens = (max_seqlen_q, max_seqlen_k)
+    ctx.lse_grad = lse_grad
+    ctx.forced = dispatch.forced_backend()  # autograd may run the backward on another thread, outside the context
 
 
-def _backward_with(bwd_fn):
+def _backward_with(traced):
     def backward(ctx, dout, dlse, dprobs):
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, rng_state = ctx.saved_tensors
-        (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, dropout_p,
-         deterministic) = ctx.args
-        if not getattr(ctx, "lse_grad", False):
+        max_seqlen_q, max_seqlen_k = ctx.seqlens
+        call = ctx.call
+        if not ctx.lse_grad:
             dlse = None
         if dout is None:  # only lse is used (grads are not materialised: see _EagerAttention)
             dout = torch.zeros_like(out)
         elif dout.stride(-1) != 1:
             dout = dout.contiguous()
-        dq, dk, dv = bwd_fn(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                            block_table, softmax_scale, causal, window_left, window_right, softcap,
-                            alibi_slopes, dropout_p, rng_state, deterministic, dlse)
+        if traced:  # the bwd custom op, so that AOTAutograd sees an op, not Python
+            args = _op_args(call, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, alibi_slopes,
+                            rng_state)
+            dq, dk, dv = bwd(dout, q, k, v, out, lse, *args[:12], rng_state, call.deterministic, dlse)
+        else:
+            dq, dk, dv = _backward(call, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                   max_seqlen_k, block_table, alibi_slopes, rng_state, dlse, forced=ctx.forced)
         return (dq, dk, dv) + (None,) * 16
     return backward
 
 
-# Traced (torch.compile): the backward is the bwd custom op, so AOTAutograd sees an op, not Python.
-torch.library.register_autograd("flash_attn::fwd", _backward_with(bwd), setup_context=_fwd_setup_context)
+torch.library.register_autograd("flash_attn::fwd", _backward_with(True), setup_context=_fwd_setup_context)
 
 
-_eager_backward = _backward_with(_bwd_impl)
+_eager_backward = _backward_with(False)
 
 
 class _EagerAttention(torch.autograd.Function):
     """The same forward/backward as the custom op, without the dispatcher's per-call cost (which is
     tens of microseconds with autograd on): used whenever torch.compile is not tracing."""
 
-    # Old-style forward (ctx first): a separate setup_context costs ~40 us per call. The 15 trailing
-    # arguments travel as one tuple: apply() walks every argument, so fewer is cheaper.
+    # Old-style forward (ctx first): a separate setup_context costs ~40 us per call. The trailing arguments travel
+    # as one tuple: apply() walks every argument, so fewer is cheaper.
     @staticmethod
     def forward(ctx, q, k, v, rest):
-        args = (q, k, v, *rest)
-        output = _fwd_impl(*args)
-        _fwd_setup_context(ctx, args, output)
+        call, extras, lse_grad = rest
+        out, lse, probs = _forward(call, q, k, v, *extras)
+        if probs is None:
+            probs = q.new_empty(0, dtype=torch.float32)
+        _save(ctx, call, q, k, v, out, lse, extras, lse_grad)
         # An unused lse then arrives as None, not as zeros: the backward skips the lse term.
         ctx.set_materialize_grads(False)
-        return output
+        return out, lse, probs
 
     @staticmethod
     def backward(ctx, dout, dlse, dprobs):
@@ -164,32 +209,28 @@ except AttributeError:
         return t
 
 
-def attention(*args):
-    """flash_attn::fwd's arguments -> (out, lse, probs), differentiable in q, k, v."""
+def attention(call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, alibi_slopes,
+              rng_state, lse_grad):
+    """(out, lse, probs) of a described call, differentiable in q, k, v. lse_grad: lse reaches the caller's user
+    (a gradient may flow into it)."""
+    extras = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, alibi_slopes, rng_state)
     if torch.compiler.is_compiling():
-        return fwd(*args)
-    q, k, v = args[0], args[1], args[2]
+        return fwd(q, k, v, *_op_args(call, *extras), lse_grad)
     if _transforms_active():
-        return _EagerAttention.apply(q, k, v, args[3:])
+        return _EagerAttention.apply(q, k, v, (call, extras, lse_grad))
     q, k, v = _unwrap(q), _unwrap(k), _unwrap(v)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _c_apply(q, k, v, args[3:])
+        return _c_apply(q, k, v, (call, extras, lse_grad))
     # Nothing to differentiate: the autograd.Function would only add its cost.
-    return _fwd_impl(q, k, v, *args[3:])
+    out, lse, probs = _forward(call, q, k, v, *extras)
+    if probs is None:
+        probs = q.new_empty(0, dtype=torch.float32)
+    return out.contiguous(), lse, probs
 
 
-def _fwd_dense(q, k, v, softmax_scale, causal, window_left, window_right, deterministic):
-    """_fwd_impl of a dense call without dropout, softcap, ALiBi or probabilities -> (out, lse)."""
-    backend = dispatch.select_dense(q, v, causal, window_left, window_right, deterministic)
-    lean = getattr(backend, "fwd_dense", None)  # a backend's entry for this call, where it has one
-    if lean is not None:
-        out, lse = lean(q, k, v, softmax_scale, causal, window_left, window_right)
-        return out.contiguous(), lse
-    out, lse, _ = backend.fwd(
-        q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=q.shape[1], max_seqlen_k=k.shape[1],
-        block_table=None, softmax_scale=softmax_scale, causal=causal, window_left=window_left,
-        window_right=window_right, softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None,
-        return_probs=False)
+def _fwd_dense(call, q, k, v):
+    """The forward of a dense described call without dropout, softcap, ALiBi or probabilities -> (out, lse)."""
+    out, lse, _ = dispatch.select(call).fwd(call, q, k, v, None, None, q.shape[1], k.shape[1], None, None, None)
     return out.contiguous(), lse
 
 
@@ -197,13 +238,10 @@ class _EagerDenseAttention(torch.autograd.Function):
     """_EagerAttention for attention_dense: out is its only output (each output costs autograd ~0.5 us)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, args):
-        softmax_scale, causal, window_left, window_right, deterministic = args
-        out, lse = _fwd_dense(q, k, v, softmax_scale, causal, window_left, window_right, deterministic)
-        # the layout _fwd_setup_context gives, which _eager_backward reads
-        ctx.save_for_backward(q, k, v, out, lse.contiguous(), None, None, None, None, None)
-        ctx.args = (q.shape[1], k.shape[1], softmax_scale, causal, window_left, window_right, 0.0, 0.0,
-                    deterministic)
+    def forward(ctx, q, k, v, call):
+        out, lse = _fwd_dense(call, q, k, v)
+        _save(ctx, call, q, k, v, out, lse.contiguous(), (None, None, q.shape[1], k.shape[1], None, None, None),
+              False)
         return out
 
     @staticmethod
@@ -217,16 +255,15 @@ except AttributeError:
     _c_apply_dense = _EagerDenseAttention.apply
 
 
-def attention_dense(q, k, v, softmax_scale, causal, window_left, window_right, deterministic):
-    """attention() of flash_attn_func's common call (dense; no dropout, softcap, ALiBi or probabilities),
-    arguments already validated -> out. The same op, with less per-call work than the general entry."""
+def attention_dense(call, q, k, v):
+    """attention() of flash_attn_func's common call (dense; no dropout, softcap, ALiBi or probabilities: see
+    flash_attn.call.dense) -> out. The same op, with less per-call work than the general entry."""
     if torch.compiler.is_compiling() or _transforms_active():
-        return attention(q, k, v, None, None, q.shape[1], k.shape[1], None, softmax_scale, causal, window_left,
-                         window_right, 0.0, None, 0.0, None, False, deterministic)[0]
+        return attention(call, q, k, v, None, None, q.shape[1], k.shape[1], None, None, None, False)[0]
     q, k, v = _unwrap(q), _unwrap(k), _unwrap(v)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _c_apply_dense(q, k, v, (softmax_scale, causal, window_left, window_right, deterministic))
-    return _fwd_dense(q, k, v, softmax_scale, causal, window_left, window_right, deterministic)[0]
+        return _c_apply_dense(q, k, v, call)
+    return _fwd_dense(call, q, k, v)[0]
 
 
 class _EagerPackedDenseAttention(torch.autograd.Function):
@@ -236,48 +273,41 @@ class _EagerPackedDenseAttention(torch.autograd.Function):
     of the whole gradient per call (1.2% of a GPT-2 medium training step on an H200)."""
 
     @staticmethod
-    def forward(ctx, qkv, args):
-        softmax_scale, causal, window_left, window_right, deterministic = args
+    def forward(ctx, qkv, call):
         q, k, v = qkv.unbind(2)
-        out, lse = _fwd_dense(q, k, v, softmax_scale, causal, window_left, window_right, deterministic)
+        out, lse = _fwd_dense(call, q, k, v)
         ctx.save_for_backward(qkv, out, lse.contiguous())
-        ctx.args = args
+        ctx.call = call
+        ctx.forced = dispatch.forced_backend()
         return out
 
     @staticmethod
     def backward(ctx, dout):
         qkv, out, lse = ctx.saved_tensors
-        softmax_scale, causal, window_left, window_right, deterministic = ctx.args
         if dout.stride(-1) != 1:
             dout = dout.contiguous()
         q, k, v = qkv.unbind(2)
         dqkv = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
         grads = dqkv.unbind(2)
-        backend = dispatch.select_for(q, v, False, False, causal, window_left, window_right, 0.0, None, 0.0,
-                                      backward=True, deterministic=deterministic)
-        kwargs = {"grads": grads} if getattr(backend, "BWD_OUT", False) else {}
-        result = backend.bwd(
-            dout, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=q.shape[1],
-            max_seqlen_k=k.shape[1], block_table=None, softmax_scale=softmax_scale, causal=causal,
-            window_left=window_left, window_right=window_right, softcap=0.0, alibi_slopes=None, dropout_p=0.0,
-            rng_state=None, deterministic=deterministic, **kwargs)
+        result = _backward(ctx.call, dout, q, k, v, out, lse, None, None, q.shape[1], k.shape[1], None, None, None,
+                           grads=grads, forced=ctx.forced)
         for g, r in zip(grads, result):
             if r is not g:
                 g.copy_(r)
         return dqkv, None
 
 
-def attention_qkvpacked_dense(qkv, softmax_scale, causal, window_left, window_right, deterministic):
-    """attention_dense of qkv.unbind(2) for packed qkv (B, S, 3, H, D), arguments validated -> out, with the
-    packed backward above (under torch.compile or functorch transforms: the unbind path)."""
+def attention_qkvpacked_dense(call, qkv):
+    """attention_dense of qkv.unbind(2) for packed qkv (B, S, 3, H, D) -> out, with the packed backward above
+    (under torch.compile or functorch transforms: the unbind path)."""
     if torch.compiler.is_compiling() or _transforms_active():
         q, k, v = qkv.unbind(2)
-        return attention_dense(q, k, v, softmax_scale, causal, window_left, window_right, deterministic)
+        return attention_dense(call, q, k, v)
     qkv = _unwrap(qkv)
     if torch.is_grad_enabled() and qkv.requires_grad:
-        return _c_apply_packed(qkv, (softmax_scale, causal, window_left, window_right, deterministic))
+        return _c_apply_packed(qkv, call)
     q, k, v = qkv.unbind(2)
-    return _fwd_dense(q, k, v, softmax_scale, causal, window_left, window_right, deterministic)[0]
+    return _fwd_dense(call, q, k, v)[0]
 
 
 try:
@@ -304,19 +334,16 @@ def fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor]
         _checks.range_values("cache_batch_idx", cache_batch_idx, 0, k_cache.shape[0])
     if cache_leftpad is not None:
         _checks.range_values("cache_leftpad", cache_leftpad, 0, capacity + 1)
+    call = describe(q, v_cache, paged=block_table is not None, causal=causal, window_left=window_left,
+                    window_right=window_right, softcap=softcap, alibi=alibi_slopes is not None, kvcache=True,
+                    scale=softmax_scale)
     if rotary_cos is not None and k is not None:
-        # positions cache_seqlens + i must exist in the cos/sin tables (q uses them too when local)
-        local = causal or window_left >= 0 or window_right >= 0
-        need = max(s_new, q.shape[1] if local else 1)
+        # positions cache_seqlens + i must exist in the cos/sin tables (q uses them too when the mask is bounded)
+        need = max(s_new, q.shape[1] if call.bounded else 1)
         _checks.range_values("cache_seqlens", cache_seqlens, 0, rotary_cos.shape[0] - need + 1)
-    backend = dispatch.select_for(q, v_cache, False, block_table is not None, causal, window_left, window_right,
-                                  softcap, alibi_slopes, 0.0, kvcache=True)
-    out, lse = backend.fwd_kvcache(
-        q, k_cache, v_cache, k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-        cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
-        block_table=block_table, softmax_scale=softmax_scale, causal=causal, window_left=window_left,
-        window_right=window_right, softcap=softcap, rotary_interleaved=rotary_interleaved,
-        alibi_slopes=alibi_slopes, num_splits=num_splits)
+    out, lse = dispatch.select(call).fwd_kvcache(call, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                                                 cache_batch_idx, cache_leftpad, block_table, alibi_slopes,
+                                                 rotary_interleaved, num_splits)
     return out.contiguous(), lse.contiguous()
 
 

@@ -1,8 +1,8 @@
 """Backend registry and selection.
 
-Each call is described by a small hashable :class:`Call`; the first backend in priority order
-(CuTeDSL, Triton, PyTorch reference) that is installed and supports the call serves it. The choice is
-cached per (Call, forced backend), so the per-call cost is one dict lookup. ``FLASH_ATTN_BACKEND`` or
+Each call arrives described by the core's :class:`flash_attn.call.AttnCall` (built once at the API); the first
+backend in priority order (CuTeDSL, Triton, PyTorch reference) that is installed and supports the call serves
+it. The choice is cached per (description, forced backend), so the per-call cost is one dict lookup. ``FLASH_ATTN_BACKEND`` or
 :func:`use_backend` force a backend; a forced backend that cannot serve a forward call raises an error
 that says why. A backward pass uses the forced backend when it can, else the best one that can (a
 CuTeDSL forward with no CuTeDSL backward falls back this way). On CPU tensors the automatic choice is
@@ -14,11 +14,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import importlib
-from typing import NamedTuple
-
-import torch
 
 from flash_attn import settings
+from flash_attn.call import AttnCall
 
 # name -> module implementing the contract in flash_attn/backends/__init__.py, in priority order.
 BACKENDS = {
@@ -35,26 +33,11 @@ ENV_VAR = settings.BACKEND
 _INTERPRETED_ON_CPU = {"triton", "cute"}
 
 
-class Call(NamedTuple):
-    """What a call needs from a backend; everything that changes which kernel can serve it.
-    (A NamedTuple: built and hashed on every call, it must be cheap.)"""
-
-    device_type: str
-    dtype: torch.dtype
-    head_dim: int
-    head_dim_v: int
-    arch: tuple | None = None  # CUDA compute capability, None off CUDA
-    varlen: bool = False
-    paged: bool = False
-    causal: bool = False
-    local: bool = False
-    softcap: bool = False
-    alibi: bool = False
-    dropout: bool = False
-    return_probs: bool = False
-    kvcache: bool = False
-    backward: bool = False
-    deterministic: bool = False
+# The dispatcher keys on the core's call description (flash_attn/call.py); backends read it in unsupported_reason.
+Call = AttnCall
+# A bound on the cached choices: the description holds the call's scale, window and softcap values, so a caller that
+# sweeps them would grow the cache without limit.
+_MAX_CHOICES = 4096
 
 
 class BackendUnavailableError(NotImplementedError):
@@ -65,7 +48,7 @@ _forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("flash_attn
 _modules: dict[str, object] = {}
 _unavailable: dict[str, str | None] = {}
 _choice: dict[tuple, object] = {}
-_arch_cache: dict[int, tuple] = {}
+_CURRENT = object()  # select()'s default: the forced backend of this context
 
 
 def _check_name(name):
@@ -106,6 +89,8 @@ def unavailable_reason(name):
 
 
 def forced_backend():
+    """The backend forced in this context (use_backend, else FLASH_ATTN_BACKEND), or None. A forward that records
+    gradients keeps it for its backward, which autograd may run on another thread (outside the context)."""
     name = _forced.get() or settings.current.backend
     if name is not None:
         _check_name(name)
@@ -125,16 +110,6 @@ def use_backend(name):
         _forced.reset(token)
 
 
-def device_arch(device):
-    if device.type != "cuda":
-        return None
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    arch = _arch_cache.get(idx)
-    if arch is None:
-        arch = _arch_cache[idx] = tuple(torch.cuda.get_device_capability(idx))
-    return arch
-
-
 def _reason(name, call):
     mod = load(name)
     if mod is None:
@@ -142,68 +117,41 @@ def _reason(name, call):
     return mod.unsupported_reason(call)
 
 
-def select(call: Call):
-    """The backend module that serves ``call``."""
-    forced = forced_backend()
+def select(call: AttnCall, forced=_CURRENT):
+    """The backend module that serves ``call``: the one plan cache of the attention calls (a dict lookup on the
+    description and the forced backend once the call's kind has been seen). ``forced``: the forced backend (or
+    None) to select under instead of the current one (a backward's: its forward's, see forced_backend)."""
+    if forced is _CURRENT:
+        forced = _forced.get() or settings.current.backend
     key = (call, forced)
     mod = _choice.get(key)
-    if mod is not None:
-        return mod
-    if forced is not None:
-        why = _reason(forced, call)
-        if why is None:
-            mod = _modules[forced]
-        elif not call.backward:
-            raise BackendUnavailableError(f"flash_attn backend {forced!r} cannot serve this call: {why}")
     if mod is None:
-        reasons = []
-        for name in BACKENDS:
-            why = _reason(name, call)
-            if why is None and call.device_type == "cpu" and name in _INTERPRETED_ON_CPU:
-                why = "cpu tensors run on GPU backends (interpreted) only when forced"
-            if why is None:
-                mod = _modules[name]
-                break
-            reasons.append(f"{name}: {why}")
-        else:
-            raise NotImplementedError("no flash_attn backend serves this call: " + "; ".join(reasons))
-    _choice[key] = mod
-    return mod
-
-
-def select_for(q, v, varlen, paged, causal, window_left, window_right, softcap, alibi, dropout_p,
-               return_probs=False, kvcache=False, backward=False, deterministic=False):
-    """select(Call(...)) for a call on q/v with these arguments, cached on a plain tuple (building and
-    hashing the Call costs more than the rest of the lookup)."""
-    forced = forced_backend()
-    device = q.device
-    local = window_left >= 0 or (window_right >= 0 and not causal)
-    key = (device, q.dtype, q.shape[-1], v.shape[-1], varlen, paged, causal, local, softcap > 0.0,
-           alibi is not None, dropout_p > 0.0, return_probs, kvcache, backward, deterministic, forced)
-    mod = _choice.get(key)
-    if mod is None:
-        mod = select(Call(
-            device_type=device.type, dtype=q.dtype, head_dim=q.shape[-1], head_dim_v=v.shape[-1],
-            arch=device_arch(device), varlen=varlen, paged=paged, causal=causal, local=local,
-            softcap=softcap > 0.0, alibi=alibi is not None, dropout=dropout_p > 0.0,
-            return_probs=return_probs, kvcache=kvcache, backward=backward, deterministic=deterministic))
+        mod = _choose(call, forced)
+        if len(_choice) >= _MAX_CHOICES:
+            _choice.clear()
         _choice[key] = mod
     return mod
 
 
-def select_dense(q, v, causal, window_left, window_right, deterministic):
-    """select_for() of a dense forward without dropout, softcap, ALiBi or probabilities (flash_attn_func's
-    common call), on a shorter key."""
-    forced = forced_backend()
-    local = window_left >= 0 or (window_right >= 0 and not causal)
-    key = (q.device, q.dtype, q.shape[-1], v.shape[-1], causal, local, deterministic, forced)
-    mod = _choice.get(key)
-    if mod is None:
-        mod = _choice[key] = select_for(q, v, False, False, causal, window_left, window_right, 0.0, None, 0.0,
-                                        deterministic=deterministic)
-    return mod
+def _choose(call, forced):
+    if forced is not None:
+        _check_name(forced)
+        why = _reason(forced, call)
+        if why is None:
+            return _modules[forced]
+        if not call.backward:
+            raise BackendUnavailableError(f"flash_attn backend {forced!r} cannot serve this call: {why}")
+    reasons = []
+    for name in BACKENDS:
+        why = _reason(name, call)
+        if why is None and call.device_type == "cpu" and name in _INTERPRETED_ON_CPU:
+            why = "cpu tensors run on GPU backends (interpreted) only when forced"
+        if why is None:
+            return _modules[name]
+        reasons.append(f"{name}: {why}")
+    raise NotImplementedError("no flash_attn backend serves this call: " + "; ".join(reasons))
 
 
-def explain(call: Call):
+def explain(call: AttnCall):
     """{backend name: None if it would serve ``call`` else the reason}, in priority order."""
     return {name: _reason(name, call) for name in BACKENDS}

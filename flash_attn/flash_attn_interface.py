@@ -11,57 +11,62 @@ import torch
 
 from . import _checks
 from . import _ops
+from .call import dense, describe, window
 from .dropout import new_rng_state
-
-
-def _prepare(q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-             batch=None):
-    H, Hk, D, Dv = _checks.qkv(q, k, v, varlen)
-    scale = _checks.scalars(dropout_p, softcap, softmax_scale, D)
-    left, right = _checks.window(window_size)
-    if causal:
-        right = 0  # causal is the bottom-right aligned window (left, 0)
-    alibi_slopes = _checks.alibi(alibi_slopes, q.shape[0] if batch is None else batch, H, q.device)
-    rng_state = new_rng_state() if dropout_p > 0.0 else None
-    return scale, left, right, alibi_slopes, rng_state
 
 
 def _attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, dropout_p,
           softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs):
+    """An attention call of the API: validate, describe the call once (flash_attn.call), run the op. (flash_attn_func's
+    common call, dense without dropout, softcap, ALiBi or probabilities, is described by call.dense and runs on the
+    lighter autograd functions of _ops: out only, no lse for the caller.)"""
     varlen = cu_seqlens_q is not None
     batch = None
     if varlen:
-        _checks.cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
-        _checks.cu_seqlens("cu_seqlens_k", cu_seqlens_k, q.device)
-        batch = cu_seqlens_q.shape[0] - 1
-        if cu_seqlens_k.shape[0] != batch + 1:
-            raise ValueError(f"cu_seqlens_k must have length {batch + 1} like cu_seqlens_q, "
-                             f"got {cu_seqlens_k.shape[0]}")
+        batch = _varlen_args(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
+    H, Hk, D, Dv = _checks.qkv(q, k, v, varlen)
+    left, right = window(window_size, causal)
+    scale = _checks.scalars(dropout_p, softcap, softmax_scale, D)
+    alibi_slopes = _checks.alibi(alibi_slopes, q.shape[0] if batch is None else batch, H, q.device)
+    rng_state = new_rng_state() if dropout_p > 0.0 else None
+    if varlen:
         max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
-        if max_seqlen_q < 0 or max_seqlen_k < 0:
-            raise ValueError("max_seqlen_q and max_seqlen_k must be >= 0")
-        if block_table is not None:
-            _checks.tensor("block_table", block_table, 2, dtypes=(torch.int32,), device=q.device)
-            if block_table.shape[0] != batch:
-                raise ValueError(f"block_table must have {batch} rows (one per sequence), "
-                                 f"got {block_table.shape[0]}")
-            if not isinstance(k, torch.Tensor) or k.dim() != 4:
-                raise ValueError("with block_table, k and v must be paged caches "
-                                 f"(num_blocks, block_size, Hk, D); got k shape {tuple(k.shape)}")
-            if max_seqlen_k > block_table.shape[1] * k.shape[1]:
-                raise ValueError(f"max_seqlen_k ({max_seqlen_k}) exceeds the pages of block_table "
-                                 f"({block_table.shape[1]} blocks of {k.shape[1]})")
-        elif k.dim() != 3:
-            raise ValueError(f"k must have 3 dims (total_k, Hk, D), got shape {tuple(k.shape)}")
-    scale, left, right, alibi_slopes, rng_state = _prepare(
-        q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, batch)
-    if not varlen:
+    else:
         max_seqlen_q, max_seqlen_k = q.shape[1], k.shape[1]
-    out, lse, probs = _ops.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
-                               scale, bool(causal), left, right, float(softcap), alibi_slopes,
-                               float(dropout_p), rng_state, bool(return_attn_probs), bool(deterministic),
-                               bool(return_attn_probs))  # lse reaches the caller exactly then
+    call = describe(q, v, varlen=varlen, paged=block_table is not None, causal=causal, window_left=left,
+                    window_right=right, softcap=softcap, alibi=alibi_slopes is not None, dropout_p=dropout_p,
+                    return_probs=return_attn_probs, deterministic=deterministic, scale=scale)
+    # lse reaches the caller exactly when the probabilities do
+    out, lse, probs = _ops.attention(call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                     block_table, alibi_slopes, rng_state, bool(return_attn_probs))
     return (out, lse, probs) if return_attn_probs else out
+
+
+def _varlen_args(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table):
+    """The varlen arguments' checks (shapes, dtypes, the paged cache's bounds) -> the batch size."""
+    _checks.cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
+    _checks.cu_seqlens("cu_seqlens_k", cu_seqlens_k, q.device)
+    batch = cu_seqlens_q.shape[0] - 1
+    if cu_seqlens_k.shape[0] != batch + 1:
+        raise ValueError(f"cu_seqlens_k must have length {batch + 1} like cu_seqlens_q, "
+                         f"got {cu_seqlens_k.shape[0]}")
+    max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
+    if max_seqlen_q < 0 or max_seqlen_k < 0:
+        raise ValueError("max_seqlen_q and max_seqlen_k must be >= 0")
+    if block_table is not None:
+        _checks.tensor("block_table", block_table, 2, dtypes=(torch.int32,), device=q.device)
+        if block_table.shape[0] != batch:
+            raise ValueError(f"block_table must have {batch} rows (one per sequence), "
+                             f"got {block_table.shape[0]}")
+        if not isinstance(k, torch.Tensor) or k.dim() != 4:
+            raise ValueError("with block_table, k and v must be paged caches "
+                             f"(num_blocks, block_size, Hk, D); got k shape {tuple(k.shape)}")
+        if max_seqlen_k > block_table.shape[1] * k.shape[1]:
+            raise ValueError(f"max_seqlen_k ({max_seqlen_k}) exceeds the pages of block_table "
+                             f"({block_table.shape[1]} blocks of {k.shape[1]})")
+    elif k.dim() != 3:
+        raise ValueError(f"k must have 3 dims (total_k, Hk, D), got shape {tuple(k.shape)}")
+    return batch
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -73,20 +78,11 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     With return_attn_probs, returns (out, softmax_lse fp32 (B, H, Sq), probs (B, H, Sq, Sk)), probs
     negated where dropout dropped them (for testing only: it materialises Sq x Sk).
     """
-    if not dropout_p and not softcap and alibi_slopes is None and not return_attn_probs:
-        # The common call (no dropout, softcap, ALiBi or probabilities): the same checks and op call as
-        # _attn, without its general-case work.
-        D = _checks.qkv(q, k, v, False)[2]
-        if type(window_size) is tuple and window_size == (-1, -1):
-            left = right = -1
-        else:
-            left, right = _checks.window(window_size)
-        if causal:
-            right = 0
-        scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
-        return _ops.attention_dense(q, k, v, scale, bool(causal), left, right, bool(deterministic))
-    return _attn(q, k, v, None, None, None, None, None, dropout_p, softmax_scale, causal, window_size,
-                 softcap, alibi_slopes, deterministic, return_attn_probs)
+    if not (dropout_p or softcap or return_attn_probs) and alibi_slopes is None:  # the common call
+        _, _, D, Dv = _checks.qkv(q, k, v, False)
+        return _ops.attention_dense(dense(q, D, Dv, softmax_scale, causal, window_size, deterministic), q, k, v)
+    return _attn(q, k, v, None, None, None, None, None, dropout_p, softmax_scale, causal, window_size, softcap,
+                 alibi_slopes, deterministic, return_attn_probs)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -96,16 +92,13 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
     if qkv.shape[2] != 3:
         raise ValueError(f"qkv must have shape (B, S, 3, H, D), got {tuple(qkv.shape)}")
     q, k, v = qkv.unbind(2)
-    if not dropout_p and not softcap and alibi_slopes is None and not return_attn_probs:
-        # The common call: the backward writes one packed dqkv (see _ops.attention_qkvpacked_dense).
-        D = _checks.qkv(q, k, v, False)[2]
-        left, right = _checks.window(window_size)
-        if causal:
-            right = 0
-        scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
-        return _ops.attention_qkvpacked_dense(qkv, scale, bool(causal), left, right, bool(deterministic))
-    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                           deterministic, return_attn_probs)
+    if not (dropout_p or softcap or return_attn_probs) and alibi_slopes is None:
+        # the common call, whose backward writes one packed dqkv (_ops.attention_qkvpacked_dense)
+        _, _, D, Dv = _checks.qkv(q, k, v, False)
+        return _ops.attention_qkvpacked_dense(dense(q, D, Dv, softmax_scale, causal, window_size, deterministic),
+                                              qkv)
+    return _attn(q, k, v, None, None, None, None, None, dropout_p, softmax_scale, causal, window_size, softcap,
+                 alibi_slopes, deterministic, return_attn_probs)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -252,9 +245,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             raise ValueError(f"rotary_cos has rotary_dim / 2 = {rotary_cos.shape[1]} columns; rotary_dim "
                              f"must be at most the head dim {D}")
     scale = _checks.scalars(0.0, softcap, softmax_scale, D)
-    left, right = _checks.window(window_size)
-    if causal:
-        right = 0
+    left, right = window(window_size, causal)
     alibi_slopes = _checks.alibi(alibi_slopes, B, H, q.device)
     out, lse = _ops.fwd_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                                 cache_batch_idx, cache_leftpad, block_table, scale, bool(causal), left, right,

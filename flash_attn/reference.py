@@ -328,9 +328,9 @@ def _host(cu):
     return None if cu is None else cu.to("cpu", torch.int64)
 
 
-def _common(softmax_scale, causal, window_left, window_right, softcap, dropout_p, rng_state):
-    return dict(scale=softmax_scale, window_left=window_left, window_right=0 if causal else window_right,
-                softcap=softcap, dropout_p=dropout_p, rng_state=rng_state)
+def _common(call, rng_state):
+    return dict(scale=call.softmax_scale, window_left=call.window_left, window_right=call.window_right,
+                softcap=call.softcap, dropout_p=call.dropout_p, rng_state=rng_state)
 
 
 def _dense_plan(q, k, alibi_slopes, common):
@@ -345,21 +345,21 @@ def _seq_plan(qb, kb, alibi_slopes, b, max_seqlen_q, common):
                       b_idx=torch.tensor([b], dtype=torch.int64), max_seqlen_q=max_seqlen_q, **common)
 
 
-def fwd(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, softmax_scale,
-        causal, window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state, return_probs):
-    """Forward per the contract in :mod:`flash_attn.backends` -> (out, lse fp32, s_dmask)."""
-    common = _common(softmax_scale, causal, window_left, window_right, softcap, dropout_p, rng_state)
+def fwd(call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, alibi_slopes, rng_state):
+    """Forward per the contract in :mod:`flash_attn.backends` -> (out, lse fp32, s_dmask or None)."""
+    common = _common(call, rng_state)
+    return_probs = call.return_probs
     if cu_seqlens_q is None:
         plan = _dense_plan(q, k, alibi_slopes, common)
         out, lse, probs = _fwd_plan(q, k, v, plan, return_probs)
-        return out, lse, (probs if return_probs else q.new_empty(0, dtype=torch.float32))
+        return out, lse, (probs if return_probs else None)
     cu_q, cu_k = _host(cu_seqlens_q), _host(cu_seqlens_k)
     B = cu_q.numel() - 1
     total_q, H, _ = q.shape
     out = torch.zeros(total_q, H, v.shape[-1], dtype=q.dtype, device=q.device)
     lse = torch.full((H, total_q), float("inf"), dtype=torch.float32, device=q.device)
     probs = (torch.zeros(B, H, max_seqlen_q, max_seqlen_k, dtype=torch.float32, device=q.device)
-             if return_probs else q.new_empty(0, dtype=torch.float32))
+             if return_probs else None)
     for b in range(B):
         q0, q1 = _seq_bounds(cu_q, b)
         if q1 == q0:
@@ -374,12 +374,11 @@ def fwd(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bloc
     return out, lse, probs
 
 
-def bwd(dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
-        softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state,
-        deterministic, dlse=None):
+def bwd(call, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
+        alibi_slopes, rng_state, dlse=None):
     """Backward per the contract -> (dq, dk, dv) in the input dtype. Always deterministic: every sum runs
-    in a fixed sequential order (the ``deterministic`` flag changes nothing here)."""
-    common = _common(softmax_scale, causal, window_left, window_right, softcap, dropout_p, rng_state)
+    in a fixed sequential order (the description's ``deterministic`` changes nothing here)."""
+    common = _common(call, rng_state)
     if cu_seqlens_q is None:
         plan = _dense_plan(q, k, alibi_slopes, common)
         dq, dk, dv = _bwd_plan(dout, q, k, v, out, lse, plan, dlse)
@@ -435,15 +434,12 @@ def _rotate(x, cos, sin, pos, interleaved):
     return torch.cat((rot.to(x.dtype), x[..., rd:]), dim=-1)
 
 
-def fwd_kvcache(q, k_cache, v_cache, *, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                cache_leftpad, block_table, softmax_scale, causal, window_left, window_right, softcap,
-                rotary_interleaved, alibi_slopes, num_splits):
+def fwd_kvcache(call, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                cache_leftpad, block_table, alibi_slopes, rotary_interleaved, num_splits):
     """FA2's flash_attn_with_kvcache: q (B, Sq, H, D); k_cache/v_cache (B_cache, S_cache, Hk, D) or paged
     (num_blocks, block_size, Hk, D) with block_table (B, max_blocks); new k/v (B, S_new, Hk, D) are
     rotated (rotary_cos/sin (seqlen_ro, rotary_dim / 2)) and written in place at cache_seqlens[b] + i.
     Returns (out (B, Sq, H, Dv), lse fp32 (B, H, Sq)). num_splits is ignored (a performance hint)."""
-    if causal:
-        window_right = 0
     B, Sq, H, _ = q.shape
     device = q.device
     seqlens = cache_seqlens.to(device=device, dtype=torch.int64).view(B)
@@ -453,10 +449,9 @@ def fwd_kvcache(q, k_cache, v_cache, *, k, v, rotary_cos, rotary_sin, cache_seql
                else cache_leftpad.to(device=device, dtype=torch.int64))
     s_new = 0 if k is None else k.shape[1]
     if rotary_cos is not None:
-        local = causal or window_left >= 0 or window_right >= 0
         # Positions are absolute cache rows (FA2): the new tokens sit at cache_seqlens[b] + i. Without a
         # causal/local mask all query rows sit at the last cached position, as in one decode step.
-        step = torch.arange(Sq, device=device).view(1, Sq) if local else torch.zeros(1, Sq, dtype=torch.int64,
+        step = torch.arange(Sq, device=device).view(1, Sq) if call.bounded else torch.zeros(1, Sq, dtype=torch.int64,
                                                                                        device=device)
         q = _rotate(q, rotary_cos, rotary_sin, seqlens.view(B, 1) + step, rotary_interleaved)
         if k is not None:
@@ -491,8 +486,8 @@ def fwd_kvcache(q, k_cache, v_cache, *, k, v, rotary_cos, rotary_sin, cache_seql
             flat = _paged_rows(block_table, b, end, k_cache.shape[1], device)[start:]
             kb = k_cache.reshape(-1, *k_cache.shape[2:]).index_select(0, flat).unsqueeze(0)
             vb = v_cache.reshape(-1, *v_cache.shape[2:]).index_select(0, flat).unsqueeze(0)
-        plan = _make_plan(q[b:b + 1], kb, scale=softmax_scale, window_left=window_left,
-                          window_right=window_right, softcap=softcap,
+        plan = _make_plan(q[b:b + 1], kb, scale=call.softmax_scale, window_left=call.window_left,
+                          window_right=call.window_right, softcap=call.softcap,
                           slopes=_slopes_for(alibi_slopes, [b], 1, H), dropout_p=0.0, rng_state=None,
                           b_idx=None, max_seqlen_q=Sq)
         ob, lb, _ = _fwd_plan(q[b:b + 1], kb, vb, plan, False)

@@ -27,6 +27,9 @@ __all__ = [
     "varlen_to_padded",
     "padded_to_varlen",
     "paged_from_dense",
+    "backend_fwd",
+    "backend_bwd",
+    "backend_fwd_kvcache",
 ]
 
 
@@ -375,3 +378,57 @@ def cuobjdump_path():
         cand = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
         path = cand if os.path.exists(cand) else None
     return path
+
+
+# ----------------------------------------------------------------------------------------------------
+# One backend, called directly (tests, tuning tools)
+
+
+def _backend_call(q, v, cu_seqlens_q, block_table, softmax_scale, causal, window_left, window_right, softcap,
+                  alibi_slopes, dropout_p, return_probs, deterministic, backward):
+    from flash_attn.call import describe
+
+    return describe(q, v, varlen=cu_seqlens_q is not None, paged=block_table is not None, causal=causal,
+                    window_left=window_left, window_right=window_right, softcap=softcap,
+                    alibi=alibi_slopes is not None, dropout_p=dropout_p, return_probs=return_probs,
+                    deterministic=deterministic, backward=backward, scale=softmax_scale)
+
+
+def backend_fwd(backend, q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                block_table=None, softmax_scale=None, causal=False, window_left=-1, window_right=-1, softcap=0.0,
+                alibi_slopes=None, dropout_p=0.0, rng_state=None, return_probs=False, **extra):
+    """``backend.fwd`` (the contract of flash_attn.backends) of a call given by the API's keywords (the window in the
+    core's encoding, -1 unbounded), described by flash_attn.call.describe as the API describes it; ``extra``: the
+    backend's own keywords (a tuning config). Dense calls default max_seqlen_* to the tensors' lengths."""
+    if cu_seqlens_q is None:
+        max_seqlen_q, max_seqlen_k = q.shape[1], k.shape[1]
+    call = _backend_call(q, v, cu_seqlens_q, block_table, softmax_scale, causal, window_left, window_right, softcap,
+                         alibi_slopes, dropout_p, return_probs, False, False)
+    return backend.fwd(call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
+                       alibi_slopes, rng_state, **extra)
+
+
+def backend_bwd(backend, dout, q, k, v, out, lse, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                max_seqlen_k=None, block_table=None, softmax_scale=None, causal=False, window_left=-1, window_right=-1,
+                softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None, deterministic=False, **extra):
+    """``backend.bwd`` of a call given by the API's keywords (see backend_fwd); ``extra``: grads, dlse, a config."""
+    if cu_seqlens_q is None:
+        max_seqlen_q, max_seqlen_k = q.shape[1], k.shape[1]
+    call = _backend_call(q, v, cu_seqlens_q, block_table, softmax_scale, causal, window_left, window_right, softcap,
+                         alibi_slopes, dropout_p, False, deterministic, True)
+    return backend.bwd(call, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                       block_table, alibi_slopes, rng_state, **extra)
+
+
+def backend_fwd_kvcache(backend, q, k_cache, v_cache, *, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                        cache_seqlens, cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None,
+                        causal=False, window_left=-1, window_right=-1, softcap=0.0, rotary_interleaved=True,
+                        alibi_slopes=None, num_splits=0):
+    """``backend.fwd_kvcache`` of a call given by flash_attn_with_kvcache's keywords (see backend_fwd)."""
+    from flash_attn.call import describe
+
+    call = describe(q, v_cache, paged=block_table is not None, causal=causal, window_left=window_left,
+                    window_right=window_right, softcap=softcap, alibi=alibi_slopes is not None, kvcache=True,
+                    scale=softmax_scale)
+    return backend.fwd_kvcache(call, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                               cache_leftpad, block_table, alibi_slopes, rotary_interleaved, num_splits)

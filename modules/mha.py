@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from flash_attn.call import window
 from flash_attn.ops.linear import Linear
 
 
@@ -74,9 +75,7 @@ def attention_torch(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
     q_pos = q_rank + (k_count - q_count)[:, None]  # bottom-right alignment per sequence
     rel = k_rank[:, None, :] - q_pos[:, :, None]  # (B or 1, Sq, Sk): key pos - query pos
     visible = torch.ones_like(rel, dtype=torch.bool)
-    window_left, window_right = window_size
-    if causal:
-        window_right = 0
+    window_left, window_right = window(window_size, causal)
     if window_left >= 0:
         visible &= rel >= -window_left
     if window_right >= 0:

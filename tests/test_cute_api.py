@@ -117,9 +117,8 @@ def test_deterministic_and_lse_reach_the_dispatcher(monkeypatch, varlen, determi
 
     seen = []
 
-    def record(*args):
-        seen.append(args)
-        q = args[0]
+    def record(call, q, *args):
+        seen.append((call, args[-1]))
         lse_shape = (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
         return torch.zeros_like(q), torch.zeros(lse_shape), None
 
@@ -132,8 +131,8 @@ def test_deterministic_and_lse_reach_the_dispatcher(monkeypatch, varlen, determi
         interface.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=7, max_seqlen_k=7, causal=True, deterministic=deterministic)
     else:
         interface.flash_attn_func(q, k, v, causal=True, deterministic=deterministic)
-    (args,) = seen
-    assert args[-2] is deterministic and args[-1] is True
+    ((call, lse_grad),) = seen
+    assert call.deterministic is deterministic and lse_grad is True
 
 
 def test_sink_call_passes_deterministic_to_the_backward(monkeypatch):

@@ -26,6 +26,7 @@ from flash_attn.cute import backend as cute_backend  # noqa: E402
 from flash_attn.cute import config, kernels, launch, settings  # noqa: E402
 from _cute_table import cute_settings as _cute_settings  # noqa: E402
 from flash_attn.dispatch import Call  # noqa: E402
+from flash_attn.testing import backend_bwd, backend_fwd
 
 
 def _overrides(fields):
@@ -907,8 +908,9 @@ def test_backward_is_served_only_where_the_kernel_applies(cute_env, disable):
     assert cute_backend.unsupported_reason(_call()) is None
     assert cute_backend.unsupported_reason(_call(causal=False, dtype=torch.float16, head_dim=128,
                                                  head_dim_v=128)) is None
-    for what in ("varlen", "local", "softcap", "deterministic", "alibi", "dropout", "paged"):
-        assert cute_backend.unsupported_reason(_call(**{what: True})) is not None, what
+    for what in (dict(varlen=True), dict(window_left=8), dict(causal=False, window_right=8), dict(softcap=30.0),
+                 dict(deterministic=True), dict(alibi=True), dict(dropout_p=0.1), dict(paged=True)):
+        assert cute_backend.unsupported_reason(_call(**what)) is not None, what
     assert cute_backend.unsupported_reason(_call(head_dim=96, head_dim_v=96)) is not None
     assert cute_backend.unsupported_reason(_call(arch=(8, 0))) is not None
 
@@ -1141,9 +1143,9 @@ def test_backend_writes_into_given_grads_on_gpu(cute_bwd_on):
     kw = dict(cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=S, max_seqlen_k=S, block_table=None,
               softmax_scale=D ** -0.5, causal=True, window_left=-1, window_right=0, softcap=0.0,
               alibi_slopes=None, dropout_p=0.0, rng_state=None)
-    out, lse, _ = cute_backend.fwd(q, k, v, return_probs=False, **kw)
+    out, lse, _ = backend_fwd(cute_backend, q, k, v, return_probs=False, **kw)
     grads = torch.full_like(qkv, float("nan")).unbind(2)
-    result = cute_backend.bwd(dout, q, k, v, out, lse, deterministic=False, grads=grads, **kw)
+    result = backend_bwd(cute_backend, dout, q, k, v, out, lse, deterministic=False, grads=grads, **kw)
     assert all(r is g_ for r, g_ in zip(result, grads))
     ref, pt = _reference(q, k, v, dout, True)
     for name, a, r, p in zip(("dq", "dk", "dv"), result, ref[1:], pt[1:]):
@@ -1174,15 +1176,15 @@ def test_backward_is_three_launches_on_gpu(cute_bwd_on, cute_env, heads_kv, pack
         grads = None
     dout = torch.randn(B, S, H, D, generator=g).to("cuda", torch.bfloat16)
     kw = _bwd_kw(S, D, True)
-    out, lse, _ = cute_backend.fwd(q, k, v, return_probs=False, **kw)
+    out, lse, _ = backend_fwd(cute_backend, q, k, v, return_probs=False, **kw)
     counts = {}
     for path in ("torch", "triton"):
         cute_env(OVERRIDES="plan.bwd_host=torch" if path == "torch" else None)
-        cute_backend.bwd(dout, q, k, v, out, lse, deterministic=False, grads=grads, **kw)  # compiles
+        backend_bwd(cute_backend, dout, q, k, v, out, lse, deterministic=False, grads=grads, **kw)  # compiles
         torch.cuda.synchronize()
         acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         with torch.profiler.profile(activities=acts) as prof:
-            cute_backend.bwd(dout, q, k, v, out, lse, deterministic=False, grads=grads, **kw)
+            backend_bwd(cute_backend, dout, q, k, v, out, lse, deterministic=False, grads=grads, **kw)
             torch.cuda.synchronize()
         gpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         counts[path] = [e.name for e in sorted(gpu, key=lambda e: e.time_range.start)]

@@ -29,6 +29,7 @@ from flash_attn.testing import (  # noqa: E402
     assert_close_to_ref, assert_lse_close, assert_ptxas_clean, attention_lse_ref, attention_ref, fa4_window,
     paged_from_dense,
 )
+from flash_attn.testing import backend_fwd
 
 I32 = torch.int32
 
@@ -253,10 +254,10 @@ def test_root_dispatcher_routes_paged_calls_here(cute_env):
     cute_env(DISABLE="paged")
     assert "FLASH_ATTN_CUTE_DISABLE names paged" in backend.unsupported_reason(call)
     cute_env(DISABLE=None)
-    assert backend.unsupported_reason(call._replace(local=True, softcap=True)) is None
+    assert backend.unsupported_reason(call._replace(window_left=8, softcap=30.0)) is None
     assert backend.unsupported_reason(call._replace(backward=True)) == "backward with paged KV"
-    for what in ("alibi", "dropout", "return_probs"):
-        assert backend.unsupported_reason(call._replace(**{what: True})) == what
+    for what, kw in (("alibi", dict(alibi=True)), ("dropout", dict(dropout_p=0.1)), ("return_probs", dict(return_probs=True))):
+        assert backend.unsupported_reason(call._replace(**kw)) == what
 
 
 def test_backend_fwd_runs_paged_calls_per_sequence(monkeypatch):
@@ -273,7 +274,7 @@ def test_backend_fwd_runs_paged_calls_per_sequence(monkeypatch):
     kw = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=9, max_seqlen_k=20, softmax_scale=0.125,
               causal=True, window_left=-1, window_right=0, softcap=0.0, alibi_slopes=None, dropout_p=0.0,
               rng_state=None, return_probs=False)
-    out, lse, _ = backend.fwd(q, k, v, block_table=table, **kw)
+    out, lse, _ = backend_fwd(backend, q, k, v, block_table=table, **kw)
     for b, (sq, sk) in enumerate(zip(lens_q, lens_k)):
         q0 = int(cu_q[b])
         if sq and sk:
@@ -293,7 +294,7 @@ def test_backend_fwd_runs_paged_calls_per_sequence(monkeypatch):
     monkeypatch.setattr(launch, "forward_varlen", lambda q_, k_, v_, cu_q_, cu_k_, used_k_, *a, page_table=None,
                         **kw_: seen.append((k_, cu_k_.tolist(), used_k_.tolist(), page_table)) or (
                             q_.new_zeros(q_.shape), q_.new_zeros(q_.shape[1], q_.shape[0]).float()))
-    backend.fwd(q, k, v, block_table=table, **kw)
+    backend_fwd(backend, q, k, v, block_table=table, **kw)
     (keys, cu, used, pages), = seen
     cap = table.shape[1] * 12
     assert pages is None and cu == [cap * b for b in range(5)] and used == lens_k

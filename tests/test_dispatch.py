@@ -64,6 +64,23 @@ def test_backward_goes_to_a_backend_that_supports_it(registry):
     assert registry == [("fast", "fwd"), ("mid", "bwd")]
 
 
+def test_backward_keeps_the_backend_its_forward_was_forced_onto(registry):
+    # autograd may run the backward on another thread, outside the forward's use_backend context: the forward's
+    # forced backend travels with it (each API entry: the common call, the general one, packed qkv)
+    for run in (lambda q, k, v: flash_attn_func(q, k, v),
+                lambda q, k, v: flash_attn_func(q, k, v, return_attn_probs=True)[0],
+                lambda q, k, v: flash_attn.flash_attn_qkvpacked_func(torch.stack([q, k, v], 2))):
+        q, k, v = _qkv()
+        del registry[:]
+        with flash_attn.use_backend("mid"):
+            out = run(q, k, v)
+        out.sum().backward()
+        assert registry == [("mid", "fwd"), ("mid", "bwd")]
+        del registry[:]
+        run(q, k, v).sum().backward()  # nothing forced: the backward's own choice
+        assert registry == [("fast", "fwd"), ("mid", "bwd")]
+
+
 def test_use_backend_forces_and_restores(registry):
     q, k, v = _qkv()
     with flash_attn.use_backend("torch"):
@@ -117,7 +134,7 @@ def test_package_without_backend_module_says_so(monkeypatch):
 
 def test_reference_serves_every_feature_on_cpu():
     call = dispatch.Call("cpu", torch.float32, 72, 40, None, varlen=True, paged=True, causal=True,
-                         local=True, softcap=True, alibi=True, dropout=True, return_probs=True,
+                         window_left=8, softcap=30.0, alibi=True, dropout_p=0.1, return_probs=True,
                          kvcache=True, backward=True, deterministic=True)
     assert dispatch.explain(call)["torch"] is None
 

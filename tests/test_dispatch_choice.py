@@ -4,9 +4,9 @@ No GPU is needed: torch.cuda's availability and compute capability, and whether 
 can run here (their backends' ``unavailable_reason``), are monkeypatched; the calls are described by stand-ins
 for q and v that carry only what flash_attn.dispatch reads (device, dtype, shape). The backends' own
 ``unsupported_reason`` runs unpatched, so these tests pin the priority order (CuTeDSL first, then Triton,
-then the PyTorch reference) against what each backend really refuses, and that every call attribute that can
-change the choice is part of the dispatcher's cache keys (select_for's and select_dense's): two calls
-differing only in it, made one after the other in either order, each get the backend a fresh lookup gives.
+then the PyTorch reference) against what each backend really refuses, and that every field of the call's
+description (flash_attn.call.AttnCall) is part of the dispatcher's cache key: two calls differing only in it, made
+one after the other in either order, each get the backend a fresh lookup gives.
 """
 import sys
 import types
@@ -14,7 +14,9 @@ import types
 import pytest
 import torch
 
+from flash_attn import call as call_mod
 from flash_attn import dispatch
+from flash_attn.call import AttnCall
 
 
 
@@ -42,8 +44,9 @@ def gpu(cute_env, monkeypatch):
         """available(cute="not installed") makes cute unavailable with that reason; None: available."""
         for name, mod in mods.items():
             monkeypatch.setattr(mod, "unavailable_reason", lambda why=reasons.get(name): why)
-        for cache in ("_modules", "_unavailable", "_choice", "_arch_cache"):
+        for cache in ("_modules", "_unavailable", "_choice"):
             monkeypatch.setattr(dispatch, cache, {})
+        monkeypatch.setattr(call_mod, "_arch", {})  # (device facts, cached per device)
 
     available()
     return available
@@ -54,25 +57,21 @@ def _t(device="cuda:0", dtype=torch.float16, d=64, shape=(2, 16, 4)):
     return types.SimpleNamespace(device=torch.device(device), dtype=dtype, shape=(*shape, d))
 
 
-# select_for's arguments of a plain call: dense, no mask, fp16, head dim 64, forward
+# describe()'s arguments of a plain call: dense, no mask, fp16, head dim 64, forward
 BASE = dict(device="cuda:0", dtype=torch.float16, d=64, dv=64, varlen=False, paged=False, causal=False,
-            window_left=-1, window_right=-1, softcap=0.0, alibi=None, dropout_p=0.0, return_probs=False,
-            kvcache=False, backward=False, deterministic=False)
+            window_left=-1, window_right=-1, softcap=0.0, alibi=False, dropout_p=0.0, return_probs=False,
+            kvcache=False, backward=False, deterministic=False, scale=None)
 
 
-def _select_for(**kw):
+def _call(**kw):
     a = {**BASE, **kw}
-    q = _t(a["device"], a["dtype"], a["d"])
-    v = _t(a["device"], a["dtype"], a["dv"])
-    return dispatch.select_for(q, v, a["varlen"], a["paged"], a["causal"], a["window_left"], a["window_right"],
-                               a["softcap"], a["alibi"], a["dropout_p"], return_probs=a["return_probs"],
-                               kvcache=a["kvcache"], backward=a["backward"], deterministic=a["deterministic"]).NAME
+    q = _t(a.pop("device"), a["dtype"], a.pop("d"))
+    v = _t(q.device, a.pop("dtype"), a.pop("dv"))
+    return call_mod.describe(q, v, **a)
 
 
-def _select_dense(**kw):
-    a = {**BASE, **kw}
-    return dispatch.select_dense(_t(a["device"], a["dtype"], a["d"]), _t(a["device"], a["dtype"], a["dv"]),
-                                 a["causal"], a["window_left"], a["window_right"], a["deterministic"]).NAME
+def _select(**kw):
+    return dispatch.select(_call(**kw)).NAME
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -81,74 +80,71 @@ def _select_dense(**kw):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("d", [64, 128])
 def test_hopper_dense_forward_runs_cute(gpu, dtype, d):
-    assert _select_for(dtype=dtype, d=d, dv=d) == "cute"
-    assert _select_dense(dtype=dtype, d=d, dv=d) == "cute"
-    assert _select_for(dtype=dtype, d=d, dv=d, causal=True, window_right=0) == "cute"
-    assert _select_for(dtype=dtype, d=d, dv=d, window_left=32, window_right=8, softcap=30.0) == "cute"
-    assert _select_for(dtype=dtype, d=d, dv=d, varlen=True) == "cute"
+    assert _select(dtype=dtype, d=d, dv=d) == "cute"
+    assert _select(dtype=dtype, d=d, dv=d, causal=True, window_right=0) == "cute"
+    assert _select(dtype=dtype, d=d, dv=d, window_left=32, window_right=8, softcap=30.0) == "cute"
+    assert _select(dtype=dtype, d=d, dv=d, varlen=True) == "cute"
 
 
 def test_hopper_dense_backward_runs_cute(gpu):
-    assert _select_for(backward=True) == "cute"
-    assert _select_for(backward=True, causal=True, window_right=0, d=128, dv=128) == "cute"
+    assert _select(backward=True) == "cute"
+    assert _select(backward=True, causal=True, window_right=0, d=128, dv=128) == "cute"
 
 
 @pytest.mark.parametrize("call", [
-    dict(dropout_p=0.1), dict(alibi=object()), dict(return_probs=True), dict(kvcache=True),
+    dict(dropout_p=0.1), dict(alibi=True), dict(return_probs=True), dict(kvcache=True),
     dict(dtype=torch.float32), dict(d=72, dv=72), dict(d=64, dv=32), dict(device="cuda:1"),
     dict(backward=True, softcap=30.0), dict(backward=True, deterministic=True), dict(backward=True, varlen=True),
     dict(backward=True, window_left=16, window_right=0, causal=True), dict(backward=True, d=256, dv=256),
 ], ids=lambda c: ",".join(f"{k}={getattr(v, '__name__', v)}" for k, v in c.items()))
 def test_triton_where_cute_refuses(gpu, call):
-    assert _select_for(**call) == "triton"
+    assert _select(**call) == "triton"
 
 
 def test_wide_head_dims_forward_on_cute_backward_on_triton(gpu):
     for d in (96, 192, 256):
-        assert _select_for(d=d, dv=d) == "cute", d
-        assert _select_for(d=d, dv=d, backward=True) == "triton", d
+        assert _select(d=d, dv=d) == "cute", d
+        assert _select(d=d, dv=d, backward=True) == "triton", d
 
 
 def test_switches_move_calls_off_cute(gpu, cute_env):
     cute_env(DISABLE="bwd")
-    assert _select_for(backward=True) == "triton"
-    assert _select_for() == "cute"
+    assert _select(backward=True) == "triton"
+    assert _select() == "cute"
     cute_env(DISABLE="bwd,d96,d192,d256")  # (before any d256 call: the dispatcher caches its choice per kind)
-    assert _select_for(d=256, dv=256) == "triton"
+    assert _select(d=256, dv=256) == "triton"
 
 
 def test_cute_not_installed_hopper_runs_triton(gpu):
     gpu(cute="not installed (pip install flash-attn-4)")
-    assert _select_for() == "triton"
-    assert _select_dense() == "triton"
-    assert _select_for(backward=True) == "triton"
-    assert "not installed" in dispatch.explain(dispatch.Call("cuda", torch.float16, 64, 64, (9, 0)))["cute"]
+    assert _select() == "triton"
+    assert _select(backward=True) == "triton"
+    assert "not installed" in dispatch.explain(_call())["cute"]
 
 
 def test_neither_gpu_backend_installed_runs_torch(gpu):
     gpu(cute="not installed", triton="triton is not installed")
-    assert _select_for() == "torch"
-    assert _select_for(backward=True) == "torch"
+    assert _select() == "torch"
+    assert _select(backward=True) == "torch"
 
 
 def test_paged_calls(gpu):
     # the cute paged kernel serves Hopper's paged forward; Triton has no paged attention outside the kv cache
-    assert _select_for(varlen=True, paged=True) == "cute"
-    assert _select_for(varlen=True, paged=True, device="cuda:1") == "torch"
-    assert _select_for(varlen=True, paged=True, backward=True) == "torch"
-    assert _select_for(paged=True, kvcache=True, device="cuda:1") == "triton"
+    assert _select(varlen=True, paged=True) == "cute"
+    assert _select(varlen=True, paged=True, device="cuda:1") == "torch"
+    assert _select(varlen=True, paged=True, backward=True) == "torch"
+    assert _select(paged=True, kvcache=True, device="cuda:1") == "triton"
 
 
 def test_cpu_runs_torch(gpu):
     # even with the Triton interpreter on (tests/conftest.py) and every backend importable
     for kw in (dict(), dict(backward=True), dict(dtype=torch.float32, d=72, dv=72), dict(dropout_p=0.1)):
-        assert _select_for(device="cpu", **kw) == "torch", kw
-    assert _select_dense(device="cpu") == "torch"
+        assert _select(device="cpu", **kw) == "torch", kw
 
 
 def test_priority_order_is_cute_triton_torch(gpu):
     assert list(dispatch.BACKENDS) == ["cute", "triton", "torch"]
-    call = dispatch.Call("cuda", torch.float16, 128, 128, (9, 0))
+    call = _call(d=128, dv=128)
     assert dispatch.explain(call) == {"cute": None, "triton": None, "torch": None}
     assert dispatch.select(call).NAME == "cute"
 
@@ -161,7 +157,7 @@ PAIRS = [
     ("softcap", dict(backward=True), dict(backward=True, softcap=30.0), ("cute", "triton")),
     ("deterministic", dict(backward=True), dict(backward=True, deterministic=True), ("cute", "triton")),
     ("dropout", dict(), dict(dropout_p=0.1), ("cute", "triton")),
-    ("alibi", dict(), dict(alibi=object()), ("cute", "triton")),
+    ("alibi", dict(), dict(alibi=True), ("cute", "triton")),
     ("return_probs", dict(), dict(return_probs=True), ("cute", "triton")),
     ("kvcache", dict(), dict(kvcache=True), ("cute", "triton")),
     ("varlen", dict(backward=True), dict(backward=True, varlen=True), ("cute", "triton")),
@@ -180,56 +176,42 @@ PAIRS = [
 
 
 @pytest.mark.parametrize("name,a,b,expect", PAIRS, ids=[p[0] for p in PAIRS])
-def test_select_for_cache_key_holds_every_attribute(gpu, name, a, b, expect):
-    assert (_select_for(**a), _select_for(**b)) == expect
+def test_cache_key_holds_every_attribute(gpu, name, a, b, expect):
+    assert (_select(**a), _select(**b)) == expect
     gpu()  # empty cache: the other order
-    assert (_select_for(**b), _select_for(**a)) == expect[::-1]
+    assert (_select(**b), _select(**a)) == expect[::-1]
     # and once more from the warm cache
-    assert (_select_for(**a), _select_for(**b)) == expect
+    assert (_select(**a), _select(**b)) == expect
 
 
-DENSE_PAIRS = [
-    ("head_dim", dict(), dict(d=72), ("cute", "triton")),
-    ("head_dim_v", dict(), dict(dv=32), ("cute", "triton")),
-    ("dtype", dict(), dict(dtype=torch.float32), ("cute", "triton")),
-    ("device", dict(), dict(device="cpu"), ("cute", "torch")),
-    ("arch", dict(), dict(device="cuda:1"), ("cute", "triton")),
-]
-
-
-@pytest.mark.parametrize("name,a,b,expect", DENSE_PAIRS, ids=[p[0] for p in DENSE_PAIRS])
-def test_select_dense_cache_key_holds_every_attribute(gpu, name, a, b, expect):
-    assert (_select_dense(**a), _select_dense(**b)) == expect
-    gpu()
-    assert (_select_dense(**b), _select_dense(**a)) == expect[::-1]
-
-
-def test_select_dense_and_select_for_agree(gpu):
-    # flash_attn_func's short key and the full one share the cache: neither answers for the other's calls
-    for kw in (dict(), dict(causal=True, window_right=0), dict(window_left=8, window_right=8),
-               dict(d=256, dv=256), dict(dtype=torch.float32), dict(device="cpu"), dict(device="cuda:1")):
-        gpu()
-        dense = _select_dense(**kw)
-        assert _select_for(**kw) == dense, kw
-        assert _select_for(**kw, dropout_p=0.1) in ("triton", "torch")
-        assert _select_dense(**kw) == dense
+def test_dense_lane_describes_the_call_as_describe_does(gpu):
+    # flash_attn_func's common call builds its description with call.dense(): the same description (and so the
+    # same cached choice) as the general builder's
+    for kw in (dict(), dict(causal=True), dict(window_left=8, window_right=8), dict(causal=True, window_left=8),
+               dict(d=256, dv=128), dict(deterministic=True), dict(device="cpu"), dict(device="cuda:1"),
+               dict(scale=0.3), dict(dtype=torch.bfloat16)):
+        a = {**BASE, **kw}
+        q = _t(a["device"], a["dtype"], a["d"])
+        lane = call_mod.dense(q, a["d"], a["dv"], a["scale"], a["causal"], (a["window_left"], a["window_right"]),
+                              a["deterministic"])
+        full = _call(**kw)
+        assert lane == full and hash(lane) == hash(full), kw
+        assert type(lane) is call_mod.AttnCall
 
 
 def test_forced_backend_is_in_the_cache_key(gpu):
-    assert _select_for() == "cute"
+    assert _select() == "cute"
     with dispatch.use_backend("triton"):
-        assert _select_for() == "triton"
-        assert _select_dense() == "triton"
+        assert _select() == "triton"
     with dispatch.use_backend("torch"):
-        assert _select_for() == "torch"
-        assert _select_dense() == "torch"
-    assert _select_for() == "cute" and _select_dense() == "cute"
+        assert _select() == "torch"
+    assert _select() == "cute"
 
 
-# A backend first in line that refuses whatever differs from the plain call in one Call field: with the real
+# A backend first in line that refuses whatever differs from the plain call in one field of the description: with the real
 # backends some fields change the choice only together with others (causal only through local, today), but
-# the Call contract lets any backend refuse on any field, so each must reach the cache keys on its own.
-# field -> (select_for changes that leave every other Call field as the plain call has it)
+# the contract lets any backend refuse on any field, so each must reach the cache keys on its own.
+# field -> (describe() changes that leave every other field as the plain call has it)
 FIELDS = {
     "device_type": dict(device="cpu"),
     "dtype": dict(dtype=torch.float32),
@@ -238,26 +220,27 @@ FIELDS = {
     "arch": dict(device="cuda:1"),
     "varlen": dict(varlen=True),
     "paged": dict(paged=True),
-    "causal": dict(causal=True, window_right=0),
-    "local": dict(window_left=16),
+    "causal": dict(causal=True),
+    "window_left": dict(window_left=16),
+    "window_right": dict(window_right=8),
     "softcap": dict(softcap=30.0),
-    "alibi": dict(alibi=object()),
-    "dropout": dict(dropout_p=0.1),
+    "alibi": dict(alibi=True),
+    "dropout_p": dict(dropout_p=0.1),
     "return_probs": dict(return_probs=True),
     "kvcache": dict(kvcache=True),
     "backward": dict(backward=True),
     "deterministic": dict(deterministic=True),
+    "scale": dict(scale=0.5),
 }
-_DENSE_FIELDS = ("device_type", "dtype", "head_dim", "head_dim_v", "arch", "causal", "local", "deterministic")
 
 
 def test_fields_cover_the_call():
-    assert set(FIELDS) == set(dispatch.Call._fields)
+    assert set(FIELDS) == set(dispatch.Call._fields) and dispatch.Call is AttnCall
 
 
 @pytest.fixture
 def picky(gpu, monkeypatch):
-    plain = dispatch.Call("cuda", torch.float16, 64, 64, (9, 0))
+    plain = _call()
 
     def install(field):
         mod = types.ModuleType("_picky_backend")
@@ -273,22 +256,11 @@ def picky(gpu, monkeypatch):
 
 
 @pytest.mark.parametrize("field", FIELDS)
-def test_select_for_key_holds_every_call_field(picky, field):
+def test_select_key_holds_every_call_field(picky, field):
     picky(field)
     for _ in range(2):  # a cold cache, then a warm one
-        assert _select_for() == "picky"
-        assert _select_for(**FIELDS[field]) != "picky"
+        assert _select() == "picky"
+        assert _select(**FIELDS[field]) != "picky"
     picky(field)  # the other order
-    assert _select_for(**FIELDS[field]) != "picky"
-    assert _select_for() == "picky"
-
-
-@pytest.mark.parametrize("field", _DENSE_FIELDS)
-def test_select_dense_key_holds_every_call_field(picky, field):
-    picky(field)
-    for _ in range(2):
-        assert _select_dense() == "picky"
-        assert _select_dense(**FIELDS[field]) != "picky"
-    picky(field)
-    assert _select_dense(**FIELDS[field]) != "picky"
-    assert _select_dense() == "picky"
+    assert _select(**FIELDS[field]) != "picky"
+    assert _select() == "picky"

@@ -18,6 +18,7 @@ import torch
 
 from flash_attn import dropout as fa_dropout
 from flash_attn import reference, testing
+from flash_attn.testing import backend_fwd
 
 _MULT = np.uint32(0x45D9F3B)
 
@@ -141,7 +142,7 @@ def test_backend_dense_mask_is_the_documented_hash(name):
     B, Sq, Sk, H, Hk, D, p, seeds = 2, 9, 13, 4, 2, 16, 0.4, (20240607, 31)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(B, s, hh, D, generator=g).to(device) for s, hh in ((Sq, H), (Sk, Hk), (Sk, Hk)))
-    _, _, probs = be.fwd(q, k, v, return_probs=True, **_fwd_kwargs(D, p, seeds, max_seqlen_q=Sq, max_seqlen_k=Sk))
+    _, _, probs = backend_fwd(be, q, k, v, return_probs=True, **_fwd_kwargs(D, p, seeds, max_seqlen_q=Sq, max_seqlen_k=Sk))
     assert probs.shape == (B, H, Sq, Sk) and (probs != 0).all()
     want = _documented_keep(*seeds, *_grid(B, H, Sq, Sk), H, Sq, p)
     assert np.array_equal((probs > 0).cpu().numpy(), want)
@@ -156,7 +157,7 @@ def test_backend_varlen_mask_is_the_documented_hash(name):
     cu = torch.tensor([0, *np.cumsum(lens)], dtype=torch.int32).to(device)
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(sum(lens), H, D, generator=g).to(device) for _ in range(3))
-    _, _, probs = be.fwd(q, k, v, return_probs=True,
+    _, _, probs = backend_fwd(be, q, k, v, return_probs=True,
                          **_fwd_kwargs(D, p, seeds, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=S, max_seqlen_k=S))
     assert probs.shape == (B, H, S, S)
     want = _documented_keep(*seeds, *_grid(B, H, S, S), H, S, p)

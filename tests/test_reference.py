@@ -9,6 +9,8 @@ from flash_attn import dropout as fa_dropout
 from flash_attn import reference as R
 from flash_attn.testing import (
     assert_close_to_ref,
+    backend_bwd,
+    backend_fwd,
     attention_lse_ref,
     attention_ref,
     dropout_keep_mask,
@@ -74,7 +76,7 @@ def _check_dense(B=2, Sq=33, Sk=45, H=4, Hk=2, D=32, Dv=None, dtype=torch.float1
     rng = torch.tensor([1234, 5678])
     keep = dropout_keep_mask(rng, dropout_p, B, H, Sq, Sk) if dropout_p > 0 else None
     kw = _kwargs(D, causal, window, softcap, slopes, dropout_p, rng, max_seqlen_q=Sq, max_seqlen_k=Sk)
-    out, lse, _ = R.fwd(q, k, v, return_probs=False, **kw)
+    out, lse, _ = backend_fwd(R, q, k, v, return_probs=False, **kw)
     dout = torch.randn(B, Sq, H, Dv, generator=torch.Generator().manual_seed(1)).to(dtype)
     ref_kw = dict(causal=causal, window_size=window, softcap=softcap, alibi_slopes=slopes,
                   dropout_p=dropout_p, dropout_mask=keep)
@@ -89,7 +91,7 @@ def _check_dense(B=2, Sq=33, Sk=45, H=4, Hk=2, D=32, Dv=None, dtype=torch.float1
     fin = torch.isfinite(lse_ref)
     torch.testing.assert_close(lse[fin], lse_ref[fin], atol=1e-4, rtol=1e-5)
     if check_bwd:
-        dq, dk, dv = R.bwd(dout, q, k, v, out, lse, deterministic=True, **kw)
+        dq, dk, dv = backend_bwd(R, dout, q, k, v, out, lse, deterministic=True, **kw)
         for name, got, ref, pt, x in zip(("dq", "dk", "dv"), (dq, dk, dv), g_ref, g_pt, (q, k, v)):
             assert got.dtype == dtype and got.shape == x.shape, name
             if name in ("dq", "dk") and at_most_one_key:
@@ -252,7 +254,7 @@ def test_head_dims(D, Dv):
 def test_softmax_scale_custom():
     q, k, v = _qkv(1, 9, 14, 2, 2, 32, 32, torch.float32)
     kw = _kwargs(32, softmax_scale=0.37)
-    out, _, _ = R.fwd(q, k, v, return_probs=False, **kw)
+    out, _, _ = backend_fwd(R, q, k, v, return_probs=False, **kw)
     (o_ref, *_), (o_pt, *_) = _ref_and_pt(q, k, v, None, softmax_scale=0.37)
     assert_close_to_ref(out, o_ref, o_pt)
     (o_def, *_), _ = _ref_and_pt(q, k, v, None)
@@ -268,11 +270,11 @@ def test_fully_masked_rows_zero_out_inf_lse_zero_grads():
     B, Sq, Sk, H, D = 2, 30, 10, 2, 32
     q, k, v = _qkv(B, Sq, Sk, H, H, D, D, torch.float16)
     kw = _kwargs(D, causal=True)
-    out, lse, _ = R.fwd(q, k, v, return_probs=False, **kw)
+    out, lse, _ = backend_fwd(R, q, k, v, return_probs=False, **kw)
     assert torch.all(out[:, :20] == 0) and torch.all(lse[:, :, :20] == float("inf"))
     assert torch.isfinite(lse[:, :, 20:]).all()
     dout = torch.randn_like(out)
-    dq, dk, dv = R.bwd(dout, q, k, v, out, lse, deterministic=True, **kw)
+    dq, dk, dv = backend_bwd(R, dout, q, k, v, out, lse, deterministic=True, **kw)
     assert torch.all(dq[:, :20] == 0) and torch.isfinite(dq).all()
     assert torch.isfinite(dk).all() and torch.isfinite(dv).all()
 
@@ -287,12 +289,12 @@ def test_return_probs(causal):
     B, Sq, Sk, H, D = 2, 21, 35, 4, 32
     q, k, v = _qkv(B, Sq, Sk, H, 2, D, D, torch.float32)
     kw = _kwargs(D, causal=causal)
-    _, _, probs = R.fwd(q, k, v, return_probs=True, **kw)
+    _, _, probs = backend_fwd(R, q, k, v, return_probs=True, **kw)
     _, attn = attention_ref(q, k, v, causal=causal)
     assert probs.dtype == torch.float32 and probs.shape == (B, H, Sq, Sk)
     torch.testing.assert_close(probs, attn.float(), atol=1e-6, rtol=1e-5)
-    _, _, none = R.fwd(q, k, v, return_probs=False, **kw)
-    assert none.numel() == 0
+    _, _, none = backend_fwd(R, q, k, v, return_probs=False, **kw)
+    assert none is None  # (the contract: no probabilities unless the call returns them)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -310,7 +312,7 @@ def test_dropout_probs_sign_equals_keep_mask():
     q, k, v = _qkv(B, Sq, Sk, H, 1, D, D, torch.float32)
     rng = torch.tensor([99, 3])
     kw = _kwargs(D, dropout_p=p, rng_state=rng)
-    _, _, probs = R.fwd(q, k, v, return_probs=True, **kw)
+    _, _, probs = backend_fwd(R, q, k, v, return_probs=True, **kw)
     keep = dropout_keep_mask(rng, p, B, H, Sq, Sk)
     assert torch.all((probs < 0) == ~keep)
     _, attn = attention_ref(q, k, v)
@@ -319,9 +321,9 @@ def test_dropout_probs_sign_equals_keep_mask():
 
 def test_dropout_changes_with_rng_state():
     q, k, v = _qkv(1, 16, 16, 2, 2, 32, 32, torch.float32)
-    o1, _, _ = R.fwd(q, k, v, return_probs=False, **_kwargs(32, dropout_p=0.2, rng_state=torch.tensor([1, 2])))
-    o2, _, _ = R.fwd(q, k, v, return_probs=False, **_kwargs(32, dropout_p=0.2, rng_state=torch.tensor([1, 3])))
-    o3, _, _ = R.fwd(q, k, v, return_probs=False, **_kwargs(32, dropout_p=0.2, rng_state=torch.tensor([1, 2])))
+    o1, _, _ = backend_fwd(R, q, k, v, return_probs=False, **_kwargs(32, dropout_p=0.2, rng_state=torch.tensor([1, 2])))
+    o2, _, _ = backend_fwd(R, q, k, v, return_probs=False, **_kwargs(32, dropout_p=0.2, rng_state=torch.tensor([1, 3])))
+    o3, _, _ = backend_fwd(R, q, k, v, return_probs=False, **_kwargs(32, dropout_p=0.2, rng_state=torch.tensor([1, 2])))
     assert not torch.equal(o1, o2) and torch.equal(o1, o3)
 
 
@@ -362,7 +364,7 @@ def _varlen_case(dtype, causal=False, window=(-1, -1), dropout_p=0.0, alibi=Fals
 
 
 def _check_varlen(c):
-    out, lse, _ = R.fwd(c.q, c.k, c.v, return_probs=False, **c.kw)
+    out, lse, _ = backend_fwd(R, c.q, c.k, c.v, return_probs=False, **c.kw)
     (o_ref, *g_ref), (o_pt, *g_pt) = _ref_and_pt(c.qp, c.kp, c.vp, c.dop, **c.ref_kw)
     assert_close_to_ref(out, unpad(o_ref, c.qm)[0], unpad(o_pt, c.qm)[0])
     assert lse.shape == (c.H, c.q.shape[0])
@@ -372,7 +374,7 @@ def _check_varlen(c):
     assert torch.equal(torch.isinf(lse), torch.isinf(lse_ref))
     fin = torch.isfinite(lse_ref)
     torch.testing.assert_close(lse[fin], lse_ref[fin], atol=1e-4, rtol=1e-5)
-    dq, dk, dv = R.bwd(c.do, c.q, c.k, c.v, out, lse, deterministic=True, **c.kw)
+    dq, dk, dv = backend_bwd(R, c.do, c.q, c.k, c.v, out, lse, deterministic=True, **c.kw)
     assert dq.shape == c.q.shape and dk.shape == c.k.shape and dv.shape == c.v.shape
     assert_close_to_ref(dq, unpad(g_ref[0], c.qm)[0], unpad(g_pt[0], c.qm)[0], "dq")
     if c.bt is None:
@@ -414,7 +416,7 @@ def test_paged_kv(block_size):
 
 def test_varlen_return_probs_layout():
     c = _varlen_case(torch.float32)
-    _, _, probs = R.fwd(c.q, c.k, c.v, return_probs=True, **c.kw)
+    _, _, probs = backend_fwd(R, c.q, c.k, c.v, return_probs=True, **c.kw)
     _, attn = attention_ref(c.qp, c.kp, c.vp, c.qm, c.km)
     assert probs.shape == (c.B, c.H, c.Sq, c.Sk)
     torch.testing.assert_close(probs, attn.float(), atol=1e-6, rtol=1e-5)
@@ -434,12 +436,12 @@ def test_many_tiles_match_single_tile(monkeypatch):
     q, k, v = _qkv(2, 50, 70, 4, 2, 32, 32, torch.float32)
     kw = _kwargs(32, window=(9, 5), softcap=3.0)
     tiles = _record_tiles(monkeypatch)
-    small = R.fwd(q, k, v, return_probs=False, **kw)[0]
+    small = backend_fwd(R, q, k, v, return_probs=False, **kw)[0]
     assert len(tiles) > 10
     monkeypatch.setattr(R, "BLOCK_K", 1024)
     monkeypatch.setattr(R, "BLOCK_Q", None)
     tiles.clear()
-    big = R.fwd(q, k, v, return_probs=False, **kw)[0]
+    big = backend_fwd(R, q, k, v, return_probs=False, **kw)[0]
     assert len(tiles) == 1
     torch.testing.assert_close(small, big, atol=1e-6, rtol=1e-6)
 
@@ -448,14 +450,14 @@ def test_causal_skips_hidden_tiles(monkeypatch):
     S, bq, bk = 64, 8, 16
     q, k, v = _qkv(1, S, S, 2, 2, 32, 32, torch.float32)
     tiles = _record_tiles(monkeypatch)
-    R.fwd(q, k, v, return_probs=False, **_kwargs(32))
+    backend_fwd(R, q, k, v, return_probs=False, **_kwargs(32))
     assert len(tiles) == (S // bq) * (S // bk)
     tiles.clear()
-    R.fwd(q, k, v, return_probs=False, **_kwargs(32, causal=True))
+    backend_fwd(R, q, k, v, return_probs=False, **_kwargs(32, causal=True))
     # Query block [q0, q0 + 8) sees keys [0, q0 + 8): ceil((q0 + 8) / 16) key blocks.
     assert len(tiles) == sum(-(-(q0 + bq) // bk) for q0 in range(0, S, bq))
     tiles.clear()
-    R.fwd(q, k, v, return_probs=False, **_kwargs(32, window=(3, 0)))
+    backend_fwd(R, q, k, v, return_probs=False, **_kwargs(32, window=(3, 0)))
     # Keys [q0 - 3, q0 + 8) span at most 11 keys: one or two 16-key blocks, never more.
     assert all(t[-1] <= bk for t in tiles) and len(tiles) <= 2 * (S // bq)
 
@@ -464,21 +466,21 @@ def test_backward_skips_hidden_tiles(monkeypatch):
     S = 64
     q, k, v = _qkv(1, S, S, 2, 2, 32, 32, torch.float32)
     kw = _kwargs(32, causal=True)
-    out, lse, _ = R.fwd(q, k, v, return_probs=False, **kw)
+    out, lse, _ = backend_fwd(R, q, k, v, return_probs=False, **kw)
     tiles = _record_tiles(monkeypatch)
-    R.bwd(torch.randn_like(out), q, k, v, out, lse, deterministic=True, **kw)
+    backend_bwd(R, torch.randn_like(out), q, k, v, out, lse, deterministic=True, **kw)
     assert len(tiles) == sum(-(-(q0 + 8) // 16) for q0 in range(0, S, 8))
 
 
 def test_backward_deterministic_bitwise():
     q, k, v = _qkv(2, 45, 61, 4, 1, 32, 32, torch.bfloat16)
     kw = _kwargs(32, causal=True, dropout_p=0.1, softcap=5.0, rng_state=torch.tensor([5, 6]))
-    out, lse, _ = R.fwd(q, k, v, return_probs=False, **kw)
-    out2, lse2, _ = R.fwd(q, k, v, return_probs=False, **kw)
+    out, lse, _ = backend_fwd(R, q, k, v, return_probs=False, **kw)
+    out2, lse2, _ = backend_fwd(R, q, k, v, return_probs=False, **kw)
     assert torch.equal(out, out2) and torch.equal(lse, lse2)
     dout = torch.randn_like(out)
-    g1 = R.bwd(dout, q, k, v, out, lse, deterministic=True, **kw)
-    g2 = R.bwd(dout, q, k, v, out, lse, deterministic=True, **kw)
+    g1 = backend_bwd(R, dout, q, k, v, out, lse, deterministic=True, **kw)
+    g2 = backend_bwd(R, dout, q, k, v, out, lse, deterministic=True, **kw)
     for a, b in zip(g1, g2):
         assert torch.equal(a, b)
 
@@ -503,13 +505,13 @@ def test_long_sequence_never_materialises_s_by_s(monkeypatch):
     q, k, v = (torch.randn(1, S, 1, D, generator=g).to(torch.bfloat16) for _ in range(3))
     kw = _kwargs(D, causal=True, window=(W, 0))
     tiles = _record_tiles(monkeypatch)
-    out, lse, _ = R.fwd(q, k, v, return_probs=False, **kw)
+    out, lse, _ = backend_fwd(R, q, k, v, return_probs=False, **kw)
     largest = max(math.prod(t) for t in tiles)
     assert largest <= R.MAX_TILE_ELEMENTS and largest <= 128 * 512
     # Query block [q0, q0 + 128) sees keys [q0 - 32, q0 + 128): one tile of at most 160 keys.
     assert len(tiles) == S // 128 and sum(math.prod(t) for t in tiles) <= S * (128 + W)
     tiles.clear()
-    R.bwd(torch.ones_like(out), q, k, v, out, lse, deterministic=True, **kw)
+    backend_bwd(R, torch.ones_like(out), q, k, v, out, lse, deterministic=True, **kw)
     assert len(tiles) == S // 128 and max(math.prod(t) for t in tiles) == largest
     # Spot-check the last rows against the oracle on the slice of keys they can see.
     sl = (q[:, -64:], k[:, -64 - W:], v[:, -64 - W:])
@@ -526,10 +528,10 @@ def test_long_sequence_never_materialises_s_by_s(monkeypatch):
 def test_empty_dense(B, Sq, Sk):
     q, k, v = _qkv(B, Sq, Sk, 2, 2, 16, 16, torch.float16)
     kw = _kwargs(16, causal=True)
-    out, lse, probs = R.fwd(q, k, v, return_probs=True, **kw)
+    out, lse, probs = backend_fwd(R, q, k, v, return_probs=True, **kw)
     assert out.shape == (B, Sq, 2, 16) and lse.shape == (B, 2, Sq) and probs.shape == (B, 2, Sq, Sk)
     assert torch.all(out == 0) and torch.all(lse == float("inf"))
-    dq, dk, dv = R.bwd(torch.ones_like(out), q, k, v, out, lse, deterministic=True, **kw)
+    dq, dk, dv = backend_bwd(R, torch.ones_like(out), q, k, v, out, lse, deterministic=True, **kw)
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
     assert not dq.any() and not dk.any() and not dv.any()
 
@@ -540,9 +542,9 @@ def test_cuda_matches_cpu():
     q, k, v = _qkv(B, Sq, Sk, H, Hk, D, D, torch.bfloat16)
     kw = _kwargs(D, causal=True, dropout_p=0.1, softcap=4.0, rng_state=torch.tensor([3, 4]),
                  alibi_slopes=torch.rand(H))
-    out, lse, _ = R.fwd(q, k, v, return_probs=False, **kw)
+    out, lse, _ = backend_fwd(R, q, k, v, return_probs=False, **kw)
     kw_cuda = dict(kw, alibi_slopes=kw["alibi_slopes"].cuda())
-    out_c, lse_c, _ = R.fwd(q.cuda(), k.cuda(), v.cuda(), return_probs=False, **kw_cuda)
+    out_c, lse_c, _ = backend_fwd(R, q.cuda(), k.cuda(), v.cuda(), return_probs=False, **kw_cuda)
     (o_ref, *_), (o_pt, *_) = _ref_and_pt(q, k, v, None, causal=True, softcap=4.0,
                                           alibi_slopes=kw["alibi_slopes"], dropout_p=0.1,
                                           dropout_mask=dropout_keep_mask(torch.tensor([3, 4]), 0.1, B, H, Sq, Sk))

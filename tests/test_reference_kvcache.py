@@ -9,6 +9,7 @@ import torch
 from flash_attn import reference as R
 from flash_attn.testing import (
     assert_close_to_ref,
+    backend_fwd_kvcache,
     attention_lse_ref,
     attention_ref,
     padding_mask_from_seqlens,
@@ -103,7 +104,7 @@ def _run(c, causal=False, window=(-1, -1), interleaved=False, cache_batch_idx=No
         kc, block_table = paged_from_dense(kc, block_size, num_blocks=2 * kc.shape[0] * (-(-S // block_size)),
                                            generator=torch.Generator().manual_seed(9))
         vc, _ = paged_from_dense(c["v_cache"], block_size, num_blocks=kc.shape[0], block_table=block_table)
-    out, lse = R.fwd_kvcache(
+    out, lse = backend_fwd_kvcache(R,
         q, kc, vc, k=c["k"], v=c["v"], rotary_cos=c["cos"], rotary_sin=c["sin"],
         cache_seqlens=c["cache_seqlens"], cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
         block_table=block_table, softmax_scale=1.0 / math.sqrt(D), causal=causal, window_left=window[0],
@@ -142,7 +143,7 @@ def test_append_is_in_place_and_touches_only_new_rows():
     c = _make(s_new=5)
     kc, vc = c["k_cache"].clone(), c["v_cache"].clone()
     before = kc.clone()
-    R.fwd_kvcache(c["q"], kc, vc, k=c["k"], v=c["v"], rotary_cos=None, rotary_sin=None,
+    backend_fwd_kvcache(R, c["q"], kc, vc, k=c["k"], v=c["v"], rotary_cos=None, rotary_sin=None,
                   cache_seqlens=c["cache_seqlens"], cache_batch_idx=None, cache_leftpad=None, block_table=None,
                   softmax_scale=0.2, causal=True, window_left=-1, window_right=0, softcap=0.0,
                   rotary_interleaved=False, alibi_slopes=None, num_splits=1)

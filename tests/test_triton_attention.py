@@ -15,6 +15,7 @@ import torch
 import flash_attn
 from flash_attn import testing
 from flash_attn.triton import _configs, backend as tb
+from flash_attn.testing import backend_bwd, backend_fwd
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -50,8 +51,8 @@ def _qkv(B, Sq, Sk, H, Hk, D, Dv, dtype, seed=0):
 def _dense(q, k, v, dout, deterministic=False, return_probs=False, **kw):
     """Our forward + backward on dense tensors -> (out, lse, probs, dq, dk, dv)."""
     kw = _kwargs(head_dim=q.shape[-1], max_seqlen_q=q.shape[1], max_seqlen_k=k.shape[1], **kw)
-    out, lse, probs = tb.fwd(q, k, v, return_probs=return_probs, **kw)
-    dq, dk, dv = tb.bwd(dout, q, k, v, out, lse, deterministic=deterministic, **kw)
+    out, lse, probs = backend_fwd(tb, q, k, v, return_probs=return_probs, **kw)
+    dq, dk, dv = backend_bwd(tb, dout, q, k, v, out, lse, deterministic=deterministic, **kw)
     return out, lse, probs, dq, dk, dv
 
 
@@ -189,9 +190,9 @@ def test_backward_variants_are_correct(variant, deterministic):
     slopes = (torch.rand(H, generator=torch.Generator().manual_seed(7)) * 0.5).to(DEVICE)
     ref_kw = dict(causal=True, window=(20, -1), softcap=5.0, alibi_slopes=slopes)
     kw = _kwargs(head_dim=D, max_seqlen_q=Sq, max_seqlen_k=Sk, **ref_kw)
-    out, lse, _ = tb.fwd(q, k, v, return_probs=False, **kw)
+    out, lse, _ = backend_fwd(tb, q, k, v, return_probs=False, **kw)
     cfg = _variant_config(variant)
-    grads = tb.bwd(dout, q, k, v, out, lse, deterministic=deterministic, config=cfg, **kw)
+    grads = backend_bwd(tb, dout, q, k, v, out, lse, deterministic=deterministic, config=cfg, **kw)
     ref, pt = _reference(q, k, v, dout, **ref_kw)
     _check_all(grads, ref[1:], pt[1:], names=("dq", "dk", "dv"))
     # the path under test was the one taken
@@ -209,8 +210,8 @@ def test_backward_tma_falls_back_for_unaligned_strides():
     dout = torch.randn(B, S, H, D, generator=torch.Generator().manual_seed(10)).to(DEVICE, dtype)
     assert not tb._tma_aligned(q) and tb._tma_aligned(k)
     kw = _kwargs(head_dim=D, max_seqlen_q=S, max_seqlen_k=S)
-    out, lse, _ = tb.fwd(q, k, v, return_probs=False, **kw)
-    grads = tb.bwd(dout, q, k, v, out, lse, deterministic=True, config=_variant_config("tma"), **kw)
+    out, lse, _ = backend_fwd(tb, q, k, v, return_probs=False, **kw)
+    grads = backend_bwd(tb, dout, q, k, v, out, lse, deterministic=True, config=_variant_config("tma"), **kw)
     ref, pt = _reference(q, k, v, dout)
     _check_all(grads, ref[1:], pt[1:], names=("dq", "dk", "dv"))
 
@@ -223,11 +224,11 @@ def test_split_dkdv_with_dropout_matches_single_launch():
     dout = torch.randn(B, S, H, D, generator=torch.Generator().manual_seed(12)).to(DEVICE, dtype)
     rng = torch.tensor([1234, 5678], dtype=torch.int64)
     kw = _kwargs(head_dim=D, max_seqlen_q=S, max_seqlen_k=S, causal=True, dropout_p=0.2, rng_state=rng)
-    out, lse, _ = tb.fwd(q, k, v, return_probs=False, **kw)
+    out, lse, _ = backend_fwd(tb, q, k, v, return_probs=False, **kw)
     from flash_attn.triton._configs import BwdConfig
-    base = tb.bwd(dout, q, k, v, out, lse, deterministic=True, config=BwdConfig(16, 16, 1, 1, 16, 16, 1, 1, True),
+    base = backend_bwd(tb, dout, q, k, v, out, lse, deterministic=True, config=BwdConfig(16, 16, 1, 1, 16, 16, 1, 1, True),
                   **kw)
-    split = tb.bwd(dout, q, k, v, out, lse, deterministic=True, config=_variant_config("split"), **kw)
+    split = backend_bwd(tb, dout, q, k, v, out, lse, deterministic=True, config=_variant_config("split"), **kw)
     for a, b in zip(base, split):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
@@ -253,13 +254,13 @@ def test_backward_writes_into_given_grads(deterministic):
     q, k, v = qkv.unbind(2)
     dout = torch.randn(B, S, H, D, generator=torch.Generator().manual_seed(6)).to(DEVICE, dtype)
     kw = _kwargs(causal=True, head_dim=D, max_seqlen_q=S, max_seqlen_k=S)
-    out, lse, _ = tb.fwd(q, k, v, return_probs=False, **kw)
+    out, lse, _ = backend_fwd(tb, q, k, v, return_probs=False, **kw)
     dqkv = torch.full_like(qkv, float("nan"))
     grads = dqkv.unbind(2)
-    result = tb.bwd(dout, q, k, v, out, lse, deterministic=deterministic, grads=grads, **kw)
+    result = backend_bwd(tb, dout, q, k, v, out, lse, deterministic=deterministic, grads=grads, **kw)
     assert all(r is g for r, g in zip(result, grads))
     if deterministic:  # bitwise what the same computation gives into fresh tensors
-        for got, want in zip(grads, tb.bwd(dout, q, k, v, out, lse, deterministic=True, **kw)):
+        for got, want in zip(grads, backend_bwd(tb, dout, q, k, v, out, lse, deterministic=True, **kw)):
             assert torch.equal(got, want)
     ref, pt = _reference(q, k, v, dout, causal=True)
     _check_all((out, *grads), ref, pt)
@@ -318,7 +319,7 @@ def test_fwd_config_variants(cfg, D, causal):
     # rescale both skips and takes the rescale within one row.
     k = (k.float() * torch.linspace(0.3, 4.0, 53).view(1, -1, 1, 1)).to(dtype)
     kw = _kwargs(causal=causal, head_dim=D, max_seqlen_q=37, max_seqlen_k=53)
-    out, lse, _ = tb.fwd(q, k, v, return_probs=False, config=cfg, **kw)
+    out, lse, _ = backend_fwd(tb, q, k, v, return_probs=False, config=cfg, **kw)
     ref, pt = _reference(q, k, v, torch.zeros_like(q), causal=causal)
     testing.assert_close_to_ref(out, ref[0], pt[0], "out")
     _check_lse(lse, q, k, causal=causal)
@@ -350,8 +351,8 @@ def _varlen_case(seqlens_q, seqlens_k, H, Hk, D, dtype, causal=False, window=(-1
     cu_q, cu_k = cu_q.to(DEVICE), cu_k.to(DEVICE)
     kw = _kwargs(causal=causal, window=window, softcap=softcap, alibi_slopes=slopes, head_dim=D,
                  cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k)
-    out_u, lse, _ = tb.fwd(q_u, k_u, v_u, return_probs=False, **kw)
-    dq_u, dk_u, dv_u = tb.bwd(do_u, q_u, k_u, v_u, out_u, lse, deterministic=deterministic, **kw)
+    out_u, lse, _ = backend_fwd(tb, q_u, k_u, v_u, return_probs=False, **kw)
+    dq_u, dk_u, dv_u = backend_bwd(tb, do_u, q_u, k_u, v_u, out_u, lse, deterministic=deterministic, **kw)
     assert lse.shape == (H, q_u.shape[0])
     ref, pt = _reference(q, k, v, dout, causal=causal, window=window, softcap=softcap, alibi_slopes=slopes,
                          query_padding_mask=qmask, key_padding_mask=kmask)
@@ -436,8 +437,8 @@ def test_dropout_varlen_uses_max_seqlen_row_key(dtype):
     cu = cu.to(DEVICE)
     kw = _kwargs(dropout_p=p, rng_state=rng_state, head_dim=D, cu_seqlens_q=cu, cu_seqlens_k=cu,
                  max_seqlen_q=max_s, max_seqlen_k=max_s)
-    out_u, lse, probs = tb.fwd(q_u, k_u, v_u, return_probs=True, **kw)
-    dq_u, dk_u, dv_u = tb.bwd(do_u, q_u, k_u, v_u, out_u, lse, deterministic=False, **kw)
+    out_u, lse, probs = backend_fwd(tb, q_u, k_u, v_u, return_probs=True, **kw)
+    dq_u, dk_u, dv_u = backend_bwd(tb, do_u, q_u, k_u, v_u, out_u, lse, deterministic=False, **kw)
     assert probs.shape == (B, H, max_s, max_s)
     keep = testing.dropout_keep_mask(rng_state, p, B, H, S, S, cu_seqlens_q=cu.cpu(), cu_seqlens_k=cu.cpu(),
                                      max_seqlen_q=max_s, device=DEVICE)
@@ -455,7 +456,7 @@ def test_return_probs_without_dropout(dtype):
     q, k, v = _qkv(1, 30, 47, 2, 1, 32, 32, dtype, seed=31)
     kw = _kwargs(window=(10, 4), alibi_slopes=torch.tensor([0.2, 0.05], device=DEVICE), head_dim=32,
                  max_seqlen_q=30, max_seqlen_k=47)
-    out, lse, probs = tb.fwd(q, k, v, return_probs=True, **kw)
+    out, lse, probs = backend_fwd(tb, q, k, v, return_probs=True, **kw)
     _, attn = testing.attention_ref(q.float(), k.float(), v.float(), window_size=(10, 4),
                                     alibi_slopes=torch.tensor([0.2, 0.05], device=DEVICE))
     assert probs.dtype == torch.float32 and probs.shape == (1, 2, 30, 47)
@@ -539,8 +540,8 @@ def test_unsupported_reasons():
     assert tb.NAME == "triton"
     assert tb.unavailable_reason() is None
     assert tb.unsupported_reason(_call()) is None
-    assert tb.unsupported_reason(_call(causal=True, local=True, softcap=True, alibi=True, varlen=True,
-                                       dropout=True, return_probs=True, backward=True,
+    assert tb.unsupported_reason(_call(causal=True, window_left=8, window_right=0, softcap=30.0, alibi=True,
+                                       varlen=True, dropout_p=0.1, return_probs=True, backward=True,
                                        deterministic=True)) is None
     assert tb.unsupported_reason(_call(kvcache=True, paged=True)) is None  # kvcache.py
     assert "paged" in tb.unsupported_reason(_call(paged=True, varlen=True))
@@ -596,10 +597,10 @@ def test_gpu_deterministic_bitwise(D):
     q, k, v = _qkv(2, 2048, 2048, 8, 2, D, D, torch.bfloat16, seed=71)
     dout = torch.randn_like(q)
     kw = _kwargs(causal=True, head_dim=D, max_seqlen_q=2048, max_seqlen_k=2048)
-    out, lse, _ = tb.fwd(q, k, v, return_probs=False, **kw)
-    first = tb.bwd(dout, q, k, v, out, lse, deterministic=True, **kw)
+    out, lse, _ = backend_fwd(tb, q, k, v, return_probs=False, **kw)
+    first = backend_bwd(tb, dout, q, k, v, out, lse, deterministic=True, **kw)
     for _ in range(9):
-        again = tb.bwd(dout, q, k, v, out, lse, deterministic=True, **kw)
+        again = backend_bwd(tb, dout, q, k, v, out, lse, deterministic=True, **kw)
         for a, b in zip(first, again):
             assert torch.equal(a, b)
 
@@ -616,8 +617,8 @@ def test_gpu_long_sequence_memory_is_linear():
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         kw = _kwargs(causal=True, head_dim=D, max_seqlen_q=S, max_seqlen_k=S)
-        out, lse, _ = tb.fwd(q, k, v, return_probs=False, **kw)
-        dq, dk, dv = tb.bwd(dout, q, k, v, out, lse, deterministic=False, **kw)
+        out, lse, _ = backend_fwd(tb, q, k, v, return_probs=False, **kw)
+        dq, dk, dv = backend_bwd(tb, dout, q, k, v, out, lse, deterministic=False, **kw)
         torch.cuda.synchronize()
         peaks[S] = torch.cuda.max_memory_allocated() - base
         assert torch.isfinite(out).all() and torch.isfinite(dq).all()
@@ -640,11 +641,11 @@ def test_gpu_no_recompile_for_new_seqlens():
 
     dtype = torch.bfloat16
     q, k, v = _qkv(1, 100, 100, 2, 2, 64, 64, dtype)
-    tb.fwd(q, k, v, return_probs=False, **_kwargs(causal=True, head_dim=64, max_seqlen_q=100, max_seqlen_k=100))
+    backend_fwd(tb, q, k, v, return_probs=False, **_kwargs(causal=True, head_dim=64, max_seqlen_q=100, max_seqlen_k=100))
     before = n_compiled()
     for S in (129, 1000, 1, 64, 4097):
         q, k, v = _qkv(1, S, S + 3, 2, 2, 64, 64, dtype)
-        tb.fwd(q, k, v, return_probs=False, **_kwargs(causal=True, head_dim=64, max_seqlen_q=S,
+        backend_fwd(tb, q, k, v, return_probs=False, **_kwargs(causal=True, head_dim=64, max_seqlen_q=S,
                                                         max_seqlen_k=S + 3))
     assert n_compiled() == before
 
@@ -655,9 +656,9 @@ def test_gpu_fast_relaunch_matches_first_launch():
     # must not reuse a kernel compiled for 16-byte-aligned ones.
     q, k, v = _qkv(2, 300, 300, 4, 2, 64, 64, torch.bfloat16, seed=81)
     kw = _kwargs(causal=True, head_dim=64, max_seqlen_q=300, max_seqlen_k=300)
-    first = tb.fwd(q, k, v, return_probs=False, **kw)[0]
+    first = backend_fwd(tb, q, k, v, return_probs=False, **kw)[0]
     n, slow = len(tb._L_FWD.cache), tb._L_FWD.slow_launches
-    again = tb.fwd(q, k, v, return_probs=False, **kw)[0]
+    again = backend_fwd(tb, q, k, v, return_probs=False, **kw)[0]
     assert len(tb._L_FWD.cache) == n and n > 0
     assert tb._L_FWD.slow_launches == slow, "the repeated call did not take the fast relaunch"
     assert torch.equal(first, again)
@@ -680,7 +681,7 @@ def test_gpu_fast_relaunch_matches_first_launch():
     flat = torch.empty(q.numel() + 1, device=DEVICE, dtype=q.dtype)
     q_odd = flat[1:].view_as(q)  # data_ptr % 16 == 2
     q_odd.copy_(q)
-    odd = tb.fwd(q_odd, k, v, return_probs=False, **kw)[0]
+    odd = backend_fwd(tb, q_odd, k, v, return_probs=False, **kw)[0]
     assert len(tb._L_FWD.cache) == n + 1
     dout = torch.zeros_like(q)
     (ref, *_), (pt, *_) = _reference(q, k, v, dout, causal=True)

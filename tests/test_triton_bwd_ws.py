@@ -21,6 +21,7 @@ import torch
 
 from flash_attn import testing
 from flash_attn.triton import _configs, backend as tb
+from flash_attn.testing import backend_bwd, backend_fwd
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -88,8 +89,8 @@ def ws_spy(monkeypatch):
 def _grads(q, k, v, dout, cfg, causal, deterministic=False, **extra):
     Sq, Sk, D = q.shape[1], k.shape[1], q.shape[-1]
     kw = _kw(Sq, Sk, D, causal, **extra)
-    out, lse, _ = tb.fwd(q, k, v, return_probs=False, **kw)
-    return tb.bwd(dout, q, k, v, out, lse, deterministic=deterministic, config=cfg, **kw)
+    out, lse, _ = backend_fwd(tb, q, k, v, return_probs=False, **kw)
+    return backend_bwd(tb, dout, q, k, v, out, lse, deterministic=deterministic, config=cfg, **kw)
 
 
 def _run(spy, cfg, B, Sq, Sk, H, Hk, D, Dv, dtype, causal, seed, expect_ws=True, inputs=None, **extra):
@@ -160,9 +161,9 @@ def test_ws_bwd_dq_atomic_plan(ws_spy, monkeypatch):
     assert torch.equal(atomic[1], plain[1]) and torch.equal(atomic[2], plain[2])  # dK, dV: the same launches
     Sq, Sk, D = q.shape[1], k.shape[1], q.shape[-1]
     kw = _kw(Sq, Sk, D, True)
-    out, lse, _ = tb.fwd(q, k, v, return_probs=False, **kw)
+    out, lse, _ = backend_fwd(tb, q, k, v, return_probs=False, **kw)
     grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
-    got = tb.bwd(dout, q, k, v, out, lse, deterministic=False, config=_INTERP_FA2DK_ATOMIC, grads=grads, **kw)
+    got = backend_bwd(tb, dout, q, k, v, out, lse, deterministic=False, config=_INTERP_FA2DK_ATOMIC, grads=grads, **kw)
     assert all(g is x for g, x in zip(got, grads)) and launched == []
     testing.assert_close_to_ref(got[0], ref[0], pt[0], "dq")
 
@@ -361,10 +362,10 @@ def test_gpu_ws_bwd_d256_fa2_dk(ws_spy, causal, dtype, cfg):
     for B, Sq, Sk, H, Hk in [(2, 2048, 2048, 8, 2), (2, 2048, 2048, 8, 8), (2, 777, 1531, 4, 2)]:
         q, k, v, dout = _inputs(B, Sq, Sk, H, Hk, 256, 256, dtype, seed=Sq + causal)
         kw = _kw(Sq, Sk, 256, causal)
-        out, lse, _ = tb.fwd(q, k, v, return_probs=False, **kw)
+        out, lse, _ = backend_fwd(tb, q, k, v, return_probs=False, **kw)
         grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
         before = ws_spy.calls
-        got = tb.bwd(dout, q, k, v, out, lse, deterministic=False, config=cfg, grads=grads, **kw)
+        got = backend_bwd(tb, dout, q, k, v, out, lse, deterministic=False, config=cfg, grads=grads, **kw)
         assert ws_spy.calls == before + 1
         ref, pt = _reference(q, k, v, dout, causal)
         for name, a, r, p in zip(("dq", "dk", "dv"), got, ref, pt):

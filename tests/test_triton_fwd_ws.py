@@ -21,6 +21,7 @@ import triton.language as tl
 
 from flash_attn import testing
 from flash_attn.triton import _configs, _fwd_ws, backend as tb
+from flash_attn.testing import backend_fwd
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -85,7 +86,7 @@ def ws_spy(monkeypatch):
 def _run(spy, cfg, B, Sq, Sk, H, Hk, D, Dv, dtype, causal, seed, expect_ws=True, **extra):
     q, k, v = _qkv(B, Sq, Sk, H, Hk, D, Dv, dtype, seed)
     before = spy.calls
-    out, lse, _ = tb.fwd(q, k, v, return_probs=False, config=cfg, **_kw(Sq, Sk, D, causal, **extra))
+    out, lse, _ = backend_fwd(tb, q, k, v, return_probs=False, config=cfg, **_kw(Sq, Sk, D, causal, **extra))
     _check(q, k, v, out, lse, causal=causal, **extra)
     assert (spy.calls > before) == expect_ws, f"warp-specialized forward used: {spy.calls > before}"
     return out, lse
@@ -164,7 +165,7 @@ def test_ws_packed_qkv_strides(ws_spy, cfg):
     g = torch.Generator().manual_seed(12)
     qkv = torch.randn(B, S, 3, H, D, generator=g).to(DEVICE, dtype)
     q, k, v = qkv.unbind(2)
-    out, lse, _ = tb.fwd(q, k, v, return_probs=False, config=cfg, **_kw(S, S, D, True))
+    out, lse, _ = backend_fwd(tb, q, k, v, return_probs=False, config=cfg, **_kw(S, S, D, True))
     _check(q, k, v, out, lse, causal=True)
     assert ws_spy.calls == 1
 
@@ -193,7 +194,7 @@ def test_ws_falls_back(ws_spy, case):
         # sequences that are not one row range of the tensor (the first Sq rows of a longer buffer)
         q, k, v = _qkv(2, Sq + 8, Sk, H, Hk, D, D, dtype, seed=10)
         q = q[:, :Sq]
-        out, lse, _ = tb.fwd(q, k, v, return_probs=False, config=_WS_INTERP, **_kw(Sq, Sk, D, causal))
+        out, lse, _ = backend_fwd(tb, q, k, v, return_probs=False, config=_WS_INTERP, **_kw(Sq, Sk, D, causal))
         _check(q, k, v, out, lse, causal=causal)
         assert ws_spy.calls == 0
         return
@@ -202,7 +203,7 @@ def test_ws_falls_back(ws_spy, case):
         flat = torch.empty(k.numel() + 1, device=DEVICE, dtype=dtype)
         k_odd = flat[1:].view_as(k)  # data_ptr % 16 == 2: the copy engine cannot address it
         k_odd.copy_(k)
-        out, lse, _ = tb.fwd(q, k_odd, v, return_probs=False, config=_WS_INTERP, **_kw(Sq, Sk, D, causal))
+        out, lse, _ = backend_fwd(tb, q, k_odd, v, return_probs=False, config=_WS_INTERP, **_kw(Sq, Sk, D, causal))
         _check(q, k, v, out, lse, causal=causal)
         assert ws_spy.calls == 0
         return
@@ -239,29 +240,30 @@ def test_tiny_calls_take_the_table_kernel(monkeypatch):
     assert plan(1, 128, 128, 16) is not None
 
 
-def test_fwd_dense_is_fwd_and_serves_flash_attn_func(monkeypatch):
-    """backend.fwd_dense (the positional entry of flash_attn_func's common call) gives fwd's results,
-    and the dispatcher takes it for that call."""
+def test_flash_attn_func_runs_fwd_with_the_dense_description(monkeypatch):
+    """flash_attn_func's common call reaches the backend's fwd with the description the API built (dense, the mask
+    normalised, no probabilities) and gives fwd's results."""
     import flash_attn
 
     dtype = torch.float16 if tb._INTERPRET else torch.bfloat16
     for causal in (False, True):
         q, k, v = _qkv(2, 37, 45, 4, 2, 64, 64, dtype, seed=3 + causal)
-        out, lse, _ = tb.fwd(q, k, v, return_probs=False, **_kw(37, 45, 64, causal))
-        out2, lse2 = tb.fwd_dense(q, k, v, 64 ** -0.5, causal, -1, 0 if causal else -1)
-        assert torch.equal(out, out2) and torch.equal(lse, lse2)
+        out, lse, _ = backend_fwd(tb, q, k, v, return_probs=False, **_kw(37, 45, 64, causal))
         calls = []
-        real = tb.fwd_dense
-        monkeypatch.setattr(tb, "fwd_dense", lambda *a: calls.append(a) or real(*a))
+        real = tb.fwd
+        monkeypatch.setattr(tb, "fwd", lambda *a: calls.append(a[0]) or real(*a))
         with flash_attn.use_backend("triton"):
             api = flash_attn.flash_attn_func(q, k, v, causal=causal)
-        monkeypatch.setattr(tb, "fwd_dense", real)
-        assert len(calls) == 1 and torch.equal(api, out)
-    # the table kernel gets a tensor where fwd passes its empty probs (a None would compile another kernel)
+        monkeypatch.setattr(tb, "fwd", real)
+        (call,) = calls
+        assert (call.causal, call.window_left, call.window_right) == (causal, -1, 0 if causal else -1)
+        assert not (call.varlen or call.return_probs or call.local) and call.softmax_scale == 64 ** -0.5
+        assert torch.equal(api, out)
+    # the table kernel gets a tensor where fwd has no probabilities (a None would compile another kernel)
     seen = []
     real_l = tb._L_FWD
     monkeypatch.setattr(tb, "_L_FWD", lambda grid, args, meta, key: seen.append(args) or real_l(grid, args, meta, key))
-    tb.fwd_dense(q, k, v, 64 ** -0.5, False, 3, 2)  # a window: the table kernel
+    backend_fwd(tb, q, k, v, window_left=3, window_right=2)  # a window: the table kernel
     assert len(seen) == 1 and all(isinstance(a, torch.Tensor) for a in seen[0][:9])
 
 
@@ -333,12 +335,12 @@ def test_switch_routes_calls(ws_spy, monkeypatch, name):
     dtype = torch.float16 if tb._INTERPRET else torch.bfloat16
     D = 32  # the variant's 128 x 64 tiles at the smallest head dim keep the interpreter quick
     q, k, v = _qkv(1, 40, 40, 2, 2, D, D, dtype, seed=21)
-    out, lse, _ = tb.fwd(q, k, v, return_probs=False, **_kw(40, 40, D, causal=True))
+    out, lse, _ = backend_fwd(tb, q, k, v, return_probs=False, **_kw(40, 40, D, causal=True))
     _check(q, k, v, out, lse, causal=True)
     assert ws_spy.calls == 1 and not tb._FWD_PLANS
     assert any(plan[1].what[-1] == _configs.fwd_variant_config((9, 0), D, True, variant)
                for plan in tb._FWD_WS_PLANS.values())
-    out, lse, _ = tb.fwd(q, k, v, return_probs=False, **_kw(40, 40, D, causal=True, softcap=5.0))
+    out, lse, _ = backend_fwd(tb, q, k, v, return_probs=False, **_kw(40, 40, D, causal=True, softcap=5.0))
     _check(q, k, v, out, lse, causal=True, softcap=5.0)
     assert ws_spy.calls == 1
     used = [key[10] for key in tb._FWD_PLANS]

@@ -6,8 +6,10 @@ and dropout keeps one mask per chunk that the backward finds again (checked agai
 import pytest
 import torch
 
+import flash_attn
 from flash_attn import testing
 from flash_attn.triton import backend as tb
+from flash_attn.testing import backend_bwd, backend_fwd
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -25,8 +27,8 @@ def _rand(*shape, seed):
 
 
 def _fwd_bwd(q, k, v, dout, kw, grads=None):
-    out, lse, _ = tb.fwd(q, k, v, return_probs=False, **kw)
-    dq, dk, dv = tb.bwd(dout, q, k, v, out, lse, deterministic=True, grads=grads, **kw)
+    out, lse, _ = backend_fwd(tb, q, k, v, return_probs=False, **kw)
+    dq, dk, dv = backend_bwd(tb, dout, q, k, v, out, lse, deterministic=True, grads=grads, **kw)
     return out, lse, dq, dk, dv
 
 
@@ -66,11 +68,14 @@ def test_dense_chunks_match_one_launch(monkeypatch, chunk_spy, causal):
     assert all(a is b for a, b in zip(chunked[2:], grads))
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), whole, chunked):
         assert torch.equal(a, b), name
-    out, lse = tb.fwd_dense(q, k, v, D ** -0.5, causal, -1, 0 if causal else -1)  # flash_attn_func's path
+    launches = chunk_spy["fwd"]
+    with flash_attn.use_backend("triton"):
+        out = flash_attn.flash_attn_func(q, k, v, causal=causal)  # the API's common call is chunked alike
+    assert chunk_spy["fwd"] == launches + 3
     kw["alibi_slopes"] = None
     monkeypatch.setattr(tb, "_MAX_GRID_Y", 65535)
-    ref_out, ref_lse, _ = tb.fwd(q, k, v, return_probs=False, **kw)
-    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    ref_out, _, _ = backend_fwd(tb, q, k, v, return_probs=False, **kw)
+    assert torch.equal(out, ref_out)
 
 
 def test_varlen_chunks_match_one_launch(monkeypatch, chunk_spy):
@@ -101,8 +106,8 @@ def test_dropout_masks_per_chunk_match_forward_and_backward(monkeypatch):
     kw = _kw(D, Sq, Sk)
     kw.update(dropout_p=p, rng_state=rng_state)
     monkeypatch.setattr(tb, "_MAX_GRID_Y", 4)  # chunks of 2, 2, 1 batch entries
-    out, lse, probs = tb.fwd(q, k, v, return_probs=True, **kw)
-    dq, dk, dv = tb.bwd(dout, q, k, v, out, lse, deterministic=False, **kw)
+    out, lse, probs = backend_fwd(tb, q, k, v, return_probs=True, **kw)
+    dq, dk, dv = backend_bwd(tb, dout, q, k, v, out, lse, deterministic=False, **kw)
     chunks = tb._batch_chunks(B, H)
     assert chunks == [(0, 2), (2, 4), (4, 5)]
     keep = torch.cat([testing.dropout_keep_mask(tb._chunk_rng(rng_state, c), p, hi - lo, H, Sq, Sk, device=DEVICE)

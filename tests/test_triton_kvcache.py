@@ -6,6 +6,7 @@ rotary by complex multiplication, attention_ref on each sequence's slice of keys
 where rotary rounds). Without a GPU the kernels run in Triton's interpreter (fp16/fp32, small shapes,
 blocks of 16); GPU-marked tests run bf16 at decoding sizes and capture a decode step in a CUDA graph.
 """
+import functools
 import math
 import os
 import sys
@@ -15,7 +16,7 @@ import torch
 
 import flash_attn
 from flash_attn import flash_attn_with_kvcache
-from flash_attn.testing import assert_close_to_ref, paged_from_dense
+from flash_attn.testing import assert_close_to_ref, backend_fwd_kvcache, paged_from_dense
 from flash_attn.triton import backend as tb
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -36,7 +37,7 @@ def _clone_strided(t):
 def _run(c, causal=False, window=(-1, -1), interleaved=False, cache_batch_idx=None, cache_leftpad=None,
          softcap=0.0, alibi_slopes=None, block_size=None, num_splits=0, fn=None):
     """(Triton result (out, lse, k_cache, v_cache as dense (B_cache, S, Hk, D)), torch oracle result)."""
-    fn = tb.fwd_kvcache if fn is None else fn
+    fn = functools.partial(backend_fwd_kvcache, tb) if fn is None else fn
     c = _to(c, DEVICE)
     cache_batch_idx = None if cache_batch_idx is None else cache_batch_idx.to(DEVICE)
     cache_leftpad = None if cache_leftpad is None else cache_leftpad.to(DEVICE)
@@ -71,8 +72,8 @@ def _run(c, causal=False, window=(-1, -1), interleaved=False, cache_batch_idx=No
 def test_backend_serves_kvcache_calls():
     from flash_attn.dispatch import Call
     for paged in (False, True):
-        call = Call(DEVICE, torch.float16, 64, 64, kvcache=True, paged=paged, causal=True, local=True,
-                    softcap=True, alibi=True)
+        call = Call(DEVICE, torch.float16, 64, 64, kvcache=True, paged=paged, causal=True, window_left=8,
+                    window_right=0, softcap=30.0, alibi=True)
         assert tb.unsupported_reason(call) is None
     assert "paged" in tb.unsupported_reason(Call(DEVICE, torch.float16, 64, 64, varlen=True, paged=True))
 
@@ -148,7 +149,7 @@ def test_strided_views_like_the_model():
 
     def fn(q, k_cache, v_cache, **kw):
         assert q.stride(1) == 8 * D and k_cache.stride(1) == v_cache.stride(1) == 2 * Hk * D
-        return tb.fwd_kvcache(q, k_cache, v_cache, **kw)
+        return backend_fwd_kvcache(tb, q, k_cache, v_cache, **kw)
 
     _check(*_run(strided, causal=True, fn=fn), exact_cache=False)
 
@@ -255,7 +256,7 @@ def test_no_host_reads(monkeypatch):
         with monkeypatch.context() as m:
             for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero"):
                 m.setattr(torch.Tensor, name, forbidden)
-            out, lse = tb.fwd_kvcache(
+            out, lse = backend_fwd_kvcache(tb,
                 c["q"], kc if paged else c["k_cache"], vc if paged else c["v_cache"], k=c["k"], v=c["v"],
                 rotary_cos=c["cos"], rotary_sin=c["sin"], cache_seqlens=c["cache_seqlens"],
                 cache_batch_idx=None if paged else batch_idx, cache_leftpad=leftpad,

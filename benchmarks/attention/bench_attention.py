@@ -26,6 +26,7 @@ import sys
 import time
 
 from benchmarks import common
+from flash_attn.testing import backend_bwd, backend_fwd
 
 MODULE = "benchmarks.attention.bench_attention"
 TINY = dict(batch=1, seqlen=128, heads=16, head_dim=128)
@@ -103,7 +104,7 @@ def _ours(name):
                       block_table=None, softmax_scale=q.shape[-1] ** -0.5, causal=causal, window_left=-1,
                       window_right=0 if causal else -1, softcap=0.0, alibi_slopes=None, dropout_p=0.0,
                       rng_state=None)
-            out, lse, _ = tb.fwd(q, k, v, return_probs=False, **kw)
+            out, lse, _ = backend_fwd(tb, q, k, v, return_probs=False, **kw)
             ctx.save_for_backward(q, k, v, out, lse)
             ctx.kw = kw
             return out
@@ -111,7 +112,7 @@ def _ours(name):
         @staticmethod
         def backward(ctx, dout):
             q, k, v, out, lse = ctx.saved_tensors
-            return (*tb.bwd(dout.contiguous(), q, k, v, out, lse, deterministic=False, **ctx.kw), None)
+            return (*backend_bwd(tb, dout.contiguous(), q, k, v, out, lse, deterministic=False, **ctx.kw), None)
 
     def make(causal):
         return lambda q, k, v: _Fn.apply(q, k, v, causal)
@@ -205,7 +206,7 @@ def launch_breakdown(args):
     q, k, v = _inputs(TINY["batch"], TINY["seqlen"], TINY["heads"], TINY["head_dim"])
     q, k, v = (t.detach() for t in (q, k, v))
     kw = _triton_kwargs(q, k, False)
-    out, lse, probs = tb.fwd(q, k, v, return_probs=False, **kw)
+    out, lse, probs = backend_fwd(tb, q, k, v, return_probs=False, **kw)
     block_m, _, meta = next(iter(tb._FWD_PLANS.values()))
     B, S, H, D = q.shape
     launch_args = (q, k, v, out, lse, probs, lse, lse, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
@@ -219,7 +220,7 @@ def launch_breakdown(args):
     cases = {
         "flash_attn_func, inputs requiring grad": lambda: flash_attn.flash_attn_func(qg, kg, vg),
         "flash_attn_func, no grad": lambda: flash_attn.flash_attn_func(q, k, v),
-        "backend.fwd": lambda: tb.fwd(q, k, v, return_probs=False, **kw),
+        "backend.fwd": lambda: backend_fwd(tb, q, k, v, return_probs=False, **kw),
         "Launcher (cached compiled kernel)": lambda: launcher(grid, launch_args, meta, plan_key),
         "kernel[grid](...) only (Triton's own path)": lambda: kern[grid](*launch_args, **meta),
         "out/lse/probs allocations": lambda: (q.new_empty(B, S, H, D), torch.empty(B, H, S, device=q.device,
@@ -259,7 +260,7 @@ def launch_breakdown(args):
         q, k, v = _inputs(8, 2048, 32, 64)
         kw = _triton_kwargs(q, k, True)
         qd, kd, vd = (t.detach() for t in (q, k, v))
-        for name, fn in {"b8 s2048 h32 d64 causal: backend.fwd": lambda: tb.fwd(qd, kd, vd, return_probs=False, **kw),
+        for name, fn in {"b8 s2048 h32 d64 causal: backend.fwd": lambda: backend_fwd(tb, qd, kd, vd, return_probs=False, **kw),
                          "... flash_attn_func, no grad": lambda: flash_attn.flash_attn_func(qd, kd, vd, causal=True),
                          "... flash_attn_func, requiring grad": lambda: flash_attn.flash_attn_func(q, k, v, causal=True)
                          }.items():
@@ -281,7 +282,7 @@ def _backend_direct(name):
         kw = kwargs.get((q.shape, k.shape))  # built once: the dict is not the backend's cost
         if kw is None:
             kw = kwargs[(q.shape, k.shape)] = _triton_kwargs(q, k, False)
-        return mod.fwd(q, k, v, return_probs=False, **kw)[0]
+        return backend_fwd(mod, q, k, v, return_probs=False, **kw)[0]
     return fn
 
 
@@ -318,10 +319,10 @@ def compile_worker(spec):
         fc = _configs.FwdConfig(*job["fwd"]) if job.get("fwd") else None
         bc = _configs.BwdConfig(*job["bwd"]) if job.get("bwd") else None
         with torch.no_grad():
-            out, lse, _ = tb.fwd(q, k, v, return_probs=False, config=fc, **kw)
+            out, lse, _ = backend_fwd(tb, q, k, v, return_probs=False, config=fc, **kw)
             if job.get("with_bwd", True):
                 for det in job.get("det", [False]):
-                    tb.bwd(torch.ones_like(out), q, k, v, out, lse, deterministic=det, config=bc, **kw)
+                    backend_bwd(tb, torch.ones_like(out), q, k, v, out, lse, deterministic=det, config=bc, **kw)
     torch.cuda.synchronize()
 
 
@@ -584,14 +585,14 @@ def tune(args):
             ref = sdpa(qt, kt, vt, is_causal=causal)
             ref_dq = torch.autograd.grad(ref, qt, g.transpose(1, 2))[0].transpose(1, 2)
         ref = ref.transpose(1, 2)
-        out, lse, _ = tb.fwd(q, k, v, return_probs=False, **kw)
+        out, lse, _ = backend_fwd(tb, q, k, v, return_probs=False, **kw)
         rows = []
         for fc in _fwd_candidates(d):
             cfg = _configs.FwdConfig(*fc)
             try:
-                o = tb.fwd(q, k, v, return_probs=False, config=cfg, **kw)[0]
+                o = backend_fwd(tb, q, k, v, return_probs=False, config=cfg, **kw)[0]
                 err = (o.float() - ref.float()).abs().max().item()
-                ms = do_bench(lambda: tb.fwd(q, k, v, return_probs=False, config=cfg, **kw), warmup=args.warmup,
+                ms = do_bench(lambda: backend_fwd(tb, q, k, v, return_probs=False, config=cfg, **kw), warmup=args.warmup,
                               rep=args.rep, return_mode="median")
                 rows.append(("fwd", fc, _tflops(ms, "fwd", b, s, h, d, causal), err))
             except Exception as e:
@@ -600,9 +601,9 @@ def tune(args):
             cfg = _configs.BwdConfig(*bc)
             det = not cfg.dq_atomic
             try:
-                dq = tb.bwd(g, q, k, v, out, lse, deterministic=det, config=cfg, **kw)[0]
+                dq = backend_bwd(tb, g, q, k, v, out, lse, deterministic=det, config=cfg, **kw)[0]
                 err = (dq.float() - ref_dq.float()).abs().max().item()
-                ms = do_bench(lambda: tb.bwd(g, q, k, v, out, lse, deterministic=det, config=cfg, **kw),
+                ms = do_bench(lambda: backend_bwd(tb, g, q, k, v, out, lse, deterministic=det, config=cfg, **kw),
                               warmup=args.warmup, rep=args.rep, return_mode="median")
                 rows.append((kind, bc, _tflops(ms, "bwd", b, s, h, d, causal), err))
             except Exception as e:

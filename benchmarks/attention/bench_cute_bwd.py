@@ -22,6 +22,7 @@ import torch
 from benchmarks.common import bools as _bools
 from benchmarks.common import environ
 from benchmarks.common import ints as _ints
+from flash_attn.testing import backend_bwd, backend_fwd
 
 
 def kernel_call(q, k, v, dout, out, lse, causal):
@@ -78,13 +79,13 @@ def main(argv=None):
                 kw = dict(cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=s, max_seqlen_k=s, block_table=None,
                           softmax_scale=d ** -0.5, causal=causal, window_left=-1, window_right=0 if causal else -1,
                           softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None)
-                out, lse, _ = cb.fwd(q, k, v, return_probs=False, **kw)
+                out, lse, _ = backend_fwd(cb, q, k, v, return_probs=False, **kw)
 
                 def run_cute():
-                    return cb.bwd(dout, q, k, v, out, lse, deterministic=False, **kw)
+                    return backend_bwd(cb, dout, q, k, v, out, lse, deterministic=False, **kw)
 
                 def run_triton():
-                    return tb.bwd(dout, q, k, v, out, lse, deterministic=False, **kw)
+                    return backend_bwd(tb, dout, q, k, v, out, lse, deterministic=False, **kw)
 
                 ref = run_triton()
                 got = run_cute()

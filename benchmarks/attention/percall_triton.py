@@ -13,11 +13,12 @@ import flash_attn
 from flash_attn.triton import backend as tb
 from flash_attn.triton import settings as ts
 from triton.testing import do_bench
+from flash_attn.testing import backend_fwd
 q, k, v = (torch.randn(1, 128, 16, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
 kw = dict(cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=128, max_seqlen_k=128, block_table=None,
           softmax_scale=128 ** -0.5, causal=False, window_left=-1, window_right=-1, softcap=0.0,
           alibi_slopes=None, dropout_p=0.0, rng_state=None)
-f = lambda: tb.fwd(q, k, v, return_probs=False, **kw)
+f = lambda: backend_fwd(tb, q, k, v, return_probs=False, **kw)
 per_call = per_call_us  # 300 calls back to back, median of 5 rounds
 print("variant", ts.overrides.get("fwd_variant"), "backend.fwd us", round(per_call(f), 1))
 with flash_attn.use_backend("triton"):

@@ -38,7 +38,6 @@ class _NopBackend:
         B, S, H, D = SHAPE
         self.out = torch.empty(SHAPE, dtype=torch.bfloat16)
         self.lse = torch.empty((B, H, S), dtype=torch.float32)
-        self.probs = torch.empty(0)
 
     def unavailable_reason(self):
         return None
@@ -47,10 +46,7 @@ class _NopBackend:
         return None
 
     def fwd(self, *args, **kwargs):
-        return self.out, self.lse, self.probs
-
-    def fwd_dense(self, *args, **kwargs):
-        return self.out, self.lse
+        return self.out, self.lse, None
 
 
 def _stub_root():

@@ -14,6 +14,7 @@ import sys
 import torch
 
 from flash_attn.triton import _configs, backend as tb
+from flash_attn.testing import backend_bwd, backend_fwd
 
 W = _configs.BwdWsConfig
 CASES = [
@@ -35,12 +36,12 @@ for B, S, H, Hk in [(2, 2048, 8, 8), (2, 2048, 8, 2), (3, 1000, 4, 2)]:
             kw = dict(cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=S, max_seqlen_k=S, block_table=None,
                       softmax_scale=D ** -0.5, causal=causal, window_left=-1, window_right=0 if causal else -1,
                       softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None)
-            out, lse, _ = tb.fwd(q, k, v, return_probs=False, **kw)
+            out, lse, _ = backend_fwd(tb, q, k, v, return_probs=False, **kw)
             fa2 = _configs._lookup(_configs._BWD, (9, 0), _configs.padded_dim(D), causal)
-            ref = tb.bwd(do, q, k, v, out, lse, deterministic=False, config=fa2, **kw)
+            ref = backend_bwd(tb, do, q, k, v, out, lse, deterministic=False, config=fa2, **kw)
             grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
             try:
-                got = tb.bwd(do, q, k, v, out, lse, deterministic=False, config=cfg, grads=grads, **kw)
+                got = backend_bwd(tb, do, q, k, v, out, lse, deterministic=False, config=cfg, grads=grads, **kw)
                 errs = [((a.float() - r.float()).abs().max() / r.float().abs().max()).item() for a, r in zip(got, ref)]
                 res = " ".join(f"{n} {e:.1e}" for n, e in zip(("dq", "dk", "dv"), errs))
                 bad = any(not (e < 5e-2) for e in errs)

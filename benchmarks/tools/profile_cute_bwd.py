@@ -13,6 +13,7 @@ kernel launched is the backward. Prints the load/compile time, each iteration's 
 import argparse
 import faulthandler
 import time
+from flash_attn.testing import backend_bwd, backend_fwd
 
 
 def main():
@@ -39,8 +40,8 @@ def main():
     kw = dict(cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=s, max_seqlen_k=s, block_table=None,
               softmax_scale=d ** -0.5, causal=a.causal, window_left=-1, window_right=0 if a.causal else -1,
               softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None)
-    out, lse, _ = tb.fwd(q, k, v, return_probs=False, **kw)
-    ref = tb.bwd(dout, q, k, v, out, lse, deterministic=False, **kw)
+    out, lse, _ = backend_fwd(tb, q, k, v, return_probs=False, **kw)
+    ref = backend_bwd(tb, dout, q, k, v, out, lse, deterministic=False, **kw)
     torch.cuda.synchronize()
     config = kernels.bwd_config(dtype, d, a.causal, "sm_90a").key()  # with FLASH_ATTN_CUTE_OVERRIDES' bwd. fields
     print("config", config, flush=True)

@@ -20,6 +20,7 @@ import re
 import sys
 
 import torch
+from flash_attn.testing import backend_bwd, backend_fwd, backend_fwd_kvcache
 
 LDS_BYTES = {"gfx90a": 65536, "gfx942": 65536, "gfx950": 163840}
 
@@ -92,8 +93,8 @@ def compile_all(arch):
         if features:
             kw.update(window_left=40, window_right=0 if causal else 9, softcap=30.0, alibi_slopes=torch.rand(H),
                       dropout_p=0.1, rng_state=torch.tensor([1, 2], dtype=torch.int64))
-        out, lse, _ = backend.fwd(q, k, v, return_probs=probs, **kw)
-        backend.bwd(torch.randn_like(out), q, k, v, out, lse, deterministic=deterministic, **kw)
+        out, lse, _ = backend_fwd(backend, q, k, v, return_probs=probs, **kw)
+        backend_bwd(backend, torch.randn_like(out), q, k, v, out, lse, deterministic=deterministic, **kw)
 
     def kvcache(name, D, rows_q, paged, splits):
         case[0] = name
@@ -107,7 +108,7 @@ def compile_all(arch):
             kc = torch.randn(B, 1024, Hk, D, generator=g).to(torch.bfloat16)
         knew = torch.randn(B, 3, Hk, D, generator=g).to(torch.bfloat16)
         cos, sin = torch.randn(2, S + 8, D // 2, generator=g).unbind(0)
-        backend.fwd_kvcache(q, kc, kc.clone(), k=knew, v=knew.clone(), rotary_cos=cos, rotary_sin=sin,
+        backend_fwd_kvcache(backend, q, kc, kc.clone(), k=knew, v=knew.clone(), rotary_cos=cos, rotary_sin=sin,
                             cache_seqlens=torch.tensor([300, 17], dtype=torch.int32), cache_batch_idx=None,
                             cache_leftpad=None, block_table=table, softmax_scale=D ** -0.5, causal=True,
                             window_left=-1, window_right=0, softcap=0.0, rotary_interleaved=False,

@@ -26,6 +26,7 @@ import sys
 import time
 
 from benchmarks import common
+from flash_attn.testing import backend_bwd, backend_fwd
 
 
 def candidates(d, causal):
@@ -97,8 +98,8 @@ def compile_worker(spec):
         q, k, v, g = _inputs(1, 256, h, d)
         kw = _kw(256, d, causal)
         try:
-            out, lse, _ = tb.fwd(q, k, v, return_probs=False, **kw)
-            tb.bwd(g, q, k, v, out, lse, deterministic=False, config=_configs.BwdConfig(**job["cfg"]), **kw)
+            out, lse, _ = backend_fwd(tb, q, k, v, return_probs=False, **kw)
+            backend_bwd(tb, g, q, k, v, out, lse, deterministic=False, config=_configs.BwdConfig(**job["cfg"]), **kw)
             torch.cuda.synchronize()
         except Exception as e:  # the timing pass skips it (a device fault would poison its CUDA context)
             print(f"compile {job}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
@@ -168,7 +169,7 @@ def main(argv=None):
     for d, causal, S, B, H in shp:
         q, k, v, g = _inputs(B, S, H, d, seed=1)
         kw = _kw(S, d, causal)
-        out, lse, _ = tb.fwd(q, k, v, return_probs=False, **kw)
+        out, lse, _ = backend_fwd(tb, q, k, v, return_probs=False, **kw)
         flops = 2.5 * 4 * B * S * S * H * d / (2 if causal else 1)
 
         # peer: cuDNN through SDPA, on (B, H, S, D) views of the same tensors
@@ -200,9 +201,9 @@ def main(argv=None):
                 kind.setdefault(name, []).append(None)
                 continue
             try:
-                grads = tb.bwd(g, q, k, v, out, lse, deterministic=False, config=cfg, **kw)
+                grads = backend_bwd(tb, g, q, k, v, out, lse, deterministic=False, config=cfg, **kw)
                 torch.cuda.synchronize()
-                ms = do_bench(lambda: tb.bwd(g, q, k, v, out, lse, deterministic=False, config=cfg, **kw),
+                ms = do_bench(lambda: backend_bwd(tb, g, q, k, v, out, lse, deterministic=False, config=cfg, **kw),
                               warmup=args.warmup, rep=args.rep, return_mode="median")
             except Exception as e:
                 emit(f"{tag} | {name:28s} | error {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")

@@ -22,6 +22,7 @@ import sys
 import time
 
 from benchmarks import common
+from flash_attn.testing import backend_bwd, backend_fwd
 
 # Relative max |diff| of a gradient to the FA2-style kernels' above which a variant is wrong, not
 # differently rounded (bf16 gradients of reordered fp32 sums differ by a few ulps, ~1e-2 of the max).
@@ -105,8 +106,8 @@ def compile_worker(spec):
     cfg = _fa2(d, bool(causal)) if i < 0 else candidates(d)[i][1]
     _, _, q, k, v, do = _inputs(d, 512, 512, 2048, bool(causal))
     kw = _kw(512, bool(causal), d)
-    out, lse, _ = tb.fwd(q, k, v, return_probs=False, **kw)
-    tb.bwd(do, q, k, v, out, lse, deterministic=False, config=cfg, **kw)
+    out, lse, _ = backend_fwd(tb, q, k, v, return_probs=False, **kw)
+    backend_bwd(tb, do, q, k, v, out, lse, deterministic=False, config=cfg, **kw)
 
 
 def precompile(args, specs):
@@ -178,8 +179,8 @@ def main(argv=None):
                 B, H, q, k, v, do = _inputs(d, s, args.tokens, args.hidden, causal)
                 kw = _kw(s, causal, d)
                 flops = 2.5 * 4 * B * s * s * H * d / (2 if causal else 1)
-                out, lse, _ = tb.fwd(q, k, v, return_probs=False, **kw)
-                base = tb.bwd(do, q, k, v, out, lse, deterministic=False, config=_fa2(d, causal), **kw)
+                out, lse, _ = backend_fwd(tb, q, k, v, return_probs=False, **kw)
+                base = backend_bwd(tb, do, q, k, v, out, lse, deterministic=False, config=_fa2(d, causal), **kw)
                 qt, kt, vt = (t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v))
                 with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
                     o = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
@@ -195,7 +196,7 @@ def main(argv=None):
                     grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
 
                     def call():
-                        return tb.bwd(do, q, k, v, out, lse, deterministic=False, config=cfg, grads=grads, **kw)
+                        return backend_bwd(tb, do, q, k, v, out, lse, deterministic=False, config=cfg, grads=grads, **kw)
                     try:
                         got = call()
                         errs = [((a.float() - b.float()).abs().max() / b.float().abs().max()).item()

@@ -8,20 +8,23 @@ A backend is a module (imported lazily by :mod:`flash_attn.dispatch`) that defin
     None when the backend can run at all in this process (its package imports, a device it needs exists),
     else a one-line reason ("triton is not installed", "no CUDA device", ...). Cheap; may be cached.
 
-``unsupported_reason(call: flash_attn.dispatch.Call) -> str | None``
+``unsupported_reason(call: flash_attn.call.AttnCall) -> str | None``
     None when the backend serves this call, else a one-line reason naming what it lacks
-    ("head dim 72 not in (64, 128)", "dropout", "device cpu"). Called once per distinct ``Call`` (cached).
+    ("head dim 72 not in (64, 128)", "dropout", "device cpu"). Called once per distinct description (cached).
 
-``fwd(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, softmax_scale,
-      causal, window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state, return_probs)
-      -> (out, lse, s_dmask)``
+Every entry point below takes the call's description first: ``call``, a :class:`flash_attn.call.AttnCall` built once
+at the API (dtype, head dims, the mask in the core's one encoding, softcap, scale, dropout_p, varlen / paged /
+return_probs / deterministic facts; see flash_attn/call.py). A backend reads the mask from it (``window_left``,
+``window_right``, ``causal``, ``local``, ``bounded``) and never re-derives it; the tensors and the per-call sizes
+travel beside it. All arguments arrive validated (flash_attn._checks): dtypes match, H % Hk == 0, last dims
+contiguous.
+
+``fwd(call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, alibi_slopes, rng_state)
+      -> (out, lse, s_dmask or None)``
     Dense: q (B, Sq, H, D), k (B, Sk, Hk, D), v (B, Sk, Hk, Dv), cu_seqlens_* None.
     Varlen: q (total_q, H, D), k/v (total_k, Hk, D), cu_seqlens_q/k int32 (B+1,), max_seqlen_* ints.
     Paged (varlen only): block_table int32 (B, max_blocks), k/v (num_blocks, block_size, Hk, D);
     then cu_seqlens_k still gives each sequence's key count (its offsets into k are not used).
-    All arguments arrive validated (flash_attn._checks): dtypes match, H % Hk == 0, last dims
-    contiguous, softmax_scale a float, window_left/right ints with -1 unbounded, and when causal the
-    caller already set window_right = 0 (causal == bottom-right aligned window (left, 0)).
     Masking is bottom-right aligned: query i of a sequence sees key j iff
     j - (i + Sk - Sq) in [-window_left, window_right] (unbounded side for -1).
     softcap > 0: score = softcap * tanh(score / softcap), applied to scale * q.k before ALiBi and mask.
@@ -30,28 +33,24 @@ A backend is a module (imported lazily by :mod:`flash_attn.dispatch`) that defin
     counter-based hash shared by every backend, keyed by rng_state, an int64 CPU tensor (2,));
     kept elements are scaled by 1 / (1 - p).
     Returns out like q with last dim Dv (input dtype); lse fp32 (B, H, Sq) dense or (H, total_q) varlen,
-    natural log, +inf for a row with no visible key (whose out is 0); s_dmask, when return_probs, the
+    natural log, +inf for a row with no visible key (whose out is 0); s_dmask, when call.return_probs, the
     softmax probabilities fp32 (B, H, max_seqlen_q, max_seqlen_k) (dense: Sq, Sk), zero outside a
-    sequence, negated where dropout dropped the element; else an empty tensor.
+    sequence, negated where dropout dropped the element; else None.
 
-``fwd_dense(q, k, v, softmax_scale, causal, window_left, window_right) -> (out, lse)``   (optional)
-    fwd of a dense call without softcap, ALiBi, dropout or probabilities, positional (flash_attn_func's
-    common call takes it where a backend defines it: less per-call work than fwd's keywords).
-
-``bwd(dout, q, k, v, out, lse, *, <same keyword arguments as fwd without return_probs>, deterministic[, dlse])
-      -> (dq, dk, dv)``
-    Gradients in the input dtype, shaped like q, k, v. dk/dv are summed over the query heads of a group
-    (GQA/MQA). deterministic=True must give bitwise-identical results run to run. ``dlse`` (passed only when a
-    loss uses the returned lse): the gradient flowing into lse, lse's shape; as d lse_i / d s_ij = P_ij it adds
-    dlse_i * P_ij to dS_ij, i.e. the backward uses delta_i - dlse_i where it uses delta_i = rowsum(dO_i * O_i).
+``bwd(call, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, alibi_slopes,
+      rng_state[, dlse=...]) -> (dq, dk, dv)``
+    ``call`` is the forward's description with ``backward`` set (flash_attn.call.for_backward). Gradients in the
+    input dtype, shaped like q, k, v. dk/dv are summed over the query heads of a group (GQA/MQA). A deterministic
+    call must give bitwise-identical results run to run. ``dlse`` (passed only when a loss uses the returned lse):
+    the gradient flowing into lse, lse's shape; as d lse_i / d s_ij = P_ij it adds dlse_i * P_ij to dS_ij, i.e.
+    the backward uses delta_i - dlse_i where it uses delta_i = rowsum(dO_i * O_i).
     Optional: a backend whose module sets ``BWD_OUT = True`` also takes ``grads=(dq, dk, dv)``, tensors
     shaped and typed like q, k, v with a contiguous last dim (e.g. the slices of one packed gradient),
     writes the gradients there and returns them.
 
-``fwd_kvcache(q, k_cache, v_cache, *, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-      cache_leftpad, block_table, softmax_scale, causal, window_left, window_right, softcap,
-      rotary_interleaved, alibi_slopes, num_splits) -> (out, lse)``   (optional; no backward)
-    Semantics of FA2's flash_attn_with_kvcache; cache_seqlens arrives as an int32 tensor (B,).
+``fwd_kvcache(call, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+      block_table, alibi_slopes, rotary_interleaved, num_splits) -> (out, lse)``   (optional; no backward)
+    Semantics of FA2's flash_attn_with_kvcache (``call.kvcache`` set); cache_seqlens arrives as an int32 tensor (B,).
 """
 
 
@@ -60,16 +59,18 @@ A backend is a module (imported lazily by :mod:`flash_attn.dispatch`) that defin
 
 def core_attention(backend, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                    window_left, window_right, softcap, deterministic):
-    """(out, lse) of the core's differentiable attention (flash_attn::fwd, the contract's encoding) with its forward
-    forced onto ``backend`` and its backward on the dispatcher's choice; lse is exposed, so a loss's gradient through
-    it flows back."""
+    """(out, lse) of the core's differentiable attention (flash_attn::fwd; the window in the core's encoding, -1
+    unbounded) with its forward forced onto ``backend`` and its backward on the dispatcher's choice; lse is exposed,
+    so a loss's gradient through it flows back."""
     from flash_attn import _ops
+    from flash_attn.call import describe
     from flash_attn.dispatch import use_backend
 
+    call = describe(q, v, varlen=cu_seqlens_q is not None, causal=causal, window_left=window_left,
+                    window_right=window_right, softcap=softcap, deterministic=deterministic, scale=softmax_scale)
     with use_backend(backend):
-        out, lse, _ = _ops.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, None,
-                                     float(softmax_scale), bool(causal), window_left, window_right, float(softcap),
-                                     None, 0.0, None, False, bool(deterministic), True)
+        out, lse, _ = _ops.attention(call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, None,
+                                     None, None, True)
     return out, lse
 
 
@@ -77,9 +78,11 @@ def core_backward(backend, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, 
                   softmax_scale, causal, window_left, window_right, softcap, deterministic, dlse=None):
     """(dq, dk, dv) of the dispatcher's backward for a forward that ``backend`` ran (flash_attn::bwd's choice)."""
     from flash_attn import _ops
+    from flash_attn.call import describe
     from flash_attn.dispatch import use_backend
 
+    call = describe(q, v, varlen=cu_seqlens_q is not None, causal=causal, window_left=window_left,
+                    window_right=window_right, softcap=softcap, deterministic=deterministic, scale=softmax_scale)
     with use_backend(backend):
-        return _ops._bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, None,
-                              float(softmax_scale), bool(causal), window_left, window_right, float(softcap), None, 0.0,
-                              None, bool(deterministic), dlse)
+        return _ops._backward(call, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                              None, None, None, dlse)

@@ -84,50 +84,50 @@ def unsupported_reason(call):
     return None
 
 
-def fwd(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, softmax_scale,
-        causal, window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state, return_probs):
+def fwd(call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, alibi_slopes, rng_state):
     from flash_attn.cute import launch
     from flash_attn.cute.plan import _UNBOUNDED
 
     # the contract's -1 (no limit) is the kernels' UNBOUNDED
-    wl = _UNBOUNDED if window_left < 0 else window_left
-    wr = _UNBOUNDED if window_right < 0 else window_right
+    wl = _UNBOUNDED if call.window_left < 0 else call.window_left
+    wr = _UNBOUNDED if call.window_right < 0 else call.window_right
+    causal, scale, softcap = call.causal, call.softmax_scale, call.softcap
     # unsupported_reason admitted only sm_90
     if block_table is not None:
-        if not _boxes_pages(q, v, k.shape[1], causal, wl, wr, softcap):
+        if not _boxes_pages(call, k.shape[1]):
             # pages that fill no TMA box: gathered into contiguous keys for the unpaged kernel (as the FA4 API does)
             kc, vc, cu_k, _ = launch._gather_pages(k, v, block_table)
             out, lse = launch.forward_varlen(q, kc, vc, cu_seqlens_q, cu_k, cu_seqlens_k[1:] - cu_seqlens_k[:-1],
-                                                max_seqlen_q, softmax_scale, causal, "sm_90a", wl, wr, softcap,
-                                                fill_unused_rows=True)
-            return out, lse, q.new_empty(0)
+                                             max_seqlen_q, scale, causal, "sm_90a", wl, wr, softcap,
+                                             fill_unused_rows=True)
+            return out, lse, None
         # (block_table's entries were checked to be pages: flash_attn._ops._check_values)
         out, lse = launch.forward_varlen(q, k, v, cu_seqlens_q, None, cu_seqlens_k[1:] - cu_seqlens_k[:-1],
-                                            max_seqlen_q, softmax_scale, causal, "sm_90a", wl, wr, softcap,
-                                            fill_unused_rows=True, page_table=block_table)
+                                         max_seqlen_q, scale, causal, "sm_90a", wl, wr, softcap,
+                                         fill_unused_rows=True, page_table=block_table)
     elif cu_seqlens_q is not None:
-        out, lse = launch.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, None, max_seqlen_q, softmax_scale,
-                                            causal, "sm_90a", wl, wr, softcap, fill_unused_rows=True)
+        out, lse = launch.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, None, max_seqlen_q, scale, causal,
+                                         "sm_90a", wl, wr, softcap, fill_unused_rows=True)
     else:
-        out, lse = launch.forward(q, k, v, softmax_scale, causal, "sm_90a", wl, wr, softcap)
-    return out, lse, q.new_empty(0)
+        out, lse = launch.forward(q, k, v, scale, causal, "sm_90a", wl, wr, softcap)
+    return out, lse, None
 
 
 _BOXED = {}  # (dtype, D, Dv, causal, local, softcap, page size) -> whether the paged kernel takes those pages
 
 
-def _boxes_pages(q, v, page_size, causal, window_left, window_right, softcap):
+def _boxes_pages(call, page_size):
     """Whether the paged kernel of this call has a key block that pages of page_size rows fill in whole TMA boxes
     (its config exists: config.paged_block_n of the config's block_n)."""
     from flash_attn.cute import kernels
-    from flash_attn.cute.plan import _window_args
 
-    _, _, local = _window_args(causal, window_left, window_right)
-    key = (q.dtype, q.shape[-1], v.shape[-1], bool(causal) and not local, local, softcap > 0.0, page_size)
+    local = call.local
+    key = (call.dtype, call.head_dim, call.head_dim_v, call.causal and not local, local, call.softcap > 0.0,
+           page_size)
     ok = _BOXED.get(key)
     if ok is None:
         try:
-            kernels.fwd_config(q.dtype, key[1], key[3], "sm_90a", local=local, softcap=key[5], varlen=True,
+            kernels.fwd_config(call.dtype, key[1], key[3], "sm_90a", local=local, softcap=key[5], varlen=True,
                                dv=key[2], paged=page_size)
             ok = True
         except NotImplementedError:
@@ -136,15 +136,15 @@ def _boxes_pages(q, v, page_size, causal, window_left, window_right, softcap):
     return ok
 
 
-def bwd(dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
-        softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state,
-        deterministic, grads=None, dlse=None):
+def bwd(call, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
+        alibi_slopes, rng_state, grads=None, dlse=None):
     from flash_attn.cute import launch
 
     # unsupported_reason admitted only dense, unwindowed, uncapped, non-deterministic calls on sm_90; a
     # direct caller gets an error rather than a wrong gradient
-    if (cu_seqlens_q is not None or block_table is not None or softcap > 0.0 or alibi_slopes is not None
-            or dropout_p > 0.0 or deterministic or window_left >= 0 or (window_right >= 0 and not causal)):
+    if (cu_seqlens_q is not None or block_table is not None or call.softcap > 0.0 or alibi_slopes is not None
+            or call.dropout_p > 0.0 or call.deterministic or call.local):
         raise NotImplementedError("flash_attn.cute's backward handles dense calls without windows, softcap, "
                                   "ALiBi, dropout or determinism")
-    return launch.backward(dout, q, k, v, out, lse, softmax_scale, causal, "sm_90a", grads=grads, dlse=dlse)
+    return launch.backward(dout, q, k, v, out, lse, call.softmax_scale, call.causal, "sm_90a", grads=grads,
+                           dlse=dlse)

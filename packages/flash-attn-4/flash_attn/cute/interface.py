@@ -58,7 +58,7 @@ def _check_sink(learnable_sink, H, device):
     return learnable_sink.detach().to(_F32).contiguous()
 
 
-_NO_WINDOW = (None, None)  # flash_attn_func's default window_size (identity-checked on the fast path)
+_DEFAULT_WINDOW = (None, None)  # flash_attn_func's default window_size (identity-checked on the fast path)
 
 
 def _refuse_unsupported(**given):
@@ -69,7 +69,7 @@ def _refuse_unsupported(**given):
                                       "here); leave it None")
 
 
-def flash_attn_func(q, k, v, qv=None, gather_kv_indices=None, softmax_scale=None, causal=False, window_size=_NO_WINDOW,
+def flash_attn_func(q, k, v, qv=None, gather_kv_indices=None, softmax_scale=None, causal=False, window_size=_DEFAULT_WINDOW,
                     learnable_sink=None, softcap=0.0, num_splits=1, pack_gqa=None, deterministic=False, score_mod=None,
                     score_mod_bwd=None, mask_mod=None, aux_tensors=None, aux_scalars=None, block_sparse_tensors=None,
                     block_sparse_tensors_bwd=None, return_lse=False):
@@ -129,7 +129,7 @@ def flash_attn_func(q, k, v, qv=None, gather_kv_indices=None, softmax_scale=None
         return out[..., :Dv].contiguous(), lse
     _check_dims(D, Dv, H, Hk)
     pack = splits = 1
-    if (window_size is _NO_WINDOW and learnable_sink is None and not softcap and num_splits == 1
+    if (window_size is _DEFAULT_WINDOW and learnable_sink is None and not softcap and num_splits == 1
             and not pack_gqa and (H == Hk or pack_gqa is False or _pack_group(None, H, Hk, Sq) == 1)):
         window_left = window_right = _UNBOUNDED  # the common call: no option to parse
         softcap = 0.0

@@ -91,7 +91,7 @@ _L_FWD = _L_PRE = _L_DKDV = _L_DQ = None
 _FWD_VARIANT_ON = False
 _L_FWD_WS = _L_PRE_WS = _L_DKDV_WS = _L_DQ_WS = None
 _BWD_WS_ON = False
-_NO_WINDOW = 1 << 30
+_NO_WINDOW = None  # _common.NO_WINDOW, the kernels' unbounded window side; bound by _kernels()
 
 
 def _arch(device):
@@ -143,8 +143,6 @@ def _scalars(softmax_scale, softcap, window_left, window_right, causal, dropout_
         softcap_scale, softcap_log2 = softmax_scale / softcap, softcap * _LOG2E
     else:
         softcap_scale, softcap_log2 = 0.0, 0.0
-    if causal:
-        window_right = 0
     # (left bounded, right bounded) are constexpr flags: each bound adds a masked loop to a kernel.
     window = (window_left >= 0, window_right >= 0)
     wl = window_left if window_left >= 0 else _NO_WINDOW
@@ -276,30 +274,19 @@ class _PlanKey:
         return f"_PlanKey{self.what!r}"
 
 
-def fwd(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, softmax_scale,
-        causal, window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state, return_probs,
+def fwd(call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, alibi_slopes, rng_state,
         config=None):
     """Attention forward; see the contract. Dense q (B, Sq, H, D), k (B, Sk, Hk, D), v (B, Sk, Hk, Dv);
-    varlen q (total_q, H, D) with cu_seqlens int32 (B+1,). Returns (out, lse fp32, probs).
+    varlen q (total_q, H, D) with cu_seqlens int32 (B+1,). Returns (out, lse fp32, probs or None).
 
     ``config`` (a _configs.FwdConfig) overrides the table, for tuning.
     """
-    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
-            window_right, softcap, alibi_slopes, dropout_p, rng_state, bool(return_probs), config)
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, call.softmax_scale, call.causal,
+            call.window_left, call.window_right, call.softcap, alibi_slopes, call.dropout_p, rng_state,
+            True if call.return_probs else None, config)
     if _num_seqs(q, cu_seqlens_q) * q.shape[-2] > _MAX_GRID_Y:
         return _fwd_chunked(*args)
     return _fwd(*args)
-
-
-def fwd_dense(q, k, v, softmax_scale, causal, window_left, window_right):
-    """fwd of a dense call without softcap, ALiBi, dropout or probabilities (flash_attn_func's common call),
-    arguments validated -> (out, lse): the same kernels, with less per-call work (positional arguments,
-    no zero-size probs tensor)."""
-    if q.shape[0] * q.shape[2] > _MAX_GRID_Y:
-        return _fwd_chunked(q, k, v, None, None, q.shape[1], k.shape[1], softmax_scale, causal, window_left,
-                            window_right, 0.0, None, 0.0, None, None, None)[:2]
-    return _fwd(q, k, v, None, None, q.shape[1], k.shape[1], softmax_scale, causal, window_left, window_right,
-                0.0, None, 0.0, None, None, None)[:2]
 
 
 def _num_seqs(q, cu_seqlens_q):
@@ -397,8 +384,6 @@ def _fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softma
         seed0 = seed1 = thr = 0
         dscale = 1.0
         sa_ = (0, 0)
-        if causal:
-            window_right = 0
         window = (window_left >= 0, window_right >= 0)
         wl = window_left if window_left >= 0 else _NO_WINDOW
         wr = window_right if window_right >= 0 else _NO_WINDOW
@@ -439,17 +424,16 @@ def _fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softma
     return out, lse, probs
 
 
-def fwd_kvcache(q, k_cache, v_cache, *, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                cache_leftpad, block_table, softmax_scale, causal, window_left, window_right, softcap,
-                rotary_interleaved, alibi_slopes, num_splits):
+def fwd_kvcache(call, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+                block_table, alibi_slopes, rotary_interleaved, num_splits):
     """FA2's flash_attn_with_kvcache (see the contract); no host sync, so CUDA graphs can capture it."""
     from . import kvcache
 
     return kvcache.fwd_kvcache(
         q, k_cache, v_cache, k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
         cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
-        block_table=block_table, softmax_scale=softmax_scale, causal=causal, window_left=window_left,
-        window_right=window_right, softcap=softcap, rotary_interleaved=rotary_interleaved,
+        block_table=block_table, softmax_scale=call.softmax_scale, causal=call.causal, window_left=call.window_left,
+        window_right=call.window_right, softcap=call.softcap, rotary_interleaved=rotary_interleaved,
         alibi_slopes=alibi_slopes, num_splits=num_splits, interpret=_INTERPRET, arch=_arch(q.device))
 
 
@@ -667,16 +651,22 @@ def _bwd_ws(ws, dout, q, k, v, out, lse, dq, dk, dv, B, H, Hk, Sq, Sk, softmax_s
 BWD_OUT = True
 
 
-def bwd(dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
-        softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state,
-        deterministic, config=None, grads=None, dlse=None):
+def bwd(call, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
+        alibi_slopes, rng_state, config=None, grads=None, dlse=None):
     """Attention backward; see the contract. Returns (dq, dk, dv) shaped like q, k, v in their dtype.
 
-    deterministic=True computes dQ in its own kernel (no atomics), so results are bitwise reproducible.
+    A deterministic call computes dQ in its own kernel (no atomics), so results are bitwise reproducible.
     ``config`` (a _configs.BwdConfig) overrides the table, for tuning. ``grads``: optional (dq, dk, dv)
     tensors shaped and typed like q, k, v with a contiguous last dim (e.g. views of one packed gradient)
     that receive the gradients; they are then what is returned.
     """
+    return _bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, call.softmax_scale,
+                call.causal, call.window_left, call.window_right, call.softcap, alibi_slopes, call.dropout_p,
+                rng_state, call.deterministic, config, grads, dlse)
+
+
+def _bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+         window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state, deterministic, config, grads, dlse):
     if _fwd_mod is None:
         _kernels()
     if _num_seqs(q, cu_seqlens_q) * q.shape[-2] > _MAX_GRID_Y:
@@ -767,9 +757,7 @@ def _bwd_chunked(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen
     """bwd as launches on the forward's chunks (_fwd_chunked: the same chunks and dropout seeds): dense, batch
     slices (into grads' slices when given); varlen, slices of cu_seqlens, each chunk's dq / dk / dv rows taken from
     its launch."""
-    kw = dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, block_table=None, softmax_scale=softmax_scale,
-              causal=causal, window_left=window_left, window_right=window_right, softcap=softcap,
-              dropout_p=dropout_p, deterministic=deterministic, config=config)
+    opts = (softmax_scale, causal, window_left, window_right, softcap)
     chunks = _batch_chunks(_num_seqs(q, cu_seqlens_q), q.shape[-2])
     if cu_seqlens_q is None:
         if grads is None:
@@ -777,14 +765,15 @@ def _bwd_chunked(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen
                      device=k.device), torch.empty(v.shape, dtype=v.dtype, device=v.device))
         for c, (lo, hi) in enumerate(chunks):
             sl = slice(lo, hi)
-            bwd(dout[sl], q[sl], k[sl], v[sl], out[sl], lse[sl], cu_seqlens_q=None, cu_seqlens_k=None,
-                alibi_slopes=_chunk_alibi(alibi_slopes, lo, hi), rng_state=_chunk_rng(rng_state, c),
-                grads=tuple(g[sl] for g in grads), dlse=None if dlse is None else dlse[sl], **kw)
+            _bwd(dout[sl], q[sl], k[sl], v[sl], out[sl], lse[sl], None, None, max_seqlen_q, max_seqlen_k, *opts,
+                 _chunk_alibi(alibi_slopes, lo, hi), dropout_p, _chunk_rng(rng_state, c), deterministic, config,
+                 tuple(g[sl] for g in grads), None if dlse is None else dlse[sl])
         return grads
     dq = dk = dv = None
     for c, (lo, hi) in enumerate(chunks):
-        g = bwd(dout, q, k, v, out, lse, cu_seqlens_q=cu_seqlens_q[lo:hi + 1], cu_seqlens_k=cu_seqlens_k[lo:hi + 1],
-                alibi_slopes=_chunk_alibi(alibi_slopes, lo, hi), rng_state=_chunk_rng(rng_state, c), dlse=dlse, **kw)
+        g = _bwd(dout, q, k, v, out, lse, cu_seqlens_q[lo:hi + 1], cu_seqlens_k[lo:hi + 1], max_seqlen_q,
+                 max_seqlen_k, *opts, _chunk_alibi(alibi_slopes, lo, hi), dropout_p, _chunk_rng(rng_state, c),
+                 deterministic, config, None, dlse)
         if dq is None:
             dq, dk, dv = g
             continue

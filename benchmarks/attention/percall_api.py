@@ -1,0 +1,52 @@
+"""Per-call time of the two attention APIs' common call on a tiny problem (b1 s128 h16 d128 bf16, non-causal):
+flash_attn.flash_attn_func (the root API, on the dispatcher's backend) and flash_attn.cute.flash_attn_func, each
+without gradients and with q, k, v requiring them (the forward of a training step). Per case: the fastest round's wall
+time per call (the least disturbed by the host), calls back to back with one synchronize per round. One JSON line per run.
+
+    python benchmarks/attention/percall_api.py [--rounds 30] [--calls 300]
+
+Standalone (imports only torch and flash_attn), so one checkout can time another: run it with that checkout's root
+first on PYTHONPATH, alternating the two in separate processes, on one warm machine.
+"""
+import argparse
+import json
+import time
+
+import torch
+
+
+def _per_call(f, rounds, calls):
+    for _ in range(20):
+        f()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            f()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) / calls * 1e6)
+    return min(times)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=30)
+    p.add_argument("--calls", type=int, default=300)
+    a = p.parse_args(argv)
+    import flash_attn
+    import flash_attn.cute
+
+    q, k, v = (torch.randn(1, 128, 16, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    root, cute = flash_attn.flash_attn_func, flash_attn.cute.flash_attn_func
+    res = {"flash_attn": flash_attn.__file__}
+    res["root"] = _per_call(lambda: root(q, k, v), a.rounds, a.calls)
+    res["root, grad"] = _per_call(lambda: root(qg, kg, vg), a.rounds, a.calls)
+    res["cute"] = _per_call(lambda: cute(q, k, v), a.rounds, a.calls)
+    res["cute, grad"] = _per_call(lambda: cute(qg, kg, vg), a.rounds, a.calls)
+    print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in res.items()}))
+
+
+if __name__ == "__main__":
+    main()
