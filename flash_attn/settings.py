@@ -6,7 +6,8 @@ User settings:
 
 ``FLASH_ATTN_BACKEND``
     ``torch``, ``triton`` or ``cute``: every attention call on that backend (a ``use_backend`` context wins over it);
-    unset: the fastest installed backend that serves each call.
+    ``torch`` / ``triton`` also put the fused ops (``flash_attn.ops``) on their PyTorch / Triton paths; unset: the
+    fastest installed backend that serves each call, and the ops' path by device.
 ``FLASH_ATTN_FP32_WGRAD``
     ``1`` / ``0``: ``ops.linear``'s layers accumulate the weight gradient in fp32 (with a bias gradient of its own) on
     every device / on none; unset: on CUDA.

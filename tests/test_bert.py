@@ -6,7 +6,7 @@ import torch
 from transformers import BertConfig
 from transformers import BertForPreTraining as HFBertForPreTraining
 
-import flash_attn.ops.triton as triton_ops
+import flash_attn
 from flash_attn.models.bert import BertForPreTraining, BertModel, remap_state_dict
 
 ATOL = 2e-5
@@ -15,7 +15,7 @@ VOCAB = 100
 
 @pytest.fixture(autouse=True)
 def torch_ops():
-    with triton_ops.backend("torch"):  # fused ops on their PyTorch path (the interpreter is slow)
+    with flash_attn.use_backend("torch"):  # fused ops on their PyTorch path (the interpreter is slow)
         yield
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import FalconConfig, FalconForCausalLM
 
-import flash_attn.ops.triton as triton_ops
+import flash_attn
 from flash_attn.models.falcon import (falcon_config_to_gpt2_config, inv_remap_state_dict_hf_falcon,
                                       remap_state_dict_hf_falcon)
 from flash_attn.models.gpt import GPTLMHeadModel
@@ -26,7 +26,7 @@ VARIANTS = {  # name -> FalconConfig kwargs
 
 @pytest.fixture(autouse=True)
 def torch_ops():
-    with triton_ops.backend("torch"):  # rotary on its PyTorch path (the interpreter is slow)
+    with flash_attn.use_backend("torch"):  # rotary on its PyTorch path (the interpreter is slow)
         yield
 
 

@@ -6,7 +6,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 from transformers.generation.logits_process import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
                                                     TopKLogitsWarper, TopPLogitsWarper)
 
-import flash_attn.ops.triton as triton_ops
+import flash_attn
 from flash_attn.models.gpt import CausalLMOutput, GPTLMHeadModel, remap_state_dict_hf_gpt2
 from flash_attn.models.llama import llama_config_to_gpt2_config, remap_state_dict_hf_llama
 from flash_attn.utils.generation import (InferenceParams, decode, modify_logit_for_repetition_penalty,
@@ -17,8 +17,13 @@ VOCAB = 101
 
 
 @pytest.fixture(autouse=True)
-def torch_ops():
-    with triton_ops.backend("torch"):  # fused ops on their PyTorch path (the interpreter is slow)
+def torch_ops(request):
+    # CPU tests: the backend switch sends the fused ops (and attention) to their PyTorch paths (the interpreter is
+    # slow); GPU tests run the kernels
+    if request.node.get_closest_marker("gpu"):
+        yield
+        return
+    with flash_attn.use_backend("torch"):
         yield
 
 

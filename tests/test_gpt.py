@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from transformers import GPT2Config, GPT2LMHeadModel
 
-import flash_attn.ops.triton as triton_ops
+import flash_attn
 from flash_attn.models.gpt import GPTLMHeadModel, GPTModel, remap_state_dict_hf_gpt2
 from flash_attn.utils.generation import InferenceParams
 
@@ -14,8 +14,13 @@ VOCAB = 101
 
 
 @pytest.fixture(autouse=True)
-def torch_ops():
-    with triton_ops.backend("torch"):  # fused norms/rotary on their PyTorch path (the interpreter is slow)
+def torch_ops(request):
+    # CPU tests: the backend switch sends the fused ops (and attention) to their PyTorch paths (the interpreter is
+    # slow); GPU tests run the kernels
+    if request.node.get_closest_marker("gpu"):
+        yield
+        return
+    with flash_attn.use_backend("torch"):
         yield
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
-import flash_attn.ops.triton as triton_ops
+import flash_attn
 from flash_attn.models.gpt import GPTLMHeadModel
 from flash_attn.models.gpt_neox import (gpt_neox_config_to_gpt2_config, inv_remap_state_dict_hf_gpt_neox,
                                         remap_state_dict_hf_gpt_neox)
@@ -17,7 +17,7 @@ VOCAB = 101
 
 @pytest.fixture(autouse=True)
 def torch_ops():
-    with triton_ops.backend("torch"):  # rotary on its PyTorch path (the interpreter is slow)
+    with flash_attn.use_backend("torch"):  # rotary on its PyTorch path (the interpreter is slow)
         yield
 
 

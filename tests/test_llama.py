@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import flash_attn.ops.triton as triton_ops
+import flash_attn
 from flash_attn.models.gpt import GPTLMHeadModel, rope_inv_freq
 from flash_attn.models.llama import (inv_remap_state_dict_hf_llama, llama_config_to_gpt2_config,
                                      remap_state_dict_hf_llama)
@@ -23,7 +23,7 @@ ROPE = {
 
 @pytest.fixture(autouse=True)
 def torch_ops():
-    with triton_ops.backend("torch"):  # RMSNorm/rotary on their PyTorch path (the interpreter is slow)
+    with flash_attn.use_backend("torch"):  # RMSNorm/rotary on their PyTorch path (the interpreter is slow)
         yield
 
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import flash_attn.ops.triton as triton_ops
 
+import flash_attn
 from flash_attn.bert_padding import unpad_input
 from flash_attn.modules.mha import MHA, get_alibi_slopes
 from flash_attn.testing import assert_close_to_ref, attention_ref
@@ -73,7 +73,7 @@ def padding_mask(lengths, seqlen):
 def torch_ops():
     # Fused ops (rotary) on their PyTorch path: the Triton interpreter is far too slow for module tests
     # and the kernels have their own tests.
-    with triton_ops.backend("torch"):
+    with flash_attn.use_backend("torch"):
         yield
 
 

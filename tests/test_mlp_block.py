@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import flash_attn.ops.triton as triton_ops
+import flash_attn
 from flash_attn.modules.block import Block, DropPath, ParallelBlock
 from flash_attn.modules.embedding import BertEmbeddings, GPT2Embeddings
 from flash_attn.modules.mha import MHA
@@ -19,7 +19,7 @@ ATOL = 1e-5
 
 @pytest.fixture(autouse=True)
 def torch_ops():
-    with triton_ops.backend("torch"):  # fused ops on their PyTorch path (the interpreter is slow)
+    with flash_attn.use_backend("torch"):  # fused ops on their PyTorch path (the interpreter is slow)
         yield
 
 

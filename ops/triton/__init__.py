@@ -7,13 +7,17 @@ Which path runs is decided per call by :func:`use_triton`:
   defined (the interpreter executes them with numpy), else the PyTorch path;
 * without triton everything runs the PyTorch path, and importing these modules still works.
 
-``backend("torch" | "triton" | "auto")`` (a context manager) or :func:`set_backend` overrides the choice
-process-wide; tests use it to cover both paths on the same inputs.
+The one backend switch of the package steers these ops as it steers attention: ``flash_attn.use_backend("torch")``
+(or ``FLASH_ATTN_BACKEND=torch``) takes the PyTorch paths, ``"triton"`` forces the Triton kernels (an error where they
+cannot run), ``"cute"`` or none decides by device; tests use it to cover both paths on the same inputs.
 """
 import contextlib
 import functools
 
+import torch
+
 from flash_attn import settings
+from flash_attn.dispatch import forced_backend, use_backend
 
 try:
     import triton
@@ -26,9 +30,6 @@ HAS_TRITON = triton is not None
 # Triton picks interpreter or compiler when a kernel is defined (module import), so the flag is read
 # once here, before any kernel module of this package imports it.
 INTERPRET = settings.current.triton_interpret
-
-BACKENDS = ("auto", "triton", "torch")
-_backend = "auto"
 
 
 class _MissingTriton:
@@ -48,27 +49,10 @@ if triton is None:
     triton = tl = _MissingTriton()
 
 
-def set_backend(name: str) -> None:
-    """Force every op of flash_attn.ops onto one path: "triton", "torch", or "auto" (by device)."""
-    global _backend
-    if name not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
-    _backend = name
-
-
-def get_backend() -> str:
-    return _backend
-
-
-@contextlib.contextmanager
 def backend(name: str):
-    """Context manager form of :func:`set_backend`; restores the previous choice on exit."""
-    previous = _backend
-    set_backend(name)
-    try:
-        yield
-    finally:
-        set_backend(previous)
+    """``flash_attn.use_backend`` (the one switch of attention and the ops) spelled for the ops: ``"torch"``,
+    ``"triton"``, or ``"auto"`` (nothing forced: by device). A context manager."""
+    return use_backend(None if name == "auto" else name)
 
 
 def triton_runs_on(device) -> bool:
@@ -79,12 +63,19 @@ def triton_runs_on(device) -> bool:
     return device == "cuda" or (device == "cpu" and INTERPRET)
 
 
+@torch.compiler.assume_constant_result
+def _forced():
+    # (torch.compile cannot trace the switch's ContextVar: a traced graph keeps the choice made when it was traced)
+    return forced_backend()
+
+
 def use_triton(x) -> bool:
     """Whether an op on tensor ``x`` takes the Triton path (see the module docstring)."""
-    ok = triton_runs_on(x.device)
-    if _backend == "torch":
+    forced = _forced()
+    if forced == "torch":
         return False
-    if _backend == "triton" and not ok:
+    ok = triton_runs_on(x.device)
+    if forced == "triton" and not ok:
         why = ("triton is not installed" if not HAS_TRITON
                else f"device {x.device.type} needs CUDA, or TRITON_INTERPRET=1 set before import")
         raise RuntimeError(f"backend 'triton' was forced but cannot run here: {why}")
@@ -119,8 +110,6 @@ def num_sms(device) -> int:
     n = _SM_COUNTS.get(device)
     if n is not None:
         return n
-    import torch
-
     d = device if isinstance(device, torch.device) else torch.device(device)
     if d.type != "cuda":
         n = 4
@@ -146,8 +135,6 @@ def device_ctx(x):
     device = x.device
     if device.type != "cuda":
         return _NO_CTX
-    import torch
-
     if _cuda_current_device is None:
         # The tensor exists, so CUDA is initialised: the raw getter skips torch.cuda's lazy-init check.
         _cuda_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
