@@ -170,14 +170,19 @@ def cu_seqlens_values(name, cu, total, max_seqlen):
         _cached(cu, (total, max_seqlen), check)
 
 
-def range_values(name, t, lo, hi):
-    """All values of t in [lo, hi)."""
+class PagedCapacityError(ValueError, RuntimeError):
+    """cache_seqlens (with the appended keys) beyond the pages a block_table holds. FA2 raises RuntimeError there (its
+    kernels would read block_table out of bounds), so this is one (and a ValueError, as the other value checks)."""
+
+
+def range_values(name, t, lo, hi, error=ValueError, why=""):
+    """All values of t in [lo, hi); else ``error`` naming them (``why``: what the bound is)."""
     def check():
         if t.numel() == 0:
             return
         mn, mx = torch.stack([t.min(), t.max()]).tolist()
         if mn < lo or mx >= hi:
-            raise ValueError(f"{name} values must be in [{lo}, {hi}), got min {mn}, max {mx}")
+            raise error(f"{name} values must be in [{lo}, {hi}){why}, got min {mn}, max {mx}")
 
     if not _capturing():
         _cached(t, (lo, hi), check)

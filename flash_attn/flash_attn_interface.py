@@ -221,8 +221,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         capacity = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
         s_new = 0 if k is None else k.shape[1]
         if not 0 <= cache_seqlens <= capacity - s_new:
-            raise ValueError(f"cache_seqlens ({cache_seqlens}) must be in [0, {capacity - s_new}] "
-                             f"(cache capacity {capacity}, {s_new} new tokens)")
+            error = ValueError if block_table is None else _checks.PagedCapacityError
+            where = "cache" if block_table is None else f"block_table's {block_table.shape[1]} pages"
+            raise error(f"cache_seqlens ({cache_seqlens}) must be in [0, {capacity - s_new}] "
+                        f"({where}: capacity {capacity}, {s_new} new tokens)")
         # checked here on the host: the op must not sync to read it back
         cache_seqlens = _checks.trust(torch.full((B,), cache_seqlens, dtype=torch.int32, device=q.device))
     else:

@@ -155,6 +155,22 @@ def test_kvcache_seqlens_out_of_range():
             [2, 6], dtype=torch.int32))
 
 
+@pytest.mark.parametrize("append", [False, True])
+def test_kvcache_seqlens_beyond_the_block_table(append):
+    # FA2's test_flash_attn_kvcache_paged_block_table_bounds: RuntimeError naming block_table (here also a ValueError,
+    # as the other value checks); exactly at capacity passes
+    q, pages = t(1, 1, 1, 8), t(4, 8, 1, 8)
+    table = torch.zeros(1, 1, dtype=torch.int32)
+    new = t(1, 1, 1, 8) if append else None
+    for seqlens in (torch.tensor([8 if append else 9], dtype=torch.int32), 8 if append else 9):
+        with pytest.raises(RuntimeError, match="block_table") as e:
+            flash_attn_with_kvcache(q, pages, pages.clone(), new, new, cache_seqlens=seqlens, block_table=table)
+        assert isinstance(e.value, ValueError)
+    out = flash_attn_with_kvcache(q, pages, pages.clone(), cache_seqlens=torch.tensor([8], dtype=torch.int32),
+                                  block_table=table)
+    assert out.shape == (1, 1, 1, 8) and not out.isnan().any()
+
+
 def test_kvcache_seqlens_not_int32():
     q, cache = t(2, 1, 2, 8), t(2, 6, 2, 8)
     with pytest.raises(TypeError, match="cache_seqlens must have dtype int32"):
