@@ -21,9 +21,9 @@ Tuning experiments:
 
 ``FLASH_ATTN_OVERRIDES``
     ``section.NAME=value`` items, comma-separated, replacing a module's tuning constants: ``ce.FWD_BLOCK=16384``
-    (ops/triton/cross_entropy.py), ``act.BWD_TILE=8192`` (ops/triton/activations.py), ``ln.opts=p1+p2`` and
-    ``ln.threads=512`` (ops/cute_layer_norm_bwd.py; ``ln.opts=`` none), ``linear.wgrad_bias=torch`` (ops/linear.py). Unknown names raise
-    ValueError, so a typo never silently measures the default.
+    (ops/triton/cross_entropy.py), ``act.BWD_TILE=8192`` (ops/triton/activations.py), ``linear.wgrad_bias=torch``
+    (ops/linear.py). Unknown names raise ValueError, so a typo never silently measures the default. (The CuTeDSL norm
+    backward's knobs are flash_attn.cute's: ``FLASH_ATTN_CUTE_OVERRIDES=ln.threads=512,ln.opts=p1+p2``.)
 """
 import os
 
@@ -33,7 +33,7 @@ WEIGHT_CAST_CACHE = "FLASH_ATTN_WEIGHT_CAST_CACHE"
 DISABLE = "FLASH_ATTN_DISABLE"
 OVERRIDES = "FLASH_ATTN_OVERRIDES"
 FEATURES = ("ln_cute_bwd",)
-SECTIONS = ("ce", "act", "ln", "linear")
+SECTIONS = ("ce", "act", "linear")
 
 
 class Settings:

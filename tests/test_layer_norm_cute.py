@@ -1,6 +1,6 @@
-"""The CuTeDSL LayerNorm/RMSNorm backward for wide rows (flash_attn.ops.cute_layer_norm_bwd, the default;
+"""The CuTeDSL LayerNorm/RMSNorm backward for wide rows (flash_attn.cute.norm_bwd, the default;
 FLASH_ATTN_DISABLE=ln_cute_bwd turns it off). CPU: which calls it serves, the switch, the threads table and the
-variants (FLASH_ATTN_OVERRIDES' ln.threads / ln.opts), the disk cache, and the sm_90a code it compiles to (PTX /
+variants (FLASH_ATTN_CUTE_OVERRIDES' ln.threads / ln.opts), the disk cache, and the sm_90a code it compiles to (PTX /
 ptxas -v / SASS). GPU: values against the fp64 reference, judged against the Triton backward's own error, and bitwise
 run-to-run equality, for the default and for every variant."""
 import os
@@ -11,10 +11,10 @@ import subprocess
 import pytest
 import torch
 
-from flash_attn.ops import cute_layer_norm_bwd as cb
 from flash_attn.ops.triton import backend
 from flash_attn.ops.triton import layer_norm as ln
 
+cb = pytest.importorskip("flash_attn.cute.norm_bwd")  # (flash-attn-4 installed)
 CUDA = torch.cuda.is_available()
 
 
@@ -46,18 +46,18 @@ def test_finds_flash_attn_cute_runtime():
 
 def test_switch_defaults_on(fa_env):
     fa_env(DISABLE=None)
-    assert cb.enabled()
+    assert ln.cute_bwd_enabled()
     for off in ("ln_cute_bwd", " LN_CUTE_BWD ", "ln_cute_bwd,"):
         fa_env(DISABLE=off)
-        assert not cb.enabled()
+        assert not ln.cute_bwd_enabled()
     fa_env(DISABLE="")
-    assert cb.enabled()
+    assert ln.cute_bwd_enabled()
     with pytest.raises(ValueError, match="ln_cute_bwdx"):  # a misspelt feature never silently keeps it on
         fa_env(DISABLE="ln_cute_bwdx")
 
 
-def test_served_calls(fa_env):
-    fa_env(OVERRIDES=None)
+def test_served_calls(cute_env):
+    cute_env(OVERRIDES=None)
     key = cb.plan(**_call(), check_device=False)
     assert key == ("bf16", "fp32", 16384, False, True, True, True, False, 512, ("p1", "p2"))  # OPTS_TABLE
     assert cb.plan(**_call(bias=False), check_device=False)[8] == 512  # RMSNorm 16384
@@ -69,41 +69,41 @@ def test_served_calls(fa_env):
         assert cb.plan(**_call(N=N), check_device=False) is not None, N
 
 
-def test_threads_table(fa_env):
-    fa_env(OVERRIDES=None)
+def test_threads_table(cute_env):
+    cute_env(OVERRIDES=None)
     assert cb.max_threads(16384, False) == 512 and cb.max_threads(16384, True) == 512
     assert cb.max_threads(12288, False) == 512 and cb.max_threads() == cb.MAX_THREADS == 512
-    fa_env(OVERRIDES="ln.threads=1024")  # the override replaces the table
+    cute_env(OVERRIDES="ln.threads=1024")  # the override replaces the table
     assert cb.max_threads(16384, False) == 1024
     assert cb.plan(**_call(), check_device=False)[8] == 1024
 
 
-def test_opts_table_is_the_default_and_the_override_replaces_it(fa_env):
+def test_opts_table_is_the_default_and_the_override_replaces_it(cute_env):
     """LayerNorm 16384 runs p1+p2 by default (measured 0.872 of copy against 0.698); other keys none; a given
-    ln.opts, even empty, replaces the table."""
-    fa_env(OVERRIDES=None)
+    ln.opts, even "none", replaces the table."""
+    cute_env(OVERRIDES=None)
     assert cb.OPTS_TABLE == {(False, 16384): ("p1", "p2")}
     assert cb.plan(**_call(wdtype=torch.bfloat16), check_device=False)[8:] == (512, ("p1", "p2"))
     assert cb.plan(**_call(bias=False), check_device=False)[9] == ()  # RMSNorm 16384
     assert cb.plan(**_call(N=12288), check_device=False)[9] == ()
-    fa_env(OVERRIDES="ln.opts=")
+    cute_env(OVERRIDES="ln.opts=none")
     assert cb.plan(**_call(), check_device=False)[9] == ()
-    fa_env(OVERRIDES="ln.opts=vld")
+    cute_env(OVERRIDES="ln.opts=vld")
     assert cb.plan(**_call(), check_device=False)[9] == ("vld",)
-    fa_env(OVERRIDES="ce.FWD_BLOCK=16384")  # another section's override leaves the table in force
+    cute_env(OVERRIDES="fwd.stages=2")  # another section's override leaves the table in force
     assert cb.plan(**_call(), check_device=False)[9] == ("p1", "p2")
 
 
-def test_options(fa_env):
+def test_options(cute_env):
     """ln.opts: known names only, in the key, sorted, and only where they change the code."""
-    fa_env(OVERRIDES="ln.opts=p2+ w16+p1")
+    cute_env(OVERRIDES="ln.opts=p2+ w16+p1")
     assert cb.plan(**_call(wdtype=torch.bfloat16), check_device=False)[9] == ("w16", "p1", "p2")
     assert cb.plan(**_call(wdtype=torch.float32), check_device=False)[9] == ("p1", "p2")  # no 16-bit weight
     assert cb.plan(**_call(wdtype=torch.bfloat16, bias=False), check_device=False)[9] == ("w16",)  # RMSNorm
     assert cb.options(torch.float16, False, env="pp,vld,carve") == ("carve", "vld", "pp")
     assert cb.options(torch.float16, False, env="pp+vld+carve") == ("carve", "vld", "pp")
     assert cb.options("fp32", True, env="") == ()
-    fa_env(OVERRIDES="ln.opts=w16+fast")
+    cute_env(OVERRIDES="ln.opts=w16+fast")
     with pytest.raises(ValueError, match="fast"):
         cb.plan(**_call(), check_device=False)
 
@@ -191,14 +191,14 @@ def test_compile_failure_falls_back(cute_env, monkeypatch):
     assert cb.kernel(key) is None and tries == [key]
 
 
-def test_threads_knob(fa_env):
-    fa_env(OVERRIDES="ln.threads=1024")
+def test_threads_knob(cute_env):
+    cute_env(OVERRIDES="ln.threads=1024")
     assert cb.plan(**_call(bias=False), check_device=False)[8] == 1024
     assert (cb.vectors(16384), cb.threads(16384)) == (2, 1024)
-    fa_env(OVERRIDES="ln.threads=256")
+    cute_env(OVERRIDES="ln.threads=256")
     assert cb.plan(**_call(), check_device=False) is None  # 16384 would need 8 vectors a thread
     assert cb.plan(**_call(N=8192), check_device=False)[8] == 256
-    fa_env(OVERRIDES="ln.threads=300")
+    cute_env(OVERRIDES="ln.threads=300")
     with pytest.raises(ValueError):
         cb.plan(**_call(), check_device=False)
 
@@ -223,18 +223,18 @@ def test_bench_script_parses():
     assert a.hidden == "16384" and a.residual and a.weight_dtype == "fp32" and a.variants is None
     assert mod.variant_envs(None) == [("cute", {})]
     assert mod.variant_envs("512:;1024:w16+p1") == [
-        ("cute t512 -", {"FLASH_ATTN_OVERRIDES": "ln.threads=512"}),
-        ("cute t1024 w16+p1", {"FLASH_ATTN_OVERRIDES": "ln.threads=1024,ln.opts=w16+p1"})]
-    assert mod.variant_envs(":pp") == [("cute ttable pp", {"FLASH_ATTN_OVERRIDES": "ln.opts=pp"})]  # table threads
+        ("cute t512 -", {"FLASH_ATTN_CUTE_OVERRIDES": "ln.threads=512"}),
+        ("cute t1024 w16+p1", {"FLASH_ATTN_CUTE_OVERRIDES": "ln.threads=1024,ln.opts=w16+p1"})]
+    assert mod.variant_envs(":pp") == [("cute ttable pp", {"FLASH_ATTN_CUTE_OVERRIDES": "ln.opts=pp"})]  # table threads
     # each path's environment: the caller's other settings kept, ln_cute_bwd off for Triton only, the variant's
     # overrides after the caller's (the later item wins)
-    caller = {"FLASH_ATTN_DISABLE": "ln_cute_bwd", "FLASH_ATTN_OVERRIDES": "ce.FWD_BLOCK=16384,ln.threads=256"}
+    caller = {"FLASH_ATTN_DISABLE": "ln_cute_bwd", "FLASH_ATTN_CUTE_OVERRIDES": "fwd.stages=2,ln.threads=256"}
     assert mod.path_env(caller, False, {}) == {"FLASH_ATTN_DISABLE": "ln_cute_bwd",
-                                               "FLASH_ATTN_OVERRIDES": "ce.FWD_BLOCK=16384,ln.threads=256"}
+                                               "FLASH_ATTN_CUTE_OVERRIDES": "fwd.stages=2,ln.threads=256"}
     assert mod.path_env(caller, True, mod.variant_envs("512:p1")[0][1]) == {
         "FLASH_ATTN_DISABLE": None,
-        "FLASH_ATTN_OVERRIDES": "ce.FWD_BLOCK=16384,ln.threads=256,ln.threads=512,ln.opts=p1"}
-    assert mod.path_env({}, True, {}) == {"FLASH_ATTN_DISABLE": None, "FLASH_ATTN_OVERRIDES": None}
+        "FLASH_ATTN_CUTE_OVERRIDES": "fwd.stages=2,ln.threads=256,ln.threads=512,ln.opts=p1"}
+    assert mod.path_env({}, True, {}) == {"FLASH_ATTN_DISABLE": None, "FLASH_ATTN_CUTE_OVERRIDES": None}
 
 
 # ---------------------------------------------------------------------------------- disk cache
@@ -311,7 +311,7 @@ def test_disk_cache_second_load_hits_the_entry(filled_cache, cute_env, monkeypat
 _CHILD = """
 import json, sys
 import torch
-from flash_attn.ops import cute_layer_norm_bwd as cb
+from flash_attn.cute import norm_bwd as cb
 
 def refuse(*a, **k):
     raise AssertionError("compile_kernel called")
@@ -580,19 +580,19 @@ def _check_gpu(monkeypatch, fa_env, M, N, is_rms_norm, residual, wdtype=torch.fl
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("N", [4096, 12288, 16384])
 @pytest.mark.parametrize("M", [1, 3, 1000, 16384])
-def test_gpu_matches_reference(monkeypatch, fa_env, M, N, is_rms_norm, residual):
+def test_gpu_matches_reference(monkeypatch, fa_env, cute_env, M, N, is_rms_norm, residual):
     """The default kernels (threads from THREADS_TABLE, variants from OPTS_TABLE) against fp64 (see
     _check_gpu)."""
-    fa_env(OVERRIDES=None)
+    cute_env(OVERRIDES=None)
     key = _check_gpu(monkeypatch, fa_env, M, N, is_rms_norm, residual)
     assert key[8] == cb.THREADS_TABLE.get((is_rms_norm, N), cb.MAX_THREADS)
     assert key[9] == cb.OPTS_TABLE.get((is_rms_norm, N), ())
 
 
 @pytest.mark.gpu
-def test_gpu_on_by_default(monkeypatch, fa_env):
+def test_gpu_on_by_default(monkeypatch, fa_env, cute_env):
     """With FLASH_ATTN_DISABLE unset the CuTeDSL kernel serves LayerNorm 16384 (512 threads, p1+p2)."""
-    fa_env(OVERRIDES=None)
+    cute_env(OVERRIDES=None)
     key = _check_gpu(monkeypatch, fa_env, 300, 16384, False, False, disable=None)
     assert key[8:] == (512, ("p1", "p2"))
 
@@ -608,20 +608,20 @@ _VARIANT_CASES = [(12288, False, True, False, "512"), (16384, False, False, Fals
 @pytest.mark.parametrize("case", _VARIANT_CASES, ids=lambda c: f"{c[0]}-{'rms' if c[1] else 'ln'}"
                          f"{'-dres' if c[2] else ''}{'-zc' if c[3] else ''}-t{c[4]}")
 @pytest.mark.parametrize("M", [3, 1001])  # 3: one row a CTA; 1001: 8 rows a CTA and a 1-row tail (pp's odd row)
-def test_gpu_variants(monkeypatch, fa_env, opts, case, M):
+def test_gpu_variants(monkeypatch, fa_env, cute_env, opts, case, M):
     """Every ln.opts variant, alone and all together, against fp64 (see _check_gpu)."""
     N, is_rms_norm, residual, zc, threads = case
-    fa_env(OVERRIDES=f"ln.threads={threads},ln.opts={opts}")
+    cute_env(OVERRIDES=f"ln.threads={threads},ln.opts={opts or 'none'}")
     key = _check_gpu(monkeypatch, fa_env, M, N, is_rms_norm, residual, wdtype=torch.bfloat16, zc=zc)
     assert key[9] == cb.options(torch.bfloat16, is_rms_norm, env=opts) and key[8] == int(threads)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("opts", ["", "p1"])
-def test_gpu_large_mean(monkeypatch, fa_env, opts):
+def test_gpu_large_mean(monkeypatch, fa_env, cute_env, opts):
     """x = 30 + N(0, 1): p1's sum(x * g) - mean * sum(g) cancels ~30x more than sum((x - mean) * g), in
     fp32, against dx's bf16 rounding (the Triton backward subtracts the mean first)."""
-    fa_env(OVERRIDES=f"ln.opts={opts}")  # (empty: no variants)
+    cute_env(OVERRIDES=f"ln.opts={opts or 'none'}")
     key = _check_gpu(monkeypatch, fa_env, 1001, 16384, False, False, wdtype=torch.bfloat16, x_mean=30.0)
     assert key[9] == ((opts,) if opts else ())
 

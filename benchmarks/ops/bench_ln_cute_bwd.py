@@ -1,17 +1,17 @@
 """LayerNorm / RMSNorm backward: the Triton plan against the CuTeDSL wide-row kernel
-(ops/cute_layer_norm_bwd.py, the default; FLASH_ATTN_DISABLE=ln_cute_bwd is the Triton plan), bf16, rows x hidden =
+(flash_attn.cute.norm_bwd, the default; FLASH_ATTN_DISABLE=ln_cute_bwd is the Triton plan), bf16, rows x hidden =
 --elems. Same columns as benchmarks/ops/sweep_norm_bwd.py: backward time, its fraction of the device-to-device
 copy bandwidth (6 bytes per element: read x and dy, write dx), and the largest gradient error against an
 fp32 PyTorch reference (over dx, dweight, dbias, relative to the largest reference entry). "bwd x copy"
 counts 6 bytes per element also with --residual (which moves 10: dresidual_out read, dresidual_in written).
 "served": the compile key's threads and variants when the CuTeDSL kernel ran, else False (the call fell
-back to Triton: see cute_layer_norm_bwd.plan).
+back to Triton: see norm_bwd.plan).
 
 --variants measures several CuTeDSL configurations in one process (Triton once): ';'-separated
-THREADS:OPTS items, each FLASH_ATTN_OVERRIDES' ln.threads=THREADS,ln.opts=OPTS added to the environment's
-FLASH_ATTN_OVERRIDES: THREADS empty for the environment's ln.threads or the THREADS_TABLE default, OPTS
+THREADS:OPTS items, each FLASH_ATTN_CUTE_OVERRIDES' ln.threads=THREADS,ln.opts=OPTS added to the environment's
+FLASH_ATTN_CUTE_OVERRIDES: THREADS empty for the environment's ln.threads or the THREADS_TABLE default, OPTS
 '+'-joined ln.opts names, empty for the environment's ln.opts or the OPTS_TABLE default. Without it the
-environment's FLASH_ATTN_OVERRIDES applies as it is. The settings are read again for each path.
+environment's FLASH_ATTN_CUTE_OVERRIDES applies as it is. The settings are read again for each path.
 
     python -m benchmarks.ops.bench_ln_cute_bwd                       # H200: 12288 and 16384, both norms
     python -m benchmarks.ops.bench_ln_cute_bwd --hidden 4096,8192,12288,16384 --weight-dtype fp32 --residual
@@ -23,7 +23,8 @@ import sys
 
 from benchmarks.common import set_environ
 
-_DISABLE, _OVERRIDES = "FLASH_ATTN_DISABLE", "FLASH_ATTN_OVERRIDES"  # (flash_attn/settings.py)
+# (flash_attn/settings.py: the root package's switch; flash_attn/cute/settings.py: the kernel's tuning fields)
+_DISABLE, _OVERRIDES = "FLASH_ATTN_DISABLE", "FLASH_ATTN_CUTE_OVERRIDES"
 
 
 def parse_args(argv=None):
@@ -41,7 +42,7 @@ def parse_args(argv=None):
 
 
 def variant_envs(spec):
-    """[(label, {env var: value})] for --variants: FLASH_ATTN_OVERRIDES' ln.threads / ln.opts items of each
+    """[(label, {env var: value})] for --variants: FLASH_ATTN_CUTE_OVERRIDES' ln.threads / ln.opts items of each
     variant (absent: the environment as it is)."""
     if spec is None:
         return [("cute", {})]
@@ -55,7 +56,7 @@ def variant_envs(spec):
 
 
 def path_env(caller, cute, env):
-    """The environment of one path, from the caller's {FLASH_ATTN_DISABLE: ..., FLASH_ATTN_OVERRIDES: ...}:
+    """The environment of one path, from the caller's {FLASH_ATTN_DISABLE: ..., FLASH_ATTN_CUTE_OVERRIDES: ...}:
     ln_cute_bwd disabled for the Triton plan, enabled for a CuTeDSL one (the other features as the caller set
     them), and a variant's overrides after the caller's (the later item of a field wins)."""
     disabled = [x.strip() for x in (caller.get(_DISABLE) or "").split(",") if x.strip() not in ("", "ln_cute_bwd")]
@@ -69,7 +70,7 @@ def main(argv=None):
     import torch.nn.functional as F
     from triton.testing import do_bench
 
-    from flash_attn.ops import cute_layer_norm_bwd as cb
+    from flash_attn.cute import norm_bwd as cb
     from flash_attn.ops.triton import backend
     from flash_attn.ops.triton import layer_norm as ln
 
@@ -121,7 +122,7 @@ def main(argv=None):
                 yf = xf = wf = bf = pre = None
                 scale = [r.abs().max().clamp_min(1e-30) for r in refs]
                 for path, env in paths:
-                    set_environ(env)  # (and flash_attn.settings.reload())
+                    set_environ(env)  # (and both settings readers reloaded)
                     with backend("triton"):
                         out = ln.layer_norm_fn(x, w, b, residual=res, eps=1e-6, is_rms_norm=is_rms,
                                                prenorm=args.residual)

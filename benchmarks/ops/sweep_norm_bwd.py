@@ -66,7 +66,7 @@ def tuned_line(n_acc, N, fields):
 
 def main(argv=None):
     # The Triton backward's configurations are swept: the CuTeDSL backward (the default at hidden >= 4096
-    # on sm_90, ops/cute_layer_norm_bwd.py; benchmarks/ops/bench_ln_cute_bwd.py measures it) stays off.
+    # on sm_90, flash_attn.cute.norm_bwd; benchmarks/ops/bench_ln_cute_bwd.py measures it) stays off.
     disabled = [x for x in os.environ.get("FLASH_ATTN_DISABLE", "").split(",") if x.strip()]
     with environ({"FLASH_ATTN_DISABLE": ",".join(disabled + ["ln_cute_bwd"])}):  # (and the settings read again)
         return _main(argv)

@@ -1,6 +1,6 @@
-"""No GPU: compile the CuTeDSL norm backward (ops/cute_layer_norm_bwd.py) for sm_90a and print, per
+"""No GPU: compile the CuTeDSL norm backward (flash_attn.cute.norm_bwd) for sm_90a and print, per
 configuration, ptxas -v's registers and spill bytes and the row loop's SASS: instructions per row
-iteration (one thread) and the opcodes that make them up. For comparing the variants of FLASH_ATTN_OVERRIDES'
+iteration (one thread) and the opcodes that make them up. For comparing the variants of FLASH_ATTN_CUTE_OVERRIDES'
 ln.opts before measuring them.
 
     python -m benchmarks.tools.ln_cute_bwd_sass --hidden 12288,16384 --threads 512,1024 --opts ,w16,p1,p2,w16+p1+p2
@@ -51,7 +51,7 @@ def row_loop(sass):
 
 
 def analyse(key, tool):
-    from flash_attn.ops import cute_layer_norm_bwd as cb
+    from flash_attn.cute import norm_bwd as cb
 
     with tempfile.TemporaryDirectory() as d:
         cb.compile_kernel(key, dump_dir=d)
@@ -68,7 +68,7 @@ def analyse(key, tool):
 def main(argv=None):
     args = parse_args(argv)
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-    from flash_attn.ops import cute_layer_norm_bwd as cb
+    from flash_attn.cute import norm_bwd as cb
     from flash_attn.testing import cuobjdump_path
 
     tool = cuobjdump_path()

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from flash_attn import settings
 from flash_attn.dropout import hash32, new_rng_state, threshold
 
 from . import Plan, cdiv, device_ctx, launcher, next_power_of_2, num_sms, tl, triton, use_triton
@@ -403,15 +404,21 @@ def _layer_norm_bwd(dy, x, weight, bias, mean, rstd, dresidual_out=None, dy1=Non
     return dx, dw, db, dres_in, dx1, dw1, db1
 
 
+def cute_bwd_enabled() -> bool:
+    """The CuTeDSL norm backward serves the calls it can (default on); FLASH_ATTN_DISABLE=ln_cute_bwd turns it off."""
+    return not settings.disabled("ln_cute_bwd")
+
+
 def _ln_bwd_cute(x, weight, weight1, dy, dy1, dresidual_out, rowscale, rng_state, mean, rstd, dx, dx1,
                  dresidual_in, dw, db, dw1, db1, dropout_p, is_rms_norm, zero_centered_weight) -> bool:
-    """The CuTeDSL backward for wide rows (ops/cute_layer_norm_bwd.py) when it serves the call (the default;
-    FLASH_ATTN_DISABLE=ln_cute_bwd turns it off); False (nothing done) otherwise, and the Triton path runs."""
-    if x.shape[1] < 4096 or not x.is_cuda:  # cute_layer_norm_bwd.MIN_N: narrower rows never import it
+    """The CuTeDSL backward for wide rows (flash_attn.cute.norm_bwd, in the flash-attn-4 distribution) when it is
+    installed and serves the call (the default; FLASH_ATTN_DISABLE=ln_cute_bwd turns it off); False (nothing done)
+    otherwise, and the Triton path runs."""
+    if x.shape[1] < 4096 or not x.is_cuda or not cute_bwd_enabled():  # norm_bwd.MIN_N: narrower rows never import it
         return False
-    from .. import cute_layer_norm_bwd as cute_bwd
-
-    if not cute_bwd.enabled():
+    try:
+        from flash_attn.cute import norm_bwd as cute_bwd
+    except ImportError:  # flash-attn-4 is not installed
         return False
 
     key = cute_bwd.plan(x, weight, weight1, dy, dy1, dresidual_out, rowscale, dropout_p, mean, rstd, dx, dx1,

@@ -239,7 +239,16 @@ class PlanRules:
             raise ValueError(f"{settings.OVERRIDES}: plan.bwd_host={self.bwd_host!r}: expected triton or torch")
 
 
-_SECTIONS = {"fwd": FwdConfig, "bwd": BwdConfig, "plan": PlanRules}
+@dataclass(frozen=True)
+class NormBwdTuning:
+    """The tuning fields of the CuTeDSL norm backward (norm_bwd.py), set only through FLASH_ATTN_CUTE_OVERRIDES' ``ln``
+    section: ``threads`` per CTA at most (256, 512 or 1024; 0: norm_bwd.THREADS_TABLE's), ``opts`` its "+"-separated
+    variants ("none": none; "": norm_bwd.OPTS_TABLE's)."""
+    threads: int = 0
+    opts: str = ""
+
+
+_SECTIONS = {"fwd": FwdConfig, "bwd": BwdConfig, "plan": PlanRules, "ln": NormBwdTuning}
 _FIXED = {"dtype", "head_dim", "arch", "abi", "causal", "local", "softcap", "varlen", "sink", "split", "pack_gqa",
           "head_dim_v", "paged"}  # what the call decides: not tunable
 _parsed = {}
@@ -261,7 +270,7 @@ def _value(section, field, raw):
 
 
 def overrides(section):
-    """{field: value} of FLASH_ATTN_CUTE_OVERRIDES for ``section`` ("fwd", "bwd" or "plan"), typed and checked
+    """{field: value} of FLASH_ATTN_CUTE_OVERRIDES for ``section`` ("fwd", "bwd", "plan" or "ln"), typed and checked
     (ValueError naming an unknown section or field, or a value of the wrong type)."""
     current = settings.current
     cached = _parsed.get("table")

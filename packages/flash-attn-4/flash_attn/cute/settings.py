@@ -18,8 +18,9 @@ User settings:
 Tuning experiments:
 
 ``FLASH_ATTN_CUTE_OVERRIDES``
-    Fields of the typed configurations (``config.FwdConfig``, ``config.BwdConfig``, ``config.PlanRules``)
-    that replace what the selection rules chose, e.g. ``fwd.stages=2,fwd.block_n=96,bwd.block_m=64``. A name
+    Fields of the typed configurations (``config.FwdConfig``, ``config.BwdConfig``, ``config.PlanRules``, and the
+    norm backward's ``config.NormBwdTuning``) that replace what the selection rules chose, e.g.
+    ``fwd.stages=2,fwd.block_n=96,bwd.block_m=64,ln.threads=512,ln.opts=p1+p2``. A name
     without a section sets that field in every section that has it. Unknown sections or fields, and values
     of the wrong type, raise ValueError naming them. The disk cache keys on the resulting configuration.
 """

@@ -1,4 +1,6 @@
-"""LayerNorm / RMSNorm backward for wide rows (hidden 4096..16384) as a CuTeDSL kernel for sm_90a.
+"""LayerNorm / RMSNorm backward for wide rows (hidden 4096..16384) as a CuTeDSL kernel for sm_90a: the kernel behind
+flash_attn.ops' norm backward (ops/triton/layer_norm.py calls it where plan() serves the call), in this
+distribution because it is built and cached like the attention kernels.
 
 Why: the Triton backward (ops/triton/layer_norm.py) keeps the dweight/dbias column accumulators in
 registers; at hidden 12288..16384 a row, its prefetch and two fp32 accumulators of N columns do not fit
@@ -11,12 +13,8 @@ copy so their fp32 conversions are redone after the barrier instead of living ac
 few loop-invariant words: at most 5 local loads/stores per row iteration in the SASS; 1024 threads (64
 registers) spill more (tests/test_layer_norm_cute.py bounds both).
 
-Measured on an H200 (bf16 x / dy / dx, rows x hidden = 2^28, fraction of the 4248 GB/s device-to-device
-copy at 6 bytes an element, benchmarks/ops/bench_ln_cute_bwd.py; Triton's backward in brackets): LayerNorm
-4096 0.850 (0.839), 8192 0.843 (0.827), 12288 0.827 (0.501), 16384 0.872 with the p1+p2 variants at
-512 threads, the default (0.605; plain 0.698 at 1024 threads, 0.658 at 512); RMSNorm 4096 0.928 (0.928),
-8192 0.909 (0.923), 12288 0.926 (0.770), 16384 0.880 (0.868). With fp32 weights and a residual
-(dresidual in and out) 1.5-2.3x the Triton backward at 4096-16384.
+Measured against the Triton backward and the copy bandwidth: benchmarks/results/h200/ops_norm.md
+(benchmarks/ops/bench_ln_cute_bwd.py).
 
 Layout: persistent CTAs (every resident slot, at most one per row) of at most max_threads() threads (512;
 THREADS_TABLE can say otherwise per size), each owning a contiguous block of rows; a thread holds K =
@@ -35,15 +33,15 @@ dresidual_out if given; dresidual_in gets the same values. x and dy of the next 
 current row's reduction so the loads overlap it (ptxas sinks them below pass 1; the vld variant keeps them
 above it).
 
-Variants (FLASH_ATTN_OVERRIDES' ln.opts, see OPTS; part of the compile key, checked on CPU compiles and
+Variants (FLASH_ATTN_CUTE_OVERRIDES' ln.opts, see OPTS; part of the compile key, checked on CPU compiles and
 GPU-tested by tests/test_layer_norm_cute.py::test_gpu_variants): w16, carve, p1, p2, vld, pp. OPTS_TABLE
-picks them where measured faster: LayerNorm 16384 takes p1+p2 (0.872 of copy at 512 threads).
+picks them where measured faster (LayerNorm 16384: p1+p2).
 
 Served (``plan`` returns a key, else None and the Triton path runs): CUDA sm_90, x / dy / dx (and
 dresidual_out / dresidual_in) all bf16 or all fp16, weight bf16/fp16/fp32, 4096 <= N <= 16384 with
 vectors(N) defined (N a multiple of 8 * 32 * K for some K <= 4), no dropout, rowscale, x1, weight1.
-On by default; FLASH_ATTN_DISABLE=ln_cute_bwd runs the Triton backward instead. Rows are symbolic, so one
-kernel per key: from memory, else flash_attn.cute's disk cache (cache.py; $FLASH_ATTN_CUTE_CACHE, default
+On by default; the root package's FLASH_ATTN_DISABLE=ln_cute_bwd runs the Triton backward instead. Rows are
+symbolic, so one kernel per key: from memory, else this package's disk cache (cache.py; $FLASH_ATTN_CUTE_CACHE, default
 ~/.cache/flash_attn_cute: a new process loads it in milliseconds without importing the CuTeDSL compiler),
 else compiled (about 2 s) and written there.
 """
@@ -52,22 +50,18 @@ from typing import Optional
 
 import torch
 
-from flash_attn import settings
+from flash_attn.cute import config
 
 VEC = 8  # 16-byte vectors of 2-byte elements
-MAX_THREADS = 512  # the threads per CTA where THREADS_TABLE has no entry
-# (is_rms_norm, N) -> threads per CTA at most, measured on an H200 (bf16, 2^28 elements): 512 everywhere
-# (LayerNorm 12288: 0.827 of copy against 0.608 at 1024; LayerNorm 16384 with the p1+p2 variants 0.872 at
-# 512 against 0.621 at 1024, and without them 0.698 at 1024 against 0.658 at 512).
-# FLASH_ATTN_OVERRIDES' ln.threads overrides the table (a tuning knob, in the key).
+MAX_THREADS = 512  # the threads per CTA where THREADS_TABLE has no entry (512 measured best at every size)
+# (is_rms_norm, N) -> threads per CTA at most; FLASH_ATTN_CUTE_OVERRIDES' ln.threads overrides it (in the key).
 THREADS_TABLE = {}
 MIN_N, MAX_N = 4096, 16384
 SMEM_PER_SM = 227 * 1024
 THREADS_PER_SM = 2048
 _DTYPES = (torch.bfloat16, torch.float16)
 _W_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# FLASH_ATTN_OVERRIDES' ln.opts: "+"-separated kernel variants, all off by default and part of the key
-# (not yet measured on a GPU):
+# FLASH_ATTN_CUTE_OVERRIDES' ln.opts: "+"-separated kernel variants, all off by default and part of the key:
 #   w16    a bf16 / fp16 weight stays 16-bit in shared memory (half its shared-memory traffic and size)
 #   carve  preferred_smem_carveout just large enough for the kernel's shared memory (else 100: the rest
 #          of the unified 256 KB is L1)
@@ -79,29 +73,24 @@ _W_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #          one row ahead instead of at the row's start
 #   pp     two rows a loop iteration with the row registers swapping roles (no row-to-row register moves)
 OPTS = ("w16", "carve", "p1", "p2", "vld", "pp")
-# (is_rms_norm, N) -> the variants used unless FLASH_ATTN_OVERRIDES gives ln.opts. H200, bf16, 2^28
-# elements, one process (benchmarks/ops/bench_ln_cute_bwd.py --hidden 16384 --norms L --variants ...): LayerNorm
-# 16384 at 512 threads with p1+p2 0.872 of copy (435 us) against 0.698 for the plain kernel at 1024 threads,
-# 0.688 with vld, 0.628 with w16+carve+p1+p2+vld at 512 (Triton: 0.606). Other sizes: not measured yet.
+# (is_rms_norm, N) -> the variants used unless FLASH_ATTN_CUTE_OVERRIDES gives ln.opts (the A/B behind each entry:
+# benchmarks/results/h200/ops_norm.md)
 OPTS_TABLE = {(False, 16384): ("p1", "p2")}
 
 
-def enabled() -> bool:
-    """The CuTeDSL backward serves the calls it can (default on); FLASH_ATTN_DISABLE=ln_cute_bwd turns it off."""
-    return not settings.disabled("ln_cute_bwd")
-
-
 def options(wdtype, is_rms_norm, env=None, N=None) -> tuple:
-    """The variants of FLASH_ATTN_OVERRIDES' ln.opts ("p1+p2"; ``env``: that value instead; unset: OPTS_TABLE's
-    entry for (is_rms_norm, N)) that change this key's code, in OPTS order: w16 only with a 16-bit weight, p1 and
-    p2 only for LayerNorm."""
-    value = settings.override("ln", "opts") if env is None else env
+    """The variants of FLASH_ATTN_CUTE_OVERRIDES' ln.opts ("p1+p2"; "none": none; ``env``: that value instead;
+    unset: OPTS_TABLE's entry for (is_rms_norm, N)) that change this key's code, in OPTS order: w16 only with a
+    16-bit weight, p1 and p2 only for LayerNorm."""
+    value = config.overrides("ln").get("opts") if env is None else env
     if value is None:
         value = ",".join(OPTS_TABLE.get((bool(is_rms_norm), N), ()))
+    if value.strip().lower() == "none":
+        value = ""
     opts = {o.strip() for o in value.replace("+", ",").split(",") if o.strip()}
     bad = opts - set(OPTS)
     if bad:
-        raise ValueError(f"FLASH_ATTN_OVERRIDES ln.opts: unknown {sorted(bad)}; known: {', '.join(OPTS)}")
+        raise ValueError(f"FLASH_ATTN_CUTE_OVERRIDES ln.opts: unknown {sorted(bad)}; known: {', '.join(OPTS)}")
     if wdtype in (torch.float32, "fp32"):
         opts.discard("w16")
     if is_rms_norm:  # no mean: nothing for p1 to save, and p2's count equals the plain one
@@ -180,14 +169,14 @@ def _dtype_name(dt) -> str:
 
 
 def max_threads(N: Optional[int] = None, is_rms_norm: bool = False) -> int:
-    """Threads per CTA at most: FLASH_ATTN_OVERRIDES' ln.threads (256, 512 or 1024), else THREADS_TABLE's
+    """Threads per CTA at most: FLASH_ATTN_CUTE_OVERRIDES' ln.threads (256, 512 or 1024), else THREADS_TABLE's
     entry for (is_rms_norm, N), else MAX_THREADS."""
-    v = settings.override("ln", "threads", "")
-    if not v:
+    v = config.overrides("ln").get("threads")
+    if v is None:
         return THREADS_TABLE.get((bool(is_rms_norm), N), MAX_THREADS)
-    if v not in ("256", "512", "1024"):
-        raise ValueError(f"FLASH_ATTN_OVERRIDES ln.threads must be 256, 512 or 1024, got {v}")
-    return int(v)
+    if v not in (256, 512, 1024):
+        raise ValueError(f"FLASH_ATTN_CUTE_OVERRIDES ln.threads must be 256, 512 or 1024, got {v}")
+    return v
 
 
 def vectors(N: int, mt: Optional[int] = None) -> Optional[int]:
@@ -693,7 +682,7 @@ def compile_kernel(key, arch="sm_90a", dump_dir=None):
 
 @functools.lru_cache(maxsize=None)
 def _source_hash() -> str:
-    # flash_attn.cute's cache key covers that package's sources; this file is outside it.
+    # this file's own hash in its entries' keys: an edit of the attention kernels leaves the norm entries valid
     import hashlib
 
     with open(__file__, "rb") as f:
@@ -701,7 +690,7 @@ def _source_hash() -> str:
 
 
 def cache_entry(key, arch="sm_90a"):
-    """(config, cache key, file name, exported C symbol) of ``key``'s entry in flash_attn.cute's disk
+    """(config, cache key, file name, exported C symbol) of ``key``'s entry in this package's disk
     cache (cache.py): the config names every field of the compile key, the architecture, the calling
     convention and the SHA-256 of this file; cache.entry_key adds the CuTeDSL / TVM-FFI versions."""
     from flash_attn.cute import cache
@@ -733,7 +722,7 @@ _failed: dict = {}  # key -> the load / compile error, so a failing key is tried
 
 
 def kernel(key):
-    """The kernel for ``key``: from memory, else flash_attn.cute's disk cache ($FLASH_ATTN_CUTE_CACHE,
+    """The kernel for ``key``: from memory, else this package's disk cache ($FLASH_ATTN_CUTE_CACHE,
     default ~/.cache/flash_attn_cute; a new process loads it in milliseconds), else compiled (about
     2 s; rows are symbolic, so one per key) and written there. None when that failed (warned once;
     the caller falls back to Triton)."""
