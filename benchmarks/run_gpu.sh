@@ -54,7 +54,7 @@ for step in $STEPS; do
     tests)  # one process per file: a device-side assert poisons its CUDA context for every later test.
         # GPU_TESTS="cute_bwd layer_norm" limits the files (test_<name>.py); GPU_TEST_TIMEOUT (s, default
         # 300) bounds each file, so one slow or hung file is reported and the others still run.
-        for f in tests/test_*.py; do
+        for f in tests/*/test_*.py; do
             grep -q "mark.gpu" "$f" || continue
             name=$(basename "$f" .py)
             if [ -n "${GPU_TESTS:-}" ] && ! [[ " $GPU_TESTS " == *" ${name#test_} "* ]]; then continue; fi

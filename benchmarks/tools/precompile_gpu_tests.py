@@ -12,6 +12,7 @@ Any later edit of a source under packages/flash-attn-4/flash_attn/cute/ changes 
 after the last edit. Exit status 1 when a kernel could not be built.
 """
 import argparse
+import glob
 import importlib.util
 import os
 import sys
@@ -46,11 +47,14 @@ def kernel_args(dtype, d, causal, window=(-1, -1), softcap=0.0, sink=False, varl
 
 
 def test_module(name):
-    """tests/<name>.py as a module: the one pytest imported when it runs (it imports test files by their base
-    name), else loaded from its path (tests/ is a folder of files, not a package)."""
+    """tests/<folder>/<name>.py as a module: the one pytest imported when it runs (it imports test files by their
+    base name), else loaded from its path (tests/ is a tree of folders of files, not a package)."""
     if name in sys.modules:
         return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "tests", name + ".py"))
+    (path,) = glob.glob(os.path.join(ROOT, "tests", "*", name + ".py"))
+    if os.path.dirname(path) not in sys.path:  # (its helpers sit beside it: _cute_table, the files it imports)
+        sys.path.insert(0, os.path.dirname(path))
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)

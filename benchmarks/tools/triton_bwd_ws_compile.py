@@ -4,7 +4,7 @@ partitions, setmaxnreg, TMA copies, wgmma):
 
     python -m benchmarks.tools.triton_bwd_ws_compile [--headdims 64,128,256] [--causal 0,1] [--config BM,BN,DQBM,DQBN]
 
-(unset TRITON_INTERPRET). tests/test_triton_bwd_ws.py runs compile_all in CI.
+(unset TRITON_INTERPRET). tests/triton/test_triton_bwd_ws.py runs compile_all in CI.
 """
 import argparse
 import json

@@ -45,7 +45,7 @@ and casts dq_accum to the input dtype (and sums GQA's dK/dV) in one after.
 Layouts seen by the kernel (views built on the host side of __call__, no copies):
   mQ, mdO (Sq, D, H, B); mK, mV (Sk, D, Hk, B); mLSE2, mDelta (Sq_pad, H, B) fp32, Sq_pad a multiple of
   BLOCK_M; mdQaccum (Sq, D, H, B) fp32; mdK, mdV (Sk, D, H, B): per query head (GQA sums on the host).
-tests/test_cute_bwd.py checks it against a reference on a Hopper GPU (its GPU-marked tests).
+tests/cute/test_cute_bwd.py checks it against a reference on a Hopper GPU (its GPU-marked tests).
 """
 import math
 
@@ -466,7 +466,7 @@ class FlashBwdSm90:
             tQRsdQ, tQRgdQ = tma_tiles(tma_dq, sdQ, gdQ)
         # The S^T accumulator's values are in the order of the register A operand of m64nDk16 once its
         # BM/8 column groups are split into (2, BM/16) (the forward's P layout, checked in
-        # tests/test_cute_compile.py and, for this kernel's shapes, tests/test_cute_bwd.py).
+        # tests/cute/test_cute_compile.py and, for this kernel's shapes, tests/cute/test_cute_bwd.py).
         rP = cute.make_rmem_tensor_like(acc_S, dt)
         tdVrP = cute.make_tensor(rP.iterator, cute.make_layout(((2, 2, 2), 1, BM // 16)))
         rdS = cute.make_rmem_tensor_like(acc_dP, dt)
@@ -766,7 +766,7 @@ class FlashBwdSm90:
         BM = self.block_m
         gdQ = mdQaccum[None, None, head, batch]  # (Sq, D)
         # Accumulator values 2 i and 2 i + 1 are columns c, c + 1 of one row (m64nNk16 C layout: value
-        # index c + 2 r + 4 j; tests/test_cute_bwd.py checks it), 8-byte aligned: c is even and rows are
+        # index c + 2 r + 4 j; tests/cute/test_cute_bwd.py checks it), 8-byte aligned: c is even and rows are
         # D * 4 bytes apart.
         for i in cutlass.range(cute.size(acc_dQ) // 2, unroll_full=True):
             row = m_block * BM + tdQcdQ[2 * i][0]

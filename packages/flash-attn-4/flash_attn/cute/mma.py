@@ -72,7 +72,7 @@ class ConsumerMma:
         tScS = thr_qk.partition_C(cute.make_identity_tensor((BM, BN)))
         tOcO = thr_pv.partition_C(cute.make_identity_tensor((BM, Dv)))
         # The S accumulator's value order matches the register A operand of m64nDk16 when its N/8 column
-        # groups are split into (2, N/16) (checked by tests/test_cute_compile.py).
+        # groups are split into (2, N/16) (checked by tests/cute/test_cute_compile.py).
         p_layout = cute.make_layout(((2, 2, 2), 1, BN // 16))
         if cutlass.const_expr(self.pack_p):
             # P as 32-bit registers of two values each, the A operand a view of them (see to_p)

@@ -11,7 +11,7 @@ so ptxas does not hoist a whole row of them into registers), and pass 2 reads x 
 copy so their fp32 conversions are redone after the barrier instead of living across it. ptxas -v (sm_90a,
 13.0), 512 threads: 0-16 bytes of spill up to 12288, 16-24 at 16384 (the 128-register cap), all of it a
 few loop-invariant words: at most 5 local loads/stores per row iteration in the SASS; 1024 threads (64
-registers) spill more (tests/test_layer_norm_cute.py bounds both).
+registers) spill more (tests/cute/test_layer_norm_cute.py bounds both).
 
 Measured against the Triton backward and the copy bandwidth: benchmarks/results/h200/ops_norm.md
 (benchmarks/ops/bench_ln_cute_bwd.py).
@@ -34,7 +34,7 @@ current row's reduction so the loads overlap it (ptxas sinks them below pass 1; 
 above it).
 
 Variants (FLASH_ATTN_CUTE_OVERRIDES' ln.opts, see OPTS; part of the compile key, checked on CPU compiles and
-GPU-tested by tests/test_layer_norm_cute.py::test_gpu_variants): w16, carve, p1, p2, vld, pp. OPTS_TABLE
+GPU-tested by tests/cute/test_layer_norm_cute.py::test_gpu_variants): w16, carve, p1, p2, vld, pp. OPTS_TABLE
 picks them where measured faster (LayerNorm 16384: p1+p2).
 
 Served (``plan`` returns a key, else None and the Triton path runs): CUDA sm_90, x / dy / dx (and

@@ -9,7 +9,7 @@ Method (Cody-Waite range reduction, as in Cephes-style exp2): for x <= 0 (or -in
   p  = 1 + f (c1 + f (c2 + f c3 ...)) minimax for 2^f in relative error, p(0) = 1 exactly
   2^x = bits(p) + (bits(t) << 23)     adds j to p's exponent (the magic number's bits shift out)
 Every step is exact except the polynomial and its fp32 evaluation, so 2^x's relative error is the
-polynomial's (degree 3: 1.0e-4, degree 4: 2.9e-6, measured in tests/test_cute_compile.py). x = 0 gives
+polynomial's (degree 3: 1.0e-4, degree 4: 2.9e-6, measured in tests/cute/test_cute_compile.py). x = 0 gives
 exactly 1.0, x <= -127 (and -inf) exactly 0.0; for x < -125.5 the exponent field underflows and the
 result is some value below 2^-125 instead of the denormal 2^x (harmless next to a row maximum of 1).
 

@@ -122,7 +122,7 @@ class PersistentScheduler:
         if cutlass.const_expr(self.snake):
             # One section: with sections, the stride deals CTA b tiles from the same place of every section's
             # sawtooth of lengths (max / mean work 1.16 at d128 16k, 1.42 at d256: the balance test in
-            # tests/test_cute_persistent.py); the snake over one longest-first order keeps it within 1.03.
+            # tests/cute/test_cute_persistent.py); the snake over one longest-first order keeps it within 1.03.
             group = heads * batch
         sched = (num_m, heads * batch, group, num_m * heads * batch)
         return sched, (cutlass.min(sched[3], max_ctas), 1, 1)

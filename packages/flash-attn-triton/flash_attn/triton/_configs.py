@@ -107,7 +107,7 @@ _BWD = {
 # ROCm devices (backend._arch gives them HIP_ARCH). Chosen without an AMD GPU at hand, so untimed: per padded head
 # dim, tiles whose kernels compile for gfx90a and gfx942 (MI200 / MI300) within their 64 KiB of LDS per workgroup
 # and without scratch (register spills) in every call of `python -m benchmarks.tools.triton_rocm_compile` (plain and
-# with every feature, causal or not, deterministic or not, varlen, kvcache; tests/test_triton_rocm_compile.py on every
+# with every feature, causal or not, deterministic or not, varlen, kvcache; tests/triton/test_triton_rocm_compile.py on every
 # commit), AMD's customary 128 x 64 forward tile where it fits. The larger candidates fail some of those calls:
 # the sm_80 entries (the d256 forward takes 72 KiB of LDS on gfx942, the d64-d128 backwards spill), 64 x 64
 # backward steps with two stages at d64 (216-1096 bytes of scratch), 32 x 64 ones at d128 (20).

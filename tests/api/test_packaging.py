@@ -1,0 +1,106 @@
+"""The layout installs as designed: the root wheel maps modules/, ops/, models/, training/ into
+flash_attn.*, an editable install resolves the same imports from the checkout, and each backend
+distribution under packages/ installs alone and joins the flash_attn namespace."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BACKEND_DISTS = sorted(d for d in os.listdir(os.path.join(ROOT, "packages"))
+                       if os.path.isfile(os.path.join(ROOT, "packages", d, "pyproject.toml")))
+
+
+def _pip(*args, cwd=None):
+    subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", *args],
+                   check=True, cwd=cwd)
+
+
+def _build_wheel(src, out):
+    _pip("wheel", "--no-deps", "--no-build-isolation", "-w", str(out), src)
+    (whl,) = [f for f in os.listdir(out) if f.endswith(".whl")]
+    return os.path.join(out, whl)
+
+
+def _run(code, pythonpath, cwd):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(pythonpath))
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=cwd, env=env,
+                          capture_output=True, text=True)
+
+
+@pytest.fixture(scope="module")
+def root_install(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("root")
+    whl = _build_wheel(ROOT, tmp / "dist")
+    _pip("install", "--no-deps", "--target", str(tmp / "site"), whl)
+    return tmp / "site"
+
+
+def test_wheel_maps_root_folders_into_flash_attn(root_install, tmp_path):
+    r = _run("""
+        import flash_attn, flash_attn.modules, flash_attn.ops, flash_attn.models, flash_attn.training
+        import flash_attn.bert_padding, flash_attn.cli
+        for m in (flash_attn, flash_attn.modules, flash_attn.ops, flash_attn.models, flash_attn.training):
+            assert m.__file__.startswith(SITE), m.__file__
+        print(flash_attn.__path__)
+    """.replace("SITE", repr(str(root_install))), [str(root_install)], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert not (root_install / "modules").exists()  # mapped, not installed as a top-level package
+
+
+def test_installed_root_runs_attention_on_reference_backend(root_install, tmp_path):
+    r = _run("""
+        import torch, flash_attn
+        from flash_attn import dispatch
+        q = torch.randn(1, 8, 2, 16)
+        out = flash_attn.flash_attn_func(q, q, q, causal=True)
+        assert out.shape == q.shape
+        print(dispatch.select(dispatch.Call("cpu", torch.float32, 16, 16)).NAME)
+    """, [str(root_install)], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().endswith("torch")
+
+
+def test_editable_install_resolves_from_checkout(tmp_path):
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+    py = str(venv / "bin" / "python")
+    subprocess.run([py, "-m", "pip", "-q", "--disable-pip-version-check", "install", "--no-deps",
+                    "--no-build-isolation", "-e", ROOT], check=True)
+    code = "import flash_attn.modules as m, flash_attn.ops as o; print(m.__file__); print(o.__file__)"
+    r = subprocess.run([py, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                       env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [os.path.join(ROOT, "modules", "__init__.py"),
+                                os.path.join(ROOT, "ops", "__init__.py")]
+
+
+@pytest.mark.parametrize("dist", BACKEND_DISTS)
+def test_backend_distribution_installs_alone(dist, tmp_path):
+    whl = _build_wheel(os.path.join(ROOT, "packages", dist), tmp_path / "dist")
+    site = tmp_path / "site"
+    _pip("install", "--no-deps", "--target", str(site), whl)
+    assert not (site / "flash_attn" / "__init__.py").exists(), "a backend must not own the namespace root"
+    backends = [d for d in os.listdir(site / "flash_attn") if not d.startswith("_")]
+    assert len(backends) == 1, backends
+    r = _run(f"import flash_attn.{backends[0]} as b; print(b.__file__)", [str(site)], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().startswith(str(site))
+
+
+@pytest.mark.parametrize("dist", BACKEND_DISTS)
+def test_backend_joins_installed_root_namespace(dist, root_install, tmp_path):
+    whl = _build_wheel(os.path.join(ROOT, "packages", dist), tmp_path / "dist")
+    site = tmp_path / "site"
+    _pip("install", "--no-deps", "--target", str(site), whl)
+    (backend,) = [d for d in os.listdir(site / "flash_attn") if not d.startswith("_")]
+    r = _run(f"""
+        import flash_attn, flash_attn.{backend} as b, flash_attn.modules
+        from flash_attn import dispatch
+        assert b.__file__.startswith({str(site)!r}), b.__file__
+        print(dispatch.unavailable_reason({backend!r}) or "available")
+    """, [str(root_install), str(site)], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "not installed" not in r.stdout

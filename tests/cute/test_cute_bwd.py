@@ -1,0 +1,1262 @@
+"""flash_attn.cute's Hopper backward kernel (flash_bwd_sm90.py): it compiles for sm_90a without a GPU and
+its PTX holds the instructions the design rests on; its layout reinterpretations are checked on the
+CuTe layouts; the cute backend serves backward calls by default and refuses them when FLASH_ATTN_CUTE_DISABLE names bwd;
+on a Hopper GPU (tests marked gpu) dq, dk, dv match the reference within the project's criterion
+(flash_attn.testing.assert_close_to_ref, as the Triton backward tests use it)."""
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+cute = pytest.importorskip("cutlass.cute")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_PKG = os.path.join(ROOT, "packages", "flash-attn-4")
+if _PKG not in sys.path:
+    sys.path.insert(0, _PKG)
+
+from flash_attn import testing  # noqa: E402
+from flash_attn.cute import backend as cute_backend  # noqa: E402
+from flash_attn.cute import config, kernels, launch, settings  # noqa: E402
+from _cute_table import cute_settings as _cute_settings  # noqa: E402
+from flash_attn.dispatch import Call  # noqa: E402
+from flash_attn.testing import backend_bwd, backend_fwd
+
+
+def _overrides(fields):
+    """FLASH_ATTN_CUTE_OVERRIDES's text for {"section.field": value} (bools as 1 / 0; None: left out)."""
+    return ",".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in fields.items() if v is not None)
+
+
+def _fresh_bwd_kernels(monkeypatch):
+    """An empty in-memory backward kernel table (it does not key on the overrides), where kernels.py fills it and
+    launch.py reads it."""
+    table = {}
+    monkeypatch.setattr(kernels, "_bwd_kernels", table)
+    monkeypatch.setattr(launch, "_bwd_kernels", table)
+
+# (dtype, head dim, causal, dq_split, dq_tma): every dtype / head dim / mask with the default dQ split
+# and atomics, the per-warpgroup dQ variant (bwd.dq_split=0) and the TMA reduce-add of dQ (bwd.dq_tma=1) at both
+# head dims
+CONFIGS = ([(dtype, d, causal, True, False) for dtype in (torch.bfloat16, torch.float16) for d in (64, 128)
+            for causal in (False, True)]
+           + [(torch.bfloat16, 64, True, False, False), (torch.bfloat16, 128, False, False, False)]
+           + [(torch.bfloat16, 64, True, True, True), (torch.bfloat16, 128, False, True, True)])
+
+
+def _ids(cfg):
+    dtype, d, causal, dq_split, dq_tma = cfg
+    return (f"{str(dtype).split('.')[-1]}-d{d}-{'causal' if causal else 'full'}{'' if dq_split else '-dq_per_wg'}"
+            f"{'-dq_tma' if dq_tma else ''}")
+
+
+@pytest.fixture(scope="module", params=CONFIGS, ids=_ids)
+def compiled(request, tmp_path_factory):
+    """(config dict, PTX text, PTX path) of one backward compile, shared by the PTX checks."""
+    dtype, d, causal, dq_split, dq_tma = request.param
+    dump = tmp_path_factory.mktemp("bwd")
+    # The 64-row loop at both head dims (d64's default is the 128-row loop, whose PTX and ptxas checks
+    # are test_block_m_128_kernel_is_spill_free's).
+    with _cute_settings(OVERRIDES=_overrides({"bwd.block_m": 64, "bwd.dq_split": dq_split, "bwd.dq_tma": dq_tma})):
+        cfg = kernels.bwd_config(dtype, d, causal, "sm_90a").key()
+        assert cfg["dq_tma"] == dq_tma
+        t0 = time.perf_counter()
+        kernels.compile_bwd(dtype, d, causal, arch="sm_90a", dump_dir=str(dump))
+    print(f"\ncompile bwd {_ids(request.param)}: {time.perf_counter() - t0:.2f} s")
+    (ptx,) = glob.glob(str(dump / "*.ptx"))
+    with open(ptx) as f:
+        return cfg, f.read(), ptx
+
+
+def _count(text, needle):
+    return sum(line.lstrip().startswith(needle) for line in text.splitlines())
+
+
+def test_ptx_targets_sm90a(compiled):
+    assert ".target sm_90a" in compiled[1]
+
+
+def test_ptx_has_the_five_wgmma_products(compiled):
+    cfg, text, _ = compiled
+    d = cfg["head_dim"]
+    ab = "bf16.bf16" if cfg["dtype"] == "bf16" else "f16.f16"
+    bm = cfg["block_m"]
+    shapes = {}
+    # S^T = K Q^T and dP^T = V dO^T: m64n{BM}k16, D/16 each; dV += P^T dO and dK += dS^T Q:
+    # m64n{D}k16, BM/16 each; dQ = dS K: m64n{D/2}k16 over all 128 keys (dq_split), else m64n{D}k16
+    # over the warpgroup's 64 keys.
+    dq = (d // 2, 128 // 16) if cfg["dq_split"] else (d, 64 // 16)
+    for n, count in ((bm, 2 * d // 16), (d, 2 * bm // 16), dq):
+        shapes[n] = shapes.get(n, 0) + count
+    for n, count in shapes.items():
+        assert _count(text, f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ab}") == count, n
+    assert _count(text, "wgmma.fence") >= 1 and _count(text, "wgmma.wait_group") >= 1
+
+
+def test_ptx_loads_with_tma_and_mbarriers(compiled):
+    text = compiled[1]
+    assert _count(text, "cp.async.bulk.tensor") >= 6  # Q, dO, K, V tiles and the lse, delta rows
+    assert "mbarrier.try_wait" in text and "expect_tx" in text
+
+
+def test_ptx_is_warp_specialised_and_accumulates_dq_atomically(compiled):
+    cfg, text, _ = compiled
+    assert _count(text, "setmaxnreg.dec.sync.aligned.u32") == 1
+    assert _count(text, "setmaxnreg.inc.sync.aligned.u32") == 1
+    reduce_add = "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group"
+    if cfg["dq_tma"]:
+        # dq_accum += the smem dQ tile by TMA: one box of 32 fp32 columns (a 128-byte swizzle atom) per
+        # D / 32, in the loop (previous block's tile) and after it (the last one); bulk groups committed,
+        # the buffer's reads waited for before reuse, everything waited for before exit
+        assert _count(text, reduce_add) == 2 * (cfg["head_dim"] // 32)
+        assert _count(text, "cp.async.bulk.commit_group") == 2
+        assert _count(text, "cp.async.bulk.wait_group.read") == 1
+        assert _count(text, "cp.async.bulk.wait_group ") == 1  # the final full wait ("wait_group \t0")
+        assert "red.relaxed.gpu.global.add" not in text
+        assert _count(text, "st.shared.v2.b32") >= cfg["head_dim"] // 8  # dQ column pairs to smem
+    else:
+        assert _count(text, "red.relaxed.gpu.global.add.v2.f32") >= 1  # dq_accum += dS K, column pairs
+        assert reduce_add not in text
+    assert "fence.proxy.async.shared::cta" in text  # dS stores made visible to the WGMMA's async proxy
+    assert "ex2.approx" in text
+    # launched with .minnctapersm 1: without it ptxas may drop setmaxnreg (C7508)
+    assert ".minnctapersm 1" in text
+
+
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas not on PATH")
+def test_ptxas_keeps_setmaxnreg_and_wgmma_pipelined(compiled):
+    """ptxas honours the register split (no C7508) and does not serialise the WGMMAs (C7510-C7520:
+    'wgmma.mma_async instructions are serialized'), the two silent performance cliffs of this design."""
+    cfg, _, ptx = compiled
+    out = subprocess.run(["ptxas", "-arch=sm_90a", "-v", ptx, "-o", os.devnull], capture_output=True,
+                         text=True, check=True)
+    log = out.stdout + out.stderr
+    assert "setmaxnreg' ignored" not in log, log
+    assert "are serialized" not in log, log
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", log)]
+    print(f"\nptxas: {spills} bytes of spill stores")
+    # a few words at most (D = 128 full: 8 bytes, loop-invariant); more means the 240-register budget broke.
+    # The TMA dQ kernel (the default) at D = 128 spills 80 bytes (hoisted smem addresses of the dQ stores,
+    # reloaded per block; it still ran 1.3x the atomics kernel on the H200): bounded so that it cannot
+    # grow unnoticed.
+    limit = 96 if cfg["dq_tma"] and cfg["head_dim"] == 128 else 64
+    assert all(x <= limit for x in spills), log
+
+
+def _sass(ptx_path):
+    """[(address, instruction)] of the cubin CuTeDSL wrote next to ptx_path."""
+    tool = testing.cuobjdump_path()
+    if tool is None:
+        pytest.skip("no cuobjdump to read the SASS")
+    (cubin,) = glob.glob(os.path.join(os.path.dirname(ptx_path), "*.cubin"))
+    out = subprocess.run([tool, "-sass", cubin], capture_output=True, text=True, check=True).stdout
+    return [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", out)]
+
+
+def _divergent_tma_reduces(code):
+    """Addresses of the TMA reduce-adds (UTMAREDG) reached after a BRA.DIV since the last barrier: ptxas
+    emits BRA.DIV (to a WARPSYNC.COLLECTIVE fallback) before an elect.sync it cannot prove to run on a
+    converged warp."""
+    bad, div = [], False
+    for addr, ins in code:
+        if ins.startswith("BAR.SYNC"):
+            div = False
+        elif "BRA.DIV" in ins:
+            div = True
+        elif "UTMAREDG" in ins and div:
+            bad.append(hex(addr))
+    return bad
+
+
+def test_tma_dq_reduce_is_issued_by_a_converged_warp(compiled):
+    """The dQ TMA reduce-adds are issued by a whole warp: cute.copy of a TMA atom picks its issuing lane
+    with elect.sync over the full warp, which waits for all 32 lanes; with one lane let in (ctid == 0,
+    the first dq_tma build) the other 31 wait at the next barrier or WGMMA instead, and the kernel hung
+    on the GPU. That build's SASS has a BRA.DIV before every reduce."""
+    cfg, _, ptx = compiled
+    if not cfg["dq_tma"]:
+        pytest.skip("no TMA reduce-add in this variant")
+    code = _sass(ptx)
+    assert sum("UTMAREDG" in ins for _, ins in code) == 2 * (cfg["head_dim"] // 32)
+    assert _divergent_tma_reduces(code) == []
+
+
+# ----------------------------------------------------------------------------------------------------
+# bwd.overlap: the software-pipelined query loop
+
+
+def _compile_ptx(tmp_path, cute_env, d, causal, fields):
+    """The PTX text and path of the bf16 backward built with the overrides {"bwd.field": value} (left set)."""
+    cute_env(OVERRIDES=_overrides(fields))
+    dump = tmp_path / "_".join(f"{k.split('.')[-1]}{int(v) if isinstance(v, bool) else v}"
+                               for k, v in fields.items())
+    dump.mkdir()
+    kernels.compile_bwd(torch.bfloat16, d, causal, arch="sm_90a", dump_dir=str(dump))
+    (ptx,) = glob.glob(str(dump / "*.ptx"))
+    with open(ptx) as f:
+        return f.read(), ptx
+
+
+def _wgmmas_between_dq_and_atomics(text, d, bm):
+    """WGMMAs of S^T / dP^T shape (m64n{bm}k16, both operands K-major) issued after the last dQ WGMMA
+    (m64n{d/2}k16, both MN-major) that precedes the first dq_accum atomic, and the wait_group just before that atomic."""
+    lines = [l.strip() for l in text.splitlines()]
+    first_red = next(i for i, l in enumerate(lines) if l.startswith("red.relaxed.gpu.global.add"))
+    last_dq = max(i for i, l in enumerate(lines[:first_red])  # dQ: both operands MN-major (transposed)
+                  if f"wgmma.mma_async.sync.aligned.m64n{d // 2}k16" in l and l.endswith("p, 1,  1, 1, 1;"))
+    sdp = [l for l in lines[last_dq:first_red]
+           if f"wgmma.mma_async.sync.aligned.m64n{bm}k16" in l and l.endswith("p, 1,  1, 0, 0;")]
+    waits = [l for l in lines[last_dq:first_red] if l.startswith("wgmma.wait_group")]
+    return len(sdp), waits
+
+
+@pytest.mark.parametrize("d,causal", [(64, True), (128, False)])
+def test_overlap_issues_the_next_block_before_the_dq_atomics(tmp_path, cute_env, d, causal):
+    """With bwd.overlap=1, between this block's dQ WGMMA and its dq_accum atomics the
+    loop issues the next block's S^T and dP^T (D = 64; D = 128: S^T only, 2 x D/16 or D/16 WGMMAs)
+    and waits only for the older groups (wait_group 2 / 1); the default build issues nothing there and
+    waits for everything. ptxas keeps the WGMMAs pipelined and spills at most a few words."""
+    # the atomics path (the TMA dQ has its own test), the 64-row loop (128 rows: its own overlap test)
+    fields = {"bwd.dq_tma": False, "bwd.block_m": 64}
+    cute_env(OVERRIDES=_overrides(fields))
+    bm = kernels.bwd_config(torch.bfloat16, d, causal, "sm_90a").block_m
+    assert bm == 64
+    base, _ = _compile_ptx(tmp_path, cute_env, d, causal, {**fields, "bwd.overlap": False})
+    text, ptx = _compile_ptx(tmp_path, cute_env, d, causal, {**fields, "bwd.overlap": True})
+    assert _wgmmas_between_dq_and_atomics(base, d, bm) == (0, ["wgmma.wait_group.sync.aligned \t0;"])
+    ahead = 2 * d // 16 if d == 64 else d // 16
+    assert _wgmmas_between_dq_and_atomics(text, d, bm) == (
+        ahead, [f"wgmma.wait_group.sync.aligned \t{2 if d == 64 else 1};"])
+    if shutil.which("ptxas") is None:
+        pytest.skip("ptxas not on PATH")
+    out = subprocess.run(["ptxas", "-arch=sm_90a", "-v", ptx, "-o", os.devnull], capture_output=True, text=True,
+                         check=True)
+    log = out.stdout + out.stderr
+    assert "are serialized" not in log and "setmaxnreg' ignored" not in log, log
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)]
+    assert all(x <= (0 if d == 64 else 32) for x in spills), log
+
+
+def test_overlap_config_key_and_refusals(monkeypatch, cute_env):
+    """The option is in the cache key only when on (the default kernels keep their disk entries); the
+    kernel refuses a 1-stage ring (stage j + 1 waited for while j is held: a deadlock) and the
+    per-warpgroup dQ at D = 128 (does not fit the register budget)."""
+    import cutlass
+
+    from flash_attn.cute.flash_bwd_sm90 import FlashBwdSm90
+
+    base = kernels.bwd_config(torch.bfloat16, 64, True, "sm_90a").key()
+    assert "overlap" not in base and config.BWD_OVERLAP == {64: False, 128: False}
+    key = kernels._bwd_entry(torch.bfloat16, 64, True, "sm_90a")[1]
+    cute_env(OVERRIDES="bwd.overlap=0")
+    assert kernels.bwd_config(torch.bfloat16, 64, True, "sm_90a").key() == base
+    cute_env(OVERRIDES="bwd.overlap=1")
+    assert kernels.bwd_config(torch.bfloat16, 64, True, "sm_90a").key() == {**base, "overlap": True}
+    assert kernels._bwd_entry(torch.bfloat16, 64, True, "sm_90a")[1] != key
+    monkeypatch.setitem(config.BWD_OVERLAP, 128, True)
+    cute_env(OVERRIDES=None)
+    assert kernels.bwd_config(torch.bfloat16, 128, False, "sm_90a").overlap is True
+    assert "overlap" not in kernels.bwd_config(torch.bfloat16, 64, False, "sm_90a").key()
+    with pytest.raises(ValueError, match="num_stages >= 2"):
+        FlashBwdSm90(cutlass.BFloat16, 64, True, num_stages=1, overlap=True)
+    with pytest.raises(ValueError, match="dq_split=False"):
+        FlashBwdSm90(cutlass.BFloat16, 128, True, dq_split=False, overlap=True)
+    FlashBwdSm90(cutlass.BFloat16, 64, True, num_stages=1)  # without the option: allowed
+    FlashBwdSm90(cutlass.BFloat16, 64, True, dq_split=False, overlap=True)
+
+
+# ----------------------------------------------------------------------------------------------------
+# bwd.lpt: the grouped longest-first CTA order
+
+
+@pytest.mark.parametrize("n_blocks,heads,batches,lpt", [(16, 16, 8, 128), (8, 5, 3, 16), (64, 4, 2, 128),
+                                                        (3, 7, 1, 1), (1, 2, 2, 1000), (5, 3, 3, 12)])
+def test_lpt_order_covers_every_tile_once_longest_first_per_group(n_blocks, heads, batches, lpt):
+    from flash_attn.cute.tile_scheduler import lpt_tile
+
+    pairs = heads * batches
+    tiles = [lpt_tile(i, n_blocks, heads, batches, lpt) for i in range(n_blocks * pairs)]
+    assert sorted(tiles) == sorted((n, h, b) for n in range(n_blocks) for h in range(heads) for b in range(batches))
+    g = max(min(lpt // n_blocks, pairs), 1)
+    for start in range(0, n_blocks * pairs, g * n_blocks):  # inside a group: key block 0 of every pair first
+        blocks = [t[0] for t in tiles[start:start + g * n_blocks]]
+        assert blocks == sorted(blocks) and blocks[0] == 0
+
+
+def test_lpt_config_key_and_one_dimensional_grid(tmp_path, cute_env):
+    """The option is in the cache key only when on (the plain-grid kernels keep their disk entries): by
+    default for causal d64, and its kernel reads only blockIdx.x (the 1-D grid) where the plain grid
+    reads blockIdx.y for the head."""
+    assert kernels.bwd_config(torch.bfloat16, 64, True, "sm_90a").key()["lpt"] == 128
+    for d, causal in ((64, False), (128, True), (128, False)):
+        assert "lpt" not in kernels.bwd_config(torch.bfloat16, d, causal, "sm_90a").key()
+    cute_env(OVERRIDES="bwd.lpt=0")
+    base = kernels.bwd_config(torch.bfloat16, 64, True, "sm_90a").key()
+    assert "lpt" not in base
+    cute_env(OVERRIDES="bwd.lpt=128")
+    assert kernels.bwd_config(torch.bfloat16, 64, True, "sm_90a").key() == {**base, "lpt": 128}
+    text, _ = _compile_ptx(tmp_path, cute_env, 64, True, {"bwd.lpt": 128})
+    assert "%ctaid.y" not in text and "%ctaid.z" not in text and "%ctaid.x" in text
+    base_text, _ = _compile_ptx(tmp_path, cute_env, 64, True, {"bwd.lpt": 0})
+    assert "%ctaid.y" in base_text
+# bwd.block_m=128 (head dim 64): 128 query rows per step
+
+
+def _ptxas_log(ptx):
+    out = subprocess.run(["ptxas", "-arch=sm_90a", "-v", ptx, "-o", os.devnull], capture_output=True, text=True,
+                         check=True)
+    return out.stdout + out.stderr
+
+
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas not on PATH")
+@pytest.mark.parametrize("overlap,emu", [(False, 0), (True, 0), (False, 6)], ids=["plain", "overlap", "exp2_emu"])
+def test_block_m_128_kernel_is_spill_free(tmp_path, cute_env, overlap, emu):
+    """The BLOCK_M = 128 kernel (d64, causal, TMA dQ: the configuration bwd.block_m=128
+    gives) fits its 240 registers: ptxas spills nothing and keeps the WGMMAs pipelined. Its first build
+    (the BLOCK_M = 64 code on 128 rows) spilled 160 bytes and serialised them; then the fp32 S^T live
+    until dS^T, the swizzled smem-store addresses hoisted out of the loop, or dS^T stored 4 bytes at a
+    time each broke the budget. Also the PTX of the design: m64n128k16 S^T and dP^T, m64n64k16 dV, dK
+    (both with A from registers) and the row-split dQ (no m64n32k16), dS^T by stmatrix, P^T packed and
+    unpacked in 32-bit words.
+    With bwd.overlap=1 (the next block's S^T issued behind dK and dQ, once dV is
+    done: wait_group 2) the same holds; with dP^T ahead too it spilled 260 bytes and serialised. And
+    with bwd.exp2_emu=6: 6 of every 16 exponentials by the FMA-pipe polynomial."""
+    cfg = kernels.bwd_config(torch.bfloat16, 64, True, "sm_90a").key()
+    assert cfg["block_m"] == 128 and "exp2_emu" not in cfg  # the default at d64 (measured faster)
+    text, ptx = _compile_ptx(tmp_path, cute_env, 64, True, {"bwd.block_m": 128, "bwd.overlap": overlap,
+                                                            "bwd.exp2_emu": emu})
+    cfg = kernels.bwd_config(torch.bfloat16, 64, True, "sm_90a").key()
+    assert (cfg["block_m"], cfg["stages"], cfg["dq_split"], cfg["dq_tma"]) == (128, 2, True, True)
+    assert cfg.get("overlap", False) == overlap and cfg.get("exp2_emu", 0) == emu
+    assert _count(text, "ex2.approx") == 64 - 64 * emu // 16  # P^T: 64 exponentials a thread
+    assert (_count(text, "wgmma.wait_group.sync.aligned \t2;") > 0) == overlap
+    log = _ptxas_log(ptx)
+    assert "are serialized" not in log and "setmaxnreg' ignored" not in log, log
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)]
+    print(f"\nptxas BLOCK_M=128: {spills} bytes of spill stores, loads")
+    assert spills and all(x == 0 for x in spills), log
+    wgmma = "wgmma.mma_async.sync.aligned.m64n{}k16.f32.bf16.bf16"
+    # S^T, dP^T: K = D (overlap: S^T issued in the prologue and behind each block's dQ)
+    assert _count(text, wgmma.format(128)) == (3 if overlap else 2) * 64 // 16
+    assert _count(text, wgmma.format(64)) == 3 * 128 // 16  # dV, dK: K = 128 queries; dQ: K = 128 keys
+    assert _count(text, wgmma.format(32)) == 0
+    # dV and dK with A from registers (P^T, dS^T: "{accumulators}, {A}, desc_B"), dQ from smem
+    rs = [l for l in text.splitlines()
+          if l.strip().startswith(wgmma.format(64)) and l.split("}", 1)[1].startswith(", {")]
+    assert len(rs) == 2 * 128 // 16
+    assert _count(text, "stmatrix.sync.aligned.m8n8.x4.shared.b16") == 128 * 128 // (256 * 8)
+    # P^T and dS^T (64 values a thread each) packed by pairs; P^T unpacked by shifts and masks (the
+    # scalar cvt.rn.bf16.f32 left are the dK, dV stores of the epilogue)
+    assert _count(text, "cvt.rn.bf16x2.f32") == 2 * 64 // 2
+    assert "cvt.f32.bf16" not in text
+    assert _count(text, "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group") == 2 * (64 // 32)
+
+
+def test_bwd_exp2_emu_config_key_and_refusals(cute_env):
+    """bwd.exp2_emu is in the cache key only when on (the degree only when not 3); the
+    kernel refuses counts outside 0..16 and degrees without coefficients."""
+    import cutlass
+
+    from flash_attn.cute.flash_bwd_sm90 import FlashBwdSm90
+
+    base = kernels.bwd_config(torch.bfloat16, 64, True, "sm_90a").key()
+    assert "exp2_emu" not in base and config.BWD_EXP2_EMU == {64: 0, 128: 0}
+    cute_env(OVERRIDES="bwd.exp2_emu=0")
+    assert kernels.bwd_config(torch.bfloat16, 64, True, "sm_90a").key() == base
+    cute_env(OVERRIDES="bwd.exp2_emu=6")
+    assert kernels.bwd_config(torch.bfloat16, 64, True, "sm_90a").key() == {**base, "exp2_emu": 6}
+    cute_env(OVERRIDES="bwd.exp2_emu=6,bwd.exp2_emu_degree=4")
+    assert kernels.bwd_config(torch.bfloat16, 64, True, "sm_90a").key() == {**base, "exp2_emu": 6,
+                                                                             "exp2_emu_degree": 4}
+    with pytest.raises(ValueError, match="exp2_emu"):
+        FlashBwdSm90(cutlass.BFloat16, 64, True, exp2_emu=17)
+    with pytest.raises(ValueError, match="degree"):
+        FlashBwdSm90(cutlass.BFloat16, 64, True, exp2_emu=4, exp2_emu_degree=5)
+
+
+def test_block_m_128_refusals_and_shared_memory():
+    """BLOCK_M = 128 is for head dim 64 (at 128 the accumulators alone exceed the registers), and its
+    overlapped loop for the shared dQ tile only; its 2-stage TMA-dQ configuration fills shared memory
+    exactly."""
+    import cutlass
+
+    from flash_attn.cute.flash_bwd_sm90 import FlashBwdSm90
+
+    k = FlashBwdSm90(cutlass.BFloat16, 64, True, block_m=128, num_stages=2, dq_tma=True)
+    assert k.smem_bytes() == FlashBwdSm90.SMEM_LIMIT and k.wide and k.dq_rows
+    assert not FlashBwdSm90(cutlass.BFloat16, 64, True, block_m=128, dq_split=False).dq_rows
+    assert not FlashBwdSm90(cutlass.BFloat16, 64, True, dq_tma=True).wide
+    with pytest.raises(ValueError, match="head dim 64"):
+        FlashBwdSm90(cutlass.BFloat16, 128, True, block_m=128, num_stages=1)
+    with pytest.raises(ValueError, match="dq_split=False"):
+        FlashBwdSm90(cutlass.BFloat16, 64, True, block_m=128, dq_split=False, overlap=True)
+    FlashBwdSm90(cutlass.BFloat16, 64, True, block_m=128, overlap=True)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Layouts (trace-time CuTe algebra, no GPU)
+
+
+def _compare_transposed(t, tt, shape, bad):
+    # Plain Python (not @cute.jit, whose loops and ifs become device code): every value here is static.
+    stages = shape[2] if len(shape) == 3 else 1
+    for i in (0, 1, 7, 8, 31, 63):
+        for j in (0, 1, 15, 16, 63):
+            for s in range(stages):
+                c, ct = ((i, j, s), (j, i, s)) if len(shape) == 3 else ((i, j), (j, i))
+                if cute.crd2idx(c, t.layout) != cute.crd2idx(ct, tt.layout):
+                    bad.append((shape, c))
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_transposed_smem_views_address_the_same_elements(d):
+    """The MN-major B operands (dO^T, Q^T, K^T) and the dS^T view are _transpose_view of K-major (or
+    M-major) tiles: element (j, i) of the view must be element (i, j) of the tile, stage by stage."""
+    import cutlass
+    from cutlass.cute.nvgpu import warpgroup
+
+    from flash_attn.cute.flash_bwd_sm90 import _transpose_view
+    from flash_attn.cute.hopper_helpers import smem_layout as _smem_layout
+
+    bad = []
+
+    @cute.jit
+    def check():
+        for kind, shape in ((warpgroup.SmemLayoutAtomKind.K_SW128, (64, d, 2)),
+                            (warpgroup.SmemLayoutAtomKind.K_SW128, (128, d)),
+                            (warpgroup.SmemLayoutAtomKind.K_SW64, (128, d)),
+                            (warpgroup.SmemLayoutAtomKind.MN_SW128, (64, 128, 2))):
+            layout = _smem_layout(kind, cutlass.BFloat16, shape).outer
+            t = cute.make_tensor(cute.make_ptr(cutlass.BFloat16, 0, cute.AddressSpace.smem, assumed_align=16),
+                                 layout)
+            _compare_transposed(t, _transpose_view(t), shape, bad)
+
+    cute.compile(check, options="--gpu-arch sm_90a")
+    assert bad == [], bad[:20]
+
+
+def _compare_fragments(sdp, dv, block_n, block_m, mismatches):
+    # Plain Python, as _compare_transposed.
+    a_layout = cute.make_layout(((2, 2, 2), 1, block_m // 16))
+    for t in (0, 1, 5, 37, 127, 128, 130, 255):
+        cS = sdp.get_slice(t).partition_C(cute.make_identity_tensor((block_n, block_m)))
+        cA = dv.get_slice(t).partition_A(cute.make_identity_tensor((block_n, block_m)))
+        if cute.size(cS) != cute.size(a_layout) or cute.size(cA) != cute.size(a_layout):
+            mismatches.append((t, "size", cute.size(cS), cute.size(cA)))
+            continue
+        for i in range(cute.size(a_layout)):
+            if a_layout(i) != i or tuple(cS[i]) != tuple(cA[i]):
+                mismatches.append((t, i, cS[i], cA[i]))
+
+
+@pytest.mark.parametrize("d,block_m", [(64, 64), (128, None), (64, None)])
+def test_p_fragment_reuses_the_st_accumulator_layout(d, block_m):
+    """P^T goes to dV += P^T dO by reinterpreting the S^T accumulator (m64n{BM}k16) registers as the A
+    operand of m64n{D}k16 with K = BM, layout ((2, 2, 2), 1, BM / 16): each register must then hold the
+    (key, query) the A operand expects, for every thread of both warpgroups (block_m None: the
+    configured default; 128: bwd.block_m=128)."""
+    import cutlass
+    from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+
+    from flash_attn.cute.flash_bwd_sm90 import FlashBwdSm90
+
+    block_n = 128
+    block_m = block_m or kernels.bwd_config(torch.bfloat16, d, False, "sm_90a").block_m
+    mismatches = []
+
+    @cute.jit
+    def check():
+        def mma(n, src, b_major):
+            op = warpgroup.MmaF16BF16Op(cutlass.BFloat16, cutlass.Float32, (64, n, 16), src,
+                                        OperandMajorMode.K, b_major)
+            return cute.make_tiled_mma(cute.make_mma_atom(op), (FlashBwdSm90.NUM_MMA_WARPGROUPS, 1, 1))
+
+        sdp = mma(block_m, warpgroup.OperandSource.SMEM, OperandMajorMode.K)
+        dv = mma(d, warpgroup.OperandSource.RMEM, OperandMajorMode.MN)
+        _compare_fragments(sdp, dv, block_n, block_m, mismatches)
+
+    cute.compile(check, options="--gpu-arch sm_90a")
+    assert mismatches == [], mismatches[:30]
+
+
+def _check_dq_pairs(dq, block_m, d, threads, bad):
+    # Plain Python, as _compare_transposed. Also: the threads' values cover the (block_m, d) tile once.
+    seen = {}
+    for t in range(threads):
+        c = dq.get_slice(t).partition_C(cute.make_identity_tensor((block_m, d)))
+        for i in range(0, cute.size(c), 2):
+            if c[i][1] % 2 or tuple(c[i + 1]) != (c[i][0], c[i][1] + 1):
+                bad.append((t, i, c[i], c[i + 1]))
+        for i in range(cute.size(c)):
+            seen[tuple(c[i])] = seen.get(tuple(c[i]), 0) + 1
+    if len(seen) != block_m * d or set(seen.values()) != {1}:
+        bad.append(("coverage", len(seen), sorted(set(seen.values()))))
+
+
+@pytest.mark.parametrize("dq_split", [True, False])
+@pytest.mark.parametrize("d", [64, 128])
+def test_dq_accumulator_values_pair_up_as_adjacent_columns(d, dq_split):
+    """_atomic_add_dq adds accumulator values 2 i and 2 i + 1 with one red.global.add.v2.f32 at the
+    address of value 2 i: they must be columns c, c + 1 (c even) of one row, for every thread; and the
+    dQ tile (one per CTA with dq_split, else one per warpgroup) is covered exactly once."""
+    import cutlass
+    from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+
+    block_m = kernels.bwd_config(torch.bfloat16, d, False, "sm_90a").block_m
+    bad = []
+
+    @cute.jit
+    def check():
+        n, atoms = (d // 2, (1, 2, 1)) if dq_split else (d, (1, 1, 1))
+        op = warpgroup.MmaF16BF16Op(cutlass.BFloat16, cutlass.Float32, (64, n, 16), warpgroup.OperandSource.SMEM,
+                                    OperandMajorMode.MN, OperandMajorMode.MN)
+        _check_dq_pairs(cute.make_tiled_mma(cute.make_mma_atom(op), atoms), block_m, d, 256 if dq_split else 128,
+                        bad)
+
+    cute.compile(check, options="--gpu-arch sm_90a")
+    assert bad == [], bad[:20]
+
+
+def test_dq_rows_split_pairs_up_and_covers_the_tile():
+    """BLOCK_M = 128's shared dQ tile, split between the warpgroups by query rows (m64n64k16, atoms
+    (2, 1, 1)): the column pairs of _atomic_add_dq (bwd.dq_tma=0) hold there too, and
+    the 256 threads cover the (128, 64) tile once."""
+    import cutlass
+    from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+
+    bad = []
+
+    @cute.jit
+    def check():
+        op = warpgroup.MmaF16BF16Op(cutlass.BFloat16, cutlass.Float32, (64, 64, 16), warpgroup.OperandSource.SMEM,
+                                    OperandMajorMode.MN, OperandMajorMode.MN)
+        _check_dq_pairs(cute.make_tiled_mma(cute.make_mma_atom(op), (2, 1, 1)), 128, 64, 256, bad)
+
+    cute.compile(check, options="--gpu-arch sm_90a")
+    assert bad == [], bad[:20]
+
+
+def _check_stsm(sdp, stsm, bad):
+    # Plain Python, as _compare_transposed. The copy's source side (partition_S) says where each register
+    # value goes; the destination side is the rows each lane addresses, another grouping of the same tile.
+    ident = cute.make_identity_tensor((128, 128))
+    for t in (0, 1, 5, 37, 127, 128, 130, 255):
+        acc = stsm.get_slice(t).retile(sdp.get_slice(t).partition_C(ident))  # accumulator coords, copy order
+        src = stsm.get_slice(t).partition_S(ident)
+        if cute.size(acc) != cute.size(src) or cute.size(src) != 64:
+            bad.append((t, "size", cute.size(acc), cute.size(src)))
+            continue
+        for i in range(cute.size(src)):
+            if tuple(acc[i]) != tuple(src[i]):
+                bad.append((t, i, acc[i], src[i]))
+
+
+def test_ds_stmatrix_copy_writes_each_value_where_the_accumulator_has_it():
+    """BLOCK_M = 128 stores dS^T with a stmatrix tiled copy built on the S^T / dP^T MMA, its source the
+    retiled register fragment: for every thread (of both warpgroups), the copy's register value i must
+    be the (key, query) the accumulator's value i is. (Where the copy's lanes then write is CuTe's
+    stmatrix atom on the smem layout; the GPU tests check the result.)"""
+    import cutlass
+    from cutlass.cute.nvgpu import OperandMajorMode, warp, warpgroup
+
+    bad = []
+
+    @cute.jit
+    def check():
+        op = warpgroup.MmaF16BF16Op(cutlass.BFloat16, cutlass.Float32, (64, 128, 16), warpgroup.OperandSource.SMEM,
+                                    OperandMajorMode.K, OperandMajorMode.K)
+        sdp = cute.make_tiled_mma(cute.make_mma_atom(op), (2, 1, 1))
+        stsm = cute.make_tiled_copy_C(cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), cutlass.BFloat16), sdp)
+        _check_stsm(sdp, stsm, bad)
+
+    cute.compile(check, options="--gpu-arch sm_90a")
+    assert bad == [], bad[:20]
+
+
+def test_shared_memory_is_counted_and_an_oversized_config_refused():
+    # the H200 refused the d128 3-stage TMA dQ kernel at launch: "Allocated: 264704 bytes. Max: 232448"
+    import cutlass
+
+    from flash_attn.cute.flash_bwd_sm90 import FlashBwdSm90
+
+    k = FlashBwdSm90(cutlass.BFloat16, 128, True, num_stages=2, dq_tma=True)
+    assert k.smem_bytes() == 231424 <= FlashBwdSm90.SMEM_LIMIT
+    with pytest.raises(ValueError, match="264704 bytes of shared memory"):
+        FlashBwdSm90(cutlass.BFloat16, 128, True, num_stages=3, dq_tma=True)
+    assert FlashBwdSm90(cutlass.BFloat16, 128, True, num_stages=3, dq_tma=False).smem_bytes() <= 232448
+    assert FlashBwdSm90(cutlass.BFloat16, 64, True, num_stages=3, dq_tma=True).smem_bytes() <= 232448
+
+
+def test_unsupported_head_dim_is_refused():
+    with pytest.raises(ValueError, match="head dim"):
+        kernels.compile_bwd(torch.bfloat16, 96, False)
+
+
+def test_cache_key_has_only_what_changes_code():
+    cfg = kernels.bwd_config(torch.bfloat16, 64, False, "sm_90a").key()
+    assert set(cfg) == {"kernel", "dtype", "head_dim", "causal", "block_m", "stages", "dq_split", "dq_tma", "arch",
+                        "abi"}
+    assert set(kernels.bwd_config(torch.bfloat16, 64, True, "sm_90a").key()) == set(cfg) | {"lpt"}
+    assert kernels._bwd_entry(torch.bfloat16, 64, True, "sm_90a")[1] != \
+        kernels._bwd_entry(torch.bfloat16, 64, False, "sm_90a")[1]
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_default_backward_adds_dq_by_tma_and_the_override_switches_it(cute_env, d):
+    # the TMA dQ measured 1.19-1.39x the atomics kernel on the H200 (attention_cute_bwd.md, session 5)
+    cfg = kernels.bwd_config(torch.bfloat16, d, True, "sm_90a").key()
+    assert cfg["dq_tma"] and cfg["dq_split"] and "overlap" not in cfg
+    cute_env(OVERRIDES="bwd.dq_tma=0")
+    assert not kernels.bwd_config(torch.bfloat16, d, True, "sm_90a").dq_tma
+
+
+# ----------------------------------------------------------------------------------------------------
+# Host side of launch.backward, with the kernel replaced by a stand-in (CPU tensors)
+
+
+_HOST_CASES = {  # name: (H, Hk, Sq, Sk, grads layout)
+    "gqa": (4, 2, 70, 50, None),
+    "mqa": (4, 1, 70, 130, None),
+    "mha": (4, 4, 70, 50, None),
+    "packed": (4, 4, 70, 70, "packed"),  # slices of one (B, S, 4, H, D) buffer; the fourth must stay as it was
+    "mha-transposed": (4, 4, 70, 50, "transposed"),  # dk/dv in a layout the kernel refuses: copied after it
+    "gqa-transposed": (4, 2, 130, 50, "transposed"),
+}
+
+
+@pytest.fixture(params=["triton", "torch"])
+def host(request, monkeypatch, cute_env):
+    """The host path ("triton": bwd_host's kernels, in the interpreter on CPU; "torch": the fallback),
+    with bwd_host's allocations NaN-filled (every element the kernel reads must be written) and a
+    record of which path's functions ran."""
+    from flash_attn.cute import bwd_host
+
+    if request.param == "triton":
+        if bwd_host.triton is None:
+            pytest.skip("Triton is not installed")
+        cute_env(OVERRIDES=None)
+    else:
+        cute_env(OVERRIDES="plan.bwd_host=torch")
+    monkeypatch.setattr(bwd_host, "_empty", lambda shape, **kw: torch.full(shape, float("nan"), **kw))
+    ran = []
+    for name in ("prepare", "finish", "prepare_torch", "finish_torch"):
+        real = getattr(bwd_host, name)
+        monkeypatch.setattr(bwd_host, name, lambda *a, _n=name, _f=real, **kw: (ran.append(_n), _f(*a, **kw))[1])
+    return request.param, ran
+
+
+def _stand_in_grads(layout, B, Sq, Sk, H, Hk, D, dtype):
+    """(dq, dk, dv) outputs for backward's grads (NaN-filled), and the buffer behind them, or (None, None)."""
+    nan = float("nan")
+    if layout is None:
+        return None, None
+    if layout == "packed":  # as the packed-qkv path hands them (Sq == Sk, H == Hk)
+        buf = torch.full((B, Sq, 4, H, D), nan, dtype=dtype)
+        return buf.unbind(2)[:3], buf
+    return ((torch.full((B, H, Sq, D), nan, dtype=dtype).transpose(1, 2),
+             torch.full((B, Hk, Sk, D), nan, dtype=dtype).transpose(1, 2),
+             torch.full((B, Hk, Sk, D), nan, dtype=dtype).transpose(1, 2)), None)
+
+
+@pytest.mark.parametrize("case", list(_HOST_CASES))
+def test_backward_host_steps_with_a_stand_in_kernel(monkeypatch, host, case):
+    """lse2 = lse * log2(e) (+inf for rows whose lse is +-inf) padded with +inf and delta = rowsum(dO * O)
+    padded with 0 to the query block; dq_accum zero before the kernel; dq = dq_accum in the input dtype
+    into the caller's dq (any strides); GQA dK/dV summed over each group of query heads, into the caller's
+    dk/dv. Exact values (small integers where the stand-in kernel writes); fp16 (the interpreter computes
+    bf16 wrongly)."""
+    path, ran = host
+    H, Hk, Sq, Sk, layout = _HOST_CASES[case]
+    B, D, dtype = 2, 64, torch.float16
+    g = torch.Generator().manual_seed(0)
+    q, out, dout = (torch.randn(B, Sq, H, D, generator=g).to(dtype) for _ in range(3))
+    k, v = (torch.randn(B, Sk, Hk, D, generator=g).to(dtype) for _ in range(2))
+    lse = torch.randn(B, H, Sq, generator=g)
+    lse[0, 1, 3] = float("inf")  # a row that sees no key
+    lse[1, 2, 5] = -float("inf")  # the same, as a backend may write it: the kernel needs +inf
+    dq_vals = torch.randint(-1024, 1024, (B, Sq, H, D), generator=g).float()
+    dk_vals, dv_vals = (torch.randint(-64, 64, (B, Sk, H, D), generator=g).to(dtype) for _ in range(2))
+    seen = {}
+
+    def kernel(q_, k_, v_, dout_, lse2, delta, dq_accum, dk, dv, scale):
+        seen.update(lse2=lse2.clone(), delta=delta.clone(), dq_accum=dq_accum.clone(), scale=scale)
+        dq_accum.add_(dq_vals)  # the kernel adds into dq_accum
+        assert dk.shape == dv.shape == (B, Sk, H, D)
+        dk.copy_(dk_vals)
+        dv.copy_(dv_vals)
+
+    block_m = kernels.bwd_config(dtype, D, True, "sm_90a").block_m
+    monkeypatch.setitem(kernels._bwd_kernels, (dtype, D, True, "sm_90a"), kernel)
+    grads, buf = _stand_in_grads(layout, B, Sq, Sk, H, Hk, D, dtype)
+    dq, dk, dv = launch.backward(dout, q, k, v, out, lse, 0.5, True, "sm_90a", grads=grads)
+    assert ran == (["prepare", "finish"] if path == "triton" else ["prepare_torch", "finish_torch"])
+
+    pad = -(-Sq // block_m) * block_m
+    assert pad > Sq
+    assert seen["lse2"].shape == seen["delta"].shape == (B, H, pad)
+    expect = lse * 1.4426950408889634
+    expect[0, 1, 3] = expect[1, 2, 5] = float("inf")
+    assert torch.equal(seen["lse2"][..., :Sq], expect)  # one fp32 multiply on both paths: the same bits
+    assert torch.equal(seen["lse2"][..., Sq:], torch.full((B, H, pad - Sq), float("inf")))
+    torch.testing.assert_close(seen["delta"][..., :Sq], (dout.float() * out.float()).sum(-1).transpose(1, 2))
+    assert torch.equal(seen["delta"][..., Sq:], torch.zeros(B, H, pad - Sq))
+    assert torch.equal(seen["dq_accum"], torch.zeros(B, Sq, H, D))
+    assert seen["scale"] == 0.5
+
+    assert dq.dtype == dk.dtype == dv.dtype == dtype
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    assert torch.equal(dq.float(), dq_vals)  # the kernel applies the scale
+    group = H // Hk
+    for got, vals in ((dk, dk_vals), (dv, dv_vals)):
+        assert torch.equal(got, vals.float().view(B, Sk, Hk, group, D).sum(3).to(dtype))
+    if grads is not None:
+        assert all(r is g_ for r, g_ in zip((dq, dk, dv), grads))
+    if buf is not None:
+        assert buf[:, :, 3].isnan().all()  # the rest of a packed buffer is not written
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_host_paths_agree(dtype):
+    """bwd_host's Triton kernels (interpreter on CPU) against its torch expressions on random inputs with
+    strided out/dout/lse and strided outputs: lse2, the padding, dq_accum and dq bit for bit, delta and
+    the GQA sums within fp32 rounding."""
+    from flash_attn.cute import bwd_host
+
+    if bwd_host.triton is None:
+        pytest.skip("Triton is not installed")
+    B, Sq, Sk, H, Hk, D, pad = 2, 77, 45, 6, 2, 128, 128
+    g = torch.Generator().manual_seed(1)
+    out = torch.randn(B, Sq, 3, H, D, generator=g).to(dtype)[:, :, 1]  # a slice of a packed tensor
+    dout = torch.randn(B, H, Sq, D, generator=g).to(dtype).transpose(1, 2)
+    lse = torch.randn(B, H, Sq + 5, generator=g)[:, :, 2:Sq + 2]  # a wider buffer's window
+    lse[1, 0, :4] = float("inf")
+    got, want = bwd_host.prepare(out, dout, lse, pad), bwd_host.prepare_torch(out, dout, lse, pad)
+    assert torch.equal(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[1][..., Sq:], want[1][..., Sq:])
+    assert torch.equal(got[2], want[2])
+
+    dq_accum = torch.randn(B, Sq, H, D, generator=g) * 3
+    dk_h, dv_h = (torch.randn(B, Sk, H, D, generator=g).to(dtype) for _ in range(2))
+    outs = []
+    for fn in (bwd_host.finish, bwd_host.finish_torch):
+        dq = torch.full((B, H, Sq, D, 2), float("nan"), dtype=dtype)[..., 1].transpose(1, 2)  # no unit stride
+        dk = torch.full((B, Sk, Hk, D), float("nan"), dtype=dtype)
+        dv = torch.full((B, Sk, 2, Hk, D), float("nan"), dtype=dtype)[:, :, 0]
+        fn(dq_accum, dq, dk_h, dv_h, dk, dv)
+        outs.append((dq, dk, dv))
+    assert torch.equal(outs[0][0], outs[1][0])
+    for a, b in zip(outs[0][1:], outs[1][1:]):
+        torch.testing.assert_close(a, b, rtol=2e-7 if dtype == torch.float32 else 1e-3, atol=1e-6)
+    # dq only (no dK/dV work in the launch)
+    dq = torch.empty(B, Sq, H, D, dtype=dtype)
+    bwd_host.finish(dq_accum, dq)
+    assert torch.equal(dq, outs[1][0])
+
+
+def test_triton_host_path_is_two_launches_and_no_torch_compute(monkeypatch, cute_env):
+    """With the Triton host path, backward's own torch calls are allocations and views only (no kernel
+    launch of torch's on a GPU): one preprocess launch, the kernel, one postprocess launch, with GQA and
+    grads in layouts the kernel refuses."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from flash_attn.cute import bwd_host
+
+    if bwd_host.triton is None:
+        pytest.skip("Triton is not installed")
+    cute_env(OVERRIDES=None)  # the default host path (plan.bwd_host=triton)
+    launches = []
+    monkeypatch.setattr(bwd_host, "_launch", lambda kernel, *a: launches.append(kernel))
+    ops = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    B, Sq, Sk, H, Hk, D, dtype = 2, 70, 50, 4, 2, 64, torch.float16
+    q, out, dout = (torch.zeros(B, Sq, H, D, dtype=dtype) for _ in range(3))
+    k, v = (torch.zeros(B, Sk, Hk, D, dtype=dtype) for _ in range(2))
+    lse = torch.zeros(B, H, Sq)
+    grads = (torch.empty(B, H, Sq, D, dtype=dtype).transpose(1, 2),
+             torch.empty(B, Hk, Sk, D, dtype=dtype).transpose(1, 2), torch.empty(B, Sk, Hk, D, dtype=dtype))
+    kernel_calls = []
+    monkeypatch.setitem(kernels._bwd_kernels, (dtype, D, True, "sm_90a"),
+                        lambda *a: kernel_calls.append(len(launches)))
+    with Record():
+        launch.backward(dout, q, k, v, out, lse, 0.5, True, "sm_90a", grads=grads)
+    assert launches == [bwd_host._bwd_prep_kernel, bwd_host._bwd_post_kernel] and kernel_calls == [1]
+    compute = {str(f) for f in ops if not (f.is_view or str(f).startswith("aten.empty"))}
+    assert not compute, compute
+
+
+_HOST_AOT_SCRIPT = r"""
+import contextlib, io, json, re
+import triton
+from triton.backends.compiler import GPUTarget
+from flash_attn.cute import bwd_host as bh
+
+target = GPUTarget("cuda", 90, 32)
+backend = triton.compiler.make_backend(target)
+try:
+    triton.knobs.nvidia.dump_ptxas_log = True
+except AttributeError:
+    pass
+
+
+def compile_kernel(label, fn, types, constexprs, num_warps):
+    names = fn.arg_names
+    sig = {n: "constexpr" if n in constexprs else types(n) for n in names}
+    # what Triton sees for contiguous bf16 tensors at head dims 64/128: pointers and strides other than the
+    # unit last ones divisible by 16 (the lengths are not specialised)
+    div = [n for n in names if n not in constexprs and (n[0].isupper() or n.startswith("s_"))]
+    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=constexprs,
+                                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in div})
+    opts = backend.parse_options({"num_warps": num_warps})
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        ptx = triton.compile(src, target=target, options=opts.__dict__).asm["ptx"]
+    m = re.search(r"(\d+) bytes spill stores", log.getvalue())
+    print(json.dumps(dict(label=label, spills=int(m.group(1)) if m else None,
+                          ld_v4=len(re.findall(r"ld\.global[.\w]*\.v4", ptx)),
+                          st_v4=len(re.findall(r"st\.global[.\w]*\.v4", ptx)))))
+
+
+for D in (64, 128):
+    meta = bh._meta(D)
+    ce = dict(HEAD_DIM=D, BLOCK_D=D, BLOCK_M=meta["BLOCK_M"], s_od=1, s_gd=1, s_ls=1)
+    types = lambda n: {"Out": "*bf16", "DOut": "*bf16"}.get(n, "*fp32" if n[0].isupper() else "i32")
+    compile_kernel(f"prep d{D}", bh._bwd_prep_kernel, types, ce, meta["num_warps"])
+    for kv in (False, True):
+        meta = bh._meta(D, kv)
+        ce = dict(HEAD_DIM=D, BLOCK_D=D, BLOCK_S=meta["BLOCK_S"], KV=kv, s_qd=1, s_kd=1, s_vd=1)
+        types = lambda n: "*fp32" if n == "DQAccum" else "*bf16" if n[0].isupper() else "i32"
+        compile_kernel(f"post d{D} kv={kv}", bh._bwd_post_kernel, types, ce, meta["num_warps"])
+"""
+
+
+def test_host_kernels_compile_for_sm90_vectorised_without_spills(tmp_path):
+    """bwd_host's kernels as launched on an H200 compile for sm_90 ahead of time (the interpreter never
+    runs Triton's code generator), ptxas spills nothing, and every global access of out/dout/dq_accum/dq
+    is 16 bytes wide (v4) for unit last strides."""
+    import json
+
+    pytest.importorskip("triton.backends.nvidia")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, _PKG, os.environ.get("PYTHONPATH", "")]),
+               TRITON_CACHE_DIR=str(tmp_path))  # a fresh cache, so ptxas runs and logs
+    env.pop("TRITON_INTERPRET", None)
+    r = subprocess.run([sys.executable, "-c", _HOST_AOT_SCRIPT], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = {row.pop("label"): row for row in map(json.loads, (x for x in r.stdout.splitlines() if x[:1] == "{"))}
+    assert len(rows) == 6, r.stdout
+    for label, row in rows.items():
+        assert row["spills"] in (0, None), (label, row)  # None: a Triton without the ptxas log knob
+    # per thread, bf16 tiles of 64 x D over 32 * num_warps threads: out and dout 2 x 4 loads of 8 values,
+    # dq_accum's zeros 8 stores of 4 fp32; the cast 8 loads of 4 fp32 and 4 stores of 8 bf16; with KV
+    # also the group's 2 x 4 loads per query head and 2 x 4 stores
+    for D in (64, 128):
+        assert (rows[f"prep d{D}"]["ld_v4"], rows[f"prep d{D}"]["st_v4"]) == (8, 8), rows
+        assert (rows[f"post d{D} kv=False"]["ld_v4"], rows[f"post d{D} kv=False"]["st_v4"]) == (8, 4), rows
+        assert (rows[f"post d{D} kv=True"]["ld_v4"], rows[f"post d{D} kv=True"]["st_v4"]) == (16, 12), rows
+
+
+def test_torch_host_path_without_triton(monkeypatch, cute_env):
+    """Without Triton (flash-attn-4 does not require it), or with plan.bwd_host=torch, backward takes the torch
+    expressions."""
+    from flash_attn.cute import bwd_host
+
+    t = torch.zeros(1)
+    if bwd_host.triton is not None:
+        assert bwd_host.use_triton(t) == bwd_host._INTERPRET
+        cute_env(OVERRIDES="plan.bwd_host=torch")
+        assert not bwd_host.use_triton(t)
+        cute_env(OVERRIDES=None)
+    monkeypatch.setattr(bwd_host, "triton", None)
+    assert not bwd_host.use_triton(t)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Dispatch: on by default, off with FLASH_ATTN_CUTE_DISABLE=bwd
+
+
+def _call(**kw):
+    base = dict(device_type="cuda", dtype=torch.bfloat16, head_dim=64, head_dim_v=64, arch=(9, 0),
+                causal=True, backward=True)
+    base.update(kw)
+    return Call(**base)
+
+
+def test_backward_is_served_by_default_and_refused_when_disabled(cute_env):
+    assert cute_backend.unsupported_reason(_call()) is None
+    cute_env(DISABLE="bwd")
+    why = cute_backend.unsupported_reason(_call())
+    assert why is not None and settings.DISABLE in why and "bwd" in why, why
+    # forward calls are untouched
+    assert cute_backend.unsupported_reason(_call(backward=False)) is None
+
+
+@pytest.mark.parametrize("disable", [None, "paged,split"])
+def test_backward_is_served_only_where_the_kernel_applies(cute_env, disable):
+    cute_env(DISABLE=disable)  # (features other than bwd leave the backward on)
+    assert cute_backend.unsupported_reason(_call()) is None
+    assert cute_backend.unsupported_reason(_call(causal=False, dtype=torch.float16, head_dim=128,
+                                                 head_dim_v=128)) is None
+    for what in (dict(varlen=True), dict(window_left=8), dict(causal=False, window_right=8), dict(softcap=30.0),
+                 dict(deterministic=True), dict(alibi=True), dict(dropout_p=0.1), dict(paged=True)):
+        assert cute_backend.unsupported_reason(_call(**what)) is not None, what
+    assert cute_backend.unsupported_reason(_call(head_dim=96, head_dim_v=96)) is not None
+    assert cute_backend.unsupported_reason(_call(arch=(8, 0))) is not None
+
+
+# ----------------------------------------------------------------------------------------------------
+# On a Hopper GPU
+
+
+def _hopper():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.fixture
+def cute_bwd_on(monkeypatch, cute_env):
+    """The backward on (FLASH_ATTN_CUTE_DISABLE unset, in case the environment names bwd there) with the
+    dispatcher's cached choices dropped (they may have been made with it off), and a count of the backward
+    launches the cute backend makes (launch.backward, which backend.bwd and autograd.py call)."""
+    from flash_attn import dispatch
+
+    cute_env(DISABLE=None)
+    monkeypatch.setattr(dispatch, "_choice", {})
+    calls = []
+    real = launch.backward
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(launch, "backward", counted)
+    return calls
+
+
+def _reference(q, k, v, dout, causal):
+    """(out, dq, dk, dv) of the upcast oracle and of PyTorch at the input dtype."""
+    results = []
+    for upcast in (True, False):
+        qr, kr, vr = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        out, _ = testing.attention_ref(qr, kr, vr, causal=causal, upcast=upcast, reorder_ops=not upcast)
+        results.append((out.detach(), *torch.autograd.grad(out, (qr, kr, vr), dout)))
+    return results
+
+
+def _run(dtype, d, causal, batch, seqlen_q, seqlen_k, heads, heads_kv, calls, seed=0):
+    from flash_attn.cute import flash_attn_func
+
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, seqlen_q, heads, d, generator=g).to("cuda", dtype).requires_grad_()
+    k = torch.randn(batch, seqlen_k, heads_kv, d, generator=g).to("cuda", dtype).requires_grad_()
+    v = torch.randn(batch, seqlen_k, heads_kv, d, generator=g).to("cuda", dtype).requires_grad_()
+    dout = torch.randn(batch, seqlen_q, heads, d, generator=g).to("cuda", dtype)
+    out, _ = flash_attn_func(q, k, v, causal=causal)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    torch.cuda.synchronize()
+    assert calls, "the backward did not run on the cute backend"
+    ref, pt = _reference(q.detach(), k.detach(), v.detach(), dout, causal)
+    for name, a, r, p in zip(("out", "dq", "dk", "dv"), (out.detach(), dq, dk, dv), ref, pt):
+        testing.assert_close_to_ref(a, r, p, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen", [1, 17, 128, 255, 1000, 2048])
+@pytest.mark.parametrize("heads,heads_kv", [(4, 4), (4, 1)])
+def test_gradients_match_reference_on_gpu(cute_bwd_on, dtype, d, causal, seqlen, heads, heads_kv):
+    _run(dtype, d, causal, 2, seqlen, seqlen, heads, heads_kv, cute_bwd_on)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(113, 203), (256, 77), (300, 1200), (1, 130)])
+def test_gradients_with_unequal_lengths_on_gpu(cute_bwd_on, d, causal, seqlen_q, seqlen_k):
+    # bottom-right aligned causal mask; with Sq > Sk the first Sq - Sk queries see no key (zero gradients)
+    _run(torch.bfloat16, d, causal, 2, seqlen_q, seqlen_k, 4, 2, cute_bwd_on, seed=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen", [17, 255, 1000])
+def test_gradients_with_per_warpgroup_dq_on_gpu(cute_bwd_on, monkeypatch, cute_env, d, causal, seqlen):
+    # the bwd.dq_split=0 variant (the in-memory kernel cache does not key on it: emptied)
+    cute_env(OVERRIDES="bwd.dq_split=0")
+    _fresh_bwd_kernels(monkeypatch)
+    _run(torch.bfloat16, d, causal, 2, seqlen, seqlen, 4, 2, cute_bwd_on, seed=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(17, 17), (255, 255), (1000, 1000), (2048, 2048), (113, 203),
+                                               (256, 77), (1, 130)])
+def test_gradients_with_atomic_dq_on_gpu(cute_bwd_on, monkeypatch, cute_env, d, causal, seqlen_q, seqlen_k):
+    # the bwd.dq_tma=0 variant: dQ added by per-thread red.global.add.v2.f32 (the default,
+    # the TMA reduce-add, runs in every other gradient test)
+    cute_env(OVERRIDES="bwd.dq_tma=0")
+    _fresh_bwd_kernels(monkeypatch)
+    _run(torch.bfloat16, d, causal, 2, seqlen_q, seqlen_k, 4, 2, cute_bwd_on, seed=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (17, 17), (255, 255), (1000, 1000), (2048, 2048), (113, 203),
+                                               (256, 77)])
+@pytest.mark.parametrize("heads,heads_kv", [(4, 4), (4, 1)])
+def test_gradients_with_overlap_on_gpu(cute_bwd_on, monkeypatch, cute_env, d, causal, seqlen_q, seqlen_k, heads,
+                                      heads_kv):
+    # the bwd.overlap=1 variant: the software-pipelined query loop (key blocks with one
+    # query block, none (causal, Sq < Sk), and many; the in-memory kernel cache does not key on it: emptied)
+    cute_env(OVERRIDES="bwd.overlap=1")
+    _fresh_bwd_kernels(monkeypatch)
+    _run(torch.bfloat16, d, causal, 2, seqlen_q, seqlen_k, heads, heads_kv, cute_bwd_on, seed=5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(17, 17), (1000, 1000), (2048, 2048), (113, 203), (256, 77),
+                                               (1, 130)])
+@pytest.mark.parametrize("heads,heads_kv", [(4, 4), (6, 2)])
+def test_gradients_with_block_m_64_at_d64_on_gpu(cute_bwd_on, monkeypatch, cute_env, causal, seqlen_q, seqlen_k,
+                                                 heads, heads_kv):
+    # bwd.block_m=64 at d64: the former default (d64 now takes 128 query rows)
+    cute_env(OVERRIDES="bwd.block_m=64")
+    _fresh_bwd_kernels(monkeypatch)
+    _run(torch.bfloat16, 64, causal, 2, seqlen_q, seqlen_k, heads, heads_kv, cute_bwd_on, seed=8)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("lpt", ["16", "128"])
+@pytest.mark.parametrize("batch,seqlen_q,seqlen_k,heads,heads_kv", [(3, 1000, 1000, 5, 5), (2, 2048, 2048, 6, 2),
+                                                                    (3, 113, 203, 5, 1), (1, 256, 77, 4, 4),
+                                                                    (2, 17, 17, 3, 3)])
+def test_gradients_with_lpt_order_on_gpu(cute_bwd_on, monkeypatch, cute_env, d, causal, lpt, batch, seqlen_q,
+                                         seqlen_k, heads, heads_kv):
+    # bwd.lpt: the 1-D grid in grouped longest-first order, groups of one or several
+    # (head, batch) pairs, a smaller last group (15 pairs in groups of 2)
+    cute_env(OVERRIDES=f"bwd.lpt={lpt}")
+    _fresh_bwd_kernels(monkeypatch)
+    _run(torch.bfloat16, d, causal, batch, seqlen_q, seqlen_k, heads, heads_kv, cute_bwd_on, seed=7)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("d,causal,fields", [(64, True, {"bwd.dq_tma": 1}), (128, False, {"bwd.dq_tma": 1}),
+                                             (64, True, {"bwd.stages": 3, "bwd.block_m": 64}),
+                                             (128, True, {"bwd.stages": 3, "bwd.dq_tma": 0}),
+                                             (64, False, {"bwd.dq_split": 0, "bwd.block_m": 64})])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(17, 17), (1000, 1000), (113, 203), (256, 77)])
+def test_gradients_with_overlap_variants_on_gpu(cute_bwd_on, monkeypatch, cute_env, d, causal, fields, seqlen_q,
+                                                seqlen_k):
+    # bwd.overlap=1 with the dQ TMA reduce-add, a 3-stage ring and the per-warpgroup dQ (the last two at d64 with
+    # 64-row blocks: at d64's default 128 rows neither fits, and the kernel refuses them)
+    cute_env(OVERRIDES=_overrides({"bwd.overlap": 1, **fields}))
+    _fresh_bwd_kernels(monkeypatch)
+    _run(torch.bfloat16, d, causal, 2, seqlen_q, seqlen_k, 4, 2, cute_bwd_on, seed=6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (17, 17), (255, 255), (1000, 1000), (2048, 2048), (113, 203),
+                                               (256, 77), (1, 130), (300, 1200)])
+@pytest.mark.parametrize("heads,heads_kv", [(4, 4), (4, 1), (6, 2)])
+def test_gradients_with_block_m_128_on_gpu(cute_bwd_on, monkeypatch, cute_env, dtype, causal, seqlen_q, seqlen_k,
+                                           heads, heads_kv):
+    # bwd.block_m=128 at d64: 128 query rows per step (dS^T from the 16-bit P^T, dS^T by
+    # stmatrix, dQ split by rows; fp16 unpacks P^T with cvt, bf16 with shifts). Key blocks with one
+    # query block, none (causal, Sq < Sk), many, and partial ones on both sides; MHA, MQA, GQA.
+    cute_env(OVERRIDES="bwd.block_m=128")
+    _fresh_bwd_kernels(monkeypatch)  # the in-memory cache does not key on it
+    assert kernels.bwd_config(dtype, 64, causal, "sm_90a").block_m == 128
+    _run(dtype, 64, causal, 2, seqlen_q, seqlen_k, heads, heads_kv, cute_bwd_on, seed=8)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("fields", [{"bwd.dq_tma": 0}, {"bwd.dq_split": 0}, {"bwd.stages": 1}, {"bwd.overlap": 1},
+                                    {"bwd.overlap": 1, "bwd.dq_tma": 0}],
+                         ids=["atomic_dq", "dq_per_wg", "stages1", "overlap", "overlap_atomic_dq"])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (17, 17), (1000, 1000), (2048, 2048), (113, 203), (256, 77),
+                                               (1, 130)])
+def test_gradients_with_block_m_128_variants_on_gpu(cute_bwd_on, monkeypatch, cute_env, causal, fields, seqlen_q,
+                                                    seqlen_k):
+    # BLOCK_M = 128 with the row-split dQ added by red.global atomics, with the per-warpgroup dQ (M = 128
+    # queries over the warpgroup's 64 keys), with a 1-stage Q/dO ring, and the overlapped loop (next
+    # block's S^T issued behind dK and dQ) with either dQ
+    cute_env(OVERRIDES=_overrides({"bwd.block_m": 128, **fields}))
+    _fresh_bwd_kernels(monkeypatch)
+    _run(torch.bfloat16, 64, causal, 2, seqlen_q, seqlen_k, 4, 2, cute_bwd_on, seed=9)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("d,block_m", [(64, "64"), (128, "64"), (64, "128")])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("emu", ["6", "16"])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(17, 17), (1000, 1000), (113, 203), (256, 77)])
+def test_gradients_with_exp2_emu_on_gpu(cute_bwd_on, monkeypatch, cute_env, d, block_m, causal, emu, seqlen_q,
+                                        seqlen_k):
+    # bwd.exp2_emu: a share of P^T's exponentials (16: all) by the FMA-pipe polynomial;
+    # masked keys and padded / keyless queries (+inf lse2) must still give P = 0 exactly
+    cute_env(OVERRIDES=f"bwd.exp2_emu={emu},bwd.block_m={block_m}")
+    _fresh_bwd_kernels(monkeypatch)
+    _run(torch.bfloat16, d, causal, 2, seqlen_q, seqlen_k, 4, 2, cute_bwd_on, seed=10)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+def test_backend_writes_into_given_grads_on_gpu(cute_bwd_on):
+    # the packed-qkv path hands (dq, dk, dv) slices of one gradient (BWD_OUT)
+    B, S, H, D = 2, 257, 4, 64
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(B, S, 3, H, D, generator=g).to("cuda", torch.bfloat16)
+    q, k, v = qkv.unbind(2)
+    dout = torch.randn(B, S, H, D, generator=g).to("cuda", torch.bfloat16)
+    kw = dict(cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=S, max_seqlen_k=S, block_table=None,
+              softmax_scale=D ** -0.5, causal=True, window_left=-1, window_right=0, softcap=0.0,
+              alibi_slopes=None, dropout_p=0.0, rng_state=None)
+    out, lse, _ = backend_fwd(cute_backend, q, k, v, return_probs=False, **kw)
+    grads = torch.full_like(qkv, float("nan")).unbind(2)
+    result = backend_bwd(cute_backend, dout, q, k, v, out, lse, deterministic=False, grads=grads, **kw)
+    assert all(r is g_ for r, g_ in zip(result, grads))
+    ref, pt = _reference(q, k, v, dout, True)
+    for name, a, r, p in zip(("dq", "dk", "dv"), result, ref[1:], pt[1:]):
+        testing.assert_close_to_ref(a, r, p, name)
+
+
+def _bwd_kw(S, D, causal):
+    return dict(cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=S, max_seqlen_k=S, block_table=None,
+                softmax_scale=D ** -0.5, causal=causal, window_left=-1, window_right=0 if causal else -1,
+                softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("heads_kv,packed", [(4, False), (4, True), (1, False)])
+def test_backward_is_three_launches_on_gpu(cute_bwd_on, cute_env, heads_kv, packed):
+    """The backward's GPU work, counted by the profiler: the preprocess, the kernel and the postprocess,
+    nothing else (no memset, copy or torch kernel), for MHA into packed dqkv slices and for MQA. The
+    torch host path's count is printed for comparison (-s)."""
+    B, S, H, D = 2, 1000, 4, 64
+    g = torch.Generator().manual_seed(5)
+    if packed:
+        q, k, v = torch.randn(B, S, 3, H, D, generator=g).to("cuda", torch.bfloat16).unbind(2)
+        grads = torch.empty(B, S, 3, H, D, device="cuda", dtype=torch.bfloat16).unbind(2)
+    else:
+        q = torch.randn(B, S, H, D, generator=g).to("cuda", torch.bfloat16)
+        k, v = (torch.randn(B, S, heads_kv, D, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
+        grads = None
+    dout = torch.randn(B, S, H, D, generator=g).to("cuda", torch.bfloat16)
+    kw = _bwd_kw(S, D, True)
+    out, lse, _ = backend_fwd(cute_backend, q, k, v, return_probs=False, **kw)
+    counts = {}
+    for path in ("torch", "triton"):
+        cute_env(OVERRIDES="plan.bwd_host=torch" if path == "torch" else None)
+        backend_bwd(cute_backend, dout, q, k, v, out, lse, deterministic=False, grads=grads, **kw)  # compiles
+        torch.cuda.synchronize()
+        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=acts) as prof:
+            backend_bwd(cute_backend, dout, q, k, v, out, lse, deterministic=False, grads=grads, **kw)
+            torch.cuda.synchronize()
+        gpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        counts[path] = [e.name for e in sorted(gpu, key=lambda e: e.time_range.start)]
+    print(f"\nGPU work per backward (heads_kv={heads_kv}, packed={packed}): torch host path "
+          f"{len(counts['torch'])}: {counts['torch']}; Triton host path {len(counts['triton'])}")
+    names = counts["triton"]
+    assert len(names) == 3, names
+    assert "_bwd_prep_kernel" in names[0] and "_bwd_post_kernel" in names[2], names
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [64, 128])
+def test_host_paths_agree_on_gpu(dtype, d):
+    """bwd_host's Triton kernels against its torch expressions on CUDA tensors: lse2 (with +-inf rows), the
+    padding, dq_accum and the dq cast bit for bit, delta and the GQA sums within fp32 rounding."""
+    from flash_attn.cute import bwd_host
+
+    if bwd_host.triton is None:
+        pytest.skip("Triton is not installed")
+    B, Sq, Sk, H, Hk, pad = 3, 1000, 777, 8, 2, 1024
+    g = torch.Generator().manual_seed(6)
+    out = torch.randn(B, Sq, 3, H, d, generator=g).to("cuda", dtype)[:, :, 1]
+    dout = torch.randn(B, Sq, H, d, generator=g).to("cuda", dtype)
+    lse = torch.randn(B, H, Sq, generator=g).cuda()
+    lse[0, 1, :7] = float("inf")
+    lse[2, 3, 9] = -float("inf")
+    got, want = bwd_host.prepare(out, dout, lse, pad), bwd_host.prepare_torch(out, dout, lse, pad)
+    assert torch.equal(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[1][..., Sq:], want[1][..., Sq:])
+    assert torch.equal(got[2], want[2])
+    dq_accum = torch.randn(B, Sq, H, d, generator=g).cuda()
+    dk_h, dv_h = (torch.randn(B, Sk, H, d, generator=g).to("cuda", dtype) for _ in range(2))
+    outs = []
+    for fn in (bwd_host.finish, bwd_host.finish_torch):
+        dq = torch.empty(B, Sq, 3, H, d, device="cuda", dtype=dtype)[:, :, 0]
+        dk = torch.empty(B, Sk, Hk, d, device="cuda", dtype=dtype)
+        dv = torch.empty(B, Hk, Sk, d, device="cuda", dtype=dtype).transpose(1, 2)
+        fn(dq_accum, dq, dk_h, dv_h, dk, dv)
+        outs.append((dq, dk, dv))
+    assert torch.equal(outs[0][0], outs[1][0])
+    for a, b in zip(outs[0][1:], outs[1][1:]):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q,seqlen_k,heads_kv", [(255, 255, 4), (1000, 1000, 1), (300, 1200, 2),
+                                                       (256, 77, 2)])
+def test_gradients_with_torch_host_steps_on_gpu(cute_bwd_on, cute_env, d, causal, seqlen_q, seqlen_k, heads_kv):
+    # the fallback host path (no Triton, or plan.bwd_host=torch) around the same kernel
+    cute_env(OVERRIDES="plan.bwd_host=torch")
+    _run(torch.bfloat16, d, causal, 2, seqlen_q, seqlen_k, 4, heads_kv, cute_bwd_on, seed=7)
+
+
+def test_precompile_fills_the_disk_cache_with_backward_kernels(tmp_path):
+    """`python -m flash_attn.cute.precompile --backward` writes the backward entries too; a second run
+    finds them on disk and compiles nothing."""
+    pytest.importorskip("tvm_ffi")
+    from flash_attn.cute import precompile
+
+    lines = []
+    kw = dict(dtypes=("bf16",), head_dims=(64,), causals=(True,), kinds=("bwd",), log=lines.append)
+    (row,) = precompile.precompile(str(tmp_path), "sm_90a", **kw)
+    assert (row["kind"], row["how"], row["error"]) == ("bwd", "compiled", None), lines
+    files = kernels.bwd_disk_entry(torch.bfloat16, 64, True, "sm_90a", str(tmp_path))
+    assert "o" in files and all(os.path.exists(p) for p in files.values())
+    assert kernels.disk_entry(torch.bfloat16, 64, True, "sm_90a", str(tmp_path)) == {}  # no forward asked
+    (again,) = precompile.precompile(str(tmp_path), "sm_90a", **kw)
+    assert again["how"] in ("so", "o") and again["error"] is None
+    assert lines[0].startswith("bwd bf16 d64 causal: compiled")
