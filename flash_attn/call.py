@@ -98,8 +98,8 @@ def describe(q, v, *, varlen=False, paged=False, causal=False, window_left=UNBOU
     device_type, arch = device_facts(q.device)
     D = q.shape[-1]
     return _new(AttnCall, (device_type, q.dtype, D, v.shape[-1], arch, bool(varlen), bool(paged), bool(causal),
-                           int(window_left), 0 if causal else int(window_right), float(softcap), bool(alibi), float(dropout_p),
-                           bool(return_probs), bool(kvcache), bool(backward), bool(deterministic),
+                           int(window_left), 0 if causal else int(window_right), float(softcap), bool(alibi),
+                           float(dropout_p), bool(return_probs), bool(kvcache), bool(backward), bool(deterministic),
                            D ** -0.5 if scale is None else float(scale)))
 
 

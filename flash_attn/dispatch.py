@@ -2,10 +2,10 @@
 
 Each call arrives described by the core's :class:`flash_attn.call.AttnCall` (built once at the API); the first
 backend in priority order (CuTeDSL, Triton, PyTorch reference) that is installed and supports the call serves
-it. The choice is cached per (description, forced backend), so the per-call cost is one dict lookup. ``FLASH_ATTN_BACKEND`` or
-:func:`use_backend` force a backend; a forced backend that cannot serve a forward call raises an error
-that says why. A backward pass uses the forced backend when it can, else the best one that can (a
-CuTeDSL forward with no CuTeDSL backward falls back this way). On CPU tensors the automatic choice is
+it. The choice is cached per (description, forced backend), so the per-call cost is one dict lookup.
+``FLASH_ATTN_BACKEND`` or :func:`use_backend` force a backend; a forced backend that cannot serve a forward call
+raises an error that says why. A backward pass uses its forward's forced backend when it can, else the best one that
+can (a CuTeDSL forward with no CuTeDSL backward falls back this way). On CPU tensors the automatic choice is
 never a GPU backend: those run on a CPU only in an interpreter (TRITON_INTERPRET=1), a
 testing tool, so they serve CPU calls only when forced.
 """

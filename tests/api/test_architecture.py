@@ -40,3 +40,17 @@ def test_backends_do_not_import_the_front_doors_private_modules():
             hits = [m.group(0).strip() for m in private.finditer(p.read_text())
                     if not m.group(0).strip().startswith(("from flash_attn.cute", "from flash_attn.triton"))]
             assert not hits, (p.relative_to(ROOT), hits)
+
+
+def test_backends_do_not_import_each_other():
+    # one optional link remains (docs/ARCHITECTURE.md section 1): the cute backward's Triton host steps take the
+    # Triton distribution's fast launcher where it is installed, Triton's own launch otherwise
+    allowed = {("packages/flash-attn-4/flash_attn/cute/bwd_host.py", "from flash_attn.triton._launch import Launcher")}
+    other = {"packages/flash-attn-4": "triton", "packages/flash-attn-triton": "cute"}
+    found = set()
+    for pkg, name in other.items():
+        pattern = re.compile(rf"^\s*(from flash_attn\.{name}\b.*|import flash_attn\.{name}\b.*"
+                             rf"|from flash_attn import .*\b{name}\b.*)$", re.M)
+        for p in sorted((ROOT / pkg).rglob("*.py")):
+            found |= {(str(p.relative_to(ROOT)), m.group(0).strip()) for m in pattern.finditer(p.read_text())}
+    assert found == allowed, sorted(found ^ allowed)

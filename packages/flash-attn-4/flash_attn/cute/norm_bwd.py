@@ -742,8 +742,8 @@ def kernel(key):
                     import warnings
 
                     _failed[key] = e
-                    warnings.warn(f"the CuTeDSL norm backward (FLASH_ATTN_DISABLE=ln_cute_bwd turns it off): compiling the norm backward for {key} failed "
-                                  f"({type(e).__name__}: {e}); using the Triton backward")
+                    warnings.warn(f"the CuTeDSL norm backward (FLASH_ATTN_DISABLE=ln_cute_bwd turns it off): compiling "
+                                  f"it for {key} failed ({type(e).__name__}: {e}); using the Triton backward")
                     return None
     return fn
 
