@@ -7,7 +7,9 @@ the public functions are loaded on first use. Backend distributions (``flash-att
 import os as _os
 from pkgutil import extend_path as _extend_path
 
-__version__ = "0.1.0"
+# The FA2 API level this package is a drop-in for (libraries such as transformers gate flash_attention_2 on it);
+# pyproject.toml holds the same number.
+__version__ = "2.8.0"
 
 # pkgutil-style namespace: backend distributions installed elsewhere on sys.path (another site-packages,
 # ``pip install --target``, an editable install) contribute their flash_attn/<backend> folders.

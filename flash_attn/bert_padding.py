@@ -17,6 +17,57 @@ def index_put_first_axis(values, indices, first_axis_dim):
     return out.index_put((indices,), values)
 
 
+class IndexFirstAxis(torch.autograd.Function):
+    """index_first_axis as FA2's autograd class (``IndexFirstAxis.apply(input, indices)``)."""
+
+    @staticmethod
+    def forward(ctx, input, indices):
+        ctx.save_for_backward(indices)
+        ctx.first_axis_dim = input.shape[0]
+        return index_first_axis(input, indices)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (indices,) = ctx.saved_tensors
+        return index_put_first_axis(grad_output, indices, ctx.first_axis_dim), None
+
+
+class IndexPutFirstAxis(torch.autograd.Function):
+    """index_put_first_axis as FA2's autograd class (``IndexPutFirstAxis.apply(values, indices, first_axis_dim)``)."""
+
+    @staticmethod
+    def forward(ctx, values, indices, first_axis_dim):
+        ctx.save_for_backward(indices)
+        return index_put_first_axis(values, indices, first_axis_dim)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (indices,) = ctx.saved_tensors
+        return index_first_axis(grad_output, indices), None, None
+
+
+class IndexFirstAxisResidual(torch.autograd.Function):
+    """(input[indices], input): the gathered rows and the whole input, for a residual that keeps every row; the
+    gradient of both reaches input (FA2's ``index_first_axis_residual``)."""
+
+    @staticmethod
+    def forward(ctx, input, indices):
+        ctx.save_for_backward(indices)
+        ctx.input_shape = input.shape
+        return index_first_axis(input, indices), input.detach()
+
+    @staticmethod
+    def backward(ctx, grad_output, grad_residual):
+        (indices,) = ctx.saved_tensors
+        grad_input = (grad_residual.clone(memory_format=torch.contiguous_format) if grad_residual is not None
+                      else grad_output.new_zeros(ctx.input_shape))
+        grad_input.reshape(grad_input.shape[0], -1).index_add_(0, indices, grad_output.reshape(indices.shape[0], -1))
+        return grad_input, None
+
+
+index_first_axis_residual = IndexFirstAxisResidual.apply
+
+
 def _cu_seqlens(seqlens):
     return F.pad(torch.cumsum(seqlens, dim=0, dtype=torch.int32), (1, 0))
 

@@ -13,6 +13,18 @@ from . import _checks
 from . import _ops
 from .call import dense, describe, window
 from .dropout import new_rng_state
+from .fa2_private import (  # noqa: F401 (FA2's lower-level functions and autograd classes, imported from here)
+    FlashAttnFunc,
+    FlashAttnKVPackedFunc,
+    FlashAttnQKVPackedFunc,
+    FlashAttnVarlenFunc,
+    FlashAttnVarlenKVPackedFunc,
+    FlashAttnVarlenQKVPackedFunc,
+    _flash_attn_backward,
+    _flash_attn_forward,
+    _flash_attn_varlen_backward,
+    _flash_attn_varlen_forward,
+)
 
 
 def _attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, dropout_p,

@@ -42,3 +42,24 @@ def test_unpad_concatenated_sequences():
     xu, idx, cu, maxlen = unpad_input_for_concatenated_sequences(x, lengths)
     assert cu.tolist() == [0, 2, 5, 9] and maxlen == 4
     assert xu.flatten().tolist() == [0, 1, 2, 3, 4, 6, 7, 8, 9]
+
+
+def test_fa2_autograd_classes():
+    """FA2's IndexFirstAxis / IndexPutFirstAxis / index_first_axis_residual: values and gradients (gradcheck), and the
+    residual form's gradient reaching every row of its input."""
+    from flash_attn.bert_padding import IndexFirstAxis, IndexPutFirstAxis, index_first_axis, index_first_axis_residual
+
+    x = torch.randn(6, 3, 2, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(3, 3, 2, dtype=torch.float64, requires_grad=True)
+    idx = torch.tensor([4, 0, 2])
+    assert torch.equal(IndexFirstAxis.apply(x, idx), x[idx])
+    assert torch.equal(IndexPutFirstAxis.apply(v, idx, 6)[idx], v) and IndexPutFirstAxis.apply(v, idx, 6)[1].eq(0).all()
+    assert torch.autograd.gradcheck(lambda t: IndexFirstAxis.apply(t, idx), (x,))
+    assert torch.autograd.gradcheck(lambda t: IndexPutFirstAxis.apply(t, idx, 6), (v,))
+    assert torch.autograd.gradcheck(lambda t: index_first_axis_residual(t, idx), (x,))
+    gathered, residual = index_first_axis_residual(x, idx)
+    (2 * gathered.sum() + (residual * residual).sum()).backward()
+    want = x.detach() * 2
+    want[idx] += 2
+    torch.testing.assert_close(x.grad, want)
+    assert torch.equal(index_first_axis(x, idx), gathered)
