@@ -51,6 +51,16 @@ def _load_offsets(ctx):
     return saved, ctx.seqlen_offsets
 
 
+def _mark_rotated(ctx, x):
+    """x was rotated in place: its version counter moves, so a copy of it that another op saved is caught at that op's
+    backward. A leaf that requires grad cannot be marked dirty (autograd refuses in-place ops on one); as FA2 does, its
+    storage holds the rotation and the returned alias of it carries the gradient to it."""
+    if x.is_leaf and x.requires_grad:
+        torch.autograd.graph.increment_version(x)
+    else:
+        ctx.mark_dirty(x)
+
+
 class ApplyRotaryEmb(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0, cu_seqlens=None,
@@ -60,7 +70,7 @@ class ApplyRotaryEmb(torch.autograd.Function):
         _save_offsets(ctx, seqlen_offsets, cos, sin, cu_seqlens)
         ctx.interleaved, ctx.inplace, ctx.max_seqlen = interleaved, inplace, max_seqlen
         if inplace:
-            ctx.mark_dirty(x)
+            _mark_rotated(ctx, x)
             return x
         return out
 
@@ -132,7 +142,7 @@ class ApplyRotaryEmbQKV_(torch.autograd.Function):
         _rotate_qk_(qkv, cos, sin, cos_k, sin_k, interleaved, seqlen_offsets, num_heads_q, conjugate=False)
         _save_offsets(ctx, seqlen_offsets, cos, sin, cos_k, sin_k)
         ctx.interleaved, ctx.num_heads_q = interleaved, num_heads_q
-        ctx.mark_dirty(qkv)
+        _mark_rotated(ctx, qkv)
         return qkv
 
     @staticmethod
@@ -164,7 +174,7 @@ class ApplyRotaryEmbKV_(torch.autograd.Function):
         apply_rotary(kv[:, :, 0], cos, sin, seqlen_offsets, interleaved=interleaved, inplace=True)
         _save_offsets(ctx, seqlen_offsets, cos, sin)
         ctx.interleaved = interleaved
-        ctx.mark_dirty(kv)
+        _mark_rotated(ctx, kv)
         return kv
 
     @staticmethod

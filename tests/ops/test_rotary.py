@@ -102,6 +102,37 @@ def test_inplace(path):
     torch.testing.assert_close(dbase, dref, atol=1e-6, rtol=1e-5)
 
 
+def test_inplace_on_a_leaf_that_requires_grad(path):
+    """FA2's in-place semantics on a leaf that requires grad (autograd refuses to mark one dirty): its storage holds
+    the rotation, the returned alias carries the gradient to it, for the single, qkv- and kv-packed forms; another
+    op's saved copy of the leaf is still caught at that op's backward."""
+    dev = _device(path)
+    cos, sin = _tables(6, 8, dev, torch.float32)
+    g = torch.Generator().manual_seed(4)
+    for shape, fn, ref in (
+            ((2, 6, 3, 8), lambda t: apply_rotary_emb(t, cos, sin, inplace=True), lambda t: rotary_ref(t, cos, sin)),
+            ((2, 6, 3, 3, 8), lambda t: apply_rotary_emb_qkv_(t, cos, sin),
+             lambda t: torch.stack([rotary_ref(t[:, :, 0], cos, sin), rotary_ref(t[:, :, 1], cos, sin), t[:, :, 2]],
+                                   2)),
+            ((2, 6, 2, 3, 8), lambda t: apply_rotary_emb_kv_(t, cos, sin),
+             lambda t: torch.stack([rotary_ref(t[:, :, 0], cos, sin), t[:, :, 1]], 2))):
+        x0 = torch.randn(shape, generator=g).to(dev)
+        leaf, leaf_r = x0.clone().requires_grad_(), x0.clone().requires_grad_()
+        out = fn(leaf)
+        expect = ref(leaf_r)
+        torch.testing.assert_close(out, expect, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(leaf.detach(), expect.detach(), atol=1e-6, rtol=1e-5)  # rotated in place
+        gout = torch.randn(shape, generator=g).to(dev)
+        out.backward(gout)
+        expect.backward(gout)
+        torch.testing.assert_close(leaf.grad, leaf_r.grad, atol=1e-6, rtol=1e-5)
+    x = torch.randn(2, 6, 3, 8, device=dev, requires_grad=True)
+    y = (x * x).sum()
+    apply_rotary_emb(x, cos, sin, inplace=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+
+
 def test_shared_gradient_not_modified(path):
     """The backward pass must not rotate the incoming gradient in place: an add hands the very same
     gradient tensor to its other operand."""
