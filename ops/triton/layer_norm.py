@@ -575,6 +575,55 @@ def rms_norm_fn(x, weight, bias, residual=None, x1=None, weight1=None, bias1=Non
                              residual_out)
 
 
+class LayerNormLinearFn(torch.autograd.Function):
+    """norm(x + residual) then a linear layer (FA2's layer_norm_linear_fn): the normalised rows are not kept for the
+    backward, which recomputes them from the pre-norm sum it keeps (one (M, N) tensor fewer alive per layer)."""
+
+    @staticmethod
+    def forward(ctx, x, norm_weight, norm_bias, linear_weight, linear_bias, residual, eps, prenorm, residual_in_fp32,
+                is_rms_norm):
+        y, pre = layer_norm_fn(x, norm_weight, norm_bias, residual=residual, eps=eps, prenorm=True,
+                               residual_in_fp32=residual_in_fp32, is_rms_norm=is_rms_norm)
+        device_type = x.device.type
+        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else y.dtype
+        weight = linear_weight.to(dtype)
+        bias = linear_bias.to(dtype) if linear_bias is not None else None
+        with torch.autocast(device_type, enabled=False):
+            out = F.linear(y.to(dtype), weight, bias)
+        ctx.save_for_backward(pre, norm_weight, norm_bias, weight)
+        ctx.args = (eps, is_rms_norm, prenorm, y.dtype, x.dtype, None if residual is None else residual.dtype,
+                    linear_bias is not None, linear_weight.dtype)
+        return (out, pre) if prenorm else out
+
+    @staticmethod
+    def backward(ctx, dout, *rest):
+        pre, norm_weight, norm_bias, weight = ctx.saved_tensors
+        eps, is_rms_norm, prenorm, y_dtype, x_dtype, res_dtype, has_bias, w_dtype = ctx.args
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_() if t is not None else None for t in (pre, norm_weight, norm_bias)]
+            y = layer_norm_fn(leaves[0], leaves[1], leaves[2], eps=eps, is_rms_norm=is_rms_norm, out_dtype=y_dtype)
+        d2 = dout.reshape(-1, dout.shape[-1]).to(weight.dtype)
+        dy = (d2 @ weight).reshape(y.shape).to(y.dtype)
+        dlinear_weight = (d2.t() @ y.detach().reshape(-1, y.shape[-1]).to(weight.dtype)).to(w_dtype)
+        dlinear_bias = d2.sum(0).to(w_dtype) if has_bias else None
+        grads = torch.autograd.grad(y, [t for t in leaves if t is not None], dy)
+        dpre, dnorm_weight = grads[0], grads[1]
+        dnorm_bias = grads[2] if norm_bias is not None else None
+        if prenorm and rest and rest[0] is not None:
+            dpre = dpre + rest[0].to(dpre.dtype)
+        dres = dpre.to(res_dtype) if res_dtype is not None else None
+        return dpre.to(x_dtype), dnorm_weight, dnorm_bias, dlinear_weight, dlinear_bias, dres, None, None, None, None
+
+
+def layer_norm_linear_fn(x, norm_weight, norm_bias, linear_weight, linear_bias, residual=None, eps=1e-6,
+                         prenorm=False, residual_in_fp32=False, is_rms_norm=False):
+    """``F.linear(norm(x + residual), linear_weight, linear_bias)`` (FA2's function; under autocast the linear layer
+    runs in the autocast dtype), recomputing the normalised rows in the backward instead of keeping them. Returns the
+    output, and the pre-norm sum too if prenorm."""
+    return LayerNormLinearFn.apply(x, norm_weight, norm_bias, linear_weight, linear_bias, residual, eps, prenorm,
+                                   residual_in_fp32, is_rms_norm)
+
+
 # ------------------------------------------------------------------------------------------ references
 def layer_norm_ref(x, weight, bias, residual=None, x1=None, weight1=None, bias1=None, eps=1e-6, dropout_p=0.0,
                    rowscale=None, prenorm=False, zero_centered_weight=False, dropout_mask=None,

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from flash_attn.ops.triton import backend, triton_runs_on
 from flash_attn.ops.triton import layer_norm as ln
@@ -698,3 +699,34 @@ def test_num_sms_cached_per_device(monkeypatch):
     assert ops_triton.num_sms("cuda") == 100
     assert calls == [0, 1]
     assert isinstance(ops_triton.device_ctx(torch.zeros(1)), type(ops_triton._NO_CTX))
+
+
+@pytest.mark.parametrize("is_rms_norm", [False, True])
+@pytest.mark.parametrize("prenorm", [False, True])
+@pytest.mark.parametrize("residual", [False, True])
+def test_layer_norm_linear_fn_matches_norm_then_linear(is_rms_norm, prenorm, residual):
+    """FA2's layer_norm_linear_fn: the values and gradients of layer_norm_fn followed by F.linear (its backward
+    recomputes the normalised rows), the pre-norm sum too with prenorm, gradients in the inputs' dtypes."""
+    from flash_attn import use_backend
+    from flash_attn.ops.triton.layer_norm import layer_norm_linear_fn
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 16, generator=g, requires_grad=True)
+    r = torch.randn(3, 5, 16, generator=g, requires_grad=True) if residual else None
+    w = torch.randn(16, generator=g, requires_grad=True)
+    b = None if is_rms_norm else torch.randn(16, generator=g, requires_grad=True)
+    lw, lb = torch.randn(8, 16, generator=g, requires_grad=True), torch.randn(8, generator=g, requires_grad=True)
+    params = [t for t in (x, r, w, b, lw, lb) if t is not None]
+
+    def loss(out):
+        o, pre = out if prenorm else (out, None)
+        return o.square().sum() + (0.5 * pre.sum() if prenorm else 0), o
+
+    with use_backend("torch"):
+        got, o1 = loss(layer_norm_linear_fn(x, w, b, lw, lb, residual=r, prenorm=prenorm, is_rms_norm=is_rms_norm))
+        y = layer_norm_fn(x, w, b, residual=r, prenorm=prenorm, is_rms_norm=is_rms_norm)
+        want, o2 = loss((F.linear(y[0], lw, lb), y[1]) if prenorm else F.linear(y, lw, lb))
+    torch.testing.assert_close(o1, o2)
+    for a, e in zip(torch.autograd.grad(got, params), torch.autograd.grad(want, params)):
+        assert a.dtype == e.dtype
+        torch.testing.assert_close(a, e, atol=1e-5, rtol=1e-4)
