@@ -7,16 +7,26 @@
 """
 import argparse
 import importlib.metadata
+import importlib.util
 import platform
 import sys
 
 TRAINING_COMMANDS = ("train", "generate", "prepare")  # flash_attn.training.cli.COMMANDS, imported lazily
 
 
+# backend distributions -> the module each installs in the flash_attn namespace
+_BACKEND_MODULES = {"flash-attn-4": "flash_attn.cute", "flash-attn-triton": "flash_attn.triton"}
+
+
 def _version(dist):
     try:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
+        module = _BACKEND_MODULES.get(dist)
+        spec = importlib.util.find_spec(module) if module is not None else None
+        if spec is not None and spec.submodule_search_locations:
+            # a source checkout: the namespace finds the package's folder without an installed distribution
+            return f"from the source tree ({list(spec.submodule_search_locations)[0]})"
         return "not installed"
 
 

@@ -582,3 +582,17 @@ def test_low_level_entry_points(alone):
         torch.testing.assert_close(g.double(), w, rtol=5e-3, atol=5e-3, msg=name)
     with pytest.raises(NotImplementedError, match="does not take score_mod"):
         interface._flash_attn_bwd(q, k, v, out, dout, lse, score_mod=lambda *a: None)
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_dtype_errors_say_what_is_wrong(varlen):
+    """Three fp32 tensors: the dtype is the problem (not that they differ); mixed dtypes: that they differ."""
+    lead = (7,) if varlen else (1, 7)
+    cu = {name: torch.tensor([0, 7], dtype=torch.int32) for name in ("cu_seqlens_q", "cu_seqlens_k")}
+    f = (lambda *t: interface.flash_attn_varlen_func(*t, **cu)) if varlen else interface.flash_attn_func
+    q32 = torch.zeros(*lead, 2, 64)
+    with pytest.raises(ValueError, match="must be fp16 or bf16; got float32"):
+        f(q32, q32, q32)
+    q16 = q32.to(torch.bfloat16)
+    with pytest.raises(ValueError, match="must share one dtype"):
+        f(q16, q16, q32)

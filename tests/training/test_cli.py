@@ -23,3 +23,17 @@ def test_train_is_forwarded_to_the_training_cli(capsys):
 def test_train_config_typo_is_a_clear_error(capsys):
     assert cli.main(["train", "--config", "tiny", "optim.lrr=1"]) == 2
     assert "lrr" in capsys.readouterr().err
+
+
+def test_info_names_backends_found_in_the_source_tree(monkeypatch):
+    """A source checkout has no installed flash-attn-4 / flash-attn-triton distribution, yet their packages import:
+    `flash-attn info` says where it found them rather than "not installed"."""
+    import importlib.metadata
+
+    def version(dist):
+        raise importlib.metadata.PackageNotFoundError(dist)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    assert cli._version("flash-attn-4").startswith("from the source tree (")
+    assert cli._version("flash-attn-4").rstrip(")").replace("\\\\", "/").endswith("flash_attn/cute")
+    assert cli._version("no-such-dist") == "not installed"

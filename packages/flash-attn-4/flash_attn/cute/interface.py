@@ -21,6 +21,12 @@ _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 _F32 = torch.float32
 
 
+def _dtype_message(q, k, v):
+    if k.dtype == q.dtype and v.dtype == q.dtype:
+        return f"q, k, v must be fp16 or bf16; got {str(q.dtype).replace('torch.', '')}"
+    return f"q, k, v must share one dtype (fp16 or bf16); got {q.dtype}, {k.dtype}, {v.dtype}"
+
+
 def _check_tensors(q, k, v):
     """Raises ValueError naming the first of q, k, v that is not a 4-D tensor, or their dtypes when they are
     not one of fp16 / bf16 (the per-call path's checks, spelled out for the message)."""
@@ -28,7 +34,7 @@ def _check_tensors(q, k, v):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{name} must be a 4-D tensor (B, S, H, D)")
     if q.dtype not in _DTYPE_NAMES or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"q, k, v must share one dtype, fp16 or bf16; got {q.dtype}, {k.dtype}, {v.dtype}")
+        raise ValueError(_dtype_message(q, k, v))
 
 
 def _check_dims(D, Dv, H, Hk):
@@ -273,7 +279,7 @@ def _varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=Non
         raise NotImplementedError("flash_attn.cute's varlen path needs both cu_seqlens_q and cu_seqlens_k")
     dtype = q.dtype
     if dtype not in _DTYPE_NAMES or k.dtype != dtype or v.dtype != dtype:
-        raise ValueError(f"q, k, v must share one dtype, fp16 or bf16; got {q.dtype}, {k.dtype}, {v.dtype}")
+        raise ValueError(_dtype_message(q, k, v))
     Tq, H, D = q.shape
     if paged:
         num_pages, page_size, Hk, Dk = k.shape
