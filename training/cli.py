@@ -55,7 +55,8 @@ def build_parser(prog="python -m flash_attn.training"):
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("train", help="train a model from a YAML config (resumes from its latest checkpoint)")
     p.add_argument("--config", default="tiny",
-                   help="a YAML file or a bundled config name: tiny, gpt2-small, gpt2-medium, llama-1b")
+                   help="a YAML file or a bundled config name: tiny, gpt2-small, gpt2-medium, llama-1b "
+                        "(default: tiny)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.add_argument("overrides", nargs="*", metavar="section.field=value", help="config overrides")
     p.set_defaults(run=_train)

@@ -686,3 +686,19 @@ def test_gpu_fast_relaunch_matches_first_launch():
     dout = torch.zeros_like(q)
     (ref, *_), (pt, *_) = _reference(q, k, v, dout, causal=True)
     testing.assert_close_to_ref(odd, ref, pt)
+
+
+def test_unavailable_reason_tells_a_broken_triton_from_a_missing_one(monkeypatch):
+    import builtins
+
+    real = builtins.__import__
+    for missing, expect in (("triton", "triton is not installed"), ("numpy", "triton does not import")):
+        def fake(name, *args, _missing=missing, **kwargs):
+            if name == "triton":
+                raise ModuleNotFoundError(f"No module named {_missing!r}", name=_missing)
+            return real(name, *args, **kwargs)
+
+        monkeypatch.setattr(builtins, "__import__", fake)
+        reason = tb.unavailable_reason()
+        monkeypatch.setattr(builtins, "__import__", real)
+        assert reason.startswith(expect) and (missing == "triton" or "numpy" in reason), reason

@@ -28,8 +28,9 @@ _MAX_GRID_Y = 65535
 def unavailable_reason():
     try:
         import triton  # noqa: F401
-    except ImportError:
-        return "triton is not installed"
+    except ImportError as e:
+        # triton itself absent, or present but one of its own imports failing (numpy, a CUDA library): say which
+        return "triton is not installed" if e.name == "triton" else f"triton does not import ({type(e).__name__}: {e})"
     if _INTERPRET:
         return None
     if not torch.cuda.is_available():
