@@ -30,6 +30,10 @@ def _train(args):
         first, last = result.losses[0][1], result.losses[-1][1]
         print(f"trained steps {result.start_step}->{result.final_step}: loss {first:.4f} -> {last:.4f}"
               + (f", checkpoint {result.checkpoint}" if result.checkpoint else ""), file=sys.stderr)
+    if result.interrupted:  # checkpointed; the shell's convention for a run a signal ended: 128 + its number
+        import signal
+
+        return 128 + getattr(signal, result.interrupted, signal.SIGTERM)
     return 0
 
 

@@ -10,6 +10,7 @@ import functools
 import math
 import os
 import random
+import signal
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -54,6 +55,33 @@ class TrainResult:
     tokens_per_s: float = 0.0
     mfu: float = None
     out_dir: str = ""
+    interrupted: str = None  # the signal (SIGINT, SIGTERM) that stopped the run early, after a checkpoint
+
+
+class _StopRequests:
+    """While a run lasts, SIGINT (Ctrl-C) and SIGTERM ask it to stop after the current step, checkpointed; a second
+    SIGINT stops at once (KeyboardInterrupt). Only the main thread can take signals: elsewhere nothing changes."""
+
+    def __init__(self):
+        self.signal = None
+        self._previous = {}
+
+    def _handler(self, signum, frame):
+        if self.signal is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signal = signal.Signals(signum).name
+
+    def __enter__(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._previous[sig] = signal.signal(sig, self._handler)
+            except ValueError:  # not the main thread
+                break
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
 # ------------------------------------------------------------------------------------------ setup
@@ -452,39 +480,10 @@ class Trainer:
                                                         if self.resumed_from else ""))
         self.model.train()
         t_last, step_last = time.perf_counter(), self.step
+        stops = _StopRequests()
         try:
-            while self.step < end:
-                loss, grad_norm = self.train_step()
-                if self.step % cfg.log.interval == 0 or self.step == end:
-                    loss_value = _to_float(_all_mean(loss, rt))  # .item() also waits for the GPU
-                    now = time.perf_counter()
-                    tokens_per_s = tokens_per_step * (self.step - step_last) / (now - t_last)
-                    t_last, step_last = now, self.step
-                    mfu = (self.flops_per_token * tokens_per_s / (peak * 1e12 * rt.world)) if peak else None
-                    if not math.isfinite(loss_value):
-                        raise FloatingPointError(f"loss is {loss_value} at step {self.step}; lower optim.lr or "
-                                                 "check the data")
-                    result.losses.append((self.step, loss_value))
-                    result.tokens_per_s, result.mfu = tokens_per_s, mfu
-                    if writer is not None:
-                        writer.write({"step": self.step, "split": "train", "loss": loss_value,
-                                      "lr": _to_float(self.scheduler.get_last_lr()[0]),
-                                      "grad_norm": None if grad_norm is None else _to_float(grad_norm),
-                                      "tokens": self.step * tokens_per_step, "tokens_per_s": tokens_per_s,
-                                      "mfu": mfu, "elapsed_s": now - progress.t0})
-                    progress.update(self.step, loss_value, tokens_per_s, mfu)
-                if (tc.eval_interval and self.step % tc.eval_interval == 0) or self.step == end:
-                    val = self.evaluate()
-                    result.val_losses.append((self.step, val))
-                    if writer is not None:
-                        writer.write({"step": self.step, "split": "val", "loss": val,
-                                      "tokens": self.step * tokens_per_step})
-                    progress.message(f"step {self.step}: validation loss {val:.4f}")
-                    t_last = time.perf_counter()  # evaluation time is not training throughput
-                every = cfg.checkpoint.every
-                if (every and self.step % every == 0) or (self.step == end and cfg.checkpoint.save_final):
-                    result.checkpoint = self.save()
-                    t_last = time.perf_counter()
+            with stops:
+                self._loop(end, result, writer, progress, peak, tokens_per_step, t_last, step_last, stops)
         finally:
             progress.close()
             if writer is not None:
@@ -497,6 +496,61 @@ class Trainer:
             else:
                 progress.message("loss plot skipped: matplotlib is not installed (pip install matplotlib)")
         return result
+
+    def _stop_requested(self, stops):
+        """Whether the run stops here: a signal this process took (under DDP / FSDP, any rank's, agreed at the
+        logged steps, where the ranks meet anyway)."""
+        rt = self.rt
+        if rt.strategy == "none" or rt.world == 1:
+            return stops.signal is not None
+        if self.step % self.cfg.log.interval:
+            return False
+        flag = torch.tensor([stops.signal is not None], dtype=torch.int32, device=rt.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() and stops.signal is None:
+            stops.signal = "a signal to another rank"
+        return bool(flag.item())
+
+    def _loop(self, end, result, writer, progress, peak, tokens_per_step, t_last, step_last, stops):
+        cfg, tc, rt = self.cfg, self.cfg.train, self.rt
+        while self.step < end:
+            loss, grad_norm = self.train_step()
+            if self.step % cfg.log.interval == 0 or self.step == end:
+                loss_value = _to_float(_all_mean(loss, rt))  # .item() also waits for the GPU
+                now = time.perf_counter()
+                tokens_per_s = tokens_per_step * (self.step - step_last) / (now - t_last)
+                t_last, step_last = now, self.step
+                mfu = (self.flops_per_token * tokens_per_s / (peak * 1e12 * rt.world)) if peak else None
+                if not math.isfinite(loss_value):
+                    raise FloatingPointError(f"loss is {loss_value} at step {self.step}; lower optim.lr or "
+                                             "check the data")
+                result.losses.append((self.step, loss_value))
+                result.tokens_per_s, result.mfu = tokens_per_s, mfu
+                if writer is not None:
+                    writer.write({"step": self.step, "split": "train", "loss": loss_value,
+                                  "lr": _to_float(self.scheduler.get_last_lr()[0]),
+                                  "grad_norm": None if grad_norm is None else _to_float(grad_norm),
+                                  "tokens": self.step * tokens_per_step, "tokens_per_s": tokens_per_s,
+                                  "mfu": mfu, "elapsed_s": now - progress.t0})
+                progress.update(self.step, loss_value, tokens_per_s, mfu)
+            if (tc.eval_interval and self.step % tc.eval_interval == 0) or self.step == end:
+                val = self.evaluate()
+                result.val_losses.append((self.step, val))
+                if writer is not None:
+                    writer.write({"step": self.step, "split": "val", "loss": val,
+                                  "tokens": self.step * tokens_per_step})
+                progress.message(f"step {self.step}: validation loss {val:.4f}")
+                t_last = time.perf_counter()  # evaluation time is not training throughput
+            every = cfg.checkpoint.every
+            if (every and self.step % every == 0) or (self.step == end and cfg.checkpoint.save_final):
+                result.checkpoint = self.save()
+                t_last = time.perf_counter()
+            if self.step < end and self._stop_requested(stops):
+                result.checkpoint = self.save()
+                result.interrupted = stops.signal
+                progress.message(f"stopped by {stops.signal} at step {self.step}: checkpoint {result.checkpoint}; "
+                                 "the same command resumes from it (checkpoint.resume=auto)")
+                return
 
     def close(self, clean=True):
         """Release the process group (when this trainer made it). clean: the run finished on every rank,

@@ -66,6 +66,53 @@ def test_resume_continues_the_exact_loss_curve(tmp_path):
     assert [r["step"] for r in records if r["split"] == "train"] == list(range(1, 21))
 
 
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_signal_stops_the_run_checkpointed_and_the_same_command_resumes(tmp_path, monkeypatch, sig):
+    """SIGTERM or Ctrl-C during `flash-attn train`: the current step finishes, is checkpointed, the run returns (the
+    CLI exits 128 + the signal's number), and the same command resumes where it stopped, on the loss curve of an
+    uninterrupted run; a second Ctrl-C stops at once."""
+    import signal
+
+    common = ["train.max_steps=8", "model.dropout=0.1"]
+    full = losses(train(tiny(tmp_path, *common, sub="full")))
+    real_step = Trainer.train_step
+
+    def step_then_signal(self):
+        out = real_step(self)
+        if self.step == 3:
+            os.kill(os.getpid(), getattr(signal, sig))
+        return out
+
+    monkeypatch.setattr(Trainer, "train_step", step_then_signal)
+    first = train(tiny(tmp_path, *common, sub="split"))
+    monkeypatch.setattr(Trainer, "train_step", real_step)
+    assert first.interrupted == sig and first.final_step == 3 and first.checkpoint.endswith("step_0000003.pt")
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handlers are restored
+    second = train(tiny(tmp_path, *common, sub="split"))
+    assert second.start_step == 3 and second.final_step == 8 and second.interrupted is None
+    assert losses(first) + losses(second) == full
+
+    def step_then_two_interrupts(self):
+        out = real_step(self)
+        if self.step == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+        return out
+
+    monkeypatch.setattr(Trainer, "train_step", step_then_two_interrupts)
+    with pytest.raises(KeyboardInterrupt):
+        train(tiny(tmp_path, *common, sub="twice"))
+
+
+def test_cli_exit_code_of_a_run_a_signal_stopped(tmp_path, monkeypatch):
+    from flash_attn.training import trainer
+    from flash_attn.training.trainer import TrainResult
+
+    monkeypatch.setattr(trainer, "train", lambda cfg: TrainResult(losses=[(3, 1.0)], final_step=3,
+                                                                  interrupted="SIGTERM"))
+    assert main(["train", "--config", "tiny", f"out_dir={tmp_path}"]) == 128 + 15
+
+
 def test_resume_none_starts_over(tmp_path):
     train(tiny(tmp_path, "train.max_steps=3"))
     again = train(tiny(tmp_path, "train.max_steps=3", "checkpoint.resume=none"))
