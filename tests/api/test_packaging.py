@@ -2,6 +2,7 @@
 flash_attn.*, an editable install resolves the same imports from the checkout, and each backend
 distribution under packages/ installs alone and joins the flash_attn namespace."""
 import os
+import site
 import subprocess
 import sys
 import textwrap
@@ -67,6 +68,12 @@ def test_editable_install_resolves_from_checkout(tmp_path):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
     py = str(venv / "bin" / "python")
+    # --system-site-packages shows the base interpreter's packages; when this suite runs in a virtual environment
+    # the build backend (hatchling) and torch live in that environment's site-packages: list them too
+    inner_site = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                capture_output=True, text=True, check=True).stdout.strip()
+    with open(os.path.join(inner_site, "_outer_environment.pth"), "w") as f:
+        f.write("\n".join(site.getsitepackages()) + "\n")
     subprocess.run([py, "-m", "pip", "-q", "--disable-pip-version-check", "install", "--no-deps",
                     "--no-build-isolation", "-e", ROOT], check=True)
     code = "import flash_attn.modules as m, flash_attn.ops as o; print(m.__file__); print(o.__file__)"
