@@ -1,4 +1,4 @@
-"""Compile the Triton attention backward kernels for sm_90 without a GPU and print, per kernel, registers,
+"""Compile the Triton attention backward kernels for sm_90 (or another arch: the functions' ``arch``) without a GPU and print, per kernel, registers,
 stack (spill) bytes, shared memory, the PTX MMA/copy instruction counts and a SASS opcode histogram, for
 the current plan and every candidate of tune_triton_bwd.py.
 
@@ -34,11 +34,11 @@ def sig_for(kernel, ptr_types, ints_div16, dns_vals, consts):
             sig[n] = "fp32"
     return sig, cx, attrs
 
-def compile_kernel(kernel, sig, cx, attrs, num_warps, num_stages):
+def compile_kernel(kernel, sig, cx, attrs, num_warps, num_stages, arch=90):
     src = ASTSource(fn=kernel, signature=sig, constexprs=cx, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
 
-def dkdv(D, causal, cfg, B=4, S=4096, H=None, atomic=None, extra=None):
+def dkdv(D, causal, cfg, B=4, S=4096, H=None, atomic=None, extra=None, arch=90):
     H = H or 2048 // D
     if atomic is None: atomic = cfg.dq_atomic
     ptr = {n: "*bf16" for n in ["Q","K","V","DO","DK","DV"]}
@@ -54,9 +54,9 @@ def dkdv(D, causal, cfg, B=4, S=4096, H=None, atomic=None, extra=None):
     consts.update(extra or {})
     consts = {k: v for k, v in consts.items() if k in [p.name for p in _bwd._bwd_dkdv_kernel.params]}
     s, c, a = sig_for(_bwd._bwd_dkdv_kernel, ptr, ints, {}, consts)
-    return compile_kernel(_bwd._bwd_dkdv_kernel, s, c, a, cfg.num_warps, cfg.num_stages)
+    return compile_kernel(_bwd._bwd_dkdv_kernel, s, c, a, cfg.num_warps, cfg.num_stages, arch)
 
-def dq(D, causal, cfg, B=4, S=4096, H=None, extra=None):
+def dq(D, causal, cfg, B=4, S=4096, H=None, extra=None, arch=90):
     H = H or 2048 // D
     ptr = {n: "*bf16" for n in ["Q","K","V","DO","DQ"]}
     ptr.update(Lse="*fp32", Delta="*fp32", Alibi="*fp32", CuSeqlensQ="*fp32", CuSeqlensK="*fp32")
@@ -70,7 +70,7 @@ def dq(D, causal, cfg, B=4, S=4096, H=None, extra=None):
     consts.update(extra or {})
     consts = {k: v for k, v in consts.items() if k in [p.name for p in _bwd._bwd_dq_kernel.params]}
     s, c, a = sig_for(_bwd._bwd_dq_kernel, ptr, ints, {}, consts)
-    return compile_kernel(_bwd._bwd_dq_kernel, s, c, a, cfg.dq_num_warps, cfg.dq_num_stages)
+    return compile_kernel(_bwd._bwd_dq_kernel, s, c, a, cfg.dq_num_warps, cfg.dq_num_stages, arch)
 
 CUOBJ = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
 def sass(k):

@@ -23,10 +23,10 @@ _PTRS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16", "Lse": "*fp32
 _FLOATS = {"qk_scale", "softcap_scale", "softcap_log2", "dropout_scale"}
 
 
-def compile_fwd(d, causal, cfg, dtype="bf16", even_k=True):
-    """triton.compile for sm_90 of the kernel the backend launches for cfg (_fwd_ws's when cfg.variant is
-    1 or 2 (persistent), else _fwd's) on a dense call (even_k: seqlen_k a multiple of BLOCK_N); returns (compiled kernel,
-    ptxas log)."""
+def compile_fwd(d, causal, cfg, dtype="bf16", even_k=True, arch=90):
+    """triton.compile for sm_<arch> (default 90) of the kernel the backend launches for cfg (_fwd_ws's when
+    cfg.variant is 1 or 2 (persistent), else _fwd's) on a dense call (even_k: seqlen_k a multiple of BLOCK_N);
+    returns (compiled kernel, ptxas log)."""
     from flash_attn.triton import _fwd, _fwd_ws
 
     if cfg.variant in (1, 2, 3):
@@ -43,11 +43,11 @@ def compile_fwd(d, causal, cfg, dtype="bf16", even_k=True):
     ptrs = {k: (f"*{dtype}" if v == "*bf16" else v) for k, v in _PTRS.items()}
     return aot_compile(kern, meta, ptrs, _FLOATS,
                        lambda p: p.name.startswith("stride_") and p.name[-1] in "bmnh" and not p.do_not_specialize,
-                       cfg.num_warps, cfg.num_stages)
+                       cfg.num_warps, cfg.num_stages, arch)
 
 
-def aot_compile(kern, meta, ptrs, floats, divisible, num_warps, num_stages):
-    """triton.compile of @triton.jit ``kern`` for sm_90 (no GPU needed): ``meta`` the constexprs (missing
+def aot_compile(kern, meta, ptrs, floats, divisible, num_warps, num_stages, arch=90):
+    """triton.compile of @triton.jit ``kern`` for sm_<arch> (default 90; no GPU needed): ``meta`` the constexprs (missing
     ones take their defaults), ``ptrs`` {name: "*dtype"} the pointer parameters (16-byte aligned), ``floats``
     the fp32 parameters, the other parameters i32, marked divisible by 16 where ``divisible(param)``.
     Returns (compiled kernel, ptxas log)."""
@@ -68,7 +68,7 @@ def aot_compile(kern, meta, ptrs, floats, divisible, num_warps, num_stages):
             sig[p.name] = "i32"
             if divisible(p):
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    target = GPUTarget("cuda", 90, 32)
+    target = GPUTarget("cuda", arch, 32)
     opts = triton.compiler.make_backend(target).parse_options({"num_warps": num_warps, "num_stages": num_stages})
     try:
         triton.knobs.nvidia.dump_ptxas_log = True

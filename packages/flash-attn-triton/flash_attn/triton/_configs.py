@@ -2,8 +2,8 @@
 call does no timing runs and no host syncs, and every shape of a kind reuses one compiled kernel.
 
 The sm_90 entries come from sweeping candidates on an H200 in bf16 (``benchmarks/attention/bench_attention.py
---tune``); other NVIDIA GPUs get the conservative sm_80 entries, AMD GPUs (untested) entries that fit their
-64 KiB of LDS (HIP_ARCH). Under TRITON_INTERPRET small blocks keep the interpreter fast and make small test
+--tune``); other NVIDIA GPUs get the conservative sm_80 entries, or those that fit 99 KiB of shared memory
+(``family``), AMD GPUs (untested) entries that fit their 64 KiB of LDS (HIP_ARCH). Under TRITON_INTERPRET small blocks keep the interpreter fast and make small test
 shapes span several blocks.
 """
 from __future__ import annotations
@@ -122,12 +122,41 @@ _BWD[("hip", 128, False)] = BwdConfig(32, 32, 4, 1, 32, 32, 4, 1, True)
 _BWD[("hip", 256, False)] = BwdConfig(16, 32, 4, 1, 32, 16, 4, 1, True)
 
 
+# NVIDIA GPUs with about 99 KiB of shared memory a block (sm_86 / sm_89: RTX 30 / 40, L40; sm_120: RTX 50): the sm_80
+# entries where they fit (every backward), a d256 forward tile that does (the sm_80 one takes 104 KiB). Each
+# compiles within that for sm_86 and sm_120 (tests/triton/test_triton_smem.py).
+SMALL_SMEM = "small"
+_FWD[(SMALL_SMEM, 32, False)] = _FWD[(8, 32, False)]
+_FWD[(SMALL_SMEM, 64, False)] = _FWD[(8, 64, False)]
+_FWD[(SMALL_SMEM, 128, False)] = _FWD[(8, 128, False)]
+_FWD[(SMALL_SMEM, 256, False)] = FwdConfig(64, 32, 4, 2)
+for _d in (32, 64, 128, 256):
+    _BWD[(SMALL_SMEM, _d, False)] = _BWD[(8, _d, False)]
+# shared memory a block may use (bytes), per table family
+SMEM_BYTES = {9: 232448, 8: 166912, SMALL_SMEM: 101376, "hip": 65536}
+
+
+def family(arch):
+    """The table family of a device's (major, minor) capability: 9 for the 227 KiB datacenter GPUs (sm_90, sm_100,
+    sm_110), 8 for sm_80 / sm_87 (163 KiB), SMALL_SMEM for the others (sm_86, sm_89, sm_120: 99 KiB), "hip" for ROCm
+    (HIP_ARCH); 8 without a device (the interpreter, which takes its own small tiles)."""
+    if arch == HIP_ARCH:
+        return "hip"
+    if arch is None:
+        return 8
+    if arch[0] in (9, 10, 11):
+        return 9
+    if arch in ((8, 0), (8, 7)):
+        return 8
+    return SMALL_SMEM
+
+
 def padded_dim(d: int) -> int:
     return max(32, 1 << (d - 1).bit_length())
 
 
 def _lookup(table, arch, d, causal):
-    major = "hip" if arch == HIP_ARCH else 9 if arch is not None and arch[0] >= 9 else 8
+    major = family(arch)
     for c in (causal, False):
         cfg = table.get((major, d, c))
         if cfg is not None:

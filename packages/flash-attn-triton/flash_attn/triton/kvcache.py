@@ -384,7 +384,7 @@ def attn_config(arch, head_dim, rows, causal, interpret, dtype):
         return max(16, _pow2(rows)), 64, 4, (3 if _configs.padded_dim(head_dim) <= 128 else 2)
     if _configs.padded_dim(head_dim) == 256:
         # the forward table's d256 entries spill here (the packed-row indices take registers); these do not
-        return (128, 32, 8, 3) if arch is not None and arch[0] >= 9 else (64, 32, 8, 2)
+        return (128, 32, 8, 3) if _configs.family(arch) == 9 else (64, 32, 8, 2)
     cfg = _configs.fwd_config(arch, head_dim, causal, False, dtype)
     return cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages
 
