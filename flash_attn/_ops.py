@@ -1,7 +1,9 @@
 """The attention ops registered with torch.library, so torch.compile(fullgraph=True) traces models that
 call them without graph breaks: flash_attn::fwd, flash_attn::bwd (wired up as fwd's autograd formula)
 and flash_attn::fwd_kvcache (mutates the caches). Each real implementation validates tensor values,
-picks a backend through :mod:`flash_attn.dispatch` and runs it; the fake implementations give shapes.
+picks a backend through :mod:`flash_attn.dispatch` and runs it; the fake implementations give shapes. Eager calls
+arrive with the call's description (flash_attn.call.AttnCall, built at the API) and skip the ops; the ops' flat
+schema is the description's fields, from which their implementations rebuild it.
 """
 from __future__ import annotations
 
