@@ -51,6 +51,27 @@ def test_wheel_maps_root_folders_into_flash_attn(root_install, tmp_path):
     assert not (root_install / "modules").exists()  # mapped, not installed as a top-level package
 
 
+def test_transformers_takes_the_installed_wheel_as_flash_attention_2(root_install, tmp_path):
+    """transformers enables attn_implementation="flash_attention_2" from the installed flash-attn distribution that
+    provides flash_attn (version 2.3.3 or later) and a CUDA device: with a device, it takes the installed wheel (the
+    version is FA2's API level). (An editable install maps no files to flash_attn, so the wheel is what is checked.)"""
+    pytest.importorskip("transformers")
+    r = _run("""
+        import importlib.metadata
+        import flash_attn
+        from packaging.version import Version
+        from transformers.utils import import_utils
+        assert flash_attn.__file__.startswith(SITE), flash_attn.__file__
+        assert "flash-attn" in [d.replace("_", "-") for d in importlib.metadata.packages_distributions()["flash_attn"]]
+        assert Version(flash_attn.__version__) >= Version("2.3.3")
+        import_utils.is_torch_cuda_available = lambda: True
+        import_utils.is_flash_attn_2_available.cache_clear()
+        print(import_utils.is_flash_attn_2_available())
+    """.replace("SITE", repr(str(root_install))), [str(root_install)], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "True"
+
+
 def test_installed_root_runs_attention_on_reference_backend(root_install, tmp_path):
     r = _run("""
         import torch, flash_attn

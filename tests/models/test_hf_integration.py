@@ -149,22 +149,3 @@ def test_register_rejects_bad_names(bad):
     with pytest.raises(ValueError):
         integration.register(bad)
 
-
-def test_transformers_takes_this_package_as_flash_attention_2(monkeypatch):
-    """transformers enables attn_implementation="flash_attention_2" from the installed flash-attn distribution (version
-    2.3.3 or later) and a CUDA device: with a device, it takes this package (the version is FA2's API level)."""
-    import importlib.metadata
-
-    from packaging.version import Version
-    from transformers.utils import import_utils
-
-    import flash_attn
-
-    assert importlib.metadata.version("flash_attn") == flash_attn.__version__
-    assert Version(flash_attn.__version__) >= Version("2.3.3")
-    monkeypatch.setattr(import_utils, "is_torch_cuda_available", lambda: True)
-    import_utils.is_flash_attn_2_available.cache_clear()
-    try:
-        assert import_utils.is_flash_attn_2_available()
-    finally:
-        import_utils.is_flash_attn_2_available.cache_clear()

@@ -24,7 +24,7 @@ _F32 = torch.float32
 def _dtype_message(q, k, v):
     if k.dtype == q.dtype and v.dtype == q.dtype:
         return f"q, k, v must be fp16 or bf16; got {str(q.dtype).replace('torch.', '')}"
-    return f"q, k, v must share one dtype (fp16 or bf16); got {q.dtype}, {k.dtype}, {v.dtype}"
+    return f"q, k, v must share one dtype, fp16 or bf16; got {q.dtype}, {k.dtype}, {v.dtype}"
 
 
 def _check_tensors(q, k, v):
