@@ -384,16 +384,6 @@ def cuobjdump_path():
 # One backend, called directly (tests, tuning tools)
 
 
-def _backend_call(q, v, cu_seqlens_q, block_table, softmax_scale, causal, window_left, window_right, softcap,
-                  alibi_slopes, dropout_p, return_probs, deterministic, backward):
-    from flash_attn.call import describe
-
-    return describe(q, v, varlen=cu_seqlens_q is not None, paged=block_table is not None, causal=causal,
-                    window_left=window_left, window_right=window_right, softcap=softcap,
-                    alibi=alibi_slopes is not None, dropout_p=dropout_p, return_probs=return_probs,
-                    deterministic=deterministic, backward=backward, scale=softmax_scale)
-
-
 def backend_fwd(backend, q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                 block_table=None, softmax_scale=None, causal=False, window_left=-1, window_right=-1, softcap=0.0,
                 alibi_slopes=None, dropout_p=0.0, rng_state=None, return_probs=False, **extra):
@@ -402,8 +392,10 @@ def backend_fwd(backend, q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_s
     backend's own keywords (a tuning config). Dense calls default max_seqlen_* to the tensors' lengths."""
     if cu_seqlens_q is None:
         max_seqlen_q, max_seqlen_k = q.shape[1], k.shape[1]
-    call = _backend_call(q, v, cu_seqlens_q, block_table, softmax_scale, causal, window_left, window_right, softcap,
-                         alibi_slopes, dropout_p, return_probs, False, False)
+    from flash_attn._ops import _flat_call
+
+    call = _flat_call(q, v, cu_seqlens_q, block_table, softmax_scale, causal, window_left, window_right, softcap,
+                      alibi_slopes, dropout_p, return_probs, False)
     return backend.fwd(call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
                        alibi_slopes, rng_state, **extra)
 
@@ -414,8 +406,11 @@ def backend_bwd(backend, dout, q, k, v, out, lse, *, cu_seqlens_q=None, cu_seqle
     """``backend.bwd`` of a call given by the API's keywords (see backend_fwd); ``extra``: grads, dlse, a config."""
     if cu_seqlens_q is None:
         max_seqlen_q, max_seqlen_k = q.shape[1], k.shape[1]
-    call = _backend_call(q, v, cu_seqlens_q, block_table, softmax_scale, causal, window_left, window_right, softcap,
-                         alibi_slopes, dropout_p, False, deterministic, True)
+    from flash_attn._ops import _flat_call
+    from flash_attn.call import for_backward
+
+    call = for_backward(_flat_call(q, v, cu_seqlens_q, block_table, softmax_scale, causal, window_left, window_right,
+                                   softcap, alibi_slopes, dropout_p, False, deterministic))
     return backend.bwd(call, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                        block_table, alibi_slopes, rng_state, **extra)
 

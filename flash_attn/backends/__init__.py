@@ -63,11 +63,10 @@ def core_attention(backend, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
     unbounded) with its forward forced onto ``backend`` and its backward on the dispatcher's choice; lse is exposed,
     so a loss's gradient through it flows back."""
     from flash_attn import _ops
-    from flash_attn.call import describe
     from flash_attn.dispatch import use_backend
 
-    call = describe(q, v, varlen=cu_seqlens_q is not None, causal=causal, window_left=window_left,
-                    window_right=window_right, softcap=softcap, deterministic=deterministic, scale=softmax_scale)
+    call = _ops._flat_call(q, v, cu_seqlens_q, None, softmax_scale, causal, window_left, window_right, softcap, None,
+                           0.0, False, deterministic)
     with use_backend(backend):
         out, lse, _ = _ops.attention(call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, None,
                                      None, None, True)
@@ -78,11 +77,10 @@ def core_backward(backend, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, 
                   softmax_scale, causal, window_left, window_right, softcap, deterministic, dlse=None):
     """(dq, dk, dv) of the dispatcher's backward for a forward that ``backend`` ran (flash_attn::bwd's choice)."""
     from flash_attn import _ops
-    from flash_attn.call import describe
     from flash_attn.dispatch import use_backend
 
-    call = describe(q, v, varlen=cu_seqlens_q is not None, causal=causal, window_left=window_left,
-                    window_right=window_right, softcap=softcap, deterministic=deterministic, scale=softmax_scale)
+    call = _ops._flat_call(q, v, cu_seqlens_q, None, softmax_scale, causal, window_left, window_right, softcap, None,
+                           0.0, False, deterministic)
     with use_backend(backend):
         return _ops._backward(call, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                               None, None, None, dlse)

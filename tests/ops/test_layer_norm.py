@@ -730,3 +730,25 @@ def test_layer_norm_linear_fn_matches_norm_then_linear(is_rms_norm, prenorm, res
     for a, e in zip(torch.autograd.grad(got, params), torch.autograd.grad(want, params)):
         assert a.dtype == e.dtype
         torch.testing.assert_close(a, e, atol=1e-5, rtol=1e-4)
+
+
+def test_the_backend_switch_steers_the_fused_ops(fa_env):
+    """flash_attn.use_backend / FLASH_ATTN_BACKEND pick the ops' path as they pick attention's: "torch" the PyTorch
+    one, "triton" the Triton one (an error where it cannot run), nothing forced: by device."""
+    import flash_attn
+    from flash_attn.ops.triton import use_triton
+
+    x = torch.zeros(2, 8)
+    auto = triton_runs_on(x.device)
+    assert use_triton(x) is auto
+    with flash_attn.use_backend("torch"):
+        assert use_triton(x) is False
+    fa_env(BACKEND="torch")
+    assert use_triton(x) is False
+    fa_env(BACKEND=None)
+    with flash_attn.use_backend("triton"):
+        if auto:
+            assert use_triton(x) is True
+        else:
+            with pytest.raises(RuntimeError, match="backend 'triton' was forced"):
+                use_triton(x)
