@@ -2,13 +2,20 @@
 turn a padded (B, S, ...) batch and its attention mask into the packed (total_tokens, ...) layout with
 cu_seqlens that the varlen attention functions take, and back.
 """
+import math
+
 import torch
 import torch.nn.functional as F
 
 
+def _rows(t):
+    # (N, ...) -> (N, prod(...)); an explicit width so that N = 0 (an empty batch) reshapes too
+    return t.reshape(t.shape[0], math.prod(t.shape[1:]))
+
+
 def index_first_axis(input, indices):
     """input (N, ...) -> input[indices] (len(indices), ...); differentiable (scatter in backward)."""
-    return input.reshape(input.shape[0], -1)[indices].reshape(indices.shape[0], *input.shape[1:])
+    return _rows(input)[indices].reshape(indices.shape[0], *input.shape[1:])
 
 
 def index_put_first_axis(values, indices, first_axis_dim):
@@ -61,7 +68,7 @@ class IndexFirstAxisResidual(torch.autograd.Function):
         (indices,) = ctx.saved_tensors
         grad_input = (grad_residual.clone(memory_format=torch.contiguous_format) if grad_residual is not None
                       else grad_output.new_zeros(ctx.input_shape))
-        grad_input.reshape(grad_input.shape[0], -1).index_add_(0, indices, grad_output.reshape(indices.shape[0], -1))
+        _rows(grad_input).index_add_(0, indices, _rows(grad_output))
         return grad_input, None
 
 

@@ -248,3 +248,17 @@ def test_varlen_sequences_are_independent():
     _assert_independent(m[0, :, :25, :25], m[2, :, :25, :25], p, "sequences 0 and 2")
     _assert_fraction(m[1], 1 - p, "keep fraction of sequence 1")
     assert not m[2, :, 25:].any() and not m[2, :, :, 25:].any()
+
+
+def test_new_rng_state_is_two_replayable_31_bit_seeds():
+    """Two int64 seeds, both in [0, 2**31 - 1) so every kernel can take them as int32, drawn from torch's default
+    generator: ``torch.manual_seed`` replays them and successive calls differ."""
+    torch.manual_seed(123)
+    draws = torch.stack([fa_dropout.new_rng_state() for _ in range(200)])
+    assert draws.shape == (200, 2) and draws.dtype == torch.int64
+    assert int(draws.min()) >= 0 and int(draws.max()) < 2**31 - 1
+    assert int(draws.max()) > 2**30  # the full 31-bit range is used, not a narrow one
+    assert len({tuple(d) for d in draws.tolist()}) == 200
+    assert (draws[:, 0] != draws[:, 1]).any()
+    torch.manual_seed(123)
+    assert torch.equal(fa_dropout.new_rng_state(), draws[0])

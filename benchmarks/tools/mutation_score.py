@@ -1,0 +1,164 @@
+"""Mutation score of the CPU test suite over the core modules the CPU can judge (mutmut 3).
+
+mutmut copies the sources into ``mutants/``, puts every mutation of a function behind a trampoline and, for each
+mutant, runs the tests that reach that function; a mutant is *killed* when one of them fails. The score per module
+is killed / (mutants - survivors judged equivalent). Slow (tens of minutes on 2 cores): a script, not part of CI.
+
+The run happens in a scratch copy laid out like the installed wheel (``ops/``, ``modules/``, ``models/``,
+``training/`` under ``flash_attn/``): mutmut names a mutant by its file's module path, and the code imports
+``flash_attn.ops...``, which only the wheel layout gives both. The backends are put on ``PYTHONPATH`` unmutated.
+
+    pip install mutmut
+    python -m benchmarks.tools.mutation_score [--only dropout,bert_padding] [--workdir /tmp/fa-mutation]
+        [--max-children 2] [--out benchmarks/results/mutation.md]
+
+Survivors judged equivalent (no test can tell them apart from the original) are listed in ``EQUIVALENT`` with the
+reason; the table counts them apart.
+"""
+import argparse
+import datetime
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# module (path inside the wheel layout) -> the CPU test files that judge it
+SUITES = {
+    "dropout": (["flash_attn/dropout.py"], ["tests/reference/test_dropout.py"]),
+    "bert_padding": (["flash_attn/bert_padding.py"], ["tests/api/test_bert_padding.py"]),
+    "checks": (["flash_attn/_checks.py"], ["tests/api/test_checks.py", "tests/api/test_api.py"]),
+    "dispatch": (["flash_attn/dispatch.py", "flash_attn/call.py"], ["tests/dispatch"]),
+    "reference": (["flash_attn/reference.py"], ["tests/reference/test_reference.py",
+                                                "tests/reference/test_reference_kvcache.py"]),
+    "rotary": (["flash_attn/layers/rotary.py", "flash_attn/ops/triton/rotary.py"], ["tests/ops/test_rotary.py"]),
+    "cross_entropy": (["flash_attn/losses/cross_entropy.py", "flash_attn/ops/triton/cross_entropy.py"],
+                      ["tests/ops/test_cross_entropy.py"]),
+    "layer_norm_torch": (["flash_attn/ops/triton/layer_norm_torch.py"], ["tests/ops/test_layer_norm.py"]),
+    "checkpoint": (["flash_attn/training/checkpoint.py"], ["tests/training/test_training.py"]),
+}
+
+# mutant name -> why no test can tell it from the original
+EQUIVALENT = {}
+
+
+def build_scratch(workdir: Path, suites):
+    if workdir.exists():
+        shutil.rmtree(workdir)
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    shutil.copytree(ROOT / "flash_attn", workdir / "flash_attn", ignore=ignore)
+    for sub in ("ops", "modules", "models", "training"):
+        shutil.copytree(ROOT / sub, workdir / "flash_attn" / sub, ignore=ignore)
+    shutil.copytree(ROOT / "packages", workdir / "packages", ignore=ignore)
+    shutil.copytree(ROOT / "tests", workdir / "tests", ignore=ignore)
+    shutil.copytree(ROOT / "benchmarks", workdir / "benchmarks", ignore=shutil.ignore_patterns(
+        "__pycache__", "*.pyc", "results"))
+    shutil.copy2(ROOT / "pyproject.toml", workdir / "pyproject.toml")
+    files = [f for s in suites for f in SUITES[s][0]]
+    tests = sorted({t for s in suites for t in SUITES[s][1]})
+    lines = ["[mutmut]", "source_paths = flash_attn", "only_mutate ="] + [f"    {f}" for f in files]
+    lines += ["tests_dir ="] + [f"    {t}" for t in tests]
+    lines += ["also_copy =", "    benchmarks", "pytest_add_cli_args =", "    -p", "    no:cacheprovider",
+              "    -m", "    not gpu and not slow", ""]
+    (workdir / "setup.cfg").write_text("\n".join(lines))
+    return files
+
+
+def run_mutmut(workdir: Path, max_children: int):
+    env = dict(os.environ)
+    backends = [str(p) for p in sorted((workdir / "packages").glob("*")) if (p / "flash_attn").is_dir()]
+    env["PYTHONPATH"] = os.pathsep.join(backends + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.setdefault("TRITON_INTERPRET", "1")
+    subprocess.run(["mutmut", "run", "--max-children", str(max_children)], cwd=workdir, env=env, check=False)
+    out = subprocess.run(["mutmut", "results", "--all", "true"], cwd=workdir, env=env, capture_output=True,
+                         text=True, check=False)
+    return out.stdout
+
+
+RESULT = re.compile(r"^\s*(\S+__mutmut_\d+):\s*(\w[\w ]*)$")
+
+
+def parse(results: str):
+    rows = {}
+    for line in results.splitlines():
+        m = RESULT.match(line)
+        if m:
+            rows[m.group(1)] = m.group(2).strip()
+    return rows
+
+
+def module_of(mutant: str, files):
+    for f in files:
+        mod = f[:-3].replace("/", ".")
+        if mutant.startswith(mod + "."):
+            return f
+    return "?"
+
+
+def table(rows, files):
+    per = {f: {"killed": 0, "survived": 0, "equivalent": 0, "no tests": 0, "timeout": 0, "other": 0}
+           for f in files}
+    survivors = []
+    for name, status in sorted(rows.items()):
+        f = module_of(name, files)
+        bucket = per.setdefault(f, dict.fromkeys(per[files[0]], 0))
+        if status == "killed":
+            bucket["killed"] += 1
+        elif status == "survived":
+            if name in EQUIVALENT:
+                bucket["equivalent"] += 1
+            else:
+                bucket["survived"] += 1
+                survivors.append(name)
+        elif status == "no tests":
+            bucket["no tests"] += 1
+            survivors.append(name)
+        elif status == "timeout":
+            bucket["timeout"] += 1  # a mutant that hangs the tests counts as caught
+        else:
+            bucket["other"] += 1
+    lines = ["| module | mutants | killed (incl. timeouts) | survived | no tests | equivalent | score |",
+             "|---|---|---|---|---|---|---|"]
+    for f, b in per.items():
+        total = sum(b.values())
+        judged = total - b["equivalent"] - b["other"]
+        caught = b["killed"] + b["timeout"]
+        score = f"{100.0 * caught / judged:.1f}%" if judged else "-"
+        lines.append(f"| `{f}` | {total} | {caught} | {b['survived']} | {b['no tests']} | {b['equivalent']} |"
+                     f" {score} |")
+    return lines, survivors
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", default=",".join(SUITES), help="comma-separated suites: " + ", ".join(SUITES))
+    p.add_argument("--workdir", default="/tmp/fa-mutation")
+    p.add_argument("--max-children", type=int, default=os.cpu_count() or 2)
+    p.add_argument("--out", default=None, help="markdown file for the table (default: print only)")
+    args = p.parse_args(argv)
+    suites = [s for s in args.only.split(",") if s]
+    unknown = [s for s in suites if s not in SUITES]
+    if unknown:
+        p.error(f"--only: unknown suites {unknown}; choose from {sorted(SUITES)}")
+    if shutil.which("mutmut") is None:
+        sys.exit("mutmut is not installed: pip install mutmut")
+    workdir = Path(args.workdir)
+    files = build_scratch(workdir, suites)
+    rows = parse(run_mutmut(workdir, args.max_children))
+    lines, survivors = table(rows, files)
+    report = "\n".join(lines)
+    print(report)
+    if survivors:
+        print(f"\n{len(survivors)} survivors (`mutmut show NAME` in {workdir}):")
+        print("\n".join(survivors))
+    if args.out:
+        date = datetime.date.today().isoformat()
+        cmd = "python -m benchmarks.tools.mutation_score --only " + ",".join(suites)
+        Path(args.out).write_text(f"# Mutation score ({date})\n\n`{cmd}` (mutmut, CPU tests)\n\n{report}\n")
+
+
+if __name__ == "__main__":
+    main()
