@@ -61,7 +61,9 @@ def build_scratch(workdir: Path, suites):
     tests = sorted({t for s in suites for t in SUITES[s][1]})
     lines = ["[mutmut]", "source_paths = flash_attn", "only_mutate ="] + [f"    {f}" for f in files]
     lines += ["tests_dir ="] + [f"    {t}" for t in tests]
-    lines += ["also_copy =", "    benchmarks", "pytest_add_cli_args =", "    -p", "    no:cacheprovider",
+    # a mutant's run includes pytest collecting its files (seconds for the large parametrized ones), which
+    # mutmut's default allowance (1 s + 15x the tests' own time) mistakes for a hang
+    lines += ["timeout_constant = 60", "also_copy =", "    benchmarks", "pytest_add_cli_args =", "    -p", "    no:cacheprovider",
               "    -m", "    not gpu and not slow", ""]
     (workdir / "setup.cfg").write_text("\n".join(lines))
     return files

@@ -355,3 +355,56 @@ def test_amd_backend_specialises_on_storage_size():
     spec = amd.HIPBackend.get_tensor_specialization
     assert "S" in spec(small, align=True) and "S" not in spec(big, align=True)
     assert _key(_args(t0=small)) == _key(_args(t0=torch.empty(1 << 20, dtype=torch.float16)[:64]))
+
+
+# ----------------------------------------------------------------------------- out of shared memory
+class _SmemBoundKernel(_FakeKernel):
+    """A kernel whose launch needs more shared memory than the GPU has above ``fits`` pipeline stages."""
+
+    def __init__(self, fits, **kw):
+        super().__init__(len(DNS), DNS, **kw)
+        self.fits = fits
+        self.stages_tried = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **meta):
+            stages = meta.get("num_stages", 3)  # Triton's default on NVIDIA
+            self.stages_tried.append(stages)
+            if stages > self.fits:
+                raise _launch.OutOfResources(50000 * stages, 101376, "shared memory")
+            self.log.append(("slow", args))
+            return _FakeCompiled(self.log)
+        return launch
+
+
+@pytest.mark.parametrize("fast_path", [True, False])
+def test_a_launch_out_of_shared_memory_runs_with_fewer_stages(monkeypatch, fast_path):
+    monkeypatch.setattr(_launch, "_INTERPRET", not fast_path)
+    monkeypatch.setattr(_launch, "_current_device", lambda: 0)
+    monkeypatch.setattr(_launch, "_current_stream", lambda device: 99)
+    kernel = _SmemBoundKernel(fits=2)
+    launcher = _launch.Launcher(kernel)
+    if fast_path and not launcher.enabled:
+        pytest.skip("this Triton has no knobs/driver internals: the fast path is off")
+    plan = object()
+    with pytest.warns(RuntimeWarning, match="num_stages=2 instead of 3"):
+        launcher((1,), _args(), dict(BLOCK=64, num_warps=4, num_stages=4), plan)
+    assert kernel.stages_tried == [4, 3, 2]
+    assert launcher.stages[plan] == 2
+    # the plan remembers what fit: the next launch does not try the larger counts again
+    launcher((1,), _args(stride=100), dict(BLOCK=64, num_warps=4, num_stages=4), plan)
+    assert kernel.stages_tried[3:] == [2]
+    if fast_path:
+        launcher((1,), _args(), dict(BLOCK=64, num_warps=4, num_stages=4), plan)
+        assert kernel.log[-1][0] == "fast"
+
+
+def test_a_launch_that_does_not_fit_with_one_stage_raises(monkeypatch):
+    monkeypatch.setattr(_launch, "_INTERPRET", True)
+    kernel = _SmemBoundKernel(fits=0)
+    launcher = _launch.Launcher(kernel)
+    with pytest.warns(RuntimeWarning), pytest.raises(_launch.OutOfResources, match="shared memory"):
+        launcher((1,), _args(), dict(BLOCK=64, num_warps=4, num_stages=2), object())
+    assert kernel.stages_tried == [2, 1]
+    with pytest.raises(_launch.OutOfResources):  # no stage count to lower: Triton's error as it is
+        launcher((1,), _args(), dict(BLOCK=64, num_warps=4), object())

@@ -41,9 +41,17 @@ the same, so the entries cached so far stay valid.
 from __future__ import annotations
 
 import operator
+import warnings
+
 import torch
 
 from flash_attn.triton import settings
+
+try:
+    from triton.runtime.errors import OutOfResources
+except ImportError:  # no Triton: nothing raises it
+    class OutOfResources(Exception):
+        pass
 
 try:
     from triton import knobs as _knobs
@@ -192,6 +200,11 @@ class Launcher:
     argument position must hold the same kind of value (tensor or None / int / float) on every call with
     that ``plan_key``; everything else Triton specialises on (the None pattern of the pointers included)
     is read from ``args`` (see the module docstring).
+
+    A launch whose kernel needs more shared memory than the GPU has (``OutOfResources``: a config chosen for
+    a larger GPU of the family, or a Triton that pipelines more than the table assumed) runs again with one
+    pipeline stage fewer at a time, down to one; the plan keeps the stage count that fit, with one warning.
+    The grid does not depend on the stage count, so the retry computes the same result.
     """
 
     def __init__(self, kernel):
@@ -199,6 +212,7 @@ class Launcher:
         self.slow_launches = 0  # calls that took Triton's own path (benchmarks report it)
         self.cache = {}  # (plan_key, device, spec_key part) -> (launcher, function, packed metadata, tail)
         self.layouts = {}  # plan_key -> Layout, or None when the fast path cannot serve the plan
+        self.stages = {}  # plan_key -> the num_stages that fit this GPU, where meta's did not
         params = getattr(kernel, "params", None)
         self.enabled = (not _INTERPRET and not _HIP and _knobs is not None and params is not None
                         and hasattr(kernel, "device_caches"))
@@ -214,10 +228,29 @@ class Launcher:
         self.nullable = [getattr(p, "annotation_type", None) == "" for p in params[:self.n_args]]
         self.constexprs = [(p.name, p.default if p.has_default else self) for p in params[self.n_args:]]
 
+    def _slow(self, grid, args, meta, plan_key):
+        """Triton's own launch, with the stage fallback; returns (compiled kernel, the meta it ran with)."""
+        self.slow_launches += 1
+        stages = self.stages.get(plan_key)
+        if stages is not None:
+            meta = {**meta, "num_stages": stages}
+        while True:
+            try:
+                return self.kernel[grid](*args, **meta), meta
+            except OutOfResources as e:
+                n = meta.get("num_stages")
+                if n is None or n <= 1 or getattr(e, "name", "shared memory") != "shared memory":
+                    raise
+                name = getattr(self.kernel, "__name__", None) or getattr(getattr(self.kernel, "fn", None),
+                                                                         "__name__", "a Triton kernel")
+                warnings.warn(f"{name}: {e}; running it with num_stages={n - 1} instead of {n} on this GPU",
+                              RuntimeWarning, stacklevel=3)
+                meta = {**meta, "num_stages": n - 1}
+                self.stages[plan_key] = n - 1
+
     def __call__(self, grid, args, meta, plan_key):
         if not self.enabled:
-            self.slow_launches += 1
-            self.kernel[grid](*args, **meta)
+            self._slow(grid, args, meta, plan_key)
             return
         layout = self.layouts.get(plan_key)
         if layout is not None and _hooks_idle() and not self.kernel.pre_run_hooks:
@@ -234,8 +267,7 @@ class Launcher:
                         _current_stream(device), function, packed, None, None, None,
                         *ptrs, *args[layout.n_ptr:], *tail)
                     return
-        self.slow_launches += 1
-        compiled = self.kernel[grid](*args, **meta)
+        compiled, meta = self._slow(grid, args, meta, plan_key)
         self._remember(compiled, args, meta, plan_key)
 
     def _remember(self, compiled, args, meta, plan_key):
