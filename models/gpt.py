@@ -15,6 +15,10 @@ fields FlashAttention 2 reads, all optional (default in parentheses):
     qkv_proj_bias, out_proj_bias, mlp_fc1_bias, mlp_fc2_bias (True), lm_head_bias (False)
     mlp_multiple_of (128)         GatedMlp hidden size rounding
     pad_vocab_size_multiple (1)   embedding rows padded up to a multiple (tensor-core friendly)
+    norm_head (False)             logits from L2-normalized LM head rows (Baichuan 2)
+    muP (Yang et al. 2022, "Tensor Programs V"; BTLM): mup_scale_qk_dot_by_d (False) scales attention scores by
+        1 / head_dim instead of 1 / sqrt(head_dim); mup_embeddings_multiplier (1.0) multiplies the embeddings;
+        mup_output_multiplier * mup_width_scale (1.0 each) multiplies the LM head's input
     use_flash_attn, fused_bias_fc, fused_mlp, fused_dropout_add_ln (False), mlp_checkpoint_lvl (0)
 
 Parameter names match FA2's ``flash_attn.models.gpt`` (``transformer.embeddings``, ``transformer.layers.{i}``
@@ -116,7 +120,8 @@ def create_mixer_cls(config, layer_idx=None, device=None, dtype=None):
     """Attention constructor for layer layer_idx: dim -> MHA."""
     factory_kwargs = {"device": device, "dtype": dtype}
     head_dim = config.n_embd // config.n_head
-    softmax_scale = head_dim ** -0.5 if _get(config, "scale_attn_weights", True) else 1.0
+    power = 1.0 if _get(config, "mup_scale_qk_dot_by_d", False) else 0.5
+    softmax_scale = head_dim ** -power if _get(config, "scale_attn_weights", True) else 1.0
     if _get(config, "scale_attn_by_inverse_layer_idx", False):
         if layer_idx is None:
             raise ValueError("scale_attn_by_inverse_layer_idx needs layer_idx")
@@ -235,6 +240,7 @@ class GPTModel(GPTPreTrainedModel):
         self.parallel_block = _get(config, "parallel_block", False)
         self.residual_in_fp32 = _get(config, "residual_in_fp32", False)
         self.fused_dropout_add_ln = _get(config, "fused_dropout_add_ln", False)
+        self.embeddings_multiplier = _get(config, "mup_embeddings_multiplier", 1.0)
         multiple = _get(config, "pad_vocab_size_multiple", 1)
         vocab_size = math.ceil(config.vocab_size / multiple) * multiple
         self.embeddings = GPT2Embeddings(config.n_embd, vocab_size, _get(config, "n_positions", 0),
@@ -253,6 +259,8 @@ class GPTModel(GPTPreTrainedModel):
 
     def forward(self, input_ids, position_ids=None, inference_params=None):
         hidden_states = self.embeddings(input_ids, position_ids=position_ids)  # (B, S, D)
+        if self.embeddings_multiplier != 1.0:
+            hidden_states = hidden_states * self.embeddings_multiplier
         hidden_states2 = None
         residual = None
         mixer_kwargs = {"inference_params": inference_params} if inference_params is not None else None
@@ -297,6 +305,8 @@ class GPTLMHeadModel(GPTPreTrainedModel, GenerationMixin):
             self.project_out = None
         self.lm_head = Linear(proj_dim if proj_dim is not None else config.n_embd, vocab_size,
                                  bias=_get(config, "lm_head_bias", False), **factory_kwargs)
+        self.output_scale = _get(config, "mup_output_multiplier", 1.0) * _get(config, "mup_width_scale", 1.0)
+        self.norm_head = _get(config, "norm_head", False)
         self.apply(partial(_init_weights, n_layer=config.n_layer,
                            initializer_range=_get(config, "initializer_range", 0.02)))
         self.tie_weights()
@@ -316,6 +326,11 @@ class GPTLMHeadModel(GPTPreTrainedModel, GenerationMixin):
             hidden_states = hidden_states[:, -num_last_tokens:]
         if self.project_out is not None:
             hidden_states = self.project_out(hidden_states)
+        if self.output_scale != 1.0:
+            hidden_states = hidden_states * self.output_scale
+        if self.norm_head:
+            return CausalLMOutput(logits=F.linear(hidden_states, F.normalize(self.lm_head.weight, dim=-1),
+                                                  self.lm_head.bias))
         return CausalLMOutput(logits=self.lm_head(hidden_states))
 
 
