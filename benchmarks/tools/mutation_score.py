@@ -38,7 +38,7 @@ SUITES = {
     "rotary": (["flash_attn/layers/rotary.py", "flash_attn/ops/triton/rotary.py"],
                ["tests/ops/test_rotary.py", "tests/ops/test_rotary_module.py"]),
     "cross_entropy": (["flash_attn/losses/cross_entropy.py", "flash_attn/ops/triton/cross_entropy.py"],
-                      ["tests/ops/test_cross_entropy.py"]),
+                      ["tests/ops/test_cross_entropy.py", "tests/ops/test_cross_entropy_units.py"]),
     "layer_norm_torch": (["flash_attn/ops/triton/layer_norm_torch.py"], ["tests/ops/test_layer_norm.py"]),
     "checkpoint": (["flash_attn/training/checkpoint.py"], ["tests/training/test_training.py"]),
 }
