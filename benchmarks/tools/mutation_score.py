@@ -26,7 +26,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# module (path inside the wheel layout) -> the CPU test files that judge it
+# The host code that sets up a GPU kernel's launch (block sizes, vector widths, layouts) is judged by the GPU tests,
+# not by these: its functions are left unmutated (regular expressions over the first line of a definition).
+GPU_LAUNCH = [r"^def _ce_(fwd|bwd)_launch\(", r"^def _rotary_launch\(", r"^def _strides4\("]
+
+# suite -> (modules (paths inside the wheel layout), the CPU test files that judge them)
 SUITES = {
     "dropout": (["flash_attn/dropout.py"], ["tests/reference/test_dropout.py"]),
     "bert_padding": (["flash_attn/bert_padding.py"], ["tests/api/test_bert_padding.py"]),
@@ -67,7 +71,8 @@ def build_scratch(workdir: Path, suites):
     # mutmut's default allowance (1 s + 15x the tests' own time) mistakes for a hang
     # torch.compile cannot trace through mutmut's trampolines (they read a contextvar): compile tests are left out
     lines += ["timeout_constant = 30", "also_copy =", "    benchmarks", "pytest_add_cli_args =", "    -p",
-              "    no:cacheprovider", "    -m", "    not gpu and not slow", "    -k", "    not compile", ""]
+              "    no:cacheprovider", "    -m", "    not gpu and not slow", "    -k", "    not compile"]
+    lines += ["do_not_mutate_patterns ="] + [f"    {p}" for p in GPU_LAUNCH] + [""]
     (workdir / "setup.cfg").write_text("\n".join(lines))
     return files
 
