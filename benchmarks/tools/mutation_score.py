@@ -51,18 +51,26 @@ SUITES = {
 EQUIVALENT = {}
 
 
-def build_scratch(workdir: Path, suites):
+def export_head(dest: Path):
+    """The committed tree (HEAD), so that edits in progress in the checkout do not enter a run."""
+    dest.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", "HEAD"], capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    return dest
+
+
+def build_scratch(workdir: Path, suites, source: Path = ROOT):
     if workdir.exists():
         shutil.rmtree(workdir)
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-    shutil.copytree(ROOT / "flash_attn", workdir / "flash_attn", ignore=ignore)
+    shutil.copytree(source / "flash_attn", workdir / "flash_attn", ignore=ignore)
     for sub in ("ops", "modules", "models", "training"):
-        shutil.copytree(ROOT / sub, workdir / "flash_attn" / sub, ignore=ignore)
-    shutil.copytree(ROOT / "packages", workdir / "packages", ignore=ignore)
-    shutil.copytree(ROOT / "tests", workdir / "tests", ignore=ignore)
-    shutil.copytree(ROOT / "benchmarks", workdir / "benchmarks", ignore=shutil.ignore_patterns(
+        shutil.copytree(source / sub, workdir / "flash_attn" / sub, ignore=ignore)
+    shutil.copytree(source / "packages", workdir / "packages", ignore=ignore)
+    shutil.copytree(source / "tests", workdir / "tests", ignore=ignore)
+    shutil.copytree(source / "benchmarks", workdir / "benchmarks", ignore=shutil.ignore_patterns(
         "__pycache__", "*.pyc", "results"))
-    shutil.copy2(ROOT / "pyproject.toml", workdir / "pyproject.toml")
+    shutil.copy2(source / "pyproject.toml", workdir / "pyproject.toml")
     files = [f for s in suites for f in SUITES[s][0]]
     tests = sorted({t for s in suites for t in SUITES[s][1]})
     lines = ["[mutmut]", "source_paths = flash_attn", "only_mutate ="] + [f"    {f}" for f in files]
@@ -151,6 +159,7 @@ def main(argv=None):
     p.add_argument("--workdir", default="/tmp/fa-mutation")
     p.add_argument("--max-children", type=int, default=os.cpu_count() or 2)
     p.add_argument("--out", default=None, help="markdown file for the table (default: print only)")
+    p.add_argument("--worktree", action="store_true", help="mutate the checkout as it is, not the committed HEAD")
     args = p.parse_args(argv)
     suites = [s for s in args.only.split(",") if s]
     unknown = [s for s in suites if s not in SUITES]
@@ -159,7 +168,14 @@ def main(argv=None):
     if shutil.which("mutmut") is None:
         sys.exit("mutmut is not installed: pip install mutmut")
     workdir = Path(args.workdir)
-    files = build_scratch(workdir, suites)
+    if args.worktree:
+        files = build_scratch(workdir, suites)
+    else:
+        head = workdir.with_name(workdir.name + "-head")
+        if head.exists():
+            shutil.rmtree(head)
+        files = build_scratch(workdir, suites, export_head(head))
+        shutil.rmtree(head)
     rows = parse(run_mutmut(workdir, args.max_children))
     lines, survivors = table(rows, files)
     report = "\n".join(lines)
