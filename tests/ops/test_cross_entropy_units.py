@@ -175,3 +175,91 @@ def test_argument_messages():
         cross_entropy_loss(logits, labels, precomputed_lse=torch.zeros(2))
     with pytest.raises(NotImplementedError, match=r"^reduction must be 'mean', 'sum' or 'none', got 'avg'$"):
         CrossEntropyLoss(reduction="avg")
+
+
+# ----------------------------------------------------------------------------------------------------
+# The vocab-parallel forward in one process: two threads play the ranks of a process group whose collectives
+# exchange tensors through shared memory (the gloo test in test_cross_entropy.py runs real processes)
+
+
+class _ThreadGroup:
+    def __init__(self, world):
+        import threading
+
+        self.world, self.local = world, threading.local()
+        self.barrier = threading.Barrier(world)
+        self.slots = [None] * world
+
+    def rank(self, group=None):
+        return self.local.rank
+
+    def size(self, group=None):
+        return self.world
+
+    def _exchange(self, t):
+        self.slots[self.local.rank] = t.clone()
+        self.barrier.wait()
+        got = list(self.slots)
+        self.barrier.wait()
+        return got
+
+    def all_gather(self, out, t, group=None):
+        for o, g in zip(out, self._exchange(t)):
+            o.copy_(g)
+
+    def all_reduce(self, t, op=None, group=None):
+        assert op == torch.distributed.ReduceOp.SUM
+        t.copy_(torch.stack(self._exchange(t)).sum(0))
+
+
+@pytest.mark.parametrize("smoothing,zloss", [(0.0, 0.0), (0.1, 0.01)])
+def test_vocab_parallel_forward_and_backward_in_threads(monkeypatch, smoothing, zloss):
+    import threading
+
+    pg = _ThreadGroup(2)
+    monkeypatch.setattr(torch.distributed, "get_rank", pg.rank)
+    monkeypatch.setattr(torch.distributed, "get_world_size", pg.size)
+    monkeypatch.setattr(torch.distributed, "all_gather", pg.all_gather)
+    monkeypatch.setattr(torch.distributed, "all_reduce", pg.all_reduce)
+    logits, labels = _data(rows=5, vocab=12)
+    labels[2], labels[3] = 1, 9  # one label on each shard
+    results, errors = [None, None], []
+
+    def rank_main(rank):
+        try:
+            pg.local.rank = rank
+            with flash_attn.use_backend("torch"):
+                x = logits[:, rank * 6:(rank + 1) * 6].clone().requires_grad_()
+                loss, z = cross_entropy_loss(x, labels, label_smoothing=smoothing, lse_square_scale=zloss,
+                                             process_group=object())
+                (dx,) = torch.autograd.grad(loss.sum(), x)
+            results[rank] = (loss.detach(), z, dx)
+        except BaseException as e:  # reported by the main thread
+            errors.append(e)
+            pg.barrier.abort()
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    x = logits.clone().requires_grad_()
+    valid = labels != -100
+    lse = torch.logsumexp(x, -1)
+    ref = torch.where(valid, F.cross_entropy(x, labels, reduction="none", label_smoothing=smoothing)
+                      + zloss * lse.square(), 0.0)
+    (dref,) = torch.autograd.grad(ref.sum(), x)
+    for rank, (loss, z, dx) in enumerate(results):
+        torch.testing.assert_close(loss, ref.detach())
+        torch.testing.assert_close(z, torch.where(valid, zloss * lse.square(), 0.0).detach())
+        torch.testing.assert_close(dx, dref[:, rank * 6:(rank + 1) * 6])
+
+
+def test_strided_and_meta_logits():
+    logits, labels = _data()
+    t = logits.t().contiguous().t()  # stride(-1) != 1
+    assert t.stride(-1) != 1
+    torch.testing.assert_close(cross_entropy_loss(t, labels)[0], cross_entropy_loss(logits, labels)[0])
+    losses, z = cross_entropy_loss(logits.to("meta"), labels.to("meta"))
+    assert losses.device.type == "meta" and z.device.type == "meta" and losses.dtype == torch.float32
