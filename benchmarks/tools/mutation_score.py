@@ -44,7 +44,8 @@ SUITES = {
     "cross_entropy": (["flash_attn/losses/cross_entropy.py", "flash_attn/ops/triton/cross_entropy.py"],
                       ["tests/ops/test_cross_entropy.py", "tests/ops/test_cross_entropy_units.py"]),
     "layer_norm_torch": (["flash_attn/ops/triton/layer_norm_torch.py"], ["tests/ops/test_layer_norm.py"]),
-    "checkpoint": (["flash_attn/training/checkpoint.py"], ["tests/training/test_training.py"]),
+    "checkpoint": (["flash_attn/training/checkpoint.py"], ["tests/training/test_training.py",
+                                                        "tests/training/test_checkpoint_units.py"]),
 }
 
 # mutant name -> why no test can tell it from the original
