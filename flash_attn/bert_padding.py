@@ -60,14 +60,14 @@ class IndexFirstAxisResidual(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input, indices):
         ctx.save_for_backward(indices)
-        ctx.input_shape = input.shape
         return index_first_axis(input, indices), input.detach()
 
     @staticmethod
     def backward(ctx, grad_output, grad_residual):
         (indices,) = ctx.saved_tensors
-        grad_input = (grad_residual.clone(memory_format=torch.contiguous_format) if grad_residual is not None
-                      else grad_output.new_zeros(ctx.input_shape))
+        # autograd materialises an unused output's gradient as zeros, so grad_residual is always a tensor; a
+        # contiguous copy, because the rows are added into it through a reshaped view
+        grad_input = grad_residual.clone(memory_format=torch.contiguous_format)
         _rows(grad_input).index_add_(0, indices, _rows(grad_output))
         return grad_input, None
 

@@ -117,6 +117,53 @@ def test_qkv_follows_the_rules_on_coinciding_shapes(varlen):
     assert accepted > 300 and rejected > 300  # both sides of every rule get exercised
 
 
+def _perturbations(q, k, v):
+    """Inputs one step from the valid (q, k, v): a dimension of 1 inserted, the last two dims' storage swapped,
+    a layout whose stride 1 is on another dimension."""
+    out = []
+    for i in range(3):
+        t = [q, k, v]
+        for j in range(t[i].dim() + 1):
+            u = list(t)
+            u[i] = t[i].unsqueeze(j)
+            out.append(u)
+        u = list(t)
+        u[i] = t[i].transpose(-1, -2).contiguous().transpose(-1, -2)  # stride(-2) == 1
+        out.append(u)
+        u = list(t)
+        u[i] = t[i].permute(*range(t[i].dim() - 1, -1, -1)).contiguous().permute(*range(t[i].dim() - 1, -1, -1))
+        out.append(u)  # column-major: stride(0) == 1
+    out.append([q, k.unsqueeze(-2), v.unsqueeze(-2)])  # k and v agree with each other, not with q
+    out.append([q, k[..., 0, :], v[..., 0, :]])
+    return out
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize("shape", [(2, 3, 4, 5), (1, 2, 2, 2), (3, 5, 1, 1), (2, 1, 4, 256)])
+def test_qkv_follows_the_rules_one_step_from_a_valid_call(varlen, shape):
+    q = torch.zeros(shape if not varlen else shape[1:], dtype=F16)
+    kshape = (*q.shape[:-2], max(1, q.shape[-2] // 2), q.shape[-1])
+    k, v = torch.zeros(kshape, dtype=F16), torch.zeros(kshape, dtype=F16)
+    assert _rule(q, k, v, varlen) is None
+    for case in _perturbations(q, k, v):
+        want = _rule(*case, varlen)
+        try:
+            got = _checks.qkv(*case, varlen)
+        except (TypeError, ValueError) as e:
+            assert want is type(e), ([tuple(t.shape) for t in case], [t.stride() for t in case], e)
+            continue
+        assert want is None, ([tuple(t.shape) for t in case], [t.stride() for t in case], "accepted")
+        assert got == (case[0].shape[-2], case[1].shape[-2], case[0].shape[-1], case[2].shape[-1])
+
+
+@pytest.mark.parametrize("d,dv", [(256, 256), (1, 1), (1, 256)])
+def test_varlen_paged_layout_takes_the_full_checks_at_the_head_dim_bounds(d, dv):
+    # a varlen call with 4-D (paged) k / v misses the one-pass acceptance: the full checks must accept it too
+    q = torch.zeros(10, 4, d, dtype=F16)
+    k, v = torch.zeros(3, 16, 2, d, dtype=F16), torch.zeros(3, 16, 2, dv, dtype=F16)
+    assert _checks.qkv(q, k, v, True) == (4, 2, d, dv)
+
+
 @pytest.mark.parametrize("q,k,v", [
     ((2, 3, 4, 4), (2, 3, 4, 4), (2, 3, 4, 4)),          # every size a candidate for the wrong dimension
     ((2, 2, 2, 2), (2, 2, 1, 2), (2, 2, 1, 2)),
@@ -281,6 +328,15 @@ def test_cu_seqlens_values_messages():
         _checks.cu_seqlens_values("cu_seqlens_k", cu.clone(), 7, 3)
     _checks.cu_seqlens_values("cu_seqlens_k", cu.clone(), 7, 4)
     _checks.cu_seqlens_values("cu_seqlens_k", cu.clone(), None, 4)
+
+
+def test_cu_seqlens_values_are_checked_again_for_other_bounds():
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    _checks.cu_seqlens_values("cu_seqlens_q", cu, 7, 4)
+    with pytest.raises(ValueError, match="max_seqlen"):
+        _checks.cu_seqlens_values("cu_seqlens_q", cu, 7, 3)  # the same tensor, a smaller max_seqlen
+    with pytest.raises(ValueError, match="exceeds the number of tokens"):
+        _checks.cu_seqlens_values("cu_seqlens_q", cu, 6, 4)
 
 
 def test_range_values():

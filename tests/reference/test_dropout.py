@@ -262,3 +262,17 @@ def test_new_rng_state_is_two_replayable_31_bit_seeds():
     assert (draws[:, 0] != draws[:, 1]).any()
     torch.manual_seed(123)
     assert torch.equal(fa_dropout.new_rng_state(), draws[0])
+
+
+def test_keep_mask_keeps_a_hash_equal_to_the_threshold():
+    """keep iff u >= floor(p * 2**32): choose p so that the threshold is exactly one element's hash."""
+    rng = torch.tensor([11, 22])
+    b, h, i, j = (torch.tensor(0),) * 4
+    seed0, seed1 = 11, 22
+    row = 0
+    u = int(fa_dropout.hash32(fa_dropout.hash32(fa_dropout.hash32(torch.tensor((row & 0xFFFFFFFF) ^ seed0))
+                                                 ^ seed1 ^ (row >> 32)) ^ 0))
+    p = u / 2**32
+    assert fa_dropout.threshold(p) == u
+    assert bool(fa_dropout.keep_mask(rng, b, h, i, j, 1, 1, p))
+    assert not bool(fa_dropout.keep_mask(rng, b, h, i, j, 1, 1, (u + 1) / 2**32))
