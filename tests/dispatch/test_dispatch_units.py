@@ -24,13 +24,15 @@ from flash_attn import dispatch, settings
     ((0, 0), False, (0, 0)),
     ((4, 7), True, (4, 0)),
     ((2.0, 3), False, (2, 3)),
+    ((1, -1), False, (1, -1)),        # one step from the default on either side
+    ((-1, 1), False, (-1, 1)),
 ])
 def test_window(window_size, causal, want):
     got = fa_call.window(window_size, causal)
     assert got == want and all(type(x) is int for x in got)
 
 
-@pytest.mark.parametrize("window_size", [(-2, 0), (0, -2), (-2, -2), (-5, 3)])
+@pytest.mark.parametrize("window_size", [(-2, 0), (0, -2), (-2, -2), (-5, 3), (-2, -1), (-1, -2)])
 def test_window_entries_below_minus_one(window_size):
     with pytest.raises(ValueError, match=r"^window_size entries must be >= -1 \(-1: unbounded\), got "
                                          + rf"\({window_size[0]}, {window_size[1]}\)$"):
