@@ -45,9 +45,13 @@ class DropPath(nn.Module):
 
 
 def _is_rms_norm(norm):
+    from flash_attn.ops.rms_norm import DropoutAddRMSNorm
+    from flash_attn.ops.rms_norm import RMSNorm as FA2RMSNorm
     from flash_attn.ops.triton.layer_norm import RMSNorm
 
-    return isinstance(norm, (RMSNorm, nn.RMSNorm))
+    # FA2's older RMSNorm modules (flash_attn.ops.rms_norm) as norm_cls: the fused path must not take them for
+    # LayerNorms (their bias is None, which LayerNorm allows).
+    return isinstance(norm, (RMSNorm, nn.RMSNorm, FA2RMSNorm, DropoutAddRMSNorm))
 
 
 def _eps(norm):

@@ -11,8 +11,10 @@ Multi-query and grouped-query attention (``num_heads_kv < num_heads``) share eac
 ``num_heads // num_heads_kv`` query heads. Parameter names (``Wqkv``, ``Wq``, ``Wkv``, ``out_proj``,
 ``dwconv_qkv``, ``rotary_emb``) match FA2 so its checkpoints and state-dict remaps load unchanged. The
 projections are ``flash_attn.ops.linear.Linear`` (fp32 weight gradients from the GEMM on CUDA; nn.Linear
-on a CPU or with FLASH_ATTN_FP32_WGRAD=0; see that module).
+on a CPU or with FLASH_ATTN_FP32_WGRAD=0; see that module), or its subclass ``FusedDense`` with fused_bias_fc.
 """
+
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -223,8 +225,8 @@ class MHA(nn.Module):
         rotary_emb_dim: rotate the first rotary_emb_dim dims of q and k (0 = no rotary);
             rotary_emb_base, rotary_emb_scale_base (xPos), rotary_emb_interleaved as in RotaryEmbedding.
         use_alibi: ALiBi slopes from get_alibi_slopes(num_heads). window_size: (left, right) sliding window.
-        fused_bias_fc: accepted for FA2 compatibility; nn.Linear already runs the bias add in the GEMM
-            epilogue (torch's addmm), so both values build the same layers.
+        fused_bias_fc: the projections are ``flash_attn.ops.fused_dense.FusedDense`` (FA2's layers: same
+            parameters and numerics as the default Linear, plus FusedDense's ``process_group`` argument).
         use_flash_attn: FlashAttention kernels (else the plain-PyTorch attention).
         return_residual: forward returns (out, x) for a following fused add-norm.
         checkpointing: recompute the attention in the backward pass instead of storing it.
@@ -271,12 +273,18 @@ class MHA(nn.Module):
 
         q_dim = head_dim * num_heads
         kv_dim = 2 * head_dim * num_heads_kv
-        linear_cls = LinearResidual if return_residual else Linear
-        if not cross_attn:
-            self.Wqkv = linear_cls(embed_dim, q_dim + kv_dim, bias=qkv_proj_bias, **factory_kwargs)
+        if fused_bias_fc:
+            from flash_attn.ops.fused_dense import FusedDense
+
+            linear_cls, residual_cls = FusedDense, partial(FusedDense, return_residual=True)
         else:
-            self.Wq = linear_cls(embed_dim, q_dim, bias=qkv_proj_bias, **factory_kwargs)
-            self.Wkv = Linear(embed_dim, kv_dim, bias=qkv_proj_bias, **factory_kwargs)
+            linear_cls, residual_cls = Linear, LinearResidual
+        in_cls = residual_cls if return_residual else linear_cls
+        if not cross_attn:
+            self.Wqkv = in_cls(embed_dim, q_dim + kv_dim, bias=qkv_proj_bias, **factory_kwargs)
+        else:
+            self.Wq = in_cls(embed_dim, q_dim, bias=qkv_proj_bias, **factory_kwargs)
+            self.Wkv = linear_cls(embed_dim, kv_dim, bias=qkv_proj_bias, **factory_kwargs)
         if dwconv:
             def conv(channels):
                 return nn.Conv1d(channels, channels, kernel_size=3, padding=2, groups=channels, **factory_kwargs)
@@ -294,7 +302,7 @@ class MHA(nn.Module):
                            window_size=window_size)
         self.inner_attn = self_cls(alibi_slopes=alibi, **attn_kwargs)
         self.inner_cross_attn = cross_cls(alibi_slopes=None if alibi is None else alibi.clone(), **attn_kwargs)
-        self.out_proj = Linear(embed_dim, embed_dim, bias=out_proj_bias, **factory_kwargs)
+        self.out_proj = linear_cls(embed_dim, embed_dim, bias=out_proj_bias, **factory_kwargs)
 
     # ------------------------------------------------------------------------------------------------ cache
     def allocate_inference_cache(self, batch_size, max_seqlen, dtype=None):
