@@ -44,7 +44,8 @@ SUITES = {
                ["tests/ops/test_rotary.py", "tests/ops/test_rotary_module.py"]),
     "cross_entropy": (["flash_attn/losses/cross_entropy.py", "flash_attn/ops/triton/cross_entropy.py"],
                       ["tests/ops/test_cross_entropy.py", "tests/ops/test_cross_entropy_units.py"]),
-    "layer_norm_torch": (["flash_attn/ops/triton/layer_norm_torch.py"], ["tests/ops/test_layer_norm.py"]),
+    "layer_norm_torch": (["flash_attn/ops/triton/layer_norm_torch.py"],
+                         ["tests/ops/test_layer_norm.py", "tests/ops/test_layer_norm_units.py"]),
     "checkpoint": (["flash_attn/training/checkpoint.py"], ["tests/training/test_training.py",
                                                         "tests/training/test_checkpoint_units.py"]),
 }
@@ -100,7 +101,25 @@ EQUIVALENT = [
     ("flash_attn.dropout.x_new_rng_state", "2**31 - 2", "a seed of 2**31 - 2 has probability 2**-31"),
     ("flash_attn.dropout.x_threshold", "3**32)", "dropout_p < 1 keeps p * 2**32 below the cap"),
     ("flash_attn.dropout.x_threshold", "2**33)", "dropout_p < 1 keeps p * 2**32 below the cap"),
+    ("flash_attn.ops.triton.layer_norm_torch.x__keep_mask_torch", "rng_state.to(None)",
+     "0-d seeds combine with tensors on any device"),
+    ("flash_attn.ops.triton.layer_norm_torch.x__keep_mask_torch", "dtype=None)", "arange's default dtype is int64"),
+    ("flash_attn.ops.triton.layer_norm_torch.x__keep_mask_torch", "torch.arange(N, device=device, )",
+     "arange's default dtype is int64"),
+    ("flash_attn.ops.triton.layer_norm_torch.x__keep_mask_torch", "torch.arange(row0, row0 + M, device=device, )",
+     "arange's default dtype is int64"),
+    ("flash_attn.ops.triton.layer_norm_torch.x__ln_bwd_torch", "if (not is_rms_norm) or True",
+     "an RMSNorm's saved mean is zero"),
+    ("flash_attn.training.checkpoint.x_load_checkpoint", "weights_only=None", "weights_only's default is True"),
+    ("flash_attn.training.checkpoint.x_load_checkpoint", 'map_location="cpu", )', "weights_only's default is True"),
+    ("flash_attn.training.checkpoint.x_load_checkpoint", "map_location=None",
+     "CPU only: checkpoints hold CPU tensors, which load on the CPU anyway"),
+    ("flash_attn.training.checkpoint.x_load_checkpoint", "torch.load(path, weights_only=True)",
+     "CPU only: checkpoints hold CPU tensors, which load on the CPU anyway"),
 ]
+# The FSDP paths of the training checkpoint (full state dicts gathered to and broadcast from rank 0) run only in the
+# multi-process tests (tests/training/test_training_dist.py), whose spawned processes mutmut does not mutate: their
+# survivors here are listed, not judged equivalent.
 
 
 def mutated_line(workdir: Path, name: str) -> str:

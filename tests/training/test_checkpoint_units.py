@@ -101,3 +101,14 @@ def test_load_checkpoint(tmp_path):
     other.write_bytes(b"garbage")
     with pytest.raises(ConfigError, match=r"^cannot read checkpoint '.*other.pt': "):
         ckpt.load_checkpoint(str(other))
+
+
+class _Payload:
+    """Not a tensor nor a plain value: the safe unpickler must refuse it."""
+
+
+def test_load_checkpoint_refuses_arbitrary_objects(tmp_path):
+    path = tmp_path / "step_0000001.pt"
+    torch.save({"format": ckpt.FORMAT, "obj": _Payload()}, path)
+    with pytest.raises(ConfigError, match=r"^cannot read checkpoint"):
+        ckpt.load_checkpoint(str(path))
