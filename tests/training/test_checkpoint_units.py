@@ -112,3 +112,31 @@ def test_load_checkpoint_refuses_arbitrary_objects(tmp_path):
     torch.save({"format": ckpt.FORMAT, "obj": _Payload()}, path)
     with pytest.raises(ConfigError, match=r"^cannot read checkpoint"):
         ckpt.load_checkpoint(str(path))
+
+
+def test_save_keeps_every_checkpoint_by_default(tmp_path):
+    for step in (1, 2, 3):
+        ckpt.save_checkpoint(str(tmp_path), step, {})
+    assert _steps(str(tmp_path)) == ["step_0000001.pt", "step_0000002.pt", "step_0000003.pt"]
+
+
+def test_atomic_write_of_a_file_in_the_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    ckpt._atomic_write("plain.bin", lambda f: f.write(b"abc"))
+    assert sorted(os.listdir(tmp_path)) == ["plain.bin"] and (tmp_path / "plain.bin").read_bytes() == b"abc"
+
+
+def test_model_and_optimizer_state_round_trip_in_one_process():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    m_state, o_state = ckpt.gather_model_state(model), ckpt.gather_optimizer_state(model, opt)
+    assert set(m_state) == {"weight", "bias"} and "weight" in o_state["state"]  # keyed by parameter name
+    other = torch.nn.Linear(3, 2)
+    other_opt = torch.optim.AdamW(other.parameters(), lr=0.1)
+    ckpt.load_model_state(other, m_state)  # no process group: the default loads without a broadcast
+    ckpt.load_optimizer_state(other, other_opt, o_state)
+    torch.testing.assert_close(other.weight, model.weight)
+    torch.testing.assert_close(other_opt.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
