@@ -112,7 +112,7 @@ def _split_qkv(qkv: Tensor, num_heads_q: Optional[int]):
                          f" and num_heads_q={num_heads_q}")
     num_heads_k = (qkv.shape[2] - num_heads_q) // 2
     if num_heads_q <= 0 or qkv.shape[2] != num_heads_q + 2 * num_heads_k:
-        raise ValueError(f"qkv's head dim {qkv.shape[2]} is not num_heads_q ({num_heads_q}) + 2 * num_heads_k")
+        raise ValueError(f"qkv's {qkv.shape[2]} heads are not num_heads_q ({num_heads_q}) + 2 * num_heads_k")
     return qkv[:, :, :num_heads_q], qkv[:, :, num_heads_q:num_heads_q + num_heads_k]
 
 

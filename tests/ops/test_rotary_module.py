@@ -212,3 +212,78 @@ def test_module_qkv_with_num_heads_q():
     out = rot(qkv0.clone(), num_heads_q=4)
     torch.testing.assert_close(out[:, :, :6], _formula(qkv0[:, :, :6], torch.arange(3), 8, 100.0, False), **FP32_ANGLES)
     torch.testing.assert_close(out[:, :, 6:], qkv0[:, :, 6:])
+
+
+# ----------------------------------------------------------------------------------------------------
+# Errors name the argument and what was expected
+
+
+def _cs(n, half):
+    return torch.ones(n, half), torch.zeros(n, half)
+
+
+@pytest.mark.parametrize("call,error,message", [
+    (lambda: apply_rotary_emb(torch.zeros(1, 2, 1, 4, dtype=torch.int32), *_cs(2, 2)), TypeError,
+     r"^x must be a floating-point tensor$"),
+    (lambda: apply_rotary_emb(torch.zeros(2, 1, 4), *_cs(2, 2)), ValueError,
+     r"^x must be \(batch, seqlen, nheads, headdim\), got shape \(2, 1, 4\)$"),
+    (lambda: apply_rotary_emb(torch.zeros(1, 2, 1, 4), *_cs(2, 2), cu_seqlens=torch.tensor([0, 1], dtype=torch.int32),
+                              max_seqlen=1), ValueError,
+     r"^x must be \(total, nheads, headdim\) with cu_seqlens, got shape \(1, 2, 1, 4\)$"),
+    (lambda: apply_rotary_emb(torch.zeros(1, 2, 1, 4), torch.ones(2, 2), torch.zeros(2, 1)), ValueError,
+     r"^cos and sin must both be \(seqlen_ro, rotary_dim / 2\), got \(2, 2\) and \(2, 1\)$"),
+    (lambda: apply_rotary_emb(torch.zeros(1, 2, 1, 4), torch.ones(2, 2, 1), torch.zeros(2, 2, 1)), ValueError,
+     r"^cos and sin must both be \(seqlen_ro, rotary_dim / 2\)"),
+    (lambda: apply_rotary_emb(torch.zeros(1, 2, 1, 4), *_cs(2, 3)), ValueError,
+     r"^rotary_dim \(2 \* cos.shape\[-1\] = 6\) must be <= headdim 4$"),
+    (lambda: apply_rotary_emb(torch.zeros(3, 1, 4), *_cs(4, 2), cu_seqlens=torch.tensor([0, 3], dtype=torch.int32)),
+     ValueError, r"^max_seqlen is required with cu_seqlens$"),
+    (lambda: apply_rotary_emb(torch.zeros(3, 1, 4), *_cs(4, 2), cu_seqlens=torch.tensor([0.0, 3.0]), max_seqlen=3),
+     TypeError, r"^cu_seqlens must be an int32 tensor \(batch \+ 1,\)$"),
+    (lambda: apply_rotary_emb(torch.zeros(3, 1, 4), *_cs(4, 2), cu_seqlens=torch.tensor([[0, 3]], dtype=torch.int32),
+                              max_seqlen=3), TypeError, r"^cu_seqlens must be an int32 tensor"),
+    (lambda: apply_rotary_emb(torch.zeros(1, 5, 1, 4), *_cs(3, 2)), ValueError,
+     r"^cos/sin have 3 positions \(seqlen_ro\), fewer than seqlen 5$"),
+    (lambda: apply_rotary_emb(torch.zeros(2, 2, 1, 4), *_cs(4, 2), seqlen_offsets=torch.zeros(3, dtype=torch.int32)),
+     ValueError, r"^seqlen_offsets tensor must be int32/int64 of shape \(2,\), got torch.int32 \(3,\)$"),
+    (lambda: apply_rotary_emb(torch.zeros(1, 2, 1, 4), *_cs(4, 2), seqlen_offsets=3), ValueError,
+     r"^seqlen_offsets \+ seqlen \(3 \+ 2\) must be within the 4 positions of cos/sin$"),
+    (lambda: apply_rotary_emb(torch.zeros(1, 2, 1, 4), *_cs(4, 2), seqlen_offsets=-1), ValueError,
+     r"^seqlen_offsets \+ seqlen \(-1 \+ 2\) must be within"),
+    (lambda: apply_rotary_emb(torch.zeros(1, 2, 1, 4), *_cs(4, 2), seqlen_offsets=1.0), TypeError,
+     r"^seqlen_offsets must be an int or a tensor, got float$"),
+])
+def test_apply_rotary_emb_errors(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
+def test_apply_rotary_emb_accepts_the_edges():
+    x = torch.randn(1, 2, 1, 4, dtype=torch.float64)
+    apply_rotary_emb(x, *_cs(4, 2), seqlen_offsets=2)  # offset + seqlen == seqlen_ro
+    apply_rotary_emb(x, *_cs(2, 2))  # rotary_dim == headdim, seqlen == seqlen_ro
+    apply_rotary_emb(x[0], *_cs(2, 2), cu_seqlens=torch.tensor([0, 2], dtype=torch.int64), max_seqlen=2)
+    out = apply_rotary_emb(x, torch.ones(2, 1, dtype=torch.float64), torch.zeros(2, 1, dtype=torch.float64))
+    torch.testing.assert_close(out, x)  # angle 0 on the first pair, the rest passes through
+
+
+@pytest.mark.parametrize("shape,num_heads_q,message", [
+    ((1, 2, 4, 2, 8), None, r"^qkv must be \(batch, seqlen, 3, nheads, headdim\), got \(1, 2, 4, 2, 8\)$"),
+    ((1, 2, 6, 8), None, r"^qkv must be \(batch, seqlen, 3, nheads, headdim\), or \(batch, seqlen, num_heads_q \+ "
+                         r"2 \* num_heads_k, headdim\) with num_heads_q given; got \(1, 2, 6, 8\) and num_heads_q=None$"),
+    ((1, 2, 7, 8), 4, r"^qkv's 7 heads are not num_heads_q \(4\) \+ 2 \* num_heads_k$"),
+    ((1, 2, 6, 8), 0, r"^qkv's 6 heads are not num_heads_q \(0\) \+ 2 \* num_heads_k$"),
+])
+def test_packed_qkv_errors(shape, num_heads_q, message):
+    rot = RotaryEmbedding(8)
+    with pytest.raises(ValueError, match=message):
+        rot(torch.zeros(shape), num_heads_q=num_heads_q)
+
+
+def test_packed_qkv_with_one_query_head():
+    rot = RotaryEmbedding(8, base=100.0)
+    qkv0 = torch.randn(1, 3, 1 + 2 * 1, 8, dtype=torch.float64)
+    out = rot(qkv0.clone(), num_heads_q=1)
+    torch.testing.assert_close(out[:, :, :2], _formula(qkv0[:, :, :2], torch.arange(3), 8, 100.0, False),
+                               **FP32_ANGLES)
+    torch.testing.assert_close(out[:, :, 2:], qkv0[:, :, 2:])
