@@ -101,6 +101,17 @@ def alibi(alibi_slopes, batch, nheads, device):
     return alibi_slopes
 
 
+def sink(learnable_sink, nheads, device):
+    """FA4's learnable sink: None, or one logit per query head, (H,) fp32/bf16/fp16 on q's device."""
+    if learnable_sink is None:
+        return None
+    tensor("learnable_sink", learnable_sink, None, device=device)
+    if tuple(learnable_sink.shape) != (nheads,):
+        raise ValueError(f"learnable_sink must have shape ({nheads},) (one logit per query head), "
+                         f"got {tuple(learnable_sink.shape)}")
+    return learnable_sink
+
+
 def int32_vector(name, t, length, device):
     tensor(name, t, 1, dtypes=(torch.int32,), device=device)
     if length is not None and t.shape[0] != length:

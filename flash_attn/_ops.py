@@ -4,6 +4,11 @@ and flash_attn::fwd_kvcache (mutates the caches). Each real implementation valid
 picks a backend through :mod:`flash_attn.dispatch` and runs it; the fake implementations give shapes. Eager calls
 arrive with the call's description (flash_attn.call.AttnCall, built at the API) and skip the ops; the ops' flat
 schema is the description's fields, from which their implementations rebuild it.
+
+A learnable sink (FA4's, (H,) logits) travels beside the description like ALiBi's slopes: the forward backends take it
+(``sink=``, fp32) and return an lse that includes it. The backward needs nothing more from a backend: with that lse,
+P = exp(s - lse) and delta = rowsum(dO * O) are the sink-aware ones, so dq, dk, dv come out right, and the sink's own
+gradient is computed here in torch ops (sink_grad).
 """
 from __future__ import annotations
 
@@ -28,12 +33,43 @@ def _check_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
 
 
 def _forward(call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, alibi_slopes,
-             rng_state):
-    """The forward of a described call on the backend that serves it -> (out, lse, probs or None)."""
+             rng_state, sink=None):
+    """The forward of a described call on the backend that serves it -> (out, lse, probs or None). sink: the
+    learnable sink of a call with ``call.sink``, handed to the backend in fp32."""
     if cu_seqlens_q is not None:
         _check_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
-    return dispatch.select(call).fwd(call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                     block_table, alibi_slopes, rng_state)
+    backend = dispatch.select(call)
+    if sink is None:
+        return backend.fwd(call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
+                           alibi_slopes, rng_state)
+    return backend.fwd(call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
+                       alibi_slopes, rng_state, sink=_fp32_sink(sink))
+
+
+def _fp32_sink(sink):
+    return sink.detach().to(torch.float32).contiguous()
+
+
+def sink_grad(dout, out, lse, sink, dlse=None):
+    """The learnable sink's gradient, fp32 (H,). The sink enters only through each row's lse, with d lse_i / d sink
+    = exp(sink - lse_i) =: p_i (the sink's probability in row i), and d L / d lse_i = dlse_i - delta_i, delta_i =
+    rowsum(dO_i * O_i) (the output's share, as O_i = sum_j P_ij V_j with P_ij = exp(s_ij - lse_i)); summed over every
+    row of the head. Dense: out / dout (B, Sq, H, Dv), lse (B, H, Sq); varlen: (T, H, Dv), (H, T). A row with lse
+    +inf (padding, or no key and a -inf sink) has p = 0, as has every row under a -inf sink (the forwards never
+    give such a sink's rows lse -inf)."""
+    delta = (dout.float() * out.float()).sum(-1)  # (B, Sq, H) or (T, H)
+    s = sink.detach().float()
+    if lse.dim() == 3:
+        delta = delta.transpose(1, 2)  # (B, H, Sq)
+        s = s.view(1, -1, 1)
+    else:
+        delta = delta.t()  # (H, T)
+        s = s.view(-1, 1)
+    if dlse is not None:
+        delta = delta - dlse
+    p = torch.exp(s - lse)
+    dims = (0, 2) if lse.dim() == 3 else (1,)
+    return -(p * delta).sum(dims)
 
 
 def _backward(call, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
@@ -54,22 +90,23 @@ def _backward(call, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seq
 # ---- the custom ops (torch.compile traces these): their flat arguments are the description's fields ----
 
 def _flat_call(q, v, cu_seqlens_q, block_table, softmax_scale, causal, window_left, window_right, softcap,
-               alibi_slopes, dropout_p, return_probs, deterministic):
+               alibi_slopes, dropout_p, return_probs, deterministic, sink=False):
     return describe(q, v, varlen=cu_seqlens_q is not None, paged=block_table is not None, causal=causal,
                     window_left=window_left, window_right=window_right, softcap=softcap,
                     alibi=alibi_slopes is not None, dropout_p=dropout_p, return_probs=return_probs,
-                    deterministic=deterministic, scale=softmax_scale)
+                    deterministic=deterministic, scale=softmax_scale, sink=sink)
 
 
 def _fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
         max_seqlen_q: int, max_seqlen_k: int, block_table: Optional[Tensor], softmax_scale: float,
         causal: bool, window_left: int, window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
         dropout_p: float, rng_state: Optional[Tensor], return_probs: bool,
-        deterministic: bool, lse_grad: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+        deterministic: bool, lse_grad: bool = False,
+        learnable_sink: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     call = _flat_call(q, v, cu_seqlens_q, block_table, softmax_scale, causal, window_left, window_right, softcap,
-                      alibi_slopes, dropout_p, return_probs, deterministic)
+                      alibi_slopes, dropout_p, return_probs, deterministic, learnable_sink is not None)
     out, lse, probs = _forward(call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
-                               alibi_slopes, rng_state)
+                               alibi_slopes, rng_state, learnable_sink)
     if probs is None:
         probs = q.new_empty(0, dtype=torch.float32)
     # the fake kernels promise contiguous outputs; torch.compile checks real strides against them
@@ -82,7 +119,7 @@ fwd = torch.library.custom_op("flash_attn::fwd", _fwd_impl, mutates_args=())
 @fwd.register_fake
 def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, softmax_scale,
               causal, window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state, return_probs,
-              deterministic, lse_grad=False):
+              deterministic, lse_grad=False, learnable_sink=None):
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
     if cu_seqlens_q is None:
         B, Sq, H = q.shape[:3]
@@ -101,9 +138,10 @@ def _bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
         block_table: Optional[Tensor], softmax_scale: float, causal: bool, window_left: int,
         window_right: int, softcap: float, alibi_slopes: Optional[Tensor], dropout_p: float,
         rng_state: Optional[Tensor], deterministic: bool,
-        dlse: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+        dlse: Optional[Tensor] = None, sink: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    # (sink: the forward had one, so its lse includes it; the backends need only that fact, for their choice)
     call = _flat_call(q, v, cu_seqlens_q, block_table, softmax_scale, causal, window_left, window_right, softcap,
-                      alibi_slopes, dropout_p, False, deterministic)
+                      alibi_slopes, dropout_p, False, deterministic, sink)
     dq, dk, dv = _backward(call, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            block_table, alibi_slopes, rng_state, dlse)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
@@ -127,28 +165,33 @@ def _op_args(call, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block
 def _fwd_setup_context(ctx, inputs, output):
     (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, softmax_scale, causal,
      window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state, return_probs, deterministic,
-     *lse_grad) = inputs
+     *rest) = inputs
+    lse_grad = bool(rest and rest[0])
+    sink = rest[1] if len(rest) > 1 else None
     _save(ctx, _flat_call(q, v, cu_seqlens_q, block_table, softmax_scale, causal, window_left, window_right, softcap,
-                          alibi_slopes, dropout_p, return_probs, deterministic),
+                          alibi_slopes, dropout_p, return_probs, deterministic, sink is not None),
           q, k, v, output[0], output[1], (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
-                                          alibi_slopes, rng_state), bool(lse_grad and lse_grad[0]))
+                                          alibi_slopes, rng_state), lse_grad, sink)
 
 
-def _save(ctx, call, q, k, v, out, lse, extras, lse_grad):
+def _save(ctx, call, q, k, v, out, lse, extras, lse_grad, sink=None):
     """What the backward of a forward needs: the tensors, the description, the sequence lengths. lse_grad: the caller
     hands lse to its user, so a gradient may flow into it; without it the backward drops dlse, which torch.compile's
-    backward always passes (zeros for an unused output)."""
+    backward always passes (zeros for an unused output). sink: the learnable sink, for its gradient."""
     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, alibi_slopes, rng_state = extras
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, rng_state)
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, rng_state, sink)
     ctx.call = call
     ctx.seqlens = (max_seqlen_q, max_seqlen_k)
     ctx.lse_grad = lse_grad
     ctx.forced = dispatch.forced_backend()  # autograd may run the backward on another thread, outside the context
 
 
-def _backward_with(traced):
+def _backward_with(traced, sink_input):
+    """The backward of the saved forward -> (dq, dk, dv, d sink or None); sink_input: the sink's position among the
+    Function's inputs (its gradient is computed only when that input needs one)."""
     def backward(ctx, dout, dlse, dprobs):
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, rng_state = ctx.saved_tensors
+        (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, rng_state,
+         sink) = ctx.saved_tensors
         max_seqlen_q, max_seqlen_k = ctx.seqlens
         call = ctx.call
         if not ctx.lse_grad:
@@ -157,21 +200,34 @@ def _backward_with(traced):
             dout = torch.zeros_like(out)
         elif dout.stride(-1) != 1:
             dout = dout.contiguous()
-        if traced:  # the bwd custom op, so that AOTAutograd sees an op, not Python
-            args = _op_args(call, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, alibi_slopes,
-                            rng_state)
-            dq, dk, dv = bwd(dout, q, k, v, out, lse, *args[:12], rng_state, call.deterministic, dlse)
-        else:
-            dq, dk, dv = _backward(call, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                   max_seqlen_k, block_table, alibi_slopes, rng_state, dlse, forced=ctx.forced)
-        return (dq, dk, dv) + (None,) * 16
+        dq = dk = dv = dsink = None
+        # (when only the sink needs a gradient, no attention backward runs)
+        if sink is None or any(ctx.needs_input_grad[:3]):
+            if traced:  # the bwd custom op, so that AOTAutograd sees an op, not Python
+                args = _op_args(call, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
+                                alibi_slopes, rng_state)
+                dq, dk, dv = bwd(dout, q, k, v, out, lse, *args[:12], rng_state, call.deterministic, dlse, call.sink)
+            else:
+                dq, dk, dv = _backward(call, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                       max_seqlen_k, block_table, alibi_slopes, rng_state, dlse, forced=ctx.forced)
+        if sink is not None and ctx.needs_input_grad[sink_input]:
+            dsink = sink_grad(dout, out, lse, sink, dlse).to(sink.dtype)
+        return dq, dk, dv, dsink
     return backward
 
 
-torch.library.register_autograd("flash_attn::fwd", _backward_with(True), setup_context=_fwd_setup_context)
+_traced_backward = _backward_with(True, 19)
 
 
-_eager_backward = _backward_with(False)
+def _op_backward(ctx, dout, dlse, dprobs):
+    dq, dk, dv, dsink = _traced_backward(ctx, dout, dlse, dprobs)
+    return (dq, dk, dv) + (None,) * 16 + (dsink,)
+
+
+torch.library.register_autograd("flash_attn::fwd", _op_backward, setup_context=_fwd_setup_context)
+
+
+_eager_backward = _backward_with(False, 3)
 
 
 class _EagerAttention(torch.autograd.Function):
@@ -179,21 +235,22 @@ class _EagerAttention(torch.autograd.Function):
     tens of microseconds with autograd on): used whenever torch.compile is not tracing."""
 
     # Old-style forward (ctx first): a separate setup_context costs ~40 us per call. The trailing arguments travel
-    # as one tuple: apply() walks every argument, so fewer is cheaper.
+    # as one tuple: apply() walks every argument, so fewer is cheaper. The sink is an argument of its own (None
+    # without one): autograd gives gradients to arguments only.
     @staticmethod
-    def forward(ctx, q, k, v, rest):
+    def forward(ctx, q, k, v, sink, rest):
         call, extras, lse_grad = rest
-        out, lse, probs = _forward(call, q, k, v, *extras)
+        out, lse, probs = _forward(call, q, k, v, *extras, sink)
         if probs is None:
             probs = q.new_empty(0, dtype=torch.float32)
-        _save(ctx, call, q, k, v, out, lse, extras, lse_grad)
+        _save(ctx, call, q, k, v, out, lse, extras, lse_grad, sink)
         # An unused lse then arrives as None, not as zeros: the backward skips the lse term.
         ctx.set_materialize_grads(False)
         return out, lse, probs
 
     @staticmethod
     def backward(ctx, dout, dlse, dprobs):
-        return _eager_backward(ctx, dout, dlse, dprobs)[:3] + (None,)
+        return _eager_backward(ctx, dout, dlse, dprobs) + (None,)
 
 
 # torch.autograd.Function.apply's Python wrapper binds default arguments for setup_context-style Functions,
@@ -212,19 +269,24 @@ except AttributeError:
 
 
 def attention(call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, alibi_slopes,
-              rng_state, lse_grad):
-    """(out, lse, probs) of a described call, differentiable in q, k, v. lse_grad: lse reaches the caller's user
-    (a gradient may flow into it)."""
+              rng_state, lse_grad, sink=None):
+    """(out, lse, probs) of a described call, differentiable in q, k, v (and the learnable sink ``sink`` of a call
+    with ``call.sink``). lse_grad: lse reaches the caller's user (a gradient may flow into it)."""
     extras = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, alibi_slopes, rng_state)
     if torch.compiler.is_compiling():
-        return fwd(q, k, v, *_op_args(call, *extras), lse_grad)
+        if sink is None:
+            return fwd(q, k, v, *_op_args(call, *extras), lse_grad)
+        return fwd(q, k, v, *_op_args(call, *extras), lse_grad, sink)
     if _transforms_active():
-        return _EagerAttention.apply(q, k, v, (call, extras, lse_grad))
+        return _EagerAttention.apply(q, k, v, sink, (call, extras, lse_grad))
     q, k, v = _unwrap(q), _unwrap(k), _unwrap(v)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _c_apply(q, k, v, (call, extras, lse_grad))
+    if sink is not None:
+        sink = _unwrap(sink)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                    or (sink is not None and sink.requires_grad)):
+        return _c_apply(q, k, v, sink, (call, extras, lse_grad))
     # Nothing to differentiate: the autograd.Function would only add its cost.
-    out, lse, probs = _forward(call, q, k, v, *extras)
+    out, lse, probs = _forward(call, q, k, v, *extras, sink)
     if probs is None:
         probs = q.new_empty(0, dtype=torch.float32)
     return out.contiguous(), lse, probs
@@ -324,7 +386,7 @@ def fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor]
                 cache_batch_idx: Optional[Tensor], cache_leftpad: Optional[Tensor],
                 block_table: Optional[Tensor], softmax_scale: float, causal: bool, window_left: int,
                 window_right: int, softcap: float, rotary_interleaved: bool, alibi_slopes: Optional[Tensor],
-                num_splits: int) -> tuple[Tensor, Tensor]:
+                num_splits: int, learnable_sink: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     s_new = 0 if k is None else k.shape[1]
     if block_table is not None:
         capacity = block_table.shape[1] * k_cache.shape[1]
@@ -340,14 +402,15 @@ def fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor]
         _checks.range_values("cache_leftpad", cache_leftpad, 0, capacity + 1)
     call = describe(q, v_cache, paged=block_table is not None, causal=causal, window_left=window_left,
                     window_right=window_right, softcap=softcap, alibi=alibi_slopes is not None, kvcache=True,
-                    scale=softmax_scale)
+                    scale=softmax_scale, sink=learnable_sink is not None)
     if rotary_cos is not None and k is not None:
         # positions cache_seqlens + i must exist in the cos/sin tables (q uses them too when the mask is bounded)
         need = max(s_new, q.shape[1] if call.bounded else 1)
         _checks.range_values("cache_seqlens", cache_seqlens, 0, rotary_cos.shape[0] - need + 1)
+    extra = {} if learnable_sink is None else {"sink": _fp32_sink(learnable_sink)}
     out, lse = dispatch.select(call).fwd_kvcache(call, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                                                  cache_batch_idx, cache_leftpad, block_table, alibi_slopes,
-                                                 rotary_interleaved, num_splits)
+                                                 rotary_interleaved, num_splits, **extra)
     return out.contiguous(), lse.contiguous()
 
 

@@ -6,6 +6,9 @@ The mask has one spelling. ``window_left`` / ``window_right`` are ints, ``UNBOUN
 limit; causal is the bottom-right aligned window (left, 0), so a causal call arrives with ``window_right == 0``.
 Query i of a sequence sees key j iff j - (i + Sk - Sq) is in [-window_left, window_right] (a bounded side only).
 ``local`` says a call needs a window beyond causal; ``bounded`` that some side is limited (causal or local).
+``sink``: the call has a learnable sink, FA4's per-head logit that joins every softmax row as a term exp(sink)
+with no value (its lse includes it; a row that sees no key gets out 0 and lse = sink); the tensor travels beside
+the description, as ALiBi's slopes do.
 """
 from __future__ import annotations
 
@@ -54,6 +57,7 @@ class AttnCall(NamedTuple):
     backward: bool = False
     deterministic: bool = False
     scale: Optional[float] = None  # the softmax scale; None: head_dim ** -0.5
+    sink: bool = False  # a learnable sink (H,) travels with the call
 
     @property
     def local(self):
@@ -92,26 +96,27 @@ def device_facts(device):
 
 def describe(q, v, *, varlen=False, paged=False, causal=False, window_left=UNBOUNDED, window_right=UNBOUNDED,
              softcap=0.0, alibi=False, dropout_p=0.0, return_probs=False, kvcache=False, backward=False,
-             deterministic=False, scale=None):
+             deterministic=False, scale=None, sink=False):
     """The AttnCall of a call on q (.., H, D) and v (.., Hk, Dv). Keyword arguments: validated values, the window
-    in window()'s encoding (a causal call's right side is set to 0 here too); scale None is head_dim ** -0.5."""
+    in window()'s encoding (a causal call's right side is set to 0 here too); scale None is head_dim ** -0.5;
+    sink: whether a learnable sink comes with the call."""
     device_type, arch = device_facts(q.device)
     D = q.shape[-1]
     return _new(AttnCall, (device_type, q.dtype, D, v.shape[-1], arch, bool(varlen), bool(paged), bool(causal),
                            int(window_left), 0 if causal else int(window_right), float(softcap), bool(alibi),
                            float(dropout_p), bool(return_probs), bool(kvcache), bool(backward), bool(deterministic),
-                           D ** -0.5 if scale is None else float(scale)))
+                           D ** -0.5 if scale is None else float(scale), bool(sink)))
 
 
 def dense(q, D, Dv, softmax_scale, causal, window_size, deterministic):
-    """describe() of flash_attn_func's common call (dense; no softcap, ALiBi, dropout or probabilities) from the API's
-    own arguments, q's head dims already checked: the API's common call builds its description with this, at less
-    cost than describe()'s keywords."""
+    """describe() of flash_attn_func's common call (dense; no softcap, ALiBi, dropout, probabilities or sink) from the
+    API's own arguments, q's head dims already checked: the API's common call builds its description with this, at
+    less cost than describe()'s keywords."""
     left, right = window(window_size, causal)
     facts = _arch.get(q.device) or device_facts(q.device)
     return _new(AttnCall, (facts[0], q.dtype, D, Dv, facts[1], False, False, bool(causal), left, right, 0.0, False,
                            0.0, False, False, False, bool(deterministic),
-                           D ** -0.5 if softmax_scale is None else float(softmax_scale)))
+                           D ** -0.5 if softmax_scale is None else float(softmax_scale), False))
 
 
 def for_backward(call):

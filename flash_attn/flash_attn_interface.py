@@ -28,10 +28,11 @@ from .fa2_private import (  # noqa: F401 (FA2's lower-level functions and autogr
 
 
 def _attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, dropout_p,
-          softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs):
+          softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
+          learnable_sink=None):
     """An attention call of the API: validate, describe the call once (flash_attn.call), run the op. (flash_attn_func's
-    common call, dense without dropout, softcap, ALiBi or probabilities, is described by call.dense and runs on the
-    lighter autograd functions of _ops: out only, no lse for the caller.)"""
+    common call, dense without dropout, softcap, ALiBi, probabilities or sink, is described by call.dense and runs on
+    the lighter autograd functions of _ops: out only, no lse for the caller.)"""
     varlen = cu_seqlens_q is not None
     batch = None
     if varlen:
@@ -40,6 +41,7 @@ def _attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block
     left, right = window(window_size, causal)
     scale = _checks.scalars(dropout_p, softcap, softmax_scale, D)
     alibi_slopes = _checks.alibi(alibi_slopes, q.shape[0] if batch is None else batch, H, q.device)
+    learnable_sink = _checks.sink(learnable_sink, H, q.device)
     rng_state = new_rng_state() if dropout_p > 0.0 else None
     if varlen:
         max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
@@ -47,10 +49,11 @@ def _attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block
         max_seqlen_q, max_seqlen_k = q.shape[1], k.shape[1]
     call = describe(q, v, varlen=varlen, paged=block_table is not None, causal=causal, window_left=left,
                     window_right=right, softcap=softcap, alibi=alibi_slopes is not None, dropout_p=dropout_p,
-                    return_probs=return_attn_probs, deterministic=deterministic, scale=scale)
+                    return_probs=return_attn_probs, deterministic=deterministic, scale=scale,
+                    sink=learnable_sink is not None)
     # lse reaches the caller exactly when the probabilities do
     out, lse, probs = _ops.attention(call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                     block_table, alibi_slopes, rng_state, bool(return_attn_probs))
+                                     block_table, alibi_slopes, rng_state, bool(return_attn_probs), learnable_sink)
     return (out, lse, probs) if return_attn_probs else out
 
 
@@ -82,67 +85,74 @@ def _varlen_args(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, b
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
+                    learnable_sink=None):
     """Attention of q (B, Sq, H, D) over k (B, Sk, Hk, D), v (B, Sk, Hk, Dv) -> out (B, Sq, H, Dv).
 
     softmax_scale defaults to D**-0.5; window_size (left, right) with -1 unbounded; softcap > 0 applies
     cap * tanh(score / cap); alibi_slopes fp32 (H,) or (B, H) adds -slope * |i + Sk - Sq - j|.
     With return_attn_probs, returns (out, softmax_lse fp32 (B, H, Sq), probs (B, H, Sq, Sk)), probs
     negated where dropout dropped them (for testing only: it materialises Sq x Sk).
+    learnable_sink (FA4's; not in FA2): (H,) fp32/bf16/fp16 logits, one per query head, not scaled by
+    softmax_scale; each joins its head's softmax rows as an extra term exp(sink) with no value, so softmax_lse
+    includes it and a row that sees no key gets out 0 and lse = sink (a -inf sink is no sink). Differentiable.
     """
-    if not (dropout_p or softcap or return_attn_probs) and alibi_slopes is None:  # the common call
+    if not (dropout_p or softcap or return_attn_probs) and alibi_slopes is None and learnable_sink is None:
+        # the common call
         _, _, D, Dv = _checks.qkv(q, k, v, False)
         return _ops.attention_dense(dense(q, D, Dv, softmax_scale, causal, window_size, deterministic), q, k, v)
     return _attn(q, k, v, None, None, None, None, None, dropout_p, softmax_scale, causal, window_size, softcap,
-                 alibi_slopes, deterministic, return_attn_probs)
+                 alibi_slopes, deterministic, return_attn_probs, learnable_sink)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
+                              learnable_sink=None):
     """flash_attn_func on packed qkv (B, S, 3, H, D)."""
     _checks.tensor("qkv", qkv, 5)
     if qkv.shape[2] != 3:
         raise ValueError(f"qkv must have shape (B, S, 3, H, D), got {tuple(qkv.shape)}")
     q, k, v = qkv.unbind(2)
-    if not (dropout_p or softcap or return_attn_probs) and alibi_slopes is None:
+    if not (dropout_p or softcap or return_attn_probs) and alibi_slopes is None and learnable_sink is None:
         # the common call, whose backward writes one packed dqkv (_ops.attention_qkvpacked_dense)
         _, _, D, Dv = _checks.qkv(q, k, v, False)
         return _ops.attention_qkvpacked_dense(dense(q, D, Dv, softmax_scale, causal, window_size, deterministic),
                                               qkv)
     return _attn(q, k, v, None, None, None, None, None, dropout_p, softmax_scale, causal, window_size, softcap,
-                 alibi_slopes, deterministic, return_attn_probs)
+                 alibi_slopes, deterministic, return_attn_probs, learnable_sink)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
+                             learnable_sink=None):
     """flash_attn_func with packed kv (B, Sk, 2, Hk, D)."""
     _checks.tensor("kv", kv, 5)
     if kv.shape[2] != 2:
         raise ValueError(f"kv must have shape (B, Sk, 2, Hk, D), got {tuple(kv.shape)}")
     k, v = kv.unbind(2)
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                           deterministic, return_attn_probs)
+                           deterministic, return_attn_probs, learnable_sink)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                            alibi_slopes=None, deterministic=False, return_attn_probs=False,
-                           block_table=None):
+                           block_table=None, learnable_sink=None):
     """Attention over a batch of variable-length sequences packed along the first dim.
 
     q (total_q, H, D), k/v (total_k, Hk, D); cu_seqlens_q/k int32 (B + 1,) cumulative offsets starting at
     0 (empty sequences allowed); max_seqlen_* bound every sequence's length. With block_table int32
     (B, max_blocks), k/v are paged caches (num_blocks, block_size, Hk, D) and cu_seqlens_k gives each
-    sequence's key count. softmax_lse is fp32 (H, total_q).
+    sequence's key count. softmax_lse is fp32 (H, total_q). learnable_sink: as flash_attn_func's.
     """
     return _attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, dropout_p,
                  softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                 return_attn_probs)
+                 return_attn_probs, learnable_sink)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,
                                      causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                                     deterministic=False, return_attn_probs=False):
+                                     deterministic=False, return_attn_probs=False, learnable_sink=None):
     """flash_attn_varlen_func on packed qkv (total, 3, H, D)."""
     _checks.tensor("qkv", qkv, 4)
     if qkv.shape[1] != 3:
@@ -150,13 +160,13 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
     q, k, v = qkv.unbind(1)
     return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
                                   softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                                  return_attn_probs)
+                                  return_attn_probs, learnable_sink=learnable_sink)
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                     dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                                     softcap=0.0, alibi_slopes=None, deterministic=False,
-                                    return_attn_probs=False):
+                                    return_attn_probs=False, learnable_sink=None):
     """flash_attn_varlen_func with packed kv (total_k, 2, Hk, D)."""
     _checks.tensor("kv", kv, 4)
     if kv.shape[1] != 2:
@@ -164,14 +174,14 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
     k, v = kv.unbind(1)
     return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                   dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                  deterministic, return_attn_probs)
+                                  deterministic, return_attn_probs, learnable_sink=learnable_sink)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0,
-                            return_softmax_lse=False):
+                            return_softmax_lse=False, learnable_sink=None):
     """Attention of q (B, Sq, H, D) over a KV cache, for inference (no backward).
 
     k_cache/v_cache (B_cache, Sk_cache, Hk, D), or paged (num_blocks, block_size, Hk, D) with block_table
@@ -180,8 +190,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     given (q is rotated too: at cache_seqlens + i if causal or local, else at cache_seqlens); rotary
     tables without new k/v are refused, as in FlashAttention-2.
     cache_seqlens: int or int32 (B,), the cache lengths before the append; cache_batch_idx int32 (B,)
-    picks cache rows; cache_leftpad int32 (B,) where each cache row starts. Returns out (B, Sq, H, D), and
-    softmax_lse fp32 (B, H, Sq) with return_softmax_lse.
+    picks cache rows; cache_leftpad int32 (B,) where each cache row starts. learnable_sink: as
+    flash_attn_func's (no gradient here). Returns out (B, Sq, H, D), and softmax_lse fp32 (B, H, Sq) with
+    return_softmax_lse.
     """
     _checks.tensor("q", q, 4)
     _checks.tensor("k_cache", k_cache, 4, device=q.device)
@@ -261,7 +272,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     scale = _checks.scalars(0.0, softcap, softmax_scale, D)
     left, right = window(window_size, causal)
     alibi_slopes = _checks.alibi(alibi_slopes, B, H, q.device)
+    if learnable_sink is not None:  # (inference only: a sink that is a trained parameter gives no gradient here)
+        learnable_sink = _checks.sink(learnable_sink, H, q.device).detach()
     out, lse = _ops.fwd_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                                 cache_batch_idx, cache_leftpad, block_table, scale, bool(causal), left, right,
-                                float(softcap), bool(rotary_interleaved), alibi_slopes, int(num_splits))
+                                float(softcap), bool(rotary_interleaved), alibi_slopes, int(num_splits),
+                                learnable_sink)
     return (out, lse) if return_softmax_lse else out

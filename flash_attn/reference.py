@@ -9,6 +9,10 @@ recomputes P per tile from the saved logsumexp instead of storing it. fp16/bf16 
 fp32; fp32 inputs in fp64, because the accuracy yardstick for fp32 is PyTorch's own fp32 error and an
 online softmax in that same precision lands at 1-2.5x of it (the lse is still returned in fp32). Loops run
 in a fixed order, so results are bitwise reproducible run to run.
+
+A learnable sink (FA4's per-head logit, an extra softmax term exp(sink) with no value) is folded into each
+row's running max and sum after its last key block, so the lse includes it; the backward then needs nothing
+more (P = exp(s - lse) with that lse), and the sink's gradient is the core's (flash_attn._ops.sink_grad).
 """
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -79,6 +83,7 @@ class _Plan:
     rng_state: Optional[torch.Tensor]
     b_idx: Optional[torch.Tensor]  # (N,) int64: sequence numbers in the dropout hash
     max_seqlen_q: int
+    sink: Optional[torch.Tensor] = None  # (1, Hk, G, 1) in acc: the learnable sink, natural-log logits
 
     @property
     def offset(self):
@@ -141,14 +146,16 @@ class _Plan:
 
 
 def _make_plan(q, k, scale, window_left, window_right, softcap, slopes, dropout_p, rng_state, b_idx,
-               max_seqlen_q):
+               max_seqlen_q, sink=None):
     N, Sq, H, _ = q.shape
     Sk, Hk = k.shape[1], k.shape[2]
     G = H // Hk
     if slopes is not None:
         slopes = slopes.to(device=q.device, dtype=_acc_dtype(q.dtype)).reshape(N, Hk, G, 1, 1)
+    if sink is not None:
+        sink = sink.to(device=q.device, dtype=_acc_dtype(q.dtype)).view(1, Hk, G, 1)
     return _Plan(N, Hk, G, Sq, Sk, float(scale), int(window_left), int(window_right), float(softcap), slopes,
-                 _acc_dtype(q.dtype), float(dropout_p), rng_state, b_idx, int(max_seqlen_q))
+                 _acc_dtype(q.dtype), float(dropout_p), rng_state, b_idx, int(max_seqlen_q), sink)
 
 
 def _q_chunk(q, q0, q1, plan):
@@ -181,6 +188,10 @@ def _fwd_plan(q, k, v, plan, return_probs):
     Dv = v.shape[-1]
     out = torch.zeros(N, Sq, H, Dv, dtype=q.dtype, device=q.device)
     lse = torch.full((N, H, Sq), float("inf"), dtype=torch.float32, device=q.device)
+    if plan.sink is not None:
+        # A row that sees no key has the sink as its only term: lse = sink (+inf, no term at all, for a -inf sink).
+        sink = plan.sink.view(1, H, 1)
+        lse.copy_(torch.where(sink == float("-inf"), float("inf"), sink).expand(N, H, Sq))
     probs = (torch.zeros(N, H, Sq, plan.Sk, dtype=torch.float32, device=q.device) if return_probs else None)
     if Sq == 0 or plan.Sk == 0:
         return out, lse, probs
@@ -211,6 +222,15 @@ def _fwd_plan(q, k, v, plan, return_probs):
                 p = p * plan.keep(q0, q1, k0, k1, q.device) * plan.dropout_scale
             pv = torch.matmul(p.view(N, plan.Hk, plan.G * nq, k1 - k0), vt[:, :, k0:k1])
             acc = acc * alpha.unsqueeze(-1) + pv.view(*shape_rows, nq, Dv)
+            m = m_new
+        if plan.sink is not None:
+            # The sink joins the sum (not acc: it has no value), both rebased to the larger of the row max and
+            # the sink; a row with neither keeps reference 0 so that no difference is inf - inf.
+            m_new = torch.maximum(m, plan.sink)
+            m_safe = m_new.masked_fill(m_new == float("-inf"), 0.0)
+            alpha = torch.exp(m - m_safe)
+            l = l * alpha + torch.exp(plan.sink - m_safe)
+            acc = acc * alpha.unsqueeze(-1)
             m = m_new
         empty = l == 0
         o = acc / torch.where(empty, 1.0, l).unsqueeze(-1)
@@ -328,9 +348,9 @@ def _host(cu):
     return None if cu is None else cu.to("cpu", torch.int64)
 
 
-def _common(call, rng_state):
+def _common(call, rng_state, sink=None):
     return dict(scale=call.softmax_scale, window_left=call.window_left, window_right=call.window_right,
-                softcap=call.softcap, dropout_p=call.dropout_p, rng_state=rng_state)
+                softcap=call.softcap, dropout_p=call.dropout_p, rng_state=rng_state, sink=sink)
 
 
 def _dense_plan(q, k, alibi_slopes, common):
@@ -345,9 +365,10 @@ def _seq_plan(qb, kb, alibi_slopes, b, max_seqlen_q, common):
                       b_idx=torch.tensor([b], dtype=torch.int64), max_seqlen_q=max_seqlen_q, **common)
 
 
-def fwd(call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, alibi_slopes, rng_state):
+def fwd(call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, alibi_slopes, rng_state,
+        sink=None):
     """Forward per the contract in :mod:`flash_attn.backends` -> (out, lse fp32, s_dmask or None)."""
-    common = _common(call, rng_state)
+    common = _common(call, rng_state, sink)
     return_probs = call.return_probs
     if cu_seqlens_q is None:
         plan = _dense_plan(q, k, alibi_slopes, common)
@@ -435,11 +456,12 @@ def _rotate(x, cos, sin, pos, interleaved):
 
 
 def fwd_kvcache(call, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                cache_leftpad, block_table, alibi_slopes, rotary_interleaved, num_splits):
+                cache_leftpad, block_table, alibi_slopes, rotary_interleaved, num_splits, sink=None):
     """FA2's flash_attn_with_kvcache: q (B, Sq, H, D); k_cache/v_cache (B_cache, S_cache, Hk, D) or paged
     (num_blocks, block_size, Hk, D) with block_table (B, max_blocks); new k/v (B, S_new, Hk, D) are
     rotated (rotary_cos/sin (seqlen_ro, rotary_dim / 2)) and written in place at cache_seqlens[b] + i.
-    Returns (out (B, Sq, H, Dv), lse fp32 (B, H, Sq)). num_splits is ignored (a performance hint)."""
+    sink: the learnable sink, fp32 (H,), or None. Returns (out (B, Sq, H, Dv), lse fp32 (B, H, Sq)). num_splits is
+    ignored (a performance hint)."""
     B, Sq, H, _ = q.shape
     device = q.device
     seqlens = cache_seqlens.to(device=device, dtype=torch.int64).view(B)
@@ -489,7 +511,7 @@ def fwd_kvcache(call, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_s
         plan = _make_plan(q[b:b + 1], kb, scale=call.softmax_scale, window_left=call.window_left,
                           window_right=call.window_right, softcap=call.softcap,
                           slopes=_slopes_for(alibi_slopes, [b], 1, H), dropout_p=0.0, rng_state=None,
-                          b_idx=None, max_seqlen_q=Sq)
+                          b_idx=None, max_seqlen_q=Sq, sink=sink)
         ob, lb, _ = _fwd_plan(q[b:b + 1], kb, vb, plan, False)
         out[b] = ob[0]
         lse[b] = lb[0]

@@ -386,44 +386,55 @@ def cuobjdump_path():
 
 def backend_fwd(backend, q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                 block_table=None, softmax_scale=None, causal=False, window_left=-1, window_right=-1, softcap=0.0,
-                alibi_slopes=None, dropout_p=0.0, rng_state=None, return_probs=False, **extra):
+                alibi_slopes=None, dropout_p=0.0, rng_state=None, return_probs=False, learnable_sink=None, **extra):
     """``backend.fwd`` (the contract of flash_attn.backends) of a call given by the API's keywords (the window in the
     core's encoding, -1 unbounded), described by flash_attn.call.describe as the API describes it; ``extra``: the
-    backend's own keywords (a tuning config). Dense calls default max_seqlen_* to the tensors' lengths."""
+    backend's own keywords (a tuning config). Dense calls default max_seqlen_* to the tensors' lengths.
+    learnable_sink (H,): goes to the backend as the core sends it (``sink=``, fp32)."""
     if cu_seqlens_q is None:
         max_seqlen_q, max_seqlen_k = q.shape[1], k.shape[1]
-    from flash_attn._ops import _flat_call
+    from flash_attn._ops import _flat_call, _fp32_sink
 
     call = _flat_call(q, v, cu_seqlens_q, block_table, softmax_scale, causal, window_left, window_right, softcap,
-                      alibi_slopes, dropout_p, return_probs, False)
+                      alibi_slopes, dropout_p, return_probs, False, learnable_sink is not None)
+    if learnable_sink is not None:
+        extra["sink"] = _fp32_sink(learnable_sink)
     return backend.fwd(call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
                        alibi_slopes, rng_state, **extra)
 
 
 def backend_bwd(backend, dout, q, k, v, out, lse, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
                 max_seqlen_k=None, block_table=None, softmax_scale=None, causal=False, window_left=-1, window_right=-1,
-                softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None, deterministic=False, **extra):
-    """``backend.bwd`` of a call given by the API's keywords (see backend_fwd); ``extra``: grads, dlse, a config."""
+                softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None, deterministic=False, learnable_sink=None,
+                **extra):
+    """``backend.bwd`` of a call given by the API's keywords (see backend_fwd); ``extra``: grads, dlse, a config.
+    With learnable_sink (the forward's; its out and lse include it): (dq, dk, dv, d sink), the sink's gradient the
+    core's (flash_attn._ops.sink_grad, from out, lse, dout and dlse: backends compute dq, dk, dv only)."""
     if cu_seqlens_q is None:
         max_seqlen_q, max_seqlen_k = q.shape[1], k.shape[1]
-    from flash_attn._ops import _flat_call
+    from flash_attn._ops import _flat_call, sink_grad
     from flash_attn.call import for_backward
 
     call = for_backward(_flat_call(q, v, cu_seqlens_q, block_table, softmax_scale, causal, window_left, window_right,
-                                   softcap, alibi_slopes, dropout_p, False, deterministic))
-    return backend.bwd(call, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                       block_table, alibi_slopes, rng_state, **extra)
+                                   softcap, alibi_slopes, dropout_p, False, deterministic, learnable_sink is not None))
+    grads = backend.bwd(call, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                        block_table, alibi_slopes, rng_state, **extra)
+    if learnable_sink is None:
+        return grads
+    return (*grads, sink_grad(dout, out, lse, learnable_sink, extra.get("dlse")).to(learnable_sink.dtype))
 
 
 def backend_fwd_kvcache(backend, q, k_cache, v_cache, *, k=None, v=None, rotary_cos=None, rotary_sin=None,
                         cache_seqlens, cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None,
                         causal=False, window_left=-1, window_right=-1, softcap=0.0, rotary_interleaved=True,
-                        alibi_slopes=None, num_splits=0):
+                        alibi_slopes=None, num_splits=0, learnable_sink=None):
     """``backend.fwd_kvcache`` of a call given by flash_attn_with_kvcache's keywords (see backend_fwd)."""
+    from flash_attn._ops import _fp32_sink
     from flash_attn.call import describe
 
     call = describe(q, v_cache, paged=block_table is not None, causal=causal, window_left=window_left,
                     window_right=window_right, softcap=softcap, alibi=alibi_slopes is not None, kvcache=True,
-                    scale=softmax_scale)
+                    scale=softmax_scale, sink=learnable_sink is not None)
+    extra = {} if learnable_sink is None else {"sink": _fp32_sink(learnable_sink)}
     return backend.fwd_kvcache(call, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                               cache_leftpad, block_table, alibi_slopes, rotary_interleaved, num_splits)
+                               cache_leftpad, block_table, alibi_slopes, rotary_interleaved, num_splits, **extra)

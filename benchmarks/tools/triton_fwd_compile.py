@@ -19,7 +19,7 @@ import re
 
 
 _PTRS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16", "Lse": "*fp32", "Probs": "*fp32",
-         "Alibi": "*fp32", "CuSeqlensQ": "*i32", "CuSeqlensK": "*i32"}
+         "Alibi": "*fp32", "CuSeqlensQ": "*i32", "CuSeqlensK": "*i32", "Sink": "*fp32"}
 _FLOATS = {"qk_scale", "softcap_scale", "softcap_log2", "dropout_scale"}
 
 

@@ -93,10 +93,11 @@ def compile_all(arch):
         if features:
             kw.update(window_left=40, window_right=0 if causal else 9, softcap=30.0, alibi_slopes=torch.rand(H),
                       dropout_p=0.1, rng_state=torch.tensor([1, 2], dtype=torch.int64))
-        out, lse, _ = backend_fwd(backend, q, k, v, return_probs=probs, **kw)
-        backend_bwd(backend, torch.randn_like(out), q, k, v, out, lse, deterministic=deterministic, **kw)
+        sink = dict(learnable_sink=torch.randn(H, generator=g)) if features else {}
+        out, lse, _ = backend_fwd(backend, q, k, v, return_probs=probs, **kw, **sink)
+        backend_bwd(backend, torch.randn_like(out), q, k, v, out, lse, deterministic=deterministic, **kw, **sink)
 
-    def kvcache(name, D, rows_q, paged, splits):
+    def kvcache(name, D, rows_q, paged, splits, sink=False):
         case[0] = name
         B, Hk, G, S = 2, 2, 4, 512
         q = torch.randn(B, rows_q, Hk * G, D, generator=g).to(torch.bfloat16)
@@ -112,7 +113,8 @@ def compile_all(arch):
                             cache_seqlens=torch.tensor([300, 17], dtype=torch.int32), cache_batch_idx=None,
                             cache_leftpad=None, block_table=table, softmax_scale=D ** -0.5, causal=True,
                             window_left=-1, window_right=0, softcap=0.0, rotary_interleaved=False,
-                            alibi_slopes=None, num_splits=splits)
+                            alibi_slopes=None, num_splits=splits,
+                            learnable_sink=torch.randn(Hk * G, generator=g) if sink else None)
 
     bf, fp = torch.bfloat16, torch.float16
     attention("d32 plain", 32, bf)
@@ -125,7 +127,7 @@ def compile_all(arch):
     attention("d128 causal deterministic, every feature", 128, bf, causal=True, deterministic=True, features=True)
     attention("d256 causal", 256, bf, causal=True)
     attention("d256 varlen deterministic, every feature", 256, bf, varlen=True, deterministic=True, features=True)
-    kvcache("kvcache d128 decode, paged, split", 128, 1, True, 4)
+    kvcache("kvcache d128 decode, paged, split, sink", 128, 1, True, 4, sink=True)
     kvcache("kvcache d256 decode", 256, 2, False, 1)
     kvcache("kvcache d128 prompt", 128, 40, False, 1)
     kvcache("kvcache d256 prompt, paged", 256, 40, True, 1)

@@ -19,8 +19,8 @@ return_probs / deterministic facts; see flash_attn/call.py). A backend reads the
 travel beside it. All arguments arrive validated (flash_attn._checks): dtypes match, H % Hk == 0, last dims
 contiguous.
 
-``fwd(call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, alibi_slopes, rng_state)
-      -> (out, lse, s_dmask or None)``
+``fwd(call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, alibi_slopes, rng_state[,
+      sink=...]) -> (out, lse, s_dmask or None)``
     Dense: q (B, Sq, H, D), k (B, Sk, Hk, D), v (B, Sk, Hk, Dv), cu_seqlens_* None.
     Varlen: q (total_q, H, D), k/v (total_k, Hk, D), cu_seqlens_q/k int32 (B+1,), max_seqlen_* ints.
     Paged (varlen only): block_table int32 (B, max_blocks), k/v (num_blocks, block_size, Hk, D);
@@ -36,6 +36,10 @@ contiguous.
     natural log, +inf for a row with no visible key (whose out is 0); s_dmask, when call.return_probs, the
     softmax probabilities fp32 (B, H, max_seqlen_q, max_seqlen_k) (dense: Sq, Sk), zero outside a
     sequence, negated where dropout dropped the element; else None.
+    ``sink`` (passed only when ``call.sink``): FA4's learnable sink, fp32 contiguous (H,), natural-log logits not
+    scaled by softmax_scale; each joins its head's softmax rows as an extra term exp(sink) with no value: out_i =
+    sum_j exp(s_ij - lse_i) v_j with lse_i = log(sum_j exp(s_ij) + exp(sink)), and probabilities (s_dmask) from
+    that lse. A row that sees no key gets out 0 and lse = sink (+inf for a -inf sink, which equals no sink).
 
 ``bwd(call, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, alibi_slopes,
       rng_state[, dlse=...]) -> (dq, dk, dv)``
@@ -43,14 +47,17 @@ contiguous.
     input dtype, shaped like q, k, v. dk/dv are summed over the query heads of a group (GQA/MQA). A deterministic
     call must give bitwise-identical results run to run. ``dlse`` (passed only when a loss uses the returned lse):
     the gradient flowing into lse, lse's shape; as d lse_i / d s_ij = P_ij it adds dlse_i * P_ij to dS_ij, i.e.
-    the backward uses delta_i - dlse_i where it uses delta_i = rowsum(dO_i * O_i).
+    the backward uses delta_i - dlse_i where it uses delta_i = rowsum(dO_i * O_i). A call with ``call.sink`` brings
+    no sink: its lse includes the sink, so P = exp(s - lse) and delta are the sink-aware ones as they stand (the
+    sink's own gradient is the core's, flash_attn._ops.sink_grad); ``call.sink`` only lets a backend refuse.
     Optional: a backend whose module sets ``BWD_OUT = True`` also takes ``grads=(dq, dk, dv)``, tensors
     shaped and typed like q, k, v with a contiguous last dim (e.g. the slices of one packed gradient),
     writes the gradients there and returns them.
 
 ``fwd_kvcache(call, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-      block_table, alibi_slopes, rotary_interleaved, num_splits) -> (out, lse)``   (optional; no backward)
+      block_table, alibi_slopes, rotary_interleaved, num_splits[, sink=...]) -> (out, lse)``   (optional; no backward)
     Semantics of FA2's flash_attn_with_kvcache (``call.kvcache`` set); cache_seqlens arrives as an int32 tensor (B,).
+    ``sink``: as fwd's.
 """
 
 

@@ -231,6 +231,7 @@ FIELDS = {
     "backward": dict(backward=True),
     "deterministic": dict(deterministic=True),
     "scale": dict(scale=0.5),
+    "sink": dict(sink=True),
 }
 
 

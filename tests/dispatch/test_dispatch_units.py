@@ -60,9 +60,9 @@ def test_describe_defaults():
 def test_describe_takes_every_keyword():
     q = torch.zeros(1, 3, 2, 16)
     c = fa_call.describe(q, q, varlen=1, paged=1, causal=1, window_left=4, window_right=9, softcap=2, alibi=1,
-                         dropout_p=0.5, return_probs=1, kvcache=1, backward=1, deterministic=1, scale=3)
+                         dropout_p=0.5, return_probs=1, kvcache=1, backward=1, deterministic=1, scale=3, sink=1)
     assert c == fa_call.AttnCall("cpu", torch.float32, 16, 16, None, True, True, True, 4, 0, 2.0, True, 0.5, True,
-                                 True, True, True, 3.0)
+                                 True, True, True, 3.0, True)
     assert c.local and c.bounded and c.dropout
 
 

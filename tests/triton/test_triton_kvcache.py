@@ -304,7 +304,7 @@ def attn_types(n, split):
         return "*bf16"
     if n == "Out":
         return "*fp32" if split else "*bf16"
-    if n in ("Lse", "Alibi"):
+    if n in ("Lse", "Alibi", "Sink"):
         return "*fp32"
     if n[0].isupper():
         return "*i32"
@@ -315,18 +315,18 @@ def attn(label, D, rows, split, **flags):
     bm, bn, w, st = kv.attn_config((9, 0), D, rows, True, False, torch.bfloat16)
     ce = dict(IS_FP32=False, HEAD_DIM=D, HEAD_DIM_V=D, BLOCK_D=D, BLOCK_DV=D, BLOCK_M=bm, BLOCK_N=bn, PAGED=False,
               PAGE_SIZE=1, HAS_BATCH_IDX=False, HAS_LEFTPAD=False, WINDOW_LEFT=False, WINDOW_RIGHT=True,
-              HAS_SOFTCAP=False, HAS_ALIBI=False, SPLIT=split)
+              HAS_SOFTCAP=False, HAS_ALIBI=False, SPLIT=split, HAS_SINK=False)
     ce.update(flags)
     compile_kernel(label, kv._kvcache_attn_kernel, lambda n: attn_types(n, split), ce, w, st)
 
 
 attn("decode d64 split", 64, 4, True)
 attn("decode d128 paged, every feature", 128, 4, False, PAGED=True, PAGE_SIZE=256, HAS_LEFTPAD=True,
-     WINDOW_LEFT=True, HAS_SOFTCAP=True, HAS_ALIBI=True)
+     WINDOW_LEFT=True, HAS_SOFTCAP=True, HAS_ALIBI=True, HAS_SINK=True)
 attn("prompt d128", 128, 8192, False)
 compile_kernel("combine d128", kv._kvcache_combine_kernel,
-               lambda n: "*fp32" if n in ("OPart", "LPart", "Lse") else "*bf16" if n == "Out" else "i32",
-               dict(HEAD_DIM_V=128, BLOCK_DV=128, BLOCK_SPLITS=32, CHUNK=32), 4, 1)
+               lambda n: "*fp32" if n in ("OPart", "LPart", "Lse", "Sink") else "*bf16" if n == "Out" else "i32",
+               dict(HEAD_DIM_V=128, BLOCK_DV=128, BLOCK_SPLITS=32, CHUNK=32, HAS_SINK=True), 4, 1)
 compile_kernel("prep d128 rotary paged", kv._kvcache_prep_kernel,
                lambda n: "*i32" if n in ("CacheSeqlens", "CacheBatchIdx", "BlockTable") else "*bf16"
                if n[0].isupper() else "i32",

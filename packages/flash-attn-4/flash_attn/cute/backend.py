@@ -13,6 +13,9 @@ caches its choices per kind of call, so a change takes effect in a new process.
 Paged varlen forward calls (flash_attn_varlen_func's block_table; cu_seqlens_k then counts each sequence's keys) run
 the paged kernel (launch.forward_varlen with the page table, each sequence's key count as seqused_k); pages the
 kernel cannot box (config.paged_block_n) are gathered into contiguous keys for the unpaged kernel.
+
+A learnable sink (``sink=``, fp32 (H,)) goes to the kernels built with one (FwdConfig.sink), dense, varlen and paged.
+The backward needs no sink: its kernel computes P from the forward's lse, which includes it.
 """
 import torch
 
@@ -84,10 +87,13 @@ def unsupported_reason(call):
     return None
 
 
-def fwd(call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, alibi_slopes, rng_state):
+def fwd(call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, alibi_slopes, rng_state,
+        sink=None):
     from flash_attn.cute import launch
     from flash_attn.cute.plan import _UNBOUNDED
 
+    if sink is not None:
+        sink = sink.to(torch.float32).contiguous()  # (the kernels' layout; the core sends it so already)
     # the contract's -1 (no limit) is the kernels' UNBOUNDED
     wl = _UNBOUNDED if call.window_left < 0 else call.window_left
     wr = _UNBOUNDED if call.window_right < 0 else call.window_right
@@ -99,17 +105,17 @@ def fwd(call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, b
             kc, vc, cu_k, _ = launch._gather_pages(k, v, block_table)
             out, lse = launch.forward_varlen(q, kc, vc, cu_seqlens_q, cu_k, cu_seqlens_k[1:] - cu_seqlens_k[:-1],
                                              max_seqlen_q, scale, causal, "sm_90a", wl, wr, softcap,
-                                             fill_unused_rows=True)
+                                             fill_unused_rows=True, sink=sink)
             return out, lse, None
         # (block_table's entries were checked to be pages: flash_attn._ops._check_values)
         out, lse = launch.forward_varlen(q, k, v, cu_seqlens_q, None, cu_seqlens_k[1:] - cu_seqlens_k[:-1],
                                          max_seqlen_q, scale, causal, "sm_90a", wl, wr, softcap,
-                                         fill_unused_rows=True, page_table=block_table)
+                                         fill_unused_rows=True, sink=sink, page_table=block_table)
     elif cu_seqlens_q is not None:
         out, lse = launch.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, None, max_seqlen_q, scale, causal,
-                                         "sm_90a", wl, wr, softcap, fill_unused_rows=True)
+                                         "sm_90a", wl, wr, softcap, fill_unused_rows=True, sink=sink)
     else:
-        out, lse = launch.forward(q, k, v, scale, causal, "sm_90a", wl, wr, softcap)
+        out, lse = launch.forward(q, k, v, scale, causal, "sm_90a", wl, wr, softcap, sink)
     return out, lse, None
 
 

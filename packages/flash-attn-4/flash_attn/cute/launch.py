@@ -89,7 +89,7 @@ def forward(q, k, v, softmax_scale, causal, arch="sm_90a", window_left=_UNBOUNDE
         if sink is None:
             lse.fill_(math.inf)
         else:  # the sink is the row's only term
-            lse.copy_(sink.view(1, H, 1).expand(B, H, Sq))
+            lse.copy_(_sink_lse(sink).view(1, H, 1).expand(B, H, Sq))
     elif B * Sq * H > 0:
         causal = causal and not local
         short, long = _length_kernel(D, causal, k.shape[1],
@@ -113,6 +113,12 @@ def forward(q, k, v, softmax_scale, causal, arch="sm_90a", window_left=_UNBOUNDE
                 fn(q[b:b + step], k[b:b + step], v[b:b + step], out[b:b + step], lse[b:b + step], *args,
                    *sink_arg)
     return out, lse
+
+
+def _sink_lse(sink):
+    """The lse of a row whose only term is the sink: the sink, or +inf (no term, as the kernel's epilogue gives) for a
+    -inf one, which keeps every backward's exp(s - lse) free of -inf - -inf."""
+    return torch.where(sink == -math.inf, math.inf, sink)
 
 
 def _forward_split(q, k, v, softmax_scale, causal, arch, local, window_left, window_right, softcap, sink, pack,
@@ -217,7 +223,7 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
         lse.fill_(math.inf)
         if sink is not None and batch > 0 and Tq > 0:  # rows of a sequence: the sink is their only term
             rows = torch.arange(Tq, device=q.device) < cu_seqlens_q[-1]  # no host sync
-            lse.copy_(torch.where(rows, sink.view(H, 1), lse))
+            lse.copy_(torch.where(rows, _sink_lse(sink).view(H, 1), lse))
     elif Tq > 0 and max_seqlen_q > 0:
         if seqused_k is None:
             seqused_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1]

@@ -3,11 +3,13 @@
 One program owns BLOCK_M query rows of one (sequence, head), keeps them in registers and streams the
 key/value blocks its rows can see, holding the running row max m, row sum l and the unnormalised output
 in fp32. Scores live in log2 units (log2(e) folded into the scale) so each exponential is one exp2.
+With HAS_SINK, FA4's learnable sink (one logit per head, an extra softmax term with no value) joins each
+row's max and sum after the last key block, so the lse includes it.
 """
 import triton
 import triton.language as tl
 
-from ._common import LN2, _dropout_keep, _dropout_row_key, _kv_block_range, _scores
+from ._common import LN2, LOG2E, _dropout_keep, _dropout_row_key, _kv_block_range, _scores
 
 
 @triton.jit
@@ -106,7 +108,7 @@ def _fwd_inner(acc, l_i, m_i, q, K_ptr, V_ptr, K_desc, V_desc, stride_kn, stride
                                "dropout_threshold", "stride_lb", "stride_lh", "stride_pb", "stride_ph",
                                "stride_pm"])
 def _attn_fwd_kernel(
-    Q, K, V, Out, Lse, Probs, Alibi, CuSeqlensQ, CuSeqlensK,
+    Q, K, V, Out, Lse, Probs, Alibi, CuSeqlensQ, CuSeqlensK, Sink,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -121,7 +123,7 @@ def _attn_fwd_kernel(
     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr,
     WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, RETURN_PROBS: tl.constexpr, USE_TMA: tl.constexpr = False,
-    RESCALE_THRESHOLD: tl.constexpr = 0.0, GROUP_HEADS: tl.constexpr = 0,
+    RESCALE_THRESHOLD: tl.constexpr = 0.0, GROUP_HEADS: tl.constexpr = 0, HAS_SINK: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -210,7 +212,17 @@ def _attn_fwd_kernel(
         row_key, dropout_threshold, IS_FP32, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True,
         WINDOW_LEFT, WINDOW_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, USE_TMA, RESCALE_THRESHOLD)
 
-    # Rows with no visible key end with l = 0: their output is 0 and their lse +inf (contract).
+    if HAS_SINK:
+        # exp(sink) joins the row sum with no value: l and acc are rebased to the larger of the row's reference
+        # max and the sink (log2 units); a row with neither keeps 0 so that no difference is inf - inf.
+        sink2 = tl.load(Sink + h) * LOG2E
+        m_fin = tl.maximum(m_i, sink2)
+        m_fin = tl.where(m_fin == float("-inf"), 0.0, m_fin)
+        alpha = tl.exp2(m_i - m_fin)
+        l_i = l_i * alpha + tl.exp2(sink2 - m_fin)
+        acc = acc * alpha[:, None]
+        m_i = m_fin
+    # Rows with no visible key (and no sink) end with l = 0: their output is 0 and their lse +inf (contract).
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc * (dropout_scale / l_safe)[:, None]

@@ -1,9 +1,14 @@
 """The Triton attention backend (contract: flash_attn/backends/__init__.py).
 
 Forward and backward for dense and varlen q/k/v: causal and sliding-window masks (bottom-right aligned),
-softcap, ALiBi, GQA/MQA, dropout with the shared counter-based hash, head dims 1..256 (padded to a
-power of two inside the kernel), fp16/bf16 (and fp32, with exact fp32 products). Runs on CUDA (and, by
-Triton's design, ROCm) devices, and on CPU tensors under TRITON_INTERPRET=1.
+softcap, ALiBi, GQA/MQA, dropout with the shared counter-based hash, FA4's learnable sink, head dims 1..256
+(padded to a power of two inside the kernel), fp16/bf16 (and fp32, with exact fp32 products). Runs on CUDA
+(and, by Triton's design, ROCm) devices, and on CPU tensors under TRITON_INTERPRET=1.
+
+The learnable sink is a forward feature only (_fwd.py's HAS_SINK; the kvcache kernels' too): its lse includes the
+sink, from which every backward kernel here, the warp-specialized one included, computes the sink-aware P, and the
+sink's own gradient is the core's (flash_attn._ops.sink_grad). The warp-specialized forward has no sink, so such
+calls take _fwd.py.
 
 The launchers are kept lean for small problems: configs come from an lru-cached table, sequence lengths
 and seeds are runtime (unspecialised) kernel arguments so no shape triggers a recompile, and nothing
@@ -166,11 +171,11 @@ def _tma_ok(k, v, D, Dv):
     return D == _configs.padded_dim(D) and Dv == _configs.padded_dim(Dv) and _tma_aligned(k, v)
 
 
-def _fwd_plan(q, D, Dv, varlen, window, softcap, alibi, dropout, return_probs, config, tma_ok=True):
+def _fwd_plan(q, D, Dv, varlen, window, softcap, alibi, dropout, return_probs, config, tma_ok=True, sink=False):
     """(block_m, plan key, constexpr/launch kwargs, uses TMA) for one kind of call, cached: the per-call
     path does one dict lookup on a small tuple. The plan key is a fresh object, so the launcher hashes it
     by identity."""
-    key = (q.device, q.dtype, D, Dv, varlen, window, softcap, alibi, dropout, return_probs, config, tma_ok)
+    key = (q.device, q.dtype, D, Dv, varlen, window, softcap, alibi, dropout, return_probs, sink, config, tma_ok)
     plan = _FWD_PLANS.get(key)
     if plan is None:
         if config is None:
@@ -181,7 +186,7 @@ def _fwd_plan(q, D, Dv, varlen, window, softcap, alibi, dropout, return_probs, c
             BLOCK_DV=_configs.padded_dim(Dv), BLOCK_M=config.block_m, BLOCK_N=config.block_n, IS_VARLEN=varlen,
             WINDOW_LEFT=window[0], WINDOW_RIGHT=window[1], HAS_SOFTCAP=softcap, HAS_ALIBI=alibi,
             HAS_DROPOUT=dropout, RETURN_PROBS=return_probs, USE_TMA=tma, RESCALE_THRESHOLD=float(config.rescale),
-            GROUP_HEADS=config.group,
+            GROUP_HEADS=config.group, HAS_SINK=sink,
             num_warps=config.num_warps, num_stages=config.num_stages), tma)
         _FWD_PLANS[key] = plan
     return plan
@@ -276,15 +281,15 @@ class _PlanKey:
 
 
 def fwd(call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, alibi_slopes, rng_state,
-        config=None):
+        config=None, sink=None):
     """Attention forward; see the contract. Dense q (B, Sq, H, D), k (B, Sk, Hk, D), v (B, Sk, Hk, Dv);
     varlen q (total_q, H, D) with cu_seqlens int32 (B+1,). Returns (out, lse fp32, probs or None).
 
-    ``config`` (a _configs.FwdConfig) overrides the table, for tuning.
+    ``config`` (a _configs.FwdConfig) overrides the table, for tuning. ``sink``: the learnable sink, fp32 (H,).
     """
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, call.softmax_scale, call.causal,
             call.window_left, call.window_right, call.softcap, alibi_slopes, call.dropout_p, rng_state,
-            True if call.return_probs else None, config)
+            True if call.return_probs else None, config, sink)
     if _num_seqs(q, cu_seqlens_q) * q.shape[-2] > _MAX_GRID_Y:
         return _fwd_chunked(*args)
     return _fwd(*args)
@@ -320,14 +325,15 @@ def _chunk_alibi(alibi_slopes, lo, hi):
 
 
 def _fwd_chunked(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                 window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state, return_probs, config):
+                 window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state, return_probs, config,
+                 sink=None):
     """_fwd as launches on chunks of the batch (dense: batch slices, concatenated) or of the sequences (varlen:
     slices of cu_seqlens, whose absolute offsets the kernels read; each launch's rows taken from its out / lse),
     each within the grid's y limit."""
     opts = (softmax_scale, causal, window_left, window_right, softcap)
     parts = []
     for c, (lo, hi) in enumerate(_batch_chunks(_num_seqs(q, cu_seqlens_q), q.shape[-2])):
-        tail = (_chunk_alibi(alibi_slopes, lo, hi), dropout_p, _chunk_rng(rng_state, c), return_probs, config)
+        tail = (_chunk_alibi(alibi_slopes, lo, hi), dropout_p, _chunk_rng(rng_state, c), return_probs, config, sink)
         if cu_seqlens_q is None:
             parts.append(_fwd(q[lo:hi], k[lo:hi], v[lo:hi], None, None, max_seqlen_q, max_seqlen_k, *opts, *tail))
         else:
@@ -347,7 +353,7 @@ def _fwd_chunked(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
 
 
 def _fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
-         window_right, softcap, alibi_slopes, dropout_p, rng_state, return_probs, config):
+         window_right, softcap, alibi_slopes, dropout_p, rng_state, return_probs, config, sink=None):
     # fwd's body; return_probs None: the caller discards the probabilities (their result is None)
     if _fwd_mod is None:
         _kernels()
@@ -389,7 +395,7 @@ def _fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softma
         wl = window_left if window_left >= 0 else _NO_WINDOW
         wr = window_right if window_right >= 0 else _NO_WINDOW
     if ((_FWD_VARIANT_ON if config is None else config.variant) and not varlen and not return_probs
-            and softcap <= 0.0 and dropout_p <= 0.0 and alibi_slopes is None):
+            and softcap <= 0.0 and dropout_p <= 0.0 and alibi_slopes is None and sink is None):
         ws = _fwd_ws_plan(q, k, v, D, Dv, Sq, Sk, window, wl, wr, softmax_scale, config)
         if ws is not None:
             block_m, plan_key, meta = ws
@@ -406,7 +412,7 @@ def _fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softma
 
             config = dataclasses.replace(config, variant=0)
     block_m, plan_key, meta, tma = _fwd_plan(q, D, Dv, varlen, window, softcap > 0.0, alibi_slopes is not None,
-                                             dropout_p > 0.0, bool(return_probs), config)
+                                             dropout_p > 0.0, bool(return_probs), config, True, sink is not None)
     if tma:
         if _tma_ok(k, v, D, Dv):
             if not _INTERPRET:
@@ -414,20 +420,23 @@ def _fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softma
         else:  # the same config on the pointer path
             block_m, plan_key, meta, tma = _fwd_plan(q, D, Dv, varlen, window, softcap > 0.0,
                                                      alibi_slopes is not None, dropout_p > 0.0,
-                                                     bool(return_probs), config, False)
+                                                     bool(return_probs), config, False, sink is not None)
     dummy = lse
     _L_FWD((-(-Sq // block_m), B * H), (
-        # (without probs, a tensor in their place all the same: a None would compile another kernel)
+        # (without probs, a tensor in their place all the same: a None would compile another kernel, and a None
+        # among the pointers moves every launch of the plan onto the launcher's slower None-aware key; so for an
+        # absent sink too)
         q, k, v, out, lse, dummy if probs is None else probs, dummy if alibi_slopes is None else alibi_slopes,
-        cu_seqlens_q if varlen else dummy, cu_seqlens_k if varlen else dummy,
+        cu_seqlens_q if varlen else dummy, cu_seqlens_k if varlen else dummy, dummy if sink is None else sink,
         *sq_, *sk_, *sv_, *so_, *sl_, *sa_, *sp_, Sq, Sk, H, H // Hk, softmax_scale * _LOG2E, softcap_scale,
         softcap_log2, wl, wr, seed0, seed1, thr, dscale), meta, plan_key)
     return out, lse, probs
 
 
 def fwd_kvcache(call, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-                block_table, alibi_slopes, rotary_interleaved, num_splits):
-    """FA2's flash_attn_with_kvcache (see the contract); no host sync, so CUDA graphs can capture it."""
+                block_table, alibi_slopes, rotary_interleaved, num_splits, sink=None):
+    """FA2's flash_attn_with_kvcache (see the contract); no host sync, so CUDA graphs can capture it. sink: the
+    learnable sink, fp32 (H,), or None."""
     from . import kvcache
 
     return kvcache.fwd_kvcache(
@@ -435,7 +444,7 @@ def fwd_kvcache(call, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_s
         cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
         block_table=block_table, softmax_scale=call.softmax_scale, causal=call.causal, window_left=call.window_left,
         window_right=call.window_right, softcap=call.softcap, rotary_interleaved=rotary_interleaved,
-        alibi_slopes=alibi_slopes, num_splits=num_splits, interpret=_INTERPRET, arch=_arch(q.device))
+        alibi_slopes=alibi_slopes, num_splits=num_splits, interpret=_INTERPRET, arch=_arch(q.device), sink=sink)
 
 
 _BWD_PLANS: dict = {}

@@ -14,6 +14,10 @@ Up to three launches, none of which reads a device value on the host:
 3. ``_kvcache_combine_kernel`` (num_splits > 1): merges the splits' normalised partial outputs by their
    log-sum-exps.
 
+A learnable sink (HAS_SINK: one logit per query head, an extra softmax term with no value) joins each row's sum
+where the row is finished: in the attention kernel's epilogue with one split, in the combine kernel with several
+(the partials stay sink-free).
+
 Cache lengths, leftpad, batch indices and block tables are only ever read inside kernels, and the kernels
 take lengths as unspecialised runtime arguments, so one compiled kernel serves every cache length and a
 captured graph can be replayed after cache_seqlens changes in place.
@@ -27,7 +31,7 @@ import triton
 import triton.language as tl
 
 from . import _configs
-from ._common import LN2, NO_WINDOW, _kv_block_range, _scores
+from ._common import LN2, LOG2E, NO_WINDOW, _kv_block_range, _scores
 from ._launch import Launcher
 
 _LOG2E = 1.4426950408889634
@@ -208,7 +212,7 @@ def _attn_blocks(acc, l_i, m_i, q, K, V, BtRow, stride_kb, stride_kn, stride_vb,
                                "window_right", "stride_lb", "stride_lh", "stride_ls", "stride_btb",
                                "stride_ab", "stride_ah"])
 def _kvcache_attn_kernel(
-    Q, KCache, VCache, Out, Lse, CacheSeqlens, CacheBatchIdx, CacheLeftpad, BlockTable, Alibi,
+    Q, KCache, VCache, Out, Lse, CacheSeqlens, CacheBatchIdx, CacheLeftpad, BlockTable, Alibi, Sink,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -221,7 +225,7 @@ def _kvcache_attn_kernel(
     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
     PAGE_SIZE: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
     WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, SPLIT: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, SPLIT: tl.constexpr, HAS_SINK: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     split = pid % num_splits
@@ -300,6 +304,16 @@ def _kvcache_attn_kernel(
         HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True, PAGED, PAGE_SIZE, WINDOW_LEFT,
         WINDOW_RIGHT, HAS_SOFTCAP, HAS_ALIBI)
 
+    if HAS_SINK:  # (one split only: split partials stay sink-free, the combine kernel adds it)
+        # exp(sink) joins the row sum with no value, l and acc rebased to the larger of the row max and the sink
+        # (log2 units); a row with neither keeps 0 so that no difference is inf - inf.
+        sink2 = tl.load(Sink + h, mask=row_ok, other=float("-inf")) * LOG2E
+        m_fin = tl.maximum(m_i, sink2)
+        m_fin = tl.where(m_fin == float("-inf"), 0.0, m_fin)
+        alpha = tl.exp2(m_i - m_fin)
+        l_i = l_i * alpha + tl.exp2(sink2 - m_fin)
+        acc = acc * alpha[:, None]
+        m_i = m_fin
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -321,13 +335,14 @@ def _kvcache_attn_kernel(
 @triton.jit(do_not_specialize=["seqlen_q", "num_splits", "stride_ls", "stride_lb", "stride_lh", "stride_xb",
                                "stride_xh"])
 def _kvcache_combine_kernel(
-    OPart, LPart, Out, Lse,
+    OPart, LPart, Out, Lse, Sink,
     stride_os, stride_ob, stride_om, stride_oh,
     stride_ls, stride_lb, stride_lh,
     stride_outb, stride_outm, stride_outh,
     stride_xb, stride_xh,
     seqlen_q, num_splits, num_heads,
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_SPLITS: tl.constexpr, CHUNK: tl.constexpr,
+    HAS_SINK: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     b = tl.program_id(1)
@@ -337,9 +352,14 @@ def _kvcache_combine_kernel(
     s_all = tl.arange(0, BLOCK_SPLITS)
     lse_all = tl.load(Lb + s_all * stride_ls, mask=s_all < num_splits, other=float("-inf"))
     m = tl.max(lse_all, 0)
+    if HAS_SINK:  # one more term of the sum, exp(sink), with no output
+        sink2 = tl.load(Sink + h) * LOG2E
+        m = tl.maximum(m, sink2)
     empty = m == float("-inf")
     m_safe = tl.where(empty, 0.0, m)
     total = tl.sum(tl.exp2(lse_all - m_safe), 0)
+    if HAS_SINK:
+        total += tl.exp2(sink2 - m_safe)
     inv = 1.0 / tl.where(empty, 1.0, total)
 
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -426,8 +446,9 @@ def _strides3(t):
 
 def fwd_kvcache(q, k_cache, v_cache, *, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                 cache_leftpad, block_table, softmax_scale, causal, window_left, window_right, softcap,
-                rotary_interleaved, alibi_slopes, num_splits, interpret=False, arch=None):
-    """See flash_attn/backends/__init__.py (fwd_kvcache) and flash_attn.reference.fwd_kvcache."""
+                rotary_interleaved, alibi_slopes, num_splits, interpret=False, arch=None, sink=None):
+    """See flash_attn/backends/__init__.py (fwd_kvcache) and flash_attn.reference.fwd_kvcache; sink: the learnable
+    sink, fp32 (H,), or None (then a dummy tensor in the kernels' Sink slot, unread: HAS_SINK is off)."""
     B, Sq, H, D = q.shape
     Hk, Dv = k_cache.shape[2], v_cache.shape[-1]
     G = H // Hk
@@ -510,11 +531,13 @@ def fwd_kvcache(q, k_cache, v_cache, *, k, v, rotary_cos, rotary_sin, cache_seql
                 BLOCK_M=block_m, BLOCK_N=block_n, PAGED=paged, PAGE_SIZE=page_size,
                 HAS_BATCH_IDX=cache_batch_idx is not None, HAS_LEFTPAD=cache_leftpad is not None,
                 WINDOW_LEFT=window_left >= 0, WINDOW_RIGHT=window_right >= 0, HAS_SOFTCAP=softcap > 0.0,
-                HAS_ALIBI=alibi_slopes is not None, SPLIT=split, num_warps=warps, num_stages=stages)
+                HAS_ALIBI=alibi_slopes is not None, SPLIT=split, HAS_SINK=sink is not None and not split,
+                num_warps=warps, num_stages=stages)
     key = ("attn", device, q.dtype, *meta.values())
     _L_ATTN((splits * B * Hk, m_blocks), (
         q, k_cache, v_cache, o_acc, l_acc, cache_seqlens, batch_idx,
         cache_leftpad if cache_leftpad is not None else dummy, table, alibi,
+        sink if sink is not None and not split else dummy,
         *_strides3(q), *_strides3(k_cache), *_strides3(v_cache), *so_, *sl_,
         table.stride(0) if paged else 0, *sa_,
         Sq, s_new, capacity, splits, H, G,
@@ -522,10 +545,10 @@ def fwd_kvcache(q, k_cache, v_cache, *, k, v, rotary_cos, rotary_sin, cache_seql
     if split:
         block_s = _pow2(splits)
         chunk = min(block_s, 16 if block_dv > 128 else 32)
-        meta = dict(HEAD_DIM_V=Dv, BLOCK_DV=block_dv, BLOCK_SPLITS=block_s, CHUNK=chunk,
+        meta = dict(HEAD_DIM_V=Dv, BLOCK_DV=block_dv, BLOCK_SPLITS=block_s, CHUNK=chunk, HAS_SINK=sink is not None,
                     num_warps=1 if interpret else 4, num_stages=1)
         key = ("combine", device, *meta.values())
         _L_COMBINE((Sq * H, B), (
-            o_acc, l_acc, out, lse, *so_, *sl_, *out.stride()[:3], lse.stride(0), lse.stride(1),
+            o_acc, l_acc, out, lse, dummy if sink is None else sink, *so_, *sl_, *out.stride()[:3], lse.stride(0), lse.stride(1),
             Sq, splits, H), meta, key)
     return out, lse
