@@ -58,6 +58,11 @@ contiguous.
       block_table, alibi_slopes, rotary_interleaved, num_splits[, sink=...]) -> (out, lse)``   (optional; no backward)
     Semantics of FA2's flash_attn_with_kvcache (``call.kvcache`` set); cache_seqlens arrives as an int32 tensor (B,).
     ``sink``: as fwd's.
+
+Optional services for the core's fused ops, reached through the registry like the rest (never by importing a backend's
+modules): ``launcher(kernel)`` (Triton) returns a low-overhead launcher for any @triton.jit kernel (see
+:func:`triton_launcher`); ``norm_backward()`` (cute) returns the CuTeDSL LayerNorm / RMSNorm backward module that
+``flash_attn.ops.triton.layer_norm`` uses for wide rows.
 """
 
 
@@ -91,3 +96,26 @@ def core_backward(backend, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, 
     with use_backend(backend):
         return _ops._backward(call, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                               None, None, None, dlse)
+
+
+class TritonLaunch:
+    """``kernel[grid](*args, **meta)`` behind a launcher's call signature ``(grid, args, meta, plan_key)``: Triton's own
+    launch, for when the Triton backend is not installed or cannot run here."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __call__(self, grid, args, meta, plan_key):
+        self.kernel[grid](*args, **meta)
+
+
+def triton_launcher(kernel):
+    """A launcher for a @triton.jit kernel outside the Triton backend (the fused ops, the cute backward's host steps):
+    the Triton backend's low-overhead one (its optional contract entry ``launcher``) when the registry has that backend
+    available, else :class:`TritonLaunch`. Runtime arguments go positionally, pointers (tensors or None) first; a plan
+    key must determine every constexpr and launch option, and each position must keep its kind (tensor or None / int
+    / float)."""
+    from flash_attn import dispatch
+
+    make = getattr(dispatch.load("triton"), "launcher", None)
+    return make(kernel) if make is not None else TritonLaunch(kernel)

@@ -17,6 +17,8 @@ import functools
 import torch
 
 from flash_attn import settings
+# launcher(kernel): the core's (the Triton backend's low-overhead relaunch where that backend runs)
+from flash_attn.backends import TritonLaunch, triton_launcher as launcher  # noqa: F401
 from flash_attn.dispatch import forced_backend, use_backend
 
 try:
@@ -167,25 +169,3 @@ def plan(name, **meta):
     return _plan(name, tuple(meta.items()))
 
 
-class TritonLaunch:
-    """``kernel[grid](*args, **meta)`` behind the launcher's call signature ``(grid, args, meta, plan_key)``:
-    the path without the flash-attn-triton distribution, whose Launcher relaunches compiled kernels with
-    less host time."""
-
-    def __init__(self, kernel):
-        self.kernel = kernel
-
-    def __call__(self, grid, args, meta, plan_key):
-        self.kernel[grid](*args, **meta)
-
-
-def launcher(kernel):
-    """A launcher for a @triton.jit kernel: ``flash_attn.triton._launch.Launcher`` where that distribution
-    is installed (it takes Triton's own path under the interpreter), else :class:`TritonLaunch`. Runtime
-    arguments go positionally, pointers (tensors or None) first; a plan key must determine every
-    constexpr and launch option, and each position must keep its kind (tensor or None / int / float)."""
-    try:
-        from flash_attn.triton._launch import Launcher
-    except ImportError:
-        return TritonLaunch(kernel)
-    return Launcher(kernel)

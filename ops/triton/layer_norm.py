@@ -416,10 +416,12 @@ def _ln_bwd_cute(x, weight, weight1, dy, dy1, dresidual_out, rowscale, rng_state
     otherwise, and the Triton path runs."""
     if x.shape[1] < 4096 or not x.is_cuda or not cute_bwd_enabled():  # norm_bwd.MIN_N: narrower rows never import it
         return False
-    try:
-        from flash_attn.cute import norm_bwd as cute_bwd
-    except ImportError:  # flash-attn-4 is not installed
+    from flash_attn import dispatch
+
+    cute = dispatch.load("cute")  # None where flash-attn-4 is not installed or cannot run here
+    if cute is None:
         return False
+    cute_bwd = cute.norm_backward()
 
     key = cute_bwd.plan(x, weight, weight1, dy, dy1, dresidual_out, rowscale, dropout_p, mean, rstd, dx, dx1,
                         dresidual_in, db, is_rms_norm, zero_centered_weight)

@@ -231,3 +231,54 @@ def test_a_module_not_found_error_without_a_name(clean, monkeypatch):
 
     monkeypatch.setattr(sys, "meta_path", [Finder(), *sys.meta_path])
     assert dispatch.unavailable_reason("triton") == "import failed: something is missing"
+
+
+# ----------------------------------------------------------------------------------------------------
+# the core's launcher service: the Triton backend's launcher through the registry, Triton's own launch otherwise
+
+
+def _fake_backend(monkeypatch, name, **attrs):
+    mod = types.ModuleType(f"_fa_test_{name}_backend")
+    mod.unavailable_reason = lambda: None
+    for k, v in attrs.items():
+        setattr(mod, k, v)
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    monkeypatch.setattr(dispatch, "BACKENDS", {**dispatch.BACKENDS, name: mod.__name__})
+    return mod
+
+
+def test_triton_launcher_takes_the_backends_launcher(clean, monkeypatch):
+    from flash_attn import backends
+
+    made = []
+    _fake_backend(monkeypatch, "triton", launcher=lambda kernel: made.append(kernel) or ("fast", kernel))
+    assert backends.triton_launcher("k") == ("fast", "k") and made == ["k"]
+
+
+def test_triton_launcher_falls_back_to_tritons_own_launch(clean, monkeypatch):
+    from flash_attn import backends
+
+    _fake_backend(monkeypatch, "triton")  # a backend module without the optional entry
+    launch = backends.triton_launcher("k")
+    assert isinstance(launch, backends.TritonLaunch) and launch.kernel == "k"
+    _fake_backend(monkeypatch, "triton", launcher=lambda kernel: 1 / 0)
+    dispatch._modules.clear(), dispatch._unavailable.clear()
+    sys.modules[dispatch.BACKENDS["triton"]].unavailable_reason = lambda: "no CUDA device"
+    assert isinstance(backends.triton_launcher("k"), backends.TritonLaunch)  # an unavailable backend is not asked
+
+    seen = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **meta: seen.append((grid, args, meta))
+
+    backends.TritonLaunch(Kernel())((2, 1), (7, 8), {"BLOCK": 16}, "plan")
+    assert seen == [((2, 1), (7, 8), {"BLOCK": 16})]
+
+
+def test_the_triton_backend_offers_its_launcher():
+    pytest.importorskip("triton")
+    from flash_attn.triton import backend
+    from flash_attn.triton._launch import Launcher
+
+    assert isinstance(backend.launcher(lambda: None), Launcher)

@@ -44,6 +44,13 @@ def unavailable_reason():
     return _unavailable[0]
 
 
+def norm_backward():
+    """The CuTeDSL LayerNorm / RMSNorm backward for wide rows (module norm_bwd) that the root's fused norm ops use."""
+    from flash_attn.cute import norm_bwd
+
+    return norm_bwd
+
+
 def forward_head_dims():
     """The head dims whose forward the dispatcher may send here: 64, 128 and those of 96 / 192 / 256 that
     FLASH_ATTN_CUTE_DISABLE does not name (d96, d192, d256)."""

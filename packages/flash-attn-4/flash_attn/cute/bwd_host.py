@@ -29,10 +29,10 @@ try:
 except ImportError:  # flash-attn-4 installs without Triton: the torch path
     triton = tl = None
 
-try:  # the Triton backend's low-overhead launcher (it skips Triton's argument binder after a first call)
-    from flash_attn.triton._launch import Launcher
-except ImportError:
-    Launcher = None
+try:  # the root package's launcher service: the Triton backend's low-overhead relaunch where that backend runs
+    from flash_attn.backends import triton_launcher
+except ImportError:  # flash-attn-4 alone: Triton's own launch
+    triton_launcher = None
 
 LOG2E = 1.4426950408889634
 _INTERPRET = settings.current.triton_interpret
@@ -145,8 +145,8 @@ _launchers: dict = {}
 def _launch(kernel, grid, args, meta, plan_key):
     fn = _launchers.get(kernel)
     if fn is None:
-        if Launcher is not None:
-            fn = Launcher(kernel)
+        if triton_launcher is not None:
+            fn = triton_launcher(kernel)
         else:
             def fn(grid_, args_, meta_, _key, _kernel=kernel):
                 _kernel[grid_](*args_, **meta_)

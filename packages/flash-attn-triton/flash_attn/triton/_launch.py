@@ -304,3 +304,22 @@ class Launcher:
         if len(self.cache) >= _MAX_ENTRIES:
             self.cache.clear()
         self.cache[(plan_key, _current_device(), k)] = (run, compiled.function, compiled.packed_metadata, tail)
+
+
+def _tma_alloc(size, alignment, stream):
+    # Global scratch for the descriptors a kernel builds on the device (128 bytes each, per program).
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def set_tma_allocator():
+    # A context variable in Triton: autograd runs the backward on its own thread, so set it per call (only
+    # when nobody set one).
+    import triton
+    try:
+        from triton.runtime import _allocation
+        current = _allocation._allocator.get()
+        if not isinstance(current, _allocation.NullAllocator):
+            return
+    except (ImportError, AttributeError):
+        pass
+    triton.set_allocator(_tma_alloc)

@@ -43,6 +43,12 @@ def unavailable_reason():
     return None
 
 
+def launcher(kernel):
+    """A low-overhead launcher for any @triton.jit kernel (the core's ``flash_attn.backends.triton_launcher``)."""
+    from ._launch import Launcher
+    return Launcher(kernel)
+
+
 def unsupported_reason(call):
     if call.device_type == "cpu":
         if not _INTERPRET:
@@ -65,7 +71,7 @@ def unsupported_reason(call):
 def _kernels():
     # Imported on first use so that importing the backend (dispatch, unavailable_reason) stays cheap.
     global _fwd_mod, _bwd_mod, _configs, _NO_WINDOW, _L_FWD, _L_PRE, _L_DKDV, _L_DQ, _FWD_VARIANT_ON, _L_FWD_WS
-    global _L_PRE_WS, _L_DKDV_WS, _L_DQ_WS, _BWD_WS_ON
+    global _L_PRE_WS, _L_DKDV_WS, _L_DQ_WS, _BWD_WS_ON, set_tma_allocator
 
     from . import _bwd as _bwd_mod
     from . import _bwd_ws
@@ -73,7 +79,7 @@ def _kernels():
     from . import _fwd as _fwd_mod
     from . import _fwd_ws
     from ._common import NO_WINDOW as _NO_WINDOW
-    from ._launch import Launcher
+    from ._launch import Launcher, set_tma_allocator
 
     _L_FWD = Launcher(_fwd_mod._attn_fwd_kernel)
     _L_PRE = Launcher(_bwd_mod._bwd_preprocess_kernel)
@@ -97,6 +103,7 @@ _L_FWD = _L_PRE = _L_DKDV = _L_DQ = None
 _FWD_VARIANT_ON = False
 _L_FWD_WS = _L_PRE_WS = _L_DKDV_WS = _L_DQ_WS = None
 _BWD_WS_ON = False
+set_tma_allocator = None  # _launch.set_tma_allocator; bound by _kernels()
 _NO_WINDOW = None  # _common.NO_WINDOW, the kernels' unbounded window side; bound by _kernels()
 
 
@@ -400,7 +407,7 @@ def _fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softma
         if ws is not None:
             block_m, plan_key, meta = ws
             if not _INTERPRET:
-                _set_tma_allocator()
+                set_tma_allocator()
             n_m = -(-Sq // block_m)
             grid = (min(n_m * B * H, _num_sms(q.device)),) if meta["PERSISTENT"] else (n_m, B * H)
             # (row and head strides only: the descriptors cover all sequences, see _fwd_ws_plan)
@@ -416,7 +423,7 @@ def _fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softma
     if tma:
         if _tma_ok(k, v, D, Dv):
             if not _INTERPRET:
-                _set_tma_allocator()
+                set_tma_allocator()
         else:  # the same config on the pointer path
             block_m, plan_key, meta, tma = _fwd_plan(q, D, Dv, varlen, window, softcap > 0.0,
                                                      alibi_slopes is not None, dropout_p > 0.0,
@@ -491,25 +498,6 @@ def _tma_aligned(*tensors):
             if s % m:
                 return False
     return True
-
-
-def _tma_alloc(size, alignment, stream):
-    # Global scratch for the descriptors a kernel builds on the device (128 bytes each, per program).
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-def _set_tma_allocator():
-    # A context variable in Triton: autograd runs the backward on its own thread, so set it per call (only
-    # when nobody set one).
-    import triton
-    try:
-        from triton.runtime import _allocation
-        current = _allocation._allocator.get()
-        if not isinstance(current, _allocation.NullAllocator):
-            return
-    except (ImportError, AttributeError):
-        pass
-    triton.set_allocator(_tma_alloc)
 
 
 def _bwd_plan(q, D, Dv, varlen, window, softcap, alibi, dropout, deterministic, config, no_tma=False):
@@ -611,7 +599,7 @@ def _bwd_ws(ws, dout, q, k, v, out, lse, dq, dk, dv, B, H, Hk, Sq, Sk, softmax_s
     """The warp-specialized backward's launches (see _bwd_ws.py); dq may be None (allocated)."""
     cfg, (pre, dkdv_metas, dq_meta, key) = ws
     if not _INTERPRET:
-        _set_tma_allocator()
+        set_tma_allocator()
     sq_pad = -(-Sq // 128) * 128
     rows = torch.empty(3, B * H, sq_pad, device=q.device, dtype=torch.float32)
     lse2, delta, lse_n = rows.unbind(0)
@@ -711,7 +699,7 @@ def _bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
     if dq_meta["USE_TMA"]:
         if _tma_aligned(q, k, v, dout):
             if not _INTERPRET:
-                _set_tma_allocator()
+                set_tma_allocator()
         else:
             config, dq_atomic, plan_key, pre_meta, dkdv_metas, dq_meta = _bwd_plan(*plan_args, no_tma=True)
     if dq_atomic:
