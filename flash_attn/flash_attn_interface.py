@@ -29,10 +29,11 @@ from .fa2_private import (  # noqa: F401 (FA2's lower-level functions and autogr
 
 def _attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, dropout_p,
           softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
-          learnable_sink=None):
-    """An attention call of the API: validate, describe the call once (flash_attn.call), run the op. (flash_attn_func's
-    common call, dense without dropout, softcap, ALiBi, probabilities or sink, is described by call.dense and runs on
-    the lighter autograd functions of _ops: out only, no lse for the caller.)"""
+          learnable_sink=None, return_lse=False):
+    """An attention call of the API: validate, describe the call once (flash_attn.call), run the op. Returns out,
+    (out, lse, probs) with return_attn_probs, else (out, lse) with return_lse (FA3's API: lse without probabilities).
+    (flash_attn_func's common call, dense without dropout, softcap, ALiBi, probabilities or sink, is described by
+    call.dense and runs on the lighter autograd functions of _ops: out only, no lse for the caller.)"""
     varlen = cu_seqlens_q is not None
     batch = None
     if varlen:
@@ -51,10 +52,12 @@ def _attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block
                     window_right=right, softcap=softcap, alibi=alibi_slopes is not None, dropout_p=dropout_p,
                     return_probs=return_attn_probs, deterministic=deterministic, scale=scale,
                     sink=learnable_sink is not None)
-    # lse reaches the caller exactly when the probabilities do
     out, lse, probs = _ops.attention(call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                     block_table, alibi_slopes, rng_state, bool(return_attn_probs), learnable_sink)
-    return (out, lse, probs) if return_attn_probs else out
+                                     block_table, alibi_slopes, rng_state, bool(return_attn_probs or return_lse),
+                                     learnable_sink)
+    if return_attn_probs:
+        return out, lse, probs
+    return (out, lse) if return_lse else out
 
 
 def _varlen_args(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table):

@@ -43,8 +43,11 @@ def test_wheel_maps_root_folders_into_flash_attn(root_install, tmp_path):
     r = _run("""
         import flash_attn, flash_attn.modules, flash_attn.ops, flash_attn.models, flash_attn.training
         import flash_attn.bert_padding, flash_attn.cli
-        for m in (flash_attn, flash_attn.modules, flash_attn.ops, flash_attn.models, flash_attn.training):
+        import flash_attn_interface  # FA3's top-level module
+        for m in (flash_attn, flash_attn.modules, flash_attn.ops, flash_attn.models, flash_attn.training,
+                  flash_attn_interface):
             assert m.__file__.startswith(SITE), m.__file__
+        assert flash_attn_interface.flash_attn_func.__module__ == "flash_attn.fa3_interface"
         print(flash_attn.__path__)
     """.replace("SITE", repr(str(root_install))), [str(root_install)], cwd=tmp_path)
     assert r.returncode == 0, r.stderr
@@ -97,12 +100,13 @@ def test_editable_install_resolves_from_checkout(tmp_path):
         f.write("\n".join(site.getsitepackages()) + "\n")
     subprocess.run([py, "-m", "pip", "-q", "--disable-pip-version-check", "install", "--no-deps",
                     "--no-build-isolation", "-e", ROOT], check=True)
-    code = "import flash_attn.modules as m, flash_attn.ops as o; print(m.__file__); print(o.__file__)"
+    code = ("import flash_attn.modules as m, flash_attn.ops as o, flash_attn_interface as f3; print(m.__file__); "
+            "print(o.__file__); print(f3.__file__)")
     r = subprocess.run([py, "-c", code], cwd=tmp_path, capture_output=True, text=True,
                        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == [os.path.join(ROOT, "modules", "__init__.py"),
-                                os.path.join(ROOT, "ops", "__init__.py")]
+                                os.path.join(ROOT, "ops", "__init__.py"), os.path.join(ROOT, "flash_attn_interface.py")]
 
 
 @pytest.mark.parametrize("dist", BACKEND_DISTS)

@@ -1,0 +1,278 @@
+"""FlashAttention-3's API: the functions of the top-level module ``flash_attn_interface`` that FA3 installs (this
+package installs that module too; it re-exports these). They run on the same backends and call description as FA2's
+API (flash_attn.flash_attn_interface), forward and backward.
+
+FA3's arguments map onto the core's call:
+
+- ``qv`` (.., H, Dv): the scores gain qv . v (FA3's form for multi-head latent attention). Served exactly as attention
+  of cat(q, qv) over cat(k, v) with values v: head dim D + Dv, whose limit is the backends' (256), and FA3's default
+  scale (D + Dv) ** -0.5. Differentiable in qv too.
+- ``attention_chunk`` c > 0: query i of a sequence, at key position p = i + Sk - Sq, sees only the keys of its own
+  chunk, [p - p mod c, p - p mod c + c), on top of its causal / window mask (chunked attention as in Llama 4; a
+  query before the first key, p < 0, sees none). Served as varlen attention over sub-sequences, one per chunk
+  (:func:`_segments`): within a chunk the bottom-right alignment and every window offset are the whole sequence's,
+  so the result is exact, and the backward exists (FA3 has none for it).
+- ``seqused_q`` / ``seqused_k`` (varlen, int32 (B,)): sequence b uses the first seqused_q[b] query rows and
+  seqused_k[b] keys of its cu_seqlens ranges (values past a range's length act as the length); the causal / window
+  alignment is that of the used lengths. The other rows go into sub-sequences of their own: a row past seqused_q
+  gets out 0 and lse +inf, a key past seqused_k is seen by no query and gets zero gradients.
+- ``num_splits``, ``pack_gqa``, ``sm_margin``, ``scheduler_metadata``: scheduling hints. Validated; they change no
+  result (the backends choose their own schedules).
+- ``q_descale`` / ``k_descale`` / ``v_descale``: FP8 attention is not implemented; given, they raise
+  NotImplementedError.
+- ``return_attn_probs``: FA3 returns (out, softmax_lse) then (no probabilities), and so do these.
+
+``flash_attn_with_kvcache`` serves FA3's FA2-like arguments (``page_table`` is FA2's ``block_table``); ``qv``,
+varlen queries (``cu_seqlens_q``, ``cu_seqlens_k_new``, ``max_seqlen_q``), ``rotary_seqlens`` and ``attention_chunk``
+there raise NotImplementedError.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from . import _checks
+from . import flash_attn_interface as _fa2
+
+__all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func", "flash_attn_with_kvcache",
+           "flash_attn_combine", "get_scheduler_metadata"]
+
+
+def _refuse_fp8(q_descale, k_descale, v_descale):
+    for name, t in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
+        if t is not None:
+            raise NotImplementedError(f"{name}: FP8 attention is not implemented in this package; pass None "
+                                      "(and fp16 / bf16 inputs)")
+
+
+def _hints(num_splits, pack_gqa, sm_margin):
+    """Validate the scheduling hints (they change no result here)."""
+    for name, val in (("num_splits", num_splits), ("sm_margin", sm_margin)):
+        try:
+            operator.index(val)
+        except TypeError:
+            raise TypeError(f"{name} must be an int, got {type(val).__name__}") from None
+    if sm_margin < 0:
+        raise ValueError(f"sm_margin must be >= 0, got {sm_margin}")
+    if pack_gqa is not None and not isinstance(pack_gqa, bool):
+        raise TypeError(f"pack_gqa must be None, True or False, got {pack_gqa!r}")
+
+
+def _chunk(attention_chunk):
+    try:
+        chunk = operator.index(attention_chunk)
+    except TypeError:
+        raise TypeError(f"attention_chunk must be an int, got {type(attention_chunk).__name__}") from None
+    if chunk < 0:
+        raise ValueError(f"attention_chunk must be >= 0 (0: no chunking), got {chunk}")
+    return chunk
+
+
+def _with_qv(q, k, v, qv):
+    """(q, k) of the call: cat(q, qv) and cat(k, v) along the head dim when qv is given."""
+    if qv is None:
+        return q, k
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _checks.tensor(name, t)
+    _checks.tensor("qv", qv, q.dim(), device=q.device)
+    if qv.dtype != q.dtype:
+        raise TypeError(f"qv must have q's dtype {q.dtype}, got {qv.dtype}")
+    if k.dim() != v.dim() or k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"k and v must match but for the head dim, got {tuple(k.shape)} and {tuple(v.shape)}")
+    want = (*q.shape[:-1], v.shape[-1])
+    if tuple(qv.shape) != want:
+        raise ValueError(f"qv must have shape {want} (q's with v's head dim), got {tuple(qv.shape)}")
+    return torch.cat([q, qv], -1), torch.cat([k, v], -1)
+
+
+def _segments(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, chunk, max_seqlen_k):
+    """(cu_seqlens_q, cu_seqlens_k) of the sub-sequences that make FA3's seqused_* and attention_chunk plain varlen
+    attention, computed on the device (no host sync). Per sequence, with used lengths Lq, Lk and a = Lk - Lq, the
+    boundaries (relative query row, relative key) are: (0, 0); with a chunk c, (clamp(t c - a, 0, Lq), clamp(t c, 0,
+    Lk)) for t = 0 .. ceil(max_seqlen_k / c) (the first pair closes the rows before the first key, the others each
+    chunk), else (Lq, Lk); then (len_q, Lk), closing the unused rows, and (len_q, len_k), closing the unused keys.
+    Each sequence's last boundary is the next one's first, so the offsets chain; empty sub-sequences are allowed."""
+    cq, ck = cu_seqlens_q.long(), cu_seqlens_k.long()
+    len_q, len_k = cq[1:] - cq[:-1], ck[1:] - ck[:-1]
+    used_q = len_q if seqused_q is None else torch.minimum(seqused_q.long().clamp_min(0), len_q)
+    used_k = len_k if seqused_k is None else torch.minimum(seqused_k.long().clamp_min(0), len_k)
+    zero = torch.zeros_like(len_q)[:, None]
+    if chunk:
+        starts = torch.arange(-(-max_seqlen_k // chunk) + 1, device=cq.device) * chunk  # t c, t = 0 .. M
+        bq = torch.minimum((starts[None, :] - (used_k - used_q)[:, None]).clamp_min(0), used_q[:, None])
+        bk = torch.minimum(starts[None, :], used_k[:, None])
+    else:
+        bq, bk = used_q[:, None], used_k[:, None]
+    rel_q = torch.cat([zero, bq, len_q[:, None], len_q[:, None]], 1)
+    rel_k = torch.cat([zero, bk, used_k[:, None], len_k[:, None]], 1)
+    out = []
+    for cu, rel in ((cq, rel_q), (ck, rel_k)):
+        inner = (cu[:-1, None] + rel[:, :-1]).flatten()
+        out.append(torch.cat([inner, cu[-1:]]).to(torch.int32))
+    return out[0], out[1]
+
+
+def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, chunk,
+            softmax_scale, causal, window_size, softcap, deterministic, return_lse):
+    """A varlen call, through sub-sequences when seqused_* or a chunk asks for them."""
+    if seqused_q is None and seqused_k is None and not chunk:
+        return _fa2._attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, None, 0.0, softmax_scale,
+                          causal, window_size, softcap, None, deterministic, False, return_lse=return_lse)
+    _checks.tensor("q", q, 3)
+    _checks.tensor("k", k, 3, device=q.device)
+    _checks.cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
+    _checks.cu_seqlens("cu_seqlens_k", cu_seqlens_k, q.device)
+    batch = cu_seqlens_q.shape[0] - 1
+    if cu_seqlens_k.shape[0] != batch + 1:
+        raise ValueError(f"cu_seqlens_k must have length {batch + 1} like cu_seqlens_q, got {cu_seqlens_k.shape[0]}")
+    max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
+    if max_seqlen_q < 0 or max_seqlen_k < 0:
+        raise ValueError("max_seqlen_q and max_seqlen_k must be >= 0")
+    for name, t in (("seqused_q", seqused_q), ("seqused_k", seqused_k)):
+        if t is not None:
+            _checks.int32_vector(name, t, batch, q.device)
+    # the caller's offsets are checked here; the sub-sequences built from them are valid by construction
+    _checks.cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
+    _checks.cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)
+    cu_q, cu_k = _segments(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, chunk, max_seqlen_k)
+    # a chunk holds at most `chunk` keys, but a sub-sequence of unused keys may be as long as the sequence
+    max_k = min(chunk, max_seqlen_k) if chunk and seqused_k is None else max_seqlen_k
+    return _fa2._attn(q, k, v, _checks.trust(cu_q), _checks.trust(cu_k), max_seqlen_q, max_k, None, 0.0,
+                      softmax_scale, causal, window_size, softcap, None, deterministic, False, return_lse=return_lse)
+
+
+def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None,
+                    v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1, pack_gqa=None,
+                    deterministic=False, sm_margin=0, return_attn_probs=False):
+    """FA3's flash_attn_func: q (B, Sq, H, D), k (B, Sk, Hk, D), v (B, Sk, Hk, Dv) -> out (B, Sq, H, Dv), and
+    softmax_lse fp32 (B, H, Sq) with return_attn_probs. See the module's docstring for qv, attention_chunk and the
+    hints; the rest is FA2's flash_attn_func (bottom-right causal, window_size (-1: unbounded), softcap)."""
+    _refuse_fp8(q_descale, k_descale, v_descale)
+    _hints(num_splits, pack_gqa, sm_margin)
+    chunk = _chunk(attention_chunk)
+    qc, kc = _with_qv(q, k, v, qv)
+    if not chunk:
+        if return_attn_probs:
+            return _fa2._attn(qc, kc, v, None, None, None, None, None, 0.0, softmax_scale, causal, window_size,
+                              softcap, None, deterministic, False, return_lse=True)
+        return _fa2.flash_attn_func(qc, kc, v, 0.0, softmax_scale, causal, window_size, softcap, None, deterministic)
+    _checks.qkv(qc, kc, v, False)
+    (B, Sq, H), Sk = q.shape[:3], k.shape[1]
+    rows = torch.arange(B + 1, dtype=torch.int32, device=q.device)
+    cu_q, cu_k = _segments(rows * Sq, rows * Sk, None, None, chunk, Sk)
+    res = _fa2._attn(qc.reshape(B * Sq, H, qc.shape[-1]), kc.reshape(B * Sk, *kc.shape[2:]),
+                     v.reshape(B * Sk, *v.shape[2:]), _checks.trust(cu_q), _checks.trust(cu_k), Sq, min(chunk, Sk),
+                     None, 0.0, softmax_scale, causal, window_size, softcap, None, deterministic, False,
+                     return_lse=return_attn_probs)
+    out = (res[0] if return_attn_probs else res).reshape(B, Sq, H, v.shape[-1])
+    if not return_attn_probs:
+        return out
+    return out, res[1].reshape(H, B, Sq).transpose(0, 1)
+
+
+def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, q_descale=None, k_descale=None, v_descale=None,
+                              window_size=(-1, -1), attention_chunk=0, softcap=0.0, deterministic=False,
+                              num_heads_q=None, sm_margin=0, return_attn_probs=False):
+    """FA3's packed form: qkv (B, S, 3, H, D), or (B, S, H + 2 Hk, D) with num_heads_q = H (GQA packed)."""
+    _checks.tensor("qkv", qkv)
+    if qkv.dim() == 5:
+        if qkv.shape[2] != 3:
+            raise ValueError(f"qkv must have shape (B, S, 3, H, D), got {tuple(qkv.shape)}")
+        q, k, v = qkv.unbind(2)
+    elif qkv.dim() == 4:
+        if num_heads_q is None:
+            raise ValueError("a 4-D qkv (B, S, H + 2 Hk, D) needs num_heads_q")
+        heads_k, rest = divmod(qkv.shape[2] - int(num_heads_q), 2)
+        if rest or heads_k <= 0 or num_heads_q <= 0:
+            raise ValueError(f"qkv's {qkv.shape[2]} heads are not num_heads_q ({num_heads_q}) + 2 x the KV heads")
+        q, k, v = qkv.split([int(num_heads_q), heads_k, heads_k], dim=2)
+    else:
+        raise ValueError(f"qkv must be 5-D (B, S, 3, H, D) or 4-D (B, S, H + 2 Hk, D), got {qkv.dim()}-D")
+    return flash_attn_func(q, k, v, softmax_scale, causal, None, q_descale, k_descale, v_descale, window_size,
+                           attention_chunk, softcap, 1, None, deterministic, sm_margin, return_attn_probs)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None,
+                           seqused_k=None, softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None,
+                           v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1,
+                           pack_gqa=None, deterministic=False, sm_margin=0, return_attn_probs=False):
+    """FA3's varlen form: q (total_q, H, D), k (total_k, Hk, D), v (total_k, Hk, Dv), cu_seqlens_q / _k int32 (B + 1,)
+    -> out (total_q, H, Dv), and softmax_lse fp32 (H, total_q) with return_attn_probs. seqused_q / seqused_k: see the
+    module's docstring."""
+    _refuse_fp8(q_descale, k_descale, v_descale)
+    _hints(num_splits, pack_gqa, sm_margin)
+    chunk = _chunk(attention_chunk)
+    qc, kc = _with_qv(q, k, v, qv)
+    return _varlen(qc, kc, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, chunk,
+                   softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs)
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, page_table=None,
+                            cu_seqlens_q=None, cu_seqlens_k_new=None, max_seqlen_q=None, rotary_seqlens=None,
+                            q_descale=None, k_descale=None, v_descale=None, softmax_scale=None, causal=False,
+                            window_size=(-1, -1), attention_chunk=0, softcap=0.0, rotary_interleaved=True,
+                            scheduler_metadata=None, num_splits=0, pack_gqa=None, sm_margin=0,
+                            return_softmax_lse=False):
+    """FA3's KV-cache call: FA2's flash_attn_with_kvcache (new k / v appended in place with rotary, cache_batch_idx,
+    cache_leftpad, paged caches through ``page_table``, causal / window, softcap, split-KV) with FA3's argument
+    order; out (B, Sq, H, Dv), and softmax_lse fp32 (B, H, Sq) with return_softmax_lse. No backward."""
+    _refuse_fp8(q_descale, k_descale, v_descale)
+    _hints(num_splits, pack_gqa, sm_margin)
+    for name, val in (("qv", qv), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k_new", cu_seqlens_k_new),
+                      ("max_seqlen_q", max_seqlen_q), ("rotary_seqlens", rotary_seqlens)):
+        if val is not None:
+            raise NotImplementedError(f"flash_attn_with_kvcache: {name} is not implemented in this package yet; "
+                                      "pass None")
+    if _chunk(attention_chunk):
+        raise NotImplementedError("flash_attn_with_kvcache: attention_chunk is not implemented in this package yet; "
+                                  "pass 0")
+    if scheduler_metadata is not None and not isinstance(scheduler_metadata, torch.Tensor):
+        raise TypeError(f"scheduler_metadata must be None or get_scheduler_metadata's tensor, got "
+                        f"{type(scheduler_metadata).__name__}")
+    return _fa2.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                                        cache_batch_idx, cache_leftpad, page_table, softmax_scale, causal, window_size,
+                                        softcap, rotary_interleaved, None, num_splits, return_softmax_lse)
+
+
+def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
+    """Merges split-KV parts (FA3's): out_partial (num_splits, B, S, H, D) or (num_splits, total_q, H, D),
+    lse_partial fp32 (num_splits, B, S, H) / (num_splits, total_q, H), each part normalised by its own row sum with
+    lse its natural-log row sum. Returns (out, lse): out = sum_s exp(lse_s - lse) out_s in out_dtype (default
+    out_partial's; written into ``out`` when given), lse = log sum_s exp(lse_s) fp32. A part with an infinite lse
+    (it saw no key) adds nothing; a row no part saw gets out 0 and lse -inf."""
+    _checks.tensor("out_partial", out_partial, dtypes=(torch.float32, torch.float16, torch.bfloat16))
+    if out_partial.dim() not in (4, 5):
+        raise ValueError(f"out_partial must be (num_splits, B, S, H, D) or (num_splits, total_q, H, D), got shape "
+                         f"{tuple(out_partial.shape)}")
+    _checks.tensor("lse_partial", lse_partial, dtypes=(torch.float32,), device=out_partial.device)
+    if tuple(lse_partial.shape) != tuple(out_partial.shape[:-1]):
+        raise ValueError(f"lse_partial must have shape {tuple(out_partial.shape[:-1])}, got "
+                         f"{tuple(lse_partial.shape)}")
+    logits = lse_partial.masked_fill(~torch.isfinite(lse_partial), float("-inf"))
+    lse = torch.logsumexp(logits, 0)
+    weights = torch.softmax(logits, 0).nan_to_num(0.0)  # all parts empty: 0 / 0
+    merged = torch.einsum("s...,s...d->...d", weights, out_partial.float())
+    if out is None:
+        return merged.to(out_dtype or out_partial.dtype), lse
+    _checks.tensor("out", out, device=out_partial.device)
+    if tuple(out.shape) != tuple(merged.shape):
+        raise ValueError(f"out must have shape {tuple(merged.shape)}, got {tuple(out.shape)}")
+    out.copy_(merged)
+    return out, lse
+
+
+def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, headdim,
+                           cache_seqlens, qkv_dtype=torch.bfloat16, headdim_v=None, cu_seqlens_q=None,
+                           cu_seqlens_k_new=None, cache_leftpad=None, page_size=None, max_seqlen_k_new=0,
+                           causal=False, window_size=(-1, -1), attention_chunk=0, has_softcap=False, num_splits=0,
+                           pack_gqa=None, sm_margin=0):
+    """FA3's signature. FA3 precomputes its split scheduler's state here; this package's kernels schedule without
+    one, so the result is an empty int32 tensor on cache_seqlens' device, which flash_attn_with_kvcache accepts."""
+    _checks.tensor("cache_seqlens", cache_seqlens, 1, dtypes=(torch.int32,))
+    if num_heads_kv <= 0 or num_heads_q % num_heads_kv:
+        raise ValueError(f"num_heads_q ({num_heads_q}) must be a multiple of num_heads_kv ({num_heads_kv})")
+    _hints(num_splits, pack_gqa, sm_margin)
+    _chunk(attention_chunk)
+    return torch.empty(0, dtype=torch.int32, device=cache_seqlens.device)
