@@ -22,9 +22,10 @@ FA3's arguments map onto the core's call:
   NotImplementedError.
 - ``return_attn_probs``: FA3 returns (out, softmax_lse) then (no probabilities), and so do these.
 
-``flash_attn_with_kvcache`` serves FA3's FA2-like arguments (``page_table`` is FA2's ``block_table``); ``qv``,
-varlen queries (``cu_seqlens_q``, ``cu_seqlens_k_new``, ``max_seqlen_q``), ``rotary_seqlens`` and ``attention_chunk``
-there raise NotImplementedError.
+``flash_attn_with_kvcache``: a call with FA2's arguments only (``page_table`` is FA2's ``block_table``) runs FA2's
+KV-cache op; varlen queries and new keys (``cu_seqlens_q``, ``cu_seqlens_k_new``), ``rotary_seqlens`` and
+``attention_chunk`` append and rotate with tensor ops and run the attention as a paged varlen call over one-row pages
+(:func:`_kvcache_extras`); ``qv`` there raises NotImplementedError.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ import torch
 
 from . import _checks
 from . import flash_attn_interface as _fa2
+from .call import window
 
 __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func", "flash_attn_with_kvcache",
            "flash_attn_combine", "get_scheduler_metadata"]
@@ -215,25 +217,179 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
                             window_size=(-1, -1), attention_chunk=0, softcap=0.0, rotary_interleaved=True,
                             scheduler_metadata=None, num_splits=0, pack_gqa=None, sm_margin=0,
                             return_softmax_lse=False):
-    """FA3's KV-cache call: FA2's flash_attn_with_kvcache (new k / v appended in place with rotary, cache_batch_idx,
-    cache_leftpad, paged caches through ``page_table``, causal / window, softcap, split-KV) with FA3's argument
-    order; out (B, Sq, H, Dv), and softmax_lse fp32 (B, H, Sq) with return_softmax_lse. No backward."""
+    """FA3's KV-cache call: q (B, Sq, H, D), or varlen (total_q, H, D) with cu_seqlens_q (B + 1,) and max_seqlen_q;
+    k_cache / v_cache (B_cache, S_cache, Hk, D / Dv), or paged (num_pages, page_size, Hk, D / Dv) with page_table
+    (B, max_pages); new k / v (B, S_new, Hk, D / Dv), or varlen (total_new, Hk, ..) with cu_seqlens_k_new, written
+    into the caches in place at cache_seqlens[b] + i after rotary (rotary_cos / rotary_sin (seqlen_ro, rotary_dim /
+    2); positions from rotary_seqlens when given, else cache_seqlens; q's rows at the base position + i when causal or
+    local, else all at the base). Each sequence attends to cache rows [cache_leftpad[b], cache_seqlens[b] + new keys)
+    of cache_batch_idx[b] (or b), aligned bottom-right, with causal / window / attention_chunk (chunks count from
+    cache_leftpad) and softcap. Returns out like q with head dim Dv, and softmax_lse fp32 ((B, H, Sq), or (H,
+    total_q)) with return_softmax_lse. No backward.
+
+    Calls with FA2's arguments only run FA2's KV-cache op (one kernel: append, rotary, attention); varlen queries or
+    new keys, rotary_seqlens and attention_chunk append and rotate with tensor ops and run the attention as a paged
+    varlen call (:func:`_kvcache_extras`)."""
     _refuse_fp8(q_descale, k_descale, v_descale)
     _hints(num_splits, pack_gqa, sm_margin)
-    for name, val in (("qv", qv), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k_new", cu_seqlens_k_new),
-                      ("max_seqlen_q", max_seqlen_q), ("rotary_seqlens", rotary_seqlens)):
-        if val is not None:
-            raise NotImplementedError(f"flash_attn_with_kvcache: {name} is not implemented in this package yet; "
-                                      "pass None")
-    if _chunk(attention_chunk):
-        raise NotImplementedError("flash_attn_with_kvcache: attention_chunk is not implemented in this package yet; "
-                                  "pass 0")
+    if qv is not None:
+        raise NotImplementedError("flash_attn_with_kvcache: qv is not implemented in this package yet; pass None")
     if scheduler_metadata is not None and not isinstance(scheduler_metadata, torch.Tensor):
         raise TypeError(f"scheduler_metadata must be None or get_scheduler_metadata's tensor, got "
                         f"{type(scheduler_metadata).__name__}")
-    return _fa2.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
-                                        cache_batch_idx, cache_leftpad, page_table, softmax_scale, causal, window_size,
-                                        softcap, rotary_interleaved, None, num_splits, return_softmax_lse)
+    chunk = _chunk(attention_chunk)
+    if cu_seqlens_q is None and cu_seqlens_k_new is None and rotary_seqlens is None and not chunk:
+        if max_seqlen_q is not None:
+            raise ValueError("max_seqlen_q goes with cu_seqlens_q (varlen queries)")
+        return _fa2.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                                            cache_batch_idx, cache_leftpad, page_table, softmax_scale, causal,
+                                            window_size, softcap, rotary_interleaved, None, num_splits,
+                                            return_softmax_lse)
+    out, lse = _kvcache_extras(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                               cache_leftpad, page_table, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q,
+                               rotary_seqlens, softmax_scale, causal, window_size, chunk, softcap,
+                               rotary_interleaved)
+    return (out, lse) if return_softmax_lse else out
+
+
+def _kvcache_extras(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+                    page_table, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, rotary_seqlens, softmax_scale, causal,
+                    window_size, chunk, softcap, rotary_interleaved):
+    """The KV-cache call with FA3's extras: append (with rotary) by tensor ops, then attention as a paged varlen call
+    whose pages are single cache rows. Each sub-sequence (:func:`_segments`, chunks counted from the left pad) gets a
+    row of the page table listing its keys' rows of the cache seen as (rows, 1, Hk, D), so any layout (batch_idx,
+    left pad, pages of any size) reads the keys in place."""
+    from .reference import rotate_at
+
+    with torch.no_grad():
+        dev = q.device
+        _checks.tensor("k_cache", k_cache, 4, device=dev)
+        _checks.tensor("v_cache", v_cache, 4, device=dev)
+        varlen = cu_seqlens_q is not None
+        if varlen:
+            _checks.tensor("q", q, 3, device=dev)
+            _checks.cu_seqlens("cu_seqlens_q", cu_seqlens_q, dev)
+            if max_seqlen_q is None:
+                raise ValueError("cu_seqlens_q needs max_seqlen_q")
+            B, max_q = cu_seqlens_q.shape[0] - 1, int(max_seqlen_q)
+            _checks.cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_q)
+            cu_q, rows_q = cu_seqlens_q.long(), q
+        else:
+            _checks.tensor("q", q, 4, device=dev)
+            if max_seqlen_q is not None:
+                raise ValueError("max_seqlen_q goes with cu_seqlens_q (varlen queries)")
+            B, max_q = q.shape[0], q.shape[1]
+            cu_q, rows_q = torch.arange(B + 1, device=dev) * max_q, q.reshape(B * max_q, *q.shape[2:])
+        H, D = rows_q.shape[1], rows_q.shape[2]
+        Hk, Dv = k_cache.shape[2], v_cache.shape[-1]
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if t.dtype != q.dtype:
+                raise TypeError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
+        if k_cache.shape[-1] != D or v_cache.shape[:-1] != k_cache.shape[:-1] or H % Hk:
+            raise ValueError(f"caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not fit q's {H} heads of "
+                             f"dim {D}")
+        paged = page_table is not None
+        if paged:
+            _checks.tensor("page_table", page_table, 2, dtypes=(torch.int32,), device=dev)
+            if page_table.shape[0] != B or cache_batch_idx is not None:
+                raise ValueError(f"page_table must have {B} rows (and no cache_batch_idx beside it)")
+            _checks.range_values("page_table", page_table, 0, k_cache.shape[0])
+        capacity = k_cache.shape[1] * (page_table.shape[1] if paged else 1)
+        cache_row = torch.arange(B, device=dev) if cache_batch_idx is None else cache_batch_idx.long()
+        if cache_batch_idx is not None:
+            _checks.int32_vector("cache_batch_idx", cache_batch_idx, B, dev)
+            _checks.range_values("cache_batch_idx", cache_batch_idx, 0, k_cache.shape[0])
+        if cache_seqlens is None or isinstance(cache_seqlens, int):
+            fill = capacity if cache_seqlens is None else cache_seqlens
+            seqlens = torch.full((B,), fill, dtype=torch.long, device=dev)
+        else:
+            _checks.int32_vector("cache_seqlens", cache_seqlens, B, dev)
+            seqlens = cache_seqlens.long()
+        leftpad = torch.zeros(B, dtype=torch.long, device=dev)
+        if cache_leftpad is not None:
+            _checks.int32_vector("cache_leftpad", cache_leftpad, B, dev)
+            leftpad = cache_leftpad.long()
+
+        # the new keys, as rows (total_new, Hk, ..) with their sequence and position
+        if (k is None) != (v is None):
+            raise ValueError("k and v must be given together (or both None)")
+        if k is None:
+            if cu_seqlens_k_new is not None:
+                raise ValueError("cu_seqlens_k_new goes with new k / v")
+            cu_new = torch.zeros(B + 1, dtype=torch.long, device=dev)
+            k_rows = v_rows = None
+        elif cu_seqlens_k_new is not None:
+            _checks.tensor("k", k, 3, device=dev)
+            _checks.tensor("v", v, 3, device=dev)
+            _checks.cu_seqlens("cu_seqlens_k_new", cu_seqlens_k_new, dev)
+            if cu_seqlens_k_new.shape[0] != B + 1:
+                raise ValueError(f"cu_seqlens_k_new must have length {B + 1}, got {cu_seqlens_k_new.shape[0]}")
+            _checks.cu_seqlens_values("cu_seqlens_k_new", cu_seqlens_k_new, k.shape[0], capacity)
+            cu_new, k_rows, v_rows = cu_seqlens_k_new.long(), k, v
+        else:
+            _checks.tensor("k", k, 4, device=dev)
+            _checks.tensor("v", v, 4, device=dev)
+            if k.shape[0] != B:
+                raise ValueError(f"k must have batch {B}, got {k.shape[0]}")
+            cu_new = torch.arange(B + 1, device=dev) * k.shape[1]
+            k_rows, v_rows = k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:])
+        if k_rows is not None and (k_rows.shape[1:] != (Hk, D) or v_rows.shape[1:] != (Hk, Dv)
+                                   or k_rows.dtype != q.dtype or v_rows.dtype != q.dtype):
+            raise ValueError(f"k / v must have the caches' heads and dims (Hk {Hk}, D {D}, Dv {Dv}) and q's dtype")
+        n_new = cu_new[1:] - cu_new[:-1]
+        ends = seqlens + n_new
+        _checks.range_values("cache_seqlens + new keys", ends, 0, capacity + 1, why=" (the cache's capacity)")
+
+        def cache_index(b, pos):
+            """(first index, second index) into the caches of position pos of sequence b."""
+            if not paged:
+                return cache_row[b], pos
+            size = k_cache.shape[1]
+            return page_table.long()[b, pos // size], pos % size
+
+        base = seqlens if rotary_seqlens is None else rotary_seqlens.long()
+        if rotary_seqlens is not None:
+            _checks.int32_vector("rotary_seqlens", rotary_seqlens, B, dev)
+        if (rotary_cos is None) != (rotary_sin is None):
+            raise ValueError("rotary_cos and rotary_sin must be given together")
+        if k_rows is not None and k_rows.shape[0]:
+            seq_new = torch.searchsorted(cu_new[1:], torch.arange(k_rows.shape[0], device=dev), right=True)
+            step = torch.arange(k_rows.shape[0], device=dev) - cu_new[seq_new]
+            if rotary_cos is not None:
+                k_rows = rotate_at(k_rows, rotary_cos, rotary_sin, base[seq_new] + step, rotary_interleaved)
+            first, second = cache_index(seq_new, seqlens[seq_new] + step)
+            k_cache[first, second] = k_rows
+            v_cache[first, second] = v_rows
+        left, right = window(window_size, causal)
+        if rotary_cos is not None:
+            seq_q = torch.searchsorted(cu_q[1:], torch.arange(rows_q.shape[0], device=dev), right=True)
+            at = base[seq_q] + ((torch.arange(rows_q.shape[0], device=dev) - cu_q[seq_q]) if (left, right) != (-1, -1)
+                                else 0)
+            rows_q = rotate_at(rows_q, rotary_cos, rotary_sin, at, rotary_interleaved)
+
+        # attention: sub-sequences over each sequence's keys [leftpad, end), keys listed row by row
+        cu_k = torch.zeros(B + 1, dtype=torch.long, device=dev)
+        cu_k[1:] = (ends - leftpad).clamp_min(0).cumsum(0)
+        seg_q, seg_k = _segments(cu_q, cu_k, None, None, chunk, capacity)
+        per_seq = (seg_q.shape[0] - 1) // B if B else 0
+        n_k = seg_k[1:] - seg_k[:-1]
+        width = min(chunk, capacity) if chunk else capacity
+        seg_seq = torch.arange(B, device=dev).repeat_interleave(per_seq)
+        key = seg_k[:-1, None] - cu_k[seg_seq, None] + torch.arange(width, device=dev)  # relative key of each slot
+        valid = key < (seg_k[1:, None] - cu_k[seg_seq, None])
+        pos = (leftpad[seg_seq, None] + key).clamp(0, capacity - 1)
+        first, second = cache_index(seg_seq[:, None], pos)
+        table = torch.where(valid, first * k_cache.shape[1] + second, torch.zeros_like(pos)).to(torch.int32)
+        rows_k = k_cache.reshape(-1, 1, Hk, D)
+        rows_v = v_cache.reshape(-1, 1, Hk, Dv)
+        cu_k_seg = torch.zeros(n_k.shape[0] + 1, dtype=torch.int32, device=dev)
+        cu_k_seg[1:] = n_k.cumsum(0)
+        out, lse = _fa2._attn(rows_q, rows_k, rows_v, _checks.trust(seg_q), _checks.trust(cu_k_seg), max_q, width,
+                              _checks.trust(table), 0.0, softmax_scale, causal, window_size, softcap, None, False,
+                              False, return_lse=True)
+    if varlen:
+        return out, lse
+    return out.reshape(B, max_q, H, Dv), lse.reshape(H, B, max_q).transpose(0, 1)
 
 
 def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):

@@ -437,14 +437,15 @@ def bwd(call, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
 # KV cache (inference)
 
 
-def _rotate(x, cos, sin, pos, interleaved):
-    """Rotary embedding of the first rotary_dim dims of x (B, S, Hx, D) at positions pos (B, S)."""
+def rotate_at(x, cos, sin, pos, interleaved):
+    """Rotary embedding of the first rotary_dim = 2 * cos.shape[1] dims of x (..., Hx, D) at the positions pos (...),
+    computed in fp32 (also FA3's KV-cache extras use it, flash_attn/fa3_interface.py)."""
     rd = cos.shape[-1] * 2
     if pos.numel() and int(pos.max()) >= cos.shape[0]:
         raise ValueError(f"rotary_cos/rotary_sin: position {int(pos.max())} needs at least "
                          f"{int(pos.max()) + 1} rows, got {cos.shape[0]}")
-    c = cos.to(torch.float32)[pos].unsqueeze(2)  # (B, S, 1, rd / 2)
-    s = sin.to(torch.float32)[pos].unsqueeze(2)
+    c = cos.to(torch.float32)[pos].unsqueeze(-2)  # (..., 1, rd / 2)
+    s = sin.to(torch.float32)[pos].unsqueeze(-2)
     xr = x[..., :rd].to(torch.float32)
     if interleaved:  # GPT-J: pairs (0, 1), (2, 3), ...
         x1, x2 = xr[..., 0::2], xr[..., 1::2]
@@ -475,10 +476,10 @@ def fwd_kvcache(call, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_s
         # causal/local mask all query rows sit at the last cached position, as in one decode step.
         step = torch.arange(Sq, device=device).view(1, Sq) if call.bounded else torch.zeros(1, Sq, dtype=torch.int64,
                                                                                        device=device)
-        q = _rotate(q, rotary_cos, rotary_sin, seqlens.view(B, 1) + step, rotary_interleaved)
+        q = rotate_at(q, rotary_cos, rotary_sin, seqlens.view(B, 1) + step, rotary_interleaved)
         if k is not None:
             pos_k = seqlens.view(B, 1) + torch.arange(s_new, device=device).view(1, s_new)
-            k = _rotate(k, rotary_cos, rotary_sin, pos_k, rotary_interleaved)
+            k = rotate_at(k, rotary_cos, rotary_sin, pos_k, rotary_interleaved)
     if k is not None and s_new > 0:
         pos = seqlens.view(B, 1) + torch.arange(s_new, device=device).view(1, s_new)  # (B, S_new)
         if block_table is None:

@@ -328,14 +328,174 @@ def test_kvcache_is_fa2s_with_fa3s_order():
     assert torch.equal(k_cache, kc) and torch.equal(v_cache, vc)  # both appended the same keys in place
 
 
-@pytest.mark.parametrize("name,value", [("qv", torch.zeros(1, 1, 2, 8)), ("cu_seqlens_q", torch.zeros(2, dtype=torch.int32)),
-                                        ("cu_seqlens_k_new", torch.zeros(2, dtype=torch.int32)), ("max_seqlen_q", 1),
-                                        ("rotary_seqlens", torch.zeros(1, dtype=torch.int32)), ("attention_chunk", 4),
-                                        ("k_descale", torch.ones(1, 2))])
+@pytest.mark.parametrize("name,value", [("qv", torch.zeros(1, 1, 2, 8)), ("k_descale", torch.ones(1, 2))])
 def test_kvcache_refuses_what_it_does_not_serve(name, value):
     q, cache = torch.randn(1, 1, 2, 8), torch.randn(1, 4, 2, 8)
     with pytest.raises(NotImplementedError, match=name):
         f3.flash_attn_with_kvcache(q, cache, cache, **{name: value})
+
+
+def _rot(x, cos, sin, pos, interleaved):
+    """Rotary at integer positions pos (N,) of rows x (N, H, D), written from the definition (fp64)."""
+    rd = 2 * cos.shape[1]
+    x = x.double().clone()
+    for n in range(x.shape[0]):
+        c, s = cos[pos[n]].double(), sin[pos[n]].double()
+        for i in range(rd // 2):
+            a, b = (2 * i, 2 * i + 1) if interleaved else (i, i + rd // 2)
+            xa, xb = x[n, :, a].clone(), x[n, :, b].clone()
+            x[n, :, a], x[n, :, b] = xa * c[i] - xb * s[i], xa * s[i] + xb * c[i]
+    return x
+
+
+def _kvcache_case(varlen_q=False, varlen_new=False, paged=False, batch_idx=False, leftpad=False, rotary=None,
+                  rotary_seqlens=False, chunk=0, causal=False, window=(-1, -1), new=True, seed=0, device="cpu",
+                  dtype=torch.float32):
+    """FA3's KV-cache call against the definition: the caches after the append (rotated new keys at cache_seqlens +
+    i), and each sequence's queries (rotated) over its cache rows [leftpad, end) with the masks."""
+    g = torch.Generator().manual_seed(seed)
+    B, H, Hk, D, Dv, S_cache, page = 3, 4, 2, 16, 8, 24, 3
+    seqlens_q = [3, 1, 4] if varlen_q else [3, 3, 3]
+    n_new = ([2, 0, 3] if varlen_new else [2, 2, 2]) if new else [0, 0, 0]
+    cache_seqlens = torch.tensor([7, 12, 4], dtype=torch.int32)
+    pad = torch.tensor([2, 0, 3], dtype=torch.int32) if leftpad else torch.zeros(3, dtype=torch.int32)
+    rows = torch.tensor([3, 0, 2], dtype=torch.int32) if batch_idx else torch.arange(3, dtype=torch.int32)
+    B_cache = 4 if batch_idx else B
+    k_dense = torch.randn(B_cache, S_cache, Hk, D, generator=g)
+    v_dense = torch.randn(B_cache, S_cache, Hk, Dv, generator=g)
+    if paged:  # pages in a shuffled order: page j of sequence b is table[b, j]
+        n_pages = S_cache // page
+        table = torch.randperm(B * n_pages, generator=g).reshape(B, n_pages).to(torch.int32)
+        k_cache = torch.empty(B * n_pages, page, Hk, D)
+        v_cache = torch.empty(B * n_pages, page, Hk, Dv)
+        for b in range(B):
+            for j in range(n_pages):
+                k_cache[table[b, j]] = k_dense[b, j * page:(j + 1) * page]
+                v_cache[table[b, j]] = v_dense[b, j * page:(j + 1) * page]
+    else:
+        table, k_cache, v_cache = None, k_dense.clone(), v_dense.clone()
+    cu_q = torch.tensor([0] + list(torch.tensor(seqlens_q).cumsum(0)), dtype=torch.int32)
+    q_rows = torch.randn(int(cu_q[-1]), H, D, generator=g)
+    cu_new = torch.tensor([0] + list(torch.tensor(n_new).cumsum(0)), dtype=torch.int32)
+    k_rows, v_rows = torch.randn(int(cu_new[-1]), Hk, D, generator=g), torch.randn(int(cu_new[-1]), Hk, Dv, generator=g)
+    cos = sin = None
+    if rotary is not None:
+        angles = torch.rand(40, 4, generator=g) * 6
+        cos, sin = angles.cos(), angles.sin()
+    rot_base = torch.tensor([9, 3, 6], dtype=torch.int32) if rotary_seqlens else None
+
+    kw = dict(rotary_cos=cos, rotary_sin=sin, cache_seqlens=cache_seqlens, cache_batch_idx=rows if batch_idx else None,
+              cache_leftpad=pad if leftpad else None, page_table=table, rotary_seqlens=rot_base, causal=causal,
+              window_size=window, attention_chunk=chunk, rotary_interleaved=rotary == "interleaved",
+              return_softmax_lse=True)
+    if varlen_q:
+        kw.update(cu_seqlens_q=cu_q, max_seqlen_q=max(seqlens_q))
+        q_in = q_rows
+    else:
+        q_in = q_rows.reshape(B, 3, H, D)
+    if new and varlen_new:
+        kw.update(cu_seqlens_k_new=cu_new)
+        k_in, v_in = k_rows, v_rows
+    elif new:
+        k_in, v_in = k_rows.reshape(B, 2, Hk, D), v_rows.reshape(B, 2, Hk, Dv)
+    else:
+        k_in = v_in = None
+    def dev(x):
+        return x.to(device=device, dtype=dtype if x.is_floating_point() and x.dim() > 2 else x.dtype)
+
+    kw = {name: dev(val) if isinstance(val, torch.Tensor) else val for name, val in kw.items()}
+    caches = [dev(k_cache), dev(v_cache)]
+    out, lse = f3.flash_attn_with_kvcache(dev(q_in), *caches, None if k_in is None else dev(k_in),
+                                          None if v_in is None else dev(v_in), **kw)
+    # the oracle's inputs: the same values at the call's dtype
+    out, lse, (k_cache, v_cache) = out.float().cpu(), lse.cpu(), [c.float().cpu() for c in caches]
+    q_rows, k_rows, v_rows = (t.to(dtype).float() for t in (q_rows, k_rows, v_rows))
+    k_dense, v_dense = k_dense.to(dtype).float(), v_dense.to(dtype).float()
+    tol = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    if not varlen_q:
+        out, lse = out.reshape(-1, H, Dv), lse.transpose(0, 1).reshape(H, -1)
+
+    base = cache_seqlens if rot_base is None else rot_base
+    for b in range(B):
+        kd, vd = k_dense[int(rows[b])].clone(), v_dense[int(rows[b])].clone()
+        nk = k_rows[cu_new[b]:cu_new[b + 1]]
+        if cos is not None and len(nk):
+            nk = _rot(nk, cos, sin, [int(base[b]) + i for i in range(len(nk))], rotary == "interleaved").float()
+        end = int(cache_seqlens[b]) + len(nk)
+        kd[int(cache_seqlens[b]):end] = nk
+        vd[int(cache_seqlens[b]):end] = v_rows[cu_new[b]:cu_new[b + 1]]
+        # the caches hold the appended rows
+        if paged:
+            got_k = torch.cat([k_cache[table[b, j]] for j in range(S_cache // page)])
+        else:
+            got_k = k_cache[int(rows[b])]
+        torch.testing.assert_close(got_k[:end], kd[:end], **tol)
+        qb = q_rows[cu_q[b]:cu_q[b + 1]]
+        if cos is not None:
+            bounded = causal or window != (-1, -1)
+            qb = _rot(qb, cos, sin, [int(base[b]) + (i if bounded else 0) for i in range(len(qb))],
+                      rotary == "interleaved").float()
+        p0 = int(pad[b])
+        ref_out, ref_lse = _oracle(qb.double(), kd[p0:end].double(), vd[p0:end].double(), causal=causal,
+                                   window=window, chunk=chunk)
+        torch.testing.assert_close(out[cu_q[b]:cu_q[b + 1]].double(), ref_out, **tol)
+        if dtype == torch.float32:
+            _check_lse(lse[:, cu_q[b]:cu_q[b + 1]], ref_lse)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(varlen_q=True),
+    dict(varlen_q=True, varlen_new=True, causal=True),
+    dict(varlen_new=True, paged=True, causal=True),
+    dict(chunk=4, causal=True),
+    dict(chunk=3, varlen_q=True, leftpad=True, causal=True),
+    dict(chunk=5, window=(6, 0), batch_idx=True),
+    dict(rotary="interleaved", rotary_seqlens=True, causal=True),
+    dict(rotary="neox", rotary_seqlens=True),                       # q rows all at the base position
+    dict(rotary="neox", varlen_q=True, varlen_new=True, paged=True, leftpad=True, chunk=4, causal=True),
+    dict(rotary="interleaved", batch_idx=True, leftpad=True, varlen_new=True, window=(3, 1)),
+    dict(new=False, varlen_q=True, chunk=2),
+    dict(new=False, paged=True, leftpad=True, chunk=6, causal=True),
+])
+def test_kvcache_extras(kw):
+    _kvcache_case(seed=len(kw), **kw)
+
+
+def test_kvcache_extras_match_the_fast_path():
+    """Without extras the call takes FA2's op; with rotary_seqlens equal to cache_seqlens it takes the paged-varlen
+    route: the same numbers (and the same appended caches)."""
+    torch.manual_seed(8)
+    B, H, Hk, D = 2, 4, 2, 16
+    q, kc, vc = torch.randn(B, 3, H, D), torch.randn(B, 20, Hk, D), torch.randn(B, 20, Hk, D)
+    kn, vn = torch.randn(B, 3, Hk, D), torch.randn(B, 3, Hk, D)
+    seqlens = torch.tensor([5, 9], dtype=torch.int32)
+    angles = torch.rand(40, 4) * 6
+    common = dict(rotary_cos=angles.cos(), rotary_sin=angles.sin(), cache_seqlens=seqlens, causal=True,
+                  return_softmax_lse=True)
+    k1, v1, k2, v2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+    a = f3.flash_attn_with_kvcache(q, k1, v1, kn, vn, **common)
+    b = f3.flash_attn_with_kvcache(q, k2, v2, kn, vn, rotary_seqlens=seqlens, **common)
+    torch.testing.assert_close(a[0], b[0], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(a[1], b[1], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(k1, k2, atol=1e-6, rtol=1e-5)
+    assert torch.equal(v1, v2)
+
+
+def test_kvcache_extras_errors():
+    q, cache = torch.randn(4, 2, 8), torch.randn(2, 6, 2, 8)
+    cu = torch.tensor([0, 1, 4], dtype=torch.int32)
+    with pytest.raises(ValueError, match="max_seqlen_q"):
+        f3.flash_attn_with_kvcache(q, cache, cache, cu_seqlens_q=cu)
+    with pytest.raises(ValueError, match="max_seqlen_q"):
+        f3.flash_attn_with_kvcache(q.reshape(1, 4, 2, 8)[:, :2].expand(2, 2, 2, 8), cache, cache, max_seqlen_q=2)
+    k_new = torch.randn(3, 2, 8)
+    with pytest.raises(ValueError, match="capacity"):
+        f3.flash_attn_with_kvcache(q, cache, cache, k_new, k_new, cache_seqlens=torch.tensor([5, 2], dtype=torch.int32),
+                                   cu_seqlens_q=cu, max_seqlen_q=3,
+                                   cu_seqlens_k_new=torch.tensor([0, 2, 3], dtype=torch.int32))
+    with pytest.raises(ValueError, match="cu_seqlens_k_new"):
+        f3.flash_attn_with_kvcache(q, cache, cache, cu_seqlens_q=cu, max_seqlen_q=3,
+                                   cu_seqlens_k_new=torch.tensor([0, 2, 3], dtype=torch.int32))
 
 
 @pytest.mark.parametrize("shape", [(3, 4, 5, 4, 16), (4, 9, 3, 8)])
@@ -450,3 +610,12 @@ def test_gpu_dense(dtype, kw):
 @pytest.mark.parametrize("kw", [dict(used_q=[3, 7, 0], used_k=[9, 4, 5], causal=True), dict(chunk=4, causal=True)])
 def test_gpu_varlen(kw):
     _varlen_case([6, 8, 4], [11, 12, 5], seed=3, device="cuda", dtype=torch.float32, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kw", [dict(varlen_q=True, varlen_new=True, paged=True, leftpad=True, chunk=4, causal=True,
+                                     rotary="neox"),
+                                dict(rotary="interleaved", rotary_seqlens=True, batch_idx=True, causal=True)])
+def test_gpu_kvcache_extras(kw):
+    _kvcache_case(seed=5, device="cuda", dtype=torch.bfloat16, **kw)
