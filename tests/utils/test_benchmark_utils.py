@@ -171,8 +171,10 @@ def test_memory_benchmark_reports_the_peak_in_thousands_of_mib():
     def fn(n):
         return torch.empty(n, dtype=torch.uint8, device="cuda").sum()
 
+    # the peak counts what the process holds already (FA2's definition): earlier tests' live tensors
+    held = torch.cuda.memory_allocated() / (2**20 * 1000)
     mem = bm.benchmark_memory(fn, 300 * 2**20, verbose=False)
-    assert 0.3 <= mem < 0.4
+    assert 0.3 <= mem - held < 0.4
 
 
 @pytest.mark.gpu
