@@ -427,10 +427,12 @@ class LnBwdSm90:
             rstd = Float32(0.0)
             mu = Float32(0.0)
             if cutlass.const_expr(self.vld):
-                mu = rMS[0]
                 rstd = rMS[1]
                 rMSn[1] = _ldg1((mRstd.iterator + nxt).toint())
+                # RMSNorm has no mean: mu stays 0 (rMS[0] is written for LayerNorm only; with pp a row's rMS
+                # is the previous row's rMSn)
                 if cutlass.const_expr(not self.is_rms):
+                    mu = rMS[0]
                     rMSn[0] = _ldg1((mMean.iterator + nxt).toint())
             else:
                 rstd = mRstd[r]
