@@ -512,17 +512,26 @@ def test_own_backward_matches_autograd(alone, case):
 
 def test_own_backward_takes_the_kernel_where_it_serves(alone, cute_env, monkeypatch):
     seen = []
-    monkeypatch.setattr(launch, "backward", lambda dout, q, k, v, out, lse, scale, causal, arch, dlse=None:
-                        seen.append((causal, dlse is not None)) or (torch.zeros_like(q), torch.zeros_like(k),
-                                                                    torch.zeros_like(v)))
+    monkeypatch.setattr(launch, "backward", lambda dout, q, k, v, out, lse, scale, causal, arch, dlse=None,
+                        window=None: seen.append((causal, dlse is not None, window))
+                        or (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)))
     q, k, v = (torch.randn(1, 9, 2, 64, dtype=torch.float16, requires_grad=True) for _ in range(3))
     out, lse = interface.flash_attn_func(q, k, v, causal=True, return_lse=True)
     torch.autograd.grad(out.float().sum() + lse.sum(), (q, k, v))
-    assert seen == [(True, True)] and alone == []
-    cute_env(DISABLE="bwd")  # switched off: bwd_torch
-    out = interface.flash_attn_func(q, k, v, causal=True)[0]
+    assert seen == [(True, True, None)] and alone == []
+    # a window: bwd_torch, or under the plan rule bwd_window the kernel with the resolved sizes
+    out = interface.flash_attn_func(q, k, v, causal=True, window_size=(4, None))[0]
     torch.autograd.grad(out.float().sum(), (q, k, v))
     assert len(seen) == 1 and len(alone) == 1
+    cute_env(OVERRIDES="plan.bwd_window=1")
+    for window, want in (((4, None), (4, 0)), ((None, 3), None), ((2, 5), (2, 0))):
+        out = interface.flash_attn_func(q, k, v, causal=True, window_size=window)[0]
+        torch.autograd.grad(out.float().sum(), (q, k, v))
+        assert seen[-1][1:] == (False, want), (window, seen[-1])  # (FA4 resolves causal + window to a window)
+    cute_env(OVERRIDES=None, DISABLE="bwd")  # switched off: bwd_torch
+    out = interface.flash_attn_func(q, k, v, causal=True)[0]
+    torch.autograd.grad(out.float().sum(), (q, k, v))
+    assert len(seen) == 4 and len(alone) == 2
 
 
 def test_own_backward_varlen_with_seqused(alone, monkeypatch):

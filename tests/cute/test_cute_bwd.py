@@ -943,17 +943,19 @@ def cute_bwd_on(monkeypatch, cute_env):
     return calls
 
 
-def _reference(q, k, v, dout, causal):
+def _reference(q, k, v, dout, causal, window=(-1, -1)):
     """(out, dq, dk, dv) of the upcast oracle and of PyTorch at the input dtype."""
     results = []
     for upcast in (True, False):
         qr, kr, vr = (t.detach().clone().requires_grad_() for t in (q, k, v))
-        out, _ = testing.attention_ref(qr, kr, vr, causal=causal, upcast=upcast, reorder_ops=not upcast)
+        out, _ = testing.attention_ref(qr, kr, vr, causal=causal, window_size=window, upcast=upcast,
+                                       reorder_ops=not upcast)
         results.append((out.detach(), *torch.autograd.grad(out, (qr, kr, vr), dout)))
     return results
 
 
-def _run(dtype, d, causal, batch, seqlen_q, seqlen_k, heads, heads_kv, calls, seed=0):
+def _run(dtype, d, causal, batch, seqlen_q, seqlen_k, heads, heads_kv, calls, seed=0, window=(-1, -1)):
+    """window: the root's encoding (-1 unbounded); FA4's (None unbounded) for flash_attn.cute."""
     from flash_attn.cute import flash_attn_func
 
     g = torch.Generator().manual_seed(seed)
@@ -961,11 +963,11 @@ def _run(dtype, d, causal, batch, seqlen_q, seqlen_k, heads, heads_kv, calls, se
     k = torch.randn(batch, seqlen_k, heads_kv, d, generator=g).to("cuda", dtype).requires_grad_()
     v = torch.randn(batch, seqlen_k, heads_kv, d, generator=g).to("cuda", dtype).requires_grad_()
     dout = torch.randn(batch, seqlen_q, heads, d, generator=g).to("cuda", dtype)
-    out, _ = flash_attn_func(q, k, v, causal=causal)
+    out, _ = flash_attn_func(q, k, v, causal=causal, window_size=tuple(None if w < 0 else w for w in window))
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
     torch.cuda.synchronize()
     assert calls, "the backward did not run on the cute backend"
-    ref, pt = _reference(q.detach(), k.detach(), v.detach(), dout, causal)
+    ref, pt = _reference(q.detach(), k.detach(), v.detach(), dout, causal, window)
     for name, a, r, p in zip(("out", "dq", "dk", "dv"), (out.detach(), dq, dk, dv), ref, pt):
         testing.assert_close_to_ref(a, r, p, name)
 
@@ -1260,3 +1262,73 @@ def test_precompile_fills_the_disk_cache_with_backward_kernels(tmp_path):
     (again,) = precompile.precompile(str(tmp_path), "sm_90a", **kw)
     assert again["how"] in ("so", "o") and again["error"] is None
     assert lines[0].startswith("bwd bf16 d64 causal: compiled")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Sliding windows (the plan rule bwd_window)
+
+
+@pytest.mark.parametrize("block_m", [64, 128])
+@pytest.mark.parametrize("window", [(0, 0), (5, 0), (0, 9), (100, 30), (300, 1 << 30), (1 << 30, 7), (64, 64)])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(300, 500), (500, 300), (1, 700), (257, 257)])
+def test_window_query_block_range_is_exactly_the_blocks_that_see_the_key_block(block_m, window, seqlen_q, seqlen_k):
+    """mask.m_block_range under a window, evaluated in Python against the definition: query block m is visited by
+    key block n iff some query of m sees some key of n's BN columns (query i sees key j iff i + Sk - Sq - left <=
+    j <= i + Sk - Sq + right); every query block is masked (m_block_mask_end)."""
+    from flash_attn.cute.mask import AttentionMask
+
+    BN, (left, right) = 128, window
+    mask = AttentionMask(False, True, block_m, BN)
+    off = seqlen_k - seqlen_q
+    n_q_blocks = -(-seqlen_q // block_m)
+    for n in range(-(-seqlen_k // BN)):
+        lo, hi = mask.m_block_range(n, seqlen_q, seqlen_k, left, right)
+        want = [m for m in range(n_q_blocks)
+                if any(max(i + off - left, n * BN) <= min(i + off + right, (n + 1) * BN - 1)
+                       for i in range(m * block_m, min((m + 1) * block_m, seqlen_q)))]
+        assert list(range(lo, max(lo, hi))) == want, (n, lo, hi, want)
+        assert mask.m_block_mask_end(n, seqlen_q, seqlen_k) == n_q_blocks
+
+
+def test_window_backward_is_admitted_only_under_its_rule(cute_env):
+    from flash_attn.cute import autograd
+
+    windowed = [dict(window_left=8), dict(causal=False, window_right=8), dict(window_left=3, window_right=0)]
+    for what in windowed:
+        assert cute_backend.unsupported_reason(_call(**what)) is not None, what
+    cute_env(OVERRIDES="plan.bwd_window=1")
+    for what in windowed:
+        assert cute_backend.unsupported_reason(_call(**what)) is None, what
+    assert cute_backend.unsupported_reason(_call(window_left=8, softcap=5.0)) is not None
+    q = torch.empty(1, 4, 2, 64)
+    U = autograd._UNBOUNDED
+    assert autograd._kernel_takes(q, q, False, 8, 3, 0.0, False, None)
+    assert autograd._kernel_takes(q, q, True, 8, U, 0.0, False, None)
+    assert not autograd._kernel_takes(q, q, False, -2, 5, 0.0, False, None)  # FA4's negative sizes: bwd_torch
+    assert not autograd._kernel_takes(q, q, False, 8, -1, 0.0, False, None)
+    assert autograd._kernel_window(False, U, U) is None and autograd._kernel_window(True, U, U) is None
+    assert autograd._kernel_window(True, 8, U) == (8, 0) and autograd._kernel_window(False, U + 5, 4) == (U, 4)
+    cute_env(OVERRIDES=None)
+    assert not autograd._kernel_takes(q, q, False, 8, 3, 0.0, False, None)
+
+
+def test_window_backward_compiles_for_sm90a_with_its_own_key(tmp_path):
+    cfg, base = kernels.bwd_config(torch.bfloat16, 128, True, "sm_90a", local=True), kernels.bwd_config(
+        torch.bfloat16, 128, True, "sm_90a")
+    assert cfg.key()["local"] is True and "local" not in base.key()  # existing cache entries keep their keys
+    kernels.compile_bwd(torch.bfloat16, 64, False, dump_dir=str(tmp_path), local=True)
+    ptx = [p for p in tmp_path.iterdir() if p.suffix == ".ptx"]
+    assert len(ptx) == 1 and "call_local" in ptx[0].name
+    text = ptx[0].read_text()
+    assert _count(text, "wgmma.mma_async") >= 5 and ".target sm_90a" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal,window", [(False, (100, 30)), (True, (64, -1)), (False, (0, 0)), (False, (-1, 200)),
+                                           (False, (513, -1)), (True, (1, -1))])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1000, 1000), (300, 777), (777, 300), (1, 900)])
+def test_window_gradients_on_gpu(cute_bwd_on, cute_env, d, causal, window, seqlen_q, seqlen_k):
+    cute_env(OVERRIDES="plan.bwd_window=1", DISABLE=None)
+    _run(torch.bfloat16, d, causal, 2, seqlen_q, seqlen_k, 4, 2, cute_bwd_on, seed=d + seqlen_q, window=window)

@@ -71,20 +71,31 @@ def with_fallback_backward(q, k, v, softmax_scale, causal, window_left, window_r
 
 def _kernel_takes(q, v, causal, window_left, window_right, softcap, deterministic, varlen):
     """Whether this package's CuTeDSL backward kernel serves the call (the rule backend.py gives the dispatcher:
-    dense, no window or softcap, not deterministic, its head dims, not switched off)."""
+    dense, no softcap, not deterministic, its head dims, not switched off; a window with sizes >= 0 under the
+    plan rule bwd_window)."""
     from flash_attn.cute import backend
 
     U = _UNBOUNDED
-    return (varlen is None and not softcap and not deterministic and window_left >= U and (causal or window_right >= U)
+    unwindowed = window_left >= U and (causal or window_right >= U)
+    window_ok = unwindowed or (backend._window_bwd() and window_left >= 0 and (causal or window_right >= 0))
+    return (varlen is None and not softcap and not deterministic and window_ok
             and q.shape[-1] == v.shape[-1] and q.shape[-1] in backend._HEAD_DIMS
             and not settings.disabled("bwd"))
+
+
+def _kernel_window(causal, window_left, window_right):
+    """The backward kernel's window argument: None without a window, else (left, right) clamped to _UNBOUNDED."""
+    if window_left >= _UNBOUNDED and (causal or window_right >= _UNBOUNDED):
+        return None
+    return min(window_left, _UNBOUNDED), 0 if causal else min(window_right, _UNBOUNDED)
 
 
 def own_backward(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, softcap, deterministic,
                  arch, varlen, dlse=None):
     """(dq, dk, dv) without the root package: the CuTeDSL backward kernel where it serves the call, else bwd_torch."""
     if _kernel_takes(q, v, causal, window_left, window_right, softcap, deterministic, varlen):
-        return _k.backward(dout, q, k, v, out, lse, softmax_scale, causal, arch, dlse=dlse)
+        return _k.backward(dout, q, k, v, out, lse, softmax_scale, causal, arch, dlse=dlse,
+                           window=_kernel_window(causal, window_left, window_right))
     from flash_attn.cute import bwd_torch
 
     cu_q = cu_k = used_q = used_k = None

@@ -89,7 +89,7 @@ def unsupported_reason(call):
         if settings.disabled("bwd"):
             return f"backward (switched off: {settings.DISABLE} names bwd)"
         for what in ("varlen", "local", "softcap", "deterministic"):
-            if getattr(call, what):
+            if getattr(call, what) and not (what == "local" and _window_bwd()):
                 return f"backward with {what}"
     return None
 
@@ -153,11 +153,22 @@ def bwd(call, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         alibi_slopes, rng_state, grads=None, dlse=None):
     from flash_attn.cute import launch
 
-    # unsupported_reason admitted only dense, unwindowed, uncapped, non-deterministic calls on sm_90; a
-    # direct caller gets an error rather than a wrong gradient
+    from flash_attn.cute.plan import _UNBOUNDED
+
+    # unsupported_reason admitted only dense, uncapped, non-deterministic calls on sm_90 (windowed ones with the
+    # plan rule bwd_window); a direct caller gets an error rather than a wrong gradient
     if (cu_seqlens_q is not None or block_table is not None or call.softcap > 0.0 or alibi_slopes is not None
-            or call.dropout_p > 0.0 or call.deterministic or call.local):
-        raise NotImplementedError("flash_attn.cute's backward handles dense calls without windows, softcap, "
-                                  "ALiBi, dropout or determinism")
+            or call.dropout_p > 0.0 or call.deterministic or (call.local and not _window_bwd())):
+        raise NotImplementedError("flash_attn.cute's backward handles dense calls without softcap, ALiBi, dropout "
+                                  "or determinism (windows with the plan rule bwd_window)")
+    window = None
+    if call.local:  # the contract's -1 (no limit) is the kernels' _UNBOUNDED; causal arrives as window_right 0
+        window = tuple(_UNBOUNDED if w < 0 else w for w in (call.window_left, call.window_right))
     return launch.backward(dout, q, k, v, out, lse, call.softmax_scale, call.causal, "sm_90a", grads=grads,
-                           dlse=dlse)
+                           dlse=dlse, window=window)
+
+
+def _window_bwd():
+    from flash_attn.cute import config
+
+    return config.plan_rules().bwd_window

@@ -211,6 +211,7 @@ class BwdConfig:
     lpt: int = 0
     exp2_emu: int = 0
     exp2_emu_degree: int = 3
+    local: bool = False  # a sliding window (FlashBwdSm90.call_local)
 
     def __post_init__(self):
         if self.dtype not in ("fp16", "bf16"):
@@ -230,9 +231,12 @@ _BWD_ALWAYS = frozenset({"dtype", "head_dim", "causal", "arch", "abi", "block_m"
 class PlanRules:
     """Per-call planning rules of the host. ``pack_gqa_auto``: pack_gqa=None packs where the packed tiles
     hold more real queries (plan._pack_helps); off until a decoding benchmark decides it. ``bwd_host``:
-    "triton" (Triton kernels prepare and finish the backward where they run) or "torch"."""
+    "triton" (Triton kernels prepare and finish the backward where they run) or "torch". ``bwd_window``: the
+    CuTeDSL backward kernel serves sliding windows (sizes >= 0; else they take the next backend); off until its GPU
+    tests (tests/cute/test_cute_bwd.py, the window cases) have passed."""
     pack_gqa_auto: bool = False
     bwd_host: str = "triton"
+    bwd_window: bool = False
 
     def __post_init__(self):
         if self.bwd_host not in ("triton", "torch"):
@@ -405,8 +409,8 @@ def short_dims():
                      or any((d, c) in SHORT_PERSISTENT for c in (False, True)))
 
 
-def select_bwd(dtype, head_dim, causal, arch, abi):
-    """The BwdConfig of a backward call."""
+def select_bwd(dtype, head_dim, causal, arch, abi, local=False):
+    """The BwdConfig of a backward call (local: with a sliding window)."""
     ov = overrides("bwd")
     d = int(head_dim)
     dq_split = ov.get("dq_split", BWD_DQ_SPLIT)
@@ -416,4 +420,4 @@ def select_bwd(dtype, head_dim, causal, arch, abi):
                      dq_split=dq_split, dq_tma=dq_split and ov.get("dq_tma", BWD_DQ_TMA.get(d, False)),
                      overlap=ov.get("overlap", BWD_OVERLAP.get(d, False)),
                      lpt=max(0, ov.get("lpt", BWD_LPT_CAUSAL.get(d, BWD_LPT) if causal else BWD_LPT)),
-                     exp2_emu=emu, exp2_emu_degree=ov.get("exp2_emu_degree", 3) if emu else 3)
+                     exp2_emu=emu, exp2_emu_degree=ov.get("exp2_emu_degree", 3) if emu else 3, local=bool(local))

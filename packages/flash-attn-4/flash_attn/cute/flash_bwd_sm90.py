@@ -98,8 +98,9 @@ class FlashBwdSm90:
     CONSUMER_REGS = 240
 
     def __init__(self, dtype, head_dim, causal, block_m=64, block_n=128, num_stages=2, dq_split=True,
-                 dq_tma=False, overlap=False, lpt=0, exp2_emu=0, exp2_emu_degree=3):
+                 dq_tma=False, overlap=False, lpt=0, exp2_emu=0, exp2_emu_degree=3, local=False):
         """block_m: query rows per step, 64 or (head dim 64 only) 128, see the module docstring.
+        local: a sliding window (sizes >= 0 per call, call_local; causal windows have right = 0), every block masked.
         dq_split: the two warpgroups compute one dQ tile together, each its half of D (block_m 128: its
         64 query rows) over all BLOCK_N keys (a barrier of both per query block, since each reads the
         other's dS); else each computes
@@ -166,7 +167,8 @@ class FlashBwdSm90:
         self.wide = block_m == 128
         self.dq_rows = self.dq_split and self.wide
         self.num_threads = self.NUM_PRODUCER_THREADS + 128 * self.NUM_MMA_WARPGROUPS
-        self.mask = AttentionMask(self.causal, False, block_m, block_n)
+        self.local = bool(local)
+        self.mask = AttentionMask(self.causal, self.local, block_m, block_n)
         if self.smem_bytes() > self.SMEM_LIMIT:
             raise ValueError(
                 f"head dim {head_dim}, block_m {block_m}, {num_stages} stages, dq_tma={self.dq_tma} need "
@@ -198,6 +200,18 @@ class FlashBwdSm90:
         units, +inf past Sq; delta = rowsum(dO * O), 0 past Sq), mdQaccum (B, Sq, H, D) fp32 (zeroed by
         the caller, receives softmax_scale * dS K), mdK/mdV (B, Sk, H, D) in the input dtype, as PyTorch lays
         them out."""
+        self._host(mQ, mK, mV, mdO, mLSE2, mDelta, mdQaccum, mdK, mdV, softmax_scale, stream, None)
+
+    @cute.jit
+    def call_local(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+                   mLSE2: cute.Tensor, mDelta: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor,
+                   mdV: cute.Tensor, softmax_scale: Float32, window_left: Int32, window_right: Int32, stream):
+        """__call__ with a sliding window (local=True): window_left / window_right >= 0 around each diagonal."""
+        self._host(mQ, mK, mV, mdO, mLSE2, mDelta, mdQaccum, mdK, mdV, softmax_scale, stream,
+                   (window_left, window_right))
+
+    @cute.jit
+    def _host(self, mQ, mK, mV, mdO, mLSE2, mDelta, mdQaccum, mdK, mdV, softmax_scale, stream, window):
         # (B, S, H, D) -> (S, D, H, B): the first two modes are the tile, the others index the CTA.
         to_sdhb = [1, 3, 2, 0]
         mQ, mK, mV, mdO, mdQaccum, mdK, mdV = (
@@ -284,7 +298,7 @@ class FlashBwdSm90:
                     tma_delta, mDelta_tma, mdQaccum, tma_dq, mdQ_tma, mdK, mdV, softmax_scale * LOG2_E,
                     softmax_scale, cute.size(mQ, mode=[0]), sQ_layout, sdO_layout, sK_layout, sV_layout,
                     sdS_layout, sdQ_layout, sLSE_layout, tiled_mma_sdp, tiled_mma_dv, tiled_mma_dk,
-                    tiled_mma_dq).launch(
+                    tiled_mma_dq, *(window if cutlass.const_expr(self.local) else (None, None))).launch(
             grid=grid, block=(self.num_threads, 1, 1), stream=stream,
             # .minnctapersm 1 pins the register count at entry (65536 / 384 threads); without it ptxas
             # may ignore setmaxnreg (C7508) and cap the consumers at 168 registers.
@@ -301,8 +315,8 @@ class FlashBwdSm90:
                scale_log2: Float32, softmax_scale: Float32, seqlen_q: Int32, sQ_layout: cute.ComposedLayout,
                sdO_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                sdS_layout: cute.ComposedLayout, sdQ_layout: cute.ComposedLayout, sLSE_layout: cute.Layout,
-               tiled_mma_sdp: cute.TiledMma,
-               tiled_mma_dv: cute.TiledMma, tiled_mma_dk: cute.TiledMma, tiled_mma_dq: cute.TiledMma):
+               tiled_mma_sdp: cute.TiledMma, tiled_mma_dv: cute.TiledMma, tiled_mma_dk: cute.TiledMma,
+               tiled_mma_dq: cute.TiledMma, window_left, window_right):
         dt, BM, BN, stages = self.dtype, self.block_m, self.block_n, self.num_stages
         if cutlass.const_expr(self.lpt > 0):
             lin, _, _ = cute.arch.block_idx()
@@ -358,7 +372,8 @@ class FlashBwdSm90:
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
-        m_block_min, m_block_max = self.mask.m_block_range(n_block, seqlen_q, seqlen_k)  # those that see it
+        # the query blocks that see this key block
+        m_block_min, m_block_max = self.mask.m_block_range(n_block, seqlen_q, seqlen_k, window_left, window_right)
 
         if warp_idx < 4:
             # Producer warpgroup: only TMA issue, so it hands its registers to the consumers.
@@ -369,11 +384,10 @@ class FlashBwdSm90:
                               batch, m_block_min, m_block_max)
         else:
             cute.arch.setmaxregister_increase(self.CONSUMER_REGS)
-            self._consume(mdQaccum, tma_dq, mdQ_tma, sdQ, mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE, sDelta,
-                          kv_pipe, q_pipe, do_pipe,
-                          tiled_mma_sdp, tiled_mma_dv, tiled_mma_dk, tiled_mma_dq, scale_log2, softmax_scale,
-                          tidx - self.NUM_PRODUCER_THREADS, n_block, head, batch, seqlen_q, seqlen_k,
-                          m_block_min, m_block_max)
+            self._consume(mdQaccum, tma_dq, mdQ_tma, sdQ, mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE, sDelta, kv_pipe,
+                          q_pipe, do_pipe, tiled_mma_sdp, tiled_mma_dv, tiled_mma_dk, tiled_mma_dq, scale_log2,
+                          softmax_scale, tidx - self.NUM_PRODUCER_THREADS, n_block, head, batch, seqlen_q, seqlen_k,
+                          m_block_min, m_block_max, (window_left, window_right))
 
     @cute.jit
     def _produce(self, tma_q, mQ, tma_k, mK, tma_v, mV, tma_do, mdO, tma_lse, mLSE2, tma_delta, mDelta,
@@ -415,10 +429,8 @@ class FlashBwdSm90:
 
     @cute.jit
     def _consume(self, mdQaccum, tma_dq, mdQ_tma, sdQ, mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE, sDelta, kv_pipe,
-                 q_pipe, do_pipe,
-                 tiled_mma_sdp, tiled_mma_dv, tiled_mma_dk, tiled_mma_dq, scale_log2, softmax_scale, ctid,
-                 n_block, head,
-                 batch, seqlen_q, seqlen_k, m_block_min, m_block_max):
+                 q_pipe, do_pipe, tiled_mma_sdp, tiled_mma_dv, tiled_mma_dk, tiled_mma_dq, scale_log2,
+                 softmax_scale, ctid, n_block, head, batch, seqlen_q, seqlen_k, m_block_min, m_block_max, window):
         dt, D, BM, BN = self.dtype, self.head_dim, self.block_m, self.block_n
         wg = cute.arch.make_warp_uniform(ctid // 128)
         thr_sdp = tiled_mma_sdp.get_slice(ctid)
@@ -506,7 +518,7 @@ class FlashBwdSm90:
                                 tdPrV, tdPrdO)
                 self._p_and_dv(acc_S, tScS, rP, tdVrP, tdVrdOt, acc_dV, tiled_mma_dv, sLSE, scale_log2, m_block,
                                n_block, seqlen_q, seqlen_k, m_block_mask_end, key_tail, do_state.index,
-                               q_state.index)
+                               q_state.index, window)
                 self._ds_dk_dq(acc_S, acc_dP, tScS, rdS, thr_sdp, sdSt, sDelta, tiled_mma_dk, acc_dK, tdKrdSt,
                                tdKrQt, tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, tma_dq, tQRsdQ, tQRgdQ, dq_issuer,
                                buf, m_block, m_block_min, wg, q_state.index, do_state.index, rP=rP,
@@ -547,7 +559,7 @@ class FlashBwdSm90:
                 # rP is rewritten here only after the previous block's wait_group, which covered its dV.
                 self._p_and_dv(acc_S, tScS, rP, tdVrP, tdVrdOt, acc_dV, tiled_mma_dv, sLSE, scale_log2, m_block,
                                n_block, seqlen_q, seqlen_k, m_block_mask_end, key_tail, do_state.index,
-                               q_state.index)
+                               q_state.index, window)
                 self._ds_dk_dq(acc_S, acc_dP, tScS, rdS, thr_sdp, sdSt, sDelta, tiled_mma_dk, acc_dK, tdKrdSt,
                                tdKrQt, tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, tma_dq, tQRsdQ, tQRgdQ, dq_issuer,
                                buf, m_block, m_block_min, wg, q_state.index, do_state.index, rP=rP,
@@ -610,7 +622,7 @@ class FlashBwdSm90:
 
     @cute.jit
     def _p_and_dv(self, acc_S, tScS, rP, tdVrP, tdVrdOt, acc_dV, tiled_mma_dv, sLSE, scale_log2, m_block, n_block,
-                  seqlen_q, seqlen_k, m_block_mask_end, key_tail, do_stage, q_stage):
+                  seqlen_q, seqlen_k, m_block_mask_end, key_tail, do_stage, q_stage, window):
         """Wait for S^T (dP^T may still run), P^T = exp2(S^T scale log2(e) - lse2) in place and in the
         input dtype in rP, and issue dV += P^T dO (one commit group)."""
         if cutlass.const_expr(self.overlap):
@@ -622,7 +634,7 @@ class FlashBwdSm90:
         else:
             warpgroup.wait_group(1)  # S^T is ready; dP^T may still run
         if key_tail or m_block < m_block_mask_end:
-            self.mask.apply_transposed(acc_S, tScS, m_block, n_block, seqlen_q, seqlen_k)
+            self.mask.apply_transposed(acc_S, tScS, m_block, n_block, seqlen_q, seqlen_k, *window)
         if cutlass.const_expr(self.exp2_emu == 0):
             for i in cutlass.range(cute.size(acc_S), unroll_full=True):
                 # +inf lse2 (query past Sq, or a query that sees no key) gives P = 0 exactly.

@@ -284,7 +284,7 @@ def _bwd_out_layout(t, D):
     return s[3] == 1 and s[2] == D and s[1] % 8 == 0 and s[0] % 8 == 0 and t.data_ptr() % 16 == 0
 
 
-def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grads=None, dlse=None):
+def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grads=None, dlse=None, window=None):
     """Attention backward on validated CUDA inputs: q/out/dout (B, Sq, H, D), k/v (B, Sk, Hk, D) fp16/bf16,
     D in (64, 128), H % Hk == 0, lse fp32 (B, H, Sq) natural log (+inf for rows that see no key), causal
     bottom-right aligned. Returns (dq, dk, dv) in the input dtype, written into ``grads`` = (dq, dk, dv)
@@ -298,7 +298,8 @@ def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grad
     softmax_scale * dS K) into dq and, with GQA, sums the kernel's per-query-head dK/dV over each group
     in fp32. Without Triton (or with the plan rule bwd_host=torch) torch does the same in more launches.
     dlse: None or the gradient flowing into lse (B, H, Sq): d lse_i / d s_ij = P_ij adds dlse_i * P_ij to dS_ij,
-    which the kernel gets as delta - dlse in delta's place."""
+    which the kernel gets as delta - dlse in delta's place. window: None, or (left, right) sizes >= 0 (_UNBOUNDED for
+    no limit on a side; right 0 when causal) of a sliding window, the kernel built with local=True."""
     B, Sq, H, D = q.shape
     Sk, Hk = k.shape[1], k.shape[2]
     dtype = q.dtype
@@ -306,12 +307,15 @@ def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grad
     if B * Sq * H == 0 or Sk == 0:  # no query or no key: every gradient is 0
         zeros = [torch.zeros_like(t) if g is None else g.zero_() for t, g in zip((q, k, v), (dq_out, dk_out, dv_out))]
         return tuple(zeros)
-    block_m = bwd_config(dtype, D, causal, arch).block_m
+    local = window is not None
+    block_m = bwd_config(dtype, D, causal, arch, local).block_m
     per_batch = max(Sq * H, Sk * max(H, Hk)) * D
     if per_batch >= _MAX_ELEMS:
         raise NotImplementedError(
             f"one batch entry of q/k/v holds {per_batch} elements; flash_attn.cute's backward handles < 2^31")
-    fn = _bwd_kernels.get((dtype, D, bool(causal), arch)) or bwd_kernel(dtype, D, causal, arch)
+    fn = (_bwd_kernels.get((dtype, D, bool(causal), arch) + (("local",) if local else ()))
+          or bwd_kernel(dtype, D, causal, arch, local))
+    window_args = tuple(int(w) for w in window) if local else ()
 
     from flash_attn.cute import bwd_host  # imports Triton when installed: not at this module's import
 
@@ -337,7 +341,7 @@ def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grad
     for b in range(0, B, step):  # 32-bit offsets in the kernel: batch slices below 2^31 elements (and grid z's limit)
         sl = slice(b, b + step)
         fn(q[sl], k[sl], v[sl], dout[sl], lse2[sl], delta[sl], dq_accum[sl], dk_h[sl], dv_h[sl],
-           float(softmax_scale))
+           float(softmax_scale), *window_args)
     # dq_accum holds softmax_scale * dS K: a cast is left
     dq = dq_out if dq_out is not None else torch.empty((B, Sq, H, D), dtype=dtype, device=q.device)
     (bwd_host.finish if host else bwd_host.finish_torch)(dq_accum, dq, *((dk_h, dv_h, dk, dv) if sums else ()))

@@ -73,34 +73,50 @@ class AttentionMask:
             if masked:
                 acc_S[i] = -Float32.inf
 
-    # Backward (causal or not, no window): tiles are S^T, one key block per CTA.
+    # Backward: tiles are S^T, one key block per CTA. Window sizes (local) are >= 0 here (the host sends calls with a
+    # negative size elsewhere).
 
-    def m_block_range(self, n_block, seqlen_q, seqlen_k):
-        """[m_block_min, m_block_max) of the query blocks that see key block n_block: from the block of the
-        first query that sees key n_block * BN (causal: query i sees key j iff j <= i + Sk - Sq)."""
-        m_block_max = cute.ceil_div(seqlen_q, self.block_m)
+    def m_block_range(self, n_block, seqlen_q, seqlen_k, window_left=None, window_right=None):
+        """[m_block_min, m_block_max) of the query blocks that see key block n_block: query i sees key j iff
+        j <= i + Sk - Sq (causal) or i + Sk - Sq - window_left <= j <= i + Sk - Sq + window_right (local)."""
+        BM, BN = self.block_m, self.block_n
+        m_block_max = cute.ceil_div(seqlen_q, BM)
         m_block_min = Int32(0)
         if cutlass.const_expr(self.causal):
-            m_block_min = cutlass.max(n_block * self.block_n + seqlen_q - seqlen_k, 0) // self.block_m
+            m_block_min = cutlass.max(n_block * BN + seqlen_q - seqlen_k, 0) // BM
+        if cutlass.const_expr(self.local):
+            # the first query whose window reaches the block's first key, the last whose reaches its last key
+            m_block_min = cutlass.max(n_block * BN - window_right + seqlen_q - seqlen_k, 0) // BM
+            last = (n_block + 1) * BN - 1 + window_left + seqlen_q - seqlen_k
+            m_block_max = cutlass.min(m_block_max, cute.ceil_div(cutlass.max(last + 1, 0), BM))
         return m_block_min, m_block_max
 
     def m_block_mask_end(self, n_block, seqlen_q, seqlen_k):
-        """The query blocks below this one cross key block n_block's diagonal (causal; else 0)."""
+        """The query blocks below this one need the element mask: those crossing key block n_block's diagonal
+        (causal), every one (local: either edge of the window may cross the block), else none."""
         end = Int32(0)
         if cutlass.const_expr(self.causal):
             end = cute.ceil_div(cutlass.max((n_block + 1) * self.block_n - 1 + seqlen_q - seqlen_k, 0), self.block_m)
+        if cutlass.const_expr(self.local):
+            end = cute.ceil_div(seqlen_q, self.block_m)
         return end
 
     @cute.jit
-    def apply_transposed(self, acc_S, tScS, m_block, n_block, seqlen_q, seqlen_k):
+    def apply_transposed(self, acc_S, tScS, m_block, n_block, seqlen_q, seqlen_k, window_left=None,
+                         window_right=None):
         """-inf in S^T (tScS: (key, query) coordinates) for keys past Sk (TMA zero-fills them; unmasked they
-        would give P^T = 2^-lse2 rows, harmless for dV but an overflow risk in dQ) and, when causal, for
-        keys right of each query's diagonal."""
+        would give P^T = 2^-lse2 rows, harmless for dV but an overflow risk in dQ) and for keys right of each
+        query's diagonal (causal) or outside its window (local)."""
+        # local: key - diagonal = base + (tile key - tile query); one scalar for the block keeps registers free
+        base = n_block * self.block_n - m_block * self.block_m - (seqlen_k - seqlen_q)
         for i in cutlass.range(cute.size(acc_S), unroll_full=True):
             key = n_block * self.block_n + tScS[i][0]
             masked = key >= seqlen_k
             if cutlass.const_expr(self.causal):
                 query = m_block * self.block_m + tScS[i][1]
                 masked = masked | (key > query + seqlen_k - seqlen_q)
+            if cutlass.const_expr(self.local):
+                off = base + (tScS[i][0] - tScS[i][1])
+                masked = masked | (off > window_right) | (off < -window_left)
             if masked:
                 acc_S[i] = -Float32.inf
