@@ -60,8 +60,10 @@ SUITES = {
     "checks": (["flash_attn/_checks.py"], ["tests/api/test_checks.py", "tests/api/test_checks_units.py",
                                                   "tests/api/test_api.py"]),
     "dispatch": (["flash_attn/dispatch.py", "flash_attn/call.py"], ["tests/dispatch"]),
+    # the learnable sink's and the lse gradient's tests run on the reference backend too
     "reference": (["flash_attn/reference.py"], ["tests/reference/test_reference.py",
-                                                "tests/reference/test_reference_kvcache.py"]),
+                                                "tests/reference/test_reference_kvcache.py",
+                                                "tests/api/test_learnable_sink.py", "tests/api/test_lse_grad.py"]),
     "rotary": (["flash_attn/layers/rotary.py", "flash_attn/ops/triton/rotary.py"],
                ["tests/ops/test_rotary.py", "tests/ops/test_rotary_module.py"]),
     "cross_entropy": (["flash_attn/losses/cross_entropy.py", "flash_attn/ops/triton/cross_entropy.py"],
