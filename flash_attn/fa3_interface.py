@@ -22,6 +22,9 @@ FA3's arguments map onto the core's call:
   NotImplementedError.
 - ``return_attn_probs``: FA3 returns (out, softmax_lse) then (no probabilities), and so do these.
 
+``_flash_attn_forward`` / ``_flash_attn_backward``: FA3's lower-level ops with their arguments, routed to the calls
+above and to FA2's lower-level backward.
+
 ``flash_attn_with_kvcache``: a call with FA2's arguments only (``page_table`` is FA2's ``block_table``) runs FA2's
 KV-cache op; varlen queries and new keys (``cu_seqlens_q``, ``cu_seqlens_k_new``), ``rotary_seqlens`` and
 ``attention_chunk`` append and rotate with tensor ops and run the attention as a paged varlen call over one-row pages
@@ -38,7 +41,7 @@ from . import flash_attn_interface as _fa2
 from .call import window
 
 __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func", "flash_attn_with_kvcache",
-           "flash_attn_combine", "get_scheduler_metadata"]
+           "flash_attn_combine", "get_scheduler_metadata", "_flash_attn_forward", "_flash_attn_backward"]
 
 
 def _refuse_fp8(q_descale, k_descale, v_descale):
@@ -432,3 +435,75 @@ def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, 
     _hints(num_splits, pack_gqa, sm_margin)
     _chunk(attention_chunk)
     return torch.empty(0, dtype=torch.int32, device=cache_seqlens.device)
+
+
+# ----------------------------------------------------------------------------------------------------
+# FA3's lower-level functions (libraries import them from flash_attn_interface)
+
+
+def _flash_attn_forward(q, k, v, k_new=None, v_new=None, qv=None, out_=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                        cu_seqlens_k_new=None, seqused_q=None, seqused_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                        page_table=None, kv_batch_idx=None, leftpad_k=None, rotary_cos=None, rotary_sin=None,
+                        seqlens_rotary=None, q_descale=None, k_descale=None, v_descale=None, softmax_scale=None,
+                        causal=False, window_size_left=-1, window_size_right=-1, attention_chunk=0, softcap=0.0,
+                        rotary_interleaved=True, scheduler_metadata=None, num_splits=1, pack_gqa=None, sm_margin=0):
+    """FA3's forward op with its arguments -> (out, softmax_lse, out_accum, softmax_lse_accum); the last two are
+    empty tensors (this package combines split-KV parts inside its calls). A call with new keys, a page table,
+    kv_batch_idx, leftpad_k or rotary tables is a KV-cache call (k / v the caches, seqused_k their lengths, as FA3
+    passes cache_seqlens); else varlen with cu_seqlens_q, else dense. ``out_``: written in place and returned."""
+    window_size = (window_size_left, window_size_right)
+    kvcache = any(t is not None for t in (k_new, page_table, kv_batch_idx, leftpad_k, rotary_cos))
+    if kvcache:
+        out, lse = flash_attn_with_kvcache(
+            q, k, v, k_new, v_new, qv, rotary_cos, rotary_sin, seqused_k, kv_batch_idx, leftpad_k, page_table,
+            cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, seqlens_rotary, q_descale, k_descale, v_descale,
+            softmax_scale, causal, window_size, attention_chunk, softcap, rotary_interleaved, scheduler_metadata,
+            num_splits, pack_gqa, sm_margin, return_softmax_lse=True)
+    elif cu_seqlens_q is not None or cu_seqlens_k is not None:
+        out, lse = flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
+                                          seqused_k, softmax_scale, causal, qv, q_descale, k_descale, v_descale,
+                                          window_size, attention_chunk, softcap, num_splits, pack_gqa, False,
+                                          sm_margin, return_attn_probs=True)
+    else:
+        for name, t in (("seqused_q", seqused_q), ("seqused_k", seqused_k)):
+            if t is not None:
+                raise ValueError(f"{name} goes with cu_seqlens_q / cu_seqlens_k (varlen) or a KV cache")
+        out, lse = flash_attn_func(q, k, v, softmax_scale, causal, qv, q_descale, k_descale, v_descale, window_size,
+                                   attention_chunk, softcap, num_splits, pack_gqa, False, sm_margin,
+                                   return_attn_probs=True)
+    if out_ is not None:
+        _checks.tensor("out_", out_, device=q.device)
+        if out_.shape != out.shape:
+            raise ValueError(f"out_ must have shape {tuple(out.shape)}, got {tuple(out_.shape)}")
+        out = out_.copy_(out)
+    empty = torch.empty(0, device=q.device)
+    return out, lse, empty, empty
+
+
+def _flash_attn_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q=None, cu_seqlens_k=None, sequed_q=None,
+                         sequed_k=None, max_seqlen_q=None, max_seqlen_k=None, dq=None, dk=None, dv=None,
+                         softmax_scale=None, is_causal=False, window_size_left=-1, window_size_right=-1, softcap=0.0,
+                         deterministic=False, sm_margin=0):
+    """FA3's backward op (its argument names, ``sequed_*`` included): the gradients of a forward's (out,
+    softmax_lse) go into dq, dk, dv (allocated when None); returns softmax_d = rowsum(dout * out), fp32 (B, H, Sq)
+    or (H, total_q), unpadded. seqused_* as in flash_attn_varlen_func."""
+    _hints(0, None, sm_margin)
+    if cu_seqlens_q is None and cu_seqlens_k is None:
+        if sequed_q is not None or sequed_k is not None:
+            raise ValueError("sequed_q / sequed_k go with cu_seqlens_q / cu_seqlens_k (varlen)")
+        return _fa2._flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, 0.0, softmax_scale, is_causal,
+                                         window_size_left, window_size_right, softcap, None, deterministic)
+    _checks.cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
+    _checks.cu_seqlens("cu_seqlens_k", cu_seqlens_k, q.device)
+    if sequed_q is not None or sequed_k is not None:
+        batch = cu_seqlens_q.shape[0] - 1
+        for name, t in (("sequed_q", sequed_q), ("sequed_k", sequed_k)):
+            if t is not None:
+                _checks.int32_vector(name, t, batch, q.device)
+        _checks.cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], int(max_seqlen_q))
+        _checks.cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], int(max_seqlen_k))
+        cu_q, cu_k = _segments(cu_seqlens_q, cu_seqlens_k, sequed_q, sequed_k, 0, int(max_seqlen_k))
+        cu_seqlens_q, cu_seqlens_k = _checks.trust(cu_q), _checks.trust(cu_k)
+    return _fa2._flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+                                            max_seqlen_q, max_seqlen_k, 0.0, softmax_scale, is_causal,
+                                            window_size_left, window_size_right, softcap, None, deterministic)

@@ -107,7 +107,7 @@ def test_top_level_module_is_fa3s():
     from flash_attn import fa3_interface
 
     for name in ("flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func", "flash_attn_with_kvcache",
-                 "flash_attn_combine", "get_scheduler_metadata"):
+                 "flash_attn_combine", "get_scheduler_metadata", "_flash_attn_forward", "_flash_attn_backward"):
         assert getattr(f3, name) is getattr(fa3_interface, name)
 
 
@@ -125,6 +125,14 @@ def test_top_level_module_is_fa3s():
                                 "softcap rotary_interleaved scheduler_metadata num_splits pack_gqa sm_margin "
                                 "return_softmax_lse"),
     ("flash_attn_combine", "out_partial lse_partial out out_dtype"),
+    ("_flash_attn_forward", "q k v k_new v_new qv out_ cu_seqlens_q cu_seqlens_k cu_seqlens_k_new seqused_q seqused_k "
+                            "max_seqlen_q max_seqlen_k page_table kv_batch_idx leftpad_k rotary_cos rotary_sin "
+                            "seqlens_rotary q_descale k_descale v_descale softmax_scale causal window_size_left "
+                            "window_size_right attention_chunk softcap rotary_interleaved scheduler_metadata num_splits "
+                            "pack_gqa sm_margin"),
+    ("_flash_attn_backward", "dout q k v out softmax_lse cu_seqlens_q cu_seqlens_k sequed_q sequed_k max_seqlen_q "
+                             "max_seqlen_k dq dk dv softmax_scale is_causal window_size_left window_size_right softcap "
+                             "deterministic sm_margin"),
     ("get_scheduler_metadata", "batch_size max_seqlen_q max_seqlen_k num_heads_q num_heads_kv headdim cache_seqlens "
                                "qkv_dtype headdim_v cu_seqlens_q cu_seqlens_k_new cache_leftpad page_size "
                                "max_seqlen_k_new causal window_size attention_chunk has_softcap num_splits pack_gqa "
@@ -536,6 +544,71 @@ def test_scheduler_metadata_errors():
         f3.get_scheduler_metadata(1, 1, 8, 6, 4, 64, torch.zeros(1, dtype=torch.int32))
     with pytest.raises(TypeError, match="cache_seqlens"):
         f3.get_scheduler_metadata(1, 1, 8, 8, 4, 64, torch.zeros(1))
+
+
+# ----------------------------------------------------------------------------------------------------
+# the lower-level functions
+
+
+def test_low_level_forward_routes_each_kind_of_call():
+    torch.manual_seed(9)
+    q, k, v = torch.randn(2, 6, 4, 16), torch.randn(2, 9, 2, 16), torch.randn(2, 9, 2, 16)
+    out, lse, acc, lse_acc = f3._flash_attn_forward(q, k, v, causal=True, window_size_left=3, attention_chunk=4)
+    want, want_lse = f3.flash_attn_func(q, k, v, causal=True, window_size=(3, -1), attention_chunk=4,
+                                        return_attn_probs=True)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse) and acc.numel() == 0 and lse_acc.numel() == 0
+    dest = torch.empty_like(out)
+    assert f3._flash_attn_forward(q, k, v, out_=dest)[0] is dest
+    assert torch.equal(dest, f3.flash_attn_func(q, k, v))
+    cu_q, cu_k = torch.tensor([0, 5, 12], dtype=torch.int32), torch.tensor([0, 9, 18], dtype=torch.int32)
+    qr, kr, vr = q.reshape(12, 4, 16), k.reshape(18, 2, 16), v.reshape(18, 2, 16)
+    used = torch.tensor([4, 7], dtype=torch.int32)
+    out, lse, *_ = f3._flash_attn_forward(qr, kr, vr, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_k=used,
+                                          max_seqlen_q=7, max_seqlen_k=9, causal=True)
+    want, want_lse = f3.flash_attn_varlen_func(qr, kr, vr, cu_q, cu_k, 7, 9, seqused_k=used, causal=True,
+                                               return_attn_probs=True)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    kc, vc = torch.randn(2, 12, 2, 16), torch.randn(2, 12, 2, 16)
+    kn, vn = torch.randn(2, 1, 2, 16), torch.randn(2, 1, 2, 16)
+    seqlens = torch.tensor([3, 8], dtype=torch.int32)
+    k1, v1, k2, v2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+    out, lse, *_ = f3._flash_attn_forward(q[:, :1], k1, v1, kn, vn, seqused_k=seqlens, causal=True)
+    want, want_lse = f3.flash_attn_with_kvcache(q[:, :1], k2, v2, kn, vn, cache_seqlens=seqlens, causal=True,
+                                                return_softmax_lse=True)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse) and torch.equal(k1, k2)
+    with pytest.raises(ValueError, match="seqused_k"):
+        f3._flash_attn_forward(q, k, v, seqused_k=used)
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_low_level_backward_matches_autograd(varlen):
+    torch.manual_seed(10)
+    q, k, v = (torch.randn(2, 7, 4, 16, requires_grad=True), torch.randn(2, 9, 2, 16, requires_grad=True),
+               torch.randn(2, 9, 2, 16, requires_grad=True))
+    dout = torch.randn(2, 7, 4, 16)
+    if not varlen:
+        out, lse = f3.flash_attn_func(q, k, v, causal=True, window_size=(4, -1), return_attn_probs=True)
+        want = torch.autograd.grad(out, (q, k, v), dout)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        delta = f3._flash_attn_backward(dout, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), dq=dq,
+                                        dk=dk, dv=dv, is_causal=True, window_size_left=4)
+        torch.testing.assert_close(delta, (dout * out.detach()).sum(-1).transpose(1, 2))
+    else:
+        cu_q, cu_k = torch.tensor([0, 7, 14], dtype=torch.int32), torch.tensor([0, 9, 18], dtype=torch.int32)
+        used_q, used_k = torch.tensor([5, 7], dtype=torch.int32), torch.tensor([9, 4], dtype=torch.int32)
+        qr, kr, vr = q.reshape(14, 4, 16), k.reshape(18, 2, 16), v.reshape(18, 2, 16)
+        out, lse = f3.flash_attn_varlen_func(qr, kr, vr, cu_q, cu_k, 7, 9, used_q, used_k, causal=True,
+                                             return_attn_probs=True)
+        want = [g.reshape(t.shape) for g, t in zip(torch.autograd.grad(out, (qr, kr, vr), dout.reshape(14, 4, 16)),
+                                                   (q, k, v))]
+        dq, dk, dv = torch.empty(14, 4, 16), torch.empty(18, 2, 16), torch.empty(18, 2, 16)
+        f3._flash_attn_backward(dout.reshape(14, 4, 16), qr.detach(), kr.detach(), vr.detach(), out.detach(),
+                                lse.detach(), cu_q, cu_k, used_q, used_k, 7, 9, dq, dk, dv, is_causal=True)
+        dq, dk, dv = dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
+    for got, w in zip((dq, dk, dv), want):
+        torch.testing.assert_close(got, w, atol=1e-5, rtol=1e-4)
+    if varlen:  # unused rows and keys: zero gradients
+        assert not dq[0, 5:].any() and not dk[1, 4:].any() and not dv[1, 4:].any()
 
 
 # ----------------------------------------------------------------------------------------------------
