@@ -550,3 +550,14 @@ def test_cuda_matches_cpu():
                                           dropout_mask=dropout_keep_mask(torch.tensor([3, 4]), 0.1, B, H, Sq, Sk))
     assert_close_to_ref(out_c.cpu(), o_ref, o_pt)
     torch.testing.assert_close(lse_c.cpu(), lse, atol=1e-4, rtol=1e-5)
+
+
+def test_fp32_inputs_are_computed_in_fp64():
+    """The reference is the tests' oracle: fp32 inputs accumulate in fp64, so the fp32 output is the exact result
+    rounded once (within half an ulp of the largest value); fp32 accumulation over 4096 keys misses that by ~8x."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 8, 2, 64), torch.randn(1, 4096, 2, 64), torch.randn(1, 4096, 2, 64)
+    out, _, _ = backend_fwd(R, q, k, v, return_probs=False)
+    s = torch.einsum("bihd,bjhd->bhij", q.double(), k.double()) * 64 ** -0.5
+    exact = torch.einsum("bhij,bjhd->bihd", s.softmax(-1), v.double())
+    assert (out.double() - exact).abs().max().item() <= exact.abs().max().item() * 2 ** -24
