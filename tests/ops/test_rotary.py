@@ -146,22 +146,23 @@ def test_shared_gradient_not_modified(path):
     torch.testing.assert_close(other.grad, g)
 
 
+@pytest.mark.parametrize("offsets", ["tensor", "int"])
 @pytest.mark.parametrize("interleaved", [False, True])
-def test_varlen(path, interleaved):
+def test_varlen(path, interleaved, offsets):
     dev = _device(path)
     g = torch.Generator().manual_seed(0)
     lens = [3, 1, 6]
     cu = torch.tensor([0, 3, 4, 10], dtype=torch.int32, device=dev)
     H, D, rd = 2, 12, 8
     x = torch.randn(10, H, D, generator=g).to(dev)
-    off = torch.tensor([0, 5, 2], dtype=torch.int32, device=dev)
+    off = torch.tensor([0, 5, 2], dtype=torch.int32, device=dev) if offsets == "tensor" else 3
     cos, sin = _tables(12, rd, dev, torch.float32)
     cos64, sin64 = _tables(12, rd, dev, torch.float64)
 
     def ref(t):
         c, s = (cos64, sin64) if t.dtype == torch.float64 else (cos, sin)
-        parts = [rotary_ref(t[int(cu[i]):int(cu[i + 1])].unsqueeze(0), c, s, interleaved, int(off[i]))[0]
-                 for i in range(len(lens))]
+        parts = [rotary_ref(t[int(cu[i]):int(cu[i + 1])].unsqueeze(0), c, s, interleaved,
+                            int(off[i]) if offsets == "tensor" else off)[0] for i in range(len(lens))]
         return torch.cat(parts)
 
     _check_fwd_bwd(lambda t: apply_rotary_emb(t, cos, sin, interleaved=interleaved, seqlen_offsets=off,
