@@ -302,6 +302,10 @@ def test_bad_inputs():
         apply_rotary_emb_qkv_(torch.randn(1, 4, 6, 8), cos, sin)
     with pytest.raises(ValueError, match="even"):
         RotaryEmbedding(7)
+    with pytest.raises(ValueError, match=r"kv must be \(batch, seqlen, 2, nheads, headdim\), got \(1, 4, 3, 2, 8\)"):
+        apply_rotary_emb_kv_(torch.randn(1, 4, 3, 2, 8), cos, sin)  # five dims, but not 2 in dim 2
+    with pytest.raises(ValueError, match="kv must be"):
+        apply_rotary_emb_kv_(torch.randn(1, 4, 2, 8), cos, sin)  # four dims
 
 
 def test_compile_fullgraph(path):
