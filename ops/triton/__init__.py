@@ -113,16 +113,22 @@ def num_sms(device) -> int:
     if n is not None:
         return n
     d = device if isinstance(device, torch.device) else torch.device(device)
+    # torch.compile traces this inside autograd.Functions, where writing a global dict is an unsupported side effect:
+    # the count is computed there, and cached by the next eager call
+    cache = not torch.compiler.is_compiling()
     if d.type != "cuda":
         n = 4
     else:
         index = d.index if d.index is not None else torch.cuda.current_device()
         n = _SM_COUNTS.get(index)
         if n is None:
-            n = _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+            n = torch.cuda.get_device_properties(index).multi_processor_count
+            if cache:
+                _SM_COUNTS[index] = n
         if d.index is None:
             return n  # "cuda": whichever device is current, so not cached under this name
-    _SM_COUNTS[device] = n
+    if cache:
+        _SM_COUNTS[device] = n
     return n
 
 
