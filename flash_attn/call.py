@@ -90,7 +90,9 @@ def device_facts(device):
         if device.type == "cuda":
             arch = tuple(torch.cuda.get_device_capability(device.index if device.index is not None
                                                           else torch.cuda.current_device()))
-        facts = _arch[device] = (device.type, arch)
+        facts = (device.type, arch)
+        if not torch.compiler.is_compiling():  # written while torch.compile traces, the dict would be a side effect
+            _arch[device] = facts
     return facts
 
 

@@ -106,7 +106,7 @@ def test_unused_lse_changes_nothing(backend):
         assert torch.equal(a, b)
 
 
-def test_compiled_lse_gradient_and_no_lse_term_when_lse_is_not_returned(monkeypatch):
+def test_compiled_lse_gradient_and_no_lse_term_when_lse_is_not_returned(monkeypatch, request):
     """Under torch.compile the backward gets a tangent for every output (zeros for an unused lse): the lse term
     reaches the backend only when the call returns lse (return_attn_probs), and is then right."""
     from flash_attn import reference
@@ -114,8 +114,11 @@ def test_compiled_lse_gradient_and_no_lse_term_when_lse_is_not_returned(monkeypa
     seen = []
     real = reference.bwd
     monkeypatch.setattr(reference, "bwd", lambda *a, **kw: seen.append("dlse" in kw) or real(*a, **kw))
-    # (a graph cached on disk by an earlier process would skip the Python backward under test)
-    monkeypatch.setattr(torch.compiler.config, "force_disable_caches", True)
+    # (a graph cached on disk by an earlier process would skip the Python backward under test; the config's own
+    # patch, since monkeypatch's undo leaves torch's config entry hidden for every later compile in the process)
+    patch = torch.compiler.config.patch(force_disable_caches=True)
+    patch.__enter__()
+    request.addfinalizer(lambda: patch.__exit__(None, None, None))
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, 11, 2, 16, generator=g) for _ in range(3))
     dout, wlse = torch.randn(1, 11, 2, 16, generator=g), torch.randn(1, 2, 11, generator=g)
