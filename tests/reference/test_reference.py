@@ -561,3 +561,141 @@ def test_fp32_inputs_are_computed_in_fp64():
     s = torch.einsum("bihd,bjhd->bhij", q.double(), k.double()) * 64 ** -0.5
     exact = torch.einsum("bhij,bjhd->bihd", s.softmax(-1), v.double())
     assert (out.double() - exact).abs().max().item() <= exact.abs().max().item() * 2 ** -24
+
+
+def test_fp32_backward_is_computed_in_fp64():
+    """The backward of fp32 inputs accumulates dq, dk and dv in fp64: each gradient is the fp64 result of the same
+    formulas (P from the fp32-rounded scores and the saved fp32 lse, dS = P (dP - rowsum(dO O))), computed here
+    untiled, rounded once to fp32 (half an ulp); fp32 accumulation over the 8 query and 16 key blocks misses that
+    by hundreds of ulps. GQA: dk and dv also sum over the two query heads of their KV head."""
+    Sq, Sk, D = 64, 256, 16
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(1, Sq, 2, D, generator=g), torch.randn(1, Sk, 1, D, generator=g), torch.randn(1, Sk, 1, D,
+                                                                                                         generator=g)
+    dout = torch.randn(1, Sq, 2, D, generator=g)
+    out, lse, _ = backend_fwd(R, q, k, v)
+    grads = backend_bwd(R, dout, q, k, v, out, lse)
+    scale = D ** -0.5
+    qd, dod, od = q.double(), dout.double(), out.double()
+    kd, vd = k.double().expand(1, Sk, 2, D), v.double().expand(1, Sk, 2, D)
+    s = torch.einsum("bihd,bjhd->bhij", qd * scale, kd).float().double()
+    p = torch.exp(s - lse.double().unsqueeze(-1))
+    dp = torch.einsum("bihd,bjhd->bhij", dod, vd)
+    ds = p * (dp - (dod * od).sum(-1).transpose(1, 2).unsqueeze(-1))
+    exact = (torch.einsum("bhij,bjhd->bihd", ds, kd) * scale,
+             torch.einsum("bhij,bihd->bjhd", ds, qd * scale).sum(2, keepdim=True),
+             torch.einsum("bhij,bihd->bjhd", p, dod).sum(2, keepdim=True))
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, exact):
+        r = ref.float().abs()
+        ulp = (torch.nextafter(r, torch.full_like(r, math.inf)) - r).double()
+        # 2**-10 of an ulp: the fp64 rounding of the two computations' different summation orders
+        assert ((got.double() - ref).abs() <= (0.5 + 2**-10) * ulp).all(), name
+
+
+@pytest.mark.parametrize("max_tile", [1, 64, 4096, 1 << 24])
+@pytest.mark.parametrize("block_q", [None, 1, 8, 1024])
+@pytest.mark.parametrize("block_k", [1, 16, 512])
+def test_block_sizes_contract(monkeypatch, block_k, block_q, max_tile):
+    """The tile (block_q x block_k, over N * H heads) is the largest one that fits: never past the sequences, the
+    block caps or MAX_TILE_ELEMENTS (whenever one row of one head fits at all), at least 1 x 1, and as large as those
+    bounds allow (the fewest tiles)."""
+    monkeypatch.setattr(R, "MAX_TILE_ELEMENTS", max_tile)
+    monkeypatch.setattr(R, "BLOCK_K", block_k)
+    monkeypatch.setattr(R, "BLOCK_Q", block_q)
+    cap_q = math.inf if block_q is None else block_q
+    for NH in (1, 3, 8, 64, 4096, 1 << 25):
+        for Sq in (0, 1, 2, 7, 100, 5000):
+            for Sk in (0, 1, 2, 9, 700):
+                bq, bk = R._block_sizes(NH, 1, Sq, Sk)
+                where = (NH, Sq, Sk, bq, bk)
+                assert type(bq) is int and type(bk) is int, where
+                assert 1 <= bq <= max(1, min(Sq, cap_q)) and 1 <= bk <= max(1, min(Sk, block_k)), where
+                if NH <= max_tile:
+                    assert NH * bq * bk <= max_tile, where
+                # maximal: one more key (or query) row would pass a bound
+                assert bk == max(1, min(Sk, block_k)) or NH * (bk + 1) > max_tile, where
+                assert bq == max(1, min(Sq, cap_q)) or NH * (bq + 1) * bk > max_tile, where
+                # N and H enter as their product
+                assert R._block_sizes(1, NH, Sq, Sk) == (bq, bk), where
+
+
+@pytest.mark.parametrize("softcap", [0.5, 1.0])
+def test_softcap_at_most_one(softcap):
+    # A cap of 1 or less still caps (tanh(s / c) * c): the scores of these inputs reach about 4.
+    _check_dense(dtype=torch.float32, softcap=softcap, causal=True)
+
+
+def test_window_left_zero_skips_the_keys_before_the_diagonal(monkeypatch):
+    # window (0, 0): query i sees only key i; query block [q0, q0 + 8) lies in one 16-key block, the only tile computed.
+    S = 64
+    q, k, v = _qkv(1, S, S, 2, 2, 32, 32, torch.float32)
+    tiles = _record_tiles(monkeypatch)
+    backend_fwd(R, q, k, v, return_probs=False, **_kwargs(32, window=(0, 0)))
+    assert len(tiles) == S // 8
+    tiles.clear()
+    backend_fwd(R, q, k, v, return_probs=False, **_kwargs(32, window=(0, -1)))
+    # window (0, -1): keys [q0, 64), ceil((64 - q0) / 16) blocks starting at q0
+    assert len(tiles) == sum(-(-(S - q0) // 16) for q0 in range(0, S, 8))
+
+
+def test_return_probs_computes_each_tile_twice(monkeypatch):
+    # P is written in a second pass once the row's lse is final: each visible tile once more, never more.
+    q, k, v = _qkv(2, 40, 50, 4, 2, 32, 32, torch.float32)
+    tiles = _record_tiles(monkeypatch)
+    backend_fwd(R, q, k, v, return_probs=False, **_kwargs(32, causal=True))
+    once = len(tiles)
+    tiles.clear()
+    backend_fwd(R, q, k, v, return_probs=True, **_kwargs(32, causal=True))
+    assert once > 10 and len(tiles) == 2 * once
+
+
+def test_memory_is_linear_in_the_sequence(monkeypatch):
+    """No tensor of the forward or backward (dense and varlen; without return_probs) is larger than one score tile or
+    the inputs: 4096 tokens on the meta device (shapes, no data), recorded for every aten op."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class Largest(TorchDispatchMode):
+        numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self.numel = max(self.numel, t.numel())
+            return out
+
+    monkeypatch.setattr(R, "BLOCK_K", 512)
+    monkeypatch.setattr(R, "BLOCK_Q", 256)
+    S, H, D = 4096, 2, 16
+    q, k, v = (torch.empty(1, S, H, D, device="meta") for _ in range(3))
+    cu = torch.tensor([0, 1000, S], dtype=torch.int32)
+    varlen = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=S - 1000, max_seqlen_k=S - 1000)
+    with Largest() as mode:
+        out, lse, _ = backend_fwd(R, q, k, v, **_kwargs(D))
+        backend_bwd(R, out, q, k, v, out, lse, **_kwargs(D))
+        out, lse, _ = backend_fwd(R, q[0], k[0], v[0], **_kwargs(D, **varlen))
+        backend_bwd(R, out, q[0], k[0], v[0], out, lse, **_kwargs(D, **varlen))
+    assert 0 < mode.numel <= max(H * 256 * 512, S * H * D)
+
+
+@pytest.mark.parametrize("dtype,acc", [(torch.float16, torch.float32), (torch.bfloat16, torch.float32),
+                                       (torch.float32, torch.float64)])
+def test_matmuls_run_in_the_accumulation_dtype(dtype, acc):
+    """fp16/bf16 inputs are computed in fp32, fp32 inputs in fp64 (the module's contract): every matrix product of
+    the forward and backward, recorded at the aten level on meta tensors."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Products(TorchDispatchMode):
+        dtypes = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.bmm):
+                self.dtypes.add(args[0].dtype)
+            return func(*args, **(kwargs or {}))
+
+    q, k, v = (x.to("meta") for x in _qkv(2, 20, 30, 4, 2, 16, 16, dtype))
+    with Products() as mode:
+        out, lse, _ = backend_fwd(R, q, k, v, **_kwargs(16, causal=True))
+        backend_bwd(R, out, q, k, v, out, lse, **_kwargs(16, causal=True))
+    assert mode.dtypes == {acc}

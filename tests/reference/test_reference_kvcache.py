@@ -252,3 +252,72 @@ def test_num_splits_is_only_a_hint():
     a = _run(c, causal=True, num_splits=1)[0]
     b = _run(c, causal=True, num_splits=4)[0]
     assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_append_one_token():
+    # The decoding step: one new key per sequence.
+    _check(*_run(_make(s_new=1, Sq=1), causal=True))
+
+
+def test_append_zero_tokens_is_no_append():
+    c = _make(s_new=3)
+    c["k"], c["v"] = c["k"][:, :0], c["v"][:, :0]
+    got = _run(c, causal=True)[0]
+    c["k"] = c["v"] = None
+    want = _run(c, causal=True)[0]
+    assert all(torch.equal(x, y) for x, y in zip(got, want))
+
+
+def _append(c, cache_seqlens, block_table=None):
+    backend_fwd_kvcache(R, c["q"], c["k_cache"], c["v_cache"], k=c["k"], v=c["v"], cache_seqlens=cache_seqlens,
+                        block_table=block_table, softmax_scale=0.2, causal=True, window_right=0)
+
+
+def test_append_past_the_cache_raises():
+    # The API checks the capacity before the backend runs; the backend checks it too, for its direct callers.
+    c = _make(B=2, S_cache=40, s_new=3)
+    with pytest.raises(ValueError, match=r"^k: appending 3 tokens at cache_seqlens up to 38 overflows the cache of "
+                                         r"40 rows$"):
+        _append(c, torch.tensor([38, 0], dtype=torch.int32))
+    _append(c, torch.tensor([37, 0], dtype=torch.int32))  # the last 3 rows: fits
+
+
+def test_append_past_the_block_table_raises():
+    c = _make(B=2, S_cache=40, s_new=3)
+    c["k_cache"], bt = paged_from_dense(c["k_cache"], 8, num_blocks=12, generator=torch.Generator().manual_seed(1))
+    c["v_cache"], _ = paged_from_dense(c["v_cache"], 8, num_blocks=12, block_table=bt)
+    with pytest.raises(ValueError, match=r"^k: appending 3 tokens overflows block_table of 5 blocks of 8$"):
+        _append(c, torch.tensor([0, 38], dtype=torch.int32), bt)
+    _append(c, torch.tensor([0, 37], dtype=torch.int32), bt)
+
+
+def test_rotate_at_position_past_the_table_raises():
+    x = torch.randn(2, 3, 2, 8)
+    cos, sin = torch.ones(8, 4), torch.zeros(8, 4)
+    pos = torch.tensor([[5, 6, 7], [6, 7, 8]])
+    with pytest.raises(ValueError, match=r"^rotary_cos/rotary_sin: position 8 needs at least 9 rows, got 8$"):
+        R.rotate_at(x, cos, sin, pos, False)
+    # position 7, the last row: a zero angle leaves x as it is
+    assert torch.equal(R.rotate_at(x, cos, sin, pos - 1, False), x)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rotate_at_one_position_per_row(interleaved):
+    # Positions (T,) for packed rows x (T, Hx, D), as FA3's varlen KV-cache path passes them.
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(6, 3, 20, generator=g).to(torch.bfloat16)
+    angle = torch.rand(30, 6, generator=g) * 2 * math.pi
+    cos, sin = torch.cos(angle), torch.sin(angle)
+    pos = torch.tensor([0, 29, 3, 3, 17, 8])
+    got = R.rotate_at(x, cos, sin, pos, interleaved)
+    torch.testing.assert_close(got, _rotary_complex(x, cos, sin, pos, interleaved), atol=0, rtol=0.01)
+
+
+def test_kvcache_computes_each_tile_once(monkeypatch):
+    # Sequence b attends to cache_seqlens[b] + 3 keys: 8 and 20 keys, one and two 16-key tiles for the 3 queries.
+    tiles = []
+    monkeypatch.setattr(R, "debug_tile_hook", lambda shape: tiles.append(shape))
+    c = _make(B=2, Sq=3, s_new=3)
+    c["cache_seqlens"] = torch.tensor([5, 17], dtype=torch.int32)
+    _run(c, causal=False)
+    assert [t[-2:] for t in tiles] == [(3, 8), (3, 16), (3, 4)]
