@@ -16,10 +16,29 @@ here) with three changes:
 
 The LM head is tied to the word embedding by default and has no bias. ALiBi position interpolation
 (``alibi_scaling``) is refused with NotImplementedError.
+
+Training from scratch with muP's rules (BTLM's width-transfer recipe; ``w = mup_width_scale = d_base / d``):
+
+* :func:`mup_init_` initialises as BTLM's reference code: embeddings N(0, initializer_range); every hidden matrix
+  (Wqkv, fc1) N(0, initializer_range * sqrt(w)), i.e. variance sigma^2 * d_base / d (fan-in scaling); the
+  projections that write into the residual stream (out_proj, fc2) that std / sqrt(2 * n_layer); biases 0;
+  LayerNorm weight 1, bias 0. ``GPTLMHeadModel`` / ``GPTModel`` call it themselves when the config's
+  ``mup_width_scale`` is not 1.
+* :func:`mup_param_groups` gives AdamW groups with muP's Adam learning rates: hidden matrices ``lr * w``
+  (Cerebras' ``adjust_learning_rate.decoder_kernel``, which BTLM's checkpoint converter maps to
+  ``mup_width_scale``), embeddings (and an untied LM head), biases and norms ``lr``; weight decay on the matrices
+  and embeddings, none on biases and norms. ``flash-attn train`` with ``model.arch=btlm`` uses both.
+
+Example::
+
+    model = GPTLMHeadModel(btlm_config_to_gpt2_config(btlm_config))  # muP-initialised
+    optimizer = torch.optim.AdamW(mup_param_groups(model, lr=6e-3, weight_decay=0.1), betas=(0.9, 0.95))
 """
+import math
 from collections import OrderedDict
 
 import torch
+from torch import nn
 from transformers import GPT2Config
 
 from flash_attn.models.gpt import _inv_remap_embeddings_and_head, _move_params, _remap_embeddings_and_head
@@ -159,3 +178,131 @@ def inv_remap_state_dict_hf_btlm(state_dict, config):
     if state_dict:
         raise KeyError(f"unexpected keys in GPTLMHeadModel state dict: {sorted(state_dict)[:5]}")
     return out
+
+
+# --------------------------------------------------------------------------------------------- muP training
+# Parameter kinds, by what muP does with them (Yang et al. 2022, Table 3, Adam; BTLM multiplies the LM head's input
+# by mup_output_alpha * mup_width_scale, the "readout multiplier" form, in which the output weights behave like the
+# embedding: width-independent init and learning rate).
+_HIDDEN, _RESIDUAL, _EMBEDDING, _READOUT, _BIAS, _NORM = "hidden", "residual", "embedding", "readout", "bias", "norm"
+# Modules whose output is added to the residual stream: their init is also scaled by 1 / sqrt(2 * n_layer).
+_RESIDUAL_WRITERS = ("out_proj", "fc2")
+
+
+def _unwrap(model):
+    # DistributedDataParallel (and similar wrappers) keep the model as .module; FSDP2 keeps the module tree.
+    return getattr(model, "module", model)
+
+
+def _width_scale(config, width_scale=None):
+    w = getattr(config, "mup_width_scale", None) if width_scale is None else width_scale
+    w = 1.0 if w is None else float(w)
+    if not w > 0:
+        raise ValueError(f"mup_width_scale must be > 0, got {w}")
+    return w
+
+
+def _is_norm(module):
+    # nn.LayerNorm, nn.RMSNorm and flash_attn's RMSNorm: 1-D weight (and bias) applied per feature.
+    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith("RMSNorm")
+
+
+def mup_param_kinds(model):
+    """{parameter name: kind} for every distinct parameter of a GPTModel / GPTLMHeadModel (a tied LM head is the
+    embedding's tensor, listed once, as ``embedding``). Kinds: ``hidden`` (Wqkv, fc1, other inner matrices),
+    ``residual`` (out_proj, fc2: hidden matrices that write into the residual stream), ``embedding``,
+    ``readout`` (an untied LM head), ``bias``, ``norm``. A parameter of any other module raises ValueError: muP
+    must know whether it is width-like or not."""
+    model = _unwrap(model)
+    lm_head = getattr(model, "lm_head", None)
+    kinds = {}  # id -> kind
+    # Embeddings first, so a tied LM head keeps the embedding's kind whatever the module order.
+    for module in model.modules():
+        if isinstance(module, nn.Embedding):
+            kinds[id(module.weight)] = _EMBEDDING
+    for name, module in model.named_modules():
+        direct = dict(module.named_parameters(recurse=False))
+        if not direct:
+            continue
+        if isinstance(module, nn.Embedding):
+            continue
+        if isinstance(module, nn.Linear):
+            if module is lm_head:
+                weight_kind = _READOUT
+            elif name.rsplit(".", 1)[-1] in _RESIDUAL_WRITERS:
+                weight_kind = _RESIDUAL
+            else:
+                weight_kind = _HIDDEN
+            kinds.setdefault(id(module.weight), weight_kind)
+            if module.bias is not None:
+                kinds.setdefault(id(module.bias), _BIAS)
+        elif _is_norm(module):
+            for pname, p in direct.items():
+                kinds.setdefault(id(p), _NORM if pname == "weight" else _BIAS)
+        else:
+            raise ValueError(f"muP does not know how to treat the parameters of {name!r} "
+                             f"({type(module).__name__}: {sorted(direct)})")
+    out = {}
+    for name, p in model.named_parameters():  # named_parameters lists a shared tensor once
+        out[name] = kinds[id(p)]
+    return out
+
+
+@torch.no_grad()
+def mup_init_(model, config=None):
+    """Initialise a GPTModel / GPTLMHeadModel in place with BTLM's muP rules (config: the converted GPT2Config;
+    default ``model.config``). With ``sigma = initializer_range`` and ``w = mup_width_scale``:
+
+    * word (and learned position) embeddings, and an untied LM head: N(0, sigma);
+    * hidden matrices (Wqkv, fc1): N(0, sigma * sqrt(w)), so their variance falls as 1 / width (fan-in);
+    * out_proj, fc2: N(0, sigma * sqrt(w) / sqrt(2 * n_layer)) (GPT-2's depth scaling on top);
+    * biases 0, norm weights 1.
+
+    Returns the model."""
+    inner = _unwrap(model)
+    config = inner.config if config is None else config
+    sigma = float(getattr(config, "initializer_range", None) or 0.02)
+    hidden_std = sigma * math.sqrt(_width_scale(config))
+    std = {_EMBEDDING: sigma, _READOUT: sigma, _HIDDEN: hidden_std,
+           _RESIDUAL: hidden_std / math.sqrt(2 * config.n_layer)}
+    params = dict(inner.named_parameters())
+    for name, kind in mup_param_kinds(inner).items():
+        p = params[name]
+        if kind in std:
+            nn.init.normal_(p, mean=0.0, std=std[kind])
+        elif kind == _NORM:
+            nn.init.ones_(p)
+        else:
+            nn.init.zeros_(p)
+    return model
+
+
+def mup_param_groups(model, lr, weight_decay=0.0, width_scale=None):
+    """Optimizer parameter groups with muP's Adam learning rates for a BTLM-shaped GPTModel / GPTLMHeadModel
+    (plain, DDP- or FSDP2-wrapped). ``w = width_scale`` (default: the model config's ``mup_width_scale``).
+
+    * ``hidden``: every inner matrix (Wqkv, out_proj, fc1, fc2): ``lr * w``, ``weight_decay``. Adam's update
+      size does not shrink with fan-in, so muP shrinks the rate: each output coordinate of a width-d matrix sums d
+      updates, and ``lr * d_base / d`` keeps that sum width-independent.
+    * ``embedding``: word / position embeddings and an untied LM head: ``lr``, ``weight_decay``.
+    * ``no_decay``: biases and norm parameters: ``lr``, weight decay 0.
+
+    Each group carries ``name`` and ``lr_multiplier``; empty groups are left out. Every trainable parameter is in
+    exactly one group. With torch's AdamW the decoupled decay is ``lr * weight_decay`` per step, so the hidden
+    matrices' decay shrinks with their rate, as in Cerebras' recipe."""
+    inner = _unwrap(model)
+    w = _width_scale(getattr(inner, "config", None), width_scale)
+    spec = {  # group name -> (lr multiplier, weight decay, kinds)
+        "hidden": (w, weight_decay, (_HIDDEN, _RESIDUAL)),
+        "embedding": (1.0, weight_decay, (_EMBEDDING, _READOUT)),
+        "no_decay": (1.0, 0.0, (_BIAS, _NORM)),
+    }
+    kinds = mup_param_kinds(model)
+    named = dict(_unwrap(model).named_parameters())
+    groups = []
+    for group_name, (mult, decay, members) in spec.items():
+        params = [named[n] for n, k in kinds.items() if k in members and named[n].requires_grad]
+        if params:
+            groups.append({"params": params, "lr": lr * mult, "weight_decay": decay, "name": group_name,
+                           "lr_multiplier": mult})
+    return groups

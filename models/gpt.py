@@ -18,7 +18,8 @@ fields FlashAttention 2 reads, all optional (default in parentheses):
     norm_head (False)             logits from L2-normalized LM head rows (Baichuan 2)
     muP (Yang et al. 2022, "Tensor Programs V"; BTLM): mup_scale_qk_dot_by_d (False) scales attention scores by
         1 / head_dim instead of 1 / sqrt(head_dim); mup_embeddings_multiplier (1.0) multiplies the embeddings;
-        mup_output_multiplier * mup_width_scale (1.0 each) multiplies the LM head's input
+        mup_output_multiplier * mup_width_scale (1.0 each) multiplies the LM head's input; with mup_width_scale
+        != 1 the model starts from muP's init (flash_attn.models.btlm.mup_init_)
     use_flash_attn, fused_bias_fc, fused_mlp, fused_dropout_add_ln (False), mlp_checkpoint_lvl (0)
 
 Parameter names match FA2's ``flash_attn.models.gpt`` (``transformer.embeddings``, ``transformer.layers.{i}``
@@ -212,6 +213,15 @@ def _init_weights(module, n_layer, initializer_range=0.02, rescale_prenorm_resid
                 nn.init.normal_(child.weight, std=initializer_range / math.sqrt(2 * n_layer))
 
 
+def _maybe_mup_init(model, config):
+    """A muP model (mup_width_scale != 1, e.g. BTLM) starts from muP's init, not GPT-2's: hidden matrices'
+    std scales with sqrt(mup_width_scale) (see flash_attn.models.btlm.mup_init_). At width scale 1 both agree."""
+    if _get(config, "mup_width_scale", 1.0) != 1.0:
+        from flash_attn.models.btlm import mup_init_  # btlm imports this module
+
+        mup_init_(model, config)
+
+
 # --------------------------------------------------------------------------------------------- models
 class GPTPreTrainedModel(nn.Module):
     """Holds the config; subclasses build the layers."""
@@ -252,6 +262,7 @@ class GPTModel(GPTPreTrainedModel):
         self.ln_f = _norm_cls(config, **factory_kwargs)(config.n_embd)
         self.apply(partial(_init_weights, n_layer=config.n_layer,
                            initializer_range=_get(config, "initializer_range", 0.02)))
+        _maybe_mup_init(self, config)
 
     def allocate_inference_cache(self, batch_size, max_seqlen, dtype=None, **kwargs):
         return {i: layer.allocate_inference_cache(batch_size, max_seqlen, dtype=dtype, **kwargs)
@@ -310,6 +321,7 @@ class GPTLMHeadModel(GPTPreTrainedModel, GenerationMixin):
         self.apply(partial(_init_weights, n_layer=config.n_layer,
                            initializer_range=_get(config, "initializer_range", 0.02)))
         self.tie_weights()
+        _maybe_mup_init(self, config)
 
     def tie_weights(self):
         if self.tie_word_embeddings:

@@ -3,7 +3,9 @@ of the published architecture (GPT-2 layers with Conv1D weights, SwiGLU MLP with
 stored in the checkpoint, muP embedding / attention / output scaling) with the checkpoints' key names. Tiny random
 references, converted, must give the reference's logits in fp32 on CPU (both attention paths, ALiBi and learned
 positions), greedy generation through the KV cache must match the reference's, the remap must round-trip, and what
-cannot be converted (ALiBi scaling, foreign slopes) must be refused."""
+cannot be converted (ALiBi scaling, foreign slopes) must be refused. muP's training rules: a new model's init
+statistics per parameter kind, AdamW groups with the width-scaled rate on hidden matrices, and one step's change of a
+hidden layer's output staying width-independent under them."""
 import math
 from types import SimpleNamespace
 
@@ -13,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import flash_attn
-from flash_attn.models.btlm import btlm_config_to_gpt2_config, inv_remap_state_dict_hf_btlm, remap_state_dict_hf_btlm
+from flash_attn.models.btlm import (btlm_config_to_gpt2_config, inv_remap_state_dict_hf_btlm, mup_init_,
+                                   mup_param_groups, remap_state_dict_hf_btlm)
 from flash_attn.models.gpt import GPTLMHeadModel
 
 ATOL = 2e-5
@@ -300,3 +303,132 @@ def test_remap_rejects_unknown_keys():
     state_dict["transformer.h.0.extra.weight"] = torch.zeros(1)
     with pytest.raises(KeyError, match="extra"):
         remap_state_dict_hf_btlm(state_dict, config)
+
+
+# ------------------------------------------------------------------------------------------- muP training
+# Wide enough that the sample std of every matrix is within ~1% of its population std (>= 24k entries).
+MUP_WIDTH, MUP_SIGMA, MUP_SCALE = 256, 0.05, 0.25
+
+
+def mup_model(width=MUP_WIDTH, width_scale=MUP_SCALE, seed=0, **kwargs):
+    torch.manual_seed(seed)
+    c = btlm_config(n_embd=width, n_head=4, n_inner=2 * width, initializer_range=MUP_SIGMA,
+                    mup_width_scale=width_scale, **kwargs)
+    return GPTLMHeadModel(btlm_config_to_gpt2_config(c))
+
+
+def expected_std(name, width_scale=MUP_SCALE, n_layer=2):
+    """BTLM's muP init, per parameter name: embeddings sigma, hidden matrices sigma * sqrt(w), out_proj / fc2
+    additionally / sqrt(2 * n_layer)."""
+    if "embeddings" in name or name.startswith("lm_head"):
+        return MUP_SIGMA
+    hidden = MUP_SIGMA * math.sqrt(width_scale)
+    return hidden / math.sqrt(2 * n_layer) if ("out_proj" in name or "fc2" in name) else hidden
+
+
+def check_mup_init(model, width_scale=MUP_SCALE):
+    for name, p in model.named_parameters():
+        if p.dim() == 2:
+            assert p.mean().abs() < 0.05 * expected_std(name, width_scale), name
+            assert p.std().item() == pytest.approx(expected_std(name, width_scale), rel=0.03), name
+        elif name.endswith("norm1.weight") or name.endswith("norm2.weight") or name.endswith("ln_f.weight"):
+            assert torch.equal(p, torch.ones_like(p)), name
+        else:
+            assert name.endswith(".bias") and torch.equal(p, torch.zeros_like(p)), name
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_a_new_mup_model_starts_from_mup_init(tied):
+    # The constructor applies the rules: a user training from scratch needs no extra call.
+    model = mup_model(tie_word_embeddings=tied)
+    check_mup_init(model)
+    assert ("lm_head.weight" in dict(model.named_parameters())) is not tied
+
+
+def test_mup_init_reinitialises_in_place():
+    model = mup_model()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(0.5)
+    torch.manual_seed(1)
+    assert mup_init_(model) is model
+    check_mup_init(model)
+
+
+def test_mup_init_follows_the_width_scale():
+    # Hidden matrices' std scales as sqrt(mup_width_scale); embeddings do not move.
+    wide = mup_model(width_scale=0.0625)
+    check_mup_init(wide, width_scale=0.0625)
+    narrow = mup_model()
+    hidden = wide.transformer.layers[0].mixer.Wqkv.weight.std() / narrow.transformer.layers[0].mixer.Wqkv.weight.std()
+    assert hidden.item() == pytest.approx(math.sqrt(0.0625 / MUP_SCALE), rel=0.03)
+
+
+def test_mup_param_groups_partition_the_parameters_with_mups_learning_rates():
+    lr, wd = 3e-3, 0.1
+    for tied in (True, False):
+        model = mup_model(width=64, tie_word_embeddings=tied)
+        groups = mup_param_groups(model, lr, weight_decay=wd)
+        ids = [id(p) for g in groups for p in g["params"]]
+        assert len(ids) == len(set(ids)) and set(ids) == {id(p) for p in model.parameters()}
+        names = {id(p): n for n, p in model.named_parameters()}
+        by_name = {g["name"]: {names[id(p)] for p in g["params"]} for g in groups}
+        matrices = {n for n, p in model.named_parameters() if p.dim() == 2}
+        hidden = {n for n in matrices if any(k in n for k in ("Wqkv", "out_proj", "fc1", "fc2"))}
+        assert by_name["hidden"] == hidden and len(hidden) == 4 * 2
+        assert by_name["embedding"] == matrices - hidden  # word embedding (and the untied head)
+        assert by_name["no_decay"] == {n for n, p in model.named_parameters() if p.dim() == 1}
+        settings = {g["name"]: (g["lr"], g["weight_decay"]) for g in groups}
+        assert settings == {"hidden": (lr * MUP_SCALE, wd), "embedding": (lr, wd), "no_decay": (lr, 0.0)}
+
+
+def test_adamw_with_mup_groups_moves_hidden_matrices_by_the_scaled_rate():
+    # Adam's first step moves every entry by lr * g / (|g| + eps) ~= lr: the group's rate, read off the update.
+    model = mup_model(width=64)
+    ids = torch.randint(0, VOCAB, (2, 9))
+    F.cross_entropy(model(ids[:, :-1]).logits.flatten(0, 1), ids[:, 1:].flatten()).backward()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    lr = 1e-2
+    torch.optim.AdamW(mup_param_groups(model, lr, weight_decay=0.0), eps=1e-12).step()
+    for name, p in model.named_parameters():
+        moved = (p.detach() - before[name]).abs()
+        moved = moved[p.grad.abs() > 1e-9]  # entries with a gradient
+        rate = lr * MUP_SCALE if p.dim() == 2 and "embeddings" not in name else lr
+        assert moved.numel() > 0 and torch.allclose(moved, torch.full_like(moved, rate), rtol=1e-3), name
+
+
+def test_mup_param_groups_see_through_a_wrapper_and_refuse_unknown_parameters():
+    model = mup_model(width=64)
+    wrapper = nn.Module()
+    wrapper.module = model  # as DistributedDataParallel keeps it
+    assert [len(g["params"]) for g in mup_param_groups(wrapper, 1e-3)] == \
+        [len(g["params"]) for g in mup_param_groups(model, 1e-3)]
+    model.transformer.extra = nn.Conv1d(4, 4, 1)
+    with pytest.raises(ValueError, match="extra"):
+        mup_param_groups(model, 1e-3)
+
+
+def fc1_output_change(width, mup, seed):
+    """RMS change of layer 1's fc1 output on its own inputs after one AdamW step at base lr 1e-2, width-64 base."""
+    model = mup_model(width=width, width_scale=64 / width, seed=seed)
+    fc1 = model.transformer.layers[1].mlp.fc1
+    seen = {}
+    hook = fc1.register_forward_hook(lambda module, args, out: seen.update(x=args[0].detach()))
+    ids = torch.randint(0, VOCAB, (1, 5))
+    F.cross_entropy(model(ids[:, :-1]).logits.flatten(0, 1), ids[:, 1:].flatten()).backward()
+    hook.remove()
+    groups = mup_param_groups(model, 1e-2) if mup else [{"params": list(model.parameters()), "lr": 1e-2}]
+    before = fc1.weight.detach().clone()
+    torch.optim.AdamW(groups, weight_decay=0.0).step()
+    return (seen["x"] @ (fc1.weight.detach() - before).T).pow(2).mean().sqrt().item()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_hidden_layer_update_is_width_independent_under_mup(seed):
+    # Tensor Programs V's point: with muP's rates one step changes a hidden layer's output by the same amount at
+    # every width, so a base lr tuned small transfers. Without the lr scaling the change grows with width (4x here:
+    # Adam's update is ~lr per entry and the fc1 input is aligned with its own gradient).
+    ratio_mup = fc1_output_change(256, True, seed) / fc1_output_change(64, True, seed)
+    ratio_plain = fc1_output_change(256, False, seed) / fc1_output_change(64, False, seed)
+    assert 0.75 < ratio_mup < 1.33
+    assert ratio_plain > 3.0
