@@ -19,17 +19,19 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    """The network. ``arch`` picks GPT-2 style (LayerNorm, GELU MLP, learned positions) or LLaMA style
-    (RMSNorm, SwiGLU, rotary, no biases); the other fields are the usual GPT2Config / LlamaConfig sizes."""
+    """The network. ``arch`` picks GPT-2 style (LayerNorm, GELU MLP, learned positions), LLaMA style
+    (RMSNorm, SwiGLU, rotary, no biases) or BTLM style (GPT-2 layers with SwiGLU, ALiBi and muP: attention scores
+    / head_dim, muP's init and AdamW groups with hidden matrices at ``optim.lr * mup_width_scale``, see
+    flash_attn.models.btlm); the other fields are the usual GPT2Config / LlamaConfig sizes."""
 
-    arch: str = "gpt2"  # gpt2 | llama
+    arch: str = "gpt2"  # gpt2 | llama | btlm
     vocab_size: int = 256
     n_positions: int = 1024  # learned positions (gpt2); the longest sequence (llama)
     n_embd: int = 64
     n_layer: int = 2
     n_head: int = 4
     n_head_kv: Optional[int] = None  # grouped-query attention; None = n_head
-    n_inner: Optional[int] = None  # MLP hidden size; None = 4 * n_embd (gpt2) / 8/3 * n_embd rounded (llama)
+    n_inner: Optional[int] = None  # MLP hidden size; None = 4 * n_embd (gpt2) / 8/3 * n_embd (llama rounded, btlm)
     rotary_emb_fraction: float = 0.0  # gpt2 only; llama always rotates the whole head
     rotary_emb_base: float = 10000.0
     parallel_block: bool = False
@@ -41,6 +43,11 @@ class ModelConfig:
     residual_in_fp32: bool = True
     use_flash_attn: bool = True  # False: plain PyTorch softmax attention (materialises the scores)
     fused: str = "auto"  # fused bias/GELU/dropout-add-LayerNorm kernels: auto (on with CUDA) | on | off
+    # muP (arch=btlm only): mup_width_scale = the tuned base model's n_embd / this n_embd; the embeddings are
+    # multiplied by mup_embeddings_scale and the LM head's input by mup_output_alpha * mup_width_scale
+    mup_width_scale: float = 1.0
+    mup_embeddings_scale: float = 1.0
+    mup_output_alpha: float = 1.0
 
 
 @dataclass
@@ -139,7 +146,7 @@ class Config:
 
 
 _CHOICES = {
-    "model.arch": ("gpt2", "llama"),
+    "model.arch": ("gpt2", "llama", "btlm"),
     "model.fused": ("auto", "on", "off"),
     "data.format": ("auto", "text", "tokens"),
     "data.token_dtype": ("uint8", "uint16", "uint32", "int32", "int64"),
@@ -312,6 +319,20 @@ def validate(cfg):
     if m.arch == "gpt2" and m.rotary_emb_fraction == 0.0 and t.seq_len > m.n_positions:
         raise ConfigError(f"train.seq_len ({t.seq_len}) exceeds model.n_positions ({m.n_positions}), the "
                           "number of learned positions")
+    mup = {"model.mup_width_scale": m.mup_width_scale, "model.mup_embeddings_scale": m.mup_embeddings_scale,
+           "model.mup_output_alpha": m.mup_output_alpha}
+    for name, value in mup.items():
+        if value <= 0:
+            raise ConfigError(f"config field {name!r} must be > 0, got {value}")
+        if m.arch != "btlm" and value != 1.0:
+            raise ConfigError(f"config field {name!r} applies to model.arch=btlm only (got {value} with "
+                              f"model.arch={m.arch})")
+    if m.arch == "btlm":
+        for name, value, plain in (("model.n_head_kv", m.n_head_kv, None), ("model.parallel_block", m.parallel_block,
+                                   False), ("model.rotary_emb_fraction", m.rotary_emb_fraction, 0.0)):
+            if value != plain:
+                raise ConfigError(f"model.arch=btlm (ALiBi, one KV head per head, sequential blocks) needs {name}="
+                                  f"{plain}, got {value!r}")
     if not 0.0 <= m.rotary_emb_fraction <= 1.0:
         raise ConfigError(f"model.rotary_emb_fraction must be in [0, 1], got {m.rotary_emb_fraction}")
     if not 0.0 <= m.dropout < 1.0:

@@ -35,6 +35,21 @@ def gpt2_config(mcfg, device="cpu"):
         config = llama_config_to_gpt2_config(llama)
         config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = mcfg.dropout
         config.initializer_range = mcfg.initializer_range
+    elif mcfg.arch == "btlm":
+        from types import SimpleNamespace
+
+        from flash_attn.models.btlm import btlm_config_to_gpt2_config
+
+        # BTLMConfig's fields: SwiGLU MLP of 8/3 * n_embd (BTLM-3B: 6826 for 2560), ALiBi, muP with scores / d
+        btlm = SimpleNamespace(
+            vocab_size=mcfg.vocab_size, n_positions=mcfg.n_positions, n_embd=mcfg.n_embd, n_layer=mcfg.n_layer,
+            n_head=mcfg.n_head, n_inner=mcfg.n_inner or 8 * mcfg.n_embd // 3, activation_function="swiglu",
+            resid_pdrop=mcfg.dropout, embd_pdrop=mcfg.dropout, attn_pdrop=mcfg.dropout,
+            layer_norm_epsilon=mcfg.layer_norm_epsilon, initializer_range=mcfg.initializer_range,
+            tie_word_embeddings=mcfg.tie_word_embeddings, position_embedding_type="alibi",
+            mup_width_scale=mcfg.mup_width_scale, mup_embeddings_scale=mcfg.mup_embeddings_scale,
+            mup_output_alpha=mcfg.mup_output_alpha, mup_scale_qk_dot_by_d=True)
+        config = btlm_config_to_gpt2_config(btlm)
     else:
         config = GPT2Config(
             vocab_size=mcfg.vocab_size, n_positions=mcfg.n_positions, n_embd=mcfg.n_embd, n_layer=mcfg.n_layer,

@@ -194,14 +194,20 @@ def wrap_model(model, rt, dtype):
 
 
 def make_optimizer(model, ocfg, device):
-    """AdamW; matrices and embeddings decay, biases and norm weights (1-D) do not."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
+    """AdamW; matrices and embeddings decay, biases and norm weights (1-D) do not. A muP model (its config has
+    ``mup_width_scale``, as model.arch=btlm builds) gets muP's groups: the hidden matrices' rate is
+    ``lr * mup_width_scale`` (flash_attn.models.btlm.mup_param_groups)."""
+    config = getattr(getattr(model, "module", model), "config", None)
+    if getattr(config, "mup_width_scale", None) is not None:
+        from flash_attn.models.btlm import mup_param_groups
+
+        groups = mup_param_groups(model, ocfg.lr, ocfg.weight_decay)
+    else:
+        params = [p for p in model.parameters() if p.requires_grad]
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": ocfg.weight_decay},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     fused = ocfg.fused == "on" or (ocfg.fused == "auto" and device.type == "cuda")
-    return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": ocfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=ocfg.lr, betas=(ocfg.beta1, ocfg.beta2), eps=ocfg.eps, fused=fused or None)
+    return torch.optim.AdamW(groups, lr=ocfg.lr, betas=(ocfg.beta1, ocfg.beta2), eps=ocfg.eps, fused=fused or None)
 
 
 def clip_gradients(model, optimizer, max_norm, rt):
@@ -528,7 +534,9 @@ class Trainer:
                 result.tokens_per_s, result.mfu = tokens_per_s, mfu
                 if writer is not None:
                     writer.write({"step": self.step, "split": "train", "loss": loss_value,
-                                  "lr": _to_float(self.scheduler.get_last_lr()[0]),
+                                  # the schedule's base rate (muP's groups run multiples of it)
+                                  "lr": _to_float(self.scheduler.get_last_lr()[0])
+                                  / self.optimizer.param_groups[0].get("lr_multiplier", 1.0),
                                   "grad_norm": None if grad_norm is None else _to_float(grad_norm),
                                   "tokens": self.step * tokens_per_step, "tokens_per_s": tokens_per_s,
                                   "mfu": mfu, "elapsed_s": now - progress.t0})
