@@ -416,12 +416,12 @@ def _compare_transposed(t, tt, shape, bad):
 
 @pytest.mark.parametrize("d", [64, 128])
 def test_transposed_smem_views_address_the_same_elements(d):
-    """The MN-major B operands (dO^T, Q^T, K^T) and the dS^T view are _transpose_view of K-major (or
+    """The MN-major B operands (dO^T, Q^T, K^T) and the dS^T view are bwd_parts.transpose_view of K-major (or
     M-major) tiles: element (j, i) of the view must be element (i, j) of the tile, stage by stage."""
     import cutlass
     from cutlass.cute.nvgpu import warpgroup
 
-    from flash_attn.cute.flash_bwd_sm90 import _transpose_view
+    from flash_attn.cute.bwd_parts import transpose_view
     from flash_attn.cute.hopper_helpers import smem_layout as _smem_layout
 
     bad = []
@@ -435,7 +435,7 @@ def test_transposed_smem_views_address_the_same_elements(d):
             layout = _smem_layout(kind, cutlass.BFloat16, shape).outer
             t = cute.make_tensor(cute.make_ptr(cutlass.BFloat16, 0, cute.AddressSpace.smem, assumed_align=16),
                                  layout)
-            _compare_transposed(t, _transpose_view(t), shape, bad)
+            _compare_transposed(t, transpose_view(t), shape, bad)
 
     cute.compile(check, options="--gpu-arch sm_90a")
     assert bad == [], bad[:20]

@@ -2,9 +2,10 @@
 
 Serves forward calls on Hopper (sm_90): fp16/bf16, head dims 64, 96, 128, 192, 256 (v's equal to q's, or the pair
 192 / 128 of config.HEAD_DIM_PAIRS), causal or not, sliding windows, softcap, GQA/MQA, dense, varlen (cu_seqlens)
-or paged. The backward kernel (flash_bwd_sm90.py) has head dims 64 and 128 and serves dense calls without windows,
-softcap, ALiBi, dropout or determinism (its dQ is a sum of fp32 TMA reduce-adds from the key blocks' CTAs in
-whatever order they finish, so it varies in the last bits run to run, as FA2's default backward does); every other
+or paged. The backward kernel (flash_bwd_sm90.py) has head dims 64 and 128 and serves dense calls (sliding windows
+and varlen under the plan rules bwd_window / bwd_varlen) without softcap, ALiBi, dropout or determinism (its dQ is a
+sum of fp32 TMA reduce-adds from the key blocks' CTAs in whatever order they finish, so it varies in the last bits
+run to run, as FA2's default backward does); every other
 backward goes to the next backend that has one (Triton, else the reference), which consumes this forward's out and
 lse. FLASH_ATTN_CUTE_DISABLE (settings.py) switches off the backward ("bwd"), the paged and Dv != D kernels, and
 the forward of head dims 96 / 192 / 256 ("d96", ...): those calls then go to the next backend. The dispatcher
@@ -89,7 +90,8 @@ def unsupported_reason(call):
         if settings.disabled("bwd"):
             return f"backward (switched off: {settings.DISABLE} names bwd)"
         for what in ("varlen", "local", "softcap", "deterministic"):
-            if getattr(call, what) and not (what == "local" and _window_bwd()):
+            ruled = (what == "local" and _window_bwd()) or (what == "varlen" and _varlen_bwd())
+            if getattr(call, what) and not ruled:
                 return f"backward with {what}"
     return None
 
@@ -155,15 +157,21 @@ def bwd(call, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
 
     from flash_attn.cute.plan import _UNBOUNDED
 
-    # unsupported_reason admitted only dense, uncapped, non-deterministic calls on sm_90 (windowed ones with the
-    # plan rule bwd_window); a direct caller gets an error rather than a wrong gradient
-    if (cu_seqlens_q is not None or block_table is not None or call.softcap > 0.0 or alibi_slopes is not None
-            or call.dropout_p > 0.0 or call.deterministic or (call.local and not _window_bwd())):
-        raise NotImplementedError("flash_attn.cute's backward handles dense calls without softcap, ALiBi, dropout "
-                                  "or determinism (windows with the plan rule bwd_window)")
+    # unsupported_reason admitted only uncapped, non-deterministic calls on sm_90 (windowed ones with the plan rule
+    # bwd_window, varlen ones with bwd_varlen); a direct caller gets an error rather than a wrong gradient
+    if (block_table is not None or call.softcap > 0.0 or alibi_slopes is not None or call.dropout_p > 0.0
+            or call.deterministic or (call.local and not _window_bwd())
+            or (cu_seqlens_q is not None and not _varlen_bwd())):
+        raise NotImplementedError("flash_attn.cute's backward handles calls without paged KV, softcap, ALiBi, "
+                                  "dropout or determinism (windows with the plan rule bwd_window, varlen with "
+                                  "bwd_varlen)")
     window = None
     if call.local:  # the contract's -1 (no limit) is the kernels' _UNBOUNDED; causal arrives as window_right 0
         window = tuple(_UNBOUNDED if w < 0 else w for w in (call.window_left, call.window_right))
+    if cu_seqlens_q is not None:
+        return launch.backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, None, None, max_seqlen_q,
+                                      max_seqlen_k, call.softmax_scale, call.causal, "sm_90a", grads=grads, dlse=dlse,
+                                      window=window)
     return launch.backward(dout, q, k, v, out, lse, call.softmax_scale, call.causal, "sm_90a", grads=grads,
                            dlse=dlse, window=window)
 
@@ -172,3 +180,9 @@ def _window_bwd():
     from flash_attn.cute import config
 
     return config.plan_rules().bwd_window
+
+
+def _varlen_bwd():
+    from flash_attn.cute import config
+
+    return config.plan_rules().bwd_varlen

@@ -138,6 +138,41 @@ if triton is not None:
             acc += tl.load(src + j * HEAD_DIM, mask=tile, other=0.0).to(tl.float32)
         tl.store(dst, acc.to(dst.dtype.element_ty), mask=tile)
 
+    @triton.jit(do_not_specialize=["n_m_blocks", "block_pad"])
+    def _bwd_prep_varlen_kernel(Out, DOut, Lse, DLse, Delta, Lse2, CuSeqlensQ, SeqUsedQ,
+                                s_os, s_oh, s_od, s_gs, s_gh, s_gd, s_lh, s_ls, s_dh, s_ds, s_ph,
+                                heads, n_m_blocks, block_pad,
+                                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                                HAS_DLSE: tl.constexpr):
+        # Program (sequence b, row block m, head h): rows [m BLOCK_M, (m + 1) BLOCK_M) of sequence b padded to a
+        # multiple of block_pad (the CuTeDSL kernel's query block), at padded row cu_seqlens_q[b] + b block_pad.
+        pid = tl.program_id(0)
+        bm = pid // heads
+        h = pid - bm * heads
+        b = bm // n_m_blocks
+        m = bm - b * n_m_blocks
+        start = tl.load(CuSeqlensQ + b)
+        used = tl.load(SeqUsedQ + b)
+        padded = tl.cdiv(used, block_pad) * block_pad
+        if m * BLOCK_M < padded:
+            h64 = h.to(tl.int64)
+            rows = m * BLOCK_M + tl.arange(0, BLOCK_M)
+            rows64 = (start + rows).to(tl.int64)  # rows of the packed tensors
+            cols = tl.arange(0, BLOCK_D)
+            in_q = rows < used
+            tile = in_q[:, None] & (cols[None, :] < HEAD_DIM)
+            o = tl.load(Out + h64 * s_oh + rows64[:, None] * s_os + cols[None, :] * s_od, mask=tile, other=0.0)
+            do = tl.load(DOut + h64 * s_gh + rows64[:, None] * s_gs + cols[None, :] * s_gd, mask=tile, other=0.0)
+            delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+            if HAS_DLSE:  # the lse gradient enters as delta - dlse
+                delta -= tl.load(DLse + h64 * s_dh + rows64 * s_ds, mask=in_q, other=0.0)
+            lse = tl.load(Lse + h64 * s_lh + rows64 * s_ls, mask=in_q, other=float("inf"))
+            lse2 = tl.where(tl.abs(lse) == float("inf"), float("inf"), lse * 1.4426950408889634)
+            dst = h64 * s_ph + (start + b * block_pad + rows).to(tl.int64)
+            in_pad = rows < padded
+            tl.store(Delta + dst, delta, mask=in_pad)
+            tl.store(Lse2 + dst, lse2, mask=in_pad)
+
 
 _launchers: dict = {}
 
@@ -187,6 +222,58 @@ def prepare(out, dout, lse, seqlen_pad):
                 (out, dout, lse, delta, lse2, dq_accum, *out.stride(), *dout.stride(), *lse.stride(),
                  Sq, seqlen_pad, H, n_m), meta, ("prep", D))
     return lse2, delta, dq_accum
+
+
+def varlen_rows(total_q, batch, block_pad):
+    """The width of a varlen backward's lse2 / delta rows: sequence b's padded rows at cu_seqlens_q[b] + b * block_pad
+    (seqlen_info.BwdSeqlens), a multiple of 4 (16-byte aligned rows for TMA), and one block more at the end (the
+    torch path's sink for rows outside every sequence)."""
+    return -(-total_q // 4) * 4 + (batch + 1) * block_pad
+
+
+def prepare_varlen(out, dout, lse, cu_seqlens_q, seqused_q, max_seqlen_q, block_pad, dlse=None):
+    """(lse2, delta, dq_accum) of a varlen backward (at least one sequence): out / dout (T, H, D) any strides, lse
+    (and dlse) fp32 (H, T) any strides; sequence b's seqused_q[b] rows from cu_seqlens_q[b], padded with +inf / 0
+    to a multiple of block_pad, at rows cu_seqlens_q[b] + b * block_pad of lse2 / delta (H, varlen_rows(...))
+    fp32; dq_accum (T, H, D) fp32 zero (rows outside every sequence too). One Triton launch and a memset."""
+    T, H, D = out.shape
+    B = cu_seqlens_q.shape[0] - 1
+    dev = out.device
+    lse2 = _empty((H, varlen_rows(T, B, block_pad)), dtype=_F32, device=dev)
+    delta = _empty((H, varlen_rows(T, B, block_pad)), dtype=_F32, device=dev)
+    dq_accum = torch.zeros((T, H, D), dtype=_F32, device=dev)
+    meta = dict(_meta(D), HAS_DLSE=dlse is not None)
+    n_m = -(-(-(-max_seqlen_q // block_pad) * block_pad) // meta["BLOCK_M"])
+    if B * H * n_m:
+        dl = dlse if dlse is not None else lse
+        _launch(_bwd_prep_varlen_kernel, (B * H * n_m,),
+                (out, dout, lse, dl, delta, lse2, cu_seqlens_q, seqused_q, *out.stride(), *dout.stride(),
+                 *lse.stride(), *dl.stride(), lse2.stride(0), H, n_m, block_pad), meta,
+                ("prep_varlen", D, dlse is not None))
+    return lse2, delta, dq_accum
+
+
+def prepare_varlen_torch(out, dout, lse, cu_seqlens_q, seqused_q, max_seqlen_q, block_pad, dlse=None):
+    """``prepare_varlen`` in torch (device ops, no host sync)."""
+    T, H, D = out.shape
+    B = cu_seqlens_q.shape[0] - 1
+    dev = out.device
+    width = varlen_rows(T, B, block_pad)
+    lse2 = torch.full((H, width), torch.inf, dtype=_F32, device=dev)
+    delta = torch.zeros((H, width), dtype=_F32, device=dev)
+    rows = torch.arange(T, device=dev)
+    cu = cu_seqlens_q.long()
+    seq = (torch.searchsorted(cu, rows, right=True) - 1).clamp(0, B - 1)  # each packed row's sequence
+    offset = rows - cu[seq]
+    used = (offset >= 0) & (offset < seqused_q.long()[seq]) & (rows < cu[-1])
+    dst = torch.where(used, rows + seq * block_pad, width - 1)  # the rest into the last column, never read
+    d = (dout.float() * out).sum(-1).transpose(0, 1)  # (H, T), fp32 products as FlashAttention
+    if dlse is not None:
+        d = d - dlse[:, :T]
+    lse2.index_copy_(1, dst, torch.where(used, torch.where(lse[:, :T].isinf(), torch.inf, lse[:, :T] * LOG2E),
+                                         torch.inf))
+    delta.index_copy_(1, dst, torch.where(used, d, 0.0))
+    return lse2, delta, torch.zeros((T, H, D), dtype=_F32, device=dev)
 
 
 def finish(dq_accum, dq, dk_h=None, dv_h=None, dk=None, dv=None):

@@ -212,12 +212,15 @@ class BwdConfig:
     exp2_emu: int = 0
     exp2_emu_degree: int = 3
     local: bool = False  # a sliding window (FlashBwdSm90.call_local)
+    varlen: bool = False  # packed sequences (FlashBwdSm90.call_varlen)
 
     def __post_init__(self):
         if self.dtype not in ("fp16", "bf16"):
             raise ValueError(f"dtype {self.dtype} not fp16/bf16")
         if self.dq_tma and not self.dq_split:
             raise ValueError("BwdConfig: the TMA dQ needs the split dQ tile (dq_split)")
+        if self.varlen and self.lpt:
+            raise ValueError("BwdConfig: lpt orders a dense grid (varlen needs lpt=0)")
 
     def key(self):
         """The disk cache's key (see _key)."""
@@ -233,10 +236,12 @@ class PlanRules:
     hold more real queries (plan._pack_helps); off until a decoding benchmark decides it. ``bwd_host``:
     "triton" (Triton kernels prepare and finish the backward where they run) or "torch". ``bwd_window``: the
     CuTeDSL backward kernel serves sliding windows (sizes >= 0; else they take the next backend); off until its GPU
-    tests (tests/cute/test_cute_bwd.py, the window cases) have passed."""
+    tests (tests/cute/test_cute_bwd.py, the window cases) have passed. ``bwd_varlen``: it serves varlen calls
+    (cu_seqlens, seqused), off until tests/cute/test_cute_bwd_varlen.py's GPU tests have passed."""
     pack_gqa_auto: bool = False
     bwd_host: str = "triton"
     bwd_window: bool = False
+    bwd_varlen: bool = False
 
     def __post_init__(self):
         if self.bwd_host not in ("triton", "torch"):
@@ -409,8 +414,8 @@ def short_dims():
                      or any((d, c) in SHORT_PERSISTENT for c in (False, True)))
 
 
-def select_bwd(dtype, head_dim, causal, arch, abi, local=False):
-    """The BwdConfig of a backward call (local: with a sliding window)."""
+def select_bwd(dtype, head_dim, causal, arch, abi, local=False, varlen=False):
+    """The BwdConfig of a backward call (local: with a sliding window; varlen: packed sequences, no lpt order)."""
     ov = overrides("bwd")
     d = int(head_dim)
     dq_split = ov.get("dq_split", BWD_DQ_SPLIT)
@@ -419,5 +424,6 @@ def select_bwd(dtype, head_dim, causal, arch, abi, local=False):
                      block_m=ov.get("block_m", BWD_BLOCK_M.get(d, 64)), stages=ov.get("stages", BWD_STAGES.get(d, 2)),
                      dq_split=dq_split, dq_tma=dq_split and ov.get("dq_tma", BWD_DQ_TMA.get(d, False)),
                      overlap=ov.get("overlap", BWD_OVERLAP.get(d, False)),
-                     lpt=max(0, ov.get("lpt", BWD_LPT_CAUSAL.get(d, BWD_LPT) if causal else BWD_LPT)),
-                     exp2_emu=emu, exp2_emu_degree=ov.get("exp2_emu_degree", 3) if emu else 3, local=bool(local))
+                     lpt=0 if varlen else max(0, ov.get("lpt", BWD_LPT_CAUSAL.get(d, BWD_LPT) if causal else BWD_LPT)),
+                     exp2_emu=emu, exp2_emu_degree=ov.get("exp2_emu_degree", 3) if emu else 3, local=bool(local),
+                     varlen=bool(varlen))

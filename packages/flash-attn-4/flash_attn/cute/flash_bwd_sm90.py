@@ -45,6 +45,8 @@ and casts dq_accum to the input dtype (and sums GQA's dK/dV) in one after.
 Layouts seen by the kernel (views built on the host side of __call__, no copies):
   mQ, mdO (Sq, D, H, B); mK, mV (Sk, D, Hk, B); mLSE2, mDelta (Sq_pad, H, B) fp32, Sq_pad a multiple of
   BLOCK_M; mdQaccum (Sq, D, H, B) fp32; mdK, mdV (Sk, D, H, B): per query head (GQA sums on the host).
+Varlen (call_varlen): the packed tensors as one batch entry, grid z over the sequences, each CTA's rows found by
+seqlen_info.BwdSeqlens (lse2 / delta padded per sequence).
 tests/cute/test_cute_bwd.py checks it against a reference on a Hopper GPU (its GPU-marked tests).
 """
 import math
@@ -53,37 +55,17 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32
-from cutlass._mlir import ir
-from cutlass._mlir.dialects import llvm, vector
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warp, warpgroup
-from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.memory import SmemAllocator
 
+from flash_attn.cute.bwd_parts import pack_16, red_add_f32x2, transpose_view, unpack_16
 from flash_attn.cute.hopper_helpers import opaque, smem_layout, tma_tiles
 from flash_attn.cute.mask import AttentionMask
+from flash_attn.cute.seqlen_info import BwdSeqlens
 from flash_attn.cute.softmax_exp import EXP2_POLY, emulated_columns, exp2_poly
 from flash_attn.cute.tile_scheduler import lpt_tile
 
 LOG2_E = math.log2(math.e)
-
-
-def _transpose_view(t):
-    """The same shared memory seen with its first two modes swapped (an MN-major operand view of a
-    K-major tile, or the reverse)."""
-    shape = (t.shape[1], t.shape[0], *t.shape[2:])
-    order = (1, 0, *range(2, cute.rank(t)))
-    return cute.composition(t, cute.make_ordered_layout(shape, order=order))
-
-
-@dsl_user_op
-def _red_add_f32x2(ptr, a, b, *, loc=None, ip=None):
-    """*ptr += (a, b) as one red.global.add.v2.f32 (sm_90): two adjacent fp32 columns of a dQ row in
-    one 8-byte reduction, half the L2 atomic operations of two scalar ones. ptr is 8-byte aligned."""
-    f32 = Float32.mlir_type
-    pair = vector.from_elements(ir.VectorType.get([2], f32),
-                                [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
-                                loc=loc, ip=ip)
-    cute.arch.red(ptr, pair, op="add", dtype=Float32, sem="relaxed", scope="gpu", loc=loc, ip=ip)
 
 
 class FlashBwdSm90:
@@ -98,9 +80,11 @@ class FlashBwdSm90:
     CONSUMER_REGS = 240
 
     def __init__(self, dtype, head_dim, causal, block_m=64, block_n=128, num_stages=2, dq_split=True,
-                 dq_tma=False, overlap=False, lpt=0, exp2_emu=0, exp2_emu_degree=3, local=False):
+                 dq_tma=False, overlap=False, lpt=0, exp2_emu=0, exp2_emu_degree=3, local=False,
+                 varlen=False):
         """block_m: query rows per step, 64 or (head dim 64 only) 128, see the module docstring.
         local: a sliding window (sizes >= 0 per call, call_local; causal windows have right = 0), every block masked.
+        varlen: packed sequences (call_varlen; seqlen_info.BwdSeqlens), the grid's x over the longest key sequence.
         dq_split: the two warpgroups compute one dQ tile together, each its half of D (block_m 128: its
         64 query rows) over all BLOCK_N keys (a barrier of both per query block, since each reads the
         other's dS); else each computes
@@ -169,6 +153,10 @@ class FlashBwdSm90:
         self.num_threads = self.NUM_PRODUCER_THREADS + 128 * self.NUM_MMA_WARPGROUPS
         self.local = bool(local)
         self.mask = AttentionMask(self.causal, self.local, block_m, block_n)
+        self.varlen = bool(varlen)
+        if self.varlen and self.lpt:
+            raise ValueError("lpt orders a dense grid (varlen: lpt=0)")
+        self.seqlens = BwdSeqlens(self.varlen, block_m)
         if self.smem_bytes() > self.SMEM_LIMIT:
             raise ValueError(
                 f"head dim {head_dim}, block_m {block_m}, {num_stages} stages, dq_tma={self.dq_tma} need "
@@ -200,7 +188,7 @@ class FlashBwdSm90:
         units, +inf past Sq; delta = rowsum(dO * O), 0 past Sq), mdQaccum (B, Sq, H, D) fp32 (zeroed by
         the caller, receives softmax_scale * dS K), mdK/mdV (B, Sk, H, D) in the input dtype, as PyTorch lays
         them out."""
-        self._host(mQ, mK, mV, mdO, mLSE2, mDelta, mdQaccum, mdK, mdV, softmax_scale, stream, None)
+        self._host(mQ, mK, mV, mdO, mLSE2, mDelta, mdQaccum, mdK, mdV, softmax_scale, stream, None, None)
 
     @cute.jit
     def call_local(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
@@ -208,17 +196,28 @@ class FlashBwdSm90:
                    mdV: cute.Tensor, softmax_scale: Float32, window_left: Int32, window_right: Int32, stream):
         """__call__ with a sliding window (local=True): window_left / window_right >= 0 around each diagonal."""
         self._host(mQ, mK, mV, mdO, mLSE2, mDelta, mdQaccum, mdK, mdV, softmax_scale, stream,
-                   (window_left, window_right))
+                   (window_left, window_right), None)
 
     @cute.jit
-    def _host(self, mQ, mK, mV, mdO, mLSE2, mDelta, mdQaccum, mdK, mdV, softmax_scale, stream, window):
-        # (B, S, H, D) -> (S, D, H, B): the first two modes are the tile, the others index the CTA.
-        to_sdhb = [1, 3, 2, 0]
-        mQ, mK, mV, mdO, mdQaccum, mdK, mdV = (
-            cute.make_tensor(t.iterator, cute.select(t.layout, mode=to_sdhb))
-            for t in (mQ, mK, mV, mdO, mdQaccum, mdK, mdV))
-        mLSE2 = cute.make_tensor(mLSE2.iterator, cute.select(mLSE2.layout, mode=[2, 1, 0]))
-        mDelta = cute.make_tensor(mDelta.iterator, cute.select(mDelta.layout, mode=[2, 1, 0]))
+    def call_varlen(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+                    mLSE2: cute.Tensor, mDelta: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor,
+                    mdV: cute.Tensor, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mSeqUsedQ: cute.Tensor,
+                    mSeqUsedK: cute.Tensor, max_seqlen_k: Int32, softmax_scale: Float32, window_left: Int32,
+                    window_right: Int32, stream):
+        """Varlen (varlen=True): mQ/mdO/mdQaccum (total_q, H, D), mK/mV (total_k, Hk, D), mdK/mdV (total_k, H, D),
+        mLSE2/mDelta (H, total_q + B * block_m) with sequence b's rows from cu_seqlens_q[b] + b * block_m (see
+        seqlen_info.BwdSeqlens), int32 cu_seqlens (B + 1,) and the rows each sequence uses from its start (B,),
+        max_seqlen_k at least the longest used_k. The window sizes are read only by a local kernel."""
+        self._host(mQ, mK, mV, mdO, mLSE2, mDelta, mdQaccum, mdK, mdV, softmax_scale, stream,
+                   (window_left, window_right) if cutlass.const_expr(self.local) else None,
+                   (mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, max_seqlen_k))
+
+    @cute.jit
+    def _host(self, mQ, mK, mV, mdO, mLSE2, mDelta, mdQaccum, mdK, mdV, softmax_scale, stream, window, seqs):
+        # (B, S, H, D) -> (S, D, H, B) (varlen: (T, H, D) -> (T, D, H, 1)): the first two modes are the tile,
+        # the others index the CTA.
+        (mQ, mK, mV, mdO, mdQaccum, mdK, mdV), (mLSE2, mDelta) = self.seqlens.views(
+            (mQ, mK, mV, mdO, mdQaccum, mdK, mdV), (mLSE2, mDelta))
 
         dt, D, BM, BN, stages = self.dtype, self.head_dim, self.block_m, self.block_n, self.num_stages
         K_SW128 = warpgroup.SmemLayoutAtomKind.K_SW128
@@ -294,11 +293,15 @@ class FlashBwdSm90:
         grid = (cute.ceil_div(cute.size(mK, mode=[0]), BN), cute.size(mQ, mode=[2]), cute.size(mQ, mode=[3]))
         if cutlass.const_expr(self.lpt > 0):
             grid = (grid[0] * grid[1] * grid[2], 1, 1)
+        tile_seqs = (None, None, None, None)
+        if cutlass.const_expr(seqs is not None):  # x over the longest key sequence, z over the sequences
+            grid = (cute.ceil_div(seqs[4], BN), cute.size(mQ, mode=[2]), cute.size(seqs[0], mode=[0]) - 1)
+            tile_seqs = seqs[:4]
         self.kernel(tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma, tma_do, mdO_tma, tma_lse, mLSE2_tma,
                     tma_delta, mDelta_tma, mdQaccum, tma_dq, mdQ_tma, mdK, mdV, softmax_scale * LOG2_E,
                     softmax_scale, cute.size(mQ, mode=[0]), sQ_layout, sdO_layout, sK_layout, sV_layout,
                     sdS_layout, sdQ_layout, sLSE_layout, tiled_mma_sdp, tiled_mma_dv, tiled_mma_dk,
-                    tiled_mma_dq, *(window if cutlass.const_expr(self.local) else (None, None))).launch(
+                    tiled_mma_dq, *(window if cutlass.const_expr(self.local) else (None, None)), *tile_seqs).launch(
             grid=grid, block=(self.num_threads, 1, 1), stream=stream,
             # .minnctapersm 1 pins the register count at entry (65536 / 384 threads); without it ptxas
             # may ignore setmaxnreg (C7508) and cap the consumers at 168 registers.
@@ -316,18 +319,36 @@ class FlashBwdSm90:
                sdO_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                sdS_layout: cute.ComposedLayout, sdQ_layout: cute.ComposedLayout, sLSE_layout: cute.Layout,
                tiled_mma_sdp: cute.TiledMma, tiled_mma_dv: cute.TiledMma, tiled_mma_dk: cute.TiledMma,
-               tiled_mma_dq: cute.TiledMma, window_left, window_right):
-        dt, BM, BN, stages = self.dtype, self.block_m, self.block_n, self.num_stages
+               tiled_mma_dq: cute.TiledMma, window_left, window_right, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ,
+               mSeqUsedK):
         if cutlass.const_expr(self.lpt > 0):
             lin, _, _ = cute.arch.block_idx()
-            n_block, head, batch = lpt_tile(lin, cute.ceil_div(cute.size(mK, mode=[0]), BN), cute.size(mQ, mode=[2]),
-                                            cute.size(mQ, mode=[3]), self.lpt)
+            n_block, head, batch = lpt_tile(lin, cute.ceil_div(cute.size(mK, mode=[0]), self.block_n),
+                                            cute.size(mQ, mode=[2]), cute.size(mQ, mode=[3]), self.lpt)
         else:
             n_block, head, batch = cute.arch.block_idx()
+        tile = self.seqlens.tile(batch, seqlen_q, mK, (mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK))
+        cta = (tma_q, mQ, tma_k, mK, tma_v, mV, tma_do, mdO, tma_lse, mLSE2, tma_delta, mDelta, mdQaccum, tma_dq,
+               mdQ_tma, mdK, mdV, scale_log2, softmax_scale, sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout,
+               sdQ_layout, sLSE_layout, tiled_mma_sdp, tiled_mma_dv, tiled_mma_dk, tiled_mma_dq, window_left,
+               window_right, n_block, head, tile)
+        if cutlass.const_expr(self.varlen):
+            if n_block * self.block_n < tile.seqlen_k:  # the grid covers the longest sequence's keys
+                self._cta(*cta)
+        else:
+            self._cta(*cta)
+
+    @cute.jit
+    def _cta(self, tma_q, mQ, tma_k, mK, tma_v, mV, tma_do, mdO, tma_lse, mLSE2, tma_delta, mDelta, mdQaccum,
+             tma_dq, mdQ_tma, mdK, mdV, scale_log2, softmax_scale, sQ_layout, sdO_layout, sK_layout, sV_layout,
+             sdS_layout, sdQ_layout, sLSE_layout, tiled_mma_sdp, tiled_mma_dv, tiled_mma_dk, tiled_mma_dq,
+             window_left, window_right, n_block, head, tile):
+        """One CTA's key block ``n_block`` of head ``head`` of the sequence ``tile`` (seqlen_info.TileSeqlens)."""
+        dt, BM, BN, stages = self.dtype, self.block_m, self.block_n, self.num_stages
+        seqlen_q, seqlen_k = tile.seqlen_q, tile.seqlen_k
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         head_kv = head // (cute.size(mQ, mode=[2]) // cute.size(mK, mode=[2]))  # GQA / MQA
-        seqlen_k = cute.size(mK, mode=[0])
 
         if warp_idx == 0:
             for atom in (tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta):
@@ -381,25 +402,26 @@ class FlashBwdSm90:
             if tidx == 0:
                 self._produce(tma_q, mQ, tma_k, mK, tma_v, mV, tma_do, mdO, tma_lse, mLSE2, tma_delta, mDelta,
                               sQ, sK, sV, sdO, sLSE, sDelta, kv_pipe, q_pipe, do_pipe, n_block, head, head_kv,
-                              batch, m_block_min, m_block_max)
+                              tile, m_block_min, m_block_max)
         else:
             cute.arch.setmaxregister_increase(self.CONSUMER_REGS)
             self._consume(mdQaccum, tma_dq, mdQ_tma, sdQ, mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE, sDelta, kv_pipe,
                           q_pipe, do_pipe, tiled_mma_sdp, tiled_mma_dv, tiled_mma_dk, tiled_mma_dq, scale_log2,
-                          softmax_scale, tidx - self.NUM_PRODUCER_THREADS, n_block, head, batch, seqlen_q, seqlen_k,
+                          softmax_scale, tidx - self.NUM_PRODUCER_THREADS, n_block, head, tile, seqlen_q, seqlen_k,
                           m_block_min, m_block_max, (window_left, window_right))
 
     @cute.jit
     def _produce(self, tma_q, mQ, tma_k, mK, tma_v, mV, tma_do, mdO, tma_lse, mLSE2, tma_delta, mDelta,
-                 sQ, sK, sV, sdO, sLSE, sDelta, kv_pipe, q_pipe, do_pipe, n_block, head, head_kv, batch,
+                 sQ, sK, sV, sdO, sLSE, sDelta, kv_pipe, q_pipe, do_pipe, n_block, head, head_kv, tile,
                  m_block_min, m_block_max):
         BM, BN, D = self.block_m, self.block_n, self.head_dim
-        gQ = cute.local_tile(mQ[None, None, head, batch], (BM, D), (None, 0))      # (BM, D, m)
-        gdO = cute.local_tile(mdO[None, None, head, batch], (BM, D), (None, 0))    # (BM, D, m)
-        gK = cute.local_tile(mK[None, None, head_kv, batch], (BN, D), (None, 0))   # (BN, D, n)
-        gV = cute.local_tile(mV[None, None, head_kv, batch], (BN, D), (None, 0))   # (BN, D, n)
-        gLSE = cute.local_tile(mLSE2[None, head, batch], (BM,), (None,))           # (BM, m)
-        gDelta = cute.local_tile(mDelta[None, head, batch], (BM,), (None,))        # (BM, m)
+        sl = self.seqlens
+        gQ = cute.local_tile(sl.rows(mQ, tile.q_start, head, tile), (BM, D), (None, 0))       # (BM, D, m)
+        gdO = cute.local_tile(sl.rows(mdO, tile.q_start, head, tile), (BM, D), (None, 0))     # (BM, D, m)
+        gK = cute.local_tile(sl.rows(mK, tile.k_start, head_kv, tile), (BN, D), (None, 0))    # (BN, D, n)
+        gV = cute.local_tile(sl.rows(mV, tile.k_start, head_kv, tile), (BN, D), (None, 0))    # (BN, D, n)
+        gLSE = cute.local_tile(sl.lse_rows(mLSE2, head, tile), (BM,), (None,))                # (BM, m)
+        gDelta = cute.local_tile(sl.lse_rows(mDelta, head, tile), (BM,), (None,))             # (BM, m)
         tQsQ, tQgQ = tma_tiles(tma_q, sQ, gQ)
         tdOsdO, tdOgdO = tma_tiles(tma_do, sdO, gdO)
         tKsK, tKgK = tma_tiles(tma_k, sK, gK)
@@ -430,7 +452,7 @@ class FlashBwdSm90:
     @cute.jit
     def _consume(self, mdQaccum, tma_dq, mdQ_tma, sdQ, mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE, sDelta, kv_pipe,
                  q_pipe, do_pipe, tiled_mma_sdp, tiled_mma_dv, tiled_mma_dk, tiled_mma_dq, scale_log2,
-                 softmax_scale, ctid, n_block, head, batch, seqlen_q, seqlen_k, m_block_min, m_block_max, window):
+                 softmax_scale, ctid, n_block, head, tile, seqlen_q, seqlen_k, m_block_min, m_block_max, window):
         dt, D, BM, BN = self.dtype, self.head_dim, self.block_m, self.block_n
         wg = cute.arch.make_warp_uniform(ctid // 128)
         thr_sdp = tiled_mma_sdp.get_slice(ctid)
@@ -443,23 +465,23 @@ class FlashBwdSm90:
         wg_dk = tiled_mma_dk.get_slice(wg * 128)
         wg_dq = tiled_mma_dq.get_slice(wg * 128 if cutlass.const_expr(self.dq_split) else 0)
 
-        sdSt = _transpose_view(sdS)  # (BN, BM, 2): dS^T, the accumulators' orientation
+        sdSt = transpose_view(sdS)  # (BN, BM, 2): dS^T, the accumulators' orientation
         tSrK = tiled_mma_sdp.make_fragment_A(wg_sdp.partition_A(sK))
         tSrQ = tiled_mma_sdp.make_fragment_B(wg_sdp.partition_B(sQ))
         tdPrV = tiled_mma_sdp.make_fragment_A(wg_sdp.partition_A(sV))
         tdPrdO = tiled_mma_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
-        tdVrdOt = tiled_mma_dv.make_fragment_B(wg_dv.partition_B(_transpose_view(sdO)))  # (D, BM, stages)
+        tdVrdOt = tiled_mma_dv.make_fragment_B(wg_dv.partition_B(transpose_view(sdO)))  # (D, BM, stages)
         tdKrdSt = None  # BLOCK_M = 128: dS^T's registers, below
         if cutlass.const_expr(not self.wide):
             tdKrdSt = tiled_mma_dk.make_fragment_A(wg_dk.partition_A(sdSt))             # (BN, BM, 2)
-        tdKrQt = tiled_mma_dk.make_fragment_B(wg_dk.partition_B(_transpose_view(sQ)))    # (D, BM, stages)
+        tdKrQt = tiled_mma_dk.make_fragment_B(wg_dk.partition_B(transpose_view(sQ)))    # (D, BM, stages)
         if cutlass.const_expr(self.dq_split):  # all keys; the tiled MMA picks this warpgroup's half of D
             tdQrdS = tiled_mma_dq.make_fragment_A(wg_dq.partition_A(sdS))
-            tdQrKt = tiled_mma_dq.make_fragment_B(wg_dq.partition_B(_transpose_view(sK)))
+            tdQrKt = tiled_mma_dq.make_fragment_B(wg_dq.partition_B(transpose_view(sK)))
         else:  # this warpgroup's keys: columns [64 wg, 64 wg + 64) of dS (BM, BN) and of K^T (D, BN)
             tdQrdS = tiled_mma_dq.make_fragment_A(wg_dq.partition_A(cute.local_tile(sdS, (BM, 64, 2), (0, wg, 0))))
             tdQrKt = tiled_mma_dq.make_fragment_B(
-                wg_dq.partition_B(cute.local_tile(_transpose_view(sK), (D, 64), (0, wg))))
+                wg_dq.partition_B(cute.local_tile(transpose_view(sK), (D, 64), (0, wg))))
 
         acc_S = cute.make_rmem_tensor(thr_sdp.partition_shape_C((BN, BM)), Float32)
         acc_dP = cute.make_rmem_tensor(thr_sdp.partition_shape_C((BN, BM)), Float32)
@@ -474,7 +496,8 @@ class FlashBwdSm90:
         tdQsdQ, tQRsdQ, tQRgdQ = None, None, None
         if cutlass.const_expr(self.dq_tma):
             tdQsdQ = thr_dq.partition_C(sdQ)  # (frag, BM/64, 1, 2 buffers)
-            gdQ = cute.local_tile(mdQ_tma[None, None, head, batch], (BM, D), (None, 0))  # (BM, D, m)
+            gdQ = cute.local_tile(self.seqlens.rows(mdQ_tma, tile.q_start, head, tile), (BM, D),
+                                  (None, 0))  # (BM, D, m)
             tQRsdQ, tQRgdQ = tma_tiles(tma_dq, sdQ, gdQ)
         # The S^T accumulator's values are in the order of the register A operand of m64nDk16 once its
         # BM/8 column groups are split into (2, BM/16) (the forward's P layout, checked in
@@ -528,7 +551,7 @@ class FlashBwdSm90:
                 do_pipe.consumer_release(do_state)
                 q_state.advance()
                 do_state.advance()
-                self._dq_out(mdQaccum, acc_dQ, tdQcdQ, tdQsdQ, softmax_scale, buf, m_block, head, batch, seqlen_q,
+                self._dq_out(mdQaccum, acc_dQ, tdQcdQ, tdQsdQ, softmax_scale, buf, m_block, head, tile, seqlen_q,
                              dq_repartition=(tiled_mma_dq, sdQ, ctid) if cutlass.const_expr(self.wide) else None)
                 buf = 1 - buf
         else:
@@ -583,7 +606,7 @@ class FlashBwdSm90:
                 do_pipe.consumer_release(do_state)
                 q_state.advance()
                 do_state.advance()
-                self._dq_out(mdQaccum, acc_dQ, tdQcdQ, tdQsdQ, softmax_scale, buf, m_block, head, batch, seqlen_q,
+                self._dq_out(mdQaccum, acc_dQ, tdQcdQ, tdQsdQ, softmax_scale, buf, m_block, head, tile, seqlen_q,
                              dq_repartition=(tiled_mma_dq, sdQ, ctid) if cutlass.const_expr(self.wide) else None)
                 buf = 1 - buf
             warpgroup.wait_group(0)  # the unread S^T and dP^T issued last
@@ -596,7 +619,7 @@ class FlashBwdSm90:
                     self._reduce_dq(tma_dq, tQRsdQ, tQRgdQ, 1 - buf, m_block_max - 1)
                 cute.arch.cp_async_bulk_wait_group(0)
 
-        self._epilogue(mdK, mdV, acc_dK, acc_dV, tdKcdK, softmax_scale, n_block, head, batch, seqlen_k)
+        self._epilogue(mdK, mdV, acc_dK, acc_dV, tdKcdK, softmax_scale, n_block, head, tile, seqlen_k)
 
     @cute.jit
     def _issue_sdp(self, q_pipe, do_pipe, q_state, do_state, tiled_mma_sdp, acc_S, acc_dP, tSrK, tSrQ, tdPrV,
@@ -649,43 +672,10 @@ class FlashBwdSm90:
                 else:
                     acc_S[i] = cute.math.exp2(x, fastmath=True)
         if cutlass.const_expr(self.wide):
-            self._pack_p(acc_S, rP)
+            pack_16(acc_S, rP, self.dtype)
         else:
             rP.store(acc_S.load().to(self.dtype))
         self._gemm(tiled_mma_dv, acc_dV, tdVrP, tdVrdOt, None, do_stage)  # dV += P^T dO
-
-    @cute.jit
-    def _pack_p(self, acc_S, rP):
-        """rP = acc_S in the input dtype, one cvt.rn.{bf16x2,f16x2}.f32 per pair of values into a 32-bit
-        word (value 2k in the low half, 2k + 1 in the high half, the order of the 16-bit view). Written
-        out because rP is read back value by value (_unpack_p): left to LLVM, the pairs are then
-        converted one value at a time (F2F, on the pipe of the exponentials, and a PRMT to pack)."""
-        op = "cvt.rn.bf16x2.f32 $0, $2, $1;" if cutlass.const_expr(self.dtype == cutlass.BFloat16) else \
-            "cvt.rn.f16x2.f32 $0, $2, $1;"
-        rP32 = cute.recast_tensor(rP, Int32)
-        for k in cutlass.range_constexpr(cute.size(rP32)):
-            rP32[k] = Int32(llvm.inline_asm(T.i32(), [Float32(acc_S[2 * k]).ir_value(),
-                                                      Float32(acc_S[2 * k + 1]).ir_value()],
-                                            op, "=r,f,f", has_side_effects=False, is_align_stack=False,
-                                            asm_dialect=llvm.AsmDialect.AD_ATT))
-
-    @cute.jit
-    def _unpack_p(self, rP, acc):
-        """acc = the 16-bit values of rP in fp32 (exact). bf16 is the high half of an fp32: a shift or a
-        mask of the packed word, no conversion instruction."""
-        rP32 = cute.recast_tensor(rP, Int32)
-        if cutlass.const_expr(self.dtype == cutlass.BFloat16):
-            acc32 = cute.recast_tensor(acc, Int32)
-            for k in cutlass.range_constexpr(cute.size(rP32)):
-                acc32[2 * k] = rP32[k] << 16
-                acc32[2 * k + 1] = rP32[k] & Int32(-65536)
-        else:
-            for k in cutlass.range_constexpr(cute.size(rP32)):
-                for h in cutlass.range_constexpr(2):
-                    acc[2 * k + h] = Float32(llvm.inline_asm(
-                        T.f32(), [Int32(rP32[k]).ir_value()],
-                        f"{{ .reg .b16 lo, hi; mov.b32 {{lo, hi}}, $1; cvt.f32.f16 $0, {('lo', 'hi')[h]}; }}",
-                        "=f,r", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
     @cute.jit
     def _ds_dk_dq(self, acc_S, acc_dP, tScS, rdS, thr_sdp, sdSt, sDelta, tiled_mma_dk, acc_dK, tdKrdSt, tdKrQt,
@@ -701,7 +691,7 @@ class FlashBwdSm90:
             # live (224 + addresses and indices > 240: with the fp32 S^T kept for dS^T, ptxas serialises
             # the WGMMAs, C7512). dS^T then carries P's 16-bit rounding (relative 2^-9 for bf16, 2^-12
             # for fp16), no more than its own rounding to 16 bits below.
-            self._unpack_p(rP, acc_S)
+            unpack_16(rP, acc_S, self.dtype)
         for i in cutlass.range(cute.size(acc_dP), unroll_full=True):
             acc_dP[i] = acc_S[i] * (acc_dP[i] - sDelta[tScS[i][1], do_stage])
         rdS.store(acc_dP.load().to(self.dtype))
@@ -734,7 +724,7 @@ class FlashBwdSm90:
         self._gemm(tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, buf, None, zero_init=True)  # dQ = dS K
 
     @cute.jit
-    def _dq_out(self, mdQaccum, acc_dQ, tdQcdQ, tdQsdQ, softmax_scale, buf, m_block, head, batch, seqlen_q,
+    def _dq_out(self, mdQaccum, acc_dQ, tdQcdQ, tdQsdQ, softmax_scale, buf, m_block, head, tile, seqlen_q,
                 dq_repartition=None):
         """The finished dQ partial of m_block: red.global.add into dq_accum, or with dq_tma scaled into
         the shared dQ tile buf (added by TMA after the next dS barrier). dq_repartition (tiled_mma_dq,
@@ -748,7 +738,7 @@ class FlashBwdSm90:
             # Made visible to the TMA (async proxy) by the next block's dS fence, before its barrier.
             cute.autovec_copy(acc_dQ, tdQsdQ[None, None, None, buf])
         else:
-            self._atomic_add_dq(mdQaccum, acc_dQ, tdQcdQ, softmax_scale, m_block, head, batch, seqlen_q)
+            self._atomic_add_dq(mdQaccum, acc_dQ, tdQcdQ, softmax_scale, m_block, head, tile, seqlen_q)
 
     @cute.jit
     def _gemm(self, tiled_mma, acc, tArA, tBrB, a_stage, b_stage, zero_init=False):
@@ -771,12 +761,12 @@ class FlashBwdSm90:
         cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit
-    def _atomic_add_dq(self, mdQaccum, acc_dQ, tdQcdQ, softmax_scale, m_block, head, batch, seqlen_q):
+    def _atomic_add_dq(self, mdQaccum, acc_dQ, tdQcdQ, softmax_scale, m_block, head, tile, seqlen_q):
         """dq_accum[rows of this block] += softmax_scale * dS K (this warpgroup's part; fp32
         red.global.add: other key blocks' CTAs add into the same rows concurrently, so the order and
         hence the rounding vary run to run). Scaling here leaves the host a plain cast."""
         BM = self.block_m
-        gdQ = mdQaccum[None, None, head, batch]  # (Sq, D)
+        gdQ = self.seqlens.rows(mdQaccum, tile.q_start, head, tile)  # (Sq, D)
         # Accumulator values 2 i and 2 i + 1 are columns c, c + 1 of one row (m64nNk16 C layout: value
         # index c + 2 r + 4 j; tests/cute/test_cute_bwd.py checks it), 8-byte aligned: c is even and rows are
         # D * 4 bytes apart.
@@ -784,14 +774,14 @@ class FlashBwdSm90:
             row = m_block * BM + tdQcdQ[2 * i][0]
             if row < seqlen_q:
                 ptr = gdQ.iterator + cute.crd2idx((row, tdQcdQ[2 * i][1]), gdQ.layout)
-                _red_add_f32x2(ptr, acc_dQ[2 * i] * softmax_scale, acc_dQ[2 * i + 1] * softmax_scale)
+                red_add_f32x2(ptr, acc_dQ[2 * i] * softmax_scale, acc_dQ[2 * i + 1] * softmax_scale)
 
     @cute.jit
-    def _epilogue(self, mdK, mdV, acc_dK, acc_dV, tdKcdK, softmax_scale, n_block, head, batch, seqlen_k):
+    def _epilogue(self, mdK, mdV, acc_dK, acc_dV, tdKcdK, softmax_scale, n_block, head, tile, seqlen_k):
         """dK = scale * dS^T Q (the scale of S = scale * Q K^T), dV as accumulated; rows past Sk dropped."""
         dt, BN = self.dtype, self.block_n
-        gdK = mdK[None, None, head, batch]  # (Sk, D)
-        gdV = mdV[None, None, head, batch]
+        gdK = self.seqlens.rows(mdK, tile.k_start, head, tile)  # (Sk, D)
+        gdV = self.seqlens.rows(mdV, tile.k_start, head, tile)
         for i in cutlass.range(cute.size(acc_dK), unroll_full=True):
             row = n_block * BN + tdKcdK[i][0]
             if row < seqlen_k:

@@ -335,12 +335,12 @@ def _varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=Non
         used_pages = torch.arange(page_table.shape[1], device=q.device) < ((seqused_k + page_size - 1)
                                                                           // page_size).view(-1, 1)
         pages_bad = (((page_table < 0) | (page_table >= num_pages)) & used_pages).sum()
-    # the split rule and the cap on num_splits need the longest sequence's key count
+    # the split rule, the cap on num_splits and the backward's grid need the longest sequence's key count
     choose = (splits > 1 or num_splits <= 0) and not settings.disabled("split")
-    keys_max = ((seqused_k if seqused_k is not None else lens_k).max() if batch else zero,) if choose else ()
-    first_q, down_q, last_q, max_q, first_k, down_k, last_k, used_bad, used_q_bad, pages_bad, *max_k = torch.stack([
+    keys_max = (seqused_k if seqused_k is not None else lens_k).max() if batch else zero
+    first_q, down_q, last_q, max_q, first_k, down_k, last_k, used_bad, used_q_bad, pages_bad, max_k = torch.stack([
         cu_seqlens_q[0], (lens_q < 0).sum(), cu_seqlens_q[-1], lens_q.max() if batch else zero,
-        cu_k_check[0], (lens_k < 0).sum(), cu_k_check[-1], used_bad, used_q_bad, pages_bad, *keys_max]).tolist()
+        cu_k_check[0], (lens_k < 0).sum(), cu_k_check[-1], used_bad, used_q_bad, pages_bad, keys_max]).tolist()
     for name, first, down, last, total in (("cu_seqlens_q", first_q, down_q, last_q, Tq),
                                             ("cu_seqlens_k", first_k, down_k, last_k, Tk)):
         if first != 0 or down or last > total:
@@ -372,9 +372,9 @@ def _varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=Non
     if _autograd.needs_grad(q, k, v, learnable_sink):
         if paged:
             raise NotImplementedError("gradients with page_table (paged K / V is a forward-only path)")
-        if max_seqlen_k is None:
-            max_seqlen_k = int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max()) if batch else 0
-        varlen = (cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), seqused_q, seqused_k)
+        # the backward's grid covers the longest used key count, whatever max_seqlen_k says
+        varlen = (cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), max(max_k, int(max_seqlen_k or 0)), seqused_q,
+                  seqused_k)
         if sink is None and seqused_q is None and seqused_k is None:
             res = _autograd.with_fallback_backward(q, k, v, softmax_scale, causal, window_left, window_right, softcap,
                                                    varlen, deterministic=deterministic)
@@ -387,7 +387,7 @@ def _varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=Non
     if choose:
         rows = _RULE_BLOCK_M // pack
         splits = _split_count(num_splits, batch * (Hk if pack > 1 else H) * -(-int(max_seqlen_q) // rows),
-                              _visible_keys(max_k[0], rows, window_left, 0 if causal else window_right), q)
+                              _visible_keys(max_k, rows, window_left, 0 if causal else window_right), q)
     if seqused_q is not None:
         cu_seqlens_q, keys, seqused_k = _split_unused_q(cu_seqlens_q, page_table if paged else cu_seqlens_k,
                                                         seqused_q, seqused_k, paged)

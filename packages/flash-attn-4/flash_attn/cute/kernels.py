@@ -19,7 +19,7 @@ from flash_attn.cute.plan import _sm_counts
 
 _kernels: dict[tuple, object] = {}  # (dtype, head dim, causal, arch, local, softcap[, True][, "sink"]...) -> fn
 _origins: dict[tuple, str] = {}  # same key -> "so" / "o" (loaded from disk), "compiled" or "compiled-dlpack"
-_bwd_kernels: dict[tuple, object] = {}  # (torch dtype, head dim, causal, arch[, "local"]) -> callable
+_bwd_kernels: dict[tuple, object] = {}  # bwd_mem_key(...) -> callable
 _have_tvm_ffi: list = []
 
 
@@ -51,9 +51,9 @@ def fwd_config(dtype, head_dim, causal, arch="sm_90a", local=False, softcap=Fals
                                         pack, dv, paged, split), _abi())
 
 
-def bwd_config(dtype, head_dim, causal, arch="sm_90a", local=False):
+def bwd_config(dtype, head_dim, causal, arch="sm_90a", local=False, varlen=False):
     """The config.BwdConfig of a backward call."""
-    return config.select_bwd(dtype, head_dim, causal, arch, _abi(), local)
+    return config.select_bwd(dtype, head_dim, causal, arch, _abi(), local, varlen)
 
 
 def _make_kernel(cfg):
@@ -254,11 +254,12 @@ def bwd_disk_entry(dtype, head_dim, causal, arch="sm_90a", root=None):
     return cache.DiskCache(root).files(name, key)
 
 
-def load_or_build_bwd(dtype, head_dim, causal, arch="sm_90a", root=None, force=False, local=False):
+def load_or_build_bwd(dtype, head_dim, causal, arch="sm_90a", root=None, force=False, local=False, varlen=False):
     """load_or_build for the backward kernel: (callable, origin), from the disk cache ``root`` or compiled
     and written there."""
-    return _load_or_build_entry(_bwd_entry(dtype, head_dim, causal, arch, local),
-                                lambda: compile_bwd(dtype, head_dim, causal, arch, local=local), root, force)
+    return _load_or_build_entry(_bwd_entry(dtype, head_dim, causal, arch, local, varlen),
+                                lambda: compile_bwd(dtype, head_dim, causal, arch, local=local, varlen=varlen), root,
+                                force)
 
 
 def load_or_build(dtype, head_dim, causal, arch="sm_90a", root=None, force=False, local=False, softcap=False,
@@ -357,32 +358,40 @@ def fwd_kernel(dtype, head_dim, causal, arch="sm_90a", local=False, softcap=Fals
 
 
 
-def compile_bwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=False):
+def compile_bwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=False, varlen=False):
     """Compile the backward kernel for ``dtype`` (torch.float16 / torch.bfloat16), ``head_dim`` (64 / 128)
     and ``causal`` for ``arch``; no GPU needed. ``dump_dir``: an existing folder that receives the PTX
     and cubin. With apache-tvm-ffi the call is ``(q, k, v, dout, lse2, delta, dq_accum, dk, dv,
     softmax_scale)`` on torch tensors (see FlashBwdSm90.__call__; ``backward`` prepares them), and with
-    ``local`` (a sliding window) ``window_left, window_right`` (sizes >= 0) after softmax_scale."""
+    ``local`` (a sliding window) ``window_left, window_right`` (sizes >= 0) after softmax_scale. ``varlen``:
+    FlashBwdSm90.call_varlen's ``(q, k, v, dout, lse2, delta, dq_accum, dk, dv, cu_seqlens_q, cu_seqlens_k,
+    seqused_q, seqused_k, max_seqlen_k, softmax_scale, window_left, window_right)`` (``backward_varlen``)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_tensor
 
     from flash_attn.cute.flash_bwd_sm90 import FlashBwdSm90
 
-    cfg = bwd_config(dtype, head_dim, causal, arch, local)
+    cfg = bwd_config(dtype, head_dim, causal, arch, local, varlen)
     kernel = FlashBwdSm90(_cutlass_dtype(dtype), int(head_dim), bool(causal), block_m=cfg.block_m,
                           num_stages=cfg.stages, dq_split=cfg.dq_split, dq_tma=cfg.dq_tma, overlap=cfg.overlap,
-                          lpt=cfg.lpt, exp2_emu=cfg.exp2_emu, exp2_emu_degree=cfg.exp2_emu_degree, local=cfg.local)
+                          lpt=cfg.lpt, exp2_emu=cfg.exp2_emu, exp2_emu_degree=cfg.exp2_emu_degree, local=cfg.local,
+                          varlen=cfg.varlen)
     D = kernel.head_dim
     # 32-bit symbolic shapes and strides, as in compile_fwd (backward() keeps tensors below 2^31 elements).
     batch, seqlen_q, seqlen_k, heads, heads_kv, seqlen_q_pad = (cute.sym_int() for _ in range(6))
 
-    def bshd(dt, seqlen, h):
+    def bshd(dt, seqlen, h):  # (B, S, H, D); varlen: packed (T, H, D)
+        if varlen:
+            return make_fake_tensor(dt, (seqlen, h, D), (cute.sym_int(divisibility=8), D, 1), assumed_align=16)
         return make_fake_tensor(dt, (batch, seqlen, h, D),
                                 (cute.sym_int(divisibility=8), cute.sym_int(divisibility=8), D, 1),
                                 assumed_align=16)
 
-    def rows():  # lse2 / delta (B, H, Sq_pad) fp32: TMA needs 16-byte aligned rows
+    def rows():  # lse2 / delta (B, H, Sq_pad) fp32 (varlen: (H, T_pad)): TMA needs 16-byte aligned rows
+        if varlen:
+            return make_fake_tensor(cutlass.Float32, (heads, seqlen_q_pad), (cute.sym_int(divisibility=4), 1),
+                                    assumed_align=16)
         return make_fake_tensor(cutlass.Float32, (batch, heads, seqlen_q_pad),
                                 (cute.sym_int(divisibility=4), cute.sym_int(divisibility=4), 1), assumed_align=16)
 
@@ -395,18 +404,24 @@ def compile_bwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=Fal
     tensors = (bshd(dt, seqlen_q, heads), bshd(dt, seqlen_k, heads_kv), bshd(dt, seqlen_k, heads_kv),
                bshd(dt, seqlen_q, heads), rows(), rows(), bshd(cutlass.Float32, seqlen_q, heads),
                bshd(dt, seqlen_k, heads), bshd(dt, seqlen_k, heads))
+    if varlen:
+        seqs = cute.sym_int()
+        cu = [make_fake_tensor(cutlass.Int32, (seqs,), (1,), assumed_align=4) for _ in range(2)]
+        used = [make_fake_tensor(cutlass.Int32, (cute.sym_int(),), (1,), assumed_align=4) for _ in range(2)]
+        return cute.compile(kernel.call_varlen, *tensors, *cu, *used, cutlass.Int32(1), cutlass.Float32(1.0),
+                            cutlass.Int32(0), cutlass.Int32(0), stream, options=options)
     if local:
         return cute.compile(kernel.call_local, *tensors, cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0),
                             stream, options=options)
     return cute.compile(kernel, *tensors, cutlass.Float32(1.0), stream, options=options)
 
 
-def _bwd_entry(dtype, head_dim, causal, arch, local=False):
-    cfg = bwd_config(dtype, head_dim, causal, arch, local)
+def _bwd_entry(dtype, head_dim, causal, arch, local=False, varlen=False):
+    cfg = bwd_config(dtype, head_dim, causal, arch, local, varlen)
     config = cfg.key()
     key = cache.entry_key(config)
     name = (f"bwd-{arch}-{cfg.dtype}-d{cfg.head_dim}-{'causal' if causal else 'full'}{'-local' if local else ''}"
-            f"-{key[:16]}")
+            f"{'-varlen' if varlen else ''}-{key[:16]}")
     return config, key, name, f"flash_attn_cute_{key[:16]}"
 
 
@@ -419,28 +434,38 @@ def _bwd_dlpack_launcher(compiled):
     def as_cute(t, align):
         return from_dlpack(t.detach(), assumed_align=align).mark_layout_dynamic(leading_dim=t.dim() - 1)
 
-    def launch(q, k, v, dout, lse2, delta, dq_accum, dk, dv, softmax_scale, *window):
+    def launch(q, k, v, dout, lse2, delta, dq_accum, dk, dv, *args):
+        seqs = ()
+        if isinstance(args[0], torch.Tensor):  # varlen: cu_seqlens_q / _k, seqused_q / _k, max_seqlen_k
+            seqs = tuple(as_cute(t, 4) for t in args[:4]) + (cutlass.Int32(args[4]),)
+            args = args[5:]
+        softmax_scale, *window = args
         with torch.cuda.device(q.device):
             stream = driver.CUstream(torch.cuda.current_stream().cuda_stream)
-            compiled(*(as_cute(t, 16) for t in (q, k, v, dout, lse2, delta, dq_accum, dk, dv)),
+            compiled(*(as_cute(t, 16) for t in (q, k, v, dout, lse2, delta, dq_accum, dk, dv)), *seqs,
                      cutlass.Float32(softmax_scale), *(cutlass.Int32(w) for w in window), stream)
 
     return launch
 
 
-def bwd_kernel(dtype, head_dim, causal, arch="sm_90a", local=False):
-    """The backward kernel for (dtype, head dim, causal, arch, local): from memory, else the disk cache, else
+def bwd_kernel(dtype, head_dim, causal, arch="sm_90a", local=False, varlen=False):
+    """The backward kernel for (dtype, head dim, causal, arch, local, varlen): from memory, else the disk cache, else
     compiled and written there (as fwd_kernel)."""
-    mem_key = (dtype, int(head_dim), bool(causal), arch) + (("local",) if local else ())
+    mem_key = bwd_mem_key(dtype, head_dim, causal, arch, local, varlen)
     fn = _bwd_kernels.get(mem_key)
     if fn is None:
         with cache._lock:
             fn = _bwd_kernels.get(mem_key)
             if fn is None:
                 if not _tvm_ffi():
-                    fn = _bwd_dlpack_launcher(compile_bwd(dtype, head_dim, causal, arch, local=local))
+                    fn = _bwd_dlpack_launcher(compile_bwd(dtype, head_dim, causal, arch, local=local, varlen=varlen))
                 else:
-                    fn, _ = load_or_build_bwd(dtype, head_dim, causal, arch, cache.cache_dir(), local=local)
+                    fn, _ = load_or_build_bwd(dtype, head_dim, causal, arch, cache.cache_dir(), local=local,
+                                              varlen=varlen)
                 _bwd_kernels[mem_key] = fn
     return fn
 
+
+def bwd_mem_key(dtype, head_dim, causal, arch, local=False, varlen=False):
+    """_bwd_kernels' key of a backward kernel."""
+    return (dtype, int(head_dim), bool(causal), arch) + (("local",) if local else ()) + (("varlen",) if varlen else ())

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from flash_attn.cute.kernels import _bwd_kernels, _kernels, bwd_config, bwd_kernel, fwd_kernel
+from flash_attn.cute.kernels import _bwd_kernels, _kernels, bwd_config, bwd_kernel, bwd_mem_key, fwd_kernel
 from flash_attn.cute.plan import _UNBOUNDED, _length_kernel, _window_args
 
 _F32 = torch.float32
@@ -24,6 +24,13 @@ def _kernel_layout(t, D):
     if s[3] != 1 or s[2] != D or s[1] % 8 or s[0] % 8 or t.data_ptr() % 16:
         t = t.clone(memory_format=torch.contiguous_format)
     return t
+
+
+def _packed_layout(t):
+    # The varlen kernels' (T, H, D) tensors: rows 16-byte aligned, head dim contiguous, heads D apart.
+    if t.stride(1) == t.shape[2] and t.stride(2) == 1 and t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def _device_arch(q, k, v):
@@ -206,14 +213,11 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
     Dv = v.shape[-1]
     if max(q.numel(), k.numel(), v.numel(), Tq * H * Dv) >= _MAX_ELEMS:
         raise NotImplementedError("flash_attn.cute's varlen kernel handles q, k, v of < 2^31 elements")
-    # rows 16-byte aligned, head dim contiguous, heads D (v: Dv) apart (paged k / v: the dense kernel's layout)
-    q = q if q.stride(1) == D and q.stride(2) == 1 and q.stride(0) % 8 == 0 and q.data_ptr() % 16 == 0 else \
-        q.clone(memory_format=torch.contiguous_format)
-    if page_table is not None:
+    q = _packed_layout(q)
+    if page_table is not None:  # paged k / v: the dense kernel's layout
         k, v = _kernel_layout(k, D), _kernel_layout(v, Dv)
     else:
-        k, v = (t if t.stride(1) == t.shape[2] and t.stride(2) == 1 and t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0
-                else t.clone(memory_format=torch.contiguous_format) for t in (k, v))
+        k, v = _packed_layout(k), _packed_layout(v)
     out = (torch.zeros if fill_unused_rows else torch.empty)((Tq, H, Dv), dtype=q.dtype, device=q.device)
     lse = torch.full((H, Tq), math.inf, dtype=torch.float32, device=q.device) if fill_unused_rows else \
         torch.empty((H, Tq), dtype=torch.float32, device=q.device)
@@ -313,8 +317,7 @@ def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grad
     if per_batch >= _MAX_ELEMS:
         raise NotImplementedError(
             f"one batch entry of q/k/v holds {per_batch} elements; flash_attn.cute's backward handles < 2^31")
-    fn = (_bwd_kernels.get((dtype, D, bool(causal), arch) + (("local",) if local else ()))
-          or bwd_kernel(dtype, D, causal, arch, local))
+    fn = _bwd_kernels.get(bwd_mem_key(dtype, D, causal, arch, local)) or bwd_kernel(dtype, D, causal, arch, local)
     window_args = tuple(int(w) for w in window) if local else ()
 
     from flash_attn.cute import bwd_host  # imports Triton when installed: not at this module's import
@@ -347,3 +350,59 @@ def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grad
     (bwd_host.finish if host else bwd_host.finish_torch)(dq_accum, dq, *((dk_h, dv_h, dk, dv) if sums else ()))
     return dq, dk, dv
 
+
+
+def backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+                    max_seqlen_k, softmax_scale, causal, arch="sm_90a", grads=None, dlse=None, window=None):
+    """The varlen backward on validated CUDA inputs: q/out/dout (Tq, H, D), k/v (Tk, Hk, D), lse (and dlse) fp32
+    (H, Tq), int32 cu_seqlens (B + 1,), seqused_q / seqused_k None or int32 (B,) (the rows each sequence uses from
+    its start; None: all of them), max_seqlen_q / max_seqlen_k at least every sequence's used lengths (the grid is
+    sized by them). Rows outside every used range get zero gradients. Otherwise as ``backward`` (the same kernel
+    built with varlen=True, FlashBwdSm90.call_varlen; one launch for at most _MAX_GRID_Z sequences)."""
+    Tq, H, D = q.shape
+    Tk, Hk = k.shape[0], k.shape[1]
+    batch = cu_seqlens_q.shape[0] - 1
+    dtype = q.dtype
+    dq_out, dk_out, dv_out = grads if grads is not None else (None, None, None)
+    if batch == 0 or Tq * H == 0 or Tk == 0 or max_seqlen_q <= 0 or max_seqlen_k <= 0:
+        zeros = [torch.zeros_like(t) if g is None else g.zero_() for t, g in zip((q, k, v), (dq_out, dk_out, dv_out))]
+        return tuple(zeros)
+    if max(Tq, Tk) * H * D >= _MAX_ELEMS or batch > _MAX_GRID_Z:
+        raise NotImplementedError(f"flash_attn.cute's varlen backward handles q, k, v (and per-query-head dk, dv) of "
+                                  f"< 2^31 elements and at most {_MAX_GRID_Z} sequences")
+    local = window is not None
+    block_m = bwd_config(dtype, D, causal, arch, local, varlen=True).block_m
+    fn = _bwd_kernels.get(bwd_mem_key(dtype, D, causal, arch, local, True)) or bwd_kernel(dtype, D, causal, arch,
+                                                                                         local, varlen=True)
+    used_q = seqused_q.contiguous() if seqused_q is not None else cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    used_k = seqused_k.contiguous() if seqused_k is not None else cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+
+    from flash_attn.cute import bwd_host
+
+    q, k, v, dout = (_packed_layout(t) for t in (q, k, v, dout))
+    triton_host = bwd_host.use_triton(q)
+    lse2, delta, dq_accum = (bwd_host.prepare_varlen if triton_host else bwd_host.prepare_varlen_torch)(
+        out, dout, lse, cu_seqlens_q, used_q, max_seqlen_q, block_m, dlse)
+    # The kernel writes the used rows of each sequence only: the others must read 0.
+    if H == Hk and (dk_out is None or (_packed_out(dk_out) and _packed_out(dv_out))):
+        dk_h = dk_out.zero_() if dk_out is not None else torch.zeros((Tk, H, D), dtype=dtype, device=q.device)
+        dv_h = dv_out.zero_() if dv_out is not None else torch.zeros((Tk, H, D), dtype=dtype, device=q.device)
+        dk, dv, sums = dk_h, dv_h, False
+    else:  # per-query-head dK/dV from the kernel, summed over each group (or copied) after it
+        dk_h = torch.zeros((Tk, H, D), dtype=dtype, device=q.device)
+        dv_h = torch.zeros((Tk, H, D), dtype=dtype, device=q.device)
+        dk = dk_out if dk_out is not None else torch.empty((Tk, Hk, D), dtype=dtype, device=q.device)
+        dv = dv_out if dv_out is not None else torch.empty((Tk, Hk, D), dtype=dtype, device=q.device)
+        sums = True
+    window_args = tuple(int(w) for w in window) if local else (0, 0)
+    fn(q, k, v, dout, lse2, delta, dq_accum, dk_h, dv_h, cu_seqlens_q, cu_seqlens_k, used_q, used_k,
+       int(max_seqlen_k), float(softmax_scale), *window_args)
+    dq = dq_out if dq_out is not None else torch.empty((Tq, H, D), dtype=dtype, device=q.device)
+    kv = (dk_h[None], dv_h[None], dk[None], dv[None]) if sums else ()
+    (bwd_host.finish if triton_host else bwd_host.finish_torch)(dq_accum[None], dq[None], *kv)
+    return dq, dk, dv
+
+
+def _packed_out(t):
+    # What the varlen kernel accepts for dk / dv: _packed_layout's rules.
+    return t.stride(1) == t.shape[2] and t.stride(2) == 1 and t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0

@@ -106,3 +106,60 @@ class SeqlenInfo:
             return TileSeqlens(batch, Int32(0), Int32(0), cute.size(mQ, mode=[0]), cute.size(mK, mode=[0]),
                                split=(z // batches, num_splits, z))
         return TileSeqlens(z, Int32(0), Int32(0), cute.size(mQ, mode=[0]), cute.size(mK, mode=[0]))
+
+
+class BwdSeqlens:
+    """The backward kernel's SeqlenInfo: its host views and where grid z's sequence is. Dense: batch entry z,
+    every sequence Sq x Sk. Varlen: sequence z is the used_q[z] rows from cu_seqlens_q[z] of packed Q, dO, dQ and
+    its keys the used_k[z] rows from cu_seqlens_k[z] of packed K, V, dK, dV (batch index 0 of views with one
+    batch entry); its lse2 / delta rows start at cu_seqlens_q[z] + z * block_m, the host having padded each
+    sequence to a multiple of block_m (+inf / 0: the padded queries contribute nothing). A tile that runs past
+    its sequence reads the next one's rows (finite values, which the +inf lse2 and the key mask zero out) and adds
+    nothing to them: its dQ rows past the sequence are exact zeros, its dK / dV rows are not stored."""
+
+    def __init__(self, varlen, block_m):
+        self.varlen = varlen
+        self.block_m = block_m
+
+    def views(self, rows, lse_rows):
+        """Host side: (S, D, H, B) views of the (B, S, H, D) tensors ``rows`` (varlen: (T, H, D), one batch entry)
+        and (S, H, B) views of the (B, H, S) fp32 rows ``lse_rows`` (varlen: (H, T_pad)); the first modes are the
+        tile, the others index the CTA."""
+        if cutlass.const_expr(self.varlen):
+            unit = cute.make_layout(1)
+            rows = [cute.make_tensor(t.iterator, cute.append(cute.select(t.layout, mode=[0, 2, 1]), unit))
+                    for t in rows]
+            lse_rows = [cute.make_tensor(t.iterator, cute.append(cute.select(t.layout, mode=[1, 0]), unit))
+                        for t in lse_rows]
+        else:
+            rows = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0])) for t in rows]
+            lse_rows = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0])) for t in lse_rows]
+        return rows, lse_rows
+
+    def tile(self, z, seqlen_q, mK, seqs):
+        """Device side: grid z's sequence (a TileSeqlens with ``lse_start``); seqs = (cu_seqlens_q, cu_seqlens_k,
+        used_q, used_k) for varlen, dense seqlen_q and mK's rows otherwise."""
+        if cutlass.const_expr(self.varlen):
+            cu_q, cu_k, used_q, used_k = seqs
+            q_start = cu_q[z]
+            tile = TileSeqlens(Int32(0), q_start, cu_k[z], used_q[z], used_k[z], sequence=z)
+            tile.lse_start = q_start + z * self.block_m
+        else:
+            tile = TileSeqlens(z, Int32(0), Int32(0), seqlen_q, cute.size(mK, mode=[0]))
+            tile.lse_start = Int32(0)
+        return tile
+
+    def rows(self, t, start, head, tile):
+        """The 2-D (rows, D) view of head ``head`` of the sequence's rows of ``t`` ((S, D, H, B); TMA
+        coordinate tensors too), row 0 at ``start`` (its q_start / k_start) for varlen."""
+        v = t[None, None, head, tile.batch]
+        if cutlass.const_expr(self.varlen):
+            v = cute.domain_offset((start, 0), v)
+        return v
+
+    def lse_rows(self, t, head, tile):
+        """The sequence's lse2 / delta rows of head ``head`` ((S_pad, H, B) view)."""
+        v = t[None, head, tile.batch]
+        if cutlass.const_expr(self.varlen):
+            v = cute.domain_offset((tile.lse_start,), v)
+        return v
