@@ -263,3 +263,110 @@ def test_strided_and_meta_logits():
     torch.testing.assert_close(cross_entropy_loss(t, labels)[0], cross_entropy_loss(logits, labels)[0])
     losses, z = cross_entropy_loss(logits.to("meta"), labels.to("meta"))
     assert losses.device.type == "meta" and z.device.type == "meta" and losses.dtype == torch.float32
+
+
+class _OwnGroup(_ThreadGroup):
+    """A thread group whose collectives take only the group itself: a call on the default group (None) fails here,
+    as on a real job it would reach the ranks of another group."""
+
+    def rank(self, group=None):
+        assert group is self, group
+        return super().rank(group)
+
+    def size(self, group=None):
+        assert group is self, group
+        return super().size(group)
+
+    def all_gather(self, out, t, group=None):
+        assert group is self, group
+        super().all_gather(out, t, group)
+
+    def all_reduce(self, t, op=None, group=None):
+        assert group is self, group
+        super().all_reduce(t, op, group)
+
+
+def test_module_vocab_parallel_uses_its_process_group(monkeypatch):
+    import threading
+
+    pg = _OwnGroup(2)
+    monkeypatch.setattr(torch.distributed, "get_rank", pg.rank)
+    monkeypatch.setattr(torch.distributed, "get_world_size", pg.size)
+    monkeypatch.setattr(torch.distributed, "all_gather", pg.all_gather)
+    monkeypatch.setattr(torch.distributed, "all_reduce", pg.all_reduce)
+    logits, labels = _data(rows=5, vocab=12)
+    labels[2], labels[3] = 1, 9  # one label on each shard
+    results, errors = [None, None], []
+
+    def rank_main(rank):
+        try:
+            pg.local.rank = rank
+            with flash_attn.use_backend("torch"):
+                x = logits[:, rank * 6:(rank + 1) * 6].clone().requires_grad_()
+                loss = CrossEntropyLoss(reduction="none", lse_square_scale=0.01, process_group=pg)(x, labels)
+                (dx,) = torch.autograd.grad(loss.sum(), x)
+            results[rank] = (loss.detach(), dx)
+        except BaseException as e:  # reported by the main thread
+            errors.append(e)
+            pg.barrier.abort()
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    x = logits.clone().requires_grad_()
+    valid = labels != -100
+    ref = torch.where(valid, F.cross_entropy(x, labels, reduction="none") + 0.01 * torch.logsumexp(x, -1).square(), 0.0)
+    (dref,) = torch.autograd.grad(ref.sum(), x)
+    for rank, (loss, dx) in enumerate(results):
+        torch.testing.assert_close(loss, ref.detach())
+        torch.testing.assert_close(dx, dref[:, rank * 6:(rank + 1) * 6])
+
+
+def test_precomputed_lse_with_a_process_group_is_refused():
+    logits, labels = _data()
+    with pytest.raises(NotImplementedError, match=r"^precomputed_lse is supported without label_smoothing and "
+                                                  r"process_group$"):
+        cross_entropy_loss(logits, labels, precomputed_lse=torch.zeros(6), process_group=object())
+
+
+def test_autograd_function_defaults_are_the_functions():
+    """CrossEntropyLossFn.apply(logits, labels) (FA2's autograd class) takes cross_entropy_loss's defaults: no
+    smoothing, scale 1, no z-loss, ignore_index -100, and the logits left as they are by the backward."""
+    logits, labels = _data()
+    y = logits.clone().requires_grad_() * 1.0
+    losses, z = ce.CrossEntropyLossFn.apply(y, labels)
+    ref = torch.where(labels != -100, F.cross_entropy(logits, labels, reduction="none"), 0.0)
+    torch.testing.assert_close(losses, ref)
+    assert not z.any()
+    losses.sum().backward()
+    torch.testing.assert_close(y.detach(), logits)
+    y2 = logits.clone().requires_grad_() * 1.0
+    cross_entropy_loss(y2, labels)[0].sum().backward()
+    torch.testing.assert_close(y2.detach(), logits)  # the function's default: not in place either
+
+
+def test_inplace_backward_writes_over_row_strided_logits():
+    # Rows padded to 16 columns (stride(-1) == 1): the gradient goes over the logits' own storage, not a copy.
+    logits, labels = _data()
+    ref = logits.clone().requires_grad_()
+    F.cross_entropy(ref, labels, reduction="sum").backward()
+    base = torch.zeros(6, 16)
+    base[:, :10] = logits
+    y = (base.requires_grad_() * 1.0)[:, :10]
+    assert y.stride() == (16, 1)
+    CrossEntropyLoss(reduction="sum", inplace_backward=True)(y, labels).backward()
+    torch.testing.assert_close(y.detach(), ref.grad)
+    torch.testing.assert_close(base.grad[:, :10], ref.grad)
+
+
+def test_aligned_labels_pass_through_and_unaligned_ones_are_copied():
+    # The Triton launch reads int64 labels at 16-byte alignment: a view 8 bytes into its storage is copied.
+    for n in (9, 17, 33, 65, 129):
+        labels = torch.arange(n)
+        assert labels.data_ptr() % 16 == 0 and ce._aligned(labels) is labels
+        view = labels[1:]
+        got = ce._aligned(view)
+        assert got.data_ptr() % 16 == 0 and torch.equal(got, view)
