@@ -3,9 +3,10 @@
 Serves forward calls on Hopper (sm_90): fp16/bf16, head dims 64, 96, 128, 192, 256 (v's equal to q's, or the pair
 192 / 128 of config.HEAD_DIM_PAIRS), causal or not, sliding windows, softcap, GQA/MQA, dense, varlen (cu_seqlens)
 or paged. The backward kernel (flash_bwd_sm90.py) has head dims 64 and 128 and serves dense calls (sliding windows
-and varlen under the plan rules bwd_window / bwd_varlen) without softcap, ALiBi, dropout or determinism (its dQ is a
-sum of fp32 TMA reduce-adds from the key blocks' CTAs in whatever order they finish, so it varies in the last bits
-run to run, as FA2's default backward does); every other
+and varlen under the plan rules bwd_window / bwd_varlen) without softcap, ALiBi or dropout (its dQ is a sum of fp32
+TMA reduce-adds from the key blocks' CTAs in whatever order they finish, so it varies in the last bits run to run,
+as FA2's default backward does; deterministic calls without a window, under the plan rule bwd_deterministic, add in
+key-block order); every other
 backward goes to the next backend that has one (Triton, else the reference), which consumes this forward's out and
 lse. FLASH_ATTN_CUTE_DISABLE (settings.py) switches off the backward ("bwd"), the paged and Dv != D kernels, and
 the forward of head dims 96 / 192 / 256 ("d96", ...): those calls then go to the next backend. The dispatcher
@@ -90,7 +91,8 @@ def unsupported_reason(call):
         if settings.disabled("bwd"):
             return f"backward (switched off: {settings.DISABLE} names bwd)"
         for what in ("varlen", "local", "softcap", "deterministic"):
-            ruled = (what == "local" and _window_bwd()) or (what == "varlen" and _varlen_bwd())
+            ruled = ((what == "local" and _window_bwd()) or (what == "varlen" and _varlen_bwd())
+                     or (what == "deterministic" and _deterministic_bwd() and not call.local))
             if getattr(call, what) and not ruled:
                 return f"backward with {what}"
     return None
@@ -160,20 +162,20 @@ def bwd(call, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     # unsupported_reason admitted only uncapped, non-deterministic calls on sm_90 (windowed ones with the plan rule
     # bwd_window, varlen ones with bwd_varlen); a direct caller gets an error rather than a wrong gradient
     if (block_table is not None or call.softcap > 0.0 or alibi_slopes is not None or call.dropout_p > 0.0
-            or call.deterministic or (call.local and not _window_bwd())
+            or (call.deterministic and (call.local or not _deterministic_bwd())) or (call.local and not _window_bwd())
             or (cu_seqlens_q is not None and not _varlen_bwd())):
-        raise NotImplementedError("flash_attn.cute's backward handles calls without paged KV, softcap, ALiBi, "
-                                  "dropout or determinism (windows with the plan rule bwd_window, varlen with "
-                                  "bwd_varlen)")
+        raise NotImplementedError("flash_attn.cute's backward handles calls without paged KV, softcap, ALiBi or "
+                                  "dropout (windows with the plan rule bwd_window, varlen with bwd_varlen, "
+                                  "determinism without a window with bwd_deterministic)")
     window = None
     if call.local:  # the contract's -1 (no limit) is the kernels' _UNBOUNDED; causal arrives as window_right 0
         window = tuple(_UNBOUNDED if w < 0 else w for w in (call.window_left, call.window_right))
     if cu_seqlens_q is not None:
         return launch.backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, None, None, max_seqlen_q,
                                       max_seqlen_k, call.softmax_scale, call.causal, "sm_90a", grads=grads, dlse=dlse,
-                                      window=window)
+                                      window=window, deterministic=call.deterministic)
     return launch.backward(dout, q, k, v, out, lse, call.softmax_scale, call.causal, "sm_90a", grads=grads,
-                           dlse=dlse, window=window)
+                           dlse=dlse, window=window, deterministic=call.deterministic)
 
 
 def _window_bwd():
@@ -186,3 +188,9 @@ def _varlen_bwd():
     from flash_attn.cute import config
 
     return config.plan_rules().bwd_varlen
+
+
+def _deterministic_bwd():
+    from flash_attn.cute import config
+
+    return config.plan_rules().bwd_deterministic

@@ -213,6 +213,7 @@ class BwdConfig:
     exp2_emu_degree: int = 3
     local: bool = False  # a sliding window (FlashBwdSm90.call_local)
     varlen: bool = False  # packed sequences (FlashBwdSm90.call_varlen)
+    deterministic: bool = False  # dQ's adds in key-block order (bwd_dq.DqAccumulator)
 
     def __post_init__(self):
         if self.dtype not in ("fp16", "bf16"):
@@ -221,6 +222,8 @@ class BwdConfig:
             raise ValueError("BwdConfig: the TMA dQ needs the split dQ tile (dq_split)")
         if self.varlen and self.lpt:
             raise ValueError("BwdConfig: lpt orders a dense grid (varlen needs lpt=0)")
+        if self.deterministic and (self.dq_tma or not self.dq_split or self.lpt or self.local):
+            raise ValueError("BwdConfig: deterministic needs dq_split, dq_tma off, lpt 0 and no window")
 
     def key(self):
         """The disk cache's key (see _key)."""
@@ -237,11 +240,14 @@ class PlanRules:
     "triton" (Triton kernels prepare and finish the backward where they run) or "torch". ``bwd_window``: the
     CuTeDSL backward kernel serves sliding windows (sizes >= 0; else they take the next backend); off until its GPU
     tests (tests/cute/test_cute_bwd.py, the window cases) have passed. ``bwd_varlen``: it serves varlen calls
-    (cu_seqlens, seqused), off until tests/cute/test_cute_bwd_varlen.py's GPU tests have passed."""
+    (cu_seqlens, seqused), off until tests/cute/test_cute_bwd_varlen.py's GPU tests have passed.
+    ``bwd_deterministic``: it serves deterministic calls without a window (dQ's adds in key-block order), off until
+    tests/cute/test_cute_bwd_det.py's GPU tests (repeated runs, bit for bit) have passed."""
     pack_gqa_auto: bool = False
     bwd_host: str = "triton"
     bwd_window: bool = False
     bwd_varlen: bool = False
+    bwd_deterministic: bool = False
 
     def __post_init__(self):
         if self.bwd_host not in ("triton", "torch"):
@@ -414,16 +420,19 @@ def short_dims():
                      or any((d, c) in SHORT_PERSISTENT for c in (False, True)))
 
 
-def select_bwd(dtype, head_dim, causal, arch, abi, local=False, varlen=False):
-    """The BwdConfig of a backward call (local: with a sliding window; varlen: packed sequences, no lpt order)."""
+def select_bwd(dtype, head_dim, causal, arch, abi, local=False, varlen=False, deterministic=False):
+    """The BwdConfig of a backward call (local: with a sliding window; varlen: packed sequences, no lpt order;
+    deterministic: dQ by red.global.add in key-block order, with the split dQ tile and no lpt order)."""
     ov = overrides("bwd")
     d = int(head_dim)
-    dq_split = ov.get("dq_split", BWD_DQ_SPLIT)
+    dq_split = True if deterministic else ov.get("dq_split", BWD_DQ_SPLIT)
     emu = ov.get("exp2_emu", BWD_EXP2_EMU.get(d, 0))
     return BwdConfig(dtype=dtype_name(dtype), head_dim=d, causal=bool(causal), arch=arch, abi=abi,
                      block_m=ov.get("block_m", BWD_BLOCK_M.get(d, 64)), stages=ov.get("stages", BWD_STAGES.get(d, 2)),
-                     dq_split=dq_split, dq_tma=dq_split and ov.get("dq_tma", BWD_DQ_TMA.get(d, False)),
+                     dq_split=dq_split,
+                     dq_tma=dq_split and not deterministic and ov.get("dq_tma", BWD_DQ_TMA.get(d, False)),
                      overlap=ov.get("overlap", BWD_OVERLAP.get(d, False)),
-                     lpt=0 if varlen else max(0, ov.get("lpt", BWD_LPT_CAUSAL.get(d, BWD_LPT) if causal else BWD_LPT)),
+                     lpt=0 if varlen or deterministic else max(0, ov.get("lpt", BWD_LPT_CAUSAL.get(d, BWD_LPT)
+                                                                        if causal else BWD_LPT)),
                      exp2_emu=emu, exp2_emu_degree=ov.get("exp2_emu_degree", 3) if emu else 3, local=bool(local),
-                     varlen=bool(varlen))
+                     varlen=bool(varlen), deterministic=bool(deterministic))

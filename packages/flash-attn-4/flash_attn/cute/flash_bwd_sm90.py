@@ -58,7 +58,8 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warp, warpgroup
 from cutlass.memory import SmemAllocator
 
-from flash_attn.cute.bwd_parts import pack_16, red_add_f32x2, transpose_view, unpack_16
+from flash_attn.cute.bwd_dq import DqAccumulator
+from flash_attn.cute.bwd_parts import pack_16, transpose_view, unpack_16
 from flash_attn.cute.hopper_helpers import opaque, smem_layout, tma_tiles
 from flash_attn.cute.mask import AttentionMask
 from flash_attn.cute.seqlen_info import BwdSeqlens
@@ -81,10 +82,12 @@ class FlashBwdSm90:
 
     def __init__(self, dtype, head_dim, causal, block_m=64, block_n=128, num_stages=2, dq_split=True,
                  dq_tma=False, overlap=False, lpt=0, exp2_emu=0, exp2_emu_degree=3, local=False,
-                 varlen=False):
+                 varlen=False, deterministic=False):
         """block_m: query rows per step, 64 or (head dim 64 only) 128, see the module docstring.
         local: a sliding window (sizes >= 0 per call, call_local; causal windows have right = 0), every block masked.
         varlen: packed sequences (call_varlen; seqlen_info.BwdSeqlens), the grid's x over the longest key sequence.
+        deterministic: dQ's adds in key-block order (bwd_dq.DqAccumulator; call_deterministic /
+        call_varlen_deterministic take the turn counters): red.global.add with dq_split, no lpt, no window.
         dq_split: the two warpgroups compute one dQ tile together, each its half of D (block_m 128: its
         64 query rows) over all BLOCK_N keys (a barrier of both per query block, since each reads the
         other's dS); else each computes
@@ -157,6 +160,11 @@ class FlashBwdSm90:
         if self.varlen and self.lpt:
             raise ValueError("lpt orders a dense grid (varlen: lpt=0)")
         self.seqlens = BwdSeqlens(self.varlen, block_m)
+        self.deterministic = bool(deterministic)
+        if self.deterministic and (self.dq_tma or not self.dq_split or self.lpt or self.local):
+            raise ValueError("deterministic needs dq_split, dq_tma off, lpt 0 and no window (every query block's "
+                             "key blocks count from 0 in grid order)")
+        self.dq = DqAccumulator(block_m, self.dq_tma, self.deterministic, self.seqlens, 128 * self.NUM_MMA_WARPGROUPS)
         if self.smem_bytes() > self.SMEM_LIMIT:
             raise ValueError(
                 f"head dim {head_dim}, block_m {block_m}, {num_stages} stages, dq_tma={self.dq_tma} need "
@@ -188,7 +196,14 @@ class FlashBwdSm90:
         units, +inf past Sq; delta = rowsum(dO * O), 0 past Sq), mdQaccum (B, Sq, H, D) fp32 (zeroed by
         the caller, receives softmax_scale * dS K), mdK/mdV (B, Sk, H, D) in the input dtype, as PyTorch lays
         them out."""
-        self._host(mQ, mK, mV, mdO, mLSE2, mDelta, mdQaccum, mdK, mdV, softmax_scale, stream, None, None)
+        self._host(mQ, mK, mV, mdO, mLSE2, mDelta, mdQaccum, mdK, mdV, softmax_scale, stream, None, None, None)
+
+    @cute.jit
+    def call_deterministic(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+                           mLSE2: cute.Tensor, mDelta: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor,
+                           mdV: cute.Tensor, mSem: cute.Tensor, softmax_scale: Float32, stream):
+        """__call__ with deterministic=True: mSem (B, H, ceil(Sq / block_m)) int32 zeros, the turn counters."""
+        self._host(mQ, mK, mV, mdO, mLSE2, mDelta, mdQaccum, mdK, mdV, softmax_scale, stream, None, None, mSem)
 
     @cute.jit
     def call_local(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
@@ -196,7 +211,7 @@ class FlashBwdSm90:
                    mdV: cute.Tensor, softmax_scale: Float32, window_left: Int32, window_right: Int32, stream):
         """__call__ with a sliding window (local=True): window_left / window_right >= 0 around each diagonal."""
         self._host(mQ, mK, mV, mdO, mLSE2, mDelta, mdQaccum, mdK, mdV, softmax_scale, stream,
-                   (window_left, window_right), None)
+                   (window_left, window_right), None, None)
 
     @cute.jit
     def call_varlen(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
@@ -210,10 +225,21 @@ class FlashBwdSm90:
         max_seqlen_k at least the longest used_k. The window sizes are read only by a local kernel."""
         self._host(mQ, mK, mV, mdO, mLSE2, mDelta, mdQaccum, mdK, mdV, softmax_scale, stream,
                    (window_left, window_right) if cutlass.const_expr(self.local) else None,
-                   (mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, max_seqlen_k))
+                   (mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, max_seqlen_k), None)
 
     @cute.jit
-    def _host(self, mQ, mK, mV, mdO, mLSE2, mDelta, mdQaccum, mdK, mdV, softmax_scale, stream, window, seqs):
+    def call_varlen_deterministic(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+                                  mLSE2: cute.Tensor, mDelta: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor,
+                                  mdV: cute.Tensor, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor,
+                                  mSeqUsedQ: cute.Tensor, mSeqUsedK: cute.Tensor, mSem: cute.Tensor,
+                                  max_seqlen_k: Int32, softmax_scale: Float32, window_left: Int32,
+                                  window_right: Int32, stream):
+        """call_varlen with deterministic=True: mSem (B, H, ceil(max_seqlen_q / block_m)) int32 zeros."""
+        self._host(mQ, mK, mV, mdO, mLSE2, mDelta, mdQaccum, mdK, mdV, softmax_scale, stream, None,
+                   (mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, max_seqlen_k), mSem)
+
+    @cute.jit
+    def _host(self, mQ, mK, mV, mdO, mLSE2, mDelta, mdQaccum, mdK, mdV, softmax_scale, stream, window, seqs, sem):
         # (B, S, H, D) -> (S, D, H, B) (varlen: (T, H, D) -> (T, D, H, 1)): the first two modes are the tile,
         # the others index the CTA.
         (mQ, mK, mV, mdO, mdQaccum, mdK, mdV), (mLSE2, mDelta) = self.seqlens.views(
@@ -301,7 +327,7 @@ class FlashBwdSm90:
                     tma_delta, mDelta_tma, mdQaccum, tma_dq, mdQ_tma, mdK, mdV, softmax_scale * LOG2_E,
                     softmax_scale, cute.size(mQ, mode=[0]), sQ_layout, sdO_layout, sK_layout, sV_layout,
                     sdS_layout, sdQ_layout, sLSE_layout, tiled_mma_sdp, tiled_mma_dv, tiled_mma_dk,
-                    tiled_mma_dq, *(window if cutlass.const_expr(self.local) else (None, None)), *tile_seqs).launch(
+                    tiled_mma_dq, *(window if cutlass.const_expr(self.local) else (None, None)), *tile_seqs, sem).launch(
             grid=grid, block=(self.num_threads, 1, 1), stream=stream,
             # .minnctapersm 1 pins the register count at entry (65536 / 384 threads); without it ptxas
             # may ignore setmaxnreg (C7508) and cap the consumers at 168 registers.
@@ -320,7 +346,7 @@ class FlashBwdSm90:
                sdS_layout: cute.ComposedLayout, sdQ_layout: cute.ComposedLayout, sLSE_layout: cute.Layout,
                tiled_mma_sdp: cute.TiledMma, tiled_mma_dv: cute.TiledMma, tiled_mma_dk: cute.TiledMma,
                tiled_mma_dq: cute.TiledMma, window_left, window_right, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ,
-               mSeqUsedK):
+               mSeqUsedK, mSem):
         if cutlass.const_expr(self.lpt > 0):
             lin, _, _ = cute.arch.block_idx()
             n_block, head, batch = lpt_tile(lin, cute.ceil_div(cute.size(mK, mode=[0]), self.block_n),
@@ -331,7 +357,7 @@ class FlashBwdSm90:
         cta = (tma_q, mQ, tma_k, mK, tma_v, mV, tma_do, mdO, tma_lse, mLSE2, tma_delta, mDelta, mdQaccum, tma_dq,
                mdQ_tma, mdK, mdV, scale_log2, softmax_scale, sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout,
                sdQ_layout, sLSE_layout, tiled_mma_sdp, tiled_mma_dv, tiled_mma_dk, tiled_mma_dq, window_left,
-               window_right, n_block, head, tile)
+               window_right, n_block, head, tile, mSem)
         if cutlass.const_expr(self.varlen):
             if n_block * self.block_n < tile.seqlen_k:  # the grid covers the longest sequence's keys
                 self._cta(*cta)
@@ -342,7 +368,7 @@ class FlashBwdSm90:
     def _cta(self, tma_q, mQ, tma_k, mK, tma_v, mV, tma_do, mdO, tma_lse, mLSE2, tma_delta, mDelta, mdQaccum,
              tma_dq, mdQ_tma, mdK, mdV, scale_log2, softmax_scale, sQ_layout, sdO_layout, sK_layout, sV_layout,
              sdS_layout, sdQ_layout, sLSE_layout, tiled_mma_sdp, tiled_mma_dv, tiled_mma_dk, tiled_mma_dq,
-             window_left, window_right, n_block, head, tile):
+             window_left, window_right, n_block, head, tile, mSem):
         """One CTA's key block ``n_block`` of head ``head`` of the sequence ``tile`` (seqlen_info.TileSeqlens)."""
         dt, BM, BN, stages = self.dtype, self.block_m, self.block_n, self.num_stages
         seqlen_q, seqlen_k = tile.seqlen_q, tile.seqlen_k
@@ -408,7 +434,7 @@ class FlashBwdSm90:
             self._consume(mdQaccum, tma_dq, mdQ_tma, sdQ, mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE, sDelta, kv_pipe,
                           q_pipe, do_pipe, tiled_mma_sdp, tiled_mma_dv, tiled_mma_dk, tiled_mma_dq, scale_log2,
                           softmax_scale, tidx - self.NUM_PRODUCER_THREADS, n_block, head, tile, seqlen_q, seqlen_k,
-                          m_block_min, m_block_max, (window_left, window_right))
+                          m_block_min, m_block_max, (window_left, window_right), mSem)
 
     @cute.jit
     def _produce(self, tma_q, mQ, tma_k, mK, tma_v, mV, tma_do, mdO, tma_lse, mLSE2, tma_delta, mDelta,
@@ -452,9 +478,10 @@ class FlashBwdSm90:
     @cute.jit
     def _consume(self, mdQaccum, tma_dq, mdQ_tma, sdQ, mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE, sDelta, kv_pipe,
                  q_pipe, do_pipe, tiled_mma_sdp, tiled_mma_dv, tiled_mma_dk, tiled_mma_dq, scale_log2,
-                 softmax_scale, ctid, n_block, head, tile, seqlen_q, seqlen_k, m_block_min, m_block_max, window):
+                 softmax_scale, ctid, n_block, head, tile, seqlen_q, seqlen_k, m_block_min, m_block_max, window, mSem):
         dt, D, BM, BN = self.dtype, self.head_dim, self.block_m, self.block_n
         wg = cute.arch.make_warp_uniform(ctid // 128)
+        turn = (mSem, n_block, ctid) if cutlass.const_expr(self.deterministic) else None
         thr_sdp = tiled_mma_sdp.get_slice(ctid)
         thr_dv = tiled_mma_dv.get_slice(ctid)
         thr_dq = tiled_mma_dq.get_slice(ctid if cutlass.const_expr(self.dq_split) else ctid % 128)
@@ -551,8 +578,8 @@ class FlashBwdSm90:
                 do_pipe.consumer_release(do_state)
                 q_state.advance()
                 do_state.advance()
-                self._dq_out(mdQaccum, acc_dQ, tdQcdQ, tdQsdQ, softmax_scale, buf, m_block, head, tile, seqlen_q,
-                             dq_repartition=(tiled_mma_dq, sdQ, ctid) if cutlass.const_expr(self.wide) else None)
+                self.dq.out(mdQaccum, acc_dQ, tdQcdQ, tdQsdQ, softmax_scale, buf, m_block, head, tile, seqlen_q, turn,
+                            dq_repartition=(tiled_mma_dq, sdQ, ctid) if cutlass.const_expr(self.wide) else None)
                 buf = 1 - buf
         else:
             # Software-pipelined: S^T and dP^T of block j + 1 are issued right behind dK and dQ of block j,
@@ -606,8 +633,8 @@ class FlashBwdSm90:
                 do_pipe.consumer_release(do_state)
                 q_state.advance()
                 do_state.advance()
-                self._dq_out(mdQaccum, acc_dQ, tdQcdQ, tdQsdQ, softmax_scale, buf, m_block, head, tile, seqlen_q,
-                             dq_repartition=(tiled_mma_dq, sdQ, ctid) if cutlass.const_expr(self.wide) else None)
+                self.dq.out(mdQaccum, acc_dQ, tdQcdQ, tdQsdQ, softmax_scale, buf, m_block, head, tile, seqlen_q, turn,
+                            dq_repartition=(tiled_mma_dq, sdQ, ctid) if cutlass.const_expr(self.wide) else None)
                 buf = 1 - buf
             warpgroup.wait_group(0)  # the unread S^T and dP^T issued last
 
@@ -616,7 +643,7 @@ class FlashBwdSm90:
             cute.arch.barrier(barrier_id=1, number_of_threads=256)
             if dq_issuer:
                 if m_block_max > m_block_min:
-                    self._reduce_dq(tma_dq, tQRsdQ, tQRgdQ, 1 - buf, m_block_max - 1)
+                    self.dq.reduce(tma_dq, tQRsdQ, tQRgdQ, 1 - buf, m_block_max - 1)
                 cute.arch.cp_async_bulk_wait_group(0)
 
         self._epilogue(mdK, mdV, acc_dK, acc_dV, tdKcdK, softmax_scale, n_block, head, tile, seqlen_k)
@@ -716,29 +743,12 @@ class FlashBwdSm90:
             if cutlass.const_expr(self.dq_tma):
                 # Past the barrier every thread has written and fenced the previous block's dQ tile.
                 if dq_issuer and m_block > m_block_min:
-                    self._reduce_dq(tma_dq, tQRsdQ, tQRgdQ, 1 - buf, m_block - 1)
+                    self.dq.reduce(tma_dq, tQRsdQ, tQRgdQ, 1 - buf, m_block - 1)
         else:
             cute.arch.barrier(barrier_id=1 + wg, number_of_threads=128)
         if cutlass.const_expr(not self.wide):
             self._gemm(tiled_mma_dk, acc_dK, tdKrdSt, tdKrQt, buf, q_stage)  # dK += dS^T Q
         self._gemm(tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, buf, None, zero_init=True)  # dQ = dS K
-
-    @cute.jit
-    def _dq_out(self, mdQaccum, acc_dQ, tdQcdQ, tdQsdQ, softmax_scale, buf, m_block, head, tile, seqlen_q,
-                dq_repartition=None):
-        """The finished dQ partial of m_block: red.global.add into dq_accum, or with dq_tma scaled into
-        the shared dQ tile buf (added by TMA after the next dS barrier). dq_repartition (tiled_mma_dq,
-        sdQ, ctid): the smem tile is partitioned here, from an opaque thread index (see hopper_helpers.opaque)."""
-        if cutlass.const_expr(self.dq_tma):
-            for i in cutlass.range(cute.size(acc_dQ), unroll_full=True):
-                acc_dQ[i] = acc_dQ[i] * softmax_scale
-            if cutlass.const_expr(dq_repartition is not None):
-                tiled_mma_dq, sdQ, ctid = dq_repartition
-                tdQsdQ = tiled_mma_dq.get_slice(opaque(ctid)).partition_C(sdQ)
-            # Made visible to the TMA (async proxy) by the next block's dS fence, before its barrier.
-            cute.autovec_copy(acc_dQ, tdQsdQ[None, None, None, buf])
-        else:
-            self._atomic_add_dq(mdQaccum, acc_dQ, tdQcdQ, softmax_scale, m_block, head, tile, seqlen_q)
 
     @cute.jit
     def _gemm(self, tiled_mma, acc, tArA, tBrB, a_stage, b_stage, zero_init=False):
@@ -753,28 +763,6 @@ class FlashBwdSm90:
             cute.gemm(tiled_mma, acc, a, b, acc)
             tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
         warpgroup.commit_group()
-
-    @cute.jit
-    def _reduce_dq(self, tma_dq, tQRsdQ, tQRgdQ, buf, m_block):
-        """dq_accum[m_block's rows] += sdQ[buf] (rows past Sq dropped by the TMA unit), one bulk group."""
-        cute.copy(tma_dq, tQRsdQ[None, buf], tQRgdQ[None, m_block])
-        cute.arch.cp_async_bulk_commit_group()
-
-    @cute.jit
-    def _atomic_add_dq(self, mdQaccum, acc_dQ, tdQcdQ, softmax_scale, m_block, head, tile, seqlen_q):
-        """dq_accum[rows of this block] += softmax_scale * dS K (this warpgroup's part; fp32
-        red.global.add: other key blocks' CTAs add into the same rows concurrently, so the order and
-        hence the rounding vary run to run). Scaling here leaves the host a plain cast."""
-        BM = self.block_m
-        gdQ = self.seqlens.rows(mdQaccum, tile.q_start, head, tile)  # (Sq, D)
-        # Accumulator values 2 i and 2 i + 1 are columns c, c + 1 of one row (m64nNk16 C layout: value
-        # index c + 2 r + 4 j; tests/cute/test_cute_bwd.py checks it), 8-byte aligned: c is even and rows are
-        # D * 4 bytes apart.
-        for i in cutlass.range(cute.size(acc_dQ) // 2, unroll_full=True):
-            row = m_block * BM + tdQcdQ[2 * i][0]
-            if row < seqlen_q:
-                ptr = gdQ.iterator + cute.crd2idx((row, tdQcdQ[2 * i][1]), gdQ.layout)
-                red_add_f32x2(ptr, acc_dQ[2 * i] * softmax_scale, acc_dQ[2 * i + 1] * softmax_scale)
 
     @cute.jit
     def _epilogue(self, mdK, mdV, acc_dK, acc_dV, tdKcdK, softmax_scale, n_block, head, tile, seqlen_k):

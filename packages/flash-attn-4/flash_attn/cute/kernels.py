@@ -51,9 +51,9 @@ def fwd_config(dtype, head_dim, causal, arch="sm_90a", local=False, softcap=Fals
                                         pack, dv, paged, split), _abi())
 
 
-def bwd_config(dtype, head_dim, causal, arch="sm_90a", local=False, varlen=False):
+def bwd_config(dtype, head_dim, causal, arch="sm_90a", local=False, varlen=False, deterministic=False):
     """The config.BwdConfig of a backward call."""
-    return config.select_bwd(dtype, head_dim, causal, arch, _abi(), local, varlen)
+    return config.select_bwd(dtype, head_dim, causal, arch, _abi(), local, varlen, deterministic)
 
 
 def _make_kernel(cfg):
@@ -254,12 +254,13 @@ def bwd_disk_entry(dtype, head_dim, causal, arch="sm_90a", root=None):
     return cache.DiskCache(root).files(name, key)
 
 
-def load_or_build_bwd(dtype, head_dim, causal, arch="sm_90a", root=None, force=False, local=False, varlen=False):
+def load_or_build_bwd(dtype, head_dim, causal, arch="sm_90a", root=None, force=False, local=False, varlen=False,
+                      deterministic=False):
     """load_or_build for the backward kernel: (callable, origin), from the disk cache ``root`` or compiled
     and written there."""
-    return _load_or_build_entry(_bwd_entry(dtype, head_dim, causal, arch, local, varlen),
-                                lambda: compile_bwd(dtype, head_dim, causal, arch, local=local, varlen=varlen), root,
-                                force)
+    return _load_or_build_entry(_bwd_entry(dtype, head_dim, causal, arch, local, varlen, deterministic),
+                                lambda: compile_bwd(dtype, head_dim, causal, arch, local=local, varlen=varlen,
+                                                    deterministic=deterministic), root, force)
 
 
 def load_or_build(dtype, head_dim, causal, arch="sm_90a", root=None, force=False, local=False, softcap=False,
@@ -358,25 +359,28 @@ def fwd_kernel(dtype, head_dim, causal, arch="sm_90a", local=False, softcap=Fals
 
 
 
-def compile_bwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=False, varlen=False):
+def compile_bwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=False, varlen=False,
+                deterministic=False):
     """Compile the backward kernel for ``dtype`` (torch.float16 / torch.bfloat16), ``head_dim`` (64 / 128)
     and ``causal`` for ``arch``; no GPU needed. ``dump_dir``: an existing folder that receives the PTX
     and cubin. With apache-tvm-ffi the call is ``(q, k, v, dout, lse2, delta, dq_accum, dk, dv,
     softmax_scale)`` on torch tensors (see FlashBwdSm90.__call__; ``backward`` prepares them), and with
     ``local`` (a sliding window) ``window_left, window_right`` (sizes >= 0) after softmax_scale. ``varlen``:
     FlashBwdSm90.call_varlen's ``(q, k, v, dout, lse2, delta, dq_accum, dk, dv, cu_seqlens_q, cu_seqlens_k,
-    seqused_q, seqused_k, max_seqlen_k, softmax_scale, window_left, window_right)`` (``backward_varlen``)."""
+    seqused_q, seqused_k, max_seqlen_k, softmax_scale, window_left, window_right)`` (``backward_varlen``).
+    ``deterministic``: call_deterministic / call_varlen_deterministic, the turn counters (B, H, query blocks) int32
+    after the other tensors."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_tensor
 
     from flash_attn.cute.flash_bwd_sm90 import FlashBwdSm90
 
-    cfg = bwd_config(dtype, head_dim, causal, arch, local, varlen)
+    cfg = bwd_config(dtype, head_dim, causal, arch, local, varlen, deterministic)
     kernel = FlashBwdSm90(_cutlass_dtype(dtype), int(head_dim), bool(causal), block_m=cfg.block_m,
                           num_stages=cfg.stages, dq_split=cfg.dq_split, dq_tma=cfg.dq_tma, overlap=cfg.overlap,
                           lpt=cfg.lpt, exp2_emu=cfg.exp2_emu, exp2_emu_degree=cfg.exp2_emu_degree, local=cfg.local,
-                          varlen=cfg.varlen)
+                          varlen=cfg.varlen, deterministic=cfg.deterministic)
     D = kernel.head_dim
     # 32-bit symbolic shapes and strides, as in compile_fwd (backward() keeps tensors below 2^31 elements).
     batch, seqlen_q, seqlen_k, heads, heads_kv, seqlen_q_pad = (cute.sym_int() for _ in range(6))
@@ -404,29 +408,36 @@ def compile_bwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=Fal
     tensors = (bshd(dt, seqlen_q, heads), bshd(dt, seqlen_k, heads_kv), bshd(dt, seqlen_k, heads_kv),
                bshd(dt, seqlen_q, heads), rows(), rows(), bshd(cutlass.Float32, seqlen_q, heads),
                bshd(dt, seqlen_k, heads), bshd(dt, seqlen_k, heads))
+    sem = ()
+    if deterministic:  # (B, H, query blocks) int32, contiguous
+        sem = (make_fake_tensor(cutlass.Int32, (cute.sym_int(), heads, cute.sym_int()),
+                                (cute.sym_int(), cute.sym_int(), 1), assumed_align=4),)
     if varlen:
         seqs = cute.sym_int()
         cu = [make_fake_tensor(cutlass.Int32, (seqs,), (1,), assumed_align=4) for _ in range(2)]
         used = [make_fake_tensor(cutlass.Int32, (cute.sym_int(),), (1,), assumed_align=4) for _ in range(2)]
-        return cute.compile(kernel.call_varlen, *tensors, *cu, *used, cutlass.Int32(1), cutlass.Float32(1.0),
+        entry = kernel.call_varlen_deterministic if deterministic else kernel.call_varlen
+        return cute.compile(entry, *tensors, *cu, *used, *sem, cutlass.Int32(1), cutlass.Float32(1.0),
                             cutlass.Int32(0), cutlass.Int32(0), stream, options=options)
+    if deterministic:
+        return cute.compile(kernel.call_deterministic, *tensors, *sem, cutlass.Float32(1.0), stream, options=options)
     if local:
         return cute.compile(kernel.call_local, *tensors, cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0),
                             stream, options=options)
     return cute.compile(kernel, *tensors, cutlass.Float32(1.0), stream, options=options)
 
 
-def _bwd_entry(dtype, head_dim, causal, arch, local=False, varlen=False):
-    cfg = bwd_config(dtype, head_dim, causal, arch, local, varlen)
+def _bwd_entry(dtype, head_dim, causal, arch, local=False, varlen=False, deterministic=False):
+    cfg = bwd_config(dtype, head_dim, causal, arch, local, varlen, deterministic)
     config = cfg.key()
     key = cache.entry_key(config)
     name = (f"bwd-{arch}-{cfg.dtype}-d{cfg.head_dim}-{'causal' if causal else 'full'}{'-local' if local else ''}"
-            f"{'-varlen' if varlen else ''}-{key[:16]}")
+            f"{'-varlen' if varlen else ''}{'-det' if deterministic else ''}-{key[:16]}")
     return config, key, name, f"flash_attn_cute_{key[:16]}"
 
 
-def _bwd_dlpack_launcher(compiled):
-    # As _dlpack_launcher, for the backward's signature.
+def _bwd_dlpack_launcher(compiled, varlen):
+    # As _dlpack_launcher, for the backward's signatures (see compile_bwd).
     import cutlass
     from cuda.bindings import driver
     from cutlass.cute.runtime import from_dlpack
@@ -435,10 +446,12 @@ def _bwd_dlpack_launcher(compiled):
         return from_dlpack(t.detach(), assumed_align=align).mark_layout_dynamic(leading_dim=t.dim() - 1)
 
     def launch(q, k, v, dout, lse2, delta, dq_accum, dk, dv, *args):
-        seqs = ()
-        if isinstance(args[0], torch.Tensor):  # varlen: cu_seqlens_q / _k, seqused_q / _k, max_seqlen_k
-            seqs = tuple(as_cute(t, 4) for t in args[:4]) + (cutlass.Int32(args[4]),)
-            args = args[5:]
+        n = sum(isinstance(a, torch.Tensor) for a in args)  # varlen's 4 sequence tensors, the turn counters
+        seqs = tuple(as_cute(t, 4) for t in args[:n])
+        args = args[n:]
+        if varlen:
+            seqs += (cutlass.Int32(args[0]),)  # max_seqlen_k
+            args = args[1:]
         softmax_scale, *window = args
         with torch.cuda.device(q.device):
             stream = driver.CUstream(torch.cuda.current_stream().cuda_stream)
@@ -448,24 +461,26 @@ def _bwd_dlpack_launcher(compiled):
     return launch
 
 
-def bwd_kernel(dtype, head_dim, causal, arch="sm_90a", local=False, varlen=False):
-    """The backward kernel for (dtype, head dim, causal, arch, local, varlen): from memory, else the disk cache, else
-    compiled and written there (as fwd_kernel)."""
-    mem_key = bwd_mem_key(dtype, head_dim, causal, arch, local, varlen)
+def bwd_kernel(dtype, head_dim, causal, arch="sm_90a", local=False, varlen=False, deterministic=False):
+    """The backward kernel for (dtype, head dim, causal, arch, local, varlen, deterministic): from memory, else the
+    disk cache, else compiled and written there (as fwd_kernel)."""
+    mem_key = bwd_mem_key(dtype, head_dim, causal, arch, local, varlen, deterministic)
     fn = _bwd_kernels.get(mem_key)
     if fn is None:
         with cache._lock:
             fn = _bwd_kernels.get(mem_key)
             if fn is None:
                 if not _tvm_ffi():
-                    fn = _bwd_dlpack_launcher(compile_bwd(dtype, head_dim, causal, arch, local=local, varlen=varlen))
+                    fn = _bwd_dlpack_launcher(compile_bwd(dtype, head_dim, causal, arch, local=local, varlen=varlen,
+                                                          deterministic=deterministic), varlen)
                 else:
                     fn, _ = load_or_build_bwd(dtype, head_dim, causal, arch, cache.cache_dir(), local=local,
-                                              varlen=varlen)
+                                              varlen=varlen, deterministic=deterministic)
                 _bwd_kernels[mem_key] = fn
     return fn
 
 
-def bwd_mem_key(dtype, head_dim, causal, arch, local=False, varlen=False):
+def bwd_mem_key(dtype, head_dim, causal, arch, local=False, varlen=False, deterministic=False):
     """_bwd_kernels' key of a backward kernel."""
-    return (dtype, int(head_dim), bool(causal), arch) + (("local",) if local else ()) + (("varlen",) if varlen else ())
+    return ((dtype, int(head_dim), bool(causal), arch) + (("local",) if local else ()) + (("varlen",) if varlen else ())
+            + (("det",) if deterministic else ()))

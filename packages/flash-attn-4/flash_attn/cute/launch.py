@@ -288,7 +288,8 @@ def _bwd_out_layout(t, D):
     return s[3] == 1 and s[2] == D and s[1] % 8 == 0 and s[0] % 8 == 0 and t.data_ptr() % 16 == 0
 
 
-def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grads=None, dlse=None, window=None):
+def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grads=None, dlse=None, window=None,
+             deterministic=False):
     """Attention backward on validated CUDA inputs: q/out/dout (B, Sq, H, D), k/v (B, Sk, Hk, D) fp16/bf16,
     D in (64, 128), H % Hk == 0, lse fp32 (B, H, Sq) natural log (+inf for rows that see no key), causal
     bottom-right aligned. Returns (dq, dk, dv) in the input dtype, written into ``grads`` = (dq, dk, dv)
@@ -303,7 +304,9 @@ def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grad
     in fp32. Without Triton (or with the plan rule bwd_host=torch) torch does the same in more launches.
     dlse: None or the gradient flowing into lse (B, H, Sq): d lse_i / d s_ij = P_ij adds dlse_i * P_ij to dS_ij,
     which the kernel gets as delta - dlse in delta's place. window: None, or (left, right) sizes >= 0 (_UNBOUNDED for
-    no limit on a side; right 0 when causal) of a sliding window, the kernel built with local=True."""
+    no limit on a side; right 0 when causal) of a sliding window, the kernel built with local=True. deterministic
+    (no window): the kernel built with deterministic=True adds dQ in key-block order (bwd_dq.DqAccumulator), so the
+    gradients are the same bits every run; its turn counters (B, H, query blocks) are zeroed here."""
     B, Sq, H, D = q.shape
     Sk, Hk = k.shape[1], k.shape[2]
     dtype = q.dtype
@@ -312,12 +315,15 @@ def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grad
         zeros = [torch.zeros_like(t) if g is None else g.zero_() for t, g in zip((q, k, v), (dq_out, dk_out, dv_out))]
         return tuple(zeros)
     local = window is not None
-    block_m = bwd_config(dtype, D, causal, arch, local).block_m
+    if deterministic and local:
+        raise NotImplementedError("flash_attn.cute's deterministic backward has no sliding window")
+    block_m = bwd_config(dtype, D, causal, arch, local, deterministic=deterministic).block_m
     per_batch = max(Sq * H, Sk * max(H, Hk)) * D
     if per_batch >= _MAX_ELEMS:
         raise NotImplementedError(
             f"one batch entry of q/k/v holds {per_batch} elements; flash_attn.cute's backward handles < 2^31")
-    fn = _bwd_kernels.get(bwd_mem_key(dtype, D, causal, arch, local)) or bwd_kernel(dtype, D, causal, arch, local)
+    fn = (_bwd_kernels.get(bwd_mem_key(dtype, D, causal, arch, local, False, deterministic))
+          or bwd_kernel(dtype, D, causal, arch, local, deterministic=deterministic))
     window_args = tuple(int(w) for w in window) if local else ()
 
     from flash_attn.cute import bwd_host  # imports Triton when installed: not at this module's import
@@ -325,6 +331,7 @@ def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grad
     # out and lse are read through their strides; q, k, v, dout must suit the compiled kernel
     q, k, v, dout = (_kernel_layout(t, D) for t in (q, k, v, dout))
     sq_pad = -(-Sq // block_m) * block_m
+    sem = torch.zeros((B, H, sq_pad // block_m), dtype=torch.int32, device=q.device) if deterministic else None
     host = bwd_host if bwd_host.use_triton(q) else None
     lse2, delta, dq_accum = (bwd_host.prepare if host else bwd_host.prepare_torch)(out, dout, lse, sq_pad)
     if dlse is not None:
@@ -344,7 +351,7 @@ def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grad
     for b in range(0, B, step):  # 32-bit offsets in the kernel: batch slices below 2^31 elements (and grid z's limit)
         sl = slice(b, b + step)
         fn(q[sl], k[sl], v[sl], dout[sl], lse2[sl], delta[sl], dq_accum[sl], dk_h[sl], dv_h[sl],
-           float(softmax_scale), *window_args)
+           *(() if sem is None else (sem[sl],)), float(softmax_scale), *window_args)
     # dq_accum holds softmax_scale * dS K: a cast is left
     dq = dq_out if dq_out is not None else torch.empty((B, Sq, H, D), dtype=dtype, device=q.device)
     (bwd_host.finish if host else bwd_host.finish_torch)(dq_accum, dq, *((dk_h, dv_h, dk, dv) if sums else ()))
@@ -353,12 +360,14 @@ def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grad
 
 
 def backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
-                    max_seqlen_k, softmax_scale, causal, arch="sm_90a", grads=None, dlse=None, window=None):
+                    max_seqlen_k, softmax_scale, causal, arch="sm_90a", grads=None, dlse=None, window=None,
+                    deterministic=False):
     """The varlen backward on validated CUDA inputs: q/out/dout (Tq, H, D), k/v (Tk, Hk, D), lse (and dlse) fp32
     (H, Tq), int32 cu_seqlens (B + 1,), seqused_q / seqused_k None or int32 (B,) (the rows each sequence uses from
     its start; None: all of them), max_seqlen_q / max_seqlen_k at least every sequence's used lengths (the grid is
     sized by them). Rows outside every used range get zero gradients. Otherwise as ``backward`` (the same kernel
-    built with varlen=True, FlashBwdSm90.call_varlen; one launch for at most _MAX_GRID_Z sequences)."""
+    built with varlen=True, FlashBwdSm90.call_varlen / call_varlen_deterministic; one launch for at most
+    _MAX_GRID_Z sequences)."""
     Tq, H, D = q.shape
     Tk, Hk = k.shape[0], k.shape[1]
     batch = cu_seqlens_q.shape[0] - 1
@@ -371,9 +380,11 @@ def backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused
         raise NotImplementedError(f"flash_attn.cute's varlen backward handles q, k, v (and per-query-head dk, dv) of "
                                   f"< 2^31 elements and at most {_MAX_GRID_Z} sequences")
     local = window is not None
-    block_m = bwd_config(dtype, D, causal, arch, local, varlen=True).block_m
-    fn = _bwd_kernels.get(bwd_mem_key(dtype, D, causal, arch, local, True)) or bwd_kernel(dtype, D, causal, arch,
-                                                                                         local, varlen=True)
+    if deterministic and local:
+        raise NotImplementedError("flash_attn.cute's deterministic backward has no sliding window")
+    block_m = bwd_config(dtype, D, causal, arch, local, True, deterministic).block_m
+    fn = (_bwd_kernels.get(bwd_mem_key(dtype, D, causal, arch, local, True, deterministic))
+          or bwd_kernel(dtype, D, causal, arch, local, varlen=True, deterministic=deterministic))
     used_q = seqused_q.contiguous() if seqused_q is not None else cu_seqlens_q[1:] - cu_seqlens_q[:-1]
     used_k = seqused_k.contiguous() if seqused_k is not None else cu_seqlens_k[1:] - cu_seqlens_k[:-1]
 
@@ -395,7 +406,9 @@ def backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused
         dv = dv_out if dv_out is not None else torch.empty((Tk, Hk, D), dtype=dtype, device=q.device)
         sums = True
     window_args = tuple(int(w) for w in window) if local else (0, 0)
-    fn(q, k, v, dout, lse2, delta, dq_accum, dk_h, dv_h, cu_seqlens_q, cu_seqlens_k, used_q, used_k,
+    sem = ((torch.zeros((batch, H, -(-int(max_seqlen_q) // block_m)), dtype=torch.int32, device=q.device),)
+           if deterministic else ())
+    fn(q, k, v, dout, lse2, delta, dq_accum, dk_h, dv_h, cu_seqlens_q, cu_seqlens_k, used_q, used_k, *sem,
        int(max_seqlen_k), float(softmax_scale), *window_args)
     dq = dq_out if dq_out is not None else torch.empty((Tq, H, D), dtype=dtype, device=q.device)
     kv = (dk_h[None], dv_h[None], dk[None], dv[None]) if sums else ()

@@ -137,8 +137,8 @@ class BwdSeqlens:
         return rows, lse_rows
 
     def tile(self, z, seqlen_q, mK, seqs):
-        """Device side: grid z's sequence (a TileSeqlens with ``lse_start``); seqs = (cu_seqlens_q, cu_seqlens_k,
-        used_q, used_k) for varlen, dense seqlen_q and mK's rows otherwise."""
+        """Device side: grid z's sequence (a TileSeqlens with ``lse_start`` and ``z``); seqs = (cu_seqlens_q,
+        cu_seqlens_k, used_q, used_k) for varlen, dense seqlen_q and mK's rows otherwise."""
         if cutlass.const_expr(self.varlen):
             cu_q, cu_k, used_q, used_k = seqs
             q_start = cu_q[z]
@@ -147,6 +147,7 @@ class BwdSeqlens:
         else:
             tile = TileSeqlens(z, Int32(0), Int32(0), seqlen_q, cute.size(mK, mode=[0]))
             tile.lse_start = Int32(0)
+        tile.z = z
         return tile
 
     def rows(self, t, start, head, tile):

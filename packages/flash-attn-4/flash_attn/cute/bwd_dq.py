@@ -1,0 +1,94 @@
+"""How the Hopper backward's dQ partials reach dq_accum (flash_bwd_sm90.py's dQ component)."""
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+
+from flash_attn.cute.bwd_parts import red_add_f32x2
+from flash_attn.cute.hopper_helpers import opaque
+
+# The named barrier of the deterministic turn (the kernel's dS barrier is 1; 2 and 3 are the per-warpgroup
+# barriers of dq_split=False, which the deterministic kernel does not build).
+TURN_BARRIER = 2
+
+
+class DqAccumulator:
+    """Owns the way each key block's CTA adds softmax_scale * dS K of a query block into the fp32 dq_accum, which
+    other key blocks' CTAs add into too: per-thread red.global.add (the order in which CTAs arrive decides the
+    rounding, so results vary in the last bits run to run), or with ``dq_tma`` the scaled tile in shared memory
+    and one TMA reduce-add of it. ``deterministic`` (red.global.add, dq_split: each element of the tile belongs to
+    one thread of the CTA): the CTAs of a query block take turns in key-block order, so every element receives its
+    additions in the same order each run. A turn counter per (sequence, head, query block) in global memory (mSem,
+    zeroed by the host) counts the key blocks that have added: key block n waits (one thread, ld.acquire) until it
+    reads n, adds, and hands the turn on (each thread fences its adds, a barrier of the consumers, one
+    red.release). Every query block's key blocks are 0, 1, ..., n_max (no window: causal and full masks start at
+    key block 0), and lower key blocks are earlier in the grid's x, so the key block waited for has been scheduled."""
+
+    def __init__(self, block_m, dq_tma, deterministic, seqlens, num_consumer_threads):
+        if deterministic and dq_tma:
+            raise ValueError("deterministic dQ adds with red.global.add (dq_tma off)")
+        self.block_m = block_m
+        self.dq_tma = dq_tma
+        self.deterministic = deterministic
+        self.seqlens = seqlens
+        self.num_consumer_threads = num_consumer_threads
+
+    @cute.jit
+    def out(self, mdQaccum, acc_dQ, tdQcdQ, tdQsdQ, softmax_scale, buf, m_block, head, tile, seqlen_q, turn,
+            dq_repartition=None):
+        """The finished dQ partial of m_block: red.global.add into dq_accum, or with dq_tma scaled into
+        the shared dQ tile buf (added by TMA after the next dS barrier). dq_repartition (tiled_mma_dq,
+        sdQ, ctid): the smem tile is partitioned here, from an opaque thread index (see hopper_helpers.opaque).
+        turn (deterministic): (mSem, n_block, ctid)."""
+        if cutlass.const_expr(self.dq_tma):
+            for i in cutlass.range(cute.size(acc_dQ), unroll_full=True):
+                acc_dQ[i] = acc_dQ[i] * softmax_scale
+            if cutlass.const_expr(dq_repartition is not None):
+                tiled_mma_dq, sdQ, ctid = dq_repartition
+                tdQsdQ = tiled_mma_dq.get_slice(opaque(ctid)).partition_C(sdQ)
+            # Made visible to the TMA (async proxy) by the next block's dS fence, before its barrier.
+            cute.autovec_copy(acc_dQ, tdQsdQ[None, None, None, buf])
+        else:
+            sem = None
+            if cutlass.const_expr(self.deterministic):
+                mSem, n_block, ctid = turn
+                sem = mSem.iterator + cute.crd2idx((tile.z, head, m_block), mSem.layout)
+                self._wait_turn(sem, n_block, ctid)
+            self.atomic_add(mdQaccum, acc_dQ, tdQcdQ, softmax_scale, m_block, head, tile, seqlen_q)
+            if cutlass.const_expr(self.deterministic):
+                self._pass_turn(sem, turn[2])
+
+    @cute.jit
+    def _wait_turn(self, sem, n_block, ctid):
+        if ctid == 0:
+            done = cute.arch.load(sem, Int32, sem="acquire", scope="gpu")
+            while done != n_block:
+                done = cute.arch.load(sem, Int32, sem="acquire", scope="gpu")
+        cute.arch.barrier(barrier_id=TURN_BARRIER, number_of_threads=self.num_consumer_threads)
+
+    @cute.jit
+    def _pass_turn(self, sem, ctid):
+        cute.arch.fence_acq_rel_gpu()  # this thread's adds before the release below (cumulative through the barrier)
+        cute.arch.barrier(barrier_id=TURN_BARRIER, number_of_threads=self.num_consumer_threads)
+        if ctid == 0:
+            cute.arch.red(sem, Int32(1), op="add", dtype=Int32, sem="release", scope="gpu")
+
+    @cute.jit
+    def reduce(self, tma_dq, tQRsdQ, tQRgdQ, buf, m_block):
+        """dq_accum[m_block's rows] += sdQ[buf] (rows past Sq dropped by the TMA unit), one bulk group."""
+        cute.copy(tma_dq, tQRsdQ[None, buf], tQRgdQ[None, m_block])
+        cute.arch.cp_async_bulk_commit_group()
+
+    @cute.jit
+    def atomic_add(self, mdQaccum, acc_dQ, tdQcdQ, softmax_scale, m_block, head, tile, seqlen_q):
+        """dq_accum[rows of this block] += softmax_scale * dS K (this thread's part, fp32 red.global.add). Scaling
+        here leaves the host a plain cast."""
+        BM = self.block_m
+        gdQ = self.seqlens.rows(mdQaccum, tile.q_start, head, tile)  # (Sq, D)
+        # Accumulator values 2 i and 2 i + 1 are columns c, c + 1 of one row (m64nNk16 C layout: value
+        # index c + 2 r + 4 j; tests/cute/test_cute_bwd.py checks it), 8-byte aligned: c is even and rows are
+        # D * 4 bytes apart.
+        for i in cutlass.range(cute.size(acc_dQ) // 2, unroll_full=True):
+            row = m_block * BM + tdQcdQ[2 * i][0]
+            if row < seqlen_q:
+                ptr = gdQ.iterator + cute.crd2idx((row, tdQcdQ[2 * i][1]), gdQ.layout)
+                red_add_f32x2(ptr, acc_dQ[2 * i] * softmax_scale, acc_dQ[2 * i + 1] * softmax_scale)

@@ -1,0 +1,256 @@
+"""The Hopper backward kernel's deterministic mode (FlashBwdSm90(deterministic=True), bwd_dq.DqAccumulator): dQ's
+fp32 adds from the key blocks' CTAs take turns in key-block order through a counter per (sequence, head, query
+block), so the gradients are the same bits every run. On the CPU: the config it forces (split dQ tile, atomics, no
+lpt, no window), the PTX of the turn (ld.acquire / fence / red.release around the adds, no TMA reduce), the host's
+zeroed counters, the masks' precondition (each query block's key blocks are 0..n_max, so no CTA waits for one that
+never comes) and the plan rule bwd_deterministic's routing. On a Hopper GPU (tests marked gpu): the reference's
+gradients, and repeated runs equal bit for bit."""
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+cute = pytest.importorskip("cutlass.cute")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_PKG = os.path.join(ROOT, "packages", "flash-attn-4")
+if _PKG not in sys.path:
+    sys.path.insert(0, _PKG)
+
+from flash_attn import testing  # noqa: E402
+from flash_attn.cute import autograd, config, kernels, launch  # noqa: E402
+from flash_attn.cute import backend as cute_backend  # noqa: E402
+from flash_attn.dispatch import Call  # noqa: E402
+
+U = launch._UNBOUNDED
+
+
+def _cu(lengths, device="cpu"):
+    return torch.tensor([0] + list(lengths), dtype=torch.int32, device=device).cumsum(0, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("d,causal,varlen", [(64, False, False), (128, True, False), (128, True, True)])
+def test_deterministic_kernel_takes_turns_in_its_ptx(tmp_path, cute_env, d, causal, varlen):
+    """Its own cache key; red.global.add of dQ (no TMA reduce-add), the turn: one ld.acquire.gpu spin, a barrier
+    of the 256 consumer threads, then fence.acq_rel.gpu, the barrier and one red.release.gpu per query block; ptxas
+    keeps the WGMMA pipeline and setmaxnreg and spills nothing."""
+    cute_env(OVERRIDES="bwd.dq_tma=1,bwd.lpt=4,bwd.dq_split=0")  # what the deterministic kernel overrides
+    cfg = kernels.bwd_config(torch.bfloat16, d, causal, "sm_90a", varlen=varlen, deterministic=True)
+    assert cfg.deterministic and cfg.dq_split and not cfg.dq_tma and cfg.lpt == 0
+    assert cfg.key()["deterministic"] is True
+    assert "deterministic" not in kernels.bwd_config(torch.bfloat16, d, causal, "sm_90a", varlen=varlen).key()
+    cute_env(OVERRIDES=None)
+    kernels.compile_bwd(torch.bfloat16, d, causal, dump_dir=str(tmp_path), varlen=varlen, deterministic=True)
+    (ptx,) = [p for p in tmp_path.iterdir() if p.suffix == ".ptx"]
+    assert ("call_varlen_deterministic" if varlen else "call_deterministic") in ptx.name
+    text = ptx.read_text()
+    assert "cp.reduce.async.bulk" not in text and "red.global.add" in text.replace("red.relaxed.gpu.global.add",
+                                                                                   "red.global.add")
+    assert re.search(r"ld\.acquire\.gpu\.global\.b32", text)
+    assert re.search(r"fence\.acq_rel\.gpu;\s*\n\s*bar\.sync\s+2, 256;", text)
+    assert len(re.findall(r"red\.release\.gpu\.global\.add\.s32", text)) == 1
+    assert text.count("bar.sync \t2, 256;") >= 2
+    if shutil.which("ptxas") is None:
+        pytest.skip("ptxas not on PATH")
+    out = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(ptx), "-o", os.devnull], capture_output=True, text=True,
+                         check=True)
+    log = out.stdout + out.stderr
+    assert "setmaxnreg' ignored" not in log and "are serialized" not in log, log
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", log)]
+    assert spills and all(x == 0 for x in spills), log
+
+
+def test_deterministic_config_refusals():
+    base = dict(dtype="bf16", head_dim=64, causal=True, arch="sm_90a", abi="cute", block_m=64, stages=2)
+    for bad in (dict(dq_split=True, dq_tma=True), dict(dq_split=False, dq_tma=False),
+                dict(dq_split=True, dq_tma=False, lpt=4), dict(dq_split=True, dq_tma=False, local=True)):
+        with pytest.raises(ValueError, match="deterministic"):
+            config.BwdConfig(**base, **bad, deterministic=True)
+    config.BwdConfig(**base, dq_split=True, dq_tma=False, deterministic=True)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("block_m", [64, 128])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(300, 500), (500, 300), (1, 700), (257, 257), (700, 1), (128, 128)])
+def test_every_query_block_meets_key_blocks_from_zero(causal, block_m, seqlen_q, seqlen_k):
+    """The turn's precondition: for each query block m, the key blocks whose m_block_range holds m are exactly
+    0, 1, ..., n_max (key block n waits for n earlier turns: a gap would leave it waiting forever)."""
+    from flash_attn.cute.mask import AttentionMask
+
+    BN = 128
+    mask = AttentionMask(causal, False, block_m, BN)
+    ranges = [mask.m_block_range(n, seqlen_q, seqlen_k) for n in range(-(-seqlen_k // BN))]
+    for m in range(-(-seqlen_q // block_m)):
+        meet = [n for n, (lo, hi) in enumerate(ranges) if lo <= m < hi]
+        assert meet == list(range(len(meet))), (m, meet)
+
+
+def test_host_zeroes_the_turn_counters(monkeypatch, cute_env):
+    """backward(deterministic=True) hands the kernel zeroed int32 counters (B, H, query blocks) after the tensors;
+    backward_varlen (sequences, H, blocks of max_seqlen_q); both refuse a window."""
+    cute_env(OVERRIDES="plan.bwd_host=torch")
+    dtype, D = torch.float16, 64
+    seen = []
+
+    def kernel(*args):
+        seen.append([a.clone() if isinstance(a, torch.Tensor) else a for a in args])
+
+    for varlen in (False, True):
+        monkeypatch.setitem(kernels._bwd_kernels, kernels.bwd_mem_key(dtype, D, True, "sm_90a", False, varlen, True),
+                            kernel)
+    block_m = kernels.bwd_config(dtype, D, True, "sm_90a", deterministic=True).block_m
+    q = torch.randn(2, 200, 4, D).to(dtype)
+    k = torch.randn(2, 300, 2, D).to(dtype)
+    lse = torch.randn(2, 4, 200)
+    launch.backward(q, q, k, k, q, lse, 0.1, True, deterministic=True)
+    sem = seen[-1][9]
+    assert sem.dtype == torch.int32 and sem.shape == (2, 4, -(-200 // block_m)) and sem.eq(0).all()
+    assert seen[-1][10] == 0.1
+    with pytest.raises(NotImplementedError, match="window"):
+        launch.backward(q, q, k, k, q, lse, 0.1, False, window=(8, 8), deterministic=True)
+
+    cu_q, cu_k = _cu([150, 50]), _cu([100, 200])
+    qv, kv, lsev = q[0], k[0], lse[0]
+    launch.backward_varlen(qv, qv, kv, kv, qv, lsev, cu_q, cu_k, None, None, 150, 200, 0.1, True,
+                           deterministic=True)
+    args = seen[-1]
+    sem = args[13]
+    assert sem.dtype == torch.int32 and sem.shape == (2, 4, -(-150 // block_m)) and sem.eq(0).all()
+    assert args[14] == 200 and args[15] == 0.1
+    with pytest.raises(NotImplementedError, match="window"):
+        launch.backward_varlen(qv, qv, kv, kv, qv, lsev, cu_q, cu_k, None, None, 150, 200, 0.1, False,
+                               window=(8, 8), deterministic=True)
+
+
+def _call(**kw):
+    base = dict(device_type="cuda", dtype=torch.bfloat16, head_dim=128, head_dim_v=128, arch=(9, 0), causal=True,
+                backward=True)
+    base.update(kw)
+    return Call(**base)
+
+
+def test_deterministic_backward_is_admitted_only_under_its_rule(cute_env):
+    q = torch.empty(1, 10, 2, 64)
+    assert cute_backend.unsupported_reason(_call(deterministic=True)) is not None
+    assert not autograd._kernel_takes(q, q, True, U, U, 0.0, True, None)
+    cute_env(OVERRIDES="plan.bwd_deterministic=1,plan.bwd_window=1")
+    assert cute_backend.unsupported_reason(_call(deterministic=True)) is None
+    assert cute_backend.unsupported_reason(_call(deterministic=True, window_left=8)) is not None
+    assert autograd._kernel_takes(q, q, True, U, U, 0.0, True, None)
+    assert autograd._kernel_takes(q, q, False, U, U, 0.0, True, None)
+    assert not autograd._kernel_takes(q, q, False, 8, 3, 0.0, True, None)  # windows: bwd_torch, deterministic too
+    assert autograd._kernel_takes(q, q, False, 8, 3, 0.0, False, None)
+
+
+def test_own_backward_passes_deterministic_to_the_kernel(monkeypatch, cute_env):
+    cute_env(OVERRIDES="plan.bwd_deterministic=1,plan.bwd_varlen=1")
+    got = []
+    monkeypatch.setattr(launch, "backward", lambda *a, **kw: got.append(("dense", kw)) or "g")
+    monkeypatch.setattr(launch, "backward_varlen", lambda *a, **kw: got.append(("varlen", kw)) or "g")
+    q = torch.empty(1, 10, 2, 64)
+    cu = _cu([10])
+    autograd.own_backward(q, q, q, q, q, None, 0.5, True, U, U, 0.0, True, "sm_90a", None)
+    autograd.own_backward(q[0], q[0], q[0], q[0], q[0], None, 0.5, True, U, U, 0.0, True, "sm_90a",
+                          (cu, cu, 10, 10, None, None))
+    assert [(w, kw["deterministic"]) for w, kw in got] == [("dense", True), ("varlen", True)]
+
+
+# ----------------------------------------------------------------------------------------------------
+# On a Hopper GPU
+
+
+def _hopper():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.fixture
+def det_on(monkeypatch, cute_env):
+    """The deterministic (and varlen) rules on, the dispatcher's cached choices dropped, and the deterministic flag
+    of each kernel launch recorded."""
+    from flash_attn import dispatch
+
+    cute_env(OVERRIDES="plan.bwd_deterministic=1,plan.bwd_varlen=1", DISABLE=None)
+    monkeypatch.setattr(dispatch, "_choice", {})
+    calls = []
+    for name in ("backward", "backward_varlen"):
+        real = getattr(launch, name)
+        monkeypatch.setattr(launch, name, lambda *a, _r=real, **kw: (calls.append(kw.get("deterministic")),
+                                                                     _r(*a, **kw))[1])
+    return calls
+
+
+def _inputs(dtype, d, batch, seqlen_q, seqlen_k, heads, heads_kv, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, seqlen_q, heads, d, generator=g).to("cuda", dtype).requires_grad_()
+    k, v = (torch.randn(batch, seqlen_k, heads_kv, d, generator=g).to("cuda", dtype).requires_grad_()
+            for _ in range(2))
+    dout = torch.randn(batch, seqlen_q, heads, d, generator=g).to("cuda", dtype)
+    return q, k, v, dout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1000, 1000), (300, 1200), (1200, 300), (1, 130), (4096, 4096)])
+def test_deterministic_gradients_are_exact_and_repeat_bit_for_bit_on_gpu(det_on, dtype, d, causal, seqlen_q,
+                                                                        seqlen_k):
+    """The reference's gradients within the criterion, and five runs of the same backward give the same bits
+    (at 4096 x 4096, 32 key blocks add into every query block)."""
+    from flash_attn.cute import flash_attn_func
+
+    q, k, v, dout = _inputs(dtype, d, 2, seqlen_q, seqlen_k, 4, 2, seed=d + seqlen_q)
+    runs = []
+    for _ in range(5):
+        out, _ = flash_attn_func(q, k, v, causal=causal, deterministic=True)
+        runs.append(torch.autograd.grad(out, (q, k, v), dout))
+    torch.cuda.synchronize()
+    assert det_on and all(det_on), det_on
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            assert torch.equal(a, b)
+    results = []
+    for upcast in (True, False):
+        qr, kr, vr = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        ref, _ = testing.attention_ref(qr, kr, vr, causal=causal, upcast=upcast, reorder_ops=not upcast)
+        results.append(torch.autograd.grad(ref, (qr, kr, vr), dout))
+    for name, a, r, p in zip(("dq", "dk", "dv"), runs[0], *results):
+        testing.assert_close_to_ref(a, r, p, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_deterministic_varlen_gradients_repeat_bit_for_bit_on_gpu(det_on, d, causal):
+    """Varlen through FA4's flash_attn_varlen_func(deterministic=True): five runs, the same bits; the gradients of
+    each sequence match its own reference (tests/cute/test_cute_bwd_varlen.py's helper)."""
+    from flash_attn.cute import flash_attn_varlen_func
+
+    from test_cute_bwd_varlen import _per_sequence_reference
+
+    lens_q, lens_k = [1000, 1, 300, 0, 2048], [700, 129, 1200, 64, 2048]
+    cu_q, cu_k = _cu(lens_q, "cuda"), _cu(lens_k, "cuda")
+    g = torch.Generator().manual_seed(d)
+    q = torch.randn(int(cu_q[-1]), 4, d, generator=g).to("cuda", torch.bfloat16).requires_grad_()
+    k, v = (torch.randn(int(cu_k[-1]), 2, d, generator=g).to("cuda", torch.bfloat16).requires_grad_()
+            for _ in range(2))
+    dout = torch.randn(q.shape, generator=g).to("cuda", torch.bfloat16)
+    runs = []
+    for _ in range(5):
+        out, _ = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=causal,
+                                        deterministic=True)
+        runs.append(torch.autograd.grad(out, (q, k, v), dout))
+    assert det_on and all(det_on), det_on
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            assert torch.equal(a, b)
+    ref, pt = _per_sequence_reference(q, k, v, dout, cu_q, cu_k, cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1], causal,
+                                      (-1, -1))
+    for name, a, r, p in zip(("dq", "dk", "dv"), runs[0], ref[1:], pt[1:]):
+        testing.assert_close_to_ref(a, r, p, name)
