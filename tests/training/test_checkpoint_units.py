@@ -1,6 +1,7 @@
 """flash_attn.training.checkpoint, function by function: file names, the ``latest`` pointer, pruning to the newest
 ``keep``, atomic writes (no temporary left), how a path resolves to a checkpoint, and the errors for what is not
 one of ours."""
+import copy
 import os
 
 import pytest
@@ -140,3 +141,40 @@ def test_model_and_optimizer_state_round_trip_in_one_process():
     ckpt.load_optimizer_state(other, other_opt, o_state)
     torch.testing.assert_close(other.weight, model.weight)
     torch.testing.assert_close(other_opt.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+
+
+def test_fsdp_states_are_gathered_in_full_in_a_world_of_one(tmp_path):
+    """FSDP2 (fully_shard) in this process, on a gloo group of world size 1: the parameters are DTensors, and the
+    gathered model and optimizer states hold plain CPU tensors (full, not sharded), which load back into a fresh
+    sharded model with and without the broadcast from rank 0. (Two ranks run in test_training_dist.py's spawned
+    processes.)"""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+        fully_shard(model)
+        return model, torch.optim.AdamW(model.parameters(), lr=0.1)
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        model, opt = build()
+        model(torch.randn(5, 3)).sum().backward()
+        opt.step()
+        assert isinstance(model[0].weight, DTensor)
+        m_state, o_state = ckpt.gather_model_state(model), ckpt.gather_optimizer_state(model, opt)
+        tensors = list(m_state.values()) + [t for s in o_state["state"].values() for t in s.values()]
+        assert set(m_state) == {"0.weight", "0.bias", "1.weight", "1.bias"} and len(tensors) == 4 + 4 * 3
+        assert all(type(t) is torch.Tensor and t.device.type == "cpu" for t in tensors)
+        for broadcast in (False, True):
+            other, other_opt = build()
+            # (the loads turn the dicts' tensors into DTensors in place: each load gets a copy)
+            ckpt.load_model_state(other, copy.deepcopy(m_state), broadcast=broadcast)
+            ckpt.load_optimizer_state(other, other_opt, copy.deepcopy(o_state), broadcast=broadcast)
+            for name, p in other.named_parameters():
+                assert torch.equal(p.full_tensor(), m_state[name]), name
+                assert torch.equal(other_opt.state[p]["exp_avg"].full_tensor(), o_state["state"][name]["exp_avg"])
+    finally:
+        dist.destroy_process_group()
