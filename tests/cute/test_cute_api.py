@@ -489,7 +489,8 @@ def alone(monkeypatch):
     dict(causal=True, deterministic=True), dict(window_size=(5, 2)), dict(window_size=(-3, None)),
     dict(window_size=(None, -2), softcap=3.0), dict(causal=True, window_size=(4, None), sink=True),
     dict(window_size=(7, -2), sink=True)])
-def test_own_backward_matches_autograd(alone, case):
+def test_own_backward_matches_autograd(alone, case, cute_env):
+    cute_env(OVERRIDES="plan.bwd_window=0")  # the windows here go to bwd_torch (else the kernel, GPU only)
     torch.manual_seed(5)
     B, Sq, Sk, H, Hk, D = 2, 11, 17, 4, 2, 64
     q = torch.randn(B, Sq, H, D, dtype=torch.float16, requires_grad=True)
@@ -513,17 +514,18 @@ def test_own_backward_matches_autograd(alone, case):
 def test_own_backward_takes_the_kernel_where_it_serves(alone, cute_env, monkeypatch):
     seen = []
     monkeypatch.setattr(launch, "backward", lambda dout, q, k, v, out, lse, scale, causal, arch, dlse=None,
-                        window=None: seen.append((causal, dlse is not None, window))
+                        window=None, deterministic=False: seen.append((causal, dlse is not None, window))
                         or (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)))
     q, k, v = (torch.randn(1, 9, 2, 64, dtype=torch.float16, requires_grad=True) for _ in range(3))
     out, lse = interface.flash_attn_func(q, k, v, causal=True, return_lse=True)
     torch.autograd.grad(out.float().sum() + lse.sum(), (q, k, v))
     assert seen == [(True, True, None)] and alone == []
-    # a window: bwd_torch, or under the plan rule bwd_window the kernel with the resolved sizes
+    # a window: bwd_torch with the plan rule bwd_window off, else the kernel with the resolved sizes
+    cute_env(OVERRIDES="plan.bwd_window=0")
     out = interface.flash_attn_func(q, k, v, causal=True, window_size=(4, None))[0]
     torch.autograd.grad(out.float().sum(), (q, k, v))
     assert len(seen) == 1 and len(alone) == 1
-    cute_env(OVERRIDES="plan.bwd_window=1")
+    cute_env(OVERRIDES=None)
     for window, want in (((4, None), (4, 0)), ((None, 3), None), ((2, 5), (2, 0))):
         out = interface.flash_attn_func(q, k, v, causal=True, window_size=window)[0]
         torch.autograd.grad(out.float().sum(), (q, k, v))

@@ -908,8 +908,8 @@ def test_backward_is_served_only_where_the_kernel_applies(cute_env, disable):
     assert cute_backend.unsupported_reason(_call()) is None
     assert cute_backend.unsupported_reason(_call(causal=False, dtype=torch.float16, head_dim=128,
                                                  head_dim_v=128)) is None
-    for what in (dict(varlen=True), dict(window_left=8), dict(causal=False, window_right=8), dict(softcap=30.0),
-                 dict(deterministic=True), dict(alibi=True), dict(dropout_p=0.1), dict(paged=True)):
+    for what in (dict(varlen=True), dict(softcap=30.0), dict(deterministic=True), dict(alibi=True),
+                 dict(dropout_p=0.1), dict(paged=True)):
         assert cute_backend.unsupported_reason(_call(**what)) is not None, what
     assert cute_backend.unsupported_reason(_call(head_dim=96, head_dim_v=96)) is not None
     assert cute_backend.unsupported_reason(_call(arch=(8, 0))) is not None
@@ -1265,7 +1265,7 @@ def test_precompile_fills_the_disk_cache_with_backward_kernels(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Sliding windows (the plan rule bwd_window)
+# Sliding windows (the plan rule bwd_window, on by default)
 
 
 @pytest.mark.parametrize("block_m", [64, 128])
@@ -1290,13 +1290,14 @@ def test_window_query_block_range_is_exactly_the_blocks_that_see_the_key_block(b
         assert mask.m_block_mask_end(n, seqlen_q, seqlen_k) == n_q_blocks
 
 
-def test_window_backward_is_admitted_only_under_its_rule(cute_env):
+def test_window_backward_is_admitted_under_its_rule_on_by_default(cute_env):
     from flash_attn.cute import autograd
 
     windowed = [dict(window_left=8), dict(causal=False, window_right=8), dict(window_left=3, window_right=0)]
+    cute_env(OVERRIDES="plan.bwd_window=0")
     for what in windowed:
         assert cute_backend.unsupported_reason(_call(**what)) is not None, what
-    cute_env(OVERRIDES="plan.bwd_window=1")
+    cute_env(OVERRIDES=None)
     for what in windowed:
         assert cute_backend.unsupported_reason(_call(**what)) is None, what
     assert cute_backend.unsupported_reason(_call(window_left=8, softcap=5.0)) is not None
@@ -1308,7 +1309,7 @@ def test_window_backward_is_admitted_only_under_its_rule(cute_env):
     assert not autograd._kernel_takes(q, q, False, 8, -1, 0.0, False, None)
     assert autograd._kernel_window(False, U, U) is None and autograd._kernel_window(True, U, U) is None
     assert autograd._kernel_window(True, 8, U) == (8, 0) and autograd._kernel_window(False, U + 5, 4) == (U, 4)
-    cute_env(OVERRIDES=None)
+    cute_env(OVERRIDES="plan.bwd_window=0")
     assert not autograd._kernel_takes(q, q, False, 8, 3, 0.0, False, None)
 
 
@@ -1330,5 +1331,5 @@ def test_window_backward_compiles_for_sm90a_with_its_own_key(tmp_path):
                                            (False, (513, -1)), (True, (1, -1))])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1000, 1000), (300, 777), (777, 300), (1, 900)])
 def test_window_gradients_on_gpu(cute_bwd_on, cute_env, d, causal, window, seqlen_q, seqlen_k):
-    cute_env(OVERRIDES="plan.bwd_window=1", DISABLE=None)
+    cute_env(OVERRIDES=None, DISABLE=None)  # the plan rule bwd_window is on by default
     _run(torch.bfloat16, d, causal, 2, seqlen_q, seqlen_k, 4, 2, cute_bwd_on, seed=d + seqlen_q, window=window)

@@ -276,9 +276,9 @@ def test_varlen_backward_is_admitted_only_under_its_rule(cute_env):
     assert not autograd._kernel_takes(q, q, True, U, U, 0.0, False, (None, None, 6, 6, cu[1:] - cu[:-1], None))
     assert not autograd._kernel_takes(q, q, True, U, U, 1.0, False, varlen)
     assert not autograd._kernel_takes(q, q, True, U, U, 0.0, True, varlen)
-    assert not autograd._kernel_takes(q, q, False, 8, 3, 0.0, False, varlen)  # a window needs its own rule too
-    cute_env(OVERRIDES="plan.bwd_varlen=1,plan.bwd_window=1")
-    assert autograd._kernel_takes(q, q, False, 8, 3, 0.0, False, varlen)
+    assert autograd._kernel_takes(q, q, False, 8, 3, 0.0, False, varlen)  # with the window rule (on by default)
+    cute_env(OVERRIDES="plan.bwd_varlen=1,plan.bwd_window=0")
+    assert not autograd._kernel_takes(q, q, False, 8, 3, 0.0, False, varlen)
 
 
 def test_own_backward_sends_varlen_calls_to_the_varlen_kernel(monkeypatch, cute_env):

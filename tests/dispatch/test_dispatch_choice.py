@@ -89,13 +89,16 @@ def test_hopper_dense_forward_runs_cute(gpu, dtype, d):
 def test_hopper_dense_backward_runs_cute(gpu):
     assert _select(backward=True) == "cute"
     assert _select(backward=True, causal=True, window_right=0, d=128, dv=128) == "cute"
+    # sliding windows too (the plan rule bwd_window, on by default)
+    assert _select(backward=True, window_left=16, window_right=0, causal=True) == "cute"
+    assert _select(backward=True, window_left=16, window_right=8) == "cute"
 
 
 @pytest.mark.parametrize("call", [
     dict(dropout_p=0.1), dict(alibi=True), dict(return_probs=True), dict(kvcache=True),
     dict(dtype=torch.float32), dict(d=72, dv=72), dict(d=64, dv=32), dict(device="cuda:1"),
     dict(backward=True, softcap=30.0), dict(backward=True, deterministic=True), dict(backward=True, varlen=True),
-    dict(backward=True, window_left=16, window_right=0, causal=True), dict(backward=True, d=256, dv=256),
+    dict(backward=True, d=256, dv=256),
 ], ids=lambda c: ",".join(f"{k}={getattr(v, '__name__', v)}" for k, v in c.items()))
 def test_triton_where_cute_refuses(gpu, call):
     assert _select(**call) == "triton"
@@ -167,7 +170,7 @@ PAIRS = [
     ("dtype", dict(), dict(dtype=torch.float32), ("cute", "triton")),
     ("device", dict(), dict(device="cpu"), ("cute", "torch")),
     ("arch", dict(), dict(device="cuda:1"), ("cute", "triton")),
-    ("local", dict(backward=True), dict(backward=True, window_left=16), ("cute", "triton")),
+    ("local", dict(backward=True), dict(backward=True, window_left=16), ("cute", "triton")),  # (bwd_window off)
     # causal with the same window (-1, 0): causal, or a window reaching to the diagonal (a local call)
     ("causal", dict(backward=True, causal=True, window_right=0), dict(backward=True, window_right=0),
      ("cute", "triton")),
@@ -176,7 +179,9 @@ PAIRS = [
 
 
 @pytest.mark.parametrize("name,a,b,expect", PAIRS, ids=[p[0] for p in PAIRS])
-def test_cache_key_holds_every_attribute(gpu, name, a, b, expect):
+def test_cache_key_holds_every_attribute(gpu, cute_env, name, a, b, expect):
+    if name in ("local", "causal"):  # windowed backward calls leave cute only with the plan rule bwd_window off
+        cute_env(OVERRIDES="plan.bwd_window=0")
     assert (_select(**a), _select(**b)) == expect
     gpu()  # empty cache: the other order
     assert (_select(**b), _select(**a)) == expect[::-1]

@@ -238,14 +238,15 @@ class PlanRules:
     """Per-call planning rules of the host. ``pack_gqa_auto``: pack_gqa=None packs where the packed tiles
     hold more real queries (plan._pack_helps); off until a decoding benchmark decides it. ``bwd_host``:
     "triton" (Triton kernels prepare and finish the backward where they run) or "torch". ``bwd_window``: the
-    CuTeDSL backward kernel serves sliding windows (sizes >= 0; else they take the next backend); off until its GPU
-    tests (tests/cute/test_cute_bwd.py, the window cases) have passed. ``bwd_varlen``: it serves varlen calls
-    (cu_seqlens, seqused), off until tests/cute/test_cute_bwd_varlen.py's GPU tests have passed.
-    ``bwd_deterministic``: it serves deterministic calls without a window (dQ's adds in key-block order), off until
-    tests/cute/test_cute_bwd_det.py's GPU tests (repeated runs, bit for bit) have passed."""
+    CuTeDSL backward kernel serves sliding windows (sizes >= 0; else they take the next backend; on: ahead of
+    Triton's windowed backward, benchmarks/results/h100/attention_cute_bwd_modes.md). ``bwd_varlen``: it serves
+    varlen calls (cu_seqlens, seqused), off until tests/cute/test_cute_bwd_varlen.py's GPU tests pass (the kernel
+    stops with an illegal instruction on the GPU). ``bwd_deterministic``: it serves deterministic calls without a
+    window (dQ's adds in key-block turns; bit for bit run to run on the GPU), off: it runs at 0.4-0.6x of Triton's
+    deterministic backward (the same results file)."""
     pack_gqa_auto: bool = False
     bwd_host: str = "triton"
-    bwd_window: bool = False
+    bwd_window: bool = True
     bwd_varlen: bool = False
     bwd_deterministic: bool = False
 
