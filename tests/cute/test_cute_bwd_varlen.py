@@ -150,13 +150,17 @@ def _varlen_forward(q, k, v, cu_q, cu_k, used_q, used_k, scale, causal):
 
 
 def _model_kernel(block_m, seen, causal):
-    """FlashBwdSm90.call_varlen's contract in torch: per sequence b and query head, P = exp2(S scale log2(e) -
+    """FlashBwdSm90.call_varlen's contract in torch (the packed tensors as batch entry 0): per sequence b and query head, P = exp2(S scale log2(e) -
     lse2) (0 where the bottom-right causal mask hides the key) and dS = P (dP - delta) with lse2 / delta read at rows cu_seqlens_q[b] + b * block_m (the padding rows,
     to the next multiple of block_m, must be +inf / 0: the kernel's tiles read them); dq_accum += scale dS K on the
     used rows; dK = scale dS^T Q, dV = P^T dO per query head on the used key rows (the rest untouched)."""
     def kernel(q, k, v, dout, lse2, delta, dq_accum, dk, dv, cu_q, cu_k, used_q, used_k, max_seqlen_k, scale, wl,
                wr):
         seen.append(max_seqlen_k)
+        # the packed tensors arrive as one batch entry of the dense layouts (views: the writes below land)
+        assert all(t.dim() == 4 and t.shape[0] == 1 for t in (q, k, v, dout, dq_accum, dk, dv))
+        assert all(t.dim() == 3 and t.shape[0] == 1 for t in (lse2, delta))
+        q, k, v, dout, lse2, delta, dq_accum, dk, dv = (t[0] for t in (q, k, v, dout, lse2, delta, dq_accum, dk, dv))
         G = q.shape[1] // k.shape[1]
         for b in range(cu_q.shape[0] - 1):
             qs, ks, lq, lk = int(cu_q[b]), int(cu_k[b]), int(used_q[b]), int(used_k[b])

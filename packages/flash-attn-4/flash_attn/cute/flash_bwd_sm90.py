@@ -219,10 +219,11 @@ class FlashBwdSm90:
                     mdV: cute.Tensor, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mSeqUsedQ: cute.Tensor,
                     mSeqUsedK: cute.Tensor, max_seqlen_k: Int32, softmax_scale: Float32, window_left: Int32,
                     window_right: Int32, stream):
-        """Varlen (varlen=True): mQ/mdO/mdQaccum (total_q, H, D), mK/mV (total_k, Hk, D), mdK/mdV (total_k, H, D),
-        mLSE2/mDelta (H, total_q + B * block_m) with sequence b's rows from cu_seqlens_q[b] + b * block_m (see
-        seqlen_info.BwdSeqlens), int32 cu_seqlens (B + 1,) and the rows each sequence uses from its start (B,),
-        max_seqlen_k at least the longest used_k. The window sizes are read only by a local kernel."""
+        """Varlen (varlen=True): the packed tensors as one batch entry of __call__'s layouts: mQ/mdO/mdQaccum
+        (1, total_q, H, D), mK/mV (1, total_k, Hk, D), mdK/mdV (1, total_k, H, D), mLSE2/mDelta (1, H, rows) with
+        sequence b's rows from cu_seqlens_q[b] + b * block_m (see seqlen_info.BwdSeqlens); int32 cu_seqlens (B + 1,)
+        and the rows each sequence uses from its start (B,); max_seqlen_k at least the longest used_k. The window
+        sizes are read only by a local kernel."""
         self._host(mQ, mK, mV, mdO, mLSE2, mDelta, mdQaccum, mdK, mdV, softmax_scale, stream,
                    (window_left, window_right) if cutlass.const_expr(self.local) else None,
                    (mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, max_seqlen_k), None)
@@ -240,8 +241,7 @@ class FlashBwdSm90:
 
     @cute.jit
     def _host(self, mQ, mK, mV, mdO, mLSE2, mDelta, mdQaccum, mdK, mdV, softmax_scale, stream, window, seqs, sem):
-        # (B, S, H, D) -> (S, D, H, B) (varlen: (T, H, D) -> (T, D, H, 1)): the first two modes are the tile,
-        # the others index the CTA.
+        # (B, S, H, D) -> (S, D, H, B): the first two modes are the tile, the others index the CTA.
         (mQ, mK, mV, mdO, mdQaccum, mdK, mdV), (mLSE2, mDelta) = self.seqlens.views(
             (mQ, mK, mV, mdO, mdQaccum, mdK, mdV), (mLSE2, mDelta))
 

@@ -385,17 +385,12 @@ def compile_bwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=Fal
     # 32-bit symbolic shapes and strides, as in compile_fwd (backward() keeps tensors below 2^31 elements).
     batch, seqlen_q, seqlen_k, heads, heads_kv, seqlen_q_pad = (cute.sym_int() for _ in range(6))
 
-    def bshd(dt, seqlen, h):  # (B, S, H, D); varlen: packed (T, H, D)
-        if varlen:
-            return make_fake_tensor(dt, (seqlen, h, D), (cute.sym_int(divisibility=8), D, 1), assumed_align=16)
+    def bshd(dt, seqlen, h):  # (B, S, H, D) (varlen: B = 1, the packed rows)
         return make_fake_tensor(dt, (batch, seqlen, h, D),
                                 (cute.sym_int(divisibility=8), cute.sym_int(divisibility=8), D, 1),
                                 assumed_align=16)
 
-    def rows():  # lse2 / delta (B, H, Sq_pad) fp32 (varlen: (H, T_pad)): TMA needs 16-byte aligned rows
-        if varlen:
-            return make_fake_tensor(cutlass.Float32, (heads, seqlen_q_pad), (cute.sym_int(divisibility=4), 1),
-                                    assumed_align=16)
+    def rows():  # lse2 / delta (B, H, Sq_pad) fp32: TMA needs 16-byte aligned rows
         return make_fake_tensor(cutlass.Float32, (batch, heads, seqlen_q_pad),
                                 (cute.sym_int(divisibility=4), cute.sym_int(divisibility=4), 1), assumed_align=16)
 

@@ -408,8 +408,9 @@ def backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused
     window_args = tuple(int(w) for w in window) if local else (0, 0)
     sem = ((torch.zeros((batch, H, -(-int(max_seqlen_q) // block_m)), dtype=torch.int32, device=q.device),)
            if deterministic else ())
-    fn(q, k, v, dout, lse2, delta, dq_accum, dk_h, dv_h, cu_seqlens_q, cu_seqlens_k, used_q, used_k, *sem,
-       int(max_seqlen_k), float(softmax_scale), *window_args)
+    # as dense tensors of one batch entry (the dense kernel's layouts and TMA descriptors)
+    fn(q[None], k[None], v[None], dout[None], lse2[None], delta[None], dq_accum[None], dk_h[None], dv_h[None],
+       cu_seqlens_q, cu_seqlens_k, used_q, used_k, *sem, int(max_seqlen_k), float(softmax_scale), *window_args)
     dq = dq_out if dq_out is not None else torch.empty((Tq, H, D), dtype=dtype, device=q.device)
     kv = (dk_h[None], dv_h[None], dk[None], dv[None]) if sums else ()
     (bwd_host.finish if triton_host else bwd_host.finish_torch)(dq_accum[None], dq[None], *kv)

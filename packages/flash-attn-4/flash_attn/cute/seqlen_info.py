@@ -111,9 +111,10 @@ class SeqlenInfo:
 class BwdSeqlens:
     """The backward kernel's SeqlenInfo: its host views and where grid z's sequence is. Dense: batch entry z,
     every sequence Sq x Sk. Varlen: sequence z is the used_q[z] rows from cu_seqlens_q[z] of packed Q, dO, dQ and
-    its keys the used_k[z] rows from cu_seqlens_k[z] of packed K, V, dK, dV (batch index 0 of views with one
-    batch entry); its lse2 / delta rows start at cu_seqlens_q[z] + z * block_m, the host having padded each
-    sequence to a multiple of block_m (+inf / 0: the padded queries contribute nothing). A tile that runs past
+    its keys the used_k[z] rows from cu_seqlens_k[z] of packed K, V, dK, dV, which the host hands over as dense
+    tensors of one batch entry (the dense kernel's views and TMA descriptors); its lse2 / delta rows start at
+    cu_seqlens_q[z] + z * block_m, the host having padded each sequence to a multiple of block_m (+inf / 0: the
+    padded queries contribute nothing). A tile that runs past
     its sequence reads the next one's rows (finite values, which the +inf lse2 and the key mask zero out) and adds
     nothing to them: its dQ rows past the sequence are exact zeros, its dK / dV rows are not stored."""
 
@@ -122,18 +123,11 @@ class BwdSeqlens:
         self.block_m = block_m
 
     def views(self, rows, lse_rows):
-        """Host side: (S, D, H, B) views of the (B, S, H, D) tensors ``rows`` (varlen: (T, H, D), one batch entry)
-        and (S, H, B) views of the (B, H, S) fp32 rows ``lse_rows`` (varlen: (H, T_pad)); the first modes are the
-        tile, the others index the CTA."""
-        if cutlass.const_expr(self.varlen):
-            unit = cute.make_layout(1)
-            rows = [cute.make_tensor(t.iterator, cute.append(cute.select(t.layout, mode=[0, 2, 1]), unit))
-                    for t in rows]
-            lse_rows = [cute.make_tensor(t.iterator, cute.append(cute.select(t.layout, mode=[1, 0]), unit))
-                        for t in lse_rows]
-        else:
-            rows = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0])) for t in rows]
-            lse_rows = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0])) for t in lse_rows]
+        """Host side: (S, D, H, B) views of the (B, S, H, D) tensors ``rows`` (varlen: B = 1, S the packed rows)
+        and (S, H, B) views of the (B, H, S) fp32 rows ``lse_rows``; the first modes are the tile, the others index
+        the CTA."""
+        rows = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0])) for t in rows]
+        lse_rows = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0])) for t in lse_rows]
         return rows, lse_rows
 
     def tile(self, z, seqlen_q, mK, seqs):
