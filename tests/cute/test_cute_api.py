@@ -514,7 +514,7 @@ def test_own_backward_matches_autograd(alone, case, cute_env):
 def test_own_backward_takes_the_kernel_where_it_serves(alone, cute_env, monkeypatch):
     seen = []
     monkeypatch.setattr(launch, "backward", lambda dout, q, k, v, out, lse, scale, causal, arch, dlse=None,
-                        window=None, deterministic=False: seen.append((causal, dlse is not None, window))
+                        window=None, deterministic=False, softcap=0.0: seen.append((causal, dlse is not None, window))
                         or (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)))
     q, k, v = (torch.randn(1, 9, 2, 64, dtype=torch.float16, requires_grad=True) for _ in range(3))
     out, lse = interface.flash_attn_func(q, k, v, causal=True, return_lse=True)

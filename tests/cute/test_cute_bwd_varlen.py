@@ -154,8 +154,9 @@ def _model_kernel(block_m, seen, causal):
     lse2) (0 where the bottom-right causal mask hides the key) and dS = P (dP - delta) with lse2 / delta read at rows cu_seqlens_q[b] + b * block_m (the padding rows,
     to the next multiple of block_m, must be +inf / 0: the kernel's tiles read them); dq_accum += scale dS K on the
     used rows; dK = scale dS^T Q, dV = P^T dO per query head on the used key rows (the rest untouched)."""
-    def kernel(q, k, v, dout, lse2, delta, dq_accum, dk, dv, cu_q, cu_k, used_q, used_k, max_seqlen_k, scale, wl,
-               wr):
+    def kernel(q, k, v, dout, lse2, delta, dq_accum, dk, dv, cu_q, cu_k, used_q, used_k, max_seqlen_k, scale,
+               softcap, wl, wr):
+        assert softcap == 0.0
         seen.append(max_seqlen_k)
         # the packed tensors arrive as one batch entry of the dense layouts (views: the writes below land)
         assert all(t.dim() == 4 and t.shape[0] == 1 for t in (q, k, v, dout, dq_accum, dk, dv))
@@ -326,7 +327,7 @@ def varlen_on(monkeypatch, cute_env):
     return calls
 
 
-def _per_sequence_reference(q, k, v, dout, cu_q, cu_k, used_q, used_k, causal, window, dlse=None):
+def _per_sequence_reference(q, k, v, dout, cu_q, cu_k, used_q, used_k, causal, window, dlse=None, softcap=0.0):
     """(out, dq, dk, dv) of the upcast oracle and of PyTorch at the input dtype, sequence by sequence (zeros outside
     the used rows); dlse (H, T): the lse's gradient, added through testing.attention_lse_ref."""
     results = []
@@ -338,11 +339,11 @@ def _per_sequence_reference(q, k, v, dout, cu_q, cu_k, used_q, used_k, causal, w
                 continue
             qb, kb, vb = (t.detach()[s:s + n][None].clone().requires_grad_()
                           for t, s, n in ((q, qs, lq), (k, ks, lk), (v, ks, lk)))
-            out, _ = testing.attention_ref(qb, kb, vb, causal=causal, window_size=window, upcast=upcast,
-                                           reorder_ops=not upcast)
+            out, _ = testing.attention_ref(qb, kb, vb, causal=causal, window_size=window, softcap=softcap,
+                                           upcast=upcast, reorder_ops=not upcast)
             loss = (out * dout[qs:qs + lq][None]).sum()
             if dlse is not None:
-                lse = testing.attention_lse_ref(qb, kb, causal=causal, window_size=window)
+                lse = testing.attention_lse_ref(qb, kb, causal=causal, window_size=window, softcap=softcap)
                 loss = loss + (torch.where(lse.isinf(), 0.0, lse) * dlse[None, :, qs:qs + lq]).sum()
             grads = torch.autograd.grad(loss, (qb, kb, vb), allow_unused=True)
             res[0][qs:qs + lq] = out.detach()[0]

@@ -71,8 +71,8 @@ def with_fallback_backward(q, k, v, softmax_scale, causal, window_left, window_r
 
 def _kernel_takes(q, v, causal, window_left, window_right, softcap, deterministic, varlen):
     """Whether this package's CuTeDSL backward kernel serves the call (the rule backend.py gives the dispatcher:
-    no softcap, its head dims, not switched off; a window with sizes >= 0 under the plan rule bwd_window; varlen
-    (cu_seqlens, seqused) under the plan rule bwd_varlen; deterministic without a window under bwd_deterministic)."""
+    its head dims, not switched off; a window with sizes >= 0 under the plan rule bwd_window; varlen (cu_seqlens,
+    seqused) under bwd_varlen; deterministic without a window under bwd_deterministic; softcap under bwd_softcap)."""
     from flash_attn.cute import backend
 
     U = _UNBOUNDED
@@ -80,7 +80,7 @@ def _kernel_takes(q, v, causal, window_left, window_right, softcap, deterministi
     window_ok = unwindowed or (backend._window_bwd() and window_left >= 0 and (causal or window_right >= 0))
     varlen_ok = varlen is None or (backend._varlen_bwd() and varlen[0] is not None and varlen[1] is not None)
     det_ok = not deterministic or (backend._deterministic_bwd() and unwindowed)
-    return (varlen_ok and not softcap and det_ok and window_ok
+    return (varlen_ok and (not softcap or backend._softcap_bwd()) and det_ok and window_ok
             and q.shape[-1] == v.shape[-1] and q.shape[-1] in backend._HEAD_DIMS
             and not settings.disabled("bwd"))
 
@@ -100,9 +100,10 @@ def own_backward(dout, q, k, v, out, lse, softmax_scale, causal, window_left, wi
         if varlen is not None:
             cu_q, cu_k, max_q, max_k, used_q, used_k = varlen
             return _k.backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, used_q, used_k, max_q, max_k, softmax_scale,
-                                      causal, arch, dlse=dlse, window=window, deterministic=deterministic)
+                                      causal, arch, dlse=dlse, window=window, deterministic=deterministic,
+                                      softcap=softcap)
         return _k.backward(dout, q, k, v, out, lse, softmax_scale, causal, arch, dlse=dlse, window=window,
-                           deterministic=deterministic)
+                           deterministic=deterministic, softcap=softcap)
     from flash_attn.cute import bwd_torch
 
     cu_q = cu_k = used_q = used_k = None

@@ -92,7 +92,8 @@ def unsupported_reason(call):
             return f"backward (switched off: {settings.DISABLE} names bwd)"
         for what in ("varlen", "local", "softcap", "deterministic"):
             ruled = ((what == "local" and _window_bwd()) or (what == "varlen" and _varlen_bwd())
-                     or (what == "deterministic" and _deterministic_bwd() and not call.local))
+                     or (what == "deterministic" and _deterministic_bwd() and not call.local)
+                     or (what == "softcap" and _softcap_bwd()))
             if getattr(call, what) and not ruled:
                 return f"backward with {what}"
     return None
@@ -161,21 +162,22 @@ def bwd(call, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
 
     # unsupported_reason admitted only uncapped, non-deterministic calls on sm_90 (windowed ones with the plan rule
     # bwd_window, varlen ones with bwd_varlen); a direct caller gets an error rather than a wrong gradient
-    if (block_table is not None or call.softcap > 0.0 or alibi_slopes is not None or call.dropout_p > 0.0
+    if (block_table is not None or (call.softcap > 0.0 and not _softcap_bwd()) or alibi_slopes is not None
+            or call.dropout_p > 0.0
             or (call.deterministic and (call.local or not _deterministic_bwd())) or (call.local and not _window_bwd())
             or (cu_seqlens_q is not None and not _varlen_bwd())):
-        raise NotImplementedError("flash_attn.cute's backward handles calls without paged KV, softcap, ALiBi or "
-                                  "dropout (windows with the plan rule bwd_window, varlen with bwd_varlen, "
-                                  "determinism without a window with bwd_deterministic)")
+        raise NotImplementedError("flash_attn.cute's backward handles calls without paged KV, ALiBi or dropout "
+                                  "(windows with the plan rule bwd_window, varlen with bwd_varlen, determinism "
+                                  "without a window with bwd_deterministic, softcap with bwd_softcap)")
     window = None
     if call.local:  # the contract's -1 (no limit) is the kernels' _UNBOUNDED; causal arrives as window_right 0
         window = tuple(_UNBOUNDED if w < 0 else w for w in (call.window_left, call.window_right))
     if cu_seqlens_q is not None:
         return launch.backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, None, None, max_seqlen_q,
                                       max_seqlen_k, call.softmax_scale, call.causal, "sm_90a", grads=grads, dlse=dlse,
-                                      window=window, deterministic=call.deterministic)
+                                      window=window, deterministic=call.deterministic, softcap=call.softcap)
     return launch.backward(dout, q, k, v, out, lse, call.softmax_scale, call.causal, "sm_90a", grads=grads,
-                           dlse=dlse, window=window, deterministic=call.deterministic)
+                           dlse=dlse, window=window, deterministic=call.deterministic, softcap=call.softcap)
 
 
 def _window_bwd():
@@ -194,3 +196,9 @@ def _deterministic_bwd():
     from flash_attn.cute import config
 
     return config.plan_rules().bwd_deterministic
+
+
+def _softcap_bwd():
+    from flash_attn.cute import config
+
+    return config.plan_rules().bwd_softcap

@@ -1,6 +1,7 @@
 """Pieces of the Hopper backward kernel (flash_bwd_sm90.py) that stand on their own: the transposed view of a
-shared-memory tile, the two-column fp32 reduction of dQ into global memory, and P^T's 16-bit packing and exact
-unpacking. Plain functions called while the kernel is traced (their loops and branches are on trace-time values)."""
+shared-memory tile, the two-column fp32 reduction of dQ into global memory, and 16-bit packing and exact unpacking
+(P^T's whole tensor, or one pair: softcap's tanh derivative). Plain functions called while the kernel is traced
+(their loops and branches are on trace-time values)."""
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
@@ -59,3 +60,19 @@ def unpack_16(rP, acc, dtype):
                     T.f32(), [Int32(rP32[k]).ir_value()],
                     f"{{ .reg .b16 lo, hi; mov.b32 {{lo, hi}}, $1; cvt.f32.f16 $0, {('lo', 'hi')[h]}; }}",
                     "=f,r", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+def pack_pair(a, b, dtype):
+    """(a, b) fp32 as one 32-bit word of two ``dtype`` (bf16 / fp16) values, a in the low half (cvt.rn.*x2.f32)."""
+    op = "cvt.rn.bf16x2.f32 $0, $2, $1;" if dtype == cutlass.BFloat16 else "cvt.rn.f16x2.f32 $0, $2, $1;"
+    return Int32(llvm.inline_asm(T.i32(), [Float32(a).ir_value(), Float32(b).ir_value()], op, "=r,f,f",
+                                 has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+def unpack_half(word, h, dtype):
+    """Half ``h`` (0: low) of a 32-bit word of two ``dtype`` values, in fp32 (exact)."""
+    cvt = "cvt.f32.bf16" if dtype == cutlass.BFloat16 else "cvt.f32.f16"
+    return Float32(llvm.inline_asm(
+        T.f32(), [Int32(word).ir_value()],
+        f"{{ .reg .b16 lo, hi; mov.b32 {{lo, hi}}, $1; {cvt} $0, {('lo', 'hi')[h]}; }}",
+        "=f,r", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))

@@ -211,9 +211,10 @@ class BwdConfig:
     lpt: int = 0
     exp2_emu: int = 0
     exp2_emu_degree: int = 3
-    local: bool = False  # a sliding window (FlashBwdSm90.call_local)
+    local: bool = False  # a sliding window (FlashBwdSm90.call_general)
     varlen: bool = False  # packed sequences (FlashBwdSm90.call_varlen)
     deterministic: bool = False  # dQ's adds in key-block order (bwd_dq.DqAccumulator)
+    softcap: bool = False  # soft-capped scores (the tanh's derivative in dS)
 
     def __post_init__(self):
         if self.dtype not in ("fp16", "bf16"):
@@ -224,6 +225,8 @@ class BwdConfig:
             raise ValueError("BwdConfig: lpt orders a dense grid (varlen needs lpt=0)")
         if self.deterministic and (self.dq_tma or not self.dq_split or self.lpt or self.local):
             raise ValueError("BwdConfig: deterministic needs dq_split, dq_tma off, lpt 0 and no window")
+        if self.softcap and self.block_m != 64:
+            raise ValueError("BwdConfig: softcap needs block_m 64")
 
     def key(self):
         """The disk cache's key (see _key)."""
@@ -243,12 +246,14 @@ class PlanRules:
     varlen calls (cu_seqlens, seqused), off until tests/cute/test_cute_bwd_varlen.py's GPU tests pass (the kernel
     stops with an illegal instruction on the GPU). ``bwd_deterministic``: it serves deterministic calls without a
     window (dQ's adds in key-block turns; bit for bit run to run on the GPU), off: it runs at 0.4-0.6x of Triton's
-    deterministic backward (the same results file)."""
+    deterministic backward (the same results file). ``bwd_softcap``: it serves soft-capped scores, off until
+    tests/cute/test_cute_bwd_softcap.py's GPU tests pass."""
     pack_gqa_auto: bool = False
     bwd_host: str = "triton"
     bwd_window: bool = True
     bwd_varlen: bool = False
     bwd_deterministic: bool = False
+    bwd_softcap: bool = False
 
     def __post_init__(self):
         if self.bwd_host not in ("triton", "torch"):
@@ -421,19 +426,21 @@ def short_dims():
                      or any((d, c) in SHORT_PERSISTENT for c in (False, True)))
 
 
-def select_bwd(dtype, head_dim, causal, arch, abi, local=False, varlen=False, deterministic=False):
+def select_bwd(dtype, head_dim, causal, arch, abi, local=False, varlen=False, deterministic=False, softcap=False):
     """The BwdConfig of a backward call (local: with a sliding window; varlen: packed sequences, no lpt order;
-    deterministic: dQ by red.global.add in key-block order, with the split dQ tile and no lpt order)."""
+    deterministic: dQ by red.global.add in key-block order, with the split dQ tile and no lpt order; softcap:
+    soft-capped scores, 64 query rows per block)."""
     ov = overrides("bwd")
     d = int(head_dim)
     dq_split = True if deterministic else ov.get("dq_split", BWD_DQ_SPLIT)
     emu = ov.get("exp2_emu", BWD_EXP2_EMU.get(d, 0))
     return BwdConfig(dtype=dtype_name(dtype), head_dim=d, causal=bool(causal), arch=arch, abi=abi,
-                     block_m=ov.get("block_m", BWD_BLOCK_M.get(d, 64)), stages=ov.get("stages", BWD_STAGES.get(d, 2)),
+                     block_m=64 if softcap else ov.get("block_m", BWD_BLOCK_M.get(d, 64)),
+                     stages=ov.get("stages", BWD_STAGES.get(d, 2)),
                      dq_split=dq_split,
                      dq_tma=dq_split and not deterministic and ov.get("dq_tma", BWD_DQ_TMA.get(d, False)),
                      overlap=ov.get("overlap", BWD_OVERLAP.get(d, False)),
                      lpt=0 if varlen or deterministic else max(0, ov.get("lpt", BWD_LPT_CAUSAL.get(d, BWD_LPT)
                                                                         if causal else BWD_LPT)),
                      exp2_emu=emu, exp2_emu_degree=ov.get("exp2_emu_degree", 3) if emu else 3, local=bool(local),
-                     varlen=bool(varlen), deterministic=bool(deterministic))
+                     varlen=bool(varlen), deterministic=bool(deterministic), softcap=bool(softcap))

@@ -59,7 +59,8 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warp, warpgroup
 from cutlass.memory import SmemAllocator
 
 from flash_attn.cute.bwd_dq import DqAccumulator
-from flash_attn.cute.bwd_parts import pack_16, transpose_view, unpack_16
+from flash_attn.cute.bwd_entries import BwdEntries
+from flash_attn.cute.bwd_parts import pack_16, pack_pair, transpose_view, unpack_16, unpack_half
 from flash_attn.cute.hopper_helpers import opaque, smem_layout, tma_tiles
 from flash_attn.cute.mask import AttentionMask
 from flash_attn.cute.seqlen_info import BwdSeqlens
@@ -69,7 +70,7 @@ from flash_attn.cute.tile_scheduler import lpt_tile
 LOG2_E = math.log2(math.e)
 
 
-class FlashBwdSm90:
+class FlashBwdSm90(BwdEntries):
     """Compile-time configuration: dtype, head dim, causal, tile sizes and the Q/dO ring depth. Batch,
     sequence lengths, head counts, strides and the scale are runtime values of the compiled kernel."""
 
@@ -82,12 +83,16 @@ class FlashBwdSm90:
 
     def __init__(self, dtype, head_dim, causal, block_m=64, block_n=128, num_stages=2, dq_split=True,
                  dq_tma=False, overlap=False, lpt=0, exp2_emu=0, exp2_emu_degree=3, local=False,
-                 varlen=False, deterministic=False):
+                 varlen=False, deterministic=False, softcap=False):
         """block_m: query rows per step, 64 or (head dim 64 only) 128, see the module docstring.
-        local: a sliding window (sizes >= 0 per call, call_local; causal windows have right = 0), every block masked.
+        local: a sliding window (sizes >= 0 per call, call_general; causal windows have right = 0), every block
+        masked.
         varlen: packed sequences (call_varlen; seqlen_info.BwdSeqlens), the grid's x over the longest key sequence.
         deterministic: dQ's adds in key-block order (bwd_dq.DqAccumulator; call_deterministic /
         call_varlen_deterministic take the turn counters): red.global.add with dq_split, no lpt, no window.
+        softcap: scores s -> softcap * tanh(scale * s / softcap) as in the forward; P^T from the capped scores and
+        dS^T = P^T (dP^T - delta) (1 - tanh^2), the tanh's derivative kept in 16 bits from the P^T step (the
+        rounding dS^T gets anyway); BLOCK_M 64 (its registers).
         dq_split: the two warpgroups compute one dQ tile together, each its half of D (block_m 128: its
         64 query rows) over all BLOCK_N keys (a barrier of both per query block, since each reads the
         other's dS); else each computes
@@ -161,6 +166,9 @@ class FlashBwdSm90:
             raise ValueError("lpt orders a dense grid (varlen: lpt=0)")
         self.seqlens = BwdSeqlens(self.varlen, block_m)
         self.deterministic = bool(deterministic)
+        self.softcap = bool(softcap)
+        if self.softcap and self.wide:
+            raise ValueError("softcap needs block_m 64 (the tanh derivative's registers)")
         if self.deterministic and (self.dq_tma or not self.dq_split or self.lpt or self.local):
             raise ValueError("deterministic needs dq_split, dq_tma off, lpt 0 and no window (every query block's "
                              "key blocks count from 0 in grid order)")
@@ -189,58 +197,8 @@ class FlashBwdSm90:
     # Host side: views, TMA descriptors, launch
 
     @cute.jit
-    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
-                 mLSE2: cute.Tensor, mDelta: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor,
-                 mdV: cute.Tensor, softmax_scale: Float32, stream):
-        """mQ/mdO (B, Sq, H, D), mK/mV (B, Sk, Hk, D), mLSE2/mDelta (B, H, Sq_pad) fp32 (lse in log2
-        units, +inf past Sq; delta = rowsum(dO * O), 0 past Sq), mdQaccum (B, Sq, H, D) fp32 (zeroed by
-        the caller, receives softmax_scale * dS K), mdK/mdV (B, Sk, H, D) in the input dtype, as PyTorch lays
-        them out."""
-        self._host(mQ, mK, mV, mdO, mLSE2, mDelta, mdQaccum, mdK, mdV, softmax_scale, stream, None, None, None)
-
-    @cute.jit
-    def call_deterministic(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
-                           mLSE2: cute.Tensor, mDelta: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor,
-                           mdV: cute.Tensor, mSem: cute.Tensor, softmax_scale: Float32, stream):
-        """__call__ with deterministic=True: mSem (B, H, ceil(Sq / block_m)) int32 zeros, the turn counters."""
-        self._host(mQ, mK, mV, mdO, mLSE2, mDelta, mdQaccum, mdK, mdV, softmax_scale, stream, None, None, mSem)
-
-    @cute.jit
-    def call_local(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
-                   mLSE2: cute.Tensor, mDelta: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor,
-                   mdV: cute.Tensor, softmax_scale: Float32, window_left: Int32, window_right: Int32, stream):
-        """__call__ with a sliding window (local=True): window_left / window_right >= 0 around each diagonal."""
-        self._host(mQ, mK, mV, mdO, mLSE2, mDelta, mdQaccum, mdK, mdV, softmax_scale, stream,
-                   (window_left, window_right), None, None)
-
-    @cute.jit
-    def call_varlen(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
-                    mLSE2: cute.Tensor, mDelta: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor,
-                    mdV: cute.Tensor, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mSeqUsedQ: cute.Tensor,
-                    mSeqUsedK: cute.Tensor, max_seqlen_k: Int32, softmax_scale: Float32, window_left: Int32,
-                    window_right: Int32, stream):
-        """Varlen (varlen=True): the packed tensors as one batch entry of __call__'s layouts: mQ/mdO/mdQaccum
-        (1, total_q, H, D), mK/mV (1, total_k, Hk, D), mdK/mdV (1, total_k, H, D), mLSE2/mDelta (1, H, rows) with
-        sequence b's rows from cu_seqlens_q[b] + b * block_m (see seqlen_info.BwdSeqlens); int32 cu_seqlens (B + 1,)
-        and the rows each sequence uses from its start (B,); max_seqlen_k at least the longest used_k. The window
-        sizes are read only by a local kernel."""
-        self._host(mQ, mK, mV, mdO, mLSE2, mDelta, mdQaccum, mdK, mdV, softmax_scale, stream,
-                   (window_left, window_right) if cutlass.const_expr(self.local) else None,
-                   (mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, max_seqlen_k), None)
-
-    @cute.jit
-    def call_varlen_deterministic(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
-                                  mLSE2: cute.Tensor, mDelta: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor,
-                                  mdV: cute.Tensor, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor,
-                                  mSeqUsedQ: cute.Tensor, mSeqUsedK: cute.Tensor, mSem: cute.Tensor,
-                                  max_seqlen_k: Int32, softmax_scale: Float32, window_left: Int32,
-                                  window_right: Int32, stream):
-        """call_varlen with deterministic=True: mSem (B, H, ceil(max_seqlen_q / block_m)) int32 zeros."""
-        self._host(mQ, mK, mV, mdO, mLSE2, mDelta, mdQaccum, mdK, mdV, softmax_scale, stream, None,
-                   (mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, max_seqlen_k), mSem)
-
-    @cute.jit
-    def _host(self, mQ, mK, mV, mdO, mLSE2, mDelta, mdQaccum, mdK, mdV, softmax_scale, stream, window, seqs, sem):
+    def _host(self, mQ, mK, mV, mdO, mLSE2, mDelta, mdQaccum, mdK, mdV, softmax_scale, stream, window, seqs, sem,
+              softcap=None):
         # (B, S, H, D) -> (S, D, H, B): the first two modes are the tile, the others index the CTA.
         (mQ, mK, mV, mdO, mdQaccum, mdK, mdV), (mLSE2, mDelta) = self.seqlens.views(
             (mQ, mK, mV, mdO, mdQaccum, mdK, mdV), (mLSE2, mDelta))
@@ -323,11 +281,18 @@ class FlashBwdSm90:
         if cutlass.const_expr(seqs is not None):  # x over the longest key sequence, z over the sequences
             grid = (cute.ceil_div(seqs[4], BN), cute.size(mQ, mode=[2]), cute.size(seqs[0], mode=[0]) - 1)
             tile_seqs = seqs[:4]
+        # exp2 with log2(e) folded into the scale; soft-capped scores are softcap * tanh(scale * s / softcap): the
+        # scale goes into the tanh argument, softcap * log2(e) multiplies the tanh.
+        scale_log2 = softmax_scale * LOG2_E
+        cap = (None, None)
+        if cutlass.const_expr(self.softcap):
+            cap = (softmax_scale / softcap, softcap * LOG2_E)
+            scale_log2 = Float32(1.0)
         self.kernel(tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma, tma_do, mdO_tma, tma_lse, mLSE2_tma,
-                    tma_delta, mDelta_tma, mdQaccum, tma_dq, mdQ_tma, mdK, mdV, softmax_scale * LOG2_E,
+                    tma_delta, mDelta_tma, mdQaccum, tma_dq, mdQ_tma, mdK, mdV, scale_log2,
                     softmax_scale, cute.size(mQ, mode=[0]), sQ_layout, sdO_layout, sK_layout, sV_layout,
                     sdS_layout, sdQ_layout, sLSE_layout, tiled_mma_sdp, tiled_mma_dv, tiled_mma_dk,
-                    tiled_mma_dq, *(window if cutlass.const_expr(self.local) else (None, None)), *tile_seqs, sem).launch(
+                    tiled_mma_dq, *(window if cutlass.const_expr(self.local) else (None, None)), *tile_seqs, sem, *cap).launch(
             grid=grid, block=(self.num_threads, 1, 1), stream=stream,
             # .minnctapersm 1 pins the register count at entry (65536 / 384 threads); without it ptxas
             # may ignore setmaxnreg (C7508) and cap the consumers at 168 registers.
@@ -346,7 +311,7 @@ class FlashBwdSm90:
                sdS_layout: cute.ComposedLayout, sdQ_layout: cute.ComposedLayout, sLSE_layout: cute.Layout,
                tiled_mma_sdp: cute.TiledMma, tiled_mma_dv: cute.TiledMma, tiled_mma_dk: cute.TiledMma,
                tiled_mma_dq: cute.TiledMma, window_left, window_right, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ,
-               mSeqUsedK, mSem):
+               mSeqUsedK, mSem, score_scale, cap_log2):
         if cutlass.const_expr(self.lpt > 0):
             lin, _, _ = cute.arch.block_idx()
             n_block, head, batch = lpt_tile(lin, cute.ceil_div(cute.size(mK, mode=[0]), self.block_n),
@@ -357,7 +322,7 @@ class FlashBwdSm90:
         cta = (tma_q, mQ, tma_k, mK, tma_v, mV, tma_do, mdO, tma_lse, mLSE2, tma_delta, mDelta, mdQaccum, tma_dq,
                mdQ_tma, mdK, mdV, scale_log2, softmax_scale, sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout,
                sdQ_layout, sLSE_layout, tiled_mma_sdp, tiled_mma_dv, tiled_mma_dk, tiled_mma_dq, window_left,
-               window_right, n_block, head, tile, mSem)
+               window_right, n_block, head, tile, mSem, (score_scale, cap_log2))
         if cutlass.const_expr(self.varlen):
             if n_block * self.block_n < tile.seqlen_k:  # the grid covers the longest sequence's keys
                 self._cta(*cta)
@@ -368,7 +333,7 @@ class FlashBwdSm90:
     def _cta(self, tma_q, mQ, tma_k, mK, tma_v, mV, tma_do, mdO, tma_lse, mLSE2, tma_delta, mDelta, mdQaccum,
              tma_dq, mdQ_tma, mdK, mdV, scale_log2, softmax_scale, sQ_layout, sdO_layout, sK_layout, sV_layout,
              sdS_layout, sdQ_layout, sLSE_layout, tiled_mma_sdp, tiled_mma_dv, tiled_mma_dk, tiled_mma_dq,
-             window_left, window_right, n_block, head, tile, mSem):
+             window_left, window_right, n_block, head, tile, mSem, cap):
         """One CTA's key block ``n_block`` of head ``head`` of the sequence ``tile`` (seqlen_info.TileSeqlens)."""
         dt, BM, BN, stages = self.dtype, self.block_m, self.block_n, self.num_stages
         seqlen_q, seqlen_k = tile.seqlen_q, tile.seqlen_k
@@ -434,7 +399,7 @@ class FlashBwdSm90:
             self._consume(mdQaccum, tma_dq, mdQ_tma, sdQ, mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE, sDelta, kv_pipe,
                           q_pipe, do_pipe, tiled_mma_sdp, tiled_mma_dv, tiled_mma_dk, tiled_mma_dq, scale_log2,
                           softmax_scale, tidx - self.NUM_PRODUCER_THREADS, n_block, head, tile, seqlen_q, seqlen_k,
-                          m_block_min, m_block_max, (window_left, window_right), mSem)
+                          m_block_min, m_block_max, (window_left, window_right), mSem, cap)
 
     @cute.jit
     def _produce(self, tma_q, mQ, tma_k, mK, tma_v, mV, tma_do, mdO, tma_lse, mLSE2, tma_delta, mDelta,
@@ -478,7 +443,8 @@ class FlashBwdSm90:
     @cute.jit
     def _consume(self, mdQaccum, tma_dq, mdQ_tma, sdQ, mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE, sDelta, kv_pipe,
                  q_pipe, do_pipe, tiled_mma_sdp, tiled_mma_dv, tiled_mma_dk, tiled_mma_dq, scale_log2,
-                 softmax_scale, ctid, n_block, head, tile, seqlen_q, seqlen_k, m_block_min, m_block_max, window, mSem):
+                 softmax_scale, ctid, n_block, head, tile, seqlen_q, seqlen_k, m_block_min, m_block_max, window, mSem,
+                 cap):
         dt, D, BM, BN = self.dtype, self.head_dim, self.block_m, self.block_n
         wg = cute.arch.make_warp_uniform(ctid // 128)
         turn = (mSem, n_block, ctid) if cutlass.const_expr(self.deterministic) else None
@@ -532,6 +498,7 @@ class FlashBwdSm90:
         rP = cute.make_rmem_tensor_like(acc_S, dt)
         tdVrP = cute.make_tensor(rP.iterator, cute.make_layout(((2, 2, 2), 1, BM // 16)))
         rdS = cute.make_rmem_tensor_like(acc_dP, dt)
+        rdT = cute.make_rmem_tensor_like(acc_S, dt) if cutlass.const_expr(self.softcap) else None  # 1 - tanh^2
         if cutlass.const_expr(self.wide):  # dS^T's registers as dK's A operand (the layout of tdVrP)
             tdKrdSt = cute.make_tensor(rdS.iterator, cute.make_layout(((2, 2, 2), 1, BM // 16)))
         ds_copy = None
@@ -568,11 +535,11 @@ class FlashBwdSm90:
                                 tdPrV, tdPrdO)
                 self._p_and_dv(acc_S, tScS, rP, tdVrP, tdVrdOt, acc_dV, tiled_mma_dv, sLSE, scale_log2, m_block,
                                n_block, seqlen_q, seqlen_k, m_block_mask_end, key_tail, do_state.index,
-                               q_state.index, window)
+                               q_state.index, window, cap, rdT)
                 self._ds_dk_dq(acc_S, acc_dP, tScS, rdS, thr_sdp, sdSt, sDelta, tiled_mma_dk, acc_dK, tdKrdSt,
                                tdKrQt, tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, tma_dq, tQRsdQ, tQRgdQ, dq_issuer,
                                buf, m_block, m_block_min, wg, q_state.index, do_state.index, rP=rP,
-                               ds_copy=ds_copy)
+                               ds_copy=ds_copy, rdT=rdT)
                 warpgroup.wait_group(0)  # dV, dK, dQ done: the Q and dO stages and rP are free
                 q_pipe.consumer_release(q_state)
                 do_pipe.consumer_release(do_state)
@@ -609,11 +576,11 @@ class FlashBwdSm90:
                 # rP is rewritten here only after the previous block's wait_group, which covered its dV.
                 self._p_and_dv(acc_S, tScS, rP, tdVrP, tdVrdOt, acc_dV, tiled_mma_dv, sLSE, scale_log2, m_block,
                                n_block, seqlen_q, seqlen_k, m_block_mask_end, key_tail, do_state.index,
-                               q_state.index, window)
+                               q_state.index, window, cap, rdT)
                 self._ds_dk_dq(acc_S, acc_dP, tScS, rdS, thr_sdp, sdSt, sDelta, tiled_mma_dk, acc_dK, tdKrdSt,
                                tdKrQt, tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, tma_dq, tQRsdQ, tQRgdQ, dq_issuer,
                                buf, m_block, m_block_min, wg, q_state.index, do_state.index, rP=rP,
-                               ds_copy=ds_copy)
+                               ds_copy=ds_copy, rdT=rdT)
                 # acc_S and acc_dP are dead: dS^T of this block is in shared memory.
                 if cutlass.const_expr(self.wide):
                     # dV done (dK, dQ may run): the 16-bit P^T is dead before the next S^T takes its 64
@@ -672,7 +639,7 @@ class FlashBwdSm90:
 
     @cute.jit
     def _p_and_dv(self, acc_S, tScS, rP, tdVrP, tdVrdOt, acc_dV, tiled_mma_dv, sLSE, scale_log2, m_block, n_block,
-                  seqlen_q, seqlen_k, m_block_mask_end, key_tail, do_stage, q_stage, window):
+                  seqlen_q, seqlen_k, m_block_mask_end, key_tail, do_stage, q_stage, window, cap, rdT):
         """Wait for S^T (dP^T may still run), P^T = exp2(S^T scale log2(e) - lse2) in place and in the
         input dtype in rP, and issue dV += P^T dO (one commit group)."""
         if cutlass.const_expr(self.overlap):
@@ -683,6 +650,15 @@ class FlashBwdSm90:
             # (D = 128, BLOCK_M = 128: S^T was waited for before dP^T was issued.)
         else:
             warpgroup.wait_group(1)  # S^T is ready; dP^T may still run
+        if cutlass.const_expr(self.softcap):
+            score_scale, cap_log2 = cap
+            rdT32 = cute.recast_tensor(rdT, Int32)
+            for k in cutlass.range_constexpr(cute.size(acc_S) // 2):
+                t0 = cute.math.tanh(acc_S[2 * k] * score_scale, fastmath=True)
+                t1 = cute.math.tanh(acc_S[2 * k + 1] * score_scale, fastmath=True)
+                rdT32[k] = pack_pair(1.0 - t0 * t0, 1.0 - t1 * t1, self.dtype)
+                acc_S[2 * k] = t0 * cap_log2  # the capped score in log2 units (scale_log2 is 1)
+                acc_S[2 * k + 1] = t1 * cap_log2
         if key_tail or m_block < m_block_mask_end:
             self.mask.apply_transposed(acc_S, tScS, m_block, n_block, seqlen_q, seqlen_k, *window)
         if cutlass.const_expr(self.exp2_emu == 0):
@@ -707,7 +683,7 @@ class FlashBwdSm90:
     @cute.jit
     def _ds_dk_dq(self, acc_S, acc_dP, tScS, rdS, thr_sdp, sdSt, sDelta, tiled_mma_dk, acc_dK, tdKrdSt, tdKrQt,
                   tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, tma_dq, tQRsdQ, tQRgdQ, dq_issuer, buf, m_block,
-                  m_block_min, wg, q_stage, do_stage, rP=None, ds_copy=None):
+                  m_block_min, wg, q_stage, do_stage, rP=None, ds_copy=None, rdT=None):
         """Wait for dP^T, dS^T = P^T (dP^T - delta) to shared memory (buffer buf), the dS barrier, and
         issue dK += dS^T Q and dQ = dS K (two commit groups); with dq_tma the previous block's dQ tile
         reduce-add after the barrier."""
@@ -719,8 +695,16 @@ class FlashBwdSm90:
             # the WGMMAs, C7512). dS^T then carries P's 16-bit rounding (relative 2^-9 for bf16, 2^-12
             # for fp16), no more than its own rounding to 16 bits below.
             unpack_16(rP, acc_S, self.dtype)
-        for i in cutlass.range(cute.size(acc_dP), unroll_full=True):
-            acc_dP[i] = acc_S[i] * (acc_dP[i] - sDelta[tScS[i][1], do_stage])
+        if cutlass.const_expr(self.softcap):  # times the tanh's derivative
+            rdT32 = cute.recast_tensor(rdT, Int32)
+            for k in cutlass.range_constexpr(cute.size(acc_dP) // 2):
+                for h in cutlass.range_constexpr(2):
+                    i = 2 * k + h
+                    acc_dP[i] = acc_S[i] * (acc_dP[i] - sDelta[tScS[i][1], do_stage]) * unpack_half(rdT32[k], h,
+                                                                                                     self.dtype)
+        else:
+            for i in cutlass.range(cute.size(acc_dP), unroll_full=True):
+                acc_dP[i] = acc_S[i] * (acc_dP[i] - sDelta[tScS[i][1], do_stage])
         rdS.store(acc_dP.load().to(self.dtype))
         if cutlass.const_expr(self.wide):
             # dK needs only this warpgroup's dS^T, from registers: issued before the smem stores and the

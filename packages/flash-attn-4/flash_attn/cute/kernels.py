@@ -51,9 +51,9 @@ def fwd_config(dtype, head_dim, causal, arch="sm_90a", local=False, softcap=Fals
                                         pack, dv, paged, split), _abi())
 
 
-def bwd_config(dtype, head_dim, causal, arch="sm_90a", local=False, varlen=False, deterministic=False):
+def bwd_config(dtype, head_dim, causal, arch="sm_90a", local=False, varlen=False, deterministic=False, softcap=False):
     """The config.BwdConfig of a backward call."""
-    return config.select_bwd(dtype, head_dim, causal, arch, _abi(), local, varlen, deterministic)
+    return config.select_bwd(dtype, head_dim, causal, arch, _abi(), local, varlen, deterministic, softcap)
 
 
 def _make_kernel(cfg):
@@ -255,12 +255,12 @@ def bwd_disk_entry(dtype, head_dim, causal, arch="sm_90a", root=None):
 
 
 def load_or_build_bwd(dtype, head_dim, causal, arch="sm_90a", root=None, force=False, local=False, varlen=False,
-                      deterministic=False):
+                      deterministic=False, softcap=False):
     """load_or_build for the backward kernel: (callable, origin), from the disk cache ``root`` or compiled
     and written there."""
-    return _load_or_build_entry(_bwd_entry(dtype, head_dim, causal, arch, local, varlen, deterministic),
+    return _load_or_build_entry(_bwd_entry(dtype, head_dim, causal, arch, local, varlen, deterministic, softcap),
                                 lambda: compile_bwd(dtype, head_dim, causal, arch, local=local, varlen=varlen,
-                                                    deterministic=deterministic), root, force)
+                                                    deterministic=deterministic, softcap=softcap), root, force)
 
 
 def load_or_build(dtype, head_dim, causal, arch="sm_90a", root=None, force=False, local=False, softcap=False,
@@ -360,27 +360,27 @@ def fwd_kernel(dtype, head_dim, causal, arch="sm_90a", local=False, softcap=Fals
 
 
 def compile_bwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=False, varlen=False,
-                deterministic=False):
+                deterministic=False, softcap=False):
     """Compile the backward kernel for ``dtype`` (torch.float16 / torch.bfloat16), ``head_dim`` (64 / 128)
     and ``causal`` for ``arch``; no GPU needed. ``dump_dir``: an existing folder that receives the PTX
     and cubin. With apache-tvm-ffi the call is ``(q, k, v, dout, lse2, delta, dq_accum, dk, dv,
-    softmax_scale)`` on torch tensors (see FlashBwdSm90.__call__; ``backward`` prepares them), and with
-    ``local`` (a sliding window) ``window_left, window_right`` (sizes >= 0) after softmax_scale. ``varlen``:
-    FlashBwdSm90.call_varlen's ``(q, k, v, dout, lse2, delta, dq_accum, dk, dv, cu_seqlens_q, cu_seqlens_k,
-    seqused_q, seqused_k, max_seqlen_k, softmax_scale, window_left, window_right)`` (``backward_varlen``).
-    ``deterministic``: call_deterministic / call_varlen_deterministic, the turn counters (B, H, query blocks) int32
-    after the other tensors."""
+    softmax_scale)`` on torch tensors (see bwd_entries.py; ``backward`` prepares them); with ``local`` (a sliding
+    window) or ``softcap``, call_general's ``softmax_scale, softcap, window_left, window_right`` after the tensors.
+    ``varlen``: call_varlen's ``(..., dv, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_k,
+    softmax_scale, softcap, window_left, window_right)`` (``backward_varlen``). ``deterministic``: call_deterministic
+    (``..., dv, counters, softmax_scale, softcap``) / call_varlen_deterministic, the turn counters (B, H, query
+    blocks) int32 after the other tensors."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_tensor
 
     from flash_attn.cute.flash_bwd_sm90 import FlashBwdSm90
 
-    cfg = bwd_config(dtype, head_dim, causal, arch, local, varlen, deterministic)
+    cfg = bwd_config(dtype, head_dim, causal, arch, local, varlen, deterministic, softcap)
     kernel = FlashBwdSm90(_cutlass_dtype(dtype), int(head_dim), bool(causal), block_m=cfg.block_m,
                           num_stages=cfg.stages, dq_split=cfg.dq_split, dq_tma=cfg.dq_tma, overlap=cfg.overlap,
                           lpt=cfg.lpt, exp2_emu=cfg.exp2_emu, exp2_emu_degree=cfg.exp2_emu_degree, local=cfg.local,
-                          varlen=cfg.varlen, deterministic=cfg.deterministic)
+                          varlen=cfg.varlen, deterministic=cfg.deterministic, softcap=cfg.softcap)
     D = kernel.head_dim
     # 32-bit symbolic shapes and strides, as in compile_fwd (backward() keeps tensors below 2^31 elements).
     batch, seqlen_q, seqlen_k, heads, heads_kv, seqlen_q_pad = (cute.sym_int() for _ in range(6))
@@ -413,26 +413,28 @@ def compile_bwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=Fal
         used = [make_fake_tensor(cutlass.Int32, (cute.sym_int(),), (1,), assumed_align=4) for _ in range(2)]
         entry = kernel.call_varlen_deterministic if deterministic else kernel.call_varlen
         return cute.compile(entry, *tensors, *cu, *used, *sem, cutlass.Int32(1), cutlass.Float32(1.0),
-                            cutlass.Int32(0), cutlass.Int32(0), stream, options=options)
+                            cutlass.Float32(0.0), cutlass.Int32(0), cutlass.Int32(0), stream, options=options)
     if deterministic:
-        return cute.compile(kernel.call_deterministic, *tensors, *sem, cutlass.Float32(1.0), stream, options=options)
-    if local:
-        return cute.compile(kernel.call_local, *tensors, cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0),
+        return cute.compile(kernel.call_deterministic, *tensors, *sem, cutlass.Float32(1.0), cutlass.Float32(0.0),
                             stream, options=options)
+    if local or softcap:
+        return cute.compile(kernel.call_general, *tensors, cutlass.Float32(1.0), cutlass.Float32(0.0),
+                            cutlass.Int32(0), cutlass.Int32(0), stream, options=options)
     return cute.compile(kernel, *tensors, cutlass.Float32(1.0), stream, options=options)
 
 
-def _bwd_entry(dtype, head_dim, causal, arch, local=False, varlen=False, deterministic=False):
-    cfg = bwd_config(dtype, head_dim, causal, arch, local, varlen, deterministic)
+def _bwd_entry(dtype, head_dim, causal, arch, local=False, varlen=False, deterministic=False, softcap=False):
+    cfg = bwd_config(dtype, head_dim, causal, arch, local, varlen, deterministic, softcap)
     config = cfg.key()
     key = cache.entry_key(config)
     name = (f"bwd-{arch}-{cfg.dtype}-d{cfg.head_dim}-{'causal' if causal else 'full'}{'-local' if local else ''}"
-            f"{'-varlen' if varlen else ''}{'-det' if deterministic else ''}-{key[:16]}")
+            f"{'-varlen' if varlen else ''}{'-det' if deterministic else ''}{'-softcap' if softcap else ''}"
+            f"-{key[:16]}")
     return config, key, name, f"flash_attn_cute_{key[:16]}"
 
 
-def _bwd_dlpack_launcher(compiled, varlen):
-    # As _dlpack_launcher, for the backward's signatures (see compile_bwd).
+def _bwd_dlpack_launcher(compiled, varlen, plain):
+    # As _dlpack_launcher, for the backward's signatures (see compile_bwd; plain: __call__'s, one fp32 scalar).
     import cutlass
     from cuda.bindings import driver
     from cutlass.cute.runtime import from_dlpack
@@ -447,19 +449,21 @@ def _bwd_dlpack_launcher(compiled, varlen):
         if varlen:
             seqs += (cutlass.Int32(args[0]),)  # max_seqlen_k
             args = args[1:]
-        softmax_scale, *window = args
+        n_f32 = 1 if plain else 2  # softmax_scale[, softcap], then the window sizes
+        scalars = [cutlass.Float32(a) for a in args[:n_f32]] + [cutlass.Int32(a) for a in args[n_f32:]]
         with torch.cuda.device(q.device):
             stream = driver.CUstream(torch.cuda.current_stream().cuda_stream)
-            compiled(*(as_cute(t, 16) for t in (q, k, v, dout, lse2, delta, dq_accum, dk, dv)), *seqs,
-                     cutlass.Float32(softmax_scale), *(cutlass.Int32(w) for w in window), stream)
+            compiled(*(as_cute(t, 16) for t in (q, k, v, dout, lse2, delta, dq_accum, dk, dv)), *seqs, *scalars,
+                     stream)
 
     return launch
 
 
-def bwd_kernel(dtype, head_dim, causal, arch="sm_90a", local=False, varlen=False, deterministic=False):
-    """The backward kernel for (dtype, head dim, causal, arch, local, varlen, deterministic): from memory, else the
-    disk cache, else compiled and written there (as fwd_kernel)."""
-    mem_key = bwd_mem_key(dtype, head_dim, causal, arch, local, varlen, deterministic)
+def bwd_kernel(dtype, head_dim, causal, arch="sm_90a", local=False, varlen=False, deterministic=False,
+               softcap=False):
+    """The backward kernel for (dtype, head dim, causal, arch, local, varlen, deterministic, softcap): from memory,
+    else the disk cache, else compiled and written there (as fwd_kernel)."""
+    mem_key = bwd_mem_key(dtype, head_dim, causal, arch, local, varlen, deterministic, softcap)
     fn = _bwd_kernels.get(mem_key)
     if fn is None:
         with cache._lock:
@@ -467,15 +471,16 @@ def bwd_kernel(dtype, head_dim, causal, arch="sm_90a", local=False, varlen=False
             if fn is None:
                 if not _tvm_ffi():
                     fn = _bwd_dlpack_launcher(compile_bwd(dtype, head_dim, causal, arch, local=local, varlen=varlen,
-                                                          deterministic=deterministic), varlen)
+                                                          deterministic=deterministic, softcap=softcap), varlen,
+                                              not (local or varlen or deterministic or softcap))
                 else:
                     fn, _ = load_or_build_bwd(dtype, head_dim, causal, arch, cache.cache_dir(), local=local,
-                                              varlen=varlen, deterministic=deterministic)
+                                              varlen=varlen, deterministic=deterministic, softcap=softcap)
                 _bwd_kernels[mem_key] = fn
     return fn
 
 
-def bwd_mem_key(dtype, head_dim, causal, arch, local=False, varlen=False, deterministic=False):
+def bwd_mem_key(dtype, head_dim, causal, arch, local=False, varlen=False, deterministic=False, softcap=False):
     """_bwd_kernels' key of a backward kernel."""
     return ((dtype, int(head_dim), bool(causal), arch) + (("local",) if local else ()) + (("varlen",) if varlen else ())
-            + (("det",) if deterministic else ()))
+            + (("det",) if deterministic else ()) + (("softcap",) if softcap else ()))

@@ -289,7 +289,7 @@ def _bwd_out_layout(t, D):
 
 
 def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grads=None, dlse=None, window=None,
-             deterministic=False):
+             deterministic=False, softcap=0.0):
     """Attention backward on validated CUDA inputs: q/out/dout (B, Sq, H, D), k/v (B, Sk, Hk, D) fp16/bf16,
     D in (64, 128), H % Hk == 0, lse fp32 (B, H, Sq) natural log (+inf for rows that see no key), causal
     bottom-right aligned. Returns (dq, dk, dv) in the input dtype, written into ``grads`` = (dq, dk, dv)
@@ -306,7 +306,8 @@ def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grad
     which the kernel gets as delta - dlse in delta's place. window: None, or (left, right) sizes >= 0 (_UNBOUNDED for
     no limit on a side; right 0 when causal) of a sliding window, the kernel built with local=True. deterministic
     (no window): the kernel built with deterministic=True adds dQ in key-block order (bwd_dq.DqAccumulator), so the
-    gradients are the same bits every run; its turn counters (B, H, query blocks) are zeroed here."""
+    gradients are the same bits every run; its turn counters (B, H, query blocks) are zeroed here. softcap > 0: the
+    forward's soft-capped scores (the kernel built with softcap=True)."""
     B, Sq, H, D = q.shape
     Sk, Hk = k.shape[1], k.shape[2]
     dtype = q.dtype
@@ -317,14 +318,21 @@ def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grad
     local = window is not None
     if deterministic and local:
         raise NotImplementedError("flash_attn.cute's deterministic backward has no sliding window")
-    block_m = bwd_config(dtype, D, causal, arch, local, deterministic=deterministic).block_m
+    capped = softcap > 0.0
+    block_m = bwd_config(dtype, D, causal, arch, local, False, deterministic, capped).block_m
     per_batch = max(Sq * H, Sk * max(H, Hk)) * D
     if per_batch >= _MAX_ELEMS:
         raise NotImplementedError(
             f"one batch entry of q/k/v holds {per_batch} elements; flash_attn.cute's backward handles < 2^31")
-    fn = (_bwd_kernels.get(bwd_mem_key(dtype, D, causal, arch, local, False, deterministic))
-          or bwd_kernel(dtype, D, causal, arch, local, deterministic=deterministic))
-    window_args = tuple(int(w) for w in window) if local else ()
+    fn = (_bwd_kernels.get(bwd_mem_key(dtype, D, causal, arch, local, False, deterministic, capped))
+          or bwd_kernel(dtype, D, causal, arch, local, deterministic=deterministic, softcap=capped))
+    # the entries' scalars (bwd_entries.py): __call__'s scale; call_deterministic's scale, softcap; call_general's
+    # scale, softcap, window sizes
+    scalars = (float(softmax_scale),)
+    if deterministic:
+        scalars += (float(softcap),)
+    elif local or capped:
+        scalars += (float(softcap),) + (tuple(int(w) for w in window) if local else (0, 0))
 
     from flash_attn.cute import bwd_host  # imports Triton when installed: not at this module's import
 
@@ -351,7 +359,7 @@ def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grad
     for b in range(0, B, step):  # 32-bit offsets in the kernel: batch slices below 2^31 elements (and grid z's limit)
         sl = slice(b, b + step)
         fn(q[sl], k[sl], v[sl], dout[sl], lse2[sl], delta[sl], dq_accum[sl], dk_h[sl], dv_h[sl],
-           *(() if sem is None else (sem[sl],)), float(softmax_scale), *window_args)
+           *(() if sem is None else (sem[sl],)), *scalars)
     # dq_accum holds softmax_scale * dS K: a cast is left
     dq = dq_out if dq_out is not None else torch.empty((B, Sq, H, D), dtype=dtype, device=q.device)
     (bwd_host.finish if host else bwd_host.finish_torch)(dq_accum, dq, *((dk_h, dv_h, dk, dv) if sums else ()))
@@ -361,7 +369,7 @@ def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grad
 
 def backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
                     max_seqlen_k, softmax_scale, causal, arch="sm_90a", grads=None, dlse=None, window=None,
-                    deterministic=False):
+                    deterministic=False, softcap=0.0):
     """The varlen backward on validated CUDA inputs: q/out/dout (Tq, H, D), k/v (Tk, Hk, D), lse (and dlse) fp32
     (H, Tq), int32 cu_seqlens (B + 1,), seqused_q / seqused_k None or int32 (B,) (the rows each sequence uses from
     its start; None: all of them), max_seqlen_q / max_seqlen_k at least every sequence's used lengths (the grid is
@@ -382,9 +390,10 @@ def backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused
     local = window is not None
     if deterministic and local:
         raise NotImplementedError("flash_attn.cute's deterministic backward has no sliding window")
-    block_m = bwd_config(dtype, D, causal, arch, local, True, deterministic).block_m
-    fn = (_bwd_kernels.get(bwd_mem_key(dtype, D, causal, arch, local, True, deterministic))
-          or bwd_kernel(dtype, D, causal, arch, local, varlen=True, deterministic=deterministic))
+    capped = softcap > 0.0
+    block_m = bwd_config(dtype, D, causal, arch, local, True, deterministic, capped).block_m
+    fn = (_bwd_kernels.get(bwd_mem_key(dtype, D, causal, arch, local, True, deterministic, capped))
+          or bwd_kernel(dtype, D, causal, arch, local, varlen=True, deterministic=deterministic, softcap=capped))
     used_q = seqused_q.contiguous() if seqused_q is not None else cu_seqlens_q[1:] - cu_seqlens_q[:-1]
     used_k = seqused_k.contiguous() if seqused_k is not None else cu_seqlens_k[1:] - cu_seqlens_k[:-1]
 
@@ -410,7 +419,8 @@ def backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused
            if deterministic else ())
     # as dense tensors of one batch entry (the dense kernel's layouts and TMA descriptors)
     fn(q[None], k[None], v[None], dout[None], lse2[None], delta[None], dq_accum[None], dk_h[None], dv_h[None],
-       cu_seqlens_q, cu_seqlens_k, used_q, used_k, *sem, int(max_seqlen_k), float(softmax_scale), *window_args)
+       cu_seqlens_q, cu_seqlens_k, used_q, used_k, *sem, int(max_seqlen_k), float(softmax_scale), float(softcap),
+       *window_args)
     dq = dq_out if dq_out is not None else torch.empty((Tq, H, D), dtype=dtype, device=q.device)
     kv = (dk_h[None], dv_h[None], dk[None], dv[None]) if sums else ()
     (bwd_host.finish if triton_host else bwd_host.finish_torch)(dq_accum[None], dq[None], *kv)
