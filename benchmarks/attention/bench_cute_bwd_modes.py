@@ -4,7 +4,7 @@ and off (the dispatcher's next backend, Triton on Hopper), interleaved per shape
 TFLOP/s (bwd = 2.5 x 4 * B * S^2 * H * D, half when causal; windows count the full square). bf16, batch x seqlen =
 --tokens, heads = --hidden / D. Modes: "default" (the dense backward, for reference), "deterministic"
 (plan.bwd_deterministic: dQ's adds in key-block order), "window" (plan.bwd_window, window (256, 0) causal or
-(256, 256)).
+(256, 256)), "softcap" (plan.bwd_softcap, softcap 30).
 
     python -m benchmarks.attention.bench_cute_bwd_modes [--headdims 64,128] [--seqlens 1024,4096] [--causal 0,1]
 """
@@ -16,7 +16,7 @@ from benchmarks.common import bools as _bools
 from benchmarks.common import ints as _ints
 from benchmarks.common import reload_settings
 
-RULES = {"deterministic": "plan.bwd_deterministic", "window": "plan.bwd_window"}
+RULES = {"deterministic": "plan.bwd_deterministic", "window": "plan.bwd_window", "softcap": "plan.bwd_softcap"}
 
 
 def main(argv=None):
@@ -55,6 +55,8 @@ def main(argv=None):
                         kw["deterministic"] = True
                     elif mode == "window":
                         kw["window_size"] = (256, 0 if causal else 256)
+                    elif mode == "softcap":
+                        kw["softcap"] = 30.0
                     times = {}
                     for on in (True, False):
                         os.environ["FLASH_ATTN_CUTE_OVERRIDES"] = (f"{RULES[mode]}={int(on)}" if mode in RULES
