@@ -55,17 +55,18 @@ def _each_part(qkv, cos, sin, cos_k, sin_k, interleaved):
 
 @pytest.mark.parametrize("k_tables", ["none", "cos_k", "sin_k", "both"])
 @pytest.mark.parametrize("interleaved", [False, True])
-def test_qkv_with_unevenly_strided_heads(k_tables, interleaved):
-    """A (B, S, 3, H, D) qkv cut from a wider one (dim 2 strides 2 H D = D * D, not H D): q and k are rotated one by
-    one; cos_k and sin_k each replace cos or sin for k alone."""
+@pytest.mark.parametrize("uneven", [False, True])
+def test_qkv_layouts_and_k_tables(uneven, interleaved, k_tables):
+    """A contiguous (B, S, 3, H, D) qkv, or one cut from a wider one (dim 2 strides 2 H D = D * D, not H D): q and
+    k are rotated as one by one; cos_k and sin_k each replace cos or sin for k alone."""
     B, S, H, D = 2, 5, 4, 8
     cos, sin = _tables(5, 3)
     cos_k, sin_k = _tables(5, 3, seed=7)
     cos_k = cos_k if k_tables in ("cos_k", "both") else None
     sin_k = sin_k if k_tables in ("sin_k", "both") else None
     wide = _randn(B, S, 3, 2 * H, D)
-    qkv = wide[:, :, :, :H]
-    assert qkv.stride(2) == 2 * H * D == D * D
+    qkv = wide[:, :, :, :H] if uneven else wide[:, :, :, :H].contiguous()
+    assert qkv.stride(2) == (2 * H * D if uneven else H * D) and 2 * H * D == D * D
     want = _each_part(qkv, cos, sin, cos_k, sin_k, interleaved)
     got = apply_rotary_emb_qkv_(qkv, cos, sin, cos_k, sin_k, interleaved=interleaved)
     torch.testing.assert_close(got, want)
@@ -100,20 +101,22 @@ def test_qkv_interleaved_backward():
     torch.testing.assert_close(leaf.grad, torch.cat((ref.grad, g[:, :, 2:]), dim=2))
 
 
-def test_module_tables_follow_qkv_on_meta():
+@pytest.mark.parametrize("max_seqlen", [None, 9])
+def test_module_tables_follow_qkv_on_meta(max_seqlen):
     # The meta device stands in for a GPU: the tables are built on qkv's device, in qkv's dtype, and q and k are
-    # rotated there.
+    # rotated there (tables sized by the offset or by max_seqlen).
     rot = RotaryEmbedding(8)
     qkv = torch.empty(2, 6, 3, 2, 8, device="meta", dtype=torch.bfloat16)
-    out = rot(qkv)
+    out = rot(qkv, max_seqlen=max_seqlen)
     assert out.device.type == "meta" and out.dtype == torch.bfloat16
     assert rot._cos_cached.device.type == "meta" and rot._cos_cached.dtype == torch.bfloat16
 
 
-def test_module_tables_in_the_input_dtype():
+@pytest.mark.parametrize("max_seqlen", [None, 9])
+def test_module_tables_in_the_input_dtype(max_seqlen):
     # FA2's MHA hands _cos_cached / _sin_cached to flash_attn_with_kvcache: they are in qkv's dtype.
     rot = RotaryEmbedding(8)
-    rot(_randn(1, 4, 3, 2, 8).to(torch.float16))
+    rot(_randn(1, 4, 3, 2, 8).to(torch.float16), max_seqlen=max_seqlen)
     assert rot._cos_cached.dtype == rot._sin_cached.dtype == torch.float16
 
 
