@@ -87,6 +87,8 @@ _TWO_D = "the tensor is 2-D: dim 1 is dim -1"
 _EMPTY_FP32 = "torch.empty's default dtype is fp32, the one asked for"
 _INT_ARANGE = "an int64 arange divided by (or offset by) a Python number gives the same fp32 values"
 _FALSY = "None is falsy like False"
+_CPU_OFFLOAD = ("cpu_offload moves to the CPU what a CPU test holds there already, and empties the states of the "
+                "ranks above 0, which a world of one has not")
 # flash_attn/reference.py (its device placement is judged by tests/reference/test_reference_devices.py)
 _INF = 'float() reads "INF" as inf'
 _FP32_DEFAULT = "the default dtype is fp32, the one asked for"
@@ -177,6 +179,15 @@ EQUIVALENT = [
      "CPU only: checkpoints hold CPU tensors, which load on the CPU anyway"),
     ("flash_attn.training.checkpoint.x_load_checkpoint", "torch.load(path, weights_only=True)",
      "CPU only: checkpoints hold CPU tensors, which load on the CPU anyway"),
+    # FSDP in this process runs on a gloo group of world size 1 (test_checkpoint_units.py); two ranks run only in
+    # test_training_dist.py's spawned processes, which mutmut does not mutate
+    ("flash_attn.training.checkpoint.x_gather_model_state", "cpu_offload=None", _CPU_OFFLOAD),
+    ("flash_attn.training.checkpoint.x_gather_model_state", "cpu_offload=False", _CPU_OFFLOAD),
+    ("flash_attn.training.checkpoint.x_gather_optimizer_state", "cpu_offload=None", _CPU_OFFLOAD),
+    ("flash_attn.training.checkpoint.x_gather_optimizer_state", "cpu_offload=False", _CPU_OFFLOAD),
+    ("flash_attn.training.checkpoint.x__full_options", "StateDictOptions(full_state_dict=True, )",
+     "drops cpu_offload (" + _CPU_OFFLOAD + ") and broadcast_from_rank0, which in a world of one sends rank 0's state "
+     "to rank 0"),
     ("flash_attn.layers.rotary.x__rotate_qk_", 'if qkv.dim() == 6 and', _GENERAL_PATH),
     ("flash_attn.layers.rotary.x__rotate_qk_", 'qkv.stride(None) ==', _GENERAL_PATH),
     ("flash_attn.layers.rotary.x__rotate_qk_", '== qkv.shape[3] * qkv.stride(None)', _GENERAL_PATH),
@@ -380,9 +391,6 @@ EQUIVALENT = [
     ("flash_attn.reference.x_rotate_at", 'sin.to(None)[pos]', _FP32_ROTARY),
     ("flash_attn.reference.x_rotate_at", 'xr = x[..., :rd].to(None)', _FP32_ROTARY),
 ]
-# The FSDP paths of the training checkpoint (full state dicts gathered to and broadcast from rank 0) run only in the
-# multi-process tests (tests/training/test_training_dist.py), whose spawned processes mutmut does not mutate: their
-# survivors here are listed, not judged equivalent.
 
 
 def mutated_line(workdir: Path, name: str) -> str:
