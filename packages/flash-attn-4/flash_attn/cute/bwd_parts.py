@@ -34,14 +34,9 @@ def pack_16(acc_S, rP, dtype):
     word (value 2k in the low half, 2k + 1 in the high half, the order of the 16-bit view). Written
     out because rP is read back value by value (unpack_16): left to LLVM, the pairs are then
     converted one value at a time (F2F, on the pipe of the exponentials, and a PRMT to pack)."""
-    op = "cvt.rn.bf16x2.f32 $0, $2, $1;" if dtype == cutlass.BFloat16 else \
-        "cvt.rn.f16x2.f32 $0, $2, $1;"
     rP32 = cute.recast_tensor(rP, Int32)
     for k in range(cute.size(rP32)):
-        rP32[k] = Int32(llvm.inline_asm(T.i32(), [Float32(acc_S[2 * k]).ir_value(),
-                                                  Float32(acc_S[2 * k + 1]).ir_value()],
-                                        op, "=r,f,f", has_side_effects=False, is_align_stack=False,
-                                        asm_dialect=llvm.AsmDialect.AD_ATT))
+        rP32[k] = pack_pair(acc_S[2 * k], acc_S[2 * k + 1], dtype)
 
 
 def unpack_16(rP, acc, dtype):
@@ -56,10 +51,7 @@ def unpack_16(rP, acc, dtype):
     else:
         for k in range(cute.size(rP32)):
             for h in range(2):
-                acc[2 * k + h] = Float32(llvm.inline_asm(
-                    T.f32(), [Int32(rP32[k]).ir_value()],
-                    f"{{ .reg .b16 lo, hi; mov.b32 {{lo, hi}}, $1; cvt.f32.f16 $0, {('lo', 'hi')[h]}; }}",
-                    "=f,r", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+                acc[2 * k + h] = unpack_half(rP32[k], h, dtype)
 
 
 def pack_pair(a, b, dtype):

@@ -26,11 +26,13 @@ def _kernel_layout(t, D):
     return t
 
 
+def _packed_ok(t):
+    # What the varlen kernels take for a (T, H, D) tensor: rows 16-byte aligned, head dim contiguous, heads D apart.
+    return t.stride(1) == t.shape[2] and t.stride(2) == 1 and t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0
+
+
 def _packed_layout(t):
-    # The varlen kernels' (T, H, D) tensors: rows 16-byte aligned, head dim contiguous, heads D apart.
-    if t.stride(1) == t.shape[2] and t.stride(2) == 1 and t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0:
-        return t
-    return t.clone(memory_format=torch.contiguous_format)
+    return t if _packed_ok(t) else t.clone(memory_format=torch.contiguous_format)
 
 
 def _device_arch(q, k, v):
@@ -404,7 +406,7 @@ def backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused
     lse2, delta, dq_accum = (bwd_host.prepare_varlen if triton_host else bwd_host.prepare_varlen_torch)(
         out, dout, lse, cu_seqlens_q, used_q, max_seqlen_q, block_m, dlse)
     # The kernel writes the used rows of each sequence only: the others must read 0.
-    if H == Hk and (dk_out is None or (_packed_out(dk_out) and _packed_out(dv_out))):
+    if H == Hk and (dk_out is None or (_packed_ok(dk_out) and _packed_ok(dv_out))):
         dk_h = dk_out.zero_() if dk_out is not None else torch.zeros((Tk, H, D), dtype=dtype, device=q.device)
         dv_h = dv_out.zero_() if dv_out is not None else torch.zeros((Tk, H, D), dtype=dtype, device=q.device)
         dk, dv, sums = dk_h, dv_h, False
@@ -425,8 +427,3 @@ def backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused
     kv = (dk_h[None], dv_h[None], dk[None], dv[None]) if sums else ()
     (bwd_host.finish if triton_host else bwd_host.finish_torch)(dq_accum[None], dq[None], *kv)
     return dq, dk, dv
-
-
-def _packed_out(t):
-    # What the varlen kernel accepts for dk / dv: _packed_layout's rules.
-    return t.stride(1) == t.shape[2] and t.stride(2) == 1 and t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0
