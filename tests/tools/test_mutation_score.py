@@ -74,12 +74,20 @@ def test_parse_and_table(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("entry", ms.EQUIVALENT, ids=lambda e: f"{e[0]}:{e[1][:30]}")
 def test_equivalent_entries_name_a_function_that_exists(entry):
+    # mutmut names a function module.x_name and a method module.x\u01c1Class\u01c1name
     function, piece, why = entry
-    module, _, name = function.rpartition(".x_")
+    if "\u01c1" in function:
+        module, _, qualname = function.partition(".x\u01c1")
+        cls, _, name = qualname.partition("\u01c1")
+    else:
+        module, _, name = function.rpartition(".x_")
+        cls = None
     rel = module.replace(".", "/") + ".py"
     path = ms.ROOT / rel
     if not path.exists():  # the root folders are flash_attn.<sub> in the wheel layout
         path = ms.ROOT / rel.split("/", 1)[1]
     source = path.read_text()
     assert f"def {name}(" in source, (function, rel)
+    if cls is not None:
+        assert f"class {cls}(" in source or f"class {cls}:" in source, (function, rel)
     assert why and piece
