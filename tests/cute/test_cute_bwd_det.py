@@ -24,13 +24,9 @@ if _PKG not in sys.path:
 from flash_attn import testing  # noqa: E402
 from flash_attn.cute import autograd, config, kernels, launch  # noqa: E402
 from flash_attn.cute import backend as cute_backend  # noqa: E402
-from flash_attn.dispatch import Call  # noqa: E402
+from test_cute_bwd_varlen import _cu, _call, _hopper  # noqa: E402 (the backward tests' shared helpers)
 
 U = launch._UNBOUNDED
-
-
-def _cu(lengths, device="cpu"):
-    return torch.tensor([0] + list(lengths), dtype=torch.int32, device=device).cumsum(0, dtype=torch.int32)
 
 
 @pytest.mark.parametrize("d,causal,varlen", [(64, False, False), (128, True, False), (128, True, True)])
@@ -126,13 +122,6 @@ def test_host_zeroes_the_turn_counters(monkeypatch, cute_env):
                                window=(8, 8), deterministic=True)
 
 
-def _call(**kw):
-    base = dict(device_type="cuda", dtype=torch.bfloat16, head_dim=128, head_dim_v=128, arch=(9, 0), causal=True,
-                backward=True)
-    base.update(kw)
-    return Call(**base)
-
-
 def test_deterministic_backward_is_admitted_only_under_its_rule(cute_env):
     q = torch.empty(1, 10, 2, 64)
     assert cute_backend.unsupported_reason(_call(deterministic=True)) is not None
@@ -161,10 +150,6 @@ def test_own_backward_passes_deterministic_to_the_kernel(monkeypatch, cute_env):
 
 # ----------------------------------------------------------------------------------------------------
 # On a Hopper GPU
-
-
-def _hopper():
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
 @pytest.fixture

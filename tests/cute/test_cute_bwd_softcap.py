@@ -23,7 +23,7 @@ if _PKG not in sys.path:
 from flash_attn import testing  # noqa: E402
 from flash_attn.cute import autograd, kernels, launch  # noqa: E402
 from flash_attn.cute import backend as cute_backend  # noqa: E402
-from flash_attn.dispatch import Call  # noqa: E402
+from test_cute_bwd_varlen import _call, _hopper  # noqa: E402 (the backward tests' shared helpers)
 
 U = launch._UNBOUNDED
 
@@ -101,13 +101,6 @@ def test_host_hands_each_entry_its_scalars(monkeypatch, cute_env):
     assert seen[-1][4:] == (90, 0.125, 30.0, 0, 0)
 
 
-def _call(**kw):
-    base = dict(device_type="cuda", dtype=torch.bfloat16, head_dim=128, head_dim_v=128, arch=(9, 0), causal=True,
-                backward=True)
-    base.update(kw)
-    return Call(**base)
-
-
 def test_softcap_backward_is_admitted_only_under_its_rule(cute_env, monkeypatch):
     q = torch.empty(1, 10, 2, 64)
     assert cute_backend.unsupported_reason(_call(softcap=30.0)) is not None
@@ -124,10 +117,6 @@ def test_softcap_backward_is_admitted_only_under_its_rule(cute_env, monkeypatch)
 
 # ----------------------------------------------------------------------------------------------------
 # On a Hopper GPU
-
-
-def _hopper():
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
 @pytest.fixture
