@@ -4,7 +4,8 @@ and off (the dispatcher's next backend, Triton on Hopper), interleaved per shape
 TFLOP/s (bwd = 2.5 x 4 * B * S^2 * H * D, half when causal; windows count the full square). bf16, batch x seqlen =
 --tokens, heads = --hidden / D. Modes: "default" (the dense backward, for reference), "deterministic"
 (plan.bwd_deterministic: dQ's adds in key-block order), "window" (plan.bwd_window, window (256, 0) causal or
-(256, 256)), "softcap" (plan.bwd_softcap, softcap 30).
+(256, 256)), "softcap" (plan.bwd_softcap, softcap 30), "varlen" (plan.bwd_varlen: the batch's sequences packed,
+flash_attn_varlen_func with cu_seqlens).
 
     python -m benchmarks.attention.bench_cute_bwd_modes [--headdims 64,128] [--seqlens 1024,4096] [--causal 0,1]
 """
@@ -16,7 +17,8 @@ from benchmarks.common import bools as _bools
 from benchmarks.common import ints as _ints
 from benchmarks.common import reload_settings
 
-RULES = {"deterministic": "plan.bwd_deterministic", "window": "plan.bwd_window", "softcap": "plan.bwd_softcap"}
+RULES = {"deterministic": "plan.bwd_deterministic", "window": "plan.bwd_window", "softcap": "plan.bwd_softcap",
+         "varlen": "plan.bwd_varlen"}
 
 
 def main(argv=None):
@@ -24,7 +26,7 @@ def main(argv=None):
 
     import triton
 
-    from flash_attn.cute import flash_attn_func
+    from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--headdims", type=_ints, default=[64, 128])
@@ -49,6 +51,8 @@ def main(argv=None):
                 for t in (q, k, v):
                     t.requires_grad_()
                 flops = 2.5 * 4 * b * s * s * h * d / (2 if causal else 1)
+                packed = [t.detach().reshape(b * s, h, d).requires_grad_() for t in (q, k, v)]
+                cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device="cuda")
                 for mode in args.modes.split(","):
                     kw = {}
                     if mode == "deterministic":
@@ -65,9 +69,16 @@ def main(argv=None):
                         from flash_attn import dispatch
 
                         dispatch._choice.clear()
-                        out, _ = flash_attn_func(q, k, v, causal=causal, **kw)
+                        if mode == "varlen":
+                            inputs, grad_out = packed, dout.reshape(b * s, h, d)
+                            out = flash_attn_varlen_func(*packed, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=s,
+                                                         max_seqlen_k=s, causal=causal)
+                        else:
+                            inputs, grad_out = (q, k, v), dout
+                            out, _ = flash_attn_func(q, k, v, causal=causal, **kw)
+                        out = out[0] if isinstance(out, tuple) else out
                         times[on] = triton.testing.do_bench(
-                            lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True),
+                            lambda: torch.autograd.grad(out, inputs, grad_out, retain_graph=True),
                             warmup=args.warmup, rep=args.rep)
                         if mode not in RULES:
                             times[False] = times[True]

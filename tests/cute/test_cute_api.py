@@ -490,7 +490,7 @@ def alone(monkeypatch):
     dict(window_size=(None, -2), softcap=3.0), dict(causal=True, window_size=(4, None), sink=True),
     dict(window_size=(7, -2), sink=True)])
 def test_own_backward_matches_autograd(alone, case, cute_env):
-    cute_env(OVERRIDES="plan.bwd_window=0")  # the windows here go to bwd_torch (else the kernel, GPU only)
+    cute_env(DISABLE="bwd")  # bwd_torch serves every case (else the kernel, GPU only, takes most of them)
     torch.manual_seed(5)
     B, Sq, Sk, H, Hk, D = 2, 11, 17, 4, 2, 64
     q = torch.randn(B, Sq, H, D, dtype=torch.float16, requires_grad=True)
@@ -536,7 +536,8 @@ def test_own_backward_takes_the_kernel_where_it_serves(alone, cute_env, monkeypa
     assert len(seen) == 4 and len(alone) == 2
 
 
-def test_own_backward_varlen_with_seqused(alone, monkeypatch):
+def test_own_backward_varlen_with_seqused(alone, monkeypatch, cute_env):
+    cute_env(OVERRIDES="plan.bwd_varlen=0")  # bwd_torch's varlen path (else the kernel, GPU only)
     def stand_in_varlen(q, k, v, cu_q, cu_k, used_k, max_q, scale, causal, arch, wl, wr, softcap,
                         fill_unused_rows=False, sink=None, **kw):
         out = torch.zeros_like(q)

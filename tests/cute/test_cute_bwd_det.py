@@ -122,10 +122,14 @@ def test_host_zeroes_the_turn_counters(monkeypatch, cute_env):
                                window=(8, 8), deterministic=True)
 
 
-def test_deterministic_backward_is_admitted_only_under_its_rule(cute_env):
+def test_deterministic_backward_is_admitted_under_its_rule(cute_env):
+    """The dispatcher's cute backend takes deterministic calls only under plan.bwd_deterministic (off: Triton's
+    deterministic backward is faster); flash_attn.cute's own backward (no root package: the alternative is
+    bwd_torch) takes them with the kernel either way, windows excepted."""
     q = torch.empty(1, 10, 2, 64)
     assert cute_backend.unsupported_reason(_call(deterministic=True)) is not None
-    assert not autograd._kernel_takes(q, q, True, U, U, 0.0, True, None)
+    assert autograd._kernel_takes(q, q, True, U, U, 0.0, True, None)
+    assert not autograd._kernel_takes(q, q, False, 8, 3, 0.0, True, None)
     cute_env(OVERRIDES="plan.bwd_deterministic=1,plan.bwd_window=1")
     assert cute_backend.unsupported_reason(_call(deterministic=True)) is None
     assert cute_backend.unsupported_reason(_call(deterministic=True, window_left=8)) is not None
@@ -136,7 +140,7 @@ def test_deterministic_backward_is_admitted_only_under_its_rule(cute_env):
 
 
 def test_own_backward_passes_deterministic_to_the_kernel(monkeypatch, cute_env):
-    cute_env(OVERRIDES="plan.bwd_deterministic=1,plan.bwd_varlen=1")
+    """Without the root package (own_backward), deterministic calls take the kernel, the rule at its default."""
     got = []
     monkeypatch.setattr(launch, "backward", lambda *a, **kw: got.append(("dense", kw)) or "g")
     monkeypatch.setattr(launch, "backward_varlen", lambda *a, **kw: got.append(("varlen", kw)) or "g")

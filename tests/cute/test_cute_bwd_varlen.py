@@ -82,7 +82,7 @@ def _prepare_loop(out, dout, lse, cu, used, block_pad, dlse, width):
     for b in range(cu.shape[0] - 1):
         start, n = int(cu[b]), int(used[b])
         for r in range(-(-n // block_pad) * block_pad):
-            dst = start + b * block_pad + r
+            dst = (start // block_pad + b) * block_pad + r
             if r < n:
                 row = lse[:, start + r]
                 lse2[:, dst] = torch.where(row.isinf(), math.inf, row * LOG2E)
@@ -99,7 +99,7 @@ def _prepare_loop(out, dout, lse, cu, used, block_pad, dlse, width):
 @pytest.mark.parametrize("with_dlse", [False, True])
 @pytest.mark.parametrize("block_pad", [64, 128])
 def test_prepare_varlen_pads_each_sequence_at_its_offset(dtype, with_dlse, block_pad):
-    """Sequence b's used rows at cu_seqlens_q[b] + b * block_pad of lse2 / delta, padded to a multiple of block_pad
+    """Sequence b's used rows at (cu_seqlens_q[b] // block_pad + b) * block_pad of lse2 / delta, padded to a multiple of block_pad
     with +inf / 0 (what the kernel reads past a sequence's end); lse +-inf gives +inf; delta - dlse; dq_accum zero.
     Both host paths against a row-by-row loop (Triton's kernel through the interpreter); strided inputs; rows past
     seqused_q and after the last sequence ignored."""
@@ -151,7 +151,7 @@ def _varlen_forward(q, k, v, cu_q, cu_k, used_q, used_k, scale, causal):
 
 def _model_kernel(block_m, seen, causal):
     """FlashBwdSm90.call_varlen's contract in torch (the packed tensors as batch entry 0): per sequence b and query head, P = exp2(S scale log2(e) -
-    lse2) (0 where the bottom-right causal mask hides the key) and dS = P (dP - delta) with lse2 / delta read at rows cu_seqlens_q[b] + b * block_m (the padding rows,
+    lse2) (0 where the bottom-right causal mask hides the key) and dS = P (dP - delta) with lse2 / delta read at rows (cu_seqlens_q[b] // block_m + b) * block_m (the padding rows,
     to the next multiple of block_m, must be +inf / 0: the kernel's tiles read them); dq_accum += scale dS K on the
     used rows; dK = scale dS^T Q, dV = P^T dO per query head on the used key rows (the rest untouched)."""
     def kernel(q, k, v, dout, lse2, delta, dq_accum, dk, dv, cu_q, cu_k, used_q, used_k, max_seqlen_k, scale,
@@ -166,7 +166,7 @@ def _model_kernel(block_m, seen, causal):
         for b in range(cu_q.shape[0] - 1):
             qs, ks, lq, lk = int(cu_q[b]), int(cu_k[b]), int(used_q[b]), int(used_k[b])
             assert lk <= max_seqlen_k
-            row0 = qs + b * block_m
+            row0 = (qs // block_m + b) * block_m
             pad = -(-lq // block_m) * block_m
             assert torch.equal(lse2[:, row0 + lq:row0 + pad], torch.full_like(lse2[:, row0 + lq:row0 + pad], math.inf))
             assert torch.equal(delta[:, row0 + lq:row0 + pad], torch.zeros_like(delta[:, row0 + lq:row0 + pad]))
@@ -264,26 +264,28 @@ def _call(**kw):
     return Call(**base)
 
 
-def test_varlen_backward_is_admitted_only_under_its_rule(cute_env):
-    """Off by default (its GPU tests decide): the dispatcher's cute backend refuses varlen backward calls and the
-    package's own routing (autograd._kernel_takes) sends them to bwd_torch; plan.bwd_varlen=1 admits them, cu_seqlens
-    given (batch-shaped calls with seqused only stay on bwd_torch); softcap and determinism still refused."""
+def test_varlen_backward_is_admitted_under_its_rule(cute_env):
+    """On by default (its GPU tests pass, and it is ahead of Triton's varlen backward): the dispatcher's cute backend
+    takes varlen backward calls and the package's own routing (autograd._kernel_takes) sends them to the kernel,
+    cu_seqlens given (batch-shaped calls with seqused only stay on bwd_torch); determinism still refused;
+    plan.bwd_varlen=0 sends them all to the next backend / bwd_torch."""
     q = torch.empty(10, 2, 64)
     cu = _cu([4, 6])
     varlen = (cu, cu, 6, 6, None, None)
-    assert cute_backend.unsupported_reason(_call(varlen=True)) is not None
-    assert not autograd._kernel_takes(q, q, True, U, U, 0.0, False, varlen)
-    cute_env(OVERRIDES="plan.bwd_varlen=1")
     assert cute_backend.unsupported_reason(_call(varlen=True)) is None
-    assert cute_backend.unsupported_reason(_call(varlen=True, softcap=5.0)) is not None
     assert autograd._kernel_takes(q, q, True, U, U, 0.0, False, varlen)
     assert autograd._kernel_takes(q, q, False, U, U, 0.0, False, (cu, cu, 6, 6, cu[1:] - cu[:-1], None))
     assert not autograd._kernel_takes(q, q, True, U, U, 0.0, False, (None, None, 6, 6, cu[1:] - cu[:-1], None))
-    assert not autograd._kernel_takes(q, q, True, U, U, 1.0, False, varlen)
+    assert autograd._kernel_takes(q, q, True, U, U, 1.0, False, varlen)  # with the softcap rule (on by default)
     assert not autograd._kernel_takes(q, q, True, U, U, 0.0, True, varlen)
     assert autograd._kernel_takes(q, q, False, 8, 3, 0.0, False, varlen)  # with the window rule (on by default)
-    cute_env(OVERRIDES="plan.bwd_varlen=1,plan.bwd_window=0")
+    cute_env(OVERRIDES="plan.bwd_softcap=0")
+    assert not autograd._kernel_takes(q, q, True, U, U, 1.0, False, varlen)
+    cute_env(OVERRIDES="plan.bwd_window=0")
     assert not autograd._kernel_takes(q, q, False, 8, 3, 0.0, False, varlen)
+    cute_env(OVERRIDES="plan.bwd_varlen=0")
+    assert cute_backend.unsupported_reason(_call(varlen=True)) is not None
+    assert not autograd._kernel_takes(q, q, True, U, U, 0.0, False, varlen)
 
 
 def test_own_backward_sends_varlen_calls_to_the_varlen_kernel(monkeypatch, cute_env):

@@ -70,16 +70,18 @@ def with_fallback_backward(q, k, v, softmax_scale, causal, window_left, window_r
 
 
 def _kernel_takes(q, v, causal, window_left, window_right, softcap, deterministic, varlen):
-    """Whether this package's CuTeDSL backward kernel serves the call (the rule backend.py gives the dispatcher:
-    its head dims, not switched off; a window with sizes >= 0 under the plan rule bwd_window; varlen (cu_seqlens,
-    seqused) under bwd_varlen; deterministic without a window under bwd_deterministic; softcap under bwd_softcap)."""
+    """Whether this package's CuTeDSL backward kernel serves the call in own_backward (as backend.py's rule for the
+    dispatcher: its head dims, not switched off; a window with sizes >= 0 under the plan rule bwd_window; varlen
+    (cu_seqlens, seqused) under bwd_varlen; softcap under bwd_softcap), and deterministic calls without a window
+    whatever bwd_deterministic says: that rule weighs the kernel against Triton's deterministic backward, while the
+    alternative here is bwd_torch, which is slower than either."""
     from flash_attn.cute import backend
 
     U = _UNBOUNDED
     unwindowed = window_left >= U and (causal or window_right >= U)
     window_ok = unwindowed or (backend._window_bwd() and window_left >= 0 and (causal or window_right >= 0))
     varlen_ok = varlen is None or (backend._varlen_bwd() and varlen[0] is not None and varlen[1] is not None)
-    det_ok = not deterministic or (backend._deterministic_bwd() and unwindowed)
+    det_ok = not deterministic or unwindowed
     return (varlen_ok and (not softcap or backend._softcap_bwd()) and det_ok and window_ok
             and q.shape[-1] == v.shape[-1] and q.shape[-1] in backend._HEAD_DIMS
             and not settings.disabled("bwd"))

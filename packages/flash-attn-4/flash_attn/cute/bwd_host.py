@@ -145,7 +145,8 @@ if triton is not None:
                                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                                 HAS_DLSE: tl.constexpr):
         # Program (sequence b, row block m, head h): rows [m BLOCK_M, (m + 1) BLOCK_M) of sequence b padded to a
-        # multiple of block_pad (the CuTeDSL kernel's query block), at padded row cu_seqlens_q[b] + b block_pad.
+        # multiple of block_pad (the CuTeDSL kernel's query block), at padded row (cu_seqlens_q[b] // block_pad + b)
+        # block_pad (seqlen_info.BwdSeqlens: a block-aligned start for the kernel's TMA loads).
         pid = tl.program_id(0)
         bm = pid // heads
         h = pid - bm * heads
@@ -168,7 +169,7 @@ if triton is not None:
                 delta -= tl.load(DLse + h64 * s_dh + rows64 * s_ds, mask=in_q, other=0.0)
             lse = tl.load(Lse + h64 * s_lh + rows64 * s_ls, mask=in_q, other=float("inf"))
             lse2 = tl.where(tl.abs(lse) == float("inf"), float("inf"), lse * 1.4426950408889634)
-            dst = h64 * s_ph + (start + b * block_pad + rows).to(tl.int64)
+            dst = h64 * s_ph + ((start // block_pad + b) * block_pad + rows).to(tl.int64)
             in_pad = rows < padded
             tl.store(Delta + dst, delta, mask=in_pad)
             tl.store(Lse2 + dst, lse2, mask=in_pad)
@@ -225,16 +226,16 @@ def prepare(out, dout, lse, seqlen_pad):
 
 
 def varlen_rows(total_q, batch, block_pad):
-    """The width of a varlen backward's lse2 / delta rows: sequence b's padded rows at cu_seqlens_q[b] + b * block_pad
-    (seqlen_info.BwdSeqlens), a multiple of 4 (16-byte aligned rows for TMA), and one block more at the end (the
-    torch path's sink for rows outside every sequence)."""
+    """The width of a varlen backward's lse2 / delta rows: sequence b's padded rows at (cu_seqlens_q[b] // block_pad
+    + b) * block_pad (seqlen_info.BwdSeqlens; they end before total_q + batch * block_pad), a multiple of 4 (16-byte
+    aligned rows for TMA), and one block more at the end (the torch path's sink for rows outside every sequence)."""
     return -(-total_q // 4) * 4 + (batch + 1) * block_pad
 
 
 def prepare_varlen(out, dout, lse, cu_seqlens_q, seqused_q, max_seqlen_q, block_pad, dlse=None):
     """(lse2, delta, dq_accum) of a varlen backward (at least one sequence): out / dout (T, H, D) any strides, lse
     (and dlse) fp32 (H, T) any strides; sequence b's seqused_q[b] rows from cu_seqlens_q[b], padded with +inf / 0
-    to a multiple of block_pad, at rows cu_seqlens_q[b] + b * block_pad of lse2 / delta (H, varlen_rows(...))
+    to a multiple of block_pad, at rows (cu_seqlens_q[b] // block_pad + b) * block_pad of lse2 / delta (H, varlen_rows(...))
     fp32; dq_accum (T, H, D) fp32 zero (rows outside every sequence too). One Triton launch and a memset."""
     T, H, D = out.shape
     B = cu_seqlens_q.shape[0] - 1
@@ -266,7 +267,7 @@ def prepare_varlen_torch(out, dout, lse, cu_seqlens_q, seqused_q, max_seqlen_q, 
     seq = (torch.searchsorted(cu, rows, right=True) - 1).clamp(0, B - 1)  # each packed row's sequence
     offset = rows - cu[seq]
     used = (offset >= 0) & (offset < seqused_q.long()[seq]) & (rows < cu[-1])
-    dst = torch.where(used, rows + seq * block_pad, width - 1)  # the rest into the last column, never read
+    dst = torch.where(used, (cu[seq] // block_pad + seq) * block_pad + offset, width - 1)  # the rest: a never-read column
     d = (dout.float() * out).sum(-1).transpose(0, 1)  # (H, T), fp32 products as FlashAttention
     if dlse is not None:
         d = d - dlse[:, :T]

@@ -243,17 +243,17 @@ class PlanRules:
     "triton" (Triton kernels prepare and finish the backward where they run) or "torch". ``bwd_window``: the
     CuTeDSL backward kernel serves sliding windows (sizes >= 0; else they take the next backend; on: ahead of
     Triton's windowed backward, benchmarks/results/h100/attention_cute_bwd_modes.md). ``bwd_varlen``: it serves
-    varlen calls (cu_seqlens, seqused), off until tests/cute/test_cute_bwd_varlen.py's GPU tests pass (the kernel
-    stops with an illegal instruction on the GPU). ``bwd_deterministic``: it serves deterministic calls without a
-    window (dQ's adds in key-block turns; bit for bit run to run on the GPU), off: it runs at 0.4-0.6x of Triton's
-    deterministic backward (the same results file). ``bwd_softcap``: it serves soft-capped scores, off until
-    tests/cute/test_cute_bwd_softcap.py's GPU tests pass."""
+    varlen calls (cu_seqlens, seqused), on: 1.04-1.37x Triton's varlen backward (the same results file).
+    ``bwd_deterministic``: the dispatcher's cute backend serves deterministic calls without a window (dQ's adds in
+    key-block turns; bit for bit run to run on the GPU), off: it runs at 0.4-0.6x of Triton's deterministic backward
+    (the same results file); flash_attn.cute's own backward (no root package) uses the kernel for them either way.
+    ``bwd_softcap``: it serves soft-capped scores, on: 1.35-1.96x Triton's soft-capped backward."""
     pack_gqa_auto: bool = False
     bwd_host: str = "triton"
     bwd_window: bool = True
-    bwd_varlen: bool = False
+    bwd_varlen: bool = True
     bwd_deterministic: bool = False
-    bwd_softcap: bool = False
+    bwd_softcap: bool = True
 
     def __post_init__(self):
         if self.bwd_host not in ("triton", "torch"):

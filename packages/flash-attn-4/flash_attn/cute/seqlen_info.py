@@ -113,8 +113,9 @@ class BwdSeqlens:
     every sequence Sq x Sk. Varlen: sequence z is the used_q[z] rows from cu_seqlens_q[z] of packed Q, dO, dQ and
     its keys the used_k[z] rows from cu_seqlens_k[z] of packed K, V, dK, dV, which the host hands over as dense
     tensors of one batch entry (the dense kernel's views and TMA descriptors); its lse2 / delta rows start at
-    cu_seqlens_q[z] + z * block_m, the host having padded each sequence to a multiple of block_m (+inf / 0: the
-    padded queries contribute nothing). A tile that runs past
+    (cu_seqlens_q[z] // block_m + z) * block_m, the host having padded each sequence to a multiple of block_m
+    (+inf / 0: the padded queries contribute nothing). The start is a multiple of block_m because a TMA tile
+    load's innermost coordinate must fall on 16 bytes (an unaligned one is an illegal instruction). A tile that runs past
     its sequence reads the next one's rows (finite values, which the +inf lse2 and the key mask zero out) and adds
     nothing to them: its dQ rows past the sequence are exact zeros, its dK / dV rows are not stored."""
 
@@ -137,7 +138,7 @@ class BwdSeqlens:
             cu_q, cu_k, used_q, used_k = seqs
             q_start = cu_q[z]
             tile = TileSeqlens(Int32(0), q_start, cu_k[z], used_q[z], used_k[z], sequence=z)
-            tile.lse_start = q_start + z * self.block_m
+            tile.lse_start = (q_start // self.block_m + z) * self.block_m
         else:
             tile = TileSeqlens(z, Int32(0), Int32(0), seqlen_q, cute.size(mK, mode=[0]))
             tile.lse_start = Int32(0)
