@@ -388,14 +388,14 @@ def fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor]
                 window_right: int, softcap: float, rotary_interleaved: bool, alibi_slopes: Optional[Tensor],
                 num_splits: int, learnable_sink: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     s_new = 0 if k is None else k.shape[1]
+    capacity = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
     if block_table is not None:
-        capacity = block_table.shape[1] * k_cache.shape[1]
         _checks.range_values("block_table", block_table, 0, k_cache.shape[0])
         _checks.range_values("cache_seqlens", cache_seqlens, 0, capacity - s_new + 1, _checks.PagedCapacityError,
                              f" (block_table holds {block_table.shape[1]} pages of {k_cache.shape[1]} rows"
                              + (f", {s_new} new keys" if s_new else "") + ")")
     else:
-        _checks.range_values("cache_seqlens", cache_seqlens, 0, k_cache.shape[1] - s_new + 1)
+        _checks.range_values("cache_seqlens", cache_seqlens, 0, capacity - s_new + 1)
     if cache_batch_idx is not None:
         _checks.range_values("cache_batch_idx", cache_batch_idx, 0, k_cache.shape[0])
     if cache_leftpad is not None:

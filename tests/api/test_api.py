@@ -242,6 +242,21 @@ def test_with_kvcache_int_seqlens_and_no_append():
     torch.testing.assert_close(out, ref)
 
 
+def test_with_kvcache_leftpad_without_block_table():
+    """cache_leftpad on a dense cache (no block_table): row b attends to its keys [leftpad[b], cache_seqlens[b]);
+    a leftpad past the cache's capacity is refused naming cache_leftpad."""
+    q, k, v = _qkv(Sq=2, Sk=16)
+    q, k, v = q.detach(), k.detach(), v.detach()
+    seqlens = torch.tensor([12, 9], dtype=torch.int32)[: q.shape[0]]
+    leftpad = torch.tensor([3, 0], dtype=torch.int32)[: q.shape[0]]
+    out = flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, cache_leftpad=leftpad)
+    for b in range(q.shape[0]):
+        lo, hi = int(leftpad[b]), int(seqlens[b])
+        torch.testing.assert_close(out[b:b + 1], flash_attn_func(q[b:b + 1], k[b:b + 1, lo:hi], v[b:b + 1, lo:hi]))
+    with pytest.raises(ValueError, match="cache_leftpad"):
+        flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, cache_leftpad=leftpad + k.shape[1])
+
+
 def test_import_is_lazy():
     import subprocess
     import sys
