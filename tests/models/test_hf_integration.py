@@ -1,6 +1,7 @@
 """flash_attn.integrations.transformers: HF models with attn_implementation="fa_dropin" must match the same models
 on HF's sdpa attention (fp32, CPU): padding, KV-cache generation, sliding windows, packed sequences, encoders."""
 import copy
+import os
 
 import pytest
 import torch
@@ -149,3 +150,78 @@ def test_register_rejects_bad_names(bad):
     with pytest.raises(ValueError):
         integration.register(bad)
 
+
+
+_HF_FA2_SCRIPT = r'''
+import json, os, sys
+import torch
+import flash_attn
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.utils import import_utils
+
+assert import_utils.is_flash_attn_2_available(), "transformers does not take this flash_attn as FA2"
+calls = []
+real = {n: getattr(flash_attn, n) for n in ("flash_attn_func", "flash_attn_varlen_func")}
+for n, fn in real.items():  # transformers imports them from flash_attn at first use
+    setattr(flash_attn, n, lambda *a, _n=n, _f=fn, **k: calls.append(_n) or _f(*a, **k))
+config = LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512,
+                     num_hidden_layers=2, vocab_size=101, pad_token_id=0)
+torch.manual_seed(0)
+ref = LlamaForCausalLM._from_config(config, attn_implementation="sdpa").cuda().eval()
+models = {}
+for impl, dtype in (("flash_attention_2", torch.bfloat16), ("sdpa", torch.bfloat16)):
+    m = LlamaForCausalLM._from_config(config, attn_implementation=impl).cuda().eval()
+    m.load_state_dict(ref.state_dict())
+    models[impl] = m.to(dtype)
+ids = torch.randint(1, 101, (3, 40), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+mask = torch.ones_like(ids)
+mask[1, :7] = 0
+mask[2, :31] = 0
+result = {}
+with torch.no_grad():
+    for name, kw in (("dense", {}), ("padded", {"attention_mask": mask})):
+        want = ref(ids, **kw).logits.float()
+        valid = mask.bool() if kw else torch.ones_like(mask, dtype=torch.bool)
+        err = {impl: float((m(ids, **kw).logits.float() - want)[valid].abs().max()) for impl, m in models.items()}
+        result[name] = err
+m = models["flash_attention_2"].train()
+loss = m(ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
+loss.backward()
+result["loss_finite"] = bool(torch.isfinite(loss).item())
+result["grads_finite"] = all(bool(torch.isfinite(p.grad).all()) for p in m.parameters() if p.grad is not None)
+result["calls"] = sorted(set(calls))
+print(json.dumps(result))
+'''
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_transformers_flash_attention_2_runs_our_kernels(tmp_path):
+    """A tiny Llama with attn_implementation="flash_attention_2" (transformers' own FA2 integration, which imports
+    flash_attn_func / flash_attn_varlen_func from this package) on the GPU: transformers takes the package as FA2
+    when its distribution metadata says flash-attn >= 2.3.3 (tests/api/test_packaging.py checks the wheel's; here a
+    dist-info beside the checkout stands for it), both functions run (varlen for a padded batch), the logits are as
+    close to the fp32 model's as bf16 SDPA's are (FlashAttention's criterion: within 2x, plus bf16 rounding), and a
+    training step gives finite gradients."""
+    import json
+    import subprocess
+    import sys
+
+    import flash_attn
+
+    dist = tmp_path / f"flash_attn-{flash_attn.__version__}.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: flash-attn\nVersion: {flash_attn.__version__}\n")
+    (dist / "top_level.txt").write_text("flash_attn\n")
+    (dist / "RECORD").write_text("flash_attn/__init__.py,,\n")
+    root = str(__import__("pathlib").Path(__file__).resolve().parents[2])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), root, os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", _HF_FA2_SCRIPT], capture_output=True, text=True, env=env, cwd=tmp_path,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["calls"] == ["flash_attn_func", "flash_attn_varlen_func"], got
+    for case in ("dense", "padded"):
+        ours, sdpa = got[case]["flash_attention_2"], got[case]["sdpa"]
+        assert ours <= 2 * sdpa + 1e-2, (case, got[case])
+    assert got["loss_finite"] and got["grads_finite"], got
