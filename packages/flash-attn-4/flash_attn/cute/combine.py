@@ -4,7 +4,16 @@
 Combining parts: part s of a row holds o_s (normalised by its own row sum) and lse_s, the natural-log sum of its
 exponentiated scores; the whole row has lse = log(sum_s exp(lse_s)) and o = sum_s exp(lse_s - lse) o_s. A part that
 saw no key (lse -inf, or +inf as this package's split kernel writes it) adds nothing; a row no part saw gets o = 0
-and lse = -inf.
+and lse = -inf; a NaN lse makes the row's lse NaN and its o 0.
+
+On CUDA tensors (and on CPU ones under TRITON_INTERPRET=1, bf16 aside: the interpreter computes it wrongly) one
+Triton launch does it all: a program per (block of rows, head, slice of D) reads the parts' lse of its rows (max,
+then the sum of exp relative to it), then each part's lse and o rows once more, a few parts at a time where the rows
+are few (decoding), accumulating in fp32, and writes o and lse. Memory traffic: o_s read once, lse_s three times
+(1/D of o's bytes each), o and lse written once, where the torch expression below makes about six passes and fp32
+temporaries of out_partial's size. The torch expression (``combine_torch``) serves elsewhere: CPU tensors, no
+Triton (flash-attn-4 does not require it), other dtypes, autograd (the kernel has no backward) and torch.compile's
+tracing (Inductor fuses it there).
 """
 from __future__ import annotations
 
@@ -13,15 +22,193 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from flash_attn.cute import settings
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # flash-attn-4 installs without Triton: the torch path
+    triton = tl = None
+
+try:  # the root package's launcher service: the Triton backend's low-overhead relaunch where that backend runs
+    from flash_attn.backends import triton_launcher
+except ImportError:  # flash-attn-4 alone: Triton's own launch
+    triton_launcher = None
+
+_INTERPRET = settings.current.triton_interpret
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+if triton is not None:
+
+    @triton.jit
+    def _load_lse(lse_ptrs, k, s_ln, n_splits, row_ok):
+        """Parts k's lse of the rows, [len(k), len(row_ok)] fp32, an infinite one (an empty part) as -inf."""
+        mask = (k < n_splits)[:, None] & row_ok[None, :]
+        t = tl.load(lse_ptrs[None, :] + k.to(tl.int64)[:, None] * s_ln, mask=mask, other=float("-inf"))
+        t = t.to(tl.float32)
+        return tl.where(tl.abs(t) == float("inf"), float("-inf"), t)
+
+    # Row counts and split counts change from call to call: not specialised (no recompile per batch). Strides are,
+    # so that a unit D stride and 16-divisible row strides vectorise the loads of o.
+    @triton.jit(do_not_specialize=["n_splits", "seqlen", "n_rows"])
+    def _combine_kernel(OutPartial, LsePartial, Out, Lse,
+                        s_pn, s_pb, s_ps, s_ph, s_pd, s_ln, s_lb, s_ls, s_lh,
+                        s_ob, s_os, s_oh, s_od, s_eb, s_es, s_eh,
+                        n_splits, seqlen, n_rows, heads,
+                        HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_D: tl.constexpr, WRITE_LSE: tl.constexpr):
+        # Rows are (batch, seqlen) flattened; heads vary fastest among programs, so programs running together read
+        # whole (row, H, D) stretches of each part.
+        pid = tl.program_id(0)
+        m_blk = pid // heads
+        h64 = (pid - m_blk * heads).to(tl.int64)
+        d_blk = tl.program_id(1)
+        rows = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < n_rows
+        b = rows // seqlen
+        # 64-bit offsets: a part's stride alone can pass 2^31 elements
+        b64 = b.to(tl.int64)
+        s64 = (rows - b * seqlen).to(tl.int64)
+        cols = d_blk * BLOCK_D + tl.arange(0, BLOCK_D)
+        tile = row_ok[:, None] & (cols[None, :] < HEAD_DIM)
+        lse_ptrs = LsePartial + b64 * s_lb + s64 * s_ls + h64 * s_lh  # (BLOCK_M,)
+        o_ptrs = OutPartial + (b64 * s_pb + s64 * s_ps + h64 * s_ph)[:, None] + cols[None, :].to(tl.int64) * s_pd
+        # BLOCK_K parts at a time, [BLOCK_K, BLOCK_M(, BLOCK_D)] tiles: with few rows (decoding) the parts give the
+        # program its parallel loads
+        ks = tl.arange(0, BLOCK_K)
+
+        # pass 1: the largest finite lse of each row (an infinite one is an empty part: -inf, it adds nothing)
+        row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        n_nan = tl.zeros([BLOCK_M], tl.int32)
+        for k0 in range(0, n_splits, BLOCK_K):
+            t = _load_lse(lse_ptrs, k0 + ks, s_ln, n_splits, row_ok)
+            n_nan += tl.sum((t != t).to(tl.int32), 0)  # apart: max's NaN handling differs between GPU and interpreter
+            row_max = tl.maximum(row_max, tl.max(t, 0))
+        # pass 2: sum of exp(lse_s - max) (each term <= 1: no overflow however large the lse)
+        seen = row_max > float("-inf")
+        shift = tl.where(seen, row_max, 0.0)
+        total = tl.zeros([BLOCK_M], tl.float32)
+        for k0 in range(0, n_splits, BLOCK_K):
+            t = _load_lse(lse_ptrs, k0 + ks, s_ln, n_splits, row_ok)
+            total += tl.sum(tl.exp(t - shift[None, :]), 0)
+        lse = tl.where(seen, shift + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
+        lse = tl.where(n_nan > 0, float("nan"), lse)
+        # pass 3: o = sum_s exp(lse_s - max) / total o_s. Not exp(lse_s - lse) as the torch expression: lse_s - max
+        # is exact where lse_s is near max (Sterbenz) while lse rounded to fp32 is off by up to half its ulp, which
+        # at lse ~ 1e4 moves every weight by 5e-4. A row with no finite lse weighs every part 0 (o = 0; 0 * NaN
+        # stays NaN, as there).
+        ok = seen & (n_nan == 0)
+        scale = tl.where(ok, 1.0 / tl.where(ok, total, 1.0), 0.0)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for k0 in range(0, n_splits, BLOCK_K):
+            k = k0 + ks
+            t = _load_lse(lse_ptrs, k, s_ln, n_splits, row_ok)
+            w = tl.where(ok[None, :], tl.exp(t - shift[None, :]) * scale[None, :], 0.0)
+            o = tl.load(o_ptrs[None, :, :] + k.to(tl.int64)[:, None, None] * s_pn,
+                        mask=(k < n_splits)[:, None, None] & tile[None, :, :], other=0.0).to(tl.float32)
+            acc += tl.sum(w[:, :, None] * o, 0)
+        out_ptrs = Out + (b64 * s_ob + s64 * s_os + h64 * s_oh)[:, None] + cols[None, :].to(tl.int64) * s_od
+        tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=tile)
+        if WRITE_LSE:
+            if d_blk == 0:
+                tl.store(Lse + b64 * s_eb + s64 * s_es + h64 * s_eh, lse, mask=row_ok)
+
+
+_launchers: dict = {}
+
+
+def _launch(kernel, grid, args, meta, plan_key):
+    fn = _launchers.get(kernel)
+    if fn is None:
+        if triton_launcher is not None:
+            fn = triton_launcher(kernel)
+        else:
+            def fn(grid_, args_, meta_, _key, _kernel=kernel):
+                _kernel[grid_](*args_, **meta_)
+        fn = _launchers[kernel] = fn
+    fn(grid, args, meta, plan_key)
+
+
+def _next_pow2(n):
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _tile(n_splits, n_rows, heads, head_dim):
+    """(BLOCK_K, BLOCK_M, BLOCK_D, num_warps): up to 32 rows x 128 columns; with few programs (decoding: a handful
+    of rows) fewer rows, down to 8, and D slices down to 64 columns; then parts (BLOCK_K, a power of 2) until the
+    tile holds 2048 values."""
+    block_d = min(_next_pow2(head_dim), 128)
+    block_m = min(_next_pow2(n_rows), 32)
+
+    def programs():
+        return -(-n_rows // block_m) * heads * -(-head_dim // block_d)
+
+    while programs() < 512 and block_m > 8:
+        block_m //= 2
+    while programs() < 256 and block_d > 64:
+        block_d //= 2
+    block_k = 1
+    while block_k < n_splits and block_k * block_m * block_d < 2048:
+        block_k *= 2
+    return block_k, block_m, block_d, max(1, min(8, block_k * block_m * block_d // 512))
+
+
+def use_kernel(out_partial, lse_partial, out_dtype, out_device):
+    """Whether the Triton kernel combines these tensors into an output of out_dtype on out_device: Triton
+    installed, CUDA tensors on one device (or CPU ones in the interpreter, not bf16), fp16 / bf16 / fp32 parts and
+    out, fp32 lse, no gradient wanted through the inputs, not inside torch.compile's tracing."""
+    dev = out_partial.device
+    if triton is None or not (dev.type == "cuda" or (dev.type == "cpu" and _INTERPRET)):
+        return False
+    if lse_partial.device != dev or out_device != dev or lse_partial.dtype != torch.float32:
+        return False
+    if out_partial.dtype not in _KERNEL_DTYPES or out_dtype not in _KERNEL_DTYPES:
+        return False
+    if dev.type == "cpu" and torch.bfloat16 in (out_partial.dtype, out_dtype):
+        return False
+    if torch.is_grad_enabled() and (out_partial.requires_grad or lse_partial.requires_grad):
+        return False
+    return not torch.compiler.is_compiling()
+
+
+def combine_kernel(out_partial, lse_partial, out, lse):
+    """One launch of _combine_kernel: out_partial (num_splits, B, S, H, D) and lse_partial (num_splits, B, S, H) fp32,
+    out (B, S, H, D) and lse (B, S, H) fp32 or None, any strides; writes out (in its dtype) and lse."""
+    _, B, S, H, D = out_partial.shape
+    n_rows = B * S
+    if n_rows == 0 or H == 0:
+        return
+    n_splits = out_partial.shape[0]
+    block_k, block_m, block_d, warps = _tile(n_splits, n_rows, H, D)
+    write_lse = lse is not None
+    meta = {"HEAD_DIM": D, "BLOCK_K": block_k, "BLOCK_M": block_m, "BLOCK_D": block_d, "WRITE_LSE": write_lse,
+            "num_warps": warps}
+    grid = (-(-n_rows // block_m) * H, max(1, -(-D // block_d)))
+    lse_strides = lse.stride() if write_lse else (0, 0, 0)
+    _launch(_combine_kernel, grid,
+            (out_partial, lse_partial, out, lse, *out_partial.stride(), *lse_partial.stride(), *out.stride(),
+             *lse_strides, n_splits, S, n_rows, H),
+            meta, ("combine", D, block_k, block_m, block_d, write_lse, warps))
+
+
+def combine_torch(out_partial, lse_partial):
+    """(out fp32, lse fp32) of the combine as torch ops: out (..., H, D), lse (..., H) contiguous."""
+    lse_parts = lse_partial.float()
+    terms = torch.where(torch.isinf(lse_parts), torch.full_like(lse_parts, -math.inf), lse_parts)
+    lse = torch.logsumexp(terms, 0)  # (..., H); -inf where no part saw a key
+    weights = torch.where(torch.isfinite(lse), torch.exp(terms - lse), torch.zeros_like(terms))
+    return (out_partial.float() * weights.unsqueeze(-1)).sum(0), lse
+
 
 def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None, cu_seqlens=None, seqused=None,
                        virtual_batch_idx=None, return_lse=True):
     """Merges split-KV parts, with FA4's signature. out_partial (num_splits, B, S, H, D) or, varlen,
     (num_splits, total_q, H, D); lse_partial (num_splits, B, S, H) or (num_splits, total_q, H), fp32. Returns
     (out, lse): out (B, S, H, D) / (total_q, H, D) in out_dtype (default out_partial's), written into ``out`` when
-    given; lse (B, S, H) / (total_q, H) fp32 (a transposed view of (B, H, S) / (H, total_q) storage, as FA4's), or
-    None without return_lse. cu_seqlens / seqused (varlen bounds) change no value: every row is combined.
-    virtual_batch_idx (FA4's persistent-scheduler batch order) raises NotImplementedError."""
+    given (any strides; its dtype wins); lse (B, S, H) / (total_q, H) fp32 (a transposed view of (B, H, S) /
+    (H, total_q) storage, as FA4's), or None without return_lse. cu_seqlens / seqused (varlen bounds) change no
+    value: every row is combined. virtual_batch_idx (FA4's persistent-scheduler batch order) raises
+    NotImplementedError."""
     if virtual_batch_idx is not None:
         raise NotImplementedError("flash_attn_combine: virtual_batch_idx is not implemented here; leave it None")
     if not isinstance(out_partial, torch.Tensor) or out_partial.dim() not in (4, 5):
@@ -32,21 +219,30 @@ def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None, cu_se
     for name, t in (("cu_seqlens", cu_seqlens), ("seqused", seqused)):
         if t is not None and not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a tensor or None")
+    shape = tuple(out_partial.shape[1:])
+    if out is not None and tuple(out.shape) != shape:
+        raise ValueError(f"out must have shape {shape}, got {tuple(out.shape)}")
     dtype = out_dtype or out_partial.dtype
-    lse_parts = lse_partial.float()
-    terms = torch.where(torch.isinf(lse_parts), torch.full_like(lse_parts, -math.inf), lse_parts)
-    lse = torch.logsumexp(terms, 0)  # (..., H); -inf where no part saw a key
-    weights = torch.where(torch.isfinite(lse), torch.exp(terms - lse), torch.zeros_like(terms))
-    combined = (out_partial.float() * weights.unsqueeze(-1)).sum(0)
+    dest_dtype, dest_device = (dtype, out_partial.device) if out is None else (out.dtype, out.device)
+    if use_kernel(out_partial, lse_partial, dest_dtype, dest_device):
+        dest = out if out is not None else torch.empty(shape, dtype=dtype, device=out_partial.device)
+        lse = None
+        if return_lse:  # FA4's layout: heads-major storage (B, H, S) / (H, total_q), returned transposed
+            lse = torch.empty((*shape[:-3], shape[-2], shape[-3]), dtype=torch.float32, device=dest.device)
+            lse = lse.transpose(-1, -2)
+        if out_partial.dim() == 4:  # varlen: one sequence of total_q rows
+            combine_kernel(out_partial.unsqueeze(1), lse_partial.unsqueeze(1), dest.unsqueeze(0),
+                           None if lse is None else lse.unsqueeze(0))
+        else:
+            combine_kernel(out_partial, lse_partial, dest, lse)
+        return dest, lse
+    combined, lse = combine_torch(out_partial, lse_partial)
     if out is None:
         out = combined.to(dtype)
     else:
-        if tuple(out.shape) != tuple(combined.shape):
-            raise ValueError(f"out must have shape {tuple(combined.shape)}, got {tuple(out.shape)}")
         out.copy_(combined)
     if not return_lse:
         return out, None
-    # FA4's layout: heads-major storage, returned transposed to (..., S, H)
     lse_hm = lse.movedim(-1, -2).contiguous() if lse.dim() == 3 else lse.t().contiguous()
     return out, lse_hm.transpose(-1, -2)
 
