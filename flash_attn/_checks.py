@@ -48,10 +48,15 @@ def qkv(q, k, v, varlen):
                 and v.dtype == dt and ks[-1] == qs[-1] and ks[0] == vs[0] and ks[1] == vs[1]
                 and (varlen or (ks[2] == vs[2] and ks[0] == qs[0]))):
             H, D, Hk, Dv = qs[-2], qs[-1], ks[-2], vs[-1]
+            # (is_contiguous() reads a flag, stride() builds a tuple: a contiguous tensor's last stride is 1 or its
+            # last size 1)
             if (Hk and not H % Hk and 0 < D <= MAX_HEAD_DIM and 0 < Dv <= MAX_HEAD_DIM
-                    and (q.stride()[-1] == 1 or D == 1) and (k.stride()[-1] == 1 or D == 1)
-                    and (v.stride()[-1] == 1 or Dv == 1) and k.device == q.device and v.device == q.device):
-                return H, Hk, D, Dv
+                    and (q.is_contiguous() or q.stride()[-1] == 1 or D == 1)
+                    and (k.is_contiguous() or k.stride()[-1] == 1 or D == 1)
+                    and (v.is_contiguous() or v.stride()[-1] == 1 or Dv == 1)):
+                device = q.device
+                if k.device == device and v.device == device:
+                    return H, Hk, D, Dv
     tensor("q", q, nd)
     tensor("k", k, None, device=q.device)
     tensor("v", v, None, device=q.device)

@@ -1,7 +1,8 @@
 """Host-path cost per call on the CPU: the Python work of a call with the kernel replaced by a Python no-op (CPU
 tensors, b1 s128 h16 d128 bf16). ``--api cute``: flash_attn.cute.flash_attn_func with its kernels stubbed and the
 device check bypassed; ``--api root``: flash_attn.flash_attn_func with a no-op backend forced ("nop", registered
-here), with and without autograd. For comparing the per-call path before and after a change (run it on both
+here), with and without autograd, and through the cute backend module (``(cute backend)``: flash_attn.cute.backend's
+fwd and launch with the same stubbed kernels, the root API's path on a Hopper GPU). For comparing the per-call path before and after a change (run it on both
 checkouts, alternating, on a quiet machine; the GPU per-call figure is bench_cute_overhead's).
 
     python -m benchmarks.tools.percall_host_cpu [--api cute|root|both] [--rounds 15] [--calls 2000]
@@ -58,6 +59,31 @@ def _stub_root():
     return flash_attn.flash_attn_func
 
 
+class _CuteBackendStub:
+    """flash_attn.cute.backend as the dispatcher sees it on a Hopper GPU: available, serving the call, its own fwd."""
+
+    NAME = "cute"
+
+    def __init__(self):
+        from flash_attn.cute import backend
+
+        self.fwd = backend.fwd
+
+    def unavailable_reason(self):
+        return None
+
+    def unsupported_reason(self, call):
+        return None
+
+
+def _stub_root_cute():
+    from flash_attn import dispatch
+
+    _stub_cute()
+    sys.modules["_percall_cute_backend"] = _CuteBackendStub()
+    dispatch.BACKENDS["nop_cute"] = "_percall_cute_backend"
+
+
 def _time(f, args, kw, rounds, calls):
     for _ in range(calls):  # warm: the plan's caches
         f(*args, **kw)
@@ -89,6 +115,10 @@ def measure(api="cute", rounds=15, calls=2000):
             out[name] = _time(f, (q, k, v), kw, rounds, calls)
         qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
         out["common, grad"] = _time(f, (qg, kg, vg), {}, rounds, calls)
+    _stub_root_cute()
+    with dispatch.use_backend("nop_cute"):
+        for name, kw in cases.items():
+            out[f"{name} (cute backend)"] = _time(f, (q, k, v), kw, rounds, calls)
     return out
 
 

@@ -99,18 +99,35 @@ def unsupported_reason(call):
     return None
 
 
+_launch = None  # flash_attn.cute.launch, imported on the first call (importing this module stays cheap)
+
+
+def _load_launch():
+    global _launch
+    from flash_attn.cute import launch
+
+    _launch = launch
+    return launch
+
+
 def fwd(call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, alibi_slopes, rng_state,
         sink=None):
-    from flash_attn.cute import launch
-    from flash_attn.cute.plan import _UNBOUNDED
-
-    if sink is not None:
-        sink = sink.to(torch.float32).contiguous()  # (the kernels' layout; the core sends it so already)
+    launch = _launch or _load_launch()
     # the contract's -1 (no limit) is the kernels' UNBOUNDED
-    wl = _UNBOUNDED if call.window_left < 0 else call.window_left
-    wr = _UNBOUNDED if call.window_right < 0 else call.window_right
+    wl, wr = call.window_left, call.window_right
+    if wl < 0:
+        wl = launch._UNBOUNDED
+    if wr < 0:
+        wr = launch._UNBOUNDED
     causal, scale, softcap = call.causal, call.softmax_scale, call.softcap
     # unsupported_reason admitted only sm_90
+    if block_table is None and cu_seqlens_q is None:
+        if sink is not None:
+            sink = sink.to(torch.float32).contiguous()  # (the kernels' layout; the core sends it so already)
+        out, lse = launch.forward(q, k, v, scale, causal, "sm_90a", wl, wr, softcap, sink)
+        return out, lse, None
+    if sink is not None:
+        sink = sink.to(torch.float32).contiguous()
     if block_table is not None:
         if not _boxes_pages(call, k.shape[1]):
             # pages that fill no TMA box: gathered into contiguous keys for the unpaged kernel (as the FA4 API does)
@@ -123,11 +140,9 @@ def fwd(call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, b
         out, lse = launch.forward_varlen(q, k, v, cu_seqlens_q, None, cu_seqlens_k[1:] - cu_seqlens_k[:-1],
                                          max_seqlen_q, scale, causal, "sm_90a", wl, wr, softcap,
                                          fill_unused_rows=True, sink=sink, page_table=block_table)
-    elif cu_seqlens_q is not None:
+    else:
         out, lse = launch.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, None, max_seqlen_q, scale, causal,
                                          "sm_90a", wl, wr, softcap, fill_unused_rows=True, sink=sink)
-    else:
-        out, lse = launch.forward(q, k, v, scale, causal, "sm_90a", wl, wr, softcap, sink)
     return out, lse, None
 
 

@@ -133,7 +133,8 @@ def flash_attn_func(q, k, v, qv=None, gather_kv_indices=None, softmax_scale=None
                                    num_splits=num_splits, pack_gqa=pack_gqa, deterministic=deterministic,
                                    return_lse=return_lse)
         return out[..., :Dv].contiguous(), lse
-    _check_dims(D, Dv, H, Hk)
+    if Dv != D or not Hk or H % Hk:  # (D is one of SUPPORTED_HEAD_DIMS here: the call above pads the others)
+        _check_dims(D, Dv, H, Hk)
     pack = splits = 1
     if (window_size is _DEFAULT_WINDOW and learnable_sink is None and not softcap and num_splits == 1
             and not pack_gqa and (H == Hk or pack_gqa is False or _pack_group(None, H, Hk, Sq) == 1)):

@@ -26,6 +26,17 @@ def _kernel_layout(t, D):
     return t
 
 
+def _kernel_layouts(q, k, v, D, Dv):
+    """_kernel_layout of q, k (head dim D) and v (Dv), the common case (all three as the kernel takes them) tested
+    in one expression."""
+    qs, ks, vs = q.stride(), k.stride(), v.stride()
+    if (qs[3] != 1 or qs[2] != D or qs[1] & 7 or qs[0] & 7 or q.data_ptr() & 15
+            or ks[3] != 1 or ks[2] != D or ks[1] & 7 or ks[0] & 7 or k.data_ptr() & 15
+            or vs[3] != 1 or vs[2] != Dv or vs[1] & 7 or vs[0] & 7 or v.data_ptr() & 15):
+        return _kernel_layout(q, D), _kernel_layout(k, D), _kernel_layout(v, Dv)
+    return q, k, v
+
+
 def _packed_ok(t):
     # What the varlen kernels take for a (T, H, D) tensor: rows 16-byte aligned, head dim contiguous, heads D apart.
     return t.stride(1) == t.shape[2] and t.stride(2) == 1 and t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0
@@ -80,19 +91,23 @@ def forward(q, k, v, softmax_scale, causal, arch="sm_90a", window_left=_UNBOUNDE
     (see _check_sink); pack: the pack_gqa group (_pack_group; H == pack * Hk), 1 for none. v's head dim may differ
     from q's (a pair of HEAD_DIM_PAIRS; out has v's). splits > 1: split-KV (_forward_split). Returns (out, lse)."""
     B, Sq, H, D = q.shape
+    _, Sk, Hk, _ = k.shape
     Dv = v.shape[3]
-    window_left, window_right, local = _window_args(causal, window_left, window_right)
+    if window_left == _UNBOUNDED and window_right == _UNBOUNDED:
+        window_left = window_right = 0  # (_window_args of no window, without the call)
+        local = False
+    else:
+        window_left, window_right, local = _window_args(causal, window_left, window_right)
     capped = softcap > 0.0
-    sink_arg = () if sink is None else (sink,)
-    q, k, v = _kernel_layout(q, D), _kernel_layout(k, D), _kernel_layout(v, Dv)
-    Sk = k.shape[1]
-    splits = min(splits, _MAX_GRID_Z // max(B, 1))  # grid z = parts x batch
-    if splits > 1 and Sk and B * Sq * H and splits * B * max(Sq * H, Sk * k.shape[2]) * max(D, Dv) < _MAX_ELEMS:
-        # (the split path allocates its own fp32 parts and returns the merged out / lse)
-        return _forward_split(q, k, v, softmax_scale, causal and not local, arch, local, window_left, window_right,
-                              softcap, sink, pack, splits)
+    q, k, v = _kernel_layouts(q, k, v, D, Dv)
+    if splits > 1:
+        splits = min(splits, _MAX_GRID_Z // max(B, 1))  # grid z = parts x batch
+        if splits > 1 and Sk and B * Sq * H and splits * B * max(Sq * H, Sk * Hk) * max(D, Dv) < _MAX_ELEMS:
+            # (the split path allocates its own fp32 parts and returns the merged out / lse)
+            return _forward_split(q, k, v, softmax_scale, causal and not local, arch, local, window_left,
+                                  window_right, softcap, sink, pack, splits)
     out = torch.empty_like(q) if Dv == D else q.new_empty(B, Sq, H, Dv)
-    lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)  # sizes as ints: parsed faster
+    lse = torch.empty(B, H, Sq, dtype=_F32, device=q.device)  # sizes as ints: parsed faster
     if Sk == 0:  # no key at all: every row is empty (TMA descriptors cannot map a 0-length dim)
         out.zero_()
         if sink is None:
@@ -101,15 +116,15 @@ def forward(q, k, v, softmax_scale, causal, arch="sm_90a", window_left=_UNBOUNDE
             lse.copy_(_sink_lse(sink).view(1, H, 1).expand(B, H, Sq))
     elif B * Sq * H > 0:
         causal = causal and not local
-        short, long = _length_kernel(D, causal, k.shape[1],
-                                     not (local or capped or sink is not None or pack > 1 or Dv != D))
+        short, long = _length_kernel(D, causal, Sk, not (local or capped or sink is not None or pack > 1 or Dv != D))
         fn = (_kernels.get((q.dtype, D, causal, arch, local, capped) + (("sink",) if sink is not None else ())
                            + (("short",) if short else ()) + (("long",) if long else ())
                            + (("pack", pack) if pack > 1 else ()) + (("dv", Dv) if Dv != D else ()))
               or fwd_kernel(q.dtype, D, causal, arch, local=local, softcap=capped, sink=sink is not None,
                             short=short, long=long, pack=pack, dv=Dv))
         args = (float(softmax_scale), float(softcap), window_left, window_right)
-        per_batch = max(Sq * H, k.shape[1] * k.shape[2]) * max(D, Dv)  # elements of one entry's q/out or k/v
+        sink_arg = () if sink is None else (sink,)
+        per_batch = max(Sq * H, Sk * Hk) * max(D, Dv)  # elements of one entry's q/out or k/v
         if B * per_batch < _MAX_ELEMS and B <= _MAX_GRID_Z:
             fn(q, k, v, out, lse, *args, *sink_arg)
         else:  # the kernel indexes with 32-bit offsets: launch on batch slices that each stay below 2^31 (and a
