@@ -908,8 +908,9 @@ def test_backward_is_served_only_where_the_kernel_applies(cute_env, disable):
     assert cute_backend.unsupported_reason(_call()) is None
     assert cute_backend.unsupported_reason(_call(causal=False, dtype=torch.float16, head_dim=128,
                                                  head_dim_v=128)) is None
-    for what in (dict(varlen=True), dict(softcap=30.0), dict(deterministic=True), dict(alibi=True),
-                 dict(dropout_p=0.1), dict(paged=True)):
+    for what in (dict(varlen=True), dict(softcap=30.0)):  # under their plan rules, on by default
+        assert cute_backend.unsupported_reason(_call(**what)) is None, what
+    for what in (dict(deterministic=True), dict(alibi=True), dict(dropout_p=0.1), dict(paged=True)):
         assert cute_backend.unsupported_reason(_call(**what)) is not None, what
     assert cute_backend.unsupported_reason(_call(head_dim=96, head_dim_v=96)) is not None
     assert cute_backend.unsupported_reason(_call(arch=(8, 0))) is not None
@@ -1300,7 +1301,10 @@ def test_window_backward_is_admitted_under_its_rule_on_by_default(cute_env):
     cute_env(OVERRIDES=None)
     for what in windowed:
         assert cute_backend.unsupported_reason(_call(**what)) is None, what
+    assert cute_backend.unsupported_reason(_call(window_left=8, softcap=5.0)) is None  # softcap: its own rule, on
+    cute_env(OVERRIDES="plan.bwd_softcap=0")
     assert cute_backend.unsupported_reason(_call(window_left=8, softcap=5.0)) is not None
+    cute_env(OVERRIDES=None)
     q = torch.empty(1, 4, 2, 64)
     U = autograd._UNBOUNDED
     assert autograd._kernel_takes(q, q, False, 8, 3, 0.0, False, None)

@@ -1109,7 +1109,7 @@ def test_backend_admits_only_what_the_kernel_does(cute_env):
         "head dims 96/96": _call(head_dim=96, head_dim_v=96, backward=True),  # a forward kernel only
         "head dims 128/64": _call(head_dim_v=64),
         "backward with deterministic": _call(backward=True, deterministic=True),
-        "backward with varlen": _call(backward=True, varlen=True),
+        "backward with paged": _call(backward=True, paged=True),
         "alibi": _call(alibi=True),
         "dropout": _call(dropout_p=0.1),
         "return_probs": _call(return_probs=True),

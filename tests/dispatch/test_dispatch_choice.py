@@ -92,12 +92,15 @@ def test_hopper_dense_backward_runs_cute(gpu):
     # sliding windows too (the plan rule bwd_window, on by default)
     assert _select(backward=True, window_left=16, window_right=0, causal=True) == "cute"
     assert _select(backward=True, window_left=16, window_right=8) == "cute"
+    # varlen and softcap (plan rules bwd_varlen / bwd_softcap, on by default)
+    assert _select(backward=True, varlen=True, causal=True) == "cute"
+    assert _select(backward=True, softcap=30.0) == "cute"
 
 
 @pytest.mark.parametrize("call", [
     dict(dropout_p=0.1), dict(alibi=True), dict(return_probs=True), dict(kvcache=True),
     dict(dtype=torch.float32), dict(d=72, dv=72), dict(d=64, dv=32), dict(device="cuda:1"),
-    dict(backward=True, softcap=30.0), dict(backward=True, deterministic=True), dict(backward=True, varlen=True),
+    dict(backward=True, deterministic=True),
     dict(backward=True, d=256, dv=256),
 ], ids=lambda c: ",".join(f"{k}={getattr(v, '__name__', v)}" for k, v in c.items()))
 def test_triton_where_cute_refuses(gpu, call):
@@ -164,7 +167,7 @@ PAIRS = [
     ("return_probs", dict(), dict(return_probs=True), ("cute", "triton")),
     ("kvcache", dict(), dict(kvcache=True), ("cute", "triton")),
     ("varlen", dict(backward=True), dict(backward=True, varlen=True), ("cute", "triton")),
-    ("paged", dict(varlen=True, backward=True), dict(varlen=True, backward=True, paged=True), ("triton", "torch")),
+    ("paged", dict(varlen=True, backward=True), dict(varlen=True, backward=True, paged=True), ("cute", "torch")),
     ("head_dim", dict(), dict(d=72), ("cute", "triton")),
     ("head_dim_v", dict(), dict(dv=32), ("cute", "triton")),
     ("dtype", dict(), dict(dtype=torch.float32), ("cute", "triton")),
@@ -180,8 +183,11 @@ PAIRS = [
 
 @pytest.mark.parametrize("name,a,b,expect", PAIRS, ids=[p[0] for p in PAIRS])
 def test_cache_key_holds_every_attribute(gpu, cute_env, name, a, b, expect):
-    if name in ("local", "causal"):  # windowed backward calls leave cute only with the plan rule bwd_window off
-        cute_env(OVERRIDES="plan.bwd_window=0")
+    # windowed, soft-capped and varlen backward calls leave cute only with their plan rules off
+    rule_off = {"local": "bwd_window", "causal": "bwd_window", "softcap": "bwd_softcap", "backward": "bwd_softcap",
+                "varlen": "bwd_varlen"}
+    if name in rule_off:
+        cute_env(OVERRIDES=f"plan.{rule_off[name]}=0")
     assert (_select(**a), _select(**b)) == expect
     gpu()  # empty cache: the other order
     assert (_select(**b), _select(**a)) == expect[::-1]
