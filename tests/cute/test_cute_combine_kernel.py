@@ -112,12 +112,13 @@ def test_empty_parts_add_nothing_and_unseen_rows_are_zero(empty):
     lse_p[0, 1, 0, 0] = empty
     o[1:3, 0, 1, 1] = 1e30  # what an empty part's o holds does not matter (its weight is exactly 0)
     out, lse = combine.flash_attn_combine(o, lse_p)
-    assert torch.equal(out[0, 0, 0], torch.zeros(64)) and torch.equal(out[1, 2], torch.zeros(2, 64))
+    assert not out[0, 0, 0].any() and not out[1, 2].any()  # exactly 0
     assert torch.isneginf(lse[0, 0, 0]) and torch.isneginf(lse[1, 2]).all()
     want_out, want_lse = combine_ref(o, lse_p)
     torch.testing.assert_close(out.double(), want_out, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(lse.double(), want_lse, rtol=1e-6, atol=1e-5)
-    assert torch.equal(out[0, 1, 1], combine.flash_attn_combine(o[[0, 3]], lse_p[[0, 3]])[0][0, 1, 1])
+    torch.testing.assert_close(out[0, 1, 1], combine.flash_attn_combine(o[[0, 3]], lse_p[[0, 3]])[0][0, 1, 1],
+                               rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("offset", [80.0, 1e4, -1e4])
@@ -133,7 +134,7 @@ def test_nan_lse_as_the_torch_path():
     lse_p[1, 0, 2, 1] = math.nan
     out, lse = combine.flash_attn_combine(o, lse_p)
     want_out, want_lse = combine.combine_torch(o, lse_p)
-    assert torch.isnan(lse[0, 2, 1]) and torch.equal(out[0, 2, 1], torch.zeros(8))
+    assert torch.isnan(lse[0, 2, 1]) and not out[0, 2, 1].any()
     torch.testing.assert_close(out, want_out, equal_nan=True)
     torch.testing.assert_close(lse, want_lse, equal_nan=True)
 
