@@ -25,6 +25,12 @@ needs_kernel = pytest.mark.skipif(combine.triton is None or not (combine._INTERP
 pytestmark = needs_kernel
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def kernel_rule_on(cute_env):
+    """The plan rule combine_kernel on (off by default until these tests pass on a GPU)."""
+    cute_env(OVERRIDES="plan.combine_kernel=1")
 # the only rounding beyond fp32's: the output's (a unit in the last place, relative)
 ULP = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7, torch.float32: 1e-5}
 
@@ -204,7 +210,7 @@ def test_plain_triton_launch_without_the_launcher_service(monkeypatch):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU routing rules")
-def test_torch_path_where_the_kernel_does_not_serve(monkeypatch):
+def test_torch_path_where_the_kernel_does_not_serve(monkeypatch, cute_env):
     seen = _launches(monkeypatch)
     o, lse_p = _parts(2, (1, 3), 2, 8, torch.float32)
     combine.flash_attn_combine(o, lse_p, out_dtype=torch.bfloat16)  # the interpreter computes bf16 wrongly
@@ -214,6 +220,9 @@ def test_torch_path_where_the_kernel_does_not_serve(monkeypatch):
     assert seen == []
     out, _ = combine.flash_attn_combine(o.detach(), lse_p)
     assert seen == [combine._combine_kernel]
+    cute_env(OVERRIDES=None)  # the plan rule at its default (off): the torch ops
+    combine.flash_attn_combine(o.detach(), lse_p)
+    cute_env(OVERRIDES="plan.combine_kernel=1")
     monkeypatch.setattr(combine, "_INTERPRET", False)  # a CPU tensor without the interpreter
     combine.flash_attn_combine(o.detach(), lse_p)
     monkeypatch.setattr(combine, "_INTERPRET", True)
