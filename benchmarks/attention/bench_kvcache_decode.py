@@ -1,0 +1,96 @@
+"""flash_attn_with_kvcache on decoding shapes: the default split choice against fixed num_splits values and PyTorch's
+SDPA (enable_gqa) on the same cache, to settle the split-KV heuristic (kvcache.choose_num_splits). Per shape, every
+variant runs in interleaved rounds (CUDA-event timing of a burst of calls, the median of the rounds kept);
+microseconds per call and the rate at which the call reads K and V (GB/s = cache bytes read / time). Every
+variant's output is compared with SDPA's (bf16 rounding), so a variant that computes something else shows.
+
+    python -m benchmarks.attention.bench_kvcache_decode [--shapes B:Sk:H:Hk:D,...] [--splits 0,1,8,16,32,64,128]
+
+Shapes default to issue 32's table (one query token, H 32, Hk 8, d 128, bf16, full caches): 1x8k, 1x64k, 8x8k,
+8x32k, 32x8k, 64x4k. num_splits 0 is the default heuristic; the kernel caps larger values at its MAX_SPLITS.
+"""
+import argparse
+import statistics
+
+DEFAULT_SHAPES = "1:8192:32:8:128,1:65536:32:8:128,8:8192:32:8:128,8:32768:32:8:128,32:8192:32:8:128,64:4096:32:8:128"
+
+
+def parse_shapes(spec):
+    """[(B, Sk, H, Hk, D)] of a comma-separated B:Sk:H:Hk:D list."""
+    out = []
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        fields = item.split(":")
+        if len(fields) != 5:
+            raise ValueError(f"shape {item!r}: expected B:Sk:H:Hk:D")
+        b, sk, h, hk, d = map(int, fields)
+        if h % hk:
+            raise ValueError(f"shape {item!r}: H ({h}) must be a multiple of Hk ({hk})")
+        out.append((b, sk, h, hk, d))
+    return out
+
+
+def _time_us(fn, reps):
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / reps
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default=DEFAULT_SHAPES)
+    ap.add_argument("--splits", default="0,1,8,16,32,64,128", help="num_splits values (0: the default heuristic)")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=50)
+    args = ap.parse_args(argv)
+    shapes = parse_shapes(args.shapes)
+    splits = [int(x) for x in args.splits.split(",") if x.strip()]
+
+    import torch
+    import torch.nn.functional as F
+
+    import flash_attn
+    from flash_attn import flash_attn_with_kvcache
+
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_kvcache_decode needs a CUDA GPU")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, flash_attn {flash_attn.__version__}; "
+          f"us per call (GB/s of K + V read); max |out - sdpa| per shape")
+    names = [f"splits={s}" if s else "default" for s in splits] + ["sdpa"]
+    print("| B x Sk | " + " | ".join(names) + " | max err |")
+    print("|---" * (len(names) + 2) + "|")
+    for b, sk, h, hk, d in shapes:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q = torch.randn(b, 1, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        kc = torch.randn(b, sk, hk, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        vc = torch.randn(b, sk, hk, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        lens = torch.full((b,), sk, dtype=torch.int32, device="cuda")
+        # SDPA in its own (B, H, S, D) layout, contiguous (the layout it is fastest in)
+        qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, kc, vc))
+        calls = {name: (lambda s=s: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=s))
+                 for name, s in zip(names, splits)}
+        calls["sdpa"] = lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+        ref = calls["sdpa"]().transpose(1, 2).float()
+        err = max(float((calls[n]().float() - ref).abs().max()) for n in names[:-1])
+        samples = {n: [] for n in names}
+        for fn in calls.values():  # warm-up: compile and settle clocks
+            _time_us(fn, 5)
+        for r in range(args.rounds):
+            order = names[r % len(names):] + names[:r % len(names)]
+            for n in order:
+                samples[n].append(_time_us(calls[n], args.reps))
+        kv_bytes = 2 * b * sk * hk * d * 2
+        cells = []
+        for n in names:
+            us = statistics.median(samples[n])
+            cells.append(f"{us:.1f} ({kv_bytes / us / 1e3:.0f})")
+        print(f"| {b} x {sk // 1024}k | " + " | ".join(cells) + f" | {err:.4f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
