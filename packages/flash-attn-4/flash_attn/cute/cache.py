@@ -21,6 +21,13 @@ The key is a SHA-256 over everything that changes the compiled code: the kernel 
 source file of the ``flash_attn.cute`` package, the versions of flash-attn-4, nvidia-cutlass-dsl and
 apache-tvm-ffi, the CuTeDSL runtime flavour (CUDA 12 / 13) and the host CPU architecture (the object
 holds host code). Batch, sequence lengths, head counts and strides are runtime values of the kernel.
+
+Shipped entries: a wheel built after ``python -m flash_attn.cute.precompile --prebuilt`` carries the common
+kernels in the package's ``_prebuilt`` folder (``PREBUILT_DIR``; git-ignored in the source tree). A lookup in the
+user's cache (``cache_dir()``) that misses loads from there before anything compiles. That folder is read-only
+at run time (nothing is linked, locked or written there) and its entries obey the same key: the source hash,
+taken over the installed package's files less the ``_prebuilt`` folder, is the one the release job computed from
+the same sources, and an entry of another CuTeDSL / TVM-FFI version or of edited sources is simply not found.
 """
 import contextlib
 import ctypes
@@ -41,6 +48,9 @@ from flash_attn.cute import settings
 ENV_VAR = settings.CACHE
 FORMAT = 1  # bump when the files of an entry change meaning
 _PKG_DIR = Path(__file__).resolve().parent
+PREBUILT = "_prebuilt"
+# The shipped read-only entries; None: none consulted (precompile builds without them; tests point it elsewhere).
+PREBUILT_DIR = _PKG_DIR / PREBUILT
 _memo = {}
 _lock = threading.RLock()  # one in-process builder at a time; flock orders processes
 
@@ -60,12 +70,14 @@ def cache_dir():
 
 
 def source_hash(root=None):
-    """SHA-256 of the package's Python sources (relative paths and contents)."""
+    """SHA-256 of the package's Python sources (relative paths and contents), the shipped entries' folder
+    (``_prebuilt``, filled after the sources are final) left out."""
     root = Path(root) if root is not None else _PKG_DIR
     memo_key = ("source", str(root))
     if memo_key not in _memo:
         h = hashlib.sha256()
-        for path in sorted(p for p in root.rglob("*.py") if "__pycache__" not in p.parts):
+        for path in sorted(p for p in root.rglob("*.py")
+                           if "__pycache__" not in p.parts and p.relative_to(root).parts[0] != PREBUILT):
             h.update(path.relative_to(root).as_posix().encode() + b"\0")
             h.update(path.read_bytes() + b"\0")
         _memo[memo_key] = h.hexdigest()
@@ -91,6 +103,21 @@ def _runtime_flavours():
     return sorted(p.parent.parent.name for p in root.glob("*/lib/libcute_dsl_runtime.so"))
 
 
+def _source_version():
+    """flash-attn-4's version from the pyproject.toml beside these sources (a source checkout), else None."""
+    import re
+
+    try:
+        text = (_PKG_DIR.parent.parent / "pyproject.toml").read_text()
+    except OSError:
+        return None
+    project = re.search(r"^\[project\]\s*$(.*?)(?=^\[|\Z)", text, re.M | re.S)
+    if project is None or not re.search(r'^name\s*=\s*"flash-attn-4"', project.group(1), re.M):
+        return None
+    found = re.search(r'^version\s*=\s*"([^"]+)"', project.group(1), re.M)
+    return found.group(1) if found else None
+
+
 def environment():
     """What besides the sources and the configuration changes the compiled code."""
     if "env" not in _memo:
@@ -103,7 +130,9 @@ def environment():
                 return None
 
         _memo["env"] = {
-            "flash-attn-4": version("flash-attn-4"),
+            # The sources' own version first: a checkout that precompiles the shipped entries (where the
+            # flash-attn-4 distribution may not be installed) keys them as the wheel built from it.
+            "flash-attn-4": _source_version() or version("flash-attn-4"),
             "nvidia-cutlass-dsl": version("nvidia-cutlass-dsl"),
             "apache-tvm-ffi": version("apache-tvm-ffi"),
             "cute-runtime": _runtime_flavours(),
@@ -232,12 +261,32 @@ def notes():
     return list(_notes)
 
 
+def prebuilt():
+    """The shipped entries (``PREBUILT_DIR``) as a read-only DiskCache, or None when there are none."""
+    root = PREBUILT_DIR
+    return DiskCache(root, readonly=True) if root is not None and Path(root).is_dir() else None
+
+
 class DiskCache:
     """The entries of one folder. ``load`` and ``store`` never raise for a bad or unwritable
-    entry: a failed load is a miss, a failed store leaves the caller's compiled kernel in use."""
+    entry: a failed load is a miss, a failed store leaves the caller's compiled kernel in use.
+    ``readonly``: ``load`` never writes there (no shared library is linked in place), as for the
+    shipped entries."""
 
-    def __init__(self, root):
+    def __init__(self, root, readonly=False):
         self.root = Path(root)
+        self.readonly = readonly
+
+    def _falls_back(self):
+        # The runtime's own folder (kernels pass cache_dir()) falls back to the shipped entries; a folder named
+        # explicitly (precompile --out, tests) stands alone.
+        if self.readonly or PREBUILT_DIR is None:
+            return False
+        own = cache_dir()
+        try:
+            return own is not None and self.root.resolve() == Path(own).resolve() != Path(PREBUILT_DIR).resolve()
+        except OSError:
+            return False
 
     def paths(self, name):
         return {ext: self.root / f"{name}.{ext}" for ext in ("o", "so", "json", "lock")}
@@ -274,7 +323,18 @@ class DiskCache:
 
     def load(self, name, key, locked=False):
         """(callable, how) with how in ("so", "o"), or (None, None) on a miss. ``locked``: the caller
-        holds ``writer(name)`` (flock is per open file: taking it again here would wait forever)."""
+        holds ``writer(name)`` (flock is per open file: taking it again here would wait forever). A miss
+        in the runtime's folder (``cache_dir()``) is looked up in the shipped entries (``prebuilt()``),
+        how then "prebuilt-so" / "prebuilt-o"."""
+        fn, how = self._load(name, key, locked)
+        if fn is None and self._falls_back():
+            shipped = prebuilt()
+            if shipped is not None:
+                fn, how = shipped._load(name, key, False)
+                how = how and f"prebuilt-{how}"
+        return fn, how
+
+    def _load(self, name, key, locked):
         manifest = self._manifest(name, key)
         if manifest is None:
             return None, None
@@ -282,7 +342,7 @@ class DiskCache:
         if not isinstance(symbol, str):
             return None, None
         so_ok = self._intact(manifest, paths["so"], "so")
-        if not so_ok and self._intact(manifest, paths["o"], "o"):
+        if not so_ok and not self.readonly and self._intact(manifest, paths["o"], "o"):
             # An entry from a machine without a C compiler: link it here, once, for later processes.
             so_ok = self._add_shared(name, key, paths, locked)
             manifest = self._manifest(name, key) or manifest
@@ -311,7 +371,7 @@ class DiskCache:
                 manifest["sha256"]["so"] = _sha256(paths["so"])
                 _write_atomic(paths["json"], json.dumps(manifest, indent=1, sort_keys=True).encode())
                 return True
-        except OSError as e:  # a read-only cache (a shipped precompiled folder)
+        except OSError as e:  # a folder this process cannot write
             _note(f"cannot add {paths['so']}: {e}")
             return False
 
