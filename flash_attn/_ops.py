@@ -298,6 +298,17 @@ def _fwd_dense(call, q, k, v):
     return out.contiguous(), lse
 
 
+def _fwd_dense_out(call, q, k, v):
+    """_fwd_dense's out alone (no gradient, lse dropped): a backend that can (LSE_SCRATCH) writes lse to a shared
+    buffer instead of a new one."""
+    backend = dispatch.select(call)
+    if getattr(backend, "LSE_SCRATCH", False):
+        out = backend.fwd(call, q, k, v, None, None, q.shape[1], k.shape[1], None, None, None, lse_scratch=True)[0]
+    else:
+        out = backend.fwd(call, q, k, v, None, None, q.shape[1], k.shape[1], None, None, None)[0]
+    return out.contiguous()
+
+
 class _EagerDenseAttention(torch.autograd.Function):
     """_EagerAttention for attention_dense: out is its only output (each output costs autograd ~0.5 us)."""
 
@@ -327,7 +338,7 @@ def attention_dense(call, q, k, v):
     q, k, v = _unwrap(q), _unwrap(k), _unwrap(v)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _c_apply_dense(q, k, v, call)
-    return _fwd_dense(call, q, k, v)[0]
+    return _fwd_dense_out(call, q, k, v)
 
 
 class _EagerPackedDenseAttention(torch.autograd.Function):
@@ -371,7 +382,7 @@ def attention_qkvpacked_dense(call, qkv):
     if torch.is_grad_enabled() and qkv.requires_grad:
         return _c_apply_packed(qkv, call)
     q, k, v = qkv.unbind(2)
-    return _fwd_dense(call, q, k, v)[0]
+    return _fwd_dense_out(call, q, k, v)
 
 
 try:

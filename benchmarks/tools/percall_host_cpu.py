@@ -68,6 +68,9 @@ class _CuteBackendStub:
         from flash_attn.cute import backend
 
         self.fwd = backend.fwd
+        for flag in ("BWD_OUT", "LSE_SCRATCH"):  # the contract's optional features, as the module declares them
+            if hasattr(backend, flag):
+                setattr(self, flag, getattr(backend, flag))
 
     def unavailable_reason(self):
         return None

@@ -455,7 +455,7 @@ def _naive(q, k, v, sink, softmax_scale, causal, window_left=U, window_right=U, 
 
 
 def _stand_in_forward(q, k, v, softmax_scale, causal, arch="sm_90a", window_left=U, window_right=U, softcap=0.0,
-                      sink=None, pack=1, splits=1):
+                      sink=None, pack=1, splits=1, lse_scratch=False):
     out, lse, seen = _naive(q, k, v, sink, softmax_scale, causal, window_left, window_right, softcap)
     return out.to(q.dtype), torch.where(seen, lse, math.inf).float()
 

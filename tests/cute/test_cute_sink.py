@@ -144,7 +144,7 @@ def test_bad_learnable_sink_is_refused(varlen):
 
 
 def _stand_in_forward(q, k, v, softmax_scale, causal, arch="sm_90a", window_left=-1, window_right=-1,
-                      softcap=0.0, sink=None):
+                      softcap=0.0, sink=None, lse_scratch=False):
     kw = dict(causal=causal, window_size=(window_left, 0 if causal else window_right), softcap=softcap,
               softmax_scale=softmax_scale, learnable_sink=sink)
     out, _ = attention_ref(q, k, v, **kw)

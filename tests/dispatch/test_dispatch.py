@@ -174,3 +174,40 @@ def test_calls_without_gradient_skip_autograd_but_agree(registry):
     out = flash_attn_func(q.detach(), k, v.detach())
     out.sum().backward()
     assert k.grad is not None and q.grad is None
+
+
+def test_lse_scratch_only_where_lse_is_dropped(monkeypatch):
+    """A backend that declares LSE_SCRATCH gets lse_scratch=True exactly for the dense calls whose lse nobody keeps
+    (no gradient, no lse returned); one that does not declare it never gets the keyword."""
+    seen = []
+    mod = types.ModuleType("_fake_backend_scratch")
+    mod.NAME = "scratch"
+    mod.LSE_SCRATCH = True
+    mod.unavailable_reason = lambda: None
+    mod.unsupported_reason = lambda call: None
+
+    def fwd(*a, **kw):
+        seen.append(kw.get("lse_scratch", False))
+        return reference.fwd(*a)
+
+    mod.fwd, mod.bwd = fwd, reference.bwd
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    monkeypatch.setitem(dispatch.BACKENDS, "scratch", mod.__name__)
+    for cache in ("_modules", "_unavailable", "_choice"):
+        monkeypatch.setattr(dispatch, cache, {})
+    q, k, v = _qkv()
+    with dispatch.use_backend("scratch"):
+        out = flash_attn_func(q.detach(), k.detach(), v.detach())
+        torch.testing.assert_close(out, flash_attn_func(q, k, v).detach())  # (with a gradient: a kept lse)
+        flash_attn.flash_attn_qkvpacked_func(torch.stack([q.detach(), k.detach(), v.detach()], 2))
+        flash_attn_func(q.detach(), k.detach(), v.detach(), return_attn_probs=True)  # lse returned
+        with torch.no_grad():
+            flash_attn_func(q, k, v)
+    assert seen == [True, False, True, False, True]
+    del mod.LSE_SCRATCH  # the keyword is the module's to declare
+    seen.clear()
+    for cache in (dispatch._modules, dispatch._unavailable, dispatch._choice):
+        cache.clear()
+    with dispatch.use_backend("scratch"):
+        flash_attn_func(q.detach(), k.detach(), v.detach())
+    assert seen == [False]

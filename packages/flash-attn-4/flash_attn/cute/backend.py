@@ -30,6 +30,7 @@ _GATED_FWD_HEAD_DIMS = (96, 192, 256)  # forward only; FLASH_ATTN_CUTE_DISABLE=d
 _ARCHS = {(9, 0): "sm_90a"}
 _unavailable = []
 BWD_OUT = True  # bwd() takes grads=(dq, dk, dv)
+LSE_SCRATCH = True  # fwd() takes lse_scratch=True (launch._lse_scratch)
 
 
 def unavailable_reason():
@@ -111,7 +112,7 @@ def _load_launch():
 
 
 def fwd(call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, alibi_slopes, rng_state,
-        sink=None):
+        sink=None, lse_scratch=False):
     launch = _launch or _load_launch()
     # the contract's -1 (no limit) is the kernels' UNBOUNDED
     wl, wr = call.window_left, call.window_right
@@ -124,7 +125,7 @@ def fwd(call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, b
     if block_table is None and cu_seqlens_q is None:
         if sink is not None:
             sink = sink.to(torch.float32).contiguous()  # (the kernels' layout; the core sends it so already)
-        out, lse = launch.forward(q, k, v, scale, causal, "sm_90a", wl, wr, softcap, sink)
+        out, lse = launch.forward(q, k, v, scale, causal, "sm_90a", wl, wr, softcap, sink, lse_scratch=lse_scratch)
         return out, lse, None
     if sink is not None:
         sink = sink.to(torch.float32).contiguous()

@@ -140,6 +140,7 @@ def flash_attn_func(q, k, v, qv=None, gather_kv_indices=None, softmax_scale=None
             and not pack_gqa and (H == Hk or pack_gqa is False or _pack_group(None, H, Hk, Sq) == 1)):
         window_left = window_right = _UNBOUNDED  # the common call: no option to parse
         softcap = 0.0
+        plain = True
     else:
         causal, window_left, window_right, softcap = _options(window_size, softcap, causal)
         pack = _pack_group(pack_gqa, H, Hk, Sq)
@@ -154,8 +155,9 @@ def flash_attn_func(q, k, v, qv=None, gather_kv_indices=None, softmax_scale=None
             if _autograd.needs_grad(q, k, v, learnable_sink):
                 return _autograd.Attention.apply(q, k, v, learnable_sink, args)
             out, lse = forward(q, k, v, args[0], bool(causal), arch, window_left, window_right, softcap, sink,
-                               pack=pack, splits=splits)
+                               pack=pack, splits=splits, lse_scratch=not return_lse)
             return out, (lse if return_lse else None)
+        plain = window_left == _UNBOUNDED and window_right == _UNBOUNDED and not softcap and pack == 1 and splits == 1
     arch = _device_arch(q, k, v)
     if softmax_scale is None:
         softmax_scale = D ** -0.5
@@ -166,9 +168,7 @@ def flash_attn_func(q, k, v, qv=None, gather_kv_indices=None, softmax_scale=None
             return res
         return _autograd.Attention.apply(q, k, v, None, (float(softmax_scale), bool(causal), window_left,
                                                          window_right, softcap, bool(deterministic), arch, None))
-    if (window_left == _UNBOUNDED and window_right == _UNBOUNDED and not softcap and Sk and B * Sq * H and pack == 1
-            and Dv == D
-            and splits == 1):
+    if plain and Sk and B * Sq * H and Dv == D:
         # Dense, no window or softcap (the common call): forward() without its general-case work.
         key = (dtype, D, bool(causal), arch, False, False)
         if Sk <= SHORT_SK:
@@ -191,7 +191,7 @@ def flash_attn_func(q, k, v, qv=None, gather_kv_indices=None, softmax_scale=None
             fn(q, k, v, out, lse, float(softmax_scale), 0.0, 0, 0)
             return out, (lse if return_lse else None)
     out, lse = forward(q, k, v, softmax_scale, bool(causal), arch, window_left, window_right, softcap, pack=pack,
-                       splits=splits)
+                       splits=splits, lse_scratch=not return_lse)
     return out, (lse if return_lse else None)
 
 

@@ -84,12 +84,13 @@ def _new_lse_scratch(index, B, H, Sq):
 
 
 def forward(q, k, v, softmax_scale, causal, arch="sm_90a", window_left=_UNBOUNDED, window_right=_UNBOUNDED, softcap=0.0,
-            sink=None, pack=1, splits=1):
+            sink=None, pack=1, splits=1, lse_scratch=False):
     """The kernel launch on validated CUDA inputs (shared with the dispatcher's backend module):
     q (B, Sq, H, D), k/v (B, Sk, Hk, D) fp16/bf16, D in SUPPORTED_HEAD_DIMS, H % Hk == 0; window sizes literal
     (negative ones too), _UNBOUNDED for no limit, causal implies a right size of 0; softcap 0 is off; sink None or fp32 contiguous (H,)
     (see _check_sink); pack: the pack_gqa group (_pack_group; H == pack * Hk), 1 for none. v's head dim may differ
-    from q's (a pair of HEAD_DIM_PAIRS; out has v's). splits > 1: split-KV (_forward_split). Returns (out, lse)."""
+    from q's (a pair of HEAD_DIM_PAIRS; out has v's). splits > 1: split-KV (_forward_split). Returns (out, lse);
+    lse_scratch: the caller drops lse, which may then be a shared buffer (_lse_scratch)."""
     B, Sq, H, D = q.shape
     _, Sk, Hk, _ = k.shape
     Dv = v.shape[3]
@@ -107,7 +108,12 @@ def forward(q, k, v, softmax_scale, causal, arch="sm_90a", window_left=_UNBOUNDE
             return _forward_split(q, k, v, softmax_scale, causal and not local, arch, local, window_left,
                                   window_right, softcap, sink, pack, splits)
     out = torch.empty_like(q) if Dv == D else q.new_empty(B, Sq, H, Dv)
-    lse = torch.empty(B, H, Sq, dtype=_F32, device=q.device)  # sizes as ints: parsed faster
+    if lse_scratch:
+        lse = _lse_scratch.get((q.get_device(), B, H, Sq))
+        if lse is None:
+            lse = _new_lse_scratch(q.get_device(), B, H, Sq)
+    else:
+        lse = torch.empty(B, H, Sq, dtype=_F32, device=q.device)  # sizes as ints: parsed faster
     if Sk == 0:  # no key at all: every row is empty (TMA descriptors cannot map a 0-length dim)
         out.zero_()
         if sink is None:
