@@ -608,3 +608,33 @@ def test_dtype_errors_say_what_is_wrong(varlen):
     q16 = q32.to(torch.bfloat16)
     with pytest.raises(ValueError, match="must share one dtype"):
         f(q16, q16, q32)
+
+
+@pytest.mark.parametrize("D,causal,Sk", [(128, False, 128), (64, True, 2000), (128, False, 9000), (128, True, 9000),
+                                         (256, True, 16)])
+def test_forward_plain_lane_finds_the_kernel_fwd_kernel_stores(monkeypatch, D, causal, Sk):
+    """launch.forward's plain lane (_forward_plain, the dispatcher's common call) looks up the in-memory key under which
+    kernels.fwd_kernel stored the kernel on the first call (short, middle and long key lengths): the second call
+    launches without a build, on the same callable."""
+    from _cute_table import swap_kernels
+
+    from flash_attn.cute import kernels
+
+    swap_kernels(monkeypatch, {})
+    builds, launches = [], []
+
+    def build(*args, **kwargs):
+        builds.append((args, kwargs))
+        return (lambda *a: launches.append(len(builds))), "test"
+
+    general = []  # the general path's calls (it alone asks _length_kernel)
+    length_kernel = launch._length_kernel
+    monkeypatch.setattr(launch, "_length_kernel", lambda *a: general.append(a) or length_kernel(*a))
+    monkeypatch.setattr(kernels, "load_or_build", build)
+    monkeypatch.setattr(kernels, "_persistent_launcher", lambda fn: fn)
+    q = torch.randn(1, 8, 2, D, dtype=torch.bfloat16)
+    k = v = torch.randn(1, Sk, 2, D, dtype=torch.bfloat16)
+    for scratch in (False, True, False):
+        out, lse = launch.forward(q, k, v, 0.1, causal, "sm_90a", lse_scratch=scratch)
+        assert out.shape == q.shape and lse.shape == (1, 2, 8) and lse.dtype == torch.float32
+    assert len(builds) == 1 and launches == [1, 1, 1] and len(general) == 1

@@ -7,7 +7,8 @@ import math
 import torch
 
 from flash_attn.cute.kernels import _bwd_kernels, _kernels, bwd_config, bwd_kernel, bwd_mem_key, fwd_kernel
-from flash_attn.cute.plan import _UNBOUNDED, _length_kernel, _window_args
+from flash_attn.cute.config import LONG_SK, SHORT_SK
+from flash_attn.cute.plan import _FWD_LONG_ON, _SHORT_DIMS, _UNBOUNDED, _length_kernel, _window_args
 
 _F32 = torch.float32
 _MAX_ELEMS = 2 ** 31  # the kernels' 32-bit offsets address tensors below this many elements
@@ -95,6 +96,10 @@ def forward(q, k, v, softmax_scale, causal, arch="sm_90a", window_left=_UNBOUNDE
     _, Sk, Hk, _ = k.shape
     Dv = v.shape[3]
     if window_left == _UNBOUNDED and window_right == _UNBOUNDED:
+        if not softcap and sink is None and pack == 1 and splits == 1 and Dv == D and Sk and B * Sq * H:
+            res = _forward_plain(q, k, v, B, Sq, H, D, Sk, Hk, softmax_scale, causal, arch, lse_scratch)
+            if res is not None:
+                return res
         window_left = window_right = 0  # (_window_args of no window, without the call)
         local = False
     else:
@@ -142,6 +147,30 @@ def forward(q, k, v, softmax_scale, causal, arch="sm_90a", window_left=_UNBOUNDE
             for b in range(0, B, step):
                 fn(q[b:b + step], k[b:b + step], v[b:b + step], out[b:b + step], lse[b:b + step], *args,
                    *sink_arg)
+    return out, lse
+
+
+def _forward_plain(q, k, v, B, Sq, H, D, Sk, Hk, softmax_scale, causal, arch, lse_scratch):
+    """forward() of a plain call (dense, no window, softcap, sink, packing or split, v's head dim q's, Sk and B * Sq * H
+    > 0; shapes as read by the caller) whose kernel is in memory, with the length class of _length_kernel and the
+    key of kernels.fwd_kernel spelled out; None where forward()'s general path is needed (the kernel not loaded yet,
+    or 32-bit offsets / the grid's z limit exceeded)."""
+    key = (q.dtype, D, causal, arch, False, False)
+    if Sk <= SHORT_SK:
+        fn = _kernels.get(key + ("short",) if D in _SHORT_DIMS else key)
+    else:
+        fn = _kernels.get(key + ("long",) if Sk >= LONG_SK and (D, causal) in _FWD_LONG_ON else key)
+    if fn is None or B * max(Sq * H, Sk * Hk) * D >= _MAX_ELEMS or B > _MAX_GRID_Z:
+        return None
+    q, k, v = _kernel_layouts(q, k, v, D, D)
+    out = torch.empty_like(q)
+    if lse_scratch:
+        lse = _lse_scratch.get((q.get_device(), B, H, Sq))
+        if lse is None:
+            lse = _new_lse_scratch(q.get_device(), B, H, Sq)
+    else:
+        lse = torch.empty(B, H, Sq, dtype=_F32, device=q.device)  # sizes as ints: parsed faster
+    fn(q, k, v, out, lse, float(softmax_scale), 0.0, 0, 0)
     return out, lse
 
 

@@ -23,7 +23,7 @@ _FWD_LONG_ON = frozenset(LONG)
 def _length_kernel(head_dim, causal, seqlen_k, plain):
     """(short, long): whether a dense call (``plain``: no window, softcap or sink) of this key length runs the
     short-key kernel (seqlen_k <= SHORT_SK, see _SHORT_DIMS) or the long-key one (seqlen_k >= LONG_SK,
-    see config.LONG). flash_attn_func's fast path inlines the same choice."""
+    see config.LONG). flash_attn_func's fast path and launch._forward_plain inline the same choice."""
     return (plain and seqlen_k <= SHORT_SK and head_dim in _SHORT_DIMS,
             plain and seqlen_k >= LONG_SK and (head_dim, causal) in _FWD_LONG_ON)
 
