@@ -2,7 +2,9 @@
 is built): a new process whose own cache is empty loads a shipped entry without compiling or importing the
 CuTeDSL compiler, the run time never writes the shipped folder, an entry of another key there is not loaded,
 the source hash leaves the folder out, and the wheel packs it (and, installed, loads it). One kernel (bf16 d64
-non-causal, default configuration: one entry) is compiled for the whole file."""
+non-causal, default configuration: one entry) is compiled for the whole file. Everything runs on a snapshot of
+packages/flash-attn-4 (its own ``_prebuilt`` folder, its own source hash; the in-process keys take that hash), so
+the checkout's folder stays empty and edits made to the checkout meanwhile change no key here."""
 import json
 import os
 import shutil
@@ -31,42 +33,52 @@ if not cache._c_compiler():
     pytest.skip("no C compiler: precompile --prebuilt refuses to ship object-only entries", allow_module_level=True)
 
 
-def _env(**extra):
+def _env(pythonpath, **extra):
     env = {k: v for k, v in os.environ.items() if k not in ("FLASH_ATTN_CUTE_OVERRIDES", "FLASH_ATTN_CUTE_DISABLE")}
-    env["PYTHONPATH"] = os.pathsep.join([ROOT, _PKG] + [p for p in [env.get("PYTHONPATH")] if p])
+    env["PYTHONPATH"] = str(pythonpath)  # ahead of the checkout in flash_attn.__path__ (pkgutil.extend_path)
     env.update(extra)
     return env
 
 
-_PRECOMPILE = textwrap.dedent("""
-    import sys
-    from pathlib import Path
-    from flash_attn.cute import cache, precompile
-
-    cache.PREBUILT_DIR = Path(sys.argv[1])  # the package's own folder stays untouched
-    sys.exit(precompile.main(["--prebuilt", "--dtypes", "bf16", "--head-dims", "64", "--causal", "false",
-                              "--no-backward"]))
-""")
+@pytest.fixture(scope="module")
+def pkg(tmp_path_factory):
+    """A snapshot of packages/flash-attn-4 (sources and pyproject.toml): (its root, its flash_attn/cute, its
+    source hash)."""
+    root = tmp_path_factory.mktemp("fa4")
+    ignore = shutil.ignore_patterns("__pycache__", cache.PREBUILT)
+    shutil.copytree(os.path.join(_PKG, "flash_attn", "cute"), root / "flash_attn" / "cute", ignore=ignore)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(os.path.join(_PKG, name), root / name)
+    cute = root / "flash_attn" / "cute"
+    return root, cute, cache.source_hash(cute)
 
 
 @pytest.fixture(autouse=True)
-def _default_settings(cute_env):
-    cute_env()  # no overrides: the keys the fixture's process used
+def _snapshot_keys(pkg, cute_env, monkeypatch):
+    """In-process keys are those of the snapshot (the subprocesses' sources), with default settings."""
+    cute_env()
+    monkeypatch.setitem(cache._memo, ("source", str(cache._PKG_DIR)), pkg[2])
+
+
+_PRECOMPILE = ["-m", "flash_attn.cute.precompile", "--prebuilt", "--dtypes", "bf16", "--head-dims", "64",
+               "--causal", "false", "--no-backward"]
 
 
 @pytest.fixture(scope="module")
-def shipped(tmp_path_factory):
-    """A shipped folder filled by ``precompile --prebuilt`` in its own process; it held a stale entry's files and a
-    lock before, which the command removes."""
-    out = tmp_path_factory.mktemp("pkg") / "_prebuilt"
+def shipped(pkg):
+    """The snapshot's shipped folder, filled by ``precompile --prebuilt`` in its own process; it held a stale
+    entry's files and a lock before, which the command removes."""
+    root, cute, _ = pkg
+    out = cute / cache.PREBUILT
     out.mkdir()
     for stale in ("fwd-sm_90a-bf16-d64-full-0123456789abcdef.json", "fwd-sm_90a-bf16-d64-full-0123456789abcdef.so",
                   "x.lock"):
         (out / stale).write_text("{}")
-    proc = subprocess.run([sys.executable, "-c", _PRECOMPILE, str(out)], cwd=ROOT, env=_env(), capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run([sys.executable, *_PRECOMPILE], cwd=root, env=_env(root), capture_output=True, text=True,
+                          timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "bf16 d64 full  : compiled" in proc.stdout, proc.stdout
+    assert str(out) in proc.stdout, proc.stdout
     return out
 
 
@@ -86,11 +98,7 @@ _CHILD = textwrap.dedent("""
     import json, sys, time
     t0 = time.perf_counter()
     import torch
-    from pathlib import Path
     from flash_attn.cute import cache, kernels
-
-    if len(sys.argv) > 1:
-        cache.PREBUILT_DIR = Path(sys.argv[1])
 
     def refuse(*args, **kwargs):
         raise AssertionError("compile_fwd called")
@@ -112,19 +120,20 @@ _CHILD = textwrap.dedent("""
 """)
 
 
-def _run_child(user_cache, *args, pythonpath=None):
-    env = _env(FLASH_ATTN_CUTE_CACHE=str(user_cache))
-    if pythonpath is not None:
-        env["PYTHONPATH"] = pythonpath
-    proc = subprocess.run([sys.executable, "-c", _CHILD, *map(str, args)], cwd=user_cache.parent, env=env,
-                          capture_output=True, text=True, timeout=300)
+def _run_child(user_cache, pythonpath):
+    """The first lookup of a new process whose package is under ``pythonpath`` (its default shipped folder), with
+    the empty user cache ``user_cache``."""
+    proc = subprocess.run([sys.executable, "-c", _CHILD], cwd=user_cache.parent, capture_output=True, text=True,
+                          env=_env(pythonpath, FLASH_ATTN_CUTE_CACHE=str(user_cache)), timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["module"].startswith(str(pythonpath)), result["module"]
+    return result
 
 
-def test_new_process_with_an_empty_cache_loads_the_shipped_entry(shipped, tmp_path):
+def test_new_process_with_an_empty_cache_loads_the_shipped_entry(pkg, shipped, tmp_path):
     before = _snapshot(shipped)
-    result = _run_child(tmp_path / "user", shipped)
+    result = _run_child(tmp_path / "user", pkg[0])
     assert result["origin"] == "prebuilt-so"
     assert not result["cutlass_imported"], "loading a shipped entry must not import the CuTeDSL compiler"
     assert "expected device_type=cuda" in (result["error"] or ""), result["error"]
@@ -208,16 +217,16 @@ def test_shipped_entry_of_another_key_is_not_loaded(shipped, tmp_path, cute_env,
         kernels.load_or_build(*CONFIG, root=cache.cache_dir())
 
 
-def test_source_hash_leaves_the_shipped_folder_out(tmp_path, monkeypatch):
-    copy = tmp_path / "cute"
-    shutil.copytree(cache._PKG_DIR, copy, ignore=shutil.ignore_patterns("__pycache__", cache.PREBUILT))
-    plain = cache.source_hash(copy)
-    assert plain == cache.source_hash()
-    (copy / cache.PREBUILT).mkdir()
-    for name in ("fwd-x.so", "fwd-x.o", "fwd-x.json", "__init__.py", "stray.py"):
+def test_source_hash_leaves_the_shipped_folder_out(pkg, shipped, tmp_path, monkeypatch):
+    _, cute, before = pkg  # hashed before the folder was filled
+    copy = shutil.copytree(cute, tmp_path / "cute", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("__init__.py", "stray.py"):  # not even Python files there count
         (copy / cache.PREBUILT / name).write_text("anything")
     monkeypatch.setattr(cache, "_memo", {})
-    assert cache.source_hash(copy) == plain
+    assert cache.source_hash(cute) == before == cache.source_hash(copy)
+    (copy / "stray.py").write_text("anything")  # a source file elsewhere does
+    cache._memo.clear()
+    assert cache.source_hash(copy) != before
 
 
 def test_source_version_is_the_wheels():
@@ -230,13 +239,11 @@ def test_source_version_is_the_wheels():
 
 
 @pytest.mark.slow
-def test_wheel_packs_and_installed_package_loads_the_shipped_entries(shipped, tmp_path):
+def test_wheel_packs_and_installed_package_loads_the_shipped_entries(pkg, shipped, tmp_path):
     """The wheel of packages/flash-attn-4 carries the git-ignored _prebuilt folder (hatch's artifacts), and the
     installed package (its source hash taken over the installed files) loads them from its default folder."""
     pytest.importorskip("hatchling")
-    proj = tmp_path / "proj"
-    shutil.copytree(_PKG, proj, ignore=shutil.ignore_patterns("__pycache__", cache.PREBUILT, "*.egg-info"))
-    shutil.copytree(shipped, proj / "flash_attn" / "cute" / cache.PREBUILT)
+    proj = shutil.copytree(pkg[0], tmp_path / "proj", ignore=shutil.ignore_patterns("__pycache__"))
     (proj / "flash_attn" / "cute" / cache.PREBUILT / "x.lock").write_text("")
     # as ignored as in the checkout, in a form hatch reads from the project's own folder
     (proj / ".gitignore").write_text(open(os.path.join(ROOT, ".gitignore")).read() + "\n_prebuilt/\n*.so\n*.o\n")
@@ -247,10 +254,9 @@ def test_wheel_packs_and_installed_package_loads_the_shipped_entries(shipped, tm
     packed = sorted(n.rsplit("/", 1)[1] for n in names if n.startswith("flash_attn/cute/_prebuilt/"))
     assert packed == sorted(p.name for p in shipped.iterdir())
     assert "flash_attn/__init__.py" not in names  # still a namespace portion
-    subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", "install", "--no-deps",
-                    "--target", str(tmp_path / "site"), str(whl)], check=True, timeout=300)
-    site = tmp_path / "site"
-    result = _run_child(tmp_path / "user", pythonpath=str(site))
-    assert result["module"].startswith(str(site)), result["module"]
+    subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", "install",
+                    "--root-user-action=ignore", "--no-deps", "--target", str(tmp_path / "site"), str(whl)],
+                   check=True, timeout=300)
+    result = _run_child(tmp_path / "user", tmp_path / "site")
     assert result["origin"] == "prebuilt-so" and not result["cutlass_imported"]
     assert "expected device_type=cuda" in (result["error"] or ""), result["error"]
