@@ -36,6 +36,13 @@ def last_dim_contiguous(name, t):
 
 def qkv(q, k, v, varlen):
     """Shapes and dtypes of q (.., H, D), k (.., Hk, D), v (.., Hk, Dv); returns (H, Hk, D, Dv)."""
+    qs, ks, vs = qkv_shapes(q, k, v, varlen)
+    return qs[-2], ks[-2], qs[-1], vs[-1]
+
+
+def qkv_shapes(q, k, v, varlen):
+    """qkv's checks; returns the shapes (q.shape, k.shape, v.shape), read once (the common call's lengths come from
+    them)."""
     nd = 3 if varlen else 4
     # The common call, accepted in one pass (a few us less per call); anything else takes the checks
     # below, which name what is wrong (or accept what this pass does not cover, like paged caches).
@@ -56,7 +63,7 @@ def qkv(q, k, v, varlen):
                     and (v.is_contiguous() or v.stride()[-1] == 1 or Dv == 1)):
                 device = q.device
                 if k.device == device and v.device == device:
-                    return H, Hk, D, Dv
+                    return qs, ks, vs
     tensor("q", q, nd)
     tensor("k", k, None, device=q.device)
     tensor("v", v, None, device=q.device)
@@ -81,7 +88,7 @@ def qkv(q, k, v, varlen):
     for name, d in (("head dim", D), ("v head dim", Dv)):
         if d > MAX_HEAD_DIM or d < 1:
             raise ValueError(f"{name} must be in 1..{MAX_HEAD_DIM}, got {d}")
-    return H, Hk, D, Dv
+    return q.shape, k.shape, v.shape
 
 
 def scalars(dropout_p, softcap, softmax_scale, head_dim):

@@ -298,14 +298,14 @@ def _fwd_dense(call, q, k, v):
     return out.contiguous(), lse
 
 
-def _fwd_dense_out(call, q, k, v):
-    """_fwd_dense's out alone (no gradient, lse dropped): a backend that can (LSE_SCRATCH) writes lse to a shared
-    buffer instead of a new one."""
+def _fwd_dense_out(call, q, k, v, seqlen_q, seqlen_k):
+    """_fwd_dense's out alone (no gradient, lse dropped), the lengths Sq, Sk given: a backend that can (LSE_SCRATCH)
+    writes lse to a shared buffer instead of a new one."""
     backend = dispatch.select(call)
     if getattr(backend, "LSE_SCRATCH", False):
-        out = backend.fwd(call, q, k, v, None, None, q.shape[1], k.shape[1], None, None, None, lse_scratch=True)[0]
+        out = backend.fwd(call, q, k, v, None, None, seqlen_q, seqlen_k, None, None, None, lse_scratch=True)[0]
     else:
-        out = backend.fwd(call, q, k, v, None, None, q.shape[1], k.shape[1], None, None, None)[0]
+        out = backend.fwd(call, q, k, v, None, None, seqlen_q, seqlen_k, None, None, None)[0]
     return out.contiguous()
 
 
@@ -330,15 +330,18 @@ except AttributeError:
     _c_apply_dense = _EagerDenseAttention.apply
 
 
-def attention_dense(call, q, k, v):
+def attention_dense(call, q, k, v, seqlen_q=None, seqlen_k=None):
     """attention() of flash_attn_func's common call (dense; no dropout, softcap, ALiBi or probabilities: see
-    flash_attn.call.dense) -> out. The same op, with less per-call work than the general entry."""
+    flash_attn.call.dense) -> out. The same op, with less per-call work than the general entry. seqlen_q / seqlen_k:
+    Sq and Sk where the caller has read them (else read here)."""
     if torch.compiler.is_compiling() or _transforms_active():
         return attention(call, q, k, v, None, None, q.shape[1], k.shape[1], None, None, None, False)[0]
     q, k, v = _unwrap(q), _unwrap(k), _unwrap(v)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _c_apply_dense(q, k, v, call)
-    return _fwd_dense_out(call, q, k, v)
+    if seqlen_q is None:
+        seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+    return _fwd_dense_out(call, q, k, v, seqlen_q, seqlen_k)
 
 
 class _EagerPackedDenseAttention(torch.autograd.Function):
@@ -382,7 +385,8 @@ def attention_qkvpacked_dense(call, qkv):
     if torch.is_grad_enabled() and qkv.requires_grad:
         return _c_apply_packed(qkv, call)
     q, k, v = qkv.unbind(2)
-    return _fwd_dense_out(call, q, k, v)
+    S = qkv.shape[1]
+    return _fwd_dense_out(call, q, k, v, S, S)
 
 
 try:

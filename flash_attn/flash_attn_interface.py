@@ -102,8 +102,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     """
     if not (dropout_p or softcap or return_attn_probs) and alibi_slopes is None and learnable_sink is None:
         # the common call
-        _, _, D, Dv = _checks.qkv(q, k, v, False)
-        return _ops.attention_dense(dense(q, D, Dv, softmax_scale, causal, window_size, deterministic), q, k, v)
+        qs, ks, vs = _checks.qkv_shapes(q, k, v, False)
+        return _ops.attention_dense(dense(q, qs[3], vs[3], softmax_scale, causal, window_size, deterministic), q, k, v,
+                                    qs[1], ks[1])
     return _attn(q, k, v, None, None, None, None, None, dropout_p, softmax_scale, causal, window_size, softcap,
                  alibi_slopes, deterministic, return_attn_probs, learnable_sink)
 

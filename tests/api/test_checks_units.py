@@ -162,6 +162,7 @@ def test_varlen_paged_layout_takes_the_full_checks_at_the_head_dim_bounds(d, dv)
     q = torch.zeros(10, 4, d, dtype=F16)
     k, v = torch.zeros(3, 16, 2, d, dtype=F16), torch.zeros(3, 16, 2, dv, dtype=F16)
     assert _checks.qkv(q, k, v, True) == (4, 2, d, dv)
+    assert _checks.qkv_shapes(q, k, v, True) == (q.shape, k.shape, v.shape)  # (from the full checks)
 
 
 @pytest.mark.parametrize("q,k,v", [
@@ -173,6 +174,7 @@ def test_varlen_paged_layout_takes_the_full_checks_at_the_head_dim_bounds(d, dv)
 def test_qkv_returns_heads_and_head_dims(q, k, v):
     tq, tk, tv = (torch.zeros(s, dtype=F16) for s in (q, k, v))
     assert _checks.qkv(tq, tk, tv, False) == (q[2], k[2], q[3], v[3])
+    assert _checks.qkv_shapes(tq, tk, tv, False) == (q, k, v)  # (from the one-pass acceptance)
     if q[3] == 1:  # a last dim of size 1 may have any stride
         odd = [torch.zeros(s, dtype=F16).as_strided(s, (*torch.zeros(s).stride()[:-1], 5)) for s in (q, k, v)]
         assert all(t.stride(-1) == 5 for t in odd)
