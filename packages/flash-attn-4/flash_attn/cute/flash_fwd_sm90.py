@@ -21,6 +21,7 @@ each built once in __init__ from its settings:
   paged_kv.PagedKV             paged K / V addressing
   softmax.OnlineSoftmax        the online softmax, soft-capping
   epilogue.Epilogue            O and lse out (direct, TMA, split parts), the sink
+  score_mod.ScoreMods          the user's score_mod / mask_mod (FA4's convention; entries call_mods*)
 """
 import math
 
@@ -37,6 +38,7 @@ from flash_attn.cute.mask import AttentionMask
 from flash_attn.cute.mma import ConsumerMma
 from flash_attn.cute.pack_gqa import PackGQA
 from flash_attn.cute.paged_kv import PagedKV
+from flash_attn.cute.score_mod import ModEntries, ScoreMods
 from flash_attn.cute.seqlen_info import SeqlenInfo
 from flash_attn.cute.softmax import OnlineSoftmax, pin
 from flash_attn.cute.softmax_exp import EXP2_POLY
@@ -45,7 +47,7 @@ from flash_attn.cute.tile_scheduler import OneTileScheduler, PersistentScheduler
 LOG2_E = math.log2(math.e)
 
 
-class FlashFwdSm90:
+class FlashFwdSm90(ModEntries):
     """Compile-time configuration of the kernel: dtype, head dim, the mask (none, causal, or a local
     window whose sizes are runtime values), whether scores are soft-capped and whether each head has a
     learnable sink logit (an extra softmax term with no value, folded in at the end). Everything else (batch,
@@ -76,7 +78,7 @@ class FlashFwdSm90:
     def __init__(self, dtype, head_dim, causal, local=False, softcap=False, varlen=False, block_m=None,
                  block_n=128, num_stages=2, exp2_emu=0, exp2_emu_degree=3, sink=False, num_warpgroups=2,
                  wg_order=True, persistent=False, tma_o=False, reverse=False, pin=True, snake=True, lpt=False,
-                 pack_gqa=1, head_dim_v=None, paged=0, split=False):
+                 pack_gqa=1, head_dim_v=None, paged=0, split=False, score_mod=None, mask_mod=None, aux=False):
         """exp2_emu / exp2_emu_degree: of every 16 softmax exponentials a thread computes, this many use a
         polynomial on the FMA pipe instead of MUFU.EX2 (softmax.OnlineSoftmax). num_warpgroups: consumer
         warpgroups (2 or 3) of 64 query rows each; block_m must be 64 * num_warpgroups (the default).
@@ -101,7 +103,8 @@ class FlashFwdSm90:
         of each tile divided among num_splits CTAs (a runtime argument; grid z = batch (or sequences) x
         num_splits), each writing its part's O (divided by its own row sums) and lse in fp32 to entry split
         * B + b of mO / mLSE (varlen: entry split, see call_varlen_split), for the host to combine
-        (launch._combine_splits, which adds a sink)."""
+        (launch._combine_splits, which adds a sink). score_mod / mask_mod / aux: FA4's user mods (compile-time
+        functions; score_mod.ScoreMods.build says which kernels take them; entries call_mods*)."""
         if not 0 <= exp2_emu <= 16 or exp2_emu_degree not in EXP2_POLY:
             raise ValueError(f"exp2_emu {exp2_emu} not in 0..16 or degree {exp2_emu_degree} not in "
                              f"{tuple(EXP2_POLY)}")
@@ -174,6 +177,7 @@ class FlashFwdSm90:
         self.softmax = OnlineSoftmax(block_n, head_dim_v, self.exp2_emu, self.exp2_emu_degree)
         self.epilogue = Epilogue(dtype, head_dim, head_dim_v, self.pack, self.split, self.sink, self.tma_o,
                                  self.persistent, self.num_mma_warpgroups)
+        self.mods = ScoreMods.build(self, score_mod, mask_mod, aux)
 
     def smem_bytes(self):
         """Shared memory the kernel allocates: the barriers (padded to the tiles' 1024-byte alignment),
@@ -223,7 +227,7 @@ class FlashFwdSm90:
 
     @cute.jit
     def _dense(self, mQ, mK, mV, mO, mLSE, softmax_scale, softcap, window_left, window_right, stream, mSink,
-               max_ctas=None, num_splits=None):
+               max_ctas=None, num_splits=None, aux=None):
         mQ, mK, mVt, mO, mLSE = self.seqlens.dense_views(mQ, mK, mV, mO, mLSE)
         grid = (cute.ceil_div(cute.size(mQ, mode=[0]), self.block_q), self.pack.grid_heads(mQ, mK),
                 cute.size(mQ, mode=[3]))
@@ -235,7 +239,7 @@ class FlashFwdSm90:
         elif cutlass.const_expr(self.lpt):
             sched = self._l2_group(mK, grid[1])
         self._launch(mQ, mK, mVt, mO, mLSE, None, None, None, softmax_scale, softcap, window_left,
-                     window_right, grid, stream, mSink, sched, num_splits)
+                     window_right, grid, stream, mSink, sched, num_splits, aux)
 
     def _l2_group(self, mK, heads):
         """tile_scheduler.l2_group for this kernel's K and V rows (trace time)."""
@@ -273,18 +277,18 @@ class FlashFwdSm90:
 
     @cute.jit
     def _varlen(self, mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_q, softmax_scale,
-                softcap, window_left, window_right, stream, mSink, num_splits=None):
+                softcap, window_left, window_right, stream, mSink, num_splits=None, aux=None):
         mQ, mK, mVt, mO, mLSE = self.seqlens.varlen_views(mQ, mK, mV, mO, mLSE, self.paged_kv, num_splits is not None)
         grid = (cute.ceil_div(max_seqlen_q, self.block_q), self.pack.grid_heads(mQ, mK),
                 cute.size(mCuSeqlensQ, mode=[0]) - 1)
         if cutlass.const_expr(num_splits is not None):
             grid = (grid[0], grid[1], grid[2] * num_splits)  # z: split * sequences + sequence
         self._launch(mQ, mK, mVt, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, softmax_scale, softcap,
-                     window_left, window_right, grid, stream, mSink, num_splits=num_splits)
+                     window_left, window_right, grid, stream, mSink, num_splits=num_splits, aux=aux)
 
     @cute.jit
     def _launch(self, mQ, mK, mVt, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, softmax_scale, softcap,
-                window_left, window_right, grid, stream, mSink, sched=None, num_splits=None):
+                window_left, window_right, grid, stream, mSink, sched=None, num_splits=None, aux=None):
         """Views are (S, D, H, B) for Q/K/O, (D, S, H, B) for V, (S, H, B) for the lse."""
         dt, D, Dv, BM, BN = self.dtype, self.head_dim, self.head_dim_v, self.block_m, self.block_n
         # 128-byte swizzle atoms span 64 elements of D; head dim 96 is tiled with 64-byte atoms (32 of D)
@@ -322,8 +326,11 @@ class FlashFwdSm90:
         if cutlass.const_expr(self.softcap):
             score_scale = softmax_scale / softcap
             scale_log2 = Float32(LOG2_E)
+        if cutlass.const_expr(self.mods is not None):
+            scale_log2, score_scale = self.mods.scales(scale_log2, score_scale, softmax_scale)
         kernel = self.kernel
-        sched_args = (tma_o, sched, num_splits)  # sched: the lpt order's section size, else None
+        # sched: the lpt order's section size, else None
+        sched_args = (tma_o, sched, num_splits) + ((aux,) if cutlass.const_expr(self.mods is not None) else ())
         if cutlass.const_expr(self.persistent):
             kernel = self.kernel_persistent
             sched_args = (*sched, tma_o)
@@ -345,16 +352,18 @@ class FlashFwdSm90:
                mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, scale_log2: Float32, score_scale: Float32,
                softcap: Float32, window_left: Int32, window_right: Int32, sQ_layout: cute.ComposedLayout,
                sK_layout: cute.ComposedLayout, sVt_layout: cute.ComposedLayout, tiled_mma_qk: cute.TiledMma,
-               tiled_mma_pv: cute.TiledMma, tma_o, group, num_splits):
+               tiled_mma_pv: cute.TiledMma, tma_o, group, num_splits, aux=None):
         """The one-tile kernel. tma_o: the O store's TMA atom (mO is then its coordinate tensor), None
         for the direct store. group: with lpt, the (head, batch) pairs per section of
         tile_scheduler.tile_coords' order (else None). num_splits: split-KV's part count (split=True; else
-        None)."""
+        None). aux: the mods' aux tensors (kernels built with score_mod / mask_mod)."""
         m_block, head, batch = self.scheduler.tile(group)
         seqlen = self.seqlens.tile(batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, num_splits)
         args = (tma_q, mQ, tma_k, mK, tma_v, mVt, mO, mLSE, mSink, scale_log2, score_scale, softcap, window_left,
                 window_right, sQ_layout, sK_layout, sVt_layout, tiled_mma_qk, tiled_mma_pv, m_block, head, seqlen,
                 tma_o)
+        if cutlass.const_expr(self.mods is not None):
+            args = args + (aux,)
         if cutlass.const_expr(self.varlen):
             if m_block * self.block_q < seqlen.seqlen_q:  # the grid covers the longest sequence
                 self._cta(*args)
@@ -487,7 +496,7 @@ class FlashFwdSm90:
     @cute.jit
     def _cta(self, tma_q, mQ, tma_k, mK, tma_v, mVt, mO, mLSE, mSink, scale_log2, score_scale, softcap, window_left,
              window_right, sQ_layout, sK_layout, sVt_layout, tiled_mma_qk, tiled_mma_pv, m_block, head, seqlen,
-             tma_o=None):
+             tma_o=None, aux=None):
         """One CTA's query tile: rows [m_block * BM, (m_block + 1) * BM) of the sequence ``seqlen``
         (seqlen_info.TileSeqlens; pack_gqa: positions [m_block * BQ, (m_block + 1) * BQ) of the g query heads of
         KV head `head`, see PackGQA), the key blocks that the mask (and split-KV's part) leave it."""
@@ -499,6 +508,7 @@ class FlashFwdSm90:
         n_block_min, n_block_max = self.mask.n_block_range(m_block, seqlen.seqlen_q, seqlen.seqlen_k, window_left,
                                                            window_right)
         n_block_min, n_block_max = seqlen.split_blocks(n_block_min, n_block_max, self.block_n)
+        mods = None if cutlass.const_expr(self.mods is None) else self.mods.context(seqlen, head, aux, score_scale)
 
         if warp_idx < 4:
             # Producer warpgroup: only TMA issue, so it hands its registers to the consumers.
@@ -512,7 +522,7 @@ class FlashFwdSm90:
             self._consume(mO, mLSE, mSink, sQ, sK, sVt, q_pipe, k_pipe, v_pipe, tiled_mma_qk, tiled_mma_pv,
                           scale_log2, score_scale, softcap, window_left, window_right,
                           tidx - self.NUM_PRODUCER_THREADS, m_block, head, seqlen.out_batch, seqlen.q_start,
-                          seqlen.seqlen_q, seqlen.seqlen_k, n_block_min, n_block_max, tma_o)
+                          seqlen.seqlen_q, seqlen.seqlen_k, n_block_min, n_block_max, tma_o, mods)
 
     @cute.jit
     def _setup(self, warp_idx, tma_q, tma_k, tma_v, tma_o, sQ_layout, sK_layout, sVt_layout):
@@ -622,7 +632,7 @@ class FlashFwdSm90:
     @cute.jit
     def _consume(self, mO, mLSE, mSink, sQ, sK, sVt, q_pipe, k_pipe, v_pipe, tiled_mma_qk, tiled_mma_pv,
                  scale_log2, score_scale, softcap, window_left, window_right, ctid, m_block, head, batch,
-                 q_start, seqlen_q, seqlen_k, n_block_min, n_block_max, tma_o=None):
+                 q_start, seqlen_q, seqlen_k, n_block_min, n_block_max, tma_o=None, mods=None):
         """FlashAttention-3's consumer (Shah et al. 2024, sections 3.1-3.2). Within a warpgroup, block j's
         S = Q K_j^T and the previous block's O += P V_{j-1} are both in flight while the softmax of
         block j-1 has finished; the softmax of S_j then runs while P V_{j-1} is still computing. Across
@@ -673,7 +683,7 @@ class FlashFwdSm90:
         self._mainloop(tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, acc_S, acc_O, tScS, rP, tOrP, row_max,
                        row_sum, corr, k_pipe, v_pipe, k_state, v_state, scale_log2, score_scale, softcap,
                        window_left, window_right, m_block, seqlen_q, seqlen_k, n_block_min, n_block_max,
-                       n_block_mask_below, n_block_mask_from, wg, turn_bar, turn_below)
+                       n_block_mask_below, n_block_mask_from, wg, turn_bar, turn_below, mods=mods)
 
         self.epilogue.store(mO, mLSE, acc_O, row_max, row_sum, tOcO, scale_log2, sink_log2, ctid, m_block, head,
                             batch, q_start, seqlen_q, tma_o, sQ, tiled_mma_pv)
@@ -682,7 +692,7 @@ class FlashFwdSm90:
     def _mainloop(self, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, acc_S, acc_O, tScS, rP, tOrP, row_max,
                   row_sum, corr, k_pipe, v_pipe, k_state, v_state, scale_log2, score_scale, softcap, window_left,
                   window_right, m_block, seqlen_q, seqlen_k, n_block_min, n_block_max, n_block_mask_below,
-                  n_block_mask_from, wg, turn_bar, turn_below, q_pipe=None, q_state=None):
+                  n_block_mask_from, wg, turn_bar, turn_below, q_pipe=None, q_state=None, mods=None):
         """One tile's key blocks [n_block_min, n_block_max) into acc_O / row_max / row_sum (see
         _consume), in key_block's order (ascending, or descending when built with reverse). Returns the K and V
         consumer states advanced past them. q_pipe / q_state (persistent kernel): Q is released after the tile's
@@ -717,6 +727,8 @@ class FlashFwdSm90:
             # Reverse: this first block is the tile's last one, where a row may see no key yet (rows above
             # the diagonal; a window's right edge): OnlineSoftmax.step keeps its max at -inf and its P at 0.
             n_first = key_block(n_block_min, n_block_min, n_block_max, self.reverse)
+            if cutlass.const_expr(mods is not None):
+                self.mods.apply(acc_S, tScS, m_block, n_first, mods)
             if n_first >= n_block_mask_from or n_first < n_block_mask_below:
                 self.mask.apply(acc_S, tScS, m_block, n_first, seqlen_q, seqlen_k, window_left, window_right)
             self.softmax.step(acc_S, row_max, row_sum, corr, scale_log2)
@@ -745,6 +757,8 @@ class FlashFwdSm90:
                 if cutlass.const_expr(self.softcap):
                     self.softmax.cap(acc_S, score_scale, softcap)
                 n_key = key_block(n_block, n_block_min, n_block_max, self.reverse)
+                if cutlass.const_expr(mods is not None):
+                    self.mods.apply(acc_S, tScS, m_block, n_key, mods)
                 if n_key >= n_block_mask_from or n_key < n_block_mask_below:
                     self.mask.apply(acc_S, tScS, m_block, n_key, seqlen_q, seqlen_k, window_left, window_right)
                     self.softmax.step(acc_S, row_max, row_sum, corr, scale_log2)

@@ -8,6 +8,7 @@ import torch
 
 from flash_attn.cute import autograd as _autograd
 from flash_attn.cute import config, settings
+from flash_attn.cute import mods as _mods
 from flash_attn.cute.combine import SchedulerMetadataTensorsTorch, flash_attn_combine, get_scheduler_metadata  # noqa: F401 (FA4's API)
 from flash_attn.cute.config import HEAD_DIM_PAIRS, LONG_SK, SHORT_SK, SUPPORTED_HEAD_DIMS
 from flash_attn.cute.kernels import _kernels
@@ -82,9 +83,10 @@ def flash_attn_func(q, k, v, qv=None, gather_kv_indices=None, softmax_scale=None
     """Attention forward on Hopper, with FA4's signature: q (B, Sq, H, D), k (B, Sk, Hk, D), v (B, Sk, Hk, Dv)
     fp16/bf16 CUDA tensors, D and Dv multiples of 8 in [8, 256] (the kernels' own head dims 64, 96, 128, 192, 256
     and the pair (192, 128); other sizes run zero-padded to the next of those, _padded_dim; others raise
-    HeadDimError, an AssertionError as in FA4), H % Hk == 0 (GQA/MQA). qv, gather_kv_indices, score_mod,
-    score_mod_bwd, mask_mod, aux_tensors, aux_scalars and the block-sparsity tensors raise NotImplementedError
-    when given. Causal and sliding-window masks are bottom-right aligned: query i
+    HeadDimError, an AssertionError as in FA4), H % Hk == 0 (GQA/MQA). score_mod, mask_mod, aux_tensors: FA4's
+    (calling convention in score_mod.py), forward only, under the plan rule score_mod (off: NotImplementedError
+    naming it; mods.check_call lists what else they do not combine with). qv, gather_kv_indices, score_mod_bwd,
+    aux_scalars and the block-sparsity tensors raise NotImplementedError when given. Causal and sliding-window masks are bottom-right aligned: query i
     sees key j iff j - (i + Sk - Sq) lies in [-window_size[0], window_size[1]] (None: no limit on that side;
     negative sizes are literal, as in FA4, except that two sizes with a negative sum mean no window; causal sets
     the right size to 0; see _options; the gradients of a negative size raise NotImplementedError for now).
@@ -119,10 +121,12 @@ def flash_attn_func(q, k, v, qv=None, gather_kv_indices=None, softmax_scale=None
     if (qv is not None or gather_kv_indices is not None or score_mod is not None or score_mod_bwd is not None
             or mask_mod is not None or aux_tensors or aux_scalars or block_sparse_tensors is not None
             or block_sparse_tensors_bwd is not None):
-        _refuse_unsupported(qv=qv, gather_kv_indices=gather_kv_indices, score_mod=score_mod,
-                            score_mod_bwd=score_mod_bwd, mask_mod=mask_mod, aux_tensors=aux_tensors,
+        _refuse_unsupported(qv=qv, gather_kv_indices=gather_kv_indices, score_mod_bwd=score_mod_bwd,
                             aux_scalars=aux_scalars, block_sparse_tensors=block_sparse_tensors,
                             block_sparse_tensors_bwd=block_sparse_tensors_bwd)
+        if _mods.requested(score_mod, mask_mod, aux_tensors):
+            return _mods_func(q, k, v, softmax_scale, causal, window_size, learnable_sink, softcap, score_mod,
+                              mask_mod, aux_tensors, return_lse)
     if Bk != B or Bv != Bk or Sv != Sk or Hv != Hk or Dk != D:
         raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if D not in SUPPORTED_HEAD_DIMS or (Dv != D and (D, Dv) not in HEAD_DIM_PAIRS):
@@ -195,6 +199,24 @@ def flash_attn_func(q, k, v, qv=None, gather_kv_indices=None, softmax_scale=None
     return out, (lse if return_lse else None)
 
 
+def _mods_func(q, k, v, softmax_scale, causal, window_size, learnable_sink, softcap, score_mod, mask_mod,
+               aux_tensors, return_lse):
+    """flash_attn_func with score_mod / mask_mod / aux_tensors (mods.py; under the plan rule score_mod). num_splits
+    and pack_gqa are performance hints here: the mod kernel runs unsplit and unpacked, the same result."""
+    if k.shape[0] != q.shape[0] or v.shape[:3] != k.shape[:3] or k.shape[3] != q.shape[3]:
+        raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    D, Dv, H, Hk = q.shape[3], v.shape[3], q.shape[2], k.shape[2]
+    causal, window_left, window_right, softcap = _options(window_size, softcap, causal)
+    _mods.check_call(score_mod, mask_mod, aux_tensors, causal, window_left, window_right, softcap, learnable_sink,
+                     _autograd.needs_grad(q, k, v, None), D, Dv)
+    _check_dims(D, Dv, H, Hk)
+    arch = _device_arch(q, k, v)
+    scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
+    out, lse = _mods.forward(q, k, v, scale, bool(causal), arch, window_left, window_right, score_mod, mask_mod,
+                             aux_tensors)
+    return out, (lse if return_lse else None)
+
+
 def _check_cu_seqlens(name, cu, device, batch=None):
     if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.dtype != torch.int32:
         raise ValueError(f"{name} must be a 1-D int32 tensor (batch + 1,), got "
@@ -217,13 +239,17 @@ def flash_attn_varlen_func(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=Non
     (B, Sk, Hk, D) with cu_seqlens_k None (likewise with seqused_k); out then has q's batch shape and lse is
     (B, H, Sq). min_seqlen_k, scheduler_metadata (get_scheduler_metadata), seqlen_k_per_split and
     disable_scheduler_metadata are scheduling hints in FA4 that change no result; the kernels here need none of
-    them. qv, gather_kv_indices, score_mod, score_mod_bwd, mask_mod, aux_tensors, aux_scalars and
-    block_sparse_tensors raise NotImplementedError when given."""
+    them. score_mod, mask_mod, aux_tensors: as flash_attn_func's (batch index = the sequence's; q_idx / kv_idx from
+    the sequence's first row; not with page_table or seqused_q yet). qv, gather_kv_indices, score_mod_bwd,
+    aux_scalars and block_sparse_tensors raise NotImplementedError when given."""
+    mods = None
     if (qv is not None or gather_kv_indices is not None or score_mod is not None or score_mod_bwd is not None
             or mask_mod is not None or aux_tensors or aux_scalars or block_sparse_tensors is not None):
-        _refuse_unsupported(qv=qv, gather_kv_indices=gather_kv_indices, score_mod=score_mod,
-                            score_mod_bwd=score_mod_bwd, mask_mod=mask_mod, aux_tensors=aux_tensors,
+        _refuse_unsupported(qv=qv, gather_kv_indices=gather_kv_indices, score_mod_bwd=score_mod_bwd,
                             aux_scalars=aux_scalars, block_sparse_tensors=block_sparse_tensors)
+        if _mods.requested(score_mod, mask_mod, aux_tensors):
+            _mods.check_rule(score_mod, mask_mod, aux_tensors)
+            mods = (score_mod, mask_mod, aux_tensors)
     batch_q = isinstance(q, torch.Tensor) and q.dim() == 4 and cu_seqlens_q is None
     batch_k = (page_table is None and isinstance(k, torch.Tensor) and k.dim() == 4 and cu_seqlens_k is None)
     if batch_q:
@@ -241,7 +267,7 @@ def flash_attn_varlen_func(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=Non
         max_seqlen_k = Sk if max_seqlen_k is None else max_seqlen_k
     out, lse = _varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
                             page_table, softmax_scale, causal, window_size, learnable_sink, softcap, num_splits,
-                            pack_gqa, deterministic, return_lse)
+                            pack_gqa, deterministic, return_lse, mods)
     if batch_q:
         out = out.view(B, Sq, *out.shape[1:])
         lse = None if lse is None else lse.view(lse.shape[0], B, Sq).transpose(0, 1)
@@ -251,7 +277,7 @@ def flash_attn_varlen_func(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=Non
 def _varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                  seqused_q=None, seqused_k=None, page_table=None, softmax_scale=None, causal=False,
                  window_size=(None, None), learnable_sink=None, softcap=0.0, num_splits=1,
-                 pack_gqa=None, deterministic=False, return_lse=False):
+                 pack_gqa=None, deterministic=False, return_lse=False, mods=None):
     """Attention forward over packed sequences: q (total_q, H, D), k/v (total_k, Hk, D); sequence b is, of q, the
     first seqused_q[b] rows from cu_seqlens_q[b] (all of cu_seqlens_q[b]:cu_seqlens_q[b + 1] without seqused_q)
     and, of k/v, the first seqused_k[b] rows from cu_seqlens_k[b] (all of cu_seqlens_k[b]:cu_seqlens_k[b + 1]
@@ -264,7 +290,8 @@ def _varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=Non
     keys are the first seqused_k[b] rows of its pages page_table[b, 0], page_table[b, 1], ... in order (give
     seqused_k, not cu_seqlens_k; page_size a multiple of 8, see paged_block_n). Forward only. num_splits, pack_gqa:
     as flash_attn_func's (pack_gqa None with the plan rule pack_gqa_auto: _pack_helps for the longest sequence's
-    length; num_splits <= 0 reads the longest sequence's key count in the call's one sync)."""
+    length; num_splits <= 0 reads the longest sequence's key count in the call's one sync). mods: (score_mod,
+    mask_mod, aux_tensors) of a call with FA4's mods (mods.py; plan rule score_mod), run unsplit and unpacked."""
     paged = page_table is not None
     for name, t in (("q", q), ("k", k), ("v", v)):
         want = 4 if paged and name != "q" else 3
@@ -292,6 +319,11 @@ def _varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=Non
     if not same or Dk != D:
         raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     Dv = v.shape[-1]
+    if mods is not None:
+        if paged or seqused_q is not None:
+            raise NotImplementedError("score_mod / mask_mod with page_table or seqused_q is not implemented yet")
+        c, left, right, cap = _options(window_size, softcap, causal)
+        _mods.check_call(*mods, c, left, right, cap, learnable_sink, _autograd.needs_grad(q, k, v, None), D, Dv)
     if D not in SUPPORTED_HEAD_DIMS or (Dv != D and (D, Dv) not in HEAD_DIM_PAIRS):
         P = _padded_dim(D, Dv)
         out, lse = _varlen_func(_pad_last(q, P), _pad_last(k, P), _pad_last(v, P), cu_seqlens_q, cu_seqlens_k,
@@ -396,9 +428,13 @@ def _varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=Non
             page_table = keys
         else:
             cu_seqlens_k = keys
-    out, lse = forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, int(max_seqlen_q), softmax_scale,
-                              bool(causal), arch, window_left, window_right, softcap, sink=sink,
-                              pack=pack, page_table=page_table, splits=splits)
+    if mods is not None:
+        out, lse = _mods.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, int(max_seqlen_q),
+                                        softmax_scale, bool(causal), arch, window_left, window_right, *mods)
+    else:
+        out, lse = forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, int(max_seqlen_q), softmax_scale,
+                                  bool(causal), arch, window_left, window_right, softcap, sink=sink,
+                                  pack=pack, page_table=page_table, splits=splits)
     if last_q < Tq:  # rows of q after the last sequence belong to none: out 0, lse +inf
         out[last_q:] = 0
         lse[:, last_q:] = math.inf

@@ -1,0 +1,235 @@
+"""Host side of score_mod / mask_mod / aux_tensors (FA4's API; the device side is score_mod.py): the kernel of a
+call with user mods, compiled per distinct (mods, aux tensor kinds) and kept in memory only, and its launch.
+
+Keying: the user's functions are compile-time parts of the kernel, so the in-memory key holds the function objects
+themselves (a dict key keeps them alive, so an identity can never be reused by another function). Two different
+functions never share a kernel, even with equal source (a closure's values may differ); a function redefined
+(e.g. a new lambda or closure per call) compiles again. No disk cache: a Python function has no stable key across
+processes that is safe (source text misses closures and globals), and a stale kernel would be a silent wrong
+answer. Aux tensors are keyed by (dtype, rank): their shapes and strides are runtime values.
+"""
+import dataclasses
+
+import torch
+
+from flash_attn.cute import config
+
+_mod_kernels: dict[tuple, object] = {}  # mod_key(...) -> callable
+
+_AUX_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.int8, torch.uint8,
+               torch.bool)
+
+
+def aux_spec(aux_tensors, device):
+    """((dtype, rank), ...) of the aux tensors, checked: tensors on ``device`` of a dtype CuTe takes; () for
+    None or empty."""
+    if aux_tensors is None:
+        return ()
+    if not isinstance(aux_tensors, (list, tuple)):
+        raise ValueError(f"aux_tensors must be a list of tensors, got {type(aux_tensors).__name__}")
+    spec = []
+    for i, t in enumerate(aux_tensors):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"aux_tensors[{i}] must be a tensor, got {type(t).__name__}")
+        if t.device != device:
+            raise ValueError(f"aux_tensors[{i}] must be on {device} (q's device), got {t.device}")
+        if t.dtype not in _AUX_DTYPES:
+            raise ValueError(f"aux_tensors[{i}]: dtype {t.dtype} not one of {[str(d) for d in _AUX_DTYPES]}")
+        if t.dim() == 0:
+            raise ValueError(f"aux_tensors[{i}] must have at least one dimension")
+        spec.append((t.dtype, t.dim()))
+    return tuple(spec)
+
+
+def mod_config(dtype, head_dim, causal, arch, local, varlen, abi):
+    """The FwdConfig a mod kernel is built from: the call's default selection, then the one-tile kernel with two
+    consumer warpgroups and the masked calls' block_n (the mods' registers come on top of a masked call's), the
+    direct O store."""
+    from flash_attn.cute.config import FwdVariant
+
+    cfg = config.select_fwd(FwdVariant(dtype, head_dim, causal, arch, local, False, varlen, False), abi)
+    block_n = config.BLOCK_N_LOCAL.get(head_dim, config.BLOCK_N[head_dim]) if local else config.BLOCK_N[head_dim]
+    return dataclasses.replace(cfg, persistent=False, warpgroups=2, block_n=block_n, tma_o=False, snake=False)
+
+
+def mod_key(dtype, head_dim, causal, arch, local, varlen, score_mod, mask_mod, spec):
+    """_mod_kernels' key: the call's kernel facts, the functions themselves, the aux tensors' kinds."""
+    return (dtype, int(head_dim), bool(causal), arch, bool(local), bool(varlen), score_mod, mask_mod, spec)
+
+
+def compile_fwd_mods(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=False, varlen=False,
+                     score_mod=None, mask_mod=None, spec=()):
+    """Compile the forward kernel with ``score_mod`` / ``mask_mod`` (CuTeDSL functions, FA4's convention: see
+    score_mod.py) and aux tensors of kinds ``spec`` ((torch dtype, rank), ...) for ``arch``; no GPU needed.
+    The call is kernels.compile_fwd's (dense or varlen) with the aux tensors as one more argument, a tuple
+    (omitted when spec is empty)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    from flash_attn.cute import kernels
+    from flash_attn.cute.flash_fwd_sm90 import FlashFwdSm90
+
+    cfg = mod_config(dtype, head_dim, causal, arch, local, varlen, kernels._abi())
+    kernel = FlashFwdSm90(kernels._cutlass_dtype(dtype), cfg.head_dim, cfg.causal, local=cfg.local, varlen=varlen,
+                          num_stages=cfg.stages, block_n=cfg.block_n, num_warpgroups=cfg.warpgroups,
+                          wg_order=cfg.wg_order, reverse=cfg.reverse, pin=cfg.pin, lpt=cfg.lpt,
+                          exp2_emu=cfg.exp2_emu, exp2_emu_degree=cfg.exp2_emu_degree, score_mod=score_mod,
+                          mask_mod=mask_mod, aux=bool(spec))
+    dt, D = kernel.dtype, kernel.head_dim
+    cdt = {torch.float32: cutlass.Float32, torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16,
+           torch.int32: cutlass.Int32, torch.int64: cutlass.Int64, torch.int8: cutlass.Int8,
+           torch.uint8: cutlass.Uint8, torch.bool: cutlass.Boolean}
+    # Aux tensors: any shape and strides (runtime values); element-aligned.
+    aux = tuple(make_fake_tensor(cdt[t], tuple(cute.sym_int() for _ in range(rank)),
+                                 tuple(cute.sym_int() for _ in range(rank)),
+                                 assumed_align=max(1, torch.empty((), dtype=t).element_size()))
+                for t, rank in spec) or None
+    batch, seqlen_q, seqlen_k, heads, heads_kv = (cute.sym_int() for _ in range(5))
+
+    def qkv(seqlen, h):
+        div8 = cute.sym_int(divisibility=8)
+        return make_fake_tensor(dt, (batch, seqlen, h, D), (cute.sym_int(divisibility=8), div8, D, 1),
+                                assumed_align=16)
+
+    def packed(total, h):
+        return make_fake_tensor(dt, (total, h, D), (cute.sym_int(divisibility=8), D, 1), assumed_align=16)
+
+    tvm_ffi = cfg.abi != "cute"
+    options = f"--gpu-arch {arch}" + (" --enable-tvm-ffi" if tvm_ffi else "")
+    if dump_dir is not None:
+        options += f" --keep-ptx --keep-cubin --dump-dir {dump_dir}"
+    stream = cutlass.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi)
+    scalars = (cutlass.Float32(1.0), cutlass.Float32(0.0), cutlass.Int32(0), cutlass.Int32(0))
+    if varlen:
+        q, o, k, v = packed(seqlen_q, heads), packed(seqlen_q, heads), packed(seqlen_k, heads_kv), packed(seqlen_k,
+                                                                                                          heads_kv)
+        lse = make_fake_tensor(cutlass.Float32, (heads, seqlen_q), (cute.sym_int(), 1), assumed_align=4)
+        seqs = [make_fake_tensor(cutlass.Int32, (cute.sym_int(),), (1,), assumed_align=4) for _ in range(3)]
+        return cute.compile(kernel.call_varlen_mods, q, k, v, o, lse, *seqs, cutlass.Int32(0), *scalars, stream, aux,
+                            options=options)
+    q, o, k, v = qkv(seqlen_q, heads), qkv(seqlen_q, heads), qkv(seqlen_k, heads_kv), qkv(seqlen_k, heads_kv)
+    lse = make_fake_tensor(cutlass.Float32, (batch, heads, seqlen_q), (cute.sym_int(), cute.sym_int(), 1),
+                           assumed_align=4)
+    return cute.compile(kernel.call_mods, q, k, v, o, lse, *scalars, stream, aux, options=options)
+
+
+def mod_kernel(dtype, head_dim, causal, arch, local, varlen, score_mod, mask_mod, spec):
+    """The mod kernel from memory, else compiled (never on disk: see the module docstring)."""
+    from flash_attn.cute import cache, kernels
+
+    key = mod_key(dtype, head_dim, causal, arch, local, varlen, score_mod, mask_mod, spec)
+    fn = _mod_kernels.get(key)
+    if fn is None:
+        with cache._lock:
+            fn = _mod_kernels.get(key)
+            if fn is None:
+                if not kernels._tvm_ffi():
+                    raise NotImplementedError("score_mod / mask_mod kernels need apache-tvm-ffi")
+                fn = _mod_kernels[key] = kernels._ffi_function(
+                    compile_fwd_mods(dtype, head_dim, causal, arch, local=local, varlen=varlen, score_mod=score_mod,
+                                     mask_mod=mask_mod, spec=spec))
+    return fn
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The API's side: which calls take mods, and their launches (interface.flash_attn_func / _varlen_func call these)
+
+def requested(score_mod, mask_mod, aux_tensors):
+    """Whether a call asks for mods (a score_mod, a mask_mod or aux tensors)."""
+    return score_mod is not None or mask_mod is not None or bool(aux_tensors)
+
+
+def check_rule(score_mod, mask_mod, aux_tensors):
+    """NotImplementedError naming the plan rule score_mod while it is off."""
+    if not config.plan_rules().score_mod:
+        name = "score_mod" if score_mod is not None else "mask_mod" if mask_mod is not None else "aux_tensors"
+        raise NotImplementedError(
+            f"flash_attn.cute does not take {name} yet: its forward kernel is behind the plan rule score_mod, off "
+            "until its GPU tests pass (FLASH_ATTN_CUTE_OVERRIDES=plan.score_mod=1 turns it on; forward only)")
+
+
+def check_call(score_mod, mask_mod, aux_tensors, causal, window_left, window_right, softcap, learnable_sink,
+               needs_grad, D, Dv):
+    """Raises for a mod call this package does not serve (NotImplementedError naming the plan rule while it is
+    off, the backward, ...) or that FA4 rejects (ValueError)."""
+    from flash_attn.cute.plan import _UNBOUNDED
+
+    check_rule(score_mod, mask_mod, aux_tensors)
+    if score_mod is None and mask_mod is None:
+        raise ValueError("aux_tensors without a score_mod or mask_mod: nothing reads them")
+    for name, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)):
+        if fn is not None and not callable(fn):
+            raise ValueError(f"{name} must be a CuTeDSL function (@cute.jit), got {type(fn).__name__}")
+    if needs_grad:
+        raise NotImplementedError("flash_attn.cute: the backward of score_mod / mask_mod is not implemented yet "
+                                  "(the forward is); call it without gradients (torch.no_grad() or detached inputs)")
+    if softcap and score_mod is not None:
+        raise ValueError("softcap and score_mod cannot be used together (as in FA4; write the cap into the score_mod)")
+    if softcap:
+        raise NotImplementedError("softcap with mask_mod is not implemented yet in flash_attn.cute")
+    if learnable_sink is not None:
+        raise NotImplementedError("learnable_sink with score_mod / mask_mod is not implemented yet in flash_attn.cute")
+    if mask_mod is not None and (causal or window_left < _UNBOUNDED or window_right < _UNBOUNDED):
+        # FA4 drops causal and window_size when a mask_mod is given; a silent drop here would be a wrong answer for
+        # whoever meant both, so the combination is refused: the mask_mod says which keys a query sees.
+        raise ValueError("mask_mod with causal=True or a window_size: FA4 ignores causal / window_size when a "
+                         "mask_mod is given; put the causal or window condition into the mask_mod instead")
+    if D != Dv or D not in config.SUPPORTED_HEAD_DIMS:
+        raise NotImplementedError(f"score_mod / mask_mod: head dims {D} / {Dv}; the kernels' own head dims "
+                                  f"{config.SUPPORTED_HEAD_DIMS} with equal q / v head dims only, for now")
+
+
+def forward(q, k, v, softmax_scale, causal, arch, window_left, window_right, score_mod, mask_mod, aux_tensors):
+    """Dense forward with mods: q (B, Sq, H, D), k / v (B, Sk, Hk, D) -> (out like q, lse (B, H, Sq) fp32)."""
+    from flash_attn.cute.launch import _MAX_ELEMS, _MAX_GRID_Z, _kernel_layouts
+    from flash_attn.cute.plan import _window_args
+
+    B, Sq, H, D = q.shape
+    Sk, Hk = k.shape[1], k.shape[2]
+    spec = aux_spec(aux_tensors, q.device)
+    left, right, local = _window_args(causal, window_left, window_right)
+    out = torch.empty_like(q)
+    lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
+    if Sk == 0 or B * Sq * H == 0:
+        out.zero_()
+        lse.fill_(float("inf"))
+        return out, lse
+    if B * max(Sq * H, Sk * Hk) * D >= _MAX_ELEMS or B > _MAX_GRID_Z:
+        raise NotImplementedError("score_mod / mask_mod: tensors of 2^31 elements or more, or a batch over 65535, "
+                                  "are not split into launches yet")
+    q, k, v = _kernel_layouts(q, k, v, D, D)
+    out = torch.empty_like(q)
+    fn = mod_kernel(q.dtype, D, causal and not local, arch, local, False, score_mod, mask_mod, spec)
+    aux = (tuple(aux_tensors),) if spec else ()
+    fn(q, k, v, out, lse, float(softmax_scale), 0.0, left, right, *aux)
+    return out, lse
+
+
+def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, softmax_scale, causal, arch,
+                   window_left, window_right, score_mod, mask_mod, aux_tensors):
+    """Varlen forward with mods: q (total_q, H, D), k / v (total_k, Hk, D), int32 cu_seqlens (B + 1,), seqused_k
+    (B,) or None -> (out like q, lse (H, total_q) fp32). Values are checked by the caller (_varlen_func)."""
+    from flash_attn.cute.launch import _MAX_ELEMS, _MAX_GRID_Z
+    from flash_attn.cute.plan import _window_args
+
+    Tq, H, D = q.shape
+    Tk, Hk = k.shape[0], k.shape[1]
+    batch = cu_seqlens_q.shape[0] - 1
+    spec = aux_spec(aux_tensors, q.device)
+    left, right, local = _window_args(causal, window_left, window_right)
+    out = torch.zeros_like(q)
+    lse = torch.full((H, Tq), float("inf"), dtype=torch.float32, device=q.device)
+    if batch == 0 or Tq == 0 or Tk == 0 or max_seqlen_q == 0:
+        return out, lse
+    if max(Tq * H, Tk * Hk) * D >= _MAX_ELEMS or batch > _MAX_GRID_Z:
+        raise NotImplementedError("score_mod / mask_mod: tensors of 2^31 elements or more, or over 65535 sequences, "
+                                  "are not split into launches yet")
+    q, k, v = (t if t.stride(-1) == 1 and t.stride(-2) == D and t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0
+               else t.contiguous() for t in (q, k, v))
+    used_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32) if seqused_k is None else seqused_k
+    fn = mod_kernel(q.dtype, D, causal and not local, arch, local, True, score_mod, mask_mod, spec)
+    aux = (tuple(aux_tensors),) if spec else ()
+    fn(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, used_k, int(max_seqlen_q), float(softmax_scale), 0.0,
+       left, right, *aux)
+    return out, lse
