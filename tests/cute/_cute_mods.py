@@ -1,0 +1,110 @@
+"""Score mods and mask mods for tests/cute/test_cute_score_mod.py, each with its plain-PyTorch meaning (FA4's calling
+convention, flash_attn/cute/score_mod.py): a CuTeDSL function and ``*_torch`` (on (B, H, Sq, Sk) fp32 scores
+already multiplied by the softmax scale, or the boolean mask to keep). Importing this module imports CuTeDSL."""
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import Float32
+
+SOFTCAP = 30.0
+REL_SCALE = 0.01
+WINDOW = 64
+
+
+# score mods: (score, batch, head, q_idx=, kv_idx=, seqlen_info=, aux_tensors=) -> score, TensorSSA in and out
+
+@cute.jit
+def identity(score, b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+    return score
+
+
+@cute.jit
+def rel_bias(score, b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+    rel = (kv_idx - q_idx).to(Float32)
+    return score + rel * cute.full_like(score, REL_SCALE)
+
+
+@cute.jit
+def softcap(score, b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+    capped = cute.math.tanh(score * cute.full_like(score, 1.0 / SOFTCAP), fastmath=True)
+    return capped * cute.full_like(score, SOFTCAP)
+
+
+@cute.jit
+def alibi_aux(score, b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+    """ALiBi with a slope per query head read from aux_tensors[0] (H,) fp32: score - slope * |q - kv|."""
+    slopes = aux_tensors[0]
+    slope = cute.full_like(score, 0.0) + Float32(slopes[h_idx[0]])
+    dist = (q_idx - kv_idx).to(Float32)
+    zero = cute.full_like(dist, 0.0)
+    dist = cute.where(dist < zero, zero - dist, dist)
+    return score - slope * dist
+
+
+# mask mods: (batch, head, q_idx, kv_idx, seqlen_info, aux_tensors) -> keep (a Boolean or a one-element TensorSSA)
+
+@cute.jit
+def causal_mask(b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+    """Bottom-right causal: key j <= i + Sk - Sq."""
+    return kv_idx[0] <= q_idx[0] + seqlen_info.seqlen_k - seqlen_info.seqlen_q
+
+
+@cute.jit
+def window_mask(b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+    """|q - kv| <= WINDOW (positions, not aligned), as a TensorSSA."""
+    diff = q_idx - kv_idx
+    return (diff <= cute.full_like(diff, WINDOW)) & (diff >= cute.full_like(diff, -WINDOW))
+
+
+@cute.jit
+def document_mask(b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+    """Same document: aux_tensors[0] (B, S) int32 document ids of the batch entry's positions (Sq == Sk)."""
+    docs = aux_tensors[0]
+    return docs[b_idx[0], q_idx[0]] == docs[b_idx[0], kv_idx[0]]
+
+
+# Their plain-PyTorch meaning. Scores s: (B, H, Sq, Sk) fp32 scaled; masks broadcast to it.
+
+def _pos(Sq, Sk, device):
+    q = torch.arange(Sq, device=device).view(-1, 1)
+    k = torch.arange(Sk, device=device).view(1, -1)
+    return q, k
+
+
+def identity_torch(s, aux=None):
+    return s
+
+
+def rel_bias_torch(s, aux=None):
+    q, k = _pos(s.shape[-2], s.shape[-1], s.device)
+    return s + (k - q).float() * REL_SCALE
+
+
+def softcap_torch(s, aux=None):
+    return SOFTCAP * torch.tanh(s / SOFTCAP)
+
+
+def alibi_aux_torch(s, aux):
+    q, k = _pos(s.shape[-2], s.shape[-1], s.device)
+    return s - aux[0].float().view(1, -1, 1, 1) * (q - k).abs().float()
+
+
+def causal_mask_torch(Sq, Sk, device, aux=None):
+    q, k = _pos(Sq, Sk, device)
+    return k <= q + Sk - Sq
+
+
+def window_mask_torch(Sq, Sk, device, aux=None):
+    q, k = _pos(Sq, Sk, device)
+    return (q - k).abs() <= WINDOW
+
+
+def document_mask_torch(Sq, Sk, device, aux):
+    docs = aux[0]  # (B, S)
+    return (docs[:, :Sq, None] == docs[:, None, :Sk])[:, None]  # (B, 1, Sq, Sk)
+
+
+SCORE_MODS = {"identity": (identity, identity_torch), "rel_bias": (rel_bias, rel_bias_torch),
+              "softcap": (softcap, softcap_torch), "alibi_aux": (alibi_aux, alibi_aux_torch)}
+MASK_MODS = {"causal": (causal_mask, causal_mask_torch), "window": (window_mask, window_mask_torch),
+             "document": (document_mask, document_mask_torch)}

@@ -1,0 +1,377 @@
+"""FA4's score_mod / mask_mod / aux_tensors in flash_attn.cute (forward): the sm_90a compile of mod kernels on the
+CPU (the mod visible in the PTX, ptxas without spills), the plan rule that gates the API, the in-memory key, and
+GPU tests against a plain fp32 PyTorch attention with the same bias / mask (and FlexAttention where torch has it).
+Mods: tests/cute/_cute_mods.py. Heavier compiles run with FLASH_ATTN_TEST_MOD_COMPILES=all."""
+import glob
+import math
+import os
+import shutil
+
+import pytest
+import torch
+
+pytest.importorskip("cutlass")
+
+from flash_attn.cute import config, interface, mods  # noqa: E402
+from flash_attn.testing import assert_ptxas_clean  # noqa: E402
+
+import _cute_mods as m  # noqa: E402
+
+GPU = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+needs_gpu = pytest.mark.skipif(not GPU, reason="needs a Hopper (sm_90) GPU")
+ALL = os.environ.get("FLASH_ATTN_TEST_MOD_COMPILES") == "all"
+
+# (name, compile_fwd_mods keywords): six kernels by default, covering d64 / d128, causal / not / window, dense /
+# varlen, a score_mod, a mask_mod, both, and aux tensors (1-D fp32 and 2-D int32).
+COMPILES = [
+    ("rel_bias-d128", dict(dtype=torch.bfloat16, head_dim=128, causal=False, score_mod=m.rel_bias)),
+    ("alibi_aux-d64-causal", dict(dtype=torch.bfloat16, head_dim=64, causal=True, score_mod=m.alibi_aux,
+                                  spec=((torch.float32, 1),))),
+    ("softcap+causal_mask-d64", dict(dtype=torch.bfloat16, head_dim=64, causal=False, score_mod=m.softcap,
+                                     mask_mod=m.causal_mask)),
+    ("document-d128-fp16", dict(dtype=torch.float16, head_dim=128, causal=False, mask_mod=m.document_mask,
+                                spec=((torch.int32, 2),))),
+    ("window_mask-varlen-d128", dict(dtype=torch.bfloat16, head_dim=128, causal=False, varlen=True,
+                                     mask_mod=m.window_mask)),
+    ("identity-d128-causal-window", dict(dtype=torch.bfloat16, head_dim=128, causal=False, local=True,
+                                         score_mod=m.identity)),
+]
+HEAVY = [
+    ("rel_bias-d64-varlen-causal", dict(dtype=torch.bfloat16, head_dim=64, causal=True, varlen=True,
+                                        score_mod=m.rel_bias)),
+    ("alibi_aux-d128-causal", dict(dtype=torch.float16, head_dim=128, causal=True, score_mod=m.alibi_aux,
+                                   spec=((torch.float32, 1),))),
+    ("window_mask-d64", dict(dtype=torch.bfloat16, head_dim=64, causal=False, mask_mod=m.window_mask)),
+]
+
+
+def _params():
+    return [pytest.param(kw, id=name) for name, kw in COMPILES] + [
+        pytest.param(kw, id=name, marks=pytest.mark.skipif(not ALL, reason="FLASH_ATTN_TEST_MOD_COMPILES=all"))
+        for name, kw in HEAVY]
+
+
+@pytest.fixture(scope="module", params=_params())
+def mod_ptx(request, tmp_path_factory):
+    dump = tmp_path_factory.mktemp("modptx")
+    mods.compile_fwd_mods(arch="sm_90a", dump_dir=str(dump), **request.param)
+    paths = glob.glob(os.path.join(dump, "**", "*.ptx"), recursive=True)
+    assert len(paths) == 1, paths
+    return request.param, paths[0]
+
+
+def test_mod_kernel_compiles_for_sm90a(mod_ptx):
+    kw, path = mod_ptx
+    text = open(path).read()
+    assert ".target sm_90a" in text
+    assert "wgmma.mma_async" in text
+
+
+def test_the_mod_is_in_the_ptx(mod_ptx):
+    kw, path = mod_ptx
+    text = open(path).read()
+    if kw.get("score_mod") is m.rel_bias:
+        assert "0f3C23D70A" in text  # REL_SCALE 0.01
+    if kw.get("score_mod") is m.softcap:
+        assert "tanh.approx.f32" in text
+    if kw.get("spec"):  # aux tensors are read from global memory in the consumer loop
+        assert "ld.global" in text
+
+
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas not on PATH")
+def test_mod_kernel_does_not_spill(mod_ptx):
+    assert_ptxas_clean(mod_ptx[1])
+
+
+# --- the in-memory key ----------------------------------------------------------------------------------------
+
+def test_two_mods_never_share_a_kernel(monkeypatch):
+    built = []
+    monkeypatch.setattr(mods, "compile_fwd_mods", lambda *a, **kw: built.append(kw) or object())
+    monkeypatch.setattr(mods, "_mod_kernels", {})
+    from flash_attn.cute import kernels
+    monkeypatch.setattr(kernels, "_ffi_function", lambda f: f)
+    monkeypatch.setattr(kernels, "_tvm_ffi", lambda: True)
+    args = (torch.bfloat16, 128, False, "sm_90a", False, False)
+    a = mods.mod_kernel(*args, m.rel_bias, None, ())
+    b = mods.mod_kernel(*args, m.softcap, None, ())
+    c = mods.mod_kernel(*args, m.rel_bias, None, ())
+    d = mods.mod_kernel(*args, m.rel_bias, m.causal_mask, ())
+    e = mods.mod_kernel(*args, m.alibi_aux, None, ((torch.float32, 1),))
+    f = mods.mod_kernel(*args, m.alibi_aux, None, ((torch.float16, 1),))
+    assert a is c and len({id(x) for x in (a, b, d, e, f)}) == 5
+    assert [kw["score_mod"] for kw in built] == [m.rel_bias, m.softcap, m.rel_bias, m.alibi_aux, m.alibi_aux]
+
+
+def test_equal_source_other_closure_is_another_kernel(monkeypatch):
+    """Two closures of one source (a bias constant each) are two kernels: the key is the function object."""
+    monkeypatch.setattr(mods, "compile_fwd_mods", lambda *a, **kw: object())
+    monkeypatch.setattr(mods, "_mod_kernels", {})
+    from flash_attn.cute import kernels
+    monkeypatch.setattr(kernels, "_ffi_function", lambda f: f)
+    monkeypatch.setattr(kernels, "_tvm_ffi", lambda: True)
+
+    def make(c):
+        def mod(score, b, h, q_idx, kv_idx, seqlen_info, aux_tensors):
+            return score + c
+        return mod
+
+    args = (torch.bfloat16, 64, False, "sm_90a", False, False)
+    assert mods.mod_kernel(*args, make(1.0), None, ()) is not mods.mod_kernel(*args, make(2.0), None, ())
+
+
+def test_aux_spec_checks_the_tensors():
+    assert mods.aux_spec(None, torch.device("cpu")) == ()
+    assert mods.aux_spec([torch.zeros(3), torch.zeros(2, 4, dtype=torch.int32)], torch.device("cpu")) == (
+        (torch.float32, 1), (torch.int32, 2))
+    with pytest.raises(ValueError, match="aux_tensors\\[0\\] must be a tensor"):
+        mods.aux_spec([1.0], torch.device("cpu"))
+    with pytest.raises(ValueError, match="must be on"):
+        mods.aux_spec([torch.zeros(3)], torch.device("meta"))
+    with pytest.raises(ValueError, match="dtype"):
+        mods.aux_spec([torch.zeros(3, dtype=torch.complex64)], torch.device("cpu"))
+
+
+def test_mod_config_is_the_one_tile_kernel():
+    for d, causal, local in ((64, False, False), (64, True, False), (128, False, True), (256, True, False)):
+        cfg = mods.mod_config(torch.bfloat16, d, causal, "sm_90a", local, False, "tvm-ffi-env-stream")
+        assert not cfg.persistent and cfg.warpgroups == 2 and not cfg.tma_o
+
+
+# --- the plan rule and the API ----------------------------------------------------------------------------------
+
+def _qkv(varlen=False, d=64):
+    lead = (14,) if varlen else (2, 7)
+    q = torch.randn(*lead, 4, d, dtype=torch.bfloat16)
+    k = torch.randn(*lead, 2, d, dtype=torch.bfloat16)
+    return q, k, torch.randn_like(k)
+
+
+@pytest.mark.parametrize("name", ["score_mod", "mask_mod", "aux_tensors"])
+@pytest.mark.parametrize("varlen", [False, True])
+def test_rule_off_refuses_naming_the_rule(name, varlen, cute_env):
+    cute_env()
+    assert not config.plan_rules().score_mod
+    q, k, v = _qkv(varlen)
+    value = [torch.zeros(1)] if name == "aux_tensors" else m.identity if name == "score_mod" else m.causal_mask
+    fn = interface.flash_attn_varlen_func if varlen else interface.flash_attn_func
+    extra = dict(cu_seqlens_q=torch.tensor([0, 7, 14], dtype=torch.int32),
+                 cu_seqlens_k=torch.tensor([0, 7, 14], dtype=torch.int32)) if varlen else {}
+    with pytest.raises(NotImplementedError, match=f"does not take {name} yet.*plan rule score_mod"):
+        fn(q, k, v, **{name: value}, **extra)
+
+
+class _ModLaunch:
+    """Stands in for mods.forward / forward_varlen (CPU tensors): records what reaches them."""
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")
+        monkeypatch.setattr(mods, "forward", self.dense)
+        monkeypatch.setattr(mods, "forward_varlen", self.varlen)
+
+    def dense(self, q, k, v, scale, causal, arch, wl, wr, score_mod, mask_mod, aux):
+        self.calls.append(dict(kind="dense", scale=scale, causal=causal, window=(wl, wr), score_mod=score_mod,
+                               mask_mod=mask_mod, aux=aux))
+        B, Sq, H, _ = q.shape
+        return torch.zeros_like(q), torch.zeros(B, H, Sq)
+
+    def varlen(self, q, k, v, cu_q, cu_k, used_k, max_q, scale, causal, arch, wl, wr, score_mod, mask_mod, aux):
+        self.calls.append(dict(kind="varlen", scale=scale, causal=causal, max_q=max_q, score_mod=score_mod,
+                               mask_mod=mask_mod, aux=aux))
+        return torch.zeros_like(q), torch.zeros(q.shape[1], q.shape[0])
+
+
+@pytest.fixture
+def rule_on(cute_env):
+    cute_env(OVERRIDES="plan.score_mod=1")
+    assert config.plan_rules().score_mod
+
+
+def test_rule_on_passes_the_mods_to_the_launch(rule_on, monkeypatch):
+    rec = _ModLaunch(monkeypatch)
+    q, k, v = _qkv()
+    aux = [torch.ones(4)]
+    out, lse = interface.flash_attn_func(q, k, v, score_mod=m.alibi_aux, aux_tensors=aux, causal=True,
+                                         return_lse=True)
+    assert out.shape == q.shape and lse.shape == (2, 4, 7)
+    call, = rec.calls
+    assert call["score_mod"] is m.alibi_aux and call["mask_mod"] is None and call["aux"] is aux
+    assert call["causal"] and math.isclose(call["scale"], 64 ** -0.5)
+    interface.flash_attn_func(q, k, v, mask_mod=m.window_mask, softmax_scale=0.5)
+    assert rec.calls[-1]["mask_mod"] is m.window_mask and rec.calls[-1]["scale"] == 0.5
+
+
+def test_rule_on_varlen_passes_the_mods(rule_on, monkeypatch):
+    rec = _ModLaunch(monkeypatch)
+    q, k, v = _qkv(varlen=True)
+    cu = torch.tensor([0, 5, 14], dtype=torch.int32)
+    out, lse = interface.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                                score_mod=m.rel_bias, mask_mod=m.causal_mask, return_lse=True)
+    call, = rec.calls
+    assert call["kind"] == "varlen" and call["max_q"] == 9
+    assert call["score_mod"] is m.rel_bias and call["mask_mod"] is m.causal_mask
+    # batch-shaped inputs: the sequences are the batch entries
+    qb, kb, vb = _qkv()
+    interface.flash_attn_varlen_func(qb, kb, vb, score_mod=m.identity)
+    assert rec.calls[-1]["kind"] == "varlen" and rec.calls[-1]["max_q"] == 7
+
+
+@pytest.mark.parametrize("kw, err, match", [
+    (dict(score_mod=m.softcap, softcap=5.0), ValueError, "softcap and score_mod"),
+    (dict(mask_mod=m.causal_mask, causal=True), ValueError, "causal"),
+    (dict(mask_mod=m.window_mask, window_size=(8, 8)), ValueError, "window_size"),
+    (dict(aux_tensors=[torch.zeros(1)]), ValueError, "nothing reads them"),
+    (dict(score_mod=m.identity, learnable_sink=torch.zeros(4)), NotImplementedError, "learnable_sink"),
+    (dict(score_mod=m.identity, score_mod_bwd=m.identity), NotImplementedError, "score_mod_bwd"),
+    (dict(score_mod=m.identity, block_sparse_tensors=object()), NotImplementedError, "block_sparse_tensors"),
+    (dict(score_mod=m.identity, aux_scalars=(1.0,)), NotImplementedError, "aux_scalars"),
+    (dict(score_mod=3), ValueError, "CuTeDSL function"),
+])
+def test_rule_on_refuses_what_is_not_served(rule_on, monkeypatch, kw, err, match):
+    _ModLaunch(monkeypatch)
+    q, k, v = _qkv()
+    with pytest.raises(err, match=match):
+        interface.flash_attn_func(q, k, v, **kw)
+
+
+def test_backward_with_mods_is_refused_naming_score_mod(rule_on, monkeypatch):
+    _ModLaunch(monkeypatch)
+    q, k, v = _qkv()
+    q.requires_grad_(True)
+    with pytest.raises(NotImplementedError, match="backward of score_mod"):
+        interface.flash_attn_func(q, k, v, score_mod=m.rel_bias)
+    with torch.no_grad():
+        interface.flash_attn_func(q, k, v, score_mod=m.rel_bias)
+
+
+def test_rule_on_other_head_dims_are_refused_not_padded(rule_on, monkeypatch):
+    _ModLaunch(monkeypatch)
+    q, k, v = _qkv(d=40)
+    with pytest.raises(NotImplementedError, match="head dims 40"):
+        interface.flash_attn_func(q, k, v, score_mod=m.rel_bias)
+    qv, kv, vv = _qkv(varlen=True, d=40)
+    cu = torch.tensor([0, 7, 14], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="head dims 40"):
+        interface.flash_attn_varlen_func(qv, kv, vv, cu_seqlens_q=cu, cu_seqlens_k=cu, score_mod=m.rel_bias)
+
+
+# --- GPU: against a plain fp32 attention with the same bias / mask ------------------------------------------------
+
+def _reference(q, k, v, scale, score_fn=None, mask=None, causal=False, aux=None, dtype=torch.float32):
+    """Attention in ``dtype`` (fp32: the oracle; the input dtype: PyTorch's own low-precision error) of (B, S, H, D)
+    q and (B, S, Hk, D) k / v (GQA by repeat): scores * scale, then score_fn, then the boolean mask (B or 1, 1, Sq,
+    Sk) and causal (bottom-right), softmax; fully masked rows give 0. Returns fp32."""
+    g = q.shape[2] // k.shape[2]
+    qf = q.to(dtype).transpose(1, 2)
+    kf = k.to(dtype).repeat_interleave(g, dim=2).transpose(1, 2)
+    vf = v.to(dtype).repeat_interleave(g, dim=2).transpose(1, 2)
+    s = qf @ kf.transpose(-1, -2) * scale
+    if score_fn is not None:
+        s = score_fn(s, aux)
+    Sq, Sk = s.shape[-2:]
+    keep = torch.ones(Sq, Sk, dtype=torch.bool, device=s.device)
+    if causal:
+        keep = m.causal_mask_torch(Sq, Sk, s.device)
+    if mask is not None:
+        keep = keep & mask
+    s = s.masked_fill(~keep, float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    return (p @ vf).transpose(1, 2).float()
+
+
+def _check(out, q, k, v, scale, **kw):
+    """Error against the fp32 oracle at most 2x PyTorch's own in q's dtype, plus the dtype's rounding of out."""
+    ref = _reference(q, k, v, scale, **kw)
+    ref_lp = _reference(q, k, v, scale, dtype=q.dtype, **kw)
+    err = (out.float() - ref).abs().max().item()
+    bound = 2 * (ref_lp - ref).abs().max().item() + (ref.abs().max().item() * 2 ** -8)
+    assert err <= bound, (err, bound)
+
+
+CASES = [("identity", None), ("rel_bias", None), ("softcap", None), ("alibi_aux", None), (None, "causal"),
+         (None, "window"), (None, "document"), ("rel_bias", "causal")]
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("score, mask", CASES)
+@pytest.mark.parametrize("Sq, Sk", [(128, 128), (113, 203), (256, 97)])
+def test_dense_matches_the_reference(rule_on, d, causal, score, mask, Sq, Sk):
+    if mask is not None and causal:
+        pytest.skip("mask_mod with causal=True is refused (put the condition in the mask_mod)")
+    if mask == "document" and Sq != Sk:
+        pytest.skip("the document ids cover one length")
+    torch.manual_seed(0)
+    B, H, Hk = 2, 4, 2
+    q = torch.randn(B, Sq, H, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(B, Sk, Hk, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    aux = None
+    if score == "alibi_aux":
+        aux = [torch.rand(H, device="cuda") * 0.1]
+    if mask == "document":
+        aux = [torch.sort(torch.randint(0, 4, (B, Sq), device="cuda"), dim=1).values.to(torch.int32)]
+    score_mod, score_fn = m.SCORE_MODS[score] if score else (None, None)
+    mask_mod, mask_fn = m.MASK_MODS[mask] if mask else (None, None)
+    out = interface.flash_attn_func(q, k, v, causal=causal, score_mod=score_mod, mask_mod=mask_mod,
+                                    aux_tensors=aux)[0]
+    keep = mask_fn(Sq, Sk, q.device, aux) if mask_fn else None
+    _check(out, q, k, v, d ** -0.5, score_fn=score_fn, mask=keep, causal=causal, aux=aux)
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("score, mask", [("rel_bias", None), (None, "causal"), ("alibi_aux", None)])
+def test_varlen_indices_are_per_sequence(rule_on, score, mask):
+    """q_idx / kv_idx count from each sequence's first row; the batch index is the sequence's."""
+    torch.manual_seed(0)
+    lens = [37, 128, 5, 200]
+    H, Hk, d = 4, 4, 128
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device="cuda")
+    T = int(cu[-1])
+    q = torch.randn(T, H, d, device="cuda", dtype=torch.bfloat16)
+    k, v = torch.randn_like(q), torch.randn_like(q)
+    aux = [torch.rand(H, device="cuda") * 0.1] if score == "alibi_aux" else None
+    score_mod, score_fn = m.SCORE_MODS[score] if score else (None, None)
+    mask_mod, mask_fn = m.MASK_MODS[mask] if mask else (None, None)
+    out = interface.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens),
+                                           max_seqlen_k=max(lens), score_mod=score_mod, mask_mod=mask_mod,
+                                           aux_tensors=aux)[0]
+    for b, n in enumerate(lens):
+        s, e = int(cu[b]), int(cu[b + 1])
+        keep = mask_fn(n, n, q.device) if mask_fn else None
+        _check(out[s:e][None], q[s:e][None], k[s:e][None], v[s:e][None], d ** -0.5, score_fn=score_fn, mask=keep,
+               aux=aux)
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("score", ["rel_bias", "softcap", "alibi_aux"])
+def test_against_flex_attention(rule_on, score):
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    torch.manual_seed(0)
+    B, S, H, d = 2, 256, 4, 128
+    q = torch.randn(B, S, H, d, device="cuda", dtype=torch.bfloat16)
+    k, v = torch.randn_like(q), torch.randn_like(q)
+    aux = [torch.rand(H, device="cuda") * 0.1] if score == "alibi_aux" else None
+    score_mod, _ = m.SCORE_MODS[score]
+
+    def flex_mod(s, b, h, qi, ki):  # FlexAttention's score is already scaled, as FA4's
+        if score == "rel_bias":
+            return s + (ki - qi).float() * m.REL_SCALE
+        if score == "softcap":
+            return m.SOFTCAP * torch.tanh(s / m.SOFTCAP)
+        return s - aux[0][h] * (qi - ki).abs().float()
+
+    ref = flex.flex_attention(*(t.transpose(1, 2) for t in (q, k, v)), score_mod=flex_mod).transpose(1, 2)
+    out = interface.flash_attn_func(q, k, v, score_mod=score_mod, aux_tensors=aux)[0]
+    exact = _reference(q, k, v, d ** -0.5, score_fn=m.SCORE_MODS[score][1], aux=aux)
+    assert (out.float() - exact).abs().max() <= 2 * (ref.float() - exact).abs().max() + 2e-3
+
+
+def gpu_kernel_requests():
+    """The mod kernels are never on disk (mods.py): nothing to precompile."""
+    return []
