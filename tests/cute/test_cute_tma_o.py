@@ -234,8 +234,10 @@ def test_short_keys_select_their_kernel_per_call(cute_env, monkeypatch):
     mk = lambda s: [torch.randn(1, s, 2, 128, dtype=torch.bfloat16) for _ in range(3)]  # noqa: E731
     limit = config.SHORT_SK
 
-    def short_dims(dims):  # the per-call paths' copies: flash_attn_func's fast path and plan._length_kernel
+    def short_dims(dims):  # the per-call paths' copies: flash_attn_func's fast path, launch._forward_plain and
+        # plan._length_kernel
         monkeypatch.setattr(interface, "_SHORT_DIMS", dims)
+        monkeypatch.setattr(launch, "_SHORT_DIMS", dims)
         monkeypatch.setattr(plan, "_SHORT_DIMS", dims)
 
     short_dims(frozenset({128}))
