@@ -267,7 +267,7 @@ def _call(**kw):
 def test_varlen_backward_is_admitted_under_its_rule(cute_env):
     """On by default (its GPU tests pass, and it is ahead of Triton's varlen backward): the dispatcher's cute backend
     takes varlen backward calls and the package's own routing (autograd._kernel_takes) sends them to the kernel,
-    cu_seqlens given (batch-shaped calls with seqused only stay on bwd_torch); determinism still refused;
+    cu_seqlens given (batch-shaped calls with seqused only stay on bwd_torch), deterministic ones too;
     plan.bwd_varlen=0 sends them all to the next backend / bwd_torch."""
     q = torch.empty(10, 2, 64)
     cu = _cu([4, 6])
@@ -277,7 +277,7 @@ def test_varlen_backward_is_admitted_under_its_rule(cute_env):
     assert autograd._kernel_takes(q, q, False, U, U, 0.0, False, (cu, cu, 6, 6, cu[1:] - cu[:-1], None))
     assert not autograd._kernel_takes(q, q, True, U, U, 0.0, False, (None, None, 6, 6, cu[1:] - cu[:-1], None))
     assert autograd._kernel_takes(q, q, True, U, U, 1.0, False, varlen)  # with the softcap rule (on by default)
-    assert not autograd._kernel_takes(q, q, True, U, U, 0.0, True, varlen)
+    assert autograd._kernel_takes(q, q, True, U, U, 0.0, True, varlen)  # deterministic: the kernel, not bwd_torch
     assert autograd._kernel_takes(q, q, False, 8, 3, 0.0, False, varlen)  # with the window rule (on by default)
     cute_env(OVERRIDES="plan.bwd_softcap=0")
     assert not autograd._kernel_takes(q, q, True, U, U, 1.0, False, varlen)
