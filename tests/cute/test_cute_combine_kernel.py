@@ -202,8 +202,10 @@ def test_empty_outputs_launch_nothing(monkeypatch, rows, H):
 
 def test_plain_triton_launch_without_the_launcher_service(monkeypatch):
     # flash-attn-4 alone: no flash_attn.backends, the kernel launched as kernel[grid](...)
-    monkeypatch.setattr(combine, "triton_launcher", None)
-    monkeypatch.setattr(combine, "_launchers", {})
+    from flash_attn.cute import triton_launch
+
+    monkeypatch.setattr(triton_launch, "triton_launcher", None)
+    monkeypatch.setattr(triton_launch, "_launchers", {})
     o, lse_p = _parts(3, (1, 3), 2, 8, torch.float32, seed=9)
     out, lse = combine.flash_attn_combine(o, lse_p)
     _close(out, lse, *combine_ref(o, lse_p), torch.float32)

@@ -22,17 +22,13 @@ gaps between launches, and with GQA the extra passes over dK/dV.
 import torch
 
 from flash_attn.cute import config, settings
+from flash_attn.cute.triton_launch import launch as _launch
 
 try:
     import triton
     import triton.language as tl
 except ImportError:  # flash-attn-4 installs without Triton: the torch path
     triton = tl = None
-
-try:  # the root package's launcher service: the Triton backend's low-overhead relaunch where that backend runs
-    from flash_attn.backends import triton_launcher
-except ImportError:  # flash-attn-4 alone: Triton's own launch
-    triton_launcher = None
 
 LOG2E = 1.4426950408889634
 _INTERPRET = settings.current.triton_interpret
@@ -173,21 +169,6 @@ if triton is not None:
             in_pad = rows < padded
             tl.store(Delta + dst, delta, mask=in_pad)
             tl.store(Lse2 + dst, lse2, mask=in_pad)
-
-
-_launchers: dict = {}
-
-
-def _launch(kernel, grid, args, meta, plan_key):
-    fn = _launchers.get(kernel)
-    if fn is None:
-        if triton_launcher is not None:
-            fn = triton_launcher(kernel)
-        else:
-            def fn(grid_, args_, meta_, _key, _kernel=kernel):
-                _kernel[grid_](*args_, **meta_)
-        fn = _launchers[kernel] = fn
-    fn(grid, args, meta, plan_key)
 
 
 def _meta(head_dim, kv=None):

@@ -23,17 +23,13 @@ from typing import NamedTuple, Optional
 import torch
 
 from flash_attn.cute import settings
+from flash_attn.cute.triton_launch import launch as _launch
 
 try:
     import triton
     import triton.language as tl
 except ImportError:  # flash-attn-4 installs without Triton: the torch path
     triton = tl = None
-
-try:  # the root package's launcher service: the Triton backend's low-overhead relaunch where that backend runs
-    from flash_attn.backends import triton_launcher
-except ImportError:  # flash-attn-4 alone: Triton's own launch
-    triton_launcher = None
 
 _INTERPRET = settings.current.triton_interpret
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -112,21 +108,6 @@ if triton is not None:
         if WRITE_LSE:
             if d_blk == 0:
                 tl.store(Lse + b64 * s_eb + s64 * s_es + h64 * s_eh, lse, mask=row_ok)
-
-
-_launchers: dict = {}
-
-
-def _launch(kernel, grid, args, meta, plan_key):
-    fn = _launchers.get(kernel)
-    if fn is None:
-        if triton_launcher is not None:
-            fn = triton_launcher(kernel)
-        else:
-            def fn(grid_, args_, meta_, _key, _kernel=kernel):
-                _kernel[grid_](*args_, **meta_)
-        fn = _launchers[kernel] = fn
-    fn(grid, args, meta, plan_key)
 
 
 def _next_pow2(n):
