@@ -7,8 +7,6 @@ never comes) and the plan rule bwd_deterministic's routing. On a Hopper GPU (tes
 gradients, and repeated runs equal bit for bit."""
 import os
 import re
-import shutil
-import subprocess
 import sys
 
 import pytest
@@ -24,7 +22,7 @@ if _PKG not in sys.path:
 from flash_attn import testing  # noqa: E402
 from flash_attn.cute import autograd, config, kernels, launch  # noqa: E402
 from flash_attn.cute import backend as cute_backend  # noqa: E402
-from test_cute_bwd_varlen import _cu, _call, _hopper  # noqa: E402 (the backward tests' shared helpers)
+from test_cute_bwd_varlen import _cu, _call, _hopper, _ptxas_spills  # noqa: E402 (the backward tests' shared helpers)
 
 U = launch._UNBOUNDED
 
@@ -50,13 +48,7 @@ def test_deterministic_kernel_takes_turns_in_its_ptx(tmp_path, cute_env, d, caus
     assert re.search(r"fence\.acq_rel\.gpu;\s*\n\s*bar\.sync\s+2, 256;", text)
     assert len(re.findall(r"red\.release\.gpu\.global\.add\.s32", text)) == 1
     assert text.count("bar.sync \t2, 256;") >= 2
-    if shutil.which("ptxas") is None:
-        pytest.skip("ptxas not on PATH")
-    out = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(ptx), "-o", os.devnull], capture_output=True, text=True,
-                         check=True)
-    log = out.stdout + out.stderr
-    assert "setmaxnreg' ignored" not in log and "are serialized" not in log, log
-    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", log)]
+    spills, log = _ptxas_spills(ptx)
     assert spills and all(x == 0 for x in spills), log
 
 

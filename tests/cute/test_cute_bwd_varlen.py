@@ -54,13 +54,7 @@ def test_varlen_backward_compiles_for_sm90a_with_its_own_key(tmp_path, cute_env,
     text = ptx.read_text()
     assert ".target sm_90a" in text
     assert sum(line.lstrip().startswith("wgmma.mma_async") for line in text.splitlines()) >= 5
-    if shutil.which("ptxas") is None:
-        pytest.skip("ptxas not on PATH")
-    out = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(ptx), "-o", os.devnull], capture_output=True, text=True,
-                         check=True)
-    log = out.stdout + out.stderr
-    assert "setmaxnreg' ignored" not in log and "are serialized" not in log, log
-    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", log)]
+    spills, log = _ptxas_spills(ptx)
     assert spills and all(x <= (0 if d == 64 else 96) for x in spills), log
 
 
@@ -72,6 +66,18 @@ def test_varlen_config_refuses_lpt():
 
 # ----------------------------------------------------------------------------------------------------
 # The host steps (CPU: Triton's interpreter, fp16 / fp32)
+
+
+def _ptxas_spills(ptx):
+    """(spill-store bytes per function, the log) of ``ptxas -v`` on ptx for sm_90a, after checking that ptxas kept
+    the register split (setmaxnreg) and did not serialise the WGMMAs; skips without ptxas."""
+    if shutil.which("ptxas") is None:
+        pytest.skip("ptxas not on PATH")
+    out = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(ptx), "-o", os.devnull], capture_output=True, text=True,
+                         check=True)
+    log = out.stdout + out.stderr
+    assert "setmaxnreg' ignored" not in log and "are serialized" not in log, log
+    return [int(x) for x in re.findall(r"(\d+) bytes spill stores", log)], log
 
 
 def _prepare_loop(out, dout, lse, cu, used, block_pad, dlse, width):
