@@ -278,26 +278,25 @@ def test_common_call_reuses_an_unreturned_lse(monkeypatch):
     monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")
     _kernel_table(monkeypatch, {(torch.bfloat16, 64, False, "sm_90a", False, False) + s:
                                 (lambda q, k, v, out, lse, *a: lses.append(lse)) for s in ((), ("short",))})
-    scratch = {}  # where launch._new_lse_scratch keeps the buffers and interface.py's fast path reads them
+    scratch = {}  # where launch._new_lse_scratch keeps the buffers and launch._lse_buffer reads them
     monkeypatch.setattr(launch, "_lse_scratch", scratch)
-    monkeypatch.setattr(interface, "_lse_scratch", scratch)
     mk = lambda b, s, h: [torch.randn(b, s, h, 64, dtype=torch.bfloat16) for _ in range(3)]  # noqa: E731
     q, k, v = mk(2, 16, 4)
     assert interface.flash_attn_func(q, k, v)[1] is None
     assert interface.flash_attn_func(q, k, v)[1] is None
     assert lses[0] is lses[1] and lses[0].shape == (2, 4, 16) and lses[0].dtype == torch.float32
-    assert interface._lse_scratch == {(-1, 2, 4, 16): lses[0]}  # CPU tensors: get_device() is -1
+    assert scratch == {(-1, 2, 4, 16): lses[0]}  # CPU tensors: get_device() is -1
     _, lse = interface.flash_attn_func(q, k, v, return_lse=True)
     _, lse2 = interface.flash_attn_func(q, k, v, return_lse=True)
     assert lse is lses[2] and lse2 is lses[3] and lse is not lse2 and lse is not lses[0]
     interface.flash_attn_func(*mk(2, 8, 4))
-    assert lses[4].shape == (2, 4, 8) and len(interface._lse_scratch) == 2
+    assert lses[4].shape == (2, 4, 8) and len(scratch) == 2
     monkeypatch.setattr(launch, "_LSE_SCRATCH_MAX_ELEMS", 2 * 4 * 8)
     interface.flash_attn_func(*mk(2, 9, 4))  # above the size limit: used once, not kept
-    assert lses[5].shape == (2, 4, 9) and len(interface._lse_scratch) == 2
+    assert lses[5].shape == (2, 4, 9) and len(scratch) == 2
     monkeypatch.setattr(launch, "_LSE_SCRATCH_MAX_SHAPES", 2)
     interface.flash_attn_func(*mk(1, 8, 4))
-    assert list(interface._lse_scratch) == [(-1, 1, 4, 8)]
+    assert list(scratch) == [(-1, 1, 4, 8)]
 
 
 def test_per_call_checks_name_what_is_not_a_4d_tensor():

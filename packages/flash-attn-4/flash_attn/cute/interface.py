@@ -12,8 +12,8 @@ from flash_attn.cute import mods as _mods
 from flash_attn.cute.combine import SchedulerMetadataTensorsTorch, flash_attn_combine, get_scheduler_metadata  # noqa: F401 (FA4's API)
 from flash_attn.cute.config import HEAD_DIM_PAIRS, LONG_SK, SHORT_SK, SUPPORTED_HEAD_DIMS
 from flash_attn.cute.kernels import _kernels
-from flash_attn.cute.launch import (_device_arch, _kernel_layout, _lse_scratch, _MAX_ELEMS, _MAX_GRID_Z,
-                                    _new_lse_scratch, _gather_pages, _split_unused_q, forward, forward_varlen)
+from flash_attn.cute.launch import (_device_arch, _kernel_layout, _lse_buffer, _MAX_ELEMS, _MAX_GRID_Z,
+                                    _gather_pages, _split_unused_q, forward, forward_varlen)
 from flash_attn.cute.plan import (_FWD_LONG_ON, _RULE_BLOCK_M, _SHORT_DIMS, _UNBOUNDED, HeadDimError, _options,  # noqa: F401
                                   _pack_group, _pad_last, _padded_dim, _split_count, _visible_keys)
 
@@ -186,12 +186,7 @@ def flash_attn_func(q, k, v, qv=None, gather_kv_indices=None, softmax_scale=None
                     or vs[3] != 1 or vs[2] != D or vs[1] & 7 or vs[0] & 7 or v.data_ptr() & 15):
                 q, k, v = _kernel_layout(q, D), _kernel_layout(k, D), _kernel_layout(v, D)
             out = torch.empty_like(q)
-            if return_lse:
-                lse = torch.empty(B, H, Sq, dtype=_F32, device=q.device)  # sizes as ints: parsed faster
-            else:
-                lse = _lse_scratch.get((q.get_device(), B, H, Sq))
-                if lse is None:
-                    lse = _new_lse_scratch(q.get_device(), B, H, Sq)
+            lse = _lse_buffer(q, B, H, Sq, not return_lse)
             fn(q, k, v, out, lse, float(softmax_scale), 0.0, 0, 0)
             return out, (lse if return_lse else None)
     out, lse = forward(q, k, v, softmax_scale, bool(causal), arch, window_left, window_right, softcap, pack=pack,

@@ -84,6 +84,15 @@ def _new_lse_scratch(index, B, H, Sq):
     return lse
 
 
+def _lse_buffer(q, B, H, Sq, scratch):
+    """The (B, H, Sq) fp32 lse a forward writes: a new tensor, or where the caller drops it (scratch) the shared
+    buffer of its shape."""
+    if scratch:
+        lse = _lse_scratch.get((q.get_device(), B, H, Sq))
+        return lse if lse is not None else _new_lse_scratch(q.get_device(), B, H, Sq)
+    return torch.empty(B, H, Sq, dtype=_F32, device=q.device)  # sizes as ints: parsed faster
+
+
 def forward(q, k, v, softmax_scale, causal, arch="sm_90a", window_left=_UNBOUNDED, window_right=_UNBOUNDED, softcap=0.0,
             sink=None, pack=1, splits=1, lse_scratch=False):
     """The kernel launch on validated CUDA inputs (shared with the dispatcher's backend module):
@@ -113,12 +122,7 @@ def forward(q, k, v, softmax_scale, causal, arch="sm_90a", window_left=_UNBOUNDE
             return _forward_split(q, k, v, softmax_scale, causal and not local, arch, local, window_left,
                                   window_right, softcap, sink, pack, splits)
     out = torch.empty_like(q) if Dv == D else q.new_empty(B, Sq, H, Dv)
-    if lse_scratch:
-        lse = _lse_scratch.get((q.get_device(), B, H, Sq))
-        if lse is None:
-            lse = _new_lse_scratch(q.get_device(), B, H, Sq)
-    else:
-        lse = torch.empty(B, H, Sq, dtype=_F32, device=q.device)  # sizes as ints: parsed faster
+    lse = _lse_buffer(q, B, H, Sq, lse_scratch)
     if Sk == 0:  # no key at all: every row is empty (TMA descriptors cannot map a 0-length dim)
         out.zero_()
         if sink is None:
@@ -164,12 +168,7 @@ def _forward_plain(q, k, v, B, Sq, H, D, Sk, Hk, softmax_scale, causal, arch, ls
         return None
     q, k, v = _kernel_layouts(q, k, v, D, D)
     out = torch.empty_like(q)
-    if lse_scratch:
-        lse = _lse_scratch.get((q.get_device(), B, H, Sq))
-        if lse is None:
-            lse = _new_lse_scratch(q.get_device(), B, H, Sq)
-    else:
-        lse = torch.empty(B, H, Sq, dtype=_F32, device=q.device)  # sizes as ints: parsed faster
+    lse = _lse_buffer(q, B, H, Sq, lse_scratch)
     fn(q, k, v, out, lse, float(softmax_scale), 0.0, 0, 0)
     return out, lse
 
