@@ -1,10 +1,12 @@
 """flash_attn_with_kvcache on decoding shapes: the default split choice against fixed num_splits values and PyTorch's
-SDPA (enable_gqa) on the same cache, to settle the split-KV heuristic (kvcache.choose_num_splits). Per shape, every
+SDPA (enable_gqa) on the same cache, to settle the split-KV heuristic (kvcache.choose_num_splits), and, with
+--cute, the CuTeDSL forward on the same cache (flash_attn.cute's batch-shaped varlen call with seqused_k, the form a
+KV-cache call takes there: num_splits=0 (its own split choice) with pack_gqa, and unsplit with pack_gqa). Per shape, every
 variant runs in interleaved rounds (CUDA-event timing of a burst of calls, the median of the rounds kept);
 microseconds per call and the rate at which the call reads K and V (GB/s = cache bytes read / time). Every
 variant's output is compared with SDPA's (bf16 rounding), so a variant that computes something else shows.
 
-    python -m benchmarks.attention.bench_kvcache_decode [--shapes B:Sk:H:Hk:D,...] [--splits 0,1,8,16,32,64,128]
+    python -m benchmarks.attention.bench_kvcache_decode [--shapes B:Sk:H:Hk:D,...] [--splits 0,1,8,16,32,64,128] [--cute]
 
 Shapes default to issue 32's table (one query token, H 32, Hk 8, d 128, bf16, full caches): 1x8k, 1x64k, 8x8k,
 8x32k, 32x8k, 64x4k. num_splits 0 is the default heuristic; the kernel caps larger values at its MAX_SPLITS.
@@ -41,12 +43,17 @@ def _time_us(fn, reps):
     return start.elapsed_time(end) * 1e3 / reps
 
 
+def _out(result):
+    return result[0] if isinstance(result, tuple) else result
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=DEFAULT_SHAPES)
     ap.add_argument("--splits", default="0,1,8,16,32,64,128", help="num_splits values (0: the default heuristic)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--cute", action="store_true", help="also time flash_attn.cute on the same cache")
     args = ap.parse_args(argv)
     shapes = parse_shapes(args.shapes)
     splits = [int(x) for x in args.splits.split(",") if x.strip()]
@@ -61,7 +68,12 @@ def main(argv=None):
         raise SystemExit("bench_kvcache_decode needs a CUDA GPU")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, flash_attn {flash_attn.__version__}; "
           f"us per call (GB/s of K + V read); max |out - sdpa| per shape")
-    names = [f"splits={s}" if s else "default" for s in splits] + ["sdpa"]
+    names = [f"splits={s}" if s else "default" for s in splits]
+    if args.cute:
+        from flash_attn import cute
+
+        names += ["cute", "cute unsplit"]
+    names += ["sdpa"]
     print("| B x Sk | " + " | ".join(names) + " | max err |")
     print("|---" * (len(names) + 2) + "|")
     for b, sk, h, hk, d in shapes:
@@ -74,9 +86,13 @@ def main(argv=None):
         qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, kc, vc))
         calls = {name: (lambda s=s: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=s))
                  for name, s in zip(names, splits)}
+        if args.cute:
+            calls["cute"] = lambda: cute.flash_attn_varlen_func(q, kc, vc, seqused_k=lens, num_splits=0, pack_gqa=True)
+            calls["cute unsplit"] = lambda: cute.flash_attn_varlen_func(q, kc, vc, seqused_k=lens, num_splits=1,
+                                                                        pack_gqa=True)
         calls["sdpa"] = lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
         ref = calls["sdpa"]().transpose(1, 2).float()
-        err = max(float((calls[n]().float() - ref).abs().max()) for n in names[:-1])
+        err = max(float((_out(calls[n]()).float() - ref).abs().max()) for n in names[:-1])
         samples = {n: [] for n in names}
         for fn in calls.values():  # warm-up: compile and settle clocks
             _time_us(fn, 5)
