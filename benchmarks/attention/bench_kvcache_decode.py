@@ -3,7 +3,8 @@ SDPA (enable_gqa) on the same cache, to settle the split-KV heuristic (kvcache.c
 --cute, the CuTeDSL forward on the same cache (flash_attn.cute's batch-shaped varlen call with seqused_k, the form a
 KV-cache call takes there: num_splits=0 (its own split choice) with pack_gqa, and unsplit with pack_gqa). Per shape, every
 variant runs in interleaved rounds (CUDA-event timing of a burst of calls, the median of the rounds kept);
-microseconds per call and the rate at which the call reads K and V (GB/s = cache bytes read / time). Every
+microseconds per call (wall time of a burst; then the GPU time per call from the profiler) and the rate at which
+the call reads K and V at its GPU time (GB/s = cache bytes read / time). Every
 variant's output is compared with SDPA's (bf16 rounding), so a variant that computes something else shows.
 
     python -m benchmarks.attention.bench_kvcache_decode [--shapes B:Sk:H:Hk:D,...] [--splits 0,1,8,16,32,64,128] [--cute]
@@ -43,6 +44,22 @@ def _time_us(fn, reps):
     return start.elapsed_time(end) * 1e3 / reps
 
 
+def _gpu_us(fn, reps):
+    """Device time per call: the summed durations of the GPU activities (kernels, copies, fills) the profiler sees
+    over reps calls. What a CUDA-graph-captured decode step would cost, where the wall time of a burst also holds
+    the host's time when the host is the slower side."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    total = sum(e.self_device_time_total for e in prof.key_averages())
+    return total / reps
+
+
 def _out(result):
     return result[0] if isinstance(result, tuple) else result
 
@@ -67,7 +84,7 @@ def main(argv=None):
     if not torch.cuda.is_available():
         raise SystemExit("bench_kvcache_decode needs a CUDA GPU")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, flash_attn {flash_attn.__version__}; "
-          f"us per call (GB/s of K + V read); max |out - sdpa| per shape")
+          f"wall us per call / GPU us per call (GB/s of K + V read at the GPU time); max |out - sdpa| per shape")
     names = [f"splits={s}" if s else "default" for s in splits]
     if args.cute:
         from flash_attn import cute
@@ -104,7 +121,8 @@ def main(argv=None):
         cells = []
         for n in names:
             us = statistics.median(samples[n])
-            cells.append(f"{us:.1f} ({kv_bytes / us / 1e3:.0f})")
+            gpu = _gpu_us(calls[n], 20)
+            cells.append(f"{us:.1f} / {gpu:.1f} ({kv_bytes / gpu / 1e3:.0f})")
         print(f"| {b} x {sk // 1024}k | " + " | ".join(cells) + f" | {err:.4f} |", flush=True)
 
 

@@ -324,5 +324,7 @@ def test_gpu_kernel_against_the_torch_path(dtype, shape):
     torch_err = (want_out.double() - ref_out).abs().max().item()
     assert err <= 2 * torch_err + ULP[dtype] * ref_out.abs().max().item() + 1e-6
     torch.testing.assert_close(lse.cpu(), want_lse, rtol=1e-6, atol=1e-5)
-    assert lse.stride() == want_lse.stride()
+    # FA4's lse layout: a transposed view of heads-major storage (a size-1 dim's stride is arbitrary)
+    assert ([st for st, n in zip(lse.stride(), lse.shape) if n > 1]
+            == [st for st, n in zip(want_lse.stride(), want_lse.shape) if n > 1])
     assert torch.equal(out.reshape(-1, H, D)[-1, -1].cpu(), torch.zeros(D, dtype=dtype))

@@ -268,7 +268,7 @@ def _reference(q, k, v, scale, score_fn=None, mask=None, causal=False, aux=None,
     vf = v.to(dtype).repeat_interleave(g, dim=2).transpose(1, 2)
     s = qf @ kf.transpose(-1, -2) * scale
     if score_fn is not None:
-        s = score_fn(s, aux)
+        s = score_fn(s, aux).to(dtype)  # (an fp32 aux tensor promotes the scores)
     Sq, Sk = s.shape[-2:]
     keep = torch.ones(Sq, Sk, dtype=torch.bool, device=s.device)
     if causal:

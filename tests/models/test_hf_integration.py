@@ -153,7 +153,7 @@ def test_register_rejects_bad_names(bad):
 
 
 _HF_FA2_SCRIPT = r'''
-import json, os, sys
+import copy, functools, json, os, sys
 import torch
 import flash_attn
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -162,15 +162,26 @@ from transformers.utils import import_utils
 assert import_utils.is_flash_attn_2_available(), "transformers does not take this flash_attn as FA2"
 calls = []
 real = {n: getattr(flash_attn, n) for n in ("flash_attn_func", "flash_attn_varlen_func")}
+
+def counting(name, fn):  # wraps keeps fn's signature visible: transformers passes what inspect.signature lists
+    @functools.wraps(fn)
+    def wrapper(*a, **k):
+        calls.append(name)
+        return fn(*a, **k)
+    return wrapper
+
+
 for n, fn in real.items():  # transformers imports them from flash_attn at first use
-    setattr(flash_attn, n, lambda *a, _n=n, _f=fn, **k: calls.append(_n) or _f(*a, **k))
+    setattr(flash_attn, n, counting(n, fn))
 config = LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512,
                      num_hidden_layers=2, vocab_size=101, pad_token_id=0)
 torch.manual_seed(0)
-ref = LlamaForCausalLM._from_config(config, attn_implementation="sdpa").cuda().eval()
+ref = LlamaForCausalLM._from_config(copy.deepcopy(config), attn_implementation="sdpa").cuda().eval()
 models = {}
 for impl, dtype in (("flash_attention_2", torch.bfloat16), ("sdpa", torch.bfloat16)):
-    m = LlamaForCausalLM._from_config(config, attn_implementation=impl).cuda().eval()
+    # a config per model: _from_config records the implementation on the config it is given
+    m = LlamaForCausalLM._from_config(copy.deepcopy(config), attn_implementation=impl).cuda().eval()
+    assert m.config._attn_implementation == impl, (impl, m.config._attn_implementation)
     m.load_state_dict(ref.state_dict())
     models[impl] = m.to(dtype)
 ids = torch.randint(1, 101, (3, 40), device="cuda", generator=torch.Generator("cuda").manual_seed(1))

@@ -201,8 +201,8 @@ def forward(q, k, v, softmax_scale, causal, arch, window_left, window_right, sco
     q, k, v = _kernel_layouts(q, k, v, D, D)
     out = torch.empty_like(q)
     fn = mod_kernel(q.dtype, D, causal and not local, arch, local, False, score_mod, mask_mod, spec)
-    aux = (tuple(aux_tensors),) if spec else ()
-    fn(q, k, v, out, lse, float(softmax_scale), 0.0, left, right, *aux)
+    aux = tuple(aux_tensors) if spec else None  # (the kernel's last argument: None when built without aux)
+    fn(q, k, v, out, lse, float(softmax_scale), 0.0, left, right, aux)
     return out, lse
 
 
@@ -229,7 +229,7 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
                else t.contiguous() for t in (q, k, v))
     used_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32) if seqused_k is None else seqused_k
     fn = mod_kernel(q.dtype, D, causal and not local, arch, local, True, score_mod, mask_mod, spec)
-    aux = (tuple(aux_tensors),) if spec else ()
+    aux = tuple(aux_tensors) if spec else None  # (the kernel's last argument: None when built without aux)
     fn(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, used_k, int(max_seqlen_q), float(softmax_scale), 0.0,
-       left, right, *aux)
+       left, right, aux)
     return out, lse
