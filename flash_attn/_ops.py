@@ -395,6 +395,26 @@ except AttributeError:
     _c_apply_packed = _EagerPackedDenseAttention.apply
 
 
+def kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+            block_table, softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved, alibi_slopes,
+            num_splits, learnable_sink=None):
+    """flash_attn_with_kvcache's (out, lse): the op fwd_kvcache under torch.compile, functorch transforms or inputs
+    that want gradients (the op then refuses a backward), else its implementation called directly (a custom op's
+    eager dispatch costs several times the rest of a decoding call's host work), bumping the version counters of
+    the caches it appends to as the op's mutation does."""
+    args = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+            block_table, softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved, alibi_slopes,
+            num_splits, learnable_sink)
+    if (torch.compiler.is_compiling() or _transforms_active()
+            or (torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad
+                                             or (k is not None and (k.requires_grad or v.requires_grad))))):
+        return fwd_kvcache(*args)
+    out, lse = _fwd_kvcache(*args)
+    if k is not None and k.shape[1] and q.shape[0]:
+        torch.autograd.graph.increment_version((k_cache, v_cache))
+    return out, lse
+
+
 @torch.library.custom_op("flash_attn::fwd_kvcache", mutates_args=("k_cache", "v_cache"))
 def fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor], v: Optional[Tensor],
                 rotary_cos: Optional[Tensor], rotary_sin: Optional[Tensor], cache_seqlens: Tensor,
@@ -402,6 +422,14 @@ def fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor]
                 block_table: Optional[Tensor], softmax_scale: float, causal: bool, window_left: int,
                 window_right: int, softcap: float, rotary_interleaved: bool, alibi_slopes: Optional[Tensor],
                 num_splits: int, learnable_sink: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    return _fwd_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                        cache_leftpad, block_table, softmax_scale, causal, window_left, window_right, softcap,
+                        rotary_interleaved, alibi_slopes, num_splits, learnable_sink)
+
+
+def _fwd_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+                 block_table, softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
+                 alibi_slopes, num_splits, learnable_sink):
     s_new = 0 if k is None else k.shape[1]
     capacity = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
     if block_table is not None:

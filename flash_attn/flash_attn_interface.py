@@ -278,7 +278,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     alibi_slopes = _checks.alibi(alibi_slopes, B, H, q.device)
     if learnable_sink is not None:  # (inference only: a sink that is a trained parameter gives no gradient here)
         learnable_sink = _checks.sink(learnable_sink, H, q.device).detach()
-    out, lse = _ops.fwd_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+    out, lse = _ops.kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                                 cache_batch_idx, cache_leftpad, block_table, scale, bool(causal), left, right,
                                 float(softcap), bool(rotary_interleaved), alibi_slopes, int(num_splits),
                                 learnable_sink)

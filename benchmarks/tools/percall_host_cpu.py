@@ -3,9 +3,11 @@ tensors, b1 s128 h16 d128 bf16). ``--api cute``: flash_attn.cute.flash_attn_func
 device check bypassed; ``--api root``: flash_attn.flash_attn_func with a no-op backend forced ("nop", registered
 here), with and without autograd, and through the cute backend module (``(cute backend)``: flash_attn.cute.backend's
 fwd and launch with the same stubbed kernels, the root API's path on a Hopper GPU). For comparing the per-call path before and after a change (run it on both
-checkouts, alternating, on a quiet machine; the GPU per-call figure is bench_cute_overhead's).
+checkouts, alternating, on a quiet machine; the GPU per-call figure is bench_cute_overhead's). ``--api kvcache``:
+flash_attn.flash_attn_with_kvcache on a decoding shape (one query token, H 32, Hk 8, d 128, an 8k cache) with the
+no-op backend, then through the Triton backend's fwd_kvcache with its launches replaced by no-ops.
 
-    python -m benchmarks.tools.percall_host_cpu [--api cute|root|both] [--rounds 15] [--calls 2000]
+    python -m benchmarks.tools.percall_host_cpu [--api cute|root|both|kvcache] [--rounds 15] [--calls 2000]
 """
 import argparse
 import sys
@@ -48,6 +50,9 @@ class _NopBackend:
 
     def fwd(self, *args, **kwargs):
         return self.out, self.lse, None
+
+    def fwd_kvcache(self, *args, **kwargs):
+        return self.out, self.lse
 
 
 def _stub_root():
@@ -125,14 +130,58 @@ def measure(api="cute", rounds=15, calls=2000):
     return out
 
 
+def measure_kvcache(rounds=15, calls=2000):
+    """{case: us} of flash_attn_with_kvcache's decoding call: the front door alone (no-op backend) and with the
+    Triton backend's host work (kernel launches stubbed)."""
+    import flash_attn
+    from flash_attn import dispatch
+
+    B, Sk, H, Hk, D = 1, 8192, 32, 8, 128
+    q = torch.randn(B, 1, H, D, dtype=torch.bfloat16)
+    kc, vc = (torch.randn(B, Sk, Hk, D, dtype=torch.bfloat16) for _ in range(2))
+    lens = torch.full((B,), Sk, dtype=torch.int32)
+    nop = _NopBackend()
+    nop.out, nop.lse = torch.empty(B, 1, H, D, dtype=torch.bfloat16), torch.empty(B, H, 1)
+    sys.modules["_percall_nop_backend"] = nop
+    dispatch.BACKENDS["nop"] = "_percall_nop_backend"
+    out = {}
+    with dispatch.use_backend("nop"):
+        out["front door"] = _time(flash_attn.flash_attn_with_kvcache, (q, kc, vc), {"cache_seqlens": lens}, rounds,
+                                  calls)
+    from flash_attn.triton import backend as tb, kvcache as tkv
+
+    stubbed = {n: getattr(tkv, n) for n in dir(tkv) if n.startswith("_L_")}
+    real_sms, real_arch = tkv._num_sms, tb._arch
+    try:
+        for n in stubbed:
+            setattr(tkv, n, lambda *a, **k: None)
+        tkv._num_sms = lambda device: 132
+        tb._arch = lambda device: (9, 0)
+
+        class _TritonStub(_NopBackend):
+            def fwd_kvcache(self, call, *args, **kwargs):
+                return tb.fwd_kvcache(call, *args, **kwargs)
+
+        sys.modules["_percall_triton_kv"] = _TritonStub()
+        dispatch.BACKENDS["nop_triton"] = "_percall_triton_kv"
+        with dispatch.use_backend("nop_triton"):
+            out["with the Triton backend"] = _time(flash_attn.flash_attn_with_kvcache, (q, kc, vc),
+                                                   {"cache_seqlens": lens}, rounds, calls)
+    finally:
+        for n, f in stubbed.items():
+            setattr(tkv, n, f)
+        tkv._num_sms, tb._arch = real_sms, real_arch
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--api", choices=("cute", "root", "both"), default="cute")
+    p.add_argument("--api", choices=("cute", "root", "both", "kvcache"), default="cute")
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--calls", type=int, default=2000)
     a = p.parse_args(argv)
     for api in (("cute", "root") if a.api == "both" else (a.api,)):
-        res = measure(api, a.rounds, a.calls)
+        res = measure_kvcache(a.rounds, a.calls) if api == "kvcache" else measure(api, a.rounds, a.calls)
         print(f"{api}: " + ", ".join(f"{k} {v:.2f} us" for k, v in res.items()))
 
 

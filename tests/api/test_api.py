@@ -257,6 +257,32 @@ def test_with_kvcache_leftpad_without_block_table():
         flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, cache_leftpad=leftpad + k.shape[1])
 
 
+def test_with_kvcache_eager_skips_the_custom_op(monkeypatch):
+    """An eager call runs the op's implementation directly (the custom op's eager dispatch costs more than the rest of
+    a decoding call's host work) and bumps the appended caches' version counters as the op's mutation does; a call
+    whose inputs want gradients still goes through the op, whose missing backward then refuses them."""
+    from flash_attn import _ops
+
+    q, k, v = _qkv(Sq=1, Sk=16)
+    q, k, v = q.detach(), k.detach(), v.detach()
+    kc, vc = torch.zeros_like(k), torch.zeros_like(v)
+    through_op = []
+    real = _ops.fwd_kvcache
+    monkeypatch.setattr(_ops, "fwd_kvcache", lambda *a: through_op.append(1) or real(*a))
+    versions = kc._version, vc._version
+    lens = torch.tensor([3] * q.shape[0], dtype=torch.int32)
+    out = flash_attn_with_kvcache(q, kc, vc, k[:, :2], v[:, :2], cache_seqlens=lens)
+    assert through_op == []
+    assert kc._version > versions[0] and vc._version > versions[1]
+    torch.testing.assert_close(kc[:, 3:5], k[:, :2])
+    torch.testing.assert_close(out, flash_attn_func(q, kc[:, :5], vc[:, :5]))
+    qg = q.clone().requires_grad_()
+    out = flash_attn_with_kvcache(qg, kc, vc, cache_seqlens=lens)
+    assert through_op == [1]
+    with pytest.raises(RuntimeError):
+        out.sum().backward()
+
+
 def test_import_is_lazy():
     import subprocess
     import sys

@@ -218,7 +218,9 @@ def test_splits_with_local_window_and_leftpad():
 def test_choose_num_splits():
     from flash_attn.triton.kvcache import MAX_SPLITS, choose_num_splits
     # Issue 6's decode on an H200: batch 1, 8 kv heads, 2k prompt + 256 new tokens, key blocks of 64.
-    assert choose_num_splits(1 * 8, 2304, 64, 132) == 17  # 136 programs
+    assert choose_num_splits(1 * 8, 2304, 64, 132) == 32  # a program per SM at least, a power of two
+    assert choose_num_splits(8 * 8, 32768, 64, 132) == 16  # 16 at least
+    assert choose_num_splits(100, 32768, 64, 132) == 16
     assert choose_num_splits(64 * 8, 4096, 64, 132) == 1  # the programs alone fill the GPU
     assert choose_num_splits(1, 100, 64, 132) == 2  # no more splits than key blocks
     assert choose_num_splits(1, 1 << 20, 64, 1000) == MAX_SPLITS
