@@ -57,6 +57,8 @@ def main(argv=None):
             g = torch.Generator(device="cuda").manual_seed(0)
             o = torch.randn(splits, rows, 1, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
             lse = torch.randn(splits, rows, 1, H, device="cuda", generator=g) * 2 + 5
+            if not combine.use_kernel(o, lse, o.dtype, o.device):
+                raise SystemExit("the fused kernel does not serve these tensors (Triton missing?)")
             fused_out, _ = combine.flash_attn_combine(o, lse)
             with torch_path(combine):
                 torch_out, _ = combine.flash_attn_combine(o, lse)

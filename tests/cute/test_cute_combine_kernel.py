@@ -28,9 +28,9 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture(autouse=True)
-def kernel_rule_on(cute_env):
-    """The plan rule combine_kernel on (off by default until these tests pass on a GPU)."""
-    cute_env(OVERRIDES="plan.combine_kernel=1")
+def defaults(cute_env):
+    """The default settings (nothing overridden)."""
+    cute_env()
 # the only rounding beyond fp32's: the output's (a unit in the last place, relative)
 ULP = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7, torch.float32: 1e-5}
 
@@ -212,7 +212,7 @@ def test_plain_triton_launch_without_the_launcher_service(monkeypatch):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU routing rules")
-def test_torch_path_where_the_kernel_does_not_serve(monkeypatch, cute_env):
+def test_torch_path_where_the_kernel_does_not_serve(monkeypatch):
     seen = _launches(monkeypatch)
     o, lse_p = _parts(2, (1, 3), 2, 8, torch.float32)
     combine.flash_attn_combine(o, lse_p, out_dtype=torch.bfloat16)  # the interpreter computes bf16 wrongly
@@ -222,9 +222,6 @@ def test_torch_path_where_the_kernel_does_not_serve(monkeypatch, cute_env):
     assert seen == []
     out, _ = combine.flash_attn_combine(o.detach(), lse_p)
     assert seen == [combine._combine_kernel]
-    cute_env(OVERRIDES=None)  # the plan rule at its default (off): the torch ops
-    combine.flash_attn_combine(o.detach(), lse_p)
-    cute_env(OVERRIDES="plan.combine_kernel=1")
     monkeypatch.setattr(combine, "_INTERPRET", False)  # a CPU tensor without the interpreter
     combine.flash_attn_combine(o.detach(), lse_p)
     monkeypatch.setattr(combine, "_INTERPRET", True)

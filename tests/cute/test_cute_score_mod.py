@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("cutlass")
 
-from flash_attn.cute import config, interface, mods  # noqa: E402
+from flash_attn.cute import interface, mods  # noqa: E402
 from flash_attn.testing import assert_ptxas_clean  # noqa: E402
 
 import _cute_mods as m  # noqa: E402
@@ -147,20 +147,6 @@ def _qkv(varlen=False, d=64):
     return q, k, torch.randn_like(k)
 
 
-@pytest.mark.parametrize("name", ["score_mod", "mask_mod", "aux_tensors"])
-@pytest.mark.parametrize("varlen", [False, True])
-def test_rule_off_refuses_naming_the_rule(name, varlen, cute_env):
-    cute_env()
-    assert not config.plan_rules().score_mod
-    q, k, v = _qkv(varlen)
-    value = [torch.zeros(1)] if name == "aux_tensors" else m.identity if name == "score_mod" else m.causal_mask
-    fn = interface.flash_attn_varlen_func if varlen else interface.flash_attn_func
-    extra = dict(cu_seqlens_q=torch.tensor([0, 7, 14], dtype=torch.int32),
-                 cu_seqlens_k=torch.tensor([0, 7, 14], dtype=torch.int32)) if varlen else {}
-    with pytest.raises(NotImplementedError, match=f"does not take {name} yet.*plan rule score_mod"):
-        fn(q, k, v, **{name: value}, **extra)
-
-
 class _ModLaunch:
     """Stands in for mods.forward / forward_varlen (CPU tensors): records what reaches them."""
 
@@ -183,12 +169,12 @@ class _ModLaunch:
 
 
 @pytest.fixture
-def rule_on(cute_env):
-    cute_env(OVERRIDES="plan.score_mod=1")
-    assert config.plan_rules().score_mod
+def defaults(cute_env):
+    """The default settings (nothing overridden or switched off)."""
+    cute_env()
 
 
-def test_rule_on_passes_the_mods_to_the_launch(rule_on, monkeypatch):
+def test_passes_the_mods_to_the_launch(defaults, monkeypatch):
     rec = _ModLaunch(monkeypatch)
     q, k, v = _qkv()
     aux = [torch.ones(4)]
@@ -202,7 +188,7 @@ def test_rule_on_passes_the_mods_to_the_launch(rule_on, monkeypatch):
     assert rec.calls[-1]["mask_mod"] is m.window_mask and rec.calls[-1]["scale"] == 0.5
 
 
-def test_rule_on_varlen_passes_the_mods(rule_on, monkeypatch):
+def test_varlen_passes_the_mods(defaults, monkeypatch):
     rec = _ModLaunch(monkeypatch)
     q, k, v = _qkv(varlen=True)
     cu = torch.tensor([0, 5, 14], dtype=torch.int32)
@@ -228,14 +214,14 @@ def test_rule_on_varlen_passes_the_mods(rule_on, monkeypatch):
     (dict(score_mod=m.identity, aux_scalars=(1.0,)), NotImplementedError, "aux_scalars"),
     (dict(score_mod=3), ValueError, "CuTeDSL function"),
 ])
-def test_rule_on_refuses_what_is_not_served(rule_on, monkeypatch, kw, err, match):
+def test_refuses_what_is_not_served(defaults, monkeypatch, kw, err, match):
     _ModLaunch(monkeypatch)
     q, k, v = _qkv()
     with pytest.raises(err, match=match):
         interface.flash_attn_func(q, k, v, **kw)
 
 
-def test_backward_with_mods_is_refused_naming_score_mod(rule_on, monkeypatch):
+def test_backward_with_mods_is_refused_naming_score_mod(defaults, monkeypatch):
     _ModLaunch(monkeypatch)
     q, k, v = _qkv()
     q.requires_grad_(True)
@@ -245,7 +231,7 @@ def test_backward_with_mods_is_refused_naming_score_mod(rule_on, monkeypatch):
         interface.flash_attn_func(q, k, v, score_mod=m.rel_bias)
 
 
-def test_rule_on_other_head_dims_are_refused_not_padded(rule_on, monkeypatch):
+def test_other_head_dims_are_refused_not_padded(defaults, monkeypatch):
     _ModLaunch(monkeypatch)
     q, k, v = _qkv(d=40)
     with pytest.raises(NotImplementedError, match="head dims 40"):
@@ -299,7 +285,7 @@ CASES = [("identity", None), ("rel_bias", None), ("softcap", None), ("alibi_aux"
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("score, mask", CASES)
 @pytest.mark.parametrize("Sq, Sk", [(128, 128), (113, 203), (256, 97)])
-def test_dense_matches_the_reference(rule_on, d, causal, score, mask, Sq, Sk):
+def test_dense_matches_the_reference(defaults, d, causal, score, mask, Sq, Sk):
     if mask is not None and causal:
         pytest.skip("mask_mod with causal=True is refused (put the condition in the mask_mod)")
     if mask == "document" and Sq != Sk:
@@ -325,7 +311,7 @@ def test_dense_matches_the_reference(rule_on, d, causal, score, mask, Sq, Sk):
 @needs_gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("score, mask", [("rel_bias", None), (None, "causal"), ("alibi_aux", None)])
-def test_varlen_indices_are_per_sequence(rule_on, score, mask):
+def test_varlen_indices_are_per_sequence(defaults, score, mask):
     """q_idx / kv_idx count from each sequence's first row; the batch index is the sequence's."""
     torch.manual_seed(0)
     lens = [37, 128, 5, 200]
@@ -350,7 +336,7 @@ def test_varlen_indices_are_per_sequence(rule_on, score, mask):
 @needs_gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("score", ["rel_bias", "softcap", "alibi_aux"])
-def test_against_flex_attention(rule_on, score):
+def test_against_flex_attention(defaults, score):
     flex = pytest.importorskip("torch.nn.attention.flex_attention")
     torch.manual_seed(0)
     B, S, H, d = 2, 256, 4, 128

@@ -135,13 +135,9 @@ def _tile(n_splits, n_rows, heads, head_dim):
 
 
 def use_kernel(out_partial, lse_partial, out_dtype, out_device):
-    """Whether the Triton kernel combines these tensors into an output of out_dtype on out_device: the plan rule
-    combine_kernel on, Triton installed, CUDA tensors on one device (or CPU ones in the interpreter, not bf16), fp16 /
-    bf16 / fp32 parts and out, fp32 lse, no gradient wanted through the inputs, not inside torch.compile's tracing."""
-    from flash_attn.cute import config
-
-    if not config.plan_rules().combine_kernel:
-        return False
+    """Whether the Triton kernel combines these tensors into an output of out_dtype on out_device: Triton installed,
+    CUDA tensors on one device (or CPU ones in the interpreter, not bf16), fp16 / bf16 / fp32 parts and out, fp32 lse,
+    no gradient wanted through the inputs, not inside torch.compile's tracing."""
     dev = out_partial.device
     if triton is None or not (dev.type == "cuda" or (dev.type == "cpu" and _INTERPRET)):
         return False

@@ -247,20 +247,13 @@ class PlanRules:
     ``bwd_deterministic``: the dispatcher's cute backend serves deterministic calls without a window (dQ's adds in
     key-block turns; bit for bit run to run on the GPU), off: it runs at 0.4-0.6x of Triton's deterministic backward
     (the same results file); flash_attn.cute's own backward (no root package) uses the kernel for them either way.
-    ``bwd_softcap``: it serves soft-capped scores, on: 1.35-1.96x Triton's soft-capped backward. ``combine_kernel``:
-    flash_attn_combine runs as one Triton launch (combine.use_kernel), off until tests/cute/test_cute_combine_kernel.py
-    passes on a GPU (the torch ops serve it meanwhile). ``score_mod``: flash_attn_func / flash_attn_varlen_func take
-    FA4's score_mod, mask_mod and aux_tensors (forward only; mods.py, score_mod.py), off until
-    tests/cute/test_cute_score_mod.py's GPU tests pass (until then such calls raise NotImplementedError naming
-    this rule)."""
+    ``bwd_softcap``: it serves soft-capped scores, on: 1.35-1.96x Triton's soft-capped backward."""
     pack_gqa_auto: bool = False
     bwd_host: str = "triton"
     bwd_window: bool = True
     bwd_varlen: bool = True
     bwd_deterministic: bool = False
     bwd_softcap: bool = True
-    combine_kernel: bool = False
-    score_mod: bool = False
 
     def __post_init__(self):
         if self.bwd_host not in ("triton", "torch"):

@@ -84,8 +84,7 @@ def flash_attn_func(q, k, v, qv=None, gather_kv_indices=None, softmax_scale=None
     fp16/bf16 CUDA tensors, D and Dv multiples of 8 in [8, 256] (the kernels' own head dims 64, 96, 128, 192, 256
     and the pair (192, 128); other sizes run zero-padded to the next of those, _padded_dim; others raise
     HeadDimError, an AssertionError as in FA4), H % Hk == 0 (GQA/MQA). score_mod, mask_mod, aux_tensors: FA4's
-    (calling convention in score_mod.py), forward only, under the plan rule score_mod (off: NotImplementedError
-    naming it; mods.check_call lists what else they do not combine with). qv, gather_kv_indices, score_mod_bwd,
+    (calling convention in score_mod.py), forward only (mods.check_call lists what they do not combine with yet). qv, gather_kv_indices, score_mod_bwd,
     aux_scalars and the block-sparsity tensors raise NotImplementedError when given. Causal and sliding-window masks are bottom-right aligned: query i
     sees key j iff j - (i + Sk - Sq) lies in [-window_size[0], window_size[1]] (None: no limit on that side;
     negative sizes are literal, as in FA4, except that two sizes with a negative sum mean no window; causal sets
@@ -196,7 +195,7 @@ def flash_attn_func(q, k, v, qv=None, gather_kv_indices=None, softmax_scale=None
 
 def _mods_func(q, k, v, softmax_scale, causal, window_size, learnable_sink, softcap, score_mod, mask_mod,
                aux_tensors, return_lse):
-    """flash_attn_func with score_mod / mask_mod / aux_tensors (mods.py; under the plan rule score_mod). num_splits
+    """flash_attn_func with score_mod / mask_mod / aux_tensors (mods.py). num_splits
     and pack_gqa are performance hints here: the mod kernel runs unsplit and unpacked, the same result."""
     if k.shape[0] != q.shape[0] or v.shape[:3] != k.shape[:3] or k.shape[3] != q.shape[3]:
         raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
@@ -243,7 +242,6 @@ def flash_attn_varlen_func(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=Non
         _refuse_unsupported(qv=qv, gather_kv_indices=gather_kv_indices, score_mod_bwd=score_mod_bwd,
                             aux_scalars=aux_scalars, block_sparse_tensors=block_sparse_tensors)
         if _mods.requested(score_mod, mask_mod, aux_tensors):
-            _mods.check_rule(score_mod, mask_mod, aux_tensors)
             mods = (score_mod, mask_mod, aux_tensors)
     batch_q = isinstance(q, torch.Tensor) and q.dim() == 4 and cu_seqlens_q is None
     batch_k = (page_table is None and isinstance(k, torch.Tensor) and k.dim() == 4 and cu_seqlens_k is None)

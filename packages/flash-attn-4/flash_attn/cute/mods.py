@@ -140,22 +140,12 @@ def requested(score_mod, mask_mod, aux_tensors):
     return score_mod is not None or mask_mod is not None or bool(aux_tensors)
 
 
-def check_rule(score_mod, mask_mod, aux_tensors):
-    """NotImplementedError naming the plan rule score_mod while it is off."""
-    if not config.plan_rules().score_mod:
-        name = "score_mod" if score_mod is not None else "mask_mod" if mask_mod is not None else "aux_tensors"
-        raise NotImplementedError(
-            f"flash_attn.cute does not take {name} yet: its forward kernel is behind the plan rule score_mod, off "
-            "until its GPU tests pass (FLASH_ATTN_CUTE_OVERRIDES=plan.score_mod=1 turns it on; forward only)")
-
-
 def check_call(score_mod, mask_mod, aux_tensors, causal, window_left, window_right, softcap, learnable_sink,
                needs_grad, D, Dv):
-    """Raises for a mod call this package does not serve (NotImplementedError naming the plan rule while it is
-    off, the backward, ...) or that FA4 rejects (ValueError)."""
+    """Raises for a mod call this package does not serve (NotImplementedError: the backward, ...) or that FA4
+    rejects (ValueError)."""
     from flash_attn.cute.plan import _UNBOUNDED
 
-    check_rule(score_mod, mask_mod, aux_tensors)
     if score_mod is None and mask_mod is None:
         raise ValueError("aux_tensors without a score_mod or mask_mod: nothing reads them")
     for name, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)):
