@@ -3,7 +3,11 @@ flash_attn.flash_attn_func (the root API, on the dispatcher's backend) and flash
 without gradients and with q, k, v requiring them (the forward of a training step). Per case: the fastest round's wall
 time per call (the least disturbed by the host), calls back to back with one synchronize per round. One JSON line per run.
 
-    python benchmarks/attention/percall_api.py [--rounds 30] [--calls 300]
+    python benchmarks/attention/percall_api.py [--rounds 30] [--calls 300] [--kvcache]
+
+--kvcache adds a decoding call: flash_attn_with_kvcache (one query token, H 32, Hk 8, d 128, an 8k cache) through
+the root API ("kvcache"), the Triton backend's fwd_kvcache alone ("kvcache backend": the front door's share is the
+difference), SDPA on the same cache (enable_gqa), and the Triton launchers' slow-path launch counts.
 
 Standalone (imports only torch and flash_attn), so one checkout can time another: run it with that checkout's root
 first on PYTHONPATH, alternating the two in separate processes, on one warm machine.
@@ -33,6 +37,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--calls", type=int, default=300)
+    p.add_argument("--kvcache", action="store_true")
     a = p.parse_args(argv)
     import flash_attn
     import flash_attn.cute
@@ -45,7 +50,34 @@ def main(argv=None):
     res["root, grad"] = _per_call(lambda: root(qg, kg, vg), a.rounds, a.calls)
     res["cute"] = _per_call(lambda: cute(q, k, v), a.rounds, a.calls)
     res["cute, grad"] = _per_call(lambda: cute(qg, kg, vg), a.rounds, a.calls)
+    if a.kvcache:
+        res.update(_kvcache(a.rounds, a.calls))
     print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in res.items()}))
+
+
+def _kvcache(rounds, calls):
+    import torch.nn.functional as F
+
+    import flash_attn
+    from flash_attn.call import describe
+    from flash_attn.triton import backend as tb, kvcache as tkv
+
+    B, Sk, H, Hk, D = 1, 8192, 32, 8, 128
+    q = torch.randn(B, 1, H, D, device="cuda", dtype=torch.bfloat16)
+    kc, vc = (torch.randn(B, Sk, Hk, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    lens = torch.full((B,), Sk, dtype=torch.int32, device="cuda")
+    call = describe(q, vc, kvcache=True)
+    qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, kc, vc))
+    launchers = {n: getattr(tkv, n) for n in dir(tkv) if n.startswith("_L_")}
+    before = {n: lr.slow_launches for n, lr in launchers.items()}
+    res = {"kvcache": _per_call(lambda: flash_attn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens), rounds,
+                                calls),
+           "kvcache backend": _per_call(lambda: tb.fwd_kvcache(call, q, kc, vc, None, None, None, None, lens, None,
+                                                               None, None, None, False, 0), rounds, calls),
+           "sdpa decode": _per_call(lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True), rounds,
+                                    calls)}
+    res["kvcache slow launches"] = {n: lr.slow_launches - before[n] for n, lr in launchers.items()}
+    return res
 
 
 if __name__ == "__main__":

@@ -268,7 +268,7 @@ def test_common_call_launches_the_cached_kernel_directly(monkeypatch):
 
 
 def test_common_call_reuses_an_unreturned_lse(monkeypatch):
-    # The fast path's lse when the call does not return it: one fp32 (B, H, Sq) buffer per (device, B, H, Sq),
+    # The fast path's lse when the call does not return it: one fp32 (B, H, Sq) buffer per (device, stream, B, H, Sq),
     # handed to the kernel on every such call (nobody reads it); return_lse gets a fresh one each call. Buffers
     # above _LSE_SCRATCH_MAX_ELEMS are not kept, and the table is emptied when it reaches
     # _LSE_SCRATCH_MAX_SHAPES shapes.
@@ -285,7 +285,7 @@ def test_common_call_reuses_an_unreturned_lse(monkeypatch):
     assert interface.flash_attn_func(q, k, v)[1] is None
     assert interface.flash_attn_func(q, k, v)[1] is None
     assert lses[0] is lses[1] and lses[0].shape == (2, 4, 16) and lses[0].dtype == torch.float32
-    assert scratch == {(-1, 2, 4, 16): lses[0]}  # CPU tensors: get_device() is -1
+    assert scratch == {(-1, 0, 2, 4, 16): lses[0]}  # CPU tensors: get_device() is -1, stream 0
     _, lse = interface.flash_attn_func(q, k, v, return_lse=True)
     _, lse2 = interface.flash_attn_func(q, k, v, return_lse=True)
     assert lse is lses[2] and lse2 is lses[3] and lse is not lse2 and lse is not lses[0]
@@ -296,7 +296,12 @@ def test_common_call_reuses_an_unreturned_lse(monkeypatch):
     assert lses[5].shape == (2, 4, 9) and len(scratch) == 2
     monkeypatch.setattr(launch, "_LSE_SCRATCH_MAX_SHAPES", 2)
     interface.flash_attn_func(*mk(1, 8, 4))
-    assert list(scratch) == [(-1, 1, 4, 8)]
+    assert list(scratch) == [(-1, 0, 1, 4, 8)]
+    # another stream gets its own buffer: a table drop frees a buffer only in the order of the stream that wrote it
+    monkeypatch.setattr(launch, "_LSE_SCRATCH_MAX_SHAPES", 8)
+    monkeypatch.setattr(launch, "_stream_id", lambda index: 7)
+    interface.flash_attn_func(*mk(1, 8, 4))
+    assert list(scratch) == [(-1, 0, 1, 4, 8), (-1, 7, 1, 4, 8)] and lses[-1] is scratch[(-1, 7, 1, 4, 8)]
 
 
 def test_per_call_checks_name_what_is_not_a_4d_tensor():

@@ -67,29 +67,43 @@ def _device_arch(q, k, v):
 
 
 # The lse of calls that do not return it (no return_lse, no gradient): the kernels write one, nobody reads it,
-# so one buffer per (device index, B, H, Sq) serves every such call (concurrent calls on several streams
-# write the same unread values: harmless) instead of an allocation per call. Small shapes only, and a bounded
-# number of them: the calls whose per-call cost the allocation is a part of.
+# so one buffer per (device index, stream, B, H, Sq) serves every such call instead of an allocation per call.
+# Per stream: a buffer is only ever written on the stream it was allocated on, so dropping it from the table
+# (past _LSE_SCRATCH_MAX_SHAPES) frees memory the caching allocator reuses in that stream's order, never under a
+# kernel still running on another stream. Small shapes only, and a bounded number of them: the calls whose
+# per-call cost the allocation is a part of.
 _lse_scratch: dict[tuple, torch.Tensor] = {}
 _LSE_SCRATCH_MAX_ELEMS = 1 << 20  # 4 MiB per buffer
 _LSE_SCRATCH_MAX_SHAPES = 32
 
 
-def _new_lse_scratch(index, B, H, Sq):
+def _new_lse_scratch(key):
+    index, _, B, H, Sq = key
     lse = torch.empty(B, H, Sq, dtype=_F32, device=torch.device("cuda", index) if index >= 0 else "cpu")
     if B * H * Sq <= _LSE_SCRATCH_MAX_ELEMS:
         if len(_lse_scratch) >= _LSE_SCRATCH_MAX_SHAPES:
             _lse_scratch.clear()
-        _lse_scratch[(index, B, H, Sq)] = lse
+        _lse_scratch[key] = lse
     return lse
+
+
+def _stream_id(index):
+    """The current CUDA stream's handle on device ``index`` (0 for CPU tensors, index -1)."""
+    return _raw_stream(index) if index >= 0 else 0
+
+
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+    lambda index: torch.cuda.current_stream(index).cuda_stream)
 
 
 def _lse_buffer(q, B, H, Sq, scratch):
     """The (B, H, Sq) fp32 lse a forward writes: a new tensor, or where the caller drops it (scratch) the shared
-    buffer of its shape."""
+    buffer of its shape on the current stream."""
     if scratch:
-        lse = _lse_scratch.get((q.get_device(), B, H, Sq))
-        return lse if lse is not None else _new_lse_scratch(q.get_device(), B, H, Sq)
+        index = q.get_device()
+        key = (index, _stream_id(index), B, H, Sq)
+        lse = _lse_scratch.get(key)
+        return lse if lse is not None else _new_lse_scratch(key)
     return torch.empty(B, H, Sq, dtype=_F32, device=q.device)  # sizes as ints: parsed faster
 
 
