@@ -267,7 +267,8 @@ fn = cb._combine_kernel
 names = fn.arg_names
 for splits, rows, D in ((64, 4096, 128), (64, 1, 128), (16, 16, 96), (4, 4096, 256)):
     bk, bm, bd, warps = cb._tile(splits, rows, 32, D)
-    ce = dict(HEAD_DIM=D, BLOCK_K=bk, BLOCK_M=bm, BLOCK_D=bd, WRITE_LSE=True, s_pd=1, s_od=1, s_lh=1, s_es=1)
+    ce = dict(HEAD_DIM=D, BLOCK_K=bk, BLOCK_M=bm, BLOCK_D=bd, WRITE_LSE=True, HAS_SINK=False, UNSEEN_POS_INF=False,
+              s_pd=1, s_od=1, s_lh=1, s_es=1)
     types = {"OutPartial": "*bf16", "Out": "*bf16"}
     sig = {n: "constexpr" if n in ce else types.get(n, "*fp32" if n[0].isupper() else "i32") for n in names}
     # contiguous bf16 parts: pointers and strides other than the unit ones divisible by 16
@@ -325,3 +326,41 @@ def test_gpu_kernel_against_the_torch_path(dtype, shape):
     assert ([st for st, n in zip(lse.stride(), lse.shape) if n > 1]
             == [st for st, n in zip(want_lse.stride(), want_lse.shape) if n > 1])
     assert torch.equal(out.reshape(-1, H, D)[-1, -1].cpu(), torch.zeros(D, dtype=dtype))
+
+
+@pytest.mark.parametrize("sink", [False, True])
+@pytest.mark.parametrize("bounds", [[(0, 13), (13, 26), (26, 40)], [(0, 8), (8, 16), (16, 40), (40, 40)],
+                                    [(0, 1), (1, 39), (39, 40)]])
+def test_split_forward_merge_runs_the_kernel(monkeypatch, sink, bounds):
+    """The split forward's merge (launch._combine_splits) runs the kernel where it serves the tensors: the sink
+    joins each row's sum once with no value, a part no key of which a row sees (lse +inf) adds nothing, and a row
+    no part saw keeps the forward's convention (out 0, lse +inf, or the sink); the same results as the merge's
+    torch ops, in fp32 and fp16 outputs."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from test_cute_split import _parts  # the split kernel's contract in torch
+
+    from flash_attn.cute import launch
+
+    seen = _launches(monkeypatch)
+    g = torch.Generator().manual_seed(len(bounds))
+    q = torch.randn(2, 44, 4, 16, generator=g)  # causal, 4 more queries than keys: the first 4 rows see none
+    k = torch.randn(2, 40, 2, 16, generator=g)
+    v = torch.randn(2, 40, 2, 16, generator=g)
+    sink_t = torch.randn(4, generator=g) if sink else None
+    o_parts, lse_parts = _parts(q, k, v, True, bounds, 0.25)
+    o_parts, lse_parts = o_parts.float().to(DEV).contiguous(), lse_parts.float().to(DEV).contiguous()
+    sink_d = None if sink_t is None else sink_t.to(DEV)
+    for dtype in (torch.float32, torch.float16):
+        out, lse = launch._combine_splits(o_parts, lse_parts, sink_d, dtype)
+        assert seen and seen[-1] is combine._combine_kernel
+        n = len(seen)
+        with monkeypatch.context() as m:
+            m.setattr(combine, "use_kernel", lambda *a: False)
+            want_out, want_lse = launch._combine_splits(o_parts, lse_parts, sink_d, dtype)
+        assert len(seen) == n  # (the torch ops)
+        assert out.dtype == dtype and out.shape == want_out.shape and lse.shape == want_lse.shape
+        torch.testing.assert_close(out.float(), want_out.float(), rtol=ULP[dtype], atol=2e-6 if dtype == torch.float32
+                                   else 1e-3)
+        torch.testing.assert_close(lse, want_lse, rtol=1e-6, atol=1e-5)
+        if not sink:
+            assert torch.isposinf(lse[:, :, :4]).all() and torch.isfinite(lse[:, :, 4:]).all()

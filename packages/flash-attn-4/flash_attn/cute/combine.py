@@ -47,12 +47,16 @@ if triton is not None:
     # Row counts and split counts change from call to call: not specialised (no recompile per batch). Strides are,
     # so that a unit D stride and 16-divisible row strides vectorise the loads of o.
     @triton.jit(do_not_specialize=["n_splits", "seqlen", "n_rows"])
-    def _combine_kernel(OutPartial, LsePartial, Out, Lse,
+    def _combine_kernel(OutPartial, LsePartial, Out, Lse, Sink,
                         s_pn, s_pb, s_ps, s_ph, s_pd, s_ln, s_lb, s_ls, s_lh,
                         s_ob, s_os, s_oh, s_od, s_eb, s_es, s_eh,
                         n_splits, seqlen, n_rows, heads,
                         HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_D: tl.constexpr, WRITE_LSE: tl.constexpr):
+                        BLOCK_D: tl.constexpr, WRITE_LSE: tl.constexpr, HAS_SINK: tl.constexpr,
+                        UNSEEN_POS_INF: tl.constexpr):
+        # Sink (HAS_SINK): a per-head logit that joins each row's sum as exp(sink) with no value (the split kernels
+        # leave it out so that it counts once). A row with no finite term gets lse -inf (FA4's flash_attn_combine), or
+        # +inf with UNSEEN_POS_INF (the split forward's convention).
         # Rows are (batch, seqlen) flattened; heads vary fastest among programs, so programs running together read
         # whole (row, H, D) stretches of each part.
         pid = tl.program_id(0)
@@ -80,6 +84,9 @@ if triton is not None:
             t = _load_lse(lse_ptrs, k0 + ks, s_ln, n_splits, row_ok)
             n_nan += tl.sum((t != t).to(tl.int32), 0)  # apart: max's NaN handling differs between GPU and interpreter
             row_max = tl.maximum(row_max, tl.max(t, 0))
+        if HAS_SINK:
+            sink = tl.load(Sink + h64).to(tl.float32)
+            row_max = tl.maximum(row_max, tl.where(tl.abs(sink) == float("inf"), float("-inf"), sink))
         # pass 2: sum of exp(lse_s - max) (each term <= 1: no overflow however large the lse)
         seen = row_max > float("-inf")
         shift = tl.where(seen, row_max, 0.0)
@@ -87,7 +94,12 @@ if triton is not None:
         for k0 in range(0, n_splits, BLOCK_K):
             t = _load_lse(lse_ptrs, k0 + ks, s_ln, n_splits, row_ok)
             total += tl.sum(tl.exp(t - shift[None, :]), 0)
-        lse = tl.where(seen, shift + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
+        if HAS_SINK:
+            total += tl.where(seen, tl.exp(sink - shift), 0.0)
+        if UNSEEN_POS_INF:
+            lse = tl.where(seen, shift + tl.log(tl.where(seen, total, 1.0)), float("inf"))
+        else:
+            lse = tl.where(seen, shift + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
         lse = tl.where(n_nan > 0, float("nan"), lse)
         # pass 3: o = sum_s exp(lse_s - max) / total o_s. Not exp(lse_s - lse) as the torch expression: lse_s - max
         # is exact where lse_s is near max (Sterbenz) while lse rounded to fp32 is off by up to half its ulp, which
@@ -152,9 +164,11 @@ def use_kernel(out_partial, lse_partial, out_dtype, out_device):
     return not torch.compiler.is_compiling()
 
 
-def combine_kernel(out_partial, lse_partial, out, lse):
+def combine_kernel(out_partial, lse_partial, out, lse, sink=None, unseen_pos_inf=False):
     """One launch of _combine_kernel: out_partial (num_splits, B, S, H, D) and lse_partial (num_splits, B, S, H) fp32,
-    out (B, S, H, D) and lse (B, S, H) fp32 or None, any strides; writes out (in its dtype) and lse."""
+    out (B, S, H, D) and lse (B, S, H) fp32 or None, any strides; writes out (in its dtype) and lse. sink: fp32 (H,)
+    logits that join each row's sum with no value, or None; unseen_pos_inf: a row with no finite term gets lse +inf
+    (else -inf)."""
     _, B, S, H, D = out_partial.shape
     n_rows = B * S
     if n_rows == 0 or H == 0:
@@ -162,14 +176,15 @@ def combine_kernel(out_partial, lse_partial, out, lse):
     n_splits = out_partial.shape[0]
     block_k, block_m, block_d, warps = _tile(n_splits, n_rows, H, D)
     write_lse = lse is not None
+    has_sink = sink is not None
     meta = {"HEAD_DIM": D, "BLOCK_K": block_k, "BLOCK_M": block_m, "BLOCK_D": block_d, "WRITE_LSE": write_lse,
-            "num_warps": warps}
+            "HAS_SINK": has_sink, "UNSEEN_POS_INF": bool(unseen_pos_inf), "num_warps": warps}
     grid = (-(-n_rows // block_m) * H, max(1, -(-D // block_d)))
     lse_strides = lse.stride() if write_lse else (0, 0, 0)
     _launch(_combine_kernel, grid,
-            (out_partial, lse_partial, out, lse, *out_partial.stride(), *lse_partial.stride(), *out.stride(),
-             *lse_strides, n_splits, S, n_rows, H),
-            meta, ("combine", D, block_k, block_m, block_d, write_lse, warps))
+            (out_partial, lse_partial, out, lse, sink if has_sink else lse_partial, *out_partial.stride(),
+             *lse_partial.stride(), *out.stride(), *lse_strides, n_splits, S, n_rows, H),
+            meta, ("combine", D, block_k, block_m, block_d, write_lse, has_sink, bool(unseen_pos_inf), warps))
 
 
 def combine_torch(out_partial, lse_partial):

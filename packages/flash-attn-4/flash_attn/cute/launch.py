@@ -7,6 +7,7 @@ import math
 import torch
 
 from flash_attn.cute.kernels import _bwd_kernels, _kernels, bwd_config, bwd_kernel, bwd_mem_key, fwd_kernel
+from flash_attn.cute import combine as _combine
 from flash_attn.cute.config import LONG_SK, SHORT_SK
 from flash_attn.cute.plan import _FWD_LONG_ON, _SHORT_DIMS, _UNBOUNDED, _length_kernel, _window_args
 
@@ -214,7 +215,14 @@ def _combine_splits(o_parts, lse_parts, sink, dtype):
     """(out, lse) from split-KV parts: o_parts (S, B, Sq, H, Dv) each divided by its own row sums, lse_parts (S, B,
     H, Sq) natural-log, +inf for a part whose rows saw no key (no contribution). lse = log(sum_s exp(lse_s) [+
     exp(sink)]), out = sum_s exp(lse_s - lse) o_s in dtype; a row no part saw gets out 0 and lse +inf (or the
-    sink). fp32 torch ops."""
+    sink). One launch of combine's Triton kernel where it serves the tensors, else fp32 torch ops."""
+    if _combine.use_kernel(o_parts, lse_parts, dtype, o_parts.device):
+        S, B, H, Sq = lse_parts.shape
+        out = torch.empty(B, Sq, H, o_parts.shape[-1], dtype=dtype, device=o_parts.device)
+        lse = torch.empty(B, H, Sq, dtype=torch.float32, device=o_parts.device)
+        _combine.combine_kernel(o_parts, lse_parts.transpose(2, 3), out, lse.transpose(1, 2),
+                                sink=None if sink is None else sink.float(), unseen_pos_inf=True)
+        return out, lse
     terms = torch.where(torch.isposinf(lse_parts), torch.full_like(lse_parts, -math.inf), lse_parts)
     if sink is not None:
         S, B, H, Sq = lse_parts.shape
