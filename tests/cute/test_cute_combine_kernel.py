@@ -1,4 +1,4 @@
-"""flash_attn.cute.flash_attn_combine's Triton kernel (combine._combine_kernel): in the interpreter on CPU tensors
+"""flash_attn.cute.flash_attn_combine's Triton kernel (combine._kernel()): in the interpreter on CPU tensors
 (fp16 / fp32; tests/conftest.py sets TRITON_INTERPRET=1 without a GPU) against an fp64 combine written here, and on a
 GPU (marked gpu) against the module's torch expression in bf16 / fp16 / fp32. Dense and varlen shapes, 1 to 130
 parts, head dims 8 / 64 / 96 / 128, empty parts (lse -inf or +inf) and rows no part saw, large lse, NaN lse, strided
@@ -20,7 +20,7 @@ if _PKG not in sys.path:
 
 from flash_attn.cute import combine  # noqa: E402
 
-needs_kernel = pytest.mark.skipif(combine.triton is None or not (combine._INTERPRET or torch.cuda.is_available()),
+needs_kernel = pytest.mark.skipif(not combine.HAS_TRITON or not (combine._INTERPRET or torch.cuda.is_available()),
                                   reason="needs Triton with a CUDA GPU or TRITON_INTERPRET=1")
 pytestmark = needs_kernel
 
@@ -78,7 +78,7 @@ def test_dense_matches_fp64(monkeypatch, dtype, splits):
     seen = _launches(monkeypatch)
     o, lse_p = _parts(splits, (2, 3), 2, 64, dtype)
     out, lse = combine.flash_attn_combine(o, lse_p)
-    assert seen == [combine._combine_kernel]
+    assert seen == [combine._kernel()]
     assert out.shape == (2, 3, 2, 64) and lse.shape == (2, 3, 2)
     _close(out, lse, *combine_ref(o, lse_p), dtype)
 
@@ -98,7 +98,7 @@ def test_varlen_matches_fp64_and_lse_is_heads_major(monkeypatch, dtype, splits):
     o, lse_p = _parts(splits, (11,), 3, 96, dtype, seed=1)
     cu = torch.tensor([0, 4, 11], dtype=torch.int32, device=DEV)
     out, lse = combine.flash_attn_combine(o, lse_p, cu_seqlens=cu)
-    assert seen == [combine._combine_kernel]
+    assert seen == [combine._kernel()]
     assert out.shape == (11, 3, 96) and lse.shape == (11, 3) and lse.stride() == (1, 11)  # (H, total_q) storage
     _close(out, lse, *combine_ref(o, lse_p), dtype)
 
@@ -164,7 +164,7 @@ def test_out_given_with_strides(monkeypatch, varlen):
     big = torch.full((*rows, 104, 2), math.nan, dtype=torch.float32, device=DEV)
     dest = big[..., :96, :].transpose(-1, -2)
     res, none = combine.flash_attn_combine(o, lse_p, out=dest, out_dtype=torch.float16, return_lse=False)
-    assert seen == [combine._combine_kernel]
+    assert seen == [combine._kernel()]
     assert res is dest and none is None and dest.dtype == torch.float32  # out's dtype wins over out_dtype
     assert torch.isnan(big[..., 96:, :]).all()  # nothing written outside out
     torch.testing.assert_close(dest.double(), combine_ref(o, lse_p)[0], rtol=ULP[torch.float32], atol=1e-6)
@@ -221,13 +221,13 @@ def test_torch_path_where_the_kernel_does_not_serve(monkeypatch):
     combine.flash_attn_combine(o.requires_grad_(), lse_p)  # the kernel has no backward
     assert seen == []
     out, _ = combine.flash_attn_combine(o.detach(), lse_p)
-    assert seen == [combine._combine_kernel]
+    assert seen == [combine._kernel()]
     monkeypatch.setattr(combine, "_INTERPRET", False)  # a CPU tensor without the interpreter
     combine.flash_attn_combine(o.detach(), lse_p)
     monkeypatch.setattr(combine, "_INTERPRET", True)
-    monkeypatch.setattr(combine, "triton", None)  # flash-attn-4 without Triton
+    monkeypatch.setattr(combine, "HAS_TRITON", False)  # flash-attn-4 without Triton
     combine.flash_attn_combine(o.detach(), lse_p)
-    assert seen == [combine._combine_kernel]
+    assert seen == [combine._kernel()]
 
 
 def test_gradient_flows_on_the_torch_path():
@@ -263,7 +263,7 @@ try:
     triton.knobs.nvidia.dump_ptxas_log = True
 except AttributeError:
     pass
-fn = cb._combine_kernel
+fn = cb._kernel()
 names = fn.arg_names
 for splits, rows, D in ((64, 4096, 128), (64, 1, 128), (16, 16, 96), (4, 4096, 256)):
     bk, bm, bd, warps = cb._tile(splits, rows, 32, D)
@@ -284,7 +284,7 @@ for splits, rows, D in ((64, 4096, 128), (64, 1, 128), (16, 16, 96), (4, 4096, 2
 """
 
 
-@pytest.mark.skipif(combine.triton is None, reason="needs Triton")
+@pytest.mark.skipif(not combine.HAS_TRITON, reason="needs Triton")
 def test_kernel_compiles_for_sm90_vectorised_without_spills(tmp_path):
     """The kernel as launched for bf16 parts (prefill and decoding tiles, D 96 / 128 / 256) compiles for sm_90 ahead
     of time (the interpreter never runs Triton's code generator), ptxas spills nothing, and o is read 16 bytes at a
@@ -352,7 +352,7 @@ def test_split_forward_merge_runs_the_kernel(monkeypatch, sink, bounds):
     sink_d = None if sink_t is None else sink_t.to(DEV)
     for dtype in (torch.float32, torch.float16):
         out, lse = launch._combine_splits(o_parts, lse_parts, sink_d, dtype)
-        assert seen and seen[-1] is combine._combine_kernel
+        assert seen and seen[-1] is combine._kernel()
         n = len(seen)
         with monkeypatch.context() as m:
             m.setattr(combine, "use_kernel", lambda *a: False)

@@ -17,6 +17,7 @@ tracing (Inductor fuses it there).
 """
 from __future__ import annotations
 
+import importlib.util
 import math
 from typing import NamedTuple, Optional
 
@@ -25,101 +26,22 @@ import torch
 from flash_attn.cute import settings
 from flash_attn.cute.triton_launch import launch as _launch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # flash-attn-4 installs without Triton: the torch path
-    triton = tl = None
-
 _INTERPRET = settings.current.triton_interpret
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Triton is imported with the kernel, at its first launch (_combine_triton): importing it costs a first call of
+# this package ~0.1-0.3 s that a call without a split never needs.
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+_kernel_fn = None
 
-if triton is not None:
 
-    @triton.jit
-    def _load_lse(lse_ptrs, k, s_ln, n_splits, row_ok):
-        """Parts k's lse of the rows, [len(k), len(row_ok)] fp32, an infinite one (an empty part) as -inf."""
-        mask = (k < n_splits)[:, None] & row_ok[None, :]
-        t = tl.load(lse_ptrs[None, :] + k.to(tl.int64)[:, None] * s_ln, mask=mask, other=float("-inf"))
-        t = t.to(tl.float32)
-        return tl.where(tl.abs(t) == float("inf"), float("-inf"), t)
+def _kernel():
+    """The Triton kernel (module _combine_triton), imported on first use."""
+    global _kernel_fn
+    if _kernel_fn is None:
+        from flash_attn.cute._combine_triton import _combine_kernel
 
-    # Row counts and split counts change from call to call: not specialised (no recompile per batch). Strides are,
-    # so that a unit D stride and 16-divisible row strides vectorise the loads of o.
-    @triton.jit(do_not_specialize=["n_splits", "seqlen", "n_rows"])
-    def _combine_kernel(OutPartial, LsePartial, Out, Lse, Sink,
-                        s_pn, s_pb, s_ps, s_ph, s_pd, s_ln, s_lb, s_ls, s_lh,
-                        s_ob, s_os, s_oh, s_od, s_eb, s_es, s_eh,
-                        n_splits, seqlen, n_rows, heads,
-                        HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_D: tl.constexpr, WRITE_LSE: tl.constexpr, HAS_SINK: tl.constexpr,
-                        UNSEEN_POS_INF: tl.constexpr):
-        # Sink (HAS_SINK): a per-head logit that joins each row's sum as exp(sink) with no value (the split kernels
-        # leave it out so that it counts once). A row with no finite term gets lse -inf (FA4's flash_attn_combine), or
-        # +inf with UNSEEN_POS_INF (the split forward's convention).
-        # Rows are (batch, seqlen) flattened; heads vary fastest among programs, so programs running together read
-        # whole (row, H, D) stretches of each part.
-        pid = tl.program_id(0)
-        m_blk = pid // heads
-        h64 = (pid - m_blk * heads).to(tl.int64)
-        d_blk = tl.program_id(1)
-        rows = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = rows < n_rows
-        b = rows // seqlen
-        # 64-bit offsets: a part's stride alone can pass 2^31 elements
-        b64 = b.to(tl.int64)
-        s64 = (rows - b * seqlen).to(tl.int64)
-        cols = d_blk * BLOCK_D + tl.arange(0, BLOCK_D)
-        tile = row_ok[:, None] & (cols[None, :] < HEAD_DIM)
-        lse_ptrs = LsePartial + b64 * s_lb + s64 * s_ls + h64 * s_lh  # (BLOCK_M,)
-        o_ptrs = OutPartial + (b64 * s_pb + s64 * s_ps + h64 * s_ph)[:, None] + cols[None, :].to(tl.int64) * s_pd
-        # BLOCK_K parts at a time, [BLOCK_K, BLOCK_M(, BLOCK_D)] tiles: with few rows (decoding) the parts give the
-        # program its parallel loads
-        ks = tl.arange(0, BLOCK_K)
-
-        # pass 1: the largest finite lse of each row (an infinite one is an empty part: -inf, it adds nothing)
-        row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        n_nan = tl.zeros([BLOCK_M], tl.int32)
-        for k0 in range(0, n_splits, BLOCK_K):
-            t = _load_lse(lse_ptrs, k0 + ks, s_ln, n_splits, row_ok)
-            n_nan += tl.sum((t != t).to(tl.int32), 0)  # apart: max's NaN handling differs between GPU and interpreter
-            row_max = tl.maximum(row_max, tl.max(t, 0))
-        if HAS_SINK:
-            sink = tl.load(Sink + h64).to(tl.float32)
-            row_max = tl.maximum(row_max, tl.where(tl.abs(sink) == float("inf"), float("-inf"), sink))
-        # pass 2: sum of exp(lse_s - max) (each term <= 1: no overflow however large the lse)
-        seen = row_max > float("-inf")
-        shift = tl.where(seen, row_max, 0.0)
-        total = tl.zeros([BLOCK_M], tl.float32)
-        for k0 in range(0, n_splits, BLOCK_K):
-            t = _load_lse(lse_ptrs, k0 + ks, s_ln, n_splits, row_ok)
-            total += tl.sum(tl.exp(t - shift[None, :]), 0)
-        if HAS_SINK:
-            total += tl.where(seen, tl.exp(sink - shift), 0.0)
-        if UNSEEN_POS_INF:
-            lse = tl.where(seen, shift + tl.log(tl.where(seen, total, 1.0)), float("inf"))
-        else:
-            lse = tl.where(seen, shift + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
-        lse = tl.where(n_nan > 0, float("nan"), lse)
-        # pass 3: o = sum_s exp(lse_s - max) / total o_s. Not exp(lse_s - lse) as the torch expression: lse_s - max
-        # is exact where lse_s is near max (Sterbenz) while lse rounded to fp32 is off by up to half its ulp, which
-        # at lse ~ 1e4 moves every weight by 5e-4. A row with no finite lse weighs every part 0 (o = 0; 0 * NaN
-        # stays NaN, as there).
-        ok = seen & (n_nan == 0)
-        scale = tl.where(ok, 1.0 / tl.where(ok, total, 1.0), 0.0)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for k0 in range(0, n_splits, BLOCK_K):
-            k = k0 + ks
-            t = _load_lse(lse_ptrs, k, s_ln, n_splits, row_ok)
-            w = tl.where(ok[None, :], tl.exp(t - shift[None, :]) * scale[None, :], 0.0)
-            o = tl.load(o_ptrs[None, :, :] + k.to(tl.int64)[:, None, None] * s_pn,
-                        mask=(k < n_splits)[:, None, None] & tile[None, :, :], other=0.0).to(tl.float32)
-            acc += tl.sum(w[:, :, None] * o, 0)
-        out_ptrs = Out + (b64 * s_ob + s64 * s_os + h64 * s_oh)[:, None] + cols[None, :].to(tl.int64) * s_od
-        tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=tile)
-        if WRITE_LSE:
-            if d_blk == 0:
-                tl.store(Lse + b64 * s_eb + s64 * s_es + h64 * s_eh, lse, mask=row_ok)
+        _kernel_fn = _combine_kernel
+    return _kernel_fn
 
 
 def _next_pow2(n):
@@ -151,7 +73,7 @@ def use_kernel(out_partial, lse_partial, out_dtype, out_device):
     CUDA tensors on one device (or CPU ones in the interpreter, not bf16), fp16 / bf16 / fp32 parts and out, fp32 lse,
     no gradient wanted through the inputs, not inside torch.compile's tracing."""
     dev = out_partial.device
-    if triton is None or not (dev.type == "cuda" or (dev.type == "cpu" and _INTERPRET)):
+    if not HAS_TRITON or not (dev.type == "cuda" or (dev.type == "cpu" and _INTERPRET)):
         return False
     if lse_partial.device != dev or out_device != dev or lse_partial.dtype != torch.float32:
         return False
@@ -181,7 +103,7 @@ def combine_kernel(out_partial, lse_partial, out, lse, sink=None, unseen_pos_inf
             "HAS_SINK": has_sink, "UNSEEN_POS_INF": bool(unseen_pos_inf), "num_warps": warps}
     grid = (-(-n_rows // block_m) * H, max(1, -(-D // block_d)))
     lse_strides = lse.stride() if write_lse else (0, 0, 0)
-    _launch(_combine_kernel, grid,
+    _launch(_kernel(), grid,
             (out_partial, lse_partial, out, lse, sink if has_sink else lse_partial, *out_partial.stride(),
              *lse_partial.stride(), *out.stride(), *lse_strides, n_splits, S, n_rows, H),
             meta, ("combine", D, block_k, block_m, block_d, write_lse, has_sink, bool(unseen_pos_inf), warps))
