@@ -64,16 +64,24 @@ _PRECOMPILE = ["-m", "flash_attn.cute.precompile", "--prebuilt", "--dtypes", "bf
                "--causal", "false", "--no-backward"]
 
 
+OTHER_FLAVOUR = "fwd-sm_90a-bf16-d64-full-fedcba9876543210"  # the same entry built under another runtime flavour
+
+
 @pytest.fixture(scope="module")
 def shipped(pkg):
     """The snapshot's shipped folder, filled by ``precompile --prebuilt`` in its own process; it held a stale
-    entry's files and a lock before, which the command removes."""
-    root, cute, _ = pkg
+    entry's files and a lock before, which the command removes, and the entry of another CUDA flavour of CuTeDSL's
+    runtime (a release fills the folder once per flavour), which it keeps."""
+    root, cute, source = pkg
     out = cute / cache.PREBUILT
     out.mkdir()
     for stale in ("fwd-sm_90a-bf16-d64-full-0123456789abcdef.json", "fwd-sm_90a-bf16-d64-full-0123456789abcdef.so",
                   "x.lock"):
         (out / stale).write_text("{}")
+    env = dict(cache.environment(), **{"cute-runtime": ["cu99"]})
+    (out / f"{OTHER_FLAVOUR}.json").write_text(json.dumps({"source": source, "env": env, "key": "f" * 64}))
+    for ext in ("o", "so"):
+        (out / f"{OTHER_FLAVOUR}.{ext}").write_bytes(b"other flavour")
     proc = subprocess.run([sys.executable, *_PRECOMPILE], cwd=root, env=_env(root), capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -88,7 +96,8 @@ def _snapshot(folder):
 
 def test_prebuilt_command_leaves_exactly_the_entries(shipped):
     _, key, name, symbol = kernels._entry(*CONFIG)
-    assert sorted(p.name for p in shipped.iterdir()) == sorted(f"{name}.{ext}" for ext in ("json", "o", "so"))
+    assert sorted(p.name for p in shipped.iterdir()) == sorted(f"{stem}.{ext}" for ext in ("json", "o", "so")
+                                                              for stem in (name, OTHER_FLAVOUR))
     manifest = json.loads((shipped / f"{name}.json").read_text())
     assert manifest["key"] == key and manifest["symbol"] == symbol and set(manifest["sha256"]) == {"o", "so"}
     assert manifest["source"] == cache.source_hash() and manifest["env"] == cache.environment()

@@ -12,8 +12,9 @@ the cache a deployment then only loads:
 --prebuilt fills the package's own read-only folder (cache.PREBUILT_DIR, flash_attn/cute/_prebuilt) with the
 kernels first calls use: bf16/fp16 x d64/d128 x causal/not, forward (with its short- and long-key kernels) and
 backward, default configurations. It needs a C compiler (the entries must load without the CuTeDSL compiler) and
-removes every other file from that folder (entries of older sources, locks), so that `hatch build` of
-packages/flash-attn-4 then packs exactly these. An installed package consults them after a miss in the user's
+removes every other file from that folder (entries of older sources, locks) but the entries of these sources built
+under another CUDA flavour of CuTeDSL's runtime (cu12 / cu13), so that `hatch build` of packages/flash-attn-4 then
+packs exactly these: a release runs --prebuilt once in an environment of each flavour, then builds the wheel. An installed package consults them after a miss in the user's
 cache and before compiling.
 
 The deployment must have the same flash-attn-4 sources and the same nvidia-cutlass-dsl and
@@ -81,10 +82,31 @@ def _entry_name(kind, dtype, head_dim, causal, arch):
     return kernels._entry(_torch_dtype(dtype), head_dim, causal, arch, **extra)[2]
 
 
+def _other_flavour(out, stem):
+    """Whether ``stem`` is an entry of these sources and settings built under another CUDA flavour of CuTeDSL's
+    runtime (its manifest says so): the shipped folder keeps one set of entries per flavour."""
+    import json
+
+    from flash_attn.cute import cache
+
+    try:
+        with open(os.path.join(out, stem + ".json")) as f:
+            manifest = json.load(f)
+        env = dict(manifest["env"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    here = dict(cache.environment())
+    flavour, here_flavour = env.pop("cute-runtime", None), here.pop("cute-runtime")
+    return manifest.get("source") == cache.source_hash() and env == here and flavour != here_flavour and bool(flavour)
+
+
 def prune(out, report, arch, log=print):
-    """Remove from ``out`` every file that is not part of an entry in ``report`` (entries of other sources or
-    settings, locks, temporary files): the shipped folder holds exactly the entries just checked."""
+    """Remove from ``out`` every file that is not part of an entry in ``report`` or of the same entries under another
+    runtime flavour (_other_flavour): entries of other sources or settings, locks and temporary files go, so the
+    shipped folder holds exactly the entries just checked, per flavour."""
     keep = {_entry_name(r["kind"], r["dtype"], r["head_dim"], r["causal"], arch) for r in report if not r["error"]}
+    keep |= {os.path.splitext(e.name)[0] for e in os.scandir(out)
+             if e.name.endswith(".json") and _other_flavour(out, os.path.splitext(e.name)[0])}
     removed = 0
     for path in sorted(os.scandir(out), key=lambda e: e.name):
         stem, ext = os.path.splitext(path.name)
