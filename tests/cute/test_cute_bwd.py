@@ -831,7 +831,7 @@ except AttributeError:
 def compile_kernel(label, fn, types, constexprs, num_warps):
     names = fn.arg_names
     sig = {n: "constexpr" if n in constexprs else types(n) for n in names}
-    # what Triton sees for contiguous bf16 tensors at head dims 64/128: pointers and strides other than the
+    # what Triton sees for contiguous bf16 tensors at head dims 64/96/128: pointers and strides other than the
     # unit last ones divisible by 16 (the lengths are not specialised)
     div = [n for n in names if n not in constexprs and (n[0].isupper() or n.startswith("s_"))]
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=constexprs,
@@ -878,8 +878,9 @@ def test_host_kernels_compile_for_sm90_vectorised_without_spills(tmp_path):
         assert row["spills"] in (0, None), (label, row)  # None: a Triton without the ptxas log knob
     # per thread, bf16 tiles of 64 x D over 32 * num_warps threads: out and dout 2 x 4 loads of 8 values,
     # dq_accum's zeros 8 stores of 4 fp32; the cast 8 loads of 4 fp32 and 4 stores of 8 bf16; with KV
-    # also the group's 2 x 4 loads per query head and 2 x 4 stores
-    for D in (64, 128):
+    # also the group's 2 x 4 loads per query head and 2 x 4 stores (D = 96: the 128-column tile masked to 96 columns,
+    # still 16-byte accesses)
+    for D in (64, 96, 128):
         assert (rows[f"prep d{D}"]["ld_v4"], rows[f"prep d{D}"]["st_v4"]) == (8, 8), rows
         assert (rows[f"post d{D} kv=False"]["ld_v4"], rows[f"post d{D} kv=False"]["st_v4"]) == (8, 4), rows
         assert (rows[f"post d{D} kv=True"]["ld_v4"], rows[f"post d{D} kv=True"]["st_v4"]) == (16, 12), rows
