@@ -1105,12 +1105,13 @@ def test_backend_admits_only_what_the_kernel_does(cute_env):
     assert backend.unsupported_reason(_call(window_left=8, softcap=30.0)) is None
     assert backend.unsupported_reason(_call(varlen=True, causal=True)) is None
     assert backend.unsupported_reason(_call(backward=True, causal=True)) is None  # dense: flash_bwd_sm90
+    assert backend.unsupported_reason(_call(head_dim=96, head_dim_v=96, backward=True)) is None  # its d96 too
     refused = {
         "device cpu": _call(device_type="cpu", arch=None),
         "compute capability": _call(arch=(8, 0)),
         "dtype": _call(dtype=torch.float32),
         "head dims 72": _call(head_dim=72, head_dim_v=72),
-        "head dims 96/96": _call(head_dim=96, head_dim_v=96, backward=True),  # a forward kernel only
+        "head dims 192/192": _call(head_dim=192, head_dim_v=192, backward=True),  # a forward kernel only
         "head dims 128/64": _call(head_dim_v=64),
         "backward with deterministic": _call(backward=True, deterministic=True),
         "backward with paged": _call(backward=True, paged=True),
