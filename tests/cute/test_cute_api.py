@@ -535,6 +535,23 @@ def test_own_backward_takes_the_kernel_where_it_serves(alone, cute_env, monkeypa
     assert len(seen) == 4 and len(alone) == 2
 
 
+def test_own_backward_takes_the_d96_kernel_unless_disabled(alone, cute_env, monkeypatch):
+    """d96 (and the head dims zero-padded to it) goes to the backward kernel; FLASH_ATTN_CUTE_DISABLE=d96 sends it to
+    bwd_torch, as it sends the dispatcher's d96 calls to the next backend."""
+    seen = []
+    monkeypatch.setattr(launch, "backward", lambda dout, q, k, v, *a, **kw: seen.append(q.shape[-1])
+                        or (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)))
+    for d in (96, 80):
+        q, k, v = (torch.randn(1, 9, 2, d, dtype=torch.float16, requires_grad=True) for _ in range(3))
+        out = interface.flash_attn_func(q, k, v, causal=True)[0]
+        torch.autograd.grad(out.float().sum(), (q, k, v))
+    assert seen == [96, 96] and alone == []
+    cute_env(DISABLE="d96")
+    out = interface.flash_attn_func(q, k, v, causal=True)[0]
+    torch.autograd.grad(out.float().sum(), (q, k, v))
+    assert seen == [96, 96] and len(alone) == 1
+
+
 def test_own_backward_varlen_with_seqused(alone, monkeypatch, cute_env):
     cute_env(OVERRIDES="plan.bwd_varlen=0")  # bwd_torch's varlen path (else the kernel, GPU only)
     def stand_in_varlen(q, k, v, cu_q, cu_k, used_k, max_q, scale, causal, arch, wl, wr, softcap,

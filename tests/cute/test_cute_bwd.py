@@ -42,12 +42,20 @@ def _fresh_bwd_kernels(monkeypatch):
     monkeypatch.setattr(launch, "_bwd_kernels", table)
 
 # (dtype, head dim, causal, dq_split, dq_tma): every dtype / head dim / mask with the default dQ split
-# and atomics, the per-warpgroup dQ variant (bwd.dq_split=0) and the TMA reduce-add of dQ (bwd.dq_tma=1) at both
-# head dims
-CONFIGS = ([(dtype, d, causal, True, False) for dtype in (torch.bfloat16, torch.float16) for d in (64, 128)
+# and atomics, the per-warpgroup dQ variant (bwd.dq_split=0) and the TMA reduce-add of dQ (bwd.dq_tma=1) at every
+# head dim
+CONFIGS = ([(dtype, d, causal, True, False) for dtype in (torch.bfloat16, torch.float16) for d in (64, 96, 128)
             for causal in (False, True)]
-           + [(torch.bfloat16, 64, True, False, False), (torch.bfloat16, 128, False, False, False)]
-           + [(torch.bfloat16, 64, True, True, True), (torch.bfloat16, 128, False, True, True)])
+           + [(torch.bfloat16, 64, True, False, False), (torch.bfloat16, 96, False, False, False),
+              (torch.bfloat16, 128, False, False, False)]
+           + [(torch.bfloat16, 64, True, True, True), (torch.bfloat16, 96, False, True, True),
+              (torch.float16, 96, True, True, True), (torch.bfloat16, 128, False, True, True)])
+
+
+def _dq_boxes(d):
+    """TMA boxes of one dQ tile reduce-add: one per swizzle atom of fp32 columns, 32 (128 bytes), or 16 (64 bytes)
+    at D = 96, whose 48-column halves (one per warpgroup) are whole 64-byte atoms only."""
+    return d // (32 if (d // 2) % 32 == 0 else 16)
 
 
 def _ids(cfg):
@@ -112,9 +120,10 @@ def test_ptx_is_warp_specialised_and_accumulates_dq_atomically(compiled):
     reduce_add = "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group"
     if cfg["dq_tma"]:
         # dq_accum += the smem dQ tile by TMA: one box of 32 fp32 columns (a 128-byte swizzle atom) per
-        # D / 32, in the loop (previous block's tile) and after it (the last one); bulk groups committed,
-        # the buffer's reads waited for before reuse, everything waited for before exit
-        assert _count(text, reduce_add) == 2 * (cfg["head_dim"] // 32)
+        # D / 32 (D = 96: 16-column boxes, 64-byte atoms), in the loop (previous block's tile) and after it (the
+        # last one); bulk groups committed, the buffer's reads waited for before reuse, everything waited for
+        # before exit
+        assert _count(text, reduce_add) == 2 * _dq_boxes(cfg["head_dim"])
         assert _count(text, "cp.async.bulk.commit_group") == 2
         assert _count(text, "cp.async.bulk.wait_group.read") == 1
         assert _count(text, "cp.async.bulk.wait_group ") == 1  # the final full wait ("wait_group \t0")
@@ -144,8 +153,8 @@ def test_ptxas_keeps_setmaxnreg_and_wgmma_pipelined(compiled):
     # a few words at most (D = 128 full: 8 bytes, loop-invariant); more means the 240-register budget broke.
     # The TMA dQ kernel (the default) at D = 128 spills 80 bytes (hoisted smem addresses of the dQ stores,
     # reloaded per block; it still ran 1.3x the atomics kernel on the H200): bounded so that it cannot
-    # grow unnoticed.
-    limit = 96 if cfg["dq_tma"] and cfg["head_dim"] == 128 else 64
+    # grow unnoticed. D = 96 spills nothing in any variant.
+    limit = 0 if cfg["head_dim"] == 96 else 96 if cfg["dq_tma"] and cfg["head_dim"] == 128 else 64
     assert all(x <= limit for x in spills), log
 
 
@@ -183,7 +192,7 @@ def test_tma_dq_reduce_is_issued_by_a_converged_warp(compiled):
     if not cfg["dq_tma"]:
         pytest.skip("no TMA reduce-add in this variant")
     code = _sass(ptx)
-    assert sum("UTMAREDG" in ins for _, ins in code) == 2 * (cfg["head_dim"] // 32)
+    assert sum("UTMAREDG" in ins for _, ins in code) == 2 * _dq_boxes(cfg["head_dim"])
     assert _divergent_tma_reduces(code) == []
 
 
@@ -216,10 +225,10 @@ def _wgmmas_between_dq_and_atomics(text, d, bm):
     return len(sdp), waits
 
 
-@pytest.mark.parametrize("d,causal", [(64, True), (128, False)])
+@pytest.mark.parametrize("d,causal", [(64, True), (96, False), (128, False)])
 def test_overlap_issues_the_next_block_before_the_dq_atomics(tmp_path, cute_env, d, causal):
     """With bwd.overlap=1, between this block's dQ WGMMA and its dq_accum atomics the
-    loop issues the next block's S^T and dP^T (D = 64; D = 128: S^T only, 2 x D/16 or D/16 WGMMAs)
+    loop issues the next block's S^T and dP^T (D = 64 / 96; D = 128: S^T only, 2 x D/16 or D/16 WGMMAs)
     and waits only for the older groups (wait_group 2 / 1); the default build issues nothing there and
     waits for everything. ptxas keeps the WGMMAs pipelined and spills at most a few words."""
     # the atomics path (the TMA dQ has its own test), the 64-row loop (128 rows: its own overlap test)
@@ -230,9 +239,9 @@ def test_overlap_issues_the_next_block_before_the_dq_atomics(tmp_path, cute_env,
     base, _ = _compile_ptx(tmp_path, cute_env, d, causal, {**fields, "bwd.overlap": False})
     text, ptx = _compile_ptx(tmp_path, cute_env, d, causal, {**fields, "bwd.overlap": True})
     assert _wgmmas_between_dq_and_atomics(base, d, bm) == (0, ["wgmma.wait_group.sync.aligned \t0;"])
-    ahead = 2 * d // 16 if d == 64 else d // 16
+    ahead = 2 * d // 16 if d != 128 else d // 16
     assert _wgmmas_between_dq_and_atomics(text, d, bm) == (
-        ahead, [f"wgmma.wait_group.sync.aligned \t{2 if d == 64 else 1};"])
+        ahead, [f"wgmma.wait_group.sync.aligned \t{2 if d != 128 else 1};"])
     if shutil.which("ptxas") is None:
         pytest.skip("ptxas not on PATH")
     out = subprocess.run(["ptxas", "-arch=sm_90a", "-v", ptx, "-o", os.devnull], capture_output=True, text=True,
@@ -240,19 +249,19 @@ def test_overlap_issues_the_next_block_before_the_dq_atomics(tmp_path, cute_env,
     log = out.stdout + out.stderr
     assert "are serialized" not in log and "setmaxnreg' ignored" not in log, log
     spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)]
-    assert all(x <= (0 if d == 64 else 32) for x in spills), log
+    assert all(x <= (32 if d == 128 else 0) for x in spills), log
 
 
 def test_overlap_config_key_and_refusals(monkeypatch, cute_env):
     """The option is in the cache key only when on (the default kernels keep their disk entries); the
     kernel refuses a 1-stage ring (stage j + 1 waited for while j is held: a deadlock) and the
-    per-warpgroup dQ at D = 128 (does not fit the register budget)."""
+    per-warpgroup dQ at D = 96 / 128 (does not fit the register budget)."""
     import cutlass
 
     from flash_attn.cute.flash_bwd_sm90 import FlashBwdSm90
 
     base = kernels.bwd_config(torch.bfloat16, 64, True, "sm_90a").key()
-    assert "overlap" not in base and config.BWD_OVERLAP == {64: False, 128: False}
+    assert "overlap" not in base and config.BWD_OVERLAP == {64: False, 96: False, 128: False}
     key = kernels._bwd_entry(torch.bfloat16, 64, True, "sm_90a")[1]
     cute_env(OVERRIDES="bwd.overlap=0")
     assert kernels.bwd_config(torch.bfloat16, 64, True, "sm_90a").key() == base
@@ -265,8 +274,10 @@ def test_overlap_config_key_and_refusals(monkeypatch, cute_env):
     assert "overlap" not in kernels.bwd_config(torch.bfloat16, 64, False, "sm_90a").key()
     with pytest.raises(ValueError, match="num_stages >= 2"):
         FlashBwdSm90(cutlass.BFloat16, 64, True, num_stages=1, overlap=True)
-    with pytest.raises(ValueError, match="dq_split=False"):
-        FlashBwdSm90(cutlass.BFloat16, 128, True, dq_split=False, overlap=True)
+    for d in (96, 128):
+        with pytest.raises(ValueError, match="dq_split=False"):
+            FlashBwdSm90(cutlass.BFloat16, d, True, dq_split=False, overlap=True)
+        FlashBwdSm90(cutlass.BFloat16, d, True, dq_split=False)  # without the option: allowed
     FlashBwdSm90(cutlass.BFloat16, 64, True, num_stages=1)  # without the option: allowed
     FlashBwdSm90(cutlass.BFloat16, 64, True, dq_split=False, overlap=True)
 
@@ -366,7 +377,7 @@ def test_bwd_exp2_emu_config_key_and_refusals(cute_env):
     from flash_attn.cute.flash_bwd_sm90 import FlashBwdSm90
 
     base = kernels.bwd_config(torch.bfloat16, 64, True, "sm_90a").key()
-    assert "exp2_emu" not in base and config.BWD_EXP2_EMU == {64: 0, 128: 0}
+    assert "exp2_emu" not in base and config.BWD_EXP2_EMU == {64: 0, 96: 0, 128: 0}
     cute_env(OVERRIDES="bwd.exp2_emu=0")
     assert kernels.bwd_config(torch.bfloat16, 64, True, "sm_90a").key() == base
     cute_env(OVERRIDES="bwd.exp2_emu=6")
@@ -407,14 +418,14 @@ def _compare_transposed(t, tt, shape, bad):
     # Plain Python (not @cute.jit, whose loops and ifs become device code): every value here is static.
     stages = shape[2] if len(shape) == 3 else 1
     for i in (0, 1, 7, 8, 31, 63):
-        for j in (0, 1, 15, 16, 63):
+        for j in (0, 1, 15, 16, 63) + ((shape[1] // 2 + 1, shape[1] - 1) if shape[1] > 64 else ()):
             for s in range(stages):
                 c, ct = ((i, j, s), (j, i, s)) if len(shape) == 3 else ((i, j), (j, i))
                 if cute.crd2idx(c, t.layout) != cute.crd2idx(ct, tt.layout):
                     bad.append((shape, c))
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 96, 128])
 def test_transposed_smem_views_address_the_same_elements(d):
     """The MN-major B operands (dO^T, Q^T, K^T) and the dS^T view are bwd_parts.transpose_view of K-major (or
     M-major) tiles: element (j, i) of the view must be element (i, j) of the tile, stage by stage."""
@@ -422,16 +433,19 @@ def test_transposed_smem_views_address_the_same_elements(d):
     from cutlass.cute.nvgpu import warpgroup
 
     from flash_attn.cute.bwd_parts import transpose_view
+    from flash_attn.cute.hopper_helpers import k_atom_for
     from flash_attn.cute.hopper_helpers import smem_layout as _smem_layout
 
     bad = []
+    # the kernel's tiles (Q / dO, K of either dQ split, V; dS) and the other K-major atoms that fit D
+    kinds = [(k_atom_for(d, cutlass.BFloat16), (64, d, 2)), (k_atom_for(d, cutlass.BFloat16), (128, d)),
+             (k_atom_for(d // 2, cutlass.BFloat16), (128, d)), (warpgroup.SmemLayoutAtomKind.MN_SW128, (64, 128, 2))]
+    kinds += [(kind, (128, d)) for kind, row in ((warpgroup.SmemLayoutAtomKind.K_SW64, 32),
+                                                 (warpgroup.SmemLayoutAtomKind.K_SW32, 16)) if d % row == 0]
 
     @cute.jit
     def check():
-        for kind, shape in ((warpgroup.SmemLayoutAtomKind.K_SW128, (64, d, 2)),
-                            (warpgroup.SmemLayoutAtomKind.K_SW128, (128, d)),
-                            (warpgroup.SmemLayoutAtomKind.K_SW64, (128, d)),
-                            (warpgroup.SmemLayoutAtomKind.MN_SW128, (64, 128, 2))):
+        for kind, shape in kinds:
             layout = _smem_layout(kind, cutlass.BFloat16, shape).outer
             t = cute.make_tensor(cute.make_ptr(cutlass.BFloat16, 0, cute.AddressSpace.smem, assumed_align=16),
                                  layout)
@@ -455,7 +469,7 @@ def _compare_fragments(sdp, dv, block_n, block_m, mismatches):
                 mismatches.append((t, i, cS[i], cA[i]))
 
 
-@pytest.mark.parametrize("d,block_m", [(64, 64), (128, None), (64, None)])
+@pytest.mark.parametrize("d,block_m", [(64, 64), (96, None), (128, None), (64, None)])
 def test_p_fragment_reuses_the_st_accumulator_layout(d, block_m):
     """P^T goes to dV += P^T dO by reinterpreting the S^T accumulator (m64n{BM}k16) registers as the A
     operand of m64n{D}k16 with K = BM, layout ((2, 2, 2), 1, BM / 16): each register must then hold the
@@ -500,7 +514,7 @@ def _check_dq_pairs(dq, block_m, d, threads, bad):
 
 
 @pytest.mark.parametrize("dq_split", [True, False])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 96, 128])
 def test_dq_accumulator_values_pair_up_as_adjacent_columns(d, dq_split):
     """_atomic_add_dq adds accumulator values 2 i and 2 i + 1 with one red.global.add.v2.f32 at the
     address of value 2 i: they must be columns c, c + 1 (c even) of one row, for every thread; and the
@@ -591,11 +605,15 @@ def test_shared_memory_is_counted_and_an_oversized_config_refused():
         FlashBwdSm90(cutlass.BFloat16, 128, True, num_stages=3, dq_tma=True)
     assert FlashBwdSm90(cutlass.BFloat16, 128, True, num_stages=3, dq_tma=False).smem_bytes() <= 232448
     assert FlashBwdSm90(cutlass.BFloat16, 64, True, num_stages=3, dq_tma=True).smem_bytes() <= 232448
+    # d96 (the defaults: 64 rows, 2 stages, TMA dQ): 178 KB; 3 stages would fit too
+    assert FlashBwdSm90(cutlass.BFloat16, 96, True, num_stages=2, dq_tma=True).smem_bytes() == 182272
+    assert FlashBwdSm90(cutlass.BFloat16, 96, True, num_stages=3, dq_tma=True).smem_bytes() <= 232448
 
 
 def test_unsupported_head_dim_is_refused():
-    with pytest.raises(ValueError, match="head dim"):
-        kernels.compile_bwd(torch.bfloat16, 96, False)
+    for d in (192, 256):
+        with pytest.raises(ValueError, match="head dim"):
+            kernels.compile_bwd(torch.bfloat16, d, False)
 
 
 def test_cache_key_has_only_what_changes_code():
@@ -607,7 +625,7 @@ def test_cache_key_has_only_what_changes_code():
         kernels._bwd_entry(torch.bfloat16, 64, False, "sm_90a")[1]
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 96, 128])
 def test_default_backward_adds_dq_by_tma_and_the_override_switches_it(cute_env, d):
     # the TMA dQ measured 1.19-1.39x the atomics kernel on the H200 (attention_cute_bwd.md, session 5)
     cfg = kernels.bwd_config(torch.bfloat16, d, True, "sm_90a").key()
@@ -813,7 +831,7 @@ except AttributeError:
 def compile_kernel(label, fn, types, constexprs, num_warps):
     names = fn.arg_names
     sig = {n: "constexpr" if n in constexprs else types(n) for n in names}
-    # what Triton sees for contiguous bf16 tensors at head dims 64/128: pointers and strides other than the
+    # what Triton sees for contiguous bf16 tensors at head dims 64/96/128: pointers and strides other than the
     # unit last ones divisible by 16 (the lengths are not specialised)
     div = [n for n in names if n not in constexprs and (n[0].isupper() or n.startswith("s_"))]
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=constexprs,
@@ -828,14 +846,14 @@ def compile_kernel(label, fn, types, constexprs, num_warps):
                           st_v4=len(re.findall(r"st\.global[.\w]*\.v4", ptx)))))
 
 
-for D in (64, 128):
+for D in (64, 96, 128):
     meta = bh._meta(D)
-    ce = dict(HEAD_DIM=D, BLOCK_D=D, BLOCK_M=meta["BLOCK_M"], s_od=1, s_gd=1, s_ls=1)
+    ce = dict(HEAD_DIM=D, BLOCK_D=meta["BLOCK_D"], BLOCK_M=meta["BLOCK_M"], s_od=1, s_gd=1, s_ls=1)
     types = lambda n: {"Out": "*bf16", "DOut": "*bf16"}.get(n, "*fp32" if n[0].isupper() else "i32")
     compile_kernel(f"prep d{D}", bh._bwd_prep_kernel, types, ce, meta["num_warps"])
     for kv in (False, True):
         meta = bh._meta(D, kv)
-        ce = dict(HEAD_DIM=D, BLOCK_D=D, BLOCK_S=meta["BLOCK_S"], KV=kv, s_qd=1, s_kd=1, s_vd=1)
+        ce = dict(HEAD_DIM=D, BLOCK_D=meta["BLOCK_D"], BLOCK_S=meta["BLOCK_S"], KV=kv, s_qd=1, s_kd=1, s_vd=1)
         types = lambda n: "*fp32" if n == "DQAccum" else "*bf16" if n[0].isupper() else "i32"
         compile_kernel(f"post d{D} kv={kv}", bh._bwd_post_kernel, types, ce, meta["num_warps"])
 """
@@ -855,13 +873,14 @@ def test_host_kernels_compile_for_sm90_vectorised_without_spills(tmp_path):
                        text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = {row.pop("label"): row for row in map(json.loads, (x for x in r.stdout.splitlines() if x[:1] == "{"))}
-    assert len(rows) == 6, r.stdout
+    assert len(rows) == 9, r.stdout
     for label, row in rows.items():
         assert row["spills"] in (0, None), (label, row)  # None: a Triton without the ptxas log knob
     # per thread, bf16 tiles of 64 x D over 32 * num_warps threads: out and dout 2 x 4 loads of 8 values,
     # dq_accum's zeros 8 stores of 4 fp32; the cast 8 loads of 4 fp32 and 4 stores of 8 bf16; with KV
-    # also the group's 2 x 4 loads per query head and 2 x 4 stores
-    for D in (64, 128):
+    # also the group's 2 x 4 loads per query head and 2 x 4 stores (D = 96: the 128-column tile masked to 96 columns,
+    # still 16-byte accesses)
+    for D in (64, 96, 128):
         assert (rows[f"prep d{D}"]["ld_v4"], rows[f"prep d{D}"]["st_v4"]) == (8, 8), rows
         assert (rows[f"post d{D} kv=False"]["ld_v4"], rows[f"post d{D} kv=False"]["st_v4"]) == (8, 4), rows
         assert (rows[f"post d{D} kv=True"]["ld_v4"], rows[f"post d{D} kv=True"]["st_v4"]) == (16, 12), rows
@@ -912,7 +931,10 @@ def test_backward_is_served_only_where_the_kernel_applies(cute_env, disable):
         assert cute_backend.unsupported_reason(_call(**what)) is None, what
     for what in (dict(deterministic=True), dict(alibi=True), dict(dropout_p=0.1), dict(paged=True)):
         assert cute_backend.unsupported_reason(_call(**what)) is not None, what
-    assert cute_backend.unsupported_reason(_call(head_dim=96, head_dim_v=96)) is not None
+    assert cute_backend.unsupported_reason(_call(head_dim=96, head_dim_v=96)) is None
+    assert cute_backend.unsupported_reason(_call(head_dim=96, head_dim_v=64)) is not None
+    for d in (192, 256):
+        assert cute_backend.unsupported_reason(_call(head_dim=d, head_dim_v=d)) is not None
     assert cute_backend.unsupported_reason(_call(arch=(8, 0))) is not None
 
 
@@ -976,7 +998,7 @@ def _run(dtype, d, causal, batch, seqlen_q, seqlen_k, heads, heads_kv, calls, se
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 96, 128])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlen", [1, 17, 128, 255, 1000, 2048])
 @pytest.mark.parametrize("heads,heads_kv", [(4, 4), (4, 1)])
@@ -986,7 +1008,7 @@ def test_gradients_match_reference_on_gpu(cute_bwd_on, dtype, d, causal, seqlen,
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 96, 128])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(113, 203), (256, 77), (300, 1200), (1, 130)])
 def test_gradients_with_unequal_lengths_on_gpu(cute_bwd_on, d, causal, seqlen_q, seqlen_k):
@@ -996,7 +1018,7 @@ def test_gradients_with_unequal_lengths_on_gpu(cute_bwd_on, d, causal, seqlen_q,
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 96, 128])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlen", [17, 255, 1000])
 def test_gradients_with_per_warpgroup_dq_on_gpu(cute_bwd_on, monkeypatch, cute_env, d, causal, seqlen):
@@ -1008,7 +1030,7 @@ def test_gradients_with_per_warpgroup_dq_on_gpu(cute_bwd_on, monkeypatch, cute_e
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 96, 128])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(17, 17), (255, 255), (1000, 1000), (2048, 2048), (113, 203),
                                                (256, 77), (1, 130)])
@@ -1022,7 +1044,7 @@ def test_gradients_with_atomic_dq_on_gpu(cute_bwd_on, monkeypatch, cute_env, d, 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 96, 128])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (17, 17), (255, 255), (1000, 1000), (2048, 2048), (113, 203),
                                                (256, 77)])
@@ -1052,7 +1074,7 @@ def test_gradients_with_block_m_64_at_d64_on_gpu(cute_bwd_on, monkeypatch, cute_
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 96, 128])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("lpt", ["16", "128"])
 @pytest.mark.parametrize("batch,seqlen_q,seqlen_k,heads,heads_kv", [(3, 1000, 1000, 5, 5), (2, 2048, 2048, 6, 2),
@@ -1072,7 +1094,8 @@ def test_gradients_with_lpt_order_on_gpu(cute_bwd_on, monkeypatch, cute_env, d, 
 @pytest.mark.parametrize("d,causal,fields", [(64, True, {"bwd.dq_tma": 1}), (128, False, {"bwd.dq_tma": 1}),
                                              (64, True, {"bwd.stages": 3, "bwd.block_m": 64}),
                                              (128, True, {"bwd.stages": 3, "bwd.dq_tma": 0}),
-                                             (64, False, {"bwd.dq_split": 0, "bwd.block_m": 64})])
+                                             (64, False, {"bwd.dq_split": 0, "bwd.block_m": 64}),
+                                             (96, True, {"bwd.stages": 3}), (96, False, {"bwd.dq_tma": 0})])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(17, 17), (1000, 1000), (113, 203), (256, 77)])
 def test_gradients_with_overlap_variants_on_gpu(cute_bwd_on, monkeypatch, cute_env, d, causal, fields, seqlen_q,
                                                 seqlen_k):
@@ -1121,7 +1144,7 @@ def test_gradients_with_block_m_128_variants_on_gpu(cute_bwd_on, monkeypatch, cu
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
-@pytest.mark.parametrize("d,block_m", [(64, "64"), (128, "64"), (64, "128")])
+@pytest.mark.parametrize("d,block_m", [(64, "64"), (96, "64"), (128, "64"), (64, "128")])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("emu", ["6", "16"])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(17, 17), (1000, 1000), (113, 203), (256, 77)])
@@ -1201,7 +1224,7 @@ def test_backward_is_three_launches_on_gpu(cute_bwd_on, cute_env, heads_kv, pack
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 96, 128])
 def test_host_paths_agree_on_gpu(dtype, d):
     """bwd_host's Triton kernels against its torch expressions on CUDA tensors: lse2 (with +-inf rows), the
     padding, dq_accum and the dq cast bit for bit, delta and the GQA sums within fp32 rounding."""
@@ -1237,7 +1260,7 @@ def test_host_paths_agree_on_gpu(dtype, d):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 96, 128])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlen_q,seqlen_k,heads_kv", [(255, 255, 4), (1000, 1000, 1), (300, 1200, 2),
                                                        (256, 77, 2)])
@@ -1330,7 +1353,7 @@ def test_window_backward_compiles_for_sm90a_with_its_own_key(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 96, 128])
 @pytest.mark.parametrize("causal,window", [(False, (100, 30)), (True, (64, -1)), (False, (0, 0)), (False, (-1, 200)),
                                            (False, (513, -1)), (True, (1, -1))])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1000, 1000), (300, 777), (777, 300), (1, 900)])

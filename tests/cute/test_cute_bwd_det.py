@@ -27,7 +27,8 @@ from test_cute_bwd_varlen import _cu, _call, _hopper, _ptxas_spills  # noqa: E40
 U = launch._UNBOUNDED
 
 
-@pytest.mark.parametrize("d,causal,varlen", [(64, False, False), (128, True, False), (128, True, True)])
+@pytest.mark.parametrize("d,causal,varlen", [(64, False, False), (96, False, False), (128, True, False),
+                                             (96, True, True), (128, True, True)])
 def test_deterministic_kernel_takes_turns_in_its_ptx(tmp_path, cute_env, d, causal, varlen):
     """Its own cache key; red.global.add of dQ (no TMA reduce-add), the turn: one ld.acquire.gpu spin, a barrier
     of the 256 consumer threads, then fence.acq_rel.gpu, the barrier and one red.release.gpu per query block; ptxas
@@ -176,7 +177,7 @@ def _inputs(dtype, d, batch, seqlen_q, seqlen_k, heads, heads_kv, seed):
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 96, 128])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1000, 1000), (300, 1200), (1200, 300), (1, 130), (4096, 4096)])
 def test_deterministic_gradients_are_exact_and_repeat_bit_for_bit_on_gpu(det_on, dtype, d, causal, seqlen_q,
@@ -206,7 +207,7 @@ def test_deterministic_gradients_are_exact_and_repeat_bit_for_bit_on_gpu(det_on,
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 96, 128])
 @pytest.mark.parametrize("causal", [False, True])
 def test_deterministic_varlen_gradients_repeat_bit_for_bit_on_gpu(det_on, d, causal):
     """Varlen through FA4's flash_attn_varlen_func(deterministic=True): five runs, the same bits; the gradients of

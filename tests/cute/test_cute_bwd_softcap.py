@@ -27,12 +27,14 @@ U = launch._UNBOUNDED
 
 
 @pytest.mark.parametrize("d,causal,kw,spill_limit", [(64, False, {}, 0), (128, True, {}, 200),
-                                                     (64, True, dict(varlen=True), 0)])
+                                                     (64, True, dict(varlen=True), 0), (96, False, {}, 0),
+                                                     (96, True, dict(varlen=True), 0)])
 def test_softcap_kernel_compiles_with_one_tanh_per_score(tmp_path, cute_env, d, causal, kw, spill_limit):
     """64 query rows whatever the override; its own cache key; one tanh.approx.f32 per score of a thread's S^T tile
     (64 query rows x 128 keys over 256 consumer threads: 32); ptxas keeps setmaxnreg and the WGMMA pipeline and spills
     at most ``spill_limit`` bytes (d128 causal: 196, the dense kernel's 76 plus the derivative's 16 registers next to
-    the mask's; bounded so that it cannot grow unnoticed, and the first thing to look at when it is timed)."""
+    the mask's; bounded so that it cannot grow unnoticed, and the first thing to look at when it is timed; d96: none,
+    with its dQ smem addresses partitioned in the loop, 16 / 32 bytes without)."""
     cute_env(OVERRIDES="bwd.block_m=128")
     cfg = kernels.bwd_config(torch.bfloat16, d, causal, "sm_90a", softcap=True, **kw)
     assert cfg.block_m == 64 and cfg.key()["softcap"] is True
@@ -131,7 +133,7 @@ def softcap_on(monkeypatch, cute_env):
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 96, 128])
 @pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (100, 30))])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1000, 1000), (300, 777), (1, 130)])
 def test_softcap_gradients_match_reference_on_gpu(softcap_on, dtype, d, causal, window, seqlen_q, seqlen_k):
@@ -159,7 +161,7 @@ def test_softcap_gradients_match_reference_on_gpu(softcap_on, dtype, d, causal, 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 96, 128])
 def test_softcap_varlen_gradients_on_gpu(softcap_on, d):
     from flash_attn.cute import flash_attn_varlen_func
 

@@ -719,20 +719,24 @@ def cute_dtype(dtype):
 
 def test_backend_gates_the_wide_head_dims(cute_env):
     """The dispatcher's cute backend: d96 / d192 / d256 forwards by default, but those that
-    FLASH_ATTN_CUTE_DISABLE names (d96, d192, d256); their backward never (the backward kernel has d64 / d128);
-    the package API accepts them."""
+    FLASH_ATTN_CUTE_DISABLE names (d96, d192, d256); the d96 backward too (unless d96 is named), the d192 / d256
+    backward never (the backward kernel has d64 / d96 / d128); the package API accepts them."""
     from flash_attn.cute import backend, interface
 
     assert backend.forward_head_dims() == (64, 96, 128, 192, 256)
+    assert backend.backward_head_dims() == (64, 96, 128)
     for d in (96, 192, 256):
         assert backend.unsupported_reason(_call(head_dim=d, head_dim_v=d, causal=True)) is None
-        assert backend.unsupported_reason(_call(head_dim=d, head_dim_v=d, backward=True)) is not None
+        assert (backend.unsupported_reason(_call(head_dim=d, head_dim_v=d, backward=True)) is None) == (d == 96)
     cute_env(DISABLE="d96,d192,d256")
     assert backend.forward_head_dims() == (64, 128)
+    assert backend.backward_head_dims() == (64, 128)
     for d in (96, 192, 256):
         reason = backend.unsupported_reason(_call(head_dim=d, head_dim_v=d))
         assert reason is not None and settings.DISABLE in reason and f"d{d}" in reason, reason
         interface._check_dims(d, d, 4, 2)  # flash_attn.cute.flash_attn_func's check
+    reason = backend.unsupported_reason(_call(head_dim=96, head_dim_v=96, backward=True))
+    assert reason is not None and settings.DISABLE in reason and "d96" in reason, reason
     cute_env(DISABLE="d96,d192")
     assert backend.forward_head_dims() == (64, 128, 256)
     assert backend.unsupported_reason(_call(head_dim=256, head_dim_v=256, causal=True)) is None
@@ -742,9 +746,10 @@ def test_backend_gates_the_wide_head_dims(cute_env):
     assert "head dims 256/128" in backend.unsupported_reason(_call(head_dim=256, head_dim_v=128))
     cute_env(DISABLE="paged, Split")  # other features leave every head dim on (names: any case, spaces)
     assert backend.forward_head_dims() == (64, 96, 128, 192, 256)
+    assert backend.backward_head_dims() == (64, 96, 128)
     for d in (96, 192):
         assert backend.unsupported_reason(_call(head_dim=d, head_dim_v=d)) is None
-        assert backend.unsupported_reason(_call(head_dim=d, head_dim_v=d, backward=True)) is not None
+        assert (backend.unsupported_reason(_call(head_dim=d, head_dim_v=d, backward=True)) is None) == (d == 96)
     with pytest.raises(NotImplementedError, match="head dim 72"):
         interface._check_dims(72, 72, 4, 2)
     for bad in ("256", "d72", "96,192"):  # a head dim without its "d", or one with no gated kernel
@@ -754,7 +759,7 @@ def test_backend_gates_the_wide_head_dims(cute_env):
 
 def test_precompile_takes_the_enabled_head_dims(cute_env, tmp_path):
     """python -m flash_attn.cute.precompile: the default head dims are those FLASH_ATTN_CUTE_DISABLE leaves on;
-    any forward head dim may be named; --backward builds backward kernels for d64 / d128 only."""
+    any forward head dim may be named; --backward builds backward kernels for d64 / d96 / d128 only."""
     from flash_attn.cute import precompile
 
     assert precompile.default_head_dims() == (64, 96, 128, 192, 256)
@@ -1105,12 +1110,13 @@ def test_backend_admits_only_what_the_kernel_does(cute_env):
     assert backend.unsupported_reason(_call(window_left=8, softcap=30.0)) is None
     assert backend.unsupported_reason(_call(varlen=True, causal=True)) is None
     assert backend.unsupported_reason(_call(backward=True, causal=True)) is None  # dense: flash_bwd_sm90
+    assert backend.unsupported_reason(_call(head_dim=96, head_dim_v=96, backward=True)) is None  # its d96 too
     refused = {
         "device cpu": _call(device_type="cpu", arch=None),
         "compute capability": _call(arch=(8, 0)),
         "dtype": _call(dtype=torch.float32),
         "head dims 72": _call(head_dim=72, head_dim_v=72),
-        "head dims 96/96": _call(head_dim=96, head_dim_v=96, backward=True),  # a forward kernel only
+        "head dims 192/192": _call(head_dim=192, head_dim_v=192, backward=True),  # a forward kernel only
         "head dims 128/64": _call(head_dim_v=64),
         "backward with deterministic": _call(backward=True, deterministic=True),
         "backward with paged": _call(backward=True, paged=True),

@@ -170,7 +170,7 @@ def test_learnable_sink_default_matches_reference(defaults, dtype, d, causal, sq
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("d", [64, 96, 128, 256])
 @pytest.mark.parametrize("mask", ["full", "causal", "window"])
 @pytest.mark.parametrize("sq,sk", [(127, 129), (129, 128), (255, 113), (77, 300)])
 def test_gradients_default_match_reference(defaults, dtype, d, mask, sq, sk):

@@ -110,13 +110,27 @@ def test_triton_where_cute_refuses(gpu, call):
 def test_wide_head_dims_forward_on_cute_backward_on_triton(gpu):
     for d in (96, 192, 256):
         assert _select(d=d, dv=d) == "cute", d
+    for d in (192, 256):  # the cute backward kernel has d64 / d96 / d128
         assert _select(d=d, dv=d, backward=True) == "triton", d
+
+
+def test_d96_backward_runs_cute(gpu):
+    assert _select(d=96, dv=96, backward=True) == "cute"
+    assert _select(d=96, dv=96, backward=True, causal=True, window_right=0) == "cute"
+    assert _select(d=96, dv=96, backward=True, window_left=16, window_right=8) == "cute"
+    assert _select(d=96, dv=96, backward=True, varlen=True, causal=True) == "cute"
+    assert _select(d=96, dv=96, backward=True, softcap=30.0) == "cute"
+    assert _select(d=96, dv=64, backward=True) == "triton"  # v's head dim must equal q's
 
 
 def test_switches_move_calls_off_cute(gpu, cute_env):
     cute_env(DISABLE="bwd")
     assert _select(backward=True) == "triton"
     assert _select() == "cute"
+    cute_env(DISABLE="d96")  # the d96 forward and backward
+    assert _select(d=96, dv=96, backward=True) == "triton"
+    assert _select(d=96, dv=96) == "triton"
+    assert _select(d=128, dv=128, backward=True) == "cute"  # (a kind of call not chosen above: choices are cached)
     cute_env(DISABLE="bwd,d96,d192,d256")  # (before any d256 call: the dispatcher caches its choice per kind)
     assert _select(d=256, dv=256) == "triton"
 

@@ -71,10 +71,11 @@ def with_fallback_backward(q, k, v, softmax_scale, causal, window_left, window_r
 
 def _kernel_takes(q, v, causal, window_left, window_right, softcap, deterministic, varlen):
     """Whether this package's CuTeDSL backward kernel serves the call in own_backward (as backend.py's rule for the
-    dispatcher: its head dims, not switched off; a window with sizes >= 0 under the plan rule bwd_window; varlen
-    (cu_seqlens, seqused) under bwd_varlen; softcap under bwd_softcap), and deterministic calls without a window
-    whatever bwd_deterministic says: that rule weighs the kernel against Triton's deterministic backward, while the
-    alternative here is bwd_torch, which is slower than either."""
+    dispatcher: its head dims (backend.backward_head_dims, d96 unless FLASH_ATTN_CUTE_DISABLE names it), not switched
+    off; a window with sizes >= 0 under the plan rule bwd_window; varlen (cu_seqlens, seqused) under bwd_varlen;
+    softcap under bwd_softcap), and deterministic calls without a window whatever bwd_deterministic says: that rule
+    weighs the kernel against Triton's deterministic backward, while the alternative here is bwd_torch, which is slower
+    than either."""
     from flash_attn.cute import backend
 
     U = _UNBOUNDED
@@ -83,7 +84,7 @@ def _kernel_takes(q, v, causal, window_left, window_right, softcap, deterministi
     varlen_ok = varlen is None or (backend._varlen_bwd() and varlen[0] is not None and varlen[1] is not None)
     det_ok = not deterministic or unwindowed
     return (varlen_ok and (not softcap or backend._softcap_bwd()) and det_ok and window_ok
-            and q.shape[-1] == v.shape[-1] and q.shape[-1] in backend._HEAD_DIMS
+            and q.shape[-1] == v.shape[-1] and q.shape[-1] in backend.backward_head_dims()
             and not settings.disabled("bwd"))
 
 

@@ -2,15 +2,15 @@
 
 Serves forward calls on Hopper (sm_90): fp16/bf16, head dims 64, 96, 128, 192, 256 (v's equal to q's, or the pair
 192 / 128 of config.HEAD_DIM_PAIRS), causal or not, sliding windows, softcap, GQA/MQA, dense, varlen (cu_seqlens)
-or paged. The backward kernel (flash_bwd_sm90.py) has head dims 64 and 128 and serves dense calls (sliding windows
-and varlen under the plan rules bwd_window / bwd_varlen) without softcap, ALiBi or dropout (its dQ is a sum of fp32
-TMA reduce-adds from the key blocks' CTAs in whatever order they finish, so it varies in the last bits run to run,
-as FA2's default backward does; deterministic calls without a window, under the plan rule bwd_deterministic, add in
-key-block order); every other
-backward goes to the next backend that has one (Triton, else the reference), which consumes this forward's out and
-lse. FLASH_ATTN_CUTE_DISABLE (settings.py) switches off the backward ("bwd"), the paged and Dv != D kernels, and
-the forward of head dims 96 / 192 / 256 ("d96", ...): those calls then go to the next backend. The dispatcher
-caches its choices per kind of call, so a change takes effect in a new process.
+or paged. The backward kernel (flash_bwd_sm90.py) has head dims 64, 96 and 128 (v's equal to q's) and serves dense
+calls (sliding windows, varlen and softcap under the plan rules bwd_window / bwd_varlen / bwd_softcap) without ALiBi or
+dropout (its dQ is a sum of fp32 TMA reduce-adds from the key blocks' CTAs in whatever order they finish, so it varies
+in the last bits run to run, as FA2's default backward does; deterministic calls without a window, under the plan rule
+bwd_deterministic, add in key-block order); every other backward goes to the next backend that has one (Triton,
+else the reference), which consumes this forward's out and lse. FLASH_ATTN_CUTE_DISABLE (settings.py) switches off
+the backward ("bwd"), the paged and Dv != D kernels, and head dims 96 / 192 / 256 ("d96", ...: the forward, and
+d96's backward too): those calls then go to the next backend. The dispatcher caches its choices per kind of call,
+so a change takes effect in a new process.
 
 Paged varlen forward calls (flash_attn_varlen_func's block_table; cu_seqlens_k then counts each sequence's keys) run
 the paged kernel (launch.forward_varlen with the page table, each sequence's key count as seqused_k); pages the
@@ -25,8 +25,9 @@ from flash_attn.cute import settings
 
 NAME = "cute"
 _DTYPES = (torch.float16, torch.bfloat16)
-_HEAD_DIMS = (64, 128)  # forward and backward
-_GATED_FWD_HEAD_DIMS = (96, 192, 256)  # forward only; FLASH_ATTN_CUTE_DISABLE=d96,... sends them on
+_HEAD_DIMS = (64, 128)  # forward and backward, always
+_GATED_FWD_HEAD_DIMS = (96, 192, 256)  # forward; FLASH_ATTN_CUTE_DISABLE=d96,... sends them on
+_GATED_BWD_HEAD_DIMS = (96,)  # backward; the same switch (d96) sends it on
 _ARCHS = {(9, 0): "sm_90a"}
 _unavailable = []
 BWD_OUT = True  # bwd() takes grads=(dq, dk, dv)
@@ -60,6 +61,12 @@ def forward_head_dims():
     return tuple(sorted(_HEAD_DIMS + tuple(d for d in _GATED_FWD_HEAD_DIMS if not settings.disabled(f"d{d}"))))
 
 
+def backward_head_dims():
+    """The head dims whose backward the dispatcher (and flash_attn.cute's own autograd) may send to the kernel: 64,
+    128 and 96 unless FLASH_ATTN_CUTE_DISABLE names d96."""
+    return tuple(sorted(_HEAD_DIMS + tuple(d for d in _GATED_BWD_HEAD_DIMS if not settings.disabled(f"d{d}"))))
+
+
 def unsupported_reason(call):
     if call.device_type != "cuda":
         return f"device {call.device_type}"
@@ -67,7 +74,7 @@ def unsupported_reason(call):
         return f"compute capability {call.arch}: only Hopper (sm_90) kernels exist"
     if call.dtype not in _DTYPES:
         return f"dtype {call.dtype} (fp16/bf16 only)"
-    head_dims = _HEAD_DIMS if call.backward else forward_head_dims()
+    head_dims = backward_head_dims() if call.backward else forward_head_dims()
     pair = False  # v's head dim != q's: a pair of config.HEAD_DIM_PAIRS, forward only (backward: the next one)
     if call.head_dim_v != call.head_dim and not call.backward and call.head_dim in head_dims:
         from flash_attn.cute.config import HEAD_DIM_PAIRS
@@ -77,7 +84,8 @@ def unsupported_reason(call):
             return f"head dims {call.head_dim}/{call.head_dim_v}: {settings.DISABLE} names hdim_v"
     if not pair and (call.head_dim not in head_dims or call.head_dim_v != call.head_dim):
         why = f"head dims {call.head_dim}/{call.head_dim_v} not in {head_dims} (equal for q/k and v)"
-        if not call.backward and call.head_dim in _GATED_FWD_HEAD_DIMS and call.head_dim_v == call.head_dim:
+        gated = _GATED_BWD_HEAD_DIMS if call.backward else _GATED_FWD_HEAD_DIMS
+        if call.head_dim in gated and call.head_dim_v == call.head_dim:
             why += f"; {settings.DISABLE} names d{call.head_dim}"
         return why
     if call.paged:

@@ -71,20 +71,20 @@ PACK_GROUPS = (2, 4, 8, 16)
 HEAD_DIM_PAIRS = frozenset({(192, 128)})
 
 # Backward: query rows per pipeline stage (the N of S^T = K Q^T; keys per CTA are 128) and Q / dO ring depth.
-# d64 takes 128 rows; d128's accumulators do not fit the registers at 128.
-BWD_BLOCK_M = {64: 128, 128: 64}
-BWD_STAGES = {64: 2, 128: 2}
+# d64 takes 128 rows; d96's and d128's accumulators do not fit the registers at 128.
+BWD_BLOCK_M = {64: 128, 96: 64, 128: 64}
+BWD_STAGES = {64: 2, 96: 2, 128: 2}
 # dQ added into dq_accum by one TMA reduce-add of the fp32 tile per query block (needs the dQ tile split along
 # D between the two consumer warpgroups) rather than red.global from every consumer thread.
 BWD_DQ_SPLIT = True
-BWD_DQ_TMA = {64: True, 128: True}
+BWD_DQ_TMA = {64: True, 96: True, 128: True}
 # The software-pipelined query loop gains nothing over the TMA dQ (d128 loses 3-8%): off.
-BWD_OVERLAP = {64: False, 128: False}
+BWD_OVERLAP = {64: False, 96: False, 128: False}
 # CTA order: groups of about N CTAs over (head, batch) pairs, key block slowest inside a group, so the longest
 # causal blocks start first while the CTAs in flight share Q, dO and dq_accum in L2; 0 keeps the plain grid.
 BWD_LPT = 0
 BWD_LPT_CAUSAL = {64: 128}
-BWD_EXP2_EMU = {64: 0, 128: 0}
+BWD_EXP2_EMU = {64: 0, 96: 0, 128: 0}
 
 _DTYPE_NAMES = {"torch.float16": "fp16", "torch.bfloat16": "bf16", "fp16": "fp16", "bf16": "bf16"}
 

@@ -36,6 +36,12 @@ each), and the smem traffic down:
     D (m64n32k16), so K keeps 128-byte swizzle atoms;
   - dK += dS^T Q takes dS^T from registers (as dV takes P^T), issued before the dS barrier.
 With overlap, the next block's S^T is issued once dV is done (P^T dead), behind dK and dQ.
+Head dims 64, 96 and 128 (q, k, v alike; BLOCK_M 64 at 96 and 128). A D = 96 row is 192 bytes, no whole
+number of 128-byte swizzle atoms: Q, dO and V take 64-byte atoms (32 elements); K takes 32-byte ones (16
+elements), so that each warpgroup's 48-column half of K^T, the N of its dQ WGMMA (m64n48k16), starts on an
+atom; the fp32 dQ tile takes 64-byte atoms (16 columns) for the same reason, and its TMA reduce-add goes as
+six boxes per block. Its smem addresses are partitioned in the loop as at BLOCK_M = 128 (held, they spill
+with softcap).
 With BwdConfig.exp2_emu = k (off by default; bwd.exp2_emu in FLASH_ATTN_CUTE_OVERRIDES), k of every 16
 exponentials of P^T are computed by softmax_exp.exp2_poly on the FMA pipe instead of MUFU.EX2.
 After the loop dK is scaled by softmax_scale and dK, dV are stored. The host (launch.backward,
@@ -61,7 +67,7 @@ from cutlass.memory import SmemAllocator
 from flash_attn.cute.bwd_dq import DqAccumulator
 from flash_attn.cute.bwd_entries import BwdEntries
 from flash_attn.cute.bwd_parts import pack_16, pack_pair, transpose_view, unpack_16, unpack_half
-from flash_attn.cute.hopper_helpers import opaque, smem_layout, tma_tiles
+from flash_attn.cute.hopper_helpers import k_atom_for, opaque, smem_layout, tma_tiles
 from flash_attn.cute.mask import AttentionMask
 from flash_attn.cute.seqlen_info import BwdSeqlens
 from flash_attn.cute.softmax_exp import EXP2_POLY, emulated_columns, exp2_poly
@@ -74,6 +80,7 @@ class FlashBwdSm90(BwdEntries):
     """Compile-time configuration: dtype, head dim, causal, tile sizes and the Q/dO ring depth. Batch,
     sequence lengths, head counts, strides and the scale are runtime values of the compiled kernel."""
 
+    HEAD_DIMS = (64, 96, 128)
     NUM_PRODUCER_THREADS = 128  # one warpgroup; a single thread issues the TMA copies
     NUM_MMA_WARPGROUPS = 2  # 64 keys each
     # 24 * 128 + 240 * 256 <= 64K registers. A consumer thread holds dK and dV (D/2 fp32 each), S^T and
@@ -84,7 +91,8 @@ class FlashBwdSm90(BwdEntries):
     def __init__(self, dtype, head_dim, causal, block_m=64, block_n=128, num_stages=2, dq_split=True,
                  dq_tma=False, overlap=False, lpt=0, exp2_emu=0, exp2_emu_degree=3, local=False,
                  varlen=False, deterministic=False, softcap=False):
-        """block_m: query rows per step, 64 or (head dim 64 only) 128, see the module docstring.
+        """head_dim: 64, 96 or 128 (HEAD_DIMS), of q, k and v alike.
+        block_m: query rows per step, 64 or (head dim 64 only) 128, see the module docstring.
         local: a sliding window (sizes >= 0 per call, call_general; causal windows have right = 0), every block
         masked.
         varlen: packed sequences (call_varlen; seqlen_info.BwdSeqlens), the grid's x over the longest key sequence.
@@ -110,8 +118,8 @@ class FlashBwdSm90(BwdEntries):
         (degree exp2_emu_degree) on the FMA pipe instead of MUFU.EX2, whose 16 results per SM per clock
         the two warpgroups wait on together between S^T and dV (P^T is rounded to 16 bits after it:
         degree 3's 1e-4 relative error is below that rounding)."""
-        if head_dim not in (64, 128):
-            raise ValueError(f"head dim {head_dim} not in (64, 128)")
+        if head_dim not in self.HEAD_DIMS:
+            raise ValueError(f"head dim {head_dim} not in {self.HEAD_DIMS}")
         if not 0 <= exp2_emu <= 16 or exp2_emu_degree not in EXP2_POLY:
             raise ValueError(f"exp2_emu {exp2_emu} not in 0..16 or degree {exp2_emu_degree} not in "
                              f"{sorted(EXP2_POLY)}")
@@ -142,10 +150,10 @@ class FlashBwdSm90(BwdEntries):
         if self.overlap and num_stages < 2:
             raise ValueError(f"overlap needs num_stages >= 2 (got {num_stages}): the consumers wait for the "
                              "next query block's stage while holding the current one")
-        if self.overlap and not self.dq_split and head_dim == 128:
-            raise ValueError("overlap with the per-warpgroup dQ (dq_split=False) at head dim 128: its D-wide dQ "
-                             "accumulator next to the next block's S^T does not fit in 240 registers (ptxas "
-                             "spills ~500 bytes and serialises the WGMMAs)")
+        if self.overlap and not self.dq_split and head_dim != 64:
+            raise ValueError(f"overlap with the per-warpgroup dQ (dq_split=False) at head dim {head_dim}: its D-wide "
+                             "dQ accumulator next to the next block's S^T does not fit in 240 registers (ptxas "
+                             "serialises the WGMMAs; at D = 128 it also spills ~500 bytes)")
         if self.overlap and not self.dq_split and block_m == 128:
             raise ValueError("overlap with the per-warpgroup dQ (dq_split=False) at block_m 128: its 128-row dQ "
                              "accumulator next to the next block's S^T does not fit in 240 registers (ptxas "
@@ -158,6 +166,10 @@ class FlashBwdSm90(BwdEntries):
         # split between the warpgroups by query rows (m64nDk16 over all 128 keys) instead of by D.
         self.wide = block_m == 128
         self.dq_rows = self.dq_split and self.wide
+        # The dQ tile's shared-memory addresses partitioned in the loop, from an opaque thread index (see
+        # hopper_helpers.opaque), rather than held across it: BLOCK_M = 128, and D = 96, whose 48-column halves
+        # of 64-byte atoms take more addresses (held, ptxas spills 16-32 bytes with softcap).
+        self.dq_in_loop = self.wide or head_dim == 96
         self.num_threads = self.NUM_PRODUCER_THREADS + 128 * self.NUM_MMA_WARPGROUPS
         self.local = bool(local)
         self.mask = AttentionMask(self.causal, self.local, block_m, block_n)
@@ -204,16 +216,18 @@ class FlashBwdSm90(BwdEntries):
             (mQ, mK, mV, mdO, mdQaccum, mdK, mdV), (mLSE2, mDelta))
 
         dt, D, BM, BN, stages = self.dtype, self.head_dim, self.block_m, self.block_n, self.num_stages
-        K_SW128 = warpgroup.SmemLayoutAtomKind.K_SW128
         MN_SW128 = warpgroup.SmemLayoutAtomKind.MN_SW128
-        sQ_layout = smem_layout(K_SW128, dt, (BM, D, stages))
-        sdO_layout = smem_layout(K_SW128, dt, (BM, D, stages))
+        # The D-wide tiles in the widest swizzle atom whose row (64 / 32 / 16 elements) divides D: 128-byte
+        # atoms at D = 64 / 128, 64-byte ones at D = 96 (192-byte rows).
+        d_atom = k_atom_for(D, dt)
+        sQ_layout = smem_layout(d_atom, dt, (BM, D, stages))
+        sdO_layout = smem_layout(d_atom, dt, (BM, D, stages))
         # With dq_split, K^T's D rows are split between the warpgroups as WGMMA N: each half must start
-        # on a swizzle atom, so D = 64 uses 64-byte (32-element) atoms.
-        # (Split by rows, dQ's N is all of D: K keeps 128-byte atoms.)
-        k_atom = warpgroup.SmemLayoutAtomKind.K_SW64 if self.dq_split and D == 64 and not self.dq_rows else K_SW128
+        # on a swizzle atom, so D = 64 uses 64-byte (32-element) atoms and D = 96 (halves of 48) 32-byte
+        # (16-element) ones. (Split by rows, dQ's N is all of D: K keeps D's atoms.)
+        k_atom = k_atom_for(D // 2, dt) if self.dq_split and not self.dq_rows else d_atom
         sK_layout = smem_layout(k_atom, dt, (BN, D))
-        sV_layout = smem_layout(K_SW128, dt, (BN, D))
+        sV_layout = smem_layout(d_atom, dt, (BN, D))
         # dS as the A operand of dQ = dS K, M-major (queries contiguous): the S^T accumulator holds
         # pairs of adjacent queries, which then land as 4-byte stores. Two buffers, so that a warpgroup
         # writes block j + 1's dS while a slower warp may still be in block j's dQ WGMMA.
@@ -266,8 +280,11 @@ class FlashBwdSm90(BwdEntries):
         tma_lse, mLSE2_tma = cpasync.make_tiled_tma_atom(g2s, mLSE2, row_layout, (BM,))
         tma_delta, mDelta_tma = cpasync.make_tiled_tma_atom(g2s, mDelta, row_layout, (BM,))
         # dQ tile for the TMA reduce-add: fp32 128-byte swizzle atoms (8 rows x 32 columns; the
-        # accumulator's column pairs land conflict-free), two buffers. TMA drops rows past Sq.
-        sdQ_layout = smem_layout(K_SW128, Float32, (BM, D, 2))
+        # accumulator's column pairs land conflict-free), two buffers. TMA drops rows past Sq. Split by D
+        # between the warpgroups, each half is whole atoms: 64-byte ones (8 rows x 16 columns, as
+        # conflict-free) for the halves of 48 columns at D = 96.
+        sdQ_layout = smem_layout(k_atom_for(D // 2 if self.dq_split and not self.dq_rows else D, Float32),
+                                 Float32, (BM, D, 2))
         tma_dq, mdQ_tma = None, None
         if cutlass.const_expr(self.dq_tma):
             tma_dq, mdQ_tma = cpasync.make_tiled_tma_atom(
@@ -546,7 +563,7 @@ class FlashBwdSm90(BwdEntries):
                 q_state.advance()
                 do_state.advance()
                 self.dq.out(mdQaccum, acc_dQ, tdQcdQ, tdQsdQ, softmax_scale, buf, m_block, head, tile, seqlen_q, turn,
-                            dq_repartition=(tiled_mma_dq, sdQ, ctid) if cutlass.const_expr(self.wide) else None)
+                            dq_repartition=(tiled_mma_dq, sdQ, ctid) if cutlass.const_expr(self.dq_in_loop) else None)
                 buf = 1 - buf
         else:
             # Software-pipelined: S^T and dP^T of block j + 1 are issued right behind dK and dQ of block j,
@@ -601,7 +618,7 @@ class FlashBwdSm90(BwdEntries):
                 q_state.advance()
                 do_state.advance()
                 self.dq.out(mdQaccum, acc_dQ, tdQcdQ, tdQsdQ, softmax_scale, buf, m_block, head, tile, seqlen_q, turn,
-                            dq_repartition=(tiled_mma_dq, sdQ, ctid) if cutlass.const_expr(self.wide) else None)
+                            dq_repartition=(tiled_mma_dq, sdQ, ctid) if cutlass.const_expr(self.dq_in_loop) else None)
                 buf = 1 - buf
             warpgroup.wait_group(0)  # the unread S^T and dP^T issued last
 

@@ -1,5 +1,5 @@
-"""Small trace-time helpers shared by the Hopper kernels: TMA partitions, swizzled shared-memory layouts and
-an opaque register move."""
+"""Small trace-time helpers shared by the Hopper kernels: TMA partitions, swizzled shared-memory layouts (and the
+atom that fits a tile's width) and an opaque register move."""
 import cutlass.cute as cute
 from cutlass import Int32
 from cutlass._mlir.dialects import llvm
@@ -19,6 +19,17 @@ def smem_layout(kind, dtype, shape, order=None):
     the layout atom in ``order`` (default: mode 0 first)."""
     atom = warpgroup.make_smem_layout_atom(kind, dtype)
     return cute.tile_to_shape(atom, shape, order=order or tuple(range(len(shape))))
+
+
+def k_atom_for(width, dtype):
+    """The widest K-major swizzle atom kind (rows of 128, 64 or 32 bytes) whose row divides ``width`` elements of
+    ``dtype``: a tile of that width, or tiles of it side by side, start each row on an atom (as WGMMA operand
+    descriptors and tiled partitions need)."""
+    kinds = warpgroup.SmemLayoutAtomKind
+    for nbytes, kind in ((128, kinds.K_SW128), (64, kinds.K_SW64), (32, kinds.K_SW32)):
+        if (width * dtype.width) % (nbytes * 8) == 0:
+            return kind
+    raise ValueError(f"no K-major swizzle atom divides a row of {width} {dtype} elements")
 
 
 @dsl_user_op

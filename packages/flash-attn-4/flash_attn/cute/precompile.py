@@ -31,7 +31,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 DTYPES = ("bf16", "fp16")
 HEAD_DIMS = (64, 128)  # precompile()'s default argument; the command line's default is default_head_dims()
-BWD_HEAD_DIMS = (64, 128)
+BWD_HEAD_DIMS = (64, 96, 128)  # flash_bwd_sm90.FlashBwdSm90.HEAD_DIMS
 CAUSAL = (False, True)
 
 
@@ -130,7 +130,7 @@ def precompile(out, arch="sm_90a", dtypes=DTYPES, head_dims=HEAD_DIMS, causals=C
                            "holds TVM-FFI functions")
     os.makedirs(out, exist_ok=True)
     todo = [(kind, dt, d, c) for kind in kinds for dt in dtypes for d in head_dims for c in causals
-            if kind == "fwd" or d in BWD_HEAD_DIMS]  # the backward kernel has d64 and d128 only
+            if kind == "fwd" or d in BWD_HEAD_DIMS]  # the backward kernel has d64, d96 and d128 only
     # the forward of short and of long key lengths where it is another kernel (config.SHORT_SK, config.LONG)
     todo += [("fwd-short", dt, d, c) for kind, dt, d, c in list(todo) if kind == "fwd"
              and kernels.fwd_config(_torch_dtype(dt), d, c, arch, short=True)
@@ -173,7 +173,7 @@ def main(argv=None):
     supported = config.SUPPORTED_HEAD_DIMS
     p.add_argument("--head-dims", default=None,
                    help=f"comma-separated, of {','.join(map(str, supported))} (default: those the dispatcher sends, "
-                        "all but those $FLASH_ATTN_CUTE_DISABLE names; backward kernels exist for 64,128)")
+                        "all but those $FLASH_ATTN_CUTE_DISABLE names; backward kernels exist for 64,96,128)")
     p.add_argument("--causal", default="both", choices=("both", "true", "false"))
     p.add_argument("--jobs", type=int, default=1, help="compile in this many processes")
     p.add_argument("--force", action="store_true", help="recompile entries already in the folder")

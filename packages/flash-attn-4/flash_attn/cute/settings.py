@@ -12,8 +12,9 @@ User settings:
     Comma-separated kernel features to switch off, to tell a suspected kernel fault from a caller's:
     ``bwd`` (gradients from the PyTorch backward, or from the next backend under the root dispatcher),
     ``paged`` and ``hdim_v`` (such calls are refused), ``pack_gqa`` (calls run unpacked), ``split`` (calls
-    run unsplit), ``d96`` / ``d192`` / ``d256`` (the root dispatcher sends that head dim's forward to the
-    next backend). Each changes how the work is done, never the result.
+    run unsplit), ``d96`` / ``d192`` / ``d256`` (the root dispatcher sends that head dim's forward, and d96's
+    backward, to the next backend; flash_attn.cute's own autograd then skips the d96 backward kernel too). Each
+    changes how the work is done, never the result.
 
 Tuning experiments:
 
