@@ -215,6 +215,24 @@ def test_splits_with_local_window_and_leftpad():
     _check(*_run(c, window=(9, 0), cache_leftpad=torch.tensor([5, 1], dtype=torch.int32), num_splits=4))
 
 
+def test_launch_plan_is_per_kind_of_call(monkeypatch):
+    """fwd_kvcache keeps one launch plan per kind of call (kvcache._plan) and reuses it on the next call of that kind;
+    a call that differs in anything its launch depends on (here the window and softcap) gets its own, so each result
+    matches the oracle."""
+    from flash_attn.triton import kvcache as kv
+
+    monkeypatch.setattr(kv, "_PLANS", {})
+    c = _make(dtype=torch.float32, Sq=1, s_new=0, rotary_dim=0, seed=3)
+    _check(*_run(c))
+    assert len(kv._PLANS) == 1
+    plan = next(iter(kv._PLANS.values()))
+    _check(*_run(c))
+    assert len(kv._PLANS) == 1 and next(iter(kv._PLANS.values())) is plan
+    _check(*_run(c, window=(5, 0)))
+    _check(*_run(c, softcap=10.0))
+    assert len(kv._PLANS) == 3
+
+
 def test_choose_num_splits():
     from flash_attn.triton.kvcache import MAX_SPLITS, choose_num_splits
     # Issue 6's decode on an H200: batch 1, 8 kv heads, 2k prompt + 256 new tokens, key blocks of 64.

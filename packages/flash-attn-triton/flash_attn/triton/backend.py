@@ -440,12 +440,22 @@ def _fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softma
     return out, lse, probs
 
 
+_kvcache = None  # the kvcache module, imported at the first call (a decoding step must not pay the import's lookup)
+
+
+def _load_kvcache():
+    global _kvcache
+    from . import kvcache
+
+    _kvcache = kvcache
+    return kvcache
+
+
 def fwd_kvcache(call, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                 block_table, alibi_slopes, rotary_interleaved, num_splits, sink=None):
     """FA2's flash_attn_with_kvcache (see the contract); no host sync, so CUDA graphs can capture it. sink: the
     learnable sink, fp32 (H,), or None."""
-    from . import kvcache
-
+    kvcache = _kvcache or _load_kvcache()
     return kvcache.fwd_kvcache(
         q, k_cache, v_cache, k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
         cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,

@@ -448,6 +448,51 @@ def _strides3(t):
     return t.stride()[:3]
 
 
+_PLANS: dict = {}  # the launch plan of each kind of call (_plan); small: a decoding loop repeats one kind
+
+
+def _plan(pkey, block_d, block_dv):
+    """(splits, attention grid, meta and launcher key, its scalar arguments, (combine grid, meta, key) or None) of a
+    kind of call: what fwd_kvcache would otherwise rebuild on every step of a decoding loop."""
+    (device, dtype, B, Sq, H, Hk, D, Dv, capacity, paged, page_size, has_batch_idx, has_leftpad, causal, window_left,
+     window_right, softcap, softmax_scale, alibi_dim, has_sink, num_splits, interpret, arch) = pkey
+    G = H // Hk
+    block_m, block_n, warps, stages = attn_config(arch, max(D, Dv), Sq * G, causal or window_right >= 0,
+                                                  interpret, dtype)
+    m_blocks = _grid_dim(-(-(Sq * G) // block_m))
+    if num_splits <= 0:
+        splits = choose_num_splits(B * Hk * m_blocks, capacity, block_n, _num_sms(device))
+    else:
+        splits = min(num_splits, MAX_SPLITS)
+    split = splits > 1
+    if softcap > 0.0:
+        softcap_scale, softcap_log2 = softmax_scale / softcap, softcap * _LOG2E
+    else:
+        softcap_scale, softcap_log2 = 0.0, 0.0
+    wl = window_left if window_left >= 0 else NO_WINDOW
+    wr = window_right if window_right >= 0 else NO_WINDOW
+    meta = dict(IS_FP32=dtype == torch.float32, HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=block_d, BLOCK_DV=block_dv,
+                BLOCK_M=block_m, BLOCK_N=block_n, PAGED=paged, PAGE_SIZE=page_size,
+                HAS_BATCH_IDX=has_batch_idx, HAS_LEFTPAD=has_leftpad,
+                WINDOW_LEFT=window_left >= 0, WINDOW_RIGHT=window_right >= 0, HAS_SOFTCAP=softcap > 0.0,
+                HAS_ALIBI=alibi_dim is not None, SPLIT=split, HAS_SINK=has_sink and not split,
+                num_warps=warps, num_stages=stages)
+    key = ("attn", device, dtype, *meta.values())
+    combine = None
+    if split:
+        block_s = _pow2(splits)
+        chunk = min(block_s, 16 if block_dv > 128 else 32)
+        c_meta = dict(HEAD_DIM_V=Dv, BLOCK_DV=block_dv, BLOCK_SPLITS=block_s, CHUNK=chunk, HAS_SINK=has_sink,
+                      num_warps=1 if interpret else 4, num_stages=1)
+        combine = ((Sq * H, B), c_meta, ("combine", device, *c_meta.values()))
+    plan = (splits, (splits * B * Hk, m_blocks), meta, key,
+            (softmax_scale * _LOG2E, softcap_scale, softcap_log2, wl, wr), combine)
+    if len(_PLANS) >= 64:
+        _PLANS.clear()
+    _PLANS[pkey] = plan
+    return plan
+
+
 def fwd_kvcache(q, k_cache, v_cache, *, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                 cache_leftpad, block_table, softmax_scale, causal, window_left, window_right, softcap,
                 rotary_interleaved, alibi_slopes, num_splits, interpret=False, arch=None, sink=None):
@@ -502,6 +547,42 @@ def fwd_kvcache(q, k_cache, v_cache, *, k, v, rotary_cos, rotary_sin, cache_seql
     lse = torch.empty((B, H, Sq), dtype=torch.float32, device=device)
     if B * Sq * H == 0:
         return out, lse
+
+    pkey = (device, q.dtype, B, Sq, H, Hk, D, Dv, capacity, paged, page_size, cache_batch_idx is not None,
+            cache_leftpad is not None, causal, window_left, window_right, softcap, softmax_scale,
+            None if alibi_slopes is None else alibi_slopes.dim(), sink is not None, num_splits, interpret, arch)
+    plan = _PLANS.get(pkey)
+    if plan is None:
+        plan = _plan(pkey, block_d, block_dv)
+    splits, grid, meta, key, scalars, combine = plan
+    split = splits > 1
+    if split:
+        o_acc = torch.empty((splits, B, Sq, H, Dv), dtype=torch.float32, device=device)
+        l_acc = torch.empty((splits, B, H, Sq), dtype=torch.float32, device=device)
+        so_ = o_acc.stride()[:4]
+        sl_ = l_acc.stride()[:3]
+    else:
+        o_acc, l_acc = out, lse
+        so_ = (0, *out.stride()[:3])
+        sl_ = (0, *lse.stride()[:2])
+    if alibi_slopes is None:
+        alibi, sa_ = dummy, (0, 0)
+    else:
+        alibi = alibi_slopes
+        sa_ = (0, alibi.stride(0)) if alibi.dim() == 1 else (alibi.stride(0), alibi.stride(1))
+    _L_ATTN(grid, (
+        q, k_cache, v_cache, o_acc, l_acc, cache_seqlens, batch_idx,
+        cache_leftpad if cache_leftpad is not None else dummy, table, alibi,
+        sink if sink is not None and not split else dummy,
+        *_strides3(q), *_strides3(k_cache), *_strides3(v_cache), *so_, *sl_,
+        table.stride(0) if paged else 0, *sa_,
+        Sq, s_new, capacity, splits, H, G, *scalars), meta, key)
+    if split:
+        c_grid, c_meta, c_key = combine
+        _L_COMBINE(c_grid, (
+            o_acc, l_acc, out, lse, dummy if sink is None else sink, *so_, *sl_, *out.stride()[:3], lse.stride(0),
+            lse.stride(1), Sq, splits, H), c_meta, c_key)
+    return out, lse
 
     block_m, block_n, warps, stages = attn_config(arch, max(D, Dv), Sq * G, causal or window_right >= 0,
                                                   interpret, q.dtype)
