@@ -533,3 +533,37 @@ def test_varlen_split_matches_reference_per_sequence_on_gpu(monkeypatch, d, dv, 
     ref_kw = dict(causal=causal, window_size=(window[0], 0 if causal else window[1]), learnable_sink=sink_t)
     _check_per_sequence(out, lse, q, kd, vd, cu_q, lens_q, used_q, lens_k, ref_kw,
                         lambda a, b, name: assert_lse_close(a, b, name=name))
+
+
+def test_dispatcher_splits_and_packs_decoding_calls(monkeypatch, cute_env):
+    """The root dispatcher's cute forward (backend.fwd) gives a dense call with a small grid (decoding: a query row
+    or a few per head) flash_attn.cute's num_splits=0 choice, with a GQA group packed where that fills the tiles;
+    a call whose grid fills the GPU (a training shape) goes unsplit and unpacked without consulting the rules."""
+    from flash_attn.call import describe
+    from flash_attn.cute import backend
+
+    cute_env()
+    monkeypatch.setattr(plan, "_device_sms", lambda t: 132)
+    seen = []
+    monkeypatch.setattr(launch, "forward", lambda q, k, v, *a, pack=1, splits=1, **kw: seen.append((pack, splits))
+                        or (torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], q.shape[1])))
+
+    def run(B, Sq, Sk, H, Hk, causal=False):
+        q = torch.zeros(B, Sq, H, 128, dtype=torch.bfloat16)
+        k = torch.zeros(B, Sk, Hk, 128, dtype=torch.bfloat16)
+        call = describe(q, k, causal=causal)
+        backend.fwd(call, q, k, k, None, None, Sq, Sk, None, None, None)
+        return seen[-1]
+
+    pack, splits = run(1, 1, 8192, 32, 8)
+    assert pack == 4 and splits > 1 and splits == plan._choose_splits(8, 64, 132)
+    assert run(1, 1, 8192, 32, 8, causal=True) == (pack, splits)
+    assert run(1, 1, 8192, 32, 32)[0] == 1 and run(1, 1, 8192, 32, 32)[1] > 1  # MHA: split, nothing to pack
+    cute_env(DISABLE="split,pack_gqa")
+    assert run(1, 1, 8192, 32, 8) == (1, 1)  # FLASH_ATTN_CUTE_DISABLE=split,pack_gqa: the same result, unsplit
+    cute_env(DISABLE=None)
+    consulted = []
+    real = backend._decode_plan
+    monkeypatch.setattr(backend, "_decode_plan", lambda *a: consulted.append(a) or real(*a))
+    assert run(8, 2048, 2048, 16, 16) == (1, 1) and not consulted  # 8 x 16 x 16 tiles: fills the GPU
+    assert run(1, 1, 8192, 32, 8) == (pack, splits) and len(consulted) == 1

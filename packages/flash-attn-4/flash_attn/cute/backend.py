@@ -133,7 +133,12 @@ def fwd(call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, b
     if block_table is None and cu_seqlens_q is None:
         if sink is not None:
             sink = sink.to(torch.float32).contiguous()  # (the kernels' layout; the core sends it so already)
-        out, lse = launch.forward(q, k, v, scale, causal, "sm_90a", wl, wr, softcap, sink, lse_scratch=lse_scratch)
+        B, Sq, H = q.shape[:3]
+        pack = splits = 1
+        if B * H * ((Sq + 127) >> 7) < _SMALL_GRID:  # a grid that may leave SMs idle (decoding): split / pack
+            pack, splits = _decode_plan(q, k, wl, wr)
+        out, lse = launch.forward(q, k, v, scale, causal, "sm_90a", wl, wr, softcap, sink, pack=pack, splits=splits,
+                                  lse_scratch=lse_scratch)
         return out, lse, None
     if sink is not None:
         sink = sink.to(torch.float32).contiguous()
@@ -153,6 +158,26 @@ def fwd(call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, b
         out, lse = launch.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, None, max_seqlen_q, scale, causal,
                                          "sm_90a", wl, wr, softcap, fill_unused_rows=True, sink=sink)
     return out, lse, None
+
+
+_SMALL_GRID = 132  # no Hopper GPU has more SMs: a grid of at least this many query tiles is never split or packed
+
+
+def _decode_plan(q, k, window_left, window_right):
+    """(pack_gqa group, split-KV parts) of a dense call whose unsplit grid is small (decoding: a few query rows per
+    head): flash_attn.cute's choices for num_splits=0 with the query heads of a GQA group packed where the packed
+    tiles hold more real queries (plan._pack_helps). On an H200, batch 1, one query token, H 32 / Hk 8, d 128: 93 ->
+    13 us at 8k keys, 359 -> 38 us at 32k (SDPA 11 / 37), benchmarks/results/h200/decode_dense.md."""
+    from flash_attn.cute import plan
+
+    B, Sq, H = q.shape[:3]
+    Sk, Hk = k.shape[1], k.shape[2]
+    group = H // Hk if Hk else 1
+    pack = plan._pack_group(True, H, Hk, Sq) if group > 1 and plan._pack_helps(group, Sq) else 1
+    rows = plan._RULE_BLOCK_M // pack
+    splits = plan._split_count(0, B * (Hk if pack > 1 else H) * -(-Sq // rows),
+                               plan._visible_keys(Sk, rows, window_left, window_right), q)
+    return pack, splits
 
 
 _BOXED = {}  # (dtype, D, Dv, causal, local, softcap, page size) -> whether the paged kernel takes those pages
