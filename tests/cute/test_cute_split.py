@@ -538,7 +538,8 @@ def test_varlen_split_matches_reference_per_sequence_on_gpu(monkeypatch, d, dv, 
 def test_dispatcher_splits_and_packs_decoding_calls(monkeypatch, cute_env):
     """The root dispatcher's cute forward (backend.fwd) gives a dense call with a small grid (decoding: a query row
     or a few per head) flash_attn.cute's num_splits=0 choice, with a GQA group packed where that fills the tiles;
-    a call whose grid fills the GPU (a training shape) goes unsplit and unpacked without consulting the rules."""
+    a call whose grid fills the GPU, or whose lse is kept (a gradient follows, or the caller returns it), goes
+    unsplit and unpacked without consulting the rules."""
     from flash_attn.call import describe
     from flash_attn.cute import backend
 
@@ -548,11 +549,11 @@ def test_dispatcher_splits_and_packs_decoding_calls(monkeypatch, cute_env):
     monkeypatch.setattr(launch, "forward", lambda q, k, v, *a, pack=1, splits=1, **kw: seen.append((pack, splits))
                         or (torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], q.shape[1])))
 
-    def run(B, Sq, Sk, H, Hk, causal=False):
+    def run(B, Sq, Sk, H, Hk, causal=False, lse_scratch=True):
         q = torch.zeros(B, Sq, H, 128, dtype=torch.bfloat16)
         k = torch.zeros(B, Sk, Hk, 128, dtype=torch.bfloat16)
         call = describe(q, k, causal=causal)
-        backend.fwd(call, q, k, k, None, None, Sq, Sk, None, None, None)
+        backend.fwd(call, q, k, k, None, None, Sq, Sk, None, None, None, lse_scratch=lse_scratch)
         return seen[-1]
 
     pack, splits = run(1, 1, 8192, 32, 8)
@@ -566,4 +567,5 @@ def test_dispatcher_splits_and_packs_decoding_calls(monkeypatch, cute_env):
     real = backend._decode_plan
     monkeypatch.setattr(backend, "_decode_plan", lambda *a: consulted.append(a) or real(*a))
     assert run(8, 2048, 2048, 16, 16) == (1, 1) and not consulted  # 8 x 16 x 16 tiles: fills the GPU
+    assert run(1, 1, 8192, 32, 8, lse_scratch=False) == (1, 1) and not consulted  # the lse is kept
     assert run(1, 1, 8192, 32, 8) == (pack, splits) and len(consulted) == 1

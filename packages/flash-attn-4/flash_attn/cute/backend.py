@@ -16,6 +16,9 @@ Paged varlen forward calls (flash_attn_varlen_func's block_table; cu_seqlens_k t
 the paged kernel (launch.forward_varlen with the page table, each sequence's key count as seqused_k); pages the
 kernel cannot box (config.paged_block_n) are gathered into contiguous keys for the unpaged kernel.
 
+Dense inference calls (lse dropped) whose grid is small, decoding above all, run split-KV with a GQA group packed
+(_decode_plan: the FA4 API's num_splits=0 choice).
+
 A learnable sink (``sink=``, fp32 (H,)) goes to the kernels built with one (FwdConfig.sink), dense, varlen and paged.
 The backward needs no sink: its kernel computes P from the forward's lse, which includes it.
 """
@@ -135,7 +138,8 @@ def fwd(call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, b
             sink = sink.to(torch.float32).contiguous()  # (the kernels' layout; the core sends it so already)
         B, Sq, H = q.shape[:3]
         pack = splits = 1
-        if B * H * ((Sq + 127) >> 7) < _SMALL_GRID:  # a grid that may leave SMs idle (decoding): split / pack
+        if lse_scratch and B * H * ((Sq + 127) >> 7) < _SMALL_GRID:
+            # an inference call (lse dropped: no gradient follows) whose grid may leave SMs idle (decoding)
             pack, splits = _decode_plan(q, k, wl, wr)
         out, lse = launch.forward(q, k, v, scale, causal, "sm_90a", wl, wr, softcap, sink, pack=pack, splits=splits,
                                   lse_scratch=lse_scratch)
@@ -164,10 +168,10 @@ _SMALL_GRID = 132  # no Hopper GPU has more SMs: a grid of at least this many qu
 
 
 def _decode_plan(q, k, window_left, window_right):
-    """(pack_gqa group, split-KV parts) of a dense call whose unsplit grid is small (decoding: a few query rows per
-    head): flash_attn.cute's choices for num_splits=0 with the query heads of a GQA group packed where the packed
-    tiles hold more real queries (plan._pack_helps). On an H200, batch 1, one query token, H 32 / Hk 8, d 128: 93 ->
-    13 us at 8k keys, 359 -> 38 us at 32k (SDPA 11 / 37), benchmarks/results/h200/decode_dense.md."""
+    """(pack_gqa group, split-KV parts) of a dense inference call whose unsplit grid is small (decoding: a few query
+    rows per head): flash_attn.cute's choices for num_splits=0 with the query heads of a GQA group packed where the packed
+    tiles hold more real queries (plan._pack_helps); unsplit, those calls ran up to 9x SDPA's time
+    (benchmarks/results/h200/decode_dense.md). Calls that keep their lse (a gradient follows) stay unsplit."""
     from flash_attn.cute import plan
 
     B, Sq, H = q.shape[:3]
