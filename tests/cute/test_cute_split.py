@@ -569,3 +569,4 @@ def test_dispatcher_splits_and_packs_decoding_calls(monkeypatch, cute_env):
     assert run(8, 2048, 2048, 16, 16) == (1, 1) and not consulted  # 8 x 16 x 16 tiles: fills the GPU
     assert run(1, 1, 8192, 32, 8, lse_scratch=False) == (1, 1) and not consulted  # the lse is kept
     assert run(1, 1, 8192, 32, 8) == (pack, splits) and len(consulted) == 1
+    assert run(1, 1, 8192, 32, 8) == (pack, splits) and len(consulted) == 1  # remembered per kind of call

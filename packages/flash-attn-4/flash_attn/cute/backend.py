@@ -140,7 +140,11 @@ def fwd(call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, b
         pack = splits = 1
         if lse_scratch and B * H * ((Sq + 127) >> 7) < _SMALL_GRID:
             # an inference call (lse dropped: no gradient follows) whose grid may leave SMs idle (decoding)
-            pack, splits = _decode_plan(q, k, wl, wr)
+            if _decode_plans_of[0] is not settings.current:  # FLASH_ATTN_CUTE_DISABLE may name split / pack_gqa
+                _decode_plans.clear()
+                _decode_plans_of[0] = settings.current
+            key = (q.device, B, Sq, H, k.shape[1], k.shape[2], wl, wr)
+            pack, splits = _decode_plans.get(key) or _decode_plan(q, k, wl, wr, key)
         out, lse = launch.forward(q, k, v, scale, causal, "sm_90a", wl, wr, softcap, sink, pack=pack, splits=splits,
                                   lse_scratch=lse_scratch)
         return out, lse, None
@@ -167,7 +171,11 @@ def fwd(call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, b
 _SMALL_GRID = 132  # no Hopper GPU has more SMs: a grid of at least this many query tiles is never split or packed
 
 
-def _decode_plan(q, k, window_left, window_right):
+_decode_plans: dict = {}  # (device, B, Sq, H, Sk, Hk, window) -> _decode_plan's answer under _decode_plans_of[0]
+_decode_plans_of = [None]  # the settings those answers were given under
+
+
+def _decode_plan(q, k, window_left, window_right, key=None):
     """(pack_gqa group, split-KV parts) of a dense inference call whose unsplit grid is small (decoding: a few query
     rows per head): flash_attn.cute's choices for num_splits=0 with the query heads of a GQA group packed where the packed
     tiles hold more real queries (plan._pack_helps); unsplit, those calls ran up to 9x SDPA's time
@@ -181,6 +189,10 @@ def _decode_plan(q, k, window_left, window_right):
     rows = plan._RULE_BLOCK_M // pack
     splits = plan._split_count(0, B * (Hk if pack > 1 else H) * -(-Sq // rows),
                                plan._visible_keys(Sk, rows, window_left, window_right), q)
+    if key is not None:
+        if len(_decode_plans) >= 256:
+            _decode_plans.clear()
+        _decode_plans[key] = (pack, splits)
     return pack, splits
 
 
