@@ -33,17 +33,18 @@ def _check_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
 
 
 def _forward(call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, alibi_slopes,
-             rng_state, sink=None):
+             rng_state, sink=None, lse_dropped=False):
     """The forward of a described call on the backend that serves it -> (out, lse, probs or None). sink: the
-    learnable sink of a call with ``call.sink``, handed to the backend in fp32."""
+    learnable sink of a call with ``call.sink``, handed to the backend in fp32. lse_dropped: no gradient follows and
+    the caller drops lse (a backend with LSE_SCRATCH is told so: lse_scratch)."""
     if cu_seqlens_q is not None:
         _check_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
     backend = dispatch.select(call)
-    if sink is None:
-        return backend.fwd(call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
-                           alibi_slopes, rng_state)
+    extra = {} if sink is None else {"sink": _fp32_sink(sink)}
+    if lse_dropped and getattr(backend, "LSE_SCRATCH", False):
+        extra["lse_scratch"] = True
     return backend.fwd(call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
-                       alibi_slopes, rng_state, sink=_fp32_sink(sink))
+                       alibi_slopes, rng_state, **extra)
 
 
 def _fp32_sink(sink):
@@ -286,7 +287,7 @@ def attention(call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
                                     or (sink is not None and sink.requires_grad)):
         return _c_apply(q, k, v, sink, (call, extras, lse_grad))
     # Nothing to differentiate: the autograd.Function would only add its cost.
-    out, lse, probs = _forward(call, q, k, v, *extras, sink)
+    out, lse, probs = _forward(call, q, k, v, *extras, sink, lse_dropped=not lse_grad)
     if probs is None:
         probs = q.new_empty(0, dtype=torch.float32)
     return out.contiguous(), lse, probs

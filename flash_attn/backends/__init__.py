@@ -41,8 +41,9 @@ contiguous.
     sum_j exp(s_ij - lse_i) v_j with lse_i = log(sum_j exp(s_ij) + exp(sink)), and probabilities (s_dmask) from
     that lse. A row that sees no key gets out 0 and lse = sink (+inf for a -inf sink, which equals no sink).
     Optional: a backend whose module sets ``LSE_SCRATCH = True`` also takes ``lse_scratch=True``, passed only for a
-    dense call whose lse the caller drops (no gradient, no lse returned): the returned lse may then be a buffer shared
-    with other such calls, its values undefined once the call returns (it saves an allocation per call).
+    call whose lse the caller drops (no gradient, no lse returned): the returned lse may then be a buffer shared
+    with other such calls, its values undefined once the call returns (it saves an allocation per call), and the
+    backend may divide the work in ways only a forward allows (split-KV for decoding).
 
 ``bwd(call, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, alibi_slopes,
       rng_state[, dlse=...]) -> (dq, dk, dv)``

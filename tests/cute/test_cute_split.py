@@ -570,3 +570,19 @@ def test_dispatcher_splits_and_packs_decoding_calls(monkeypatch, cute_env):
     assert run(1, 1, 8192, 32, 8, lse_scratch=False) == (1, 1) and not consulted  # the lse is kept
     assert run(1, 1, 8192, 32, 8) == (pack, splits) and len(consulted) == 1
     assert run(1, 1, 8192, 32, 8) == (pack, splits) and len(consulted) == 1  # remembered per kind of call
+    # varlen (a padded batch decoding: one query row per sequence), the same rules on the longest sequences
+    monkeypatch.setattr(launch, "forward_varlen", lambda q, *a, pack=1, splits=1, **kw: seen.append((pack, splits))
+                        or (torch.zeros_like(q), torch.zeros(q.shape[1], q.shape[0])))
+
+    def run_varlen(batch, Sk, H, Hk, lse_scratch=True):
+        q = torch.zeros(batch, H, 128, dtype=torch.bfloat16)
+        k = torch.zeros(batch * Sk, Hk, 128, dtype=torch.bfloat16)
+        cu_q = torch.arange(batch + 1, dtype=torch.int32)
+        cu_k = torch.arange(0, (batch + 1) * Sk, Sk, dtype=torch.int32)
+        backend.fwd(describe(q, k, varlen=True), q, k, k, cu_q, cu_k, 1, Sk, None, None, None,
+                    lse_scratch=lse_scratch)
+        return seen[-1]
+
+    assert run_varlen(1, 8192, 32, 8) == (pack, splits)
+    assert run_varlen(1, 8192, 32, 8, lse_scratch=False) == (1, 1)
+    assert run_varlen(64, 2048, 32, 8) == (1, 1)  # 64 x 32 tiles: fills the GPU

@@ -177,8 +177,9 @@ def test_calls_without_gradient_skip_autograd_but_agree(registry):
 
 
 def test_lse_scratch_only_where_lse_is_dropped(monkeypatch):
-    """A backend that declares LSE_SCRATCH gets lse_scratch=True exactly for the dense calls whose lse nobody keeps
-    (no gradient, no lse returned); one that does not declare it never gets the keyword."""
+    """A backend that declares LSE_SCRATCH gets lse_scratch=True exactly for the calls whose lse nobody keeps
+    (no gradient, no lse returned), dense (the common call and the general one: a window) and varlen; one that does
+    not declare it never gets the keyword."""
     seen = []
     mod = types.ModuleType("_fake_backend_scratch")
     mod.NAME = "scratch"
@@ -203,7 +204,14 @@ def test_lse_scratch_only_where_lse_is_dropped(monkeypatch):
         flash_attn_func(q.detach(), k.detach(), v.detach(), return_attn_probs=True)  # lse returned
         with torch.no_grad():
             flash_attn_func(q, k, v)
-    assert seen == [True, False, True, False, True]
+        flash_attn_func(q.detach(), k.detach(), v.detach(), window_size=(3, 2))  # the general entry
+        B, S = q.shape[:2]
+        cu = torch.arange(0, (B + 1) * S, S, dtype=torch.int32)
+        flat = [t.detach().reshape(B * S, *t.shape[2:]) for t in (q, k, v)]
+        flash_attn.flash_attn_varlen_func(*flat, cu, cu, S, S)
+        flash_attn.flash_attn_varlen_func(*flat, cu, cu, S, S, return_attn_probs=True)
+        flash_attn.flash_attn_varlen_func(flat[0].requires_grad_(), *flat[1:], cu, cu, S, S)
+    assert seen == [True, False, True, False, True, True, True, False, False]
     del mod.LSE_SCRATCH  # the keyword is the module's to declare
     seen.clear()
     for cache in (dispatch._modules, dispatch._unavailable, dispatch._choice):

@@ -140,11 +140,7 @@ def fwd(call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, b
         pack = splits = 1
         if lse_scratch and B * H * ((Sq + 127) >> 7) < _SMALL_GRID:
             # an inference call (lse dropped: no gradient follows) whose grid may leave SMs idle (decoding)
-            if _decode_plans_of[0] is not settings.current:  # FLASH_ATTN_CUTE_DISABLE may name split / pack_gqa
-                _decode_plans.clear()
-                _decode_plans_of[0] = settings.current
-            key = (q.device, B, Sq, H, k.shape[1], k.shape[2], wl, wr)
-            pack, splits = _decode_plans.get(key) or _decode_plan(q, k, wl, wr, key)
+            pack, splits = _decoding(q, B, Sq, H, k.shape[1], k.shape[2], wl, wr)
         out, lse = launch.forward(q, k, v, scale, causal, "sm_90a", wl, wr, softcap, sink, pack=pack, splits=splits,
                                   lse_scratch=lse_scratch)
         return out, lse, None
@@ -163,8 +159,13 @@ def fwd(call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, b
                                          max_seqlen_q, scale, causal, "sm_90a", wl, wr, softcap,
                                          fill_unused_rows=True, sink=sink, page_table=block_table)
     else:
+        pack = splits = 1
+        batch, H = cu_seqlens_q.shape[0] - 1, q.shape[1]
+        if lse_scratch and batch * H * ((max_seqlen_q + 127) >> 7) < _SMALL_GRID:  # as the dense call's
+            pack, splits = _decoding(q, batch, max_seqlen_q, H, max_seqlen_k, k.shape[1], wl, wr)
         out, lse = launch.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, None, max_seqlen_q, scale, causal,
-                                         "sm_90a", wl, wr, softcap, fill_unused_rows=True, sink=sink)
+                                         "sm_90a", wl, wr, softcap, fill_unused_rows=True, sink=sink, pack=pack,
+                                         splits=splits)
     return out, lse, None
 
 
@@ -175,24 +176,33 @@ _decode_plans: dict = {}  # (device, B, Sq, H, Sk, Hk, window) -> _decode_plan's
 _decode_plans_of = [None]  # the settings those answers were given under
 
 
-def _decode_plan(q, k, window_left, window_right, key=None):
-    """(pack_gqa group, split-KV parts) of a dense inference call whose unsplit grid is small (decoding: a few query
-    rows per head): flash_attn.cute's choices for num_splits=0 with the query heads of a GQA group packed where the packed
-    tiles hold more real queries (plan._pack_helps); unsplit, those calls ran up to 9x SDPA's time
+def _decoding(q, B, Sq, H, Sk, Hk, window_left, window_right):
+    """_decode_plan's answer, remembered per kind of call (varlen: B sequences, Sq / Sk the longest)."""
+    if _decode_plans_of[0] is not settings.current:  # FLASH_ATTN_CUTE_DISABLE may name split / pack_gqa
+        _decode_plans.clear()
+        _decode_plans_of[0] = settings.current
+    key = (q.device, B, Sq, H, Sk, Hk, window_left, window_right)
+    plan = _decode_plans.get(key)
+    if plan is None:
+        plan = _decode_plan(q, B, Sq, H, Sk, Hk, window_left, window_right)
+        if len(_decode_plans) >= 256:
+            _decode_plans.clear()
+        _decode_plans[key] = plan
+    return plan
+
+
+def _decode_plan(q, B, Sq, H, Sk, Hk, window_left, window_right):
+    """(pack_gqa group, split-KV parts) of an inference call, dense or varlen, whose unsplit grid is small (decoding: a
+    few query rows per head): flash_attn.cute's choices for num_splits=0 with the query heads of a GQA group packed
+    where the packed tiles hold more real queries (plan._pack_helps); unsplit, those calls ran up to 9x SDPA's time
     (benchmarks/results/h200/decode_dense.md). Calls that keep their lse (a gradient follows) stay unsplit."""
     from flash_attn.cute import plan
 
-    B, Sq, H = q.shape[:3]
-    Sk, Hk = k.shape[1], k.shape[2]
     group = H // Hk if Hk else 1
     pack = plan._pack_group(True, H, Hk, Sq) if group > 1 and plan._pack_helps(group, Sq) else 1
     rows = plan._RULE_BLOCK_M // pack
     splits = plan._split_count(0, B * (Hk if pack > 1 else H) * -(-Sq // rows),
                                plan._visible_keys(Sk, rows, window_left, window_right), q)
-    if key is not None:
-        if len(_decode_plans) >= 256:
-            _decode_plans.clear()
-        _decode_plans[key] = (pack, splits)
     return pack, splits
 
 
