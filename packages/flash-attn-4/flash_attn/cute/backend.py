@@ -16,8 +16,8 @@ Paged varlen forward calls (flash_attn_varlen_func's block_table; cu_seqlens_k t
 the paged kernel (launch.forward_varlen with the page table, each sequence's key count as seqused_k); pages the
 kernel cannot box (config.paged_block_n) are gathered into contiguous keys for the unpaged kernel.
 
-Dense inference calls (lse dropped) whose grid is small, decoding above all, run split-KV with a GQA group packed
-(_decode_plan: the FA4 API's num_splits=0 choice).
+Inference calls (lse dropped), dense or varlen, whose grid is small, decoding above all, run split-KV with a GQA group
+packed (_decode_plan: the FA4 API's num_splits=0 choice).
 
 A learnable sink (``sink=``, fp32 (H,)) goes to the kernels built with one (FwdConfig.sink), dense, varlen and paged.
 The backward needs no sink: its kernel computes P from the forward's lse, which includes it.
