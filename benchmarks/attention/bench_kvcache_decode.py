@@ -1,7 +1,8 @@
 """flash_attn_with_kvcache on decoding shapes: the default split choice against fixed num_splits values and PyTorch's
 SDPA (enable_gqa) on the same cache, to settle the split-KV heuristic (kvcache.choose_num_splits), and, with
 --cute, the CuTeDSL forward on the same cache (flash_attn.cute's batch-shaped varlen call with seqused_k, the form a
-KV-cache call takes there: num_splits=0 (its own split choice) with pack_gqa, and unsplit with pack_gqa). Per shape, every
+KV-cache call takes there: num_splits=0 (its own split choice) with pack_gqa, and unsplit with pack_gqa), and with
+--root the root flash_attn_func on the full cache (what Hugging Face's flash_attention_2 decoding calls). Per shape, every
 variant runs in interleaved rounds (CUDA-event timing of a burst of calls, the median of the rounds kept);
 microseconds per call (wall time of a burst; then the GPU time per call from the profiler) and the rate at which
 the call reads K and V at its GPU time (GB/s = cache bytes read / time). Every
@@ -71,6 +72,8 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--cute", action="store_true", help="also time flash_attn.cute on the same cache")
+    ap.add_argument("--root", action="store_true",
+                    help="also time the root flash_attn_func on the same (full) cache: the dispatcher's dense path")
     args = ap.parse_args(argv)
     shapes = parse_shapes(args.shapes)
     splits = [int(x) for x in args.splits.split(",") if x.strip()]
@@ -90,6 +93,8 @@ def main(argv=None):
         from flash_attn import cute
 
         names += ["cute", "cute unsplit"]
+    if args.root:
+        names += ["root flash_attn_func"]
     names += ["sdpa"]
     print("| B x Sk | " + " | ".join(names) + " | max err |")
     print("|---" * (len(names) + 2) + "|")
@@ -107,6 +112,8 @@ def main(argv=None):
             calls["cute"] = lambda: cute.flash_attn_varlen_func(q, kc, vc, seqused_k=lens, num_splits=0, pack_gqa=True)
             calls["cute unsplit"] = lambda: cute.flash_attn_varlen_func(q, kc, vc, seqused_k=lens, num_splits=1,
                                                                         pack_gqa=True)
+        if args.root:
+            calls["root flash_attn_func"] = lambda: flash_attn.flash_attn_func(q, kc, vc)
         calls["sdpa"] = lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
         ref = calls["sdpa"]().transpose(1, 2).float()
         err = max(float((_out(calls[n]()).float() - ref).abs().max()) for n in names[:-1])

@@ -586,3 +586,33 @@ def test_dispatcher_splits_and_packs_decoding_calls(monkeypatch, cute_env):
     assert run_varlen(1, 8192, 32, 8) == (pack, splits)
     assert run_varlen(1, 8192, 32, 8, lse_scratch=False) == (1, 1)
     assert run_varlen(64, 2048, 32, 8) == (1, 1)  # 64 x 32 tiles: fills the GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("batch,seqlen_k,heads,heads_kv", [(1, 8192, 32, 8), (3, 2000, 16, 16), (2, 300, 8, 1)])
+def test_root_api_decoding_calls_split_on_gpu(monkeypatch, causal, batch, seqlen_k, heads, heads_kv):
+    """The root flash_attn_func / flash_attn_varlen_func on decoding shapes (one query row per sequence, no gradient)
+    through the cute backend's decode plan (split-KV, GQA packed): the reference's output; and with a gradient (the
+    lse kept: unsplit) the same output within rounding."""
+    import flash_attn
+    from flash_attn.dispatch import use_backend
+
+    torch.manual_seed(0)
+    q = torch.randn(batch, 1, heads, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(batch, seqlen_k, heads_kv, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    with use_backend("cute"):
+        out = flash_attn.flash_attn_func(q, k, v, causal=causal)
+        cu_q = torch.arange(batch + 1, dtype=I32, device="cuda")
+        cu_k = torch.arange(0, (batch + 1) * seqlen_k, seqlen_k, dtype=I32, device="cuda")
+        out_var = flash_attn.flash_attn_varlen_func(q.view(batch, heads, 128), k.view(-1, heads_kv, 128),
+                                                    v.view(-1, heads_kv, 128), cu_q, cu_k, 1, seqlen_k, causal=causal)
+        qg = q.clone().requires_grad_()
+        out_grad = flash_attn.flash_attn_func(qg, k, v, causal=causal)
+    out_ref, _ = attention_ref(q, k, v, causal=causal)
+    out_pt, _ = attention_ref(q, k, v, causal=causal, upcast=False, reorder_ops=True)
+    assert_close_to_ref(out, out_ref, out_pt)
+    assert_close_to_ref(out_var.view_as(out), out_ref, out_pt)
+    assert_close_to_ref(out_grad.detach(), out_ref, out_pt)
