@@ -1,14 +1,15 @@
 """flash_attn_with_kvcache on decoding shapes: the default split choice against fixed num_splits values and PyTorch's
-SDPA (enable_gqa) on the same cache, to settle the split-KV heuristic (kvcache.choose_num_splits), and, with
---cute, the CuTeDSL forward on the same cache (flash_attn.cute's batch-shaped varlen call with seqused_k, the form a
-KV-cache call takes there: num_splits=0 (its own split choice) with pack_gqa, and unsplit with pack_gqa), and with
---root the root flash_attn_func on the full cache (what Hugging Face's flash_attention_2 decoding calls). Per shape, every
+SDPA (enable_gqa) on the same cache, to settle the split-KV heuristic (kvcache.choose_num_splits); with --cute, the
+CuTeDSL forward on the same cache (flash_attn.cute's batch-shaped varlen call with seqused_k, the form a KV-cache
+call takes there: num_splits=0 (its own split choice) with pack_gqa, and unsplit with pack_gqa); with --root, the
+root flash_attn_func on the full cache (what Hugging Face's flash_attention_2 decoding calls). Per shape, every
 variant runs in interleaved rounds (CUDA-event timing of a burst of calls, the median of the rounds kept);
 microseconds per call (wall time of a burst; then the GPU time per call from the profiler) and the rate at which
-the call reads K and V at its GPU time (GB/s = cache bytes read / time). Every
-variant's output is compared with SDPA's (bf16 rounding), so a variant that computes something else shows.
+the call reads K and V at its GPU time (GB/s = cache bytes read / time). Every variant's output is compared with
+SDPA's (bf16 rounding), so a variant that computes something else shows.
 
-    python -m benchmarks.attention.bench_kvcache_decode [--shapes B:Sk:H:Hk:D,...] [--splits 0,1,8,16,32,64,128] [--cute]
+    python -m benchmarks.attention.bench_kvcache_decode [--shapes B:Sk:H:Hk:D,...] [--splits 0,1,8,16,32,64,128]
+        [--cute] [--root]
 
 Shapes default to issue 32's table (one query token, H 32, Hk 8, d 128, bf16, full caches): 1x8k, 1x64k, 8x8k,
 8x32k, 32x8k, 64x4k. num_splits 0 is the default heuristic; the kernel caps larger values at its MAX_SPLITS.
