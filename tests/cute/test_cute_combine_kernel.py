@@ -227,6 +227,9 @@ def test_torch_path_where_the_kernel_does_not_serve(monkeypatch):
     monkeypatch.setattr(combine, "_INTERPRET", True)
     monkeypatch.setattr(combine, "HAS_TRITON", False)  # flash-attn-4 without Triton
     combine.flash_attn_combine(o.detach(), lse_p)
+    monkeypatch.setattr(combine, "HAS_TRITON", True)
+    monkeypatch.setattr(combine, "_kernel_fn", [None])  # a Triton that does not import
+    combine.flash_attn_combine(o.detach(), lse_p)
     assert seen == [combine._kernel()]
 
 

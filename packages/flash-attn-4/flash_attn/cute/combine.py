@@ -30,18 +30,20 @@ _INTERPRET = settings.current.triton_interpret
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Triton is imported with the kernel, at its first launch (_combine_triton): importing it costs a first call of
 # this package ~0.1-0.3 s that a call without a split never needs.
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-_kernel_fn = None
+HAS_TRITON = importlib.util.find_spec("triton") is not None  # (installed; whether it imports: _kernel)
+_kernel_fn = []  # [the kernel] once imported, [None] when Triton does not import
 
 
 def _kernel():
-    """The Triton kernel (module _combine_triton), imported on first use."""
-    global _kernel_fn
-    if _kernel_fn is None:
-        from flash_attn.cute._combine_triton import _combine_kernel
-
-        _kernel_fn = _combine_kernel
-    return _kernel_fn
+    """The Triton kernel (module _combine_triton), imported on first use; None when Triton does not import (a broken
+    install: the torch path serves)."""
+    if not _kernel_fn:
+        try:
+            from flash_attn.cute._combine_triton import _combine_kernel
+        except Exception:  # ImportError, or a Triton whose own imports fail
+            _combine_kernel = None
+        _kernel_fn.append(_combine_kernel)
+    return _kernel_fn[0]
 
 
 def _next_pow2(n):
@@ -83,7 +85,7 @@ def use_kernel(out_partial, lse_partial, out_dtype, out_device):
         return False
     if torch.is_grad_enabled() and (out_partial.requires_grad or lse_partial.requires_grad):
         return False
-    return not torch.compiler.is_compiling()
+    return not torch.compiler.is_compiling() and _kernel() is not None
 
 
 def combine_kernel(out_partial, lse_partial, out, lse, sink=None, unseen_pos_inf=False):
