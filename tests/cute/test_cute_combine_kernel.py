@@ -221,7 +221,8 @@ def test_torch_path_where_the_kernel_does_not_serve(monkeypatch):
     combine.flash_attn_combine(o.requires_grad_(), lse_p)  # the kernel has no backward
     assert seen == []
     out, _ = combine.flash_attn_combine(o.detach(), lse_p)
-    assert seen == [combine._kernel()]
+    kernel = combine._kernel()
+    assert seen == [kernel]
     monkeypatch.setattr(combine, "_INTERPRET", False)  # a CPU tensor without the interpreter
     combine.flash_attn_combine(o.detach(), lse_p)
     monkeypatch.setattr(combine, "_INTERPRET", True)
@@ -230,7 +231,7 @@ def test_torch_path_where_the_kernel_does_not_serve(monkeypatch):
     monkeypatch.setattr(combine, "HAS_TRITON", True)
     monkeypatch.setattr(combine, "_kernel_fn", [None])  # a Triton that does not import
     combine.flash_attn_combine(o.detach(), lse_p)
-    assert seen == [combine._kernel()]
+    assert seen == [kernel]
 
 
 def test_gradient_flows_on_the_torch_path():
