@@ -368,3 +368,18 @@ def test_split_forward_merge_runs_the_kernel(monkeypatch, sink, bounds):
         torch.testing.assert_close(lse, want_lse, rtol=1e-6, atol=1e-5)
         if not sink:
             assert torch.isposinf(lse[:, :, :4]).all() and torch.isfinite(lse[:, :, 4:]).all()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU-side import check")
+def test_importing_the_api_imports_no_triton():
+    """flash_attn.cute's API modules (interface, launch, combine) import neither Triton nor CuTeDSL: the combine
+    kernel's module is imported at its first launch, so a first call that merges nothing never pays Triton's import
+    (~0.1-0.3 s)."""
+    code = ("import sys, flash_attn.cute.interface, flash_attn.cute.launch, flash_attn.cute.combine; "
+            "print([m for m in ('triton', 'cutlass', 'flash_attn.cute._combine_triton') if m in sys.modules])")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, _PKG, os.environ.get("PYTHONPATH", "")]))
+    env.pop("TRITON_INTERPRET", None)
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout
+
