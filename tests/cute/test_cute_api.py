@@ -654,3 +654,25 @@ def test_forward_plain_lane_finds_the_kernel_fwd_kernel_stores(monkeypatch, D, c
         out, lse = launch.forward(q, k, v, 0.1, causal, "sm_90a", lse_scratch=scratch)
         assert out.shape == q.shape and lse.shape == (1, 2, 8) and lse.dtype == torch.float32
     assert len(builds) == 1 and launches == [1, 1, 1] and len(general) == 1
+
+
+def test_varlen_value_checks_name_what_is_wrong(monkeypatch):
+    """The varlen call's value checks (one host copy of the small int vectors, one sync): cu_seqlens that do not start
+    at 0, decrease or end past the tokens, seqused_k past a sequence's keys, max_seqlen_q below the longest sequence;
+    each a ValueError before any launch."""
+    monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")
+    I32 = torch.int32
+    q = torch.zeros(12, 4, 64, dtype=torch.bfloat16)
+    k = v = torch.zeros(12, 2, 64, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 5, 12], dtype=I32)
+    cases = [(dict(cu_seqlens_q=torch.tensor([1, 5, 12], dtype=I32)), "cu_seqlens_q must start at 0"),
+             (dict(cu_seqlens_q=torch.tensor([0, 7, 5], dtype=I32)), "cu_seqlens_q must start at 0, never decrease"),
+             (dict(cu_seqlens_k=torch.tensor([0, 5, 13], dtype=I32)), "cu_seqlens_k .*end at most at 12"),
+             (dict(seqused_k=torch.tensor([6, 1], dtype=I32)), "seqused_k must lie in"),
+             (dict(seqused_k=torch.tensor([5, -1], dtype=I32)), "seqused_k must lie in"),
+             (dict(max_seqlen_q=6), r"max_seqlen_q \(6\) is below the longest sequence \(7\)")]
+    for kw, match in cases:
+        args = dict(cu_seqlens_q=cu, cu_seqlens_k=cu)
+        args.update(kw)
+        with pytest.raises(ValueError, match=match):
+            interface.flash_attn_varlen_func(q, k, v, **args)

@@ -348,25 +348,36 @@ def _varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=Non
         if used is not None and (not isinstance(used, torch.Tensor) or used.dtype != torch.int32
                                  or used.shape != (batch,) or used.device != q.device):
             raise ValueError(f"{name} must be an int32 tensor ({batch},) on {q.device}")
-    # One device sync for every value check (and max_seqlen_q).
-    lens_q, lens_k = cu_seqlens_q[1:] - cu_seqlens_q[:-1], cu_k_check[1:] - cu_k_check[:-1]
-    if paged:
-        lens_k = torch.full_like(lens_k, page_table.shape[1] * page_size)  # each sequence's page table's capacity
-    zero = cu_seqlens_q.new_zeros(())
-    used_bad = (((seqused_k < 0) | (seqused_k > lens_k)).sum() if seqused_k is not None else zero)
-    used_q_bad = (((seqused_q < 0) | (seqused_q > lens_q)).sum() if seqused_q is not None else zero)
-    pages_bad = zero
+    # One device sync for every value check (and max_seqlen_q): the small int32 vectors travel to the host in one
+    # copy and are checked there (a decoding step would otherwise launch ~20 tiny kernels for it); the page table,
+    # which can be large, is checked on the device and only its count of bad entries travels.
+    pages_bad = None
     if paged and batch and page_table.shape[1]:
         # the page table entries the sequences use: each a page of k / v
         used_pages = torch.arange(page_table.shape[1], device=q.device) < ((seqused_k + page_size - 1)
                                                                           // page_size).view(-1, 1)
-        pages_bad = (((page_table < 0) | (page_table >= num_pages)) & used_pages).sum()
+        pages_bad = (((page_table < 0) | (page_table >= num_pages)) & used_pages).sum().view(1).to(torch.int32)
+    parts = [cu_seqlens_q, cu_k_check] + [t for t in (seqused_k, seqused_q, pages_bad) if t is not None]
+    host = (torch.cat(parts) if len(parts) > 1 else parts[0]).to("cpu", torch.int64)
+    cu_q_h, cu_k_h = host[:batch + 1], host[batch + 1:2 * batch + 2]
+    rest = host[2 * batch + 2:]
+    used_k_h = used_q_h = None
+    if seqused_k is not None:
+        used_k_h, rest = rest[:batch], rest[batch:]
+    if seqused_q is not None:
+        used_q_h, rest = rest[:batch], rest[batch:]
+    pages_bad = int(rest[0]) if pages_bad is not None else 0
+    lens_q, lens_k = cu_q_h[1:] - cu_q_h[:-1], cu_k_h[1:] - cu_k_h[:-1]
+    if paged:
+        lens_k = torch.full_like(lens_k, page_table.shape[1] * page_size)  # each sequence's page table's capacity
+    used_bad = int(((used_k_h < 0) | (used_k_h > lens_k)).sum()) if used_k_h is not None else 0
+    used_q_bad = int(((used_q_h < 0) | (used_q_h > lens_q)).sum()) if used_q_h is not None else 0
     # the split rule, the cap on num_splits and the backward's grid need the longest sequence's key count
     choose = (splits > 1 or num_splits <= 0) and not settings.disabled("split")
-    keys_max = (seqused_k if seqused_k is not None else lens_k).max() if batch else zero
-    first_q, down_q, last_q, max_q, first_k, down_k, last_k, used_bad, used_q_bad, pages_bad, max_k = torch.stack([
-        cu_seqlens_q[0], (lens_q < 0).sum(), cu_seqlens_q[-1], lens_q.max() if batch else zero,
-        cu_k_check[0], (lens_k < 0).sum(), cu_k_check[-1], used_bad, used_q_bad, pages_bad, keys_max]).tolist()
+    max_k = int((used_k_h if used_k_h is not None else lens_k).max()) if batch else 0
+    first_q, last_q, first_k, last_k = int(cu_q_h[0]), int(cu_q_h[-1]), int(cu_k_h[0]), int(cu_k_h[-1])
+    down_q, down_k = int((lens_q < 0).sum()), int((lens_k < 0).sum())
+    max_q = int(lens_q.max()) if batch else 0
     for name, first, down, last, total in (("cu_seqlens_q", first_q, down_q, last_q, Tq),
                                             ("cu_seqlens_k", first_k, down_k, last_k, Tk)):
         if first != 0 or down or last > total:
