@@ -251,7 +251,7 @@ def test_flash_attn_func_runs_fwd_with_the_dense_description(monkeypatch):
         out, lse, _ = backend_fwd(tb, q, k, v, return_probs=False, **_kw(37, 45, 64, causal))
         calls = []
         real = tb.fwd
-        monkeypatch.setattr(tb, "fwd", lambda *a: calls.append(a[0]) or real(*a))
+        monkeypatch.setattr(tb, "fwd", lambda *a, **kw: calls.append(a[0]) or real(*a, **kw))
         with flash_attn.use_backend("triton"):
             api = flash_attn.flash_attn_func(q, k, v, causal=causal)
         monkeypatch.setattr(tb, "fwd", real)

@@ -479,3 +479,43 @@ def test_gpu_cuda_graph_decode_step():
     torch.testing.assert_close(lse_g, lse_ref, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(k_cache, kc_ref)
     assert torch.equal(v_cache, vc_ref)
+
+
+@pytest.mark.parametrize("case", [dict(), dict(causal=True), dict(window_left=5, window_right=2), dict(softcap=8.0),
+                                  dict(alibi=True), dict(sink=True), dict(causal=True, Sq=6, Sk=4)])
+def test_dense_decoding_call_runs_the_kvcache_kernels(monkeypatch, case):
+    """A dense forward whose lse the caller drops (lse_scratch) with at most _DECODE_ROWS query rows runs as a
+    KV-cache call over the whole of k / v (its split of the keys): the reference backend's out and lse, masks,
+    softcap, ALiBi and the sink included, rows that see no key too (causal, more queries than keys); a call that
+    keeps its lse, or has more query rows, takes the dense kernel."""
+    from flash_attn import reference
+    from flash_attn.testing import backend_fwd
+    from flash_attn.triton import kvcache as kv
+
+    case = dict(case)
+    Sq, Sk = case.pop("Sq", 3), case.pop("Sk", 40)
+    g = torch.Generator().manual_seed(Sq * 100 + Sk)
+    B, H, Hk, D = 2, 4, 2, 16
+    q = torch.randn(B, Sq, H, D, generator=g).to(DEVICE)
+    k = torch.randn(B, Sk, Hk, D, generator=g).to(DEVICE)
+    v = torch.randn(B, Sk, Hk, D, generator=g).to(DEVICE)
+    kw = dict(causal=case.get("causal", False), window_left=case.get("window_left", -1),
+              window_right=case.get("window_right", -1), softcap=case.get("softcap", 0.0))
+    if case.get("alibi"):
+        kw["alibi_slopes"] = (torch.rand(H, generator=g) * 0.3).to(DEVICE)
+    if case.get("sink"):
+        kw["learnable_sink"] = torch.randn(H, generator=g).to(DEVICE)
+    runs = []
+    real = kv.fwd_kvcache
+    monkeypatch.setattr(kv, "fwd_kvcache", lambda *a, **k_: runs.append(1) or real(*a, **k_))
+    out, lse, _ = backend_fwd(tb, q, k, v, lse_scratch=True, **kw)
+    assert runs == [1]
+    want_out, want_lse, _ = backend_fwd(reference, q, k, v, **kw)
+    torch.testing.assert_close(out, want_out, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-4, atol=1e-4)
+    backend_fwd(tb, q, k, v, **kw)  # the lse kept: the dense kernel
+    assert runs == [1]
+    if Sq <= tb._DECODE_ROWS:
+        monkeypatch.setattr(tb, "_DECODE_ROWS", Sq - 1)
+        backend_fwd(tb, q, k, v, lse_scratch=True, **kw)  # more query rows than decoding has
+        assert runs == [1]

@@ -28,6 +28,10 @@ _LOG2E = 1.4426950408889634
 # CUDA's limit on a grid's y extent, where the kernels put their (sequence, head) pairs: calls with more run as
 # launches on chunks of the batch (_batch_chunks)
 _MAX_GRID_Y = 65535
+# fwd() takes lse_scratch=True (lse dropped: no backward follows); a dense decoding call (<= _DECODE_ROWS query rows)
+# then runs on the KV-cache kernels, which split the keys over the SMs (kvcache.fwd_dense_decode)
+LSE_SCRATCH = True
+_DECODE_ROWS = 16
 
 
 def unavailable_reason():
@@ -288,12 +292,20 @@ class _PlanKey:
 
 
 def fwd(call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, alibi_slopes, rng_state,
-        config=None, sink=None):
+        config=None, sink=None, lse_scratch=False):
     """Attention forward; see the contract. Dense q (B, Sq, H, D), k (B, Sk, Hk, D), v (B, Sk, Hk, Dv);
     varlen q (total_q, H, D) with cu_seqlens int32 (B+1,). Returns (out, lse fp32, probs or None).
 
     ``config`` (a _configs.FwdConfig) overrides the table, for tuning. ``sink``: the learnable sink, fp32 (H,).
+    ``lse_scratch``: no backward follows (see LSE_SCRATCH): a dense decoding call runs kvcache.fwd_dense_decode.
     """
+    if (lse_scratch and cu_seqlens_q is None and config is None and q.shape[1] <= _DECODE_ROWS and k.shape[1]
+            and not call.dropout and not call.return_probs):
+        from . import kvcache
+        out, lse = kvcache.fwd_dense_decode(q, k, v, call.softmax_scale, call.causal, call.window_left,
+                                            call.window_right, call.softcap, alibi_slopes, sink, _INTERPRET,
+                                            _arch(q.device))
+        return out, lse, None
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, call.softmax_scale, call.causal,
             call.window_left, call.window_right, call.softcap, alibi_slopes, call.dropout_p, rng_state,
             True if call.return_probs else None, config, sink)
@@ -440,22 +452,11 @@ def _fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softma
     return out, lse, probs
 
 
-_kvcache = None  # the kvcache module, imported at the first call (a decoding step must not pay the import's lookup)
-
-
-def _load_kvcache():
-    global _kvcache
-    from . import kvcache
-
-    _kvcache = kvcache
-    return kvcache
-
-
 def fwd_kvcache(call, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                 block_table, alibi_slopes, rotary_interleaved, num_splits, sink=None):
     """FA2's flash_attn_with_kvcache (see the contract); no host sync, so CUDA graphs can capture it. sink: the
     learnable sink, fp32 (H,), or None."""
-    kvcache = _kvcache or _load_kvcache()
+    from . import kvcache
     return kvcache.fwd_kvcache(
         q, k_cache, v_cache, k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
         cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,

@@ -583,3 +583,26 @@ def fwd_kvcache(q, k_cache, v_cache, *, k, v, rotary_cos, rotary_sin, cache_seql
             o_acc, l_acc, out, lse, dummy if sink is None else sink, *so_, *sl_, *out.stride()[:3], lse.stride(0),
             lse.stride(1), Sq, splits, H), c_meta, c_key)
     return out, lse
+
+
+_FULL_LENGTHS: dict = {}  # (device, B, Sk) -> int32 (B,) of Sk: the lengths of a whole cache
+
+
+def fwd_dense_decode(q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, sink,
+                     interpret, arch):
+    """A dense decoding forward (q (B, Sq, H, D) with a few rows, k / v (B, Sk, Hk, D)) as a KV-cache call over the
+    whole of k / v (cache_seqlens = Sk for every batch entry, nothing appended): the same masks (bottom-right causal
+    and windows), softcap, ALiBi and sink as the dense forward, with choose_num_splits' split of the keys (the dense
+    kernel gives each (batch, head) one program streaming every key). -> (out, lse)."""
+    B, Sk = q.shape[0], k.shape[1]
+    key = (q.device, B, Sk)
+    lens = _FULL_LENGTHS.get(key)
+    if lens is None:
+        if len(_FULL_LENGTHS) >= 64:
+            _FULL_LENGTHS.clear()
+        lens = _FULL_LENGTHS[key] = torch.full((B,), Sk, dtype=torch.int32, device=q.device)
+    return fwd_kvcache(q, k, v, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=lens,
+                       cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=softmax_scale,
+                       causal=causal, window_left=window_left, window_right=window_right, softcap=softcap,
+                       rotary_interleaved=False, alibi_slopes=alibi_slopes, num_splits=0, interpret=interpret,
+                       arch=arch, sink=sink)
