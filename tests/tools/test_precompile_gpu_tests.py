@@ -1,6 +1,9 @@
 """benchmarks/tools/precompile_gpu_tests.py: the kernels it builds are the ones forward() / forward_varlen() ask
 fwd_kernel for in the GPU tests' calls (checked by making those calls on CPU tensors with fwd_kernel recording), and each has a
 config."""
+import os
+import sys
+
 import pytest
 import torch
 
@@ -8,7 +11,8 @@ pytest.importorskip("cutlass.cute")
 
 from benchmarks.tools import precompile_gpu_tests as pg  # noqa: E402
 from flash_attn.cute import kernels, launch, plan  # noqa: E402
-from _cute_table import swap_kernels  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "cute"))
+from _cute_table import swap_kernels  # noqa: E402  (tests/cute's helper: on the path when this file runs alone too)
 
 
 def test_requests_cover_the_new_kernels():

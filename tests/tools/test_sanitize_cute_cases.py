@@ -1,6 +1,9 @@
 """benchmarks/tools/sanitize_cute.py's cases (run under compute-sanitizer on a GPU) cover every kind of forward kernel
 the default selection runs, and its prediction of which kernel a case runs agrees with the dispatch (CPU: the
 in-memory kernel table stubbed, the calls' tensors on the CPU)."""
+import os
+import sys
+
 import pytest
 import torch
 
@@ -8,7 +11,8 @@ pytest.importorskip("cutlass.cute")
 
 from benchmarks.tools import sanitize_cute  # noqa: E402
 from flash_attn.cute import config, interface, kernels, launch  # noqa: E402
-from _cute_table import swap_kernels  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "cute"))
+from _cute_table import swap_kernels  # noqa: E402  (tests/cute's helper: on the path when this file runs alone too)
 
 
 @pytest.fixture(autouse=True)
