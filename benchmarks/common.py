@@ -34,6 +34,23 @@ def bools(s):
     return [x.strip().lower() in ("1", "true", "yes", "causal") for x in s.split(",") if x.strip()]
 
 
+def gpu_us(fn, reps=20, warmup=0):
+    """Device time per call: the summed durations of the GPU activities (kernels, copies, fills) torch.profiler sees
+    over reps calls of fn (after warmup unprofiled ones). What a CUDA-graph-captured call would cost, where the wall
+    time of a burst also holds the host's time when the host is the slower side."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / reps
+
+
 def per_call_us(fn, n=300, rounds=5, warmup=30, device="cuda", sync_each=False):
     """Median over rounds of the wall time per call of ``fn`` in microseconds, n calls back to back with one
     synchronize per round: on a problem whose GPU work takes a few microseconds, this is the cost of the

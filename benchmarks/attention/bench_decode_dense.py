@@ -8,21 +8,9 @@ kernel) and SDPA (enable_gqa), each output's max difference from SDPA's beside i
 """
 import argparse
 
+from benchmarks import common
+
 DEFAULT_SHAPES = "1:8192:32:8,1:32768:32:8,8:8192:32:8,4:2048:32:32"
-
-
-def _gpu_us(fn, reps=20):
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    return sum(e.self_device_time_total for e in prof.key_averages()) / reps
 
 
 def main(argv=None):
@@ -56,7 +44,7 @@ def main(argv=None):
             out = fn()
             out = out.transpose(1, 2) if name == "sdpa" else out
             err = float((out.float() - ref.float()).abs().max())
-            row.append(f"{name} {_gpu_us(fn):.1f} ({err:.3f})")
+            row.append(f"{name} {common.gpu_us(fn, 20, warmup=3):.1f} ({err:.3f})")
         print(f"B {B}, Sk {Sk}, H {H} / Hk {Hk}: " + "; ".join(row), flush=True)
 
 

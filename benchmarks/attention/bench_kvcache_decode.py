@@ -17,6 +17,8 @@ Shapes default to issue 32's table (one query token, H 32, Hk 8, d 128, bf16, fu
 import argparse
 import statistics
 
+from benchmarks import common
+
 DEFAULT_SHAPES = "1:8192:32:8:128,1:65536:32:8:128,8:8192:32:8:128,8:32768:32:8:128,32:8192:32:8:128,64:4096:32:8:128"
 
 
@@ -44,22 +46,6 @@ def _time_us(fn, reps):
     end.record()
     end.synchronize()
     return start.elapsed_time(end) * 1e3 / reps
-
-
-def _gpu_us(fn, reps):
-    """Device time per call: the summed durations of the GPU activities (kernels, copies, fills) the profiler sees
-    over reps calls. What a CUDA-graph-captured decode step would cost, where the wall time of a burst also holds
-    the host's time when the host is the slower side."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    total = sum(e.self_device_time_total for e in prof.key_averages())
-    return total / reps
 
 
 def _out(result):
@@ -129,7 +115,7 @@ def main(argv=None):
         cells = []
         for n in names:
             us = statistics.median(samples[n])
-            gpu = _gpu_us(calls[n], 20)
+            gpu = common.gpu_us(calls[n], 20)
             cells.append(f"{us:.1f} / {gpu:.1f} ({kv_bytes / gpu / 1e3:.0f})")
         print(f"| {b} x {sk // 1024}k | " + " | ".join(cells) + f" | {err:.4f} |", flush=True)
 
