@@ -204,10 +204,7 @@ def _decode_plan(q, B, Sq, H, Sk, Hk, window_left, window_right):
 
     group = H // Hk if Hk else 1
     pack = plan._pack_group(True, H, Hk, Sq) if group > 1 and plan._pack_helps(group, Sq) else 1
-    rows = plan._RULE_BLOCK_M // pack
-    splits = plan._split_count(0, B * (Hk if pack > 1 else H) * -(-Sq // rows),
-                               plan._visible_keys(Sk, rows, window_left, window_right), q)
-    return pack, splits
+    return pack, plan._tile_splits(0, pack, B, Sq, H, Hk, Sk, window_left, window_right, q)
 
 
 _BOXED = {}  # (dtype, D, Dv, causal, local, softcap, page size) -> whether the paged kernel takes those pages

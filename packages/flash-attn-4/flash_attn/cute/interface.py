@@ -14,8 +14,8 @@ from flash_attn.cute.config import HEAD_DIM_PAIRS, LONG_SK, SHORT_SK, SUPPORTED_
 from flash_attn.cute.kernels import _kernels
 from flash_attn.cute.launch import (_device_arch, _kernel_layout, _lse_buffer, _MAX_ELEMS, _MAX_GRID_Z,
                                     _gather_pages, _split_unused_q, forward, forward_varlen)
-from flash_attn.cute.plan import (_FWD_LONG_ON, _RULE_BLOCK_M, _SHORT_DIMS, _UNBOUNDED, HeadDimError, _options,  # noqa: F401
-                                  _pack_group, _pad_last, _padded_dim, _split_count, _visible_keys)
+from flash_attn.cute.plan import (_FWD_LONG_ON, _SHORT_DIMS, _UNBOUNDED, HeadDimError, _options,  # noqa: F401
+                                  _pack_group, _pad_last, _padded_dim, _split_count, _tile_splits)
 
 
 _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -147,9 +147,7 @@ def flash_attn_func(q, k, v, qv=None, gather_kv_indices=None, softmax_scale=None
     else:
         causal, window_left, window_right, softcap = _options(window_size, softcap, causal)
         pack = _pack_group(pack_gqa, H, Hk, Sq)
-        rows = _RULE_BLOCK_M // pack  # query positions per tile
-        splits = _split_count(num_splits, B * (Hk if pack > 1 else H) * -(-Sq // rows),
-                              _visible_keys(Sk, rows, window_left, 0 if causal else window_right), q)
+        splits = _tile_splits(num_splits, pack, B, Sq, H, Hk, Sk, window_left, 0 if causal else window_right, q)
         if learnable_sink is not None:
             sink = _check_sink(learnable_sink, H, q.device)
             arch = _device_arch(q, k, v)
@@ -422,9 +420,8 @@ def _varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=Non
                                                                    varlen))
     pack = _pack_group(pack_gqa, H, Hk, int(max_seqlen_q))
     if choose:
-        rows = _RULE_BLOCK_M // pack
-        splits = _split_count(num_splits, batch * (Hk if pack > 1 else H) * -(-int(max_seqlen_q) // rows),
-                              _visible_keys(max_k, rows, window_left, 0 if causal else window_right), q)
+        splits = _tile_splits(num_splits, pack, batch, int(max_seqlen_q), H, Hk, max_k, window_left,
+                              0 if causal else window_right, q)
     if seqused_q is not None:
         cu_seqlens_q, keys, seqused_k = _split_unused_q(cu_seqlens_q, page_table if paged else cu_seqlens_k,
                                                         seqused_q, seqused_k, paged)

@@ -108,6 +108,15 @@ def _split_count(num_splits, tiles=0, seqlen_k=None, q=None):
     return num_splits if seqlen_k is None else max(1, min(num_splits, -(-seqlen_k // 128)))
 
 
+def _tile_splits(num_splits, pack, batch, seqlen_q, H, Hk, seqlen_k, window_left, window_right, q):
+    """_split_count of a call tiled with the pack_gqa group ``pack``: its unsplit grid's query tiles (batch x heads
+    (kv heads when packed) x tiles of _RULE_BLOCK_M // pack query positions) and the keys one tile sees (window
+    sizes in the kernels' encoding; a causal call's right size 0)."""
+    rows = _RULE_BLOCK_M // pack
+    return _split_count(num_splits, batch * (Hk if pack > 1 else H) * -(-seqlen_q // rows),
+                        _visible_keys(seqlen_k, rows, window_left, window_right), q)
+
+
 _sm_counts: dict[int, int] = {}  # CUDA device index -> multiprocessor count
 
 
