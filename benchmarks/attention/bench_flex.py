@@ -1,22 +1,26 @@
-"""flash_attn.cute's score_mod / mask_mod forward against PyTorch's FlexAttention (torch.compile(flex_attention), with
-a block mask from create_block_mask where the case masks), and each side's plain attention for reference. bf16,
-batch x seqlen = 16k tokens, H 16, D 128, forward only (the mods' backward is not implemented here yet). do_bench
-medians in ms and TFLOP/s counted as dense attention (4 * B * S^2 * H * D, half for the causal cases); the max
-difference between the two sides' outputs per case (bf16 rounding: ~1e-2).
+"""flash_attn.cute's score_mod / mask_mod forward against PyTorch's FlexAttention (torch.compile(flex_attention)), both
+given the same block mask (create_block_mask's BlockMask; ours through block_sparsity.from_block_mask) where the case
+masks, and the native kernel where one computes the same thing. bf16, batch x seqlen = 16k tokens, H 16, D 128,
+forward only (the mods' backward is not implemented here yet). do_bench medians in ms; TFLOP/s count the scores the
+mask keeps (4 * B * H * D * kept pairs); the max difference between the two sides' outputs per case (bf16
+rounding: ~1e-2). The block masks are built once per case, outside the timing, for both sides.
 
-    python -m benchmarks.attention.bench_flex [--seqlens 1024,4096,8192] [--cases none,rel_bias,alibi,causal,document]
+    python -m benchmarks.attention.bench_flex [--seqlens 1024,4096,8192] [--cases none,rel_bias,...]
 
 Cases: none (no mod: the plain kernels), rel_bias (score + 0.01 * (kv - q)), alibi (score - slope[h] * |q - kv|,
-slopes an aux tensor), causal (a mask_mod; FlexAttention skips the masked blocks through its block mask, this
-package has no block sparsity yet and evaluates the mask on every tile; "causal=True" beside it is the native
-causal kernel), document (a mask_mod on per-token document ids, an aux tensor of 4 to 16 documents per row).
+slopes an aux tensor), causal (a mask_mod), window (causal sliding window of 1024 keys), prefix (prefix-LM: causal,
+plus the first 1024 keys for every query), document (a mask_mod on per-token document ids, an aux tensor of 4 to 16
+documents per row), alibi_causal and softcap_causal (a score_mod with the causal mask_mod; softcap 30).
 """
 import argparse
 
 from benchmarks.common import ints as _ints
 
-CASES = ("none", "rel_bias", "alibi", "causal", "document")
+CASES = ("none", "rel_bias", "alibi", "causal", "window", "prefix", "document", "alibi_causal", "softcap_causal")
 REL_SCALE = 0.01
+WINDOW = 1024
+PREFIX = 1024
+SOFTCAP = 30.0
 
 
 def _mods():
@@ -36,8 +40,21 @@ def _mods():
         return score - slope * cute.where(dist < zero, zero - dist, dist)
 
     @cute.jit
+    def softcap(score, b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+        capped = cute.math.tanh(score * cute.full_like(score, 1.0 / SOFTCAP), fastmath=True)
+        return capped * cute.full_like(score, SOFTCAP)
+
+    @cute.jit
     def causal(b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
-        return kv_idx[0] <= q_idx[0] + seqlen_info.seqlen_k - seqlen_info.seqlen_q
+        return kv_idx[0] <= q_idx[0]
+
+    @cute.jit
+    def window(b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+        return (kv_idx[0] <= q_idx[0]) & (q_idx[0] - kv_idx[0] < WINDOW)
+
+    @cute.jit
+    def prefix(b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+        return (kv_idx[0] <= q_idx[0]) | (kv_idx[0] < PREFIX)
 
     @cute.jit
     def document(b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
@@ -45,7 +62,41 @@ def _mods():
         return docs[b_idx[0], q_idx[0]] == docs[b_idx[0], kv_idx[0]]
 
     return {"rel_bias": (rel_bias, None), "alibi": (alibi, None), "causal": (None, causal),
-            "document": (None, document)}
+            "window": (None, window), "prefix": (None, prefix), "document": (None, document),
+            "alibi_causal": (alibi, causal), "softcap_causal": (softcap, causal)}
+
+
+def _flex_fns(slopes, docs):
+    """FlexAttention's (score_mod, mask_mod) of each case (None: absent)."""
+    import torch
+
+    causal = lambda b, h, qi, ki: ki <= qi  # noqa: E731
+    alibi = lambda s, b, h, qi, ki: s - slopes[h] * (qi - ki).abs()  # noqa: E731
+    return {
+        "rel_bias": (lambda s, b, h, qi, ki: s + (ki - qi) * REL_SCALE, None),
+        "alibi": (alibi, None),
+        "causal": (None, causal),
+        "window": (None, lambda b, h, qi, ki: (ki <= qi) & (qi - ki < WINDOW)),
+        "prefix": (None, lambda b, h, qi, ki: (ki <= qi) | (ki < PREFIX)),
+        "document": (None, lambda b, h, qi, ki: docs[b, qi] == docs[b, ki]),
+        "alibi_causal": (alibi, causal),
+        "softcap_causal": (lambda s, b, h, qi, ki: SOFTCAP * torch.tanh(s / SOFTCAP), causal),
+    }
+
+
+def _kept(mask_fn, B, S, device):
+    """The share of (query, key) pairs mask_fn keeps, over the batch (1.0 without a mask); rows in chunks."""
+    import torch
+
+    if mask_fn is None:
+        return 1.0
+    kept = 0
+    k = torch.arange(S, device=device)[None, :]
+    for b in range(B):
+        for r0 in range(0, S, 2048):
+            q = torch.arange(r0, min(S, r0 + 2048), device=device)[:, None]
+            kept += int(mask_fn(torch.tensor(b, device=device), 0, q, k).sum())
+    return kept / (B * S * S)
 
 
 def main(argv=None):
@@ -68,14 +119,15 @@ def main(argv=None):
 
     from benchmarks import common
     from flash_attn import cute
+    from flash_attn.cute import block_sparsity
 
     if not torch.cuda.is_available():
         raise SystemExit("bench_flex needs a CUDA GPU")
     mods = _mods()
     H, D = args.heads, args.headdim
     lines = common.header("benchmarks.attention.bench_flex", argv)
-    lines += ["", "| seqlen | case | ours ms (TFLOP/s) | FlexAttention ms (TFLOP/s) | flex / ours (time) | max diff |",
-              "|---|---|---|---|---|---|"]
+    lines += ["", "| seqlen | case | kept | ours ms (TFLOP/s) | FlexAttention ms (TFLOP/s) | flex / ours (time) | "
+              "max diff | native ms (ours / native) |", "|---|---|---|---|---|---|---|---|"]
     print("\n".join(lines), flush=True)
     for S in args.seqlens:
         B = max(1, 16384 // S)
@@ -86,39 +138,40 @@ def main(argv=None):
         n_docs = torch.randint(4, 17, (B,), generator=torch.Generator().manual_seed(S))
         docs = torch.stack([torch.sort(torch.randint(0, int(n), (S,), device="cuda")).values for n in n_docs])
         docs = docs.to(torch.int32)
+        flex_fns = _flex_fns(slopes, docs)
+        natives = {"none": dict(), "causal": dict(causal=True), "window": dict(window_size=(WINDOW - 1, 0)),
+                   "softcap_causal": dict(causal=True, softcap=SOFTCAP)}
         for case in cases:
             # a fresh compile per case: the cases' graphs would otherwise pile up against dynamo's recompile limit,
             # past which flex_attention runs unfused (materialising the scores) and the timing means nothing
             torch._dynamo.reset()
             flex = torch.compile(flex_attention, dynamic=False)
-            flops = 4 * B * S * S * H * D // (2 if case == "causal" else 1)
-            aux = [slopes] if case == "alibi" else [docs] if case == "document" else None
+            aux = [slopes] if "alibi" in case else [docs] if case == "document" else None
+            flex_mod, flex_mask = flex_fns.get(case, (None, None))
+            kept = _kept(flex_mask, B, S, q.device)
+            flops = 4 * B * S * S * H * D * kept
             if case == "none":
                 ours = lambda: cute.flash_attn_func(q, k, v)[0]  # noqa: E731
                 theirs = lambda: flex(qf, kf, vf)  # noqa: E731
             else:
                 score_mod, mask_mod = mods[case]
-                ours = lambda sm=score_mod, mm=mask_mod, a=aux: cute.flash_attn_func(  # noqa: E731
-                    q, k, v, score_mod=sm, mask_mod=mm, aux_tensors=a)[0]
-                block_mask, flex_mod = None, None
-                if case == "rel_bias":
-                    flex_mod = lambda s, b, h, qi, ki: s + (ki - qi) * REL_SCALE  # noqa: E731
-                elif case == "alibi":
-                    flex_mod = lambda s, b, h, qi, ki: s - slopes[h] * (qi - ki).abs()  # noqa: E731
-                else:
-                    fn = ((lambda b, h, qi, ki: ki <= qi) if case == "causal"
-                          else (lambda b, h, qi, ki: docs[b, qi] == docs[b, ki]))
-                    block_mask = create_block_mask(fn, B, None, S, S, device="cuda")
+                block_mask = sparse = None
+                if flex_mask is not None:
+                    block_mask = create_block_mask(flex_mask, B, None, S, S, device="cuda")
+                    sparse = block_sparsity.from_block_mask(block_mask)
+                ours = lambda sm=score_mod, mm=mask_mod, a=aux, t=sparse: cute.flash_attn_func(  # noqa: E731
+                    q, k, v, score_mod=sm, mask_mod=mm, aux_tensors=a, block_sparse_tensors=t)[0]
                 theirs = lambda m=flex_mod, bm=block_mask: flex(qf, kf, vf, score_mod=m, block_mask=bm)  # noqa: E731
             diff = (ours().float() - theirs().transpose(1, 2).float()).abs().max().item()
             t_ours = triton.testing.do_bench(ours, warmup=args.warmup, rep=args.rep)
             t_flex = triton.testing.do_bench(theirs, warmup=args.warmup, rep=args.rep)
-            line = (f"| {S} | {case} | {t_ours:.3f} ({flops / t_ours / 1e9:.0f}) | {t_flex:.3f} "
-                    f"({flops / t_flex / 1e9:.0f}) | {t_flex / t_ours:.2f}x | {diff:.3g} |")
-            if case == "causal":
-                t_native = triton.testing.do_bench(lambda: cute.flash_attn_func(q, k, v, causal=True)[0],
+            native = ""
+            if case in natives:
+                t_native = triton.testing.do_bench(lambda kw=natives[case]: cute.flash_attn_func(q, k, v, **kw)[0],
                                                    warmup=args.warmup, rep=args.rep)
-                line += f" causal=True: {t_native:.3f} ms"
+                native = f"{t_native:.3f} ({t_ours / t_native:.2f}x)"
+            line = (f"| {S} | {case} | {kept:.3f} | {t_ours:.3f} ({flops / t_ours / 1e9:.0f}) | {t_flex:.3f} "
+                    f"({flops / t_flex / 1e9:.0f}) | {t_flex / t_ours:.2f}x | {diff:.3g} | {native} |")
             lines.append(line)
             print(line, flush=True)
 

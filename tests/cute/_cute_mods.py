@@ -63,6 +63,14 @@ def document_mask(b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
     return docs[b_idx[0], q_idx[0]] == docs[b_idx[0], kv_idx[0]]
 
 
+@cute.jit
+def document_causal_mask(b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+    """Causal within a document: kv <= q and the same id in aux_tensors[0] (B, S) int32 (Sq == Sk)."""
+    docs = aux_tensors[0]
+    same = docs[b_idx[0], q_idx[0]] == docs[b_idx[0], kv_idx[0]]
+    return same & (kv_idx[0] <= q_idx[0])
+
+
 # Their plain-PyTorch meaning. Scores s: (B, H, Sq, Sk) fp32 scaled; masks broadcast to it.
 
 def _pos(Sq, Sk, device):

@@ -156,7 +156,7 @@ class _ModLaunch:
         monkeypatch.setattr(mods, "forward", self.dense)
         monkeypatch.setattr(mods, "forward_varlen", self.varlen)
 
-    def dense(self, q, k, v, scale, causal, arch, wl, wr, score_mod, mask_mod, aux):
+    def dense(self, q, k, v, scale, causal, arch, wl, wr, score_mod, mask_mod, aux, block_sparse=None):
         self.calls.append(dict(kind="dense", scale=scale, causal=causal, window=(wl, wr), score_mod=score_mod,
                                mask_mod=mask_mod, aux=aux))
         B, Sq, H, _ = q.shape
@@ -210,7 +210,7 @@ def test_varlen_passes_the_mods(defaults, monkeypatch):
     (dict(aux_tensors=[torch.zeros(1)]), ValueError, "nothing reads them"),
     (dict(score_mod=m.identity, learnable_sink=torch.zeros(4)), NotImplementedError, "learnable_sink"),
     (dict(score_mod=m.identity, score_mod_bwd=m.identity), NotImplementedError, "score_mod_bwd"),
-    (dict(score_mod=m.identity, block_sparse_tensors=object()), NotImplementedError, "block_sparse_tensors"),
+    (dict(score_mod=m.identity, block_sparse_tensors_bwd=object()), NotImplementedError, "block_sparse_tensors_bwd"),
     (dict(score_mod=m.identity, aux_scalars=(1.0,)), NotImplementedError, "aux_scalars"),
     (dict(score_mod=3), ValueError, "CuTeDSL function"),
 ])
@@ -225,7 +225,7 @@ def test_backward_with_mods_is_refused_naming_score_mod(defaults, monkeypatch):
     _ModLaunch(monkeypatch)
     q, k, v = _qkv()
     q.requires_grad_(True)
-    with pytest.raises(NotImplementedError, match="backward of score_mod"):
+    with pytest.raises(NotImplementedError, match="backward of score_mod / mask_mod"):
         interface.flash_attn_func(q, k, v, score_mod=m.rel_bias)
     with torch.no_grad():
         interface.flash_attn_func(q, k, v, score_mod=m.rel_bias)

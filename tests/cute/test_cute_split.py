@@ -536,10 +536,10 @@ def test_varlen_split_matches_reference_per_sequence_on_gpu(monkeypatch, d, dv, 
 
 
 def test_dispatcher_splits_and_packs_decoding_calls(monkeypatch, cute_env):
-    """The root dispatcher's cute forward (backend.fwd) gives a dense call with a small grid (decoding: a query row
-    or a few per head) flash_attn.cute's num_splits=0 choice, with a GQA group packed where that fills the tiles;
-    a call whose grid fills the GPU, with more query rows than decoding has, or whose lse is kept (a gradient
-    follows, or the caller returns it), goes unsplit and unpacked without consulting the rules."""
+    """The root dispatcher's cute forward (backend.fwd) gives a decoding call (a query row or a few per head, lse
+    dropped) a GQA group packed where that fills the tiles and flash_attn.cute's num_splits=0 choice of parts (1 when
+    the grid fills the GPU); a call with more query rows than decoding has, or whose lse is kept (a gradient follows,
+    or the caller returns it), goes unsplit and unpacked without consulting the rules."""
     from flash_attn.call import describe
     from flash_attn.cute import backend
 
@@ -566,8 +566,12 @@ def test_dispatcher_splits_and_packs_decoding_calls(monkeypatch, cute_env):
     consulted = []
     real = backend._decode_plan
     monkeypatch.setattr(backend, "_decode_plan", lambda *a: consulted.append(a) or real(*a))
-    assert run(8, 2048, 2048, 16, 16) == (1, 1) and not consulted  # 8 x 16 x 16 tiles: fills the GPU
+    assert run(8, 2048, 2048, 16, 16) == (1, 1) and not consulted  # 2048 query rows: no decoding call
     assert run(1, 100, 8192, 32, 8) == (1, 1) and not consulted  # 100 query rows: no decoding call
+    # a batch whose packed grid fills the GPU: packed (each K / V tile serves the group), unsplit
+    assert run(64, 1, 4096, 32, 8) == (4, 1) and len(consulted) == 1
+    assert run(64, 1, 4096, 32, 32) == (1, 1)  # MHA with 2048 tiles: nothing to pack or split
+    consulted.clear()
     assert run(1, 1, 8192, 32, 8, lse_scratch=False) == (1, 1) and not consulted  # the lse is kept
     assert run(1, 1, 8192, 32, 8) == (pack, splits) and len(consulted) == 1
     assert run(1, 1, 8192, 32, 8) == (pack, splits) and len(consulted) == 1  # remembered per kind of call
@@ -586,7 +590,7 @@ def test_dispatcher_splits_and_packs_decoding_calls(monkeypatch, cute_env):
 
     assert run_varlen(1, 8192, 32, 8) == (pack, splits)
     assert run_varlen(1, 8192, 32, 8, lse_scratch=False) == (1, 1)
-    assert run_varlen(64, 2048, 32, 8) == (1, 1)  # 64 x 32 tiles: fills the GPU
+    assert run_varlen(64, 2048, 32, 8) == (4, 1)  # 64 x 8 packed tiles fill the GPU: packed, unsplit
 
 
 @pytest.mark.gpu

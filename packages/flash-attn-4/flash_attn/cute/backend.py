@@ -16,8 +16,8 @@ Paged varlen forward calls (flash_attn_varlen_func's block_table; cu_seqlens_k t
 the paged kernel (launch.forward_varlen with the page table, each sequence's key count as seqused_k); pages the
 kernel cannot box (config.paged_block_n) are gathered into contiguous keys for the unpaged kernel.
 
-Inference calls (lse dropped), dense or varlen, of up to _DECODE_ROWS query rows per sequence (decoding) whose grid is
-small run split-KV with a GQA group packed (_decode_plan: the FA4 API's num_splits=0 choice).
+Inference calls (lse dropped), dense or varlen, of up to _DECODE_ROWS query rows per sequence (decoding) run with a GQA
+group packed and split-KV where the grid leaves SMs idle (_decode_plan: the FA4 API's num_splits=0 choice).
 
 A learnable sink (``sink=``, fp32 (H,)) goes to the kernels built with one (FwdConfig.sink), dense, varlen and paged.
 The backward needs no sink: its kernel computes P from the forward's lse, which includes it.
@@ -138,8 +138,8 @@ def fwd(call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, b
             sink = sink.to(torch.float32).contiguous()  # (the kernels' layout; the core sends it so already)
         B, Sq, H = q.shape[:3]
         pack = splits = 1
-        if lse_scratch and Sq <= _DECODE_ROWS and B * H < _SMALL_GRID:
-            # an inference call (lse dropped: no gradient follows) whose grid may leave SMs idle (decoding)
+        if lse_scratch and Sq <= _DECODE_ROWS:
+            # an inference call (lse dropped: no gradient follows) of a few query rows (decoding)
             pack, splits = _decoding(q, B, Sq, H, k.shape[1], k.shape[2], wl, wr)
         out, lse = launch.forward(q, k, v, scale, causal, "sm_90a", wl, wr, softcap, sink, pack=pack, splits=splits,
                                   lse_scratch=lse_scratch)
@@ -161,7 +161,7 @@ def fwd(call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, b
     else:
         pack = splits = 1
         batch, H = cu_seqlens_q.shape[0] - 1, q.shape[1]
-        if lse_scratch and max_seqlen_q <= _DECODE_ROWS and batch * H < _SMALL_GRID:  # as the dense call's
+        if lse_scratch and max_seqlen_q <= _DECODE_ROWS:  # as the dense call's
             pack, splits = _decoding(q, batch, max_seqlen_q, H, max_seqlen_k, k.shape[1], wl, wr)
         out, lse = launch.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, None, max_seqlen_q, scale, causal,
                                          "sm_90a", wl, wr, softcap, fill_unused_rows=True, sink=sink, pack=pack,
@@ -169,7 +169,6 @@ def fwd(call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, b
     return out, lse, None
 
 
-_SMALL_GRID = 132  # no Hopper GPU has more SMs: a grid of at least this many query tiles is never split or packed
 # Decoding: at most this many query rows per sequence (a token, or a few of speculative decoding): one query tile per
 # head, so the grid is batch x heads and the keys are all the work. Longer queries keep the unsplit kernels, whose
 # choice the forward benchmarks measured; the split rule was measured on decoding shapes only.
@@ -196,10 +195,12 @@ def _decoding(q, B, Sq, H, Sk, Hk, window_left, window_right):
 
 
 def _decode_plan(q, B, Sq, H, Sk, Hk, window_left, window_right):
-    """(pack_gqa group, split-KV parts) of an inference call, dense or varlen, whose unsplit grid is small (decoding: a
-    few query rows per head): flash_attn.cute's choices for num_splits=0 with the query heads of a GQA group packed
-    where the packed tiles hold more real queries (plan._pack_helps); unsplit, those calls ran up to 9x SDPA's time
-    (benchmarks/results/h200/decode_dense.md). Calls that keep their lse (a gradient follows) stay unsplit."""
+    """(pack_gqa group, split-KV parts) of an inference call, dense or varlen, of a few query rows per head (decoding):
+    the query heads of a GQA group packed where the packed tiles hold more real queries (plan._pack_helps; each K / V
+    tile then serves the whole group: half the time of the unpacked kernel at 8 x 8k keys, H 32 / Hk 8), split-KV
+    parts by flash_attn.cute's num_splits=0 choice (1 where the grid fills the SMs); unsplit and unpacked, small
+    grids ran up to 9x SDPA's time (benchmarks/results/h200/decode_dense.md). Calls that keep their lse (a gradient
+    follows) stay unsplit."""
     from flash_attn.cute import plan
 
     group = H // Hk if Hk else 1

@@ -22,6 +22,7 @@ each built once in __init__ from its settings:
   softmax.OnlineSoftmax        the online softmax, soft-capping
   epilogue.Epilogue            O and lse out (direct, TMA, split parts), the sink
   score_mod.ScoreMods          the user's score_mod / mask_mod (FA4's convention; entries call_mods*)
+  sparse_tiles.SparseTiles     block sparsity: the key blocks a tile visits from per-tile lists (with the mods)
 """
 import math
 
@@ -78,7 +79,8 @@ class FlashFwdSm90(ModEntries):
     def __init__(self, dtype, head_dim, causal, local=False, softcap=False, varlen=False, block_m=None,
                  block_n=128, num_stages=2, exp2_emu=0, exp2_emu_degree=3, sink=False, num_warpgroups=2,
                  wg_order=True, persistent=False, tma_o=False, reverse=False, pin=True, snake=True, lpt=False,
-                 pack_gqa=1, head_dim_v=None, paged=0, split=False, score_mod=None, mask_mod=None, aux=False):
+                 pack_gqa=1, head_dim_v=None, paged=0, split=False, score_mod=None, mask_mod=None, aux=False,
+                 sparse=None):
         """exp2_emu / exp2_emu_degree: of every 16 softmax exponentials a thread computes, this many use a
         polynomial on the FMA pipe instead of MUFU.EX2 (softmax.OnlineSoftmax). num_warpgroups: consumer
         warpgroups (2 or 3) of 64 query rows each; block_m must be 64 * num_warpgroups (the default).
@@ -104,7 +106,9 @@ class FlashFwdSm90(ModEntries):
         num_splits), each writing its part's O (divided by its own row sums) and lse in fp32 to entry split
         * B + b of mO / mLSE (varlen: entry split, see call_varlen_split), for the host to combine
         (launch._combine_splits, which adds a sink). score_mod / mask_mod / aux: FA4's user mods (compile-time
-        functions; score_mod.ScoreMods.build says which kernels take them; entries call_mods*)."""
+        functions; score_mod.ScoreMods.build says which kernels take them; entries call_mods*). sparse: block sparsity
+        (FA4's block_sparse_tensors), None or (has_full, q_factor, kv_factor) (sparse_tiles.SparseTiles; with the
+        mods' kernels only, dense calls)."""
         if not 0 <= exp2_emu <= 16 or exp2_emu_degree not in EXP2_POLY:
             raise ValueError(f"exp2_emu {exp2_emu} not in 0..16 or degree {exp2_emu_degree} not in "
                              f"{tuple(EXP2_POLY)}")
@@ -177,7 +181,8 @@ class FlashFwdSm90(ModEntries):
         self.softmax = OnlineSoftmax(block_n, head_dim_v, self.exp2_emu, self.exp2_emu_degree)
         self.epilogue = Epilogue(dtype, head_dim, head_dim_v, self.pack, self.split, self.sink, self.tma_o,
                                  self.persistent, self.num_mma_warpgroups)
-        self.mods = ScoreMods.build(self, score_mod, mask_mod, aux)
+        self.mods = ScoreMods.build(self, score_mod, mask_mod, aux, sparse)
+        self.sparse = None if self.mods is None else self.mods.sparse
 
     def smem_bytes(self):
         """Shared memory the kernel allocates: the barriers (padded to the tiles' 1024-byte alignment),
@@ -227,7 +232,7 @@ class FlashFwdSm90(ModEntries):
 
     @cute.jit
     def _dense(self, mQ, mK, mV, mO, mLSE, softmax_scale, softcap, window_left, window_right, stream, mSink,
-               max_ctas=None, num_splits=None, aux=None):
+               max_ctas=None, num_splits=None, aux=None, sparse=None):
         mQ, mK, mVt, mO, mLSE = self.seqlens.dense_views(mQ, mK, mV, mO, mLSE)
         grid = (cute.ceil_div(cute.size(mQ, mode=[0]), self.block_q), self.pack.grid_heads(mQ, mK),
                 cute.size(mQ, mode=[3]))
@@ -239,7 +244,7 @@ class FlashFwdSm90(ModEntries):
         elif cutlass.const_expr(self.lpt):
             sched = self._l2_group(mK, grid[1])
         self._launch(mQ, mK, mVt, mO, mLSE, None, None, None, softmax_scale, softcap, window_left,
-                     window_right, grid, stream, mSink, sched, num_splits, aux)
+                     window_right, grid, stream, mSink, sched, num_splits, aux, sparse)
 
     def _l2_group(self, mK, heads):
         """tile_scheduler.l2_group for this kernel's K and V rows (trace time)."""
@@ -288,7 +293,7 @@ class FlashFwdSm90(ModEntries):
 
     @cute.jit
     def _launch(self, mQ, mK, mVt, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, softmax_scale, softcap,
-                window_left, window_right, grid, stream, mSink, sched=None, num_splits=None, aux=None):
+                window_left, window_right, grid, stream, mSink, sched=None, num_splits=None, aux=None, sparse=None):
         """Views are (S, D, H, B) for Q/K/O, (D, S, H, B) for V, (S, H, B) for the lse."""
         dt, D, Dv, BM, BN = self.dtype, self.head_dim, self.head_dim_v, self.block_m, self.block_n
         # 128-byte swizzle atoms span 64 elements of D; head dim 96 is tiled with 64-byte atoms (32 of D)
@@ -330,7 +335,7 @@ class FlashFwdSm90(ModEntries):
             scale_log2, score_scale = self.mods.scales(scale_log2, score_scale, softmax_scale)
         kernel = self.kernel
         # sched: the lpt order's section size, else None
-        sched_args = (tma_o, sched, num_splits) + ((aux,) if cutlass.const_expr(self.mods is not None) else ())
+        sched_args = (tma_o, sched, num_splits) + ((aux, sparse) if cutlass.const_expr(self.mods is not None) else ())
         if cutlass.const_expr(self.persistent):
             kernel = self.kernel_persistent
             sched_args = (*sched, tma_o)
@@ -352,18 +357,19 @@ class FlashFwdSm90(ModEntries):
                mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, scale_log2: Float32, score_scale: Float32,
                softcap: Float32, window_left: Int32, window_right: Int32, sQ_layout: cute.ComposedLayout,
                sK_layout: cute.ComposedLayout, sVt_layout: cute.ComposedLayout, tiled_mma_qk: cute.TiledMma,
-               tiled_mma_pv: cute.TiledMma, tma_o, group, num_splits, aux=None):
+               tiled_mma_pv: cute.TiledMma, tma_o, group, num_splits, aux=None, sparse=None):
         """The one-tile kernel. tma_o: the O store's TMA atom (mO is then its coordinate tensor), None
         for the direct store. group: with lpt, the (head, batch) pairs per section of
         tile_scheduler.tile_coords' order (else None). num_splits: split-KV's part count (split=True; else
-        None). aux: the mods' aux tensors (kernels built with score_mod / mask_mod)."""
+        None). aux, sparse: the mods' aux tensors and block-sparsity lists (kernels built with score_mod /
+        mask_mod / sparse)."""
         m_block, head, batch = self.scheduler.tile(group)
         seqlen = self.seqlens.tile(batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, num_splits)
         args = (tma_q, mQ, tma_k, mK, tma_v, mVt, mO, mLSE, mSink, scale_log2, score_scale, softcap, window_left,
                 window_right, sQ_layout, sK_layout, sVt_layout, tiled_mma_qk, tiled_mma_pv, m_block, head, seqlen,
                 tma_o)
         if cutlass.const_expr(self.mods is not None):
-            args = args + (aux,)
+            args = args + (aux, sparse)
         if cutlass.const_expr(self.varlen):
             if m_block * self.block_q < seqlen.seqlen_q:  # the grid covers the longest sequence
                 self._cta(*args)
@@ -496,7 +502,7 @@ class FlashFwdSm90(ModEntries):
     @cute.jit
     def _cta(self, tma_q, mQ, tma_k, mK, tma_v, mVt, mO, mLSE, mSink, scale_log2, score_scale, softcap, window_left,
              window_right, sQ_layout, sK_layout, sVt_layout, tiled_mma_qk, tiled_mma_pv, m_block, head, seqlen,
-             tma_o=None, aux=None):
+             tma_o=None, aux=None, sparse=None):
         """One CTA's query tile: rows [m_block * BM, (m_block + 1) * BM) of the sequence ``seqlen``
         (seqlen_info.TileSeqlens; pack_gqa: positions [m_block * BQ, (m_block + 1) * BQ) of the g query heads of
         KV head `head`, see PackGQA), the key blocks that the mask (and split-KV's part) leave it."""
@@ -509,6 +515,10 @@ class FlashFwdSm90(ModEntries):
                                                            window_right)
         n_block_min, n_block_max = seqlen.split_blocks(n_block_min, n_block_max, self.block_n)
         mods = None if cutlass.const_expr(self.mods is None) else self.mods.context(seqlen, head, aux, score_scale)
+        tiles = None  # block sparsity: the tile walks the positions of its lists (sparse_tiles)
+        if cutlass.const_expr(self.sparse is not None):
+            tiles = self.sparse.tile(sparse, seqlen.batch, head, m_block)
+            n_block_min, n_block_max = Int32(0), tiles.count
 
         if warp_idx < 4:
             # Producer warpgroup: only TMA issue, so it hands its registers to the consumers.
@@ -516,13 +526,13 @@ class FlashFwdSm90(ModEntries):
             if tidx == 0:
                 self._produce(tma_q, mQ, tma_k, mK, tma_v, mVt, sQ, sK, sVt, q_pipe, k_pipe, v_pipe,
                               m_block, head, head_kv, seqlen.batch, seqlen.q_start, seqlen.k_start, n_block_min,
-                              n_block_max, paging=seqlen.paging)
+                              n_block_max, paging=seqlen.paging, tiles=tiles)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self._consume(mO, mLSE, mSink, sQ, sK, sVt, q_pipe, k_pipe, v_pipe, tiled_mma_qk, tiled_mma_pv,
                           scale_log2, score_scale, softcap, window_left, window_right,
                           tidx - self.NUM_PRODUCER_THREADS, m_block, head, seqlen.out_batch, seqlen.q_start,
-                          seqlen.seqlen_q, seqlen.seqlen_k, n_block_min, n_block_max, tma_o, mods)
+                          seqlen.seqlen_q, seqlen.seqlen_k, n_block_min, n_block_max, tma_o, mods, tiles)
 
     @cute.jit
     def _setup(self, warp_idx, tma_q, tma_k, tma_v, tma_o, sQ_layout, sK_layout, sVt_layout):
@@ -572,11 +582,12 @@ class FlashFwdSm90(ModEntries):
 
     @cute.jit
     def _produce(self, tma_q, mQ, tma_k, mK, tma_v, mVt, sQ, sK, sVt, q_pipe, k_pipe, v_pipe, m_block,
-                 head, head_kv, batch, q_start, k_start, n_block_min, n_block_max, states=None, paging=None):
+                 head, head_kv, batch, q_start, k_start, n_block_min, n_block_max, states=None, paging=None,
+                 tiles=None):
         """The TMA loads of one tile: Q, then K and V of each visible key block. states: the persistent
         kernel's (q, k, v) producer states, carried from tile to tile and returned advanced past this tile
         (None: the one-tile kernel, which starts them here). paging (paged kernel): (page table, the sequence's
-        index, its key count)."""
+        index, its key count). tiles: block sparsity's TileSparsity (positions -> key blocks), else None."""
         BQ, BN, D, G = self.block_q, self.block_n, self.head_dim, self.pack_gqa
         if cutlass.const_expr(paging is None):  # (paged: per box, PagedKV.load)
             mK_h = mK[None, None, head_kv, batch]
@@ -613,6 +624,8 @@ class FlashFwdSm90(ModEntries):
             q_state.advance()
         for n in cutlass.range(n_block_min, n_block_max, unroll=1):  # n: the position (key_block)
             n_block = key_block(n, n_block_min, n_block_max, self.reverse)
+            if cutlass.const_expr(tiles is not None):
+                n_block = tiles.block(n)
             if cutlass.const_expr(paging is not None):
                 self.paged_kv.load(tma_k, mK, tma_v, mVt, sK, sVt, k_pipe, v_pipe, k_state, v_state, head_kv,
                                    n_block, *paging)
@@ -632,7 +645,7 @@ class FlashFwdSm90(ModEntries):
     @cute.jit
     def _consume(self, mO, mLSE, mSink, sQ, sK, sVt, q_pipe, k_pipe, v_pipe, tiled_mma_qk, tiled_mma_pv,
                  scale_log2, score_scale, softcap, window_left, window_right, ctid, m_block, head, batch,
-                 q_start, seqlen_q, seqlen_k, n_block_min, n_block_max, tma_o=None, mods=None):
+                 q_start, seqlen_q, seqlen_k, n_block_min, n_block_max, tma_o=None, mods=None, tiles=None):
         """FlashAttention-3's consumer (Shah et al. 2024, sections 3.1-3.2). Within a warpgroup, block j's
         S = Q K_j^T and the previous block's O += P V_{j-1} are both in flight while the softmax of
         block j-1 has finished; the softmax of S_j then runs while P V_{j-1} is still computing. Across
@@ -683,7 +696,7 @@ class FlashFwdSm90(ModEntries):
         self._mainloop(tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, acc_S, acc_O, tScS, rP, tOrP, row_max,
                        row_sum, corr, k_pipe, v_pipe, k_state, v_state, scale_log2, score_scale, softcap,
                        window_left, window_right, m_block, seqlen_q, seqlen_k, n_block_min, n_block_max,
-                       n_block_mask_below, n_block_mask_from, wg, turn_bar, turn_below, mods=mods)
+                       n_block_mask_below, n_block_mask_from, wg, turn_bar, turn_below, mods=mods, tiles=tiles)
 
         self.epilogue.store(mO, mLSE, acc_O, row_max, row_sum, tOcO, scale_log2, sink_log2, ctid, m_block, head,
                             batch, q_start, seqlen_q, tma_o, sQ, tiled_mma_pv)
@@ -692,12 +705,13 @@ class FlashFwdSm90(ModEntries):
     def _mainloop(self, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, acc_S, acc_O, tScS, rP, tOrP, row_max,
                   row_sum, corr, k_pipe, v_pipe, k_state, v_state, scale_log2, score_scale, softcap, window_left,
                   window_right, m_block, seqlen_q, seqlen_k, n_block_min, n_block_max, n_block_mask_below,
-                  n_block_mask_from, wg, turn_bar, turn_below, q_pipe=None, q_state=None, mods=None):
+                  n_block_mask_from, wg, turn_bar, turn_below, q_pipe=None, q_state=None, mods=None, tiles=None):
         """One tile's key blocks [n_block_min, n_block_max) into acc_O / row_max / row_sum (see
         _consume), in key_block's order (ascending, or descending when built with reverse). Returns the K and V
         consumer states advanced past them. q_pipe / q_state (persistent kernel): Q is released after the tile's
         last S = Q K^T, and the turn to issue GEMMs is not handed to warpgroup 0 here (the caller did once, before
-        its first tile)."""
+        its first tile). tiles: block sparsity's TileSparsity: positions [n_block_min, n_block_max) are its list
+        positions, mapped to key blocks by tiles.block (the mask_mod on the partial ones only)."""
         pingpong = cutlass.const_expr(self.num_mma_warpgroups >= 2 and self.wg_order)
         n_threads_pp = 2 * 128
         last_wg = self.num_mma_warpgroups - 1
@@ -727,8 +741,12 @@ class FlashFwdSm90(ModEntries):
             # Reverse: this first block is the tile's last one, where a row may see no key yet (rows above
             # the diagonal; a window's right edge): OnlineSoftmax.step keeps its max at -inf and its P at 0.
             n_first = key_block(n_block_min, n_block_min, n_block_max, self.reverse)
+            partial = None  # (block sparsity: whether the mask_mod applies; else it always does)
+            if cutlass.const_expr(tiles is not None):
+                n_first = tiles.block(n_block_min)
+                partial = tiles.partial(n_block_min)
             if cutlass.const_expr(mods is not None):
-                self.mods.apply(acc_S, tScS, m_block, n_first, mods)
+                self.mods.apply(acc_S, tScS, m_block, n_first, mods, partial)
             if n_first >= n_block_mask_from or n_first < n_block_mask_below:
                 self.mask.apply(acc_S, tScS, m_block, n_first, seqlen_q, seqlen_k, window_left, window_right)
             self.softmax.step(acc_S, row_max, row_sum, corr, scale_log2)
@@ -757,8 +775,12 @@ class FlashFwdSm90(ModEntries):
                 if cutlass.const_expr(self.softcap):
                     self.softmax.cap(acc_S, score_scale, softcap)
                 n_key = key_block(n_block, n_block_min, n_block_max, self.reverse)
+                partial = None
+                if cutlass.const_expr(tiles is not None):
+                    n_key = tiles.block(n_block)
+                    partial = tiles.partial(n_block)
                 if cutlass.const_expr(mods is not None):
-                    self.mods.apply(acc_S, tScS, m_block, n_key, mods)
+                    self.mods.apply(acc_S, tScS, m_block, n_key, mods, partial)
                 if n_key >= n_block_mask_from or n_key < n_block_mask_below:
                     self.mask.apply(acc_S, tScS, m_block, n_key, seqlen_q, seqlen_k, window_left, window_right)
                     self.softmax.step(acc_S, row_max, row_sum, corr, scale_log2)

@@ -3,8 +3,8 @@
 
 FA4's kernel-tuning arguments (tile sizes, thread counts, swap and atom-layout flags, ``_arch``) choose among FA4's
 kernel variants; this package picks its own configuration, so they are accepted and change nothing. Arguments for
-features not implemented here (qv, score_mod / mask_mod, aux tensors, block sparsity, fp8 descales,
-gather_kv_indices) raise NotImplementedError when given.
+features not implemented here (qv, aux_scalars, fp8 descales, gather_kv_indices) raise NotImplementedError when
+given; score_mod / mask_mod / aux_tensors / block_sparse_tensors go to flash_attn_func / flash_attn_varlen_func.
 """
 from __future__ import annotations
 
@@ -25,9 +25,7 @@ def _flash_attn_fwd(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, sequ
     which has no counterpart here). Dense when cu_seqlens_q / cu_seqlens_k, seqused_* and page_table are all None,
     else the varlen entry. lse is returned when return_lse, when ``lse`` is given or when an input requires a
     gradient (as FA4), else None; ``out`` / ``lse``, when given, receive the results."""
-    interface._refuse_unsupported(qv=qv, score_mod=score_mod, mask_mod=mask_mod,
-                                  block_sparse_tensors=block_sparse_tensors, aux_tensors=aux_tensors,
-                                  aux_scalars=aux_scalars, q_descale=q_descale, k_descale=k_descale,
+    interface._refuse_unsupported(qv=qv, aux_scalars=aux_scalars, q_descale=q_descale, k_descale=k_descale,
                                   v_descale=v_descale, gather_kv_indices=gather_kv_indices)
     want_lse = return_lse or lse is not None or any(
         t is not None and t.requires_grad for t in (q, k, v, learnable_sink))
@@ -37,9 +35,12 @@ def _flash_attn_fwd(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, sequ
     with torch.no_grad():
         if (cu_seqlens_q is None and cu_seqlens_k is None and seqused_q is None and seqused_k is None
                 and page_table is None):
-            o, l = interface.flash_attn_func(q, k, v, **common)
+            o, l = interface.flash_attn_func(q, k, v, score_mod=score_mod, mask_mod=mask_mod, aux_tensors=aux_tensors,
+                                             block_sparse_tensors=block_sparse_tensors, **common)
         else:
             o, l = interface.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                                    score_mod=score_mod, mask_mod=mask_mod, aux_tensors=aux_tensors,
+                                                    block_sparse_tensors=block_sparse_tensors,
                                                     max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                                                     seqused_q=seqused_q, seqused_k=seqused_k, page_table=page_table,
                                                     **common)

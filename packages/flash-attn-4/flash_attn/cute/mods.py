@@ -41,28 +41,41 @@ def aux_spec(aux_tensors, device):
     return tuple(spec)
 
 
-def mod_config(dtype, head_dim, causal, arch, local, varlen, abi):
+def mod_config(dtype, head_dim, causal, arch, local, varlen, abi, block_n=None):
     """The FwdConfig a mod kernel is built from: the call's default selection, then the one-tile kernel with two
-    consumer warpgroups and the masked calls' block_n (the mods' registers come on top of a masked call's), the
-    direct O store."""
+    consumer warpgroups and the masked calls' block_n (the mods' registers come on top of a masked call's; a
+    block-sparse call's may be smaller, ``block_n``: block_sparsity.kernel_block_n), the direct O store."""
     from flash_attn.cute.config import FwdVariant
 
     cfg = config.select_fwd(FwdVariant(dtype, head_dim, causal, arch, local, False, varlen, False), abi)
-    block_n = config.BLOCK_N_LOCAL.get(head_dim, config.BLOCK_N[head_dim]) if local else config.BLOCK_N[head_dim]
-    return dataclasses.replace(cfg, persistent=False, warpgroups=2, block_n=block_n, tma_o=False, snake=False)
+    if block_n is None:
+        block_n = mod_block_n(head_dim, local)
+    return dataclasses.replace(cfg, persistent=False, warpgroups=MOD_BLOCK_M // 64, block_n=block_n, tma_o=False,
+                               snake=False)
 
 
-def mod_key(dtype, head_dim, causal, arch, local, varlen, score_mod, mask_mod, spec):
-    """_mod_kernels' key: the call's kernel facts, the functions themselves, the aux tensors' kinds."""
-    return (dtype, int(head_dim), bool(causal), arch, bool(local), bool(varlen), score_mod, mask_mod, spec)
+def mod_block_n(head_dim, local):
+    """The mod kernels' key block (before a block-sparse call's adjustment)."""
+    return config.BLOCK_N_LOCAL.get(head_dim, config.BLOCK_N[head_dim]) if local else config.BLOCK_N[head_dim]
+
+
+MOD_BLOCK_M = 128  # the mod kernels' query tile (two consumer warpgroups, mod_config)
+
+
+def mod_key(dtype, head_dim, causal, arch, local, varlen, score_mod, mask_mod, spec, sparse=None, block_n=None):
+    """_mod_kernels' key: the call's kernel facts, the functions themselves, the aux tensors' kinds, block
+    sparsity's compile-time facts (SparseCall.spec or None) and the key block (None: mod_block_n's)."""
+    return (dtype, int(head_dim), bool(causal), arch, bool(local), bool(varlen), score_mod, mask_mod, spec, sparse,
+            block_n)
 
 
 def compile_fwd_mods(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=False, varlen=False,
-                     score_mod=None, mask_mod=None, spec=()):
+                     score_mod=None, mask_mod=None, spec=(), sparse=None, block_n=None):
     """Compile the forward kernel with ``score_mod`` / ``mask_mod`` (CuTeDSL functions, FA4's convention: see
-    score_mod.py) and aux tensors of kinds ``spec`` ((torch dtype, rank), ...) for ``arch``; no GPU needed.
-    The call is kernels.compile_fwd's (dense or varlen) with the aux tensors as one more argument, a tuple
-    (omitted when spec is empty)."""
+    score_mod.py), aux tensors of kinds ``spec`` ((torch dtype, rank), ...) and block sparsity ``sparse``
+    ((has_full, q_factor, kv_factor), dense only; None: without) for ``arch``; no GPU needed. The call is
+    kernels.compile_fwd's (dense or varlen) with the aux tensors as one more argument, a tuple (None when spec is
+    empty), and for dense kernels the sparsity tensors (a tuple, None without)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_tensor
@@ -70,12 +83,12 @@ def compile_fwd_mods(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, loca
     from flash_attn.cute import kernels
     from flash_attn.cute.flash_fwd_sm90 import FlashFwdSm90
 
-    cfg = mod_config(dtype, head_dim, causal, arch, local, varlen, kernels._abi())
+    cfg = mod_config(dtype, head_dim, causal, arch, local, varlen, kernels._abi(), block_n)
     kernel = FlashFwdSm90(kernels._cutlass_dtype(dtype), cfg.head_dim, cfg.causal, local=cfg.local, varlen=varlen,
                           num_stages=cfg.stages, block_n=cfg.block_n, num_warpgroups=cfg.warpgroups,
                           wg_order=cfg.wg_order, reverse=cfg.reverse, pin=cfg.pin, lpt=cfg.lpt,
                           exp2_emu=cfg.exp2_emu, exp2_emu_degree=cfg.exp2_emu_degree, score_mod=score_mod,
-                          mask_mod=mask_mod, aux=bool(spec))
+                          mask_mod=mask_mod, aux=bool(spec), sparse=sparse)
     dt, D = kernel.dtype, kernel.head_dim
     cdt = {torch.float32: cutlass.Float32, torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16,
            torch.int32: cutlass.Int32, torch.int64: cutlass.Int64, torch.int8: cutlass.Int8,
@@ -111,14 +124,20 @@ def compile_fwd_mods(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, loca
     q, o, k, v = qkv(seqlen_q, heads), qkv(seqlen_q, heads), qkv(seqlen_k, heads_kv), qkv(seqlen_k, heads_kv)
     lse = make_fake_tensor(cutlass.Float32, (batch, heads, seqlen_q), (cute.sym_int(), cute.sym_int(), 1),
                            assumed_align=4)
-    return cute.compile(kernel.call_mods, q, k, v, o, lse, *scalars, stream, aux, options=options)
+    lists = None  # block sparsity: (counts (Bs, Hs, M), indices (Bs, Hs, M, N)) per list, any strides
+    if sparse is not None:
+        def ints(rank):
+            return make_fake_tensor(cutlass.Int32, tuple(cute.sym_int() for _ in range(rank)),
+                                    tuple(cute.sym_int() for _ in range(rank)), assumed_align=4)
+        lists = tuple(ints(r) for r in ((3, 4, 3, 4) if sparse[0] else (3, 4)))
+    return cute.compile(kernel.call_mods, q, k, v, o, lse, *scalars, stream, aux, lists, options=options)
 
 
-def mod_kernel(dtype, head_dim, causal, arch, local, varlen, score_mod, mask_mod, spec):
+def mod_kernel(dtype, head_dim, causal, arch, local, varlen, score_mod, mask_mod, spec, sparse=None, block_n=None):
     """The mod kernel from memory, else compiled (never on disk: see the module docstring)."""
     from flash_attn.cute import cache, kernels
 
-    key = mod_key(dtype, head_dim, causal, arch, local, varlen, score_mod, mask_mod, spec)
+    key = mod_key(dtype, head_dim, causal, arch, local, varlen, score_mod, mask_mod, spec, sparse, block_n)
     fn = _mod_kernels.get(key)
     if fn is None:
         with cache._lock:
@@ -128,50 +147,56 @@ def mod_kernel(dtype, head_dim, causal, arch, local, varlen, score_mod, mask_mod
                     raise NotImplementedError("score_mod / mask_mod kernels need apache-tvm-ffi")
                 fn = _mod_kernels[key] = kernels._ffi_function(
                     compile_fwd_mods(dtype, head_dim, causal, arch, local=local, varlen=varlen, score_mod=score_mod,
-                                     mask_mod=mask_mod, spec=spec))
+                                     mask_mod=mask_mod, spec=spec, sparse=sparse, block_n=block_n))
     return fn
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # The API's side: which calls take mods, and their launches (interface.flash_attn_func / _varlen_func call these)
 
-def requested(score_mod, mask_mod, aux_tensors):
-    """Whether a call asks for mods (a score_mod, a mask_mod or aux tensors)."""
-    return score_mod is not None or mask_mod is not None or bool(aux_tensors)
+def requested(score_mod, mask_mod, aux_tensors, block_sparse=None):
+    """Whether a call asks for mods (a score_mod, a mask_mod, aux tensors or block sparsity)."""
+    return score_mod is not None or mask_mod is not None or bool(aux_tensors) or block_sparse is not None
 
 
 def check_call(score_mod, mask_mod, aux_tensors, causal, window_left, window_right, softcap, learnable_sink,
-               needs_grad, D, Dv):
+               needs_grad, D, Dv, block_sparse=None):
     """Raises for a mod call this package does not serve (NotImplementedError: the backward, ...) or that FA4
-    rejects (ValueError)."""
+    rejects (ValueError). Block sparsity alone (no mod) is a mod call: its kernel is a mod kernel."""
     from flash_attn.cute.plan import _UNBOUNDED
 
-    if score_mod is None and mask_mod is None:
+    if score_mod is None and mask_mod is None and aux_tensors:
         raise ValueError("aux_tensors without a score_mod or mask_mod: nothing reads them")
     for name, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)):
         if fn is not None and not callable(fn):
             raise ValueError(f"{name} must be a CuTeDSL function (@cute.jit), got {type(fn).__name__}")
     if needs_grad:
-        raise NotImplementedError("flash_attn.cute: the backward of score_mod / mask_mod is not implemented yet "
-                                  "(the forward is); call it without gradients (torch.no_grad() or detached inputs)")
+        raise NotImplementedError("flash_attn.cute: the backward of score_mod / mask_mod / block sparsity is not "
+                                  "implemented yet (the forward is); call it without gradients (torch.no_grad() or "
+                                  "detached inputs)")
     if softcap and score_mod is not None:
         raise ValueError("softcap and score_mod cannot be used together (as in FA4; write the cap into the score_mod)")
     if softcap:
-        raise NotImplementedError("softcap with mask_mod is not implemented yet in flash_attn.cute")
+        raise NotImplementedError("softcap with mask_mod or block sparsity is not implemented yet in flash_attn.cute")
     if learnable_sink is not None:
-        raise NotImplementedError("learnable_sink with score_mod / mask_mod is not implemented yet in flash_attn.cute")
+        raise NotImplementedError("learnable_sink with score_mod / mask_mod / block sparsity is not implemented yet "
+                                  "in flash_attn.cute")
     if mask_mod is not None and (causal or window_left < _UNBOUNDED or window_right < _UNBOUNDED):
         # FA4 drops causal and window_size when a mask_mod is given; a silent drop here would be a wrong answer for
         # whoever meant both, so the combination is refused: the mask_mod says which keys a query sees.
         raise ValueError("mask_mod with causal=True or a window_size: FA4 ignores causal / window_size when a "
                          "mask_mod is given; put the causal or window condition into the mask_mod instead")
     if D != Dv or D not in config.SUPPORTED_HEAD_DIMS:
-        raise NotImplementedError(f"score_mod / mask_mod: head dims {D} / {Dv}; the kernels' own head dims "
+        raise NotImplementedError(f"score_mod / mask_mod / block sparsity: head dims {D} / {Dv}; the kernels' own "
+                                  f"head dims "
                                   f"{config.SUPPORTED_HEAD_DIMS} with equal q / v head dims only, for now")
 
 
-def forward(q, k, v, softmax_scale, causal, arch, window_left, window_right, score_mod, mask_mod, aux_tensors):
-    """Dense forward with mods: q (B, Sq, H, D), k / v (B, Sk, Hk, D) -> (out like q, lse (B, H, Sq) fp32)."""
+def forward(q, k, v, softmax_scale, causal, arch, window_left, window_right, score_mod, mask_mod, aux_tensors,
+            block_sparse=None):
+    """Dense forward with mods: q (B, Sq, H, D), k / v (B, Sk, Hk, D) -> (out like q, lse (B, H, Sq) fp32).
+    block_sparse: FA4's block_sparse_tensors (block_sparsity.py) or None."""
+    from flash_attn.cute import block_sparsity
     from flash_attn.cute.launch import _MAX_ELEMS, _MAX_GRID_Z, _kernel_layouts
     from flash_attn.cute.plan import _window_args
 
@@ -188,11 +213,18 @@ def forward(q, k, v, softmax_scale, causal, arch, window_left, window_right, sco
     if B * max(Sq * H, Sk * Hk) * D >= _MAX_ELEMS or B > _MAX_GRID_Z:
         raise NotImplementedError("score_mod / mask_mod: tensors of 2^31 elements or more, or a batch over 65535, "
                                   "are not split into launches yet")
+    sparse = None
+    if block_sparse is not None:
+        sparse = block_sparsity.normalize(block_sparse, B, H, Sq, Sk, MOD_BLOCK_M, mod_block_n(D, local), q.device)
     q, k, v = _kernel_layouts(q, k, v, D, D)
     out = torch.empty_like(q)
-    fn = mod_kernel(q.dtype, D, causal and not local, arch, local, False, score_mod, mask_mod, spec)
-    aux = tuple(aux_tensors) if spec else None  # (the kernel's last argument: None when built without aux)
-    fn(q, k, v, out, lse, float(softmax_scale), 0.0, left, right, aux)
+    if sparse is None:
+        fn = mod_kernel(q.dtype, D, causal and not local, arch, local, False, score_mod, mask_mod, spec)
+    else:
+        fn = mod_kernel(q.dtype, D, causal and not local, arch, local, False, score_mod, mask_mod, spec, sparse.spec,
+                        sparse.block_n)
+    aux = tuple(aux_tensors) if spec else None  # (None: the kernel is built without aux / sparsity)
+    fn(q, k, v, out, lse, float(softmax_scale), 0.0, left, right, aux, None if sparse is None else sparse.tensors)
     return out, lse
 
 

@@ -21,6 +21,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from flash_attn.cute.pack_gqa import packed_row
+from flash_attn.cute.sparse_tiles import SparseTiles
 
 
 class ModSeqlens:
@@ -61,10 +62,13 @@ class ModEntries:
 
     @cute.jit
     def call_mods(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-                  softmax_scale: Float32, softcap: Float32, window_left: Int32, window_right: Int32, stream, aux):
-        """__call__ for a kernel built with score_mod / mask_mod: aux, a tuple of the mods' aux tensors (None for
-        a kernel built without aux)."""
-        self._dense(mQ, mK, mV, mO, mLSE, softmax_scale, softcap, window_left, window_right, stream, None, aux=aux)
+                  softmax_scale: Float32, softcap: Float32, window_left: Int32, window_right: Int32, stream, aux,
+                  sparse):
+        """__call__ for a kernel built with score_mod / mask_mod / sparse: aux, a tuple of the mods' aux tensors
+        (None for a kernel built without aux); sparse, the block-sparsity lists (sparse_tiles; None for a kernel
+        built without)."""
+        self._dense(mQ, mK, mV, mO, mLSE, softmax_scale, softcap, window_left, window_right, stream, None, aux=aux,
+                    sparse=sparse)
 
     @cute.jit
     def call_varlen_mods(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
@@ -79,12 +83,14 @@ class ModEntries:
 class ScoreMods:
     """Owns a kernel's user modifications of a score tile (compile-time: the functions are part of the kernel):
     ``score_mod`` and / or ``mask_mod`` (None: absent), whether aux tensors are passed, block_q / block_n the
-    tile's query positions and keys. Applied to every visited key block, before AttentionMask.apply (which
-    still masks keys past Sk and the causal / window edges)."""
+    tile's query positions and keys, and block sparsity (``sparse``: a SparseTiles or None). Applied to every
+    visited key block (the mask_mod, with block sparsity, to the partial ones only), before AttentionMask.apply
+    (which still masks keys past Sk and the causal / window edges)."""
 
-    def __init__(self, score_mod, mask_mod, has_aux, block_q, block_n):
-        if score_mod is None and mask_mod is None:
-            raise ValueError("ScoreMods needs a score_mod or a mask_mod")
+    def __init__(self, score_mod, mask_mod, has_aux, block_q, block_n, sparse=None):
+        if score_mod is None and mask_mod is None and sparse is None:
+            raise ValueError("ScoreMods needs a score_mod, a mask_mod or block sparsity")
+        self.sparse = sparse
         self.score_mod = score_mod
         self.mask_mod = mask_mod
         self.has_aux = bool(has_aux)
@@ -93,15 +99,19 @@ class ScoreMods:
         self.vec = score_vec_size(score_mod, has_aux) if score_mod is not None else 1
 
     @classmethod
-    def build(cls, kernel, score_mod, mask_mod, aux):
-        """The component of FlashFwdSm90 ``kernel`` (None without mods): the one-tile kernel without softcap,
-        sink, pack_gqa, paged K / V or split."""
-        if score_mod is None and mask_mod is None:
+    def build(cls, kernel, score_mod, mask_mod, aux, sparse=None):
+        """The component of FlashFwdSm90 ``kernel`` (None without mods or sparsity): the one-tile kernel without
+        softcap, sink, pack_gqa, paged K / V or split; sparse (has_full, q_factor, kv_factor) or None, dense
+        calls only."""
+        if score_mod is None and mask_mod is None and sparse is None:
             return None
         if kernel.persistent or kernel.softcap or kernel.sink or kernel.pack_gqa > 1 or kernel.paged or kernel.split:
             raise ValueError("score_mod / mask_mod: the one-tile kernel without softcap, sink, pack_gqa, paged K / V "
                              "or split")
-        return cls(score_mod, mask_mod, aux, kernel.block_q, kernel.block_n)
+        if sparse is not None and kernel.varlen:
+            raise ValueError("block sparsity: dense calls only")
+        return cls(score_mod, mask_mod, aux, kernel.block_q, kernel.block_n,
+                   None if sparse is None else SparseTiles(*sparse))
 
     def scales(self, scale_log2, score_scale, softmax_scale):
         """(scale_log2, score_scale) of the kernel (trace time): with a score_mod FA4's convention, the mod sees
@@ -131,9 +141,11 @@ class ScoreMods:
         return frag.load()
 
     @cute.jit
-    def apply(self, acc_S, tScS, m_block, n_block, ctx):
+    def apply(self, acc_S, tScS, m_block, n_block, ctx, partial=None):
         """acc_S (an m64nNk16 accumulator, tile coordinates tScS) of key block n_block of query tile m_block, in
-        place: score_mod's result (scores scaled by ctx.softmax_scale first), -inf where mask_mod is False."""
+        place: score_mod's result (scores scaled by ctx.softmax_scale first), -inf where mask_mod is False.
+        partial (block sparsity): whether the block is a partial one, the only kind the mask_mod runs on; None:
+        it runs on every block."""
         sl = ctx.seqlens
         aux = ctx.aux
         if cutlass.const_expr(self.score_mod is not None):
@@ -154,15 +166,26 @@ class ScoreMods:
                 for j in cutlass.range_constexpr(vec):
                     acc_S[i0 + j] = res[j]
         if cutlass.const_expr(self.mask_mod is not None):
-            for i in cutlass.range_constexpr(cute.size(acc_S)):
-                row, _ = packed_row(tScS[i][0], m_block, self.block_q, 1)
-                col = n_block * self.block_n + tScS[i][1]
-                keep = self.mask_mod(self._ssa([ctx.batch], Int32), self._ssa([ctx.head], Int32),
-                                     self._ssa([self._index(row, sl.seqlen_q)], Int32),
-                                     self._ssa([self._index(col, sl.seqlen_k)], Int32), sl, aux)
-                if cutlass.const_expr(isinstance(keep, cute.TensorSSA)):
-                    flag = cute.make_rmem_tensor(1, cutlass.Boolean)
-                    flag.store(keep)
-                    keep = flag[0]
-                if not keep:
-                    acc_S[i] = -Float32.inf
+            if cutlass.const_expr(partial is None):
+                self._mask(acc_S, tScS, m_block, n_block, ctx)
+            else:
+                if partial:
+                    self._mask(acc_S, tScS, m_block, n_block, ctx)
+
+    @cute.jit
+    def _mask(self, acc_S, tScS, m_block, n_block, ctx):
+        """-inf in acc_S where mask_mod is False."""
+        sl = ctx.seqlens
+        aux = ctx.aux
+        for i in cutlass.range_constexpr(cute.size(acc_S)):
+            row, _ = packed_row(tScS[i][0], m_block, self.block_q, 1)
+            col = n_block * self.block_n + tScS[i][1]
+            keep = self.mask_mod(self._ssa([ctx.batch], Int32), self._ssa([ctx.head], Int32),
+                                 self._ssa([self._index(row, sl.seqlen_q)], Int32),
+                                 self._ssa([self._index(col, sl.seqlen_k)], Int32), sl, aux)
+            if cutlass.const_expr(isinstance(keep, cute.TensorSSA)):
+                flag = cute.make_rmem_tensor(1, cutlass.Boolean)
+                flag.store(keep)
+                keep = flag[0]
+            if not keep:
+                acc_S[i] = -Float32.inf

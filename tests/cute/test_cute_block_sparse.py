@@ -1,0 +1,354 @@
+"""Block sparsity in flash_attn.cute (FA4's block_sparse_tensors; block_sparsity.py host side, sparse_tiles.py in the
+Hopper forward): the checks and shapes on the CPU, FlexAttention's BlockMask as input, the kernel compiled for
+sm_90a; on a Hopper GPU the outputs against an fp32 reference that visits the same blocks, and against
+torch.compile'd flex_attention with the same BlockMask."""
+import glob
+import os
+import shutil
+
+import pytest
+import torch
+
+pytest.importorskip("cutlass")
+
+import _cute_mods as m  # noqa: E402
+from flash_attn.testing import assert_ptxas_clean  # noqa: E402
+from flash_attn.cute import block_sparsity as bs  # noqa: E402
+from flash_attn.cute import interface, mods  # noqa: E402
+from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch  # noqa: E402
+
+GPU = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+needs_gpu = pytest.mark.skipif(not GPU, reason="needs a Hopper (sm_90) GPU")
+CPU = torch.device("cpu")
+
+
+def _lists(B, H, M, N, pattern, full=None):
+    """BlockSparseTensorsTorch from bool (B, H, M, N) partial-block pattern (and full pattern, or None); ascending
+    indices packed left (as FlexAttention's)."""
+    def pack(p):
+        cnt = p.sum(-1).to(torch.int32)
+        order = torch.sort((~p).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32)
+        return cnt, order
+    mc, mi = pack(pattern)
+    fc = fi = None
+    if full is not None:
+        fc, fi = pack(full)
+    return BlockSparseTensorsTorch(mc, mi, fc, fi)
+
+
+# --- host side: checks and shapes ----------------------------------------------------------------------------
+
+def test_normalize_keeps_full_and_shared_dims():
+    p = torch.zeros(1, 1, 2, 3, dtype=torch.bool)
+    p[..., 0] = True
+    t = _lists(1, 1, 2, 3, p, full=~p)._replace(block_size=(128, 128))
+    call = bs.normalize(t, 4, 8, 256, 300, 128, 128, CPU)
+    assert [x.shape for x in call.tensors] == [(1, 1, 2), (1, 1, 2, 3), (1, 1, 2), (1, 1, 2, 3)]
+    assert call.spec == (True, 1, 1) and call.block_n == 128
+
+
+def test_normalize_reads_an_expanded_dim_once_and_materialises_mixed():
+    p = torch.ones(1, 1, 2, 2, dtype=torch.bool)
+    t = _lists(1, 1, 2, 2, p)
+    exp = BlockSparseTensorsTorch(t.mask_block_cnt.expand(3, 4, 2), t.mask_block_idx.expand(3, 4, 2, 2))
+    call = bs.normalize(exp._replace(block_size=(128, 128)), 3, 4, 256, 256, 128, 128, CPU)
+    assert [x.shape[:2] for x in call.tensors] == [(1, 1), (1, 1)]
+    # counts per head, indices shared: the indices become per head (one (Bs, Hs) for the kernel)
+    mixed = BlockSparseTensorsTorch(t.mask_block_cnt.expand(1, 4, 2).contiguous(), t.mask_block_idx,
+                                    block_size=(128, 128))
+    call = bs.normalize(mixed, 3, 4, 256, 256, 128, 128, CPU)
+    assert [tuple(x.shape) for x in call.tensors] == [(1, 4, 2), (1, 4, 2, 2)]
+    assert all(0 not in x.stride() for x in call.tensors)
+
+
+def test_sparse_blocks_larger_than_the_tiles_give_factors():
+    p = torch.ones(1, 1, 2, 2, dtype=torch.bool)
+    t = _lists(1, 1, 2, 2, p)._replace(block_size=(256, 256))
+    call = bs.normalize(t, 1, 1, 512, 512, 128, 128, CPU)
+    assert (call.q_factor, call.kv_factor, call.block_n) == (2, 2, 128)
+    # d256's key block 80 does not divide 128: the kernel takes 64
+    call = bs.normalize(t._replace(block_size=(256, 128)), 1, 1, 512, 256, 128, 80, CPU)
+    assert (call.block_n, call.kv_factor) == (64, 2)
+    assert bs.kernel_block_n(None, 80) == 80 and bs.kernel_block_n(160, 80) == 80
+
+
+def test_query_block_inferred_only_when_unambiguous():
+    t = _lists(1, 1, 3, 1, torch.ones(1, 1, 3, 1, dtype=torch.bool))
+    assert bs.sparse_block_size(t, 384, 128) == (128, None)  # 128..191 give 3 blocks: 128 is the one multiple
+    assert bs.sparse_block_size(t, 640, 128) == (256, None)  # 214..319
+    assert bs.sparse_block_size(t, 300, 128) == (128, None)  # 100..149
+    with pytest.raises(ValueError, match="none"):
+        bs.sparse_block_size(t, 200, 128)  # 67..99
+    two = _lists(1, 1, 2, 1, torch.ones(1, 1, 2, 1, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"\[1024, 1152"):
+        bs.sparse_block_size(two, 2000, 128)  # 1000..1999: several
+    one = _lists(1, 1, 1, 1, torch.ones(1, 1, 1, 1, dtype=torch.bool))
+    assert bs.sparse_block_size(one, 300, 128) == (384, None)  # one block covers any length
+    call = bs.normalize(t._replace(block_size=(128, 128)), 1, 1, 300, 100, 128, 128, CPU)
+    assert call.q_factor == 1
+
+
+@pytest.mark.parametrize("change, err, match", [
+    (dict(mask_block_cnt=torch.zeros(1, 1, 2, dtype=torch.int64)), ValueError, "int32"),
+    (dict(mask_block_idx=torch.zeros(1, 1, 2, dtype=torch.int32)), ValueError, r"\(B, H, M, N\)"),
+    (dict(mask_block_cnt=torch.zeros(2, 1, 2, dtype=torch.int32)), ValueError, "batch / head dims"),
+    (dict(mask_block_cnt=torch.zeros(1, 1, 3, dtype=torch.int32)), ValueError, "3 query blocks, expected 2"),
+    (dict(mask_block_idx=torch.zeros(1, 1, 2, 4, dtype=torch.int32)), ValueError, "at most 2"),
+    (dict(full_block_cnt=torch.zeros(1, 1, 2, dtype=torch.int32)), ValueError, "both be given"),
+    (dict(block_size=(96, 128)), ValueError, "multiple of 128"),
+    (dict(block_size=(128, 100)), ValueError, "multiple of 16"),
+    (dict(cu_total_m_blocks=torch.zeros(2, dtype=torch.int32)), NotImplementedError, "varlen"),
+])
+def test_inconsistent_tensors_raise_naming_the_field(change, err, match):
+    t = _lists(1, 1, 2, 2, torch.ones(1, 1, 2, 2, dtype=torch.bool))._replace(block_size=(128, 128))
+    with pytest.raises(err, match=match):
+        bs.normalize(t._replace(**change), 3, 4, 256, 256, 128, 128, CPU)
+
+
+def test_tensors_on_another_device_raise():
+    t = _lists(1, 1, 2, 2, torch.ones(1, 1, 2, 2, dtype=torch.bool))._replace(block_size=(128, 128))
+    with pytest.raises(ValueError, match="must be on meta"):
+        bs.normalize(t, 1, 1, 256, 256, 128, 128, torch.device("meta"))
+
+
+def test_flex_block_mask_gives_the_same_lists():
+    fa = pytest.importorskip("torch.nn.attention.flex_attention")
+
+    def doc_causal(b, h, q, k):
+        return (q >= k) & (q // 200 == k // 200)
+
+    Sq = Sk = 520
+    bm = fa.create_block_mask(doc_causal, 2, 1, Sq, Sk, device="cpu", BLOCK_SIZE=128)
+    t = bs.from_block_mask(bm)
+    assert t.block_size == (128, 128)
+    seen, partial = bs.visited(t, 2, 3, Sq, Sk, t.block_size)
+    assert seen.shape == (2, 3, Sq, Sk)
+    q = torch.arange(Sq)[:, None]
+    k = torch.arange(Sk)[None, :]
+    keep = doc_causal(0, 0, q, k)
+    assert bool((seen | ~keep).all())  # every kept score is in a visited block
+    assert not bool((keep & ~seen).any())
+    full = seen & ~partial
+    assert bool(keep[full[0, 0]].all())  # full blocks need no mask
+    dense = bm.to_dense()  # FlexAttention's own block view: visited blocks
+    assert torch.equal(seen[0, 0, ::128, ::128], dense[0, 0].bool())
+    bs.check_values(t, Sk)
+
+
+def test_check_values_finds_bad_indices_and_repeats():
+    p = torch.zeros(1, 1, 2, 3, dtype=torch.bool)
+    p[..., :2] = True
+    t = _lists(1, 1, 2, 3, p)._replace(block_size=(128, 128))
+    bs.check_values(t, 384)
+    p3 = torch.ones(1, 1, 2, 3, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"\[0, 2\)"):
+        bs.check_values(_lists(1, 1, 2, 3, p3)._replace(block_size=(128, 128)), 256)  # block 2 of 2
+    bad = t._replace(mask_block_idx=torch.full_like(t.mask_block_idx, 5))
+    with pytest.raises(ValueError, match="indices"):
+        bs.check_values(bad, 384)
+    twice = t._replace(full_block_cnt=t.mask_block_cnt, full_block_idx=t.mask_block_idx)
+    with pytest.raises(ValueError, match="twice"):
+        bs.check_values(twice, 384)
+    with pytest.raises(ValueError, match="counts"):
+        bs.check_values(t._replace(mask_block_cnt=t.mask_block_cnt + 9), 384)
+
+
+# --- the API ---------------------------------------------------------------------------------------------------
+
+def _qkv(B=2, S=7, d=64):
+    q = torch.randn(B, S, 4, d, dtype=torch.bfloat16)
+    k = torch.randn(B, S, 2, d, dtype=torch.bfloat16)
+    return q, k, torch.randn_like(k)
+
+
+@pytest.fixture
+def defaults(cute_env):
+    cute_env()
+
+
+def test_api_passes_the_tensors_to_the_mod_launch(defaults, monkeypatch):
+    seen = []
+    monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")
+
+    def dense(q, k, v, scale, causal, arch, wl, wr, score_mod, mask_mod, aux, block_sparse=None):
+        seen.append((score_mod, mask_mod, block_sparse, causal))
+        return torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], q.shape[1])
+
+    monkeypatch.setattr(mods, "forward", dense)
+    q, k, v = _qkv()
+    t = _lists(1, 1, 1, 1, torch.ones(1, 1, 1, 1, dtype=torch.bool))
+    interface.flash_attn_func(q, k, v, block_sparse_tensors=t, causal=True)  # sparsity alone, with causal
+    interface.flash_attn_func(q, k, v, mask_mod=m.causal_mask, block_sparse_tensors=t)
+    assert seen == [(None, None, t, True), (None, m.causal_mask, t, False)]
+    from flash_attn.cute.interface import _flash_attn_fwd
+    _flash_attn_fwd(q, k, v, mask_mod=m.causal_mask, block_sparse_tensors=t)
+    assert seen[-1][1:3] == (m.causal_mask, t)
+
+
+def test_api_refuses_what_is_not_served(defaults, monkeypatch):
+    monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")
+    q, k, v = _qkv()
+    t = _lists(1, 1, 1, 1, torch.ones(1, 1, 1, 1, dtype=torch.bool))
+    with pytest.raises(NotImplementedError, match="block_sparse_tensors_bwd"):
+        interface.flash_attn_func(q, k, v, block_sparse_tensors=t, block_sparse_tensors_bwd=t)
+    with pytest.raises(NotImplementedError, match="block_sparse_tensors"):
+        cu = torch.tensor([0, 7, 14], dtype=torch.int32)
+        interface.flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_seqlens_q=cu,
+                                         cu_seqlens_k=cu, block_sparse_tensors=t)
+    q.requires_grad_(True)
+    with pytest.raises(NotImplementedError, match="block sparsity"):
+        interface.flash_attn_func(q, k, v, block_sparse_tensors=t)
+    with pytest.raises(NotImplementedError, match="softcap"):
+        interface.flash_attn_func(q.detach(), k, v, block_sparse_tensors=t, softcap=5.0)
+
+
+# --- the kernel, compiled for sm_90a on the CPU ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def sparse_ptx(tmp_path_factory):
+    dump = tmp_path_factory.mktemp("sparseptx")
+    mods.compile_fwd_mods(torch.bfloat16, 128, False, arch="sm_90a", dump_dir=str(dump), mask_mod=m.document_mask,
+                          spec=((torch.int32, 2),), sparse=(True, 1, 2))
+    paths = glob.glob(os.path.join(dump, "**", "*.ptx"), recursive=True)
+    assert len(paths) == 1, paths
+    return paths[0]
+
+
+def test_sparse_kernel_compiles_and_reads_the_lists(sparse_ptx):
+    text = open(sparse_ptx).read()
+    assert ".target sm_90a" in text and "wgmma.mma_async" in text
+    # the lists are the kernel's last tensor arguments: their loads are 32-bit global loads
+    assert text.count("ld.global.u32") + text.count("ld.global.s32") + text.count("ld.global.b32") >= 4
+
+
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas not on PATH")
+def test_sparse_kernel_does_not_spill(sparse_ptx):
+    assert_ptxas_clean(sparse_ptx)
+
+
+def test_kernels_are_keyed_by_the_sparsity(monkeypatch):
+    built = []
+    monkeypatch.setattr(mods, "compile_fwd_mods", lambda *a, **kw: built.append(kw) or object())
+    from flash_attn.cute import kernels
+    monkeypatch.setattr(kernels, "_tvm_ffi", lambda: True)
+    monkeypatch.setattr(kernels, "_ffi_function", lambda f: f)
+    monkeypatch.setattr(mods, "_mod_kernels", {})
+    args = (torch.bfloat16, 128, False, "sm_90a", False, False, None, m.causal_mask, ())
+    a = mods.mod_kernel(*args)
+    b = mods.mod_kernel(*args, (True, 1, 1), 128)
+    c = mods.mod_kernel(*args, (True, 1, 2), 128)
+    d = mods.mod_kernel(*args, (True, 1, 2), 64)
+    assert len({id(x) for x in (a, b, c, d)}) == 4 and len(built) == 4
+    assert mods.mod_kernel(*args, (True, 1, 2), 64) is d and len(built) == 4
+    assert built[1]["sparse"] == (True, 1, 1) and built[3]["block_n"] == 64
+
+
+# --- GPU: against an fp32 attention over the same blocks -----------------------------------------------------------
+
+def _reference(q, k, v, scale, seen, partial, score_fn=None, mask_fn=None, aux=None, causal=False, dtype=torch.float32):
+    """Attention in ``dtype`` over the visited keys (seen (B, H, Sq, Sk)), the mask_mod's mask (bool (B or 1, 1,
+    Sq, Sk)) on the partial blocks only; rows with no key give 0. Returns fp32 (B, Sq, H, D)."""
+    g = q.shape[2] // k.shape[2]
+    qf = q.to(dtype).transpose(1, 2)
+    kf = k.to(dtype).repeat_interleave(g, dim=2).transpose(1, 2)
+    vf = v.to(dtype).repeat_interleave(g, dim=2).transpose(1, 2)
+    s = qf @ kf.transpose(-1, -2) * scale
+    if score_fn is not None:
+        s = score_fn(s, aux).to(dtype)
+    keep = seen
+    if mask_fn is not None:
+        keep = keep & (~partial | mask_fn)
+    if causal:
+        keep = keep & m.causal_mask_torch(s.shape[-2], s.shape[-1], s.device)
+    s = s.masked_fill(~keep, float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    return (p @ vf).transpose(1, 2).float()
+
+
+def _random_lists(B, H, M, N, device, full=True, compact=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    kind = torch.randint(0, 3, (B, H, M, N), generator=g)  # 0 skip, 1 partial, 2 full
+    kind[..., 0, :] = 0  # the first query block lists nothing (a test checks its rows give 0)
+    part, fl = kind == 1, kind == 2
+    if not full:
+        part = part | fl
+    t = _lists(B, H, M, N, part, fl if full else None)
+    if compact:  # index rows shortened to the longest count (FA4's compact form)
+        w = max(int(t.mask_block_cnt.max()), 1)
+        t = t._replace(mask_block_idx=t.mask_block_idx[..., :w].contiguous())
+    return BlockSparseTensorsTorch(*(x.to(device) if isinstance(x, torch.Tensor) else x for x in t))
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("block", [(128, 128), (256, 128), (128, 256)])
+@pytest.mark.parametrize("full", [True, False])
+@pytest.mark.parametrize("Sq, Sk", [(512, 512), (300, 700)])
+def test_visits_exactly_the_listed_blocks(defaults, d, block, full, Sq, Sk):
+    torch.manual_seed(0)
+    B, H, Hk = 2, 4, 2
+    q = torch.randn(B, Sq, H, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(B, Sk, Hk, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    M, N = -(-Sq // block[0]), -(-Sk // block[1])
+    t = _random_lists(B, H, M, N, "cuda", full=full, compact=not full)._replace(block_size=block)
+    bs.check_values(t, Sk)
+    out, lse = interface.flash_attn_func(q, k, v, mask_mod=m.window_mask, block_sparse_tensors=t, return_lse=True)
+    seen, partial = bs.visited(t, B, H, Sq, Sk, block)
+    qi = torch.arange(Sq, device="cuda")[:, None]
+    ki = torch.arange(Sk, device="cuda")[None, :]
+    win = ((qi - ki).abs() <= m.WINDOW)
+    scale = d ** -0.5
+    ref = _reference(q, k, v, scale, seen, partial, mask_fn=win)
+    ref_lp = _reference(q, k, v, scale, seen, partial, mask_fn=win, dtype=q.dtype)
+    err = (out.float() - ref).abs().max().item()
+    assert err <= 2 * (ref_lp - ref).abs().max().item() + ref.abs().max().item() * 2 ** -8
+    empty = ~(seen & (~partial | win)).any(-1)  # (B, H, Sq): rows that see no key
+    assert bool((out.float().transpose(1, 2)[empty] == 0).all())
+    assert bool(empty[:, :, :block[0]].all())  # the first query tile of every (b, h) lists nothing
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("score, causal", [("rel_bias", False), (None, True), ("alibi_aux", True)])
+def test_score_mods_and_native_causal_with_sparsity(defaults, score, causal):
+    torch.manual_seed(1)
+    B, H, S, d = 2, 4, 640, 128
+    q = torch.randn(B, S, H, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(B, S, H, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    t = _random_lists(1, H, 5, 5, "cuda", seed=3)._replace(block_size=(128, 128))  # shared across the batch
+    aux = [torch.rand(H, device="cuda")] if score == "alibi_aux" else None
+    fn = getattr(m, score) if score else None
+    out = interface.flash_attn_func(q, k, v, score_mod=fn, aux_tensors=aux, causal=causal, block_sparse_tensors=t)[0]
+    seen, partial = bs.visited(t, B, H, S, S, (128, 128))
+    tfn = getattr(m, score + "_torch") if score else None
+    ref = _reference(q, k, v, d ** -0.5, seen, partial, score_fn=tfn, aux=aux, causal=causal)
+    ref_lp = _reference(q, k, v, d ** -0.5, seen, partial, score_fn=tfn, aux=aux, causal=causal, dtype=q.dtype)
+    err = (out.float() - ref).abs().max().item()
+    assert err <= 2 * (ref_lp - ref).abs().max().item() + ref.abs().max().item() * 2 ** -8
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("S", [1024, 1000])
+def test_against_flex_attention_with_the_same_block_mask(defaults, S):
+    fa = pytest.importorskip("torch.nn.attention.flex_attention")
+    torch.manual_seed(2)
+    B, H, d = 2, 4, 128
+    docs = (torch.arange(S, device="cuda") // 300).to(torch.int32).expand(B, S).contiguous()
+
+    def doc_causal(b, h, qi, ki):
+        return (qi >= ki) & (docs[b, qi] == docs[b, ki])
+
+    bm = fa.create_block_mask(doc_causal, B, 1, S, S, device="cuda", BLOCK_SIZE=128)
+    q = torch.randn(B, S, H, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(B, S, H, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    ref = fa.flex_attention(*(x.transpose(1, 2).float() for x in (q, k, v)), block_mask=bm).transpose(1, 2)
+    ref_lp = torch.compile(fa.flex_attention)(*(x.transpose(1, 2) for x in (q, k, v)), block_mask=bm).transpose(1, 2)
+    out = interface.flash_attn_func(q, k, v, mask_mod=m.document_causal_mask, aux_tensors=[docs],
+                                    block_sparse_tensors=bs.from_block_mask(bm))[0]
+    err = (out.float() - ref).abs().max().item()
+    assert err <= 2 * (ref_lp.float() - ref).abs().max().item() + ref.abs().max().item() * 2 ** -8
