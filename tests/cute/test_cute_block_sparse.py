@@ -352,3 +352,107 @@ def test_against_flex_attention_with_the_same_block_mask(defaults, S):
                                     block_sparse_tensors=bs.from_block_mask(bm))[0]
     err = (out.float() - ref).abs().max().item()
     assert err <= 2 * (ref_lp.float() - ref).abs().max().item() + ref.abs().max().item() * 2 ** -8
+
+
+# --- compute_block_sparsity: the lists from a mask_mod ---------------------------------------------------------
+
+def _kinds_reference(keep, tile_m, tile_n):
+    """(B, H, M, N) tile kinds of a bool (B, H, Sq, Sk) mask: 0 nothing kept, 2 every in-bounds pair kept, else 1."""
+    B, H, Sq, Sk = keep.shape
+    M, N = -(-Sq // tile_m), -(-Sk // tile_n)
+    pad = torch.zeros(B, H, M * tile_m, N * tile_n, dtype=torch.int32, device=keep.device)
+    inb = torch.zeros_like(pad)
+    pad[..., :Sq, :Sk] = keep.to(torch.int32)
+    inb[..., :Sq, :Sk] = 1
+    kept = pad.view(B, H, M, tile_m, N, tile_n).sum((3, 5))
+    total = inb.view(B, H, M, tile_m, N, tile_n).sum((3, 5))
+    return torch.where(kept == 0, 0, torch.where(kept == total, 2, 1))
+
+
+def test_pack_kinds_orders_and_splits_the_lists():
+    from flash_attn.cute.compute_block_sparsity import pack_kinds
+
+    kind = torch.tensor([[[[2, 0, 1, 1, 2], [0, 0, 0, 0, 0]]]], dtype=torch.int32)
+    t = pack_kinds(kind)
+    assert t.mask_block_cnt.tolist() == [[[2, 0]]] and t.mask_block_idx[0, 0, 0, :2].tolist() == [2, 3]
+    assert t.full_block_cnt.tolist() == [[[2, 0]]] and t.full_block_idx[0, 0, 0, :2].tolist() == [0, 4]
+    one = pack_kinds(kind, compute_full_blocks=False)
+    assert one.full_block_cnt is None and one.mask_block_idx[0, 0, 0, :4].tolist() == [0, 2, 3, 4]
+    seen, partial = bs.visited(t, 1, 1, 2 * 128, 5 * 128, (128, 128))
+    assert torch.equal(seen[0, 0, ::128, ::128].to(torch.int32), (kind[0, 0] > 0).to(torch.int32))
+
+
+@pytest.mark.parametrize("kw, err, match", [
+    (dict(cu_seqlens_q=torch.zeros(2, dtype=torch.int32)), NotImplementedError, "cu_seqlens_q"),
+    (dict(aux_scalars=(1.0,)), NotImplementedError, "aux_scalars"),
+    (dict(device="cpu"), ValueError, "CUDA device"),
+    (dict(mask_mod=3), ValueError, "CuTeDSL function"),
+    (dict(tile_m=0), ValueError, "tile_m"),
+])
+def test_compute_block_sparsity_refuses(kw, err, match):
+    from flash_attn.cute.compute_block_sparsity import compute_block_sparsity
+
+    args = dict(tile_m=128, tile_n=128, batch_size=1, num_heads=1, seqlen_q=256, seqlen_k=256,
+                mask_mod=m.causal_mask, aux_tensors=None, device="cuda")
+    args.update(kw)
+    with pytest.raises(err, match=match):
+        compute_block_sparsity(**args)
+
+
+@pytest.mark.parametrize("mask, fast", [("document", False), ("causal", True)])
+def test_block_kinds_kernel_compiles_for_sm90a(tmp_path, mask, fast):
+    from flash_attn.cute.compute_block_sparsity import BlockKinds
+
+    fn = m.document_mask if mask == "document" else m.causal_mask
+    spec = ((torch.int32, 2),) if mask == "document" else ()
+    BlockKinds(fn, 128, 128, bool(spec), fast).compile(spec, dump_dir=str(tmp_path))
+    ptx, = glob.glob(os.path.join(tmp_path, "**", "*.ptx"), recursive=True)
+    text = open(ptx).read()
+    assert ".target sm_90a" in text and "st.global" in text
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask", ["causal", "window", "document"])
+@pytest.mark.parametrize("Sq, Sk, tile", [(512, 512, (128, 128)), (300, 700, (128, 128)), (1000, 1000, (256, 128))])
+def test_compute_block_sparsity_matches_the_mask(defaults, mask, Sq, Sk, tile):
+    from flash_attn.cute.compute_block_sparsity import compute_block_sparsity
+
+    B, H = 2, 3
+    fn, fn_torch = m.MASK_MODS[mask]
+    aux = None
+    if mask == "document":
+        S = max(Sq, Sk)
+        aux = [(torch.arange(S, device="cuda") // 150 + torch.arange(B, device="cuda")[:, None]).to(torch.int32)]
+    t = compute_block_sparsity(tile[0], tile[1], B, H, Sq, Sk, fn, aux, "cuda")
+    keep = fn_torch(Sq, Sk, "cuda", aux) if mask == "document" else fn_torch(Sq, Sk, "cuda")
+    keep = keep.expand(B, H, Sq, Sk)
+    ref = _kinds_reference(keep, *tile)
+    got = torch.zeros_like(ref)
+    seen, partial = bs.visited(t, B, H, Sq, Sk, tile)
+    got = torch.where(seen[..., ::tile[0], ::tile[1]], torch.where(partial[..., ::tile[0], ::tile[1]], 1, 2), 0)
+    assert torch.equal(got, ref)
+    assert t.block_size == tile
+    bs.check_values(t, Sk)
+    # the attention over the computed lists: the dense mask's result
+    d = 128
+    q = torch.randn(B, Sq, H, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(B, Sk, H, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    out = interface.flash_attn_func(q, k, v, mask_mod=fn, aux_tensors=aux, block_sparse_tensors=t)[0]
+    full = torch.ones_like(seen)
+    ref_out = _reference(q, k, v, d ** -0.5, full, full, mask_fn=keep)
+    ref_lp = _reference(q, k, v, d ** -0.5, full, full, mask_fn=keep, dtype=q.dtype)
+    err = (out.float() - ref_out).abs().max().item()
+    assert err <= 2 * (ref_lp - ref_out).abs().max().item() + ref_out.abs().max().item() * 2 ** -8
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_fast_sampling_decides_a_causal_mask(defaults):
+    from flash_attn.cute.compute_block_sparsity import compute_block_sparsity
+
+    exact = compute_block_sparsity(128, 128, 1, 1, 1024, 1024, m.causal_mask, None, "cuda")
+    fast = compute_block_sparsity(128, 128, 1, 1, 1024, 1024, m.causal_mask, None, "cuda", use_fast_sampling=True)
+    for a, b in zip(exact[:4], fast[:4]):
+        assert torch.equal(a, b)

@@ -90,14 +90,7 @@ def compile_fwd_mods(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, loca
                           exp2_emu=cfg.exp2_emu, exp2_emu_degree=cfg.exp2_emu_degree, score_mod=score_mod,
                           mask_mod=mask_mod, aux=bool(spec), sparse=sparse)
     dt, D = kernel.dtype, kernel.head_dim
-    cdt = {torch.float32: cutlass.Float32, torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16,
-           torch.int32: cutlass.Int32, torch.int64: cutlass.Int64, torch.int8: cutlass.Int8,
-           torch.uint8: cutlass.Uint8, torch.bool: cutlass.Boolean}
-    # Aux tensors: any shape and strides (runtime values); element-aligned.
-    aux = tuple(make_fake_tensor(cdt[t], tuple(cute.sym_int() for _ in range(rank)),
-                                 tuple(cute.sym_int() for _ in range(rank)),
-                                 assumed_align=max(1, torch.empty((), dtype=t).element_size()))
-                for t, rank in spec) or None
+    aux = fake_aux(spec)
     batch, seqlen_q, seqlen_k, heads, heads_kv = (cute.sym_int() for _ in range(5))
 
     def qkv(seqlen, h):
@@ -131,6 +124,22 @@ def compile_fwd_mods(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, loca
                                     tuple(cute.sym_int() for _ in range(rank)), assumed_align=4)
         lists = tuple(ints(r) for r in ((3, 4, 3, 4) if sparse[0] else (3, 4)))
     return cute.compile(kernel.call_mods, q, k, v, o, lse, *scalars, stream, aux, lists, options=options)
+
+
+def fake_aux(spec):
+    """Compile-time stand-ins of aux tensors of kinds ``spec``: any shape and strides (runtime values),
+    element-aligned; None for an empty spec (the kernel takes None then)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    cdt = {torch.float32: cutlass.Float32, torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16,
+           torch.int32: cutlass.Int32, torch.int64: cutlass.Int64, torch.int8: cutlass.Int8,
+           torch.uint8: cutlass.Uint8, torch.bool: cutlass.Boolean}
+    return tuple(make_fake_tensor(cdt[t], tuple(cute.sym_int() for _ in range(rank)),
+                                  tuple(cute.sym_int() for _ in range(rank)),
+                                  assumed_align=max(1, torch.empty((), dtype=t).element_size()))
+                 for t, rank in spec) or None
 
 
 def mod_kernel(dtype, head_dim, causal, arch, local, varlen, score_mod, mask_mod, spec, sparse=None, block_n=None):
