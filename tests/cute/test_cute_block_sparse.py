@@ -456,3 +456,64 @@ def test_fast_sampling_decides_a_causal_mask(defaults):
     fast = compute_block_sparsity(128, 128, 1, 1, 1024, 1024, m.causal_mask, None, "cuda", use_fast_sampling=True)
     for a, b in zip(exact[:4], fast[:4]):
         assert torch.equal(a, b)
+
+
+def test_mask_mod_calls_get_lists_built_once_per_shape(cute_env, monkeypatch):
+    """A mask_mod call without block_sparse_tensors (and without aux tensors) runs on lists built from its mask_mod,
+    once per (function, shape); with aux tensors, or FLASH_ATTN_CUTE_DISABLE=mask_sparsity, it visits every tile."""
+    from flash_attn.cute import compute_block_sparsity as cbs
+    from flash_attn.cute.plan import _UNBOUNDED
+
+    cute_env()
+    built, launched = [], []
+
+    def fake_compute(tile_m, tile_n, B, H, Sq, Sk, mask_mod, aux, device):
+        built.append((tile_m, tile_n, B, H, Sq, Sk, mask_mod))
+        kind = torch.ones(B, H, -(-Sq // tile_m), -(-Sk // tile_n), dtype=torch.int32)
+        return cbs.pack_kinds(kind)._replace(block_size=(tile_m, tile_n))
+
+    monkeypatch.setattr(cbs, "compute_block_sparsity", fake_compute)
+    monkeypatch.setattr(mods, "_mask_lists", {})
+    monkeypatch.setattr(mods, "mod_kernel", lambda *a: (lambda *args: launched.append((a, args))))
+    q = torch.randn(2, 300, 4, 64, dtype=torch.bfloat16)
+    k = torch.randn(2, 500, 4, 64, dtype=torch.bfloat16)
+    run = lambda mask, aux=None: mods.forward(q, k, k, 0.1, False, "sm_90a", _UNBOUNDED, _UNBOUNDED, None,  # noqa
+                                               mask, aux)
+    run(m.causal_mask)
+    assert built == [(128, 128, 2, 4, 300, 500, m.causal_mask)]
+    (key, args), = launched
+    assert key[-2] == (True, 1, 1) and len(args[-1]) == 4  # the sparse kernel and its four lists
+    run(m.causal_mask)
+    assert len(built) == 1 and launched[-1][0][-2] == (True, 1, 1)  # remembered
+    run(m.window_mask)
+    assert len(built) == 2
+    run(m.document_mask, [torch.zeros(2, 500, dtype=torch.int32)])  # aux: the lists would depend on its values
+    assert len(built) == 2 and len(launched[-1][0]) == 9 and launched[-1][1][-1] is None
+    cute_env(DISABLE="mask_sparsity")
+    run(m.causal_mask)
+    assert len(built) == 2 and launched[-1][1][-1] is None
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask", ["causal", "window"])
+def test_mask_mod_alone_skips_tiles_and_matches(cute_env, mask):
+    cute_env()
+    torch.manual_seed(4)
+    B, H, S, d = 2, 4, 1000, 128
+    q = torch.randn(B, S, H, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(B, S, H, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    fn, fn_torch = m.MASK_MODS[mask]
+    mods._mask_lists.clear()
+    out = interface.flash_attn_func(q, k, v, mask_mod=fn)[0]
+    assert any(key[0] is fn for key in mods._mask_lists)
+    cute_env(DISABLE="mask_sparsity")
+    every = interface.flash_attn_func(q, k, v, mask_mod=fn)[0]
+    keep = fn_torch(S, S, "cuda")
+    full = torch.ones(B, H, S, S, dtype=torch.bool, device="cuda")
+    ref = _reference(q, k, v, d ** -0.5, full, full, mask_fn=keep)
+    ref_lp = _reference(q, k, v, d ** -0.5, full, full, mask_fn=keep, dtype=q.dtype)
+    bound = 2 * (ref_lp - ref).abs().max().item() + ref.abs().max().item() * 2 ** -8
+    assert (out.float() - ref).abs().max().item() <= bound
+    assert (every.float() - ref).abs().max().item() <= bound

@@ -201,10 +201,32 @@ def check_call(score_mod, mask_mod, aux_tensors, causal, window_left, window_rig
                                   f"{config.SUPPORTED_HEAD_DIMS} with equal q / v head dims only, for now")
 
 
+_mask_lists: dict[tuple, object] = {}  # mask_lists' answers
+
+
+def mask_lists(mask_mod, B, H, Sq, Sk, block_n, device):
+    """The block-sparsity lists of a mask_mod that reads no aux tensor, for the mod kernel's tiles
+    (compute_block_sparsity, exhaustive), remembered per (function, shape): such a mask_mod is a pure function of
+    the indices, as fixed as the kernel compiled from it (keyed by the same function object). A call then visits
+    only the tiles the mask keeps, and runs the mask_mod on the partial ones only."""
+    key = (mask_mod, B, H, Sq, Sk, block_n, device)
+    lists = _mask_lists.get(key)
+    if lists is None:
+        from flash_attn.cute.compute_block_sparsity import compute_block_sparsity
+
+        lists = compute_block_sparsity(MOD_BLOCK_M, block_n, B, H, Sq, Sk, mask_mod, None, device)
+        if len(_mask_lists) >= 64:
+            _mask_lists.clear()
+        _mask_lists[key] = lists
+    return lists
+
+
 def forward(q, k, v, softmax_scale, causal, arch, window_left, window_right, score_mod, mask_mod, aux_tensors,
             block_sparse=None):
     """Dense forward with mods: q (B, Sq, H, D), k / v (B, Sk, Hk, D) -> (out like q, lse (B, H, Sq) fp32).
-    block_sparse: FA4's block_sparse_tensors (block_sparsity.py) or None."""
+    block_sparse: FA4's block_sparse_tensors (block_sparsity.py) or None; None with a mask_mod that reads no aux
+    tensor: the lists of mask_lists (FLASH_ATTN_CUTE_DISABLE=mask_sparsity: none)."""
+    from flash_attn.cute import settings
     from flash_attn.cute import block_sparsity
     from flash_attn.cute.launch import _MAX_ELEMS, _MAX_GRID_Z, _kernel_layouts
     from flash_attn.cute.plan import _window_args
@@ -223,6 +245,8 @@ def forward(q, k, v, softmax_scale, causal, arch, window_left, window_right, sco
         raise NotImplementedError("score_mod / mask_mod: tensors of 2^31 elements or more, or a batch over 65535, "
                                   "are not split into launches yet")
     sparse = None
+    if block_sparse is None and mask_mod is not None and not spec and not settings.disabled("mask_sparsity"):
+        block_sparse = mask_lists(mask_mod, B, H, Sq, Sk, mod_block_n(D, local), q.device)
     if block_sparse is not None:
         sparse = block_sparsity.normalize(block_sparse, B, H, Sq, Sk, MOD_BLOCK_M, mod_block_n(D, local), q.device)
     q, k, v = _kernel_layouts(q, k, v, D, D)

@@ -13,8 +13,9 @@ User settings:
     ``bwd`` (gradients from the PyTorch backward, or from the next backend under the root dispatcher),
     ``paged`` and ``hdim_v`` (such calls are refused), ``pack_gqa`` (calls run unpacked), ``split`` (calls
     run unsplit), ``d96`` / ``d192`` / ``d256`` (the root dispatcher sends that head dim's forward, and d96's
-    backward, to the next backend; flash_attn.cute's own autograd then skips the d96 backward kernel too). Each
-    changes how the work is done, never the result.
+    backward, to the next backend; flash_attn.cute's own autograd then skips the d96 backward kernel too),
+    ``mask_sparsity`` (a mask_mod call without block_sparse_tensors visits every tile instead of the lists built
+    from its mask_mod). Each changes how the work is done, never the result.
 
 Tuning experiments:
 
@@ -31,7 +32,7 @@ CACHE = "FLASH_ATTN_CUTE_CACHE"
 CACHE_VERBOSE = "FLASH_ATTN_CUTE_CACHE_VERBOSE"
 DISABLE = "FLASH_ATTN_CUTE_DISABLE"
 OVERRIDES = "FLASH_ATTN_CUTE_OVERRIDES"
-FEATURES = ("bwd", "paged", "hdim_v", "pack_gqa", "split", "d96", "d192", "d256")
+FEATURES = ("bwd", "paged", "hdim_v", "pack_gqa", "split", "d96", "d192", "d256", "mask_sparsity")
 _OFF = ("0", "off", "false", "no", "none")
 
 
