@@ -517,3 +517,97 @@ def test_mask_mod_alone_skips_tiles_and_matches(cute_env, mask):
     bound = 2 * (ref_lp - ref).abs().max().item() + ref.abs().max().item() * 2 ** -8
     assert (out.float() - ref).abs().max().item() <= bound
     assert (every.float() - ref).abs().max().item() <= bound
+
+
+# --- the mask_mod's backward ------------------------------------------------------------------------------------
+
+def test_mask_mod_gradients_go_to_the_mask_mod_backward_kernel(cute_env, monkeypatch):
+    from flash_attn.cute import launch
+
+    cute_env()
+    monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")
+    monkeypatch.setattr(mods, "forward", lambda q, k, v, *a: (torch.zeros_like(q),
+                                                               torch.zeros(q.shape[0], q.shape[2], q.shape[1])))
+    built, seen = [], []
+    monkeypatch.setattr(mods, "mod_bwd_kernel", lambda *a: built.append(a) or "kernel")
+
+    def fake_backward(dout, q, k, v, out, lse, scale, causal, arch, dlse=None, mod=None):
+        seen.append((scale, causal, mod, dlse))
+        return torch.ones_like(q), torch.ones_like(k), torch.ones_like(v)
+
+    monkeypatch.setattr(launch, "backward", fake_backward)
+    q, k, v = (t.requires_grad_() for t in _qkv())
+    docs = [torch.zeros(2, 7, dtype=torch.int32)]
+    out, lse = interface.flash_attn_func(q, k, v, mask_mod=m.document_mask, aux_tensors=docs, return_lse=True)
+    (out.sum() + lse.sum()).backward()
+    assert built == [(torch.bfloat16, 64, "sm_90a", m.document_mask, ((torch.int32, 2),))]
+    (scale, causal, mod, dlse), = seen
+    assert mod[0] == "kernel" and mod[1][0] is docs[0] and not causal and dlse is not None
+    assert torch.equal(q.grad, torch.ones_like(q)) and torch.equal(v.grad, torch.ones_like(v))
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(score_mod=m.rel_bias), "backward of score_mod"),
+    (dict(mask_mod=m.causal_mask, block_sparse_tensors=_lists(1, 1, 1, 1, torch.ones(1, 1, 1, 1, dtype=torch.bool))),
+     "block sparsity"),
+    (dict(mask_mod=m.causal_mask, d=256), "head dims"),
+])
+def test_backwards_not_served_are_refused(cute_env, monkeypatch, kw, match):
+    cute_env()
+    monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")
+    q, k, v = _qkv(d=kw.pop("d", 64))
+    q.requires_grad_()
+    with pytest.raises(NotImplementedError, match=match):
+        interface.flash_attn_func(q, k, v, **kw)
+
+
+def test_mask_mod_backward_kernel_compiles_without_spills(tmp_path):
+    kernels = pytest.importorskip("flash_attn.cute.kernels")
+    kernels.compile_bwd(torch.bfloat16, 64, False, "sm_90a", dump_dir=str(tmp_path), mask_mod=m.document_mask,
+                        spec=((torch.int32, 2),))
+    ptx, = glob.glob(os.path.join(tmp_path, "**", "*.ptx"), recursive=True)
+    text = open(ptx).read()
+    assert "wgmma.mma_async" in text and "ld.global" in text  # the document ids are read in the loop
+    if shutil.which("ptxas"):
+        assert_ptxas_clean(ptx)
+
+
+def _grads_reference(q, k, v, dout, keep, dtype):
+    qr, kr, vr = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+    g = qr.shape[2] // kr.shape[2]
+    s = qr.transpose(1, 2) @ kr.repeat_interleave(g, 2).transpose(1, 2).transpose(-1, -2) * q.shape[-1] ** -0.5
+    p = torch.softmax(s.masked_fill(~keep, float("-inf")), -1).nan_to_num(0.0)
+    o = (p @ vr.repeat_interleave(g, 2).transpose(1, 2)).transpose(1, 2)
+    o.backward(dout.to(dtype))
+    return o.float(), [t.grad.float() for t in (qr, kr, vr)]
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 96, 128])
+@pytest.mark.parametrize("mask", ["causal", "window", "document"])
+@pytest.mark.parametrize("Sq, Sk", [(256, 256), (300, 517)])
+def test_mask_mod_gradients_match_the_reference(cute_env, d, mask, Sq, Sk):
+    cute_env()
+    torch.manual_seed(5)
+    B, H, Hk = 2, 4, 2
+    q = torch.randn(B, Sq, H, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(B, Sk, Hk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(B, Sk, Hk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dout = torch.randn(B, Sq, H, d, device="cuda", dtype=torch.bfloat16)
+    fn, fn_torch = m.MASK_MODS[mask]
+    aux = None
+    if mask == "document":
+        S = max(Sq, Sk)
+        aux = [(torch.arange(S, device="cuda") // 97 + torch.arange(B, device="cuda")[:, None]).to(torch.int32)]
+        keep = fn_torch(Sq, Sk, "cuda", aux)
+    else:
+        keep = fn_torch(Sq, Sk, "cuda")
+    out = interface.flash_attn_func(q, k, v, mask_mod=fn, aux_tensors=aux)[0]
+    out.backward(dout)
+    ref, ref_grads = _grads_reference(q, k, v, dout, keep, torch.float32)
+    ref_lp, lp_grads = _grads_reference(q, k, v, dout, keep, torch.bfloat16)
+    for name, got, r, lp in zip("oqkv", (out, q.grad, k.grad, v.grad), (ref, *ref_grads), (ref_lp, *lp_grads)):
+        err = (got.float() - r).abs().max().item()
+        bound = 2 * (lp - r).abs().max().item() + r.abs().max().item() * 2 ** -8
+        assert err <= bound, (name, err, bound)

@@ -69,6 +69,7 @@ from flash_attn.cute.bwd_entries import BwdEntries
 from flash_attn.cute.bwd_parts import pack_16, pack_pair, transpose_view, unpack_16, unpack_half
 from flash_attn.cute.hopper_helpers import k_atom_for, opaque, smem_layout, tma_tiles
 from flash_attn.cute.mask import AttentionMask
+from flash_attn.cute.score_mod import ScoreMods
 from flash_attn.cute.seqlen_info import BwdSeqlens
 from flash_attn.cute.softmax_exp import EXP2_POLY, emulated_columns, exp2_poly
 from flash_attn.cute.tile_scheduler import lpt_tile
@@ -90,7 +91,7 @@ class FlashBwdSm90(BwdEntries):
 
     def __init__(self, dtype, head_dim, causal, block_m=64, block_n=128, num_stages=2, dq_split=True,
                  dq_tma=False, overlap=False, lpt=0, exp2_emu=0, exp2_emu_degree=3, local=False,
-                 varlen=False, deterministic=False, softcap=False):
+                 varlen=False, deterministic=False, softcap=False, mask_mod=None, aux=False):
         """head_dim: 64, 96 or 128 (HEAD_DIMS), of q, k and v alike.
         block_m: query rows per step, 64 or (head dim 64 only) 128, see the module docstring.
         local: a sliding window (sizes >= 0 per call, call_general; causal windows have right = 0), every block
@@ -101,6 +102,9 @@ class FlashBwdSm90(BwdEntries):
         softcap: scores s -> softcap * tanh(scale * s / softcap) as in the forward; P^T from the capped scores and
         dS^T = P^T (dP^T - delta) (1 - tanh^2), the tanh's derivative kept in 16 bits from the P^T step (the
         rounding dS^T gets anyway); BLOCK_M 64 (its registers).
+        mask_mod / aux: FA4's mask_mod (score_mod.ScoreMods' convention, compile-time) and whether it reads aux
+        tensors: -inf in S^T where it is False, on every query block (entry call_mods; dense, no window or
+        softcap).
         dq_split: the two warpgroups compute one dQ tile together, each its half of D (block_m 128: its
         64 query rows) over all BLOCK_N keys (a barrier of both per query block, since each reads the
         other's dS); else each computes
@@ -179,6 +183,11 @@ class FlashBwdSm90(BwdEntries):
         self.seqlens = BwdSeqlens(self.varlen, block_m)
         self.deterministic = bool(deterministic)
         self.softcap = bool(softcap)
+        self.mods = None
+        if mask_mod is not None:
+            if varlen or local or softcap or deterministic:
+                raise ValueError("mask_mod: the dense backward without window, softcap or determinism")
+            self.mods = ScoreMods(None, mask_mod, aux, block_m, block_n)
         if self.softcap and self.wide:
             raise ValueError("softcap needs block_m 64 (the tanh derivative's registers)")
         if self.deterministic and (self.dq_tma or not self.dq_split or self.lpt or self.local):
@@ -210,7 +219,7 @@ class FlashBwdSm90(BwdEntries):
 
     @cute.jit
     def _host(self, mQ, mK, mV, mdO, mLSE2, mDelta, mdQaccum, mdK, mdV, softmax_scale, stream, window, seqs, sem,
-              softcap=None):
+              softcap=None, aux=None):
         # (B, S, H, D) -> (S, D, H, B): the first two modes are the tile, the others index the CTA.
         (mQ, mK, mV, mdO, mdQaccum, mdK, mdV), (mLSE2, mDelta) = self.seqlens.views(
             (mQ, mK, mV, mdO, mdQaccum, mdK, mdV), (mLSE2, mDelta))
@@ -309,7 +318,8 @@ class FlashBwdSm90(BwdEntries):
                     tma_delta, mDelta_tma, mdQaccum, tma_dq, mdQ_tma, mdK, mdV, scale_log2,
                     softmax_scale, cute.size(mQ, mode=[0]), sQ_layout, sdO_layout, sK_layout, sV_layout,
                     sdS_layout, sdQ_layout, sLSE_layout, tiled_mma_sdp, tiled_mma_dv, tiled_mma_dk,
-                    tiled_mma_dq, *(window if cutlass.const_expr(self.local) else (None, None)), *tile_seqs, sem, *cap).launch(
+                    tiled_mma_dq, *(window if cutlass.const_expr(self.local) else (None, None)), *tile_seqs, sem, *cap,
+                    aux).launch(
             grid=grid, block=(self.num_threads, 1, 1), stream=stream,
             # .minnctapersm 1 pins the register count at entry (65536 / 384 threads); without it ptxas
             # may ignore setmaxnreg (C7508) and cap the consumers at 168 registers.
@@ -328,7 +338,7 @@ class FlashBwdSm90(BwdEntries):
                sdS_layout: cute.ComposedLayout, sdQ_layout: cute.ComposedLayout, sLSE_layout: cute.Layout,
                tiled_mma_sdp: cute.TiledMma, tiled_mma_dv: cute.TiledMma, tiled_mma_dk: cute.TiledMma,
                tiled_mma_dq: cute.TiledMma, window_left, window_right, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ,
-               mSeqUsedK, mSem, score_scale, cap_log2):
+               mSeqUsedK, mSem, score_scale, cap_log2, aux):
         if cutlass.const_expr(self.lpt > 0):
             lin, _, _ = cute.arch.block_idx()
             n_block, head, batch = lpt_tile(lin, cute.ceil_div(cute.size(mK, mode=[0]), self.block_n),
@@ -339,7 +349,7 @@ class FlashBwdSm90(BwdEntries):
         cta = (tma_q, mQ, tma_k, mK, tma_v, mV, tma_do, mdO, tma_lse, mLSE2, tma_delta, mDelta, mdQaccum, tma_dq,
                mdQ_tma, mdK, mdV, scale_log2, softmax_scale, sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout,
                sdQ_layout, sLSE_layout, tiled_mma_sdp, tiled_mma_dv, tiled_mma_dk, tiled_mma_dq, window_left,
-               window_right, n_block, head, tile, mSem, (score_scale, cap_log2))
+               window_right, n_block, head, tile, mSem, (score_scale, cap_log2), aux)
         if cutlass.const_expr(self.varlen):
             if n_block * self.block_n < tile.seqlen_k:  # the grid covers the longest sequence's keys
                 self._cta(*cta)
@@ -350,7 +360,7 @@ class FlashBwdSm90(BwdEntries):
     def _cta(self, tma_q, mQ, tma_k, mK, tma_v, mV, tma_do, mdO, tma_lse, mLSE2, tma_delta, mDelta, mdQaccum,
              tma_dq, mdQ_tma, mdK, mdV, scale_log2, softmax_scale, sQ_layout, sdO_layout, sK_layout, sV_layout,
              sdS_layout, sdQ_layout, sLSE_layout, tiled_mma_sdp, tiled_mma_dv, tiled_mma_dk, tiled_mma_dq,
-             window_left, window_right, n_block, head, tile, mSem, cap):
+             window_left, window_right, n_block, head, tile, mSem, cap, aux=None):
         """One CTA's key block ``n_block`` of head ``head`` of the sequence ``tile`` (seqlen_info.TileSeqlens)."""
         dt, BM, BN, stages = self.dtype, self.block_m, self.block_n, self.num_stages
         seqlen_q, seqlen_k = tile.seqlen_q, tile.seqlen_k
@@ -416,7 +426,9 @@ class FlashBwdSm90(BwdEntries):
             self._consume(mdQaccum, tma_dq, mdQ_tma, sdQ, mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE, sDelta, kv_pipe,
                           q_pipe, do_pipe, tiled_mma_sdp, tiled_mma_dv, tiled_mma_dk, tiled_mma_dq, scale_log2,
                           softmax_scale, tidx - self.NUM_PRODUCER_THREADS, n_block, head, tile, seqlen_q, seqlen_k,
-                          m_block_min, m_block_max, (window_left, window_right), mSem, cap)
+                          m_block_min, m_block_max, (window_left, window_right), mSem, cap,
+                          None if cutlass.const_expr(self.mods is None) else self.mods.context(tile, head, aux,
+                                                                                               softmax_scale))
 
     @cute.jit
     def _produce(self, tma_q, mQ, tma_k, mK, tma_v, mV, tma_do, mdO, tma_lse, mLSE2, tma_delta, mDelta,
@@ -461,7 +473,7 @@ class FlashBwdSm90(BwdEntries):
     def _consume(self, mdQaccum, tma_dq, mdQ_tma, sdQ, mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE, sDelta, kv_pipe,
                  q_pipe, do_pipe, tiled_mma_sdp, tiled_mma_dv, tiled_mma_dk, tiled_mma_dq, scale_log2,
                  softmax_scale, ctid, n_block, head, tile, seqlen_q, seqlen_k, m_block_min, m_block_max, window, mSem,
-                 cap):
+                 cap, mods=None):
         dt, D, BM, BN = self.dtype, self.head_dim, self.block_m, self.block_n
         wg = cute.arch.make_warp_uniform(ctid // 128)
         turn = (mSem, n_block, ctid) if cutlass.const_expr(self.deterministic) else None
@@ -552,7 +564,7 @@ class FlashBwdSm90(BwdEntries):
                                 tdPrV, tdPrdO)
                 self._p_and_dv(acc_S, tScS, rP, tdVrP, tdVrdOt, acc_dV, tiled_mma_dv, sLSE, scale_log2, m_block,
                                n_block, seqlen_q, seqlen_k, m_block_mask_end, key_tail, do_state.index,
-                               q_state.index, window, cap, rdT)
+                               q_state.index, window, cap, rdT, mods)
                 self._ds_dk_dq(acc_S, acc_dP, tScS, rdS, thr_sdp, sdSt, sDelta, tiled_mma_dk, acc_dK, tdKrdSt,
                                tdKrQt, tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, tma_dq, tQRsdQ, tQRgdQ, dq_issuer,
                                buf, m_block, m_block_min, wg, q_state.index, do_state.index, rP=rP,
@@ -593,7 +605,7 @@ class FlashBwdSm90(BwdEntries):
                 # rP is rewritten here only after the previous block's wait_group, which covered its dV.
                 self._p_and_dv(acc_S, tScS, rP, tdVrP, tdVrdOt, acc_dV, tiled_mma_dv, sLSE, scale_log2, m_block,
                                n_block, seqlen_q, seqlen_k, m_block_mask_end, key_tail, do_state.index,
-                               q_state.index, window, cap, rdT)
+                               q_state.index, window, cap, rdT, mods)
                 self._ds_dk_dq(acc_S, acc_dP, tScS, rdS, thr_sdp, sdSt, sDelta, tiled_mma_dk, acc_dK, tdKrdSt,
                                tdKrQt, tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, tma_dq, tQRsdQ, tQRgdQ, dq_issuer,
                                buf, m_block, m_block_min, wg, q_state.index, do_state.index, rP=rP,
@@ -656,7 +668,7 @@ class FlashBwdSm90(BwdEntries):
 
     @cute.jit
     def _p_and_dv(self, acc_S, tScS, rP, tdVrP, tdVrdOt, acc_dV, tiled_mma_dv, sLSE, scale_log2, m_block, n_block,
-                  seqlen_q, seqlen_k, m_block_mask_end, key_tail, do_stage, q_stage, window, cap, rdT):
+                  seqlen_q, seqlen_k, m_block_mask_end, key_tail, do_stage, q_stage, window, cap, rdT, mods=None):
         """Wait for S^T (dP^T may still run), P^T = exp2(S^T scale log2(e) - lse2) in place and in the
         input dtype in rP, and issue dV += P^T dO (one commit group)."""
         if cutlass.const_expr(self.overlap):
@@ -678,6 +690,8 @@ class FlashBwdSm90(BwdEntries):
                 acc_S[2 * k + 1] = t1 * cap_log2
         if key_tail or m_block < m_block_mask_end:
             self.mask.apply_transposed(acc_S, tScS, m_block, n_block, seqlen_q, seqlen_k, *window)
+        if cutlass.const_expr(mods is not None):
+            self.mods.mask_transposed(acc_S, tScS, m_block, n_block, mods)
         if cutlass.const_expr(self.exp2_emu == 0):
             for i in cutlass.range(cute.size(acc_S), unroll_full=True):
                 # +inf lse2 (query past Sq, or a query that sees no key) gives P = 0 exactly.

@@ -205,6 +205,9 @@ def _mods_func(q, k, v, softmax_scale, causal, window_size, learnable_sink, soft
     _check_dims(D, Dv, H, Hk)
     arch = _device_arch(q, k, v)
     scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
+    if _autograd.needs_grad(q, k, v, None):  # a mask_mod alone (check_call refused the rest)
+        out, lse = _mods.MaskModAttention.apply(q, k, v, (scale, arch, mask_mod, aux_tensors))
+        return out, (lse if return_lse else None)
     out, lse = _mods.forward(q, k, v, scale, bool(causal), arch, window_left, window_right, score_mod, mask_mod,
                              aux_tensors, block_sparse)
     return out, (lse if return_lse else None)

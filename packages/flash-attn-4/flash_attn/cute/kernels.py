@@ -360,7 +360,7 @@ def fwd_kernel(dtype, head_dim, causal, arch="sm_90a", local=False, softcap=Fals
 
 
 def compile_bwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=False, varlen=False,
-                deterministic=False, softcap=False):
+                deterministic=False, softcap=False, mask_mod=None, spec=()):
     """Compile the backward kernel for ``dtype`` (torch.float16 / torch.bfloat16), ``head_dim`` (64 / 96 / 128)
     and ``causal`` for ``arch``; no GPU needed. ``dump_dir``: an existing folder that receives the PTX
     and cubin. With apache-tvm-ffi the call is ``(q, k, v, dout, lse2, delta, dq_accum, dk, dv,
@@ -369,7 +369,8 @@ def compile_bwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=Fal
     ``varlen``: call_varlen's ``(..., dv, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_k,
     softmax_scale, softcap, window_left, window_right)`` (``backward_varlen``). ``deterministic``: call_deterministic
     (``..., dv, counters, softmax_scale, softcap``) / call_varlen_deterministic, the turn counters (B, H, query
-    blocks) int32 after the other tensors."""
+    blocks) int32 after the other tensors. ``mask_mod`` (dense, no window or softcap): call_mods, ``(..., dv,
+    softmax_scale, aux)`` with aux tensors of kinds ``spec`` (mods.py; never on disk: mods.mod_bwd_kernel)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_tensor
@@ -380,7 +381,8 @@ def compile_bwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=Fal
     kernel = FlashBwdSm90(_cutlass_dtype(dtype), int(head_dim), bool(causal), block_m=cfg.block_m,
                           num_stages=cfg.stages, dq_split=cfg.dq_split, dq_tma=cfg.dq_tma, overlap=cfg.overlap,
                           lpt=cfg.lpt, exp2_emu=cfg.exp2_emu, exp2_emu_degree=cfg.exp2_emu_degree, local=cfg.local,
-                          varlen=cfg.varlen, deterministic=cfg.deterministic, softcap=cfg.softcap)
+                          varlen=cfg.varlen, deterministic=cfg.deterministic, softcap=cfg.softcap, mask_mod=mask_mod,
+                          aux=bool(spec))
     D = kernel.head_dim
     # 32-bit symbolic shapes and strides, as in compile_fwd (backward() keeps tensors below 2^31 elements).
     batch, seqlen_q, seqlen_k, heads, heads_kv, seqlen_q_pad = (cute.sym_int() for _ in range(6))
@@ -420,6 +422,11 @@ def compile_bwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=Fal
     if local or softcap:
         return cute.compile(kernel.call_general, *tensors, cutlass.Float32(1.0), cutlass.Float32(0.0),
                             cutlass.Int32(0), cutlass.Int32(0), stream, options=options)
+    if mask_mod is not None:
+        from flash_attn.cute import mods
+
+        return cute.compile(kernel.call_mods, *tensors, cutlass.Float32(1.0), stream, mods.fake_aux(spec),
+                            options=options)
     return cute.compile(kernel, *tensors, cutlass.Float32(1.0), stream, options=options)
 
 

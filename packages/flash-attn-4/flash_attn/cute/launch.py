@@ -362,7 +362,7 @@ def _bwd_out_layout(t, D):
 
 
 def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grads=None, dlse=None, window=None,
-             deterministic=False, softcap=0.0):
+             deterministic=False, softcap=0.0, mod=None):
     """Attention backward on validated CUDA inputs: q/out/dout (B, Sq, H, D), k/v (B, Sk, Hk, D) fp16/bf16,
     D in (64, 96, 128), H % Hk == 0, lse fp32 (B, H, Sq) natural log (+inf for rows that see no key), causal
     bottom-right aligned. Returns (dq, dk, dv) in the input dtype, written into ``grads`` = (dq, dk, dv)
@@ -380,7 +380,9 @@ def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grad
     no limit on a side; right 0 when causal) of a sliding window, the kernel built with local=True. deterministic
     (no window): the kernel built with deterministic=True adds dQ in key-block order (bwd_dq.DqAccumulator), so the
     gradients are the same bits every run; its turn counters (B, H, query blocks) are zeroed here. softcap > 0: the
-    forward's soft-capped scores (the kernel built with softcap=True)."""
+    forward's soft-capped scores (the kernel built with softcap=True). mod: (kernel, aux) of a mask_mod's backward
+    (mods.mod_bwd_kernel; dense, no window, softcap or determinism): that kernel, aux (a tuple or None) its last
+    argument."""
     B, Sq, H, D = q.shape
     Sk, Hk = k.shape[1], k.shape[2]
     dtype = q.dtype
@@ -397,12 +399,17 @@ def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grad
     if per_batch >= _MAX_ELEMS:
         raise NotImplementedError(
             f"one batch entry of q/k/v holds {per_batch} elements; flash_attn.cute's backward handles < 2^31")
-    fn = (_bwd_kernels.get(bwd_mem_key(dtype, D, causal, arch, local, False, deterministic, capped))
-          or bwd_kernel(dtype, D, causal, arch, local, deterministic=deterministic, softcap=capped))
-    # the entries' scalars (bwd_entries.py): __call__'s scale; call_deterministic's scale, softcap; call_general's
-    # scale, softcap, window sizes
+    if mod is not None:
+        fn, aux = mod
+    else:
+        fn = (_bwd_kernels.get(bwd_mem_key(dtype, D, causal, arch, local, False, deterministic, capped))
+              or bwd_kernel(dtype, D, causal, arch, local, deterministic=deterministic, softcap=capped))
+    # the entries' scalars (bwd_entries.py): __call__'s (and call_mods') scale; call_deterministic's scale, softcap;
+    # call_general's scale, softcap, window sizes; call_mods' aux after them
     scalars = (float(softmax_scale),)
-    if deterministic:
+    if mod is not None:
+        scalars += (aux,)
+    elif deterministic:
         scalars += (float(softcap),)
     elif local or capped:
         scalars += (float(softcap),) + (tuple(int(w) for w in window) if local else (0, 0))

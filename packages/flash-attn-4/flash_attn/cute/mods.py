@@ -60,6 +60,7 @@ def mod_block_n(head_dim, local):
 
 
 MOD_BLOCK_M = 128  # the mod kernels' query tile (two consumer warpgroups, mod_config)
+BWD_HEAD_DIMS = (64, 96, 128)  # flash_bwd_sm90.FlashBwdSm90.HEAD_DIMS (kept here: checking a call imports no CuTeDSL)
 
 
 def mod_key(dtype, head_dim, causal, arch, local, varlen, score_mod, mask_mod, spec, sparse=None, block_n=None):
@@ -180,9 +181,13 @@ def check_call(score_mod, mask_mod, aux_tensors, causal, window_left, window_rig
         if fn is not None and not callable(fn):
             raise ValueError(f"{name} must be a CuTeDSL function (@cute.jit), got {type(fn).__name__}")
     if needs_grad:
-        raise NotImplementedError("flash_attn.cute: the backward of score_mod / mask_mod / block sparsity is not "
-                                  "implemented yet (the forward is); call it without gradients (torch.no_grad() or "
-                                  "detached inputs)")
+        if score_mod is not None or block_sparse is not None or mask_mod is None:
+            raise NotImplementedError("flash_attn.cute: the backward of score_mod / block sparsity is not implemented "
+                                      "yet (the forward is; a mask_mod alone has a backward); call it without "
+                                      "gradients (torch.no_grad() or detached inputs)")
+        if D != Dv or D not in BWD_HEAD_DIMS:
+            raise NotImplementedError(f"flash_attn.cute: the backward of a mask_mod takes head dims {BWD_HEAD_DIMS} "
+                                      f"(the backward kernel's), got {D} / {Dv}")
     if softcap and score_mod is not None:
         raise ValueError("softcap and score_mod cannot be used together (as in FA4; write the cap into the score_mod)")
     if softcap:
@@ -288,3 +293,60 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
     fn(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, used_k, int(max_seqlen_q), float(softmax_scale), 0.0,
        left, right, aux)
     return out, lse
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The backward of a mask_mod call: the Hopper backward kernel with the mask_mod (flash_bwd_sm90, entry call_mods),
+# which runs it on every query block of each key block
+
+_mod_bwd_kernels: dict[tuple, object] = {}
+
+
+def mod_bwd_kernel(dtype, head_dim, arch, mask_mod, spec):
+    """The mask_mod's backward kernel from memory, else compiled (never on disk, as the forward's)."""
+    from flash_attn.cute import cache, kernels
+
+    key = (dtype, int(head_dim), arch, mask_mod, spec)
+    fn = _mod_bwd_kernels.get(key)
+    if fn is None:
+        with cache._lock:
+            fn = _mod_bwd_kernels.get(key)
+            if fn is None:
+                if not kernels._tvm_ffi():
+                    raise NotImplementedError("mask_mod kernels need apache-tvm-ffi")
+                fn = _mod_bwd_kernels[key] = kernels._ffi_function(
+                    kernels.compile_bwd(dtype, head_dim, False, arch, mask_mod=mask_mod, spec=spec))
+    return fn
+
+
+class MaskModAttention(torch.autograd.Function):
+    """forward() of a mask_mod call (its lists built from the mask_mod where it reads no aux tensor), backward by
+    the backward kernel with the same mask_mod. args: (softmax_scale, arch, mask_mod, aux_tensors); dense, no
+    causal / window / softcap / score_mod (check_call)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, args):
+        softmax_scale, arch, mask_mod, aux_tensors = args
+        from flash_attn.cute.plan import _UNBOUNDED
+
+        out, lse = forward(q, k, v, softmax_scale, False, arch, _UNBOUNDED, _UNBOUNDED, None, mask_mod, aux_tensors)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = args
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        from flash_attn.cute import launch
+
+        q, k, v, out, lse = ctx.saved_tensors
+        softmax_scale, arch, mask_mod, aux_tensors = ctx.args
+        if dout is None:
+            dout = torch.zeros_like(out)
+        elif dout.stride(-1) != 1:
+            dout = dout.contiguous()
+        spec = aux_spec(aux_tensors, q.device)
+        fn = mod_bwd_kernel(q.dtype, q.shape[-1], arch, mask_mod, spec)
+        dq, dk, dv = launch.backward(dout, q, k, v, out, lse, softmax_scale, False, arch, dlse=dlse,
+                                     mod=(fn, tuple(aux_tensors) if spec else None))
+        return dq, dk, dv, None

@@ -189,3 +189,21 @@ class ScoreMods:
                 keep = flag[0]
             if not keep:
                 acc_S[i] = -Float32.inf
+
+    @cute.jit
+    def mask_transposed(self, acc_S, tScS, m_block, n_block, ctx):
+        """The backward's S^T (tScS: (key, query) coordinates; block_q query rows per block m_block, block_n keys
+        per key block n_block): -inf where mask_mod is False."""
+        sl = ctx.seqlens
+        for i in cutlass.range_constexpr(cute.size(acc_S)):
+            row = m_block * self.block_q + tScS[i][1]
+            col = n_block * self.block_n + tScS[i][0]
+            keep = self.mask_mod(self._ssa([ctx.batch], Int32), self._ssa([ctx.head], Int32),
+                                 self._ssa([self._index(row, sl.seqlen_q)], Int32),
+                                 self._ssa([self._index(col, sl.seqlen_k)], Int32), sl, ctx.aux)
+            if cutlass.const_expr(isinstance(keep, cute.TensorSSA)):
+                flag = cute.make_rmem_tensor(1, cutlass.Boolean)
+                flag.store(keep)
+                keep = flag[0]
+            if not keep:
+                acc_S[i] = -Float32.inf
