@@ -540,10 +540,21 @@ def test_mask_mod_gradients_go_to_the_mask_mod_backward_kernel(cute_env, monkeyp
     docs = [torch.zeros(2, 7, dtype=torch.int32)]
     out, lse = interface.flash_attn_func(q, k, v, mask_mod=m.document_mask, aux_tensors=docs, return_lse=True)
     (out.sum() + lse.sum()).backward()
-    assert built == [(torch.bfloat16, 64, "sm_90a", m.document_mask, ((torch.int32, 2),))]
+    assert built == [(torch.bfloat16, 64, "sm_90a", m.document_mask, ((torch.int32, 2),), None)]
     (scale, causal, mod, dlse), = seen
-    assert mod[0] == "kernel" and mod[1][0] is docs[0] and not causal and dlse is not None
+    assert mod[0] == "kernel" and mod[1][0] is docs[0] and mod[2] is None and not causal and dlse is not None
     assert torch.equal(q.grad, torch.ones_like(q)) and torch.equal(v.grad, torch.ones_like(v))
+    # a mask_mod without aux tensors: the backward walks lists built from it (per key block), as the forward
+    lists = []
+    monkeypatch.setattr(mods, "mask_lists_bwd", lambda *a: lists.append(a) or ("lists",))
+    q2, k2, v2 = (t.detach().requires_grad_() for t in (q, k, v))
+    interface.flash_attn_func(q2, k2, v2, mask_mod=m.causal_mask)[0].sum().backward()
+    assert built[-1][-1] is True and seen[-1][2] == ("kernel", None, ("lists",))
+    assert lists[0][:5] == (m.causal_mask, 2, 4, 7, 7) and lists[0][6] == 128
+    cute_env(DISABLE="mask_sparsity")
+    q3 = q.detach().requires_grad_()
+    interface.flash_attn_func(q3, k, v, mask_mod=m.causal_mask)[0].sum().backward()
+    assert built[-1][-1] is None and len(lists) == 1
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -587,8 +598,11 @@ def _grads_reference(q, k, v, dout, keep, dtype):
 @pytest.mark.parametrize("d", [64, 96, 128])
 @pytest.mark.parametrize("mask", ["causal", "window", "document"])
 @pytest.mark.parametrize("Sq, Sk", [(256, 256), (300, 517)])
-def test_mask_mod_gradients_match_the_reference(cute_env, d, mask, Sq, Sk):
-    cute_env()
+@pytest.mark.parametrize("lists", [True, False])
+def test_mask_mod_gradients_match_the_reference(cute_env, d, mask, Sq, Sk, lists):
+    """Without aux tensors (causal, window) the forward and backward walk lists built from the mask_mod; with
+    FLASH_ATTN_CUTE_DISABLE=mask_sparsity, or the document mask's aux tensor, every tile."""
+    cute_env(DISABLE=None if lists else "mask_sparsity")
     torch.manual_seed(5)
     B, H, Hk = 2, 4, 2
     q = torch.randn(B, Sq, H, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)

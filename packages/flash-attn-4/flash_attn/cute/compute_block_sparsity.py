@@ -170,11 +170,19 @@ def compute_block_sparsity(tile_m, tile_n, batch_size, num_heads, seqlen_q, seql
     device = torch.device(device)
     if device.type != "cuda":
         raise ValueError(f"compute_block_sparsity runs on a CUDA device, got {device}")
-    spec = mods.aux_spec(aux_tensors, device)
     fast = bool(getattr(mask_mod, "use_fast_sampling", use_fast_sampling))
+    kind = block_kinds(tile_m, tile_n, batch_size, num_heads, seqlen_q, seqlen_k, mask_mod, aux_tensors, device, fast)
+    return pack_kinds(kind, compute_full_blocks)._replace(block_size=(int(tile_m), int(tile_n)))
+
+
+def block_kinds(tile_m, tile_n, batch_size, num_heads, seqlen_q, seqlen_k, mask_mod, aux_tensors, device, fast=False):
+    """The (B, H, M, N) int32 tile classification of mask_mod (0 skipped, 1 partial, 2 full) on the GPU (BlockKinds);
+    arguments as compute_block_sparsity's, checked there."""
+    device = torch.device(device)
+    spec = mods.aux_spec(aux_tensors, device)
     M, N = -(-int(seqlen_q) // int(tile_m)), -(-int(seqlen_k) // int(tile_n))
     kind = torch.zeros(int(batch_size), int(num_heads), M, N, dtype=torch.int32, device=device)
     if kind.numel():
-        fn = _kernel(mask_mod, int(tile_m), int(tile_n), spec, fast)
+        fn = _kernel(mask_mod, int(tile_m), int(tile_n), spec, bool(fast))
         fn(kind, int(seqlen_q), int(seqlen_k), tuple(aux_tensors) if spec else None)
-    return pack_kinds(kind, compute_full_blocks)._replace(block_size=(int(tile_m), int(tile_n)))
+    return kind

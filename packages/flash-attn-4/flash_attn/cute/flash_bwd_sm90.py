@@ -72,6 +72,7 @@ from flash_attn.cute.mask import AttentionMask
 from flash_attn.cute.score_mod import ScoreMods
 from flash_attn.cute.seqlen_info import BwdSeqlens
 from flash_attn.cute.softmax_exp import EXP2_POLY, emulated_columns, exp2_poly
+from flash_attn.cute.sparse_tiles import SparseTiles
 from flash_attn.cute.tile_scheduler import lpt_tile
 
 LOG2_E = math.log2(math.e)
@@ -91,7 +92,7 @@ class FlashBwdSm90(BwdEntries):
 
     def __init__(self, dtype, head_dim, causal, block_m=64, block_n=128, num_stages=2, dq_split=True,
                  dq_tma=False, overlap=False, lpt=0, exp2_emu=0, exp2_emu_degree=3, local=False,
-                 varlen=False, deterministic=False, softcap=False, mask_mod=None, aux=False):
+                 varlen=False, deterministic=False, softcap=False, mask_mod=None, aux=False, sparse=None):
         """head_dim: 64, 96 or 128 (HEAD_DIMS), of q, k and v alike.
         block_m: query rows per step, 64 or (head dim 64 only) 128, see the module docstring.
         local: a sliding window (sizes >= 0 per call, call_general; causal windows have right = 0), every block
@@ -104,7 +105,9 @@ class FlashBwdSm90(BwdEntries):
         rounding dS^T gets anyway); BLOCK_M 64 (its registers).
         mask_mod / aux: FA4's mask_mod (score_mod.ScoreMods' convention, compile-time) and whether it reads aux
         tensors: -inf in S^T where it is False, on every query block (entry call_mods; dense, no window or
-        softcap).
+        softcap). sparse: block sparsity with a mask_mod, None or has_full: per key block the lists of partial (the
+        mask_mod runs on them) and full query blocks (sparse_tiles, rows indexed by the key block, block_m x block_n
+        tiles); a CTA walks list positions, mapped to query blocks by the producer's loads and the consumers.
         dq_split: the two warpgroups compute one dQ tile together, each its half of D (block_m 128: its
         64 query rows) over all BLOCK_N keys (a barrier of both per query block, since each reads the
         other's dS); else each computes
@@ -188,6 +191,11 @@ class FlashBwdSm90(BwdEntries):
             if varlen or local or softcap or deterministic:
                 raise ValueError("mask_mod: the dense backward without window, softcap or determinism")
             self.mods = ScoreMods(None, mask_mod, aux, block_m, block_n)
+        self.sparse = None
+        if sparse is not None:
+            if self.mods is None:
+                raise ValueError("sparse: with a mask_mod only")
+            self.sparse = SparseTiles(sparse, 1, 1)
         if self.softcap and self.wide:
             raise ValueError("softcap needs block_m 64 (the tanh derivative's registers)")
         if self.deterministic and (self.dq_tma or not self.dq_split or self.lpt or self.local):
@@ -219,7 +227,7 @@ class FlashBwdSm90(BwdEntries):
 
     @cute.jit
     def _host(self, mQ, mK, mV, mdO, mLSE2, mDelta, mdQaccum, mdK, mdV, softmax_scale, stream, window, seqs, sem,
-              softcap=None, aux=None):
+              softcap=None, aux=None, sparse=None):
         # (B, S, H, D) -> (S, D, H, B): the first two modes are the tile, the others index the CTA.
         (mQ, mK, mV, mdO, mdQaccum, mdK, mdV), (mLSE2, mDelta) = self.seqlens.views(
             (mQ, mK, mV, mdO, mdQaccum, mdK, mdV), (mLSE2, mDelta))
@@ -319,7 +327,7 @@ class FlashBwdSm90(BwdEntries):
                     softmax_scale, cute.size(mQ, mode=[0]), sQ_layout, sdO_layout, sK_layout, sV_layout,
                     sdS_layout, sdQ_layout, sLSE_layout, tiled_mma_sdp, tiled_mma_dv, tiled_mma_dk,
                     tiled_mma_dq, *(window if cutlass.const_expr(self.local) else (None, None)), *tile_seqs, sem, *cap,
-                    aux).launch(
+                    aux, sparse).launch(
             grid=grid, block=(self.num_threads, 1, 1), stream=stream,
             # .minnctapersm 1 pins the register count at entry (65536 / 384 threads); without it ptxas
             # may ignore setmaxnreg (C7508) and cap the consumers at 168 registers.
@@ -338,7 +346,7 @@ class FlashBwdSm90(BwdEntries):
                sdS_layout: cute.ComposedLayout, sdQ_layout: cute.ComposedLayout, sLSE_layout: cute.Layout,
                tiled_mma_sdp: cute.TiledMma, tiled_mma_dv: cute.TiledMma, tiled_mma_dk: cute.TiledMma,
                tiled_mma_dq: cute.TiledMma, window_left, window_right, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ,
-               mSeqUsedK, mSem, score_scale, cap_log2, aux):
+               mSeqUsedK, mSem, score_scale, cap_log2, aux, sparse):
         if cutlass.const_expr(self.lpt > 0):
             lin, _, _ = cute.arch.block_idx()
             n_block, head, batch = lpt_tile(lin, cute.ceil_div(cute.size(mK, mode=[0]), self.block_n),
@@ -349,7 +357,7 @@ class FlashBwdSm90(BwdEntries):
         cta = (tma_q, mQ, tma_k, mK, tma_v, mV, tma_do, mdO, tma_lse, mLSE2, tma_delta, mDelta, mdQaccum, tma_dq,
                mdQ_tma, mdK, mdV, scale_log2, softmax_scale, sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout,
                sdQ_layout, sLSE_layout, tiled_mma_sdp, tiled_mma_dv, tiled_mma_dk, tiled_mma_dq, window_left,
-               window_right, n_block, head, tile, mSem, (score_scale, cap_log2), aux)
+               window_right, n_block, head, tile, mSem, (score_scale, cap_log2), aux, sparse)
         if cutlass.const_expr(self.varlen):
             if n_block * self.block_n < tile.seqlen_k:  # the grid covers the longest sequence's keys
                 self._cta(*cta)
@@ -360,7 +368,7 @@ class FlashBwdSm90(BwdEntries):
     def _cta(self, tma_q, mQ, tma_k, mK, tma_v, mV, tma_do, mdO, tma_lse, mLSE2, tma_delta, mDelta, mdQaccum,
              tma_dq, mdQ_tma, mdK, mdV, scale_log2, softmax_scale, sQ_layout, sdO_layout, sK_layout, sV_layout,
              sdS_layout, sdQ_layout, sLSE_layout, tiled_mma_sdp, tiled_mma_dv, tiled_mma_dk, tiled_mma_dq,
-             window_left, window_right, n_block, head, tile, mSem, cap, aux=None):
+             window_left, window_right, n_block, head, tile, mSem, cap, aux=None, sparse=None):
         """One CTA's key block ``n_block`` of head ``head`` of the sequence ``tile`` (seqlen_info.TileSeqlens)."""
         dt, BM, BN, stages = self.dtype, self.block_m, self.block_n, self.num_stages
         seqlen_q, seqlen_k = tile.seqlen_q, tile.seqlen_k
@@ -413,6 +421,10 @@ class FlashBwdSm90(BwdEntries):
 
         # the query blocks that see this key block
         m_block_min, m_block_max = self.mask.m_block_range(n_block, seqlen_q, seqlen_k, window_left, window_right)
+        tiles = None  # block sparsity: the CTA walks the positions of its key block's lists (sparse_tiles)
+        if cutlass.const_expr(self.sparse is not None):
+            tiles = self.sparse.tile(sparse, tile.batch, head, n_block)
+            m_block_min, m_block_max = Int32(0), tiles.count
 
         if warp_idx < 4:
             # Producer warpgroup: only TMA issue, so it hands its registers to the consumers.
@@ -420,7 +432,7 @@ class FlashBwdSm90(BwdEntries):
             if tidx == 0:
                 self._produce(tma_q, mQ, tma_k, mK, tma_v, mV, tma_do, mdO, tma_lse, mLSE2, tma_delta, mDelta,
                               sQ, sK, sV, sdO, sLSE, sDelta, kv_pipe, q_pipe, do_pipe, n_block, head, head_kv,
-                              tile, m_block_min, m_block_max)
+                              tile, m_block_min, m_block_max, tiles)
         else:
             cute.arch.setmaxregister_increase(self.CONSUMER_REGS)
             self._consume(mdQaccum, tma_dq, mdQ_tma, sdQ, mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE, sDelta, kv_pipe,
@@ -428,12 +440,13 @@ class FlashBwdSm90(BwdEntries):
                           softmax_scale, tidx - self.NUM_PRODUCER_THREADS, n_block, head, tile, seqlen_q, seqlen_k,
                           m_block_min, m_block_max, (window_left, window_right), mSem, cap,
                           None if cutlass.const_expr(self.mods is None) else self.mods.context(tile, head, aux,
-                                                                                               softmax_scale))
+                                                                                               softmax_scale),
+                          tiles)
 
     @cute.jit
     def _produce(self, tma_q, mQ, tma_k, mK, tma_v, mV, tma_do, mdO, tma_lse, mLSE2, tma_delta, mDelta,
                  sQ, sK, sV, sdO, sLSE, sDelta, kv_pipe, q_pipe, do_pipe, n_block, head, head_kv, tile,
-                 m_block_min, m_block_max):
+                 m_block_min, m_block_max, tiles=None):
         BM, BN, D = self.block_m, self.block_n, self.head_dim
         sl = self.seqlens
         gQ = cute.local_tile(sl.rows(mQ, tile.q_start, head, tile), (BM, D), (None, 0))       # (BM, D, m)
@@ -457,7 +470,9 @@ class FlashBwdSm90(BwdEntries):
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
+        for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):  # (sparse: a position of the lists)
+            if cutlass.const_expr(tiles is not None):
+                m_block = tiles.block(m_block)
             q_pipe.producer_acquire(q_state)
             q_bar = q_pipe.producer_get_barrier(q_state)
             cute.copy(tma_q, tQgQ[None, m_block], tQsQ[None, q_state.index], tma_bar_ptr=q_bar)
@@ -473,7 +488,7 @@ class FlashBwdSm90(BwdEntries):
     def _consume(self, mdQaccum, tma_dq, mdQ_tma, sdQ, mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE, sDelta, kv_pipe,
                  q_pipe, do_pipe, tiled_mma_sdp, tiled_mma_dv, tiled_mma_dk, tiled_mma_dq, scale_log2,
                  softmax_scale, ctid, n_block, head, tile, seqlen_q, seqlen_k, m_block_min, m_block_max, window, mSem,
-                 cap, mods=None):
+                 cap, mods=None, tiles=None):
         dt, D, BM, BN = self.dtype, self.head_dim, self.block_m, self.block_n
         wg = cute.arch.make_warp_uniform(ctid // 128)
         turn = (mSem, n_block, ctid) if cutlass.const_expr(self.deterministic) else None
@@ -559,16 +574,17 @@ class FlashBwdSm90(BwdEntries):
         # empty bulk groups and their waits return at once.
         dq_issuer = cute.arch.make_warp_uniform(ctid // 32) == 0
         if cutlass.const_expr(not self.overlap):
-            for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
+            for pos in cutlass.range(m_block_min, m_block_max, unroll=1):
+                m_block, partial = self._query_block(pos, tiles)
                 self._issue_sdp(q_pipe, do_pipe, q_state, do_state, tiled_mma_sdp, acc_S, acc_dP, tSrK, tSrQ,
                                 tdPrV, tdPrdO)
                 self._p_and_dv(acc_S, tScS, rP, tdVrP, tdVrdOt, acc_dV, tiled_mma_dv, sLSE, scale_log2, m_block,
                                n_block, seqlen_q, seqlen_k, m_block_mask_end, key_tail, do_state.index,
-                               q_state.index, window, cap, rdT, mods)
+                               q_state.index, window, cap, rdT, mods, partial)
                 self._ds_dk_dq(acc_S, acc_dP, tScS, rdS, thr_sdp, sdSt, sDelta, tiled_mma_dk, acc_dK, tdKrdSt,
                                tdKrQt, tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, tma_dq, tQRsdQ, tQRgdQ, dq_issuer,
-                               buf, m_block, m_block_min, wg, q_state.index, do_state.index, rP=rP,
-                               ds_copy=ds_copy, rdT=rdT)
+                               buf, pos, m_block_min, wg, q_state.index, do_state.index, rP=rP,
+                               ds_copy=ds_copy, rdT=rdT, tiles=tiles)
                 warpgroup.wait_group(0)  # dV, dK, dQ done: the Q and dO stages and rP are free
                 q_pipe.consumer_release(q_state)
                 do_pipe.consumer_release(do_state)
@@ -595,7 +611,8 @@ class FlashBwdSm90(BwdEntries):
             ahead_dp = self.head_dim != 128 and not self.wide
             self._issue_sdp(q_pipe, do_pipe, q_state, do_state, tiled_mma_sdp, acc_S, acc_dP, tSrK, tSrQ,
                             tdPrV, tdPrdO, skip_wait=m_block_min >= m_block_max, dp=ahead_dp)
-            for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
+            for pos in cutlass.range(m_block_min, m_block_max, unroll=1):
+                m_block, partial = self._query_block(pos, tiles)
                 if cutlass.const_expr(not ahead_dp):
                     # S^T retired before dP^T is issued: a wait_group(1) after it would leave ptxas unsure
                     # that S^T retired on the loop's back edge, and it serialises every WGMMA (C7514).
@@ -605,11 +622,11 @@ class FlashBwdSm90(BwdEntries):
                 # rP is rewritten here only after the previous block's wait_group, which covered its dV.
                 self._p_and_dv(acc_S, tScS, rP, tdVrP, tdVrdOt, acc_dV, tiled_mma_dv, sLSE, scale_log2, m_block,
                                n_block, seqlen_q, seqlen_k, m_block_mask_end, key_tail, do_state.index,
-                               q_state.index, window, cap, rdT, mods)
+                               q_state.index, window, cap, rdT, mods, partial)
                 self._ds_dk_dq(acc_S, acc_dP, tScS, rdS, thr_sdp, sdSt, sDelta, tiled_mma_dk, acc_dK, tdKrdSt,
                                tdKrQt, tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, tma_dq, tQRsdQ, tQRgdQ, dq_issuer,
-                               buf, m_block, m_block_min, wg, q_state.index, do_state.index, rP=rP,
-                               ds_copy=ds_copy, rdT=rdT)
+                               buf, pos, m_block_min, wg, q_state.index, do_state.index, rP=rP,
+                               ds_copy=ds_copy, rdT=rdT, tiles=tiles)
                 # acc_S and acc_dP are dead: dS^T of this block is in shared memory.
                 if cutlass.const_expr(self.wide):
                     # dV done (dK, dQ may run): the 16-bit P^T is dead before the next S^T takes its 64
@@ -621,7 +638,7 @@ class FlashBwdSm90(BwdEntries):
                 do_next = do_state.clone()
                 do_next.advance()
                 self._issue_sdp(q_pipe, do_pipe, q_next, do_next, tiled_mma_sdp, acc_S, acc_dP, tSrK, tSrQ,
-                                tdPrV, tdPrdO, skip_wait=m_block + 1 >= m_block_max, dp=ahead_dp)
+                                tdPrV, tdPrdO, skip_wait=pos + 1 >= m_block_max, dp=ahead_dp)
                 # Commit groups complete in order: all but the newest (S^T and dP^T of the next block) are
                 # done, i.e. dV, dK and dQ of this block; its stages and rP are free.
                 warpgroup.wait_group(2 if ahead_dp else 1)
@@ -639,10 +656,17 @@ class FlashBwdSm90(BwdEntries):
             cute.arch.barrier(barrier_id=1, number_of_threads=256)
             if dq_issuer:
                 if m_block_max > m_block_min:
-                    self.dq.reduce(tma_dq, tQRsdQ, tQRgdQ, 1 - buf, m_block_max - 1)
+                    self.dq.reduce(tma_dq, tQRsdQ, tQRgdQ, 1 - buf, self._query_block(m_block_max - 1, tiles)[0])
                 cute.arch.cp_async_bulk_wait_group(0)
 
         self._epilogue(mdK, mdV, acc_dK, acc_dV, tdKcdK, softmax_scale, n_block, head, tile, seqlen_k)
+
+    def _query_block(self, pos, tiles):
+        """(query block, partial or None) at walk position ``pos`` (trace time): the position itself, or with block
+        sparsity the listed block and whether it is a partial one."""
+        if cutlass.const_expr(tiles is None):
+            return pos, None
+        return tiles.block(pos), tiles.partial(pos)
 
     @cute.jit
     def _issue_sdp(self, q_pipe, do_pipe, q_state, do_state, tiled_mma_sdp, acc_S, acc_dP, tSrK, tSrQ, tdPrV,
@@ -668,7 +692,8 @@ class FlashBwdSm90(BwdEntries):
 
     @cute.jit
     def _p_and_dv(self, acc_S, tScS, rP, tdVrP, tdVrdOt, acc_dV, tiled_mma_dv, sLSE, scale_log2, m_block, n_block,
-                  seqlen_q, seqlen_k, m_block_mask_end, key_tail, do_stage, q_stage, window, cap, rdT, mods=None):
+                  seqlen_q, seqlen_k, m_block_mask_end, key_tail, do_stage, q_stage, window, cap, rdT, mods=None,
+                  partial=None):
         """Wait for S^T (dP^T may still run), P^T = exp2(S^T scale log2(e) - lse2) in place and in the
         input dtype in rP, and issue dV += P^T dO (one commit group)."""
         if cutlass.const_expr(self.overlap):
@@ -691,7 +716,11 @@ class FlashBwdSm90(BwdEntries):
         if key_tail or m_block < m_block_mask_end:
             self.mask.apply_transposed(acc_S, tScS, m_block, n_block, seqlen_q, seqlen_k, *window)
         if cutlass.const_expr(mods is not None):
-            self.mods.mask_transposed(acc_S, tScS, m_block, n_block, mods)
+            if cutlass.const_expr(partial is None):
+                self.mods.mask_transposed(acc_S, tScS, m_block, n_block, mods)
+            else:
+                if partial:  # (block sparsity: full blocks need no mask_mod)
+                    self.mods.mask_transposed(acc_S, tScS, m_block, n_block, mods)
         if cutlass.const_expr(self.exp2_emu == 0):
             for i in cutlass.range(cute.size(acc_S), unroll_full=True):
                 # +inf lse2 (query past Sq, or a query that sees no key) gives P = 0 exactly.
@@ -714,10 +743,11 @@ class FlashBwdSm90(BwdEntries):
     @cute.jit
     def _ds_dk_dq(self, acc_S, acc_dP, tScS, rdS, thr_sdp, sdSt, sDelta, tiled_mma_dk, acc_dK, tdKrdSt, tdKrQt,
                   tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, tma_dq, tQRsdQ, tQRgdQ, dq_issuer, buf, m_block,
-                  m_block_min, wg, q_stage, do_stage, rP=None, ds_copy=None, rdT=None):
+                  m_block_min, wg, q_stage, do_stage, rP=None, ds_copy=None, rdT=None, tiles=None):
         """Wait for dP^T, dS^T = P^T (dP^T - delta) to shared memory (buffer buf), the dS barrier, and
         issue dK += dS^T Q and dQ = dS K (two commit groups); with dq_tma the previous block's dQ tile
-        reduce-add after the barrier."""
+        reduce-add after the barrier. m_block / m_block_min: the walk's positions (the query blocks themselves
+        without block sparsity; with it, tiles maps them)."""
         warpgroup.wait_group(1)  # dP^T is ready; dV may still run
         if cutlass.const_expr(self.wide):
             # P^T back from the 16-bit copy that dV reads: the fp32 S^T is dead since the conversion,
@@ -758,7 +788,7 @@ class FlashBwdSm90(BwdEntries):
             if cutlass.const_expr(self.dq_tma):
                 # Past the barrier every thread has written and fenced the previous block's dQ tile.
                 if dq_issuer and m_block > m_block_min:
-                    self.dq.reduce(tma_dq, tQRsdQ, tQRgdQ, 1 - buf, m_block - 1)
+                    self.dq.reduce(tma_dq, tQRsdQ, tQRgdQ, 1 - buf, self._query_block(m_block - 1, tiles)[0])
         else:
             cute.arch.barrier(barrier_id=1 + wg, number_of_threads=128)
         if cutlass.const_expr(not self.wide):

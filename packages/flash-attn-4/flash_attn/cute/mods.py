@@ -118,12 +118,7 @@ def compile_fwd_mods(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, loca
     q, o, k, v = qkv(seqlen_q, heads), qkv(seqlen_q, heads), qkv(seqlen_k, heads_kv), qkv(seqlen_k, heads_kv)
     lse = make_fake_tensor(cutlass.Float32, (batch, heads, seqlen_q), (cute.sym_int(), cute.sym_int(), 1),
                            assumed_align=4)
-    lists = None  # block sparsity: (counts (Bs, Hs, M), indices (Bs, Hs, M, N)) per list, any strides
-    if sparse is not None:
-        def ints(rank):
-            return make_fake_tensor(cutlass.Int32, tuple(cute.sym_int() for _ in range(rank)),
-                                    tuple(cute.sym_int() for _ in range(rank)), assumed_align=4)
-        lists = tuple(ints(r) for r in ((3, 4, 3, 4) if sparse[0] else (3, 4)))
+    lists = fake_lists(None if sparse is None else sparse[0])
     return cute.compile(kernel.call_mods, q, k, v, o, lse, *scalars, stream, aux, lists, options=options)
 
 
@@ -141,6 +136,22 @@ def fake_aux(spec):
                                   tuple(cute.sym_int() for _ in range(rank)),
                                   assumed_align=max(1, torch.empty((), dtype=t).element_size()))
                  for t, rank in spec) or None
+
+
+def fake_lists(has_full):
+    """Compile-time stand-ins of block sparsity's lists: (counts (Bs, Hs, M), indices (Bs, Hs, M, N)) per list (the
+    partial one, and the full one when has_full), any strides; None for has_full None (built without)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    if has_full is None:
+        return None
+
+    def ints(rank):
+        return make_fake_tensor(cutlass.Int32, tuple(cute.sym_int() for _ in range(rank)),
+                                tuple(cute.sym_int() for _ in range(rank)), assumed_align=4)
+    return tuple(ints(r) for r in ((3, 4, 3, 4) if has_full else (3, 4)))
 
 
 def mod_kernel(dtype, head_dim, causal, arch, local, varlen, score_mod, mask_mod, spec, sparse=None, block_n=None):
@@ -302,11 +313,12 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
 _mod_bwd_kernels: dict[tuple, object] = {}
 
 
-def mod_bwd_kernel(dtype, head_dim, arch, mask_mod, spec):
-    """The mask_mod's backward kernel from memory, else compiled (never on disk, as the forward's)."""
+def mod_bwd_kernel(dtype, head_dim, arch, mask_mod, spec, sparse=None):
+    """The mask_mod's backward kernel from memory, else compiled (never on disk, as the forward's); sparse: None,
+    or has_full of the per-key-block lists it walks."""
     from flash_attn.cute import cache, kernels
 
-    key = (dtype, int(head_dim), arch, mask_mod, spec)
+    key = (dtype, int(head_dim), arch, mask_mod, spec, sparse)
     fn = _mod_bwd_kernels.get(key)
     if fn is None:
         with cache._lock:
@@ -315,8 +327,28 @@ def mod_bwd_kernel(dtype, head_dim, arch, mask_mod, spec):
                 if not kernels._tvm_ffi():
                     raise NotImplementedError("mask_mod kernels need apache-tvm-ffi")
                 fn = _mod_bwd_kernels[key] = kernels._ffi_function(
-                    kernels.compile_bwd(dtype, head_dim, False, arch, mask_mod=mask_mod, spec=spec))
+                    kernels.compile_bwd(dtype, head_dim, False, arch, mask_mod=mask_mod, spec=spec, sparse=sparse))
     return fn
+
+
+_mask_lists_bwd: dict[tuple, tuple] = {}
+
+
+def mask_lists_bwd(mask_mod, B, H, Sq, Sk, block_m, block_n, device):
+    """The backward's lists of a mask_mod that reads no aux tensor (as mask_lists, per key block: the partial and full
+    query blocks of block_m x block_n tiles), remembered per (function, shape): (mask_cnt, mask_idx, full_cnt,
+    full_idx) as the kernel takes them."""
+    key = (mask_mod, B, H, Sq, Sk, block_m, block_n, device)
+    lists = _mask_lists_bwd.get(key)
+    if lists is None:
+        from flash_attn.cute.compute_block_sparsity import block_kinds, pack_kinds
+
+        kind = block_kinds(block_m, block_n, B, H, Sq, Sk, mask_mod, None, device)
+        lists = tuple(pack_kinds(kind.transpose(2, 3).contiguous())[:4])
+        if len(_mask_lists_bwd) >= 64:
+            _mask_lists_bwd.clear()
+        _mask_lists_bwd[key] = lists
+    return lists
 
 
 class MaskModAttention(torch.autograd.Function):
@@ -337,7 +369,7 @@ class MaskModAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        from flash_attn.cute import launch
+        from flash_attn.cute import kernels, launch, settings
 
         q, k, v, out, lse = ctx.saved_tensors
         softmax_scale, arch, mask_mod, aux_tensors = ctx.args
@@ -346,7 +378,11 @@ class MaskModAttention(torch.autograd.Function):
         elif dout.stride(-1) != 1:
             dout = dout.contiguous()
         spec = aux_spec(aux_tensors, q.device)
-        fn = mod_bwd_kernel(q.dtype, q.shape[-1], arch, mask_mod, spec)
+        lists = None  # the forward's rule: lists where the mask_mod reads no aux tensor (mask_lists)
+        if not spec and not settings.disabled("mask_sparsity") and q.shape[1] and k.shape[1]:
+            block_m = kernels.bwd_config(q.dtype, q.shape[-1], False, arch).block_m
+            lists = mask_lists_bwd(mask_mod, q.shape[0], q.shape[2], q.shape[1], k.shape[1], block_m, 128, q.device)
+        fn = mod_bwd_kernel(q.dtype, q.shape[-1], arch, mask_mod, spec, None if lists is None else True)
         dq, dk, dv = launch.backward(dout, q, k, v, out, lse, softmax_scale, False, arch, dlse=dlse,
-                                     mod=(fn, tuple(aux_tensors) if spec else None))
+                                     mod=(fn, tuple(aux_tensors) if spec else None, lists))
         return dq, dk, dv, None
