@@ -189,15 +189,17 @@ def test_api_refuses_what_is_not_served(defaults, monkeypatch):
     monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")
     q, k, v = _qkv()
     t = _lists(1, 1, 1, 1, torch.ones(1, 1, 1, 1, dtype=torch.bool))
-    with pytest.raises(NotImplementedError, match="block_sparse_tensors_bwd"):
-        interface.flash_attn_func(q, k, v, block_sparse_tensors=t, block_sparse_tensors_bwd=t)
+    with pytest.raises(ValueError, match="without block_sparse_tensors"):
+        interface.flash_attn_func(q, k, v, block_sparse_tensors_bwd=t)
     with pytest.raises(NotImplementedError, match="block_sparse_tensors"):
         cu = torch.tensor([0, 7, 14], dtype=torch.int32)
         interface.flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_seqlens_q=cu,
                                          cu_seqlens_k=cu, block_sparse_tensors=t)
     q.requires_grad_(True)
-    with pytest.raises(NotImplementedError, match="block sparsity"):
+    with pytest.raises(ValueError, match="needs block_sparse_tensors_bwd"):
         interface.flash_attn_func(q, k, v, block_sparse_tensors=t)
+    with pytest.raises(NotImplementedError, match="causal"):
+        interface.flash_attn_func(q, k, v, block_sparse_tensors=t, block_sparse_tensors_bwd=t, causal=True)
     with pytest.raises(NotImplementedError, match="softcap"):
         interface.flash_attn_func(q.detach(), k, v, block_sparse_tensors=t, softcap=5.0)
 
@@ -549,7 +551,7 @@ def test_mask_mod_gradients_go_to_the_mask_mod_backward_kernel(cute_env, monkeyp
     monkeypatch.setattr(mods, "mask_lists_bwd", lambda *a: lists.append(a) or ("lists",))
     q2, k2, v2 = (t.detach().requires_grad_() for t in (q, k, v))
     interface.flash_attn_func(q2, k2, v2, mask_mod=m.causal_mask)[0].sum().backward()
-    assert built[-1][-1] is True and seen[-1][2] == ("kernel", None, ("lists",))
+    assert built[-1][-1] == (True, 1, 1) and seen[-1][2] == ("kernel", None, ("lists",))
     assert lists[0][:5] == (m.causal_mask, 2, 4, 7, 7) and lists[0][6] == 128
     cute_env(DISABLE="mask_sparsity")
     q3 = q.detach().requires_grad_()
@@ -559,8 +561,6 @@ def test_mask_mod_gradients_go_to_the_mask_mod_backward_kernel(cute_env, monkeyp
 
 @pytest.mark.parametrize("kw, match", [
     (dict(score_mod=m.rel_bias), "backward of score_mod"),
-    (dict(mask_mod=m.causal_mask, block_sparse_tensors=_lists(1, 1, 1, 1, torch.ones(1, 1, 1, 1, dtype=torch.bool))),
-     "block sparsity"),
     (dict(mask_mod=m.causal_mask, d=256), "head dims"),
 ])
 def test_backwards_not_served_are_refused(cute_env, monkeypatch, kw, match):
@@ -619,6 +619,76 @@ def test_mask_mod_gradients_match_the_reference(cute_env, d, mask, Sq, Sk, lists
         keep = fn_torch(Sq, Sk, "cuda")
     out = interface.flash_attn_func(q, k, v, mask_mod=fn, aux_tensors=aux)[0]
     out.backward(dout)
+    ref, ref_grads = _grads_reference(q, k, v, dout, keep, torch.float32)
+    ref_lp, lp_grads = _grads_reference(q, k, v, dout, keep, torch.bfloat16)
+    for name, got, r, lp in zip("oqkv", (out, q.grad, k.grad, v.grad), (ref, *ref_grads), (ref_lp, *lp_grads)):
+        err = (got.float() - r).abs().max().item()
+        bound = 2 * (lp - r).abs().max().item() + r.abs().max().item() * 2 ** -8
+        assert err <= bound, (name, err, bound)
+
+
+def test_backward_lists_from_a_block_mask(cute_env, monkeypatch):
+    """FlexAttention's BlockMask gives the backward's lists too (per key block its query blocks): normalize_bwd takes
+    them at the backward kernel's tiles (128-row sparse query blocks walk as two 64-row kernel blocks), and a call
+    with both lists and gradients hands them to the backward kernel."""
+    from flash_attn.cute import launch
+
+    fa = pytest.importorskip("torch.nn.attention.flex_attention")
+    bm = fa.create_block_mask(lambda b, h, q, k: q >= k, 1, 1, 300, 300, device="cpu", BLOCK_SIZE=128)
+    tb = bs.from_block_mask_bwd(bm)
+    call = bs.normalize_bwd(tb, 2, 4, 300, 300, 64, 128, CPU)
+    assert (call.q_factor, call.kv_factor, call.block_n) == (1, 2, 64) and call.spec == (True, 1, 2)
+    assert call.tensors[0].shape == (1, 1, 3)  # per key block
+    # the same pairs as the forward's lists, transposed
+    fwd_seen, fwd_partial = bs.visited(bs.from_block_mask(bm), 1, 1, 300, 300, (128, 128))
+    bwd_seen, bwd_partial = bs.visited(tb, 1, 1, 300, 300, (128, 128))
+    assert torch.equal(fwd_seen, bwd_seen.transpose(2, 3)) and torch.equal(fwd_partial, bwd_partial.transpose(2, 3))
+    cute_env()
+    monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")
+    monkeypatch.setattr(mods, "forward", lambda q, k, v, *a: (torch.zeros_like(q),
+                                                               torch.zeros(q.shape[0], q.shape[2], q.shape[1])))
+    built, seen = [], []
+    monkeypatch.setattr(mods, "mod_bwd_kernel", lambda *a: built.append(a) or "kernel")
+    monkeypatch.setattr(launch, "backward", lambda *a, dlse=None, mod=None: seen.append(mod) or
+                        tuple(torch.zeros_like(t) for t in a[1:4]))
+    q = torch.randn(2, 300, 4, 64, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(2, 300, 4, 64, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn_like(k, requires_grad=True)
+    out = interface.flash_attn_func(q, k, v, mask_mod=m.causal_mask, block_sparse_tensors=bs.from_block_mask(bm),
+                                    block_sparse_tensors_bwd=tb)[0]
+    out.sum().backward()
+    assert built[-1][3] is m.causal_mask and built[-1][5][0] is True and len(seen[-1][2]) == 4
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("mask", [None, "window"])
+@pytest.mark.parametrize("block", [(128, 128), (256, 128), (128, 256)])
+def test_block_sparse_gradients_match_the_reference(cute_env, d, mask, block):
+    """Random lists (the forward's per query block, the backward's their transpose, as a BlockMask gives them) with
+    and without a mask_mod: the outputs and gradients of attention over the listed pairs."""
+    from flash_attn.cute.compute_block_sparsity import pack_kinds
+
+    cute_env()
+    torch.manual_seed(6)
+    B, H, Hk, Sq, Sk = 2, 4, 2, 600, 520
+    M, N = -(-Sq // block[0]), -(-Sk // block[1])
+    g = torch.Generator().manual_seed(7)
+    kind = torch.randint(0, 3, (B, H, M, N), generator=g, dtype=torch.int32).cuda()
+    fwd = pack_kinds(kind)._replace(block_size=block)
+    bwd = pack_kinds(kind.transpose(2, 3).contiguous())._replace(block_size=block)
+    q = torch.randn(B, Sq, H, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(B, Sk, Hk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(B, Sk, Hk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dout = torch.randn(B, Sq, H, d, device="cuda", dtype=torch.bfloat16)
+    fn = m.window_mask if mask else None
+    out = interface.flash_attn_func(q, k, v, mask_mod=fn, block_sparse_tensors=fwd, block_sparse_tensors_bwd=bwd)[0]
+    out.backward(dout)
+    seen, partial = bs.visited(fwd, B, H, Sq, Sk, block)
+    keep = seen
+    if mask:
+        keep = seen & (~partial | m.window_mask_torch(Sq, Sk, "cuda"))
     ref, ref_grads = _grads_reference(q, k, v, dout, keep, torch.float32)
     ref_lp, lp_grads = _grads_reference(q, k, v, dout, keep, torch.bfloat16)
     for name, got, r, lp in zip("oqkv", (out, q.grad, k.grad, v.grad), (ref, *ref_grads), (ref_lp, *lp_grads)):

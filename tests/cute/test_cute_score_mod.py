@@ -210,7 +210,7 @@ def test_varlen_passes_the_mods(defaults, monkeypatch):
     (dict(aux_tensors=[torch.zeros(1)]), ValueError, "nothing reads them"),
     (dict(score_mod=m.identity, learnable_sink=torch.zeros(4)), NotImplementedError, "learnable_sink"),
     (dict(score_mod=m.identity, score_mod_bwd=m.identity), NotImplementedError, "score_mod_bwd"),
-    (dict(score_mod=m.identity, block_sparse_tensors_bwd=object()), NotImplementedError, "block_sparse_tensors_bwd"),
+    (dict(score_mod=m.identity, block_sparse_tensors_bwd=object()), ValueError, "without block_sparse_tensors"),
     (dict(score_mod=m.identity, aux_scalars=(1.0,)), NotImplementedError, "aux_scalars"),
     (dict(score_mod=3), ValueError, "CuTeDSL function"),
 ])

@@ -107,10 +107,10 @@ def _check_pair(name, cnt, idx, device):
                          f"got {tuple(cnt.shape)} and {tuple(idx.shape)}")
 
 
-def normalize(tensors, B, H, Sq, Sk, block_m, block_n, device):
+def normalize(tensors, B, H, Sq, Sk, block_m, block_n, device, adjust=True):
     """The SparseCall of a call's ``tensors`` (BlockSparseTensorsTorch or a tuple in its field order) for a kernel
     of tiles block_m x block_n (block_n: the kernel's own; a smaller one where the sparse key block needs it,
-    kernel_block_n). Raises ValueError naming the field for inconsistent
+    kernel_block_n, unless ``adjust`` is False). Raises ValueError naming the field for inconsistent
     shapes, dtypes or devices, NotImplementedError for what the kernels do not take (varlen lists, backward
     ordering)."""
     if not isinstance(tensors, BlockSparseTensorsTorch):
@@ -125,7 +125,8 @@ def normalize(tensors, B, H, Sq, Sk, block_m, block_n, device):
     _check_pair("mask", tensors.mask_block_cnt, tensors.mask_block_idx, device)
     _check_pair("full", tensors.full_block_cnt, tensors.full_block_idx, device)
     bq, bk = sparse_block_size(tensors, Sq, block_m)
-    block_n = kernel_block_n(bk, block_n)
+    if adjust:
+        block_n = kernel_block_n(bk, block_n)
     bk = block_n if bk is None else bk
     if bq % block_m:
         raise ValueError(f"block_sparse_tensors: query block size {bq} must be a multiple of {block_m} (the kernel's "
@@ -163,6 +164,21 @@ def normalize(tensors, B, H, Sq, Sk, block_m, block_n, device):
     return SparseCall(tuple(ts), block_n, bq // block_m, bk // block_n)
 
 
+def normalize_bwd(tensors, B, H, Sq, Sk, block_m, block_n, device):
+    """The SparseCall of a call's ``block_sparse_tensors_bwd`` for the backward kernel's block_m x block_n tiles: per
+    (batch, head, sparse key block) the partial and full query blocks (FlexAttention's q_num_blocks / q_indices),
+    ``block_size`` still (q, kv). Its factors: q_factor the sparse key block in kernel key blocks (the lists' rows),
+    kv_factor the sparse query block in kernel query blocks (the walk). Raises as normalize (the names in its
+    messages: M counts the key blocks here)."""
+    if not isinstance(tensors, BlockSparseTensorsTorch):
+        if not isinstance(tensors, tuple) or len(tensors) < 2:
+            raise ValueError("block_sparse_tensors_bwd must be a BlockSparseTensorsTorch (or a tuple in its field order)")
+        tensors = BlockSparseTensorsTorch(*tensors)
+    if tensors.block_size is not None:  # the lists' rows are key blocks: (kv, q) for normalize's (rows, entries)
+        tensors = tensors._replace(block_size=(tensors.block_size[1], tensors.block_size[0]))
+    return normalize(tensors, B, H, Sk, Sq, block_n, block_m, device, adjust=False)
+
+
 def from_block_mask(block_mask):
     """BlockSparseTensorsTorch of FlexAttention's ``BlockMask`` (torch.nn.attention.flex_attention.create_block_mask):
     its partial (kv_num_blocks / kv_indices) and full (full_kv_num_blocks / full_kv_indices) lists and its
@@ -171,6 +187,15 @@ def from_block_mask(block_mask):
     del seq_q, seq_k
     bs = block_mask.BLOCK_SIZE
     return BlockSparseTensorsTorch(mask_block_cnt=kv_num, mask_block_idx=kv_idx, full_block_cnt=full_num,
+                                   full_block_idx=full_idx, block_size=(int(bs[0]), int(bs[1])))
+
+
+def from_block_mask_bwd(block_mask):
+    """The backward's BlockSparseTensorsTorch (``block_sparse_tensors_bwd``) of FlexAttention's ``BlockMask``: per key
+    block its partial (q_num_blocks / q_indices) and full (full_q_num_blocks / full_q_indices) query blocks."""
+    q_num, q_idx, full_num, full_idx = block_mask.as_tuple()[6:10]
+    bs = block_mask.BLOCK_SIZE
+    return BlockSparseTensorsTorch(mask_block_cnt=q_num, mask_block_idx=q_idx, full_block_cnt=full_num,
                                    full_block_idx=full_idx, block_size=(int(bs[0]), int(bs[1])))
 
 

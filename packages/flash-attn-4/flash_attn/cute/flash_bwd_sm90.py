@@ -105,9 +105,10 @@ class FlashBwdSm90(BwdEntries):
         rounding dS^T gets anyway); BLOCK_M 64 (its registers).
         mask_mod / aux: FA4's mask_mod (score_mod.ScoreMods' convention, compile-time) and whether it reads aux
         tensors: -inf in S^T where it is False, on every query block (entry call_mods; dense, no window or
-        softcap). sparse: block sparsity with a mask_mod, None or has_full: per key block the lists of partial (the
-        mask_mod runs on them) and full query blocks (sparse_tiles, rows indexed by the key block, block_m x block_n
-        tiles); a CTA walks list positions, mapped to query blocks by the producer's loads and the consumers.
+        softcap). sparse: block sparsity, None or (has_full, row factor, walk factor): per sparse key block (row factor
+        kernel key blocks) the lists of partial (the mask_mod runs on them) and full sparse query blocks (walk factor
+        kernel query blocks each) (sparse_tiles.SparseTiles); a CTA walks list positions, mapped to query blocks by
+        the producer's loads and the consumers.
         dq_split: the two warpgroups compute one dQ tile together, each its half of D (block_m 128: its
         64 query rows) over all BLOCK_N keys (a barrier of both per query block, since each reads the
         other's dS); else each computes
@@ -193,9 +194,9 @@ class FlashBwdSm90(BwdEntries):
             self.mods = ScoreMods(None, mask_mod, aux, block_m, block_n)
         self.sparse = None
         if sparse is not None:
-            if self.mods is None:
-                raise ValueError("sparse: with a mask_mod only")
-            self.sparse = SparseTiles(sparse, 1, 1)
+            if varlen or local or softcap or deterministic:
+                raise ValueError("sparse: the dense backward without window, softcap or determinism")
+            self.sparse = SparseTiles(*sparse)
         if self.softcap and self.wide:
             raise ValueError("softcap needs block_m 64 (the tanh derivative's registers)")
         if self.deterministic and (self.dq_tma or not self.dq_split or self.lpt or self.local):

@@ -370,8 +370,9 @@ def compile_bwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=Fal
     softmax_scale, softcap, window_left, window_right)`` (``backward_varlen``). ``deterministic``: call_deterministic
     (``..., dv, counters, softmax_scale, softcap``) / call_varlen_deterministic, the turn counters (B, H, query
     blocks) int32 after the other tensors. ``mask_mod`` (dense, no window or softcap): call_mods, ``(..., dv,
-    softmax_scale, aux, lists)`` with aux tensors of kinds ``spec`` and, with ``sparse`` (has_full), the per-key-block
-    lists of query blocks (mods.py; never on disk: mods.mod_bwd_kernel)."""
+    softmax_scale, aux, lists)`` with aux tensors of kinds ``spec`` and, with ``sparse`` ((has_full, row factor, walk
+    factor); with or without a mask_mod), the per-key-block lists of query blocks (mods.py; never on disk:
+    mods.mod_bwd_kernel)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_tensor
@@ -423,11 +424,11 @@ def compile_bwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=Fal
     if local or softcap:
         return cute.compile(kernel.call_general, *tensors, cutlass.Float32(1.0), cutlass.Float32(0.0),
                             cutlass.Int32(0), cutlass.Int32(0), stream, options=options)
-    if mask_mod is not None:
+    if mask_mod is not None or sparse is not None:
         from flash_attn.cute import mods
 
         return cute.compile(kernel.call_mods, *tensors, cutlass.Float32(1.0), stream, mods.fake_aux(spec),
-                            mods.fake_lists(sparse), options=options)
+                            mods.fake_lists(None if sparse is None else sparse[0]), options=options)
     return cute.compile(kernel, *tensors, cutlass.Float32(1.0), stream, options=options)
 
 

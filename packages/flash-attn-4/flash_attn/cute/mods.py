@@ -60,7 +60,8 @@ def mod_block_n(head_dim, local):
 
 
 MOD_BLOCK_M = 128  # the mod kernels' query tile (two consumer warpgroups, mod_config)
-BWD_HEAD_DIMS = (64, 96, 128)  # flash_bwd_sm90.FlashBwdSm90.HEAD_DIMS (kept here: checking a call imports no CuTeDSL)
+BWD_HEAD_DIMS = (64, 96, 128)
+BWD_BLOCK_N = 128  # the backward kernel's key block (FlashBwdSm90: 64 per consumer warpgroup)  # flash_bwd_sm90.FlashBwdSm90.HEAD_DIMS (kept here: checking a call imports no CuTeDSL)
 
 
 def mod_key(dtype, head_dim, causal, arch, local, varlen, score_mod, mask_mod, spec, sparse=None, block_n=None):
@@ -181,7 +182,7 @@ def requested(score_mod, mask_mod, aux_tensors, block_sparse=None):
 
 
 def check_call(score_mod, mask_mod, aux_tensors, causal, window_left, window_right, softcap, learnable_sink,
-               needs_grad, D, Dv, block_sparse=None):
+               needs_grad, D, Dv, block_sparse=None, block_sparse_bwd=None):
     """Raises for a mod call this package does not serve (NotImplementedError: the backward, ...) or that FA4
     rejects (ValueError). Block sparsity alone (no mod) is a mod call: its kernel is a mod kernel."""
     from flash_attn.cute.plan import _UNBOUNDED
@@ -191,14 +192,21 @@ def check_call(score_mod, mask_mod, aux_tensors, causal, window_left, window_rig
     for name, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)):
         if fn is not None and not callable(fn):
             raise ValueError(f"{name} must be a CuTeDSL function (@cute.jit), got {type(fn).__name__}")
+    if block_sparse_bwd is not None and block_sparse is None:
+        raise ValueError("block_sparse_tensors_bwd without block_sparse_tensors: give the forward's lists too")
     if needs_grad:
-        if score_mod is not None or block_sparse is not None or mask_mod is None:
-            raise NotImplementedError("flash_attn.cute: the backward of score_mod / block sparsity is not implemented "
-                                      "yet (the forward is; a mask_mod alone has a backward); call it without "
-                                      "gradients (torch.no_grad() or detached inputs)")
+        if score_mod is not None:
+            raise NotImplementedError("flash_attn.cute: the backward of score_mod is not implemented yet (the forward "
+                                      "is); call it without gradients (torch.no_grad() or detached inputs)")
+        if block_sparse is not None and block_sparse_bwd is None:
+            raise ValueError("block sparsity with gradients needs block_sparse_tensors_bwd as well (FA4's: per key "
+                             "block the query blocks, e.g. block_sparsity.from_block_mask_bwd of the BlockMask)")
+        if causal or window_left < _UNBOUNDED or window_right < _UNBOUNDED:
+            raise NotImplementedError("flash_attn.cute: the backward of block sparsity with causal=True or a "
+                                      "window_size is not implemented yet (a mask_mod can hold the condition)")
         if D != Dv or D not in BWD_HEAD_DIMS:
-            raise NotImplementedError(f"flash_attn.cute: the backward of a mask_mod takes head dims {BWD_HEAD_DIMS} "
-                                      f"(the backward kernel's), got {D} / {Dv}")
+            raise NotImplementedError(f"flash_attn.cute: the backward of a mask_mod / block sparsity takes head dims "
+                                      f"{BWD_HEAD_DIMS} (the backward kernel's), got {D} / {Dv}")
     if softcap and score_mod is not None:
         raise ValueError("softcap and score_mod cannot be used together (as in FA4; write the cap into the score_mod)")
     if softcap:
@@ -314,8 +322,8 @@ _mod_bwd_kernels: dict[tuple, object] = {}
 
 
 def mod_bwd_kernel(dtype, head_dim, arch, mask_mod, spec, sparse=None):
-    """The mask_mod's backward kernel from memory, else compiled (never on disk, as the forward's); sparse: None,
-    or has_full of the per-key-block lists it walks."""
+    """The mask_mod's (or block sparsity's) backward kernel from memory, else compiled (never on disk, as the
+    forward's); sparse: None, or (has_full, row factor, walk factor) of the per-key-block lists it walks."""
     from flash_attn.cute import cache, kernels
 
     key = (dtype, int(head_dim), arch, mask_mod, spec, sparse)
@@ -352,16 +360,19 @@ def mask_lists_bwd(mask_mod, B, H, Sq, Sk, block_m, block_n, device):
 
 
 class MaskModAttention(torch.autograd.Function):
-    """forward() of a mask_mod call (its lists built from the mask_mod where it reads no aux tensor), backward by
-    the backward kernel with the same mask_mod. args: (softmax_scale, arch, mask_mod, aux_tensors); dense, no
-    causal / window / softcap / score_mod (check_call)."""
+    """forward() of a mask_mod and / or block-sparse call (lists built from a mask_mod that reads no aux tensor when
+    none are given), backward by the backward kernel with the same mask_mod, walking the backward's lists (the
+    caller's block_sparse_tensors_bwd, or built from the mask_mod as the forward's). args: (softmax_scale, arch,
+    mask_mod, aux_tensors, block_sparse, block_sparse_bwd); dense, no causal / window / softcap / score_mod
+    (check_call)."""
 
     @staticmethod
     def forward(ctx, q, k, v, args):
-        softmax_scale, arch, mask_mod, aux_tensors = args
+        softmax_scale, arch, mask_mod, aux_tensors, block_sparse, _ = args
         from flash_attn.cute.plan import _UNBOUNDED
 
-        out, lse = forward(q, k, v, softmax_scale, False, arch, _UNBOUNDED, _UNBOUNDED, None, mask_mod, aux_tensors)
+        out, lse = forward(q, k, v, softmax_scale, False, arch, _UNBOUNDED, _UNBOUNDED, None, mask_mod, aux_tensors,
+                           block_sparse)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = args
         ctx.set_materialize_grads(False)
@@ -369,20 +380,27 @@ class MaskModAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        from flash_attn.cute import kernels, launch, settings
+        from flash_attn.cute import block_sparsity, kernels, launch, settings
 
         q, k, v, out, lse = ctx.saved_tensors
-        softmax_scale, arch, mask_mod, aux_tensors = ctx.args
+        softmax_scale, arch, mask_mod, aux_tensors, _, block_sparse_bwd = ctx.args
         if dout is None:
             dout = torch.zeros_like(out)
         elif dout.stride(-1) != 1:
             dout = dout.contiguous()
         spec = aux_spec(aux_tensors, q.device)
-        lists = None  # the forward's rule: lists where the mask_mod reads no aux tensor (mask_lists)
-        if not spec and not settings.disabled("mask_sparsity") and q.shape[1] and k.shape[1]:
-            block_m = kernels.bwd_config(q.dtype, q.shape[-1], False, arch).block_m
-            lists = mask_lists_bwd(mask_mod, q.shape[0], q.shape[2], q.shape[1], k.shape[1], block_m, 128, q.device)
-        fn = mod_bwd_kernel(q.dtype, q.shape[-1], arch, mask_mod, spec, None if lists is None else True)
+        B, Sq, H, D = q.shape
+        Sk = k.shape[1]
+        block_m = kernels.bwd_config(q.dtype, D, False, arch).block_m
+        lists = sparse = None
+        if block_sparse_bwd is not None and Sq and Sk:
+            call = block_sparsity.normalize_bwd(block_sparse_bwd, B, H, Sq, Sk, block_m, BWD_BLOCK_N, q.device)
+            lists, sparse = call.tensors, call.spec
+        elif (mask_mod is not None and not spec and not settings.disabled("mask_sparsity") and Sq and Sk):
+            # the forward's rule: lists where the mask_mod reads no aux tensor (mask_lists)
+            lists = mask_lists_bwd(mask_mod, B, H, Sq, Sk, block_m, BWD_BLOCK_N, q.device)
+            sparse = (True, 1, 1)
+        fn = mod_bwd_kernel(q.dtype, D, arch, mask_mod, spec, sparse)
         dq, dk, dv = launch.backward(dout, q, k, v, out, lse, softmax_scale, False, arch, dlse=dlse,
                                      mod=(fn, tuple(aux_tensors) if spec else None, lists))
         return dq, dk, dv, None
