@@ -1,11 +1,14 @@
 """flash_attn.cute's score_mod / mask_mod forward against PyTorch's FlexAttention (torch.compile(flex_attention)), both
 given the same block mask (create_block_mask's BlockMask; ours through block_sparsity.from_block_mask) where the case
 masks, and the native kernel where one computes the same thing. bf16, batch x seqlen = 16k tokens, H 16, D 128,
-forward only (the mods' backward is not implemented here yet). do_bench medians in ms; TFLOP/s count the scores the
+the forward (or --backward). do_bench medians in ms; TFLOP/s count the scores the
 mask keeps (4 * B * H * D * kept pairs); the max difference between the two sides' outputs per case (bf16
 rounding: ~1e-2). The block masks are built once per case, outside the timing, for both sides.
 
-    python -m benchmarks.attention.bench_flex [--seqlens 1024,4096,8192] [--cases none,rel_bias,...]
+    python -m benchmarks.attention.bench_flex [--seqlens 1024,4096,8192] [--cases none,rel_bias,...] [--backward]
+
+--backward: forward + backward (a fixed dO) of the cases this package has a backward for (no mod, the mask cases:
+ours with the BlockMask's forward and backward lists), TFLOP/s counting 2.5x the forward's work.
 
 Cases: none (no mod: the plain kernels), rel_bias (score + 0.01 * (kv - q)), alibi (score - slope[h] * |q - kv|,
 slopes an aux tensor), causal (a mask_mod), window (causal sliding window of 1024 keys), prefix (prefix-LM: causal,
@@ -84,6 +87,16 @@ def _flex_fns(slopes, docs):
     }
 
 
+def _with_backward(fn, dout):
+    """fn's forward and a backward of dout through it (None for None)."""
+    if fn is None:
+        return None
+
+    def step():
+        fn().backward(dout)
+    return step
+
+
 def _kept(mask_fn, B, S, device):
     """The share of (query, key) pairs mask_fn keeps, over the batch (1.0 without a mask); rows in chunks."""
     import torch
@@ -107,6 +120,7 @@ def main(argv=None):
     ap.add_argument("--headdim", type=int, default=128)
     ap.add_argument("--warmup", type=int, default=25)
     ap.add_argument("--rep", type=int, default=100)
+    ap.add_argument("--backward", action="store_true", help="time forward + backward")
     args = ap.parse_args(argv)
     cases = [c for c in args.cases.split(",") if c]
     for c in cases:
@@ -134,6 +148,8 @@ def main(argv=None):
         g = torch.Generator(device="cuda").manual_seed(S)
         q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
         qf, kf, vf = (t.transpose(1, 2).contiguous() for t in (q, k, v))  # FlexAttention's (B, H, S, D)
+        dout = torch.randn_like(q)
+        dout_f = dout.transpose(1, 2).contiguous()
         slopes = torch.rand(H, device="cuda", generator=g) * 0.1
         n_docs = torch.randint(4, 17, (B,), generator=torch.Generator().manual_seed(S))
         docs = torch.stack([torch.sort(torch.randint(0, int(n), (S,), device="cuda")).values for n in n_docs])
@@ -148,8 +164,10 @@ def main(argv=None):
             flex = torch.compile(flex_attention, dynamic=False)
             aux = [slopes] if "alibi" in case else [docs] if case == "document" else None
             flex_mod, flex_mask = flex_fns.get(case, (None, None))
+            if args.backward and flex_mod is not None:
+                continue  # (no score_mod backward here yet)
             kept = _kept(flex_mask, B, S, q.device)
-            flops = 4 * B * S * S * H * D * kept
+            flops = 4 * B * S * S * H * D * kept * (3.5 if args.backward else 1.0)
             if case == "none":
                 ours = lambda: cute.flash_attn_func(q, k, v)[0]  # noqa: E731
                 theirs = lambda: flex(qf, kf, vf)  # noqa: E731
@@ -159,16 +177,34 @@ def main(argv=None):
                 if flex_mask is not None:
                     block_mask = create_block_mask(flex_mask, B, None, S, S, device="cuda")
                     sparse = block_sparsity.from_block_mask(block_mask)
-                ours = lambda sm=score_mod, mm=mask_mod, a=aux, t=sparse: cute.flash_attn_func(  # noqa: E731
-                    q, k, v, score_mod=sm, mask_mod=mm, aux_tensors=a, block_sparse_tensors=t)[0]
+                sparse_bwd = None if block_mask is None else block_sparsity.from_block_mask_bwd(block_mask)
+                ours = lambda sm=score_mod, mm=mask_mod, a=aux, t=sparse, tb=sparse_bwd: cute.flash_attn_func(  # noqa
+                    q, k, v, score_mod=sm, mask_mod=mm, aux_tensors=a, block_sparse_tensors=t,
+                    block_sparse_tensors_bwd=tb if q.requires_grad else None)[0]
                 theirs = lambda m=flex_mod, bm=block_mask: flex(qf, kf, vf, score_mod=m, block_mask=bm)  # noqa: E731
             diff = (ours().float() - theirs().transpose(1, 2).float()).abs().max().item()
+            native_fn = None
+            if case in natives:
+                native_fn = lambda kw=natives[case]: cute.flash_attn_func(q, k, v, **kw)[0]  # noqa: E731
+            if args.backward:
+                for t in (q, k, v, qf, kf, vf):
+                    t.requires_grad_(True)
+                ours, theirs, native_fn = (_with_backward(f, d) for f, d in ((ours, dout), (theirs, dout_f),
+                                                                             (native_fn, dout)))
             t_ours = triton.testing.do_bench(ours, warmup=args.warmup, rep=args.rep)
             t_flex = triton.testing.do_bench(theirs, warmup=args.warmup, rep=args.rep)
+            for t in (q, k, v, qf, kf, vf):
+                t.requires_grad_(False)
+                t.grad = None
             native = ""
-            if case in natives:
-                t_native = triton.testing.do_bench(lambda kw=natives[case]: cute.flash_attn_func(q, k, v, **kw)[0],
-                                                   warmup=args.warmup, rep=args.rep)
+            if native_fn is not None:
+                if args.backward:
+                    for t in (q, k, v):
+                        t.requires_grad_(True)
+                t_native = triton.testing.do_bench(native_fn, warmup=args.warmup, rep=args.rep)
+                for t in (q, k, v):
+                    t.requires_grad_(False)
+                    t.grad = None
                 native = f"{t_native:.3f} ({t_ours / t_native:.2f}x)"
             line = (f"| {S} | {case} | {kept:.3f} | {t_ours:.3f} ({flops / t_ours / 1e9:.0f}) | {t_flex:.3f} "
                     f"({flops / t_flex / 1e9:.0f}) | {t_flex / t_ours:.2f}x | {diff:.3g} | {native} |")
