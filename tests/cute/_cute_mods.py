@@ -31,6 +31,18 @@ def softcap(score, b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
 
 
 @cute.jit
+def scaled(score, b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors, aux_scalars):
+    """score * aux_scalars[0] (a Float32): FA4's aux scalars."""
+    return score * cute.full_like(score, Float32(aux_scalars[0]))
+
+
+@cute.jit
+def scalar_limit_mask(b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors, aux_scalars):
+    """Causal and kv < aux_scalars[0] (an Int32)."""
+    return (kv_idx[0] <= q_idx[0]) & (kv_idx[0] < cutlass.Int32(aux_scalars[0]))
+
+
+@cute.jit
 def alibi_aux(score, b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
     """ALiBi with a slope per query head read from aux_tensors[0] (H,) fp32: score - slope * |q - kv|."""
     slopes = aux_tensors[0]

@@ -239,12 +239,12 @@ def test_signatures_are_fa4s():
     assert list(inspect.signature(interface.flash_attn_varlen_func).parameters) == FA4_VARLEN_PARAMS
 
 
-@pytest.mark.parametrize("name", ["qv", "gather_kv_indices", "score_mod_bwd", "aux_scalars"])
+@pytest.mark.parametrize("name", ["qv", "gather_kv_indices", "score_mod_bwd"])
 @pytest.mark.parametrize("varlen", [False, True])
 def test_unimplemented_fa4_arguments_are_refused(name, varlen):
     lead = (7,) if varlen else (1, 7)
     q = k = v = torch.zeros(*lead, 2, 64, dtype=torch.bfloat16)
-    value = [1.0] if name == "aux_scalars" else (lambda *a: None) if name == "score_mod_bwd" else torch.zeros(1)
+    value = (lambda *a: None) if name == "score_mod_bwd" else torch.zeros(1)
     fn = interface.flash_attn_varlen_func if varlen else interface.flash_attn_func
     with pytest.raises(NotImplementedError, match=f"does not take {name}"):
         fn(q, k, v, **{name: value})

@@ -170,7 +170,7 @@ def test_api_passes_the_tensors_to_the_mod_launch(defaults, monkeypatch):
     seen = []
     monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")
 
-    def dense(q, k, v, scale, causal, arch, wl, wr, score_mod, mask_mod, aux, block_sparse=None):
+    def dense(q, k, v, scale, causal, arch, wl, wr, score_mod, mask_mod, aux, block_sparse=None, aux_scalars=None):
         seen.append((score_mod, mask_mod, block_sparse, causal))
         return torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], q.shape[1])
 
@@ -386,7 +386,7 @@ def test_pack_kinds_orders_and_splits_the_lists():
 
 @pytest.mark.parametrize("kw, err, match", [
     (dict(cu_seqlens_q=torch.zeros(2, dtype=torch.int32)), NotImplementedError, "cu_seqlens_q"),
-    (dict(aux_scalars=(1.0,)), NotImplementedError, "aux_scalars"),
+    (dict(seqused_k=torch.zeros(1, dtype=torch.int32)), NotImplementedError, "seqused_k"),
     (dict(device="cpu"), ValueError, "CUDA device"),
     (dict(mask_mod=3), ValueError, "CuTeDSL function"),
     (dict(tile_m=0), ValueError, "tile_m"),
@@ -469,14 +469,14 @@ def test_mask_mod_calls_get_lists_built_once_per_shape(cute_env, monkeypatch):
     cute_env()
     built, launched = [], []
 
-    def fake_compute(tile_m, tile_n, B, H, Sq, Sk, mask_mod, aux, device):
+    def fake_compute(tile_m, tile_n, B, H, Sq, Sk, mask_mod, aux, device, aux_scalars=None):
         built.append((tile_m, tile_n, B, H, Sq, Sk, mask_mod))
         kind = torch.ones(B, H, -(-Sq // tile_m), -(-Sk // tile_n), dtype=torch.int32)
         return cbs.pack_kinds(kind)._replace(block_size=(tile_m, tile_n))
 
     monkeypatch.setattr(cbs, "compute_block_sparsity", fake_compute)
     monkeypatch.setattr(mods, "_mask_lists", {})
-    monkeypatch.setattr(mods, "mod_kernel", lambda *a: (lambda *args: launched.append((a, args))))
+    monkeypatch.setattr(mods, "mod_kernel", lambda *a, scalars=(): (lambda *args: launched.append((a, args))))
     q = torch.randn(2, 300, 4, 64, dtype=torch.bfloat16)
     k = torch.randn(2, 500, 4, 64, dtype=torch.bfloat16)
     run = lambda mask, aux=None: mods.forward(q, k, k, 0.1, False, "sm_90a", _UNBOUNDED, _UNBOUNDED, None,  # noqa
@@ -484,16 +484,16 @@ def test_mask_mod_calls_get_lists_built_once_per_shape(cute_env, monkeypatch):
     run(m.causal_mask)
     assert built == [(128, 128, 2, 4, 300, 500, m.causal_mask)]
     (key, args), = launched
-    assert key[-2] == (True, 1, 1) and len(args[-1]) == 4  # the sparse kernel and its four lists
+    assert key[-2] == (True, 1, 1) and len(args[-2]) == 4  # the sparse kernel and its four lists
     run(m.causal_mask)
     assert len(built) == 1 and launched[-1][0][-2] == (True, 1, 1)  # remembered
     run(m.window_mask)
     assert len(built) == 2
     run(m.document_mask, [torch.zeros(2, 500, dtype=torch.int32)])  # aux: the lists would depend on its values
-    assert len(built) == 2 and len(launched[-1][0]) == 9 and launched[-1][1][-1] is None
+    assert len(built) == 2 and len(launched[-1][0]) == 9 and launched[-1][1][-2] is None
     cute_env(DISABLE="mask_sparsity")
     run(m.causal_mask)
-    assert len(built) == 2 and launched[-1][1][-1] is None
+    assert len(built) == 2 and launched[-1][1][-2] is None
 
 
 @needs_gpu
@@ -542,7 +542,7 @@ def test_mask_mod_gradients_go_to_the_mask_mod_backward_kernel(cute_env, monkeyp
     docs = [torch.zeros(2, 7, dtype=torch.int32)]
     out, lse = interface.flash_attn_func(q, k, v, mask_mod=m.document_mask, aux_tensors=docs, return_lse=True)
     (out.sum() + lse.sum()).backward()
-    assert built == [(torch.bfloat16, 64, "sm_90a", m.document_mask, ((torch.int32, 2),), None)]
+    assert built == [(torch.bfloat16, 64, "sm_90a", m.document_mask, ((torch.int32, 2),), None, ())]
     (scale, causal, mod, dlse), = seen
     assert mod[0] == "kernel" and mod[1][0] is docs[0] and mod[2] is None and not causal and dlse is not None
     assert torch.equal(q.grad, torch.ones_like(q)) and torch.equal(v.grad, torch.ones_like(v))
@@ -551,12 +551,12 @@ def test_mask_mod_gradients_go_to_the_mask_mod_backward_kernel(cute_env, monkeyp
     monkeypatch.setattr(mods, "mask_lists_bwd", lambda *a: lists.append(a) or ("lists",))
     q2, k2, v2 = (t.detach().requires_grad_() for t in (q, k, v))
     interface.flash_attn_func(q2, k2, v2, mask_mod=m.causal_mask)[0].sum().backward()
-    assert built[-1][-1] == (True, 1, 1) and seen[-1][2] == ("kernel", None, ("lists",))
+    assert built[-1][-2] == (True, 1, 1) and seen[-1][2] == ("kernel", None, ("lists",), None)
     assert lists[0][:5] == (m.causal_mask, 2, 4, 7, 7) and lists[0][6] == 128
     cute_env(DISABLE="mask_sparsity")
     q3 = q.detach().requires_grad_()
     interface.flash_attn_func(q3, k, v, mask_mod=m.causal_mask)[0].sum().backward()
-    assert built[-1][-1] is None and len(lists) == 1
+    assert built[-1][-2] is None and len(lists) == 1
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -695,3 +695,83 @@ def test_block_sparse_gradients_match_the_reference(cute_env, d, mask, block):
         err = (got.float() - r).abs().max().item()
         bound = 2 * (lp - r).abs().max().item() + r.abs().max().item() * 2 ** -8
         assert err <= bound, (name, err, bound)
+
+
+# --- aux_scalars ------------------------------------------------------------------------------------------------
+
+def test_scalar_spec_reads_python_and_cutlass_numbers():
+    import cutlass
+
+    assert mods.scalar_spec(None) == ((), ())
+    assert mods.scalar_spec([3, 0.5, cutlass.Int32(7), cutlass.Float32(2.5)]) == (("i", "f", "i", "f"),
+                                                                                 (3, 0.5, 7, 2.5))
+    with pytest.raises(ValueError, match=r"aux_scalars\[0\]"):
+        mods.scalar_spec([True])
+    with pytest.raises(ValueError, match="list"):
+        mods.scalar_spec(3)
+
+
+def test_kernels_with_aux_scalars_compile(tmp_path):
+    mods.compile_fwd_mods(torch.bfloat16, 128, False, arch="sm_90a", dump_dir=str(tmp_path), score_mod=m.scaled,
+                          mask_mod=m.scalar_limit_mask, sparse=(True, 1, 1), scalars=("f",))
+    ptx, = glob.glob(os.path.join(tmp_path, "**", "*.ptx"), recursive=True)
+    assert "wgmma.mma_async" in open(ptx).read()
+
+
+def test_aux_scalars_reach_the_launch_and_key_the_lists(cute_env, monkeypatch):
+    from flash_attn.cute import compute_block_sparsity as cbs
+    from flash_attn.cute.plan import _UNBOUNDED
+
+    cute_env()
+    built, launched = [], []
+
+    def fake_compute(tile_m, tile_n, B, H, Sq, Sk, mask_mod, aux, device, aux_scalars=None):
+        built.append(aux_scalars)
+        kind = torch.ones(B, H, -(-Sq // tile_m), -(-Sk // tile_n), dtype=torch.int32)
+        return cbs.pack_kinds(kind)._replace(block_size=(tile_m, tile_n))
+
+    monkeypatch.setattr(cbs, "compute_block_sparsity", fake_compute)
+    monkeypatch.setattr(mods, "_mask_lists", {})
+    monkeypatch.setattr(mods, "mod_kernel", lambda *a, scalars=(): (lambda *args: launched.append((scalars, args))))
+    q = torch.randn(1, 256, 2, 64, dtype=torch.bfloat16)
+    for limit in (64, 64, 100):
+        mods.forward(q, q, q, 0.1, False, "sm_90a", _UNBOUNDED, _UNBOUNDED, m.scaled, m.scalar_limit_mask, None,
+                     None, [0.5, limit])
+    assert built == [[0.5, 64], [0.5, 100]]  # the lists depend on the values: one per value
+    assert launched[-1][0] == ("f", "i") and launched[-1][1][-1] == (0.5, 100)
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("limit", [64, 300])
+def test_aux_scalars_match_the_reference(cute_env, limit):
+    import cutlass
+
+    cute_env()
+    torch.manual_seed(8)
+    B, H, S, d = 2, 4, 512, 128
+    q = torch.randn(B, S, H, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(B, S, H, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(B, S, H, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    qi = torch.arange(S, device="cuda")[:, None]
+    ki = torch.arange(S, device="cuda")[None, :]
+    keep = (ki <= qi) & (ki < limit)
+    full = torch.ones(B, H, S, S, dtype=torch.bool, device="cuda")
+    # a score_mod and a mask_mod reading the scalars (forward)
+    with torch.no_grad():
+        out = interface.flash_attn_func(q, k, v, score_mod=m.scaled, mask_mod=m.scalar_limit_mask,
+                                        aux_scalars=[0.5, cutlass.Int32(limit)])[0]
+    scale = d ** -0.5
+    ref = _reference(q, k, v, scale, full, full, score_fn=lambda s, a: s * 0.5, mask_fn=keep)
+    ref_lp = _reference(q, k, v, scale, full, full, score_fn=lambda s, a: s * 0.5, mask_fn=keep, dtype=q.dtype)
+    assert (out.float() - ref).abs().max().item() <= (2 * (ref_lp - ref).abs().max().item()
+                                                       + ref.abs().max().item() * 2 ** -8)
+    # the mask_mod alone, with gradients
+    dout = torch.randn_like(q)
+    out = interface.flash_attn_func(q, k, v, mask_mod=m.scalar_limit_mask, aux_scalars=[limit])[0]
+    out.backward(dout)
+    ref, ref_grads = _grads_reference(q, k, v, dout, keep, torch.float32)
+    ref_lp, lp_grads = _grads_reference(q, k, v, dout, keep, torch.bfloat16)
+    for name, got, r, lp in zip("oqkv", (out, q.grad, k.grad, v.grad), (ref, *ref_grads), (ref_lp, *lp_grads)):
+        err = (got.float() - r).abs().max().item()
+        assert err <= 2 * (lp - r).abs().max().item() + r.abs().max().item() * 2 ** -8, name

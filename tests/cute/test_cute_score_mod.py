@@ -156,15 +156,17 @@ class _ModLaunch:
         monkeypatch.setattr(mods, "forward", self.dense)
         monkeypatch.setattr(mods, "forward_varlen", self.varlen)
 
-    def dense(self, q, k, v, scale, causal, arch, wl, wr, score_mod, mask_mod, aux, block_sparse=None):
+    def dense(self, q, k, v, scale, causal, arch, wl, wr, score_mod, mask_mod, aux, block_sparse=None,
+              aux_scalars=None):
         self.calls.append(dict(kind="dense", scale=scale, causal=causal, window=(wl, wr), score_mod=score_mod,
-                               mask_mod=mask_mod, aux=aux))
+                               mask_mod=mask_mod, aux=aux, scalars=aux_scalars))
         B, Sq, H, _ = q.shape
         return torch.zeros_like(q), torch.zeros(B, H, Sq)
 
-    def varlen(self, q, k, v, cu_q, cu_k, used_k, max_q, scale, causal, arch, wl, wr, score_mod, mask_mod, aux):
+    def varlen(self, q, k, v, cu_q, cu_k, used_k, max_q, scale, causal, arch, wl, wr, score_mod, mask_mod, aux,
+               aux_scalars=None):
         self.calls.append(dict(kind="varlen", scale=scale, causal=causal, max_q=max_q, score_mod=score_mod,
-                               mask_mod=mask_mod, aux=aux))
+                               mask_mod=mask_mod, aux=aux, scalars=aux_scalars))
         return torch.zeros_like(q), torch.zeros(q.shape[1], q.shape[0])
 
 
@@ -211,7 +213,8 @@ def test_varlen_passes_the_mods(defaults, monkeypatch):
     (dict(score_mod=m.identity, learnable_sink=torch.zeros(4)), NotImplementedError, "learnable_sink"),
     (dict(score_mod=m.identity, score_mod_bwd=m.identity), NotImplementedError, "score_mod_bwd"),
     (dict(score_mod=m.identity, block_sparse_tensors_bwd=object()), ValueError, "without block_sparse_tensors"),
-    (dict(score_mod=m.identity, aux_scalars=(1.0,)), NotImplementedError, "aux_scalars"),
+    (dict(score_mod=m.identity, aux_scalars=(1.0,)), ValueError, "aux_scalars without"),
+    (dict(score_mod=m.scaled, aux_scalars=("x",)), ValueError, r"aux_scalars\[0\]"),
     (dict(score_mod=3), ValueError, "CuTeDSL function"),
 ])
 def test_refuses_what_is_not_served(defaults, monkeypatch, kw, err, match):

@@ -65,9 +65,9 @@ class BwdEntries:
     @cute.jit
     def call_mods(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE2: cute.Tensor,
                   mDelta: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
-                  softmax_scale: Float32, stream, aux, sparse):
+                  softmax_scale: Float32, stream, aux, sparse, scalars):
         """Dense, built with a mask_mod (no window, no softcap): aux, the mask_mod's aux tensors (a tuple; None for a
         kernel built without); sparse, the per-key-block lists of query blocks (a tuple; None for a kernel built
-        without)."""
+        without); scalars, the mask_mod's aux scalars (a tuple; None for a kernel built without)."""
         self._host(mQ, mK, mV, mdO, mLSE2, mDelta, mdQaccum, mdK, mdV, softmax_scale, stream, None, None, None,
-                   aux=aux, sparse=sparse)
+                   aux=aux, sparse=sparse, scalars=scalars)

@@ -22,26 +22,29 @@ class BlockKinds:
     """The classifying kernel: grid (query blocks, heads, batch), THREADS threads, thread t classifying key blocks t,
     t + THREADS, ... of its query block into mKind (B, H, M, N) int32: 0 skipped, 1 partial, 2 full."""
 
-    def __init__(self, mask_mod, tile_m, tile_n, has_aux, fast):
+    def __init__(self, mask_mod, tile_m, tile_n, has_aux, fast, scalars=()):
         self.mask_mod = mask_mod
         self.tile_m = int(tile_m)
         self.tile_n = int(tile_n)
         self.has_aux = bool(has_aux)
         self.fast = bool(fast)
+        self.scalars = tuple(scalars)
 
     def _jit(self):
         import cutlass
         import cutlass.cute as cute
         from cutlass import Int32
 
-        from flash_attn.cute.score_mod import ModSeqlens, ScoreMods
+        from flash_attn.cute.score_mod import ModSeqlens, ScoreMods, takes_scalars
 
         kinds = self
         ssa = ScoreMods._ssa
+        with_scalars = takes_scalars(self.mask_mod)
 
         @cute.jit
-        def keep(b, h, q, k, seqlens, aux):
-            res = kinds.mask_mod(ssa([b], Int32), ssa([h], Int32), ssa([q], Int32), ssa([k], Int32), seqlens, aux)
+        def keep(b, h, q, k, seqlens, aux, scalars):
+            res = kinds.mask_mod(ssa([b], Int32), ssa([h], Int32), ssa([q], Int32), ssa([k], Int32), seqlens, aux,
+                                 *((() if scalars is None else scalars,) if cutlass.const_expr(with_scalars) else ()))
             if cutlass.const_expr(isinstance(res, cute.TensorSSA)):
                 flag = cute.make_rmem_tensor(1, cutlass.Boolean)
                 flag.store(res)
@@ -52,7 +55,7 @@ class BlockKinds:
             return n
 
         @cute.kernel
-        def kernel(mKind: cute.Tensor, seqlen_q: Int32, seqlen_k: Int32, aux):
+        def kernel(mKind: cute.Tensor, seqlen_q: Int32, seqlen_k: Int32, aux, scalars):
             tidx, _, _ = cute.arch.thread_idx()
             m, h, b = cute.arch.block_idx()
             seqlens = ModSeqlens(Int32(0), Int32(0), seqlen_q, seqlen_k, False)
@@ -68,12 +71,12 @@ class BlockKinds:
                     for qq, kk in ((0, 0), (0, -1), (-1, 0), (-1, -1), (2, 2)):
                         r = Int32(0) if qq == 0 else (rows - 1 if qq == -1 else (rows - 1) // 2)
                         c = Int32(0) if kk == 0 else (cols - 1 if kk == -1 else (cols - 1) // 2)
-                        kept += keep(b, h, q0 + r, k0 + c, seqlens, aux)
+                        kept += keep(b, h, q0 + r, k0 + c, seqlens, aux, scalars)
                     total = Int32(5)
                 else:
                     for r in cutlass.range(rows, unroll=1):
                         for c in cutlass.range(cols, unroll=1):
-                            kept += keep(b, h, q0 + r, k0 + c, seqlens, aux)
+                            kept += keep(b, h, q0 + r, k0 + c, seqlens, aux, scalars)
                     total = rows * cols
                 kind = Int32(1)
                 if kept == 0:
@@ -83,9 +86,9 @@ class BlockKinds:
                 mKind[b, h, m, j] = kind
 
         @cute.jit
-        def launch(mKind: cute.Tensor, seqlen_q: Int32, seqlen_k: Int32, stream, aux):
+        def launch(mKind: cute.Tensor, seqlen_q: Int32, seqlen_k: Int32, stream, aux, scalars):
             grid = (cute.size(mKind, mode=[2]), cute.size(mKind, mode=[1]), cute.size(mKind, mode=[0]))
-            kernel(mKind, seqlen_q, seqlen_k, aux).launch(grid=grid, block=(THREADS, 1, 1), stream=stream)
+            kernel(mKind, seqlen_q, seqlen_k, aux, scalars).launch(grid=grid, block=(THREADS, 1, 1), stream=stream)
 
         return launch
 
@@ -105,13 +108,14 @@ class BlockKinds:
         if dump_dir is not None:
             options += f" --keep-ptx --keep-cubin --dump-dir {dump_dir}"
         stream = cutlass.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi)
-        return cute.compile(self._jit(), kind, cutlass.Int32(0), cutlass.Int32(0), stream, aux, options=options)
+        return cute.compile(self._jit(), kind, cutlass.Int32(0), cutlass.Int32(0), stream, aux,
+                            mods.fake_scalars(self.scalars), options=options)
 
 
-def _kernel(mask_mod, tile_m, tile_n, spec, fast):
+def _kernel(mask_mod, tile_m, tile_n, spec, fast, scalars=()):
     from flash_attn.cute import cache, kernels
 
-    key = (mask_mod, tile_m, tile_n, spec, fast)
+    key = (mask_mod, tile_m, tile_n, spec, fast, scalars)
     fn = _kernels.get(key)
     if fn is None:
         with cache._lock:
@@ -120,7 +124,7 @@ def _kernel(mask_mod, tile_m, tile_n, spec, fast):
                 if not kernels._tvm_ffi():
                     raise NotImplementedError("compute_block_sparsity needs apache-tvm-ffi")
                 fn = _kernels[key] = kernels._ffi_function(
-                    BlockKinds(mask_mod, tile_m, tile_n, bool(spec), fast).compile(spec))
+                    BlockKinds(mask_mod, tile_m, tile_n, bool(spec), fast, scalars).compile(spec))
     return fn
 
 
@@ -153,12 +157,13 @@ def compute_block_sparsity(tile_m, tile_n, batch_size, num_heads, seqlen_q, seql
     seqlen_info, aux_tensors) -> keep) for blocks of tile_m queries x tile_n keys (block_size = (tile_m, tile_n)).
     ``use_fast_sampling`` (or the mask_mod's own ``use_fast_sampling`` attribute) evaluates five pairs per tile
     (corners and centre) instead of all: for masks where those decide the tile (FA4's option). The varlen
-    arguments (cu_seqlens_*, seqused_*, cu_total_m_blocks, cu_block_idx_offsets) and aux_scalars raise
-    NotImplementedError when given (the varlen attention takes no block sparsity yet)."""
-    for name, value in (("aux_scalars", aux_scalars), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
+    arguments (cu_seqlens_*, seqused_*, cu_total_m_blocks, cu_block_idx_offsets) raise NotImplementedError when given
+    (the varlen attention takes no block sparsity yet). aux_scalars: FA4's, for a mask_mod with an aux_scalars
+    parameter."""
+    for name, value in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
                         ("seqused_q", seqused_q), ("seqused_k", seqused_k), ("cu_total_m_blocks", cu_total_m_blocks),
                         ("cu_block_idx_offsets", cu_block_idx_offsets)):
-        if value is not None and not (name == "aux_scalars" and not value):
+        if value is not None:
             raise NotImplementedError(f"compute_block_sparsity: {name} is not implemented yet in flash_attn.cute")
     if not callable(mask_mod):
         raise ValueError(f"mask_mod must be a CuTeDSL function (@cute.jit), got {type(mask_mod).__name__}")
@@ -171,18 +176,20 @@ def compute_block_sparsity(tile_m, tile_n, batch_size, num_heads, seqlen_q, seql
     if device.type != "cuda":
         raise ValueError(f"compute_block_sparsity runs on a CUDA device, got {device}")
     fast = bool(getattr(mask_mod, "use_fast_sampling", use_fast_sampling))
-    kind = block_kinds(tile_m, tile_n, batch_size, num_heads, seqlen_q, seqlen_k, mask_mod, aux_tensors, device, fast)
+    kind = block_kinds(tile_m, tile_n, batch_size, num_heads, seqlen_q, seqlen_k, mask_mod, aux_tensors, device, fast,
+                       mods.scalar_spec(aux_scalars))
     return pack_kinds(kind, compute_full_blocks)._replace(block_size=(int(tile_m), int(tile_n)))
 
 
-def block_kinds(tile_m, tile_n, batch_size, num_heads, seqlen_q, seqlen_k, mask_mod, aux_tensors, device, fast=False):
+def block_kinds(tile_m, tile_n, batch_size, num_heads, seqlen_q, seqlen_k, mask_mod, aux_tensors, device, fast=False,
+                scalars=((), ())):
     """The (B, H, M, N) int32 tile classification of mask_mod (0 skipped, 1 partial, 2 full) on the GPU (BlockKinds);
-    arguments as compute_block_sparsity's, checked there."""
+    arguments as compute_block_sparsity's, checked there; scalars: mods.scalar_spec's (kinds, values)."""
     device = torch.device(device)
     spec = mods.aux_spec(aux_tensors, device)
     M, N = -(-int(seqlen_q) // int(tile_m)), -(-int(seqlen_k) // int(tile_n))
     kind = torch.zeros(int(batch_size), int(num_heads), M, N, dtype=torch.int32, device=device)
     if kind.numel():
-        fn = _kernel(mask_mod, int(tile_m), int(tile_n), spec, bool(fast))
-        fn(kind, int(seqlen_q), int(seqlen_k), tuple(aux_tensors) if spec else None)
+        fn = _kernel(mask_mod, int(tile_m), int(tile_n), spec, bool(fast), scalars[0])
+        fn(kind, int(seqlen_q), int(seqlen_k), tuple(aux_tensors) if spec else None, scalars[1] or None)
     return kind

@@ -92,7 +92,8 @@ class FlashBwdSm90(BwdEntries):
 
     def __init__(self, dtype, head_dim, causal, block_m=64, block_n=128, num_stages=2, dq_split=True,
                  dq_tma=False, overlap=False, lpt=0, exp2_emu=0, exp2_emu_degree=3, local=False,
-                 varlen=False, deterministic=False, softcap=False, mask_mod=None, aux=False, sparse=None):
+                 varlen=False, deterministic=False, softcap=False, mask_mod=None, aux=False, sparse=None,
+                 scalars=()):
         """head_dim: 64, 96 or 128 (HEAD_DIMS), of q, k and v alike.
         block_m: query rows per step, 64 or (head dim 64 only) 128, see the module docstring.
         local: a sliding window (sizes >= 0 per call, call_general; causal windows have right = 0), every block
@@ -191,7 +192,7 @@ class FlashBwdSm90(BwdEntries):
         if mask_mod is not None:
             if varlen or local or softcap or deterministic:
                 raise ValueError("mask_mod: the dense backward without window, softcap or determinism")
-            self.mods = ScoreMods(None, mask_mod, aux, block_m, block_n)
+            self.mods = ScoreMods(None, mask_mod, aux, block_m, block_n, scalars=scalars)
         self.sparse = None
         if sparse is not None:
             if varlen or local or softcap or deterministic:
@@ -228,7 +229,7 @@ class FlashBwdSm90(BwdEntries):
 
     @cute.jit
     def _host(self, mQ, mK, mV, mdO, mLSE2, mDelta, mdQaccum, mdK, mdV, softmax_scale, stream, window, seqs, sem,
-              softcap=None, aux=None, sparse=None):
+              softcap=None, aux=None, sparse=None, scalars=None):
         # (B, S, H, D) -> (S, D, H, B): the first two modes are the tile, the others index the CTA.
         (mQ, mK, mV, mdO, mdQaccum, mdK, mdV), (mLSE2, mDelta) = self.seqlens.views(
             (mQ, mK, mV, mdO, mdQaccum, mdK, mdV), (mLSE2, mDelta))
@@ -328,7 +329,7 @@ class FlashBwdSm90(BwdEntries):
                     softmax_scale, cute.size(mQ, mode=[0]), sQ_layout, sdO_layout, sK_layout, sV_layout,
                     sdS_layout, sdQ_layout, sLSE_layout, tiled_mma_sdp, tiled_mma_dv, tiled_mma_dk,
                     tiled_mma_dq, *(window if cutlass.const_expr(self.local) else (None, None)), *tile_seqs, sem, *cap,
-                    aux, sparse).launch(
+                    aux, sparse, scalars).launch(
             grid=grid, block=(self.num_threads, 1, 1), stream=stream,
             # .minnctapersm 1 pins the register count at entry (65536 / 384 threads); without it ptxas
             # may ignore setmaxnreg (C7508) and cap the consumers at 168 registers.
@@ -347,7 +348,7 @@ class FlashBwdSm90(BwdEntries):
                sdS_layout: cute.ComposedLayout, sdQ_layout: cute.ComposedLayout, sLSE_layout: cute.Layout,
                tiled_mma_sdp: cute.TiledMma, tiled_mma_dv: cute.TiledMma, tiled_mma_dk: cute.TiledMma,
                tiled_mma_dq: cute.TiledMma, window_left, window_right, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ,
-               mSeqUsedK, mSem, score_scale, cap_log2, aux, sparse):
+               mSeqUsedK, mSem, score_scale, cap_log2, aux, sparse, scalars):
         if cutlass.const_expr(self.lpt > 0):
             lin, _, _ = cute.arch.block_idx()
             n_block, head, batch = lpt_tile(lin, cute.ceil_div(cute.size(mK, mode=[0]), self.block_n),
@@ -358,7 +359,7 @@ class FlashBwdSm90(BwdEntries):
         cta = (tma_q, mQ, tma_k, mK, tma_v, mV, tma_do, mdO, tma_lse, mLSE2, tma_delta, mDelta, mdQaccum, tma_dq,
                mdQ_tma, mdK, mdV, scale_log2, softmax_scale, sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout,
                sdQ_layout, sLSE_layout, tiled_mma_sdp, tiled_mma_dv, tiled_mma_dk, tiled_mma_dq, window_left,
-               window_right, n_block, head, tile, mSem, (score_scale, cap_log2), aux, sparse)
+               window_right, n_block, head, tile, mSem, (score_scale, cap_log2), aux, sparse, scalars)
         if cutlass.const_expr(self.varlen):
             if n_block * self.block_n < tile.seqlen_k:  # the grid covers the longest sequence's keys
                 self._cta(*cta)
@@ -369,7 +370,7 @@ class FlashBwdSm90(BwdEntries):
     def _cta(self, tma_q, mQ, tma_k, mK, tma_v, mV, tma_do, mdO, tma_lse, mLSE2, tma_delta, mDelta, mdQaccum,
              tma_dq, mdQ_tma, mdK, mdV, scale_log2, softmax_scale, sQ_layout, sdO_layout, sK_layout, sV_layout,
              sdS_layout, sdQ_layout, sLSE_layout, tiled_mma_sdp, tiled_mma_dv, tiled_mma_dk, tiled_mma_dq,
-             window_left, window_right, n_block, head, tile, mSem, cap, aux=None, sparse=None):
+             window_left, window_right, n_block, head, tile, mSem, cap, aux=None, sparse=None, scalars=None):
         """One CTA's key block ``n_block`` of head ``head`` of the sequence ``tile`` (seqlen_info.TileSeqlens)."""
         dt, BM, BN, stages = self.dtype, self.block_m, self.block_n, self.num_stages
         seqlen_q, seqlen_k = tile.seqlen_q, tile.seqlen_k
@@ -441,7 +442,7 @@ class FlashBwdSm90(BwdEntries):
                           softmax_scale, tidx - self.NUM_PRODUCER_THREADS, n_block, head, tile, seqlen_q, seqlen_k,
                           m_block_min, m_block_max, (window_left, window_right), mSem, cap,
                           None if cutlass.const_expr(self.mods is None) else self.mods.context(tile, head, aux,
-                                                                                               softmax_scale),
+                                                                                               softmax_scale, scalars),
                           tiles)
 
     @cute.jit

@@ -80,7 +80,7 @@ class FlashFwdSm90(ModEntries):
                  block_n=128, num_stages=2, exp2_emu=0, exp2_emu_degree=3, sink=False, num_warpgroups=2,
                  wg_order=True, persistent=False, tma_o=False, reverse=False, pin=True, snake=True, lpt=False,
                  pack_gqa=1, head_dim_v=None, paged=0, split=False, score_mod=None, mask_mod=None, aux=False,
-                 sparse=None):
+                 sparse=None, scalars=()):
         """exp2_emu / exp2_emu_degree: of every 16 softmax exponentials a thread computes, this many use a
         polynomial on the FMA pipe instead of MUFU.EX2 (softmax.OnlineSoftmax). num_warpgroups: consumer
         warpgroups (2 or 3) of 64 query rows each; block_m must be 64 * num_warpgroups (the default).
@@ -181,7 +181,7 @@ class FlashFwdSm90(ModEntries):
         self.softmax = OnlineSoftmax(block_n, head_dim_v, self.exp2_emu, self.exp2_emu_degree)
         self.epilogue = Epilogue(dtype, head_dim, head_dim_v, self.pack, self.split, self.sink, self.tma_o,
                                  self.persistent, self.num_mma_warpgroups)
-        self.mods = ScoreMods.build(self, score_mod, mask_mod, aux, sparse)
+        self.mods = ScoreMods.build(self, score_mod, mask_mod, aux, sparse, scalars)
         self.sparse = None if self.mods is None else self.mods.sparse
 
     def smem_bytes(self):
@@ -232,7 +232,7 @@ class FlashFwdSm90(ModEntries):
 
     @cute.jit
     def _dense(self, mQ, mK, mV, mO, mLSE, softmax_scale, softcap, window_left, window_right, stream, mSink,
-               max_ctas=None, num_splits=None, aux=None, sparse=None):
+               max_ctas=None, num_splits=None, aux=None, sparse=None, scalars=None):
         mQ, mK, mVt, mO, mLSE = self.seqlens.dense_views(mQ, mK, mV, mO, mLSE)
         grid = (cute.ceil_div(cute.size(mQ, mode=[0]), self.block_q), self.pack.grid_heads(mQ, mK),
                 cute.size(mQ, mode=[3]))
@@ -244,7 +244,7 @@ class FlashFwdSm90(ModEntries):
         elif cutlass.const_expr(self.lpt):
             sched = self._l2_group(mK, grid[1])
         self._launch(mQ, mK, mVt, mO, mLSE, None, None, None, softmax_scale, softcap, window_left,
-                     window_right, grid, stream, mSink, sched, num_splits, aux, sparse)
+                     window_right, grid, stream, mSink, sched, num_splits, aux, sparse, scalars)
 
     def _l2_group(self, mK, heads):
         """tile_scheduler.l2_group for this kernel's K and V rows (trace time)."""
@@ -282,18 +282,19 @@ class FlashFwdSm90(ModEntries):
 
     @cute.jit
     def _varlen(self, mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_q, softmax_scale,
-                softcap, window_left, window_right, stream, mSink, num_splits=None, aux=None):
+                softcap, window_left, window_right, stream, mSink, num_splits=None, aux=None, scalars=None):
         mQ, mK, mVt, mO, mLSE = self.seqlens.varlen_views(mQ, mK, mV, mO, mLSE, self.paged_kv, num_splits is not None)
         grid = (cute.ceil_div(max_seqlen_q, self.block_q), self.pack.grid_heads(mQ, mK),
                 cute.size(mCuSeqlensQ, mode=[0]) - 1)
         if cutlass.const_expr(num_splits is not None):
             grid = (grid[0], grid[1], grid[2] * num_splits)  # z: split * sequences + sequence
         self._launch(mQ, mK, mVt, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, softmax_scale, softcap,
-                     window_left, window_right, grid, stream, mSink, num_splits=num_splits, aux=aux)
+                     window_left, window_right, grid, stream, mSink, num_splits=num_splits, aux=aux, scalars=scalars)
 
     @cute.jit
     def _launch(self, mQ, mK, mVt, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, softmax_scale, softcap,
-                window_left, window_right, grid, stream, mSink, sched=None, num_splits=None, aux=None, sparse=None):
+                window_left, window_right, grid, stream, mSink, sched=None, num_splits=None, aux=None, sparse=None,
+                scalars=None):
         """Views are (S, D, H, B) for Q/K/O, (D, S, H, B) for V, (S, H, B) for the lse."""
         dt, D, Dv, BM, BN = self.dtype, self.head_dim, self.head_dim_v, self.block_m, self.block_n
         # 128-byte swizzle atoms span 64 elements of D; head dim 96 is tiled with 64-byte atoms (32 of D)
@@ -335,7 +336,8 @@ class FlashFwdSm90(ModEntries):
             scale_log2, score_scale = self.mods.scales(scale_log2, score_scale, softmax_scale)
         kernel = self.kernel
         # sched: the lpt order's section size, else None
-        sched_args = (tma_o, sched, num_splits) + ((aux, sparse) if cutlass.const_expr(self.mods is not None) else ())
+        sched_args = (tma_o, sched, num_splits) + ((aux, sparse, scalars) if cutlass.const_expr(self.mods is not None)
+                                                   else ())
         if cutlass.const_expr(self.persistent):
             kernel = self.kernel_persistent
             sched_args = (*sched, tma_o)
@@ -357,11 +359,11 @@ class FlashFwdSm90(ModEntries):
                mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, scale_log2: Float32, score_scale: Float32,
                softcap: Float32, window_left: Int32, window_right: Int32, sQ_layout: cute.ComposedLayout,
                sK_layout: cute.ComposedLayout, sVt_layout: cute.ComposedLayout, tiled_mma_qk: cute.TiledMma,
-               tiled_mma_pv: cute.TiledMma, tma_o, group, num_splits, aux=None, sparse=None):
+               tiled_mma_pv: cute.TiledMma, tma_o, group, num_splits, aux=None, sparse=None, scalars=None):
         """The one-tile kernel. tma_o: the O store's TMA atom (mO is then its coordinate tensor), None
         for the direct store. group: with lpt, the (head, batch) pairs per section of
         tile_scheduler.tile_coords' order (else None). num_splits: split-KV's part count (split=True; else
-        None). aux, sparse: the mods' aux tensors and block-sparsity lists (kernels built with score_mod /
+        None). aux, sparse, scalars: the mods' aux tensors, block-sparsity lists and aux scalars (kernels built with score_mod /
         mask_mod / sparse)."""
         m_block, head, batch = self.scheduler.tile(group)
         seqlen = self.seqlens.tile(batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, num_splits)
@@ -369,7 +371,7 @@ class FlashFwdSm90(ModEntries):
                 window_right, sQ_layout, sK_layout, sVt_layout, tiled_mma_qk, tiled_mma_pv, m_block, head, seqlen,
                 tma_o)
         if cutlass.const_expr(self.mods is not None):
-            args = args + (aux, sparse)
+            args = args + (aux, sparse, scalars)
         if cutlass.const_expr(self.varlen):
             if m_block * self.block_q < seqlen.seqlen_q:  # the grid covers the longest sequence
                 self._cta(*args)
@@ -502,7 +504,7 @@ class FlashFwdSm90(ModEntries):
     @cute.jit
     def _cta(self, tma_q, mQ, tma_k, mK, tma_v, mVt, mO, mLSE, mSink, scale_log2, score_scale, softcap, window_left,
              window_right, sQ_layout, sK_layout, sVt_layout, tiled_mma_qk, tiled_mma_pv, m_block, head, seqlen,
-             tma_o=None, aux=None, sparse=None):
+             tma_o=None, aux=None, sparse=None, scalars=None):
         """One CTA's query tile: rows [m_block * BM, (m_block + 1) * BM) of the sequence ``seqlen``
         (seqlen_info.TileSeqlens; pack_gqa: positions [m_block * BQ, (m_block + 1) * BQ) of the g query heads of
         KV head `head`, see PackGQA), the key blocks that the mask (and split-KV's part) leave it."""
@@ -514,7 +516,9 @@ class FlashFwdSm90(ModEntries):
         n_block_min, n_block_max = self.mask.n_block_range(m_block, seqlen.seqlen_q, seqlen.seqlen_k, window_left,
                                                            window_right)
         n_block_min, n_block_max = seqlen.split_blocks(n_block_min, n_block_max, self.block_n)
-        mods = None if cutlass.const_expr(self.mods is None) else self.mods.context(seqlen, head, aux, score_scale)
+        mods = None
+        if cutlass.const_expr(self.mods is not None):
+            mods = self.mods.context(seqlen, head, aux, score_scale, scalars)
         tiles = None  # block sparsity: the tile walks the positions of its lists (sparse_tiles)
         if cutlass.const_expr(self.sparse is not None):
             tiles = self.sparse.tile(sparse, seqlen.batch, head, m_block)

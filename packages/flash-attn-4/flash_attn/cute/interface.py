@@ -87,8 +87,8 @@ def flash_attn_func(q, k, v, qv=None, gather_kv_indices=None, softmax_scale=None
     block_sparse_tensors (block_sparsity.BlockSparseTensorsTorch; the query tiles visit only the listed key blocks,
     the mask_mod runs on the partial ones; with gradients block_sparse_tensors_bwd too, the key tiles' lists): FA4's
     (calling convention in score_mod.py); the backward of a mask_mod and of block sparsity, not yet of a score_mod
-    (mods.check_call lists what they do not combine with yet). qv, gather_kv_indices, score_mod_bwd and aux_scalars
-    raise NotImplementedError when given. Causal and sliding-window masks are bottom-right aligned: query i
+    (mods.check_call lists what they do not combine with yet); aux_scalars: FA4's runtime scalars for mods with an
+    aux_scalars parameter. qv, gather_kv_indices and score_mod_bwd raise NotImplementedError when given. Causal and sliding-window masks are bottom-right aligned: query i
     sees key j iff j - (i + Sk - Sq) lies in [-window_size[0], window_size[1]] (None: no limit on that side;
     negative sizes are literal, as in FA4, except that two sizes with a negative sum mean no window; causal sets
     the right size to 0; see _options; the gradients of a negative size raise NotImplementedError for now).
@@ -123,12 +123,12 @@ def flash_attn_func(q, k, v, qv=None, gather_kv_indices=None, softmax_scale=None
     if (qv is not None or gather_kv_indices is not None or score_mod is not None or score_mod_bwd is not None
             or mask_mod is not None or aux_tensors or aux_scalars or block_sparse_tensors is not None
             or block_sparse_tensors_bwd is not None):
-        _refuse_unsupported(qv=qv, gather_kv_indices=gather_kv_indices, score_mod_bwd=score_mod_bwd,
-                            aux_scalars=aux_scalars)
+        _refuse_unsupported(qv=qv, gather_kv_indices=gather_kv_indices, score_mod_bwd=score_mod_bwd)
         if (_mods.requested(score_mod, mask_mod, aux_tensors, block_sparse_tensors)
                 or block_sparse_tensors_bwd is not None):
             return _mods_func(q, k, v, softmax_scale, causal, window_size, learnable_sink, softcap, score_mod,
-                              mask_mod, aux_tensors, return_lse, block_sparse_tensors, block_sparse_tensors_bwd)
+                              mask_mod, aux_tensors, return_lse, block_sparse_tensors, block_sparse_tensors_bwd,
+                              aux_scalars)
     if Bk != B or Bv != Bk or Sv != Sk or Hv != Hk or Dk != D:
         raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if D not in SUPPORTED_HEAD_DIMS or (Dv != D and (D, Dv) not in HEAD_DIM_PAIRS):
@@ -195,7 +195,7 @@ def flash_attn_func(q, k, v, qv=None, gather_kv_indices=None, softmax_scale=None
 
 
 def _mods_func(q, k, v, softmax_scale, causal, window_size, learnable_sink, softcap, score_mod, mask_mod,
-               aux_tensors, return_lse, block_sparse=None, block_sparse_bwd=None):
+               aux_tensors, return_lse, block_sparse=None, block_sparse_bwd=None, aux_scalars=None):
     """flash_attn_func with score_mod / mask_mod / aux_tensors / block_sparse_tensors (mods.py). num_splits
     and pack_gqa are performance hints here: the mod kernel runs unsplit and unpacked, the same result."""
     if k.shape[0] != q.shape[0] or v.shape[:3] != k.shape[:3] or k.shape[3] != q.shape[3]:
@@ -203,16 +203,16 @@ def _mods_func(q, k, v, softmax_scale, causal, window_size, learnable_sink, soft
     D, Dv, H, Hk = q.shape[3], v.shape[3], q.shape[2], k.shape[2]
     causal, window_left, window_right, softcap = _options(window_size, softcap, causal)
     _mods.check_call(score_mod, mask_mod, aux_tensors, causal, window_left, window_right, softcap, learnable_sink,
-                     _autograd.needs_grad(q, k, v, None), D, Dv, block_sparse, block_sparse_bwd)
+                     _autograd.needs_grad(q, k, v, None), D, Dv, block_sparse, block_sparse_bwd, aux_scalars)
     _check_dims(D, Dv, H, Hk)
     arch = _device_arch(q, k, v)
     scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
     if _autograd.needs_grad(q, k, v, None):  # a mask_mod and / or block sparsity (check_call refused the rest)
         out, lse = _mods.MaskModAttention.apply(q, k, v, (scale, arch, mask_mod, aux_tensors, block_sparse,
-                                                          block_sparse_bwd))
+                                                          block_sparse_bwd, aux_scalars))
         return out, (lse if return_lse else None)
     out, lse = _mods.forward(q, k, v, scale, bool(causal), arch, window_left, window_right, score_mod, mask_mod,
-                             aux_tensors, block_sparse)
+                             aux_tensors, block_sparse, aux_scalars)
     return out, (lse if return_lse else None)
 
 
@@ -238,16 +238,16 @@ def flash_attn_varlen_func(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=Non
     (B, Sk, Hk, D) with cu_seqlens_k None (likewise with seqused_k); out then has q's batch shape and lse is
     (B, H, Sq). min_seqlen_k, scheduler_metadata (get_scheduler_metadata), seqlen_k_per_split and
     disable_scheduler_metadata are scheduling hints in FA4 that change no result; the kernels here need none of
-    them. score_mod, mask_mod, aux_tensors: as flash_attn_func's (batch index = the sequence's; q_idx / kv_idx from
-    the sequence's first row; not with page_table or seqused_q yet). qv, gather_kv_indices, score_mod_bwd,
-    aux_scalars and block_sparse_tensors raise NotImplementedError when given."""
+    them. score_mod, mask_mod, aux_tensors, aux_scalars: as flash_attn_func's (batch index = the sequence's; q_idx /
+    kv_idx from the sequence's first row; not with page_table or seqused_q yet; forward only). qv,
+    gather_kv_indices, score_mod_bwd and block_sparse_tensors raise NotImplementedError when given."""
     mods = None
     if (qv is not None or gather_kv_indices is not None or score_mod is not None or score_mod_bwd is not None
             or mask_mod is not None or aux_tensors or aux_scalars or block_sparse_tensors is not None):
         _refuse_unsupported(qv=qv, gather_kv_indices=gather_kv_indices, score_mod_bwd=score_mod_bwd,
-                            aux_scalars=aux_scalars, block_sparse_tensors=block_sparse_tensors)
-        if _mods.requested(score_mod, mask_mod, aux_tensors):
-            mods = (score_mod, mask_mod, aux_tensors)
+                            block_sparse_tensors=block_sparse_tensors)
+        if _mods.requested(score_mod, mask_mod, aux_tensors) or aux_scalars:
+            mods = (score_mod, mask_mod, aux_tensors, aux_scalars)
     batch_q = isinstance(q, torch.Tensor) and q.dim() == 4 and cu_seqlens_q is None
     batch_k = (page_table is None and isinstance(k, torch.Tensor) and k.dim() == 4 and cu_seqlens_k is None)
     if batch_q:
@@ -321,7 +321,10 @@ def _varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=Non
         if paged or seqused_q is not None:
             raise NotImplementedError("score_mod / mask_mod with page_table or seqused_q is not implemented yet")
         c, left, right, cap = _options(window_size, softcap, causal)
-        _mods.check_call(*mods, c, left, right, cap, learnable_sink, _autograd.needs_grad(q, k, v, None), D, Dv)
+        if _autograd.needs_grad(q, k, v, None):
+            raise NotImplementedError("flash_attn.cute: the backward of score_mod / mask_mod on varlen calls is not "
+                                      "implemented yet (the forward is); call it without gradients")
+        _mods.check_call(*mods[:3], c, left, right, cap, learnable_sink, False, D, Dv, aux_scalars=mods[3])
     if D not in SUPPORTED_HEAD_DIMS or (Dv != D and (D, Dv) not in HEAD_DIM_PAIRS):
         P = _padded_dim(D, Dv)
         out, lse = _varlen_func(_pad_last(q, P), _pad_last(k, P), _pad_last(v, P), cu_seqlens_q, cu_seqlens_k,

@@ -360,7 +360,7 @@ def fwd_kernel(dtype, head_dim, causal, arch="sm_90a", local=False, softcap=Fals
 
 
 def compile_bwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=False, varlen=False,
-                deterministic=False, softcap=False, mask_mod=None, spec=(), sparse=None):
+                deterministic=False, softcap=False, mask_mod=None, spec=(), sparse=None, scalars=()):
     """Compile the backward kernel for ``dtype`` (torch.float16 / torch.bfloat16), ``head_dim`` (64 / 96 / 128)
     and ``causal`` for ``arch``; no GPU needed. ``dump_dir``: an existing folder that receives the PTX
     and cubin. With apache-tvm-ffi the call is ``(q, k, v, dout, lse2, delta, dq_accum, dk, dv,
@@ -384,7 +384,7 @@ def compile_bwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=Fal
                           num_stages=cfg.stages, dq_split=cfg.dq_split, dq_tma=cfg.dq_tma, overlap=cfg.overlap,
                           lpt=cfg.lpt, exp2_emu=cfg.exp2_emu, exp2_emu_degree=cfg.exp2_emu_degree, local=cfg.local,
                           varlen=cfg.varlen, deterministic=cfg.deterministic, softcap=cfg.softcap, mask_mod=mask_mod,
-                          aux=bool(spec), sparse=sparse)
+                          aux=bool(spec), sparse=sparse, scalars=scalars)
     D = kernel.head_dim
     # 32-bit symbolic shapes and strides, as in compile_fwd (backward() keeps tensors below 2^31 elements).
     batch, seqlen_q, seqlen_k, heads, heads_kv, seqlen_q_pad = (cute.sym_int() for _ in range(6))
@@ -428,7 +428,8 @@ def compile_bwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=Fal
         from flash_attn.cute import mods
 
         return cute.compile(kernel.call_mods, *tensors, cutlass.Float32(1.0), stream, mods.fake_aux(spec),
-                            mods.fake_lists(None if sparse is None else sparse[0]), options=options)
+                            mods.fake_lists(None if sparse is None else sparse[0]), mods.fake_scalars(scalars),
+                            options=options)
     return cute.compile(kernel, *tensors, cutlass.Float32(1.0), stream, options=options)
 
 

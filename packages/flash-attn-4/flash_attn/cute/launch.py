@@ -380,9 +380,10 @@ def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grad
     no limit on a side; right 0 when causal) of a sliding window, the kernel built with local=True. deterministic
     (no window): the kernel built with deterministic=True adds dQ in key-block order (bwd_dq.DqAccumulator), so the
     gradients are the same bits every run; its turn counters (B, H, query blocks) are zeroed here. softcap > 0: the
-    forward's soft-capped scores (the kernel built with softcap=True). mod: (kernel, aux, lists) of a mask_mod's
-    backward (mods.mod_bwd_kernel; dense, no window, softcap or determinism): that kernel, aux (a tuple or None) and
-    the per-key-block lists of query blocks (a tuple or None) its last arguments."""
+    forward's soft-capped scores (the kernel built with softcap=True). mod: (kernel, aux, lists, scalars) of a
+    mask_mod's backward (mods.mod_bwd_kernel; dense, no window, softcap or determinism): that kernel, aux (a tuple or
+    None), the per-key-block lists of query blocks (a tuple or None) and the aux scalars (a tuple or None) its last
+    arguments."""
     B, Sq, H, D = q.shape
     Sk, Hk = k.shape[1], k.shape[2]
     dtype = q.dtype
@@ -400,7 +401,7 @@ def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grad
         raise NotImplementedError(
             f"one batch entry of q/k/v holds {per_batch} elements; flash_attn.cute's backward handles < 2^31")
     if mod is not None:
-        fn, aux, lists = mod
+        fn, aux, lists, mod_scalars = mod
     else:
         fn = (_bwd_kernels.get(bwd_mem_key(dtype, D, causal, arch, local, False, deterministic, capped))
               or bwd_kernel(dtype, D, causal, arch, local, deterministic=deterministic, softcap=capped))
@@ -408,7 +409,7 @@ def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grad
     # call_general's scale, softcap, window sizes; call_mods' aux after them
     scalars = (float(softmax_scale),)
     if mod is not None:
-        scalars += (aux, lists)
+        scalars += (aux, lists, mod_scalars)
     elif deterministic:
         scalars += (float(softcap),)
     elif local or capped:

@@ -64,15 +64,45 @@ BWD_HEAD_DIMS = (64, 96, 128)
 BWD_BLOCK_N = 128  # the backward kernel's key block (FlashBwdSm90: 64 per consumer warpgroup)  # flash_bwd_sm90.FlashBwdSm90.HEAD_DIMS (kept here: checking a call imports no CuTeDSL)
 
 
-def mod_key(dtype, head_dim, causal, arch, local, varlen, score_mod, mask_mod, spec, sparse=None, block_n=None):
+def mod_key(dtype, head_dim, causal, arch, local, varlen, score_mod, mask_mod, spec, sparse=None, block_n=None,
+            scalars=()):
     """_mod_kernels' key: the call's kernel facts, the functions themselves, the aux tensors' kinds, block
-    sparsity's compile-time facts (SparseCall.spec or None) and the key block (None: mod_block_n's)."""
+    sparsity's compile-time facts (SparseCall.spec or None), the key block (None: mod_block_n's) and the aux
+    scalars' kinds."""
     return (dtype, int(head_dim), bool(causal), arch, bool(local), bool(varlen), score_mod, mask_mod, spec, sparse,
-            block_n)
+            block_n) + ((tuple(scalars),) if scalars else ())
+
+
+def scalar_spec(aux_scalars):
+    """(kinds, values) of FA4's aux_scalars: "i" for ints (Python or cutlass.Int32), "f" for floats (Python or
+    cutlass.Float32); ((), ()) for None or empty. Raises ValueError for other values."""
+    if not aux_scalars:
+        return (), ()
+    if not isinstance(aux_scalars, (list, tuple)):
+        raise ValueError(f"aux_scalars must be a list of ints / floats, got {type(aux_scalars).__name__}")
+    kinds, values = [], []
+    for i, x in enumerate(aux_scalars):
+        name = type(x).__name__
+        if name in ("Int32", "Int64", "Uint32") or (isinstance(x, int) and not isinstance(x, bool)):
+            kinds.append("i")
+            values.append(int(getattr(x, "value", x)))
+        elif name in ("Float32", "Float64") or isinstance(x, float):
+            kinds.append("f")
+            values.append(float(getattr(x, "value", x)))
+        else:
+            raise ValueError(f"aux_scalars[{i}] must be an int or a float (or cutlass.Int32 / Float32), got {name}")
+    return tuple(kinds), tuple(values)
+
+
+def fake_scalars(kinds):
+    """Compile-time stand-ins of aux scalars of ``kinds`` (None for none: the kernels take None then)."""
+    import cutlass
+
+    return tuple(cutlass.Int32(0) if k == "i" else cutlass.Float32(0.0) for k in kinds) or None
 
 
 def compile_fwd_mods(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=False, varlen=False,
-                     score_mod=None, mask_mod=None, spec=(), sparse=None, block_n=None):
+                     score_mod=None, mask_mod=None, spec=(), sparse=None, block_n=None, scalars=()):
     """Compile the forward kernel with ``score_mod`` / ``mask_mod`` (CuTeDSL functions, FA4's convention: see
     score_mod.py), aux tensors of kinds ``spec`` ((torch dtype, rank), ...) and block sparsity ``sparse``
     ((has_full, q_factor, kv_factor), dense only; None: without) for ``arch``; no GPU needed. The call is
@@ -90,7 +120,7 @@ def compile_fwd_mods(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, loca
                           num_stages=cfg.stages, block_n=cfg.block_n, num_warpgroups=cfg.warpgroups,
                           wg_order=cfg.wg_order, reverse=cfg.reverse, pin=cfg.pin, lpt=cfg.lpt,
                           exp2_emu=cfg.exp2_emu, exp2_emu_degree=cfg.exp2_emu_degree, score_mod=score_mod,
-                          mask_mod=mask_mod, aux=bool(spec), sparse=sparse)
+                          mask_mod=mask_mod, aux=bool(spec), sparse=sparse, scalars=scalars)
     dt, D = kernel.dtype, kernel.head_dim
     aux = fake_aux(spec)
     batch, seqlen_q, seqlen_k, heads, heads_kv = (cute.sym_int() for _ in range(5))
@@ -108,6 +138,7 @@ def compile_fwd_mods(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, loca
     if dump_dir is not None:
         options += f" --keep-ptx --keep-cubin --dump-dir {dump_dir}"
     stream = cutlass.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi)
+    aux_scalars = scalars
     scalars = (cutlass.Float32(1.0), cutlass.Float32(0.0), cutlass.Int32(0), cutlass.Int32(0))
     if varlen:
         q, o, k, v = packed(seqlen_q, heads), packed(seqlen_q, heads), packed(seqlen_k, heads_kv), packed(seqlen_k,
@@ -115,12 +146,13 @@ def compile_fwd_mods(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, loca
         lse = make_fake_tensor(cutlass.Float32, (heads, seqlen_q), (cute.sym_int(), 1), assumed_align=4)
         seqs = [make_fake_tensor(cutlass.Int32, (cute.sym_int(),), (1,), assumed_align=4) for _ in range(3)]
         return cute.compile(kernel.call_varlen_mods, q, k, v, o, lse, *seqs, cutlass.Int32(0), *scalars, stream, aux,
-                            options=options)
+                            fake_scalars(aux_scalars), options=options)
     q, o, k, v = qkv(seqlen_q, heads), qkv(seqlen_q, heads), qkv(seqlen_k, heads_kv), qkv(seqlen_k, heads_kv)
     lse = make_fake_tensor(cutlass.Float32, (batch, heads, seqlen_q), (cute.sym_int(), cute.sym_int(), 1),
                            assumed_align=4)
     lists = fake_lists(None if sparse is None else sparse[0])
-    return cute.compile(kernel.call_mods, q, k, v, o, lse, *scalars, stream, aux, lists, options=options)
+    return cute.compile(kernel.call_mods, q, k, v, o, lse, *scalars, stream, aux, lists, fake_scalars(aux_scalars),
+                        options=options)
 
 
 def fake_aux(spec):
@@ -155,11 +187,12 @@ def fake_lists(has_full):
     return tuple(ints(r) for r in ((3, 4, 3, 4) if has_full else (3, 4)))
 
 
-def mod_kernel(dtype, head_dim, causal, arch, local, varlen, score_mod, mask_mod, spec, sparse=None, block_n=None):
+def mod_kernel(dtype, head_dim, causal, arch, local, varlen, score_mod, mask_mod, spec, sparse=None, block_n=None,
+               scalars=()):
     """The mod kernel from memory, else compiled (never on disk: see the module docstring)."""
     from flash_attn.cute import cache, kernels
 
-    key = mod_key(dtype, head_dim, causal, arch, local, varlen, score_mod, mask_mod, spec, sparse, block_n)
+    key = mod_key(dtype, head_dim, causal, arch, local, varlen, score_mod, mask_mod, spec, sparse, block_n, scalars)
     fn = _mod_kernels.get(key)
     if fn is None:
         with cache._lock:
@@ -169,7 +202,8 @@ def mod_kernel(dtype, head_dim, causal, arch, local, varlen, score_mod, mask_mod
                     raise NotImplementedError("score_mod / mask_mod kernels need apache-tvm-ffi")
                 fn = _mod_kernels[key] = kernels._ffi_function(
                     compile_fwd_mods(dtype, head_dim, causal, arch, local=local, varlen=varlen, score_mod=score_mod,
-                                     mask_mod=mask_mod, spec=spec, sparse=sparse, block_n=block_n))
+                                     mask_mod=mask_mod, spec=spec, sparse=sparse, block_n=block_n,
+                                     scalars=scalars))
     return fn
 
 
@@ -182,13 +216,19 @@ def requested(score_mod, mask_mod, aux_tensors, block_sparse=None):
 
 
 def check_call(score_mod, mask_mod, aux_tensors, causal, window_left, window_right, softcap, learnable_sink,
-               needs_grad, D, Dv, block_sparse=None, block_sparse_bwd=None):
+               needs_grad, D, Dv, block_sparse=None, block_sparse_bwd=None, aux_scalars=None):
     """Raises for a mod call this package does not serve (NotImplementedError: the backward, ...) or that FA4
     rejects (ValueError). Block sparsity alone (no mod) is a mod call: its kernel is a mod kernel."""
     from flash_attn.cute.plan import _UNBOUNDED
 
+    from flash_attn.cute.score_mod import takes_scalars
+
     if score_mod is None and mask_mod is None and aux_tensors:
         raise ValueError("aux_tensors without a score_mod or mask_mod: nothing reads them")
+    if aux_scalars and not any(f is not None and takes_scalars(f) for f in (score_mod, mask_mod)):
+        raise ValueError("aux_scalars without a score_mod or mask_mod that has an aux_scalars parameter: nothing "
+                         "reads them")
+    scalar_spec(aux_scalars)
     for name, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)):
         if fn is not None and not callable(fn):
             raise ValueError(f"{name} must be a CuTeDSL function (@cute.jit), got {type(fn).__name__}")
@@ -228,17 +268,19 @@ def check_call(score_mod, mask_mod, aux_tensors, causal, window_left, window_rig
 _mask_lists: dict[tuple, object] = {}  # mask_lists' answers
 
 
-def mask_lists(mask_mod, B, H, Sq, Sk, block_n, device):
+def mask_lists(mask_mod, B, H, Sq, Sk, block_n, device, scalars=((), ())):
     """The block-sparsity lists of a mask_mod that reads no aux tensor, for the mod kernel's tiles
     (compute_block_sparsity, exhaustive), remembered per (function, shape): such a mask_mod is a pure function of
     the indices, as fixed as the kernel compiled from it (keyed by the same function object). A call then visits
-    only the tiles the mask keeps, and runs the mask_mod on the partial ones only."""
-    key = (mask_mod, B, H, Sq, Sk, block_n, device)
+    only the tiles the mask keeps, and runs the mask_mod on the partial ones only. scalars: scalar_spec's (kinds,
+    values) of the call's aux scalars (the values are part of the key: the mask depends on them)."""
+    key = (mask_mod, B, H, Sq, Sk, block_n, device, scalars)
     lists = _mask_lists.get(key)
     if lists is None:
         from flash_attn.cute.compute_block_sparsity import compute_block_sparsity
 
-        lists = compute_block_sparsity(MOD_BLOCK_M, block_n, B, H, Sq, Sk, mask_mod, None, device)
+        lists = compute_block_sparsity(MOD_BLOCK_M, block_n, B, H, Sq, Sk, mask_mod, None, device,
+                                       aux_scalars=list(scalars[1]) or None)
         if len(_mask_lists) >= 64:
             _mask_lists.clear()
         _mask_lists[key] = lists
@@ -246,10 +288,10 @@ def mask_lists(mask_mod, B, H, Sq, Sk, block_n, device):
 
 
 def forward(q, k, v, softmax_scale, causal, arch, window_left, window_right, score_mod, mask_mod, aux_tensors,
-            block_sparse=None):
+            block_sparse=None, aux_scalars=None):
     """Dense forward with mods: q (B, Sq, H, D), k / v (B, Sk, Hk, D) -> (out like q, lse (B, H, Sq) fp32).
     block_sparse: FA4's block_sparse_tensors (block_sparsity.py) or None; None with a mask_mod that reads no aux
-    tensor: the lists of mask_lists (FLASH_ATTN_CUTE_DISABLE=mask_sparsity: none)."""
+    tensor: the lists of mask_lists (FLASH_ATTN_CUTE_DISABLE=mask_sparsity: none). aux_scalars: FA4's (scalar_spec)."""
     from flash_attn.cute import settings
     from flash_attn.cute import block_sparsity
     from flash_attn.cute.launch import _MAX_ELEMS, _MAX_GRID_Z, _kernel_layouts
@@ -270,23 +312,26 @@ def forward(q, k, v, softmax_scale, causal, arch, window_left, window_right, sco
                                   "are not split into launches yet")
     sparse = None
     if block_sparse is None and mask_mod is not None and not spec and not settings.disabled("mask_sparsity"):
-        block_sparse = mask_lists(mask_mod, B, H, Sq, Sk, mod_block_n(D, local), q.device)
+        block_sparse = mask_lists(mask_mod, B, H, Sq, Sk, mod_block_n(D, local), q.device, scalar_spec(aux_scalars))
     if block_sparse is not None:
         sparse = block_sparsity.normalize(block_sparse, B, H, Sq, Sk, MOD_BLOCK_M, mod_block_n(D, local), q.device)
     q, k, v = _kernel_layouts(q, k, v, D, D)
     out = torch.empty_like(q)
+    kinds, values = scalar_spec(aux_scalars)
     if sparse is None:
-        fn = mod_kernel(q.dtype, D, causal and not local, arch, local, False, score_mod, mask_mod, spec)
+        fn = mod_kernel(q.dtype, D, causal and not local, arch, local, False, score_mod, mask_mod, spec,
+                        scalars=kinds)
     else:
         fn = mod_kernel(q.dtype, D, causal and not local, arch, local, False, score_mod, mask_mod, spec, sparse.spec,
-                        sparse.block_n)
-    aux = tuple(aux_tensors) if spec else None  # (None: the kernel is built without aux / sparsity)
-    fn(q, k, v, out, lse, float(softmax_scale), 0.0, left, right, aux, None if sparse is None else sparse.tensors)
+                        sparse.block_n, scalars=kinds)
+    aux = tuple(aux_tensors) if spec else None  # (None: the kernel is built without aux / sparsity / scalars)
+    fn(q, k, v, out, lse, float(softmax_scale), 0.0, left, right, aux, None if sparse is None else sparse.tensors,
+       values or None)
     return out, lse
 
 
 def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, softmax_scale, causal, arch,
-                   window_left, window_right, score_mod, mask_mod, aux_tensors):
+                   window_left, window_right, score_mod, mask_mod, aux_tensors, aux_scalars=None):
     """Varlen forward with mods: q (total_q, H, D), k / v (total_k, Hk, D), int32 cu_seqlens (B + 1,), seqused_k
     (B,) or None -> (out like q, lse (H, total_q) fp32). Values are checked by the caller (_varlen_func)."""
     from flash_attn.cute.launch import _MAX_ELEMS, _MAX_GRID_Z
@@ -307,10 +352,11 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
     q, k, v = (t if t.stride(-1) == 1 and t.stride(-2) == D and t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0
                else t.contiguous() for t in (q, k, v))
     used_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32) if seqused_k is None else seqused_k
-    fn = mod_kernel(q.dtype, D, causal and not local, arch, local, True, score_mod, mask_mod, spec)
-    aux = tuple(aux_tensors) if spec else None  # (the kernel's last argument: None when built without aux)
+    kinds, values = scalar_spec(aux_scalars)
+    fn = mod_kernel(q.dtype, D, causal and not local, arch, local, True, score_mod, mask_mod, spec, scalars=kinds)
+    aux = tuple(aux_tensors) if spec else None  # (None when the kernel is built without aux / scalars)
     fn(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, used_k, int(max_seqlen_q), float(softmax_scale), 0.0,
-       left, right, aux)
+       left, right, aux, values or None)
     return out, lse
 
 
@@ -321,12 +367,12 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
 _mod_bwd_kernels: dict[tuple, object] = {}
 
 
-def mod_bwd_kernel(dtype, head_dim, arch, mask_mod, spec, sparse=None):
+def mod_bwd_kernel(dtype, head_dim, arch, mask_mod, spec, sparse=None, scalars=()):
     """The mask_mod's (or block sparsity's) backward kernel from memory, else compiled (never on disk, as the
     forward's); sparse: None, or (has_full, row factor, walk factor) of the per-key-block lists it walks."""
     from flash_attn.cute import cache, kernels
 
-    key = (dtype, int(head_dim), arch, mask_mod, spec, sparse)
+    key = (dtype, int(head_dim), arch, mask_mod, spec, sparse) + ((tuple(scalars),) if scalars else ())
     fn = _mod_bwd_kernels.get(key)
     if fn is None:
         with cache._lock:
@@ -335,23 +381,24 @@ def mod_bwd_kernel(dtype, head_dim, arch, mask_mod, spec, sparse=None):
                 if not kernels._tvm_ffi():
                     raise NotImplementedError("mask_mod kernels need apache-tvm-ffi")
                 fn = _mod_bwd_kernels[key] = kernels._ffi_function(
-                    kernels.compile_bwd(dtype, head_dim, False, arch, mask_mod=mask_mod, spec=spec, sparse=sparse))
+                    kernels.compile_bwd(dtype, head_dim, False, arch, mask_mod=mask_mod, spec=spec, sparse=sparse,
+                                        scalars=scalars))
     return fn
 
 
 _mask_lists_bwd: dict[tuple, tuple] = {}
 
 
-def mask_lists_bwd(mask_mod, B, H, Sq, Sk, block_m, block_n, device):
+def mask_lists_bwd(mask_mod, B, H, Sq, Sk, block_m, block_n, device, scalars=((), ())):
     """The backward's lists of a mask_mod that reads no aux tensor (as mask_lists, per key block: the partial and full
     query blocks of block_m x block_n tiles), remembered per (function, shape): (mask_cnt, mask_idx, full_cnt,
     full_idx) as the kernel takes them."""
-    key = (mask_mod, B, H, Sq, Sk, block_m, block_n, device)
+    key = (mask_mod, B, H, Sq, Sk, block_m, block_n, device, scalars)
     lists = _mask_lists_bwd.get(key)
     if lists is None:
         from flash_attn.cute.compute_block_sparsity import block_kinds, pack_kinds
 
-        kind = block_kinds(block_m, block_n, B, H, Sq, Sk, mask_mod, None, device)
+        kind = block_kinds(block_m, block_n, B, H, Sq, Sk, mask_mod, None, device, scalars=scalars)
         lists = tuple(pack_kinds(kind.transpose(2, 3).contiguous())[:4])
         if len(_mask_lists_bwd) >= 64:
             _mask_lists_bwd.clear()
@@ -363,16 +410,16 @@ class MaskModAttention(torch.autograd.Function):
     """forward() of a mask_mod and / or block-sparse call (lists built from a mask_mod that reads no aux tensor when
     none are given), backward by the backward kernel with the same mask_mod, walking the backward's lists (the
     caller's block_sparse_tensors_bwd, or built from the mask_mod as the forward's). args: (softmax_scale, arch,
-    mask_mod, aux_tensors, block_sparse, block_sparse_bwd); dense, no causal / window / softcap / score_mod
-    (check_call)."""
+    mask_mod, aux_tensors, block_sparse, block_sparse_bwd, aux_scalars); dense, no causal / window / softcap /
+    score_mod (check_call)."""
 
     @staticmethod
     def forward(ctx, q, k, v, args):
-        softmax_scale, arch, mask_mod, aux_tensors, block_sparse, _ = args
+        softmax_scale, arch, mask_mod, aux_tensors, block_sparse, _, aux_scalars = args
         from flash_attn.cute.plan import _UNBOUNDED
 
         out, lse = forward(q, k, v, softmax_scale, False, arch, _UNBOUNDED, _UNBOUNDED, None, mask_mod, aux_tensors,
-                           block_sparse)
+                           block_sparse, aux_scalars)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = args
         ctx.set_materialize_grads(False)
@@ -383,7 +430,8 @@ class MaskModAttention(torch.autograd.Function):
         from flash_attn.cute import block_sparsity, kernels, launch, settings
 
         q, k, v, out, lse = ctx.saved_tensors
-        softmax_scale, arch, mask_mod, aux_tensors, _, block_sparse_bwd = ctx.args
+        softmax_scale, arch, mask_mod, aux_tensors, _, block_sparse_bwd, aux_scalars = ctx.args
+        scalars = scalar_spec(aux_scalars)
         if dout is None:
             dout = torch.zeros_like(out)
         elif dout.stride(-1) != 1:
@@ -398,9 +446,9 @@ class MaskModAttention(torch.autograd.Function):
             lists, sparse = call.tensors, call.spec
         elif (mask_mod is not None and not spec and not settings.disabled("mask_sparsity") and Sq and Sk):
             # the forward's rule: lists where the mask_mod reads no aux tensor (mask_lists)
-            lists = mask_lists_bwd(mask_mod, B, H, Sq, Sk, block_m, BWD_BLOCK_N, q.device)
+            lists = mask_lists_bwd(mask_mod, B, H, Sq, Sk, block_m, BWD_BLOCK_N, q.device, scalars)
             sparse = (True, 1, 1)
-        fn = mod_bwd_kernel(q.dtype, D, arch, mask_mod, spec, sparse)
+        fn = mod_bwd_kernel(q.dtype, D, arch, mask_mod, spec, sparse, scalars[0])
         dq, dk, dv = launch.backward(dout, q, k, v, out, lse, softmax_scale, False, arch, dlse=dlse,
-                                     mod=(fn, tuple(aux_tensors) if spec else None, lists))
+                                     mod=(fn, tuple(aux_tensors) if spec else None, lists, scalars[1] or None))
         return dq, dk, dv, None

@@ -12,6 +12,8 @@ The calling convention (FA4's, docs/ARCHITECTURE.md section 4):
   0 for dense calls: q_idx + offset_q is the global row) and ``seqlen_q`` / ``seqlen_k``;
 - ``aux_tensors`` is the list of CuTe tensors the call passed (a score_mod gets () without any);
 - the score a score_mod sees is already multiplied by softmax_scale; the softmax then adds no scale;
+- ``aux_scalars`` (FA4's): a tuple of Int32 / Float32 runtime values, passed to a mod whose signature has an
+  ``aux_scalars`` parameter (a score_mod's keyword, a mask_mod's seventh positional argument), never to others;
 - with aux tensors, q_idx / kv_idx of tile positions past the sequence are clamped to its last row / key, so a
   mod that indexes an aux tensor by them never reads out of bounds (those scores are discarded: rows past Sq are
   not stored, keys past Sk are masked afterwards).
@@ -40,12 +42,24 @@ class ModContext:
     """What one CTA's mods read besides the scores: batch entry (varlen: sequence), query head, the sequence's
     ModSeqlens, the aux tensors (a tuple of CuTe tensors, or None) and the softmax scale applied before score_mod."""
 
-    def __init__(self, batch, head, seqlens, aux, softmax_scale):
+    def __init__(self, batch, head, seqlens, aux, softmax_scale, scalars=None):
         self.batch = batch
         self.head = head
         self.seqlens = seqlens
         self.aux = aux
         self.softmax_scale = softmax_scale
+        self.scalars = () if scalars is None else scalars
+
+
+def takes_scalars(fn):
+    """Whether a mod's signature has an ``aux_scalars`` parameter (FA4's convention since aux scalars: older mods
+    have none and are called without them)."""
+    import inspect
+
+    try:
+        return "aux_scalars" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def score_vec_size(score_mod, has_aux):
@@ -63,21 +77,21 @@ class ModEntries:
     @cute.jit
     def call_mods(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
                   softmax_scale: Float32, softcap: Float32, window_left: Int32, window_right: Int32, stream, aux,
-                  sparse):
+                  sparse, scalars):
         """__call__ for a kernel built with score_mod / mask_mod / sparse: aux, a tuple of the mods' aux tensors
         (None for a kernel built without aux); sparse, the block-sparsity lists (sparse_tiles; None for a kernel
-        built without)."""
+        built without); scalars, the aux scalars (a tuple of Int32 / Float32; None for a kernel built without)."""
         self._dense(mQ, mK, mV, mO, mLSE, softmax_scale, softcap, window_left, window_right, stream, None, aux=aux,
-                    sparse=sparse)
+                    sparse=sparse, scalars=scalars)
 
     @cute.jit
     def call_varlen_mods(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                          mLSE: cute.Tensor, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor,
                          mSeqUsedK: cute.Tensor, max_seqlen_q: Int32, softmax_scale: Float32, softcap: Float32,
-                         window_left: Int32, window_right: Int32, stream, aux):
+                         window_left: Int32, window_right: Int32, stream, aux, scalars):
         """call_varlen for a kernel built with varlen=True and score_mod / mask_mod; aux as in call_mods."""
         self._varlen(mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_q, softmax_scale,
-                     softcap, window_left, window_right, stream, None, aux=aux)
+                     softcap, window_left, window_right, stream, None, aux=aux, scalars=scalars)
 
 
 class ScoreMods:
@@ -87,10 +101,13 @@ class ScoreMods:
     visited key block (the mask_mod, with block sparsity, to the partial ones only), before AttentionMask.apply
     (which still masks keys past Sk and the causal / window edges)."""
 
-    def __init__(self, score_mod, mask_mod, has_aux, block_q, block_n, sparse=None):
+    def __init__(self, score_mod, mask_mod, has_aux, block_q, block_n, sparse=None, scalars=()):
         if score_mod is None and mask_mod is None and sparse is None:
             raise ValueError("ScoreMods needs a score_mod, a mask_mod or block sparsity")
         self.sparse = sparse
+        self.scalars = tuple(scalars)  # the aux scalars' kinds ("i" Int32, "f" Float32)
+        self.score_scalars = score_mod is not None and takes_scalars(score_mod)
+        self.mask_scalars = mask_mod is not None and takes_scalars(mask_mod)
         self.score_mod = score_mod
         self.mask_mod = mask_mod
         self.has_aux = bool(has_aux)
@@ -99,7 +116,7 @@ class ScoreMods:
         self.vec = score_vec_size(score_mod, has_aux) if score_mod is not None else 1
 
     @classmethod
-    def build(cls, kernel, score_mod, mask_mod, aux, sparse=None):
+    def build(cls, kernel, score_mod, mask_mod, aux, sparse=None, scalars=()):
         """The component of FlashFwdSm90 ``kernel`` (None without mods or sparsity): the one-tile kernel without
         softcap, sink, pack_gqa, paged K / V or split; sparse (has_full, q_factor, kv_factor) or None, dense
         calls only."""
@@ -111,7 +128,7 @@ class ScoreMods:
         if sparse is not None and kernel.varlen:
             raise ValueError("block sparsity: dense calls only")
         return cls(score_mod, mask_mod, aux, kernel.block_q, kernel.block_n,
-                   None if sparse is None else SparseTiles(*sparse))
+                   None if sparse is None else SparseTiles(*sparse), scalars)
 
     def scales(self, scale_log2, score_scale, softmax_scale):
         """(scale_log2, score_scale) of the kernel (trace time): with a score_mod FA4's convention, the mod sees
@@ -120,12 +137,12 @@ class ScoreMods:
             return Float32(1.4426950408889634), softmax_scale
         return scale_log2, score_scale
 
-    def context(self, seqlen, head, aux, softmax_scale):
+    def context(self, seqlen, head, aux, softmax_scale, scalars=None):
         """The ModContext of a CTA's sequence (seqlen_info.TileSeqlens; FA4's batch index of a varlen call is the
         sequence's)."""
         batch = seqlen.batch if seqlen.sequence is None else seqlen.sequence
         return ModContext(batch, head, ModSeqlens(seqlen.q_start, seqlen.k_start, seqlen.seqlen_q, seqlen.seqlen_k,
-                                                  seqlen.sequence is not None), aux, softmax_scale)
+                                                  seqlen.sequence is not None), aux, softmax_scale, scalars)
 
     def _index(self, idx, seqlen):
         # In-bounds indices for aux reads (see the module docstring).
@@ -157,10 +174,11 @@ class ScoreMods:
                     scores.append(acc_S[i0 + j] * ctx.softmax_scale)
                     qs.append(self._index(row, sl.seqlen_q))
                     ks.append(self._index(n_block * self.block_n + tScS[i0 + j][1], sl.seqlen_k))
+                extra = {"aux_scalars": ctx.scalars} if cutlass.const_expr(self.score_scalars) else {}
                 out = self.score_mod(self._ssa(scores, Float32), self._ssa([ctx.batch] * vec, Int32),
                                      self._ssa([ctx.head] * vec, Int32), q_idx=self._ssa(qs, Int32),
                                      kv_idx=self._ssa(ks, Int32), seqlen_info=sl,
-                                     aux_tensors=aux if cutlass.const_expr(aux is not None) else ())
+                                     aux_tensors=aux if cutlass.const_expr(aux is not None) else (), **extra)
                 res = cute.make_rmem_tensor(vec, Float32)
                 res.store(out.to(Float32))
                 for j in cutlass.range_constexpr(vec):
@@ -182,7 +200,8 @@ class ScoreMods:
             col = n_block * self.block_n + tScS[i][1]
             keep = self.mask_mod(self._ssa([ctx.batch], Int32), self._ssa([ctx.head], Int32),
                                  self._ssa([self._index(row, sl.seqlen_q)], Int32),
-                                 self._ssa([self._index(col, sl.seqlen_k)], Int32), sl, aux)
+                                 self._ssa([self._index(col, sl.seqlen_k)], Int32), sl, aux,
+                                 *((ctx.scalars,) if cutlass.const_expr(self.mask_scalars) else ()))
             if cutlass.const_expr(isinstance(keep, cute.TensorSSA)):
                 flag = cute.make_rmem_tensor(1, cutlass.Boolean)
                 flag.store(keep)
@@ -200,7 +219,8 @@ class ScoreMods:
             col = n_block * self.block_n + tScS[i][0]
             keep = self.mask_mod(self._ssa([ctx.batch], Int32), self._ssa([ctx.head], Int32),
                                  self._ssa([self._index(row, sl.seqlen_q)], Int32),
-                                 self._ssa([self._index(col, sl.seqlen_k)], Int32), sl, ctx.aux)
+                                 self._ssa([self._index(col, sl.seqlen_k)], Int32), sl, ctx.aux,
+                                 *((ctx.scalars,) if cutlass.const_expr(self.mask_scalars) else ()))
             if cutlass.const_expr(isinstance(keep, cute.TensorSSA)):
                 flag = cute.make_rmem_tensor(1, cutlass.Boolean)
                 flag.store(keep)
