@@ -53,6 +53,26 @@ def alibi_aux(score, b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
     return score - slope * dist
 
 
+# score_mod_bwd: (grad, score, batch, head, q_idx, kv_idx, seqlen_info, aux_tensors) -> the gradient with respect to
+# the score the score_mod saw (FA4's convention)
+
+@cute.jit
+def additive_bwd(grad, score, b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+    """identity, rel_bias, alibi_aux: score + something independent of it."""
+    return grad
+
+
+@cute.jit
+def softcap_bwd(grad, score, b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+    t = cute.math.tanh(score * cute.full_like(score, 1.0 / SOFTCAP), fastmath=True)
+    return grad * (cute.full_like(t, 1.0) - t * t)
+
+
+@cute.jit
+def scaled_bwd(grad, score, b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors, aux_scalars):
+    return grad * cute.full_like(grad, Float32(aux_scalars[0]))
+
+
 # mask mods: (batch, head, q_idx, kv_idx, seqlen_info, aux_tensors) -> keep (a Boolean or a one-element TensorSSA)
 
 @cute.jit
@@ -126,5 +146,7 @@ def document_mask_torch(Sq, Sk, device, aux):
 
 SCORE_MODS = {"identity": (identity, identity_torch), "rel_bias": (rel_bias, rel_bias_torch),
               "softcap": (softcap, softcap_torch), "alibi_aux": (alibi_aux, alibi_aux_torch)}
+SCORE_MOD_BWDS = {"identity": additive_bwd, "rel_bias": additive_bwd, "softcap": softcap_bwd,
+                  "alibi_aux": additive_bwd}
 MASK_MODS = {"causal": (causal_mask, causal_mask_torch), "window": (window_mask, window_mask_torch),
              "document": (document_mask, document_mask_torch)}

@@ -534,6 +534,8 @@ def test_mask_mod_gradients_go_to_the_mask_mod_backward_kernel(cute_env, monkeyp
     monkeypatch.setattr(mods, "mod_bwd_kernel", lambda *a: built.append(a) or "kernel")
 
     def fake_backward(dout, q, k, v, out, lse, scale, causal, arch, dlse=None, mod=None):
+        from flash_attn.cute import kernels
+        assert mod[4] == kernels.bwd_config(torch.bfloat16, 64, False, "sm_90a").block_m  # the kernel's query block
         seen.append((scale, causal, mod, dlse))
         return torch.ones_like(q), torch.ones_like(k), torch.ones_like(v)
 
@@ -542,7 +544,7 @@ def test_mask_mod_gradients_go_to_the_mask_mod_backward_kernel(cute_env, monkeyp
     docs = [torch.zeros(2, 7, dtype=torch.int32)]
     out, lse = interface.flash_attn_func(q, k, v, mask_mod=m.document_mask, aux_tensors=docs, return_lse=True)
     (out.sum() + lse.sum()).backward()
-    assert built == [(torch.bfloat16, 64, "sm_90a", m.document_mask, ((torch.int32, 2),), None, ())]
+    assert built == [(torch.bfloat16, 64, "sm_90a", m.document_mask, ((torch.int32, 2),), None, (), None, None)]
     (scale, causal, mod, dlse), = seen
     assert mod[0] == "kernel" and mod[1][0] is docs[0] and mod[2] is None and not causal and dlse is not None
     assert torch.equal(q.grad, torch.ones_like(q)) and torch.equal(v.grad, torch.ones_like(v))
@@ -551,24 +553,31 @@ def test_mask_mod_gradients_go_to_the_mask_mod_backward_kernel(cute_env, monkeyp
     monkeypatch.setattr(mods, "mask_lists_bwd", lambda *a: lists.append(a) or ("lists",))
     q2, k2, v2 = (t.detach().requires_grad_() for t in (q, k, v))
     interface.flash_attn_func(q2, k2, v2, mask_mod=m.causal_mask)[0].sum().backward()
-    assert built[-1][-2] == (True, 1, 1) and seen[-1][2] == ("kernel", None, ("lists",), None)
+    assert built[-1][5] == (True, 1, 1) and seen[-1][2][:4] == ("kernel", None, ("lists",), None)
     assert lists[0][:5] == (m.causal_mask, 2, 4, 7, 7) and lists[0][6] == 128
     cute_env(DISABLE="mask_sparsity")
     q3 = q.detach().requires_grad_()
     interface.flash_attn_func(q3, k, v, mask_mod=m.causal_mask)[0].sum().backward()
-    assert built[-1][-2] is None and len(lists) == 1
+    assert built[-1][5] is None and len(lists) == 1
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(score_mod=m.rel_bias), "backward of score_mod"),
-    (dict(mask_mod=m.causal_mask, d=256), "head dims"),
+@pytest.mark.parametrize("kw, err, match", [
+    (dict(score_mod=m.rel_bias), ValueError, "needs score_mod_bwd"),
+    (dict(mask_mod=m.causal_mask, d=256), NotImplementedError, "head dims"),
+    (dict(score_mod=m.rel_bias, score_mod_bwd=m.additive_bwd, varlen=True), NotImplementedError, "score_mod_bwd"),
 ])
-def test_backwards_not_served_are_refused(cute_env, monkeypatch, kw, match):
+def test_backwards_not_served_are_refused(cute_env, monkeypatch, kw, err, match):
     cute_env()
     monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")
     q, k, v = _qkv(d=kw.pop("d", 64))
     q.requires_grad_()
-    with pytest.raises(NotImplementedError, match=match):
+    if kw.pop("varlen", False):
+        cu = torch.tensor([0, 7, 14], dtype=torch.int32)
+        with pytest.raises(err, match=match):
+            interface.flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_seqlens_q=cu,
+                                             cu_seqlens_k=cu, **kw)
+        return
+    with pytest.raises(err, match=match):
         interface.flash_attn_func(q, k, v, **kw)
 
 

@@ -211,7 +211,7 @@ def test_varlen_passes_the_mods(defaults, monkeypatch):
     (dict(mask_mod=m.window_mask, window_size=(8, 8)), ValueError, "window_size"),
     (dict(aux_tensors=[torch.zeros(1)]), ValueError, "nothing reads them"),
     (dict(score_mod=m.identity, learnable_sink=torch.zeros(4)), NotImplementedError, "learnable_sink"),
-    (dict(score_mod=m.identity, score_mod_bwd=m.identity), NotImplementedError, "score_mod_bwd"),
+    (dict(score_mod_bwd=m.additive_bwd), ValueError, "without a score_mod"),
     (dict(score_mod=m.identity, block_sparse_tensors_bwd=object()), ValueError, "without block_sparse_tensors"),
     (dict(score_mod=m.identity, aux_scalars=(1.0,)), ValueError, "aux_scalars without"),
     (dict(score_mod=m.scaled, aux_scalars=("x",)), ValueError, r"aux_scalars\[0\]"),
@@ -228,7 +228,7 @@ def test_backward_with_mods_is_refused_naming_score_mod(defaults, monkeypatch):
     _ModLaunch(monkeypatch)
     q, k, v = _qkv()
     q.requires_grad_(True)
-    with pytest.raises(NotImplementedError, match="backward of score_mod"):
+    with pytest.raises(ValueError, match="needs score_mod_bwd"):
         interface.flash_attn_func(q, k, v, score_mod=m.rel_bias)
     with torch.no_grad():
         interface.flash_attn_func(q, k, v, score_mod=m.rel_bias)
@@ -364,3 +364,77 @@ def test_against_flex_attention(defaults, score):
 def gpu_kernel_requests():
     """The mod kernels are never on disk (mods.py): nothing to precompile."""
     return []
+
+
+# --- the backward (score_mod through FA4's score_mod_bwd, with or without a mask_mod) ------------------------------
+
+def _grads_reference(q, k, v, dout, scale, score_fn, keep, aux, dtype):
+    qr, kr, vr = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+    g = qr.shape[2] // kr.shape[2]
+    s = qr.transpose(1, 2) @ kr.repeat_interleave(g, 2).transpose(1, 2).transpose(-1, -2) * scale
+    if score_fn is not None:
+        s = score_fn(s, aux).to(dtype)
+    if keep is not None:
+        s = s.masked_fill(~keep, float("-inf"))
+    p = torch.softmax(s, -1).nan_to_num(0.0)
+    o = (p @ vr.repeat_interleave(g, 2).transpose(1, 2)).transpose(1, 2)
+    o.backward(dout.to(dtype))
+    return o.float(), [t.grad.float() for t in (qr, kr, vr)]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("d", [64, 96, 128])
+@pytest.mark.parametrize("score", ["identity", "rel_bias", "softcap", "alibi_aux"])
+@pytest.mark.parametrize("mask", [None, "causal"])
+def test_score_mod_gradients_match_the_reference(defaults, d, score, mask):
+    torch.manual_seed(9)
+    B, H, Hk, Sq, Sk = 2, 4, 2, 300, 517
+    q = torch.randn(B, Sq, H, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(B, Sk, Hk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(B, Sk, Hk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dout = torch.randn(B, Sq, H, d, device="cuda", dtype=torch.bfloat16)
+    fn, fn_torch = m.SCORE_MODS[score]
+    aux = [torch.rand(H, device="cuda") * 0.1] if score == "alibi_aux" else None
+    mask_fn, keep = None, None
+    if mask:
+        mask_fn, mask_torch = m.MASK_MODS[mask]
+        keep = mask_torch(Sq, Sk, "cuda")
+    scale = d ** -0.5
+    out = interface.flash_attn_func(q, k, v, score_mod=fn, score_mod_bwd=m.SCORE_MOD_BWDS[score], mask_mod=mask_fn,
+                                    aux_tensors=aux, softmax_scale=scale)[0]
+    out.backward(dout)
+    ref, ref_grads = _grads_reference(q, k, v, dout, scale, fn_torch, keep, aux, torch.float32)
+    ref_lp, lp_grads = _grads_reference(q, k, v, dout, scale, fn_torch, keep, aux, torch.bfloat16)
+    for name, got, r, lp in zip("oqkv", (out, q.grad, k.grad, v.grad), (ref, *ref_grads), (ref_lp, *lp_grads)):
+        err = (got.float() - r).abs().max().item()
+        bound = 2 * (lp - r).abs().max().item() + r.abs().max().item() * 2 ** -8
+        assert err <= bound, (name, err, bound)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_score_mod_bwd_reads_aux_scalars(defaults):
+    torch.manual_seed(10)
+    B, H, S, d = 1, 2, 256, 64
+    q, k, v = (torch.randn(B, S, H, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    dout = torch.randn_like(q)
+    out = interface.flash_attn_func(q, k, v, score_mod=m.scaled, score_mod_bwd=m.scaled_bwd, aux_scalars=[0.25])[0]
+    out.backward(dout)
+    ref, ref_grads = _grads_reference(q, k, v, dout, d ** -0.5, lambda s, a: s * 0.25, None, None, torch.float32)
+    ref_lp, lp_grads = _grads_reference(q, k, v, dout, d ** -0.5, lambda s, a: s * 0.25, None, None, torch.bfloat16)
+    for name, got, r, lp in zip("oqkv", (out, q.grad, k.grad, v.grad), (ref, *ref_grads), (ref_lp, *lp_grads)):
+        err = (got.float() - r).abs().max().item()
+        assert err <= 2 * (lp - r).abs().max().item() + r.abs().max().item() * 2 ** -8, name
+
+
+def test_score_mod_backward_kernel_compiles_without_spills(tmp_path):
+    from flash_attn.cute import kernels
+
+    kernels.compile_bwd(torch.bfloat16, 64, False, "sm_90a", dump_dir=str(tmp_path), score_mod=m.softcap,
+                        score_mod_bwd=m.softcap_bwd, mask_mod=m.causal_mask)
+    ptx, = glob.glob(os.path.join(tmp_path, "**", "*.ptx"), recursive=True)
+    text = open(ptx).read()
+    assert "wgmma.mma_async" in text and text.count("tanh.approx.f32") >= 2  # the mod and its gradient
+    if shutil.which("ptxas"):
+        assert_ptxas_clean(ptx)

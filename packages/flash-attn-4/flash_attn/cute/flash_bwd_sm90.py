@@ -93,7 +93,7 @@ class FlashBwdSm90(BwdEntries):
     def __init__(self, dtype, head_dim, causal, block_m=64, block_n=128, num_stages=2, dq_split=True,
                  dq_tma=False, overlap=False, lpt=0, exp2_emu=0, exp2_emu_degree=3, local=False,
                  varlen=False, deterministic=False, softcap=False, mask_mod=None, aux=False, sparse=None,
-                 scalars=()):
+                 scalars=(), score_mod=None, score_mod_bwd=None):
         """head_dim: 64, 96 or 128 (HEAD_DIMS), of q, k and v alike.
         block_m: query rows per step, 64 or (head dim 64 only) 128, see the module docstring.
         local: a sliding window (sizes >= 0 per call, call_general; causal windows have right = 0), every block
@@ -106,10 +106,13 @@ class FlashBwdSm90(BwdEntries):
         rounding dS^T gets anyway); BLOCK_M 64 (its registers).
         mask_mod / aux: FA4's mask_mod (score_mod.ScoreMods' convention, compile-time) and whether it reads aux
         tensors: -inf in S^T where it is False, on every query block (entry call_mods; dense, no window or
-        softcap). sparse: block sparsity, None or (has_full, row factor, walk factor): per sparse key block (row factor
-        kernel key blocks) the lists of partial (the mask_mod runs on them) and full sparse query blocks (walk factor
-        kernel query blocks each) (sparse_tiles.SparseTiles); a CTA walks list positions, mapped to query blocks by
-        the producer's loads and the consumers.
+        softcap). score_mod / score_mod_bwd: FA4's score_mod and its gradient function (score_mod.ScoreMods):
+        S^T's scaled scores kept in fp32 registers, score_mod's result in their place before the masks and the
+        exponential, and score_mod_bwd(dS^T, scores) as dS^T; BLOCK_M 64.
+        sparse: block sparsity, None or (has_full, row factor, walk factor): per sparse key block (row factor
+        kernel key blocks) the lists of partial (the mask_mod runs on them) and full sparse query blocks (walk
+        factor kernel query blocks each) (sparse_tiles.SparseTiles); a CTA walks list positions, mapped to query
+        blocks by the producer's loads and the consumers.
         dq_split: the two warpgroups compute one dQ tile together, each its half of D (block_m 128: its
         64 query rows) over all BLOCK_N keys (a barrier of both per query block, since each reads the
         other's dS); else each computes
@@ -189,10 +192,15 @@ class FlashBwdSm90(BwdEntries):
         self.deterministic = bool(deterministic)
         self.softcap = bool(softcap)
         self.mods = None
-        if mask_mod is not None:
+        if (score_mod is None) != (score_mod_bwd is None):
+            raise ValueError("score_mod and score_mod_bwd go together")
+        if mask_mod is not None or score_mod is not None:
             if varlen or local or softcap or deterministic:
-                raise ValueError("mask_mod: the dense backward without window, softcap or determinism")
-            self.mods = ScoreMods(None, mask_mod, aux, block_m, block_n, scalars=scalars)
+                raise ValueError("mask_mod / score_mod: the dense backward without window, softcap or determinism")
+            if score_mod is not None and block_m != 64:
+                raise ValueError("score_mod: block_m 64 (the scaled scores' registers)")
+            self.mods = ScoreMods(score_mod, mask_mod, aux, block_m, block_n, scalars=scalars,
+                                  score_mod_bwd=score_mod_bwd)
         self.sparse = None
         if sparse is not None:
             if varlen or local or softcap or deterministic:
@@ -320,6 +328,9 @@ class FlashBwdSm90(BwdEntries):
         # exp2 with log2(e) folded into the scale; soft-capped scores are softcap * tanh(scale * s / softcap): the
         # scale goes into the tanh argument, softcap * log2(e) multiplies the tanh.
         scale_log2 = softmax_scale * LOG2_E
+        if cutlass.const_expr(self.mods is not None):
+            if cutlass.const_expr(self.mods.score_mod is not None):  # the scores score_mod returns carry the scale
+                scale_log2 = Float32(LOG2_E)
         cap = (None, None)
         if cutlass.const_expr(self.softcap):
             cap = (softmax_scale / softcap, softcap * LOG2_E)
@@ -545,6 +556,9 @@ class FlashBwdSm90(BwdEntries):
         tdVrP = cute.make_tensor(rP.iterator, cute.make_layout(((2, 2, 2), 1, BM // 16)))
         rdS = cute.make_rmem_tensor_like(acc_dP, dt)
         rdT = cute.make_rmem_tensor_like(acc_S, dt) if cutlass.const_expr(self.softcap) else None  # 1 - tanh^2
+        if cutlass.const_expr(self.mods is not None):
+            if cutlass.const_expr(self.mods.score_mod is not None):
+                rdT = cute.make_rmem_tensor_like(acc_S, Float32)  # the scaled scores, for score_mod_bwd
         if cutlass.const_expr(self.wide):  # dS^T's registers as dK's A operand (the layout of tdVrP)
             tdKrdSt = cute.make_tensor(rdS.iterator, cute.make_layout(((2, 2, 2), 1, BM // 16)))
         ds_copy = None
@@ -586,7 +600,7 @@ class FlashBwdSm90(BwdEntries):
                 self._ds_dk_dq(acc_S, acc_dP, tScS, rdS, thr_sdp, sdSt, sDelta, tiled_mma_dk, acc_dK, tdKrdSt,
                                tdKrQt, tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, tma_dq, tQRsdQ, tQRgdQ, dq_issuer,
                                buf, pos, m_block_min, wg, q_state.index, do_state.index, rP=rP,
-                               ds_copy=ds_copy, rdT=rdT, tiles=tiles)
+                               ds_copy=ds_copy, rdT=rdT, tiles=tiles, mods=mods, n_block=n_block, m_block_of=m_block)
                 warpgroup.wait_group(0)  # dV, dK, dQ done: the Q and dO stages and rP are free
                 q_pipe.consumer_release(q_state)
                 do_pipe.consumer_release(do_state)
@@ -628,7 +642,7 @@ class FlashBwdSm90(BwdEntries):
                 self._ds_dk_dq(acc_S, acc_dP, tScS, rdS, thr_sdp, sdSt, sDelta, tiled_mma_dk, acc_dK, tdKrdSt,
                                tdKrQt, tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, tma_dq, tQRsdQ, tQRgdQ, dq_issuer,
                                buf, pos, m_block_min, wg, q_state.index, do_state.index, rP=rP,
-                               ds_copy=ds_copy, rdT=rdT, tiles=tiles)
+                               ds_copy=ds_copy, rdT=rdT, tiles=tiles, mods=mods, n_block=n_block, m_block_of=m_block)
                 # acc_S and acc_dP are dead: dS^T of this block is in shared memory.
                 if cutlass.const_expr(self.wide):
                     # dV done (dK, dQ may run): the 16-bit P^T is dead before the next S^T takes its 64
@@ -706,6 +720,9 @@ class FlashBwdSm90(BwdEntries):
             # (D = 128, BLOCK_M = 128: S^T was waited for before dP^T was issued.)
         else:
             warpgroup.wait_group(1)  # S^T is ready; dP^T may still run
+        if cutlass.const_expr(self.mods is not None):
+            if cutlass.const_expr(self.mods.score_mod is not None):
+                self.mods.score_transposed(acc_S, rdT, tScS, m_block, n_block, mods)
         if cutlass.const_expr(self.softcap):
             score_scale, cap_log2 = cap
             rdT32 = cute.recast_tensor(rdT, Int32)
@@ -717,7 +734,7 @@ class FlashBwdSm90(BwdEntries):
                 acc_S[2 * k + 1] = t1 * cap_log2
         if key_tail or m_block < m_block_mask_end:
             self.mask.apply_transposed(acc_S, tScS, m_block, n_block, seqlen_q, seqlen_k, *window)
-        if cutlass.const_expr(mods is not None):
+        if cutlass.const_expr(mods is not None and self.mods.mask_mod is not None):
             if cutlass.const_expr(partial is None):
                 self.mods.mask_transposed(acc_S, tScS, m_block, n_block, mods)
             else:
@@ -745,7 +762,8 @@ class FlashBwdSm90(BwdEntries):
     @cute.jit
     def _ds_dk_dq(self, acc_S, acc_dP, tScS, rdS, thr_sdp, sdSt, sDelta, tiled_mma_dk, acc_dK, tdKrdSt, tdKrQt,
                   tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, tma_dq, tQRsdQ, tQRgdQ, dq_issuer, buf, m_block,
-                  m_block_min, wg, q_stage, do_stage, rP=None, ds_copy=None, rdT=None, tiles=None):
+                  m_block_min, wg, q_stage, do_stage, rP=None, ds_copy=None, rdT=None, tiles=None, mods=None,
+                  n_block=None, m_block_of=None):
         """Wait for dP^T, dS^T = P^T (dP^T - delta) to shared memory (buffer buf), the dS barrier, and
         issue dK += dS^T Q and dQ = dS K (two commit groups); with dq_tma the previous block's dQ tile
         reduce-add after the barrier. m_block / m_block_min: the walk's positions (the query blocks themselves
@@ -768,6 +786,9 @@ class FlashBwdSm90(BwdEntries):
         else:
             for i in cutlass.range(cute.size(acc_dP), unroll_full=True):
                 acc_dP[i] = acc_S[i] * (acc_dP[i] - sDelta[tScS[i][1], do_stage])
+        if cutlass.const_expr(mods is not None):
+            if cutlass.const_expr(self.mods.score_mod is not None):  # the gradient through score_mod
+                self.mods.grad_transposed(acc_dP, rdT, tScS, m_block_of, n_block, mods)
         rdS.store(acc_dP.load().to(self.dtype))
         if cutlass.const_expr(self.wide):
             # dK needs only this warpgroup's dS^T, from registers: issued before the smem stores and the

@@ -86,9 +86,9 @@ def flash_attn_func(q, k, v, qv=None, gather_kv_indices=None, softmax_scale=None
     HeadDimError, an AssertionError as in FA4), H % Hk == 0 (GQA/MQA). score_mod, mask_mod, aux_tensors and
     block_sparse_tensors (block_sparsity.BlockSparseTensorsTorch; the query tiles visit only the listed key blocks,
     the mask_mod runs on the partial ones; with gradients block_sparse_tensors_bwd too, the key tiles' lists): FA4's
-    (calling convention in score_mod.py); the backward of a mask_mod and of block sparsity, not yet of a score_mod
-    (mods.check_call lists what they do not combine with yet); aux_scalars: FA4's runtime scalars for mods with an
-    aux_scalars parameter. qv, gather_kv_indices and score_mod_bwd raise NotImplementedError when given. Causal and sliding-window masks are bottom-right aligned: query i
+    (calling convention in score_mod.py); their backward (a score_mod's through score_mod_bwd, FA4's gradient function)
+    on dense calls (mods.check_call lists what they do not combine with yet); aux_scalars: FA4's runtime scalars for
+    mods with an aux_scalars parameter. qv and gather_kv_indices raise NotImplementedError when given. Causal and sliding-window masks are bottom-right aligned: query i
     sees key j iff j - (i + Sk - Sq) lies in [-window_size[0], window_size[1]] (None: no limit on that side;
     negative sizes are literal, as in FA4, except that two sizes with a negative sum mean no window; causal sets
     the right size to 0; see _options; the gradients of a negative size raise NotImplementedError for now).
@@ -123,12 +123,12 @@ def flash_attn_func(q, k, v, qv=None, gather_kv_indices=None, softmax_scale=None
     if (qv is not None or gather_kv_indices is not None or score_mod is not None or score_mod_bwd is not None
             or mask_mod is not None or aux_tensors or aux_scalars or block_sparse_tensors is not None
             or block_sparse_tensors_bwd is not None):
-        _refuse_unsupported(qv=qv, gather_kv_indices=gather_kv_indices, score_mod_bwd=score_mod_bwd)
+        _refuse_unsupported(qv=qv, gather_kv_indices=gather_kv_indices)
         if (_mods.requested(score_mod, mask_mod, aux_tensors, block_sparse_tensors)
-                or block_sparse_tensors_bwd is not None):
+                or block_sparse_tensors_bwd is not None or score_mod_bwd is not None):
             return _mods_func(q, k, v, softmax_scale, causal, window_size, learnable_sink, softcap, score_mod,
                               mask_mod, aux_tensors, return_lse, block_sparse_tensors, block_sparse_tensors_bwd,
-                              aux_scalars)
+                              aux_scalars, score_mod_bwd)
     if Bk != B or Bv != Bk or Sv != Sk or Hv != Hk or Dk != D:
         raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if D not in SUPPORTED_HEAD_DIMS or (Dv != D and (D, Dv) not in HEAD_DIM_PAIRS):
@@ -195,7 +195,7 @@ def flash_attn_func(q, k, v, qv=None, gather_kv_indices=None, softmax_scale=None
 
 
 def _mods_func(q, k, v, softmax_scale, causal, window_size, learnable_sink, softcap, score_mod, mask_mod,
-               aux_tensors, return_lse, block_sparse=None, block_sparse_bwd=None, aux_scalars=None):
+               aux_tensors, return_lse, block_sparse=None, block_sparse_bwd=None, aux_scalars=None, score_mod_bwd=None):
     """flash_attn_func with score_mod / mask_mod / aux_tensors / block_sparse_tensors (mods.py). num_splits
     and pack_gqa are performance hints here: the mod kernel runs unsplit and unpacked, the same result."""
     if k.shape[0] != q.shape[0] or v.shape[:3] != k.shape[:3] or k.shape[3] != q.shape[3]:
@@ -203,13 +203,14 @@ def _mods_func(q, k, v, softmax_scale, causal, window_size, learnable_sink, soft
     D, Dv, H, Hk = q.shape[3], v.shape[3], q.shape[2], k.shape[2]
     causal, window_left, window_right, softcap = _options(window_size, softcap, causal)
     _mods.check_call(score_mod, mask_mod, aux_tensors, causal, window_left, window_right, softcap, learnable_sink,
-                     _autograd.needs_grad(q, k, v, None), D, Dv, block_sparse, block_sparse_bwd, aux_scalars)
+                     _autograd.needs_grad(q, k, v, None), D, Dv, block_sparse, block_sparse_bwd, aux_scalars,
+                     score_mod_bwd)
     _check_dims(D, Dv, H, Hk)
     arch = _device_arch(q, k, v)
     scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
-    if _autograd.needs_grad(q, k, v, None):  # a mask_mod and / or block sparsity (check_call refused the rest)
-        out, lse = _mods.MaskModAttention.apply(q, k, v, (scale, arch, mask_mod, aux_tensors, block_sparse,
-                                                          block_sparse_bwd, aux_scalars))
+    if _autograd.needs_grad(q, k, v, None):  # check_call refused what has no backward
+        out, lse = _mods.ModAttention.apply(q, k, v, (scale, arch, score_mod, score_mod_bwd, mask_mod, aux_tensors,
+                                                      block_sparse, block_sparse_bwd, aux_scalars))
         return out, (lse if return_lse else None)
     out, lse = _mods.forward(q, k, v, scale, bool(causal), arch, window_left, window_right, score_mod, mask_mod,
                              aux_tensors, block_sparse, aux_scalars)

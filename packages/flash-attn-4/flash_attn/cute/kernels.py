@@ -8,6 +8,7 @@ dtypes, shapes, strides, alignment and device in C, and launches on torch's curr
 importing the CuTeDSL compiler), else compile it and write it there.
 """
 import contextlib
+import dataclasses
 import time
 
 import torch
@@ -360,7 +361,8 @@ def fwd_kernel(dtype, head_dim, causal, arch="sm_90a", local=False, softcap=Fals
 
 
 def compile_bwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=False, varlen=False,
-                deterministic=False, softcap=False, mask_mod=None, spec=(), sparse=None, scalars=()):
+                deterministic=False, softcap=False, mask_mod=None, spec=(), sparse=None, scalars=(), score_mod=None,
+                score_mod_bwd=None):
     """Compile the backward kernel for ``dtype`` (torch.float16 / torch.bfloat16), ``head_dim`` (64 / 96 / 128)
     and ``causal`` for ``arch``; no GPU needed. ``dump_dir``: an existing folder that receives the PTX
     and cubin. With apache-tvm-ffi the call is ``(q, k, v, dout, lse2, delta, dq_accum, dk, dv,
@@ -370,9 +372,10 @@ def compile_bwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=Fal
     softmax_scale, softcap, window_left, window_right)`` (``backward_varlen``). ``deterministic``: call_deterministic
     (``..., dv, counters, softmax_scale, softcap``) / call_varlen_deterministic, the turn counters (B, H, query
     blocks) int32 after the other tensors. ``mask_mod`` (dense, no window or softcap): call_mods, ``(..., dv,
-    softmax_scale, aux, lists)`` with aux tensors of kinds ``spec`` and, with ``sparse`` ((has_full, row factor, walk
-    factor); with or without a mask_mod), the per-key-block lists of query blocks (mods.py; never on disk:
-    mods.mod_bwd_kernel)."""
+    softmax_scale, aux, lists, scalars)`` with aux tensors of kinds ``spec``, with ``sparse`` ((has_full, row factor,
+    walk factor); with or without a mask_mod) the per-key-block lists of query blocks, and aux scalars of kinds
+    ``scalars`` (mods.py; never on disk: mods.mod_bwd_kernel); with ``score_mod`` / ``score_mod_bwd`` the kernel's
+    query block is 64 (mod_bwd_block_m)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_tensor
@@ -380,11 +383,14 @@ def compile_bwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=Fal
     from flash_attn.cute.flash_bwd_sm90 import FlashBwdSm90
 
     cfg = bwd_config(dtype, head_dim, causal, arch, local, varlen, deterministic, softcap)
+    if score_mod is not None:
+        cfg = dataclasses.replace(cfg, block_m=mod_bwd_block_m(cfg, True))
     kernel = FlashBwdSm90(_cutlass_dtype(dtype), int(head_dim), bool(causal), block_m=cfg.block_m,
                           num_stages=cfg.stages, dq_split=cfg.dq_split, dq_tma=cfg.dq_tma, overlap=cfg.overlap,
                           lpt=cfg.lpt, exp2_emu=cfg.exp2_emu, exp2_emu_degree=cfg.exp2_emu_degree, local=cfg.local,
                           varlen=cfg.varlen, deterministic=cfg.deterministic, softcap=cfg.softcap, mask_mod=mask_mod,
-                          aux=bool(spec), sparse=sparse, scalars=scalars)
+                          aux=bool(spec), sparse=sparse, scalars=scalars, score_mod=score_mod,
+                          score_mod_bwd=score_mod_bwd)
     D = kernel.head_dim
     # 32-bit symbolic shapes and strides, as in compile_fwd (backward() keeps tensors below 2^31 elements).
     batch, seqlen_q, seqlen_k, heads, heads_kv, seqlen_q_pad = (cute.sym_int() for _ in range(6))
@@ -424,13 +430,19 @@ def compile_bwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=Fal
     if local or softcap:
         return cute.compile(kernel.call_general, *tensors, cutlass.Float32(1.0), cutlass.Float32(0.0),
                             cutlass.Int32(0), cutlass.Int32(0), stream, options=options)
-    if mask_mod is not None or sparse is not None:
+    if mask_mod is not None or sparse is not None or score_mod is not None:
         from flash_attn.cute import mods
 
         return cute.compile(kernel.call_mods, *tensors, cutlass.Float32(1.0), stream, mods.fake_aux(spec),
                             mods.fake_lists(None if sparse is None else sparse[0]), mods.fake_scalars(scalars),
                             options=options)
     return cute.compile(kernel, *tensors, cutlass.Float32(1.0), stream, options=options)
+
+
+def mod_bwd_block_m(cfg, has_score_mod):
+    """The query block of a mods backward kernel: the config's, 64 with a score_mod (its fp32 copy of the scaled
+    scores takes BLOCK_M / 2 registers, which the 128-row kernel does not have)."""
+    return 64 if has_score_mod else cfg.block_m
 
 
 def _bwd_entry(dtype, head_dim, causal, arch, local=False, varlen=False, deterministic=False, softcap=False):

@@ -380,10 +380,10 @@ def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grad
     no limit on a side; right 0 when causal) of a sliding window, the kernel built with local=True. deterministic
     (no window): the kernel built with deterministic=True adds dQ in key-block order (bwd_dq.DqAccumulator), so the
     gradients are the same bits every run; its turn counters (B, H, query blocks) are zeroed here. softcap > 0: the
-    forward's soft-capped scores (the kernel built with softcap=True). mod: (kernel, aux, lists, scalars) of a
-    mask_mod's backward (mods.mod_bwd_kernel; dense, no window, softcap or determinism): that kernel, aux (a tuple or
+    forward's soft-capped scores (the kernel built with softcap=True). mod: (kernel, aux, lists, scalars, block_m) of
+    a mods backward (mods.mod_bwd_kernel; dense, no window, softcap or determinism): that kernel, aux (a tuple or
     None), the per-key-block lists of query blocks (a tuple or None) and the aux scalars (a tuple or None) its last
-    arguments."""
+    arguments, block_m its query block."""
     B, Sq, H, D = q.shape
     Sk, Hk = k.shape[1], k.shape[2]
     dtype = q.dtype
@@ -401,7 +401,7 @@ def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grad
         raise NotImplementedError(
             f"one batch entry of q/k/v holds {per_batch} elements; flash_attn.cute's backward handles < 2^31")
     if mod is not None:
-        fn, aux, lists, mod_scalars = mod
+        fn, aux, lists, mod_scalars, block_m = mod
     else:
         fn = (_bwd_kernels.get(bwd_mem_key(dtype, D, causal, arch, local, False, deterministic, capped))
               or bwd_kernel(dtype, D, causal, arch, local, deterministic=deterministic, softcap=capped))

@@ -216,7 +216,7 @@ def requested(score_mod, mask_mod, aux_tensors, block_sparse=None):
 
 
 def check_call(score_mod, mask_mod, aux_tensors, causal, window_left, window_right, softcap, learnable_sink,
-               needs_grad, D, Dv, block_sparse=None, block_sparse_bwd=None, aux_scalars=None):
+               needs_grad, D, Dv, block_sparse=None, block_sparse_bwd=None, aux_scalars=None, score_mod_bwd=None):
     """Raises for a mod call this package does not serve (NotImplementedError: the backward, ...) or that FA4
     rejects (ValueError). Block sparsity alone (no mod) is a mod call: its kernel is a mod kernel."""
     from flash_attn.cute.plan import _UNBOUNDED
@@ -225,19 +225,21 @@ def check_call(score_mod, mask_mod, aux_tensors, causal, window_left, window_rig
 
     if score_mod is None and mask_mod is None and aux_tensors:
         raise ValueError("aux_tensors without a score_mod or mask_mod: nothing reads them")
-    if aux_scalars and not any(f is not None and takes_scalars(f) for f in (score_mod, mask_mod)):
+    if score_mod_bwd is not None and score_mod is None:
+        raise ValueError("score_mod_bwd without a score_mod: nothing to differentiate")
+    if aux_scalars and not any(f is not None and takes_scalars(f) for f in (score_mod, mask_mod, score_mod_bwd)):
         raise ValueError("aux_scalars without a score_mod or mask_mod that has an aux_scalars parameter: nothing "
                          "reads them")
     scalar_spec(aux_scalars)
-    for name, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)):
+    for name, fn in (("score_mod", score_mod), ("mask_mod", mask_mod), ("score_mod_bwd", score_mod_bwd)):
         if fn is not None and not callable(fn):
             raise ValueError(f"{name} must be a CuTeDSL function (@cute.jit), got {type(fn).__name__}")
     if block_sparse_bwd is not None and block_sparse is None:
         raise ValueError("block_sparse_tensors_bwd without block_sparse_tensors: give the forward's lists too")
     if needs_grad:
-        if score_mod is not None:
-            raise NotImplementedError("flash_attn.cute: the backward of score_mod is not implemented yet (the forward "
-                                      "is); call it without gradients (torch.no_grad() or detached inputs)")
+        if score_mod is not None and score_mod_bwd is None:
+            raise ValueError("score_mod with gradients needs score_mod_bwd (FA4's: the gradient with respect to the "
+                             "score the score_mod saw), or call it without gradients")
         if block_sparse is not None and block_sparse_bwd is None:
             raise ValueError("block sparsity with gradients needs block_sparse_tensors_bwd as well (FA4's: per key "
                              "block the query blocks, e.g. block_sparsity.from_block_mask_bwd of the BlockMask)")
@@ -245,7 +247,7 @@ def check_call(score_mod, mask_mod, aux_tensors, causal, window_left, window_rig
             raise NotImplementedError("flash_attn.cute: the backward of block sparsity with causal=True or a "
                                       "window_size is not implemented yet (a mask_mod can hold the condition)")
         if D != Dv or D not in BWD_HEAD_DIMS:
-            raise NotImplementedError(f"flash_attn.cute: the backward of a mask_mod / block sparsity takes head dims "
+            raise NotImplementedError(f"flash_attn.cute: the backward of mods / block sparsity takes head dims "
                                       f"{BWD_HEAD_DIMS} (the backward kernel's), got {D} / {Dv}")
     if softcap and score_mod is not None:
         raise ValueError("softcap and score_mod cannot be used together (as in FA4; write the cap into the score_mod)")
@@ -367,12 +369,14 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
 _mod_bwd_kernels: dict[tuple, object] = {}
 
 
-def mod_bwd_kernel(dtype, head_dim, arch, mask_mod, spec, sparse=None, scalars=()):
+def mod_bwd_kernel(dtype, head_dim, arch, mask_mod, spec, sparse=None, scalars=(), score_mod=None,
+                   score_mod_bwd=None):
     """The mask_mod's (or block sparsity's) backward kernel from memory, else compiled (never on disk, as the
     forward's); sparse: None, or (has_full, row factor, walk factor) of the per-key-block lists it walks."""
     from flash_attn.cute import cache, kernels
 
-    key = (dtype, int(head_dim), arch, mask_mod, spec, sparse) + ((tuple(scalars),) if scalars else ())
+    key = ((dtype, int(head_dim), arch, mask_mod, spec, sparse) + ((tuple(scalars),) if scalars else ())
+           + ((score_mod, score_mod_bwd) if score_mod is not None else ()))
     fn = _mod_bwd_kernels.get(key)
     if fn is None:
         with cache._lock:
@@ -382,7 +386,7 @@ def mod_bwd_kernel(dtype, head_dim, arch, mask_mod, spec, sparse=None, scalars=(
                     raise NotImplementedError("mask_mod kernels need apache-tvm-ffi")
                 fn = _mod_bwd_kernels[key] = kernels._ffi_function(
                     kernels.compile_bwd(dtype, head_dim, False, arch, mask_mod=mask_mod, spec=spec, sparse=sparse,
-                                        scalars=scalars))
+                                        scalars=scalars, score_mod=score_mod, score_mod_bwd=score_mod_bwd))
     return fn
 
 
@@ -406,20 +410,20 @@ def mask_lists_bwd(mask_mod, B, H, Sq, Sk, block_m, block_n, device, scalars=(()
     return lists
 
 
-class MaskModAttention(torch.autograd.Function):
-    """forward() of a mask_mod and / or block-sparse call (lists built from a mask_mod that reads no aux tensor when
-    none are given), backward by the backward kernel with the same mask_mod, walking the backward's lists (the
-    caller's block_sparse_tensors_bwd, or built from the mask_mod as the forward's). args: (softmax_scale, arch,
-    mask_mod, aux_tensors, block_sparse, block_sparse_bwd, aux_scalars); dense, no causal / window / softcap /
-    score_mod (check_call)."""
+class ModAttention(torch.autograd.Function):
+    """forward() of a call with mods and / or block sparsity (lists built from a mask_mod that reads no aux tensor
+    when none are given), backward by the backward kernel with the same mask_mod and score_mod (its gradient from
+    score_mod_bwd), walking the backward's lists (the caller's block_sparse_tensors_bwd, or built from the mask_mod as
+    the forward's). args: (softmax_scale, arch, score_mod, score_mod_bwd, mask_mod, aux_tensors, block_sparse,
+    block_sparse_bwd, aux_scalars); dense, no causal / window / softcap (check_call)."""
 
     @staticmethod
     def forward(ctx, q, k, v, args):
-        softmax_scale, arch, mask_mod, aux_tensors, block_sparse, _, aux_scalars = args
+        softmax_scale, arch, score_mod, _, mask_mod, aux_tensors, block_sparse, _, aux_scalars = args
         from flash_attn.cute.plan import _UNBOUNDED
 
-        out, lse = forward(q, k, v, softmax_scale, False, arch, _UNBOUNDED, _UNBOUNDED, None, mask_mod, aux_tensors,
-                           block_sparse, aux_scalars)
+        out, lse = forward(q, k, v, softmax_scale, False, arch, _UNBOUNDED, _UNBOUNDED, score_mod, mask_mod,
+                           aux_tensors, block_sparse, aux_scalars)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = args
         ctx.set_materialize_grads(False)
@@ -430,7 +434,8 @@ class MaskModAttention(torch.autograd.Function):
         from flash_attn.cute import block_sparsity, kernels, launch, settings
 
         q, k, v, out, lse = ctx.saved_tensors
-        softmax_scale, arch, mask_mod, aux_tensors, _, block_sparse_bwd, aux_scalars = ctx.args
+        (softmax_scale, arch, score_mod, score_mod_bwd, mask_mod, aux_tensors, _, block_sparse_bwd,
+         aux_scalars) = ctx.args
         scalars = scalar_spec(aux_scalars)
         if dout is None:
             dout = torch.zeros_like(out)
@@ -439,7 +444,7 @@ class MaskModAttention(torch.autograd.Function):
         spec = aux_spec(aux_tensors, q.device)
         B, Sq, H, D = q.shape
         Sk = k.shape[1]
-        block_m = kernels.bwd_config(q.dtype, D, False, arch).block_m
+        block_m = kernels.mod_bwd_block_m(kernels.bwd_config(q.dtype, D, False, arch), score_mod is not None)
         lists = sparse = None
         if block_sparse_bwd is not None and Sq and Sk:
             call = block_sparsity.normalize_bwd(block_sparse_bwd, B, H, Sq, Sk, block_m, BWD_BLOCK_N, q.device)
@@ -448,7 +453,8 @@ class MaskModAttention(torch.autograd.Function):
             # the forward's rule: lists where the mask_mod reads no aux tensor (mask_lists)
             lists = mask_lists_bwd(mask_mod, B, H, Sq, Sk, block_m, BWD_BLOCK_N, q.device, scalars)
             sparse = (True, 1, 1)
-        fn = mod_bwd_kernel(q.dtype, D, arch, mask_mod, spec, sparse, scalars[0])
+        fn = mod_bwd_kernel(q.dtype, D, arch, mask_mod, spec, sparse, scalars[0], score_mod, score_mod_bwd)
         dq, dk, dv = launch.backward(dout, q, k, v, out, lse, softmax_scale, False, arch, dlse=dlse,
-                                     mod=(fn, tuple(aux_tensors) if spec else None, lists, scalars[1] or None))
+                                     mod=(fn, tuple(aux_tensors) if spec else None, lists, scalars[1] or None,
+                                          block_m))
         return dq, dk, dv, None

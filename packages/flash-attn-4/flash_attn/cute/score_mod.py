@@ -101,12 +101,14 @@ class ScoreMods:
     visited key block (the mask_mod, with block sparsity, to the partial ones only), before AttentionMask.apply
     (which still masks keys past Sk and the causal / window edges)."""
 
-    def __init__(self, score_mod, mask_mod, has_aux, block_q, block_n, sparse=None, scalars=()):
+    def __init__(self, score_mod, mask_mod, has_aux, block_q, block_n, sparse=None, scalars=(), score_mod_bwd=None):
         if score_mod is None and mask_mod is None and sparse is None:
             raise ValueError("ScoreMods needs a score_mod, a mask_mod or block sparsity")
         self.sparse = sparse
         self.scalars = tuple(scalars)  # the aux scalars' kinds ("i" Int32, "f" Float32)
         self.score_scalars = score_mod is not None and takes_scalars(score_mod)
+        self.score_mod_bwd = score_mod_bwd  # the backward kernel's: the gradient through score_mod
+        self.bwd_scalars = score_mod_bwd is not None and takes_scalars(score_mod_bwd)
         self.mask_scalars = mask_mod is not None and takes_scalars(mask_mod)
         self.score_mod = score_mod
         self.mask_mod = mask_mod
@@ -227,3 +229,60 @@ class ScoreMods:
                 keep = flag[0]
             if not keep:
                 acc_S[i] = -Float32.inf
+
+    def _transposed_indices(self, tScS, i, m_block, n_block, sl):
+        """(query, key) positions of S^T's element i (tScS: (key, query) coordinates), clamped as _index does."""
+        row = m_block * self.block_q + tScS[i][1]
+        col = n_block * self.block_n + tScS[i][0]
+        return self._index(row, sl.seqlen_q), self._index(col, sl.seqlen_k)
+
+    @cute.jit
+    def score_transposed(self, acc_S, rZ, tScS, m_block, n_block, ctx):
+        """The backward's S^T: rZ = the scaled scores (softmax_scale * s, what score_mod sees; kept for
+        score_mod_bwd), acc_S = score_mod's result, in vec-sized groups of adjacent elements (queries of one key)."""
+        sl = ctx.seqlens
+        aux = ctx.aux
+        vec = self.vec
+        for i0 in cutlass.range_constexpr(0, cute.size(acc_S), vec):
+            scores, qs, ks = [], [], []
+            for j in cutlass.range_constexpr(vec):
+                z = acc_S[i0 + j] * ctx.softmax_scale
+                rZ[i0 + j] = z
+                qi, ki = self._transposed_indices(tScS, i0 + j, m_block, n_block, sl)
+                scores.append(z)
+                qs.append(qi)
+                ks.append(ki)
+            extra = {"aux_scalars": ctx.scalars} if cutlass.const_expr(self.score_scalars) else {}
+            out = self.score_mod(self._ssa(scores, Float32), self._ssa([ctx.batch] * vec, Int32),
+                                 self._ssa([ctx.head] * vec, Int32), q_idx=self._ssa(qs, Int32),
+                                 kv_idx=self._ssa(ks, Int32), seqlen_info=sl,
+                                 aux_tensors=aux if cutlass.const_expr(aux is not None) else (), **extra)
+            res = cute.make_rmem_tensor(vec, Float32)
+            res.store(out.to(Float32))
+            for j in cutlass.range_constexpr(vec):
+                acc_S[i0 + j] = res[j]
+
+    @cute.jit
+    def grad_transposed(self, acc_dS, rZ, tScS, m_block, n_block, ctx):
+        """The backward's dS^T, in place: score_mod_bwd(grad = dS^T, score = rZ, ...), the gradient with respect to the
+        scaled score (the kernel's softmax_scale on dK and dQ then makes it the raw score's)."""
+        sl = ctx.seqlens
+        aux = ctx.aux
+        vec = self.vec
+        for i0 in cutlass.range_constexpr(0, cute.size(acc_dS), vec):
+            grads, scores, qs, ks = [], [], [], []
+            for j in cutlass.range_constexpr(vec):
+                qi, ki = self._transposed_indices(tScS, i0 + j, m_block, n_block, sl)
+                grads.append(acc_dS[i0 + j])
+                scores.append(rZ[i0 + j])
+                qs.append(qi)
+                ks.append(ki)
+            extra = (ctx.scalars,) if cutlass.const_expr(self.bwd_scalars) else ()
+            out = self.score_mod_bwd(self._ssa(grads, Float32), self._ssa(scores, Float32),
+                                     self._ssa([ctx.batch] * vec, Int32), self._ssa([ctx.head] * vec, Int32),
+                                     self._ssa(qs, Int32), self._ssa(ks, Int32), sl,
+                                     aux if cutlass.const_expr(aux is not None) else (), *extra)
+            res = cute.make_rmem_tensor(vec, Float32)
+            res.store(out.to(Float32))
+            for j in cutlass.range_constexpr(vec):
+                acc_dS[i0 + j] = res[j]
