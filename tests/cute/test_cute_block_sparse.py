@@ -784,3 +784,12 @@ def test_aux_scalars_match_the_reference(cute_env, limit):
     for name, got, r, lp in zip("oqkv", (out, q.grad, k.grad, v.grad), (ref, *ref_grads), (ref_lp, *lp_grads)):
         err = (got.float() - r).abs().max().item()
         assert err <= 2 * (lp - r).abs().max().item() + r.abs().max().item() * 2 ** -8, name
+
+
+def test_a_deterministic_mods_backward_is_refused(cute_env, monkeypatch):
+    cute_env()
+    monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")
+    q, k, v = _qkv()
+    q.requires_grad_()
+    with pytest.raises(NotImplementedError, match="deterministic"):
+        interface.flash_attn_func(q, k, v, mask_mod=m.causal_mask, deterministic=True)

@@ -88,11 +88,11 @@ def flash_attn_func(q, k, v, qv=None, gather_kv_indices=None, softmax_scale=None
     the mask_mod runs on the partial ones; with gradients block_sparse_tensors_bwd too, the key tiles' lists): FA4's
     (calling convention in score_mod.py); their backward (a score_mod's through score_mod_bwd, FA4's gradient function)
     on dense calls (mods.check_call lists what they do not combine with yet); aux_scalars: FA4's runtime scalars for
-    mods with an aux_scalars parameter. qv and gather_kv_indices raise NotImplementedError when given. Causal and sliding-window masks are bottom-right aligned: query i
-    sees key j iff j - (i + Sk - Sq) lies in [-window_size[0], window_size[1]] (None: no limit on that side;
-    negative sizes are literal, as in FA4, except that two sizes with a negative sum mean no window; causal sets
-    the right size to 0; see _options; the gradients of a negative size raise NotImplementedError for now).
-    softcap > 0: scores become
+    mods with an aux_scalars parameter. qv and gather_kv_indices raise NotImplementedError when given.
+    Causal and sliding-window masks are bottom-right aligned: query i sees key j iff j - (i + Sk - Sq) lies in
+    [-window_size[0], window_size[1]] (None: no limit on that side; negative sizes are literal, as in FA4, except
+    that two sizes with a negative sum mean no window; causal sets the right size to 0; see _options; the gradients
+    of a negative size raise NotImplementedError for now). softcap > 0: scores become
     softcap * tanh(scale * q.k / softcap). learnable_sink: None or (H,) fp32/bf16/fp16 logits, one per
     query head, that join every softmax row as a term exp(sink) with no value (not scaled by
     softmax_scale; lse includes it, a row that sees no key gets out 0 and lse = sink); its gradient
@@ -128,7 +128,7 @@ def flash_attn_func(q, k, v, qv=None, gather_kv_indices=None, softmax_scale=None
                 or block_sparse_tensors_bwd is not None or score_mod_bwd is not None):
             return _mods_func(q, k, v, softmax_scale, causal, window_size, learnable_sink, softcap, score_mod,
                               mask_mod, aux_tensors, return_lse, block_sparse_tensors, block_sparse_tensors_bwd,
-                              aux_scalars, score_mod_bwd)
+                              aux_scalars, score_mod_bwd, deterministic)
     if Bk != B or Bv != Bk or Sv != Sk or Hv != Hk or Dk != D:
         raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if D not in SUPPORTED_HEAD_DIMS or (Dv != D and (D, Dv) not in HEAD_DIM_PAIRS):
@@ -195,7 +195,8 @@ def flash_attn_func(q, k, v, qv=None, gather_kv_indices=None, softmax_scale=None
 
 
 def _mods_func(q, k, v, softmax_scale, causal, window_size, learnable_sink, softcap, score_mod, mask_mod,
-               aux_tensors, return_lse, block_sparse=None, block_sparse_bwd=None, aux_scalars=None, score_mod_bwd=None):
+               aux_tensors, return_lse, block_sparse=None, block_sparse_bwd=None, aux_scalars=None, score_mod_bwd=None,
+               deterministic=False):
     """flash_attn_func with score_mod / mask_mod / aux_tensors / block_sparse_tensors (mods.py). num_splits
     and pack_gqa are performance hints here: the mod kernel runs unsplit and unpacked, the same result."""
     if k.shape[0] != q.shape[0] or v.shape[:3] != k.shape[:3] or k.shape[3] != q.shape[3]:
@@ -209,6 +210,9 @@ def _mods_func(q, k, v, softmax_scale, causal, window_size, learnable_sink, soft
     arch = _device_arch(q, k, v)
     scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
     if _autograd.needs_grad(q, k, v, None):  # check_call refused what has no backward
+        if deterministic:
+            raise NotImplementedError("flash_attn.cute: a deterministic backward of mods / block sparsity is not "
+                                      "implemented yet (their backward adds dQ in whatever order the CTAs finish)")
         out, lse = _mods.ModAttention.apply(q, k, v, (scale, arch, score_mod, score_mod_bwd, mask_mod, aux_tensors,
                                                       block_sparse, block_sparse_bwd, aux_scalars))
         return out, (lse if return_lse else None)

@@ -60,8 +60,8 @@ def mod_block_n(head_dim, local):
 
 
 MOD_BLOCK_M = 128  # the mod kernels' query tile (two consumer warpgroups, mod_config)
-BWD_HEAD_DIMS = (64, 96, 128)
-BWD_BLOCK_N = 128  # the backward kernel's key block (FlashBwdSm90: 64 per consumer warpgroup)  # flash_bwd_sm90.FlashBwdSm90.HEAD_DIMS (kept here: checking a call imports no CuTeDSL)
+BWD_HEAD_DIMS = (64, 96, 128)  # flash_bwd_sm90.FlashBwdSm90.HEAD_DIMS (kept here: checking a call imports no CuTeDSL)
+BWD_BLOCK_N = 128  # the backward kernel's key block (FlashBwdSm90: 64 per consumer warpgroup)
 
 
 def mod_key(dtype, head_dim, causal, arch, local, varlen, score_mod, mask_mod, spec, sparse=None, block_n=None,
@@ -138,20 +138,19 @@ def compile_fwd_mods(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, loca
     if dump_dir is not None:
         options += f" --keep-ptx --keep-cubin --dump-dir {dump_dir}"
     stream = cutlass.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi)
-    aux_scalars = scalars
-    scalars = (cutlass.Float32(1.0), cutlass.Float32(0.0), cutlass.Int32(0), cutlass.Int32(0))
+    runtime = (cutlass.Float32(1.0), cutlass.Float32(0.0), cutlass.Int32(0), cutlass.Int32(0))  # scale, cap, window
     if varlen:
         q, o, k, v = packed(seqlen_q, heads), packed(seqlen_q, heads), packed(seqlen_k, heads_kv), packed(seqlen_k,
                                                                                                           heads_kv)
         lse = make_fake_tensor(cutlass.Float32, (heads, seqlen_q), (cute.sym_int(), 1), assumed_align=4)
         seqs = [make_fake_tensor(cutlass.Int32, (cute.sym_int(),), (1,), assumed_align=4) for _ in range(3)]
-        return cute.compile(kernel.call_varlen_mods, q, k, v, o, lse, *seqs, cutlass.Int32(0), *scalars, stream, aux,
-                            fake_scalars(aux_scalars), options=options)
+        return cute.compile(kernel.call_varlen_mods, q, k, v, o, lse, *seqs, cutlass.Int32(0), *runtime, stream, aux,
+                            fake_scalars(scalars), options=options)
     q, o, k, v = qkv(seqlen_q, heads), qkv(seqlen_q, heads), qkv(seqlen_k, heads_kv), qkv(seqlen_k, heads_kv)
     lse = make_fake_tensor(cutlass.Float32, (batch, heads, seqlen_q), (cute.sym_int(), cute.sym_int(), 1),
                            assumed_align=4)
     lists = fake_lists(None if sparse is None else sparse[0])
-    return cute.compile(kernel.call_mods, q, k, v, o, lse, *scalars, stream, aux, lists, fake_scalars(aux_scalars),
+    return cute.compile(kernel.call_mods, q, k, v, o, lse, *runtime, stream, aux, lists, fake_scalars(scalars),
                         options=options)
 
 
@@ -244,7 +243,7 @@ def check_call(score_mod, mask_mod, aux_tensors, causal, window_left, window_rig
             raise ValueError("block sparsity with gradients needs block_sparse_tensors_bwd as well (FA4's: per key "
                              "block the query blocks, e.g. block_sparsity.from_block_mask_bwd of the BlockMask)")
         if causal or window_left < _UNBOUNDED or window_right < _UNBOUNDED:
-            raise NotImplementedError("flash_attn.cute: the backward of block sparsity with causal=True or a "
+            raise NotImplementedError("flash_attn.cute: the backward of mods / block sparsity with causal=True or a "
                                       "window_size is not implemented yet (a mask_mod can hold the condition)")
         if D != Dv or D not in BWD_HEAD_DIMS:
             raise NotImplementedError(f"flash_attn.cute: the backward of mods / block sparsity takes head dims "
@@ -263,8 +262,7 @@ def check_call(score_mod, mask_mod, aux_tensors, causal, window_left, window_rig
                          "mask_mod is given; put the causal or window condition into the mask_mod instead")
     if D != Dv or D not in config.SUPPORTED_HEAD_DIMS:
         raise NotImplementedError(f"score_mod / mask_mod / block sparsity: head dims {D} / {Dv}; the kernels' own "
-                                  f"head dims "
-                                  f"{config.SUPPORTED_HEAD_DIMS} with equal q / v head dims only, for now")
+                                  f"head dims {config.SUPPORTED_HEAD_DIMS} with equal q / v head dims only, for now")
 
 
 _mask_lists: dict[tuple, object] = {}  # mask_lists' answers
@@ -294,8 +292,7 @@ def forward(q, k, v, softmax_scale, causal, arch, window_left, window_right, sco
     """Dense forward with mods: q (B, Sq, H, D), k / v (B, Sk, Hk, D) -> (out like q, lse (B, H, Sq) fp32).
     block_sparse: FA4's block_sparse_tensors (block_sparsity.py) or None; None with a mask_mod that reads no aux
     tensor: the lists of mask_lists (FLASH_ATTN_CUTE_DISABLE=mask_sparsity: none). aux_scalars: FA4's (scalar_spec)."""
-    from flash_attn.cute import settings
-    from flash_attn.cute import block_sparsity
+    from flash_attn.cute import block_sparsity, settings
     from flash_attn.cute.launch import _MAX_ELEMS, _MAX_GRID_Z, _kernel_layouts
     from flash_attn.cute.plan import _window_args
 
@@ -363,8 +360,8 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The backward of a mask_mod call: the Hopper backward kernel with the mask_mod (flash_bwd_sm90, entry call_mods),
-# which runs it on every query block of each key block
+# The backward of a call with mods / block sparsity: the Hopper backward kernel with the same mods (flash_bwd_sm90,
+# entry call_mods), walking per-key-block lists of query blocks where it has them
 
 _mod_bwd_kernels: dict[tuple, object] = {}
 
@@ -383,7 +380,7 @@ def mod_bwd_kernel(dtype, head_dim, arch, mask_mod, spec, sparse=None, scalars=(
             fn = _mod_bwd_kernels.get(key)
             if fn is None:
                 if not kernels._tvm_ffi():
-                    raise NotImplementedError("mask_mod kernels need apache-tvm-ffi")
+                    raise NotImplementedError("score_mod / mask_mod kernels need apache-tvm-ffi")
                 fn = _mod_bwd_kernels[key] = kernels._ffi_function(
                     kernels.compile_bwd(dtype, head_dim, False, arch, mask_mod=mask_mod, spec=spec, sparse=sparse,
                                         scalars=scalars, score_mod=score_mod, score_mod_bwd=score_mod_bwd))
