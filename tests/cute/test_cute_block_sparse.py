@@ -198,8 +198,8 @@ def test_api_refuses_what_is_not_served(defaults, monkeypatch):
     q.requires_grad_(True)
     with pytest.raises(ValueError, match="needs block_sparse_tensors_bwd"):
         interface.flash_attn_func(q, k, v, block_sparse_tensors=t)
-    with pytest.raises(NotImplementedError, match="causal"):
-        interface.flash_attn_func(q, k, v, block_sparse_tensors=t, block_sparse_tensors_bwd=t, causal=True)
+    with pytest.raises(NotImplementedError, match="window_size"):
+        interface.flash_attn_func(q, k, v, block_sparse_tensors=t, block_sparse_tensors_bwd=t, window_size=(8, 8))
     with pytest.raises(NotImplementedError, match="softcap"):
         interface.flash_attn_func(q.detach(), k, v, block_sparse_tensors=t, softcap=5.0)
 
@@ -544,7 +544,8 @@ def test_mask_mod_gradients_go_to_the_mask_mod_backward_kernel(cute_env, monkeyp
     docs = [torch.zeros(2, 7, dtype=torch.int32)]
     out, lse = interface.flash_attn_func(q, k, v, mask_mod=m.document_mask, aux_tensors=docs, return_lse=True)
     (out.sum() + lse.sum()).backward()
-    assert built == [(torch.bfloat16, 64, "sm_90a", m.document_mask, ((torch.int32, 2),), None, (), None, None)]
+    assert built == [(torch.bfloat16, 64, "sm_90a", m.document_mask, ((torch.int32, 2),), None, (), None, None,
+                      False)]
     (scale, causal, mod, dlse), = seen
     assert mod[0] == "kernel" and mod[1][0] is docs[0] and mod[2] is None and not causal and dlse is not None
     assert torch.equal(q.grad, torch.ones_like(q)) and torch.equal(v.grad, torch.ones_like(v))
@@ -793,3 +794,22 @@ def test_a_deterministic_mods_backward_is_refused(cute_env, monkeypatch):
     q.requires_grad_()
     with pytest.raises(NotImplementedError, match="deterministic"):
         interface.flash_attn_func(q, k, v, mask_mod=m.causal_mask, deterministic=True)
+
+
+def test_native_causal_reaches_the_mods_backward(cute_env, monkeypatch):
+    from flash_attn.cute import launch
+
+    cute_env()
+    monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")
+    fwd = []
+    monkeypatch.setattr(mods, "forward", lambda q, k, v, scale, causal, arch, wl, wr, *a: fwd.append((causal, wr))
+                        or (torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], q.shape[1])))
+    built, seen = [], []
+    monkeypatch.setattr(mods, "mod_bwd_kernel", lambda *a: built.append(a) or "kernel")
+    monkeypatch.setattr(launch, "backward", lambda dout, q, k, v, out, lse, scale, causal, arch, dlse=None, mod=None:
+                        seen.append(causal) or (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)))
+    q, k, v = (t.requires_grad_() for t in _qkv())
+    interface.flash_attn_func(q, k, v, score_mod=m.rel_bias, score_mod_bwd=m.additive_bwd, causal=True)[0].sum() \
+        .backward()
+    assert fwd == [(True, 0)] and built[-1][-1] is True and seen == [True]
+    assert built[-1][7] is m.rel_bias and built[-1][8] is m.additive_bwd

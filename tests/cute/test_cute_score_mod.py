@@ -386,7 +386,7 @@ def _grads_reference(q, k, v, dout, scale, score_fn, keep, aux, dtype):
 @needs_gpu
 @pytest.mark.parametrize("d", [64, 96, 128])
 @pytest.mark.parametrize("score", ["identity", "rel_bias", "softcap", "alibi_aux"])
-@pytest.mark.parametrize("mask", [None, "causal"])
+@pytest.mark.parametrize("mask", [None, "causal", "native causal"])
 def test_score_mod_gradients_match_the_reference(defaults, d, score, mask):
     torch.manual_seed(9)
     B, H, Hk, Sq, Sk = 2, 4, 2, 300, 517
@@ -398,11 +398,13 @@ def test_score_mod_gradients_match_the_reference(defaults, d, score, mask):
     aux = [torch.rand(H, device="cuda") * 0.1] if score == "alibi_aux" else None
     mask_fn, keep = None, None
     if mask:
-        mask_fn, mask_torch = m.MASK_MODS[mask]
+        mask_fn, mask_torch = m.MASK_MODS["causal"]
         keep = mask_torch(Sq, Sk, "cuda")
+    native = mask == "native causal"  # causal=True instead of the mask_mod
     scale = d ** -0.5
-    out = interface.flash_attn_func(q, k, v, score_mod=fn, score_mod_bwd=m.SCORE_MOD_BWDS[score], mask_mod=mask_fn,
-                                    aux_tensors=aux, softmax_scale=scale)[0]
+    out = interface.flash_attn_func(q, k, v, score_mod=fn, score_mod_bwd=m.SCORE_MOD_BWDS[score],
+                                    mask_mod=None if native else mask_fn, causal=native, aux_tensors=aux,
+                                    softmax_scale=scale)[0]
     out.backward(dout)
     ref, ref_grads = _grads_reference(q, k, v, dout, scale, fn_torch, keep, aux, torch.float32)
     ref_lp, lp_grads = _grads_reference(q, k, v, dout, scale, fn_torch, keep, aux, torch.bfloat16)

@@ -214,7 +214,7 @@ def _mods_func(q, k, v, softmax_scale, causal, window_size, learnable_sink, soft
             raise NotImplementedError("flash_attn.cute: a deterministic backward of mods / block sparsity is not "
                                       "implemented yet (their backward adds dQ in whatever order the CTAs finish)")
         out, lse = _mods.ModAttention.apply(q, k, v, (scale, arch, score_mod, score_mod_bwd, mask_mod, aux_tensors,
-                                                      block_sparse, block_sparse_bwd, aux_scalars))
+                                                      block_sparse, block_sparse_bwd, aux_scalars, bool(causal)))
         return out, (lse if return_lse else None)
     out, lse = _mods.forward(q, k, v, scale, bool(causal), arch, window_left, window_right, score_mod, mask_mod,
                              aux_tensors, block_sparse, aux_scalars)

@@ -242,9 +242,9 @@ def check_call(score_mod, mask_mod, aux_tensors, causal, window_left, window_rig
         if block_sparse is not None and block_sparse_bwd is None:
             raise ValueError("block sparsity with gradients needs block_sparse_tensors_bwd as well (FA4's: per key "
                              "block the query blocks, e.g. block_sparsity.from_block_mask_bwd of the BlockMask)")
-        if causal or window_left < _UNBOUNDED or window_right < _UNBOUNDED:
-            raise NotImplementedError("flash_attn.cute: the backward of mods / block sparsity with causal=True or a "
-                                      "window_size is not implemented yet (a mask_mod can hold the condition)")
+        if window_left < _UNBOUNDED or (window_right < _UNBOUNDED and not causal):
+            raise NotImplementedError("flash_attn.cute: the backward of mods / block sparsity with a window_size is "
+                                      "not implemented yet (a mask_mod can hold the condition)")
         if D != Dv or D not in BWD_HEAD_DIMS:
             raise NotImplementedError(f"flash_attn.cute: the backward of mods / block sparsity takes head dims "
                                       f"{BWD_HEAD_DIMS} (the backward kernel's), got {D} / {Dv}")
@@ -367,13 +367,14 @@ _mod_bwd_kernels: dict[tuple, object] = {}
 
 
 def mod_bwd_kernel(dtype, head_dim, arch, mask_mod, spec, sparse=None, scalars=(), score_mod=None,
-                   score_mod_bwd=None):
+                   score_mod_bwd=None, causal=False):
     """The mask_mod's (or block sparsity's) backward kernel from memory, else compiled (never on disk, as the
-    forward's); sparse: None, or (has_full, row factor, walk factor) of the per-key-block lists it walks."""
+    forward's); sparse: None, or (has_full, row factor, walk factor) of the per-key-block lists it walks; causal: the
+    native causal mask too (bottom-right)."""
     from flash_attn.cute import cache, kernels
 
     key = ((dtype, int(head_dim), arch, mask_mod, spec, sparse) + ((tuple(scalars),) if scalars else ())
-           + ((score_mod, score_mod_bwd) if score_mod is not None else ()))
+           + ((score_mod, score_mod_bwd) if score_mod is not None else ()) + (("causal",) if causal else ()))
     fn = _mod_bwd_kernels.get(key)
     if fn is None:
         with cache._lock:
@@ -382,7 +383,7 @@ def mod_bwd_kernel(dtype, head_dim, arch, mask_mod, spec, sparse=None, scalars=(
                 if not kernels._tvm_ffi():
                     raise NotImplementedError("score_mod / mask_mod kernels need apache-tvm-ffi")
                 fn = _mod_bwd_kernels[key] = kernels._ffi_function(
-                    kernels.compile_bwd(dtype, head_dim, False, arch, mask_mod=mask_mod, spec=spec, sparse=sparse,
+                    kernels.compile_bwd(dtype, head_dim, bool(causal), arch, mask_mod=mask_mod, spec=spec, sparse=sparse,
                                         scalars=scalars, score_mod=score_mod, score_mod_bwd=score_mod_bwd))
     return fn
 
@@ -412,15 +413,15 @@ class ModAttention(torch.autograd.Function):
     when none are given), backward by the backward kernel with the same mask_mod and score_mod (its gradient from
     score_mod_bwd), walking the backward's lists (the caller's block_sparse_tensors_bwd, or built from the mask_mod as
     the forward's). args: (softmax_scale, arch, score_mod, score_mod_bwd, mask_mod, aux_tensors, block_sparse,
-    block_sparse_bwd, aux_scalars); dense, no causal / window / softcap (check_call)."""
+    block_sparse_bwd, aux_scalars, causal); dense, no window or softcap (check_call)."""
 
     @staticmethod
     def forward(ctx, q, k, v, args):
-        softmax_scale, arch, score_mod, _, mask_mod, aux_tensors, block_sparse, _, aux_scalars = args
+        softmax_scale, arch, score_mod, _, mask_mod, aux_tensors, block_sparse, _, aux_scalars, causal = args
         from flash_attn.cute.plan import _UNBOUNDED
 
-        out, lse = forward(q, k, v, softmax_scale, False, arch, _UNBOUNDED, _UNBOUNDED, score_mod, mask_mod,
-                           aux_tensors, block_sparse, aux_scalars)
+        out, lse = forward(q, k, v, softmax_scale, causal, arch, _UNBOUNDED, 0 if causal else _UNBOUNDED, score_mod,
+                           mask_mod, aux_tensors, block_sparse, aux_scalars)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = args
         ctx.set_materialize_grads(False)
@@ -431,8 +432,8 @@ class ModAttention(torch.autograd.Function):
         from flash_attn.cute import block_sparsity, kernels, launch, settings
 
         q, k, v, out, lse = ctx.saved_tensors
-        (softmax_scale, arch, score_mod, score_mod_bwd, mask_mod, aux_tensors, _, block_sparse_bwd,
-         aux_scalars) = ctx.args
+        (softmax_scale, arch, score_mod, score_mod_bwd, mask_mod, aux_tensors, _, block_sparse_bwd, aux_scalars,
+         causal) = ctx.args
         scalars = scalar_spec(aux_scalars)
         if dout is None:
             dout = torch.zeros_like(out)
@@ -441,7 +442,7 @@ class ModAttention(torch.autograd.Function):
         spec = aux_spec(aux_tensors, q.device)
         B, Sq, H, D = q.shape
         Sk = k.shape[1]
-        block_m = kernels.mod_bwd_block_m(kernels.bwd_config(q.dtype, D, False, arch), score_mod is not None)
+        block_m = kernels.mod_bwd_block_m(kernels.bwd_config(q.dtype, D, causal, arch), score_mod is not None)
         lists = sparse = None
         if block_sparse_bwd is not None and Sq and Sk:
             call = block_sparsity.normalize_bwd(block_sparse_bwd, B, H, Sq, Sk, block_m, BWD_BLOCK_N, q.device)
@@ -450,8 +451,8 @@ class ModAttention(torch.autograd.Function):
             # the forward's rule: lists where the mask_mod reads no aux tensor (mask_lists)
             lists = mask_lists_bwd(mask_mod, B, H, Sq, Sk, block_m, BWD_BLOCK_N, q.device, scalars)
             sparse = (True, 1, 1)
-        fn = mod_bwd_kernel(q.dtype, D, arch, mask_mod, spec, sparse, scalars[0], score_mod, score_mod_bwd)
-        dq, dk, dv = launch.backward(dout, q, k, v, out, lse, softmax_scale, False, arch, dlse=dlse,
+        fn = mod_bwd_kernel(q.dtype, D, arch, mask_mod, spec, sparse, scalars[0], score_mod, score_mod_bwd, causal)
+        dq, dk, dv = launch.backward(dout, q, k, v, out, lse, softmax_scale, causal, arch, dlse=dlse,
                                      mod=(fn, tuple(aux_tensors) if spec else None, lists, scalars[1] or None,
                                           block_m))
         return dq, dk, dv, None
