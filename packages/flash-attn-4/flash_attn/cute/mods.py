@@ -273,18 +273,21 @@ def mask_lists(mask_mod, B, H, Sq, Sk, block_n, device, scalars=((), ())):
     (compute_block_sparsity, exhaustive), remembered per (function, shape): such a mask_mod is a pure function of
     the indices, as fixed as the kernel compiled from it (keyed by the same function object). A call then visits
     only the tiles the mask keeps, and runs the mask_mod on the partial ones only. scalars: scalar_spec's (kinds,
-    values) of the call's aux scalars (the values are part of the key: the mask depends on them)."""
+    values) of the call's aux scalars (the values are part of the key: the mask depends on them). Returns the
+    lists checked for the kernel (block_sparsity.SparseCall), so that a call repeats neither step."""
     key = (mask_mod, B, H, Sq, Sk, block_n, device, scalars)
-    lists = _mask_lists.get(key)
-    if lists is None:
+    call = _mask_lists.get(key)
+    if call is None:
+        from flash_attn.cute import block_sparsity
         from flash_attn.cute.compute_block_sparsity import compute_block_sparsity
 
         lists = compute_block_sparsity(MOD_BLOCK_M, block_n, B, H, Sq, Sk, mask_mod, None, device,
                                        aux_scalars=list(scalars[1]) or None)
+        call = block_sparsity.normalize(lists, B, H, Sq, Sk, MOD_BLOCK_M, block_n, device)
         if len(_mask_lists) >= 64:
             _mask_lists.clear()
-        _mask_lists[key] = lists
-    return lists
+        _mask_lists[key] = call
+    return call
 
 
 def forward(q, k, v, softmax_scale, causal, arch, window_left, window_right, score_mod, mask_mod, aux_tensors,
@@ -310,10 +313,10 @@ def forward(q, k, v, softmax_scale, causal, arch, window_left, window_right, sco
         raise NotImplementedError("score_mod / mask_mod: tensors of 2^31 elements or more, or a batch over 65535, "
                                   "are not split into launches yet")
     sparse = None
-    if block_sparse is None and mask_mod is not None and not spec and not settings.disabled("mask_sparsity"):
-        block_sparse = mask_lists(mask_mod, B, H, Sq, Sk, mod_block_n(D, local), q.device, scalar_spec(aux_scalars))
     if block_sparse is not None:
         sparse = block_sparsity.normalize(block_sparse, B, H, Sq, Sk, MOD_BLOCK_M, mod_block_n(D, local), q.device)
+    elif mask_mod is not None and not spec and not settings.disabled("mask_sparsity"):
+        sparse = mask_lists(mask_mod, B, H, Sq, Sk, mod_block_n(D, local), q.device, scalar_spec(aux_scalars))
     q, k, v = _kernel_layouts(q, k, v, D, D)
     out = torch.empty_like(q)
     kinds, values = scalar_spec(aux_scalars)
