@@ -55,19 +55,17 @@ Varlen (call_varlen): the packed tensors as one batch entry, grid z over the seq
 seqlen_info.BwdSeqlens (lse2 / delta padded per sequence).
 tests/cute/test_cute_bwd.py checks it against a reference on a Hopper GPU (its GPU-marked tests).
 """
-import math
-
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32
-from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warp, warpgroup
+from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.memory import SmemAllocator
 
 from flash_attn.cute.bwd_dq import DqAccumulator
 from flash_attn.cute.bwd_entries import BwdEntries
 from flash_attn.cute.bwd_parts import pack_16, pack_pair, transpose_view, unpack_16, unpack_half
-from flash_attn.cute.hopper_helpers import k_atom_for, opaque, smem_layout, tma_tiles
+from flash_attn.cute.hopper_helpers import opaque, tma_tiles
 from flash_attn.cute.mask import AttentionMask
 from flash_attn.cute.score_mod import ScoreMods
 from flash_attn.cute.seqlen_info import BwdSeqlens
@@ -75,7 +73,6 @@ from flash_attn.cute.softmax_exp import EXP2_POLY, emulated_columns, exp2_poly
 from flash_attn.cute.sparse_tiles import SparseTiles
 from flash_attn.cute.tile_scheduler import lpt_tile
 
-LOG2_E = math.log2(math.e)
 
 
 class FlashBwdSm90(BwdEntries):
@@ -234,117 +231,6 @@ class FlashBwdSm90(BwdEntries):
 
     # ------------------------------------------------------------------------------------------------
     # Host side: views, TMA descriptors, launch
-
-    @cute.jit
-    def _host(self, mQ, mK, mV, mdO, mLSE2, mDelta, mdQaccum, mdK, mdV, softmax_scale, stream, window, seqs, sem,
-              softcap=None, aux=None, sparse=None, scalars=None):
-        # (B, S, H, D) -> (S, D, H, B): the first two modes are the tile, the others index the CTA.
-        (mQ, mK, mV, mdO, mdQaccum, mdK, mdV), (mLSE2, mDelta) = self.seqlens.views(
-            (mQ, mK, mV, mdO, mdQaccum, mdK, mdV), (mLSE2, mDelta))
-
-        dt, D, BM, BN, stages = self.dtype, self.head_dim, self.block_m, self.block_n, self.num_stages
-        MN_SW128 = warpgroup.SmemLayoutAtomKind.MN_SW128
-        # The D-wide tiles in the widest swizzle atom whose row (64 / 32 / 16 elements) divides D: 128-byte
-        # atoms at D = 64 / 128, 64-byte ones at D = 96 (192-byte rows).
-        d_atom = k_atom_for(D, dt)
-        sQ_layout = smem_layout(d_atom, dt, (BM, D, stages))
-        sdO_layout = smem_layout(d_atom, dt, (BM, D, stages))
-        # With dq_split, K^T's D rows are split between the warpgroups as WGMMA N: each half must start
-        # on a swizzle atom, so D = 64 uses 64-byte (32-element) atoms and D = 96 (halves of 48) 32-byte
-        # (16-element) ones. (Split by rows, dQ's N is all of D: K keeps D's atoms.)
-        k_atom = k_atom_for(D // 2, dt) if self.dq_split and not self.dq_rows else d_atom
-        sK_layout = smem_layout(k_atom, dt, (BN, D))
-        sV_layout = smem_layout(d_atom, dt, (BN, D))
-        # dS as the A operand of dQ = dS K, M-major (queries contiguous): the S^T accumulator holds
-        # pairs of adjacent queries, which then land as 4-byte stores. Two buffers, so that a warpgroup
-        # writes block j + 1's dS while a slower warp may still be in block j's dQ WGMMA.
-        sdS_layout = smem_layout(MN_SW128, dt, (BM, BN, 2))
-        sLSE_layout = cute.make_layout((BM, stages))
-
-        # S^T = K Q^T and dP^T = V dO^T: keys on M (64 per warpgroup), queries on N.
-        tiled_mma_sdp = cute.make_tiled_mma(
-            cute.make_mma_atom(warpgroup.MmaF16BF16Op(
-                dt, Float32, (64, BM, 16), warpgroup.OperandSource.SMEM,
-                OperandMajorMode.K, OperandMajorMode.K)),
-            (self.NUM_MMA_WARPGROUPS, 1, 1))
-        # dV += P^T dO: A = P^T from the S^T accumulator's registers, B the transposed (D-contiguous,
-        # MN-major) view of the dO tile.
-        tiled_mma_dv = cute.make_tiled_mma(
-            cute.make_mma_atom(warpgroup.MmaF16BF16Op(
-                dt, Float32, (64, D, 16), warpgroup.OperandSource.RMEM,
-                OperandMajorMode.K, OperandMajorMode.MN)),
-            (self.NUM_MMA_WARPGROUPS, 1, 1))
-        # dK += dS^T Q: A = dS^T read back from shared memory (it is there for dQ anyway; from registers
-        # it would stay live next to the dQ accumulator and push D = 128 past 240 registers), B = Q^T.
-        # BLOCK_M = 128 (D = 64): A from the 16-bit dS^T registers, as P^T for dV (they fit there, and
-        # an m64n64k16 with both operands in smem reads 4 KB per 32 tensor-core clocks, all of sm_90's
-        # 128 bytes per clock).
-        tiled_mma_dk = cute.make_tiled_mma(
-            cute.make_mma_atom(warpgroup.MmaF16BF16Op(
-                dt, Float32, (64, D, 16),
-                warpgroup.OperandSource.RMEM if cutlass.const_expr(self.wide) else warpgroup.OperandSource.SMEM,
-                OperandMajorMode.K, OperandMajorMode.MN)),
-            (self.NUM_MMA_WARPGROUPS, 1, 1))
-        # dQ = dS K, A = the M-major dS tile, B = K^T (D contiguous, MN-major). dq_split: N = D split over
-        # the two warpgroups, K = all BLOCK_N keys; else one warpgroup's MMA over its own 64 keys.
-        # dq_rows: M = BM split over the warpgroups, N = D.
-        dq_n, dq_atoms = (D // 2, (1, self.NUM_MMA_WARPGROUPS, 1)) if self.dq_split else (D, (1, 1, 1))
-        if cutlass.const_expr(self.dq_rows):
-            dq_n, dq_atoms = D, (self.NUM_MMA_WARPGROUPS, 1, 1)
-        tiled_mma_dq = cute.make_tiled_mma(
-            cute.make_mma_atom(warpgroup.MmaF16BF16Op(
-                dt, Float32, (64, dq_n, 16), warpgroup.OperandSource.SMEM,
-                OperandMajorMode.MN, OperandMajorMode.MN)),
-            dq_atoms)
-
-        g2s = cpasync.CopyBulkTensorTileG2SOp()
-        tma_q, mQ_tma = cpasync.make_tiled_tma_atom(g2s, mQ, cute.slice_(sQ_layout, (None, None, 0)), (BM, D))
-        tma_do, mdO_tma = cpasync.make_tiled_tma_atom(
-            g2s, mdO, cute.slice_(sdO_layout, (None, None, 0)), (BM, D))
-        tma_k, mK_tma = cpasync.make_tiled_tma_atom(g2s, mK, sK_layout, (BN, D))
-        tma_v, mV_tma = cpasync.make_tiled_tma_atom(g2s, mV, sV_layout, (BN, D))
-        row_layout = cute.make_layout(BM)
-        tma_lse, mLSE2_tma = cpasync.make_tiled_tma_atom(g2s, mLSE2, row_layout, (BM,))
-        tma_delta, mDelta_tma = cpasync.make_tiled_tma_atom(g2s, mDelta, row_layout, (BM,))
-        # dQ tile for the TMA reduce-add: fp32 128-byte swizzle atoms (8 rows x 32 columns; the
-        # accumulator's column pairs land conflict-free), two buffers. TMA drops rows past Sq. Split by D
-        # between the warpgroups, each half is whole atoms: 64-byte ones (8 rows x 16 columns, as
-        # conflict-free) for the halves of 48 columns at D = 96.
-        sdQ_layout = smem_layout(k_atom_for(D // 2 if self.dq_split and not self.dq_rows else D, Float32),
-                                 Float32, (BM, D, 2))
-        tma_dq, mdQ_tma = None, None
-        if cutlass.const_expr(self.dq_tma):
-            tma_dq, mdQ_tma = cpasync.make_tiled_tma_atom(
-                cpasync.CopyReduceBulkTensorTileS2GOp(cute.ReductionKind.ADD), mdQaccum,
-                cute.slice_(sdQ_layout, (None, None, 0)), (BM, D))
-
-        grid = (cute.ceil_div(cute.size(mK, mode=[0]), BN), cute.size(mQ, mode=[2]), cute.size(mQ, mode=[3]))
-        if cutlass.const_expr(self.lpt > 0):
-            grid = (grid[0] * grid[1] * grid[2], 1, 1)
-        tile_seqs = (None, None, None, None)
-        if cutlass.const_expr(seqs is not None):  # x over the longest key sequence, z over the sequences
-            grid = (cute.ceil_div(seqs[4], BN), cute.size(mQ, mode=[2]), cute.size(seqs[0], mode=[0]) - 1)
-            tile_seqs = seqs[:4]
-        # exp2 with log2(e) folded into the scale; soft-capped scores are softcap * tanh(scale * s / softcap): the
-        # scale goes into the tanh argument, softcap * log2(e) multiplies the tanh.
-        scale_log2 = softmax_scale * LOG2_E
-        if cutlass.const_expr(self.mods is not None):
-            if cutlass.const_expr(self.mods.score_mod is not None):  # the scores score_mod returns carry the scale
-                scale_log2 = Float32(LOG2_E)
-        cap = (None, None)
-        if cutlass.const_expr(self.softcap):
-            cap = (softmax_scale / softcap, softcap * LOG2_E)
-            scale_log2 = Float32(1.0)
-        self.kernel(tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma, tma_do, mdO_tma, tma_lse, mLSE2_tma,
-                    tma_delta, mDelta_tma, mdQaccum, tma_dq, mdQ_tma, mdK, mdV, scale_log2,
-                    softmax_scale, cute.size(mQ, mode=[0]), sQ_layout, sdO_layout, sK_layout, sV_layout,
-                    sdS_layout, sdQ_layout, sLSE_layout, tiled_mma_sdp, tiled_mma_dv, tiled_mma_dk,
-                    tiled_mma_dq, *(window if cutlass.const_expr(self.local) else (None, None)), *tile_seqs, sem, *cap,
-                    aux, sparse, scalars).launch(
-            grid=grid, block=(self.num_threads, 1, 1), stream=stream,
-            # .minnctapersm 1 pins the register count at entry (65536 / 384 threads); without it ptxas
-            # may ignore setmaxnreg (C7508) and cap the consumers at 168 registers.
-            min_blocks_per_mp=1)
 
     # ------------------------------------------------------------------------------------------------
     # Device side
