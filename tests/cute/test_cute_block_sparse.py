@@ -565,7 +565,9 @@ def test_mask_mod_gradients_go_to_the_mask_mod_backward_kernel(cute_env, monkeyp
 @pytest.mark.parametrize("kw, err, match", [
     (dict(score_mod=m.rel_bias), ValueError, "needs score_mod_bwd"),
     (dict(mask_mod=m.causal_mask, d=256), NotImplementedError, "head dims"),
-    (dict(score_mod=m.rel_bias, score_mod_bwd=m.additive_bwd, varlen=True), NotImplementedError, "score_mod_bwd"),
+    (dict(score_mod=m.rel_bias, score_mod_bwd=m.additive_bwd, varlen=True, deterministic=True), NotImplementedError,
+     "deterministic"),
+    (dict(score_mod=m.rel_bias, varlen=True), ValueError, "needs score_mod_bwd"),
 ])
 def test_backwards_not_served_are_refused(cute_env, monkeypatch, kw, err, match):
     cute_env()
@@ -813,3 +815,35 @@ def test_native_causal_reaches_the_mods_backward(cute_env, monkeypatch):
         .backward()
     assert fwd == [(True, 0)] and built[-1][-1] is True and seen == [True]
     assert built[-1][7] is m.rel_bias and built[-1][8] is m.additive_bwd
+
+
+def test_varlen_mods_gradients_go_to_the_varlen_backward(cute_env, monkeypatch):
+    from flash_attn.cute import launch
+
+    cute_env()
+    monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")
+    fwd = []
+    monkeypatch.setattr(mods, "forward_varlen", lambda q, k, v, cu_q, cu_k, used_k, max_q, scale, causal, arch, wl,
+                        wr, *rest: fwd.append((max_q, causal, rest)) or (torch.zeros_like(q),
+                                                                         torch.zeros(q.shape[1], q.shape[0])))
+    built, seen = [], []
+    monkeypatch.setattr(mods, "mod_bwd_kernel", lambda *a: built.append(a) or "kernel")
+
+    def fake_backward(dout, q, k, v, out, lse, cu_q, cu_k, used_q, used_k, max_q, max_k, scale, causal, arch,
+                      dlse=None, mod=None):
+        seen.append((max_q, max_k, causal, mod))
+        return torch.ones_like(q), torch.ones_like(k), torch.ones_like(v)
+
+    monkeypatch.setattr(launch, "backward_varlen", fake_backward)
+    q = torch.randn(14, 4, 64, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(14, 2, 64, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(14, 2, 64, dtype=torch.bfloat16, requires_grad=True)
+    cu = torch.tensor([0, 5, 14], dtype=torch.int32)
+    out = interface.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, score_mod=m.scaled,
+                                           score_mod_bwd=m.scaled_bwd, aux_scalars=[0.5], causal=True)[0]
+    out.sum().backward()
+    assert fwd == [(9, True, (m.scaled, None, None, [0.5]))]
+    (max_q, max_k, causal, mod), = seen
+    assert (max_q, max_k, causal) == (9, 9, True) and mod[0] == "kernel" and mod[2] == (0.5,) and mod[3] == 64
+    assert built[-1][6:] == (("f",), m.scaled, m.scaled_bwd, True, True)
+    assert torch.equal(q.grad, torch.ones_like(q))

@@ -72,6 +72,17 @@ class BwdEntries:
                    (mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, max_seqlen_k), mSem, softcap)
 
     @cute.jit
+    def call_varlen_mods(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+                         mLSE2: cute.Tensor, mDelta: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor,
+                         mdV: cute.Tensor, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor,
+                         mSeqUsedQ: cute.Tensor, mSeqUsedK: cute.Tensor, max_seqlen_k: Int32, softmax_scale: Float32,
+                         stream, aux, scalars):
+        """call_varlen for a kernel built with varlen=True and mods (no window, softcap or block sparsity): aux and
+        scalars as call_mods'."""
+        self._host(mQ, mK, mV, mdO, mLSE2, mDelta, mdQaccum, mdK, mdV, softmax_scale, stream, None,
+                   (mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, max_seqlen_k), None, aux=aux, scalars=scalars)
+
+    @cute.jit
     def call_mods(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE2: cute.Tensor,
                   mDelta: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
                   softmax_scale: Float32, stream, aux, sparse, scalars):

@@ -243,16 +243,15 @@ def flash_attn_varlen_func(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=Non
     (B, Sk, Hk, D) with cu_seqlens_k None (likewise with seqused_k); out then has q's batch shape and lse is
     (B, H, Sq). min_seqlen_k, scheduler_metadata (get_scheduler_metadata), seqlen_k_per_split and
     disable_scheduler_metadata are scheduling hints in FA4 that change no result; the kernels here need none of
-    them. score_mod, mask_mod, aux_tensors, aux_scalars: as flash_attn_func's (batch index = the sequence's; q_idx /
-    kv_idx from the sequence's first row; not with page_table or seqused_q yet; forward only). qv,
-    gather_kv_indices, score_mod_bwd and block_sparse_tensors raise NotImplementedError when given."""
+    them. score_mod, mask_mod, aux_tensors, aux_scalars, score_mod_bwd: as flash_attn_func's (batch index = the
+    sequence's; q_idx / kv_idx from the sequence's first row; not with page_table or seqused_q yet). qv,
+    gather_kv_indices and block_sparse_tensors raise NotImplementedError when given."""
     mods = None
     if (qv is not None or gather_kv_indices is not None or score_mod is not None or score_mod_bwd is not None
             or mask_mod is not None or aux_tensors or aux_scalars or block_sparse_tensors is not None):
-        _refuse_unsupported(qv=qv, gather_kv_indices=gather_kv_indices, score_mod_bwd=score_mod_bwd,
-                            block_sparse_tensors=block_sparse_tensors)
-        if _mods.requested(score_mod, mask_mod, aux_tensors) or aux_scalars:
-            mods = (score_mod, mask_mod, aux_tensors, aux_scalars)
+        _refuse_unsupported(qv=qv, gather_kv_indices=gather_kv_indices, block_sparse_tensors=block_sparse_tensors)
+        if _mods.requested(score_mod, mask_mod, aux_tensors) or aux_scalars or score_mod_bwd is not None:
+            mods = (score_mod, mask_mod, aux_tensors, aux_scalars, score_mod_bwd)
     batch_q = isinstance(q, torch.Tensor) and q.dim() == 4 and cu_seqlens_q is None
     batch_k = (page_table is None and isinstance(k, torch.Tensor) and k.dim() == 4 and cu_seqlens_k is None)
     if batch_q:
@@ -326,10 +325,8 @@ def _varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=Non
         if paged or seqused_q is not None:
             raise NotImplementedError("score_mod / mask_mod with page_table or seqused_q is not implemented yet")
         c, left, right, cap = _options(window_size, softcap, causal)
-        if _autograd.needs_grad(q, k, v, None):
-            raise NotImplementedError("flash_attn.cute: the backward of score_mod / mask_mod on varlen calls is not "
-                                      "implemented yet (the forward is); call it without gradients")
-        _mods.check_call(*mods[:3], c, left, right, cap, learnable_sink, False, D, Dv, aux_scalars=mods[3])
+        _mods.check_call(*mods[:3], c, left, right, cap, learnable_sink, _autograd.needs_grad(q, k, v, None), D, Dv,
+                         aux_scalars=mods[3], score_mod_bwd=mods[4])
     if D not in SUPPORTED_HEAD_DIMS or (Dv != D and (D, Dv) not in HEAD_DIM_PAIRS):
         P = _padded_dim(D, Dv)
         out, lse = _varlen_func(_pad_last(q, P), _pad_last(k, P), _pad_last(v, P), cu_seqlens_q, cu_seqlens_k,
@@ -419,6 +416,14 @@ def _varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=Non
         max_seqlen_q = max_q
     elif int(max_seqlen_q) < max_q:
         raise ValueError(f"max_seqlen_q ({max_seqlen_q}) is below the longest sequence ({max_q})")
+    if mods is not None and _autograd.needs_grad(q, k, v, None):  # (check_call refused what has no backward)
+        if deterministic:
+            raise NotImplementedError("flash_attn.cute: a deterministic backward of mods is not implemented yet "
+                                      "(their backward adds dQ in whatever order the CTAs finish)")
+        out, lse = _mods.VarlenModAttention.apply(
+            q, k, v, (float(softmax_scale), arch, mods, cu_seqlens_q, cu_seqlens_k, seqused_k, int(max_seqlen_q),
+                      max(max_k, int(max_seqlen_k or 0)), bool(causal)))
+        return out, (lse if return_lse else None)
     if _autograd.needs_grad(q, k, v, learnable_sink):
         if paged:
             raise NotImplementedError("gradients with page_table (paged K / V is a forward-only path)")
@@ -446,7 +451,7 @@ def _varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=Non
             cu_seqlens_k = keys
     if mods is not None:
         out, lse = _mods.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, int(max_seqlen_q),
-                                        softmax_scale, bool(causal), arch, window_left, window_right, *mods)
+                                        softmax_scale, bool(causal), arch, window_left, window_right, *mods[:4])
     else:
         out, lse = forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, int(max_seqlen_q), softmax_scale,
                                   bool(causal), arch, window_left, window_right, softcap, sink=sink,

@@ -375,7 +375,8 @@ def compile_bwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=Fal
     softmax_scale, aux, lists, scalars)`` with aux tensors of kinds ``spec``, with ``sparse`` ((has_full, row factor,
     walk factor); with or without a mask_mod) the per-key-block lists of query blocks, and aux scalars of kinds
     ``scalars`` (mods.py; never on disk: mods.mod_bwd_kernel); with ``score_mod`` / ``score_mod_bwd`` the kernel's
-    query block is 64 (mod_bwd_block_m)."""
+    query block is 64 (mod_bwd_block_m). ``varlen`` with mods: call_varlen_mods, ``(..., dv, cu_seqlens_q,
+    cu_seqlens_k, seqused_q, seqused_k, max_seqlen_k, softmax_scale, aux, scalars)``."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_tensor
@@ -421,6 +422,11 @@ def compile_bwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=Fal
         seqs = cute.sym_int()
         cu = [make_fake_tensor(cutlass.Int32, (seqs,), (1,), assumed_align=4) for _ in range(2)]
         used = [make_fake_tensor(cutlass.Int32, (cute.sym_int(),), (1,), assumed_align=4) for _ in range(2)]
+        if mask_mod is not None or score_mod is not None:
+            from flash_attn.cute import mods
+
+            return cute.compile(kernel.call_varlen_mods, *tensors, *cu, *used, cutlass.Int32(1), cutlass.Float32(1.0),
+                                stream, mods.fake_aux(spec), mods.fake_scalars(scalars), options=options)
         entry = kernel.call_varlen_deterministic if deterministic else kernel.call_varlen
         return cute.compile(entry, *tensors, *cu, *used, *sem, cutlass.Int32(1), cutlass.Float32(1.0),
                             cutlass.Float32(0.0), cutlass.Int32(0), cutlass.Int32(0), stream, options=options)

@@ -450,13 +450,14 @@ def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grad
 
 def backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
                     max_seqlen_k, softmax_scale, causal, arch="sm_90a", grads=None, dlse=None, window=None,
-                    deterministic=False, softcap=0.0):
+                    deterministic=False, softcap=0.0, mod=None):
     """The varlen backward on validated CUDA inputs: q/out/dout (Tq, H, D), k/v (Tk, Hk, D), lse (and dlse) fp32
     (H, Tq), int32 cu_seqlens (B + 1,), seqused_q / seqused_k None or int32 (B,) (the rows each sequence uses from
     its start; None: all of them), max_seqlen_q / max_seqlen_k at least every sequence's used lengths (the grid is
     sized by them). Rows outside every used range get zero gradients. Otherwise as ``backward`` (the same kernel
     built with varlen=True, FlashBwdSm90.call_varlen / call_varlen_deterministic; one launch for at most
-    _MAX_GRID_Z sequences)."""
+    _MAX_GRID_Z sequences). mod: (kernel, aux, scalars, block_m) of a mods backward (mods.mod_bwd_kernel
+    with varlen=True; no window, softcap or determinism), whose last arguments are aux and scalars."""
     Tq, H, D = q.shape
     Tk, Hk = k.shape[0], k.shape[1]
     batch = cu_seqlens_q.shape[0] - 1
@@ -473,8 +474,11 @@ def backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused
         raise NotImplementedError("flash_attn.cute's deterministic backward has no sliding window")
     capped = softcap > 0.0
     block_m = bwd_config(dtype, D, causal, arch, local, True, deterministic, capped).block_m
-    fn = (_bwd_kernels.get(bwd_mem_key(dtype, D, causal, arch, local, True, deterministic, capped))
-          or bwd_kernel(dtype, D, causal, arch, local, varlen=True, deterministic=deterministic, softcap=capped))
+    if mod is not None:  # (kernel, aux, scalars, block_m) of a mods backward (mods.mod_bwd_kernel, varlen=True)
+        fn, mod_aux, mod_scalars, block_m = mod
+    else:
+        fn = (_bwd_kernels.get(bwd_mem_key(dtype, D, causal, arch, local, True, deterministic, capped))
+              or bwd_kernel(dtype, D, causal, arch, local, varlen=True, deterministic=deterministic, softcap=capped))
     used_q = seqused_q.contiguous() if seqused_q is not None else cu_seqlens_q[1:] - cu_seqlens_q[:-1]
     used_k = seqused_k.contiguous() if seqused_k is not None else cu_seqlens_k[1:] - cu_seqlens_k[:-1]
 
@@ -499,9 +503,9 @@ def backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused
     sem = ((torch.zeros((batch, H, -(-int(max_seqlen_q) // block_m)), dtype=torch.int32, device=q.device),)
            if deterministic else ())
     # as dense tensors of one batch entry (the dense kernel's layouts and TMA descriptors)
+    tail = (float(softcap), *window_args) if mod is None else (mod_aux, mod_scalars)  # the entries' last arguments
     fn(q[None], k[None], v[None], dout[None], lse2[None], delta[None], dq_accum[None], dk_h[None], dv_h[None],
-       cu_seqlens_q, cu_seqlens_k, used_q, used_k, *sem, int(max_seqlen_k), float(softmax_scale), float(softcap),
-       *window_args)
+       cu_seqlens_q, cu_seqlens_k, used_q, used_k, *sem, int(max_seqlen_k), float(softmax_scale), *tail)
     dq = dq_out if dq_out is not None else torch.empty((Tq, H, D), dtype=dtype, device=q.device)
     kv = (dk_h[None], dv_h[None], dk[None], dv[None]) if sums else ()
     (bwd_host.finish if triton_host else bwd_host.finish_torch)(dq_accum[None], dq[None], *kv)

@@ -370,14 +370,15 @@ _mod_bwd_kernels: dict[tuple, object] = {}
 
 
 def mod_bwd_kernel(dtype, head_dim, arch, mask_mod, spec, sparse=None, scalars=(), score_mod=None,
-                   score_mod_bwd=None, causal=False):
+                   score_mod_bwd=None, causal=False, varlen=False):
     """The mask_mod's (or block sparsity's) backward kernel from memory, else compiled (never on disk, as the
     forward's); sparse: None, or (has_full, row factor, walk factor) of the per-key-block lists it walks; causal: the
-    native causal mask too (bottom-right)."""
+    native causal mask too (bottom-right); varlen: the packed sequences' kernel (entry call_varlen_mods)."""
     from flash_attn.cute import cache, kernels
 
     key = ((dtype, int(head_dim), arch, mask_mod, spec, sparse) + ((tuple(scalars),) if scalars else ())
-           + ((score_mod, score_mod_bwd) if score_mod is not None else ()) + (("causal",) if causal else ()))
+           + ((score_mod, score_mod_bwd) if score_mod is not None else ()) + (("causal",) if causal else ())
+           + (("varlen",) if varlen else ()))
     fn = _mod_bwd_kernels.get(key)
     if fn is None:
         with cache._lock:
@@ -386,7 +387,8 @@ def mod_bwd_kernel(dtype, head_dim, arch, mask_mod, spec, sparse=None, scalars=(
                 if not kernels._tvm_ffi():
                     raise NotImplementedError("score_mod / mask_mod kernels need apache-tvm-ffi")
                 fn = _mod_bwd_kernels[key] = kernels._ffi_function(
-                    kernels.compile_bwd(dtype, head_dim, bool(causal), arch, mask_mod=mask_mod, spec=spec, sparse=sparse,
+                    kernels.compile_bwd(dtype, head_dim, bool(causal), arch, varlen=varlen, mask_mod=mask_mod, spec=spec,
+                                        sparse=sparse,
                                         scalars=scalars, score_mod=score_mod, score_mod_bwd=score_mod_bwd))
     return fn
 
@@ -458,4 +460,45 @@ class ModAttention(torch.autograd.Function):
         dq, dk, dv = launch.backward(dout, q, k, v, out, lse, softmax_scale, causal, arch, dlse=dlse,
                                      mod=(fn, tuple(aux_tensors) if spec else None, lists, scalars[1] or None,
                                           block_m))
+        return dq, dk, dv, None
+
+
+class VarlenModAttention(torch.autograd.Function):
+    """forward_varlen() with mods, backward by the varlen backward kernel with the same mods (no block sparsity).
+    args: (softmax_scale, arch, (score_mod, mask_mod, aux_tensors, aux_scalars, score_mod_bwd), cu_seqlens_q,
+    cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k (at least the longest used key count), causal); no window or
+    softcap (check_call)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, args):
+        softmax_scale, arch, mods, cu_q, cu_k, used_k, max_q, _, causal = args
+        from flash_attn.cute.plan import _UNBOUNDED
+
+        out, lse = forward_varlen(q, k, v, cu_q, cu_k, used_k, max_q, softmax_scale, causal, arch, _UNBOUNDED,
+                                  0 if causal else _UNBOUNDED, *mods[:4])
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = args
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        from flash_attn.cute import kernels, launch
+
+        q, k, v, out, lse = ctx.saved_tensors
+        softmax_scale, arch, (score_mod, mask_mod, aux_tensors, aux_scalars, score_mod_bwd), cu_q, cu_k, used_k, \
+            max_q, max_k, causal = ctx.args
+        if dout is None:
+            dout = torch.zeros_like(out)
+        elif dout.stride(-1) != 1:
+            dout = dout.contiguous()
+        spec = aux_spec(aux_tensors, q.device)
+        kinds, values = scalar_spec(aux_scalars)
+        D = q.shape[-1]
+        block_m = kernels.mod_bwd_block_m(kernels.bwd_config(q.dtype, D, causal, arch, varlen=True),
+                                          score_mod is not None)
+        fn = mod_bwd_kernel(q.dtype, D, arch, mask_mod, spec, None, kinds, score_mod, score_mod_bwd, causal, True)
+        dq, dk, dv = launch.backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, None, used_k, max_q, max_k,
+                                            softmax_scale, causal, arch, dlse=dlse,
+                                            mod=(fn, tuple(aux_tensors) if spec else None, values or None, block_m))
         return dq, dk, dv, None
