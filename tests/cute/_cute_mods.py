@@ -38,8 +38,8 @@ def scaled(score, b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors, aux_sca
 
 @cute.jit
 def scalar_limit_mask(b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors, aux_scalars):
-    """Causal and kv < aux_scalars[0] (an Int32)."""
-    return (kv_idx[0] <= q_idx[0]) & (kv_idx[0] < cutlass.Int32(aux_scalars[0]))
+    """Causal and kv < the last aux scalar (an Int32; the call's one list is shared with the score_mod's)."""
+    return (kv_idx[0] <= q_idx[0]) & (kv_idx[0] < cutlass.Int32(aux_scalars[len(aux_scalars) - 1]))
 
 
 @cute.jit

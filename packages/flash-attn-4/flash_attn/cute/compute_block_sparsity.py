@@ -175,6 +175,8 @@ def compute_block_sparsity(tile_m, tile_n, batch_size, num_heads, seqlen_q, seql
     device = torch.device(device)
     if device.type != "cuda":
         raise ValueError(f"compute_block_sparsity runs on a CUDA device, got {device}")
+    if device.index is None:  # "cuda": the current device, as torch places tensors there
+        device = torch.device("cuda", torch.cuda.current_device())
     fast = bool(getattr(mask_mod, "use_fast_sampling", use_fast_sampling))
     kind = block_kinds(tile_m, tile_n, batch_size, num_heads, seqlen_q, seqlen_k, mask_mod, aux_tensors, device, fast,
                        mods.scalar_spec(aux_scalars))
