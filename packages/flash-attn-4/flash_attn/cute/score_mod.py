@@ -160,13 +160,41 @@ class ScoreMods:
         return frag.load()
 
     @cute.jit
+    def _score_group(self, acc_S, i0, scores, qs, ks, ctx):
+        """acc_S[i0 .. i0 + vec) = score_mod of the group's (scaled) scores at query / key positions qs / ks."""
+        vec = self.vec
+        aux = ctx.aux
+        extra = {"aux_scalars": ctx.scalars} if cutlass.const_expr(self.score_scalars) else {}
+        out = self.score_mod(self._ssa(scores, Float32), self._ssa([ctx.batch] * vec, Int32),
+                             self._ssa([ctx.head] * vec, Int32), q_idx=self._ssa(qs, Int32),
+                             kv_idx=self._ssa(ks, Int32), seqlen_info=ctx.seqlens,
+                             aux_tensors=aux if cutlass.const_expr(aux is not None) else (), **extra)
+        res = cute.make_rmem_tensor(vec, Float32)
+        res.store(out.to(Float32))
+        for j in cutlass.range_constexpr(vec):
+            acc_S[i0 + j] = res[j]
+
+    @cute.jit
+    def _keep(self, row, col, ctx):
+        """mask_mod at query position ``row`` and key ``col`` (clamped as _index does), as a Boolean."""
+        sl = ctx.seqlens
+        keep = self.mask_mod(self._ssa([ctx.batch], Int32), self._ssa([ctx.head], Int32),
+                             self._ssa([self._index(row, sl.seqlen_q)], Int32),
+                             self._ssa([self._index(col, sl.seqlen_k)], Int32), sl, ctx.aux,
+                             *((ctx.scalars,) if cutlass.const_expr(self.mask_scalars) else ()))
+        if cutlass.const_expr(isinstance(keep, cute.TensorSSA)):
+            flag = cute.make_rmem_tensor(1, cutlass.Boolean)
+            flag.store(keep)
+            keep = flag[0]
+        return keep
+
+    @cute.jit
     def apply(self, acc_S, tScS, m_block, n_block, ctx, partial=None):
         """acc_S (an m64nNk16 accumulator, tile coordinates tScS) of key block n_block of query tile m_block, in
         place: score_mod's result (scores scaled by ctx.softmax_scale first), -inf where mask_mod is False.
         partial (block sparsity): whether the block is a partial one, the only kind the mask_mod runs on; None:
         it runs on every block."""
         sl = ctx.seqlens
-        aux = ctx.aux
         if cutlass.const_expr(self.score_mod is not None):
             vec = self.vec
             for i0 in cutlass.range_constexpr(0, cute.size(acc_S), vec):
@@ -176,15 +204,7 @@ class ScoreMods:
                     scores.append(acc_S[i0 + j] * ctx.softmax_scale)
                     qs.append(self._index(row, sl.seqlen_q))
                     ks.append(self._index(n_block * self.block_n + tScS[i0 + j][1], sl.seqlen_k))
-                extra = {"aux_scalars": ctx.scalars} if cutlass.const_expr(self.score_scalars) else {}
-                out = self.score_mod(self._ssa(scores, Float32), self._ssa([ctx.batch] * vec, Int32),
-                                     self._ssa([ctx.head] * vec, Int32), q_idx=self._ssa(qs, Int32),
-                                     kv_idx=self._ssa(ks, Int32), seqlen_info=sl,
-                                     aux_tensors=aux if cutlass.const_expr(aux is not None) else (), **extra)
-                res = cute.make_rmem_tensor(vec, Float32)
-                res.store(out.to(Float32))
-                for j in cutlass.range_constexpr(vec):
-                    acc_S[i0 + j] = res[j]
+                self._score_group(acc_S, i0, scores, qs, ks, ctx)
         if cutlass.const_expr(self.mask_mod is not None):
             if cutlass.const_expr(partial is None):
                 self._mask(acc_S, tScS, m_block, n_block, ctx)
@@ -195,39 +215,17 @@ class ScoreMods:
     @cute.jit
     def _mask(self, acc_S, tScS, m_block, n_block, ctx):
         """-inf in acc_S where mask_mod is False."""
-        sl = ctx.seqlens
-        aux = ctx.aux
         for i in cutlass.range_constexpr(cute.size(acc_S)):
             row, _ = packed_row(tScS[i][0], m_block, self.block_q, 1)
-            col = n_block * self.block_n + tScS[i][1]
-            keep = self.mask_mod(self._ssa([ctx.batch], Int32), self._ssa([ctx.head], Int32),
-                                 self._ssa([self._index(row, sl.seqlen_q)], Int32),
-                                 self._ssa([self._index(col, sl.seqlen_k)], Int32), sl, aux,
-                                 *((ctx.scalars,) if cutlass.const_expr(self.mask_scalars) else ()))
-            if cutlass.const_expr(isinstance(keep, cute.TensorSSA)):
-                flag = cute.make_rmem_tensor(1, cutlass.Boolean)
-                flag.store(keep)
-                keep = flag[0]
-            if not keep:
+            if not self._keep(row, n_block * self.block_n + tScS[i][1], ctx):
                 acc_S[i] = -Float32.inf
 
     @cute.jit
     def mask_transposed(self, acc_S, tScS, m_block, n_block, ctx):
         """The backward's S^T (tScS: (key, query) coordinates; block_q query rows per block m_block, block_n keys
         per key block n_block): -inf where mask_mod is False."""
-        sl = ctx.seqlens
         for i in cutlass.range_constexpr(cute.size(acc_S)):
-            row = m_block * self.block_q + tScS[i][1]
-            col = n_block * self.block_n + tScS[i][0]
-            keep = self.mask_mod(self._ssa([ctx.batch], Int32), self._ssa([ctx.head], Int32),
-                                 self._ssa([self._index(row, sl.seqlen_q)], Int32),
-                                 self._ssa([self._index(col, sl.seqlen_k)], Int32), sl, ctx.aux,
-                                 *((ctx.scalars,) if cutlass.const_expr(self.mask_scalars) else ()))
-            if cutlass.const_expr(isinstance(keep, cute.TensorSSA)):
-                flag = cute.make_rmem_tensor(1, cutlass.Boolean)
-                flag.store(keep)
-                keep = flag[0]
-            if not keep:
+            if not self._keep(m_block * self.block_q + tScS[i][1], n_block * self.block_n + tScS[i][0], ctx):
                 acc_S[i] = -Float32.inf
 
     def _transposed_indices(self, tScS, i, m_block, n_block, sl):
@@ -241,7 +239,6 @@ class ScoreMods:
         """The backward's S^T: rZ = the scaled scores (softmax_scale * s, what score_mod sees; kept for
         score_mod_bwd), acc_S = score_mod's result, in vec-sized groups of adjacent elements (queries of one key)."""
         sl = ctx.seqlens
-        aux = ctx.aux
         vec = self.vec
         for i0 in cutlass.range_constexpr(0, cute.size(acc_S), vec):
             scores, qs, ks = [], [], []
@@ -252,15 +249,7 @@ class ScoreMods:
                 scores.append(z)
                 qs.append(qi)
                 ks.append(ki)
-            extra = {"aux_scalars": ctx.scalars} if cutlass.const_expr(self.score_scalars) else {}
-            out = self.score_mod(self._ssa(scores, Float32), self._ssa([ctx.batch] * vec, Int32),
-                                 self._ssa([ctx.head] * vec, Int32), q_idx=self._ssa(qs, Int32),
-                                 kv_idx=self._ssa(ks, Int32), seqlen_info=sl,
-                                 aux_tensors=aux if cutlass.const_expr(aux is not None) else (), **extra)
-            res = cute.make_rmem_tensor(vec, Float32)
-            res.store(out.to(Float32))
-            for j in cutlass.range_constexpr(vec):
-                acc_S[i0 + j] = res[j]
+            self._score_group(acc_S, i0, scores, qs, ks, ctx)
 
     @cute.jit
     def grad_transposed(self, acc_dS, rZ, tScS, m_block, n_block, ctx):
