@@ -12,7 +12,9 @@ import dataclasses
 
 import torch
 
-from flash_attn.cute import config
+from flash_attn.cute import block_sparsity, config, settings
+from flash_attn.cute.launch import _MAX_ELEMS, _MAX_GRID_Z, _kernel_layouts
+from flash_attn.cute.plan import _UNBOUNDED, _window_args
 
 _mod_kernels: dict[tuple, object] = {}  # mod_key(...) -> callable
 
@@ -186,6 +188,12 @@ def fake_lists(has_full):
     return tuple(ints(r) for r in ((3, 4, 3, 4) if has_full else (3, 4)))
 
 
+def _takes_scalars(fn):
+    from flash_attn.cute.score_mod import takes_scalars  # (imports CuTeDSL: only calls with aux scalars get here)
+
+    return takes_scalars(fn)
+
+
 def mod_kernel(dtype, head_dim, causal, arch, local, varlen, score_mod, mask_mod, spec, sparse=None, block_n=None,
                scalars=()):
     """The mod kernel from memory, else compiled (never on disk: see the module docstring)."""
@@ -218,15 +226,11 @@ def check_call(score_mod, mask_mod, aux_tensors, causal, window_left, window_rig
                needs_grad, D, Dv, block_sparse=None, block_sparse_bwd=None, aux_scalars=None, score_mod_bwd=None):
     """Raises for a mod call this package does not serve (NotImplementedError: the backward, ...) or that FA4
     rejects (ValueError). Block sparsity alone (no mod) is a mod call: its kernel is a mod kernel."""
-    from flash_attn.cute.plan import _UNBOUNDED
-
-    from flash_attn.cute.score_mod import takes_scalars
-
     if score_mod is None and mask_mod is None and aux_tensors:
         raise ValueError("aux_tensors without a score_mod or mask_mod: nothing reads them")
     if score_mod_bwd is not None and score_mod is None:
         raise ValueError("score_mod_bwd without a score_mod: nothing to differentiate")
-    if aux_scalars and not any(f is not None and takes_scalars(f) for f in (score_mod, mask_mod, score_mod_bwd)):
+    if aux_scalars and not any(f is not None and _takes_scalars(f) for f in (score_mod, mask_mod, score_mod_bwd)):
         raise ValueError("aux_scalars without a score_mod or mask_mod that has an aux_scalars parameter: nothing "
                          "reads them")
     scalar_spec(aux_scalars)
@@ -278,7 +282,6 @@ def mask_lists(mask_mod, B, H, Sq, Sk, block_n, device, scalars=((), ())):
     key = (mask_mod, B, H, Sq, Sk, block_n, device, scalars)
     call = _mask_lists.get(key)
     if call is None:
-        from flash_attn.cute import block_sparsity
         from flash_attn.cute.compute_block_sparsity import compute_block_sparsity
 
         lists = compute_block_sparsity(MOD_BLOCK_M, block_n, B, H, Sq, Sk, mask_mod, None, device,
@@ -295,20 +298,14 @@ def forward(q, k, v, softmax_scale, causal, arch, window_left, window_right, sco
     """Dense forward with mods: q (B, Sq, H, D), k / v (B, Sk, Hk, D) -> (out like q, lse (B, H, Sq) fp32).
     block_sparse: FA4's block_sparse_tensors (block_sparsity.py) or None; None with a mask_mod that reads no aux
     tensor: the lists of mask_lists (FLASH_ATTN_CUTE_DISABLE=mask_sparsity: none). aux_scalars: FA4's (scalar_spec)."""
-    from flash_attn.cute import block_sparsity, settings
-    from flash_attn.cute.launch import _MAX_ELEMS, _MAX_GRID_Z, _kernel_layouts
-    from flash_attn.cute.plan import _window_args
-
     B, Sq, H, D = q.shape
     Sk, Hk = k.shape[1], k.shape[2]
     spec = aux_spec(aux_tensors, q.device)
     left, right, local = _window_args(causal, window_left, window_right)
-    out = torch.empty_like(q)
     lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
     if Sk == 0 or B * Sq * H == 0:
-        out.zero_()
         lse.fill_(float("inf"))
-        return out, lse
+        return torch.zeros_like(q), lse
     if B * max(Sq * H, Sk * Hk) * D >= _MAX_ELEMS or B > _MAX_GRID_Z:
         raise NotImplementedError("score_mod / mask_mod: tensors of 2^31 elements or more, or a batch over 65535, "
                                   "are not split into launches yet")
@@ -316,10 +313,11 @@ def forward(q, k, v, softmax_scale, causal, arch, window_left, window_right, sco
     if block_sparse is not None:
         sparse = block_sparsity.normalize(block_sparse, B, H, Sq, Sk, MOD_BLOCK_M, mod_block_n(D, local), q.device)
     elif mask_mod is not None and not spec and not settings.disabled("mask_sparsity"):
-        sparse = mask_lists(mask_mod, B, H, Sq, Sk, mod_block_n(D, local), q.device, scalar_spec(aux_scalars))
+        sparse = mask_lists(mask_mod, B, H, Sq, Sk, mod_block_n(D, local), q.device,
+                            scalar_spec(aux_scalars) if aux_scalars else ((), ()))
     q, k, v = _kernel_layouts(q, k, v, D, D)
     out = torch.empty_like(q)
-    kinds, values = scalar_spec(aux_scalars)
+    kinds, values = scalar_spec(aux_scalars) if aux_scalars else ((), ())
     if sparse is None:
         fn = mod_kernel(q.dtype, D, causal and not local, arch, local, False, score_mod, mask_mod, spec,
                         scalars=kinds)
@@ -336,9 +334,6 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
                    window_left, window_right, score_mod, mask_mod, aux_tensors, aux_scalars=None):
     """Varlen forward with mods: q (total_q, H, D), k / v (total_k, Hk, D), int32 cu_seqlens (B + 1,), seqused_k
     (B,) or None -> (out like q, lse (H, total_q) fp32). Values are checked by the caller (_varlen_func)."""
-    from flash_attn.cute.launch import _MAX_ELEMS, _MAX_GRID_Z
-    from flash_attn.cute.plan import _window_args
-
     Tq, H, D = q.shape
     Tk, Hk = k.shape[0], k.shape[1]
     batch = cu_seqlens_q.shape[0] - 1
@@ -423,7 +418,6 @@ class ModAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, args):
         softmax_scale, arch, score_mod, _, mask_mod, aux_tensors, block_sparse, _, aux_scalars, causal = args
-        from flash_attn.cute.plan import _UNBOUNDED
 
         out, lse = forward(q, k, v, softmax_scale, causal, arch, _UNBOUNDED, 0 if causal else _UNBOUNDED, score_mod,
                            mask_mod, aux_tensors, block_sparse, aux_scalars)
@@ -434,7 +428,7 @@ class ModAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        from flash_attn.cute import block_sparsity, kernels, launch, settings
+        from flash_attn.cute import kernels, launch
 
         q, k, v, out, lse = ctx.saved_tensors
         (softmax_scale, arch, score_mod, score_mod_bwd, mask_mod, aux_tensors, _, block_sparse_bwd, aux_scalars,
@@ -472,7 +466,6 @@ class VarlenModAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, args):
         softmax_scale, arch, mods, cu_q, cu_k, used_k, max_q, _, causal = args
-        from flash_attn.cute.plan import _UNBOUNDED
 
         out, lse = forward_varlen(q, k, v, cu_q, cu_k, used_k, max_q, softmax_scale, causal, arch, _UNBOUNDED,
                                   0 if causal else _UNBOUNDED, *mods[:4])
