@@ -150,3 +150,13 @@ SCORE_MOD_BWDS = {"identity": additive_bwd, "rel_bias": additive_bwd, "softcap":
                   "alibi_aux": additive_bwd}
 MASK_MODS = {"causal": (causal_mask, causal_mask_torch), "window": (window_mask, window_mask_torch),
              "document": (document_mask, document_mask_torch)}
+
+
+def assert_close_to_oracle(got, refs, lps, names="oqkv", where=()):
+    """FlashAttention's criterion per tensor: max |got - fp32 oracle| <= 2 x the max error of the same computation in
+    PyTorch at the input dtype (lps) + the dtype's rounding of the oracle's largest value (bf16: 2^-8)."""
+    for name, g, r, lp in zip(names, got, refs, lps):
+        err = (g.float() - r).abs().max().item()
+        bound = 2 * (lp - r).abs().max().item() + r.abs().max().item() * 2 ** -8
+        assert err <= bound, (*where, name, err, bound)
+

@@ -633,10 +633,7 @@ def test_mask_mod_gradients_match_the_reference(cute_env, d, mask, Sq, Sk, lists
     out.backward(dout)
     ref, ref_grads = _grads_reference(q, k, v, dout, keep, torch.float32)
     ref_lp, lp_grads = _grads_reference(q, k, v, dout, keep, torch.bfloat16)
-    for name, got, r, lp in zip("oqkv", (out, q.grad, k.grad, v.grad), (ref, *ref_grads), (ref_lp, *lp_grads)):
-        err = (got.float() - r).abs().max().item()
-        bound = 2 * (lp - r).abs().max().item() + r.abs().max().item() * 2 ** -8
-        assert err <= bound, (name, err, bound)
+    m.assert_close_to_oracle((out, q.grad, k.grad, v.grad), (ref, *ref_grads), (ref_lp, *lp_grads))
 
 
 def test_backward_lists_from_a_block_mask(cute_env, monkeypatch):
@@ -703,10 +700,7 @@ def test_block_sparse_gradients_match_the_reference(cute_env, d, mask, block):
         keep = seen & (~partial | m.window_mask_torch(Sq, Sk, "cuda"))
     ref, ref_grads = _grads_reference(q, k, v, dout, keep, torch.float32)
     ref_lp, lp_grads = _grads_reference(q, k, v, dout, keep, torch.bfloat16)
-    for name, got, r, lp in zip("oqkv", (out, q.grad, k.grad, v.grad), (ref, *ref_grads), (ref_lp, *lp_grads)):
-        err = (got.float() - r).abs().max().item()
-        bound = 2 * (lp - r).abs().max().item() + r.abs().max().item() * 2 ** -8
-        assert err <= bound, (name, err, bound)
+    m.assert_close_to_oracle((out, q.grad, k.grad, v.grad), (ref, *ref_grads), (ref_lp, *lp_grads))
 
 
 # --- aux_scalars ------------------------------------------------------------------------------------------------
@@ -784,9 +778,7 @@ def test_aux_scalars_match_the_reference(cute_env, limit):
     out.backward(dout)
     ref, ref_grads = _grads_reference(q, k, v, dout, keep, torch.float32)
     ref_lp, lp_grads = _grads_reference(q, k, v, dout, keep, torch.bfloat16)
-    for name, got, r, lp in zip("oqkv", (out, q.grad, k.grad, v.grad), (ref, *ref_grads), (ref_lp, *lp_grads)):
-        err = (got.float() - r).abs().max().item()
-        assert err <= 2 * (lp - r).abs().max().item() + r.abs().max().item() * 2 ** -8, name
+    m.assert_close_to_oracle((out, q.grad, k.grad, v.grad), (ref, *ref_grads), (ref_lp, *lp_grads))
 
 
 def test_a_deterministic_mods_backward_is_refused(cute_env, monkeypatch):
