@@ -153,13 +153,14 @@ def normalize(tensors, B, H, Sq, Sk, block_m, block_n, device, adjust=True):
             raise ValueError(f"block_sparse_tensors.{name}_block_idx has no entry (dim 3 is 0)")
     # One (Bs, Hs) for all: a dim is shared (size 1) where every tensor has size 1 or stride 0 (an expanded tensor
     # is read once); a tensor that is shared where another is not is materialised.
+    # (Views only where a dim needs it: this runs per call.)
     ts = [t for pair in pairs for t in pair[:2]]
     if all(t.shape[0] == 1 or t.stride(0) == 0 for t in ts):
-        ts = [t[:1] for t in ts]
+        ts = [t[:1] if t.shape[0] > 1 else t for t in ts]
     if all(t.shape[1] == 1 or t.stride(1) == 0 for t in ts):
-        ts = [t[:, :1] for t in ts]
+        ts = [t[:, :1] if t.shape[1] > 1 else t for t in ts]
     Bs, Hs = max(t.shape[0] for t in ts), max(t.shape[1] for t in ts)
-    ts = [t.expand(Bs, Hs, *t.shape[2:]) for t in ts]
+    ts = [t if t.shape[0] == Bs and t.shape[1] == Hs else t.expand(Bs, Hs, *t.shape[2:]) for t in ts]
     ts = [t.contiguous() if (Bs > 1 and t.stride(0) == 0) or (Hs > 1 and t.stride(1) == 0) else t for t in ts]
     return SparseCall(tuple(ts), block_n, bq // block_m, bk // block_n)
 
