@@ -4,7 +4,9 @@ already multiplied by the softmax scale, or the boolean mask to keep). Importing
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import Float32
+from cutlass import Float32, Uint32
+
+from flash_attn.cute import utils
 
 SOFTCAP = 30.0
 REL_SCALE = 0.01
@@ -103,6 +105,16 @@ def document_causal_mask(b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
     return same & (kv_idx[0] <= q_idx[0])
 
 
+@cute.jit
+def shift_mask(b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+    """FA4's mod helpers (flash_attn.cute.utils) with counts past 31: keep iff kv % 40 < 32 or q % 37 >= 32 (a shift
+    by 32 or more gives 0, as PTX's)."""
+    low = utils.shr_u32(Uint32(0xFFFFFFFF), Uint32(kv_idx[0] % 40)) & Uint32(1)
+    high = utils.shl_u32(Uint32(1), Uint32(q_idx[0] % 37))
+    one, zero = utils.scalar_to_ssa(1, Uint32), utils.scalar_to_ssa(0, Uint32)
+    return (utils.scalar_to_ssa(low, Uint32) == one) | (utils.scalar_to_ssa(high, Uint32) == zero)
+
+
 # Their plain-PyTorch meaning. Scores s: (B, H, Sq, Sk) fp32 scaled; masks broadcast to it.
 
 def _pos(Sq, Sk, device):
@@ -144,12 +156,17 @@ def document_mask_torch(Sq, Sk, device, aux):
     return (docs[:, :Sq, None] == docs[:, None, :Sk])[:, None]  # (B, 1, Sq, Sk)
 
 
+def shift_mask_torch(Sq, Sk, device, aux=None):
+    q, k = _pos(Sq, Sk, device)
+    return (k % 40 < 32) | (q % 37 >= 32)
+
+
 SCORE_MODS = {"identity": (identity, identity_torch), "rel_bias": (rel_bias, rel_bias_torch),
               "softcap": (softcap, softcap_torch), "alibi_aux": (alibi_aux, alibi_aux_torch)}
 SCORE_MOD_BWDS = {"identity": additive_bwd, "rel_bias": additive_bwd, "softcap": softcap_bwd,
                   "alibi_aux": additive_bwd}
 MASK_MODS = {"causal": (causal_mask, causal_mask_torch), "window": (window_mask, window_mask_torch),
-             "document": (document_mask, document_mask_torch)}
+             "document": (document_mask, document_mask_torch), "shift": (shift_mask, shift_mask_torch)}
 
 
 def assert_close_to_oracle(got, refs, lps, names="oqkv", where=()):

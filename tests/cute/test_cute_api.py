@@ -608,8 +608,15 @@ def test_low_level_entry_points(alone):
                         window_right=0)
     for name, g, w in zip(("dq", "dk", "dv", "dsink"), grads, want):
         torch.testing.assert_close(g.double(), w, rtol=5e-3, atol=5e-3, msg=name)
-    with pytest.raises(NotImplementedError, match="does not take score_mod"):
+    # the mods' backward (FA4's): its rules run before any kernel
+    with pytest.raises(ValueError, match="needs score_mod_bwd"):
         interface._flash_attn_bwd(q, k, v, out, dout, lse, score_mod=lambda *a: None)
+    with pytest.raises(NotImplementedError, match="deterministic backward of mods"):
+        interface._flash_attn_bwd(q, k, v, out, dout, lse, mask_mod=lambda *a: None, deterministic=True)
+    with pytest.raises(ValueError, match=r"lse expected \(1, 2, 10\)"):
+        interface._flash_attn_bwd(q, k, v, out, dout, lse[:, :1], mask_mod=lambda *a: None)
+    with pytest.raises(ValueError, match="aux_scalars without a score_mod or mask_mod"):
+        interface._flash_attn_bwd(q, k, v, out, dout, lse, aux_scalars=[1])
 
 
 @pytest.mark.parametrize("varlen", [False, True])

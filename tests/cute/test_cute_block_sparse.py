@@ -498,7 +498,7 @@ def test_mask_mod_calls_get_lists_built_once_per_shape(cute_env, monkeypatch):
 
 @needs_gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("mask", ["causal", "window"])
+@pytest.mark.parametrize("mask", ["causal", "window", "shift"])
 def test_mask_mod_alone_skips_tiles_and_matches(cute_env, mask):
     cute_env()
     torch.manual_seed(4)
@@ -674,9 +674,11 @@ def test_backward_lists_from_a_block_mask(cute_env, monkeypatch):
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("mask", [None, "window"])
 @pytest.mark.parametrize("block", [(128, 128), (256, 128), (128, 256)])
-def test_block_sparse_gradients_match_the_reference(cute_env, d, mask, block):
+@pytest.mark.parametrize("low_level", [False, True])
+def test_block_sparse_gradients_match_the_reference(cute_env, d, mask, block, low_level):
     """Random lists (the forward's per query block, the backward's their transpose, as a BlockMask gives them) with
-    and without a mask_mod: the outputs and gradients of attention over the listed pairs."""
+    and without a mask_mod: the outputs and gradients of attention over the listed pairs, through autograd and
+    through FA4's low-level _flash_attn_fwd / _flash_attn_bwd (whose block_sparse_tensors are the backward's)."""
     from flash_attn.cute.compute_block_sparsity import pack_kinds
 
     cute_env()
@@ -692,8 +694,16 @@ def test_block_sparse_gradients_match_the_reference(cute_env, d, mask, block):
     v = torch.randn(B, Sk, Hk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dout = torch.randn(B, Sq, H, d, device="cuda", dtype=torch.bfloat16)
     fn = m.window_mask if mask else None
-    out = interface.flash_attn_func(q, k, v, mask_mod=fn, block_sparse_tensors=fwd, block_sparse_tensors_bwd=bwd)[0]
-    out.backward(dout)
+    if low_level:
+        with torch.no_grad():
+            out, lse, *_ = interface._flash_attn_fwd(q, k, v, mask_mod=fn, block_sparse_tensors=fwd, return_lse=True)
+            for t, g in zip((q, k, v), interface._flash_attn_bwd(q, k, v, out, dout, lse, mask_mod=fn,
+                                                                 block_sparse_tensors=bwd)):
+                t.grad = g
+    else:
+        out = interface.flash_attn_func(q, k, v, mask_mod=fn, block_sparse_tensors=fwd,
+                                        block_sparse_tensors_bwd=bwd)[0]
+        out.backward(dout)
     seen, partial = bs.visited(fwd, B, H, Sq, Sk, block)
     keep = seen
     if mask:
@@ -701,6 +711,61 @@ def test_block_sparse_gradients_match_the_reference(cute_env, d, mask, block):
     ref, ref_grads = _grads_reference(q, k, v, dout, keep, torch.float32)
     ref_lp, lp_grads = _grads_reference(q, k, v, dout, keep, torch.bfloat16)
     m.assert_close_to_oracle((out, q.grad, k.grad, v.grad), (ref, *ref_grads), (ref_lp, *lp_grads))
+
+
+def test_low_level_backward_takes_the_mods(cute_env, monkeypatch):
+    """FA4's _flash_attn_bwd with mods: its block_sparse_tensors are the backward's lists; dense calls go to
+    mods.backward, varlen ones to mods.backward_varlen, with the call's mods and options."""
+    cute_env()
+    monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")
+    from flash_attn.cute import lowlevel
+
+    monkeypatch.setattr(lowlevel.launch, "_device_arch", lambda q, k, v: "sm_90a")
+    seen = []
+    monkeypatch.setattr(mods, "backward", lambda *a: seen.append(("dense", a)) or tuple(torch.ones_like(t)
+                                                                                         for t in a[1:4]))
+    monkeypatch.setattr(mods, "backward_varlen", lambda *a: seen.append(("varlen", a)) or
+                        tuple(torch.ones_like(t) for t in a[1:4]))
+    q, k, v = _qkv()
+    out, dout, lse = torch.zeros_like(q), torch.randn_like(q), torch.zeros(2, 4, 7)
+    tb = _lists(1, 1, 1, 1, torch.ones(1, 1, 1, 1, dtype=torch.bool))
+    dq = torch.empty_like(q)
+    grads = interface._flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=0.5, mask_mod=m.causal_mask,
+                                      block_sparse_tensors=tb, aux_scalars=None, dq=dq)
+    kind, a = seen[-1]
+    assert kind == "dense" and a[7] == 0.5 and a[11] is m.causal_mask and a[13] is tb and grads[0] is dq
+    cu = torch.tensor([0, 7, 14], dtype=torch.int32)
+    flat = [t.flatten(0, 1) for t in (q, k, v, out, dout)]
+    interface._flash_attn_bwd(*flat[:5], torch.zeros(4, 14), score_mod=m.rel_bias, score_mod_bwd=m.additive_bwd,
+                              cu_seqlens_q=cu, cu_seqlens_k=cu)
+    kind, a = seen[-1]
+    assert kind == "varlen" and a[9] is m.rel_bias and a[10] is m.additive_bwd and a[14] is cu and a[17] == 7
+    with pytest.raises(NotImplementedError, match="no block sparsity"):
+        interface._flash_attn_bwd(*flat[:5], torch.zeros(4, 14), mask_mod=m.causal_mask, block_sparse_tensors=tb,
+                                  cu_seqlens_q=cu, cu_seqlens_k=cu)
+
+
+def test_fa4_mod_helpers_compile_to_ptx_shifts(tmp_path):
+    """flash_attn.cute.utils (FA4's helpers for mod authors): scalar_to_ssa, and shifts that are PTX's shr / shl."""
+    mods.compile_fwd_mods(torch.bfloat16, 128, False, arch="sm_90a", dump_dir=str(tmp_path), mask_mod=m.shift_mask)
+    ptx, = glob.glob(os.path.join(tmp_path, "**", "*.ptx"), recursive=True)
+    text = open(ptx).read()
+    assert "shr.b32" in text and "shl.b32" in text
+
+
+def test_fast_sampling_marks_and_mod_kernel_caches_are_fa4s():
+    from flash_attn.cute import cache_utils
+
+    def f():
+        pass
+    assert bs.fast_sampling(f) is f and f.use_fast_sampling is True
+    assert interface._flash_attn_fwd.compile_cache is mods._mod_kernels is cache_utils.get_jit_cache("mods_fwd")
+    assert interface._flash_attn_bwd.compile_cache is mods._mod_bwd_kernels
+    c = cache_utils.JITCache()
+    c["k"] = f
+    assert "k" in c and c["k"] is f and len(c.cache) == 1
+    c.clear()
+    assert "k" not in c and cache_utils.get_jit_cache() is not cache_utils.get_jit_cache()
 
 
 # --- aux_scalars ------------------------------------------------------------------------------------------------

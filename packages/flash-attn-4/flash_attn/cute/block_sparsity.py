@@ -107,7 +107,7 @@ def _check_pair(name, cnt, idx, device):
                          f"got {tuple(cnt.shape)} and {tuple(idx.shape)}")
 
 
-def normalize(tensors, B, H, Sq, Sk, block_m, block_n, device, adjust=True):
+def normalize(tensors, B, H, Sq, Sk, block_m, block_n, device, adjust=True, _sides=("query", "key")):
     """The SparseCall of a call's ``tensors`` (BlockSparseTensorsTorch or a tuple in its field order) for a kernel
     of tiles block_m x block_n (block_n: the kernel's own; a smaller one where the sparse key block needs it,
     kernel_block_n, unless ``adjust`` is False). Raises ValueError naming the field for inconsistent
@@ -129,11 +129,11 @@ def normalize(tensors, B, H, Sq, Sk, block_m, block_n, device, adjust=True):
         block_n = kernel_block_n(bk, block_n)
     bk = block_n if bk is None else bk
     if bq % block_m:
-        raise ValueError(f"block_sparse_tensors: query block size {bq} must be a multiple of {block_m} (the kernel's "
-                         "query tile)")
+        raise ValueError(f"block_sparse_tensors: the {_sides[0]} sparse_block_size {bq} must be a multiple of "
+                         f"{block_m} (the kernel's {_sides[0]} tile)")
     if bk % block_n:
-        raise ValueError(f"block_sparse_tensors: key block size {bk} must be a multiple of {block_n} (the kernel's "
-                         "key block)")
+        raise ValueError(f"block_sparse_tensors: the {_sides[1]} sparse_block_size {bk} must be a multiple of "
+                         f"{block_n} (the kernel's {_sides[1]} tile)")
     M, N = _ceil(Sq, bq), _ceil(Sk, bk)
     pairs = [(tensors.mask_block_cnt, tensors.mask_block_idx, "mask")]
     if tensors.full_block_cnt is not None:
@@ -177,7 +177,14 @@ def normalize_bwd(tensors, B, H, Sq, Sk, block_m, block_n, device):
         tensors = BlockSparseTensorsTorch(*tensors)
     if tensors.block_size is not None:  # the lists' rows are key blocks: (kv, q) for normalize's (rows, entries)
         tensors = tensors._replace(block_size=(tensors.block_size[1], tensors.block_size[0]))
-    return normalize(tensors, B, H, Sk, Sq, block_n, block_m, device, adjust=False)
+    return normalize(tensors, B, H, Sk, Sq, block_n, block_m, device, adjust=False, _sides=("key", "query"))
+
+
+def fast_sampling(mask_mod):
+    """Marks ``mask_mod`` (FA4's decorator, put above ``@cute.jit``) as one whose value on a tile's four corners and
+    centre decides the tile: compute_block_sparsity then evaluates those five pairs per tile instead of all."""
+    mask_mod.use_fast_sampling = True
+    return mask_mod
 
 
 def from_block_mask(block_mask):

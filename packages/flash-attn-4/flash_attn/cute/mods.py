@@ -12,11 +12,11 @@ import dataclasses
 
 import torch
 
-from flash_attn.cute import block_sparsity, config, settings
+from flash_attn.cute import block_sparsity, cache_utils, config, settings
 from flash_attn.cute.launch import _MAX_ELEMS, _MAX_GRID_Z, _kernel_layouts
 from flash_attn.cute.plan import _UNBOUNDED, _window_args
 
-_mod_kernels: dict[tuple, object] = {}  # mod_key(...) -> callable
+_mod_kernels = cache_utils.get_jit_cache("mods_fwd")  # mod_key(...) -> callable
 
 _AUX_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.int8, torch.uint8,
                torch.bool)
@@ -361,7 +361,7 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
 # The backward of a call with mods / block sparsity: the Hopper backward kernel with the same mods (flash_bwd_sm90,
 # entry call_mods), walking per-key-block lists of query blocks where it has them
 
-_mod_bwd_kernels: dict[tuple, object] = {}
+_mod_bwd_kernels = cache_utils.get_jit_cache("mods_bwd")
 
 
 def mod_bwd_kernel(dtype, head_dim, arch, mask_mod, spec, sparse=None, scalars=(), score_mod=None,
@@ -408,6 +408,59 @@ def mask_lists_bwd(mask_mod, B, H, Sq, Sk, block_m, block_n, device, scalars=(()
     return lists
 
 
+def backward(dout, q, k, v, out, lse, dlse, softmax_scale, arch, score_mod, score_mod_bwd, mask_mod, aux_tensors,
+             block_sparse_bwd, aux_scalars, causal):
+    """The dense backward of a call with mods (checked by check_call): q / out / dout (B, Sq, H, D), k / v (B, Sk,
+    Hk, D), lse (B, H, Sq) fp32, dlse like lse or None -> (dq, dk, dv). Walks block_sparse_bwd (FA4's
+    block_sparse_tensors_bwd: per key block the query blocks) when given, else the lists of a mask_mod that reads
+    no aux tensor (mask_lists_bwd), else every block."""
+    from flash_attn.cute import kernels, launch
+
+    scalars = scalar_spec(aux_scalars)
+    if dout is None:
+        dout = torch.zeros_like(out)
+    elif dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    spec = aux_spec(aux_tensors, q.device)
+    B, Sq, H, D = q.shape
+    Sk = k.shape[1]
+    block_m = kernels.mod_bwd_block_m(kernels.bwd_config(q.dtype, D, causal, arch), score_mod is not None)
+    lists = sparse = None
+    if block_sparse_bwd is not None and Sq and Sk:
+        call = block_sparsity.normalize_bwd(block_sparse_bwd, B, H, Sq, Sk, block_m, BWD_BLOCK_N, q.device)
+        lists, sparse = call.tensors, call.spec
+    elif (mask_mod is not None and not spec and not settings.disabled("mask_sparsity") and Sq and Sk):
+        # the forward's rule: lists where the mask_mod reads no aux tensor (mask_lists)
+        lists = mask_lists_bwd(mask_mod, B, H, Sq, Sk, block_m, BWD_BLOCK_N, q.device, scalars)
+        sparse = (True, 1, 1)
+    fn = mod_bwd_kernel(q.dtype, D, arch, mask_mod, spec, sparse, scalars[0], score_mod, score_mod_bwd, causal)
+    return launch.backward(dout, q, k, v, out, lse, softmax_scale, causal, arch, dlse=dlse,
+                           mod=(fn, tuple(aux_tensors) if spec else None, lists, scalars[1] or None, block_m))
+
+
+def backward_varlen(dout, q, k, v, out, lse, dlse, softmax_scale, arch, score_mod, score_mod_bwd, mask_mod,
+                    aux_tensors, aux_scalars, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
+                    causal):
+    """The varlen backward of a call with mods (no block sparsity): q / out / dout (total_q, H, D), k / v (total_k,
+    Hk, D), lse (H, total_q) fp32, int32 cu_seqlens, seqused_k (B,) or None, max_seqlen_k at least the longest used
+    key count -> (dq, dk, dv)."""
+    from flash_attn.cute import kernels, launch
+
+    if dout is None:
+        dout = torch.zeros_like(out)
+    elif dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    spec = aux_spec(aux_tensors, q.device)
+    kinds, values = scalar_spec(aux_scalars)
+    D = q.shape[-1]
+    used_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32) if seqused_k is None else seqused_k
+    block_m = kernels.mod_bwd_block_m(kernels.bwd_config(q.dtype, D, causal, arch, varlen=True), score_mod is not None)
+    fn = mod_bwd_kernel(q.dtype, D, arch, mask_mod, spec, None, kinds, score_mod, score_mod_bwd, causal, True)
+    return launch.backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, None, used_k, max_seqlen_q,
+                                  max_seqlen_k, softmax_scale, causal, arch, dlse=dlse,
+                                  mod=(fn, tuple(aux_tensors) if spec else None, values or None, block_m))
+
+
 class ModAttention(torch.autograd.Function):
     """forward() of a call with mods and / or block sparsity (lists built from a mask_mod that reads no aux tensor
     when none are given), backward by the backward kernel with the same mask_mod and score_mod (its gradient from
@@ -428,32 +481,11 @@ class ModAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        from flash_attn.cute import kernels, launch
-
         q, k, v, out, lse = ctx.saved_tensors
         (softmax_scale, arch, score_mod, score_mod_bwd, mask_mod, aux_tensors, _, block_sparse_bwd, aux_scalars,
          causal) = ctx.args
-        scalars = scalar_spec(aux_scalars)
-        if dout is None:
-            dout = torch.zeros_like(out)
-        elif dout.stride(-1) != 1:
-            dout = dout.contiguous()
-        spec = aux_spec(aux_tensors, q.device)
-        B, Sq, H, D = q.shape
-        Sk = k.shape[1]
-        block_m = kernels.mod_bwd_block_m(kernels.bwd_config(q.dtype, D, causal, arch), score_mod is not None)
-        lists = sparse = None
-        if block_sparse_bwd is not None and Sq and Sk:
-            call = block_sparsity.normalize_bwd(block_sparse_bwd, B, H, Sq, Sk, block_m, BWD_BLOCK_N, q.device)
-            lists, sparse = call.tensors, call.spec
-        elif (mask_mod is not None and not spec and not settings.disabled("mask_sparsity") and Sq and Sk):
-            # the forward's rule: lists where the mask_mod reads no aux tensor (mask_lists)
-            lists = mask_lists_bwd(mask_mod, B, H, Sq, Sk, block_m, BWD_BLOCK_N, q.device, scalars)
-            sparse = (True, 1, 1)
-        fn = mod_bwd_kernel(q.dtype, D, arch, mask_mod, spec, sparse, scalars[0], score_mod, score_mod_bwd, causal)
-        dq, dk, dv = launch.backward(dout, q, k, v, out, lse, softmax_scale, causal, arch, dlse=dlse,
-                                     mod=(fn, tuple(aux_tensors) if spec else None, lists, scalars[1] or None,
-                                          block_m))
+        dq, dk, dv = backward(dout, q, k, v, out, lse, dlse, softmax_scale, arch, score_mod, score_mod_bwd, mask_mod,
+                              aux_tensors, block_sparse_bwd, aux_scalars, causal)
         return dq, dk, dv, None
 
 
@@ -476,22 +508,9 @@ class VarlenModAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        from flash_attn.cute import kernels, launch
-
         q, k, v, out, lse = ctx.saved_tensors
         softmax_scale, arch, (score_mod, mask_mod, aux_tensors, aux_scalars, score_mod_bwd), cu_q, cu_k, used_k, \
             max_q, max_k, causal = ctx.args
-        if dout is None:
-            dout = torch.zeros_like(out)
-        elif dout.stride(-1) != 1:
-            dout = dout.contiguous()
-        spec = aux_spec(aux_tensors, q.device)
-        kinds, values = scalar_spec(aux_scalars)
-        D = q.shape[-1]
-        block_m = kernels.mod_bwd_block_m(kernels.bwd_config(q.dtype, D, causal, arch, varlen=True),
-                                          score_mod is not None)
-        fn = mod_bwd_kernel(q.dtype, D, arch, mask_mod, spec, None, kinds, score_mod, score_mod_bwd, causal, True)
-        dq, dk, dv = launch.backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, None, used_k, max_q, max_k,
-                                            softmax_scale, causal, arch, dlse=dlse,
-                                            mod=(fn, tuple(aux_tensors) if spec else None, values or None, block_m))
+        dq, dk, dv = backward_varlen(dout, q, k, v, out, lse, dlse, softmax_scale, arch, score_mod, score_mod_bwd,
+                                     mask_mod, aux_tensors, aux_scalars, cu_q, cu_k, used_k, max_q, max_k, causal)
         return dq, dk, dv, None
