@@ -95,7 +95,10 @@ def test_query_block_inferred_only_when_unambiguous():
     (dict(mask_block_cnt=torch.zeros(1, 1, 3, dtype=torch.int32)), ValueError, "3 query blocks, expected 2"),
     (dict(mask_block_idx=torch.zeros(1, 1, 2, 4, dtype=torch.int32)), ValueError, "at most 2"),
     (dict(full_block_cnt=torch.zeros(1, 1, 2, dtype=torch.int32)), ValueError, "both be given"),
-    (dict(block_size=(96, 128)), ValueError, "multiple of 128"),
+    (dict(block_size=(96, 128)), NotImplementedError, "query sparse_block_size 96 must be a multiple of 128 .*not "
+                                                       "implemented yet"),
+    (dict(block_size=(100, 128)), ValueError, r"query sparse_block_size 100 must be a multiple of 128 \(the kernel's "
+                                              r"query tile\)$"),
     (dict(block_size=(128, 100)), ValueError, "multiple of 16"),
     (dict(cu_total_m_blocks=torch.zeros(2, dtype=torch.int32)), NotImplementedError, "varlen"),
 ])
@@ -103,6 +106,14 @@ def test_inconsistent_tensors_raise_naming_the_field(change, err, match):
     t = _lists(1, 1, 2, 2, torch.ones(1, 1, 2, 2, dtype=torch.bool))._replace(block_size=(128, 128))
     with pytest.raises(err, match=match):
         bs.normalize(t._replace(**change), 3, 4, 256, 256, 128, 128, CPU)
+
+
+def test_backward_lists_name_the_side_of_a_bad_block_size():
+    """normalize_bwd's lists have key blocks as rows: a bad query block size is still called the query's (FA4's
+    tests match 'sparse_block_size')."""
+    t = _lists(1, 1, 2, 2, torch.ones(1, 1, 2, 2, dtype=torch.bool))._replace(block_size=(100, 128))
+    with pytest.raises(ValueError, match="the query sparse_block_size 100 must be a multiple of 64"):
+        bs.normalize_bwd(t, 1, 1, 200, 256, 64, 128, CPU)
 
 
 def test_tensors_on_another_device_raise():

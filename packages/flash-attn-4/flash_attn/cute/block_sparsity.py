@@ -128,12 +128,14 @@ def normalize(tensors, B, H, Sq, Sk, block_m, block_n, device, adjust=True, _sid
     if adjust:
         block_n = kernel_block_n(bk, block_n)
     bk = block_n if bk is None else bk
-    if bq % block_m:
-        raise ValueError(f"block_sparse_tensors: the {_sides[0]} sparse_block_size {bq} must be a multiple of "
-                         f"{block_m} (the kernel's {_sides[0]} tile)")
-    if bk % block_n:
-        raise ValueError(f"block_sparse_tensors: the {_sides[1]} sparse_block_size {bk} must be a multiple of "
-                         f"{block_n} (the kernel's {_sides[1]} tile)")
+    for side, size, tile in ((_sides[0], bq, block_m), (_sides[1], bk, block_n)):
+        if size % tile:
+            # FA4 takes sparse blocks of any multiple of its own (smaller) tiles: multiples of 16 that are not whole
+            # tiles here are a gap of this package (NotImplementedError), the others are refused as FA4 refuses them
+            gap = size % 16 == 0
+            raise (NotImplementedError if gap else ValueError)(
+                f"block_sparse_tensors: the {side} sparse_block_size {size} must be a multiple of {tile} (the kernel's "
+                f"{side} tile{'; other multiples of 16 are not implemented yet' if gap else ''})")
     M, N = _ceil(Sq, bq), _ceil(Sk, bk)
     pairs = [(tensors.mask_block_cnt, tensors.mask_block_idx, "mask")]
     if tensors.full_block_cnt is not None:
