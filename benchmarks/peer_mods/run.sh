@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# Runs FlashAttention-4's own score_mod / mask_mod / block-sparsity tests (tests/cute of Dao-AILab/flash-attention)
+# against this project's flash_attn.cute. Run from the repository root:
+#   PEER_FA_GIT=<bare git dir> bash benchmarks/peer_mods/run.sh [--collect-only] [file stem ...]
+# e.g. `... run.sh test_mask_mod test_score_mod`. See README.md beside this file for the knobs.
+# The upstream files go to the git-ignored .peer/fa4mods/ and are never committed.
+set -uo pipefail
+
+DIR=.peer/fa4mods
+REF=${PEER_FA_REF:-0251105a}
+FILES="test_score_mod.py test_mask_mod.py test_score_mod_varlen.py test_mask_mod_varlen.py test_block_sparsity.py
+       score_mod_definitions.py mask_mod_definitions.py"
+export OUT=${OUT:-.peer/out}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # conftest.py loads benchmarks.peer_mods.plugin from here
+PY=$(command -v python3 || command -v python)
+
+[ -f benchmarks/peer_mods/plugin.py ] || { echo "run.sh: run me from the repository root" >&2; exit 2; }
+
+# Lay out the upstream files, unless they are already there at this ref. On the GPU machine there is no mirror:
+# the .peer folder is carried there, so an existing layout is used as it is.
+have=$(head -n 1 "$DIR/UPSTREAM" 2>/dev/null)
+if [ "$have" != "$REF" ]; then
+    if [ -z "${PEER_FA_GIT:-}" ]; then
+        [ -n "$have" ] || { echo "run.sh: no $DIR and no PEER_FA_GIT to extract it from" >&2; exit 2; }
+        echo "run.sh: no PEER_FA_GIT, using $DIR as laid out (upstream $have, not $REF)"
+    else
+        # Upstream files must never be committed: refuse to lay them out where git would see them.
+        git check-ignore -q "$DIR" || { echo "run.sh: $DIR is not git-ignored (echo /.peer/ >> .git/info/exclude)" >&2; exit 2; }
+        mkdir -p .peer
+        tmp=$(mktemp -d .peer/fa4mods.new.XXXXXX)
+        for f in $FILES; do
+            git --git-dir="$PEER_FA_GIT" show "$REF:tests/cute/$f" > "$tmp/$f" \
+                || { echo "run.sh: cannot extract tests/cute/$f at $REF" >&2; rm -rf "$tmp"; exit 2; }
+        done
+        { echo "$REF"; git --git-dir="$PEER_FA_GIT" rev-parse "$REF^{commit}"; } > "$tmp/UPSTREAM"
+        rm -rf "$DIR" && mv "$tmp" "$DIR"
+        echo "run.sh: laid out $DIR from upstream $REF"
+    fi
+fi
+# Ours, rewritten every run. conftest.py: not upstream's (it pins GPUs per worker and logs to /tmp), it only loads
+# the plugin. pytest.ini: makes this folder the rootdir, so neither the project's pyproject settings nor any
+# conftest.py / pytest.ini above it (.peer/ may hold another harness) applies; the default import mode puts this
+# folder on sys.path, as the upstream modules import each other by bare name.
+echo 'pytest_plugins = ["benchmarks.peer_mods.plugin"]' > "$DIR/conftest.py"
+printf '[pytest]\n# peer_mods: rootdir and conftest boundary (see benchmarks/peer_mods/run.sh)\n' > "$DIR/pytest.ini"
+
+collect_only=${PEER_COLLECT_ONLY:-0}
+paths=()
+for a in "$@"; do
+    case $a in
+        --collect-only) collect_only=1 ;;
+        *) [ -f "$DIR/${a%.py}.py" ] || { echo "run.sh: no $DIR/${a%.py}.py" >&2; exit 2; }
+           paths+=("$DIR/${a%.py}.py") ;;
+    esac
+done
+[ ${#paths[@]} -gt 0 ] || paths=("$DIR")
+
+mkdir -p "$OUT/peer_mods"
+# A module that fails to import must not stop the other files from running.
+args=(-c "$DIR/pytest.ini" -p no:cacheprovider --continue-on-collection-errors)
+if [ "$collect_only" = 1 ]; then
+    args+=(--collect-only -q)
+else
+    args+=(-q -rA --tb=line --junitxml="$OUT/peer_mods/junit.xml")
+    if "$PY" -c "import xdist" 2>/dev/null; then
+        args+=(-n "${PEER_WORKERS:-4}")
+    else
+        echo "run.sh: pytest-xdist is not installed, running in one process"
+    fi
+fi
+"$PY" -m pytest "${paths[@]}" "${args[@]}" 2>&1
+rc=$?
+echo "run.sh: pytest exit $rc; summary $OUT/peer_mods/summary.txt, results.json, items/"
+[ -f "$OUT/peer_mods/summary.txt" ] || echo "run.sh: no summary was written (pytest stopped early?)"
+exit $rc
