@@ -25,10 +25,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.peer_mods import plan
+try:
+    from benchmarks.peer_mods import plan
+except ImportError:  # PEER_CONTROL=1: loaded from its folder (the project is not on sys.path then)
+    import plan
 
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # None in the controller (or in a run without xdist)
-OUT_DIR = Path(os.environ.get("OUT", ".peer/out")).resolve() / "peer_mods"
+OUT_DIR = Path(os.environ.get("OUT", ".peer/out")).resolve() / (
+    "peer_mods_control" if os.environ.get("PEER_CONTROL") == "1" else "peer_mods")
 ITEMS_DIR = OUT_DIR / "items"
 UPSTREAM = Path(__file__).resolve().parents[2] / ".peer" / "fa4mods" / "UPSTREAM"
 CLASSES = ("passed", "failed", "skipped", "xfailed", "unsupported", "missing_api", "not_run")

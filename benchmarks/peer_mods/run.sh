@@ -11,7 +11,19 @@ REF=${PEER_FA_REF:-0251105a}
 FILES="test_score_mod.py test_mask_mod.py test_score_mod_varlen.py test_mask_mod_varlen.py test_block_sparsity.py
        score_mod_definitions.py mask_mod_definitions.py"
 export OUT=${OUT:-.peer/out}
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # conftest.py loads benchmarks.peer_mods.plugin from here
+if [ "${PEER_CONTROL:-0}" = 1 ]; then
+    # The control: the same selection against the released flash-attn-4 (PEER_PYTHONPATH of the CuTeDSL bundle's
+    # env.sh) alone. The project stays off sys.path (its flash_attn package would shadow the released one); the
+    # plugin is loaded from its folder.
+    [ -n "${PEER_PYTHONPATH:-}" ] || { echo "run.sh: PEER_CONTROL=1 needs PEER_PYTHONPATH (source /tmp/cutedsl/env.sh)" >&2; exit 2; }
+    export PYTHONPATH=$PEER_PYTHONPATH${PYTHONPATH:+:$PYTHONPATH}
+    PLUGIN='import sys; sys.path.insert(0, "'$PWD'/benchmarks/peer_mods"); pytest_plugins = ["plugin"]'
+    RESULTS=peer_mods_control
+else
+    export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # conftest.py loads benchmarks.peer_mods.plugin from here
+    PLUGIN='pytest_plugins = ["benchmarks.peer_mods.plugin"]'
+    RESULTS=peer_mods
+fi
 PY=$(command -v python3 || command -v python)
 
 [ -f benchmarks/peer_mods/plugin.py ] || { echo "run.sh: run me from the repository root" >&2; exit 2; }
@@ -41,7 +53,7 @@ fi
 # the plugin. pytest.ini: makes this folder the rootdir, so neither the project's pyproject settings nor any
 # conftest.py / pytest.ini above it (.peer/ may hold another harness) applies; the default import mode puts this
 # folder on sys.path, as the upstream modules import each other by bare name.
-echo 'pytest_plugins = ["benchmarks.peer_mods.plugin"]' > "$DIR/conftest.py"
+echo "$PLUGIN" > "$DIR/conftest.py"
 printf '[pytest]\n# peer_mods: rootdir and conftest boundary (see benchmarks/peer_mods/run.sh)\n' > "$DIR/pytest.ini"
 
 collect_only=${PEER_COLLECT_ONLY:-0}
@@ -55,13 +67,13 @@ for a in "$@"; do
 done
 [ ${#paths[@]} -gt 0 ] || paths=("$DIR")
 
-mkdir -p "$OUT/peer_mods"
+mkdir -p "$OUT/$RESULTS"
 # A module that fails to import must not stop the other files from running.
 args=(-c "$DIR/pytest.ini" -p no:cacheprovider --continue-on-collection-errors)
 if [ "$collect_only" = 1 ]; then
     args+=(--collect-only -q)
 else
-    args+=(-q -rA --tb=line --junitxml="$OUT/peer_mods/junit.xml")
+    args+=(-q -rA --tb=line --junitxml="$OUT/$RESULTS/junit.xml")
     if "$PY" -c "import xdist" 2>/dev/null; then
         args+=(-n "${PEER_WORKERS:-4}")
     else
@@ -70,6 +82,6 @@ else
 fi
 "$PY" -m pytest "${paths[@]}" "${args[@]}" 2>&1
 rc=$?
-echo "run.sh: pytest exit $rc; summary $OUT/peer_mods/summary.txt, results.json, items/"
-[ -f "$OUT/peer_mods/summary.txt" ] || echo "run.sh: no summary was written (pytest stopped early?)"
+echo "run.sh: pytest exit $rc; summary $OUT/$RESULTS/summary.txt, results.json, items/"
+[ -f "$OUT/$RESULTS/summary.txt" ] || echo "run.sh: no summary was written (pytest stopped early?)"
 exit $rc
