@@ -100,7 +100,7 @@ def test_query_block_inferred_only_when_unambiguous():
     (dict(block_size=(100, 128)), ValueError, r"query sparse_block_size 100 must be a multiple of 128 \(the kernel's "
                                               r"query tile\)$"),
     (dict(block_size=(128, 100)), ValueError, "multiple of 16"),
-    (dict(cu_total_m_blocks=torch.zeros(2, dtype=torch.int32)), NotImplementedError, "varlen"),
+    (dict(cu_total_m_blocks=torch.zeros(2, dtype=torch.int32)), ValueError, "belong to a varlen call"),
 ])
 def test_inconsistent_tensors_raise_naming_the_field(change, err, match):
     t = _lists(1, 1, 2, 2, torch.ones(1, 1, 2, 2, dtype=torch.bool))._replace(block_size=(128, 128))
@@ -114,6 +114,114 @@ def test_backward_lists_name_the_side_of_a_bad_block_size():
     t = _lists(1, 1, 2, 2, torch.ones(1, 1, 2, 2, dtype=torch.bool))._replace(block_size=(100, 128))
     with pytest.raises(ValueError, match="the query sparse_block_size 100 must be a multiple of 64"):
         bs.normalize_bwd(t, 1, 1, 200, 256, 64, 128, CPU)
+
+
+def _packed_varlen(kind, num_m, num_n, offsets=True):
+    """FA4's packed varlen lists of per-sequence (H, M_b, N_b) tile kinds (0 skip, 1 partial, 2 full), built
+    directly by their definition: counts (H, total_m), indices (H, total_n) at cu_block_idx_offsets[b] + m * N_b."""
+    from flash_attn.cute.compute_block_sparsity import pack_kinds
+
+    H = kind[0].shape[0]
+    cu_m = [0]
+    cu_n = [0]
+    cnt = {"mask": [], "full": []}
+    idx = {"mask": [], "full": []}
+    for k_b, M_b, N_b in zip(kind, num_m, num_n):
+        lists = pack_kinds(k_b[None])
+        for name, (c, i) in (("mask", lists[:2]), ("full", lists[2:4])):
+            cnt[name].append(c[0])
+            idx[name].append(i[0].reshape(H, M_b * N_b))
+        cu_m.append(cu_m[-1] + M_b)
+        cu_n.append(cu_n[-1] + M_b * N_b)
+    cat = {n: (torch.cat(cnt[n], 1), torch.cat(idx[n], 1)) for n in cnt}
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    return BlockSparseTensorsTorch(*cat["mask"], *cat["full"], cu_total_m_blocks=i32(cu_m),
+                                   cu_block_idx_offsets=i32(cu_n) if offsets else None)
+
+
+def test_varlen_lists_are_laid_out_per_sequence():
+    """FA4's packed varlen lists become (batch, H, M, N) rows per sequence and query block: the same pairs as the
+    sequences' own lists; shorter sequences' rows padded with count 0."""
+    g = torch.Generator().manual_seed(3)
+    seq_q, seq_k = [300, 1, 128], [200, 700, 128]
+    num_m = [-(-s // 128) for s in seq_q]
+    num_n = [-(-s // 128) for s in seq_k]
+    H = 2
+    kind = [torch.randint(0, 3, (H, M_b, N_b), generator=g, dtype=torch.int32) for M_b, N_b in zip(num_m, num_n)]
+    t = _packed_varlen(kind, num_m, num_n)._replace(block_size=(128, 128))
+    call = bs.normalize_varlen(t, 3, H, max(seq_q), max(seq_k), 128, 128, CPU)
+    assert call.spec == (True, 1, 1) and call.tensors[0].shape == (3, H, 3)
+    for b, (k_b, M_b, N_b) in enumerate(zip(kind, num_m, num_n)):
+        one = BlockSparseTensorsTorch(*(x[b:b + 1] for x in call.tensors))
+        seen, partial = bs.visited(one, 1, H, max(seq_q), max(seq_k), (128, 128))
+        want = k_b.repeat_interleave(128, 1).repeat_interleave(128, 2)
+        want = torch.nn.functional.pad(want, (0, 6 * 128 - want.shape[2], 0, 3 * 128 - want.shape[1]))
+        want = want[:, :max(seq_q), :max(seq_k)]
+        assert torch.equal(seen[0], want > 0) and torch.equal(partial[0], want == 1), b
+    # the uniform-keys form (no cu_block_idx_offsets): every sequence has the call's key blocks
+    kind = [torch.randint(0, 3, (H, M_b, 2), generator=g, dtype=torch.int32) for M_b in num_m]
+    t = _packed_varlen(kind, num_m, [2, 2, 2], offsets=False)._replace(block_size=(128, 128))
+    call = bs.normalize_varlen(t, 3, H, max(seq_q), 256, 128, 128, CPU)
+    for b, k_b in enumerate(kind):
+        assert torch.equal(call.tensors[0][b, :, :num_m[b]], (k_b == 1).sum(-1, dtype=torch.int32))
+        assert torch.equal(call.tensors[2][b, :, :num_m[b]], (k_b == 2).sum(-1, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"int32 \(H, total\)"):
+        bs.normalize_varlen(t._replace(mask_block_cnt=t.mask_block_cnt[None]), 3, H, 300, 256, 128, 128, CPU)
+    with pytest.raises(ValueError, match=r"cu_total_m_blocks must be an int32 tensor of shape \(4,\)"):
+        bs.normalize_varlen(t._replace(cu_total_m_blocks=t.cu_total_m_blocks[:3]), 3, H, 300, 256, 128, 128, CPU)
+
+
+def test_varlen_sparse_kernel_compiles(tmp_path):
+    mods.compile_fwd_mods(torch.bfloat16, 128, False, arch="sm_90a", dump_dir=str(tmp_path), varlen=True,
+                          mask_mod=m.document_mask, spec=((torch.int32, 2),), sparse=(True, 1, 1))
+    ptx, = glob.glob(os.path.join(tmp_path, "**", "*.ptx"), recursive=True)
+    assert "wgmma.mma_async" in open(ptx).read()
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("offsets", [True, False])
+@pytest.mark.parametrize("mask", [None, "window"])
+def test_varlen_block_sparsity_matches_the_reference(cute_env, offsets, mask):
+    """flash_attn_varlen_func with FA4's packed lists: each sequence attends exactly its listed pairs (the mask_mod
+    on the partial blocks only), as the sequence alone would."""
+    cute_env()
+    torch.manual_seed(9)
+    g = torch.Generator().manual_seed(10)
+    seq_q = [300, 1, 128, 517]
+    seq_k = [200, 700, 128, 517] if offsets else [384] * 4
+    num_m = [-(-s // 128) for s in seq_q]
+    num_n = [-(-s // 128) for s in seq_k]
+    H, Hk, d = 4, 2, 128
+    kind = [torch.randint(0, 3, (H, M_b, N_b), generator=g, dtype=torch.int32) for M_b, N_b in zip(num_m, num_n)]
+    lists = _packed_varlen(kind, num_m, num_n, offsets)._replace(block_size=(128, 128))
+    lists = BlockSparseTensorsTorch(*(x.cuda() if isinstance(x, torch.Tensor) else x for x in lists))
+    cu = lambda lens: torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32,  # noqa: E731
+                                   device="cuda")
+    q = torch.randn(sum(seq_q), H, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(sum(seq_k), Hk, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    fn = m.window_mask if mask else None
+    out = interface.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu(seq_q), cu_seqlens_k=cu(seq_k), mask_mod=fn,
+                                           block_sparse_tensors=lists)[0]
+    for b in range(len(seq_q)):
+        qs, ks = sum(seq_q[:b]), sum(seq_k[:b])
+        qb, kb, vb = (t[None, s:s + n] for t, s, n in ((q, qs, seq_q[b]), (k, ks, seq_k[b]), (v, ks, seq_k[b])))
+        want = kind[b].repeat_interleave(128, 1).repeat_interleave(128, 2)[None, :, :seq_q[b], :seq_k[b]].cuda()
+        keep = m.window_mask_torch(seq_q[b], seq_k[b], "cuda") if mask else None
+        ref = _reference(qb, kb, vb, d ** -0.5, want > 0, want == 1, mask_fn=keep)
+        ref_lp = _reference(qb, kb, vb, d ** -0.5, want > 0, want == 1, mask_fn=keep, dtype=torch.bfloat16)
+        m.assert_close_to_oracle((out[None, qs:qs + seq_q[b]],), (ref,), (ref_lp,), names="o", where=(b,))
+
+
+def test_varlen_block_sparsity_refuses_gradients(cute_env, monkeypatch):
+    cute_env()
+    monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")
+    q = torch.randn(14, 4, 64, dtype=torch.bfloat16, requires_grad=True)
+    cu = torch.tensor([0, 7, 14], dtype=torch.int32)
+    t = _lists(1, 1, 1, 1, torch.ones(1, 1, 1, 1, dtype=torch.bool))
+    with pytest.raises(NotImplementedError, match="varlen backward with block sparsity"):
+        interface.flash_attn_varlen_func(q, q, q, cu_seqlens_q=cu, cu_seqlens_k=cu, block_sparse_tensors=t)
 
 
 def test_tensors_on_another_device_raise():

@@ -21,8 +21,11 @@ import torch
 
 
 class BlockSparseTensorsTorch(NamedTuple):
-    """FA4's block-sparsity tensors (field names and order as FA4's). cu_total_m_blocks / cu_block_idx_offsets
-    (varlen), dq_write_order* and spt (the backward) are accepted by the type; calls that need them raise."""
+    """FA4's block-sparsity tensors (field names and order as FA4's). Varlen calls (FA4's packed form): counts
+    (H, total_m) over every sequence's query blocks, sequence b's from ``cu_total_m_blocks[b]``, and indices (H,
+    total_n), query block m of sequence b at ``cu_block_idx_offsets[b] + m * N_b`` (N_b its key blocks; without
+    cu_block_idx_offsets every sequence has the call's key blocks N: at (cu_total_m_blocks[b] + m) * N); see
+    normalize_varlen. dq_write_order* and spt (FA4's SM100 backward) are accepted by the type and read by nothing."""
     mask_block_cnt: torch.Tensor
     mask_block_idx: torch.Tensor
     full_block_cnt: torch.Tensor | None = None
@@ -118,8 +121,8 @@ def normalize(tensors, B, H, Sq, Sk, block_m, block_n, device, adjust=True, _sid
             raise ValueError("block_sparse_tensors must be a BlockSparseTensorsTorch (or a tuple in its field order)")
         tensors = BlockSparseTensorsTorch(*tensors)
     if tensors.cu_total_m_blocks is not None or tensors.cu_block_idx_offsets is not None:
-        raise NotImplementedError("block_sparse_tensors with cu_total_m_blocks / cu_block_idx_offsets (varlen) is "
-                                  "not implemented yet in flash_attn.cute")
+        raise ValueError("block_sparse_tensors with cu_total_m_blocks / cu_block_idx_offsets (FA4's varlen form) "
+                         "belong to a varlen call (flash_attn_varlen_func with cu_seqlens_q)")
     if tensors.mask_block_cnt is None or tensors.mask_block_idx is None:
         raise ValueError("block_sparse_tensors needs mask_block_cnt and mask_block_idx")
     _check_pair("mask", tensors.mask_block_cnt, tensors.mask_block_idx, device)
@@ -165,6 +168,73 @@ def normalize(tensors, B, H, Sq, Sk, block_m, block_n, device, adjust=True, _sid
     ts = [t if t.shape[0] == Bs and t.shape[1] == Hs else t.expand(Bs, Hs, *t.shape[2:]) for t in ts]
     ts = [t.contiguous() if (Bs > 1 and t.stride(0) == 0) or (Hs > 1 and t.stride(1) == 0) else t for t in ts]
     return SparseCall(tuple(ts), block_n, bq // block_m, bk // block_n)
+
+
+def normalize_varlen(tensors, batch, H, max_seqlen_q, max_seqlen_k, block_m, block_n, device):
+    """The SparseCall of a varlen call's ``block_sparse_tensors`` for the varlen kernel's tiles (query blocks per
+    sequence): FA4's packed form (cu_total_m_blocks set, see BlockSparseTensorsTorch) is laid out as dense lists
+    (batch, Hs, M, N) for the longest sequences (M query blocks of max_seqlen_q, N key blocks of max_seqlen_k; the
+    rows of shorter sequences padded with count 0), by torch ops without a device sync; the dense form (B, H, M, N)
+    (FA4's for batch-shaped queries) is taken as normalize takes it. block_size None: the kernel's tiles."""
+    if not isinstance(tensors, BlockSparseTensorsTorch):
+        if not isinstance(tensors, tuple) or len(tensors) < 2:
+            raise ValueError("block_sparse_tensors must be a BlockSparseTensorsTorch (or a tuple in its field order)")
+        tensors = BlockSparseTensorsTorch(*tensors)
+    if tensors.cu_total_m_blocks is None:
+        if tensors.cu_block_idx_offsets is not None:
+            raise ValueError("block_sparse_tensors.cu_block_idx_offsets needs cu_total_m_blocks")
+        return normalize(tensors, batch, H, max_seqlen_q, max_seqlen_k, block_m, block_n, device)
+    bq, bk = tensors.block_size if tensors.block_size is not None else (block_m, block_n)
+    bq, bk = int(bq), int(bk)
+    if bq < 1 or bk < 1:
+        raise ValueError(f"block_sparse_tensors.block_size must be positive, got {tensors.block_size}")
+    for name in ("cu_total_m_blocks", "cu_block_idx_offsets"):
+        t = getattr(tensors, name)
+        if t is not None and (not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.device != device
+                              or tuple(t.shape) != (batch + 1,)):
+            raise ValueError(f"block_sparse_tensors.{name} must be an int32 tensor of shape ({batch + 1},) on "
+                             f"{device}, got {getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+    pairs = [("mask", tensors.mask_block_cnt, tensors.mask_block_idx)]
+    if tensors.full_block_cnt is not None or tensors.full_block_idx is not None:
+        pairs.append(("full", tensors.full_block_cnt, tensors.full_block_idx))
+    for name, cnt, idx in pairs:
+        for what, t in ((f"{name}_block_cnt", cnt), (f"{name}_block_idx", idx)):
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.device != device or t.dim() != 2:
+                raise ValueError(f"block_sparse_tensors.{what} of a varlen call must be an int32 (H, total) tensor "
+                                 f"on {device} (FA4's packed form), got {getattr(t, 'dtype', type(t).__name__)} "
+                                 f"{tuple(getattr(t, 'shape', ()))}")
+        if cnt.shape[0] not in (1, H) or idx.shape[0] != cnt.shape[0]:
+            raise ValueError(f"block_sparse_tensors.{name}_block_cnt / _idx: head dims {cnt.shape[0]} / "
+                             f"{idx.shape[0]} must be equal, {H} or 1")
+    M, N = _ceil(max_seqlen_q, bq), _ceil(max_seqlen_k, bk)
+    cu_m = tensors.cu_total_m_blocks.long()
+    num_m = cu_m[1:] - cu_m[:-1]
+    m = torch.arange(M, device=device)
+    valid_m = m < num_m[:, None]  # (batch, M)
+    gm = cu_m[:-1, None] + m
+    j = torch.arange(N, device=device)
+    if tensors.cu_block_idx_offsets is not None:
+        cu_n = tensors.cu_block_idx_offsets.long()
+        num_n = (cu_n[1:] - cu_n[:-1]) // num_m.clamp(min=1)
+        row = cu_n[:-1, None] + m * num_n[:, None]
+        valid = valid_m[..., None] & (j < num_n[:, None, None])
+    else:  # every sequence has the call's key blocks
+        row = gm * N
+        valid = valid_m[..., None].expand(batch, M, N)
+    pos = row[..., None] + j
+
+    def gather(t, index, keep):
+        # t (Hs, total)[:, index] where keep, else 0 -> (batch, Hs, *index.shape[1:])
+        if t.shape[1] == 0:
+            return torch.zeros(t.shape[0], *index.shape, dtype=torch.int32, device=device).movedim(0, 1)
+        got = t[:, index.clamp(0, t.shape[1] - 1)]
+        return torch.where(keep, got, 0).to(torch.int32).movedim(0, 1)
+
+    lists = []
+    for _, cnt, idx in pairs:
+        lists += [gather(cnt, gm, valid_m), gather(idx, pos, valid)]
+    dense = BlockSparseTensorsTorch(*lists[:2], *(lists[2:] or (None, None)), block_size=(bq, bk))
+    return normalize(dense, batch, H, max_seqlen_q, max_seqlen_k, block_m, block_n, device)
 
 
 def normalize_bwd(tensors, B, H, Sq, Sk, block_m, block_n, device):

@@ -109,7 +109,7 @@ class FlashFwdSm90(FwdEntries, ModEntries):
         (launch._combine_splits, which adds a sink). score_mod / mask_mod / aux: FA4's user mods (compile-time
         functions; score_mod.ScoreMods.build says which kernels take them; entries call_mods*). sparse: block sparsity
         (FA4's block_sparse_tensors), None or (has_full, q_factor, kv_factor) (sparse_tiles.SparseTiles; with the
-        mods' kernels only, dense calls)."""
+        mods' kernels only)."""
         if not 0 <= exp2_emu <= 16 or exp2_emu_degree not in EXP2_POLY:
             raise ValueError(f"exp2_emu {exp2_emu} not in 0..16 or degree {exp2_emu_degree} not in "
                              f"{tuple(EXP2_POLY)}")
@@ -425,7 +425,9 @@ class FlashFwdSm90(FwdEntries, ModEntries):
             mods = self.mods.context(seqlen, head, aux, score_scale, scalars)
         tiles = None  # block sparsity: the tile walks the positions of its lists (sparse_tiles)
         if cutlass.const_expr(self.sparse is not None):
-            tiles = self.sparse.tile(sparse, seqlen.batch, head, m_block)
+            # (a varlen call's lists are per sequence)
+            tiles = self.sparse.tile(sparse, seqlen.batch if seqlen.sequence is None else seqlen.sequence, head,
+                                     m_block)
             n_block_min, n_block_max = Int32(0), tiles.count
 
         if warp_idx < 4:

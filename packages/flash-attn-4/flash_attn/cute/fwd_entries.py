@@ -100,11 +100,13 @@ class FwdEntries:
 
     @cute.jit
     def _varlen(self, mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_q, softmax_scale,
-                softcap, window_left, window_right, stream, mSink, num_splits=None, aux=None, scalars=None):
+                softcap, window_left, window_right, stream, mSink, num_splits=None, aux=None, sparse=None,
+                scalars=None):
         mQ, mK, mVt, mO, mLSE = self.seqlens.varlen_views(mQ, mK, mV, mO, mLSE, self.paged_kv, num_splits is not None)
         grid = (cute.ceil_div(max_seqlen_q, self.block_q), self.pack.grid_heads(mQ, mK),
                 cute.size(mCuSeqlensQ, mode=[0]) - 1)
         if cutlass.const_expr(num_splits is not None):
             grid = (grid[0], grid[1], grid[2] * num_splits)  # z: split * sequences + sequence
         self._launch(mQ, mK, mVt, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, softmax_scale, softcap,
-                     window_left, window_right, grid, stream, mSink, num_splits=num_splits, aux=aux, scalars=scalars)
+                     window_left, window_right, grid, stream, mSink, num_splits=num_splits, aux=aux, sparse=sparse,
+                     scalars=scalars)

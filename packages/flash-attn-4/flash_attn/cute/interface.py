@@ -244,14 +244,17 @@ def flash_attn_varlen_func(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=Non
     (B, H, Sq). min_seqlen_k, scheduler_metadata (get_scheduler_metadata), seqlen_k_per_split and
     disable_scheduler_metadata are scheduling hints in FA4 that change no result; the kernels here need none of
     them. score_mod, mask_mod, aux_tensors, aux_scalars, score_mod_bwd: as flash_attn_func's (batch index = the
-    sequence's; q_idx / kv_idx from the sequence's first row; not with page_table or seqused_q yet). qv,
-    gather_kv_indices and block_sparse_tensors raise NotImplementedError when given."""
+    sequence's; q_idx / kv_idx from the sequence's first row; not with page_table or seqused_q yet).
+    block_sparse_tensors: FA4's varlen form (block_sparsity.BlockSparseTensorsTorch: packed over the sequences with
+    cu_total_m_blocks, or (B, H, M, N) for batch-shaped queries), forward only. qv and gather_kv_indices raise
+    NotImplementedError when given."""
     mods = None
     if (qv is not None or gather_kv_indices is not None or score_mod is not None or score_mod_bwd is not None
             or mask_mod is not None or aux_tensors or aux_scalars or block_sparse_tensors is not None):
-        _refuse_unsupported(qv=qv, gather_kv_indices=gather_kv_indices, block_sparse_tensors=block_sparse_tensors)
-        if _mods.requested(score_mod, mask_mod, aux_tensors) or aux_scalars or score_mod_bwd is not None:
-            mods = (score_mod, mask_mod, aux_tensors, aux_scalars, score_mod_bwd)
+        _refuse_unsupported(qv=qv, gather_kv_indices=gather_kv_indices)
+        if (_mods.requested(score_mod, mask_mod, aux_tensors, block_sparse_tensors) or aux_scalars
+                or score_mod_bwd is not None):
+            mods = (score_mod, mask_mod, aux_tensors, aux_scalars, score_mod_bwd, block_sparse_tensors)
     batch_q = isinstance(q, torch.Tensor) and q.dim() == 4 and cu_seqlens_q is None
     batch_k = (page_table is None and isinstance(k, torch.Tensor) and k.dim() == 4 and cu_seqlens_k is None)
     if batch_q:
@@ -293,7 +296,8 @@ def _varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=Non
     seqused_k, not cu_seqlens_k; page_size a multiple of 8, see paged_block_n). Forward only. num_splits, pack_gqa:
     as flash_attn_func's (pack_gqa None with the plan rule pack_gqa_auto: _pack_helps for the longest sequence's
     length; num_splits <= 0 reads the longest sequence's key count in the call's one sync). mods: (score_mod,
-    mask_mod, aux_tensors) of a call with FA4's mods (mods.py; plan rule score_mod), run unsplit and unpacked."""
+    mask_mod, aux_tensors, aux_scalars, score_mod_bwd, block_sparse_tensors) of a call with FA4's mods (mods.py), run
+    unsplit and unpacked."""
     paged = page_table is not None
     for name, t in (("q", q), ("k", k), ("v", v)):
         want = 4 if paged and name != "q" else 3
@@ -325,8 +329,12 @@ def _varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=Non
         if paged or seqused_q is not None:
             raise NotImplementedError("score_mod / mask_mod with page_table or seqused_q is not implemented yet")
         c, left, right, cap = _options(window_size, softcap, causal)
-        _mods.check_call(*mods[:3], c, left, right, cap, learnable_sink, _autograd.needs_grad(q, k, v, None), D, Dv,
-                         aux_scalars=mods[3], score_mod_bwd=mods[4])
+        grads = _autograd.needs_grad(q, k, v, None)
+        if grads and mods[5] is not None:
+            raise NotImplementedError("flash_attn.cute: the varlen backward with block sparsity is not implemented "
+                                      "yet (FA4's varlen call has no backward lists)")
+        _mods.check_call(*mods[:3], c, left, right, cap, learnable_sink, grads, D, Dv, mods[5], aux_scalars=mods[3],
+                         score_mod_bwd=mods[4])
     if D not in SUPPORTED_HEAD_DIMS or (Dv != D and (D, Dv) not in HEAD_DIM_PAIRS):
         P = _padded_dim(D, Dv)
         out, lse = _varlen_func(_pad_last(q, P), _pad_last(k, P), _pad_last(v, P), cu_seqlens_q, cu_seqlens_k,
@@ -451,7 +459,8 @@ def _varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=Non
             cu_seqlens_k = keys
     if mods is not None:
         out, lse = _mods.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, int(max_seqlen_q),
-                                        softmax_scale, bool(causal), arch, window_left, window_right, *mods[:4])
+                                        softmax_scale, bool(causal), arch, window_left, window_right, *mods[:4],
+                                        block_sparse=mods[5], max_seqlen_k=max(max_k, int(max_seqlen_k or 0)))
     else:
         out, lse = forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, int(max_seqlen_q), softmax_scale,
                                   bool(causal), arch, window_left, window_right, softcap, sink=sink,

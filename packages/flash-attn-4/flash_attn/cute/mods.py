@@ -107,9 +107,9 @@ def compile_fwd_mods(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, loca
                      score_mod=None, mask_mod=None, spec=(), sparse=None, block_n=None, scalars=()):
     """Compile the forward kernel with ``score_mod`` / ``mask_mod`` (CuTeDSL functions, FA4's convention: see
     score_mod.py), aux tensors of kinds ``spec`` ((torch dtype, rank), ...) and block sparsity ``sparse``
-    ((has_full, q_factor, kv_factor), dense only; None: without) for ``arch``; no GPU needed. The call is
+    ((has_full, q_factor, kv_factor); None: without) for ``arch``; no GPU needed. The call is
     kernels.compile_fwd's (dense or varlen) with the aux tensors as one more argument, a tuple (None when spec is
-    empty), and for dense kernels the sparsity tensors (a tuple, None without)."""
+    empty), then the sparsity tensors (a tuple, None without) and the aux scalars."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_tensor
@@ -135,6 +135,7 @@ def compile_fwd_mods(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, loca
     def packed(total, h):
         return make_fake_tensor(dt, (total, h, D), (cute.sym_int(divisibility=8), D, 1), assumed_align=16)
 
+    lists = fake_lists(None if sparse is None else sparse[0])
     tvm_ffi = cfg.abi != "cute"
     options = f"--gpu-arch {arch}" + (" --enable-tvm-ffi" if tvm_ffi else "")
     if dump_dir is not None:
@@ -147,11 +148,10 @@ def compile_fwd_mods(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, loca
         lse = make_fake_tensor(cutlass.Float32, (heads, seqlen_q), (cute.sym_int(), 1), assumed_align=4)
         seqs = [make_fake_tensor(cutlass.Int32, (cute.sym_int(),), (1,), assumed_align=4) for _ in range(3)]
         return cute.compile(kernel.call_varlen_mods, q, k, v, o, lse, *seqs, cutlass.Int32(0), *runtime, stream, aux,
-                            fake_scalars(scalars), options=options)
+                            lists, fake_scalars(scalars), options=options)
     q, o, k, v = qkv(seqlen_q, heads), qkv(seqlen_q, heads), qkv(seqlen_k, heads_kv), qkv(seqlen_k, heads_kv)
     lse = make_fake_tensor(cutlass.Float32, (batch, heads, seqlen_q), (cute.sym_int(), cute.sym_int(), 1),
                            assumed_align=4)
-    lists = fake_lists(None if sparse is None else sparse[0])
     return cute.compile(kernel.call_mods, q, k, v, o, lse, *runtime, stream, aux, lists, fake_scalars(scalars),
                         options=options)
 
@@ -331,9 +331,12 @@ def forward(q, k, v, softmax_scale, causal, arch, window_left, window_right, sco
 
 
 def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, softmax_scale, causal, arch,
-                   window_left, window_right, score_mod, mask_mod, aux_tensors, aux_scalars=None):
+                   window_left, window_right, score_mod, mask_mod, aux_tensors, aux_scalars=None, block_sparse=None,
+                   max_seqlen_k=None):
     """Varlen forward with mods: q (total_q, H, D), k / v (total_k, Hk, D), int32 cu_seqlens (B + 1,), seqused_k
-    (B,) or None -> (out like q, lse (H, total_q) fp32). Values are checked by the caller (_varlen_func)."""
+    (B,) or None -> (out like q, lse (H, total_q) fp32). Values are checked by the caller (_varlen_func).
+    block_sparse: FA4's block_sparse_tensors of a varlen call (block_sparsity.normalize_varlen), with max_seqlen_k
+    (at least the longest used key count)."""
     Tq, H, D = q.shape
     Tk, Hk = k.shape[0], k.shape[1]
     batch = cu_seqlens_q.shape[0] - 1
@@ -350,10 +353,18 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
                else t.contiguous() for t in (q, k, v))
     used_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32) if seqused_k is None else seqused_k
     kinds, values = scalar_spec(aux_scalars)
-    fn = mod_kernel(q.dtype, D, causal and not local, arch, local, True, score_mod, mask_mod, spec, scalars=kinds)
+    sparse = None
+    if block_sparse is not None:
+        sparse = block_sparsity.normalize_varlen(block_sparse, batch, H, int(max_seqlen_q), int(max_seqlen_k),
+                                                 MOD_BLOCK_M, mod_block_n(D, local), q.device)
+    if sparse is None:
+        fn = mod_kernel(q.dtype, D, causal and not local, arch, local, True, score_mod, mask_mod, spec, scalars=kinds)
+    else:
+        fn = mod_kernel(q.dtype, D, causal and not local, arch, local, True, score_mod, mask_mod, spec, sparse.spec,
+                        sparse.block_n, scalars=kinds)
     aux = tuple(aux_tensors) if spec else None  # (None when the kernel is built without aux / scalars)
     fn(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, used_k, int(max_seqlen_q), float(softmax_scale), 0.0,
-       left, right, aux, values or None)
+       left, right, aux, None if sparse is None else sparse.tensors, values or None)
     return out, lse
 
 
@@ -491,7 +502,7 @@ class ModAttention(torch.autograd.Function):
 
 class VarlenModAttention(torch.autograd.Function):
     """forward_varlen() with mods, backward by the varlen backward kernel with the same mods (no block sparsity).
-    args: (softmax_scale, arch, (score_mod, mask_mod, aux_tensors, aux_scalars, score_mod_bwd), cu_seqlens_q,
+    args: (softmax_scale, arch, (score_mod, mask_mod, aux_tensors, aux_scalars, score_mod_bwd, None), cu_seqlens_q,
     cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k (at least the longest used key count), causal); no window or
     softcap (check_call)."""
 
@@ -509,7 +520,7 @@ class VarlenModAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        softmax_scale, arch, (score_mod, mask_mod, aux_tensors, aux_scalars, score_mod_bwd), cu_q, cu_k, used_k, \
+        softmax_scale, arch, (score_mod, mask_mod, aux_tensors, aux_scalars, score_mod_bwd, _), cu_q, cu_k, used_k, \
             max_q, max_k, causal = ctx.args
         dq, dk, dv = backward_varlen(dout, q, k, v, out, lse, dlse, softmax_scale, arch, score_mod, score_mod_bwd,
                                      mask_mod, aux_tensors, aux_scalars, cu_q, cu_k, used_k, max_q, max_k, causal)

@@ -88,10 +88,12 @@ class ModEntries:
     def call_varlen_mods(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                          mLSE: cute.Tensor, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor,
                          mSeqUsedK: cute.Tensor, max_seqlen_q: Int32, softmax_scale: Float32, softcap: Float32,
-                         window_left: Int32, window_right: Int32, stream, aux, scalars):
-        """call_varlen for a kernel built with varlen=True and score_mod / mask_mod; aux as in call_mods."""
+                         window_left: Int32, window_right: Int32, stream, aux, sparse, scalars):
+        """call_varlen for a kernel built with varlen=True and score_mod / mask_mod / sparse; aux, sparse and scalars
+        as in call_mods (sparse: lists (batch, Hs, M, N) per sequence and its query blocks,
+        block_sparsity.normalize_varlen)."""
         self._varlen(mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_q, softmax_scale,
-                     softcap, window_left, window_right, stream, None, aux=aux, scalars=scalars)
+                     softcap, window_left, window_right, stream, None, aux=aux, sparse=sparse, scalars=scalars)
 
 
 class ScoreMods:
@@ -120,15 +122,12 @@ class ScoreMods:
     @classmethod
     def build(cls, kernel, score_mod, mask_mod, aux, sparse=None, scalars=()):
         """The component of FlashFwdSm90 ``kernel`` (None without mods or sparsity): the one-tile kernel without
-        softcap, sink, pack_gqa, paged K / V or split; sparse (has_full, q_factor, kv_factor) or None, dense
-        calls only."""
+        softcap, sink, pack_gqa, paged K / V or split; sparse (has_full, q_factor, kv_factor) or None."""
         if score_mod is None and mask_mod is None and sparse is None:
             return None
         if kernel.persistent or kernel.softcap or kernel.sink or kernel.pack_gqa > 1 or kernel.paged or kernel.split:
             raise ValueError("score_mod / mask_mod: the one-tile kernel without softcap, sink, pack_gqa, paged K / V "
                              "or split")
-        if sparse is not None and kernel.varlen:
-            raise ValueError("block sparsity: dense calls only")
         return cls(score_mod, mask_mod, aux, kernel.block_q, kernel.block_n,
                    None if sparse is None else SparseTiles(*sparse), scalars)
 
