@@ -310,10 +310,6 @@ def test_api_refuses_what_is_not_served(defaults, monkeypatch):
     t = _lists(1, 1, 1, 1, torch.ones(1, 1, 1, 1, dtype=torch.bool))
     with pytest.raises(ValueError, match="without block_sparse_tensors"):
         interface.flash_attn_func(q, k, v, block_sparse_tensors_bwd=t)
-    with pytest.raises(NotImplementedError, match="block_sparse_tensors"):
-        cu = torch.tensor([0, 7, 14], dtype=torch.int32)
-        interface.flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_seqlens_q=cu,
-                                         cu_seqlens_k=cu, block_sparse_tensors=t)
     q.requires_grad_(True)
     with pytest.raises(ValueError, match="needs block_sparse_tensors_bwd"):
         interface.flash_attn_func(q, k, v, block_sparse_tensors=t)

@@ -164,9 +164,10 @@ class _ModLaunch:
         return torch.zeros_like(q), torch.zeros(B, H, Sq)
 
     def varlen(self, q, k, v, cu_q, cu_k, used_k, max_q, scale, causal, arch, wl, wr, score_mod, mask_mod, aux,
-               aux_scalars=None):
+               aux_scalars=None, block_sparse=None, max_seqlen_k=None):
         self.calls.append(dict(kind="varlen", scale=scale, causal=causal, max_q=max_q, score_mod=score_mod,
-                               mask_mod=mask_mod, aux=aux, scalars=aux_scalars))
+                               mask_mod=mask_mod, aux=aux, scalars=aux_scalars, block_sparse=block_sparse,
+                               max_k=max_seqlen_k))
         return torch.zeros_like(q), torch.zeros(q.shape[1], q.shape[0])
 
 
@@ -203,6 +204,11 @@ def test_varlen_passes_the_mods(defaults, monkeypatch):
     qb, kb, vb = _qkv()
     interface.flash_attn_varlen_func(qb, kb, vb, score_mod=m.identity)
     assert rec.calls[-1]["kind"] == "varlen" and rec.calls[-1]["max_q"] == 7
+    # block sparsity (FA4's varlen lists) reaches the launch with the longest key count
+    lists = object()
+    interface.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, mask_mod=m.causal_mask,
+                                     block_sparse_tensors=lists)
+    assert rec.calls[-1]["block_sparse"] is lists and rec.calls[-1]["max_k"] == 9
 
 
 @pytest.mark.parametrize("kw, err, match", [
