@@ -500,8 +500,11 @@ def test_pack_kinds_orders_and_splits_the_lists():
 
 
 @pytest.mark.parametrize("kw, err, match", [
-    (dict(cu_seqlens_q=torch.zeros(2, dtype=torch.int32)), NotImplementedError, "cu_seqlens_q"),
-    (dict(seqused_k=torch.zeros(1, dtype=torch.int32)), NotImplementedError, "seqused_k"),
+    (dict(seqused_q=torch.zeros(1, dtype=torch.int32)), NotImplementedError, "seqused_q"),
+    (dict(cu_seqlens_q=torch.zeros(2, dtype=torch.int32)), ValueError, "cu_total_m_blocks must be given"),
+    (dict(cu_total_m_blocks=torch.zeros(2, dtype=torch.int32)), ValueError, "belong to packed queries"),
+    (dict(seqused_k=torch.zeros(1, dtype=torch.int32), cu_seqlens_k=torch.zeros(2, dtype=torch.int32)), ValueError,
+     "not both"),
     (dict(device="cpu"), ValueError, "CUDA device"),
     (dict(mask_mod=3), ValueError, "CuTeDSL function"),
     (dict(tile_m=0), ValueError, "tile_m"),
@@ -514,6 +517,79 @@ def test_compute_block_sparsity_refuses(kw, err, match):
     args.update(kw)
     with pytest.raises(err, match=match):
         compute_block_sparsity(**args)
+
+
+def test_packed_varlen_lists_round_trip():
+    """compute_block_sparsity's packed form (FA4's) of per-sequence lists, and normalize_varlen's layout of it, give
+    back the lists of every sequence's query blocks (with and without cu_block_idx_offsets)."""
+    from flash_attn.cute.compute_block_sparsity import _packed, pack_kinds
+
+    g = torch.Generator().manual_seed(11)
+    seq_q, seq_k = [300, 1, 128], [200, 700, 128]
+    B, H, M, N = 3, 2, 3, 6
+    kind = torch.randint(0, 3, (B, H, M, N), generator=g, dtype=torch.int32)
+    for b in range(B):  # nothing past a sequence's end, as the classifier gives
+        kind[b, :, -(-seq_q[b] // 128):] = 0
+        kind[b, :, :, -(-seq_k[b] // 128):] = 0
+    lists = pack_kinds(kind)._replace(block_size=(128, 128))
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    num_m = [-(-s // 128) for s in seq_q]
+    cu_m = i32([0] + list(torch.tensor(num_m).cumsum(0)))
+    per = [mb * -(-s // 128) for mb, s in zip(num_m, seq_k)]
+    cu_n = i32([0] + list(torch.tensor(per).cumsum(0)))
+    packed = _packed(lists, cu_m, cu_n, N)
+    assert packed.mask_block_cnt.shape == (H, 5) and packed.mask_block_idx.shape == (H, int(cu_n[-1]))
+    call = bs.normalize_varlen(packed, B, H, max(seq_q), max(seq_k), 128, 128, CPU)
+    want = bs.visited(lists, B, H, max(seq_q), max(seq_k), (128, 128))
+    got = bs.visited(BlockSparseTensorsTorch(*call.tensors), B, H, max(seq_q), max(seq_k), (128, 128))
+    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+    uniform = pack_kinds(kind[..., :2].contiguous())._replace(block_size=(128, 128))
+    packed = _packed(uniform, cu_m, None, 2)
+    assert packed.mask_block_idx.shape == (H, 5 * 2) and packed.cu_block_idx_offsets is None
+    call = bs.normalize_varlen(packed, B, H, max(seq_q), 256, 128, 128, CPU)
+    want = bs.visited(uniform, B, H, max(seq_q), 256, (128, 128))
+    got = bs.visited(BlockSparseTensorsTorch(*call.tensors), B, H, max(seq_q), 256, (128, 128))
+    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("keys", ["cu_seqlens_k", "seqused_k", "uniform"])
+def test_varlen_compute_block_sparsity_matches_each_sequence(cute_env, keys):
+    """FA4's varlen compute_block_sparsity: each sequence's lists (its own lengths, bottom-right causal) are those of
+    the sequence computed alone."""
+    from flash_attn.cute.compute_block_sparsity import compute_block_sparsity
+
+    cute_env()
+    seq_q = [300, 1, 128, 517]
+    seq_k = [200, 700, 128, 517] if keys != "uniform" else [640] * 4
+    B, H = len(seq_q), 2
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32, device="cuda")  # noqa: E731
+    cu = lambda lens: i32([0] + list(torch.tensor(lens).cumsum(0)))  # noqa: E731
+    num_m = [-(-s // 128) for s in seq_q]
+    kw = dict(cu_seqlens_q=cu(seq_q), cu_total_m_blocks=cu(num_m))
+    if keys == "cu_seqlens_k":
+        kw["cu_seqlens_k"] = cu(seq_k)
+    elif keys == "seqused_k":
+        kw["seqused_k"] = i32(seq_k)
+    got = compute_block_sparsity(128, 128, B, H, max(seq_q), max(seq_k), m.causal_mask, None, "cuda", **kw)
+    assert (got.cu_block_idx_offsets is None) == (keys == "uniform")
+    call = bs.normalize_varlen(got, B, H, max(seq_q), max(seq_k), 128, 128, torch.device("cuda", 0))
+    seen, partial = bs.visited(BlockSparseTensorsTorch(*call.tensors), B, H, max(seq_q), max(seq_k), (128, 128))
+    for b in range(B):
+        alone = compute_block_sparsity(128, 128, 1, H, seq_q[b], seq_k[b], m.causal_mask, None, "cuda")
+        s1, p1 = bs.visited(alone, 1, H, seq_q[b], seq_k[b], (128, 128))
+        assert torch.equal(seen[b, :, :seq_q[b], :seq_k[b]], s1[0]), b
+        assert torch.equal(partial[b, :, :seq_q[b], :seq_k[b]], p1[0]), b
+
+
+def test_varlen_block_kinds_kernel_compiles_for_sm90a(tmp_path):
+    from flash_attn.cute.compute_block_sparsity import BlockKinds
+
+    BlockKinds(m.causal_mask, 128, 128, False, False, varlen=(True, False, True)).compile(
+        (), dump_dir=str(tmp_path))
+    ptx, = glob.glob(os.path.join(tmp_path, "**", "*.ptx"), recursive=True)
+    assert "ld.global" in open(ptx).read()
 
 
 @pytest.mark.parametrize("mask, fast", [("document", False), ("causal", True)])
