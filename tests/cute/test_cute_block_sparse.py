@@ -61,6 +61,27 @@ def test_normalize_reads_an_expanded_dim_once_and_materialises_mixed():
     assert all(0 not in x.stride() for x in call.tensors)
 
 
+def test_query_blocks_of_an_odd_number_of_64_rows_take_the_64_row_tile():
+    t = _lists(1, 1, 4, 2, torch.ones(1, 1, 4, 2, dtype=torch.bool))
+    call = bs.normalize(t._replace(block_size=(64, 128)), 1, 1, 256, 256, 128, 128, CPU)
+    assert (call.block_m, call.q_factor, call.kv_factor) == (64, 1, 1)
+    t = _lists(1, 1, 2, 2, torch.ones(1, 1, 2, 2, dtype=torch.bool))
+    call = bs.normalize(t._replace(block_size=(192, 128)), 1, 1, 384, 256, 128, 128, CPU)
+    assert (call.block_m, call.q_factor) == (64, 3)
+    call = bs.normalize(t._replace(block_size=(256, 128)), 1, 1, 512, 256, 128, 128, CPU)
+    assert (call.block_m, call.q_factor) == (128, 2)
+
+
+def test_one_warpgroup_sparse_kernel_compiles_without_spills(tmp_path):
+    mods.compile_fwd_mods(torch.bfloat16, 128, False, arch="sm_90a", dump_dir=str(tmp_path), mask_mod=m.window_mask,
+                          sparse=(True, 3, 1), block_m=64)
+    ptx, = glob.glob(os.path.join(tmp_path, "**", "*.ptx"), recursive=True)
+    text = open(ptx).read()
+    assert ".reqntid 256, 1, 1" in text and "wgmma.mma_async.sync.aligned.m64n" in text  # one consumer warpgroup
+    if shutil.which("ptxas"):
+        assert_ptxas_clean(ptx)
+
+
 def test_sparse_blocks_larger_than_the_tiles_give_factors():
     p = torch.ones(1, 1, 2, 2, dtype=torch.bool)
     t = _lists(1, 1, 2, 2, p)._replace(block_size=(256, 256))
@@ -667,7 +688,7 @@ def test_mask_mod_calls_get_lists_built_once_per_shape(cute_env, monkeypatch):
 
     monkeypatch.setattr(cbs, "compute_block_sparsity", fake_compute)
     monkeypatch.setattr(mods, "_mask_lists", {})
-    monkeypatch.setattr(mods, "mod_kernel", lambda *a, scalars=(): (lambda *args: launched.append((a, args))))
+    monkeypatch.setattr(mods, "mod_kernel", lambda *a, scalars=(), block_m=None: (lambda *args: launched.append((a, args))))
     q = torch.randn(2, 300, 4, 64, dtype=torch.bfloat16)
     k = torch.randn(2, 500, 4, 64, dtype=torch.bfloat16)
     run = lambda mask, aux=None: mods.forward(q, k, k, 0.1, False, "sm_90a", _UNBOUNDED, _UNBOUNDED, None,  # noqa
@@ -722,7 +743,7 @@ def test_mask_mod_gradients_go_to_the_mask_mod_backward_kernel(cute_env, monkeyp
     monkeypatch.setattr(mods, "forward", lambda q, k, v, *a: (torch.zeros_like(q),
                                                                torch.zeros(q.shape[0], q.shape[2], q.shape[1])))
     built, seen = [], []
-    monkeypatch.setattr(mods, "mod_bwd_kernel", lambda *a: built.append(a) or "kernel")
+    monkeypatch.setattr(mods, "mod_bwd_kernel", lambda *a, block_m=None: built.append(a) or "kernel")
 
     def fake_backward(dout, q, k, v, out, lse, scale, causal, arch, dlse=None, mod=None):
         from flash_attn.cute import kernels
@@ -848,7 +869,7 @@ def test_backward_lists_from_a_block_mask(cute_env, monkeypatch):
     monkeypatch.setattr(mods, "forward", lambda q, k, v, *a: (torch.zeros_like(q),
                                                                torch.zeros(q.shape[0], q.shape[2], q.shape[1])))
     built, seen = [], []
-    monkeypatch.setattr(mods, "mod_bwd_kernel", lambda *a: built.append(a) or "kernel")
+    monkeypatch.setattr(mods, "mod_bwd_kernel", lambda *a, block_m=None: built.append(a) or "kernel")
     monkeypatch.setattr(launch, "backward", lambda *a, dlse=None, mod=None: seen.append(mod) or
                         tuple(torch.zeros_like(t) for t in a[1:4]))
     q = torch.randn(2, 300, 4, 64, dtype=torch.bfloat16, requires_grad=True)
@@ -864,7 +885,7 @@ def test_backward_lists_from_a_block_mask(cute_env, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("mask", [None, "window"])
-@pytest.mark.parametrize("block", [(128, 128), (256, 128), (128, 256)])
+@pytest.mark.parametrize("block", [(128, 128), (256, 128), (128, 256), (64, 128), (192, 128)])
 @pytest.mark.parametrize("low_level", [False, True])
 def test_block_sparse_gradients_match_the_reference(cute_env, d, mask, block, low_level):
     """Random lists (the forward's per query block, the backward's their transpose, as a BlockMask gives them) with
@@ -994,7 +1015,7 @@ def test_aux_scalars_reach_the_launch_and_key_the_lists(cute_env, monkeypatch):
 
     monkeypatch.setattr(cbs, "compute_block_sparsity", fake_compute)
     monkeypatch.setattr(mods, "_mask_lists", {})
-    monkeypatch.setattr(mods, "mod_kernel", lambda *a, scalars=(): (lambda *args: launched.append((scalars, args))))
+    monkeypatch.setattr(mods, "mod_kernel", lambda *a, scalars=(), block_m=None: (lambda *args: launched.append((scalars, args))))
     q = torch.randn(1, 256, 2, 64, dtype=torch.bfloat16)
     for limit in (64, 64, 100):
         mods.forward(q, q, q, 0.1, False, "sm_90a", _UNBOUNDED, _UNBOUNDED, m.scaled, m.scalar_limit_mask, None,
@@ -1055,7 +1076,7 @@ def test_native_causal_reaches_the_mods_backward(cute_env, monkeypatch):
     monkeypatch.setattr(mods, "forward", lambda q, k, v, scale, causal, arch, wl, wr, *a: fwd.append((causal, wr))
                         or (torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], q.shape[1])))
     built, seen = [], []
-    monkeypatch.setattr(mods, "mod_bwd_kernel", lambda *a: built.append(a) or "kernel")
+    monkeypatch.setattr(mods, "mod_bwd_kernel", lambda *a, block_m=None: built.append(a) or "kernel")
     monkeypatch.setattr(launch, "backward", lambda dout, q, k, v, out, lse, scale, causal, arch, dlse=None, mod=None:
                         seen.append(causal) or (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)))
     q, k, v = (t.requires_grad_() for t in _qkv())
@@ -1075,7 +1096,7 @@ def test_varlen_mods_gradients_go_to_the_varlen_backward(cute_env, monkeypatch):
                         wr, *rest: fwd.append((max_q, causal, rest)) or (torch.zeros_like(q),
                                                                          torch.zeros(q.shape[1], q.shape[0])))
     built, seen = [], []
-    monkeypatch.setattr(mods, "mod_bwd_kernel", lambda *a: built.append(a) or "kernel")
+    monkeypatch.setattr(mods, "mod_bwd_kernel", lambda *a, block_m=None: built.append(a) or "kernel")
 
     def fake_backward(dout, q, k, v, out, lse, cu_q, cu_k, used_q, used_k, max_q, max_k, scale, causal, arch,
                       dlse=None, mod=None):

@@ -42,11 +42,13 @@ class BlockSparseTensorsTorch(NamedTuple):
 class SparseCall:
     """A call's checked block sparsity, as the kernel takes it: ``tensors`` (mask_cnt, mask_idx[, full_cnt,
     full_idx]) sharing leading dims (Bs, Hs) with Bs in {1, B}, Hs in {1, H}; the kernel's key block ``block_n``
-    and the sparse block in kernel tiles (q_factor query tiles of block_m, kv_factor key blocks of block_n)."""
+    and query tile ``block_m``, and the sparse block in kernel tiles (q_factor query tiles of block_m, kv_factor
+    key blocks of block_n)."""
     tensors: tuple
     block_n: int
     q_factor: int
     kv_factor: int
+    block_m: int = 128
 
     @property
     def spec(self):
@@ -93,6 +95,15 @@ def kernel_block_n(kv_block, block_n):
     raise ValueError(f"block_sparse_tensors.block_size[1] = {kv_block} must be a multiple of 16")
 
 
+def kernel_block_m(q_block, block_m):
+    """The kernel query tile for sparse query blocks of ``q_block`` rows, given the kernel's own ``block_m``: block_m
+    when it divides q_block, else 64 (the one-warpgroup tile) when that does; block_m otherwise (normalize then
+    raises)."""
+    if q_block % block_m and q_block % 64 == 0:
+        return 64
+    return block_m
+
+
 def _check_pair(name, cnt, idx, device):
     if (cnt is None) != (idx is None):
         raise ValueError(f"{name}_block_cnt and {name}_block_idx must both be given or both be None")
@@ -112,7 +123,7 @@ def _check_pair(name, cnt, idx, device):
 
 def normalize(tensors, B, H, Sq, Sk, block_m, block_n, device, adjust=True, _sides=("query", "key")):
     """The SparseCall of a call's ``tensors`` (BlockSparseTensorsTorch or a tuple in its field order) for a kernel
-    of tiles block_m x block_n (block_n: the kernel's own; a smaller one where the sparse key block needs it,
+    of tiles block_m x block_n (the kernel's own; smaller ones where the sparse blocks need them, kernel_block_m /
     kernel_block_n, unless ``adjust`` is False). Raises ValueError naming the field for inconsistent
     shapes, dtypes or devices, NotImplementedError for what the kernels do not take (varlen lists, backward
     ordering)."""
@@ -129,6 +140,7 @@ def normalize(tensors, B, H, Sq, Sk, block_m, block_n, device, adjust=True, _sid
     _check_pair("full", tensors.full_block_cnt, tensors.full_block_idx, device)
     bq, bk = sparse_block_size(tensors, Sq, block_m)
     if adjust:
+        block_m = kernel_block_m(bq, block_m)
         block_n = kernel_block_n(bk, block_n)
     bk = block_n if bk is None else bk
     for side, size, tile in ((_sides[0], bq, block_m), (_sides[1], bk, block_n)):
@@ -167,7 +179,7 @@ def normalize(tensors, B, H, Sq, Sk, block_m, block_n, device, adjust=True, _sid
     Bs, Hs = max(t.shape[0] for t in ts), max(t.shape[1] for t in ts)
     ts = [t if t.shape[0] == Bs and t.shape[1] == Hs else t.expand(Bs, Hs, *t.shape[2:]) for t in ts]
     ts = [t.contiguous() if (Bs > 1 and t.stride(0) == 0) or (Hs > 1 and t.stride(1) == 0) else t for t in ts]
-    return SparseCall(tuple(ts), block_n, bq // block_m, bk // block_n)
+    return SparseCall(tuple(ts), block_n, bq // block_m, bk // block_n, block_m)
 
 
 def normalize_varlen(tensors, batch, H, max_seqlen_q, max_seqlen_k, block_m, block_n, device):

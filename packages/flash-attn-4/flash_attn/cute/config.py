@@ -181,9 +181,10 @@ class FwdConfig:
             raise ValueError("FwdConfig: the TMA O store serves dense unpacked calls only")
         if self.split and self.sink:
             raise ValueError("FwdConfig: split-KV kernels are built without a sink (the host adds it)")
-        if self.warpgroups not in (2, 3) or self.block_n % 16 or not 16 <= self.block_n <= 256:
+        # (one warpgroup: the mod kernels' 64-row tile for sparse query blocks of an odd number of 64 rows)
+        if self.warpgroups not in (1, 2, 3) or self.block_n % 16 or not 16 <= self.block_n <= 256:
             raise ValueError(f"FwdConfig: warpgroups {self.warpgroups} / block_n {self.block_n} "
-                             "(2 or 3; a multiple of 16 up to 256)")
+                             "(1, 2 or 3; a multiple of 16 up to 256)")
         if self.warpgroups == 3 and self.head_dim not in BLOCK_N_3WG:
             raise ValueError(f"FwdConfig: no three-warpgroup tile for head dim {self.head_dim}")
 

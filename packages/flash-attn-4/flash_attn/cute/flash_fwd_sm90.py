@@ -64,7 +64,9 @@ class FlashFwdSm90(FwdEntries, ModEntries):
     # accumulators at once (BLOCK_N + BLOCK_N / 2 + D / 2 registers) plus the loop's state: with 160 (and
     # pack_p) that is BLOCK_N 128 at head dim 64 for dense calls, 96 with softcap, varlen or a window
     # (config.BLOCK_N_3WG*).
-    REGS = {2: (24, 240), 3: (24, 160)}
+    # 1 (the mod kernels' 64-row tile): none (0, 0): 256 threads may each hold ptxas's maximum of 255, and ptxas
+    # ignores a setmaxnreg whose entry count it cannot bound (C7508).
+    REGS = {1: (0, 0), 2: (24, 240), 3: (24, 160)}
     PRODUCER_REGS, CONSUMER_REGS = REGS[2]
 
     UNBOUNDED = 1 << 30  # window size standing for "no limit on this side" (host passes it for -1)
@@ -84,7 +86,7 @@ class FlashFwdSm90(FwdEntries, ModEntries):
                  sparse=None, scalars=()):
         """exp2_emu / exp2_emu_degree: of every 16 softmax exponentials a thread computes, this many use a
         polynomial on the FMA pipe instead of MUFU.EX2 (softmax.OnlineSoftmax). num_warpgroups: consumer
-        warpgroups (2 or 3) of 64 query rows each; block_m must be 64 * num_warpgroups (the default).
+        warpgroups (1, 2 or 3) of 64 query rows each; block_m must be 64 * num_warpgroups (the default).
         wg_order=False: no named barriers between the consumer warpgroups (each keeps only its
         intra-warpgroup overlap). persistent: one CTA per SM loops over the tiles (kernel_persistent; entry
         point call_persistent; tile_scheduler.PersistentScheduler), dense calls only (no window, softcap,
@@ -309,7 +311,8 @@ class FlashFwdSm90(FwdEntries, ModEntries):
         sched = (num_m, heads, num_hb, group, num_tiles)
 
         if warp_idx < 4:
-            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if cutlass.const_expr(self.producer_regs):
+                cute.arch.setmaxregister_decrease(self.producer_regs)
             if tidx == 0:
                 q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
                 k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
@@ -319,7 +322,8 @@ class FlashFwdSm90(FwdEntries, ModEntries):
                 self.scheduler.run(num_tiles, lambda tile, q, k, v: self._produce_tile(tile, produce, q, k, v),
                                    q_state, k_state, v_state)
         else:
-            cute.arch.setmaxregister_increase(self.consumer_regs)
+            if cutlass.const_expr(self.consumer_regs):
+                cute.arch.setmaxregister_increase(self.consumer_regs)
             self._consume_persistent(mO, mLSE, sQ, sK, sVt, q_pipe, k_pipe, v_pipe, tiled_mma_qk, tiled_mma_pv,
                                      scale_log2, tidx - self.NUM_PRODUCER_THREADS, sched, seqlen_q, seqlen_k,
                                      tma_o, sO)
@@ -432,13 +436,15 @@ class FlashFwdSm90(FwdEntries, ModEntries):
 
         if warp_idx < 4:
             # Producer warpgroup: only TMA issue, so it hands its registers to the consumers.
-            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if cutlass.const_expr(self.producer_regs):
+                cute.arch.setmaxregister_decrease(self.producer_regs)
             if tidx == 0:
                 self._produce(tma_q, mQ, tma_k, mK, tma_v, mVt, sQ, sK, sVt, q_pipe, k_pipe, v_pipe,
                               m_block, head, head_kv, seqlen.batch, seqlen.q_start, seqlen.k_start, n_block_min,
                               n_block_max, paging=seqlen.paging, tiles=tiles)
         else:
-            cute.arch.setmaxregister_increase(self.consumer_regs)
+            if cutlass.const_expr(self.consumer_regs):
+                cute.arch.setmaxregister_increase(self.consumer_regs)
             self._consume(mO, mLSE, mSink, sQ, sK, sVt, q_pipe, k_pipe, v_pipe, tiled_mma_qk, tiled_mma_pv,
                           scale_log2, score_scale, softcap, window_left, window_right,
                           tidx - self.NUM_PRODUCER_THREADS, m_block, head, seqlen.out_batch, seqlen.q_start,

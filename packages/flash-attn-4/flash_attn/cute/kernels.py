@@ -362,7 +362,7 @@ def fwd_kernel(dtype, head_dim, causal, arch="sm_90a", local=False, softcap=Fals
 
 def compile_bwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=False, varlen=False,
                 deterministic=False, softcap=False, mask_mod=None, spec=(), sparse=None, scalars=(), score_mod=None,
-                score_mod_bwd=None):
+                score_mod_bwd=None, block_m=None):
     """Compile the backward kernel for ``dtype`` (torch.float16 / torch.bfloat16), ``head_dim`` (64 / 96 / 128)
     and ``causal`` for ``arch``; no GPU needed. ``dump_dir``: an existing folder that receives the PTX
     and cubin. With apache-tvm-ffi the call is ``(q, k, v, dout, lse2, delta, dq_accum, dk, dv,
@@ -376,7 +376,8 @@ def compile_bwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=Fal
     walk factor); with or without a mask_mod) the per-key-block lists of query blocks, and aux scalars of kinds
     ``scalars`` (mods.py; never on disk: mods.mod_bwd_kernel); with ``score_mod`` / ``score_mod_bwd`` the kernel's
     query block is 64 (mod_bwd_block_m). ``varlen`` with mods: call_varlen_mods, ``(..., dv, cu_seqlens_q,
-    cu_seqlens_k, seqused_q, seqused_k, max_seqlen_k, softmax_scale, aux, scalars)``."""
+    cu_seqlens_k, seqused_q, seqused_k, max_seqlen_k, softmax_scale, aux, scalars)``. block_m: the query block of a
+    mods kernel when not the config's (64: sparse query blocks that are not whole 128-row blocks)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_tensor
@@ -384,8 +385,8 @@ def compile_bwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=Fal
     from flash_attn.cute.flash_bwd_sm90 import FlashBwdSm90
 
     cfg = bwd_config(dtype, head_dim, causal, arch, local, varlen, deterministic, softcap)
-    if score_mod is not None:
-        cfg = dataclasses.replace(cfg, block_m=mod_bwd_block_m(cfg, True))
+    if score_mod is not None or block_m is not None:
+        cfg = dataclasses.replace(cfg, block_m=block_m or mod_bwd_block_m(cfg, True))
     kernel = FlashBwdSm90(_cutlass_dtype(dtype), int(head_dim), bool(causal), block_m=cfg.block_m,
                           num_stages=cfg.stages, dq_split=cfg.dq_split, dq_tma=cfg.dq_tma, overlap=cfg.overlap,
                           lpt=cfg.lpt, exp2_emu=cfg.exp2_emu, exp2_emu_degree=cfg.exp2_emu_degree, local=cfg.local,

@@ -43,16 +43,19 @@ def aux_spec(aux_tensors, device):
     return tuple(spec)
 
 
-def mod_config(dtype, head_dim, causal, arch, local, varlen, abi, block_n=None):
+def mod_config(dtype, head_dim, causal, arch, local, varlen, abi, block_n=None, block_m=None):
     """The FwdConfig a mod kernel is built from: the call's default selection, then the one-tile kernel with two
     consumer warpgroups and the masked calls' block_n (the mods' registers come on top of a masked call's; a
-    block-sparse call's may be smaller, ``block_n``: block_sparsity.kernel_block_n), the direct O store."""
+    block-sparse call's may be smaller, ``block_n``: block_sparsity.kernel_block_n; ``block_m`` 64: one consumer
+    warpgroup, for sparse query blocks of an odd number of 64 rows, block_sparsity.kernel_block_m), the direct O
+    store."""
     from flash_attn.cute.config import FwdVariant
 
     cfg = config.select_fwd(FwdVariant(dtype, head_dim, causal, arch, local, False, varlen, False), abi)
     if block_n is None:
         block_n = mod_block_n(head_dim, local)
-    return dataclasses.replace(cfg, persistent=False, warpgroups=MOD_BLOCK_M // 64, block_n=block_n, tma_o=False,
+    return dataclasses.replace(cfg, persistent=False, warpgroups=(block_m or MOD_BLOCK_M) // 64, block_n=block_n,
+                               tma_o=False,
                                snake=False)
 
 
@@ -67,12 +70,13 @@ BWD_BLOCK_N = 128  # the backward kernel's key block (FlashBwdSm90: 64 per consu
 
 
 def mod_key(dtype, head_dim, causal, arch, local, varlen, score_mod, mask_mod, spec, sparse=None, block_n=None,
-            scalars=()):
+            scalars=(), block_m=None):
     """_mod_kernels' key: the call's kernel facts, the functions themselves, the aux tensors' kinds, block
-    sparsity's compile-time facts (SparseCall.spec or None), the key block (None: mod_block_n's) and the aux
-    scalars' kinds."""
-    return (dtype, int(head_dim), bool(causal), arch, bool(local), bool(varlen), score_mod, mask_mod, spec, sparse,
-            block_n) + ((tuple(scalars),) if scalars else ())
+    sparsity's compile-time facts (SparseCall.spec or None), the key block (None: mod_block_n's), the aux
+    scalars' kinds and the query tile (None: MOD_BLOCK_M)."""
+    return ((dtype, int(head_dim), bool(causal), arch, bool(local), bool(varlen), score_mod, mask_mod, spec, sparse,
+             block_n) + ((tuple(scalars),) if scalars else ())
+            + ((block_m,) if block_m not in (None, MOD_BLOCK_M) else ()))
 
 
 def scalar_spec(aux_scalars):
@@ -104,7 +108,7 @@ def fake_scalars(kinds):
 
 
 def compile_fwd_mods(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=False, varlen=False,
-                     score_mod=None, mask_mod=None, spec=(), sparse=None, block_n=None, scalars=()):
+                     score_mod=None, mask_mod=None, spec=(), sparse=None, block_n=None, scalars=(), block_m=None):
     """Compile the forward kernel with ``score_mod`` / ``mask_mod`` (CuTeDSL functions, FA4's convention: see
     score_mod.py), aux tensors of kinds ``spec`` ((torch dtype, rank), ...) and block sparsity ``sparse``
     ((has_full, q_factor, kv_factor); None: without) for ``arch``; no GPU needed. The call is
@@ -117,7 +121,7 @@ def compile_fwd_mods(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, loca
     from flash_attn.cute import kernels
     from flash_attn.cute.flash_fwd_sm90 import FlashFwdSm90
 
-    cfg = mod_config(dtype, head_dim, causal, arch, local, varlen, kernels._abi(), block_n)
+    cfg = mod_config(dtype, head_dim, causal, arch, local, varlen, kernels._abi(), block_n, block_m)
     kernel = FlashFwdSm90(kernels._cutlass_dtype(dtype), cfg.head_dim, cfg.causal, local=cfg.local, varlen=varlen,
                           num_stages=cfg.stages, block_n=cfg.block_n, num_warpgroups=cfg.warpgroups,
                           wg_order=cfg.wg_order, reverse=cfg.reverse, pin=cfg.pin, lpt=cfg.lpt,
@@ -195,11 +199,12 @@ def _takes_scalars(fn):
 
 
 def mod_kernel(dtype, head_dim, causal, arch, local, varlen, score_mod, mask_mod, spec, sparse=None, block_n=None,
-               scalars=()):
+               scalars=(), block_m=None):
     """The mod kernel from memory, else compiled (never on disk: see the module docstring)."""
     from flash_attn.cute import cache, kernels
 
-    key = mod_key(dtype, head_dim, causal, arch, local, varlen, score_mod, mask_mod, spec, sparse, block_n, scalars)
+    key = mod_key(dtype, head_dim, causal, arch, local, varlen, score_mod, mask_mod, spec, sparse, block_n, scalars,
+                  block_m)
     fn = _mod_kernels.get(key)
     if fn is None:
         with cache._lock:
@@ -210,7 +215,7 @@ def mod_kernel(dtype, head_dim, causal, arch, local, varlen, score_mod, mask_mod
                 fn = _mod_kernels[key] = kernels._ffi_function(
                     compile_fwd_mods(dtype, head_dim, causal, arch, local=local, varlen=varlen, score_mod=score_mod,
                                      mask_mod=mask_mod, spec=spec, sparse=sparse, block_n=block_n,
-                                     scalars=scalars))
+                                     scalars=scalars, block_m=block_m))
     return fn
 
 
@@ -323,7 +328,7 @@ def forward(q, k, v, softmax_scale, causal, arch, window_left, window_right, sco
                         scalars=kinds)
     else:
         fn = mod_kernel(q.dtype, D, causal and not local, arch, local, False, score_mod, mask_mod, spec, sparse.spec,
-                        sparse.block_n, scalars=kinds)
+                        sparse.block_n, scalars=kinds, block_m=sparse.block_m)
     aux = tuple(aux_tensors) if spec else None  # (None: the kernel is built without aux / sparsity / scalars)
     fn(q, k, v, out, lse, float(softmax_scale), 0.0, left, right, aux, None if sparse is None else sparse.tensors,
        values or None)
@@ -361,7 +366,7 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
         fn = mod_kernel(q.dtype, D, causal and not local, arch, local, True, score_mod, mask_mod, spec, scalars=kinds)
     else:
         fn = mod_kernel(q.dtype, D, causal and not local, arch, local, True, score_mod, mask_mod, spec, sparse.spec,
-                        sparse.block_n, scalars=kinds)
+                        sparse.block_n, scalars=kinds, block_m=sparse.block_m)
     aux = tuple(aux_tensors) if spec else None  # (None when the kernel is built without aux / scalars)
     fn(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, used_k, int(max_seqlen_q), float(softmax_scale), 0.0,
        left, right, aux, None if sparse is None else sparse.tensors, values or None)
@@ -376,7 +381,7 @@ _mod_bwd_kernels = cache_utils.get_jit_cache("mods_bwd")
 
 
 def mod_bwd_kernel(dtype, head_dim, arch, mask_mod, spec, sparse=None, scalars=(), score_mod=None,
-                   score_mod_bwd=None, causal=False, varlen=False):
+                   score_mod_bwd=None, causal=False, varlen=False, block_m=None):
     """The mask_mod's (or block sparsity's) backward kernel from memory, else compiled (never on disk, as the
     forward's); sparse: None, or (has_full, row factor, walk factor) of the per-key-block lists it walks; causal: the
     native causal mask too (bottom-right); varlen: the packed sequences' kernel (entry call_varlen_mods)."""
@@ -384,7 +389,7 @@ def mod_bwd_kernel(dtype, head_dim, arch, mask_mod, spec, sparse=None, scalars=(
 
     key = ((dtype, int(head_dim), arch, mask_mod, spec, sparse) + ((tuple(scalars),) if scalars else ())
            + ((score_mod, score_mod_bwd) if score_mod is not None else ()) + (("causal",) if causal else ())
-           + (("varlen",) if varlen else ()))
+           + (("varlen",) if varlen else ()) + ((("block_m", block_m),) if block_m else ()))
     fn = _mod_bwd_kernels.get(key)
     if fn is None:
         with cache._lock:
@@ -395,7 +400,8 @@ def mod_bwd_kernel(dtype, head_dim, arch, mask_mod, spec, sparse=None, scalars=(
                 fn = _mod_bwd_kernels[key] = kernels._ffi_function(
                     kernels.compile_bwd(dtype, head_dim, bool(causal), arch, varlen=varlen, mask_mod=mask_mod, spec=spec,
                                         sparse=sparse,
-                                        scalars=scalars, score_mod=score_mod, score_mod_bwd=score_mod_bwd))
+                                        scalars=scalars, score_mod=score_mod, score_mod_bwd=score_mod_bwd,
+                                        block_m=block_m))
     return fn
 
 
@@ -436,6 +442,10 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, arch, score_mod, scor
     B, Sq, H, D = q.shape
     Sk = k.shape[1]
     block_m = kernels.mod_bwd_block_m(kernels.bwd_config(q.dtype, D, causal, arch), score_mod is not None)
+    own = None  # a query block other than the config's, for sparse query blocks of an odd number of 64 rows
+    size = getattr(block_sparse_bwd, "block_size", None)
+    if size is not None and int(size[0]) % block_m and int(size[0]) % 64 == 0:
+        block_m = own = 64
     lists = sparse = None
     if block_sparse_bwd is not None and Sq and Sk:
         call = block_sparsity.normalize_bwd(block_sparse_bwd, B, H, Sq, Sk, block_m, BWD_BLOCK_N, q.device)
@@ -444,7 +454,8 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, arch, score_mod, scor
         # the forward's rule: lists where the mask_mod reads no aux tensor (mask_lists)
         lists = mask_lists_bwd(mask_mod, B, H, Sq, Sk, block_m, BWD_BLOCK_N, q.device, scalars)
         sparse = (True, 1, 1)
-    fn = mod_bwd_kernel(q.dtype, D, arch, mask_mod, spec, sparse, scalars[0], score_mod, score_mod_bwd, causal)
+    fn = mod_bwd_kernel(q.dtype, D, arch, mask_mod, spec, sparse, scalars[0], score_mod, score_mod_bwd, causal,
+                        block_m=own)
     return launch.backward(dout, q, k, v, out, lse, softmax_scale, causal, arch, dlse=dlse,
                            mod=(fn, tuple(aux_tensors) if spec else None, lists, scalars[1] or None, block_m))
 
