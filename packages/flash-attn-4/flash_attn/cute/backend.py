@@ -19,6 +19,9 @@ kernel cannot box (config.paged_block_n) are gathered into contiguous keys for t
 Inference calls (lse dropped), dense or varlen, of up to _DECODE_ROWS query rows per sequence (decoding) run with a GQA
 group packed and split-KV where the grid leaves SMs idle (_decode_plan: the FA4 API's num_splits=0 choice).
 
+flash_attn_with_kvcache (``fwd_kvcache``, under the plan rule kvcache, off until a GPU run decides it): kvcache.py, the
+varlen kernels over the caches in place.
+
 A learnable sink (``sink=``, fp32 (H,)) goes to the kernels built with one (FwdConfig.sink), dense, varlen and paged.
 The backward needs no sink: its kernel computes P from the forward's lse, which includes it.
 """
@@ -96,9 +99,11 @@ def unsupported_reason(call):
             return "backward with paged KV"
         if settings.disabled("paged"):
             return f"paged KV: {settings.DISABLE} names paged"
-    for what in ("alibi", "dropout", "return_probs", "kvcache"):
+    for what in ("alibi", "dropout", "return_probs"):
         if getattr(call, what):
             return what
+    if call.kvcache and not _kvcache():
+        return "kvcache (plan rule kvcache off)"
     if call.backward:
         if settings.disabled("bwd"):
             return f"backward (switched off: {settings.DISABLE} names bwd)"
@@ -231,6 +236,19 @@ def _boxes_pages(call, page_size):
     return ok
 
 
+def fwd_kvcache(call, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+                block_table, alibi_slopes, rotary_interleaved, num_splits, sink=None):
+    """FA2's flash_attn_with_kvcache on the varlen kernels (kvcache.py; under the plan rule kvcache)."""
+    from flash_attn.cute import kvcache
+
+    if alibi_slopes is not None:  # (unsupported_reason refused it: a direct caller gets an error, not a wrong answer)
+        raise NotImplementedError("flash_attn.cute's kvcache path takes no ALiBi")
+    return kvcache.fwd_kvcache(call, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                               cache_batch_idx, cache_leftpad, block_table, rotary_interleaved, num_splits,
+                               None if sink is None else sink.to(torch.float32).contiguous(), _decoding,
+                               lambda page_size: _boxes_pages(call, page_size))
+
+
 def bwd(call, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
         alibi_slopes, rng_state, grads=None, dlse=None):
     from flash_attn.cute import launch
@@ -255,6 +273,12 @@ def bwd(call, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                       window=window, deterministic=call.deterministic, softcap=call.softcap)
     return launch.backward(dout, q, k, v, out, lse, call.softmax_scale, call.causal, "sm_90a", grads=grads,
                            dlse=dlse, window=window, deterministic=call.deterministic, softcap=call.softcap)
+
+
+def _kvcache():
+    from flash_attn.cute import config
+
+    return config.plan_rules().kvcache
 
 
 def _window_bwd():

@@ -248,13 +248,16 @@ class PlanRules:
     ``bwd_deterministic``: the dispatcher's cute backend serves deterministic calls without a window (dQ's adds in
     key-block turns; bit for bit run to run on the GPU), off: it runs at 0.4-0.6x of Triton's deterministic backward
     (the same results file); flash_attn.cute's own backward (no root package) uses the kernel for them either way.
-    ``bwd_softcap``: it serves soft-capped scores, on: 1.35-1.96x Triton's soft-capped backward."""
+    ``bwd_softcap``: it serves soft-capped scores, on: 1.35-1.96x Triton's soft-capped backward. ``kvcache``: the
+    dispatcher's cute backend serves flash_attn_with_kvcache (kvcache.py), off until its GPU tests and a decoding
+    benchmark against the Triton kernels decide it."""
     pack_gqa_auto: bool = False
     bwd_host: str = "triton"
     bwd_window: bool = True
     bwd_varlen: bool = True
     bwd_deterministic: bool = False
     bwd_softcap: bool = True
+    kvcache: bool = False
 
     def __post_init__(self):
         if self.bwd_host not in ("triton", "torch"):

@@ -1,0 +1,125 @@
+"""FA2's ``flash_attn_with_kvcache`` on the Hopper kernels (the root dispatcher's ``fwd_kvcache``, backend.py; under the
+plan rule ``kvcache``).
+
+A call is two steps. The new keys and values are rotated (rotary) and written into the caches in place, and the
+queries rotated, by torch ops (``prep``). Then the varlen kernel attends over the caches where they lie: a contiguous
+cache (B_cache, S_cache, Hk, D) is the packed rows (B_cache * S_cache, Hk, D), sequence b's keys the window that
+starts at row ``cache_batch_idx[b] * S_cache + cache_leftpad[b]`` (cu_seqlens_k) and holds ``cache_seqlens[b] + new -
+cache_leftpad[b]`` rows (seqused_k); a paged cache goes to the paged kernel with its page table (pages the kernel
+cannot box, or a paged cache with leftpad, are gathered into contiguous keys first). Calls of few query rows take the
+decoding plan of the dense path (pack_gqa, split-KV: backend._decoding). No host sync: a decoding step can be
+captured in a CUDA graph.
+"""
+import torch
+
+from flash_attn.cute import launch
+from flash_attn.cute.plan import _UNBOUNDED
+
+_cu_q: dict = {}  # (device, B, Sq) -> the arange cu_seqlens_q of B batch rows of Sq queries (never written)
+
+
+def _cu_seqlens_q(device, B, Sq):
+    key = (device, B, Sq)
+    cu = _cu_q.get(key)
+    if cu is None:
+        if len(_cu_q) >= 64:
+            _cu_q.clear()
+        cu = _cu_q[key] = torch.arange(0, (B + 1) * Sq, Sq, dtype=torch.int32, device=device)[:B + 1]
+    return cu
+
+
+def rotate(x, cos, sin, pos, interleaved):
+    """x (B, S, h, D) with the first rotary_dim = 2 * cos.shape[1] dims rotated by the angles of positions pos (B, S)
+    (rows of cos / sin (seqlen_ro, rotary_dim / 2)), in fp32, back in x's dtype. interleaved: pairs (0, 1), (2, 3),
+    ... (GPT-J); else the two halves (GPT-NeoX)."""
+    half = cos.shape[1]
+    rd = 2 * half
+    c = cos[pos].unsqueeze(2).float()  # (B, S, 1, rd / 2)
+    s = sin[pos].unsqueeze(2).float()
+    xr = x[..., :rd].float()
+    if interleaved:
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        rot = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
+    else:
+        x1, x2 = xr[..., :half], xr[..., half:]
+        rot = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
+    return torch.cat((rot.to(x.dtype), x[..., rd:]), dim=-1)
+
+
+def prep(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, block_table,
+         rotary_interleaved, bounded):
+    """FA2's first step: the new k / v (B, S_new, Hk, D), rotated when rotary_cos is given, written at rows
+    cache_seqlens[b] + i of cache row cache_batch_idx[b] (or of the pages block_table[b] lists); q rotated at
+    positions cache_seqlens[b] + i when the mask is bounded (causal / local), else all at cache_seqlens[b] (one
+    decoding step). Returns q (rotated or as given)."""
+    B, Sq = q.shape[:2]
+    seqlens = cache_seqlens.long()
+    if rotary_cos is not None:
+        step = torch.arange(Sq, device=q.device) if bounded else torch.zeros(Sq, dtype=torch.long, device=q.device)
+        q = rotate(q, rotary_cos, rotary_sin, seqlens[:, None] + step, rotary_interleaved)
+    s_new = 0 if k is None else k.shape[1]
+    if s_new and B:
+        pos = seqlens[:, None] + torch.arange(s_new, device=q.device)  # (B, S_new)
+        if rotary_cos is not None:
+            k = rotate(k, rotary_cos, rotary_sin, pos, rotary_interleaved)
+        if block_table is None:
+            rows = (torch.arange(B, device=q.device) if cache_batch_idx is None else cache_batch_idx.long())
+            rows = rows[:, None].expand(B, s_new)
+        else:
+            page = k_cache.shape[1]
+            rows = torch.gather(block_table.long(), 1, pos // page)
+            pos = pos % page
+        k_cache[rows, pos] = k.to(k_cache.dtype)
+        v_cache[rows, pos] = v.to(v_cache.dtype)
+    return q
+
+
+def fwd_kvcache(call, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                cache_leftpad, block_table, rotary_interleaved, num_splits, sink, plan, boxes_pages):
+    """(out (B, Sq, H, Dv), lse (B, H, Sq) fp32) of flash_attn_with_kvcache on validated inputs (the core's checks:
+    flash_attn/_ops.py). plan(q, B, Sq, H, Sk, Hk, left, right) -> (pack, splits): the decoding plan (backend's);
+    boxes_pages(page_size) -> whether the paged kernel takes pages of that size."""
+    B, Sq, H, D = q.shape
+    Hk, Dv = k_cache.shape[2], v_cache.shape[-1]
+    q = prep(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, block_table,
+             rotary_interleaved, call.bounded)
+    if B * Sq * H == 0:
+        return q.new_zeros(B, Sq, H, Dv), torch.full((B, H, Sq), float("inf"), device=q.device)
+    wl = _UNBOUNDED if call.window_left < 0 else call.window_left
+    wr = _UNBOUNDED if call.window_right < 0 else call.window_right
+    s_new = 0 if k is None else k.shape[1]
+    used = cache_seqlens + s_new if s_new else cache_seqlens
+    leftpad = cache_leftpad
+    paged = block_table is not None
+    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]  # keys a sequence may have
+    if paged and (leftpad is not None or not boxes_pages(k_cache.shape[1])):
+        # keys that start inside a page, or pages the kernel cannot box: each sequence's pages gathered
+        k_cache, v_cache, cu_k, _ = launch._gather_pages(k_cache, v_cache, block_table)
+        paged = False
+        starts = cu_k[:-1]
+    elif not paged:
+        index = (torch.arange(B, device=q.device, dtype=torch.int32) if cache_batch_idx is None
+                 else cache_batch_idx)
+        starts = index * capacity
+        k_cache = k_cache.reshape(-1, Hk, D)  # (a view of a contiguous cache)
+        v_cache = v_cache.reshape(-1, Hk, Dv)
+    # (the plan sees the capacity: the lengths are on the device, and reading them would sync)
+    pack, splits = plan(q, B, Sq, H, capacity, Hk, wl, 0 if call.causal else wr) if Sq <= 16 else (1, 1)
+    if num_splits >= 1:  # the caller's count (1: unsplit); 0 picks (FA2's)
+        splits = num_splits
+    cu_q = _cu_seqlens_q(q.device, B, Sq)
+    qp = q.reshape(B * Sq, H, D)
+    if paged:
+        out, lse = launch.forward_varlen(qp, k_cache, v_cache, cu_q, None, used, Sq, call.softmax_scale, call.causal,
+                                         "sm_90a", wl, wr, call.softcap, sink=sink, pack=pack, splits=splits,
+                                         page_table=block_table)
+    else:
+        if leftpad is not None:
+            starts = starts + leftpad
+            used = used - leftpad
+        # the last entry only closes the vector: the kernel reads each sequence's length from seqused_k
+        cu_k = torch.cat((starts.to(torch.int32), starts.new_full((1,), k_cache.shape[0]).to(torch.int32)))
+        out, lse = launch.forward_varlen(qp, k_cache, v_cache, cu_q, cu_k, used.to(torch.int32), Sq,
+                                         call.softmax_scale, call.causal, "sm_90a", wl, wr, call.softcap, sink=sink,
+                                         pack=pack, splits=splits)
+    return out.view(B, Sq, H, Dv), lse.view(H, B, Sq).transpose(0, 1)
