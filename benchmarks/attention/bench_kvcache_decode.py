@@ -2,14 +2,16 @@
 SDPA (enable_gqa) on the same cache, to settle the split-KV heuristic (kvcache.choose_num_splits); with --cute, the
 CuTeDSL forward on the same cache (flash_attn.cute's batch-shaped varlen call with seqused_k, the form a KV-cache
 call takes there: num_splits=0 (its own split choice) with pack_gqa, and unsplit with pack_gqa); with --root, the
-root flash_attn_func on the full cache (what Hugging Face's flash_attention_2 decoding calls). Per shape, every
+root flash_attn_func on the full cache (what Hugging Face's flash_attention_2 decoding calls); with --cute-kvcache,
+flash_attn_with_kvcache on the cute backend (plan.kvcache=1, the backend forced); with --append, every
+flash_attn_with_kvcache call appends one new token (cache_seqlens Sk - 1, the decoding step). Per shape, every
 variant runs in interleaved rounds (CUDA-event timing of a burst of calls, the median of the rounds kept);
 microseconds per call (wall time of a burst; then the GPU time per call from the profiler) and the rate at which
 the call reads K and V at its GPU time (GB/s = cache bytes read / time). Every variant's output is compared with
 SDPA's (bf16 rounding), so a variant that computes something else shows.
 
     python -m benchmarks.attention.bench_kvcache_decode [--shapes B:Sk:H:Hk:D,...] [--splits 0,1,8,16,32,64,128]
-        [--cute] [--root]
+        [--cute] [--root] [--cute-kvcache] [--append]
 
 Shapes default to issue 32's table (one query token, H 32, Hk 8, d 128, bf16, full caches): 1x8k, 1x64k, 8x8k,
 8x32k, 32x8k, 64x4k. num_splits 0 is the default heuristic; the kernel caps larger values at its MAX_SPLITS.
@@ -61,6 +63,9 @@ def main(argv=None):
     ap.add_argument("--cute", action="store_true", help="also time flash_attn.cute on the same cache")
     ap.add_argument("--root", action="store_true",
                     help="also time the root flash_attn_func on the same (full) cache: the dispatcher's dense path")
+    ap.add_argument("--cute-kvcache", action="store_true",
+                    help="also time flash_attn_with_kvcache on the cute backend (plan rule kvcache on)")
+    ap.add_argument("--append", action="store_true", help="flash_attn_with_kvcache calls append one token")
     args = ap.parse_args(argv)
     shapes = parse_shapes(args.shapes)
     splits = [int(x) for x in args.splits.split(",") if x.strip()]
@@ -82,6 +87,16 @@ def main(argv=None):
         names += ["cute", "cute unsplit"]
     if args.root:
         names += ["root flash_attn_func"]
+    if args.cute_kvcache:
+        import os
+
+        from flash_attn import dispatch
+        from flash_attn.cute import settings as cute_settings
+
+        os.environ["FLASH_ATTN_CUTE_OVERRIDES"] = ",".join(
+            filter(None, [os.environ.get("FLASH_ATTN_CUTE_OVERRIDES"), "plan.kvcache=1"]))
+        cute_settings.reload()
+        names += ["kvcache on cute"]
     names += ["sdpa"]
     print("| B x Sk | " + " | ".join(names) + " | max err |")
     print("|---" * (len(names) + 2) + "|")
@@ -90,11 +105,20 @@ def main(argv=None):
         q = torch.randn(b, 1, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
         kc = torch.randn(b, sk, hk, d, device="cuda", dtype=torch.bfloat16, generator=g)
         vc = torch.randn(b, sk, hk, d, device="cuda", dtype=torch.bfloat16, generator=g)
-        lens = torch.full((b,), sk, dtype=torch.int32, device="cuda")
+        lens = torch.full((b,), sk - 1 if args.append else sk, dtype=torch.int32, device="cuda")
+        new = {}
+        if args.append:  # the decoding step's token, appended at row Sk - 1 (the same row every call)
+            new = dict(k=torch.randn(b, 1, hk, d, device="cuda", dtype=torch.bfloat16, generator=g),
+                       v=torch.randn(b, 1, hk, d, device="cuda", dtype=torch.bfloat16, generator=g))
         # SDPA in its own (B, H, S, D) layout, contiguous (the layout it is fastest in)
         qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, kc, vc))
-        calls = {name: (lambda s=s: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=s))
+        calls = {name: (lambda s=s: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=s, **new))
                  for name, s in zip(names, splits)}
+        if args.cute_kvcache:
+            def on_cute():
+                with dispatch.use_backend("cute"):
+                    return flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, **new)
+            calls["kvcache on cute"] = on_cute
         if args.cute:
             calls["cute"] = lambda: cute.flash_attn_varlen_func(q, kc, vc, seqused_k=lens, num_splits=0, pack_gqa=True)
             calls["cute unsplit"] = lambda: cute.flash_attn_varlen_func(q, kc, vc, seqused_k=lens, num_splits=1,
@@ -102,6 +126,8 @@ def main(argv=None):
         if args.root:
             calls["root flash_attn_func"] = lambda: flash_attn.flash_attn_func(q, kc, vc)
         calls["sdpa"] = lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+        if args.append:  # the cache as every call leaves it (the token at row Sk - 1) before SDPA reads it
+            calls[names[0]]()
         ref = calls["sdpa"]().transpose(1, 2).float()
         err = max(float((_out(calls[n]()).float() - ref).abs().max()) for n in names[:-1])
         samples = {n: [] for n in names}
