@@ -5,7 +5,8 @@ here), with and without autograd, and through the cute backend module (``(cute b
 fwd and launch with the same stubbed kernels, the root API's path on a Hopper GPU). For comparing the per-call path before and after a change (run it on both
 checkouts, alternating, on a quiet machine; the GPU per-call figure is bench_cute_overhead's). ``--api kvcache``:
 flash_attn.flash_attn_with_kvcache on a decoding shape (one query token, H 32, Hk 8, d 128, an 8k cache) with the
-no-op backend, then through the Triton backend's fwd_kvcache with its launches replaced by no-ops.
+no-op backend, then through the Triton backend's fwd_kvcache with its launches replaced by no-ops, and through the
+cute backend's (its kernels replaced by no-ops).
 
     python -m benchmarks.tools.percall_host_cpu [--api cute|root|both|kvcache] [--rounds 15] [--calls 2000]
 """
@@ -171,7 +172,34 @@ def measure_kvcache(rounds=15, calls=2000):
         for n, f in stubbed.items():
             setattr(tkv, n, f)
         tkv._num_sms, tb._arch = real_sms, real_arch
+    out["with the cute backend"] = _kvcache_cute(flash_attn.flash_attn_with_kvcache, (q, kc, vc), lens, rounds, calls)
     return out
+
+
+def _kvcache_cute(f, args, lens, rounds, calls):
+    """flash_attn_with_kvcache through flash_attn.cute's backend (kvcache.py and launch.forward_varlen's host work),
+    its varlen kernels stubbed, the decoding plan fixed at pack_gqa 4, unsplit (the GPU's SM count is not asked)."""
+    from flash_attn import dispatch
+    from flash_attn.cute import backend as cb, kernels
+
+    def nop(*a):
+        return None
+
+    for pack in ((), ("pack", 4)):
+        kernels._kernels[(torch.bfloat16, 128, False, "sm_90a", False, False, True) + pack] = nop
+    real_plan = cb._decode_plan
+    cb._decode_plan = lambda *a: (4, 1)
+    try:
+        class _CuteKv(_NopBackend):
+            def fwd_kvcache(self, call, *a, **kw):
+                return cb.fwd_kvcache(call, *a, **kw)
+
+        sys.modules["_percall_cute_kv"] = _CuteKv()
+        dispatch.BACKENDS["nop_cute_kv"] = "_percall_cute_kv"
+        with dispatch.use_backend("nop_cute_kv"):
+            return _time(f, args, {"cache_seqlens": lens}, rounds, calls)
+    finally:
+        cb._decode_plan = real_plan
 
 
 def main(argv=None):

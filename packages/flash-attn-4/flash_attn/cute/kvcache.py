@@ -15,16 +15,17 @@ import torch
 from flash_attn.cute import launch
 from flash_attn.cute.plan import _UNBOUNDED
 
-_cu_q: dict = {}  # (device, B, Sq) -> the arange cu_seqlens_q of B batch rows of Sq queries (never written)
+_aranges: dict = {}  # (device, B, step) -> int32 0, step, ..., B * step (never written)
 
 
-def _cu_seqlens_q(device, B, Sq):
-    key = (device, B, Sq)
-    cu = _cu_q.get(key)
+def _arange(device, B, step):
+    """The cu_seqlens of B rows of ``step`` (a batch's queries, or its cache rows), kept per shape."""
+    key = (device, B, step)
+    cu = _aranges.get(key)
     if cu is None:
-        if len(_cu_q) >= 64:
-            _cu_q.clear()
-        cu = _cu_q[key] = torch.arange(0, (B + 1) * Sq, Sq, dtype=torch.int32, device=device)[:B + 1]
+        if len(_aranges) >= 64:
+            _aranges.clear()
+        cu = _aranges[key] = torch.arange(0, (B + 1) * step, step, dtype=torch.int32, device=device)[:B + 1]
     return cu
 
 
@@ -53,11 +54,13 @@ def prep(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache
     positions cache_seqlens[b] + i when the mask is bounded (causal / local), else all at cache_seqlens[b] (one
     decoding step). Returns q (rotated or as given)."""
     B, Sq = q.shape[:2]
+    s_new = 0 if k is None else k.shape[1]
+    if rotary_cos is None and not (s_new and B):
+        return q
     seqlens = cache_seqlens.long()
     if rotary_cos is not None:
         step = torch.arange(Sq, device=q.device) if bounded else torch.zeros(Sq, dtype=torch.long, device=q.device)
         q = rotate(q, rotary_cos, rotary_sin, seqlens[:, None] + step, rotary_interleaved)
-    s_new = 0 if k is None else k.shape[1]
     if s_new and B:
         pos = seqlens[:, None] + torch.arange(s_new, device=q.device)  # (B, S_new)
         if rotary_cos is not None:
@@ -98,27 +101,30 @@ def fwd_kvcache(call, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_s
         paged = False
         starts = cu_k[:-1]
     elif not paged:
-        index = (torch.arange(B, device=q.device, dtype=torch.int32) if cache_batch_idx is None
-                 else cache_batch_idx)
-        starts = index * capacity
+        starts = None if cache_batch_idx is None else cache_batch_idx * capacity  # None: row b, the common call
         k_cache = k_cache.reshape(-1, Hk, D)  # (a view of a contiguous cache)
         v_cache = v_cache.reshape(-1, Hk, Dv)
     # (the plan sees the capacity: the lengths are on the device, and reading them would sync)
     pack, splits = plan(q, B, Sq, H, capacity, Hk, wl, 0 if call.causal else wr) if Sq <= 16 else (1, 1)
     if num_splits >= 1:  # the caller's count (1: unsplit); 0 picks (FA2's)
         splits = num_splits
-    cu_q = _cu_seqlens_q(q.device, B, Sq)
+    cu_q = _arange(q.device, B, Sq)
     qp = q.reshape(B * Sq, H, D)
     if paged:
         out, lse = launch.forward_varlen(qp, k_cache, v_cache, cu_q, None, used, Sq, call.softmax_scale, call.causal,
                                          "sm_90a", wl, wr, call.softcap, sink=sink, pack=pack, splits=splits,
                                          page_table=block_table)
     else:
-        if leftpad is not None:
-            starts = starts + leftpad
-            used = used - leftpad
-        # the last entry only closes the vector: the kernel reads each sequence's length from seqused_k
-        cu_k = torch.cat((starts.to(torch.int32), starts.new_full((1,), k_cache.shape[0]).to(torch.int32)))
+        if starts is None and leftpad is None:
+            cu_k = _arange(q.device, B, capacity)
+        else:
+            if starts is None:
+                starts = _arange(q.device, B, capacity)[:B]
+            if leftpad is not None:
+                starts = starts + leftpad
+                used = used - leftpad
+            # the last entry only closes the vector: the kernel reads each sequence's length from seqused_k
+            cu_k = torch.cat((starts.to(torch.int32), starts.new_full((1,), k_cache.shape[0]).to(torch.int32)))
         out, lse = launch.forward_varlen(qp, k_cache, v_cache, cu_q, cu_k, used.to(torch.int32), Sq,
                                          call.softmax_scale, call.causal, "sm_90a", wl, wr, call.softcap, sink=sink,
                                          pack=pack, splits=splits)
