@@ -112,8 +112,13 @@ def main(argv=None):
                        v=torch.randn(b, 1, hk, d, device="cuda", dtype=torch.bfloat16, generator=g))
         # SDPA in its own (B, H, S, D) layout, contiguous (the layout it is fastest in)
         qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, kc, vc))
-        calls = {name: (lambda s=s: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=s, **new))
-                 for name, s in zip(names, splits)}
+        def triton_call(s):
+            if not args.cute_kvcache:  # (the dispatcher's choice: the Triton kernels on Hopper)
+                return flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=s, **new)
+            with dispatch.use_backend("triton"):  # plan.kvcache is on for the process: name the Triton kernels
+                return flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=s, **new)
+
+        calls = {name: (lambda s=s: triton_call(s)) for name, s in zip(names, splits)}
         if args.cute_kvcache:
             def on_cute():
                 with dispatch.use_backend("cute"):

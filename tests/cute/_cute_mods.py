@@ -78,6 +78,28 @@ def scaled_bwd(grad, score, b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensor
 # mask mods: (batch, head, q_idx, kv_idx, seqlen_info, aux_tensors) -> keep (a Boolean or a one-element TensorSSA)
 
 @cute.jit
+def global_scaled_squared(score, b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+    """aux_tensors[0][global key] * score^2, the key's global row kv_idx + seqlen_info.offset_k (FA4's varlen test
+    mod): a varlen call's aux read at packed rows."""
+    scale = aux_tensors[0]
+    rows = cute.make_rmem_tensor(1, cutlass.Int32)
+    rows.store(kv_idx + seqlen_info.offset_k)
+    val = cute.make_rmem_tensor(1, scale.element_type)
+    val[0] = scale[rows[0]]
+    return val.load().to(Float32) * score * score
+
+
+@cute.jit
+def global_scaled_squared_bwd(grad, score, b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+    scale = aux_tensors[0]
+    rows = cute.make_rmem_tensor(1, cutlass.Int32)
+    rows.store(kv_idx + seqlen_info.offset_k)
+    val = cute.make_rmem_tensor(1, scale.element_type)
+    val[0] = scale[rows[0]]
+    return grad * cute.full_like(grad, 2.0) * val.load().to(Float32) * score
+
+
+@cute.jit
 def causal_mask(b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
     """Bottom-right causal: key j <= i + Sk - Sq."""
     return kv_idx[0] <= q_idx[0] + seqlen_info.seqlen_k - seqlen_info.seqlen_q

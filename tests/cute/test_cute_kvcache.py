@@ -158,7 +158,7 @@ def test_root_kvcache_on_the_kernels_matches_the_reference(cute_env, paged, Sq, 
         k_cache = torch.randn(40, page, Hk, D, device=dev, dtype=dt)
         table = torch.randperm(40, device=dev)[:36].view(B, 12).to(torch.int32)
     else:
-        k_cache = torch.randn(B + 2, 700, Hk, D, device=dev, dtype=dt)
+        k_cache = torch.randn(B + 2 if opts == "batch_idx" else B, 700, Hk, D, device=dev, dtype=dt)
         table = None
     v_cache = torch.randn_like(k_cache)
     q = torch.randn(B, Sq, H, D, device=dev, dtype=dt)
@@ -187,10 +187,12 @@ def test_root_kvcache_on_the_kernels_matches_the_reference(cute_env, paged, Sq, 
                                                                  and t.is_floating_point() and n != "learnable_sink"
                                                                  else t) for n, t in kw.items()})
         kc_lp, vc_lp = kc.clone(), vc.clone()
-        ref_lp, _ = flash_attn.flash_attn_with_kvcache(q, kc_lp, vc_lp, **kw)
+        ref_lp, lse_lp = flash_attn.flash_attn_with_kvcache(q, kc_lp, vc_lp, **kw)
     if opts != "rotary":  # the same rows appended (rotated keys may differ in their last bit)
         assert torch.equal(k_cache, kc_lp) and torch.equal(v_cache, vc_lp)
     err = (out.float() - ref).abs().max().item()
     bound = 2 * (ref_lp.float() - ref).abs().max().item() + ref.abs().max().item() * 2 ** -8
     assert err <= bound, (err, bound)
-    torch.testing.assert_close(lse, ref_lse, rtol=1e-3, atol=1e-3)
+    # lse by the same criterion (rotary rounds the rotated q to bf16 here and in the bf16 reference, not in fp32's)
+    lse_err = (lse - ref_lse).abs().max().item()
+    assert lse_err <= 2 * (lse_lp - ref_lse).abs().max().item() + 1e-3, lse_err

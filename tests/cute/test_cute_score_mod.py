@@ -374,6 +374,39 @@ def gpu_kernel_requests():
 
 # --- the backward (score_mod through FA4's score_mod_bwd, with or without a mask_mod) ------------------------------
 
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("lens", [[(128, 128), (128, 128)], [(1, 4096), (1, 4096), (1, 4096)],
+                                  [(64, 128), (56, 200), (128, 64)]])
+def test_varlen_score_mod_reading_aux_at_global_keys(defaults, dtype, lens):
+    """A score_mod (and its gradient) reading an aux tensor at the key's packed row (kv_idx + offset_k), FA4's
+    varlen test: forward and gradients of every sequence against the sequence alone (FA4's suite found dQ wrong at
+    fp16, sequences [128, 128] and [1, 1, 1] x 262144, on an H100, 2026-12-06)."""
+    torch.manual_seed(12)
+    H, d = 4, 128
+    cu_q = torch.tensor([0] + list(torch.tensor([a for a, _ in lens]).cumsum(0)), dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0] + list(torch.tensor([b for _, b in lens]).cumsum(0)), dtype=torch.int32, device="cuda")
+    Tq, Tk = int(cu_q[-1]), int(cu_k[-1])
+    q = torch.randn(Tq, H, d, device="cuda", dtype=dtype, requires_grad=True)
+    k = torch.randn(Tk, H, d, device="cuda", dtype=dtype, requires_grad=True)
+    v = torch.randn(Tk, H, d, device="cuda", dtype=dtype, requires_grad=True)
+    dout = torch.randn(Tq, H, d, device="cuda", dtype=dtype)
+    scale = torch.randn(Tk, device="cuda", dtype=dtype) * 0.1 + 1.0
+    out = interface.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                           score_mod=m.global_scaled_squared,
+                                           score_mod_bwd=m.global_scaled_squared_bwd, aux_tensors=[scale])[0]
+    out.backward(dout)
+    for b, (sq, sk) in enumerate(lens):
+        rq, rk = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+        fn = lambda s, aux, rk=rk: aux[0][rk].float() * s * s  # noqa: E731
+        args = (q[rq][None], k[rk][None], v[rk][None], dout[rq][None], d ** -0.5, fn, None, [scale])
+        ref, ref_grads = _grads_reference(*args, torch.float32)
+        ref_lp, lp_grads = _grads_reference(*args, dtype)
+        got = (out[rq][None], q.grad[rq][None], k.grad[rk][None], v.grad[rk][None])
+        m.assert_close_to_oracle(got, (ref, *ref_grads), (ref_lp, *lp_grads), where=(b, str(dtype)))
+
+
 def _grads_reference(q, k, v, dout, scale, score_fn, keep, aux, dtype):
     qr, kr, vr = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
     g = qr.shape[2] // kr.shape[2]
