@@ -663,6 +663,34 @@ def test_forward_plain_lane_finds_the_kernel_fwd_kernel_stores(monkeypatch, D, c
     assert len(builds) == 1 and launches == [1, 1, 1] and len(general) == 1
 
 
+def test_backend_common_call_launches_without_launch_forward(monkeypatch):
+    """The dispatcher's common call (dense, no window, softcap or sink; more query rows than decoding) goes from
+    backend.fwd straight to launch._forward_plain once its kernel is in memory; a windowed call, a decoding call and
+    the first call (kernel not loaded) take launch.forward."""
+    from _cute_table import swap_kernels
+
+    from flash_attn.call import describe
+    from flash_attn.cute import backend, kernels
+
+    swap_kernels(monkeypatch, {})
+    launches = []
+    monkeypatch.setattr(kernels, "load_or_build", lambda *a, **kw: ((lambda *x: launches.append(x)), "test"))
+    monkeypatch.setattr(kernels, "_persistent_launcher", lambda fn: fn)
+    general = []
+    forward = launch.forward
+    monkeypatch.setattr(launch, "forward", lambda *a, **kw: general.append(a) or forward(*a, **kw))
+    q = torch.randn(1, 32, 2, 128, dtype=torch.bfloat16)
+    k = v = torch.randn(1, 64, 2, 128, dtype=torch.bfloat16)
+    call = describe(q, k)
+    for scratch in (True, False, True):
+        out, lse, _ = backend.fwd(call, q, k, v, None, None, 32, 64, None, None, None, lse_scratch=scratch)
+        assert out.shape == q.shape and lse.shape == (1, 2, 32)
+    assert len(launches) == 3 and len(general) == 1  # only the first call (the build) went through launch.forward
+    assert launches[-1][5] == call.softmax_scale
+    backend.fwd(describe(q, k, causal=True, window_left=16), q, k, v, None, None, 32, 64, None, None, None)
+    assert len(general) == 2  # a window: the general path
+
+
 def test_varlen_value_checks_name_what_is_wrong(monkeypatch):
     """The varlen call's value checks (one host copy of the small int vectors, one sync): cu_seqlens that do not start
     at 0, decrease or end past the tokens, seqused_k past a sequence's keys, max_seqlen_q below the longest sequence;
