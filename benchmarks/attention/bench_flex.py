@@ -7,8 +7,8 @@ rounding: ~1e-2). The block masks are built once per case, outside the timing, f
 
     python -m benchmarks.attention.bench_flex [--seqlens 1024,4096,8192] [--cases none,rel_bias,...] [--backward]
 
---backward: forward + backward (a fixed dO) of the cases this package has a backward for (no mod, the mask cases:
-ours with the BlockMask's forward and backward lists), TFLOP/s counting 2.5x the forward's work.
+--backward: forward + backward (a fixed dO) of every case (the mask cases: ours with the BlockMask's forward and
+backward lists; the score mods: their gradient through score_mod_bwd), TFLOP/s counting 3.5x the forward's work.
 
 Cases: none (no mod: the plain kernels), rel_bias (score + 0.01 * (kv - q)), alibi (score - slope[h] * |q - kv|,
 slopes an aux tensor), causal (a mask_mod), window (causal sliding window of 1024 keys), prefix (prefix-LM: causal,
@@ -48,6 +48,15 @@ def _mods():
         return capped * cute.full_like(score, SOFTCAP)
 
     @cute.jit
+    def additive_bwd(grad, score, b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+        return grad  # rel_bias, alibi: score + a term that does not depend on it
+
+    @cute.jit
+    def softcap_bwd(grad, score, b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+        t = cute.math.tanh(score * cute.full_like(score, 1.0 / SOFTCAP), fastmath=True)
+        return grad * (cute.full_like(t, 1.0) - t * t)
+
+    @cute.jit
     def causal(b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
         return kv_idx[0] <= q_idx[0]
 
@@ -64,9 +73,10 @@ def _mods():
         docs = aux_tensors[0]
         return docs[b_idx[0], q_idx[0]] == docs[b_idx[0], kv_idx[0]]
 
-    return {"rel_bias": (rel_bias, None), "alibi": (alibi, None), "causal": (None, causal),
-            "window": (None, window), "prefix": (None, prefix), "document": (None, document),
-            "alibi_causal": (alibi, causal), "softcap_causal": (softcap, causal)}
+    return {"rel_bias": (rel_bias, additive_bwd, None), "alibi": (alibi, additive_bwd, None),
+            "causal": (None, None, causal), "window": (None, None, window), "prefix": (None, None, prefix),
+            "document": (None, None, document), "alibi_causal": (alibi, additive_bwd, causal),
+            "softcap_causal": (softcap, softcap_bwd, causal)}
 
 
 def _flex_fns(slopes, docs):
@@ -164,23 +174,22 @@ def main(argv=None):
             flex = torch.compile(flex_attention, dynamic=False)
             aux = [slopes] if "alibi" in case else [docs] if case == "document" else None
             flex_mod, flex_mask = flex_fns.get(case, (None, None))
-            if args.backward and flex_mod is not None:
-                continue  # (no score_mod backward here yet)
             kept = _kept(flex_mask, B, S, q.device)
             flops = 4 * B * S * S * H * D * kept * (3.5 if args.backward else 1.0)
             if case == "none":
                 ours = lambda: cute.flash_attn_func(q, k, v)[0]  # noqa: E731
                 theirs = lambda: flex(qf, kf, vf)  # noqa: E731
             else:
-                score_mod, mask_mod = mods[case]
+                score_mod, score_mod_bwd, mask_mod = mods[case]
                 block_mask = sparse = None
                 if flex_mask is not None:
                     block_mask = create_block_mask(flex_mask, B, None, S, S, device="cuda")
                     sparse = block_sparsity.from_block_mask(block_mask)
                 sparse_bwd = None if block_mask is None else block_sparsity.from_block_mask_bwd(block_mask)
-                ours = lambda sm=score_mod, mm=mask_mod, a=aux, t=sparse, tb=sparse_bwd: cute.flash_attn_func(  # noqa
-                    q, k, v, score_mod=sm, mask_mod=mm, aux_tensors=a, block_sparse_tensors=t,
-                    block_sparse_tensors_bwd=tb if q.requires_grad else None)[0]
+                ours = lambda sm=score_mod, smb=score_mod_bwd, mm=mask_mod, a=aux, t=sparse, tb=sparse_bwd: (  # noqa
+                    cute.flash_attn_func(q, k, v, score_mod=sm, score_mod_bwd=smb, mask_mod=mm, aux_tensors=a,
+                                         block_sparse_tensors=t,
+                                         block_sparse_tensors_bwd=tb if q.requires_grad else None)[0])
                 theirs = lambda m=flex_mod, bm=block_mask: flex(qf, kf, vf, score_mod=m, block_mask=bm)  # noqa: E731
             diff = (ours().float() - theirs().transpose(1, 2).float()).abs().max().item()
             native_fn = None
