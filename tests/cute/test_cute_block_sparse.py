@@ -336,8 +336,41 @@ def test_api_refuses_what_is_not_served(defaults, monkeypatch):
         interface.flash_attn_func(q, k, v, block_sparse_tensors=t)
     with pytest.raises(NotImplementedError, match="window_size"):
         interface.flash_attn_func(q, k, v, block_sparse_tensors=t, block_sparse_tensors_bwd=t, window_size=(8, 8))
-    with pytest.raises(NotImplementedError, match="softcap"):
-        interface.flash_attn_func(q.detach(), k, v, block_sparse_tensors=t, softcap=5.0)
+    with pytest.raises(ValueError, match="softcap and score_mod"):
+        interface.flash_attn_func(q.detach(), k, v, score_mod=m.identity, softcap=5.0)
+
+
+def test_softcap_with_mask_mod_or_sparsity_runs_as_the_softcap_score_mod(defaults, monkeypatch):
+    """softcap with a mask_mod or block sparsity (FA4 turns softcap into a score_mod): the mod kernels get
+    mod_library.softcap's pair (one function per cap: one kernel), forward, varlen forward and the backward's
+    score_mod_bwd; the native softcap is not passed on."""
+    from flash_attn.cute import launch, lowlevel, mod_library
+
+    monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")
+    monkeypatch.setattr(launch, "_device_arch", lambda q, k, v: "sm_90a")
+    capped = mod_library.softcap(5.0)
+    seen = []
+    monkeypatch.setattr(mods, "forward", lambda q, k, v, scale, causal, arch, wl, wr, score_mod, mask_mod, *a, **kw:
+                        seen.append((score_mod, mask_mod)) or (torch.zeros_like(q),
+                                                               torch.zeros(q.shape[0], q.shape[2], q.shape[1])))
+    q, k, v = _qkv()
+    t = _lists(1, 1, 1, 1, torch.ones(1, 1, 1, 1, dtype=torch.bool))
+    interface.flash_attn_func(q, k, v, block_sparse_tensors=t, softcap=5.0)
+    interface.flash_attn_func(q, k, v, mask_mod=m.causal_mask, softcap=5.0)
+    assert seen == [(capped.score_mod, None), (capped.score_mod, m.causal_mask)]
+    monkeypatch.setattr(mods, "forward_varlen", lambda q, k, v, cu_q, cu_k, used_k, max_q, scale, causal, arch, wl,
+                        wr, score_mod, mask_mod, *a, **kw: seen.append((score_mod, mask_mod))
+                        or (torch.zeros_like(q), torch.zeros(q.shape[1], q.shape[0])))
+    cu = torch.tensor([0, q.shape[1]], dtype=torch.int32)
+    interface.flash_attn_varlen_func(q[0], k[0], v[0], cu_seqlens_q=cu, cu_seqlens_k=cu, mask_mod=m.causal_mask,
+                                     softcap=5.0)
+    assert seen[-1] == (capped.score_mod, m.causal_mask)
+    grads = []
+    monkeypatch.setattr(mods, "backward", lambda dout, q, k, v, out, lse, dlse, scale, arch, score_mod, score_mod_bwd,
+                        *a: grads.append((score_mod, score_mod_bwd)) or (q, k, v))
+    lse = torch.zeros(q.shape[0], q.shape[2], q.shape[1])
+    lowlevel._flash_attn_bwd(q, k, v, q, q, lse, mask_mod=m.causal_mask, softcap=5.0)
+    assert grads == [(capped.score_mod, capped.score_mod_bwd)]
 
 
 # --- the kernel, compiled for sm_90a on the CPU ------------------------------------------------------------------

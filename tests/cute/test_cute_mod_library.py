@@ -139,3 +139,38 @@ def test_every_mod_matches_its_reference(cute_env, name, Sq):
 
     m_.assert_close_to_oracle((out, q.grad, k.grad, v.grad), reference(torch.float32), reference(torch.bfloat16),
                               where=(name, Sq))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("varlen", [False, True])
+def test_native_softcap_with_a_mask_mod(cute_env, varlen):
+    """softcap= with a mask_mod (FA4 turns the cap into a score_mod): forward and gradients against softcap's and the
+    mask's references applied in turn, dense and varlen (forward)."""
+    from flash_attn.cute import interface
+
+    cute_env()
+    torch.manual_seed(5)
+    B, S, H, d, cap = 2, 256, 4, 128, 5.0
+    mask = L.sliding_window(40, 0)
+    q, k, v = (torch.randn(B, S, H, d, device="cuda", dtype=torch.bfloat16, requires_grad=not varlen)
+               for _ in range(3))
+    dout = torch.randn(B, S, H, d, device="cuda", dtype=torch.bfloat16)
+    if varlen:
+        cu = torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device="cuda")
+        out = interface.flash_attn_varlen_func(*(t.reshape(B * S, H, d) for t in (q, k, v)), cu_seqlens_q=cu,
+                                               cu_seqlens_k=cu, mask_mod=mask.mask_mod, softcap=cap)[0].view(B, S, H, d)
+    else:
+        out = interface.flash_attn_func(q, k, v, mask_mod=mask.mask_mod, softcap=cap)[0]
+        out.backward(dout)
+
+    def reference(dtype):
+        qr, kr, vr = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+        s = (qr.transpose(1, 2) @ kr.transpose(1, 2).transpose(-1, -2)).float() * d ** -0.5
+        p = torch.softmax(mask.reference(L.softcap(cap).reference(s)), -1).to(dtype)
+        o = (p @ vr.transpose(1, 2)).transpose(1, 2)
+        o.backward(dout.to(dtype))
+        return [o.float()] + [t.grad.float() for t in (qr, kr, vr)]
+
+    got = (out,) if varlen else (out, q.grad, k.grad, v.grad)
+    m_.assert_close_to_oracle(got, reference(torch.float32), reference(torch.bfloat16), where=(varlen,))

@@ -207,6 +207,7 @@ def _mods_func(q, k, v, softmax_scale, causal, window_size, learnable_sink, soft
                      _autograd.needs_grad(q, k, v, None), D, Dv, block_sparse, block_sparse_bwd, aux_scalars,
                      score_mod_bwd)
     _check_dims(D, Dv, H, Hk)
+    score_mod, score_mod_bwd = _mods.with_softcap(softcap, score_mod, score_mod_bwd)
     arch = _device_arch(q, k, v)
     scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
     if _autograd.needs_grad(q, k, v, None):  # check_call refused what has no backward
@@ -335,6 +336,10 @@ def _varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=Non
                                       "yet (FA4's varlen call has no backward lists)")
         _mods.check_call(*mods[:3], c, left, right, cap, learnable_sink, grads, D, Dv, mods[5], aux_scalars=mods[3],
                          score_mod_bwd=mods[4])
+        if cap:  # the cap as a score_mod; the kernels below then see no softcap
+            score_mod, score_mod_bwd = _mods.with_softcap(cap, mods[0], mods[4])
+            mods = (score_mod, *mods[1:4], score_mod_bwd, mods[5])
+            softcap = 0.0
     if D not in SUPPORTED_HEAD_DIMS or (Dv != D and (D, Dv) not in HEAD_DIM_PAIRS):
         P = _padded_dim(D, Dv)
         out, lse = _varlen_func(_pad_last(q, P), _pad_last(k, P), _pad_last(v, P), cu_seqlens_q, cu_seqlens_k,

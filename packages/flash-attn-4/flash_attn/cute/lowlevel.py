@@ -115,6 +115,7 @@ def _mods_bwd(q, k, v, out, dout, lse, dlse, scale, causal, window_left, window_
                          f"expected {lse_shape}, H a multiple of Hk)")
     mods.check_call(score_mod, mask_mod, aux_tensors, causal, window_left, window_right, softcap, learnable_sink,
                     True, D, Dv, block_sparse_bwd, block_sparse_bwd, aux_scalars, score_mod_bwd)
+    score_mod, score_mod_bwd = mods.with_softcap(softcap, score_mod, score_mod_bwd)
     if deterministic:
         raise NotImplementedError("flash_attn.cute: a deterministic backward of mods / block sparsity is not "
                                   "implemented yet (their backward adds dQ in whatever order the CTAs finish)")

@@ -259,8 +259,6 @@ def check_call(score_mod, mask_mod, aux_tensors, causal, window_left, window_rig
                                       f"{BWD_HEAD_DIMS} (the backward kernel's), got {D} / {Dv}")
     if softcap and score_mod is not None:
         raise ValueError("softcap and score_mod cannot be used together (as in FA4; write the cap into the score_mod)")
-    if softcap:
-        raise NotImplementedError("softcap with mask_mod or block sparsity is not implemented yet in flash_attn.cute")
     if learnable_sink is not None:
         raise NotImplementedError("learnable_sink with score_mod / mask_mod / block sparsity is not implemented yet "
                                   "in flash_attn.cute")
@@ -272,6 +270,18 @@ def check_call(score_mod, mask_mod, aux_tensors, causal, window_left, window_rig
     if D != Dv or D not in config.SUPPORTED_HEAD_DIMS:
         raise NotImplementedError(f"score_mod / mask_mod / block sparsity: head dims {D} / {Dv}; the kernels' own "
                                   f"head dims {config.SUPPORTED_HEAD_DIMS} with equal q / v head dims only, for now")
+
+
+def with_softcap(softcap, score_mod, score_mod_bwd):
+    """(score_mod, score_mod_bwd) of a checked mods call (check_call: a softcap never comes with a score_mod): a softcap
+    > 0 becomes the score_mod cap * tanh(score / cap) and its gradient (mod_library.softcap, one function pair per cap,
+    so one kernel), as FA4 turns softcap into a score_mod; it then combines with a mask_mod and block sparsity."""
+    if not softcap:
+        return score_mod, score_mod_bwd
+    from flash_attn.cute import mod_library
+
+    capped = mod_library.softcap(softcap)
+    return capped.score_mod, capped.score_mod_bwd
 
 
 _mask_lists: dict[tuple, object] = {}  # mask_lists' answers
