@@ -310,7 +310,8 @@ def test_api_passes_the_tensors_to_the_mod_launch(defaults, monkeypatch):
     seen = []
     monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")
 
-    def dense(q, k, v, scale, causal, arch, wl, wr, score_mod, mask_mod, aux, block_sparse=None, aux_scalars=None):
+    def dense(q, k, v, scale, causal, arch, wl, wr, score_mod, mask_mod, aux, block_sparse=None, aux_scalars=None,
+              sink=None):
         seen.append((score_mod, mask_mod, block_sparse, causal))
         return torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], q.shape[1])
 
@@ -721,7 +722,8 @@ def test_mask_mod_calls_get_lists_built_once_per_shape(cute_env, monkeypatch):
 
     monkeypatch.setattr(cbs, "compute_block_sparsity", fake_compute)
     monkeypatch.setattr(mods, "_mask_lists", {})
-    monkeypatch.setattr(mods, "mod_kernel", lambda *a, scalars=(), block_m=None: (lambda *args: launched.append((a, args))))
+    monkeypatch.setattr(mods, "mod_kernel", lambda *a, scalars=(), block_m=None, sink=False: (
+        lambda *args: launched.append((a, args))))
     q = torch.randn(2, 300, 4, 64, dtype=torch.bfloat16)
     k = torch.randn(2, 500, 4, 64, dtype=torch.bfloat16)
     run = lambda mask, aux=None: mods.forward(q, k, k, 0.1, False, "sm_90a", _UNBOUNDED, _UNBOUNDED, None,  # noqa
@@ -1048,7 +1050,8 @@ def test_aux_scalars_reach_the_launch_and_key_the_lists(cute_env, monkeypatch):
 
     monkeypatch.setattr(cbs, "compute_block_sparsity", fake_compute)
     monkeypatch.setattr(mods, "_mask_lists", {})
-    monkeypatch.setattr(mods, "mod_kernel", lambda *a, scalars=(), block_m=None: (lambda *args: launched.append((scalars, args))))
+    monkeypatch.setattr(mods, "mod_kernel", lambda *a, scalars=(), block_m=None, sink=False: (
+        lambda *args: launched.append((scalars, args))))
     q = torch.randn(1, 256, 2, 64, dtype=torch.bfloat16)
     for limit in (64, 64, 100):
         mods.forward(q, q, q, 0.1, False, "sm_90a", _UNBOUNDED, _UNBOUNDED, m.scaled, m.scalar_limit_mask, None,
@@ -1126,7 +1129,7 @@ def test_varlen_mods_gradients_go_to_the_varlen_backward(cute_env, monkeypatch):
     monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")
     fwd = []
     monkeypatch.setattr(mods, "forward_varlen", lambda q, k, v, cu_q, cu_k, used_k, max_q, scale, causal, arch, wl,
-                        wr, *rest: fwd.append((max_q, causal, rest)) or (torch.zeros_like(q),
+                        wr, *rest, sink=None: fwd.append((max_q, causal, rest)) or (torch.zeros_like(q),
                                                                          torch.zeros(q.shape[1], q.shape[0])))
     built, seen = [], []
     monkeypatch.setattr(mods, "mod_bwd_kernel", lambda *a, block_m=None: built.append(a) or "kernel")

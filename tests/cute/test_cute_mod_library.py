@@ -174,3 +174,46 @@ def test_native_softcap_with_a_mask_mod(cute_env, varlen):
 
     got = (out,) if varlen else (out, q.grad, k.grad, v.grad)
     m_.assert_close_to_oracle(got, reference(torch.float32), reference(torch.bfloat16), where=(varlen,))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize("name", ["sliding_window", "alibi_causal"])
+def test_learnable_sink_with_mods(cute_env, varlen, name):
+    """A learnable sink with a mask_mod / score_mod: forward, lse and the gradients of q, k, v and the sink against
+    the reference (one more softmax term exp(sink) per row, no value), dense and varlen."""
+    from flash_attn.cute import interface
+
+    cute_env()
+    torch.manual_seed(6)
+    B, S, H, d = 2, 256, 4, 128
+    m = {"sliding_window": L.sliding_window(40, 0),
+         "alibi_causal": L.combine(L.alibi(L.alibi_slopes(H).cuda()), L.causal())}[name]
+    q, k, v = (torch.randn(B, S, H, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    sink = torch.randn(H, device="cuda", dtype=torch.float32, requires_grad=True)
+    dout = torch.randn(B, S, H, d, device="cuda", dtype=torch.bfloat16)
+    if varlen:
+        cu = torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device="cuda")
+        out, lse = interface.flash_attn_varlen_func(*(t.reshape(B * S, H, d) for t in (q, k, v)), cu_seqlens_q=cu,
+                                                    cu_seqlens_k=cu, learnable_sink=sink, return_lse=True,
+                                                    **m.kwargs())
+        out, lse = out.view(B, S, H, d), lse.view(H, B, S).transpose(0, 1)
+    else:
+        out, lse = interface.flash_attn_func(q, k, v, learnable_sink=sink, return_lse=True, **m.kwargs())
+    out.backward(dout)
+
+    def reference(dtype):
+        qr, kr, vr = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+        sr = sink.detach().clone().requires_grad_()
+        s = (qr.transpose(1, 2) @ kr.transpose(1, 2).transpose(-1, -2)).float() * d ** -0.5
+        s = torch.cat([m.reference(s), sr.view(1, H, 1, 1).expand(B, H, S, 1)], -1)
+        p = torch.softmax(s, -1)[..., :-1].to(dtype)
+        o = (p @ vr.transpose(1, 2)).transpose(1, 2)
+        o.backward(dout.to(dtype))
+        return [o.float(), torch.logsumexp(s, -1)] + [t.grad.float() for t in (qr, kr, vr, sr)]
+
+    got = (out, lse, q.grad, k.grad, v.grad, sink.grad)
+    m_.assert_close_to_oracle(got, reference(torch.float32), reference(torch.bfloat16), names=["o", "lse", "q", "k",
+                                                                                                 "v", "sink"],
+                              where=(name, varlen))

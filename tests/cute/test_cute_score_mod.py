@@ -157,18 +157,20 @@ class _ModLaunch:
         monkeypatch.setattr(mods, "forward_varlen", self.varlen)
 
     def dense(self, q, k, v, scale, causal, arch, wl, wr, score_mod, mask_mod, aux, block_sparse=None,
-              aux_scalars=None):
+              aux_scalars=None, sink=None):
         self.calls.append(dict(kind="dense", scale=scale, causal=causal, window=(wl, wr), score_mod=score_mod,
-                               mask_mod=mask_mod, aux=aux, scalars=aux_scalars))
+                               mask_mod=mask_mod, aux=aux, scalars=aux_scalars, sink=sink))
         B, Sq, H, _ = q.shape
-        return torch.zeros_like(q), torch.zeros(B, H, Sq)
+        g = torch.Generator().manual_seed(1)
+        return torch.randn(q.shape, generator=g).to(q.dtype), torch.randn(B, H, Sq, generator=g)
 
     def varlen(self, q, k, v, cu_q, cu_k, used_k, max_q, scale, causal, arch, wl, wr, score_mod, mask_mod, aux,
-               aux_scalars=None, block_sparse=None, max_seqlen_k=None):
+               aux_scalars=None, block_sparse=None, max_seqlen_k=None, sink=None):
         self.calls.append(dict(kind="varlen", scale=scale, causal=causal, max_q=max_q, score_mod=score_mod,
                                mask_mod=mask_mod, aux=aux, scalars=aux_scalars, block_sparse=block_sparse,
-                               max_k=max_seqlen_k))
-        return torch.zeros_like(q), torch.zeros(q.shape[1], q.shape[0])
+                               max_k=max_seqlen_k, sink=sink))
+        g = torch.Generator().manual_seed(1)
+        return torch.randn(q.shape, generator=g).to(q.dtype), torch.randn(q.shape[1], q.shape[0], generator=g)
 
 
 @pytest.fixture
@@ -189,6 +191,46 @@ def test_passes_the_mods_to_the_launch(defaults, monkeypatch):
     assert call["causal"] and math.isclose(call["scale"], 64 ** -0.5)
     interface.flash_attn_func(q, k, v, mask_mod=m.window_mask, softmax_scale=0.5)
     assert rec.calls[-1]["mask_mod"] is m.window_mask and rec.calls[-1]["scale"] == 0.5
+
+
+def test_learnable_sink_reaches_the_mod_launch_and_gets_its_gradient(defaults, monkeypatch):
+    """A learnable sink with mods (FA4 allows it): the mod kernels get it as fp32 (H,), dense and varlen, and its
+    gradient is autograd.sink_grad's of the forward's out and lse (the backward kernels need no sink: the lse holds
+    it); _flash_attn_bwd with mods appends it too."""
+    from flash_attn.cute import autograd, launch, lowlevel
+
+    rec = _ModLaunch(monkeypatch)
+    monkeypatch.setattr(mods, "backward", lambda dout, q, k, v, *a: (torch.zeros_like(q), torch.zeros_like(k),
+                                                                     torch.zeros_like(v)))
+    monkeypatch.setattr(mods, "backward_varlen", lambda dout, q, k, v, *a: (torch.zeros_like(q), torch.zeros_like(k),
+                                                                            torch.zeros_like(v)))
+    q, k, v = _qkv()
+    sink = torch.randn(4, dtype=torch.bfloat16)
+    interface.flash_attn_func(q, k, v, mask_mod=m.causal_mask, learnable_sink=sink)
+    got = rec.calls[-1]["sink"]
+    assert got.dtype == torch.float32 and got.is_contiguous() and torch.equal(got, sink.float())
+    sink.requires_grad_(True)
+    dout = torch.randn_like(q)
+    out, lse = interface.flash_attn_func(q, k, v, score_mod=m.identity, score_mod_bwd=m.additive_bwd,
+                                         learnable_sink=sink, return_lse=True)
+    out.backward(dout)
+    want = autograd.sink_grad(dout, out.detach(), lse.detach(), sink.detach())
+    assert sink.grad.dtype == sink.dtype and torch.allclose(sink.grad.float(), want.to(sink.dtype).float())
+    assert torch.equal(rec.calls[-1]["sink"], sink.detach().float())
+    sink.grad = None
+    qv, kv, vv = _qkv(varlen=True)
+    cu = torch.tensor([0, 5, 14], dtype=torch.int32)
+    out, lse = interface.flash_attn_varlen_func(qv, kv, vv, cu_seqlens_q=cu, cu_seqlens_k=cu, mask_mod=m.causal_mask,
+                                                learnable_sink=sink, return_lse=True)
+    assert rec.calls[-1]["kind"] == "varlen" and torch.equal(rec.calls[-1]["sink"], sink.detach().float())
+    douv = torch.randn_like(qv)
+    out.backward(douv)
+    want = autograd.sink_grad(douv, out.detach(), lse.detach(), sink.detach())
+    assert torch.allclose(sink.grad.float(), want.to(sink.dtype).float())
+    monkeypatch.setattr(launch, "_device_arch", lambda q, k, v: "sm_90a")
+    grads = lowlevel._flash_attn_bwd(q, k, v, out=torch.randn_like(q), dout=dout, lse=torch.randn(2, 4, 7),
+                                     mask_mod=m.causal_mask, learnable_sink=sink.detach())
+    assert len(grads) == 4 and grads[3].shape == (4,) and grads[3].dtype == sink.dtype
 
 
 def test_varlen_passes_the_mods(defaults, monkeypatch):
@@ -216,7 +258,7 @@ def test_varlen_passes_the_mods(defaults, monkeypatch):
     (dict(mask_mod=m.causal_mask, causal=True), ValueError, "causal"),
     (dict(mask_mod=m.window_mask, window_size=(8, 8)), ValueError, "window_size"),
     (dict(aux_tensors=[torch.zeros(1)]), ValueError, "nothing reads them"),
-    (dict(score_mod=m.identity, learnable_sink=torch.zeros(4)), NotImplementedError, "learnable_sink"),
+    (dict(score_mod=m.identity, learnable_sink=torch.zeros(5)), ValueError, "learnable_sink must have shape"),
     (dict(score_mod_bwd=m.additive_bwd), ValueError, "without a score_mod"),
     (dict(score_mod=m.identity, block_sparse_tensors_bwd=object()), ValueError, "without block_sparse_tensors"),
     (dict(score_mod=m.identity, aux_scalars=(1.0,)), ValueError, "aux_scalars without"),

@@ -203,22 +203,24 @@ def _mods_func(q, k, v, softmax_scale, causal, window_size, learnable_sink, soft
         raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     D, Dv, H, Hk = q.shape[3], v.shape[3], q.shape[2], k.shape[2]
     causal, window_left, window_right, softcap = _options(window_size, softcap, causal)
-    _mods.check_call(score_mod, mask_mod, aux_tensors, causal, window_left, window_right, softcap, learnable_sink,
-                     _autograd.needs_grad(q, k, v, None), D, Dv, block_sparse, block_sparse_bwd, aux_scalars,
-                     score_mod_bwd)
+    grads = _autograd.needs_grad(q, k, v, learnable_sink)
+    _mods.check_call(score_mod, mask_mod, aux_tensors, causal, window_left, window_right, softcap, grads, D, Dv,
+                     block_sparse, block_sparse_bwd, aux_scalars, score_mod_bwd)
     _check_dims(D, Dv, H, Hk)
+    sink = None if learnable_sink is None else _check_sink(learnable_sink, H, q.device)
     score_mod, score_mod_bwd = _mods.with_softcap(softcap, score_mod, score_mod_bwd)
     arch = _device_arch(q, k, v)
     scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
-    if _autograd.needs_grad(q, k, v, None):  # check_call refused what has no backward
+    if grads:  # check_call refused what has no backward
         if deterministic:
             raise NotImplementedError("flash_attn.cute: a deterministic backward of mods / block sparsity is not "
                                       "implemented yet (their backward adds dQ in whatever order the CTAs finish)")
-        out, lse = _mods.ModAttention.apply(q, k, v, (scale, arch, score_mod, score_mod_bwd, mask_mod, aux_tensors,
-                                                      block_sparse, block_sparse_bwd, aux_scalars, bool(causal)))
+        out, lse = _mods.ModAttention.apply(q, k, v, learnable_sink, (scale, arch, score_mod, score_mod_bwd, mask_mod,
+                                                                      aux_tensors, block_sparse, block_sparse_bwd,
+                                                                      aux_scalars, bool(causal)))
         return out, (lse if return_lse else None)
     out, lse = _mods.forward(q, k, v, scale, bool(causal), arch, window_left, window_right, score_mod, mask_mod,
-                             aux_tensors, block_sparse, aux_scalars)
+                             aux_tensors, block_sparse, aux_scalars, sink)
     return out, (lse if return_lse else None)
 
 
@@ -330,11 +332,11 @@ def _varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=Non
         if paged or seqused_q is not None:
             raise NotImplementedError("score_mod / mask_mod with page_table or seqused_q is not implemented yet")
         c, left, right, cap = _options(window_size, softcap, causal)
-        grads = _autograd.needs_grad(q, k, v, None)
+        grads = _autograd.needs_grad(q, k, v, learnable_sink)
         if grads and mods[5] is not None:
             raise NotImplementedError("flash_attn.cute: the varlen backward with block sparsity is not implemented "
                                       "yet (FA4's varlen call has no backward lists)")
-        _mods.check_call(*mods[:3], c, left, right, cap, learnable_sink, grads, D, Dv, mods[5], aux_scalars=mods[3],
+        _mods.check_call(*mods[:3], c, left, right, cap, grads, D, Dv, mods[5], aux_scalars=mods[3],
                          score_mod_bwd=mods[4])
         if cap:  # the cap as a score_mod; the kernels below then see no softcap
             score_mod, score_mod_bwd = _mods.with_softcap(cap, mods[0], mods[4])
@@ -429,13 +431,13 @@ def _varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=Non
         max_seqlen_q = max_q
     elif int(max_seqlen_q) < max_q:
         raise ValueError(f"max_seqlen_q ({max_seqlen_q}) is below the longest sequence ({max_q})")
-    if mods is not None and _autograd.needs_grad(q, k, v, None):  # (check_call refused what has no backward)
+    if mods is not None and _autograd.needs_grad(q, k, v, learnable_sink):  # (check_call refused what has none)
         if deterministic:
             raise NotImplementedError("flash_attn.cute: a deterministic backward of mods is not implemented yet "
                                       "(their backward adds dQ in whatever order the CTAs finish)")
         out, lse = _mods.VarlenModAttention.apply(
-            q, k, v, (float(softmax_scale), arch, mods, cu_seqlens_q, cu_seqlens_k, seqused_k, int(max_seqlen_q),
-                      max(max_k, int(max_seqlen_k or 0)), bool(causal)))
+            q, k, v, learnable_sink, (float(softmax_scale), arch, mods, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                                      int(max_seqlen_q), max(max_k, int(max_seqlen_k or 0)), bool(causal)))
         return out, (lse if return_lse else None)
     if _autograd.needs_grad(q, k, v, learnable_sink):
         if paged:
@@ -465,7 +467,8 @@ def _varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=Non
     if mods is not None:
         out, lse = _mods.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, int(max_seqlen_q),
                                         softmax_scale, bool(causal), arch, window_left, window_right, *mods[:4],
-                                        block_sparse=mods[5], max_seqlen_k=max(max_k, int(max_seqlen_k or 0)))
+                                        block_sparse=mods[5], max_seqlen_k=max(max_k, int(max_seqlen_k or 0)),
+                                        sink=sink)
     else:
         out, lse = forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, int(max_seqlen_q), softmax_scale,
                                   bool(causal), arch, window_left, window_right, softcap, sink=sink,

@@ -86,22 +86,21 @@ def _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, s
     if (mods.requested(score_mod, mask_mod, aux_tensors, block_sparse_tensors) or score_mod_bwd is not None
             or aux_scalars):
         grads = _mods_bwd(q, k, v, out, dout, lse, dlse, scale, causal, window_left, window_right, softcap,
-                          learnable_sink, bool(deterministic), arch, varlen, score_mod, score_mod_bwd, mask_mod,
-                          aux_tensors, aux_scalars, block_sparse_tensors)
-        return tuple(g if given is None else given.copy_(g) for g, given in zip(grads, (dq, dk, dv)))
-    if dout.stride(-1) != 1:
-        dout = dout.contiguous()
-    grads = autograd.dispatcher_backward(dout, q, k, v, out, lse, scale, causal, window_left, window_right, softcap,
-                                         bool(deterministic), arch, varlen, dlse)
+                          bool(deterministic), arch, varlen, score_mod, score_mod_bwd, mask_mod, aux_tensors,
+                          aux_scalars, block_sparse_tensors)
+    else:
+        if dout.stride(-1) != 1:
+            dout = dout.contiguous()
+        grads = autograd.dispatcher_backward(dout, q, k, v, out, lse, scale, causal, window_left, window_right,
+                                             softcap, bool(deterministic), arch, varlen, dlse)
     grads = tuple(g if given is None else given.copy_(g) for g, given in zip(grads, (dq, dk, dv)))
     if learnable_sink is None:
         return grads
     return (*grads, autograd.sink_grad(dout, out, lse, learnable_sink, dlse).to(learnable_sink.dtype))
 
 
-def _mods_bwd(q, k, v, out, dout, lse, dlse, scale, causal, window_left, window_right, softcap, learnable_sink,
-              deterministic, arch, varlen, score_mod, score_mod_bwd, mask_mod, aux_tensors, aux_scalars,
-              block_sparse_bwd):
+def _mods_bwd(q, k, v, out, dout, lse, dlse, scale, causal, window_left, window_right, softcap, deterministic, arch,
+              varlen, score_mod, score_mod_bwd, mask_mod, aux_tensors, aux_scalars, block_sparse_bwd):
     """_flash_attn_bwd of a forward with mods: mods.check_call's rules for a call with gradients (block_sparse_bwd
     stands for both lists: the forward's are not needed here), then the mods' backward kernels."""
     D, Dv = q.shape[-1], v.shape[-1]
@@ -113,8 +112,8 @@ def _mods_bwd(q, k, v, out, dout, lse, dlse, scale, causal, window_left, window_
         raise ValueError(f"_flash_attn_bwd: shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, out "
                          f"{tuple(out.shape)}, dout {tuple(dout.shape)}, lse {tuple(lse.shape)} do not match (lse "
                          f"expected {lse_shape}, H a multiple of Hk)")
-    mods.check_call(score_mod, mask_mod, aux_tensors, causal, window_left, window_right, softcap, learnable_sink,
-                    True, D, Dv, block_sparse_bwd, block_sparse_bwd, aux_scalars, score_mod_bwd)
+    mods.check_call(score_mod, mask_mod, aux_tensors, causal, window_left, window_right, softcap, True, D, Dv,
+                    block_sparse_bwd, block_sparse_bwd, aux_scalars, score_mod_bwd)
     score_mod, score_mod_bwd = mods.with_softcap(softcap, score_mod, score_mod_bwd)
     if deterministic:
         raise NotImplementedError("flash_attn.cute: a deterministic backward of mods / block sparsity is not "

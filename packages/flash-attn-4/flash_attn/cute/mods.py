@@ -13,7 +13,7 @@ import dataclasses
 import torch
 
 from flash_attn.cute import block_sparsity, cache_utils, config, settings
-from flash_attn.cute.launch import _MAX_ELEMS, _MAX_GRID_Z, _kernel_layouts
+from flash_attn.cute.launch import _MAX_ELEMS, _MAX_GRID_Z, _kernel_layouts, _sink_lse
 from flash_attn.cute.plan import _UNBOUNDED, _window_args
 
 _mod_kernels = cache_utils.get_jit_cache("mods_fwd")  # mod_key(...) -> callable
@@ -70,13 +70,13 @@ BWD_BLOCK_N = 128  # the backward kernel's key block (FlashBwdSm90: 64 per consu
 
 
 def mod_key(dtype, head_dim, causal, arch, local, varlen, score_mod, mask_mod, spec, sparse=None, block_n=None,
-            scalars=(), block_m=None):
+            scalars=(), block_m=None, sink=False):
     """_mod_kernels' key: the call's kernel facts, the functions themselves, the aux tensors' kinds, block
     sparsity's compile-time facts (SparseCall.spec or None), the key block (None: mod_block_n's), the aux
-    scalars' kinds and the query tile (None: MOD_BLOCK_M)."""
+    scalars' kinds, the query tile (None: MOD_BLOCK_M) and whether a learnable sink comes with the call."""
     return ((dtype, int(head_dim), bool(causal), arch, bool(local), bool(varlen), score_mod, mask_mod, spec, sparse,
              block_n) + ((tuple(scalars),) if scalars else ())
-            + ((block_m,) if block_m not in (None, MOD_BLOCK_M) else ()))
+            + ((block_m,) if block_m not in (None, MOD_BLOCK_M) else ()) + (("sink",) if sink else ()))
 
 
 def scalar_spec(aux_scalars):
@@ -108,12 +108,14 @@ def fake_scalars(kinds):
 
 
 def compile_fwd_mods(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=False, varlen=False,
-                     score_mod=None, mask_mod=None, spec=(), sparse=None, block_n=None, scalars=(), block_m=None):
+                     score_mod=None, mask_mod=None, spec=(), sparse=None, block_n=None, scalars=(), block_m=None,
+                     sink=False):
     """Compile the forward kernel with ``score_mod`` / ``mask_mod`` (CuTeDSL functions, FA4's convention: see
     score_mod.py), aux tensors of kinds ``spec`` ((torch dtype, rank), ...) and block sparsity ``sparse``
     ((has_full, q_factor, kv_factor); None: without) for ``arch``; no GPU needed. The call is
     kernels.compile_fwd's (dense or varlen) with the aux tensors as one more argument, a tuple (None when spec is
-    empty), then the sparsity tensors (a tuple, None without) and the aux scalars."""
+    empty), then the sparsity tensors (a tuple, None without) and the aux scalars; ``sink``: then the learnable
+    sink, an fp32 (H,) tensor (entries call_mods_sink / call_varlen_mods_sink)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_tensor
@@ -126,7 +128,7 @@ def compile_fwd_mods(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, loca
                           num_stages=cfg.stages, block_n=cfg.block_n, num_warpgroups=cfg.warpgroups,
                           wg_order=cfg.wg_order, reverse=cfg.reverse, pin=cfg.pin, lpt=cfg.lpt,
                           exp2_emu=cfg.exp2_emu, exp2_emu_degree=cfg.exp2_emu_degree, score_mod=score_mod,
-                          mask_mod=mask_mod, aux=bool(spec), sparse=sparse, scalars=scalars)
+                          mask_mod=mask_mod, aux=bool(spec), sparse=sparse, scalars=scalars, sink=sink)
     dt, D = kernel.dtype, kernel.head_dim
     aux = fake_aux(spec)
     batch, seqlen_q, seqlen_k, heads, heads_kv = (cute.sym_int() for _ in range(5))
@@ -146,18 +148,20 @@ def compile_fwd_mods(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, loca
         options += f" --keep-ptx --keep-cubin --dump-dir {dump_dir}"
     stream = cutlass.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi)
     runtime = (cutlass.Float32(1.0), cutlass.Float32(0.0), cutlass.Int32(0), cutlass.Int32(0))  # scale, cap, window
+    sink_arg = (make_fake_tensor(cutlass.Float32, (heads,), (1,), assumed_align=4),) if sink else ()
     if varlen:
         q, o, k, v = packed(seqlen_q, heads), packed(seqlen_q, heads), packed(seqlen_k, heads_kv), packed(seqlen_k,
                                                                                                           heads_kv)
         lse = make_fake_tensor(cutlass.Float32, (heads, seqlen_q), (cute.sym_int(), 1), assumed_align=4)
         seqs = [make_fake_tensor(cutlass.Int32, (cute.sym_int(),), (1,), assumed_align=4) for _ in range(3)]
-        return cute.compile(kernel.call_varlen_mods, q, k, v, o, lse, *seqs, cutlass.Int32(0), *runtime, stream, aux,
-                            lists, fake_scalars(scalars), options=options)
+        entry = kernel.call_varlen_mods_sink if sink else kernel.call_varlen_mods
+        return cute.compile(entry, q, k, v, o, lse, *seqs, cutlass.Int32(0), *runtime, stream, aux, lists,
+                            fake_scalars(scalars), *sink_arg, options=options)
     q, o, k, v = qkv(seqlen_q, heads), qkv(seqlen_q, heads), qkv(seqlen_k, heads_kv), qkv(seqlen_k, heads_kv)
     lse = make_fake_tensor(cutlass.Float32, (batch, heads, seqlen_q), (cute.sym_int(), cute.sym_int(), 1),
                            assumed_align=4)
-    return cute.compile(kernel.call_mods, q, k, v, o, lse, *runtime, stream, aux, lists, fake_scalars(scalars),
-                        options=options)
+    return cute.compile(kernel.call_mods_sink if sink else kernel.call_mods, q, k, v, o, lse, *runtime, stream, aux,
+                        lists, fake_scalars(scalars), *sink_arg, options=options)
 
 
 def fake_aux(spec):
@@ -199,12 +203,12 @@ def _takes_scalars(fn):
 
 
 def mod_kernel(dtype, head_dim, causal, arch, local, varlen, score_mod, mask_mod, spec, sparse=None, block_n=None,
-               scalars=(), block_m=None):
+               scalars=(), block_m=None, sink=False):
     """The mod kernel from memory, else compiled (never on disk: see the module docstring)."""
     from flash_attn.cute import cache, kernels
 
     key = mod_key(dtype, head_dim, causal, arch, local, varlen, score_mod, mask_mod, spec, sparse, block_n, scalars,
-                  block_m)
+                  block_m, sink)
     fn = _mod_kernels.get(key)
     if fn is None:
         with cache._lock:
@@ -215,7 +219,7 @@ def mod_kernel(dtype, head_dim, causal, arch, local, varlen, score_mod, mask_mod
                 fn = _mod_kernels[key] = kernels._ffi_function(
                     compile_fwd_mods(dtype, head_dim, causal, arch, local=local, varlen=varlen, score_mod=score_mod,
                                      mask_mod=mask_mod, spec=spec, sparse=sparse, block_n=block_n,
-                                     scalars=scalars, block_m=block_m))
+                                     scalars=scalars, block_m=block_m, sink=sink))
     return fn
 
 
@@ -227,10 +231,11 @@ def requested(score_mod, mask_mod, aux_tensors, block_sparse=None):
     return score_mod is not None or mask_mod is not None or bool(aux_tensors) or block_sparse is not None
 
 
-def check_call(score_mod, mask_mod, aux_tensors, causal, window_left, window_right, softcap, learnable_sink,
-               needs_grad, D, Dv, block_sparse=None, block_sparse_bwd=None, aux_scalars=None, score_mod_bwd=None):
+def check_call(score_mod, mask_mod, aux_tensors, causal, window_left, window_right, softcap, needs_grad, D, Dv,
+               block_sparse=None, block_sparse_bwd=None, aux_scalars=None, score_mod_bwd=None):
     """Raises for a mod call this package does not serve (NotImplementedError: the backward, ...) or that FA4
-    rejects (ValueError). Block sparsity alone (no mod) is a mod call: its kernel is a mod kernel."""
+    rejects (ValueError). Block sparsity alone (no mod) is a mod call: its kernel is a mod kernel. A learnable sink
+    composes with every mod call (the API checks it: interface._check_sink)."""
     if score_mod is None and mask_mod is None and aux_tensors:
         raise ValueError("aux_tensors without a score_mod or mask_mod: nothing reads them")
     if score_mod_bwd is not None and score_mod is None:
@@ -259,9 +264,6 @@ def check_call(score_mod, mask_mod, aux_tensors, causal, window_left, window_rig
                                       f"{BWD_HEAD_DIMS} (the backward kernel's), got {D} / {Dv}")
     if softcap and score_mod is not None:
         raise ValueError("softcap and score_mod cannot be used together (as in FA4; write the cap into the score_mod)")
-    if learnable_sink is not None:
-        raise NotImplementedError("learnable_sink with score_mod / mask_mod / block sparsity is not implemented yet "
-                                  "in flash_attn.cute")
     if mask_mod is not None and (causal or window_left < _UNBOUNDED or window_right < _UNBOUNDED):
         # FA4 drops causal and window_size when a mask_mod is given; a silent drop here would be a wrong answer for
         # whoever meant both, so the combination is refused: the mask_mod says which keys a query sees.
@@ -309,17 +311,21 @@ def mask_lists(mask_mod, B, H, Sq, Sk, block_n, device, scalars=((), ())):
 
 
 def forward(q, k, v, softmax_scale, causal, arch, window_left, window_right, score_mod, mask_mod, aux_tensors,
-            block_sparse=None, aux_scalars=None):
+            block_sparse=None, aux_scalars=None, sink=None):
     """Dense forward with mods: q (B, Sq, H, D), k / v (B, Sk, Hk, D) -> (out like q, lse (B, H, Sq) fp32).
     block_sparse: FA4's block_sparse_tensors (block_sparsity.py) or None; None with a mask_mod that reads no aux
-    tensor: the lists of mask_lists (FLASH_ATTN_CUTE_DISABLE=mask_sparsity: none). aux_scalars: FA4's (scalar_spec)."""
+    tensor: the lists of mask_lists (FLASH_ATTN_CUTE_DISABLE=mask_sparsity: none). aux_scalars: FA4's (scalar_spec).
+    sink: the learnable sink, fp32 contiguous (H,) (interface._check_sink), or None."""
     B, Sq, H, D = q.shape
     Sk, Hk = k.shape[1], k.shape[2]
     spec = aux_spec(aux_tensors, q.device)
     left, right, local = _window_args(causal, window_left, window_right)
     lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
-    if Sk == 0 or B * Sq * H == 0:
-        lse.fill_(float("inf"))
+    if Sk == 0 or B * Sq * H == 0:  # no key: a row's only term is the sink, if any
+        if sink is None:
+            lse.fill_(float("inf"))
+        else:
+            lse.copy_(_sink_lse(sink).view(1, H, 1).expand(B, H, Sq))
         return torch.zeros_like(q), lse
     if B * max(Sq * H, Sk * Hk) * D >= _MAX_ELEMS or B > _MAX_GRID_Z:
         raise NotImplementedError("score_mod / mask_mod: tensors of 2^31 elements or more, or a batch over 65535, "
@@ -335,23 +341,23 @@ def forward(q, k, v, softmax_scale, causal, arch, window_left, window_right, sco
     kinds, values = scalar_spec(aux_scalars) if aux_scalars else ((), ())
     if sparse is None:
         fn = mod_kernel(q.dtype, D, causal and not local, arch, local, False, score_mod, mask_mod, spec,
-                        scalars=kinds)
+                        scalars=kinds, sink=sink is not None)
     else:
         fn = mod_kernel(q.dtype, D, causal and not local, arch, local, False, score_mod, mask_mod, spec, sparse.spec,
-                        sparse.block_n, scalars=kinds, block_m=sparse.block_m)
+                        sparse.block_n, scalars=kinds, block_m=sparse.block_m, sink=sink is not None)
     aux = tuple(aux_tensors) if spec else None  # (None: the kernel is built without aux / sparsity / scalars)
     fn(q, k, v, out, lse, float(softmax_scale), 0.0, left, right, aux, None if sparse is None else sparse.tensors,
-       values or None)
+       values or None, *(() if sink is None else (sink,)))
     return out, lse
 
 
 def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, softmax_scale, causal, arch,
                    window_left, window_right, score_mod, mask_mod, aux_tensors, aux_scalars=None, block_sparse=None,
-                   max_seqlen_k=None):
+                   max_seqlen_k=None, sink=None):
     """Varlen forward with mods: q (total_q, H, D), k / v (total_k, Hk, D), int32 cu_seqlens (B + 1,), seqused_k
     (B,) or None -> (out like q, lse (H, total_q) fp32). Values are checked by the caller (_varlen_func).
     block_sparse: FA4's block_sparse_tensors of a varlen call (block_sparsity.normalize_varlen), with max_seqlen_k
-    (at least the longest used key count)."""
+    (at least the longest used key count). sink: as forward's. Rows after the last sequence: out 0, lse +inf."""
     Tq, H, D = q.shape
     Tk, Hk = k.shape[0], k.shape[1]
     batch = cu_seqlens_q.shape[0] - 1
@@ -359,7 +365,11 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
     left, right, local = _window_args(causal, window_left, window_right)
     out = torch.zeros_like(q)
     lse = torch.full((H, Tq), float("inf"), dtype=torch.float32, device=q.device)
-    if batch == 0 or Tq == 0 or Tk == 0 or max_seqlen_q == 0:
+    if batch == 0 or Tq == 0 or max_seqlen_q == 0:
+        return out, lse
+    if Tk == 0:  # no key anywhere: the sequences' rows see only the sink, if any
+        if sink is not None:
+            lse[:, :int(cu_seqlens_q[-1])] = _sink_lse(sink).view(H, 1)
         return out, lse
     if max(Tq * H, Tk * Hk) * D >= _MAX_ELEMS or batch > _MAX_GRID_Z:
         raise NotImplementedError("score_mod / mask_mod: tensors of 2^31 elements or more, or over 65535 sequences, "
@@ -373,13 +383,15 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
         sparse = block_sparsity.normalize_varlen(block_sparse, batch, H, int(max_seqlen_q), int(max_seqlen_k),
                                                  MOD_BLOCK_M, mod_block_n(D, local), q.device)
     if sparse is None:
-        fn = mod_kernel(q.dtype, D, causal and not local, arch, local, True, score_mod, mask_mod, spec, scalars=kinds)
+        fn = mod_kernel(q.dtype, D, causal and not local, arch, local, True, score_mod, mask_mod, spec, scalars=kinds,
+                        sink=sink is not None)
     else:
         fn = mod_kernel(q.dtype, D, causal and not local, arch, local, True, score_mod, mask_mod, spec, sparse.spec,
-                        sparse.block_n, scalars=kinds, block_m=sparse.block_m)
+                        sparse.block_n, scalars=kinds, block_m=sparse.block_m, sink=sink is not None)
     aux = tuple(aux_tensors) if spec else None  # (None when the kernel is built without aux / scalars)
     fn(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, used_k, int(max_seqlen_q), float(softmax_scale), 0.0,
-       left, right, aux, None if sparse is None else sparse.tensors, values or None)
+       left, right, aux, None if sparse is None else sparse.tensors, values or None,
+       *(() if sink is None else (sink,)))
     return out, lse
 
 
@@ -497,52 +509,68 @@ class ModAttention(torch.autograd.Function):
     """forward() of a call with mods and / or block sparsity (lists built from a mask_mod that reads no aux tensor
     when none are given), backward by the backward kernel with the same mask_mod and score_mod (its gradient from
     score_mod_bwd), walking the backward's lists (the caller's block_sparse_tensors_bwd, or built from the mask_mod as
-    the forward's). args: (softmax_scale, arch, score_mod, score_mod_bwd, mask_mod, aux_tensors, block_sparse,
-    block_sparse_bwd, aux_scalars, causal); dense, no window or softcap (check_call)."""
+    the forward's). sink: the learnable sink (H,) or None (its gradient: _sink_grad). args: (softmax_scale, arch,
+    score_mod, score_mod_bwd, mask_mod, aux_tensors, block_sparse, block_sparse_bwd, aux_scalars, causal); dense, no
+    window or softcap (check_call)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, args):
+    def forward(ctx, q, k, v, sink, args):
         softmax_scale, arch, score_mod, _, mask_mod, aux_tensors, block_sparse, _, aux_scalars, causal = args
 
         out, lse = forward(q, k, v, softmax_scale, causal, arch, _UNBOUNDED, 0 if causal else _UNBOUNDED, score_mod,
-                           mask_mod, aux_tensors, block_sparse, aux_scalars)
-        ctx.save_for_backward(q, k, v, out, lse)
+                           mask_mod, aux_tensors, block_sparse, aux_scalars, _kernel_sink(sink))
+        ctx.save_for_backward(q, k, v, out, lse, sink)
         ctx.args = args
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sink = ctx.saved_tensors
         (softmax_scale, arch, score_mod, score_mod_bwd, mask_mod, aux_tensors, _, block_sparse_bwd, aux_scalars,
          causal) = ctx.args
         dq, dk, dv = backward(dout, q, k, v, out, lse, dlse, softmax_scale, arch, score_mod, score_mod_bwd, mask_mod,
                               aux_tensors, block_sparse_bwd, aux_scalars, causal)
-        return dq, dk, dv, None
+        return dq, dk, dv, _sink_grad(ctx, dout, out, lse, sink, dlse), None
+
+
+def _kernel_sink(sink):
+    """The learnable sink as the kernels take it (fp32, contiguous; the API checked its shape and device), or None."""
+    return None if sink is None else sink.detach().to(torch.float32).contiguous()
+
+
+def _sink_grad(ctx, dout, out, lse, sink, dlse):
+    """The learnable sink's gradient when autograd asks for it (input 3 of the Functions below), else None. The
+    backward kernels need no sink: P = exp(S - lse) with the forward's lse, which includes it."""
+    if sink is None or not ctx.needs_input_grad[3]:
+        return None
+    from flash_attn.cute.autograd import sink_grad
+
+    return sink_grad(torch.zeros_like(out) if dout is None else dout, out, lse, sink, dlse).to(sink.dtype)
 
 
 class VarlenModAttention(torch.autograd.Function):
-    """forward_varlen() with mods, backward by the varlen backward kernel with the same mods (no block sparsity).
-    args: (softmax_scale, arch, (score_mod, mask_mod, aux_tensors, aux_scalars, score_mod_bwd, None), cu_seqlens_q,
+    """forward_varlen() with mods, backward by the varlen backward kernel with the same mods (no block sparsity);
+    sink as ModAttention's. args: (softmax_scale, arch, (score_mod, mask_mod, aux_tensors, aux_scalars, score_mod_bwd, None), cu_seqlens_q,
     cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k (at least the longest used key count), causal); no window or
     softcap (check_call)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, args):
+    def forward(ctx, q, k, v, sink, args):
         softmax_scale, arch, mods, cu_q, cu_k, used_k, max_q, _, causal = args
 
         out, lse = forward_varlen(q, k, v, cu_q, cu_k, used_k, max_q, softmax_scale, causal, arch, _UNBOUNDED,
-                                  0 if causal else _UNBOUNDED, *mods[:4])
-        ctx.save_for_backward(q, k, v, out, lse)
+                                  0 if causal else _UNBOUNDED, *mods[:4], sink=_kernel_sink(sink))
+        ctx.save_for_backward(q, k, v, out, lse, sink)
         ctx.args = args
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sink = ctx.saved_tensors
         softmax_scale, arch, (score_mod, mask_mod, aux_tensors, aux_scalars, score_mod_bwd, _), cu_q, cu_k, used_k, \
             max_q, max_k, causal = ctx.args
         dq, dk, dv = backward_varlen(dout, q, k, v, out, lse, dlse, softmax_scale, arch, score_mod, score_mod_bwd,
                                      mask_mod, aux_tensors, aux_scalars, cu_q, cu_k, used_k, max_q, max_k, causal)
-        return dq, dk, dv, None
+        return dq, dk, dv, _sink_grad(ctx, dout, out, lse, sink, dlse), None

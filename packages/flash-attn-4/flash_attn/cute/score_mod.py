@@ -85,6 +85,25 @@ class ModEntries:
                     sparse=sparse, scalars=scalars)
 
     @cute.jit
+    def call_mods_sink(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+                       softmax_scale: Float32, softcap: Float32, window_left: Int32, window_right: Int32, stream, aux,
+                       sparse, scalars, mSink: cute.Tensor):
+        """call_mods for a kernel built with sink=True too: mSink (H,) fp32 as in call_sink (the learnable sink joins
+        the modified scores' softmax)."""
+        self._dense(mQ, mK, mV, mO, mLSE, softmax_scale, softcap, window_left, window_right, stream, mSink, aux=aux,
+                    sparse=sparse, scalars=scalars)
+
+    @cute.jit
+    def call_varlen_mods_sink(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+                              mLSE: cute.Tensor, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor,
+                              mSeqUsedK: cute.Tensor, max_seqlen_q: Int32, softmax_scale: Float32, softcap: Float32,
+                              window_left: Int32, window_right: Int32, stream, aux, sparse, scalars,
+                              mSink: cute.Tensor):
+        """call_varlen_mods for a kernel built with sink=True too (mSink as in call_mods_sink)."""
+        self._varlen(mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_q, softmax_scale,
+                     softcap, window_left, window_right, stream, mSink, aux=aux, sparse=sparse, scalars=scalars)
+
+    @cute.jit
     def call_varlen_mods(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                          mLSE: cute.Tensor, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor,
                          mSeqUsedK: cute.Tensor, max_seqlen_q: Int32, softmax_scale: Float32, softcap: Float32,
@@ -122,12 +141,13 @@ class ScoreMods:
     @classmethod
     def build(cls, kernel, score_mod, mask_mod, aux, sparse=None, scalars=()):
         """The component of FlashFwdSm90 ``kernel`` (None without mods or sparsity): the one-tile kernel without
-        softcap, sink, pack_gqa, paged K / V or split; sparse (has_full, q_factor, kv_factor) or None."""
+        softcap, pack_gqa, paged K / V or split (a learnable sink composes: the epilogue adds it to the modified
+        scores' softmax); sparse (has_full, q_factor, kv_factor) or None."""
         if score_mod is None and mask_mod is None and sparse is None:
             return None
-        if kernel.persistent or kernel.softcap or kernel.sink or kernel.pack_gqa > 1 or kernel.paged or kernel.split:
-            raise ValueError("score_mod / mask_mod: the one-tile kernel without softcap, sink, pack_gqa, paged K / V "
-                             "or split")
+        if kernel.persistent or kernel.softcap or kernel.pack_gqa > 1 or kernel.paged or kernel.split:
+            raise ValueError("score_mod / mask_mod: the one-tile kernel without softcap, pack_gqa, paged K / V or "
+                             "split")
         return cls(score_mod, mask_mod, aux, kernel.block_q, kernel.block_n,
                    None if sparse is None else SparseTiles(*sparse), scalars)
 
