@@ -778,9 +778,9 @@ def test_mask_mod_gradients_go_to_the_mask_mod_backward_kernel(cute_env, monkeyp
     monkeypatch.setattr(mods, "forward", lambda q, k, v, *a: (torch.zeros_like(q),
                                                                torch.zeros(q.shape[0], q.shape[2], q.shape[1])))
     built, seen = [], []
-    monkeypatch.setattr(mods, "mod_bwd_kernel", lambda *a, block_m=None: built.append(a) or "kernel")
+    monkeypatch.setattr(mods, "mod_bwd_kernel", lambda *a, block_m=None, local=False: built.append(a) or "kernel")
 
-    def fake_backward(dout, q, k, v, out, lse, scale, causal, arch, dlse=None, mod=None):
+    def fake_backward(dout, q, k, v, out, lse, scale, causal, arch, dlse=None, mod=None, window=None):
         from flash_attn.cute import kernels
         assert mod[4] == kernels.bwd_config(torch.bfloat16, 64, False, "sm_90a").block_m  # the kernel's query block
         seen.append((scale, causal, mod, dlse))
@@ -904,8 +904,8 @@ def test_backward_lists_from_a_block_mask(cute_env, monkeypatch):
     monkeypatch.setattr(mods, "forward", lambda q, k, v, *a: (torch.zeros_like(q),
                                                                torch.zeros(q.shape[0], q.shape[2], q.shape[1])))
     built, seen = [], []
-    monkeypatch.setattr(mods, "mod_bwd_kernel", lambda *a, block_m=None: built.append(a) or "kernel")
-    monkeypatch.setattr(launch, "backward", lambda *a, dlse=None, mod=None: seen.append(mod) or
+    monkeypatch.setattr(mods, "mod_bwd_kernel", lambda *a, block_m=None, local=False: built.append(a) or "kernel")
+    monkeypatch.setattr(launch, "backward", lambda *a, dlse=None, mod=None, window=None: seen.append(mod) or
                         tuple(torch.zeros_like(t) for t in a[1:4]))
     q = torch.randn(2, 300, 4, 64, dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(2, 300, 4, 64, dtype=torch.bfloat16, requires_grad=True)
@@ -1112,14 +1112,56 @@ def test_native_causal_reaches_the_mods_backward(cute_env, monkeypatch):
     monkeypatch.setattr(mods, "forward", lambda q, k, v, scale, causal, arch, wl, wr, *a: fwd.append((causal, wr))
                         or (torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], q.shape[1])))
     built, seen = [], []
-    monkeypatch.setattr(mods, "mod_bwd_kernel", lambda *a, block_m=None: built.append(a) or "kernel")
-    monkeypatch.setattr(launch, "backward", lambda dout, q, k, v, out, lse, scale, causal, arch, dlse=None, mod=None:
+    monkeypatch.setattr(mods, "mod_bwd_kernel", lambda *a, block_m=None, local=False: built.append(a) or "kernel")
+    monkeypatch.setattr(launch, "backward", lambda dout, q, k, v, out, lse, scale, causal, arch, dlse=None, mod=None,
+                        window=None:
                         seen.append(causal) or (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)))
     q, k, v = (t.requires_grad_() for t in _qkv())
     interface.flash_attn_func(q, k, v, score_mod=m.rel_bias, score_mod_bwd=m.additive_bwd, causal=True)[0].sum() \
         .backward()
-    assert fwd == [(True, 0)] and built[-1][-1] is True and seen == [True]
+    from flash_attn.cute.plan import _UNBOUNDED
+
+    assert fwd == [(True, _UNBOUNDED)] and built[-1][-1] is True and seen == [True]  # causal, no window
     assert built[-1][7] is m.rel_bias and built[-1][8] is m.additive_bwd
+
+
+def test_score_mod_window_reaches_the_mods_backward(cute_env, monkeypatch):
+    """A score_mod with a sliding window and gradients: the forward and the backward kernel (built with local=True) get
+    the window, dense and varlen; negative sizes and block sparsity with a window are refused for gradients."""
+    from flash_attn.cute import launch
+
+    cute_env()
+    monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")
+    fwd, built, seen = [], [], []
+    monkeypatch.setattr(mods, "forward", lambda q, k, v, scale, causal, arch, wl, wr, *a: fwd.append((causal, wl, wr))
+                        or (torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], q.shape[1])))
+    monkeypatch.setattr(mods, "forward_varlen", lambda q, k, v, cu_q, cu_k, used_k, max_q, scale, causal, arch, wl,
+                        wr, *a, sink=None: fwd.append((causal, wl, wr)) or (torch.zeros_like(q),
+                                                                          torch.zeros(q.shape[1], q.shape[0])))
+    monkeypatch.setattr(mods, "mod_bwd_kernel", lambda *a, block_m=None, local=False: built.append(local) or "kernel")
+    monkeypatch.setattr(launch, "backward", lambda dout, q, k, v, out, lse, scale, causal, arch, dlse=None, mod=None,
+                        window=None: seen.append((causal, window)) or (torch.zeros_like(q), torch.zeros_like(k),
+                                                                       torch.zeros_like(v)))
+    monkeypatch.setattr(launch, "backward_varlen", lambda dout, q, k, v, out, lse, *a, dlse=None, mod=None,
+                        window=None: seen.append(window) or (torch.zeros_like(q), torch.zeros_like(k),
+                                                             torch.zeros_like(v)))
+    q, k, v = (t.requires_grad_() for t in _qkv())
+    kw = dict(score_mod=m.rel_bias, score_mod_bwd=m.additive_bwd)
+    interface.flash_attn_func(q, k, v, causal=True, window_size=(16, 0), **kw)[0].sum().backward()
+    assert fwd[-1][1] == 16 and built == [True] and seen == [(False, (16, 0))]  # the window's kernel, causal in it
+    interface.flash_attn_func(q, k, v, **kw)[0].sum().backward()
+    assert built[-1] is False and seen[-1] == (False, None)  # no window: the plain mods kernel
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    qv, kv, vv = (t.detach()[0].requires_grad_() for t in (q, k, v))
+    interface.flash_attn_varlen_func(qv, kv, vv, cu_seqlens_q=cu, cu_seqlens_k=cu, window_size=(5, 6),
+                                     **kw)[0].sum().backward()
+    assert fwd[-1] == (False, 5, 6) and built[-1] is True and seen[-1] == (5, 6)
+    with pytest.raises(NotImplementedError, match="negative window"):
+        interface.flash_attn_func(q, k, v, window_size=(-2, 8), **kw)
+    t = _lists(1, 1, 1, 1, torch.ones(1, 1, 1, 1, dtype=torch.bool))
+    with pytest.raises(NotImplementedError, match="window_size"):
+        interface.flash_attn_func(q, k, v, window_size=(8, 8), block_sparse_tensors=t, block_sparse_tensors_bwd=t,
+                                  **kw)
 
 
 def test_varlen_mods_gradients_go_to_the_varlen_backward(cute_env, monkeypatch):
@@ -1132,10 +1174,10 @@ def test_varlen_mods_gradients_go_to_the_varlen_backward(cute_env, monkeypatch):
                         wr, *rest, sink=None: fwd.append((max_q, causal, rest)) or (torch.zeros_like(q),
                                                                          torch.zeros(q.shape[1], q.shape[0])))
     built, seen = [], []
-    monkeypatch.setattr(mods, "mod_bwd_kernel", lambda *a, block_m=None: built.append(a) or "kernel")
+    monkeypatch.setattr(mods, "mod_bwd_kernel", lambda *a, block_m=None, local=False: built.append(a) or "kernel")
 
     def fake_backward(dout, q, k, v, out, lse, cu_q, cu_k, used_q, used_k, max_q, max_k, scale, causal, arch,
-                      dlse=None, mod=None):
+                      dlse=None, mod=None, window=None):
         seen.append((max_q, max_k, causal, mod))
         return torch.ones_like(q), torch.ones_like(k), torch.ones_like(v)
 

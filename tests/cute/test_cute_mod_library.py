@@ -217,3 +217,40 @@ def test_learnable_sink_with_mods(cute_env, varlen, name):
     m_.assert_close_to_oracle(got, reference(torch.float32), reference(torch.bfloat16), names=["o", "lse", "q", "k",
                                                                                                  "v", "sink"],
                               where=(name, varlen))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize("window", [(40, 0), (24, 16)])
+def test_score_mod_with_a_native_window(cute_env, varlen, window):
+    """A score_mod (ALiBi) with window_size: forward and gradients (the backward kernel built with the window) against
+    the score mod's and the window's references applied in turn, dense and varlen."""
+    from flash_attn.cute import interface
+
+    cute_env()
+    torch.manual_seed(7)
+    B, S, H, d = 2, 256, 4, 128
+    score = L.alibi(L.alibi_slopes(H).cuda())
+    mask = L.sliding_window(*window)
+    q, k, v = (torch.randn(B, S, H, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    dout = torch.randn(B, S, H, d, device="cuda", dtype=torch.bfloat16)
+    kw = dict(window_size=window, causal=window[1] == 0, **score.kwargs())
+    if varlen:
+        cu = torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device="cuda")
+        out = interface.flash_attn_varlen_func(*(t.reshape(B * S, H, d) for t in (q, k, v)), cu_seqlens_q=cu,
+                                               cu_seqlens_k=cu, **kw)[0].view(B, S, H, d)
+    else:
+        out = interface.flash_attn_func(q, k, v, **kw)[0]
+    out.backward(dout)
+
+    def reference(dtype):
+        qr, kr, vr = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+        s = (qr.transpose(1, 2) @ kr.transpose(1, 2).transpose(-1, -2)).float() * d ** -0.5
+        p = torch.softmax(mask.reference(score.reference(s)), -1).to(dtype)
+        o = (p @ vr.transpose(1, 2)).transpose(1, 2)
+        o.backward(dout.to(dtype))
+        return [o.float()] + [t.grad.float() for t in (qr, kr, vr)]
+
+    m_.assert_close_to_oracle((out, q.grad, k.grad, v.grad), reference(torch.float32), reference(torch.bfloat16),
+                              where=(window, varlen))

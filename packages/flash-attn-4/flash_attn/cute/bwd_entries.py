@@ -77,18 +77,39 @@ class BwdEntries:
                          mdV: cute.Tensor, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor,
                          mSeqUsedQ: cute.Tensor, mSeqUsedK: cute.Tensor, max_seqlen_k: Int32, softmax_scale: Float32,
                          stream, aux, scalars):
-        """call_varlen for a kernel built with varlen=True and mods (no window, softcap or block sparsity): aux and
+        """call_varlen for a kernel built with varlen=True and mods (no softcap or block sparsity): aux and
         scalars as call_mods'."""
         self._host(mQ, mK, mV, mdO, mLSE2, mDelta, mdQaccum, mdK, mdV, softmax_scale, stream, None,
                    (mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, max_seqlen_k), None, aux=aux, scalars=scalars)
 
     @cute.jit
+    def call_varlen_mods_local(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+                               mLSE2: cute.Tensor, mDelta: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor,
+                               mdV: cute.Tensor, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor,
+                               mSeqUsedQ: cute.Tensor, mSeqUsedK: cute.Tensor, max_seqlen_k: Int32,
+                               softmax_scale: Float32, window_left: Int32, window_right: Int32, stream, aux, scalars):
+        """call_varlen_mods for a kernel built with local=True too: the window sizes (>= 0) after the scale."""
+        self._host(mQ, mK, mV, mdO, mLSE2, mDelta, mdQaccum, mdK, mdV, softmax_scale, stream,
+                   (window_left, window_right), (mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, max_seqlen_k), None,
+                   aux=aux, scalars=scalars)
+
+    @cute.jit
+    def call_mods_local(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+                        mLSE2: cute.Tensor, mDelta: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor,
+                        mdV: cute.Tensor, softmax_scale: Float32, window_left: Int32, window_right: Int32, stream, aux,
+                        scalars):
+        """call_mods for a kernel built with local=True too (a score_mod with a sliding window; no block sparsity):
+        the window sizes (>= 0) after the scale."""
+        self._host(mQ, mK, mV, mdO, mLSE2, mDelta, mdQaccum, mdK, mdV, softmax_scale, stream,
+                   (window_left, window_right), None, None, aux=aux, scalars=scalars)
+
+    @cute.jit
     def call_mods(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE2: cute.Tensor,
                   mDelta: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
                   softmax_scale: Float32, stream, aux, sparse, scalars):
-        """Dense, built with a mask_mod (no window, no softcap): aux, the mask_mod's aux tensors (a tuple; None for a
-        kernel built without); sparse, the per-key-block lists of query blocks (a tuple; None for a kernel built
-        without); scalars, the mask_mod's aux scalars (a tuple; None for a kernel built without)."""
+        """Dense, built with mods (no softcap; a window: call_mods_local): aux, the mods' aux tensors (a tuple; None
+        for a kernel built without); sparse, the per-key-block lists of query blocks (a tuple; None for a kernel built
+        without); scalars, the mods' aux scalars (a tuple; None for a kernel built without)."""
         self._host(mQ, mK, mV, mdO, mLSE2, mDelta, mdQaccum, mdK, mdV, softmax_scale, stream, None, None, None,
                    aux=aux, sparse=sparse, scalars=scalars)
 

@@ -192,8 +192,8 @@ class FlashBwdSm90(BwdEntries):
         if (score_mod is None) != (score_mod_bwd is None):
             raise ValueError("score_mod and score_mod_bwd go together")
         if mask_mod is not None or score_mod is not None:
-            if local or softcap or deterministic:
-                raise ValueError("mask_mod / score_mod: the backward without window, softcap or determinism")
+            if softcap or deterministic:
+                raise ValueError("mask_mod / score_mod: the backward without softcap or determinism")
             if score_mod is not None and block_m != 64:
                 raise ValueError("score_mod: block_m 64 (the scaled scores' registers)")
             self.mods = ScoreMods(score_mod, mask_mod, aux, block_m, block_n, scalars=scalars,

@@ -217,7 +217,8 @@ def _mods_func(q, k, v, softmax_scale, causal, window_size, learnable_sink, soft
                                       "implemented yet (their backward adds dQ in whatever order the CTAs finish)")
         out, lse = _mods.ModAttention.apply(q, k, v, learnable_sink, (scale, arch, score_mod, score_mod_bwd, mask_mod,
                                                                       aux_tensors, block_sparse, block_sparse_bwd,
-                                                                      aux_scalars, bool(causal)))
+                                                                      aux_scalars, bool(causal), window_left,
+                                                                      window_right))
         return out, (lse if return_lse else None)
     out, lse = _mods.forward(q, k, v, scale, bool(causal), arch, window_left, window_right, score_mod, mask_mod,
                              aux_tensors, block_sparse, aux_scalars, sink)
@@ -437,7 +438,8 @@ def _varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=Non
                                       "(their backward adds dQ in whatever order the CTAs finish)")
         out, lse = _mods.VarlenModAttention.apply(
             q, k, v, learnable_sink, (float(softmax_scale), arch, mods, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                                      int(max_seqlen_q), max(max_k, int(max_seqlen_k or 0)), bool(causal)))
+                                      int(max_seqlen_q), max(max_k, int(max_seqlen_k or 0)), bool(causal),
+                                      window_left, window_right))
         return out, (lse if return_lse else None)
     if _autograd.needs_grad(q, k, v, learnable_sink):
         if paged:

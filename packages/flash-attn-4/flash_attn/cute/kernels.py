@@ -371,7 +371,8 @@ def compile_bwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=Fal
     ``varlen``: call_varlen's ``(..., dv, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_k,
     softmax_scale, softcap, window_left, window_right)`` (``backward_varlen``). ``deterministic``: call_deterministic
     (``..., dv, counters, softmax_scale, softcap``) / call_varlen_deterministic, the turn counters (B, H, query
-    blocks) int32 after the other tensors. ``mask_mod`` (dense, no window or softcap): call_mods, ``(..., dv,
+    blocks) int32 after the other tensors. ``mask_mod`` (dense, no softcap; with ``local`` call_mods_local, the
+    window sizes after the scale and no lists): call_mods, ``(..., dv,
     softmax_scale, aux, lists, scalars)`` with aux tensors of kinds ``spec``, with ``sparse`` ((has_full, row factor,
     walk factor); with or without a mask_mod) the per-key-block lists of query blocks, and aux scalars of kinds
     ``scalars`` (mods.py; never on disk: mods.mod_bwd_kernel); with ``score_mod`` / ``score_mod_bwd`` the kernel's
@@ -426,23 +427,29 @@ def compile_bwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=Fal
         if mask_mod is not None or score_mod is not None:
             from flash_attn.cute import mods
 
-            return cute.compile(kernel.call_varlen_mods, *tensors, *cu, *used, cutlass.Int32(1), cutlass.Float32(1.0),
-                                stream, mods.fake_aux(spec), mods.fake_scalars(scalars), options=options)
+            window = (cutlass.Int32(0), cutlass.Int32(0)) if local else ()
+            return cute.compile(kernel.call_varlen_mods_local if local else kernel.call_varlen_mods, *tensors, *cu,
+                                *used, cutlass.Int32(1), cutlass.Float32(1.0), *window, stream, mods.fake_aux(spec),
+                                mods.fake_scalars(scalars), options=options)
         entry = kernel.call_varlen_deterministic if deterministic else kernel.call_varlen
         return cute.compile(entry, *tensors, *cu, *used, *sem, cutlass.Int32(1), cutlass.Float32(1.0),
                             cutlass.Float32(0.0), cutlass.Int32(0), cutlass.Int32(0), stream, options=options)
     if deterministic:
         return cute.compile(kernel.call_deterministic, *tensors, *sem, cutlass.Float32(1.0), cutlass.Float32(0.0),
                             stream, options=options)
-    if local or softcap:
-        return cute.compile(kernel.call_general, *tensors, cutlass.Float32(1.0), cutlass.Float32(0.0),
-                            cutlass.Int32(0), cutlass.Int32(0), stream, options=options)
     if mask_mod is not None or sparse is not None or score_mod is not None:
         from flash_attn.cute import mods
 
+        if local:  # (no block sparsity with a window: FlashBwdSm90 refuses it)
+            return cute.compile(kernel.call_mods_local, *tensors, cutlass.Float32(1.0), cutlass.Int32(0),
+                                cutlass.Int32(0), stream, mods.fake_aux(spec), mods.fake_scalars(scalars),
+                                options=options)
         return cute.compile(kernel.call_mods, *tensors, cutlass.Float32(1.0), stream, mods.fake_aux(spec),
                             mods.fake_lists(None if sparse is None else sparse[0]), mods.fake_scalars(scalars),
                             options=options)
+    if local or softcap:
+        return cute.compile(kernel.call_general, *tensors, cutlass.Float32(1.0), cutlass.Float32(0.0),
+                            cutlass.Int32(0), cutlass.Int32(0), stream, options=options)
     return cute.compile(kernel, *tensors, cutlass.Float32(1.0), stream, options=options)
 
 

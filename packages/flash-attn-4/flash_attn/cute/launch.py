@@ -381,9 +381,10 @@ def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grad
     (no window): the kernel built with deterministic=True adds dQ in key-block order (bwd_dq.DqAccumulator), so the
     gradients are the same bits every run; its turn counters (B, H, query blocks) are zeroed here. softcap > 0: the
     forward's soft-capped scores (the kernel built with softcap=True). mod: (kernel, aux, lists, scalars, block_m) of
-    a mods backward (mods.mod_bwd_kernel; dense, no window, softcap or determinism): that kernel, aux (a tuple or
-    None), the per-key-block lists of query blocks (a tuple or None) and the aux scalars (a tuple or None) its last
-    arguments, block_m its query block."""
+    a mods backward (mods.mod_bwd_kernel; dense, no softcap or determinism; with ``window`` the kernel built with
+    local=True, entry call_mods_local, which takes no lists): that kernel, aux (a tuple or None), the per-key-block
+    lists of query blocks (a tuple or None) and the aux scalars (a tuple or None) its last arguments, block_m its
+    query block."""
     B, Sq, H, D = q.shape
     Sk, Hk = k.shape[1], k.shape[2]
     dtype = q.dtype
@@ -406,10 +407,11 @@ def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grad
         fn = (_bwd_kernels.get(bwd_mem_key(dtype, D, causal, arch, local, False, deterministic, capped))
               or bwd_kernel(dtype, D, causal, arch, local, deterministic=deterministic, softcap=capped))
     # the entries' scalars (bwd_entries.py): __call__'s (and call_mods') scale; call_deterministic's scale, softcap;
-    # call_general's scale, softcap, window sizes; call_mods' aux after them
+    # call_general's scale, softcap, window sizes; call_mods' aux after them, call_mods_local's after the window sizes
+    # (it takes no lists)
     scalars = (float(softmax_scale),)
     if mod is not None:
-        scalars += (aux, lists, mod_scalars)
+        scalars += ((*(int(w) for w in window), aux, mod_scalars) if local else (aux, lists, mod_scalars))
     elif deterministic:
         scalars += (float(softcap),)
     elif local or capped:
@@ -457,7 +459,8 @@ def backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused
     sized by them). Rows outside every used range get zero gradients. Otherwise as ``backward`` (the same kernel
     built with varlen=True, FlashBwdSm90.call_varlen / call_varlen_deterministic; one launch for at most
     _MAX_GRID_Z sequences). mod: (kernel, aux, scalars, block_m) of a mods backward (mods.mod_bwd_kernel
-    with varlen=True; no window, softcap or determinism), whose last arguments are aux and scalars."""
+    with varlen=True; no softcap or determinism), whose last arguments are aux and scalars (with ``window``, after
+    the window sizes: call_varlen_mods_local)."""
     Tq, H, D = q.shape
     Tk, Hk = k.shape[0], k.shape[1]
     batch = cu_seqlens_q.shape[0] - 1
@@ -503,7 +506,9 @@ def backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused
     sem = ((torch.zeros((batch, H, -(-int(max_seqlen_q) // block_m)), dtype=torch.int32, device=q.device),)
            if deterministic else ())
     # as dense tensors of one batch entry (the dense kernel's layouts and TMA descriptors)
-    tail = (float(softcap), *window_args) if mod is None else (mod_aux, mod_scalars)  # the entries' last arguments
+    # the entries' last arguments (call_varlen_mods_local: the window sizes, then aux and scalars)
+    tail = (float(softcap), *window_args) if mod is None else ((*window_args,) if local else ()) + (mod_aux,
+                                                                                                    mod_scalars)
     fn(q[None], k[None], v[None], dout[None], lse2[None], delta[None], dq_accum[None], dk_h[None], dv_h[None],
        cu_seqlens_q, cu_seqlens_k, used_q, used_k, *sem, int(max_seqlen_k), float(softmax_scale), *tail)
     dq = dq_out if dq_out is not None else torch.empty((Tq, H, D), dtype=dtype, device=q.device)

@@ -120,13 +120,14 @@ def _mods_bwd(q, k, v, out, dout, lse, dlse, scale, causal, window_left, window_
                                   "implemented yet (their backward adds dQ in whatever order the CTAs finish)")
     if varlen is None:
         return mods.backward(dout, q, k, v, out, lse, dlse, scale, arch, score_mod, score_mod_bwd, mask_mod,
-                             aux_tensors, block_sparse_bwd, aux_scalars, causal)
+                             aux_tensors, block_sparse_bwd, aux_scalars, causal, window_left, window_right)
     cu_q, cu_k, max_q, max_k, seqused_q, seqused_k = varlen
     if block_sparse_bwd is not None or seqused_q is not None:
         raise NotImplementedError("flash_attn.cute: the varlen backward of mods takes no block sparsity or seqused_q "
                                   "yet")
     return mods.backward_varlen(dout, q, k, v, out, lse, dlse, scale, arch, score_mod, score_mod_bwd, mask_mod,
-                                aux_tensors, aux_scalars, cu_q, cu_k, seqused_k, max_q, max_k, causal)
+                                aux_tensors, aux_scalars, cu_q, cu_k, seqused_k, max_q, max_k, causal, window_left,
+                                window_right)
 
 
 _flash_attn_fwd.compile_cache = cache_utils.get_jit_cache("mods_fwd")

@@ -257,8 +257,13 @@ def check_call(score_mod, mask_mod, aux_tensors, causal, window_left, window_rig
             raise ValueError("block sparsity with gradients needs block_sparse_tensors_bwd as well (FA4's: per key "
                              "block the query blocks, e.g. block_sparsity.from_block_mask_bwd of the BlockMask)")
         if window_left < _UNBOUNDED or (window_right < _UNBOUNDED and not causal):
-            raise NotImplementedError("flash_attn.cute: the backward of mods / block sparsity with a window_size is "
-                                      "not implemented yet (a mask_mod can hold the condition)")
+            # (a mask_mod with a window is refused below; a score_mod's backward kernel takes the window)
+            if block_sparse is not None:
+                raise NotImplementedError("flash_attn.cute: the backward of block sparsity with a window_size is not "
+                                          "implemented yet (a mask_mod can hold the condition)")
+            if window_left < 0 or (window_right < 0 and not causal):
+                raise NotImplementedError("flash_attn.cute: the backward of mods with a negative window size is not "
+                                          "implemented yet")
         if D != Dv or D not in BWD_HEAD_DIMS:
             raise NotImplementedError(f"flash_attn.cute: the backward of mods / block sparsity takes head dims "
                                       f"{BWD_HEAD_DIMS} (the backward kernel's), got {D} / {Dv}")
@@ -403,15 +408,17 @@ _mod_bwd_kernels = cache_utils.get_jit_cache("mods_bwd")
 
 
 def mod_bwd_kernel(dtype, head_dim, arch, mask_mod, spec, sparse=None, scalars=(), score_mod=None,
-                   score_mod_bwd=None, causal=False, varlen=False, block_m=None):
+                   score_mod_bwd=None, causal=False, varlen=False, block_m=None, local=False):
     """The mask_mod's (or block sparsity's) backward kernel from memory, else compiled (never on disk, as the
     forward's); sparse: None, or (has_full, row factor, walk factor) of the per-key-block lists it walks; causal: the
-    native causal mask too (bottom-right); varlen: the packed sequences' kernel (entry call_varlen_mods)."""
+    native causal mask too (bottom-right); varlen: the packed sequences' kernel (entry call_varlen_mods); local: a
+    sliding window's (entries call_mods_local / call_varlen_mods_local, sizes per call; no block sparsity)."""
     from flash_attn.cute import cache, kernels
 
     key = ((dtype, int(head_dim), arch, mask_mod, spec, sparse) + ((tuple(scalars),) if scalars else ())
            + ((score_mod, score_mod_bwd) if score_mod is not None else ()) + (("causal",) if causal else ())
-           + (("varlen",) if varlen else ()) + ((("block_m", block_m),) if block_m else ()))
+           + (("varlen",) if varlen else ()) + ((("block_m", block_m),) if block_m else ())
+           + (("local",) if local else ()))
     fn = _mod_bwd_kernels.get(key)
     if fn is None:
         with cache._lock:
@@ -420,10 +427,9 @@ def mod_bwd_kernel(dtype, head_dim, arch, mask_mod, spec, sparse=None, scalars=(
                 if not kernels._tvm_ffi():
                     raise NotImplementedError("score_mod / mask_mod kernels need apache-tvm-ffi")
                 fn = _mod_bwd_kernels[key] = kernels._ffi_function(
-                    kernels.compile_bwd(dtype, head_dim, bool(causal), arch, varlen=varlen, mask_mod=mask_mod, spec=spec,
-                                        sparse=sparse,
-                                        scalars=scalars, score_mod=score_mod, score_mod_bwd=score_mod_bwd,
-                                        block_m=block_m))
+                    kernels.compile_bwd(dtype, head_dim, bool(causal), arch, local=local, varlen=varlen,
+                                        mask_mod=mask_mod, spec=spec, sparse=sparse, scalars=scalars,
+                                        score_mod=score_mod, score_mod_bwd=score_mod_bwd, block_m=block_m))
     return fn
 
 
@@ -448,11 +454,12 @@ def mask_lists_bwd(mask_mod, B, H, Sq, Sk, block_m, block_n, device, scalars=(()
 
 
 def backward(dout, q, k, v, out, lse, dlse, softmax_scale, arch, score_mod, score_mod_bwd, mask_mod, aux_tensors,
-             block_sparse_bwd, aux_scalars, causal):
+             block_sparse_bwd, aux_scalars, causal, window_left=_UNBOUNDED, window_right=_UNBOUNDED):
     """The dense backward of a call with mods (checked by check_call): q / out / dout (B, Sq, H, D), k / v (B, Sk,
     Hk, D), lse (B, H, Sq) fp32, dlse like lse or None -> (dq, dk, dv). Walks block_sparse_bwd (FA4's
     block_sparse_tensors_bwd: per key block the query blocks) when given, else the lists of a mask_mod that reads
-    no aux tensor (mask_lists_bwd), else every block."""
+    no aux tensor (mask_lists_bwd), else every block. window_left / window_right: the forward's (literal sizes,
+    _UNBOUNDED for none; a window comes with a score_mod only, check_call)."""
     from flash_attn.cute import kernels, launch
 
     scalars = scalar_spec(aux_scalars)
@@ -463,7 +470,9 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, arch, score_mod, scor
     spec = aux_spec(aux_tensors, q.device)
     B, Sq, H, D = q.shape
     Sk = k.shape[1]
-    block_m = kernels.mod_bwd_block_m(kernels.bwd_config(q.dtype, D, causal, arch), score_mod is not None)
+    left, right, local = _window_args(causal, window_left, window_right)
+    causal = causal and not local
+    block_m = kernels.mod_bwd_block_m(kernels.bwd_config(q.dtype, D, causal, arch, local), score_mod is not None)
     own = None  # a query block other than the config's, for sparse query blocks of an odd number of 64 rows
     size = getattr(block_sparse_bwd, "block_size", None)
     if size is not None and int(size[0]) % block_m and int(size[0]) % 64 == 0:
@@ -477,17 +486,18 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, arch, score_mod, scor
         lists = mask_lists_bwd(mask_mod, B, H, Sq, Sk, block_m, BWD_BLOCK_N, q.device, scalars)
         sparse = (True, 1, 1)
     fn = mod_bwd_kernel(q.dtype, D, arch, mask_mod, spec, sparse, scalars[0], score_mod, score_mod_bwd, causal,
-                        block_m=own)
+                        block_m=own, local=local)
     return launch.backward(dout, q, k, v, out, lse, softmax_scale, causal, arch, dlse=dlse,
+                           window=(left, right) if local else None,
                            mod=(fn, tuple(aux_tensors) if spec else None, lists, scalars[1] or None, block_m))
 
 
 def backward_varlen(dout, q, k, v, out, lse, dlse, softmax_scale, arch, score_mod, score_mod_bwd, mask_mod,
                     aux_tensors, aux_scalars, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
-                    causal):
+                    causal, window_left=_UNBOUNDED, window_right=_UNBOUNDED):
     """The varlen backward of a call with mods (no block sparsity): q / out / dout (total_q, H, D), k / v (total_k,
     Hk, D), lse (H, total_q) fp32, int32 cu_seqlens, seqused_k (B,) or None, max_seqlen_k at least the longest used
-    key count -> (dq, dk, dv)."""
+    key count -> (dq, dk, dv). Window sizes as backward's."""
     from flash_attn.cute import kernels, launch
 
     if dout is None:
@@ -497,11 +507,16 @@ def backward_varlen(dout, q, k, v, out, lse, dlse, softmax_scale, arch, score_mo
     spec = aux_spec(aux_tensors, q.device)
     kinds, values = scalar_spec(aux_scalars)
     D = q.shape[-1]
+    left, right, local = _window_args(causal, window_left, window_right)
+    causal = causal and not local
     used_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32) if seqused_k is None else seqused_k
-    block_m = kernels.mod_bwd_block_m(kernels.bwd_config(q.dtype, D, causal, arch, varlen=True), score_mod is not None)
-    fn = mod_bwd_kernel(q.dtype, D, arch, mask_mod, spec, None, kinds, score_mod, score_mod_bwd, causal, True)
+    block_m = kernels.mod_bwd_block_m(kernels.bwd_config(q.dtype, D, causal, arch, local, varlen=True),
+                                      score_mod is not None)
+    fn = mod_bwd_kernel(q.dtype, D, arch, mask_mod, spec, None, kinds, score_mod, score_mod_bwd, causal, True,
+                        local=local)
     return launch.backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, None, used_k, max_seqlen_q,
                                   max_seqlen_k, softmax_scale, causal, arch, dlse=dlse,
+                                  window=(left, right) if local else None,
                                   mod=(fn, tuple(aux_tensors) if spec else None, values or None, block_m))
 
 
@@ -510,15 +525,16 @@ class ModAttention(torch.autograd.Function):
     when none are given), backward by the backward kernel with the same mask_mod and score_mod (its gradient from
     score_mod_bwd), walking the backward's lists (the caller's block_sparse_tensors_bwd, or built from the mask_mod as
     the forward's). sink: the learnable sink (H,) or None (its gradient: _sink_grad). args: (softmax_scale, arch,
-    score_mod, score_mod_bwd, mask_mod, aux_tensors, block_sparse, block_sparse_bwd, aux_scalars, causal); dense, no
-    window or softcap (check_call)."""
+    score_mod, score_mod_bwd, mask_mod, aux_tensors, block_sparse, block_sparse_bwd, aux_scalars, causal, window_left,
+    window_right); dense, a window with a score_mod only, no softcap (check_call; with_softcap)."""
 
     @staticmethod
     def forward(ctx, q, k, v, sink, args):
-        softmax_scale, arch, score_mod, _, mask_mod, aux_tensors, block_sparse, _, aux_scalars, causal = args
+        (softmax_scale, arch, score_mod, _, mask_mod, aux_tensors, block_sparse, _, aux_scalars, causal, window_left,
+         window_right) = args
 
-        out, lse = forward(q, k, v, softmax_scale, causal, arch, _UNBOUNDED, 0 if causal else _UNBOUNDED, score_mod,
-                           mask_mod, aux_tensors, block_sparse, aux_scalars, _kernel_sink(sink))
+        out, lse = forward(q, k, v, softmax_scale, causal, arch, window_left, window_right, score_mod, mask_mod,
+                           aux_tensors, block_sparse, aux_scalars, _kernel_sink(sink))
         ctx.save_for_backward(q, k, v, out, lse, sink)
         ctx.args = args
         ctx.set_materialize_grads(False)
@@ -528,9 +544,9 @@ class ModAttention(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, sink = ctx.saved_tensors
         (softmax_scale, arch, score_mod, score_mod_bwd, mask_mod, aux_tensors, _, block_sparse_bwd, aux_scalars,
-         causal) = ctx.args
+         causal, window_left, window_right) = ctx.args
         dq, dk, dv = backward(dout, q, k, v, out, lse, dlse, softmax_scale, arch, score_mod, score_mod_bwd, mask_mod,
-                              aux_tensors, block_sparse_bwd, aux_scalars, causal)
+                              aux_tensors, block_sparse_bwd, aux_scalars, causal, window_left, window_right)
         return dq, dk, dv, _sink_grad(ctx, dout, out, lse, sink, dlse), None
 
 
@@ -551,16 +567,16 @@ def _sink_grad(ctx, dout, out, lse, sink, dlse):
 
 class VarlenModAttention(torch.autograd.Function):
     """forward_varlen() with mods, backward by the varlen backward kernel with the same mods (no block sparsity);
-    sink as ModAttention's. args: (softmax_scale, arch, (score_mod, mask_mod, aux_tensors, aux_scalars, score_mod_bwd, None), cu_seqlens_q,
-    cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k (at least the longest used key count), causal); no window or
-    softcap (check_call)."""
+    sink as ModAttention's. args: (softmax_scale, arch, (score_mod, mask_mod, aux_tensors, aux_scalars, score_mod_bwd,
+    None), cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k (at least the longest used key count),
+    causal, window_left, window_right); a window with a score_mod only, no softcap (check_call; with_softcap)."""
 
     @staticmethod
     def forward(ctx, q, k, v, sink, args):
-        softmax_scale, arch, mods, cu_q, cu_k, used_k, max_q, _, causal = args
+        softmax_scale, arch, mods, cu_q, cu_k, used_k, max_q, _, causal, window_left, window_right = args
 
-        out, lse = forward_varlen(q, k, v, cu_q, cu_k, used_k, max_q, softmax_scale, causal, arch, _UNBOUNDED,
-                                  0 if causal else _UNBOUNDED, *mods[:4], sink=_kernel_sink(sink))
+        out, lse = forward_varlen(q, k, v, cu_q, cu_k, used_k, max_q, softmax_scale, causal, arch, window_left,
+                                  window_right, *mods[:4], sink=_kernel_sink(sink))
         ctx.save_for_backward(q, k, v, out, lse, sink)
         ctx.args = args
         ctx.set_materialize_grads(False)
@@ -570,7 +586,8 @@ class VarlenModAttention(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, sink = ctx.saved_tensors
         softmax_scale, arch, (score_mod, mask_mod, aux_tensors, aux_scalars, score_mod_bwd, _), cu_q, cu_k, used_k, \
-            max_q, max_k, causal = ctx.args
+            max_q, max_k, causal, window_left, window_right = ctx.args
         dq, dk, dv = backward_varlen(dout, q, k, v, out, lse, dlse, softmax_scale, arch, score_mod, score_mod_bwd,
-                                     mask_mod, aux_tensors, aux_scalars, cu_q, cu_k, used_k, max_q, max_k, causal)
+                                     mask_mod, aux_tensors, aux_scalars, cu_q, cu_k, used_k, max_q, max_k, causal,
+                                     window_left, window_right)
         return dq, dk, dv, _sink_grad(ctx, dout, out, lse, sink, dlse), None
