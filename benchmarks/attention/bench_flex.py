@@ -97,6 +97,33 @@ def _flex_fns(slopes, docs):
     }
 
 
+def mods_call(flash_attn_func, compute_block_sparsity, case, B, S, H, D):
+    """A forward call of ``case`` (one of CASES but "none") on one FA4-API implementation: its flash_attn_func and
+    compute_block_sparsity (ours, or the released FA4's: vs_fa4.py --mods runs each in its own process), bf16 inputs
+    of (B, S, H, D) from a fixed seed, the case's mods (the same CuTeDSL functions on both sides), its aux tensors and,
+    with a mask_mod, block sparsity of 128 x 128 tiles from compute_block_sparsity (built outside the timing). Returns
+    (fn, kept share of (query, key) pairs)."""
+    import torch
+
+    g = torch.Generator().manual_seed(S)
+    q, k, v = (torch.randn(B, S, H, D, generator=g).to("cuda", torch.bfloat16) for _ in range(3))
+    slopes = (torch.rand(H, generator=g) * 0.1).cuda()
+    n_docs = torch.randint(4, 17, (B,), generator=g)
+    docs = torch.stack([torch.sort(torch.randint(0, int(n), (S,), generator=g)).values for n in n_docs])
+    docs = docs.to(device="cuda", dtype=torch.int32)
+    score_mod, score_mod_bwd, mask_mod = _mods()[case]
+    aux = [slopes] if "alibi" in case else [docs] if case == "document" else None
+    sparse = None
+    if mask_mod is not None:
+        sparse = compute_block_sparsity(128, 128, B, H, S, S, mask_mod, aux if case == "document" else None, "cuda")
+    kept = _kept(_flex_fns(slopes, docs)[case][1], B, S, "cuda")
+
+    def fn():
+        return flash_attn_func(q, k, v, score_mod=score_mod, mask_mod=mask_mod, aux_tensors=aux,
+                               block_sparse_tensors=sparse)[0]
+    return fn, kept
+
+
 def _with_backward(fn, dout):
     """fn's forward and a backward of dout through it (None for None)."""
     if fn is None:

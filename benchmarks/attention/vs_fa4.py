@@ -18,6 +18,13 @@ bf16, batch x seqlen = --tokens, heads = --hidden / head dim (the standard grid)
 --decode: decoding shapes instead (ab_cute_decode.py's defaults: few queries, long keys, GQA), both sides called
 with --call's options (FA4's num_splits / pack_gqa; a side that refuses them shows its error); microseconds per
 call and the K / V read rate. Writes vs_fa4_decode.md.
+
+    python -m benchmarks.attention.vs_fa4 --peer-pythonpath "$PEER_PYTHONPATH" --mods [CASES] [--seqlens 4096,16384]
+        [--headdims 128]
+
+--mods: FA4's score_mod / mask_mod forward with the same CuTeDSL mods on both sides (bench_flex.mods_call: issue
+30's cases, default causal,window,prefix,document,alibi_causal,softcap_causal), block sparsity from each side's
+own compute_block_sparsity (128 x 128 tiles); TFLOP/s on the kept pairs. Writes vs_fa4_mods.md.
 """
 import argparse
 import json
@@ -52,6 +59,7 @@ def worker(name):
         from triton.testing import do_bench
 
         from flash_attn.cute import flash_attn_func
+        from flash_attn.cute.compute_block_sparsity import compute_block_sparsity
     for line in sys.stdin:
         req = json.loads(line)
         try:
@@ -61,7 +69,18 @@ def worker(name):
                 if req["op"] == "time" and log:
                     with open(log, "a") as f:
                         f.write(name + "\n")
-                reply = {"ms": float(stub[name])} if req["op"] == "time" else {"device": "stub", "versions": {}}
+                reply = ({"ms": float(stub[name])} if req["op"] == "time" else
+                         {"device": "stub", "versions": {}, **({"kept": 0.5} if "mods" in req else {})})
+            elif req["op"] == "setup" and "mods" in req:
+                from benchmarks.attention.bench_flex import mods_call
+
+                fn = None
+                torch.cuda.empty_cache()
+                fn, kept = mods_call(flash_attn_func, compute_block_sparsity, req["mods"], req["b"], req["s"],
+                                     req["h"], req["d"])
+                fn()  # compile the kernel outside the timing
+                torch.cuda.synchronize()
+                reply = {"device": torch.cuda.get_device_name(), "versions": _versions(), "kept": kept}
             elif req["op"] == "setup":
                 fn = None
                 torch.cuda.empty_cache()
@@ -129,8 +148,11 @@ class Side:
 
 
 def _setup(cell, kw):
-    """The setup request of a cell: (d, s, causal, b, h) of the standard grid, or (b, sq, sk, h, hk, d, causal) of a
-    decoding shape (with the call's options kw)."""
+    """The setup request of a cell: (d, s, causal, b, h) of the standard grid, (b, sq, sk, h, hk, d, causal) of a
+    decoding shape (with the call's options kw), or (case, d, s, b, h) of --mods."""
+    if isinstance(cell[0], str):
+        case, d, s, b, h = cell
+        return dict(mods=case, d=d, s=s, b=b, h=h), f"{case} d{d} s{s}"
     if len(cell) == 5:
         d, s, causal, b, h = cell
         return dict(d=d, s=s, causal=int(causal), b=b, h=h), f"d{d} s{s} causal={int(causal)}"
@@ -152,6 +174,8 @@ def compare(sides, cells, rounds, warmup, rep, log=print, kw=None):
                 res[side.name] = rep_["error"]
             else:
                 info.setdefault(side.name, rep_)
+                if "kept" in rep_:  # (--mods: the share of pairs the case keeps, for its TFLOP/s)
+                    info.setdefault("kept", {})[cell] = rep_["kept"]
                 alive.append(side)
         times = {side.name: [] for side in alive}
         for r in range(rounds):
@@ -247,6 +271,39 @@ def report_decode(results, info, names, args, command, kw):
     return "\n".join(lines) + "\n"
 
 
+def report_mods(results, info, names, args, command):
+    """Markdown for --mods: TFLOP/s on the kept pairs per side, ours / fa4, the summary line and the errors (a case a
+    side refuses)."""
+    lines = _header("Cute forward with score_mod / mask_mod vs the released FA4", info, names, command) + [
+             f"- bf16, batch x seqlen = {args.tokens} tokens, hidden {args.hidden}; the same CuTeDSL mods on both sides "
+             "(bench_flex.mods_call), block sparsity from each side's compute_block_sparsity (128 x 128); TFLOP/s on "
+             f"the kept pairs from the median of {args.rounds} rounds (each a do_bench median, warmup {args.warmup} ms,"
+             f" rep {args.rep} ms), the order rotated", "",
+             "| case | head dim | seqlen | kept | " + " | ".join(names) + " | ours / fa4 |",
+             "|---|---|---|---|" + "---|" * (len(names) + 1)]
+    ratios = []
+    kept_of = info.get("kept", {})
+    for cell, res in results.items():
+        case, d, s, b, h = cell
+        kept = kept_of.get(cell)
+        flops = 4 * b * s * s * h * d * (kept or 0.0)
+        tf = {n: flops / res[n] * 1e-9 if isinstance(res.get(n), float) and kept else None for n in names}
+        ratio = tf["ours"] / tf["fa4"] if tf.get("ours") and tf.get("fa4") else None
+        if ratio:
+            ratios.append(ratio)
+        lines.append(f"| {case} | {d} | {s} | " + (f"{kept:.3f}" if kept else "-") + " | "
+                     + " | ".join(f"{tf[n]:.0f}" if tf[n] else "error" for n in names)
+                     + (f" | {ratio:.3f} |" if ratio else " | - |"))
+    lines.append("")
+    if ratios:
+        geo = math.exp(sum(map(math.log, ratios)) / len(ratios))
+        lines.append(f"ours / fa4: geometric mean {geo:.3f}, min {min(ratios):.3f}, max {max(ratios):.3f}; "
+                     f"{sum(r >= 1.0 for r in ratios)} of {len(ratios)} cells >= 1.0")
+    errors = sorted({f"{n}: {v}" for res in results.values() for n, v in res.items() if isinstance(v, str)})
+    lines += [f"- error: {e}" for e in errors]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--peer-pythonpath", default=None, help="PYTHONPATH of the released flash-attn-4 (required)")
@@ -262,6 +319,8 @@ def main(argv=None):
     p.add_argument("--decode", action="store_true", help="decoding shapes (--shapes) instead of the standard grid")
     p.add_argument("--shapes", default=None, help="--decode: comma-separated B:Sq:Sk:H:Hk:D (ab_cute_decode's)")
     p.add_argument("--call", default="", help="--decode: both sides' options, e.g. num_splits=0,pack_gqa=None")
+    p.add_argument("--mods", nargs="?", const="causal,window,prefix,document,alibi_causal,softcap_causal",
+                   default=None, help="score_mod / mask_mod cases (bench_flex's) instead of the standard grid")
     p.add_argument("--out", default=common.RESULTS)
     p.add_argument("--_worker", dest="worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -270,7 +329,15 @@ def main(argv=None):
     if not args.peer_pythonpath:
         p.error("--peer-pythonpath is required (the released flash-attn-4's PYTHONPATH)")
     kw = None
-    if args.decode:
+    if args.mods:
+        from benchmarks.attention.bench_flex import CASES
+
+        bad = [c for c in args.mods.split(",") if c not in CASES or c == "none"]
+        if bad:
+            p.error(f"--mods: unknown cases {bad}; cases: {', '.join(c for c in CASES if c != 'none')}")
+        cells = [(case, d, s, max(1, args.tokens // s), args.hidden // d) for case in args.mods.split(",")
+                 for d in map(int, args.headdims.split(",")) for s in map(int, args.seqlens.split(","))]
+    elif args.decode:
         from benchmarks.attention.ab_cute_decode import DEFAULT_SHAPES, parse_shapes, parse_variants
 
         kw = parse_variants(f"call:{args.call}")[0][0][1]
@@ -293,10 +360,14 @@ def main(argv=None):
             side.close()
     command = common.command(MODULE, argv, hide={args.peer_pythonpath: "$PEER_PYTHONPATH"})
     names = [s[0] for s in specs]
-    text = (report_decode(results, info, names, args, command, kw) if args.decode
-            else report(results, info, names, args, command))
+    if args.mods:
+        text, name = report_mods(results, info, names, args, command), "vs_fa4_mods.md"
+    elif args.decode:
+        text, name = report_decode(results, info, names, args, command, kw), "vs_fa4_decode.md"
+    else:
+        text, name = report(results, info, names, args, command), "vs_fa4.md"
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "vs_fa4_decode.md" if args.decode else "vs_fa4.md"), "w") as f:
+    with open(os.path.join(args.out, name), "w") as f:
         f.write(text)
     print(text)
     missing = [cell for cell, res in results.items() if not all(isinstance(v, float) for v in res.values())]

@@ -67,3 +67,21 @@ def test_decode_mode(monkeypatch, tmp_path):
     assert req == dict(d=128, s=1, sk=8192, causal=1, b=1, h=32, hk=8, kw={"num_splits": 0})
     assert label == "1:1:8192:32:8:128 causal=1"
     assert vs_fa4._setup((64, 1024, False, 16, 32), {})[0] == dict(d=64, s=1024, causal=0, b=16, h=32)
+
+
+def test_mods_mode_reports_tflops_on_the_kept_pairs(monkeypatch, tmp_path):
+    """--mods: one cell per (case, head dim, seqlen), the sides alternating; TFLOP/s on the kept share the workers
+    report (the stub's 0.5), ours / fa4 from the times; an unknown case is refused."""
+    monkeypatch.setenv("VS_FA4_STUB", "ours=1.0,fa4=1.5")
+    monkeypatch.setenv("VS_FA4_STUB_LOG", str(tmp_path / "order.log"))
+    rc = vs_fa4.main(["--peer-pythonpath", str(tmp_path / "peer"), "--mods", "causal,document", "--headdims", "128",
+                      "--seqlens", "4096", "--rounds", "2", "--out", str(tmp_path)])
+    text = (tmp_path / "vs_fa4_mods.md").read_text()
+    assert rc == 0
+    # 4 * 4 * 4096^2 * 16 * 128 * 0.5 / 1 ms = 275 TFLOP/s; fa4 at 1.5 ms: 183
+    assert "| causal | 128 | 4096 | 0.500 | 275 | 183 | 1.500 |" in text
+    assert "| document | 128 | 4096 | 0.500 | 275 | 183 | 1.500 |" in text
+    assert "geometric mean 1.500" in text and "2 of 2 cells >= 1.0" in text
+    assert (tmp_path / "order.log").read_text().split() == ["ours", "fa4", "fa4", "ours"] * 2
+    with pytest.raises(SystemExit):
+        vs_fa4.main(["--peer-pythonpath", "x", "--mods", "causal,nope"])
