@@ -196,3 +196,52 @@ def test_root_kvcache_on_the_kernels_matches_the_reference(cute_env, paged, Sq, 
     # lse by the same criterion (rotary rounds the rotated q to bf16 here and in the bf16 reference, not in fp32's)
     lse_err = (lse - ref_lse).abs().max().item()
     assert lse_err <= 2 * (lse_lp - ref_lse).abs().max().item() + 1e-3, lse_err
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and not kvcache.use_prep_kernel(torch.zeros(1), torch.zeros(1)),
+                    reason="needs Triton with a CUDA GPU or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("rotary", [None, "half", "interleaved", "partial"])
+@pytest.mark.parametrize("layout", ["dense", "batch_idx", "paged"])
+@pytest.mark.parametrize("Sq,s_new,bounded", [(1, 1, False), (3, 3, True), (2, 0, True), (4, 2, False)])
+def test_prep_kernel_matches_the_torch_prep(dtype, rotary, layout, Sq, s_new, bounded):
+    """kvcache.prep_kernel (one Triton launch; the interpreter on the CPU, fp16 / fp32) gives prep's result: the
+    returned q and both caches after the append, bit for bit in fp32 and within a unit of the last place in fp16
+    (the rotation in fp32 both ways), for rotary none / half-split / interleaved / over part of the head dim,
+    contiguous caches, cache_batch_idx and paged caches, one decoding step or several new rows."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(Sq * 10 + s_new)
+    B, H, Hk, D, Dv, S_cache, page = 3, 4, 2, 64, 48, 24, 8
+    q = torch.randn(B, Sq, H, D, generator=g).to(dev, dtype)
+    k = torch.randn(B, s_new, Hk, D, generator=g).to(dev, dtype) if s_new else None
+    v = torch.randn(B, s_new, Hk, Dv, generator=g).to(dev, dtype) if s_new else None
+    seqlens = torch.tensor([0, 5, 13], dtype=torch.int32, device=dev)
+    batch_idx = block_table = None
+    if layout == "paged":
+        kc = torch.randn(10, page, Hk, D, generator=g).to(dev, dtype)
+        vc = torch.randn(10, page, Hk, Dv, generator=g).to(dev, dtype)
+        block_table = torch.tensor([[3, 0, 7], [9, 1, 2], [4, 8, 5]], dtype=torch.int32, device=dev)
+    else:
+        kc = torch.randn(B + 1, S_cache, Hk, D, generator=g).to(dev, dtype)
+        vc = torch.randn(B + 1, S_cache, Hk, Dv, generator=g).to(dev, dtype)
+        if layout == "batch_idx":
+            batch_idx = torch.tensor([2, 0, 3], dtype=torch.int32, device=dev)
+    cos = sin = None
+    if rotary is not None:
+        half = 12 if rotary == "partial" else D // 2
+        angles = torch.rand(40, half, generator=g) * 6.0
+        cos, sin = angles.cos().to(dev, dtype), angles.sin().to(dev, dtype)
+    interleaved = rotary == "interleaved"
+    caches = (kc.clone(), vc.clone())
+    want_q = kvcache.prep(q, *caches, k, v, cos, sin, seqlens, batch_idx, block_table, interleaved, bounded)
+    got_caches = (kc.clone(), vc.clone())
+    got_q = kvcache.prep_kernel(q, *got_caches, k, v, cos, sin, seqlens, batch_idx, block_table, interleaved,
+                                bounded)
+    tol = 0.0 if dtype == torch.float32 else 2.0 ** -10
+    for got, want in ((got_q, want_q), (got_caches[0], caches[0]), (got_caches[1], caches[1])):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        err = (got.float() - want.float()).abs().max().item() if got.numel() else 0.0
+        assert err <= tol * max(1.0, want.float().abs().max().item()) + (1e-6 if dtype == torch.float32 else 0), err
+    if rotary is None:
+        assert got_q is q  # nothing to rotate: q as given
+    assert kvcache.use_prep_kernel(q, kc) == (dtype != torch.bfloat16)

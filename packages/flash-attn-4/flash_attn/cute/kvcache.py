@@ -2,7 +2,7 @@
 plan rule ``kvcache``).
 
 A call is two steps. The new keys and values are rotated (rotary) and written into the caches in place, and the
-queries rotated, by torch ops (``prep``). Then the varlen kernel attends over the caches where they lie: a contiguous
+queries rotated: one Triton launch (``prep_kernel``) where Triton serves the tensors, else torch ops (``prep``). Then the varlen kernel attends over the caches where they lie: a contiguous
 cache (B_cache, S_cache, Hk, D) is the packed rows (B_cache * S_cache, Hk, D), sequence b's keys the window that
 starts at row ``cache_batch_idx[b] * S_cache + cache_leftpad[b]`` (cu_seqlens_k) and holds ``cache_seqlens[b] + new -
 cache_leftpad[b]`` rows (seqused_k); a paged cache goes to the paged kernel with its page table (pages the kernel
@@ -77,6 +77,79 @@ def prep(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache
     return q
 
 
+_prep_fn = []  # [the Triton kernel] once imported, [None] when Triton does not import
+
+
+def _prep_kernel():
+    """The Triton kernel of the first step (module _kvcache_triton), imported on first use; None when Triton does not
+    import (the torch path serves)."""
+    if not _prep_fn:
+        try:
+            from flash_attn.cute._kvcache_triton import _prep_kernel as kernel
+        except Exception:  # ImportError, or a Triton whose own imports fail
+            kernel = None
+        _prep_fn.append(kernel)
+    return _prep_fn[0]
+
+
+def use_prep_kernel(q, k_cache):
+    """Whether prep_kernel serves the call: Triton installed, CUDA tensors (or CPU ones in the interpreter, not bf16:
+    it computes bf16 wrongly), not inside torch.compile's tracing."""
+    from flash_attn.cute import combine  # (its Triton facts: installed, interpreter)
+
+    dev = q.device
+    if not combine.HAS_TRITON or not (dev.type == "cuda" or (dev.type == "cpu" and combine._INTERPRET)):
+        return False
+    if dev.type == "cpu" and torch.bfloat16 in (q.dtype, k_cache.dtype):
+        return False
+    return not torch.compiler.is_compiling() and _prep_kernel() is not None
+
+
+def _pow2(n):
+    return 1 << max(0, n - 1).bit_length()
+
+
+def prep_kernel(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, block_table,
+                rotary_interleaved, bounded):
+    """prep in one Triton launch (_kvcache_triton._prep_kernel): the same result, the rotation in fp32. Tensors
+    with a unit last stride (the core's checks), int32 cache_seqlens / cache_batch_idx / block_table."""
+    from flash_attn.cute.triton_launch import launch as _launch
+
+    B, Sq, H, D = q.shape
+    s_new = 0 if k is None else k.shape[1]
+    rotary = rotary_cos is not None
+    heads_q = H if rotary else 0  # (without rotary q is returned as given)
+    heads_kv = k_cache.shape[2] if s_new else 0
+    rows = max(Sq if heads_q else 0, s_new)
+    if not B or not rows or not heads_q + heads_kv:
+        return q
+    q_out = torch.empty_like(q) if rotary else q
+    if rotary:
+        cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (rotary_cos, rotary_sin))
+        half = cos.shape[1]
+        if sin.stride(0) != cos.stride(0):
+            cos, sin = cos.contiguous(), sin.contiguous()
+    else:
+        cos = sin = cache_seqlens  # (never read)
+        half = 0
+    kk, vv = (k, v) if s_new else (k_cache, v_cache)  # (never read without new rows)
+    Dv = v_cache.shape[-1]
+    dummy = cache_seqlens
+    meta = {"HEADS_Q": heads_q, "HEADS_KV": heads_kv, "HEAD_DIM": D, "HEAD_DIM_V": Dv, "BLOCK_D": _pow2(D),
+            "BLOCK_DV": _pow2(Dv), "ROT_HALF": half, "BLOCK_HALF": _pow2(max(half, 1)), "ROTARY": rotary,
+            "INTERLEAVED": bool(rotary_interleaved), "Q_STEPS": bool(bounded),
+            "HAS_BATCH_IDX": cache_batch_idx is not None, "PAGED": block_table is not None, "num_warps": 1}
+    page_size = k_cache.shape[1] if block_table is not None else 1
+    _launch(_prep_kernel(), (rows, B, heads_q + heads_kv),
+            (q, q_out, kk, vv, k_cache, v_cache, cos, sin, cache_seqlens,
+             dummy if cache_batch_idx is None else cache_batch_idx, dummy if block_table is None else block_table,
+             *q.stride()[:3], *q_out.stride()[:3], *kk.stride()[:3], *vv.stride()[:3], *k_cache.stride()[:3],
+             *v_cache.stride()[:3], cos.stride(0), 0 if block_table is None else block_table.stride(0),
+             Sq, s_new, page_size, 0 if block_table is None else block_table.shape[1]),
+            meta, ("kvcache_prep",) + tuple(meta.values()))
+    return q_out
+
+
 def fwd_kvcache(call, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                 cache_leftpad, block_table, rotary_interleaved, num_splits, sink, plan, boxes_pages):
     """(out (B, Sq, H, Dv), lse (B, H, Sq) fp32) of flash_attn_with_kvcache on validated inputs (the core's checks:
@@ -84,8 +157,9 @@ def fwd_kvcache(call, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_s
     boxes_pages(page_size) -> whether the paged kernel takes pages of that size."""
     B, Sq, H, D = q.shape
     Hk, Dv = k_cache.shape[2], v_cache.shape[-1]
-    q = prep(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, block_table,
-             rotary_interleaved, call.bounded)
+    q = (prep_kernel if use_prep_kernel(q, k_cache) else prep)(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
+                                                                cache_seqlens, cache_batch_idx, block_table,
+                                                                rotary_interleaved, call.bounded)
     if B * Sq * H == 0:
         return q.new_zeros(B, Sq, H, Dv), torch.full((B, H, Sq), float("inf"), device=q.device)
     wl = _UNBOUNDED if call.window_left < 0 else call.window_left
