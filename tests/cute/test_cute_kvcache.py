@@ -4,7 +4,12 @@ CPU: the whole host path (rotary, the append into contiguous and paged caches, c
 sequence windows of the packed cache, gathered pages, the lse layout) with the varlen kernel replaced by a reference
 varlen attention over exactly the keys the kernel would read, against the reference backend's flash_attn_with_kvcache.
 GPU: the kernels themselves, through the root API, against the reference backend."""
+import importlib.util
+import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -245,3 +250,57 @@ def test_prep_kernel_matches_the_torch_prep(dtype, rotary, layout, Sq, s_new, bo
     if rotary is None:
         assert got_q is q  # nothing to rotate: q as given
     assert kvcache.use_prep_kernel(q, kc) == (dtype != torch.bfloat16)
+
+
+_AOT_SCRIPT = r"""
+import contextlib, io, json, re
+import triton
+from triton.backends.compiler import GPUTarget
+from flash_attn.cute import kvcache as kv
+
+target = GPUTarget("cuda", 90, 32)
+backend = triton.compiler.make_backend(target)
+try:
+    triton.knobs.nvidia.dump_ptxas_log = True
+except AttributeError:
+    pass
+fn = kv._prep_kernel()
+names = fn.arg_names
+for rotary, interleaved, paged, batch_idx in ((True, False, False, False), (True, True, True, False),
+                                              (False, False, False, True)):
+    ce = dict(HEADS_Q=32, HEADS_KV=8, HEAD_DIM=128, HEAD_DIM_V=128, BLOCK_D=128, BLOCK_DV=128, ROT_HALF=64,
+              BLOCK_HALF=64, ROTARY=rotary, INTERLEAVED=interleaved, Q_STEPS=False, HAS_BATCH_IDX=batch_idx,
+              PAGED=paged)
+    types = {"Q": "*bf16", "QOut": "*bf16", "K": "*bf16", "V": "*bf16", "KCache": "*bf16", "VCache": "*bf16",
+             "Cos": "*bf16", "Sin": "*bf16"}
+    sig = {n: "constexpr" if n in ce else types.get(n, "*i32" if n[0].isupper() else "i32") for n in names}
+    div = [n for n in names if n not in ce and (n[0].isupper() or n.startswith("s_"))]
+    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=ce,
+                                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in div})
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        ptx = triton.compile(src, target=target, options=backend.parse_options({"num_warps": 1}).__dict__)
+    m = re.search(r"(\d+) bytes spill stores", log.getvalue())
+    print(json.dumps(dict(rotary=rotary, spills=int(m.group(1)) if m else None,
+                          stores=len(re.findall(r"st\.global", ptx.asm["ptx"])))))
+"""
+
+
+@pytest.mark.skipif(not importlib.util.find_spec("triton"), reason="needs Triton")
+def test_prep_kernel_compiles_for_sm90(tmp_path):
+    """The prep kernel as launched for bf16 decoding (H 32, Hk 8, d 128: rotary half / interleaved, paged or with
+    cache_batch_idx) compiles for sm_90 ahead of time (the interpreter never runs Triton's code generator), without
+    spills."""
+    pytest.importorskip("triton.backends.nvidia")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    pkg = os.path.join(root, "packages", "flash-attn-4")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, pkg, os.environ.get("PYTHONPATH", "")]),
+               TRITON_CACHE_DIR=str(tmp_path))
+    env.pop("TRITON_INTERPRET", None)
+    r = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], cwd=root, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(x) for x in r.stdout.splitlines() if x[:1] == "{"]
+    assert len(rows) == 3, r.stdout
+    for row in rows:
+        assert row["spills"] in (0, None) and row["stores"] >= 1, row
