@@ -1,5 +1,7 @@
-"""pytest plugin for running FlashAttention-4's upstream score_mod / mask_mod / block-sparsity tests (laid out by
-run.sh in .peer/fa4mods/) against this project's flash_attn.cute.
+"""pytest plugin for running FlashAttention's upstream tests of a suite (PEER_SUITE, laid out by run.sh in
+.peer/<suite>/) against this project: fa4mods, FA4's score_mod / mask_mod / block-sparsity tests against
+flash_attn.cute (plan.py); fa3, FA3's hopper/test_flash_attn.py against the top-level flash_attn_interface
+(plan_fa3.py).
 
 What it does, in order:
 - CPU collection mode: without a CUDA device, torch.cuda.get_device_capability returns (9, 0) from the moment this
@@ -11,8 +13,9 @@ What it does, in order:
   of its items (the same in every xdist worker, which xdist requires); plan.DESELECT drops whole functions.
 - Budget (PEER_BUDGET seconds, default 540, from the start of the run): later items are skipped as "peer budget".
 - Classification: passed / failed / skipped / xfailed / unsupported (NotImplementedError) / missing_api
-  (PeerMissing) / not_run (budget). Each process appends its items to $OUT/peer_mods/items/<worker>.jsonl; the
-  controller merges them into $OUT/peer_mods/results.json and summary.txt and prints the summary last.
+  (PeerMissing) / not_run (budget). Each process appends its items to $OUT/<results>/items/<worker>.jsonl
+  (<results>: peer_mods or peer_fa3, with _control for PEER_CONTROL=1); the controller merges them into
+  results.json and summary.txt there and prints the summary last.
 """
 import json
 import os
@@ -25,16 +28,20 @@ from pathlib import Path
 import pytest
 import torch
 
+SUITE = os.environ.get("PEER_SUITE", "fa4mods")
+_PLAN, _NAME, _WHAT = {"fa4mods": ("plan", "peer_mods", "FA4 {ref} tests/cute vs flash_attn.cute"),
+                       "fa3": ("plan_fa3", "peer_fa3", "FA3 {ref} hopper/test_flash_attn.py vs flash_attn_interface")
+                       }[SUITE]
 try:
-    from benchmarks.peer_mods import plan
+    plan = import_module(f"benchmarks.peer_mods.{_PLAN}")
 except ImportError:  # PEER_CONTROL=1: loaded from its folder (the project is not on sys.path then)
-    import plan
+    plan = import_module(_PLAN)
 
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # None in the controller (or in a run without xdist)
 OUT_DIR = Path(os.environ.get("OUT", ".peer/out")).resolve() / (
-    "peer_mods_control" if os.environ.get("PEER_CONTROL") == "1" else "peer_mods")
+    f"{_NAME}_control" if os.environ.get("PEER_CONTROL") == "1" else _NAME)
 ITEMS_DIR = OUT_DIR / "items"
-UPSTREAM = Path(__file__).resolve().parents[2] / ".peer" / "fa4mods" / "UPSTREAM"
+UPSTREAM = Path(__file__).resolve().parents[2] / ".peer" / SUITE / "UPSTREAM"
 CLASSES = ("passed", "failed", "skipped", "xfailed", "unsupported", "missing_api", "not_run")
 BUDGET_REASON = "peer budget"
 
@@ -237,7 +244,7 @@ def _merge():
 def _summary(meta, functions, errors, items, totals):
     width = max([len(k) for k in functions] + [40])
     cols = ("coll", "sel") + tuple(c[:7] for c in CLASSES)
-    lines = [f"peer_mods: FA4 {meta['upstream']} tests/cute vs flash_attn.cute  seed {meta['seed']}  "
+    lines = [f"{_NAME}: {_WHAT.format(ref=meta['upstream'])}  seed {meta['seed']}  "
              f"scale {meta['scale']}  budget {meta['budget_s']} s  wall {meta['wall_s']} s",
              f"shims installed: {', '.join(meta['shims']['installed']) or '-'}",
              f"shim names the project has: {', '.join(meta['shims']['present']) or '-'}"]
@@ -291,5 +298,5 @@ def pytest_sessionfinish(session, exitstatus):
 def pytest_terminal_summary(terminalreporter):
     yield  # the outermost wrapper: the summary comes after pytest's own short summary (-rA), i.e. last
     if _summary_text:
-        terminalreporter.write_sep("=", "peer_mods summary")
+        terminalreporter.write_sep("=", f"{_NAME} summary")
         terminalreporter.write(_summary_text)

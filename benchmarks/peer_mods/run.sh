@@ -1,28 +1,43 @@
 #!/usr/bin/env bash
-# Runs FlashAttention-4's own score_mod / mask_mod / block-sparsity tests (tests/cute of Dao-AILab/flash-attention)
-# against this project's flash_attn.cute. Run from the repository root:
-#   PEER_FA_GIT=<bare git dir> bash benchmarks/peer_mods/run.sh [--collect-only] [file stem ...]
-# e.g. `... run.sh test_mask_mod test_score_mod`. See README.md beside this file for the knobs.
-# The upstream files go to the git-ignored .peer/fa4mods/ and are never committed.
+# Runs FlashAttention's own tests of a suite (PEER_SUITE) against this project. Run from the repository root:
+#   PEER_FA_GIT=<bare git dir> [PEER_SUITE=fa4mods|fa3] bash benchmarks/peer_mods/run.sh [--collect-only] [stem ...]
+# fa4mods (default): FA4's score_mod / mask_mod / block-sparsity tests (tests/cute) against flash_attn.cute;
+# fa3: FA3's hopper/test_flash_attn.py (dense, varlen, KV cache, split, combine) against the top-level
+# flash_attn_interface. e.g. `... run.sh test_mask_mod test_score_mod`. See README.md beside this file for the knobs.
+# The upstream files go to the git-ignored .peer/<suite>/ and are never committed.
 set -uo pipefail
 
-DIR=.peer/fa4mods
+SUITE=${PEER_SUITE:-fa4mods}
+case $SUITE in
+    fa4mods)
+        SRC=tests/cute
+        FILES="test_score_mod.py test_mask_mod.py test_score_mod_varlen.py test_mask_mod_varlen.py
+               test_block_sparsity.py score_mod_definitions.py mask_mod_definitions.py"
+        NAME=peer_mods ;;
+    fa3)
+        SRC=hopper
+        FILES="test_flash_attn.py padding.py test_util.py"
+        NAME=peer_fa3 ;;
+    *) echo "run.sh: PEER_SUITE must be fa4mods or fa3, got $SUITE" >&2; exit 2 ;;
+esac
+export PEER_SUITE=$SUITE
+DIR=.peer/$SUITE
 REF=${PEER_FA_REF:-0251105a}
-FILES="test_score_mod.py test_mask_mod.py test_score_mod_varlen.py test_mask_mod_varlen.py test_block_sparsity.py
-       score_mod_definitions.py mask_mod_definitions.py"
 export OUT=${OUT:-.peer/out}
 if [ "${PEER_CONTROL:-0}" = 1 ]; then
+    # (FA3 is a CUDA extension built from source: no released build comes with the device bundle)
+    [ "$SUITE" = fa4mods ] || { echo "run.sh: PEER_CONTROL=1 runs the released flash-attn-4: fa4mods only" >&2; exit 2; }
     # The control: the same selection against the released flash-attn-4 (PEER_PYTHONPATH of the CuTeDSL bundle's
     # env.sh) alone. The project stays off sys.path (its flash_attn package would shadow the released one); the
     # plugin is loaded from its folder.
     [ -n "${PEER_PYTHONPATH:-}" ] || { echo "run.sh: PEER_CONTROL=1 needs PEER_PYTHONPATH (source /tmp/cutedsl/env.sh)" >&2; exit 2; }
     export PYTHONPATH=$PEER_PYTHONPATH${PYTHONPATH:+:$PYTHONPATH}
     PLUGIN='import sys; sys.path.insert(0, "'$PWD'/benchmarks/peer_mods"); pytest_plugins = ["plugin"]'
-    RESULTS=peer_mods_control
+    RESULTS=${NAME}_control
 else
     export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # conftest.py loads benchmarks.peer_mods.plugin from here
     PLUGIN='pytest_plugins = ["benchmarks.peer_mods.plugin"]'
-    RESULTS=peer_mods
+    RESULTS=$NAME
 fi
 PY=$(command -v python3 || command -v python)
 
@@ -39,10 +54,10 @@ if [ "$have" != "$REF" ]; then
         # Upstream files must never be committed: refuse to lay them out where git would see them.
         git check-ignore -q "$DIR" || { echo "run.sh: $DIR is not git-ignored (echo /.peer/ >> .git/info/exclude)" >&2; exit 2; }
         mkdir -p .peer
-        tmp=$(mktemp -d .peer/fa4mods.new.XXXXXX)
+        tmp=$(mktemp -d ".peer/$SUITE.new.XXXXXX")
         for f in $FILES; do
-            git --git-dir="$PEER_FA_GIT" show "$REF:tests/cute/$f" > "$tmp/$f" \
-                || { echo "run.sh: cannot extract tests/cute/$f at $REF" >&2; rm -rf "$tmp"; exit 2; }
+            git --git-dir="$PEER_FA_GIT" show "$REF:$SRC/$f" > "$tmp/$f" \
+                || { echo "run.sh: cannot extract $SRC/$f at $REF" >&2; rm -rf "$tmp"; exit 2; }
         done
         { echo "$REF"; git --git-dir="$PEER_FA_GIT" rev-parse "$REF^{commit}"; } > "$tmp/UPSTREAM"
         rm -rf "$DIR" && mv "$tmp" "$DIR"
