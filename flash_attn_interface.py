@@ -10,3 +10,6 @@ from flash_attn.fa3_interface import (  # noqa: F401
     flash_attn_with_kvcache,
     get_scheduler_metadata,
 )
+from flash_attn.fa3_ops import register as _register_ops
+
+_register_ops()  # torch.ops.flash_attn_3.* with FA3's schemas (fa3_ops.py)

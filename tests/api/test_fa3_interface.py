@@ -692,3 +692,41 @@ def test_gpu_varlen(kw):
                                 dict(rotary="interleaved", rotary_seqlens=True, batch_idx=True, causal=True)])
 def test_gpu_kvcache_extras(kw):
     _kvcache_case(seed=5, device="cuda", dtype=torch.bfloat16, **kw)
+
+
+def test_fa3_operators_have_fa3s_schemas_and_run_the_api():
+    """torch.ops.flash_attn_3.{fwd, bwd, fwd_combine, get_scheduler_metadata} (fa3_ops.py, registered by importing
+    flash_attn_interface): FA3's schemas (each backward compatible with FA3's own), and each op gives what the Python
+    API gives; bwd writes the gradients into dq / dk / dv when given; registering again is a no-op."""
+    from torch._C import parse_schema
+
+    from flash_attn import fa3_ops
+
+    for name, schema in fa3_ops._SCHEMAS.items():
+        assert getattr(torch.ops.flash_attn_3, name).default._schema.is_backward_compatible_with(
+            parse_schema("flash_attn_3::" + schema))
+    assert not fa3_ops.register()
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 40, 4, 64, generator=g)
+    k, v = torch.randn(2, 50, 2, 64, generator=g), torch.randn(2, 50, 2, 64, generator=g)
+    out, lse, out_accum, lse_accum = torch.ops.flash_attn_3.fwd(q, k, v, is_causal=True, window_size_left=7)
+    want, want_lse = f3.flash_attn_func(q, k, v, causal=True, window_size=(7, -1), return_attn_probs=True)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse) and out_accum.numel() == lse_accum.numel() == 0
+    dout = torch.randn(out.shape, generator=g)
+    dq = torch.full_like(q, float("nan"))
+    grads = torch.ops.flash_attn_3.bwd(dout, q, k, v, out, lse, dq=dq, is_causal=True, window_size_left=7)
+    assert grads[0] is dq and len(grads) == 8
+    qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+    f3.flash_attn_func(qq, kk, vv, causal=True, window_size=(7, -1)).backward(dout)
+    for got, ref in zip(grads[:3], (qq.grad, kk.grad, vv.grad)):
+        torch.testing.assert_close(got, ref)
+    torch.testing.assert_close(grads[3], (dout * out).sum(-1).transpose(1, 2))  # softmax_d (B, H, Sq)
+    parts, lse_parts = torch.randn(3, 2, 5, 4, 8, generator=g), torch.randn(3, 2, 5, 4, generator=g)
+    for a, b in zip(torch.ops.flash_attn_3.fwd_combine(parts, lse_parts, out_dtype=torch.float16),
+                    f3.flash_attn_combine(parts, lse_parts, out_dtype=torch.float16)):
+        assert torch.equal(a, b)
+    seqlens = torch.tensor([3, 9], dtype=torch.int32)
+    meta = torch.ops.flash_attn_3.get_scheduler_metadata(2, 1, 128, 8, 2, 128, 128, torch.bfloat16, seqlens)
+    assert meta.dtype == torch.int32
+    with pytest.raises(ValueError, match="multiple of num_heads_kv"):
+        torch.ops.flash_attn_3.get_scheduler_metadata(2, 1, 128, 6, 4, 128, 128, torch.bfloat16, seqlens)
