@@ -5,8 +5,9 @@ kernels serve them as the Python API. Registered when the top-level ``flash_attn
 an ``flash_attn_3`` operator namespace already has them (FA3 itself installed).
 
 Eager calls only: the operators have no autograd formula (FA3's Python API wraps them in autograd Functions, as
-fa3_interface does its own) and no fake kernels, so torch.compile cannot trace them; the Python API's functions are
-the ones for that.
+fa3_interface does its own), and FA3's schemas return outputs with alias annotations (``Tensor(out!)``), which
+torch.compile's functionalization refuses for custom operators whatever fake kernel they have; the Python API's
+functions are the ones torch.compile traces.
 """
 import torch
 
