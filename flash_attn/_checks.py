@@ -46,7 +46,24 @@ def qkv_shapes(q, k, v, varlen):
     nd = 3 if varlen else 4
     # The common call, accepted in one pass (a few us less per call); anything else takes the checks
     # below, which name what is wrong (or accept what this pass does not cover, like paged caches).
-    if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor):
+    if not varlen:
+        # dense: the shapes unpacked (what is not three 4-D tensors fails here and gets the named checks below)
+        try:
+            qs, ks, vs = q.shape, k.shape, v.shape
+            B, Sq, H, D = qs
+            Bk, Sk, Hk, Dk = ks
+            Bv, Sv, Hv, Dv = vs
+            dt = q.dtype
+        except (AttributeError, TypeError, ValueError):
+            dt = None
+        if (dt in _FLOAT_DTYPES and k.dtype is dt and v.dtype is dt and Dk == D and Bk == B and Bv == B
+                and Sv == Sk and Hv == Hk and Hk and not H % Hk and 0 < D <= MAX_HEAD_DIM and 0 < Dv <= MAX_HEAD_DIM
+                and (q.is_contiguous() or q.stride()[-1] == 1) and (k.is_contiguous() or k.stride()[-1] == 1)
+                and (v.is_contiguous() or v.stride()[-1] == 1)):
+            device = q.device
+            if k.device == device and v.device == device:
+                return qs, ks, vs
+    elif isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor):
         qs, ks, vs = q.shape, k.shape, v.shape
         dt = q.dtype
         # (element by element: slicing a torch.Size costs more than the whole comparison; stride()[-1] less than
