@@ -12,6 +12,8 @@ import torch
 
 pytest.importorskip("cutlass")
 
+import cutlass.cute as cute  # noqa: E402
+
 from flash_attn.cute import interface, mods  # noqa: E402
 from flash_attn.testing import assert_ptxas_clean  # noqa: E402
 
@@ -253,7 +255,25 @@ def test_varlen_passes_the_mods(defaults, monkeypatch):
     assert rec.calls[-1]["block_sparse"] is lists and rec.calls[-1]["max_k"] == 9
 
 
+@cute.jit
+def _score_mod_flex_style(score, b, h, q_idx, kv_idx):  # FlexAttention's convention, not FA4's
+    return score
+
+
+@cute.jit
+def _mask_mod_too_few(b_idx, h_idx, q_idx, kv_idx):
+    return kv_idx[0] <= q_idx[0]
+
+
+@cute.jit
+def _score_mod_bwd_too_few(grad, score, b_idx, h_idx, q_idx, kv_idx, seqlen_info):
+    return grad
+
+
 @pytest.mark.parametrize("kw, err, match", [
+    (dict(score_mod=_score_mod_flex_style), ValueError, r"score_mod must take \(score, b_idx, h_idx, q_idx"),
+    (dict(mask_mod=_mask_mod_too_few), ValueError, r"mask_mod must take \(b_idx, h_idx, q_idx, kv_idx, seqlen_info"),
+    (dict(score_mod=m.rel_bias, score_mod_bwd=_score_mod_bwd_too_few), ValueError, "score_mod_bwd must take"),
     (dict(score_mod=m.softcap, softcap=5.0), ValueError, "softcap and score_mod"),
     (dict(mask_mod=m.causal_mask, causal=True), ValueError, "causal"),
     (dict(mask_mod=m.window_mask, window_size=(8, 8)), ValueError, "window_size"),
@@ -270,6 +290,13 @@ def test_refuses_what_is_not_served(defaults, monkeypatch, kw, err, match):
     q, k, v = _qkv()
     with pytest.raises(err, match=match):
         interface.flash_attn_func(q, k, v, **kw)
+
+
+def test_compute_block_sparsity_checks_the_mask_mods_signature():
+    from flash_attn.cute.compute_block_sparsity import compute_block_sparsity
+
+    with pytest.raises(ValueError, match="mask_mod must take"):
+        compute_block_sparsity(128, 128, 1, 1, 256, 256, _mask_mod_too_few, None, "cpu")
 
 
 def test_backward_with_mods_is_refused_naming_score_mod(defaults, monkeypatch):

@@ -187,6 +187,7 @@ def compute_block_sparsity(tile_m, tile_n, batch_size, num_heads, seqlen_q, seql
         raise NotImplementedError("compute_block_sparsity: seqused_q is not implemented yet in flash_attn.cute")
     if not callable(mask_mod):
         raise ValueError(f"mask_mod must be a CuTeDSL function (@cute.jit), got {type(mask_mod).__name__}")
+    mods.check_signature("mask_mod", mask_mod)
     for name, value in (("tile_m", tile_m), ("tile_n", tile_n), ("batch_size", batch_size), ("num_heads", num_heads)):
         if int(value) < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")

@@ -247,6 +247,8 @@ def check_call(score_mod, mask_mod, aux_tensors, causal, window_left, window_rig
     for name, fn in (("score_mod", score_mod), ("mask_mod", mask_mod), ("score_mod_bwd", score_mod_bwd)):
         if fn is not None and not callable(fn):
             raise ValueError(f"{name} must be a CuTeDSL function (@cute.jit), got {type(fn).__name__}")
+        if fn is not None:
+            check_signature(name, fn)
     if block_sparse_bwd is not None and block_sparse is None:
         raise ValueError("block_sparse_tensors_bwd without block_sparse_tensors: give the forward's lists too")
     if needs_grad:
@@ -277,6 +279,38 @@ def check_call(score_mod, mask_mod, aux_tensors, causal, window_left, window_rig
     if D != Dv or D not in config.SUPPORTED_HEAD_DIMS:
         raise NotImplementedError(f"score_mod / mask_mod / block sparsity: head dims {D} / {Dv}; the kernels' own "
                                   f"head dims {config.SUPPORTED_HEAD_DIMS} with equal q / v head dims only, for now")
+
+
+# How the kernels call each mod (score_mod.ScoreMods, compute_block_sparsity): the positional arguments, the keyword
+# ones, and the signature FA4's convention gives it (for the error message). A mod with an ``aux_scalars`` parameter
+# gets them as one more argument (a keyword for score_mod, the last positional one for the others).
+_CALLS = {
+    "score_mod": (3, ("q_idx", "kv_idx", "seqlen_info", "aux_tensors"),
+                  "(score, b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors[, aux_scalars])"),
+    "mask_mod": (6, (), "(b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors[, aux_scalars])"),
+    "score_mod_bwd": (8, (), "(grad, score, b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors[, aux_scalars])"),
+}
+
+
+def check_signature(name, fn):
+    """ValueError naming the mod when ``fn`` cannot take the arguments the kernels pass it (_CALLS), before anything
+    is traced or launched (a wrong arity would otherwise surface as an error deep in the kernel's trace). A function
+    whose signature Python cannot read is left to the trace."""
+    import inspect
+
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    n, keywords, want = _CALLS[name]
+    scalars = "aux_scalars" in sig.parameters
+    args = [None] * n + ([None] if scalars and name != "score_mod" else [])
+    kwargs = dict.fromkeys(keywords) | ({"aux_scalars": None} if scalars and name == "score_mod" else {})
+    try:
+        sig.bind(*args, **kwargs)
+    except TypeError as e:
+        raise ValueError(f"{name} must take {want} (FA4's convention); {getattr(fn, '__name__', fn)}{sig} cannot: "
+                         f"{e}") from None
 
 
 def with_softcap(softcap, score_mod, score_mod_bwd):
