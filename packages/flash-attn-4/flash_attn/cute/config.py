@@ -250,7 +250,9 @@ class PlanRules:
     (the same results file); flash_attn.cute's own backward (no root package) uses the kernel for them either way.
     ``bwd_softcap``: it serves soft-capped scores, on: 1.35-1.96x Triton's soft-capped backward. ``kvcache``: the
     dispatcher's cute backend serves flash_attn_with_kvcache (kvcache.py), off until its GPU tests and a decoding
-    benchmark against the Triton kernels decide it."""
+    benchmark against the Triton kernels decide it. ``mods_disk_cache``: the score_mod / mask_mod kernels of mods
+    with a stable fingerprint (mod_fingerprint.py) are kept in the disk cache too, so a new process loads them instead
+    of compiling; off until a GPU run of kernels loaded from disk checks them."""
     pack_gqa_auto: bool = False
     bwd_host: str = "triton"
     bwd_window: bool = True
@@ -258,6 +260,7 @@ class PlanRules:
     bwd_deterministic: bool = False
     bwd_softcap: bool = True
     kvcache: bool = False
+    mods_disk_cache: bool = False
 
     def __post_init__(self):
         if self.bwd_host not in ("triton", "torch"):

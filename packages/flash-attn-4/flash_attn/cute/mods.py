@@ -7,6 +7,11 @@ functions never share a kernel, even with equal source (a closure's values may d
 (e.g. a new lambda or closure per call) compiles again. No disk cache: a Python function has no stable key across
 processes that is safe (source text misses closures and globals), and a stale kernel would be a silent wrong
 answer. Aux tensors are keyed by (dtype, rank): their shapes and strides are runtime values.
+
+On disk (the plan rule ``mods_disk_cache``): a mod function's fingerprint (mod_fingerprint.py: its source, and the
+values of the closure cells, globals and defaults it reads, recursively) is such a key where it exists; those kernels
+go to the disk cache like the forward's (kernels._load_or_build_entry), keyed by the fingerprints and the kernel's
+facts. A mod without a fingerprint (something it reads has no stable description) keeps the memory-only rule.
 """
 import dataclasses
 
@@ -202,6 +207,41 @@ def _takes_scalars(fn):
     return takes_scalars(fn)
 
 
+def disk_entry(kind, facts, score_mod=None, mask_mod=None, score_mod_bwd=None):
+    """(config, key, name, symbol) of a mod kernel's disk-cache entry (kernels._load_or_build_entry), or None: the
+    kernel stays in memory (the plan rule mods_disk_cache off, or a mod without a fingerprint). kind: "mods-fwd" /
+    "mods-bwd"; facts: the kernel's compile-time facts (JSON-able), arch and dtype among them."""
+    from flash_attn.cute import cache, mod_fingerprint
+
+    if not config.plan_rules().mods_disk_cache:
+        return None
+    cfg = {"kind": kind, **facts}
+    for label, fn in (("score_mod", score_mod), ("mask_mod", mask_mod), ("score_mod_bwd", score_mod_bwd)):
+        if fn is not None:
+            cfg[label] = mod_fingerprint.fingerprint(fn)
+            if cfg[label] is None:
+                return None
+    key = cache.entry_key(cfg)
+    name = f"{kind}-{facts['arch']}-{facts['dtype']}-d{facts['head_dim']}-{key[:16]}"
+    return cfg, key, name, f"flash_attn_cute_{key[:16]}"
+
+
+def _facts(dtype, head_dim, arch, spec, **more):
+    """The JSON-able compile-time facts of a mod kernel for disk_entry (torch dtypes as names)."""
+    return {"dtype": str(dtype).replace("torch.", ""), "head_dim": int(head_dim), "arch": arch,
+            "aux": [[str(t).replace("torch.", ""), int(rank)] for t, rank in spec],
+            **{k: (list(v) if isinstance(v, tuple) else v) for k, v in more.items()}}
+
+
+def _build(entry, compile_fn):
+    """The callable of a mod kernel: from the disk cache entry (loaded, else compiled and written), or compiled."""
+    from flash_attn.cute import cache, kernels
+
+    if entry is None:
+        return kernels._ffi_function(compile_fn())
+    return kernels._load_or_build_entry(entry, compile_fn, cache.cache_dir(), False)[0]
+
+
 def mod_kernel(dtype, head_dim, causal, arch, local, varlen, score_mod, mask_mod, spec, sparse=None, block_n=None,
                scalars=(), block_m=None, sink=False):
     """The mod kernel from memory, else compiled (never on disk: see the module docstring)."""
@@ -216,10 +256,14 @@ def mod_kernel(dtype, head_dim, causal, arch, local, varlen, score_mod, mask_mod
             if fn is None:
                 if not kernels._tvm_ffi():
                     raise NotImplementedError("score_mod / mask_mod kernels need apache-tvm-ffi")
-                fn = _mod_kernels[key] = kernels._ffi_function(
-                    compile_fwd_mods(dtype, head_dim, causal, arch, local=local, varlen=varlen, score_mod=score_mod,
-                                     mask_mod=mask_mod, spec=spec, sparse=sparse, block_n=block_n,
-                                     scalars=scalars, block_m=block_m, sink=sink))
+                facts = _facts(dtype, head_dim, arch, spec, causal=bool(causal), local=bool(local),
+                               varlen=bool(varlen), sparse=sparse, block_n=block_n, scalars=tuple(scalars),
+                               block_m=block_m, sink=bool(sink))
+                fn = _mod_kernels[key] = _build(
+                    disk_entry("mods-fwd", facts, score_mod, mask_mod),
+                    lambda: compile_fwd_mods(dtype, head_dim, causal, arch, local=local, varlen=varlen,
+                                             score_mod=score_mod, mask_mod=mask_mod, spec=spec, sparse=sparse,
+                                             block_n=block_n, scalars=scalars, block_m=block_m, sink=sink))
     return fn
 
 
@@ -460,10 +504,13 @@ def mod_bwd_kernel(dtype, head_dim, arch, mask_mod, spec, sparse=None, scalars=(
             if fn is None:
                 if not kernels._tvm_ffi():
                     raise NotImplementedError("score_mod / mask_mod kernels need apache-tvm-ffi")
-                fn = _mod_bwd_kernels[key] = kernels._ffi_function(
-                    kernels.compile_bwd(dtype, head_dim, bool(causal), arch, local=local, varlen=varlen,
-                                        mask_mod=mask_mod, spec=spec, sparse=sparse, scalars=scalars,
-                                        score_mod=score_mod, score_mod_bwd=score_mod_bwd, block_m=block_m))
+                facts = _facts(dtype, head_dim, arch, spec, causal=bool(causal), local=bool(local),
+                               varlen=bool(varlen), sparse=sparse, scalars=tuple(scalars), block_m=block_m)
+                fn = _mod_bwd_kernels[key] = _build(
+                    disk_entry("mods-bwd", facts, score_mod, mask_mod, score_mod_bwd),
+                    lambda: kernels.compile_bwd(dtype, head_dim, bool(causal), arch, local=local, varlen=varlen,
+                                                mask_mod=mask_mod, spec=spec, sparse=sparse, scalars=scalars,
+                                                score_mod=score_mod, score_mod_bwd=score_mod_bwd, block_m=block_m))
     return fn
 
 
