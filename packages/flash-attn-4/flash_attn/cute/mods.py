@@ -1,17 +1,18 @@
 """Host side of score_mod / mask_mod / aux_tensors (FA4's API; the device side is score_mod.py): the kernel of a
-call with user mods, compiled per distinct (mods, aux tensor kinds) and kept in memory only, and its launch.
+call with user mods, compiled per distinct (mods, aux tensor kinds), and its launch.
 
-Keying: the user's functions are compile-time parts of the kernel, so the in-memory key holds the function objects
-themselves (a dict key keeps them alive, so an identity can never be reused by another function). Two different
-functions never share a kernel, even with equal source (a closure's values may differ); a function redefined
-(e.g. a new lambda or closure per call) compiles again. No disk cache: a Python function has no stable key across
-processes that is safe (source text misses closures and globals), and a stale kernel would be a silent wrong
-answer. Aux tensors are keyed by (dtype, rank): their shapes and strides are runtime values.
+Keying in memory: the user's functions are compile-time parts of the kernel, so the in-memory key holds the function
+objects themselves (a dict key keeps them alive, so an identity can never be reused by another function). Two
+different functions never share a kernel, even with equal source (a closure's values may differ); a function
+redefined (e.g. a new lambda or closure per call) compiles again. Aux tensors are keyed by (dtype, rank): their shapes
+and strides are runtime values.
 
-On disk (the plan rule ``mods_disk_cache``): a mod function's fingerprint (mod_fingerprint.py: its source, and the
-values of the closure cells, globals and defaults it reads, recursively) is such a key where it exists; those kernels
-go to the disk cache like the forward's (kernels._load_or_build_entry), keyed by the fingerprints and the kernel's
-facts. A mod without a fingerprint (something it reads has no stable description) keeps the memory-only rule.
+On disk (the plan rule ``mods_disk_cache``): source text alone would miss closures and globals, and a stale kernel
+would be a silent wrong answer, so the key is each function's fingerprint (mod_fingerprint.py: its source and the
+values of the closure cells, globals and defaults it reads, recursively through the functions it calls) where one
+exists; those kernels go to the disk cache like the forward's (kernels._load_or_build_entry), keyed by the
+fingerprints and the kernel's facts. A mod without a fingerprint (something it reads has no stable description)
+stays in memory only.
 """
 import dataclasses
 
