@@ -363,6 +363,39 @@ def assert_ptxas_clean(ptx_path, arch="sm_90a"):
     return log
 
 
+def triton_sm90_compile(fn, signature, constexprs, divisible=(), num_warps=4, num_stages=None):
+    """Compile the Triton kernel ``fn`` for sm_90 ahead of time, without a GPU (the interpreter never runs Triton's code
+    generator: call this in a process without TRITON_INTERPRET). signature: {argument: Triton type} of the runtime
+    arguments ("*bf16", "i32", ...); constexprs: {name: value}; divisible: the arguments Triton may assume divisible
+    by 16 (what it specialises for contiguous tensors). Returns {"ptx": the PTX, "spills": ptxas's spilled bytes or
+    None (a Triton without the ptxas log knob), "regs": registers per thread or None}."""
+    import contextlib
+    import io
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    target = GPUTarget("cuda", 90, 32)
+    backend = triton.compiler.make_backend(target)
+    try:
+        triton.knobs.nvidia.dump_ptxas_log = True
+    except AttributeError:
+        pass
+    names = fn.arg_names
+    sig = {n: "constexpr" if n in constexprs else signature[n] for n in names}
+    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=constexprs,
+                                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in divisible})
+    options = {"num_warps": num_warps} | ({} if num_stages is None else {"num_stages": num_stages})
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        ptx = triton.compile(src, target=target, options=backend.parse_options(options).__dict__).asm["ptx"]
+    spills = re.search(r"(\d+) bytes spill stores", log.getvalue())
+    regs = re.search(r"Used (\d+) registers", log.getvalue())
+    return {"ptx": ptx, "spills": int(spills.group(1)) if spills else None,
+            "regs": int(regs.group(1)) if regs else None}
+
+
 def cuobjdump_path():
     """The cuobjdump to read compiled SASS with: the one on PATH, else the copy in triton's NVIDIA backend
     (CPU machines and CI have only that one); None when neither exists."""

@@ -256,17 +256,10 @@ def test_bad_input_raises_before_any_launch(monkeypatch):
 
 
 _AOT_SCRIPT = r"""
-import contextlib, io, json, re
-import triton
-from triton.backends.compiler import GPUTarget
+import json, re
 from flash_attn.cute import combine as cb
+from flash_attn.testing import triton_sm90_compile
 
-target = GPUTarget("cuda", 90, 32)
-backend = triton.compiler.make_backend(target)
-try:
-    triton.knobs.nvidia.dump_ptxas_log = True
-except AttributeError:
-    pass
 fn = cb._kernel()
 names = fn.arg_names
 for splits, rows, D in ((64, 4096, 128), (64, 1, 128), (16, 16, 96), (4, 4096, 256)):
@@ -274,17 +267,12 @@ for splits, rows, D in ((64, 4096, 128), (64, 1, 128), (16, 16, 96), (4, 4096, 2
     ce = dict(HEAD_DIM=D, BLOCK_K=bk, BLOCK_M=bm, BLOCK_D=bd, WRITE_LSE=True, HAS_SINK=False, UNSEEN_POS_INF=False,
               s_pd=1, s_od=1, s_lh=1, s_es=1)
     types = {"OutPartial": "*bf16", "Out": "*bf16"}
-    sig = {n: "constexpr" if n in ce else types.get(n, "*fp32" if n[0].isupper() else "i32") for n in names}
+    sig = {n: types.get(n, "*fp32" if n[0].isupper() else "i32") for n in names}
     # contiguous bf16 parts: pointers and strides other than the unit ones divisible by 16
     div = [n for n in names if n not in ce and (n[0].isupper() or n.startswith("s_"))]
-    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=ce,
-                                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in div})
-    log = io.StringIO()
-    with contextlib.redirect_stdout(log):
-        ptx = triton.compile(src, target=target, options=backend.parse_options({"num_warps": warps}).__dict__)
-    m = re.search(r"(\d+) bytes spill stores", log.getvalue())
-    print(json.dumps(dict(label=f"{splits} {rows} {D}", spills=int(m.group(1)) if m else None,
-                          ld_v4=len(re.findall(r"ld\.global[.\w]*\.v4", ptx.asm["ptx"])))))
+    got = triton_sm90_compile(fn, sig, ce, div, num_warps=warps)
+    print(json.dumps(dict(label=f"{splits} {rows} {D}", spills=got["spills"],
+                          ld_v4=len(re.findall(r"ld\.global[.\w]*\.v4", got["ptx"])))))
 """
 
 

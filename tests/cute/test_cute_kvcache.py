@@ -253,36 +253,21 @@ def test_prep_kernel_matches_the_torch_prep(dtype, rotary, layout, Sq, s_new, bo
 
 
 _AOT_SCRIPT = r"""
-import contextlib, io, json, re
-import triton
-from triton.backends.compiler import GPUTarget
+import json
 from flash_attn.cute import kvcache as kv
+from flash_attn.testing import triton_sm90_compile
 
-target = GPUTarget("cuda", 90, 32)
-backend = triton.compiler.make_backend(target)
-try:
-    triton.knobs.nvidia.dump_ptxas_log = True
-except AttributeError:
-    pass
 fn = kv._prep_kernel()
-names = fn.arg_names
 for rotary, interleaved, paged, batch_idx in ((True, False, False, False), (True, True, True, False),
                                               (False, False, False, True)):
     ce = dict(HEADS_Q=32, HEADS_KV=8, HEAD_DIM=128, HEAD_DIM_V=128, BLOCK_D=128, BLOCK_DV=128, ROT_HALF=64,
               BLOCK_HALF=64, ROTARY=rotary, INTERLEAVED=interleaved, Q_STEPS=False, HAS_BATCH_IDX=batch_idx,
               PAGED=paged)
-    types = {"Q": "*bf16", "QOut": "*bf16", "K": "*bf16", "V": "*bf16", "KCache": "*bf16", "VCache": "*bf16",
-             "Cos": "*bf16", "Sin": "*bf16"}
-    sig = {n: "constexpr" if n in ce else types.get(n, "*i32" if n[0].isupper() else "i32") for n in names}
-    div = [n for n in names if n not in ce and (n[0].isupper() or n.startswith("s_"))]
-    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=ce,
-                                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in div})
-    log = io.StringIO()
-    with contextlib.redirect_stdout(log):
-        ptx = triton.compile(src, target=target, options=backend.parse_options({"num_warps": 1}).__dict__)
-    m = re.search(r"(\d+) bytes spill stores", log.getvalue())
-    print(json.dumps(dict(rotary=rotary, spills=int(m.group(1)) if m else None,
-                          stores=len(re.findall(r"st\.global", ptx.asm["ptx"])))))
+    bf16 = ("Q", "QOut", "K", "V", "KCache", "VCache", "Cos", "Sin")
+    sig = {n: "*bf16" if n in bf16 else "*i32" if n[0].isupper() else "i32" for n in fn.arg_names}
+    div = [n for n in fn.arg_names if n not in ce and (n[0].isupper() or n.startswith("s_"))]
+    got = triton_sm90_compile(fn, sig, ce, div, num_warps=1)
+    print(json.dumps(dict(rotary=rotary, spills=got["spills"], stores=got["ptx"].count("st.global"))))
 """
 
 
