@@ -289,3 +289,57 @@ def test_prep_kernel_compiles_for_sm90(tmp_path):
     assert len(rows) == 3, r.stdout
     for row in rows:
         assert row["spills"] in (0, None) and row["stores"] >= 1, row
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("paged", [False, True])
+def test_cuda_graph_decode_step_on_the_kernels(cute_env, paged):
+    """A decode step on the cute backend (append one rotated token with prep_kernel, attend with the decoding plan)
+    captured in a CUDA graph: no host sync in it, and replays for cache lengths set in place in cache_seqlens give
+    what eager calls on copies of the caches give, caches included, bit for bit."""
+    import flash_attn
+    from flash_attn import dispatch
+
+    cute_env(OVERRIDES="plan.kvcache=1")
+    torch.manual_seed(0)
+    B, H, Hk, D, S, dev, dt = 2, 32, 8, 128, 2048, "cuda", torch.bfloat16
+    if paged:
+        k_cache = torch.randn(B * S // 256, 256, Hk, D, device=dev, dtype=dt)
+        table = torch.randperm(B * S // 256, device=dev).view(B, -1).to(torch.int32)
+    else:
+        k_cache = torch.randn(B, S, Hk, D, device=dev, dtype=dt)
+        table = None
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(B, 1, H, D, device=dev, dtype=dt)
+    k_new, v_new = (torch.randn(B, 1, Hk, D, device=dev, dtype=dt) for _ in range(2))
+    seqlens = torch.full((B,), 100, dtype=torch.int32, device=dev)
+    angle = torch.rand(S, D // 2, device=dev) * 6.28
+    cos, sin = angle.cos().to(dt), angle.sin().to(dt)
+
+    def step(kc, vc):
+        return flash_attn.flash_attn_with_kvcache(q, kc, vc, k_new, v_new, rotary_cos=cos, rotary_sin=sin,
+                                                  cache_seqlens=seqlens, block_table=table, causal=True,
+                                                  return_softmax_lse=True)
+
+    with dispatch.use_backend("cute"):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                step(k_cache, v_cache)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out_g, lse_g = step(k_cache, v_cache)
+        for L in (0, 1, 255, 256, 1000, 2047):
+            seqlens.fill_(L)
+            q.normal_()
+            k_new.normal_()
+            v_new.normal_()
+            kc, vc = k_cache.clone(), v_cache.clone()
+            out_e, lse_e = step(kc, vc)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(k_cache, kc) and torch.equal(v_cache, vc), L
+            assert torch.equal(out_g, out_e) and torch.equal(lse_g, lse_e), L
