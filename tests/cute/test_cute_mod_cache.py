@@ -111,3 +111,21 @@ def test_mod_backward_kernel_is_written_and_loaded_back(cute_env, tmp_path, monk
     monkeypatch.setattr(mods, "_mod_bwd_kernels", type(mods._mod_bwd_kernels)())
     monkeypatch.setattr(kernels, "compile_bwd", lambda *a, **k: pytest.fail("compiled instead of loading"))
     assert callable(mods.mod_bwd_kernel(*args, **kw))
+
+
+_WINDOW_8 = L.sliding_window(8, 0).mask_mod
+_WINDOW_9 = L.sliding_window(9, 0).mask_mod
+
+
+@cute.jit
+def _uses_window_8(b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+    return _WINDOW_8(b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors)
+
+
+def test_a_library_closure_a_mod_calls_is_described_by_its_values(monkeypatch):
+    """A mod that calls a function mod_library built for one constant (a closure of a library module) is keyed by
+    that function's values, not its name: the same name with another window is another kernel."""
+    a = fingerprint(_uses_window_8)
+    assert a is not None and a["globals"]["_WINDOW_8"][0] == "fn"
+    monkeypatch.setattr(__import__(__name__), "_WINDOW_8", _WINDOW_9)
+    assert fingerprint(_uses_window_8) != a

@@ -42,17 +42,16 @@ def _value(v, seen):
         if not _library(v.__name__):
             raise _Unstable(f"module {v.__name__}")
         return ["module", v.__name__]
-    module = getattr(v, "__module__", None) or ""
-    if (inspect.isclass(v) or callable(v)) and _library(module) and not _is_user_function(v):
-        return ["lib", module, getattr(v, "__qualname__", getattr(v, "__name__", repr(type(v))))]
-    if _is_user_function(v):
-        return ["fn", _function(v, seen)]
-    raise _Unstable(f"{type(v).__name__} value")
-
-
-def _is_user_function(v):
     f = inspect.unwrap(v) if callable(v) else v
-    return isinstance(f, types.FunctionType) and not _library(getattr(f, "__module__", "") or "")
+    if isinstance(f, types.FunctionType):
+        if _library(f.__module__ or "") and "<locals>" not in f.__qualname__ and not f.__closure__:
+            return ["lib", f.__module__, f.__qualname__]  # a library's module-level function: its sources are keyed
+        # a user's function, or one a library built at run time (a closure: mod_library's, per constant)
+        return ["fn", _function(v, seen)]
+    module = getattr(v, "__module__", None) or ""
+    if (inspect.isclass(v) or callable(v)) and _library(module):
+        return ["lib", module, getattr(v, "__qualname__", getattr(v, "__name__", repr(type(v))))]
+    raise _Unstable(f"{type(v).__name__} value")
 
 
 def _function(fn, seen):
