@@ -610,7 +610,7 @@ def test_low_level_entry_points(alone):
         torch.testing.assert_close(g.double(), w, rtol=5e-3, atol=5e-3, msg=name)
     # the mods' backward (FA4's): its rules run before any kernel
     with pytest.raises(ValueError, match="needs score_mod_bwd"):
-        interface._flash_attn_bwd(q, k, v, out, dout, lse, score_mod=lambda *a: None)
+        interface._flash_attn_bwd(q, k, v, out, dout, lse, score_mod=lambda *a, **k: None)
     with pytest.raises(NotImplementedError, match="deterministic backward of mods"):
         interface._flash_attn_bwd(q, k, v, out, dout, lse, mask_mod=lambda *a: None, deterministic=True)
     with pytest.raises(ValueError, match=r"lse expected \(1, 2, 10\)"):
