@@ -664,9 +664,9 @@ def test_forward_plain_lane_finds_the_kernel_fwd_kernel_stores(monkeypatch, D, c
 
 
 def test_backend_common_call_launches_without_launch_forward(monkeypatch):
-    """The dispatcher's common call (dense, no window, softcap or sink; more query rows than decoding) goes from
-    backend.fwd straight to launch._forward_plain once its kernel is in memory; a windowed call, a decoding call and
-    the first call (kernel not loaded) take launch.forward."""
+    """The dispatcher's common call (dense, causal or not, no other window, softcap or sink; more query rows than
+    decoding) goes from backend.fwd straight to launch._forward_plain once its kernel is in memory; a windowed call,
+    a decoding call and the first call (kernel not loaded) take launch.forward."""
     from _cute_table import swap_kernels
 
     from flash_attn.call import describe
@@ -687,8 +687,12 @@ def test_backend_common_call_launches_without_launch_forward(monkeypatch):
         assert out.shape == q.shape and lse.shape == (1, 2, 32)
     assert len(launches) == 3 and len(general) == 1  # only the first call (the build) went through launch.forward
     assert launches[-1][5] == call.softmax_scale
+    causal = describe(q, k, causal=True)
+    for _ in range(2):
+        backend.fwd(causal, q, k, v, None, None, 32, 64, None, None, None)
+    assert len(launches) == 5 and len(general) == 2  # causal: the plain lane too, once its kernel is built
     backend.fwd(describe(q, k, causal=True, window_left=16), q, k, v, None, None, 32, 64, None, None, None)
-    assert len(general) == 2  # a window: the general path
+    assert len(general) == 3  # a window: the general path
 
 
 def test_varlen_value_checks_name_what_is_wrong(monkeypatch):

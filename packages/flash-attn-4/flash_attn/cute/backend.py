@@ -131,11 +131,11 @@ def fwd(call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, b
         sink=None, lse_scratch=False):
     launch = _launch or _load_launch()
     wl, wr = call.window_left, call.window_right
-    if (wl < 0 and wr < 0 and block_table is None and cu_seqlens_q is None and sink is None and not call.softcap
-            and call.head_dim_v == call.head_dim):
-        # The common call (dense, no window, softcap or sink): launch._forward_plain straight away, the per-call path
-        # the FA4 API's own common call takes; decoding shapes (a split or packed plan) and kernels not yet in memory
-        # take the general path below.
+    if (wl < 0 and (wr < 0 or call.causal) and block_table is None and cu_seqlens_q is None and sink is None
+            and not call.softcap and call.head_dim_v == call.head_dim):
+        # The common call (dense, causal or not, no other window, softcap or sink): launch._forward_plain straight
+        # away, the per-call path the FA4 API's own common call takes; decoding shapes (a split or packed plan) and
+        # kernels not yet in memory take the general path below.
         B, Sq, H, D = q.shape
         if B * Sq * H and not (lse_scratch and Sq <= _DECODE_ROWS):
             Sk = k.shape[1]
