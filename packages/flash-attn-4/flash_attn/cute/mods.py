@@ -245,7 +245,7 @@ def _build(entry, compile_fn):
 
 def mod_kernel(dtype, head_dim, causal, arch, local, varlen, score_mod, mask_mod, spec, sparse=None, block_n=None,
                scalars=(), block_m=None, sink=False):
-    """The mod kernel from memory, else compiled (never on disk: see the module docstring)."""
+    """The mod kernel from memory, else from the disk cache or compiled (see the module docstring's keying)."""
     from flash_attn.cute import cache, kernels
 
     key = mod_key(dtype, head_dim, causal, arch, local, varlen, score_mod, mask_mod, spec, sparse, block_n, scalars,
@@ -337,12 +337,18 @@ _CALLS = {
 }
 
 
+_signatures_ok: set = set()  # (name, fn) pairs check_signature accepted: a mods call checks each function once
+
+
 def check_signature(name, fn):
     """ValueError naming the mod when ``fn`` cannot take the arguments the kernels pass it (_CALLS), before anything
     is traced or launched (a wrong arity would otherwise surface as an error deep in the kernel's trace). A function
-    whose signature Python cannot read is left to the trace."""
+    whose signature Python cannot read is left to the trace. Accepted functions are remembered (inspect's signature
+    costs tens of microseconds, every mods call comes here)."""
     import inspect
 
+    if (name, fn) in _signatures_ok:
+        return
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):
@@ -356,6 +362,9 @@ def check_signature(name, fn):
     except TypeError as e:
         raise ValueError(f"{name} must take {want} (FA4's convention); {getattr(fn, '__name__', fn)}{sig} cannot: "
                          f"{e}") from None
+    if len(_signatures_ok) >= 256:
+        _signatures_ok.clear()
+    _signatures_ok.add((name, fn))
 
 
 def with_softcap(softcap, score_mod, score_mod_bwd):
@@ -488,8 +497,8 @@ _mod_bwd_kernels = cache_utils.get_jit_cache("mods_bwd")
 
 def mod_bwd_kernel(dtype, head_dim, arch, mask_mod, spec, sparse=None, scalars=(), score_mod=None,
                    score_mod_bwd=None, causal=False, varlen=False, block_m=None, local=False):
-    """The mask_mod's (or block sparsity's) backward kernel from memory, else compiled (never on disk, as the
-    forward's); sparse: None, or (has_full, row factor, walk factor) of the per-key-block lists it walks; causal: the
+    """The mods' (or block sparsity's) backward kernel from memory, else from the disk cache or compiled (as the
+    forward's, mod_kernel); sparse: None, or (has_full, row factor, walk factor) of the per-key-block lists it walks; causal: the
     native causal mask too (bottom-right); varlen: the packed sequences' kernel (entry call_varlen_mods); local: a
     sliding window's (entries call_mods_local / call_varlen_mods_local, sizes per call; no block sparsity)."""
     from flash_attn.cute import cache, kernels
