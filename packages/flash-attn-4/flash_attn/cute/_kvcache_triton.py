@@ -31,12 +31,12 @@ def _store_rotated(ptr, x1, x2, c, s, half_cols, half_ok, HALF: tl.constexpr, IN
         tl.store(ptr + HALF + half_cols, r2, mask=half_ok)
 
 
-# Batch, sequence and page counts change from call to call: not specialised (no recompile per decoding step).
-@triton.jit(do_not_specialize=["seq_q", "seq_new", "page_size", "max_pages"])
+# Sequence lengths and page sizes change from call to call: not specialised (no recompile per decoding step).
+@triton.jit(do_not_specialize=["seq_q", "seq_new", "page_size"])
 def _prep_kernel(Q, QOut, K, V, KCache, VCache, Cos, Sin, CacheSeqlens, BatchIdx, BlockTable,
                  s_qb, s_qs, s_qh, s_ob, s_os, s_oh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh,
                  s_kcb, s_kcs, s_kch, s_vcb, s_vcs, s_vch, s_cos, s_bt,
-                 seq_q, seq_new, page_size, max_pages,
+                 seq_q, seq_new, page_size,
                  HEADS_Q: tl.constexpr, HEADS_KV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                  BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, ROT_HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
                  ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, Q_STEPS: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,

@@ -134,7 +134,7 @@ def prep_kernel(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
         half = 0
     kk, vv = (k, v) if s_new else (k_cache, v_cache)  # (never read without new rows)
     Dv = v_cache.shape[-1]
-    dummy = cache_seqlens
+    dummy = cache_seqlens  # (the pointer of an absent cache_batch_idx / block_table: never read)
     meta = {"HEADS_Q": heads_q, "HEADS_KV": heads_kv, "HEAD_DIM": D, "HEAD_DIM_V": Dv, "BLOCK_D": _pow2(D),
             "BLOCK_DV": _pow2(Dv), "ROT_HALF": half, "BLOCK_HALF": _pow2(max(half, 1)), "ROTARY": rotary,
             "INTERLEAVED": bool(rotary_interleaved), "Q_STEPS": bool(bounded),
@@ -145,7 +145,7 @@ def prep_kernel(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
              dummy if cache_batch_idx is None else cache_batch_idx, dummy if block_table is None else block_table,
              *q.stride()[:3], *q_out.stride()[:3], *kk.stride()[:3], *vv.stride()[:3], *k_cache.stride()[:3],
              *v_cache.stride()[:3], cos.stride(0), 0 if block_table is None else block_table.stride(0),
-             Sq, s_new, page_size, 0 if block_table is None else block_table.shape[1]),
+             Sq, s_new, page_size),
             meta, ("kvcache_prep",) + tuple(meta.values()))
     return q_out
 
