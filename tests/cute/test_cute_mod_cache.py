@@ -77,6 +77,13 @@ def test_disk_entry_only_under_the_plan_rule_and_with_fingerprints(cute_env):
     assert mods.disk_entry("mods-fwd", facts, _reads_a_tensor, _limit_mask) is None  # memory only
     other = dict(facts, causal=True)
     assert mods.disk_entry("mods-fwd", other, None, _limit_mask)[1] != key
+    # a kernel setting from the overrides (an A/B's variant) is part of the key: variants never share an entry
+    cute_env(OVERRIDES="plan.mods_disk_cache=1,fwd.tiles_desc=0")
+    variant = mods.disk_entry("mods-fwd", facts, None, _limit_mask)
+    assert variant[1] != key and variant[0]["overrides"] == [("tiles_desc", False)]
+    cute_env(OVERRIDES="plan.mods_disk_cache=1,bwd.stages=1")
+    assert mods.disk_entry("mods-fwd", facts, None, _limit_mask)[1] == key  # (another kernel's section)
+    assert mods.disk_entry("mods-bwd", facts, None, _limit_mask)[0]["overrides"] == [("stages", 1)]
 
 
 def test_mod_kernel_is_written_and_loaded_back(cute_env, tmp_path, monkeypatch):

@@ -137,7 +137,24 @@ def test_aux_spec_checks_the_tensors():
 def test_mod_config_is_the_one_tile_kernel():
     for d, causal, local in ((64, False, False), (64, True, False), (128, False, True), (256, True, False)):
         cfg = mods.mod_config(torch.bfloat16, d, causal, "sm_90a", local, False, "tvm-ffi-env-stream")
-        assert not cfg.persistent and cfg.warpgroups == 2 and not cfg.tma_o
+        assert not cfg.persistent and cfg.warpgroups == 2 and not cfg.tma_o and not cfg.tiles_desc
+
+
+def test_block_sparse_mod_kernels_run_the_last_query_tiles_first(cute_env, monkeypatch):
+    """Block-sparse lists mostly grow with the query block (causal, prefix-LM, ALiBi + causal): the kernel's grid
+    runs each head's query tiles from the last down, as a causal kernel's, unless an override says otherwise."""
+    from flash_attn.cute import mod_library
+
+    built = []
+    monkeypatch.setattr(cute, "compile", lambda entry, *a, **k: built.append(entry.__self__))
+    for overrides, desc in (("", True), ("fwd.tiles_desc=0", False)):
+        cute_env(OVERRIDES=overrides)
+        cfg = mods.mod_config(torch.bfloat16, 128, False, "sm_90a", False, False, "tvm-ffi-env-stream", sparse=True)
+        assert cfg.tiles_desc == desc and not cfg.causal
+        mods.compile_fwd_mods(torch.bfloat16, 128, False, mask_mod=mod_library.causal().mask_mod, sparse=(True, 1, 1))
+        assert built[-1].scheduler.causal == desc and not built[-1].causal  # tile_scheduler.OneTileScheduler's order
+    mods.compile_fwd_mods(torch.bfloat16, 128, False, mask_mod=mod_library.causal().mask_mod)  # no lists
+    assert not built[-1].scheduler.causal
 
 
 # --- the plan rule and the API ----------------------------------------------------------------------------------

@@ -168,6 +168,9 @@ class FwdConfig:
     pin: bool = True  # the whole softmax of a masked block before the P V wait
     snake: bool = True
     lpt: bool = False
+    # one-tile kernels: each head's query tiles from the last down (causal kernels always; block-sparse mod kernels,
+    # whose lists mostly grow with the query block, e.g. causal / prefix-LM masks, by mods.mod_config)
+    tiles_desc: bool = False
     pack_gqa: int = 1
     head_dim_v: int | None = None
     paged: int = 0  # the TMA box's rows of a paged K / V (the page, or the key block when smaller)

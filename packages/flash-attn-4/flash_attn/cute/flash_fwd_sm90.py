@@ -82,8 +82,8 @@ class FlashFwdSm90(FwdEntries, ModEntries):
     def __init__(self, dtype, head_dim, causal, local=False, softcap=False, varlen=False, block_m=None,
                  block_n=128, num_stages=2, exp2_emu=0, exp2_emu_degree=3, sink=False, num_warpgroups=2,
                  wg_order=True, persistent=False, tma_o=False, reverse=False, pin=True, snake=True, lpt=False,
-                 pack_gqa=1, head_dim_v=None, paged=0, split=False, score_mod=None, mask_mod=None, aux=False,
-                 sparse=None, scalars=()):
+                 tiles_desc=False, pack_gqa=1, head_dim_v=None, paged=0, split=False, score_mod=None, mask_mod=None,
+                 aux=False, sparse=None, scalars=()):
         """exp2_emu / exp2_emu_degree: of every 16 softmax exponentials a thread computes, this many use a
         polynomial on the FMA pipe instead of MUFU.EX2 (softmax.OnlineSoftmax). num_warpgroups: consumer
         warpgroups (1, 2 or 3) of 64 query rows each; block_m must be 64 * num_warpgroups (the default).
@@ -98,7 +98,8 @@ class FlashFwdSm90(FwdEntries, ModEntries):
         correct, but config.select_fwd asks for it only for causal and local calls). pin: each softmax
         branch of the key-block loop ends in softmax.pin, which keeps the whole softmax ahead of the P V
         wait (ignored with three warpgroups and a sink). snake (persistent causal kernels) and lpt (one-tile
-        dense causal kernels): the longest-first tile orders of tile_scheduler. pack_gqa: g > 1 packs the g
+        dense causal kernels): the longest-first tile orders of tile_scheduler; tiles_desc (one-tile kernel): each head's
+        query tiles from the last down, as causal kernels always run them. pack_gqa: g > 1 packs the g
         query heads of each KV head into one tile (pack_gqa.PackGQA; the kernel then serves exactly H = g *
         Hk; one-tile kernel only, direct O store). head_dim_v: V's (and O's) head dim when it differs from
         Q's and K's (e.g. 192 / 128, DeepSeek's MLA without absorption; one-tile kernel with the direct O
@@ -180,7 +181,7 @@ class FlashFwdSm90(FwdEntries, ModEntries):
         self.mask = AttentionMask(self.causal, self.local, self.block_q, block_n, self.pack_gqa)
         self.seqlens = SeqlenInfo(self.varlen, self.paged, self.split)
         self.scheduler = (PersistentScheduler(self.causal, self.snake) if self.persistent
-                          else OneTileScheduler(self.causal, self.lpt))
+                          else OneTileScheduler(self.causal or bool(tiles_desc), self.lpt))
         self.softmax = OnlineSoftmax(block_n, head_dim_v, self.exp2_emu, self.exp2_emu_degree)
         self.epilogue = Epilogue(dtype, head_dim, head_dim_v, self.pack, self.split, self.sink, self.tma_o,
                                  self.persistent, self.num_mma_warpgroups)

@@ -49,20 +49,22 @@ def aux_spec(aux_tensors, device):
     return tuple(spec)
 
 
-def mod_config(dtype, head_dim, causal, arch, local, varlen, abi, block_n=None, block_m=None):
+def mod_config(dtype, head_dim, causal, arch, local, varlen, abi, block_n=None, block_m=None, sparse=False):
     """The FwdConfig a mod kernel is built from: the call's default selection, then the one-tile kernel with two
     consumer warpgroups and the masked calls' block_n (the mods' registers come on top of a masked call's; a
     block-sparse call's may be smaller, ``block_n``: block_sparsity.kernel_block_n; ``block_m`` 64: one consumer
     warpgroup, for sparse query blocks of an odd number of 64 rows, block_sparsity.kernel_block_m), the direct O
-    store."""
+    store. A block-sparse (``sparse``) kernel runs each head's query tiles from the last down (tiles_desc): the
+    usual masks (causal, prefix-LM, ALiBi + causal) give the last query tiles the longest lists, so the longest
+    tiles start first and the shortest fill the last wave's tail; for masks of even lists the order is neutral."""
     from flash_attn.cute.config import FwdVariant
 
     cfg = config.select_fwd(FwdVariant(dtype, head_dim, causal, arch, local, False, varlen, False), abi)
     if block_n is None:
         block_n = mod_block_n(head_dim, local)
+    tiles_desc = bool(sparse) and config.overrides("fwd").get("tiles_desc", True)
     return dataclasses.replace(cfg, persistent=False, warpgroups=(block_m or MOD_BLOCK_M) // 64, block_n=block_n,
-                               tma_o=False,
-                               snake=False)
+                               tma_o=False, snake=False, tiles_desc=tiles_desc)
 
 
 def mod_block_n(head_dim, local):
@@ -129,12 +131,13 @@ def compile_fwd_mods(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, loca
     from flash_attn.cute import kernels
     from flash_attn.cute.flash_fwd_sm90 import FlashFwdSm90
 
-    cfg = mod_config(dtype, head_dim, causal, arch, local, varlen, kernels._abi(), block_n, block_m)
+    cfg = mod_config(dtype, head_dim, causal, arch, local, varlen, kernels._abi(), block_n, block_m, sparse is not None)
     kernel = FlashFwdSm90(kernels._cutlass_dtype(dtype), cfg.head_dim, cfg.causal, local=cfg.local, varlen=varlen,
                           num_stages=cfg.stages, block_n=cfg.block_n, num_warpgroups=cfg.warpgroups,
                           wg_order=cfg.wg_order, reverse=cfg.reverse, pin=cfg.pin, lpt=cfg.lpt,
-                          exp2_emu=cfg.exp2_emu, exp2_emu_degree=cfg.exp2_emu_degree, score_mod=score_mod,
-                          mask_mod=mask_mod, aux=bool(spec), sparse=sparse, scalars=scalars, sink=sink)
+                          exp2_emu=cfg.exp2_emu, exp2_emu_degree=cfg.exp2_emu_degree, tiles_desc=cfg.tiles_desc,
+                          score_mod=score_mod, mask_mod=mask_mod, aux=bool(spec), sparse=sparse, scalars=scalars,
+                          sink=sink)
     dt, D = kernel.dtype, kernel.head_dim
     aux = fake_aux(spec)
     batch, seqlen_q, seqlen_k, heads, heads_kv = (cute.sym_int() for _ in range(5))
@@ -217,6 +220,10 @@ def disk_entry(kind, facts, score_mod=None, mask_mod=None, score_mod_bwd=None):
     if not config.plan_rules().mods_disk_cache:
         return None
     cfg = {"kind": kind, **facts}
+    # the kernel's settings from FLASH_ATTN_CUTE_OVERRIDES (an A/B's variants must not share an entry)
+    ov = config.overrides("fwd" if kind == "mods-fwd" else "bwd")
+    if ov:
+        cfg["overrides"] = sorted(ov.items())
     for label, fn in (("score_mod", score_mod), ("mask_mod", mask_mod), ("score_mod_bwd", score_mod_bwd)):
         if fn is not None:
             cfg[label] = mod_fingerprint.fingerprint(fn)
