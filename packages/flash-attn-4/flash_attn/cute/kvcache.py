@@ -157,9 +157,10 @@ def fwd_kvcache(call, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_s
     boxes_pages(page_size) -> whether the paged kernel takes pages of that size."""
     B, Sq, H, D = q.shape
     Hk, Dv = k_cache.shape[2], v_cache.shape[-1]
-    q = (prep_kernel if use_prep_kernel(q, k_cache) else prep)(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
-                                                                cache_seqlens, cache_batch_idx, block_table,
-                                                                rotary_interleaved, call.bounded)
+    if rotary_cos is not None or k is not None:  # (else nothing to append or rotate)
+        q = (prep_kernel if use_prep_kernel(q, k_cache) else prep)(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
+                                                                    cache_seqlens, cache_batch_idx, block_table,
+                                                                    rotary_interleaved, call.bounded)
     if B * Sq * H == 0:
         return q.new_zeros(B, Sq, H, Dv), torch.full((B, H, Sq), float("inf"), device=q.device)
     wl = _UNBOUNDED if call.window_left < 0 else call.window_left
@@ -199,7 +200,9 @@ def fwd_kvcache(call, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_s
                 used = used - leftpad
             # the last entry only closes the vector: the kernel reads each sequence's length from seqused_k
             cu_k = torch.cat((starts.to(torch.int32), starts.new_full((1,), k_cache.shape[0]).to(torch.int32)))
-        out, lse = launch.forward_varlen(qp, k_cache, v_cache, cu_q, cu_k, used.to(torch.int32), Sq,
+        if used.dtype != torch.int32:
+            used = used.to(torch.int32)
+        out, lse = launch.forward_varlen(qp, k_cache, v_cache, cu_q, cu_k, used, Sq,
                                          call.softmax_scale, call.causal, "sm_90a", wl, wr, call.softcap, sink=sink,
                                          pack=pack, splits=splits)
     return out.view(B, Sq, H, Dv), lse.view(H, B, Sq).transpose(0, 1)
