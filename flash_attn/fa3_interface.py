@@ -44,11 +44,33 @@ __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_fu
            "flash_attn_combine", "get_scheduler_metadata", "_flash_attn_forward", "_flash_attn_backward"]
 
 
-def _refuse_fp8(q_descale, k_descale, v_descale):
+_FP8 = frozenset(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+                 if hasattr(torch, n))
+# FA3's kernels take head dims up to 256, and V's up to 512 (with qv, the scores' D + Dv beyond 256): shapes FA3 serves
+# that this package's kernels do not (yet) raise NotImplementedError rather than a ValueError for a bad input.
+_FA3_MAX_HEAD_DIM = 512
+
+
+def _refuse_fp8(q_descale, k_descale, v_descale, **tensors):
+    """NotImplementedError for FP8: a descale argument, or an FP8 tensor among ``tensors`` (name=tensor or None)."""
     for name, t in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
         if t is not None:
             raise NotImplementedError(f"{name}: FP8 attention is not implemented in this package; pass None "
                                       "(and fp16 / bf16 inputs)")
+    for name, t in tensors.items():
+        if getattr(t, "dtype", None) in _FP8:
+            raise NotImplementedError(f"{name} is {str(t.dtype).replace('torch.', '')}: FP8 attention is not "
+                                      "implemented in this package (fp16 / bf16 inputs)")
+
+
+def _refuse_wide(qk, v):
+    """NotImplementedError for the head dims FA3 serves beyond this package's 256: qk's (q's, with qv D + Dv) or v's."""
+    for name, t in (("head dim", qk), ("v head dim", v)):
+        d = t.shape[-1] if isinstance(t, torch.Tensor) and t.dim() else 0
+        if _checks.MAX_HEAD_DIM < d <= _FA3_MAX_HEAD_DIM:
+            raise NotImplementedError(f"{name} {d}" + (" (q's with qv's)" if name == "head dim" else "")
+                                      + f": FA3 serves it, this package's kernels take head dims up to "
+                                      f"{_checks.MAX_HEAD_DIM}")
 
 
 def _hints(num_splits, pack_gqa, sm_margin):
@@ -153,10 +175,11 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
     """FA3's flash_attn_func: q (B, Sq, H, D), k (B, Sk, Hk, D), v (B, Sk, Hk, Dv) -> out (B, Sq, H, Dv), and
     softmax_lse fp32 (B, H, Sq) with return_attn_probs. See the module's docstring for qv, attention_chunk and the
     hints; the rest is FA2's flash_attn_func (bottom-right causal, window_size (-1: unbounded), softcap)."""
-    _refuse_fp8(q_descale, k_descale, v_descale)
+    _refuse_fp8(q_descale, k_descale, v_descale, q=q, k=k, v=v, qv=qv)
     _hints(num_splits, pack_gqa, sm_margin)
     chunk = _chunk(attention_chunk)
     qc, kc = _with_qv(q, k, v, qv)
+    _refuse_wide(qc, v)
     if not chunk:
         if return_attn_probs:
             return _fa2._attn(qc, kc, v, None, None, None, None, None, 0.0, softmax_scale, causal, window_size,
@@ -205,10 +228,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """FA3's varlen form: q (total_q, H, D), k (total_k, Hk, D), v (total_k, Hk, Dv), cu_seqlens_q / _k int32 (B + 1,)
     -> out (total_q, H, Dv), and softmax_lse fp32 (H, total_q) with return_attn_probs. seqused_q / seqused_k: see the
     module's docstring."""
-    _refuse_fp8(q_descale, k_descale, v_descale)
+    _refuse_fp8(q_descale, k_descale, v_descale, q=q, k=k, v=v, qv=qv)
     _hints(num_splits, pack_gqa, sm_margin)
     chunk = _chunk(attention_chunk)
     qc, kc = _with_qv(q, k, v, qv)
+    _refuse_wide(qc, v)
     return _varlen(qc, kc, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, chunk,
                    softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs)
 
@@ -233,10 +257,18 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     Calls with FA2's arguments only run FA2's KV-cache op (one kernel: append, rotary, attention); varlen queries or
     new keys, rotary_seqlens and attention_chunk append and rotate with tensor ops and run the attention as a paged
     varlen call (:func:`_kvcache_extras`)."""
-    _refuse_fp8(q_descale, k_descale, v_descale)
+    _refuse_fp8(q_descale, k_descale, v_descale, q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, qv=qv)
     _hints(num_splits, pack_gqa, sm_margin)
     if qv is not None:
         raise NotImplementedError("flash_attn_with_kvcache: qv is not implemented in this package yet; pass None")
+    _refuse_wide(q, v_cache)
+    if page_table is not None and cache_batch_idx is not None:
+        # FA3: sequence b reads (and appends to) the pages of page_table row cache_batch_idx[b]
+        _checks.tensor("page_table", page_table, 2, dtypes=(torch.int32,), device=q.device)
+        _checks.int32_vector("cache_batch_idx", cache_batch_idx, None, q.device)
+        _checks.range_values("cache_batch_idx", cache_batch_idx, 0, page_table.shape[0],
+                             why=f" (rows of page_table, {page_table.shape[0]})")
+        page_table, cache_batch_idx = page_table.index_select(0, cache_batch_idx), None
     if scheduler_metadata is not None and not isinstance(scheduler_metadata, torch.Tensor):
         raise TypeError(f"scheduler_metadata must be None or get_scheduler_metadata's tensor, got "
                         f"{type(scheduler_metadata).__name__}")

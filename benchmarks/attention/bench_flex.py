@@ -29,7 +29,7 @@ SOFTCAP = 30.0
 def _mods():
     """The CuTeDSL mods (FA4's convention; imported here so that --help needs no CuTeDSL)."""
     import cutlass.cute as cute
-    from cutlass import Float32
+    from cutlass import Float32, Int32
 
     @cute.jit
     def rel_bias(score, b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
@@ -56,22 +56,27 @@ def _mods():
         t = cute.math.tanh(score * cute.full_like(score, 1.0 / SOFTCAP), fastmath=True)
         return grad * (cute.full_like(t, 1.0) - t * t)
 
+    # mask_mods return a Boolean TensorSSA, as FA4's own definitions do (the released FA4 indexes the result)
     @cute.jit
     def causal(b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
-        return kv_idx[0] <= q_idx[0]
+        return kv_idx <= q_idx
 
     @cute.jit
     def window(b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
-        return (kv_idx[0] <= q_idx[0]) & (q_idx[0] - kv_idx[0] < WINDOW)
+        return (kv_idx <= q_idx) & (q_idx - kv_idx < cute.full_like(q_idx, WINDOW))
 
     @cute.jit
     def prefix(b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
-        return (kv_idx[0] <= q_idx[0]) | (kv_idx[0] < PREFIX)
+        return (kv_idx <= q_idx) | (kv_idx < cute.full_like(kv_idx, PREFIX))
 
     @cute.jit
     def document(b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
         docs = aux_tensors[0]
-        return docs[b_idx[0], q_idx[0]] == docs[b_idx[0], kv_idx[0]]
+        q_doc = cute.make_rmem_tensor(1, Int32)
+        q_doc[0] = docs[b_idx[0], q_idx[0]]
+        k_doc = cute.make_rmem_tensor(1, Int32)
+        k_doc[0] = docs[b_idx[0], kv_idx[0]]
+        return q_doc.load() == k_doc.load()
 
     return {"rel_bias": (rel_bias, additive_bwd, None), "alibi": (alibi, additive_bwd, None),
             "causal": (None, None, causal), "window": (None, None, window), "prefix": (None, None, prefix),

@@ -18,8 +18,11 @@ SAMPLE = {
     "test_flash_attn.py::test_flash_attn_varlen_output": 24,
     "test_flash_attn.py::test_flash_attn_kvcache": 40,
     "test_flash_attn.py::test_flash_attn_combine": 12,
-    "test_flash_attn.py::test_flash_attn_race_condition": 4,
 }
 
 # Whole functions left out, with the reason the summary prints.
-DESELECT = {}
+DESELECT = {
+    "test_flash_attn.py::test_flash_attn_race_condition":
+        "allocates a 70 GiB dummy buffer first (sized for an otherwise idle 80 GB GPU): beside the run's other "
+        "workers it fails on memory, not on the project",
+}

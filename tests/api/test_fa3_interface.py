@@ -336,6 +336,54 @@ def test_kvcache_is_fa2s_with_fa3s_order():
     assert torch.equal(k_cache, kc) and torch.equal(v_cache, vc)  # both appended the same keys in place
 
 
+@pytest.mark.parametrize("extras", [False, True])
+def test_kvcache_page_table_rows_picked_by_cache_batch_idx(extras):
+    """FA3: with a page table and cache_batch_idx, sequence b reads and appends through page_table[cache_batch_idx[b]]
+    (FA2 refuses the pair); the same call with those rows gathered beforehand gives the same outputs and caches."""
+    torch.manual_seed(9)
+    B, H, Hk, D, page = 2, 4, 2, 16, 4
+    q = torch.randn(B, 3, H, D)
+    k_cache, v_cache = torch.randn(12, page, Hk, D), torch.randn(12, page, Hk, D)
+    table = torch.tensor([[3, 1, 0], [11, 10, 9], [7, 6, 5]], dtype=torch.int32)  # 3 rows for 2 sequences
+    idx = torch.tensor([2, 0], dtype=torch.int32)
+    k_new, v_new = torch.randn(B, 2, Hk, D), torch.randn(B, 2, Hk, D)
+    seqlens = torch.tensor([5, 7], dtype=torch.int32)
+    kw = dict(cache_seqlens=seqlens, causal=True, return_softmax_lse=True)
+    if extras:
+        kw["rotary_seqlens"] = seqlens  # (no rotary tables: takes the extras route, the same numbers)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    out, lse = f3.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, page_table=table, cache_batch_idx=idx,
+                                          **kw)
+    want, want_lse = f3.flash_attn_with_kvcache(q, kc, vc, k_new, v_new, page_table=table[idx.long()], **kw)
+    torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(lse, want_lse, atol=1e-6, rtol=1e-5)
+    assert torch.equal(k_cache, kc) and torch.equal(v_cache, vc)
+    with pytest.raises(ValueError, match="cache_batch_idx values"):
+        f3.flash_attn_with_kvcache(q, k_cache, v_cache, page_table=table, cache_batch_idx=idx + 2, **kw)
+
+
+@pytest.mark.skipif(not hasattr(torch, "float8_e4m3fn"), reason="no FP8 dtype in this torch")
+def test_fp8_tensors_and_fa3_only_head_dims_raise_not_implemented():
+    """What FA3 serves and this package does not: FP8 inputs, head dims past 256 (V's up to 512, or q's with qv):
+    NotImplementedError (FA3's own tests count those as unsupported), never a ValueError for a bad input."""
+    q, cache = torch.randn(1, 1, 2, 64), torch.randn(1, 4, 2, 64)
+    with pytest.raises(NotImplementedError, match="k_cache is float8_e4m3fn"):
+        f3.flash_attn_with_kvcache(q, cache.to(torch.float8_e4m3fn), cache, cache_seqlens=1)
+    with pytest.raises(NotImplementedError, match="q is float8_e4m3fn"):
+        f3.flash_attn_func(q.to(torch.float8_e4m3fn), cache, cache)
+    with pytest.raises(NotImplementedError, match="v head dim 512"):
+        f3.flash_attn_func(q, cache, torch.randn(1, 4, 2, 512))
+    with pytest.raises(NotImplementedError, match="head dim 320"):
+        f3.flash_attn_func(q, cache, torch.randn(1, 4, 2, 256), qv=torch.randn(1, 1, 2, 256))
+    with pytest.raises(NotImplementedError, match="v head dim 512"):
+        f3.flash_attn_varlen_func(q[0], cache[0], torch.randn(4, 2, 512), torch.tensor([0, 1], dtype=torch.int32),
+                                  torch.tensor([0, 4], dtype=torch.int32), 1, 4)
+    with pytest.raises(NotImplementedError, match="v head dim 512"):
+        f3.flash_attn_with_kvcache(q, cache, torch.randn(1, 4, 2, 512), cache_seqlens=1)
+    with pytest.raises(ValueError, match="head dim"):  # past FA3's own limits: a bad input
+        f3.flash_attn_func(torch.randn(1, 1, 2, 600), torch.randn(1, 4, 2, 600), torch.randn(1, 4, 2, 600))
+
+
 @pytest.mark.parametrize("name,value", [("qv", torch.zeros(1, 1, 2, 8)), ("k_descale", torch.ones(1, 2))])
 def test_kvcache_refuses_what_it_does_not_serve(name, value):
     q, cache = torch.randn(1, 1, 2, 8), torch.randn(1, 4, 2, 8)
