@@ -110,8 +110,6 @@ def main(argv=None):
         if args.append:  # the decoding step's token, appended at row Sk - 1 (the same row every call)
             new = dict(k=torch.randn(b, 1, hk, d, device="cuda", dtype=torch.bfloat16, generator=g),
                        v=torch.randn(b, 1, hk, d, device="cuda", dtype=torch.bfloat16, generator=g))
-        # SDPA in its own (B, H, S, D) layout, contiguous (the layout it is fastest in)
-        qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, kc, vc))
         def triton_call(s):
             if not args.cute_kvcache:  # (the dispatcher's choice: the Triton kernels on Hopper)
                 return flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=s, **new)
@@ -131,8 +129,10 @@ def main(argv=None):
         if args.root:
             calls["root flash_attn_func"] = lambda: flash_attn.flash_attn_func(q, kc, vc)
         calls["sdpa"] = lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
-        if args.append:  # the cache as every call leaves it (the token at row Sk - 1) before SDPA reads it
+        if args.append:  # the cache as every call leaves it (the token at row Sk - 1) before SDPA copies it
             calls[names[0]]()
+        # SDPA in its own (B, H, S, D) layout, contiguous (the layout it is fastest in)
+        qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, kc, vc))
         ref = calls["sdpa"]().transpose(1, 2).float()
         err = max(float((_out(calls[n]()).float() - ref).abs().max()) for n in names[:-1])
         samples = {n: [] for n in names}
