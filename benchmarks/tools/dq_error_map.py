@@ -7,11 +7,16 @@ changing its numerics.
 
     python -m benchmarks.tools.dq_error_map [--headdims 64,128] [--seqlen 1024] [--causal 1] [--backends cute,triton]
 
-``--backends``: the dispatcher's backends to compare (``torch`` runs on a CPU too, as a check of the script). Prints
-a Markdown table per head dim; nothing is written.
+``--backends``: the dispatcher's backends to compare (``torch`` runs on a CPU too, as a check of the script); ``fa4``
+is the released FA4's ``flash_attn.cute.flash_attn_func``, run with ``--peer-pythonpath P`` (the device bundle's
+``$PEER_PYTHONPATH``) in a child process of this file with only P on its path, so that the project never shadows it;
+the same seed gives it the same inputs. Prints a Markdown table per head dim; nothing is written.
 """
 import argparse
 import math
+import os
+import subprocess
+import sys
 
 import torch
 
@@ -65,9 +70,23 @@ def main(argv=None):
     p.add_argument("--causal", type=int, default=1)
     p.add_argument("--backends", default="cute,triton")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--peer-pythonpath", default=None, help="PYTHONPATH of the released flash-attn-4 (backend fa4)")
     args = p.parse_args(argv)
+    names = args.backends.split(",")
+    if "fa4" in names and len(names) > 1:
+        # the released FA4 in its own process (its flash_attn.cute and the project's cannot share one)
+        if not args.peer_pythonpath:
+            p.error("backend fa4 needs --peer-pythonpath")
+        main([a for a in (argv if argv is not None else sys.argv[1:])] + ["--backends", ",".join(
+            n for n in names if n != "fa4")])
+        env = dict(os.environ, PYTHONPATH=args.peer_pythonpath)
+        subprocess.run([sys.executable, os.path.abspath(__file__), "--headdims", args.headdims, "--seqlen",
+                        str(args.seqlen), "--batch", str(args.batch), "--heads", str(args.heads), "--causal",
+                        str(args.causal), "--seed", str(args.seed), "--backends", "fa4"], env=env, check=True)
+        return
 
-    import flash_attn
+    if names != ["fa4"]:
+        import flash_attn
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dt = torch.bfloat16 if dev == "cuda" else torch.float32
@@ -79,10 +98,16 @@ def main(argv=None):
         print(f"\nd{D}, B {args.batch}, S {S}, H {args.heads}, causal {causal}, {dt}, {dev}\n")
         print("| backend | grad | max err | at (b, row, head, col) | mean err | by row group |")
         print("|---|---|---|---|---|---|")
-        for name in args.backends.split(","):
+        for name in names:
             qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
-            with flash_attn.use_backend(name):
-                flash_attn.flash_attn_func(qq, kk, vv, causal=causal).backward(dout)
+            if name == "fa4":
+                from flash_attn.cute import flash_attn_func as fa4_func
+
+                out = fa4_func(qq, kk, vv, causal=causal)
+                (out[0] if isinstance(out, tuple) else out).backward(dout)
+            else:
+                with flash_attn.use_backend(name):
+                    flash_attn.flash_attn_func(qq, kk, vv, causal=causal).backward(dout)
             for label, got, want in zip("qkv", (qq.grad, kk.grad, vv.grad), ref):
                 err = (got.double() - want).abs()
                 top, where = located(err)
