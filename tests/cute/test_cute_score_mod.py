@@ -155,6 +155,13 @@ def test_block_sparse_mod_kernels_run_the_last_query_tiles_first(cute_env, monke
         assert built[-1].scheduler.causal == desc and not built[-1].causal  # tile_scheduler.OneTileScheduler's order
     mods.compile_fwd_mods(torch.bfloat16, 128, False, mask_mod=mod_library.causal().mask_mod)  # no lists
     assert not built[-1].scheduler.causal
+    # the experiments' knobs: lpt's sectioned order over the descending tiles, the TMA O store
+    cute_env(OVERRIDES="fwd.lpt=1,fwd.tma_o=1")
+    mods.compile_fwd_mods(torch.bfloat16, 128, False, mask_mod=mod_library.causal().mask_mod, sparse=(True, 1, 1))
+    assert built[-1].lpt and built[-1].tma_o
+    cute_env(OVERRIDES="")
+    mods.compile_fwd_mods(torch.bfloat16, 128, True, score_mod=mod_library.softcap(30.0).score_mod)
+    assert built[-1].lpt and not built[-1].tma_o  # a causal call keeps the native causal kernel's lpt order
 
 
 # --- the plan rule and the API ----------------------------------------------------------------------------------

@@ -161,7 +161,7 @@ class FlashFwdSm90(FwdEntries, ModEntries):
         # kernel then spills one register (one STL / LDL pair; ptxas 13.0 on the same PTX spills none).
         self.pin = bool(pin) and not (self.num_mma_warpgroups == 3 and self.sink)
         self.snake = bool(snake) and self.persistent and self.causal
-        self.lpt = bool(lpt) and self.causal and not (self.persistent or self.varlen)
+        self.lpt = bool(lpt) and (self.causal or bool(tiles_desc)) and not (self.persistent or self.varlen)
         if self.tma_o and self.varlen:
             raise ValueError("tma_o: dense calls only (no varlen)")
         self.pack_gqa = int(pack_gqa)

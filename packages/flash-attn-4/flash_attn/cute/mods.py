@@ -62,9 +62,13 @@ def mod_config(dtype, head_dim, causal, arch, local, varlen, abi, block_n=None, 
     cfg = config.select_fwd(FwdVariant(dtype, head_dim, causal, arch, local, False, varlen, False), abi)
     if block_n is None:
         block_n = mod_block_n(head_dim, local)
-    tiles_desc = bool(sparse) and config.overrides("fwd").get("tiles_desc", True)
+    ov = config.overrides("fwd")
+    tiles_desc = bool(sparse) and ov.get("tiles_desc", True)
+    # (experiments: the TMA O store and lpt's L2-sectioned longest-first order, off until measured on mod kernels)
+    tma_o = ov.get("tma_o", False) and not varlen
+    lpt = cfg.lpt or (tiles_desc and not varlen and ov.get("lpt", False))  # (a causal call's own lpt stays)
     return dataclasses.replace(cfg, persistent=False, warpgroups=(block_m or MOD_BLOCK_M) // 64, block_n=block_n,
-                               tma_o=False, snake=False, tiles_desc=tiles_desc)
+                               tma_o=tma_o, snake=False, tiles_desc=tiles_desc, lpt=lpt)
 
 
 def mod_block_n(head_dim, local):
@@ -136,6 +140,7 @@ def compile_fwd_mods(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, loca
                           num_stages=cfg.stages, block_n=cfg.block_n, num_warpgroups=cfg.warpgroups,
                           wg_order=cfg.wg_order, reverse=cfg.reverse, pin=cfg.pin, lpt=cfg.lpt,
                           exp2_emu=cfg.exp2_emu, exp2_emu_degree=cfg.exp2_emu_degree, tiles_desc=cfg.tiles_desc,
+                          tma_o=cfg.tma_o,
                           score_mod=score_mod, mask_mod=mask_mod, aux=bool(spec), sparse=sparse, scalars=scalars,
                           sink=sink)
     dt, D = kernel.dtype, kernel.head_dim
