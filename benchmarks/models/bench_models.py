@@ -4,8 +4,9 @@
    seq 2048): tokens/s of ``GPTLMHeadModel`` (FlashAttention, fused MLP / dropout-add-LayerNorm / cross-entropy)
    vs HF ``GPT2LMHeadModel`` with attn_implementation="sdpa", and HF's model on our attention kernels through
    the ``fa_dropin`` integration. Target: ours >= 1.5x HF sdpa.
-2. Decoding a 1B-class LLaMA-shaped random model (Llama-3.2-1B shapes), batch 1, 2k-token prompt, 256 new
-   tokens, greedy: ``GPTLMHeadModel.generate(cg=True)`` (CUDA-graph decode step) vs HF ``generate``.
+2. Decoding a 1B-class LLaMA-shaped random model (Llama-3.2-1B shapes), batches 1 and 32 (--decode-batches),
+   2k-token prompt, 256 new tokens, greedy: ``GPTLMHeadModel.generate(cg=True)`` (CUDA-graph decode step) vs HF
+   ``generate`` and HF ``generate`` with a static cache (compiled with torch.compile on a GPU).
    Reports end-to-end new tokens/s and decode ms/token. Target: ours >= 1.3x HF tokens/s.
 
     python -m benchmarks.models.bench_models                                  # full size (H200)
@@ -31,7 +32,7 @@ from benchmarks import common
 
 QUICK = dict(layers=2, hidden=256, heads=4, seqlen=256, batch=2, steps=2, warmup=1, decode_layers=2,
              decode_hidden=256, decode_heads=4, decode_kv_heads=2, decode_intermediate=512, vocab=1024,
-             prompt_len=64, new_tokens=8)
+             prompt_len=64, new_tokens=8, decode_batches="1,2")
 
 
 def parse_args(argv=None):
@@ -61,6 +62,7 @@ def parse_args(argv=None):
     d.add_argument("--prompt-len", type=int, default=2048)
     d.add_argument("--new-tokens", type=int, default=256)
     d.add_argument("--decode-repeats", type=int, default=3, help="timed generations (median reported)")
+    d.add_argument("--decode-batches", default="1,32", help="comma-separated batch sizes")
     args = p.parse_args(argv)
     if args.quick:
         for k, v in QUICK.items():
@@ -188,7 +190,10 @@ def time_calls(fn, device, repeats):
 
 
 def bench_decode(args):
-    from transformers import LlamaForCausalLM
+    """Rows per batch size of --decode-batches: HF generate (dynamic cache, sdpa), HF generate with a static cache
+    (which transformers compiles with torch.compile on a GPU: the stronger peer), ours with the CUDA-graph decode
+    step. Each implementation's own warm-up call compiles / captures before the timed ones."""
+    from transformers import GenerationConfig, LlamaForCausalLM
 
     from flash_attn.models.gpt import GPTLMHeadModel
     from flash_attn.models.llama import llama_config_to_gpt2_config, remap_state_dict_hf_llama
@@ -196,26 +201,44 @@ def bench_decode(args):
     torch.manual_seed(0)
     hf = LlamaForCausalLM._from_config(llama_config(args), attn_implementation="sdpa")
     hf = hf.to(device=args.device, dtype=args.torch_dtype).eval()
-    ids = torch.randint(1, args.decode_vocab, (1, args.prompt_len), device=args.device)
+    batches = [int(b) for b in str(args.decode_batches).split(",")]
+    prompts = {b: torch.randint(1, args.decode_vocab, (b, args.prompt_len), device=args.device) for b in batches}
     total = args.prompt_len + args.new_tokens
-    rows = []
+    rows, hf_outs = [], {}
+    # transformers compiles the forward of a static-cache generate on a GPU by itself (generation_config.compile_config);
+    # a version without that gets the same compile done here
+    auto_compile = hasattr(GenerationConfig(), "compile_config")
+    eager_forward = hf.forward
 
-    def hf_generate(n):
+    def hf_generate(ids, n, static):
         with torch.no_grad():
-            return hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+            return hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                               **({"cache_implementation": "static"} if static else {}))
 
-    t_all = time_calls(lambda: hf_generate(args.new_tokens), args.device, args.decode_repeats)
-    t_prefill = time_calls(lambda: hf_generate(1), args.device, args.decode_repeats)
-    hf_out = hf_generate(args.new_tokens)
+    for static in (False, True):
+        cuda_compile = static and torch.device(args.device).type == "cuda"
+        if cuda_compile and not auto_compile:
+            hf.forward = torch.compile(eager_forward, mode="reduce-overhead", fullgraph=True)
+        name = ("HF generate, static cache" + (", torch.compile" if cuda_compile else "") if static
+                else "HF generate, sdpa")
+        for b in batches:
+            ids = prompts[b]
+            t_all = time_calls(lambda: hf_generate(ids, args.new_tokens, static), args.device, args.decode_repeats)
+            t_prefill = time_calls(lambda: hf_generate(ids, 1, static), args.device, args.decode_repeats)
+            if not static:
+                hf_outs[b] = hf_generate(ids, args.new_tokens, static)
+            rows.append({"impl": name, "batch": b, "tokens_per_s": b * args.new_tokens / t_all,
+                         "ms_per_token": (t_all - t_prefill) * 1e3 / max(args.new_tokens - 1, 1),
+                         "prefill_ms": t_prefill * 1e3})
+            print(rows[-1], flush=True)
+            free_memory()
+    hf.forward = eager_forward
     # Why greedy tokens may differ: the first new token's logits of each bf16 model against an fp32 copy.
+    ids = prompts[batches[0]][:1]
     with torch.no_grad():
         hf_last = hf(ids).logits[0, -1].float()
         ref_last = copy.deepcopy(hf).float()(ids).logits[0, -1]
     free_memory()
-    rows.append({"impl": "HF LlamaForCausalLM.generate, sdpa", "tokens_per_s": args.new_tokens / t_all,
-                 "ms_per_token": (t_all - t_prefill) * 1e3 / max(args.new_tokens - 1, 1),
-                 "prefill_ms": t_prefill * 1e3})
-    print(rows[-1], flush=True)
 
     config = llama_config_to_gpt2_config(hf.config)
     config.use_flash_attn = True
@@ -226,28 +249,33 @@ def bench_decode(args):
     hf = None  # frees the HF model (not del: hf_generate refers to the name)
     free_memory()
     cg = torch.device(args.device).type == "cuda"
-    timing = {}
-
-    def ours_generate():
-        out = model.generate(ids, max_length=total, cg=cg, return_dict_in_generate=True, enable_timing=True)
-        timing.update(out.timing)
-        return out.sequences
-
-    t_ours = time_calls(ours_generate, args.device, args.decode_repeats)
-    ours_out = ours_generate()
     with torch.no_grad():
         ours_last = model(ids).logits[0, -1].float()
     top2 = ref_last.topk(2).values
     first = {"fp32 top-2 logit gap": f"{(top2[0] - top2[1]).item():.3f}"}
-    for name, last in (("HF bf16", hf_last), ("ours bf16", ours_last)):
-        first[name] = (f"max |logit - fp32| {(last - ref_last).abs().max().item():.3f}, argmax "
-                       f"{'=' if last.argmax() == ref_last.argmax() else '!='} fp32's")
+    for label, last in (("HF bf16", hf_last), ("ours bf16", ours_last)):
+        first[label] = (f"max |logit - fp32| {(last - ref_last).abs().max().item():.3f}, argmax "
+                        f"{'=' if last.argmax() == ref_last.argmax() else '!='} fp32's")
     print("first new token:", first, flush=True)
-    same = int((ours_out == hf_out).all(dim=0).float().sum().item()) - args.prompt_len
-    rows.append({"impl": f"flash_attn GPTLMHeadModel.generate, cg={cg}", "tokens_per_s": args.new_tokens / t_ours,
-                 "ms_per_token": timing["decode_ms_per_token"], "prefill_ms": timing["prefill_ms"],
-                 "tokens_equal_to_hf": f"{same}/{args.new_tokens}", "first_token": first})
-    print(rows[-1], flush=True)
+    for b in batches:
+        ids, timing = prompts[b], {}
+
+        def ours_generate():
+            out = model.generate(ids, max_length=total, cg=cg, return_dict_in_generate=True, enable_timing=True)
+            timing.update(out.timing)
+            return out.sequences
+
+        t_ours = time_calls(ours_generate, args.device, args.decode_repeats)
+        ours_out = ours_generate()
+        same = int((ours_out == hf_outs[b]).all(dim=0).float().sum().item()) - args.prompt_len
+        rows.append({"impl": f"flash_attn GPTLMHeadModel.generate, cg={cg}", "batch": b,
+                     "tokens_per_s": b * args.new_tokens / t_ours, "ms_per_token": timing["decode_ms_per_token"],
+                     "prefill_ms": timing["prefill_ms"], "tokens_equal_to_hf": f"{same}/{args.new_tokens}",
+                     "first_token": first})
+        print(rows[-1], flush=True)
+        if cg:  # one batch size's captured graphs at a time
+            model._decoding_cache = None
+        free_memory()
     return rows
 
 
@@ -277,17 +305,21 @@ def write_report(args, train_rows, decode_rows, argv=None):
                          f"{fmt(speedup, '.2f')}x | {fmt(r['peak_mem_gb'], '.1f')} |")
         lines += ["", "Target: flash_attn GPTLMHeadModel >= 1.5x HF sdpa tokens/s.", ""]
     if decode_rows:
-        base = decode_rows[0]
         lines += [f"## Decoding: LLaMA-shaped {args.decode_layers} layers, hidden {args.decode_hidden}, "
-                  f"{args.decode_heads}/{args.decode_kv_heads} heads (q/kv), vocab {args.decode_vocab}; batch 1, "
-                  f"prompt {args.prompt_len}, {args.new_tokens} new tokens, greedy", "",
-                  "| implementation | new tokens / s (end to end) | vs HF | decode ms / token | prefill ms | "
-                  "tokens equal to HF |", "|---|---:|---:|---:|---:|---:|"]
+                  f"{args.decode_heads}/{args.decode_kv_heads} heads (q/kv), vocab {args.decode_vocab}; prompt "
+                  f"{args.prompt_len}, {args.new_tokens} new tokens, greedy", "",
+                  "| batch | implementation | new tokens / s (end to end) | vs HF | vs HF static | decode ms / token | "
+                  "prefill ms | tokens equal to HF |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
         for r in decode_rows:
-            lines.append(f"| {r['impl']} | {fmt(r['tokens_per_s'], '.1f')} | "
-                         f"{fmt(r['tokens_per_s'] / base['tokens_per_s'], '.2f')}x | {fmt(r['ms_per_token'], '.2f')} | "
-                         f"{fmt(r['prefill_ms'], '.1f')} | {r.get('tokens_equal_to_hf', '-')} |")
-        lines += ["", "Target: flash_attn >= 1.3x HF generate tokens/s. Greedy tokens can drift from HF's after a "
+            same_batch = [x for x in decode_rows if x.get("batch") == r.get("batch")]
+            base, static = same_batch[0], next((x for x in same_batch if "static" in x["impl"]), None)
+            lines.append(f"| {r.get('batch', 1)} | {r['impl']} | {fmt(r['tokens_per_s'], '.1f')} | "
+                         f"{fmt(r['tokens_per_s'] / base['tokens_per_s'], '.2f')}x | "
+                         f"{fmt(r['tokens_per_s'] / static['tokens_per_s'] if static else None, '.2f')}x | "
+                         f"{fmt(r['ms_per_token'], '.2f')} | {fmt(r['prefill_ms'], '.1f')} | "
+                         f"{r.get('tokens_equal_to_hf', '-')} |")
+        lines += ["", "Targets: flash_attn >= 1.3x HF generate tokens/s, and ahead of HF's static cache + torch.compile "
+                  "(issue 32) at batch 1 and 32. Greedy tokens can drift from HF's after a "
                   "near-tie in bf16 (different kernels round differently); the count shows how many match.", ""]
         first = next((r["first_token"] for r in decode_rows if "first_token" in r), None)
         if first:
