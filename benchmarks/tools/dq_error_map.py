@@ -108,6 +108,12 @@ def main(argv=None):
             else:
                 with flash_attn.use_backend(name):
                     flash_attn.flash_attn_func(qq, kk, vv, causal=causal).backward(dout)
+                # the backend the dispatcher sends this backward to (a forced backend that cannot serve a backward
+                # passes it on): the row is labelled with it
+                from flash_attn import call as calls, dispatch
+
+                served = dispatch.select(calls.describe(q, v, causal=causal, backward=True), forced=name).NAME
+                name = name if served == name else f"{name} (backward: {served})"
             for label, got, want in zip("qkv", (qq.grad, kk.grad, vv.grad), ref):
                 err = (got.double() - want).abs()
                 top, where = located(err)
