@@ -136,3 +136,31 @@ def test_a_library_closure_a_mod_calls_is_described_by_its_values(monkeypatch):
     assert a is not None and a["globals"]["_WINDOW_8"][0] == "fn"
     monkeypatch.setattr(__import__(__name__), "_WINDOW_8", _WINDOW_9)
     assert fingerprint(_uses_window_8) != a
+
+
+GPU = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a Hopper (sm_90) GPU")
+def test_mod_kernels_loaded_from_disk_run_on_the_gpu(tmp_path):
+    """Two fresh processes with the rule on and one cache folder: the first compiles and writes the library mods'
+    forward and backward kernels and runs them, the second must load every one from disk (its compile functions
+    raise) and gets the same accuracy against fp32 PyTorch autograd."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, FLASH_ATTN_CUTE_OVERRIDES="plan.mods_disk_cache=1", FLASH_ATTN_CUTE_CACHE=str(tmp_path))
+    script = os.path.join(os.path.dirname(__file__), "_mod_disk_run.py")
+    runs = {}
+    for phase in ("write", "load"):
+        res = subprocess.run([sys.executable, script, phase], env=env, capture_output=True, text=True, timeout=900)
+        assert res.returncode == 0, res.stderr[-3000:]
+        runs[phase] = json.loads(res.stdout.strip().splitlines()[-1])
+    assert any(tmp_path.rglob("mods-fwd-*.json")) and any(tmp_path.rglob("mods-bwd-*.json"))
+    for name, (out_err, dq_err) in runs["write"].items():
+        assert out_err < 0.02 and dq_err < 0.1, (name, out_err, dq_err)
+        loaded = runs["load"][name]
+        assert loaded[0] == out_err, (name, loaded, out_err)  # the same forward kernel: the same bits
+        assert loaded[1] <= 1.5 * dq_err + 1e-3, (name, loaded, dq_err)  # (dQ's adds arrive in any order)
