@@ -28,6 +28,11 @@
 #              alternating rounds, a second worker of ours as the noise floor (VS_ARGS: more arguments)
 #   vsfa4decode vs_fa4.py --decode: the same on decoding shapes, both sides called with num_splits=0 (FA4's
 #              "choose"; ours with plan.pack_gqa_auto=1 and nothing disabled; VS_DECODE_ARGS: more arguments)
+#   dqerr      dq_error_map.py: each backend's dQ / dK / dV error against fp64, the released FA4 beside ours
+#   vsmods     vs_fa4.py --mods: the mod kernels against the released FA4 with the same CuTeDSL mods (VS_MODS_ARGS)
+#   modab      bench_flex.py on the mod kernels' tile order / O store experiments, alternating (MODAB_VARIANTS)
+#   fa3peer    FA3's own hopper tests against flash_attn_interface (.peer/fa3 carried; benchmarks/peer_mods)
+#   modpeer    FA4's mod tests against flash_attn.cute (.peer/fa4mods carried; PEER_SEED, PEER_CONTROL)
 # With CuTeDSL brought over (see ../shared/device/README.md: two bundle calls) /tmp/cutedsl/env.sh is
 # sourced, the cute backend is available and the released flash-attn-4 is benchmarked as a peer.
 set -u
@@ -131,6 +136,19 @@ for step in $STEPS; do
                 --env FLASH_ATTN_CUTE_OVERRIDES=plan.pack_gqa_auto=1 --variants "$variants" \
                 ${DECODE_ARGS:-} 2>&1 | tee "$OUT/ab_cute_decode_paged$paged.log" | tail -n 14
         done ;;
+    dqerr) timeout 300 python -m benchmarks.tools.dq_error_map --headdims 64,128 --seqlen 1024 --backends cute,triton${PEER_PYTHONPATH:+,fa4} \
+        "${peer[@]}" 2>&1 | tee "$OUT/dq_error_map.log" ;;
+    vsmods) timeout 500 python -m benchmarks.attention.vs_fa4 --peer-pythonpath "${PEER_PYTHONPATH:?the released flash-attn-4 (bundle)}" \
+        --mods --seqlens 4096,16384 --headdims 128 --rounds 3 --out "$OUT/results" ${VS_MODS_ARGS:-} 2>&1 | tee "$OUT/vs_fa4_mods.log" ;;
+    modab)  # alternating runs, one process each; a variant is a FLASH_ATTN_CUTE_OVERRIDES value ("-": none)
+        for v in ${MODAB_VARIANTS:-- fwd.lpt=1 fwd.tma_o=1 - fwd.lpt=1 fwd.tma_o=1}; do
+            [ "$v" = - ] && v=
+            echo "== modab variant [$v]" | tee -a "$OUT/modab.log"
+            FLASH_ATTN_CUTE_OVERRIDES=$v timeout 150 python -m benchmarks.attention.bench_flex --seqlens 4096,16384 \
+                --cases causal,softcap_causal --warmup 5 --rep 20 2>&1 | tee -a "$OUT/modab.log" | grep "^| [0-9]"
+        done ;;
+    fa3peer) PEER_SUITE=fa3 PEER_BUDGET=${PEER_BUDGET:-400} bash benchmarks/peer_mods/run.sh ;;
+    modpeer) PEER_BUDGET=${PEER_BUDGET:-400} bash benchmarks/peer_mods/run.sh ;;
     overhead) timeout 300 python -m benchmarks.attention.bench_cute_overhead --no-cold 2>&1 | tee "$OUT/bench_cute_overhead.log" ;;
     profile) python -m benchmarks.tools.profile_step train 2>&1 | tee "$OUT/profile_train.txt"
         python -m benchmarks.tools.profile_step norm --hidden 4096 2>&1 | tee "$OUT/profile_norm.txt" ;;
