@@ -122,6 +122,40 @@ def test_equal_source_other_closure_is_another_kernel(monkeypatch):
     assert mods.mod_kernel(*args, make(1.0), None, ()) is not mods.mod_kernel(*args, make(2.0), None, ())
 
 
+def test_a_closure_made_per_call_with_the_same_values_reuses_its_kernel(monkeypatch):
+    """A mod built anew for every call (a closure of the same def, equal cell values, cute.jit or not) compiles once;
+    other values, another def, a signed zero, or a cell the key cannot describe by value (a tensor: the function
+    object keys itself) give other kernels."""
+    built = []
+    monkeypatch.setattr(mods, "compile_fwd_mods", lambda *a, **kw: built.append(kw) or object())
+    monkeypatch.setattr(mods, "_mod_kernels", {})
+    from flash_attn.cute import kernels
+    monkeypatch.setattr(kernels, "_ffi_function", lambda f: f)
+    monkeypatch.setattr(kernels, "_tvm_ffi", lambda: True)
+
+    def make(c, jit=True):
+        def mod(score, b, h, q_idx, kv_idx, seqlen_info, aux_tensors):
+            return score + c
+        return cute.jit(mod) if jit else mod
+
+    def make_other(c):
+        @cute.jit
+        def mod(score, b, h, q_idx, kv_idx, seqlen_info, aux_tensors):
+            return score - c
+        return mod
+
+    args = (torch.bfloat16, 64, False, "sm_90a", False, False)
+    k = lambda f: mods.mod_kernel(*args, f, None, ())  # noqa: E731
+    assert k(make(1.0)) is k(make(1.0)) and len(built) == 1
+    assert k(make(1.0, jit=False)) is k(make(1.0, jit=False)) and len(built) == 2
+    assert len({id(k(make(2.0))), id(k(make(1.0))), id(k(make_other(1.0))), id(k(make(-0.0))), id(k(make(0.0))),
+                id(k(make(1)))}) == 6
+    t = torch.ones(1)
+    assert k(make(t)) is not k(make(t))  # (a tensor in a cell: by identity, a kernel per function object)
+    f = make(t)
+    assert mods.fn_key(f) is f and mods.fn_key(m.rel_bias) == mods.fn_key(m.rel_bias)
+
+
 def test_aux_spec_checks_the_tensors():
     assert mods.aux_spec(None, torch.device("cpu")) == ()
     assert mods.aux_spec([torch.zeros(3), torch.zeros(2, 4, dtype=torch.int32)], torch.device("cpu")) == (

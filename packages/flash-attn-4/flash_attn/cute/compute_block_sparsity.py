@@ -6,8 +6,8 @@ BlockSparseTensorsTorch (ascending block indices, packed left), ready for ``bloc
 
 The classification counts in-bounds pairs only (rows < seqlen_q, keys < seqlen_k), so a boundary tile whose in-bounds
 pairs are all kept is full (the attention kernel masks the keys past seqlen_k itself). The kernel is compiled once
-per (mask_mod, tile, aux tensor kinds, sampling) and kept in memory (keyed by the function object, as the attention's
-mod kernels are: mods.py); the lists themselves depend on the aux tensors' values, so they are computed per call.
+per (mask_mod, tile, aux tensor kinds, sampling) and kept in memory (the mask_mod keyed as the attention's mod
+kernels key it: mods.fn_key); the lists themselves depend on the aux tensors' values, so they are computed per call.
 """
 import torch
 
@@ -133,7 +133,7 @@ class BlockKinds:
 def _kernel(mask_mod, tile_m, tile_n, spec, fast, scalars=(), varlen=(False, False, False)):
     from flash_attn.cute import cache, kernels
 
-    key = (mask_mod, tile_m, tile_n, spec, fast, scalars, varlen)
+    key = (mods.fn_key(mask_mod), tile_m, tile_n, spec, fast, scalars, varlen)  # (mods.fn_key: closures by value)
     fn = _kernels.get(key)
     if fn is None:
         with cache._lock:

@@ -1,11 +1,14 @@
 """Host side of score_mod / mask_mod / aux_tensors (FA4's API; the device side is score_mod.py): the kernel of a
 call with user mods, compiled per distinct (mods, aux tensor kinds), and its launch.
 
-Keying in memory: the user's functions are compile-time parts of the kernel, so the in-memory key holds the function
-objects themselves (a dict key keeps them alive, so an identity can never be reused by another function). Two
-different functions never share a kernel, even with equal source (a closure's values may differ); a function
-redefined (e.g. a new lambda or closure per call) compiles again. Aux tensors are keyed by (dtype, rank): their shapes
-and strides are runtime values.
+Keying in memory: the user's functions are compile-time parts of the kernel. A closure is keyed by what tracing it
+reads that can differ between closures of one ``def``: its code object and its cells' values (simple values: None,
+bool, int, float (by repr: 0.0 and -0.0 differ), str, bytes, tuples of them; functions: keyed the same way, as a
+``cute.jit`` wrapper's cell holds the user's function), so a closure made anew per call with the same constants
+reuses the kernel; anything else in a cell (a tensor, an object) keys the function object itself (the key keeps it
+alive, so an identity is never reused). Globals the function reads are the same module's for one code object and, as
+for any function object, are taken as they were at the first compile. Aux tensors are keyed by (dtype, rank): their
+shapes and strides are runtime values.
 
 On disk (the plan rule ``mods_disk_cache``): source text alone would miss closures and globals, and a stale kernel
 would be a silent wrong answer, so the key is each function's fingerprint (mod_fingerprint.py: its source and the
@@ -15,6 +18,8 @@ fingerprints and the kernel's facts. A mod without a fingerprint (something it r
 stays in memory only.
 """
 import dataclasses
+import types
+import weakref
 
 import torch
 
@@ -81,13 +86,62 @@ BWD_HEAD_DIMS = (64, 96, 128)  # flash_bwd_sm90.FlashBwdSm90.HEAD_DIMS (kept her
 BWD_BLOCK_N = 128  # the backward kernel's key block (FlashBwdSm90: 64 per consumer warpgroup)
 
 
+_SIMPLE = (type(None), bool, int, str, bytes)
+
+
+class _ByIdentity(Exception):
+    """A cell value without a value key: the function object keys itself."""
+
+
+def _cell_key(v, depth):
+    if isinstance(v, _SIMPLE):
+        return (type(v).__name__, v)
+    if isinstance(v, float):
+        return ("float", repr(v))
+    if isinstance(v, tuple):
+        return ("tuple",) + tuple(_cell_key(x, depth) for x in v)
+    if isinstance(v, types.FunctionType):
+        return _closure_key(v, depth + 1)
+    if isinstance(v, (type, types.ModuleType)):
+        return ("object", v)  # (a class or module: the same object traces the same; the key keeps it alive)
+    raise _ByIdentity
+
+
+def _closure_key(f, depth):
+    if depth > 8:
+        raise _ByIdentity
+    cells = tuple(_cell_key(c.cell_contents, depth) for c in (f.__closure__ or ()))
+    defaults = _cell_key(f.__defaults__ or (), depth)
+    kwdefaults = tuple(sorted((k, _cell_key(v, depth)) for k, v in (f.__kwdefaults__ or {}).items()))
+    return ("closure", f.__module__, f.__code__, cells, defaults, kwdefaults)
+
+
+_fn_keys = weakref.WeakKeyDictionary()  # function -> fn_key's answer, computed once per function object
+_BY_IDENTITY = object()
+
+
+def fn_key(fn):
+    """The in-memory key of a mod function (see the module docstring): by code and closure values, else itself.
+    Computed once per function object (as an identity key, it does not follow a cell rebound after the first call)."""
+    if not isinstance(fn, types.FunctionType) or not fn.__closure__:
+        return fn  # (a plain module-level function: one object per definition)
+    key = _fn_keys.get(fn)
+    if key is None:
+        try:
+            key = _closure_key(fn, 0)
+        except (_ByIdentity, ValueError):  # (ValueError: a cell never filled)
+            key = _BY_IDENTITY
+        _fn_keys[fn] = key  # (never the function itself: the entry would keep its own key alive)
+    return fn if key is _BY_IDENTITY else key
+
+
 def mod_key(dtype, head_dim, causal, arch, local, varlen, score_mod, mask_mod, spec, sparse=None, block_n=None,
             scalars=(), block_m=None, sink=False):
     """_mod_kernels' key: the call's kernel facts, the functions themselves, the aux tensors' kinds, block
     sparsity's compile-time facts (SparseCall.spec or None), the key block (None: mod_block_n's), the aux
     scalars' kinds, the query tile (None: MOD_BLOCK_M) and whether a learnable sink comes with the call."""
-    return ((dtype, int(head_dim), bool(causal), arch, bool(local), bool(varlen), score_mod, mask_mod, spec, sparse,
-             block_n) + ((tuple(scalars),) if scalars else ())
+    return ((dtype, int(head_dim), bool(causal), arch, bool(local), bool(varlen), fn_key(score_mod), fn_key(mask_mod),
+             spec, sparse, block_n) + ((tuple(scalars),) if scalars else ())
             + ((block_m,) if block_m not in (None, MOD_BLOCK_M) else ()) + (("sink",) if sink else ()))
 
 
@@ -401,7 +455,7 @@ def mask_lists(mask_mod, B, H, Sq, Sk, block_n, device, scalars=((), ())):
     only the tiles the mask keeps, and runs the mask_mod on the partial ones only. scalars: scalar_spec's (kinds,
     values) of the call's aux scalars (the values are part of the key: the mask depends on them). Returns the
     lists checked for the kernel (block_sparsity.SparseCall), so that a call repeats neither step."""
-    key = (mask_mod, B, H, Sq, Sk, block_n, device, scalars)
+    key = (fn_key(mask_mod), B, H, Sq, Sk, block_n, device, scalars)
     call = _mask_lists.get(key)
     if call is None:
         from flash_attn.cute.compute_block_sparsity import compute_block_sparsity
@@ -515,8 +569,8 @@ def mod_bwd_kernel(dtype, head_dim, arch, mask_mod, spec, sparse=None, scalars=(
     sliding window's (entries call_mods_local / call_varlen_mods_local, sizes per call; no block sparsity)."""
     from flash_attn.cute import cache, kernels
 
-    key = ((dtype, int(head_dim), arch, mask_mod, spec, sparse) + ((tuple(scalars),) if scalars else ())
-           + ((score_mod, score_mod_bwd) if score_mod is not None else ()) + (("causal",) if causal else ())
+    key = ((dtype, int(head_dim), arch, fn_key(mask_mod), spec, sparse) + ((tuple(scalars),) if scalars else ())
+           + ((fn_key(score_mod), fn_key(score_mod_bwd)) if score_mod is not None else ()) + (("causal",) if causal else ())
            + (("varlen",) if varlen else ()) + ((("block_m", block_m),) if block_m else ())
            + (("local",) if local else ()))
     fn = _mod_bwd_kernels.get(key)
@@ -543,7 +597,7 @@ def mask_lists_bwd(mask_mod, B, H, Sq, Sk, block_m, block_n, device, scalars=(()
     """The backward's lists of a mask_mod that reads no aux tensor (as mask_lists, per key block: the partial and full
     query blocks of block_m x block_n tiles), remembered per (function, shape): (mask_cnt, mask_idx, full_cnt,
     full_idx) as the kernel takes them."""
-    key = (mask_mod, B, H, Sq, Sk, block_m, block_n, device, scalars)
+    key = (fn_key(mask_mod), B, H, Sq, Sk, block_m, block_n, device, scalars)
     lists = _mask_lists_bwd.get(key)
     if lists is None:
         from flash_attn.cute.compute_block_sparsity import block_kinds, pack_kinds
