@@ -122,6 +122,18 @@ def test_equal_source_other_closure_is_another_kernel(monkeypatch):
     assert mods.mod_kernel(*args, make(1.0), None, ()) is not mods.mod_kernel(*args, make(2.0), None, ())
 
 
+_BIAS = 2.0
+
+
+def make_global():
+    c = 1.0
+
+    @cute.jit
+    def mod(score, b, h, q_idx, kv_idx, seqlen_info, aux_tensors):
+        return score + c + _BIAS
+    return mod
+
+
 def test_a_closure_made_per_call_with_the_same_values_reuses_its_kernel(monkeypatch):
     """A mod built anew for every call (a closure of the same def, equal cell values, cute.jit or not) compiles once;
     other values, another def, a signed zero, or a cell the key cannot describe by value (a tensor: the function
@@ -152,6 +164,10 @@ def test_a_closure_made_per_call_with_the_same_values_reuses_its_kernel(monkeypa
                 id(k(make(1)))}) == 6
     t = torch.ones(1)
     assert k(make(t)) is not k(make(t))  # (a tensor in a cell: by identity, a kernel per function object)
+    first = k(make_global())
+    assert k(make_global()) is first
+    monkeypatch.setattr(__import__(__name__), "_BIAS", 3.0)
+    assert k(make_global()) is not first  # a global the code names is part of the key
     f = make(t)
     assert mods.fn_key(f) is f and mods.fn_key(m.rel_bias) == mods.fn_key(m.rel_bias)
 

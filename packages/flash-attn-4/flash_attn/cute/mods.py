@@ -5,10 +5,11 @@ Keying in memory: the user's functions are compile-time parts of the kernel. A c
 reads that can differ between closures of one ``def``: its code object and its cells' values (simple values: None,
 bool, int, float (by repr: 0.0 and -0.0 differ), str, bytes, tuples of them; functions: keyed the same way, as a
 ``cute.jit`` wrapper's cell holds the user's function), so a closure made anew per call with the same constants
-reuses the kernel; anything else in a cell (a tensor, an object) keys the function object itself (the key keeps it
-alive, so an identity is never reused). Globals the function reads are the same module's for one code object and, as
-for any function object, are taken as they were at the first compile. Aux tensors are keyed by (dtype, rank): their
-shapes and strides are runtime values.
+reuses the kernel; the globals its code names enter the key the same way (so closures made while a global differs
+are different kernels); anything else in a cell or such a global (a tensor, an object) keys the function object
+itself (the key keeps it alive, so an identity is never reused). A key is taken once per function object: as an
+identity key, it does not follow a value rebound after that function's first call. Aux tensors are keyed by (dtype,
+rank): their shapes and strides are runtime values.
 
 On disk (the plan rule ``mods_disk_cache``): source text alone would miss closures and globals, and a stale kernel
 would be a silent wrong answer, so the key is each function's fingerprint (mod_fingerprint.py: its source and the
@@ -87,6 +88,7 @@ BWD_BLOCK_N = 128  # the backward kernel's key block (FlashBwdSm90: 64 per consu
 
 
 _SIMPLE = (type(None), bool, int, str, bytes)
+_LIBRARIES = ("cutlass", "flash_attn", "torch", "math", "operator")
 
 
 class _ByIdentity(Exception):
@@ -101,10 +103,22 @@ def _cell_key(v, depth):
     if isinstance(v, tuple):
         return ("tuple",) + tuple(_cell_key(x, depth) for x in v)
     if isinstance(v, types.FunctionType):
+        module = v.__module__ or ""
+        if (not v.__closure__ and "<locals>" not in v.__qualname__
+                and any(module == r or module.startswith(r + ".") for r in _LIBRARIES)):
+            return ("object", v)  # (a library's module-level function, e.g. CuTeDSL's own that its jit wrapper names)
         return _closure_key(v, depth + 1)
     if isinstance(v, (type, types.ModuleType)):
         return ("object", v)  # (a class or module: the same object traces the same; the key keeps it alive)
     raise _ByIdentity
+
+
+def _global_names(code):
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):  # (nested functions, comprehensions)
+            names |= _global_names(const)
+    return names
 
 
 def _closure_key(f, depth):
@@ -113,7 +127,10 @@ def _closure_key(f, depth):
     cells = tuple(_cell_key(c.cell_contents, depth) for c in (f.__closure__ or ()))
     defaults = _cell_key(f.__defaults__ or (), depth)
     kwdefaults = tuple(sorted((k, _cell_key(v, depth)) for k, v in (f.__kwdefaults__ or {}).items()))
-    return ("closure", f.__module__, f.__code__, cells, defaults, kwdefaults)
+    # the globals it may read, by value too: closures of one def made while a global differs are different kernels
+    names = sorted(n for n in _global_names(f.__code__) if n in f.__globals__)
+    glob = tuple((n, _cell_key(f.__globals__[n], depth)) for n in names)
+    return ("closure", f.__module__, f.__code__, cells, defaults, kwdefaults, glob)
 
 
 _fn_keys = weakref.WeakKeyDictionary()  # function -> fn_key's answer, computed once per function object
