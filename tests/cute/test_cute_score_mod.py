@@ -123,6 +123,16 @@ def test_equal_source_other_closure_is_another_kernel(monkeypatch):
 
 
 _BIAS = 2.0
+_USER_MODULE = type(os)("my_constants")  # a user's module: its attributes may change, so it is not keyed by value
+_USER_MODULE.BIAS = 1.0
+
+
+def make_reading_a_user_module():
+    c = 0.0
+
+    def mod(score, b, h, q_idx, kv_idx, seqlen_info, aux_tensors):
+        return score + c + _USER_MODULE.BIAS
+    return mod
 
 
 def make_global():
@@ -168,6 +178,8 @@ def test_a_closure_made_per_call_with_the_same_values_reuses_its_kernel(monkeypa
     assert k(make_global()) is first
     monkeypatch.setattr(__import__(__name__), "_BIAS", 3.0)
     assert k(make_global()) is not first  # a global the code names is part of the key
+    g = make_reading_a_user_module()
+    assert mods.fn_key(g) is g  # (nothing to key a user's module by: the function object keys itself)
     f = make(t)
     assert mods.fn_key(f) is f and mods.fn_key(m.rel_bias) == mods.fn_key(m.rel_bias)
 

@@ -103,14 +103,17 @@ def _cell_key(v, depth):
     if isinstance(v, tuple):
         return ("tuple",) + tuple(_cell_key(x, depth) for x in v)
     if isinstance(v, types.FunctionType):
-        module = v.__module__ or ""
-        if (not v.__closure__ and "<locals>" not in v.__qualname__
-                and any(module == r or module.startswith(r + ".") for r in _LIBRARIES)):
+        if "<locals>" not in v.__qualname__ and _library(v.__module__):
             return ("object", v)  # (a library's module-level function, e.g. CuTeDSL's own that its jit wrapper names)
         return _closure_key(v, depth + 1)
-    if isinstance(v, (type, types.ModuleType)):
-        return ("object", v)  # (a class or module: the same object traces the same; the key keeps it alive)
+    if isinstance(v, (type, types.ModuleType)) and _library(v.__module__ if isinstance(v, type) else v.__name__):
+        return ("object", v)  # (a library's class or module: versioned with the library; the key keeps it alive)
     raise _ByIdentity
+
+
+def _library(module):
+    module = module or ""
+    return any(module == r or module.startswith(r + ".") for r in _LIBRARIES)
 
 
 def _global_names(code):
