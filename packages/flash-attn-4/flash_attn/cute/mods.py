@@ -88,7 +88,6 @@ BWD_BLOCK_N = 128  # the backward kernel's key block (FlashBwdSm90: 64 per consu
 
 
 _SIMPLE = (type(None), bool, int, str, bytes)
-_LIBRARIES = ("cutlass", "flash_attn", "torch", "math", "operator")
 
 
 class _ByIdentity(Exception):
@@ -112,8 +111,9 @@ def _cell_key(v, depth):
 
 
 def _library(module):
-    module = module or ""
-    return any(module == r or module.startswith(r + ".") for r in _LIBRARIES)
+    from flash_attn.cute import mod_fingerprint  # (the libraries whose versions key the disk cache too)
+
+    return mod_fingerprint._library(module or "")
 
 
 def _global_names(code):
