@@ -197,6 +197,53 @@ def test_tma_dq_reduce_is_issued_by_a_converged_warp(compiled):
 
 
 # ----------------------------------------------------------------------------------------------------
+# bwd.tma_dkv: dK and dV through the K / V tiles in shared memory and TMA stores
+
+
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas not on PATH")
+@pytest.mark.parametrize("d,causal", [(64, True), (96, False), (128, True)])
+def test_tma_dkv_stores_dk_and_dv_through_shared_memory(tmp_path, cute_env, d, causal):
+    """bwd.tma_dkv=1: the epilogue writes dK and dV into the K and V tiles with stmatrix (D / 16 instructions per
+    tensor a thread: its D / 2 values, 8 each) and sends them by TMA stores (bulk groups, their smem reads waited for
+    before the CTA exits), and no 16-bit st.global is left (the default kernel stores every value with one); the
+    loop's register budget holds (no more spill than the default kernel, no serialised WGMMA)."""
+    base, base_ptx = _compile_ptx(tmp_path, cute_env, d, causal, {"bwd.tma_dkv": False})
+    text, ptx = _compile_ptx(tmp_path, cute_env, d, causal, {"bwd.tma_dkv": True})
+    store = "cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group"
+    assert _count(base, store) == 0 and _count(text, store) >= 2
+    assert _count(base, "st.global.b16") == 2 * d // 2 and _count(text, "st.global.b16") == 0
+    stsm = "stmatrix.sync.aligned.m8n8.x4.shared.b16"
+    assert _count(text, stsm) - _count(base, stsm) == 2 * d // 16
+    assert _count(text, "cp.async.bulk.wait_group.read") == _count(base, "cp.async.bulk.wait_group.read") + 1
+    spills = {}
+    for name, path in (("default", base_ptx), ("tma_dkv", ptx)):
+        log = _ptxas_log(path)
+        assert "are serialized" not in log and "setmaxnreg' ignored" not in log, log
+        spills[name] = max([int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)] or [0])
+    print(f"\nptxas spill bytes d{d}: {spills}")
+    assert spills["tma_dkv"] <= spills["default"]
+
+
+def test_tma_dkv_config_key_and_refusals(cute_env):
+    """Off by default (keys unchanged); bwd.tma_dkv=1 puts it in the dense kernels' keys; varlen calls keep the direct
+    stores (a sequence's last key block would overrun into the next one's rows) and the kernel refuses the pair."""
+    import cutlass
+
+    from flash_attn.cute.flash_bwd_sm90 import FlashBwdSm90
+
+    for d in (64, 96, 128):
+        assert "tma_dkv" not in kernels.bwd_config(torch.bfloat16, d, True, "sm_90a").key()
+    cute_env(OVERRIDES="bwd.tma_dkv=1")
+    assert kernels.bwd_config(torch.bfloat16, 128, False, "sm_90a").key()["tma_dkv"] is True
+    assert "tma_dkv" not in kernels.bwd_config(torch.bfloat16, 128, False, "sm_90a", varlen=True).key()
+    with pytest.raises(ValueError, match="varlen"):
+        config.BwdConfig(dtype="bf16", head_dim=128, causal=False, arch="sm_90a", abi="x", block_m=64, stages=2,
+                         dq_split=True, dq_tma=True, varlen=True, tma_dkv=True)
+    with pytest.raises(ValueError, match="dense"):
+        FlashBwdSm90(cutlass.BFloat16, 128, False, varlen=True, tma_dkv=True)
+
+
+# ----------------------------------------------------------------------------------------------------
 # bwd.overlap: the software-pipelined query loop
 
 
@@ -1056,6 +1103,22 @@ def test_gradients_with_overlap_on_gpu(cute_bwd_on, monkeypatch, cute_env, d, ca
     cute_env(OVERRIDES="bwd.overlap=1")
     _fresh_bwd_kernels(monkeypatch)
     _run(torch.bfloat16, d, causal, 2, seqlen_q, seqlen_k, heads, heads_kv, cute_bwd_on, seed=5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("d", [64, 96, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (17, 17), (1000, 1000), (2048, 2048), (113, 203), (256, 77),
+                                               (1, 130), (300, 1200)])
+@pytest.mark.parametrize("heads,heads_kv", [(4, 4), (6, 2)])
+def test_gradients_with_tma_dkv_on_gpu(cute_bwd_on, monkeypatch, cute_env, d, causal, seqlen_q, seqlen_k, heads,
+                                       heads_kv):
+    # bwd.tma_dkv=1: dK and dV by TMA stores from the K / V tiles (key blocks cut by Sk: 1, 17, 77, 130, 203 keys,
+    # and whole ones; GQA's per-query-head dK / dV summed on the host after the stores)
+    cute_env(OVERRIDES="bwd.tma_dkv=1")
+    _fresh_bwd_kernels(monkeypatch)
+    _run(torch.bfloat16, d, causal, 2, seqlen_q, seqlen_k, heads, heads_kv, cute_bwd_on, seed=11)
 
 
 @pytest.mark.gpu

@@ -85,6 +85,10 @@ BWD_OVERLAP = {64: False, 96: False, 128: False}
 BWD_LPT = 0
 BWD_LPT_CAUSAL = {64: 128}
 BWD_EXP2_EMU = {64: 0, 96: 0, 128: 0}
+# dK and dV leave through the (then dead) K and V tiles in shared memory and one TMA store per warpgroup, instead of
+# 2-byte stores from the accumulator registers (dense calls; varlen keeps the direct stores, whose rows stop at the
+# sequence's end).
+BWD_TMA_DKV = {64: False, 96: False, 128: False}
 
 _DTYPE_NAMES = {"torch.float16": "fp16", "torch.bfloat16": "bf16", "fp16": "fp16", "bf16": "bf16"}
 
@@ -219,10 +223,13 @@ class BwdConfig:
     varlen: bool = False  # packed sequences (FlashBwdSm90.call_varlen)
     deterministic: bool = False  # dQ's adds in key-block order (bwd_dq.DqAccumulator)
     softcap: bool = False  # soft-capped scores (the tanh's derivative in dS)
+    tma_dkv: bool = False  # dK, dV through shared memory and TMA stores (BWD_TMA_DKV)
 
     def __post_init__(self):
         if self.dtype not in ("fp16", "bf16"):
             raise ValueError(f"dtype {self.dtype} not fp16/bf16")
+        if self.tma_dkv and self.varlen:
+            raise ValueError("BwdConfig: the TMA dK / dV store takes dense calls (varlen: tma_dkv=False)")
         if self.dq_tma and not self.dq_split:
             raise ValueError("BwdConfig: the TMA dQ needs the split dQ tile (dq_split)")
         if self.varlen and self.lpt:
@@ -453,4 +460,5 @@ def select_bwd(dtype, head_dim, causal, arch, abi, local=False, varlen=False, de
                      lpt=0 if varlen or deterministic else max(0, ov.get("lpt", BWD_LPT_CAUSAL.get(d, BWD_LPT)
                                                                         if causal else BWD_LPT)),
                      exp2_emu=emu, exp2_emu_degree=ov.get("exp2_emu_degree", 3) if emu else 3, local=bool(local),
-                     varlen=bool(varlen), deterministic=bool(deterministic), softcap=bool(softcap))
+                     varlen=bool(varlen), deterministic=bool(deterministic), softcap=bool(softcap),
+                     tma_dkv=not varlen and bool(ov.get("tma_dkv", BWD_TMA_DKV.get(d, False))))

@@ -44,7 +44,8 @@ six boxes per block. Its smem addresses are partitioned in the loop as at BLOCK_
 with softcap).
 With BwdConfig.exp2_emu = k (off by default; bwd.exp2_emu in FLASH_ATTN_CUTE_OVERRIDES), k of every 16
 exponentials of P^T are computed by softmax_exp.exp2_poly on the FMA pipe instead of MUFU.EX2.
-After the loop dK is scaled by softmax_scale and dK, dV are stored. The host (launch.backward,
+After the loop dK is scaled by softmax_scale and dK, dV are stored: from the accumulators, or with BwdConfig.tma_dkv
+through the dead K and V tiles in shared memory and TMA stores (dense calls). The host (launch.backward,
 bwd_host.py) computes delta = rowsum(dO * O) and lse2 and zeroes dq_accum in one Triton launch before,
 and casts dq_accum to the input dtype (and sums GQA's dK/dV) in one after.
 
@@ -90,7 +91,7 @@ class FlashBwdSm90(BwdEntries):
     def __init__(self, dtype, head_dim, causal, block_m=64, block_n=128, num_stages=2, dq_split=True,
                  dq_tma=False, overlap=False, lpt=0, exp2_emu=0, exp2_emu_degree=3, local=False,
                  varlen=False, deterministic=False, softcap=False, mask_mod=None, aux=False, sparse=None,
-                 scalars=(), score_mod=None, score_mod_bwd=None):
+                 scalars=(), score_mod=None, score_mod_bwd=None, tma_dkv=False):
         """head_dim: 64, 96 or 128 (HEAD_DIMS), of q, k and v alike.
         block_m: query rows per step, 64 or (head dim 64 only) 128, see the module docstring.
         local: a sliding window (sizes >= 0 per call, call_general; causal windows have right = 0), every block
@@ -126,7 +127,11 @@ class FlashBwdSm90(BwdEntries):
         exp2_emu: of every 16 exponentials of P^T a thread computes, this many use softmax_exp.exp2_poly
         (degree exp2_emu_degree) on the FMA pipe instead of MUFU.EX2, whose 16 results per SM per clock
         the two warpgroups wait on together between S^T and dV (P^T is rounded to 16 bits after it:
-        degree 3's 1e-4 relative error is below that rounding)."""
+        degree 3's 1e-4 relative error is below that rounding).
+        tma_dkv: after the loop dK and dV go into the K and V tiles in shared memory (dead by then) with stmatrix
+        and leave by one TMA store per warpgroup and tensor (its 64 keys; rows past Sk clipped by TMA), instead of
+        2-byte stores from the accumulators; dense calls only (a varlen sequence's last block would overrun into
+        the next sequence's rows)."""
         if head_dim not in self.HEAD_DIMS:
             raise ValueError(f"head dim {head_dim} not in {self.HEAD_DIMS}")
         if not 0 <= exp2_emu <= 16 or exp2_emu_degree not in EXP2_POLY:
@@ -153,6 +158,9 @@ class FlashBwdSm90(BwdEntries):
         if self.dq_tma and not self.dq_split:
             raise ValueError("dq_tma needs dq_split (the dS barrier of both warpgroups orders the dQ tile)")
         self.overlap = bool(overlap)
+        self.tma_dkv = bool(tma_dkv)
+        if self.tma_dkv and varlen:
+            raise ValueError("tma_dkv takes dense calls: a varlen sequence's last key block would overrun its rows")
         if lpt < 0:
             raise ValueError(f"lpt {lpt} < 0")
         self.lpt = int(lpt)
@@ -239,7 +247,7 @@ class FlashBwdSm90(BwdEntries):
     def kernel(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor,
                tma_v: cute.CopyAtom, mV: cute.Tensor, tma_do: cute.CopyAtom, mdO: cute.Tensor,
                tma_lse: cute.CopyAtom, mLSE2: cute.Tensor, tma_delta: cute.CopyAtom, mDelta: cute.Tensor,
-               mdQaccum: cute.Tensor, tma_dq, mdQ_tma, mdK: cute.Tensor, mdV: cute.Tensor,
+               mdQaccum: cute.Tensor, tma_dq, mdQ_tma, mdK: cute.Tensor, mdV: cute.Tensor, tma_dk, tma_dv,
                scale_log2: Float32, softmax_scale: Float32, seqlen_q: Int32, sQ_layout: cute.ComposedLayout,
                sdO_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                sdS_layout: cute.ComposedLayout, sdQ_layout: cute.ComposedLayout, sLSE_layout: cute.Layout,
@@ -254,7 +262,7 @@ class FlashBwdSm90(BwdEntries):
             n_block, head, batch = cute.arch.block_idx()
         tile = self.seqlens.tile(batch, seqlen_q, mK, (mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK))
         cta = (tma_q, mQ, tma_k, mK, tma_v, mV, tma_do, mdO, tma_lse, mLSE2, tma_delta, mDelta, mdQaccum, tma_dq,
-               mdQ_tma, mdK, mdV, scale_log2, softmax_scale, sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout,
+               mdQ_tma, mdK, mdV, (tma_dk, tma_dv), scale_log2, softmax_scale, sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout,
                sdQ_layout, sLSE_layout, tiled_mma_sdp, tiled_mma_dv, tiled_mma_dk, tiled_mma_dq, window_left,
                window_right, n_block, head, tile, mSem, (score_scale, cap_log2), aux, sparse, scalars)
         if cutlass.const_expr(self.varlen):
@@ -265,7 +273,7 @@ class FlashBwdSm90(BwdEntries):
 
     @cute.jit
     def _cta(self, tma_q, mQ, tma_k, mK, tma_v, mV, tma_do, mdO, tma_lse, mLSE2, tma_delta, mDelta, mdQaccum,
-             tma_dq, mdQ_tma, mdK, mdV, scale_log2, softmax_scale, sQ_layout, sdO_layout, sK_layout, sV_layout,
+             tma_dq, mdQ_tma, mdK, mdV, tma_dkv, scale_log2, softmax_scale, sQ_layout, sdO_layout, sK_layout, sV_layout,
              sdS_layout, sdQ_layout, sLSE_layout, tiled_mma_sdp, tiled_mma_dv, tiled_mma_dk, tiled_mma_dq,
              window_left, window_right, n_block, head, tile, mSem, cap, aux=None, sparse=None, scalars=None):
         """One CTA's key block ``n_block`` of head ``head`` of the sequence ``tile`` (seqlen_info.TileSeqlens)."""
@@ -334,7 +342,7 @@ class FlashBwdSm90(BwdEntries):
                               tile, m_block_min, m_block_max, tiles)
         else:
             cute.arch.setmaxregister_increase(self.CONSUMER_REGS)
-            self._consume(mdQaccum, tma_dq, mdQ_tma, sdQ, mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE, sDelta, kv_pipe,
+            self._consume(mdQaccum, tma_dq, mdQ_tma, sdQ, mdK, mdV, tma_dkv, sQ, sK, sV, sdO, sdS, sLSE, sDelta, kv_pipe,
                           q_pipe, do_pipe, tiled_mma_sdp, tiled_mma_dv, tiled_mma_dk, tiled_mma_dq, scale_log2,
                           softmax_scale, tidx - self.NUM_PRODUCER_THREADS, n_block, head, tile, seqlen_q, seqlen_k,
                           m_block_min, m_block_max, (window_left, window_right), mSem, cap,
@@ -384,7 +392,7 @@ class FlashBwdSm90(BwdEntries):
             do_state.advance()
 
     @cute.jit
-    def _consume(self, mdQaccum, tma_dq, mdQ_tma, sdQ, mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE, sDelta, kv_pipe,
+    def _consume(self, mdQaccum, tma_dq, mdQ_tma, sdQ, mdK, mdV, tma_dkv, sQ, sK, sV, sdO, sdS, sLSE, sDelta, kv_pipe,
                  q_pipe, do_pipe, tiled_mma_sdp, tiled_mma_dv, tiled_mma_dk, tiled_mma_dq, scale_log2,
                  softmax_scale, ctid, n_block, head, tile, seqlen_q, seqlen_k, m_block_min, m_block_max, window, mSem,
                  cap, mods=None, tiles=None):
@@ -561,7 +569,11 @@ class FlashBwdSm90(BwdEntries):
                     self.dq.reduce(tma_dq, tQRsdQ, tQRgdQ, 1 - buf, self._query_block(m_block_max - 1, tiles)[0])
                 cute.arch.cp_async_bulk_wait_group(0)
 
-        self._epilogue(mdK, mdV, acc_dK, acc_dV, tdKcdK, softmax_scale, n_block, head, tile, seqlen_k)
+        if cutlass.const_expr(self.tma_dkv):
+            self._epilogue_tma(mdK, mdV, tma_dkv, sK, sV, tiled_mma_dv, acc_dK, acc_dV, softmax_scale, ctid, wg,
+                               n_block, head, tile)
+        else:
+            self._epilogue(mdK, mdV, acc_dK, acc_dV, tdKcdK, softmax_scale, n_block, head, tile, seqlen_k)
 
     def _query_block(self, pos, tiles):
         """(query block, partial or None) at walk position ``pos`` (trace time): the position itself, or with block
@@ -729,3 +741,40 @@ class FlashBwdSm90(BwdEntries):
             if row < seqlen_k:
                 gdK[row, tdKcdK[i][1]] = (acc_dK[i] * softmax_scale).to(dt)
                 gdV[row, tdKcdK[i][1]] = acc_dV[i].to(dt)
+
+    @cute.jit
+    def _epilogue_tma(self, mdK, mdV, tma_dkv, sK, sV, tiled_mma_dv, acc_dK, acc_dV, softmax_scale, ctid, wg,
+                      n_block, head, tile):
+        """dK (scaled) and dV through the K and V tiles in shared memory: stmatrix of each warpgroup's 64 keys,
+        then one TMA store per tensor of those rows (mdK / mdV: the stores' coordinate tensors; rows past Sk are
+        clipped by TMA)."""
+        dt, D = self.dtype, self.head_dim
+        # K is read by both warpgroups' dQ WGMMAs (all keys); each waited for its own before the loop ended,
+        # so past this barrier no WGMMA reads K or V.
+        cute.arch.barrier(barrier_id=1, number_of_threads=256)
+        stsm = cute.make_tiled_copy_C(
+            cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), dt), tiled_mma_dv)
+        thr = stsm.get_slice(ctid)
+        rdK = cute.make_rmem_tensor_like(acc_dK, dt)
+        rdK.store((acc_dK.load() * softmax_scale).to(dt))
+        cute.copy(stsm, thr.retile(rdK), thr.partition_D(sK))
+        rdV = cute.make_rmem_tensor_like(acc_dV, dt)
+        rdV.store(acc_dV.load().to(dt))
+        cute.copy(stsm, thr.retile(rdV), thr.partition_D(sV))
+        # The generic-proxy stores must be visible to the async proxy (TMA) before it reads the tiles; each
+        # warpgroup stores only its own 64 rows, so it syncs only its 128 threads (named barriers 1 and 2 are
+        # the loop's).
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=3 + wg, number_of_threads=128)
+        if ctid % 128 == 0:
+            tma_dk, tma_dv = tma_dkv
+            gdK = cute.local_tile(self.seqlens.rows(mdK, tile.k_start, head, tile), (64, D), (None, 0))
+            gdV = cute.local_tile(self.seqlens.rows(mdV, tile.k_start, head, tile), (64, D), (None, 0))
+            tKs, tKg = tma_tiles(tma_dk, cute.local_tile(sK, (64, D), (wg, 0)), gdK)
+            tVs, tVg = tma_tiles(tma_dv, cute.local_tile(sV, (64, D), (wg, 0)), gdV)
+            rows = n_block * self.NUM_MMA_WARPGROUPS + wg
+            cute.copy(tma_dk, tKs, tKg[None, rows])
+            cute.copy(tma_dv, tVs, tVg[None, rows])
+            cute.arch.cp_async_bulk_commit_group()
+            # The CTA's shared memory must stay until TMA has read it: wait for the reads, not the writes.
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
