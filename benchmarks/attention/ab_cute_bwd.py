@@ -90,8 +90,7 @@ def main(argv=None):
 
     from benchmarks.attention.bench_cute_bwd import kernel_call
 
-    from flash_attn.cute import backend as cb
-    from flash_attn.cute import kernels
+    from flash_attn.cute import flash_attn_func, kernels
 
     variants_, names = variants(args.variants)
     dtype = torch.bfloat16
@@ -102,10 +101,9 @@ def main(argv=None):
                 b, h = max(1, args.tokens // s), args.hidden // d
                 g = torch.Generator().manual_seed(0)
                 q, k, v, dout = (torch.randn(b, s, h, d, generator=g).to("cuda", dtype) for _ in range(4))
-                kw = dict(cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=s, max_seqlen_k=s, block_table=None,
-                          softmax_scale=d ** -0.5, causal=causal, window_left=-1, window_right=0 if causal else -1,
-                          softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None)
-                out, lse, _ = cb.fwd(q, k, v, return_probs=False, **kw)
+                qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+                out_g, lse = flash_attn_func(qg, kg, vg, causal=causal, return_lse=True)
+                out = out_g.detach()
                 flops = 2.5 * 4 * b * s * s * h * d / (2 if causal else 1)
                 rates = [([], []) for _ in variants_]
                 for r in range(args.rounds):
@@ -114,7 +112,7 @@ def main(argv=None):
                         kernels._bwd_kernels.clear()  # the in-memory cache does not key on the settings
                         t_k = do_bench(kernel_call(q, k, v, dout, out, lse, causal), warmup=args.warmup,
                                        rep=args.rep, return_mode="median")
-                        t_c = do_bench(lambda: cb.bwd(dout, q, k, v, out, lse, deterministic=False, **kw),
+                        t_c = do_bench(lambda: torch.autograd.grad(out_g, (qg, kg, vg), dout, retain_graph=True),
                                        warmup=args.warmup, rep=args.rep, return_mode="median")
                         rates[i][0].append(flops / t_k / 1e9)
                         rates[i][1].append(flops / t_c / 1e9)
