@@ -3,7 +3,8 @@
 # benchmarks. Logs and result tables go under $OUT.
 #   run command="bash benchmarks/run_gpu.sh [STEP ...]"      (device tool; $OUT is set there)
 # STEPs (default: tests attention norm models train): tests rest attention cute cutebwd norm ops models train ncu
-#   ncusrc profile tunetriton abfwd abdecode overhead vsfa4 vsfa4decode sanitize
+#   ncusrc profile tunetriton abfwd abdecode overhead vsfa4 vsfa4bwd vsfa4decode sanitize dqerr vsmods modab
+#   fa3peer modpeer
 #   tests      the GPU-marked tests (bf16, real sizes; GPU_TESTS, GPU_TEST_TIMEOUT)   rest   the rest on CUDA
 #   attention  bench_attention, full grid                  cute   bench_attention, cute only, short grid
 #   cutebwd    bench_cute_bwd: the cute backward (flash_bwd_sm90) vs Triton's, bf16 d64/d128, S 2k/8k
@@ -26,6 +27,8 @@
 #              reference too
 #   vsfa4      vs_fa4.py --control: the cute forward against the released FA4 with both sides timed per cell in
 #              alternating rounds, a second worker of ours as the noise floor (VS_ARGS: more arguments)
+#   vsfa4bwd   vs_fa4.py --bwd: the backward on issue 31's 18-cell grid (d 64/128/256, S 1k/4k/16k, causal or not)
+#              against the released FA4, alternating rounds (VS_BWD_ARGS: more arguments)
 #   vsfa4decode vs_fa4.py --decode: the same on decoding shapes, both sides called with num_splits=0 (FA4's
 #              "choose"; ours with plan.pack_gqa_auto=1 and nothing disabled; VS_DECODE_ARGS: more arguments)
 #   dqerr      dq_error_map.py: each backend's dQ / dK / dV error against fp64, the released FA4 beside ours
@@ -91,6 +94,9 @@ for step in $STEPS; do
         done ;;
     vsfa4) python -m benchmarks.attention.vs_fa4 --peer-pythonpath "${PEER_PYTHONPATH:?the released flash-attn-4 (bundle)}" \
                --control ${VS_ARGS:-} --out "$OUT/results" 2>&1 | tee "$OUT/vs_fa4.log" | tail -n 45 ;;
+    vsfa4bwd) timeout 590 python -m benchmarks.attention.vs_fa4 --bwd --peer-pythonpath \
+               "${PEER_PYTHONPATH:?the released flash-attn-4 (bundle)}" --seqlens 1024,4096,16384 --rounds 3 \
+               ${VS_BWD_ARGS:-} --out "$OUT/results" 2>&1 | tee "$OUT/vs_fa4_bwd.log" | tail -n 30 ;;
     vsfa4decode) FLASH_ATTN_CUTE_OVERRIDES=plan.pack_gqa_auto=1 FLASH_ATTN_CUTE_DISABLE= python -m benchmarks.attention.vs_fa4 --decode \
                --peer-pythonpath "${PEER_PYTHONPATH:?the released flash-attn-4 (bundle)}" --call num_splits=0 \
                --causal 0 ${VS_DECODE_ARGS:-} --out "$OUT/results" 2>&1 | tee "$OUT/vs_fa4_decode.log" | tail -n 20 ;;

@@ -25,6 +25,12 @@ call and the K / V read rate. Writes vs_fa4_decode.md.
 --mods: FA4's score_mod / mask_mod forward with the same CuTeDSL mods on both sides (bench_flex.mods_call: issue
 30's cases, default causal,window,prefix,document,alibi_causal,softcap_causal), block sparsity from each side's
 own compute_block_sparsity (128 x 128 tiles); TFLOP/s on the kept pairs. Writes vs_fa4_mods.md.
+
+    python -m benchmarks.attention.vs_fa4 --peer-pythonpath "$PEER_PYTHONPATH" --bwd [--control]
+
+--bwd: the backward on the standard grid instead: each side's torch.autograd.grad of its flash_attn_func's out
+(q, k and v requiring gradients, one fixed dout), timed in the same alternating rounds; backward TFLOP/s = 2.5 x the
+forward's FLOPs / time. Writes vs_fa4_bwd.md.
 """
 import argparse
 import json
@@ -91,7 +97,13 @@ def worker(name):
                 k, v = (torch.randn(b, sk, hk, d, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
                 causal, kw = bool(req["causal"]), req.get("kw", {})
                 fn = lambda: flash_attn_func(q, k, v, causal=causal, **kw)  # noqa: E731
-                fn()  # compile or load the kernel outside the timing
+                if req.get("bwd"):  # the backward of one forward, its graph kept
+                    q, k, v = (t.requires_grad_() for t in (q, k, v))
+                    out = flash_attn_func(q, k, v, causal=causal, **kw)
+                    out = out[0] if isinstance(out, tuple) else out
+                    dout = torch.randn(out.shape, generator=g).to("cuda", out.dtype)
+                    fn = lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)  # noqa: E731
+                fn()  # compile or load the kernels outside the timing
                 torch.cuda.synchronize()
                 reply = {"device": torch.cuda.get_device_name(), "versions": _versions()}
             elif req["op"] == "time":
@@ -147,26 +159,28 @@ class Side:
         self.proc.wait(timeout=60)
 
 
-def _setup(cell, kw):
-    """The setup request of a cell: (d, s, causal, b, h) of the standard grid, (b, sq, sk, h, hk, d, causal) of a
-    decoding shape (with the call's options kw), or (case, d, s, b, h) of --mods."""
+def _setup(cell, kw, bwd=False):
+    """The setup request of a cell: (d, s, causal, b, h) of the standard grid (bwd: its backward), (b, sq, sk, h, hk,
+    d, causal) of a decoding shape (with the call's options kw), or (case, d, s, b, h) of --mods."""
     if isinstance(cell[0], str):
         case, d, s, b, h = cell
         return dict(mods=case, d=d, s=s, b=b, h=h), f"{case} d{d} s{s}"
     if len(cell) == 5:
         d, s, causal, b, h = cell
-        return dict(d=d, s=s, causal=int(causal), b=b, h=h), f"d{d} s{s} causal={int(causal)}"
+        return (dict(d=d, s=s, causal=int(causal), b=b, h=h, **({"bwd": 1} if bwd else {})),
+                f"d{d} s{s} causal={int(causal)}{' bwd' if bwd else ''}")
     b, sq, sk, h, hk, d, causal = cell
     return (dict(d=d, s=sq, sk=sk, causal=int(causal), b=b, h=h, hk=hk, kw=kw),
             f"{b}:{sq}:{sk}:{h}:{hk}:{d} causal={int(causal)}")
 
 
-def compare(sides, cells, rounds, warmup, rep, log=print, kw=None):
-    """{cell: {side: median ms, or an error string}} over ``cells`` = [(d, s, causal, b, h)] (or decoding shapes, see
-    _setup, called with the options kw), plus the device and versions the first side reported."""
+def compare(sides, cells, rounds, warmup, rep, log=print, kw=None, bwd=False):
+    """{cell: {side: median ms, or an error string}} over ``cells`` = [(d, s, causal, b, h)] (their backward with bwd;
+    or decoding shapes, see _setup, called with the options kw), plus the device and versions the first side
+    reported."""
     results, info = {}, {}
     for cell in cells:
-        req, label = _setup(cell, kw or {})
+        req, label = _setup(cell, kw or {}, bwd)
         res, alive = {}, []
         for side in sides:
             rep_ = side.ask(op="setup", **req)
@@ -208,9 +222,13 @@ def _header(title, info, names, command):
 
 
 def report(results, info, names, args, command):
-    """Markdown: TFLOP/s per side, ours / fa4 (and the control's ratio to ours), and the summary line."""
-    lines = _header("Cute forward vs the released FA4", info, names, command) + [
-             f"- bf16, batch x seqlen = {args.tokens} tokens, hidden {args.hidden}; forward TFLOP/s from the median of "
+    """Markdown: TFLOP/s per side, ours / fa4 (and the control's ratio to ours), and the summary line (--bwd: the
+    backward's, 2.5 x the forward's FLOPs)."""
+    what, factor = ("backward", 2.5) if args.bwd else ("forward", 1.0)
+    lines = _header(f"Cute {what} vs the released FA4", info, names, command) + [
+             f"- bf16, batch x seqlen = {args.tokens} tokens, hidden {args.hidden}; {what} TFLOP/s"
+             + (" (2.5 x the forward's FLOPs; torch.autograd.grad of each side's flash_attn_func)" if args.bwd else "")
+             + " from the median of "
              f"{args.rounds} rounds (each a do_bench median, warmup {args.warmup} ms, rep {args.rep} ms), the sides' "
              "order rotated per round", "",
              "| head dim | causal | seqlen | " + " | ".join(names) + " | ours / fa4 |"
@@ -218,7 +236,7 @@ def report(results, info, names, args, command):
              "|---|---|---|" + "---|" * (len(names) + 1 + ("ours2" in names))]
     ratios, controls = [], []
     for (d, s, causal, b, h), res in results.items():
-        flops = 4 * b * s * s * h * d / (2 if causal else 1)
+        flops = factor * 4 * b * s * s * h * d / (2 if causal else 1)
         tf = {n: flops / res[n] * 1e-9 if isinstance(res.get(n), float) else None for n in names}
         cells = [f"{tf[n]:.0f}" if tf[n] else "error" for n in names]
         ratio = tf["ours"] / tf["fa4"] if tf.get("ours") and tf.get("fa4") else None
@@ -321,6 +339,7 @@ def main(argv=None):
     p.add_argument("--call", default="", help="--decode: both sides' options, e.g. num_splits=0,pack_gqa=None")
     p.add_argument("--mods", nargs="?", const="causal,window,prefix,document,alibi_causal,softcap_causal",
                    default=None, help="score_mod / mask_mod cases (bench_flex's) instead of the standard grid")
+    p.add_argument("--bwd", action="store_true", help="the standard grid's backward instead of its forward")
     p.add_argument("--out", default=common.RESULTS)
     p.add_argument("--_worker", dest="worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -328,6 +347,8 @@ def main(argv=None):
         return worker(args.worker)
     if not args.peer_pythonpath:
         p.error("--peer-pythonpath is required (the released flash-attn-4's PYTHONPATH)")
+    if args.bwd and (args.mods or args.decode):
+        p.error("--bwd times the standard grid's backward: not with --mods or --decode")
     kw = None
     if args.mods:
         from benchmarks.attention.bench_flex import CASES
@@ -354,7 +375,7 @@ def main(argv=None):
         specs.append(("ours2", ours_path, common.ROOT))
     sides = [Side(*spec) for spec in specs]
     try:
-        results, info = compare(sides, cells, args.rounds, args.warmup, args.rep, kw=kw)
+        results, info = compare(sides, cells, args.rounds, args.warmup, args.rep, kw=kw, bwd=args.bwd)
     finally:
         for side in sides:
             side.close()
@@ -365,7 +386,7 @@ def main(argv=None):
     elif args.decode:
         text, name = report_decode(results, info, names, args, command, kw), "vs_fa4_decode.md"
     else:
-        text, name = report(results, info, names, args, command), "vs_fa4.md"
+        text, name = report(results, info, names, args, command), "vs_fa4_bwd.md" if args.bwd else "vs_fa4.md"
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, name), "w") as f:
         f.write(text)

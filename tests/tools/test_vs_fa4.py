@@ -85,3 +85,23 @@ def test_mods_mode_reports_tflops_on_the_kept_pairs(monkeypatch, tmp_path):
     assert (tmp_path / "order.log").read_text().split() == ["ours", "fa4", "fa4", "ours"] * 2
     with pytest.raises(SystemExit):
         vs_fa4.main(["--peer-pythonpath", "x", "--mods", "causal,nope"])
+
+
+def test_bwd_mode_times_the_backward_and_counts_its_flops(monkeypatch, tmp_path):
+    """--bwd: the standard grid's cells set up with bwd=1 (the workers time torch.autograd.grad of their
+    flash_attn_func), the sides alternating; TFLOP/s are 2.5 x the forward's FLOPs; vs_fa4_bwd.md; not with --mods
+    or --decode."""
+    monkeypatch.setenv("VS_FA4_STUB", "ours=2.5,fa4=2.0")
+    monkeypatch.setenv("VS_FA4_STUB_LOG", str(tmp_path / "order.log"))
+    rc = vs_fa4.main(["--peer-pythonpath", str(tmp_path / "peer"), "--bwd", "--headdims", "64", "--seqlens", "1024",
+                      "--causal", "0", "--rounds", "2", "--out", str(tmp_path)])
+    text = (tmp_path / "vs_fa4_bwd.md").read_text()
+    assert rc == 0 and not (tmp_path / "vs_fa4.md").exists()
+    # 2.5 * 137.4 TFLOP / 2.5 ms = 137; fa4 at 2.0 ms: 172
+    assert "| 64 | False | 1024 | 137 | 172 | 0.800 |" in text
+    assert "Cute backward vs the released FA4" in text and "geometric mean 0.800" in text
+    assert (tmp_path / "order.log").read_text().split() == ["ours", "fa4", "fa4", "ours"]
+    assert vs_fa4._setup((64, 1024, True, 16, 32), {}, bwd=True)[0] == dict(d=64, s=1024, causal=1, b=16, h=32, bwd=1)
+    for other in (["--mods"], ["--decode"]):
+        with pytest.raises(SystemExit):
+            vs_fa4.main(["--peer-pythonpath", "x", "--bwd", *other])
