@@ -124,8 +124,10 @@ def test_ptx_is_warp_specialised_and_accumulates_dq_atomically(compiled):
         # last one); bulk groups committed, the buffer's reads waited for before reuse, everything waited for
         # before exit
         assert _count(text, reduce_add) == 2 * _dq_boxes(cfg["head_dim"])
-        assert _count(text, "cp.async.bulk.commit_group") == 2
-        assert _count(text, "cp.async.bulk.wait_group.read") == 1
+        # (+1 each: the dK / dV TMA stores' group and its read wait, tma_dkv, the dense default)
+        tma_dkv = int(cfg.get("tma_dkv", False))
+        assert _count(text, "cp.async.bulk.commit_group") == 2 + tma_dkv
+        assert _count(text, "cp.async.bulk.wait_group.read") == 1 + tma_dkv
         assert _count(text, "cp.async.bulk.wait_group ") == 1  # the final full wait ("wait_group \t0")
         assert "red.relaxed.gpu.global.add" not in text
         assert _count(text, "st.shared.v2.b32") >= cfg["head_dim"] // 8  # dQ column pairs to smem
@@ -225,16 +227,18 @@ def test_tma_dkv_stores_dk_and_dv_through_shared_memory(tmp_path, cute_env, d, c
 
 
 def test_tma_dkv_config_key_and_refusals(cute_env):
-    """Off by default (keys unchanged); bwd.tma_dkv=1 puts it in the dense kernels' keys; varlen calls keep the direct
-    stores (a sequence's last key block would overrun into the next one's rows) and the kernel refuses the pair."""
+    """On by default for dense calls (in their keys; bwd.tma_dkv=0 gives the direct stores' keys back); varlen calls
+    keep the direct stores (a sequence's last key block would overrun into the next one's rows) and the kernel refuses the pair."""
     import cutlass
 
     from flash_attn.cute.flash_bwd_sm90 import FlashBwdSm90
 
     for d in (64, 96, 128):
-        assert "tma_dkv" not in kernels.bwd_config(torch.bfloat16, d, True, "sm_90a").key()
+        assert kernels.bwd_config(torch.bfloat16, d, True, "sm_90a").key()["tma_dkv"] is True
+        assert "tma_dkv" not in kernels.bwd_config(torch.bfloat16, d, True, "sm_90a", varlen=True).key()
+    cute_env(OVERRIDES="bwd.tma_dkv=0")
+    assert "tma_dkv" not in kernels.bwd_config(torch.bfloat16, 128, False, "sm_90a").key()
     cute_env(OVERRIDES="bwd.tma_dkv=1")
-    assert kernels.bwd_config(torch.bfloat16, 128, False, "sm_90a").key()["tma_dkv"] is True
     assert "tma_dkv" not in kernels.bwd_config(torch.bfloat16, 128, False, "sm_90a", varlen=True).key()
     with pytest.raises(ValueError, match="varlen"):
         config.BwdConfig(dtype="bf16", head_dim=128, causal=False, arch="sm_90a", abi="x", block_m=64, stages=2,
@@ -408,10 +412,11 @@ def test_block_m_128_kernel_is_spill_free(tmp_path, cute_env, overlap, emu):
     rs = [l for l in text.splitlines()
           if l.strip().startswith(wgmma.format(64)) and l.split("}", 1)[1].startswith(", {")]
     assert len(rs) == 2 * 128 // 16
-    assert _count(text, "stmatrix.sync.aligned.m8n8.x4.shared.b16") == 128 * 128 // (256 * 8)
-    # P^T and dS^T (64 values a thread each) packed by pairs; P^T unpacked by shifts and masks (the
-    # scalar cvt.rn.bf16.f32 left are the dK, dV stores of the epilogue)
-    assert _count(text, "cvt.rn.bf16x2.f32") == 2 * 64 // 2
+    # dS^T (64 values a thread, 8 a stmatrix), then the epilogue's dK and dV (tma_dkv: 32 values each)
+    assert _count(text, "stmatrix.sync.aligned.m8n8.x4.shared.b16") == 128 * 128 // (256 * 8) + 2 * 32 // 8
+    # P^T and dS^T (64 values a thread each) packed by pairs, and the epilogue's dK, dV (32 each); P^T unpacked by
+    # shifts and masks
+    assert _count(text, "cvt.rn.bf16x2.f32") == 2 * 64 // 2 + 2 * 32 // 2
     assert "cvt.f32.bf16" not in text
     assert _count(text, "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group") == 2 * (64 // 32)
 
@@ -666,7 +671,7 @@ def test_unsupported_head_dim_is_refused():
 def test_cache_key_has_only_what_changes_code():
     cfg = kernels.bwd_config(torch.bfloat16, 64, False, "sm_90a").key()
     assert set(cfg) == {"kernel", "dtype", "head_dim", "causal", "block_m", "stages", "dq_split", "dq_tma", "arch",
-                        "abi"}
+                        "abi", "tma_dkv"}  # (tma_dkv: on for dense calls, not the field's default)
     assert set(kernels.bwd_config(torch.bfloat16, 64, True, "sm_90a").key()) == set(cfg) | {"lpt"}
     assert kernels._bwd_entry(torch.bfloat16, 64, True, "sm_90a")[1] != \
         kernels._bwd_entry(torch.bfloat16, 64, False, "sm_90a")[1]
@@ -1112,11 +1117,13 @@ def test_gradients_with_overlap_on_gpu(cute_bwd_on, monkeypatch, cute_env, d, ca
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (17, 17), (1000, 1000), (2048, 2048), (113, 203), (256, 77),
                                                (1, 130), (300, 1200)])
 @pytest.mark.parametrize("heads,heads_kv", [(4, 4), (6, 2)])
+@pytest.mark.parametrize("tma_dkv", [1, 0])
 def test_gradients_with_tma_dkv_on_gpu(cute_bwd_on, monkeypatch, cute_env, d, causal, seqlen_q, seqlen_k, heads,
-                                       heads_kv):
-    # bwd.tma_dkv=1: dK and dV by TMA stores from the K / V tiles (key blocks cut by Sk: 1, 17, 77, 130, 203 keys,
-    # and whole ones; GQA's per-query-head dK / dV summed on the host after the stores)
-    cute_env(OVERRIDES="bwd.tma_dkv=1")
+                                       heads_kv, tma_dkv):
+    # bwd.tma_dkv=1 (the default): dK and dV by TMA stores from the K / V tiles (key blocks cut by Sk: 1, 17, 77, 130,
+    # 203 keys, and whole ones; GQA's per-query-head dK / dV summed on the host after the stores); 0: the direct stores
+    # (varlen's) on dense calls
+    cute_env(OVERRIDES=f"bwd.tma_dkv={tma_dkv}")
     _fresh_bwd_kernels(monkeypatch)
     _run(torch.bfloat16, d, causal, 2, seqlen_q, seqlen_k, heads, heads_kv, cute_bwd_on, seed=11)
 

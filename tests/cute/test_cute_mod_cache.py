@@ -66,11 +66,12 @@ def test_no_fingerprint_where_something_read_has_no_stable_description():
 
 
 def test_disk_entry_only_under_the_plan_rule_and_with_fingerprints(cute_env):
+    """An entry only with the rule (on by default) and a fingerprint of every mod."""
     facts = mods._facts(torch.bfloat16, 128, "sm_90a", ((torch.int32, 2),), causal=False, local=False, varlen=False,
                         sparse=(True, 1, 1), block_n=128, scalars=(), block_m=None, sink=False)
-    cute_env()
-    assert mods.disk_entry("mods-fwd", facts, None, _limit_mask) is None  # the rule is off by default
-    cute_env(OVERRIDES="plan.mods_disk_cache=1")
+    cute_env(OVERRIDES="plan.mods_disk_cache=0")
+    assert mods.disk_entry("mods-fwd", facts, None, _limit_mask) is None  # the rule off: memory only
+    cute_env(OVERRIDES=None)  # on by default
     config, key, name, symbol = mods.disk_entry("mods-fwd", facts, None, _limit_mask)
     assert config["mask_mod"] == fingerprint(_limit_mask) and config["aux"] == [["int32", 2]]
     assert name.startswith("mods-fwd-sm_90a-bfloat16-d128-") and key[:16] in symbol

@@ -199,7 +199,9 @@ def test_aux_spec_checks_the_tensors():
 def test_mod_config_is_the_one_tile_kernel():
     for d, causal, local in ((64, False, False), (64, True, False), (128, False, True), (256, True, False)):
         cfg = mods.mod_config(torch.bfloat16, d, causal, "sm_90a", local, False, "tvm-ffi-env-stream")
-        assert not cfg.persistent and cfg.warpgroups == 2 and not cfg.tma_o and not cfg.tiles_desc
+        assert not cfg.persistent and cfg.warpgroups == 2 and cfg.tma_o and not cfg.tiles_desc
+    # O through shared memory and TMA on dense calls; varlen's rows stop at each sequence's end: the direct store
+    assert not mods.mod_config(torch.bfloat16, 128, False, "sm_90a", False, True, "tvm-ffi-env-stream").tma_o
 
 
 def test_block_sparse_mod_kernels_run_the_last_query_tiles_first(cute_env, monkeypatch):
@@ -217,13 +219,13 @@ def test_block_sparse_mod_kernels_run_the_last_query_tiles_first(cute_env, monke
         assert built[-1].scheduler.causal == desc and not built[-1].causal  # tile_scheduler.OneTileScheduler's order
     mods.compile_fwd_mods(torch.bfloat16, 128, False, mask_mod=mod_library.causal().mask_mod)  # no lists
     assert not built[-1].scheduler.causal
-    # the experiments' knobs: lpt's sectioned order over the descending tiles, the TMA O store
-    cute_env(OVERRIDES="fwd.lpt=1,fwd.tma_o=1")
+    # the knobs: lpt's sectioned order over the descending tiles (an experiment), the TMA O store (on by default)
+    cute_env(OVERRIDES="fwd.lpt=1,fwd.tma_o=0")
     mods.compile_fwd_mods(torch.bfloat16, 128, False, mask_mod=mod_library.causal().mask_mod, sparse=(True, 1, 1))
-    assert built[-1].lpt and built[-1].tma_o
+    assert built[-1].lpt and not built[-1].tma_o
     cute_env(OVERRIDES="")
     mods.compile_fwd_mods(torch.bfloat16, 128, True, score_mod=mod_library.softcap(30.0).score_mod)
-    assert built[-1].lpt and not built[-1].tma_o  # a causal call keeps the native causal kernel's lpt order
+    assert built[-1].lpt and built[-1].tma_o  # a causal call keeps the native causal kernel's lpt order
 
 
 # --- the plan rule and the API ----------------------------------------------------------------------------------

@@ -88,7 +88,7 @@ BWD_EXP2_EMU = {64: 0, 96: 0, 128: 0}
 # dK and dV leave through the (then dead) K and V tiles in shared memory and one TMA store per warpgroup, instead of
 # 2-byte stores from the accumulator registers (dense calls; varlen keeps the direct stores, whose rows stop at the
 # sequence's end).
-BWD_TMA_DKV = {64: False, 96: False, 128: False}
+BWD_TMA_DKV = {64: True, 96: True, 128: True}
 
 _DTYPE_NAMES = {"torch.float16": "fp16", "torch.bfloat16": "bf16", "fp16": "fp16", "bf16": "bf16"}
 
@@ -262,7 +262,8 @@ class PlanRules:
     dispatcher's cute backend serves flash_attn_with_kvcache (kvcache.py), off until its GPU tests and a decoding
     benchmark against the Triton kernels decide it. ``mods_disk_cache``: the score_mod / mask_mod kernels of mods
     with a stable fingerprint (mod_fingerprint.py) are kept in the disk cache too, so a new process loads them instead
-    of compiling; off until a GPU run of kernels loaded from disk checks them."""
+    of compiling; on: a fresh process's kernels loaded from disk ran on an H100 with the accuracy of the compiling
+    process's (tests/cute/test_cute_mod_cache.py's GPU test)."""
     pack_gqa_auto: bool = False
     bwd_host: str = "triton"
     bwd_window: bool = True
@@ -270,7 +271,7 @@ class PlanRules:
     bwd_deterministic: bool = False
     bwd_softcap: bool = True
     kvcache: bool = False
-    mods_disk_cache: bool = False
+    mods_disk_cache: bool = True
 
     def __post_init__(self):
         if self.bwd_host not in ("triton", "torch"):

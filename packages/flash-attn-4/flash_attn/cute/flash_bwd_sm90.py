@@ -750,8 +750,10 @@ class FlashBwdSm90(BwdEntries):
         clipped by TMA)."""
         dt, D = self.dtype, self.head_dim
         # K is read by both warpgroups' dQ WGMMAs (all keys); each waited for its own before the loop ended,
-        # so past this barrier no WGMMA reads K or V.
-        cute.arch.barrier(barrier_id=1, number_of_threads=256)
+        # so past this barrier no WGMMA reads K or V. Its own id: the loop's per-warpgroup dS barriers (1 + wg,
+        # 128 threads, without dq_split) may still be in use by the other warpgroup, and one id with two thread
+        # counts at once is an illegal instruction.
+        cute.arch.barrier(barrier_id=5, number_of_threads=256)
         stsm = cute.make_tiled_copy_C(
             cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), dt), tiled_mma_dv)
         thr = stsm.get_slice(ctid)
@@ -763,7 +765,7 @@ class FlashBwdSm90(BwdEntries):
         cute.copy(stsm, thr.retile(rdV), thr.partition_D(sV))
         # The generic-proxy stores must be visible to the async proxy (TMA) before it reads the tiles; each
         # warpgroup stores only its own 64 rows, so it syncs only its 128 threads (named barriers 1 and 2 are
-        # the loop's).
+        # the loop's, 5 the one above).
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=3 + wg, number_of_threads=128)
         if ctid % 128 == 0:

@@ -70,8 +70,10 @@ def mod_config(dtype, head_dim, causal, arch, local, varlen, abi, block_n=None, 
         block_n = mod_block_n(head_dim, local)
     ov = config.overrides("fwd")
     tiles_desc = bool(sparse) and ov.get("tiles_desc", True)
-    # (experiments: the TMA O store and lpt's L2-sectioned longest-first order, off until measured on mod kernels)
-    tma_o = ov.get("tma_o", False) and not varlen
+    # O leaves through shared memory and a TMA store (dense calls; H100: causal mask_mod 3-6% faster, softcap
+    # score_mod 0-2.5%, benchmarks/results/h100/flex_attention.md); lpt's L2-sectioned longest-first order stays an
+    # experiment (fwd.lpt=1: within noise of the plain order on the same runs)
+    tma_o = ov.get("tma_o", True) and not varlen
     lpt = cfg.lpt or (tiles_desc and not varlen and ov.get("lpt", False))  # (a causal call's own lpt stays)
     return dataclasses.replace(cfg, persistent=False, warpgroups=(block_m or MOD_BLOCK_M) // 64, block_n=block_n,
                                tma_o=tma_o, snake=False, tiles_desc=tiles_desc, lpt=lpt)
