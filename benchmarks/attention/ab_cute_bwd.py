@@ -7,6 +7,10 @@ included), do_bench medians, bf16, batch x seqlen = --tokens, heads = --hidden /
         --variants "FLASH_ATTN_CUTE_OVERRIDES=bwd.lpt=0;FLASH_ATTN_CUTE_OVERRIDES=bwd.lpt=128"
     python -m benchmarks.attention.ab_cute_bwd --variants ";FLASH_ATTN_CUTE_OVERRIDES=bwd.block_m=128" --headdims 64
     python -m benchmarks.attention.ab_cute_bwd --variants ";FLASH_ATTN_CUTE_OVERRIDES=bwd.dq_tma=0,bwd.overlap=1"
+    python -m benchmarks.attention.ab_cute_bwd --variants ";FLASH_ATTN_CUTE_OVERRIDES=plan.bwd_gqa_loop=1" --group 4
+
+--group G: G query heads per KV head (GQA); the kernel-alone column is then nan (its stand-in inputs
+are MHA-shaped), the whole call includes the per-query-head dK / dV sums a kernel leaves to the host.
 
 A variant is a comma-separated list of NAME=VALUE (empty: the defaults); an item that does not start with an
 upper-case NAME= continues the previous value, so FLASH_ATTN_CUTE_OVERRIDES / FLASH_ATTN_CUTE_DISABLE keep their
@@ -83,7 +87,9 @@ def header(kind, args, variants_):
 
 
 def main(argv=None):
-    args = parser(__doc__, [2048, 8192]).parse_args(argv)
+    ap = parser(__doc__, [2048, 8192])
+    ap.add_argument("--group", type=int, default=1, help="query heads per KV head (GQA)")
+    args = ap.parse_args(argv)
 
     import torch
     from triton.testing import do_bench
@@ -100,7 +106,9 @@ def main(argv=None):
             for causal in map(bool, args.causal):
                 b, h = max(1, args.tokens // s), args.hidden // d
                 g = torch.Generator().manual_seed(0)
-                q, k, v, dout = (torch.randn(b, s, h, d, generator=g).to("cuda", dtype) for _ in range(4))
+                hk = h // args.group
+                q, dout = (torch.randn(b, s, h, d, generator=g).to("cuda", dtype) for _ in range(2))
+                k, v = (torch.randn(b, s, hk, d, generator=g).to("cuda", dtype) for _ in range(2))
                 qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
                 out_g, lse = flash_attn_func(qg, kg, vg, causal=causal, return_lse=True)
                 out = out_g.detach()
@@ -110,8 +118,9 @@ def main(argv=None):
                     for i, var in round_order(variants_, r):
                         apply(var, names)
                         kernels._bwd_kernels.clear()  # the in-memory cache does not key on the settings
-                        t_k = do_bench(kernel_call(q, k, v, dout, out, lse, causal), warmup=args.warmup,
-                                       rep=args.rep, return_mode="median")
+                        t_k = float("nan") if args.group > 1 else do_bench(
+                            kernel_call(q, k, v, dout, out, lse, causal), warmup=args.warmup, rep=args.rep,
+                            return_mode="median")
                         t_c = do_bench(lambda: torch.autograd.grad(out_g, (qg, kg, vg), dout, retain_graph=True),
                                        warmup=args.warmup, rep=args.rep, return_mode="median")
                         rates[i][0].append(flops / t_k / 1e9)

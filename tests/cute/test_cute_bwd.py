@@ -791,6 +791,105 @@ def test_backward_host_steps_with_a_stand_in_kernel(monkeypatch, host, case):
         assert buf[:, :, 3].isnan().all()  # the rest of a packed buffer is not written
 
 
+@pytest.mark.parametrize("case", ["gqa", "mqa", "gqa-transposed", "mha"])
+def test_gqa_loop_rule_runs_the_kernel_that_writes_dk_dv_per_kv_head(monkeypatch, cute_env, case):
+    """plan.bwd_gqa_loop=1: a GQA / MQA backward launches the gqa_loop kernel (its own memory key), which gets dk / dv
+    (B, Sk, Hk, D) and writes the group sums itself: they are the gradients as written (no sum after it; copied into
+    gradients of a layout it refuses). MHA, deterministic calls and the rule off keep the per-query-head kernel."""
+    H, Hk, Sq, Sk, layout = _HOST_CASES[case]
+    B, D, dtype = 2, 64, torch.float16
+    g = torch.Generator().manual_seed(1)
+    q, out, dout = (torch.randn(B, Sq, H, D, generator=g).to(dtype) for _ in range(3))
+    k, v = (torch.randn(B, Sk, Hk, D, generator=g).to(dtype) for _ in range(2))
+    lse = torch.randn(B, H, Sq, generator=g)
+    dk_vals, dv_vals = (torch.randint(-64, 64, (B, Sk, Hk, D), generator=g).to(dtype) for _ in range(2))
+    ran = []
+
+    def gqa_kernel(q_, k_, v_, dout_, lse2, delta, dq_accum, dk, dv, scale):
+        ran.append("gqa")
+        assert dk.shape == dv.shape == (B, Sk, Hk, D)
+        dk.copy_(dk_vals)
+        dv.copy_(dv_vals)
+
+    def head_kernel(q_, k_, v_, dout_, lse2, delta, dq_accum, dk, dv, *scalars):
+        ran.append("per-head")
+        assert dk.shape == dv.shape == (B, Sk, H, D)
+        dk.zero_()
+        dv.zero_()
+
+    cute_env(OVERRIDES="plan.bwd_gqa_loop=1,plan.bwd_host=torch")
+    for det in (False, True):
+        monkeypatch.setitem(kernels._bwd_kernels, kernels.bwd_mem_key(dtype, D, True, "sm_90a", deterministic=det),
+                            head_kernel)
+    monkeypatch.setitem(kernels._bwd_kernels, kernels.bwd_mem_key(dtype, D, True, "sm_90a", gqa_loop=True), gqa_kernel)
+    grads, _ = _stand_in_grads(layout, B, Sq, Sk, H, Hk, D, dtype)
+    dq, dk, dv = launch.backward(dout, q, k, v, out, lse, 0.5, True, "sm_90a", grads=grads)
+    if H == Hk:
+        assert ran == ["per-head"]
+        return
+    assert ran == ["gqa"]
+    assert torch.equal(dk, dk_vals) and torch.equal(dv, dv_vals)
+    if grads is not None:
+        assert dk is grads[1] and dv is grads[2]
+    ran.clear()
+    launch.backward(dout, q, k, v, out, lse, 0.5, True, "sm_90a", deterministic=True)
+    cute_env(OVERRIDES="plan.bwd_host=torch")
+    launch.backward(dout, q, k, v, out, lse, 0.5, True, "sm_90a")
+    assert ran == ["per-head", "per-head"]
+
+
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas not on PATH")
+@pytest.mark.parametrize("d,causal", [(64, True), (96, False), (128, True)])
+def test_gqa_loop_kernel_walks_the_group_and_fits_its_registers(tmp_path, cute_env, d, causal):
+    """The gqa_loop kernel (compile_bwd(gqa_loop=True), sm_90a): its walk splits a position into query head and
+    query block (integer division and remainder, none in the per-head kernel's loop), the Q / dO / lse2 / delta TMA
+    loads and the dQ reduce-adds stay as many as the per-head kernel's, and ptxas neither serialises its WGMMAs nor
+    spills more than the per-head kernel does."""
+    texts = {}
+    for gqa in (False, True):
+        dump = tmp_path / f"gqa{int(gqa)}"
+        dump.mkdir()
+        kernels.compile_bwd(torch.bfloat16, d, causal, arch="sm_90a", dump_dir=str(dump), gqa_loop=gqa)
+        (ptx,) = glob.glob(str(dump / "*.ptx"))
+        texts[gqa] = (open(ptx).read(), ptx)
+    div = ("div.s32", "rem.s32", "div.u32", "rem.u32")
+    assert sum(_count(texts[True][0], x) for x in div) > sum(_count(texts[False][0], x) for x in div)
+    for needle in ("cp.async.bulk.tensor.4d.shared::cta.global.tile.mbarrier",
+                   "cp.async.bulk.tensor.3d.shared::cta.global.tile.mbarrier",
+                   "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group"):
+        assert _count(texts[True][0], needle) == _count(texts[False][0], needle) > 0, needle
+    spills = {}
+    for gqa, (_, path) in texts.items():
+        log = _ptxas_log(path)
+        assert "are serialized" not in log and "setmaxnreg' ignored" not in log, log
+        spills[gqa] = max([int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)] or [0])
+    print(f"\nptxas spill bytes d{d}: per-head {spills[False]}, gqa_loop {spills[True]}")
+    assert spills[True] <= spills[False]
+
+
+def test_gqa_loop_config_and_refusals():
+    """gqa_loop is the call's (not an override), in the key when on; it drops overlap; the kernel refuses varlen,
+    determinism, overlap, mods and block sparsity."""
+    import cutlass
+
+    from flash_attn.cute.flash_bwd_sm90 import FlashBwdSm90
+
+    base = kernels.bwd_config(torch.bfloat16, 128, True, "sm_90a").key()
+    assert "gqa_loop" not in base
+    assert kernels.bwd_config(torch.bfloat16, 128, True, "sm_90a", gqa_loop=True).key() == {**base, "gqa_loop": True}
+    assert kernels._bwd_entry(torch.bfloat16, 128, True, "sm_90a", gqa_loop=True)[2].startswith(
+        "bwd-sm_90a-bf16-d128-causal-gqa-")
+    with pytest.raises(ValueError, match="not a tunable"):
+        with _cute_settings(OVERRIDES="bwd.gqa_loop=1"):
+            config.overrides("bwd")
+    with pytest.raises(ValueError, match="gqa_loop"):
+        config.BwdConfig(dtype="bf16", head_dim=128, causal=False, arch="sm_90a", abi="x", block_m=64, stages=2,
+                         dq_split=True, dq_tma=True, deterministic=False, varlen=True, gqa_loop=True)
+    for kw in (dict(varlen=True), dict(deterministic=True, dq_tma=False), dict(overlap=True)):
+        with pytest.raises(ValueError, match="gqa_loop"):
+            FlashBwdSm90(cutlass.BFloat16, 128, True, gqa_loop=True, **kw)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_host_paths_agree(dtype):
     """bwd_host's Triton kernels (interpreter on CPU) against its torch expressions on random inputs with
@@ -1108,6 +1207,25 @@ def test_gradients_with_overlap_on_gpu(cute_bwd_on, monkeypatch, cute_env, d, ca
     cute_env(OVERRIDES="bwd.overlap=1")
     _fresh_bwd_kernels(monkeypatch)
     _run(torch.bfloat16, d, causal, 2, seqlen_q, seqlen_k, heads, heads_kv, cute_bwd_on, seed=5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("d", [64, 96, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (17, 17), (1000, 1000), (113, 203), (256, 77), (1, 130),
+                                               (300, 1200)])
+@pytest.mark.parametrize("heads,heads_kv", [(6, 2), (8, 1), (4, 2)])
+@pytest.mark.parametrize("window", [(-1, -1), (40, 7)])
+def test_gradients_with_gqa_loop_on_gpu(cute_bwd_on, monkeypatch, cute_env, d, causal, seqlen_q, seqlen_k, heads,
+                                        heads_kv, window):
+    # plan.bwd_gqa_loop=1: one CTA per KV head walks its group's query heads (query blocks cut by Sq, keys by Sk,
+    # groups of 3, 8 (MQA) and 2; a sliding window); dK / dV summed in the kernel
+    cute_env(OVERRIDES="plan.bwd_gqa_loop=1")
+    _fresh_bwd_kernels(monkeypatch)
+    _run(torch.bfloat16, d, causal, 2, seqlen_q, seqlen_k, heads, heads_kv, cute_bwd_on, seed=12,
+         window=(window[0], 0 if causal else window[1]))
+    assert any(key[-1] == "gqa" for key in kernels._bwd_kernels), "the gqa_loop kernel did not run"
 
 
 @pytest.mark.gpu

@@ -224,10 +224,13 @@ class BwdConfig:
     deterministic: bool = False  # dQ's adds in key-block order (bwd_dq.DqAccumulator)
     softcap: bool = False  # soft-capped scores (the tanh's derivative in dS)
     tma_dkv: bool = False  # dK, dV through shared memory and TMA stores (BWD_TMA_DKV)
+    gqa_loop: bool = False  # one CTA per KV head walks its group's query heads (FlashBwdSm90 gqa_loop; the call's)
 
     def __post_init__(self):
         if self.dtype not in ("fp16", "bf16"):
             raise ValueError(f"dtype {self.dtype} not fp16/bf16")
+        if self.gqa_loop and (self.varlen or self.deterministic or self.overlap):
+            raise ValueError("BwdConfig: gqa_loop takes dense calls without determinism or overlap")
         if self.tma_dkv and self.varlen:
             raise ValueError("BwdConfig: the TMA dK / dV store takes dense calls (varlen: tma_dkv=False)")
         if self.dq_tma and not self.dq_split:
@@ -263,7 +266,10 @@ class PlanRules:
     benchmark against the Triton kernels decide it. ``mods_disk_cache``: the score_mod / mask_mod kernels of mods
     with a stable fingerprint (mod_fingerprint.py) are kept in the disk cache too, so a new process loads them instead
     of compiling; on: a fresh process's kernels loaded from disk ran on an H100 with the accuracy of the compiling
-    process's (tests/cute/test_cute_mod_cache.py's GPU test)."""
+    process's (tests/cute/test_cute_mod_cache.py's GPU test). ``bwd_gqa_loop``: a GQA / MQA backward (dense, not
+    deterministic, no mods) runs the kernel whose CTAs each walk one KV head's group of query heads and write its
+    summed dK / dV (FlashBwdSm90 gqa_loop) instead of per-query-head dK / dV summed after the kernel; off until its GPU
+    tests and an A/B against the per-query-head kernel decide it."""
     pack_gqa_auto: bool = False
     bwd_host: str = "triton"
     bwd_window: bool = True
@@ -272,6 +278,7 @@ class PlanRules:
     bwd_softcap: bool = True
     kvcache: bool = False
     mods_disk_cache: bool = True
+    bwd_gqa_loop: bool = False
 
     def __post_init__(self):
         if self.bwd_host not in ("triton", "torch"):
@@ -289,7 +296,7 @@ class NormBwdTuning:
 
 _SECTIONS = {"fwd": FwdConfig, "bwd": BwdConfig, "plan": PlanRules, "ln": NormBwdTuning}
 _FIXED = {"dtype", "head_dim", "arch", "abi", "causal", "local", "softcap", "varlen", "sink", "split", "pack_gqa",
-          "head_dim_v", "paged"}  # what the call decides: not tunable
+          "head_dim_v", "paged", "gqa_loop"}  # what the call decides: not tunable
 _parsed = {}
 
 
@@ -444,10 +451,12 @@ def short_dims():
                      or any((d, c) in SHORT_PERSISTENT for c in (False, True)))
 
 
-def select_bwd(dtype, head_dim, causal, arch, abi, local=False, varlen=False, deterministic=False, softcap=False):
+def select_bwd(dtype, head_dim, causal, arch, abi, local=False, varlen=False, deterministic=False, softcap=False,
+               gqa_loop=False):
     """The BwdConfig of a backward call (local: with a sliding window; varlen: packed sequences, no lpt order;
     deterministic: dQ by red.global.add in key-block order, with the split dQ tile and no lpt order; softcap:
-    soft-capped scores, 64 query rows per block)."""
+    soft-capped scores, 64 query rows per block; gqa_loop: one CTA per KV head over its group's query heads, no
+    overlap)."""
     ov = overrides("bwd")
     d = int(head_dim)
     dq_split = True if deterministic else ov.get("dq_split", BWD_DQ_SPLIT)
@@ -457,9 +466,10 @@ def select_bwd(dtype, head_dim, causal, arch, abi, local=False, varlen=False, de
                      stages=ov.get("stages", BWD_STAGES.get(d, 2)),
                      dq_split=dq_split,
                      dq_tma=dq_split and not deterministic and ov.get("dq_tma", BWD_DQ_TMA.get(d, False)),
-                     overlap=ov.get("overlap", BWD_OVERLAP.get(d, False)),
+                     overlap=not gqa_loop and ov.get("overlap", BWD_OVERLAP.get(d, False)),
                      lpt=0 if varlen or deterministic else max(0, ov.get("lpt", BWD_LPT_CAUSAL.get(d, BWD_LPT)
                                                                         if causal else BWD_LPT)),
                      exp2_emu=emu, exp2_emu_degree=ov.get("exp2_emu_degree", 3) if emu else 3, local=bool(local),
                      varlen=bool(varlen), deterministic=bool(deterministic), softcap=bool(softcap),
-                     tma_dkv=not varlen and bool(ov.get("tma_dkv", BWD_TMA_DKV.get(d, False))))
+                     tma_dkv=not varlen and bool(ov.get("tma_dkv", BWD_TMA_DKV.get(d, False))),
+                     gqa_loop=bool(gqa_loop))

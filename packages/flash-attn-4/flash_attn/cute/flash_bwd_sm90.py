@@ -56,6 +56,8 @@ Varlen (call_varlen): the packed tensors as one batch entry, grid z over the seq
 seqlen_info.BwdSeqlens (lse2 / delta padded per sequence).
 tests/cute/test_cute_bwd.py checks it against a reference on a Hopper GPU (its GPU-marked tests).
 """
+import dataclasses
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
@@ -91,7 +93,7 @@ class FlashBwdSm90(BwdEntries):
     def __init__(self, dtype, head_dim, causal, block_m=64, block_n=128, num_stages=2, dq_split=True,
                  dq_tma=False, overlap=False, lpt=0, exp2_emu=0, exp2_emu_degree=3, local=False,
                  varlen=False, deterministic=False, softcap=False, mask_mod=None, aux=False, sparse=None,
-                 scalars=(), score_mod=None, score_mod_bwd=None, tma_dkv=False):
+                 scalars=(), score_mod=None, score_mod_bwd=None, tma_dkv=False, gqa_loop=False):
         """head_dim: 64, 96 or 128 (HEAD_DIMS), of q, k and v alike.
         block_m: query rows per step, 64 or (head dim 64 only) 128, see the module docstring.
         local: a sliding window (sizes >= 0 per call, call_general; causal windows have right = 0), every block
@@ -131,7 +133,11 @@ class FlashBwdSm90(BwdEntries):
         tma_dkv: after the loop dK and dV go into the K and V tiles in shared memory (dead by then) with stmatrix
         and leave by one TMA store per warpgroup and tensor (its 64 keys; rows past Sk clipped by TMA), instead of
         2-byte stores from the accumulators; dense calls only (a varlen sequence's last block would overrun into
-        the next sequence's rows)."""
+        the next sequence's rows).
+        gqa_loop: one CTA per (key block, KV head, batch) walks the query blocks of every query head of its group
+        (head by head), so dK and dV of the group accumulate in its registers and are stored once per KV head: mdK /
+        mdV are (B, Sk, Hk, D) and no per-query-head copies are summed after the kernel (dense, no determinism,
+        overlap or mods)."""
         if head_dim not in self.HEAD_DIMS:
             raise ValueError(f"head dim {head_dim} not in {self.HEAD_DIMS}")
         if not 0 <= exp2_emu <= 16 or exp2_emu_degree not in EXP2_POLY:
@@ -206,6 +212,9 @@ class FlashBwdSm90(BwdEntries):
                 raise ValueError("score_mod: block_m 64 (the scaled scores' registers)")
             self.mods = ScoreMods(score_mod, mask_mod, aux, block_m, block_n, scalars=scalars,
                                   score_mod_bwd=score_mod_bwd)
+        self.gqa_loop = bool(gqa_loop)
+        if self.gqa_loop and (varlen or deterministic or overlap or self.mods is not None or sparse is not None):
+            raise ValueError("gqa_loop: the dense backward without determinism, overlap, mods or block sparsity")
         self.sparse = None
         if sparse is not None:
             if varlen or local or softcap or deterministic:
@@ -257,7 +266,8 @@ class FlashBwdSm90(BwdEntries):
         if cutlass.const_expr(self.lpt > 0):
             lin, _, _ = cute.arch.block_idx()
             n_block, head, batch = lpt_tile(lin, cute.ceil_div(cute.size(mK, mode=[0]), self.block_n),
-                                            cute.size(mQ, mode=[2]), cute.size(mQ, mode=[3]), self.lpt)
+                                            cute.size(mK if cutlass.const_expr(self.gqa_loop) else mQ, mode=[2]),
+                                            cute.size(mQ, mode=[3]), self.lpt)
         else:
             n_block, head, batch = cute.arch.block_idx()
         tile = self.seqlens.tile(batch, seqlen_q, mK, (mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK))
@@ -276,12 +286,14 @@ class FlashBwdSm90(BwdEntries):
              tma_dq, mdQ_tma, mdK, mdV, tma_dkv, scale_log2, softmax_scale, sQ_layout, sdO_layout, sK_layout, sV_layout,
              sdS_layout, sdQ_layout, sLSE_layout, tiled_mma_sdp, tiled_mma_dv, tiled_mma_dk, tiled_mma_dq,
              window_left, window_right, n_block, head, tile, mSem, cap, aux=None, sparse=None, scalars=None):
-        """One CTA's key block ``n_block`` of head ``head`` of the sequence ``tile`` (seqlen_info.TileSeqlens)."""
+        """One CTA's key block ``n_block`` of head ``head`` (gqa_loop: of KV head ``head``) of the sequence ``tile``
+        (seqlen_info.TileSeqlens)."""
         dt, BM, BN, stages = self.dtype, self.block_m, self.block_n, self.num_stages
         seqlen_q, seqlen_k = tile.seqlen_q, tile.seqlen_k
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        head_kv = head // (cute.size(mQ, mode=[2]) // cute.size(mK, mode=[2]))  # GQA / MQA
+        group = cute.size(mQ, mode=[2]) // cute.size(mK, mode=[2])  # GQA / MQA
+        head_kv = head if cutlass.const_expr(self.gqa_loop) else head // group
 
         if warp_idx == 0:
             for atom in (tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta):
@@ -332,6 +344,9 @@ class FlashBwdSm90(BwdEntries):
         if cutlass.const_expr(self.sparse is not None):
             tiles = self.sparse.tile(sparse, tile.batch, head, n_block)
             m_block_min, m_block_max = Int32(0), tiles.count
+        if cutlass.const_expr(self.gqa_loop):  # walk positions over (query head of the group, query block)
+            tiles = _GroupWalk.make(m_block_min, m_block_max, head_kv * group)
+            m_block_min, m_block_max = Int32(0), tiles.count(group)
 
         if warp_idx < 4:
             # Producer warpgroup: only TMA issue, so it hands its registers to the consumers.
@@ -378,18 +393,32 @@ class FlashBwdSm90(BwdEntries):
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):  # (sparse: a position of the lists)
+            gq, gdo, gl, gd = tQgQ, tdOgdO, tLgL, tDgD
+            if cutlass.const_expr(self.gqa_loop):  # this position's query head: its tiles' coordinates
+                gq, gdo, gl, gd = self._head_tiles(tma_q, tma_do, tma_lse, tma_delta, mQ, mdO, mLSE2, mDelta, sQ, sdO,
+                                                   sLSE, sDelta, tile, tiles.head(m_block))
             if cutlass.const_expr(tiles is not None):
                 m_block = tiles.block(m_block)
             q_pipe.producer_acquire(q_state)
             q_bar = q_pipe.producer_get_barrier(q_state)
-            cute.copy(tma_q, tQgQ[None, m_block], tQsQ[None, q_state.index], tma_bar_ptr=q_bar)
-            cute.copy(tma_lse, tLgL[None, m_block], tLsL[None, q_state.index], tma_bar_ptr=q_bar)
+            cute.copy(tma_q, gq[None, m_block], tQsQ[None, q_state.index], tma_bar_ptr=q_bar)
+            cute.copy(tma_lse, gl[None, m_block], tLsL[None, q_state.index], tma_bar_ptr=q_bar)
             q_state.advance()
             do_pipe.producer_acquire(do_state)
             do_bar = do_pipe.producer_get_barrier(do_state)
-            cute.copy(tma_do, tdOgdO[None, m_block], tdOsdO[None, do_state.index], tma_bar_ptr=do_bar)
-            cute.copy(tma_delta, tDgD[None, m_block], tDsD[None, do_state.index], tma_bar_ptr=do_bar)
+            cute.copy(tma_do, gdo[None, m_block], tdOsdO[None, do_state.index], tma_bar_ptr=do_bar)
+            cute.copy(tma_delta, gd[None, m_block], tDsD[None, do_state.index], tma_bar_ptr=do_bar)
             do_state.advance()
+
+    def _head_tiles(self, tma_q, tma_do, tma_lse, tma_delta, mQ, mdO, mLSE2, mDelta, sQ, sdO, sLSE, sDelta, tile, head):
+        """The gmem sides of the producer's Q, dO, lse2 and delta TMA copies for query head ``head`` (gqa_loop: the
+        head changes along the walk), indexed by query block."""
+        BM, D, sl = self.block_m, self.head_dim, self.seqlens
+        return (tma_tiles(tma_q, sQ, cute.local_tile(sl.rows(mQ, tile.q_start, head, tile), (BM, D), (None, 0)))[1],
+                tma_tiles(tma_do, sdO, cute.local_tile(sl.rows(mdO, tile.q_start, head, tile), (BM, D), (None, 0)))[1],
+                tma_tiles(tma_lse, sLSE, cute.local_tile(sl.lse_rows(mLSE2, head, tile), (BM,), (None,)), modes=1)[1],
+                tma_tiles(tma_delta, sDelta, cute.local_tile(sl.lse_rows(mDelta, head, tile), (BM,), (None,)),
+                          modes=1)[1])
 
     @cute.jit
     def _consume(self, mdQaccum, tma_dq, mdQ_tma, sdQ, mdK, mdV, tma_dkv, sQ, sK, sV, sdO, sdS, sLSE, sDelta, kv_pipe,
@@ -483,6 +512,10 @@ class FlashBwdSm90(BwdEntries):
         # it (they wait at the next barrier or WGMMA), a deadlock. The lanes that issue nothing commit
         # empty bulk groups and their waits return at once.
         dq_issuer = cute.arch.make_warp_uniform(ctid // 32) == 0
+
+        # what the dQ TMA reduce-add of a walk position needs (_dq_dst)
+        dq_dst = (tQRgdQ, tma_dq, sdQ, mdQ_tma, tile)
+
         if cutlass.const_expr(not self.overlap):
             for pos in cutlass.range(m_block_min, m_block_max, unroll=1):
                 m_block, partial = self._query_block(pos, tiles)
@@ -492,7 +525,7 @@ class FlashBwdSm90(BwdEntries):
                                n_block, seqlen_q, seqlen_k, m_block_mask_end, key_tail, do_state.index,
                                q_state.index, window, cap, rdT, mods, partial)
                 self._ds_dk_dq(acc_S, acc_dP, tScS, rdS, thr_sdp, sdSt, sDelta, tiled_mma_dk, acc_dK, tdKrdSt,
-                               tdKrQt, tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, tma_dq, tQRsdQ, tQRgdQ, dq_issuer,
+                               tdKrQt, tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, tma_dq, tQRsdQ, dq_dst, dq_issuer,
                                buf, pos, m_block_min, wg, q_state.index, do_state.index, rP=rP,
                                ds_copy=ds_copy, rdT=rdT, tiles=tiles, mods=mods, n_block=n_block, m_block_of=m_block)
                 warpgroup.wait_group(0)  # dV, dK, dQ done: the Q and dO stages and rP are free
@@ -500,7 +533,8 @@ class FlashBwdSm90(BwdEntries):
                 do_pipe.consumer_release(do_state)
                 q_state.advance()
                 do_state.advance()
-                self.dq.out(mdQaccum, acc_dQ, tdQcdQ, tdQsdQ, softmax_scale, buf, m_block, head, tile, seqlen_q, turn,
+                self.dq.out(mdQaccum, acc_dQ, tdQcdQ, tdQsdQ, softmax_scale, buf, m_block,
+                            tiles.head(pos) if cutlass.const_expr(self.gqa_loop) else head, tile, seqlen_q, turn,
                             dq_repartition=(tiled_mma_dq, sdQ, ctid) if cutlass.const_expr(self.dq_in_loop) else None)
                 buf = 1 - buf
         else:
@@ -534,7 +568,7 @@ class FlashBwdSm90(BwdEntries):
                                n_block, seqlen_q, seqlen_k, m_block_mask_end, key_tail, do_state.index,
                                q_state.index, window, cap, rdT, mods, partial)
                 self._ds_dk_dq(acc_S, acc_dP, tScS, rdS, thr_sdp, sdSt, sDelta, tiled_mma_dk, acc_dK, tdKrdSt,
-                               tdKrQt, tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, tma_dq, tQRsdQ, tQRgdQ, dq_issuer,
+                               tdKrQt, tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, tma_dq, tQRsdQ, dq_dst, dq_issuer,
                                buf, pos, m_block_min, wg, q_state.index, do_state.index, rP=rP,
                                ds_copy=ds_copy, rdT=rdT, tiles=tiles, mods=mods, n_block=n_block, m_block_of=m_block)
                 # acc_S and acc_dP are dead: dS^T of this block is in shared memory.
@@ -556,7 +590,8 @@ class FlashBwdSm90(BwdEntries):
                 do_pipe.consumer_release(do_state)
                 q_state.advance()
                 do_state.advance()
-                self.dq.out(mdQaccum, acc_dQ, tdQcdQ, tdQsdQ, softmax_scale, buf, m_block, head, tile, seqlen_q, turn,
+                self.dq.out(mdQaccum, acc_dQ, tdQcdQ, tdQsdQ, softmax_scale, buf, m_block,
+                            tiles.head(pos) if cutlass.const_expr(self.gqa_loop) else head, tile, seqlen_q, turn,
                             dq_repartition=(tiled_mma_dq, sdQ, ctid) if cutlass.const_expr(self.dq_in_loop) else None)
                 buf = 1 - buf
             warpgroup.wait_group(0)  # the unread S^T and dP^T issued last
@@ -566,7 +601,8 @@ class FlashBwdSm90(BwdEntries):
             cute.arch.barrier(barrier_id=1, number_of_threads=256)
             if dq_issuer:
                 if m_block_max > m_block_min:
-                    self.dq.reduce(tma_dq, tQRsdQ, tQRgdQ, 1 - buf, self._query_block(m_block_max - 1, tiles)[0])
+                    g_last, m_last = self._dq_dst(dq_dst, m_block_max - 1, tiles)
+                    self.dq.reduce(tma_dq, tQRsdQ, g_last, 1 - buf, m_last)
                 cute.arch.cp_async_bulk_wait_group(0)
 
         if cutlass.const_expr(self.tma_dkv):
@@ -574,6 +610,18 @@ class FlashBwdSm90(BwdEntries):
                                n_block, head, tile)
         else:
             self._epilogue(mdK, mdV, acc_dK, acc_dV, tdKcdK, softmax_scale, n_block, head, tile, seqlen_k)
+
+    def _dq_dst(self, dst, pos, tiles):
+        """(the gmem partition of the dQ TMA reduce-add, query block) of walk position ``pos``; dst = (the CTA's
+        partition, tma_dq, sdQ, mdQ_tma, tile): with gqa_loop the position names its query head, the partition is
+        that head's."""
+        m = self._query_block(pos, tiles)[0]
+        if cutlass.const_expr(self.gqa_loop):
+            _, tma_dq, sdQ, mdQ_tma, tile = dst
+            gdQ = cute.local_tile(self.seqlens.rows(mdQ_tma, tile.q_start, tiles.head(pos), tile),
+                                  (self.block_m, self.head_dim), (None, 0))
+            return tma_tiles(tma_dq, sdQ, gdQ)[1], m
+        return dst[0], m
 
     def _query_block(self, pos, tiles):
         """(query block, partial or None) at walk position ``pos`` (trace time): the position itself, or with block
@@ -659,12 +707,12 @@ class FlashBwdSm90(BwdEntries):
 
     @cute.jit
     def _ds_dk_dq(self, acc_S, acc_dP, tScS, rdS, thr_sdp, sdSt, sDelta, tiled_mma_dk, acc_dK, tdKrdSt, tdKrQt,
-                  tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, tma_dq, tQRsdQ, tQRgdQ, dq_issuer, buf, m_block,
+                  tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, tma_dq, tQRsdQ, dq_dst, dq_issuer, buf, m_block,
                   m_block_min, wg, q_stage, do_stage, rP=None, ds_copy=None, rdT=None, tiles=None, mods=None,
                   n_block=None, m_block_of=None):
         """Wait for dP^T, dS^T = P^T (dP^T - delta) to shared memory (buffer buf), the dS barrier, and
         issue dK += dS^T Q and dQ = dS K (two commit groups); with dq_tma the previous block's dQ tile
-        reduce-add after the barrier. m_block / m_block_min: the walk's positions (the query blocks themselves
+        reduce-add after the barrier (dq_dst: a walk position's (gmem partition, query block) for it). m_block / m_block_min: the walk's positions (the query blocks themselves
         without block sparsity; with it, tiles maps them)."""
         warpgroup.wait_group(1)  # dP^T is ready; dV may still run
         if cutlass.const_expr(self.wide):
@@ -709,7 +757,8 @@ class FlashBwdSm90(BwdEntries):
             if cutlass.const_expr(self.dq_tma):
                 # Past the barrier every thread has written and fenced the previous block's dQ tile.
                 if dq_issuer and m_block > m_block_min:
-                    self.dq.reduce(tma_dq, tQRsdQ, tQRgdQ, 1 - buf, self._query_block(m_block - 1, tiles)[0])
+                    g_prev, m_prev = self._dq_dst(dq_dst, m_block - 1, tiles)
+                    self.dq.reduce(tma_dq, tQRsdQ, g_prev, 1 - buf, m_prev)
         else:
             cute.arch.barrier(barrier_id=1 + wg, number_of_threads=128)
         if cutlass.const_expr(not self.wide):
@@ -780,3 +829,30 @@ class FlashBwdSm90(BwdEntries):
             cute.arch.cp_async_bulk_commit_group()
             # The CTA's shared memory must stay until TMA has read it: wait for the reads, not the writes.
             cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class _GroupWalk:
+    """gqa_loop's walk of a key block's CTA: position p is query block m_min + p % n of query head first_head + p // n
+    (n the query blocks that see the key block, the same for every head of the group), head by head; the interface
+    of sparse_tiles' lists (block, partial) plus the head. A dataclass: the DSL carries its fields through loops."""
+
+    m_min: Int32
+    n: Int32
+    first_head: Int32
+
+    @staticmethod
+    def make(m_min, m_max, first_head):
+        return _GroupWalk(m_min, cutlass.max(m_max - m_min, 0), first_head)
+
+    def count(self, group):
+        return group * self.n
+
+    def block(self, pos):
+        return self.m_min + pos % self.n
+
+    def head(self, pos):
+        return self.first_head + pos // self.n
+
+    def partial(self, pos):
+        return None  # (no lists: every position's block is masked as the mask says)

@@ -8,7 +8,7 @@ import torch
 
 from flash_attn.cute.kernels import _bwd_kernels, _kernels, bwd_config, bwd_kernel, bwd_mem_key, fwd_kernel
 from flash_attn.cute import combine as _combine
-from flash_attn.cute.config import LONG_SK, SHORT_SK
+from flash_attn.cute.config import LONG_SK, SHORT_SK, plan_rules
 from flash_attn.cute.plan import _FWD_LONG_ON, _SHORT_DIMS, _UNBOUNDED, _length_kernel, _window_args
 
 _F32 = torch.float32
@@ -396,7 +396,11 @@ def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grad
     if deterministic and local:
         raise NotImplementedError("flash_attn.cute's deterministic backward has no sliding window")
     capped = softcap > 0.0
-    block_m = bwd_config(dtype, D, causal, arch, local, False, deterministic, capped).block_m
+    group = H // Hk
+    # GQA under the plan rule bwd_gqa_loop: one CTA per KV head walks its group's query heads and writes the summed
+    # dK / dV itself (no per-query-head copies, no sum after the kernel)
+    gqa = group > 1 and mod is None and not deterministic and plan_rules().bwd_gqa_loop
+    block_m = bwd_config(dtype, D, causal, arch, local, False, deterministic, capped, gqa).block_m
     per_batch = max(Sq * H, Sk * max(H, Hk)) * D
     if per_batch >= _MAX_ELEMS:
         raise NotImplementedError(
@@ -404,8 +408,8 @@ def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grad
     if mod is not None:
         fn, aux, lists, mod_scalars, block_m = mod
     else:
-        fn = (_bwd_kernels.get(bwd_mem_key(dtype, D, causal, arch, local, False, deterministic, capped))
-              or bwd_kernel(dtype, D, causal, arch, local, deterministic=deterministic, softcap=capped))
+        fn = (_bwd_kernels.get(bwd_mem_key(dtype, D, causal, arch, local, False, deterministic, capped, gqa))
+              or bwd_kernel(dtype, D, causal, arch, local, deterministic=deterministic, softcap=capped, gqa_loop=gqa))
     # the entries' scalars (bwd_entries.py): __call__'s (and call_mods') scale; call_deterministic's scale, softcap;
     # call_general's scale, softcap, window sizes; call_mods' aux after them, call_mods_local's after the window sizes
     # (it takes no lists)
@@ -427,11 +431,15 @@ def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grad
     lse2, delta, dq_accum = (bwd_host.prepare if host else bwd_host.prepare_torch)(out, dout, lse, sq_pad)
     if dlse is not None:
         delta[:, :, :Sq].sub_(dlse[:, :, :Sq])
-    group = H // Hk
-    if group == 1 and (dk_out is None or (_bwd_out_layout(dk_out, D) and _bwd_out_layout(dv_out, D))):
-        dk_h = dk_out if dk_out is not None else torch.empty((B, Sk, H, D), dtype=dtype, device=q.device)
-        dv_h = dv_out if dv_out is not None else torch.empty((B, Sk, H, D), dtype=dtype, device=q.device)
+    if (group == 1 or gqa) and (dk_out is None or (_bwd_out_layout(dk_out, D) and _bwd_out_layout(dv_out, D))):
+        # the kernel's dK / dV are the gradients (per KV head: per query head without GQA, or summed by gqa_loop)
+        dk_h = dk_out if dk_out is not None else torch.empty((B, Sk, Hk, D), dtype=dtype, device=q.device)
+        dv_h = dv_out if dv_out is not None else torch.empty((B, Sk, Hk, D), dtype=dtype, device=q.device)
         dk, dv, sums = dk_h, dv_h, False
+    elif gqa:  # the gradients' layout does not suit the kernel: its own, copied after
+        dk_h = torch.empty((B, Sk, Hk, D), dtype=dtype, device=q.device)
+        dv_h = torch.empty((B, Sk, Hk, D), dtype=dtype, device=q.device)
+        dk, dv, sums = dk_out, dv_out, False
     else:  # per-query-head dK/dV from the kernel, summed over each group (or copied) after it
         dk_h = torch.empty((B, Sk, H, D), dtype=dtype, device=q.device)
         dv_h = torch.empty((B, Sk, H, D), dtype=dtype, device=q.device)
@@ -446,6 +454,9 @@ def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grad
     # dq_accum holds softmax_scale * dS K: a cast is left
     dq = dq_out if dq_out is not None else torch.empty((B, Sq, H, D), dtype=dtype, device=q.device)
     (bwd_host.finish if host else bwd_host.finish_torch)(dq_accum, dq, *((dk_h, dv_h, dk, dv) if sums else ()))
+    if dk is not dk_h and not sums:  # (gqa_loop into gradients of another layout)
+        dk.copy_(dk_h)
+        dv.copy_(dv_h)
     return dq, dk, dv
 
 
