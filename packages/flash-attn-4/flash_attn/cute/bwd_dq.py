@@ -6,8 +6,9 @@ from cutlass import Int32
 from flash_attn.cute.bwd_parts import red_add_f32x2
 from flash_attn.cute.hopper_helpers import opaque
 
-# The named barrier of the deterministic turn (the kernel's dS barrier is 1; 2 and 3 are the per-warpgroup
-# barriers of dq_split=False, which the deterministic kernel does not build).
+# The named barrier of the deterministic turn (the kernel's dS barrier is 1; with dq_split=False, which the
+# deterministic kernel does not build, 1 and 2 are the per-warpgroup dS barriers; 3 to 5 are the TMA dK / dV
+# epilogue's). One id never serves two thread counts at once: that is an illegal instruction.
 TURN_BARRIER = 2
 
 
