@@ -228,23 +228,36 @@ def test_tma_dkv_stores_dk_and_dv_through_shared_memory(tmp_path, cute_env, d, c
 
 def test_tma_dkv_config_key_and_refusals(cute_env):
     """On by default for dense calls (in their keys; bwd.tma_dkv=0 gives the direct stores' keys back); varlen calls
-    keep the direct stores (a sequence's last key block would overrun into the next one's rows) and the kernel refuses the pair."""
-    import cutlass
-
-    from flash_attn.cute.flash_bwd_sm90 import FlashBwdSm90
-
+    take it only from the override until its GPU tests pass (their key blocks that end inside the sequence by TMA, a
+    sequence's last partial block by the direct stores)."""
     for d in (64, 96, 128):
         assert kernels.bwd_config(torch.bfloat16, d, True, "sm_90a").key()["tma_dkv"] is True
         assert "tma_dkv" not in kernels.bwd_config(torch.bfloat16, d, True, "sm_90a", varlen=True).key()
     cute_env(OVERRIDES="bwd.tma_dkv=0")
     assert "tma_dkv" not in kernels.bwd_config(torch.bfloat16, 128, False, "sm_90a").key()
     cute_env(OVERRIDES="bwd.tma_dkv=1")
-    assert "tma_dkv" not in kernels.bwd_config(torch.bfloat16, 128, False, "sm_90a", varlen=True).key()
-    with pytest.raises(ValueError, match="varlen"):
-        config.BwdConfig(dtype="bf16", head_dim=128, causal=False, arch="sm_90a", abi="x", block_m=64, stages=2,
-                         dq_split=True, dq_tma=True, varlen=True, tma_dkv=True)
-    with pytest.raises(ValueError, match="dense"):
-        FlashBwdSm90(cutlass.BFloat16, 128, False, varlen=True, tma_dkv=True)
+    assert kernels.bwd_config(torch.bfloat16, 128, False, "sm_90a", varlen=True).key()["tma_dkv"] is True
+
+
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas not on PATH")
+def test_varlen_tma_dkv_keeps_the_direct_stores_for_a_sequences_last_block(tmp_path, cute_env):
+    """bwd.tma_dkv=1 on the varlen kernel: the TMA stores and stmatrix of the dense epilogue, and the direct 16-bit
+    stores as well (a sequence's last partial key block, which TMA cannot clip at the sequence's end); ptxas spills no
+    more than the varlen kernel without it."""
+    logs = {}
+    for tma in (False, True):
+        cute_env(OVERRIDES=f"bwd.tma_dkv={int(tma)}")
+        dump = tmp_path / f"tma{int(tma)}"
+        dump.mkdir()
+        kernels.compile_bwd(torch.bfloat16, 128, True, arch="sm_90a", dump_dir=str(dump), varlen=True)
+        (ptx,) = glob.glob(str(dump / "*.ptx"))
+        text = open(ptx).read()
+        store = _count(text, "cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group")
+        assert (store >= 2) == tma and _count(text, "st.global.b16") == 2 * 128 // 2
+        log = _ptxas_log(ptx)
+        assert "are serialized" not in log and "setmaxnreg' ignored" not in log, log
+        logs[tma] = max([int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)] or [0])
+    assert logs[True] <= logs[False], logs
 
 
 # ----------------------------------------------------------------------------------------------------

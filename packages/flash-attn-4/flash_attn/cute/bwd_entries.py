@@ -196,13 +196,13 @@ class BwdEntries:
                 cpasync.CopyReduceBulkTensorTileS2GOp(cute.ReductionKind.ADD), mdQaccum,
                 cute.slice_(sdQ_layout, (None, None, 0)), (BM, D))
 
-        # dK / dV by TMA (tma_dkv): each warpgroup's 64 rows of the K / V tile, stored as one box; mdK / mdV become
-        # the stores' coordinate tensors.
-        tma_dk, tma_dv = None, None
+        # dK / dV by TMA (tma_dkv): each warpgroup's 64 rows of the K / V tile, stored as one box, through the stores'
+        # coordinate tensors (varlen: mdK / mdV themselves too, for a sequence's last partial block)
+        tma_dk, tma_dv, mdK_tma, mdV_tma = None, None, None, None
         if cutlass.const_expr(self.tma_dkv):
             s2g = cpasync.CopyBulkTensorTileS2GOp()
-            tma_dk, mdK = cpasync.make_tiled_tma_atom(s2g, mdK, cute.composition(sK_layout, (64, D)), (64, D))
-            tma_dv, mdV = cpasync.make_tiled_tma_atom(s2g, mdV, cute.composition(sV_layout, (64, D)), (64, D))
+            tma_dk, mdK_tma = cpasync.make_tiled_tma_atom(s2g, mdK, cute.composition(sK_layout, (64, D)), (64, D))
+            tma_dv, mdV_tma = cpasync.make_tiled_tma_atom(s2g, mdV, cute.composition(sV_layout, (64, D)), (64, D))
 
         # one CTA per key block and query head, or with gqa_loop per KV head (it walks its group's query heads)
         grid = (cute.ceil_div(cute.size(mK, mode=[0]), BN),
@@ -224,7 +224,8 @@ class BwdEntries:
             cap = (softmax_scale / softcap, softcap * LOG2_E)
             scale_log2 = Float32(1.0)
         self.kernel(tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma, tma_do, mdO_tma, tma_lse, mLSE2_tma,
-                    tma_delta, mDelta_tma, mdQaccum, tma_dq, mdQ_tma, mdK, mdV, tma_dk, tma_dv, scale_log2,
+                    tma_delta, mDelta_tma, mdQaccum, tma_dq, mdQ_tma, mdK, mdV, tma_dk, tma_dv, mdK_tma, mdV_tma,
+                    scale_log2,
                     softmax_scale, cute.size(mQ, mode=[0]), sQ_layout, sdO_layout, sK_layout, sV_layout,
                     sdS_layout, sdQ_layout, sLSE_layout, tiled_mma_sdp, tiled_mma_dv, tiled_mma_dk,
                     tiled_mma_dq, *(window if cutlass.const_expr(self.local) else (None, None)), *tile_seqs, sem, *cap,

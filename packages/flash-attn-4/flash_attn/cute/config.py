@@ -86,8 +86,8 @@ BWD_LPT = 0
 BWD_LPT_CAUSAL = {64: 128}
 BWD_EXP2_EMU = {64: 0, 96: 0, 128: 0}
 # dK and dV leave through the (then dead) K and V tiles in shared memory and one TMA store per warpgroup, instead of
-# 2-byte stores from the accumulator registers (dense calls; varlen keeps the direct stores, whose rows stop at the
-# sequence's end).
+# 2-byte stores from the accumulator registers: dense calls. Varlen calls (their key blocks that end inside the
+# sequence by TMA, a sequence's last partial block by the direct stores) only with bwd.tma_dkv=1 until GPU-tested.
 BWD_TMA_DKV = {64: True, 96: True, 128: True}
 
 _DTYPE_NAMES = {"torch.float16": "fp16", "torch.bfloat16": "bf16", "fp16": "fp16", "bf16": "bf16"}
@@ -223,7 +223,7 @@ class BwdConfig:
     varlen: bool = False  # packed sequences (FlashBwdSm90.call_varlen)
     deterministic: bool = False  # dQ's adds in key-block order (bwd_dq.DqAccumulator)
     softcap: bool = False  # soft-capped scores (the tanh's derivative in dS)
-    tma_dkv: bool = False  # dK, dV through shared memory and TMA stores (BWD_TMA_DKV)
+    tma_dkv: bool = False  # dK, dV through shared memory and TMA stores (BWD_TMA_DKV; varlen: an override)
     gqa_loop: bool = False  # one CTA per KV head walks its group's query heads (FlashBwdSm90 gqa_loop; the call's)
 
     def __post_init__(self):
@@ -231,8 +231,6 @@ class BwdConfig:
             raise ValueError(f"dtype {self.dtype} not fp16/bf16")
         if self.gqa_loop and (self.varlen or self.deterministic or self.overlap):
             raise ValueError("BwdConfig: gqa_loop takes dense calls without determinism or overlap")
-        if self.tma_dkv and self.varlen:
-            raise ValueError("BwdConfig: the TMA dK / dV store takes dense calls (varlen: tma_dkv=False)")
         if self.dq_tma and not self.dq_split:
             raise ValueError("BwdConfig: the TMA dQ needs the split dQ tile (dq_split)")
         if self.varlen and self.lpt:
@@ -471,5 +469,5 @@ def select_bwd(dtype, head_dim, causal, arch, abi, local=False, varlen=False, de
                                                                         if causal else BWD_LPT)),
                      exp2_emu=emu, exp2_emu_degree=ov.get("exp2_emu_degree", 3) if emu else 3, local=bool(local),
                      varlen=bool(varlen), deterministic=bool(deterministic), softcap=bool(softcap),
-                     tma_dkv=not varlen and bool(ov.get("tma_dkv", BWD_TMA_DKV.get(d, False))),
+                     tma_dkv=bool(ov.get("tma_dkv", False if varlen else BWD_TMA_DKV.get(d, False))),
                      gqa_loop=bool(gqa_loop))

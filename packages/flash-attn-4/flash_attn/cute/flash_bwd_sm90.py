@@ -132,8 +132,9 @@ class FlashBwdSm90(BwdEntries):
         degree 3's 1e-4 relative error is below that rounding).
         tma_dkv: after the loop dK and dV go into the K and V tiles in shared memory (dead by then) with stmatrix
         and leave by one TMA store per warpgroup and tensor (its 64 keys; rows past Sk clipped by TMA), instead of
-        2-byte stores from the accumulators; dense calls only (a varlen sequence's last block would overrun into
-        the next sequence's rows).
+        2-byte stores from the accumulators; varlen: a key block that ends inside its sequence (TMA clips only at
+        the packed tensor's end, and a sequence's last partial block would overrun into the next sequence's rows:
+        that one takes the direct stores).
         gqa_loop: one CTA per (key block, KV head, batch) walks the query blocks of every query head of its group
         (head by head), so dK and dV of the group accumulate in its registers and are stored once per KV head: mdK /
         mdV are (B, Sk, Hk, D) and no per-query-head copies are summed after the kernel (dense, no determinism,
@@ -165,8 +166,6 @@ class FlashBwdSm90(BwdEntries):
             raise ValueError("dq_tma needs dq_split (the dS barrier of both warpgroups orders the dQ tile)")
         self.overlap = bool(overlap)
         self.tma_dkv = bool(tma_dkv)
-        if self.tma_dkv and varlen:
-            raise ValueError("tma_dkv takes dense calls: a varlen sequence's last key block would overrun its rows")
         if lpt < 0:
             raise ValueError(f"lpt {lpt} < 0")
         self.lpt = int(lpt)
@@ -257,7 +256,7 @@ class FlashBwdSm90(BwdEntries):
                tma_v: cute.CopyAtom, mV: cute.Tensor, tma_do: cute.CopyAtom, mdO: cute.Tensor,
                tma_lse: cute.CopyAtom, mLSE2: cute.Tensor, tma_delta: cute.CopyAtom, mDelta: cute.Tensor,
                mdQaccum: cute.Tensor, tma_dq, mdQ_tma, mdK: cute.Tensor, mdV: cute.Tensor, tma_dk, tma_dv,
-               scale_log2: Float32, softmax_scale: Float32, seqlen_q: Int32, sQ_layout: cute.ComposedLayout,
+               mdK_tma, mdV_tma, scale_log2: Float32, softmax_scale: Float32, seqlen_q: Int32, sQ_layout: cute.ComposedLayout,
                sdO_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                sdS_layout: cute.ComposedLayout, sdQ_layout: cute.ComposedLayout, sLSE_layout: cute.Layout,
                tiled_mma_sdp: cute.TiledMma, tiled_mma_dv: cute.TiledMma, tiled_mma_dk: cute.TiledMma,
@@ -272,7 +271,7 @@ class FlashBwdSm90(BwdEntries):
             n_block, head, batch = cute.arch.block_idx()
         tile = self.seqlens.tile(batch, seqlen_q, mK, (mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK))
         cta = (tma_q, mQ, tma_k, mK, tma_v, mV, tma_do, mdO, tma_lse, mLSE2, tma_delta, mDelta, mdQaccum, tma_dq,
-               mdQ_tma, mdK, mdV, (tma_dk, tma_dv), scale_log2, softmax_scale, sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout,
+               mdQ_tma, mdK, mdV, (tma_dk, tma_dv, mdK_tma, mdV_tma), scale_log2, softmax_scale, sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout,
                sdQ_layout, sLSE_layout, tiled_mma_sdp, tiled_mma_dv, tiled_mma_dk, tiled_mma_dq, window_left,
                window_right, n_block, head, tile, mSem, (score_scale, cap_log2), aux, sparse, scalars)
         if cutlass.const_expr(self.varlen):
@@ -605,9 +604,15 @@ class FlashBwdSm90(BwdEntries):
                     self.dq.reduce(tma_dq, tQRsdQ, g_last, 1 - buf, m_last)
                 cute.arch.cp_async_bulk_wait_group(0)
 
-        if cutlass.const_expr(self.tma_dkv):
-            self._epilogue_tma(mdK, mdV, tma_dkv, sK, sV, tiled_mma_dv, acc_dK, acc_dV, softmax_scale, ctid, wg,
-                               n_block, head, tile)
+        if cutlass.const_expr(self.tma_dkv and self.varlen):
+            if (n_block + 1) * BN <= seqlen_k:  # the block ends inside its sequence (CTA-uniform)
+                self._epilogue_tma(tma_dkv, sK, sV, tiled_mma_dv, acc_dK, acc_dV, softmax_scale, ctid, wg, n_block,
+                                   head, tile)
+            else:
+                self._epilogue(mdK, mdV, acc_dK, acc_dV, tdKcdK, softmax_scale, n_block, head, tile, seqlen_k)
+        elif cutlass.const_expr(self.tma_dkv):
+            self._epilogue_tma(tma_dkv, sK, sV, tiled_mma_dv, acc_dK, acc_dV, softmax_scale, ctid, wg, n_block, head,
+                               tile)
         else:
             self._epilogue(mdK, mdV, acc_dK, acc_dV, tdKcdK, softmax_scale, n_block, head, tile, seqlen_k)
 
@@ -792,11 +797,11 @@ class FlashBwdSm90(BwdEntries):
                 gdV[row, tdKcdK[i][1]] = acc_dV[i].to(dt)
 
     @cute.jit
-    def _epilogue_tma(self, mdK, mdV, tma_dkv, sK, sV, tiled_mma_dv, acc_dK, acc_dV, softmax_scale, ctid, wg,
-                      n_block, head, tile):
+    def _epilogue_tma(self, tma_dkv, sK, sV, tiled_mma_dv, acc_dK, acc_dV, softmax_scale, ctid, wg, n_block, head,
+                      tile):
         """dK (scaled) and dV through the K and V tiles in shared memory: stmatrix of each warpgroup's 64 keys,
-        then one TMA store per tensor of those rows (mdK / mdV: the stores' coordinate tensors; rows past Sk are
-        clipped by TMA)."""
+        then one TMA store per tensor of those rows (tma_dkv: the two stores' atoms and coordinate tensors; rows
+        past the tensor's end are clipped by TMA)."""
         dt, D = self.dtype, self.head_dim
         # K is read by both warpgroups' dQ WGMMAs (all keys); each waited for its own before the loop ended,
         # so past this barrier no WGMMA reads K or V. Its own id: the loop's per-warpgroup dS barriers (1 + wg,
@@ -818,7 +823,7 @@ class FlashBwdSm90(BwdEntries):
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=3 + wg, number_of_threads=128)
         if ctid % 128 == 0:
-            tma_dk, tma_dv = tma_dkv
+            tma_dk, tma_dv, mdK, mdV = tma_dkv
             gdK = cute.local_tile(self.seqlens.rows(mdK, tile.k_start, head, tile), (64, D), (None, 0))
             gdV = cute.local_tile(self.seqlens.rows(mdV, tile.k_start, head, tile), (64, D), (None, 0))
             tKs, tKg = tma_tiles(tma_dk, cute.local_tile(sK, (64, D), (wg, 0)), gdK)
