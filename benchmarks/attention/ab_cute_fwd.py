@@ -5,6 +5,10 @@ only, do_bench medians, bf16, batch x seqlen = --tokens, heads = --hidden / head
     python -m benchmarks.attention.ab_cute_fwd --variants ";FLASH_ATTN_CUTE_OVERRIDES=fwd.persistent=1"
     python -m benchmarks.attention.ab_cute_fwd --headdims 64 \\
         --variants ";FLASH_ATTN_CUTE_OVERRIDES=fwd.persistent=0,fwd.warpgroups=3"
+    python -m benchmarks.attention.ab_cute_fwd --softcap 30 --variants ";FLASH_ATTN_CUTE_OVERRIDES=fwd.tma_o=1"
+
+--softcap CAP / --window LEFT: the calls with that softcap / sliding window (left size; right 0 when causal, else
+LEFT too); their TFLOP/s count the dense (or causal) pairs all the same, so compare variants, not shapes.
 
 A variant is a comma-separated list of NAME=VALUE (empty: the defaults; parsed as ab_cute_bwd's, so
 FLASH_ATTN_CUTE_OVERRIDES' own comma-separated fields stay one value). The settings are read again after
@@ -15,7 +19,10 @@ from benchmarks.attention.ab_cute_bwd import apply, header, parser, round_order,
 
 
 def main(argv=None):
-    args = parser(__doc__, [1024, 4096, 16384]).parse_args(argv)
+    ap = parser(__doc__, [1024, 4096, 16384])
+    ap.add_argument("--softcap", type=float, default=0.0)
+    ap.add_argument("--window", type=int, default=-1, help="left window size (-1: none)")
+    args = ap.parse_args(argv)
 
     import torch
     from triton.testing import do_bench
@@ -38,8 +45,11 @@ def main(argv=None):
                     for i, var in round_order(variants_, r):
                         apply(var, names)
                         kernels._kernels.clear()  # the in-memory cache does not key on the settings
-                        t = do_bench(lambda: flash_attn_func(q, k, v, causal=causal), warmup=args.warmup,
-                                     rep=args.rep, return_mode="median")
+                        window = ((None, None) if args.window < 0 else
+                                  (args.window, 0 if causal else args.window))
+                        t = do_bench(lambda: flash_attn_func(q, k, v, causal=causal, softcap=args.softcap,
+                                                             window_size=window),
+                                     warmup=args.warmup, rep=args.rep, return_mode="median")
                         rates[i].append(flops / t / 1e9)
                 print(f"| {d} | {s} | {causal} | " + " | ".join(f"{summary(x):.0f}" for x in rates) + " |",
                       flush=True)
