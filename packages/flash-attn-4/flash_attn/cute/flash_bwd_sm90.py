@@ -356,8 +356,8 @@ class FlashBwdSm90(BwdEntries):
                               tile, m_block_min, m_block_max, tiles)
         else:
             cute.arch.setmaxregister_increase(self.CONSUMER_REGS)
-            self._consume(mdQaccum, tma_dq, mdQ_tma, sdQ, mdK, mdV, tma_dkv, sQ, sK, sV, sdO, sdS, sLSE, sDelta, kv_pipe,
-                          q_pipe, do_pipe, tiled_mma_sdp, tiled_mma_dv, tiled_mma_dk, tiled_mma_dq, scale_log2,
+            self._consume(mdQaccum, tma_dq, mdQ_tma, sdQ, mdK, mdV, tma_dkv, sQ, sK, sV, sdO, sdS, sLSE, sDelta,
+                          kv_pipe, q_pipe, do_pipe, tiled_mma_sdp, tiled_mma_dv, tiled_mma_dk, tiled_mma_dq, scale_log2,
                           softmax_scale, tidx - self.NUM_PRODUCER_THREADS, n_block, head, tile, seqlen_q, seqlen_k,
                           m_block_min, m_block_max, (window_left, window_right), mSem, cap,
                           None if cutlass.const_expr(self.mods is None) else self.mods.context(tile, head, aux,
@@ -717,8 +717,9 @@ class FlashBwdSm90(BwdEntries):
                   n_block=None, m_block_of=None):
         """Wait for dP^T, dS^T = P^T (dP^T - delta) to shared memory (buffer buf), the dS barrier, and
         issue dK += dS^T Q and dQ = dS K (two commit groups); with dq_tma the previous block's dQ tile
-        reduce-add after the barrier (dq_dst: a walk position's (gmem partition, query block) for it). m_block / m_block_min: the walk's positions (the query blocks themselves
-        without block sparsity; with it, tiles maps them)."""
+        reduce-add after the barrier (dq_dst: what _dq_dst needs for a walk position's destination). m_block /
+        m_block_min: the walk's positions (the query blocks themselves without block sparsity; with it, or with
+        gqa_loop's walk, tiles maps them)."""
         warpgroup.wait_group(1)  # dP^T is ready; dV may still run
         if cutlass.const_expr(self.wide):
             # P^T back from the 16-bit copy that dV reads: the fp32 S^T is dead since the conversion,
