@@ -7,8 +7,9 @@ Layouts, as PyTorch lays them out: mQ / mdO (B, Sq, H, D); mK / mV (B, Sk, Hk, D
 the caller, receives softmax_scale * dS K); mdK / mdV (B, Sk, H, D) in the input dtype (per query head: GQA sums on
 the host; a kernel built with gqa_loop: (B, Sk, Hk, D), the group summed in the kernel). Varlen: the packed tensors
 as one batch entry (B = 1), sequence b's rows from cu_seqlens_q[b] / cu_seqlens_k[b], its lse2 / delta rows from
-(cu_seqlens_q[b] // block_m + b) * block_m (seqlen_info.BwdSeqlens). Deterministic: mSem (B or sequences, H, query blocks) int32 zeros, the turn counters (bwd_dq.DqAccumulator). softcap > 0 is read by
-a kernel built with softcap=True, the window sizes (>= 0) by one built with local=True."""
+(cu_seqlens_q[b] // block_m + b) * block_m (seqlen_info.BwdSeqlens). Deterministic: mSem (B or sequences, H,
+query blocks) int32 zeros, the turn counters (bwd_dq.DqAccumulator). softcap > 0 is read by a kernel built with
+softcap=True, the window sizes (>= 0) by one built with local=True."""
 import math
 
 import cutlass
