@@ -882,13 +882,13 @@ def test_gqa_loop_kernel_walks_the_group_and_fits_its_registers(tmp_path, cute_e
 
 @pytest.mark.parametrize("m_min,m_max,group", [(3, 7, 3), (0, 1, 8), (5, 2, 4), (2, 2, 2), (0, 16, 1)])
 def test_gqa_loop_walk_visits_each_head_and_query_block_once_head_by_head(m_min, m_max, group):
-    """_GroupWalk (the gqa_loop kernel's positions, here on Python ints): position p is query block m_min + p % n of
+    """bwd_epilogue.GroupWalk (the gqa_loop kernel's positions, here on Python ints): position p is query block m_min + p % n of
     query head first + p // n; every (head of the group, block in [m_min, m_max)) once, head by head, blocks ascending
     within a head (the causal mask's order); none when no query block sees the key block."""
-    from flash_attn.cute.flash_bwd_sm90 import _GroupWalk
+    from flash_attn.cute.bwd_epilogue import GroupWalk
 
     first = 8
-    walk = _GroupWalk.make(m_min, m_max, first)
+    walk = GroupWalk.make(m_min, m_max, first)
     seen = [(walk.head(p), walk.block(p)) for p in range(walk.count(group))]
     assert seen == [(first + j, m) for j in range(group) for m in range(m_min, m_max)]
     assert walk.partial(0) is None

@@ -8,7 +8,7 @@ from flash_attn.cute.hopper_helpers import opaque
 
 # The named barrier of the deterministic turn (the kernel's dS barrier is 1; with dq_split=False, which the
 # deterministic kernel does not build, 1 and 2 are the per-warpgroup dS barriers; 3 to 5 are the TMA dK / dV
-# epilogue's). One id never serves two thread counts at once: that is an illegal instruction.
+# epilogue's, bwd_epilogue.py). One id never serves two thread counts at once: that is an illegal instruction.
 TURN_BARRIER = 2
 
 

@@ -197,13 +197,8 @@ class BwdEntries:
                 cpasync.CopyReduceBulkTensorTileS2GOp(cute.ReductionKind.ADD), mdQaccum,
                 cute.slice_(sdQ_layout, (None, None, 0)), (BM, D))
 
-        # dK / dV by TMA (tma_dkv): each warpgroup's 64 rows of the K / V tile, stored as one box, through the stores'
-        # coordinate tensors (varlen: mdK / mdV themselves too, for a sequence's last partial block)
-        tma_dk, tma_dv, mdK_tma, mdV_tma = None, None, None, None
-        if cutlass.const_expr(self.tma_dkv):
-            s2g = cpasync.CopyBulkTensorTileS2GOp()
-            tma_dk, mdK_tma = cpasync.make_tiled_tma_atom(s2g, mdK, cute.composition(sK_layout, (64, D)), (64, D))
-            tma_dv, mdV_tma = cpasync.make_tiled_tma_atom(s2g, mdV, cute.composition(sV_layout, (64, D)), (64, D))
+        # dK / dV by TMA (tma_dkv): the stores' atoms and coordinate tensors (bwd_epilogue.DkvEpilogue)
+        (tma_dk, mdK_tma), (tma_dv, mdV_tma) = self.dkv.tma_atoms(mdK, mdV, sK_layout, sV_layout)
 
         # one CTA per key block and query head, or with gqa_loop per KV head (it walks its group's query heads)
         grid = (cute.ceil_div(cute.size(mK, mode=[0]), BN),

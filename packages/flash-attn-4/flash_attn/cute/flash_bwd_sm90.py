@@ -56,8 +56,6 @@ Varlen (call_varlen): the packed tensors as one batch entry, grid z over the seq
 seqlen_info.BwdSeqlens (lse2 / delta padded per sequence).
 tests/cute/test_cute_bwd.py checks it against a reference on a Hopper GPU (its GPU-marked tests).
 """
-import dataclasses
-
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
@@ -66,6 +64,7 @@ from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.memory import SmemAllocator
 
 from flash_attn.cute.bwd_dq import DqAccumulator
+from flash_attn.cute.bwd_epilogue import DkvEpilogue, GroupWalk
 from flash_attn.cute.bwd_entries import BwdEntries
 from flash_attn.cute.bwd_parts import pack_16, pack_pair, transpose_view, unpack_16, unpack_half
 from flash_attn.cute.hopper_helpers import opaque, tma_tiles
@@ -225,6 +224,8 @@ class FlashBwdSm90(BwdEntries):
             raise ValueError("deterministic needs dq_split, dq_tma off, lpt 0 and no window (every query block's "
                              "key blocks count from 0 in grid order)")
         self.dq = DqAccumulator(block_m, self.dq_tma, self.deterministic, self.seqlens, 128 * self.NUM_MMA_WARPGROUPS)
+        self.dkv = DkvEpilogue(dtype, head_dim, block_n, self.NUM_MMA_WARPGROUPS, self.tma_dkv, self.varlen,
+                               self.seqlens)
         if self.smem_bytes() > self.SMEM_LIMIT:
             raise ValueError(
                 f"head dim {head_dim}, block_m {block_m}, {num_stages} stages, dq_tma={self.dq_tma} need "
@@ -344,7 +345,7 @@ class FlashBwdSm90(BwdEntries):
             tiles = self.sparse.tile(sparse, tile.batch, head, n_block)
             m_block_min, m_block_max = Int32(0), tiles.count
         if cutlass.const_expr(self.gqa_loop):  # walk positions over (query head of the group, query block)
-            tiles = _GroupWalk.make(m_block_min, m_block_max, head_kv * group)
+            tiles = GroupWalk.make(m_block_min, m_block_max, head_kv * group)
             m_block_min, m_block_max = Int32(0), tiles.count(group)
 
         if warp_idx < 4:
@@ -604,17 +605,8 @@ class FlashBwdSm90(BwdEntries):
                     self.dq.reduce(tma_dq, tQRsdQ, g_last, 1 - buf, m_last)
                 cute.arch.cp_async_bulk_wait_group(0)
 
-        if cutlass.const_expr(self.tma_dkv and self.varlen):
-            if (n_block + 1) * BN <= seqlen_k:  # the block ends inside its sequence (CTA-uniform)
-                self._epilogue_tma(tma_dkv, sK, sV, tiled_mma_dv, acc_dK, acc_dV, softmax_scale, ctid, wg, n_block,
-                                   head, tile)
-            else:
-                self._epilogue(mdK, mdV, acc_dK, acc_dV, tdKcdK, softmax_scale, n_block, head, tile, seqlen_k)
-        elif cutlass.const_expr(self.tma_dkv):
-            self._epilogue_tma(tma_dkv, sK, sV, tiled_mma_dv, acc_dK, acc_dV, softmax_scale, ctid, wg, n_block, head,
-                               tile)
-        else:
-            self._epilogue(mdK, mdV, acc_dK, acc_dV, tdKcdK, softmax_scale, n_block, head, tile, seqlen_k)
+        self.dkv.store(mdK, mdV, tma_dkv, sK, sV, tiled_mma_dv, acc_dK, acc_dV, tdKcdK, softmax_scale, ctid, wg,
+                       n_block, head, tile, seqlen_k)
 
     def _dq_dst(self, dst, pos, tiles):
         """(the gmem partition of the dQ TMA reduce-add, query block) of walk position ``pos``; dst = (the CTA's
@@ -784,81 +776,3 @@ class FlashBwdSm90(BwdEntries):
             cute.gemm(tiled_mma, acc, a, b, acc)
             tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
         warpgroup.commit_group()
-
-    @cute.jit
-    def _epilogue(self, mdK, mdV, acc_dK, acc_dV, tdKcdK, softmax_scale, n_block, head, tile, seqlen_k):
-        """dK = scale * dS^T Q (the scale of S = scale * Q K^T), dV as accumulated; rows past Sk dropped."""
-        dt, BN = self.dtype, self.block_n
-        gdK = self.seqlens.rows(mdK, tile.k_start, head, tile)  # (Sk, D)
-        gdV = self.seqlens.rows(mdV, tile.k_start, head, tile)
-        for i in cutlass.range(cute.size(acc_dK), unroll_full=True):
-            row = n_block * BN + tdKcdK[i][0]
-            if row < seqlen_k:
-                gdK[row, tdKcdK[i][1]] = (acc_dK[i] * softmax_scale).to(dt)
-                gdV[row, tdKcdK[i][1]] = acc_dV[i].to(dt)
-
-    @cute.jit
-    def _epilogue_tma(self, tma_dkv, sK, sV, tiled_mma_dv, acc_dK, acc_dV, softmax_scale, ctid, wg, n_block, head,
-                      tile):
-        """dK (scaled) and dV through the K and V tiles in shared memory: stmatrix of each warpgroup's 64 keys,
-        then one TMA store per tensor of those rows (tma_dkv: the two stores' atoms and coordinate tensors; rows
-        past the tensor's end are clipped by TMA)."""
-        dt, D = self.dtype, self.head_dim
-        # K is read by both warpgroups' dQ WGMMAs (all keys); each waited for its own before the loop ended,
-        # so past this barrier no WGMMA reads K or V. Its own id: the loop's per-warpgroup dS barriers (1 + wg,
-        # 128 threads, without dq_split) may still be in use by the other warpgroup, and one id with two thread
-        # counts at once is an illegal instruction.
-        cute.arch.barrier(barrier_id=5, number_of_threads=256)
-        stsm = cute.make_tiled_copy_C(
-            cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), dt), tiled_mma_dv)
-        thr = stsm.get_slice(ctid)
-        rdK = cute.make_rmem_tensor_like(acc_dK, dt)
-        rdK.store((acc_dK.load() * softmax_scale).to(dt))
-        cute.copy(stsm, thr.retile(rdK), thr.partition_D(sK))
-        rdV = cute.make_rmem_tensor_like(acc_dV, dt)
-        rdV.store(acc_dV.load().to(dt))
-        cute.copy(stsm, thr.retile(rdV), thr.partition_D(sV))
-        # The generic-proxy stores must be visible to the async proxy (TMA) before it reads the tiles; each
-        # warpgroup stores only its own 64 rows, so it syncs only its 128 threads (named barriers 1 and 2 are
-        # the loop's, 5 the one above).
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=3 + wg, number_of_threads=128)
-        if ctid % 128 == 0:
-            tma_dk, tma_dv, mdK, mdV = tma_dkv
-            gdK = cute.local_tile(self.seqlens.rows(mdK, tile.k_start, head, tile), (64, D), (None, 0))
-            gdV = cute.local_tile(self.seqlens.rows(mdV, tile.k_start, head, tile), (64, D), (None, 0))
-            tKs, tKg = tma_tiles(tma_dk, cute.local_tile(sK, (64, D), (wg, 0)), gdK)
-            tVs, tVg = tma_tiles(tma_dv, cute.local_tile(sV, (64, D), (wg, 0)), gdV)
-            rows = n_block * self.NUM_MMA_WARPGROUPS + wg
-            cute.copy(tma_dk, tKs, tKg[None, rows])
-            cute.copy(tma_dv, tVs, tVg[None, rows])
-            cute.arch.cp_async_bulk_commit_group()
-            # The CTA's shared memory must stay until TMA has read it: wait for the reads, not the writes.
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
-
-
-@dataclasses.dataclass(frozen=True)
-class _GroupWalk:
-    """gqa_loop's walk of a key block's CTA: position p is query block m_min + p % n of query head first_head + p // n
-    (n the query blocks that see the key block, the same for every head of the group), head by head; the interface
-    of sparse_tiles' lists (block, partial) plus the head. A dataclass: the DSL carries its fields through loops."""
-
-    m_min: Int32
-    n: Int32
-    first_head: Int32
-
-    @staticmethod
-    def make(m_min, m_max, first_head):
-        return _GroupWalk(m_min, cutlass.max(m_max - m_min, 0), first_head)
-
-    def count(self, group):
-        return group * self.n
-
-    def block(self, pos):
-        return self.m_min + pos % self.n
-
-    def head(self, pos):
-        return self.first_head + pos // self.n
-
-    def partial(self, pos):
-        return None  # (no lists: every position's block is masked as the mask says)

@@ -1,0 +1,131 @@
+"""The Hopper backward's dK / dV epilogue (flash_bwd_sm90.py's component) and the gqa_loop kernel's walk over a KV
+head's group of query heads."""
+import dataclasses
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+from cutlass.cute.nvgpu import cpasync, warp
+
+from flash_attn.cute.hopper_helpers import tma_tiles
+
+# Named barriers of the TMA epilogue: the loop's are 1 and 2 (bwd_dq.TURN_BARRIER's note), and one id never serves
+# two thread counts at once (an illegal instruction): the 256-thread barrier that K and V are dead, then each
+# warpgroup's own.
+_DEAD_KV_BARRIER = 5
+_WG_BARRIER = 3
+
+
+class DkvEpilogue:
+    """How a key block's dK (scaled by softmax_scale) and dV leave the consumers' accumulators: each value by a 16-bit
+    store (rows past the sequence's keys dropped), or with ``tma_dkv`` through the K and V tiles in shared memory (dead
+    after the loop) by stmatrix and one TMA store per warpgroup and tensor of its 64 keys. TMA clips only at the
+    tensor's end: on varlen calls a sequence's last partial key block takes the direct stores."""
+
+    def __init__(self, dtype, head_dim, block_n, num_mma_warpgroups, tma_dkv, varlen, seqlens):
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.block_n = block_n
+        self.num_mma_warpgroups = num_mma_warpgroups
+        self.tma_dkv = tma_dkv
+        self.varlen = varlen
+        self.seqlens = seqlens
+
+    def tma_atoms(self, mdK, mdV, sK_layout, sV_layout):
+        """Host side, tma_dkv: (atom, coordinate tensor) of the dK and the dV stores, one (64, D) box of the K / V
+        tile's layout per warpgroup; (None, None) of each without it."""
+        if not self.tma_dkv:
+            return (None, None), (None, None)
+        D, s2g = self.head_dim, cpasync.CopyBulkTensorTileS2GOp()
+        return (cpasync.make_tiled_tma_atom(s2g, mdK, cute.composition(sK_layout, (64, D)), (64, D)),
+                cpasync.make_tiled_tma_atom(s2g, mdV, cute.composition(sV_layout, (64, D)), (64, D)))
+
+    @cute.jit
+    def store(self, mdK, mdV, tma_dkv, sK, sV, tiled_mma_dv, acc_dK, acc_dV, tdKcdK, softmax_scale, ctid, wg, n_block,
+              head, tile, seqlen_k):
+        """dK and dV of key block n_block of head ``head`` (the KV head with gqa_loop) of the sequence ``tile``; tma_dkv:
+        (tma_dk, tma_dv, mdK_tma, mdV_tma) from tma_atoms."""
+        if cutlass.const_expr(self.tma_dkv and self.varlen):
+            if (n_block + 1) * self.block_n <= seqlen_k:  # the block ends inside its sequence (CTA-uniform)
+                self._store_tma(tma_dkv, sK, sV, tiled_mma_dv, acc_dK, acc_dV, softmax_scale, ctid, wg, n_block, head,
+                                tile)
+            else:
+                self._store_direct(mdK, mdV, acc_dK, acc_dV, tdKcdK, softmax_scale, n_block, head, tile, seqlen_k)
+        elif cutlass.const_expr(self.tma_dkv):
+            self._store_tma(tma_dkv, sK, sV, tiled_mma_dv, acc_dK, acc_dV, softmax_scale, ctid, wg, n_block, head,
+                            tile)
+        else:
+            self._store_direct(mdK, mdV, acc_dK, acc_dV, tdKcdK, softmax_scale, n_block, head, tile, seqlen_k)
+
+    @cute.jit
+    def _store_direct(self, mdK, mdV, acc_dK, acc_dV, tdKcdK, softmax_scale, n_block, head, tile, seqlen_k):
+        """dK = scale * dS^T Q (the scale of S = scale * Q K^T), dV as accumulated; rows past Sk dropped."""
+        dt, BN = self.dtype, self.block_n
+        gdK = self.seqlens.rows(mdK, tile.k_start, head, tile)  # (Sk, D)
+        gdV = self.seqlens.rows(mdV, tile.k_start, head, tile)
+        for i in cutlass.range(cute.size(acc_dK), unroll_full=True):
+            row = n_block * BN + tdKcdK[i][0]
+            if row < seqlen_k:
+                gdK[row, tdKcdK[i][1]] = (acc_dK[i] * softmax_scale).to(dt)
+                gdV[row, tdKcdK[i][1]] = acc_dV[i].to(dt)
+
+    @cute.jit
+    def _store_tma(self, tma_dkv, sK, sV, tiled_mma_dv, acc_dK, acc_dV, softmax_scale, ctid, wg, n_block, head, tile):
+        """dK (scaled) and dV through the K and V tiles: stmatrix of each warpgroup's 64 keys, then one TMA store per
+        tensor of those rows."""
+        dt, D = self.dtype, self.head_dim
+        # K is read by both warpgroups' dQ WGMMAs (all keys); each waited for its own before the loop ended,
+        # so past this barrier no WGMMA reads K or V.
+        cute.arch.barrier(barrier_id=_DEAD_KV_BARRIER, number_of_threads=128 * self.num_mma_warpgroups)
+        stsm = cute.make_tiled_copy_C(
+            cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), dt), tiled_mma_dv)
+        thr = stsm.get_slice(ctid)
+        rdK = cute.make_rmem_tensor_like(acc_dK, dt)
+        rdK.store((acc_dK.load() * softmax_scale).to(dt))
+        cute.copy(stsm, thr.retile(rdK), thr.partition_D(sK))
+        rdV = cute.make_rmem_tensor_like(acc_dV, dt)
+        rdV.store(acc_dV.load().to(dt))
+        cute.copy(stsm, thr.retile(rdV), thr.partition_D(sV))
+        # The generic-proxy stores must be visible to the async proxy (TMA) before it reads the tiles; each
+        # warpgroup stores only its own 64 rows, so it syncs only its 128 threads.
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=_WG_BARRIER + wg, number_of_threads=128)
+        if ctid % 128 == 0:
+            tma_dk, tma_dv, mdK, mdV = tma_dkv
+            gdK = cute.local_tile(self.seqlens.rows(mdK, tile.k_start, head, tile), (64, D), (None, 0))
+            gdV = cute.local_tile(self.seqlens.rows(mdV, tile.k_start, head, tile), (64, D), (None, 0))
+            tKs, tKg = tma_tiles(tma_dk, cute.local_tile(sK, (64, D), (wg, 0)), gdK)
+            tVs, tVg = tma_tiles(tma_dv, cute.local_tile(sV, (64, D), (wg, 0)), gdV)
+            rows = n_block * self.num_mma_warpgroups + wg
+            cute.copy(tma_dk, tKs, tKg[None, rows])
+            cute.copy(tma_dv, tVs, tVg[None, rows])
+            cute.arch.cp_async_bulk_commit_group()
+            # The CTA's shared memory must stay until TMA has read it: wait for the reads, not the writes.
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupWalk:
+    """gqa_loop's walk of a key block's CTA: position p is query block m_min + p % n of query head first_head + p // n
+    (n the query blocks that see the key block, the same for every head of the group), head by head; the interface
+    of sparse_tiles' lists (block, partial) plus the head. A dataclass: the DSL carries its fields through loops."""
+
+    m_min: Int32
+    n: Int32
+    first_head: Int32
+
+    @staticmethod
+    def make(m_min, m_max, first_head):
+        return GroupWalk(m_min, cutlass.max(m_max - m_min, 0), first_head)
+
+    def count(self, group):
+        return group * self.n
+
+    def block(self, pos):
+        return self.m_min + pos % self.n
+
+    def head(self, pos):
+        return self.first_head + pos // self.n
+
+    def partial(self, pos):
+        return None  # (no lists: every position's block is masked as the mask says)
