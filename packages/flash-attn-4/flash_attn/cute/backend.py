@@ -34,6 +34,7 @@ _DTYPES = (torch.float16, torch.bfloat16)
 _HEAD_DIMS = (64, 128)  # forward and backward, always
 _GATED_FWD_HEAD_DIMS = (96, 192, 256)  # forward; FLASH_ATTN_CUTE_DISABLE=d96,... sends them on
 _GATED_BWD_HEAD_DIMS = (96,)  # backward; the same switch (d96) sends it on
+_WIDE_BWD_HEAD_DIMS = (192, 256)  # backward under the plan rule bwd_wide_d (the split-D kernel); d192 / d256 too
 _ARCHS = {(9, 0): "sm_90a"}
 _unavailable = []
 BWD_OUT = True  # bwd() takes grads=(dq, dk, dv)
@@ -69,8 +70,10 @@ def forward_head_dims():
 
 def backward_head_dims():
     """The head dims whose backward the dispatcher (and flash_attn.cute's own autograd) may send to the kernel: 64,
-    128 and 96 unless FLASH_ATTN_CUTE_DISABLE names d96."""
-    return tuple(sorted(_HEAD_DIMS + tuple(d for d in _GATED_BWD_HEAD_DIMS if not settings.disabled(f"d{d}"))))
+    128 and 96 unless FLASH_ATTN_CUTE_DISABLE names d96; 192 and 256 under the plan rule bwd_wide_d, unless it names
+    them."""
+    gated = _GATED_BWD_HEAD_DIMS + (_WIDE_BWD_HEAD_DIMS if _wide_d_bwd() else ())
+    return tuple(sorted(_HEAD_DIMS + tuple(d for d in gated if not settings.disabled(f"d{d}"))))
 
 
 def unsupported_reason(call):
@@ -93,6 +96,8 @@ def unsupported_reason(call):
         gated = _GATED_BWD_HEAD_DIMS if call.backward else _GATED_FWD_HEAD_DIMS
         if call.head_dim in gated and call.head_dim_v == call.head_dim:
             why += f"; {settings.DISABLE} names d{call.head_dim}"
+        elif call.backward and call.head_dim in _WIDE_BWD_HEAD_DIMS and call.head_dim_v == call.head_dim:
+            why += f"; plan rule bwd_wide_d off, or {settings.DISABLE} names d{call.head_dim}"
         return why
     if call.paged:
         if call.backward:
@@ -291,6 +296,12 @@ def _kvcache():
     from flash_attn.cute import config
 
     return config.plan_rules().kvcache
+
+
+def _wide_d_bwd():
+    from flash_attn.cute import config
+
+    return config.plan_rules().bwd_wide_d
 
 
 def _window_bwd():

@@ -124,8 +124,9 @@ class BwdEntries:
         dt, D, BM, BN, stages = self.dtype, self.head_dim, self.block_m, self.block_n, self.num_stages
         MN_SW128 = warpgroup.SmemLayoutAtomKind.MN_SW128
         # The D-wide tiles in the widest swizzle atom whose row (64 / 32 / 16 elements) divides D: 128-byte
-        # atoms at D = 64 / 128, 64-byte ones at D = 96 (192-byte rows).
-        d_atom = k_atom_for(D, dt)
+        # atoms at D = 64 / 128, 64-byte ones at D = 96 (192-byte rows). split_d: Q^T and dO^T are B operands of
+        # dK and dV split by D between the warpgroups, so a half of D starts on an atom (64-byte atoms at D = 192).
+        d_atom = k_atom_for(D // 2 if self.split_d else D, dt)
         sQ_layout = smem_layout(d_atom, dt, (BM, D, stages))
         sdO_layout = smem_layout(d_atom, dt, (BM, D, stages))
         # With dq_split, K^T's D rows are split between the warpgroups as WGMMA N: each half must start
@@ -133,26 +134,31 @@ class BwdEntries:
         # (16-element) ones. (Split by rows, dQ's N is all of D: K keeps D's atoms.)
         k_atom = k_atom_for(D // 2, dt) if self.dq_split and not self.dq_rows else d_atom
         sK_layout = smem_layout(k_atom, dt, (BN, D))
-        sV_layout = smem_layout(d_atom, dt, (BN, D))
+        sV_layout = smem_layout(k_atom if self.split_d else d_atom, dt, (BN, D))  # split_d: the TMA dV box is a half
         # dS as the A operand of dQ = dS K, M-major (queries contiguous): the S^T accumulator holds
         # pairs of adjacent queries, which then land as 4-byte stores. Two buffers, so that a warpgroup
         # writes block j + 1's dS while a slower warp may still be in block j's dQ WGMMA.
         sdS_layout = smem_layout(MN_SW128, dt, (BM, BN, 2))
         sLSE_layout = cute.make_layout((BM, stages))
 
-        # S^T = K Q^T and dP^T = V dO^T: keys on M (64 per warpgroup), queries on N.
+        # S^T = K Q^T and dP^T = V dO^T: keys on M (64 per warpgroup), queries on N. split_d: the 64 keys are both
+        # warpgroups', which split the queries (N = BM / 2 each); dV and dK split N = D between them, A (P^T, dS^T)
+        # from shared memory.
+        wg_n = self.NUM_MMA_WARPGROUPS if self.split_d else 1
+        atoms = (1, self.NUM_MMA_WARPGROUPS, 1) if self.split_d else (self.NUM_MMA_WARPGROUPS, 1, 1)
         tiled_mma_sdp = cute.make_tiled_mma(
             cute.make_mma_atom(warpgroup.MmaF16BF16Op(
-                dt, Float32, (64, BM, 16), warpgroup.OperandSource.SMEM,
+                dt, Float32, (64, BM // wg_n, 16), warpgroup.OperandSource.SMEM,
                 OperandMajorMode.K, OperandMajorMode.K)),
-            (self.NUM_MMA_WARPGROUPS, 1, 1))
+            atoms)
         # dV += P^T dO: A = P^T from the S^T accumulator's registers, B the transposed (D-contiguous,
         # MN-major) view of the dO tile.
         tiled_mma_dv = cute.make_tiled_mma(
             cute.make_mma_atom(warpgroup.MmaF16BF16Op(
-                dt, Float32, (64, D, 16), warpgroup.OperandSource.RMEM,
+                dt, Float32, (64, D // wg_n, 16),
+                warpgroup.OperandSource.SMEM if cutlass.const_expr(self.split_d) else warpgroup.OperandSource.RMEM,
                 OperandMajorMode.K, OperandMajorMode.MN)),
-            (self.NUM_MMA_WARPGROUPS, 1, 1))
+            atoms)
         # dK += dS^T Q: A = dS^T read back from shared memory (it is there for dQ anyway; from registers
         # it would stay live next to the dQ accumulator and push D = 128 past 240 registers), B = Q^T.
         # BLOCK_M = 128 (D = 64): A from the 16-bit dS^T registers, as P^T for dV (they fit there, and
@@ -160,10 +166,10 @@ class BwdEntries:
         # 128 bytes per clock).
         tiled_mma_dk = cute.make_tiled_mma(
             cute.make_mma_atom(warpgroup.MmaF16BF16Op(
-                dt, Float32, (64, D, 16),
+                dt, Float32, (64, D // wg_n, 16),
                 warpgroup.OperandSource.RMEM if cutlass.const_expr(self.wide) else warpgroup.OperandSource.SMEM,
                 OperandMajorMode.K, OperandMajorMode.MN)),
-            (self.NUM_MMA_WARPGROUPS, 1, 1))
+            atoms)
         # dQ = dS K, A = the M-major dS tile, B = K^T (D contiguous, MN-major). dq_split: N = D split over
         # the two warpgroups, K = all BLOCK_N keys; else one warpgroup's MMA over its own 64 keys.
         # dq_rows: M = BM split over the warpgroups, N = D.

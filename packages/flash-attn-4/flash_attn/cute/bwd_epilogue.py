@@ -20,9 +20,10 @@ class DkvEpilogue:
     """How a key block's dK (scaled by softmax_scale) and dV leave the consumers' accumulators: each value by a 16-bit
     store (rows past the sequence's keys dropped), or with ``tma_dkv`` through the K and V tiles in shared memory (dead
     after the loop) by stmatrix and one TMA store per warpgroup and tensor of its 64 keys. TMA clips only at the
-    tensor's end: on varlen calls a sequence's last partial key block takes the direct stores."""
+    tensor's end: on varlen calls a sequence's last partial key block takes the direct stores. ``split_d``: the
+    warpgroups share the block's 64 keys and hold half of D each, so each stores its (64, D / 2) box."""
 
-    def __init__(self, dtype, head_dim, block_n, num_mma_warpgroups, tma_dkv, varlen, seqlens):
+    def __init__(self, dtype, head_dim, block_n, num_mma_warpgroups, tma_dkv, varlen, seqlens, split_d=False):
         self.dtype = dtype
         self.head_dim = head_dim
         self.block_n = block_n
@@ -30,15 +31,17 @@ class DkvEpilogue:
         self.tma_dkv = tma_dkv
         self.varlen = varlen
         self.seqlens = seqlens
+        self.split_d = split_d
+        self.box = (64, head_dim // num_mma_warpgroups if split_d else head_dim)  # one warpgroup's TMA store
 
     def tma_atoms(self, mdK, mdV, sK_layout, sV_layout):
         """Host side, tma_dkv: (atom, coordinate tensor) of the dK and the dV stores, one (64, D) box of the K / V
         tile's layout per warpgroup; (None, None) of each without it."""
         if not self.tma_dkv:
             return (None, None), (None, None)
-        D, s2g = self.head_dim, cpasync.CopyBulkTensorTileS2GOp()
-        return (cpasync.make_tiled_tma_atom(s2g, mdK, cute.composition(sK_layout, (64, D)), (64, D)),
-                cpasync.make_tiled_tma_atom(s2g, mdV, cute.composition(sV_layout, (64, D)), (64, D)))
+        box, s2g = self.box, cpasync.CopyBulkTensorTileS2GOp()
+        return (cpasync.make_tiled_tma_atom(s2g, mdK, cute.composition(sK_layout, box), box),
+                cpasync.make_tiled_tma_atom(s2g, mdV, cute.composition(sV_layout, box), box))
 
     @cute.jit
     def store(self, mdK, mdV, tma_dkv, sK, sV, tiled_mma_dv, acc_dK, acc_dV, tdKcdK, softmax_scale, ctid, wg, n_block,
@@ -74,8 +77,8 @@ class DkvEpilogue:
         """dK (scaled) and dV through the K and V tiles: stmatrix of each warpgroup's 64 keys, then one TMA store per
         tensor of those rows."""
         dt, D = self.dtype, self.head_dim
-        # K is read by both warpgroups' dQ WGMMAs (all keys); each waited for its own before the loop ended,
-        # so past this barrier no WGMMA reads K or V.
+        # K is read by both warpgroups' dQ WGMMAs (all keys; split_d: V by both dP^T ones); each waited for its own
+        # before the loop ended, so past this barrier no WGMMA reads K or V.
         cute.arch.barrier(barrier_id=_DEAD_KV_BARRIER, number_of_threads=128 * self.num_mma_warpgroups)
         stsm = cute.make_tiled_copy_C(
             cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), dt), tiled_mma_dv)
@@ -87,18 +90,27 @@ class DkvEpilogue:
         rdV.store(acc_dV.load().to(dt))
         cute.copy(stsm, thr.retile(rdV), thr.partition_D(sV))
         # The generic-proxy stores must be visible to the async proxy (TMA) before it reads the tiles; each
-        # warpgroup stores only its own 64 rows, so it syncs only its 128 threads.
+        # warpgroup stores only its own box, so it syncs only its 128 threads.
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=_WG_BARRIER + wg, number_of_threads=128)
         if ctid % 128 == 0:
             tma_dk, tma_dv, mdK, mdV = tma_dkv
-            gdK = cute.local_tile(self.seqlens.rows(mdK, tile.k_start, head, tile), (64, D), (None, 0))
-            gdV = cute.local_tile(self.seqlens.rows(mdV, tile.k_start, head, tile), (64, D), (None, 0))
-            tKs, tKg = tma_tiles(tma_dk, cute.local_tile(sK, (64, D), (wg, 0)), gdK)
-            tVs, tVg = tma_tiles(tma_dv, cute.local_tile(sV, (64, D), (wg, 0)), gdV)
-            rows = n_block * self.num_mma_warpgroups + wg
-            cute.copy(tma_dk, tKs, tKg[None, rows])
-            cute.copy(tma_dv, tVs, tVg[None, rows])
+            if cutlass.const_expr(self.split_d):  # the block's keys, this warpgroup's half of D
+                box = self.box
+                gdK = cute.local_tile(self.seqlens.rows(mdK, tile.k_start, head, tile), box, (None, None))
+                gdV = cute.local_tile(self.seqlens.rows(mdV, tile.k_start, head, tile), box, (None, None))
+                tKs, tKg = tma_tiles(tma_dk, cute.local_tile(sK, box, (0, wg)), gdK)
+                tVs, tVg = tma_tiles(tma_dv, cute.local_tile(sV, box, (0, wg)), gdV)
+                cute.copy(tma_dk, tKs, tKg[None, n_block, wg])
+                cute.copy(tma_dv, tVs, tVg[None, n_block, wg])
+            else:  # this warpgroup's 64 keys, all of D
+                gdK = cute.local_tile(self.seqlens.rows(mdK, tile.k_start, head, tile), (64, D), (None, 0))
+                gdV = cute.local_tile(self.seqlens.rows(mdV, tile.k_start, head, tile), (64, D), (None, 0))
+                tKs, tKg = tma_tiles(tma_dk, cute.local_tile(sK, (64, D), (wg, 0)), gdK)
+                tVs, tVg = tma_tiles(tma_dv, cute.local_tile(sV, (64, D), (wg, 0)), gdV)
+                rows = n_block * self.num_mma_warpgroups + wg
+                cute.copy(tma_dk, tKs, tKg[None, rows])
+                cute.copy(tma_dv, tVs, tVg[None, rows])
             cute.arch.cp_async_bulk_commit_group()
             # The CTA's shared memory must stay until TMA has read it: wait for the reads, not the writes.
             cute.arch.cp_async_bulk_wait_group(0, read=True)

@@ -71,24 +71,26 @@ PACK_GROUPS = (2, 4, 8, 16)
 HEAD_DIM_PAIRS = frozenset({(192, 128)})
 
 # Backward: query rows per pipeline stage (the N of S^T = K Q^T; keys per CTA are 128) and Q / dO ring depth.
-# d64 takes 128 rows; d96's and d128's accumulators do not fit the registers at 128.
-BWD_BLOCK_M = {64: 128, 96: 64, 128: 64}
-BWD_STAGES = {64: 2, 96: 2, 128: 2}
+# d64 takes 128 rows; d96's and d128's accumulators do not fit the registers at 128. d192 / d256: 64 keys per CTA,
+# D split over the warpgroups (FlashBwdSm90.split_d).
+BWD_BLOCK_M = {64: 128, 96: 64, 128: 64, 192: 64, 256: 64}
+BWD_STAGES = {64: 2, 96: 2, 128: 2, 192: 2, 256: 2}
 # dQ added into dq_accum by one TMA reduce-add of the fp32 tile per query block (needs the dQ tile split along
 # D between the two consumer warpgroups) rather than red.global from every consumer thread.
 BWD_DQ_SPLIT = True
-BWD_DQ_TMA = {64: True, 96: True, 128: True}
+# d192 / d256: two fp32 dQ tiles (96 / 128 KB) do not fit beside two Q / dO stages and the P^T and dS^T tiles.
+BWD_DQ_TMA = {64: True, 96: True, 128: True, 192: False, 256: False}
 # The software-pipelined query loop gains nothing over the TMA dQ (d128 loses 3-8%): off.
 BWD_OVERLAP = {64: False, 96: False, 128: False}
 # CTA order: groups of about N CTAs over (head, batch) pairs, key block slowest inside a group, so the longest
 # causal blocks start first while the CTAs in flight share Q, dO and dq_accum in L2; 0 keeps the plain grid.
 BWD_LPT = 0
 BWD_LPT_CAUSAL = {64: 128}
-BWD_EXP2_EMU = {64: 0, 96: 0, 128: 0}
+BWD_EXP2_EMU = {64: 0, 96: 0, 128: 0, 192: 0, 256: 0}
 # dK and dV leave through the (then dead) K and V tiles in shared memory and one TMA store per warpgroup, instead of
 # 2-byte stores from the accumulator registers: dense calls. Varlen calls (their key blocks that end inside the
 # sequence by TMA, a sequence's last partial block by the direct stores) only with bwd.tma_dkv=1 until GPU-tested.
-BWD_TMA_DKV = {64: True, 96: True, 128: True}
+BWD_TMA_DKV = {64: True, 96: True, 128: True, 192: True, 256: True}
 
 _DTYPE_NAMES = {"torch.float16": "fp16", "torch.bfloat16": "bf16", "fp16": "fp16", "bf16": "bf16"}
 
@@ -267,7 +269,9 @@ class PlanRules:
     process's (tests/cute/test_cute_mod_cache.py's GPU test). ``bwd_gqa_loop``: a GQA / MQA backward (dense, not
     deterministic, no mods) runs the kernel whose CTAs each walk one KV head's group of query heads and write its
     summed dK / dV (FlashBwdSm90 gqa_loop) instead of per-query-head dK / dV summed after the kernel; off until its GPU
-    tests and an A/B against the per-query-head kernel decide it."""
+    tests and an A/B against the per-query-head kernel decide it. ``bwd_wide_d``: the backward kernel serves head dims
+    192 and 256 (FlashBwdSm90.split_d: 64 keys per CTA, D split over the warpgroups); off until its GPU tests and an
+    A/B against Triton's backward decide it."""
     pack_gqa_auto: bool = False
     bwd_host: str = "triton"
     bwd_window: bool = True
@@ -277,6 +281,7 @@ class PlanRules:
     kvcache: bool = False
     mods_disk_cache: bool = True
     bwd_gqa_loop: bool = False
+    bwd_wide_d: bool = False
 
     def __post_init__(self):
         if self.bwd_host not in ("triton", "torch"):

@@ -81,7 +81,7 @@ class FlashBwdSm90(BwdEntries):
     """Compile-time configuration: dtype, head dim, causal, tile sizes and the Q/dO ring depth. Batch,
     sequence lengths, head counts, strides and the scale are runtime values of the compiled kernel."""
 
-    HEAD_DIMS = (64, 96, 128)
+    HEAD_DIMS = (64, 96, 128, 192, 256)
     NUM_PRODUCER_THREADS = 128  # one warpgroup; a single thread issues the TMA copies
     NUM_MMA_WARPGROUPS = 2  # 64 keys each
     # 24 * 128 + 240 * 256 <= 64K registers. A consumer thread holds dK and dV (D/2 fp32 each), S^T and
@@ -89,11 +89,12 @@ class FlashBwdSm90(BwdEntries):
     PRODUCER_REGS = 24
     CONSUMER_REGS = 240
 
-    def __init__(self, dtype, head_dim, causal, block_m=64, block_n=128, num_stages=2, dq_split=True,
+    def __init__(self, dtype, head_dim, causal, block_m=64, block_n=None, num_stages=2, dq_split=True,
                  dq_tma=False, overlap=False, lpt=0, exp2_emu=0, exp2_emu_degree=3, local=False,
                  varlen=False, deterministic=False, softcap=False, mask_mod=None, aux=False, sparse=None,
                  scalars=(), score_mod=None, score_mod_bwd=None, tma_dkv=False, gqa_loop=False):
-        """head_dim: 64, 96 or 128 (HEAD_DIMS), of q, k and v alike.
+        """head_dim: 64, 96, 128, 192 or 256 (HEAD_DIMS), of q, k and v alike; past 128 the warpgroups split D (split_d
+        below) and block_n is 64.
         block_m: query rows per step, 64 or (head dim 64 only) 128, see the module docstring.
         local: a sliding window (sizes >= 0 per call, call_general; causal windows have right = 0), every block
         masked.
@@ -147,8 +148,17 @@ class FlashBwdSm90(BwdEntries):
         self.exp2_emu_degree = int(exp2_emu_degree)
         if dtype not in (cutlass.Float16, cutlass.BFloat16):
             raise ValueError(f"dtype {dtype} not fp16/bf16")
-        if block_n != 64 * self.NUM_MMA_WARPGROUPS:
-            raise ValueError(f"block_n must be {64 * self.NUM_MMA_WARPGROUPS} (64 keys per warpgroup)")
+        # split_d (D > 128): 64 keys per CTA, shared by the warpgroups, each of which holds dK and dV for its half
+        # of D (2 x 64 x 256 fp32 accumulators per warpgroup are 256 registers a thread); S^T and dP^T split by
+        # query columns, P^T through shared memory (dV's A operand: all BLOCK_M queries), dQ split by D as dq_split.
+        self.split_d = head_dim > 128
+        want_n = 64 if self.split_d else 64 * self.NUM_MMA_WARPGROUPS
+        block_n = want_n if block_n is None else block_n
+        if block_n != want_n:
+            raise ValueError(f"block_n must be {want_n} at head dim {head_dim} (64 keys per warpgroup; past 128 the "
+                             "warpgroups share 64 keys and split D)")
+        if self.split_d and (block_m != 64 or not dq_split or overlap):
+            raise ValueError(f"head dim {head_dim}: block_m 64, dq_split and no overlap (the split-D loop)")
         if block_m not in (64, 128):
             raise ValueError(f"block_m {block_m} not in (64, 128)")
         if num_stages < 1:
@@ -225,7 +235,7 @@ class FlashBwdSm90(BwdEntries):
                              "key blocks count from 0 in grid order)")
         self.dq = DqAccumulator(block_m, self.dq_tma, self.deterministic, self.seqlens, 128 * self.NUM_MMA_WARPGROUPS)
         self.dkv = DkvEpilogue(dtype, head_dim, block_n, self.NUM_MMA_WARPGROUPS, self.tma_dkv, self.varlen,
-                               self.seqlens)
+                               self.seqlens, self.split_d)
         if self.smem_bytes() > self.SMEM_LIMIT:
             raise ValueError(
                 f"head dim {head_dim}, block_m {block_m}, {num_stages} stages, dq_tma={self.dq_tma} need "
@@ -240,6 +250,7 @@ class FlashBwdSm90(BwdEntries):
         es, BM, BN, D, st = 2, self.block_m, self.block_n, self.head_dim, self.num_stages
         off = (2 + 4 * st) * 8
         tiles = [BM * D * es * st, BM * D * es * st, BN * D * es, BN * D * es, BM * BN * es * 2]
+        tiles += [BM * BN * es * 2] if self.split_d else []  # P^T's tile (two buffers, as dS)
         for nbytes in tiles + ([BM * D * 4 * 2] if self.dq_tma else []):
             off = -(-off // 1024) * 1024 + nbytes
         for _ in range(2):
@@ -310,6 +321,9 @@ class FlashBwdSm90(BwdEntries):
         sK = smem.allocate_tensor(dt, sK_layout.outer, byte_alignment=1024, swizzle=sK_layout.inner)
         sV = smem.allocate_tensor(dt, sV_layout.outer, byte_alignment=1024, swizzle=sV_layout.inner)
         sdS = smem.allocate_tensor(dt, sdS_layout.outer, byte_alignment=1024, swizzle=sdS_layout.inner)
+        sP = None  # split_d: P^T in dS's layout, dV's A operand
+        if cutlass.const_expr(self.split_d):
+            sP = smem.allocate_tensor(dt, sdS_layout.outer, byte_alignment=1024, swizzle=sdS_layout.inner)
         sdQ = None
         if cutlass.const_expr(self.dq_tma):  # before the row buffers: no 1 KB alignment gap (D = 128 needs
             # 226 KB of the 227 KB)
@@ -363,7 +377,7 @@ class FlashBwdSm90(BwdEntries):
                           m_block_min, m_block_max, (window_left, window_right), mSem, cap,
                           None if cutlass.const_expr(self.mods is None) else self.mods.context(tile, head, aux,
                                                                                                softmax_scale, scalars),
-                          tiles)
+                          tiles, sP)
 
     @cute.jit
     def _produce(self, tma_q, mQ, tma_k, mK, tma_v, mV, tma_do, mdO, tma_lse, mLSE2, tma_delta, mDelta,
@@ -424,7 +438,7 @@ class FlashBwdSm90(BwdEntries):
     def _consume(self, mdQaccum, tma_dq, mdQ_tma, sdQ, mdK, mdV, tma_dkv, sQ, sK, sV, sdO, sdS, sLSE, sDelta, kv_pipe,
                  q_pipe, do_pipe, tiled_mma_sdp, tiled_mma_dv, tiled_mma_dk, tiled_mma_dq, scale_log2,
                  softmax_scale, ctid, n_block, head, tile, seqlen_q, seqlen_k, m_block_min, m_block_max, window, mSem,
-                 cap, mods=None, tiles=None):
+                 cap, mods=None, tiles=None, sP=None):
         dt, D, BM, BN = self.dtype, self.head_dim, self.block_m, self.block_n
         wg = cute.arch.make_warp_uniform(ctid // 128)
         turn = (mSem, n_block, ctid) if cutlass.const_expr(self.deterministic) else None
@@ -476,7 +490,10 @@ class FlashBwdSm90(BwdEntries):
         # BM/8 column groups are split into (2, BM/16) (the forward's P layout, checked in
         # tests/cute/test_cute_compile.py and, for this kernel's shapes, tests/cute/test_cute_bwd.py).
         rP = cute.make_rmem_tensor_like(acc_S, dt)
-        tdVrP = cute.make_tensor(rP.iterator, cute.make_layout(((2, 2, 2), 1, BM // 16)))
+        if cutlass.const_expr(self.split_d):  # P^T of both warpgroups' query columns, from shared memory
+            tdVrP = (tiled_mma_dv.make_fragment_A(wg_dv.partition_A(transpose_view(sP))), thr_sdp, sP)
+        else:
+            tdVrP = cute.make_tensor(rP.iterator, cute.make_layout(((2, 2, 2), 1, BM // 16)))
         rdS = cute.make_rmem_tensor_like(acc_dP, dt)
         rdT = cute.make_rmem_tensor_like(acc_S, dt) if cutlass.const_expr(self.softcap) else None  # 1 - tanh^2
         if cutlass.const_expr(self.mods is not None):
@@ -523,7 +540,7 @@ class FlashBwdSm90(BwdEntries):
                                 tdPrV, tdPrdO)
                 self._p_and_dv(acc_S, tScS, rP, tdVrP, tdVrdOt, acc_dV, tiled_mma_dv, sLSE, scale_log2, m_block,
                                n_block, seqlen_q, seqlen_k, m_block_mask_end, key_tail, do_state.index,
-                               q_state.index, window, cap, rdT, mods, partial)
+                               q_state.index, window, cap, rdT, mods, partial, buf)
                 self._ds_dk_dq(acc_S, acc_dP, tScS, rdS, thr_sdp, sdSt, sDelta, tiled_mma_dk, acc_dK, tdKrdSt,
                                tdKrQt, tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, tma_dq, tQRsdQ, dq_dst, dq_issuer,
                                buf, pos, m_block_min, wg, q_state.index, do_state.index, rP=rP,
@@ -652,9 +669,11 @@ class FlashBwdSm90(BwdEntries):
     @cute.jit
     def _p_and_dv(self, acc_S, tScS, rP, tdVrP, tdVrdOt, acc_dV, tiled_mma_dv, sLSE, scale_log2, m_block, n_block,
                   seqlen_q, seqlen_k, m_block_mask_end, key_tail, do_stage, q_stage, window, cap, rdT, mods=None,
-                  partial=None):
+                  partial=None, buf=None):
         """Wait for S^T (dP^T may still run), P^T = exp2(S^T scale log2(e) - lse2) in place and in the
-        input dtype in rP, and issue dV += P^T dO (one commit group)."""
+        input dtype in rP, and issue dV += P^T dO (one commit group). split_d: tdVrP is (dV's A fragment of the
+        P^T tile, the S^T partition, the P^T tile); rP goes to buffer buf of the tile, and after a barrier of both
+        warpgroups (each reads the other's query columns) dV's WGMMA reads it there."""
         if cutlass.const_expr(self.overlap):
             if cutlass.const_expr(self.head_dim != 128 and not self.wide):
                 # S^T and dP^T both: they were issued a whole dQ epilogue ago. With wait_group(1) here
@@ -700,7 +719,14 @@ class FlashBwdSm90(BwdEntries):
             pack_16(acc_S, rP, self.dtype)
         else:
             rP.store(acc_S.load().to(self.dtype))
-        self._gemm(tiled_mma_dv, acc_dV, tdVrP, tdVrdOt, None, do_stage)  # dV += P^T dO
+        if cutlass.const_expr(self.split_d):
+            tdVrP_s, thr_sdp, sP = tdVrP
+            cute.autovec_copy(rP, thr_sdp.partition_C(transpose_view(sP)[None, None, buf]))
+            cute.arch.fence_view_async_shared()  # generic-proxy stores, read by the WGMMA's async proxy
+            cute.arch.barrier(barrier_id=1, number_of_threads=256)  # (the dS barrier's id and count, in turn)
+            self._gemm(tiled_mma_dv, acc_dV, tdVrP_s, tdVrdOt, buf, do_stage)  # dV += P^T dO
+        else:
+            self._gemm(tiled_mma_dv, acc_dV, tdVrP, tdVrdOt, None, do_stage)  # dV += P^T dO
 
     @cute.jit
     def _ds_dk_dq(self, acc_S, acc_dP, tScS, rdS, thr_sdp, sdSt, sDelta, tiled_mma_dk, acc_dK, tdKrdSt, tdKrQt,

@@ -366,7 +366,7 @@ def fwd_kernel(dtype, head_dim, causal, arch="sm_90a", local=False, softcap=Fals
 def compile_bwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=False, varlen=False,
                 deterministic=False, softcap=False, mask_mod=None, spec=(), sparse=None, scalars=(), score_mod=None,
                 score_mod_bwd=None, block_m=None, gqa_loop=False):
-    """Compile the backward kernel for ``dtype`` (torch.float16 / torch.bfloat16), ``head_dim`` (64 / 96 / 128)
+    """Compile the backward kernel for ``dtype`` (torch.float16 / torch.bfloat16), ``head_dim`` (64 / 96 / 128 / 192 / 256)
     and ``causal`` for ``arch``; no GPU needed. ``dump_dir``: an existing folder that receives the PTX
     and cubin. With apache-tvm-ffi the call is ``(q, k, v, dout, lse2, delta, dq_accum, dk, dv,
     softmax_scale)`` on torch tensors (see bwd_entries.py; ``backward`` prepares them); with ``local`` (a sliding

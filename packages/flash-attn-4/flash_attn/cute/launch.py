@@ -364,7 +364,7 @@ def _bwd_out_layout(t, D):
 def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grads=None, dlse=None, window=None,
              deterministic=False, softcap=0.0, mod=None):
     """Attention backward on validated CUDA inputs: q/out/dout (B, Sq, H, D), k/v (B, Sk, Hk, D) fp16/bf16,
-    D in (64, 96, 128), H % Hk == 0, lse fp32 (B, H, Sq) natural log (+inf for rows that see no key), causal
+    D in (64, 96, 128, 192, 256), H % Hk == 0, lse fp32 (B, H, Sq) natural log (+inf for rows that see no key), causal
     bottom-right aligned. Returns (dq, dk, dv) in the input dtype, written into ``grads`` = (dq, dk, dv)
     when given (tensors shaped like q, k, v with a contiguous last dim). dq is accumulated across the key
     blocks' CTAs with fp32 reduce-adds (TMA bulk, or red.global without BwdConfig.dq_tma) in
