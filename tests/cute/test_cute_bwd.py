@@ -442,7 +442,7 @@ def test_bwd_exp2_emu_config_key_and_refusals(cute_env):
     from flash_attn.cute.flash_bwd_sm90 import FlashBwdSm90
 
     base = kernels.bwd_config(torch.bfloat16, 64, True, "sm_90a").key()
-    assert "exp2_emu" not in base and config.BWD_EXP2_EMU == {64: 0, 96: 0, 128: 0}
+    assert "exp2_emu" not in base and set(config.BWD_EXP2_EMU.values()) == {0}
     cute_env(OVERRIDES="bwd.exp2_emu=0")
     assert kernels.bwd_config(torch.bfloat16, 64, True, "sm_90a").key() == base
     cute_env(OVERRIDES="bwd.exp2_emu=6")
@@ -676,7 +676,7 @@ def test_shared_memory_is_counted_and_an_oversized_config_refused():
 
 
 def test_unsupported_head_dim_is_refused():
-    for d in (192, 256):
+    for d in (32, 160):
         with pytest.raises(ValueError, match="head dim"):
             kernels.compile_bwd(torch.bfloat16, d, False)
 

@@ -1,12 +1,13 @@
 """Pieces of the Hopper backward kernel (flash_bwd_sm90.py) that stand on their own: the transposed view of a
 shared-memory tile, the two-column fp32 reduction of dQ into global memory, and 16-bit packing and exact unpacking
-(P^T's whole tensor, or one pair: softcap's tanh derivative). Plain functions called while the kernel is traced
+(P^T's whole tensor, or one pair: softcap's tanh derivative), one WGMMA product as a commit group. Plain functions called while the kernel is traced
 (their loops and branches are on trace-time values)."""
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm, vector
+from cutlass.cute.nvgpu import warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 
@@ -68,3 +69,17 @@ def unpack_half(word, h, dtype):
         T.f32(), [Int32(word).ir_value()],
         f"{{ .reg .b16 lo, hi; mov.b32 {{lo, hi}}, $1; {cvt} $0, {('lo', 'hi')[h]}; }}",
         "=f,r", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+def gemm(tiled_mma, acc, tArA, tBrB, a_stage, b_stage, zero_init=False):
+    """acc (+)= A B over the K blocks of the fragments, one WGMMA commit group; a_stage / b_stage index a trailing
+    stage mode of A / B (None: the fragment has none)."""
+    if zero_init:
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+    warpgroup.fence()
+    for k in range(cute.size(tArA, mode=[2])):
+        a = tArA[None, None, k] if a_stage is None else tArA[None, None, k, a_stage]
+        b = tBrB[None, None, k] if b_stage is None else tBrB[None, None, k, b_stage]
+        cute.gemm(tiled_mma, acc, a, b, acc)
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()

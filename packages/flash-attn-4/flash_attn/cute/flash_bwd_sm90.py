@@ -42,6 +42,10 @@ elements), so that each warpgroup's 48-column half of K^T, the N of its dQ WGMMA
 atom; the fp32 dQ tile takes 64-byte atoms (16 columns) for the same reason, and its TMA reduce-add goes as
 six boxes per block. Its smem addresses are partitioned in the loop as at BLOCK_M = 128 (held, they spill
 with softcap).
+Head dims 192 and 256 (split_d): 2 x 64 x D fp32 dK / dV accumulators per warpgroup do not fit its registers, so
+a CTA takes 64 keys, which both warpgroups share: S^T and dP^T split by query columns (m64n32k16 each), P^T and
+dS^T written to shared memory and read back whole as the A operands of dV and dK, which (as dQ) split D between
+the warpgroups (m64n{D/2}k16); a barrier of both after the P^T stores, as after the dS^T ones.
 With BwdConfig.exp2_emu = k (off by default; bwd.exp2_emu in FLASH_ATTN_CUTE_OVERRIDES), k of every 16
 exponentials of P^T are computed by softmax_exp.exp2_poly on the FMA pipe instead of MUFU.EX2.
 After the loop dK is scaled by softmax_scale and dK, dV are stored: from the accumulators, or with BwdConfig.tma_dkv
@@ -66,7 +70,7 @@ from cutlass.memory import SmemAllocator
 from flash_attn.cute.bwd_dq import DqAccumulator
 from flash_attn.cute.bwd_epilogue import DkvEpilogue, GroupWalk
 from flash_attn.cute.bwd_entries import BwdEntries
-from flash_attn.cute.bwd_parts import pack_16, pack_pair, transpose_view, unpack_16, unpack_half
+from flash_attn.cute.bwd_parts import gemm, pack_16, pack_pair, transpose_view, unpack_16, unpack_half
 from flash_attn.cute.hopper_helpers import opaque, tma_tiles
 from flash_attn.cute.mask import AttentionMask
 from flash_attn.cute.score_mod import ScoreMods
@@ -661,10 +665,10 @@ class FlashBwdSm90(BwdEntries):
             do_state = pipeline.PipelineState(do_state.stages, do_state.count, do_state.index, do_state.phase ^ flip)
         if cutlass.const_expr(s):
             q_pipe.consumer_wait(q_state)
-            self._gemm(tiled_mma_sdp, acc_S, tSrK, tSrQ, None, q_state.index, zero_init=True)  # S^T = K Q^T
+            gemm(tiled_mma_sdp, acc_S, tSrK, tSrQ, None, q_state.index, zero_init=True)  # S^T = K Q^T
         if cutlass.const_expr(dp):
             do_pipe.consumer_wait(do_state)
-            self._gemm(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO, None, do_state.index, zero_init=True)  # dP^T
+            gemm(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO, None, do_state.index, zero_init=True)  # dP^T
 
     @cute.jit
     def _p_and_dv(self, acc_S, tScS, rP, tdVrP, tdVrdOt, acc_dV, tiled_mma_dv, sLSE, scale_log2, m_block, n_block,
@@ -724,9 +728,9 @@ class FlashBwdSm90(BwdEntries):
             cute.autovec_copy(rP, thr_sdp.partition_C(transpose_view(sP)[None, None, buf]))
             cute.arch.fence_view_async_shared()  # generic-proxy stores, read by the WGMMA's async proxy
             cute.arch.barrier(barrier_id=1, number_of_threads=256)  # (the dS barrier's id and count, in turn)
-            self._gemm(tiled_mma_dv, acc_dV, tdVrP_s, tdVrdOt, buf, do_stage)  # dV += P^T dO
+            gemm(tiled_mma_dv, acc_dV, tdVrP_s, tdVrdOt, buf, do_stage)  # dV += P^T dO
         else:
-            self._gemm(tiled_mma_dv, acc_dV, tdVrP, tdVrdOt, None, do_stage)  # dV += P^T dO
+            gemm(tiled_mma_dv, acc_dV, tdVrP, tdVrdOt, None, do_stage)  # dV += P^T dO
 
     @cute.jit
     def _ds_dk_dq(self, acc_S, acc_dP, tScS, rdS, thr_sdp, sdSt, sDelta, tiled_mma_dk, acc_dK, tdKrdSt, tdKrQt,
@@ -763,7 +767,7 @@ class FlashBwdSm90(BwdEntries):
         if cutlass.const_expr(self.wide):
             # dK needs only this warpgroup's dS^T, from registers: issued before the smem stores and the
             # barrier, it runs while they do.
-            self._gemm(tiled_mma_dk, acc_dK, tdKrdSt, tdKrQt, None, q_stage)  # dK += dS^T Q
+            gemm(tiled_mma_dk, acc_dK, tdKrdSt, tdKrQt, None, q_stage)  # dK += dS^T Q
         # dS^T to shared memory, where the dK and dQ WGMMAs read it through the async proxy.
         if cutlass.const_expr(ds_copy is not None):
             stsm, tRS_rdS, ctid = ds_copy  # partitioned from an opaque thread index: see hopper_helpers.opaque
@@ -786,19 +790,5 @@ class FlashBwdSm90(BwdEntries):
         else:
             cute.arch.barrier(barrier_id=1 + wg, number_of_threads=128)
         if cutlass.const_expr(not self.wide):
-            self._gemm(tiled_mma_dk, acc_dK, tdKrdSt, tdKrQt, buf, q_stage)  # dK += dS^T Q
-        self._gemm(tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, buf, None, zero_init=True)  # dQ = dS K
-
-    @cute.jit
-    def _gemm(self, tiled_mma, acc, tArA, tBrB, a_stage, b_stage, zero_init=False):
-        """acc (+)= A B over the K blocks of the fragments, one commit group; a_stage / b_stage index a
-        trailing stage mode of A / B (None: the fragment has none)."""
-        if cutlass.const_expr(zero_init):
-            tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
-        warpgroup.fence()
-        for k in cutlass.range_constexpr(cute.size(tArA, mode=[2])):
-            a = tArA[None, None, k] if cutlass.const_expr(a_stage is None) else tArA[None, None, k, a_stage]
-            b = tBrB[None, None, k] if cutlass.const_expr(b_stage is None) else tBrB[None, None, k, b_stage]
-            cute.gemm(tiled_mma, acc, a, b, acc)
-            tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-        warpgroup.commit_group()
+            gemm(tiled_mma_dk, acc_dK, tdKrdSt, tdKrQt, buf, q_stage)  # dK += dS^T Q
+        gemm(tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, buf, None, zero_init=True)  # dQ = dS K
