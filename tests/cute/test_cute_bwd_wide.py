@@ -33,12 +33,16 @@ WIDE = (192, 256)
 
 @pytest.mark.parametrize("d,causal,variant", [
     (256, True, {}), (192, False, {}), (256, False, {"local": True, "softcap": True}),
-    (192, True, {"varlen": True, "deterministic": True}), (256, True, {"gqa_loop": True})])
+    (192, True, {"varlen": True, "deterministic": True}), (256, True, {"gqa_loop": True}),
+    (192, True, {"head_dim_v": 128}), (192, False, {"head_dim_v": 128, "varlen": True})])
 def test_split_d_kernel_compiles_spill_free_with_its_wgmma_shapes(tmp_path, cute_env, d, causal, variant):
-    """S^T and dP^T as m64n32k16 (64 keys by one warpgroup's 32 query columns, D / 16 K steps each), dV, dK and dQ
-    as m64n{D/2}k16 (one warpgroup's half of D); no spills, setmaxnreg kept, the WGMMAs not serialised."""
+    """S^T and dP^T as m64n32k16 (64 keys by one warpgroup's 32 query columns, D / 16 and Dv / 16 K steps), dV as
+    m64n{Dv/2}k16, dK and dQ as m64n{D/2}k16 (one warpgroup's half of the head dim); no spills, setmaxnreg kept, the
+    WGMMAs not serialised; the 192 / 128 pair has a cache key of its own."""
     cfg = kernels.bwd_config(torch.bfloat16, d, causal, "sm_90a", **variant)
     assert cfg.block_m == 64 and not cfg.dq_tma and not cfg.overlap
+    dv = variant.get("head_dim_v", d)
+    assert ("head_dim_v" in cfg.key()) == (dv != d)
     kernels.compile_bwd(torch.bfloat16, d, causal, dump_dir=str(tmp_path), **variant)
     (ptx,) = [p for p in tmp_path.iterdir() if p.suffix == ".ptx"]
     text = ptx.read_text()
@@ -48,7 +52,9 @@ def test_split_d_kernel_compiles_spill_free_with_its_wgmma_shapes(tmp_path, cute
         if line.startswith("wgmma.mma_async"):
             shape = line.split(".")[4]
             shapes[shape] = shapes.get(shape, 0) + 1
-    assert shapes == {"m64n32k16": 2 * d // 16, f"m64n{d // 2}k16": 3 * 64 // 16}, shapes
+    want = {"m64n32k16": (d + dv) // 16, f"m64n{d // 2}k16": 2 * 64 // 16}
+    want[f"m64n{dv // 2}k16"] = want.get(f"m64n{dv // 2}k16", 0) + 64 // 16
+    assert shapes == want, shapes
     spills, log = _ptxas_spills(ptx)
     assert spills and all(x == 0 for x in spills), log
 
@@ -95,7 +101,16 @@ def test_wide_backward_is_served_only_under_its_rule(cute_env):
     cute_env(OVERRIDES="plan.bwd_wide_d=1", DISABLE="d256")
     assert cute_backend.backward_head_dims() == (64, 96, 128, 192)
     assert not autograd._kernel_takes(q, q, True, U, U, 0.0, False, None)
-    assert cute_backend.unsupported_reason(_call(head_dim=192, head_dim_v=128)) is not None  # no Dv pair backward
+    q192, v128 = torch.empty(2, 10, 2, 192), torch.empty(2, 10, 2, 128)
+    assert cute_backend.unsupported_reason(_call(head_dim=192, head_dim_v=128)) is None  # the 192 / 128 pair
+    assert autograd._kernel_takes(q192, v128, True, U, U, 0.0, False, None)
+    assert cute_backend.unsupported_reason(_call(head_dim=192, head_dim_v=64)) is not None  # not a pair
+    assert not autograd._kernel_takes(q192, q192[..., :64], True, U, U, 0.0, False, None)
+    cute_env(OVERRIDES="plan.bwd_wide_d=1", DISABLE="hdim_v")
+    assert cute_backend.unsupported_reason(_call(head_dim=192, head_dim_v=128)) is not None
+    assert not autograd._kernel_takes(q192, v128, True, U, U, 0.0, False, None)
+    cute_env(OVERRIDES=None, DISABLE=None)
+    assert cute_backend.unsupported_reason(_call(head_dim=192, head_dim_v=128)) is not None  # (rule off)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -206,4 +221,57 @@ def test_wide_deterministic_gradients_repeat_bit_for_bit_on_gpu(wide_on, cute_en
         ref, _ = testing.attention_ref(qr, kr, vr, causal=causal, upcast=upcast, reorder_ops=not upcast)
         results.append(torch.autograd.grad(ref, (qr, kr, vr), dout))
     for name, a, r, p in zip(("dq", "dk", "dv"), runs[0], *results):
+        testing.assert_close_to_ref(a, r, p, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(17, 17), (1000, 1000), (300, 1200), (256, 77)])
+@pytest.mark.parametrize("heads,heads_kv", [(4, 4), (6, 2)])
+def test_pair_192_128_gradients_on_gpu(wide_on, causal, seqlen_q, seqlen_k, heads, heads_kv):
+    """q / k head dim 192, v 128 (the forward's pair): dv, dout and out are 128 wide."""
+    from flash_attn.cute import flash_attn_func
+
+    g = torch.Generator().manual_seed(seqlen_q + heads)
+    q = torch.randn(2, seqlen_q, heads, 192, generator=g).to("cuda", torch.bfloat16).requires_grad_()
+    k = torch.randn(2, seqlen_k, heads_kv, 192, generator=g).to("cuda", torch.bfloat16).requires_grad_()
+    v = torch.randn(2, seqlen_k, heads_kv, 128, generator=g).to("cuda", torch.bfloat16).requires_grad_()
+    dout = torch.randn(2, seqlen_q, heads, 128, generator=g).to("cuda", torch.bfloat16)
+    out, _ = flash_attn_func(q, k, v, causal=causal)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert wide_on, "the backward did not run on the cute kernel"
+    results = []
+    for upcast in (True, False):
+        qr, kr, vr = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        ref, _ = testing.attention_ref(qr, kr, vr, causal=causal, upcast=upcast, reorder_ops=not upcast)
+        results.append(torch.autograd.grad(ref, (qr, kr, vr), dout))
+    for name, a, r, p in zip(("dq", "dk", "dv"), grads, *results):
+        testing.assert_close_to_ref(a, r, p, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("causal", [False, True])
+def test_pair_192_128_varlen_gradients_on_gpu(wide_on, monkeypatch, causal):
+    from flash_attn.cute import flash_attn_varlen_func, launch
+
+    from test_cute_bwd_varlen import _cu, _per_sequence_reference
+
+    calls = []
+    real = launch.backward_varlen
+    monkeypatch.setattr(launch, "backward_varlen", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    lens_q, lens_k = [300, 1, 129, 0], [500, 64, 129, 77]
+    cu_q, cu_k = _cu(lens_q, "cuda"), _cu(lens_k, "cuda")
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(int(cu_q[-1]), 4, 192, generator=g).to("cuda", torch.bfloat16).requires_grad_()
+    k = torch.randn(int(cu_k[-1]), 2, 192, generator=g).to("cuda", torch.bfloat16).requires_grad_()
+    v = torch.randn(int(cu_k[-1]), 2, 128, generator=g).to("cuda", torch.bfloat16).requires_grad_()
+    dout = torch.randn(int(cu_q[-1]), 4, 128, generator=g).to("cuda", torch.bfloat16)
+    out, _ = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=causal)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert calls, "the backward did not run on the varlen kernel"
+    ref, pt = _per_sequence_reference(q, k, v, dout, cu_q, cu_k, cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1], causal,
+                                      (-1, -1))
+    for name, a, r, p in zip(("dq", "dk", "dv"), grads, ref[1:], pt[1:]):
         testing.assert_close_to_ref(a, r, p, name)

@@ -69,6 +69,13 @@ def with_fallback_backward(q, k, v, softmax_scale, causal, window_left, window_r
                           softcap, deterministic)
 
 
+def _pair(d, dv):
+    """A q / v head-dim pair the backward kernel serves (config.HEAD_DIM_PAIRS, hdim_v not switched off)."""
+    from flash_attn.cute.config import HEAD_DIM_PAIRS
+
+    return (d, dv) in HEAD_DIM_PAIRS and not settings.disabled("hdim_v")
+
+
 def _kernel_takes(q, v, causal, window_left, window_right, softcap, deterministic, varlen):
     """Whether this package's CuTeDSL backward kernel serves the call in own_backward (as backend.py's rule for the
     dispatcher: its head dims (backend.backward_head_dims, d96 unless FLASH_ATTN_CUTE_DISABLE names it), not switched
@@ -84,7 +91,8 @@ def _kernel_takes(q, v, causal, window_left, window_right, softcap, deterministi
     varlen_ok = varlen is None or (backend._varlen_bwd() and varlen[0] is not None and varlen[1] is not None)
     det_ok = not deterministic or unwindowed
     return (varlen_ok and (not softcap or backend._softcap_bwd()) and det_ok and window_ok
-            and q.shape[-1] == v.shape[-1] and q.shape[-1] in backend.backward_head_dims()
+            and (q.shape[-1] == v.shape[-1] or _pair(q.shape[-1], v.shape[-1]))
+            and q.shape[-1] in backend.backward_head_dims()
             and not settings.disabled("bwd"))
 
 

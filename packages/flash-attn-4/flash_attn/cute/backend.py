@@ -84,8 +84,8 @@ def unsupported_reason(call):
     if call.dtype not in _DTYPES:
         return f"dtype {call.dtype} (fp16/bf16 only)"
     head_dims = backward_head_dims() if call.backward else forward_head_dims()
-    pair = False  # v's head dim != q's: a pair of config.HEAD_DIM_PAIRS, forward only (backward: the next one)
-    if call.head_dim_v != call.head_dim and not call.backward and call.head_dim in head_dims:
+    pair = False  # v's head dim != q's: a pair of config.HEAD_DIM_PAIRS (the backward's under bwd_wide_d)
+    if call.head_dim_v != call.head_dim and call.head_dim in head_dims:
         from flash_attn.cute.config import HEAD_DIM_PAIRS
 
         pair = (call.head_dim, call.head_dim_v) in HEAD_DIM_PAIRS

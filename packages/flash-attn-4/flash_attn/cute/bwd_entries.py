@@ -127,14 +127,16 @@ class BwdEntries:
         # atoms at D = 64 / 128, 64-byte ones at D = 96 (192-byte rows). split_d: Q^T and dO^T are B operands of
         # dK and dV split by D between the warpgroups, so a half of D starts on an atom (64-byte atoms at D = 192).
         d_atom = k_atom_for(D // 2 if self.split_d else D, dt)
+        Dv = self.head_dim_v  # V's, dO's and dV's (D but for the 192 / 128 pair)
+        dv_atom = k_atom_for(Dv // 2 if self.split_d else Dv, dt)
         sQ_layout = smem_layout(d_atom, dt, (BM, D, stages))
-        sdO_layout = smem_layout(d_atom, dt, (BM, D, stages))
+        sdO_layout = smem_layout(dv_atom, dt, (BM, Dv, stages))
         # With dq_split, K^T's D rows are split between the warpgroups as WGMMA N: each half must start
         # on a swizzle atom, so D = 64 uses 64-byte (32-element) atoms and D = 96 (halves of 48) 32-byte
         # (16-element) ones. (Split by rows, dQ's N is all of D: K keeps D's atoms.)
         k_atom = k_atom_for(D // 2, dt) if self.dq_split and not self.dq_rows else d_atom
         sK_layout = smem_layout(k_atom, dt, (BN, D))
-        sV_layout = smem_layout(k_atom if self.split_d else d_atom, dt, (BN, D))  # split_d: the TMA dV box is a half
+        sV_layout = smem_layout(dv_atom, dt, (BN, Dv))  # (split_d: the TMA dV box is a half of Dv)
         # dS as the A operand of dQ = dS K, M-major (queries contiguous): the S^T accumulator holds
         # pairs of adjacent queries, which then land as 4-byte stores. Two buffers, so that a warpgroup
         # writes block j + 1's dS while a slower warp may still be in block j's dQ WGMMA.
@@ -155,7 +157,7 @@ class BwdEntries:
         # MN-major) view of the dO tile.
         tiled_mma_dv = cute.make_tiled_mma(
             cute.make_mma_atom(warpgroup.MmaF16BF16Op(
-                dt, Float32, (64, D // wg_n, 16),
+                dt, Float32, (64, Dv // wg_n, 16),
                 warpgroup.OperandSource.SMEM if cutlass.const_expr(self.split_d) else warpgroup.OperandSource.RMEM,
                 OperandMajorMode.K, OperandMajorMode.MN)),
             atoms)
@@ -185,9 +187,9 @@ class BwdEntries:
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, mQ_tma = cpasync.make_tiled_tma_atom(g2s, mQ, cute.slice_(sQ_layout, (None, None, 0)), (BM, D))
         tma_do, mdO_tma = cpasync.make_tiled_tma_atom(
-            g2s, mdO, cute.slice_(sdO_layout, (None, None, 0)), (BM, D))
+            g2s, mdO, cute.slice_(sdO_layout, (None, None, 0)), (BM, Dv))
         tma_k, mK_tma = cpasync.make_tiled_tma_atom(g2s, mK, sK_layout, (BN, D))
-        tma_v, mV_tma = cpasync.make_tiled_tma_atom(g2s, mV, sV_layout, (BN, D))
+        tma_v, mV_tma = cpasync.make_tiled_tma_atom(g2s, mV, sV_layout, (BN, Dv))
         row_layout = cute.make_layout(BM)
         tma_lse, mLSE2_tma = cpasync.make_tiled_tma_atom(g2s, mLSE2, row_layout, (BM,))
         tma_delta, mDelta_tma = cpasync.make_tiled_tma_atom(g2s, mDelta, row_layout, (BM,))

@@ -235,8 +235,8 @@ def prepare_varlen(out, dout, lse, cu_seqlens_q, seqused_q, max_seqlen_q, block_
     return lse2, delta, dq_accum
 
 
-def prepare_varlen_torch(out, dout, lse, cu_seqlens_q, seqused_q, max_seqlen_q, block_pad, dlse=None):
-    """``prepare_varlen`` in torch (device ops, no host sync)."""
+def prepare_varlen_torch(out, dout, lse, cu_seqlens_q, seqused_q, max_seqlen_q, block_pad, dlse=None, head_dim=None):
+    """``prepare_varlen`` in torch (device ops, no host sync); head_dim as prepare_torch's."""
     T, H, D = out.shape
     B = cu_seqlens_q.shape[0] - 1
     dev = out.device
@@ -255,7 +255,7 @@ def prepare_varlen_torch(out, dout, lse, cu_seqlens_q, seqused_q, max_seqlen_q, 
     lse2.index_copy_(1, dst, torch.where(used, torch.where(lse[:, :T].isinf(), torch.inf, lse[:, :T] * LOG2E),
                                          torch.inf))
     delta.index_copy_(1, dst, torch.where(used, d, 0.0))
-    return lse2, delta, torch.zeros((T, H, D), dtype=_F32, device=dev)
+    return lse2, delta, torch.zeros((T, H, head_dim or D), dtype=_F32, device=dev)
 
 
 def finish(dq_accum, dq, dk_h=None, dv_h=None, dk=None, dv=None):
@@ -284,8 +284,9 @@ def finish(dq_accum, dq, dk_h=None, dv_h=None, dk=None, dv=None):
             meta, ("post", D, kv))
 
 
-def prepare_torch(out, dout, lse, seqlen_pad):
-    """``prepare`` in torch (several launches; fp32 copies of out and dout for delta)."""
+def prepare_torch(out, dout, lse, seqlen_pad, head_dim=None):
+    """``prepare`` in torch (several launches; fp32 copies of out and dout for delta); head_dim: dq_accum's, where it
+    is not out's (a q / v head-dim pair)."""
     B, Sq, H, D = out.shape
     lse = lse[:, :, :Sq]
     lse2 = torch.full((B, H, seqlen_pad), torch.inf, dtype=_F32, device=out.device)
@@ -293,7 +294,7 @@ def prepare_torch(out, dout, lse, seqlen_pad):
     delta = torch.zeros((B, H, seqlen_pad), dtype=_F32, device=out.device)
     # fp32 products as FlashAttention computes delta; out is upcast inside the multiply
     delta[:, :, :Sq] = (dout.float() * out).sum(-1).transpose(1, 2)
-    dq_accum = torch.zeros((B, Sq, H, D), dtype=_F32, device=out.device)
+    dq_accum = torch.zeros((B, Sq, H, head_dim or D), dtype=_F32, device=out.device)
     return lse2, delta, dq_accum
 
 
@@ -301,7 +302,7 @@ def finish_torch(dq_accum, dq, dk_h=None, dv_h=None, dk=None, dv=None):
     """``finish`` in torch."""
     dq.copy_(dq_accum)
     if dk_h is not None:
-        B, Sk, Hk, D = dk.shape
+        B, Sk, Hk = dk.shape[:3]
         group = dk_h.shape[2] // Hk
-        dk.copy_(dk_h.view(B, Sk, Hk, group, D).float().sum(3))
-        dv.copy_(dv_h.view(B, Sk, Hk, group, D).float().sum(3))
+        for g, g_h in ((dk, dk_h), (dv, dv_h)):  # (D and Dv may differ)
+            g.copy_(g_h.view(B, Sk, Hk, group, g.shape[3]).float().sum(3))

@@ -227,6 +227,7 @@ class BwdConfig:
     softcap: bool = False  # soft-capped scores (the tanh's derivative in dS)
     tma_dkv: bool = False  # dK, dV through shared memory and TMA stores (BWD_TMA_DKV; varlen: an override)
     gqa_loop: bool = False  # one CTA per KV head walks its group's query heads (FlashBwdSm90 gqa_loop; the call's)
+    head_dim_v: int | None = None  # V's head dim where it differs (a pair of HEAD_DIM_PAIRS; the call's)
 
     def __post_init__(self):
         if self.dtype not in ("fp16", "bf16"):
@@ -241,6 +242,8 @@ class BwdConfig:
             raise ValueError("BwdConfig: deterministic needs dq_split, dq_tma off, lpt 0 and no window")
         if self.softcap and self.block_m != 64:
             raise ValueError("BwdConfig: softcap needs block_m 64")
+        if self.head_dim_v is not None and (self.head_dim, self.head_dim_v) not in HEAD_DIM_PAIRS:
+            raise ValueError(f"BwdConfig: head dims {self.head_dim} / {self.head_dim_v} not a pair of {sorted(HEAD_DIM_PAIRS)}")
 
     def key(self):
         """The disk cache's key (see _key)."""
@@ -455,11 +458,11 @@ def short_dims():
 
 
 def select_bwd(dtype, head_dim, causal, arch, abi, local=False, varlen=False, deterministic=False, softcap=False,
-               gqa_loop=False):
+               gqa_loop=False, head_dim_v=None):
     """The BwdConfig of a backward call (local: with a sliding window; varlen: packed sequences, no lpt order;
     deterministic: dQ by red.global.add in key-block order, with the split dQ tile and no lpt order; softcap:
     soft-capped scores, 64 query rows per block; gqa_loop: one CTA per KV head over its group's query heads, no
-    overlap)."""
+    overlap; head_dim_v: V's head dim where it differs from head_dim)."""
     ov = overrides("bwd")
     d = int(head_dim)
     dq_split = True if deterministic else ov.get("dq_split", BWD_DQ_SPLIT)
@@ -475,4 +478,4 @@ def select_bwd(dtype, head_dim, causal, arch, abi, local=False, varlen=False, de
                      exp2_emu=emu, exp2_emu_degree=ov.get("exp2_emu_degree", 3) if emu else 3, local=bool(local),
                      varlen=bool(varlen), deterministic=bool(deterministic), softcap=bool(softcap),
                      tma_dkv=bool(ov.get("tma_dkv", False if varlen else BWD_TMA_DKV.get(d, False))),
-                     gqa_loop=bool(gqa_loop))
+                     gqa_loop=bool(gqa_loop), head_dim_v=None if head_dim_v in (None, d) else int(head_dim_v))

@@ -96,9 +96,10 @@ class FlashBwdSm90(BwdEntries):
     def __init__(self, dtype, head_dim, causal, block_m=64, block_n=None, num_stages=2, dq_split=True,
                  dq_tma=False, overlap=False, lpt=0, exp2_emu=0, exp2_emu_degree=3, local=False,
                  varlen=False, deterministic=False, softcap=False, mask_mod=None, aux=False, sparse=None,
-                 scalars=(), score_mod=None, score_mod_bwd=None, tma_dkv=False, gqa_loop=False):
+                 scalars=(), score_mod=None, score_mod_bwd=None, tma_dkv=False, gqa_loop=False, head_dim_v=None):
         """head_dim: 64, 96, 128, 192 or 256 (HEAD_DIMS), of q, k and v alike; past 128 the warpgroups split D (split_d
-        below) and block_n is 64.
+        below) and block_n is 64. head_dim_v: V's (and dO's, dV's) head dim where it differs, with split_d (the
+        192 / 128 pair): S^T's K steps run over D, dP^T's over head_dim_v.
         block_m: query rows per step, 64 or (head dim 64 only) 128, see the module docstring.
         local: a sliding window (sizes >= 0 per call, call_general; causal windows have right = 0), every block
         masked.
@@ -169,6 +170,10 @@ class FlashBwdSm90(BwdEntries):
             raise ValueError(f"num_stages {num_stages} < 1")
         self.dtype = dtype
         self.head_dim = head_dim
+        self.head_dim_v = head_dim if head_dim_v is None else int(head_dim_v)
+        if self.head_dim_v != head_dim and (not self.split_d or self.head_dim_v not in self.HEAD_DIMS):
+            raise ValueError(f"head_dim_v {self.head_dim_v} with head dim {head_dim}: a v head dim of its own needs "
+                             f"head dim > 128 (split_d) and one of {self.HEAD_DIMS}")
         self.causal = bool(causal)
         self.block_m = block_m
         self.block_n = block_n
@@ -239,7 +244,7 @@ class FlashBwdSm90(BwdEntries):
                              "key blocks count from 0 in grid order)")
         self.dq = DqAccumulator(block_m, self.dq_tma, self.deterministic, self.seqlens, 128 * self.NUM_MMA_WARPGROUPS)
         self.dkv = DkvEpilogue(dtype, head_dim, block_n, self.NUM_MMA_WARPGROUPS, self.tma_dkv, self.varlen,
-                               self.seqlens, self.split_d)
+                               self.seqlens, self.split_d, self.head_dim_v)
         if self.smem_bytes() > self.SMEM_LIMIT:
             raise ValueError(
                 f"head dim {head_dim}, block_m {block_m}, {num_stages} stages, dq_tma={self.dq_tma} need "
@@ -251,9 +256,9 @@ class FlashBwdSm90(BwdEntries):
     def smem_bytes(self):
         """Dynamic shared memory of the kernel, in the order and with the alignments `kernel` allocates it
         (mbarriers, then the 1 KB-aligned tiles, then the lse / delta rows)."""
-        es, BM, BN, D, st = 2, self.block_m, self.block_n, self.head_dim, self.num_stages
+        es, BM, BN, D, Dv, st = 2, self.block_m, self.block_n, self.head_dim, self.head_dim_v, self.num_stages
         off = (2 + 4 * st) * 8
-        tiles = [BM * D * es * st, BM * D * es * st, BN * D * es, BN * D * es, BM * BN * es * 2]
+        tiles = [BM * D * es * st, BM * Dv * es * st, BN * D * es, BN * Dv * es, BM * BN * es * 2]
         tiles += [BM * BN * es * 2] if self.split_d else []  # P^T's tile (two buffers, as dS)
         for nbytes in tiles + ([BM * D * 4 * 2] if self.dq_tma else []):
             off = -(-off // 1024) * 1024 + nbytes
@@ -387,12 +392,12 @@ class FlashBwdSm90(BwdEntries):
     def _produce(self, tma_q, mQ, tma_k, mK, tma_v, mV, tma_do, mdO, tma_lse, mLSE2, tma_delta, mDelta,
                  sQ, sK, sV, sdO, sLSE, sDelta, kv_pipe, q_pipe, do_pipe, n_block, head, head_kv, tile,
                  m_block_min, m_block_max, tiles=None):
-        BM, BN, D = self.block_m, self.block_n, self.head_dim
+        BM, BN, D, Dv = self.block_m, self.block_n, self.head_dim, self.head_dim_v
         sl = self.seqlens
         gQ = cute.local_tile(sl.rows(mQ, tile.q_start, head, tile), (BM, D), (None, 0))       # (BM, D, m)
-        gdO = cute.local_tile(sl.rows(mdO, tile.q_start, head, tile), (BM, D), (None, 0))     # (BM, D, m)
+        gdO = cute.local_tile(sl.rows(mdO, tile.q_start, head, tile), (BM, Dv), (None, 0))    # (BM, Dv, m)
         gK = cute.local_tile(sl.rows(mK, tile.k_start, head_kv, tile), (BN, D), (None, 0))    # (BN, D, n)
-        gV = cute.local_tile(sl.rows(mV, tile.k_start, head_kv, tile), (BN, D), (None, 0))    # (BN, D, n)
+        gV = cute.local_tile(sl.rows(mV, tile.k_start, head_kv, tile), (BN, Dv), (None, 0))   # (BN, Dv, n)
         gLSE = cute.local_tile(sl.lse_rows(mLSE2, head, tile), (BM,), (None,))                # (BM, m)
         gDelta = cute.local_tile(sl.lse_rows(mDelta, head, tile), (BM,), (None,))             # (BM, m)
         tQsQ, tQgQ = tma_tiles(tma_q, sQ, gQ)
@@ -431,9 +436,9 @@ class FlashBwdSm90(BwdEntries):
     def _head_tiles(self, tma_q, tma_do, tma_lse, tma_delta, mQ, mdO, mLSE2, mDelta, sQ, sdO, sLSE, sDelta, tile, head):
         """The gmem sides of the producer's Q, dO, lse2 and delta TMA copies for query head ``head`` (gqa_loop: the
         head changes along the walk), indexed by query block."""
-        BM, D, sl = self.block_m, self.head_dim, self.seqlens
+        BM, D, Dv, sl = self.block_m, self.head_dim, self.head_dim_v, self.seqlens
         return (tma_tiles(tma_q, sQ, cute.local_tile(sl.rows(mQ, tile.q_start, head, tile), (BM, D), (None, 0)))[1],
-                tma_tiles(tma_do, sdO, cute.local_tile(sl.rows(mdO, tile.q_start, head, tile), (BM, D), (None, 0)))[1],
+                tma_tiles(tma_do, sdO, cute.local_tile(sl.rows(mdO, tile.q_start, head, tile), (BM, Dv), (None, 0)))[1],
                 tma_tiles(tma_lse, sLSE, cute.local_tile(sl.lse_rows(mLSE2, head, tile), (BM,), (None,)), modes=1)[1],
                 tma_tiles(tma_delta, sDelta, cute.local_tile(sl.lse_rows(mDelta, head, tile), (BM,), (None,)),
                           modes=1)[1])
@@ -448,6 +453,7 @@ class FlashBwdSm90(BwdEntries):
         turn = (mSem, n_block, ctid) if cutlass.const_expr(self.deterministic) else None
         thr_sdp = tiled_mma_sdp.get_slice(ctid)
         thr_dv = tiled_mma_dv.get_slice(ctid)
+        thr_dk = tiled_mma_dk.get_slice(ctid)
         thr_dq = tiled_mma_dq.get_slice(ctid if cutlass.const_expr(self.dq_split) else ctid % 128)
         # Shared-memory operands are the same for a whole warpgroup: partition them with its first
         # thread (a warp-uniform index) so ptxas builds the WGMMA descriptors in uniform registers.
@@ -476,13 +482,14 @@ class FlashBwdSm90(BwdEntries):
 
         acc_S = cute.make_rmem_tensor(thr_sdp.partition_shape_C((BN, BM)), Float32)
         acc_dP = cute.make_rmem_tensor(thr_sdp.partition_shape_C((BN, BM)), Float32)
-        acc_dV = cute.make_rmem_tensor(thr_dv.partition_shape_C((BN, D)), Float32)
-        acc_dK = cute.make_rmem_tensor(thr_dv.partition_shape_C((BN, D)), Float32)
+        acc_dV = cute.make_rmem_tensor(thr_dv.partition_shape_C((BN, self.head_dim_v)), Float32)
+        acc_dK = cute.make_rmem_tensor(thr_dk.partition_shape_C((BN, D)), Float32)
         acc_dQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((BM, D)), Float32)
         acc_dV.fill(0.0)
         acc_dK.fill(0.0)
         tScS = thr_sdp.partition_C(cute.make_identity_tensor((BN, BM)))
-        tdKcdK = thr_dv.partition_C(cute.make_identity_tensor((BN, D)))
+        tdKcdK = (thr_dk.partition_C(cute.make_identity_tensor((BN, D))),
+                  thr_dv.partition_C(cute.make_identity_tensor((BN, self.head_dim_v))))
         tdQcdQ = thr_dq.partition_C(cute.make_identity_tensor((BM, D)))
         tdQsdQ, tQRsdQ, tQRgdQ = None, None, None
         if cutlass.const_expr(self.dq_tma):
@@ -626,7 +633,7 @@ class FlashBwdSm90(BwdEntries):
                     self.dq.reduce(tma_dq, tQRsdQ, g_last, 1 - buf, m_last)
                 cute.arch.cp_async_bulk_wait_group(0)
 
-        self.dkv.store(mdK, mdV, tma_dkv, sK, sV, tiled_mma_dv, acc_dK, acc_dV, tdKcdK, softmax_scale, ctid, wg,
+        self.dkv.store(mdK, mdV, tma_dkv, sK, sV, (tiled_mma_dk, tiled_mma_dv), acc_dK, acc_dV, tdKcdK, softmax_scale, ctid, wg,
                        n_block, head, tile, seqlen_k)
 
     def _dq_dst(self, dst, pos, tiles):

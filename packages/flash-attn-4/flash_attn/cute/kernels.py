@@ -53,9 +53,10 @@ def fwd_config(dtype, head_dim, causal, arch="sm_90a", local=False, softcap=Fals
 
 
 def bwd_config(dtype, head_dim, causal, arch="sm_90a", local=False, varlen=False, deterministic=False, softcap=False,
-               gqa_loop=False):
+               gqa_loop=False, head_dim_v=None):
     """The config.BwdConfig of a backward call."""
-    return config.select_bwd(dtype, head_dim, causal, arch, _abi(), local, varlen, deterministic, softcap, gqa_loop)
+    return config.select_bwd(dtype, head_dim, causal, arch, _abi(), local, varlen, deterministic, softcap, gqa_loop,
+                             head_dim_v)
 
 
 def _make_kernel(cfg):
@@ -257,13 +258,14 @@ def bwd_disk_entry(dtype, head_dim, causal, arch="sm_90a", root=None):
 
 
 def load_or_build_bwd(dtype, head_dim, causal, arch="sm_90a", root=None, force=False, local=False, varlen=False,
-                      deterministic=False, softcap=False, gqa_loop=False):
+                      deterministic=False, softcap=False, gqa_loop=False, head_dim_v=None):
     """load_or_build for the backward kernel: (callable, origin), from the disk cache ``root`` or compiled
     and written there."""
     return _load_or_build_entry(_bwd_entry(dtype, head_dim, causal, arch, local, varlen, deterministic, softcap,
-                                           gqa_loop),
+                                           gqa_loop, head_dim_v),
                                 lambda: compile_bwd(dtype, head_dim, causal, arch, local=local, varlen=varlen,
-                                                    deterministic=deterministic, softcap=softcap, gqa_loop=gqa_loop),
+                                                    deterministic=deterministic, softcap=softcap, gqa_loop=gqa_loop,
+                                                    head_dim_v=head_dim_v),
                                 root, force)
 
 
@@ -365,7 +367,7 @@ def fwd_kernel(dtype, head_dim, causal, arch="sm_90a", local=False, softcap=Fals
 
 def compile_bwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=False, varlen=False,
                 deterministic=False, softcap=False, mask_mod=None, spec=(), sparse=None, scalars=(), score_mod=None,
-                score_mod_bwd=None, block_m=None, gqa_loop=False):
+                score_mod_bwd=None, block_m=None, gqa_loop=False, head_dim_v=None):
     """Compile the backward kernel for ``dtype`` (torch.float16 / torch.bfloat16), ``head_dim`` (64 / 96 / 128 / 192 / 256)
     and ``causal`` for ``arch``; no GPU needed. ``dump_dir``: an existing folder that receives the PTX
     and cubin. With apache-tvm-ffi the call is ``(q, k, v, dout, lse2, delta, dq_accum, dk, dv,
@@ -382,14 +384,15 @@ def compile_bwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=Fal
     query block is 64 (mod_bwd_block_m). ``varlen`` with mods: call_varlen_mods, ``(..., dv, cu_seqlens_q,
     cu_seqlens_k, seqused_q, seqused_k, max_seqlen_k, softmax_scale, aux, scalars)``. block_m: the query block of a
     mods kernel when not the config's (64: sparse query blocks that are not whole 128-row blocks). gqa_loop: the
-    kernel whose CTAs each walk a KV head's group of query heads (FlashBwdSm90); its dk, dv are (B, Sk, Hk, D)."""
+    kernel whose CTAs each walk a KV head's group of query heads (FlashBwdSm90); its dk, dv are (B, Sk, Hk, D).
+    head_dim_v: v's (and dout's, dv's) head dim where it differs (a pair of config.HEAD_DIM_PAIRS)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_tensor
 
     from flash_attn.cute.flash_bwd_sm90 import FlashBwdSm90
 
-    cfg = bwd_config(dtype, head_dim, causal, arch, local, varlen, deterministic, softcap, gqa_loop)
+    cfg = bwd_config(dtype, head_dim, causal, arch, local, varlen, deterministic, softcap, gqa_loop, head_dim_v)
     if score_mod is not None or block_m is not None:
         cfg = dataclasses.replace(cfg, block_m=block_m or mod_bwd_block_m(cfg, True))
     kernel = FlashBwdSm90(_cutlass_dtype(dtype), int(head_dim), bool(causal), block_m=cfg.block_m,
@@ -397,14 +400,15 @@ def compile_bwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=Fal
                           lpt=cfg.lpt, exp2_emu=cfg.exp2_emu, exp2_emu_degree=cfg.exp2_emu_degree, local=cfg.local,
                           varlen=cfg.varlen, deterministic=cfg.deterministic, softcap=cfg.softcap, mask_mod=mask_mod,
                           aux=bool(spec), sparse=sparse, scalars=scalars, score_mod=score_mod,
-                          score_mod_bwd=score_mod_bwd, tma_dkv=cfg.tma_dkv, gqa_loop=cfg.gqa_loop)
-    D = kernel.head_dim
+                          score_mod_bwd=score_mod_bwd, tma_dkv=cfg.tma_dkv, gqa_loop=cfg.gqa_loop,
+                          head_dim_v=cfg.head_dim_v)
+    D, Dv = kernel.head_dim, kernel.head_dim_v
     # 32-bit symbolic shapes and strides, as in compile_fwd (backward() keeps tensors below 2^31 elements).
     batch, seqlen_q, seqlen_k, heads, heads_kv, seqlen_q_pad = (cute.sym_int() for _ in range(6))
 
-    def bshd(dt, seqlen, h):  # (B, S, H, D) (varlen: B = 1, the packed rows)
-        return make_fake_tensor(dt, (batch, seqlen, h, D),
-                                (cute.sym_int(divisibility=8), cute.sym_int(divisibility=8), D, 1),
+    def bshd(dt, seqlen, h, d=D):  # (B, S, H, d) (varlen: B = 1, the packed rows)
+        return make_fake_tensor(dt, (batch, seqlen, h, d),
+                                (cute.sym_int(divisibility=8), cute.sym_int(divisibility=8), d, 1),
                                 assumed_align=16)
 
     def rows():  # lse2 / delta (B, H, Sq_pad) fp32: TMA needs 16-byte aligned rows
@@ -417,9 +421,9 @@ def compile_bwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=Fal
     if dump_dir is not None:
         options += f" --keep-ptx --keep-cubin --dump-dir {dump_dir}"
     stream = cutlass.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi)
-    tensors = (bshd(dt, seqlen_q, heads), bshd(dt, seqlen_k, heads_kv), bshd(dt, seqlen_k, heads_kv),
-               bshd(dt, seqlen_q, heads), rows(), rows(), bshd(cutlass.Float32, seqlen_q, heads),
-               *(bshd(dt, seqlen_k, heads_kv if gqa_loop else heads) for _ in range(2)))  # dk, dv
+    tensors = (bshd(dt, seqlen_q, heads), bshd(dt, seqlen_k, heads_kv), bshd(dt, seqlen_k, heads_kv, Dv),
+               bshd(dt, seqlen_q, heads, Dv), rows(), rows(), bshd(cutlass.Float32, seqlen_q, heads),
+               *(bshd(dt, seqlen_k, heads_kv if gqa_loop else heads, d) for d in (D, Dv)))  # dk, dv
     sem = ()
     if deterministic:  # (B, H, query blocks) int32, contiguous
         sem = (make_fake_tensor(cutlass.Int32, (cute.sym_int(), heads, cute.sym_int()),
@@ -464,11 +468,12 @@ def mod_bwd_block_m(cfg, has_score_mod):
 
 
 def _bwd_entry(dtype, head_dim, causal, arch, local=False, varlen=False, deterministic=False, softcap=False,
-               gqa_loop=False):
-    cfg = bwd_config(dtype, head_dim, causal, arch, local, varlen, deterministic, softcap, gqa_loop)
+               gqa_loop=False, head_dim_v=None):
+    cfg = bwd_config(dtype, head_dim, causal, arch, local, varlen, deterministic, softcap, gqa_loop, head_dim_v)
     config = cfg.key()
     key = cache.entry_key(config)
-    name = (f"bwd-{arch}-{cfg.dtype}-d{cfg.head_dim}-{'causal' if causal else 'full'}{'-local' if local else ''}"
+    dv = f"-dv{cfg.head_dim_v}" if cfg.head_dim_v else ""
+    name = (f"bwd-{arch}-{cfg.dtype}-d{cfg.head_dim}{dv}-{'causal' if causal else 'full'}{'-local' if local else ''}"
             f"{'-varlen' if varlen else ''}{'-det' if deterministic else ''}{'-softcap' if softcap else ''}"
             f"{'-gqa' if gqa_loop else ''}-{key[:16]}")
     return config, key, name, f"flash_attn_cute_{key[:16]}"
@@ -501,10 +506,10 @@ def _bwd_dlpack_launcher(compiled, varlen, plain):
 
 
 def bwd_kernel(dtype, head_dim, causal, arch="sm_90a", local=False, varlen=False, deterministic=False,
-               softcap=False, gqa_loop=False):
-    """The backward kernel for (dtype, head dim, causal, arch, local, varlen, deterministic, softcap, gqa_loop): from
-    memory, else the disk cache, else compiled and written there (as fwd_kernel)."""
-    mem_key = bwd_mem_key(dtype, head_dim, causal, arch, local, varlen, deterministic, softcap, gqa_loop)
+               softcap=False, gqa_loop=False, head_dim_v=None):
+    """The backward kernel for (dtype, head dim, causal, arch, local, varlen, deterministic, softcap, gqa_loop,
+    head_dim_v): from memory, else the disk cache, else compiled and written there (as fwd_kernel)."""
+    mem_key = bwd_mem_key(dtype, head_dim, causal, arch, local, varlen, deterministic, softcap, gqa_loop, head_dim_v)
     fn = _bwd_kernels.get(mem_key)
     if fn is None:
         with cache._lock:
@@ -513,18 +518,19 @@ def bwd_kernel(dtype, head_dim, causal, arch="sm_90a", local=False, varlen=False
                 if not _tvm_ffi():
                     fn = _bwd_dlpack_launcher(compile_bwd(dtype, head_dim, causal, arch, local=local, varlen=varlen,
                                                           deterministic=deterministic, softcap=softcap,
-                                                          gqa_loop=gqa_loop), varlen,
+                                                          gqa_loop=gqa_loop, head_dim_v=head_dim_v), varlen,
                                               not (local or varlen or deterministic or softcap))
                 else:
                     fn, _ = load_or_build_bwd(dtype, head_dim, causal, arch, cache.cache_dir(), local=local,
                                               varlen=varlen, deterministic=deterministic, softcap=softcap,
-                                              gqa_loop=gqa_loop)
+                                              gqa_loop=gqa_loop, head_dim_v=head_dim_v)
                 _bwd_kernels[mem_key] = fn
     return fn
 
 
 def bwd_mem_key(dtype, head_dim, causal, arch, local=False, varlen=False, deterministic=False, softcap=False,
-                gqa_loop=False):
+                gqa_loop=False, head_dim_v=None):
     """_bwd_kernels' key of a backward kernel."""
     return ((dtype, int(head_dim), bool(causal), arch) + (("local",) if local else ()) + (("varlen",) if varlen else ())
-            + (("det",) if deterministic else ()) + (("softcap",) if softcap else ()) + (("gqa",) if gqa_loop else ()))
+            + (("det",) if deterministic else ()) + (("softcap",) if softcap else ()) + (("gqa",) if gqa_loop else ())
+            + (("dv", int(head_dim_v)) if head_dim_v not in (None, head_dim) else ()))

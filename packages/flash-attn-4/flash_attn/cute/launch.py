@@ -384,9 +384,10 @@ def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grad
     a mods backward (mods.mod_bwd_kernel; dense, no softcap or determinism; with ``window`` the kernel built with
     local=True, entry call_mods_local, which takes no lists): that kernel, aux (a tuple or None), the per-key-block
     lists of query blocks (a tuple or None) and the aux scalars (a tuple or None) its last arguments, block_m its
-    query block."""
+    query block. v (and out, dout) may have a head dim Dv of their own: a pair of config.HEAD_DIM_PAIRS (the torch host
+    steps then, and GQA's dK / dV sums in torch)."""
     B, Sq, H, D = q.shape
-    Sk, Hk = k.shape[1], k.shape[2]
+    Sk, Hk, Dv = k.shape[1], k.shape[2], v.shape[3]
     dtype = q.dtype
     dq_out, dk_out, dv_out = grads if grads is not None else (None, None, None)
     if B * Sq * H == 0 or Sk == 0:  # no query or no key: every gradient is 0
@@ -400,16 +401,18 @@ def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grad
     # GQA under the plan rule bwd_gqa_loop: one CTA per KV head walks its group's query heads and writes the summed
     # dK / dV itself (no per-query-head copies, no sum after the kernel)
     gqa = group > 1 and mod is None and not deterministic and plan_rules().bwd_gqa_loop
-    block_m = bwd_config(dtype, D, causal, arch, local, False, deterministic, capped, gqa).block_m
-    per_batch = max(Sq * H, Sk * max(H, Hk)) * D
+    dv_dim = None if Dv == D else Dv  # (the kernels' head_dim_v)
+    block_m = bwd_config(dtype, D, causal, arch, local, False, deterministic, capped, gqa, dv_dim).block_m
+    per_batch = max(Sq * H, Sk * max(H, Hk)) * max(D, Dv)
     if per_batch >= _MAX_ELEMS:
         raise NotImplementedError(
             f"one batch entry of q/k/v holds {per_batch} elements; flash_attn.cute's backward handles < 2^31")
     if mod is not None:
         fn, aux, lists, mod_scalars, block_m = mod
     else:
-        fn = (_bwd_kernels.get(bwd_mem_key(dtype, D, causal, arch, local, False, deterministic, capped, gqa))
-              or bwd_kernel(dtype, D, causal, arch, local, deterministic=deterministic, softcap=capped, gqa_loop=gqa))
+        fn = (_bwd_kernels.get(bwd_mem_key(dtype, D, causal, arch, local, False, deterministic, capped, gqa, dv_dim))
+              or bwd_kernel(dtype, D, causal, arch, local, deterministic=deterministic, softcap=capped, gqa_loop=gqa,
+                            head_dim_v=dv_dim))
     # the entries' scalars (bwd_entries.py): __call__'s (and call_mods') scale; call_deterministic's scale, softcap;
     # call_general's scale, softcap, window sizes; call_mods' aux after them, call_mods_local's after the window sizes
     # (it takes no lists)
@@ -424,27 +427,31 @@ def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grad
     from flash_attn.cute import bwd_host  # imports Triton when installed: not at this module's import
 
     # out and lse are read through their strides; q, k, v, dout must suit the compiled kernel
-    q, k, v, dout = (_kernel_layout(t, D) for t in (q, k, v, dout))
+    q, k = (_kernel_layout(t, D) for t in (q, k))
+    v, dout = (_kernel_layout(t, Dv) for t in (v, dout))
     sq_pad = -(-Sq // block_m) * block_m
     sem = torch.zeros((B, H, sq_pad // block_m), dtype=torch.int32, device=q.device) if deterministic else None
-    host = bwd_host if bwd_host.use_triton(q) else None
-    lse2, delta, dq_accum = (bwd_host.prepare if host else bwd_host.prepare_torch)(out, dout, lse, sq_pad)
+    host = bwd_host if bwd_host.use_triton(q) and dv_dim is None else None
+    lse2, delta, dq_accum = (bwd_host.prepare if host else bwd_host.prepare_torch)(out, dout, lse, sq_pad,
+                                                                                   *(() if host else (D,)))
     if dlse is not None:
         delta[:, :, :Sq].sub_(dlse[:, :, :Sq])
-    if (group == 1 or gqa) and (dk_out is None or (_bwd_out_layout(dk_out, D) and _bwd_out_layout(dv_out, D))):
+
+    def new(heads, d):
+        return torch.empty((B, Sk, heads, d), dtype=dtype, device=q.device)
+
+    if (group == 1 or gqa) and (dk_out is None or (_bwd_out_layout(dk_out, D) and _bwd_out_layout(dv_out, Dv))):
         # the kernel's dK / dV are the gradients (per KV head: per query head without GQA, or summed by gqa_loop)
-        dk_h = dk_out if dk_out is not None else torch.empty((B, Sk, Hk, D), dtype=dtype, device=q.device)
-        dv_h = dv_out if dv_out is not None else torch.empty((B, Sk, Hk, D), dtype=dtype, device=q.device)
+        dk_h = dk_out if dk_out is not None else new(Hk, D)
+        dv_h = dv_out if dv_out is not None else new(Hk, Dv)
         dk, dv, sums = dk_h, dv_h, False
     elif gqa:  # the gradients' layout does not suit the kernel: its own, copied after
-        dk_h = torch.empty((B, Sk, Hk, D), dtype=dtype, device=q.device)
-        dv_h = torch.empty((B, Sk, Hk, D), dtype=dtype, device=q.device)
+        dk_h, dv_h = new(Hk, D), new(Hk, Dv)
         dk, dv, sums = dk_out, dv_out, False
     else:  # per-query-head dK/dV from the kernel, summed over each group (or copied) after it
-        dk_h = torch.empty((B, Sk, H, D), dtype=dtype, device=q.device)
-        dv_h = torch.empty((B, Sk, H, D), dtype=dtype, device=q.device)
-        dk = dk_out if dk_out is not None else torch.empty((B, Sk, Hk, D), dtype=dtype, device=q.device)
-        dv = dv_out if dv_out is not None else torch.empty((B, Sk, Hk, D), dtype=dtype, device=q.device)
+        dk_h, dv_h = new(H, D), new(H, Dv)
+        dk = dk_out if dk_out is not None else new(Hk, D)
+        dv = dv_out if dv_out is not None else new(Hk, Dv)
         sums = True
     step = max(1, min((_MAX_ELEMS - 1) // per_batch, _MAX_GRID_Z))
     for b in range(0, B, step):  # 32-bit offsets in the kernel: batch slices below 2^31 elements (and grid z's limit)
@@ -471,47 +478,49 @@ def backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused
     built with varlen=True, FlashBwdSm90.call_varlen / call_varlen_deterministic; one launch for at most
     _MAX_GRID_Z sequences). mod: (kernel, aux, scalars, block_m) of a mods backward (mods.mod_bwd_kernel
     with varlen=True; no softcap or determinism), whose last arguments are aux and scalars (with ``window``, after
-    the window sizes: call_varlen_mods_local)."""
+    the window sizes: call_varlen_mods_local). v (and out, dout) may have a head dim of their own, as in ``backward``."""
     Tq, H, D = q.shape
-    Tk, Hk = k.shape[0], k.shape[1]
+    Tk, Hk, Dv = k.shape[0], k.shape[1], v.shape[2]
     batch = cu_seqlens_q.shape[0] - 1
     dtype = q.dtype
     dq_out, dk_out, dv_out = grads if grads is not None else (None, None, None)
     if batch == 0 or Tq * H == 0 or Tk == 0 or max_seqlen_q <= 0 or max_seqlen_k <= 0:
         zeros = [torch.zeros_like(t) if g is None else g.zero_() for t, g in zip((q, k, v), (dq_out, dk_out, dv_out))]
         return tuple(zeros)
-    if max(Tq, Tk) * H * D >= _MAX_ELEMS or batch > _MAX_GRID_Z:
+    if max(Tq, Tk) * H * max(D, Dv) >= _MAX_ELEMS or batch > _MAX_GRID_Z:
         raise NotImplementedError(f"flash_attn.cute's varlen backward handles q, k, v (and per-query-head dk, dv) of "
                                   f"< 2^31 elements and at most {_MAX_GRID_Z} sequences")
     local = window is not None
     if deterministic and local:
         raise NotImplementedError("flash_attn.cute's deterministic backward has no sliding window")
     capped = softcap > 0.0
-    block_m = bwd_config(dtype, D, causal, arch, local, True, deterministic, capped).block_m
+    dv_dim = None if Dv == D else Dv  # (the kernels' head_dim_v)
+    block_m = bwd_config(dtype, D, causal, arch, local, True, deterministic, capped, False, dv_dim).block_m
     if mod is not None:  # (kernel, aux, scalars, block_m) of a mods backward (mods.mod_bwd_kernel, varlen=True)
         fn, mod_aux, mod_scalars, block_m = mod
     else:
-        fn = (_bwd_kernels.get(bwd_mem_key(dtype, D, causal, arch, local, True, deterministic, capped))
-              or bwd_kernel(dtype, D, causal, arch, local, varlen=True, deterministic=deterministic, softcap=capped))
+        fn = (_bwd_kernels.get(bwd_mem_key(dtype, D, causal, arch, local, True, deterministic, capped, False, dv_dim))
+              or bwd_kernel(dtype, D, causal, arch, local, varlen=True, deterministic=deterministic, softcap=capped,
+                            head_dim_v=dv_dim))
     used_q = seqused_q.contiguous() if seqused_q is not None else cu_seqlens_q[1:] - cu_seqlens_q[:-1]
     used_k = seqused_k.contiguous() if seqused_k is not None else cu_seqlens_k[1:] - cu_seqlens_k[:-1]
 
     from flash_attn.cute import bwd_host
 
     q, k, v, dout = (_packed_layout(t) for t in (q, k, v, dout))
-    triton_host = bwd_host.use_triton(q)
+    triton_host = bwd_host.use_triton(q) and dv_dim is None
     lse2, delta, dq_accum = (bwd_host.prepare_varlen if triton_host else bwd_host.prepare_varlen_torch)(
-        out, dout, lse, cu_seqlens_q, used_q, max_seqlen_q, block_m, dlse)
+        out, dout, lse, cu_seqlens_q, used_q, max_seqlen_q, block_m, dlse, *(() if triton_host else (D,)))
     # The kernel writes the used rows of each sequence only: the others must read 0.
     if H == Hk and (dk_out is None or (_packed_ok(dk_out) and _packed_ok(dv_out))):
         dk_h = dk_out.zero_() if dk_out is not None else torch.zeros((Tk, H, D), dtype=dtype, device=q.device)
-        dv_h = dv_out.zero_() if dv_out is not None else torch.zeros((Tk, H, D), dtype=dtype, device=q.device)
+        dv_h = dv_out.zero_() if dv_out is not None else torch.zeros((Tk, H, Dv), dtype=dtype, device=q.device)
         dk, dv, sums = dk_h, dv_h, False
     else:  # per-query-head dK/dV from the kernel, summed over each group (or copied) after it
         dk_h = torch.zeros((Tk, H, D), dtype=dtype, device=q.device)
-        dv_h = torch.zeros((Tk, H, D), dtype=dtype, device=q.device)
+        dv_h = torch.zeros((Tk, H, Dv), dtype=dtype, device=q.device)
         dk = dk_out if dk_out is not None else torch.empty((Tk, Hk, D), dtype=dtype, device=q.device)
-        dv = dv_out if dv_out is not None else torch.empty((Tk, Hk, D), dtype=dtype, device=q.device)
+        dv = dv_out if dv_out is not None else torch.empty((Tk, Hk, Dv), dtype=dtype, device=q.device)
         sums = True
     window_args = tuple(int(w) for w in window) if local else (0, 0)
     sem = ((torch.zeros((batch, H, -(-int(max_seqlen_q) // block_m)), dtype=torch.int32, device=q.device),)
