@@ -153,19 +153,15 @@ class FlashBwdSm90(BwdEntries):
         self.exp2_emu_degree = int(exp2_emu_degree)
         if dtype not in (cutlass.Float16, cutlass.BFloat16):
             raise ValueError(f"dtype {dtype} not fp16/bf16")
-        # split_d (D > 128): 64 keys per CTA, shared by the warpgroups, each of which holds dK and dV for its half
-        # of D (2 x 64 x 256 fp32 accumulators per warpgroup are 256 registers a thread); S^T and dP^T split by
-        # query columns, P^T through shared memory (dV's A operand: all BLOCK_M queries), dQ split by D as dq_split.
-        self.split_d = head_dim > 128
+        self.split_d = head_dim > 128  # (the module docstring's head dims 192 and 256)
         want_n = 64 if self.split_d else 64 * self.NUM_MMA_WARPGROUPS
         block_n = want_n if block_n is None else block_n
         if block_n != want_n:
             raise ValueError(f"block_n must be {want_n} at head dim {head_dim} (64 keys per warpgroup; past 128 the "
                              "warpgroups share 64 keys and split D)")
-        if self.split_d and (block_m != 64 or not dq_split or overlap):
-            raise ValueError(f"head dim {head_dim}: block_m 64, dq_split and no overlap (the split-D loop)")
-        if block_m not in (64, 128):
-            raise ValueError(f"block_m {block_m} not in (64, 128)")
+        if block_m not in (64, 128) or (self.split_d and (block_m != 64 or not dq_split or overlap)):
+            raise ValueError(f"block_m {block_m} not in (64, 128); head dim {head_dim} > 128: block_m 64, dq_split and "
+                             "no overlap (the split-D loop)")
         if num_stages < 1:
             raise ValueError(f"num_stages {num_stages} < 1")
         self.dtype = dtype
