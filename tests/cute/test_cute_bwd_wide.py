@@ -59,9 +59,22 @@ def test_split_d_kernel_compiles_spill_free_with_its_wgmma_shapes(tmp_path, cute
     assert spills and all(x == 0 for x in spills), log
 
 
+@pytest.mark.parametrize("d,spill", [(192, 0), (256, 16)])
+def test_split_d_overlap_compiles_without_serialised_wgmma(tmp_path, cute_env, d, spill):
+    """bwd.overlap=1 (off by default, for an A/B): the next query block's S^T (at d192 with its dP^T) issued behind
+    dK and dQ; spill-bounded (d256: dP^T waits for its own block, else ptxas serialises the WGMMAs and spills 200
+    bytes) and the WGMMAs pipelined."""
+    cute_env(OVERRIDES="bwd.overlap=1")
+    assert kernels.bwd_config(torch.bfloat16, d, True, "sm_90a").overlap
+    kernels.compile_bwd(torch.bfloat16, d, True, dump_dir=str(tmp_path))
+    (ptx,) = [p for p in tmp_path.iterdir() if p.suffix == ".ptx"]
+    spills, log = _ptxas_spills(ptx)
+    assert spills and all(x <= spill for x in spills), log
+
+
 def test_split_d_shapes_and_refusals():
-    """Past D = 128 the kernel takes 64 keys per CTA (block_n 128 is refused), 64 query rows, the split dQ tile and
-    no overlap; two fp32 dQ tiles do not fit beside its other tiles (the shared-memory refusal names dq_tma)."""
+    """Past D = 128 the kernel takes 64 keys per CTA (block_n 128 is refused), 64 query rows and the split dQ tile;
+    two fp32 dQ tiles do not fit beside its other tiles (the shared-memory refusal names dq_tma)."""
     import cutlass
 
     from flash_attn.cute.flash_bwd_sm90 import FlashBwdSm90

@@ -159,9 +159,9 @@ class FlashBwdSm90(BwdEntries):
         if block_n != want_n:
             raise ValueError(f"block_n must be {want_n} at head dim {head_dim} (64 keys per warpgroup; past 128 the "
                              "warpgroups share 64 keys and split D)")
-        if block_m not in (64, 128) or (self.split_d and (block_m != 64 or not dq_split or overlap)):
-            raise ValueError(f"block_m {block_m} not in (64, 128); head dim {head_dim} > 128: block_m 64, dq_split and "
-                             "no overlap (the split-D loop)")
+        if block_m not in (64, 128) or (self.split_d and (block_m != 64 or not dq_split)):
+            raise ValueError(f"block_m {block_m} not in (64, 128); head dim {head_dim} > 128: block_m 64 and dq_split "
+                             "(the split-D loop)")
         if num_stages < 1:
             raise ValueError(f"num_stages {num_stages} < 1")
         self.dtype = dtype
@@ -573,10 +573,10 @@ class FlashBwdSm90(BwdEntries):
             # query block, and the last block issues the next stage's: unwaited (the producer loads
             # nothing more, so the stage is not being written), their results never read, waited for
             # after the loop.
-            # At D = 128 and at BLOCK_M = 128 only S^T goes ahead (dP^T is issued at the top of its own
+            # At D = 128 and 256 and at BLOCK_M = 128 only S^T goes ahead (dP^T is issued at the top of its own
             # block): dK, dV, dQ, S^T and dP^T in flight at once need more than the 240 registers (ptxas
             # spills and serialises; BLOCK_M = 128: 260 bytes).
-            ahead_dp = self.head_dim != 128 and not self.wide
+            ahead_dp = self.head_dim not in (128, 256) and not self.wide
             self._issue_sdp(q_pipe, do_pipe, q_state, do_state, tiled_mma_sdp, acc_S, acc_dP, tSrK, tSrQ,
                             tdPrV, tdPrdO, skip_wait=m_block_min >= m_block_max, dp=ahead_dp)
             for pos in cutlass.range(m_block_min, m_block_max, unroll=1):
@@ -590,7 +590,7 @@ class FlashBwdSm90(BwdEntries):
                 # rP is rewritten here only after the previous block's wait_group, which covered its dV.
                 self._p_and_dv(acc_S, tScS, rP, tdVrP, tdVrdOt, acc_dV, tiled_mma_dv, sLSE, scale_log2, m_block,
                                n_block, seqlen_q, seqlen_k, m_block_mask_end, key_tail, do_state.index,
-                               q_state.index, window, cap, rdT, mods, partial)
+                               q_state.index, window, cap, rdT, mods, partial, buf)
                 self._ds_dk_dq(acc_S, acc_dP, tScS, rdS, thr_sdp, sdSt, sDelta, tiled_mma_dk, acc_dK, tdKrdSt,
                                tdKrQt, tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, tma_dq, tQRsdQ, dq_dst, dq_issuer,
                                buf, pos, m_block_min, wg, q_state.index, do_state.index, rP=rP,
@@ -682,11 +682,11 @@ class FlashBwdSm90(BwdEntries):
         P^T tile, the S^T partition, the P^T tile); rP goes to buffer buf of the tile, and after a barrier of both
         warpgroups (each reads the other's query columns) dV's WGMMA reads it there."""
         if cutlass.const_expr(self.overlap):
-            if cutlass.const_expr(self.head_dim != 128 and not self.wide):
+            if cutlass.const_expr(self.head_dim not in (128, 256) and not self.wide):
                 # S^T and dP^T both: they were issued a whole dQ epilogue ago. With wait_group(1) here
                 # ptxas cannot tell S^T retired on the loop's back edge and serialises every WGMMA (C7514).
                 warpgroup.wait_group(0)
-            # (D = 128, BLOCK_M = 128: S^T was waited for before dP^T was issued.)
+            # (D = 128 and 256, BLOCK_M = 128: S^T was waited for before dP^T was issued.)
         else:
             warpgroup.wait_group(1)  # S^T is ready; dP^T may still run
         if cutlass.const_expr(self.mods is not None):
