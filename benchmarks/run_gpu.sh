@@ -4,10 +4,12 @@
 #   run command="bash benchmarks/run_gpu.sh [STEP ...]"      (device tool; $OUT is set there)
 # STEPs (default: tests attention norm models train): tests rest attention cute cutebwd norm ops models train ncu
 #   ncusrc profile tunetriton abfwd abdecode overhead vsfa4 vsfa4bwd vsfa4decode sanitize dqerr vsmods modab
-#   fa3peer modpeer
+#   fa3peer modpeer widebwd
 #   tests      the GPU-marked tests (bf16, real sizes; GPU_TESTS, GPU_TEST_TIMEOUT)   rest   the rest on CUDA
 #   attention  bench_attention, full grid                  cute   bench_attention, cute only, short grid
 #   cutebwd    bench_cute_bwd: the cute backward (flash_bwd_sm90) vs Triton's, bf16 d64/d128, S 2k/8k
+#   widebwd    the split-D backward kernel (d192 / d256 / the 192 / 128 pair, plan rule bwd_wide_d): its GPU tests,
+#              then (if they pass) bench_cute_bwd against Triton's backward and the bwd.overlap=1 A/B
 #   norm       bench_ops --only norm                       ops    bench_ops (norms and cross-entropy)
 #   models     bench_models decode (cg=True)               train  bench_train (GPT-2 medium step)
 #   profile    profile_step.py: per-kernel GPU time of a GPT-2 training step and of the norms
@@ -101,6 +103,19 @@ for step in $STEPS; do
                --peer-pythonpath "${PEER_PYTHONPATH:?the released flash-attn-4 (bundle)}" --call num_splits=0 \
                --causal 0 ${VS_DECODE_ARGS:-} --out "$OUT/results" 2>&1 | tee "$OUT/vs_fa4_decode.log" | tail -n 20 ;;
     cute) bench attention.bench_attention --backends cute --headdims 64,128 --seqlens 1024,4096,16384 "${peer[@]}" ;;
+    widebwd)
+        timeout "${WIDE_TEST_TIMEOUT:-420}" python -m pytest -q -m gpu -n 12 -p no:cacheprovider \
+            tests/cute/test_cute_bwd_wide.py > "$OUT/wide_tests.log" 2>&1
+        rc=$?
+        echo "wide backward tests: rc $rc"; grep -E "passed|failed" "$OUT/wide_tests.log" | tail -n 3
+        grep -E "^FAILED" "$OUT/wide_tests.log" | head -n 20
+        if [ $rc -ne 0 ]; then status=1; continue; fi
+        FLASH_ATTN_CUTE_OVERRIDES=plan.bwd_wide_d=1 timeout 300 python -m benchmarks.attention.bench_cute_bwd \
+            --headdims 192,256 --seqlens 1024,4096,16384 --warmup 10 --rep 40 --out "$OUT/results" 2>&1 \
+            | tee "$OUT/bench_cute_bwd_wide.log"
+        timeout 300 python -m benchmarks.attention.ab_cute_bwd --headdims 192,256 --seqlens 1024,4096 --variants \
+            "FLASH_ATTN_CUTE_OVERRIDES=plan.bwd_wide_d=1;FLASH_ATTN_CUTE_OVERRIDES=plan.bwd_wide_d=1,bwd.overlap=1" \
+            2>&1 | tee "$OUT/ab_cute_bwd_wide.log" ;;
     cutebwd) timeout 600 python -m benchmarks.attention.bench_cute_bwd --out "$OUT/results" 2>&1 | tee "$OUT/bench_cute_bwd.log" ;;
     norm) bench ops.bench_ops --only norm ;;
     ops) bench ops.bench_ops ;;
