@@ -717,15 +717,16 @@ _HOST_CASES = {  # name: (H, Hk, Sq, Sk, grads layout)
 def host(request, monkeypatch, cute_env):
     """The host path ("triton": bwd_host's kernels, in the interpreter on CPU; "torch": the fallback),
     with bwd_host's allocations NaN-filled (every element the kernel reads must be written) and a
-    record of which path's functions ran."""
+    record of which path's functions ran; GQA with per-query-head dK / dV summed after the kernel (plan.bwd_gqa_loop=0:
+    test_gqa_loop_rule_runs_the_kernel_that_writes_dk_dv_per_kv_head has the default's kernel)."""
     from flash_attn.cute import bwd_host
 
     if request.param == "triton":
         if bwd_host.triton is None:
             pytest.skip("Triton is not installed")
-        cute_env(OVERRIDES=None)
+        cute_env(OVERRIDES="plan.bwd_gqa_loop=0")
     else:
-        cute_env(OVERRIDES="plan.bwd_host=torch")
+        cute_env(OVERRIDES="plan.bwd_host=torch,plan.bwd_gqa_loop=0")
     monkeypatch.setattr(bwd_host, "_empty", lambda shape, **kw: torch.full(shape, float("nan"), **kw))
     ran = []
     for name in ("prepare", "finish", "prepare_torch", "finish_torch"):
@@ -806,7 +807,7 @@ def test_backward_host_steps_with_a_stand_in_kernel(monkeypatch, host, case):
 
 @pytest.mark.parametrize("case", ["gqa", "mqa", "gqa-transposed", "mha"])
 def test_gqa_loop_rule_runs_the_kernel_that_writes_dk_dv_per_kv_head(monkeypatch, cute_env, case):
-    """plan.bwd_gqa_loop=1: a GQA / MQA backward launches the gqa_loop kernel (its own memory key), which gets dk / dv
+    """plan.bwd_gqa_loop=1 (the default): a GQA / MQA backward launches the gqa_loop kernel (its own memory key), which gets dk / dv
     (B, Sk, Hk, D) and writes the group sums itself: they are the gradients as written (no sum after it; copied into
     gradients of a layout it refuses). MHA, deterministic calls and the rule off keep the per-query-head kernel."""
     H, Hk, Sq, Sk, layout = _HOST_CASES[case]
@@ -846,7 +847,7 @@ def test_gqa_loop_rule_runs_the_kernel_that_writes_dk_dv_per_kv_head(monkeypatch
         assert dk is grads[1] and dv is grads[2]
     ran.clear()
     launch.backward(dout, q, k, v, out, lse, 0.5, True, "sm_90a", deterministic=True)
-    cute_env(OVERRIDES="plan.bwd_host=torch")
+    cute_env(OVERRIDES="plan.bwd_host=torch,plan.bwd_gqa_loop=0")
     launch.backward(dout, q, k, v, out, lse, 0.5, True, "sm_90a")
     assert ran == ["per-head", "per-head"]
 
@@ -966,7 +967,7 @@ def test_triton_host_path_is_two_launches_and_no_torch_compute(monkeypatch, cute
 
     if bwd_host.triton is None:
         pytest.skip("Triton is not installed")
-    cute_env(OVERRIDES=None)  # the default host path (plan.bwd_host=triton)
+    cute_env(OVERRIDES="plan.bwd_gqa_loop=0")  # the default host path (plan.bwd_host=triton), the per-head sums
     launches = []
     monkeypatch.setattr(bwd_host, "_launch", lambda kernel, *a: launches.append(kernel))
     ops = []
@@ -1111,8 +1112,9 @@ def test_backward_is_served_only_where_the_kernel_applies(cute_env, disable):
         assert cute_backend.unsupported_reason(_call(**what)) is not None, what
     assert cute_backend.unsupported_reason(_call(head_dim=96, head_dim_v=96)) is None
     assert cute_backend.unsupported_reason(_call(head_dim=96, head_dim_v=64)) is not None
-    for d in (192, 256):
-        assert cute_backend.unsupported_reason(_call(head_dim=d, head_dim_v=d)) is not None
+    assert cute_backend.unsupported_reason(_call(head_dim=192, head_dim_v=192)) is None  # (the split-D kernel)
+    assert cute_backend.unsupported_reason(_call(head_dim=256, head_dim_v=256)) is None  # (causal: bwd_d256)
+    assert cute_backend.unsupported_reason(_call(head_dim=256, head_dim_v=256, causal=False)) is not None
     assert cute_backend.unsupported_reason(_call(arch=(8, 0))) is not None
 
 

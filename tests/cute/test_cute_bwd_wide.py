@@ -95,35 +95,45 @@ def test_split_d_shapes_and_refusals():
         FlashBwdSm90(cutlass.BFloat16, 128, True, block_n=64)
 
 
-def test_wide_backward_is_served_only_under_its_rule(cute_env):
-    """bwd_wide_d off (the default): d192 / d256 backward calls go to the next backend with the reason named, and
-    flash_attn.cute's own autograd keeps them off the kernel; on: both take them, unless FLASH_ATTN_CUTE_DISABLE
-    names the head dim."""
-    q = torch.empty(2, 10, 2, 256)
-    assert not config.plan_rules().bwd_wide_d
-    for d in WIDE:
-        why = cute_backend.unsupported_reason(_call(head_dim=d, head_dim_v=d))
-        assert why is not None and "bwd_wide_d" in why
-        assert cute_backend.unsupported_reason(_call(head_dim=d, head_dim_v=d, backward=False)) is None
-    assert not autograd._kernel_takes(q, q, True, U, U, 0.0, False, None)
-    cute_env(OVERRIDES="plan.bwd_wide_d=1")
-    for d in WIDE:
-        assert cute_backend.unsupported_reason(_call(head_dim=d, head_dim_v=d)) is None
-    assert autograd._kernel_takes(q, q, True, U, U, 0.0, False, None)
+def test_wide_backward_is_served_under_its_rules(cute_env):
+    """By default (bwd_wide_d on, bwd_d256 "causal"): d192 and the 192 / 128 pair go to the kernel, d256 only with a
+    causal mask (the dispatcher names the rule when it refuses, flash_attn.cute's own autograd agrees); bwd_d256=on /
+    off and bwd_wide_d=0 move them; FLASH_ATTN_CUTE_DISABLE=d256 / hdim_v send those on; a v head dim that is not a
+    pair never goes."""
+    q256, q192, v128 = torch.empty(2, 10, 2, 256), torch.empty(2, 10, 2, 192), torch.empty(2, 10, 2, 128)
+    rules = config.plan_rules()
+    assert rules.bwd_wide_d and rules.bwd_d256 == "causal"
     assert cute_backend.backward_head_dims() == (64, 96, 128, 192, 256)
-    cute_env(OVERRIDES="plan.bwd_wide_d=1", DISABLE="d256")
-    assert cute_backend.backward_head_dims() == (64, 96, 128, 192)
-    assert not autograd._kernel_takes(q, q, True, U, U, 0.0, False, None)
-    q192, v128 = torch.empty(2, 10, 2, 192), torch.empty(2, 10, 2, 128)
-    assert cute_backend.unsupported_reason(_call(head_dim=192, head_dim_v=128)) is None  # the 192 / 128 pair
+    assert cute_backend.unsupported_reason(_call(head_dim=192, head_dim_v=192, causal=False)) is None
+    assert cute_backend.unsupported_reason(_call(head_dim=192, head_dim_v=128)) is None  # the pair
     assert autograd._kernel_takes(q192, v128, True, U, U, 0.0, False, None)
+    assert cute_backend.unsupported_reason(_call(head_dim=256, head_dim_v=256, causal=True)) is None
+    why = cute_backend.unsupported_reason(_call(head_dim=256, head_dim_v=256, causal=False))
+    assert why is not None and "bwd_d256" in why
+    assert autograd._kernel_takes(q256, q256, True, U, U, 0.0, False, None)
+    assert not autograd._kernel_takes(q256, q256, False, U, U, 0.0, False, None)
+    assert cute_backend.unsupported_reason(_call(head_dim=256, head_dim_v=256, causal=False, backward=False)) is None
     assert cute_backend.unsupported_reason(_call(head_dim=192, head_dim_v=64)) is not None  # not a pair
     assert not autograd._kernel_takes(q192, q192[..., :64], True, U, U, 0.0, False, None)
-    cute_env(OVERRIDES="plan.bwd_wide_d=1", DISABLE="hdim_v")
+    cute_env(OVERRIDES="plan.bwd_d256=on")
+    assert cute_backend.unsupported_reason(_call(head_dim=256, head_dim_v=256, causal=False)) is None
+    assert autograd._kernel_takes(q256, q256, False, U, U, 0.0, False, None)
+    cute_env(OVERRIDES="plan.bwd_d256=off,plan.bwd_wide_d=0")
+    assert cute_backend.backward_head_dims() == (64, 96, 128)
+    for d, dv in ((256, 256), (192, 192), (192, 128)):
+        why = cute_backend.unsupported_reason(_call(head_dim=d, head_dim_v=dv, causal=True))
+        assert why is not None
+    assert "bwd_wide_d" in cute_backend.unsupported_reason(_call(head_dim=192, head_dim_v=192))
+    assert not autograd._kernel_takes(q256, q256, True, U, U, 0.0, False, None)
+    assert not autograd._kernel_takes(q192, v128, True, U, U, 0.0, False, None)
+    cute_env(OVERRIDES="plan.bwd_d256=on", DISABLE="d256,hdim_v")
+    assert cute_backend.backward_head_dims() == (64, 96, 128, 192)
+    assert not autograd._kernel_takes(q256, q256, True, U, U, 0.0, False, None)
     assert cute_backend.unsupported_reason(_call(head_dim=192, head_dim_v=128)) is not None
     assert not autograd._kernel_takes(q192, v128, True, U, U, 0.0, False, None)
-    cute_env(OVERRIDES=None, DISABLE=None)
-    assert cute_backend.unsupported_reason(_call(head_dim=192, head_dim_v=128)) is not None  # (rule off)
+    with pytest.raises(ValueError, match="bwd_d256"):
+        cute_env(OVERRIDES="plan.bwd_d256=sometimes")
+        config.plan_rules()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -132,7 +142,8 @@ def test_wide_backward_is_served_only_under_its_rule(cute_env):
 
 @pytest.fixture
 def wide_on(cute_bwd_on, cute_env):
-    cute_env(OVERRIDES="plan.bwd_wide_d=1,plan.bwd_varlen=1,plan.bwd_window=1,plan.bwd_softcap=1")
+    """Every d192 / d256 backward on the kernel (bwd_d256=on: the non-causal d256 calls too)."""
+    cute_env(OVERRIDES="plan.bwd_d256=on")
     return cute_bwd_on
 
 
@@ -165,7 +176,7 @@ def test_wide_gradients_with_unequal_lengths_and_windows_on_gpu(wide_on, d, caus
 @pytest.mark.parametrize("overrides", ["bwd.tma_dkv=0", "plan.bwd_gqa_loop=1"])
 def test_wide_gradients_with_direct_stores_and_the_gqa_walk_on_gpu(wide_on, monkeypatch, cute_env, d, causal,
                                                                    overrides):
-    cute_env(OVERRIDES="plan.bwd_wide_d=1," + overrides)
+    cute_env(OVERRIDES="plan.bwd_d256=on," + overrides)
     _fresh_bwd_kernels(monkeypatch)
     _run(torch.bfloat16, d, causal, 2, 1000, 1000, 6, 2, wide_on, seed=3)
 
@@ -215,7 +226,7 @@ def test_wide_varlen_gradients_on_gpu(wide_on, monkeypatch, d, causal):
 def test_wide_deterministic_gradients_repeat_bit_for_bit_on_gpu(wide_on, cute_env, d, causal):
     from flash_attn.cute import flash_attn_func
 
-    cute_env(OVERRIDES="plan.bwd_wide_d=1,plan.bwd_deterministic=1")
+    cute_env(OVERRIDES="plan.bwd_d256=on,plan.bwd_deterministic=1")
     g = torch.Generator().manual_seed(d)
     q = torch.randn(2, 1200, 4, d, generator=g).to("cuda", torch.bfloat16).requires_grad_()
     k, v = (torch.randn(2, 2048, 2, d, generator=g).to("cuda", torch.bfloat16).requires_grad_() for _ in range(2))

@@ -719,15 +719,16 @@ def cute_dtype(dtype):
 
 def test_backend_gates_the_wide_head_dims(cute_env):
     """The dispatcher's cute backend: d96 / d192 / d256 forwards by default, but those that
-    FLASH_ATTN_CUTE_DISABLE names (d96, d192, d256); the d96 backward too (unless d96 is named), the d192 / d256
-    backward never (the backward kernel has d64 / d96 / d128); the package API accepts them."""
+    FLASH_ATTN_CUTE_DISABLE names (d96, d192, d256); their backward too (unless named; d256's with a causal mask
+    only, the plan rule bwd_d256; tests/cute/test_cute_bwd_wide.py has the rules); the package API accepts them."""
     from flash_attn.cute import backend, interface
 
     assert backend.forward_head_dims() == (64, 96, 128, 192, 256)
-    assert backend.backward_head_dims() == (64, 96, 128)
+    assert backend.backward_head_dims() == (64, 96, 128, 192, 256)
     for d in (96, 192, 256):
         assert backend.unsupported_reason(_call(head_dim=d, head_dim_v=d, causal=True)) is None
-        assert (backend.unsupported_reason(_call(head_dim=d, head_dim_v=d, backward=True)) is None) == (d == 96)
+        assert backend.unsupported_reason(_call(head_dim=d, head_dim_v=d, backward=True, causal=True)) is None
+        assert (backend.unsupported_reason(_call(head_dim=d, head_dim_v=d, backward=True)) is None) == (d != 256)
     cute_env(DISABLE="d96,d192,d256")
     assert backend.forward_head_dims() == (64, 128)
     assert backend.backward_head_dims() == (64, 128)
@@ -742,14 +743,15 @@ def test_backend_gates_the_wide_head_dims(cute_env):
     assert backend.unsupported_reason(_call(head_dim=256, head_dim_v=256, causal=True)) is None
     assert backend.unsupported_reason(_call(head_dim=256, head_dim_v=256, varlen=True, window_left=8)) is None
     assert "head dims 192" in backend.unsupported_reason(_call(head_dim=192, head_dim_v=192))
-    assert "head dims 256" in backend.unsupported_reason(_call(head_dim=256, head_dim_v=256, backward=True))
+    assert "bwd_d256" in backend.unsupported_reason(_call(head_dim=256, head_dim_v=256, backward=True))
+    assert backend.unsupported_reason(_call(head_dim=256, head_dim_v=256, backward=True, causal=True)) is None
     assert "head dims 256/128" in backend.unsupported_reason(_call(head_dim=256, head_dim_v=128))
     cute_env(DISABLE="paged, Split")  # other features leave every head dim on (names: any case, spaces)
     assert backend.forward_head_dims() == (64, 96, 128, 192, 256)
-    assert backend.backward_head_dims() == (64, 96, 128)
+    assert backend.backward_head_dims() == (64, 96, 128, 192, 256)
     for d in (96, 192):
         assert backend.unsupported_reason(_call(head_dim=d, head_dim_v=d)) is None
-        assert (backend.unsupported_reason(_call(head_dim=d, head_dim_v=d, backward=True)) is None) == (d == 96)
+        assert backend.unsupported_reason(_call(head_dim=d, head_dim_v=d, backward=True)) is None
     with pytest.raises(NotImplementedError, match="head dim 72"):
         interface._check_dims(72, 72, 4, 2)
     for bad in ("256", "d72", "96,192"):  # a head dim without its "d", or one with no gated kernel
@@ -1116,7 +1118,8 @@ def test_backend_admits_only_what_the_kernel_does(cute_env):
         "compute capability": _call(arch=(8, 0)),
         "dtype": _call(dtype=torch.float32),
         "head dims 72": _call(head_dim=72, head_dim_v=72),
-        "head dims 192/192": _call(head_dim=192, head_dim_v=192, backward=True),  # a forward kernel only
+        "head dims 192/64": _call(head_dim=192, head_dim_v=64, backward=True),  # not a pair
+        "d256 backward without a causal mask": _call(head_dim=256, head_dim_v=256, backward=True),  # (bwd_d256)
         "head dims 128/64": _call(head_dim_v=64),
         "backward with deterministic": _call(backward=True, deterministic=True),
         "backward with paged": _call(backward=True, paged=True),

@@ -192,18 +192,19 @@ def test_disable_head_dims_leaves_the_others(cute_env, names, left):
 
 @pytest.mark.parametrize("names", ["d96", "d96,d256", "d192,d256"])
 def test_disable_d96_refuses_its_backward_too(cute_env, names):
-    """d96 is the one gated head dim with a backward kernel: FLASH_ATTN_CUTE_DISABLE=d96 sends its backward on as
-    well, in the dispatcher and in flash_attn.cute's own autograd; naming other head dims leaves it served."""
+    """FLASH_ATTN_CUTE_DISABLE=d96 sends d96's backward on as well, in the dispatcher and in flash_attn.cute's own
+    autograd; naming other head dims leaves it served and takes theirs (d192 / d256) off the backward kernel."""
     from flash_attn.cute import autograd
 
     q = torch.zeros(1, 8, 2, 96)
     U = plan._UNBOUNDED
     call = _call(head_dim=96, head_dim_v=96, causal=True, backward=True)
-    assert backend.backward_head_dims() == (64, 96, 128)
+    assert backend.backward_head_dims() == (64, 96, 128, 192, 256)
     assert backend.unsupported_reason(call) is None and autograd._kernel_takes(q, q, True, U, U, 0.0, False, None)
     cute_env(DISABLE=names)
     off = "d96" in names.split(",")
-    assert backend.backward_head_dims() == ((64, 128) if off else (64, 96, 128))
+    named = {int(n[1:]) for n in names.split(",")}
+    assert backend.backward_head_dims() == tuple(d for d in (64, 96, 128, 192, 256) if d not in named)
     why = backend.unsupported_reason(call)
     if off:
         assert why is not None and settings.DISABLE in why and "d96" in why, why

@@ -107,11 +107,13 @@ def test_triton_where_cute_refuses(gpu, call):
     assert _select(**call) == "triton"
 
 
-def test_wide_head_dims_forward_on_cute_backward_on_triton(gpu):
+def test_wide_head_dims_forward_on_cute_backward_by_the_rules(gpu):
     for d in (96, 192, 256):
         assert _select(d=d, dv=d) == "cute", d
-    for d in (192, 256):  # the cute backward kernel has d64 / d96 / d128
-        assert _select(d=d, dv=d, backward=True) == "triton", d
+    assert _select(d=192, dv=192, backward=True) == "cute"  # (plan rule bwd_wide_d)
+    assert _select(d=192, dv=128, backward=True, causal=True) == "cute"  # the pair
+    assert _select(d=256, dv=256, backward=True, causal=True) == "cute"  # (plan rule bwd_d256: causal)
+    assert _select(d=256, dv=256, backward=True) == "triton"
 
 
 def test_d96_backward_runs_cute(gpu):

@@ -92,7 +92,7 @@ def _kernel_takes(q, v, causal, window_left, window_right, softcap, deterministi
     det_ok = not deterministic or unwindowed
     return (varlen_ok and (not softcap or backend._softcap_bwd()) and det_ok and window_ok
             and (q.shape[-1] == v.shape[-1] or _pair(q.shape[-1], v.shape[-1]))
-            and q.shape[-1] in backend.backward_head_dims()
+            and q.shape[-1] in backend.backward_head_dims() and (q.shape[-1] != 256 or backend.d256_bwd_takes(causal))
             and not settings.disabled("bwd"))
 
 

@@ -34,7 +34,7 @@ _DTYPES = (torch.float16, torch.bfloat16)
 _HEAD_DIMS = (64, 128)  # forward and backward, always
 _GATED_FWD_HEAD_DIMS = (96, 192, 256)  # forward; FLASH_ATTN_CUTE_DISABLE=d96,... sends them on
 _GATED_BWD_HEAD_DIMS = (96,)  # backward; the same switch (d96) sends it on
-_WIDE_BWD_HEAD_DIMS = (192, 256)  # backward under the plan rule bwd_wide_d (the split-D kernel); d192 / d256 too
+_WIDE_BWD_HEAD_DIMS = (192, 256)  # backward under the plan rules bwd_wide_d / bwd_d256 (the split-D kernel)
 _ARCHS = {(9, 0): "sm_90a"}
 _unavailable = []
 BWD_OUT = True  # bwd() takes grads=(dq, dk, dv)
@@ -70,10 +70,17 @@ def forward_head_dims():
 
 def backward_head_dims():
     """The head dims whose backward the dispatcher (and flash_attn.cute's own autograd) may send to the kernel: 64,
-    128 and 96 unless FLASH_ATTN_CUTE_DISABLE names d96; 192 and 256 under the plan rule bwd_wide_d, unless it names
-    them."""
-    gated = _GATED_BWD_HEAD_DIMS + (_WIDE_BWD_HEAD_DIMS if _wide_d_bwd() else ())
+    128 and 96 unless FLASH_ATTN_CUTE_DISABLE names d96; 192 under the plan rule bwd_wide_d and 256 unless bwd_d256 is
+    "off" (d256_bwd_takes then decides by the mask), unless it names them."""
+    rules = _rules()
+    gated = (_GATED_BWD_HEAD_DIMS + ((192,) if rules.bwd_wide_d else ())
+             + ((256,) if rules.bwd_d256 != "off" else ()))
     return tuple(sorted(_HEAD_DIMS + tuple(d for d in gated if not settings.disabled(f"d{d}"))))
+
+
+def d256_bwd_takes(causal):
+    """Whether a d256 backward call goes to the kernel under the plan rule bwd_d256 ("causal": causal calls only)."""
+    return _rules().bwd_d256 == "on" or (causal and _rules().bwd_d256 == "causal")
 
 
 def unsupported_reason(call):
@@ -97,7 +104,7 @@ def unsupported_reason(call):
         if call.head_dim in gated and call.head_dim_v == call.head_dim:
             why += f"; {settings.DISABLE} names d{call.head_dim}"
         elif call.backward and call.head_dim in _WIDE_BWD_HEAD_DIMS and call.head_dim_v == call.head_dim:
-            why += f"; plan rule bwd_wide_d off, or {settings.DISABLE} names d{call.head_dim}"
+            why += f"; plan rule bwd_wide_d / bwd_d256 off, or {settings.DISABLE} names d{call.head_dim}"
         return why
     if call.paged:
         if call.backward:
@@ -112,6 +119,8 @@ def unsupported_reason(call):
     if call.backward:
         if settings.disabled("bwd"):
             return f"backward (switched off: {settings.DISABLE} names bwd)"
+        if call.head_dim == 256 and not d256_bwd_takes(call.causal):
+            return f"d256 backward without a causal mask (plan rule bwd_d256={_rules().bwd_d256})"
         for what in ("varlen", "local", "softcap", "deterministic"):
             ruled = ((what == "local" and _window_bwd()) or (what == "varlen" and _varlen_bwd())
                      or (what == "deterministic" and _deterministic_bwd() and not call.local)
@@ -298,10 +307,10 @@ def _kvcache():
     return config.plan_rules().kvcache
 
 
-def _wide_d_bwd():
+def _rules():
     from flash_attn.cute import config
 
-    return config.plan_rules().bwd_wide_d
+    return config.plan_rules()
 
 
 def _window_bwd():

@@ -271,10 +271,11 @@ class PlanRules:
     of compiling; on: a fresh process's kernels loaded from disk ran on an H100 with the accuracy of the compiling
     process's (tests/cute/test_cute_mod_cache.py's GPU test). ``bwd_gqa_loop``: a GQA / MQA backward (dense, not
     deterministic, no mods) runs the kernel whose CTAs each walk one KV head's group of query heads and write its
-    summed dK / dV (FlashBwdSm90 gqa_loop) instead of per-query-head dK / dV summed after the kernel; off until its GPU
-    tests and an A/B against the per-query-head kernel decide it. ``bwd_wide_d``: the backward kernel serves head dims
-    192 and 256 (FlashBwdSm90.split_d: 64 keys per CTA, D split over the warpgroups); off until its GPU tests and an
-    A/B against Triton's backward decide it."""
+    summed dK / dV (FlashBwdSm90 gqa_loop) instead of per-query-head dK / dV summed after the kernel; on: 0.99-1.26x
+    (benchmarks/results/h100/cute_bwd_ab.md). ``bwd_wide_d``: the backward kernel serves head dim 192 and the 192 / 128
+    pair (FlashBwdSm90.split_d: 64 keys per CTA, D split over the warpgroups); on: 1.20-1.64x Triton's backward.
+    ``bwd_d256``: which d256 backward calls it serves, "off", "causal" or "on"; "causal": 1.07-1.18x Triton's with a
+    causal mask at 1k-4k (0.98x at 16k), 0.88-0.97x without one (benchmarks/results/h100/attention_cute_bwd_wide.md)."""
     pack_gqa_auto: bool = False
     bwd_host: str = "triton"
     bwd_window: bool = True
@@ -283,12 +284,15 @@ class PlanRules:
     bwd_softcap: bool = True
     kvcache: bool = False
     mods_disk_cache: bool = True
-    bwd_gqa_loop: bool = False
-    bwd_wide_d: bool = False
+    bwd_gqa_loop: bool = True
+    bwd_wide_d: bool = True
+    bwd_d256: str = "causal"
 
     def __post_init__(self):
         if self.bwd_host not in ("triton", "torch"):
             raise ValueError(f"{settings.OVERRIDES}: plan.bwd_host={self.bwd_host!r}: expected triton or torch")
+        if self.bwd_d256 not in ("off", "causal", "on"):
+            raise ValueError(f"{settings.OVERRIDES}: plan.bwd_d256={self.bwd_d256!r}: expected off, causal or on")
 
 
 @dataclass(frozen=True)
