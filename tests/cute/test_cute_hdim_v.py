@@ -1,8 +1,9 @@
 """v's head dim != q's in flash_attn.cute's forward (config.HEAD_DIM_PAIRS: 192 / 128, DeepSeek's MLA without
 absorption): the kernel's V tiles, P V product, O accumulator and O store take Dv. On the CPU: the config and cache
 key, the argument checks and the gate, the per-call choice of kernel and out's shape, the dispatcher's admission
-(forward only), and the PTX (WGMMA N = Dv for P V, V's TMA boxes, ptxas clean). On a Hopper GPU (tests marked gpu):
-against the reference with every option, varlen, pack_gqa and the gradients (backward on the next backend).
+(the forward, and the backward under the plan rule bwd_wide_d), and the PTX (WGMMA N = Dv for P V, V's TMA boxes, ptxas clean). On a Hopper GPU (tests marked gpu):
+against the reference with every option, varlen, pack_gqa and the gradients (the split-D backward kernel; its own
+tests: test_cute_bwd_wide.py).
 
 The kernel was written without a GPU (session 15) and its GPU tests here passed in session 16; FLASH_ATTN_CUTE_DISABLE=hdim_v
 turns such calls off (NotImplementedError)."""
@@ -128,7 +129,7 @@ def test_hdim_v_refusal_names_the_disable_variable(cute_env):
         interface._check_dims(192, 128, 4, 2)
 
 
-def test_dispatcher_admits_the_pair_forward_only(cute_env):
+def test_dispatcher_admits_the_pair_forward_and_backward(cute_env):
     from flash_attn.cute import backend
     from flash_attn.dispatch import Call
 
@@ -141,7 +142,10 @@ def test_dispatcher_admits_the_pair_forward_only(cute_env):
     cute_env(DISABLE=None)
     assert backend.unsupported_reason(call(192, 128)) is None
     assert backend.unsupported_reason(call(192, 128, varlen=True, causal=True)) is None
+    assert backend.unsupported_reason(call(192, 128, backward=True)) is None  # the split-D backward (bwd_wide_d)
+    cute_env(OVERRIDES="plan.bwd_wide_d=0")
     assert "head dims 192/128" in backend.unsupported_reason(call(192, 128, backward=True))
+    cute_env(OVERRIDES=None)
     assert backend.unsupported_reason(call(192, 128, alibi=True)) == "alibi"
     assert "equal for q/k and v" in backend.unsupported_reason(call(128, 64))
     cute_env(DISABLE="d96,d192")  # d192 forward switched off: the pair too
@@ -249,8 +253,8 @@ def test_varlen_matches_reference_per_sequence_on_gpu(monkeypatch, causal):
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
 @pytest.mark.parametrize("causal", [False, True])
 def test_gradients_on_gpu(monkeypatch, causal):
-    """A call that needs gradients: this forward inside the dispatcher's op, the backward on the next backend
-    (Triton) from its out and lse; gradients against the fp32 reference by the project's criterion."""
+    """A call that needs gradients: this forward, then the backward from its out and lse (the split-D kernel under
+    the plan rule bwd_wide_d); gradients against the fp32 reference by the project's criterion."""
     from flash_attn.cute import flash_attn_func
 
     # (no FLASH_ATTN_CUTE_DISABLE: hdim_v on)
