@@ -21,7 +21,7 @@ if _PKG not in sys.path:
 from flash_attn import testing  # noqa: E402
 from flash_attn.cute import autograd, config, kernels  # noqa: E402
 from flash_attn.cute import backend as cute_backend  # noqa: E402
-from test_cute_bwd import _fresh_bwd_kernels, _run, cute_bwd_on  # noqa: E402,F401 (the backward tests' helpers)
+from test_cute_bwd import _fresh_bwd_kernels, _reference, _run, cute_bwd_on  # noqa: E402,F401 (the backward tests' helpers)
 from test_cute_bwd_varlen import U, _call, _hopper, _ptxas_spills, _run_varlen  # noqa: E402
 
 WIDE = (192, 256)
@@ -239,12 +239,8 @@ def test_wide_deterministic_gradients_repeat_bit_for_bit_on_gpu(wide_on, cute_en
     for other in runs[1:]:
         for a, b in zip(runs[0], other):
             assert torch.equal(a, b)
-    results = []
-    for upcast in (True, False):
-        qr, kr, vr = (t.detach().clone().requires_grad_() for t in (q, k, v))
-        ref, _ = testing.attention_ref(qr, kr, vr, causal=causal, upcast=upcast, reorder_ops=not upcast)
-        results.append(torch.autograd.grad(ref, (qr, kr, vr), dout))
-    for name, a, r, p in zip(("dq", "dk", "dv"), runs[0], *results):
+    ref, pt = _reference(q.detach(), k.detach(), v.detach(), dout, causal)
+    for name, a, r, p in zip(("dq", "dk", "dv"), runs[0], ref[1:], pt[1:]):
         testing.assert_close_to_ref(a, r, p, name)
 
 
@@ -265,12 +261,8 @@ def test_pair_192_128_gradients_on_gpu(wide_on, causal, seqlen_q, seqlen_k, head
     out, _ = flash_attn_func(q, k, v, causal=causal)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     assert wide_on, "the backward did not run on the cute kernel"
-    results = []
-    for upcast in (True, False):
-        qr, kr, vr = (t.detach().clone().requires_grad_() for t in (q, k, v))
-        ref, _ = testing.attention_ref(qr, kr, vr, causal=causal, upcast=upcast, reorder_ops=not upcast)
-        results.append(torch.autograd.grad(ref, (qr, kr, vr), dout))
-    for name, a, r, p in zip(("dq", "dk", "dv"), grads, *results):
+    ref, pt = _reference(q.detach(), k.detach(), v.detach(), dout, causal)
+    for name, a, r, p in zip(("dq", "dk", "dv"), grads, ref[1:], pt[1:]):
         testing.assert_close_to_ref(a, r, p, name)
 
 
