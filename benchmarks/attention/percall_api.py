@@ -7,7 +7,8 @@ time per call (the least disturbed by the host), calls back to back with one syn
 
 --kvcache adds a decoding call: flash_attn_with_kvcache (one query token, H 32, Hk 8, d 128, an 8k cache) through
 the root API ("kvcache"), the Triton backend's fwd_kvcache alone ("kvcache backend": the front door's share is the
-difference), SDPA on the same cache (enable_gqa), and the Triton launchers' slow-path launch counts.
+difference), the root flash_attn_func on the same q and cache ("root decode": what Hugging Face's flash_attention_2
+calls per layer and token), SDPA on the same cache (enable_gqa), and the Triton launchers' slow-path launch counts.
 
 Standalone (imports only torch and flash_attn), so one checkout can time another: run it with that checkout's root
 first on PYTHONPATH, alternating the two in separate processes, on one warm machine.
@@ -45,7 +46,7 @@ def main(argv=None):
     q, k, v = (torch.randn(1, 128, 16, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
     root, cute = flash_attn.flash_attn_func, flash_attn.cute.flash_attn_func
-    res = {"flash_attn": flash_attn.__file__}
+    res = {"flash_attn": flash_attn.__file__, "flash_attn.cute": flash_attn.cute.__file__}
     res["root"] = _per_call(lambda: root(q, k, v), a.rounds, a.calls)
     res["root, grad"] = _per_call(lambda: root(qg, kg, vg), a.rounds, a.calls)
     res["cute"] = _per_call(lambda: cute(q, k, v), a.rounds, a.calls)
@@ -74,6 +75,7 @@ def _kvcache(rounds, calls):
                                 calls),
            "kvcache backend": _per_call(lambda: tb.fwd_kvcache(call, q, kc, vc, None, None, None, None, lens, None,
                                                                None, None, None, False, 0), rounds, calls),
+           "root decode": _per_call(lambda: flash_attn.flash_attn_func(q, kc, vc), rounds, calls),
            "sdpa decode": _per_call(lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True), rounds,
                                     calls)}
     res["kvcache slow launches"] = {n: lr.slow_launches - before[n] for n, lr in launchers.items()}

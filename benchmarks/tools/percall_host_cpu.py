@@ -6,9 +6,12 @@ fwd and launch with the same stubbed kernels, the root API's path on a Hopper GP
 checkouts, alternating, on a quiet machine; the GPU per-call figure is bench_cute_overhead's). ``--api kvcache``:
 flash_attn.flash_attn_with_kvcache on a decoding shape (one query token, H 32, Hk 8, d 128, an 8k cache) with the
 no-op backend, then through the Triton backend's fwd_kvcache with its launches replaced by no-ops, and through the
-cute backend's (its kernels replaced by no-ops).
+cute backend's (its kernels replaced by no-ops). ``--api decode``: the root flash_attn_func on that decoding shape (an
+inference call: the lse dropped) through the cute backend, whose decoding plan (pack_gqa 4, 16 split-KV parts) is
+fixed and whose split kernel and combine launch are no-ops (fp16: the combine's host path serves CPU tensors only in
+Triton's interpreter, and not bf16 there).
 
-    python -m benchmarks.tools.percall_host_cpu [--api cute|root|both|kvcache] [--rounds 15] [--calls 2000]
+    python -m benchmarks.tools.percall_host_cpu [--api cute|root|both|kvcache|decode] [--rounds 15] [--calls 2000]
 """
 import argparse
 import sys
@@ -202,14 +205,49 @@ def _kvcache_cute(f, args, lens, rounds, calls):
         cb._decode_plan = real_plan
 
 
+def measure_decode(rounds=15, calls=2000, splits=16):
+    """{case: us} of the root flash_attn_func's decoding call (q 1 x 1 x 32 x 128, an 8k cache with 8 KV heads)
+    through the cute backend's split-KV path, its kernel launches no-ops."""
+    import flash_attn
+    from flash_attn import dispatch
+    from flash_attn.cute import backend as cb, combine, kernels
+
+    _stub_root_cute()
+    B, Sk, H, Hk, D = 1, 8192, 32, 8, 128
+    dt = torch.float16
+    q = torch.randn(B, 1, H, D, dtype=dt)
+    kc, vc = (torch.randn(B, Sk, Hk, D, dtype=dt) for _ in range(2))
+
+    def nop(*a):
+        return None
+
+    kernels._kernels[(dt, D, False, "sm_90a", False, False, "pack", 4, "split")] = nop
+    saved = cb._decode_plan, combine._launch, combine._INTERPRET, combine._kernel
+    cb._decode_plan = lambda *a: (4, splits)
+    combine._launch, combine._INTERPRET, combine._kernel = (lambda *a: None), True, (lambda: nop)
+    cb._decode_plans.clear()
+    try:
+        with dispatch.use_backend("nop_cute"), torch.inference_mode(False):
+            return {"root decode 1 x 8k (cute backend)": _time(flash_attn.flash_attn_func, (q, kc, vc), {}, rounds,
+                                                               calls)}
+    finally:
+        cb._decode_plan, combine._launch, combine._INTERPRET, combine._kernel = saved
+        cb._decode_plans.clear()
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--api", choices=("cute", "root", "both", "kvcache"), default="cute")
+    p.add_argument("--api", choices=("cute", "root", "both", "kvcache", "decode"), default="cute")
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--calls", type=int, default=2000)
     a = p.parse_args(argv)
     for api in (("cute", "root") if a.api == "both" else (a.api,)):
-        res = measure_kvcache(a.rounds, a.calls) if api == "kvcache" else measure(api, a.rounds, a.calls)
+        if api == "kvcache":
+            res = measure_kvcache(a.rounds, a.calls)
+        elif api == "decode":
+            res = measure_decode(a.rounds, a.calls)
+        else:
+            res = measure(api, a.rounds, a.calls)
         print(f"{api}: " + ", ".join(f"{k} {v:.2f} us" for k, v in res.items()))
 
 

@@ -621,3 +621,68 @@ def test_root_api_decoding_calls_split_on_gpu(monkeypatch, causal, batch, seqlen
     assert_close_to_ref(out, out_ref, out_pt)
     assert_close_to_ref(out_var.view_as(out), out_ref, out_pt)
     assert_close_to_ref(out_grad.detach(), out_ref, out_pt)
+
+
+def _plain_kernel_model(causal):
+    """An unsplit kernel's contract (the packed decoding kernel's too) in torch: out and lse of every row."""
+    def run(q, k, v, out, lse, scale, softcap, wl, wr):
+        o, l_ = _parts(q, k, v, causal, [(0, k.shape[1])], scale)
+        out.copy_(o[0])
+        lse.copy_(l_[0])
+    return run
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_dispatcher_decoding_reuses_its_parts(monkeypatch, cute_env, causal):
+    """backend.fwd's decoding calls (lse dropped) on launch._forward_decode: split-KV parts and the bound combine
+    launch made once per kind of call and stream, reused by the next calls (whose output is their own, the
+    reference's); a packed unsplit plan writes out directly; a kernel not in memory yet or a graph being captured
+    takes forward()'s general path, which allocates per call."""
+    from flash_attn.call import describe
+    from flash_attn.cute import backend, combine
+
+    if not combine.use_kernel(torch.zeros(2, 1, 1, 1, 8), torch.zeros(2, 1, 1, 1), torch.float16, torch.device("cpu")):
+        pytest.skip("the combine kernel needs Triton's interpreter on the CPU (TRITON_INTERPRET=1)")
+    cute_env()
+    monkeypatch.setattr(plan, "_device_sms", lambda t: 132)
+    monkeypatch.setattr(launch, "_decode_entries", {})
+    backend._decode_plans.clear()
+    split_key = (torch.float16, 64, causal, "sm_90a", False, False, "pack", 4, "split")
+    packed_key = (torch.float16, 64, causal, "sm_90a", False, False, "pack", 4)
+    split_cfg = _cfg(torch.float16, 64, causal, pack=4, split=True)
+    general = []
+    real_forward = launch.forward
+    monkeypatch.setattr(launch, "forward", lambda *a, **kw: general.append(kw) or real_forward(*a, **kw))
+
+    def run(B, Sk, seed):
+        torch.manual_seed(seed)
+        q = torch.randn(B, 1, 8, 64, dtype=torch.float16)
+        k, v = (torch.randn(B, Sk, 2, 64, dtype=torch.float16) for _ in range(2))
+        out, lse, _ = backend.fwd(describe(q, k, causal=causal), q, k, v, None, None, 1, Sk, None, None, None,
+                                  lse_scratch=True)
+        out_ref, _ = attention_ref(q, k, v, causal=causal)
+        out_pt, _ = attention_ref(q, k, v, causal=causal, upcast=False, reorder_ops=True)
+        assert_close_to_ref(out, out_ref, out_pt)
+        return out, lse
+
+    _swap_kernels(monkeypatch, {})  # nothing in memory: the general path (which compiles; here its model)
+    monkeypatch.setattr(launch, "fwd_kernel", lambda *a, **kw: _split_kernel_model(split_cfg))
+    run(1, 1000, 0)
+    assert len(general) == 1 and general[0]["splits"] > 1 and general[0]["pack"] == 4 and not launch._decode_entries
+    _swap_kernels(monkeypatch, {split_key: _split_kernel_model(split_cfg), packed_key: _plain_kernel_model(causal)})
+    general.clear()
+    run(1, 1000, 1)
+    (key, entry), = launch._decode_entries.items()
+    parts = entry[1][0].data_ptr()
+    run(1, 1000, 2)  # the same parts, new values
+    assert not general and len(launch._decode_entries) == 1 and entry[1][0].data_ptr() == parts
+    monkeypatch.setattr(launch, "_capturing", lambda index: True)
+    run(1, 1000, 3)
+    assert len(general) == 1 and len(launch._decode_entries) == 1
+    monkeypatch.setattr(launch, "_capturing", lambda index: False)
+    general.clear()
+    # a batch whose packed grid fills the GPU: packed, unsplit, straight into out
+    _, lse = run(160, 200, 4)
+    assert backend._decode_plans[(torch.device("cpu"), 160, 1, 8, 200, 2, plan._UNBOUNDED,
+                                  0 if causal else plan._UNBOUNDED)] == (4, 1)
+    assert not general and len(launch._decode_entries) == 2 and lse.shape == (160, 8, 1)

@@ -151,10 +151,17 @@ def fwd(call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, b
         # away, the per-call path the FA4 API's own common call takes; decoding shapes (a split or packed plan) and
         # kernels not yet in memory take the general path below.
         B, Sq, H, D = q.shape
-        if B * Sq * H and not (lse_scratch and Sq <= _DECODE_ROWS):
-            Sk = k.shape[1]
-            res = Sk and launch._forward_plain(q, k, v, B, Sq, H, D, Sk, k.shape[2], call.softmax_scale, call.causal,
-                                               "sm_90a", lse_scratch)
+        Sk = k.shape[1]
+        if B * Sq * H and Sk:
+            if lse_scratch and Sq <= _DECODE_ROWS:
+                # decoding: its (pack, splits) plan on the parts and combine launch reused per kind of call
+                Hk = k.shape[2]
+                pack, splits = _decoding(q, B, Sq, H, Sk, Hk, launch._UNBOUNDED, launch._UNBOUNDED if wr < 0 else wr)
+                res = launch._forward_decode(q, k, v, B, Sq, H, D, Sk, Hk, call.softmax_scale, call.causal, "sm_90a",
+                                             pack, splits)
+            else:
+                res = launch._forward_plain(q, k, v, B, Sq, H, D, Sk, k.shape[2], call.softmax_scale, call.causal,
+                                            "sm_90a", lse_scratch)
             if res:
                 return res[0], res[1], None
     # the contract's -1 (no limit) is the kernels' UNBOUNDED

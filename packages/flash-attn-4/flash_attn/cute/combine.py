@@ -93,10 +93,16 @@ def combine_kernel(out_partial, lse_partial, out, lse, sink=None, unseen_pos_inf
     out (B, S, H, D) and lse (B, S, H) fp32 or None, any strides; writes out (in its dtype) and lse. sink: fp32 (H,)
     logits that join each row's sum with no value, or None; unseen_pos_inf: a row with no finite term gets lse +inf
     (else -inf)."""
+    bound_combine(out_partial, lse_partial, out.stride(), lse, sink, unseen_pos_inf)(out)
+
+
+def bound_combine(out_partial, lse_partial, out_strides, lse, sink=None, unseen_pos_inf=False):
+    """combine_kernel with everything but out fixed: a function of out (strides out_strides) that launches it, for
+    parts, lse and sink used call after call (the split decoding path's reused parts)."""
     _, B, S, H, D = out_partial.shape
     n_rows = B * S
     if n_rows == 0 or H == 0:
-        return
+        return lambda out: None
     n_splits = out_partial.shape[0]
     block_k, block_m, block_d, warps = _tile(n_splits, n_rows, H, D)
     write_lse = lse is not None
@@ -105,10 +111,15 @@ def combine_kernel(out_partial, lse_partial, out, lse, sink=None, unseen_pos_inf
             "HAS_SINK": has_sink, "UNSEEN_POS_INF": bool(unseen_pos_inf), "num_warps": warps}
     grid = (-(-n_rows // block_m) * H, max(1, -(-D // block_d)))
     lse_strides = lse.stride() if write_lse else (0, 0, 0)
-    _launch(_kernel(), grid,
-            (out_partial, lse_partial, out, lse, sink if has_sink else lse_partial, *out_partial.stride(),
-             *lse_partial.stride(), *out.stride(), *lse_strides, n_splits, S, n_rows, H),
-            meta, ("combine", D, block_k, block_m, block_d, write_lse, has_sink, bool(unseen_pos_inf), warps))
+    tail = (lse, sink if has_sink else lse_partial, *out_partial.stride(), *lse_partial.stride(), *out_strides,
+            *lse_strides, n_splits, S, n_rows, H)
+    plan_key = ("combine", D, block_k, block_m, block_d, write_lse, has_sink, bool(unseen_pos_inf), warps)
+    kernel = _kernel()
+
+    def launch(out):
+        _launch(kernel, grid, (out_partial, lse_partial, out, *tail), meta, plan_key)
+
+    return launch
 
 
 def combine_torch(out_partial, lse_partial):

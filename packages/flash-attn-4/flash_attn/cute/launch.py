@@ -108,6 +108,13 @@ def _lse_buffer(q, B, H, Sq, scratch):
     return torch.empty(B, H, Sq, dtype=_F32, device=q.device)  # sizes as ints: parsed faster
 
 
+def _lse_buffer_on(device, index, stream, B, H, Sq):
+    """_lse_buffer's shared buffer of a CUDA device index and stream handle already read."""
+    key = (index, stream, B, H, Sq)
+    lse = _lse_scratch.get(key)
+    return lse if lse is not None else _new_lse_scratch(key)
+
+
 def forward(q, k, v, softmax_scale, causal, arch="sm_90a", window_left=_UNBOUNDED, window_right=_UNBOUNDED, softcap=0.0,
             sink=None, pack=1, splits=1, lse_scratch=False):
     """The kernel launch on validated CUDA inputs (shared with the dispatcher's backend module):
@@ -186,6 +193,83 @@ def _forward_plain(q, k, v, B, Sq, H, D, Sk, Hk, softmax_scale, causal, arch, ls
     lse = _lse_buffer(q, B, H, Sq, lse_scratch)
     fn(q, k, v, out, lse, float(softmax_scale), 0.0, 0, 0)
     return out, lse
+
+
+# The split-KV parts of decoding calls that drop their lse: one fp32 buffer (and one bound combine launch) per (device
+# index, stream, kind of call) instead of allocations and launch planning per call. The parts are written and read on
+# their stream only, so a call's split kernel overwrites them after the previous call's combine has read them (stream
+# order), and dropping an entry frees memory the caching allocator reuses in that order. A CUDA graph being captured
+# never shares them: its calls take forward()'s general path (parts of its own, from the capture's pool).
+_decode_entries: dict[tuple, tuple] = {}
+_DECODE_MAX_ENTRIES = 32
+_DECODE_MAX_PART_ELEMS = 1 << 23  # 32 MiB of fp32 parts per entry; larger calls allocate per call
+
+
+_stream_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
+
+
+def _capturing(index):
+    """Whether a CUDA graph is being captured on the current stream (of device index; never for CPU tensors, -1)."""
+    return index >= 0 and _stream_capturing()
+
+
+def _forward_decode(q, k, v, B, Sq, H, D, Sk, Hk, softmax_scale, causal, arch, pack, splits):
+    """forward() of a plain inference call (dense, no window, softcap or sink, v's head dim q's, its lse dropped;
+    B * Sq * H and Sk > 0) on the decoding plan (pack, splits) of the dispatcher's backend: (out, lse), lse a shared
+    buffer (_lse_scratch); None where forward()'s general path is needed (a kernel not in memory yet, a graph being
+    captured, sizes past the kernels' offsets or the parts' budget)."""
+    if splits <= 1:
+        if pack <= 1:
+            return _forward_plain(q, k, v, B, Sq, H, D, Sk, Hk, softmax_scale, causal, arch, True)
+    index = q.get_device()
+    if _capturing(index):
+        return None
+    key = (index, _stream_id(index), q.dtype, B, Sq, H, D, Sk, Hk, causal, pack, splits)
+    entry = _decode_entries.get(key)
+    if entry is None:
+        entry = _decode_entry(key, q.device, arch)
+        if entry is None:
+            return None
+    q, k, v = _kernel_layouts(q, k, v, D, D)
+    fn, parts, lse, combine = entry
+    if combine is None:  # packed, unsplit: the kernel writes out
+        out = torch.empty_like(q)
+        fn(q, k, v, out, lse, float(softmax_scale), 0.0, 0, 0)
+        return out, lse
+    fn(q, k, v, parts[0], parts[1], float(softmax_scale), 0.0, 0, 0, splits)
+    out = torch.empty(B, Sq, H, D, dtype=q.dtype, device=q.device)
+    combine(out)
+    return out, lse
+
+
+def _decode_entry(key, device, arch):
+    """_decode_entries' (kernel, (o parts, lse parts), lse scratch, bound combine or None) of key, remembered; None
+    where the general path serves the call (see _forward_decode)."""
+    index, _, dtype, B, Sq, H, D, Sk, Hk, causal, pack, splits = key
+    if B * max(Sq * H, Sk * Hk) * D * max(splits, 1) >= _MAX_ELEMS or B * splits > _MAX_GRID_Z:
+        return None
+    fn = _kernels.get((dtype, D, causal, arch, False, False) + (("pack", pack) if pack > 1 else ())
+                      + (("split",) if splits > 1 else ()))
+    if fn is None:
+        return None
+    lse = _lse_buffer_on(device, index, key[1], B, H, Sq)
+    if splits > 1:
+        n = splits * B * Sq * H
+        if n * (D + 1) > _DECODE_MAX_PART_ELEMS:
+            return None
+        buf = torch.empty(n * (D + 1), dtype=_F32, device=device)
+        o_parts, lse_parts = buf[:n * D].view(splits * B, Sq, H, D), buf[n * D:].view(splits * B, H, Sq)
+        o5, l5 = o_parts.view(splits, B, Sq, H, D), lse_parts.view(splits, B, H, Sq)
+        if not _combine.use_kernel(o5, l5, dtype, device):
+            return None
+        entry = (fn, (o_parts, lse_parts), lse, _combine.bound_combine(o5, l5.transpose(2, 3), (Sq * H * D, H * D, D, 1),
+                                                                        lse.transpose(1, 2), unseen_pos_inf=True))
+    else:
+        entry = (fn, None, lse, None)
+    if len(_decode_entries) >= _DECODE_MAX_ENTRIES:
+        _decode_entries.clear()
+    _decode_entries[key] = entry
+    return entry
 
 
 def _sink_lse(sink):
