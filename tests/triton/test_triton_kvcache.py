@@ -233,6 +233,29 @@ def test_launch_plan_is_per_kind_of_call(monkeypatch):
     assert len(kv._PLANS) == 3
 
 
+def test_split_parts_are_reused_per_kind_of_call(monkeypatch):
+    """A split call's fp32 parts (kvcache._split_parts) are one buffer per kind of call and stream, reused by the next
+    call of that kind (whose result is its own: the oracle's for new values); another kind gets its own; a call while
+    a CUDA graph is being captured allocates parts of its own."""
+    from flash_attn.triton import kvcache as kv
+
+    monkeypatch.setattr(kv, "_PARTS", {})
+    made = []
+    real_split_parts = kv._split_parts
+    monkeypatch.setattr(kv, "_split_parts", lambda *a: made.append(real_split_parts(*a)) or made[-1])
+    for seed in (1, 2):
+        c = _make(B=2, Sq=1, s_new=0, S_cache=40, rotary_dim=0, seed=seed)
+        _check(*_run(c, num_splits=3))
+    assert len(kv._PARTS) == 1 and made[0][0].data_ptr() == made[1][0].data_ptr()
+    assert made[0][0].shape[:3] == (3, 2, 1) and made[0][1].shape[:2] == (3, 2)  # (splits, B, Sq ...), (splits, B ...)
+    _check(*_run(_make(B=2, Sq=1, s_new=0, S_cache=40, rotary_dim=0, seed=3), num_splits=2))
+    assert len(kv._PARTS) == 2
+    if DEVICE == "cuda":
+        monkeypatch.setattr(kv, "_stream_capturing", lambda: True)
+        _check(*_run(c, num_splits=3))
+        assert len(kv._PARTS) == 2 and made[-1][0].data_ptr() != made[0][0].data_ptr()
+
+
 def test_choose_num_splits():
     from flash_attn.triton.kvcache import MAX_SPLITS, choose_num_splits
     # Issue 6's decode on an H200: batch 1, 8 kv heads, 2k prompt + 256 new tokens, key blocks of 64.

@@ -493,6 +493,37 @@ def _plan(pkey, block_d, block_dv):
     return plan
 
 
+# The fp32 split parts of a kind of call, one buffer per (kind, device, stream) reused call after call instead of two
+# allocations per decoding step: they are written and read on that stream only, so a call's attention kernel
+# overwrites them after the previous call's combine read them (stream order), and dropping an entry frees memory the
+# caching allocator reuses in that order. A CUDA graph being captured gets parts of its own (from the capture's pool),
+# never shared with eager calls.
+_PARTS: dict = {}
+_PARTS_MAX_ELEMS = 1 << 23  # 32 MiB of fp32 parts per entry; larger calls allocate per call
+_stream_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+    lambda index: torch.cuda.current_stream(index).cuda_stream)
+
+
+def _split_parts(pkey, device, splits, B, Sq, H, Dv):
+    """(o parts (splits, B, Sq, H, Dv), lse parts (splits, B, H, Sq)) fp32 for a split call of kind pkey (whose key
+    holds the device)."""
+    n = splits * B * Sq * H
+    cuda = device.type == "cuda"
+    if n * (Dv + 1) > _PARTS_MAX_ELEMS or (cuda and _stream_capturing()):
+        return (torch.empty((splits, B, Sq, H, Dv), dtype=torch.float32, device=device),
+                torch.empty((splits, B, H, Sq), dtype=torch.float32, device=device))
+    key = (pkey, _raw_stream(device.index) if cuda else 0)
+    parts = _PARTS.get(key)
+    if parts is None:
+        buf = torch.empty(n * (Dv + 1), dtype=torch.float32, device=device)
+        parts = buf[:n * Dv].view(splits, B, Sq, H, Dv), buf[n * Dv:].view(splits, B, H, Sq)
+        if len(_PARTS) >= 32:
+            _PARTS.clear()
+        _PARTS[key] = parts
+    return parts
+
+
 def fwd_kvcache(q, k_cache, v_cache, *, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                 cache_leftpad, block_table, softmax_scale, causal, window_left, window_right, softcap,
                 rotary_interleaved, alibi_slopes, num_splits, interpret=False, arch=None, sink=None):
@@ -557,8 +588,7 @@ def fwd_kvcache(q, k_cache, v_cache, *, k, v, rotary_cos, rotary_sin, cache_seql
     splits, grid, meta, key, scalars, combine = plan
     split = splits > 1
     if split:
-        o_acc = torch.empty((splits, B, Sq, H, Dv), dtype=torch.float32, device=device)
-        l_acc = torch.empty((splits, B, H, Sq), dtype=torch.float32, device=device)
+        o_acc, l_acc = _split_parts(pkey, device, splits, B, Sq, H, Dv)
         so_ = o_acc.stride()[:4]
         sl_ = l_acc.stride()[:3]
     else:
