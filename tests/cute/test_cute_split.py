@@ -336,23 +336,33 @@ def _check_per_sequence(out, lse, q, kd, vd, cu_q, lens_q, used_q, lens_k, ref_k
 
 def test_forward_varlen_split_fills_unused_rows(monkeypatch):
     """forward_varlen (the dispatcher's entry) with splits and fill_unused_rows: rows after the last sequence get out 0
-    and lse +inf (the parts leave them unwritten), with no host sync."""
+    and lse +inf (the parts leave them unwritten), with no host sync; the next call of these sizes reuses the parts
+    (launch._split_parts) and gets its own result."""
     cfg = _cfg(torch.float16, 64, False, varlen=True, split=True)
     key = (torch.float16, 64, False, "sm_90a", False, False, True, "split")
     _swap_kernels(monkeypatch, {key: _varlen_split_kernel_model(cfg)})
-    torch.manual_seed(0)
-    q = torch.randn(10, 2, 64, dtype=torch.float16)
-    k = torch.randn(200, 2, 64, dtype=torch.float16)
-    v = torch.randn(200, 2, 64, dtype=torch.float16)
-    cu_q, cu_k = torch.tensor([0, 3, 7], dtype=I32), torch.tensor([0, 150, 200], dtype=I32)
-    out, lse = launch.forward_varlen(q, k, v, cu_q, cu_k, None, 4, 0.125, False, fill_unused_rows=True, splits=3)
-    assert torch.all(out[7:] == 0) and torch.all(torch.isposinf(lse[:, 7:]))
-    for b in range(2):
-        qs = q[None, int(cu_q[b]):int(cu_q[b + 1])]
-        ks, vs = k[None, int(cu_k[b]):int(cu_k[b + 1])], v[None, int(cu_k[b]):int(cu_k[b + 1])]
-        o_ref, _ = attention_ref(qs, ks, vs, softmax_scale=0.125)
-        o_pt, _ = attention_ref(qs, ks, vs, softmax_scale=0.125, upcast=False, reorder_ops=True)
-        assert_close_to_ref(out[None, int(cu_q[b]):int(cu_q[b + 1])], o_ref, o_pt)
+    monkeypatch.setattr(launch, "_split_parts_cache", {})
+    kernel = launch._combine.use_kernel(torch.zeros(2, 1, 1, 1, 8), torch.zeros(2, 1, 1, 1), torch.float16,
+                                        torch.device("cpu"))  # (Triton's interpreter: the parts path)
+    buffers = set()
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        q = torch.randn(10, 2, 64, dtype=torch.float16)
+        k = torch.randn(200, 2, 64, dtype=torch.float16)
+        v = torch.randn(200, 2, 64, dtype=torch.float16)
+        cu_q, cu_k = torch.tensor([0, 3, 7], dtype=I32), torch.tensor([0, 150, 200], dtype=I32)
+        out, lse = launch.forward_varlen(q, k, v, cu_q, cu_k, None, 4, 0.125, False, fill_unused_rows=True, splits=3)
+        assert torch.all(out[7:] == 0) and torch.all(torch.isposinf(lse[:, 7:]))
+        for b in range(2):
+            qs = q[None, int(cu_q[b]):int(cu_q[b + 1])]
+            ks, vs = k[None, int(cu_k[b]):int(cu_k[b + 1])], v[None, int(cu_k[b]):int(cu_k[b + 1])]
+            o_ref, _ = attention_ref(qs, ks, vs, softmax_scale=0.125)
+            o_pt, _ = attention_ref(qs, ks, vs, softmax_scale=0.125, upcast=False, reorder_ops=True)
+            assert_close_to_ref(out[None, int(cu_q[b]):int(cu_q[b + 1])], o_ref, o_pt)
+        if kernel:
+            (parts,) = launch._split_parts_cache.values()
+            buffers.add(parts[0].data_ptr())
+    assert len(buffers) == (1 if kernel else 0)
 
 
 def test_num_splits_zero_chooses_per_call(monkeypatch):

@@ -93,31 +93,33 @@ def combine_kernel(out_partial, lse_partial, out, lse, sink=None, unseen_pos_inf
     out (B, S, H, D) and lse (B, S, H) fp32 or None, any strides; writes out (in its dtype) and lse. sink: fp32 (H,)
     logits that join each row's sum with no value, or None; unseen_pos_inf: a row with no finite term gets lse +inf
     (else -inf)."""
-    bound_combine(out_partial, lse_partial, out.stride(), lse, sink, unseen_pos_inf)(out)
+    bound_combine(out_partial, lse_partial, out.stride(), None if lse is None else lse.stride(), sink is not None,
+                  unseen_pos_inf)(out, lse, sink)
 
 
-def bound_combine(out_partial, lse_partial, out_strides, lse, sink=None, unseen_pos_inf=False):
-    """combine_kernel with everything but out fixed: a function of out (strides out_strides) that launches it, for
-    parts, lse and sink used call after call (the split decoding path's reused parts)."""
+def bound_combine(out_partial, lse_partial, out_strides, lse_strides, has_sink=False, unseen_pos_inf=False):
+    """combine_kernel with the parts and every stride fixed: launch(out, lse, sink) for an out of strides out_strides
+    (B, S, H, D) and an lse of lse_strides (B, S, H) (None: no lse; pass lse None then), sink given iff has_sink: what
+    the split-KV paths reuse call after call (their parts are reused too). out and lse may be any tensors whose
+    storage those strides address from their first element."""
     _, B, S, H, D = out_partial.shape
     n_rows = B * S
     if n_rows == 0 or H == 0:
-        return lambda out: None
+        return lambda out, lse, sink: None
     n_splits = out_partial.shape[0]
     block_k, block_m, block_d, warps = _tile(n_splits, n_rows, H, D)
-    write_lse = lse is not None
-    has_sink = sink is not None
+    write_lse = lse_strides is not None
     meta = {"HEAD_DIM": D, "BLOCK_K": block_k, "BLOCK_M": block_m, "BLOCK_D": block_d, "WRITE_LSE": write_lse,
             "HAS_SINK": has_sink, "UNSEEN_POS_INF": bool(unseen_pos_inf), "num_warps": warps}
     grid = (-(-n_rows // block_m) * H, max(1, -(-D // block_d)))
-    lse_strides = lse.stride() if write_lse else (0, 0, 0)
-    tail = (lse, sink if has_sink else lse_partial, *out_partial.stride(), *lse_partial.stride(), *out_strides,
-            *lse_strides, n_splits, S, n_rows, H)
+    tail = (*out_partial.stride(), *lse_partial.stride(), *out_strides, *(lse_strides if write_lse else (0, 0, 0)),
+            n_splits, S, n_rows, H)
     plan_key = ("combine", D, block_k, block_m, block_d, write_lse, has_sink, bool(unseen_pos_inf), warps)
     kernel = _kernel()
 
-    def launch(out):
-        _launch(kernel, grid, (out_partial, lse_partial, out, *tail), meta, plan_key)
+    def launch(out, lse, sink):
+        _launch(kernel, grid, (out_partial, lse_partial, out, lse, sink if has_sink else lse_partial, *tail), meta,
+                plan_key)
 
     return launch
 

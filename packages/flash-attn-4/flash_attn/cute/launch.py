@@ -195,14 +195,15 @@ def _forward_plain(q, k, v, B, Sq, H, D, Sk, Hk, softmax_scale, causal, arch, ls
     return out, lse
 
 
-# The split-KV parts of decoding calls that drop their lse: one fp32 buffer (and one bound combine launch) per (device
-# index, stream, kind of call) instead of allocations and launch planning per call. The parts are written and read on
-# their stream only, so a call's split kernel overwrites them after the previous call's combine has read them (stream
-# order), and dropping an entry frees memory the caching allocator reuses in that order. A CUDA graph being captured
-# never shares them: its calls take forward()'s general path (parts of its own, from the capture's pool).
+# Split-KV parts: one fp32 buffer (and one bound combine launch) per (device, stream, sizes) reused by every split call
+# of those sizes (_split_parts), instead of two allocations and the combine's launch planning per call; decoding calls
+# that drop their lse also keep their kernel and lse buffer per kind of call (_decode_entries). The parts are written
+# and read on their stream only, so a call's split kernel overwrites them after the previous call's combine has read
+# them (stream order), and dropping an entry frees memory the caching allocator reuses in that order. A CUDA graph
+# being captured never shares them: its calls allocate parts of their own (from the capture's pool).
 _decode_entries: dict[tuple, tuple] = {}
-_DECODE_MAX_ENTRIES = 32
-_DECODE_MAX_PART_ELEMS = 1 << 23  # 32 MiB of fp32 parts per entry; larger calls allocate per call
+_DECODE_MAX_ENTRIES = 16
+_DECODE_MAX_PART_ELEMS = 1 << 21  # 8 MiB of fp32 parts per entry (16 entries); larger calls allocate per call
 
 
 _stream_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
@@ -238,7 +239,7 @@ def _forward_decode(q, k, v, B, Sq, H, D, Sk, Hk, softmax_scale, causal, arch, p
         return out, lse
     fn(q, k, v, parts[0], parts[1], float(softmax_scale), 0.0, 0, 0, splits)
     out = torch.empty(B, Sq, H, D, dtype=q.dtype, device=q.device)
-    combine(out)
+    combine(out, lse, None)
     return out, lse
 
 
@@ -254,22 +255,46 @@ def _decode_entry(key, device, arch):
         return None
     lse = _lse_buffer_on(device, index, key[1], B, H, Sq)
     if splits > 1:
-        n = splits * B * Sq * H
-        if n * (D + 1) > _DECODE_MAX_PART_ELEMS:
+        parts = _split_parts(device, key[1], dtype, splits, B, Sq, H, D)
+        if parts is None:
             return None
-        buf = torch.empty(n * (D + 1), dtype=_F32, device=device)
-        o_parts, lse_parts = buf[:n * D].view(splits * B, Sq, H, D), buf[n * D:].view(splits * B, H, Sq)
-        o5, l5 = o_parts.view(splits, B, Sq, H, D), lse_parts.view(splits, B, H, Sq)
-        if not _combine.use_kernel(o5, l5, dtype, device):
-            return None
-        entry = (fn, (o_parts, lse_parts), lse, _combine.bound_combine(o5, l5.transpose(2, 3), (Sq * H * D, H * D, D, 1),
-                                                                        lse.transpose(1, 2), unseen_pos_inf=True))
+        o_parts, lse_parts, combine = parts
+        entry = (fn, (o_parts, lse_parts), lse, combine)
     else:
         entry = (fn, None, lse, None)
     if len(_decode_entries) >= _DECODE_MAX_ENTRIES:
         _decode_entries.clear()
     _decode_entries[key] = entry
     return entry
+
+
+_split_parts_cache: dict[tuple, tuple] = {}
+
+
+def _split_parts(device, stream, dtype, splits, B, Sq, H, Dv, has_sink=False):
+    """(o parts (splits * B, Sq, H, Dv), lse parts (splits * B, H, Sq), combine) fp32 of a split-KV call on the
+    current stream (handle ``stream``) with out in dtype, reused by every such call of these sizes (see
+    _decode_entries): one buffer; combine(out, lse, sink) merges them into out (B, Sq, H, Dv) and lse (B, H, Sq),
+    contiguous (a varlen call's (Tq, H, Dv) and (H, Tq) with B 1 and Sq Tq). None where the general path serves
+    the call (parts past the budget, or no combine kernel for them: remembered)."""
+    key = (device, stream, dtype, splits, B, Sq, H, Dv, has_sink)
+    parts = _split_parts_cache.get(key)
+    if parts is not None:
+        return parts or None
+    n = splits * B * Sq * H
+    if n * (Dv + 1) > _DECODE_MAX_PART_ELEMS:
+        return None
+    buf = torch.empty(n * (Dv + 1), dtype=_F32, device=device)
+    o_parts, lse_parts = buf[:n * Dv].view(splits * B, Sq, H, Dv), buf[n * Dv:].view(splits * B, H, Sq)
+    o5, l5 = o_parts.view(splits, B, Sq, H, Dv), lse_parts.view(splits, B, H, Sq).transpose(2, 3)
+    parts = False  # (no combine kernel for them)
+    if _combine.use_kernel(o5, l5, dtype, device):
+        parts = (o_parts, lse_parts, _combine.bound_combine(o5, l5, (Sq * H * Dv, H * Dv, Dv, 1), (H * Sq, 1, Sq),
+                                                             has_sink, unseen_pos_inf=True))
+    if len(_split_parts_cache) >= _DECODE_MAX_ENTRIES:
+        _split_parts_cache.clear()
+    _split_parts_cache[key] = parts
+    return parts or None
 
 
 def _sink_lse(sink):
@@ -286,13 +311,24 @@ def _forward_split(q, k, v, softmax_scale, causal, arch, local, window_left, win
     B, Sq, H, D = q.shape
     Dv = v.shape[3]
     capped = softcap > 0.0
-    o_parts = torch.empty(splits * B, Sq, H, Dv, dtype=torch.float32, device=q.device)
-    lse_parts = torch.empty(splits * B, H, Sq, dtype=torch.float32, device=q.device)
+    index = q.get_device()
+    parts = None if _capturing(index) else _split_parts(q.device, _stream_id(index), q.dtype, splits, B, Sq, H, Dv,
+                                                          sink is not None)
+    if parts is None:
+        o_parts = torch.empty(splits * B, Sq, H, Dv, dtype=torch.float32, device=q.device)
+        lse_parts = torch.empty(splits * B, H, Sq, dtype=torch.float32, device=q.device)
+    else:
+        o_parts, lse_parts, combine = parts
     fn = (_kernels.get((q.dtype, D, causal, arch, local, capped) + (("pack", pack) if pack > 1 else ())
                        + (("dv", Dv) if Dv != D else ()) + ("split",))
           or fwd_kernel(q.dtype, D, causal, arch, local=local, softcap=capped, pack=pack, dv=Dv, split=True))
     fn(q, k, v, o_parts, lse_parts, float(softmax_scale), float(softcap), window_left, window_right, splits)
-    return _combine_splits(o_parts.view(splits, B, Sq, H, Dv), lse_parts.view(splits, B, H, Sq), sink, q.dtype)
+    if parts is None:
+        return _combine_splits(o_parts.view(splits, B, Sq, H, Dv), lse_parts.view(splits, B, H, Sq), sink, q.dtype)
+    out = torch.empty(B, Sq, H, Dv, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
+    combine(out, lse, None if sink is None else sink.float())
+    return out, lse
 
 
 def _combine_splits(o_parts, lse_parts, sink, dtype):
@@ -375,10 +411,15 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
         k, v = _kernel_layout(k, D), _kernel_layout(v, Dv)
     else:
         k, v = _packed_layout(k), _packed_layout(v)
-    out = (torch.zeros if fill_unused_rows else torch.empty)((Tq, H, Dv), dtype=q.dtype, device=q.device)
-    lse = torch.full((H, Tq), math.inf, dtype=torch.float32, device=q.device) if fill_unused_rows else \
-        torch.empty((H, Tq), dtype=torch.float32, device=q.device)
     batch = cu_seqlens_q.shape[0] - 1
+    if batch:
+        splits = min(splits, _MAX_GRID_Z // batch)  # grid z = parts x sequences: one launch
+    split = (splits > 1 and k.shape[0] > 0 and batch > 0 and Tq > 0 and max_seqlen_q > 0
+             and splits * Tq * H * max(D, Dv) < _MAX_ELEMS)
+    if not split:  # (the split path makes its out and lse from the parts)
+        out = (torch.zeros if fill_unused_rows else torch.empty)((Tq, H, Dv), dtype=q.dtype, device=q.device)
+        lse = torch.full((H, Tq), math.inf, dtype=torch.float32, device=q.device) if fill_unused_rows else \
+            torch.empty((H, Tq), dtype=torch.float32, device=q.device)
     if k.shape[0] == 0 or batch == 0:  # no key anywhere (TMA descriptors cannot map a 0-length dim)
         out.zero_()
         lse.fill_(math.inf)
@@ -394,12 +435,17 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
         sinked = sink is not None
         page_size = 0 if page_table is None else k.shape[1]
         keys = cu_seqlens_k if page_table is None else page_table  # the paged kernel takes the page table there
-        splits = min(splits, _MAX_GRID_Z // max(batch, 1))  # grid z = parts x sequences: one launch
-        if splits > 1 and splits * Tq * H * max(D, Dv) < _MAX_ELEMS:
+        if split:
             # split s's parts in entry s (rows after the last sequence are never written: their merge is undefined,
             # as those rows of the unsplit kernel's out, and replaced when fill_unused_rows)
-            o_parts = torch.empty(splits, Tq, H, Dv, dtype=torch.float32, device=q.device)
-            lse_parts = torch.empty(splits, H, Tq, dtype=torch.float32, device=q.device)
+            index = q.get_device()
+            parts = None if _capturing(index) else _split_parts(q.device, _stream_id(index), q.dtype, splits, 1, Tq,
+                                                                  H, Dv, sink is not None)
+            if parts is None:
+                o_parts = torch.empty(splits, Tq, H, Dv, dtype=torch.float32, device=q.device)
+                lse_parts = torch.empty(splits, H, Tq, dtype=torch.float32, device=q.device)
+            else:
+                o_parts, lse_parts, combine = parts
             fn = (_kernels.get((q.dtype, D, causal, arch, local, capped, True) + (("pack", pack) if pack > 1 else ())
                                + (("dv", Dv) if Dv != D else ()) + (("paged", page_size) if page_size else ())
                                + ("split",))
@@ -407,9 +453,14 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
                                 paged=page_size, split=True))
             fn(q, k, v, o_parts, lse_parts, cu_seqlens_q, keys, seqused_k, max_seqlen_q, float(softmax_scale),
                float(softcap), window_left, window_right, splits)
-            merged, merged_lse = _combine_splits(o_parts.view(splits, 1, Tq, H, Dv),
-                                                 lse_parts.view(splits, 1, H, Tq), sink, q.dtype)
-            out, lse = merged[0], merged_lse[0]
+            if parts is None:
+                merged, merged_lse = _combine_splits(o_parts.view(splits, 1, Tq, H, Dv),
+                                                     lse_parts.view(splits, 1, H, Tq), sink, q.dtype)
+                out, lse = merged[0], merged_lse[0]
+            else:
+                out = torch.empty((Tq, H, Dv), dtype=q.dtype, device=q.device)
+                lse = torch.empty((H, Tq), dtype=torch.float32, device=q.device)
+                combine(out, lse, None if sink is None else sink.float())
             if fill_unused_rows:
                 rows = torch.arange(Tq, device=q.device) < cu_seqlens_q[-1]  # no host sync
                 out, lse = torch.where(rows.view(Tq, 1, 1), out, 0.0), torch.where(rows, lse, math.inf)

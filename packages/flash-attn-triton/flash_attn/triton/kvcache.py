@@ -499,7 +499,7 @@ def _plan(pkey, block_d, block_dv):
 # caching allocator reuses in that order. A CUDA graph being captured gets parts of its own (from the capture's pool),
 # never shared with eager calls.
 _PARTS: dict = {}
-_PARTS_MAX_ELEMS = 1 << 23  # 32 MiB of fp32 parts per entry; larger calls allocate per call
+_PARTS_MAX_ELEMS = 1 << 21  # 8 MiB of fp32 parts per entry (16 entries); larger calls allocate per call
 _stream_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
     lambda index: torch.cuda.current_stream(index).cuda_stream)
@@ -518,7 +518,7 @@ def _split_parts(pkey, device, splits, B, Sq, H, Dv):
     if parts is None:
         buf = torch.empty(n * (Dv + 1), dtype=torch.float32, device=device)
         parts = buf[:n * Dv].view(splits, B, Sq, H, Dv), buf[n * Dv:].view(splits, B, H, Sq)
-        if len(_PARTS) >= 32:
+        if len(_PARTS) >= 16:
             _PARTS.clear()
         _PARTS[key] = parts
     return parts
