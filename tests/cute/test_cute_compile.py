@@ -89,11 +89,13 @@ def test_ptx_loads_with_tma_and_mbarriers(ptx):
 
 def test_ptx_o_store_follows_the_config(ptx):
     """O goes through shared memory and a TMA store exactly where the config says tma_o (by default the plain
-    dense d128 / d256 calls but fp16 d128 non-causal, see tests/cute/test_cute_tma_o.py), else straight from
-    registers to global memory: no shared -> global bulk tensor store, no async-proxy fence."""
+    dense d128 / d256 calls, window calls and softcap calls but d64's, never varlen or fp16 d128 non-causal, see
+    tests/cute/test_cute_tma_o.py), else straight from registers to global memory: no shared -> global bulk tensor
+    store, no async-proxy fence."""
     (dtype, d, causal, local, softcap, varlen), text = ptx
     tma_o = kernels.fwd_config(dtype, d, causal, "sm_90a", local=local, softcap=softcap, varlen=varlen).tma_o
-    assert tma_o == (d == 128 and not (local or softcap or varlen) and (dtype, causal) != (torch.float16, False))
+    by_rule = (local or softcap) and not (softcap and d == 64) or (d == 128 and not (local or softcap))
+    assert tma_o == (by_rule and not varlen and (dtype, d, causal) != (torch.float16, 128, False))
     assert "cp.async.bulk.tensor" in text  # the loads
     assert any(line.lstrip().startswith("cp.async.bulk.tensor") and ".global.shared::cta" in line
                for line in text.splitlines()) == tma_o

@@ -178,8 +178,20 @@ def test_tma_o_rules(cute_env, monkeypatch):
     for d in (128, 256):
         for causal in (False, True):
             assert cfg(d, causal)["tma_o"] and cfg(d, causal, short=True)["tma_o"]
-            for kw in (dict(local=True), dict(softcap=True), dict(sink=True), dict(varlen=True)):
+            for kw in (dict(sink=True), dict(varlen=True), dict(local=True, sink=True), dict(softcap=True, varlen=True)):
                 assert "tma_o" not in cfg(d, causal, **kw) and "tma_o" not in cfg(d, causal, short=True, **kw)
+    # config.TMA_O_OPTIONS: window calls at every head dim, softcap calls at d128 / d256 (without a sink)
+    assert config.TMA_O_OPTIONS == {64: {"local"}, 128: {"local", "softcap"}, 256: {"local", "softcap"}}
+    for d in (64, 128, 256):
+        for causal in (False, True):
+            assert cfg(d, causal, local=True)["tma_o"]
+            assert ("tma_o" in cfg(d, causal, softcap=True)) == (d != 64)
+            assert ("tma_o" in cfg(d, causal, local=True, softcap=True)) == (d != 64)
+    assert "tma_o" not in cfg(128, False, local=True, softcap=True, sink=True)
+    monkeypatch.setattr(config, "TMA_O_OPTIONS", {128: frozenset({"softcap"})})
+    assert cfg(128, True, softcap=True)["tma_o"] and "tma_o" not in cfg(128, True, local=True)
+    assert "tma_o" not in cfg(256, True, softcap=True) and "tma_o" not in cfg(128, True, local=True, softcap=True)
+    monkeypatch.undo()
     assert cfg(256, True, short=True) == cfg(256, True) and cfg(256, False, short=True) == cfg(256, False)
     assert cfg(128, False, short=True)["persistent"]  # d128 non-causal's short-key kernel: config.SHORT_PERSISTENT
     assert cfg(128, True, short=True) == no_lpt(cfg(128, True))  # d128's short-key kernel: the former order
@@ -195,7 +207,7 @@ def test_tma_o_rules(cute_env, monkeypatch):
     for d, causal in [(128, False), (128, True), (256, False), (256, True)]:
         assert "tma_o" not in cfg(d, causal)
         assert cfg(d, causal, short=True) == {**(no_lpt(cfg(d, causal)) if d == 128 else cfg(d, causal)), "tma_o": True}
-        for kw in (dict(local=True), dict(softcap=True), dict(sink=True), dict(varlen=True)):
+        for kw in (dict(sink=True), dict(varlen=True)):
             assert "tma_o" not in cfg(d, causal, short=True, **kw)
     # none in the table: short and long calls share one config but for d128's CTA order
     monkeypatch.setattr(config, "TMA_O", {})

@@ -48,6 +48,9 @@ PERSISTENT = frozenset({(64, True), (64, False)})
 # fp16 d128 non-causal keeps three values across the main loop for the epilogue).
 SHORT_SK = 1024
 TMA_O = {64: "short", 128: "plain", 256: "plain"}
+# The options calls (a window and / or softcap, no sink) that take the TMA O store too, per head dim: 2-12% faster
+# with it (benchmarks/results/h200/tma_o_options.md), but softcap at d64 (within noise either way).
+TMA_O_OPTIONS = {64: frozenset({"local"}), 128: frozenset({"local", "softcap"}), 256: frozenset({"local", "softcap"})}
 TMA_O_SPILLS = frozenset({("fp16", 128, False)})
 # Key blocks walked from the last down (masked diagonal blocks first, so the consumer warpgroups end a tile in
 # step): the persistent kernel's causal d64 only; d128 / d256 lose with it.
@@ -381,6 +384,9 @@ def paged_block_n(block_n, page_size):
 def _tma_o_rule(v, ov):
     if "tma_o" in ov:
         return ov["tma_o"]
+    if v.local or v.softcap:
+        takes = TMA_O_OPTIONS.get(v.head_dim, frozenset())
+        return not v.sink and (not v.local or "local" in takes) and (not v.softcap or "softcap" in takes)
     rule = TMA_O.get(v.head_dim, "")
     return (rule == "plain" and v.plain) or (rule == "short" and v.short and v.plain)
 
