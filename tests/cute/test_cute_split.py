@@ -691,6 +691,11 @@ def test_dispatcher_decoding_reuses_its_parts(monkeypatch, cute_env, causal):
     assert len(general) == 1 and len(launch._decode_entries) == 1
     monkeypatch.setattr(launch, "_capturing", lambda index: False)
     general.clear()
+    _swap_kernels(monkeypatch, {packed_key: _plain_kernel_model(causal)})  # the table cleared (settings changed)
+    run(1, 1000, 5)
+    assert len(general) == 1 and general[0]["splits"] > 1  # not the entry's former kernel: the general path
+    _swap_kernels(monkeypatch, {split_key: _split_kernel_model(split_cfg), packed_key: _plain_kernel_model(causal)})
+    general.clear()
     # a batch whose packed grid fills the GPU: packed, unsplit, straight into out
     _, lse = run(160, 200, 4)
     assert backend._decode_plans[(torch.device("cpu"), 160, 1, 8, 200, 2, plan._UNBOUNDED,

@@ -231,8 +231,11 @@ def _forward_decode(q, k, v, B, Sq, H, D, Sk, Hk, softmax_scale, causal, arch, p
         entry = _decode_entry(key, q.device, arch)
         if entry is None:
             return None
+    kernel_key, parts, lse, combine = entry
+    fn = _kernels.get(kernel_key)  # (looked up per call, as _forward_plain's: tools clear the table between settings)
+    if fn is None:
+        return None
     q, k, v = _kernel_layouts(q, k, v, D, D)
-    fn, parts, lse, combine = entry
     if combine is None:  # packed, unsplit: the kernel writes out
         out = torch.empty_like(q)
         fn(q, k, v, out, lse, float(softmax_scale), 0.0, 0, 0)
@@ -244,14 +247,14 @@ def _forward_decode(q, k, v, B, Sq, H, D, Sk, Hk, softmax_scale, causal, arch, p
 
 
 def _decode_entry(key, device, arch):
-    """_decode_entries' (kernel, (o parts, lse parts), lse scratch, bound combine or None) of key, remembered; None
-    where the general path serves the call (see _forward_decode)."""
+    """_decode_entries' (kernel's key in _kernels, (o parts, lse parts), lse scratch, bound combine or None) of key,
+    remembered; None where the general path serves the call (see _forward_decode)."""
     index, _, dtype, B, Sq, H, D, Sk, Hk, causal, pack, splits = key
     if B * max(Sq * H, Sk * Hk) * D * max(splits, 1) >= _MAX_ELEMS or B * splits > _MAX_GRID_Z:
         return None
-    fn = _kernels.get((dtype, D, causal, arch, False, False) + (("pack", pack) if pack > 1 else ())
-                      + (("split",) if splits > 1 else ()))
-    if fn is None:
+    kernel_key = ((dtype, D, causal, arch, False, False) + (("pack", pack) if pack > 1 else ())
+                  + (("split",) if splits > 1 else ()))
+    if kernel_key not in _kernels:
         return None
     lse = _lse_buffer_on(device, index, key[1], B, H, Sq)
     if splits > 1:
@@ -259,9 +262,9 @@ def _decode_entry(key, device, arch):
         if parts is None:
             return None
         o_parts, lse_parts, combine = parts
-        entry = (fn, (o_parts, lse_parts), lse, combine)
+        entry = (kernel_key, (o_parts, lse_parts), lse, combine)
     else:
-        entry = (fn, None, lse, None)
+        entry = (kernel_key, None, lse, None)
     if len(_decode_entries) >= _DECODE_MAX_ENTRIES:
         _decode_entries.clear()
     _decode_entries[key] = entry
