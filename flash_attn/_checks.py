@@ -185,8 +185,15 @@ def trust(t):
     return t
 
 
+_cuda_available: list = []  # [torch.cuda.is_available()], asked once: it does not change within a process
+
+
 def _capturing():
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    """Whether a CUDA graph is being captured on the current stream (the value checks, which read values back, are
+    skipped then)."""
+    if not _cuda_available:
+        _cuda_available.append(torch.cuda.is_available())
+    return _cuda_available[0] and torch.cuda.is_current_stream_capturing()
 
 
 def cu_seqlens_values(name, cu, total, max_seqlen):
