@@ -346,13 +346,16 @@ def _hopper():
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
-def _run(cute_env, monkeypatch, tma_o, q, k, v, causal):
+def _run(cute_env, monkeypatch, tma_o, q, k, v, causal, window=None, softcap=0.0):
     from flash_attn.cute import flash_attn_func
 
     cute_env(OVERRIDES=f"fwd.persistent=0,fwd.tma_o={1 if tma_o else 0}")
     _swap_kernels(monkeypatch, {})  # the in-memory table does not key on the overrides
-    assert kernels.fwd_config(q.dtype, q.shape[-1], causal, "sm_90a").tma_o == tma_o
-    out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    local = window is not None
+    assert kernels.fwd_config(q.dtype, q.shape[-1], causal and not local, "sm_90a", local=local,
+                              softcap=softcap > 0).tma_o == tma_o
+    out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True, softcap=softcap,
+                               **({} if window is None else {"window_size": window}))
     torch.cuda.synchronize()
     return out, lse
 
@@ -375,5 +378,26 @@ def test_tma_o_matches_the_direct_store_bit_for_bit_on_gpu(cute_env, monkeypatch
     v = torch.randn(batch, seqlen_k, heads_kv, d, device="cuda", dtype=torch.bfloat16)
     out_ref, lse_ref = _run(cute_env, monkeypatch, False, q, k, v, causal)
     out, lse = _run(cute_env, monkeypatch, True, q, k, v, causal)
+    assert out.shape == out_ref.shape and torch.equal(out, out_ref)
+    assert torch.equal(lse, lse_ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal,window,softcap", [(True, (100, 0), 0.0), (False, (64, 37), 0.0), (True, None, 30.0),
+                                                   (False, None, 30.0), (False, (300, 5), 20.0)])
+@pytest.mark.parametrize("batch,seqlen_q,seqlen_k,heads,heads_kv", [(2, 1000, 1000, 4, 2), (1, 193, 1000, 4, 1)])
+def test_tma_o_matches_the_direct_store_with_windows_and_softcap_on_gpu(cute_env, monkeypatch, d, causal, window,
+                                                                        softcap, batch, seqlen_q, seqlen_k, heads,
+                                                                        heads_kv):
+    """config.TMA_O_OPTIONS' calls (a window and / or softcap): the TMA O store gives the direct store's O and lse bit
+    for bit."""
+    torch.manual_seed(0)
+    q = torch.randn(batch, seqlen_q, heads, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(batch, seqlen_k, heads_kv, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(batch, seqlen_k, heads_kv, d, device="cuda", dtype=torch.bfloat16)
+    out_ref, lse_ref = _run(cute_env, monkeypatch, False, q, k, v, causal, window, softcap)
+    out, lse = _run(cute_env, monkeypatch, True, q, k, v, causal, window, softcap)
     assert out.shape == out_ref.shape and torch.equal(out, out_ref)
     assert torch.equal(lse, lse_ref)
