@@ -11,6 +11,10 @@ included), do_bench medians, bf16, batch x seqlen = --tokens, heads = --hidden /
 
 --group G: G query heads per KV head (GQA); the kernel-alone column is then nan (its stand-in inputs
 are MHA-shaped), the whole call includes the per-query-head dK / dV sums a kernel leaves to the host.
+--varlen: the whole call through flash_attn_varlen_func on the same tokens packed as batch sequences whose lengths
+alternate 3/4 and 5/4 of S (the varlen kernel; the kernel-alone column is nan), e.g. the TMA dK / dV store there:
+
+    python -m benchmarks.attention.ab_cute_bwd --varlen --variants ";FLASH_ATTN_CUTE_OVERRIDES=bwd.tma_dkv=1"
 
 A variant is a comma-separated list of NAME=VALUE (empty: the defaults); an item that does not start with an
 upper-case NAME= continues the previous value, so FLASH_ATTN_CUTE_OVERRIDES / FLASH_ATTN_CUTE_DISABLE keep their
@@ -89,6 +93,7 @@ def header(kind, args, variants_):
 def main(argv=None):
     ap = parser(__doc__, [2048, 8192])
     ap.add_argument("--group", type=int, default=1, help="query heads per KV head (GQA)")
+    ap.add_argument("--varlen", action="store_true", help="the whole call on packed sequences of varied lengths")
     args = ap.parse_args(argv)
 
     import torch
@@ -96,7 +101,7 @@ def main(argv=None):
 
     from benchmarks.attention.bench_cute_bwd import kernel_call
 
-    from flash_attn.cute import flash_attn_func, kernels
+    from flash_attn.cute import flash_attn_func, flash_attn_varlen_func, kernels
 
     variants_, names = variants(args.variants)
     dtype = torch.bfloat16
@@ -109,16 +114,25 @@ def main(argv=None):
                 hk = h // args.group
                 q, dout = (torch.randn(b, s, h, d, generator=g).to("cuda", dtype) for _ in range(2))
                 k, v = (torch.randn(b, s, hk, d, generator=g).to("cuda", dtype) for _ in range(2))
-                qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
-                out_g, lse = flash_attn_func(qg, kg, vg, causal=causal, return_lse=True)
-                out = out_g.detach()
-                flops = 2.5 * 4 * b * s * s * h * d / (2 if causal else 1)
+                if args.varlen:  # b sequences, lengths alternating 3/4 and 5/4 of s (the same tokens)
+                    lens = varlen_lengths(b, s)
+                    cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
+                    q, k, v, dout = (t.reshape(b * s, *t.shape[2:]) for t in (q, k, v, dout))
+                    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+                    out_g = flash_attn_varlen_func(qg, kg, vg, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens),
+                                                   max_seqlen_k=max(lens), causal=causal)
+                    flops = 2.5 * 4 * sum(n * n for n in lens) * h * d / (2 if causal else 1)
+                else:
+                    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+                    out_g, lse = flash_attn_func(qg, kg, vg, causal=causal, return_lse=True)
+                    out = out_g.detach()
+                    flops = 2.5 * 4 * b * s * s * h * d / (2 if causal else 1)
                 rates = [([], []) for _ in variants_]
                 for r in range(args.rounds):
                     for i, var in round_order(variants_, r):
                         apply(var, names)
                         kernels._bwd_kernels.clear()  # the in-memory cache does not key on the settings
-                        t_k = float("nan") if args.group > 1 else do_bench(
+                        t_k = float("nan") if args.group > 1 or args.varlen else do_bench(
                             kernel_call(q, k, v, dout, out, lse, causal), warmup=args.warmup, rep=args.rep,
                             return_mode="median")
                         t_c = do_bench(lambda: torch.autograd.grad(out_g, (qg, kg, vg), dout, retain_graph=True),
@@ -129,6 +143,14 @@ def main(argv=None):
                                                                for a, c in rates) + " |",
                       flush=True)
     apply({}, names)
+
+
+def varlen_lengths(b, s):
+    """--varlen's sequence lengths: b of them alternating 3/4 and 5/4 of s (a last odd one s), b * s tokens in all."""
+    lens = [(3 * s) // 4 if i % 2 == 0 else 2 * s - (3 * s) // 4 for i in range(b)]
+    if b % 2:
+        lens[-1] = s
+    return lens
 
 
 if __name__ == "__main__":

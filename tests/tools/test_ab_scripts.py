@@ -103,3 +103,12 @@ def test_decode_ab_finds_the_kernels_its_calls_ask_for(cute_env):
         assert got == [extra, {**extra, "pack": 4}, {**extra, "split": True}, {**extra, "pack": 4, "split": True}]
         assert all(a[:3] == (torch.bfloat16, 64, True) for a in asked)
     assert state() == before and interface._kernels is launch._kernels is kernels._kernels
+
+
+def test_varlen_lengths_keep_the_tokens():
+    """ab_cute_bwd --varlen: b sequences alternating 3/4 and 5/4 of s (a last odd one s), b * s tokens in all."""
+    assert ab_cute_bwd.varlen_lengths(4, 2048) == [1536, 2560, 1536, 2560]
+    assert ab_cute_bwd.varlen_lengths(3, 1000) == [750, 1250, 1000]
+    assert ab_cute_bwd.varlen_lengths(1, 16384) == [16384]
+    for b, s in ((8, 2048), (2, 8192), (5, 999)):
+        assert sum(ab_cute_bwd.varlen_lengths(b, s)) == b * s
