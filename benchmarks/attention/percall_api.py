@@ -4,6 +4,7 @@ without gradients and with q, k, v requiring them (the forward of a training ste
 time per call (the least disturbed by the host), calls back to back with one synchronize per round. One JSON line per run.
 
     python benchmarks/attention/percall_api.py [--rounds 30] [--calls 300] [--kvcache]
+    PYTHONPATH=. python benchmarks/attention/percall_api.py --kvcache   # a checkout that is not installed
 
 --kvcache adds a decoding call: flash_attn_with_kvcache (one query token, H 32, Hk 8, d 128, an 8k cache) through
 the root API ("kvcache"), the Triton backend's fwd_kvcache alone ("kvcache backend": the front door's share is the
