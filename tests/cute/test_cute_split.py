@@ -221,8 +221,12 @@ def test_split_calls(cute_env, monkeypatch, causal, window, softcap, sink, num_s
     interface.flash_attn_func(q, k, v, num_splits=num_splits, **kw)
     assert usual == [1]
     cute_env(DISABLE="pack_gqa")
+    monkeypatch.setattr(launch, "_split_parts_cache", {})
     out, lse = interface.flash_attn_func(q, k, v, num_splits=num_splits, return_lse=True, **kw)
     assert usual == [1] and out.dtype == torch.float16 and out.shape == q.shape
+    if launch._combine.use_kernel(torch.zeros(2, 1, 1, 1, 8), torch.zeros(2, 1, 1, 1), q.dtype, q.device):
+        (parts,) = launch._split_parts_cache.values()  # the parts (and combine) kept for the next call
+        assert parts[0].shape[1:] == (5, 4, 64) and parts[0].shape[0] % 2 == 0  # (parts x batch 2, Sq, H, D)
     ref_kw = dict(causal=causal, window_size=(window[0], 0 if causal else window[1]), softcap=softcap,
                   learnable_sink=sink_t)
     out_ref, _ = attention_ref(q, k, v, **ref_kw)
