@@ -301,7 +301,7 @@ def fwd(call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, b
     """
     if (lse_scratch and cu_seqlens_q is None and config is None and q.shape[1] <= _DECODE_ROWS and k.shape[1]
             and not call.dropout and not call.return_probs):
-        kvcache = _kvcache_mod or _load_kvcache()
+        from . import kvcache
         out, lse = kvcache.fwd_dense_decode(q, k, v, call.softmax_scale, call.causal, call.window_left,
                                             call.window_right, call.softcap, alibi_slopes, sink, _INTERPRET,
                                             _arch(q.device))
@@ -452,22 +452,11 @@ def _fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softma
     return out, lse, probs
 
 
-_kvcache_mod = None  # the kvcache module, imported on the first KV-cache call (it compiles nothing until then)
-
-
-def _load_kvcache():
-    global _kvcache_mod
-    from . import kvcache
-
-    _kvcache_mod = kvcache
-    return kvcache
-
-
 def fwd_kvcache(call, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                 block_table, alibi_slopes, rotary_interleaved, num_splits, sink=None):
     """FA2's flash_attn_with_kvcache (see the contract); no host sync, so CUDA graphs can capture it. sink: the
     learnable sink, fp32 (H,), or None."""
-    kvcache = _kvcache_mod or _load_kvcache()
+    from . import kvcache
     return kvcache.fwd_kvcache(
         q, k_cache, v_cache, k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
         cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
