@@ -108,8 +108,8 @@ def _lse_buffer(q, B, H, Sq, scratch):
     return torch.empty(B, H, Sq, dtype=_F32, device=q.device)  # sizes as ints: parsed faster
 
 
-def _lse_buffer_on(device, index, stream, B, H, Sq):
-    """_lse_buffer's shared buffer of a CUDA device index and stream handle already read."""
+def _lse_buffer_on(index, stream, B, H, Sq):
+    """_lse_buffer's shared buffer, the device index and stream handle already read (its per-call path inlines it)."""
     key = (index, stream, B, H, Sq)
     lse = _lse_scratch.get(key)
     return lse if lse is not None else _new_lse_scratch(key)
@@ -219,9 +219,8 @@ def _forward_decode(q, k, v, B, Sq, H, D, Sk, Hk, softmax_scale, causal, arch, p
     B * Sq * H and Sk > 0) on the decoding plan (pack, splits) of the dispatcher's backend: (out, lse), lse a shared
     buffer (_lse_scratch); None where forward()'s general path is needed (a kernel not in memory yet, a graph being
     captured, sizes past the kernels' offsets or the parts' budget)."""
-    if splits <= 1:
-        if pack <= 1:
-            return _forward_plain(q, k, v, B, Sq, H, D, Sk, Hk, softmax_scale, causal, arch, True)
+    if splits <= 1 and pack <= 1:
+        return _forward_plain(q, k, v, B, Sq, H, D, Sk, Hk, softmax_scale, causal, arch, True)
     index = q.get_device()
     if _capturing(index):
         return None
@@ -256,7 +255,7 @@ def _decode_entry(key, device, arch):
                   + (("split",) if splits > 1 else ()))
     if kernel_key not in _kernels:
         return None
-    lse = _lse_buffer_on(device, index, key[1], B, H, Sq)
+    lse = _lse_buffer_on(index, key[1], B, H, Sq)
     if splits > 1:
         parts = _split_parts(device, key[1], dtype, splits, B, Sq, H, D)
         if parts is None:
