@@ -20,8 +20,15 @@ import time
 from importlib import metadata
 
 ROOT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
-# Where the tables of record live (benchmarks/results/h200/, one current table per benchmark).
-RESULTS = os.path.join(ROOT, "benchmarks", "results", "h200")
+
+
+def results_dir():
+    """Where this machine's tables of record go: benchmarks/results/h100/ on an H100, else .../h200/ (one current
+    table per benchmark and GPU: a run on one card never overwrites the other card's table)."""
+    import torch
+
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+    return os.path.join(ROOT, "benchmarks", "results", "h100" if "H100" in name else "h200")
 
 
 def ints(s):

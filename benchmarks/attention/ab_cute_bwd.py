@@ -119,8 +119,8 @@ def main(argv=None):
                     cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
                     q, k, v, dout = (t.reshape(b * s, *t.shape[2:]) for t in (q, k, v, dout))
                     qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
-                    out_g = flash_attn_varlen_func(qg, kg, vg, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens),
-                                                   max_seqlen_k=max(lens), causal=causal)
+                    out_g, _ = flash_attn_varlen_func(qg, kg, vg, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                                      max_seqlen_q=max(lens), max_seqlen_k=max(lens), causal=causal)
                     flops = 2.5 * 4 * sum(n * n for n in lens) * h * d / (2 if causal else 1)
                 else:
                     qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))

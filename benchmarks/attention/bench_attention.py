@@ -43,7 +43,7 @@ def parse_args(argv=None):
     p.add_argument("--no-sdpa", action="store_true", help="skip the PyTorch SDPA peers")
     p.add_argument("--peer-pythonpath", default=None,
                    help="PYTHONPATH of the released flash-attn-4, measured in a separate process")
-    p.add_argument("--out", default=common.RESULTS)
+    p.add_argument("--out", default=common.results_dir())
     p.add_argument("--warmup", type=int, default=25, help="do_bench warmup (ms)")
     p.add_argument("--rep", type=int, default=100, help="do_bench repetitions (ms)")
     p.add_argument("--tune", action="store_true", help="sweep Triton launch configs instead of the grid")

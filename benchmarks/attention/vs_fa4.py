@@ -340,7 +340,7 @@ def main(argv=None):
     p.add_argument("--mods", nargs="?", const="causal,window,prefix,document,alibi_causal,softcap_causal",
                    default=None, help="score_mod / mask_mod cases (bench_flex's) instead of the standard grid")
     p.add_argument("--bwd", action="store_true", help="the standard grid's backward instead of its forward")
-    p.add_argument("--out", default=common.RESULTS)
+    p.add_argument("--out", default=common.results_dir())
     p.add_argument("--_worker", dest="worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:

@@ -19,7 +19,6 @@ Writes <out>/models.md (table with GPU, versions, date, command) and <out>/model
 from __future__ import annotations
 
 import argparse
-import copy
 import gc
 import json
 import os
@@ -37,7 +36,7 @@ QUICK = dict(layers=2, hidden=256, heads=4, seqlen=256, batch=2, steps=2, warmup
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=common.RESULTS)
+    p.add_argument("--out", default=common.results_dir())
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--quick", action="store_true", help="tiny shapes (a smoke test, numbers meaningless)")
@@ -233,11 +232,17 @@ def bench_decode(args):
             print(rows[-1], flush=True)
             free_memory()
     hf.forward = eager_forward
-    # Why greedy tokens may differ: the first new token's logits of each bf16 model against an fp32 copy.
+    # Why greedy tokens may differ: the first new token's logits of each bf16 model against an fp32 model with the
+    # same (bf16) weights. That model is built afresh, not a float() copy of the bf16 one: casting an HF model to
+    # bf16 rounds its rotary inv_freq buffer too, and a copy would keep those rounded frequencies (angles off by
+    # radians at 2k positions), a reference that shares HF bf16's rotary error and not ours.
     ids = prompts[batches[0]][:1]
     with torch.no_grad():
         hf_last = hf(ids).logits[0, -1].float()
-        ref_last = copy.deepcopy(hf).float()(ids).logits[0, -1]
+        ref = LlamaForCausalLM._from_config(hf.config, attn_implementation="sdpa").to(args.device).float().eval()
+        ref.load_state_dict({k: v.float() for k, v in hf.state_dict().items()})
+        ref_last = ref(ids).logits[0, -1]
+        ref = None
     free_memory()
 
     config = llama_config_to_gpt2_config(hf.config)
@@ -323,8 +328,9 @@ def write_report(args, train_rows, decode_rows, argv=None):
                   "near-tie in bf16 (different kernels round differently); the count shows how many match.", ""]
         first = next((r["first_token"] for r in decode_rows if "first_token" in r), None)
         if first:
-            lines += ["First new token, each bf16 model's logits against an fp32 copy of the HF model (same "
-                      "prompt): " + "; ".join(f"{k}: {v}" for k, v in first.items()), ""]
+            lines += ["First new token, each bf16 model's logits against the HF model in fp32 with "
+                      "the same weights and exact rotary frequencies (same prompt): "
+                      + "; ".join(f"{k}: {v}" for k, v in first.items()), ""]
     path = os.path.join(args.out, "models.md")
     with open(path, "w") as f:
         f.write("\n".join(lines))

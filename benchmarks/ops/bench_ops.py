@@ -25,7 +25,7 @@ from benchmarks.common import ints as _ints
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=common.RESULTS)
+    p.add_argument("--out", default=common.results_dir())
     p.add_argument("--hidden", type=_ints, default=[1024, 2048, 4096, 8192, 16384])
     p.add_argument("--norm-elems", type=int, default=1 << 28,
                    help="rows x hidden of the norm inputs (rows = this / hidden): 512 MiB bf16 tensors keep "

@@ -163,7 +163,7 @@ def header(args, flops, peak, argv=None):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", default=common.RESULTS)
+    p.add_argument("--out", default=common.results_dir())
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--hidden", type=int, default=1024)

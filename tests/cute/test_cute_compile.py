@@ -1230,12 +1230,22 @@ def test_dispatcher_gates_the_wide_head_dims_on_gpu(monkeypatch, cute_env, causa
     launches = []
     real = launch.forward
 
+    real_plain = launch._forward_plain
+
     def counted(*args, **kwargs):
         launches.append(args[0].shape[-1])
         return real(*args, **kwargs)
 
-    # where the dispatcher's backend.fwd (launch.forward) and flash_attn_func (interface.forward) find it
+    def counted_plain(*args, **kwargs):  # the common call's direct path (None: not served, the general one follows)
+        res = real_plain(*args, **kwargs)
+        if res:
+            launches.append(args[0].shape[-1])
+        return res
+
+    # where the dispatcher's backend.fwd (launch.forward, or launch._forward_plain once the kernel is in memory) and
+    # flash_attn_func (interface.forward) find it
     monkeypatch.setattr(launch, "forward", counted)
+    monkeypatch.setattr(launch, "_forward_plain", counted_plain)
     monkeypatch.setattr(interface, "forward", counted)
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 333, 4, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
