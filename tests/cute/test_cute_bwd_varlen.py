@@ -59,6 +59,19 @@ def test_varlen_backward_compiles_for_sm90a_with_its_own_key(tmp_path, cute_env,
     assert spills and all(x <= (96 if d == 128 else 0) for x in spills), log
 
 
+def test_varlen_calls_store_dk_dv_by_tma_at_the_measured_head_dims(cute_env):
+    # on by default at d64-d128 (measured faster), the split-D kernel's varlen calls keep the direct stores;
+    # bwd.tma_dkv=0 turns it off
+    cute_env(OVERRIDES=None, DISABLE=None)
+    for d in (64, 96, 128):
+        for causal in (False, True):
+            assert kernels.bwd_config(torch.bfloat16, d, causal, varlen=True).tma_dkv
+    for d in (192, 256):
+        assert not kernels.bwd_config(torch.bfloat16, d, True, varlen=True).tma_dkv
+    cute_env(OVERRIDES="bwd.tma_dkv=0", DISABLE=None)
+    assert not kernels.bwd_config(torch.bfloat16, 128, True, varlen=True).tma_dkv
+
+
 def test_varlen_config_refuses_lpt():
     with pytest.raises(ValueError, match="lpt"):
         config.BwdConfig(dtype="bf16", head_dim=64, causal=True, arch="sm_90a", abi="cute", block_m=64, stages=2,
@@ -418,10 +431,13 @@ def test_varlen_gradients_match_reference_on_gpu(varlen_on, dtype, d, causal, le
 @pytest.mark.parametrize("d", [64, 96, 128])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("lengths", list(LENGTHS))
-def test_varlen_gradients_with_tma_dkv_on_gpu(varlen_on, monkeypatch, cute_env, d, causal, lengths):
-    # bwd.tma_dkv=1 on varlen calls: key blocks that end inside their sequence by TMA stores, each sequence's last
-    # partial block by the direct stores (the next sequence's rows must keep their own gradients); GQA's host sum
-    cute_env(OVERRIDES="plan.bwd_varlen=1,plan.bwd_window=1,bwd.tma_dkv=1", DISABLE=None)
+@pytest.mark.parametrize("tma_dkv", [1, 0])
+def test_varlen_gradients_with_and_without_tma_dkv_on_gpu(varlen_on, monkeypatch, cute_env, d, causal, lengths,
+                                                          tma_dkv):
+    # bwd.tma_dkv=1 (the default at these head dims) on varlen calls: key blocks that end inside their sequence by TMA
+    # stores, each sequence's last partial block by the direct stores (the next sequence's rows must keep their own
+    # gradients); GQA's host sum. bwd.tma_dkv=0: every block by the direct stores.
+    cute_env(OVERRIDES=f"plan.bwd_varlen=1,plan.bwd_window=1,bwd.tma_dkv={tma_dkv}", DISABLE=None)
     table = {}
     monkeypatch.setattr(kernels, "_bwd_kernels", table)  # (the in-memory table does not key on the overrides)
     monkeypatch.setattr(launch, "_bwd_kernels", table)

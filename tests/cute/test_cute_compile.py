@@ -1219,7 +1219,8 @@ def test_wide_head_dims_varlen_on_gpu(d, causal, window, softcap):
 @pytest.mark.parametrize("causal", [False, True])
 def test_dispatcher_gates_the_wide_head_dims_on_gpu(monkeypatch, cute_env, causal):
     """flash_attn.flash_attn_func at d256: the cute forward runs by default (not with
-    FLASH_ATTN_CUTE_DISABLE=d96,d192,d256), its backward on the next backend; outputs and gradients meet the criterion
+    FLASH_ATTN_CUTE_DISABLE=d96,d192,d256), its backward on the cute kernel when causal (plan rule bwd_d256), else on
+    the next backend; outputs and gradients meet the criterion
     either way, and through flash_attn.cute.flash_attn_func (whose own kernel runs either way: the variable gates the
     dispatcher)."""
     import flash_attn
@@ -1259,7 +1260,10 @@ def test_dispatcher_gates_the_wide_head_dims_on_gpu(monkeypatch, cute_env, causa
         cute_env(DISABLE=None if enabled else "d96,d192,d256")  # None: the default
         monkeypatch.setattr(dispatch, "_choice", {})
         assert (dispatch.select(_call(head_dim=256, head_dim_v=256, causal=causal)).NAME == "cute") == enabled
-        assert dispatch.select(_call(head_dim=256, head_dim_v=256, causal=causal, backward=True)).NAME != "cute"
+        # the backward: the split-D kernel for causal calls under the default plan rule bwd_d256="causal"
+        cute_bwd = enabled and causal and config.plan_rules().bwd_d256 == "causal"
+        assert (dispatch.select(_call(head_dim=256, head_dim_v=256, causal=causal, backward=True)).NAME
+                == "cute") == cute_bwd
         for run in ("auto", "cute_api"):
             del launches[:]
             out = (flash_attn.flash_attn_func(q, k, v, causal=causal) if run == "auto"

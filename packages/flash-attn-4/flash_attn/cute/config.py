@@ -92,8 +92,10 @@ BWD_LPT_CAUSAL = {64: 128}
 BWD_EXP2_EMU = {64: 0, 96: 0, 128: 0, 192: 0, 256: 0}
 # dK and dV leave through the (then dead) K and V tiles in shared memory and one TMA store per warpgroup, instead of
 # 2-byte stores from the accumulator registers: dense calls. Varlen calls (their key blocks that end inside the
-# sequence by TMA, a sequence's last partial block by the direct stores) only with bwd.tma_dkv=1 until GPU-tested.
+# sequence by TMA, a sequence's last partial block by the direct stores): d64-d128 (the varlen backward 0.99-1.15x
+# with it on an H100, benchmarks/results/h100/cute_bwd_ab.md); the split-D kernel's varlen calls keep the direct stores.
 BWD_TMA_DKV = {64: True, 96: True, 128: True, 192: True, 256: True}
+BWD_TMA_DKV_VARLEN = {64: True, 96: True, 128: True}
 
 _DTYPE_NAMES = {"torch.float16": "fp16", "torch.bfloat16": "bf16", "fp16": "fp16", "bf16": "bf16"}
 
@@ -228,7 +230,7 @@ class BwdConfig:
     varlen: bool = False  # packed sequences (FlashBwdSm90.call_varlen)
     deterministic: bool = False  # dQ's adds in key-block order (bwd_dq.DqAccumulator)
     softcap: bool = False  # soft-capped scores (the tanh's derivative in dS)
-    tma_dkv: bool = False  # dK, dV through shared memory and TMA stores (BWD_TMA_DKV; varlen: an override)
+    tma_dkv: bool = False  # dK, dV through shared memory and TMA stores (BWD_TMA_DKV, BWD_TMA_DKV_VARLEN)
     gqa_loop: bool = False  # one CTA per KV head walks its group's query heads (FlashBwdSm90 gqa_loop; the call's)
     head_dim_v: int | None = None  # V's head dim where it differs (a pair of HEAD_DIM_PAIRS; the call's)
 
@@ -487,5 +489,5 @@ def select_bwd(dtype, head_dim, causal, arch, abi, local=False, varlen=False, de
                                                                         if causal else BWD_LPT)),
                      exp2_emu=emu, exp2_emu_degree=ov.get("exp2_emu_degree", 3) if emu else 3, local=bool(local),
                      varlen=bool(varlen), deterministic=bool(deterministic), softcap=bool(softcap),
-                     tma_dkv=bool(ov.get("tma_dkv", False if varlen else BWD_TMA_DKV.get(d, False))),
+                     tma_dkv=bool(ov.get("tma_dkv", (BWD_TMA_DKV_VARLEN if varlen else BWD_TMA_DKV).get(d, False))),
                      gqa_loop=bool(gqa_loop), head_dim_v=None if head_dim_v in (None, d) else int(head_dim_v))
