@@ -227,16 +227,18 @@ def test_tma_dkv_stores_dk_and_dv_through_shared_memory(tmp_path, cute_env, d, c
 
 
 def test_tma_dkv_config_key_and_refusals(cute_env):
-    """On by default for dense calls (in their keys; bwd.tma_dkv=0 gives the direct stores' keys back); varlen calls
-    take it only from the override until its GPU tests pass (their key blocks that end inside the sequence by TMA, a
-    sequence's last partial block by the direct stores)."""
+    """On by default for dense calls and varlen calls at d64-d128 (in their keys; their key blocks that end inside
+    the sequence by TMA, a sequence's last partial block by the direct stores); bwd.tma_dkv=0 gives the direct
+    stores' keys back; the split-D kernel's varlen calls take it only from the override."""
     for d in (64, 96, 128):
         assert kernels.bwd_config(torch.bfloat16, d, True, "sm_90a").key()["tma_dkv"] is True
-        assert "tma_dkv" not in kernels.bwd_config(torch.bfloat16, d, True, "sm_90a", varlen=True).key()
+        assert kernels.bwd_config(torch.bfloat16, d, True, "sm_90a", varlen=True).key()["tma_dkv"] is True
+    assert "tma_dkv" not in kernels.bwd_config(torch.bfloat16, 256, True, "sm_90a", varlen=True).key()
     cute_env(OVERRIDES="bwd.tma_dkv=0")
     assert "tma_dkv" not in kernels.bwd_config(torch.bfloat16, 128, False, "sm_90a").key()
+    assert "tma_dkv" not in kernels.bwd_config(torch.bfloat16, 128, False, "sm_90a", varlen=True).key()
     cute_env(OVERRIDES="bwd.tma_dkv=1")
-    assert kernels.bwd_config(torch.bfloat16, 128, False, "sm_90a", varlen=True).key()["tma_dkv"] is True
+    assert kernels.bwd_config(torch.bfloat16, 256, True, "sm_90a", varlen=True).key()["tma_dkv"] is True
 
 
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas not on PATH")
