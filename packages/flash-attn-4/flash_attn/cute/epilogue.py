@@ -159,8 +159,7 @@ class Epilogue:
         on the tile's counter, and the CTA that reads parts - 1 is the last: it resets the counter and merges
         (lse = ln(sum_s exp(lse_s) + exp(sink)), out = sum_s exp(lse_s - lse) O_s; a part with lse +inf saw no key
         and adds nothing; a row nothing saw gets out 0 and lse +inf, or the sink), one warp per (position, head)
-        row: its lanes read the parts' lse in parallel (warp max and sum), then the parts' O rows, each lane 32
-        columns apart (coalesced), with the weights broadcast by shuffles."""
+        row, each lane 32 columns apart (coalesced)."""
         mOut, mLSEOut, mSem, mSink = combine
         G, BQ, Dv = self.pack.group, self.pack.block_q, self.head_dim_v
         threads = 128 * num_mma_warpgroups
@@ -169,6 +168,7 @@ class Epilogue:
         parts = tile.split[1]
         b = tile.batch
         batches = cute.size(mOut, mode=[3])
+        cute.arch.fence_acq_rel_gpu()
         cute.arch.barrier(barrier_id=bar, number_of_threads=threads)
         gx, gy, _ = cute.arch.grid_dim()
         sem = mSem.iterator + (b * gy + head) * gx + m_block
@@ -176,6 +176,7 @@ class Epilogue:
             flag[0] = cute.arch.atomic_add(sem, Int32(1), sem="acq_rel", scope="gpu")
         cute.arch.barrier(barrier_id=bar, number_of_threads=threads)
         if flag[0] == parts - 1:
+            cute.arch.fence_acq_rel_gpu()  # the other parts' stores, released before their counts, are visible
             if ctid == 0:
                 cute.arch.store(sem, Int32(0))  # every part has counted: the next launch finds it zero
             warp = ctid // 32
@@ -187,37 +188,28 @@ class Epilogue:
                 row = m_block * BQ + i - j * nq
                 head_q = head * G + j if cutlass.const_expr(G > 1) else head
                 sink = mSink[head_q]
-                # The lse: lane l reads parts l, l + 32, ... (loads in parallel, not one dependent load per part),
-                # then the warp's max and sum.
                 m = sink
-                for s in cutlass.range(lane, parts, 32, unroll=1):
+                for s in cutlass.range(parts, unroll=1):
                     t = mLSE[row, head_q, s * batches + b]
                     if t != Float32.inf:
                         m = cute.arch.fmax(m, t)
-                m = cute.arch.warp_reduction_max(m)
                 total = Float32(0.0)
                 lse = Float32.inf
                 if m != -Float32.inf:
-                    for s in cutlass.range(lane, parts, 32, unroll=1):
+                    total = cute.math.exp2((sink - m) * LOG2_E, fastmath=True)
+                    for s in cutlass.range(parts, unroll=1):
                         t = mLSE[row, head_q, s * batches + b]
                         if t != Float32.inf:
                             total += cute.math.exp2((t - m) * LOG2_E, fastmath=True)
-                    total = cute.arch.warp_reduction_sum(total) + cute.math.exp2((sink - m) * LOG2_E, fastmath=True)
                     lse = m + cute.math.log2(total) * LN_2
                 acc.fill(0.0)
                 if total > 0.0:
-                    # 32 parts at a time: lane l's weight of part s0 + l, broadcast by shuffles; each part's O row
-                    # (a part that saw no key wrote zeros) read 32 columns apart per lane, several parts in flight
-                    for s0 in cutlass.range(0, parts, 32, unroll=1):
-                        w_lane = Float32(0.0)
-                        if s0 + lane < parts:
-                            t = mLSE[row, head_q, (s0 + lane) * batches + b]
-                            if t != Float32.inf:
-                                w_lane = cute.math.exp2((t - lse) * LOG2_E, fastmath=True)
-                        for s in cutlass.range(cutlass.min(32, parts - s0), unroll=4):
-                            w = cute.arch.shuffle_sync(w_lane, s)
+                    for s in cutlass.range(parts, unroll=1):
+                        t = mLSE[row, head_q, s * batches + b]
+                        if t != Float32.inf:
+                            w = cute.math.exp2((t - lse) * LOG2_E, fastmath=True)
                             for c in cutlass.range_constexpr(Dv // 32):
-                                acc[c] += w * mO[row, lane + 32 * c, head_q, (s0 + s) * batches + b]
+                                acc[c] += w * mO[row, lane + 32 * c, head_q, s * batches + b]
                 for c in cutlass.range_constexpr(Dv // 32):
                     mOut[row, lane + 32 * c, head_q, b] = acc[c].to(self.dtype)
                 if lane == 0:
