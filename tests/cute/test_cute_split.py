@@ -235,102 +235,6 @@ def test_split_calls(cute_env, monkeypatch, causal, window, softcap, sink, num_s
     torch.testing.assert_close(lse, attention_lse_ref(q, k, **ref_kw), rtol=1e-5, atol=1e-5)
 
 
-
-def _fused_split_kernel_model(cfg, seen):
-    """A split_combine kernel's contract (call_split_combine) in torch: the parts as the split kernel's, then their
-    merge with the sink into out / lse (the math of _combine_splits); the tile counters must come zero, int32, one
-    or more per tile, and are left zero. seen receives (counters, sink) of each call."""
-    parts = _split_kernel_model(cfg)
-
-    def run(q, k, v, o_parts, lse_parts, scale, softcap, wl, wr, num_splits, out, lse, counters, sink):
-        B, Sq, H = q.shape[:3]
-        assert counters.dtype == I32 and counters.numel() >= B * H * -(-Sq // 8) and not counters.any()
-        assert sink.dtype == torch.float32 and sink.shape == (H,)
-        seen.append((counters, sink))
-        parts(q, k, v, o_parts, lse_parts, scale, softcap, wl, wr, num_splits)
-        S = o_parts.shape[0] // B
-        o, l_ = real_combine(o_parts.view(S, B, *o_parts.shape[1:]), lse_parts.view(S, B, H, Sq), sink, q.dtype)
-        out.copy_(o)
-        lse.copy_(l_)
-    real_combine = launch._combine_splits
-    return run
-
-
-@pytest.mark.parametrize("causal,window,softcap,sink", [(False, (-1, -1), 0.0, False), (True, (-1, -1), 0.0, True),
-                                                        (False, (20, 4), 5.0, False)])
-def test_split_calls_merged_by_a_split_combine_kernel(cute_env, monkeypatch, causal, window, softcap, sink):
-    """A split kernel built with split_combine (recorded beside it in the kernel table) gets the merged out and lse,
-    the zeroed tile counters of the call's stream and the sink (-inf: none) and merges the parts itself: no combine
-    launch on the host; the reference's out and lse. Without the record, the host merges (test_split_calls)."""
-    monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")
-    local = window != (-1, -1)
-    key = (torch.float16, 64, causal and not local, "sm_90a", local, softcap > 0, "split")
-    cfg = _cfg(torch.float16, 64, causal and not local, local=local, softcap=softcap > 0, split=True)
-    seen = []
-    fused = _fused_split_kernel_model(cfg, seen)
-
-    def no_host_merge(*a, **kw):
-        raise AssertionError("the host merged the parts of a split_combine kernel")
-
-    _swap_kernels(monkeypatch, {key: fused, key + ("combine",): True})
-    monkeypatch.setattr(launch, "_combine_splits", no_host_merge)
-    monkeypatch.setattr(launch, "_split_parts_cache", {})
-    monkeypatch.setattr(launch, "_split_counter_bufs", {})
-    cute_env(DISABLE="pack_gqa")
-    torch.manual_seed(0)
-    q = torch.randn(2, 5, 4, 64, dtype=torch.float16)
-    k = torch.randn(2, 300, 2, 64, dtype=torch.float16)
-    v = torch.randn(2, 300, 2, 64, dtype=torch.float16)
-    sink_t = torch.randn(4) if sink else None
-    kw = dict(causal=causal, window_size=fa4_window(window), softcap=softcap, learnable_sink=sink_t)
-    ref_kw = dict(causal=causal, window_size=(window[0], 0 if causal else window[1]), softcap=softcap,
-                  learnable_sink=sink_t)
-    out_ref, _ = attention_ref(q, k, v, **ref_kw)
-    out_pt, _ = attention_ref(q, k, v, upcast=False, reorder_ops=True, **ref_kw)
-    for _ in range(2):
-        out, lse = interface.flash_attn_func(q, k, v, num_splits=3, return_lse=True, **kw)
-        assert_close_to_ref(out, out_ref, out_pt)
-        torch.testing.assert_close(lse, attention_lse_ref(q, k, **ref_kw), rtol=1e-5, atol=1e-5)
-    (c0, s0), (c1, s1) = seen
-    assert c0 is c1  # the stream's counters, reused
-    if sink:
-        torch.testing.assert_close(s0, sink_t)
-    else:
-        assert torch.isneginf(s0).all() and s0 is s1
-
-
-def test_split_combine_config(cute_env):
-    """fwd.split_combine=1 builds dense split kernels that merge their parts; varlen split kernels and unsplit
-    ones never; off by default (config.SPLIT_COMBINE)."""
-    assert not kernels.fwd_config(torch.bfloat16, 128, False, split=True).split_combine
-    cute_env(OVERRIDES="fwd.split_combine=1")
-    assert kernels.fwd_config(torch.bfloat16, 128, False, split=True, pack=4).split_combine
-    assert kernels.fwd_config(torch.bfloat16, 128, False, split=True).key()["split_combine"] is True
-    assert not kernels.fwd_config(torch.bfloat16, 128, False, varlen=True, split=True).split_combine
-    assert not kernels.fwd_config(torch.bfloat16, 128, False).split_combine
-    with pytest.raises(ValueError, match="split_combine"):
-        config.FwdConfig(dtype="bf16", head_dim=128, arch="sm_90a", abi="cute", stages=2, split_combine=True)
-
-
-def test_split_combine_kernel_counts_its_parts_and_merges(tmp_path, cute_env):
-    """The split_combine kernel (sm_90a PTX, ptxas clean): after the fp32 parts' stores (as the split kernel's), a
-    release fence and the consumers' own barrier, one acq_rel atomic add on the tile's counter, the flag through
-    shared memory, then the last part's acquire fence, the counter's reset and the merge: Dv / 32 16-bit stores of
-    out per lane and one of the lse."""
-    cute_env(OVERRIDES="fwd.split_combine=1")
-    kernels.compile_fwd(torch.bfloat16, 128, True, dump_dir=str(tmp_path), split=True, pack=4)
-    (ptx,) = glob.glob(str(tmp_path / "*.ptx"))
-    text = open(ptx).read()
-    stores = collections.Counter(re.findall(r"st\.global[\.\w]*", text))
-    # parts (v2 pairs and the lse), the merged out's 128 / 32 columns per lane, the merged lse, the counter's reset
-    assert stores == {"st.global.v2.b32": 2 * 128 // 8, "st.global.b32": 2 + 1 + 1, "st.global.b16": 128 // 32}
-    assert len(re.findall(r"atom\.global\.acq_rel\.add\.u32", text)) == 1
-    assert len(re.findall(r"fence\.acq_rel\.gpu", text)) == 2
-    assert len(re.findall(r"bar\.sync\s+5, 256;", text)) == 2
-    first_fence, atom = text.index("fence.acq_rel.gpu"), text.index("atom.global.acq_rel.add")
-    assert text.rindex("st.global.v2.b32") < first_fence < atom  # the parts are stored before the count
-    assert_ptxas_clean(ptx)
-
 def _varlen_split_kernel_model(cfg):
     """The varlen split kernel's contract (call_varlen_split) in torch: sequence b is rows cu_q[b]:cu_q[b + 1] of q
     against its first used_k[b] keys (from cu_k[b], or its pages when the page table comes in cu_k's place); part s
@@ -568,7 +472,7 @@ def gpu_kernel_requests():
 @pytest.mark.parametrize("num_splits", _GPU_SPLITS)
 @pytest.mark.parametrize("batch,seqlen_q,seqlen_k,heads,heads_kv", _GPU_SHAPES)
 def test_split_matches_reference_on_gpu(monkeypatch, d, dv, causal, window, softcap, sink, pack, num_splits, batch,
-                                        seqlen_q, seqlen_k, heads, heads_kv, fused=False):
+                                        seqlen_q, seqlen_k, heads, heads_kv):
     from flash_attn.cute import flash_attn_func
 
     _swap_kernels(monkeypatch, {})  # the kernels this call runs, loaded anew from the disk cache
@@ -584,8 +488,6 @@ def test_split_matches_reference_on_gpu(monkeypatch, d, dv, causal, window, soft
     # (more parts than key blocks are not launched: the varlen test's short sequences have empty parts)
     assert any(key[-1] == "split" for key in kernels._kernels) == (_dense_parts(num_splits, seqlen_k, window,
                                                                                   rows) > 1)
-    if fused:  # the split kernel that ran merged its parts itself
-        assert all(kernels.split_fused(key) for key in kernels._kernels if key[-1] == "split")
     ref_kw = dict(causal=causal, window_size=(window[0], 0 if causal else window[1]), softcap=softcap,
                   learnable_sink=sink_t)
     out_ref, _ = attention_ref(q, k, v, **ref_kw)
@@ -593,51 +495,6 @@ def test_split_matches_reference_on_gpu(monkeypatch, d, dv, causal, window, soft
     assert_close_to_ref(out, out_ref, out_pt)
     lse_ref = attention_lse_ref(q, k, **ref_kw)
     assert_lse_close(lse, lse_ref)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
-@pytest.mark.parametrize("d,dv,causal,window,softcap,sink,pack", _GPU_OPTIONS)
-@pytest.mark.parametrize("batch,seqlen_q,seqlen_k,heads,heads_kv", _GPU_SHAPES)
-def test_split_combine_matches_reference_on_gpu(monkeypatch, cute_env, d, dv, causal, window, softcap, sink, pack,
-                                                batch, seqlen_q, seqlen_k, heads, heads_kv):
-    """fwd.split_combine=1: the split kernel's last CTA per tile merges the parts (and adds the sink); twice per
-    split count, so that the second call finds the counters the first left at zero."""
-    cute_env(OVERRIDES="fwd.split_combine=1")
-    for num_splits in (3, 64):
-        for _ in range(2):
-            test_split_matches_reference_on_gpu(monkeypatch, d, dv, causal, window, softcap, sink, pack, num_splits,
-                                                batch, seqlen_q, seqlen_k, heads, heads_kv, fused=True)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
-def test_split_combine_in_a_cuda_graph_on_gpu(monkeypatch, cute_env):
-    """A split_combine call captured in a CUDA graph (its tile counters allocated in the capture) replays with new
-    inputs to the reference's out, replay after replay; an eager call on the same stream between replays too."""
-    from flash_attn.cute import flash_attn_func
-
-    cute_env(OVERRIDES="fwd.split_combine=1")
-    _swap_kernels(monkeypatch, {})
-    torch.manual_seed(0)
-    q = torch.randn(2, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(2, 4096, 8, 128, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    flash_attn_func(q, k, v, num_splits=16, pack_gqa=True)  # compile / load before the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, _ = flash_attn_func(q, k, v, num_splits=16, pack_gqa=True)
-    for seed in range(3):
-        torch.manual_seed(seed + 1)
-        q.copy_(torch.randn_like(q))
-        graph.replay()
-        eager, _ = flash_attn_func(q, k, v, num_splits=16, pack_gqa=True)
-        torch.cuda.synchronize()
-        out_ref, _ = attention_ref(q, k, v)
-        out_pt, _ = attention_ref(q, k, v, upcast=False, reorder_ops=True)
-        assert_close_to_ref(out, out_ref, out_pt)
-        assert_close_to_ref(eager, out_ref, out_pt)
-    assert any(kernels.split_fused(key) for key in kernels._kernels if key[-1] == "split")
 
 
 # Varlen (d, dv, causal, window, sink, pack, page size or 0 for cu_seqlens_k), num_splits in (3, 16): every head dim
@@ -754,18 +611,13 @@ def test_dispatcher_splits_and_packs_decoding_calls(monkeypatch, cute_env):
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("batch,seqlen_k,heads,heads_kv", [(1, 8192, 32, 8), (3, 2000, 16, 16), (2, 300, 8, 1)])
-@pytest.mark.parametrize("fused", [False, True])
-def test_root_api_decoding_calls_split_on_gpu(monkeypatch, cute_env, causal, batch, seqlen_k, heads, heads_kv, fused):
+def test_root_api_decoding_calls_split_on_gpu(monkeypatch, causal, batch, seqlen_k, heads, heads_kv):
     """The root flash_attn_func / flash_attn_varlen_func on decoding shapes (one query row per sequence, no gradient)
     through the cute backend's decode plan (split-KV, GQA packed): the reference's output; and with a gradient (the
-    lse kept: unsplit) the same output within rounding. fused: with fwd.split_combine=1 (the kernel merges)."""
+    lse kept: unsplit) the same output within rounding."""
     import flash_attn
     from flash_attn.dispatch import use_backend
 
-    if fused:
-        cute_env(OVERRIDES="fwd.split_combine=1")
-        _swap_kernels(monkeypatch, {})
-        monkeypatch.setattr(launch, "_decode_entries", {})
     torch.manual_seed(0)
     q = torch.randn(batch, 1, heads, 128, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(batch, seqlen_k, heads_kv, 128, device="cuda", dtype=torch.bfloat16)

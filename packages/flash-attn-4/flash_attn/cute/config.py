@@ -50,10 +50,6 @@ SHORT_SK = 1024
 TMA_O = {64: "short", 128: "plain", 256: "plain"}
 # The options calls (a window and / or softcap, no sink) that take the TMA O store too, per head dim: 2-12% faster
 # with it (benchmarks/results/h200/tma_o_options.md), but softcap at d64 (within noise either way).
-# Dense split-KV calls merge their parts in the split kernel (its last CTA per tile; the counters and the merge in
-# epilogue.Epilogue.combine) instead of a second (Triton) launch: off until its GPU tests and timing have run
-# (fwd.split_combine=1 turns it on).
-SPLIT_COMBINE = False
 TMA_O_OPTIONS = {64: frozenset({"local"}), 128: frozenset({"local", "softcap"}), 256: frozenset({"local", "softcap"})}
 TMA_O_SPILLS = frozenset({("fp16", 128, False)})
 # Key blocks walked from the last down (masked diagonal blocks first, so the consumer warpgroups end a tile in
@@ -190,8 +186,6 @@ class FwdConfig:
     head_dim_v: int | None = None
     paged: int = 0  # the TMA box's rows of a paged K / V (the page, or the key block when smaller)
     split: bool = False
-    # dense split-KV: the last of a tile's parts to finish merges them (the combine in the kernel, no second launch)
-    split_combine: bool = False
 
     def __post_init__(self):
         options = self.local or self.softcap or self.varlen or self.sink
@@ -201,8 +195,6 @@ class FwdConfig:
             raise ValueError("FwdConfig: the TMA O store serves dense unpacked calls only")
         if self.split and self.sink:
             raise ValueError("FwdConfig: split-KV kernels are built without a sink (the host adds it)")
-        if self.split_combine and (not self.split or self.varlen):
-            raise ValueError("FwdConfig: split_combine is a dense split-KV kernel's")
         # (one warpgroup: the mod kernels' 64-row tile for sparse query blocks of an odd number of 64 rows)
         if self.warpgroups not in (1, 2, 3) or self.block_n % 16 or not 16 <= self.block_n <= 256:
             raise ValueError(f"FwdConfig: warpgroups {self.warpgroups} / block_n {self.block_n} "
@@ -466,8 +458,7 @@ def select_fwd(v, abi):
                      softcap=v.softcap, varlen=v.varlen, sink=v.sink, block_n=block_n, warpgroups=warpgroups,
                      wg_order=ov.get("wg_order", True), exp2_emu=emu, exp2_emu_degree=degree, persistent=persistent,
                      tma_o=tma_o, reverse=reverse, pin=ov.get("pin", True), snake=snake, lpt=lpt, pack_gqa=v.pack,
-                     head_dim_v=v.dv, paged=page_box, split=v.split,
-                     split_combine=bool(v.split and not v.varlen and ov.get("split_combine", SPLIT_COMBINE)))
+                     head_dim_v=v.dv, paged=page_box, split=v.split)
 
 
 def short_dims():

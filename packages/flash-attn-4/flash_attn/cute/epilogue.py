@@ -3,7 +3,7 @@ import math
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32
 from cutlass.cute.nvgpu import cpasync, warp
 
 from flash_attn.cute.hopper_helpers import tma_tiles
@@ -148,69 +148,3 @@ class Epilogue:
             if cutlass.const_expr(not self.persistent):
                 # The CTA's shared memory must stay until TMA has read it: wait for the reads, not the writes.
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
-
-    @cute.jit
-    def combine(self, mO, mLSE, combine, flag, ctid, m_block, head, tile, num_mma_warpgroups):
-        """split_combine: after this CTA's part of the tile is stored (store, into the fp32 parts mO / mLSE), the
-        last of the tile's parts to finish merges them all into the outputs, so no second launch is needed.
-        combine = (mOut (Sq, Dv, H, B) in the input dtype, mLSEOut (Sq, H, B), mSem (int32 counters, one per tile,
-        zero at launch), mSink (H,) natural-log logits, -inf for none). Each consumer thread fences its part's
-        stores (release; the barrier makes it cumulative), one thread counts the CTA in with an acq_rel atomic add
-        on the tile's counter, and the CTA that reads parts - 1 is the last: it resets the counter and merges
-        (lse = ln(sum_s exp(lse_s) + exp(sink)), out = sum_s exp(lse_s - lse) O_s; a part with lse +inf saw no key
-        and adds nothing; a row nothing saw gets out 0 and lse +inf, or the sink), one warp per (position, head)
-        row, each lane 32 columns apart (coalesced)."""
-        mOut, mLSEOut, mSem, mSink = combine
-        G, BQ, Dv = self.pack.group, self.pack.block_q, self.head_dim_v
-        threads = 128 * num_mma_warpgroups
-        # past the GEMM turns (1..NW) and the per-warpgroup ids (NW + 1..2 NW) of the consumers' loop and epilogue
-        bar = 2 * num_mma_warpgroups + 1
-        parts = tile.split[1]
-        b = tile.batch
-        batches = cute.size(mOut, mode=[3])
-        cute.arch.fence_acq_rel_gpu()
-        cute.arch.barrier(barrier_id=bar, number_of_threads=threads)
-        gx, gy, _ = cute.arch.grid_dim()
-        sem = mSem.iterator + (b * gy + head) * gx + m_block
-        if ctid == 0:
-            flag[0] = cute.arch.atomic_add(sem, Int32(1), sem="acq_rel", scope="gpu")
-        cute.arch.barrier(barrier_id=bar, number_of_threads=threads)
-        if flag[0] == parts - 1:
-            cute.arch.fence_acq_rel_gpu()  # the other parts' stores, released before their counts, are visible
-            if ctid == 0:
-                cute.arch.store(sem, Int32(0))  # every part has counted: the next launch finds it zero
-            warp = ctid // 32
-            lane = ctid % 32
-            nq = cutlass.min(BQ, tile.seqlen_q - m_block * BQ)  # this tile's positions of each head
-            acc = cute.make_rmem_tensor((Dv // 32,), Float32)
-            for i in cutlass.range(warp, nq * G, threads // 32, unroll=1):
-                j = i // nq
-                row = m_block * BQ + i - j * nq
-                head_q = head * G + j if cutlass.const_expr(G > 1) else head
-                sink = mSink[head_q]
-                m = sink
-                for s in cutlass.range(parts, unroll=1):
-                    t = mLSE[row, head_q, s * batches + b]
-                    if t != Float32.inf:
-                        m = cute.arch.fmax(m, t)
-                total = Float32(0.0)
-                lse = Float32.inf
-                if m != -Float32.inf:
-                    total = cute.math.exp2((sink - m) * LOG2_E, fastmath=True)
-                    for s in cutlass.range(parts, unroll=1):
-                        t = mLSE[row, head_q, s * batches + b]
-                        if t != Float32.inf:
-                            total += cute.math.exp2((t - m) * LOG2_E, fastmath=True)
-                    lse = m + cute.math.log2(total) * LN_2
-                acc.fill(0.0)
-                if total > 0.0:
-                    for s in cutlass.range(parts, unroll=1):
-                        t = mLSE[row, head_q, s * batches + b]
-                        if t != Float32.inf:
-                            w = cute.math.exp2((t - lse) * LOG2_E, fastmath=True)
-                            for c in cutlass.range_constexpr(Dv // 32):
-                                acc[c] += w * mO[row, lane + 32 * c, head_q, s * batches + b]
-                for c in cutlass.range_constexpr(Dv // 32):
-                    mOut[row, lane + 32 * c, head_q, b] = acc[c].to(self.dtype)
-                if lane == 0:
-                    mLSEOut[row, head_q, b] = lse

@@ -83,7 +83,7 @@ class FlashFwdSm90(FwdEntries, ModEntries):
                  block_n=128, num_stages=2, exp2_emu=0, exp2_emu_degree=3, sink=False, num_warpgroups=2,
                  wg_order=True, persistent=False, tma_o=False, reverse=False, pin=True, snake=True, lpt=False,
                  tiles_desc=False, pack_gqa=1, head_dim_v=None, paged=0, split=False, score_mod=None, mask_mod=None,
-                 aux=False, sparse=None, scalars=(), split_combine=False):
+                 aux=False, sparse=None, scalars=()):
         """exp2_emu / exp2_emu_degree: of every 16 softmax exponentials a thread computes, this many use a
         polynomial on the FMA pipe instead of MUFU.EX2 (softmax.OnlineSoftmax). num_warpgroups: consumer
         warpgroups (1, 2 or 3) of 64 query rows each; block_m must be 64 * num_warpgroups (the default).
@@ -109,8 +109,7 @@ class FlashFwdSm90(FwdEntries, ModEntries):
         of each tile divided among num_splits CTAs (a runtime argument; grid z = batch (or sequences) x
         num_splits), each writing its part's O (divided by its own row sums) and lse in fp32 to entry split
         * B + b of mO / mLSE (varlen: entry split, see call_varlen_split), for the host to combine
-        (launch._combine_splits, which adds a sink); with split_combine (dense, call_split_combine) the last CTA of
-        each tile's parts merges them into the outputs itself (epilogue.Epilogue.combine). score_mod / mask_mod / aux: FA4's user mods (compile-time
+        (launch._combine_splits, which adds a sink). score_mod / mask_mod / aux: FA4's user mods (compile-time
         functions; score_mod.ScoreMods.build says which kernels take them; entries call_mods*). sparse: block sparsity
         (FA4's block_sparse_tensors), None or (has_full, q_factor, kv_factor) (sparse_tiles.SparseTiles; with the
         mods' kernels only)."""
@@ -127,10 +126,6 @@ class FlashFwdSm90(FwdEntries, ModEntries):
         self.split = bool(split)
         if self.split and (persistent or tma_o or sink):
             raise ValueError("split: the one-tile kernel with the direct O store, without a sink")
-        self.split_combine = bool(split_combine)
-        if self.split_combine and (not self.split or varlen or score_mod is not None or mask_mod is not None
-                                   or sparse is not None):
-            raise ValueError("split_combine: a dense split-KV kernel without mods")
         self.paged_kv = PagedKV(paged, block_n, head_dim, head_dim_v, varlen)
         self.paged = self.paged_kv.box_rows
         if dtype not in (cutlass.Float16, cutlass.BFloat16):
@@ -206,7 +201,7 @@ class FlashFwdSm90(FwdEntries, ModEntries):
     @cute.jit
     def _launch(self, mQ, mK, mVt, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, softmax_scale, softcap,
                 window_left, window_right, grid, stream, mSink, sched=None, num_splits=None, aux=None, sparse=None,
-                scalars=None, combine=None):
+                scalars=None):
         """Views are (S, D, H, B) for Q/K/O, (D, S, H, B) for V, (S, H, B) for the lse."""
         dt, D, Dv, BM, BN = self.dtype, self.head_dim, self.head_dim_v, self.block_m, self.block_n
         # 128-byte swizzle atoms span 64 elements of D; head dim 96 is tiled with 64-byte atoms (32 of D)
@@ -250,8 +245,6 @@ class FlashFwdSm90(FwdEntries, ModEntries):
         # sched: the lpt order's section size, else None
         sched_args = (tma_o, sched, num_splits) + ((aux, sparse, scalars) if cutlass.const_expr(self.mods is not None)
                                                    else ())
-        if cutlass.const_expr(self.split_combine):  # (no mods: aux, sparse, scalars are None)
-            sched_args = sched_args + (None, None, None, combine)
         if cutlass.const_expr(self.persistent):
             kernel = self.kernel_persistent
             sched_args = (*sched, tma_o)
@@ -273,13 +266,12 @@ class FlashFwdSm90(FwdEntries, ModEntries):
                mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, scale_log2: Float32, score_scale: Float32,
                softcap: Float32, window_left: Int32, window_right: Int32, sQ_layout: cute.ComposedLayout,
                sK_layout: cute.ComposedLayout, sVt_layout: cute.ComposedLayout, tiled_mma_qk: cute.TiledMma,
-               tiled_mma_pv: cute.TiledMma, tma_o, group, num_splits, aux=None, sparse=None, scalars=None,
-               combine=None):
+               tiled_mma_pv: cute.TiledMma, tma_o, group, num_splits, aux=None, sparse=None, scalars=None):
         """The one-tile kernel. tma_o: the O store's TMA atom (mO is then its coordinate tensor), None
         for the direct store. group: with lpt, the (head, batch) pairs per section of
         tile_scheduler.tile_coords' order (else None). num_splits: split-KV's part count (split=True; else
         None). aux, sparse, scalars: the mods' aux tensors, block-sparsity lists and aux scalars (kernels built with score_mod /
-        mask_mod / sparse). combine: split_combine's (merged out, lse, tile counters, sink)."""
+        mask_mod / sparse)."""
         m_block, head, batch = self.scheduler.tile(group)
         seqlen = self.seqlens.tile(batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, num_splits)
         args = (tma_q, mQ, tma_k, mK, tma_v, mVt, mO, mLSE, mSink, scale_log2, score_scale, softcap, window_left,
@@ -287,8 +279,6 @@ class FlashFwdSm90(FwdEntries, ModEntries):
                 tma_o)
         if cutlass.const_expr(self.mods is not None):
             args = args + (aux, sparse, scalars)
-        if cutlass.const_expr(self.split_combine):
-            args = args + (None, None, None, combine)
         if cutlass.const_expr(self.varlen):
             if m_block * self.block_q < seqlen.seqlen_q:  # the grid covers the longest sequence
                 self._cta(*args)
@@ -423,15 +413,15 @@ class FlashFwdSm90(FwdEntries, ModEntries):
     @cute.jit
     def _cta(self, tma_q, mQ, tma_k, mK, tma_v, mVt, mO, mLSE, mSink, scale_log2, score_scale, softcap, window_left,
              window_right, sQ_layout, sK_layout, sVt_layout, tiled_mma_qk, tiled_mma_pv, m_block, head, seqlen,
-             tma_o=None, aux=None, sparse=None, scalars=None, combine=None):
+             tma_o=None, aux=None, sparse=None, scalars=None):
         """One CTA's query tile: rows [m_block * BM, (m_block + 1) * BM) of the sequence ``seqlen``
         (seqlen_info.TileSeqlens; pack_gqa: positions [m_block * BQ, (m_block + 1) * BQ) of the g query heads of
         KV head `head`, see PackGQA), the key blocks that the mask (and split-KV's part) leave it."""
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         head_kv = self.pack.head_kv(head, mQ, mK)
-        sQ, sK, sVt, q_pipe, k_pipe, v_pipe, flag = self._setup(warp_idx, tma_q, tma_k, tma_v, tma_o, sQ_layout,
-                                                                sK_layout, sVt_layout)
+        sQ, sK, sVt, q_pipe, k_pipe, v_pipe, _ = self._setup(warp_idx, tma_q, tma_k, tma_v, tma_o, sQ_layout,
+                                                             sK_layout, sVt_layout)
         n_block_min, n_block_max = self.mask.n_block_range(m_block, seqlen.seqlen_q, seqlen.seqlen_k, window_left,
                                                            window_right)
         n_block_min, n_block_max = seqlen.split_blocks(n_block_min, n_block_max, self.block_n)
@@ -460,9 +450,6 @@ class FlashFwdSm90(FwdEntries, ModEntries):
                           scale_log2, score_scale, softcap, window_left, window_right,
                           tidx - self.NUM_PRODUCER_THREADS, m_block, head, seqlen.out_batch, seqlen.q_start,
                           seqlen.seqlen_q, seqlen.seqlen_k, n_block_min, n_block_max, tma_o, mods, tiles)
-            if cutlass.const_expr(self.split_combine):
-                self.epilogue.combine(mO, mLSE, combine, flag, tidx - self.NUM_PRODUCER_THREADS, m_block, head,
-                                      seqlen, self.num_mma_warpgroups)
 
     @cute.jit
     def _setup(self, warp_idx, tma_q, tma_k, tma_v, tma_o, sQ_layout, sK_layout, sVt_layout):
@@ -481,7 +468,7 @@ class FlashFwdSm90(FwdEntries, ModEntries):
 
     def _shared(self, sQ_layout, sK_layout, sVt_layout):
         """The shared-memory tiles and the Q, K, V mbarrier pipelines, and the persistent kernel's O buffer when
-        built with tma_o (split_combine: its one-int32 flag), else None (trace time; no control flow, so that the kernels place these ops where they
+        built with tma_o, else None (trace time; no control flow, so that the kernels place these ops where they
         call it)."""
         dt, stages = self.dtype, self.num_stages
         smem = SmemAllocator()
@@ -491,13 +478,9 @@ class FlashFwdSm90(FwdEntries, ModEntries):
         sQ = smem.allocate_tensor(dt, sQ_layout.outer, byte_alignment=1024, swizzle=sQ_layout.inner)
         sK = smem.allocate_tensor(dt, sK_layout.outer, byte_alignment=1024, swizzle=sK_layout.inner)
         sVt = smem.allocate_tensor(dt, sVt_layout.outer, byte_alignment=1024, swizzle=sVt_layout.inner)
-        # the persistent kernel's O buffer (tma_o): a tile of Q's layout; split_combine's flag (is this CTA its tile's
-        # last part), one int32
-        sO = None
+        sO = None  # the persistent kernel's O buffer (tma_o): a tile of Q's layout
         if cutlass.const_expr(self.persistent and self.tma_o):
             sO = smem.allocate_tensor(dt, sQ_layout.outer, byte_alignment=1024, swizzle=sQ_layout.inner)
-        elif cutlass.const_expr(self.split_combine):
-            sO = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
 
         num_mma_warps = self.num_mma_warpgroups * 4
         # Full barriers count the TMA bytes; empty barriers one arrival per consumer warp. K and V have

@@ -40,19 +40,6 @@ class FwdEntries:
                     num_splits=num_splits)
 
     @cute.jit
-    def call_split_combine(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-                           mLSE: cute.Tensor, softmax_scale: Float32, softcap: Float32, window_left: Int32,
-                           window_right: Int32, num_splits: Int32, mOut: cute.Tensor, mLSEOut: cute.Tensor,
-                           mSem: cute.Tensor, mSink: cute.Tensor, stream):
-        """call_split for a kernel built with split_combine: the parts as call_split's, and the last CTA of each
-        tile's parts merges them into mOut (B, Sq, H, Dv) in the input dtype and mLSEOut (B, H, Sq) fp32, adding the
-        sink mSink (H,) fp32 (-inf: none). mSem: int32 counters, one per tile (B x grid heads x query tiles),
-        zero at the launch and left zero."""
-        mOut, mLSEOut = self.seqlens.dense_out_views(mOut, mLSEOut)
-        self._dense(mQ, mK, mV, mO, mLSE, softmax_scale, softcap, window_left, window_right, stream, None,
-                    num_splits=num_splits, combine=(mOut, mLSEOut, mSem, mSink))
-
-    @cute.jit
     def call_persistent(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                         mLSE: cute.Tensor, softmax_scale: Float32, softcap: Float32, window_left: Int32,
                         window_right: Int32, stream, max_ctas: Int32):
@@ -63,7 +50,7 @@ class FwdEntries:
 
     @cute.jit
     def _dense(self, mQ, mK, mV, mO, mLSE, softmax_scale, softcap, window_left, window_right, stream, mSink,
-               max_ctas=None, num_splits=None, aux=None, sparse=None, scalars=None, combine=None):
+               max_ctas=None, num_splits=None, aux=None, sparse=None, scalars=None):
         mQ, mK, mVt, mO, mLSE = self.seqlens.dense_views(mQ, mK, mV, mO, mLSE)
         grid = (cute.ceil_div(cute.size(mQ, mode=[0]), self.block_q), self.pack.grid_heads(mQ, mK),
                 cute.size(mQ, mode=[3]))
@@ -75,7 +62,7 @@ class FwdEntries:
         elif cutlass.const_expr(self.lpt):
             sched = self._l2_group(mK, grid[1])
         self._launch(mQ, mK, mVt, mO, mLSE, None, None, None, softmax_scale, softcap, window_left,
-                     window_right, grid, stream, mSink, sched, num_splits, aux, sparse, scalars, combine)
+                     window_right, grid, stream, mSink, sched, num_splits, aux, sparse, scalars)
 
     def _l2_group(self, mK, heads):
         """tile_scheduler.l2_group for this kernel's K and V rows (trace time)."""

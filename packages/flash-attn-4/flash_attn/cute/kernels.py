@@ -20,13 +20,6 @@ from flash_attn.cute.plan import _sm_counts
 
 _kernels: dict[tuple, object] = {}  # (dtype, head dim, causal, arch, local, softcap[, True][, "sink"]...) -> fn
 _origins: dict[tuple, str] = {}  # same key -> "so" / "o" (loaded from disk), "compiled" or "compiled-dlpack"
-
-
-def split_fused(mem_key):
-    """Whether the split kernel in _kernels under ``mem_key`` merges its parts itself (FwdConfig.split_combine: its
-    call takes the merged outputs too, see compile_fwd): recorded by fwd_kernel in the same table, under mem_key +
-    ("combine",), so that clearing the table (tools do between settings) forgets both."""
-    return _kernels.get(mem_key + ("combine",), False)
 _bwd_kernels: dict[tuple, object] = {}  # bwd_mem_key(...) -> callable
 _have_tvm_ffi: list = []
 
@@ -78,7 +71,7 @@ def _make_kernel(cfg):
                         exp2_emu_degree=cfg.exp2_emu_degree, sink=cfg.sink, num_warpgroups=cfg.warpgroups,
                         wg_order=cfg.wg_order, persistent=cfg.persistent, tma_o=cfg.tma_o, reverse=cfg.reverse,
                         pin=cfg.pin, snake=cfg.snake, lpt=cfg.lpt, pack_gqa=cfg.pack_gqa, head_dim_v=cfg.head_dim_v,
-                        paged=cfg.paged, split=cfg.split, split_combine=cfg.split_combine)
+                        paged=cfg.paged, split=cfg.split)
 
 
 def compile_fwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=False, softcap=False,
@@ -101,9 +94,7 @@ def compile_fwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=Fal
     then takes k / v (num_pages, page_size, Hk, D) and, in cu_seqlens_k's place, the int32 page table (B,
     max_pages). ``split``: the split-KV kernel, whose call takes out (num_splits * B, Sq, H, Dv) and lse (num_splits *
     B, H, Sq) in fp32 (varlen: (num_splits, total_q, H, Dv) and (num_splits, H, total_q)) and one more argument after
-    window_right: num_splits. A dense split kernel built with FwdConfig.split_combine merges the parts itself: its call
-    continues after num_splits with the merged out (B, Sq, H, Dv) in the input dtype and lse (B, H, Sq) fp32, the
-    int32 tile counters (zeroed; the kernel leaves them zero) and the sink (H,) fp32 (-inf: none)."""
+    window_right: num_splits."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_tensor
@@ -167,13 +158,6 @@ def compile_fwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=Fal
                    else kernel.call_split if split else kernel))
     ctas_arg = (cutlass.Int32(1),) if kernel.persistent else ()
     splits_arg = (cutlass.Int32(1),) if split else ()
-    if cfg.split_combine:  # the merged out and lse, the tile counters, the sink
-        entry = kernel.call_split_combine
-        splits_arg += (qkv(seqlen_q, heads, Dv),
-                       make_fake_tensor(cutlass.Float32, (batch, heads, seqlen_q), (cute.sym_int(), cute.sym_int(), 1),
-                                        assumed_align=4),
-                       make_fake_tensor(cutlass.Int32, (cute.sym_int(),), (1,), assumed_align=4),
-                       make_fake_tensor(cutlass.Float32, (heads,), (1,), assumed_align=4))
     return cute.compile(entry, q, k, v, o, lse, *seq_args,
                         cutlass.Float32(1.0), cutlass.Float32(0.0), cutlass.Int32(0), cutlass.Int32(0), *splits_arg,
                         stream, *sink_arg, *ctas_arg, options=options)
@@ -199,10 +183,6 @@ def _dlpack_launcher(compiled, sink=False, persistent=False, split=False):
         return from_dlpack(t.detach(), assumed_align=align).mark_layout_dynamic(leading_dim=t.dim() - 1)
 
     def launch(q, k, v, out, lse, *args):
-        combine_args = ()
-        if split and len(args) == 9 and not torch.is_tensor(args[0]):  # dense split_combine: merged out, lse, tile
-            # counters and sink after num_splits (a varlen split call's 9 start with its cu_seqlens)
-            args, combine_args = args[:5], tuple(as_cute(t, 16 if i == 0 else 4) for i, t in enumerate(args[5:]))
         ctas_arg = (cutlass.Int32(args[-1]),) if persistent else ()
         if persistent:
             args = args[:-1]
@@ -219,7 +199,7 @@ def _dlpack_launcher(compiled, sink=False, persistent=False, split=False):
             stream = driver.CUstream(torch.cuda.current_stream().cuda_stream)
             compiled(as_cute(q, 16), as_cute(k, 16), as_cute(v, 16), as_cute(out, 16), as_cute(lse, 4), *seq,
                      cutlass.Float32(softmax_scale), cutlass.Float32(softcap), cutlass.Int32(window_left),
-                     cutlass.Int32(window_right), *splits_arg, *combine_args, stream, *sink_arg, *ctas_arg)
+                     cutlass.Int32(window_right), *splits_arg, stream, *sink_arg, *ctas_arg)
 
     return launch
 
@@ -379,8 +359,6 @@ def fwd_kernel(dtype, head_dim, causal, arch="sm_90a", local=False, softcap=Fals
                                                           split=split)
                     if cfg.persistent:
                         fn = _persistent_launcher(fn)  # the kernel's last argument, which callers do not give
-                if cfg.split_combine:
-                    _kernels[mem_key + ("combine",)] = True
                 _kernels[mem_key] = fn
     return fn
 

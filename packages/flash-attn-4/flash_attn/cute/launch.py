@@ -6,8 +6,7 @@ import math
 
 import torch
 
-from flash_attn.cute.kernels import (_bwd_kernels, _kernels, bwd_config, bwd_kernel, bwd_mem_key, fwd_kernel,
-                                     split_fused)
+from flash_attn.cute.kernels import _bwd_kernels, _kernels, bwd_config, bwd_kernel, bwd_mem_key, fwd_kernel
 from flash_attn.cute import combine as _combine
 from flash_attn.cute.config import LONG_SK, SHORT_SK, plan_rules
 from flash_attn.cute.plan import _FWD_LONG_ON, _SHORT_DIMS, _UNBOUNDED, _length_kernel, _window_args
@@ -240,19 +239,15 @@ def _forward_decode(q, k, v, B, Sq, H, D, Sk, Hk, softmax_scale, causal, arch, p
         out = torch.empty_like(q)
         fn(q, k, v, out, lse, float(softmax_scale), 0.0, 0, 0)
         return out, lse
-    out = torch.empty(B, Sq, H, D, dtype=q.dtype, device=q.device)
-    if type(combine) is tuple:  # the kernel merges its parts (split_combine): (tile counters, -inf sink)
-        fn(q, k, v, parts[0], parts[1], float(softmax_scale), 0.0, 0, 0, splits, out, lse, combine[0], combine[1])
-        return out, lse
     fn(q, k, v, parts[0], parts[1], float(softmax_scale), 0.0, 0, 0, splits)
+    out = torch.empty(B, Sq, H, D, dtype=q.dtype, device=q.device)
     combine(out, lse, None)
     return out, lse
 
 
 def _decode_entry(key, device, arch):
-    """_decode_entries' (kernel's key in _kernels, (o parts, lse parts), lse scratch, the merge: a bound combine, or
-    (tile counters, -inf sink) for a split_combine kernel, or None unsplit) of key, remembered; None where the
-    general path serves the call (see _forward_decode)."""
+    """_decode_entries' (kernel's key in _kernels, (o parts, lse parts), lse scratch, bound combine or None) of key,
+    remembered; None where the general path serves the call (see _forward_decode)."""
     index, _, dtype, B, Sq, H, D, Sk, Hk, causal, pack, splits = key
     if B * max(Sq * H, Sk * Hk) * D * max(splits, 1) >= _MAX_ELEMS or B * splits > _MAX_GRID_Z:
         return None
@@ -266,8 +261,6 @@ def _decode_entry(key, device, arch):
         if parts is None:
             return None
         o_parts, lse_parts, combine = parts
-        if split_fused(kernel_key):
-            combine = (_split_counters(device, key[1], B, Sq, H), _no_sink(device, H))
         entry = (kernel_key, (o_parts, lse_parts), lse, combine)
     else:
         entry = (kernel_key, None, lse, None)
@@ -306,33 +299,6 @@ def _split_parts(device, stream, dtype, splits, B, Sq, H, Dv, has_sink=False):
     return parts or None
 
 
-_split_counter_bufs: dict[tuple, torch.Tensor] = {}
-_no_sinks: dict[tuple, torch.Tensor] = {}
-
-
-def _split_counters(device, stream, B, Sq, H):
-    """A split_combine kernel's tile counters: int32, zero, at least one per tile (B x heads x query tiles of 8 or
-    more rows; the kernel leaves them zero), one buffer per (device, stream) reused in stream order, grown as needed.
-    stream None (a CUDA graph being captured): a buffer of the capture's own."""
-    n = B * H * ((Sq + 7) // 8)
-    if stream is None:
-        return torch.zeros(n, dtype=torch.int32, device=device)
-    key = (device, stream)
-    buf = _split_counter_bufs.get(key)
-    if buf is None or buf.numel() < n:
-        buf = _split_counter_bufs[key] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-    return buf
-
-
-def _no_sink(device, H):
-    """The (H,) fp32 -inf sink of a split_combine call without one (exp(-inf) adds nothing), one per (device, H)."""
-    key = (device, H)
-    t = _no_sinks.get(key)
-    if t is None:
-        t = _no_sinks[key] = torch.full((H,), -math.inf, dtype=_F32, device=device)
-    return t
-
-
 def _sink_lse(sink):
     """The lse of a row whose only term is the sink: the sink, or +inf (no term, as the kernel's epilogue gives) for a
     -inf one, which keeps every backward's exp(s - lse) free of -inf - -inf."""
@@ -342,32 +308,22 @@ def _sink_lse(sink):
 def _forward_split(q, k, v, softmax_scale, causal, arch, local, window_left, window_right, softcap, sink, pack,
                    splits):
     """Split-KV on validated inputs (forward's, window sizes already the kernel's): the split kernel writes each
-    part's O and lse in fp32 (parts of batch entry b at s * B + b), and either merges them itself (a kernel built
-    with split_combine: the last CTA of each tile's parts) or _combine_splits merges them (and adds the sink, which
-    the kernel leaves out so that it counts once)."""
+    part's O and lse in fp32 (parts of batch entry b at s * B + b), _combine_splits merges them (and adds the sink,
+    which the kernel leaves out so that it counts once)."""
     B, Sq, H, D = q.shape
     Dv = v.shape[3]
     capped = softcap > 0.0
     index = q.get_device()
-    capturing = _capturing(index)
-    stream = None if capturing else _stream_id(index)
-    parts = None if capturing else _split_parts(q.device, stream, q.dtype, splits, B, Sq, H, Dv, sink is not None)
+    parts = None if _capturing(index) else _split_parts(q.device, _stream_id(index), q.dtype, splits, B, Sq, H, Dv,
+                                                          sink is not None)
     if parts is None:
         o_parts = torch.empty(splits * B, Sq, H, Dv, dtype=torch.float32, device=q.device)
         lse_parts = torch.empty(splits * B, H, Sq, dtype=torch.float32, device=q.device)
     else:
         o_parts, lse_parts, combine = parts
-    key = ((q.dtype, D, causal, arch, local, capped) + (("pack", pack) if pack > 1 else ())
-           + (("dv", Dv) if Dv != D else ()) + ("split",))
-    fn = _kernels.get(key) or fwd_kernel(q.dtype, D, causal, arch, local=local, softcap=capped, pack=pack, dv=Dv,
-                                         split=True)
-    if split_fused(key):
-        out = torch.empty(B, Sq, H, Dv, dtype=q.dtype, device=q.device)
-        lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
-        fn(q, k, v, o_parts, lse_parts, float(softmax_scale), float(softcap), window_left, window_right, splits, out,
-           lse, _split_counters(q.device, stream, B, Sq, H),
-           _no_sink(q.device, H) if sink is None else sink.float().contiguous())
-        return out, lse
+    fn = (_kernels.get((q.dtype, D, causal, arch, local, capped) + (("pack", pack) if pack > 1 else ())
+                       + (("dv", Dv) if Dv != D else ()) + ("split",))
+          or fwd_kernel(q.dtype, D, causal, arch, local=local, softcap=capped, pack=pack, dv=Dv, split=True))
     fn(q, k, v, o_parts, lse_parts, float(softmax_scale), float(softcap), window_left, window_right, splits)
     if parts is None:
         return _combine_splits(o_parts.view(splits, B, Sq, H, Dv), lse_parts.view(splits, B, H, Sq), sink, q.dtype)

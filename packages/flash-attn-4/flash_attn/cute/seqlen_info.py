@@ -61,13 +61,6 @@ class SeqlenInfo:
         mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
         return mQ, mK, mVt, mO, mLSE
 
-    def dense_out_views(self, mO, mLSE):
-        """Host side: dense_views' (S, D, H, B) view of a (B, S, H, D) output and (S, H, B) view of its (B, H, S)
-        lse (split_combine's merged outputs)."""
-        mO = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[1, 3, 2, 0]))
-        mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
-        return mO, mLSE
-
     def varlen_views(self, mQ, mK, mV, mO, mLSE, paged_kv, split):
         """Host side: packed (T, H, D) tensors as the dense views with one batch entry, the sequences being
         row offsets into it; with split, split-KV's (S, T, H, Dv) O and (S, H, T) lse with the parts as batch
