@@ -164,7 +164,11 @@ def test_paged_calls_per_sequence(cute_env, monkeypatch, causal, sink, page_size
     assert torch.all(out[tail:] == 0) and torch.all(torch.isinf(lse[:, tail:]))
 
 
-def test_paged_argument_checks(cute_env, monkeypatch):
+@pytest.mark.parametrize("table_on_host", [True, False])
+def test_paged_argument_checks(cute_env, monkeypatch, table_on_host):
+    # table_on_host: the page table travels to the host with the other values (small tables); else its entries are
+    # checked on the device (tables past interface._HOST_PAGE_ENTRIES)
+    monkeypatch.setattr(interface, "_HOST_PAGE_ENTRIES", 1 << 16 if table_on_host else 0)
     monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")
     q, k, v, _, _, cu_q, table, used_k = _paged_case([3, 4], [10, 17], 8, 2, 1, 64)
     call = lambda **kw: interface.flash_attn_varlen_func(  # noqa: E731
@@ -210,6 +214,28 @@ def test_paged_argument_checks(cute_env, monkeypatch):
         want = torch.cat([k12[int(p)] for p in table[b]])
         assert torch.equal(keys[b * cap:(b + 1) * cap], want)
 
+
+
+def test_paged_value_checks_cost_one_copy(cute_env, monkeypatch):
+    """A paged decoding call's value checks (cu_seqlens_q, seqused_k, the page table's used entries) dispatch no
+    device op but the one concatenation of the small vectors and the page table and its copy to the host (each device
+    op costs a launch per decoding step); the checks then run on the host copy."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append((str(func), (kwargs or {}).get("dtype")))
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")
+    monkeypatch.setattr(interface, "forward_varlen",
+                        lambda q, *a, **kw: (q.new_zeros(q.shape), q.new_zeros(q.shape[1], q.shape[0]).float()))
+    q, k, v, _, _, cu_q, table, used_k = _paged_case([3, 4], [10, 17], 8, 2, 1, 64)
+    ops = []
+    with Record():
+        interface.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, seqused_k=used_k, page_table=table)
+    copy = ops.index(("aten._to_copy.default", torch.int64))  # the values to the host (the call's one sync)
+    assert [name for name, _ in ops[:copy]] == ["aten.view.default", "aten.cat.default"], ops[:copy]
 
 def test_gathered_pages_keep_the_resolved_mask(cute_env, monkeypatch):
     """Pages that fill no TMA box go through a second call on gathered keys: it gets the mask as the first call

@@ -66,6 +66,9 @@ def _check_sink(learnable_sink, H, device):
 
 
 _DEFAULT_WINDOW = (None, None)  # flash_attn_func's default window_size (identity-checked on the fast path)
+# A varlen call's page table of up to this many entries (256 KiB) is checked on the host, in the call's one copy of its
+# small int vectors (no device ops for it); a larger one on the device.
+_HOST_PAGE_ENTRIES = 1 << 16
 
 
 def _refuse_unsupported(**given):
@@ -366,52 +369,63 @@ def _varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=Non
             raise ValueError(f"page_table must be an int32 tensor (batch={batch}, max_pages) on {q.device} with a "
                              f"contiguous last dimension, got {getattr(page_table, 'dtype', type(page_table))} of "
                              f"shape {tuple(getattr(page_table, 'shape', ()))}")
-        cu_k_check = torch.zeros(batch + 1, dtype=torch.int32, device=q.device)  # (no cu_seqlens_k: nothing to check)
     else:
         _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, q.device, batch)
-        cu_k_check = cu_seqlens_k
     for name, used in (("seqused_q", seqused_q), ("seqused_k", seqused_k)):
         if used is not None and (not isinstance(used, torch.Tensor) or used.dtype != torch.int32
                                  or used.shape != (batch,) or used.device != q.device):
             raise ValueError(f"{name} must be an int32 tensor ({batch},) on {q.device}")
     # One device sync for every value check (and max_seqlen_q): the small int32 vectors travel to the host in one
-    # copy and are checked there (a decoding step would otherwise launch ~20 tiny kernels for it); the page table,
-    # which can be large, is checked on the device and only its count of bad entries travels.
+    # copy and are checked there (a decoding step would otherwise launch ~20 tiny kernels for it). A page table of up
+    # to _HOST_PAGE_ENTRIES entries travels with them; a larger one is checked on the device and only its count of
+    # bad entries travels.
     pages_bad = None
-    if paged and batch and page_table.shape[1]:
+    table_to_host = paged and batch and 0 < page_table.numel() <= _HOST_PAGE_ENTRIES
+    if paged and batch and page_table.shape[1] and not table_to_host:
         # the page table entries the sequences use: each a page of k / v
         used_pages = torch.arange(page_table.shape[1], device=q.device) < ((seqused_k + page_size - 1)
                                                                           // page_size).view(-1, 1)
         pages_bad = (((page_table < 0) | (page_table >= num_pages)) & used_pages).sum().view(1).to(torch.int32)
-    parts = [cu_seqlens_q, cu_k_check] + [t for t in (seqused_k, seqused_q, pages_bad) if t is not None]
+    parts = ([cu_seqlens_q] + ([] if paged else [cu_seqlens_k])
+             + [t for t in (seqused_k, seqused_q, pages_bad) if t is not None]
+             + ([page_table.reshape(-1)] if table_to_host else []))
     host = (torch.cat(parts) if len(parts) > 1 else parts[0]).to("cpu", torch.int64)
-    cu_q_h, cu_k_h = host[:batch + 1], host[batch + 1:2 * batch + 2]
-    rest = host[2 * batch + 2:]
+    cu_q_h, rest = host[:batch + 1], host[batch + 1:]
+    if not paged:
+        cu_k_h, rest = rest[:batch + 1], rest[batch + 1:]
     used_k_h = used_q_h = None
     if seqused_k is not None:
         used_k_h, rest = rest[:batch], rest[batch:]
     if seqused_q is not None:
         used_q_h, rest = rest[:batch], rest[batch:]
-    pages_bad = int(rest[0]) if pages_bad is not None else 0
-    lens_q, lens_k = cu_q_h[1:] - cu_q_h[:-1], cu_k_h[1:] - cu_k_h[:-1]
+    lens_q = cu_q_h[1:] - cu_q_h[:-1]
     if paged:
-        lens_k = torch.full_like(lens_k, page_table.shape[1] * page_size)  # each sequence's page table's capacity
+        lens_k = torch.full_like(lens_q, page_table.shape[1] * page_size)  # each sequence's page table's capacity
+    else:
+        lens_k = cu_k_h[1:] - cu_k_h[:-1]
     used_bad = int(((used_k_h < 0) | (used_k_h > lens_k)).sum()) if used_k_h is not None else 0
     used_q_bad = int(((used_q_h < 0) | (used_q_h > lens_q)).sum()) if used_q_h is not None else 0
     # the split rule, the cap on num_splits and the backward's grid need the longest sequence's key count
     choose = (splits > 1 or num_splits <= 0) and not settings.disabled("split")
     max_k = int((used_k_h if used_k_h is not None else lens_k).max()) if batch else 0
-    first_q, last_q, first_k, last_k = int(cu_q_h[0]), int(cu_q_h[-1]), int(cu_k_h[0]), int(cu_k_h[-1])
-    down_q, down_k = int((lens_q < 0).sum()), int((lens_k < 0).sum())
+    first_q, last_q = int(cu_q_h[0]), int(cu_q_h[-1])
     max_q = int(lens_q.max()) if batch else 0
-    for name, first, down, last, total in (("cu_seqlens_q", first_q, down_q, last_q, Tq),
-                                            ("cu_seqlens_k", first_k, down_k, last_k, Tk)):
+    checks = [("cu_seqlens_q", first_q, int((lens_q < 0).sum()), last_q, Tq)]
+    if not paged:  # (a paged call's keys are its pages: no cu_seqlens_k)
+        checks.append(("cu_seqlens_k", int(cu_k_h[0]), int((lens_k < 0).sum()), int(cu_k_h[-1]), Tk))
+    for name, first, down, last, total in checks:
         if first != 0 or down or last > total:
             raise ValueError(f"{name} must start at 0, never decrease and end at most at {total} "
                              f"(got first {first}, last {last})")
     if used_bad:
         raise ValueError("seqused_k must lie in [0, page_table.shape[1] * page_size]" if paged else
                          "seqused_k must lie in [0, cu_seqlens_k[b + 1] - cu_seqlens_k[b]]")
+    if table_to_host:  # (after the seqused_k check: the pages a sequence uses follow from its key count)
+        table_h = rest.view(batch, -1)
+        used_pages = torch.arange(table_h.shape[1]) < ((used_k_h + page_size - 1) // page_size).view(-1, 1)
+        pages_bad = int((((table_h < 0) | (table_h >= num_pages)) & used_pages).sum())
+    elif pages_bad is not None:
+        pages_bad = int(rest[0])
     if pages_bad:
         raise ValueError(f"page_table: {pages_bad} entries that sequences use are not page indices in "
                          f"[0, {num_pages})")
