@@ -695,10 +695,37 @@ def test_backend_common_call_launches_without_launch_forward(monkeypatch):
     assert len(general) == 3  # a window: the general path
 
 
-def test_varlen_value_checks_name_what_is_wrong(monkeypatch):
+
+def test_sequence_stats_on_lists_and_on_the_tensor_agree(monkeypatch):
+    """interface._sequence_stats gives the same numbers from Python lists (up to _LIST_BATCH sequences) and from the host
+    tensor (more), valid and invalid values alike: cu_seqlens that decrease or start past 0, seqused past their
+    sequences, paged calls (the page table's capacity for every sequence), no sequence at all."""
+    g = torch.Generator().manual_seed(0)
+    for batch in (0, 1, 3, 17):
+        for paged in (False, True):
+            for has_k in (False, True) if not paged else (True,):
+                for has_q in (False, True):
+                    for trial in range(4):
+                        lens = torch.randint(-2 if trial == 3 else 0, 9, (2, batch), generator=g)
+                        cu = [torch.cat([torch.tensor([trial == 2]), lens[i].cumsum(0)]).long() for i in range(2)]
+                        parts = [cu[0]] + ([] if paged else [cu[1]])
+                        parts += [torch.randint(-1, 10, (batch,), generator=g) for h in (has_k, has_q) if h]
+                        vec = torch.cat(parts)
+                        args = (vec, batch, paged, 24, has_k, has_q)
+                        monkeypatch.setattr(interface, "_LIST_BATCH", 1024)
+                        on_lists = interface._sequence_stats(*args)
+                        monkeypatch.setattr(interface, "_LIST_BATCH", -1)
+                        if batch == 0:  # (the tensor path serves calls with more than _LIST_BATCH sequences only)
+                            continue
+                        assert interface._sequence_stats(*args) == on_lists, (batch, paged, has_k, has_q, trial)
+                        assert all(type(x) is int for x in on_lists)
+
+@pytest.mark.parametrize("on_lists", [True, False])
+def test_varlen_value_checks_name_what_is_wrong(monkeypatch, on_lists):
     """The varlen call's value checks (one host copy of the small int vectors, one sync): cu_seqlens that do not start
     at 0, decrease or end past the tokens, seqused_k past a sequence's keys, max_seqlen_q below the longest sequence;
-    each a ValueError before any launch."""
+    each a ValueError before any launch. on_lists: checked on Python lists (few sequences), else on the host tensor."""
+    monkeypatch.setattr(interface, "_LIST_BATCH", 1024 if on_lists else -1)
     monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")
     I32 = torch.int32
     q = torch.zeros(12, 4, 64, dtype=torch.bfloat16)

@@ -164,11 +164,14 @@ def test_paged_calls_per_sequence(cute_env, monkeypatch, causal, sink, page_size
     assert torch.all(out[tail:] == 0) and torch.all(torch.isinf(lse[:, tail:]))
 
 
-@pytest.mark.parametrize("table_on_host", [True, False])
-def test_paged_argument_checks(cute_env, monkeypatch, table_on_host):
+@pytest.mark.parametrize("table_on_host,on_lists", [(True, True), (False, True), (True, False)])
+def test_paged_argument_checks(cute_env, monkeypatch, table_on_host, on_lists):
     # table_on_host: the page table travels to the host with the other values (small tables); else its entries are
-    # checked on the device (tables past interface._HOST_PAGE_ENTRIES)
+    # checked on the device (tables past interface._HOST_PAGE_ENTRIES). on_lists: the small vectors checked on Python
+    # lists (few sequences), else on the host tensor.
     monkeypatch.setattr(interface, "_HOST_PAGE_ENTRIES", 1 << 16 if table_on_host else 0)
+    monkeypatch.setattr(interface, "_LIST_BATCH", 1024 if on_lists else -1)
+    monkeypatch.setattr(interface, "_LIST_PAGES", 4096 if on_lists else -1)
     monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")
     q, k, v, _, _, cu_q, table, used_k = _paged_case([3, 4], [10, 17], 8, 2, 1, 64)
     call = lambda **kw: interface.flash_attn_varlen_func(  # noqa: E731
@@ -215,6 +218,20 @@ def test_paged_argument_checks(cute_env, monkeypatch, table_on_host):
         assert torch.equal(keys[b * cap:(b + 1) * cap], want)
 
 
+
+
+def test_pages_bad_counts_the_used_entries_out_of_range(monkeypatch):
+    """interface._pages_bad on Python lists (small tables) and on the tensor: the entries outside [0, num_pages) among
+    each sequence's first ceil(used_k / page_size) pages, never the ones past them."""
+    g = torch.Generator().manual_seed(1)
+    for trial in range(20):
+        B, P, ps, num_pages = 1 + trial % 4, 1 + trial % 7, (8, 16, 64)[trial % 3], 10
+        table = torch.randint(-3, 14, (B, P), generator=g)
+        used = torch.randint(0, P * ps + 1, (B,), generator=g)
+        want = sum(int(not 0 <= int(table[b, j]) < num_pages) for b in range(B) for j in range(-(-int(used[b]) // ps)))
+        for limit in (4096, -1):
+            monkeypatch.setattr(interface, "_LIST_PAGES", limit)
+            assert interface._pages_bad(table, used, ps, num_pages) == want, (trial, limit)
 
 def test_paged_value_checks_cost_one_copy(cute_env, monkeypatch):
     """A paged decoding call's value checks (cu_seqlens_q, seqused_k, the page table's used entries) dispatch no

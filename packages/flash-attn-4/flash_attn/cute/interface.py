@@ -69,6 +69,8 @@ _DEFAULT_WINDOW = (None, None)  # flash_attn_func's default window_size (identit
 # A varlen call's page table of up to this many entries (256 KiB) is checked on the host, in the call's one copy of its
 # small int vectors (no device ops for it); a larger one on the device.
 _HOST_PAGE_ENTRIES = 1 << 16
+_LIST_BATCH = 1024  # varlen calls of up to this many sequences check their values on Python lists (_sequence_stats)
+_LIST_PAGES = 4096  # and page tables of up to this many entries (_pages_bad)
 
 
 def _refuse_unsupported(**given):
@@ -286,6 +288,62 @@ def flash_attn_varlen_func(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=Non
     return out, lse
 
 
+def _sequence_stats(vec, batch, paged, capacity, has_used_k, has_used_q):
+    """The varlen checks' numbers from ``vec``, the host (int64) copy of cu_seqlens_q, cu_seqlens_k (not for a paged
+    call, whose sequences' key capacity is ``capacity``), seqused_k and seqused_q (those given), in that order:
+    (first_q, last_q, decreasing steps of cu_seqlens_q, longest query count, the same three for cu_seqlens_k (0 when
+    paged), longest key count (seqused_k's if given), seqused_k values outside their sequences, seqused_q values
+    outside theirs). Up to _LIST_BATCH sequences on Python lists (one conversion: a torch op on a small CPU tensor costs
+    about a microsecond, and these would be some twenty), more on the tensor (vectorised)."""
+    if batch <= _LIST_BATCH:
+        vals = vec.tolist()
+        cu_q, pos = vals[:batch + 1], batch + 1
+        lens_q = [b - a for a, b in zip(cu_q, cu_q[1:])]
+        if paged:
+            first_k = last_k = 0
+            lens_k = [capacity] * batch
+        else:
+            cu_k, pos = vals[pos:pos + batch + 1], pos + batch + 1
+            first_k, last_k = cu_k[0], cu_k[-1]
+            lens_k = [b - a for a, b in zip(cu_k, cu_k[1:])]
+        used_k = used_q = None
+        if has_used_k:
+            used_k, pos = vals[pos:pos + batch], pos + batch
+        if has_used_q:
+            used_q = vals[pos:pos + batch]
+        out_of = lambda used, lens: sum(u < 0 or u > n for u, n in zip(used, lens)) if used is not None else 0  # noqa: E731
+        return (cu_q[0], cu_q[-1], sum(n < 0 for n in lens_q), max(lens_q, default=0), first_k, last_k,
+                sum(n < 0 for n in lens_k), max(used_k if used_k is not None else lens_k, default=0),
+                out_of(used_k, lens_k), out_of(used_q, lens_q))
+    cu_q_h, rest = vec[:batch + 1], vec[batch + 1:]
+    lens_q = cu_q_h[1:] - cu_q_h[:-1]
+    if paged:
+        first_k = last_k = 0
+        lens_k = torch.full_like(lens_q, capacity)
+    else:
+        cu_k_h, rest = rest[:batch + 1], rest[batch + 1:]
+        first_k, last_k = int(cu_k_h[0]), int(cu_k_h[-1])
+        lens_k = cu_k_h[1:] - cu_k_h[:-1]
+    used_k_h = used_q_h = None
+    if has_used_k:
+        used_k_h, rest = rest[:batch], rest[batch:]
+    if has_used_q:
+        used_q_h = rest[:batch]
+    out_of = lambda used, lens: int(((used < 0) | (used > lens)).sum()) if used is not None else 0  # noqa: E731
+    return (int(cu_q_h[0]), int(cu_q_h[-1]), int((lens_q < 0).sum()), int(lens_q.max()), first_k, last_k,
+            int((lens_k < 0).sum()), int((used_k_h if used_k_h is not None else lens_k).max()),
+            out_of(used_k_h, lens_k), out_of(used_q_h, lens_q))
+
+def _pages_bad(table, used_k, page_size, num_pages):
+    """How many of the host page table's (B, max_pages) entries that the sequences use (the first ceil(used_k[b] /
+    page_size) of row b) are not page indices in [0, num_pages): on Python lists for a table of up to _LIST_PAGES
+    entries (a decoding step's), else on the tensor."""
+    if table.numel() <= _LIST_PAGES:
+        rows, used = table.tolist(), used_k.tolist()
+        return sum(not 0 <= p < num_pages for row, n in zip(rows, used) for p in row[:(n + page_size - 1) // page_size])
+    used_pages = torch.arange(table.shape[1]) < ((used_k + page_size - 1) // page_size).view(-1, 1)
+    return int((((table < 0) | (table >= num_pages)) & used_pages).sum())
+
 def _varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                  seqused_q=None, seqused_k=None, page_table=None, softmax_scale=None, causal=False,
                  window_size=(None, None), learnable_sink=None, softcap=0.0, num_splits=1,
@@ -390,29 +448,16 @@ def _varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=Non
              + [t for t in (seqused_k, seqused_q, pages_bad) if t is not None]
              + ([page_table.reshape(-1)] if table_to_host else []))
     host = (torch.cat(parts) if len(parts) > 1 else parts[0]).to("cpu", torch.int64)
-    cu_q_h, rest = host[:batch + 1], host[batch + 1:]
-    if not paged:
-        cu_k_h, rest = rest[:batch + 1], rest[batch + 1:]
-    used_k_h = used_q_h = None
-    if seqused_k is not None:
-        used_k_h, rest = rest[:batch], rest[batch:]
-    if seqused_q is not None:
-        used_q_h, rest = rest[:batch], rest[batch:]
-    lens_q = cu_q_h[1:] - cu_q_h[:-1]
-    if paged:
-        lens_k = torch.full_like(lens_q, page_table.shape[1] * page_size)  # each sequence's page table's capacity
-    else:
-        lens_k = cu_k_h[1:] - cu_k_h[:-1]
-    used_bad = int(((used_k_h < 0) | (used_k_h > lens_k)).sum()) if used_k_h is not None else 0
-    used_q_bad = int(((used_q_h < 0) | (used_q_h > lens_q)).sum()) if used_q_h is not None else 0
+    n_vec = (batch + 1) * (1 if paged else 2) + batch * ((seqused_k is not None) + (seqused_q is not None))
+    (first_q, last_q, down_q, max_q, first_k, last_k, down_k, max_k, used_bad,
+     used_q_bad) = _sequence_stats(host[:n_vec], batch, paged, page_table.shape[1] * page_size if paged else 0,
+                                   seqused_k is not None, seqused_q is not None)
+    rest = host[n_vec:]
     # the split rule, the cap on num_splits and the backward's grid need the longest sequence's key count
     choose = (splits > 1 or num_splits <= 0) and not settings.disabled("split")
-    max_k = int((used_k_h if used_k_h is not None else lens_k).max()) if batch else 0
-    first_q, last_q = int(cu_q_h[0]), int(cu_q_h[-1])
-    max_q = int(lens_q.max()) if batch else 0
-    checks = [("cu_seqlens_q", first_q, int((lens_q < 0).sum()), last_q, Tq)]
+    checks = [("cu_seqlens_q", first_q, down_q, last_q, Tq)]
     if not paged:  # (a paged call's keys are its pages: no cu_seqlens_k)
-        checks.append(("cu_seqlens_k", int(cu_k_h[0]), int((lens_k < 0).sum()), int(cu_k_h[-1]), Tk))
+        checks.append(("cu_seqlens_k", first_k, down_k, last_k, Tk))
     for name, first, down, last, total in checks:
         if first != 0 or down or last > total:
             raise ValueError(f"{name} must start at 0, never decrease and end at most at {total} "
@@ -421,9 +466,8 @@ def _varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=Non
         raise ValueError("seqused_k must lie in [0, page_table.shape[1] * page_size]" if paged else
                          "seqused_k must lie in [0, cu_seqlens_k[b + 1] - cu_seqlens_k[b]]")
     if table_to_host:  # (after the seqused_k check: the pages a sequence uses follow from its key count)
-        table_h = rest.view(batch, -1)
-        used_pages = torch.arange(table_h.shape[1]) < ((used_k_h + page_size - 1) // page_size).view(-1, 1)
-        pages_bad = int((((table_h < 0) | (table_h >= num_pages)) & used_pages).sum())
+        used_k_h = host[n_vec - batch * (1 + (seqused_q is not None)):][:batch]
+        pages_bad = _pages_bad(rest.view(batch, -1), used_k_h, page_size, num_pages)
     elif pages_bad is not None:
         pages_bad = int(rest[0])
     if pages_bad:
