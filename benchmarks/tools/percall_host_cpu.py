@@ -9,9 +9,10 @@ no-op backend, then through the Triton backend's fwd_kvcache with its launches r
 cute backend's (its kernels replaced by no-ops). ``--api decode``: the root flash_attn_func on that decoding shape (an
 inference call: the lse dropped) through the cute backend, whose decoding plan (pack_gqa 4, 16 split-KV parts) is
 fixed and whose split kernel and combine launch are no-ops (fp16: the combine's host path serves CPU tensors only in
-Triton's interpreter, and not bf16 there).
+Triton's interpreter, and not bf16 there). ``--api paged``: flash_attn.cute.flash_attn_varlen_func's paged decoding
+call (batch 1 and 32, an 8k cache in 64-row pages) with forward_varlen stubbed: the API's checks and their one copy.
 
-    python -m benchmarks.tools.percall_host_cpu [--api cute|root|both|kvcache|decode] [--rounds 15] [--calls 2000]
+    python -m benchmarks.tools.percall_host_cpu [--api cute|root|both|kvcache|decode|paged] [--rounds 15] [--calls 2000]
 """
 import argparse
 import sys
@@ -235,9 +236,29 @@ def measure_decode(rounds=15, calls=2000, splits=16):
         cb._decode_plans.clear()
 
 
+def measure_paged(rounds=15, calls=2000):
+    """{case: us} of flash_attn.cute.flash_attn_varlen_func's paged decoding call (one query token per sequence, H 32,
+    Hk 8, d 128, 8k keys in 64-row pages, seqused_k): its argument and value checks, forward_varlen replaced by a stub
+    that returns out and lse (so the figure is the API's own host work: the checks and their one copy)."""
+    from benchmarks.attention.ab_cute_decode import _inputs
+    from flash_attn.cute import flash_attn_varlen_func, interface
+
+    saved = interface._device_arch, interface.forward_varlen
+    interface._device_arch = lambda q, k, v: "sm_90a"
+    interface.forward_varlen = lambda q, *a, **kw: (q, q.new_zeros(q.shape[1], q.shape[0]).float())
+    try:
+        out = {}
+        for b in (1, 32):
+            _, args, kw = _inputs((b, 1, 8192, 32, 8, 128), 64, torch.float16, device="cpu")
+            out[f"paged {b} x 8k"] = _time(flash_attn_varlen_func, args, kw, rounds, calls)
+        return out
+    finally:
+        interface._device_arch, interface.forward_varlen = saved
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--api", choices=("cute", "root", "both", "kvcache", "decode"), default="cute")
+    p.add_argument("--api", choices=("cute", "root", "both", "kvcache", "decode", "paged"), default="cute")
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--calls", type=int, default=2000)
     a = p.parse_args(argv)
@@ -246,6 +267,8 @@ def main(argv=None):
             res = measure_kvcache(a.rounds, a.calls)
         elif api == "decode":
             res = measure_decode(a.rounds, a.calls)
+        elif api == "paged":
+            res = measure_paged(a.rounds, a.calls)
         else:
             res = measure(api, a.rounds, a.calls)
         print(f"{api}: " + ", ".join(f"{k} {v:.2f} us" for k, v in res.items()))

@@ -712,7 +712,7 @@ def test_sequence_stats_on_lists_and_on_the_tensor_agree(monkeypatch):
                         parts += [torch.randint(-1, 10, (batch,), generator=g) for h in (has_k, has_q) if h]
                         vec = torch.cat(parts)
                         args = (vec, batch, paged, 24, has_k, has_q)
-                        monkeypatch.setattr(interface, "_LIST_BATCH", 1024)
+                        monkeypatch.setattr(interface, "_LIST_BATCH", 128)
                         on_lists = interface._sequence_stats(*args)
                         monkeypatch.setattr(interface, "_LIST_BATCH", -1)
                         if batch == 0:  # (the tensor path serves calls with more than _LIST_BATCH sequences only)
@@ -725,7 +725,7 @@ def test_varlen_value_checks_name_what_is_wrong(monkeypatch, on_lists):
     """The varlen call's value checks (one host copy of the small int vectors, one sync): cu_seqlens that do not start
     at 0, decrease or end past the tokens, seqused_k past a sequence's keys, max_seqlen_q below the longest sequence;
     each a ValueError before any launch. on_lists: checked on Python lists (few sequences), else on the host tensor."""
-    monkeypatch.setattr(interface, "_LIST_BATCH", 1024 if on_lists else -1)
+    monkeypatch.setattr(interface, "_LIST_BATCH", 128 if on_lists else -1)
     monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")
     I32 = torch.int32
     q = torch.zeros(12, 4, 64, dtype=torch.bfloat16)

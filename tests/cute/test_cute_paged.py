@@ -170,8 +170,8 @@ def test_paged_argument_checks(cute_env, monkeypatch, table_on_host, on_lists):
     # checked on the device (tables past interface._HOST_PAGE_ENTRIES). on_lists: the small vectors checked on Python
     # lists (few sequences), else on the host tensor.
     monkeypatch.setattr(interface, "_HOST_PAGE_ENTRIES", 1 << 16 if table_on_host else 0)
-    monkeypatch.setattr(interface, "_LIST_BATCH", 1024 if on_lists else -1)
-    monkeypatch.setattr(interface, "_LIST_PAGES", 4096 if on_lists else -1)
+    monkeypatch.setattr(interface, "_LIST_BATCH", 128 if on_lists else -1)
+    monkeypatch.setattr(interface, "_LIST_PAGES", 256 if on_lists else -1)
     monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")
     q, k, v, _, _, cu_q, table, used_k = _paged_case([3, 4], [10, 17], 8, 2, 1, 64)
     call = lambda **kw: interface.flash_attn_varlen_func(  # noqa: E731
@@ -229,7 +229,7 @@ def test_pages_bad_counts_the_used_entries_out_of_range(monkeypatch):
         table = torch.randint(-3, 14, (B, P), generator=g)
         used = torch.randint(0, P * ps + 1, (B,), generator=g)
         want = sum(int(not 0 <= int(table[b, j]) < num_pages) for b in range(B) for j in range(-(-int(used[b]) // ps)))
-        for limit in (4096, -1):
+        for limit in (256, -1):
             monkeypatch.setattr(interface, "_LIST_PAGES", limit)
             assert interface._pages_bad(table, used, ps, num_pages) == want, (trial, limit)
 

@@ -101,7 +101,7 @@ def test_seqused_q_calls_per_sequence(monkeypatch, causal, sink, with_used_k):
 
 @pytest.mark.parametrize("on_lists", [True, False])
 def test_seqused_q_checks(monkeypatch, on_lists):
-    monkeypatch.setattr(interface, "_LIST_BATCH", 1024 if on_lists else -1)  # (see interface._sequence_stats)
+    monkeypatch.setattr(interface, "_LIST_BATCH", 128 if on_lists else -1)  # (see interface._sequence_stats)
     monkeypatch.setattr(interface, "_device_arch", lambda q, k, v: "sm_90a")
     q = torch.zeros(6, 2, 64, dtype=torch.bfloat16)
     k = v = torch.zeros(6, 1, 64, dtype=torch.bfloat16)

@@ -69,8 +69,8 @@ _DEFAULT_WINDOW = (None, None)  # flash_attn_func's default window_size (identit
 # A varlen call's page table of up to this many entries (256 KiB) is checked on the host, in the call's one copy of its
 # small int vectors (no device ops for it); a larger one on the device.
 _HOST_PAGE_ENTRIES = 1 << 16
-_LIST_BATCH = 1024  # varlen calls of up to this many sequences check their values on Python lists (_sequence_stats)
-_LIST_PAGES = 4096  # and page tables of up to this many entries (_pages_bad)
+_LIST_BATCH = 128  # varlen calls of up to this many sequences check their values on Python lists (_sequence_stats)
+_LIST_PAGES = 256  # and page tables of up to this many entries (_pages_bad; Python is slower past it)
 
 
 def _refuse_unsupported(**given):
