@@ -196,13 +196,23 @@ def _capturing():
     return _cuda_available[0] and torch.cuda.is_current_stream_capturing()
 
 
+# A value check of a tensor of up to this many elements reads it whole into a Python list (one copy, no reduction
+# launches: a decoding step's vectors); larger ones are reduced on their device and only the results travel.
+_LIST_VALUES = 256
+
+
 def cu_seqlens_values(name, cu, total, max_seqlen):
     def check():
-        c = cu.to(torch.int64)
-        lens = c[1:] - c[:-1]
-        stats = torch.stack([c[0], c[-1], lens.min() if lens.numel() else c[0] * 0,
-                             lens.max() if lens.numel() else c[0] * 0]).tolist()
-        first, last, min_len, max_len = stats
+        if cu.numel() <= _LIST_VALUES:
+            c = cu.tolist()
+            lens = [b - a for a, b in zip(c, c[1:])]
+            first, last, min_len, max_len = c[0], c[-1], min(lens, default=0), max(lens, default=0)
+        else:
+            c = cu.to(torch.int64)
+            lens = c[1:] - c[:-1]
+            none = c[0] * 0  # (no sequence: no lengths)
+            first, last, min_len, max_len = torch.stack([c[0], c[-1], lens.min() if lens.numel() else none,
+                                                         lens.max() if lens.numel() else none]).tolist()
         if first != 0:
             raise ValueError(f"{name} must start at 0, got {first}")
         if min_len < 0:
@@ -227,7 +237,11 @@ def range_values(name, t, lo, hi, error=ValueError, why=""):
     def check():
         if t.numel() == 0:
             return
-        mn, mx = torch.stack([t.min(), t.max()]).tolist()
+        if t.numel() <= _LIST_VALUES:
+            values = t.reshape(-1).tolist()
+            mn, mx = min(values), max(values)
+        else:
+            mn, mx = torch.stack([t.min(), t.max()]).tolist()
         if mn < lo or mx >= hi:
             raise error(f"{name} values must be in [{lo}, {hi}){why}, got min {mn}, max {mx}")
 

@@ -309,20 +309,27 @@ def test_cu_seqlens_shape():
         _checks.cu_seqlens("cu_seqlens_k", torch.zeros(2, dtype=torch.int32, device="meta"), cpu)
 
 
-def test_cu_seqlens_values_of_an_empty_batch():
+@pytest.fixture(params=["list", "reduced"])
+def value_path(request, monkeypatch):
+    """The value checks' two ways: small tensors read whole into a Python list, larger ones reduced on their device."""
+    monkeypatch.setattr(_checks, "_LIST_VALUES", 256 if request.param == "list" else 0)
+    return request.param
+
+
+def test_cu_seqlens_values_of_an_empty_batch(value_path):
     _checks.cu_seqlens_values("cu_seqlens_q", torch.zeros(1, dtype=torch.int32), 0, 0)
     with pytest.raises(ValueError, match=r"^cu_seqlens_q must start at 0, got 3$"):
         _checks.cu_seqlens_values("cu_seqlens_q", torch.full((1,), 3, dtype=torch.int32), 5, 0)
 
 
-def test_cu_seqlens_values_in_64_bits():
+def test_cu_seqlens_values_in_64_bits(value_path):
     # int32 arithmetic would wrap 2**31 - 1 -> -2**31 around to a difference of +1
     cu = torch.tensor([0, 2**31 - 1, -2**31], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"^cu_seqlens_k must be non-decreasing"):
         _checks.cu_seqlens_values("cu_seqlens_k", cu, None, 2**31)
 
 
-def test_cu_seqlens_values_messages():
+def test_cu_seqlens_values_messages(value_path):
     cu = torch.tensor([0, 3, 7], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"^cu_seqlens_k\[-1\] = 7 exceeds the number of tokens \(6\)$"):
         _checks.cu_seqlens_values("cu_seqlens_k", cu, 6, 4)
@@ -332,7 +339,7 @@ def test_cu_seqlens_values_messages():
     _checks.cu_seqlens_values("cu_seqlens_k", cu.clone(), None, 4)
 
 
-def test_cu_seqlens_values_are_checked_again_for_other_bounds():
+def test_cu_seqlens_values_are_checked_again_for_other_bounds(value_path):
     cu = torch.tensor([0, 3, 7], dtype=torch.int32)
     _checks.cu_seqlens_values("cu_seqlens_q", cu, 7, 4)
     with pytest.raises(ValueError, match="max_seqlen"):
@@ -341,7 +348,7 @@ def test_cu_seqlens_values_are_checked_again_for_other_bounds():
         _checks.cu_seqlens_values("cu_seqlens_q", cu, 6, 4)
 
 
-def test_range_values():
+def test_range_values(value_path):
     t = torch.tensor([0, 5, 9])
     _checks.range_values("block_table", t, 0, 10)
     with pytest.raises(ValueError, match=r"^block_table values must be in \[0, 9\), got min 0, max 9$"):
