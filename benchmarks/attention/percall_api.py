@@ -9,7 +9,9 @@ time per call (the least disturbed by the host), calls back to back with one syn
 --kvcache adds a decoding call: flash_attn_with_kvcache (one query token, H 32, Hk 8, d 128, an 8k cache) through
 the root API ("kvcache"), the Triton backend's fwd_kvcache alone ("kvcache backend": the front door's share is the
 difference), the root flash_attn_func on the same q and cache ("root decode": what Hugging Face's flash_attention_2
-calls per layer and token), SDPA on the same cache (enable_gqa), and the Triton launchers' slow-path launch counts.
+calls per layer and token), SDPA on the same cache (enable_gqa), the FA4 API's paged decoding call on that cache in
+64-row pages ("cute paged decode": flash_attn.cute.flash_attn_varlen_func with page_table and seqused_k, its value
+checks' one sync included), and the Triton launchers' slow-path launch counts.
 
 Standalone (imports only torch and flash_attn), so one checkout can time another: run it with that checkout's root
 first on PYTHONPATH, alternating the two in separate processes, on one warm machine.
@@ -61,6 +63,7 @@ def _kvcache(rounds, calls):
     import torch.nn.functional as F
 
     import flash_attn
+    import flash_attn.cute
     from flash_attn.call import describe
     from flash_attn.triton import backend as tb, kvcache as tkv
 
@@ -79,6 +82,13 @@ def _kvcache(rounds, calls):
            "root decode": _per_call(lambda: flash_attn.flash_attn_func(q, kc, vc), rounds, calls),
            "sdpa decode": _per_call(lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True), rounds,
                                     calls)}
+    # the same cache in 64-row pages, in order (page b * 128 + j is row b's j-th), through the FA4 API
+    kp, vp = (t.reshape(B * Sk // 64, 64, Hk, D) for t in (kc, vc))
+    table = torch.arange(B * Sk // 64, dtype=torch.int32, device="cuda").view(B, Sk // 64)
+    cu_q = torch.arange(B + 1, dtype=torch.int32, device="cuda")
+    res["cute paged decode"] = _per_call(lambda: flash_attn.cute.flash_attn_varlen_func(
+        q.view(B, H, D), kp, vp, cu_seqlens_q=cu_q, max_seqlen_q=1, seqused_k=lens, page_table=table,
+        num_splits=0, pack_gqa=True), rounds, calls)
     res["kvcache slow launches"] = {n: lr.slow_launches - before[n] for n, lr in launchers.items()}
     return res
 
