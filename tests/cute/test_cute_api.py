@@ -697,8 +697,8 @@ def test_backend_common_call_launches_without_launch_forward(monkeypatch):
 
 
 def test_sequence_stats_on_lists_and_on_the_tensor_agree(monkeypatch):
-    """interface._sequence_stats gives the same numbers from Python lists (up to _LIST_BATCH sequences) and from the host
-    tensor (more), valid and invalid values alike: cu_seqlens that decrease or start past 0, seqused past their
+    """interface._sequence_stats gives the same numbers from Python lists (up to _LIST_BATCH sequences) and from the
+    host tensor (more), valid and invalid values alike: cu_seqlens that decrease or start past 0, seqused past their
     sequences, paged calls (the page table's capacity for every sequence), no sequence at all."""
     g = torch.Generator().manual_seed(0)
     for batch in (0, 1, 3, 17):

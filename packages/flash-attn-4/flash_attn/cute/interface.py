@@ -306,15 +306,14 @@ def _sequence_stats(vec, batch, paged, capacity, has_used_k, has_used_q):
             cu_k, pos = vals[pos:pos + batch + 1], pos + batch + 1
             first_k, last_k = cu_k[0], cu_k[-1]
             lens_k = [b - a for a, b in zip(cu_k, cu_k[1:])]
-        used_k = used_q = None
+        used_k, used_bad, used_q_bad = lens_k, 0, 0
         if has_used_k:
             used_k, pos = vals[pos:pos + batch], pos + batch
+            used_bad = sum(u < 0 or u > n for u, n in zip(used_k, lens_k))
         if has_used_q:
-            used_q = vals[pos:pos + batch]
-        out_of = lambda used, lens: sum(u < 0 or u > n for u, n in zip(used, lens)) if used is not None else 0  # noqa: E731
+            used_q_bad = sum(u < 0 or u > n for u, n in zip(vals[pos:pos + batch], lens_q))
         return (cu_q[0], cu_q[-1], sum(n < 0 for n in lens_q), max(lens_q, default=0), first_k, last_k,
-                sum(n < 0 for n in lens_k), max(used_k if used_k is not None else lens_k, default=0),
-                out_of(used_k, lens_k), out_of(used_q, lens_q))
+                sum(n < 0 for n in lens_k), max(used_k, default=0), used_bad, used_q_bad)
     cu_q_h, rest = vec[:batch + 1], vec[batch + 1:]
     lens_q = cu_q_h[1:] - cu_q_h[:-1]
     if paged:
@@ -324,15 +323,16 @@ def _sequence_stats(vec, batch, paged, capacity, has_used_k, has_used_q):
         cu_k_h, rest = rest[:batch + 1], rest[batch + 1:]
         first_k, last_k = int(cu_k_h[0]), int(cu_k_h[-1])
         lens_k = cu_k_h[1:] - cu_k_h[:-1]
-    used_k_h = used_q_h = None
+    used_k, used_bad, used_q_bad = lens_k, 0, 0
     if has_used_k:
-        used_k_h, rest = rest[:batch], rest[batch:]
+        used_k, rest = rest[:batch], rest[batch:]
+        used_bad = int(((used_k < 0) | (used_k > lens_k)).sum())
     if has_used_q:
-        used_q_h = rest[:batch]
-    out_of = lambda used, lens: int(((used < 0) | (used > lens)).sum()) if used is not None else 0  # noqa: E731
+        used_q = rest[:batch]
+        used_q_bad = int(((used_q < 0) | (used_q > lens_q)).sum())
     return (int(cu_q_h[0]), int(cu_q_h[-1]), int((lens_q < 0).sum()), int(lens_q.max()), first_k, last_k,
-            int((lens_k < 0).sum()), int((used_k_h if used_k_h is not None else lens_k).max()),
-            out_of(used_k_h, lens_k), out_of(used_q_h, lens_q))
+            int((lens_k < 0).sum()), int(used_k.max()), used_bad, used_q_bad)
+
 
 def _pages_bad(table, used_k, page_size, num_pages):
     """How many of the host page table's (B, max_pages) entries that the sequences use (the first ceil(used_k[b] /
@@ -340,9 +340,11 @@ def _pages_bad(table, used_k, page_size, num_pages):
     entries (a decoding step's), else on the tensor."""
     if table.numel() <= _LIST_PAGES:
         rows, used = table.tolist(), used_k.tolist()
-        return sum(not 0 <= p < num_pages for row, n in zip(rows, used) for p in row[:(n + page_size - 1) // page_size])
+        return sum(not 0 <= p < num_pages
+                   for row, n in zip(rows, used) for p in row[:(n + page_size - 1) // page_size])
     used_pages = torch.arange(table.shape[1]) < ((used_k + page_size - 1) // page_size).view(-1, 1)
     return int((((table < 0) | (table >= num_pages)) & used_pages).sum())
+
 
 def _varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                  seqused_q=None, seqused_k=None, page_table=None, softmax_scale=None, causal=False,
