@@ -8,7 +8,8 @@ flash_attn.flash_attn_with_kvcache on a decoding shape (one query token, H 32, H
 no-op backend, then through the Triton backend's fwd_kvcache with its launches replaced by no-ops, and through the
 cute backend's (its kernels replaced by no-ops). ``--api decode``: the root flash_attn_func on that decoding shape (an
 inference call: the lse dropped) through the cute backend, whose decoding plan (pack_gqa 4, 16 split-KV parts) is
-fixed and whose split kernel and combine launch are no-ops (fp16: the combine's host path serves CPU tensors only in
+fixed and whose split kernel and combine launch are no-ops, and flash_attn.cute.flash_attn_func(num_splits=0,
+pack_gqa=True) on it (its own split rule, an H200's 132 SMs) (fp16: the combine's host path serves CPU tensors only in
 Triton's interpreter, and not bf16 there). ``--api paged``: flash_attn.cute.flash_attn_varlen_func's paged decoding
 call (batch 1 and 32, an 8k cache in 64-row pages) with forward_varlen stubbed: the API's checks and their one copy.
 
@@ -229,8 +230,18 @@ def measure_decode(rounds=15, calls=2000, splits=16):
     cb._decode_plans.clear()
     try:
         with dispatch.use_backend("nop_cute"), torch.inference_mode(False):
-            return {"root decode 1 x 8k (cute backend)": _time(flash_attn.flash_attn_func, (q, kc, vc), {}, rounds,
-                                                               calls)}
+            out = {"root decode 1 x 8k (cute backend)": _time(flash_attn.flash_attn_func, (q, kc, vc), {}, rounds,
+                                                              calls)}
+        # the FA4 API's own choice on the same call (num_splits=0, pack_gqa): its split rule and split path per call
+        from flash_attn.cute import interface, plan
+        saved_sms = plan._device_sms
+        plan._device_sms = lambda t: 132
+        try:
+            out["cute decode 1 x 8k (num_splits=0, pack_gqa)"] = _time(
+                interface.flash_attn_func, (q, kc, vc), {"num_splits": 0, "pack_gqa": True}, rounds, calls)
+        finally:
+            plan._device_sms = saved_sms
+        return out
     finally:
         cb._decode_plan, combine._launch, combine._INTERPRET, combine._kernel = saved
         cb._decode_plans.clear()

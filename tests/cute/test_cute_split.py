@@ -134,6 +134,15 @@ def test_choose_splits(tiles, key_blocks, want):
     assert plan._choose_splits(tiles, key_blocks, 132) == want
 
 
+
+def test_choose_splits_searches_once_per_arguments():
+    """The split search is remembered per (tiles, key blocks, SMs) and the rule's constants: a decoding call, which
+    asks every step, finds it; other constants search again."""
+    plan._search_splits.cache_clear()
+    first = plan._choose_splits(8, 64, 132)
+    assert plan._choose_splits(8, 64, 132) == first and plan._search_splits.cache_info().hits == 1
+    assert plan._search_splits(8, 64, 132, 4, plan._SPLIT_EFFICIENCY) <= 4  # (the cap is part of the key)
+
 def test_choose_splits_properties():
     """For every small grid: the parts never exceed the key blocks or _MAX_SPLITS, each part count is the fewest with
     its blocks per part, and the waves of the split grid reach _SPLIT_EFFICIENCY of the best such part count's (a

@@ -2,6 +2,7 @@
 count and the length class (short / long keys) that picks among a head dim's kernels. Host arithmetic only: no
 kernel is touched here.
 """
+import functools
 import operator
 
 import torch
@@ -75,17 +76,23 @@ def _choose_splits(tiles, key_blocks, sms):
     grid's ``tiles`` CTAs fill at least _SPLIT_BELOW of the ``sms`` SMs, or a tile sees fewer than 2 key blocks;
     else, over the part counts s <= min(key_blocks, _MAX_SPLITS) that change the blocks per part (ceil(key_blocks /
     s)), the wave efficiency of tiles x s CTAs (waves / whole waves), and the fewest parts within
-    _SPLIT_EFFICIENCY of the best."""
+    _SPLIT_EFFICIENCY of the best. Remembered per arguments (a decoding call asks every step; the search costs
+    microseconds)."""
     if tiles <= 0 or tiles >= _SPLIT_BELOW * sms or key_blocks < 2:
         return 1
+    return _search_splits(tiles, key_blocks, sms, _MAX_SPLITS, _SPLIT_EFFICIENCY)
+
+
+@functools.lru_cache(maxsize=4096)
+def _search_splits(tiles, key_blocks, sms, max_splits, split_efficiency):
     efficiency = {}
-    for s in range(1, min(key_blocks, _MAX_SPLITS) + 1):
+    for s in range(1, min(key_blocks, max_splits) + 1):
         if s > 1 and -(-key_blocks // s) == -(-key_blocks // (s - 1)):
             continue  # as many blocks per part as with one part fewer: more parts to merge for nothing
         waves = tiles * s / sms
         efficiency[s] = waves / -(-waves // 1)
     best = max(efficiency.values())
-    return min(s for s, e in efficiency.items() if e >= _SPLIT_EFFICIENCY * best)
+    return min(s for s, e in efficiency.items() if e >= split_efficiency * best)
 
 
 def _split_count(num_splits, tiles=0, seqlen_k=None, q=None):
