@@ -8,7 +8,8 @@ flash_attn.flash_attn_with_kvcache on a decoding shape (one query token, H 32, H
 no-op backend, then through the Triton backend's fwd_kvcache with its launches replaced by no-ops, and through the
 cute backend's (its kernels replaced by no-ops). ``--api decode``: the root flash_attn_func on that decoding shape (an
 inference call: the lse dropped) through the cute backend, whose decoding plan (pack_gqa 4, 16 split-KV parts) is
-fixed and whose split kernel and combine launch are no-ops, and flash_attn.cute.flash_attn_func(num_splits=0,
+fixed and whose split kernel and combine launch are no-ops, the root flash_attn_varlen_func on it (one query row per
+sequence, as Hugging Face's padded decoding calls it), and flash_attn.cute.flash_attn_func(num_splits=0,
 pack_gqa=True) on it (its own split rule, an H200's 132 SMs) (fp16: the combine's host path serves CPU tensors only in
 Triton's interpreter, and not bf16 there). ``--api paged``: flash_attn.cute.flash_attn_varlen_func's paged decoding
 call (batch 1 and 32, an 8k cache in 64-row pages) with forward_varlen stubbed: the API's checks and their one copy.
@@ -224,6 +225,7 @@ def measure_decode(rounds=15, calls=2000, splits=16):
         return None
 
     kernels._kernels[(dt, D, False, "sm_90a", False, False, "pack", 4, "split")] = nop
+    kernels._kernels[(dt, D, False, "sm_90a", False, False, True, "pack", 4, "split")] = nop  # (varlen)
     saved = cb._decode_plan, combine._launch, combine._INTERPRET, combine._kernel
     cb._decode_plan = lambda *a: (4, splits)
     combine._launch, combine._INTERPRET, combine._kernel = (lambda *a: None), True, (lambda: nop)
@@ -232,6 +234,12 @@ def measure_decode(rounds=15, calls=2000, splits=16):
         with dispatch.use_backend("nop_cute"), torch.inference_mode(False):
             out = {"root decode 1 x 8k (cute backend)": _time(flash_attn.flash_attn_func, (q, kc, vc), {}, rounds,
                                                               calls)}
+            # Hugging Face's padded-batch decoding step: the root varlen call (one query row per sequence)
+            cu_q = torch.arange(B + 1, dtype=torch.int32)
+            cu_k = torch.arange(0, (B + 1) * Sk, Sk, dtype=torch.int32)
+            out["root varlen decode 1 x 8k (cute backend)"] = _time(
+                flash_attn.flash_attn_varlen_func, (q.view(B, H, D), kc.view(B * Sk, Hk, D), vc.view(B * Sk, Hk, D),
+                                                    cu_q, cu_k, 1, Sk), {}, rounds, calls)
         # the FA4 API's own choice on the same call (num_splits=0, pack_gqa): its split rule and split path per call
         from flash_attn.cute import interface, plan
         saved_sms = plan._device_sms

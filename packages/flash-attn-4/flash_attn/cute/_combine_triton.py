@@ -16,16 +16,18 @@ def _load_lse(lse_ptrs, k, s_ln, n_splits, row_ok):
 # Row counts and split counts change from call to call: not specialised (no recompile per batch). Strides are,
 # so that a unit D stride and 16-divisible row strides vectorise the loads of o.
 @triton.jit(do_not_specialize=["n_splits", "seqlen", "n_rows"])
-def _combine_kernel(OutPartial, LsePartial, Out, Lse, Sink,
+def _combine_kernel(OutPartial, LsePartial, Out, Lse, Sink, RowLimit,
                     s_pn, s_pb, s_ps, s_ph, s_pd, s_ln, s_lb, s_ls, s_lh,
                     s_ob, s_os, s_oh, s_od, s_eb, s_es, s_eh,
                     n_splits, seqlen, n_rows, heads,
                     HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_D: tl.constexpr, WRITE_LSE: tl.constexpr, HAS_SINK: tl.constexpr,
-                    UNSEEN_POS_INF: tl.constexpr):
+                    UNSEEN_POS_INF: tl.constexpr, ROW_LIMIT: tl.constexpr):
     # Sink (HAS_SINK): a per-head logit that joins each row's sum as exp(sink) with no value (the split kernels
     # leave it out so that it counts once). A row with no finite term gets lse -inf (FA4's flash_attn_combine), or
-    # +inf with UNSEEN_POS_INF (the split forward's convention).
+    # +inf with UNSEEN_POS_INF (the split forward's convention). ROW_LIMIT: rows from the int32 at RowLimit on (a
+    # varlen call's rows after its last sequence, whose parts no CTA wrote) get o = 0 and lse +inf, whatever their
+    # parts hold.
     # Rows are (batch, seqlen) flattened; heads vary fastest among programs, so programs running together read
     # whole (row, H, D) stretches of each part.
     pid = tl.program_id(0)
@@ -84,6 +86,10 @@ def _combine_kernel(OutPartial, LsePartial, Out, Lse, Sink,
         o = tl.load(o_ptrs[None, :, :] + k.to(tl.int64)[:, None, None] * s_pn,
                     mask=(k < n_splits)[:, None, None] & tile[None, :, :], other=0.0).to(tl.float32)
         acc += tl.sum(w[:, :, None] * o, 0)
+    if ROW_LIMIT:
+        used = rows < tl.load(RowLimit)
+        acc = tl.where(used[:, None], acc, 0.0)
+        lse = tl.where(used, lse, float("inf"))
     out_ptrs = Out + (b64 * s_ob + s64 * s_os + h64 * s_oh)[:, None] + cols[None, :].to(tl.int64) * s_od
     tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=tile)
     if WRITE_LSE:

@@ -97,29 +97,34 @@ def combine_kernel(out_partial, lse_partial, out, lse, sink=None, unseen_pos_inf
                   unseen_pos_inf)(out, lse, sink)
 
 
-def bound_combine(out_partial, lse_partial, out_strides, lse_strides, has_sink=False, unseen_pos_inf=False):
-    """combine_kernel with the parts and every stride fixed: launch(out, lse, sink) for an out of strides out_strides
-    (B, S, H, D) and an lse of lse_strides (B, S, H) (None: no lse; pass lse None then), sink given iff has_sink: what
-    the split-KV paths reuse call after call (their parts are reused too). out and lse may be any tensors whose
-    storage those strides address from their first element."""
+def bound_combine(out_partial, lse_partial, out_strides, lse_strides, has_sink=False, unseen_pos_inf=False,
+                  row_limit=False):
+    """combine_kernel with the parts and every stride fixed: launch(out, lse, sink[, limit]) for an out of strides
+    out_strides (B, S, H, D) and an lse of lse_strides (B, S, H) (None: no lse; pass lse None then), sink given iff
+    has_sink: what the split-KV paths reuse call after call (their parts are reused too). out and lse may be any
+    tensors whose storage those strides address from their first element. row_limit: launch takes ``limit`` too, a
+    one-element int32 tensor on the device (a varlen call's cu_seqlens_q[-1:]): rows (B x S flattened) from it on get
+    out 0 and lse +inf, their parts unread for the result."""
     _, B, S, H, D = out_partial.shape
     n_rows = B * S
     if n_rows == 0 or H == 0:
-        return lambda out, lse, sink: None
+        return lambda out, lse, sink, limit=None: None
     n_splits = out_partial.shape[0]
     block_k, block_m, block_d, warps = _tile(n_splits, n_rows, H, D)
     write_lse = lse_strides is not None
     meta = {"HEAD_DIM": D, "BLOCK_K": block_k, "BLOCK_M": block_m, "BLOCK_D": block_d, "WRITE_LSE": write_lse,
-            "HAS_SINK": has_sink, "UNSEEN_POS_INF": bool(unseen_pos_inf), "num_warps": warps}
+            "HAS_SINK": has_sink, "UNSEEN_POS_INF": bool(unseen_pos_inf), "ROW_LIMIT": bool(row_limit),
+            "num_warps": warps}
     grid = (-(-n_rows // block_m) * H, max(1, -(-D // block_d)))
     tail = (*out_partial.stride(), *lse_partial.stride(), *out_strides, *(lse_strides if write_lse else (0, 0, 0)),
             n_splits, S, n_rows, H)
-    plan_key = ("combine", D, block_k, block_m, block_d, write_lse, has_sink, bool(unseen_pos_inf), warps)
+    plan_key = ("combine", D, block_k, block_m, block_d, write_lse, has_sink, bool(unseen_pos_inf), bool(row_limit),
+                warps)
     kernel = _kernel()
 
-    def launch(out, lse, sink):
-        _launch(kernel, grid, (out_partial, lse_partial, out, lse, sink if has_sink else lse_partial, *tail), meta,
-                plan_key)
+    def launch(out, lse, sink, limit=None):
+        _launch(kernel, grid, (out_partial, lse_partial, out, lse, sink if has_sink else lse_partial,
+                               limit if row_limit else lse_partial, *tail), meta, plan_key)
 
     return launch
 

@@ -273,13 +273,14 @@ def _decode_entry(key, device, arch):
 _split_parts_cache: dict[tuple, tuple] = {}
 
 
-def _split_parts(device, stream, dtype, splits, B, Sq, H, Dv, has_sink=False):
+def _split_parts(device, stream, dtype, splits, B, Sq, H, Dv, has_sink=False, row_limit=False):
     """(o parts (splits * B, Sq, H, Dv), lse parts (splits * B, H, Sq), combine) fp32 of a split-KV call on the
     current stream (handle ``stream``) with out in dtype, reused by every such call of these sizes (see
     _decode_entries): one buffer; combine(out, lse, sink) merges them into out (B, Sq, H, Dv) and lse (B, H, Sq),
-    contiguous (a varlen call's (Tq, H, Dv) and (H, Tq) with B 1 and Sq Tq). None where the general path serves
-    the call (parts past the budget, or no combine kernel for them: remembered)."""
-    key = (device, stream, dtype, splits, B, Sq, H, Dv, has_sink)
+    contiguous (a varlen call's (Tq, H, Dv) and (H, Tq) with B 1 and Sq Tq); with row_limit combine(out, lse, sink,
+    limit) also gives the rows from limit (a one-element int32 tensor) on out 0 and lse +inf. None where the general
+    path serves the call (parts past the budget, or no combine kernel for them: remembered)."""
+    key = (device, stream, dtype, splits, B, Sq, H, Dv, has_sink, row_limit)
     parts = _split_parts_cache.get(key)
     if parts is not None:
         return parts or None
@@ -292,7 +293,7 @@ def _split_parts(device, stream, dtype, splits, B, Sq, H, Dv, has_sink=False):
     parts = False  # (no combine kernel for them)
     if _combine.use_kernel(o5, l5, dtype, device):
         parts = (o_parts, lse_parts, _combine.bound_combine(o5, l5, (Sq * H * Dv, H * Dv, Dv, 1), (H * Sq, 1, Sq),
-                                                             has_sink, unseen_pos_inf=True))
+                                                             has_sink, unseen_pos_inf=True, row_limit=row_limit))
     if len(_split_parts_cache) >= _DECODE_MAX_ENTRIES:
         _split_parts_cache.clear()
     _split_parts_cache[key] = parts
@@ -441,8 +442,9 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
             # split s's parts in entry s (rows after the last sequence are never written: their merge is undefined,
             # as those rows of the unsplit kernel's out, and replaced when fill_unused_rows)
             index = q.get_device()
+            # (fill_unused_rows: the bound combine zeroes the rows after the last sequence itself)
             parts = None if _capturing(index) else _split_parts(q.device, _stream_id(index), q.dtype, splits, 1, Tq,
-                                                                  H, Dv, sink is not None)
+                                                                  H, Dv, sink is not None, fill_unused_rows)
             if parts is None:
                 o_parts = torch.empty(splits, Tq, H, Dv, dtype=torch.float32, device=q.device)
                 lse_parts = torch.empty(splits, H, Tq, dtype=torch.float32, device=q.device)
@@ -459,13 +461,16 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
                 merged, merged_lse = _combine_splits(o_parts.view(splits, 1, Tq, H, Dv),
                                                      lse_parts.view(splits, 1, H, Tq), sink, q.dtype)
                 out, lse = merged[0], merged_lse[0]
+                if fill_unused_rows:
+                    rows = torch.arange(Tq, device=q.device) < cu_seqlens_q[-1]  # no host sync
+                    out, lse = torch.where(rows.view(Tq, 1, 1), out, 0.0), torch.where(rows, lse, math.inf)
             else:
                 out = torch.empty((Tq, H, Dv), dtype=q.dtype, device=q.device)
                 lse = torch.empty((H, Tq), dtype=torch.float32, device=q.device)
-                combine(out, lse, None if sink is None else sink.float())
-            if fill_unused_rows:
-                rows = torch.arange(Tq, device=q.device) < cu_seqlens_q[-1]  # no host sync
-                out, lse = torch.where(rows.view(Tq, 1, 1), out, 0.0), torch.where(rows, lse, math.inf)
+                if fill_unused_rows:
+                    combine(out, lse, None if sink is None else sink.float(), cu_seqlens_q[-1:])
+                else:
+                    combine(out, lse, None if sink is None else sink.float())
             return out, lse
         fn = (_kernels.get((q.dtype, D, causal, arch, local, capped, True) + (("sink",) if sinked else ())
                            + (("pack", pack) if pack > 1 else ()) + (("dv", Dv) if Dv != D else ())
