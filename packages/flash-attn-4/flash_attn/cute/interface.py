@@ -342,8 +342,13 @@ def _pages_bad(table, used_k, page_size, num_pages):
         rows, used = table.tolist(), used_k.tolist()
         return sum(not 0 <= p < num_pages
                    for row, n in zip(rows, used) for p in row[:(n + page_size - 1) // page_size])
-    used_pages = torch.arange(table.shape[1]) < ((used_k + page_size - 1) // page_size).view(-1, 1)
-    return int((((table < 0) | (table >= num_pages)) & used_pages).sum())
+    return int(_pages_bad_count(table, used_k, page_size, num_pages))
+
+
+def _pages_bad_count(table, used_k, page_size, num_pages):
+    """_pages_bad's count as a 0-dim tensor on the table's device (torch ops, no sync)."""
+    used_pages = torch.arange(table.shape[1], device=table.device) < ((used_k + page_size - 1) // page_size).view(-1, 1)
+    return (((table < 0) | (table >= num_pages)) & used_pages).sum()
 
 
 def _varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
@@ -443,9 +448,7 @@ def _varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=Non
     table_to_host = paged and batch and 0 < page_table.numel() <= _HOST_PAGE_ENTRIES
     if paged and batch and page_table.shape[1] and not table_to_host:
         # the page table entries the sequences use: each a page of k / v
-        used_pages = torch.arange(page_table.shape[1], device=q.device) < ((seqused_k + page_size - 1)
-                                                                          // page_size).view(-1, 1)
-        pages_bad = (((page_table < 0) | (page_table >= num_pages)) & used_pages).sum().view(1).to(torch.int32)
+        pages_bad = _pages_bad_count(page_table, seqused_k, page_size, num_pages).view(1).to(torch.int32)
     parts = ([cu_seqlens_q] + ([] if paged else [cu_seqlens_k])
              + [t for t in (seqused_k, seqused_q, pages_bad) if t is not None]
              + ([page_table.reshape(-1)] if table_to_host else []))
