@@ -5,43 +5,43 @@ their per-row lse / delta streamed in by TMA through an mbarrier pipeline; dQ is
 CTAs with fp32 reduce-adds into a global buffer (TMA bulk reduce-adds of a shared-memory tile by
 default, as FlashAttention-3 does; per-thread atomics as an option).
 
-Transposed formulation: the consumers compute S^T = K Q^T and dP^T = V dO^T, so keys are the rows of
-the accumulators. P^T is then already in the register layout of the A operand of dV += P^T dO (an
-m64nDk16 WGMMA with A from registers), and the per-query values lse and delta are per-column constants
-read from shared memory.
+Transposed formulation: the consumers compute S^T = K Q^T and dP^T = V dO^T, so keys are the rows of the
+accumulators. P^T is then already in the register layout of the A operand of dV += P^T dO (an m64nDk16 WGMMA with A
+from registers), and the per-query values lse and delta are per-column constants read from shared memory.
 
 Per query block, for each of the two consumer warpgroups (64 keys each):
   S^T  = K Q^T                     WGMMA, both operands in smem (K-major)
   dP^T = V dO^T                    WGMMA, both operands in smem (K-major)
   P^T  = exp2(S^T * scale * log2(e) - lse2[col])     (lse2 = lse * log2(e), +inf past Sq)
   dV  += P^T dO                    WGMMA, A = P^T from registers, B = dO^T (transposed smem view)
-  dS^T = P^T * (dP^T - delta[col]) written to smem (M-major dS tile, double-buffered)
-  dK  += dS^T Q                    WGMMA, A = dS^T from smem, B = Q^T (transposed smem view)
+  dS^T = P^T * (dP^T - delta[col]) to smem by stmatrix (M-major dS tile, double-buffered; split_d: plain stores)
   dQ_wg = dS K                     WGMMA over the warpgroup's 64 keys, A = dS (M-major), B = K^T
+  dK  += dS^T Q                    WGMMA, A = dS^T from smem, B = Q^T (transposed smem view)
   dq_accum[rows] += scale * dQ     with dq_tma (the default) the scaled tile to shared memory and one
-                                   TMA reduce-add of it, issued by one warp after the next block's dS
-                                   barrier; else red.global.add.v2.f32 (BwdConfig.dq_tma off)
-With overlap (BwdConfig.overlap) the loop is software-pipelined: S^T and dP^T of the next
-query block (D = 128 and BLOCK_M = 128: S^T only, for registers) are issued right behind dK and dQ,
-and this block's dQ goes out (atomics or smem tile) while the tensor cores compute them.
+                                   TMA reduce-add of it, issued by one warp behind the next block's dQ and
+                                   dK WGMMAs; else red.global.add.v2.f32 (BwdConfig.dq_tma off)
+dQ goes out (the loop waits for dV and dQ alone, dO's stage released) while dK still runs: the dQ epilogue and the
+reduce-add's issue leave the tensor cores' critical path (1.04-1.11x dK first and dQ out after all three,
+benchmarks/results/h100/cute_bwd_ab.md). BLOCK_M = 128 issues dK first, from registers before the dS barrier.
+With overlap (BwdConfig.overlap; dK first) the loop is software-pipelined: S^T and dP^T of the next query block
+(D = 128 and BLOCK_M = 128: S^T only, for registers) are issued right behind dK and dQ, and this block's dQ goes
+out while the tensor cores compute them.
 BLOCK_M = 128 (head dim 64 only; the d64 default; bwd.block_m=64 in FLASH_ATTN_CUTE_OVERRIDES gives 64 rows): the
 same steps on 128 query rows (S^T, dP^T are m64n128k16, dV, dK have K = 128), with changes that keep a
 consumer thread within its 240 registers, spill-free (S^T, dP^T are 64 fp32 registers each, dK, dV 32
 each), and the smem traffic down:
   - dS^T = P^T (dP^T - delta) takes P^T from the 16-bit copy the dV WGMMA reads (unpacked exactly), so
     the fp32 S^T dies when P^T is packed, before dP^T is waited for;
-  - dS^T goes to shared memory with stmatrix, and the swizzled addresses of the dS and dQ smem stores
-    are computed in the loop rather than held across it;
-  - the shared dQ tile is split by query rows (each warpgroup m64n64k16 over its 64 rows) instead of by
-    D (m64n32k16), so K keeps 128-byte swizzle atoms;
+  - the swizzled addresses of the dS (stmatrix) and dQ smem stores are computed in the loop, not held across it;
+  - the shared dQ tile is split by query rows (each warpgroup m64n64k16 over its 64 rows) instead of by D
+    (m64n32k16), so K keeps 128-byte swizzle atoms;
   - dK += dS^T Q takes dS^T from registers (as dV takes P^T), issued before the dS barrier.
 With overlap, the next block's S^T is issued once dV is done (P^T dead), behind dK and dQ.
 Head dims 64, 96 and 128 (q, k, v alike; BLOCK_M 64 at 96 and 128). A D = 96 row is 192 bytes, no whole
 number of 128-byte swizzle atoms: Q, dO and V take 64-byte atoms (32 elements); K takes 32-byte ones (16
 elements), so that each warpgroup's 48-column half of K^T, the N of its dQ WGMMA (m64n48k16), starts on an
-atom; the fp32 dQ tile takes 64-byte atoms (16 columns) for the same reason, and its TMA reduce-add goes as
-six boxes per block. Its smem addresses are partitioned in the loop as at BLOCK_M = 128 (held, they spill
-with softcap).
+atom; the fp32 dQ tile takes 64-byte atoms (16 columns) for the same reason, and its TMA reduce-add goes as six
+boxes per block. Its smem addresses are partitioned in the loop as at BLOCK_M = 128 (held, they spill with softcap).
 Head dims 192 and 256 (split_d): 2 x 64 x D fp32 dK / dV accumulators per warpgroup do not fit its registers, so
 a CTA takes 64 keys, which both warpgroups share: S^T and dP^T split by query columns (m64n32k16 each), P^T and
 dS^T written to shared memory and read back whole as the A operands of dV and dK, which (as dQ) split D between
@@ -49,16 +49,15 @@ the warpgroups (m64n{D/2}k16); a barrier of both after the P^T stores, as after 
 With BwdConfig.exp2_emu = k (off by default; bwd.exp2_emu in FLASH_ATTN_CUTE_OVERRIDES), k of every 16
 exponentials of P^T are computed by softmax_exp.exp2_poly on the FMA pipe instead of MUFU.EX2.
 After the loop dK is scaled by softmax_scale and dK, dV are stored: from the accumulators, or with BwdConfig.tma_dkv
-through the dead K and V tiles in shared memory and TMA stores (dense calls). The host (launch.backward,
-bwd_host.py) computes delta = rowsum(dO * O) and lse2 and zeroes dq_accum in one Triton launch before,
-and casts dq_accum to the input dtype (and sums GQA's dK/dV) in one after.
+through the dead K and V tiles in shared memory and TMA stores (dense calls). The host (launch.backward, bwd_host.py)
+computes delta = rowsum(dO * O) and lse2 and zeroes dq_accum in one Triton launch before, and casts dq_accum to the
+input dtype (and sums GQA's dK/dV) in one after.
 
 Layouts seen by the kernel (views built on the host side of __call__, no copies):
   mQ, mdO (Sq, D, H, B); mK, mV (Sk, D, Hk, B); mLSE2, mDelta (Sq_pad, H, B) fp32, Sq_pad a multiple of
   BLOCK_M; mdQaccum (Sq, D, H, B) fp32; mdK, mdV (Sk, D, H, B): per query head (GQA sums on the host).
 Varlen (call_varlen): the packed tensors as one batch entry, grid z over the sequences, each CTA's rows found by
-seqlen_info.BwdSeqlens (lse2 / delta padded per sequence).
-tests/cute/test_cute_bwd.py checks it against a reference on a Hopper GPU (its GPU-marked tests).
+seqlen_info.BwdSeqlens (lse2 / delta padded per sequence). tests/cute/test_cute_bwd.py checks it on a Hopper GPU.
 """
 import cutlass
 import cutlass.cute as cute
@@ -78,7 +77,6 @@ from flash_attn.cute.seqlen_info import BwdSeqlens
 from flash_attn.cute.softmax_exp import EXP2_POLY, emulated_columns, exp2_poly
 from flash_attn.cute.sparse_tiles import SparseTiles
 from flash_attn.cute.tile_scheduler import lpt_tile
-
 
 
 class FlashBwdSm90(BwdEntries):
@@ -118,10 +116,9 @@ class FlashBwdSm90(BwdEntries):
         kernel key blocks) the lists of partial (the mask_mod runs on them) and full sparse query blocks (walk
         factor kernel query blocks each) (sparse_tiles.SparseTiles); a CTA walks list positions, mapped to query
         blocks by the producer's loads and the consumers.
-        dq_split: the two warpgroups compute one dQ tile together, each its half of D (block_m 128: its
-        64 query rows) over all BLOCK_N keys (a barrier of both per query block, since each reads the
-        other's dS); else each computes
-        dS K over its own 64 keys and both add into dq_accum (twice the atomic traffic, no barrier).
+        dq_split: the two warpgroups compute one dQ tile together, each its half of D (block_m 128: its 64 query
+        rows) over all BLOCK_N keys (a barrier of both per query block, since each reads the other's dS); else each
+        computes dS K over its own 64 keys and both add into dq_accum (twice the atomic traffic, no barrier).
         dq_tma (needs dq_split): the scaled fp32 dQ tile goes to shared memory (two buffers) and one
         warp adds it into dq_accum with a TMA reduce-add (cp.reduce.async.bulk.tensor .add.f32), issued
         one query block late, after the next dS barrier has shown that every thread wrote and fenced it;
@@ -179,6 +176,8 @@ class FlashBwdSm90(BwdEntries):
         if self.dq_tma and not self.dq_split:
             raise ValueError("dq_tma needs dq_split (the dS barrier of both warpgroups orders the dQ tile)")
         self.overlap = bool(overlap)
+        # dQ's WGMMA before dK's, dQ out while dK runs (the module docstring); BLOCK_M = 128 and overlap: dK first
+        self.dq_first = block_m == 64 and not self.overlap
         self.tma_dkv = bool(tma_dkv)
         if lpt < 0:
             raise ValueError(f"lpt {lpt} < 0")
@@ -186,20 +185,15 @@ class FlashBwdSm90(BwdEntries):
         if self.overlap and num_stages < 2:
             raise ValueError(f"overlap needs num_stages >= 2 (got {num_stages}): the consumers wait for the "
                              "next query block's stage while holding the current one")
-        if self.overlap and not self.dq_split and head_dim != 64:
-            raise ValueError(f"overlap with the per-warpgroup dQ (dq_split=False) at head dim {head_dim}: its D-wide "
-                             "dQ accumulator next to the next block's S^T does not fit in 240 registers (ptxas "
-                             "serialises the WGMMAs; at D = 128 it also spills ~500 bytes)")
-        if self.overlap and not self.dq_split and block_m == 128:
-            raise ValueError("overlap with the per-warpgroup dQ (dq_split=False) at block_m 128: its 128-row dQ "
-                             "accumulator next to the next block's S^T does not fit in 240 registers (ptxas "
-                             "serialises the WGMMAs)")
+        if self.overlap and not self.dq_split and (head_dim != 64 or block_m == 128):
+            raise ValueError(f"overlap with the per-warpgroup dQ (dq_split=False) at head dim {head_dim}, block_m "
+                             f"{block_m}: its dQ accumulator (D wide, or 128 rows) next to the next block's S^T does not "
+                             "fit in 240 registers (ptxas serialises the WGMMAs; at D = 128 it also spills ~500 bytes)")
         if block_m == 128 and head_dim != 64:
             raise ValueError(f"block_m 128 needs head dim 64 (got {head_dim}): at D = 128 the dK and dV "
                              "accumulators (128 registers) next to S^T and dP^T (64 each) exceed 240 registers")
-        # BLOCK_M = 128: the register-saving changes of the module docstring (dS^T from the 16-bit P^T,
-        # dK's A from registers, stmatrix, smem-store addresses in the loop); dq_rows: the shared dQ tile
-        # split between the warpgroups by query rows (m64nDk16 over all 128 keys) instead of by D.
+        # BLOCK_M = 128: the register-saving changes of the module docstring; dq_rows: the shared dQ tile split
+        # between the warpgroups by query rows (m64nDk16 over all 128 keys) instead of by D.
         self.wide = block_m == 128
         self.dq_rows = self.dq_split and self.wide
         # The dQ tile's shared-memory addresses partitioned in the loop, from an opaque thread index (see
@@ -509,10 +503,11 @@ class FlashBwdSm90(BwdEntries):
         if cutlass.const_expr(self.wide):  # dS^T's registers as dK's A operand (the layout of tdVrP)
             tdKrdSt = cute.make_tensor(rdS.iterator, cute.make_layout(((2, 2, 2), 1, BM // 16)))
         ds_copy = None
-        if cutlass.const_expr(self.wide):
+        if cutlass.const_expr(not self.split_d):
             # dS^T to shared memory with stmatrix (4 8x8 matrices, 8 values, per instruction; a matrix row
             # is one key's 8 adjacent queries, 16 contiguous bytes of the M-major tile): a quarter of the
-            # 4-byte stores, and a quarter of the swizzled addresses to hold or recompute.
+            # 4-byte stores, and a quarter of the swizzled addresses to hold or recompute (at D = 128 the
+            # 4-byte stores' held addresses spilled 76-88 bytes; with stmatrix 4).
             stsm = cute.make_tiled_copy_C(cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), dt), tiled_mma_sdp)
             ds_copy = (stsm, stsm.get_slice(ctid).retile(rdS), ctid)
 
@@ -552,14 +547,21 @@ class FlashBwdSm90(BwdEntries):
                                tdKrQt, tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, tma_dq, tQRsdQ, dq_dst, dq_issuer,
                                buf, pos, m_block_min, wg, q_state.index, do_state.index, rP=rP,
                                ds_copy=ds_copy, rdT=rdT, tiles=tiles, mods=mods, n_block=n_block, m_block_of=m_block)
-                warpgroup.wait_group(0)  # dV, dK, dQ done: the Q and dO stages and rP are free
-                q_pipe.consumer_release(q_state)
-                do_pipe.consumer_release(do_state)
-                q_state.advance()
-                do_state.advance()
+                if cutlass.const_expr(self.dq_first):
+                    warpgroup.wait_group(1)  # dV and dQ done, dK runs on: dO's stage and rP are free
+                    do_pipe.consumer_release(do_state)
+                else:
+                    warpgroup.wait_group(0)  # dV, dK, dQ done: the Q and dO stages and rP are free
                 self.dq.out(mdQaccum, acc_dQ, tdQcdQ, tdQsdQ, softmax_scale, buf, m_block,
                             tiles.head(pos) if cutlass.const_expr(self.gqa_loop) else head, tile, seqlen_q, turn,
                             dq_repartition=(tiled_mma_dq, sdQ, ctid) if cutlass.const_expr(self.dq_in_loop) else None)
+                if cutlass.const_expr(self.dq_first):
+                    warpgroup.wait_group(0)  # dK done: Q's stage is free
+                else:
+                    do_pipe.consumer_release(do_state)
+                q_pipe.consumer_release(q_state)
+                q_state.advance()
+                do_state.advance()
                 buf = 1 - buf
         else:
             # Software-pipelined: S^T and dP^T of block j + 1 are issued right behind dK and dQ of block j,
@@ -654,14 +656,12 @@ class FlashBwdSm90(BwdEntries):
     @cute.jit
     def _issue_sdp(self, q_pipe, do_pipe, q_state, do_state, tiled_mma_sdp, acc_S, acc_dP, tSrK, tSrQ, tdPrV,
                    tdPrdO, skip_wait=None, s=True, dp=True):
-        """Wait for the query block's Q and dO stages and issue S^T = K Q^T and dP^T = V dO^T (two commit
-        groups). skip_wait (runtime Boolean, with overlap): true issues them on whatever the stages hold
-        (a result nobody reads), with no wait: the mbarrier waits are then for the parity of the phase
-        before the stage's current one, which try_wait.parity reports complete at once (the previous
-        fill of the stage, or on a barrier never completed, the phase "before" phase 0 -- as producers
-        wait on fresh empty barriers). Branch-free on purpose: with a branch around the waits instead
-        (consumer_wait's try_wait_token), taken while WGMMAs are in flight, ptxas spills more at D = 128
-        (16 / 28 bytes instead of 8 / 20) and can serialise the WGMMAs."""
+        """Wait for the query block's Q and dO stages and issue S^T = K Q^T and dP^T = V dO^T (two commit groups).
+        skip_wait (runtime Boolean, with overlap): true issues them on whatever the stages hold (a result nobody
+        reads), with no wait: the mbarrier waits are then for the parity of the phase before the stage's current one,
+        which try_wait.parity reports complete at once (the previous fill, or on a barrier never completed the phase
+        "before" phase 0, as producers wait on fresh empty barriers). Branch-free on purpose: a branch around the
+        waits, taken while WGMMAs are in flight, made ptxas spill more at D = 128 and can serialise the WGMMAs."""
         if cutlass.const_expr(skip_wait is not None):
             flip = Int32(skip_wait)
             q_state = pipeline.PipelineState(q_state.stages, q_state.count, q_state.index, q_state.phase ^ flip)
@@ -740,11 +740,10 @@ class FlashBwdSm90(BwdEntries):
                   tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, tma_dq, tQRsdQ, dq_dst, dq_issuer, buf, m_block,
                   m_block_min, wg, q_stage, do_stage, rP=None, ds_copy=None, rdT=None, tiles=None, mods=None,
                   n_block=None, m_block_of=None):
-        """Wait for dP^T, dS^T = P^T (dP^T - delta) to shared memory (buffer buf), the dS barrier, and
-        issue dK += dS^T Q and dQ = dS K (two commit groups); with dq_tma the previous block's dQ tile
-        reduce-add after the barrier (dq_dst: what _dq_dst needs for a walk position's destination). m_block /
-        m_block_min: the walk's positions (the query blocks themselves without block sparsity; with it, or with
-        gqa_loop's walk, tiles maps them)."""
+        """Wait for dP^T, dS^T = P^T (dP^T - delta) to shared memory (buffer buf), the dS barrier, and issue dQ = dS K
+        and dK += dS^T Q (two commit groups; dK first where not dq_first); with dq_tma the previous block's dQ tile
+        reduce-add behind them (dq_dst: what _dq_dst needs for a walk position's destination). m_block / m_block_min:
+        the walk's positions (the query blocks themselves, or with block sparsity or gqa_loop's walk, tiles maps them)."""
         warpgroup.wait_group(1)  # dP^T is ready; dV may still run
         if cutlass.const_expr(self.wide):
             # P^T back from the 16-bit copy that dV reads: the fp32 S^T is dead since the conversion,
@@ -785,13 +784,17 @@ class FlashBwdSm90(BwdEntries):
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
         if cutlass.const_expr(self.dq_split):  # both halves of dS are read by both warpgroups
             cute.arch.barrier(barrier_id=1, number_of_threads=256)
-            if cutlass.const_expr(self.dq_tma):
-                # Past the barrier every thread has written and fenced the previous block's dQ tile.
-                if dq_issuer and m_block > m_block_min:
-                    g_prev, m_prev = self._dq_dst(dq_dst, m_block - 1, tiles)
-                    self.dq.reduce(tma_dq, tQRsdQ, g_prev, 1 - buf, m_prev)
         else:
             cute.arch.barrier(barrier_id=1 + wg, number_of_threads=128)
+        if cutlass.const_expr(self.dq_first):
+            gemm(tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, buf, None, zero_init=True)  # dQ = dS K
         if cutlass.const_expr(not self.wide):
             gemm(tiled_mma_dk, acc_dK, tdKrdSt, tdKrQt, buf, q_stage)  # dK += dS^T Q
-        gemm(tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, buf, None, zero_init=True)  # dQ = dS K
+        if cutlass.const_expr(self.dq_tma):
+            # Past the dS barrier every thread has written and fenced the previous block's dQ tile (behind the WGMMAs:
+            # the issuing warp does not hold its warpgroup's back).
+            if dq_issuer and m_block > m_block_min:
+                g_prev, m_prev = self._dq_dst(dq_dst, m_block - 1, tiles)
+                self.dq.reduce(tma_dq, tQRsdQ, g_prev, 1 - buf, m_prev)
+        if cutlass.const_expr(not self.dq_first):
+            gemm(tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, buf, None, zero_init=True)  # dQ = dS K
