@@ -547,21 +547,23 @@ class FlashBwdSm90(BwdEntries):
                                tdKrQt, tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, tma_dq, tQRsdQ, dq_dst, dq_issuer,
                                buf, pos, m_block_min, wg, q_state.index, do_state.index, rP=rP,
                                ds_copy=ds_copy, rdT=rdT, tiles=tiles, mods=mods, n_block=n_block, m_block_of=m_block)
+                dq_out = (mdQaccum, acc_dQ, tdQcdQ, tdQsdQ, softmax_scale, buf, m_block,
+                          tiles.head(pos) if cutlass.const_expr(self.gqa_loop) else head, tile, seqlen_q, turn,
+                          (tiled_mma_dq, sdQ, ctid) if cutlass.const_expr(self.dq_in_loop) else None)
                 if cutlass.const_expr(self.dq_first):
                     warpgroup.wait_group(1)  # dV and dQ done, dK runs on: dO's stage and rP are free
                     do_pipe.consumer_release(do_state)
+                    self.dq.out(*dq_out)
+                    warpgroup.wait_group(0)  # dK done: Q's stage is free
+                    q_pipe.consumer_release(q_state)
                 else:
                     warpgroup.wait_group(0)  # dV, dK, dQ done: the Q and dO stages and rP are free
-                self.dq.out(mdQaccum, acc_dQ, tdQcdQ, tdQsdQ, softmax_scale, buf, m_block,
-                            tiles.head(pos) if cutlass.const_expr(self.gqa_loop) else head, tile, seqlen_q, turn,
-                            dq_repartition=(tiled_mma_dq, sdQ, ctid) if cutlass.const_expr(self.dq_in_loop) else None)
-                if cutlass.const_expr(self.dq_first):
-                    warpgroup.wait_group(0)  # dK done: Q's stage is free
-                else:
+                    q_pipe.consumer_release(q_state)
                     do_pipe.consumer_release(do_state)
-                q_pipe.consumer_release(q_state)
                 q_state.advance()
                 do_state.advance()
+                if cutlass.const_expr(not self.dq_first):
+                    self.dq.out(*dq_out)
                 buf = 1 - buf
         else:
             # Software-pipelined: S^T and dP^T of block j + 1 are issued right behind dK and dQ of block j,
@@ -636,8 +638,7 @@ class FlashBwdSm90(BwdEntries):
 
     def _dq_dst(self, dst, pos, tiles):
         """(the gmem partition of the dQ TMA reduce-add, query block) of walk position ``pos``; dst = (the CTA's
-        partition, tma_dq, sdQ, mdQ_tma, tile): with gqa_loop the position names its query head, the partition is
-        that head's."""
+        partition, tma_dq, sdQ, mdQ_tma, tile); with gqa_loop the position's query head's partition."""
         m = self._query_block(pos, tiles)[0]
         if cutlass.const_expr(self.gqa_loop):
             _, tma_dq, sdQ, mdQ_tma, tile = dst
@@ -647,8 +648,7 @@ class FlashBwdSm90(BwdEntries):
         return dst[0], m
 
     def _query_block(self, pos, tiles):
-        """(query block, partial or None) at walk position ``pos`` (trace time): the position itself, or with block
-        sparsity the listed block and whether it is a partial one."""
+        """(query block, partial or None) at walk position ``pos``: itself, or block sparsity's block and kind."""
         if cutlass.const_expr(tiles is None):
             return pos, None
         return tiles.block(pos), tiles.partial(pos)
