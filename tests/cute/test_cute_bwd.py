@@ -185,6 +185,40 @@ def test_loop_issues_dq_before_dk_and_stores_ds_by_stmatrix(compiled):
         assert last_dk < reduce_at < after.index(waits[0])
 
 
+@pytest.mark.parametrize("d,causal", [(64, True), (96, False), (128, True)])
+def test_dq_writer_warp_issues_the_reduce_adds(tmp_path, cute_env, d, causal):
+    """bwd.dq_writer=1 (off by default until timed; only with the TMA dQ, not with overlap): one reduce-add site (the
+    writer warp's loop) instead of two (in the loop and after it), handed over through the named barriers 6 / 7
+    (FULL: the consumers arrive, the writer waits) and 8 / 9 (EMPTY: the writer arrives, the consumers wait), each
+    counting the 256 consumer threads and the writer's 32; the consumers wait for no bulk group; issued by a
+    converged warp; ptxas spills nothing more than the default kernel and keeps the WGMMAs pipelined."""
+    cfg = kernels.bwd_config(torch.bfloat16, d, causal, "sm_90a")
+    assert "dq_writer" not in cfg.key()
+    cute_env(OVERRIDES="bwd.dq_writer=1,bwd.dq_tma=0")
+    assert not kernels.bwd_config(torch.bfloat16, d, causal, "sm_90a").dq_writer
+    cute_env(OVERRIDES="bwd.dq_writer=1,bwd.overlap=1")
+    assert not kernels.bwd_config(torch.bfloat16, d, causal, "sm_90a").dq_writer
+    base, base_ptx = _compile_ptx(tmp_path, cute_env, d, causal, {"bwd.dq_writer": False})
+    text, ptx = _compile_ptx(tmp_path, cute_env, d, causal, {"bwd.dq_writer": True})
+    assert kernels.bwd_config(torch.bfloat16, d, causal, "sm_90a").key()["dq_writer"] is True
+    reduce_add = "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group"
+    assert _count(base, reduce_add) == 2 * _dq_boxes(d) and _count(text, reduce_add) == _dq_boxes(d)
+    assert _count(text, "bar.arrive") == 2 and text.count(", 288;") == 4  # 2 syncs, 2 arrives
+    assert base.count(", 288;") == 0
+    # the writer's one wait for the reads and its final wait; the TMA dK / dV store's read wait
+    assert _count(text, "cp.async.bulk.wait_group.read") == _count(base, "cp.async.bulk.wait_group.read")
+    code = _sass(ptx)
+    assert sum("UTMAREDG" in ins for _, ins in code) == _dq_boxes(d) and _divergent_tma_reduces(code) == []
+    if shutil.which("ptxas") is None:
+        pytest.skip("ptxas not on PATH")
+    spills = {}
+    for name, path in (("default", base_ptx), ("writer", ptx)):
+        log = _ptxas_log(path)
+        assert "are serialized" not in log and "setmaxnreg' ignored" not in log, log
+        spills[name] = max([int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)] or [0])
+    assert spills["writer"] <= spills["default"], spills
+
+
 def _sass(ptx_path):
     """[(address, instruction)] of the cubin CuTeDSL wrote next to ptx_path."""
     tool = testing.cuobjdump_path()
@@ -1301,6 +1335,22 @@ def test_gradients_with_tma_dkv_on_gpu(cute_bwd_on, monkeypatch, cute_env, d, ca
     cute_env(OVERRIDES=f"bwd.tma_dkv={tma_dkv}")
     _fresh_bwd_kernels(monkeypatch)
     _run(torch.bfloat16, d, causal, 2, seqlen_q, seqlen_k, heads, heads_kv, cute_bwd_on, seed=11)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("d", [64, 96, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (100, 130), (200, 200), (1000, 1000), (2048, 2048), (113, 203),
+                                               (300, 1200)])
+@pytest.mark.parametrize("heads,heads_kv", [(4, 4), (6, 2)])
+def test_gradients_with_the_dq_writer_warp_on_gpu(cute_bwd_on, monkeypatch, cute_env, d, causal, seqlen_q, seqlen_k,
+                                                  heads, heads_kv):
+    # bwd.dq_writer=1: producer warp 1 issues the dQ reduce-adds as the consumers hand the tiles over (walks of 1, 2, 3
+    # and many query blocks: the buffer hand-back starts at the third; GQA on the gqa_loop kernel)
+    cute_env(OVERRIDES="bwd.dq_writer=1")
+    _fresh_bwd_kernels(monkeypatch)
+    _run(torch.bfloat16, d, causal, 2, seqlen_q, seqlen_k, heads, heads_kv, cute_bwd_on, seed=12)
 
 
 @pytest.mark.gpu

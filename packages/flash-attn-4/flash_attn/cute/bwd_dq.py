@@ -10,6 +10,10 @@ from flash_attn.cute.hopper_helpers import opaque
 # deterministic kernel does not build, 1 and 2 are the per-warpgroup dS barriers; 3 to 5 are the TMA dK / dV
 # epilogue's, bwd_epilogue.py). One id never serves two thread counts at once: that is an illegal instruction.
 TURN_BARRIER = 2
+# The dQ writer's barriers (``writer``), one pair per dQ tile buffer: FULL + buf (the consumers wrote and fenced the
+# tile; the writer waits), EMPTY + buf (the writer's reduce-add has read it; the consumers wait before their next write
+# into it). Each counts the consumer threads and the writer warp.
+DQ_FULL, DQ_EMPTY = 6, 8
 
 
 class DqAccumulator:
@@ -24,9 +28,12 @@ class DqAccumulator:
     red.release). Every query block's key blocks are 0, 1, ..., n_max (no window: causal and full masks start at
     key block 0), and lower key blocks are earlier in the grid's x, so the key block waited for has been scheduled."""
 
-    def __init__(self, block_m, dq_tma, deterministic, seqlens, num_consumer_threads):
+    def __init__(self, block_m, dq_tma, deterministic, seqlens, num_consumer_threads, writer=False):
         if deterministic and dq_tma:
             raise ValueError("deterministic dQ adds with red.global.add (dq_tma off)")
+        if writer and not dq_tma:
+            raise ValueError("the dQ writer warp issues TMA reduce-adds (dq_tma)")
+        self.writer_warp = bool(writer)  # a producer warp issues the reduce-adds (``writer``), not a consumer warp
         self.block_m = block_m
         self.dq_tma = dq_tma
         self.deterministic = deterministic
@@ -35,19 +42,26 @@ class DqAccumulator:
 
     @cute.jit
     def out(self, mdQaccum, acc_dQ, tdQcdQ, tdQsdQ, softmax_scale, buf, m_block, head, tile, seqlen_q, turn,
-            dq_repartition=None):
+            dq_repartition=None, reused=None):
         """The finished dQ partial of m_block: red.global.add into dq_accum, or with dq_tma scaled into
-        the shared dQ tile buf (added by TMA after the next dS barrier). dq_repartition (tiled_mma_dq,
-        sdQ, ctid): the smem tile is partitioned here, from an opaque thread index (see hopper_helpers.opaque).
-        turn (deterministic): (mSem, n_block, ctid)."""
+        the shared dQ tile buf (added by TMA after the next dS barrier, or by the writer warp once it is handed over).
+        dq_repartition (tiled_mma_dq, sdQ, ctid): the smem tile is partitioned here, from an opaque thread index (see
+        hopper_helpers.opaque). turn (deterministic): (mSem, n_block, ctid). reused (writer warp): whether buffer buf
+        held an earlier block's tile (the walk's third block on), whose reduce-add must have read it first."""
+        if cutlass.const_expr(self.writer_warp):
+            if reused:
+                cute.arch.barrier(barrier_id=DQ_EMPTY + buf, number_of_threads=self.num_consumer_threads + 32)
         if cutlass.const_expr(self.dq_tma):
             for i in cutlass.range(cute.size(acc_dQ), unroll_full=True):
                 acc_dQ[i] = acc_dQ[i] * softmax_scale
             if cutlass.const_expr(dq_repartition is not None):
                 tiled_mma_dq, sdQ, ctid = dq_repartition
                 tdQsdQ = tiled_mma_dq.get_slice(opaque(ctid)).partition_C(sdQ)
-            # Made visible to the TMA (async proxy) by the next block's dS fence, before its barrier.
+            # Made visible to the TMA (async proxy) by the next block's dS fence, before its barrier (writer warp: here).
             cute.autovec_copy(acc_dQ, tdQsdQ[None, None, None, buf])
+            if cutlass.const_expr(self.writer_warp):
+                cute.arch.fence_view_async_shared()
+                cute.arch.barrier_arrive(barrier_id=DQ_FULL + buf, number_of_threads=self.num_consumer_threads + 32)
         else:
             sem = None
             if cutlass.const_expr(self.deterministic):
@@ -72,6 +86,24 @@ class DqAccumulator:
         cute.arch.barrier(barrier_id=TURN_BARRIER, number_of_threads=self.num_consumer_threads)
         if ctid == 0:
             cute.arch.red(sem, Int32(1), op="add", dtype=Int32, sem="release", scope="gpu")
+
+    @cute.jit
+    def writer(self, tma_dq, tQRsdQ, dst, pos_min, pos_max):
+        """The writer warp's walk (one producer warp, all its lanes): per position, wait until the consumers have
+        handed over its tile (FULL), add it into dq_accum by TMA (``dst(pos)``: the gmem partition and query block),
+        wait until the TMA has read it and hand the buffer back (EMPTY) where a later block will reuse it; at the end
+        wait for every add to complete before the CTA's shared memory goes away. The consumers never issue or wait
+        for a reduce-add."""
+        buf = Int32(0)
+        for pos in cutlass.range(pos_min, pos_max, unroll=1):
+            cute.arch.barrier(barrier_id=DQ_FULL + buf, number_of_threads=self.num_consumer_threads + 32)
+            g, m = dst(pos)
+            self.reduce(tma_dq, tQRsdQ, g, buf, m)
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+            if pos + 2 < pos_max:
+                cute.arch.barrier_arrive(barrier_id=DQ_EMPTY + buf, number_of_threads=self.num_consumer_threads + 32)
+            buf = 1 - buf
+        cute.arch.cp_async_bulk_wait_group(0)
 
     @cute.jit
     def reduce(self, tma_dq, tQRsdQ, tQRgdQ, buf, m_block):

@@ -233,6 +233,7 @@ class BwdConfig:
     tma_dkv: bool = False  # dK, dV through shared memory and TMA stores (BWD_TMA_DKV, BWD_TMA_DKV_VARLEN)
     gqa_loop: bool = False  # one CTA per KV head walks its group's query heads (FlashBwdSm90 gqa_loop; the call's)
     head_dim_v: int | None = None  # V's head dim where it differs (a pair of HEAD_DIM_PAIRS; the call's)
+    dq_writer: bool = False  # a producer warp issues the dQ TMA reduce-adds (bwd_dq.DqAccumulator.writer; dq_tma)
 
     def __post_init__(self):
         if self.dtype not in ("fp16", "bf16"):
@@ -479,15 +480,17 @@ def select_bwd(dtype, head_dim, causal, arch, abi, local=False, varlen=False, de
     d = int(head_dim)
     dq_split = True if deterministic else ov.get("dq_split", BWD_DQ_SPLIT)
     emu = ov.get("exp2_emu", BWD_EXP2_EMU.get(d, 0))
+    dq_tma = dq_split and not deterministic and bool(ov.get("dq_tma", BWD_DQ_TMA.get(d, False)))
+    overlap = not gqa_loop and bool(ov.get("overlap", BWD_OVERLAP.get(d, False)))
     return BwdConfig(dtype=dtype_name(dtype), head_dim=d, causal=bool(causal), arch=arch, abi=abi,
                      block_m=64 if softcap else ov.get("block_m", BWD_BLOCK_M.get(d, 64)),
                      stages=ov.get("stages", BWD_STAGES.get(d, 2)),
                      dq_split=dq_split,
-                     dq_tma=dq_split and not deterministic and ov.get("dq_tma", BWD_DQ_TMA.get(d, False)),
-                     overlap=not gqa_loop and ov.get("overlap", BWD_OVERLAP.get(d, False)),
+                     dq_tma=dq_tma, overlap=overlap,
                      lpt=0 if varlen or deterministic else max(0, ov.get("lpt", BWD_LPT_CAUSAL.get(d, BWD_LPT)
                                                                         if causal else BWD_LPT)),
                      exp2_emu=emu, exp2_emu_degree=ov.get("exp2_emu_degree", 3) if emu else 3, local=bool(local),
                      varlen=bool(varlen), deterministic=bool(deterministic), softcap=bool(softcap),
                      tma_dkv=bool(ov.get("tma_dkv", (BWD_TMA_DKV_VARLEN if varlen else BWD_TMA_DKV).get(d, False))),
-                     gqa_loop=bool(gqa_loop), head_dim_v=None if head_dim_v in (None, d) else int(head_dim_v))
+                     gqa_loop=bool(gqa_loop), head_dim_v=None if head_dim_v in (None, d) else int(head_dim_v),
+                     dq_writer=dq_tma and not overlap and bool(ov.get("dq_writer", False)))

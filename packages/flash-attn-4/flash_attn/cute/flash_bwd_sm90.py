@@ -94,58 +94,46 @@ class FlashBwdSm90(BwdEntries):
     def __init__(self, dtype, head_dim, causal, block_m=64, block_n=None, num_stages=2, dq_split=True,
                  dq_tma=False, overlap=False, lpt=0, exp2_emu=0, exp2_emu_degree=3, local=False,
                  varlen=False, deterministic=False, softcap=False, mask_mod=None, aux=False, sparse=None,
-                 scalars=(), score_mod=None, score_mod_bwd=None, tma_dkv=False, gqa_loop=False, head_dim_v=None):
+                 scalars=(), score_mod=None, score_mod_bwd=None, tma_dkv=False, gqa_loop=False, head_dim_v=None,
+                 dq_writer=False):
         """head_dim: 64, 96, 128, 192 or 256 (HEAD_DIMS), of q, k and v alike; past 128 the warpgroups split D (split_d
         below) and block_n is 64. head_dim_v: V's (and dO's, dV's) head dim where it differs, with split_d (the
         192 / 128 pair): S^T's K steps run over D, dP^T's over head_dim_v.
         block_m: query rows per step, 64 or (head dim 64 only) 128, see the module docstring.
-        local: a sliding window (sizes >= 0 per call, call_general; causal windows have right = 0), every block
-        masked.
+        local: a sliding window (sizes >= 0 per call, call_general; causal: right = 0), every block masked.
         varlen: packed sequences (call_varlen; seqlen_info.BwdSeqlens), the grid's x over the longest key sequence.
         deterministic: dQ's adds in key-block order (bwd_dq.DqAccumulator; call_deterministic /
         call_varlen_deterministic take the turn counters): red.global.add with dq_split, no lpt, no window.
-        softcap: scores s -> softcap * tanh(scale * s / softcap) as in the forward; P^T from the capped scores and
-        dS^T = P^T (dP^T - delta) (1 - tanh^2), the tanh's derivative kept in 16 bits from the P^T step (the
-        rounding dS^T gets anyway); BLOCK_M 64 (its registers).
-        mask_mod / aux: FA4's mask_mod (score_mod.ScoreMods' convention, compile-time) and whether it reads aux
-        tensors: -inf in S^T where it is False, on every query block (entry call_mods; dense, no window or
-        softcap). score_mod / score_mod_bwd: FA4's score_mod and its gradient function (score_mod.ScoreMods):
-        S^T's scaled scores kept in fp32 registers, score_mod's result in their place before the masks and the
+        softcap: scores s -> softcap * tanh(scale * s / softcap) as in the forward; dS^T = P^T (dP^T - delta) (1 -
+        tanh^2), the derivative kept in 16 bits from the P^T step (the rounding dS^T gets anyway); BLOCK_M 64.
+        mask_mod / aux: FA4's mask_mod (score_mod.ScoreMods' convention) and whether it reads aux tensors: -inf in
+        S^T where it is False (entry call_mods). score_mod / score_mod_bwd: FA4's score_mod and its gradient: S^T's
+        scaled scores kept in fp32 registers, score_mod's result in their place before the masks and the
         exponential, and score_mod_bwd(dS^T, scores) as dS^T; BLOCK_M 64.
-        sparse: block sparsity, None or (has_full, row factor, walk factor): per sparse key block (row factor
-        kernel key blocks) the lists of partial (the mask_mod runs on them) and full sparse query blocks (walk
-        factor kernel query blocks each) (sparse_tiles.SparseTiles); a CTA walks list positions, mapped to query
-        blocks by the producer's loads and the consumers.
+        sparse: block sparsity, None or (has_full, row factor, walk factor): per sparse key block (row factor kernel
+        key blocks) the lists of partial (the mask_mod runs on them) and full sparse query blocks (walk factor kernel
+        query blocks each; sparse_tiles.SparseTiles); a CTA walks list positions, mapped to query blocks.
         dq_split: the two warpgroups compute one dQ tile together, each its half of D (block_m 128: its 64 query
         rows) over all BLOCK_N keys (a barrier of both per query block, since each reads the other's dS); else each
         computes dS K over its own 64 keys and both add into dq_accum (twice the atomic traffic, no barrier).
-        dq_tma (needs dq_split): the scaled fp32 dQ tile goes to shared memory (two buffers) and one
-        warp adds it into dq_accum with a TMA reduce-add (cp.reduce.async.bulk.tensor .add.f32), issued
-        one query block late, after the next dS barrier has shown that every thread wrote and fenced it;
-        else each thread adds its fragment with red.global.add.v2.f32.
-        overlap: software-pipelined query loop: S^T and dP^T of the next query block are issued behind
-        dK and dQ of this one and run while this block's dQ goes out (atomics or the smem tile); needs
-        num_stages >= 2 (stages j and j + 1 are held at once).
+        dq_tma (needs dq_split): the scaled fp32 dQ tile goes to shared memory (two buffers) and one warp adds it into
+        dq_accum with a TMA reduce-add, issued one query block late, after the next dS barrier has shown that every
+        thread wrote and fenced it; else each thread adds its fragment with red.global.add.v2.f32. dq_writer (with
+        dq_tma, no overlap): producer warp 1 issues them instead, as the consumers hand the tiles over (bwd_dq).
+        overlap: software-pipelined query loop: S^T and dP^T of the next query block are issued behind dK and dQ of
+        this one and run while this block's dQ goes out; needs num_stages >= 2 (stages j and j + 1 are held at once).
         lpt > 0: a 1-D grid in groups of (head, batch) pairs of about lpt CTAs each, key block slowest
         within a group (longest first under a causal mask); 0: the (key block, head, batch) grid.
-        exp2_emu: of every 16 exponentials of P^T a thread computes, this many use softmax_exp.exp2_poly
-        (degree exp2_emu_degree) on the FMA pipe instead of MUFU.EX2, whose 16 results per SM per clock
-        the two warpgroups wait on together between S^T and dV (P^T is rounded to 16 bits after it:
-        degree 3's 1e-4 relative error is below that rounding).
-        tma_dkv: after the loop dK and dV go into the K and V tiles in shared memory (dead by then) with stmatrix
-        and leave by one TMA store per warpgroup and tensor (its 64 keys; rows past Sk clipped by TMA), instead of
-        2-byte stores from the accumulators; varlen: a key block that ends inside its sequence (TMA clips only at
-        the packed tensor's end, and a sequence's last partial block would overrun into the next sequence's rows:
-        that one takes the direct stores).
-        gqa_loop: one CTA per (key block, KV head, batch) walks the query blocks of every query head of its group
-        (head by head), so dK and dV of the group accumulate in its registers and are stored once per KV head: mdK /
-        mdV are (B, Sk, Hk, D) and no per-query-head copies are summed after the kernel (dense, no determinism,
-        overlap or mods)."""
+        exp2_emu: of every 16 exponentials of P^T a thread computes, this many use softmax_exp.exp2_poly (degree
+        exp2_emu_degree) on the FMA pipe instead of MUFU.EX2 (degree 3's 1e-4 relative error is below P^T's rounding).
+        tma_dkv: dK and dV go into the (dead) K and V tiles by stmatrix and out by TMA stores (rows past Sk clipped);
+        varlen: where the key block ends inside its sequence (TMA clips at the packed tensor's end only).
+        gqa_loop: one CTA per (key block, KV head, batch) walks the query blocks of its group's query heads, so dK and
+        dV of the group accumulate in registers and are stored once per KV head (mdK / mdV (B, Sk, Hk, D))."""
         if head_dim not in self.HEAD_DIMS:
             raise ValueError(f"head dim {head_dim} not in {self.HEAD_DIMS}")
         if not 0 <= exp2_emu <= 16 or exp2_emu_degree not in EXP2_POLY:
-            raise ValueError(f"exp2_emu {exp2_emu} not in 0..16 or degree {exp2_emu_degree} not in "
-                             f"{sorted(EXP2_POLY)}")
+            raise ValueError(f"exp2_emu {exp2_emu} not in 0..16 or degree {exp2_emu_degree} not in {sorted(EXP2_POLY)}")
         self.exp2_emu = int(exp2_emu)
         self.exp2_emu_degree = int(exp2_emu_degree)
         if dtype not in (cutlass.Float16, cutlass.BFloat16):
@@ -232,7 +220,9 @@ class FlashBwdSm90(BwdEntries):
         if self.deterministic and (self.dq_tma or not self.dq_split or self.lpt or self.local):
             raise ValueError("deterministic needs dq_split, dq_tma off, lpt 0 and no window (every query block's "
                              "key blocks count from 0 in grid order)")
-        self.dq = DqAccumulator(block_m, self.dq_tma, self.deterministic, self.seqlens, 128 * self.NUM_MMA_WARPGROUPS)
+        self.dq_writer = bool(dq_writer) and self.dq_tma and not self.overlap
+        self.dq = DqAccumulator(block_m, self.dq_tma, self.deterministic, self.seqlens, 128 * self.NUM_MMA_WARPGROUPS,
+                                self.dq_writer)
         self.dkv = DkvEpilogue(dtype, head_dim, block_n, self.NUM_MMA_WARPGROUPS, self.tma_dkv, self.varlen,
                                self.seqlens, self.split_d, self.head_dim_v)
         if self.smem_bytes() > self.SMEM_LIMIT:
@@ -364,6 +354,9 @@ class FlashBwdSm90(BwdEntries):
         if warp_idx < 4:
             # Producer warpgroup: only TMA issue, so it hands its registers to the consumers.
             cute.arch.setmaxregister_decrease(self.PRODUCER_REGS)
+            if cutlass.const_expr(self.dq_writer):
+                if warp_idx == 1:
+                    self._write_dq(tma_dq, mdQ_tma, sdQ, tile, head, m_block_min, m_block_max, tiles)
             if tidx == 0:
                 self._produce(tma_q, mQ, tma_k, mK, tma_v, mV, tma_do, mdO, tma_lse, mLSE2, tma_delta, mDelta,
                               sQ, sK, sV, sdO, sLSE, sDelta, kv_pipe, q_pipe, do_pipe, n_block, head, head_kv,
@@ -422,6 +415,12 @@ class FlashBwdSm90(BwdEntries):
             cute.copy(tma_do, gdo[None, m_block], tdOsdO[None, do_state.index], tma_bar_ptr=do_bar)
             cute.copy(tma_delta, gd[None, m_block], tDsD[None, do_state.index], tma_bar_ptr=do_bar)
             do_state.advance()
+
+    def _write_dq(self, tma_dq, mdQ_tma, sdQ, tile, head, m_block_min, m_block_max, tiles):
+        gdQ = cute.local_tile(self.seqlens.rows(mdQ_tma, tile.q_start, head, tile), (self.block_m, self.head_dim), (None, 0))
+        tQRsdQ, tQRgdQ = tma_tiles(tma_dq, sdQ, gdQ)
+        dst = (tQRgdQ, tma_dq, sdQ, mdQ_tma, tile)
+        self.dq.writer(tma_dq, tQRsdQ, lambda pos: self._dq_dst(dst, pos, tiles), m_block_min, m_block_max)
 
     def _head_tiles(self, tma_q, tma_do, tma_lse, tma_delta, mQ, mdO, mLSE2, mDelta, sQ, sdO, sLSE, sDelta, tile, head):
         """The gmem sides of the producer's Q, dO, lse2 and delta TMA copies for query head ``head`` (gqa_loop: the
@@ -549,7 +548,8 @@ class FlashBwdSm90(BwdEntries):
                                ds_copy=ds_copy, rdT=rdT, tiles=tiles, mods=mods, n_block=n_block, m_block_of=m_block)
                 dq_out = (mdQaccum, acc_dQ, tdQcdQ, tdQsdQ, softmax_scale, buf, m_block,
                           tiles.head(pos) if cutlass.const_expr(self.gqa_loop) else head, tile, seqlen_q, turn,
-                          (tiled_mma_dq, sdQ, ctid) if cutlass.const_expr(self.dq_in_loop) else None)
+                          (tiled_mma_dq, sdQ, ctid) if cutlass.const_expr(self.dq_in_loop) else None,
+                          pos >= m_block_min + 2)
                 if cutlass.const_expr(self.dq_first):
                     warpgroup.wait_group(1)  # dV and dQ done, dK runs on: dO's stage and rP are free
                     do_pipe.consumer_release(do_state)
@@ -624,7 +624,7 @@ class FlashBwdSm90(BwdEntries):
                 buf = 1 - buf
             warpgroup.wait_group(0)  # the unread S^T and dP^T issued last
 
-        if cutlass.const_expr(self.dq_tma):  # the last block's tile; wait before the CTA's smem goes away
+        if cutlass.const_expr(self.dq_tma and not self.dq_writer):  # the last tile, waited for before smem goes away
             cute.arch.fence_view_async_shared()
             cute.arch.barrier(barrier_id=1, number_of_threads=256)
             if dq_issuer:
@@ -777,7 +777,7 @@ class FlashBwdSm90(BwdEntries):
         else:
             cute.autovec_copy(rdS, thr_sdp.partition_C(sdSt[None, None, buf]))
         cute.arch.fence_view_async_shared()
-        if cutlass.const_expr(self.dq_tma):
+        if cutlass.const_expr(self.dq_tma and not self.dq_writer):
             # The reduce-add issued one block ago read the buffer this block's dQ tile is written to
             # below; its completion (.read) is published to all threads by the barrier.
             if dq_issuer:
@@ -790,7 +790,7 @@ class FlashBwdSm90(BwdEntries):
             gemm(tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, buf, None, zero_init=True)  # dQ = dS K
         if cutlass.const_expr(not self.wide):
             gemm(tiled_mma_dk, acc_dK, tdKrdSt, tdKrQt, buf, q_stage)  # dK += dS^T Q
-        if cutlass.const_expr(self.dq_tma):
+        if cutlass.const_expr(self.dq_tma and not self.dq_writer):
             # Past the dS barrier every thread has written and fenced the previous block's dQ tile (behind the WGMMAs:
             # the issuing warp does not hold its warpgroup's back).
             if dq_issuer and m_block > m_block_min:
