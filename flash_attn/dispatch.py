@@ -11,7 +11,6 @@ testing tool, so they serve CPU calls only when forced.
 """
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import importlib
 
@@ -97,17 +96,23 @@ def forced_backend():
     return name
 
 
-@contextlib.contextmanager
-def use_backend(name):
+class use_backend:
     """Force every attention call in this context (and thread) onto one backend: "cute", "triton" or
-    "torch". A call it cannot serve raises an error that names the reason."""
-    if name is not None:
-        _check_name(name)
-    token = _forced.set(name)
-    try:
-        yield
-    finally:
-        _forced.reset(token)
+    "torch". A call it cannot serve raises an error that names the reason. (A class rather than a
+    contextlib generator: flash_attn.cute's calls that record gradients enter one per call.)"""
+
+    __slots__ = ("name", "token")
+
+    def __init__(self, name):
+        if name is not None:
+            _check_name(name)
+        self.name = name
+
+    def __enter__(self):
+        self.token = _forced.set(self.name)
+
+    def __exit__(self, *exc):
+        _forced.reset(self.token)
 
 
 def _reason(name, call):

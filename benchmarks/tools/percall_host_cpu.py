@@ -1,6 +1,7 @@
 """Host-path cost per call on the CPU: the Python work of a call with the kernel replaced by a Python no-op (CPU
 tensors, b1 s128 h16 d128 bf16). ``--api cute``: flash_attn.cute.flash_attn_func with its kernels stubbed and the
-device check bypassed; ``--api root``: flash_attn.flash_attn_func with a no-op backend forced ("nop", registered
+device check bypassed, and with q, k, v requiring gradients ("common, grad": through the root package's differentiable
+op, the cute backend stood in for); ``--api root``: flash_attn.flash_attn_func with a no-op backend forced ("nop", registered
 here), with and without autograd, and through the cute backend module (``(cute backend)``: flash_attn.cute.backend's
 fwd and launch with the same stubbed kernels, the root API's path on a Hopper GPU). For comparing the per-call path before and after a change (run it on both
 checkouts, alternating, on a quiet machine; the GPU per-call figure is bench_cute_overhead's). ``--api kvcache``:
@@ -121,6 +122,17 @@ def measure(api="cute", rounds=15, calls=2000):
         f = _stub_cute()
         for name, kw in cases.items():
             out[name] = _time(f, (q, k, v), kw, rounds, calls)
+        # with q, k, v requiring gradients: the root package's differentiable op with the forward forced onto the
+        # cute backend (its stand-in: available, its own fwd on the stubbed kernels)
+        from flash_attn import dispatch
+
+        _stub_root_cute()
+        dispatch.BACKENDS["cute"] = "_percall_cute_backend"
+        dispatch._unavailable.pop("cute", None)
+        dispatch._modules.pop("cute", None)
+        dispatch._choice.clear()
+        qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+        out["common, grad"] = _time(f, (qg, kg, vg), {}, rounds, calls)
         return out
     from flash_attn import dispatch
 

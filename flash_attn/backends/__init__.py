@@ -73,14 +73,26 @@ modules): ``launcher(kernel)`` (Triton) returns a low-overhead launcher for any 
 # The core's services to a backend's own API (flash_attn.cute's FA4 functions): a backend depends on these, never on
 # the front door's private modules. Imported lazily: the contract above stays a plain module.
 
+_CORE = []
+
+
+def _core():
+    """(flash_attn._ops, dispatch.use_backend), imported on the first call and kept (a function-level import costs
+    about a microsecond per call, and these run once per attention call that records gradients)."""
+    if not _CORE:
+        from flash_attn import _ops
+        from flash_attn.dispatch import use_backend
+
+        _CORE.append((_ops, use_backend))
+    return _CORE[0]
+
+
 def core_attention(backend, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                    window_left, window_right, softcap, deterministic):
     """(out, lse) of the core's differentiable attention (flash_attn::fwd; the window in the core's encoding, -1
     unbounded) with its forward forced onto ``backend`` and its backward on the dispatcher's choice; lse is exposed,
     so a loss's gradient through it flows back."""
-    from flash_attn import _ops
-    from flash_attn.dispatch import use_backend
-
+    _ops, use_backend = _core()
     call = _ops._flat_call(q, v, cu_seqlens_q, None, softmax_scale, causal, window_left, window_right, softcap, None,
                            0.0, False, deterministic)
     with use_backend(backend):
@@ -92,9 +104,7 @@ def core_attention(backend, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
 def core_backward(backend, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                   softmax_scale, causal, window_left, window_right, softcap, deterministic, dlse=None):
     """(dq, dk, dv) of the dispatcher's backward for a forward that ``backend`` ran (flash_attn::bwd's choice)."""
-    from flash_attn import _ops
-    from flash_attn.dispatch import use_backend
-
+    _ops, use_backend = _core()
     call = _ops._flat_call(q, v, cu_seqlens_q, None, softmax_scale, causal, window_left, window_right, softcap, None,
                            0.0, False, deterministic)
     with use_backend(backend):

@@ -89,6 +89,20 @@ def test_use_backend_forces_and_restores(registry):
     assert registry == [("fast", "fwd")]
 
 
+def test_use_backend_nests_and_restores_on_errors():
+    from flash_attn import dispatch
+
+    assert dispatch.forced_backend() is None
+    with flash_attn.use_backend("torch"):
+        with pytest.raises(RuntimeError), flash_attn.use_backend("triton"):
+            assert dispatch.forced_backend() == "triton"
+            raise RuntimeError("inside")
+        assert dispatch.forced_backend() == "torch"
+    assert dispatch.forced_backend() is None
+    with pytest.raises(ValueError, match="backend"):
+        flash_attn.use_backend("nonesuch")
+
+
 def test_env_var_forces(registry, fa_env):
     fa_env(BACKEND="mid")
     q, k, v = _qkv()

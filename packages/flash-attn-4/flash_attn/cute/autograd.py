@@ -17,6 +17,8 @@ A loss that uses the returned lse contributes dlse_i * P_ij to dS_ij, which ever
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from flash_attn.cute import launch as _k
@@ -31,14 +33,28 @@ def needs_grad(q, k, v, learnable_sink=None):
         learnable_sink is not None and learnable_sink.requires_grad))
 
 
+_DISPATCHER = []
+
+
 def dispatcher():
     """The root package's core services to a backend (flash_attn.backends.core_attention / core_backward), or None
-    without that package (flash-attn-4 alone)."""
-    try:
-        from flash_attn.backends import core_attention, core_backward
-    except ImportError:
-        return None
-    return core_attention, core_backward
+    without that package (flash-attn-4 alone); looked up once (per call it cost an import's microsecond)."""
+    if not _DISPATCHER:
+        try:
+            from flash_attn.backends import core_attention, core_backward
+        except ImportError:
+            _DISPATCHER.append(None)
+        else:
+            _DISPATCHER.append((core_attention, core_backward))
+    return _DISPATCHER[0]
+
+
+def _backend():
+    """flash_attn.cute.backend (imported on first use: it imports this module's neighbours)."""
+    mod = sys.modules.get("flash_attn.cute.backend")
+    if mod is None:
+        from flash_attn.cute import backend as mod
+    return mod
 
 
 def dispatcher_window(causal, window_left, window_right):
@@ -59,9 +75,7 @@ def with_fallback_backward(q, k, v, softmax_scale, causal, window_left, window_r
     window = dispatcher_window(causal, window_left, window_right)
     if ops is None or window is None:
         return None
-    from flash_attn.cute import backend
-
-    if q.shape[-1] not in backend.forward_head_dims():  # the dispatcher would refuse the forced forward
+    if q.shape[-1] not in _backend().forward_head_dims():  # the dispatcher would refuse the forced forward
         return None
     core_attention, _ = ops
     cu_q, cu_k, max_q, max_k = varlen[:4] if varlen is not None else (None, None, q.shape[1], k.shape[1])

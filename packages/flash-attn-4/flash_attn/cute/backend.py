@@ -62,10 +62,16 @@ def norm_backward():
     return norm_bwd
 
 
+_FWD_DIMS = [None, ()]  # (the settings object they were read from, the head dims)
+
+
 def forward_head_dims():
     """The head dims whose forward the dispatcher may send here: 64, 128 and those of 96 / 192 / 256 that
-    FLASH_ATTN_CUTE_DISABLE does not name (d96, d192, d256)."""
-    return tuple(sorted(_HEAD_DIMS + tuple(d for d in _GATED_FWD_HEAD_DIMS if not settings.disabled(f"d{d}"))))
+    FLASH_ATTN_CUTE_DISABLE does not name (d96, d192, d256); read again only when the settings are (settings.reload)."""
+    if _FWD_DIMS[0] is not settings.current:
+        _FWD_DIMS[1] = tuple(sorted(_HEAD_DIMS + tuple(d for d in _GATED_FWD_HEAD_DIMS if not settings.disabled(f"d{d}"))))
+        _FWD_DIMS[0] = settings.current
+    return _FWD_DIMS[1]
 
 
 def backward_head_dims():
