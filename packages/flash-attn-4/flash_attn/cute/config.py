@@ -246,6 +246,10 @@ class BwdConfig:
             raise ValueError("BwdConfig: lpt orders a dense grid (varlen needs lpt=0)")
         if self.deterministic and (self.dq_tma or not self.dq_split or self.lpt or self.local):
             raise ValueError("BwdConfig: deterministic needs dq_split, dq_tma off, lpt 0 and no window")
+        if self.block_m == 80 and (self.head_dim != 128 or self.causal or self.local or self.softcap
+                                   or self.deterministic or self.overlap or not self.dq_writer):
+            raise ValueError("BwdConfig: block_m 80 (an experiment) takes head dim 128 without a mask, softcap, "
+                             "determinism or overlap, with the dQ writer warp")
         if self.softcap and self.block_m != 64:
             raise ValueError("BwdConfig: softcap needs block_m 64")
         if self.head_dim_v is not None and (self.head_dim, self.head_dim_v) not in HEAD_DIM_PAIRS:
@@ -481,9 +485,12 @@ def select_bwd(dtype, head_dim, causal, arch, abi, local=False, varlen=False, de
     dq_split = True if deterministic else ov.get("dq_split", BWD_DQ_SPLIT)
     emu = ov.get("exp2_emu", BWD_EXP2_EMU.get(d, 0))
     dq_tma = dq_split and not deterministic and bool(ov.get("dq_tma", BWD_DQ_TMA.get(d, False)))
+    block_m = 64 if softcap else ov.get("block_m", BWD_BLOCK_M.get(d, 64))
+    if block_m == 80 and (d != 128 or causal or local or deterministic):  # (FA3's 80: d128 without a mask)
+        block_m = BWD_BLOCK_M.get(d, 64)
     overlap = not gqa_loop and bool(ov.get("overlap", BWD_OVERLAP.get(d, False)))
     return BwdConfig(dtype=dtype_name(dtype), head_dim=d, causal=bool(causal), arch=arch, abi=abi,
-                     block_m=64 if softcap else ov.get("block_m", BWD_BLOCK_M.get(d, 64)),
+                     block_m=block_m,
                      stages=ov.get("stages", BWD_STAGES.get(d, 2)),
                      dq_split=dq_split,
                      dq_tma=dq_tma, overlap=overlap,
@@ -493,4 +500,4 @@ def select_bwd(dtype, head_dim, causal, arch, abi, local=False, varlen=False, de
                      varlen=bool(varlen), deterministic=bool(deterministic), softcap=bool(softcap),
                      tma_dkv=bool(ov.get("tma_dkv", (BWD_TMA_DKV_VARLEN if varlen else BWD_TMA_DKV).get(d, False))),
                      gqa_loop=bool(gqa_loop), head_dim_v=None if head_dim_v in (None, d) else int(head_dim_v),
-                     dq_writer=dq_tma and not overlap and bool(ov.get("dq_writer", False)))
+                     dq_writer=dq_tma and not overlap and bool(ov.get("dq_writer", False) or block_m == 80))

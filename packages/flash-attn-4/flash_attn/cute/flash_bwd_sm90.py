@@ -144,9 +144,16 @@ class FlashBwdSm90(BwdEntries):
         if block_n != want_n:
             raise ValueError(f"block_n must be {want_n} at head dim {head_dim} (64 keys per warpgroup; past 128 the "
                              "warpgroups share 64 keys and split D)")
-        if block_m not in (64, 128) or (self.split_d and (block_m != 64 or not dq_split)):
-            raise ValueError(f"block_m {block_m} not in (64, 128); head dim {head_dim} > 128: block_m 64 and dq_split "
-                             "(the split-D loop)")
+        if block_m not in (64, 80, 128) or (self.split_d and (block_m != 64 or not dq_split)):
+            raise ValueError(f"block_m {block_m} not in (64, 80, 128); head dim {head_dim} > 128: block_m 64 and "
+                             "dq_split (the split-D loop)")
+        # BLOCK_M = 80 (an experiment, as FA3's d128 tile without a mask): dQ^T = K^T dS^T (m64n80k16, D on M: 80 rows
+        # are no WGMMA M), its one fp32 tile (two do not fit) handed to the writer warp every block
+        self.dq_swap = block_m == 80
+        if self.dq_swap and (head_dim != 128 or causal or local or softcap or deterministic or overlap or not dq_tma
+                             or not dq_writer or mask_mod is not None or score_mod is not None or sparse is not None):
+            raise ValueError("block_m 80: head dim 128 without a mask, softcap, mods, determinism or overlap, with the "
+                             "TMA dQ and its writer warp (dq_tma, dq_writer)")
         if num_stages < 1:
             raise ValueError(f"num_stages {num_stages} < 1")
         self.dtype = dtype
@@ -165,7 +172,8 @@ class FlashBwdSm90(BwdEntries):
             raise ValueError("dq_tma needs dq_split (the dS barrier of both warpgroups orders the dQ tile)")
         self.overlap = bool(overlap)
         # dQ's WGMMA before dK's, dQ out while dK runs (the module docstring); BLOCK_M = 128 and overlap: dK first
-        self.dq_first = block_m == 64 and not self.overlap
+        self.dq_first = block_m in (64, 80) and not self.overlap
+        self.p16 = block_m in (80, 128)  # dS^T from the 16-bit P^T (the fp32 S^T dies at the packing: registers)
         self.tma_dkv = bool(tma_dkv)
         if lpt < 0:
             raise ValueError(f"lpt {lpt} < 0")
@@ -222,7 +230,7 @@ class FlashBwdSm90(BwdEntries):
                              "key blocks count from 0 in grid order)")
         self.dq_writer = bool(dq_writer) and self.dq_tma and not self.overlap
         self.dq = DqAccumulator(block_m, self.dq_tma, self.deterministic, self.seqlens, 128 * self.NUM_MMA_WARPGROUPS,
-                                self.dq_writer)
+                                self.dq_writer, 1 if self.dq_swap else 2, self.dq_swap)
         self.dkv = DkvEpilogue(dtype, head_dim, block_n, self.NUM_MMA_WARPGROUPS, self.tma_dkv, self.varlen,
                                self.seqlens, self.split_d, self.head_dim_v)
         if self.smem_bytes() > self.SMEM_LIMIT:
@@ -240,7 +248,7 @@ class FlashBwdSm90(BwdEntries):
         off = (2 + 4 * st) * 8
         tiles = [BM * D * es * st, BM * Dv * es * st, BN * D * es, BN * Dv * es, BM * BN * es * 2]
         tiles += [BM * BN * es * 2] if self.split_d else []  # P^T's tile (two buffers, as dS)
-        for nbytes in tiles + ([BM * D * 4 * 2] if self.dq_tma else []):
+        for nbytes in tiles + ([BM * D * 4 * self.dq.buffers] if self.dq_tma else []):
             off = -(-off // 1024) * 1024 + nbytes
         for _ in range(2):
             off = -(-off // 128) * 128 + BM * 4 * st
@@ -461,28 +469,20 @@ class FlashBwdSm90(BwdEntries):
         if cutlass.const_expr(not self.wide):
             tdKrdSt = tiled_mma_dk.make_fragment_A(wg_dk.partition_A(sdSt))             # (BN, BM, 2)
         tdKrQt = tiled_mma_dk.make_fragment_B(wg_dk.partition_B(transpose_view(sQ)))    # (D, BM, stages)
-        if cutlass.const_expr(self.dq_split):  # all keys; the tiled MMA picks this warpgroup's half of D
-            tdQrdS = tiled_mma_dq.make_fragment_A(wg_dq.partition_A(sdS))
-            tdQrKt = tiled_mma_dq.make_fragment_B(wg_dq.partition_B(transpose_view(sK)))
-        else:  # this warpgroup's keys: columns [64 wg, 64 wg + 64) of dS (BM, BN) and of K^T (D, BN)
-            tdQrdS = tiled_mma_dq.make_fragment_A(wg_dq.partition_A(cute.local_tile(sdS, (BM, 64, 2), (0, wg, 0))))
-            tdQrKt = tiled_mma_dq.make_fragment_B(
-                wg_dq.partition_B(cute.local_tile(transpose_view(sK), (D, 64), (0, wg))))
+        tdQrdS, tdQrKt, acc_dQ, tdQcdQ, tdQsdQ = self.dq.fragments(tiled_mma_dq, wg_dq, thr_dq, sdS, sK, sdQ, wg, D,
+                                                                   self.dq_split)
 
         acc_S = cute.make_rmem_tensor(thr_sdp.partition_shape_C((BN, BM)), Float32)
         acc_dP = cute.make_rmem_tensor(thr_sdp.partition_shape_C((BN, BM)), Float32)
         acc_dV = cute.make_rmem_tensor(thr_dv.partition_shape_C((BN, self.head_dim_v)), Float32)
         acc_dK = cute.make_rmem_tensor(thr_dk.partition_shape_C((BN, D)), Float32)
-        acc_dQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((BM, D)), Float32)
         acc_dV.fill(0.0)
         acc_dK.fill(0.0)
         tScS = thr_sdp.partition_C(cute.make_identity_tensor((BN, BM)))
         tdKcdK = (thr_dk.partition_C(cute.make_identity_tensor((BN, D))),
                   thr_dv.partition_C(cute.make_identity_tensor((BN, self.head_dim_v))))
-        tdQcdQ = thr_dq.partition_C(cute.make_identity_tensor((BM, D)))
-        tdQsdQ, tQRsdQ, tQRgdQ = None, None, None
+        tQRsdQ, tQRgdQ = None, None
         if cutlass.const_expr(self.dq_tma):
-            tdQsdQ = thr_dq.partition_C(sdQ)  # (frag, BM/64, 1, 2 buffers)
             gdQ = cute.local_tile(self.seqlens.rows(mdQ_tma, tile.q_start, head, tile), (BM, D),
                                   (None, 0))  # (BM, D, m)
             tQRsdQ, tQRgdQ = tma_tiles(tma_dq, sdQ, gdQ)
@@ -549,7 +549,7 @@ class FlashBwdSm90(BwdEntries):
                 dq_out = (mdQaccum, acc_dQ, tdQcdQ, tdQsdQ, softmax_scale, buf, m_block,
                           tiles.head(pos) if cutlass.const_expr(self.gqa_loop) else head, tile, seqlen_q, turn,
                           (tiled_mma_dq, sdQ, ctid) if cutlass.const_expr(self.dq_in_loop) else None,
-                          pos >= m_block_min + 2)
+                          pos >= m_block_min + self.dq.buffers)
                 if cutlass.const_expr(self.dq_first):
                     warpgroup.wait_group(1)  # dV and dQ done, dK runs on: dO's stage and rP are free
                     do_pipe.consumer_release(do_state)
@@ -722,7 +722,7 @@ class FlashBwdSm90(BwdEntries):
                     acc_S[i] = exp2_poly(x, self.exp2_emu_degree)
                 else:
                     acc_S[i] = cute.math.exp2(x, fastmath=True)
-        if cutlass.const_expr(self.wide):
+        if cutlass.const_expr(self.p16):
             pack_16(acc_S, rP, self.dtype)
         else:
             rP.store(acc_S.load().to(self.dtype))
@@ -745,7 +745,7 @@ class FlashBwdSm90(BwdEntries):
         reduce-add behind them (dq_dst: what _dq_dst needs for a walk position's destination). m_block / m_block_min:
         the walk's positions (the query blocks themselves, or with block sparsity or gqa_loop's walk, tiles maps them)."""
         warpgroup.wait_group(1)  # dP^T is ready; dV may still run
-        if cutlass.const_expr(self.wide):
+        if cutlass.const_expr(self.p16):
             # P^T back from the 16-bit copy that dV reads: the fp32 S^T is dead since the conversion,
             # so S^T, dP^T (64 registers each at BLOCK_M = 128), the 16-bit P^T and dK, dV are never all
             # live (224 + addresses and indices > 240: with the fp32 S^T kept for dS^T, ptxas serialises
@@ -786,8 +786,8 @@ class FlashBwdSm90(BwdEntries):
             cute.arch.barrier(barrier_id=1, number_of_threads=256)
         else:
             cute.arch.barrier(barrier_id=1 + wg, number_of_threads=128)
-        if cutlass.const_expr(self.dq_first):
-            gemm(tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, buf, None, zero_init=True)  # dQ = dS K
+        if cutlass.const_expr(self.dq_first):  # dQ = dS K (dq_swap: dQ^T = K^T dS^T)
+            self.dq.gemm(tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, buf)
         if cutlass.const_expr(not self.wide):
             gemm(tiled_mma_dk, acc_dK, tdKrdSt, tdKrQt, buf, q_stage)  # dK += dS^T Q
         if cutlass.const_expr(self.dq_tma and not self.dq_writer):

@@ -393,8 +393,8 @@ def compile_bwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=Fal
     from flash_attn.cute.flash_bwd_sm90 import FlashBwdSm90
 
     cfg = bwd_config(dtype, head_dim, causal, arch, local, varlen, deterministic, softcap, gqa_loop, head_dim_v)
-    if score_mod is not None or block_m is not None:
-        cfg = dataclasses.replace(cfg, block_m=block_m or mod_bwd_block_m(cfg, True))
+    if score_mod is not None or mask_mod is not None or sparse is not None or block_m is not None:
+        cfg = dataclasses.replace(cfg, block_m=block_m or mod_bwd_block_m(cfg, score_mod is not None))
     kernel = FlashBwdSm90(_cutlass_dtype(dtype), int(head_dim), bool(causal), block_m=cfg.block_m,
                           num_stages=cfg.stages, dq_split=cfg.dq_split, dq_tma=cfg.dq_tma, overlap=cfg.overlap,
                           lpt=cfg.lpt, exp2_emu=cfg.exp2_emu, exp2_emu_degree=cfg.exp2_emu_degree, local=cfg.local,
@@ -463,8 +463,9 @@ def compile_bwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=Fal
 
 def mod_bwd_block_m(cfg, has_score_mod):
     """The query block of a mods backward kernel: the config's, 64 with a score_mod (its fp32 copy of the scaled
-    scores takes BLOCK_M / 2 registers, which the 128-row kernel does not have)."""
-    return 64 if has_score_mod else cfg.block_m
+    scores takes BLOCK_M / 2 registers, which the 128-row kernel does not have) or where the config's is the 80-row
+    experiment (the sparse lists count 64-row blocks)."""
+    return 64 if has_score_mod or cfg.block_m == 80 else cfg.block_m
 
 
 def _bwd_entry(dtype, head_dim, causal, arch, local=False, varlen=False, deterministic=False, softcap=False,
