@@ -107,8 +107,9 @@ for step in $STEPS; do
     cute) bench attention.bench_attention --backends cute --headdims 64,128 --seqlens 1024,4096,16384 "${peer[@]}" ;;
     dqwriter)  # the dQ writer warp (bwd.dq_writer) and the 80-row d128 tile (bwd.block_m=80, which takes it): their
         # GPU tests, racecheck / synccheck on a few, the A/B
-        timeout 300 python -m pytest -q -m gpu -n 12 -p no:cacheprovider -k "dq_writer or block_m_80" tests/cute/test_cute_bwd.py \
-            tests/cute/test_cute_bwd_varlen.py > "$OUT/dqwriter_tests.log" 2>&1
+        timeout 300 python -m pytest -q -m gpu -n 12 -p no:cacheprovider -k "dq_writer or block_m_80 or writer_warp" \
+            tests/cute/test_cute_bwd.py tests/cute/test_cute_bwd_varlen.py tests/cute/test_cute_bwd_det.py \
+            > "$OUT/dqwriter_tests.log" 2>&1
         rc=$?
         echo "dq_writer tests: rc $rc"; grep -E "passed|failed" "$OUT/dqwriter_tests.log" | tail -n 3
         grep -E "^FAILED" "$OUT/dqwriter_tests.log" | head -n 20
@@ -123,7 +124,10 @@ for step in $STEPS; do
         done
         timeout 300 python -m benchmarks.attention.ab_cute_bwd --headdims 64,128 --seqlens 1024,4096,16384 --rounds 4 \
             --variants ";FLASH_ATTN_CUTE_OVERRIDES=bwd.dq_writer=1;FLASH_ATTN_CUTE_OVERRIDES=bwd.block_m=80" 2>&1 \
-            | tee "$OUT/ab_dq_writer.log" | tail -n 15 ;;
+            | tee "$OUT/ab_dq_writer.log" | tail -n 15
+        # the deterministic kernel with its turns on the writer warp against Triton's deterministic backward
+        timeout 200 python -m benchmarks.attention.bench_cute_bwd_modes --modes deterministic --seqlens 2048 \
+            --overrides bwd.dq_writer=1 2>&1 | tee "$OUT/det_writer.log" | tail -n 8 ;;
     widebwd)
         timeout "${WIDE_TEST_TIMEOUT:-420}" python -m pytest -q -m gpu -n 12 -p no:cacheprovider \
             tests/cute/test_cute_bwd_wide.py > "$OUT/wide_tests.log" 2>&1

@@ -33,6 +33,8 @@ def main(argv=None):
     ap.add_argument("--seqlens", type=_ints, default=[1024, 4096])
     ap.add_argument("--causal", type=_bools, default=[False, True])
     ap.add_argument("--modes", default="default,deterministic,window")
+    ap.add_argument("--overrides", default="", help="more FLASH_ATTN_CUTE_OVERRIDES items for the rule-on side (a "
+                    "kernel variant, e.g. bwd.dq_writer=1)")
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--warmup", type=int, default=10)
@@ -63,8 +65,9 @@ def main(argv=None):
                         kw["softcap"] = 30.0
                     times = {}
                     for on in (True, False):
-                        os.environ["FLASH_ATTN_CUTE_OVERRIDES"] = (f"{RULES[mode]}={int(on)}" if mode in RULES
-                                                                   else "")
+                        items = [f"{RULES[mode]}={int(on)}"] if mode in RULES else []
+                        os.environ["FLASH_ATTN_CUTE_OVERRIDES"] = ",".join(items + ([args.overrides] if on and
+                                                                                    args.overrides else []))
                         reload_settings()
                         from flash_attn import dispatch
 

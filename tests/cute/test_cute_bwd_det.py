@@ -53,6 +53,28 @@ def test_deterministic_kernel_takes_turns_in_its_ptx(tmp_path, cute_env, d, caus
     assert spills and all(x == 0 for x in spills), log
 
 
+@pytest.mark.parametrize("d,causal,varlen", [(64, False, False), (128, True, False), (96, True, True)])
+def test_deterministic_writer_warp_takes_turns_in_its_ptx(tmp_path, cute_env, d, causal, varlen):
+    """bwd.dq_writer=1 (off until timed): the deterministic kernel's dQ goes by the writer warp's TMA reduce-adds (one
+    site, D / 32 boxes; D = 96: 16-column ones) in turns: its ld.acquire.gpu spin, the add, a full wait for the bulk
+    group (not only its reads), the proxy and acq_rel fences and one red.release.gpu per query block; no consumer
+    thread adds with red.global or waits for a turn; ptxas spills nothing and keeps the WGMMAs pipelined."""
+    cute_env(OVERRIDES="bwd.dq_writer=1")
+    cfg = kernels.bwd_config(torch.bfloat16, d, causal, "sm_90a", varlen=varlen, deterministic=True)
+    assert cfg.deterministic and cfg.dq_tma and cfg.dq_writer and cfg.lpt == 0
+    kernels.compile_bwd(torch.bfloat16, d, causal, dump_dir=str(tmp_path), varlen=varlen, deterministic=True)
+    (ptx,) = [p for p in tmp_path.iterdir() if p.suffix == ".ptx"]
+    text = ptx.read_text()
+    boxes = d // (32 if (d // 2) % 32 == 0 else 16)
+    assert text.count("cp.reduce.async.bulk.tensor") == boxes and "red.relaxed.gpu.global.add" not in text
+    assert re.search(r"ld\.acquire\.gpu\.global\.b32", text) and "bar.sync \t2, 256;" not in text
+    assert re.search(r"cp\.async\.bulk\.wait_group \t0;[\s\S]*fence\.proxy\.async\.global;[\s\S]*fence\.acq_rel\.gpu;"
+                     r"[\s\S]*red\.release\.gpu\.global\.add\.s32", text)
+    assert len(re.findall(r"red\.release\.gpu\.global\.add\.s32", text)) == 1
+    spills, log = _ptxas_spills(ptx)
+    assert spills and all(x == 0 for x in spills) and "are serialized" not in log, log
+
+
 def test_deterministic_config_refusals():
     base = dict(dtype="bf16", head_dim=64, causal=True, arch="sm_90a", abi="cute", block_m=64, stages=2)
     for bad in (dict(dq_split=True, dq_tma=True), dict(dq_split=False, dq_tma=False),
@@ -60,6 +82,7 @@ def test_deterministic_config_refusals():
         with pytest.raises(ValueError, match="deterministic"):
             config.BwdConfig(**base, **bad, deterministic=True)
     config.BwdConfig(**base, dq_split=True, dq_tma=False, deterministic=True)
+    config.BwdConfig(**base, dq_split=True, dq_tma=True, dq_writer=True, deterministic=True)  # the writer warp's turns
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -149,14 +172,18 @@ def test_own_backward_passes_deterministic_to_the_kernel(monkeypatch, cute_env):
 # On a Hopper GPU
 
 
-@pytest.fixture
-def det_on(monkeypatch, cute_env):
+@pytest.fixture(params=["", ",bwd.dq_writer=1"], ids=["red_add", "writer_warp"])
+def det_on(request, monkeypatch, cute_env):
     """The deterministic (and varlen) rules on, the dispatcher's cached choices dropped, and the deterministic flag
-    of each kernel launch recorded."""
+    of each kernel launch recorded; the turns taken by every consumer thread's red.global.add, or by the writer warp's
+    TMA reduce-adds (bwd.dq_writer=1)."""
     from flash_attn import dispatch
 
-    cute_env(OVERRIDES="plan.bwd_deterministic=1,plan.bwd_varlen=1", DISABLE=None)
+    cute_env(OVERRIDES="plan.bwd_deterministic=1,plan.bwd_varlen=1" + request.param, DISABLE=None)
     monkeypatch.setattr(dispatch, "_choice", {})
+    table = {}
+    monkeypatch.setattr(kernels, "_bwd_kernels", table)  # (the in-memory table does not key on the overrides)
+    monkeypatch.setattr(launch, "_bwd_kernels", table)
     calls = []
     for name in ("backward", "backward_varlen"):
         real = getattr(launch, name)

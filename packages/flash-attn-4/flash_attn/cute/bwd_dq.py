@@ -1,4 +1,4 @@
-"""How the Hopper backward's dQ partials reach dq_accum (flash_bwd_sm90.py's dQ component)."""
+"""How the Hopper backward computes dQ and how its partials reach dq_accum (flash_bwd_sm90.py's dQ component)."""
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
@@ -30,8 +30,8 @@ class DqAccumulator:
 
     def __init__(self, block_m, dq_tma, deterministic, seqlens, num_consumer_threads, writer=False, buffers=2,
                  swap=False):
-        if deterministic and dq_tma:
-            raise ValueError("deterministic dQ adds with red.global.add (dq_tma off)")
+        if deterministic and dq_tma and not writer:
+            raise ValueError("deterministic dQ adds with red.global.add (dq_tma off), or by the writer warp's TMA")
         if writer and not dq_tma:
             raise ValueError("the dQ writer warp issues TMA reduce-adds (dq_tma)")
         self.writer_warp = bool(writer)  # a producer warp issues the reduce-adds (``writer``), not a consumer warp
@@ -125,18 +125,37 @@ class DqAccumulator:
             cute.arch.red(sem, Int32(1), op="add", dtype=Int32, sem="release", scope="gpu")
 
     @cute.jit
-    def writer(self, tma_dq, tQRsdQ, dst, pos_min, pos_max):
+    def writer(self, tma_dq, tQRsdQ, dst, pos_min, pos_max, turn=None):
         """The writer warp's walk (one producer warp, all its lanes): per position, wait until the consumers have
         handed over its tile (FULL), add it into dq_accum by TMA (``dst(pos)``: the gmem partition and query block),
         wait until the TMA has read it and hand the buffer back (EMPTY) where a later block will reuse it; at the end
         wait for every add to complete before the CTA's shared memory goes away. The consumers never issue or wait
-        for a reduce-add."""
+        for a reduce-add. turn (deterministic: (mSem, n_block, tile, head)): the add waits for this key block's turn
+        at its query block's counter, completes, and passes the turn on, so each element of dq_accum receives its
+        adds in key-block order while the consumers go on."""
         buf = Int32(0)
         for pos in cutlass.range(pos_min, pos_max, unroll=1):
             cute.arch.barrier(barrier_id=DQ_FULL + buf, number_of_threads=self.num_consumer_threads + 32)
             g, m = dst(pos)
+            sem = None
+            if cutlass.const_expr(turn is not None):
+                mSem, n_block, tile, head = turn
+                sem = mSem.iterator + cute.crd2idx((tile.z, head, m), mSem.layout)
+                if cute.arch.lane_idx() == 0:
+                    done = cute.arch.load(sem, Int32, sem="acquire", scope="gpu")
+                    while done != n_block:
+                        done = cute.arch.load(sem, Int32, sem="acquire", scope="gpu")
+                cute.arch.sync_warp()
             self.reduce(tma_dq, tQRsdQ, g, buf, m)
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
+            if cutlass.const_expr(turn is not None):
+                # the adds complete (not only read) before the turn passes: the next key block's adds follow them
+                cute.arch.cp_async_bulk_wait_group(0)
+                if cute.arch.lane_idx() == 0:
+                    cute.arch.fence_proxy("async.global")
+                    cute.arch.fence_acq_rel_gpu()
+                    cute.arch.red(sem, Int32(1), op="add", dtype=Int32, sem="release", scope="gpu")
+            else:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
             if pos + self.buffers < pos_max:
                 cute.arch.barrier_arrive(barrier_id=DQ_EMPTY + buf, number_of_threads=self.num_consumer_threads + 32)
             if cutlass.const_expr(self.buffers == 2):

@@ -244,8 +244,9 @@ class BwdConfig:
             raise ValueError("BwdConfig: the TMA dQ needs the split dQ tile (dq_split)")
         if self.varlen and self.lpt:
             raise ValueError("BwdConfig: lpt orders a dense grid (varlen needs lpt=0)")
-        if self.deterministic and (self.dq_tma or not self.dq_split or self.lpt or self.local):
-            raise ValueError("BwdConfig: deterministic needs dq_split, dq_tma off, lpt 0 and no window")
+        if self.deterministic and ((self.dq_tma and not self.dq_writer) or not self.dq_split or self.lpt or self.local):
+            raise ValueError("BwdConfig: deterministic needs dq_split, dq_tma off (or with the writer warp), lpt 0 "
+                             "and no window")
         if self.block_m == 80 and (self.head_dim != 128 or self.causal or self.local or self.softcap
                                    or self.deterministic or self.overlap or not self.dq_writer):
             raise ValueError("BwdConfig: block_m 80 (an experiment) takes head dim 128 without a mask, softcap, "
@@ -484,7 +485,9 @@ def select_bwd(dtype, head_dim, causal, arch, abi, local=False, varlen=False, de
     d = int(head_dim)
     dq_split = True if deterministic else ov.get("dq_split", BWD_DQ_SPLIT)
     emu = ov.get("exp2_emu", BWD_EXP2_EMU.get(d, 0))
-    dq_tma = dq_split and not deterministic and bool(ov.get("dq_tma", BWD_DQ_TMA.get(d, False)))
+    # deterministic: red.global.add in turns, or with the writer warp TMA reduce-adds in turns (bwd.dq_writer=1)
+    dq_tma = dq_split and (bool(ov.get("dq_writer", False)) if deterministic
+                           else bool(ov.get("dq_tma", BWD_DQ_TMA.get(d, False))))
     block_m = 64 if softcap else ov.get("block_m", BWD_BLOCK_M.get(d, 64))
     if block_m == 80 and (d != 128 or causal or local or deterministic):  # (FA3's 80: d128 without a mask)
         block_m = BWD_BLOCK_M.get(d, 64)

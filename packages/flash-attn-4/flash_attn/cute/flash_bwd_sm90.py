@@ -225,9 +225,8 @@ class FlashBwdSm90(BwdEntries):
             self.sparse = SparseTiles(*sparse)
         if self.softcap and self.wide:
             raise ValueError("softcap needs block_m 64 (the tanh derivative's registers)")
-        if self.deterministic and (self.dq_tma or not self.dq_split or self.lpt or self.local):
-            raise ValueError("deterministic needs dq_split, dq_tma off, lpt 0 and no window (every query block's "
-                             "key blocks count from 0 in grid order)")
+        if self.deterministic and ((self.dq_tma and not dq_writer) or not self.dq_split or self.lpt or self.local):
+            raise ValueError("deterministic needs dq_split, dq_tma off or the writer warp, lpt 0 and no window")
         self.dq_writer = bool(dq_writer) and self.dq_tma and not self.overlap
         self.dq = DqAccumulator(block_m, self.dq_tma, self.deterministic, self.seqlens, 128 * self.NUM_MMA_WARPGROUPS,
                                 self.dq_writer, 1 if self.dq_swap else 2, self.dq_swap)
@@ -364,7 +363,8 @@ class FlashBwdSm90(BwdEntries):
             cute.arch.setmaxregister_decrease(self.PRODUCER_REGS)
             if cutlass.const_expr(self.dq_writer):
                 if warp_idx == 1:
-                    self._write_dq(tma_dq, mdQ_tma, sdQ, tile, head, m_block_min, m_block_max, tiles)
+                    self._write_dq(tma_dq, mdQ_tma, sdQ, tile, head, m_block_min, m_block_max, tiles,
+                                   (mSem, n_block, tile, head) if cutlass.const_expr(self.deterministic) else None)
             if tidx == 0:
                 self._produce(tma_q, mQ, tma_k, mK, tma_v, mV, tma_do, mdO, tma_lse, mLSE2, tma_delta, mDelta,
                               sQ, sK, sV, sdO, sLSE, sDelta, kv_pipe, q_pipe, do_pipe, n_block, head, head_kv,
@@ -424,11 +424,11 @@ class FlashBwdSm90(BwdEntries):
             cute.copy(tma_delta, gd[None, m_block], tDsD[None, do_state.index], tma_bar_ptr=do_bar)
             do_state.advance()
 
-    def _write_dq(self, tma_dq, mdQ_tma, sdQ, tile, head, m_block_min, m_block_max, tiles):
+    def _write_dq(self, tma_dq, mdQ_tma, sdQ, tile, head, m_block_min, m_block_max, tiles, turn):
         gdQ = cute.local_tile(self.seqlens.rows(mdQ_tma, tile.q_start, head, tile), (self.block_m, self.head_dim), (None, 0))
         tQRsdQ, tQRgdQ = tma_tiles(tma_dq, sdQ, gdQ)
         dst = (tQRgdQ, tma_dq, sdQ, mdQ_tma, tile)
-        self.dq.writer(tma_dq, tQRsdQ, lambda pos: self._dq_dst(dst, pos, tiles), m_block_min, m_block_max)
+        self.dq.writer(tma_dq, tQRsdQ, lambda pos: self._dq_dst(dst, pos, tiles), m_block_min, m_block_max, turn)
 
     def _head_tiles(self, tma_q, tma_do, tma_lse, tma_delta, mQ, mdO, mLSE2, mDelta, sQ, sdO, sLSE, sDelta, tile, head):
         """The gmem sides of the producer's Q, dO, lse2 and delta TMA copies for query head ``head`` (gqa_loop: the
