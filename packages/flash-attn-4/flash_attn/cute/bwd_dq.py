@@ -145,6 +145,7 @@ class DqAccumulator:
                     done = cute.arch.load(sem, Int32, sem="acquire", scope="gpu")
                     while done != n_block:
                         done = cute.arch.load(sem, Int32, sem="acquire", scope="gpu")
+                    cute.arch.fence_proxy("async.global")  # the TMA add (async proxy) after the acquire
                 cute.arch.sync_warp()
             self.reduce(tma_dq, tQRsdQ, g, buf, m)
             if cutlass.const_expr(turn is not None):
