@@ -21,8 +21,8 @@ Per query block, for each of the two consumer warpgroups (64 keys each):
                                    TMA reduce-add of it, issued by one warp behind the next block's dQ and
                                    dK WGMMAs; else red.global.add.v2.f32 (BwdConfig.dq_tma off)
 dQ goes out (the loop waits for dV and dQ alone, dO's stage released) while dK still runs: the dQ epilogue and the
-reduce-add's issue leave the tensor cores' critical path (1.04-1.11x dK first and dQ out after all three,
-benchmarks/results/h100/cute_bwd_ab.md). BLOCK_M = 128 issues dK first, from registers before the dS barrier.
+reduce-add's issue leave the tensor cores' critical path (the A/B: benchmarks/results/h100/cute_bwd_ab.md).
+BLOCK_M = 128 issues dK first, from registers before the dS barrier.
 With overlap (BwdConfig.overlap; dK first) the loop is software-pipelined: S^T and dP^T of the next query block
 (D = 128 and BLOCK_M = 128: S^T only, for registers) are issued right behind dK and dQ, and this block's dQ goes
 out while the tensor cores compute them.
@@ -505,8 +505,8 @@ class FlashBwdSm90(BwdEntries):
         if cutlass.const_expr(not self.split_d):
             # dS^T to shared memory with stmatrix (4 8x8 matrices, 8 values, per instruction; a matrix row
             # is one key's 8 adjacent queries, 16 contiguous bytes of the M-major tile): a quarter of the
-            # 4-byte stores, and a quarter of the swizzled addresses to hold or recompute (at D = 128 the
-            # 4-byte stores' held addresses spilled 76-88 bytes; with stmatrix 4).
+            # 4-byte stores, and a quarter of the swizzled addresses to hold or recompute (held, the 4-byte
+            # stores' addresses made ptxas spill at D = 128).
             stsm = cute.make_tiled_copy_C(cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), dt), tiled_mma_sdp)
             ds_copy = (stsm, stsm.get_slice(ctid).retile(rdS), ctid)
 
