@@ -58,6 +58,54 @@ def gpu_us(fn, reps=20, warmup=0):
     return sum(e.self_device_time_total for e in prof.key_averages()) / reps
 
 
+def graph_us(fn, calls=20, replays=20, warmup=3):
+    """Wall time per call of ``fn`` replayed from a CUDA graph that holds ``calls`` calls back to back (median of
+    ``replays`` replays, CUDA events): the GPU's time including the gaps between a call's kernels, without the
+    host's (what a decoding step captured with cg=True costs). None when fn cannot be captured."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    try:
+        with torch.cuda.stream(stream):
+            for _ in range(warmup):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+    except RuntimeError:
+        return None
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def kernel_us(fn, reps=20, warmup=3):
+    """{kernel name: device us per call} of fn's GPU activities (torch.profiler), largest first."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    rows = {e.key: e.self_device_time_total / reps for e in prof.key_averages() if e.self_device_time_total > 0}
+    return dict(sorted(rows.items(), key=lambda kv: -kv[1]))
+
+
 def per_call_us(fn, n=300, rounds=5, warmup=30, device="cuda", sync_each=False):
     """Median over rounds of the wall time per call of ``fn`` in microseconds, n calls back to back with one
     synchronize per round: on a problem whose GPU work takes a few microseconds, this is the cost of the
