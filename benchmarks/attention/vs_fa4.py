@@ -76,6 +76,8 @@ def worker(name):
                     with open(log, "a") as f:
                         f.write(name + "\n")
                 reply = ({"ms": float(stub[name])} if req["op"] == "time" else
+                         {"kernels": {f"{name}_main": 800 * float(stub[name]), "prep": 200 * float(stub[name])}}
+                         if req["op"] == "kernels" else
                          {"device": "stub", "versions": {}, **({"kept": 0.5} if "mods" in req else {})})
             elif req["op"] == "setup" and "mods" in req:
                 from benchmarks.attention.bench_flex import mods_call
@@ -108,6 +110,8 @@ def worker(name):
                 reply = {"device": torch.cuda.get_device_name(), "versions": _versions()}
             elif req["op"] == "time":
                 reply = {"ms": do_bench(fn, warmup=req["warmup"], rep=req["rep"], return_mode="median")}
+            elif req["op"] == "kernels":  # each kernel's device us per call (the profiler's; --kernels)
+                reply = {"kernels": common.kernel_us(fn, reps=10)}
             else:
                 reply = {"error": f"unknown op {req['op']!r}"}
         except Exception as e:  # reported to the driver: that cell of this side is missing
@@ -174,10 +178,10 @@ def _setup(cell, kw, bwd=False):
             f"{b}:{sq}:{sk}:{h}:{hk}:{d} causal={int(causal)}")
 
 
-def compare(sides, cells, rounds, warmup, rep, log=print, kw=None, bwd=False):
+def compare(sides, cells, rounds, warmup, rep, log=print, kw=None, bwd=False, kernels=False):
     """{cell: {side: median ms, or an error string}} over ``cells`` = [(d, s, causal, b, h)] (their backward with bwd;
     or decoding shapes, see _setup, called with the options kw), plus the device and versions the first side
-    reported."""
+    reported (with kernels, info["kernels"][cell][side]: {kernel: device us per call}, logged too)."""
     results, info = {}, {}
     for cell in cells:
         req, label = _setup(cell, kw or {}, bwd)
@@ -207,6 +211,11 @@ def compare(sides, cells, rounds, warmup, rep, log=print, kw=None, bwd=False):
         results[cell] = res
         log(f"{label}: " + ", ".join(
             f"{n} {v:.3f} ms" if isinstance(v, float) else f"{n} ERROR {v}" for n, v in res.items()))
+        for side in alive if kernels else ():
+            got = side.ask(op="kernels")
+            if "kernels" in got:
+                info.setdefault("kernels", {}).setdefault(cell, {})[side.name] = got["kernels"]
+                log(f"  {side.name} kernels (us): " + "; ".join(f"{k[:80]} {t:.1f}" for k, t in got["kernels"].items()))
     return results, info
 
 
@@ -256,7 +265,23 @@ def report(results, info, names, args, command):
                      f"{sum(r >= 1.0 for r in ratios)} of {len(ratios)} cells >= 1.0")
     if controls:
         lines.append(f"control (a second worker of ours): ratio to ours {min(controls):.3f}..{max(controls):.3f}")
+    lines += _kernel_lines(info)
     return "\n".join(lines) + "\n"
+
+
+def _kernel_lines(info):
+    """--kernels: each cell's kernels per side, device us per call (the profiler's, 10 calls after the timing)."""
+    table = info.get("kernels")
+    if not table:
+        return []
+    lines = ["", "Kernels per call (device us, torch.profiler over 10 calls):", ""]
+    for cell, sides in table.items():
+        label = _setup(cell, {})[1]
+        for side, rows in sides.items():
+            total = sum(rows.values())
+            lines.append(f"- {label}, {side} ({total:.0f} us): " + "; ".join(f"`{k[:80]}` {t:.1f}"
+                                                                          for k, t in rows.items()))
+    return lines
 
 
 def report_decode(results, info, names, args, command, kw):
@@ -340,6 +365,8 @@ def main(argv=None):
     p.add_argument("--mods", nargs="?", const="causal,window,prefix,document,alibi_causal,softcap_causal",
                    default=None, help="score_mod / mask_mod cases (bench_flex's) instead of the standard grid")
     p.add_argument("--bwd", action="store_true", help="the standard grid's backward instead of its forward")
+    p.add_argument("--kernels", action="store_true",
+                   help="after each cell's timing, each side's kernels and their device us per call (profiler)")
     p.add_argument("--out", default=common.results_dir())
     p.add_argument("--_worker", dest="worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -375,7 +402,8 @@ def main(argv=None):
         specs.append(("ours2", ours_path, common.ROOT))
     sides = [Side(*spec) for spec in specs]
     try:
-        results, info = compare(sides, cells, args.rounds, args.warmup, args.rep, kw=kw, bwd=args.bwd)
+        results, info = compare(sides, cells, args.rounds, args.warmup, args.rep, kw=kw, bwd=args.bwd,
+                                kernels=args.kernels)
     finally:
         for side in sides:
             side.close()

@@ -29,6 +29,17 @@ def test_rounds_alternate_and_ratios_follow(monkeypatch, tmp_path):
     assert '"$PEER_PYTHONPATH"' in text and str(tmp_path / "peer") not in text
 
 
+def test_kernels_breakdown_per_side(monkeypatch, tmp_path):
+    """--kernels: after each cell's rounds each side reports its kernels' device us per call; the report lists them
+    per cell and side with their total."""
+    rc, text, order = _run(monkeypatch, tmp_path, "ours=1.0,fa4=2.0", "--kernels")
+    assert rc == 0 and len(order) == 12  # (the kernels requests are not timing requests)
+    assert "- d64 s1024 causal=0, ours (1000 us): `ours_main` 800.0; `prep` 200.0" in text
+    assert "- d64 s1024 causal=1, fa4 (2000 us): `fa4_main` 1600.0; `prep` 400.0" in text
+    rc, text, _ = _run(monkeypatch, tmp_path, "ours=1.0,fa4=2.0")
+    assert "Kernels per call" not in text
+
+
 def test_median_of_rounds():
     assert vs_fa4.round_order(["a", "b", "c"], 4) == ["b", "c", "a"]
     cells = [(64, 1024, False, 16, 32)]
