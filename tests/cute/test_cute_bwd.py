@@ -244,8 +244,13 @@ def test_block_m_80_kernel_swaps_dq_and_fits(tmp_path, cute_env):
     from flash_attn.cute.flash_bwd_sm90 import FlashBwdSm90
     import cutlass
 
+    from flash_attn.cute.bwd_parts import lse_stage_floats
+
     k = FlashBwdSm90(cutlass.BFloat16, 128, False, block_m=80, dq_tma=True, dq_writer=True, tma_dkv=True)
-    assert k.dq.buffers == 1 and k.smem_bytes() <= k.SMEM_LIMIT
+    assert k.dq.buffers == 1 and k.smem_bytes() == 231936 <= k.SMEM_LIMIT
+    # each stage of the lse2 / delta rows, a TMA destination, starts on 128 bytes (80 floats apart it did not: the
+    # GPU's "misaligned shared address" at the producer's second lse copy); 64 / 128 rows keep their compact rows
+    assert lse_stage_floats(80) == 96 and [lse_stage_floats(b) for b in (64, 128)] == [64, 128]
     for bad in (dict(causal=True), dict(dq_writer=False)):
         args = dict(causal=False, block_m=80, dq_tma=True, dq_writer=True)
         args.update(bad)

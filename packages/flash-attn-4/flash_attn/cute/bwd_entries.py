@@ -17,6 +17,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 
+from flash_attn.cute.bwd_parts import lse_stage_floats
 from flash_attn.cute.hopper_helpers import k_atom_for, smem_layout
 
 LOG2_E = math.log2(math.e)
@@ -142,7 +143,8 @@ class BwdEntries:
         # writes block j + 1's dS while a slower warp may still be in block j's dQ WGMMA.
         # (BLOCK_M = 80: 32-byte atoms, the widest whose 16 queries divide 80)
         sdS_layout = smem_layout(MN_SW128 if BM % 64 == 0 else warpgroup.SmemLayoutAtomKind.MN_SW32, dt, (BM, BN, 2))
-        sLSE_layout = cute.make_layout((BM, stages))
+        # each stage's lse2 / delta row 128-byte aligned, as a TMA destination must be
+        sLSE_layout = cute.make_layout((BM, stages), stride=(1, lse_stage_floats(BM)))
 
         # S^T = K Q^T and dP^T = V dO^T: keys on M (64 per warpgroup), queries on N. split_d: the 64 keys are both
         # warpgroups', which split the queries (N = BM / 2 each); dV and dK split N = D between them, A (P^T, dS^T)

@@ -1,7 +1,8 @@
 """Pieces of the Hopper backward kernel (flash_bwd_sm90.py) that stand on their own: the transposed view of a
 shared-memory tile, the two-column fp32 reduction of dQ into global memory, and 16-bit packing and exact unpacking
-(P^T's whole tensor, or one pair: softcap's tanh derivative), one WGMMA product as a commit group. Plain functions called while the kernel is traced
-(their loops and branches are on trace-time values)."""
+(P^T's whole tensor, or one pair: softcap's tanh derivative), one WGMMA product as a commit group, the lse2 / delta
+stage stride in shared memory. Plain functions called while the kernel is traced (their loops and branches are on
+trace-time values)."""
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
@@ -9,6 +10,12 @@ from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm, vector
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
+
+
+def lse_stage_floats(block_m):
+    """The floats between two stages of the lse2 / delta rows in shared memory: block_m rounded up to 32, so that every
+    stage, a TMA destination, starts on 128 bytes (block_m 80: 96)."""
+    return -(-block_m // 32) * 32
 
 
 def transpose_view(t):

@@ -69,7 +69,7 @@ from cutlass.memory import SmemAllocator
 from flash_attn.cute.bwd_dq import DqAccumulator
 from flash_attn.cute.bwd_epilogue import DkvEpilogue, GroupWalk
 from flash_attn.cute.bwd_entries import BwdEntries
-from flash_attn.cute.bwd_parts import gemm, pack_16, pack_pair, transpose_view, unpack_16, unpack_half
+from flash_attn.cute.bwd_parts import gemm, lse_stage_floats, pack_16, pack_pair, transpose_view, unpack_16, unpack_half
 from flash_attn.cute.hopper_helpers import opaque, tma_tiles
 from flash_attn.cute.mask import AttentionMask
 from flash_attn.cute.score_mod import ScoreMods
@@ -250,7 +250,7 @@ class FlashBwdSm90(BwdEntries):
         for nbytes in tiles + ([BM * D * 4 * self.dq.buffers] if self.dq_tma else []):
             off = -(-off // 1024) * 1024 + nbytes
         for _ in range(2):
-            off = -(-off // 128) * 128 + BM * 4 * st
+            off = -(-off // 128) * 128 + lse_stage_floats(BM) * 4 * st
         return off
 
     # ------------------------------------------------------------------------------------------------
