@@ -4,7 +4,7 @@
 #   run command="bash benchmarks/run_gpu.sh [STEP ...]"      (device tool; $OUT is set there)
 # STEPs (default: tests attention norm models train): tests rest attention cute cutebwd norm ops models train ncu
 #   ncusrc profile tunetriton abfwd abdecode overhead vsfa4 vsfa4bwd vsfa4decode sanitize dqerr vsmods modab
-#   fa3peer modpeer widebwd dqwriter pdl
+#   fa3peer modpeer widebwd dqwriter
 #   tests      the GPU-marked tests (bf16, real sizes; GPU_TESTS, GPU_TEST_TIMEOUT)   rest   the rest on CUDA
 #   attention  bench_attention, full grid                  cute   bench_attention, cute only, short grid
 #   cutebwd    bench_cute_bwd: the cute backward (flash_bwd_sm90) vs Triton's, bf16 d64/d128, S 2k/8k
@@ -38,8 +38,6 @@
 #   modab      bench_flex.py on the mod kernels' tile order / O store experiments, alternating (MODAB_VARIANTS)
 #   dqwriter   the dQ writer warp (bwd.dq_writer) and the 80-row d128 tile (bwd.block_m=80): GPU tests, racecheck /
 #              synccheck over a few, the A/B at d64 / d128
-#   pdl        programmatic dependent launch of the split-KV combine (fwd.pdl=1): its GPU test, then
-#              bench_decode_dense --kernels without and with it, twice alternating (the "graph" column decides)
 #   fa3peer    FA3's own hopper tests against flash_attn_interface (.peer/fa3 carried; benchmarks/peer_mods)
 #   modpeer    FA4's mod tests against flash_attn.cute (.peer/fa4mods carried; PEER_SEED, PEER_CONTROL)
 # With CuTeDSL brought over (see ../shared/device/README.md: two bundle calls) /tmp/cutedsl/env.sh is
@@ -130,19 +128,6 @@ for step in $STEPS; do
         # the deterministic kernel with its turns on the writer warp against Triton's deterministic backward
         timeout 200 python -m benchmarks.attention.bench_cute_bwd_modes --modes deterministic --seqlens 2048 \
             --overrides bwd.dq_writer=1 2>&1 | tee "$OUT/det_writer.log" | tail -n 8 ;;
-    pdl)
-        timeout 300 python -m pytest -q -m gpu -p no:cacheprovider -k "pdl" tests/cute/test_cute_split.py \
-            > "$OUT/pdl_tests.log" 2>&1
-        rc=$?
-        echo "pdl tests: rc $rc"; grep -E "passed|failed" "$OUT/pdl_tests.log" | tail -n 3
-        if [ $rc -ne 0 ]; then status=1; continue; fi
-        for round in 1 2; do
-            for ov in "" "fwd.pdl=1"; do
-                echo "== round $round, FLASH_ATTN_CUTE_OVERRIDES='$ov'"
-                FLASH_ATTN_CUTE_OVERRIDES="$ov" timeout 200 python -m benchmarks.attention.bench_decode_dense --kernels \
-                    --shapes "1:8192:32:8,1:32768:32:8,8:8192:32:8,1:8192:32:32" 2>&1 | tee -a "$OUT/pdl_bench.log"
-            done
-        done ;;
     widebwd)
         timeout "${WIDE_TEST_TIMEOUT:-420}" python -m pytest -q -m gpu -n 12 -p no:cacheprovider \
             tests/cute/test_cute_bwd_wide.py > "$OUT/wide_tests.log" 2>&1

@@ -363,13 +363,12 @@ def assert_ptxas_clean(ptx_path, arch="sm_90a"):
     return log
 
 
-def triton_sm90_compile(fn, signature, constexprs, divisible=(), num_warps=4, num_stages=None, options=None):
+def triton_sm90_compile(fn, signature, constexprs, divisible=(), num_warps=4, num_stages=None):
     """Compile the Triton kernel ``fn`` for sm_90 ahead of time, without a GPU (the interpreter never runs Triton's code
     generator: call this in a process without TRITON_INTERPRET). signature: {argument: Triton type} of the runtime
     arguments ("*bf16", "i32", ...); constexprs: {name: value}; divisible: the arguments Triton may assume divisible
-    by 16 (what it specialises for contiguous tensors); options: more compile options (e.g. launch_pdl). Returns {"ptx":
-    the PTX, "spills": ptxas's spilled bytes or None (a Triton without the ptxas log knob), "regs": registers per
-    thread or None, "launch_pdl": the compiled kernel's launch_pdl metadata (None where this Triton has none)}."""
+    by 16 (what it specialises for contiguous tensors). Returns {"ptx": the PTX, "spills": ptxas's spilled bytes or
+    None (a Triton without the ptxas log knob), "regs": registers per thread or None}."""
     import contextlib
     import io
     import re
@@ -387,17 +386,14 @@ def triton_sm90_compile(fn, signature, constexprs, divisible=(), num_warps=4, nu
     sig = {n: "constexpr" if n in constexprs else signature[n] for n in names}
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=constexprs,
                                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in divisible})
-    options = ({"num_warps": num_warps} | ({} if num_stages is None else {"num_stages": num_stages})
-               | dict(options or {}))
+    options = {"num_warps": num_warps} | ({} if num_stages is None else {"num_stages": num_stages})
     log = io.StringIO()
     with contextlib.redirect_stdout(log):
-        compiled = triton.compile(src, target=target, options=backend.parse_options(options).__dict__)
-    ptx = compiled.asm["ptx"]
+        ptx = triton.compile(src, target=target, options=backend.parse_options(options).__dict__).asm["ptx"]
     spills = re.search(r"(\d+) bytes spill stores", log.getvalue())
     regs = re.search(r"Used (\d+) registers", log.getvalue())
     return {"ptx": ptx, "spills": int(spills.group(1)) if spills else None,
-            "regs": int(regs.group(1)) if regs else None,
-            "launch_pdl": getattr(compiled.metadata, "launch_pdl", None)}
+            "regs": int(regs.group(1)) if regs else None}
 
 
 def cuobjdump_path():

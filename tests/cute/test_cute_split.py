@@ -9,7 +9,6 @@ The split kernel was written without a GPU (sessions 15 and 16); its GPU tests h
 failed only at a check of the test, fixed since, not yet rerun);
 FLASH_ATTN_CUTE_DISABLE=split runs every call unsplit (the same result)."""
 import collections
-import dataclasses
 import glob
 import math
 import os
@@ -440,54 +439,6 @@ def test_split_kernel_stores_fp32_parts(tmp_path, kw):
     assert_ptxas_clean(ptx)
 
 
-def test_split_kernel_triggers_its_combine_only_with_pdl(tmp_path, cute_env):
-    """With fwd.pdl=1 (config.SPLIT_PDL) the split kernel issues griddepcontrol.launch_dependents once, before its
-    work, so the combine (launched with PDL, waiting in griddepcontrol.wait) can start while it runs; its config says
-    so (a kernel of its own in the disk cache). Without it, no such instruction. Other kernels refuse pdl."""
-    counts = {}
-    for pdl in (False, True):
-        cute_env(OVERRIDES="fwd.pdl=1" if pdl else None)
-        cfg = kernels.fwd_config(torch.bfloat16, 128, False, "sm_90a", split=True)
-        assert cfg.pdl is pdl and ("pdl" in cfg.key()) is pdl
-        assert not kernels.fwd_config(torch.bfloat16, 128, False, "sm_90a").pdl  # the unsplit kernel: never
-        dump = tmp_path / str(pdl)
-        dump.mkdir()
-        kernels.compile_fwd(torch.bfloat16, 128, False, dump_dir=str(dump), split=True)
-        (ptx,) = glob.glob(str(dump / "*.ptx"))
-        text = open(ptx).read()
-        counts[pdl] = text.count("griddepcontrol.launch_dependents")
-        assert "griddepcontrol.wait" not in text
-        if pdl:
-            assert_ptxas_clean(ptx)
-    assert counts == {False: 0, True: 1}
-    with pytest.raises(ValueError, match="pdl"):
-        dataclasses.replace(kernels.fwd_config(torch.bfloat16, 128, False, "sm_90a"), pdl=True)
-
-
-def test_combine_launched_with_pdl_exactly_under_the_override(monkeypatch, cute_env):
-    """The split forward's combine (bound per sizes in launch._split_parts, or launched per call where a graph is
-    captured) carries PDL and launch_pdl under fwd.pdl=1 and neither without it."""
-    from flash_attn.cute import combine, launch
-
-    metas = []
-    monkeypatch.setattr(combine, "_launch", lambda kernel, grid, args, meta, key: metas.append(meta))
-    monkeypatch.setattr(combine, "_kernel", lambda: object())
-    for pdl in (False, True):
-        cute_env(OVERRIDES="fwd.pdl=1" if pdl else None)
-        launch._split_parts_cache.clear()
-        o = torch.zeros(4 * 2, 1, 8, 64)
-        lse = torch.zeros(4 * 2, 8, 1)
-        monkeypatch.setattr(combine, "use_kernel", lambda *a: True)
-        parts = launch._split_parts(torch.device("cpu"), 0, torch.bfloat16, 4, 2, 1, 8, 64)
-        parts[2](torch.empty(2, 1, 8, 64), torch.empty(2, 8, 1), None)
-        launch._combine_splits(o.view(4, 2, 1, 8, 64), lse.view(4, 2, 8, 1), None, torch.bfloat16,
-                               launch._config.split_pdl())
-        for meta in metas:
-            assert meta.get("PDL", False) is pdl and meta.get("launch_pdl", False) is pdl, meta
-        metas.clear()
-    launch._split_parts_cache.clear()
-
-
 # ----------------------------------------------------------------------------------------------------
 # GPU
 
@@ -605,60 +556,6 @@ def test_varlen_split_matches_reference_per_sequence_on_gpu(monkeypatch, d, dv, 
     ref_kw = dict(causal=causal, window_size=(window[0], 0 if causal else window[1]), learnable_sink=sink_t)
     _check_per_sequence(out, lse, q, kd, vd, cu_q, lens_q, used_q, lens_k, ref_kw,
                         lambda a, b, name: assert_lse_close(a, b, name=name))
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
-@pytest.mark.parametrize("api", ["cute", "root", "varlen"])
-def test_pdl_combine_reads_each_calls_parts_on_gpu(monkeypatch, cute_env, api):
-    """Under fwd.pdl=1 the combine starts while the split kernel runs and waits for it: calls that alternate between
-    two queries (one reused parts buffer; a combine reading before the split kernel's writes would see the other
-    query's parts) give, eagerly and replayed from a CUDA graph, bit for bit what the same calls give without PDL."""
-    import flash_attn
-    from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
-
-    torch.manual_seed(0)
-    H, Hk, D, Sk = 32, 8, 128, 8192
-    qs = [torch.randn(1, 1, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
-    k = torch.randn(1, Sk, Hk, D, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(1, Sk, Hk, D, device="cuda", dtype=torch.bfloat16)
-    cu_q = torch.tensor([0, 1], dtype=I32, device="cuda")
-    cu_k = torch.tensor([0, Sk], dtype=I32, device="cuda")
-
-    def call(q):
-        if api == "cute":
-            return flash_attn_func(q, k, v, num_splits=0, pack_gqa=True)[0]
-        if api == "root":  # the dispatcher's decoding plan (split and packed; lse dropped)
-            return flash_attn.flash_attn_func(q, k, v)
-        return flash_attn_varlen_func(q[0], k[0], v[0], cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=1,
-                                      max_seqlen_k=Sk, num_splits=16, pack_gqa=True)[0]
-
-    outs = {}
-    for pdl in (False, True):
-        cute_env(OVERRIDES="fwd.pdl=1" if pdl else None)
-        _swap_kernels(monkeypatch, {})
-        eager = [call(qs[i % 2]).clone() for i in range(40)]
-        static = qs[0].clone()
-        graph_outs = []
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            call(static)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            res = call(static)
-        for i in range(20):
-            static.copy_(qs[i % 2])
-            graph.replay()
-            graph_outs.append(res.clone())
-        torch.cuda.synchronize()
-        assert any(key[-1] == "split" for key in kernels._kernels), "the call did not split"
-        outs[pdl] = (eager, graph_outs)
-    for mode in (0, 1):
-        for i, (a, b) in enumerate(zip(outs[False][mode], outs[True][mode])):
-            assert torch.equal(a, b), (mode, i)
-    assert not torch.equal(outs[True][0][0], outs[True][0][1])  # the two queries differ
 
 
 def test_dispatcher_splits_and_packs_decoding_calls(monkeypatch, cute_env):

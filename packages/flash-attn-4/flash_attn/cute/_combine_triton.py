@@ -3,11 +3,6 @@ when it runs), in its own module so that importing the package does not import T
 import triton
 import triton.language as tl
 
-try:  # grid dependency control (Hopper and later; Triton 3.3+)
-    from triton.language.extra.cuda import gdc_wait
-except ImportError:
-    gdc_wait = None
-
 
 @triton.jit
 def _load_lse(lse_ptrs, k, s_ln, n_splits, row_ok):
@@ -27,13 +22,12 @@ def _combine_kernel(OutPartial, LsePartial, Out, Lse, Sink, RowLimit,
                     n_splits, seqlen, n_rows, heads,
                     HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_D: tl.constexpr, WRITE_LSE: tl.constexpr, HAS_SINK: tl.constexpr,
-                    UNSEEN_POS_INF: tl.constexpr, ROW_LIMIT: tl.constexpr, PDL: tl.constexpr = False):
+                    UNSEEN_POS_INF: tl.constexpr, ROW_LIMIT: tl.constexpr):
     # Sink (HAS_SINK): a per-head logit that joins each row's sum as exp(sink) with no value (the split kernels
     # leave it out so that it counts once). A row with no finite term gets lse -inf (FA4's flash_attn_combine), or
     # +inf with UNSEEN_POS_INF (the split forward's convention). ROW_LIMIT: rows from the int32 at RowLimit on (a
     # varlen call's rows after its last sequence, whose parts no CTA wrote) get o = 0 and lse +inf, whatever their
-    # parts hold. PDL: launched with programmatic dependent launch after the split kernel (which lets it start early):
-    # every program waits for that grid's completion (and its writes) before reading anything.
+    # parts hold.
     # Rows are (batch, seqlen) flattened; heads vary fastest among programs, so programs running together read
     # whole (row, H, D) stretches of each part.
     pid = tl.program_id(0)
@@ -53,8 +47,6 @@ def _combine_kernel(OutPartial, LsePartial, Out, Lse, Sink, RowLimit,
     # BLOCK_K parts at a time, [BLOCK_K, BLOCK_M(, BLOCK_D)] tiles: with few rows (decoding) the parts give the
     # program its parallel loads
     ks = tl.arange(0, BLOCK_K)
-    if PDL:
-        gdc_wait()
 
     # pass 1: the largest finite lse of each row (an infinite one is an empty part: -inf, it adds nothing)
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)

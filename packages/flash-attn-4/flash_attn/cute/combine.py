@@ -88,24 +88,23 @@ def use_kernel(out_partial, lse_partial, out_dtype, out_device):
     return not torch.compiler.is_compiling() and _kernel() is not None
 
 
-def combine_kernel(out_partial, lse_partial, out, lse, sink=None, unseen_pos_inf=False, pdl=False):
+def combine_kernel(out_partial, lse_partial, out, lse, sink=None, unseen_pos_inf=False):
     """One launch of _combine_kernel: out_partial (num_splits, B, S, H, D) and lse_partial (num_splits, B, S, H) fp32,
     out (B, S, H, D) and lse (B, S, H) fp32 or None, any strides; writes out (in its dtype) and lse. sink: fp32 (H,)
     logits that join each row's sum with no value, or None; unseen_pos_inf: a row with no finite term gets lse +inf
-    (else -inf). pdl: see bound_combine."""
+    (else -inf)."""
     bound_combine(out_partial, lse_partial, out.stride(), None if lse is None else lse.stride(), sink is not None,
-                  unseen_pos_inf, pdl=pdl)(out, lse, sink)
+                  unseen_pos_inf)(out, lse, sink)
 
 
 def bound_combine(out_partial, lse_partial, out_strides, lse_strides, has_sink=False, unseen_pos_inf=False,
-                  row_limit=False, pdl=False):
+                  row_limit=False):
     """combine_kernel with the parts and every stride fixed: launch(out, lse, sink[, limit]) for an out of strides
     out_strides (B, S, H, D) and an lse of lse_strides (B, S, H) (None: no lse; pass lse None then), sink given iff
     has_sink: what the split-KV paths reuse call after call (their parts are reused too). out and lse may be any
     tensors whose storage those strides address from their first element. row_limit: launch takes ``limit`` too, a
     one-element int32 tensor on the device (a varlen call's cu_seqlens_q[-1:]): rows (B x S flattened) from it on get
-    out 0 and lse +inf, their parts unread for the result. pdl: launched with programmatic dependent launch, waiting
-    for the previous kernel on the stream (the split kernel, config.FwdConfig.pdl) before reading."""
+    out 0 and lse +inf, their parts unread for the result."""
     _, B, S, H, D = out_partial.shape
     n_rows = B * S
     if n_rows == 0 or H == 0:
@@ -116,13 +115,11 @@ def bound_combine(out_partial, lse_partial, out_strides, lse_strides, has_sink=F
     meta = {"HEAD_DIM": D, "BLOCK_K": block_k, "BLOCK_M": block_m, "BLOCK_D": block_d, "WRITE_LSE": write_lse,
             "HAS_SINK": has_sink, "UNSEEN_POS_INF": bool(unseen_pos_inf), "ROW_LIMIT": bool(row_limit),
             "num_warps": warps}
-    if pdl:
-        meta.update(PDL=True, launch_pdl=True)
     grid = (-(-n_rows // block_m) * H, max(1, -(-D // block_d)))
     tail = (*out_partial.stride(), *lse_partial.stride(), *out_strides, *(lse_strides if write_lse else (0, 0, 0)),
             n_splits, S, n_rows, H)
     plan_key = ("combine", D, block_k, block_m, block_d, write_lse, has_sink, bool(unseen_pos_inf), bool(row_limit),
-                warps, bool(pdl))
+                warps)
     kernel = _kernel()
 
     def launch(out, lse, sink, limit=None):

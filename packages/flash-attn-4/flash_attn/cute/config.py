@@ -37,9 +37,6 @@ WARPGROUPS_MASKED = {64: 2, 128: 2}
 # WGMMAs, ptxas C7512).
 BLOCK_N_3WG = {64: 128, 128: 64}
 BLOCK_N_3WG_OPTIONS = {64: 96, 128: 64}
-# Programmatic dependent launch between the split-KV kernel and its combine (FwdConfig.pdl): off until a CUDA-graph
-# timing of decoding decides it (benchmarks/attention/bench_decode_dense.py's "graph" column).
-SPLIT_PDL = False
 # Softmax exponentials per 16 computed by a polynomial on the FMA pipe instead of MUFU.EX2: off by default.
 EXP2_EMU = {64: 0, 128: 0}
 # The persistent forward (one CTA per SM looping over the tiles) serves dense calls without options of these
@@ -189,9 +186,6 @@ class FwdConfig:
     head_dim_v: int | None = None
     paged: int = 0  # the TMA box's rows of a paged K / V (the page, or the key block when smaller)
     split: bool = False
-    # split only: each CTA lets the dependent launch (the combine, launched with PDL, which waits for the whole grid
-    # in gdc_wait) start as soon as every CTA runs, so the combine's launch overlaps the split kernel's work
-    pdl: bool = False
 
     def __post_init__(self):
         options = self.local or self.softcap or self.varlen or self.sink
@@ -201,8 +195,6 @@ class FwdConfig:
             raise ValueError("FwdConfig: the TMA O store serves dense unpacked calls only")
         if self.split and self.sink:
             raise ValueError("FwdConfig: split-KV kernels are built without a sink (the host adds it)")
-        if self.pdl and not self.split:
-            raise ValueError("FwdConfig: pdl serves the split-KV kernel and its combine only")
         # (one warpgroup: the mod kernels' 64-row tile for sparse query blocks of an odd number of 64 rows)
         if self.warpgroups not in (1, 2, 3) or self.block_n % 16 or not 16 <= self.block_n <= 256:
             raise ValueError(f"FwdConfig: warpgroups {self.warpgroups} / block_n {self.block_n} "
@@ -472,13 +464,7 @@ def select_fwd(v, abi):
                      softcap=v.softcap, varlen=v.varlen, sink=v.sink, block_n=block_n, warpgroups=warpgroups,
                      wg_order=ov.get("wg_order", True), exp2_emu=emu, exp2_emu_degree=degree, persistent=persistent,
                      tma_o=tma_o, reverse=reverse, pin=ov.get("pin", True), snake=snake, lpt=lpt, pack_gqa=v.pack,
-                     head_dim_v=v.dv, paged=page_box, split=v.split, pdl=v.split and split_pdl())
-
-
-def split_pdl():
-    """Whether split-KV kernels and their combines use programmatic dependent launch (SPLIT_PDL, or fwd.pdl in
-    FLASH_ATTN_CUTE_OVERRIDES): the host launches the combine with PDL exactly when the split kernel triggers it."""
-    return bool(overrides("fwd").get("pdl", SPLIT_PDL))
+                     head_dim_v=v.dv, paged=page_box, split=v.split)
 
 
 def short_dims():

@@ -83,7 +83,7 @@ class FlashFwdSm90(FwdEntries, ModEntries):
                  block_n=128, num_stages=2, exp2_emu=0, exp2_emu_degree=3, sink=False, num_warpgroups=2,
                  wg_order=True, persistent=False, tma_o=False, reverse=False, pin=True, snake=True, lpt=False,
                  tiles_desc=False, pack_gqa=1, head_dim_v=None, paged=0, split=False, score_mod=None, mask_mod=None,
-                 aux=False, sparse=None, scalars=(), pdl=False):
+                 aux=False, sparse=None, scalars=()):
         """exp2_emu / exp2_emu_degree: of every 16 softmax exponentials a thread computes, this many use a
         polynomial on the FMA pipe instead of MUFU.EX2 (softmax.OnlineSoftmax). num_warpgroups: consumer
         warpgroups (1, 2 or 3) of 64 query rows each; block_m must be 64 * num_warpgroups (the default).
@@ -109,8 +109,7 @@ class FlashFwdSm90(FwdEntries, ModEntries):
         of each tile divided among num_splits CTAs (a runtime argument; grid z = batch (or sequences) x
         num_splits), each writing its part's O (divided by its own row sums) and lse in fp32 to entry split
         * B + b of mO / mLSE (varlen: entry split, see call_varlen_split), for the host to combine
-        (launch._combine_splits, which adds a sink); with pdl each CTA first lets the dependent launch (the combine,
-        launched with PDL) start (config.FwdConfig.pdl). score_mod / mask_mod / aux: FA4's user mods (compile-time
+        (launch._combine_splits, which adds a sink). score_mod / mask_mod / aux: FA4's user mods (compile-time
         functions; score_mod.ScoreMods.build says which kernels take them; entries call_mods*). sparse: block sparsity
         (FA4's block_sparse_tensors), None or (has_full, q_factor, kv_factor) (sparse_tiles.SparseTiles; with the
         mods' kernels only)."""
@@ -127,9 +126,6 @@ class FlashFwdSm90(FwdEntries, ModEntries):
         self.split = bool(split)
         if self.split and (persistent or tma_o or sink):
             raise ValueError("split: the one-tile kernel with the direct O store, without a sink")
-        self.pdl = bool(pdl)
-        if self.pdl and not self.split:
-            raise ValueError("pdl: split-KV kernels only")
         self.paged_kv = PagedKV(paged, block_n, head_dim, head_dim_v, varlen)
         self.paged = self.paged_kv.box_rows
         if dtype not in (cutlass.Float16, cutlass.BFloat16):
@@ -276,8 +272,6 @@ class FlashFwdSm90(FwdEntries, ModEntries):
         tile_scheduler.tile_coords' order (else None). num_splits: split-KV's part count (split=True; else
         None). aux, sparse, scalars: the mods' aux tensors, block-sparsity lists and aux scalars (kernels built with score_mod /
         mask_mod / sparse)."""
-        if cutlass.const_expr(self.pdl):
-            cute.arch.griddepcontrol_launch_dependents()
         m_block, head, batch = self.scheduler.tile(group)
         seqlen = self.seqlens.tile(batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, num_splits)
         args = (tma_q, mQ, tma_k, mK, tma_v, mVt, mO, mLSE, mSink, scale_log2, score_scale, softcap, window_left,

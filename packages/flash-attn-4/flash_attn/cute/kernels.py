@@ -71,7 +71,7 @@ def _make_kernel(cfg):
                         exp2_emu_degree=cfg.exp2_emu_degree, sink=cfg.sink, num_warpgroups=cfg.warpgroups,
                         wg_order=cfg.wg_order, persistent=cfg.persistent, tma_o=cfg.tma_o, reverse=cfg.reverse,
                         pin=cfg.pin, snake=cfg.snake, lpt=cfg.lpt, pack_gqa=cfg.pack_gqa, head_dim_v=cfg.head_dim_v,
-                        paged=cfg.paged, split=cfg.split, pdl=cfg.pdl)
+                        paged=cfg.paged, split=cfg.split)
 
 
 def compile_fwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=False, softcap=False,

@@ -8,7 +8,6 @@ import torch
 
 from flash_attn.cute.kernels import _bwd_kernels, _kernels, bwd_config, bwd_kernel, bwd_mem_key, fwd_kernel
 from flash_attn.cute import combine as _combine
-from flash_attn.cute import config as _config
 from flash_attn.cute.config import LONG_SK, SHORT_SK, plan_rules
 from flash_attn.cute.plan import _FWD_LONG_ON, _SHORT_DIMS, _UNBOUNDED, _length_kernel, _window_args
 
@@ -281,8 +280,7 @@ def _split_parts(device, stream, dtype, splits, B, Sq, H, Dv, has_sink=False, ro
     contiguous (a varlen call's (Tq, H, Dv) and (H, Tq) with B 1 and Sq Tq); with row_limit combine(out, lse, sink,
     limit) also gives the rows from limit (a one-element int32 tensor) on out 0 and lse +inf. None where the general
     path serves the call (parts past the budget, or no combine kernel for them: remembered)."""
-    pdl = _config.split_pdl()
-    key = (device, stream, dtype, splits, B, Sq, H, Dv, has_sink, row_limit, pdl)
+    key = (device, stream, dtype, splits, B, Sq, H, Dv, has_sink, row_limit)
     parts = _split_parts_cache.get(key)
     if parts is not None:
         return parts or None
@@ -295,8 +293,7 @@ def _split_parts(device, stream, dtype, splits, B, Sq, H, Dv, has_sink=False, ro
     parts = False  # (no combine kernel for them)
     if _combine.use_kernel(o5, l5, dtype, device):
         parts = (o_parts, lse_parts, _combine.bound_combine(o5, l5, (Sq * H * Dv, H * Dv, Dv, 1), (H * Sq, 1, Sq),
-                                                             has_sink, unseen_pos_inf=True, row_limit=row_limit,
-                                                             pdl=pdl))
+                                                             has_sink, unseen_pos_inf=True, row_limit=row_limit))
     if len(_split_parts_cache) >= _DECODE_MAX_ENTRIES:
         _split_parts_cache.clear()
     _split_parts_cache[key] = parts
@@ -330,26 +327,24 @@ def _forward_split(q, k, v, softmax_scale, causal, arch, local, window_left, win
           or fwd_kernel(q.dtype, D, causal, arch, local=local, softcap=capped, pack=pack, dv=Dv, split=True))
     fn(q, k, v, o_parts, lse_parts, float(softmax_scale), float(softcap), window_left, window_right, splits)
     if parts is None:
-        return _combine_splits(o_parts.view(splits, B, Sq, H, Dv), lse_parts.view(splits, B, H, Sq), sink, q.dtype,
-                               _config.split_pdl())
+        return _combine_splits(o_parts.view(splits, B, Sq, H, Dv), lse_parts.view(splits, B, H, Sq), sink, q.dtype)
     out = torch.empty(B, Sq, H, Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
     combine(out, lse, None if sink is None else sink.float())
     return out, lse
 
 
-def _combine_splits(o_parts, lse_parts, sink, dtype, pdl=False):
+def _combine_splits(o_parts, lse_parts, sink, dtype):
     """(out, lse) from split-KV parts: o_parts (S, B, Sq, H, Dv) each divided by its own row sums, lse_parts (S, B,
     H, Sq) natural-log, +inf for a part whose rows saw no key (no contribution). lse = log(sum_s exp(lse_s) [+
     exp(sink)]), out = sum_s exp(lse_s - lse) o_s in dtype; a row no part saw gets out 0 and lse +inf (or the
-    sink). One launch of combine's Triton kernel where it serves the tensors (pdl: with programmatic dependent launch,
-    right after the split kernel), else fp32 torch ops."""
+    sink). One launch of combine's Triton kernel where it serves the tensors, else fp32 torch ops."""
     if _combine.use_kernel(o_parts, lse_parts, dtype, o_parts.device):
         S, B, H, Sq = lse_parts.shape
         out = torch.empty(B, Sq, H, o_parts.shape[-1], dtype=dtype, device=o_parts.device)
         lse = torch.empty(B, H, Sq, dtype=torch.float32, device=o_parts.device)
         _combine.combine_kernel(o_parts, lse_parts.transpose(2, 3), out, lse.transpose(1, 2),
-                                sink=None if sink is None else sink.float(), unseen_pos_inf=True, pdl=pdl)
+                                sink=None if sink is None else sink.float(), unseen_pos_inf=True)
         return out, lse
     terms = torch.where(torch.isposinf(lse_parts), torch.full_like(lse_parts, -math.inf), lse_parts)
     if sink is not None:
@@ -464,8 +459,7 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
                float(softcap), window_left, window_right, splits)
             if parts is None:
                 merged, merged_lse = _combine_splits(o_parts.view(splits, 1, Tq, H, Dv),
-                                                     lse_parts.view(splits, 1, H, Tq), sink, q.dtype,
-                                                     _config.split_pdl())
+                                                     lse_parts.view(splits, 1, H, Tq), sink, q.dtype)
                 out, lse = merged[0], merged_lse[0]
                 if fill_unused_rows:
                     rows = torch.arange(Tq, device=q.device) < cu_seqlens_q[-1]  # no host sync
