@@ -30,15 +30,16 @@ U = launch._UNBOUNDED
 @pytest.mark.parametrize("d,causal,varlen", [(64, False, False), (96, False, False), (128, True, False),
                                              (96, True, True), (128, True, True)])
 def test_deterministic_kernel_takes_turns_in_its_ptx(tmp_path, cute_env, d, causal, varlen):
-    """Its own cache key; red.global.add of dQ (no TMA reduce-add), the turn: one ld.acquire.gpu spin, a barrier
-    of the 256 consumer threads, then fence.acq_rel.gpu, the barrier and one red.release.gpu per query block; ptxas
-    keeps the WGMMA pipeline and setmaxnreg and spills nothing."""
-    cute_env(OVERRIDES="bwd.dq_tma=1,bwd.lpt=4,bwd.dq_split=0")  # what the deterministic kernel overrides
+    """bwd.dq_writer=0 (the consumers' turns): its own cache key; red.global.add of dQ (no TMA reduce-add), the turn:
+    one ld.acquire.gpu spin, a barrier of the 256 consumer threads, then fence.acq_rel.gpu, the barrier and one
+    red.release.gpu per query block; ptxas keeps the WGMMA pipeline and setmaxnreg and spills nothing."""
+    # (dq_tma, lpt and dq_split: what the deterministic kernel overrides)
+    cute_env(OVERRIDES="bwd.dq_tma=1,bwd.lpt=4,bwd.dq_split=0,bwd.dq_writer=0")
     cfg = kernels.bwd_config(torch.bfloat16, d, causal, "sm_90a", varlen=varlen, deterministic=True)
     assert cfg.deterministic and cfg.dq_split and not cfg.dq_tma and cfg.lpt == 0
     assert cfg.key()["deterministic"] is True
     assert "deterministic" not in kernels.bwd_config(torch.bfloat16, d, causal, "sm_90a", varlen=varlen).key()
-    cute_env(OVERRIDES=None)
+    cute_env(OVERRIDES="bwd.dq_writer=0")
     kernels.compile_bwd(torch.bfloat16, d, causal, dump_dir=str(tmp_path), varlen=varlen, deterministic=True)
     (ptx,) = [p for p in tmp_path.iterdir() if p.suffix == ".ptx"]
     assert ("call_varlen_deterministic" if varlen else "call_deterministic") in ptx.name
@@ -55,13 +56,15 @@ def test_deterministic_kernel_takes_turns_in_its_ptx(tmp_path, cute_env, d, caus
 
 @pytest.mark.parametrize("d,causal,varlen", [(64, False, False), (128, True, False), (96, True, True)])
 def test_deterministic_writer_warp_takes_turns_in_its_ptx(tmp_path, cute_env, d, causal, varlen):
-    """bwd.dq_writer=1 (off until timed): the deterministic kernel's dQ goes by the writer warp's TMA reduce-adds (one
-    site, D / 32 boxes; D = 96: 16-column ones) in turns: its ld.acquire.gpu spin, the add, a full wait for the bulk
+    """The deterministic kernel's dQ goes by the writer warp's TMA reduce-adds by default (one site, D / 32 boxes;
+    D = 96: 16-column ones) in turns: its ld.acquire.gpu spin, the add, a full wait for the bulk
     group (not only its reads), the proxy and acq_rel fences and one red.release.gpu per query block; no consumer
     thread adds with red.global or waits for a turn; ptxas spills nothing and keeps the WGMMAs pipelined."""
-    cute_env(OVERRIDES="bwd.dq_writer=1")
     cfg = kernels.bwd_config(torch.bfloat16, d, causal, "sm_90a", varlen=varlen, deterministic=True)
     assert cfg.deterministic and cfg.dq_tma and cfg.dq_writer and cfg.lpt == 0
+    # the split-D kernel's deterministic calls keep the consumers' turns (its fp32 dQ tiles do not fit)
+    wide = kernels.bwd_config(torch.bfloat16, 256, causal, "sm_90a", varlen=varlen, deterministic=True)
+    assert not wide.dq_tma and not wide.dq_writer
     kernels.compile_bwd(torch.bfloat16, d, causal, dump_dir=str(tmp_path), varlen=varlen, deterministic=True)
     (ptx,) = [p for p in tmp_path.iterdir() if p.suffix == ".ptx"]
     text = ptx.read_text()
@@ -172,11 +175,11 @@ def test_own_backward_passes_deterministic_to_the_kernel(monkeypatch, cute_env):
 # On a Hopper GPU
 
 
-@pytest.fixture(params=["", ",bwd.dq_writer=1"], ids=["red_add", "writer_warp"])
+@pytest.fixture(params=[",bwd.dq_writer=0", ""], ids=["red_add", "writer_warp"])
 def det_on(request, monkeypatch, cute_env):
     """The deterministic (and varlen) rules on, the dispatcher's cached choices dropped, and the deterministic flag
     of each kernel launch recorded; the turns taken by every consumer thread's red.global.add, or by the writer warp's
-    TMA reduce-adds (bwd.dq_writer=1)."""
+    TMA reduce-adds (the default at d64-d128)."""
     from flash_attn import dispatch
 
     cute_env(OVERRIDES="plan.bwd_deterministic=1,plan.bwd_varlen=1" + request.param, DISABLE=None)

@@ -273,8 +273,8 @@ class PlanRules:
     Triton's windowed backward, benchmarks/results/h100/attention_cute_bwd_modes.md). ``bwd_varlen``: it serves
     varlen calls (cu_seqlens, seqused), on: 1.04-1.37x Triton's varlen backward (the same results file).
     ``bwd_deterministic``: the dispatcher's cute backend serves deterministic calls without a window (dQ's adds in
-    key-block turns; bit for bit run to run on the GPU), off: it runs at 0.4-0.6x of Triton's deterministic backward
-    (the same results file); flash_attn.cute's own backward (no root package) uses the kernel for them either way.
+    key-block turns, by the dQ writer warp at d64-d128; bit for bit run to run on the GPU), off: at 2k it runs at
+    0.95-0.96x Triton's deterministic backward without a mask and 0.63-0.66x with a causal one (the same results file); flash_attn.cute's own backward (no root package) uses the kernel for them either way.
     ``bwd_softcap``: it serves soft-capped scores, on: 1.35-1.96x Triton's soft-capped backward. ``kvcache``: the
     dispatcher's cute backend serves flash_attn_with_kvcache (kvcache.py), off until its GPU tests and a decoding
     benchmark against the Triton kernels decide it. ``mods_disk_cache``: the score_mod / mask_mod kernels of mods
@@ -485,9 +485,13 @@ def select_bwd(dtype, head_dim, causal, arch, abi, local=False, varlen=False, de
     d = int(head_dim)
     dq_split = True if deterministic else ov.get("dq_split", BWD_DQ_SPLIT)
     emu = ov.get("exp2_emu", BWD_EXP2_EMU.get(d, 0))
-    # deterministic: red.global.add in turns, or with the writer warp TMA reduce-adds in turns (bwd.dq_writer=1)
-    dq_tma = dq_split and (bool(ov.get("dq_writer", False)) if deterministic
-                           else bool(ov.get("dq_tma", BWD_DQ_TMA.get(d, False))))
+    # deterministic: the writer warp's TMA reduce-adds in turns where the fp32 dQ tiles fit (BWD_DQ_TMA; the consumers
+    # never wait for a turn: 1.39-1.52x their red.global.add turns, bwd.dq_writer=0, on an H100,
+    # benchmarks/results/h100/attention_cute_bwd_modes.md)
+    if deterministic:
+        dq_tma = dq_split and bool(ov.get("dq_writer", BWD_DQ_TMA.get(d, False)))
+    else:
+        dq_tma = dq_split and bool(ov.get("dq_tma", BWD_DQ_TMA.get(d, False)))
     block_m = 64 if softcap else ov.get("block_m", BWD_BLOCK_M.get(d, 64))
     if block_m == 80 and (d != 128 or causal or local or deterministic):  # (FA3's 80: d128 without a mask)
         block_m = BWD_BLOCK_M.get(d, 64)
@@ -503,4 +507,4 @@ def select_bwd(dtype, head_dim, causal, arch, abi, local=False, varlen=False, de
                      varlen=bool(varlen), deterministic=bool(deterministic), softcap=bool(softcap),
                      tma_dkv=bool(ov.get("tma_dkv", (BWD_TMA_DKV_VARLEN if varlen else BWD_TMA_DKV).get(d, False))),
                      gqa_loop=bool(gqa_loop), head_dim_v=None if head_dim_v in (None, d) else int(head_dim_v),
-                     dq_writer=dq_tma and not overlap and bool(ov.get("dq_writer", False) or block_m == 80))
+                     dq_writer=dq_tma and not overlap and bool(ov.get("dq_writer", deterministic) or block_m == 80))
