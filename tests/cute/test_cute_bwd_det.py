@@ -54,10 +54,43 @@ def test_deterministic_kernel_takes_turns_in_its_ptx(tmp_path, cute_env, d, caus
     assert spills and all(x == 0 for x in spills), log
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("block_m", [64, 128])
+def test_turn_order_covers_each_query_blocks_key_blocks_once(causal, block_m):
+    """DqAccumulator.turn_place with the kernel's own functions on host integers: for every query block, the key blocks
+    whose CTA walks it (mask.m_block_range, the CTAs of the grid) hold the places 0 .. c - 1 once each, so the turns
+    end and none waits forever; without a mask ascending, with a causal one descending (key block n after n + 1), and
+    key block n + 1's walk reaches the query block no later than n's (it starts there or before), so with the grid
+    run from the last key block down no CTA waits for one that starts later."""
+    from collections import namedtuple
+
+    from flash_attn.cute.bwd_dq import DqAccumulator
+    from flash_attn.cute.mask import AttentionMask
+
+    Tile = namedtuple("Tile", "seqlen_q seqlen_k")
+    BN = 128
+    dq = DqAccumulator(block_m, True, True, None, 256, writer=True, descending=causal, block_n=BN)
+    mask = AttentionMask(causal, False, block_m, BN)
+    for sq, sk in [(1, 1), (1, 1000), (1000, 1), (64, 64), (100, 130), (1000, 1000), (1200, 300), (300, 1200),
+                   (2048, 2048), (113, 203), (4096, 1024), (1024, 4096)]:
+        tile = Tile(sq, sk)
+        n_k = -(-sk // BN)
+        ranges = [tuple(int(x) for x in mask.m_block_range(n, sq, sk)) for n in range(n_k)]
+        for m in range(-(-sq // block_m)):
+            walkers = [n for n in range(n_k) if ranges[n][0] <= m < ranges[n][1]]
+            assert walkers == list(range(len(walkers))), (sq, sk, m)  # key blocks 0 .. c - 1
+            places = [int(dq.turn_place(n, m, tile)) for n in walkers]
+            assert sorted(places) == list(range(len(walkers))), (sq, sk, m, places)
+            assert places == (walkers[::-1] if causal else walkers), (sq, sk, m, places)
+            if causal:
+                for n in walkers[:-1]:
+                    assert ranges[n + 1][0] >= ranges[n][0]
+
+
 @pytest.mark.parametrize("d,causal,varlen", [(64, False, False), (128, True, False), (96, True, True)])
 def test_deterministic_writer_warp_takes_turns_in_its_ptx(tmp_path, cute_env, d, causal, varlen):
     """The deterministic kernel's dQ goes by the writer warp's TMA reduce-adds by default (one site, D / 32 boxes;
-    D = 96: 16-column ones) in turns: its ld.acquire.gpu spin, the add, a full wait for the bulk
+    D = 96: 16-column ones) in turns (causal: descending, bwd_dq.DqAccumulator.turn_place): its ld.acquire.gpu spin, the add, a full wait for the bulk
     group (not only its reads), the proxy and acq_rel fences and one red.release.gpu per query block; no consumer
     thread adds with red.global or waits for a turn; ptxas spills nothing and keeps the WGMMAs pipelined."""
     cfg = kernels.bwd_config(torch.bfloat16, d, causal, "sm_90a", varlen=varlen, deterministic=True)
@@ -74,6 +107,8 @@ def test_deterministic_writer_warp_takes_turns_in_its_ptx(tmp_path, cute_env, d,
     assert re.search(r"cp\.async\.bulk\.wait_group \t0;[\s\S]*fence\.proxy\.async\.global;[\s\S]*fence\.acq_rel\.gpu;"
                      r"[\s\S]*red\.release\.gpu\.global\.add\.s32", text)
     assert len(re.findall(r"red\.release\.gpu\.global\.add\.s32", text)) == 1
+    # causal: the grid runs key blocks from the last down (n = gridDim.x - 1 - blockIdx.x), as the descending turns need
+    assert ("%nctaid.x" in text) == causal
     spills, log = _ptxas_spills(ptx)
     assert spills and all(x == 0 for x in spills) and "are serialized" not in log, log
 

@@ -21,15 +21,19 @@ class DqAccumulator:
     other key blocks' CTAs add into too: per-thread red.global.add (the order in which CTAs arrive decides the
     rounding, so results vary in the last bits run to run), or with ``dq_tma`` the scaled tile in shared memory
     and one TMA reduce-add of it. ``deterministic`` (red.global.add, dq_split: each element of the tile belongs to
-    one thread of the CTA): the CTAs of a query block take turns in key-block order, so every element receives its
-    additions in the same order each run. A turn counter per (sequence, head, query block) in global memory (mSem,
+    one thread of the CTA): the CTAs of a query block take turns in a fixed key-block order, so every element receives
+    its additions in the same order each run. A turn counter per (sequence, head, query block) in global memory (mSem,
     zeroed by the host) counts the key blocks that have added: key block n waits (one thread, ld.acquire) until it
-    reads n, adds, and hands the turn on (each thread fences its adds, a barrier of the consumers, one
-    red.release). Every query block's key blocks are 0, 1, ..., n_max (no window: causal and full masks start at
-    key block 0), and lower key blocks are earlier in the grid's x, so the key block waited for has been scheduled."""
+    reads its place (turn_place), adds, and hands the turn on (each thread fences its adds, a barrier of the
+    consumers, one red.release). Every query block's key blocks are 0, 1, ..., c - 1 (no window: causal and full
+    masks start at key block 0). Without a mask the order ascends and lower key blocks are earlier in the grid's x;
+    with a causal one (``descending``) it descends from c - 1, the key block whose walk starts at this query block, so
+    key block n's CTA, which reaches the block one step after key block n + 1's, never waits at the start of its walk
+    for CTAs that reach the block much later; the kernel then runs key blocks from the last down in the grid's x. Either
+    way the key block waited for has been scheduled."""
 
     def __init__(self, block_m, dq_tma, deterministic, seqlens, num_consumer_threads, writer=False, buffers=2,
-                 swap=False):
+                 swap=False, descending=False, block_n=128):
         if deterministic and dq_tma and not writer:
             raise ValueError("deterministic dQ adds with red.global.add (dq_tma off), or by the writer warp's TMA")
         if writer and not dq_tma:
@@ -44,6 +48,19 @@ class DqAccumulator:
         self.deterministic = deterministic
         self.seqlens = seqlens
         self.num_consumer_threads = num_consumer_threads
+        self.descending = bool(descending)  # (deterministic causal turns: see the class docstring)
+        self.block_n = block_n
+
+    def turn_place(self, n_block, m_block, tile):
+        """Key block n_block's place in query block m_block's order of adds: n_block, or descending from the last of
+        the c key blocks that see the query block (c - 1 - n_block; key block n sees it iff its CTA's walk,
+        mask.m_block_range, starts at or before it: n * BN < (m + 1) * BM + Sk - Sq)."""
+        place = n_block
+        if cutlass.const_expr(self.descending):
+            reach = cutlass.max((m_block + 1) * self.block_m + tile.seqlen_k - tile.seqlen_q, 0)
+            count = cutlass.min(cute.ceil_div(tile.seqlen_k, self.block_n), cute.ceil_div(reach, self.block_n))
+            place = count - 1 - n_block
+        return place
 
     def fragments(self, tiled_mma_dq, wg_dq, thr_dq, sdS, sK, sdQ, wg, head_dim, split):
         """(dS's and K^T's WGMMA fragments, the dQ accumulator, its coordinates, its partition of the shared dQ tile or
@@ -104,16 +121,16 @@ class DqAccumulator:
             if cutlass.const_expr(self.deterministic):
                 mSem, n_block, ctid = turn
                 sem = mSem.iterator + cute.crd2idx((tile.z, head, m_block), mSem.layout)
-                self._wait_turn(sem, n_block, ctid)
+                self._wait_turn(sem, self.turn_place(n_block, m_block, tile), ctid)
             self.atomic_add(mdQaccum, acc_dQ, tdQcdQ, softmax_scale, m_block, head, tile, seqlen_q)
             if cutlass.const_expr(self.deterministic):
                 self._pass_turn(sem, turn[2])
 
     @cute.jit
-    def _wait_turn(self, sem, n_block, ctid):
+    def _wait_turn(self, sem, place, ctid):
         if ctid == 0:
             done = cute.arch.load(sem, Int32, sem="acquire", scope="gpu")
-            while done != n_block:
+            while done != place:
                 done = cute.arch.load(sem, Int32, sem="acquire", scope="gpu")
         cute.arch.barrier(barrier_id=TURN_BARRIER, number_of_threads=self.num_consumer_threads)
 
@@ -141,9 +158,10 @@ class DqAccumulator:
             if cutlass.const_expr(turn is not None):
                 mSem, n_block, tile, head = turn
                 sem = mSem.iterator + cute.crd2idx((tile.z, head, m), mSem.layout)
+                place = self.turn_place(n_block, m, tile)
                 if cute.arch.lane_idx() == 0:
                     done = cute.arch.load(sem, Int32, sem="acquire", scope="gpu")
-                    while done != n_block:
+                    while done != place:
                         done = cute.arch.load(sem, Int32, sem="acquire", scope="gpu")
                     cute.arch.fence_proxy("async.global")  # the TMA add (async proxy) after the acquire
                 cute.arch.sync_warp()

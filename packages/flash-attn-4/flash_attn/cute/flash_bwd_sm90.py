@@ -102,8 +102,7 @@ class FlashBwdSm90(BwdEntries):
         block_m: query rows per step, 64 or (head dim 64 only) 128, see the module docstring.
         local: a sliding window (sizes >= 0 per call, call_general; causal: right = 0), every block masked.
         varlen: packed sequences (call_varlen; seqlen_info.BwdSeqlens), the grid's x over the longest key sequence.
-        deterministic: dQ's adds in key-block order (bwd_dq.DqAccumulator; call_deterministic /
-        call_varlen_deterministic take the turn counters): red.global.add with dq_split, no lpt, no window.
+        deterministic: dQ's adds in key-block order (bwd_dq.DqAccumulator; call_*deterministic take the turn counters).
         softcap: scores s -> softcap * tanh(scale * s / softcap) as in the forward; dS^T = P^T (dP^T - delta) (1 -
         tanh^2), the derivative kept in 16 bits from the P^T step (the rounding dS^T gets anyway); BLOCK_M 64.
         mask_mod / aux: FA4's mask_mod (score_mod.ScoreMods' convention) and whether it reads aux tensors: -inf in
@@ -229,7 +228,7 @@ class FlashBwdSm90(BwdEntries):
             raise ValueError("deterministic needs dq_split, dq_tma off or the writer warp, lpt 0 and no window")
         self.dq_writer = bool(dq_writer) and self.dq_tma and not self.overlap
         self.dq = DqAccumulator(block_m, self.dq_tma, self.deterministic, self.seqlens, 128 * self.NUM_MMA_WARPGROUPS,
-                                self.dq_writer, 1 if self.dq_swap else 2, self.dq_swap)
+                                self.dq_writer, 1 if self.dq_swap else 2, self.dq_swap, self.causal, block_n)
         self.dkv = DkvEpilogue(dtype, head_dim, block_n, self.NUM_MMA_WARPGROUPS, self.tma_dkv, self.varlen,
                                self.seqlens, self.split_d, self.head_dim_v)
         if self.smem_bytes() > self.SMEM_LIMIT:
@@ -277,6 +276,8 @@ class FlashBwdSm90(BwdEntries):
                                             cute.size(mQ, mode=[3]), self.lpt)
         else:
             n_block, head, batch = cute.arch.block_idx()
+            if cutlass.const_expr(self.deterministic and self.causal):  # key blocks from the last down (bwd_dq)
+                n_block = cute.arch.grid_dim()[0] - 1 - n_block
         tile = self.seqlens.tile(batch, seqlen_q, mK, (mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK))
         cta = (tma_q, mQ, tma_k, mK, tma_v, mV, tma_do, mdO, tma_lse, mLSE2, tma_delta, mDelta, mdQaccum, tma_dq,
                mdQ_tma, mdK, mdV, (tma_dk, tma_dv, mdK_tma, mdV_tma), scale_log2, softmax_scale, sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout,
@@ -321,8 +322,7 @@ class FlashBwdSm90(BwdEntries):
         if cutlass.const_expr(self.split_d):
             sP = smem.allocate_tensor(dt, sdS_layout.outer, byte_alignment=1024, swizzle=sdS_layout.inner)
         sdQ = None
-        if cutlass.const_expr(self.dq_tma):  # before the row buffers: no 1 KB alignment gap (D = 128 needs
-            # 226 KB of the 227 KB)
+        if cutlass.const_expr(self.dq_tma):  # before the row buffers: no 1 KB alignment gap (D = 128: 226 of 227 KB)
             sdQ = smem.allocate_tensor(Float32, sdQ_layout.outer, byte_alignment=1024, swizzle=sdQ_layout.inner)
         sLSE = smem.allocate_tensor(Float32, sLSE_layout, byte_alignment=128)
         sDelta = smem.allocate_tensor(Float32, sLSE_layout, byte_alignment=128)
