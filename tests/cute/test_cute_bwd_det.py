@@ -5,6 +5,7 @@ lpt, no window), the PTX of the turn (ld.acquire / fence / red.release around th
 zeroed counters, the masks' precondition (each query block's key blocks are 0..n_max, so no CTA waits for one that
 never comes) and the plan rule bwd_deterministic's routing. On a Hopper GPU (tests marked gpu): the reference's
 gradients, and repeated runs equal bit for bit."""
+import dataclasses
 import os
 import re
 import sys
@@ -54,14 +55,34 @@ def test_deterministic_kernel_takes_turns_in_its_ptx(tmp_path, cute_env, d, caus
     assert spills and all(x == 0 for x in spills), log
 
 
+@pytest.mark.parametrize("d,varlen", [(128, False), (64, True)])
+def test_descending_turns_reverse_the_grid(tmp_path, cute_env, d, varlen):
+    """bwd.turns_desc=1 (off until its GPU tests and timing): the deterministic causal kernel, a cache entry of its own,
+    runs key blocks from the last down (n = gridDim.x - 1 - blockIdx.x) and takes its turns in descending order; other
+    kernels ignore the override; ptxas spills nothing."""
+    cute_env(OVERRIDES="bwd.turns_desc=1")
+    cfg = kernels.bwd_config(torch.bfloat16, d, True, "sm_90a", varlen=varlen, deterministic=True)
+    assert cfg.turns_desc and cfg.key()["turns_desc"] is True
+    assert not kernels.bwd_config(torch.bfloat16, d, False, "sm_90a", varlen=varlen, deterministic=True).turns_desc
+    assert not kernels.bwd_config(torch.bfloat16, d, True, "sm_90a", varlen=varlen).turns_desc
+    kernels.compile_bwd(torch.bfloat16, d, True, dump_dir=str(tmp_path), varlen=varlen, deterministic=True)
+    (ptx,) = [p for p in tmp_path.iterdir() if p.suffix == ".ptx"]
+    text = ptx.read_text()
+    assert "%nctaid.x" in text and re.search(r"ld\.acquire\.gpu\.global\.b32", text)
+    spills, log = _ptxas_spills(ptx)
+    assert spills and all(x == 0 for x in spills) and "are serialized" not in log, log
+    with pytest.raises(ValueError, match="turns_desc"):
+        dataclasses.replace(kernels.bwd_config(torch.bfloat16, d, True, "sm_90a"), turns_desc=True)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("block_m", [64, 128])
 def test_turn_order_covers_each_query_blocks_key_blocks_once(causal, block_m):
     """DqAccumulator.turn_place with the kernel's own functions on host integers: for every query block, the key blocks
     whose CTA walks it (mask.m_block_range, the CTAs of the grid) hold the places 0 .. c - 1 once each, so the turns
-    end and none waits forever; without a mask ascending, with a causal one descending (key block n after n + 1), and
-    key block n + 1's walk reaches the query block no later than n's (it starts there or before), so with the grid
-    run from the last key block down no CTA waits for one that starts later."""
+    end and none waits forever; ascending, or descending (key block n after n + 1: bwd.turns_desc, causal), where key
+    block n + 1's walk reaches the query block no later than n's (it starts there or before), so with the grid run
+    from the last key block down no CTA waits for one that starts later."""
     from collections import namedtuple
 
     from flash_attn.cute.bwd_dq import DqAccumulator
@@ -90,7 +111,7 @@ def test_turn_order_covers_each_query_blocks_key_blocks_once(causal, block_m):
 @pytest.mark.parametrize("d,causal,varlen", [(64, False, False), (128, True, False), (96, True, True)])
 def test_deterministic_writer_warp_takes_turns_in_its_ptx(tmp_path, cute_env, d, causal, varlen):
     """The deterministic kernel's dQ goes by the writer warp's TMA reduce-adds by default (one site, D / 32 boxes;
-    D = 96: 16-column ones) in turns (causal: descending, bwd_dq.DqAccumulator.turn_place): its ld.acquire.gpu spin, the add, a full wait for the bulk
+    D = 96: 16-column ones) in turns: its ld.acquire.gpu spin, the add, a full wait for the bulk
     group (not only its reads), the proxy and acq_rel fences and one red.release.gpu per query block; no consumer
     thread adds with red.global or waits for a turn; ptxas spills nothing and keeps the WGMMAs pipelined."""
     cfg = kernels.bwd_config(torch.bfloat16, d, causal, "sm_90a", varlen=varlen, deterministic=True)
@@ -107,8 +128,7 @@ def test_deterministic_writer_warp_takes_turns_in_its_ptx(tmp_path, cute_env, d,
     assert re.search(r"cp\.async\.bulk\.wait_group \t0;[\s\S]*fence\.proxy\.async\.global;[\s\S]*fence\.acq_rel\.gpu;"
                      r"[\s\S]*red\.release\.gpu\.global\.add\.s32", text)
     assert len(re.findall(r"red\.release\.gpu\.global\.add\.s32", text)) == 1
-    # causal: the grid runs key blocks from the last down (n = gridDim.x - 1 - blockIdx.x), as the descending turns need
-    assert ("%nctaid.x" in text) == causal
+    assert "%nctaid.x" not in text  # ascending turns: the grid's own order
     spills, log = _ptxas_spills(ptx)
     assert spills and all(x == 0 for x in spills) and "are serialized" not in log, log
 
@@ -210,11 +230,11 @@ def test_own_backward_passes_deterministic_to_the_kernel(monkeypatch, cute_env):
 # On a Hopper GPU
 
 
-@pytest.fixture(params=[",bwd.dq_writer=0", ""], ids=["red_add", "writer_warp"])
+@pytest.fixture(params=[",bwd.dq_writer=0", "", ",bwd.turns_desc=1"], ids=["red_add", "writer_warp", "writer_desc"])
 def det_on(request, monkeypatch, cute_env):
     """The deterministic (and varlen) rules on, the dispatcher's cached choices dropped, and the deterministic flag
     of each kernel launch recorded; the turns taken by every consumer thread's red.global.add, or by the writer warp's
-    TMA reduce-adds (the default at d64-d128)."""
+    TMA reduce-adds (the default at d64-d128), there in descending turns with a causal mask (bwd.turns_desc=1)."""
     from flash_attn import dispatch
 
     cute_env(OVERRIDES="plan.bwd_deterministic=1,plan.bwd_varlen=1" + request.param, DISABLE=None)

@@ -96,6 +96,10 @@ BWD_EXP2_EMU = {64: 0, 96: 0, 128: 0, 192: 0, 256: 0}
 # with it on an H100, benchmarks/results/h100/cute_bwd_ab.md); the split-D kernel's varlen calls keep the direct stores.
 BWD_TMA_DKV = {64: True, 96: True, 128: True, 192: True, 256: True}
 BWD_TMA_DKV_VARLEN = {64: True, 96: True, 128: True}
+# The deterministic causal backward's turns in descending key-block order with the grid run from the last key block
+# down (bwd_dq.DqAccumulator.turn_place): off until its GPU tests and timing (the ascending turns: 0.63-0.66x
+# Triton's deterministic backward at 2k, each key block's CTA waiting at its first query blocks).
+BWD_TURNS_DESC = False
 
 _DTYPE_NAMES = {"torch.float16": "fp16", "torch.bfloat16": "bf16", "fp16": "fp16", "bf16": "bf16"}
 
@@ -234,6 +238,7 @@ class BwdConfig:
     gqa_loop: bool = False  # one CTA per KV head walks its group's query heads (FlashBwdSm90 gqa_loop; the call's)
     head_dim_v: int | None = None  # V's head dim where it differs (a pair of HEAD_DIM_PAIRS; the call's)
     dq_writer: bool = False  # a producer warp issues the dQ TMA reduce-adds (bwd_dq.DqAccumulator.writer; dq_tma)
+    turns_desc: bool = False  # deterministic causal: descending turns, key blocks from the last down (BWD_TURNS_DESC)
 
     def __post_init__(self):
         if self.dtype not in ("fp16", "bf16"):
@@ -247,6 +252,8 @@ class BwdConfig:
         if self.deterministic and ((self.dq_tma and not self.dq_writer) or not self.dq_split or self.lpt or self.local):
             raise ValueError("BwdConfig: deterministic needs dq_split, dq_tma off (or with the writer warp), lpt 0 "
                              "and no window")
+        if self.turns_desc and not (self.deterministic and self.causal):
+            raise ValueError("BwdConfig: turns_desc orders the deterministic causal kernel's turns")
         if self.block_m == 80 and (self.head_dim != 128 or self.causal or self.local or self.softcap
                                    or self.deterministic or self.overlap or not self.dq_writer):
             raise ValueError("BwdConfig: block_m 80 (an experiment) takes head dim 128 without a mask, softcap, "
@@ -507,4 +514,5 @@ def select_bwd(dtype, head_dim, causal, arch, abi, local=False, varlen=False, de
                      varlen=bool(varlen), deterministic=bool(deterministic), softcap=bool(softcap),
                      tma_dkv=bool(ov.get("tma_dkv", (BWD_TMA_DKV_VARLEN if varlen else BWD_TMA_DKV).get(d, False))),
                      gqa_loop=bool(gqa_loop), head_dim_v=None if head_dim_v in (None, d) else int(head_dim_v),
-                     dq_writer=dq_tma and not overlap and bool(ov.get("dq_writer", deterministic) or block_m == 80))
+                     dq_writer=dq_tma and not overlap and bool(ov.get("dq_writer", deterministic) or block_m == 80),
+                     turns_desc=bool(deterministic and causal and ov.get("turns_desc", BWD_TURNS_DESC)))

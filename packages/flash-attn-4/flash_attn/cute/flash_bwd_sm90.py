@@ -95,14 +95,14 @@ class FlashBwdSm90(BwdEntries):
                  dq_tma=False, overlap=False, lpt=0, exp2_emu=0, exp2_emu_degree=3, local=False,
                  varlen=False, deterministic=False, softcap=False, mask_mod=None, aux=False, sparse=None,
                  scalars=(), score_mod=None, score_mod_bwd=None, tma_dkv=False, gqa_loop=False, head_dim_v=None,
-                 dq_writer=False):
+                 dq_writer=False, turns_desc=False):
         """head_dim: 64, 96, 128, 192 or 256 (HEAD_DIMS), of q, k and v alike; past 128 the warpgroups split D (split_d
         below) and block_n is 64. head_dim_v: V's (and dO's, dV's) head dim where it differs, with split_d (the
         192 / 128 pair): S^T's K steps run over D, dP^T's over head_dim_v.
         block_m: query rows per step, 64 or (head dim 64 only) 128, see the module docstring.
         local: a sliding window (sizes >= 0 per call, call_general; causal: right = 0), every block masked.
         varlen: packed sequences (call_varlen; seqlen_info.BwdSeqlens), the grid's x over the longest key sequence.
-        deterministic: dQ's adds in key-block order (bwd_dq.DqAccumulator; call_*deterministic take the turn counters).
+        deterministic: dQ's adds in key-block turns (bwd_dq; turns_desc, causal: descending, the grid reversed).
         softcap: scores s -> softcap * tanh(scale * s / softcap) as in the forward; dS^T = P^T (dP^T - delta) (1 -
         tanh^2), the derivative kept in 16 bits from the P^T step (the rounding dS^T gets anyway); BLOCK_M 64.
         mask_mod / aux: FA4's mask_mod (score_mod.ScoreMods' convention) and whether it reads aux tensors: -inf in
@@ -115,10 +115,9 @@ class FlashBwdSm90(BwdEntries):
         dq_split: the two warpgroups compute one dQ tile together, each its half of D (block_m 128: its 64 query
         rows) over all BLOCK_N keys (a barrier of both per query block, since each reads the other's dS); else each
         computes dS K over its own 64 keys and both add into dq_accum (twice the atomic traffic, no barrier).
-        dq_tma (needs dq_split): the scaled fp32 dQ tile goes to shared memory (two buffers) and one warp adds it into
-        dq_accum with a TMA reduce-add, issued one query block late, after the next dS barrier has shown that every
-        thread wrote and fenced it; else each thread adds its fragment with red.global.add.v2.f32. dq_writer (with
-        dq_tma, no overlap): producer warp 1 issues them instead, as the consumers hand the tiles over (bwd_dq).
+        dq_tma (needs dq_split): the scaled fp32 dQ tile goes to shared memory (two buffers), one warp adds it by TMA
+        one query block late, after the next dS barrier (else red.global.add.v2.f32 per thread). dq_writer (dq_tma,
+        no overlap): producer warp 1 issues the adds as the consumers hand the tiles over (bwd_dq).
         overlap: software-pipelined query loop: S^T and dP^T of the next query block are issued behind dK and dQ of
         this one and run while this block's dQ goes out; needs num_stages >= 2 (stages j and j + 1 are held at once).
         lpt > 0: a 1-D grid in groups of (head, batch) pairs of about lpt CTAs each, key block slowest
@@ -224,11 +223,12 @@ class FlashBwdSm90(BwdEntries):
             self.sparse = SparseTiles(*sparse)
         if self.softcap and self.wide:
             raise ValueError("softcap needs block_m 64 (the tanh derivative's registers)")
+        self.turns_desc = bool(turns_desc) and self.deterministic and self.causal
         if self.deterministic and ((self.dq_tma and not dq_writer) or not self.dq_split or self.lpt or self.local):
             raise ValueError("deterministic needs dq_split, dq_tma off or the writer warp, lpt 0 and no window")
         self.dq_writer = bool(dq_writer) and self.dq_tma and not self.overlap
         self.dq = DqAccumulator(block_m, self.dq_tma, self.deterministic, self.seqlens, 128 * self.NUM_MMA_WARPGROUPS,
-                                self.dq_writer, 1 if self.dq_swap else 2, self.dq_swap, self.causal, block_n)
+                                self.dq_writer, 1 if self.dq_swap else 2, self.dq_swap, self.turns_desc, block_n)
         self.dkv = DkvEpilogue(dtype, head_dim, block_n, self.NUM_MMA_WARPGROUPS, self.tma_dkv, self.varlen,
                                self.seqlens, self.split_d, self.head_dim_v)
         if self.smem_bytes() > self.SMEM_LIMIT:
@@ -276,7 +276,7 @@ class FlashBwdSm90(BwdEntries):
                                             cute.size(mQ, mode=[3]), self.lpt)
         else:
             n_block, head, batch = cute.arch.block_idx()
-            if cutlass.const_expr(self.deterministic and self.causal):  # key blocks from the last down (bwd_dq)
+            if cutlass.const_expr(self.turns_desc):  # key blocks from the last down (bwd_dq)
                 n_block = cute.arch.grid_dim()[0] - 1 - n_block
         tile = self.seqlens.tile(batch, seqlen_q, mK, (mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK))
         cta = (tma_q, mQ, tma_k, mK, tma_v, mV, tma_do, mdO, tma_lse, mLSE2, tma_delta, mDelta, mdQaccum, tma_dq,
