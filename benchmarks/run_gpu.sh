@@ -4,7 +4,7 @@
 #   run command="bash benchmarks/run_gpu.sh [STEP ...]"      (device tool; $OUT is set there)
 # STEPs (default: tests attention norm models train): tests rest attention cute cutebwd norm ops models train ncu
 #   ncusrc profile tunetriton abfwd abdecode overhead vsfa4 vsfa4bwd vsfa4decode sanitize dqerr vsmods modab
-#   fa3peer modpeer widebwd dqwriter
+#   fa3peer modpeer widebwd detturns
 #   tests      the GPU-marked tests (bf16, real sizes; GPU_TESTS, GPU_TEST_TIMEOUT)   rest   the rest on CUDA
 #   attention  bench_attention, full grid                  cute   bench_attention, cute only, short grid
 #   cutebwd    bench_cute_bwd: the cute backward (flash_bwd_sm90) vs Triton's, bf16 d64/d128, S 2k/8k
@@ -36,8 +36,7 @@
 #   dqerr      dq_error_map.py: each backend's dQ / dK / dV error against fp64, the released FA4 beside ours
 #   vsmods     vs_fa4.py --mods: the mod kernels against the released FA4 with the same CuTeDSL mods (VS_MODS_ARGS)
 #   modab      bench_flex.py on the mod kernels' tile order / O store experiments, alternating (MODAB_VARIANTS)
-#   dqwriter   the dQ writer warp (bwd.dq_writer) and the 80-row d128 tile (bwd.block_m=80): GPU tests, racecheck /
-#              synccheck over a few, the A/B at d64 / d128
+#   detturns   the deterministic causal backward's descending turns (bwd.turns_desc=1): GPU tests, racecheck, timing
 #   fa3peer    FA3's own hopper tests against flash_attn_interface (.peer/fa3 carried; benchmarks/peer_mods)
 #   modpeer    FA4's mod tests against flash_attn.cute (.peer/fa4mods carried; PEER_SEED, PEER_CONTROL)
 # With CuTeDSL brought over (see ../shared/device/README.md: two bundle calls) /tmp/cutedsl/env.sh is
@@ -105,29 +104,21 @@ for step in $STEPS; do
                --peer-pythonpath "${PEER_PYTHONPATH:?the released flash-attn-4 (bundle)}" --call num_splits=0 \
                --causal 0 ${VS_DECODE_ARGS:-} --out "$OUT/results" 2>&1 | tee "$OUT/vs_fa4_decode.log" | tail -n 20 ;;
     cute) bench attention.bench_attention --backends cute --headdims 64,128 --seqlens 1024,4096,16384 "${peer[@]}" ;;
-    dqwriter)  # the dQ writer warp (bwd.dq_writer) and the 80-row d128 tile (bwd.block_m=80, which takes it): their
-        # GPU tests, racecheck / synccheck on a few, the A/B
-        timeout 300 python -m pytest -q -m gpu -n 12 -p no:cacheprovider -k "dq_writer or block_m_80 or writer_warp" \
-            tests/cute/test_cute_bwd.py tests/cute/test_cute_bwd_varlen.py tests/cute/test_cute_bwd_det.py \
-            > "$OUT/dqwriter_tests.log" 2>&1
+    detturns)  # the deterministic causal kernel's descending turns (bwd.turns_desc=1, off): its GPU tests (the det
+        # file, every fixture variant), racecheck on a few, then its timing against the ascending turns
+        timeout 300 python -m pytest -q -m gpu -n 12 -p no:cacheprovider tests/cute/test_cute_bwd_det.py \
+            > "$OUT/detturns_tests.log" 2>&1
         rc=$?
-        echo "dq_writer tests: rc $rc"; grep -E "passed|failed" "$OUT/dqwriter_tests.log" | tail -n 3
-        grep -E "^FAILED" "$OUT/dqwriter_tests.log" | head -n 20
+        echo "deterministic tests: rc $rc"; grep -E "passed|failed" "$OUT/detturns_tests.log" | tail -n 3
+        grep -E "^FAILED" "$OUT/detturns_tests.log" | head -n 20
         if [ $rc -ne 0 ]; then status=1; continue; fi
-        for tool in racecheck synccheck; do
-            timeout 300 compute-sanitizer --tool "$tool" --error-exitcode 1 python -m pytest -q -m gpu -p no:cacheprovider \
-                -k "(dq_writer and (200-200 or 100-130) and 4-4) or (block_m_80 and (160-160 or 79-130) and 4-4)" \
-                tests/cute/test_cute_bwd.py > "$OUT/dqwriter_$tool.log" 2>&1
-            rc=$?
-            [ $rc -eq 0 ] || status=1
-            echo "compute-sanitizer $tool: rc $rc"; grep -E "passed|failed|ERROR SUMMARY" "$OUT/dqwriter_$tool.log" | tail -n 3
-        done
-        timeout 300 python -m benchmarks.attention.ab_cute_bwd --headdims 64,128 --seqlens 1024,4096,16384 --rounds 4 \
-            --variants ";FLASH_ATTN_CUTE_OVERRIDES=bwd.dq_writer=1;FLASH_ATTN_CUTE_OVERRIDES=bwd.block_m=80" 2>&1 \
-            | tee "$OUT/ab_dq_writer.log" | tail -n 15
-        # the deterministic kernel with its turns on the writer warp against Triton's deterministic backward
-        timeout 200 python -m benchmarks.attention.bench_cute_bwd_modes --modes deterministic --seqlens 2048 \
-            --overrides bwd.dq_writer=1 2>&1 | tee "$OUT/det_writer.log" | tail -n 8 ;;
+        timeout 200 compute-sanitizer --tool racecheck --error-exitcode 1 python -m pytest -q -m gpu -p no:cacheprovider \
+            -k "writer_desc and 1000-1000-True-128" tests/cute/test_cute_bwd_det.py > "$OUT/detturns_racecheck.log" 2>&1
+        echo "compute-sanitizer racecheck: rc $?"; grep -E "passed|failed|ERROR SUMMARY" "$OUT/detturns_racecheck.log" | tail -n 2
+        for ov in "" "bwd.turns_desc=1"; do
+            timeout 150 python -m benchmarks.attention.bench_cute_bwd_modes --modes deterministic --seqlens 2048,8192 \
+                ${ov:+--overrides $ov} 2>&1 | tee -a "$OUT/detturns_bench.log" | tail -n 6
+        done ;;
     widebwd)
         timeout "${WIDE_TEST_TIMEOUT:-420}" python -m pytest -q -m gpu -n 12 -p no:cacheprovider \
             tests/cute/test_cute_bwd_wide.py > "$OUT/wide_tests.log" 2>&1

@@ -219,50 +219,6 @@ def test_dq_writer_warp_issues_the_reduce_adds(tmp_path, cute_env, d, causal):
     assert spills["writer"] <= spills["default"], spills
 
 
-def test_block_m_80_kernel_swaps_dq_and_fits(tmp_path, cute_env):
-    """bwd.block_m=80 (an experiment, as FA3's d128 tile without a mask; off by default until timed): taken by d128
-    calls without a mask only (causal, windows, other head dims and the mods kernels keep their blocks), with the dQ
-    writer warp; S^T, dP^T and dQ^T = K^T dS^T are m64n80k16 (8 K steps each; dQ^T's operands both MN-major), dV and
-    dK m64n128k16 over 5; one fp32 dQ tile (one reduce-add site of D / 32 boxes), in 227 KB; ptxas spills nothing
-    and keeps the WGMMAs pipelined (the 16-bit P^T is unpacked for dS^T, as at 128 rows)."""
-    cute_env(OVERRIDES="bwd.block_m=80")
-    cfg = kernels.bwd_config(torch.bfloat16, 128, False, "sm_90a")
-    assert cfg.block_m == 80 and cfg.dq_writer and cfg.key()["block_m"] == 80
-    assert kernels.bwd_config(torch.bfloat16, 128, False, "sm_90a", varlen=True).block_m == 80
-    assert kernels.bwd_config(torch.bfloat16, 128, True, "sm_90a").block_m == 64
-    assert kernels.bwd_config(torch.bfloat16, 128, False, "sm_90a", local=True).block_m == 64
-    assert kernels.bwd_config(torch.bfloat16, 64, False, "sm_90a").block_m == 128
-    assert kernels.bwd_config(torch.bfloat16, 96, False, "sm_90a").block_m == 64
-    assert kernels.mod_bwd_block_m(cfg, False) == 64
-    text, ptx = _compile_ptx(tmp_path, cute_env, 128, False, {"bwd.block_m": 80})
-    assert _count(text, "wgmma.mma_async.sync.aligned.m64n80k16.f32.bf16.bf16") == 24
-    assert _count(text, "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16") == 10
-    dq_t = [l for l in text.splitlines() if "m64n80k16" in l and l.strip().endswith("p, 1,  1, 1, 1;")]
-    assert len(dq_t) == 8
-    reduce_add = "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group"
-    assert _count(text, reduce_add) == _dq_boxes(128) and text.count(", 288;") == 4
-    from flash_attn.cute.flash_bwd_sm90 import FlashBwdSm90
-    import cutlass
-
-    from flash_attn.cute.bwd_parts import lse_stage_floats
-
-    k = FlashBwdSm90(cutlass.BFloat16, 128, False, block_m=80, dq_tma=True, dq_writer=True, tma_dkv=True)
-    assert k.dq.buffers == 1 and k.smem_bytes() == 231936 <= k.SMEM_LIMIT
-    # each stage of the lse2 / delta rows, a TMA destination, starts on 128 bytes (80 floats apart it did not: the
-    # GPU's "misaligned shared address" at the producer's second lse copy); 64 / 128 rows keep their compact rows
-    assert lse_stage_floats(80) == 96 and [lse_stage_floats(b) for b in (64, 128)] == [64, 128]
-    for bad in (dict(causal=True), dict(dq_writer=False)):
-        args = dict(causal=False, block_m=80, dq_tma=True, dq_writer=True)
-        args.update(bad)
-        with pytest.raises(ValueError, match="block_m 80"):
-            FlashBwdSm90(cutlass.BFloat16, 128, args.pop("causal"), **args)
-    if shutil.which("ptxas") is None:
-        pytest.skip("ptxas not on PATH")
-    log = _ptxas_log(ptx)
-    assert "are serialized" not in log and "setmaxnreg' ignored" not in log, log
-    assert not [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", log) if int(x)], log
-
-
 def _sass(ptx_path):
     """[(address, instruction)] of the cubin CuTeDSL wrote next to ptx_path."""
     tool = testing.cuobjdump_path()
@@ -1379,19 +1335,6 @@ def test_gradients_with_tma_dkv_on_gpu(cute_bwd_on, monkeypatch, cute_env, d, ca
     cute_env(OVERRIDES=f"bwd.tma_dkv={tma_dkv}")
     _fresh_bwd_kernels(monkeypatch)
     _run(torch.bfloat16, d, causal, 2, seqlen_q, seqlen_k, heads, heads_kv, cute_bwd_on, seed=11)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
-@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (79, 130), (80, 80), (81, 200), (160, 160), (1000, 1000),
-                                               (2048, 2048), (113, 203), (300, 1200)])
-@pytest.mark.parametrize("heads,heads_kv", [(4, 4), (6, 2)])
-def test_gradients_with_block_m_80_on_gpu(cute_bwd_on, monkeypatch, cute_env, seqlen_q, seqlen_k, heads, heads_kv):
-    # bwd.block_m=80 (d128 without a mask): 80 query rows, dQ^T = K^T dS^T into one shared tile handed to the writer
-    # warp every block (walks of 1, 2 and many blocks; query counts around multiples of 80; GQA on the gqa_loop kernel)
-    cute_env(OVERRIDES="bwd.block_m=80")
-    _fresh_bwd_kernels(monkeypatch)
-    _run(torch.bfloat16, 128, False, 2, seqlen_q, seqlen_k, heads, heads_kv, cute_bwd_on, seed=14)
 
 
 @pytest.mark.gpu

@@ -447,19 +447,6 @@ def test_varlen_gradients_with_and_without_tma_dkv_on_gpu(varlen_on, monkeypatch
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
-@pytest.mark.parametrize("lengths", list(LENGTHS))
-def test_varlen_gradients_with_block_m_80_on_gpu(varlen_on, monkeypatch, cute_env, lengths):
-    # bwd.block_m=80 on varlen calls (d128, no mask): lse2 / delta padded per sequence to 80-row blocks
-    cute_env(OVERRIDES="plan.bwd_varlen=1,bwd.block_m=80", DISABLE=None)
-    table = {}
-    monkeypatch.setattr(kernels, "_bwd_kernels", table)  # (the in-memory table does not key on the overrides)
-    monkeypatch.setattr(launch, "_bwd_kernels", table)
-    _run_varlen(torch.bfloat16, 128, False, *LENGTHS[lengths], 4, 2, varlen_on, seed=16)
-    _run_varlen(torch.bfloat16, 128, False, [700, 80, 81, 1], [640, 256, 90, 129], 4, 4, varlen_on, seed=17)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
 @pytest.mark.parametrize("d", [64, 96, 128])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("lengths", list(LENGTHS))

@@ -32,17 +32,14 @@ class DqAccumulator:
     for CTAs that reach the block much later; the kernel then runs key blocks from the last down in the grid's x. Either
     way the key block waited for has been scheduled."""
 
-    def __init__(self, block_m, dq_tma, deterministic, seqlens, num_consumer_threads, writer=False, buffers=2,
-                 swap=False, descending=False, block_n=128):
+    def __init__(self, block_m, dq_tma, deterministic, seqlens, num_consumer_threads, writer=False, descending=False,
+                 block_n=128):
         if deterministic and dq_tma and not writer:
             raise ValueError("deterministic dQ adds with red.global.add (dq_tma off), or by the writer warp's TMA")
         if writer and not dq_tma:
             raise ValueError("the dQ writer warp issues TMA reduce-adds (dq_tma)")
         self.writer_warp = bool(writer)  # a producer warp issues the reduce-adds (``writer``), not a consumer warp
-        self.buffers = buffers  # of the shared dQ tile (1: the writer's hand-back orders every block's write)
-        self.swap = bool(swap)  # dQ^T = K^T dS^T (D on the WGMMA's M: a block of 80 query rows is no M)
-        if buffers not in (1, 2) or (buffers == 1 and not writer):
-            raise ValueError(f"{buffers} dQ tile buffers: 2, or 1 with the writer warp")
+        self.buffers = 2  # of the shared dQ tile
         self.block_m = block_m
         self.dq_tma = dq_tma
         self.deterministic = deterministic
@@ -65,31 +62,23 @@ class DqAccumulator:
     def fragments(self, tiled_mma_dq, wg_dq, thr_dq, sdS, sK, sdQ, wg, head_dim, split):
         """(dS's and K^T's WGMMA fragments, the dQ accumulator, its coordinates, its partition of the shared dQ tile or
         None): split, all keys with the tiled MMA picking this warpgroup's half of D; else this warpgroup's keys,
-        columns [64 wg, 64 wg + 64) of dS (BM, BN) and of K^T (D, BN); swap, dQ^T with A = K^T (this warpgroup's half
-        of D) and B = dS^T, the accumulator (D, BM)."""
+        columns [64 wg, 64 wg + 64) of dS (BM, BN) and of K^T (D, BN)."""
         BM, D = self.block_m, head_dim
-        if cutlass.const_expr(self.swap):
-            tdQrdS = tiled_mma_dq.make_fragment_B(wg_dq.partition_B(sdS))
-            tdQrKt = tiled_mma_dq.make_fragment_A(wg_dq.partition_A(transpose_view(sK)))
-        elif cutlass.const_expr(split):
+        if cutlass.const_expr(split):
             tdQrdS = tiled_mma_dq.make_fragment_A(wg_dq.partition_A(sdS))
             tdQrKt = tiled_mma_dq.make_fragment_B(wg_dq.partition_B(transpose_view(sK)))
         else:
             tdQrdS = tiled_mma_dq.make_fragment_A(wg_dq.partition_A(cute.local_tile(sdS, (BM, 64, 2), (0, wg, 0))))
             tdQrKt = tiled_mma_dq.make_fragment_B(wg_dq.partition_B(cute.local_tile(transpose_view(sK), (D, 64), (0, wg))))
-        mn = (D, BM) if cutlass.const_expr(self.swap) else (BM, D)
-        acc_dQ = cute.make_rmem_tensor(thr_dq.partition_shape_C(mn), Float32)
+        acc_dQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((BM, D)), Float32)
         tdQsdQ = None
         if cutlass.const_expr(self.dq_tma):
-            tdQsdQ = thr_dq.partition_C(transpose_view(sdQ) if cutlass.const_expr(self.swap) else sdQ)
-        return tdQrdS, tdQrKt, acc_dQ, thr_dq.partition_C(cute.make_identity_tensor(mn)), tdQsdQ
+            tdQsdQ = thr_dq.partition_C(sdQ)
+        return tdQrdS, tdQrKt, acc_dQ, thr_dq.partition_C(cute.make_identity_tensor((BM, D))), tdQsdQ
 
     def gemm(self, tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, buf):
-        """Issue dQ = dS K over dS buffer buf (swap: dQ^T = K^T dS^T), one commit group."""
-        if cutlass.const_expr(self.swap):
-            gemm(tiled_mma_dq, acc_dQ, tdQrKt, tdQrdS, None, buf, zero_init=True)
-        else:
-            gemm(tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, buf, None, zero_init=True)
+        """Issue dQ = dS K over dS buffer buf, one commit group."""
+        gemm(tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, buf, None, zero_init=True)
 
     @cute.jit
     def out(self, mdQaccum, acc_dQ, tdQcdQ, tdQsdQ, softmax_scale, buf, m_block, head, tile, seqlen_q, turn,
@@ -98,10 +87,7 @@ class DqAccumulator:
         the shared dQ tile buf (added by TMA after the next dS barrier, or by the writer warp once it is handed over).
         dq_repartition (tiled_mma_dq, sdQ, ctid): the smem tile is partitioned here, from an opaque thread index (see
         hopper_helpers.opaque). turn (deterministic): (mSem, n_block, ctid). reused (writer warp): whether buffer buf
-        held an earlier block's tile (the walk's third block on; one buffer: the second on), whose reduce-add must
-        have read it first."""
-        if cutlass.const_expr(self.buffers == 1):
-            buf = 0  # (the kernel's buf alternates the dS^T buffers)
+        held an earlier block's tile (the walk's third block on), whose reduce-add must have read it first."""
         if cutlass.const_expr(self.writer_warp):
             if reused:
                 cute.arch.barrier(barrier_id=DQ_EMPTY + buf, number_of_threads=self.num_consumer_threads + 32)
@@ -112,7 +98,7 @@ class DqAccumulator:
                 tiled_mma_dq, sdQ, ctid = dq_repartition
                 tdQsdQ = tiled_mma_dq.get_slice(opaque(ctid)).partition_C(sdQ)
             # Made visible to the TMA (async proxy) by the next block's dS fence, before its barrier (writer warp: here).
-            cute.autovec_copy(acc_dQ, tdQsdQ[None, None, None, buf] if cutlass.const_expr(self.buffers == 2) else tdQsdQ)
+            cute.autovec_copy(acc_dQ, tdQsdQ[None, None, None, buf])
             if cutlass.const_expr(self.writer_warp):
                 cute.arch.fence_view_async_shared()
                 cute.arch.barrier_arrive(barrier_id=DQ_FULL + buf, number_of_threads=self.num_consumer_threads + 32)
@@ -177,14 +163,13 @@ class DqAccumulator:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
             if pos + self.buffers < pos_max:
                 cute.arch.barrier_arrive(barrier_id=DQ_EMPTY + buf, number_of_threads=self.num_consumer_threads + 32)
-            if cutlass.const_expr(self.buffers == 2):
-                buf = 1 - buf
+            buf = 1 - buf
         cute.arch.cp_async_bulk_wait_group(0)
 
     @cute.jit
     def reduce(self, tma_dq, tQRsdQ, tQRgdQ, buf, m_block):
         """dq_accum[m_block's rows] += sdQ[buf] (rows past Sq dropped by the TMA unit), one bulk group."""
-        cute.copy(tma_dq, tQRsdQ[None, buf] if cutlass.const_expr(self.buffers == 2) else tQRsdQ, tQRgdQ[None, m_block])
+        cute.copy(tma_dq, tQRsdQ[None, buf], tQRgdQ[None, m_block])
         cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit

@@ -141,8 +141,7 @@ class BwdEntries:
         # dS as the A operand of dQ = dS K, M-major (queries contiguous): the S^T accumulator holds
         # pairs of adjacent queries, which then land as 4-byte stores. Two buffers, so that a warpgroup
         # writes block j + 1's dS while a slower warp may still be in block j's dQ WGMMA.
-        # (BLOCK_M = 80: 32-byte atoms, the widest whose 16 queries divide 80)
-        sdS_layout = smem_layout(MN_SW128 if BM % 64 == 0 else warpgroup.SmemLayoutAtomKind.MN_SW32, dt, (BM, BN, 2))
+        sdS_layout = smem_layout(MN_SW128, dt, (BM, BN, 2))
         # each stage's lse2 / delta row 128-byte aligned, as a TMA destination must be
         sLSE_layout = cute.make_layout((BM, stages), stride=(1, lse_stage_floats(BM)))
 
@@ -181,8 +180,6 @@ class BwdEntries:
         dq_n, dq_atoms = (D // 2, (1, self.NUM_MMA_WARPGROUPS, 1)) if self.dq_split else (D, (1, 1, 1))
         if cutlass.const_expr(self.dq_rows):
             dq_n, dq_atoms = D, (self.NUM_MMA_WARPGROUPS, 1, 1)
-        if cutlass.const_expr(self.dq_swap):  # dQ^T = K^T dS^T: M = D split over the warpgroups, N = BM
-            dq_n, dq_atoms = BM, (self.NUM_MMA_WARPGROUPS, 1, 1)
         tiled_mma_dq = cute.make_tiled_mma(
             cute.make_mma_atom(warpgroup.MmaF16BF16Op(
                 dt, Float32, (64, dq_n, 16), warpgroup.OperandSource.SMEM,
@@ -203,12 +200,12 @@ class BwdEntries:
         # between the warpgroups, each half is whole atoms: 64-byte ones (8 rows x 16 columns, as
         # conflict-free) for the halves of 48 columns at D = 96.
         sdQ_layout = smem_layout(k_atom_for(D // 2 if self.dq_split and not self.dq_rows else D, Float32),
-                                 Float32, (BM, D, 2) if self.dq.buffers == 2 else (BM, D))
+                                 Float32, (BM, D, 2))
         tma_dq, mdQ_tma = None, None
         if cutlass.const_expr(self.dq_tma):
             tma_dq, mdQ_tma = cpasync.make_tiled_tma_atom(
                 cpasync.CopyReduceBulkTensorTileS2GOp(cute.ReductionKind.ADD), mdQaccum,
-                cute.slice_(sdQ_layout, (None, None, 0)) if self.dq.buffers == 2 else sdQ_layout, (BM, D))
+                cute.slice_(sdQ_layout, (None, None, 0)), (BM, D))
 
         # dK / dV by TMA (tma_dkv): the stores' atoms and coordinate tensors (bwd_epilogue.DkvEpilogue)
         (tma_dk, mdK_tma), (tma_dv, mdV_tma) = self.dkv.tma_atoms(mdK, mdV, sK_layout, sV_layout)

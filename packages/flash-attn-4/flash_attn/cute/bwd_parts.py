@@ -14,7 +14,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 def lse_stage_floats(block_m):
     """The floats between two stages of the lse2 / delta rows in shared memory: block_m rounded up to 32, so that every
-    stage, a TMA destination, starts on 128 bytes (block_m 80: 96)."""
+    stage, a TMA destination, starts on 128 bytes (64 and 128 rows: their own width)."""
     return -(-block_m // 32) * 32
 
 

@@ -254,10 +254,6 @@ class BwdConfig:
                              "and no window")
         if self.turns_desc and not (self.deterministic and self.causal):
             raise ValueError("BwdConfig: turns_desc orders the deterministic causal kernel's turns")
-        if self.block_m == 80 and (self.head_dim != 128 or self.causal or self.local or self.softcap
-                                   or self.deterministic or self.overlap or not self.dq_writer):
-            raise ValueError("BwdConfig: block_m 80 (an experiment) takes head dim 128 without a mask, softcap, "
-                             "determinism or overlap, with the dQ writer warp")
         if self.softcap and self.block_m != 64:
             raise ValueError("BwdConfig: softcap needs block_m 64")
         if self.head_dim_v is not None and (self.head_dim, self.head_dim_v) not in HEAD_DIM_PAIRS:
@@ -500,8 +496,6 @@ def select_bwd(dtype, head_dim, causal, arch, abi, local=False, varlen=False, de
     else:
         dq_tma = dq_split and bool(ov.get("dq_tma", BWD_DQ_TMA.get(d, False)))
     block_m = 64 if softcap else ov.get("block_m", BWD_BLOCK_M.get(d, 64))
-    if block_m == 80 and (d != 128 or causal or local or deterministic):  # (FA3's 80: d128 without a mask)
-        block_m = BWD_BLOCK_M.get(d, 64)
     overlap = not gqa_loop and bool(ov.get("overlap", BWD_OVERLAP.get(d, False)))
     return BwdConfig(dtype=dtype_name(dtype), head_dim=d, causal=bool(causal), arch=arch, abi=abi,
                      block_m=block_m,
@@ -514,5 +508,5 @@ def select_bwd(dtype, head_dim, causal, arch, abi, local=False, varlen=False, de
                      varlen=bool(varlen), deterministic=bool(deterministic), softcap=bool(softcap),
                      tma_dkv=bool(ov.get("tma_dkv", (BWD_TMA_DKV_VARLEN if varlen else BWD_TMA_DKV).get(d, False))),
                      gqa_loop=bool(gqa_loop), head_dim_v=None if head_dim_v in (None, d) else int(head_dim_v),
-                     dq_writer=dq_tma and not overlap and bool(ov.get("dq_writer", deterministic) or block_m == 80),
+                     dq_writer=dq_tma and not overlap and bool(ov.get("dq_writer", deterministic)),
                      turns_desc=bool(deterministic and causal and ov.get("turns_desc", BWD_TURNS_DESC)))

@@ -142,16 +142,9 @@ class FlashBwdSm90(BwdEntries):
         if block_n != want_n:
             raise ValueError(f"block_n must be {want_n} at head dim {head_dim} (64 keys per warpgroup; past 128 the "
                              "warpgroups share 64 keys and split D)")
-        if block_m not in (64, 80, 128) or (self.split_d and (block_m != 64 or not dq_split)):
-            raise ValueError(f"block_m {block_m} not in (64, 80, 128); head dim {head_dim} > 128: block_m 64 and "
+        if block_m not in (64, 128) or (self.split_d and (block_m != 64 or not dq_split)):
+            raise ValueError(f"block_m {block_m} not in (64, 128); head dim {head_dim} > 128: block_m 64 and "
                              "dq_split (the split-D loop)")
-        # BLOCK_M = 80 (an experiment, as FA3's d128 tile without a mask): dQ^T = K^T dS^T (m64n80k16, D on M: 80 rows
-        # are no WGMMA M), its one fp32 tile (two do not fit) handed to the writer warp every block
-        self.dq_swap = block_m == 80
-        if self.dq_swap and (head_dim != 128 or causal or local or softcap or deterministic or overlap or not dq_tma
-                             or not dq_writer or mask_mod is not None or score_mod is not None or sparse is not None):
-            raise ValueError("block_m 80: head dim 128 without a mask, softcap, mods, determinism or overlap, with the "
-                             "TMA dQ and its writer warp (dq_tma, dq_writer)")
         if num_stages < 1:
             raise ValueError(f"num_stages {num_stages} < 1")
         self.dtype = dtype
@@ -170,8 +163,8 @@ class FlashBwdSm90(BwdEntries):
             raise ValueError("dq_tma needs dq_split (the dS barrier of both warpgroups orders the dQ tile)")
         self.overlap = bool(overlap)
         # dQ's WGMMA before dK's, dQ out while dK runs (the module docstring); BLOCK_M = 128 and overlap: dK first
-        self.dq_first = block_m in (64, 80) and not self.overlap
-        self.p16 = block_m in (80, 128)  # dS^T from the 16-bit P^T (the fp32 S^T dies at the packing: registers)
+        self.dq_first = block_m == 64 and not self.overlap
+        self.p16 = block_m == 128  # dS^T from the 16-bit P^T (the fp32 S^T dies at the packing: registers)
         self.tma_dkv = bool(tma_dkv)
         if lpt < 0:
             raise ValueError(f"lpt {lpt} < 0")
@@ -228,7 +221,7 @@ class FlashBwdSm90(BwdEntries):
             raise ValueError("deterministic needs dq_split, dq_tma off or the writer warp, lpt 0 and no window")
         self.dq_writer = bool(dq_writer) and self.dq_tma and not self.overlap
         self.dq = DqAccumulator(block_m, self.dq_tma, self.deterministic, self.seqlens, 128 * self.NUM_MMA_WARPGROUPS,
-                                self.dq_writer, 1 if self.dq_swap else 2, self.dq_swap, self.turns_desc, block_n)
+                                self.dq_writer, self.turns_desc, block_n)
         self.dkv = DkvEpilogue(dtype, head_dim, block_n, self.NUM_MMA_WARPGROUPS, self.tma_dkv, self.varlen,
                                self.seqlens, self.split_d, self.head_dim_v)
         if self.smem_bytes() > self.SMEM_LIMIT:
@@ -246,7 +239,7 @@ class FlashBwdSm90(BwdEntries):
         off = (2 + 4 * st) * 8
         tiles = [BM * D * es * st, BM * Dv * es * st, BN * D * es, BN * Dv * es, BM * BN * es * 2]
         tiles += [BM * BN * es * 2] if self.split_d else []  # P^T's tile (two buffers, as dS)
-        for nbytes in tiles + ([BM * D * 4 * self.dq.buffers] if self.dq_tma else []):
+        for nbytes in tiles + ([BM * D * 4 * 2] if self.dq_tma else []):
             off = -(-off // 1024) * 1024 + nbytes
         for _ in range(2):
             off = -(-off // 128) * 128 + lse_stage_floats(BM) * 4 * st
@@ -786,7 +779,7 @@ class FlashBwdSm90(BwdEntries):
             cute.arch.barrier(barrier_id=1, number_of_threads=256)
         else:
             cute.arch.barrier(barrier_id=1 + wg, number_of_threads=128)
-        if cutlass.const_expr(self.dq_first):  # dQ = dS K (dq_swap: dQ^T = K^T dS^T)
+        if cutlass.const_expr(self.dq_first):  # dQ = dS K
             self.dq.gemm(tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, buf)
         if cutlass.const_expr(not self.wide):
             gemm(tiled_mma_dk, acc_dK, tdKrdSt, tdKrQt, buf, q_stage)  # dK += dS^T Q

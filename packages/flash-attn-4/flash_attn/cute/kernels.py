@@ -464,9 +464,8 @@ def compile_bwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=Fal
 
 def mod_bwd_block_m(cfg, has_score_mod):
     """The query block of a mods backward kernel: the config's, 64 with a score_mod (its fp32 copy of the scaled
-    scores takes BLOCK_M / 2 registers, which the 128-row kernel does not have) or where the config's is the 80-row
-    experiment (the sparse lists count 64-row blocks)."""
-    return 64 if has_score_mod or cfg.block_m == 80 else cfg.block_m
+    scores takes BLOCK_M / 2 registers, which the 128-row kernel does not have)."""
+    return 64 if has_score_mod else cfg.block_m
 
 
 def _bwd_entry(dtype, head_dim, causal, arch, local=False, varlen=False, deterministic=False, softcap=False,
