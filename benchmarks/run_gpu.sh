@@ -17,7 +17,8 @@
 #              backward with the GPU time per launch (--kernels)
 #   ncu        Nsight Compute sections of the cute kernel and of the released FA4 (peer) on one shape
 #   ncusrc     per-SASS-instruction stall samples of the cute kernel (and FA4's), CSV under $OUT
-#              (PROFILE_ARGS: profile_cute.py arguments for ncu and ncusrc, e.g. "--headdim 64 --causal")
+#              (PROFILE_ARGS: profile_cute.py arguments for ncu and ncusrc, e.g. "--headdim 64 --causal"; the backward:
+#              PROFILE_ARGS="--bwd --seqlen 1024 --batch 16" PROFILE_KERNEL="BwdSm90|BackwardSm90")
 #   abfwd      ab_cute_fwd.py with $AB_ARGS (e.g. '--headdims 128 --causal 1 --variants ";FLASH_ATTN_CUTE_OVERRIDES=fwd.pin=0"')
 #   abdecode   ab_cute_decode.py: decoding shapes, unpacked / pack_gqa / num_splits=0 / both / the defaults' rules,
 #              dense and paged (64-row pages), nothing in FLASH_ATTN_CUTE_DISABLE and plan.pack_gqa_auto=1 (the rules
@@ -140,19 +141,19 @@ for step in $STEPS; do
     ncu)
         sections=(--section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis
                   --section WarpStateStats --section SchedulerStats)
-        ncu "${sections[@]}" -k regex:cutlass_kernel -c 1 python -m benchmarks.tools.profile_cute ${PROFILE_ARGS:-} 2>&1 \
+        ncu "${sections[@]}" -k regex:"${PROFILE_KERNEL:-cutlass_kernel}" -c 1 python -m benchmarks.tools.profile_cute ${PROFILE_ARGS:-} 2>&1 \
             | tee "$OUT/ncu_cute.txt" | grep -E "Throughput|Pipe|Stall|Issue|Warp Cycles|L2|Eligible" | head -n 60
         if [ -n "${PEER_PYTHONPATH:-}" ]; then
-            (cd /tmp && PYTHONPATH="$PEER_PYTHONPATH" ncu "${sections[@]}" -k regex:cutlass_kernel -c 1 \
+            (cd /tmp && PYTHONPATH="$PEER_PYTHONPATH" ncu "${sections[@]}" -k regex:"${PROFILE_KERNEL:-cutlass_kernel}" -c 1 \
                 python "$OLDPWD/benchmarks/tools/profile_cute.py" --peer ${PROFILE_ARGS:-}) 2>&1 | tee "$OUT/ncu_fa4.txt" \
                 | grep -E "Throughput|Pipe|Stall|Issue|Warp Cycles|L2|Eligible" | head -n 60
         fi ;;
     ncusrc)
         src=(--section SourceCounters --section WarpStateStats --page source --print-source sass --csv)
-        ncu "${src[@]}" -k regex:cutlass_kernel -c 1 python -m benchmarks.tools.profile_cute ${PROFILE_ARGS:-} > "$OUT/ncusrc_cute.csv" 2>&1
+        ncu "${src[@]}" -k regex:"${PROFILE_KERNEL:-cutlass_kernel}" -c 1 python -m benchmarks.tools.profile_cute ${PROFILE_ARGS:-} > "$OUT/ncusrc_cute.csv" 2>&1
         echo "ncusrc cute: $(wc -l < "$OUT/ncusrc_cute.csv") lines"
         if [ -n "${PEER_PYTHONPATH:-}" ]; then
-            (cd /tmp && PYTHONPATH="$PEER_PYTHONPATH" ncu "${src[@]}" -k regex:cutlass_kernel -c 1 \
+            (cd /tmp && PYTHONPATH="$PEER_PYTHONPATH" ncu "${src[@]}" -k regex:"${PROFILE_KERNEL:-cutlass_kernel}" -c 1 \
                 python "$OLDPWD/benchmarks/tools/profile_cute.py" --peer ${PROFILE_ARGS:-}) > "$OUT/ncusrc_fa4.csv" 2>&1
             echo "ncusrc fa4: $(wc -l < "$OUT/ncusrc_fa4.csv") lines"
         fi
