@@ -451,6 +451,25 @@ def _ptxas_log(ptx):
     return out.stdout + out.stderr
 
 
+@pytest.mark.parametrize("d", [96, 128])
+def test_dk_rs_takes_ds_from_registers(tmp_path, cute_env, d):
+    """bwd.dk_rs=1 (an experiment, off until timed; the released FA4's SM90 choice at these head dims): the 64-row
+    loop's dK WGMMA takes dS^T from the 16-bit registers, as dV takes P^T (RS: twice the register-A WGMMAs of the
+    default kernel), a cache entry of its own; the 128-row loop and the split-D kernel ignore it; ptxas keeps the
+    WGMMAs pipelined and spills at most 32 bytes (d128: 28, the default 4)."""
+    rs = r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16\s*\{[^}]*\},\s*\{"
+    base, _ = _compile_ptx(tmp_path, cute_env, d, True, {"bwd.dk_rs": False})
+    text, ptx = _compile_ptx(tmp_path, cute_env, d, True, {"bwd.dk_rs": True})
+    assert kernels.bwd_config(torch.bfloat16, d, True, "sm_90a").key()["dk_rs"] is True
+    assert not kernels.bwd_config(torch.bfloat16, 64, True, "sm_90a").dk_rs  # (128 rows: registers already)
+    assert not kernels.bwd_config(torch.bfloat16, 256, True, "sm_90a").dk_rs
+    assert len(re.findall(rs, base)) == 4 and len(re.findall(rs, text)) == 8  # dV's 4 K steps, and dK's
+    if shutil.which("ptxas"):
+        log = _ptxas_log(ptx)
+        assert "are serialized" not in log, log
+        assert all(int(x) <= 32 for x in re.findall(r"(\d+) bytes spill stores", log)), log
+
+
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas not on PATH")
 @pytest.mark.parametrize("overlap,emu", [(False, 0), (True, 0), (False, 6)], ids=["plain", "overlap", "exp2_emu"])
 def test_block_m_128_kernel_is_spill_free(tmp_path, cute_env, overlap, emu):
@@ -1335,6 +1354,20 @@ def test_gradients_with_tma_dkv_on_gpu(cute_bwd_on, monkeypatch, cute_env, d, ca
     cute_env(OVERRIDES=f"bwd.tma_dkv={tma_dkv}")
     _fresh_bwd_kernels(monkeypatch)
     _run(torch.bfloat16, d, causal, 2, seqlen_q, seqlen_k, heads, heads_kv, cute_bwd_on, seed=11)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("d", [96, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (100, 130), (1000, 1000), (2048, 2048), (113, 203), (300, 1200)])
+@pytest.mark.parametrize("heads,heads_kv", [(4, 4), (6, 2)])
+def test_gradients_with_dk_rs_on_gpu(cute_bwd_on, monkeypatch, cute_env, d, causal, seqlen_q, seqlen_k, heads,
+                                     heads_kv):
+    # bwd.dk_rs=1: the 64-row loop's dK WGMMA reads dS^T from registers (GQA on the gqa_loop kernel)
+    cute_env(OVERRIDES="bwd.dk_rs=1")
+    _fresh_bwd_kernels(monkeypatch)
+    _run(torch.bfloat16, d, causal, 2, seqlen_q, seqlen_k, heads, heads_kv, cute_bwd_on, seed=16)
 
 
 @pytest.mark.gpu

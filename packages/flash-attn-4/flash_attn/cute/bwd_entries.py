@@ -165,13 +165,13 @@ class BwdEntries:
             atoms)
         # dK += dS^T Q: A = dS^T read back from shared memory (it is there for dQ anyway; from registers
         # it would stay live next to the dQ accumulator and push D = 128 past 240 registers), B = Q^T.
-        # BLOCK_M = 128 (D = 64): A from the 16-bit dS^T registers, as P^T for dV (they fit there, and
-        # an m64n64k16 with both operands in smem reads 4 KB per 32 tensor-core clocks, all of sm_90's
+        # BLOCK_M = 128 (D = 64), or dk_rs: A from the 16-bit dS^T registers, as P^T for dV (they fit there,
+        # and an m64n64k16 with both operands in smem reads 4 KB per 32 tensor-core clocks, all of sm_90's
         # 128 bytes per clock).
         tiled_mma_dk = cute.make_tiled_mma(
             cute.make_mma_atom(warpgroup.MmaF16BF16Op(
                 dt, Float32, (64, D // wg_n, 16),
-                warpgroup.OperandSource.RMEM if cutlass.const_expr(self.wide) else warpgroup.OperandSource.SMEM,
+                warpgroup.OperandSource.RMEM if cutlass.const_expr(self.dk_regs) else warpgroup.OperandSource.SMEM,
                 OperandMajorMode.K, OperandMajorMode.MN)),
             atoms)
         # dQ = dS K, A = the M-major dS tile, B = K^T (D contiguous, MN-major). dq_split: N = D split over

@@ -239,6 +239,7 @@ class BwdConfig:
     head_dim_v: int | None = None  # V's head dim where it differs (a pair of HEAD_DIM_PAIRS; the call's)
     dq_writer: bool = False  # a producer warp issues the dQ TMA reduce-adds (bwd_dq.DqAccumulator.writer; dq_tma)
     turns_desc: bool = False  # deterministic causal: descending turns, key blocks from the last down (BWD_TURNS_DESC)
+    dk_rs: bool = False  # 64-row loop: dK's A operand (dS^T) from registers, not shared memory (an experiment, off)
 
     def __post_init__(self):
         if self.dtype not in ("fp16", "bf16"):
@@ -252,6 +253,9 @@ class BwdConfig:
         if self.deterministic and ((self.dq_tma and not self.dq_writer) or not self.dq_split or self.lpt or self.local):
             raise ValueError("BwdConfig: deterministic needs dq_split, dq_tma off (or with the writer warp), lpt 0 "
                              "and no window")
+        if self.dk_rs and (self.block_m != 64 or self.head_dim > 128):
+            raise ValueError("BwdConfig: dk_rs serves the 64-row loop at head dims up to 128 (128 rows take dS^T from "
+                             "registers already)")
         if self.turns_desc and not (self.deterministic and self.causal):
             raise ValueError("BwdConfig: turns_desc orders the deterministic causal kernel's turns")
         if self.softcap and self.block_m != 64:
@@ -509,4 +513,5 @@ def select_bwd(dtype, head_dim, causal, arch, abi, local=False, varlen=False, de
                      tma_dkv=bool(ov.get("tma_dkv", (BWD_TMA_DKV_VARLEN if varlen else BWD_TMA_DKV).get(d, False))),
                      gqa_loop=bool(gqa_loop), head_dim_v=None if head_dim_v in (None, d) else int(head_dim_v),
                      dq_writer=dq_tma and not overlap and bool(ov.get("dq_writer", deterministic)),
-                     turns_desc=bool(deterministic and causal and ov.get("turns_desc", BWD_TURNS_DESC)))
+                     turns_desc=bool(deterministic and causal and ov.get("turns_desc", BWD_TURNS_DESC)),
+                     dk_rs=bool(block_m == 64 and d <= 128 and ov.get("dk_rs", False)))

@@ -95,7 +95,7 @@ class FlashBwdSm90(BwdEntries):
                  dq_tma=False, overlap=False, lpt=0, exp2_emu=0, exp2_emu_degree=3, local=False,
                  varlen=False, deterministic=False, softcap=False, mask_mod=None, aux=False, sparse=None,
                  scalars=(), score_mod=None, score_mod_bwd=None, tma_dkv=False, gqa_loop=False, head_dim_v=None,
-                 dq_writer=False, turns_desc=False):
+                 dq_writer=False, turns_desc=False, dk_rs=False):
         """head_dim: 64, 96, 128, 192 or 256 (HEAD_DIMS), of q, k and v alike; past 128 the warpgroups split D (split_d
         below) and block_n is 64. head_dim_v: V's (and dO's, dV's) head dim where it differs, with split_d (the
         192 / 128 pair): S^T's K steps run over D, dP^T's over head_dim_v.
@@ -182,10 +182,10 @@ class FlashBwdSm90(BwdEntries):
         # BLOCK_M = 128: the register-saving changes of the module docstring; dq_rows: the shared dQ tile split
         # between the warpgroups by query rows (m64nDk16 over all 128 keys) instead of by D.
         self.wide = block_m == 128
+        self.dk_regs = self.wide or (bool(dk_rs) and block_m == 64 and not self.split_d)  # dK's A: dS^T in registers
         self.dq_rows = self.dq_split and self.wide
-        # The dQ tile's shared-memory addresses partitioned in the loop, from an opaque thread index (see
-        # hopper_helpers.opaque), rather than held across it: BLOCK_M = 128, and D = 96, whose 48-column halves
-        # of 64-byte atoms take more addresses (held, ptxas spills 16-32 bytes with softcap).
+        # The dQ tile's smem addresses partitioned in the loop from an opaque thread index (hopper_helpers.opaque),
+        # not held across it: BLOCK_M = 128, and D = 96 (48-column halves of 64-byte atoms; held, softcap spills).
         self.dq_in_loop = self.wide or head_dim == 96
         self.num_threads = self.NUM_PRODUCER_THREADS + 128 * self.NUM_MMA_WARPGROUPS
         self.local = bool(local)
@@ -458,8 +458,8 @@ class FlashBwdSm90(BwdEntries):
         tdPrV = tiled_mma_sdp.make_fragment_A(wg_sdp.partition_A(sV))
         tdPrdO = tiled_mma_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
         tdVrdOt = tiled_mma_dv.make_fragment_B(wg_dv.partition_B(transpose_view(sdO)))  # (D, BM, stages)
-        tdKrdSt = None  # BLOCK_M = 128: dS^T's registers, below
-        if cutlass.const_expr(not self.wide):
+        tdKrdSt = None  # BLOCK_M = 128 (or dk_rs): dS^T's registers, below
+        if cutlass.const_expr(not self.dk_regs):
             tdKrdSt = tiled_mma_dk.make_fragment_A(wg_dk.partition_A(sdSt))             # (BN, BM, 2)
         tdKrQt = tiled_mma_dk.make_fragment_B(wg_dk.partition_B(transpose_view(sQ)))    # (D, BM, stages)
         tdQrdS, tdQrKt, acc_dQ, tdQcdQ, tdQsdQ = self.dq.fragments(tiled_mma_dq, wg_dq, thr_dq, sdS, sK, sdQ, wg, D,
@@ -492,7 +492,7 @@ class FlashBwdSm90(BwdEntries):
         if cutlass.const_expr(self.mods is not None):
             if cutlass.const_expr(self.mods.score_mod is not None):
                 rdT = cute.make_rmem_tensor_like(acc_S, Float32)  # the scaled scores, for score_mod_bwd
-        if cutlass.const_expr(self.wide):  # dS^T's registers as dK's A operand (the layout of tdVrP)
+        if cutlass.const_expr(self.dk_regs):  # dS^T's registers as dK's A operand (the layout of tdVrP)
             tdKrdSt = cute.make_tensor(rdS.iterator, cute.make_layout(((2, 2, 2), 1, BM // 16)))
         ds_copy = None
         if cutlass.const_expr(not self.split_d):
@@ -782,7 +782,7 @@ class FlashBwdSm90(BwdEntries):
         if cutlass.const_expr(self.dq_first):  # dQ = dS K
             self.dq.gemm(tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, buf)
         if cutlass.const_expr(not self.wide):
-            gemm(tiled_mma_dk, acc_dK, tdKrdSt, tdKrQt, buf, q_stage)  # dK += dS^T Q
+            gemm(tiled_mma_dk, acc_dK, tdKrdSt, tdKrQt, None if self.dk_regs else buf, q_stage)  # dK += dS^T Q
         if cutlass.const_expr(self.dq_tma and not self.dq_writer):
             # Past the dS barrier every thread has written and fenced the previous block's dQ tile (behind the WGMMAs:
             # the issuing warp does not hold its warpgroup's back).
