@@ -281,7 +281,8 @@ class PlanRules:
     varlen calls (cu_seqlens, seqused), on: 1.04-1.37x Triton's varlen backward (the same results file).
     ``bwd_deterministic``: the dispatcher's cute backend serves deterministic calls without a window (dQ's adds in
     key-block turns, by the dQ writer warp at d64-d128; bit for bit run to run on the GPU), off: at 2k it runs at
-    0.95-0.96x Triton's deterministic backward without a mask and 0.63-0.66x with a causal one (the same results file); flash_attn.cute's own backward (no root package) uses the kernel for them either way.
+    0.95-0.96x Triton's deterministic backward without a mask and 0.63-0.66x with a causal one (the same results
+    file); flash_attn.cute's own backward (no root package) uses the kernel for them either way.
     ``bwd_softcap``: it serves soft-capped scores, on: 1.35-1.96x Triton's soft-capped backward. ``kvcache``: the
     dispatcher's cute backend serves flash_attn_with_kvcache (kvcache.py), off until its GPU tests and a decoding
     benchmark against the Triton kernels decide it. ``mods_disk_cache``: the score_mod / mask_mod kernels of mods
