@@ -150,13 +150,13 @@ for step in $STEPS; do
     train) bench training.bench_train ;;
     ncu)
         sections=(--section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis
-                  --section WarpStateStats --section SchedulerStats)
+                  --section InstructionStats --section WarpStateStats --section SchedulerStats)
         ncu "${sections[@]}" -k regex:"${PROFILE_KERNEL:-cutlass_kernel}" -c 1 python -m benchmarks.tools.profile_cute ${PROFILE_ARGS:-} 2>&1 \
-            | tee "$OUT/ncu_cute.txt" | grep -E "Throughput|Pipe|Stall|Issue|Warp Cycles|L2|Eligible" | head -n 60
+            | tee "$OUT/ncu_cute.txt" | grep -E "Throughput|Pipe|Stall|Issue|Warp Cycles|L2|Eligible|Executed Instructions" | head -n 60
         if [ -n "${PEER_PYTHONPATH:-}" ]; then
             (cd /tmp && PYTHONPATH="$PEER_PYTHONPATH" ncu "${sections[@]}" -k regex:"${PROFILE_KERNEL:-cutlass_kernel}" -c 1 \
                 python "$OLDPWD/benchmarks/tools/profile_cute.py" --peer ${PROFILE_ARGS:-}) 2>&1 | tee "$OUT/ncu_fa4.txt" \
-                | grep -E "Throughput|Pipe|Stall|Issue|Warp Cycles|L2|Eligible" | head -n 60
+                | grep -E "Throughput|Pipe|Stall|Issue|Warp Cycles|L2|Eligible|Executed Instructions" | head -n 60
         fi ;;
     ncusrc)
         src=(--section SourceCounters --section WarpStateStats --page source --print-source sass --csv)
