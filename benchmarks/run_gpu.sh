@@ -38,7 +38,8 @@
 #   vsmods     vs_fa4.py --mods: the mod kernels against the released FA4 with the same CuTeDSL mods (VS_MODS_ARGS)
 #   modab      bench_flex.py on the mod kernels' tile order / O store experiments, alternating (MODAB_VARIANTS)
 #   detturns   the deterministic causal backward's descending turns (bwd.turns_desc=1): GPU tests, racecheck, timing
-#   dkrs       the 64-row loop's dK from registers (bwd.dk_rs=1): its GPU tests, then the A/B at d96 / d128
+#   dkrs       the 64-row loop's dK from registers (bwd.dk_rs=1) and dQ scaled by the cast (bwd.dq_scale_host=1):
+#              their GPU tests, then the A/B at d96 / d128
 #   fa3peer    FA3's own hopper tests against flash_attn_interface (.peer/fa3 carried; benchmarks/peer_mods)
 #   modpeer    FA4's mod tests against flash_attn.cute (.peer/fa4mods carried; PEER_SEED, PEER_CONTROL)
 # With CuTeDSL brought over (see ../shared/device/README.md: two bundle calls) /tmp/cutedsl/env.sh is
@@ -122,14 +123,16 @@ for step in $STEPS; do
                 ${ov:+--overrides $ov} 2>&1 | tee -a "$OUT/detturns_bench.log" | tail -n 6
         done ;;
     dkrs)  # the 64-row loop's dK WGMMA with dS^T from registers (bwd.dk_rs=1, off): its GPU tests, then the A/B
-        timeout 240 python -m pytest -q -m gpu -n 12 -p no:cacheprovider -k "dk_rs" tests/cute/test_cute_bwd.py \
+        timeout 240 python -m pytest -q -m gpu -n 12 -p no:cacheprovider -k "dk_rs or dq_scale_host" \
+            tests/cute/test_cute_bwd.py tests/cute/test_cute_bwd_det.py tests/cute/test_cute_bwd_varlen.py \
             > "$OUT/dkrs_tests.log" 2>&1
         rc=$?
-        echo "dk_rs tests: rc $rc"; grep -E "passed|failed" "$OUT/dkrs_tests.log" | tail -n 3
+        echo "dk_rs / dq_scale_host tests: rc $rc"; grep -E "passed|failed" "$OUT/dkrs_tests.log" | tail -n 3
         grep -E "^FAILED" "$OUT/dkrs_tests.log" | head -n 20
         if [ $rc -ne 0 ]; then status=1; continue; fi
         timeout 300 python -m benchmarks.attention.ab_cute_bwd --headdims 96,128 --seqlens 1024,4096,16384 --rounds 4 \
-            --variants ";FLASH_ATTN_CUTE_OVERRIDES=bwd.dk_rs=1" 2>&1 | tee "$OUT/ab_dk_rs.log" | tail -n 16 ;;
+            --variants ";FLASH_ATTN_CUTE_OVERRIDES=bwd.dk_rs=1;FLASH_ATTN_CUTE_OVERRIDES=bwd.dq_scale_host=1" 2>&1 \
+            | tee "$OUT/ab_dk_rs.log" | tail -n 16 ;;
     widebwd)
         timeout "${WIDE_TEST_TIMEOUT:-420}" python -m pytest -q -m gpu -n 12 -p no:cacheprovider \
             tests/cute/test_cute_bwd_wide.py > "$OUT/wide_tests.log" 2>&1

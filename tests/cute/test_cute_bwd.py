@@ -451,6 +451,18 @@ def _ptxas_log(ptx):
     return out.stdout + out.stderr
 
 
+def test_dq_scale_host_leaves_the_scale_to_the_cast(tmp_path, cute_env):
+    """bwd.dq_scale_host=1 (an experiment, off until timed; the released FA4 scales dQ in its postprocess): the
+    kernel adds dS K unscaled (32 fewer fp32 multiplies per thread and query block at d128) and the host's cast
+    multiplies by softmax_scale; its own cache entry; other fields unchanged."""
+    base, _ = _compile_ptx(tmp_path, cute_env, 128, True, {"bwd.dq_scale_host": False})
+    text, _ = _compile_ptx(tmp_path, cute_env, 128, True, {"bwd.dq_scale_host": True})
+    mul = r"\bmul(?:\.rn|\.ftz)?\.f32\b"
+    assert len(re.findall(mul, base)) - len(re.findall(mul, text)) == 32
+    cfg = kernels.bwd_config(torch.bfloat16, 128, True, "sm_90a")
+    assert cfg.dq_scale_host and cfg.key()["dq_scale_host"] is True
+
+
 @pytest.mark.parametrize("d", [96, 128])
 def test_dk_rs_takes_ds_from_registers(tmp_path, cute_env, d):
     """bwd.dk_rs=1 (an experiment, off until timed; the released FA4's SM90 choice at these head dims): the 64-row
@@ -1036,6 +1048,12 @@ def test_host_paths_agree(dtype):
     dq = torch.empty(B, Sq, H, D, dtype=dtype)
     bwd_host.finish(dq_accum, dq)
     assert torch.equal(dq, outs[1][0])
+    # scale (a kernel built with dq_scale_host leaves dq_accum unscaled): one fp32 multiply, then the cast
+    scaled = [torch.empty(B, Sq, H, D, dtype=dtype) for _ in range(2)]
+    bwd_host.finish(dq_accum, scaled[0], scale=0.0883883)
+    bwd_host.finish_torch(dq_accum, scaled[1], scale=0.0883883)
+    assert torch.equal(scaled[0], scaled[1]) and torch.equal(scaled[1], (dq_accum * 0.0883883).to(dtype))
+    assert not torch.equal(scaled[0], dq)
 
 
 def test_triton_host_path_is_two_launches_and_no_torch_compute(monkeypatch, cute_env):
@@ -1354,6 +1372,19 @@ def test_gradients_with_tma_dkv_on_gpu(cute_bwd_on, monkeypatch, cute_env, d, ca
     cute_env(OVERRIDES=f"bwd.tma_dkv={tma_dkv}")
     _fresh_bwd_kernels(monkeypatch)
     _run(torch.bfloat16, d, causal, 2, seqlen_q, seqlen_k, heads, heads_kv, cute_bwd_on, seed=11)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("d,causal", [(64, False), (96, True), (128, False), (128, True), (256, True)])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (113, 203), (1000, 1000), (300, 1200)])
+@pytest.mark.parametrize("heads,heads_kv", [(4, 4), (6, 2)])
+def test_gradients_with_dq_scale_host_on_gpu(cute_bwd_on, monkeypatch, cute_env, d, causal, seqlen_q, seqlen_k, heads,
+                                             heads_kv):
+    # bwd.dq_scale_host=1: dq_accum unscaled, the cast scales (TMA dQ at d64-d128, the split-D kernel's atomics at d256)
+    cute_env(OVERRIDES="bwd.dq_scale_host=1,plan.bwd_d256=on")
+    _fresh_bwd_kernels(monkeypatch)
+    _run(torch.bfloat16, d, causal, 2, seqlen_q, seqlen_k, heads, heads_kv, cute_bwd_on, seed=17)
 
 
 @pytest.mark.gpu

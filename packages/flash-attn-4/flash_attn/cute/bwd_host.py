@@ -85,9 +85,9 @@ if triton is not None:
     @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "n_dq", "n_q_blocks", "n_k_blocks"])
     def _bwd_post_kernel(DQAccum, DQ, DKh, DVh, DK, DV,
                          s_qb, s_qs, s_qh, s_qd, s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd,
-                         seqlen_q, seqlen_k, heads, heads_kv, n_dq, n_q_blocks, n_k_blocks,
+                         seqlen_q, seqlen_k, heads, heads_kv, n_dq, n_q_blocks, n_k_blocks, dq_scale,
                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-                         KV: tl.constexpr):
+                         KV: tl.constexpr, SCALE: tl.constexpr = False):
         # Programs [0, n_dq): dq tiles (B * n_q_blocks * H); then, with KV, dk/dv tiles (B * n_k_blocks * Hk).
         pid = tl.program_id(0)
         cols = tl.arange(0, BLOCK_D)
@@ -104,6 +104,8 @@ if triton is not None:
             tile = (rows[:, None] < seqlen_q) & col_ok
             acc = tl.load(DQAccum + ((b64 * seqlen_q + rows64[:, None]) * heads + h64) * HEAD_DIM + cols[None, :],
                           mask=tile, other=0.0)
+            if SCALE:  # a kernel that leaves dq_accum unscaled (config.BwdConfig.dq_scale_host)
+                acc = acc * dq_scale
             tl.store(DQ + b64 * s_qb + h64 * s_qh + rows64[:, None] * s_qs + cols[None, :] * s_qd,
                      acc.to(DQ.dtype.element_ty), mask=tile)
         else:
@@ -258,9 +260,9 @@ def prepare_varlen_torch(out, dout, lse, cu_seqlens_q, seqused_q, max_seqlen_q, 
     return lse2, delta, torch.zeros((T, H, head_dim or D), dtype=_F32, device=dev)
 
 
-def finish(dq_accum, dq, dk_h=None, dv_h=None, dk=None, dv=None):
-    """One Triton launch: dq (B, Sq, H, D), any strides, = dq_accum in dq's dtype; with dk_h / dv_h
-    (B, Sk, H, D) contiguous, dk / dv (B, Sk, Hk, D), any strides, = their sums over each group of
+def finish(dq_accum, dq, dk_h=None, dv_h=None, dk=None, dv=None, scale=None):
+    """One Triton launch: dq (B, Sq, H, D), any strides, = dq_accum (times scale, unless None) in dq's dtype; with
+    dk_h / dv_h (B, Sk, H, D) contiguous, dk / dv (B, Sk, Hk, D), any strides, = their sums over each group of
     H / Hk query heads (in fp32, query heads in order)."""
     B, Sq, H, D = dq_accum.shape
     kv = dk_h is not None
@@ -279,9 +281,11 @@ def finish(dq_accum, dq, dk_h=None, dv_h=None, dk=None, dv=None):
         kv_strides = (0,) * 8
     if n_dq + n_kv == 0:
         return
+    if scale is not None:
+        meta = dict(meta, SCALE=True)
     _launch(_bwd_post_kernel, (n_dq + n_kv,),
-            (dq_accum, dq, *kv_args, *dq.stride(), *kv_strides, Sq, Sk, H, max(Hk, 1), n_dq, n_q, max(n_k, 1)),
-            meta, ("post", D, kv))
+            (dq_accum, dq, *kv_args, *dq.stride(), *kv_strides, Sq, Sk, H, max(Hk, 1), n_dq, n_q, max(n_k, 1),
+             1.0 if scale is None else float(scale)), meta, ("post", D, kv, scale is not None))
 
 
 def prepare_torch(out, dout, lse, seqlen_pad, head_dim=None):
@@ -298,9 +302,9 @@ def prepare_torch(out, dout, lse, seqlen_pad, head_dim=None):
     return lse2, delta, dq_accum
 
 
-def finish_torch(dq_accum, dq, dk_h=None, dv_h=None, dk=None, dv=None):
+def finish_torch(dq_accum, dq, dk_h=None, dv_h=None, dk=None, dv=None, scale=None):
     """``finish`` in torch."""
-    dq.copy_(dq_accum)
+    dq.copy_(dq_accum if scale is None else dq_accum * scale)
     if dk_h is not None:
         B, Sk, Hk = dk.shape[:3]
         group = dk_h.shape[2] // Hk

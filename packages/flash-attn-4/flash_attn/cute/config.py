@@ -240,6 +240,9 @@ class BwdConfig:
     dq_writer: bool = False  # a producer warp issues the dQ TMA reduce-adds (bwd_dq.DqAccumulator.writer; dq_tma)
     turns_desc: bool = False  # deterministic causal: descending turns, key blocks from the last down (BWD_TURNS_DESC)
     dk_rs: bool = False  # 64-row loop: dK's A operand (dS^T) from registers, not shared memory (an experiment, off)
+    # dq_accum holds dS K unscaled and the host's cast multiplies by softmax_scale (32 fewer FMUL per thread and query
+    # block in the loop at d128, as the released FA4 does; an experiment, off)
+    dq_scale_host: bool = False
 
     def __post_init__(self):
         if self.dtype not in ("fp16", "bf16"):
@@ -515,4 +518,5 @@ def select_bwd(dtype, head_dim, causal, arch, abi, local=False, varlen=False, de
                      gqa_loop=bool(gqa_loop), head_dim_v=None if head_dim_v in (None, d) else int(head_dim_v),
                      dq_writer=dq_tma and not overlap and bool(ov.get("dq_writer", deterministic)),
                      turns_desc=bool(deterministic and causal and ov.get("turns_desc", BWD_TURNS_DESC)),
-                     dk_rs=bool(block_m == 64 and d <= 128 and ov.get("dk_rs", False)))
+                     dk_rs=bool(block_m == 64 and d <= 128 and ov.get("dk_rs", False)),
+                     dq_scale_host=bool(ov.get("dq_scale_host", False)))

@@ -544,7 +544,8 @@ def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grad
     # dK / dV itself (no per-query-head copies, no sum after the kernel)
     gqa = group > 1 and mod is None and not deterministic and plan_rules().bwd_gqa_loop
     dv_dim = None if Dv == D else Dv  # (the kernels' head_dim_v)
-    block_m = bwd_config(dtype, D, causal, arch, local, False, deterministic, capped, gqa, dv_dim).block_m
+    cfg = bwd_config(dtype, D, causal, arch, local, False, deterministic, capped, gqa, dv_dim)
+    block_m = cfg.block_m
     per_batch = max(Sq * H, Sk * max(H, Hk)) * max(D, Dv)
     if per_batch >= _MAX_ELEMS:
         raise NotImplementedError(
@@ -600,9 +601,10 @@ def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grad
         sl = slice(b, b + step)
         fn(q[sl], k[sl], v[sl], dout[sl], lse2[sl], delta[sl], dq_accum[sl], dk_h[sl], dv_h[sl],
            *(() if sem is None else (sem[sl],)), *scalars)
-    # dq_accum holds softmax_scale * dS K: a cast is left
+    # dq_accum holds softmax_scale * dS K (or dS K: dq_scale_host): a cast (times the scale) is left
     dq = dq_out if dq_out is not None else torch.empty((B, Sq, H, D), dtype=dtype, device=q.device)
-    (bwd_host.finish if host else bwd_host.finish_torch)(dq_accum, dq, *((dk_h, dv_h, dk, dv) if sums else ()))
+    (bwd_host.finish if host else bwd_host.finish_torch)(dq_accum, dq, *((dk_h, dv_h, dk, dv) if sums else ()),
+                                                         scale=float(softmax_scale) if cfg.dq_scale_host else None)
     if dk is not dk_h and not sums:  # (gqa_loop into gradients of another layout)
         dk.copy_(dk_h)
         dv.copy_(dv_h)
@@ -637,7 +639,8 @@ def backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused
         raise NotImplementedError("flash_attn.cute's deterministic backward has no sliding window")
     capped = softcap > 0.0
     dv_dim = None if Dv == D else Dv  # (the kernels' head_dim_v)
-    block_m = bwd_config(dtype, D, causal, arch, local, True, deterministic, capped, False, dv_dim).block_m
+    cfg = bwd_config(dtype, D, causal, arch, local, True, deterministic, capped, False, dv_dim)
+    block_m = cfg.block_m
     if mod is not None:  # (kernel, aux, scalars, block_m) of a mods backward (mods.mod_bwd_kernel, varlen=True)
         fn, mod_aux, mod_scalars, block_m = mod
     else:
@@ -675,5 +678,6 @@ def backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused
        cu_seqlens_q, cu_seqlens_k, used_q, used_k, *sem, int(max_seqlen_k), float(softmax_scale), *tail)
     dq = dq_out if dq_out is not None else torch.empty((Tq, H, D), dtype=dtype, device=q.device)
     kv = (dk_h[None], dv_h[None], dk[None], dv[None]) if sums else ()
-    (bwd_host.finish if triton_host else bwd_host.finish_torch)(dq_accum[None], dq[None], *kv)
+    scale = float(softmax_scale) if cfg.dq_scale_host else None
+    (bwd_host.finish if triton_host else bwd_host.finish_torch)(dq_accum[None], dq[None], *kv, scale=scale)
     return dq, dk, dv
