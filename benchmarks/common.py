@@ -45,17 +45,7 @@ def gpu_us(fn, reps=20, warmup=0):
     """Device time per call: the summed durations of the GPU activities (kernels, copies, fills) torch.profiler sees
     over reps calls of fn (after warmup unprofiled ones). What a CUDA-graph-captured call would cost, where the wall
     time of a burst also holds the host's time when the host is the slower side."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    return sum(e.self_device_time_total for e in prof.key_averages()) / reps
+    return sum(kernel_us(fn, reps, warmup).values())
 
 
 def graph_us(fn, calls=20, replays=20, warmup=3):
@@ -90,8 +80,9 @@ def graph_us(fn, calls=20, replays=20, warmup=3):
     return statistics.median(times)
 
 
-def kernel_us(fn, reps=20, warmup=3):
-    """{kernel name: device us per call} of fn's GPU activities (torch.profiler), largest first."""
+def kernel_us(fn, reps=20, warmup=0):
+    """{activity name: device us per call} of fn's GPU activities (kernels, copies, fills) that torch.profiler sees
+    over reps calls (after warmup unprofiled ones), largest first."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 

@@ -53,7 +53,8 @@ def main(argv=None):
             graph = "-" if graph is None else f"{graph:.1f}"
             row.append(f"{name} {common.gpu_us(fn, 20, warmup=3):.1f}, graph {graph} ({err:.3f})")
             if args.kernels:
-                kernels.append(f"  {name}: " + ", ".join(f"{k[:60]} {t:.1f}" for k, t in common.kernel_us(fn).items()))
+                rows = common.kernel_us(fn, warmup=3)
+                kernels.append(f"  {name}: " + ", ".join(f"{k[:60]} {t:.1f}" for k, t in rows.items()))
         print(f"B {B}, Sk {Sk}, H {H} / Hk {Hk}: " + "; ".join(row), flush=True)
         for line in kernels:
             print(line, flush=True)

@@ -125,22 +125,9 @@ def precompile(args, specs):
 def kernel_times(call, n=10):
     """'name us (share) ...' of the GPU kernels one call(), averaged over n calls, from torch.profiler's
     device events (which of a backward's launches costs what)."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    call()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(n):
-            call()
-        torch.cuda.synchronize()
-    per = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:  # a kernel: its time range is on the GPU
-            per[e.name] = per.get(e.name, 0.0) + e.time_range.elapsed_us()
+    per = common.kernel_us(call, reps=n, warmup=1)
     total = sum(per.values()) or 1.0
-    return "  ".join(f"{k[:28]} {v / n:.0f} us ({v / total:.0%})"
-                     for k, v in sorted(per.items(), key=lambda kv: -kv[1]))
+    return "  ".join(f"{k[:28]} {v:.0f} us ({v / total:.0%})" for k, v in per.items())
 
 
 def main(argv=None):
