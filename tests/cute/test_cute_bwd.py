@@ -463,6 +463,40 @@ def test_dq_scale_host_leaves_the_scale_to_the_cast(tmp_path, cute_env):
     assert cfg.dq_scale_host and cfg.key()["dq_scale_host"] is True
 
 
+@pytest.mark.parametrize("d", [64, 96, 128])
+def test_dq_perm_writes_the_dq_tile_128_bits_at_a_time(tmp_path, cute_env, d):
+    """bwd.dq_perm=1 (an experiment, off until timed): dq_accum's columns in bwd_dq.PERM16 order, so each thread's
+    four dQ values of a row in 16 columns go to the shared tile in one 16-byte store: half the stores of the 8-byte
+    ones (d128: 8 against 16 per query block; d64's 128-row loop and d96's 48-column halves too); a cache entry of its
+    own; only where dQ goes by the TMA tile (the split-D kernel's atomics ignore it)."""
+    base, _ = _compile_ptx(tmp_path, cute_env, d, True, {"bwd.dq_perm": False})
+    text, _ = _compile_ptx(tmp_path, cute_env, d, True, {"bwd.dq_perm": True})
+    v2, v4 = r"\bst\.shared\.v2\.b32\b", r"\bst\.shared\.v4\.b32\b"
+    stores = len(re.findall(v2, base))  # 8 bytes each: the tile's fp32 values over 256 threads, in pairs
+    assert stores == kernels.bwd_config(torch.bfloat16, d, True, "sm_90a").block_m * d // 512
+    assert not re.findall(v4, base)
+    assert len(re.findall(v4, text)) == stores // 2 and not re.findall(v2, text)
+    assert kernels.bwd_config(torch.bfloat16, d, True, "sm_90a").key()["dq_perm"] is True
+    assert not kernels.bwd_config(torch.bfloat16, 256, True, "sm_90a").dq_perm
+
+
+def test_dq_perm_order_is_what_the_cast_reads_back():
+    """PERM16 (where the kernel's permuted tile puts each accumulator column) and bwd_host.unpermute (what the
+    torch cast reads back) are inverse; the accumulator's columns 8 g + 2 q + x of thread q land on 16 contiguous
+    bytes 4 q .. 4 q + 3 of each 16 columns."""
+    from flash_attn.cute import bwd_host
+    from flash_attn.cute.bwd_dq import PERM16
+
+    assert sorted(PERM16) == list(range(16))
+    for q in range(4):
+        assert sorted(PERM16[8 * g + 2 * q + x] for g in (0, 1) for x in (0, 1)) == list(range(4 * q, 4 * q + 4))
+    x = torch.randn(3, 5, 96)
+    perm = torch.tensor([16 * (l // 16) + PERM16[l % 16] for l in range(96)])
+    stored = torch.empty_like(x)
+    stored[..., perm] = x
+    assert torch.equal(bwd_host.unpermute(stored), x)
+
+
 @pytest.mark.parametrize("d", [96, 128])
 def test_dk_rs_takes_ds_from_registers(tmp_path, cute_env, d):
     """bwd.dk_rs=1 (an experiment, off until timed; the released FA4's SM90 choice at these head dims): the 64-row
@@ -1054,6 +1088,16 @@ def test_host_paths_agree(dtype):
     bwd_host.finish_torch(dq_accum, scaled[1], scale=0.0883883)
     assert torch.equal(scaled[0], scaled[1]) and torch.equal(scaled[1], (dq_accum * 0.0883883).to(dtype))
     assert not torch.equal(scaled[0], dq)
+    # perm (a kernel built with dq_perm leaves dq_accum's columns in PERM16 order): read back in order, scaled or not
+    from flash_attn.cute.bwd_dq import PERM16
+
+    stored = torch.empty_like(dq_accum)
+    stored[..., [16 * (l // 16) + PERM16[l % 16] for l in range(D)]] = dq_accum
+    for scale in (None, 0.0883883):
+        back = [torch.empty(B, Sq, H, D, dtype=dtype) for _ in range(2)]
+        bwd_host.finish(stored, back[0], scale=scale, perm=True)
+        bwd_host.finish_torch(stored, back[1], scale=scale, perm=True)
+        assert torch.equal(back[0], back[1]) and torch.equal(back[0], dq if scale is None else scaled[0])
 
 
 def test_triton_host_path_is_two_launches_and_no_torch_compute(monkeypatch, cute_env):
@@ -1385,6 +1429,20 @@ def test_gradients_with_dq_scale_host_on_gpu(cute_bwd_on, monkeypatch, cute_env,
     cute_env(OVERRIDES="bwd.dq_scale_host=1,plan.bwd_d256=on")
     _fresh_bwd_kernels(monkeypatch)
     _run(torch.bfloat16, d, causal, 2, seqlen_q, seqlen_k, heads, heads_kv, cute_bwd_on, seed=17)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("d,causal", [(64, False), (64, True), (96, True), (128, False), (128, True)])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (113, 203), (1000, 1000), (300, 1200)])
+@pytest.mark.parametrize("heads,heads_kv", [(4, 4), (6, 2)])
+@pytest.mark.parametrize("extra", ["", ",bwd.dq_scale_host=1,bwd.dk_rs=1"], ids=["perm", "perm_scale_rs"])
+def test_gradients_with_dq_perm_on_gpu(cute_bwd_on, monkeypatch, cute_env, d, causal, seqlen_q, seqlen_k, heads,
+                                       heads_kv, extra):
+    # bwd.dq_perm=1: dq_accum's columns permuted by the kernel's 128-bit tile stores, the cast reads them back
+    cute_env(OVERRIDES="bwd.dq_perm=1" + extra)
+    _fresh_bwd_kernels(monkeypatch)
+    _run(torch.bfloat16, d, causal, 2, seqlen_q, seqlen_k, heads, heads_kv, cute_bwd_on, seed=19)
 
 
 @pytest.mark.gpu

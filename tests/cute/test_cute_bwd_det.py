@@ -230,11 +230,13 @@ def test_own_backward_passes_deterministic_to_the_kernel(monkeypatch, cute_env):
 # On a Hopper GPU
 
 
-@pytest.fixture(params=[",bwd.dq_writer=0", "", ",bwd.turns_desc=1"], ids=["red_add", "writer_warp", "writer_desc"])
+@pytest.fixture(params=[",bwd.dq_writer=0", "", ",bwd.turns_desc=1", ",bwd.dq_perm=1"],
+                ids=["red_add", "writer_warp", "writer_desc", "writer_perm"])
 def det_on(request, monkeypatch, cute_env):
     """The deterministic (and varlen) rules on, the dispatcher's cached choices dropped, and the deterministic flag
     of each kernel launch recorded; the turns taken by every consumer thread's red.global.add, or by the writer warp's
-    TMA reduce-adds (the default at d64-d128), there in descending turns with a causal mask (bwd.turns_desc=1)."""
+    TMA reduce-adds (the default at d64-d128), there in descending turns with a causal mask (bwd.turns_desc=1) or with
+    dq_accum's columns permuted (bwd.dq_perm=1)."""
     from flash_attn import dispatch
 
     cute_env(OVERRIDES="plan.bwd_deterministic=1,plan.bwd_varlen=1" + request.param, DISABLE=None)

@@ -463,6 +463,20 @@ def test_varlen_gradients_with_the_dq_writer_warp_on_gpu(varlen_on, monkeypatch,
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
 @pytest.mark.parametrize("d", [64, 96, 128])
 @pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("lengths", list(LENGTHS))
+def test_varlen_gradients_with_dq_perm_on_gpu(varlen_on, monkeypatch, cute_env, d, causal, lengths):
+    # bwd.dq_perm=1 on varlen calls: the permuted dQ tile, the varlen cast reading it back
+    cute_env(OVERRIDES="plan.bwd_varlen=1,plan.bwd_window=1,bwd.dq_perm=1", DISABLE=None)
+    table = {}
+    monkeypatch.setattr(kernels, "_bwd_kernels", table)  # (the in-memory table does not key on the overrides)
+    monkeypatch.setattr(launch, "_bwd_kernels", table)
+    _run_varlen(torch.bfloat16, d, causal, *LENGTHS[lengths], 4, 2, varlen_on, seed=16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("d", [64, 96, 128])
+@pytest.mark.parametrize("causal", [False, True])
 def test_varlen_gradients_with_seqused_on_gpu(varlen_on, d, causal):
     _run_varlen(torch.bfloat16, d, causal, [300, 40, 129], [500, 64, 10], 4, 2, varlen_on, seed=5,
                 used=([250, 0, 129], [500, 33, 0]))

@@ -87,7 +87,7 @@ if triton is not None:
                          s_qb, s_qs, s_qh, s_qd, s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd,
                          seqlen_q, seqlen_k, heads, heads_kv, n_dq, n_q_blocks, n_k_blocks, dq_scale,
                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-                         KV: tl.constexpr, SCALE: tl.constexpr = False):
+                         KV: tl.constexpr, SCALE: tl.constexpr = False, PERM: tl.constexpr = False):
         # Programs [0, n_dq): dq tiles (B * n_q_blocks * H); then, with KV, dk/dv tiles (B * n_k_blocks * Hk).
         pid = tl.program_id(0)
         cols = tl.arange(0, BLOCK_D)
@@ -102,7 +102,10 @@ if triton is not None:
             rows = m * BLOCK_S + tl.arange(0, BLOCK_S)
             rows64 = rows.to(tl.int64)
             tile = (rows[:, None] < seqlen_q) & col_ok
-            acc = tl.load(DQAccum + ((b64 * seqlen_q + rows64[:, None]) * heads + h64) * HEAD_DIM + cols[None, :],
+            src = cols
+            if PERM:  # column l at bwd_dq.PERM16[l] of its 16 (config.BwdConfig.dq_perm)
+                src = (cols // 16) * 16 + 4 * ((cols % 8) // 2) + 2 * ((cols % 16) // 8) + cols % 2
+            acc = tl.load(DQAccum + ((b64 * seqlen_q + rows64[:, None]) * heads + h64) * HEAD_DIM + src[None, :],
                           mask=tile, other=0.0)
             if SCALE:  # a kernel that leaves dq_accum unscaled (config.BwdConfig.dq_scale_host)
                 acc = acc * dq_scale
@@ -260,8 +263,9 @@ def prepare_varlen_torch(out, dout, lse, cu_seqlens_q, seqused_q, max_seqlen_q, 
     return lse2, delta, torch.zeros((T, H, head_dim or D), dtype=_F32, device=dev)
 
 
-def finish(dq_accum, dq, dk_h=None, dv_h=None, dk=None, dv=None, scale=None):
-    """One Triton launch: dq (B, Sq, H, D), any strides, = dq_accum (times scale, unless None) in dq's dtype; with
+def finish(dq_accum, dq, dk_h=None, dv_h=None, dk=None, dv=None, scale=None, perm=False):
+    """One Triton launch: dq (B, Sq, H, D), any strides, = dq_accum (times scale, unless None; with ``perm`` its
+    columns in bwd_dq.PERM16 order, read back in order: unpermute) in dq's dtype; with
     dk_h / dv_h (B, Sk, H, D) contiguous, dk / dv (B, Sk, Hk, D), any strides, = their sums over each group of
     H / Hk query heads (in fp32, query heads in order)."""
     B, Sq, H, D = dq_accum.shape
@@ -281,11 +285,17 @@ def finish(dq_accum, dq, dk_h=None, dv_h=None, dk=None, dv=None, scale=None):
         kv_strides = (0,) * 8
     if n_dq + n_kv == 0:
         return
-    if scale is not None:
-        meta = dict(meta, SCALE=True)
+    meta = dict(meta, SCALE=scale is not None, PERM=bool(perm))
     _launch(_bwd_post_kernel, (n_dq + n_kv,),
             (dq_accum, dq, *kv_args, *dq.stride(), *kv_strides, Sq, Sk, H, max(Hk, 1), n_dq, n_q, max(n_k, 1),
-             1.0 if scale is None else float(scale)), meta, ("post", D, kv, scale is not None))
+             1.0 if scale is None else float(scale)), meta, ("post", D, kv, scale is not None, bool(perm)))
+
+
+def unpermute(dq_accum):
+    """dq_accum (..., D) with its columns in bwd_dq.PERM16 order (config.BwdConfig.dq_perm), in order: within 16
+    columns, position 4 q + 2 g + x holds column 8 g + 2 q + x."""
+    D = dq_accum.shape[-1]
+    return dq_accum.unflatten(-1, (D // 16, 4, 2, 2)).transpose(-3, -2).flatten(-4)
 
 
 def prepare_torch(out, dout, lse, seqlen_pad, head_dim=None):
@@ -302,8 +312,10 @@ def prepare_torch(out, dout, lse, seqlen_pad, head_dim=None):
     return lse2, delta, dq_accum
 
 
-def finish_torch(dq_accum, dq, dk_h=None, dv_h=None, dk=None, dv=None, scale=None):
+def finish_torch(dq_accum, dq, dk_h=None, dv_h=None, dk=None, dv=None, scale=None, perm=False):
     """``finish`` in torch."""
+    if perm:
+        dq_accum = unpermute(dq_accum)
     dq.copy_(dq_accum if scale is None else dq_accum * scale)
     if dk_h is not None:
         B, Sk, Hk = dk.shape[:3]

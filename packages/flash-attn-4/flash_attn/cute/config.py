@@ -243,6 +243,10 @@ class BwdConfig:
     # dq_accum holds dS K unscaled and the host's cast multiplies by softmax_scale (32 fewer FMUL per thread and query
     # block in the loop at d128, as the released FA4 does; an experiment, off)
     dq_scale_host: bool = False
+    # dq_accum's columns in bwd_dq.PERM16 order, so the loop writes each thread's dQ values of a row in 16 columns with
+    # one 128-bit store (16 STS.64 -> 8 STS.128 per query block at d128); the host's cast reads them back in order
+    # (dq_tma kernels; an experiment, off)
+    dq_perm: bool = False
 
     def __post_init__(self):
         if self.dtype not in ("fp16", "bf16"):
@@ -519,4 +523,5 @@ def select_bwd(dtype, head_dim, causal, arch, abi, local=False, varlen=False, de
                      dq_writer=dq_tma and not overlap and bool(ov.get("dq_writer", deterministic)),
                      turns_desc=bool(deterministic and causal and ov.get("turns_desc", BWD_TURNS_DESC)),
                      dk_rs=bool(block_m == 64 and d <= 128 and ov.get("dk_rs", False)),
-                     dq_scale_host=bool(ov.get("dq_scale_host", False)))
+                     dq_scale_host=bool(ov.get("dq_scale_host", False)),
+                     dq_perm=bool(dq_tma and ov.get("dq_perm", False)))

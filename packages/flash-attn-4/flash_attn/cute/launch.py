@@ -604,7 +604,8 @@ def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grad
     # dq_accum holds softmax_scale * dS K (or dS K: dq_scale_host): a cast (times the scale) is left
     dq = dq_out if dq_out is not None else torch.empty((B, Sq, H, D), dtype=dtype, device=q.device)
     (bwd_host.finish if host else bwd_host.finish_torch)(dq_accum, dq, *((dk_h, dv_h, dk, dv) if sums else ()),
-                                                         scale=float(softmax_scale) if cfg.dq_scale_host else None)
+                                                         scale=float(softmax_scale) if cfg.dq_scale_host else None,
+                                                         perm=cfg.dq_perm)
     if dk is not dk_h and not sums:  # (gqa_loop into gradients of another layout)
         dk.copy_(dk_h)
         dv.copy_(dv_h)
@@ -679,5 +680,6 @@ def backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused
     dq = dq_out if dq_out is not None else torch.empty((Tq, H, D), dtype=dtype, device=q.device)
     kv = (dk_h[None], dv_h[None], dk[None], dv[None]) if sums else ()
     scale = float(softmax_scale) if cfg.dq_scale_host else None
-    (bwd_host.finish if triton_host else bwd_host.finish_torch)(dq_accum[None], dq[None], *kv, scale=scale)
+    (bwd_host.finish if triton_host else bwd_host.finish_torch)(dq_accum[None], dq[None], *kv, scale=scale,
+                                                                 perm=cfg.dq_perm)
     return dq, dk, dv
