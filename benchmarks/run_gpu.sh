@@ -4,7 +4,7 @@
 #   run command="bash benchmarks/run_gpu.sh [STEP ...]"      (device tool; $OUT is set there)
 # STEPs (default: tests attention norm models train): tests rest attention cute cutebwd norm ops models train ncu
 #   ncusrc profile tunetriton abfwd abdecode overhead vsfa4 vsfa4bwd vsfa4decode sanitize dqerr vsmods modab
-#   fa3peer modpeer widebwd detturns dkrs dkab
+#   fa3peer modpeer widebwd detturns dkrs dkab p16cap
 #   tests      the GPU-marked tests (bf16, real sizes; GPU_TESTS, GPU_TEST_TIMEOUT)   rest   the rest on CUDA
 #   attention  bench_attention, full grid                  cute   bench_attention, cute only, short grid
 #   cutebwd    bench_cute_bwd: the cute backward (flash_bwd_sm90) vs Triton's, bf16 d64/d128, S 2k/8k
@@ -41,6 +41,7 @@
 #   dkrs       the GPU tests of the backward loop experiments: dK from registers (bwd.dk_rs=1), dQ scaled by the cast
 #              (bwd.dq_scale_host=1), dq_accum's columns permuted for 128-bit tile stores (bwd.dq_perm=1)
 #   dkab       their A/B at d64 / d96 / d128 (each alone and all three), kernels precompiled per variant first
+#   p16cap     d128 softcap / score_mod backward with P^T in 16 bits only (bwd.p16_capped=1): GPU tests, softcap A/B
 #   fa3peer    FA3's own hopper tests against flash_attn_interface (.peer/fa3 carried; benchmarks/peer_mods)
 #   modpeer    FA4's mod tests against flash_attn.cute (.peer/fa4mods carried; PEER_SEED, PEER_CONTROL)
 # With CuTeDSL brought over (see ../shared/device/README.md: two bundle calls) /tmp/cutedsl/env.sh is
@@ -141,6 +142,16 @@ for step in $STEPS; do
         timeout 420 python -m benchmarks.attention.ab_cute_bwd --headdims 64,96,128 --seqlens 1024,4096,16384 \
             --rounds 3 --variants ";FLASH_ATTN_CUTE_OVERRIDES=bwd.dk_rs=1;FLASH_ATTN_CUTE_OVERRIDES=bwd.dq_scale_host=1;\
 FLASH_ATTN_CUTE_OVERRIDES=bwd.dq_perm=1;FLASH_ATTN_CUTE_OVERRIDES=$all" 2>&1 | tee "$OUT/ab_dk_rs.log" | tail -n 40 ;;
+    p16cap)  # the d128 softcap / score_mod kernels keeping P^T in 16 bits only (bwd.p16_capped=1, off)
+        timeout 240 python -m pytest -q -m gpu -n 12 -p no:cacheprovider -k "p16_capped" \
+            tests/cute/test_cute_bwd_softcap.py tests/cute/test_cute_score_mod.py > "$OUT/p16cap_tests.log" 2>&1
+        rc=$?
+        echo "p16_capped tests: rc $rc"; grep -E "passed|failed" "$OUT/p16cap_tests.log" | tail -n 3
+        grep -E "^FAILED" "$OUT/p16cap_tests.log" | head -n 20
+        if [ $rc -ne 0 ]; then status=1; continue; fi
+        timeout 240 python -m benchmarks.attention.ab_cute_bwd --headdims 128 --seqlens 1024,4096,16384 --rounds 4 \
+            --softcap 30 --variants ";FLASH_ATTN_CUTE_OVERRIDES=bwd.p16_capped=1" 2>&1 | tee "$OUT/ab_p16cap.log" \
+            | tail -n 10 ;;
     widebwd)
         timeout "${WIDE_TEST_TIMEOUT:-420}" python -m pytest -q -m gpu -n 12 -p no:cacheprovider \
             tests/cute/test_cute_bwd_wide.py > "$OUT/wide_tests.log" 2>&1

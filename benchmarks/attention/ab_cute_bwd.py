@@ -11,6 +11,7 @@ included), do_bench medians, bf16, batch x seqlen = --tokens, heads = --hidden /
 
 --group G: G query heads per KV head (GQA); the kernel-alone column is then nan (its stand-in inputs
 are MHA-shaped), the whole call includes the per-query-head dK / dV sums a kernel leaves to the host.
+--softcap CAP: the whole call with soft-capped scores (the kernel-alone column is nan).
 --varlen: the whole call through flash_attn_varlen_func on the same tokens packed as batch sequences whose lengths
 alternate 3/4 and 5/4 of S (the varlen kernel; the kernel-alone column is nan), e.g. the TMA dK / dV store there:
 
@@ -94,6 +95,7 @@ def main(argv=None):
     ap = parser(__doc__, [2048, 8192])
     ap.add_argument("--group", type=int, default=1, help="query heads per KV head (GQA)")
     ap.add_argument("--varlen", action="store_true", help="the whole call on packed sequences of varied lengths")
+    ap.add_argument("--softcap", type=float, default=0.0, help="the whole call with this softcap (dense)")
     args = ap.parse_args(argv)
 
     import torch
@@ -124,7 +126,7 @@ def main(argv=None):
                     flops = 2.5 * 4 * sum(n * n for n in lens) * h * d / (2 if causal else 1)
                 else:
                     qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
-                    out_g, lse = flash_attn_func(qg, kg, vg, causal=causal, return_lse=True)
+                    out_g, lse = flash_attn_func(qg, kg, vg, causal=causal, softcap=args.softcap, return_lse=True)
                     out = out_g.detach()
                     flops = 2.5 * 4 * b * s * s * h * d / (2 if causal else 1)
                 rates = [([], []) for _ in variants_]
@@ -132,7 +134,7 @@ def main(argv=None):
                     for i, var in round_order(variants_, r):
                         apply(var, names)
                         kernels._bwd_kernels.clear()  # the in-memory cache does not key on the settings
-                        t_k = float("nan") if args.group > 1 or args.varlen else do_bench(
+                        t_k = float("nan") if args.group > 1 or args.varlen or args.softcap else do_bench(
                             kernel_call(q, k, v, dout, out, lse, causal), warmup=args.warmup, rep=args.rep,
                             return_mode="median")
                         t_c = do_bench(lambda: torch.autograd.grad(out_g, (qg, kg, vg), dout, retain_graph=True),

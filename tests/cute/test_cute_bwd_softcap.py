@@ -112,6 +112,21 @@ def test_softcap_backward_is_admitted_under_its_rule(cute_env, monkeypatch):
     assert got[-1]["softcap"] == 30.0
 
 
+@pytest.mark.parametrize("causal,kw", [(False, {}), (True, {}), (True, dict(varlen=True))])
+def test_p16_capped_kernel_does_not_spill(tmp_path, cute_env, causal, kw):
+    """bwd.p16_capped=1 (an experiment, off until timed): the d128 softcap kernel keeps P^T in 16 bits only and takes
+    dS^T from it, as the 128-row loop does: ptxas spills nothing (the default: up to 136 bytes, above); its own cache
+    key; other head dims ignore it."""
+    cute_env(OVERRIDES="bwd.p16_capped=1")
+    assert kernels.bwd_config(torch.bfloat16, 128, causal, "sm_90a", softcap=True, **kw).key()["p16_capped"] is True
+    assert not kernels.bwd_config(torch.bfloat16, 96, causal, "sm_90a", softcap=True, **kw).p16_capped
+    kernels.compile_bwd(torch.bfloat16, 128, causal, dump_dir=str(tmp_path), softcap=True, **kw)
+    (ptx,) = [p for p in tmp_path.iterdir() if p.suffix == ".ptx"]
+    assert len(re.findall(r"tanh\.approx\.f32", ptx.read_text())) == 32
+    spills, log = _ptxas_spills(ptx)
+    assert spills and all(x == 0 for x in spills), log
+
+
 # ----------------------------------------------------------------------------------------------------
 # On a Hopper GPU
 
@@ -137,6 +152,25 @@ def softcap_on(monkeypatch, cute_env):
 @pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (100, 30))])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1000, 1000), (300, 777), (1, 130)])
 def test_softcap_gradients_match_reference_on_gpu(softcap_on, dtype, d, causal, window, seqlen_q, seqlen_k):
+    _check_softcap_gradients(softcap_on, dtype, d, causal, window, seqlen_q, seqlen_k)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (100, 30))])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1000, 1000), (300, 777), (1, 130)])
+def test_softcap_gradients_with_p16_capped_on_gpu(softcap_on, monkeypatch, cute_env, dtype, causal, window, seqlen_q,
+                                                  seqlen_k):
+    # bwd.p16_capped=1: the d128 kernel's dS^T from the 16-bit P^T
+    cute_env(OVERRIDES="plan.bwd_softcap=1,plan.bwd_varlen=1,bwd.p16_capped=1", DISABLE=None)
+    table = {}
+    monkeypatch.setattr(kernels, "_bwd_kernels", table)  # (the in-memory table does not key on the overrides)
+    monkeypatch.setattr(launch, "_bwd_kernels", table)
+    _check_softcap_gradients(softcap_on, dtype, 128, causal, window, seqlen_q, seqlen_k)
+
+
+def _check_softcap_gradients(softcap_on, dtype, d, causal, window, seqlen_q, seqlen_k):
     from flash_attn.cute import flash_attn_func
 
     g = torch.Generator().manual_seed(d + seqlen_q)

@@ -247,6 +247,10 @@ class BwdConfig:
     # one 128-bit store (16 STS.64 -> 8 STS.128 per query block at d128); the host's cast reads them back in order
     # (dq_tma kernels; an experiment, off)
     dq_perm: bool = False
+    # d128 softcap and score_mod kernels keep P^T in 16 bits only and take dS^T from it, as the 128-row loop does (the
+    # tanh derivative or the fp32 scores leave no registers for the fp32 copy: ptxas spills 112 -> 0 bytes with
+    # softcap, 160 -> 68 with the softcap score_mod; dS^T carries P^T's 16-bit rounding; an experiment, off)
+    p16_capped: bool = False
 
     def __post_init__(self):
         if self.dtype not in ("fp16", "bf16"):
@@ -524,4 +528,5 @@ def select_bwd(dtype, head_dim, causal, arch, abi, local=False, varlen=False, de
                      turns_desc=bool(deterministic and causal and ov.get("turns_desc", BWD_TURNS_DESC)),
                      dk_rs=bool(block_m == 64 and d <= 128 and ov.get("dk_rs", False)),
                      dq_scale_host=bool(ov.get("dq_scale_host", False)),
-                     dq_perm=bool(dq_tma and ov.get("dq_perm", False)))
+                     dq_perm=bool(dq_tma and ov.get("dq_perm", False)),
+                     p16_capped=bool(d == 128 and ov.get("p16_capped", False)))

@@ -95,7 +95,8 @@ class FlashBwdSm90(BwdEntries):
                  dq_tma=False, overlap=False, lpt=0, exp2_emu=0, exp2_emu_degree=3, local=False,
                  varlen=False, deterministic=False, softcap=False, mask_mod=None, aux=False, sparse=None,
                  scalars=(), score_mod=None, score_mod_bwd=None, tma_dkv=False, gqa_loop=False, head_dim_v=None,
-                 dq_writer=False, turns_desc=False, dk_rs=False, dq_scale_host=False, dq_perm=False):
+                 dq_writer=False, turns_desc=False, dk_rs=False, dq_scale_host=False, dq_perm=False,
+                 p16_capped=False):
         """head_dim: 64, 96, 128, 192 or 256 (HEAD_DIMS), of q, k and v alike; past 128 the warpgroups split D (split_d
         below) and block_n is 64. head_dim_v: V's (and dO's, dV's) head dim where it differs, with split_d (the
         192 / 128 pair): S^T's K steps run over D, dP^T's over head_dim_v.
@@ -206,6 +207,10 @@ class FlashBwdSm90(BwdEntries):
                 raise ValueError("score_mod: block_m 64 (the scaled scores' registers)")
             self.mods = ScoreMods(score_mod, mask_mod, aux, block_m, block_n, scalars=scalars,
                                   score_mod_bwd=score_mod_bwd)
+        if p16_capped and head_dim == 128 and (self.softcap or score_mod is not None):
+            # P^T kept in 16 bits only, as at BLOCK_M = 128: the tanh derivative (softcap) or the fp32 scores
+            # (score_mod) beside S^T, dP^T, dK and dV exceed the 240 registers (config.BwdConfig.p16_capped)
+            self.p16 = True
         self.gqa_loop = bool(gqa_loop)
         if self.gqa_loop and (varlen or deterministic or overlap or self.mods is not None or sparse is not None):
             raise ValueError("gqa_loop: the dense backward without determinism, overlap, mods or block sparsity")
