@@ -465,36 +465,50 @@ def test_dq_scale_host_leaves_the_scale_to_the_cast(tmp_path, cute_env):
 
 @pytest.mark.parametrize("d", [64, 96, 128])
 def test_dq_perm_writes_the_dq_tile_128_bits_at_a_time(tmp_path, cute_env, d):
-    """bwd.dq_perm=1 (an experiment, off until timed): dq_accum's columns in bwd_dq.PERM16 order, so each thread's
-    four dQ values of a row in 16 columns go to the shared tile in one 16-byte store: half the stores of the 8-byte
-    ones (d128: 8 against 16 per query block; d64's 128-row loop and d96's 48-column halves too); a cache entry of its
-    own; only where dQ goes by the TMA tile (the split-D kernel's atomics ignore it)."""
+    """bwd.dq_perm=1 (an experiment, off until timed): dq_accum in config.permuted_column's layout, so each thread's
+    four dQ values of a row in 16 columns go to the shared tile in one 16-byte store (half the stores of the 8-byte
+    ones: d128 8 against 16 per query block; d64's 128-row loop and d96's 48-column halves too) and the unswizzled
+    tile goes out in one TMA reduce-add (the swizzled one: a box per 32 columns, 16 at d96); a cache entry of its
+    own; only where dQ goes by the TMA tile (the split-D kernel's atomics ignore it); ptxas spills nothing."""
     base, _ = _compile_ptx(tmp_path, cute_env, d, True, {"bwd.dq_perm": False})
-    text, _ = _compile_ptx(tmp_path, cute_env, d, True, {"bwd.dq_perm": True})
+    text, ptx = _compile_ptx(tmp_path, cute_env, d, True, {"bwd.dq_perm": True})
     v2, v4 = r"\bst\.shared\.v2\.b32\b", r"\bst\.shared\.v4\.b32\b"
     stores = len(re.findall(v2, base))  # 8 bytes each: the tile's fp32 values over 256 threads, in pairs
     assert stores == kernels.bwd_config(torch.bfloat16, d, True, "sm_90a").block_m * d // 512
     assert not re.findall(v4, base)
     assert len(re.findall(v4, text)) == stores // 2 and not re.findall(v2, text)
+    reduce = r"cp\.reduce\.async\.bulk\.tensor\.\dd\.global\.shared::cta\.add"
+    boxes = {64: 2, 96: 6, 128: 4}[d]  # per tile, swizzled (issued in the loop and after it)
+    assert len(re.findall(reduce, base)) == 2 * boxes and len(re.findall(reduce, text)) == 2
     assert kernels.bwd_config(torch.bfloat16, d, True, "sm_90a").key()["dq_perm"] is True
     assert not kernels.bwd_config(torch.bfloat16, 256, True, "sm_90a").dq_perm
+    if shutil.which("ptxas"):
+        log = _ptxas_log(ptx)
+        assert "are serialized" not in log, log
+        assert all(int(x) == 0 for x in re.findall(r"(\d+) bytes spill stores", log)), log
 
 
-def test_dq_perm_order_is_what_the_cast_reads_back():
-    """PERM16 (where the kernel's permuted tile puts each accumulator column) and bwd_host.unpermute (what the
-    torch cast reads back) are inverse; the accumulator's columns 8 g + 2 q + x of thread q land on 16 contiguous
-    bytes 4 q .. 4 q + 3 of each 16 columns."""
-    from flash_attn.cute import bwd_host
-    from flash_attn.cute.bwd_dq import PERM16
+def test_dq_perm_layout_is_what_the_cast_reads_back():
+    """config.permuted_column is a permutation of each row's columns; a thread's columns 8 g + 2 q + x (g, x in 0, 1)
+    of a 16-column block land on 16 contiguous bytes; in odd rows the blocks swap in pairs (the two rows a quarter warp
+    stores at once on different banks); bwd_host.unpermute (the torch cast) reads a tensor stored that way back."""
+    from flash_attn.cute import bwd_host, config
 
-    assert sorted(PERM16) == list(range(16))
-    for q in range(4):
-        assert sorted(PERM16[8 * g + 2 * q + x] for g in (0, 1) for x in (0, 1)) == list(range(4 * q, 4 * q + 4))
-    x = torch.randn(3, 5, 96)
-    perm = torch.tensor([16 * (l // 16) + PERM16[l % 16] for l in range(96)])
-    stored = torch.empty_like(x)
-    stored[..., perm] = x
-    assert torch.equal(bwd_host.unpermute(stored), x)
+    for D in (64, 96, 128):
+        for row in (0, 1, 6, 7):
+            cols = [config.permuted_column(row, c) for c in range(D)]
+            assert sorted(cols) == list(range(D))
+            for b in range(D // 16):
+                for q in range(4):
+                    four = sorted(cols[16 * b + 8 * g + 2 * q + x] for g in (0, 1) for x in (0, 1))
+                    assert four == list(range(four[0], four[0] + 4)) and four[0] % 4 == 0
+                    assert four[0] // 16 == b ^ (row & 1)
+    for S in (6, 7):
+        x = torch.randn(2, S, 3, 96)
+        stored = torch.empty_like(x)
+        for r in range(S):
+            stored[:, r, :, [config.permuted_column(r, c) for c in range(96)]] = x[:, r]
+        assert torch.equal(bwd_host.unpermute(stored), x)
 
 
 @pytest.mark.parametrize("d", [96, 128])
@@ -1089,10 +1103,11 @@ def test_host_paths_agree(dtype):
     assert torch.equal(scaled[0], scaled[1]) and torch.equal(scaled[1], (dq_accum * 0.0883883).to(dtype))
     assert not torch.equal(scaled[0], dq)
     # perm (a kernel built with dq_perm leaves dq_accum's columns in PERM16 order): read back in order, scaled or not
-    from flash_attn.cute.bwd_dq import PERM16
+    from flash_attn.cute import config
 
     stored = torch.empty_like(dq_accum)
-    stored[..., [16 * (l // 16) + PERM16[l % 16] for l in range(D)]] = dq_accum
+    for r in range(Sq):
+        stored[:, r, :, [config.permuted_column(r, c) for c in range(D)]] = dq_accum[:, r]
     for scale in (None, 0.0883883):
         back = [torch.empty(B, Sq, H, D, dtype=dtype) for _ in range(2)]
         bwd_host.finish(stored, back[0], scale=scale, perm=True)

@@ -16,23 +16,18 @@ TURN_BARRIER = 2
 DQ_FULL, DQ_EMPTY = 6, 8
 
 
-# dq_accum's column order with the permuted dQ tile (config.BwdConfig.dq_perm): within each 16 columns, accumulator
-# column 8 g + 2 q + x (the m64nNk16 C layout gives a thread the columns 2 q + x of n8-groups g = 0, 1) sits at
-# 4 q + 2 g + x, so each thread's four values of a row in 16 columns are 16 contiguous bytes: one 128-bit store
-# instead of two 64-bit ones. PERM16[l] is the position of column l; the host's cast reads them back in order.
-PERM16 = tuple(4 * ((l % 8) // 2) + 2 * (l // 8) + l % 2 for l in range(16))
+def permuted_tile_layout(block_m, head_dim):
+    """The shared dQ tile of dq_perm (config.permuted_column's layout): two row-major fp32 buffers (block_m,
+    head_dim), unswizzled (an identity swizzle, so that the kernel's tile stays a composed layout), one TMA box."""
+    return cute.make_composed_layout(cute.make_swizzle(0, 4, 3), 0,
+                                     cute.make_ordered_layout((block_m, head_dim, 2), order=(1, 0, 2)))
 
 
-def permute_columns(t, head_dim):
-    """View of an fp32 tile (rows, head_dim, ...) whose column l is the tile's column PERM16 of it (16-column blocks)."""
-    cols = cute.make_layout(((2, 4, 2), head_dim // 16), stride=((1, 4, 2), 16))
-    return cute.composition(t, (cute.make_layout(t.shape[0]), cols,
-                                *(cute.make_layout(n) for n in t.shape[2:])))
-
-
-def store_permuted(acc, dst):
-    """dst = acc, acc the m64nNk16 C fragment ((2, 2, N / 8), M, N') in registers, dst the same coordinates of a
-    permute_columns view in shared memory: per row and 16 columns (n8-groups 2 p and 2 p + 1) one 16-byte store."""
+def store_permuted(acc, cdQ, sdQ, buf, row0):
+    """sdQ[rows, config.permuted_column(rows, columns), buf] = acc, acc the m64nNk16 C fragment ((2, 2, N / 8), M, N')
+    in registers and cdQ its (row, column) coordinates in the tile: per row and 16 columns (n8-groups 2 p and 2 p + 1)
+    one 16-byte store. row0: dq_accum's row of the tile's row 0 (the row parity that decides the block swap)."""
+    BM, D = cute.size(sdQ, mode=[0]), cute.size(sdQ, mode=[1])
     groups = cute.size(acc, mode=[0, 2]) // 2
     for m in range(cute.size(acc, mode=[1])):
         for n in range(cute.size(acc, mode=[2])):
@@ -42,8 +37,10 @@ def store_permuted(acc, dst):
                     for g in range(2):
                         for x in range(2):
                             four[2 * g + x] = acc[(x, r, 2 * p + g), m, n]
-                    at = dst.iterator + cute.crd2idx(((0, r, 2 * p), m, n), dst.layout)
-                    cute.autovec_copy(four, cute.make_tensor(at, cute.make_layout(4)))
+                    row, col = cdQ[(0, r, 2 * p), m, n]  # col = 16 b + 2 q: permuted_column 16 (b ^ parity) + 4 q
+                    at = buf * (BM * D) + row * D + 16 * ((col // 16) ^ ((row0 + row) & 1)) + 2 * (col % 16)
+                    dst = cute.make_tensor(sdQ.iterator + cute.assume(at, divby=4), cute.make_layout(4))
+                    cute.autovec_copy(four, dst)
 
 
 class DqAccumulator:
@@ -80,12 +77,7 @@ class DqAccumulator:
         self.scaled = bool(scaled)  # softmax_scale applied here (else by the host's cast: config.dq_scale_host)
         if permuted and not dq_tma:
             raise ValueError("the permuted dQ tile (permuted) is the TMA reduce-add's shared tile (dq_tma)")
-        self.permuted = bool(permuted)  # dq_accum's columns in PERM16 order (config.dq_perm; the host's cast restores)
-
-    def tile_view(self, sdQ, head_dim):
-        """The shared dQ tile (BM, D, buffers) as the dQ accumulator's columns see it: itself, or with ``permuted``
-        column l at PERM16(l) (permute_columns)."""
-        return permute_columns(sdQ, head_dim) if cutlass.const_expr(self.permuted) else sdQ
+        self.permuted = bool(permuted)  # dq_accum in config.permuted_column's layout (BwdConfig.dq_perm)
 
     def turn_place(self, n_block, m_block, tile):
         """Key block n_block's place in query block m_block's order of adds: n_block, or descending from the last of
@@ -112,7 +104,8 @@ class DqAccumulator:
         acc_dQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((BM, D)), Float32)
         tdQsdQ = None
         if cutlass.const_expr(self.dq_tma):
-            tdQsdQ = thr_dq.partition_C(self.tile_view(sdQ, D))
+            # (dq_perm: the tile itself, addressed by store_permuted)
+            tdQsdQ = sdQ if cutlass.const_expr(self.permuted) else thr_dq.partition_C(sdQ)
         return tdQrdS, tdQrKt, acc_dQ, thr_dq.partition_C(cute.make_identity_tensor((BM, D))), tdQsdQ
 
     def gemm(self, tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, buf):
@@ -134,13 +127,13 @@ class DqAccumulator:
             if cutlass.const_expr(self.scaled):
                 for i in cutlass.range(cute.size(acc_dQ), unroll_full=True):
                     acc_dQ[i] = acc_dQ[i] * softmax_scale
-            if cutlass.const_expr(dq_repartition is not None):
-                tiled_mma_dq, sdQ, ctid = dq_repartition
-                tdQsdQ = tiled_mma_dq.get_slice(opaque(ctid)).partition_C(self.tile_view(sdQ, cute.size(sdQ, mode=[1])))
             # Made visible to the TMA (async proxy) by the next block's dS fence, before its barrier (writer warp: here).
             if cutlass.const_expr(self.permuted):
-                store_permuted(acc_dQ, tdQsdQ[None, None, None, buf])
+                store_permuted(acc_dQ, tdQcdQ, tdQsdQ, buf, tile.q_start)
             else:
+                if cutlass.const_expr(dq_repartition is not None):
+                    tiled_mma_dq, sdQ, ctid = dq_repartition
+                    tdQsdQ = tiled_mma_dq.get_slice(opaque(ctid)).partition_C(sdQ)
                 cute.autovec_copy(acc_dQ, tdQsdQ[None, None, None, buf])
             if cutlass.const_expr(self.writer_warp):
                 cute.arch.fence_view_async_shared()

@@ -17,6 +17,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 
+from flash_attn.cute.bwd_dq import permuted_tile_layout
 from flash_attn.cute.bwd_parts import lse_stage_floats
 from flash_attn.cute.hopper_helpers import k_atom_for, smem_layout
 
@@ -201,6 +202,8 @@ class BwdEntries:
         # conflict-free) for the halves of 48 columns at D = 96.
         sdQ_layout = smem_layout(k_atom_for(D // 2 if self.dq_split and not self.dq_rows else D, Float32),
                                  Float32, (BM, D, 2))
+        if cutlass.const_expr(self.dq.permuted):  # unswizzled, one box (bwd_dq.PERM16: dq_accum's own layout)
+            sdQ_layout = permuted_tile_layout(BM, D)
         tma_dq, mdQ_tma = None, None
         if cutlass.const_expr(self.dq_tma):
             tma_dq, mdQ_tma = cpasync.make_tiled_tma_atom(

@@ -102,10 +102,11 @@ if triton is not None:
             rows = m * BLOCK_S + tl.arange(0, BLOCK_S)
             rows64 = rows.to(tl.int64)
             tile = (rows[:, None] < seqlen_q) & col_ok
-            src = cols
-            if PERM:  # column l at bwd_dq.PERM16[l] of its 16 (config.BwdConfig.dq_perm)
-                src = (cols // 16) * 16 + 4 * ((cols % 8) // 2) + 2 * ((cols % 16) // 8) + cols % 2
-            acc = tl.load(DQAccum + ((b64 * seqlen_q + rows64[:, None]) * heads + h64) * HEAD_DIM + src[None, :],
+            src = cols[None, :]
+            if PERM:  # config.permuted_column (BwdConfig.dq_perm): PERM16 within 16, blocks paired in odd rows
+                src = (16 * ((cols[None, :] // 16) ^ (rows[:, None] & 1)) + 4 * ((cols[None, :] % 8) // 2)
+                       + 2 * ((cols[None, :] % 16) // 8) + cols[None, :] % 2)
+            acc = tl.load(DQAccum + ((b64 * seqlen_q + rows64[:, None]) * heads + h64) * HEAD_DIM + src,
                           mask=tile, other=0.0)
             if SCALE:  # a kernel that leaves dq_accum unscaled (config.BwdConfig.dq_scale_host)
                 acc = acc * dq_scale
@@ -264,8 +265,8 @@ def prepare_varlen_torch(out, dout, lse, cu_seqlens_q, seqused_q, max_seqlen_q, 
 
 
 def finish(dq_accum, dq, dk_h=None, dv_h=None, dk=None, dv=None, scale=None, perm=False):
-    """One Triton launch: dq (B, Sq, H, D), any strides, = dq_accum (times scale, unless None; with ``perm`` its
-    columns in bwd_dq.PERM16 order, read back in order: unpermute) in dq's dtype; with
+    """One Triton launch: dq (B, Sq, H, D), any strides, = dq_accum (times scale, unless None; with ``perm`` in
+    config.permuted_column's layout, read back in order: unpermute) in dq's dtype; with
     dk_h / dv_h (B, Sk, H, D) contiguous, dk / dv (B, Sk, Hk, D), any strides, = their sums over each group of
     H / Hk query heads (in fp32, query heads in order)."""
     B, Sq, H, D = dq_accum.shape
@@ -292,10 +293,11 @@ def finish(dq_accum, dq, dk_h=None, dv_h=None, dk=None, dv=None, scale=None, per
 
 
 def unpermute(dq_accum):
-    """dq_accum (..., D) with its columns in bwd_dq.PERM16 order (config.BwdConfig.dq_perm), in order: within 16
-    columns, position 4 q + 2 g + x holds column 8 g + 2 q + x."""
+    """dq_accum (B, S, H, D) in config.permuted_column's layout (config.BwdConfig.dq_perm), in order."""
     D = dq_accum.shape[-1]
-    return dq_accum.unflatten(-1, (D // 16, 4, 2, 2)).transpose(-3, -2).flatten(-4)
+    out = dq_accum[..., [config.permuted_column(0, c) for c in range(D)]]
+    out[:, 1::2] = dq_accum[:, 1::2][..., [config.permuted_column(1, c) for c in range(D)]]
+    return out
 
 
 def prepare_torch(out, dout, lse, seqlen_pad, head_dim=None):

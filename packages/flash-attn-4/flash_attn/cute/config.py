@@ -214,6 +214,20 @@ class FwdConfig:
 _FWD_ALWAYS = frozenset({"dtype", "head_dim", "arch", "abi", "stages", "causal", "local", "softcap"})
 
 
+# dq_accum's layout under BwdConfig.dq_perm. Within each 16 columns, accumulator column 8 g + 2 q + x (the m64nNk16 C
+# layout gives a thread the columns 2 q + x of n8-groups g = 0, 1) sits at 4 q + 2 g + x (PERM16), so each thread's
+# four values of a row in 16 columns are 16 contiguous bytes: one 128-bit store into the shared tile instead of two
+# 64-bit ones. In rows of odd index (dq_accum's rows; varlen: the packed rows) the 16-column blocks also swap in pairs,
+# so that the two rows a quarter warp stores at once fall on different banks of the unswizzled tile, which one TMA box
+# adds whole (the swizzled tile takes a box per 32 columns). The host's casts read it back in order (bwd_host).
+PERM16 = tuple(4 * ((l % 8) // 2) + 2 * (l // 8) + l % 2 for l in range(16))
+
+
+def permuted_column(row, col):
+    """Where dq_accum's column ``col`` of row ``row`` sits under dq_perm (head dims that are multiples of 32)."""
+    return 16 * ((col // 16) ^ (row & 1)) + PERM16[col % 16]
+
+
 @dataclass(frozen=True)
 class BwdConfig:
     """Every choice that shapes the backward kernel's code."""
@@ -243,9 +257,9 @@ class BwdConfig:
     # dq_accum holds dS K unscaled and the host's cast multiplies by softmax_scale (32 fewer FMUL per thread and query
     # block in the loop at d128, as the released FA4 does; an experiment, off)
     dq_scale_host: bool = False
-    # dq_accum's columns in bwd_dq.PERM16 order, so the loop writes each thread's dQ values of a row in 16 columns with
-    # one 128-bit store (16 STS.64 -> 8 STS.128 per query block at d128); the host's cast reads them back in order
-    # (dq_tma kernels; an experiment, off)
+    # dq_accum in permuted_column's layout: the loop writes each thread's dQ values of a row in 16 columns with one
+    # 128-bit store (16 STS.64 -> 8 STS.128 per query block at d128) and one TMA box adds the tile (4 at d128); the
+    # host's casts read it back in order (dq_tma kernels; an experiment, off)
     dq_perm: bool = False
     # d128 softcap and score_mod kernels keep P^T in 16 bits only and take dS^T from it, as the 128-row loop does (the
     # tanh derivative or the fp32 scores leave no registers for the fp32 copy: ptxas spills 112 -> 0 bytes with
