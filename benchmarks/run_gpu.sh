@@ -4,7 +4,7 @@
 #   run command="bash benchmarks/run_gpu.sh [STEP ...]"      (device tool; $OUT is set there)
 # STEPs (default: tests attention norm models train): tests rest attention cute cutebwd norm ops models train ncu
 #   ncusrc profile tunetriton abfwd abdecode overhead vsfa4 vsfa4bwd vsfa4decode sanitize dqerr vsmods modab
-#   fa3peer modpeer widebwd detturns dkrs dkab p16cap
+#   fa3peer modpeer widebwd detturns bwdloop
 #   tests      the GPU-marked tests (bf16, real sizes; GPU_TESTS, GPU_TEST_TIMEOUT)   rest   the rest on CUDA
 #   attention  bench_attention, full grid                  cute   bench_attention, cute only, short grid
 #   cutebwd    bench_cute_bwd: the cute backward (flash_bwd_sm90) vs Triton's, bf16 d64/d128, S 2k/8k
@@ -38,10 +38,8 @@
 #   vsmods     vs_fa4.py --mods: the mod kernels against the released FA4 with the same CuTeDSL mods (VS_MODS_ARGS)
 #   modab      bench_flex.py on the mod kernels' tile order / O store experiments, alternating (MODAB_VARIANTS)
 #   detturns   the deterministic causal backward's descending turns (bwd.turns_desc=1): GPU tests, racecheck, timing
-#   dkrs       the GPU tests of the backward loop experiments: dK from registers (bwd.dk_rs=1), dQ scaled by the cast
-#              (bwd.dq_scale_host=1), dq_accum's columns permuted for 128-bit tile stores (bwd.dq_perm=1)
-#   dkab       their A/B at d64 / d96 / d128 (each alone and all three), kernels precompiled per variant first
-#   p16cap     d128 softcap / score_mod backward with P^T in 16 bits only (bwd.p16_capped=1): GPU tests, softcap A/B
+#   bwdloop    the backward GPU test files (the defaults, and bwd.rows_early=1's own tests), then the A/B of
+#              rows_early (lse2 read before the wait for S^T) at d64 / d96 / d128
 #   fa3peer    FA3's own hopper tests against flash_attn_interface (.peer/fa3 carried; benchmarks/peer_mods)
 #   modpeer    FA4's mod tests against flash_attn.cute (.peer/fa4mods carried; PEER_SEED, PEER_CONTROL)
 # With CuTeDSL brought over (see ../shared/device/README.md: two bundle calls) /tmp/cutedsl/env.sh is
@@ -124,34 +122,17 @@ for step in $STEPS; do
             timeout 150 python -m benchmarks.attention.bench_cute_bwd_modes --modes deterministic --seqlens 2048,8192 \
                 ${ov:+--overrides $ov} 2>&1 | tee -a "$OUT/detturns_bench.log" | tail -n 6
         done ;;
-    dkrs)  # the backward loop experiments' GPU tests (bwd.dk_rs=1, bwd.dq_scale_host=1, bwd.dq_perm=1; all off)
-        timeout 300 python -m pytest -q -m gpu -n 12 -p no:cacheprovider \
-            -k "dk_rs or dq_scale_host or dq_perm or writer_perm" \
-            tests/cute/test_cute_bwd.py tests/cute/test_cute_bwd_det.py tests/cute/test_cute_bwd_varlen.py \
-            > "$OUT/dkrs_tests.log" 2>&1
+    bwdloop)  # the backward's GPU test files (bwd.rows_early=1: its own tests there), then the A/B of rows_early
+        timeout 500 python -m pytest -q -m gpu -n 12 -p no:cacheprovider tests/cute/test_cute_bwd.py \
+            tests/cute/test_cute_bwd_det.py tests/cute/test_cute_bwd_varlen.py tests/cute/test_cute_bwd_softcap.py \
+            tests/cute/test_cute_score_mod.py tests/cute/test_cute_block_sparse.py > "$OUT/bwdloop_tests.log" 2>&1
         rc=$?
-        echo "dk_rs / dq_scale_host / dq_perm tests: rc $rc"; grep -E "passed|failed" "$OUT/dkrs_tests.log" | tail -n 3
-        grep -E "^FAILED" "$OUT/dkrs_tests.log" | head -n 20
-        if [ $rc -ne 0 ]; then status=1; fi ;;
-    dkab)  # their A/B, interleaved in one process (each variant's kernels compiled in parallel first)
-        all=bwd.dk_rs=1,bwd.dq_scale_host=1,bwd.dq_perm=1
-        for ov in "" bwd.dk_rs=1 bwd.dq_scale_host=1 bwd.dq_perm=1 $all; do
-            FLASH_ATTN_CUTE_OVERRIDES=$ov timeout 240 python -m flash_attn.cute.precompile --dtypes bf16 \
-                --head-dims 64,96,128 --backward --jobs 14 > /dev/null 2>&1 || echo "precompile '$ov' failed"
-        done
-        timeout 420 python -m benchmarks.attention.ab_cute_bwd --headdims 64,96,128 --seqlens 1024,4096,16384 \
-            --rounds 3 --variants ";FLASH_ATTN_CUTE_OVERRIDES=bwd.dk_rs=1;FLASH_ATTN_CUTE_OVERRIDES=bwd.dq_scale_host=1;\
-FLASH_ATTN_CUTE_OVERRIDES=bwd.dq_perm=1;FLASH_ATTN_CUTE_OVERRIDES=$all" 2>&1 | tee "$OUT/ab_dk_rs.log" | tail -n 40 ;;
-    p16cap)  # the d128 softcap / score_mod kernels keeping P^T in 16 bits only (bwd.p16_capped=1, off)
-        timeout 240 python -m pytest -q -m gpu -n 12 -p no:cacheprovider -k "p16_capped" \
-            tests/cute/test_cute_bwd_softcap.py tests/cute/test_cute_score_mod.py > "$OUT/p16cap_tests.log" 2>&1
-        rc=$?
-        echo "p16_capped tests: rc $rc"; grep -E "passed|failed" "$OUT/p16cap_tests.log" | tail -n 3
-        grep -E "^FAILED" "$OUT/p16cap_tests.log" | head -n 20
+        echo "backward GPU tests: rc $rc"; grep -E "passed|failed" "$OUT/bwdloop_tests.log" | tail -n 3
+        grep -E "^FAILED" "$OUT/bwdloop_tests.log" | head -n 20
         if [ $rc -ne 0 ]; then status=1; continue; fi
-        timeout 240 python -m benchmarks.attention.ab_cute_bwd --headdims 128 --seqlens 1024,4096,16384 --rounds 4 \
-            --softcap 30 --variants ";FLASH_ATTN_CUTE_OVERRIDES=bwd.p16_capped=1" 2>&1 | tee "$OUT/ab_p16cap.log" \
-            | tail -n 10 ;;
+        timeout 300 python -m benchmarks.attention.ab_cute_bwd --headdims 64,96,128 --seqlens 1024,4096,16384 \
+            --rounds 3 --variants ";FLASH_ATTN_CUTE_OVERRIDES=bwd.rows_early=1" 2>&1 | tee "$OUT/ab_rows_early.log" \
+            | tail -n 20 ;;
     widebwd)
         timeout "${WIDE_TEST_TIMEOUT:-420}" python -m pytest -q -m gpu -n 12 -p no:cacheprovider \
             tests/cute/test_cute_bwd_wide.py > "$OUT/wide_tests.log" 2>&1

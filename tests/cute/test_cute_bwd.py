@@ -24,6 +24,7 @@ if _PKG not in sys.path:
 from flash_attn import testing  # noqa: E402
 from flash_attn.cute import backend as cute_backend  # noqa: E402
 from flash_attn.cute import config, kernels, launch, settings  # noqa: E402
+from test_cute_bwd_varlen import kernel_layout  # noqa: E402 (dq_accum's layout, the stand-in kernels')
 from _cute_table import cute_settings as _cute_settings  # noqa: E402
 from flash_attn.dispatch import Call  # noqa: E402
 from flash_attn.testing import backend_bwd, backend_fwd
@@ -52,9 +53,12 @@ CONFIGS = ([(dtype, d, causal, True, False) for dtype in (torch.bfloat16, torch.
               (torch.float16, 96, True, True, True), (torch.bfloat16, 128, False, True, True)])
 
 
-def _dq_boxes(d):
-    """TMA boxes of one dQ tile reduce-add: one per swizzle atom of fp32 columns, 32 (128 bytes), or 16 (64 bytes)
-    at D = 96, whose 48-column halves (one per warpgroup) are whole 64-byte atoms only."""
+def _dq_boxes(d, perm=True):
+    """TMA boxes of one dQ tile reduce-add: with dq_perm (the default) one, the unswizzled tile; else one per swizzle
+    atom of fp32 columns, 32 (128 bytes), or 16 (64 bytes) at D = 96, whose 48-column halves (one per warpgroup) are
+    whole 64-byte atoms only."""
+    if perm:
+        return 1
     return d // (32 if (d // 2) % 32 == 0 else 16)
 
 
@@ -123,14 +127,16 @@ def test_ptx_is_warp_specialised_and_accumulates_dq_atomically(compiled):
         # D / 32 (D = 96: 16-column boxes, 64-byte atoms), in the loop (previous block's tile) and after it (the
         # last one); bulk groups committed, the buffer's reads waited for before reuse, everything waited for
         # before exit
-        assert _count(text, reduce_add) == 2 * _dq_boxes(cfg["head_dim"])
+        assert _count(text, reduce_add) == 2 * _dq_boxes(cfg["head_dim"], cfg.get("dq_perm", False))
         # (+1 each: the dK / dV TMA stores' group and its read wait, tma_dkv, the dense default)
         tma_dkv = int(cfg.get("tma_dkv", False))
         assert _count(text, "cp.async.bulk.commit_group") == 2 + tma_dkv
         assert _count(text, "cp.async.bulk.wait_group.read") == 1 + tma_dkv
         assert _count(text, "cp.async.bulk.wait_group ") == 1  # the final full wait ("wait_group \t0")
         assert "red.relaxed.gpu.global.add" not in text
-        assert _count(text, "st.shared.v2.b32") >= cfg["head_dim"] // 8  # dQ column pairs to smem
+        # dQ to smem: with dq_perm 16 bytes per row and 16 columns of a thread, else column pairs
+        assert (_count(text, "st.shared.v4.b32") >= cfg["head_dim"] // 16 if cfg.get("dq_perm", False)
+                else _count(text, "st.shared.v2.b32") >= cfg["head_dim"] // 8)
     else:
         assert _count(text, "red.relaxed.gpu.global.add.v2.f32") >= 1  # dq_accum += dS K, column pairs
         assert reduce_add not in text
@@ -253,7 +259,7 @@ def test_tma_dq_reduce_is_issued_by_a_converged_warp(compiled):
     if not cfg["dq_tma"]:
         pytest.skip("no TMA reduce-add in this variant")
     code = _sass(ptx)
-    assert sum("UTMAREDG" in ins for _, ins in code) == 2 * _dq_boxes(cfg["head_dim"])
+    assert sum("UTMAREDG" in ins for _, ins in code) == 2 * _dq_boxes(cfg["head_dim"], cfg.get("dq_perm", False))
     assert _divergent_tma_reduces(code) == []
 
 
@@ -451,21 +457,9 @@ def _ptxas_log(ptx):
     return out.stdout + out.stderr
 
 
-def test_dq_scale_host_leaves_the_scale_to_the_cast(tmp_path, cute_env):
-    """bwd.dq_scale_host=1 (an experiment, off until timed; the released FA4 scales dQ in its postprocess): the
-    kernel adds dS K unscaled (32 fewer fp32 multiplies per thread and query block at d128) and the host's cast
-    multiplies by softmax_scale; its own cache entry; other fields unchanged."""
-    base, _ = _compile_ptx(tmp_path, cute_env, 128, True, {"bwd.dq_scale_host": False})
-    text, _ = _compile_ptx(tmp_path, cute_env, 128, True, {"bwd.dq_scale_host": True})
-    mul = r"\bmul(?:\.rn|\.ftz)?\.f32\b"
-    assert len(re.findall(mul, base)) - len(re.findall(mul, text)) == 32
-    cfg = kernels.bwd_config(torch.bfloat16, 128, True, "sm_90a")
-    assert cfg.dq_scale_host and cfg.key()["dq_scale_host"] is True
-
-
 @pytest.mark.parametrize("d", [64, 96, 128])
 def test_dq_perm_writes_the_dq_tile_128_bits_at_a_time(tmp_path, cute_env, d):
-    """bwd.dq_perm=1 (an experiment, off until timed): dq_accum in config.permuted_column's layout, so each thread's
+    """bwd.dq_perm (on; H100: the kernel 1.02-1.13x): dq_accum in config.permuted_column's layout, so each thread's
     four dQ values of a row in 16 columns go to the shared tile in one 16-byte store (half the stores of the 8-byte
     ones: d128 8 against 16 per query block; d64's 128-row loop and d96's 48-column halves too) and the unswizzled
     tile goes out in one TMA reduce-add (the swizzled one: a box per 32 columns, 16 at d96); a cache entry of its
@@ -482,6 +476,28 @@ def test_dq_perm_writes_the_dq_tile_128_bits_at_a_time(tmp_path, cute_env, d):
     assert len(re.findall(reduce, base)) == 2 * boxes and len(re.findall(reduce, text)) == 2
     assert kernels.bwd_config(torch.bfloat16, d, True, "sm_90a").key()["dq_perm"] is True
     assert not kernels.bwd_config(torch.bfloat16, 256, True, "sm_90a").dq_perm
+    if shutil.which("ptxas"):
+        log = _ptxas_log(ptx)
+        assert "are serialized" not in log, log
+        assert all(int(x) == 0 for x in re.findall(r"(\d+) bytes spill stores", log)), log
+
+
+@pytest.mark.parametrize("d", [96, 128])
+def test_rows_early_reads_lse2_before_the_wait_for_s(tmp_path, cute_env, d):
+    """bwd.rows_early=1 (an experiment, off until its GPU tests and A/B): the 64-row loop reads its lse2 values from
+    shared memory before it waits for S^T's WGMMA (Nsight Compute on an H100: the exponentials' FFMAs waiting for
+    those loads were the loop's top stall), not after; its own cache key; ptxas keeps the WGMMAs pipelined without
+    spilling."""
+    def loads_before_wait(text):
+        lines = [l.strip() for l in text.splitlines()]
+        i = next(i for i, l in enumerate(lines) if l.startswith("wgmma.mma_async") and "m64n64k16" in l)
+        j = next(j for j in range(i, len(lines)) if lines[j].startswith("wgmma.wait_group"))
+        return sum(l.startswith("ld.shared") for l in lines[i:j])
+
+    base, _ = _compile_ptx(tmp_path, cute_env, d, False, {"bwd.rows_early": False})
+    text, ptx = _compile_ptx(tmp_path, cute_env, d, False, {"bwd.rows_early": True})
+    assert kernels.bwd_config(torch.bfloat16, d, False, "sm_90a").key()["rows_early"] is True
+    assert loads_before_wait(base) == 0 and loads_before_wait(text) == 8  # 16 query columns, in pairs
     if shutil.which("ptxas"):
         log = _ptxas_log(ptx)
         assert "are serialized" not in log, log
@@ -509,25 +525,6 @@ def test_dq_perm_layout_is_what_the_cast_reads_back():
         for r in range(S):
             stored[:, r, :, [config.permuted_column(r, c) for c in range(96)]] = x[:, r]
         assert torch.equal(bwd_host.unpermute(stored), x)
-
-
-@pytest.mark.parametrize("d", [96, 128])
-def test_dk_rs_takes_ds_from_registers(tmp_path, cute_env, d):
-    """bwd.dk_rs=1 (an experiment, off until timed; the released FA4's SM90 choice at these head dims): the 64-row
-    loop's dK WGMMA takes dS^T from the 16-bit registers, as dV takes P^T (RS: twice the register-A WGMMAs of the
-    default kernel), a cache entry of its own; the 128-row loop and the split-D kernel ignore it; ptxas keeps the
-    WGMMAs pipelined and spills at most 32 bytes (d128: 28, the default 4)."""
-    rs = r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16\s*\{[^}]*\},\s*\{"
-    base, _ = _compile_ptx(tmp_path, cute_env, d, True, {"bwd.dk_rs": False})
-    text, ptx = _compile_ptx(tmp_path, cute_env, d, True, {"bwd.dk_rs": True})
-    assert kernels.bwd_config(torch.bfloat16, d, True, "sm_90a").key()["dk_rs"] is True
-    assert not kernels.bwd_config(torch.bfloat16, 64, True, "sm_90a").dk_rs  # (128 rows: registers already)
-    assert not kernels.bwd_config(torch.bfloat16, 256, True, "sm_90a").dk_rs
-    assert len(re.findall(rs, base)) == 4 and len(re.findall(rs, text)) == 8  # dV's 4 K steps, and dK's
-    if shutil.which("ptxas"):
-        log = _ptxas_log(ptx)
-        assert "are serialized" not in log, log
-        assert all(int(x) <= 32 for x in re.findall(r"(\d+) bytes spill stores", log)), log
 
 
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas not on PATH")
@@ -572,7 +569,8 @@ def test_block_m_128_kernel_is_spill_free(tmp_path, cute_env, overlap, emu):
     # shifts and masks
     assert _count(text, "cvt.rn.bf16x2.f32") == 2 * 64 // 2 + 2 * 32 // 2
     assert "cvt.f32.bf16" not in text
-    assert _count(text, "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group") == 2 * (64 // 32)
+    # the dQ tile's reduce-add (in the loop and after it), one box each (dq_perm's unswizzled tile)
+    assert _count(text, "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group") == 2 * _dq_boxes(64)
 
 
 def test_bwd_exp2_emu_config_key_and_refusals(cute_env):
@@ -825,7 +823,7 @@ def test_unsupported_head_dim_is_refused():
 def test_cache_key_has_only_what_changes_code():
     cfg = kernels.bwd_config(torch.bfloat16, 64, False, "sm_90a").key()
     assert set(cfg) == {"kernel", "dtype", "head_dim", "causal", "block_m", "stages", "dq_split", "dq_tma", "arch",
-                        "abi", "tma_dkv"}  # (tma_dkv: on for dense calls, not the field's default)
+                        "abi", "tma_dkv", "dq_perm"}  # (tma_dkv, dq_perm: on, not the fields' defaults)
     assert set(kernels.bwd_config(torch.bfloat16, 64, True, "sm_90a").key()) == set(cfg) | {"lpt"}
     assert kernels._bwd_entry(torch.bfloat16, 64, True, "sm_90a")[1] != \
         kernels._bwd_entry(torch.bfloat16, 64, False, "sm_90a")[1]
@@ -909,9 +907,11 @@ def test_backward_host_steps_with_a_stand_in_kernel(monkeypatch, host, case):
     dk_vals, dv_vals = (torch.randint(-64, 64, (B, Sk, H, D), generator=g).to(dtype) for _ in range(2))
     seen = {}
 
+    perm = kernels.bwd_config(dtype, D, True, "sm_90a").dq_perm
+
     def kernel(q_, k_, v_, dout_, lse2, delta, dq_accum, dk, dv, scale):
         seen.update(lse2=lse2.clone(), delta=delta.clone(), dq_accum=dq_accum.clone(), scale=scale)
-        dq_accum.add_(dq_vals)  # the kernel adds into dq_accum
+        dq_accum.add_(kernel_layout(dq_vals) if perm else dq_vals)  # the kernel adds into dq_accum, in its layout
         assert dk.shape == dv.shape == (B, Sk, H, D)
         dk.copy_(dk_vals)
         dv.copy_(dv_vals)
@@ -1096,23 +1096,16 @@ def test_host_paths_agree(dtype):
     dq = torch.empty(B, Sq, H, D, dtype=dtype)
     bwd_host.finish(dq_accum, dq)
     assert torch.equal(dq, outs[1][0])
-    # scale (a kernel built with dq_scale_host leaves dq_accum unscaled): one fp32 multiply, then the cast
-    scaled = [torch.empty(B, Sq, H, D, dtype=dtype) for _ in range(2)]
-    bwd_host.finish(dq_accum, scaled[0], scale=0.0883883)
-    bwd_host.finish_torch(dq_accum, scaled[1], scale=0.0883883)
-    assert torch.equal(scaled[0], scaled[1]) and torch.equal(scaled[1], (dq_accum * 0.0883883).to(dtype))
-    assert not torch.equal(scaled[0], dq)
-    # perm (a kernel built with dq_perm leaves dq_accum's columns in PERM16 order): read back in order, scaled or not
+    # perm (a kernel built with dq_perm leaves dq_accum in config.permuted_column's layout): read back in order
     from flash_attn.cute import config
 
     stored = torch.empty_like(dq_accum)
     for r in range(Sq):
         stored[:, r, :, [config.permuted_column(r, c) for c in range(D)]] = dq_accum[:, r]
-    for scale in (None, 0.0883883):
-        back = [torch.empty(B, Sq, H, D, dtype=dtype) for _ in range(2)]
-        bwd_host.finish(stored, back[0], scale=scale, perm=True)
-        bwd_host.finish_torch(stored, back[1], scale=scale, perm=True)
-        assert torch.equal(back[0], back[1]) and torch.equal(back[0], dq if scale is None else scaled[0])
+    back = [torch.empty(B, Sq, H, D, dtype=dtype) for _ in range(2)]
+    bwd_host.finish(stored, back[0], perm=True)
+    bwd_host.finish_torch(stored, back[1], perm=True)
+    assert torch.equal(back[0], back[1]) and torch.equal(back[0], dq)
 
 
 def test_triton_host_path_is_two_launches_and_no_torch_compute(monkeypatch, cute_env):
@@ -1189,10 +1182,13 @@ for D in (64, 96, 128):
     types = lambda n: {"Out": "*bf16", "DOut": "*bf16"}.get(n, "*fp32" if n[0].isupper() else "i32")
     compile_kernel(f"prep d{D}", bh._bwd_prep_kernel, types, ce, meta["num_warps"])
     for kv in (False, True):
-        meta = bh._meta(D, kv)
-        ce = dict(HEAD_DIM=D, BLOCK_D=meta["BLOCK_D"], BLOCK_S=meta["BLOCK_S"], KV=kv, s_qd=1, s_kd=1, s_vd=1)
-        types = lambda n: "*fp32" if n == "DQAccum" else "*bf16" if n[0].isupper() else "i32"
-        compile_kernel(f"post d{D} kv={kv}", bh._bwd_post_kernel, types, ce, meta["num_warps"])
+        for perm in (False, True):
+            meta = bh._meta(D, kv)
+            ce = dict(HEAD_DIM=D, BLOCK_D=meta["BLOCK_D"], BLOCK_S=meta["BLOCK_S"], KV=kv, PERM=perm, s_qd=1, s_kd=1,
+                      s_vd=1)
+            types = lambda n: "*fp32" if n == "DQAccum" else "*bf16" if n[0].isupper() else "i32"
+            compile_kernel(f"post d{D} kv={kv}" + (" perm" if perm else ""), bh._bwd_post_kernel, types, ce,
+                           meta["num_warps"])
 """
 
 
@@ -1210,17 +1206,20 @@ def test_host_kernels_compile_for_sm90_vectorised_without_spills(tmp_path):
                        text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = {row.pop("label"): row for row in map(json.loads, (x for x in r.stdout.splitlines() if x[:1] == "{"))}
-    assert len(rows) == 9, r.stdout
+    assert len(rows) == 15, r.stdout
     for label, row in rows.items():
         assert row["spills"] in (0, None), (label, row)  # None: a Triton without the ptxas log knob
     # per thread, bf16 tiles of 64 x D over 32 * num_warps threads: out and dout 2 x 4 loads of 8 values,
     # dq_accum's zeros 8 stores of 4 fp32; the cast 8 loads of 4 fp32 and 4 stores of 8 bf16; with KV
     # also the group's 2 x 4 loads per query head and 2 x 4 stores (D = 96: the 128-column tile masked to 96 columns,
-    # still 16-byte accesses)
+    # still 16-byte accesses). With PERM (dq_accum in config.permuted_column's layout) dq_accum is still read 16 bytes
+    # at a time and dq written 4 bytes at a time (the column pairs the permutation keeps together)
     for D in (64, 96, 128):
         assert (rows[f"prep d{D}"]["ld_v4"], rows[f"prep d{D}"]["st_v4"]) == (8, 8), rows
         assert (rows[f"post d{D} kv=False"]["ld_v4"], rows[f"post d{D} kv=False"]["st_v4"]) == (8, 4), rows
         assert (rows[f"post d{D} kv=True"]["ld_v4"], rows[f"post d{D} kv=True"]["st_v4"]) == (16, 12), rows
+        assert (rows[f"post d{D} kv=False perm"]["ld_v4"], rows[f"post d{D} kv=False perm"]["st_v4"]) == (8, 0), rows
+        assert (rows[f"post d{D} kv=True perm"]["ld_v4"], rows[f"post d{D} kv=True perm"]["st_v4"]) == (16, 8), rows
 
 
 def test_torch_host_path_without_triton(monkeypatch, cute_env):
@@ -1435,15 +1434,15 @@ def test_gradients_with_tma_dkv_on_gpu(cute_bwd_on, monkeypatch, cute_env, d, ca
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
-@pytest.mark.parametrize("d,causal", [(64, False), (96, True), (128, False), (128, True), (256, True)])
+@pytest.mark.parametrize("d,causal", [(96, False), (96, True), (128, False), (128, True)])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (113, 203), (1000, 1000), (300, 1200)])
 @pytest.mark.parametrize("heads,heads_kv", [(4, 4), (6, 2)])
-def test_gradients_with_dq_scale_host_on_gpu(cute_bwd_on, monkeypatch, cute_env, d, causal, seqlen_q, seqlen_k, heads,
-                                             heads_kv):
-    # bwd.dq_scale_host=1: dq_accum unscaled, the cast scales (TMA dQ at d64-d128, the split-D kernel's atomics at d256)
-    cute_env(OVERRIDES="bwd.dq_scale_host=1,plan.bwd_d256=on")
+def test_gradients_with_rows_early_on_gpu(cute_bwd_on, monkeypatch, cute_env, d, causal, seqlen_q, seqlen_k, heads,
+                                          heads_kv):
+    # bwd.rows_early=1: lse2 read before the wait for S^T (GQA on the gqa_loop kernel)
+    cute_env(OVERRIDES="bwd.rows_early=1")
     _fresh_bwd_kernels(monkeypatch)
-    _run(torch.bfloat16, d, causal, 2, seqlen_q, seqlen_k, heads, heads_kv, cute_bwd_on, seed=17)
+    _run(torch.bfloat16, d, causal, 2, seqlen_q, seqlen_k, heads, heads_kv, cute_bwd_on, seed=23)
 
 
 @pytest.mark.gpu
@@ -1451,27 +1450,13 @@ def test_gradients_with_dq_scale_host_on_gpu(cute_bwd_on, monkeypatch, cute_env,
 @pytest.mark.parametrize("d,causal", [(64, False), (64, True), (96, True), (128, False), (128, True)])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (113, 203), (1000, 1000), (300, 1200)])
 @pytest.mark.parametrize("heads,heads_kv", [(4, 4), (6, 2)])
-@pytest.mark.parametrize("extra", ["", ",bwd.dq_scale_host=1,bwd.dk_rs=1"], ids=["perm", "perm_scale_rs"])
-def test_gradients_with_dq_perm_on_gpu(cute_bwd_on, monkeypatch, cute_env, d, causal, seqlen_q, seqlen_k, heads,
-                                       heads_kv, extra):
-    # bwd.dq_perm=1: dq_accum's columns permuted by the kernel's 128-bit tile stores, the cast reads them back
-    cute_env(OVERRIDES="bwd.dq_perm=1" + extra)
+@pytest.mark.parametrize("perm", [0, 1])
+def test_gradients_with_and_without_dq_perm_on_gpu(cute_bwd_on, monkeypatch, cute_env, d, causal, seqlen_q, seqlen_k,
+                                                   heads, heads_kv, perm):
+    # bwd.dq_perm (on): dq_accum in config.permuted_column's layout, the casts read it back; 0: the swizzled tile
+    cute_env(OVERRIDES=f"bwd.dq_perm={perm}")
     _fresh_bwd_kernels(monkeypatch)
     _run(torch.bfloat16, d, causal, 2, seqlen_q, seqlen_k, heads, heads_kv, cute_bwd_on, seed=19)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
-@pytest.mark.parametrize("d", [96, 128])
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (100, 130), (1000, 1000), (2048, 2048), (113, 203), (300, 1200)])
-@pytest.mark.parametrize("heads,heads_kv", [(4, 4), (6, 2)])
-def test_gradients_with_dk_rs_on_gpu(cute_bwd_on, monkeypatch, cute_env, d, causal, seqlen_q, seqlen_k, heads,
-                                     heads_kv):
-    # bwd.dk_rs=1: the 64-row loop's dK WGMMA reads dS^T from registers (GQA on the gqa_loop kernel)
-    cute_env(OVERRIDES="bwd.dk_rs=1")
-    _fresh_bwd_kernels(monkeypatch)
-    _run(torch.bfloat16, d, causal, 2, seqlen_q, seqlen_k, heads, heads_kv, cute_bwd_on, seed=16)
 
 
 @pytest.mark.gpu

@@ -122,7 +122,7 @@ def test_deterministic_writer_warp_takes_turns_in_its_ptx(tmp_path, cute_env, d,
     kernels.compile_bwd(torch.bfloat16, d, causal, dump_dir=str(tmp_path), varlen=varlen, deterministic=True)
     (ptx,) = [p for p in tmp_path.iterdir() if p.suffix == ".ptx"]
     text = ptx.read_text()
-    boxes = d // (32 if (d // 2) % 32 == 0 else 16)
+    boxes = 1 if cfg.dq_perm else d // (32 if (d // 2) % 32 == 0 else 16)  # (dq_perm: the unswizzled tile)
     assert text.count("cp.reduce.async.bulk.tensor") == boxes and "red.relaxed.gpu.global.add" not in text
     assert re.search(r"ld\.acquire\.gpu\.global\.b32", text) and "bar.sync \t2, 256;" not in text
     assert re.search(r"cp\.async\.bulk\.wait_group \t0;[\s\S]*fence\.proxy\.async\.global;[\s\S]*fence\.acq_rel\.gpu;"
@@ -230,13 +230,13 @@ def test_own_backward_passes_deterministic_to_the_kernel(monkeypatch, cute_env):
 # On a Hopper GPU
 
 
-@pytest.fixture(params=[",bwd.dq_writer=0", "", ",bwd.turns_desc=1", ",bwd.dq_perm=1"],
-                ids=["red_add", "writer_warp", "writer_desc", "writer_perm"])
+@pytest.fixture(params=[",bwd.dq_writer=0", "", ",bwd.turns_desc=1", ",bwd.dq_perm=0"],
+                ids=["red_add", "writer_warp", "writer_desc", "writer_swizzled"])
 def det_on(request, monkeypatch, cute_env):
     """The deterministic (and varlen) rules on, the dispatcher's cached choices dropped, and the deterministic flag
     of each kernel launch recorded; the turns taken by every consumer thread's red.global.add, or by the writer warp's
-    TMA reduce-adds (the default at d64-d128), there in descending turns with a causal mask (bwd.turns_desc=1) or with
-    dq_accum's columns permuted (bwd.dq_perm=1)."""
+    TMA reduce-adds (the default at d64-d128), there in descending turns with a causal mask (bwd.turns_desc=1) or from
+    the swizzled dQ tile (bwd.dq_perm=0; the default: config.permuted_column's layout)."""
     from flash_attn import dispatch
 
     cute_env(OVERRIDES="plan.bwd_deterministic=1,plan.bwd_varlen=1" + request.param, DISABLE=None)

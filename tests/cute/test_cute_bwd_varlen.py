@@ -169,11 +169,21 @@ def _varlen_forward(q, k, v, cu_q, cu_k, used_q, used_k, scale, causal):
     return out.to(q.dtype), lse
 
 
-def _model_kernel(block_m, seen, causal):
+def kernel_layout(dq):
+    """dq (B, S, H, D) as a kernel built with dq_perm leaves it in dq_accum (config.permuted_column, by the row's parity:
+    a stand-in kernel's contract; bwd_host's casts read it back)."""
+    out = torch.empty_like(dq)
+    for parity in (0, 1):
+        out[:, parity::2, :, [config.permuted_column(parity, c) for c in range(dq.shape[-1])]] = dq[:, parity::2]
+    return out
+
+
+def _model_kernel(block_m, seen, causal, perm=False):
     """FlashBwdSm90.call_varlen's contract in torch (the packed tensors as batch entry 0): per sequence b and query head, P = exp2(S scale log2(e) -
     lse2) (0 where the bottom-right causal mask hides the key) and dS = P (dP - delta) with lse2 / delta read at rows (cu_seqlens_q[b] // block_m + b) * block_m (the padding rows,
     to the next multiple of block_m, must be +inf / 0: the kernel's tiles read them); dq_accum += scale dS K on the
-    used rows; dK = scale dS^T Q, dV = P^T dO per query head on the used key rows (the rest untouched)."""
+    used rows; dK = scale dS^T Q, dV = P^T dO per query head on the used key rows (the rest untouched). perm: dq_accum
+    in config.permuted_column's layout (BwdConfig.dq_perm)."""
     def kernel(q, k, v, dout, lse2, delta, dq_accum, dk, dv, cu_q, cu_k, used_q, used_k, max_seqlen_k, scale,
                softcap, wl, wr):
         assert softcap == 0.0
@@ -183,6 +193,7 @@ def _model_kernel(block_m, seen, causal):
         assert all(t.dim() == 3 and t.shape[0] == 1 for t in (lse2, delta))
         q, k, v, dout, lse2, delta, dq_accum, dk, dv = (t[0] for t in (q, k, v, dout, lse2, delta, dq_accum, dk, dv))
         G = q.shape[1] // k.shape[1]
+        dq_out, dq_accum = dq_accum, (bwd_host.unpermute(dq_accum[None])[0] if perm else dq_accum)
         for b in range(cu_q.shape[0] - 1):
             qs, ks, lq, lk = int(cu_q[b]), int(cu_k[b]), int(used_q[b]), int(used_k[b])
             assert lk <= max_seqlen_k
@@ -203,6 +214,8 @@ def _model_kernel(block_m, seen, causal):
             dq_accum[qs:qs + lq] += scale * torch.einsum("hqk,khd->qhd", ds, kf)
             dk[ks:ks + lk] = (scale * torch.einsum("hqk,qhd->khd", ds, qf)).to(dk.dtype)
             dv[ks:ks + lk] = torch.einsum("hqk,qhd->khd", p, dof).to(dv.dtype)
+        if perm:
+            dq_out.copy_(kernel_layout(dq_accum[None])[0])
     return kernel
 
 
@@ -234,7 +247,8 @@ def test_backward_varlen_host_steps_with_a_model_kernel(monkeypatch, cute_env, h
     block_m = kernels.bwd_config(dtype, D, True, "sm_90a", varlen=True).block_m
     seen = []
     monkeypatch.setitem(kernels._bwd_kernels, kernels.bwd_mem_key(dtype, D, True, "sm_90a", varlen=True),
-                        _model_kernel(block_m, seen, True))
+                        _model_kernel(block_m, seen, True,
+                                      kernels.bwd_config(dtype, D, True, "sm_90a", varlen=True).dq_perm))
     dq, dk, dv = launch.backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, used_q, used_k, max(lens_q),
                                         max(lens_k), scale, True)
     assert seen == [max(lens_k)]
@@ -260,7 +274,8 @@ def test_backward_varlen_writes_into_given_grads_and_handles_no_sequence(monkeyp
     block_m = kernels.bwd_config(dtype, D, False, "sm_90a", varlen=True).block_m
     seen = []
     monkeypatch.setitem(kernels._bwd_kernels, kernels.bwd_mem_key(dtype, D, False, "sm_90a", varlen=True),
-                        _model_kernel(block_m, seen, False))
+                        _model_kernel(block_m, seen, False,
+                                      kernels.bwd_config(dtype, D, False, "sm_90a", varlen=True).dq_perm))
     grads = tuple(torch.full_like(t, math.nan) for t in (q, k, v))
     res = launch.backward_varlen(dout, q, k, v, out, lse, cu, cu, None, None, 9, 9, 0.125, False, grads=grads)
     assert all(a is b for a, b in zip(res, grads)) and not any(t.isnan().any() for t in res)
@@ -464,9 +479,10 @@ def test_varlen_gradients_with_the_dq_writer_warp_on_gpu(varlen_on, monkeypatch,
 @pytest.mark.parametrize("d", [64, 96, 128])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("lengths", list(LENGTHS))
-def test_varlen_gradients_with_dq_perm_on_gpu(varlen_on, monkeypatch, cute_env, d, causal, lengths):
-    # bwd.dq_perm=1 on varlen calls: the permuted dQ tile, the varlen cast reading it back
-    cute_env(OVERRIDES="plan.bwd_varlen=1,plan.bwd_window=1,bwd.dq_perm=1", DISABLE=None)
+@pytest.mark.parametrize("perm", [0, 1])
+def test_varlen_gradients_with_and_without_dq_perm_on_gpu(varlen_on, monkeypatch, cute_env, d, causal, lengths, perm):
+    # bwd.dq_perm on varlen calls (on: config.permuted_column's layout by the packed rows' parity; 0: the swizzled tile)
+    cute_env(OVERRIDES=f"plan.bwd_varlen=1,plan.bwd_window=1,bwd.dq_perm={perm}", DISABLE=None)
     table = {}
     monkeypatch.setattr(kernels, "_bwd_kernels", table)  # (the in-memory table does not key on the overrides)
     monkeypatch.setattr(launch, "_bwd_kernels", table)

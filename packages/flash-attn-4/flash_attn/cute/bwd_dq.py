@@ -60,7 +60,7 @@ class DqAccumulator:
     way the key block waited for has been scheduled."""
 
     def __init__(self, block_m, dq_tma, deterministic, seqlens, num_consumer_threads, writer=False, descending=False,
-                 block_n=128, scaled=True, permuted=False):
+                 block_n=128, permuted=False):
         if deterministic and dq_tma and not writer:
             raise ValueError("deterministic dQ adds with red.global.add (dq_tma off), or by the writer warp's TMA")
         if writer and not dq_tma:
@@ -74,7 +74,6 @@ class DqAccumulator:
         self.num_consumer_threads = num_consumer_threads
         self.descending = bool(descending)  # (deterministic causal turns: see the class docstring)
         self.block_n = block_n
-        self.scaled = bool(scaled)  # softmax_scale applied here (else by the host's cast: config.dq_scale_host)
         if permuted and not dq_tma:
             raise ValueError("the permuted dQ tile (permuted) is the TMA reduce-add's shared tile (dq_tma)")
         self.permuted = bool(permuted)  # dq_accum in config.permuted_column's layout (BwdConfig.dq_perm)
@@ -124,9 +123,8 @@ class DqAccumulator:
             if reused:
                 cute.arch.barrier(barrier_id=DQ_EMPTY + buf, number_of_threads=self.num_consumer_threads + 32)
         if cutlass.const_expr(self.dq_tma):
-            if cutlass.const_expr(self.scaled):
-                for i in cutlass.range(cute.size(acc_dQ), unroll_full=True):
-                    acc_dQ[i] = acc_dQ[i] * softmax_scale
+            for i in cutlass.range(cute.size(acc_dQ), unroll_full=True):
+                acc_dQ[i] = acc_dQ[i] * softmax_scale
             # Made visible to the TMA (async proxy) by the next block's dS fence, before its barrier (writer warp: here).
             if cutlass.const_expr(self.permuted):
                 store_permuted(acc_dQ, tdQcdQ, tdQsdQ, buf, tile.q_start)
@@ -210,8 +208,7 @@ class DqAccumulator:
 
     @cute.jit
     def atomic_add(self, mdQaccum, acc_dQ, tdQcdQ, softmax_scale, m_block, head, tile, seqlen_q):
-        """dq_accum[rows of this block] += softmax_scale * dS K (this thread's part, fp32 red.global.add; without
-        ``scaled`` dS K, the host's cast scaling it)."""
+        """dq_accum[rows of this block] += softmax_scale * dS K (this thread's part, fp32 red.global.add)."""
         BM = self.block_m
         gdQ = self.seqlens.rows(mdQaccum, tile.q_start, head, tile)  # (Sq, D)
         # Accumulator values 2 i and 2 i + 1 are columns c, c + 1 of one row (m64nNk16 C layout: value
@@ -221,7 +218,4 @@ class DqAccumulator:
             row = m_block * BM + tdQcdQ[2 * i][0]
             if row < seqlen_q:
                 ptr = gdQ.iterator + cute.crd2idx((row, tdQcdQ[2 * i][1]), gdQ.layout)
-                if cutlass.const_expr(self.scaled):
-                    red_add_f32x2(ptr, acc_dQ[2 * i] * softmax_scale, acc_dQ[2 * i + 1] * softmax_scale)
-                else:
-                    red_add_f32x2(ptr, acc_dQ[2 * i], acc_dQ[2 * i + 1])
+                red_add_f32x2(ptr, acc_dQ[2 * i] * softmax_scale, acc_dQ[2 * i + 1] * softmax_scale)

@@ -166,7 +166,7 @@ class BwdEntries:
             atoms)
         # dK += dS^T Q: A = dS^T read back from shared memory (it is there for dQ anyway; from registers
         # it would stay live next to the dQ accumulator and push D = 128 past 240 registers), B = Q^T.
-        # BLOCK_M = 128 (D = 64), or dk_rs: A from the 16-bit dS^T registers, as P^T for dV (they fit there,
+        # BLOCK_M = 128 (D = 64): A from the 16-bit dS^T registers, as P^T for dV (they fit there,
         # and an m64n64k16 with both operands in smem reads 4 KB per 32 tensor-core clocks, all of sm_90's
         # 128 bytes per clock).
         tiled_mma_dk = cute.make_tiled_mma(

@@ -85,9 +85,9 @@ if triton is not None:
     @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "n_dq", "n_q_blocks", "n_k_blocks"])
     def _bwd_post_kernel(DQAccum, DQ, DKh, DVh, DK, DV,
                          s_qb, s_qs, s_qh, s_qd, s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd,
-                         seqlen_q, seqlen_k, heads, heads_kv, n_dq, n_q_blocks, n_k_blocks, dq_scale,
+                         seqlen_q, seqlen_k, heads, heads_kv, n_dq, n_q_blocks, n_k_blocks,
                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-                         KV: tl.constexpr, SCALE: tl.constexpr = False, PERM: tl.constexpr = False):
+                         KV: tl.constexpr, PERM: tl.constexpr = False):
         # Programs [0, n_dq): dq tiles (B * n_q_blocks * H); then, with KV, dk/dv tiles (B * n_k_blocks * Hk).
         pid = tl.program_id(0)
         cols = tl.arange(0, BLOCK_D)
@@ -102,16 +102,17 @@ if triton is not None:
             rows = m * BLOCK_S + tl.arange(0, BLOCK_S)
             rows64 = rows.to(tl.int64)
             tile = (rows[:, None] < seqlen_q) & col_ok
-            src = cols[None, :]
-            if PERM:  # config.permuted_column (BwdConfig.dq_perm): PERM16 within 16, blocks paired in odd rows
-                src = (16 * ((cols[None, :] // 16) ^ (rows[:, None] & 1)) + 4 * ((cols[None, :] % 8) // 2)
-                       + 2 * ((cols[None, :] % 16) // 8) + cols[None, :] % 2)
-            acc = tl.load(DQAccum + ((b64 * seqlen_q + rows64[:, None]) * heads + h64) * HEAD_DIM + src,
+            acc = tl.load(DQAccum + ((b64 * seqlen_q + rows64[:, None]) * heads + h64) * HEAD_DIM + cols[None, :],
                           mask=tile, other=0.0)
-            if SCALE:  # a kernel that leaves dq_accum unscaled (config.BwdConfig.dq_scale_host)
-                acc = acc * dq_scale
-            tl.store(DQ + b64 * s_qb + h64 * s_qh + rows64[:, None] * s_qs + cols[None, :] * s_qd,
-                     acc.to(DQ.dtype.element_ty), mask=tile)
+            dst = DQ + b64 * s_qb + h64 * s_qh + rows64[:, None] * s_qs
+            if PERM:
+                # dq_accum in config.permuted_column's layout (BwdConfig.dq_perm), read in its order (16-byte loads):
+                # position 4 q + 2 g + x of 16 holds column 8 g + 2 q + x, blocks swapped in pairs in odd rows
+                dst = dst + (16 * ((cols[None, :] // 16) ^ (rows[:, None] & 1)) + 8 * ((cols[None, :] % 4) // 2)
+                             + 2 * ((cols[None, :] % 16) // 4) + cols[None, :] % 2) * s_qd
+            else:
+                dst = dst + cols[None, :] * s_qd
+            tl.store(dst, acc.to(DQ.dtype.element_ty), mask=tile)
         else:
             if KV:
                 p = pid - n_dq
@@ -264,9 +265,9 @@ def prepare_varlen_torch(out, dout, lse, cu_seqlens_q, seqused_q, max_seqlen_q, 
     return lse2, delta, torch.zeros((T, H, head_dim or D), dtype=_F32, device=dev)
 
 
-def finish(dq_accum, dq, dk_h=None, dv_h=None, dk=None, dv=None, scale=None, perm=False):
-    """One Triton launch: dq (B, Sq, H, D), any strides, = dq_accum (times scale, unless None; with ``perm`` in
-    config.permuted_column's layout, read back in order: unpermute) in dq's dtype; with
+def finish(dq_accum, dq, dk_h=None, dv_h=None, dk=None, dv=None, perm=False):
+    """One Triton launch: dq (B, Sq, H, D), any strides, = dq_accum (with ``perm`` in config.permuted_column's
+    layout, read back in order: unpermute) in dq's dtype; with
     dk_h / dv_h (B, Sk, H, D) contiguous, dk / dv (B, Sk, Hk, D), any strides, = their sums over each group of
     H / Hk query heads (in fp32, query heads in order)."""
     B, Sq, H, D = dq_accum.shape
@@ -286,10 +287,10 @@ def finish(dq_accum, dq, dk_h=None, dv_h=None, dk=None, dv=None, scale=None, per
         kv_strides = (0,) * 8
     if n_dq + n_kv == 0:
         return
-    meta = dict(meta, SCALE=scale is not None, PERM=bool(perm))
+    meta = dict(meta, PERM=bool(perm))
     _launch(_bwd_post_kernel, (n_dq + n_kv,),
-            (dq_accum, dq, *kv_args, *dq.stride(), *kv_strides, Sq, Sk, H, max(Hk, 1), n_dq, n_q, max(n_k, 1),
-             1.0 if scale is None else float(scale)), meta, ("post", D, kv, scale is not None, bool(perm)))
+            (dq_accum, dq, *kv_args, *dq.stride(), *kv_strides, Sq, Sk, H, max(Hk, 1), n_dq, n_q, max(n_k, 1)),
+            meta, ("post", D, kv, bool(perm)))
 
 
 def unpermute(dq_accum):
@@ -314,11 +315,9 @@ def prepare_torch(out, dout, lse, seqlen_pad, head_dim=None):
     return lse2, delta, dq_accum
 
 
-def finish_torch(dq_accum, dq, dk_h=None, dv_h=None, dk=None, dv=None, scale=None, perm=False):
+def finish_torch(dq_accum, dq, dk_h=None, dv_h=None, dk=None, dv=None, perm=False):
     """``finish`` in torch."""
-    if perm:
-        dq_accum = unpermute(dq_accum)
-    dq.copy_(dq_accum if scale is None else dq_accum * scale)
+    dq.copy_(unpermute(dq_accum) if perm else dq_accum)
     if dk_h is not None:
         B, Sk, Hk = dk.shape[:3]
         group = dk_h.shape[2] // Hk

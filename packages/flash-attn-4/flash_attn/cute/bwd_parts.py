@@ -37,6 +37,31 @@ def red_add_f32x2(ptr, a, b, *, loc=None, ip=None):
     cute.arch.red(ptr, pair, op="add", dtype=Float32, sem="relaxed", scope="gpu", loc=loc, ip=ip)
 
 
+def row_values(rows, tScS, stage, like, early=False):
+    """Registers shaped like ``like`` (the S^T accumulator) holding rows[query column of each value, stage] (the lse2
+    rows in shared memory), loaded where this is called: before the wait for S^T's WGMMA, so their latency runs under
+    it rather than in front of the exponentials (Nsight Compute: the FFMAs that read them were the loop's top stall,
+    short scoreboard). A thread's values share 16 query columns at BLOCK_M = 64: one load per column (pairs: one
+    8-byte load). early=False (128 rows, softcap: the registers make ptxas spill): read where they are used. delta,
+    read by dS^T, stays at its use: early, it spills gqa_loop's causal kernel, for a third of lse2's stall."""
+    if not early:
+        return _RowsAtUse(rows, tScS, stage)
+    vals = cute.make_rmem_tensor_like(like, Float32)
+    for i in range(cute.size(like)):
+        vals[i] = rows[tScS[i][1], stage]
+    return vals
+
+
+class _RowsAtUse:
+    """row_values(early=False): value i read from shared memory where it is indexed."""
+
+    def __init__(self, rows, tScS, stage):
+        self.rows, self.tScS, self.stage = rows, tScS, stage
+
+    def __getitem__(self, i):
+        return self.rows[self.tScS[i][1], self.stage]
+
+
 def pack_16(acc_S, rP, dtype):
     """rP = acc_S in ``dtype`` (bf16 / fp16), one cvt.rn.{bf16x2,f16x2}.f32 per pair of values into a 32-bit
     word (value 2k in the low half, 2k + 1 in the high half, the order of the 16-bit view). Written

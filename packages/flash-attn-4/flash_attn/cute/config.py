@@ -253,18 +253,13 @@ class BwdConfig:
     head_dim_v: int | None = None  # V's head dim where it differs (a pair of HEAD_DIM_PAIRS; the call's)
     dq_writer: bool = False  # a producer warp issues the dQ TMA reduce-adds (bwd_dq.DqAccumulator.writer; dq_tma)
     turns_desc: bool = False  # deterministic causal: descending turns, key blocks from the last down (BWD_TURNS_DESC)
-    dk_rs: bool = False  # 64-row loop: dK's A operand (dS^T) from registers, not shared memory (an experiment, off)
-    # dq_accum holds dS K unscaled and the host's cast multiplies by softmax_scale (32 fewer FMUL per thread and query
-    # block in the loop at d128, as the released FA4 does; an experiment, off)
-    dq_scale_host: bool = False
     # dq_accum in permuted_column's layout: the loop writes each thread's dQ values of a row in 16 columns with one
     # 128-bit store (16 STS.64 -> 8 STS.128 per query block at d128) and one TMA box adds the tile (4 at d128); the
-    # host's casts read it back in order (dq_tma kernels; an experiment, off)
+    # host's casts read it back in order (dq_tma kernels; bwd.dq_perm=0: the swizzled tile; H100 2026-12-07: kernel
+    # 1.02-1.13x, benchmarks/results/h100/cute_bwd_ab.md)
     dq_perm: bool = False
-    # d128 softcap and score_mod kernels keep P^T in 16 bits only and take dS^T from it, as the 128-row loop does (the
-    # tanh derivative or the fp32 scores leave no registers for the fp32 copy: ptxas spills 112 -> 0 bytes with
-    # softcap, 160 -> 68 with the softcap score_mod; dS^T carries P^T's 16-bit rounding; an experiment, off)
-    p16_capped: bool = False
+    # lse2's values read before the wait for S^T (bwd_parts.row_values; an experiment, off until its GPU tests and A/B)
+    rows_early: bool = False
 
     def __post_init__(self):
         if self.dtype not in ("fp16", "bf16"):
@@ -278,9 +273,6 @@ class BwdConfig:
         if self.deterministic and ((self.dq_tma and not self.dq_writer) or not self.dq_split or self.lpt or self.local):
             raise ValueError("BwdConfig: deterministic needs dq_split, dq_tma off (or with the writer warp), lpt 0 "
                              "and no window")
-        if self.dk_rs and (self.block_m != 64 or self.head_dim > 128):
-            raise ValueError("BwdConfig: dk_rs serves the 64-row loop at head dims up to 128 (128 rows take dS^T from "
-                             "registers already)")
         if self.turns_desc and not (self.deterministic and self.causal):
             raise ValueError("BwdConfig: turns_desc orders the deterministic causal kernel's turns")
         if self.softcap and self.block_m != 64:
@@ -540,7 +532,5 @@ def select_bwd(dtype, head_dim, causal, arch, abi, local=False, varlen=False, de
                      gqa_loop=bool(gqa_loop), head_dim_v=None if head_dim_v in (None, d) else int(head_dim_v),
                      dq_writer=dq_tma and not overlap and bool(ov.get("dq_writer", deterministic)),
                      turns_desc=bool(deterministic and causal and ov.get("turns_desc", BWD_TURNS_DESC)),
-                     dk_rs=bool(block_m == 64 and d <= 128 and ov.get("dk_rs", False)),
-                     dq_scale_host=bool(ov.get("dq_scale_host", False)),
-                     dq_perm=bool(dq_tma and ov.get("dq_perm", False)),
-                     p16_capped=bool(d == 128 and ov.get("p16_capped", False)))
+                     dq_perm=bool(dq_tma and ov.get("dq_perm", True)),
+                     rows_early=bool(ov.get("rows_early", False)))

@@ -69,7 +69,8 @@ from cutlass.memory import SmemAllocator
 from flash_attn.cute.bwd_dq import DqAccumulator
 from flash_attn.cute.bwd_epilogue import DkvEpilogue, GroupWalk
 from flash_attn.cute.bwd_entries import BwdEntries
-from flash_attn.cute.bwd_parts import gemm, lse_stage_floats, pack_16, pack_pair, transpose_view, unpack_16, unpack_half
+from flash_attn.cute.bwd_parts import gemm, lse_stage_floats, pack_16, pack_pair, row_values, transpose_view
+from flash_attn.cute.bwd_parts import unpack_16, unpack_half
 from flash_attn.cute.hopper_helpers import opaque, tma_tiles
 from flash_attn.cute.mask import AttentionMask
 from flash_attn.cute.score_mod import ScoreMods
@@ -95,8 +96,7 @@ class FlashBwdSm90(BwdEntries):
                  dq_tma=False, overlap=False, lpt=0, exp2_emu=0, exp2_emu_degree=3, local=False,
                  varlen=False, deterministic=False, softcap=False, mask_mod=None, aux=False, sparse=None,
                  scalars=(), score_mod=None, score_mod_bwd=None, tma_dkv=False, gqa_loop=False, head_dim_v=None,
-                 dq_writer=False, turns_desc=False, dk_rs=False, dq_scale_host=False, dq_perm=False,
-                 p16_capped=False):
+                 dq_writer=False, turns_desc=False, dq_perm=False, rows_early=False):
         """head_dim: 64, 96, 128, 192 or 256 (HEAD_DIMS), of q, k and v alike; past 128 the warpgroups split D (split_d
         below) and block_n is 64. head_dim_v: V's (and dO's, dV's) head dim where it differs, with split_d (the
         192 / 128 pair): S^T's K steps run over D, dP^T's over head_dim_v.
@@ -183,7 +183,7 @@ class FlashBwdSm90(BwdEntries):
         # BLOCK_M = 128: the register-saving changes of the module docstring; dq_rows: the shared dQ tile split
         # between the warpgroups by query rows (m64nDk16 over all 128 keys) instead of by D.
         self.wide = block_m == 128
-        self.dk_regs = self.wide or (bool(dk_rs) and block_m == 64 and not self.split_d)  # dK's A: dS^T in registers
+        self.dk_regs = self.wide  # dK's A operand: dS^T in registers
         self.dq_rows = self.dq_split and self.wide
         # The dQ tile's smem addresses partitioned in the loop from an opaque thread index (hopper_helpers.opaque),
         # not held across it: BLOCK_M = 128, and D = 96 (48-column halves of 64-byte atoms; held, softcap spills).
@@ -207,10 +207,10 @@ class FlashBwdSm90(BwdEntries):
                 raise ValueError("score_mod: block_m 64 (the scaled scores' registers)")
             self.mods = ScoreMods(score_mod, mask_mod, aux, block_m, block_n, scalars=scalars,
                                   score_mod_bwd=score_mod_bwd)
-        if p16_capped and head_dim == 128 and (self.softcap or score_mod is not None):
-            # P^T kept in 16 bits only, as at BLOCK_M = 128: the tanh derivative (softcap) or the fp32 scores
-            # (score_mod) beside S^T, dP^T, dK and dV exceed the 240 registers (config.BwdConfig.p16_capped)
-            self.p16 = True
+        # P^T in 16 bits only at d128 with the tanh derivative (softcap) or the fp32 scores (score_mod): beside S^T,
+        # dP^T, dK and dV they exceed the 240 registers (ptxas spilled 112-232 bytes; h100/cute_bwd_ab.md)
+        self.p16 = self.p16 or (head_dim == 128 and (self.softcap or score_mod is not None))
+        self.rows_early = bool(rows_early) and block_m == 64 and not softcap  # (else more registers: spills)
         self.gqa_loop = bool(gqa_loop)
         if self.gqa_loop and (varlen or deterministic or overlap or self.mods is not None or sparse is not None):
             raise ValueError("gqa_loop: the dense backward without determinism, overlap, mods or block sparsity")
@@ -226,7 +226,7 @@ class FlashBwdSm90(BwdEntries):
             raise ValueError("deterministic needs dq_split, dq_tma off or the writer warp, lpt 0 and no window")
         self.dq_writer = bool(dq_writer) and self.dq_tma and not self.overlap
         self.dq = DqAccumulator(block_m, self.dq_tma, self.deterministic, self.seqlens, 128 * self.NUM_MMA_WARPGROUPS,
-                                self.dq_writer, self.turns_desc, block_n, not dq_scale_host, dq_perm)
+                                self.dq_writer, self.turns_desc, block_n, dq_perm)
         self.dkv = DkvEpilogue(dtype, head_dim, block_n, self.NUM_MMA_WARPGROUPS, self.tma_dkv, self.varlen,
                                self.seqlens, self.split_d, self.head_dim_v)
         if self.smem_bytes() > self.SMEM_LIMIT:
@@ -463,7 +463,7 @@ class FlashBwdSm90(BwdEntries):
         tdPrV = tiled_mma_sdp.make_fragment_A(wg_sdp.partition_A(sV))
         tdPrdO = tiled_mma_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
         tdVrdOt = tiled_mma_dv.make_fragment_B(wg_dv.partition_B(transpose_view(sdO)))  # (D, BM, stages)
-        tdKrdSt = None  # BLOCK_M = 128 (or dk_rs): dS^T's registers, below
+        tdKrdSt = None  # BLOCK_M = 128: dS^T's registers, below
         if cutlass.const_expr(not self.dk_regs):
             tdKrdSt = tiled_mma_dk.make_fragment_A(wg_dk.partition_A(sdSt))             # (BN, BM, 2)
         tdKrQt = tiled_mma_dk.make_fragment_B(wg_dk.partition_B(transpose_view(sQ)))    # (D, BM, stages)
@@ -679,6 +679,7 @@ class FlashBwdSm90(BwdEntries):
         input dtype in rP, and issue dV += P^T dO (one commit group). split_d: tdVrP is (dV's A fragment of the
         P^T tile, the S^T partition, the P^T tile); rP goes to buffer buf of the tile, and after a barrier of both
         warpgroups (each reads the other's query columns) dV's WGMMA reads it there."""
+        lse = row_values(sLSE, tScS, q_stage, acc_S, self.rows_early)  # (its latency under S^T's WGMMA: row_values)
         if cutlass.const_expr(self.overlap):
             if cutlass.const_expr(self.head_dim not in (128, 256) and not self.wide):
                 # S^T and dP^T both: they were issued a whole dQ epilogue ago. With wait_group(1) here
@@ -710,12 +711,12 @@ class FlashBwdSm90(BwdEntries):
         if cutlass.const_expr(self.exp2_emu == 0):
             for i in cutlass.range(cute.size(acc_S), unroll_full=True):
                 # +inf lse2 (query past Sq, or a query that sees no key) gives P = 0 exactly.
-                acc_S[i] = cute.math.exp2(acc_S[i] * scale_log2 - sLSE[tScS[i][1], q_stage], fastmath=True)
+                acc_S[i] = cute.math.exp2(acc_S[i] * scale_log2 - lse[i], fastmath=True)
         else:
             # exp2_emu of every 16 on the FMA pipe (exp2_poly: x <= -127, so -inf too, gives 0 exactly).
             n = cute.size(acc_S)
             for i, emu in zip(range(n), emulated_columns(n, self.exp2_emu)):
-                x = acc_S[i] * scale_log2 - sLSE[tScS[i][1], q_stage]
+                x = acc_S[i] * scale_log2 - lse[i]
                 if cutlass.const_expr(emu):
                     acc_S[i] = exp2_poly(x, self.exp2_emu_degree)
                 else:

@@ -601,10 +601,9 @@ def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grad
         sl = slice(b, b + step)
         fn(q[sl], k[sl], v[sl], dout[sl], lse2[sl], delta[sl], dq_accum[sl], dk_h[sl], dv_h[sl],
            *(() if sem is None else (sem[sl],)), *scalars)
-    # dq_accum holds softmax_scale * dS K (or dS K: dq_scale_host): a cast (times the scale) is left
+    # dq_accum holds softmax_scale * dS K (in config.permuted_column's layout with dq_perm): a cast is left
     dq = dq_out if dq_out is not None else torch.empty((B, Sq, H, D), dtype=dtype, device=q.device)
     (bwd_host.finish if host else bwd_host.finish_torch)(dq_accum, dq, *((dk_h, dv_h, dk, dv) if sums else ()),
-                                                         scale=float(softmax_scale) if cfg.dq_scale_host else None,
                                                          perm=cfg.dq_perm)
     if dk is not dk_h and not sums:  # (gqa_loop into gradients of another layout)
         dk.copy_(dk_h)
@@ -679,7 +678,5 @@ def backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused
        cu_seqlens_q, cu_seqlens_k, used_q, used_k, *sem, int(max_seqlen_k), float(softmax_scale), *tail)
     dq = dq_out if dq_out is not None else torch.empty((Tq, H, D), dtype=dtype, device=q.device)
     kv = (dk_h[None], dv_h[None], dk[None], dv[None]) if sums else ()
-    scale = float(softmax_scale) if cfg.dq_scale_host else None
-    (bwd_host.finish if triton_host else bwd_host.finish_torch)(dq_accum[None], dq[None], *kv, scale=scale,
-                                                                 perm=cfg.dq_perm)
+    (bwd_host.finish if triton_host else bwd_host.finish_torch)(dq_accum[None], dq[None], *kv, perm=cfg.dq_perm)
     return dq, dk, dv
