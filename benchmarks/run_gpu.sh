@@ -39,7 +39,7 @@
 #   modab      bench_flex.py on the mod kernels' tile order / O store experiments, alternating (MODAB_VARIANTS)
 #   detturns   the deterministic causal backward's descending turns (bwd.turns_desc=1): GPU tests, racecheck, timing
 #   bwdloop    the backward GPU test files (the defaults, and bwd.rows_early=1's own tests), then the A/B of
-#              rows_early (lse2 read before the wait for S^T) at d64 / d96 / d128
+#              rows_early (lse2 / delta read before the waits for S^T / dP^T) at d64 / d96 / d128
 #   fa3peer    FA3's own hopper tests against flash_attn_interface (.peer/fa3 carried; benchmarks/peer_mods)
 #   modpeer    FA4's mod tests against flash_attn.cute (.peer/fa4mods carried; PEER_SEED, PEER_CONTROL)
 # With CuTeDSL brought over (see ../shared/device/README.md: two bundle calls) /tmp/cutedsl/env.sh is

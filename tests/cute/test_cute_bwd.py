@@ -485,19 +485,21 @@ def test_dq_perm_writes_the_dq_tile_128_bits_at_a_time(tmp_path, cute_env, d):
 @pytest.mark.parametrize("d", [96, 128])
 def test_rows_early_reads_lse2_before_the_wait_for_s(tmp_path, cute_env, d):
     """bwd.rows_early=1 (an experiment, off until its GPU tests and A/B): the 64-row loop reads its lse2 values from
-    shared memory before it waits for S^T's WGMMA (Nsight Compute on an H100: the exponentials' FFMAs waiting for
-    those loads were the loop's top stall), not after; its own cache key; ptxas keeps the WGMMAs pipelined without
-    spilling."""
-    def loads_before_wait(text):
+    shared memory before it waits for S^T's WGMMA and its delta values before it waits for dP^T's (Nsight Compute on
+    an H100: the FFMAs and FADDs waiting for those loads were the loop's top stall), not after; its own cache key;
+    ptxas keeps the WGMMAs pipelined without spilling."""
+    def loads_before_wait(text, n=1):
+        """ld.shared between the first S^T WGMMA and the n-th wgmma.wait_group after it."""
         lines = [l.strip() for l in text.splitlines()]
         i = next(i for i, l in enumerate(lines) if l.startswith("wgmma.mma_async") and "m64n64k16" in l)
-        j = next(j for j in range(i, len(lines)) if lines[j].startswith("wgmma.wait_group"))
-        return sum(l.startswith("ld.shared") for l in lines[i:j])
+        waits = [j for j in range(i, len(lines)) if lines[j].startswith("wgmma.wait_group")]
+        return sum(l.startswith("ld.shared") for l in lines[i:waits[n - 1]])
 
     base, _ = _compile_ptx(tmp_path, cute_env, d, False, {"bwd.rows_early": False})
     text, ptx = _compile_ptx(tmp_path, cute_env, d, False, {"bwd.rows_early": True})
     assert kernels.bwd_config(torch.bfloat16, d, False, "sm_90a").key()["rows_early"] is True
     assert loads_before_wait(base) == 0 and loads_before_wait(text) == 8  # 16 query columns, in pairs
+    assert loads_before_wait(base, 2) == 8 and loads_before_wait(text, 2) == 16  # and delta's before dP^T's wait
     if shutil.which("ptxas"):
         log = _ptxas_log(ptx)
         assert "are serialized" not in log, log

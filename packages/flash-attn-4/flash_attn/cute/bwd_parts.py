@@ -38,12 +38,12 @@ def red_add_f32x2(ptr, a, b, *, loc=None, ip=None):
 
 
 def row_values(rows, tScS, stage, like, early=False):
-    """Registers shaped like ``like`` (the S^T accumulator) holding rows[query column of each value, stage] (the lse2
-    rows in shared memory), loaded where this is called: before the wait for S^T's WGMMA, so their latency runs under
-    it rather than in front of the exponentials (Nsight Compute: the FFMAs that read them were the loop's top stall,
-    short scoreboard). A thread's values share 16 query columns at BLOCK_M = 64: one load per column (pairs: one
-    8-byte load). early=False (128 rows, softcap: the registers make ptxas spill): read where they are used. delta,
-    read by dS^T, stays at its use: early, it spills gqa_loop's causal kernel, for a third of lse2's stall."""
+    """Registers shaped like ``like`` (the S^T or dP^T accumulator) holding rows[query column of each value, stage]
+    (the lse2 or delta rows in shared memory), loaded where this is called: before the wait for the WGMMA whose result
+    they meet, so their latency runs under it rather than in front of the exponentials or dS^T (Nsight Compute: the
+    FFMAs reading lse2 were the loop's top stall, short scoreboard, and the FADDs reading delta a third of it). A
+    thread's values share 16 query columns at BLOCK_M = 64: one load per column (pairs: one 8-byte load). early=False
+    (128 rows, softcap, score_mod; delta with gqa_loop: the registers make ptxas spill): read where they are used."""
     if not early:
         return _RowsAtUse(rows, tScS, stage)
     vals = cute.make_rmem_tensor_like(like, Float32)

@@ -258,7 +258,7 @@ class BwdConfig:
     # host's casts read it back in order (dq_tma kernels; bwd.dq_perm=0: the swizzled tile; H100 2026-12-07: kernel
     # 1.02-1.13x, benchmarks/results/h100/cute_bwd_ab.md)
     dq_perm: bool = False
-    # lse2's values read before the wait for S^T (bwd_parts.row_values; an experiment, off until its GPU tests and A/B)
+    # lse2 / delta read before the waits for S^T / dP^T (bwd_parts.row_values; an experiment, off until GPU-tested)
     rows_early: bool = False
 
     def __post_init__(self):

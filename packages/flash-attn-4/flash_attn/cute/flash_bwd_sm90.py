@@ -210,7 +210,7 @@ class FlashBwdSm90(BwdEntries):
         # P^T in 16 bits only at d128 with the tanh derivative (softcap) or the fp32 scores (score_mod): beside S^T,
         # dP^T, dK and dV they exceed the 240 registers (ptxas spilled 112-232 bytes; h100/cute_bwd_ab.md)
         self.p16 = self.p16 or (head_dim == 128 and (self.softcap or score_mod is not None))
-        self.rows_early = bool(rows_early) and block_m == 64 and not softcap  # (else more registers: spills)
+        self.rows_early = bool(rows_early) and block_m == 64 and not softcap and score_mod is None  # (else: spills)
         self.gqa_loop = bool(gqa_loop)
         if self.gqa_loop and (varlen or deterministic or overlap or self.mods is not None or sparse is not None):
             raise ValueError("gqa_loop: the dense backward without determinism, overlap, mods or block sparsity")
@@ -743,6 +743,7 @@ class FlashBwdSm90(BwdEntries):
         and dK += dS^T Q (two commit groups; dK first where not dq_first); with dq_tma the previous block's dQ tile
         reduce-add behind them (dq_dst: what _dq_dst needs for a walk position's destination). m_block / m_block_min:
         the walk's positions (the query blocks themselves, or with block sparsity or gqa_loop's walk, tiles maps them)."""
+        delta = row_values(sDelta, tScS, do_stage, acc_dP, self.rows_early and not self.gqa_loop)  # (gqa_loop: spills)
         warpgroup.wait_group(1)  # dP^T is ready; dV may still run
         if cutlass.const_expr(self.p16):
             # P^T back from the 16-bit copy that dV reads: the fp32 S^T is dead since the conversion,
@@ -756,11 +757,11 @@ class FlashBwdSm90(BwdEntries):
             for k in cutlass.range_constexpr(cute.size(acc_dP) // 2):
                 for h in cutlass.range_constexpr(2):
                     i = 2 * k + h
-                    acc_dP[i] = acc_S[i] * (acc_dP[i] - sDelta[tScS[i][1], do_stage]) * unpack_half(rdT32[k], h,
+                    acc_dP[i] = acc_S[i] * (acc_dP[i] - delta[i]) * unpack_half(rdT32[k], h,
                                                                                                      self.dtype)
         else:
             for i in cutlass.range(cute.size(acc_dP), unroll_full=True):
-                acc_dP[i] = acc_S[i] * (acc_dP[i] - sDelta[tScS[i][1], do_stage])
+                acc_dP[i] = acc_S[i] * (acc_dP[i] - delta[i])
         if cutlass.const_expr(mods is not None):
             if cutlass.const_expr(self.mods.score_mod is not None):  # the gradient through score_mod
                 self.mods.grad_transposed(acc_dP, rdT, tScS, m_block_of, n_block, mods)
