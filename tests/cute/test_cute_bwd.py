@@ -506,6 +506,15 @@ def test_rows_early_reads_lse2_before_the_wait_for_s(tmp_path, cute_env, d):
         assert all(int(x) == 0 for x in re.findall(r"(\d+) bytes spill stores", log)), log
 
 
+def test_dq_perm_needs_the_tma_tile_at_head_dims_of_32():
+    base = dict(dtype="bf16", causal=True, arch="sm_90a", abi="cute", block_m=64, stages=2, dq_split=True)
+    config.BwdConfig(head_dim=96, dq_tma=True, dq_perm=True, **base)
+    with pytest.raises(ValueError, match="dq_perm"):
+        config.BwdConfig(head_dim=64, dq_tma=False, dq_perm=True, **base)
+    with pytest.raises(ValueError, match="dq_perm"):
+        config.BwdConfig(head_dim=80, dq_tma=True, dq_perm=True, **base)
+
+
 def test_dq_perm_layout_is_what_the_cast_reads_back():
     """config.permuted_column is a permutation of each row's columns; a thread's columns 8 g + 2 q + x (g, x in 0, 1)
     of a 16-column block land on 16 contiguous bytes; in odd rows the blocks swap in pairs (the two rows a quarter warp

@@ -275,6 +275,9 @@ class BwdConfig:
                              "and no window")
         if self.turns_desc and not (self.deterministic and self.causal):
             raise ValueError("BwdConfig: turns_desc orders the deterministic causal kernel's turns")
+        if self.dq_perm and (not self.dq_tma or self.head_dim % 32):
+            raise ValueError("BwdConfig: dq_perm is the layout of the TMA dQ tile (dq_tma) at head dims that are "
+                             "multiples of 32 (permuted_column swaps 16-column blocks in pairs)")
         if self.softcap and self.block_m != 64:
             raise ValueError("BwdConfig: softcap needs block_m 64")
         if self.head_dim_v is not None and (self.head_dim, self.head_dim_v) not in HEAD_DIM_PAIRS:
