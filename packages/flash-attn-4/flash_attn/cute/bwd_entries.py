@@ -172,7 +172,7 @@ class BwdEntries:
         tiled_mma_dk = cute.make_tiled_mma(
             cute.make_mma_atom(warpgroup.MmaF16BF16Op(
                 dt, Float32, (64, D // wg_n, 16),
-                warpgroup.OperandSource.RMEM if cutlass.const_expr(self.dk_regs) else warpgroup.OperandSource.SMEM,
+                warpgroup.OperandSource.RMEM if cutlass.const_expr(self.wide) else warpgroup.OperandSource.SMEM,
                 OperandMajorMode.K, OperandMajorMode.MN)),
             atoms)
         # dQ = dS K, A = the M-major dS tile, B = K^T (D contiguous, MN-major). dq_split: N = D split over
@@ -202,7 +202,7 @@ class BwdEntries:
         # conflict-free) for the halves of 48 columns at D = 96.
         sdQ_layout = smem_layout(k_atom_for(D // 2 if self.dq_split and not self.dq_rows else D, Float32),
                                  Float32, (BM, D, 2))
-        if cutlass.const_expr(self.dq.permuted):  # unswizzled, one box (bwd_dq.PERM16: dq_accum's own layout)
+        if cutlass.const_expr(self.dq.permuted):  # unswizzled, one box (config.permuted_column's layout)
             sdQ_layout = permuted_tile_layout(BM, D)
         tma_dq, mdQ_tma = None, None
         if cutlass.const_expr(self.dq_tma):

@@ -178,17 +178,19 @@ if triton is not None:
             tl.store(Lse2 + dst, lse2, mask=in_pad)
 
 
-def _meta(head_dim, kv=None):
+def _meta(head_dim, kv=None, perm=False):
     """The constexprs and launch options of the preprocess (kv None) or the postprocess (with / without
-    the dK/dV sums): tiles of 64 rows x the head dim, 32 values of each tensor per thread."""
-    meta = _metas.get((head_dim, kv))
+    the dK/dV sums; perm: dq_accum in config.permuted_column's layout): tiles of 64 rows x the head dim, 32 values of
+    each tensor per thread."""
+    meta = _metas.get((head_dim, kv, perm))
     if meta is None:
         block_d = triton.next_power_of_2(head_dim)
         rows = "BLOCK_M" if kv is None else "BLOCK_S"
         meta = {"HEAD_DIM": head_dim, "BLOCK_D": block_d, rows: 64, "num_warps": 4 if block_d <= 64 else 8}
         if kv is not None:
             meta["KV"] = bool(kv)
-        _metas[(head_dim, kv)] = meta
+            meta["PERM"] = bool(perm)
+        _metas[(head_dim, kv, perm)] = meta
     return meta
 
 
@@ -272,7 +274,7 @@ def finish(dq_accum, dq, dk_h=None, dv_h=None, dk=None, dv=None, perm=False):
     H / Hk query heads (in fp32, query heads in order)."""
     B, Sq, H, D = dq_accum.shape
     kv = dk_h is not None
-    meta = _meta(D, kv)
+    meta = _meta(D, kv, bool(perm))
     n_q = -(-Sq // meta["BLOCK_S"])
     n_dq = B * H * n_q
     if kv:
@@ -287,7 +289,6 @@ def finish(dq_accum, dq, dk_h=None, dv_h=None, dk=None, dv=None, perm=False):
         kv_strides = (0,) * 8
     if n_dq + n_kv == 0:
         return
-    meta = dict(meta, PERM=bool(perm))
     _launch(_bwd_post_kernel, (n_dq + n_kv,),
             (dq_accum, dq, *kv_args, *dq.stride(), *kv_strides, Sq, Sk, H, max(Hk, 1), n_dq, n_q, max(n_k, 1)),
             meta, ("post", D, kv, bool(perm)))

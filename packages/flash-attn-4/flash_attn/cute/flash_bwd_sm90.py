@@ -183,7 +183,6 @@ class FlashBwdSm90(BwdEntries):
         # BLOCK_M = 128: the register-saving changes of the module docstring; dq_rows: the shared dQ tile split
         # between the warpgroups by query rows (m64nDk16 over all 128 keys) instead of by D.
         self.wide = block_m == 128
-        self.dk_regs = self.wide  # dK's A operand: dS^T in registers
         self.dq_rows = self.dq_split and self.wide
         # The dQ tile's smem addresses partitioned in the loop from an opaque thread index (hopper_helpers.opaque),
         # not held across it: BLOCK_M = 128, and D = 96 (48-column halves of 64-byte atoms; held, softcap spills).
@@ -464,7 +463,7 @@ class FlashBwdSm90(BwdEntries):
         tdPrdO = tiled_mma_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
         tdVrdOt = tiled_mma_dv.make_fragment_B(wg_dv.partition_B(transpose_view(sdO)))  # (D, BM, stages)
         tdKrdSt = None  # BLOCK_M = 128: dS^T's registers, below
-        if cutlass.const_expr(not self.dk_regs):
+        if cutlass.const_expr(not self.wide):
             tdKrdSt = tiled_mma_dk.make_fragment_A(wg_dk.partition_A(sdSt))             # (BN, BM, 2)
         tdKrQt = tiled_mma_dk.make_fragment_B(wg_dk.partition_B(transpose_view(sQ)))    # (D, BM, stages)
         tdQrdS, tdQrKt, acc_dQ, tdQcdQ, tdQsdQ = self.dq.fragments(tiled_mma_dq, wg_dq, thr_dq, sdS, sK, sdQ, wg, D,
@@ -497,7 +496,7 @@ class FlashBwdSm90(BwdEntries):
         if cutlass.const_expr(self.mods is not None):
             if cutlass.const_expr(self.mods.score_mod is not None):
                 rdT = cute.make_rmem_tensor_like(acc_S, Float32)  # the scaled scores, for score_mod_bwd
-        if cutlass.const_expr(self.dk_regs):  # dS^T's registers as dK's A operand (the layout of tdVrP)
+        if cutlass.const_expr(self.wide):  # dS^T's registers as dK's A operand (the layout of tdVrP)
             tdKrdSt = cute.make_tensor(rdS.iterator, cute.make_layout(((2, 2, 2), 1, BM // 16)))
         ds_copy = None
         if cutlass.const_expr(not self.split_d):
@@ -743,7 +742,7 @@ class FlashBwdSm90(BwdEntries):
         and dK += dS^T Q (two commit groups; dK first where not dq_first); with dq_tma the previous block's dQ tile
         reduce-add behind them (dq_dst: what _dq_dst needs for a walk position's destination). m_block / m_block_min:
         the walk's positions (the query blocks themselves, or with block sparsity or gqa_loop's walk, tiles maps them)."""
-        delta = row_values(sDelta, tScS, do_stage, acc_dP, self.rows_early and not self.gqa_loop)  # (gqa_loop: spills)
+        delta = row_values(sDelta, tScS, do_stage, acc_dP, self.rows_early and not self.gqa_loop)  # (gqa_loop: spill)
         warpgroup.wait_group(1)  # dP^T is ready; dV may still run
         if cutlass.const_expr(self.p16):
             # P^T back from the 16-bit copy that dV reads: the fp32 S^T is dead since the conversion,
@@ -757,8 +756,7 @@ class FlashBwdSm90(BwdEntries):
             for k in cutlass.range_constexpr(cute.size(acc_dP) // 2):
                 for h in cutlass.range_constexpr(2):
                     i = 2 * k + h
-                    acc_dP[i] = acc_S[i] * (acc_dP[i] - delta[i]) * unpack_half(rdT32[k], h,
-                                                                                                     self.dtype)
+                    acc_dP[i] = acc_S[i] * (acc_dP[i] - delta[i]) * unpack_half(rdT32[k], h, self.dtype)
         else:
             for i in cutlass.range(cute.size(acc_dP), unroll_full=True):
                 acc_dP[i] = acc_S[i] * (acc_dP[i] - delta[i])
@@ -789,7 +787,7 @@ class FlashBwdSm90(BwdEntries):
         if cutlass.const_expr(self.dq_first):  # dQ = dS K
             self.dq.gemm(tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, buf)
         if cutlass.const_expr(not self.wide):
-            gemm(tiled_mma_dk, acc_dK, tdKrdSt, tdKrQt, None if self.dk_regs else buf, q_stage)  # dK += dS^T Q
+            gemm(tiled_mma_dk, acc_dK, tdKrdSt, tdKrQt, buf, q_stage)  # dK += dS^T Q
         if cutlass.const_expr(self.dq_tma and not self.dq_writer):
             # Past the dS barrier every thread has written and fenced the previous block's dQ tile (behind the WGMMAs:
             # the issuing warp does not hold its warpgroup's back).
