@@ -4,7 +4,7 @@
 #   run command="bash benchmarks/run_gpu.sh [STEP ...]"      (device tool; $OUT is set there)
 # STEPs (default: tests attention norm models train): tests rest attention cute cutebwd norm ops models train ncu
 #   ncusrc profile tunetriton abfwd abdecode overhead vsfa4 vsfa4bwd vsfa4decode sanitize dqerr vsmods modab
-#   fa3peer modpeer widebwd detturns bwdloop rowsab
+#   fa3peer modpeer widebwd detturns bwdloop bwdab
 #   tests      the GPU-marked tests (bf16, real sizes; GPU_TESTS, GPU_TEST_TIMEOUT)   rest   the rest on CUDA
 #   attention  bench_attention, full grid                  cute   bench_attention, cute only, short grid
 #   cutebwd    bench_cute_bwd: the cute backward (flash_bwd_sm90) vs Triton's, bf16 d64/d128, S 2k/8k
@@ -38,8 +38,10 @@
 #   vsmods     vs_fa4.py --mods: the mod kernels against the released FA4 with the same CuTeDSL mods (VS_MODS_ARGS)
 #   modab      bench_flex.py on the mod kernels' tile order / O store experiments, alternating (MODAB_VARIANTS)
 #   detturns   the deterministic causal backward's descending turns (bwd.turns_desc=1): GPU tests, racecheck, timing
-#   bwdloop    the backward GPU test files (the defaults, and bwd.rows_early=1's own tests; about 2000 cases)
-#   rowsab     the A/B of bwd.rows_early (lse2 / delta read before the waits for S^T / dP^T) at d64 / d96 / d128
+#   bwdloop    the backward GPU test files (the defaults, and the own tests of bwd.rows_early=1 and bwd.ds_scaled=1;
+#              about 2300 cases)
+#   bwdab      the A/B of the loop experiments bwd.rows_early (lse2 / delta read before the waits for S^T / dP^T) and
+#              bwd.ds_scaled (softmax_scale in dS^T), each and both (BWD_AB_VARIANTS, BWD_AB_HEADDIMS: others)
 #   fa3peer    FA3's own hopper tests against flash_attn_interface (.peer/fa3 carried; benchmarks/peer_mods)
 #   modpeer    FA4's mod tests against flash_attn.cute (.peer/fa4mods carried; PEER_SEED, PEER_CONTROL)
 # With CuTeDSL brought over (see ../shared/device/README.md: two bundle calls) /tmp/cutedsl/env.sh is
@@ -130,10 +132,11 @@ for step in $STEPS; do
         echo "backward GPU tests: rc $rc"; grep -E "passed|failed" "$OUT/bwdloop_tests.log" | tail -n 3
         grep -E "^FAILED" "$OUT/bwdloop_tests.log" | head -n 20
         if [ $rc -ne 0 ]; then status=1; fi ;;
-    rowsab)  # the A/B of bwd.rows_early=1 (off)
-        timeout 300 python -m benchmarks.attention.ab_cute_bwd --headdims 64,96,128 --seqlens 1024,4096,16384 \
-            --rounds 3 --variants ";FLASH_ATTN_CUTE_OVERRIDES=bwd.rows_early=1" 2>&1 | tee "$OUT/ab_rows_early.log" \
-            | tail -n 20 ;;
+    bwdab)  # the A/B of the loop experiments (off by default)
+        ov=FLASH_ATTN_CUTE_OVERRIDES
+        timeout 480 python -m benchmarks.attention.ab_cute_bwd --headdims "${BWD_AB_HEADDIMS:-64,128}" \
+            --seqlens 1024,4096,16384 --rounds 2 --variants "${BWD_AB_VARIANTS:-;$ov=bwd.rows_early=1;$ov=bwd.ds_scaled=1;$ov=bwd.rows_early=1,bwd.ds_scaled=1}" \
+            2>&1 | tee "$OUT/ab_bwd_loop.log" | tail -n 30 ;;
     widebwd)
         timeout "${WIDE_TEST_TIMEOUT:-420}" python -m pytest -q -m gpu -n 12 -p no:cacheprovider \
             tests/cute/test_cute_bwd_wide.py > "$OUT/wide_tests.log" 2>&1

@@ -506,6 +506,58 @@ def test_rows_early_reads_lse2_before_the_wait_for_s(tmp_path, cute_env, d):
         assert all(int(x) == 0 for x in re.findall(r"(\d+) bytes spill stores", log)), log
 
 
+def test_ds_scaled_moves_the_scale_into_ds(tmp_path, cute_env):
+    """bwd.ds_scaled=1 (an experiment, off until its GPU tests and A/B): dS^T carries softmax_scale (dP^T times it in
+    the FFMA that subtracts delta, which the host scales), so the multiplies of the dQ tile (32 per thread at d128) and
+    of dK (64) are gone and dS^T's 32 come in; its own cache key; bf16 only; ptxas clean."""
+    def muls(text):
+        return len(re.findall(r"\bmul(\.rn)?\.f32\b", text))
+
+    base, _ = _compile_ptx(tmp_path, cute_env, 128, False, {"bwd.ds_scaled": False})
+    text, ptx = _compile_ptx(tmp_path, cute_env, 128, False, {"bwd.ds_scaled": True})
+    assert muls(base) - muls(text) == 32 + 64 - 32
+    assert kernels.bwd_config(torch.bfloat16, 128, False, "sm_90a").key()["ds_scaled"] is True
+    assert not kernels.bwd_config(torch.float16, 128, False, "sm_90a").ds_scaled
+    if shutil.which("ptxas"):
+        log = _ptxas_log(ptx)
+        assert "are serialized" not in log, log
+        assert all(int(x) == 0 for x in re.findall(r"(\d+) bytes spill stores", log)), log
+
+
+def test_ds_scaled_is_for_bf16():
+    base = dict(causal=True, arch="sm_90a", abi="cute", head_dim=128, block_m=64, stages=2, dq_split=True, dq_tma=True)
+    assert config.BwdConfig(dtype="bf16", ds_scaled=True, **base).ds_scaled
+    with pytest.raises(ValueError, match="ds_scaled"):
+        config.BwdConfig(dtype="fp16", ds_scaled=True, **base)
+
+
+@pytest.mark.parametrize("with_dlse", [False, True])
+def test_a_ds_scaled_kernel_gets_delta_times_the_scale(monkeypatch, cute_env, with_dlse):
+    """With bwd.ds_scaled=1 the host hands the kernel delta = softmax_scale (rowsum(dO * O) - dlse), 0 in the padding
+    (the torch host path: the interpreter's bf16 is wrong); dq_accum is cast as the kernel left it."""
+    cute_env(OVERRIDES="bwd.ds_scaled=1,plan.bwd_host=torch,plan.bwd_gqa_loop=0")
+    B, Sq, Sk, H, D, dtype, scale = 2, 37, 50, 2, 128, torch.bfloat16, 0.3
+    g = torch.Generator().manual_seed(3)
+    q, out, dout = (torch.randn(B, Sq, H, D, generator=g).to(dtype) for _ in range(3))
+    k, v = (torch.randn(B, Sk, H, D, generator=g).to(dtype) for _ in range(2))
+    lse = torch.randn(B, H, Sq, generator=g)
+    dlse = torch.randn(B, H, Sq, generator=g) if with_dlse else None
+    seen = {}
+
+    def kernel(q_, k_, v_, dout_, lse2, delta, dq_accum, dk, dv, sc):
+        seen.update(delta=delta.clone(), scale=sc)
+        dk.zero_()
+        dv.zero_()
+
+    assert kernels.bwd_config(dtype, D, True, "sm_90a").ds_scaled
+    monkeypatch.setitem(kernels._bwd_kernels, (dtype, D, True, "sm_90a"), kernel)
+    dq, _, _ = launch.backward(dout, q, k, v, out, lse, scale, True, "sm_90a", dlse=dlse)
+    want = (dout.float() * out.float()).sum(-1).transpose(1, 2) - (dlse if with_dlse else 0)
+    torch.testing.assert_close(seen["delta"][..., :Sq], scale * want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(seen["delta"][..., Sq:], torch.zeros_like(seen["delta"][..., Sq:]))
+    assert seen["scale"] == scale and torch.equal(dq, torch.zeros_like(dq))
+
+
 def test_dq_perm_needs_the_tma_tile_at_head_dims_of_32():
     base = dict(dtype="bf16", causal=True, arch="sm_90a", abi="cute", block_m=64, stages=2, dq_split=True)
     config.BwdConfig(head_dim=96, dq_tma=True, dq_perm=True, **base)
@@ -1090,6 +1142,8 @@ def test_host_paths_agree(dtype):
     torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
     assert torch.equal(got[1][..., Sq:], want[1][..., Sq:])
     assert torch.equal(got[2], want[2])
+    for fn in (bwd_host.prepare, bwd_host.prepare_torch):  # delta_scale (a BwdConfig.ds_scaled kernel's): delta times it
+        torch.testing.assert_close(fn(out, dout, lse, pad, delta_scale=0.25)[1], want[1] * 0.25, rtol=1e-5, atol=1e-5)
 
     dq_accum = torch.randn(B, Sq, H, D, generator=g) * 3
     dk_h, dv_h = (torch.randn(B, Sk, H, D, generator=g).to(dtype) for _ in range(2))
@@ -1454,6 +1508,22 @@ def test_gradients_with_rows_early_on_gpu(cute_bwd_on, monkeypatch, cute_env, d,
     cute_env(OVERRIDES="bwd.rows_early=1")
     _fresh_bwd_kernels(monkeypatch)
     _run(torch.bfloat16, d, causal, 2, seqlen_q, seqlen_k, heads, heads_kv, cute_bwd_on, seed=23)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("d,causal,window", [(64, False, (-1, -1)), (64, True, (-1, -1)), (96, True, (-1, -1)),
+                                             (128, False, (-1, -1)), (128, True, (-1, -1)), (128, False, (100, 30)),
+                                             (256, True, (-1, -1))])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (113, 203), (1000, 1000), (300, 1200)])
+@pytest.mark.parametrize("heads,heads_kv", [(4, 4), (6, 2)])
+def test_gradients_with_ds_scaled_on_gpu(cute_bwd_on, monkeypatch, cute_env, d, causal, window, seqlen_q, seqlen_k,
+                                         heads, heads_kv):
+    # bwd.ds_scaled=1: dS^T carries softmax_scale (delta scaled on the host; the dQ tile, dQ's atomics at d256 and dK
+    # unscaled); GQA on the gqa_loop kernel, a window on the general entry, d256 causal on the split-D kernel
+    cute_env(OVERRIDES="bwd.ds_scaled=1")
+    _fresh_bwd_kernels(monkeypatch)
+    _run(torch.bfloat16, d, causal, 2, seqlen_q, seqlen_k, heads, heads_kv, cute_bwd_on, seed=29, window=window)
 
 
 @pytest.mark.gpu

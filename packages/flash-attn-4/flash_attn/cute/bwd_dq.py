@@ -3,7 +3,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from flash_attn.cute.bwd_parts import gemm, red_add_f32x2, transpose_view
+from flash_attn.cute.bwd_parts import gemm, red_add_f32x2, scaled, transpose_view
 from flash_attn.cute.hopper_helpers import opaque
 
 # The named barrier of the deterministic turn (the kernel's dS barrier is 1; with dq_split=False, which the
@@ -60,7 +60,7 @@ class DqAccumulator:
     way the key block waited for has been scheduled."""
 
     def __init__(self, block_m, dq_tma, deterministic, seqlens, num_consumer_threads, writer=False, descending=False,
-                 block_n=128, permuted=False):
+                 block_n=128, permuted=False, scaled=False):
         if deterministic and dq_tma and not writer:
             raise ValueError("deterministic dQ adds with red.global.add (dq_tma off), or by the writer warp's TMA")
         if writer and not dq_tma:
@@ -77,6 +77,7 @@ class DqAccumulator:
         if permuted and not dq_tma:
             raise ValueError("the permuted dQ tile (permuted) is the TMA reduce-add's shared tile (dq_tma)")
         self.permuted = bool(permuted)  # dq_accum in config.permuted_column's layout (BwdConfig.dq_perm)
+        self.scaled = bool(scaled)  # dS K carries softmax_scale already (BwdConfig.ds_scaled): no multiply here
 
     def turn_place(self, n_block, m_block, tile):
         """Key block n_block's place in query block m_block's order of adds: n_block, or descending from the last of
@@ -123,8 +124,9 @@ class DqAccumulator:
             if reused:
                 cute.arch.barrier(barrier_id=DQ_EMPTY + buf, number_of_threads=self.num_consumer_threads + 32)
         if cutlass.const_expr(self.dq_tma):
-            for i in cutlass.range(cute.size(acc_dQ), unroll_full=True):
-                acc_dQ[i] = acc_dQ[i] * softmax_scale
+            if cutlass.const_expr(not self.scaled):
+                for i in cutlass.range(cute.size(acc_dQ), unroll_full=True):
+                    acc_dQ[i] = acc_dQ[i] * softmax_scale
             # Made visible to the TMA (async proxy) by the next block's dS fence, before its barrier (writer warp: here).
             if cutlass.const_expr(self.permuted):
                 store_permuted(acc_dQ, tdQcdQ, tdQsdQ, buf, tile.q_start)
@@ -142,7 +144,8 @@ class DqAccumulator:
                 mSem, n_block, ctid = turn
                 sem = mSem.iterator + cute.crd2idx((tile.z, head, m_block), mSem.layout)
                 self._wait_turn(sem, self.turn_place(n_block, m_block, tile), ctid)
-            self.atomic_add(mdQaccum, acc_dQ, tdQcdQ, softmax_scale, m_block, head, tile, seqlen_q)
+            self.atomic_add(mdQaccum, acc_dQ, tdQcdQ, None if self.scaled else softmax_scale, m_block, head, tile,
+                            seqlen_q)
             if cutlass.const_expr(self.deterministic):
                 self._pass_turn(sem, turn[2])
 
@@ -208,7 +211,8 @@ class DqAccumulator:
 
     @cute.jit
     def atomic_add(self, mdQaccum, acc_dQ, tdQcdQ, softmax_scale, m_block, head, tile, seqlen_q):
-        """dq_accum[rows of this block] += softmax_scale * dS K (this thread's part, fp32 red.global.add)."""
+        """dq_accum[rows of this block] += softmax_scale * dS K (this thread's part, fp32 red.global.add; softmax_scale
+        None: dS carries it)."""
         BM = self.block_m
         gdQ = self.seqlens.rows(mdQaccum, tile.q_start, head, tile)  # (Sq, D)
         # Accumulator values 2 i and 2 i + 1 are columns c, c + 1 of one row (m64nNk16 C layout: value
@@ -218,4 +222,4 @@ class DqAccumulator:
             row = m_block * BM + tdQcdQ[2 * i][0]
             if row < seqlen_q:
                 ptr = gdQ.iterator + cute.crd2idx((row, tdQcdQ[2 * i][1]), gdQ.layout)
-                red_add_f32x2(ptr, acc_dQ[2 * i] * softmax_scale, acc_dQ[2 * i + 1] * softmax_scale)
+                red_add_f32x2(ptr, scaled(acc_dQ[2 * i], softmax_scale), scaled(acc_dQ[2 * i + 1], softmax_scale))

@@ -52,6 +52,17 @@ def row_values(rows, tScS, stage, like, early=False):
     return vals
 
 
+def ds_factor(dp, delta, scale=None):
+    """dP^T - delta of one value; with ``scale`` (BwdConfig.ds_scaled: delta prepared times softmax_scale) the same
+    times softmax_scale in one FFMA, so that dS^T and the dQ and dK products carry the scale."""
+    return dp - delta if scale is None else dp * scale - delta
+
+
+def scaled(x, scale):
+    """x * scale, or x where scale is None (the value carries it already: BwdConfig.ds_scaled)."""
+    return x if scale is None else x * scale
+
+
 class _RowsAtUse:
     """row_values(early=False): value i read from shared memory where it is indexed."""
 

@@ -260,6 +260,10 @@ class BwdConfig:
     dq_perm: bool = False
     # lse2 / delta read before the waits for S^T / dP^T (bwd_parts.row_values; an experiment, off until GPU-tested)
     rows_early: bool = False
+    # dS^T times softmax_scale in the loop (one FFMA: dP^T scaled as delta, prepared times softmax_scale, is
+    # subtracted), so the dQ tile and dK need no multiply (32 FMULs per thread and query block at d64-d128). bf16
+    # only: fp16's 16-bit dS^T would lose small values to subnormals (an experiment, off until GPU-tested)
+    ds_scaled: bool = False
 
     def __post_init__(self):
         if self.dtype not in ("fp16", "bf16"):
@@ -278,6 +282,8 @@ class BwdConfig:
         if self.dq_perm and (not self.dq_tma or self.head_dim % 32):
             raise ValueError("BwdConfig: dq_perm is the layout of the TMA dQ tile (dq_tma) at head dims that are "
                              "multiples of 32 (permuted_column swaps 16-column blocks in pairs)")
+        if self.ds_scaled and self.dtype != "bf16":
+            raise ValueError("BwdConfig: ds_scaled is for bf16 (fp16's dS^T: subnormals)")
         if self.softcap and self.block_m != 64:
             raise ValueError("BwdConfig: softcap needs block_m 64")
         if self.head_dim_v is not None and (self.head_dim, self.head_dim_v) not in HEAD_DIM_PAIRS:
@@ -536,4 +542,5 @@ def select_bwd(dtype, head_dim, causal, arch, abi, local=False, varlen=False, de
                      dq_writer=dq_tma and not overlap and bool(ov.get("dq_writer", deterministic)),
                      turns_desc=bool(deterministic and causal and ov.get("turns_desc", BWD_TURNS_DESC)),
                      dq_perm=bool(dq_tma and ov.get("dq_perm", True)),
-                     rows_early=bool(ov.get("rows_early", False)))
+                     rows_early=bool(ov.get("rows_early", False)),
+                     ds_scaled=dtype_name(dtype) == "bf16" and bool(ov.get("ds_scaled", False)))

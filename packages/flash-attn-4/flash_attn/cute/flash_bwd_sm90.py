@@ -46,8 +46,7 @@ Head dims 192 and 256 (split_d): 2 x 64 x D fp32 dK / dV accumulators per warpgr
 a CTA takes 64 keys, which both warpgroups share: S^T and dP^T split by query columns (m64n32k16 each), P^T and
 dS^T written to shared memory and read back whole as the A operands of dV and dK, which (as dQ) split D between
 the warpgroups (m64n{D/2}k16); a barrier of both after the P^T stores, as after the dS^T ones.
-With BwdConfig.exp2_emu = k (off by default; bwd.exp2_emu in FLASH_ATTN_CUTE_OVERRIDES), k of every 16
-exponentials of P^T are computed by softmax_exp.exp2_poly on the FMA pipe instead of MUFU.EX2.
+BwdConfig.exp2_emu = k (off): k of every 16 exponentials of P^T by softmax_exp.exp2_poly on the FMA pipe, not MUFU.
 After the loop dK is scaled by softmax_scale and dK, dV are stored: from the accumulators, or with BwdConfig.tma_dkv
 through the dead K and V tiles in shared memory and TMA stores (dense calls). The host (launch.backward, bwd_host.py)
 computes delta = rowsum(dO * O) and lse2 and zeroes dq_accum in one Triton launch before, and casts dq_accum to the
@@ -70,7 +69,7 @@ from flash_attn.cute.bwd_dq import DqAccumulator
 from flash_attn.cute.bwd_epilogue import DkvEpilogue, GroupWalk
 from flash_attn.cute.bwd_entries import BwdEntries
 from flash_attn.cute.bwd_parts import gemm, lse_stage_floats, pack_16, pack_pair, row_values, transpose_view
-from flash_attn.cute.bwd_parts import unpack_16, unpack_half
+from flash_attn.cute.bwd_parts import ds_factor, unpack_16, unpack_half
 from flash_attn.cute.hopper_helpers import opaque, tma_tiles
 from flash_attn.cute.mask import AttentionMask
 from flash_attn.cute.score_mod import ScoreMods
@@ -96,7 +95,7 @@ class FlashBwdSm90(BwdEntries):
                  dq_tma=False, overlap=False, lpt=0, exp2_emu=0, exp2_emu_degree=3, local=False,
                  varlen=False, deterministic=False, softcap=False, mask_mod=None, aux=False, sparse=None,
                  scalars=(), score_mod=None, score_mod_bwd=None, tma_dkv=False, gqa_loop=False, head_dim_v=None,
-                 dq_writer=False, turns_desc=False, dq_perm=False, rows_early=False):
+                 dq_writer=False, turns_desc=False, dq_perm=False, rows_early=False, ds_scaled=False):
         """head_dim: 64, 96, 128, 192 or 256 (HEAD_DIMS), of q, k and v alike; past 128 the warpgroups split D (split_d
         below) and block_n is 64. head_dim_v: V's (and dO's, dV's) head dim where it differs, with split_d (the
         192 / 128 pair): S^T's K steps run over D, dP^T's over head_dim_v.
@@ -224,8 +223,9 @@ class FlashBwdSm90(BwdEntries):
         if self.deterministic and ((self.dq_tma and not dq_writer) or not self.dq_split or self.lpt or self.local):
             raise ValueError("deterministic needs dq_split, dq_tma off or the writer warp, lpt 0 and no window")
         self.dq_writer = bool(dq_writer) and self.dq_tma and not self.overlap
+        self.ds_scaled = bool(ds_scaled)  # dS^T times softmax_scale (BwdConfig.ds_scaled): dQ, dK leave unscaled
         self.dq = DqAccumulator(block_m, self.dq_tma, self.deterministic, self.seqlens, 128 * self.NUM_MMA_WARPGROUPS,
-                                self.dq_writer, self.turns_desc, block_n, dq_perm)
+                                self.dq_writer, self.turns_desc, block_n, dq_perm, self.ds_scaled)
         self.dkv = DkvEpilogue(dtype, head_dim, block_n, self.NUM_MMA_WARPGROUPS, self.tma_dkv, self.varlen,
                                self.seqlens, self.split_d, self.head_dim_v)
         if self.smem_bytes() > self.SMEM_LIMIT:
@@ -541,7 +541,7 @@ class FlashBwdSm90(BwdEntries):
                                q_state.index, window, cap, rdT, mods, partial, buf)
                 self._ds_dk_dq(acc_S, acc_dP, tScS, rdS, thr_sdp, sdSt, sDelta, tiled_mma_dk, acc_dK, tdKrdSt,
                                tdKrQt, tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, tma_dq, tQRsdQ, dq_dst, dq_issuer,
-                               buf, pos, m_block_min, wg, q_state.index, do_state.index, rP=rP,
+                               buf, pos, m_block_min, wg, q_state.index, do_state.index, rP=rP, scale=softmax_scale,
                                ds_copy=ds_copy, rdT=rdT, tiles=tiles, mods=mods, n_block=n_block, m_block_of=m_block)
                 dq_out = (mdQaccum, acc_dQ, tdQcdQ, tdQsdQ, softmax_scale, buf, m_block,
                           tiles.head(pos) if cutlass.const_expr(self.gqa_loop) else head, tile, seqlen_q, turn,
@@ -594,7 +594,7 @@ class FlashBwdSm90(BwdEntries):
                                q_state.index, window, cap, rdT, mods, partial, buf)
                 self._ds_dk_dq(acc_S, acc_dP, tScS, rdS, thr_sdp, sdSt, sDelta, tiled_mma_dk, acc_dK, tdKrdSt,
                                tdKrQt, tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, tma_dq, tQRsdQ, dq_dst, dq_issuer,
-                               buf, pos, m_block_min, wg, q_state.index, do_state.index, rP=rP,
+                               buf, pos, m_block_min, wg, q_state.index, do_state.index, rP=rP, scale=softmax_scale,
                                ds_copy=ds_copy, rdT=rdT, tiles=tiles, mods=mods, n_block=n_block, m_block_of=m_block)
                 # acc_S and acc_dP are dead: dS^T of this block is in shared memory.
                 if cutlass.const_expr(self.wide):
@@ -630,8 +630,8 @@ class FlashBwdSm90(BwdEntries):
                     self.dq.reduce(tma_dq, tQRsdQ, g_last, 1 - buf, m_last)
                 cute.arch.cp_async_bulk_wait_group(0)
 
-        self.dkv.store(mdK, mdV, tma_dkv, sK, sV, (tiled_mma_dk, tiled_mma_dv), acc_dK, acc_dV, tdKcdK, softmax_scale, ctid, wg,
-                       n_block, head, tile, seqlen_k)
+        self.dkv.store(mdK, mdV, tma_dkv, sK, sV, (tiled_mma_dk, tiled_mma_dv), acc_dK, acc_dV, tdKcdK,
+                       None if self.ds_scaled else softmax_scale, ctid, wg, n_block, head, tile, seqlen_k)
 
     def _dq_dst(self, dst, pos, tiles):
         """(the gmem partition of the dQ TMA reduce-add, query block) of walk position ``pos``; dst = (the CTA's
@@ -737,12 +737,13 @@ class FlashBwdSm90(BwdEntries):
     def _ds_dk_dq(self, acc_S, acc_dP, tScS, rdS, thr_sdp, sdSt, sDelta, tiled_mma_dk, acc_dK, tdKrdSt, tdKrQt,
                   tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, tma_dq, tQRsdQ, dq_dst, dq_issuer, buf, m_block,
                   m_block_min, wg, q_stage, do_stage, rP=None, ds_copy=None, rdT=None, tiles=None, mods=None,
-                  n_block=None, m_block_of=None):
+                  n_block=None, m_block_of=None, scale=None):
         """Wait for dP^T, dS^T = P^T (dP^T - delta) to shared memory (buffer buf), the dS barrier, and issue dQ = dS K
         and dK += dS^T Q (two commit groups; dK first where not dq_first); with dq_tma the previous block's dQ tile
         reduce-add behind them (dq_dst: what _dq_dst needs for a walk position's destination). m_block / m_block_min:
         the walk's positions (the query blocks themselves, or with block sparsity or gqa_loop's walk, tiles maps them)."""
         delta = row_values(sDelta, tScS, do_stage, acc_dP, self.rows_early and not self.gqa_loop)  # (gqa_loop: spill)
+        scale = scale if self.ds_scaled else None  # (a trace-time choice)
         warpgroup.wait_group(1)  # dP^T is ready; dV may still run
         if cutlass.const_expr(self.p16):
             # P^T back from the 16-bit copy that dV reads: the fp32 S^T is dead since the conversion,
@@ -756,10 +757,10 @@ class FlashBwdSm90(BwdEntries):
             for k in cutlass.range_constexpr(cute.size(acc_dP) // 2):
                 for h in cutlass.range_constexpr(2):
                     i = 2 * k + h
-                    acc_dP[i] = acc_S[i] * (acc_dP[i] - delta[i]) * unpack_half(rdT32[k], h, self.dtype)
+                    acc_dP[i] = acc_S[i] * ds_factor(acc_dP[i], delta[i], scale) * unpack_half(rdT32[k], h, self.dtype)
         else:
             for i in cutlass.range(cute.size(acc_dP), unroll_full=True):
-                acc_dP[i] = acc_S[i] * (acc_dP[i] - delta[i])
+                acc_dP[i] = acc_S[i] * ds_factor(acc_dP[i], delta[i], scale)
         if cutlass.const_expr(mods is not None):
             if cutlass.const_expr(self.mods.score_mod is not None):  # the gradient through score_mod
                 self.mods.grad_transposed(acc_dP, rdT, tScS, m_block_of, n_block, mods)
