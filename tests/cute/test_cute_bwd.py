@@ -506,6 +506,52 @@ def test_rows_early_reads_lse2_before_the_wait_for_s(tmp_path, cute_env, d):
         assert all(int(x) == 0 for x in re.findall(r"(\d+) bytes spill stores", log)), log
 
 
+@pytest.mark.parametrize("d,split,rows", [(64, True, False), (96, True, False), (128, True, False), (192, True, False),
+                                           (256, True, False), (128, False, False), (64, True, True)])
+def test_dq_fragment_columns_step_by_8_from_each_row(d, split, rows):
+    """DqAccumulator.atomic_add addresses a thread's dQ values from one pointer per row: value (x, r, j), m, n of the
+    kernel's dQ tiled MMA (bwd_entries: N = D / 2 per warpgroup with dq_split, D without; dq_rows: the warpgroups
+    split 128 rows) is row R + 8 r and column c + 8 j + x, with (R, c) the coordinates of value (0, r, 0), m, n."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+
+    block_m = 128 if rows else 64
+    n, atoms = (d, (2, 1, 1)) if rows else ((d // 2, (1, 2, 1)) if split else (d, (1, 1, 1)))
+    bad = []
+
+    def compare(mma):  # plain Python (not @cute.jit, whose loops become device code): every value is static
+        for t in (0, 1, 5, 37, 127, 128, 130, 255):
+            c = mma.get_slice(t if split or rows else t % 128).partition_C(cute.make_identity_tensor((block_m, d)))
+            for m in range(cute.size(c, mode=[1])):
+                for nn in range(cute.size(c, mode=[2])):
+                    for r in range(2):
+                        row, col = c[(0, r, 0), m, nn]
+                        for j in range(cute.size(c, mode=[0, 2])):
+                            for x in range(2):
+                                if tuple(c[(x, r, j), m, nn]) != (row, col + 8 * j + x):
+                                    bad.append((t, x, r, j, m, nn))
+
+    @cute.jit
+    def check():
+        compare(cute.make_tiled_mma(cute.make_mma_atom(warpgroup.MmaF16BF16Op(
+            cutlass.BFloat16, cutlass.Float32, (64, n, 16), warpgroup.OperandSource.SMEM, OperandMajorMode.MN,
+            OperandMajorMode.MN)), atoms))
+
+    cute.compile(check, options="--gpu-arch sm_90a")
+    assert bad == [], bad[:20]
+
+
+def test_dq_atomics_test_and_address_once_per_row(tmp_path, cute_env):
+    """The split-D kernel (d256) adds dQ with red.global.add.v2.f32: per row of a thread one bounds test (a branch
+    around 16 adds) and one address, the adds at constant offsets from it, not a branch and a recomputed 64-bit
+    address per add (SASS: 32 BSSY and 91 S2UR before, 1147 loop instructions against 628)."""
+    _, ptx = _compile_ptx(tmp_path, cute_env, 256, True, {"bwd.ds_scaled": False})
+    ops = [ins.split()[1 if ins.startswith("@") else 0].split(".")[0] for _, ins in _sass(ptx)]
+    assert ops.count("REDG") == 32 and ops.count("BSSY") <= 2, (ops.count("REDG"), ops.count("BSSY"))
+    assert ops.count("S2UR") <= 40 and ops.count("LEA") <= 20, (ops.count("S2UR"), ops.count("LEA"))
+
+
 def test_ds_scaled_moves_the_scale_into_ds(tmp_path, cute_env):
     """bwd.ds_scaled=1 (an experiment, off until its GPU tests and A/B): dS^T carries softmax_scale (dP^T times it in
     the FFMA that subtracts delta, which the host scales), so the multiplies of the dQ tile (32 per thread at d128) and

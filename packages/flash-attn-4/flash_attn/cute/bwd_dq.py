@@ -214,12 +214,17 @@ class DqAccumulator:
         """dq_accum[rows of this block] += softmax_scale * dS K (this thread's part, fp32 red.global.add; softmax_scale
         None: dS carries it)."""
         BM = self.block_m
-        gdQ = self.seqlens.rows(mdQaccum, tile.q_start, head, tile)  # (Sq, D)
-        # Accumulator values 2 i and 2 i + 1 are columns c, c + 1 of one row (m64nNk16 C layout: value
-        # index c + 2 r + 4 j; tests/cute/test_cute_bwd.py checks it), 8-byte aligned: c is even and rows are
-        # D * 4 bytes apart.
-        for i in cutlass.range(cute.size(acc_dQ) // 2, unroll_full=True):
-            row = m_block * BM + tdQcdQ[2 * i][0]
-            if row < seqlen_q:
-                ptr = gdQ.iterator + cute.crd2idx((row, tdQcdQ[2 * i][1]), gdQ.layout)
-                red_add_f32x2(ptr, scaled(acc_dQ[2 * i], softmax_scale), scaled(acc_dQ[2 * i + 1], softmax_scale))
+        gdQ = self.seqlens.rows(mdQaccum, tile.q_start, head, tile)  # (Sq, D), columns contiguous
+        # Accumulator value (x, r, j) of an m64nNk16 C fragment is row R + 8 r, column c + 8 j + x
+        # (tests/cute/test_cute_bwd.py checks it): per row of the thread one bounds test and one address, its
+        # (x = 0, 1) pairs 8-byte aligned (c even, rows D * 4 bytes apart) at constant offsets 32 j bytes from it,
+        # so that ptxas neither recomputes addresses nor branches per pair.
+        for m in cutlass.range_constexpr(cute.size(acc_dQ, mode=[1])):
+            for n in cutlass.range_constexpr(cute.size(acc_dQ, mode=[2])):
+                for r in cutlass.range_constexpr(2):
+                    row, col = tdQcdQ[(0, r, 0), m, n]
+                    if m_block * BM + row < seqlen_q:
+                        base = gdQ.iterator + cute.crd2idx((m_block * BM + row, col), gdQ.layout)
+                        for j in cutlass.range_constexpr(cute.size(acc_dQ, mode=[0, 2])):
+                            red_add_f32x2(base + 8 * j, scaled(acc_dQ[(0, r, j), m, n], softmax_scale),
+                                          scaled(acc_dQ[(1, r, j), m, n], softmax_scale))
