@@ -37,7 +37,7 @@
 #   dqerr      dq_error_map.py: each backend's dQ / dK / dV error against fp64, the released FA4 beside ours
 #   vsmods     vs_fa4.py --mods: the mod kernels against the released FA4 with the same CuTeDSL mods (VS_MODS_ARGS)
 #   modab      bench_flex.py on the mod kernels' tile order / O store experiments, alternating (MODAB_VARIANTS)
-#   detturns   the deterministic causal backward's descending turns (bwd.turns_desc=1): GPU tests, racecheck, timing
+#   detturns   the deterministic causal backward's descending turns (bwd.turns_desc, on; =0 ascending): GPU tests, racecheck, timing
 #   bwdloop    the backward GPU test files (the defaults, and the own tests of bwd.rows_early=1 and bwd.ds_scaled=1;
 #              about 2300 cases)
 #   bwdab      the A/B of the loop experiments bwd.rows_early (lse2 / delta read before the waits for S^T / dP^T) and
@@ -109,7 +109,7 @@ for step in $STEPS; do
                --peer-pythonpath "${PEER_PYTHONPATH:?the released flash-attn-4 (bundle)}" --call num_splits=0 \
                --causal 0 ${VS_DECODE_ARGS:-} --out "$OUT/results" 2>&1 | tee "$OUT/vs_fa4_decode.log" | tail -n 20 ;;
     cute) bench attention.bench_attention --backends cute --headdims 64,128 --seqlens 1024,4096,16384 "${peer[@]}" ;;
-    detturns)  # the deterministic causal kernel's descending turns (bwd.turns_desc=1, off): its GPU tests (the det
+    detturns)  # the deterministic causal kernel's descending turns (bwd.turns_desc, on): its GPU tests (the det
         # file, every fixture variant), racecheck on a few, then its timing against the ascending turns
         timeout 300 python -m pytest -q -m gpu -n 12 -p no:cacheprovider tests/cute/test_cute_bwd_det.py \
             > "$OUT/detturns_tests.log" 2>&1
@@ -118,9 +118,9 @@ for step in $STEPS; do
         grep -E "^FAILED" "$OUT/detturns_tests.log" | head -n 20
         if [ $rc -ne 0 ]; then status=1; continue; fi
         timeout 200 compute-sanitizer --tool racecheck --error-exitcode 1 python -m pytest -q -m gpu -p no:cacheprovider \
-            -k "writer_desc and 1000-1000-True-128" tests/cute/test_cute_bwd_det.py > "$OUT/detturns_racecheck.log" 2>&1
+            -k "writer_warp and 1000-1000-True-128" tests/cute/test_cute_bwd_det.py > "$OUT/detturns_racecheck.log" 2>&1
         echo "compute-sanitizer racecheck: rc $?"; grep -E "passed|failed|ERROR SUMMARY" "$OUT/detturns_racecheck.log" | tail -n 2
-        for ov in "" "bwd.turns_desc=1"; do
+        for ov in "bwd.turns_desc=0" ""; do
             timeout 150 python -m benchmarks.attention.bench_cute_bwd_modes --modes deterministic --seqlens 2048,8192 \
                 ${ov:+--overrides $ov} 2>&1 | tee -a "$OUT/detturns_bench.log" | tail -n 6
         done ;;

@@ -57,10 +57,12 @@ def test_deterministic_kernel_takes_turns_in_its_ptx(tmp_path, cute_env, d, caus
 
 @pytest.mark.parametrize("d,varlen", [(128, False), (64, True)])
 def test_descending_turns_reverse_the_grid(tmp_path, cute_env, d, varlen):
-    """bwd.turns_desc=1 (off until its GPU tests and timing): the deterministic causal kernel, a cache entry of its own,
-    runs key blocks from the last down (n = gridDim.x - 1 - blockIdx.x) and takes its turns in descending order; other
-    kernels ignore the override; ptxas spills nothing."""
-    cute_env(OVERRIDES="bwd.turns_desc=1")
+    """The deterministic causal kernel (bwd.turns_desc, on by default) runs key blocks from the last down (n =
+    gridDim.x - 1 - blockIdx.x) and takes its turns in descending order; other kernels ignore it; bwd.turns_desc=0
+    keeps the ascending turns; ptxas spills nothing."""
+    cute_env(OVERRIDES="bwd.turns_desc=0")
+    assert not kernels.bwd_config(torch.bfloat16, d, True, "sm_90a", varlen=varlen, deterministic=True).turns_desc
+    cute_env(OVERRIDES=None)
     cfg = kernels.bwd_config(torch.bfloat16, d, True, "sm_90a", varlen=varlen, deterministic=True)
     assert cfg.turns_desc and cfg.key()["turns_desc"] is True
     assert not kernels.bwd_config(torch.bfloat16, d, False, "sm_90a", varlen=varlen, deterministic=True).turns_desc
@@ -128,7 +130,8 @@ def test_deterministic_writer_warp_takes_turns_in_its_ptx(tmp_path, cute_env, d,
     assert re.search(r"cp\.async\.bulk\.wait_group \t0;[\s\S]*fence\.proxy\.async\.global;[\s\S]*fence\.acq_rel\.gpu;"
                      r"[\s\S]*red\.release\.gpu\.global\.add\.s32", text)
     assert len(re.findall(r"red\.release\.gpu\.global\.add\.s32", text)) == 1
-    assert "%nctaid.x" not in text  # ascending turns: the grid's own order
+    # causal: descending turns, key blocks from the last down (n = gridDim.x - 1 - blockIdx.x); else the grid's own order
+    assert ("%nctaid.x" in text) == causal
     spills, log = _ptxas_spills(ptx)
     assert spills and all(x == 0 for x in spills) and "are serialized" not in log, log
 
@@ -230,12 +233,13 @@ def test_own_backward_passes_deterministic_to_the_kernel(monkeypatch, cute_env):
 # On a Hopper GPU
 
 
-@pytest.fixture(params=[",bwd.dq_writer=0", "", ",bwd.turns_desc=1", ",bwd.dq_perm=0"],
-                ids=["red_add", "writer_warp", "writer_desc", "writer_swizzled"])
+@pytest.fixture(params=[",bwd.dq_writer=0", "", ",bwd.turns_desc=0", ",bwd.dq_perm=0"],
+                ids=["red_add", "writer_warp", "writer_asc", "writer_swizzled"])
 def det_on(request, monkeypatch, cute_env):
     """The deterministic (and varlen) rules on, the dispatcher's cached choices dropped, and the deterministic flag
     of each kernel launch recorded; the turns taken by every consumer thread's red.global.add, or by the writer warp's
-    TMA reduce-adds (the default at d64-d128), there in descending turns with a causal mask (bwd.turns_desc=1) or from
+    TMA reduce-adds (the default at d64-d128), there in descending turns with a causal mask (the default; ascending:
+    bwd.turns_desc=0) or from
     the swizzled dQ tile (bwd.dq_perm=0; the default: config.permuted_column's layout)."""
     from flash_attn import dispatch
 

@@ -97,9 +97,9 @@ BWD_EXP2_EMU = {64: 0, 96: 0, 128: 0, 192: 0, 256: 0}
 BWD_TMA_DKV = {64: True, 96: True, 128: True, 192: True, 256: True}
 BWD_TMA_DKV_VARLEN = {64: True, 96: True, 128: True}
 # The deterministic causal backward's turns in descending key-block order with the grid run from the last key block
-# down (bwd_dq.DqAccumulator.turn_place): off until its GPU tests and timing (the ascending turns: 0.63-0.66x
-# Triton's deterministic backward at 2k, each key block's CTA waiting at its first query blocks).
-BWD_TURNS_DESC = False
+# down (bwd_dq.DqAccumulator.turn_place): 1.42-1.91x the ascending turns, whose key-block CTAs wait at their first
+# query blocks (H100, 2026-12-07, benchmarks/results/h100/attention_cute_bwd_modes.md).
+BWD_TURNS_DESC = True
 
 _DTYPE_NAMES = {"torch.float16": "fp16", "torch.bfloat16": "bf16", "fp16": "fp16", "bf16": "bf16"}
 
