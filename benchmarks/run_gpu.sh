@@ -4,7 +4,7 @@
 #   run command="bash benchmarks/run_gpu.sh [STEP ...]"      (device tool; $OUT is set there)
 # STEPs (default: tests attention norm models train): tests rest attention cute cutebwd norm ops models train ncu
 #   ncusrc profile tunetriton abfwd abdecode overhead vsfa4 vsfa4bwd vsfa4decode sanitize dqerr vsmods modab
-#   fa3peer modpeer widebwd detturns bwdloop bwdab
+#   fa3peer modpeer widebwd bwdloop bwdab
 #   tests      the GPU-marked tests (bf16, real sizes; GPU_TESTS, GPU_TEST_TIMEOUT)   rest   the rest on CUDA
 #   attention  bench_attention, full grid                  cute   bench_attention, cute only, short grid
 #   cutebwd    bench_cute_bwd: the cute backward (flash_bwd_sm90) vs Triton's, bf16 d64/d128, S 2k/8k
@@ -37,11 +37,8 @@
 #   dqerr      dq_error_map.py: each backend's dQ / dK / dV error against fp64, the released FA4 beside ours
 #   vsmods     vs_fa4.py --mods: the mod kernels against the released FA4 with the same CuTeDSL mods (VS_MODS_ARGS)
 #   modab      bench_flex.py on the mod kernels' tile order / O store experiments, alternating (MODAB_VARIANTS)
-#   detturns   the deterministic causal backward's descending turns (bwd.turns_desc, on; =0 ascending): GPU tests, racecheck, timing
-#   bwdloop    the backward GPU test files (the defaults, and the own tests of bwd.rows_early=1 and bwd.ds_scaled=1;
-#              about 2300 cases)
-#   bwdab      the A/B of the loop experiments bwd.rows_early (lse2 / delta read before the waits for S^T / dP^T) and
-#              bwd.ds_scaled (softmax_scale in dS^T), each and both (BWD_AB_VARIANTS, BWD_AB_HEADDIMS: others)
+#   bwdloop    the backward GPU test files (about 2400 cases)
+#   bwdab      ab_cute_bwd.py on backward loop experiments, alternating (BWD_AB_VARIANTS, BWD_AB_HEADDIMS)
 #   fa3peer    FA3's own hopper tests against flash_attn_interface (.peer/fa3 carried; benchmarks/peer_mods)
 #   modpeer    FA4's mod tests against flash_attn.cute (.peer/fa4mods carried; PEER_SEED, PEER_CONTROL)
 # With CuTeDSL brought over (see ../shared/device/README.md: two bundle calls) /tmp/cutedsl/env.sh is
@@ -109,22 +106,7 @@ for step in $STEPS; do
                --peer-pythonpath "${PEER_PYTHONPATH:?the released flash-attn-4 (bundle)}" --call num_splits=0 \
                --causal 0 ${VS_DECODE_ARGS:-} --out "$OUT/results" 2>&1 | tee "$OUT/vs_fa4_decode.log" | tail -n 20 ;;
     cute) bench attention.bench_attention --backends cute --headdims 64,128 --seqlens 1024,4096,16384 "${peer[@]}" ;;
-    detturns)  # the deterministic causal kernel's descending turns (bwd.turns_desc, on): its GPU tests (the det
-        # file, every fixture variant), racecheck on a few, then its timing against the ascending turns
-        timeout 300 python -m pytest -q -m gpu -n 12 -p no:cacheprovider tests/cute/test_cute_bwd_det.py \
-            > "$OUT/detturns_tests.log" 2>&1
-        rc=$?
-        echo "deterministic tests: rc $rc"; grep -E "passed|failed" "$OUT/detturns_tests.log" | tail -n 3
-        grep -E "^FAILED" "$OUT/detturns_tests.log" | head -n 20
-        if [ $rc -ne 0 ]; then status=1; continue; fi
-        timeout 200 compute-sanitizer --tool racecheck --error-exitcode 1 python -m pytest -q -m gpu -p no:cacheprovider \
-            -k "writer_warp and 1000-1000-True-128" tests/cute/test_cute_bwd_det.py > "$OUT/detturns_racecheck.log" 2>&1
-        echo "compute-sanitizer racecheck: rc $?"; grep -E "passed|failed|ERROR SUMMARY" "$OUT/detturns_racecheck.log" | tail -n 2
-        for ov in "bwd.turns_desc=0" ""; do
-            timeout 150 python -m benchmarks.attention.bench_cute_bwd_modes --modes deterministic --seqlens 2048,8192 \
-                ${ov:+--overrides $ov} 2>&1 | tee -a "$OUT/detturns_bench.log" | tail -n 6
-        done ;;
-    bwdloop)  # the backward's GPU test files (bwd.rows_early=1: its own tests there)
+    bwdloop)  # the backward's GPU test files
         timeout "${BWD_TEST_TIMEOUT:-560}" python -m pytest -q -m gpu -n 12 -p no:cacheprovider tests/cute/test_cute_bwd.py \
             tests/cute/test_cute_bwd_det.py tests/cute/test_cute_bwd_varlen.py tests/cute/test_cute_bwd_softcap.py \
             tests/cute/test_cute_score_mod.py tests/cute/test_cute_block_sparse.py > "$OUT/bwdloop_tests.log" 2>&1
@@ -132,10 +114,9 @@ for step in $STEPS; do
         echo "backward GPU tests: rc $rc"; grep -E "passed|failed" "$OUT/bwdloop_tests.log" | tail -n 3
         grep -E "^FAILED" "$OUT/bwdloop_tests.log" | head -n 20
         if [ $rc -ne 0 ]; then status=1; fi ;;
-    bwdab)  # the A/B of the loop experiments (off by default)
-        ov=FLASH_ATTN_CUTE_OVERRIDES
+    bwdab)  # an A/B of backward loop experiments (e.g. BWD_AB_VARIANTS=";FLASH_ATTN_CUTE_OVERRIDES=bwd.stages=3")
         timeout 480 python -m benchmarks.attention.ab_cute_bwd --headdims "${BWD_AB_HEADDIMS:-64,128}" \
-            --seqlens 1024,4096,16384 --rounds 2 --variants "${BWD_AB_VARIANTS:-;$ov=bwd.rows_early=1;$ov=bwd.ds_scaled=1;$ov=bwd.rows_early=1,bwd.ds_scaled=1}" \
+            --seqlens 1024,4096,16384 --rounds 4 --variants "${BWD_AB_VARIANTS:?the variants to compare}" \
             2>&1 | tee "$OUT/ab_bwd_loop.log" | tail -n 30 ;;
     widebwd)
         timeout "${WIDE_TEST_TIMEOUT:-420}" python -m pytest -q -m gpu -n 12 -p no:cacheprovider \

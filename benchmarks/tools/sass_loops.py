@@ -1,7 +1,7 @@
 """The loops of a compiled kernel's SASS and their instruction mix, on the CPU: for comparing the cute backward's
 main loop with the released FA4's (or any two kernels) without a GPU.
 
-    python -m benchmarks.tools.sass_loops --ours --headdim 128 [--causal] [--overrides bwd.rows_early=1]
+    python -m benchmarks.tools.sass_loops --ours --headdim 128 [--causal] [--overrides bwd.block_m=64]
     python -m benchmarks.tools.sass_loops --fa4-src /tmp/fa4src --fa4-pythonpath /tmp/qksite --headdim 128 [--causal]
     python -m benchmarks.tools.sass_loops FILE.cubin [FILE.cubin ...]
 

@@ -482,30 +482,6 @@ def test_dq_perm_writes_the_dq_tile_128_bits_at_a_time(tmp_path, cute_env, d):
         assert all(int(x) == 0 for x in re.findall(r"(\d+) bytes spill stores", log)), log
 
 
-@pytest.mark.parametrize("d", [96, 128])
-def test_rows_early_reads_lse2_before_the_wait_for_s(tmp_path, cute_env, d):
-    """bwd.rows_early=1 (an experiment, off until its GPU tests and A/B): the 64-row loop reads its lse2 values from
-    shared memory before it waits for S^T's WGMMA and its delta values before it waits for dP^T's (Nsight Compute on
-    an H100: the FFMAs and FADDs waiting for those loads were the loop's top stall), not after; its own cache key;
-    ptxas keeps the WGMMAs pipelined without spilling."""
-    def loads_before_wait(text, n=1):
-        """ld.shared between the first S^T WGMMA and the n-th wgmma.wait_group after it."""
-        lines = [l.strip() for l in text.splitlines()]
-        i = next(i for i, l in enumerate(lines) if l.startswith("wgmma.mma_async") and "m64n64k16" in l)
-        waits = [j for j in range(i, len(lines)) if lines[j].startswith("wgmma.wait_group")]
-        return sum(l.startswith("ld.shared") for l in lines[i:waits[n - 1]])
-
-    base, _ = _compile_ptx(tmp_path, cute_env, d, False, {"bwd.rows_early": False})
-    text, ptx = _compile_ptx(tmp_path, cute_env, d, False, {"bwd.rows_early": True})
-    assert kernels.bwd_config(torch.bfloat16, d, False, "sm_90a").key()["rows_early"] is True
-    assert loads_before_wait(base) == 0 and loads_before_wait(text) == 8  # 16 query columns, in pairs
-    assert loads_before_wait(base, 2) == 8 and loads_before_wait(text, 2) == 16  # and delta's before dP^T's wait
-    if shutil.which("ptxas"):
-        log = _ptxas_log(ptx)
-        assert "are serialized" not in log, log
-        assert all(int(x) == 0 for x in re.findall(r"(\d+) bytes spill stores", log)), log
-
-
 @pytest.mark.parametrize("d,split,rows", [(64, True, False), (96, True, False), (128, True, False), (192, True, False),
                                            (256, True, False), (128, False, False), (64, True, True)])
 def test_dq_fragment_columns_step_by_8_from_each_row(d, split, rows):
@@ -546,62 +522,10 @@ def test_dq_atomics_test_and_address_once_per_row(tmp_path, cute_env):
     """The split-D kernel (d256) adds dQ with red.global.add.v2.f32: per row of a thread one bounds test (a branch
     around 16 adds) and one address, the adds at constant offsets from it, not a branch and a recomputed 64-bit
     address per add (SASS: 32 BSSY and 91 S2UR before, 1147 loop instructions against 628)."""
-    _, ptx = _compile_ptx(tmp_path, cute_env, 256, True, {"bwd.ds_scaled": False})
+    _, ptx = _compile_ptx(tmp_path, cute_env, 256, True, {"bwd.dq_split": True})
     ops = [ins.split()[1 if ins.startswith("@") else 0].split(".")[0] for _, ins in _sass(ptx)]
     assert ops.count("REDG") == 32 and ops.count("BSSY") <= 2, (ops.count("REDG"), ops.count("BSSY"))
     assert ops.count("S2UR") <= 40 and ops.count("LEA") <= 20, (ops.count("S2UR"), ops.count("LEA"))
-
-
-def test_ds_scaled_moves_the_scale_into_ds(tmp_path, cute_env):
-    """bwd.ds_scaled=1 (an experiment, off until its GPU tests and A/B): dS^T carries softmax_scale (dP^T times it in
-    the FFMA that subtracts delta, which the host scales), so the multiplies of the dQ tile (32 per thread at d128) and
-    of dK (64) are gone and dS^T's 32 come in; its own cache key; bf16 only; ptxas clean."""
-    def muls(text):
-        return len(re.findall(r"\bmul(\.rn)?\.f32\b", text))
-
-    base, _ = _compile_ptx(tmp_path, cute_env, 128, False, {"bwd.ds_scaled": False})
-    text, ptx = _compile_ptx(tmp_path, cute_env, 128, False, {"bwd.ds_scaled": True})
-    assert muls(base) - muls(text) == 32 + 64 - 32
-    assert kernels.bwd_config(torch.bfloat16, 128, False, "sm_90a").key()["ds_scaled"] is True
-    assert not kernels.bwd_config(torch.float16, 128, False, "sm_90a").ds_scaled
-    if shutil.which("ptxas"):
-        log = _ptxas_log(ptx)
-        assert "are serialized" not in log, log
-        assert all(int(x) == 0 for x in re.findall(r"(\d+) bytes spill stores", log)), log
-
-
-def test_ds_scaled_is_for_bf16():
-    base = dict(causal=True, arch="sm_90a", abi="cute", head_dim=128, block_m=64, stages=2, dq_split=True, dq_tma=True)
-    assert config.BwdConfig(dtype="bf16", ds_scaled=True, **base).ds_scaled
-    with pytest.raises(ValueError, match="ds_scaled"):
-        config.BwdConfig(dtype="fp16", ds_scaled=True, **base)
-
-
-@pytest.mark.parametrize("with_dlse", [False, True])
-def test_a_ds_scaled_kernel_gets_delta_times_the_scale(monkeypatch, cute_env, with_dlse):
-    """With bwd.ds_scaled=1 the host hands the kernel delta = softmax_scale (rowsum(dO * O) - dlse), 0 in the padding
-    (the torch host path: the interpreter's bf16 is wrong); dq_accum is cast as the kernel left it."""
-    cute_env(OVERRIDES="bwd.ds_scaled=1,plan.bwd_host=torch,plan.bwd_gqa_loop=0")
-    B, Sq, Sk, H, D, dtype, scale = 2, 37, 50, 2, 128, torch.bfloat16, 0.3
-    g = torch.Generator().manual_seed(3)
-    q, out, dout = (torch.randn(B, Sq, H, D, generator=g).to(dtype) for _ in range(3))
-    k, v = (torch.randn(B, Sk, H, D, generator=g).to(dtype) for _ in range(2))
-    lse = torch.randn(B, H, Sq, generator=g)
-    dlse = torch.randn(B, H, Sq, generator=g) if with_dlse else None
-    seen = {}
-
-    def kernel(q_, k_, v_, dout_, lse2, delta, dq_accum, dk, dv, sc):
-        seen.update(delta=delta.clone(), scale=sc)
-        dk.zero_()
-        dv.zero_()
-
-    assert kernels.bwd_config(dtype, D, True, "sm_90a").ds_scaled
-    monkeypatch.setitem(kernels._bwd_kernels, (dtype, D, True, "sm_90a"), kernel)
-    dq, _, _ = launch.backward(dout, q, k, v, out, lse, scale, True, "sm_90a", dlse=dlse)
-    want = (dout.float() * out.float()).sum(-1).transpose(1, 2) - (dlse if with_dlse else 0)
-    torch.testing.assert_close(seen["delta"][..., :Sq], scale * want, rtol=1e-5, atol=1e-6)
-    assert torch.equal(seen["delta"][..., Sq:], torch.zeros_like(seen["delta"][..., Sq:]))
-    assert seen["scale"] == scale and torch.equal(dq, torch.zeros_like(dq))
 
 
 def test_dq_perm_needs_the_tma_tile_at_head_dims_of_32():
@@ -1188,8 +1112,6 @@ def test_host_paths_agree(dtype):
     torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
     assert torch.equal(got[1][..., Sq:], want[1][..., Sq:])
     assert torch.equal(got[2], want[2])
-    for fn in (bwd_host.prepare, bwd_host.prepare_torch):  # delta_scale (a BwdConfig.ds_scaled kernel's): delta times it
-        torch.testing.assert_close(fn(out, dout, lse, pad, delta_scale=0.25)[1], want[1] * 0.25, rtol=1e-5, atol=1e-5)
 
     dq_accum = torch.randn(B, Sq, H, D, generator=g) * 3
     dk_h, dv_h = (torch.randn(B, Sk, H, D, generator=g).to(dtype) for _ in range(2))
@@ -1541,35 +1463,6 @@ def test_gradients_with_tma_dkv_on_gpu(cute_bwd_on, monkeypatch, cute_env, d, ca
     cute_env(OVERRIDES=f"bwd.tma_dkv={tma_dkv}")
     _fresh_bwd_kernels(monkeypatch)
     _run(torch.bfloat16, d, causal, 2, seqlen_q, seqlen_k, heads, heads_kv, cute_bwd_on, seed=11)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
-@pytest.mark.parametrize("d,causal", [(96, False), (96, True), (128, False), (128, True)])
-@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (113, 203), (1000, 1000), (300, 1200)])
-@pytest.mark.parametrize("heads,heads_kv", [(4, 4), (6, 2)])
-def test_gradients_with_rows_early_on_gpu(cute_bwd_on, monkeypatch, cute_env, d, causal, seqlen_q, seqlen_k, heads,
-                                          heads_kv):
-    # bwd.rows_early=1: lse2 read before the wait for S^T (GQA on the gqa_loop kernel)
-    cute_env(OVERRIDES="bwd.rows_early=1")
-    _fresh_bwd_kernels(monkeypatch)
-    _run(torch.bfloat16, d, causal, 2, seqlen_q, seqlen_k, heads, heads_kv, cute_bwd_on, seed=23)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
-@pytest.mark.parametrize("d,causal,window", [(64, False, (-1, -1)), (64, True, (-1, -1)), (96, True, (-1, -1)),
-                                             (128, False, (-1, -1)), (128, True, (-1, -1)), (128, False, (100, 30)),
-                                             (256, True, (-1, -1))])
-@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (113, 203), (1000, 1000), (300, 1200)])
-@pytest.mark.parametrize("heads,heads_kv", [(4, 4), (6, 2)])
-def test_gradients_with_ds_scaled_on_gpu(cute_bwd_on, monkeypatch, cute_env, d, causal, window, seqlen_q, seqlen_k,
-                                         heads, heads_kv):
-    # bwd.ds_scaled=1: dS^T carries softmax_scale (delta scaled on the host; the dQ tile, dQ's atomics at d256 and dK
-    # unscaled); GQA on the gqa_loop kernel, a window on the general entry, d256 causal on the split-D kernel
-    cute_env(OVERRIDES="bwd.ds_scaled=1")
-    _fresh_bwd_kernels(monkeypatch)
-    _run(torch.bfloat16, d, causal, 2, seqlen_q, seqlen_k, heads, heads_kv, cute_bwd_on, seed=29, window=window)
 
 
 @pytest.mark.gpu

@@ -57,12 +57,8 @@ def test_deterministic_kernel_takes_turns_in_its_ptx(tmp_path, cute_env, d, caus
 
 @pytest.mark.parametrize("d,varlen", [(128, False), (64, True)])
 def test_descending_turns_reverse_the_grid(tmp_path, cute_env, d, varlen):
-    """The deterministic causal kernel (bwd.turns_desc, on by default) runs key blocks from the last down (n =
-    gridDim.x - 1 - blockIdx.x) and takes its turns in descending order; other kernels ignore it; bwd.turns_desc=0
-    keeps the ascending turns; ptxas spills nothing."""
-    cute_env(OVERRIDES="bwd.turns_desc=0")
-    assert not kernels.bwd_config(torch.bfloat16, d, True, "sm_90a", varlen=varlen, deterministic=True).turns_desc
-    cute_env(OVERRIDES=None)
+    """The deterministic causal kernel (BwdConfig.turns_desc) runs key blocks from the last down (n = gridDim.x - 1 -
+    blockIdx.x) and takes its turns in descending order; no other kernel does; ptxas spills nothing."""
     cfg = kernels.bwd_config(torch.bfloat16, d, True, "sm_90a", varlen=varlen, deterministic=True)
     assert cfg.turns_desc and cfg.key()["turns_desc"] is True
     assert not kernels.bwd_config(torch.bfloat16, d, False, "sm_90a", varlen=varlen, deterministic=True).turns_desc
@@ -82,7 +78,7 @@ def test_descending_turns_reverse_the_grid(tmp_path, cute_env, d, varlen):
 def test_turn_order_covers_each_query_blocks_key_blocks_once(causal, block_m):
     """DqAccumulator.turn_place with the kernel's own functions on host integers: for every query block, the key blocks
     whose CTA walks it (mask.m_block_range, the CTAs of the grid) hold the places 0 .. c - 1 once each, so the turns
-    end and none waits forever; ascending, or descending (key block n after n + 1: bwd.turns_desc, causal), where key
+    end and none waits forever; ascending, or descending (key block n after n + 1: turns_desc, causal), where key
     block n + 1's walk reaches the query block no later than n's (it starts there or before), so with the grid run
     from the last key block down no CTA waits for one that starts later."""
     from collections import namedtuple
@@ -233,14 +229,12 @@ def test_own_backward_passes_deterministic_to_the_kernel(monkeypatch, cute_env):
 # On a Hopper GPU
 
 
-@pytest.fixture(params=[",bwd.dq_writer=0", "", ",bwd.turns_desc=0", ",bwd.dq_perm=0"],
-                ids=["red_add", "writer_warp", "writer_asc", "writer_swizzled"])
+@pytest.fixture(params=[",bwd.dq_writer=0", "", ",bwd.dq_perm=0"], ids=["red_add", "writer_warp", "writer_swizzled"])
 def det_on(request, monkeypatch, cute_env):
     """The deterministic (and varlen) rules on, the dispatcher's cached choices dropped, and the deterministic flag
     of each kernel launch recorded; the turns taken by every consumer thread's red.global.add, or by the writer warp's
-    TMA reduce-adds (the default at d64-d128), there in descending turns with a causal mask (the default; ascending:
-    bwd.turns_desc=0) or from
-    the swizzled dQ tile (bwd.dq_perm=0; the default: config.permuted_column's layout)."""
+    TMA reduce-adds (the default at d64-d128; descending turns with a causal mask), or those from the swizzled dQ tile
+    (bwd.dq_perm=0; the default: config.permuted_column's layout)."""
     from flash_attn import dispatch
 
     cute_env(OVERRIDES="plan.bwd_deterministic=1,plan.bwd_varlen=1" + request.param, DISABLE=None)

@@ -141,21 +141,6 @@ def test_softcap_gradients_match_reference_on_gpu(softcap_on, dtype, d, causal, 
     _check_softcap_gradients(softcap_on, dtype, d, causal, window, seqlen_q, seqlen_k)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
-@pytest.mark.parametrize("d", [64, 96, 128])
-@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (100, 30))])
-@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1000, 1000), (300, 777)])
-def test_softcap_gradients_with_ds_scaled_on_gpu(softcap_on, monkeypatch, cute_env, d, causal, window, seqlen_q,
-                                                 seqlen_k):
-    # bwd.ds_scaled=1: dS^T = P^T (dP^T scale - delta scale) (1 - tanh^2), dQ and dK unscaled
-    cute_env(OVERRIDES="plan.bwd_softcap=1,plan.bwd_varlen=1,bwd.ds_scaled=1", DISABLE=None)
-    table = {}
-    monkeypatch.setattr(kernels, "_bwd_kernels", table)  # (the in-memory table does not key on the overrides)
-    monkeypatch.setattr(launch, "_bwd_kernels", table)
-    _check_softcap_gradients(softcap_on, torch.bfloat16, d, causal, window, seqlen_q, seqlen_k)
-
-
 def _check_softcap_gradients(softcap_on, dtype, d, causal, window, seqlen_q, seqlen_k):
     from flash_attn.cute import flash_attn_func
 

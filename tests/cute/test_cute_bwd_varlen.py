@@ -118,8 +118,7 @@ def _prepare_loop(out, dout, lse, cu, used, block_pad, dlse, width):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("with_dlse", [False, True])
 @pytest.mark.parametrize("block_pad", [64, 128])
-@pytest.mark.parametrize("delta_scale", [1.0, 0.125])
-def test_prepare_varlen_pads_each_sequence_at_its_offset(dtype, with_dlse, block_pad, delta_scale):
+def test_prepare_varlen_pads_each_sequence_at_its_offset(dtype, with_dlse, block_pad):
     """Sequence b's used rows at (cu_seqlens_q[b] // block_pad + b) * block_pad of lse2 / delta, padded to a multiple of block_pad
     with +inf / 0 (what the kernel reads past a sequence's end); lse +-inf gives +inf; delta - dlse; dq_accum zero.
     Both host paths against a row-by-row loop (Triton's kernel through the interpreter); strided inputs; rows past
@@ -142,11 +141,10 @@ def test_prepare_varlen_pads_each_sequence_at_its_offset(dtype, with_dlse, block
     if bwd_host.triton is not None:
         paths.append(bwd_host.prepare_varlen)
     for fn in paths:
-        lse2, delta, dq_accum = fn(out, dout, lse, cu, used, max(lens), block_pad, dlse, delta_scale=delta_scale)
+        lse2, delta, dq_accum = fn(out, dout, lse, cu, used, max(lens), block_pad, dlse)
         assert lse2.shape == delta.shape == (H, width) and lse2.stride(0) % 4 == 0
         assert torch.equal(lse2[read], want_lse2[read]), fn.__name__
-        # (delta_scale: a BwdConfig.ds_scaled kernel's, softmax_scale)
-        torch.testing.assert_close(delta[read], want_delta[read] * delta_scale, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(delta[read], want_delta[read], rtol=1e-5, atol=1e-5)
         assert torch.equal(dq_accum, torch.zeros(T, H, D))
 
 
@@ -441,22 +439,6 @@ LENGTHS = {  # (lens_q, lens_k): empty sequences, one row, one past a tile, uneq
 @pytest.mark.parametrize("heads,heads_kv", [(4, 4), (4, 1)])
 def test_varlen_gradients_match_reference_on_gpu(varlen_on, dtype, d, causal, lengths, heads, heads_kv):
     _run_varlen(dtype, d, causal, *LENGTHS[lengths], heads, heads_kv, varlen_on, seed=d)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("lengths", list(LENGTHS))
-@pytest.mark.parametrize("with_lse_grad", [False, True])
-def test_varlen_gradients_with_ds_scaled_on_gpu(varlen_on, monkeypatch, cute_env, d, causal, lengths, with_lse_grad):
-    # bwd.ds_scaled=1: the varlen preprocess scales delta - dlse by softmax_scale for the kernel's dS^T
-    cute_env(OVERRIDES="plan.bwd_varlen=1,bwd.ds_scaled=1", DISABLE=None)
-    table = {}
-    monkeypatch.setattr(kernels, "_bwd_kernels", table)  # (the in-memory table does not key on the overrides)
-    monkeypatch.setattr(launch, "_bwd_kernels", table)
-    _run_varlen(torch.bfloat16, d, causal, *LENGTHS[lengths], 4, 2, varlen_on, seed=d + 5,
-                with_lse_grad=with_lse_grad)
 
 
 @pytest.mark.gpu

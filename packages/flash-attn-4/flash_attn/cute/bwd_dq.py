@@ -3,7 +3,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from flash_attn.cute.bwd_parts import gemm, red_add_f32x2, scaled, transpose_view
+from flash_attn.cute.bwd_parts import gemm, red_add_f32x2, transpose_view
 from flash_attn.cute.hopper_helpers import opaque
 
 # The named barrier of the deterministic turn (the kernel's dS barrier is 1; with dq_split=False, which the
@@ -60,7 +60,7 @@ class DqAccumulator:
     way the key block waited for has been scheduled."""
 
     def __init__(self, block_m, dq_tma, deterministic, seqlens, num_consumer_threads, writer=False, descending=False,
-                 block_n=128, permuted=False, scaled=False):
+                 block_n=128, permuted=False):
         if deterministic and dq_tma and not writer:
             raise ValueError("deterministic dQ adds with red.global.add (dq_tma off), or by the writer warp's TMA")
         if writer and not dq_tma:
@@ -77,7 +77,6 @@ class DqAccumulator:
         if permuted and not dq_tma:
             raise ValueError("the permuted dQ tile (permuted) is the TMA reduce-add's shared tile (dq_tma)")
         self.permuted = bool(permuted)  # dq_accum in config.permuted_column's layout (BwdConfig.dq_perm)
-        self.scaled = bool(scaled)  # dS K carries softmax_scale already (BwdConfig.ds_scaled): no multiply here
 
     def turn_place(self, n_block, m_block, tile):
         """Key block n_block's place in query block m_block's order of adds: n_block, or descending from the last of
@@ -124,9 +123,8 @@ class DqAccumulator:
             if reused:
                 cute.arch.barrier(barrier_id=DQ_EMPTY + buf, number_of_threads=self.num_consumer_threads + 32)
         if cutlass.const_expr(self.dq_tma):
-            if cutlass.const_expr(not self.scaled):
-                for i in cutlass.range(cute.size(acc_dQ), unroll_full=True):
-                    acc_dQ[i] = acc_dQ[i] * softmax_scale
+            for i in cutlass.range(cute.size(acc_dQ), unroll_full=True):
+                acc_dQ[i] = acc_dQ[i] * softmax_scale
             # Made visible to the TMA (async proxy) by the next block's dS fence, before its barrier (writer warp: here).
             if cutlass.const_expr(self.permuted):
                 store_permuted(acc_dQ, tdQcdQ, tdQsdQ, buf, tile.q_start)
@@ -144,8 +142,7 @@ class DqAccumulator:
                 mSem, n_block, ctid = turn
                 sem = mSem.iterator + cute.crd2idx((tile.z, head, m_block), mSem.layout)
                 self._wait_turn(sem, self.turn_place(n_block, m_block, tile), ctid)
-            self.atomic_add(mdQaccum, acc_dQ, tdQcdQ, None if self.scaled else softmax_scale, m_block, head, tile,
-                            seqlen_q)
+            self.atomic_add(mdQaccum, acc_dQ, tdQcdQ, softmax_scale, m_block, head, tile, seqlen_q)
             if cutlass.const_expr(self.deterministic):
                 self._pass_turn(sem, turn[2])
 
@@ -211,8 +208,7 @@ class DqAccumulator:
 
     @cute.jit
     def atomic_add(self, mdQaccum, acc_dQ, tdQcdQ, softmax_scale, m_block, head, tile, seqlen_q):
-        """dq_accum[rows of this block] += softmax_scale * dS K (this thread's part, fp32 red.global.add; softmax_scale
-        None: dS carries it)."""
+        """dq_accum[rows of this block] += softmax_scale * dS K (this thread's part, fp32 red.global.add)."""
         BM = self.block_m
         gdQ = self.seqlens.rows(mdQaccum, tile.q_start, head, tile)  # (Sq, D), columns contiguous
         # Accumulator value (x, r, j) of an m64nNk16 C fragment is row R + 8 r, column c + 8 j + x
@@ -226,5 +222,5 @@ class DqAccumulator:
                     if m_block * BM + row < seqlen_q:
                         base = gdQ.iterator + cute.crd2idx((m_block * BM + row, col), gdQ.layout)
                         for j in cutlass.range_constexpr(cute.size(acc_dQ, mode=[0, 2])):
-                            red_add_f32x2(base + 8 * j, scaled(acc_dQ[(0, r, j), m, n], softmax_scale),
-                                          scaled(acc_dQ[(1, r, j), m, n], softmax_scale))
+                            red_add_f32x2(base + 8 * j, acc_dQ[(0, r, j), m, n] * softmax_scale,
+                                          acc_dQ[(1, r, j), m, n] * softmax_scale)

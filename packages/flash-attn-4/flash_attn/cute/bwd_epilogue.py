@@ -7,7 +7,6 @@ import cutlass.cute as cute
 from cutlass import Int32
 from cutlass.cute.nvgpu import cpasync, warp
 
-from flash_attn.cute.bwd_parts import scaled
 from flash_attn.cute.hopper_helpers import tma_tiles
 
 # Named barriers of the TMA epilogue: the loop's are 1 and 2 (bwd_dq.TURN_BARRIER's note), and one id never serves
@@ -68,8 +67,7 @@ class DkvEpilogue:
 
     @cute.jit
     def _store_direct(self, mdK, mdV, acc_dK, acc_dV, tdKcdK, softmax_scale, n_block, head, tile, seqlen_k):
-        """dK = scale * dS^T Q (the scale of S = scale * Q K^T; None: dS^T carries it), dV as accumulated; rows past Sk
-        dropped."""
+        """dK = scale * dS^T Q (the scale of S = scale * Q K^T), dV as accumulated; rows past Sk dropped."""
         dt, BN = self.dtype, self.block_n
         gdK = self.seqlens.rows(mdK, tile.k_start, head, tile)  # (Sk, D)
         gdV = self.seqlens.rows(mdV, tile.k_start, head, tile)
@@ -78,12 +76,12 @@ class DkvEpilogue:
             for i in cutlass.range(cute.size(acc_dK), unroll_full=True):
                 row = n_block * BN + ck[i][0]
                 if row < seqlen_k:
-                    gdK[row, ck[i][1]] = scaled(acc_dK[i], softmax_scale).to(dt)
+                    gdK[row, ck[i][1]] = (acc_dK[i] * softmax_scale).to(dt)
                     gdV[row, ck[i][1]] = acc_dV[i].to(dt)
         else:
             for i in cutlass.range(cute.size(acc_dK), unroll_full=True):
                 if n_block * BN + ck[i][0] < seqlen_k:
-                    gdK[n_block * BN + ck[i][0], ck[i][1]] = scaled(acc_dK[i], softmax_scale).to(dt)
+                    gdK[n_block * BN + ck[i][0], ck[i][1]] = (acc_dK[i] * softmax_scale).to(dt)
             for i in cutlass.range(cute.size(acc_dV), unroll_full=True):
                 if n_block * BN + cv[i][0] < seqlen_k:
                     gdV[n_block * BN + cv[i][0], cv[i][1]] = acc_dV[i].to(dt)

@@ -49,7 +49,7 @@ if triton is not None:
     @triton.jit(do_not_specialize=["seqlen_q", "seqlen_pad", "n_m_blocks"])
     def _bwd_prep_kernel(Out, DOut, Lse, Delta, Lse2, DQAccum,
                          s_ob, s_os, s_oh, s_od, s_gb, s_gs, s_gh, s_gd, s_lb, s_lh, s_ls,
-                         seqlen_q, seqlen_pad, heads, n_m_blocks, delta_scale,
+                         seqlen_q, seqlen_pad, heads, n_m_blocks,
                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
         # heads vary fastest: programs running together cover whole (row, head, D) rows of out/dout/dq_accum
         pid = tl.program_id(0)
@@ -71,7 +71,7 @@ if triton is not None:
         do = tl.load(DOut + b64 * s_gb + h64 * s_gh + rows64[:, None] * s_gs + cols[None, :] * s_gd,
                      mask=tile, other=0.0)
         # fp32 products and sum (as FlashAttention); rows past Sq load zeros: delta = 0 there
-        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1) * delta_scale
+        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
         lse = tl.load(Lse + b64 * s_lb + h64 * s_lh + rows64 * s_ls, mask=in_q, other=float("inf"))
         # one fp32 multiply, as torch's lse * LOG2E: the same bits
         lse2 = tl.where(tl.abs(lse) == float("inf"), float("inf"), lse * 1.4426950408889634)
@@ -144,7 +144,7 @@ if triton is not None:
     @triton.jit(do_not_specialize=["n_m_blocks", "block_pad"])
     def _bwd_prep_varlen_kernel(Out, DOut, Lse, DLse, Delta, Lse2, CuSeqlensQ, SeqUsedQ,
                                 s_os, s_oh, s_od, s_gs, s_gh, s_gd, s_lh, s_ls, s_dh, s_ds, s_ph,
-                                heads, n_m_blocks, block_pad, delta_scale,
+                                heads, n_m_blocks, block_pad,
                                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                                 HAS_DLSE: tl.constexpr):
         # Program (sequence b, row block m, head h): rows [m BLOCK_M, (m + 1) BLOCK_M) of sequence b padded to a
@@ -170,7 +170,6 @@ if triton is not None:
             delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
             if HAS_DLSE:  # the lse gradient enters as delta - dlse
                 delta -= tl.load(DLse + h64 * s_dh + rows64 * s_ds, mask=in_q, other=0.0)
-            delta = delta * delta_scale
             lse = tl.load(Lse + h64 * s_lh + rows64 * s_ls, mask=in_q, other=float("inf"))
             lse2 = tl.where(tl.abs(lse) == float("inf"), float("inf"), lse * 1.4426950408889634)
             dst = h64 * s_ph + ((start // block_pad + b) * block_pad + rows).to(tl.int64)
@@ -198,10 +197,10 @@ def _meta(head_dim, kv=None, perm=False):
 _metas: dict = {}
 
 
-def prepare(out, dout, lse, seqlen_pad, delta_scale=1.0):
+def prepare(out, dout, lse, seqlen_pad):
     """(lse2, delta, dq_accum) for the kernel, in one Triton launch: out/dout (B, Sq, H, D) any strides,
-    lse fp32 (B, H, >= Sq) any strides; lse2 / delta (B, H, seqlen_pad) fp32 contiguous (delta times delta_scale:
-    softmax_scale for a BwdConfig.ds_scaled kernel), dq_accum (B, Sq, H, D) fp32 contiguous and zero."""
+    lse fp32 (B, H, >= Sq) any strides; lse2 / delta (B, H, seqlen_pad) fp32 contiguous, dq_accum
+    (B, Sq, H, D) fp32 contiguous and zero."""
     B, Sq, H, D = out.shape
     dev = out.device
     lse2 = _empty((B, H, seqlen_pad), dtype=_F32, device=dev)
@@ -212,7 +211,7 @@ def prepare(out, dout, lse, seqlen_pad, delta_scale=1.0):
     if B * H * n_m:
         _launch(_bwd_prep_kernel, (B * H * n_m,),
                 (out, dout, lse, delta, lse2, dq_accum, *out.stride(), *dout.stride(), *lse.stride(),
-                 Sq, seqlen_pad, H, n_m, float(delta_scale)), meta, ("prep", D))
+                 Sq, seqlen_pad, H, n_m), meta, ("prep", D))
     return lse2, delta, dq_accum
 
 
@@ -223,12 +222,11 @@ def varlen_rows(total_q, batch, block_pad):
     return -(-total_q // 4) * 4 + (batch + 1) * block_pad
 
 
-def prepare_varlen(out, dout, lse, cu_seqlens_q, seqused_q, max_seqlen_q, block_pad, dlse=None, delta_scale=1.0):
+def prepare_varlen(out, dout, lse, cu_seqlens_q, seqused_q, max_seqlen_q, block_pad, dlse=None):
     """(lse2, delta, dq_accum) of a varlen backward (at least one sequence): out / dout (T, H, D) any strides, lse
     (and dlse) fp32 (H, T) any strides; sequence b's seqused_q[b] rows from cu_seqlens_q[b], padded with +inf / 0
     to a multiple of block_pad, at rows (cu_seqlens_q[b] // block_pad + b) * block_pad of lse2 / delta (H, varlen_rows(...))
-    fp32 (delta times delta_scale, as prepare's); dq_accum (T, H, D) fp32 zero (rows outside every sequence too). One
-    Triton launch and a memset."""
+    fp32; dq_accum (T, H, D) fp32 zero (rows outside every sequence too). One Triton launch and a memset."""
     T, H, D = out.shape
     B = cu_seqlens_q.shape[0] - 1
     dev = out.device
@@ -241,13 +239,12 @@ def prepare_varlen(out, dout, lse, cu_seqlens_q, seqused_q, max_seqlen_q, block_
         dl = dlse if dlse is not None else lse
         _launch(_bwd_prep_varlen_kernel, (B * H * n_m,),
                 (out, dout, lse, dl, delta, lse2, cu_seqlens_q, seqused_q, *out.stride(), *dout.stride(),
-                 *lse.stride(), *dl.stride(), lse2.stride(0), H, n_m, block_pad, float(delta_scale)), meta,
+                 *lse.stride(), *dl.stride(), lse2.stride(0), H, n_m, block_pad), meta,
                 ("prep_varlen", D, dlse is not None))
     return lse2, delta, dq_accum
 
 
-def prepare_varlen_torch(out, dout, lse, cu_seqlens_q, seqused_q, max_seqlen_q, block_pad, dlse=None, head_dim=None,
-                         delta_scale=1.0):
+def prepare_varlen_torch(out, dout, lse, cu_seqlens_q, seqused_q, max_seqlen_q, block_pad, dlse=None, head_dim=None):
     """``prepare_varlen`` in torch (device ops, no host sync); head_dim as prepare_torch's."""
     T, H, D = out.shape
     B = cu_seqlens_q.shape[0] - 1
@@ -264,8 +261,6 @@ def prepare_varlen_torch(out, dout, lse, cu_seqlens_q, seqused_q, max_seqlen_q, 
     d = (dout.float() * out).sum(-1).transpose(0, 1)  # (H, T), fp32 products as FlashAttention
     if dlse is not None:
         d = d - dlse[:, :T]
-    if delta_scale != 1.0:
-        d = d * delta_scale
     lse2.index_copy_(1, dst, torch.where(used, torch.where(lse[:, :T].isinf(), torch.inf, lse[:, :T] * LOG2E),
                                          torch.inf))
     delta.index_copy_(1, dst, torch.where(used, d, 0.0))
@@ -307,7 +302,7 @@ def unpermute(dq_accum):
     return out
 
 
-def prepare_torch(out, dout, lse, seqlen_pad, head_dim=None, delta_scale=1.0):
+def prepare_torch(out, dout, lse, seqlen_pad, head_dim=None):
     """``prepare`` in torch (several launches; fp32 copies of out and dout for delta); head_dim: dq_accum's, where it
     is not out's (a q / v head-dim pair)."""
     B, Sq, H, D = out.shape
@@ -317,8 +312,6 @@ def prepare_torch(out, dout, lse, seqlen_pad, head_dim=None, delta_scale=1.0):
     delta = torch.zeros((B, H, seqlen_pad), dtype=_F32, device=out.device)
     # fp32 products as FlashAttention computes delta; out is upcast inside the multiply
     delta[:, :, :Sq] = (dout.float() * out).sum(-1).transpose(1, 2)
-    if delta_scale != 1.0:
-        delta.mul_(delta_scale)
     dq_accum = torch.zeros((B, Sq, H, head_dim or D), dtype=_F32, device=out.device)
     return lse2, delta, dq_accum
 

@@ -37,34 +37,15 @@ def red_add_f32x2(ptr, a, b, *, loc=None, ip=None):
     cute.arch.red(ptr, pair, op="add", dtype=Float32, sem="relaxed", scope="gpu", loc=loc, ip=ip)
 
 
-def row_values(rows, tScS, stage, like, early=False):
-    """Registers shaped like ``like`` (the S^T or dP^T accumulator) holding rows[query column of each value, stage]
-    (the lse2 or delta rows in shared memory), loaded where this is called: before the wait for the WGMMA whose result
-    they meet, so their latency runs under it rather than in front of the exponentials or dS^T (Nsight Compute: the
-    FFMAs reading lse2 were the loop's top stall, short scoreboard, and the FADDs reading delta a third of it). A
-    thread's values share 16 query columns at BLOCK_M = 64: one load per column (pairs: one 8-byte load). early=False
-    (128 rows, softcap, score_mod; delta with gqa_loop: the registers make ptxas spill): read where they are used."""
-    if not early:
-        return _RowsAtUse(rows, tScS, stage)
-    vals = cute.make_rmem_tensor_like(like, Float32)
-    for i in range(cute.size(like)):
-        vals[i] = rows[tScS[i][1], stage]
-    return vals
-
-
-def ds_factor(dp, delta, scale=None):
-    """dP^T - delta of one value; with ``scale`` (BwdConfig.ds_scaled: delta prepared times softmax_scale) the same
-    times softmax_scale in one FFMA, so that dS^T and the dQ and dK products carry the scale."""
-    return dp - delta if scale is None else dp * scale - delta
-
-
-def scaled(x, scale):
-    """x * scale, or x where scale is None (the value carries it already: BwdConfig.ds_scaled)."""
-    return x if scale is None else x * scale
+def row_values(rows, tScS, stage):
+    """rows[query column of value i, stage] for each value i of the S^T or dP^T accumulator (the lse2 or delta rows in
+    shared memory), each read where it is indexed (loaded ahead, before the WGMMA waits, they hold registers and the
+    loop is no faster: benchmarks/results/h100/cute_bwd_ab.md)."""
+    return _RowsAtUse(rows, tScS, stage)
 
 
 class _RowsAtUse:
-    """row_values(early=False): value i read from shared memory where it is indexed."""
+    """row_values: value i read from shared memory where it is indexed."""
 
     def __init__(self, rows, tScS, stage):
         self.rows, self.tScS, self.stage = rows, tScS, stage

@@ -96,10 +96,6 @@ BWD_EXP2_EMU = {64: 0, 96: 0, 128: 0, 192: 0, 256: 0}
 # with it on an H100, benchmarks/results/h100/cute_bwd_ab.md); the split-D kernel's varlen calls keep the direct stores.
 BWD_TMA_DKV = {64: True, 96: True, 128: True, 192: True, 256: True}
 BWD_TMA_DKV_VARLEN = {64: True, 96: True, 128: True}
-# The deterministic causal backward's turns in descending key-block order with the grid run from the last key block
-# down (bwd_dq.DqAccumulator.turn_place): 1.42-1.91x the ascending turns, whose key-block CTAs wait at their first
-# query blocks (H100, 2026-12-07, benchmarks/results/h100/attention_cute_bwd_modes.md).
-BWD_TURNS_DESC = True
 
 _DTYPE_NAMES = {"torch.float16": "fp16", "torch.bfloat16": "bf16", "fp16": "fp16", "bf16": "bf16"}
 
@@ -252,18 +248,14 @@ class BwdConfig:
     gqa_loop: bool = False  # one CTA per KV head walks its group's query heads (FlashBwdSm90 gqa_loop; the call's)
     head_dim_v: int | None = None  # V's head dim where it differs (a pair of HEAD_DIM_PAIRS; the call's)
     dq_writer: bool = False  # a producer warp issues the dQ TMA reduce-adds (bwd_dq.DqAccumulator.writer; dq_tma)
-    turns_desc: bool = False  # deterministic causal: descending turns, key blocks from the last down (BWD_TURNS_DESC)
+    # deterministic causal: descending turns, key blocks from the last down (bwd_dq.DqAccumulator.turn_place; 1.42-1.91x
+    # the ascending turns, whose key-block CTAs wait at their first query blocks: h100/attention_cute_bwd_modes.md)
+    turns_desc: bool = False
     # dq_accum in permuted_column's layout: the loop writes each thread's dQ values of a row in 16 columns with one
     # 128-bit store (16 STS.64 -> 8 STS.128 per query block at d128) and one TMA box adds the tile (4 at d128); the
     # host's casts read it back in order (dq_tma kernels; bwd.dq_perm=0: the swizzled tile; H100 2026-12-07: kernel
     # 1.02-1.13x, benchmarks/results/h100/cute_bwd_ab.md)
     dq_perm: bool = False
-    # lse2 / delta read before the waits for S^T / dP^T (bwd_parts.row_values; an experiment, off until GPU-tested)
-    rows_early: bool = False
-    # dS^T times softmax_scale in the loop (one FFMA: dP^T scaled as delta, prepared times softmax_scale, is
-    # subtracted), so the dQ tile and dK need no multiply (32 FMULs per thread and query block at d64-d128). bf16
-    # only: fp16's 16-bit dS^T would lose small values to subnormals (an experiment, off until GPU-tested)
-    ds_scaled: bool = False
 
     def __post_init__(self):
         if self.dtype not in ("fp16", "bf16"):
@@ -282,8 +274,6 @@ class BwdConfig:
         if self.dq_perm and (not self.dq_tma or self.head_dim % 32):
             raise ValueError("BwdConfig: dq_perm is the layout of the TMA dQ tile (dq_tma) at head dims that are "
                              "multiples of 32 (permuted_column swaps 16-column blocks in pairs)")
-        if self.ds_scaled and self.dtype != "bf16":
-            raise ValueError("BwdConfig: ds_scaled is for bf16 (fp16's dS^T: subnormals)")
         if self.softcap and self.block_m != 64:
             raise ValueError("BwdConfig: softcap needs block_m 64")
         if self.head_dim_v is not None and (self.head_dim, self.head_dim_v) not in HEAD_DIM_PAIRS:
@@ -540,7 +530,5 @@ def select_bwd(dtype, head_dim, causal, arch, abi, local=False, varlen=False, de
                      tma_dkv=bool(ov.get("tma_dkv", (BWD_TMA_DKV_VARLEN if varlen else BWD_TMA_DKV).get(d, False))),
                      gqa_loop=bool(gqa_loop), head_dim_v=None if head_dim_v in (None, d) else int(head_dim_v),
                      dq_writer=dq_tma and not overlap and bool(ov.get("dq_writer", deterministic)),
-                     turns_desc=bool(deterministic and causal and ov.get("turns_desc", BWD_TURNS_DESC)),
-                     dq_perm=bool(dq_tma and ov.get("dq_perm", True)),
-                     rows_early=bool(ov.get("rows_early", False)),
-                     ds_scaled=dtype_name(dtype) == "bf16" and bool(ov.get("ds_scaled", False)))
+                     turns_desc=bool(deterministic and causal),
+                     dq_perm=bool(dq_tma and ov.get("dq_perm", True)))

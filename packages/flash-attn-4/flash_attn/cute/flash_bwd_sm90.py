@@ -69,7 +69,7 @@ from flash_attn.cute.bwd_dq import DqAccumulator
 from flash_attn.cute.bwd_epilogue import DkvEpilogue, GroupWalk
 from flash_attn.cute.bwd_entries import BwdEntries
 from flash_attn.cute.bwd_parts import gemm, lse_stage_floats, pack_16, pack_pair, row_values, transpose_view
-from flash_attn.cute.bwd_parts import ds_factor, unpack_16, unpack_half
+from flash_attn.cute.bwd_parts import unpack_16, unpack_half
 from flash_attn.cute.hopper_helpers import opaque, tma_tiles
 from flash_attn.cute.mask import AttentionMask
 from flash_attn.cute.score_mod import ScoreMods
@@ -95,7 +95,7 @@ class FlashBwdSm90(BwdEntries):
                  dq_tma=False, overlap=False, lpt=0, exp2_emu=0, exp2_emu_degree=3, local=False,
                  varlen=False, deterministic=False, softcap=False, mask_mod=None, aux=False, sparse=None,
                  scalars=(), score_mod=None, score_mod_bwd=None, tma_dkv=False, gqa_loop=False, head_dim_v=None,
-                 dq_writer=False, turns_desc=False, dq_perm=False, rows_early=False, ds_scaled=False):
+                 dq_writer=False, turns_desc=False, dq_perm=False):
         """head_dim: 64, 96, 128, 192 or 256 (HEAD_DIMS), of q, k and v alike; past 128 the warpgroups split D (split_d
         below) and block_n is 64. head_dim_v: V's (and dO's, dV's) head dim where it differs, with split_d (the
         192 / 128 pair): S^T's K steps run over D, dP^T's over head_dim_v.
@@ -208,7 +208,6 @@ class FlashBwdSm90(BwdEntries):
         # P^T in 16 bits only at d128 with the tanh derivative (softcap) or the fp32 scores (score_mod): beside S^T,
         # dP^T, dK and dV they exceed the 240 registers (ptxas spilled 112-232 bytes; h100/cute_bwd_ab.md)
         self.p16 = self.p16 or (head_dim == 128 and (self.softcap or score_mod is not None))
-        self.rows_early = bool(rows_early) and block_m == 64 and not softcap and score_mod is None  # (else: spills)
         self.gqa_loop = bool(gqa_loop)
         if self.gqa_loop and (varlen or deterministic or overlap or self.mods is not None or sparse is not None):
             raise ValueError("gqa_loop: the dense backward without determinism, overlap, mods or block sparsity")
@@ -223,9 +222,8 @@ class FlashBwdSm90(BwdEntries):
         if self.deterministic and ((self.dq_tma and not dq_writer) or not self.dq_split or self.lpt or self.local):
             raise ValueError("deterministic needs dq_split, dq_tma off or the writer warp, lpt 0 and no window")
         self.dq_writer = bool(dq_writer) and self.dq_tma and not self.overlap
-        self.ds_scaled = bool(ds_scaled)  # dS^T times softmax_scale (BwdConfig.ds_scaled): dQ, dK leave unscaled
         self.dq = DqAccumulator(block_m, self.dq_tma, self.deterministic, self.seqlens, 128 * self.NUM_MMA_WARPGROUPS,
-                                self.dq_writer, self.turns_desc, block_n, dq_perm, self.ds_scaled)
+                                self.dq_writer, self.turns_desc, block_n, dq_perm)
         self.dkv = DkvEpilogue(dtype, head_dim, block_n, self.NUM_MMA_WARPGROUPS, self.tma_dkv, self.varlen,
                                self.seqlens, self.split_d, self.head_dim_v)
         if self.smem_bytes() > self.SMEM_LIMIT:
@@ -541,7 +539,7 @@ class FlashBwdSm90(BwdEntries):
                                q_state.index, window, cap, rdT, mods, partial, buf)
                 self._ds_dk_dq(acc_S, acc_dP, tScS, rdS, thr_sdp, sdSt, sDelta, tiled_mma_dk, acc_dK, tdKrdSt,
                                tdKrQt, tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, tma_dq, tQRsdQ, dq_dst, dq_issuer,
-                               buf, pos, m_block_min, wg, q_state.index, do_state.index, rP=rP, scale=softmax_scale,
+                               buf, pos, m_block_min, wg, q_state.index, do_state.index, rP=rP,
                                ds_copy=ds_copy, rdT=rdT, tiles=tiles, mods=mods, n_block=n_block, m_block_of=m_block)
                 dq_out = (mdQaccum, acc_dQ, tdQcdQ, tdQsdQ, softmax_scale, buf, m_block,
                           tiles.head(pos) if cutlass.const_expr(self.gqa_loop) else head, tile, seqlen_q, turn,
@@ -594,7 +592,7 @@ class FlashBwdSm90(BwdEntries):
                                q_state.index, window, cap, rdT, mods, partial, buf)
                 self._ds_dk_dq(acc_S, acc_dP, tScS, rdS, thr_sdp, sdSt, sDelta, tiled_mma_dk, acc_dK, tdKrdSt,
                                tdKrQt, tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, tma_dq, tQRsdQ, dq_dst, dq_issuer,
-                               buf, pos, m_block_min, wg, q_state.index, do_state.index, rP=rP, scale=softmax_scale,
+                               buf, pos, m_block_min, wg, q_state.index, do_state.index, rP=rP,
                                ds_copy=ds_copy, rdT=rdT, tiles=tiles, mods=mods, n_block=n_block, m_block_of=m_block)
                 # acc_S and acc_dP are dead: dS^T of this block is in shared memory.
                 if cutlass.const_expr(self.wide):
@@ -631,7 +629,7 @@ class FlashBwdSm90(BwdEntries):
                 cute.arch.cp_async_bulk_wait_group(0)
 
         self.dkv.store(mdK, mdV, tma_dkv, sK, sV, (tiled_mma_dk, tiled_mma_dv), acc_dK, acc_dV, tdKcdK,
-                       None if self.ds_scaled else softmax_scale, ctid, wg, n_block, head, tile, seqlen_k)
+                       softmax_scale, ctid, wg, n_block, head, tile, seqlen_k)
 
     def _dq_dst(self, dst, pos, tiles):
         """(the gmem partition of the dQ TMA reduce-add, query block) of walk position ``pos``; dst = (the CTA's
@@ -678,7 +676,7 @@ class FlashBwdSm90(BwdEntries):
         input dtype in rP, and issue dV += P^T dO (one commit group). split_d: tdVrP is (dV's A fragment of the
         P^T tile, the S^T partition, the P^T tile); rP goes to buffer buf of the tile, and after a barrier of both
         warpgroups (each reads the other's query columns) dV's WGMMA reads it there."""
-        lse = row_values(sLSE, tScS, q_stage, acc_S, self.rows_early)  # (its latency under S^T's WGMMA: row_values)
+        lse = row_values(sLSE, tScS, q_stage)
         if cutlass.const_expr(self.overlap):
             if cutlass.const_expr(self.head_dim not in (128, 256) and not self.wide):
                 # S^T and dP^T both: they were issued a whole dQ epilogue ago. With wait_group(1) here
@@ -737,13 +735,12 @@ class FlashBwdSm90(BwdEntries):
     def _ds_dk_dq(self, acc_S, acc_dP, tScS, rdS, thr_sdp, sdSt, sDelta, tiled_mma_dk, acc_dK, tdKrdSt, tdKrQt,
                   tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, tma_dq, tQRsdQ, dq_dst, dq_issuer, buf, m_block,
                   m_block_min, wg, q_stage, do_stage, rP=None, ds_copy=None, rdT=None, tiles=None, mods=None,
-                  n_block=None, m_block_of=None, scale=None):
+                  n_block=None, m_block_of=None):
         """Wait for dP^T, dS^T = P^T (dP^T - delta) to shared memory (buffer buf), the dS barrier, and issue dQ = dS K
         and dK += dS^T Q (two commit groups; dK first where not dq_first); with dq_tma the previous block's dQ tile
         reduce-add behind them (dq_dst: what _dq_dst needs for a walk position's destination). m_block / m_block_min:
         the walk's positions (the query blocks themselves, or with block sparsity or gqa_loop's walk, tiles maps them)."""
-        delta = row_values(sDelta, tScS, do_stage, acc_dP, self.rows_early and not self.gqa_loop)  # (gqa_loop: spill)
-        scale = scale if self.ds_scaled else None  # (a trace-time choice)
+        delta = row_values(sDelta, tScS, do_stage)
         warpgroup.wait_group(1)  # dP^T is ready; dV may still run
         if cutlass.const_expr(self.p16):
             # P^T back from the 16-bit copy that dV reads: the fp32 S^T is dead since the conversion,
@@ -757,10 +754,10 @@ class FlashBwdSm90(BwdEntries):
             for k in cutlass.range_constexpr(cute.size(acc_dP) // 2):
                 for h in cutlass.range_constexpr(2):
                     i = 2 * k + h
-                    acc_dP[i] = acc_S[i] * ds_factor(acc_dP[i], delta[i], scale) * unpack_half(rdT32[k], h, self.dtype)
+                    acc_dP[i] = acc_S[i] * (acc_dP[i] - delta[i]) * unpack_half(rdT32[k], h, self.dtype)
         else:
             for i in cutlass.range(cute.size(acc_dP), unroll_full=True):
-                acc_dP[i] = acc_S[i] * ds_factor(acc_dP[i], delta[i], scale)
+                acc_dP[i] = acc_S[i] * (acc_dP[i] - delta[i])
         if cutlass.const_expr(mods is not None):
             if cutlass.const_expr(self.mods.score_mod is not None):  # the gradient through score_mod
                 self.mods.grad_transposed(acc_dP, rdT, tScS, m_block_of, n_block, mods)

@@ -575,12 +575,10 @@ def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grad
     sq_pad = -(-Sq // block_m) * block_m
     sem = torch.zeros((B, H, sq_pad // block_m), dtype=torch.int32, device=q.device) if deterministic else None
     host = bwd_host if bwd_host.use_triton(q) and dv_dim is None else None
-    ds = float(softmax_scale) if cfg.ds_scaled else 1.0  # (a ds_scaled kernel takes delta times softmax_scale)
     lse2, delta, dq_accum = (bwd_host.prepare if host else bwd_host.prepare_torch)(out, dout, lse, sq_pad,
-                                                                                   *(() if host else (D,)),
-                                                                                   delta_scale=ds)
+                                                                                   *(() if host else (D,)))
     if dlse is not None:
-        delta[:, :, :Sq].sub_(dlse[:, :, :Sq], alpha=ds)
+        delta[:, :, :Sq].sub_(dlse[:, :, :Sq])
 
     def new(heads, d):
         return torch.empty((B, Sk, heads, d), dtype=dtype, device=q.device)
@@ -657,8 +655,7 @@ def backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused
     q, k, v, dout = (_packed_layout(t) for t in (q, k, v, dout))
     triton_host = bwd_host.use_triton(q) and dv_dim is None
     lse2, delta, dq_accum = (bwd_host.prepare_varlen if triton_host else bwd_host.prepare_varlen_torch)(
-        out, dout, lse, cu_seqlens_q, used_q, max_seqlen_q, block_m, dlse, *(() if triton_host else (D,)),
-        delta_scale=float(softmax_scale) if cfg.ds_scaled else 1.0)
+        out, dout, lse, cu_seqlens_q, used_q, max_seqlen_q, block_m, dlse, *(() if triton_host else (D,)))
     # The kernel writes the used rows of each sequence only: the others must read 0.
     if H == Hk and (dk_out is None or (_packed_ok(dk_out) and _packed_ok(dv_out))):
         dk_h = dk_out.zero_() if dk_out is not None else torch.zeros((Tk, H, D), dtype=dtype, device=q.device)
