@@ -57,12 +57,17 @@ def test_deterministic_kernel_takes_turns_in_its_ptx(tmp_path, cute_env, d, caus
 
 @pytest.mark.parametrize("d,varlen", [(128, False), (64, True)])
 def test_descending_turns_reverse_the_grid(tmp_path, cute_env, d, varlen):
-    """The deterministic causal kernel (BwdConfig.turns_desc) runs key blocks from the last down (n = gridDim.x - 1 -
-    blockIdx.x) and takes its turns in descending order; no other kernel does; ptxas spills nothing."""
+    """The deterministic causal kernel whose writer warp takes the turns (BwdConfig.turns_desc) runs key blocks from
+    the last down (n = gridDim.x - 1 - blockIdx.x) and takes its turns in descending order; no other kernel does (the
+    consumers' turns, bwd.dq_writer=0 and the split-D kernel's, ascend); ptxas spills nothing."""
     cfg = kernels.bwd_config(torch.bfloat16, d, True, "sm_90a", varlen=varlen, deterministic=True)
-    assert cfg.turns_desc and cfg.key()["turns_desc"] is True
+    assert cfg.turns_desc and cfg.dq_writer and cfg.key()["turns_desc"] is True
     assert not kernels.bwd_config(torch.bfloat16, d, False, "sm_90a", varlen=varlen, deterministic=True).turns_desc
     assert not kernels.bwd_config(torch.bfloat16, d, True, "sm_90a", varlen=varlen).turns_desc
+    assert not kernels.bwd_config(torch.bfloat16, 256, True, "sm_90a", varlen=varlen, deterministic=True).turns_desc
+    cute_env(OVERRIDES="bwd.dq_writer=0")
+    assert not kernels.bwd_config(torch.bfloat16, d, True, "sm_90a", varlen=varlen, deterministic=True).turns_desc
+    cute_env(OVERRIDES=None)
     kernels.compile_bwd(torch.bfloat16, d, True, dump_dir=str(tmp_path), varlen=varlen, deterministic=True)
     (ptx,) = [p for p in tmp_path.iterdir() if p.suffix == ".ptx"]
     text = ptx.read_text()
@@ -233,7 +238,7 @@ def test_own_backward_passes_deterministic_to_the_kernel(monkeypatch, cute_env):
 def det_on(request, monkeypatch, cute_env):
     """The deterministic (and varlen) rules on, the dispatcher's cached choices dropped, and the deterministic flag
     of each kernel launch recorded; the turns taken by every consumer thread's red.global.add, or by the writer warp's
-    TMA reduce-adds (the default at d64-d128; descending turns with a causal mask), or those from the swizzled dQ tile
+    TMA reduce-adds (the default at d64-d128; with a causal mask in descending turns), or those from the swizzled dQ tile
     (bwd.dq_perm=0; the default: config.permuted_column's layout)."""
     from flash_attn import dispatch
 

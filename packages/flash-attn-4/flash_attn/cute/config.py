@@ -248,8 +248,9 @@ class BwdConfig:
     gqa_loop: bool = False  # one CTA per KV head walks its group's query heads (FlashBwdSm90 gqa_loop; the call's)
     head_dim_v: int | None = None  # V's head dim where it differs (a pair of HEAD_DIM_PAIRS; the call's)
     dq_writer: bool = False  # a producer warp issues the dQ TMA reduce-adds (bwd_dq.DqAccumulator.writer; dq_tma)
-    # deterministic causal: descending turns, key blocks from the last down (bwd_dq.DqAccumulator.turn_place; 1.42-1.91x
-    # the ascending turns, whose key-block CTAs wait at their first query blocks: h100/attention_cute_bwd_modes.md)
+    # deterministic causal (the writer warp's turns): descending turns, key blocks from the last down
+    # (bwd_dq.DqAccumulator.turn_place; 1.42-1.91x the ascending turns, whose key-block CTAs wait at their first query
+    # blocks: h100/attention_cute_bwd_modes.md)
     turns_desc: bool = False
     # dq_accum in permuted_column's layout: the loop writes each thread's dQ values of a row in 16 columns with one
     # 128-bit store (16 STS.64 -> 8 STS.128 per query block at d128) and one TMA box adds the tile (4 at d128); the
@@ -518,6 +519,7 @@ def select_bwd(dtype, head_dim, causal, arch, abi, local=False, varlen=False, de
         dq_tma = dq_split and bool(ov.get("dq_tma", BWD_DQ_TMA.get(d, False)))
     block_m = 64 if softcap else ov.get("block_m", BWD_BLOCK_M.get(d, 64))
     overlap = not gqa_loop and bool(ov.get("overlap", BWD_OVERLAP.get(d, False)))
+    dq_writer = dq_tma and not overlap and bool(ov.get("dq_writer", deterministic))
     return BwdConfig(dtype=dtype_name(dtype), head_dim=d, causal=bool(causal), arch=arch, abi=abi,
                      block_m=block_m,
                      stages=ov.get("stages", BWD_STAGES.get(d, 2)),
@@ -529,6 +531,8 @@ def select_bwd(dtype, head_dim, causal, arch, abi, local=False, varlen=False, de
                      varlen=bool(varlen), deterministic=bool(deterministic), softcap=bool(softcap),
                      tma_dkv=bool(ov.get("tma_dkv", (BWD_TMA_DKV_VARLEN if varlen else BWD_TMA_DKV).get(d, False))),
                      gqa_loop=bool(gqa_loop), head_dim_v=None if head_dim_v in (None, d) else int(head_dim_v),
-                     dq_writer=dq_tma and not overlap and bool(ov.get("dq_writer", deterministic)),
-                     turns_desc=bool(deterministic and causal),
+                     dq_writer=dq_writer,
+                     # (descending turns where they are GPU-tested: the writer warp's; the consumers' red.global turns,
+                     # bwd.dq_writer=0 and the split-D kernel's, ascend)
+                     turns_desc=bool(deterministic and causal and dq_writer),
                      dq_perm=bool(dq_tma and ov.get("dq_perm", True)))
