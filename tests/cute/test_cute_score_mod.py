@@ -408,6 +408,57 @@ def test_other_head_dims_are_refused_not_padded(defaults, monkeypatch):
         interface.flash_attn_varlen_func(qv, kv, vv, cu_seqlens_q=cu, cu_seqlens_k=cu, score_mod=m.rel_bias)
 
 
+def test_wide_head_dims_backward_is_served_under_its_plan_rule(cute_env, monkeypatch):
+    """The mods backward at d192 / d256 (the split-D kernel) under the plan rule mods_bwd_wide (off until GPU-tested):
+    refused without it, naming the rule; with it served, a mask_mod's own lists built per 64 keys (the split-D
+    kernel's key block), block_sparse_tensors_bwd refused there."""
+    from flash_attn.cute import launch
+
+    U = mods._UNBOUNDED
+    cute_env()
+    for d in (192, 256):
+        with pytest.raises(NotImplementedError, match="mods_bwd_wide"):
+            mods.check_call(m.rel_bias, None, None, False, U, U, 0.0, True, d, d, score_mod_bwd=m.additive_bwd)
+        mods.check_call(m.rel_bias, None, None, False, U, U, 0.0, False, d, d)  # (the forward: always)
+    cute_env(OVERRIDES="plan.mods_bwd_wide=1")
+    for d in (192, 256):
+        mods.check_call(m.rel_bias, None, None, False, U, U, 0.0, True, d, d, score_mod_bwd=m.additive_bwd)
+        with pytest.raises(NotImplementedError, match="block_sparse_tensors_bwd"):
+            mods.check_call(None, m.causal_mask, None, False, U, U, 0.0, True, d, d,
+                            block_sparse=object(), block_sparse_bwd=object())
+    with pytest.raises(NotImplementedError, match="head dims"):  # (the pair stays refused)
+        mods.check_call(m.rel_bias, None, None, False, U, U, 0.0, True, 192, 128, score_mod_bwd=m.additive_bwd)
+    assert mods.bwd_block_n(256) == mods.bwd_block_n(192) == 64 and mods.bwd_block_n(128) == 128
+
+    seen = {}
+    monkeypatch.setattr(mods, "mask_lists_bwd", lambda *a, **kw: seen.setdefault("lists", a) and ("lists",))
+    monkeypatch.setattr(mods, "mod_bwd_kernel", lambda *a, **kw: seen.setdefault("kernel", (a, kw)) and "fn")
+    monkeypatch.setattr(launch, "backward", lambda *a, **kw: seen.setdefault("launch", kw) and "grads")
+    q, k, v = (torch.randn(1, 130, 2, 256, dtype=torch.bfloat16) for _ in range(3))
+    lse = torch.zeros(1, 2, 130)
+    assert mods.backward(q, q, k, v, q, lse, None, 0.1, "sm_90a", None, None, m.causal_mask, None, None, None,
+                         False) == "grads"
+    assert seen["lists"][5:7] == (64, 64)  # block_m, block_n: the split-D kernel's tiles
+    assert seen["kernel"][0][5] == (True, 1, 1) and seen["launch"]["mod"][2] == ("lists",)
+
+
+def test_wide_head_dim_mod_backward_kernels_compile_spill_free(tmp_path):
+    """The split-D backward kernel with a mask_mod walking its per-64-key lists (d256) and with a score_mod and a
+    window (d192): sm_90a, ptxas without spills or serialised WGMMAs."""
+    import glob as _glob
+
+    from flash_attn.cute import kernels
+
+    for name, d, kw in (("mask", 256, dict(mask_mod=m.causal_mask, sparse=(True, 1, 1))),
+                        ("score", 192, dict(score_mod=m.rel_bias, score_mod_bwd=m.additive_bwd, local=True))):
+        dump = tmp_path / name
+        dump.mkdir()
+        kernels.compile_bwd(torch.bfloat16, d, False, "sm_90a", dump_dir=str(dump), **kw)
+        (ptx,) = _glob.glob(str(dump / "*.ptx"))
+        if shutil.which("ptxas"):
+            assert_ptxas_clean(ptx)
+
+
 # --- GPU: against a plain fp32 attention with the same bias / mask ------------------------------------------------
 
 def _reference(q, k, v, scale, score_fn=None, mask=None, causal=False, aux=None, dtype=torch.float32):
@@ -585,6 +636,21 @@ def _grads_reference(q, k, v, dout, scale, score_fn, keep, aux, dtype):
 @pytest.mark.parametrize("score", ["identity", "rel_bias", "softcap", "alibi_aux"])
 @pytest.mark.parametrize("mask", [None, "causal", "native causal"])
 def test_score_mod_gradients_match_the_reference(defaults, d, score, mask):
+    _check_score_mod_gradients(d, score, mask)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("d", [192, 256])
+@pytest.mark.parametrize("score", ["identity", "rel_bias", "softcap", "alibi_aux"])
+@pytest.mark.parametrize("mask", [None, "causal", "native causal"])
+def test_score_mod_gradients_at_wide_head_dims(cute_env, d, score, mask):
+    # the split-D kernel under the plan rule mods_bwd_wide (its mask_mod lists per 64 keys)
+    cute_env(OVERRIDES="plan.mods_bwd_wide=1")
+    _check_score_mod_gradients(d, score, mask)
+
+
+def _check_score_mod_gradients(d, score, mask):
     torch.manual_seed(9)
     B, H, Hk, Sq, Sk = 2, 4, 2, 300, 517
     q = torch.randn(B, Sq, H, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)

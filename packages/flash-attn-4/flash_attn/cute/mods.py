@@ -87,6 +87,17 @@ def mod_block_n(head_dim, local):
 MOD_BLOCK_M = 128  # the mod kernels' query tile (two consumer warpgroups, mod_config)
 BWD_HEAD_DIMS = (64, 96, 128)  # flash_bwd_sm90.FlashBwdSm90.HEAD_DIMS (kept here: checking a call imports no CuTeDSL)
 BWD_BLOCK_N = 128  # the backward kernel's key block (FlashBwdSm90: 64 per consumer warpgroup)
+WIDE_BWD_HEAD_DIMS = (192, 256)  # the split-D kernel's (plan rule mods_bwd_wide), whose key block is 64
+
+
+def bwd_head_dims():
+    """The head dims whose mods backward this package serves (the split-D ones under the plan rule mods_bwd_wide)."""
+    return BWD_HEAD_DIMS + (WIDE_BWD_HEAD_DIMS if config.plan_rules().mods_bwd_wide else ())
+
+
+def bwd_block_n(head_dim):
+    """The backward kernel's key block at ``head_dim``: 128, or 64 on the split-D kernel (head dims past 128)."""
+    return 64 if head_dim > 128 else BWD_BLOCK_N
 
 
 _SIMPLE = (type(None), bool, int, str, bytes)
@@ -399,9 +410,13 @@ def check_call(score_mod, mask_mod, aux_tensors, causal, window_left, window_rig
             if window_left < 0 or (window_right < 0 and not causal):
                 raise NotImplementedError("flash_attn.cute: the backward of mods with a negative window size is not "
                                           "implemented yet")
-        if D != Dv or D not in BWD_HEAD_DIMS:
+        if D != Dv or D not in bwd_head_dims():
             raise NotImplementedError(f"flash_attn.cute: the backward of mods / block sparsity takes head dims "
-                                      f"{BWD_HEAD_DIMS} (the backward kernel's), got {D} / {Dv}")
+                                      f"{bwd_head_dims()} (192 and 256 under the plan rule mods_bwd_wide), got "
+                                      f"{D} / {Dv}")
+        if block_sparse_bwd is not None and D > 128:
+            raise NotImplementedError("flash_attn.cute: block_sparse_tensors_bwd at head dims past 128 is not "
+                                      "implemented yet (a mask_mod's own lists are)")
     if softcap and score_mod is not None:
         raise ValueError("softcap and score_mod cannot be used together (as in FA4; write the cap into the score_mod)")
     if mask_mod is not None and (causal or window_left < _UNBOUNDED or window_right < _UNBOUNDED):
@@ -658,11 +673,11 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, arch, score_mod, scor
         block_m = own = 64
     lists = sparse = None
     if block_sparse_bwd is not None and Sq and Sk:
-        call = block_sparsity.normalize_bwd(block_sparse_bwd, B, H, Sq, Sk, block_m, BWD_BLOCK_N, q.device)
+        call = block_sparsity.normalize_bwd(block_sparse_bwd, B, H, Sq, Sk, block_m, bwd_block_n(D), q.device)
         lists, sparse = call.tensors, call.spec
     elif (mask_mod is not None and not spec and not settings.disabled("mask_sparsity") and Sq and Sk):
         # the forward's rule: lists where the mask_mod reads no aux tensor (mask_lists)
-        lists = mask_lists_bwd(mask_mod, B, H, Sq, Sk, block_m, BWD_BLOCK_N, q.device, scalars)
+        lists = mask_lists_bwd(mask_mod, B, H, Sq, Sk, block_m, bwd_block_n(D), q.device, scalars)
         sparse = (True, 1, 1)
     fn = mod_bwd_kernel(q.dtype, D, arch, mask_mod, spec, sparse, scalars[0], score_mod, score_mod_bwd, causal,
                         block_m=own, local=local)
