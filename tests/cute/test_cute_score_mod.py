@@ -743,8 +743,23 @@ def test_score_mod_gradients_at_d128(defaults):
 @pytest.mark.parametrize("score, mask, causal", [("rel_bias", None, False), ("softcap", None, True),
                                                  (None, "window", False), ("alibi_aux", "causal", False)])
 def test_varlen_mods_gradients_match_per_sequence(defaults, score, mask, causal):
+    _check_varlen_mods_gradients(score, mask, causal, 64)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("score, mask, causal", [("rel_bias", None, False), ("softcap", None, True),
+                                                 (None, "window", False), ("alibi_aux", "causal", False)])
+@pytest.mark.parametrize("d", [192, 256])
+def test_varlen_mods_gradients_at_wide_head_dims(cute_env, score, mask, causal, d):
+    # the split-D kernel's varlen entry under the plan rule mods_bwd_wide
+    cute_env(OVERRIDES="plan.mods_bwd_wide=1")
+    _check_varlen_mods_gradients(score, mask, causal, d)
+
+
+def _check_varlen_mods_gradients(score, mask, causal, d):
     torch.manual_seed(11)
-    H, Hk, d = 4, 2, 64
+    H, Hk = 4, 2
     lens = [(130, 200), (64, 64), (257, 300)]
     cu_q = torch.tensor([0] + list(torch.tensor([a for a, _ in lens]).cumsum(0)), dtype=torch.int32, device="cuda")
     cu_k = torch.tensor([0] + list(torch.tensor([b for _, b in lens]).cumsum(0)), dtype=torch.int32, device="cuda")
