@@ -37,23 +37,6 @@ def red_add_f32x2(ptr, a, b, *, loc=None, ip=None):
     cute.arch.red(ptr, pair, op="add", dtype=Float32, sem="relaxed", scope="gpu", loc=loc, ip=ip)
 
 
-def row_values(rows, tScS, stage):
-    """rows[query column of value i, stage] for each value i of the S^T or dP^T accumulator (the lse2 or delta rows in
-    shared memory), each read where it is indexed (loaded ahead, before the WGMMA waits, they hold registers and the
-    loop is no faster: benchmarks/results/h100/cute_bwd_ab.md)."""
-    return _RowsAtUse(rows, tScS, stage)
-
-
-class _RowsAtUse:
-    """row_values: value i read from shared memory where it is indexed."""
-
-    def __init__(self, rows, tScS, stage):
-        self.rows, self.tScS, self.stage = rows, tScS, stage
-
-    def __getitem__(self, i):
-        return self.rows[self.tScS[i][1], self.stage]
-
-
 def pack_16(acc_S, rP, dtype):
     """rP = acc_S in ``dtype`` (bf16 / fp16), one cvt.rn.{bf16x2,f16x2}.f32 per pair of values into a 32-bit
     word (value 2k in the low half, 2k + 1 in the high half, the order of the 16-bit view). Written

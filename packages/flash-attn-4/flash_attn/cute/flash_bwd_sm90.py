@@ -68,7 +68,7 @@ from cutlass.memory import SmemAllocator
 from flash_attn.cute.bwd_dq import DqAccumulator
 from flash_attn.cute.bwd_epilogue import DkvEpilogue, GroupWalk
 from flash_attn.cute.bwd_entries import BwdEntries
-from flash_attn.cute.bwd_parts import gemm, lse_stage_floats, pack_16, pack_pair, row_values, transpose_view
+from flash_attn.cute.bwd_parts import gemm, lse_stage_floats, pack_16, pack_pair, transpose_view
 from flash_attn.cute.bwd_parts import unpack_16, unpack_half
 from flash_attn.cute.hopper_helpers import opaque, tma_tiles
 from flash_attn.cute.mask import AttentionMask
@@ -676,7 +676,6 @@ class FlashBwdSm90(BwdEntries):
         input dtype in rP, and issue dV += P^T dO (one commit group). split_d: tdVrP is (dV's A fragment of the
         P^T tile, the S^T partition, the P^T tile); rP goes to buffer buf of the tile, and after a barrier of both
         warpgroups (each reads the other's query columns) dV's WGMMA reads it there."""
-        lse = row_values(sLSE, tScS, q_stage)
         if cutlass.const_expr(self.overlap):
             if cutlass.const_expr(self.head_dim not in (128, 256) and not self.wide):
                 # S^T and dP^T both: they were issued a whole dQ epilogue ago. With wait_group(1) here
@@ -708,12 +707,12 @@ class FlashBwdSm90(BwdEntries):
         if cutlass.const_expr(self.exp2_emu == 0):
             for i in cutlass.range(cute.size(acc_S), unroll_full=True):
                 # +inf lse2 (query past Sq, or a query that sees no key) gives P = 0 exactly.
-                acc_S[i] = cute.math.exp2(acc_S[i] * scale_log2 - lse[i], fastmath=True)
+                acc_S[i] = cute.math.exp2(acc_S[i] * scale_log2 - sLSE[tScS[i][1], q_stage], fastmath=True)
         else:
             # exp2_emu of every 16 on the FMA pipe (exp2_poly: x <= -127, so -inf too, gives 0 exactly).
             n = cute.size(acc_S)
             for i, emu in zip(range(n), emulated_columns(n, self.exp2_emu)):
-                x = acc_S[i] * scale_log2 - lse[i]
+                x = acc_S[i] * scale_log2 - sLSE[tScS[i][1], q_stage]
                 if cutlass.const_expr(emu):
                     acc_S[i] = exp2_poly(x, self.exp2_emu_degree)
                 else:
@@ -740,7 +739,6 @@ class FlashBwdSm90(BwdEntries):
         and dK += dS^T Q (two commit groups; dK first where not dq_first); with dq_tma the previous block's dQ tile
         reduce-add behind them (dq_dst: what _dq_dst needs for a walk position's destination). m_block / m_block_min:
         the walk's positions (the query blocks themselves, or with block sparsity or gqa_loop's walk, tiles maps them)."""
-        delta = row_values(sDelta, tScS, do_stage)
         warpgroup.wait_group(1)  # dP^T is ready; dV may still run
         if cutlass.const_expr(self.p16):
             # P^T back from the 16-bit copy that dV reads: the fp32 S^T is dead since the conversion,
@@ -754,10 +752,11 @@ class FlashBwdSm90(BwdEntries):
             for k in cutlass.range_constexpr(cute.size(acc_dP) // 2):
                 for h in cutlass.range_constexpr(2):
                     i = 2 * k + h
-                    acc_dP[i] = acc_S[i] * (acc_dP[i] - delta[i]) * unpack_half(rdT32[k], h, self.dtype)
+                    acc_dP[i] = acc_S[i] * (acc_dP[i] - sDelta[tScS[i][1], do_stage]) * unpack_half(rdT32[k], h,
+                                                                                                   self.dtype)
         else:
             for i in cutlass.range(cute.size(acc_dP), unroll_full=True):
-                acc_dP[i] = acc_S[i] * (acc_dP[i] - delta[i])
+                acc_dP[i] = acc_S[i] * (acc_dP[i] - sDelta[tScS[i][1], do_stage])
         if cutlass.const_expr(mods is not None):
             if cutlass.const_expr(self.mods.score_mod is not None):  # the gradient through score_mod
                 self.mods.grad_transposed(acc_dP, rdT, tScS, m_block_of, n_block, mods)
