@@ -8,8 +8,8 @@ the caller, receives softmax_scale * dS K); mdK / mdV (B, Sk, H, D) in the input
 the host; a kernel built with gqa_loop: (B, Sk, Hk, D), the group summed in the kernel). Varlen: the packed tensors
 as one batch entry (B = 1), sequence b's rows from cu_seqlens_q[b] / cu_seqlens_k[b], its lse2 / delta rows from
 (cu_seqlens_q[b] // block_m + b) * block_m (seqlen_info.BwdSeqlens). Deterministic: mSem (B or sequences, H,
-query blocks) int32 zeros, the turn counters (bwd_dq.DqAccumulator). softcap > 0 is read by a kernel built with
-softcap=True, the window sizes (>= 0) by one built with local=True."""
+query blocks) int32 zeros, the turn counters (bwd_dq.DqAccumulator); dq_cast: (mCount, mdQ) in its place.
+softcap > 0 is read by a kernel built with softcap=True, the window sizes (>= 0) by one built with local=True."""
 import math
 
 import cutlass
@@ -33,6 +33,15 @@ class BwdEntries:
                  mdV: cute.Tensor, softmax_scale: Float32, stream):
         """Dense, no window, no softcap."""
         self._host(mQ, mK, mV, mdO, mLSE2, mDelta, mdQaccum, mdK, mdV, softmax_scale, stream, None, None, None)
+
+    @cute.jit
+    def call_dq_cast(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+                     mLSE2: cute.Tensor, mDelta: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor,
+                     mdV: cute.Tensor, mdQ: cute.Tensor, mCount: cute.Tensor, softmax_scale: Float32, stream):
+        """__call__ for a kernel built with dq_cast: dQ (B, Sq, H, D) in the input dtype, which the kernel writes, and
+        the cast's counters (B, H, query blocks) int32 zeros (bwd_dq.DqAccumulator.cast_finished)."""
+        self._host(mQ, mK, mV, mdO, mLSE2, mDelta, mdQaccum, mdK, mdV, softmax_scale, stream, None, None,
+                   (mCount, self.seqlens.views((mdQ,), ())[0][0]))
 
     @cute.jit
     def call_general(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,

@@ -269,14 +269,16 @@ def prepare_varlen_torch(out, dout, lse, cu_seqlens_q, seqused_q, max_seqlen_q, 
 
 def finish(dq_accum, dq, dk_h=None, dv_h=None, dk=None, dv=None, perm=False):
     """One Triton launch: dq (B, Sq, H, D), any strides, = dq_accum (with ``perm`` in config.permuted_column's
-    layout, read back in order: unpermute) in dq's dtype; with
+    layout, read back in order: unpermute) in dq's dtype (dq None: the kernel cast it, BwdConfig.dq_cast); with
     dk_h / dv_h (B, Sk, H, D) contiguous, dk / dv (B, Sk, Hk, D), any strides, = their sums over each group of
     H / Hk query heads (in fp32, query heads in order)."""
     B, Sq, H, D = dq_accum.shape
     kv = dk_h is not None
     meta = _meta(D, kv, bool(perm))
     n_q = -(-Sq // meta["BLOCK_S"])
-    n_dq = B * H * n_q
+    n_dq = B * H * n_q if dq is not None else 0
+    if dq is None:
+        dq = dk_h  # (never read: no dq programs)
     if kv:
         Sk, Hk = dk.shape[1], dk.shape[2]
         n_k = -(-Sk // meta["BLOCK_S"])
@@ -318,7 +320,8 @@ def prepare_torch(out, dout, lse, seqlen_pad, head_dim=None):
 
 def finish_torch(dq_accum, dq, dk_h=None, dv_h=None, dk=None, dv=None, perm=False):
     """``finish`` in torch."""
-    dq.copy_(unpermute(dq_accum) if perm else dq_accum)
+    if dq is not None:
+        dq.copy_(unpermute(dq_accum) if perm else dq_accum)
     if dk_h is not None:
         B, Sk, Hk = dk.shape[:3]
         group = dk_h.shape[2] // Hk

@@ -96,6 +96,8 @@ BWD_EXP2_EMU = {64: 0, 96: 0, 128: 0, 192: 0, 256: 0}
 # with it on an H100, benchmarks/results/h100/cute_bwd_ab.md); the split-D kernel's varlen calls keep the direct stores.
 BWD_TMA_DKV = {64: True, 96: True, 128: True, 192: True, 256: True}
 BWD_TMA_DKV_VARLEN = {64: True, 96: True, 128: True}
+# dQ cast in the kernel (BwdConfig.dq_cast): off until GPU-tested and timed against the cast launch (bwd.dq_cast=1)
+BWD_DQ_CAST = False
 
 _DTYPE_NAMES = {"torch.float16": "fp16", "torch.bfloat16": "bf16", "fp16": "fp16", "bf16": "bf16"}
 
@@ -257,6 +259,10 @@ class BwdConfig:
     # host's casts read it back in order (dq_tma kernels; bwd.dq_perm=0: the swizzled tile; H100 2026-12-07: kernel
     # 1.02-1.13x, benchmarks/results/h100/cute_bwd_ab.md)
     dq_perm: bool = False
+    # the last key block's CTA of a query block casts its dq_accum rows into dQ (bwd_dq.DqAccumulator.cast_finished),
+    # so no cast launch follows the kernel; dense calls of the plain entry (call_dq_cast): dq_tma, no writer warp, not
+    # deterministic, no window, softcap, varlen, mods or Dv pair
+    dq_cast: bool = False
 
     def __post_init__(self):
         if self.dtype not in ("fp16", "bf16"):
@@ -275,6 +281,10 @@ class BwdConfig:
         if self.dq_perm and (not self.dq_tma or self.head_dim % 32):
             raise ValueError("BwdConfig: dq_perm is the layout of the TMA dQ tile (dq_tma) at head dims that are "
                              "multiples of 32 (permuted_column swaps 16-column blocks in pairs)")
+        if self.dq_cast and (not self.dq_tma or self.dq_writer or self.deterministic or self.local or self.softcap
+                             or self.varlen or self.head_dim_v is not None):
+            raise ValueError("BwdConfig: dq_cast serves the plain dense kernel with dq_tma (no writer warp, "
+                             "determinism, window, softcap, varlen or Dv pair)")
         if self.softcap and self.block_m != 64:
             raise ValueError("BwdConfig: softcap needs block_m 64")
         if self.head_dim_v is not None and (self.head_dim, self.head_dim_v) not in HEAD_DIM_PAIRS:
@@ -538,4 +548,6 @@ def select_bwd(dtype, head_dim, causal, arch, abi, local=False, varlen=False, de
                      # (descending turns where they are GPU-tested: the writer warp's; the consumers' red.global turns,
                      # bwd.dq_writer=0 and the split-D kernel's, ascend)
                      turns_desc=bool(deterministic and causal and dq_writer),
-                     dq_perm=bool(dq_tma and ov.get("dq_perm", True)))
+                     dq_perm=bool(dq_tma and ov.get("dq_perm", True)),
+                     dq_cast=bool(dq_tma and not dq_writer and not (deterministic or local or softcap or varlen)
+                                  and head_dim_v in (None, d) and ov.get("dq_cast", BWD_DQ_CAST)))
