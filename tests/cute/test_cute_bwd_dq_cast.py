@@ -64,16 +64,17 @@ def _ptx(tmp_path, cute_env, d, causal, overrides, **kw):
 def test_kernel_counts_query_blocks_and_casts_the_last_ones(tmp_path, cute_env, d, causal, kw):
     """The dq_cast kernel: the issuing warp's last reduce-add completed and fenced (proxy, then acq_rel), one acq_rel
     increment per (query head, query block) and lane, a ballot, then the warp's cast of each block whose increment
-    was the last: per lane and step 4 pieces of a row (16 fp32 columns each: 4 x 16-byte loads) all loaded before
-    the first 16-bit store (2 x 16 bytes each); spill-free, register split and WGMMA pipelining kept. The default
-    kernel has none of it."""
+    was the last: per lane and step U pieces of a row (16 fp32 columns each: 4 x 16-byte loads; U = 8, 6 at d96's
+    12 pieces per lane and block) all loaded before the first 16-bit store (2 x 16 bytes each); spill-free, register
+    split and WGMMA pipelining kept. The default kernel has none of it."""
     text, path = _ptx(tmp_path, cute_env, d, causal, "bwd.dq_cast=1", **kw)
     assert text.count("atom.global.acq_rel.add.u32") == 1
     assert text.count("vote.sync.ballot.b32") == 1
     assert text.count("fence.proxy.async.global") == 1
     loads = [m.start() for m in re.finditer(r"ld\.global\.v4\.b32", text)]
     stores = [m.start() for m in re.finditer(r"st\.global\.v4\.b32", text)]
-    assert len(loads) == 16 and len(stores) == 8
+    pieces = 6 if d == 96 else 8
+    assert len(loads) == 4 * pieces and len(stores) == 2 * pieces
     assert max(loads) < min(stores)
     assert text.index("atom.global.acq_rel.add.u32") < min(loads)
     if shutil.which("ptxas") is not None:

@@ -243,19 +243,20 @@ class DqAccumulator:
         for each query block of query heads [head0, head0 + heads) of its sequence, one acq_rel increment of its
         counter (counts (B, H, query blocks) int32, zeroed by the host); the CTA whose increment is the last of the
         ceil(Sk / block_n) key-block CTAs (every key block's CTA counts every query block, seen or not) casts the block's
-        dq_accum rows into dQ (mdQ, the input dtype). A warp takes 32 query blocks at a time: each lane's increment,
-        a ballot, then the warp casts each block whose increment was last, 16 columns of a row per lane and step."""
+        dq_accum rows into dQ (mdQ, the input dtype). Items (head, query block) go round the warps (item i to warp
+        i % 8, lane i // 8 of a round of 256), so that the blocks one CTA finishes last spread over all its warps; a
+        warp ballots its lanes' results and casts each of its blocks whose increment was last."""
         cute.arch.barrier(barrier_id=1, number_of_threads=self.num_consumer_threads)
-        BM = self.block_m
+        BM, warps = self.block_m, self.num_consumer_threads // 32
         n_ctas = cute.ceil_div(seqlen_k, self.block_n)
         n_m = cute.ceil_div(tile.seqlen_q, BM)
         items = heads * n_m
-        lane = ctid % 32
-        for base in cutlass.range((ctid // 32) * 32, items, self.num_consumer_threads, unroll=1):
+        lane, warp = ctid % 32, ctid // 32
+        for base in cutlass.range(warp, items, self.num_consumer_threads, unroll=1):
             last = cutlass.Boolean(False)
-            if base + lane < items:
-                h = head0 + (base + lane) // n_m
-                at = counts.iterator + cute.crd2idx((tile.z, h, (base + lane) % n_m), counts.layout)
+            item = base + lane * warps
+            if item < items:
+                at = counts.iterator + cute.crd2idx((tile.z, head0 + item // n_m, item % n_m), counts.layout)
                 last = cute.arch.atomic_add(at, Int32(1), sem="acq_rel", scope="gpu") == n_ctas - 1
             ballot = cute.arch.vote_ballot_sync(last)
             if ballot != 0:
@@ -264,20 +265,22 @@ class DqAccumulator:
                 cute.arch.fence_acq_rel_gpu()
                 for j in cutlass.range(32, unroll=1):
                     if (ballot >> j) & 1:
-                        item = base + j
+                        item = base + j * warps
                         self._cast_block(mdQaccum, mdQ, tile, head0 + item // n_m, item % n_m, lane)
 
     @cute.jit
     def _cast_block(self, mdQaccum, mdQ, tile, head, m_block, lane):
         """dQ[m_block's rows of ``head``] = dq_accum's (the warp; rows past Sq left alone), read back in order under
         dq_perm (config.permuted_column: position PERM16[c] of a stored 16-column block holds its column c, the
-        blocks swapped in pairs in odd rows). A lane's 4 row pieces are loaded before any is stored (dQ may alias
-        dq_accum for the compiler, which would otherwise wait for each load in turn)."""
-        BM, U = self.block_m, 4
+        blocks swapped in pairs in odd rows). A lane's U pieces of rows (16 columns each) are loaded before any is
+        stored: dQ may alias dq_accum for the compiler, which would otherwise wait for each load in turn, and the
+        warp keeps 32 x U x 64 bytes in flight."""
+        BM = self.block_m
         gA = self.seqlens.rows(mdQaccum, tile.q_start, head, tile)  # (Sq, D) fp32
         gQ = self.seqlens.rows(mdQ, tile.q_start, head, tile)       # (Sq, D) input dtype
         blocks = cute.size(gA, mode=[1]) // 16
-        assert (BM * blocks) % (32 * U) == 0
+        per_lane = BM * blocks // 32
+        U = max(u for u in (8, 6, 4, 2, 1) if per_lane % u == 0)
         for c0 in cutlass.range(lane, BM * blocks, 32 * U, unroll=1):
             vals = cute.make_rmem_tensor(cute.make_layout((16, U)), Float32)
             for u in cutlass.range_constexpr(U):
