@@ -19,6 +19,7 @@ if _PKG not in sys.path:
 
 from flash_attn.cute import config, kernels, launch  # noqa: E402
 from test_cute_bwd import _fresh_bwd_kernels, _hopper, _run, cute_bwd_on  # noqa: E402,F401 (a fixture)
+from test_cute_bwd_varlen import kernel_layout  # noqa: E402 (dq_accum's layout, the stand-in kernels')
 
 
 def _cfg(d=128, causal=False, **kw):
@@ -97,15 +98,19 @@ def test_mods_kernels_keep_the_cast_launch(tmp_path, cute_env):
     assert "atom.global.acq_rel" not in text and "vote.sync.ballot" not in text
 
 
-@pytest.mark.parametrize("heads,heads_kv,gqa_loop,layout", [(4, 4, True, "kernel"), (4, 4, True, "transposed"),
-                                                            (4, 2, True, "kernel"), (4, 2, False, "kernel")])
-def test_host_hands_the_kernel_dq_and_zeroed_counters(monkeypatch, cute_env, heads, heads_kv, gqa_loop, layout):
+@pytest.mark.parametrize("heads,heads_kv,gqa_loop,layout,most", [
+    (4, 4, True, "kernel", None), (4, 4, True, "transposed", None), (4, 2, True, "kernel", None),
+    (4, 2, False, "kernel", None), (4, 4, True, "kernel", 1), (4, 4, True, "transposed", 1), (4, 2, True, "kernel", 2)])
+def test_host_hands_the_kernel_dq_and_zeroed_counters(monkeypatch, cute_env, heads, heads_kv, gqa_loop, layout, most):
     """With dq_cast the host hands the kernel dQ (the caller's where the kernel accepts its layout, else its own,
     copied after) and the counters (B, H, query blocks) int32 zeros, and launches no cast: the finish step runs only
-    for GQA's dK / dV sums (no gqa_loop), and then leaves dQ alone. fp16 (the interpreter computes bf16 wrongly)."""
+    for GQA's dK / dV sums (no gqa_loop), and then leaves dQ alone. Past plan.bwd_dq_cast_blocks query blocks (here 2
+    of 128 rows) the counters have no query block (the kernel casts nothing) and the host casts into the caller's dQ.
+    fp16 (the interpreter computes bf16 wrongly)."""
     from flash_attn.cute import bwd_host
 
-    cute_env(OVERRIDES=f"bwd.dq_cast=1,plan.bwd_gqa_loop={int(gqa_loop)}")
+    rule = "" if most is None else f",plan.bwd_dq_cast_blocks={most}"
+    cute_env(OVERRIDES=f"bwd.dq_cast=1,plan.bwd_gqa_loop={int(gqa_loop)}{rule}")
     _fresh_bwd_kernels(monkeypatch)
     ran = []
     for name in ("finish", "finish_torch"):
@@ -122,12 +127,16 @@ def test_host_hands_the_kernel_dq_and_zeroed_counters(monkeypatch, cute_env, hea
     cfg = kernels.bwd_config(dtype, D, False, "sm_90a", gqa_loop=gqa_loop and heads > heads_kv)
     assert cfg.dq_cast
     seen = {}
+    host_casts = most is not None and most < -(-Sq // cfg.block_m)
 
     def kernel(q_, k_, v_, dout_, lse2, delta, dq_accum, dk, dv, dq, counts, scale):
         seen.update(counts=counts.clone(), dq=dq)
         assert dq.dtype == dtype and launch._bwd_out_layout(dq, D)
-        dq_accum.fill_(7.0)  # never cast by the host
-        dq.copy_(dq_vals)
+        if host_casts:
+            dq_accum.add_(kernel_layout(dq_vals.float()) if cfg.dq_perm else dq_vals.float())
+        else:
+            dq_accum.fill_(7.0)  # never cast by the host
+            dq.copy_(dq_vals)
         dk.copy_(dk_vals)
         dv.copy_(dv_vals)
 
@@ -138,13 +147,16 @@ def test_host_hands_the_kernel_dq_and_zeroed_counters(monkeypatch, cute_env, hea
         grads = tuple(torch.full((B, h, s, D), float("nan"), dtype=dtype).transpose(1, 2)
                       for h, s in ((heads, Sq), (heads_kv, Sk), (heads_kv, Sk)))
     dq, dk, dv = launch.backward(dout, q, k, v, out, lse, 0.5, False, "sm_90a", grads=grads)
-    assert torch.equal(seen["counts"], torch.zeros(B, heads, -(-Sq // cfg.block_m), dtype=torch.int32))
+    blocks = 0 if host_casts else -(-Sq // cfg.block_m)
+    assert torch.equal(seen["counts"], torch.zeros(B, heads, blocks, dtype=torch.int32))
     assert torch.equal(dq, dq_vals)
     if grads is not None:
-        assert dq is grads[0] and seen["dq"] is not dq  # the kernel wrote its own, copied into the caller's
+        assert dq is grads[0] and seen["dq"] is not dq  # the kernel got its own (written and copied, or not)
     sums = heads > heads_kv and not gqa_loop
-    # no dQ cast; GQA's sums or dK / dV into outputs of another layout alone
-    assert all(r[1] is None for r in ran) and len(ran) == int(sums or layout == "transposed")
+    if host_casts:
+        assert [r[1] is dq for r in ran] == [True]
+    else:  # no dQ cast; GQA's sums or dK / dV into outputs of another layout alone
+        assert all(r[1] is None for r in ran) and len(ran) == int(sums or layout == "transposed")
     group = heads // heads_kv
     for got, vals in ((dk, dk_vals), (dv, dv_vals)):
         want = vals.float().view(B, Sk, heads_kv, group, D).sum(3).to(dtype) if sums else vals
@@ -163,16 +175,37 @@ def test_gradients_with_the_dq_cast_in_the_kernel_on_gpu(cute_bwd_on, monkeypatc
     """bwd.dq_cast=1: dQ cast by the last key block's CTA of each query block (query blocks cut by Sq, key blocks by
     Sk, blocks that no key block sees under a causal mask, GQA on the gqa_loop kernel and with the sums after it);
     no cast launch ran for dQ."""
+    _dq_cast_run(monkeypatch, cute_env, cute_bwd_on, f"plan.bwd_gqa_loop={int(gqa_loop)}", False, d, causal,
+                 seqlen_q, seqlen_k, heads, heads_kv)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(255, 255), (1000, 1000), (113, 203)])
+def test_gradients_with_the_host_cast_past_the_rule_on_gpu(cute_bwd_on, monkeypatch, cute_env, d, causal, seqlen_q,
+                                                            seqlen_k):
+    """The dq_cast kernel with plan.bwd_dq_cast_blocks=1: counters with no query block, the kernel casts nothing, the
+    host's cast launch does."""
+    _dq_cast_run(monkeypatch, cute_env, cute_bwd_on, "plan.bwd_dq_cast_blocks=1", True, d, causal, seqlen_q, seqlen_k,
+                 4, 4)
+
+
+def _dq_cast_run(monkeypatch, cute_env, calls, overrides, host_casts, d, causal, seqlen_q, seqlen_k, heads, heads_kv):
     from flash_attn.cute import bwd_host
 
-    cute_env(OVERRIDES=f"bwd.dq_cast=1,plan.bwd_gqa_loop={int(gqa_loop)}")
+    cute_env(OVERRIDES=f"bwd.dq_cast=1,{overrides}")
     _fresh_bwd_kernels(monkeypatch)
     casts = []
     real = bwd_host.finish
     monkeypatch.setattr(bwd_host, "finish", lambda acc, dq, *a, **kw: (casts.append(dq is not None),
                                                                        real(acc, dq, *a, **kw))[1])
-    _run(torch.bfloat16, d, causal, 2, seqlen_q, seqlen_k, heads, heads_kv, cute_bwd_on, seed=21)
-    assert not any(casts), "a cast launch ran for dQ"
+    _run(torch.bfloat16, d, causal, 2, seqlen_q, seqlen_k, heads, heads_kv, calls, seed=21)
+    if host_casts:
+        assert casts and all(casts), "the host did not cast dQ"
+    else:
+        assert not any(casts), "a cast launch ran for dQ"
 
 
 @pytest.mark.gpu

@@ -245,12 +245,13 @@ class DqAccumulator:
         ceil(Sk / block_n) key-block CTAs (every key block's CTA counts every query block, seen or not) casts the block's
         dq_accum rows into dQ (mdQ, the input dtype). Items (head, query block) go round the warps (item i to warp
         i % 8, lane i // 8 of a round of 256), so that the blocks one CTA finishes last spread over all its warps; a
-        warp ballots its lanes' results and casts each of its blocks whose increment was last."""
+        warp ballots its lanes' results and casts each of its blocks whose increment was last. Counters with no query
+        block (counts (B, H, 0)): the host casts this call (its plan rule), the kernel counts nothing."""
         cute.arch.barrier(barrier_id=1, number_of_threads=self.num_consumer_threads)
         BM, warps = self.block_m, self.num_consumer_threads // 32
         n_ctas = cute.ceil_div(seqlen_k, self.block_n)
         n_m = cute.ceil_div(tile.seqlen_q, BM)
-        items = heads * n_m
+        items = heads * n_m if cute.size(counts, mode=[2]) > 0 else 0
         lane, warp = ctid % 32, ctid // 32
         for base in cutlass.range(warp, items, self.num_consumer_threads, unroll=1):
             last = cutlass.Boolean(False)

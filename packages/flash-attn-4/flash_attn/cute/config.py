@@ -323,7 +323,10 @@ class PlanRules:
     ``bwd_d256``: which d256 backward calls it serves, "off", "causal" or "on"; "causal": 1.07-1.18x Triton's with a
     causal mask at 1k-4k (0.98x at 16k), 0.88-0.97x without one (benchmarks/results/h100/attention_cute_bwd_wide.md).
     ``mods_bwd_wide``: the backward of mods at head dims 192 and 256 on the split-D kernel (its key blocks of 64; a
-    mask_mod's lists built per 64 keys; no block_sparse_tensors_bwd there), off until GPU-tested."""
+    mask_mod's lists built per 64 keys; no block_sparse_tensors_bwd there), off until GPU-tested.
+    ``bwd_dq_cast_blocks``: with a kernel that casts dQ itself (BwdConfig.dq_cast), the most query blocks per (batch,
+    head) for which it does (past them the host's cast launch does: the CTA that finishes a head last casts the blocks
+    it finished last, a tail that grows with the sequence)."""
     pack_gqa_auto: bool = False
     bwd_host: str = "triton"
     bwd_window: bool = True
@@ -336,6 +339,7 @@ class PlanRules:
     bwd_wide_d: bool = True
     bwd_d256: str = "causal"
     mods_bwd_wide: bool = False
+    bwd_dq_cast_blocks: int = 1 << 30
 
     def __post_init__(self):
         if self.bwd_host not in ("triton", "torch"):
