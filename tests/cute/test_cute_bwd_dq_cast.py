@@ -19,6 +19,7 @@ if _PKG not in sys.path:
 
 from flash_attn.cute import config, kernels, launch  # noqa: E402
 from test_cute_bwd import _fresh_bwd_kernels, _hopper, _run, cute_bwd_on  # noqa: E402,F401 (a fixture)
+from test_cute_bwd_softcap import _check_softcap_gradients, softcap_on  # noqa: E402,F401 (a fixture)
 from test_cute_bwd_varlen import kernel_layout  # noqa: E402 (dq_accum's layout, the stand-in kernels')
 
 
@@ -27,16 +28,17 @@ def _cfg(d=128, causal=False, **kw):
 
 
 def test_dq_cast_rule_serves_the_plain_dense_kernels_only(cute_env):
-    """Off by default (until timed); with bwd.dq_cast=1 on for the dense plain-entry kernels with the TMA dQ tile
-    (d64 / d96 / d128, causal or not, gqa_loop), and off wherever the call takes another entry or dQ goes otherwise:
-    deterministic (turns), a window or softcap (call_general), varlen (counts per sequence), d192 / d256 (atomics),
-    the 192 / 128 pair; a cache key of its own; BwdConfig refuses the combinations it cannot serve."""
+    """Off by default (until timed); with bwd.dq_cast=1 on for the dense kernels with the TMA dQ tile (d64 / d96 /
+    d128, causal or not, gqa_loop, a window or softcap: call_general_dq_cast), and off wherever dQ goes otherwise or
+    the count would differ: deterministic (turns), varlen (counts per sequence), d192 / d256 (atomics), the 192 / 128
+    pair; a cache key of its own; BwdConfig refuses the combinations it cannot serve."""
     assert not _cfg().dq_cast
     cute_env(OVERRIDES="bwd.dq_cast=1")
     for d in (64, 96, 128):
         for causal in (False, True):
             assert _cfg(d, causal).dq_cast and _cfg(d, causal, gqa_loop=True).dq_cast
-    for kw in (dict(deterministic=True), dict(local=True), dict(softcap=True), dict(varlen=True)):
+            assert _cfg(d, causal, local=True).dq_cast and _cfg(d, causal, softcap=True).dq_cast
+    for kw in (dict(deterministic=True), dict(varlen=True)):
         assert not _cfg(**kw).dq_cast, kw
     assert not _cfg(192).dq_cast and not _cfg(256, True).dq_cast and not _cfg(192, head_dim_v=128).dq_cast
     cute_env(OVERRIDES="bwd.dq_cast=1,bwd.dq_tma=0")
@@ -45,8 +47,8 @@ def test_dq_cast_rule_serves_the_plain_dense_kernels_only(cute_env):
     base = _cfg()
     cast = config.BwdConfig(**{**base.__dict__, "dq_cast": True})
     assert cast.key() != base.key()
-    for bad in (dict(dq_tma=False, dq_perm=False), dict(deterministic=True, dq_writer=True), dict(local=True),
-                dict(softcap=True), dict(varlen=True, lpt=0)):
+    for bad in (dict(dq_tma=False, dq_perm=False), dict(deterministic=True, dq_writer=True), dict(varlen=True, lpt=0),
+                dict(head_dim=192, head_dim_v=128)):
         with pytest.raises(ValueError, match="dq_cast"):
             config.BwdConfig(**{**base.__dict__, "dq_cast": True, **bad})
 
@@ -61,13 +63,14 @@ def _ptx(tmp_path, cute_env, d, causal, overrides, **kw):
 
 
 @pytest.mark.parametrize("d,causal,kw", [(64, False, {}), (96, True, {}), (128, False, {}),
-                                         (128, True, dict(gqa_loop=True))])
+                                         (128, True, dict(gqa_loop=True)), (128, False, dict(softcap=True)),
+                                         (64, True, dict(local=True))])
 def test_kernel_counts_query_blocks_and_casts_the_last_ones(tmp_path, cute_env, d, causal, kw):
     """The dq_cast kernel: the issuing warp's last reduce-add completed and fenced (proxy, then acq_rel), one acq_rel
     increment per (query head, query block) and lane, a ballot, then the warp's cast of each block whose increment
     was the last: per lane and step U pieces of a row (16 fp32 columns each: 4 x 16-byte loads; U = 8, 6 at d96's
     12 pieces per lane and block) all loaded before the first 16-bit store (2 x 16 bytes each); spill-free, register
-    split and WGMMA pipelining kept. The default kernel has none of it."""
+    split and WGMMA pipelining kept, no more spills than without it. The default kernel has none of it."""
     text, path = _ptx(tmp_path, cute_env, d, causal, "bwd.dq_cast=1", **kw)
     assert text.count("atom.global.acq_rel.add.u32") == 1
     assert text.count("vote.sync.ballot.b32") == 1
@@ -78,15 +81,19 @@ def test_kernel_counts_query_blocks_and_casts_the_last_ones(tmp_path, cute_env, 
     assert len(loads) == 4 * pieces and len(stores) == 2 * pieces
     assert max(loads) < min(stores)
     assert text.index("atom.global.acq_rel.add.u32") < min(loads)
-    if shutil.which("ptxas") is not None:
-        out = subprocess.run(["ptxas", "-arch=sm_90a", "-v", path, "-o", os.devnull], capture_output=True, text=True,
-                             check=True)
-        log = out.stdout + out.stderr
-        assert "setmaxnreg' ignored" not in log and "are serialized" not in log, log
-        assert all(int(x) == 0 for x in re.findall(r"(\d+) bytes spill stores", log)), log
-    plain, _ = _ptx(tmp_path, cute_env, d, causal, "bwd.dq_cast=0", **kw)
+    plain, plain_path = _ptx(tmp_path, cute_env, d, causal, "bwd.dq_cast=0", **kw)
     assert "atom.global.acq_rel" not in plain and "vote.sync.ballot" not in plain
     assert "ld.global.v4" not in plain
+    if shutil.which("ptxas") is not None:  # no more spilled than the kernel without it (d128 softcap: one word)
+        assert _spills(path) <= _spills(plain_path) <= (4 if kw.get("softcap") else 0)
+
+
+def _spills(path):
+    out = subprocess.run(["ptxas", "-arch=sm_90a", "-v", path, "-o", os.devnull], capture_output=True, text=True,
+                         check=True)
+    log = out.stdout + out.stderr
+    assert "setmaxnreg' ignored" not in log and "are serialized" not in log, log
+    return max(int(x) for x in re.findall(r"(\d+) bytes spill stores", log))
 
 
 def test_mods_kernels_keep_the_cast_launch(tmp_path, cute_env):
@@ -192,16 +199,44 @@ def test_gradients_with_the_host_cast_past_the_rule_on_gpu(cute_bwd_on, monkeypa
                  4, 4)
 
 
-def _dq_cast_run(monkeypatch, cute_env, calls, overrides, host_casts, d, causal, seqlen_q, seqlen_k, heads, heads_kv):
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("d", [64, 96, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(255, 255), (1000, 1000), (113, 203), (300, 1200)])
+@pytest.mark.parametrize("heads,heads_kv", [(4, 4), (6, 2)])
+def test_gradients_with_the_dq_cast_and_a_window_on_gpu(cute_bwd_on, monkeypatch, cute_env, d, causal, seqlen_q,
+                                                        seqlen_k, heads, heads_kv):
+    """call_general_dq_cast with a sliding window (query blocks no key block sees: their zero rows cast too)."""
+    _dq_cast_run(monkeypatch, cute_env, cute_bwd_on, "", False, d, causal, seqlen_q, seqlen_k, heads, heads_kv,
+                 window=(40, 0 if causal else 7))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("d", [64, 96, 128])
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (100, 30))])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1000, 1000), (300, 777), (1, 130)])
+def test_softcap_gradients_with_the_dq_cast_on_gpu(softcap_on, monkeypatch, cute_env, d, causal, window, seqlen_q,
+                                                   seqlen_k):
+    """call_general_dq_cast with soft-capped scores (test_cute_bwd_softcap's check)."""
+    cute_env(OVERRIDES="bwd.dq_cast=1,plan.bwd_softcap=1")
+    _fresh_bwd_kernels(monkeypatch)
+    _check_softcap_gradients(softcap_on, torch.bfloat16, d, causal, window, seqlen_q, seqlen_k)
+    assert any(key[-1] == "softcap" for key in kernels._bwd_kernels)
+
+
+def _dq_cast_run(monkeypatch, cute_env, calls, overrides, host_casts, d, causal, seqlen_q, seqlen_k, heads, heads_kv,
+                 window=(-1, -1)):
     from flash_attn.cute import bwd_host
 
-    cute_env(OVERRIDES=f"bwd.dq_cast=1,{overrides}")
+    cute_env(OVERRIDES=",".join(x for x in ("bwd.dq_cast=1", overrides) if x))
     _fresh_bwd_kernels(monkeypatch)
     casts = []
     real = bwd_host.finish
     monkeypatch.setattr(bwd_host, "finish", lambda acc, dq, *a, **kw: (casts.append(dq is not None),
                                                                        real(acc, dq, *a, **kw))[1])
-    _run(torch.bfloat16, d, causal, 2, seqlen_q, seqlen_k, heads, heads_kv, calls, seed=21)
+    _run(torch.bfloat16, d, causal, 2, seqlen_q, seqlen_k, heads, heads_kv, calls, seed=21, window=window)
     if host_casts:
         assert casts and all(casts), "the host did not cast dQ"
     else:

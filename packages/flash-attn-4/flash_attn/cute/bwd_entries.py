@@ -53,6 +53,16 @@ class BwdEntries:
                    (window_left, window_right) if cutlass.const_expr(self.local) else None, None, None, softcap)
 
     @cute.jit
+    def call_general_dq_cast(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+                             mLSE2: cute.Tensor, mDelta: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor,
+                             mdV: cute.Tensor, mdQ: cute.Tensor, mCount: cute.Tensor, softmax_scale: Float32,
+                             softcap: Float32, window_left: Int32, window_right: Int32, stream):
+        """call_general for a kernel built with dq_cast: dQ and its counters as call_dq_cast's."""
+        self._host(mQ, mK, mV, mdO, mLSE2, mDelta, mdQaccum, mdK, mdV, softmax_scale, stream,
+                   (window_left, window_right) if cutlass.const_expr(self.local) else None, None,
+                   (mCount, self.seqlens.views((mdQ,), ())[0][0]), softcap)
+
+    @cute.jit
     def call_deterministic(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                            mLSE2: cute.Tensor, mDelta: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor,
                            mdV: cute.Tensor, mSem: cute.Tensor, softmax_scale: Float32, softcap: Float32, stream):

@@ -260,8 +260,8 @@ class BwdConfig:
     # 1.02-1.13x, benchmarks/results/h100/cute_bwd_ab.md)
     dq_perm: bool = False
     # the last key block's CTA of a query block casts its dq_accum rows into dQ (bwd_dq.DqAccumulator.cast_finished),
-    # so no cast launch follows the kernel; dense calls of the plain entry (call_dq_cast): dq_tma, no writer warp, not
-    # deterministic, no window, softcap, varlen, mods or Dv pair
+    # so no cast launch follows the kernel; dense calls (entries call_dq_cast, call_general_dq_cast): dq_tma, no writer
+    # warp, not deterministic, not varlen, no mods or Dv pair
     dq_cast: bool = False
 
     def __post_init__(self):
@@ -281,10 +281,10 @@ class BwdConfig:
         if self.dq_perm and (not self.dq_tma or self.head_dim % 32):
             raise ValueError("BwdConfig: dq_perm is the layout of the TMA dQ tile (dq_tma) at head dims that are "
                              "multiples of 32 (permuted_column swaps 16-column blocks in pairs)")
-        if self.dq_cast and (not self.dq_tma or self.dq_writer or self.deterministic or self.local or self.softcap
-                             or self.varlen or self.head_dim_v is not None):
-            raise ValueError("BwdConfig: dq_cast serves the plain dense kernel with dq_tma (no writer warp, "
-                             "determinism, window, softcap, varlen or Dv pair)")
+        if self.dq_cast and (not self.dq_tma or self.dq_writer or self.deterministic or self.varlen
+                             or self.head_dim_v is not None):
+            raise ValueError("BwdConfig: dq_cast serves dense kernels with dq_tma (no writer warp, determinism, "
+                             "varlen or Dv pair)")
         if self.softcap and self.block_m != 64:
             raise ValueError("BwdConfig: softcap needs block_m 64")
         if self.head_dim_v is not None and (self.head_dim, self.head_dim_v) not in HEAD_DIM_PAIRS:
@@ -553,5 +553,5 @@ def select_bwd(dtype, head_dim, causal, arch, abi, local=False, varlen=False, de
                      # bwd.dq_writer=0 and the split-D kernel's, ascend)
                      turns_desc=bool(deterministic and causal and dq_writer),
                      dq_perm=bool(dq_tma and ov.get("dq_perm", True)),
-                     dq_cast=bool(dq_tma and not dq_writer and not (deterministic or local or softcap or varlen)
+                     dq_cast=bool(dq_tma and not dq_writer and not (deterministic or varlen)
                                   and head_dim_v in (None, d) and ov.get("dq_cast", BWD_DQ_CAST)))

@@ -377,7 +377,8 @@ def compile_bwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=Fal
     softmax_scale, softcap, window_left, window_right)`` (``backward_varlen``). ``deterministic``: call_deterministic
     (``..., dv, counters, softmax_scale, softcap``) / call_varlen_deterministic, the turn counters (B, H, query
     blocks) int32 after the other tensors. A config with dq_cast (BwdConfig): call_dq_cast, ``(..., dv, dq, counters,
-    softmax_scale)``, dq in the input dtype written by the kernel, its counters (B, H, query blocks) int32 zeros.
+    softmax_scale)`` (with ``local`` or ``softcap`` call_general_dq_cast: call_general's scalars after them), dq in the
+    input dtype written by the kernel, its counters (B, H, query blocks) int32 zeros (none: the kernel casts nothing).
     ``mask_mod`` (dense, no softcap; with ``local`` call_mods_local, the
     window sizes after the scale and no lists): call_mods, ``(..., dv,
     softmax_scale, aux, lists, scalars)`` with aux tensors of kinds ``spec``, with ``sparse`` ((has_full, row factor,
@@ -461,8 +462,11 @@ def compile_bwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=Fal
     if cfg.dq_cast:  # dq (B, Sq, H, D) and the cast's counters (B, H, query blocks) int32 after dv
         counts = make_fake_tensor(cutlass.Int32, (cute.sym_int(), heads, cute.sym_int()),
                                   (cute.sym_int(), cute.sym_int(), 1), assumed_align=4)
-        return cute.compile(kernel.call_dq_cast, *tensors, bshd(dt, seqlen_q, heads), counts, cutlass.Float32(1.0),
-                            stream, options=options)
+        tensors += (bshd(dt, seqlen_q, heads), counts)
+        if local or softcap:
+            return cute.compile(kernel.call_general_dq_cast, *tensors, cutlass.Float32(1.0), cutlass.Float32(0.0),
+                                cutlass.Int32(0), cutlass.Int32(0), stream, options=options)
+        return cute.compile(kernel.call_dq_cast, *tensors, cutlass.Float32(1.0), stream, options=options)
     if local or softcap:
         return cute.compile(kernel.call_general, *tensors, cutlass.Float32(1.0), cutlass.Float32(0.0),
                             cutlass.Int32(0), cutlass.Int32(0), stream, options=options)
