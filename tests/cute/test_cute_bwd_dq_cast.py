@@ -18,7 +18,7 @@ if _PKG not in sys.path:
     sys.path.insert(0, _PKG)
 
 from flash_attn.cute import config, kernels, launch  # noqa: E402
-from test_cute_bwd import _fresh_bwd_kernels, _hopper, _run, cute_bwd_on  # noqa: E402,F401 (a fixture)
+from test_cute_bwd import _fresh_bwd_kernels, _hopper, _run, cute_bwd_on, host  # noqa: E402,F401 (fixtures)
 from test_cute_bwd_softcap import _check_softcap_gradients, softcap_on  # noqa: E402,F401 (a fixture)
 from test_cute_bwd_varlen import kernel_layout  # noqa: E402 (dq_accum's layout, the stand-in kernels')
 
@@ -108,16 +108,20 @@ def test_mods_kernels_keep_the_cast_launch(tmp_path, cute_env):
 @pytest.mark.parametrize("heads,heads_kv,gqa_loop,layout,most", [
     (4, 4, True, "kernel", None), (4, 4, True, "transposed", None), (4, 2, True, "kernel", None),
     (4, 2, False, "kernel", None), (4, 4, True, "kernel", 1), (4, 4, True, "transposed", 1), (4, 2, True, "kernel", 2)])
-def test_host_hands_the_kernel_dq_and_zeroed_counters(monkeypatch, cute_env, heads, heads_kv, gqa_loop, layout, most):
+def test_host_hands_the_kernel_dq_and_zeroed_counters(monkeypatch, cute_env, host, heads, heads_kv, gqa_loop, layout,
+                                                      most):
     """With dq_cast the host hands the kernel dQ (the caller's where the kernel accepts its layout, else its own,
     copied after) and the counters (B, H, query blocks) int32 zeros, and launches no cast: the finish step runs only
     for GQA's dK / dV sums (no gqa_loop), and then leaves dQ alone. Past plan.bwd_dq_cast_blocks query blocks (here 2
     of 128 rows) the counters have no query block (the kernel casts nothing) and the host casts into the caller's dQ.
-    fp16 (the interpreter computes bf16 wrongly)."""
+    Both host paths (the preprocess zeroes the counters in its launch; its allocations NaN-filled here); fp16 (the
+    interpreter computes bf16 wrongly)."""
     from flash_attn.cute import bwd_host
 
+    path, _ = host
     rule = "" if most is None else f",plan.bwd_dq_cast_blocks={most}"
-    cute_env(OVERRIDES=f"bwd.dq_cast=1,plan.bwd_gqa_loop={int(gqa_loop)}{rule}")
+    torch_host = ",plan.bwd_host=torch" if path == "torch" else ""
+    cute_env(OVERRIDES=f"bwd.dq_cast=1,plan.bwd_gqa_loop={int(gqa_loop)}{rule}{torch_host}")
     _fresh_bwd_kernels(monkeypatch)
     ran = []
     for name in ("finish", "finish_torch"):

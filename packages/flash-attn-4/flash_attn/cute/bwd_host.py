@@ -47,10 +47,11 @@ if triton is not None:
     # Lengths and block counts change from call to call: not specialised (no recompiles per length).
     # Strides are, so that a unit last stride and 16-divisible row strides vectorise the accesses.
     @triton.jit(do_not_specialize=["seqlen_q", "seqlen_pad", "n_m_blocks"])
-    def _bwd_prep_kernel(Out, DOut, Lse, Delta, Lse2, DQAccum,
+    def _bwd_prep_kernel(Out, DOut, Lse, Delta, Lse2, DQAccum, Counts,
                          s_ob, s_os, s_oh, s_od, s_gb, s_gs, s_gh, s_gd, s_lb, s_lh, s_ls,
                          seqlen_q, seqlen_pad, heads, n_m_blocks,
-                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                         COUNT_EVERY: tl.constexpr = 0):
         # heads vary fastest: programs running together cover whole (row, head, D) rows of out/dout/dq_accum
         pid = tl.program_id(0)
         bm = pid // heads
@@ -81,6 +82,9 @@ if triton is not None:
         tl.store(Lse2 + row_off, lse2, mask=in_pad)
         tl.store(DQAccum + ((b64 * seqlen_q + rows64[:, None]) * heads + h64) * HEAD_DIM + cols[None, :],
                  tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), mask=tile)
+        if COUNT_EVERY:  # the in-kernel dQ cast's counter of the kernel's query block (COUNT_EVERY of ours) is 0
+            if m % COUNT_EVERY == 0:
+                tl.store(Counts + bh.to(tl.int64) * (seqlen_pad // (BLOCK_M * COUNT_EVERY)) + m // COUNT_EVERY, 0)
 
     @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "n_dq", "n_q_blocks", "n_k_blocks"])
     def _bwd_post_kernel(DQAccum, DQ, DKh, DVh, DK, DV,
@@ -197,22 +201,26 @@ def _meta(head_dim, kv=None, perm=False):
 _metas: dict = {}
 
 
-def prepare(out, dout, lse, seqlen_pad):
+def prepare(out, dout, lse, seqlen_pad, count_block=0):
     """(lse2, delta, dq_accum) for the kernel, in one Triton launch: out/dout (B, Sq, H, D) any strides,
     lse fp32 (B, H, >= Sq) any strides; lse2 / delta (B, H, seqlen_pad) fp32 contiguous, dq_accum
-    (B, Sq, H, D) fp32 contiguous and zero."""
+    (B, Sq, H, D) fp32 contiguous and zero. count_block > 0 (the kernel's query block, a multiple of 64 dividing
+    seqlen_pad): then also the in-kernel dQ cast's counters (B, H, seqlen_pad // count_block) int32, zero, last."""
     B, Sq, H, D = out.shape
     dev = out.device
     lse2 = _empty((B, H, seqlen_pad), dtype=_F32, device=dev)
     delta = _empty((B, H, seqlen_pad), dtype=_F32, device=dev)
     dq_accum = _empty((B, Sq, H, D), dtype=_F32, device=dev)
     meta = _meta(D)
+    counts = _empty((B, H, seqlen_pad // count_block), dtype=torch.int32, device=dev) if count_block else None
     n_m = -(-seqlen_pad // meta["BLOCK_M"])
+    every = count_block // meta["BLOCK_M"]
     if B * H * n_m:
         _launch(_bwd_prep_kernel, (B * H * n_m,),
-                (out, dout, lse, delta, lse2, dq_accum, *out.stride(), *dout.stride(), *lse.stride(),
-                 Sq, seqlen_pad, H, n_m), meta, ("prep", D))
-    return lse2, delta, dq_accum
+                (out, dout, lse, delta, lse2, dq_accum, counts if count_block else dq_accum, *out.stride(),
+                 *dout.stride(), *lse.stride(), Sq, seqlen_pad, H, n_m),
+                dict(meta, COUNT_EVERY=every) if every else meta, ("prep", D, every))
+    return (lse2, delta, dq_accum) + ((counts,) if count_block else ())
 
 
 def varlen_rows(total_q, batch, block_pad):
@@ -304,7 +312,7 @@ def unpermute(dq_accum):
     return out
 
 
-def prepare_torch(out, dout, lse, seqlen_pad, head_dim=None):
+def prepare_torch(out, dout, lse, seqlen_pad, head_dim=None, count_block=0):
     """``prepare`` in torch (several launches; fp32 copies of out and dout for delta); head_dim: dq_accum's, where it
     is not out's (a q / v head-dim pair)."""
     B, Sq, H, D = out.shape
@@ -315,6 +323,9 @@ def prepare_torch(out, dout, lse, seqlen_pad, head_dim=None):
     # fp32 products as FlashAttention computes delta; out is upcast inside the multiply
     delta[:, :, :Sq] = (dout.float() * out).sum(-1).transpose(1, 2)
     dq_accum = torch.zeros((B, Sq, H, head_dim or D), dtype=_F32, device=out.device)
+    if count_block:
+        return lse2, delta, dq_accum, torch.zeros((B, H, seqlen_pad // count_block), dtype=torch.int32,
+                                                  device=out.device)
     return lse2, delta, dq_accum
 
 

@@ -575,8 +575,14 @@ def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grad
     sq_pad = -(-Sq // block_m) * block_m
     sem = torch.zeros((B, H, sq_pad // block_m), dtype=torch.int32, device=q.device) if deterministic else None
     host = bwd_host if bwd_host.use_triton(q) and dv_dim is None else None
-    lse2, delta, dq_accum = (bwd_host.prepare if host else bwd_host.prepare_torch)(out, dout, lse, sq_pad,
-                                                                                   *(() if host else (D,)))
+    # a kernel that casts dQ itself (BwdConfig.dq_cast) takes dQ and the counters (zeroed by the preprocess); with
+    # none of them (B, H, 0) it leaves the cast to the host (plan rule bwd_dq_cast_blocks)
+    takes_dq = cfg.dq_cast and mod is None
+    cast = takes_dq and sq_pad // block_m <= plan_rules().bwd_dq_cast_blocks
+    lse2, delta, dq_accum, *counts = (bwd_host.prepare if host else bwd_host.prepare_torch)(
+        out, dout, lse, sq_pad, *(() if host else (D,)), count_block=block_m if cast else 0)
+    if takes_dq:
+        sem = counts[0] if cast else torch.zeros((B, H, 0), dtype=torch.int32, device=q.device)
     if dlse is not None:
         delta[:, :, :Sq].sub_(dlse[:, :, :Sq])
 
@@ -597,13 +603,7 @@ def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grad
         dv = dv_out if dv_out is not None else new(Hk, Dv)
         sums = True
     dq = dq_out if dq_out is not None else torch.empty((B, Sq, H, D), dtype=dtype, device=q.device)
-    # a kernel that casts dQ itself (BwdConfig.dq_cast) takes dQ and the counters; with none of them (B, H, 0) it
-    # leaves the cast to the host (plan rule bwd_dq_cast_blocks)
-    takes_dq = cfg.dq_cast and mod is None
-    cast = takes_dq and sq_pad // block_m <= plan_rules().bwd_dq_cast_blocks
     dq_k = dq if not takes_dq or _bwd_out_layout(dq, D) else torch.empty((B, Sq, H, D), dtype=dtype, device=q.device)
-    if takes_dq:
-        sem = torch.zeros((B, H, sq_pad // block_m if cast else 0), dtype=torch.int32, device=q.device)
     step = max(1, min((_MAX_ELEMS - 1) // per_batch, _MAX_GRID_Z))
     for b in range(0, B, step):  # 32-bit offsets in the kernel: batch slices below 2^31 elements (and grid z's limit)
         sl = slice(b, b + step)
