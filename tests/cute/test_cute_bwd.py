@@ -1249,15 +1249,16 @@ def test_host_kernels_compile_for_sm90_vectorised_without_spills(tmp_path):
     # per thread, bf16 tiles of 64 x D over 32 * num_warps threads: out and dout 2 x 4 loads of 8 values,
     # dq_accum's zeros 8 stores of 4 fp32; the cast 8 loads of 4 fp32 and 4 stores of 8 bf16; with KV
     # also the group's 2 x 4 loads per query head and 2 x 4 stores (D = 96: the 128-column tile masked to 96 columns,
-    # still 16-byte accesses). With PERM (dq_accum in config.permuted_column's layout) dq_accum is still read 16 bytes
-    # at a time and dq written 4 bytes at a time (the column pairs the permutation keeps together)
+    # still 16-byte accesses). With PERM (dq_accum in config.permuted_column's layout) the same: dq_accum read 16 bytes
+    # at a time in stored order, reordered in registers, dq written 16 bytes at a time (4-byte scatters of dq took the
+    # cast 540 us against ~70 at d128 1k on an H100)
     for D in (64, 96, 128):
         for prep in (f"prep d{D}", f"prep d{D} counts"):
             assert (rows[prep]["ld_v4"], rows[prep]["st_v4"]) == (8, 8), rows
         assert (rows[f"post d{D} kv=False"]["ld_v4"], rows[f"post d{D} kv=False"]["st_v4"]) == (8, 4), rows
         assert (rows[f"post d{D} kv=True"]["ld_v4"], rows[f"post d{D} kv=True"]["st_v4"]) == (16, 12), rows
-        assert (rows[f"post d{D} kv=False perm"]["ld_v4"], rows[f"post d{D} kv=False perm"]["st_v4"]) == (8, 0), rows
-        assert (rows[f"post d{D} kv=True perm"]["ld_v4"], rows[f"post d{D} kv=True perm"]["st_v4"]) == (16, 8), rows
+        assert (rows[f"post d{D} kv=False perm"]["ld_v4"], rows[f"post d{D} kv=False perm"]["st_v4"]) == (8, 4), rows
+        assert (rows[f"post d{D} kv=True perm"]["ld_v4"], rows[f"post d{D} kv=True perm"]["st_v4"]) == (16, 12), rows
 
 
 def test_torch_host_path_without_triton(monkeypatch, cute_env):

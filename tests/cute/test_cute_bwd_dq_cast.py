@@ -197,9 +197,9 @@ def test_gradients_with_the_dq_cast_in_the_kernel_on_gpu(cute_bwd_on, monkeypatc
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(255, 255), (1000, 1000), (113, 203)])
 def test_gradients_with_the_host_cast_past_the_rule_on_gpu(cute_bwd_on, monkeypatch, cute_env, d, causal, seqlen_q,
                                                             seqlen_k):
-    """The dq_cast kernel with plan.bwd_dq_cast_blocks=1: counters with no query block, the kernel casts nothing, the
+    """The dq_cast kernel with plan.bwd_dq_cast_blocks=0: counters with no query block, the kernel casts nothing, the
     host's cast launch does."""
-    _dq_cast_run(monkeypatch, cute_env, cute_bwd_on, "plan.bwd_dq_cast_blocks=1", True, d, causal, seqlen_q, seqlen_k,
+    _dq_cast_run(monkeypatch, cute_env, cute_bwd_on, "plan.bwd_dq_cast_blocks=0", True, d, causal, seqlen_q, seqlen_k,
                  4, 4)
 
 
@@ -227,7 +227,7 @@ def test_softcap_gradients_with_the_dq_cast_on_gpu(softcap_on, monkeypatch, cute
     cute_env(OVERRIDES="bwd.dq_cast=1,plan.bwd_softcap=1")
     _fresh_bwd_kernels(monkeypatch)
     _check_softcap_gradients(softcap_on, torch.bfloat16, d, causal, window, seqlen_q, seqlen_k)
-    assert any(key[-1] == "softcap" for key in kernels._bwd_kernels)
+    assert any("softcap" in key for key in kernels._bwd_kernels)
 
 
 def _dq_cast_run(monkeypatch, cute_env, calls, overrides, host_casts, d, causal, seqlen_q, seqlen_k, heads, heads_kv,

@@ -106,16 +106,20 @@ if triton is not None:
             rows = m * BLOCK_S + tl.arange(0, BLOCK_S)
             rows64 = rows.to(tl.int64)
             tile = (rows[:, None] < seqlen_q) & col_ok
-            acc = tl.load(DQAccum + ((b64 * seqlen_q + rows64[:, None]) * heads + h64) * HEAD_DIM + cols[None, :],
-                          mask=tile, other=0.0)
-            dst = DQ + b64 * s_qb + h64 * s_qh + rows64[:, None] * s_qs
+            acc_row = DQAccum + ((b64 * seqlen_q + rows64[:, None]) * heads + h64) * HEAD_DIM
             if PERM:
-                # dq_accum in config.permuted_column's layout (BwdConfig.dq_perm), read in its order (16-byte loads):
-                # position 4 q + 2 g + x of 16 holds column 8 g + 2 q + x, blocks swapped in pairs in odd rows
-                dst = dst + (16 * ((cols[None, :] // 16) ^ (rows[:, None] & 1)) + 8 * ((cols[None, :] % 4) // 2)
-                             + 2 * ((cols[None, :] % 16) // 4) + cols[None, :] % 2) * s_qd
+                # dq_accum in config.permuted_column's layout (BwdConfig.dq_perm): row r's 16-column block b sits at
+                # stored block b ^ (r & 1) (written as b + p - 2 p (b % 2), which keeps the 16-byte loads provable),
+                # its position 4 q + 2 g + x holding column 8 g + 2 q + x: loaded block by block in stored order,
+                # reordered in registers, stored in column order (16-byte stores of dq, not 4-byte scatters)
+                blk = cols[None, :] // 16
+                par = rows[:, None] & 1
+                acc = tl.load(acc_row + 16 * (blk + par - 2 * par * (blk % 2)) + cols[None, :] % 16, mask=tile, other=0.0)
+                acc = tl.reshape(tl.permute(tl.reshape(acc, (BLOCK_S, BLOCK_D // 16, 4, 2, 2)), (0, 1, 3, 2, 4)),
+                                 (BLOCK_S, BLOCK_D))
             else:
-                dst = dst + cols[None, :] * s_qd
+                acc = tl.load(acc_row + cols[None, :], mask=tile, other=0.0)
+            dst = DQ + b64 * s_qb + h64 * s_qh + rows64[:, None] * s_qs + cols[None, :] * s_qd
             tl.store(dst, acc.to(DQ.dtype.element_ty), mask=tile)
         else:
             if KV:
