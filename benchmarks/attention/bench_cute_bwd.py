@@ -27,15 +27,12 @@ from flash_attn.testing import backend_bwd, backend_fwd
 
 def kernel_call(q, k, v, dout, out, lse, causal):
     """A no-argument call of the backward kernel alone (the current configuration's), on inputs prepared
-    as launch.backward prepares them (lse2 and delta padded to the query block, a zeroed dq_accum). A kernel that
-    casts dQ itself (BwdConfig.dq_cast) gets dq and its counters, zeroed before each call (a memset: the kernel's
-    count of the key blocks that finished a query block must start at 0 for the cast to run)."""
+    as launch.backward prepares them (lse2 and delta padded to the query block, a zeroed dq_accum)."""
     from flash_attn.cute import kernels
 
     b, s, h, d = q.shape
     fn = kernels.bwd_kernel(q.dtype, d, causal)
-    cfg = kernels.bwd_config(q.dtype, d, causal, "sm_90a")
-    bm = cfg.block_m
+    bm = kernels.bwd_config(q.dtype, d, causal, "sm_90a").block_m
     pad = -(-s // bm) * bm
     lse2 = torch.full((b, h, pad), float("inf"), dtype=torch.float32, device=q.device)
     lse2[:, :, :s] = lse * 1.4426950408889634
@@ -43,9 +40,6 @@ def kernel_call(q, k, v, dout, out, lse, causal):
     delta[:, :, :s] = (dout.float() * out).sum(-1).transpose(1, 2)
     dq_acc = torch.zeros((b, s, h, d), dtype=torch.float32, device=q.device)
     dk_h, dv_h = torch.empty_like(k), torch.empty_like(v)
-    if cfg.dq_cast:
-        dq, counts = torch.empty_like(q), torch.zeros((b, h, pad // bm), dtype=torch.int32, device=q.device)
-        return lambda: (counts.zero_(), fn(q, k, v, dout, lse2, delta, dq_acc, dk_h, dv_h, dq, counts, d ** -0.5))
     return lambda: fn(q, k, v, dout, lse2, delta, dq_acc, dk_h, dv_h, d ** -0.5)
 
 

@@ -201,11 +201,24 @@ def test_host_zeroes_the_turn_counters(monkeypatch, cute_env):
 
 
 def test_deterministic_backward_is_admitted_under_its_rule(cute_env):
-    """The dispatcher's cute backend takes deterministic calls only under plan.bwd_deterministic (off: Triton's
-    deterministic backward is faster); flash_attn.cute's own backward (no root package: the alternative is
-    bwd_torch) takes them with the kernel either way, windows excepted."""
+    """The dispatcher's cute backend takes deterministic calls at the head dims plan.bwd_deterministic admits: by
+    default ("writer") d64-d128, whose turns the dQ writer warp takes (0.97-1.30x Triton's deterministic backward),
+    not d192; "on" every head dim, "off" (or 0) none; another value is refused by name. flash_attn.cute's own
+    backward (no root package: the alternative is bwd_torch) takes them with the kernel either way, windows
+    excepted."""
     q = torch.empty(1, 10, 2, 64)
-    assert cute_backend.unsupported_reason(_call(deterministic=True)) is not None
+    for d in (64, 96, 128):
+        assert cute_backend.unsupported_reason(_call(deterministic=True, head_dim=d, head_dim_v=d)) is None, d
+    assert cute_backend.unsupported_reason(_call(deterministic=True, head_dim=192, head_dim_v=192)) is not None
+    cute_env(OVERRIDES="plan.bwd_deterministic=on")
+    assert cute_backend.unsupported_reason(_call(deterministic=True, head_dim=192, head_dim_v=192)) is None
+    for off in ("off", "0"):
+        cute_env(OVERRIDES=f"plan.bwd_deterministic={off}")
+        assert cute_backend.unsupported_reason(_call(deterministic=True)) is not None
+    cute_env(OVERRIDES="plan.bwd_deterministic=sometimes")
+    with pytest.raises(ValueError, match="plan.bwd_deterministic='sometimes'"):
+        cute_backend.unsupported_reason(_call(deterministic=True))
+    cute_env(OVERRIDES="plan.bwd_deterministic=off")
     assert autograd._kernel_takes(q, q, True, U, U, 0.0, True, None)
     assert not autograd._kernel_takes(q, q, False, 8, 3, 0.0, True, None)
     cute_env(OVERRIDES="plan.bwd_deterministic=1,plan.bwd_window=1")

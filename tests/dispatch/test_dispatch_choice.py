@@ -100,11 +100,16 @@ def test_hopper_dense_backward_runs_cute(gpu):
 @pytest.mark.parametrize("call", [
     dict(dropout_p=0.1), dict(alibi=True), dict(return_probs=True), dict(kvcache=True),
     dict(dtype=torch.float32), dict(d=72, dv=72), dict(d=64, dv=32), dict(device="cuda:1"),
-    dict(backward=True, deterministic=True),
+    dict(backward=True, deterministic=True, d=192, dv=192),  # (plan rule bwd_deterministic "writer": d64-d128)
     dict(backward=True, d=256, dv=256),
 ], ids=lambda c: ",".join(f"{k}={getattr(v, '__name__', v)}" for k, v in c.items()))
 def test_triton_where_cute_refuses(gpu, call):
     assert _select(**call) == "triton"
+
+
+def test_deterministic_backward_on_cute_where_the_writer_warp_takes_the_turns(gpu):
+    for d in (64, 96, 128):
+        assert _select(d=d, dv=d, backward=True, deterministic=True) == "cute", d
 
 
 def test_wide_head_dims_forward_on_cute_backward_by_the_rules(gpu):
@@ -177,7 +182,8 @@ def test_priority_order_is_cute_triton_torch(gpu):
 # (name, the plain call's changes, the same call with only that attribute changed, expected backends)
 PAIRS = [
     ("softcap", dict(backward=True), dict(backward=True, softcap=30.0), ("cute", "triton")),
-    ("deterministic", dict(backward=True), dict(backward=True, deterministic=True), ("cute", "triton")),
+    ("deterministic", dict(backward=True, d=192, dv=192), dict(backward=True, d=192, dv=192, deterministic=True),
+     ("cute", "triton")),  # (bwd_deterministic "writer": d64-d128 only)
     ("dropout", dict(), dict(dropout_p=0.1), ("cute", "triton")),
     ("alibi", dict(), dict(alibi=True), ("cute", "triton")),
     ("return_probs", dict(), dict(return_probs=True), ("cute", "triton")),

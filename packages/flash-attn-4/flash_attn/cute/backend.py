@@ -5,8 +5,8 @@ Serves forward calls on Hopper (sm_90): fp16/bf16, head dims 64, 96, 128, 192, 2
 or paged. The backward kernel (flash_bwd_sm90.py) has head dims 64, 96 and 128 (v's equal to q's) and serves dense
 calls (sliding windows, varlen and softcap under the plan rules bwd_window / bwd_varlen / bwd_softcap) without ALiBi or
 dropout (its dQ is a sum of fp32 TMA reduce-adds from the key blocks' CTAs in whatever order they finish, so it varies
-in the last bits run to run, as FA2's default backward does; deterministic calls without a window, under the plan rule
-bwd_deterministic, add in key-block order); every other backward goes to the next backend that has one (Triton,
+in the last bits run to run, as FA2's default backward does; deterministic calls without a window, at the head dims
+the plan rule bwd_deterministic admits, add in key-block order); every other backward goes to the next backend that has one (Triton,
 else the reference), which consumes this forward's out and lse. FLASH_ATTN_CUTE_DISABLE (settings.py) switches off
 the backward ("bwd"), the paged and Dv != D kernels, and head dims 96 / 192 / 256 ("d96", ...: the forward, and
 d96's backward too): those calls then go to the next backend. The dispatcher caches its choices per kind of call,
@@ -129,7 +129,7 @@ def unsupported_reason(call):
             return f"d256 backward without a causal mask (plan rule bwd_d256={_rules().bwd_d256})"
         for what in ("varlen", "local", "softcap", "deterministic"):
             ruled = ((what == "local" and _window_bwd()) or (what == "varlen" and _varlen_bwd())
-                     or (what == "deterministic" and _deterministic_bwd() and not call.local)
+                     or (what == "deterministic" and _deterministic_bwd(call.head_dim) and not call.local)
                      or (what == "softcap" and _softcap_bwd()))
             if getattr(call, what) and not ruled:
                 return f"backward with {what}"
@@ -298,7 +298,8 @@ def bwd(call, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     # bwd_window, varlen ones with bwd_varlen); a direct caller gets an error rather than a wrong gradient
     if (block_table is not None or (call.softcap > 0.0 and not _softcap_bwd()) or alibi_slopes is not None
             or call.dropout_p > 0.0
-            or (call.deterministic and (call.local or not _deterministic_bwd())) or (call.local and not _window_bwd())
+            or (call.deterministic and (call.local or not _deterministic_bwd(call.head_dim)))
+            or (call.local and not _window_bwd())
             or (cu_seqlens_q is not None and not _varlen_bwd())):
         raise NotImplementedError("flash_attn.cute's backward handles calls without paged KV, ALiBi or dropout "
                                   "(windows with the plan rule bwd_window, varlen with bwd_varlen, determinism "
@@ -338,10 +339,12 @@ def _varlen_bwd():
     return config.plan_rules().bwd_varlen
 
 
-def _deterministic_bwd():
+def _deterministic_bwd(head_dim):
+    """Whether the plan rule bwd_deterministic admits a deterministic backward at ``head_dim``."""
     from flash_attn.cute import config
 
-    return config.plan_rules().bwd_deterministic
+    rule = config.plan_rules().bwd_deterministic
+    return rule == "on" or (rule == "writer" and config.BWD_DQ_TMA.get(head_dim, False))
 
 
 def _softcap_bwd():

@@ -4,7 +4,6 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from flash_attn.cute.bwd_parts import gemm, red_add_f32x2, transpose_view
-from flash_attn.cute.config import PERM16
 from flash_attn.cute.hopper_helpers import opaque
 
 # The named barrier of the deterministic turn (the kernel's dS barrier is 1; with dq_split=False, which the
@@ -61,7 +60,7 @@ class DqAccumulator:
     way the key block waited for has been scheduled."""
 
     def __init__(self, block_m, dq_tma, deterministic, seqlens, num_consumer_threads, writer=False, descending=False,
-                 block_n=128, permuted=False, cast=False):
+                 block_n=128, permuted=False):
         if deterministic and dq_tma and not writer:
             raise ValueError("deterministic dQ adds with red.global.add (dq_tma off), or by the writer warp's TMA")
         if writer and not dq_tma:
@@ -78,10 +77,6 @@ class DqAccumulator:
         if permuted and not dq_tma:
             raise ValueError("the permuted dQ tile (permuted) is the TMA reduce-add's shared tile (dq_tma)")
         self.permuted = bool(permuted)  # dq_accum in config.permuted_column's layout (BwdConfig.dq_perm)
-        if cast and (not dq_tma or writer or deterministic or seqlens.varlen):
-            raise ValueError("the in-kernel dQ cast (cast) counts the consumers' TMA reduce-adds of dense calls "
-                             "(dq_tma, no writer warp, not deterministic, not varlen)")
-        self.cast = bool(cast)  # the last CTA of a query block casts its dq_accum rows into dQ (BwdConfig.dq_cast)
 
     def turn_place(self, n_block, m_block, tile):
         """Key block n_block's place in query block m_block's order of adds: n_block, or descending from the last of
@@ -229,77 +224,3 @@ class DqAccumulator:
                         for j in cutlass.range_constexpr(cute.size(acc_dQ, mode=[0, 2])):
                             red_add_f32x2(base + 8 * j, acc_dQ[(0, r, j), m, n] * softmax_scale,
                                           acc_dQ[(1, r, j), m, n] * softmax_scale)
-
-    @cute.jit
-    def release_adds(self):
-        """(The issuing warp, once its last reduce-add has completed.) The TMA's writes to dq_accum (async proxy)
-        ordered before the counters' increments that cast_finished makes after the consumers' barrier."""
-        cute.arch.fence_proxy("async.global")
-        cute.arch.fence_acq_rel_gpu()
-
-    @cute.jit
-    def cast_finished(self, counts, mdQaccum, mdQ, tile, head0, heads, seqlen_k, ctid):
-        """The in-kernel dQ cast (``cast``), at the end of a CTA whose reduce-adds have all completed (release_adds):
-        for each query block of query heads [head0, head0 + heads) of its sequence, one acq_rel increment of its
-        counter (counts (B, H, query blocks) int32, zeroed by the host); the CTA whose increment is the last of the
-        ceil(Sk / block_n) key-block CTAs (every key block's CTA counts every query block, seen or not) casts the block's
-        dq_accum rows into dQ (mdQ, the input dtype). Items (head, query block) go round the warps (item i to warp
-        i % 8, lane i // 8 of a round of 256), so that the blocks one CTA finishes last spread over all its warps; a
-        warp ballots its lanes' results and casts each of its blocks whose increment was last. Counters with no query
-        block (counts (B, H, 0)): the host casts this call (its plan rule), the kernel counts nothing."""
-        cute.arch.barrier(barrier_id=1, number_of_threads=self.num_consumer_threads)
-        BM, warps = self.block_m, self.num_consumer_threads // 32
-        n_ctas = cute.ceil_div(seqlen_k, self.block_n)
-        n_m = cute.ceil_div(tile.seqlen_q, BM)
-        items = heads * n_m if cute.size(counts, mode=[2]) > 0 else 0
-        lane, warp = ctid % 32, ctid // 32
-        for base in cutlass.range(warp, items, self.num_consumer_threads, unroll=1):
-            last = cutlass.Boolean(False)
-            item = base + lane * warps
-            if item < items:
-                at = counts.iterator + cute.crd2idx((tile.z, head0 + item // n_m, item % n_m), counts.layout)
-                last = cute.arch.atomic_add(at, Int32(1), sem="acq_rel", scope="gpu") == n_ctas - 1
-            ballot = cute.arch.vote_ballot_sync(last)
-            if ballot != 0:
-                # the lane's acquire reaches the warp through its barrier; every lane then reads past its L1
-                cute.arch.sync_warp()
-                cute.arch.fence_acq_rel_gpu()
-                for j in cutlass.range(32, unroll=1):
-                    if (ballot >> j) & 1:
-                        item = base + j * warps
-                        self._cast_block(mdQaccum, mdQ, tile, head0 + item // n_m, item % n_m, lane)
-
-    @cute.jit
-    def _cast_block(self, mdQaccum, mdQ, tile, head, m_block, lane):
-        """dQ[m_block's rows of ``head``] = dq_accum's (the warp; rows past Sq left alone), read back in order under
-        dq_perm (config.permuted_column: position PERM16[c] of a stored 16-column block holds its column c, the
-        blocks swapped in pairs in odd rows). A lane's U pieces of rows (16 columns each) are loaded before any is
-        stored: dQ may alias dq_accum for the compiler, which would otherwise wait for each load in turn, and the
-        warp keeps 32 x U x 64 bytes in flight."""
-        BM = self.block_m
-        gA = self.seqlens.rows(mdQaccum, tile.q_start, head, tile)  # (Sq, D) fp32
-        gQ = self.seqlens.rows(mdQ, tile.q_start, head, tile)       # (Sq, D) input dtype
-        blocks = cute.size(gA, mode=[1]) // 16
-        per_lane = BM * blocks // 32
-        U = max(u for u in (8, 6, 4, 2, 1) if per_lane % u == 0)
-        for c0 in cutlass.range(lane, BM * blocks, 32 * U, unroll=1):
-            vals = cute.make_rmem_tensor(cute.make_layout((16, U)), Float32)
-            for u in cutlass.range_constexpr(U):
-                row = m_block * BM + (c0 + 32 * u) // blocks
-                if row < tile.seqlen_q:
-                    at = cute.crd2idx((row, 16 * ((c0 + 32 * u) % blocks)), gA.layout)
-                    cute.autovec_copy(cute.make_tensor(gA.iterator + cute.assume(at, divby=4), cute.make_layout(16)),
-                                      vals[None, u])
-            for u in cutlass.range_constexpr(U):
-                row = m_block * BM + (c0 + 32 * u) // blocks
-                if row < tile.seqlen_q:
-                    block = (c0 + 32 * u) % blocks
-                    ordered = cute.make_rmem_tensor(cute.make_layout(16), Float32)
-                    for col in cutlass.range_constexpr(16):
-                        ordered[col] = vals[PERM16[col] if cutlass.const_expr(self.permuted) else col, u]
-                    if cutlass.const_expr(self.permuted):
-                        block = block ^ ((tile.q_start + row) & 1)
-                    out = cute.make_rmem_tensor(cute.make_layout(16), mdQ.element_type)
-                    out.store(ordered.load().to(mdQ.element_type))
-                    at = cute.crd2idx((row, 16 * block), gQ.layout)
-                    cute.autovec_copy(out, cute.make_tensor(gQ.iterator + cute.assume(at, divby=8), cute.make_layout(16)))

@@ -8,8 +8,8 @@ the caller, receives softmax_scale * dS K); mdK / mdV (B, Sk, H, D) in the input
 the host; a kernel built with gqa_loop: (B, Sk, Hk, D), the group summed in the kernel). Varlen: the packed tensors
 as one batch entry (B = 1), sequence b's rows from cu_seqlens_q[b] / cu_seqlens_k[b], its lse2 / delta rows from
 (cu_seqlens_q[b] // block_m + b) * block_m (seqlen_info.BwdSeqlens). Deterministic: mSem (B or sequences, H,
-query blocks) int32 zeros, the turn counters (bwd_dq.DqAccumulator); dq_cast: (mCount, mdQ) in its place.
-softcap > 0 is read by a kernel built with softcap=True, the window sizes (>= 0) by one built with local=True."""
+query blocks) int32 zeros, the turn counters (bwd_dq.DqAccumulator). softcap > 0 is read by a kernel built with
+softcap=True, the window sizes (>= 0) by one built with local=True."""
 import math
 
 import cutlass
@@ -35,15 +35,6 @@ class BwdEntries:
         self._host(mQ, mK, mV, mdO, mLSE2, mDelta, mdQaccum, mdK, mdV, softmax_scale, stream, None, None, None)
 
     @cute.jit
-    def call_dq_cast(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
-                     mLSE2: cute.Tensor, mDelta: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor,
-                     mdV: cute.Tensor, mdQ: cute.Tensor, mCount: cute.Tensor, softmax_scale: Float32, stream):
-        """__call__ for a kernel built with dq_cast: dQ (B, Sq, H, D) in the input dtype, which the kernel writes, and
-        the cast's counters (B, H, query blocks) int32 zeros (bwd_dq.DqAccumulator.cast_finished)."""
-        self._host(mQ, mK, mV, mdO, mLSE2, mDelta, mdQaccum, mdK, mdV, softmax_scale, stream, None, None,
-                   (mCount, self.seqlens.views((mdQ,), ())[0][0]))
-
-    @cute.jit
     def call_general(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                      mLSE2: cute.Tensor, mDelta: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor,
                      mdV: cute.Tensor, softmax_scale: Float32, softcap: Float32, window_left: Int32,
@@ -51,16 +42,6 @@ class BwdEntries:
         """Dense with a sliding window (local=True) and / or softcap (softcap=True)."""
         self._host(mQ, mK, mV, mdO, mLSE2, mDelta, mdQaccum, mdK, mdV, softmax_scale, stream,
                    (window_left, window_right) if cutlass.const_expr(self.local) else None, None, None, softcap)
-
-    @cute.jit
-    def call_general_dq_cast(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
-                             mLSE2: cute.Tensor, mDelta: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor,
-                             mdV: cute.Tensor, mdQ: cute.Tensor, mCount: cute.Tensor, softmax_scale: Float32,
-                             softcap: Float32, window_left: Int32, window_right: Int32, stream):
-        """call_general for a kernel built with dq_cast: dQ and its counters as call_dq_cast's."""
-        self._host(mQ, mK, mV, mdO, mLSE2, mDelta, mdQaccum, mdK, mdV, softmax_scale, stream,
-                   (window_left, window_right) if cutlass.const_expr(self.local) else None, None,
-                   (mCount, self.seqlens.views((mdQ,), ())[0][0]), softcap)
 
     @cute.jit
     def call_deterministic(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,

@@ -47,11 +47,10 @@ if triton is not None:
     # Lengths and block counts change from call to call: not specialised (no recompiles per length).
     # Strides are, so that a unit last stride and 16-divisible row strides vectorise the accesses.
     @triton.jit(do_not_specialize=["seqlen_q", "seqlen_pad", "n_m_blocks"])
-    def _bwd_prep_kernel(Out, DOut, Lse, Delta, Lse2, DQAccum, Counts,
+    def _bwd_prep_kernel(Out, DOut, Lse, Delta, Lse2, DQAccum,
                          s_ob, s_os, s_oh, s_od, s_gb, s_gs, s_gh, s_gd, s_lb, s_lh, s_ls,
                          seqlen_q, seqlen_pad, heads, n_m_blocks,
-                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                         COUNT_EVERY: tl.constexpr = 0):
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
         # heads vary fastest: programs running together cover whole (row, head, D) rows of out/dout/dq_accum
         pid = tl.program_id(0)
         bm = pid // heads
@@ -82,9 +81,6 @@ if triton is not None:
         tl.store(Lse2 + row_off, lse2, mask=in_pad)
         tl.store(DQAccum + ((b64 * seqlen_q + rows64[:, None]) * heads + h64) * HEAD_DIM + cols[None, :],
                  tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), mask=tile)
-        if COUNT_EVERY:  # the in-kernel dQ cast's counter of the kernel's query block (COUNT_EVERY of ours) is 0
-            if m % COUNT_EVERY == 0:
-                tl.store(Counts + bh.to(tl.int64) * (seqlen_pad // (BLOCK_M * COUNT_EVERY)) + m // COUNT_EVERY, 0)
 
     @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "n_dq", "n_q_blocks", "n_k_blocks"])
     def _bwd_post_kernel(DQAccum, DQ, DKh, DVh, DK, DV,
@@ -111,10 +107,12 @@ if triton is not None:
                 # dq_accum in config.permuted_column's layout (BwdConfig.dq_perm): row r's 16-column block b sits at
                 # stored block b ^ (r & 1) (written as b + p - 2 p (b % 2), which keeps the 16-byte loads provable),
                 # its position 4 q + 2 g + x holding column 8 g + 2 q + x: loaded block by block in stored order,
-                # reordered in registers, stored in column order (16-byte stores of dq, not 4-byte scatters)
+                # reordered in registers, stored in column order (16-byte stores of dq; its 4-byte scatters took
+                # this launch 540 us against 69 at d128 1k on an H100)
                 blk = cols[None, :] // 16
                 par = rows[:, None] & 1
-                acc = tl.load(acc_row + 16 * (blk + par - 2 * par * (blk % 2)) + cols[None, :] % 16, mask=tile, other=0.0)
+                acc = tl.load(acc_row + 16 * (blk + par - 2 * par * (blk % 2)) + cols[None, :] % 16, mask=tile,
+                              other=0.0)
                 acc = tl.reshape(tl.permute(tl.reshape(acc, (BLOCK_S, BLOCK_D // 16, 4, 2, 2)), (0, 1, 3, 2, 4)),
                                  (BLOCK_S, BLOCK_D))
             else:
@@ -205,26 +203,22 @@ def _meta(head_dim, kv=None, perm=False):
 _metas: dict = {}
 
 
-def prepare(out, dout, lse, seqlen_pad, count_block=0):
+def prepare(out, dout, lse, seqlen_pad):
     """(lse2, delta, dq_accum) for the kernel, in one Triton launch: out/dout (B, Sq, H, D) any strides,
     lse fp32 (B, H, >= Sq) any strides; lse2 / delta (B, H, seqlen_pad) fp32 contiguous, dq_accum
-    (B, Sq, H, D) fp32 contiguous and zero. count_block > 0 (the kernel's query block, a multiple of 64 dividing
-    seqlen_pad): then also the in-kernel dQ cast's counters (B, H, seqlen_pad // count_block) int32, zero, last."""
+    (B, Sq, H, D) fp32 contiguous and zero."""
     B, Sq, H, D = out.shape
     dev = out.device
     lse2 = _empty((B, H, seqlen_pad), dtype=_F32, device=dev)
     delta = _empty((B, H, seqlen_pad), dtype=_F32, device=dev)
     dq_accum = _empty((B, Sq, H, D), dtype=_F32, device=dev)
     meta = _meta(D)
-    counts = _empty((B, H, seqlen_pad // count_block), dtype=torch.int32, device=dev) if count_block else None
     n_m = -(-seqlen_pad // meta["BLOCK_M"])
-    every = count_block // meta["BLOCK_M"]
     if B * H * n_m:
         _launch(_bwd_prep_kernel, (B * H * n_m,),
-                (out, dout, lse, delta, lse2, dq_accum, counts if count_block else dq_accum, *out.stride(),
-                 *dout.stride(), *lse.stride(), Sq, seqlen_pad, H, n_m),
-                dict(meta, COUNT_EVERY=every) if every else meta, ("prep", D, every))
-    return (lse2, delta, dq_accum) + ((counts,) if count_block else ())
+                (out, dout, lse, delta, lse2, dq_accum, *out.stride(), *dout.stride(), *lse.stride(),
+                 Sq, seqlen_pad, H, n_m), meta, ("prep", D))
+    return lse2, delta, dq_accum
 
 
 def varlen_rows(total_q, batch, block_pad):
@@ -281,16 +275,14 @@ def prepare_varlen_torch(out, dout, lse, cu_seqlens_q, seqused_q, max_seqlen_q, 
 
 def finish(dq_accum, dq, dk_h=None, dv_h=None, dk=None, dv=None, perm=False):
     """One Triton launch: dq (B, Sq, H, D), any strides, = dq_accum (with ``perm`` in config.permuted_column's
-    layout, read back in order: unpermute) in dq's dtype (dq None: the kernel cast it, BwdConfig.dq_cast); with
+    layout, read back in order: unpermute) in dq's dtype; with
     dk_h / dv_h (B, Sk, H, D) contiguous, dk / dv (B, Sk, Hk, D), any strides, = their sums over each group of
     H / Hk query heads (in fp32, query heads in order)."""
     B, Sq, H, D = dq_accum.shape
     kv = dk_h is not None
     meta = _meta(D, kv, bool(perm))
     n_q = -(-Sq // meta["BLOCK_S"])
-    n_dq = B * H * n_q if dq is not None else 0
-    if dq is None:
-        dq = dk_h  # (never read: no dq programs)
+    n_dq = B * H * n_q
     if kv:
         Sk, Hk = dk.shape[1], dk.shape[2]
         n_k = -(-Sk // meta["BLOCK_S"])
@@ -316,7 +308,7 @@ def unpermute(dq_accum):
     return out
 
 
-def prepare_torch(out, dout, lse, seqlen_pad, head_dim=None, count_block=0):
+def prepare_torch(out, dout, lse, seqlen_pad, head_dim=None):
     """``prepare`` in torch (several launches; fp32 copies of out and dout for delta); head_dim: dq_accum's, where it
     is not out's (a q / v head-dim pair)."""
     B, Sq, H, D = out.shape
@@ -327,16 +319,12 @@ def prepare_torch(out, dout, lse, seqlen_pad, head_dim=None, count_block=0):
     # fp32 products as FlashAttention computes delta; out is upcast inside the multiply
     delta[:, :, :Sq] = (dout.float() * out).sum(-1).transpose(1, 2)
     dq_accum = torch.zeros((B, Sq, H, head_dim or D), dtype=_F32, device=out.device)
-    if count_block:
-        return lse2, delta, dq_accum, torch.zeros((B, H, seqlen_pad // count_block), dtype=torch.int32,
-                                                  device=out.device)
     return lse2, delta, dq_accum
 
 
 def finish_torch(dq_accum, dq, dk_h=None, dv_h=None, dk=None, dv=None, perm=False):
     """``finish`` in torch."""
-    if dq is not None:
-        dq.copy_(unpermute(dq_accum) if perm else dq_accum)
+    dq.copy_(unpermute(dq_accum) if perm else dq_accum)
     if dk_h is not None:
         B, Sk, Hk = dk.shape[:3]
         group = dk_h.shape[2] // Hk

@@ -96,8 +96,6 @@ BWD_EXP2_EMU = {64: 0, 96: 0, 128: 0, 192: 0, 256: 0}
 # with it on an H100, benchmarks/results/h100/cute_bwd_ab.md); the split-D kernel's varlen calls keep the direct stores.
 BWD_TMA_DKV = {64: True, 96: True, 128: True, 192: True, 256: True}
 BWD_TMA_DKV_VARLEN = {64: True, 96: True, 128: True}
-# dQ cast in the kernel (BwdConfig.dq_cast): off until GPU-tested and timed against the cast launch (bwd.dq_cast=1)
-BWD_DQ_CAST = False
 
 _DTYPE_NAMES = {"torch.float16": "fp16", "torch.bfloat16": "bf16", "fp16": "fp16", "bf16": "bf16"}
 
@@ -259,10 +257,6 @@ class BwdConfig:
     # host's casts read it back in order (dq_tma kernels; bwd.dq_perm=0: the swizzled tile; H100 2026-12-07: kernel
     # 1.02-1.13x, benchmarks/results/h100/cute_bwd_ab.md)
     dq_perm: bool = False
-    # the last key block's CTA of a query block casts its dq_accum rows into dQ (bwd_dq.DqAccumulator.cast_finished),
-    # so no cast launch follows the kernel; dense calls (entries call_dq_cast, call_general_dq_cast): dq_tma, no writer
-    # warp, not deterministic, not varlen, no mods or Dv pair
-    dq_cast: bool = False
 
     def __post_init__(self):
         if self.dtype not in ("fp16", "bf16"):
@@ -281,10 +275,6 @@ class BwdConfig:
         if self.dq_perm and (not self.dq_tma or self.head_dim % 32):
             raise ValueError("BwdConfig: dq_perm is the layout of the TMA dQ tile (dq_tma) at head dims that are "
                              "multiples of 32 (permuted_column swaps 16-column blocks in pairs)")
-        if self.dq_cast and (not self.dq_tma or self.dq_writer or self.deterministic or self.varlen
-                             or self.head_dim_v is not None):
-            raise ValueError("BwdConfig: dq_cast serves dense kernels with dq_tma (no writer warp, determinism, "
-                             "varlen or Dv pair)")
         if self.softcap and self.block_m != 64:
             raise ValueError("BwdConfig: softcap needs block_m 64")
         if self.head_dim_v is not None and (self.head_dim, self.head_dim_v) not in HEAD_DIM_PAIRS:
@@ -306,10 +296,11 @@ class PlanRules:
     CuTeDSL backward kernel serves sliding windows (sizes >= 0; else they take the next backend; on: ahead of
     Triton's windowed backward, benchmarks/results/h100/attention_cute_bwd_modes.md). ``bwd_varlen``: it serves
     varlen calls (cu_seqlens, seqused), on: 1.04-1.37x Triton's varlen backward (the same results file).
-    ``bwd_deterministic``: the dispatcher's cute backend serves deterministic calls without a window (dQ's adds in
-    key-block turns, by the dQ writer warp at d64-d128; bit for bit run to run on the GPU), off: at 2k it runs at
-    0.95-0.96x Triton's deterministic backward without a mask and 0.63-0.66x with a causal one (the same results
-    file); flash_attn.cute's own backward (no root package) uses the kernel for them either way.
+    ``bwd_deterministic``: which deterministic calls without a window the dispatcher's cute backend serves (dQ's adds
+    in key-block turns; bit for bit run to run on the GPU): "off", "writer" (the head dims whose turns the dQ writer
+    warp takes, those of BWD_DQ_TMA: d64-d128, 0.97-1.30x Triton's deterministic backward at 2k / 8k on an H100; the
+    split-D kernel's consumer turns at d192 / d256 are not timed against it) or "on" (1 / 0 read as on / off);
+    flash_attn.cute's own backward (no root package) uses the kernel for them either way.
     ``bwd_softcap``: it serves soft-capped scores, on: 1.35-1.96x Triton's soft-capped backward. ``kvcache``: the
     dispatcher's cute backend serves flash_attn_with_kvcache (kvcache.py), off until its GPU tests and a decoding
     benchmark against the Triton kernels decide it. ``mods_disk_cache``: the score_mod / mask_mod kernels of mods
@@ -323,15 +314,12 @@ class PlanRules:
     ``bwd_d256``: which d256 backward calls it serves, "off", "causal" or "on"; "causal": 1.07-1.18x Triton's with a
     causal mask at 1k-4k (0.98x at 16k), 0.88-0.97x without one (benchmarks/results/h100/attention_cute_bwd_wide.md).
     ``mods_bwd_wide``: the backward of mods at head dims 192 and 256 on the split-D kernel (its key blocks of 64; a
-    mask_mod's lists built per 64 keys; no block_sparse_tensors_bwd there), off until GPU-tested.
-    ``bwd_dq_cast_blocks``: with a kernel that casts dQ itself (BwdConfig.dq_cast), the most query blocks per (batch,
-    head) for which it does (past them the host's cast launch does: the CTA that finishes a head last casts the blocks
-    it finished last, a tail that grows with the sequence)."""
+    mask_mod's lists built per 64 keys; no block_sparse_tensors_bwd there), off until GPU-tested."""
     pack_gqa_auto: bool = False
     bwd_host: str = "triton"
     bwd_window: bool = True
     bwd_varlen: bool = True
-    bwd_deterministic: bool = False
+    bwd_deterministic: str = "writer"
     bwd_softcap: bool = True
     kvcache: bool = False
     mods_disk_cache: bool = True
@@ -339,11 +327,16 @@ class PlanRules:
     bwd_wide_d: bool = True
     bwd_d256: str = "causal"
     mods_bwd_wide: bool = False
-    bwd_dq_cast_blocks: int = 1 << 30
 
     def __post_init__(self):
         if self.bwd_host not in ("triton", "torch"):
             raise ValueError(f"{settings.OVERRIDES}: plan.bwd_host={self.bwd_host!r}: expected triton or torch")
+        det = {"1": "on", "true": "on", "0": "off", "false": "off"}.get(str(self.bwd_deterministic).lower(),
+                                                                        self.bwd_deterministic)
+        if det not in ("off", "writer", "on"):
+            raise ValueError(f"{settings.OVERRIDES}: plan.bwd_deterministic={self.bwd_deterministic!r}: expected off, "
+                             "writer or on")
+        object.__setattr__(self, "bwd_deterministic", det)
         if self.bwd_d256 not in ("off", "causal", "on"):
             raise ValueError(f"{settings.OVERRIDES}: plan.bwd_d256={self.bwd_d256!r}: expected off, causal or on")
 
@@ -552,6 +545,4 @@ def select_bwd(dtype, head_dim, causal, arch, abi, local=False, varlen=False, de
                      # (descending turns where they are GPU-tested: the writer warp's; the consumers' red.global turns,
                      # bwd.dq_writer=0 and the split-D kernel's, ascend)
                      turns_desc=bool(deterministic and causal and dq_writer),
-                     dq_perm=bool(dq_tma and ov.get("dq_perm", True)),
-                     dq_cast=bool(dq_tma and not dq_writer and not (deterministic or varlen)
-                                  and head_dim_v in (None, d) and ov.get("dq_cast", BWD_DQ_CAST)))
+                     dq_perm=bool(dq_tma and ov.get("dq_perm", True)))

@@ -9,8 +9,9 @@ Transposed formulation: the consumers compute S^T = K Q^T and dP^T = V dO^T, so 
 accumulators. P^T is then already in the register layout of the A operand of dV += P^T dO (an m64nDk16 WGMMA with A
 from registers), and the per-query values lse and delta are per-column constants read from shared memory.
 
-Per query block, for each of the two consumer warpgroups (64 keys each): S^T = K Q^T and dP^T = V dO^T, WGMMAs with
-both operands in smem (K-major), then
+Per query block, for each of the two consumer warpgroups (64 keys each):
+  S^T  = K Q^T                     WGMMA, both operands in smem (K-major)
+  dP^T = V dO^T                    WGMMA, both operands in smem (K-major)
   P^T  = exp2(S^T * scale * log2(e) - lse2[col])     (lse2 = lse * log2(e), +inf past Sq)
   dV  += P^T dO                    WGMMA, A = P^T from registers, B = dO^T (transposed smem view)
   dS^T = P^T * (dP^T - delta[col]) to smem by stmatrix (M-major dS tile, double-buffered; split_d: plain stores)
@@ -49,13 +50,13 @@ BwdConfig.exp2_emu = k (off): k of every 16 exponentials of P^T by softmax_exp.e
 After the loop dK is scaled by softmax_scale and dK, dV are stored: from the accumulators, or with BwdConfig.tma_dkv
 through the dead K and V tiles in shared memory and TMA stores (dense calls). The host (launch.backward, bwd_host.py)
 computes delta = rowsum(dO * O) and lse2 and zeroes dq_accum in one Triton launch before, and casts dq_accum to the
-input dtype (and sums GQA's dK/dV) in one after; with BwdConfig.dq_cast the kernel casts dQ (bwd_dq).
+input dtype (and sums GQA's dK/dV) in one after.
 
 Layouts seen by the kernel (views built on the host side of __call__, no copies):
   mQ, mdO (Sq, D, H, B); mK, mV (Sk, D, Hk, B); mLSE2, mDelta (Sq_pad, H, B) fp32, Sq_pad a multiple of
   BLOCK_M; mdQaccum (Sq, D, H, B) fp32; mdK, mdV (Sk, D, H, B): per query head (GQA sums on the host).
 Varlen (call_varlen): the packed tensors as one batch entry, grid z over the sequences, each CTA's rows found by
-seqlen_info.BwdSeqlens (lse2 / delta padded per sequence).
+seqlen_info.BwdSeqlens (lse2 / delta padded per sequence). tests/cute/test_cute_bwd.py checks it on a Hopper GPU.
 """
 import cutlass
 import cutlass.cute as cute
@@ -94,7 +95,7 @@ class FlashBwdSm90(BwdEntries):
                  dq_tma=False, overlap=False, lpt=0, exp2_emu=0, exp2_emu_degree=3, local=False,
                  varlen=False, deterministic=False, softcap=False, mask_mod=None, aux=False, sparse=None,
                  scalars=(), score_mod=None, score_mod_bwd=None, tma_dkv=False, gqa_loop=False, head_dim_v=None,
-                 dq_writer=False, turns_desc=False, dq_perm=False, dq_cast=False):
+                 dq_writer=False, turns_desc=False, dq_perm=False):
         """head_dim: 64, 96, 128, 192 or 256 (HEAD_DIMS), of q, k and v alike; past 128 the warpgroups split D (split_d
         below) and block_n is 64. head_dim_v: V's (and dO's, dV's) head dim where it differs, with split_d (the
         192 / 128 pair): S^T's K steps run over D, dP^T's over head_dim_v.
@@ -116,8 +117,7 @@ class FlashBwdSm90(BwdEntries):
         computes dS K over its own 64 keys and both add into dq_accum (twice the atomic traffic, no barrier).
         dq_tma (needs dq_split): the scaled fp32 dQ tile goes to shared memory (two buffers), one warp adds it by TMA
         one query block late, after the next dS barrier (else red.global.add.v2.f32 per thread). dq_writer (dq_tma,
-        no overlap): producer warp 1 issues the adds as the consumers hand the tiles over (bwd_dq). dq_cast (entry
-        call_dq_cast): the last key block's CTA of each query block casts its dq_accum rows into dQ (bwd_dq).
+        no overlap): producer warp 1 issues the adds as the consumers hand the tiles over (bwd_dq).
         overlap: software-pipelined query loop: S^T and dP^T of the next query block are issued behind dK and dQ of
         this one and run while this block's dQ goes out; needs num_stages >= 2 (stages j and j + 1 are held at once).
         lpt > 0: a 1-D grid in groups of (head, batch) pairs of about lpt CTAs each, key block slowest
@@ -223,7 +223,7 @@ class FlashBwdSm90(BwdEntries):
             raise ValueError("deterministic needs dq_split, dq_tma off or the writer warp, lpt 0 and no window")
         self.dq_writer = bool(dq_writer) and self.dq_tma and not self.overlap
         self.dq = DqAccumulator(block_m, self.dq_tma, self.deterministic, self.seqlens, 128 * self.NUM_MMA_WARPGROUPS,
-                                self.dq_writer, self.turns_desc, block_n, dq_perm, dq_cast)
+                                self.dq_writer, self.turns_desc, block_n, dq_perm)
         self.dkv = DkvEpilogue(dtype, head_dim, block_n, self.NUM_MMA_WARPGROUPS, self.tma_dkv, self.varlen,
                                self.seqlens, self.split_d, self.head_dim_v)
         if self.smem_bytes() > self.SMEM_LIMIT:
@@ -627,14 +627,9 @@ class FlashBwdSm90(BwdEntries):
                     g_last, m_last = self._dq_dst(dq_dst, m_block_max - 1, tiles)
                     self.dq.reduce(tma_dq, tQRsdQ, g_last, 1 - buf, m_last)
                 cute.arch.cp_async_bulk_wait_group(0)
-                if cutlass.const_expr(self.dq.cast):
-                    self.dq.release_adds()
 
         self.dkv.store(mdK, mdV, tma_dkv, sK, sV, (tiled_mma_dk, tiled_mma_dv), acc_dK, acc_dV, tdKcdK,
                        softmax_scale, ctid, wg, n_block, head, tile, seqlen_k)
-        if cutlass.const_expr(self.dq.cast):  # mSem: (the counters, dQ's view)
-            group = cute.size(mSem[1], mode=[2]) // cute.size(mdK, mode=[2]) if cutlass.const_expr(self.gqa_loop) else 1
-            self.dq.cast_finished(mSem[0], mdQaccum, mSem[1], tile, head * group, group, seqlen_k, ctid)
 
     def _dq_dst(self, dst, pos, tiles):
         """(the gmem partition of the dQ TMA reduce-add, query block) of walk position ``pos``; dst = (the CTA's

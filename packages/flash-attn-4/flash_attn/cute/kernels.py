@@ -376,10 +376,7 @@ def compile_bwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=Fal
     ``varlen``: call_varlen's ``(..., dv, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_k,
     softmax_scale, softcap, window_left, window_right)`` (``backward_varlen``). ``deterministic``: call_deterministic
     (``..., dv, counters, softmax_scale, softcap``) / call_varlen_deterministic, the turn counters (B, H, query
-    blocks) int32 after the other tensors. A config with dq_cast (BwdConfig): call_dq_cast, ``(..., dv, dq, counters,
-    softmax_scale)`` (with ``local`` or ``softcap`` call_general_dq_cast: call_general's scalars after them), dq in the
-    input dtype written by the kernel, its counters (B, H, query blocks) int32 zeros (none: the kernel casts nothing).
-    ``mask_mod`` (dense, no softcap; with ``local`` call_mods_local, the
+    blocks) int32 after the other tensors. ``mask_mod`` (dense, no softcap; with ``local`` call_mods_local, the
     window sizes after the scale and no lists): call_mods, ``(..., dv,
     softmax_scale, aux, lists, scalars)`` with aux tensors of kinds ``spec``, with ``sparse`` ((has_full, row factor,
     walk factor); with or without a mask_mod) the per-key-block lists of query blocks, and aux scalars of kinds
@@ -397,7 +394,7 @@ def compile_bwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=Fal
 
     cfg = bwd_config(dtype, head_dim, causal, arch, local, varlen, deterministic, softcap, gqa_loop, head_dim_v)
     if score_mod is not None or mask_mod is not None or sparse is not None or block_m is not None:
-        cfg = dataclasses.replace(cfg, block_m=block_m or mod_bwd_block_m(cfg, score_mod is not None), dq_cast=False)
+        cfg = dataclasses.replace(cfg, block_m=block_m or mod_bwd_block_m(cfg, score_mod is not None))
     kernel = FlashBwdSm90(_cutlass_dtype(dtype), int(head_dim), bool(causal), block_m=cfg.block_m,
                           num_stages=cfg.stages, dq_split=cfg.dq_split, dq_tma=cfg.dq_tma, overlap=cfg.overlap,
                           lpt=cfg.lpt, exp2_emu=cfg.exp2_emu, exp2_emu_degree=cfg.exp2_emu_degree, local=cfg.local,
@@ -405,7 +402,7 @@ def compile_bwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=Fal
                           aux=bool(spec), sparse=sparse, scalars=scalars, score_mod=score_mod,
                           score_mod_bwd=score_mod_bwd, tma_dkv=cfg.tma_dkv, gqa_loop=cfg.gqa_loop,
                           head_dim_v=cfg.head_dim_v, dq_writer=cfg.dq_writer,
-                          turns_desc=cfg.turns_desc, dq_perm=cfg.dq_perm, dq_cast=cfg.dq_cast)
+                          turns_desc=cfg.turns_desc, dq_perm=cfg.dq_perm)
     D, Dv = kernel.head_dim, kernel.head_dim_v
     # 32-bit symbolic shapes and strides, as in compile_fwd (backward() keeps tensors below 2^31 elements).
     batch, seqlen_q, seqlen_k, heads, heads_kv, seqlen_q_pad = (cute.sym_int() for _ in range(6))
@@ -459,14 +456,6 @@ def compile_bwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=Fal
         return cute.compile(kernel.call_mods, *tensors, cutlass.Float32(1.0), stream, mods.fake_aux(spec),
                             mods.fake_lists(None if sparse is None else sparse[0]), mods.fake_scalars(scalars),
                             options=options)
-    if cfg.dq_cast:  # dq (B, Sq, H, D) and the cast's counters (B, H, query blocks) int32 after dv
-        counts = make_fake_tensor(cutlass.Int32, (cute.sym_int(), heads, cute.sym_int()),
-                                  (cute.sym_int(), cute.sym_int(), 1), assumed_align=4)
-        tensors += (bshd(dt, seqlen_q, heads), counts)
-        if local or softcap:
-            return cute.compile(kernel.call_general_dq_cast, *tensors, cutlass.Float32(1.0), cutlass.Float32(0.0),
-                                cutlass.Int32(0), cutlass.Int32(0), stream, options=options)
-        return cute.compile(kernel.call_dq_cast, *tensors, cutlass.Float32(1.0), stream, options=options)
     if local or softcap:
         return cute.compile(kernel.call_general, *tensors, cutlass.Float32(1.0), cutlass.Float32(0.0),
                             cutlass.Int32(0), cutlass.Int32(0), stream, options=options)
@@ -491,9 +480,8 @@ def _bwd_entry(dtype, head_dim, causal, arch, local=False, varlen=False, determi
     return config, key, name, f"flash_attn_cute_{key[:16]}"
 
 
-def _bwd_dlpack_launcher(compiled, varlen, plain, dq_cast=False):
-    # As _dlpack_launcher, for the backward's signatures (see compile_bwd; plain: __call__'s, one fp32 scalar;
-    # dq_cast: call_dq_cast's, dq 16-byte aligned before its counters).
+def _bwd_dlpack_launcher(compiled, varlen, plain):
+    # As _dlpack_launcher, for the backward's signatures (see compile_bwd; plain: __call__'s, one fp32 scalar).
     import cutlass
     from cuda.bindings import driver
     from cutlass.cute.runtime import from_dlpack
@@ -503,7 +491,7 @@ def _bwd_dlpack_launcher(compiled, varlen, plain, dq_cast=False):
 
     def launch(q, k, v, dout, lse2, delta, dq_accum, dk, dv, *args):
         n = sum(isinstance(a, torch.Tensor) for a in args)  # varlen's 4 sequence tensors, the turn counters
-        seqs = tuple(as_cute(t, 16 if dq_cast and i == 0 else 4) for i, t in enumerate(args[:n]))
+        seqs = tuple(as_cute(t, 4) for t in args[:n])
         args = args[n:]
         if varlen:
             seqs += (cutlass.Int32(args[0]),)  # max_seqlen_k
@@ -532,9 +520,7 @@ def bwd_kernel(dtype, head_dim, causal, arch="sm_90a", local=False, varlen=False
                     fn = _bwd_dlpack_launcher(compile_bwd(dtype, head_dim, causal, arch, local=local, varlen=varlen,
                                                           deterministic=deterministic, softcap=softcap,
                                                           gqa_loop=gqa_loop, head_dim_v=head_dim_v), varlen,
-                                              not (local or varlen or deterministic or softcap),
-                                              bwd_config(dtype, head_dim, causal, arch, local, varlen, deterministic,
-                                                         softcap, gqa_loop, head_dim_v).dq_cast)
+                                              not (local or varlen or deterministic or softcap))
                 else:
                     fn, _ = load_or_build_bwd(dtype, head_dim, causal, arch, cache.cache_dir(), local=local,
                                               varlen=varlen, deterministic=deterministic, softcap=softcap,

@@ -575,14 +575,8 @@ def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grad
     sq_pad = -(-Sq // block_m) * block_m
     sem = torch.zeros((B, H, sq_pad // block_m), dtype=torch.int32, device=q.device) if deterministic else None
     host = bwd_host if bwd_host.use_triton(q) and dv_dim is None else None
-    # a kernel that casts dQ itself (BwdConfig.dq_cast) takes dQ and the counters (zeroed by the preprocess); with
-    # none of them (B, H, 0) it leaves the cast to the host (plan rule bwd_dq_cast_blocks)
-    takes_dq = cfg.dq_cast and mod is None
-    cast = takes_dq and sq_pad // block_m <= plan_rules().bwd_dq_cast_blocks
-    lse2, delta, dq_accum, *counts = (bwd_host.prepare if host else bwd_host.prepare_torch)(
-        out, dout, lse, sq_pad, *(() if host else (D,)), count_block=block_m if cast else 0)
-    if takes_dq:
-        sem = counts[0] if cast else torch.zeros((B, H, 0), dtype=torch.int32, device=q.device)
+    lse2, delta, dq_accum = (bwd_host.prepare if host else bwd_host.prepare_torch)(out, dout, lse, sq_pad,
+                                                                                   *(() if host else (D,)))
     if dlse is not None:
         delta[:, :, :Sq].sub_(dlse[:, :, :Sq])
 
@@ -602,20 +596,15 @@ def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grad
         dk = dk_out if dk_out is not None else new(Hk, D)
         dv = dv_out if dv_out is not None else new(Hk, Dv)
         sums = True
-    dq = dq_out if dq_out is not None else torch.empty((B, Sq, H, D), dtype=dtype, device=q.device)
-    dq_k = dq if not takes_dq or _bwd_out_layout(dq, D) else torch.empty((B, Sq, H, D), dtype=dtype, device=q.device)
     step = max(1, min((_MAX_ELEMS - 1) // per_batch, _MAX_GRID_Z))
     for b in range(0, B, step):  # 32-bit offsets in the kernel: batch slices below 2^31 elements (and grid z's limit)
         sl = slice(b, b + step)
         fn(q[sl], k[sl], v[sl], dout[sl], lse2[sl], delta[sl], dq_accum[sl], dk_h[sl], dv_h[sl],
-           *((dq_k[sl],) if takes_dq else ()), *(() if sem is None else (sem[sl],)), *scalars)
-    # dq_accum holds softmax_scale * dS K (in config.permuted_column's layout with dq_perm): a cast is left, unless
-    # the kernel cast it (then only GQA's sums, or a copy into a dq of another layout)
-    if not cast or sums:
-        (bwd_host.finish if host else bwd_host.finish_torch)(dq_accum, None if cast else dq,
-                                                             *((dk_h, dv_h, dk, dv) if sums else ()), perm=cfg.dq_perm)
-    if cast and dq_k is not dq:
-        dq.copy_(dq_k)
+           *(() if sem is None else (sem[sl],)), *scalars)
+    # dq_accum holds softmax_scale * dS K (in config.permuted_column's layout with dq_perm): a cast is left
+    dq = dq_out if dq_out is not None else torch.empty((B, Sq, H, D), dtype=dtype, device=q.device)
+    (bwd_host.finish if host else bwd_host.finish_torch)(dq_accum, dq, *((dk_h, dv_h, dk, dv) if sums else ()),
+                                                         perm=cfg.dq_perm)
     if dk is not dk_h and not sums:  # (gqa_loop into gradients of another layout)
         dk.copy_(dk_h)
         dv.copy_(dv_h)
