@@ -408,19 +408,13 @@ def test_other_head_dims_are_refused_not_padded(defaults, monkeypatch):
         interface.flash_attn_varlen_func(qv, kv, vv, cu_seqlens_q=cu, cu_seqlens_k=cu, score_mod=m.rel_bias)
 
 
-def test_wide_head_dims_backward_is_served_under_its_plan_rule(cute_env, monkeypatch):
-    """The mods backward at d192 / d256 (the split-D kernel) under the plan rule mods_bwd_wide (off until GPU-tested):
-    refused without it, naming the rule; with it served, a mask_mod's own lists built per 64 keys (the split-D
-    kernel's key block), block_sparse_tensors_bwd refused there."""
+def test_wide_head_dims_backward_is_served(cute_env, monkeypatch):
+    """The mods backward at d192 / d256 (the split-D kernel; GPU-tested): served, a mask_mod's own lists built per 64
+    keys (the split-D kernel's key block), block_sparse_tensors_bwd refused there, the 192 / 128 pair refused."""
     from flash_attn.cute import launch
 
     U = mods._UNBOUNDED
     cute_env()
-    for d in (192, 256):
-        with pytest.raises(NotImplementedError, match="mods_bwd_wide"):
-            mods.check_call(m.rel_bias, None, None, False, U, U, 0.0, True, d, d, score_mod_bwd=m.additive_bwd)
-        mods.check_call(m.rel_bias, None, None, False, U, U, 0.0, False, d, d)  # (the forward: always)
-    cute_env(OVERRIDES="plan.mods_bwd_wide=1")
     for d in (192, 256):
         mods.check_call(m.rel_bias, None, None, False, U, U, 0.0, True, d, d, score_mod_bwd=m.additive_bwd)
         with pytest.raises(NotImplementedError, match="block_sparse_tensors_bwd"):
@@ -645,8 +639,7 @@ def test_score_mod_gradients_match_the_reference(defaults, d, score, mask):
 @pytest.mark.parametrize("score", ["identity", "rel_bias", "softcap", "alibi_aux"])
 @pytest.mark.parametrize("mask", [None, "causal", "native causal"])
 def test_score_mod_gradients_at_wide_head_dims(cute_env, d, score, mask):
-    # the split-D kernel under the plan rule mods_bwd_wide (its mask_mod lists per 64 keys)
-    cute_env(OVERRIDES="plan.mods_bwd_wide=1")
+    # the split-D kernel (its mask_mod lists per 64 keys)
     _check_score_mod_gradients(d, score, mask)
 
 
@@ -752,8 +745,7 @@ def test_varlen_mods_gradients_match_per_sequence(defaults, score, mask, causal)
                                                  (None, "window", False), ("alibi_aux", "causal", False)])
 @pytest.mark.parametrize("d", [192, 256])
 def test_varlen_mods_gradients_at_wide_head_dims(cute_env, score, mask, causal, d):
-    # the split-D kernel's varlen entry under the plan rule mods_bwd_wide
-    cute_env(OVERRIDES="plan.mods_bwd_wide=1")
+    # the split-D kernel's varlen entry
     _check_varlen_mods_gradients(score, mask, causal, d)
 
 

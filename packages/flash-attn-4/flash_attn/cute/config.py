@@ -312,9 +312,7 @@ class PlanRules:
     (benchmarks/results/h100/cute_bwd_ab.md). ``bwd_wide_d``: the backward kernel serves head dim 192 and the 192 / 128
     pair (FlashBwdSm90.split_d: 64 keys per CTA, D split over the warpgroups); on: 1.20-1.64x Triton's backward.
     ``bwd_d256``: which d256 backward calls it serves, "off", "causal" or "on"; "causal": 1.07-1.18x Triton's with a
-    causal mask at 1k-4k (0.98x at 16k), 0.88-0.97x without one (benchmarks/results/h100/attention_cute_bwd_wide.md).
-    ``mods_bwd_wide``: the backward of mods at head dims 192 and 256 on the split-D kernel (its key blocks of 64; a
-    mask_mod's lists built per 64 keys; no block_sparse_tensors_bwd there), off until GPU-tested."""
+    causal mask at 1k-4k (0.98x at 16k), 0.88-0.97x without one (benchmarks/results/h100/attention_cute_bwd_wide.md)."""
     pack_gqa_auto: bool = False
     bwd_host: str = "triton"
     bwd_window: bool = True
@@ -326,7 +324,6 @@ class PlanRules:
     bwd_gqa_loop: bool = True
     bwd_wide_d: bool = True
     bwd_d256: str = "causal"
-    mods_bwd_wide: bool = False
 
     def __post_init__(self):
         if self.bwd_host not in ("triton", "torch"):

@@ -87,12 +87,13 @@ def mod_block_n(head_dim, local):
 MOD_BLOCK_M = 128  # the mod kernels' query tile (two consumer warpgroups, mod_config)
 BWD_HEAD_DIMS = (64, 96, 128)  # flash_bwd_sm90.FlashBwdSm90.HEAD_DIMS (kept here: checking a call imports no CuTeDSL)
 BWD_BLOCK_N = 128  # the backward kernel's key block (FlashBwdSm90: 64 per consumer warpgroup)
-WIDE_BWD_HEAD_DIMS = (192, 256)  # the split-D kernel's (plan rule mods_bwd_wide), whose key block is 64
+WIDE_BWD_HEAD_DIMS = (192, 256)  # the split-D kernel's, whose key block is 64
 
 
 def bwd_head_dims():
-    """The head dims whose mods backward this package serves (the split-D ones under the plan rule mods_bwd_wide)."""
-    return BWD_HEAD_DIMS + (WIDE_BWD_HEAD_DIMS if config.plan_rules().mods_bwd_wide else ())
+    """The head dims whose mods backward this package serves (192 and 256 on the split-D kernel: GPU-tested, dense
+    and varlen, on an H100 2026-12-07)."""
+    return BWD_HEAD_DIMS + WIDE_BWD_HEAD_DIMS
 
 
 def bwd_block_n(head_dim):
@@ -412,8 +413,7 @@ def check_call(score_mod, mask_mod, aux_tensors, causal, window_left, window_rig
                                           "implemented yet")
         if D != Dv or D not in bwd_head_dims():
             raise NotImplementedError(f"flash_attn.cute: the backward of mods / block sparsity takes head dims "
-                                      f"{bwd_head_dims()} (192 and 256 under the plan rule mods_bwd_wide), got "
-                                      f"{D} / {Dv}")
+                                      f"{bwd_head_dims()} (q's and v's alike), got {D} / {Dv}")
         if block_sparse_bwd is not None and D > 128:
             raise NotImplementedError("flash_attn.cute: block_sparse_tensors_bwd at head dims past 128 is not "
                                       "implemented yet (a mask_mod's own lists are)")
