@@ -811,7 +811,7 @@ def test_mask_mod_gradients_go_to_the_mask_mod_backward_kernel(cute_env, monkeyp
 
 @pytest.mark.parametrize("kw, err, match", [
     (dict(score_mod=m.rel_bias), ValueError, "needs score_mod_bwd"),
-    (dict(mask_mod=m.causal_mask, d=256), NotImplementedError, "head dims"),
+    (dict(mask_mod=m.causal_mask, d=40), NotImplementedError, "head dims"),
     (dict(score_mod=m.rel_bias, score_mod_bwd=m.additive_bwd, varlen=True, deterministic=True), NotImplementedError,
      "deterministic"),
     (dict(score_mod=m.rel_bias, varlen=True), ValueError, "needs score_mod_bwd"),
