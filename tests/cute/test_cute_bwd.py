@@ -53,13 +53,10 @@ CONFIGS = ([(dtype, d, causal, True, False) for dtype in (torch.bfloat16, torch.
               (torch.float16, 96, True, True, True), (torch.bfloat16, 128, False, True, True)])
 
 
-def _dq_boxes(d, perm=True):
-    """TMA boxes of one dQ tile reduce-add: with dq_perm (the default) one, the unswizzled tile; else one per swizzle
-    atom of fp32 columns, 32 (128 bytes), or 16 (64 bytes) at D = 96, whose 48-column halves (one per warpgroup) are
-    whole 64-byte atoms only."""
-    if perm:
-        return 1
-    return d // (32 if (d // 2) % 32 == 0 else 16)
+def _dq_boxes(d):
+    """TMA boxes of one dQ tile reduce-add at head dim d: one, the unswizzled tile in config.permuted_column's layout
+    (dq_perm, which every dq_tma kernel takes)."""
+    return 1
 
 
 def _ids(cfg):
@@ -127,16 +124,15 @@ def test_ptx_is_warp_specialised_and_accumulates_dq_atomically(compiled):
         # D / 32 (D = 96: 16-column boxes, 64-byte atoms), in the loop (previous block's tile) and after it (the
         # last one); bulk groups committed, the buffer's reads waited for before reuse, everything waited for
         # before exit
-        assert _count(text, reduce_add) == 2 * _dq_boxes(cfg["head_dim"], cfg.get("dq_perm", False))
+        assert _count(text, reduce_add) == 2 * _dq_boxes(cfg["head_dim"])
         # (+1 each: the dK / dV TMA stores' group and its read wait, tma_dkv, the dense default)
         tma_dkv = int(cfg.get("tma_dkv", False))
         assert _count(text, "cp.async.bulk.commit_group") == 2 + tma_dkv
         assert _count(text, "cp.async.bulk.wait_group.read") == 1 + tma_dkv
         assert _count(text, "cp.async.bulk.wait_group ") == 1  # the final full wait ("wait_group \t0")
         assert "red.relaxed.gpu.global.add" not in text
-        # dQ to smem: with dq_perm 16 bytes per row and 16 columns of a thread, else column pairs
-        assert (_count(text, "st.shared.v4.b32") >= cfg["head_dim"] // 16 if cfg.get("dq_perm", False)
-                else _count(text, "st.shared.v2.b32") >= cfg["head_dim"] // 8)
+        # dQ to smem: 16 bytes per row and 16 columns of a thread (dq_perm)
+        assert cfg["dq_perm"] and _count(text, "st.shared.v4.b32") >= cfg["head_dim"] // 16
     else:
         assert _count(text, "red.relaxed.gpu.global.add.v2.f32") >= 1  # dq_accum += dS K, column pairs
         assert reduce_add not in text
@@ -259,7 +255,7 @@ def test_tma_dq_reduce_is_issued_by_a_converged_warp(compiled):
     if not cfg["dq_tma"]:
         pytest.skip("no TMA reduce-add in this variant")
     code = _sass(ptx)
-    assert sum("UTMAREDG" in ins for _, ins in code) == 2 * _dq_boxes(cfg["head_dim"], cfg.get("dq_perm", False))
+    assert sum("UTMAREDG" in ins for _, ins in code) == 2 * _dq_boxes(cfg["head_dim"])
     assert _divergent_tma_reduces(code) == []
 
 
@@ -459,21 +455,17 @@ def _ptxas_log(ptx):
 
 @pytest.mark.parametrize("d", [64, 96, 128])
 def test_dq_perm_writes_the_dq_tile_128_bits_at_a_time(tmp_path, cute_env, d):
-    """bwd.dq_perm (on; H100: the kernel 1.02-1.13x): dq_accum in config.permuted_column's layout, so each thread's
-    four dQ values of a row in 16 columns go to the shared tile in one 16-byte store (half the stores of the 8-byte
-    ones: d128 8 against 16 per query block; d64's 128-row loop and d96's 48-column halves too) and the unswizzled
-    tile goes out in one TMA reduce-add (the swizzled one: a box per 32 columns, 16 at d96); a cache entry of its
-    own; only where dQ goes by the TMA tile (the split-D kernel's atomics ignore it); ptxas spills nothing."""
-    base, _ = _compile_ptx(tmp_path, cute_env, d, True, {"bwd.dq_perm": False})
-    text, ptx = _compile_ptx(tmp_path, cute_env, d, True, {"bwd.dq_perm": True})
+    """dq_perm (every dq_tma kernel's; H100: the kernel 1.02-1.13x over the swizzled tile it replaced): dq_accum in
+    config.permuted_column's layout, so each thread's four dQ values of a row in 16 columns go to the shared tile in one
+    16-byte store (half the stores of 8-byte pairs: d128 8 per query block; d64's 128-row loop and d96's 48-column
+    halves too) and the unswizzled tile goes out in one TMA reduce-add (the swizzled one took a box per 32 columns, 16
+    at d96); only where dQ goes by the TMA tile (the split-D kernel's atomics do not); ptxas spills nothing."""
+    text, ptx = _compile_ptx(tmp_path, cute_env, d, True, {"bwd.dq_split": True})  # (the default)
     v2, v4 = r"\bst\.shared\.v2\.b32\b", r"\bst\.shared\.v4\.b32\b"
-    stores = len(re.findall(v2, base))  # 8 bytes each: the tile's fp32 values over 256 threads, in pairs
-    assert stores == kernels.bwd_config(torch.bfloat16, d, True, "sm_90a").block_m * d // 512
-    assert not re.findall(v4, base)
-    assert len(re.findall(v4, text)) == stores // 2 and not re.findall(v2, text)
+    pairs = kernels.bwd_config(torch.bfloat16, d, True, "sm_90a").block_m * d // 512  # 8-byte stores it would take
+    assert len(re.findall(v4, text)) == pairs // 2 and not re.findall(v2, text)
     reduce = r"cp\.reduce\.async\.bulk\.tensor\.\dd\.global\.shared::cta\.add"
-    boxes = {64: 2, 96: 6, 128: 4}[d]  # per tile, swizzled (issued in the loop and after it)
-    assert len(re.findall(reduce, base)) == 2 * boxes and len(re.findall(reduce, text)) == 2
+    assert len(re.findall(reduce, text)) == 2  # (issued in the loop and after it)
     assert kernels.bwd_config(torch.bfloat16, d, True, "sm_90a").key()["dq_perm"] is True
     assert not kernels.bwd_config(torch.bfloat16, 256, True, "sm_90a").dq_perm
     if shutil.which("ptxas"):
@@ -533,6 +525,11 @@ def test_dq_perm_needs_the_tma_tile_at_head_dims_of_32():
     config.BwdConfig(head_dim=96, dq_tma=True, dq_perm=True, **base)
     with pytest.raises(ValueError, match="dq_perm"):
         config.BwdConfig(head_dim=64, dq_tma=False, dq_perm=True, **base)
+    with pytest.raises(ValueError, match="dq_perm"):  # the TMA dQ tile is the permuted one
+        config.BwdConfig(head_dim=64, dq_tma=True, dq_perm=False, **base)
+    with pytest.raises(ValueError, match="dq_perm is not a tunable"):  # (it follows dq_tma)
+        with _cute_settings(OVERRIDES="bwd.dq_perm=0"):
+            config.overrides("bwd")
     with pytest.raises(ValueError, match="dq_perm"):
         config.BwdConfig(head_dim=80, dq_tma=True, dq_perm=True, **base)
 
@@ -1473,12 +1470,8 @@ def test_gradients_with_tma_dkv_on_gpu(cute_bwd_on, monkeypatch, cute_env, d, ca
 @pytest.mark.parametrize("d,causal", [(64, False), (64, True), (96, True), (128, False), (128, True)])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (113, 203), (1000, 1000), (300, 1200)])
 @pytest.mark.parametrize("heads,heads_kv", [(4, 4), (6, 2)])
-@pytest.mark.parametrize("perm", [0, 1])
-def test_gradients_with_and_without_dq_perm_on_gpu(cute_bwd_on, monkeypatch, cute_env, d, causal, seqlen_q, seqlen_k,
-                                                   heads, heads_kv, perm):
-    # bwd.dq_perm (on): dq_accum in config.permuted_column's layout, the casts read it back; 0: the swizzled tile
-    cute_env(OVERRIDES=f"bwd.dq_perm={perm}")
-    _fresh_bwd_kernels(monkeypatch)
+def test_gradients_with_dq_perm_on_gpu(cute_bwd_on, d, causal, seqlen_q, seqlen_k, heads, heads_kv):
+    # dq_perm: dq_accum in config.permuted_column's layout, the cast reads it back (rows of both parities, cut by Sq)
     _run(torch.bfloat16, d, causal, 2, seqlen_q, seqlen_k, heads, heads_kv, cute_bwd_on, seed=19)
 
 

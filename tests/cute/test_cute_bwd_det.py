@@ -125,8 +125,8 @@ def test_deterministic_writer_warp_takes_turns_in_its_ptx(tmp_path, cute_env, d,
     kernels.compile_bwd(torch.bfloat16, d, causal, dump_dir=str(tmp_path), varlen=varlen, deterministic=True)
     (ptx,) = [p for p in tmp_path.iterdir() if p.suffix == ".ptx"]
     text = ptx.read_text()
-    boxes = 1 if cfg.dq_perm else d // (32 if (d // 2) % 32 == 0 else 16)  # (dq_perm: the unswizzled tile)
-    assert text.count("cp.reduce.async.bulk.tensor") == boxes and "red.relaxed.gpu.global.add" not in text
+    assert cfg.dq_perm  # (the unswizzled tile: one box)
+    assert text.count("cp.reduce.async.bulk.tensor") == 1 and "red.relaxed.gpu.global.add" not in text
     assert re.search(r"ld\.acquire\.gpu\.global\.b32", text) and "bar.sync \t2, 256;" not in text
     assert re.search(r"cp\.async\.bulk\.wait_group \t0;[\s\S]*fence\.proxy\.async\.global;[\s\S]*fence\.acq_rel\.gpu;"
                      r"[\s\S]*red\.release\.gpu\.global\.add\.s32", text)
@@ -139,12 +139,12 @@ def test_deterministic_writer_warp_takes_turns_in_its_ptx(tmp_path, cute_env, d,
 
 def test_deterministic_config_refusals():
     base = dict(dtype="bf16", head_dim=64, causal=True, arch="sm_90a", abi="cute", block_m=64, stages=2)
-    for bad in (dict(dq_split=True, dq_tma=True), dict(dq_split=False, dq_tma=False),
+    for bad in (dict(dq_split=True, dq_tma=True, dq_perm=True), dict(dq_split=False, dq_tma=False),
                 dict(dq_split=True, dq_tma=False, lpt=4), dict(dq_split=True, dq_tma=False, local=True)):
         with pytest.raises(ValueError, match="deterministic"):
             config.BwdConfig(**base, **bad, deterministic=True)
     config.BwdConfig(**base, dq_split=True, dq_tma=False, deterministic=True)
-    config.BwdConfig(**base, dq_split=True, dq_tma=True, dq_writer=True, deterministic=True)  # the writer warp's turns
+    config.BwdConfig(**base, dq_split=True, dq_tma=True, dq_perm=True, dq_writer=True, deterministic=True)  # the writer
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -247,12 +247,11 @@ def test_own_backward_passes_deterministic_to_the_kernel(monkeypatch, cute_env):
 # On a Hopper GPU
 
 
-@pytest.fixture(params=[",bwd.dq_writer=0", "", ",bwd.dq_perm=0"], ids=["red_add", "writer_warp", "writer_swizzled"])
+@pytest.fixture(params=[",bwd.dq_writer=0", ""], ids=["red_add", "writer_warp"])
 def det_on(request, monkeypatch, cute_env):
     """The deterministic (and varlen) rules on, the dispatcher's cached choices dropped, and the deterministic flag
     of each kernel launch recorded; the turns taken by every consumer thread's red.global.add, or by the writer warp's
-    TMA reduce-adds (the default at d64-d128; with a causal mask in descending turns), or those from the swizzled dQ tile
-    (bwd.dq_perm=0; the default: config.permuted_column's layout)."""
+    TMA reduce-adds (the default at d64-d128; with a causal mask in descending turns)."""
     from flash_attn import dispatch
 
     cute_env(OVERRIDES="plan.bwd_deterministic=1,plan.bwd_varlen=1" + request.param, DISABLE=None)

@@ -479,10 +479,9 @@ def test_varlen_gradients_with_the_dq_writer_warp_on_gpu(varlen_on, monkeypatch,
 @pytest.mark.parametrize("d", [64, 96, 128])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("lengths", list(LENGTHS))
-@pytest.mark.parametrize("perm", [0, 1])
-def test_varlen_gradients_with_and_without_dq_perm_on_gpu(varlen_on, monkeypatch, cute_env, d, causal, lengths, perm):
-    # bwd.dq_perm on varlen calls (on: config.permuted_column's layout by the packed rows' parity; 0: the swizzled tile)
-    cute_env(OVERRIDES=f"plan.bwd_varlen=1,plan.bwd_window=1,bwd.dq_perm={perm}", DISABLE=None)
+def test_varlen_gradients_with_dq_perm_on_gpu(varlen_on, monkeypatch, cute_env, d, causal, lengths):
+    # dq_perm on varlen calls: config.permuted_column's layout by the packed rows' parity
+    cute_env(OVERRIDES="plan.bwd_varlen=1,plan.bwd_window=1", DISABLE=None)
     table = {}
     monkeypatch.setattr(kernels, "_bwd_kernels", table)  # (the in-memory table does not key on the overrides)
     monkeypatch.setattr(launch, "_bwd_kernels", table)

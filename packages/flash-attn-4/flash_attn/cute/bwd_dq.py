@@ -4,7 +4,6 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from flash_attn.cute.bwd_parts import gemm, red_add_f32x2, transpose_view
-from flash_attn.cute.hopper_helpers import opaque
 
 # The named barrier of the deterministic turn (the kernel's dS barrier is 1; with dq_split=False, which the
 # deterministic kernel does not build, 1 and 2 are the per-warpgroup dS barriers; 3 to 5 are the TMA dK / dV
@@ -60,7 +59,7 @@ class DqAccumulator:
     way the key block waited for has been scheduled."""
 
     def __init__(self, block_m, dq_tma, deterministic, seqlens, num_consumer_threads, writer=False, descending=False,
-                 block_n=128, permuted=False):
+                 block_n=128):
         if deterministic and dq_tma and not writer:
             raise ValueError("deterministic dQ adds with red.global.add (dq_tma off), or by the writer warp's TMA")
         if writer and not dq_tma:
@@ -74,9 +73,6 @@ class DqAccumulator:
         self.num_consumer_threads = num_consumer_threads
         self.descending = bool(descending)  # (deterministic causal turns: see the class docstring)
         self.block_n = block_n
-        if permuted and not dq_tma:
-            raise ValueError("the permuted dQ tile (permuted) is the TMA reduce-add's shared tile (dq_tma)")
-        self.permuted = bool(permuted)  # dq_accum in config.permuted_column's layout (BwdConfig.dq_perm)
 
     def turn_place(self, n_block, m_block, tile):
         """Key block n_block's place in query block m_block's order of adds: n_block, or descending from the last of
@@ -101,10 +97,8 @@ class DqAccumulator:
             tdQrdS = tiled_mma_dq.make_fragment_A(wg_dq.partition_A(cute.local_tile(sdS, (BM, 64, 2), (0, wg, 0))))
             tdQrKt = tiled_mma_dq.make_fragment_B(wg_dq.partition_B(cute.local_tile(transpose_view(sK), (D, 64), (0, wg))))
         acc_dQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((BM, D)), Float32)
-        tdQsdQ = None
-        if cutlass.const_expr(self.dq_tma):
-            # (dq_perm: the tile itself, addressed by store_permuted)
-            tdQsdQ = sdQ if cutlass.const_expr(self.permuted) else thr_dq.partition_C(sdQ)
+        # dq_tma: the tile itself, addressed by store_permuted (dq_accum in config.permuted_column's layout)
+        tdQsdQ = sdQ if cutlass.const_expr(self.dq_tma) else None
         return tdQrdS, tdQrKt, acc_dQ, thr_dq.partition_C(cute.make_identity_tensor((BM, D))), tdQsdQ
 
     def gemm(self, tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, buf):
@@ -113,11 +107,10 @@ class DqAccumulator:
 
     @cute.jit
     def out(self, mdQaccum, acc_dQ, tdQcdQ, tdQsdQ, softmax_scale, buf, m_block, head, tile, seqlen_q, turn,
-            dq_repartition=None, reused=None):
+            reused=None):
         """The finished dQ partial of m_block: red.global.add into dq_accum, or with dq_tma scaled into
         the shared dQ tile buf (added by TMA after the next dS barrier, or by the writer warp once it is handed over).
-        dq_repartition (tiled_mma_dq, sdQ, ctid): the smem tile is partitioned here, from an opaque thread index (see
-        hopper_helpers.opaque). turn (deterministic): (mSem, n_block, ctid). reused (writer warp): whether buffer buf
+        turn (deterministic): (mSem, n_block, ctid). reused (writer warp): whether buffer buf
         held an earlier block's tile (the walk's third block on), whose reduce-add must have read it first."""
         if cutlass.const_expr(self.writer_warp):
             if reused:
@@ -126,13 +119,7 @@ class DqAccumulator:
             for i in cutlass.range(cute.size(acc_dQ), unroll_full=True):
                 acc_dQ[i] = acc_dQ[i] * softmax_scale
             # Made visible to the TMA (async proxy) by the next block's dS fence, before its barrier (writer warp: here).
-            if cutlass.const_expr(self.permuted):
-                store_permuted(acc_dQ, tdQcdQ, tdQsdQ, buf, tile.q_start)
-            else:
-                if cutlass.const_expr(dq_repartition is not None):
-                    tiled_mma_dq, sdQ, ctid = dq_repartition
-                    tdQsdQ = tiled_mma_dq.get_slice(opaque(ctid)).partition_C(sdQ)
-                cute.autovec_copy(acc_dQ, tdQsdQ[None, None, None, buf])
+            store_permuted(acc_dQ, tdQcdQ, tdQsdQ, buf, tile.q_start)
             if cutlass.const_expr(self.writer_warp):
                 cute.arch.fence_view_async_shared()
                 cute.arch.barrier_arrive(barrier_id=DQ_FULL + buf, number_of_threads=self.num_consumer_threads + 32)

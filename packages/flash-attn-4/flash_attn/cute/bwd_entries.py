@@ -196,14 +196,14 @@ class BwdEntries:
         row_layout = cute.make_layout(BM)
         tma_lse, mLSE2_tma = cpasync.make_tiled_tma_atom(g2s, mLSE2, row_layout, (BM,))
         tma_delta, mDelta_tma = cpasync.make_tiled_tma_atom(g2s, mDelta, row_layout, (BM,))
-        # dQ tile for the TMA reduce-add: fp32 128-byte swizzle atoms (8 rows x 32 columns; the
-        # accumulator's column pairs land conflict-free), two buffers. TMA drops rows past Sq. Split by D
-        # between the warpgroups, each half is whole atoms: 64-byte ones (8 rows x 16 columns, as
-        # conflict-free) for the halves of 48 columns at D = 96.
-        sdQ_layout = smem_layout(k_atom_for(D // 2 if self.dq_split and not self.dq_rows else D, Float32),
-                                 Float32, (BM, D, 2))
-        if cutlass.const_expr(self.dq.permuted):  # unswizzled, one box (config.permuted_column's layout)
+        # dQ tile for the TMA reduce-add (dq_tma): two unswizzled fp32 buffers in config.permuted_column's layout, one
+        # TMA box each (bwd_dq.store_permuted; TMA drops rows past Sq). Without dq_tma no tile is allocated (the
+        # kernel's layout argument is then a swizzled one, never used).
+        if cutlass.const_expr(self.dq_tma):
             sdQ_layout = permuted_tile_layout(BM, D)
+        else:
+            sdQ_layout = smem_layout(k_atom_for(D // 2 if self.dq_split and not self.dq_rows else D, Float32),
+                                     Float32, (BM, D, 2))
         tma_dq, mdQ_tma = None, None
         if cutlass.const_expr(self.dq_tma):
             tma_dq, mdQ_tma = cpasync.make_tiled_tma_atom(

@@ -252,10 +252,10 @@ class BwdConfig:
     # (bwd_dq.DqAccumulator.turn_place; 1.42-1.91x the ascending turns, whose key-block CTAs wait at their first query
     # blocks: h100/attention_cute_bwd_modes.md)
     turns_desc: bool = False
-    # dq_accum in permuted_column's layout: the loop writes each thread's dQ values of a row in 16 columns with one
-    # 128-bit store (16 STS.64 -> 8 STS.128 per query block at d128) and one TMA box adds the tile (4 at d128); the
-    # host's casts read it back in order (dq_tma kernels; bwd.dq_perm=0: the swizzled tile; H100 2026-12-07: kernel
-    # 1.02-1.13x, benchmarks/results/h100/cute_bwd_ab.md)
+    # dq_accum in permuted_column's layout, exactly where dq_tma: the loop writes each thread's dQ values of a row in 16
+    # columns with one 128-bit store (16 STS.64 -> 8 STS.128 per query block at d128) and one TMA box adds the tile (4
+    # swizzled ones before; the kernel 1.02-1.13x, H100 2026-12-07, benchmarks/results/h100/cute_bwd_ab.md); the host's
+    # casts read it back in order
     dq_perm: bool = False
 
     def __post_init__(self):
@@ -272,9 +272,9 @@ class BwdConfig:
                              "and no window")
         if self.turns_desc and not (self.deterministic and self.causal):
             raise ValueError("BwdConfig: turns_desc orders the deterministic causal kernel's turns")
-        if self.dq_perm and (not self.dq_tma or self.head_dim % 32):
-            raise ValueError("BwdConfig: dq_perm is the layout of the TMA dQ tile (dq_tma) at head dims that are "
-                             "multiples of 32 (permuted_column swaps 16-column blocks in pairs)")
+        if self.dq_perm != self.dq_tma or (self.dq_perm and self.head_dim % 32):
+            raise ValueError("BwdConfig: dq_perm is the layout of the TMA dQ tile (dq_tma, which takes it) at head dims "
+                             "that are multiples of 32 (permuted_column swaps 16-column blocks in pairs)")
         if self.softcap and self.block_m != 64:
             raise ValueError("BwdConfig: softcap needs block_m 64")
         if self.head_dim_v is not None and (self.head_dim, self.head_dim_v) not in HEAD_DIM_PAIRS:
@@ -348,8 +348,9 @@ class NormBwdTuning:
 
 
 _SECTIONS = {"fwd": FwdConfig, "bwd": BwdConfig, "plan": PlanRules, "ln": NormBwdTuning}
+# what the call decides, or what follows from another field (dq_perm: dq_tma's tile layout): not tunable
 _FIXED = {"dtype", "head_dim", "arch", "abi", "causal", "local", "softcap", "varlen", "sink", "split", "pack_gqa",
-          "head_dim_v", "paged", "gqa_loop"}  # what the call decides: not tunable
+          "head_dim_v", "paged", "gqa_loop", "dq_perm"}
 _parsed = {}
 
 
@@ -542,4 +543,4 @@ def select_bwd(dtype, head_dim, causal, arch, abi, local=False, varlen=False, de
                      # (descending turns where they are GPU-tested: the writer warp's; the consumers' red.global turns,
                      # bwd.dq_writer=0 and the split-D kernel's, ascend)
                      turns_desc=bool(deterministic and causal and dq_writer),
-                     dq_perm=bool(dq_tma and ov.get("dq_perm", True)))
+                     dq_perm=bool(dq_tma))

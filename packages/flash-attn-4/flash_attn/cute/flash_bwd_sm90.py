@@ -95,7 +95,7 @@ class FlashBwdSm90(BwdEntries):
                  dq_tma=False, overlap=False, lpt=0, exp2_emu=0, exp2_emu_degree=3, local=False,
                  varlen=False, deterministic=False, softcap=False, mask_mod=None, aux=False, sparse=None,
                  scalars=(), score_mod=None, score_mod_bwd=None, tma_dkv=False, gqa_loop=False, head_dim_v=None,
-                 dq_writer=False, turns_desc=False, dq_perm=False):
+                 dq_writer=False, turns_desc=False):
         """head_dim: 64, 96, 128, 192 or 256 (HEAD_DIMS), of q, k and v alike; past 128 the warpgroups split D (split_d
         below) and block_n is 64. head_dim_v: V's (and dO's, dV's) head dim where it differs, with split_d (the
         192 / 128 pair): S^T's K steps run over D, dP^T's over head_dim_v.
@@ -183,9 +183,6 @@ class FlashBwdSm90(BwdEntries):
         # between the warpgroups by query rows (m64nDk16 over all 128 keys) instead of by D.
         self.wide = block_m == 128
         self.dq_rows = self.dq_split and self.wide
-        # The dQ tile's smem addresses partitioned in the loop from an opaque thread index (hopper_helpers.opaque),
-        # not held across it: BLOCK_M = 128, and D = 96 (48-column halves of 64-byte atoms; held, softcap spills).
-        self.dq_in_loop = self.wide or head_dim == 96
         self.num_threads = self.NUM_PRODUCER_THREADS + 128 * self.NUM_MMA_WARPGROUPS
         self.local = bool(local)
         self.mask = AttentionMask(self.causal, self.local, block_m, block_n)
@@ -223,7 +220,7 @@ class FlashBwdSm90(BwdEntries):
             raise ValueError("deterministic needs dq_split, dq_tma off or the writer warp, lpt 0 and no window")
         self.dq_writer = bool(dq_writer) and self.dq_tma and not self.overlap
         self.dq = DqAccumulator(block_m, self.dq_tma, self.deterministic, self.seqlens, 128 * self.NUM_MMA_WARPGROUPS,
-                                self.dq_writer, self.turns_desc, block_n, dq_perm)
+                                self.dq_writer, self.turns_desc, block_n)
         self.dkv = DkvEpilogue(dtype, head_dim, block_n, self.NUM_MMA_WARPGROUPS, self.tma_dkv, self.varlen,
                                self.seqlens, self.split_d, self.head_dim_v)
         if self.smem_bytes() > self.SMEM_LIMIT:
@@ -543,7 +540,6 @@ class FlashBwdSm90(BwdEntries):
                                ds_copy=ds_copy, rdT=rdT, tiles=tiles, mods=mods, n_block=n_block, m_block_of=m_block)
                 dq_out = (mdQaccum, acc_dQ, tdQcdQ, tdQsdQ, softmax_scale, buf, m_block,
                           tiles.head(pos) if cutlass.const_expr(self.gqa_loop) else head, tile, seqlen_q, turn,
-                          (tiled_mma_dq, sdQ, ctid) if cutlass.const_expr(self.dq_in_loop) else None,
                           pos >= m_block_min + self.dq.buffers)
                 if cutlass.const_expr(self.dq_first):
                     warpgroup.wait_group(1)  # dV and dQ done, dK runs on: dO's stage and rP are free
@@ -614,8 +610,7 @@ class FlashBwdSm90(BwdEntries):
                 q_state.advance()
                 do_state.advance()
                 self.dq.out(mdQaccum, acc_dQ, tdQcdQ, tdQsdQ, softmax_scale, buf, m_block,
-                            tiles.head(pos) if cutlass.const_expr(self.gqa_loop) else head, tile, seqlen_q, turn,
-                            dq_repartition=(tiled_mma_dq, sdQ, ctid) if cutlass.const_expr(self.dq_in_loop) else None)
+                            tiles.head(pos) if cutlass.const_expr(self.gqa_loop) else head, tile, seqlen_q, turn)
                 buf = 1 - buf
             warpgroup.wait_group(0)  # the unread S^T and dP^T issued last
 

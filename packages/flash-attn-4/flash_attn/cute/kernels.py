@@ -402,7 +402,7 @@ def compile_bwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=Fal
                           aux=bool(spec), sparse=sparse, scalars=scalars, score_mod=score_mod,
                           score_mod_bwd=score_mod_bwd, tma_dkv=cfg.tma_dkv, gqa_loop=cfg.gqa_loop,
                           head_dim_v=cfg.head_dim_v, dq_writer=cfg.dq_writer,
-                          turns_desc=cfg.turns_desc, dq_perm=cfg.dq_perm)
+                          turns_desc=cfg.turns_desc)
     D, Dv = kernel.head_dim, kernel.head_dim_v
     # 32-bit symbolic shapes and strides, as in compile_fwd (backward() keeps tensors below 2^31 elements).
     batch, seqlen_q, seqlen_k, heads, heads_kv, seqlen_q_pad = (cute.sym_int() for _ in range(6))
