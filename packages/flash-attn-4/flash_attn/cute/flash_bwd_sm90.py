@@ -32,7 +32,7 @@ consumer thread within its 240 registers, spill-free (S^T, dP^T are 64 fp32 regi
 each), and the smem traffic down:
   - dS^T = P^T (dP^T - delta) takes P^T from the 16-bit copy the dV WGMMA reads (unpacked exactly), so
     the fp32 S^T dies when P^T is packed, before dP^T is waited for;
-  - the swizzled addresses of the dS (stmatrix) and dQ smem stores are computed in the loop, not held across it;
+  - the swizzled addresses of the dS stores (stmatrix) are computed in the loop, not held across it;
   - the shared dQ tile is split by query rows (each warpgroup m64n64k16 over its 64 rows) instead of by D
     (m64n32k16), so K keeps 128-byte swizzle atoms;
   - dK += dS^T Q takes dS^T from registers (as dV takes P^T), issued before the dS barrier.
@@ -40,8 +40,8 @@ With overlap, the next block's S^T is issued once dV is done (P^T dead), behind 
 Head dims 64, 96 and 128 (q, k, v alike; BLOCK_M 64 at 96 and 128). A D = 96 row is 192 bytes, no whole
 number of 128-byte swizzle atoms: Q, dO and V take 64-byte atoms (32 elements); K takes 32-byte ones (16
 elements), so that each warpgroup's 48-column half of K^T, the N of its dQ WGMMA (m64n48k16), starts on an
-atom; the fp32 dQ tile takes 64-byte atoms (16 columns) for the same reason, and its TMA reduce-add goes as six
-boxes per block. Its smem addresses are partitioned in the loop as at BLOCK_M = 128 (held, they spill with softcap).
+atom. The fp32 dQ tile is unswizzled at every head dim (config.permuted_column's layout: 16-byte stores per 16
+columns of a row, one TMA box per block; bwd_dq.store_permuted).
 Head dims 192 and 256 (split_d): 2 x 64 x D fp32 dK / dV accumulators per warpgroup do not fit its registers, so
 a CTA takes 64 keys, which both warpgroups share: S^T and dP^T split by query columns (m64n32k16 each), P^T and
 dS^T written to shared memory and read back whole as the A operands of dV and dK, which (as dQ) split D between
