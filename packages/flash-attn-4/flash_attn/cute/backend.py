@@ -8,9 +8,9 @@ dropout (its dQ is a sum of fp32 TMA reduce-adds from the key blocks' CTAs in wh
 in the last bits run to run, as FA2's default backward does; deterministic calls without a window, at the head dims
 the plan rule bwd_deterministic admits, add in key-block order); every other backward goes to the next backend that
 has one (Triton, else the reference), which consumes this forward's out and lse. FLASH_ATTN_CUTE_DISABLE
-(settings.py) switches off the backward ("bwd"), the paged and Dv != D kernels, and head dims 96 / 192 / 256 ("d96", ...: the forward, and
-d96's backward too): those calls then go to the next backend. The dispatcher caches its choices per kind of call,
-so a change takes effect in a new process.
+(settings.py) switches off the backward ("bwd"), the paged and Dv != D kernels, and head dims 96 / 192 / 256
+("d96", ...: the forward, and d96's backward too): those calls then go to the next backend. The dispatcher caches its
+choices per kind of call, so a change takes effect in a new process.
 
 Paged varlen forward calls (flash_attn_varlen_func's block_table; cu_seqlens_k then counts each sequence's keys) run
 the paged kernel (launch.forward_varlen with the page table, each sequence's key count as seqused_k); pages the
