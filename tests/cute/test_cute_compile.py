@@ -1115,6 +1115,7 @@ def test_backend_admits_only_what_the_kernel_does(cute_env):
     assert backend.unsupported_reason(_call(varlen=True, causal=True)) is None
     assert backend.unsupported_reason(_call(backward=True, causal=True)) is None  # dense: flash_bwd_sm90
     assert backend.unsupported_reason(_call(head_dim=96, head_dim_v=96, backward=True)) is None  # its d96 too
+    assert backend.unsupported_reason(_call(backward=True, deterministic=True)) is None  # (bwd_deterministic "writer")
     refused = {
         "device cpu": _call(device_type="cpu", arch=None),
         "compute capability": _call(arch=(8, 0)),
@@ -1123,7 +1124,8 @@ def test_backend_admits_only_what_the_kernel_does(cute_env):
         "head dims 192/64": _call(head_dim=192, head_dim_v=64, backward=True),  # not a pair
         "d256 backward without a causal mask": _call(head_dim=256, head_dim_v=256, backward=True),  # (bwd_d256)
         "head dims 128/64": _call(head_dim_v=64),
-        "backward with deterministic": _call(backward=True, deterministic=True),
+        # (plan rule bwd_deterministic "writer": d64-d128 only)
+        "backward with deterministic": _call(head_dim=192, head_dim_v=192, backward=True, deterministic=True),
         "backward with paged": _call(backward=True, paged=True),
         "alibi": _call(alibi=True),
         "dropout": _call(dropout_p=0.1),
@@ -1140,15 +1142,15 @@ def test_backend_admits_only_what_the_kernel_does(cute_env):
 @pytest.mark.parametrize("causal", [False, True])
 def test_dispatcher_serves_forward_and_backward_with_cute(causal):
     """flash_attn.flash_attn_func on Hopper runs this package's forward (automatically, and when forced)
-    and its backward; deterministic=True sends the backward to the fallback backend; gradients meet the
-    criterion either way; flash_attn.cute.flash_attn_func accepts inputs that need gradients the same way."""
+    and its backward, deterministic=True too (the kernel's key-block turns at d128, plan rule bwd_deterministic);
+    gradients meet the criterion either way; flash_attn.cute.flash_attn_func accepts inputs that need gradients the same way."""
     import flash_attn
     from flash_attn import dispatch
     from flash_attn.cute import flash_attn_func as cute_func
 
     assert dispatch.select(_call(causal=causal)).NAME == "cute"
     assert dispatch.select(_call(causal=causal, backward=True)).NAME == "cute"
-    assert dispatch.select(_call(causal=causal, backward=True, deterministic=True)).NAME != "cute"
+    assert dispatch.select(_call(causal=causal, backward=True, deterministic=True)).NAME == "cute"  # (its turns)
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 333, 4, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
