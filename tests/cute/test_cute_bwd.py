@@ -557,6 +557,28 @@ def test_dq_perm_layout_is_what_the_cast_reads_back():
         assert torch.equal(bwd_host.unpermute(stored), x)
 
 
+@pytest.mark.parametrize("D", [64, 96, 128])
+def test_triton_cast_of_the_permuted_layout_matches_the_torch_cast(D):
+    """bwd_host.finish's cast of a dq_accum in config.permuted_column's layout (loaded in stored order, reordered in
+    registers, stored 16 bytes at a time) equals the torch cast bit for bit: rows of both parities, Sq cut inside a
+    64-row tile, D = 96 masked inside the 128-column tile, dq a strided slice; fp16 (the interpreter's bf16 is wrong)."""
+    from flash_attn.cute import bwd_host, config
+
+    if bwd_host.triton is None or not bwd_host._INTERPRET:
+        pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1)")
+    B, Sq, H = 2, 77, 3
+    g = torch.Generator().manual_seed(D)
+    vals = torch.randn(B, Sq, H, D, generator=g) * 100
+    acc = torch.empty_like(vals)
+    for r in range(Sq):
+        acc[:, r, :, [config.permuted_column(r, c) for c in range(D)]] = vals[:, r]
+    got = torch.full((B, Sq, 2, H, D), float("nan"), dtype=torch.float16)[:, :, 1]
+    want = torch.empty(B, Sq, H, D, dtype=torch.float16)
+    bwd_host.finish(acc, got, perm=True)
+    bwd_host.finish_torch(acc, want, perm=True)
+    assert torch.equal(got, want) and torch.equal(want, vals.half())
+
+
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas not on PATH")
 @pytest.mark.parametrize("overlap,emu", [(False, 0), (True, 0), (False, 6)], ids=["plain", "overlap", "exp2_emu"])
 def test_block_m_128_kernel_is_spill_free(tmp_path, cute_env, overlap, emu):
