@@ -53,10 +53,9 @@ CONFIGS = ([(dtype, d, causal, True, False) for dtype in (torch.bfloat16, torch.
               (torch.float16, 96, True, True, True), (torch.bfloat16, 128, False, True, True)])
 
 
-def _dq_boxes(d):
-    """TMA boxes of one dQ tile reduce-add at head dim d: one, the unswizzled tile in config.permuted_column's layout
-    (dq_perm, which every dq_tma kernel takes)."""
-    return 1
+# TMA boxes of one dQ tile reduce-add: one, the unswizzled tile in config.permuted_column's layout (dq_perm, which every
+# dq_tma kernel takes)
+DQ_BOXES = 1
 
 
 def _ids(cfg):
@@ -124,7 +123,7 @@ def test_ptx_is_warp_specialised_and_accumulates_dq_atomically(compiled):
         # D / 32 (D = 96: 16-column boxes, 64-byte atoms), in the loop (previous block's tile) and after it (the
         # last one); bulk groups committed, the buffer's reads waited for before reuse, everything waited for
         # before exit
-        assert _count(text, reduce_add) == 2 * _dq_boxes(cfg["head_dim"])
+        assert _count(text, reduce_add) == 2 * DQ_BOXES
         # (+1 each: the dK / dV TMA stores' group and its read wait, tma_dkv, the dense default)
         tma_dkv = int(cfg.get("tma_dkv", False))
         assert _count(text, "cp.async.bulk.commit_group") == 2 + tma_dkv
@@ -204,13 +203,13 @@ def test_dq_writer_warp_issues_the_reduce_adds(tmp_path, cute_env, d, causal):
     text, ptx = _compile_ptx(tmp_path, cute_env, d, causal, {"bwd.dq_writer": True})
     assert kernels.bwd_config(torch.bfloat16, d, causal, "sm_90a").key()["dq_writer"] is True
     reduce_add = "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group"
-    assert _count(base, reduce_add) == 2 * _dq_boxes(d) and _count(text, reduce_add) == _dq_boxes(d)
+    assert _count(base, reduce_add) == 2 * DQ_BOXES and _count(text, reduce_add) == DQ_BOXES
     assert _count(text, "bar.arrive") == 2 and text.count(", 288;") == 4  # 2 syncs, 2 arrives
     assert base.count(", 288;") == 0
     # the writer's one wait for the reads and its final wait; the TMA dK / dV store's read wait
     assert _count(text, "cp.async.bulk.wait_group.read") == _count(base, "cp.async.bulk.wait_group.read")
     code = _sass(ptx)
-    assert sum("UTMAREDG" in ins for _, ins in code) == _dq_boxes(d) and _divergent_tma_reduces(code) == []
+    assert sum("UTMAREDG" in ins for _, ins in code) == DQ_BOXES and _divergent_tma_reduces(code) == []
     if shutil.which("ptxas") is None:
         pytest.skip("ptxas not on PATH")
     spills = {}
@@ -255,7 +254,7 @@ def test_tma_dq_reduce_is_issued_by_a_converged_warp(compiled):
     if not cfg["dq_tma"]:
         pytest.skip("no TMA reduce-add in this variant")
     code = _sass(ptx)
-    assert sum("UTMAREDG" in ins for _, ins in code) == 2 * _dq_boxes(cfg["head_dim"])
+    assert sum("UTMAREDG" in ins for _, ins in code) == 2 * DQ_BOXES
     assert _divergent_tma_reduces(code) == []
 
 
@@ -622,7 +621,7 @@ def test_block_m_128_kernel_is_spill_free(tmp_path, cute_env, overlap, emu):
     assert _count(text, "cvt.rn.bf16x2.f32") == 2 * 64 // 2 + 2 * 32 // 2
     assert "cvt.f32.bf16" not in text
     # the dQ tile's reduce-add (in the loop and after it), one box each (dq_perm's unswizzled tile)
-    assert _count(text, "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group") == 2 * _dq_boxes(64)
+    assert _count(text, "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group") == 2 * DQ_BOXES
 
 
 def test_bwd_exp2_emu_config_key_and_refusals(cute_env):
