@@ -138,9 +138,11 @@ def _versions():
 
 
 class Side:
-    def __init__(self, name, pythonpath, cwd):
+    def __init__(self, name, pythonpath, cwd, overrides=None):
         env = dict(os.environ)
         env["PYTHONPATH"] = pythonpath
+        if overrides is not None:  # (--control-overrides: the control worker as the other arm of an A/B)
+            env["FLASH_ATTN_CUTE_OVERRIDES"] = overrides
         self.name = name
         self.proc = subprocess.Popen([sys.executable, "-m", MODULE, "--_worker", name], env=env, cwd=cwd,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -264,7 +266,10 @@ def report(results, info, names, args, command):
         lines.append(f"ours / fa4: geometric mean {geo:.3f}, min {min(ratios):.3f}, max {max(ratios):.3f}; "
                      f"{sum(r >= 1.0 for r in ratios)} of {len(ratios)} cells >= 1.0")
     if controls:
-        lines.append(f"control (a second worker of ours): ratio to ours {min(controls):.3f}..{max(controls):.3f}")
+        what = (f"FLASH_ATTN_CUTE_OVERRIDES={args.control_overrides}" if args.control_overrides is not None
+                else "the same settings")
+        lines.append(f"control (a second worker of ours, {what}): ratio to ours {min(controls):.3f}..{max(controls):.3f}, "
+                     f"geometric mean {math.exp(sum(map(math.log, controls)) / len(controls)):.3f}")
     lines += _kernel_lines(info)
     return "\n".join(lines) + "\n"
 
@@ -359,6 +364,9 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--rep", type=int, default=40)
     p.add_argument("--control", action="store_true", help="a second worker of ours (the noise floor)")
+    p.add_argument("--control-overrides", default=None,
+                   help="FLASH_ATTN_CUTE_OVERRIDES of the control worker (implies --control): its ratio to ours is "
+                        "then an A/B of those overrides, measured in the same alternating rounds")
     p.add_argument("--decode", action="store_true", help="decoding shapes (--shapes) instead of the standard grid")
     p.add_argument("--shapes", default=None, help="--decode: comma-separated B:Sq:Sk:H:Hk:D (ab_cute_decode's)")
     p.add_argument("--call", default="", help="--decode: both sides' options, e.g. num_splits=0,pack_gqa=None")
@@ -398,8 +406,8 @@ def main(argv=None):
     ours_path = os.pathsep.join([common.ROOT] + [x for x in [os.environ.get("PYTHONPATH")] if x])
     # the peer's worker runs where no flash_attn package is (its own comes from --peer-pythonpath)
     specs = [("ours", ours_path, common.ROOT), ("fa4", args.peer_pythonpath, common.peer_cwd())]
-    if args.control:
-        specs.append(("ours2", ours_path, common.ROOT))
+    if args.control or args.control_overrides is not None:
+        specs.append(("ours2", ours_path, common.ROOT, args.control_overrides))
     sides = [Side(*spec) for spec in specs]
     try:
         results, info = compare(sides, cells, args.rounds, args.warmup, args.rep, kw=kw, bwd=args.bwd,

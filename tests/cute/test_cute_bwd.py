@@ -128,7 +128,14 @@ def test_ptx_is_warp_specialised_and_accumulates_dq_atomically(compiled):
         tma_dkv = int(cfg.get("tma_dkv", False))
         assert _count(text, "cp.async.bulk.commit_group") == 2 + tma_dkv
         assert _count(text, "cp.async.bulk.wait_group.read") == 1 + tma_dkv
-        assert _count(text, "cp.async.bulk.wait_group ") == 1  # the final full wait ("wait_group \t0")
+        # the final full wait ("wait_group \t0"); dq_first_store (the default): a query block's first tile stored by
+        # TMA in the loop's and the last block's reduce, each store waited for in full before its ticket is marked
+        # ready (release), the block's ticket taken by an atomic add and a later tile's add behind an acquire
+        first = cfg.get("dq_first_store", False)
+        assert _count(text, "cp.async.bulk.wait_group ") == 1 + 2 * first
+        assert _count(text, "atom.global.add.u32") == first  # (the stores: test_cute_bwd_first_store.py)
+        assert (_count(text, "ld.acquire.gpu.global"), _count(text, "red.release.gpu.global.add")) == (4 * first,
+                                                                                                        2 * first)
         assert "red.relaxed.gpu.global.add" not in text
         # dQ to smem: 16 bytes per row and 16 columns of a thread (dq_perm)
         assert cfg["dq_perm"] and _count(text, "st.shared.v4.b32") >= cfg["head_dim"] // 16
@@ -269,8 +276,9 @@ def test_tma_dkv_stores_dk_and_dv_through_shared_memory(tmp_path, cute_env, d, c
     tensor a thread: its D / 2 values, 8 each) and sends them by TMA stores (bulk groups, their smem reads waited for
     before the CTA exits), and no 16-bit st.global is left (the default kernel stores every value with one); the
     loop's register budget holds (no more spill than the default kernel, no serialised WGMMA)."""
-    base, base_ptx = _compile_ptx(tmp_path, cute_env, d, causal, {"bwd.tma_dkv": False})
-    text, ptx = _compile_ptx(tmp_path, cute_env, d, causal, {"bwd.tma_dkv": True})
+    # (the first_store kernel's dQ tile stores off: they are TMA stores too)
+    base, base_ptx = _compile_ptx(tmp_path, cute_env, d, causal, {"bwd.tma_dkv": False, "bwd.dq_first_store": False})
+    text, ptx = _compile_ptx(tmp_path, cute_env, d, causal, {"bwd.tma_dkv": True, "bwd.dq_first_store": False})
     store = "cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group"
     assert _count(base, store) == 0 and _count(text, store) >= 2
     assert _count(base, "st.global.b16") == 2 * d // 2 and _count(text, "st.global.b16") == 0
@@ -393,7 +401,9 @@ def test_overlap_config_key_and_refusals(monkeypatch, cute_env):
     cute_env(OVERRIDES="bwd.overlap=0")
     assert kernels.bwd_config(torch.bfloat16, 64, True, "sm_90a").key() == base
     cute_env(OVERRIDES="bwd.overlap=1")
-    assert kernels.bwd_config(torch.bfloat16, 64, True, "sm_90a").key() == {**base, "overlap": True}
+    # (the first_store kernel takes no overlap: where it is the default, overlap turns it off)
+    expect = {k: v for k, v in base.items() if k != "dq_first_store"}
+    assert kernels.bwd_config(torch.bfloat16, 64, True, "sm_90a").key() == {**expect, "overlap": True}
     assert kernels._bwd_entry(torch.bfloat16, 64, True, "sm_90a")[1] != key
     monkeypatch.setitem(config.BWD_OVERLAP, 128, True)
     cute_env(OVERRIDES=None)
@@ -874,7 +884,8 @@ def test_unsupported_head_dim_is_refused():
 def test_cache_key_has_only_what_changes_code():
     cfg = kernels.bwd_config(torch.bfloat16, 64, False, "sm_90a").key()
     assert set(cfg) == {"kernel", "dtype", "head_dim", "causal", "block_m", "stages", "dq_split", "dq_tma", "arch",
-                        "abi", "tma_dkv", "dq_perm"}  # (tma_dkv, dq_perm: on, not the fields' defaults)
+                        "abi", "tma_dkv", "dq_perm"} | ({"dq_first_store"} if config.BWD_FIRST_STORE.get(64) else set())
+    # (tma_dkv, dq_perm, dq_first_store where on: not the fields' defaults)
     assert set(kernels.bwd_config(torch.bfloat16, 64, True, "sm_90a").key()) == set(cfg) | {"lpt"}
     assert kernels._bwd_entry(torch.bfloat16, 64, True, "sm_90a")[1] != \
         kernels._bwd_entry(torch.bfloat16, 64, False, "sm_90a")[1]
@@ -900,10 +911,14 @@ _HOST_CASES = {  # name: (H, Hk, Sq, Sk, grads layout)
     "packed": (4, 4, 70, 70, "packed"),  # slices of one (B, S, 4, H, D) buffer; the fourth must stay as it was
     "mha-transposed": (4, 4, 70, 50, "transposed"),  # dk/dv in a layout the kernel refuses: copied after it
     "gqa-transposed": (4, 2, 130, 50, "transposed"),
+    # causal: the first Sq - Sk >= block_m rows make whole query blocks that no key block sees, so the first_store
+    # kernel's dq_accum is zeroed for them
+    "mha-unseen-rows": (4, 4, 200, 50, None),
 }
 
 
-@pytest.fixture(params=["triton", "torch"])
+@pytest.fixture(params=[("triton", 0), ("triton", 1), ("torch", 0), ("torch", 1)],
+                ids=["triton", "triton-first_store", "torch", "torch-first_store"])
 def host(request, monkeypatch, cute_env):
     """The host path ("triton": bwd_host's kernels, in the interpreter on CPU; "torch": the fallback),
     with bwd_host's allocations NaN-filled (every element the kernel reads must be written) and a
@@ -911,18 +926,19 @@ def host(request, monkeypatch, cute_env):
     test_gqa_loop_rule_runs_the_kernel_that_writes_dk_dv_per_kv_head has the default's kernel)."""
     from flash_attn.cute import bwd_host
 
-    if request.param == "triton":
+    path, first = request.param
+    if path == "triton":
         if bwd_host.triton is None:
             pytest.skip("Triton is not installed")
-        cute_env(OVERRIDES="plan.bwd_gqa_loop=0")
+        cute_env(OVERRIDES=f"plan.bwd_gqa_loop=0,bwd.dq_first_store={first}")
     else:
-        cute_env(OVERRIDES="plan.bwd_host=torch,plan.bwd_gqa_loop=0")
+        cute_env(OVERRIDES=f"plan.bwd_host=torch,plan.bwd_gqa_loop=0,bwd.dq_first_store={first}")
     monkeypatch.setattr(bwd_host, "_empty", lambda shape, **kw: torch.full(shape, float("nan"), **kw))
     ran = []
     for name in ("prepare", "finish", "prepare_torch", "finish_torch"):
         real = getattr(bwd_host, name)
         monkeypatch.setattr(bwd_host, name, lambda *a, _n=name, _f=real, **kw: (ran.append(_n), _f(*a, **kw))[1])
-    return request.param, ran
+    return path, ran
 
 
 def _stand_in_grads(layout, B, Sq, Sk, H, Hk, D, dtype):
@@ -941,8 +957,10 @@ def _stand_in_grads(layout, B, Sq, Sk, H, Hk, D, dtype):
 @pytest.mark.parametrize("case", list(_HOST_CASES))
 def test_backward_host_steps_with_a_stand_in_kernel(monkeypatch, host, case):
     """lse2 = lse * log2(e) (+inf for rows whose lse is +-inf) padded with +inf and delta = rowsum(dO * O)
-    padded with 0 to the query block; dq_accum zero before the kernel; dq = dq_accum in the input dtype
-    into the caller's dq (any strides); GQA dK/dV summed over each group of query heads, into the caller's
+    padded with 0 to the query block; dq_accum zero before the kernel, or with the first_store kernel (the default)
+    left as it was and the query blocks' tickets zero (the kernel stores each block's first tile), dq_accum zeroed only
+    where query blocks see no key block (the Triton path; the torch path zeroes it always); dq = dq_accum in the
+    input dtype into the caller's dq (any strides); GQA dK/dV summed over each group of query heads, into the caller's
     dk/dv. Exact values (small integers where the stand-in kernel writes); fp16 (the interpreter computes
     bf16 wrongly)."""
     path, ran = host
@@ -958,11 +976,16 @@ def test_backward_host_steps_with_a_stand_in_kernel(monkeypatch, host, case):
     dk_vals, dv_vals = (torch.randint(-64, 64, (B, Sk, H, D), generator=g).to(dtype) for _ in range(2))
     seen = {}
 
-    perm = kernels.bwd_config(dtype, D, True, "sm_90a").dq_perm
+    cfg = kernels.bwd_config(dtype, D, True, "sm_90a")
+    perm, first = cfg.dq_perm, cfg.dq_first_store
 
-    def kernel(q_, k_, v_, dout_, lse2, delta, dq_accum, dk, dv, scale):
-        seen.update(lse2=lse2.clone(), delta=delta.clone(), dq_accum=dq_accum.clone(), scale=scale)
-        dq_accum.add_(kernel_layout(dq_vals) if perm else dq_vals)  # the kernel adds into dq_accum, in its layout
+    def kernel(q_, k_, v_, dout_, lse2, delta, dq_accum, dk, dv, *rest):
+        tickets, scale = rest if first else (None, *rest)
+        seen.update(lse2=lse2.clone(), delta=delta.clone(), dq_accum=dq_accum.clone(), scale=scale,
+                    tickets=None if tickets is None else tickets.clone())
+        vals = kernel_layout(dq_vals) if perm else dq_vals
+        # the kernel adds into dq_accum, in its layout (first_store: stores a query block's first tile; one here)
+        dq_accum.copy_(vals) if first else dq_accum.add_(vals)
         assert dk.shape == dv.shape == (B, Sk, H, D)
         dk.copy_(dk_vals)
         dv.copy_(dv_vals)
@@ -982,7 +1005,13 @@ def test_backward_host_steps_with_a_stand_in_kernel(monkeypatch, host, case):
     assert torch.equal(seen["lse2"][..., Sq:], torch.full((B, H, pad - Sq), float("inf")))
     torch.testing.assert_close(seen["delta"][..., :Sq], (dout.float() * out.float()).sum(-1).transpose(1, 2))
     assert torch.equal(seen["delta"][..., Sq:], torch.zeros(B, H, pad - Sq))
-    assert torch.equal(seen["dq_accum"], torch.zeros(B, Sq, H, D))
+    unseen = Sq - Sk >= block_m  # whole query blocks that no key block sees (causal)
+    if not first or path == "torch" or unseen:
+        assert torch.equal(seen["dq_accum"], torch.zeros(B, Sq, H, D))
+    else:
+        assert seen["dq_accum"].isnan().all()  # not zeroed: the kernel stores each block's first tile
+    if first:
+        assert torch.equal(seen["tickets"], torch.zeros(B, H, pad // block_m, dtype=torch.int32))
     assert seen["scale"] == 0.5
 
     assert dq.dtype == dk.dtype == dv.dtype == dtype
@@ -1050,7 +1079,9 @@ def test_gqa_loop_kernel_walks_the_group_and_fits_its_registers(tmp_path, cute_e
     """The gqa_loop kernel (compile_bwd(gqa_loop=True), sm_90a): its walk splits a position into query head and
     query block (integer division and remainder, none in the per-head kernel's loop), the Q / dO / lse2 / delta TMA
     loads and the dQ reduce-adds stay as many as the per-head kernel's, and ptxas neither serialises its WGMMAs nor
-    spills more than the per-head kernel does."""
+    spills more than the per-head kernel does. (The per-head kernel without dq_first_store, which gqa_loop does not take:
+    its rotated walk divides too.)"""
+    cute_env(OVERRIDES="bwd.dq_first_store=0")
     texts = {}
     for gqa in (False, True):
         dump = tmp_path / f"gqa{int(gqa)}"
@@ -1075,10 +1106,10 @@ def test_gqa_loop_kernel_walks_the_group_and_fits_its_registers(tmp_path, cute_e
 
 @pytest.mark.parametrize("m_min,m_max,group", [(3, 7, 3), (0, 1, 8), (5, 2, 4), (2, 2, 2), (0, 16, 1)])
 def test_gqa_loop_walk_visits_each_head_and_query_block_once_head_by_head(m_min, m_max, group):
-    """bwd_epilogue.GroupWalk (the gqa_loop kernel's positions, here on Python ints): position p is query block m_min + p % n of
+    """bwd_walk.GroupWalk (the gqa_loop kernel's positions, here on Python ints): position p is query block m_min + p % n of
     query head first + p // n; every (head of the group, block in [m_min, m_max)) once, head by head, blocks ascending
     within a head (the causal mask's order); none when no query block sees the key block."""
-    from flash_attn.cute.bwd_epilogue import GroupWalk
+    from flash_attn.cute.bwd_walk import GroupWalk
 
     first = 8
     walk = GroupWalk.make(m_min, m_max, first)
@@ -1096,7 +1127,8 @@ def test_gqa_loop_config_and_refusals():
 
     base = kernels.bwd_config(torch.bfloat16, 128, True, "sm_90a").key()
     assert "gqa_loop" not in base
-    assert kernels.bwd_config(torch.bfloat16, 128, True, "sm_90a", gqa_loop=True).key() == {**base, "gqa_loop": True}
+    expect = {k: v for k, v in base.items() if k != "dq_first_store"}  # (gqa_loop without dq_first_store)
+    assert kernels.bwd_config(torch.bfloat16, 128, True, "sm_90a", gqa_loop=True).key() == {**expect, "gqa_loop": True}
     assert kernels._bwd_entry(torch.bfloat16, 128, True, "sm_90a", gqa_loop=True)[2].startswith(
         "bwd-sm_90a-bf16-d128-causal-gqa-")
     with pytest.raises(ValueError, match="not a tunable"):
@@ -1229,9 +1261,13 @@ def compile_kernel(label, fn, types, constexprs, num_warps):
 
 for D in (64, 96, 128):
     meta = bh._meta(D)
-    ce = dict(HEAD_DIM=D, BLOCK_D=meta["BLOCK_D"], BLOCK_M=meta["BLOCK_M"], s_od=1, s_gd=1, s_ls=1)
-    types = lambda n: {"Out": "*bf16", "DOut": "*bf16"}.get(n, "*fp32" if n[0].isupper() else "i32")
+    ce = dict(HEAD_DIM=D, BLOCK_D=meta["BLOCK_D"], BLOCK_M=meta["BLOCK_M"], s_od=1, s_gd=1, s_ls=1, ZERO_DQ=True,
+              TICKET_ROWS=0)
+    types = lambda n: {"Out": "*bf16", "DOut": "*bf16", "Tickets": "*i32"}.get(n, "*fp32" if n[0].isupper() else "i32")
     compile_kernel(f"prep d{D}", bh._bwd_prep_kernel, types, ce, meta["num_warps"])
+    # the first_store kernel's: dq_accum not zeroed, the tickets of 64-row query blocks zeroed
+    compile_kernel(f"prep first d{D}", bh._bwd_prep_kernel, types, dict(ce, ZERO_DQ=False, TICKET_ROWS=64),
+                   meta["num_warps"])
     for kv in (False, True):
         for perm in (False, True):
             meta = bh._meta(D, kv)
@@ -1257,7 +1293,7 @@ def test_host_kernels_compile_for_sm90_vectorised_without_spills(tmp_path):
                        text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = {row.pop("label"): row for row in map(json.loads, (x for x in r.stdout.splitlines() if x[:1] == "{"))}
-    assert len(rows) == 15, r.stdout
+    assert len(rows) == 18, r.stdout
     for label, row in rows.items():
         assert row["spills"] in (0, None), (label, row)  # None: a Triton without the ptxas log knob
     # per thread, bf16 tiles of 64 x D over 32 * num_warps threads: out and dout 2 x 4 loads of 8 values,
@@ -1268,6 +1304,7 @@ def test_host_kernels_compile_for_sm90_vectorised_without_spills(tmp_path):
     # cast 540 us against 69 at d128 1k on an H100)
     for D in (64, 96, 128):
         assert (rows[f"prep d{D}"]["ld_v4"], rows[f"prep d{D}"]["st_v4"]) == (8, 8), rows
+        assert (rows[f"prep first d{D}"]["ld_v4"], rows[f"prep first d{D}"]["st_v4"]) == (8, 0), rows
         assert (rows[f"post d{D} kv=False"]["ld_v4"], rows[f"post d{D} kv=False"]["st_v4"]) == (8, 4), rows
         assert (rows[f"post d{D} kv=True"]["ld_v4"], rows[f"post d{D} kv=True"]["st_v4"]) == (16, 12), rows
         assert (rows[f"post d{D} kv=False perm"]["ld_v4"], rows[f"post d{D} kv=False perm"]["st_v4"]) == (8, 4), rows

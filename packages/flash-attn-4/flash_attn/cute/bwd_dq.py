@@ -13,6 +13,9 @@ TURN_BARRIER = 2
 # tile; the writer waits), EMPTY + buf (the writer's reduce-add has read it; the consumers wait before their next write
 # into it). Each counts the consumer threads and the writer warp.
 DQ_FULL, DQ_EMPTY = 6, 8
+# A query block's ticket (``first_store``): how many key blocks' CTAs have taken it, plus FIRST_READY once the first
+# one's dQ tile (a TMA store) has completed in global memory.
+FIRST_READY = 1 << 30
 
 
 def permuted_tile_layout(block_m, head_dim):
@@ -59,7 +62,7 @@ class DqAccumulator:
     way the key block waited for has been scheduled."""
 
     def __init__(self, block_m, dq_tma, deterministic, seqlens, num_consumer_threads, writer=False, descending=False,
-                 block_n=128):
+                 block_n=128, first_store=False):
         if deterministic and dq_tma and not writer:
             raise ValueError("deterministic dQ adds with red.global.add (dq_tma off), or by the writer warp's TMA")
         if writer and not dq_tma:
@@ -73,6 +76,60 @@ class DqAccumulator:
         self.num_consumer_threads = num_consumer_threads
         self.descending = bool(descending)  # (deterministic causal turns: see the class docstring)
         self.block_n = block_n
+        # The consumers' TMA dQ without the zeroed dq_accum: per query block a ticket in mSem (zeroed by the host); the
+        # CTA that takes it first stores its tile, the others add theirs once that store has completed (reduce_first).
+        # The issuing warp takes a block's ticket right after the previous block's reduce and reads it at this block's
+        # reduce, a block later: the first taker stores the tile there, with no wait between taking the ticket and
+        # marking the block ready (publish), so every CTA that waits waits for one that does not: no cycle of waits.
+        self.first_store = bool(first_store)
+        if self.first_store and (not dq_tma or writer or deterministic):
+            raise ValueError("first_store: the consumers' TMA reduce-adds (dq_tma, no writer warp, not deterministic)")
+
+    def ticket_ptr(self, mSem, tile, head, m_block):
+        """Query block m_block's ticket (first_store) in mSem (batch or sequence, head, query block)."""
+        return mSem.iterator + cute.crd2idx((tile.z, head, m_block), mSem.layout)
+
+    @cute.jit
+    def take_ticket(self, mSem, tile, head, m_block, issuer):
+        """The issuing warp's lane 0 takes query block m_block's ticket (0: its first taker); the reduce that reads it
+        comes a block later, so the atomic's latency is hidden. 0 in the other threads."""
+        ticket = Int32(0)
+        if issuer:
+            if cute.arch.lane_idx() == 0:
+                ticket = cute.arch.atomic_add(self.ticket_ptr(mSem, tile, head, m_block), Int32(1), sem="relaxed",
+                                              scope="gpu")
+        return ticket
+
+    @cute.jit
+    def reduce_first(self, tma_dq, tma_dq_st, tQRsdQ, tQRgdQ, buf, m_block, ticket, sem):
+        """reduce's first_store form, by the issuing warp (ticket: its lane 0's, sem: the block's ticket): the first
+        taker stores sdQ[buf] into dq_accum (TMA), a later one waits until that store completed and adds. Returns 1
+        where it stored (``publish`` then marks the block ready), else 0."""
+        stored = Int32(0)
+        if cute.arch.shuffle_sync(ticket, 0) == 0:
+            cute.copy(tma_dq_st, tQRsdQ[None, buf], tQRgdQ[None, m_block])
+            stored = Int32(1)
+        else:
+            if cute.arch.lane_idx() == 0:
+                seen = cute.arch.load(sem, Int32, sem="acquire", scope="gpu")
+                while seen < FIRST_READY:
+                    seen = cute.arch.load(sem, Int32, sem="acquire", scope="gpu")
+                cute.arch.fence_proxy("async.global")  # the TMA add (async proxy) after the acquire
+            cute.arch.sync_warp()
+            cute.copy(tma_dq, tQRsdQ[None, buf], tQRgdQ[None, m_block])
+        cute.arch.cp_async_bulk_commit_group()
+        return stored
+
+    @cute.jit
+    def publish(self, stored, sem):
+        """After reduce_first stored a block's tile (stored 1; the issuing warp): wait until the store has completed,
+        then mark the block's ticket ready for the CTAs that add after it."""
+        if stored != 0:
+            cute.arch.cp_async_bulk_wait_group(0)
+            if cute.arch.lane_idx() == 0:
+                cute.arch.fence_proxy("async.global")
+                cute.arch.fence_acq_rel_gpu()
+                cute.arch.red(sem, Int32(FIRST_READY), op="add", dtype=Int32, sem="release", scope="gpu")
 
     def turn_place(self, n_block, m_block, tile):
         """Key block n_block's place in query block m_block's order of adds: n_block, or descending from the last of

@@ -8,7 +8,8 @@ the caller, receives softmax_scale * dS K); mdK / mdV (B, Sk, H, D) in the input
 the host; a kernel built with gqa_loop: (B, Sk, Hk, D), the group summed in the kernel). Varlen: the packed tensors
 as one batch entry (B = 1), sequence b's rows from cu_seqlens_q[b] / cu_seqlens_k[b], its lse2 / delta rows from
 (cu_seqlens_q[b] // block_m + b) * block_m (seqlen_info.BwdSeqlens). Deterministic: mSem (B or sequences, H,
-query blocks) int32 zeros, the turn counters (bwd_dq.DqAccumulator). softcap > 0 is read by a kernel built with
+query blocks) int32 zeros, the turn counters (bwd_dq.DqAccumulator); with dq_first_store (call_first_store) the same
+shape holds the query blocks' tickets, and mdQaccum need not be zeroed. softcap > 0 is read by a kernel built with
 softcap=True, the window sizes (>= 0) by one built with local=True."""
 import math
 
@@ -33,6 +34,13 @@ class BwdEntries:
                  mdV: cute.Tensor, softmax_scale: Float32, stream):
         """Dense, no window, no softcap."""
         self._host(mQ, mK, mV, mdO, mLSE2, mDelta, mdQaccum, mdK, mdV, softmax_scale, stream, None, None, None)
+
+    @cute.jit
+    def call_first_store(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+                         mLSE2: cute.Tensor, mDelta: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor,
+                         mdV: cute.Tensor, mSem: cute.Tensor, softmax_scale: Float32, stream):
+        """Dense, no window, no softcap, built with dq_first_store: mSem the query blocks' tickets (int32 zeros)."""
+        self._host(mQ, mK, mV, mdO, mLSE2, mDelta, mdQaccum, mdK, mdV, softmax_scale, stream, None, None, mSem)
 
     @cute.jit
     def call_general(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
@@ -209,6 +217,10 @@ class BwdEntries:
             tma_dq, mdQ_tma = cpasync.make_tiled_tma_atom(
                 cpasync.CopyReduceBulkTensorTileS2GOp(cute.ReductionKind.ADD), mdQaccum,
                 cute.slice_(sdQ_layout, (None, None, 0)), (BM, D))
+        tma_dq_st = None  # first_store: the query block's first tile is stored, not added
+        if cutlass.const_expr(self.first_store):
+            tma_dq_st, _ = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mdQaccum,
+                                                       cute.slice_(sdQ_layout, (None, None, 0)), (BM, D))
 
         # dK / dV by TMA (tma_dkv): the stores' atoms and coordinate tensors (bwd_epilogue.DkvEpilogue)
         (tma_dk, mdK_tma), (tma_dv, mdV_tma) = self.dkv.tma_atoms(mdK, mdV, sK_layout, sV_layout)
@@ -238,7 +250,7 @@ class BwdEntries:
                     softmax_scale, cute.size(mQ, mode=[0]), sQ_layout, sdO_layout, sK_layout, sV_layout,
                     sdS_layout, sdQ_layout, sLSE_layout, tiled_mma_sdp, tiled_mma_dv, tiled_mma_dk,
                     tiled_mma_dq, *(window if cutlass.const_expr(self.local) else (None, None)), *tile_seqs, sem, *cap,
-                    aux, sparse, scalars).launch(
+                    aux, sparse, scalars, tma_dq_st).launch(
             grid=grid, block=(self.num_threads, 1, 1), stream=stream,
             # .minnctapersm 1 pins the register count at entry (65536 / 384 threads); without it ptxas
             # may ignore setmaxnreg (C7508) and cap the consumers at 168 registers.

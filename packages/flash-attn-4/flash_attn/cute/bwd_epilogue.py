@@ -1,10 +1,6 @@
-"""The Hopper backward's dK / dV epilogue (flash_bwd_sm90.py's component) and the gqa_loop kernel's walk over a KV
-head's group of query heads."""
-import dataclasses
-
+"""The Hopper backward's dK / dV epilogue (flash_bwd_sm90.py's component)."""
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32
 from cutlass.cute.nvgpu import cpasync, warp
 
 from flash_attn.cute.hopper_helpers import tma_tiles
@@ -127,29 +123,3 @@ class DkvEpilogue:
             # The CTA's shared memory must stay until TMA has read it: wait for the reads, not the writes.
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 
-
-@dataclasses.dataclass(frozen=True)
-class GroupWalk:
-    """gqa_loop's walk of a key block's CTA: position p is query block m_min + p % n of query head first_head + p // n
-    (n the query blocks that see the key block, the same for every head of the group), head by head; the interface
-    of sparse_tiles' lists (block, partial) plus the head. A dataclass: the DSL carries its fields through loops."""
-
-    m_min: Int32
-    n: Int32
-    first_head: Int32
-
-    @staticmethod
-    def make(m_min, m_max, first_head):
-        return GroupWalk(m_min, cutlass.max(m_max - m_min, 0), first_head)
-
-    def count(self, group):
-        return group * self.n
-
-    def block(self, pos):
-        return self.m_min + pos % self.n
-
-    def head(self, pos):
-        return self.first_head + pos // self.n
-
-    def partial(self, pos):
-        return None  # (no lists: every position's block is masked as the mask says)

@@ -47,10 +47,11 @@ if triton is not None:
     # Lengths and block counts change from call to call: not specialised (no recompiles per length).
     # Strides are, so that a unit last stride and 16-divisible row strides vectorise the accesses.
     @triton.jit(do_not_specialize=["seqlen_q", "seqlen_pad", "n_m_blocks"])
-    def _bwd_prep_kernel(Out, DOut, Lse, Delta, Lse2, DQAccum,
+    def _bwd_prep_kernel(Out, DOut, Lse, Delta, Lse2, DQAccum, Tickets,
                          s_ob, s_os, s_oh, s_od, s_gb, s_gs, s_gh, s_gd, s_lb, s_lh, s_ls,
                          seqlen_q, seqlen_pad, heads, n_m_blocks,
-                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                         ZERO_DQ: tl.constexpr = True, TICKET_ROWS: tl.constexpr = 0):
         # heads vary fastest: programs running together cover whole (row, head, D) rows of out/dout/dq_accum
         pid = tl.program_id(0)
         bm = pid // heads
@@ -79,8 +80,11 @@ if triton is not None:
         in_pad = rows < seqlen_pad
         tl.store(Delta + row_off, delta, mask=in_pad)
         tl.store(Lse2 + row_off, lse2, mask=in_pad)
-        tl.store(DQAccum + ((b64 * seqlen_q + rows64[:, None]) * heads + h64) * HEAD_DIM + cols[None, :],
-                 tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), mask=tile)
+        if ZERO_DQ:
+            tl.store(DQAccum + ((b64 * seqlen_q + rows64[:, None]) * heads + h64) * HEAD_DIM + cols[None, :],
+                     tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), mask=tile)
+        if TICKET_ROWS:  # the kernel's query block of TICKET_ROWS rows holding this block's rows: its ticket zeroed
+            tl.store(Tickets + bh.to(tl.int64) * (seqlen_pad // TICKET_ROWS) + (m * BLOCK_M) // TICKET_ROWS, 0)
 
     @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "n_dq", "n_q_blocks", "n_k_blocks"])
     def _bwd_post_kernel(DQAccum, DQ, DKh, DVh, DK, DV,
@@ -203,21 +207,23 @@ def _meta(head_dim, kv=None, perm=False):
 _metas: dict = {}
 
 
-def prepare(out, dout, lse, seqlen_pad):
+def prepare(out, dout, lse, seqlen_pad, tickets=None, zero_dq=True):
     """(lse2, delta, dq_accum) for the kernel, in one Triton launch: out/dout (B, Sq, H, D) any strides,
     lse fp32 (B, H, >= Sq) any strides; lse2 / delta (B, H, seqlen_pad) fp32 contiguous, dq_accum
-    (B, Sq, H, D) fp32 contiguous and zero."""
+    (B, Sq, H, D) fp32 contiguous, zero where ``zero_dq``. tickets: None or (rows, (B, H, seqlen_pad // rows) int32
+    contiguous), zeroed too (the first_store kernel's, whose query blocks have ``rows`` rows)."""
     B, Sq, H, D = out.shape
     dev = out.device
     lse2 = _empty((B, H, seqlen_pad), dtype=_F32, device=dev)
     delta = _empty((B, H, seqlen_pad), dtype=_F32, device=dev)
     dq_accum = _empty((B, Sq, H, D), dtype=_F32, device=dev)
-    meta = _meta(D)
+    rows, tick = tickets if tickets is not None else (0, dq_accum)
+    meta = dict(_meta(D), ZERO_DQ=bool(zero_dq), TICKET_ROWS=rows)
     n_m = -(-seqlen_pad // meta["BLOCK_M"])
     if B * H * n_m:
         _launch(_bwd_prep_kernel, (B * H * n_m,),
-                (out, dout, lse, delta, lse2, dq_accum, *out.stride(), *dout.stride(), *lse.stride(),
-                 Sq, seqlen_pad, H, n_m), meta, ("prep", D))
+                (out, dout, lse, delta, lse2, dq_accum, tick, *out.stride(), *dout.stride(), *lse.stride(),
+                 Sq, seqlen_pad, H, n_m), meta, ("prep", D, bool(zero_dq), rows))
     return lse2, delta, dq_accum
 
 

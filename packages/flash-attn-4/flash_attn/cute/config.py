@@ -96,6 +96,11 @@ BWD_EXP2_EMU = {64: 0, 96: 0, 128: 0, 192: 0, 256: 0}
 # with it on an H100, benchmarks/results/h100/cute_bwd_ab.md); the split-D kernel's varlen calls keep the direct stores.
 BWD_TMA_DKV = {64: True, 96: True, 128: True, 192: True, 256: True}
 BWD_TMA_DKV_VARLEN = {64: True, 96: True, 128: True}
+# The first key block's CTA to reach a query block stores its dQ tile instead of adding it (bwd_dq.DqAccumulator's
+# tickets), so the preprocess does not zero dq_accum (half of its traffic): dense calls of the plain entry (no window,
+# softcap, mods, determinism or gqa_loop: its causal d128 kernel spills 16 bytes with the tickets) at the head dims
+# whose consumers issue the dQ TMA reduce-adds. Off until it is tested and timed on a GPU (bwd.dq_first_store=1).
+BWD_FIRST_STORE = {64: False, 96: False, 128: False}
 
 _DTYPE_NAMES = {"torch.float16": "fp16", "torch.bfloat16": "bf16", "fp16": "fp16", "bf16": "bf16"}
 
@@ -257,6 +262,9 @@ class BwdConfig:
     # swizzled ones before; the kernel 1.02-1.13x, H100 2026-12-07, benchmarks/results/h100/cute_bwd_ab.md); the host's
     # casts read it back in order
     dq_perm: bool = False
+    # the first CTA at a query block stores its dQ tile, later ones add after its store completed (a ticket per query
+    # block; BWD_FIRST_STORE); without a causal mask each key block's walk starts at its own query block (rotated)
+    dq_first_store: bool = False
 
     def __post_init__(self):
         if self.dtype not in ("fp16", "bf16"):
@@ -277,6 +285,10 @@ class BwdConfig:
                              "that are multiples of 32 (permuted_column swaps 16-column blocks in pairs)")
         if self.softcap and self.block_m != 64:
             raise ValueError("BwdConfig: softcap needs block_m 64")
+        if self.dq_first_store and (not self.dq_tma or self.dq_writer or self.overlap or self.deterministic
+                                    or self.local or self.varlen or self.softcap or self.gqa_loop):
+            raise ValueError("BwdConfig: dq_first_store takes the consumers' TMA dQ (dq_tma, no writer warp or overlap) "
+                             "of dense calls without a window, softcap, determinism or gqa_loop")
         if self.head_dim_v is not None and (self.head_dim, self.head_dim_v) not in HEAD_DIM_PAIRS:
             raise ValueError(f"BwdConfig: head dims {self.head_dim} / {self.head_dim_v} not a pair of {sorted(HEAD_DIM_PAIRS)}")
 
@@ -528,6 +540,8 @@ def select_bwd(dtype, head_dim, causal, arch, abi, local=False, varlen=False, de
     block_m = 64 if softcap else ov.get("block_m", BWD_BLOCK_M.get(d, 64))
     overlap = not gqa_loop and bool(ov.get("overlap", BWD_OVERLAP.get(d, False)))
     dq_writer = dq_tma and not overlap and bool(ov.get("dq_writer", deterministic))
+    first_store = (dq_tma and not (dq_writer or overlap or deterministic or local or varlen or softcap or gqa_loop)
+                   and bool(ov.get("dq_first_store", BWD_FIRST_STORE.get(d, False))))
     return BwdConfig(dtype=dtype_name(dtype), head_dim=d, causal=bool(causal), arch=arch, abi=abi,
                      block_m=block_m,
                      stages=ov.get("stages", BWD_STAGES.get(d, 2)),
@@ -543,4 +557,4 @@ def select_bwd(dtype, head_dim, causal, arch, abi, local=False, varlen=False, de
                      # (descending turns where they are GPU-tested: the writer warp's; the consumers' red.global turns,
                      # bwd.dq_writer=0 and the split-D kernel's, ascend)
                      turns_desc=bool(deterministic and causal and dq_writer),
-                     dq_perm=bool(dq_tma))
+                     dq_perm=bool(dq_tma), dq_first_store=first_store)

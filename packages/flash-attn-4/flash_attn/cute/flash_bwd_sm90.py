@@ -66,10 +66,11 @@ from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.memory import SmemAllocator
 
 from flash_attn.cute.bwd_dq import DqAccumulator
-from flash_attn.cute.bwd_epilogue import DkvEpilogue, GroupWalk
 from flash_attn.cute.bwd_entries import BwdEntries
+from flash_attn.cute.bwd_epilogue import DkvEpilogue
 from flash_attn.cute.bwd_parts import gemm, lse_stage_floats, pack_16, pack_pair, transpose_view
 from flash_attn.cute.bwd_parts import unpack_16, unpack_half
+from flash_attn.cute.bwd_walk import BwdWalk, GroupWalk, RotatedWalk
 from flash_attn.cute.hopper_helpers import opaque, tma_tiles
 from flash_attn.cute.mask import AttentionMask
 from flash_attn.cute.score_mod import ScoreMods
@@ -79,7 +80,7 @@ from flash_attn.cute.sparse_tiles import SparseTiles
 from flash_attn.cute.tile_scheduler import lpt_tile
 
 
-class FlashBwdSm90(BwdEntries):
+class FlashBwdSm90(BwdEntries, BwdWalk):
     """Compile-time configuration: dtype, head dim, causal, tile sizes and the Q/dO ring depth. Batch,
     sequence lengths, head counts, strides and the scale are runtime values of the compiled kernel."""
 
@@ -95,7 +96,7 @@ class FlashBwdSm90(BwdEntries):
                  dq_tma=False, overlap=False, lpt=0, exp2_emu=0, exp2_emu_degree=3, local=False,
                  varlen=False, deterministic=False, softcap=False, mask_mod=None, aux=False, sparse=None,
                  scalars=(), score_mod=None, score_mod_bwd=None, tma_dkv=False, gqa_loop=False, head_dim_v=None,
-                 dq_writer=False, turns_desc=False):
+                 dq_writer=False, turns_desc=False, dq_first_store=False):
         """head_dim: 64, 96, 128, 192 or 256 (HEAD_DIMS), of q, k and v alike; past 128 the warpgroups split D (split_d
         below) and block_n is 64. head_dim_v: V's (and dO's, dV's) head dim where it differs, with split_d (the
         192 / 128 pair): S^T's K steps run over D, dP^T's over head_dim_v.
@@ -127,7 +128,9 @@ class FlashBwdSm90(BwdEntries):
         tma_dkv: dK and dV go into the (dead) K and V tiles by stmatrix and out by TMA stores (rows past Sk clipped);
         varlen: where the key block ends inside its sequence (TMA clips at the packed tensor's end only).
         gqa_loop: one CTA per (key block, KV head, batch) walks the query blocks of its group's query heads, so dK and
-        dV of the group accumulate in registers and are stored once per KV head (mdK / mdV (B, Sk, Hk, D))."""
+        dV of the group accumulate in registers and are stored once per KV head (mdK / mdV (B, Sk, Hk, D)).
+        dq_first_store (dq_tma, the plain entry call_first_store): dq_accum not zeroed, the first CTA at a query block
+        stores its dQ tile (bwd_dq's tickets); without a causal mask the walks are rotated (bwd_walk.RotatedWalk)."""
         if head_dim not in self.HEAD_DIMS:
             raise ValueError(f"head dim {head_dim} not in {self.HEAD_DIMS}")
         if not 0 <= exp2_emu <= 16 or exp2_emu_degree not in EXP2_POLY:
@@ -219,8 +222,13 @@ class FlashBwdSm90(BwdEntries):
         if self.deterministic and ((self.dq_tma and not dq_writer) or not self.dq_split or self.lpt or self.local):
             raise ValueError("deterministic needs dq_split, dq_tma off or the writer warp, lpt 0 and no window")
         self.dq_writer = bool(dq_writer) and self.dq_tma and not self.overlap
+        self.first_store = bool(dq_first_store)
+        if self.first_store and (self.overlap or self.local or self.varlen or self.softcap or self.mods is not None
+                                 or self.sparse is not None or self.gqa_loop):
+            raise ValueError("dq_first_store: dense calls without overlap, window, softcap, mods, block sparsity or "
+                             "gqa_loop")
         self.dq = DqAccumulator(block_m, self.dq_tma, self.deterministic, self.seqlens, 128 * self.NUM_MMA_WARPGROUPS,
-                                self.dq_writer, self.turns_desc, block_n)
+                                self.dq_writer, self.turns_desc, block_n, self.first_store)
         self.dkv = DkvEpilogue(dtype, head_dim, block_n, self.NUM_MMA_WARPGROUPS, self.tma_dkv, self.varlen,
                                self.seqlens, self.split_d, self.head_dim_v)
         if self.smem_bytes() > self.SMEM_LIMIT:
@@ -260,7 +268,7 @@ class FlashBwdSm90(BwdEntries):
                sdS_layout: cute.ComposedLayout, sdQ_layout: cute.ComposedLayout, sLSE_layout: cute.Layout,
                tiled_mma_sdp: cute.TiledMma, tiled_mma_dv: cute.TiledMma, tiled_mma_dk: cute.TiledMma,
                tiled_mma_dq: cute.TiledMma, window_left, window_right, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ,
-               mSeqUsedK, mSem, score_scale, cap_log2, aux, sparse, scalars):
+               mSeqUsedK, mSem, score_scale, cap_log2, aux, sparse, scalars, tma_dq_st):
         if cutlass.const_expr(self.lpt > 0):
             lin, _, _ = cute.arch.block_idx()
             n_block, head, batch = lpt_tile(lin, cute.ceil_div(cute.size(mK, mode=[0]), self.block_n),
@@ -274,7 +282,7 @@ class FlashBwdSm90(BwdEntries):
         cta = (tma_q, mQ, tma_k, mK, tma_v, mV, tma_do, mdO, tma_lse, mLSE2, tma_delta, mDelta, mdQaccum, tma_dq,
                mdQ_tma, mdK, mdV, (tma_dk, tma_dv, mdK_tma, mdV_tma), scale_log2, softmax_scale, sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout,
                sdQ_layout, sLSE_layout, tiled_mma_sdp, tiled_mma_dv, tiled_mma_dk, tiled_mma_dq, window_left,
-               window_right, n_block, head, tile, mSem, (score_scale, cap_log2), aux, sparse, scalars)
+               window_right, n_block, head, tile, mSem, (score_scale, cap_log2), aux, sparse, scalars, tma_dq_st)
         if cutlass.const_expr(self.varlen):
             if n_block * self.block_n < tile.seqlen_k:  # the grid covers the longest sequence's keys
                 self._cta(*cta)
@@ -285,7 +293,8 @@ class FlashBwdSm90(BwdEntries):
     def _cta(self, tma_q, mQ, tma_k, mK, tma_v, mV, tma_do, mdO, tma_lse, mLSE2, tma_delta, mDelta, mdQaccum,
              tma_dq, mdQ_tma, mdK, mdV, tma_dkv, scale_log2, softmax_scale, sQ_layout, sdO_layout, sK_layout, sV_layout,
              sdS_layout, sdQ_layout, sLSE_layout, tiled_mma_sdp, tiled_mma_dv, tiled_mma_dk, tiled_mma_dq,
-             window_left, window_right, n_block, head, tile, mSem, cap, aux=None, sparse=None, scalars=None):
+             window_left, window_right, n_block, head, tile, mSem, cap, aux=None, sparse=None, scalars=None,
+             tma_dq_st=None):
         """One CTA's key block ``n_block`` of head ``head`` (gqa_loop: of KV head ``head``) of the sequence ``tile``
         (seqlen_info.TileSeqlens)."""
         dt, BM, BN, stages = self.dtype, self.block_m, self.block_n, self.num_stages
@@ -346,7 +355,10 @@ class FlashBwdSm90(BwdEntries):
         if cutlass.const_expr(self.sparse is not None):
             tiles = self.sparse.tile(sparse, tile.batch, head, n_block)
             m_block_min, m_block_max = Int32(0), tiles.count
-        if cutlass.const_expr(self.gqa_loop):  # walk positions over (query head of the group, query block)
+        if cutlass.const_expr(self.first_store and not self.causal):
+            tiles = RotatedWalk.make(m_block_min, m_block_max, n_block, cute.ceil_div(seqlen_k, BN))
+            m_block_min, m_block_max = Int32(0), tiles.count(1)
+        elif cutlass.const_expr(self.gqa_loop):  # walk positions over (query head of the group, query block)
             tiles = GroupWalk.make(m_block_min, m_block_max, head_kv * group)
             m_block_min, m_block_max = Int32(0), tiles.count(group)
 
@@ -369,7 +381,7 @@ class FlashBwdSm90(BwdEntries):
                           m_block_min, m_block_max, (window_left, window_right), mSem, cap,
                           None if cutlass.const_expr(self.mods is None) else self.mods.context(tile, head, aux,
                                                                                                softmax_scale, scalars),
-                          tiles, sP)
+                          tiles, sP, tma_dq_st)
 
     @cute.jit
     def _produce(self, tma_q, mQ, tma_k, mK, tma_v, mV, tma_do, mdO, tma_lse, mLSE2, tma_delta, mDelta,
@@ -416,27 +428,11 @@ class FlashBwdSm90(BwdEntries):
             cute.copy(tma_delta, gd[None, m_block], tDsD[None, do_state.index], tma_bar_ptr=do_bar)
             do_state.advance()
 
-    def _write_dq(self, tma_dq, mdQ_tma, sdQ, tile, head, m_block_min, m_block_max, tiles, turn):
-        gdQ = cute.local_tile(self.seqlens.rows(mdQ_tma, tile.q_start, head, tile), (self.block_m, self.head_dim), (None, 0))
-        tQRsdQ, tQRgdQ = tma_tiles(tma_dq, sdQ, gdQ)
-        dst = (tQRgdQ, tma_dq, sdQ, mdQ_tma, tile)
-        self.dq.writer(tma_dq, tQRsdQ, lambda pos: self._dq_dst(dst, pos, tiles), m_block_min, m_block_max, turn)
-
-    def _head_tiles(self, tma_q, tma_do, tma_lse, tma_delta, mQ, mdO, mLSE2, mDelta, sQ, sdO, sLSE, sDelta, tile, head):
-        """The gmem sides of the producer's Q, dO, lse2 and delta TMA copies for query head ``head`` (gqa_loop: the
-        head changes along the walk), indexed by query block."""
-        BM, D, Dv, sl = self.block_m, self.head_dim, self.head_dim_v, self.seqlens
-        return (tma_tiles(tma_q, sQ, cute.local_tile(sl.rows(mQ, tile.q_start, head, tile), (BM, D), (None, 0)))[1],
-                tma_tiles(tma_do, sdO, cute.local_tile(sl.rows(mdO, tile.q_start, head, tile), (BM, Dv), (None, 0)))[1],
-                tma_tiles(tma_lse, sLSE, cute.local_tile(sl.lse_rows(mLSE2, head, tile), (BM,), (None,)), modes=1)[1],
-                tma_tiles(tma_delta, sDelta, cute.local_tile(sl.lse_rows(mDelta, head, tile), (BM,), (None,)),
-                          modes=1)[1])
-
     @cute.jit
     def _consume(self, mdQaccum, tma_dq, mdQ_tma, sdQ, mdK, mdV, tma_dkv, sQ, sK, sV, sdO, sdS, sLSE, sDelta, kv_pipe,
                  q_pipe, do_pipe, tiled_mma_sdp, tiled_mma_dv, tiled_mma_dk, tiled_mma_dq, scale_log2,
                  softmax_scale, ctid, n_block, head, tile, seqlen_q, seqlen_k, m_block_min, m_block_max, window, mSem,
-                 cap, mods=None, tiles=None, sP=None):
+                 cap, mods=None, tiles=None, sP=None, tma_dq_st=None):
         dt, D, BM, BN = self.dtype, self.head_dim, self.block_m, self.block_n
         wg = cute.arch.make_warp_uniform(ctid // 128)
         turn = (mSem, n_block, ctid) if cutlass.const_expr(self.deterministic) else None
@@ -523,8 +519,9 @@ class FlashBwdSm90(BwdEntries):
         # empty bulk groups and their waits return at once.
         dq_issuer = cute.arch.make_warp_uniform(ctid // 32) == 0
 
-        # what the dQ TMA reduce-add of a walk position needs (_dq_dst)
-        dq_dst = (tQRgdQ, tma_dq, sdQ, mdQ_tma, tile)
+        # what the dQ TMA reduce-add of a walk position needs (_dq_dst; first_store: _dq_reduce)
+        dq_dst = (tQRgdQ, tma_dq, sdQ, mdQ_tma, tile, tma_dq_st, mSem, head, tQRsdQ)
+        ticket = Int32(0)  # (first_store: the ticket of the block whose tile goes out next)
 
         if cutlass.const_expr(not self.overlap):
             for pos in cutlass.range(m_block_min, m_block_max, unroll=1):
@@ -534,10 +531,13 @@ class FlashBwdSm90(BwdEntries):
                 self._p_and_dv(acc_S, tScS, rP, tdVrP, tdVrdOt, acc_dV, tiled_mma_dv, sLSE, scale_log2, m_block,
                                n_block, seqlen_q, seqlen_k, m_block_mask_end, key_tail, do_state.index,
                                q_state.index, window, cap, rdT, mods, partial, buf)
-                self._ds_dk_dq(acc_S, acc_dP, tScS, rdS, thr_sdp, sdSt, sDelta, tiled_mma_dk, acc_dK, tdKrdSt,
-                               tdKrQt, tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, tma_dq, tQRsdQ, dq_dst, dq_issuer,
-                               buf, pos, m_block_min, wg, q_state.index, do_state.index, rP=rP,
-                               ds_copy=ds_copy, rdT=rdT, tiles=tiles, mods=mods, n_block=n_block, m_block_of=m_block)
+                stored = self._ds_dk_dq(acc_S, acc_dP, tScS, rdS, thr_sdp, sdSt, sDelta, tiled_mma_dk, acc_dK,
+                                        tdKrdSt, tdKrQt, tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, tma_dq, tQRsdQ, dq_dst,
+                                        dq_issuer, buf, pos, m_block_min, wg, q_state.index, do_state.index, rP=rP,
+                                        ds_copy=ds_copy, rdT=rdT, tiles=tiles, mods=mods, n_block=n_block,
+                                        m_block_of=m_block, ticket=ticket)
+                if cutlass.const_expr(self.first_store):  # behind the previous block's reduce (bwd_dq: no wait cycle)
+                    ticket = self.dq.take_ticket(mSem, tile, self._dq_head(dq_dst, pos, tiles), m_block, dq_issuer)
                 dq_out = (mdQaccum, acc_dQ, tdQcdQ, tdQsdQ, softmax_scale, buf, m_block,
                           tiles.head(pos) if cutlass.const_expr(self.gqa_loop) else head, tile, seqlen_q, turn,
                           pos >= m_block_min + self.dq.buffers)
@@ -555,6 +555,8 @@ class FlashBwdSm90(BwdEntries):
                 do_state.advance()
                 if cutlass.const_expr(not self.dq_first):
                     self.dq.out(*dq_out)
+                if cutlass.const_expr(self.first_store):  # (the previous block's tile, stored a block's WGMMAs ago)
+                    self.dq.publish(stored, self._dq_ticket(dq_dst, pos - 1, tiles))
                 buf = 1 - buf
         else:
             # Software-pipelined: S^T and dP^T of block j + 1 are issued right behind dK and dQ of block j,
@@ -619,29 +621,13 @@ class FlashBwdSm90(BwdEntries):
             cute.arch.barrier(barrier_id=1, number_of_threads=256)
             if dq_issuer:
                 if m_block_max > m_block_min:
-                    g_last, m_last = self._dq_dst(dq_dst, m_block_max - 1, tiles)
-                    self.dq.reduce(tma_dq, tQRsdQ, g_last, 1 - buf, m_last)
+                    stored = self._dq_reduce(dq_dst, m_block_max - 1, tiles, 1 - buf, ticket)
+                    if cutlass.const_expr(self.first_store):
+                        self.dq.publish(stored, self._dq_ticket(dq_dst, m_block_max - 1, tiles))
                 cute.arch.cp_async_bulk_wait_group(0)
 
         self.dkv.store(mdK, mdV, tma_dkv, sK, sV, (tiled_mma_dk, tiled_mma_dv), acc_dK, acc_dV, tdKcdK,
                        softmax_scale, ctid, wg, n_block, head, tile, seqlen_k)
-
-    def _dq_dst(self, dst, pos, tiles):
-        """(the gmem partition of the dQ TMA reduce-add, query block) of walk position ``pos``; dst = (the CTA's
-        partition, tma_dq, sdQ, mdQ_tma, tile); with gqa_loop the position's query head's partition."""
-        m = self._query_block(pos, tiles)[0]
-        if cutlass.const_expr(self.gqa_loop):
-            _, tma_dq, sdQ, mdQ_tma, tile = dst
-            gdQ = cute.local_tile(self.seqlens.rows(mdQ_tma, tile.q_start, tiles.head(pos), tile),
-                                  (self.block_m, self.head_dim), (None, 0))
-            return tma_tiles(tma_dq, sdQ, gdQ)[1], m
-        return dst[0], m
-
-    def _query_block(self, pos, tiles):
-        """(query block, partial or None) at walk position ``pos``: itself, or block sparsity's block and kind."""
-        if cutlass.const_expr(tiles is None):
-            return pos, None
-        return tiles.block(pos), tiles.partial(pos)
 
     @cute.jit
     def _issue_sdp(self, q_pipe, do_pipe, q_state, do_state, tiled_mma_sdp, acc_S, acc_dP, tSrK, tSrQ, tdPrV,
@@ -729,12 +715,13 @@ class FlashBwdSm90(BwdEntries):
     def _ds_dk_dq(self, acc_S, acc_dP, tScS, rdS, thr_sdp, sdSt, sDelta, tiled_mma_dk, acc_dK, tdKrdSt, tdKrQt,
                   tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, tma_dq, tQRsdQ, dq_dst, dq_issuer, buf, m_block,
                   m_block_min, wg, q_stage, do_stage, rP=None, ds_copy=None, rdT=None, tiles=None, mods=None,
-                  n_block=None, m_block_of=None):
+                  n_block=None, m_block_of=None, ticket=None):
         """Wait for dP^T, dS^T = P^T (dP^T - delta) to shared memory (buffer buf), the dS barrier, and issue dQ = dS K
         and dK += dS^T Q (two commit groups; dK first where not dq_first); with dq_tma the previous block's dQ tile
         reduce-add behind them (dq_dst: what _dq_dst needs for a walk position's destination). m_block / m_block_min:
         the walk's positions (the query blocks themselves, or with block sparsity or gqa_loop's walk, tiles maps them)."""
         warpgroup.wait_group(1)  # dP^T is ready; dV may still run
+        stored = Int32(0)  # (first_store: the previous block's tile stored, _dq_reduce)
         if cutlass.const_expr(self.p16):
             # P^T back from the 16-bit copy that dV reads: the fp32 S^T is dead since the conversion,
             # so S^T, dP^T (64 registers each at BLOCK_M = 128), the 16-bit P^T and dK, dV are never all
@@ -784,7 +771,7 @@ class FlashBwdSm90(BwdEntries):
             # Past the dS barrier every thread has written and fenced the previous block's dQ tile (behind the WGMMAs:
             # the issuing warp does not hold its warpgroup's back).
             if dq_issuer and m_block > m_block_min:
-                g_prev, m_prev = self._dq_dst(dq_dst, m_block - 1, tiles)
-                self.dq.reduce(tma_dq, tQRsdQ, g_prev, 1 - buf, m_prev)
+                stored = self._dq_reduce(dq_dst, m_block - 1, tiles, 1 - buf, ticket)
         if cutlass.const_expr(not self.dq_first):
             gemm(tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, buf, None, zero_init=True)  # dQ = dS K
+        return stored

@@ -394,7 +394,8 @@ def compile_bwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=Fal
 
     cfg = bwd_config(dtype, head_dim, causal, arch, local, varlen, deterministic, softcap, gqa_loop, head_dim_v)
     if score_mod is not None or mask_mod is not None or sparse is not None or block_m is not None:
-        cfg = dataclasses.replace(cfg, block_m=block_m or mod_bwd_block_m(cfg, score_mod is not None))
+        cfg = dataclasses.replace(cfg, block_m=block_m or mod_bwd_block_m(cfg, score_mod is not None),
+                                  dq_first_store=False)
     kernel = FlashBwdSm90(_cutlass_dtype(dtype), int(head_dim), bool(causal), block_m=cfg.block_m,
                           num_stages=cfg.stages, dq_split=cfg.dq_split, dq_tma=cfg.dq_tma, overlap=cfg.overlap,
                           lpt=cfg.lpt, exp2_emu=cfg.exp2_emu, exp2_emu_degree=cfg.exp2_emu_degree, local=cfg.local,
@@ -402,7 +403,7 @@ def compile_bwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=Fal
                           aux=bool(spec), sparse=sparse, scalars=scalars, score_mod=score_mod,
                           score_mod_bwd=score_mod_bwd, tma_dkv=cfg.tma_dkv, gqa_loop=cfg.gqa_loop,
                           head_dim_v=cfg.head_dim_v, dq_writer=cfg.dq_writer,
-                          turns_desc=cfg.turns_desc)
+                          turns_desc=cfg.turns_desc, dq_first_store=cfg.dq_first_store)
     D, Dv = kernel.head_dim, kernel.head_dim_v
     # 32-bit symbolic shapes and strides, as in compile_fwd (backward() keeps tensors below 2^31 elements).
     batch, seqlen_q, seqlen_k, heads, heads_kv, seqlen_q_pad = (cute.sym_int() for _ in range(6))
@@ -426,7 +427,7 @@ def compile_bwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=Fal
                bshd(dt, seqlen_q, heads, Dv), rows(), rows(), bshd(cutlass.Float32, seqlen_q, heads),
                *(bshd(dt, seqlen_k, heads_kv if gqa_loop else heads, d) for d in (D, Dv)))  # dk, dv
     sem = ()
-    if deterministic:  # (B, H, query blocks) int32, contiguous
+    if deterministic or cfg.dq_first_store:  # (B, H, query blocks) int32, contiguous
         sem = (make_fake_tensor(cutlass.Int32, (cute.sym_int(), heads, cute.sym_int()),
                                 (cute.sym_int(), cute.sym_int(), 1), assumed_align=4),)
     if varlen:
@@ -456,6 +457,8 @@ def compile_bwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=Fal
         return cute.compile(kernel.call_mods, *tensors, cutlass.Float32(1.0), stream, mods.fake_aux(spec),
                             mods.fake_lists(None if sparse is None else sparse[0]), mods.fake_scalars(scalars),
                             options=options)
+    if cfg.dq_first_store:
+        return cute.compile(kernel.call_first_store, *tensors, *sem, cutlass.Float32(1.0), stream, options=options)
     if local or softcap:
         return cute.compile(kernel.call_general, *tensors, cutlass.Float32(1.0), cutlass.Float32(0.0),
                             cutlass.Int32(0), cutlass.Int32(0), stream, options=options)

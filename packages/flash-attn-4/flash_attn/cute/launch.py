@@ -573,10 +573,19 @@ def backward(dout, q, k, v, out, lse, softmax_scale, causal, arch="sm_90a", grad
     q, k = (_kernel_layout(t, D) for t in (q, k))
     v, dout = (_kernel_layout(t, Dv) for t in (v, dout))
     sq_pad = -(-Sq // block_m) * block_m
-    sem = torch.zeros((B, H, sq_pad // block_m), dtype=torch.int32, device=q.device) if deterministic else None
     host = bwd_host if bwd_host.use_triton(q) and dv_dim is None else None
-    lse2, delta, dq_accum = (bwd_host.prepare if host else bwd_host.prepare_torch)(out, dout, lse, sq_pad,
-                                                                                   *(() if host else (D,)))
+    # the first_store kernel's tickets (zeroed by the Triton preprocess); dq_accum unzeroed where every query block is
+    # some key block's (causal: the first Sq - Sk rows see no key, whole blocks of them no key block)
+    first = cfg.dq_first_store and mod is None
+    sem = None
+    if deterministic or first:
+        sem = (torch.empty if first and host else torch.zeros)((B, H, sq_pad // block_m), dtype=torch.int32,
+                                                               device=q.device)
+    if host:
+        lse2, delta, dq_accum = bwd_host.prepare(out, dout, lse, sq_pad, (block_m, sem) if first else None,
+                                                 not first or (causal and Sq - Sk >= block_m))
+    else:
+        lse2, delta, dq_accum = bwd_host.prepare_torch(out, dout, lse, sq_pad, D)
     if dlse is not None:
         delta[:, :, :Sq].sub_(dlse[:, :, :Sq])
 

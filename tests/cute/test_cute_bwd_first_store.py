@@ -1,0 +1,150 @@
+"""The Hopper backward's first-store dQ (BwdConfig.dq_first_store, bwd.dq_first_store=1): dq_accum is not zeroed; the
+first key block's CTA to take a query block's ticket stores its dQ tile by TMA, the others add theirs once that store
+has completed (bwd_dq.DqAccumulator.reduce_first / publish); without a causal mask each key block's walk is rotated
+(bwd_walk.RotatedWalk). On the CPU: the config's rules, the walk, the PTX against the kernel without it; on a Hopper
+GPU (tests marked gpu): gradients within the project's criterion, run after run."""
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+cute = pytest.importorskip("cutlass.cute")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_PKG = os.path.join(ROOT, "packages", "flash-attn-4")
+if _PKG not in sys.path:
+    sys.path.insert(0, _PKG)
+
+from flash_attn import testing  # noqa: E402
+from flash_attn.cute import config, kernels  # noqa: E402
+
+ON = "bwd.dq_first_store=1"
+
+
+def test_config_takes_first_store_only_for_the_plain_dense_kernel(cute_env):
+    """Under the override the plain dense kernels (causal or not, d64-d128) take it; windows, softcap, varlen,
+    determinism, gqa_loop and the d192 / d256 kernels (no TMA dQ) do not; the config refuses it where the kernel cannot
+    (the consumers' TMA reduce-adds are where the tickets live)."""
+    cute_env(OVERRIDES=ON)
+    for d in (64, 96, 128):
+        for causal in (False, True):
+            assert kernels.bwd_config(torch.bfloat16, d, causal, "sm_90a").dq_first_store
+    for kw in (dict(local=True), dict(softcap=True), dict(varlen=True), dict(deterministic=True),
+               dict(gqa_loop=True)):
+        assert not kernels.bwd_config(torch.bfloat16, 128, True, "sm_90a", **kw).dq_first_store, kw
+    assert not kernels.bwd_config(torch.bfloat16, 256, True, "sm_90a").dq_first_store
+    base = kernels.bwd_config(torch.bfloat16, 128, False, "sm_90a")
+    assert "dq_first_store" in base.key() and base.key() != kernels.bwd_config(torch.bfloat16, 128, True,
+                                                                               "sm_90a").key()
+    cute_env(OVERRIDES=None)
+    assert "dq_first_store" not in kernels.bwd_config(torch.bfloat16, 128, False, "sm_90a").key()
+    for bad in (dict(dq_tma=False, dq_perm=False), dict(gqa_loop=True), dict(deterministic=True, dq_writer=True),
+                dict(local=True), dict(softcap=True)):
+        with pytest.raises(ValueError, match="dq_first_store"):
+            config.BwdConfig(**{**dataclass_fields(base), "dq_first_store": True, **bad})
+
+
+def dataclass_fields(cfg):
+    import dataclasses
+
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+
+
+@pytest.mark.parametrize("m_min,m_max,n_blocks", [(0, 16, 8), (0, 8, 8), (3, 7, 5), (0, 1, 4), (0, 64, 32)])
+def test_rotated_walk_visits_each_query_block_once_from_its_own_start(m_min, m_max, n_blocks):
+    """bwd_walk.RotatedWalk on Python ints: each key block's walk covers its query blocks once, and the key blocks start
+    n // key blocks apart (the first taker of a block's ticket is then the key block that starts there)."""
+    from flash_attn.cute.bwd_walk import RotatedWalk
+
+    starts = []
+    for n_block in range(n_blocks):
+        walk = RotatedWalk.make(m_min, m_max, n_block, n_blocks)
+        blocks = [walk.block(p) for p in range(walk.count(1))]
+        assert sorted(blocks) == list(range(m_min, m_max)) and walk.partial(0) is None
+        starts.append(blocks[0])
+    n = m_max - m_min
+    assert starts == [m_min + b * n // n_blocks for b in range(n_blocks)]
+
+
+def _ptx(tmp_path, cute_env, d, causal, on):
+    cute_env(OVERRIDES=f"bwd.dq_first_store={int(on)}")
+    dump = tmp_path / f"d{d}_{int(causal)}_{int(on)}"
+    dump.mkdir()
+    kernels.compile_bwd(torch.bfloat16, d, causal, arch="sm_90a", dump_dir=str(dump))
+    (ptx,) = glob.glob(str(dump / "*.ptx"))
+    return open(ptx).read(), ptx
+
+
+def _count(text, needle):
+    return sum(line.lstrip().startswith(needle) for line in text.splitlines())
+
+
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas not on PATH")
+@pytest.mark.parametrize("d,causal", [(64, True), (96, False), (128, False), (128, True)])
+def test_ptx_stores_the_first_tile_and_orders_the_adds_behind_it(tmp_path, cute_env, d, causal):
+    """Against the same kernel without it: the in-loop and the last block's reduce each gain a TMA store of the dQ tile
+    (the reduce-adds stay), one atomic add takes the tickets, the waits for a ticket's ready mark are acquire loads
+    (two per reduce: the first try and the loop's), the marks release adds after a full bulk-group wait (two each);
+    the loop's registers hold (no spill, no serialised WGMMA)."""
+    base, _ = _ptx(tmp_path, cute_env, d, causal, False)
+    text, path = _ptx(tmp_path, cute_env, d, causal, True)
+    store = "cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group"
+    reduce_add = "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group"
+    assert _count(text, store) - _count(base, store) == 2
+    assert _count(text, reduce_add) == _count(base, reduce_add) == 2
+    assert (_count(base, "atom.global.add"), _count(text, "atom.global.add.u32")) == (0, 1)
+    assert (_count(base, "ld.acquire.gpu.global"), _count(text, "ld.acquire.gpu.global")) == (0, 4)
+    assert (_count(base, "red.release.gpu.global.add"), _count(text, "red.release.gpu.global.add")) == (0, 2)
+    assert _count(text, "cp.async.bulk.wait_group ") - _count(base, "cp.async.bulk.wait_group ") == 2
+    out = subprocess.run(["ptxas", "-arch=sm_90a", "-v", path, "-o", os.devnull], capture_output=True, text=True,
+                         check=True)
+    log = out.stdout + out.stderr
+    assert "are serialized" not in log and "setmaxnreg' ignored" not in log, log
+    assert max([int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)] or [0]) == 0, log
+
+
+def _hopper():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("d", [64, 96, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1000, 1000), (4096, 4096), (256, 77), (300, 1200), (3000, 700)])
+def test_gradients_run_after_run_on_gpu(cute_env, d, causal, seqlen_q, seqlen_k):
+    """dq, dk, dv within the project's criterion against the upcast oracle, in three runs (a store that an add
+    overtook, or tickets left unzeroed, changes a run's dQ); and within a few roundings of the kernel without
+    first_store. (3000, 700) causal: whole query blocks that no key block sees (dq_accum zeroed for them)."""
+    from flash_attn.cute import flash_attn_func
+
+    g = torch.Generator().manual_seed(d + seqlen_q)
+    B, H = 2, 4
+    q = torch.randn(B, seqlen_q, H, d, generator=g).to("cuda", torch.bfloat16).requires_grad_()
+    k = torch.randn(B, seqlen_k, H, d, generator=g).to("cuda", torch.bfloat16).requires_grad_()
+    v = torch.randn(B, seqlen_k, H, d, generator=g).to("cuda", torch.bfloat16).requires_grad_()
+    dout = torch.randn(B, seqlen_q, H, d, generator=g).to("cuda", torch.bfloat16)
+    grads = {}
+    for on in (False, True):
+        cute_env(OVERRIDES=f"bwd.dq_first_store={int(on)}")
+        assert kernels.bwd_config(torch.bfloat16, d, causal, "sm_90a").dq_first_store == on
+        runs = []
+        for _ in range(3 if on else 1):
+            out, _ = flash_attn_func(q, k, v, causal=causal)
+            runs.append(torch.autograd.grad(out, (q, k, v), dout))
+        grads[on] = runs
+    ref, pt = [], []
+    for upcast in (True, False):
+        qr, kr, vr = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        o, _ = testing.attention_ref(qr, kr, vr, causal=causal, upcast=upcast, reorder_ops=not upcast)
+        (ref if upcast else pt).extend(torch.autograd.grad(o, (qr, kr, vr), dout))
+    for run in grads[True]:
+        for name, a, r, p, off in zip(("dq", "dk", "dv"), run, ref, pt, grads[False][0]):
+            testing.assert_close_to_ref(a, r, p, name)
+            # dK / dV do not depend on dQ's order; dQ only by its fp32 rounding
+            assert (a.float() - off.float()).abs().max() <= 4 * (off.float() - r.float()).abs().max() + 1e-3, name
