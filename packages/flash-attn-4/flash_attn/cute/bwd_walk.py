@@ -64,6 +64,35 @@ class RotatedWalk:
         return None  # (no lists)
 
 
+
+@dataclasses.dataclass(frozen=True)
+class RotatedGroupWalk:
+    """GroupWalk's walk rotated as RotatedWalk's (gqa_loop without a causal mask, BwdConfig.dq_first_store): position p
+    is GroupWalk's position (p + rot) % total, total = group * n, rot = n_block * total // key blocks."""
+
+    m_min: Int32
+    n: Int32
+    first_head: Int32
+    total: Int32
+    rot: Int32
+
+    @staticmethod
+    def make(m_min, m_max, first_head, group, n_block, n_blocks):
+        n = cutlass.max(m_max - m_min, 0)
+        return RotatedGroupWalk(m_min, n, first_head, group * n, n_block * group * n // cutlass.max(n_blocks, 1))
+
+    def count(self, group):
+        return self.total
+
+    def block(self, pos):
+        return self.m_min + (pos + self.rot) % self.total % self.n
+
+    def head(self, pos):
+        return self.first_head + (pos + self.rot) % self.total // self.n
+
+    def partial(self, pos):
+        return None
+
 class BwdWalk:
     """FlashBwdSm90's per-position helpers (self: the kernel object: block_m, head_dim, seqlens, dq, gqa_loop,
     first_store)."""

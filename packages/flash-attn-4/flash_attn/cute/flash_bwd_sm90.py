@@ -70,7 +70,7 @@ from flash_attn.cute.bwd_entries import BwdEntries
 from flash_attn.cute.bwd_epilogue import DkvEpilogue
 from flash_attn.cute.bwd_parts import gemm, lse_stage_floats, pack_16, pack_pair, transpose_view
 from flash_attn.cute.bwd_parts import unpack_16, unpack_half
-from flash_attn.cute.bwd_walk import BwdWalk, GroupWalk, RotatedWalk
+from flash_attn.cute.bwd_walk import BwdWalk, GroupWalk, RotatedGroupWalk, RotatedWalk
 from flash_attn.cute.hopper_helpers import opaque, tma_tiles
 from flash_attn.cute.mask import AttentionMask
 from flash_attn.cute.score_mod import ScoreMods
@@ -224,9 +224,8 @@ class FlashBwdSm90(BwdEntries, BwdWalk):
         self.dq_writer = bool(dq_writer) and self.dq_tma and not self.overlap
         self.first_store = bool(dq_first_store)
         if self.first_store and (self.overlap or self.local or self.varlen or self.softcap or self.mods is not None
-                                 or self.sparse is not None or self.gqa_loop):
-            raise ValueError("dq_first_store: dense calls without overlap, window, softcap, mods, block sparsity or "
-                             "gqa_loop")
+                                 or self.sparse is not None):
+            raise ValueError("dq_first_store: dense calls without overlap, window, softcap, mods or block sparsity")
         self.dq = DqAccumulator(block_m, self.dq_tma, self.deterministic, self.seqlens, 128 * self.NUM_MMA_WARPGROUPS,
                                 self.dq_writer, self.turns_desc, block_n, self.first_store)
         self.dkv = DkvEpilogue(dtype, head_dim, block_n, self.NUM_MMA_WARPGROUPS, self.tma_dkv, self.varlen,
@@ -355,9 +354,13 @@ class FlashBwdSm90(BwdEntries, BwdWalk):
         if cutlass.const_expr(self.sparse is not None):
             tiles = self.sparse.tile(sparse, tile.batch, head, n_block)
             m_block_min, m_block_max = Int32(0), tiles.count
-        if cutlass.const_expr(self.first_store and not self.causal):
-            tiles = RotatedWalk.make(m_block_min, m_block_max, n_block, cute.ceil_div(seqlen_k, BN))
-            m_block_min, m_block_max = Int32(0), tiles.count(1)
+        if cutlass.const_expr(self.first_store and not self.causal):  # (each key block's walk from its own start)
+            if cutlass.const_expr(self.gqa_loop):
+                tiles = RotatedGroupWalk.make(m_block_min, m_block_max, head_kv * group, group, n_block,
+                                              cute.ceil_div(seqlen_k, BN))
+            else:
+                tiles = RotatedWalk.make(m_block_min, m_block_max, n_block, cute.ceil_div(seqlen_k, BN))
+            m_block_min, m_block_max = Int32(0), tiles.count(group)
         elif cutlass.const_expr(self.gqa_loop):  # walk positions over (query head of the group, query block)
             tiles = GroupWalk.make(m_block_min, m_block_max, head_kv * group)
             m_block_min, m_block_max = Int32(0), tiles.count(group)
