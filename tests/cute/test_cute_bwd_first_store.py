@@ -27,7 +27,7 @@ ON = "bwd.dq_first_store=1"
 
 
 def test_config_takes_first_store_only_for_the_plain_dense_kernel(cute_env):
-    """Under the override the plain dense kernels (causal or not, d64-d128, gqa_loop's too) take it; windows, softcap,
+    """Under the override the dense kernels (causal or not, d64-d128, gqa_loop's and softcap's too) take it; windows,
     varlen, determinism and the d192 / d256 kernels (no TMA dQ) do not; the config refuses it where the kernel cannot
     (the consumers' TMA reduce-adds are where the tickets live)."""
     cute_env(OVERRIDES=ON)
@@ -35,7 +35,8 @@ def test_config_takes_first_store_only_for_the_plain_dense_kernel(cute_env):
         for causal in (False, True):
             assert kernels.bwd_config(torch.bfloat16, d, causal, "sm_90a").dq_first_store
             assert kernels.bwd_config(torch.bfloat16, d, causal, "sm_90a", gqa_loop=True).dq_first_store
-    for kw in (dict(local=True), dict(softcap=True), dict(varlen=True), dict(deterministic=True)):
+            assert kernels.bwd_config(torch.bfloat16, d, causal, "sm_90a", softcap=True).dq_first_store
+    for kw in (dict(local=True), dict(local=True, softcap=True), dict(varlen=True), dict(deterministic=True)):
         assert not kernels.bwd_config(torch.bfloat16, 128, True, "sm_90a", **kw).dq_first_store, kw
     assert not kernels.bwd_config(torch.bfloat16, 256, True, "sm_90a").dq_first_store
     base = kernels.bwd_config(torch.bfloat16, 128, False, "sm_90a")
@@ -44,7 +45,7 @@ def test_config_takes_first_store_only_for_the_plain_dense_kernel(cute_env):
     cute_env(OVERRIDES=None)
     assert "dq_first_store" not in kernels.bwd_config(torch.bfloat16, 128, False, "sm_90a").key()
     for bad in (dict(dq_tma=False, dq_perm=False), dict(deterministic=True, dq_writer=True),
-                dict(local=True), dict(softcap=True)):
+                dict(local=True), dict(varlen=True)):
         with pytest.raises(ValueError, match="dq_first_store"):
             config.BwdConfig(**{**dataclass_fields(base), "dq_first_store": True, **bad})
 
@@ -71,11 +72,11 @@ def test_rotated_walk_visits_each_query_block_once_from_its_own_start(m_min, m_m
     assert starts == [m_min + b * n // n_blocks for b in range(n_blocks)]
 
 
-def _ptx(tmp_path, cute_env, d, causal, on, gqa=False):
+def _ptx(tmp_path, cute_env, d, causal, on, gqa=False, softcap=False):
     cute_env(OVERRIDES=f"bwd.dq_first_store={int(on)}")
-    dump = tmp_path / f"d{d}_{int(causal)}_{int(on)}_{int(gqa)}"
+    dump = tmp_path / f"d{d}_{int(causal)}_{int(on)}_{int(gqa)}_{int(softcap)}"
     dump.mkdir()
-    kernels.compile_bwd(torch.bfloat16, d, causal, arch="sm_90a", dump_dir=str(dump), gqa_loop=gqa)
+    kernels.compile_bwd(torch.bfloat16, d, causal, arch="sm_90a", dump_dir=str(dump), gqa_loop=gqa, softcap=softcap)
     (ptx,) = glob.glob(str(dump / "*.ptx"))
     return open(ptx).read(), ptx
 
@@ -95,17 +96,23 @@ def _sass(ptx_path):
 
 
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas not on PATH")
-@pytest.mark.parametrize("d,causal,gqa", [(64, True, False), (96, False, False), (128, False, False),
-                                          (128, True, False), (64, False, True), (128, False, True), (128, True, True)])
-def test_ptx_stores_the_first_tile_and_orders_the_adds_behind_it(tmp_path, cute_env, d, causal, gqa):
+@pytest.mark.parametrize("d,causal,gqa,softcap", [(64, True, False, False), (96, False, False, False),
+                                                  (128, False, False, False), (128, True, False, False),
+                                                  (64, False, True, False), (128, False, True, False),
+                                                  (128, True, True, False), (128, False, False, True),
+                                                  (64, True, False, True), (128, False, True, True)])
+def test_ptx_stores_the_first_tile_and_orders_the_adds_behind_it(tmp_path, cute_env, d, causal, gqa, softcap):
     """Against the same kernel without it: the in-loop and the last block's reduce each gain a TMA store of the dQ tile
     (the reduce-adds stay), one atomic add takes the tickets, the waits for a ticket's ready mark are acquire loads
     (two per reduce: the first try and the loop's), the marks release adds after a full bulk-group wait (two each);
     the loop's registers hold (no serialised WGMMA; no spill, but for gqa_loop's causal d128 kernel, whose ptxas keeps
     one value in local memory from before the loop to after it: no local access between the first and last WGMMA);
-    the stores and adds are issued by a converged warp (no BRA.DIV since the last barrier: elect.sync)."""
-    base, _ = _ptx(tmp_path, cute_env, d, causal, False, gqa)
-    text, path = _ptx(tmp_path, cute_env, d, causal, True, gqa)
+    the stores and adds are issued by a converged warp (no BRA.DIV since the last barrier: elect.sync). softcap: the
+    entry call_softcap_first_store."""
+    base, _ = _ptx(tmp_path, cute_env, d, causal, False, gqa, softcap)
+    text, path = _ptx(tmp_path, cute_env, d, causal, True, gqa, softcap)
+    name = os.path.basename(path)
+    assert ("call_softcap_first_store" if softcap else "call_first_store") in name
     store = "cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group"
     reduce_add = "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group"
     assert _count(text, store) - _count(base, store) == 2
@@ -134,6 +141,34 @@ def test_ptx_stores_the_first_tile_and_orders_the_adds_behind_it(tmp_path, cute_
     assert bad == [] and sum("UTMAREDG" in ins for _, ins in code) == 2
 
 
+def test_host_hands_the_tickets_before_the_scalars(monkeypatch, cute_env):
+    """launch.backward with dq_first_store: the tickets (B, H, query blocks) int32 after the tensors, then
+    call_first_store's scale, or call_softcap_first_store's scale, softcap, 0, 0 (the torch host path: zeroed)."""
+    from flash_attn.cute import launch
+
+    cute_env(OVERRIDES="plan.bwd_host=torch," + ON)
+    dtype, D = torch.float16, 64
+    seen = []
+
+    def kernel(*args):
+        seen.append(args[9:])
+
+    block_m = kernels.bwd_config(dtype, D, False, "sm_90a").block_m
+    for softcap in (False, True):
+        monkeypatch.setitem(kernels._bwd_kernels, kernels.bwd_mem_key(dtype, D, False, "sm_90a", softcap=softcap),
+                            kernel)
+    q, k = torch.randn(2, 70, 2, D).to(dtype), torch.randn(2, 90, 2, D).to(dtype)
+    lse = torch.randn(2, 2, 70)
+    launch.backward(q, q, k, k, q, lse, 0.125, False)
+    tickets, *rest = seen[-1]
+    assert tickets.dtype == torch.int32 and tickets.shape == (2, 2, -(-70 // block_m)) and not tickets.any()
+    assert rest == [0.125]
+    launch.backward(q, q, k, k, q, lse, 0.125, False, softcap=30.0)
+    tickets, *rest = seen[-1]
+    block_m = kernels.bwd_config(dtype, D, False, "sm_90a", softcap=True).block_m  # (64: softcap's)
+    assert tickets.shape == (2, 2, -(-70 // block_m)) and rest == [0.125, 30.0, 0, 0]
+
+
 def _hopper():
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
@@ -144,11 +179,13 @@ def _hopper():
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1000, 1000), (4096, 4096), (256, 77), (300, 1200), (3000, 700)])
 @pytest.mark.parametrize("heads_kv", [4, 1])
-def test_gradients_run_after_run_on_gpu(cute_env, d, causal, seqlen_q, seqlen_k, heads_kv):
+@pytest.mark.parametrize("softcap", [0.0, 30.0])
+def test_gradients_run_after_run_on_gpu(cute_env, d, causal, seqlen_q, seqlen_k, heads_kv, softcap):
     """dq, dk, dv within the project's criterion against the upcast oracle, in three runs (a store that an add
     overtook, or tickets left unzeroed, changes a run's dQ); and within a few roundings of the kernel without
     first_store. (3000, 700) causal: whole query blocks that no key block sees (dq_accum zeroed for them). heads_kv 1:
-    MQA on the gqa_loop kernel (plan rule bwd_gqa_loop, on), its walk over the group rotated without a causal mask."""
+    MQA on the gqa_loop kernel (plan rule bwd_gqa_loop, on), its walk over the group rotated without a causal mask.
+    softcap 30: call_softcap_first_store's kernel."""
     from flash_attn.cute import flash_attn_func
 
     g = torch.Generator().manual_seed(d + seqlen_q)
@@ -160,16 +197,17 @@ def test_gradients_run_after_run_on_gpu(cute_env, d, causal, seqlen_q, seqlen_k,
     grads = {}
     for on in (False, True):
         cute_env(OVERRIDES=f"bwd.dq_first_store={int(on)}")
-        assert kernels.bwd_config(torch.bfloat16, d, causal, "sm_90a", gqa_loop=heads_kv < H).dq_first_store == on
+        cfg = kernels.bwd_config(torch.bfloat16, d, causal, "sm_90a", gqa_loop=heads_kv < H, softcap=softcap > 0)
+        assert cfg.dq_first_store == on
         runs = []
         for _ in range(3 if on else 1):
-            out, _ = flash_attn_func(q, k, v, causal=causal)
+            out, _ = flash_attn_func(q, k, v, causal=causal, softcap=softcap)
             runs.append(torch.autograd.grad(out, (q, k, v), dout))
         grads[on] = runs
     ref, pt = [], []
     for upcast in (True, False):
         qr, kr, vr = (t.detach().clone().requires_grad_() for t in (q, k, v))
-        o, _ = testing.attention_ref(qr, kr, vr, causal=causal, upcast=upcast, reorder_ops=not upcast)
+        o, _ = testing.attention_ref(qr, kr, vr, causal=causal, softcap=softcap, upcast=upcast, reorder_ops=not upcast)
         (ref if upcast else pt).extend(torch.autograd.grad(o, (qr, kr, vr), dout))
     for run in grads[True]:
         for name, a, r, p, off in zip(("dq", "dk", "dv"), run, ref, pt, grads[False][0]):

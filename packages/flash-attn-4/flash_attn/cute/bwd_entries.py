@@ -43,6 +43,16 @@ class BwdEntries:
         self._host(mQ, mK, mV, mdO, mLSE2, mDelta, mdQaccum, mdK, mdV, softmax_scale, stream, None, None, mSem)
 
     @cute.jit
+    def call_softcap_first_store(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+                                 mLSE2: cute.Tensor, mDelta: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor,
+                                 mdV: cute.Tensor, mSem: cute.Tensor, softmax_scale: Float32, softcap: Float32,
+                                 window_left: Int32, window_right: Int32, stream):
+        """call_general's arguments after the tickets, for a kernel built with softcap and dq_first_store (no window:
+        the sizes are not read)."""
+        self._host(mQ, mK, mV, mdO, mLSE2, mDelta, mdQaccum, mdK, mdV, softmax_scale, stream, None, None, mSem,
+                   softcap)
+
+    @cute.jit
     def call_general(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                      mLSE2: cute.Tensor, mDelta: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor,
                      mdV: cute.Tensor, softmax_scale: Float32, softcap: Float32, window_left: Int32,

@@ -129,8 +129,9 @@ class FlashBwdSm90(BwdEntries, BwdWalk):
         varlen: where the key block ends inside its sequence (TMA clips at the packed tensor's end only).
         gqa_loop: one CTA per (key block, KV head, batch) walks the query blocks of its group's query heads, so dK and
         dV of the group accumulate in registers and are stored once per KV head (mdK / mdV (B, Sk, Hk, D)).
-        dq_first_store (dq_tma, the plain entry call_first_store): dq_accum not zeroed, the first CTA at a query block
-        stores its dQ tile (bwd_dq's tickets); without a causal mask the walks are rotated (bwd_walk.RotatedWalk)."""
+        dq_first_store (dq_tma; entries call_first_store, call_softcap_first_store): dq_accum not zeroed, the first
+        CTA at a query block stores its dQ tile (bwd_dq's tickets); without a causal mask the walks are rotated
+        (bwd_walk.RotatedWalk)."""
         if head_dim not in self.HEAD_DIMS:
             raise ValueError(f"head dim {head_dim} not in {self.HEAD_DIMS}")
         if not 0 <= exp2_emu <= 16 or exp2_emu_degree not in EXP2_POLY:
@@ -223,9 +224,9 @@ class FlashBwdSm90(BwdEntries, BwdWalk):
             raise ValueError("deterministic needs dq_split, dq_tma off or the writer warp, lpt 0 and no window")
         self.dq_writer = bool(dq_writer) and self.dq_tma and not self.overlap
         self.first_store = bool(dq_first_store)
-        if self.first_store and (self.overlap or self.local or self.varlen or self.softcap or self.mods is not None
+        if self.first_store and (self.overlap or self.local or self.varlen or self.mods is not None
                                  or self.sparse is not None):
-            raise ValueError("dq_first_store: dense calls without overlap, window, softcap, mods or block sparsity")
+            raise ValueError("dq_first_store: dense calls without overlap, window, mods or block sparsity")
         self.dq = DqAccumulator(block_m, self.dq_tma, self.deterministic, self.seqlens, 128 * self.NUM_MMA_WARPGROUPS,
                                 self.dq_writer, self.turns_desc, block_n, self.first_store)
         self.dkv = DkvEpilogue(dtype, head_dim, block_n, self.NUM_MMA_WARPGROUPS, self.tma_dkv, self.varlen,

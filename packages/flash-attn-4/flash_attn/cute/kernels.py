@@ -457,6 +457,9 @@ def compile_bwd(dtype, head_dim, causal, arch="sm_90a", dump_dir=None, local=Fal
         return cute.compile(kernel.call_mods, *tensors, cutlass.Float32(1.0), stream, mods.fake_aux(spec),
                             mods.fake_lists(None if sparse is None else sparse[0]), mods.fake_scalars(scalars),
                             options=options)
+    if cfg.dq_first_store and softcap:
+        return cute.compile(kernel.call_softcap_first_store, *tensors, *sem, cutlass.Float32(1.0), cutlass.Float32(0.0),
+                            cutlass.Int32(0), cutlass.Int32(0), stream, options=options)
     if cfg.dq_first_store:
         return cute.compile(kernel.call_first_store, *tensors, *sem, cutlass.Float32(1.0), stream, options=options)
     if local or softcap:
