@@ -27,24 +27,30 @@ ON = "bwd.dq_first_store=1"
 
 
 def test_config_takes_first_store_only_for_the_plain_dense_kernel(cute_env):
-    """Under the override the dense kernels (causal or not, d64-d128, gqa_loop's and softcap's too) take it; windows,
-    varlen, determinism and the d192 / d256 kernels (no TMA dQ) do not; the config refuses it where the kernel cannot
-    (the consumers' TMA reduce-adds are where the tickets live)."""
+    """Under the override the dense kernels (causal or not, d64-d128, gqa_loop's and softcap's too, and the
+    deterministic writer warp's turns) take it; windows, varlen, the deterministic consumers' red.global turns
+    (bwd.dq_writer=0) and the d192 / d256 kernels (no TMA dQ) do not; the config refuses it where the kernel cannot
+    (the consumers' TMA reduce-adds hold the tickets, the writer warp the deterministic turns)."""
     cute_env(OVERRIDES=ON)
     for d in (64, 96, 128):
         for causal in (False, True):
             assert kernels.bwd_config(torch.bfloat16, d, causal, "sm_90a").dq_first_store
             assert kernels.bwd_config(torch.bfloat16, d, causal, "sm_90a", gqa_loop=True).dq_first_store
             assert kernels.bwd_config(torch.bfloat16, d, causal, "sm_90a", softcap=True).dq_first_store
-    for kw in (dict(local=True), dict(local=True, softcap=True), dict(varlen=True), dict(deterministic=True)):
+            assert kernels.bwd_config(torch.bfloat16, d, causal, "sm_90a", deterministic=True).dq_first_store
+    for kw in (dict(local=True), dict(local=True, softcap=True), dict(varlen=True),
+               dict(varlen=True, deterministic=True)):
         assert not kernels.bwd_config(torch.bfloat16, 128, True, "sm_90a", **kw).dq_first_store, kw
     assert not kernels.bwd_config(torch.bfloat16, 256, True, "sm_90a").dq_first_store
     base = kernels.bwd_config(torch.bfloat16, 128, False, "sm_90a")
     assert "dq_first_store" in base.key() and base.key() != kernels.bwd_config(torch.bfloat16, 128, True,
                                                                                "sm_90a").key()
+    cute_env(OVERRIDES=ON + ",bwd.dq_writer=0")
+    assert not kernels.bwd_config(torch.bfloat16, 128, True, "sm_90a", deterministic=True).dq_first_store
     cute_env(OVERRIDES=None)
     assert "dq_first_store" not in kernels.bwd_config(torch.bfloat16, 128, False, "sm_90a").key()
-    for bad in (dict(dq_tma=False, dq_perm=False), dict(deterministic=True, dq_writer=True),
+    for bad in (dict(dq_tma=False, dq_perm=False), dict(dq_writer=True),
+                dict(deterministic=True, dq_writer=False, dq_tma=False, dq_perm=False),
                 dict(local=True), dict(varlen=True)):
         with pytest.raises(ValueError, match="dq_first_store"):
             config.BwdConfig(**{**dataclass_fields(base), "dq_first_store": True, **bad})
@@ -141,6 +147,26 @@ def test_ptx_stores_the_first_tile_and_orders_the_adds_behind_it(tmp_path, cute_
     assert bad == [] and sum("UTMAREDG" in ins for _, ins in code) == 2
 
 
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas not on PATH")
+@pytest.mark.parametrize("d,causal", [(64, True), (128, False), (128, True)])
+def test_deterministic_first_turn_stores(tmp_path, cute_env, d, causal):
+    """Deterministic (the writer warp's turns): the first turn's TMA store beside the reduce-add at the writer's one
+    site (one more store than the kernel without it), no tickets (no atom), the turns' acquire / release as before."""
+    texts = []
+    for on in (False, True):
+        cute_env(OVERRIDES=f"bwd.dq_first_store={int(on)}")
+        dump = tmp_path / f"det{int(on)}"
+        dump.mkdir()
+        kernels.compile_bwd(torch.bfloat16, d, causal, arch="sm_90a", dump_dir=str(dump), deterministic=True)
+        (ptx,) = glob.glob(str(dump / "*.ptx"))
+        texts.append(open(ptx).read())
+    base, text = texts
+    store = "cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group"
+    assert _count(text, store) - _count(base, store) == 1 and "atom.global.add" not in text
+    for needle in ("cp.reduce.async.bulk.tensor", "ld.acquire.gpu.global", "red.release.gpu.global.add"):
+        assert _count(text, needle) == _count(base, needle) > 0, needle
+
+
 def test_host_hands_the_tickets_before_the_scalars(monkeypatch, cute_env):
     """launch.backward with dq_first_store: the tickets (B, H, query blocks) int32 after the tensors, then
     call_first_store's scale, or call_softcap_first_store's scale, softcap, 0, 0 (the torch host path: zeroed)."""
@@ -171,6 +197,33 @@ def test_host_hands_the_tickets_before_the_scalars(monkeypatch, cute_env):
 
 def _hopper():
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("d", [64, 96, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1000, 1000), (4096, 4096), (3000, 700)])
+def test_deterministic_first_turn_repeats_bit_for_bit_on_gpu(cute_env, d, causal, seqlen_q, seqlen_k):
+    """Deterministic with the first turn's store: five runs give the same bits, equal to the kernel without it (the
+    same adds in the same order, the first onto nothing instead of onto zero: x + 0 is x)."""
+    from flash_attn.cute import flash_attn_func
+
+    g = torch.Generator().manual_seed(d + seqlen_q)
+    q = torch.randn(2, seqlen_q, 4, d, generator=g).to("cuda", torch.bfloat16).requires_grad_()
+    k, v = (torch.randn(2, seqlen_k, 2, d, generator=g).to("cuda", torch.bfloat16).requires_grad_() for _ in range(2))
+    dout = torch.randn(2, seqlen_q, 4, d, generator=g).to("cuda", torch.bfloat16)
+    runs = {}
+    for on in (False, True):
+        cute_env(OVERRIDES=f"bwd.dq_first_store={int(on)}")
+        assert kernels.bwd_config(torch.bfloat16, d, causal, "sm_90a", deterministic=True).dq_first_store == on
+        runs[on] = []
+        for _ in range(5 if on else 1):
+            out, _ = flash_attn_func(q, k, v, causal=causal, deterministic=True)
+            runs[on].append(torch.autograd.grad(out, (q, k, v), dout))
+    for run in runs[True]:
+        for a, b in zip(run, runs[False][0]):
+            assert torch.equal(a, b)
 
 
 @pytest.mark.gpu

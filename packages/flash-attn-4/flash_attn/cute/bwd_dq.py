@@ -81,9 +81,11 @@ class DqAccumulator:
         # The issuing warp takes a block's ticket right after the previous block's reduce and reads it at this block's
         # reduce, a block later: the first taker stores the tile there, with no wait between taking the ticket and
         # marking the block ready (publish), so every CTA that waits waits for one that does not: no cycle of waits.
+        # Deterministic (the writer warp's turns): a block's first turn stores its tile instead (writer).
         self.first_store = bool(first_store)
-        if self.first_store and (not dq_tma or writer or deterministic):
-            raise ValueError("first_store: the consumers' TMA reduce-adds (dq_tma, no writer warp, not deterministic)")
+        if self.first_store and (not dq_tma or writer != deterministic):
+            raise ValueError("first_store: the consumers' TMA reduce-adds (dq_tma, no writer warp) or, deterministic, "
+                             "the writer warp's turns")
 
     def ticket_ptr(self, mSem, tile, head, m_block):
         """Query block m_block's ticket (first_store) in mSem (batch or sequence, head, query block)."""
@@ -206,14 +208,15 @@ class DqAccumulator:
             cute.arch.red(sem, Int32(1), op="add", dtype=Int32, sem="release", scope="gpu")
 
     @cute.jit
-    def writer(self, tma_dq, tQRsdQ, dst, pos_min, pos_max, turn=None):
+    def writer(self, tma_dq, tQRsdQ, dst, pos_min, pos_max, turn=None, tma_dq_st=None):
         """The writer warp's walk (one producer warp, all its lanes): per position, wait until the consumers have
         handed over its tile (FULL), add it into dq_accum by TMA (``dst(pos)``: the gmem partition and query block),
         wait until the TMA has read it and hand the buffer back (EMPTY) where a later block will reuse it; at the end
         wait for every add to complete before the CTA's shared memory goes away. The consumers never issue or wait
         for a reduce-add. turn (deterministic: (mSem, n_block, tile, head)): the add waits for this key block's turn
         at its query block's counter, completes, and passes the turn on, so each element of dq_accum receives its
-        adds in key-block order while the consumers go on."""
+        adds in key-block order while the consumers go on; with ``first_store`` (tma_dq_st, the plain TMA store) the
+        block's first turn stores its tile, so dq_accum needs no zeroing."""
         buf = Int32(0)
         for pos in cutlass.range(pos_min, pos_max, unroll=1):
             cute.arch.barrier(barrier_id=DQ_FULL + buf, number_of_threads=self.num_consumer_threads + 32)
@@ -229,7 +232,14 @@ class DqAccumulator:
                         done = cute.arch.load(sem, Int32, sem="acquire", scope="gpu")
                     cute.arch.fence_proxy("async.global")  # the TMA add (async proxy) after the acquire
                 cute.arch.sync_warp()
-            self.reduce(tma_dq, tQRsdQ, g, buf, m)
+            if cutlass.const_expr(self.first_store):
+                if place == 0:
+                    cute.copy(tma_dq_st, tQRsdQ[None, buf], g[None, m])
+                    cute.arch.cp_async_bulk_commit_group()
+                else:
+                    self.reduce(tma_dq, tQRsdQ, g, buf, m)
+            else:
+                self.reduce(tma_dq, tQRsdQ, g, buf, m)
             if cutlass.const_expr(turn is not None):
                 # the adds complete (not only read) before the turn passes: the next key block's adds follow them
                 cute.arch.cp_async_bulk_wait_group(0)

@@ -95,13 +95,14 @@ class RotatedGroupWalk:
 
 class BwdWalk:
     """FlashBwdSm90's per-position helpers (self: the kernel object: block_m, head_dim, seqlens, dq, gqa_loop,
-    first_store)."""
+    first_store, tickets)."""
 
-    def _write_dq(self, tma_dq, mdQ_tma, sdQ, tile, head, m_block_min, m_block_max, tiles, turn):
+    def _write_dq(self, tma_dq, mdQ_tma, sdQ, tile, head, m_block_min, m_block_max, tiles, turn, tma_dq_st=None):
         gdQ = cute.local_tile(self.seqlens.rows(mdQ_tma, tile.q_start, head, tile), (self.block_m, self.head_dim), (None, 0))
         tQRsdQ, tQRgdQ = tma_tiles(tma_dq, sdQ, gdQ)
         dst = (tQRgdQ, tma_dq, sdQ, mdQ_tma, tile)
-        self.dq.writer(tma_dq, tQRsdQ, lambda pos: self._dq_dst(dst, pos, tiles), m_block_min, m_block_max, turn)
+        self.dq.writer(tma_dq, tQRsdQ, lambda pos: self._dq_dst(dst, pos, tiles), m_block_min, m_block_max, turn,
+                       tma_dq_st)
 
     def _head_tiles(self, tma_q, tma_do, tma_lse, tma_delta, mQ, mdO, mLSE2, mDelta, sQ, sdO, sLSE, sDelta, tile, head):
         """The gmem sides of the producer's Q, dO, lse2 and delta TMA copies for query head ``head`` (gqa_loop: the
@@ -119,7 +120,7 @@ class BwdWalk:
         position's); 1 where it stored the query block's first tile."""
         g, m = self._dq_dst(dst, pos, tiles)
         stored = Int32(0)
-        if cutlass.const_expr(self.first_store):
+        if cutlass.const_expr(self.tickets):
             stored = self.dq.reduce_first(dst[1], dst[5], dst[8], g, buf, m, ticket, self._dq_ticket(dst, pos, tiles))
         else:
             self.dq.reduce(dst[1], dst[8], g, buf, m)

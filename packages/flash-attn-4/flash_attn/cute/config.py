@@ -97,9 +97,9 @@ BWD_EXP2_EMU = {64: 0, 96: 0, 128: 0, 192: 0, 256: 0}
 BWD_TMA_DKV = {64: True, 96: True, 128: True, 192: True, 256: True}
 BWD_TMA_DKV_VARLEN = {64: True, 96: True, 128: True}
 # The first key block's CTA to reach a query block stores its dQ tile instead of adding it (bwd_dq.DqAccumulator's
-# tickets), so the preprocess does not zero dq_accum (half of its traffic): dense calls without a window, mods or
-# determinism (softcap and gqa_loop's too) at the head dims whose consumers issue the dQ TMA reduce-adds. Off until it
-# is tested and timed on a GPU (bwd.dq_first_store=1).
+# tickets), so the preprocess does not zero dq_accum (half of its traffic): dense calls without a window or mods
+# (softcap and gqa_loop's too) at the head dims whose consumers issue the dQ TMA reduce-adds; deterministic calls'
+# first turn stores (the writer warp's turns). Off until it is tested and timed on a GPU (bwd.dq_first_store=1).
 BWD_FIRST_STORE = {64: False, 96: False, 128: False}
 
 _DTYPE_NAMES = {"torch.float16": "fp16", "torch.bfloat16": "bf16", "fp16": "fp16", "bf16": "bf16"}
@@ -285,10 +285,10 @@ class BwdConfig:
                              "that are multiples of 32 (permuted_column swaps 16-column blocks in pairs)")
         if self.softcap and self.block_m != 64:
             raise ValueError("BwdConfig: softcap needs block_m 64")
-        if self.dq_first_store and (not self.dq_tma or self.dq_writer or self.overlap or self.deterministic
+        if self.dq_first_store and (not self.dq_tma or self.dq_writer != self.deterministic or self.overlap
                                     or self.local or self.varlen):
-            raise ValueError("BwdConfig: dq_first_store takes the consumers' TMA dQ (dq_tma, no writer warp or overlap) "
-                             "of dense calls without a window or determinism")
+            raise ValueError("BwdConfig: dq_first_store takes the TMA dQ (dq_tma) of dense calls without a window or "
+                             "overlap: the consumers' reduce-adds, or deterministic the writer warp's turns")
         if self.head_dim_v is not None and (self.head_dim, self.head_dim_v) not in HEAD_DIM_PAIRS:
             raise ValueError(f"BwdConfig: head dims {self.head_dim} / {self.head_dim_v} not a pair of {sorted(HEAD_DIM_PAIRS)}")
 
@@ -540,7 +540,7 @@ def select_bwd(dtype, head_dim, causal, arch, abi, local=False, varlen=False, de
     block_m = 64 if softcap else ov.get("block_m", BWD_BLOCK_M.get(d, 64))
     overlap = not gqa_loop and bool(ov.get("overlap", BWD_OVERLAP.get(d, False)))
     dq_writer = dq_tma and not overlap and bool(ov.get("dq_writer", deterministic))
-    first_store = (dq_tma and not (dq_writer or overlap or deterministic or local or varlen)
+    first_store = (dq_tma and dq_writer == deterministic and not (overlap or local or varlen)
                    and bool(ov.get("dq_first_store", BWD_FIRST_STORE.get(d, False))))
     return BwdConfig(dtype=dtype_name(dtype), head_dim=d, causal=bool(causal), arch=arch, abi=abi,
                      block_m=block_m,

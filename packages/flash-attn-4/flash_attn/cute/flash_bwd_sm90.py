@@ -224,6 +224,8 @@ class FlashBwdSm90(BwdEntries, BwdWalk):
             raise ValueError("deterministic needs dq_split, dq_tma off or the writer warp, lpt 0 and no window")
         self.dq_writer = bool(dq_writer) and self.dq_tma and not self.overlap
         self.first_store = bool(dq_first_store)
+        # the consumers' tickets (bwd_dq); deterministic: the writer warp stores at a block's first turn instead
+        self.tickets = self.first_store and not self.deterministic
         if self.first_store and (self.overlap or self.local or self.varlen or self.mods is not None
                                  or self.sparse is not None):
             raise ValueError("dq_first_store: dense calls without overlap, window, mods or block sparsity")
@@ -355,7 +357,7 @@ class FlashBwdSm90(BwdEntries, BwdWalk):
         if cutlass.const_expr(self.sparse is not None):
             tiles = self.sparse.tile(sparse, tile.batch, head, n_block)
             m_block_min, m_block_max = Int32(0), tiles.count
-        if cutlass.const_expr(self.first_store and not self.causal):  # (each key block's walk from its own start)
+        if cutlass.const_expr(self.tickets and not self.causal):  # (each key block's walk from its own start)
             if cutlass.const_expr(self.gqa_loop):
                 tiles = RotatedGroupWalk.make(m_block_min, m_block_max, head_kv * group, group, n_block,
                                               cute.ceil_div(seqlen_k, BN))
@@ -372,7 +374,8 @@ class FlashBwdSm90(BwdEntries, BwdWalk):
             if cutlass.const_expr(self.dq_writer):
                 if warp_idx == 1:
                     self._write_dq(tma_dq, mdQ_tma, sdQ, tile, head, m_block_min, m_block_max, tiles,
-                                   (mSem, n_block, tile, head) if cutlass.const_expr(self.deterministic) else None)
+                                   (mSem, n_block, tile, head) if cutlass.const_expr(self.deterministic) else None,
+                                   tma_dq_st)
             if tidx == 0:
                 self._produce(tma_q, mQ, tma_k, mK, tma_v, mV, tma_do, mdO, tma_lse, mLSE2, tma_delta, mDelta,
                               sQ, sK, sV, sdO, sLSE, sDelta, kv_pipe, q_pipe, do_pipe, n_block, head, head_kv,
@@ -540,7 +543,7 @@ class FlashBwdSm90(BwdEntries, BwdWalk):
                                         dq_issuer, buf, pos, m_block_min, wg, q_state.index, do_state.index, rP=rP,
                                         ds_copy=ds_copy, rdT=rdT, tiles=tiles, mods=mods, n_block=n_block,
                                         m_block_of=m_block, ticket=ticket)
-                if cutlass.const_expr(self.first_store):  # behind the previous block's reduce (bwd_dq: no wait cycle)
+                if cutlass.const_expr(self.tickets):  # behind the previous block's reduce (bwd_dq: no wait cycle)
                     ticket = self.dq.take_ticket(mSem, tile, self._dq_head(dq_dst, pos, tiles), m_block, dq_issuer)
                 dq_out = (mdQaccum, acc_dQ, tdQcdQ, tdQsdQ, softmax_scale, buf, m_block,
                           tiles.head(pos) if cutlass.const_expr(self.gqa_loop) else head, tile, seqlen_q, turn,
@@ -559,7 +562,7 @@ class FlashBwdSm90(BwdEntries, BwdWalk):
                 do_state.advance()
                 if cutlass.const_expr(not self.dq_first):
                     self.dq.out(*dq_out)
-                if cutlass.const_expr(self.first_store):  # (the previous block's tile, stored a block's WGMMAs ago)
+                if cutlass.const_expr(self.tickets):  # (the previous block's tile, stored a block's WGMMAs ago)
                     self.dq.publish(stored, self._dq_ticket(dq_dst, pos - 1, tiles))
                 buf = 1 - buf
         else:
@@ -626,7 +629,7 @@ class FlashBwdSm90(BwdEntries, BwdWalk):
             if dq_issuer:
                 if m_block_max > m_block_min:
                     stored = self._dq_reduce(dq_dst, m_block_max - 1, tiles, 1 - buf, ticket)
-                    if cutlass.const_expr(self.first_store):
+                    if cutlass.const_expr(self.tickets):
                         self.dq.publish(stored, self._dq_ticket(dq_dst, m_block_max - 1, tiles))
                 cute.arch.cp_async_bulk_wait_group(0)
 
