@@ -218,12 +218,15 @@ def prepare(out, dout, lse, seqlen_pad, tickets=None, zero_dq=True):
     delta = _empty((B, H, seqlen_pad), dtype=_F32, device=dev)
     dq_accum = _empty((B, Sq, H, D), dtype=_F32, device=dev)
     rows, tick = tickets if tickets is not None else (0, dq_accum)
-    meta = dict(_meta(D), ZERO_DQ=bool(zero_dq), TICKET_ROWS=rows)
+    key = ("prep", D, bool(zero_dq), rows)
+    meta = _metas.get(key)
+    if meta is None:
+        meta = _metas[key] = dict(_meta(D), ZERO_DQ=bool(zero_dq), TICKET_ROWS=rows)
     n_m = -(-seqlen_pad // meta["BLOCK_M"])
     if B * H * n_m:
         _launch(_bwd_prep_kernel, (B * H * n_m,),
                 (out, dout, lse, delta, lse2, dq_accum, tick, *out.stride(), *dout.stride(), *lse.stride(),
-                 Sq, seqlen_pad, H, n_m), meta, ("prep", D, bool(zero_dq), rows))
+                 Sq, seqlen_pad, H, n_m), meta, key)
     return lse2, delta, dq_accum
 
 
