@@ -131,7 +131,7 @@ class FlashBwdSm90(BwdEntries, BwdWalk):
         dV of the group accumulate in registers and are stored once per KV head (mdK / mdV (B, Sk, Hk, D)).
         dq_first_store (dq_tma; entries call_first_store, call_softcap_first_store): dq_accum not zeroed, the first
         CTA at a query block stores its dQ tile (bwd_dq's tickets); without a causal mask the walks are rotated
-        (bwd_walk.RotatedWalk)."""
+        (bwd_walk.RotatedWalk); deterministic (call_deterministic): the writer warp's first turn of a block stores."""
         if head_dim not in self.HEAD_DIMS:
             raise ValueError(f"head dim {head_dim} not in {self.HEAD_DIMS}")
         if not 0 <= exp2_emu <= 16 or exp2_emu_degree not in EXP2_POLY:
