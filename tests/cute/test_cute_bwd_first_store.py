@@ -78,6 +78,63 @@ def test_rotated_walk_visits_each_query_block_once_from_its_own_start(m_min, m_m
     assert starts == [m_min + b * n // n_blocks for b in range(n_blocks)]
 
 
+@pytest.mark.parametrize("n_blocks,m_blocks,causal", [(8, 16, False), (8, 8, False), (8, 16, True), (3, 7, False),
+                                                     (16, 16, True)])
+def test_ticket_protocol_model_finishes_with_one_store_per_block(n_blocks, m_blocks, causal):
+    """The tickets' contract (bwd_dq.DqAccumulator) as the issuing warps run it, on Python objects under random
+    interleavings of the key blocks' CTAs (one head; causal: key block n walks query blocks n * m // n_blocks on;
+    else RotatedWalk's rotated walks). A CTA's step t: the reduce of step t - 1's block with the ticket taken then
+    (ticket 0: a store; else it may go only once the block is marked ready), then the ticket of step t's block, then
+    the mark of a block it stored (its publish). Some CTA can always move (no cycle of waits); each query block gets
+    one store, before every add; every add lands."""
+    import random
+
+    from flash_attn.cute.bwd_walk import RotatedWalk
+
+    rng = random.Random(n_blocks * 100 + m_blocks)
+    for _ in range(20):
+        walks = []
+        for n in range(n_blocks):
+            if causal:
+                walks.append(list(range(n * m_blocks // n_blocks, m_blocks)))
+            else:
+                w = RotatedWalk.make(0, m_blocks, n, n_blocks)
+                walks.append([w.block(p) for p in range(w.count(1))])
+        taken = [0] * m_blocks
+        ready = [False] * m_blocks
+        log = {m: [] for m in range(m_blocks)}
+        state = [dict(step=0, ticket=None, prev=None, stored=None) for _ in walks]
+
+        def move(n):
+            st, walk = state[n], walks[n]
+            if st["step"] > len(walk):
+                return False
+            if st["prev"] is not None:  # the previous block's reduce
+                m = st["prev"]
+                if st["ticket"] != 0 and not ready[m]:
+                    return False  # waits for the first taker's mark
+                log[m].append("store" if st["ticket"] == 0 else "add")
+                st["stored"] = m if st["ticket"] == 0 else None
+            if st["step"] < len(walk):
+                m = walk[st["step"]]
+                st["ticket"], st["prev"] = taken[m], m
+                taken[m] += 1
+            else:
+                st["prev"] = None
+            if st["stored"] is not None:
+                ready[st["stored"]] = True
+            st["step"] += 1
+            return True
+
+        while any(st["step"] <= len(walks[n]) for n, st in enumerate(state)):
+            movable = [n for n in range(n_blocks) if state[n]["step"] <= len(walks[n])]
+            rng.shuffle(movable)
+            assert any(move(n) for n in movable), "no CTA can move: a cycle of waits"
+        for m in range(m_blocks):
+            seen = sum(m in w for w in walks)
+            assert log[m] == (["store"] + ["add"] * (seen - 1) if seen else []), (m, log[m])
+
+
 def _ptx(tmp_path, cute_env, d, causal, on, gqa=False, softcap=False):
     cute_env(OVERRIDES=f"bwd.dq_first_store={int(on)}")
     dump = tmp_path / f"d{d}_{int(causal)}_{int(on)}_{int(gqa)}_{int(softcap)}"
