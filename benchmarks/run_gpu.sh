@@ -4,7 +4,7 @@
 #   run command="bash benchmarks/run_gpu.sh [STEP ...]"      (device tool; $OUT is set there)
 # STEPs (default: tests attention norm models train): tests rest attention cute cutebwd norm ops models train ncu
 #   ncusrc profile tunetriton abfwd abdecode overhead vsfa4 vsfa4bwd vsfa4decode sanitize dqerr vsmods modab
-#   fa3peer modpeer widebwd bwdloop bwdab
+#   fa3peer modpeer widebwd bwdloop bwdab firststore
 #   tests      the GPU-marked tests (bf16, real sizes; GPU_TESTS, GPU_TEST_TIMEOUT)   rest   the rest on CUDA
 #   attention  bench_attention, full grid                  cute   bench_attention, cute only, short grid
 #   cutebwd    bench_cute_bwd: the cute backward (flash_bwd_sm90) vs Triton's, bf16 d64/d128, S 2k/8k
@@ -41,6 +41,9 @@
 #   bwdab      ab_cute_bwd.py on backward loop experiments, alternating (BWD_AB_VARIANTS, BWD_AB_HEADDIMS)
 #   fa3peer    FA3's own hopper tests against flash_attn_interface (.peer/fa3 carried; benchmarks/peer_mods)
 #   modpeer    FA4's mod tests against flash_attn.cute (.peer/fa4mods carried; PEER_SEED, PEER_CONTROL)
+#   firststore the first-store dQ (bwd.dq_first_store, off by default): its GPU tests, then (if they pass) its A/B
+#              against the default beside the released FA4 at d64 / d128, 1k / 4k (vs_fa4 --control-overrides), and
+#              the per-kernel view at 1k with it on (FIRSTSTORE_ROUNDS, default 3)
 # With CuTeDSL brought over (see ../shared/device/README.md: two bundle calls) /tmp/cutedsl/env.sh is
 # sourced, the cute backend is available and the released flash-attn-4 is benchmarked as a peer.
 set -u
@@ -99,6 +102,19 @@ for step in $STEPS; do
         done ;;
     vsfa4) python -m benchmarks.attention.vs_fa4 --peer-pythonpath "${PEER_PYTHONPATH:?the released flash-attn-4 (bundle)}" \
                --control ${VS_ARGS:-} --out "$OUT/results" 2>&1 | tee "$OUT/vs_fa4.log" | tail -n 45 ;;
+    firststore)
+        timeout 240 python -m pytest -q -m gpu -n 14 -p no:cacheprovider tests/cute/test_cute_bwd_first_store.py \
+            2>&1 | tee "$OUT/firststore_tests.log" | tail -n 8
+        if [ "${PIPESTATUS[0]}" -ne 0 ]; then
+            status=1
+        else
+            timeout 300 python -m benchmarks.attention.vs_fa4 --bwd "${peer[@]}" --headdims 64,128 --seqlens 1024,4096 \
+                --rounds "${FIRSTSTORE_ROUNDS:-3}" --control-overrides bwd.dq_first_store=1 --out "$OUT/results" 2>&1 \
+                | tee "$OUT/firststore_ab.log" | tail -n 16
+            FLASH_ATTN_CUTE_OVERRIDES=bwd.dq_first_store=1 timeout 120 python -m benchmarks.attention.vs_fa4 --bwd \
+                "${peer[@]}" --kernels --headdims 64,128 --seqlens 1024 --rounds 1 --out "$OUT/results_kernels" 2>&1 \
+                | tee "$OUT/firststore_kernels.log" | tail -n 30
+        fi ;;
     vsfa4bwd) timeout 590 python -m benchmarks.attention.vs_fa4 --bwd --peer-pythonpath \
                "${PEER_PYTHONPATH:?the released flash-attn-4 (bundle)}" --seqlens 1024,4096,16384 --rounds 3 \
                ${VS_BWD_ARGS:-} --out "$OUT/results" 2>&1 | tee "$OUT/vs_fa4_bwd.log" | tail -n 30 ;;
