@@ -116,8 +116,9 @@ class BwdWalk:
 
     @cute.jit
     def _dq_reduce(self, dst, pos, tiles, buf, ticket):
-        """The issuing warp's TMA reduce of walk position pos's tile buf (first_store: reduce_first, ticket that
-        position's); 1 where it stored the query block's first tile."""
+        """The issuing warp's TMA reduce of walk position pos's tile buf (tickets: reduce_first, ticket that
+        position's); 1 where it stored the query block's first tile. dst: _consume's (tQRgdQ, tma_dq, sdQ, mdQ_tma,
+        tile, tma_dq_st, mSem, head, tQRsdQ)."""
         g, m = self._dq_dst(dst, pos, tiles)
         stored = Int32(0)
         if cutlass.const_expr(self.tickets):
@@ -127,9 +128,11 @@ class BwdWalk:
         return stored
 
     def _dq_head(self, dst, pos, tiles):
+        """The query head of walk position pos (gqa_loop: the walk's; else the CTA's)."""
         return tiles.head(pos) if cutlass.const_expr(self.gqa_loop) else dst[7]
 
     def _dq_ticket(self, dst, pos, tiles):
+        """The address of walk position pos's ticket (its query head and block)."""
         return self.dq.ticket_ptr(dst[6], dst[4], self._dq_head(dst, pos, tiles), self._query_block(pos, tiles)[0])
 
     def _dq_dst(self, dst, pos, tiles):
