@@ -256,12 +256,23 @@ def _hopper():
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
+def _kernels_for(monkeypatch, cute_env, on):
+    """bwd.dq_first_store=on, with an empty in-memory table of backward kernels (keyed by the call, not the config:
+    a kernel built under the other setting would be reused)."""
+    from flash_attn.cute import launch
+
+    cute_env(OVERRIDES=f"bwd.dq_first_store={int(on)}")
+    table = {}
+    monkeypatch.setattr(kernels, "_bwd_kernels", table)
+    monkeypatch.setattr(launch, "_bwd_kernels", table)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
 @pytest.mark.parametrize("d", [64, 96, 128])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1000, 1000), (4096, 4096), (3000, 700)])
-def test_deterministic_first_turn_repeats_bit_for_bit_on_gpu(cute_env, d, causal, seqlen_q, seqlen_k):
+def test_deterministic_first_turn_repeats_bit_for_bit_on_gpu(monkeypatch, cute_env, d, causal, seqlen_q, seqlen_k):
     """Deterministic with the first turn's store: five runs give the same bits, equal to the kernel without it (the
     same adds in the same order, the first onto nothing instead of onto zero: x + 0 is x)."""
     from flash_attn.cute import flash_attn_func
@@ -272,7 +283,7 @@ def test_deterministic_first_turn_repeats_bit_for_bit_on_gpu(cute_env, d, causal
     dout = torch.randn(2, seqlen_q, 4, d, generator=g).to("cuda", torch.bfloat16)
     runs = {}
     for on in (False, True):
-        cute_env(OVERRIDES=f"bwd.dq_first_store={int(on)}")
+        _kernels_for(monkeypatch, cute_env, on)
         assert kernels.bwd_config(torch.bfloat16, d, causal, "sm_90a", deterministic=True).dq_first_store == on
         runs[on] = []
         for _ in range(5 if on else 1):
@@ -290,7 +301,7 @@ def test_deterministic_first_turn_repeats_bit_for_bit_on_gpu(cute_env, d, causal
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1000, 1000), (4096, 4096), (256, 77), (300, 1200), (3000, 700)])
 @pytest.mark.parametrize("heads_kv", [4, 1])
 @pytest.mark.parametrize("softcap", [0.0, 30.0])
-def test_gradients_run_after_run_on_gpu(cute_env, d, causal, seqlen_q, seqlen_k, heads_kv, softcap):
+def test_gradients_run_after_run_on_gpu(monkeypatch, cute_env, d, causal, seqlen_q, seqlen_k, heads_kv, softcap):
     """dq, dk, dv within the project's criterion against the upcast oracle, in three runs (a store that an add
     overtook, or tickets left unzeroed, changes a run's dQ); and within a few roundings of the kernel without
     first_store. (3000, 700) causal: whole query blocks that no key block sees (dq_accum zeroed for them). heads_kv 1:
@@ -306,7 +317,7 @@ def test_gradients_run_after_run_on_gpu(cute_env, d, causal, seqlen_q, seqlen_k,
     dout = torch.randn(B, seqlen_q, H, d, generator=g).to("cuda", torch.bfloat16)
     grads = {}
     for on in (False, True):
-        cute_env(OVERRIDES=f"bwd.dq_first_store={int(on)}")
+        _kernels_for(monkeypatch, cute_env, on)
         cfg = kernels.bwd_config(torch.bfloat16, d, causal, "sm_90a", gqa_loop=heads_kv < H, softcap=softcap > 0)
         assert cfg.dq_first_store == on
         runs = []
