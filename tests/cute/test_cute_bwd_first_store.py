@@ -22,6 +22,7 @@ if _PKG not in sys.path:
 
 from flash_attn import testing  # noqa: E402
 from flash_attn.cute import config, kernels  # noqa: E402
+from test_cute_bwd import _sass  # noqa: E402 (a cubin's SASS as (address, instruction))
 
 ON = "bwd.dq_first_store=1"
 
@@ -146,16 +147,6 @@ def _ptx(tmp_path, cute_env, d, causal, on, gqa=False, softcap=False):
 
 def _count(text, needle):
     return sum(line.lstrip().startswith(needle) for line in text.splitlines())
-
-
-def _sass(ptx_path):
-    """[(address, instruction)] of the cubin next to ptx_path."""
-    tool = testing.cuobjdump_path()
-    if tool is None:
-        pytest.skip("no cuobjdump to read the SASS")
-    (cubin,) = glob.glob(os.path.join(os.path.dirname(ptx_path), "*.cubin"))
-    out = subprocess.run([tool, "-sass", cubin], capture_output=True, text=True, check=True).stdout
-    return [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", out)]
 
 
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas not on PATH")
